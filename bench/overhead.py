@@ -1,0 +1,173 @@
+"""Cost of leaving the observer on: training-step time, uninstrumented vs observed-but-not-sampling.
+
+Run: `uv run bench/overhead.py` (add `--quick` for a short run).
+
+For each model, one process alternates between the plain model, the model with our proxies
+installed (a sampler that never samples, so only the unsampled path runs), and the model with a
+no-op `register_forward_hook` on the same leaves (the reference: any module hook pushes
+`nn.Module.__call__` off its fast path). Rounds are interleaved so drift hits all variants alike;
+the table reports medians, the ratio to plain, and the overhead per observed leaf call in µs.
+A micro-benchmark of 200 identity leaves isolates the per-call cost from arithmetic noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import inject_observer, remove_observer
+
+
+class NeverSample:
+    """Observed but never sampled: measures the unsampled path alone."""
+
+    def should_sample(self, forward_index: int) -> bool:
+        return False
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    return nn.Sequential(*layers), torch.randn(64, 256)
+
+
+def cnn() -> tuple[nn.Module, torch.Tensor]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    return model, torch.randn(16, 3, 32, 32)
+
+
+def transformer() -> tuple[nn.Module, torch.Tensor]:
+    layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    return model, torch.randn(16, 64, 128)
+
+
+def identities() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(*[nn.Identity() for _ in range(200)]), torch.zeros(1)
+
+
+def leaves(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if not any(m.children())]
+
+
+def leaf_calls_per_step(model: nn.Module, x: torch.Tensor) -> int:
+    """How many leaf forwards one step runs (counted once with temporary hooks)."""
+    count = [0]
+    handles = [
+        m.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        for m in leaves(model)
+    ]
+    model(x)
+    for handle in handles:
+        handle.remove()
+    return count[0]
+
+
+def step_function(model: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        out = model(x)
+        if backward and params:
+            out.float().mean().backward()
+            for p in params:
+                p.grad = None
+
+    return step
+
+
+def time_steps(step: Callable[[], None], steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def measure(name: str, factory: Callable, steps: int, rounds: int, backward: bool) -> dict:
+    torch.manual_seed(0)
+    model, x = factory()
+    calls = leaf_calls_per_step(model, x)
+    step = step_function(model, x, backward)
+    for _ in range(3):
+        step()
+    directory = Path(tempfile.mkdtemp()) / "stats"
+    times: dict[str, list[float]] = {"plain": [], "observed": [], "hook": []}
+    for _ in range(rounds):
+        times["plain"].append(time_steps(step, steps))
+        inject_observer(model, output_dir=directory, sampler=NeverSample())
+        times["observed"].append(time_steps(step, steps))
+        remove_observer(model)
+        directory = Path(tempfile.mkdtemp()) / "stats"
+        handles = [m.register_forward_hook(lambda *_: None) for m in leaves(model)]
+        times["hook"].append(time_steps(step, steps))
+        for handle in handles:
+            handle.remove()
+    plain = statistics.median(times["plain"])
+    observed = statistics.median(times["observed"])
+    hook = statistics.median(times["hook"])
+    # Per-call overhead from paired rounds: robust to slow drift over the run.
+    paired = [o - p for o, p in zip(times["observed"], times["plain"], strict=True)]
+    paired_hook = [h - p for h, p in zip(times["hook"], times["plain"], strict=True)]
+    return {
+        "name": name,
+        "calls": calls,
+        "plain_us": plain * 1e6,
+        "ratio": observed / plain,
+        "hook_ratio": hook / plain,
+        "us_per_call": statistics.median(paired) / calls * 1e6,
+        "hook_us_per_call": statistics.median(paired_hook) / calls * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rounds = 5 if args.quick else 15
+    cases = [
+        ("identity x200 (forward only)", identities, 200, False),
+        ("MLP 8x Linear(256)+ReLU, b64", mlp, 20, True),
+        ("CNN 3 conv, b16 32x32", cnn, 5, True),
+        ("Transformer 4 blocks d128 s64 b16", transformer, 3, True),
+    ]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rounds} rounds\n")
+    header = (
+        f"{'model':36s} {'leaf calls':>10s} {'plain step':>11s} {'observed/plain':>15s} "
+        f"{'µs/leaf call':>13s} {'hook/plain':>11s} {'hook µs/call':>13s}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, factory, steps, backward in cases:
+        row = measure(name, factory, steps, rounds, backward)
+        print(
+            f"{row['name']:36s} {row['calls']:10d} {row['plain_us']:9.0f}µs "
+            f"{row['ratio']:15.4f} {row['us_per_call']:13.3f} {row['hook_ratio']:11.4f} "
+            f"{row['hook_us_per_call']:13.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Cost of the default statistics profile of one float32 tensor on the CPU.
+
+Compares, per size, the whole default profile (`Measurer.reduce` + `PendingReduction.finish`)
+with `x.sum()` (the floor: one read of the tensor), `torch.sort(x)` (the reference the budget is
+stated in) and the obvious approach (`torch.quantile` for the three quartiles plus separate
+count, mean, std, min and max passes). Repeats are interleaved in one process and the median is
+reported, as milliseconds and as a ratio to `torch.sort`. The budget at 1e6 elements is 0.4.
+
+Each size also checks that our quartiles equal NumPy-style linear interpolation between the order
+statistics read from `torch.sort` (exact equality, not a tolerance).
+
+Run: `uv run bench/statistics.py [--sizes 1e4,1e6] [--repeats 7] [--threads 1]`
+
+On a shared machine, multi-threaded ops wait for a scheduler time slice whenever another process
+holds a core, which inflates every short parallel op; `--threads 1` gives stable numbers there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics as pystats
+import time
+from collections.abc import Callable
+
+import torch
+
+from torchinstruments.statistics import Measurer
+
+QUARTILES = (0.25, 0.5, 0.75)
+QUANTILE_LIMIT = 2**24
+
+
+def ours(measurer: Measurer, x: torch.Tensor) -> dict[str, float | None]:
+    """The default profile, both halves."""
+    pending = measurer.reduce(x)
+    vector = pending.device_vector
+    values = pending.finish([] if vector is None else vector.tolist())
+    return {name: mv.value for name, mv in zip(measurer.metrics, values, strict=True)}
+
+
+def obvious(x: torch.Tensor) -> list[float]:
+    """torch.quantile for the quartiles plus one pass per other statistic."""
+    finite = torch.isfinite(x)
+    values = x[finite]
+    quartiles = torch.quantile(values, torch.tensor(QUARTILES, dtype=values.dtype))
+    out = [
+        values.mean(),
+        values.std(correction=0),
+        values.min(),
+        values.max(),
+        (x == 0).sum() / x.numel(),
+        (~finite).sum() / x.numel(),
+    ]
+    return [float(v) for v in out] + quartiles.tolist()
+
+
+def lerp(a: float, b: float, t: float) -> float:
+    """numpy's _lerp for one scalar."""
+    diff = b - a
+    return b - diff * (1 - t) if t >= 0.5 else a + diff * t
+
+
+def reference_quartiles(sorted_values: torch.Tensor) -> list[float]:
+    """Quartiles from a full sort, interpolated as numpy.percentile(method='linear')."""
+    n = sorted_values.numel()
+    out = []
+    for q in QUARTILES:
+        position = (n - 1) * q
+        low = math.floor(position)
+        high = min(low + 1, n - 1)
+        a, b = float(sorted_values[low]), float(sorted_values[high])
+        out.append(a if a == b else lerp(a, b, position - low))
+    return out
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    """Prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1e4,1e5,1e6,1e7,3e7")
+    parser.add_argument("--repeats", type=int, default=0, help="0: 9 below 1e7 elements, else 3")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0: default")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    torch.manual_seed(0)
+    measurer = Measurer(None)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 randn, median ms")
+    header = f"{'n':>10} {'ours':>9} {'sum':>9} {'sort':>9} {'obvious':>9} | {'ours/sort':>9} {'sum/sort':>9} {'obv/sort':>9}  quartiles"
+    print(header)
+    for n in sizes:
+        x = torch.randn(n)
+        repeats = args.repeats or (9 if n < 10**7 else 3)
+        runs: dict[str, list[float]] = {"ours": [], "sum": [], "sort": [], "obvious": []}
+        candidates: dict[str, Callable[[], object]] = {
+            "ours": lambda x=x: ours(measurer, x),
+            "sum": lambda x=x: x.sum(),
+            "sort": lambda x=x: torch.sort(x),
+        }
+        if n <= QUANTILE_LIMIT:
+            candidates["obvious"] = lambda x=x: obvious(x)
+        for fn in candidates.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in candidates.items():
+                runs[name].append(timed(fn))
+        ms = {name: pystats.median(r) * 1e3 if r else math.nan for name, r in runs.items()}
+        got = ours(measurer, x)
+        want = reference_quartiles(torch.sort(x).values)
+        exact = [got[f"p{int(q * 100)}"] for q in QUARTILES] == want
+        obvious_ms = f"{ms['obvious']:9.3f}" if n <= QUANTILE_LIMIT else f"{'refuses':>9}"
+        obvious_ratio = f"{ms['obvious'] / ms['sort']:9.3f}" if n <= QUANTILE_LIMIT else f"{'-':>9}"
+        print(
+            f"{n:>10} {ms['ours']:9.3f} {ms['sum']:9.3f} {ms['sort']:9.3f} {obvious_ms} | "
+            f"{ms['ours'] / ms['sort']:9.3f} {ms['sum'] / ms['sort']:9.3f} {obvious_ratio}  "
+            f"{'exact' if exact else 'MISMATCH'}"
+        )
+    print("torch.quantile refuses inputs over 2**24 elements ('refuses').")
+
+
+if __name__ == "__main__":
+    main()

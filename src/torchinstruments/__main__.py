@@ -1,0 +1,77 @@
+"""Command line: `python -m torchinstruments finalize DIR` (also the `torchinstruments` script).
+
+Design decision: the command line is a thin argparse shell over `finalize.finalize`, so the
+recovery path is the same code the library runs at removal. Exit codes: 0 done, 1 not a run
+directory or an error while finalizing, 2 the directory is locked by a live run (or bad usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from torchinstruments.finalize import RunLockedError, finalize
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchinstruments", description="TorchInstruments run-directory tools."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    cmd = commands.add_parser(
+        "finalize",
+        help="complete an interrupted run directory",
+        description="Merge history.parts/ into history.parquet and write result.json and "
+        "index.md. Refuses a directory locked by a live run; unreadable parts are left in place.",
+    )
+    cmd.add_argument("directory", type=Path, metavar="DIR", help="the run's output directory")
+    return parser
+
+
+def _finalize(directory: Path) -> int:
+    """Run finalize and print what it did; returns the exit code."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            report = finalize(directory)
+    except RunLockedError as exc:
+        print(f"torchinstruments finalize: refused: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        print(f"torchinstruments finalize: {exc}", file=sys.stderr)
+        return 1
+    c = report.counts
+    print(
+        f"finalized {report.directory}: {report.rows} rows in {report.history} "
+        f"({report.merged_parts} parts merged); at least {c.root_forwards} root forwards, "
+        f"{c.samples} samples, {c.backward_samples} with a backward"
+    )
+    for path in report.removed_temporaries:
+        print(f"removed incomplete temporary {path}")
+    for path, reason in report.unreadable_parts:
+        print(f"left unreadable part in place: {path}: {reason}", file=sys.stderr)
+    if report.run_info_recovered:
+        print("index.md had no readable run info; layers were rebuilt from history")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m torchinstruments` and the `torchinstruments` script.
+
+    Args:
+        argv: arguments without the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        The exit code.
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "finalize":
+        return _finalize(args.directory)
+    return 2  # unreachable: argparse requires a known command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Histograms of the finite entries of one tensor, counted on the tensor's device.
+
+Design decision: like the statistics, a histogram is reduced in two halves. `reduce_histogram`
+runs on the tensor's device without any host synchronisation (no `.item()`, no boolean-mask
+indexing, no `torch.bincount`, whose CUDA kernel reads its input's max back to the host) and
+returns a `PendingHistogram` whose `device_vector` travels to the host with the sample's single
+transfer; `finish` turns it into a `HistogramRecord`.
+
+The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
+holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
+found by a branchless binary search over the float64 edges (log2(bins) gather-and-compare
+rounds), so it is exactly consistent with the edges reported, even when bins are only a few ulps
+wide or the range overflows float64 arithmetic; the cost is a few elementwise passes more than an
+arithmetic `floor((x - min) / width)` would need. Counts are summed with `scatter_add_`, which
+is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
+1e-6, at least 1e-12) so that TensorBoard can draw it. Dtypes follow `torchinstruments.statistics`:
+low-precision floats, integers and bools are binned as float32/float64 values; complex dtypes and
+non-strided layouts give no histogram.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torchinstruments.records import HistogramRecord
+
+__all__ = ["DEFAULT_BINS", "PendingHistogram", "reduce_histogram"]
+
+DEFAULT_BINS = 64
+# Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
+_CONSTANT_BIN_RELATIVE_WIDTH = 1e-6
+_CONSTANT_BIN_MIN_WIDTH = 1e-12
+# Layout of the head of device_vector; the bins + 1 edges and the bins counts follow.
+_HEAD = ("finite", "min", "max", "sum", "sum_squares")
+
+_INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
+    dtype
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+)
+
+
+class PendingHistogram:
+    """A histogram counted on the device, waiting for the sample's host transfer.
+
+    Attributes:
+        device_vector: 1-D float64 tensor on the tensor's device, or None when there is nothing
+            to transfer (unsupported or empty tensor, or a failure while counting).
+    """
+
+    __slots__ = ("_bins", "device_vector")
+
+    def __init__(self, device_vector: torch.Tensor | None, bins: int) -> None:
+        self.device_vector = device_vector
+        self._bins = bins
+
+    def finish(
+        self,
+        host_values: Sequence[float],
+        *,
+        sample_id: int,
+        layer: str,
+        call_index: int,
+        signal: str,
+        tensor_path: str,
+    ) -> HistogramRecord | None:
+        """Builds the record from the host copy of `device_vector`.
+
+        Args:
+            host_values: `device_vector.tolist()`, or an empty sequence when it is None.
+            sample_id: Sample the tensor belongs to.
+            layer: Qualified name of the layer.
+            call_index: Call of the layer within the sample.
+            signal: `"output"` or `"output_gradient"`.
+            tensor_path: Where the tensor sits in the layer's output.
+
+        Returns:
+            The record, or None when the tensor has no finite entries, is unsupported, or the
+            values are malformed. Never raises.
+        """
+        try:
+            bins = self._bins
+            if self.device_vector is None or len(host_values) != len(_HEAD) + 2 * bins + 1:
+                return None
+            finite, low, high, total, squares = (float(v) for v in host_values[: len(_HEAD)])
+            count = round(finite)
+            if count == 0 or not (math.isfinite(low) and math.isfinite(high)):
+                return None
+            if low == high:
+                width = max(abs(low) * _CONSTANT_BIN_RELATIVE_WIDTH, _CONSTANT_BIN_MIN_WIDTH)
+                limits: tuple[float, ...] = (low + width,)
+                counts: tuple[float, ...] = (float(count),)
+            else:
+                edges = host_values[len(_HEAD) : len(_HEAD) + bins + 1]
+                limits = tuple(float(v) for v in edges[1:])
+                counts = tuple(float(v) for v in host_values[len(_HEAD) + bins + 1 :])
+            return HistogramRecord(
+                sample_id=sample_id,
+                layer=layer,
+                call_index=call_index,
+                signal=signal,
+                tensor_path=tensor_path,
+                min=low,
+                max=high,
+                num=float(count),
+                sum=total,
+                sum_squares=squares,
+                bucket_limits=limits,
+                bucket_counts=counts,
+            )
+        except Exception:  # finishing must never crash the training step
+            return None
+
+
+def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingHistogram:
+    """Counts the finite entries of `tensor` in `bins` equal bins, on its device, without a sync.
+
+    Args:
+        tensor: Any tensor; it is detached and never modified.
+        bins: Number of bins (a positive int).
+
+    Returns:
+        The pending histogram; `finish` returns None when there is nothing to draw. Never raises.
+
+    Example:
+        >>> pending = reduce_histogram(torch.randn(1000), bins=8)
+        >>> record = pending.finish(pending.device_vector.tolist(), sample_id=0, layer="fc",
+        ...                         call_index=0, signal="output", tensor_path="")
+        >>> sum(record.bucket_counts)
+        1000.0
+    """
+    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+        return PendingHistogram(None, 1)
+    try:
+        with torch.no_grad():
+            return PendingHistogram(_count(tensor.detach(), bins), bins)
+    except Exception:  # measuring must never crash the training step
+        return PendingHistogram(None, bins)
+
+
+def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
+    """The device vector: head values, bins + 1 edges, bins counts (float64)."""
+    dtype = tensor.dtype
+    if tensor.layout != torch.strided or tensor.numel() == 0:
+        return None
+    if dtype.is_complex or not (dtype.is_floating_point or dtype in _INTEGRAL_DTYPES):
+        return None
+    if dtype in (torch.float32, torch.float64):
+        values = tensor.reshape(-1)
+    elif dtype.is_floating_point:
+        values = tensor.reshape(-1).to(torch.float32)
+    else:
+        values = tensor.reshape(-1).to(torch.float64)
+    device = values.device
+    finite_mask = torch.isfinite(values)
+    finite = finite_mask.sum().to(torch.float64)
+    inf = torch.tensor(math.inf, dtype=values.dtype, device=device)
+    low = torch.where(finite_mask, values, inf).amin().to(torch.float64)
+    high = torch.where(finite_mask, values, -inf).amax().to(torch.float64)
+    any_finite = finite > 0
+    low = torch.where(any_finite, low, 0.0)
+    high = torch.where(any_finite, high, 0.0)
+    edges = _edges(low, high, bins)
+    x = torch.where(finite_mask, values.to(torch.float64), low)
+    index = _bin_index(x, edges, bins)
+    weights = finite_mask.to(torch.float64)
+    counts = torch.zeros(bins, dtype=torch.float64, device=device).scatter_add_(0, index, weights)
+    finite_x = torch.where(finite_mask, x, 0.0)
+    head = torch.stack([finite, low, high, finite_x.sum(), torch.dot(finite_x, finite_x)])
+    return torch.cat([head, edges, counts])
+
+
+def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:
+    """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair)."""
+    steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
+    edges = low * (1.0 - steps) + high * steps
+    edges = torch.cummax(edges, 0).values
+    edges = torch.minimum(torch.maximum(edges, low), high)
+    edges[0] = low
+    edges[-1] = high
+    return edges
+
+
+def _bin_index(x: torch.Tensor, edges: torch.Tensor, bins: int) -> torch.Tensor:
+    """Largest i < bins with edges[i] <= x, by a branchless binary search (x >= edges[0])."""
+    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    step = 1 << max(bins - 1, 1).bit_length() - 1
+    while step:
+        candidate = (index + step).clamp_(max=bins - 1)
+        index = torch.where(x >= edges[candidate], candidate, index)
+        step >>= 1
+    return index

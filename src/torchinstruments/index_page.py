@@ -1,0 +1,418 @@
+"""index.md: what a run directory holds and how to read it, for a person and for an LLM.
+
+Design decision: the page is rendered from `RunInfo` (and `RunCounts` at removal) only, never
+from the data, so it can be written at injection, before any sample exists, and rewritten at
+removal in constant time. It embeds the `RunInfo` fields as a JSON block between fixed markers, so
+`torchinstruments finalize` can rebuild the page after a crash without the Python process that
+started the run. The cost: the page must be kept in step with the schema and the summary by hand;
+the tests execute every query in it against a real history.parquet to catch drift.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from torchinstruments.history import HISTORY_FILE, HISTORY_SCHEMA, PARTS_DIR, write_text_atomic
+from torchinstruments.records import LayerInfo, RunCounts, RunInfo
+
+INDEX_FILE = "index.md"
+RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"
+RUN_INFO_END = "<!-- torchinstruments:run-info:end -->"
+STATE_COMPLETE = "<!-- torchinstruments:state:complete -->"
+STATE_IN_PROGRESS = "<!-- torchinstruments:state:in-progress -->"
+
+COLUMN_NOTES = {
+    "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
+    "forward_index": "0-based count of all root forwards (sampled or not) when the sample was taken",
+    "timestamp": "UTC time at which the tensor was measured",
+    "rank": "torch.distributed rank; null outside torch.distributed",
+    "layer": 'qualified module name from named_modules() (root = "")',
+    "module_type": "class name of the module",
+    "call_index": "n-th call (from 0) of this layer inside one sampled root forward",
+    "signal": '"output" or "output_gradient"',
+    "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',
+    "shape": "shape of the measured tensor",
+    "dtype": 'torch dtype without the "torch." prefix, e.g. float32',
+    "mode": '"train" or "eval": the layer\'s module.training at that call',
+    "grad_enabled": "torch.is_grad_enabled() during the forward",
+    "metric": "metric name (see Metrics)",
+    "value": "the metric; null only together with unavailable_reason, never silently 0",
+    "unavailable_reason": "why value is null; non-null exactly when value is null",
+}
+
+UNAVAILABLE_REASONS = (
+    ("empty tensor", "the tensor has no elements"),
+    ("no finite entries", "every element is NaN or +-inf (nonfinite_fraction is still given)"),
+    ("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
+    ("unsupported layout <layout>", "sparse or other non-strided tensors"),
+    ("non-finite result", "the statistic overflowed (e.g. std of huge values)"),
+    ("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
+    ("reducer returned no value", "a custom reducer returned None or nothing usable"),
+    (
+        "reducer returned <type>, expected a mapping of metric names to scalars",
+        "a custom reducer returned something else",
+    ),
+    ("statistics error: <Type>: <message>", "computing the default statistics failed"),
+    ("measurement error: <Type>: <message>", "measuring this tensor failed; training went on"),
+)
+
+METRIC_NOTES = (
+    ("mean", "mean of the finite entries"),
+    ("std", "population standard deviation (divide by N, not N-1) of the finite entries"),
+    ("min / max", "smallest / largest finite entry"),
+    (
+        "p25 / p50 / p75",
+        "quartiles of the finite entries with linear interpolation (numpy.percentile's default)",
+    ),
+    ("zero_fraction", "entries equal to 0, divided by the original element count"),
+    ("nonfinite_fraction", "NaN and +-inf entries, divided by the original element count"),
+)
+
+
+def _q(text: str) -> str:
+    """A Python string literal (double-quoted) for `text`."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _run_info_json(run: RunInfo) -> str:
+    """The RunInfo fields as indented JSON."""
+    data: dict[str, Any] = {}
+    for f in fields(RunInfo):
+        value = getattr(run, f.name)
+        if f.name == "output_dir":
+            value = Path(value).as_posix()
+        elif f.name == "layers":
+            value = [{"name": li.name, "module_type": li.module_type} for li in value]
+        elif isinstance(value, tuple):
+            value = list(value)
+        data[f.name] = value
+    return json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False)
+
+
+def _section_run(run: RunInfo, counts: RunCounts | None, recovered: bool) -> list[str]:
+    layers = ", ".join(f"`{li.name or '<root>'}` ({li.module_type})" for li in run.layers)
+    focus = ", ".join(f"`{name or '<root>'}`" for name in run.focus_layers) or "none"
+    rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
+    lines = [
+        "## Run",
+        "",
+        f"- output_dir: `{Path(run.output_dir).as_posix()}`; started at {run.started_at}",
+        f"- torchinstruments {run.library_version}, torch {run.torch_version}",
+        f"- model class: `{run.model_class}`",
+        f"- selected layers ({len(run.layers)}, traversal order): {layers or 'none'}",
+        f"- focus layers (TensorBoard histograms): {focus}",
+        f"- sampler: {run.sampler}",
+        f"- metrics: {', '.join(run.metrics)}",
+        f"- {rank}; rank_policy={run.rank_policy!r}",
+        f"- capture_direct_forwards={run.capture_direct_forwards}, "
+        f"buffer_rows={run.buffer_rows}, window={run.window}",
+    ]
+    if counts is None:
+        lines.append(
+            "- counts: the run is in progress (history.parquet and the summaries in "
+            "result.json appear at removal; read history.parts/ meanwhile)"
+        )
+    else:
+        bound = " (lower bounds: rebuilt from history after an interrupted run)" if recovered else ""
+        lines.append(
+            f"- counts{bound}: {counts.root_forwards} root forwards, {counts.samples} samples, "
+            f"{counts.backward_samples} samples with a backward"
+        )
+    return [*lines, ""]
+
+
+def _section_files(run: RunInfo) -> list[str]:
+    return [
+        "## Files",
+        "",
+        f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
+        "(temporary name, then rename) while the run is live; merged and removed at the end.",
+        f"- `{HISTORY_FILE}`: the whole history, one row per scalar, sorted by sample_id, "
+        "signal, layer, call_index, tensor_path, metric.",
+        "- `result.json`: one record per selected layer (traversal order); at injection with an "
+        "empty `tensors` list, at removal with per-tensor summaries (see result.json).",
+        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers. `.lock`: held "
+        "by the live process; `torchinstruments finalize` refuses a directory while it is held.",
+        "",
+        "If the process died, `python -m torchinstruments finalize "
+        f"{Path(run.output_dir).as_posix()}` merges the completed parts and writes result.json "
+        "and index.md; counts are then lower bounds (root forwards = max forward_index + 1).",
+        "",
+    ]
+
+
+def _section_schema() -> list[str]:
+    lines = ["## history schema (one row per scalar)", "", "| column | type | meaning |"]
+    lines.append("| --- | --- | --- |")
+    for name, dtype in HISTORY_SCHEMA.items():
+        lines.append(f"| {name} | {dtype} | {COLUMN_NOTES[name]} |")
+    return [*lines, ""]
+
+
+def _section_meanings() -> list[str]:
+    lines = [
+        "## Signals, tensor paths, calls",
+        "",
+        '- signal `"output"`: a tensor returned by the layer\'s forward. '
+        '`"output_gradient"`: the gradient of the loss with respect to that output tensor, '
+        "recorded when backward reaches it (same sample_id as its forward).",
+        '- tensor_path: `""` the output is a bare tensor; `[0]` first element of a tuple or '
+        "list; `['logits']` dict key; `.hidden` attribute (dataclass / named tuple / model "
+        "output object); `[1]['k']` nested. Non-tensor leaves are skipped.",
+        "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
+        "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
+        "",
+        "## Unavailable reasons (value is null)",
+        "",
+    ]
+    lines += [f"- `{reason}`: {meaning}" for reason, meaning in UNAVAILABLE_REASONS]
+    lines += [
+        "",
+        "## Metrics",
+        "",
+        "All metrics are computed over the finite entries of the tensor, in float64 for "
+        "integer and bool tensors and in float32 or better for low-precision floats:",
+        "",
+    ]
+    lines += [f"- `{name}`: {meaning}" for name, meaning in METRIC_NOTES]
+    lines += [
+        "- other names: custom scalar reducers given at injection.",
+        "",
+        "## Not collected",
+        "",
+        "Inputs of layers, parameters and parameter gradients, losses, optimizer updates and "
+        "learning rates are not recorded: only layer outputs and the gradients flowing into "
+        "them. Unsampled forwards leave no trace.",
+        "",
+    ]
+    return lines
+
+
+def _section_result(run: RunInfo) -> list[str]:
+    w = run.window
+    return [
+        "## result.json",
+        "",
+        "`[{layer, module_type, tensors: [{call_index, signal, tensor_path, shape, dtype, "
+        "metrics: {name: {observations, valid, first, latest, min, max, previous, recent}}}]}]`."
+        " Every selected layer is listed, in traversal order, also if it never ran "
+        "(`tensors: []`); tensors are sorted by (call_index, signal, tensor_path); shape and "
+        "dtype are the latest seen.",
+        "",
+        "- observations: history rows of this tensor-metric; valid: those with a non-null value.",
+        "- first / latest: `{value, sample_id}` of the earliest / latest observation (value may "
+        "be null: see unavailable_reason in history).",
+        "- min / max: `{value, sample_id}` of the smallest / largest finite value, earliest "
+        "sample on ties; null when no value is valid.",
+        f"- windows: over this tensor-metric's own samples (sample_ids where it was observed), "
+        f"newest first: `recent` = the latest {w}, `previous` = the {w} before them. Each has "
+        "`mean` (mean of its finite values, null if none), `actual` (samples in it, fewer than "
+        f"{w} early on), `valid` (non-null values), `first_sample_id`, `last_sample_id`.",
+        "- A window mean averages per-sample statistics (e.g. the mean of 10 per-sample stds); "
+        "it is not the statistic of the pooled elements of those samples.",
+        "",
+    ]
+
+
+def _queries(run: RunInfo) -> list[str]:
+    root = Path(run.output_dir).as_posix()
+    layer = run.layers[0].name if run.layers else ""
+    h = _q(f"{root}/{HISTORY_FILE}")
+    live = _q(f"{root}/{PARTS_DIR}/*.parquet")
+    blocks = [
+        (
+            "One layer's trend (one metric, by sample):",
+            f"""import polars as pl
+
+trend = (
+    pl.scan_parquet({h})
+    .filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
+            pl.col("metric") == "mean")
+    .select("sample_id", "call_index", "tensor_path", "value", "unavailable_reason")
+    .sort("sample_id", "call_index", "tensor_path")
+    .collect()
+)
+print(trend)""",
+        ),
+        (
+            "One metric across all layers at the latest sample:",
+            f"""import polars as pl
+
+lf = pl.scan_parquet({h}).filter(pl.col("signal") == "output", pl.col("metric") == "std")
+latest = (
+    lf.filter(pl.col("sample_id") == pl.col("sample_id").max())
+    .select("layer", "call_index", "tensor_path", "value", "unavailable_reason")
+    .collect()
+)
+print(latest)""",
+        ),
+        (
+            "All unavailable values, and why:",
+            f"""import polars as pl
+
+missing = (
+    pl.scan_parquet({h})
+    .filter(pl.col("value").is_null())
+    .group_by("layer", "signal", "metric", "unavailable_reason")
+    .agg(rows=pl.len(), first_sample=pl.col("sample_id").min())
+    .sort("layer", "signal", "metric")
+    .collect()
+)
+print(missing)""",
+        ),
+        (
+            "Output vs gradient of one layer, side by side:",
+            f"""import polars as pl
+
+both = (
+    pl.scan_parquet({h})
+    .filter(pl.col("layer") == {_q(layer)}, pl.col("metric") == "std")
+    .collect()
+    .pivot("signal", index=["sample_id", "call_index", "tensor_path"], values="value")
+    .sort("sample_id")
+)
+print(both)""",
+        ),
+        (
+            "Live reading while training (completed parts only; history.parquet exists only "
+            "after removal):",
+            f"""import polars as pl
+
+live = (
+    pl.scan_parquet({live})
+    .group_by("layer", "signal", "metric")
+    .agg(latest_sample=pl.col("sample_id").max(), rows=pl.len())
+    .sort("layer", "signal", "metric")
+    .collect()
+)
+print(live)""",
+        ),
+    ]
+    lines = ["## Ready Polars queries", ""]
+    for title, code in blocks:
+        lines += [title, "", "```python", code, "```", ""]
+    lines += ["Ranks: with rank_policy='all' every rank writes its own `rank-NNN/` directory."]
+    if run.rank is not None:
+        ranks = _q(f"{Path(run.output_dir).parent.as_posix()}/rank-*/{HISTORY_FILE}")
+        lines += [
+            "Compare them (every row carries its rank):",
+            "",
+            "```python",
+            f"""import polars as pl
+
+ranks = pl.scan_parquet({ranks})
+by_rank = (
+    ranks.group_by("rank", "layer", "signal", "metric")
+    .agg(pl.col("value").mean())
+    .sort("layer", "signal", "metric", "rank")
+    .collect()
+)
+print(by_rank)""",
+            "```",
+        ]
+    else:
+        lines.append(
+            'Compare them with `pl.scan_parquet("stats/rank-*/history.parquet")` and '
+            'group by `"rank"`.'
+        )
+    return [*lines, ""]
+
+
+def render_index(run: RunInfo, counts: RunCounts | None, *, recovered: bool = False) -> str:
+    """The text of index.md.
+
+    Args:
+        run: what the run is.
+        counts: how much it saw, or None while the run is in progress.
+        recovered: True when `counts` were rebuilt from history after a crash (lower bounds).
+
+    Returns:
+        Markdown, with the RunInfo fields as JSON between `RUN_INFO_BEGIN` and `RUN_INFO_END`.
+    """
+    lines = [
+        "# TorchInstruments run",
+        STATE_IN_PROGRESS if counts is None else STATE_COMPLETE,
+        "",
+        "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
+        "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
+        "model). No scores or verdicts: only measurements.",
+        "",
+        *_section_run(run, counts, recovered),
+        *_section_files(run),
+        *_section_schema(),
+        *_section_meanings(),
+        *_section_result(run),
+        *_queries(run),
+        "## Run info (machine-readable)",
+        "",
+        RUN_INFO_BEGIN,
+        "```json",
+        _run_info_json(run),
+        "```",
+        RUN_INFO_END,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_index(
+    directory: Path, run: RunInfo, counts: RunCounts | None, *, recovered: bool = False
+) -> None:
+    """Write `directory/index.md` atomically.
+
+    Args:
+        directory: the run's output directory.
+        run: what the run is.
+        counts: how much it saw, or None while the run is in progress.
+        recovered: True when `counts` were rebuilt from history after a crash.
+    """
+    write_text_atomic(Path(directory) / INDEX_FILE, render_index(run, counts, recovered=recovered))
+
+
+def parse_run_info(text: str) -> RunInfo:
+    """The RunInfo embedded in the text of an index.md.
+
+    Raises:
+        ValueError: if the markers or the JSON block are missing or malformed.
+    """
+    pattern = re.escape(RUN_INFO_BEGIN) + r"\s*```json\s*(.*?)\s*```\s*" + re.escape(RUN_INFO_END)
+    match = re.search(pattern, text, re.DOTALL)
+    if match is None:
+        raise ValueError("index.md has no run-info block between the torchinstruments markers")
+    data = json.loads(match.group(1))
+    names = {f.name for f in fields(RunInfo)}
+    if set(data) != names:
+        raise ValueError(f"run-info block has fields {sorted(data)}, expected {sorted(names)}")
+    data["output_dir"] = Path(data["output_dir"])
+    data["layers"] = tuple(LayerInfo(d["name"], d["module_type"]) for d in data["layers"])
+    data["focus_layers"] = tuple(data["focus_layers"])
+    data["metrics"] = tuple(data["metrics"])
+    return RunInfo(**data)
+
+
+def index_is_complete(directory: Path) -> bool:
+    """Whether `directory/index.md` exists and was written at removal (with counts)."""
+    try:
+        return STATE_COMPLETE in (Path(directory) / INDEX_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def read_run_info(directory: Path) -> RunInfo:
+    """The RunInfo embedded in `directory/index.md`.
+
+    Args:
+        directory: a run's output directory.
+
+    Raises:
+        FileNotFoundError: if index.md is missing.
+        ValueError: if its run-info block is missing or malformed.
+    """
+    return parse_run_info((Path(directory) / INDEX_FILE).read_text(encoding="utf-8"))
+
+
+__all__ = ["INDEX_FILE", "read_run_info", "render_index", "write_index"]

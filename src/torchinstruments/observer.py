@@ -1,0 +1,479 @@
+"""The running observer: root forwards, call indices, measurement batching and gradient hooks.
+
+One `Observer` serves one model. Its state lives here, outside the model: the proxies hold the
+observer, the observer holds the model's modules only through weak references, so a model that
+is dropped without `remove_observer` is collected and its run is finalized by `weakref.finalize`.
+
+Timing of work, by design:
+- unsampled root forward: one Python call of `on_root_call` (counter, sampler) and nothing per
+  layer (wrapt's C path, see capture.py);
+- sampled root forward: reductions are launched on each tensor's device as the layer returns (so
+  a later in-place op cannot change what was measured), their results stay on the device, and
+  everything the forward produced crosses to the host in one transfer per device when the root
+  forward ends;
+- backward: each sampled output's `Tensor.register_hook` reduces the gradient on its device; the
+  first hook of a backward pass queues one autograd-engine callback that transfers all of that
+  pass's gradient results at once when the pass ends.
+
+Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
+A call of the root inside its own forward is part of the enclosing root forward: it is not
+counted, not sampled on its own, and (if the root is a selected layer) gets the next call_index.
+A selected layer called outside any root forward (for instance `self.encoder(x)` in a Lightning
+step when the LightningModule is the root) is not observed: it runs untouched and nothing is
+recorded; inject into the module your loop calls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchinstruments.capture import (
+    called_through_module_call,
+    install_proxy,
+    iter_tensors,
+    restore_proxy,
+)
+from torchinstruments.histograms import PendingHistogram, reduce_histogram
+from torchinstruments.records import (
+    OUTPUT,
+    OUTPUT_GRADIENT,
+    HistogramRecord,
+    LayerInfo,
+    Measurement,
+    RunCounts,
+    SampleRecord,
+)
+from torchinstruments.sinks import SinkGroup
+from torchinstruments.statistics import Measurer, PendingReduction
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `float32`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
+    """Move many small device vectors to the host in one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, vector in enumerate(vectors):
+        if vector is not None:
+            by_device.setdefault(vector.device, []).append(index)
+    host: list[list[float]] = [[] for _ in vectors]
+    for indices in by_device.values():
+        flat = torch.cat([vectors[i].reshape(-1) for i in indices])  # type: ignore[union-attr]
+        values = flat.to("cpu", torch.float64).tolist()
+        start = 0
+        for i in indices:
+            length = vectors[i].numel()  # type: ignore[union-attr]
+            host[i] = values[start : start + length]
+            start += length
+    return host
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One measured tensor whose results are still on its device."""
+
+    sample_id: int
+    forward_index: int
+    layer: LayerInfo
+    call_index: int
+    signal: str
+    tensor_path: str
+    shape: tuple[int, ...]
+    dtype: str
+    mode: str
+    grad_enabled: bool
+    timestamp_us: int
+    reduction: PendingReduction
+    histogram: PendingHistogram | None
+
+
+class _Sample:
+    """A sampled root forward in progress."""
+
+    __slots__ = ("call_counts", "forward_index", "pending", "sample_id")
+
+    def __init__(self, sample_id: int, forward_index: int) -> None:
+        self.sample_id = sample_id
+        self.forward_index = forward_index
+        self.call_counts: dict[str, int] = {}
+        self.pending: list[_Pending] = []
+
+    def next_call_index(self, layer: str) -> int:
+        """The call_index of this layer's next invocation inside this root forward."""
+        index = self.call_counts.get(layer, 0)
+        self.call_counts[layer] = index + 1
+        return index
+
+
+class _LayerCapture:
+    """The wrapper behind one selected layer's proxy; runs only during sampled forwards."""
+
+    __slots__ = ("focus", "info", "module_ref", "observer")
+
+    def __init__(self, observer: Observer, module: nn.Module, info: LayerInfo, focus: bool) -> None:
+        self.observer = observer
+        self.module_ref = weakref.ref(module)
+        self.info = info
+        self.focus = focus
+
+    def on_call(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Assign the call_index, run the forward, measure what it returned, return it as is."""
+        observer = self.observer
+        sample = observer.current
+        if sample is None or (
+            not observer.capture_direct_forwards and not called_through_module_call()
+        ):
+            return wrapped(*args, **kwargs)
+        call_index = sample.next_call_index(self.info.name)
+        output = wrapped(*args, **kwargs)
+        observer.measure_output(sample, self, call_index, output)
+        return output
+
+    def mode(self) -> str:
+        """`train` or `eval`, read from the module at call time."""
+        module = self.module_ref()
+        return "train" if module is None or module.training else "eval"
+
+
+class _GradientHook:
+    """`Tensor.register_hook` callback: records the first gradient into one sampled output."""
+
+    __slots__ = ("fired", "observer", "template")
+
+    def __init__(self, observer: Observer, template: _Pending) -> None:
+        self.observer = observer
+        self.template = template
+        self.fired = False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if not self.fired and not self.observer.closed:
+            self.fired = True
+            self.observer.measure_gradient(self.template, grad)
+        return None
+
+
+class Observer:
+    """Runtime state of one observed model; created by `inject_observer`."""
+
+    def __init__(
+        self,
+        *,
+        directory: Path,
+        sampler: Any,
+        measurer: Measurer,
+        sinks: SinkGroup,
+        rank: int | None,
+        capture_direct_forwards: bool,
+    ) -> None:
+        self.directory = directory
+        self.sampler = sampler
+        self.finalizer: weakref.finalize | None = None
+        self.measurer = measurer
+        self.sinks = sinks
+        self.rank = rank
+        self.capture_direct_forwards = capture_direct_forwards
+        # Non-empty exactly while a sampled root forward runs; its bound __len__ is every leaf
+        # proxy's `enabled` test, evaluated in wrapt's C code.
+        self.active: list[int] = []
+        self.current: _Sample | None = None
+        self.closed = False
+        self.root_forwards = 0
+        self.samples = 0
+        self.backward_sample_ids: set[int] = set()
+        self._depth = 0
+        self._token = object()
+        self._installed: list[weakref.ref[nn.Module]] = []
+        self._root_layer: _LayerCapture | None = None
+        self._pending_backward: list[_Pending] = []
+        self._backward_lock = threading.Lock()
+        self._backward_flush_queued = False
+        self._warned: set[str] = set()
+
+    # -- installation -------------------------------------------------------------------------
+
+    def install(
+        self, root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]], focus: set[str]
+    ) -> None:
+        """Install a proxy on every selected layer, then on the root (which delimits forwards)."""
+        for module, info in layers:
+            capture = _LayerCapture(self, module, info, info.name in focus)
+            if module is root:
+                self._root_layer = capture
+                continue
+            self._install(module, capture.on_call, self.active.__len__)
+        self._install(root, self.on_root_call, None)
+
+    def _install(self, module: nn.Module, wrapper: Callable[..., Any], enabled: Any) -> None:
+        """Install one proxy and remember how to undo it."""
+        install_proxy(module, wrapper, enabled, self._token)
+        self._installed.append(weakref.ref(module))
+
+    def restore(self) -> int:
+        """Undo every proxy in reverse order; returns how many were left in place (not ours)."""
+        left_in_place = 0
+        for module_ref in reversed(self._installed):
+            module = module_ref()
+            if module is not None and not restore_proxy(module, self._token):
+                left_in_place += 1
+        self._installed.clear()
+        return left_in_place
+
+    # -- root forwards ------------------------------------------------------------------------
+
+    def on_root_call(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Count root forwards, ask the sampler, and hold the sample open while the forward runs."""
+        if self.closed or (not self.capture_direct_forwards and not called_through_module_call()):
+            return wrapped(*args, **kwargs)
+        if self._depth > 0:
+            return self._call_nested(wrapped, args, kwargs)
+        forward_index = self.root_forwards
+        self.root_forwards += 1
+        if not self._should_sample(forward_index):
+            self._depth = 1
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                self._depth = 0
+        sample = _Sample(self.samples, forward_index)
+        self.samples += 1
+        self.current = sample
+        self.active.append(1)
+        self._depth = 1
+        try:
+            return self._call_root_layer(wrapped, args, kwargs)
+        finally:
+            self._depth = 0
+            self.active.clear()
+            self.current = None
+            self._emit_forward(sample)
+
+    def _call_nested(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A root call inside a root forward: part of the enclosing forward."""
+        self._depth += 1
+        try:
+            return self._call_root_layer(wrapped, args, kwargs)
+        finally:
+            self._depth -= 1
+
+    def _call_root_layer(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run the root's forward, measuring it when the root is itself a selected layer."""
+        if self._root_layer is None or self.current is None:
+            return wrapped(*args, **kwargs)
+        call_index = self.current.next_call_index(self._root_layer.info.name)
+        output = wrapped(*args, **kwargs)
+        self.measure_output(self.current, self._root_layer, call_index, output)
+        return output
+
+    def _should_sample(self, forward_index: int) -> bool:
+        """The sampler's decision; a raising sampler means "not sampled" (warned once)."""
+        try:
+            return bool(self.sampler.should_sample(forward_index))
+        except Exception as error:
+            self._warn_once("sampler", f"sampler {self.sampler!r} raised {error!r}; not sampled")
+            return False
+
+    # -- measurement --------------------------------------------------------------------------
+
+    def measure_output(
+        self, sample: _Sample, layer: _LayerCapture, call_index: int, output: Any
+    ) -> None:
+        """Launch the reductions of every tensor in `output` and hook their gradients."""
+        try:
+            mode = layer.mode()
+            grad_enabled = torch.is_grad_enabled()
+            for path, tensor in iter_tensors(output):
+                pending = self._reduce(
+                    sample.sample_id,
+                    sample.forward_index,
+                    layer,
+                    call_index,
+                    OUTPUT,
+                    path,
+                    tensor,
+                    mode,
+                    grad_enabled,
+                )
+                sample.pending.append(pending)
+                if tensor.requires_grad:
+                    tensor.register_hook(_GradientHook(self, pending))
+        except Exception as error:
+            self._warn_once(
+                f"measure:{layer.info.name}",
+                f"measuring the output of layer {layer.info.name!r} failed: {error!r}",
+            )
+
+    def _reduce(
+        self,
+        sample_id: int,
+        forward_index: int,
+        layer: _LayerCapture,
+        call_index: int,
+        signal: str,
+        path: str,
+        tensor: torch.Tensor,
+        mode: str,
+        grad_enabled: bool,
+    ) -> _Pending:
+        """Launch the device-side reductions of one tensor."""
+        return _Pending(
+            sample_id=sample_id,
+            forward_index=forward_index,
+            layer=layer.info,
+            call_index=call_index,
+            signal=signal,
+            tensor_path=path,
+            shape=tuple(tensor.shape),
+            dtype=dtype_name(tensor.dtype),
+            mode=mode,
+            grad_enabled=grad_enabled,
+            timestamp_us=time.time_ns() // 1000,
+            reduction=self.measurer.reduce(tensor),
+            histogram=reduce_histogram(tensor) if layer.focus else None,
+        )
+
+    def measure_gradient(self, template: _Pending, grad: torch.Tensor) -> None:
+        """Reduce the gradient into one sampled output; flushed when the backward pass ends."""
+        try:
+            pending = _Pending(
+                sample_id=template.sample_id,
+                forward_index=template.forward_index,
+                layer=template.layer,
+                call_index=template.call_index,
+                signal=OUTPUT_GRADIENT,
+                tensor_path=template.tensor_path,
+                shape=tuple(grad.shape),
+                dtype=dtype_name(grad.dtype),
+                mode=template.mode,
+                grad_enabled=template.grad_enabled,
+                timestamp_us=time.time_ns() // 1000,
+                reduction=self.measurer.reduce(grad),
+                histogram=reduce_histogram(grad) if template.histogram is not None else None,
+            )
+        except Exception as error:
+            self._warn_once("gradient", f"measuring a gradient failed: {error!r}")
+            return
+        with self._backward_lock:
+            self._pending_backward.append(pending)
+            queue = not self._backward_flush_queued
+            self._backward_flush_queued = True
+        if queue:
+            self._queue_backward_flush()
+
+    def _queue_backward_flush(self) -> None:
+        """Flush when the autograd engine finishes this pass, or now if no pass is running."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush_backward)
+        except Exception:
+            self.flush_backward()
+
+    def flush_backward(self) -> None:
+        """Transfer and emit every gradient measured since the last flush."""
+        with self._backward_lock:
+            pending, self._pending_backward = self._pending_backward, []
+            self._backward_flush_queued = False
+        if not pending:
+            return
+        try:
+            for record in self._finish(OUTPUT_GRADIENT, pending):
+                self.backward_sample_ids.add(record.sample_id)
+                self.sinks.write_backward(record)
+        except Exception as error:
+            self._warn_once("flush_backward", f"recording gradients failed: {error!r}")
+
+    def _emit_forward(self, sample: _Sample) -> None:
+        """One host transfer for the whole sampled forward, then one record to the sinks."""
+        try:
+            records = self._finish(OUTPUT, sample.pending)
+            if not records:
+                records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
+            for record in records:
+                self.sinks.write_forward(record)
+        except Exception as error:
+            self._warn_once("emit_forward", f"recording a sample failed: {error!r}")
+
+    def _finish(self, signal: str, pending: list[_Pending]) -> list[SampleRecord]:
+        """Transfer pending results to the host and turn them into one record per sample."""
+        vectors: list[torch.Tensor | None] = []
+        for item in pending:
+            vectors.append(item.reduction.device_vector)
+            vectors.append(item.histogram.device_vector if item.histogram is not None else None)
+        host = to_host(vectors)
+        by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
+        for position, item in enumerate(pending):
+            _, measurements, histograms = by_sample.setdefault(
+                item.sample_id, (item.forward_index, [], [])
+            )
+            measurements.append(self._measurement(item, host[2 * position]))
+            if item.histogram is not None:
+                histogram = item.histogram.finish(
+                    host[2 * position + 1],
+                    sample_id=item.sample_id,
+                    layer=item.layer.name,
+                    call_index=item.call_index,
+                    signal=item.signal,
+                    tensor_path=item.tensor_path,
+                )
+                if histogram is not None:
+                    histograms.append(histogram)
+        return [
+            SampleRecord(signal, sample_id, forward_index, tuple(ms), tuple(hs))
+            for sample_id, (forward_index, ms, hs) in by_sample.items()
+        ]
+
+    def _measurement(self, item: _Pending, host_values: list[float]) -> Measurement:
+        """The host-side record of one measured tensor."""
+        return Measurement(
+            sample_id=item.sample_id,
+            forward_index=item.forward_index,
+            timestamp_us=item.timestamp_us,
+            rank=self.rank,
+            layer=item.layer.name,
+            module_type=item.layer.module_type,
+            call_index=item.call_index,
+            signal=item.signal,
+            tensor_path=item.tensor_path,
+            shape=item.shape,
+            dtype=item.dtype,
+            mode=item.mode,
+            grad_enabled=item.grad_enabled,
+            metrics=self.measurer.metrics,
+            values=item.reduction.finish(host_values),
+        )
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def counts(self) -> RunCounts:
+        """How many root forwards, samples and backward samples this observer saw."""
+        return RunCounts(self.root_forwards, self.samples, len(self.backward_sample_ids))
+
+    def close(self) -> None:
+        """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""
+        if self.closed:
+            return
+        self.flush_backward()
+        self.closed = True
+        self.active.clear()
+        self.current = None
+        self.sinks.close(self.counts())
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """Report a measurement failure once per kind; training goes on."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"torchinstruments: {message}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,126 @@
+"""Plain records that cross module boundaries.
+
+Everything the capture engine hands to sinks is a frozen dataclass of Python scalars, never a
+tensor: sinks can be written, tested and run without touching torch, and nothing a sink keeps can
+pin device memory. The one exception in spirit is `HistogramRecord`, which carries bin counts that
+were already reduced on the tensor's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+OUTPUT = "output"
+OUTPUT_GRADIENT = "output_gradient"
+SIGNALS = (OUTPUT, OUTPUT_GRADIENT)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """A selected module: its qualified name (root = "") and class name."""
+
+    name: str
+    module_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricValue:
+    """One metric of one tensor: a finite value, or None together with the reason."""
+
+    value: float | None
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """All metrics of one tensor (an output or the gradient into it) at one sample."""
+
+    sample_id: int
+    forward_index: int
+    timestamp_us: int
+    rank: int | None
+    layer: str
+    module_type: str
+    call_index: int
+    signal: str
+    tensor_path: str
+    shape: tuple[int, ...]
+    dtype: str
+    mode: str
+    grad_enabled: bool
+    metrics: tuple[str, ...]
+    values: tuple[MetricValue, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramRecord:
+    """Bin counts of the finite entries of one tensor, reduced on its device.
+
+    `bucket_limits[i]` is the right edge of bucket i (TensorBoard's convention); the first bucket
+    starts at `min`.
+    """
+
+    sample_id: int
+    layer: str
+    call_index: int
+    signal: str
+    tensor_path: str
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    bucket_limits: tuple[float, ...]
+    bucket_counts: tuple[float, ...]
+
+    @property
+    def tag(self) -> str:
+        """Stable TensorBoard tag: `layer/call_N/signal/tensor_path` (root layer is `<root>`)."""
+        return histogram_tag(self.layer, self.call_index, self.signal, self.tensor_path)
+
+
+def histogram_tag(layer: str, call_index: int, signal: str, tensor_path: str) -> str:
+    """The TensorBoard tag of one tensor; a bare tensor's empty path is written as `tensor`."""
+    return f"{layer or '<root>'}/call_{call_index}/{signal}/{tensor_path or 'tensor'}"
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """What one sampled root forward (signal "output") or its backward produced."""
+
+    signal: str
+    sample_id: int
+    forward_index: int
+    measurements: tuple[Measurement, ...]
+    histograms: tuple[HistogramRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What a run is: written into index.md and handed to sinks at start."""
+
+    output_dir: Path
+    library_version: str
+    torch_version: str
+    model_class: str
+    layers: tuple[LayerInfo, ...]
+    focus_layers: tuple[str, ...]
+    sampler: str
+    metrics: tuple[str, ...]
+    rank: int | None
+    world_size: int | None
+    rank_policy: str
+    capture_direct_forwards: bool
+    buffer_rows: int
+    window: int
+    started_at: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunCounts:
+    """How much a run saw; known at removal."""
+
+    root_forwards: int
+    samples: int
+    backward_samples: int

@@ -1,0 +1,210 @@
+"""Where records go: the run directory, the caller's TensorBoard logger, or any custom sink.
+
+A sink receives plain records (`records.SampleRecord`), never tensors, in four lifecycle calls.
+The run directory is itself a sink (`DirectorySink`), always first, so custom sinks see exactly
+what the directory writes. A sink that raises is reported once and detached: telemetry must never
+break the training step, and one broken sink must not silence the others.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch.utils.tensorboard import SummaryWriter
+
+from torchinstruments.finalize import RunLock
+from torchinstruments.history import HistoryConfig, HistoryWriter
+from torchinstruments.index_page import write_index
+from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
+from torchinstruments.summary import write_catalog, write_result
+
+TENSORBOARD_FLUSH_SECONDS = 30
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives what the observer records, in order: start, samples..., close."""
+
+    def start(self, run: RunInfo) -> None:
+        """Called once at `inject_observer`, before any sample."""
+        ...
+
+    def write_forward(self, record: SampleRecord) -> None:
+        """Called once per sampled root forward, after its one host transfer."""
+        ...
+
+    def write_backward(self, record: SampleRecord) -> None:
+        """Called once per sample whose output gradients arrived in a backward pass."""
+        ...
+
+    def close(self, counts: RunCounts) -> None:
+        """Called once at `remove_observer`; the last call a sink receives."""
+        ...
+
+
+SINK_METHODS = ("start", "write_forward", "write_backward", "close")
+
+
+def validate_sinks(sinks: object) -> tuple[Sink, ...]:
+    """Check `sinks` at inject time: a sequence of objects with the four Sink methods."""
+    if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}")
+    for sink in sinks:
+        missing = [name for name in SINK_METHODS if not callable(getattr(sink, name, None))]
+        if missing:
+            raise TypeError(
+                f"sinks: {sink!r} is not a Sink; it lacks {', '.join(missing)} "
+                f"(a Sink has {', '.join(SINK_METHODS)})"
+            )
+    return tuple(sinks)
+
+
+def write_histograms(writer: Any, histograms: Sequence[HistogramRecord]) -> None:
+    """Add already-reduced histograms to a SummaryWriter, with sample_id as the step."""
+    for histogram in histograms:
+        writer.add_histogram_raw(
+            histogram.tag,
+            min=histogram.min,
+            max=histogram.max,
+            num=histogram.num,
+            sum=histogram.sum,
+            sum_squares=histogram.sum_squares,
+            bucket_limits=list(histogram.bucket_limits),
+            bucket_counts=list(histogram.bucket_counts),
+            global_step=histogram.sample_id,
+        )
+
+
+class DirectorySink:
+    """Owns the run directory: history parts and merge, result.json, index.md, TensorBoard events.
+
+    Holds `RunLock` on the directory for the life of the run, which is how
+    `torchinstruments finalize` tells a live run from an interrupted one.
+    """
+
+    def __init__(self, directory: Path, history_config: HistoryConfig) -> None:
+        self.directory = directory
+        self._config = history_config
+        self._lock = RunLock(directory)
+        self._run: RunInfo | None = None
+        self._history: HistoryWriter | None = None
+        self._events: SummaryWriter | None = None
+
+    def start(self, run: RunInfo) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        self._run = run
+        write_catalog(self.directory, run.layers)
+        write_index(self.directory, run, None)
+        self._history = HistoryWriter(self.directory, self._config)
+        self._events = SummaryWriter(
+            str(self.directory / "tensorboard"), flush_secs=TENSORBOARD_FLUSH_SECONDS
+        )
+
+    def write_forward(self, record: SampleRecord) -> None:
+        self._write(record)
+
+    def write_backward(self, record: SampleRecord) -> None:
+        self._write(record)
+
+    def _write(self, record: SampleRecord) -> None:
+        """Append the rows; histograms go to this directory's own event file."""
+        if self._history is not None:
+            self._history.append(record.measurements)
+        if self._events is not None and record.histograms:
+            write_histograms(self._events, record.histograms)
+
+    def close(self, counts: RunCounts) -> None:
+        try:
+            if self._events is not None:
+                self._events.close()
+            if self._history is not None and self._run is not None:
+                self._history.close()
+                write_result(self.directory, self._run.layers, self._config.window)
+                write_index(self.directory, self._run, counts)
+        finally:
+            self._events = None
+            self._history = None
+            self._lock.release()
+
+
+class TensorBoardSink:
+    """Writes focus-layer histograms into a caller-owned TensorBoard logger.
+
+    Accepts a `torch.utils.tensorboard.SummaryWriter` or anything with `.experiment` that is one
+    (Lightning's `TensorBoardLogger`). The logger stays the caller's: this sink never flushes,
+    closes, reconfigures or replaces it, so the caller keeps writing after `remove_observer`.
+
+    Args:
+        logger: a SummaryWriter, or an object whose `.experiment` is one.
+
+    Raises:
+        TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`.
+    """
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+        if not callable(getattr(self._writer(), "add_histogram_raw", None)):
+            raise TypeError(
+                "logger must be a torch.utils.tensorboard.SummaryWriter or have an `.experiment` "
+                f"that is one (Lightning's TensorBoardLogger), got {logger!r}"
+            )
+
+    def _writer(self) -> Any:
+        """The SummaryWriter, looked up each time: Lightning creates `.experiment` lazily."""
+        if callable(getattr(self._logger, "add_histogram_raw", None)):
+            return self._logger
+        return getattr(self._logger, "experiment", None)
+
+    def start(self, run: RunInfo) -> None:
+        """Nothing to prepare: the caller's logger already exists."""
+
+    def write_forward(self, record: SampleRecord) -> None:
+        write_histograms(self._writer(), record.histograms)
+
+    def write_backward(self, record: SampleRecord) -> None:
+        write_histograms(self._writer(), record.histograms)
+
+    def close(self, counts: RunCounts) -> None:
+        """Leaves the caller's logger open and unflushed, as the caller left it."""
+
+
+class SinkGroup:
+    """Fans records out to sinks, detaching any sink that raises after one warning."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self._sinks: list[Sink] = list(sinks)
+
+    def insert_started(self, sink: Sink) -> None:
+        """Put an already started sink first (the directory, whose start must raise, not warn)."""
+        self._sinks.insert(0, sink)
+
+    def _call(self, method: str, argument: Any) -> None:
+        """Call `method(argument)` on every attached sink, isolating failures."""
+        for sink in list(self._sinks):
+            try:
+                getattr(sink, method)(argument)
+            except Exception as error:
+                self._sinks.remove(sink)
+                warnings.warn(
+                    f"torchinstruments: sink {sink!r} raised {type(error).__name__}: {error} in "
+                    f"{method}(); it is detached and the other sinks go on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def start(self, run: RunInfo) -> None:
+        self._call("start", run)
+
+    def write_forward(self, record: SampleRecord) -> None:
+        self._call("write_forward", record)
+
+    def write_backward(self, record: SampleRecord) -> None:
+        self._call("write_backward", record)
+
+    def close(self, counts: RunCounts) -> None:
+        self._call("close", counts)
+        self._sinks.clear()

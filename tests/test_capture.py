@@ -1,0 +1,303 @@
+"""Which calls are captured, and under which names, call indices and tensor paths."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import mlp, read_history, values
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Output:
+    hidden: torch.Tensor
+    extra: dict
+
+
+class Shared(nn.Module):
+    """One Linear called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Structured(nn.Module):
+    """A leaf returning a nested structure of tensors and non-tensors."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return (
+            x * 2,
+            {"logits": x + 1, "name": "not a tensor", "k": [x - 1, 3]},
+            Pair(x.sum(), x.mean()),
+            Output(hidden=x * 3, extra={"k": x * 4}),
+        )
+
+
+class Holder(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.child = child
+
+    def forward(self, x: torch.Tensor) -> object:
+        return self.child(x)
+
+
+def observe(model: nn.Module, run_dir: Path, **kwargs: object) -> None:
+    """Inject with every forward sampled."""
+    kwargs.setdefault("sampler", EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=run_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def test_shared_module_gets_call_index_per_invocation(run_dir: Path) -> None:
+    model = Shared()
+    x = torch.randn(3, 4)
+    observe(model, run_dir)
+    model(x)
+    remove_observer(model)
+    first = model.lin(x)
+    second = model.lin(torch.tanh(first))
+    history = read_history(run_dir).filter(pl.col("metric") == "mean")
+    assert sorted(history["call_index"].to_list()) == [0, 1]
+    assert values(history, call_index=0) == [pytest.approx(first.mean().item(), rel=1e-6)]
+    assert values(history, call_index=1) == [pytest.approx(second.mean().item(), rel=1e-6)]
+
+
+def test_nested_outputs_get_distinct_tensor_paths(run_dir: Path) -> None:
+    model = Holder(Structured())
+    x = torch.randn(2, 3)
+    observe(model, run_dir)
+    model(x)
+    remove_observer(model)
+    history = read_history(run_dir).filter(pl.col("metric") == "mean")
+    means = dict(zip(history["tensor_path"], history["value"], strict=True))
+    expected = {
+        "[0]": (x * 2).mean(),
+        "[1]['logits']": (x + 1).mean(),
+        "[1]['k'][0]": (x - 1).mean(),
+        "[2].left": x.sum(),
+        "[2].right": x.mean(),
+        "[3].hidden": (x * 3).mean(),
+        "[3].extra['k']": (x * 4).mean(),
+    }
+    assert set(means) == set(expected)
+    for path, value in expected.items():
+        assert means[path] == pytest.approx(value.item(), rel=1e-6), path
+    assert set(history["layer"]) == {"child"}
+
+
+def test_direct_forward_calls_are_root_forwards_and_measured(run_dir: Path) -> None:
+    model = mlp()
+    observe(model, run_dir)
+    model.forward(torch.randn(2, 8))
+    model[0].forward(torch.randn(2, 8))  # outside a root forward: not observed
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().to_list() == [0]
+    assert set(history["layer"]) == {str(i) for i in range(6)}
+
+
+def test_capture_direct_forwards_false_ignores_calls_that_bypass_module_call(
+    run_dir: Path,
+) -> None:
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b.forward(self.a(x))
+
+    model = Direct()
+    observe(model, run_dir, capture_direct_forwards=False)
+    model.forward(torch.randn(2, 4))  # bypasses __call__: not a root forward
+    model(torch.randn(2, 4))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().to_list() == [0]
+    assert set(history["layer"]) == {"a"}
+
+
+def test_child_called_outside_a_root_forward_is_not_observed(run_dir: Path) -> None:
+    model = Holder(nn.Linear(4, 4))
+    observe(model, run_dir)
+    model.child(torch.randn(2, 4))  # Lightning's `self.encoder(x)` shape
+    model(torch.randn(2, 4))
+    model.child(torch.randn(2, 4))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert history["sample_id"].unique().to_list() == [0]
+    assert history["forward_index"].unique().to_list() == [0]
+
+
+def test_reentrant_root_call_belongs_to_the_enclosing_root_forward(run_dir: Path) -> None:
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+            y = self.lin(x)
+            return self(y, depth - 1) if depth > 0 else y
+
+    model = Recursive()
+    observe(model, run_dir)
+    model(torch.randn(2, 4))
+    model(torch.randn(2, 4))
+    remove_observer(model)
+    history = read_history(run_dir).filter(pl.col("metric") == "mean")
+    assert history["forward_index"].unique().sort().to_list() == [0, 1]
+    per_sample = history.group_by("sample_id").agg(pl.col("call_index").sort())
+    assert per_sample.sort("sample_id")["call_index"].to_list() == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_root_that_is_a_leaf_is_measured_as_layer_root(run_dir: Path) -> None:
+    model = nn.Linear(3, 2)
+    x = torch.randn(5, 3)
+    observe(model, run_dir)
+    y = model(x)
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history["layer"]) == {""}
+    assert values(history, metric="max", signal="output") == [
+        pytest.approx(y.max().item(), rel=1e-6)
+    ]
+
+
+def test_no_grad_and_inference_mode_are_measured_without_gradients(run_dir: Path) -> None:
+    model = mlp()
+    observe(model, run_dir)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    with torch.inference_mode():
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history["signal"]) == {"output"}
+    assert history["grad_enabled"].unique().to_list() == [False]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1]
+
+
+def test_mode_column_follows_module_training_flag(run_dir: Path) -> None:
+    model = mlp()
+    observe(model, run_dir)
+    model(torch.randn(2, 8))
+    model.eval()
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    history = read_history(run_dir)
+    modes = history.group_by("sample_id").agg(pl.col("mode").unique()).sort("sample_id")
+    assert modes["mode"].to_list() == [["train"], ["eval"]]
+
+
+def test_inplace_relu_after_observed_linear_measures_the_pre_activation(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 1))
+    x = torch.randn(16, 6)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 1))
+    reference.load_state_dict(model.state_dict())
+    pre = reference[0](x)
+    observe(model, run_dir)
+    out = model(x)
+    out.sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert values(history, layer="0", signal="output", metric="min") == [
+        pytest.approx(pre.min().item(), rel=1e-6)
+    ]
+    assert values(history, layer="1", signal="output", metric="min") == [0.0]
+    assert len(values(history, layer="0", signal="output_gradient", metric="mean")) == 1
+
+
+def test_user_hooks_fire_exactly_once_per_call(run_dir: Path) -> None:
+    model = mlp()
+    calls = {"pre": 0, "fwd": 0, "bwd": 0}
+    model[0].register_forward_pre_hook(lambda m, a: calls.__setitem__("pre", calls["pre"] + 1))
+    model[0].register_forward_hook(lambda m, a, o: calls.__setitem__("fwd", calls["fwd"] + 1))
+    model[0].register_full_backward_hook(
+        lambda m, gi, go: calls.__setitem__("bwd", calls["bwd"] + 1)
+    )
+    observe(model, run_dir)
+    for _ in range(3):
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    remove_observer(model)
+    assert calls == {"pre": 3, "fwd": 3, "bwd": 3}
+    history = read_history(run_dir)
+    assert history.filter(pl.col("layer") == "0")["sample_id"].unique().len() == 3
+
+
+def test_parent_wrapper_calling_self_module_is_observed_through_the_wrapper(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    class DDPShaped(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args: object, **kwargs: object) -> object:
+            return self.module(*args, **kwargs)
+
+    inner = mlp()
+    wrapper = DDPShaped(inner)
+    observe(wrapper, run_dir)
+    wrapper(torch.randn(2, 8)).sum().backward()
+    remove_observer(wrapper)
+    assert set(read_history(run_dir)["layer"]) == {f"module.{i}" for i in range(6)}
+
+    inner_dir = tmp_path / "inner"
+    observe(inner, inner_dir)
+    wrapper(torch.randn(2, 8))
+    remove_observer(inner)
+    assert set(read_history(inner_dir)["layer"]) == {str(i) for i in range(6)}
+
+
+def test_selector_chooses_layers_and_sampler_chooses_forwards(run_dir: Path) -> None:
+    model = mlp()
+    observe(
+        model,
+        run_dir,
+        selector=lambda name, module: isinstance(module, nn.Linear),
+        sampler=EveryNForwardsSampler(3),
+    )
+    for _ in range(7):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history["layer"]) == {"0", "2", "4"}
+    assert history["forward_index"].unique().sort().to_list() == [0, 3, 6]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
+def test_exception_inside_forward_propagates_and_closes_the_sample(run_dir: Path) -> None:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+            y = self.lin(x)
+            if fail:
+                raise KeyError("boom")
+            return y
+
+    model = Failing()
+    observe(model, run_dir)
+    with pytest.raises(KeyError, match="boom"):
+        model(torch.randn(1, 2), fail=True)
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert history["sample_id"].unique().sort().to_list() == [0, 1]

@@ -1,0 +1,75 @@
+"""Copies of an observed model (deepcopy, pickle, torch.save) are plain, unobserved models."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, has_observer, inject_observer, remove_observer
+from torchinstruments.capture import ForwardProxy
+
+from conftest import mlp, read_history
+
+
+def assert_plain_copy(original: nn.Module, clone: nn.Module) -> None:
+    """The clone has no proxy, is not observed, and computes what the original computes."""
+    assert not has_observer(clone)
+    for module in clone.modules():
+        assert not isinstance(module.__dict__.get("forward"), ForwardProxy)
+    x = torch.randn(3, 8)
+    assert torch.equal(clone(x), original(x))
+    for mine, theirs in zip(clone.parameters(), original.parameters(), strict=True):
+        assert mine is not theirs
+        assert torch.equal(mine, theirs)
+
+
+def test_deepcopy_of_observed_model_is_plain_and_equal(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    ema = copy.deepcopy(model)
+    assert_plain_copy(model, ema)
+    ema(torch.randn(2, 8))  # a copy's forward is not recorded
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    # one root forward inside assert_plain_copy, one here; the copy's call is not among them
+    assert read_history(run_dir)["forward_index"].unique().sort().to_list() == [0, 1]
+
+
+def test_deepcopy_keeps_a_pre_existing_instance_forward(run_dir: Path) -> None:
+    model = mlp()
+    model[0].forward = lambda x: nn.Linear.forward(model[0], x) * 0
+    inject_observer(model, output_dir=run_dir)
+    clone = copy.deepcopy(model)
+    remove_observer(model)
+    assert not isinstance(clone[0].__dict__["forward"], ForwardProxy)
+    assert torch.equal(clone[0](torch.ones(1, 8)), torch.zeros(1, 8))
+
+
+def test_pickle_and_torch_save_of_observed_model_give_plain_equal_models(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir)
+    unpickled = pickle.loads(pickle.dumps(model))
+    assert_plain_copy(model, unpickled)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_plain_copy(model, loaded)
+    assert b"torchinstruments" not in pickle.dumps(model)
+    remove_observer(model)
+
+
+def test_state_dict_round_trip_is_unaffected(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir)
+    state = model.state_dict()
+    fresh = mlp()
+    fresh.load_state_dict(state)
+    x = torch.randn(2, 8)
+    assert torch.equal(fresh(x), model(x))
+    remove_observer(model)

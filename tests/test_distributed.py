@@ -1,0 +1,121 @@
+"""Two real gloo processes on 127.0.0.1: rank policies, per-rank directories, no collectives."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TIMEOUT_SECONDS = 120
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) -> None:
+    """One rank: observe a model, feed rank-specific inputs, and record what it saw."""
+    from torchinstruments import (
+        EveryNForwardsSampler,
+        has_observer,
+        inject_observer,
+        remove_observer,
+    )
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        returned = inject_observer(
+            model, output_dir=output_dir, sampler=EveryNForwardsSampler(1), rank_policy=policy
+        )
+        attached = has_observer(model)
+        dicts = [("forward" in m.__dict__) for m in model.modules()]
+        for step in range(3 + rank):  # ranks sample different numbers of forwards
+            x = torch.full((2, 4), float(rank + 1) * (step + 1))
+            model(x).sum().backward()
+        removed = remove_observer(model)
+        Path(output_dir, f"report-{rank}.txt").write_text(
+            f"{attached} {any(dicts)} {returned} {removed}"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path: Path, policy: str) -> Path:
+    output_dir = tmp_path / "stats"
+    output_dir.mkdir()
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=worker, args=(rank, 2, port, policy, str(output_dir)))
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(TIMEOUT_SECONDS)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
+        assert process.exitcode == 0
+    return output_dir
+
+
+def test_rank0_policy_attaches_nothing_on_rank1(tmp_path: Path) -> None:
+    output_dir = run_two_ranks(tmp_path, "rank0")
+    assert (output_dir / "report-1.txt").read_text() == "False False None None"
+    assert (output_dir / "report-0.txt").read_text() == f"True True {output_dir} {output_dir}"
+    assert not any(output_dir.glob("rank-*"))
+    history = pl.read_parquet(output_dir / "history.parquet")
+    assert history["rank"].unique().to_list() == [0]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
+def test_all_policy_writes_one_complete_directory_per_rank(tmp_path: Path) -> None:
+    output_dir = run_two_ranks(tmp_path, "all")
+    for rank in range(2):
+        directory = output_dir / f"rank-{rank:03d}"
+        for artifact in ("history.parquet", "result.json", "index.md", "tensorboard"):
+            assert (directory / artifact).exists(), (rank, artifact)
+        history = pl.read_parquet(directory / "history.parquet")
+        assert history["rank"].unique().to_list() == [rank]
+        assert history["sample_id"].max() == 2 + rank
+        # each rank fed (rank + 1) * (step + 1): its Linear means are its own inputs' alone
+        means = (
+            history.filter(
+                (pl.col("layer") == "0")
+                & (pl.col("metric") == "mean")
+                & (pl.col("signal") == "output")
+            )
+            .sort("sample_id")["value"]
+            .to_list()
+        )
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        expected = [
+            reference[0](torch.full((2, 4), float(rank + 1) * (step + 1))).mean().item()
+            for step in range(3 + rank)
+        ]
+        assert means == pytest.approx(expected, rel=1e-6)
+    both = pl.scan_parquet(str(output_dir / "rank-*" / "history.parquet")).collect()
+    assert sorted(both["rank"].unique().to_list()) == [0, 1]
+
+
+def test_invalid_rank_policy_raises_at_inject(tmp_path: Path) -> None:
+    from torchinstruments import inject_observer
+
+    with pytest.raises(ValueError, match="rank_policy must be one of 'rank0', 'all'"):
+        inject_observer(nn.Linear(2, 2), output_dir=tmp_path / "s", rank_policy="every")

@@ -1,0 +1,113 @@
+"""Output gradients: matched to their forward, first backward only, never altered."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import mlp, read_history, values
+
+
+def reference_output_gradients(model: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
+    """d(loss)/d(output of each layer), computed on an unobserved copy with retain_grad."""
+    outputs = []
+    h = x
+    for layer in copy.deepcopy(model):
+        h = layer(h)
+        h.retain_grad()
+        outputs.append(h)
+    (h**2).sum().backward()
+    return [o.grad.detach().clone() for o in outputs]  # type: ignore[union-attr]
+
+
+def test_output_gradient_statistics_match_an_independent_computation(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x = torch.randn(11, 5)
+    expected = reference_output_gradients(model, x)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    (model(x) ** 2).sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    for index, grad in enumerate(expected):
+        g = grad.double().numpy().ravel()
+        rows = history.filter(pl.col("layer") == str(index))
+        got = dict(zip(rows["metric"], rows["value"], strict=True))
+        assert got["mean"] == pytest.approx(g.mean(), rel=1e-5, abs=1e-7)
+        assert got["std"] == pytest.approx(g.std(), rel=1e-5)
+        assert got["min"] == pytest.approx(g.min(), rel=1e-6)
+        assert got["max"] == pytest.approx(g.max(), rel=1e-6)
+        assert got["p50"] == pytest.approx(np.percentile(g, 50), rel=1e-5, abs=1e-7)
+        assert rows["shape"].to_list()[0] == list(grad.shape)
+        assert rows["forward_index"].unique().to_list() == [0]
+
+
+def test_only_the_first_backward_through_a_sampled_output_is_recorded(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    y = model(torch.randn(3, 4))
+    y.sum().backward(retain_graph=True)
+    (y.sum() * 100).backward()
+    remove_observer(model)
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0)]
+
+
+def test_accumulated_forwards_are_matched_to_their_own_sample(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    first = model(torch.randn(3, 4)).sum()
+    second = model(torch.randn(3, 4)).sum() * 3
+    (first + second).backward()
+    remove_observer(model)
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0), pytest.approx(3.0)]
+    assert grads.filter(pl.col("sample_id") == 1)["forward_index"].unique().to_list() == [1]
+
+
+def test_detached_branch_gets_no_gradient_rows(run_dir: Path) -> None:
+    class TwoBranches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept = nn.Linear(4, 4)
+            self.cut = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.kept(x) + self.cut(x).detach()
+
+    model = TwoBranches()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir)
+    grads = history.filter(pl.col("signal") == "output_gradient")
+    assert set(grads["layer"]) == {"kept"}
+    assert set(history.filter(pl.col("signal") == "output")["layer"]) == {"kept", "cut"}
+
+
+def test_gradients_of_several_backward_passes_are_each_flushed(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    for _ in range(6):
+        model(torch.randn(2, 8)).sum().backward()
+    remove_observer(model)
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert grads["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
+def test_gradient_via_autograd_grad_is_recorded(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4, requires_grad=True)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    (gx,) = torch.autograd.grad(model(x).sum(), x)
+    remove_observer(model)
+    assert gx.shape == x.shape
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0)]

@@ -1,0 +1,243 @@
+"""History writer and merge: columnar buffer, atomic parts, exact schema, bounded-memory merge."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from torchinstruments import history
+from torchinstruments.history import (
+    HISTORY_SCHEMA,
+    MERGE_SORT_KEY,
+    HistoryConfig,
+    HistoryWriter,
+    list_parts,
+    merge_parts,
+)
+from torchinstruments.records import Measurement, MetricValue
+
+EXPECTED_SCHEMA = {
+    "sample_id": pl.Int64,
+    "forward_index": pl.Int64,
+    "timestamp": pl.Datetime("us", "UTC"),
+    "rank": pl.Int32,
+    "layer": pl.String,
+    "module_type": pl.String,
+    "call_index": pl.Int32,
+    "signal": pl.String,
+    "tensor_path": pl.String,
+    "shape": pl.List(pl.Int64),
+    "dtype": pl.String,
+    "mode": pl.String,
+    "grad_enabled": pl.Boolean,
+    "metric": pl.String,
+    "value": pl.Float64,
+    "unavailable_reason": pl.String,
+}
+
+
+def measurement(sample: int, layer: str, signal: str = "output", call: int = 0) -> Measurement:
+    """A measurement with three metrics, one of them unavailable."""
+    return Measurement(
+        sample_id=sample,
+        forward_index=2 * sample + 1,
+        timestamp_us=1_700_000_000_000_000 + sample,
+        rank=None,
+        layer=layer,
+        module_type="Linear",
+        call_index=call,
+        signal=signal,
+        tensor_path="[0]" if call else "",
+        shape=(4, sample % 3 + 1),
+        dtype="float32",
+        mode="train",
+        grad_enabled=True,
+        metrics=("mean", "std", "p50"),
+        values=(
+            MetricValue(sample + 0.5),
+            MetricValue(None, "empty tensor"),
+            MetricValue(-float(sample)),
+        ),
+    )
+
+
+def run_samples(writer: HistoryWriter, samples: int) -> list[Measurement]:
+    """Forward of sample s, then (like a real loop) the backward of s arrives after it."""
+    produced = []
+    for s in range(samples):
+        fwd = [measurement(s, "b"), measurement(s, "a"), measurement(s, "a", call=1)]
+        bwd = [measurement(s, "a", "output_gradient", call=1), measurement(s, "a", "output_gradient")]
+        writer.append(fwd)
+        writer.append(bwd)
+        produced += fwd + bwd
+    return produced
+
+
+def expected_rows(measurements: list[Measurement]) -> list[tuple]:
+    """The rows the writer must produce, built directly from the records."""
+    rows = []
+    for m in measurements:
+        for name, v in zip(m.metrics, m.values, strict=True):
+            rows.append(
+                (m.sample_id, m.forward_index, m.timestamp_us, m.rank, m.layer, m.module_type)
+                + (m.call_index, m.signal, m.tensor_path, list(m.shape), m.dtype, m.mode)
+                + (m.grad_enabled, name, v.value, v.reason)
+            )
+    return rows
+
+
+def as_rows(frame: pl.DataFrame) -> list[tuple]:
+    ts = frame["timestamp"].dt.epoch("us")
+    return [
+        (*row[:2], t, *row[3:])
+        for row, t in zip(frame.rows(), ts.to_list(), strict=True)
+    ]
+
+
+def row_key(row: tuple) -> tuple:
+    return (row[0], row[7], row[4], row[6], row[8], row[13])
+
+
+def test_config_validation_names_field_value_and_rule() -> None:
+    with pytest.raises(ValueError, match=r"buffer_rows=0 .*int >= 1"):
+        HistoryConfig(buffer_rows=0)
+    with pytest.raises(ValueError, match=r"window=True"):
+        HistoryConfig(window=True)
+    with pytest.raises(ValueError, match=r"window=2.5"):
+        HistoryConfig(window=2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("buffer_rows", [1, 7, 8192])
+def test_rows_written_equal_rows_produced_and_merge_is_sorted(
+    tmp_path: Path, buffer_rows: int
+) -> None:
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=buffer_rows))
+    produced = run_samples(writer, 40)
+    expected = expected_rows(produced)
+    writer.flush()
+    assert writer.rows_produced == len(expected) == writer.rows_written
+    parts = list_parts(tmp_path)
+    frames = [pl.read_parquet(p) for p in parts]
+    assert all(f.height <= buffer_rows for f in frames)
+    assert all(dict(f.schema) == EXPECTED_SCHEMA for f in frames)
+    concatenated = pl.concat(frames)
+    assert sorted(as_rows(concatenated), key=repr) == sorted(expected, key=repr)
+
+    merged_path = writer.close()
+    assert merged_path == tmp_path / "history.parquet"
+    merged = pl.read_parquet(merged_path)
+    assert dict(merged.schema) == EXPECTED_SCHEMA
+    rows = as_rows(merged)
+    assert sorted(rows, key=repr) == sorted(expected, key=repr)
+    keys = [row_key(r) for r in rows]
+    assert keys == sorted(keys)
+    assert not (tmp_path / "history.parts").exists()
+
+
+def test_big_append_is_split_into_parts(tmp_path: Path) -> None:
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4))
+    writer.append([measurement(0, f"l{i}") for i in range(10)])  # 30 rows
+    sizes = [pl.read_parquet(p).height for p in list_parts(tmp_path)]
+    assert sizes == [4] * 7
+    assert writer.rows_buffered == 2
+    writer.flush()
+    assert writer.rows_written == 30
+
+
+def test_empty_history_has_exact_schema(tmp_path: Path) -> None:
+    path = HistoryWriter(tmp_path, HistoryConfig()).close()
+    assert path is not None
+    frame = pl.read_parquet(path)
+    assert frame.height == 0
+    assert dict(frame.schema) == EXPECTED_SCHEMA
+    assert dict(HISTORY_SCHEMA) == EXPECTED_SCHEMA
+
+
+def test_range_batched_merge_equals_single_sort(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history, "MERGE_BATCH_ROWS", 37)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
+    produced = run_samples(writer, 30)
+    writer.close()
+    rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
+    assert sorted(rows, key=repr) == sorted(expected_rows(produced), key=repr)
+    keys = [row_key(r) for r in rows]
+    assert keys == sorted(keys)
+
+
+def test_disk_full_warns_once_keeps_rows_and_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = history._write_parquet_atomic
+    failing = {"left": 5}
+
+    def flaky(frame: pl.DataFrame, path: Path) -> None:
+        if failing["left"] > 0:
+            failing["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(frame, path)
+
+    monkeypatch.setattr(history, "_write_parquet_atomic", flaky)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        produced = run_samples(writer, 30)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1
+    assert "history.parts" in messages[0]
+    assert "No space left" in messages[0]
+    assert failing["left"] == 0
+    writer.close()
+    rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
+    assert writer.rows_written == writer.rows_produced == len(rows)
+    assert sorted(rows, key=repr) == sorted(expected_rows(produced), key=repr)
+
+
+def test_close_with_unwritable_rows_returns_none_and_keeps_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=3))
+    run_samples(writer, 2)
+
+    def broken(frame: pl.DataFrame, path: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(history, "_write_parquet_atomic", broken)
+    with pytest.warns(RuntimeWarning, match="Permission denied"):
+        writer.append([measurement(5, "a")])
+    with pytest.warns(RuntimeWarning, match="could not be written"):
+        assert writer.close() is None
+    assert list_parts(tmp_path)
+    assert not (tmp_path / "history.parquet").exists()
+
+
+def test_merge_after_crash_between_rename_and_part_removal_has_no_duplicates(
+    tmp_path: Path,
+) -> None:
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=5))
+    produced = run_samples(writer, 6)
+    writer.flush()
+    parts = list_parts(tmp_path)
+    saved = {p: p.read_bytes() for p in parts}
+    merge_parts(tmp_path)
+    for p, data in saved.items():  # as if the process died before deleting the parts
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(data)
+    # and one part the merged file does not hold yet
+    late = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=100))
+    extra = [measurement(99, "z")]
+    late.append(extra)
+    late.flush()
+    merge_parts(tmp_path)
+    rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
+    assert sorted(rows, key=repr) == sorted(expected_rows(produced + extra), key=repr)
+    assert list_parts(tmp_path) == []
+
+
+def test_sort_key_is_the_documented_one() -> None:
+    assert MERGE_SORT_KEY == ("sample_id", "signal", "layer", "call_index", "tensor_path", "metric")

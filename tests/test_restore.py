@@ -1,0 +1,148 @@
+"""Removal restores the model exactly, and leaves nothing behind over many cycles."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import mlp, read_history
+
+
+def snapshot(model: nn.Module) -> dict[str, object]:
+    """Everything about a model that observation must not change (besides `forward`)."""
+    return {
+        "dicts": {name: dict(m.__dict__) for name, m in model.named_modules()},
+        "state_keys": list(model.state_dict().keys()),
+        "parameters": [id(p) for p in model.parameters()],
+        "buffers": [id(b) for b in model.buffers()],
+        "children": {name: [id(c) for c in m.children()] for name, m in model.named_modules()},
+    }
+
+
+def test_model_is_identical_during_and_after_observation_except_forward(run_dir: Path) -> None:
+    model = nn.Sequential(mlp(), nn.BatchNorm1d(8))
+    before = snapshot(model)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    during = snapshot(model)
+    proxied = {name for name, m in model.named_modules() if name == "" or not any(m.children())}
+    for name, module_dict in during["dicts"].items():  # type: ignore[union-attr]
+        assert ("forward" in module_dict) == (name in proxied), name
+        without = {k: v for k, v in module_dict.items() if k != "forward"}
+        assert without == before["dicts"][name]  # type: ignore[index]
+    for key in ("state_keys", "parameters", "buffers", "children"):
+        assert during[key] == before[key]
+    model(torch.randn(4, 8)).sum().backward()
+    remove_observer(model)
+    after = snapshot(model)
+    assert after == before
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_pre_existing_instance_forward_is_restored_by_identity(run_dir: Path) -> None:
+    model = mlp()
+    custom = model[0].forward
+    model[0].forward = custom
+
+    def root_forward(x: torch.Tensor) -> torch.Tensor:
+        return nn.Sequential.forward(model, x) * 2
+
+    model.forward = root_forward
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    x = torch.randn(2, 8)
+    observed = model(x)
+    remove_observer(model)
+    assert model[0].__dict__["forward"] is custom
+    assert model.__dict__["forward"] is root_forward
+    assert torch.equal(observed, model(x))
+    assert read_history(run_dir)["layer"].unique().len() == 6
+
+
+def test_forward_wrapped_by_someone_else_after_injection_is_not_clobbered(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    ours = model[0].forward
+    calls = []
+
+    def theirs(*args: object) -> object:
+        calls.append(1)
+        return ours(*args)
+
+    model[0].forward = theirs
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    assert model[0].__dict__["forward"] is theirs
+    assert "forward" not in model[2].__dict__
+    x = torch.randn(2, 8)
+    assert torch.equal(model[0](x), nn.Linear.forward(model[0], x))
+    assert len(calls) == 2
+
+
+def test_second_injection_raises_and_first_observer_keeps_working(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with pytest.raises(RuntimeError, match="remove_observer"):
+        inject_observer(model, output_dir=tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    assert read_history(run_dir).height > 0
+
+
+def test_remove_observer_without_observer_is_a_no_op_returning_none(run_dir: Path) -> None:
+    model = mlp()
+    assert remove_observer(model) is None
+    assert inject_observer(model, output_dir=run_dir) == run_dir
+    assert has_observer(model)
+    assert remove_observer(model) == run_dir
+    assert not has_observer(model)
+    assert remove_observer(model) is None
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_hundred_inject_run_remove_cycles_leave_no_trace(tmp_path: Path) -> None:
+    model = mlp()
+    before = snapshot(model)
+    x = torch.randn(4, 8)
+
+    def cycle(index: int) -> None:
+        inject_observer(
+            model, output_dir=tmp_path / f"run{index}", sampler=EveryNForwardsSampler(1)
+        )
+        model(x).sum().backward()
+        remove_observer(model)
+
+    for index in range(10):  # warm-up: imports, caches, thread pools
+        cycle(index)
+    gc.collect()
+    threads, fds = threading.active_count(), _open_fds()
+    tracemalloc.start()
+    start, _ = tracemalloc.get_traced_memory()
+    for index in range(10, 110):
+        cycle(index)
+    gc.collect()
+    end, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert snapshot(model) == before
+    assert threading.active_count() == threads
+    assert _open_fds() == fds
+    assert end - start < 2_000_000, f"memory grew by {end - start} bytes over 100 cycles"
+    assert read_history(tmp_path / "run109")["sample_id"].unique().to_list() == [0]

@@ -1,0 +1,83 @@
+"""Samplers choose exact forward indices, driven by a fake clock where time matters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    TimeIntervalSampler,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import mlp, read_history
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_n_samples_multiples_of_n() -> None:
+    sampler = EveryNForwardsSampler(4)
+    assert [i for i in range(17) if sampler.should_sample(i)] == [0, 4, 8, 12, 16]
+
+
+def test_time_interval_samples_first_then_first_after_each_interval() -> None:
+    clock = FakeClock()
+    sampler = TimeIntervalSampler(60, clock=clock)
+    times = [0, 10, 59.9, 60, 61, 119, 120.5, 500, 500, 559.99, 560]
+    sampled = []
+    for index, offset in enumerate(times):
+        clock.now = 1000.0 + offset
+        if sampler.should_sample(index):
+            sampled.append(index)
+    assert sampled == [0, 3, 6, 7, 10]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True, None])
+def test_every_n_rejects_non_positive_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        EveryNForwardsSampler(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf")])
+def test_time_interval_rejects_non_positive_seconds(bad: float) -> None:
+    with pytest.raises(ValueError, match="seconds must be a positive finite number"):
+        TimeIntervalSampler(bad)
+
+
+def test_default_sampler_with_fake_clock_through_the_observer(run_dir: Path) -> None:
+    clock = FakeClock()
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=TimeIntervalSampler(30, clock=clock))
+    for step in range(10):
+        clock.now = 1000.0 + 10 * step
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().sort().to_list() == [0, 3, 6, 9]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2, 3]
+
+
+def test_raising_sampler_means_not_sampled_and_training_goes_on(run_dir: Path) -> None:
+    class Broken:
+        def should_sample(self, forward_index: int) -> bool:
+            raise ZeroDivisionError("oops")
+
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=Broken())
+    with pytest.warns(RuntimeWarning, match="sampler"):
+        model(torch.randn(2, 8))
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    assert read_history(run_dir).height == 0

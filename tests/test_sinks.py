@@ -1,0 +1,91 @@
+"""Custom sinks see every record; a raising sink is reported once and detached."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    RunCounts,
+    RunInfo,
+    SampleRecord,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import read_history
+
+
+class Recording:
+    """A sink that keeps what it receives."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.records: list[SampleRecord] = []
+        self.counts: RunCounts | None = None
+
+    def start(self, run: RunInfo) -> None:
+        self.calls.append("start")
+
+    def write_forward(self, record: SampleRecord) -> None:
+        self.calls.append("forward")
+        self.records.append(record)
+
+    def write_backward(self, record: SampleRecord) -> None:
+        self.calls.append("backward")
+        self.records.append(record)
+
+    def close(self, counts: RunCounts) -> None:
+        self.calls.append("close")
+        self.counts = counts
+
+
+class Raising(Recording):
+    def write_forward(self, record: SampleRecord) -> None:
+        super().write_forward(record)
+        raise OSError("remote store unavailable")
+
+
+def test_custom_sink_receives_lifecycle_and_plain_records(run_dir: Path) -> None:
+    sink = Recording()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2), sinks=[sink])
+    for _ in range(4):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    assert sink.calls == ["start", "forward", "backward", "forward", "backward", "close"]
+    assert sink.counts == RunCounts(root_forwards=4, samples=2, backward_samples=2)
+    rows = sum(len(m.metrics) for r in sink.records for m in r.measurements)
+    assert rows == read_history(run_dir).height
+    for record in sink.records:
+        for measurement in record.measurements:
+            for value in measurement.values:
+                assert value.value is None or type(value.value) is float
+
+
+def test_raising_sink_is_warned_once_and_detached_and_others_keep_working(run_dir: Path) -> None:
+    bad, good = Raising(), Recording()
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[bad, good])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(2, 3))
+        remove_observer(model)
+    messages = [str(w.message) for w in caught if "remote store unavailable" in str(w.message)]
+    assert len(messages) == 1
+    assert "detached" in messages[0]
+    assert bad.calls == ["start", "forward"]
+    assert good.calls == ["start", "forward", "forward", "forward", "close"]
+    assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
+def test_object_without_sink_methods_is_rejected_at_inject(run_dir: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"sinks: .* lacks .*write_forward"):
+        inject_observer(model, output_dir=run_dir, sinks=[object()])  # type: ignore[list-item]

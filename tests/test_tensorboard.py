@@ -1,0 +1,190 @@
+"""Focus-layer histograms in TensorBoard, read back with TensorBoard's own EventAccumulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import (
+    HISTOGRAMS,
+    EventAccumulator,
+)
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    TensorBoardSink,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import read_history
+
+
+def histograms(log_dir: Path) -> dict[str, list]:
+    """Every histogram tag in `log_dir` with its events, as TensorBoard reads them."""
+    accumulator = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0})
+    accumulator.Reload()
+    return {tag: accumulator.Histograms(tag) for tag in accumulator.Tags()["histograms"]}
+
+
+class Reversed(nn.Module):
+    """Ten leaves, executed in the reverse of their traversal order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks):
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_default_focus_is_first_eight_layers_in_traversal_order(run_dir: Path) -> None:
+    model = Reversed()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+    remove_observer(model)
+    found = histograms(run_dir / "tensorboard")
+    expected = {
+        f"blocks.{i}/call_0/{signal}/tensor"
+        for i in range(8)
+        for signal in ("output", "output_gradient")
+    }
+    assert set(found) == expected
+    for tag, events in found.items():
+        assert [event.step for event in events] == [0, 1, 2], tag
+        for event in events:
+            assert sum(event.histogram_value.bucket) == 20  # 5 x 4 finite entries
+
+
+def test_bucket_counts_sum_to_finite_entries_and_match_min_max(run_dir: Path) -> None:
+    class WithNaN(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
+            y[0, 0] = float("nan")
+            y[1, 1] = float("inf")
+            return y
+
+    x = torch.randn(6, 5)
+    model = nn.Sequential(WithNaN())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(x)
+    remove_observer(model)
+    (events,) = histograms(run_dir / "tensorboard").values()
+    value = events[0].histogram_value
+    finite = x.clone()
+    finite[0, 0] = float("nan")
+    finite[1, 1] = float("inf")
+    finite = finite[torch.isfinite(finite)]
+    assert sum(value.bucket) == finite.numel() == 28
+    assert value.min == pytest.approx(finite.min().item())
+    assert value.max == pytest.approx(finite.max().item())
+    assert value.num == 28
+
+
+def test_shared_calls_and_tuple_outputs_get_separate_tags(run_dir: Path) -> None:
+    class Split(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x[:, :2], x[:, 2:]
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.split = Split()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.split(self.lin(self.lin(x)))
+            return a.sum() + b.sum()
+
+    model = Model()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).backward()
+    remove_observer(model)
+    assert set(histograms(run_dir / "tensorboard")) == {
+        "lin/call_0/output/tensor",
+        "lin/call_1/output/tensor",
+        "split/call_0/output/[0]",
+        "split/call_0/output/[1]",
+        "lin/call_0/output_gradient/tensor",
+        "lin/call_1/output_gradient/tensor",
+        "split/call_0/output_gradient/[0]",
+        "split/call_0/output_gradient/[1]",
+    }
+
+
+def test_histogram_selector_and_limit_choose_focus_modules(run_dir: Path) -> None:
+    model = Reversed()
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        histogram_selector=lambda name, module: name.endswith(("3", "5", "7")),
+        max_histogram_modules=2,
+    )
+    model(torch.randn(2, 4))
+    remove_observer(model)
+    assert set(histograms(run_dir / "tensorboard")) == {
+        "blocks.3/call_0/output/tensor",
+        "blocks.5/call_0/output/tensor",
+    }
+
+
+def test_histogram_selector_matching_nothing_raises_and_leaves_model_untouched(
+    run_dir: Path,
+) -> None:
+    model = Reversed()
+    with pytest.raises(ValueError, match="histogram_selector matched no observed layer"):
+        inject_observer(model, output_dir=run_dir, histogram_selector=lambda n, m: False)
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not run_dir.exists()
+
+
+def test_tensorboard_sink_writes_into_the_callers_writer_and_leaves_it_open(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(writer)]
+    )
+    model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.add_scalar("caller/after_removal", 1.0, 0)
+    writer.close()
+    caller = histograms(tmp_path / "caller")
+    assert "0/call_0/output/tensor" in caller
+    assert "1/call_0/output_gradient/tensor" in caller
+    scalars = EventAccumulator(str(tmp_path / "caller"))
+    scalars.Reload()
+    assert "caller/after_removal" in scalars.Tags()["scalars"]
+    assert set(histograms(run_dir / "tensorboard")) == set(caller)
+    assert read_history(run_dir).height > 0
+    assert (run_dir / "result.json").exists()
+    assert (run_dir / "index.md").exists()
+
+
+def test_tensorboard_sink_accepts_a_lightning_logger(run_dir: Path, tmp_path: Path) -> None:
+    loggers = pytest.importorskip("lightning.pytorch.loggers")
+    logger = loggers.TensorBoardLogger(save_dir=str(tmp_path), name="lightning", version=0)
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(logger)]
+    )
+    model(torch.randn(2, 3))
+    remove_observer(model)
+    logger.experiment.add_scalar("still/usable", 2.0, 0)
+    logger.finalize("success")
+    assert "0/call_0/output/tensor" in histograms(Path(logger.log_dir))
+
+
+def test_tensorboard_sink_rejects_objects_that_are_not_writers() -> None:
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        TensorBoardSink(object())

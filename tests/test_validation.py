@@ -1,0 +1,79 @@
+"""Bad arguments fail at inject_observer, naming the argument, before the model or disk change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import DefaultStatistics, HistoryConfig, has_observer, inject_observer
+
+from conftest import mlp
+
+
+class Clashing:
+    metrics = ("mean",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
+        return {"mean": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"output_dir": 3}, TypeError, "output_dir"),
+        ({"sampler": object()}, TypeError, "sampler"),
+        ({"selector": "leaves"}, TypeError, "selector"),
+        ({"histogram_selector": 1}, TypeError, "histogram_selector"),
+        ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
+        ({"max_histogram_modules": 2.5}, ValueError, "max_histogram_modules"),
+        ({"history_config": {"buffer_rows": 5}}, TypeError, "history_config"),
+        ({"rank_policy": "rank1"}, ValueError, "rank_policy"),
+        ({"capture_direct_forwards": "yes"}, TypeError, "capture_direct_forwards"),
+        ({"sinks": "tensorboard"}, TypeError, "sinks"),
+        ({"reducers": [Clashing()]}, ValueError, "mean"),
+        ({"reducers": [object()]}, TypeError, "reducers"),
+    ],
+)
+def test_bad_argument_raises_naming_it_and_changes_nothing(
+    run_dir: Path, kwargs: dict, error: type[Exception], match: str
+) -> None:
+    model = mlp()
+    kwargs.setdefault("output_dir", run_dir)
+    with pytest.raises(error, match=match):
+        inject_observer(model, **kwargs)
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not run_dir.exists()
+
+
+def test_model_must_be_a_module(run_dir: Path) -> None:
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        inject_observer(lambda x: x, output_dir=run_dir)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["buffer_rows", "window"])
+@pytest.mark.parametrize("bad", [0, -3])
+def test_history_config_rejects_non_positive_sizes(field: str, bad: int) -> None:
+    with pytest.raises(ValueError, match=field):
+        HistoryConfig(**{field: bad})
+
+
+def test_default_statistics_rejects_unknown_metric() -> None:
+    with pytest.raises(ValueError, match="p99"):
+        DefaultStatistics(metrics=("mean", "p99"))
+
+
+def test_output_dir_holding_a_run_is_refused(run_dir: Path) -> None:
+    first = nn.Linear(2, 2)
+    inject_observer(first, output_dir=run_dir)
+    first(torch.randn(1, 2))
+    from torchinstruments import remove_observer
+
+    remove_observer(first)
+    second = nn.Linear(2, 2)
+    with pytest.raises(FileExistsError, match="output_dir"):
+        inject_observer(second, output_dir=run_dir)
+    assert not has_observer(second)

@@ -30,8 +30,23 @@ LAYERS = tuple(f"blocks.{i}.mlp" for i in range(50))
 def sample(s: int) -> list[Measurement]:
     values = tuple(MetricValue(float(s % 97) + i / 10) for i in range(len(METRICS)))
     return [
-        Measurement(s, 4 * s, 1_700_000_000_000_000 + s, None, layer, "Linear", 0, "output", "",
-                    (32, 128), "float32", "train", True, METRICS, values)
+        Measurement(
+            s,
+            4 * s,
+            1_700_000_000_000_000 + s,
+            None,
+            layer,
+            "Linear",
+            0,
+            "output",
+            "",
+            (32, 128),
+            "float32",
+            "train",
+            True,
+            METRICS,
+            values,
+        )
         for layer in LAYERS
     ]
 
@@ -82,14 +97,20 @@ def main() -> None:
     parts = list_parts(args.dir)
     size = sum(p.stat().st_size for p in parts)
     out = subprocess.run(
-        [sys.executable, "-c", MERGE_CHILD, str(args.dir)], capture_output=True, text=True,
+        [sys.executable, "-c", MERGE_CHILD, str(args.dir)],
+        capture_output=True,
+        text=True,
         check=True,
     ).stdout.split()
     merged = (args.dir / "history.parquet").stat().st_size
-    print(f"merge of {len(parts)} parts ({size / 2**20:.0f} MiB on disk, {rows:,} rows): "
-          f"{float(out[0]):.1f} s, peak RSS {float(out[1]):.0f} MiB; "
-          f"history.parquet {merged / 2**20:.0f} MiB")
-    print(f"bench process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    print(
+        f"merge of {len(parts)} parts ({size / 2**20:.0f} MiB on disk, {rows:,} rows): "
+        f"{float(out[0]):.1f} s, peak RSS {float(out[1]):.0f} MiB; "
+        f"history.parquet {merged / 2**20:.0f} MiB"
+    )
+    print(
+        f"bench process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

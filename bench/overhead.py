@@ -13,7 +13,6 @@ A micro-benchmark of 200 identity leaves isolates the per-call cost from arithme
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,6 +22,8 @@ import torch
 from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
+
+from _timing import median
 
 
 class NeverSample:
@@ -123,9 +124,9 @@ def measure(name: str, factory: Callable, steps: int, rounds: int, backward: boo
         times["hook"].append(time_steps(step, steps))
         for handle in handles:
             handle.remove()
-    plain = statistics.median(times["plain"])
-    observed = statistics.median(times["observed"])
-    hook = statistics.median(times["hook"])
+    plain = median(times["plain"])
+    observed = median(times["observed"])
+    hook = median(times["hook"])
     # Per-call overhead from paired rounds: robust to slow drift over the run.
     paired = [o - p for o, p in zip(times["observed"], times["plain"], strict=True)]
     paired_hook = [h - p for h, p in zip(times["hook"], times["plain"], strict=True)]
@@ -135,8 +136,8 @@ def measure(name: str, factory: Callable, steps: int, rounds: int, backward: boo
         "plain_us": plain * 1e6,
         "ratio": observed / plain,
         "hook_ratio": hook / plain,
-        "us_per_call": statistics.median(paired) / calls * 1e6,
-        "hook_us_per_call": statistics.median(paired_hook) / calls * 1e6,
+        "us_per_call": median(paired) / calls * 1e6,
+        "hook_us_per_call": median(paired_hook) / calls * 1e6,
     }
 
 

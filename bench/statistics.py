@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics as pystats
 import time
 from collections.abc import Callable
 
 import torch
 
 from torchinstruments.statistics import Measurer
+
+from _timing import median
 
 QUARTILES = (0.25, 0.5, 0.75)
 QUANTILE_LIMIT = 2**24
@@ -112,7 +113,7 @@ def main() -> None:
         for _ in range(repeats):
             for name, fn in candidates.items():
                 runs[name].append(timed(fn))
-        ms = {name: pystats.median(r) * 1e3 if r else math.nan for name, r in runs.items()}
+        ms = {name: median(r) * 1e3 if r else math.nan for name, r in runs.items()}
         got = ours(measurer, x)
         want = reference_quartiles(torch.sort(x).values)
         exact = [got[f"p{int(q * 100)}"] for q in QUARTILES] == want

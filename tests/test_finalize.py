@@ -65,7 +65,10 @@ HOLDER_SCRIPT = textwrap.dedent(
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "torchinstruments", *map(str, args)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -79,8 +82,27 @@ def strict_json(path: Path) -> object:
 def sample_rows(directory: Path, samples: int) -> None:
     writer = HistoryWriter(directory, HistoryConfig(buffer_rows=4))
     for s in range(samples):
-        writer.append([Measurement(s, s, s, None, "a", "Linear", 0, "output", "", (1,),
-                                   "float32", "train", True, ("mean",), (MetricValue(1.0 * s),))])
+        writer.append(
+            [
+                Measurement(
+                    s,
+                    s,
+                    s,
+                    None,
+                    "a",
+                    "Linear",
+                    0,
+                    "output",
+                    "",
+                    (1,),
+                    "float32",
+                    "train",
+                    True,
+                    ("mean",),
+                    (MetricValue(1.0 * s),),
+                )
+            ]
+        )
     writer.flush()
 
 

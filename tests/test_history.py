@@ -70,7 +70,10 @@ def run_samples(writer: HistoryWriter, samples: int) -> list[Measurement]:
     produced = []
     for s in range(samples):
         fwd = [measurement(s, "b"), measurement(s, "a"), measurement(s, "a", call=1)]
-        bwd = [measurement(s, "a", "output_gradient", call=1), measurement(s, "a", "output_gradient")]
+        bwd = [
+            measurement(s, "a", "output_gradient", call=1),
+            measurement(s, "a", "output_gradient"),
+        ]
         writer.append(fwd)
         writer.append(bwd)
         produced += fwd + bwd
@@ -83,19 +86,18 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
     for m in measurements:
         for name, v in zip(m.metrics, m.values, strict=True):
             rows.append(
-                (m.sample_id, m.forward_index, m.timestamp_us, m.rank, m.layer, m.module_type)
-                + (m.call_index, m.signal, m.tensor_path, list(m.shape), m.dtype, m.mode)
-                + (m.grad_enabled, name, v.value, v.reason)
+                (
+                    *(m.sample_id, m.forward_index, m.timestamp_us, m.rank, m.layer, m.module_type),
+                    *(m.call_index, m.signal, m.tensor_path, list(m.shape), m.dtype, m.mode),
+                    *(m.grad_enabled, name, v.value, v.reason),
+                )
             )
     return rows
 
 
 def as_rows(frame: pl.DataFrame) -> list[tuple]:
     ts = frame["timestamp"].dt.epoch("us")
-    return [
-        (*row[:2], t, *row[3:])
-        for row, t in zip(frame.rows(), ts.to_list(), strict=True)
-    ]
+    return [(*row[:2], t, *row[3:]) for row, t in zip(frame.rows(), ts.to_list(), strict=True)]
 
 
 def row_key(row: tuple) -> tuple:
@@ -129,7 +131,7 @@ def test_rows_written_equal_rows_produced_and_merge_is_sorted(
 
     merged_path = writer.close()
     assert merged_path == tmp_path / "history.parquet"
-    merged = pl.read_parquet(merged_path)
+    merged = pl.read_parquet(tmp_path / "history.parquet")
     assert dict(merged.schema) == EXPECTED_SCHEMA
     rows = as_rows(merged)
     assert sorted(rows, key=repr) == sorted(expected, key=repr)

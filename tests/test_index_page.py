@@ -38,12 +38,28 @@ def write_history(directory: Path, rank: int | None, keep_parts: bool = False) -
     writer = HistoryWriter(directory, HistoryConfig(buffer_rows=5))
     for s in range(6):
         for signal in ("output", "output_gradient"):
-            writer.append([
-                Measurement(s, s, s, rank, layer, "Linear", 0, signal, "", (2, 2), "float32",
-                            "train", True, ("mean", "std"),
-                            (MetricValue(s * 1.0), MetricValue(None, "empty tensor")))
-                for layer in ("encoder.0", "head")
-            ])
+            writer.append(
+                [
+                    Measurement(
+                        s,
+                        s,
+                        s,
+                        rank,
+                        layer,
+                        "Linear",
+                        0,
+                        signal,
+                        "",
+                        (2, 2),
+                        "float32",
+                        "train",
+                        True,
+                        ("mean", "std"),
+                        (MetricValue(s * 1.0), MetricValue(None, "empty tensor")),
+                    )
+                    for layer in ("encoder.0", "head")
+                ]
+            )
     writer.flush()
     if keep_parts:
         shutil.copytree(directory / "history.parts", directory / "parts.copy")
@@ -59,14 +75,30 @@ def python_blocks(text: str) -> list[str]:
 def test_page_documents_the_run(tmp_path: Path) -> None:
     text = render_index(run_info(tmp_path), RunCounts(100, 25, 24))
     for needle in (
-        "torchinstruments 0.1.0", "torch 2.15.0", "tests.Net", "`encoder.0` (Linear)",
-        "EveryNForwardsSampler(every=4)", "rank_policy='rank0'", "100 root forwards",
-        "25 samples", "empty tensor", "no finite entries", "unsupported dtype",
-        "unsupported layout", "non-finite result", "reducer error: <Type>: <message>",
-        "reducer returned no value", "measurement error", "population standard deviation",
-        "linear interpolation", "original element count", "parameter gradients",
-        "not the statistic of the pooled elements", "`[1]['k']`", ".hidden",
-        'rank-*/history.parquet',
+        "torchinstruments 0.1.0",
+        "torch 2.15.0",
+        "tests.Net",
+        "`encoder.0` (Linear)",
+        "EveryNForwardsSampler(every=4)",
+        "rank_policy='rank0'",
+        "100 root forwards",
+        "25 samples",
+        "empty tensor",
+        "no finite entries",
+        "unsupported dtype",
+        "unsupported layout",
+        "non-finite result",
+        "reducer error: <Type>: <message>",
+        "reducer returned no value",
+        "measurement error",
+        "population standard deviation",
+        "linear interpolation",
+        "original element count",
+        "parameter gradients",
+        "not the statistic of the pooled elements",
+        "`[1]['k']`",
+        ".hidden",
+        "rank-*/history.parquet",
     ):
         assert needle in text, needle
     for column in ("sample_id", "unavailable_reason", "shape", "grad_enabled"):

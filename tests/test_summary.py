@@ -64,15 +64,34 @@ def make_history(directory: Path) -> None:
         batch = [m(s, "", {"mean": rng.gauss(0, 1), "std": 1.0}, module_type="Net")]
         for call in (0, 1):
             maybe = None if rng.random() < 0.3 else rng.gauss(0, 1)
-            batch.append(m(s, "shared", {"mean": maybe, "max": round(rng.random(), 1)}, call=call,
-                           path="['k']" if call else "", shape=(s % 4 + 1, 2)))
+            batch.append(
+                m(
+                    s,
+                    "shared",
+                    {"mean": maybe, "max": round(rng.random(), 1)},
+                    call=call,
+                    path="['k']" if call else "",
+                    shape=(s % 4 + 1, 2),
+                )
+            )
         batch.append(m(s, "nulls", {"mean": None}))
         if s < 2 or s == 39:
             batch.append(m(s, "sparse", {"mean": float(s)}))
         writer.append(batch)
         if s % 2 == 0:  # gradients only on even samples; appended after the forward, like backward
-            writer.append([m(s, "shared", {"mean": rng.gauss(0, 1e-3)}, call=1, path="['k']",
-                             signal="output_gradient", dtype="bfloat16")])
+            writer.append(
+                [
+                    m(
+                        s,
+                        "shared",
+                        {"mean": rng.gauss(0, 1e-3)},
+                        call=1,
+                        path="['k']",
+                        signal="output_gradient",
+                        dtype="bfloat16",
+                    )
+                ]
+            )
     writer.close()
 
 
@@ -83,7 +102,7 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
     for r in rows:  # history.parquet is sorted by sample_id: row order is history order
         series[(r["layer"], r["call_index"], r["signal"], r["tensor_path"], r["metric"])].append(r)
 
-    def at(r: dict | None) -> dict:
+    def at(r: dict) -> dict:
         return {"value": r["value"], "sample_id": r["sample_id"]}
 
     def extreme(obs: list[dict], pick: Any) -> dict:
@@ -91,7 +110,10 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
         if not finite:
             return {"value": None, "sample_id": None}
         best = pick(r["value"] for r in finite)
-        return {"value": best, "sample_id": min(r["sample_id"] for r in finite if r["value"] == best)}
+        return {
+            "value": best,
+            "sample_id": min(r["sample_id"] for r in finite if r["value"] == best),
+        }
 
     def win(obs: list[dict], samples: list[int]) -> dict:
         inside = [r for r in obs if r["sample_id"] in samples]
@@ -111,10 +133,19 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
             obs = series[key]
             tkey = key[1:4]
             if tkey not in tensors:
-                last = [r for r in rows if (r["layer"], r["call_index"], r["signal"],
-                                            r["tensor_path"]) == key[:4]][-1]
-                tensors[tkey] = {"call_index": key[1], "signal": key[2], "tensor_path": key[3],
-                                 "shape": last["shape"], "dtype": last["dtype"], "metrics": {}}
+                last = [
+                    r
+                    for r in rows
+                    if (r["layer"], r["call_index"], r["signal"], r["tensor_path"]) == key[:4]
+                ][-1]
+                tensors[tkey] = {
+                    "call_index": key[1],
+                    "signal": key[2],
+                    "tensor_path": key[3],
+                    "shape": last["shape"],
+                    "dtype": last["dtype"],
+                    "metrics": {},
+                }
             distinct = sorted({r["sample_id"] for r in obs}, reverse=True)
             tensors[tkey]["metrics"][key[4]] = {
                 "observations": len(obs),
@@ -123,11 +154,16 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
                 "latest": at(obs[-1]),
                 "min": extreme(obs, min),
                 "max": extreme(obs, max),
-                "previous": win(obs, distinct[window:2 * window]),
+                "previous": win(obs, distinct[window : 2 * window]),
                 "recent": win(obs, distinct[:window]),
             }
-        out.append({"layer": layer.name, "module_type": layer.module_type,
-                    "tensors": [tensors[k] for k in sorted(tensors)]})
+        out.append(
+            {
+                "layer": layer.name,
+                "module_type": layer.module_type,
+                "tensors": [tensors[k] for k in sorted(tensors)],
+            }
+        )
     return out
 
 
@@ -150,7 +186,9 @@ def assert_close(actual: Any, expected: Any, where: str = "") -> None:
 def test_catalog_lists_every_layer_in_order(tmp_path: Path) -> None:
     write_catalog(tmp_path, LAYERS)
     data = strict_load((tmp_path / "result.json").read_text(encoding="utf-8"))
-    assert data == [{"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS]
+    assert data == [
+        {"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +211,9 @@ def test_layout_cases_are_present(summarized: tuple[Path, list[dict]]) -> None:
     by_layer = {d["layer"]: d for d in data}
     assert [d["layer"] for d in data] == [li.name for li in LAYERS]
     assert by_layer["never"]["tensors"] == []
-    shared = [(t["call_index"], t["signal"], t["tensor_path"]) for t in by_layer["shared"]["tensors"]]
+    shared = [
+        (t["call_index"], t["signal"], t["tensor_path"]) for t in by_layer["shared"]["tensors"]
+    ]
     assert shared == [(0, "output", ""), (1, "output", "['k']"), (1, "output_gradient", "['k']")]
     nulls = by_layer["nulls"]["tensors"][0]["metrics"]["mean"]
     assert nulls["valid"] == 0
@@ -194,17 +234,29 @@ def test_short_run_has_partial_windows(tmp_path: Path) -> None:
     write_result(tmp_path, (LayerInfo("x", "Linear"),), 3)
     got = strict_load((tmp_path / "result.json").read_text(encoding="utf-8"))
     metric = got[0]["tensors"][0]["metrics"]["mean"]
-    assert metric["recent"] == {"mean": 2.0, "actual": 3, "valid": 3, "first_sample_id": 1,
-                                "last_sample_id": 3}
-    assert metric["previous"] == {"mean": 0.0, "actual": 1, "valid": 1, "first_sample_id": 0,
-                                  "last_sample_id": 0}
+    assert metric["recent"] == {
+        "mean": 2.0,
+        "actual": 3,
+        "valid": 3,
+        "first_sample_id": 1,
+        "last_sample_id": 3,
+    }
+    assert metric["previous"] == {
+        "mean": 0.0,
+        "actual": 1,
+        "valid": 1,
+        "first_sample_id": 0,
+        "last_sample_id": 0,
+    }
 
 
 def test_empty_history_lists_layers_without_tensors(tmp_path: Path) -> None:
     HistoryWriter(tmp_path, HistoryConfig()).close()
     write_result(tmp_path, LAYERS, WINDOW)
     got = strict_load((tmp_path / "result.json").read_text(encoding="utf-8"))
-    assert got == [{"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS]
+    assert got == [
+        {"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS
+    ]
 
 
 def test_missing_history_says_what_to_do(tmp_path: Path) -> None:

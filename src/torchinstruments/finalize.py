@@ -255,8 +255,7 @@ def finalize(directory: Path) -> FinalizeReport:
             write_index(directory, run, counts, recovered=True)
     for path, reason in merged.unreadable_parts:
         warnings.warn(
-            f"torchinstruments finalize: part {path} is unreadable and was left in place: "
-            f"{reason}",
+            f"torchinstruments finalize: part {path} is unreadable and was left in place: {reason}",
             RuntimeWarning,
             stacklevel=2,
         )

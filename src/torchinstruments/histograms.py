@@ -8,10 +8,9 @@ transfer; `finish` turns it into a `HistogramRecord`.
 
 The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
 holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
-found by a branchless binary search over the float64 edges (log2(bins) gather-and-compare
-rounds), so it is exactly consistent with the edges reported, even when bins are only a few ulps
-wide or the range overflows float64 arithmetic; the cost is a few elementwise passes more than an
-arithmetic `floor((x - min) / width)` would need. Counts are summed with `scatter_add_`, which
+found by `torch.bucketize` (a native binary search) over the float64 edges, so it is exactly
+consistent with the edges reported, even when bins are only a few ulps wide or the range
+overflows float64 arithmetic, at about the cost of one elementwise pass. Counts are summed with `scatter_add_`, which
 is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
 1e-6, at least 1e-12) so that TensorBoard can draw it. Dtypes follow `torchinstruments.statistics`:
 low-precision floats, integers and bools are binned as float32/float64 values; complex dtypes and
@@ -185,11 +184,7 @@ def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def _bin_index(x: torch.Tensor, edges: torch.Tensor, bins: int) -> torch.Tensor:
-    """Largest i < bins with edges[i] <= x, by a branchless binary search (x >= edges[0])."""
-    index = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    step = 1 << max(bins - 1, 1).bit_length() - 1
-    while step:
-        candidate = (index + step).clamp_(max=bins - 1)
-        index = torch.where(x >= edges[candidate], candidate, index)
-        step >>= 1
-    return index
+    """Largest i < bins with edges[i] <= x (x >= edges[0]): one native binary search per entry."""
+    # bucketize over the inner edges: x < edges[1] -> 0, ..., x >= edges[bins - 1] -> bins - 1,
+    # so the max lands in the last bin, as in numpy.histogram.
+    return torch.bucketize(x, edges[1:-1].contiguous(), right=True)

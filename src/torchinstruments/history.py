@@ -32,7 +32,7 @@ import shutil
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import pairwise, repeat
 from pathlib import Path
 
 import polars as pl
@@ -143,9 +143,14 @@ def _write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
 
 @dataclass
 class _ColumnBuffer:
-    """One list per history column; `take` moves the first n rows out as a DataFrame."""
+    """One list per history column; `frame` turns the first n rows into a DataFrame.
+
+    `shape` is kept as an index into `shapes` (distinct shapes are few), because building a
+    List column from one Python list per row costs ~50x more than a gather.
+    """
 
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in HISTORY_SCHEMA})
+    shapes: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.columns["metric"])
@@ -157,6 +162,7 @@ class _ColumnBuffer:
             raise ValueError(
                 f"Measurement of {m.layer!r} has {k} metrics but {len(m.values)} values"
             )
+        shape_id = self.shapes.setdefault(tuple(m.shape), len(self.shapes))
         c = self.columns
         c["sample_id"].extend(repeat(m.sample_id, k))
         c["forward_index"].extend(repeat(m.forward_index, k))
@@ -167,7 +173,7 @@ class _ColumnBuffer:
         c["call_index"].extend(repeat(m.call_index, k))
         c["signal"].extend(repeat(m.signal, k))
         c["tensor_path"].extend(repeat(m.tensor_path, k))
-        c["shape"].extend(repeat(list(m.shape), k))
+        c["shape"].extend(repeat(shape_id, k))
         c["dtype"].extend(repeat(m.dtype, k))
         c["mode"].extend(repeat(m.mode, k))
         c["grad_enabled"].extend(repeat(m.grad_enabled, k))
@@ -183,14 +189,19 @@ class _ColumnBuffer:
             values = self.columns[name][:n]
             if name == "timestamp":
                 data[name] = pl.Series(name, values, dtype=pl.Int64).cast(dtype)
+            elif name == "shape":
+                distinct = pl.Series(name, [list(s) for s in self.shapes], dtype=dtype)
+                data[name] = distinct.gather(pl.Series(values, dtype=pl.UInt32))
             else:
                 data[name] = pl.Series(name, values, dtype=dtype)
         return pl.DataFrame(data)
 
     def drop(self, n: int) -> None:
-        """Forget the first `n` rows."""
+        """Forget the first `n` rows (and the shape table once the buffer is empty)."""
         for values in self.columns.values():
             del values[:n]
+        if not self.columns["metric"]:
+            self.shapes.clear()
 
 
 class HistoryWriter:
@@ -473,7 +484,7 @@ def _sink_sorted(sources: Sequence[_Source], target: Path, metadata: dict[str, s
     tmp_dir.mkdir()
     try:
         pieces = []
-        for i, (lo, hi) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        for i, (lo, hi) in enumerate(pairwise(cuts)):
             piece = tmp_dir / f"range-{i:09d}.parquet"
             _sorted_range(sources, lo, hi).sink_parquet(piece)
             pieces.append(piece)

@@ -117,7 +117,9 @@ def _section_run(run: RunInfo, counts: RunCounts | None, recovered: bool) -> lis
             "result.json appear at removal; read history.parts/ meanwhile)"
         )
     else:
-        bound = " (lower bounds: rebuilt from history after an interrupted run)" if recovered else ""
+        bound = (
+            " (lower bounds: rebuilt from history after an interrupted run)" if recovered else ""
+        )
         lines.append(
             f"- counts{bound}: {counts.root_forwards} root forwards, {counts.samples} samples, "
             f"{counts.backward_samples} samples with a backward"

@@ -106,7 +106,10 @@ class Reducer(Protocol):
         ...         return {"abs_max": tensor.abs().amax()}
     """
 
-    metrics: tuple[str, ...]
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Names of the metrics the reducer returns (a plain class attribute is fine)."""
+        ...
 
     def __call__(self, tensor: torch.Tensor) -> Mapping[str, torch.Tensor | float]:
         """Returns one scalar per name in `metrics`."""
@@ -638,7 +641,9 @@ def _radix_select(
     buckets = torch.searchsorted(cumulative, locals_, right=True)
     before = torch.where(buckets > 0, cumulative[(buckets - 1).clamp(min=0)], 0)
     by_bucket: dict[int, list[tuple[int, int]]] = {}
-    for (rank, local), bucket, skipped in zip(wanted, buckets.tolist(), before.tolist(), strict=True):
+    for (rank, local), bucket, skipped in zip(
+        wanted, buckets.tolist(), before.tolist(), strict=True
+    ):
         by_bucket.setdefault(bucket, []).append((rank, local - skipped))
     if len(by_bucket) == 1:
         [(bucket, members)] = by_bucket.items()

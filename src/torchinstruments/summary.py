@@ -107,11 +107,15 @@ def _series_stats(lf: pl.LazyFrame) -> pl.DataFrame:
 
 def _tensor_latest(lf: pl.LazyFrame) -> pl.DataFrame:
     """module_type, shape and dtype of the latest observation of each tensor."""
-    return lf.group_by(TENSOR_KEY).agg(
-        module_type=pl.col("module_type").last(),
-        shape=pl.col("shape").last(),
-        dtype=pl.col("dtype").last(),
-    ).collect(engine="streaming")
+    return (
+        lf.group_by(TENSOR_KEY)
+        .agg(
+            module_type=pl.col("module_type").last(),
+            shape=pl.col("shape").last(),
+            dtype=pl.col("dtype").last(),
+        )
+        .collect(engine="streaming")
+    )
 
 
 def _per_sample(lf: pl.LazyFrame, keys: pl.DataFrame, since: int) -> pl.DataFrame:

@@ -1,0 +1,15 @@
+"""Small helpers shared by the benchmarks.
+
+The standard library's `statistics` module cannot be imported from here: running
+`uv run bench/statistics.py` puts this folder first on `sys.path`, where our own
+`statistics.py` shadows it. So the median lives here.
+"""
+
+from __future__ import annotations
+
+
+def median(values: list[float]) -> float:
+    """The median of a non-empty list."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

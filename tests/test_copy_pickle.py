@@ -42,7 +42,9 @@ def test_deepcopy_of_observed_model_is_plain_and_equal(run_dir: Path) -> None:
 
 def test_deepcopy_keeps_a_pre_existing_instance_forward(run_dir: Path) -> None:
     model = mlp()
-    model[0].forward = lambda x: nn.Linear.forward(model[0], x) * 0
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    first.forward = lambda x: nn.Linear.forward(first, x) * 0  # type: ignore[assignment]
     inject_observer(model, output_dir=run_dir)
     clone = copy.deepcopy(model)
     remove_observer(model)

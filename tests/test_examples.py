@@ -14,6 +14,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import matplotlib.image
 import polars as pl
@@ -207,7 +208,7 @@ def test_lightning_example_writes_logger_histograms_and_run_directory(tmp_path: 
     events = EventAccumulator(
         str(tmp_path / "lightning_logs" / "version_0"), size_guidance={HISTOGRAMS: 0}
     ).Reload()
-    tags = events.Tags()
+    tags = cast(dict[str, list[str]], events.Tags())
     assert "train_loss" in tags["scalars"]  # Lightning's own logging still works
     assert "net.0/call_0/output/tensor" in tags["histograms"]
     assert "net.0/call_0/output_gradient/tensor" in tags["histograms"]

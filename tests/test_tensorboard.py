@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ def histograms(log_dir: Path) -> dict[str, list]:
     """Every histogram tag in `log_dir` with its events, as TensorBoard reads them."""
     accumulator = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0})
     accumulator.Reload()
-    return {tag: accumulator.Histograms(tag) for tag in accumulator.Tags()["histograms"]}
+    tags: dict[str, Any] = accumulator.Tags()
+    return {tag: accumulator.Histograms(tag) for tag in tags["histograms"]}
 
 
 class Reversed(nn.Module):
@@ -164,7 +166,8 @@ def test_tensorboard_sink_writes_into_the_callers_writer_and_leaves_it_open(
     assert "1/call_0/output_gradient/tensor" in caller
     scalars = EventAccumulator(str(tmp_path / "caller"))
     scalars.Reload()
-    assert "caller/after_removal" in scalars.Tags()["scalars"]
+    tags: dict[str, Any] = scalars.Tags()
+    assert "caller/after_removal" in tags["scalars"]
     assert set(histograms(run_dir / "tensorboard")) == set(caller)
     assert read_history(run_dir).height > 0
     assert (run_dir / "result.json").exists()

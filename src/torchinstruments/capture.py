@@ -63,10 +63,12 @@ class ForwardProxy(wrapt.FunctionWrapper):
         had_instance_forward: bool,
         wrapper: Wrapper,
         enabled: Any,
+        token: object,
     ) -> None:
         super().__init__(original, wrapper, enabled=enabled)
         self._self_module = module
         self._self_had_instance_forward = had_instance_forward
+        self._self_token = token
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         new_module = memo.get(id(self._self_module))
@@ -93,8 +95,7 @@ def install_proxy(module: nn.Module, wrapper: Wrapper, enabled: Any, owner: obje
     original = module.__dict__["forward"] if had_instance_forward else type(module).forward
     if not had_instance_forward:
         original = original.__get__(module, type(module))
-    proxy = ForwardProxy(module, original, had_instance_forward, wrapper, enabled)
-    proxy._self_token = owner
+    proxy = ForwardProxy(module, original, had_instance_forward, wrapper, enabled, owner)
     module.__dict__["forward"] = proxy
     return proxy
 

@@ -298,7 +298,7 @@ print(live)""",
     for title, code in blocks:
         lines += [title, "", "```python", code, "```", ""]
     lines += ["Ranks: with rank_policy='all' every rank writes its own `rank-NNN/` directory."]
-    if run.rank is not None:
+    if run.rank is not None and run.rank_policy == "all":
         ranks = _q(f"{Path(run.output_dir).parent.as_posix()}/rank-*/{HISTORY_FILE}")
         lines += [
             "Compare them (every row carries its rank):",

@@ -122,8 +122,10 @@ class DirectorySink:
             if self._events is not None:
                 self._events.close()
             if self._history is not None and self._run is not None:
-                self._history.close()
-                write_result(self.directory, self._run.layers, self._config.window)
+                # None: the merge could not complete (already warned); the parts stay on disk
+                # for `torchinstruments finalize`, and result.json keeps its catalog.
+                if self._history.close() is not None:
+                    write_result(self.directory, self._run.layers, self._config.window)
                 write_index(self.directory, self._run, counts)
         finally:
             self._events = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,19 @@ def test_tensorboard_sink_accepts_a_lightning_logger(run_dir: Path, tmp_path: Pa
 def test_tensorboard_sink_rejects_objects_that_are_not_writers() -> None:
     with pytest.raises(TypeError, match="SummaryWriter"):
         TensorBoardSink(object())
+
+
+def test_events_are_readable_while_the_run_is_live(run_dir: Path) -> None:
+    """An interrupted run keeps readable events: they reach the file long before removal."""
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    try:
+        model(torch.randn(2, 3))
+        deadline = time.monotonic() + 30
+        found: dict[str, list] = {}
+        while time.monotonic() < deadline and not found:
+            time.sleep(0.2)
+            found = histograms(run_dir / "tensorboard")
+        assert "0/call_0/output/tensor" in found
+    finally:
+        remove_observer(model)

@@ -7,7 +7,9 @@ share the seed, the model initialisation and the exact batch sequence:
 
 - baseline: the healthy training loop;
 - broken: the same loop, with the fault switched on right after the fourth sample;
-- fixed: the same fault trigger, with the remedy in the code (see each fault's `fixed` line).
+- fixed: the same trigger at the same step, with the remedy in the code: either a guard that
+  keeps the trigger harmless (clipping, BatchNorm) or the same change made correctly (eps,
+  zero_grad, detaching only the cached copy); see each fault's `fixed` line.
 
 `EveryNForwardsSampler(period)` samples steps 0, period, 2*period, ..., so sample_id k is step
 k * period in all three runs and samples 0-3 are healthy in all of them. The fault switches on at

@@ -167,6 +167,13 @@ def _section_meanings() -> list[str]:
         "output object); `[1]['k']` nested. Non-tensor leaves are skipped.",
         "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
         "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
+        "- root forward: the outermost call of the observed model, via `model(x)` or "
+        "`model.forward(x)`. A call of the model inside its own forward belongs to the "
+        "enclosing root forward (not counted again; the next call_index if the model is itself "
+        "a selected layer). A selected layer called outside any root forward is not observed.",
+        "- capture_direct_forwards=False: calls that bypass `nn.Module.__call__` "
+        "(`module.forward(x)`) are neither root forwards nor measured; the proxy tells them "
+        "apart by its caller's frame (`nn.Module._call_impl` or not).",
         "",
         "## Unavailable reasons (value is null)",
         "",

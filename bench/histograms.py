@@ -9,22 +9,13 @@ Run: `uv run bench/histograms.py [--sizes 1e5,1e6] [--bins 64] [--threads 1]`
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
 from torchinstruments.histograms import DEFAULT_BINS, reduce_histogram
 from torchinstruments.statistics import Measurer
 
-from _timing import median
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds one call takes."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from _timing import median, timed
 
 
 def main() -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Callable
 
 import torch
 
 from torchinstruments.statistics import Measurer
 
-from _timing import median
+from _timing import median, timed
 
 QUARTILES = (0.25, 0.5, 0.75)
 QUANTILE_LIMIT = 2**24
@@ -73,13 +72,6 @@ def reference_quartiles(sorted_values: torch.Tensor) -> list[float]:
         a, b = float(sorted_values[low]), float(sorted_values[high])
         out.append(a if a == b else lerp(a, b, position - low))
     return out
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds one call takes."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -48,40 +48,45 @@ PARTS_BEFORE_KILL = 8
 STEP_SLEEP_S = 0.02  # slow enough that the kill lands mid-training, fast enough for the test
 CHILD_LIFETIME_S = 120.0  # the child stops on its own if the parent never kills it
 WAIT_S = 60.0
+LEARNING_RATE = 0.05
 
 
-def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
-    """The model, optimizer and full-batch data, all derived from SEED."""
+def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model and its full-batch data, all derived from SEED."""
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
     x = torch.randn(64, 6)
     y = x @ torch.randn(6, 1) + 0.1 * torch.randn(64, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    return model, optimizer, x, y
+    return model, x, y
 
 
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> float:
-    """One ordinary step: forward, loss, backward, optimizer step."""
-    optimizer.zero_grad()
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One ordinary step: forward, loss, backward, plain SGD update.
+
+    The update is written out because the first `torch.optim` optimizer imports torch._dynamo
+    (about 4 s), which would double the child's start-up time and add nothing to the test.
+    """
+    model.zero_grad()
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
-    optimizer.step()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter -= LEARNING_RATE * parameter.grad
     return loss.item()
 
 
 def child_main(directory: Path) -> None:
     """The killed process: observe every forward and train until killed (or a safety deadline)."""
     torch.set_num_threads(1)
-    model, optimizer, x, y = build()
+    model, x, y = build()
     inject_observer(
         model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
     )
     deadline = time.monotonic() + CHILD_LIFETIME_S
     step = 0
     while time.monotonic() < deadline:
-        loss = train_step(model, optimizer, x, y)
+        loss = train_step(model, x, y)
         print(f"step {step} loss {loss:.6f}", flush=True)
         step += 1
         time.sleep(STEP_SLEEP_S)
@@ -173,13 +178,13 @@ def test_sigkill_mid_training_then_finalize_matches_normal_removal(
 
     # The same training, stopped normally after exactly the recovered samples.
     reference = tmp_path / "reference"
-    model, optimizer, x, y = build()
+    model, x, y = build()
     inject_observer(
         model, output_dir=reference, sampler=EveryNForwardsSampler(1), history_config=CONFIG
     )
     try:
         for _ in range(samples):
-            train_step(model, optimizer, x, y)
+            train_step(model, x, y)
     finally:
         remove_observer(model)
 

@@ -2,17 +2,19 @@
 
 Run: `uv run bench/overhead.py` (add `--quick` for a short run).
 
-For each model, one process alternates between the plain model, the model with our proxies
-installed (a sampler that never samples, so only the unsampled path runs), and the model with a
-no-op `register_forward_hook` on the same leaves (the reference: any module hook pushes
-`nn.Module.__call__` off its fast path). Rounds are interleaved so drift hits all variants alike;
-the table reports medians, the ratio to plain, and the overhead per observed leaf call in µs.
+For each model, one process builds three identical copies: the plain model, one with our proxies
+installed (a sampler that never samples, so only the unsampled path runs), and one with a no-op
+`register_forward_hook` on the same leaves (the reference: any module hook pushes
+`nn.Module.__call__` off its fast path). Each round times every copy, in rotating order, so
+drift and ordering effects hit all variants alike; the table reports the median of the per-round
+ratios to plain and the median per-round overhead per observed leaf call in µs.
 A micro-benchmark of 200 identity leaves isolates the per-call cost from arithmetic noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 from collections.abc import Callable
@@ -106,27 +108,34 @@ def time_steps(step: Callable[[], None], steps: int) -> float:
 
 
 def measure(name: str, factory: Callable, steps: int, rounds: int, backward: bool) -> dict:
+    """Time three identical copies (plain, observed, hooked) in rotating order, round by round."""
     torch.manual_seed(0)
-    model, x = factory()
-    calls = leaf_calls_per_step(model, x)
-    step = step_function(model, x, backward)
-    for _ in range(3):
-        step()
-    directory = Path(tempfile.mkdtemp()) / "stats"
-    times: dict[str, list[float]] = {"plain": [], "observed": [], "hook": []}
-    for _ in range(rounds):
-        times["plain"].append(time_steps(step, steps))
-        inject_observer(model, output_dir=directory, sampler=NeverSample())
-        times["observed"].append(time_steps(step, steps))
-        remove_observer(model)
-        directory = Path(tempfile.mkdtemp()) / "stats"
-        handles = [m.register_forward_hook(lambda *_: None) for m in leaves(model)]
-        times["hook"].append(time_steps(step, steps))
-        for handle in handles:
-            handle.remove()
+    plain_model, x = factory()
+    calls = leaf_calls_per_step(plain_model, x)
+    observed_model = copy.deepcopy(plain_model)
+    hooked_model = copy.deepcopy(plain_model)
+    inject_observer(
+        observed_model, output_dir=Path(tempfile.mkdtemp()) / "stats", sampler=NeverSample()
+    )
+    handles = [m.register_forward_hook(lambda *_: None) for m in leaves(hooked_model)]
+    variants = {
+        "plain": step_function(plain_model, x, backward),
+        "observed": step_function(observed_model, x, backward),
+        "hook": step_function(hooked_model, x, backward),
+    }
+    for step in variants.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {key: [] for key in variants}
+    order = list(variants)
+    for round_index in range(rounds):
+        rotation = order[round_index % 3 :] + order[: round_index % 3]
+        for key in rotation:
+            times[key].append(time_steps(variants[key], steps))
+    remove_observer(observed_model)
+    for handle in handles:
+        handle.remove()
     plain = median(times["plain"])
-    observed = median(times["observed"])
-    hook = median(times["hook"])
     # Per-call overhead from paired rounds: robust to slow drift over the run.
     paired = [o - p for o, p in zip(times["observed"], times["plain"], strict=True)]
     paired_hook = [h - p for h, p in zip(times["hook"], times["plain"], strict=True)]
@@ -134,8 +143,8 @@ def measure(name: str, factory: Callable, steps: int, rounds: int, backward: boo
         "name": name,
         "calls": calls,
         "plain_us": plain * 1e6,
-        "ratio": observed / plain,
-        "hook_ratio": hook / plain,
+        "ratio": median([o / p for o, p in zip(times["observed"], times["plain"], strict=True)]),
+        "hook_ratio": median([h / p for h, p in zip(times["hook"], times["plain"], strict=True)]),
         "us_per_call": median(paired) / calls * 1e6,
         "hook_us_per_call": median(paired_hook) / calls * 1e6,
     }

@@ -111,3 +111,20 @@ def test_gradient_via_autograd_grad_is_recorded(run_dir: Path) -> None:
     assert gx.shape == x.shape
     grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
     assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0)]
+
+
+def test_hooks_on_leaf_outputs_do_not_pile_up_across_samples(run_dir: Path) -> None:
+    class PassThrough(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x  # returns its (leaf) input itself
+
+    weights = torch.randn(3, 2, requires_grad=True)
+    model = nn.Sequential(PassThrough())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    for _ in range(5):
+        (model(weights) * 2).sum().backward()
+    assert len(weights._backward_hooks or {}) <= 1  # type: ignore[attr-defined]
+    remove_observer(model)
+    assert not weights._backward_hooks  # type: ignore[attr-defined]
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert values(grads, metric="mean") == [pytest.approx(2.0)] * 5

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchinstruments.capture import (
     called_through_module_call,
@@ -202,6 +203,7 @@ class Observer:
         self._backward_lock = threading.Lock()
         self._backward_flush_queued = False
         self._warned: set[str] = set()
+        self._leaf_hooks: list[tuple[RemovableHandle, _GradientHook]] = []
 
     # -- installation -------------------------------------------------------------------------
 
@@ -311,7 +313,12 @@ class Observer:
                 )
                 sample.pending.append(pending)
                 if tensor.requires_grad:
-                    tensor.register_hook(_GradientHook(self, pending))
+                    hook = _GradientHook(self, pending)
+                    handle = tensor.register_hook(hook)
+                    if tensor.grad_fn is None:
+                        # A leaf (e.g. an input returned as is) outlives the graph, and so would
+                        # one hook per sample on it: removed after its backward, or at close.
+                        self._leaf_hooks.append((handle, hook))
         except Exception as error:
             self._warn_once(
                 f"measure:{layer.info.name}",
@@ -378,9 +385,14 @@ class Observer:
     def _queue_backward_flush(self) -> None:
         """Flush when the autograd engine finishes this pass, or now if no pass is running."""
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         except Exception:
             self.flush_backward()
+
+    def end_backward(self) -> None:
+        """Autograd-engine callback at the end of a backward pass: no hook is running now."""
+        self._remove_leaf_hooks(only_fired=True)
+        self.flush_backward()
 
     def flush_backward(self) -> None:
         """Transfer and emit every gradient measured since the last flush."""
@@ -467,10 +479,21 @@ class Observer:
         if self.closed:
             return
         self.flush_backward()
+        self._remove_leaf_hooks(only_fired=False)
         self.closed = True
         self.active.clear()
         self.current = None
         self.sinks.close(self.counts())
+
+    def _remove_leaf_hooks(self, only_fired: bool) -> None:
+        """Remove hooks left on leaf tensors; runs when no backward is iterating over them."""
+        keep = []
+        for handle, hook in self._leaf_hooks:
+            if only_fired and not hook.fired:
+                keep.append((handle, hook))
+            else:
+                handle.remove()
+        self._leaf_hooks = keep
 
     def _warn_once(self, key: str, message: str) -> None:
         """Report a measurement failure once per kind; training goes on."""

@@ -70,3 +70,19 @@ def values(frame: pl.DataFrame, **where: Any) -> list[float | None]:
     for column, wanted in where.items():
         frame = frame.filter(pl.col(column) == wanted)
     return frame.sort("sample_id")["value"].to_list()
+
+
+def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, learning_rate: float) -> float:
+    """One ordinary training step: forward, MSE loss, backward, plain SGD update.
+
+    Written out rather than `torch.optim.SGD` because the first optimizer a process builds imports
+    torch._dynamo (seconds), which adds nothing to tests that start fresh interpreters.
+    """
+    model.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter -= learning_rate * parameter.grad
+    return loss.item()

@@ -40,6 +40,8 @@ from torchinstruments import (
 )
 from torchinstruments.history import list_parts
 
+from conftest import sgd_step
+
 SEED = 20240611
 LAYERS = 3  # Linear, Tanh, Linear: every leaf's output is measured and receives a gradient
 ROWS_PER_SAMPLE = LAYERS * len(DEFAULT_METRICS) * 2  # x 2 signals: output, output_gradient
@@ -60,22 +62,6 @@ def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
-def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One ordinary step: forward, loss, backward, plain SGD update.
-
-    The update is written out because the first `torch.optim` optimizer imports torch._dynamo
-    (about 4 s), which would double the child's start-up time and add nothing to the test.
-    """
-    model.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.grad is not None:
-                parameter -= LEARNING_RATE * parameter.grad
-    return loss.item()
-
-
 def child_main(directory: Path) -> None:
     """The killed process: observe every forward and train until killed (or a safety deadline)."""
     torch.set_num_threads(1)
@@ -86,7 +72,7 @@ def child_main(directory: Path) -> None:
     deadline = time.monotonic() + CHILD_LIFETIME_S
     step = 0
     while time.monotonic() < deadline:
-        loss = train_step(model, x, y)
+        loss = sgd_step(model, x, y, LEARNING_RATE)
         print(f"step {step} loss {loss:.6f}", flush=True)
         step += 1
         time.sleep(STEP_SLEEP_S)
@@ -184,7 +170,7 @@ def test_sigkill_mid_training_then_finalize_matches_normal_removal(
     )
     try:
         for _ in range(samples):
-            train_step(model, x, y)
+            sgd_step(model, x, y, LEARNING_RATE)
     finally:
         remove_observer(model)
 

@@ -30,7 +30,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import read_history, read_result
+from conftest import read_history, read_result, sgd_step
 
 STEPS = 12
 BOOM = "boom on purpose"
@@ -142,14 +142,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Net, list[float
     losses = []
     try:
         for _ in range(STEPS):
-            model.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    if parameter.grad is not None:
-                        parameter -= 0.1 * parameter.grad
-            losses.append(loss.item())
+            losses.append(sgd_step(model, x, y, 0.1))
     finally:
         remove_observer(model)
     return directory, model, losses

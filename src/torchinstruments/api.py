@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -181,8 +182,15 @@ def remove_observer(model: nn.Module) -> Path | None:
         return None
     if observer.finalizer is not None:
         observer.finalizer.detach()
-    observer.restore()
+    left_in_place = observer.restore()
     observer.close()
+    if left_in_place:
+        warnings.warn(
+            f"torchinstruments: {left_in_place} module forward(s) were replaced or wrapped after "
+            "inject_observer; they were left in place and the proxies inside them are now inert",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return observer.directory
 
 

@@ -12,8 +12,19 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from torch.overrides import TorchFunctionMode
 
+from torchinstruments import histograms as histograms_module
 from torchinstruments.histograms import DEFAULT_BINS, reduce_histogram
 from torchinstruments.records import HistogramRecord
+
+
+@pytest.fixture(autouse=True, scope="module", params=["host_bounds", "sync_free"])
+def counting_path(request: pytest.FixtureRequest) -> object:
+    """Every test runs on the CPU's host-bounds path and on the sync-free (CUDA) path."""
+    original = histograms_module._HOST_BOUNDS_DEVICE_TYPES
+    if request.param == "sync_free":
+        histograms_module._HOST_BOUNDS_DEVICE_TYPES = frozenset()
+    yield request.param
+    histograms_module._HOST_BOUNDS_DEVICE_TYPES = original
 
 
 def histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
@@ -145,7 +156,9 @@ class _NoHostSync(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_counting_never_syncs() -> None:
+def test_counting_never_syncs(counting_path: str) -> None:
+    if counting_path == "host_bounds":
+        pytest.skip("the host-bounds path runs only where host syncs are free (the CPU)")
     tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0])
     with _NoHostSync():
         pending = reduce_histogram(tensor, 4)

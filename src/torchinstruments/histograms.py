@@ -10,7 +10,10 @@ The bins are equally spaced over [finite min, finite max] and follow `numpy.hist
 holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
 found by `torch.bucketize` (a native binary search) over the float64 edges, so it is exactly
 consistent with the edges reported, even when bins are only a few ulps wide or the range
-overflows float64 arithmetic, at about the cost of one elementwise pass. Counts are summed with `scatter_add_`, which
+overflows float64 arithmetic. On the CPU, where host syncs cost nothing, the finite entries are
+compacted and binned arithmetically instead, with a one-bin correction and a check against the
+same edges (falling back to the binary search if any entry disagrees): the same counts, in about
+half the time. Counts are summed with `scatter_add_`, which
 is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
 1e-6, at least 1e-12) so that TensorBoard can draw it. Dtypes follow `torchinstruments.statistics`:
 low-precision floats, integers and bools are binned as float32/float64 values; complex dtypes and
@@ -32,6 +35,9 @@ DEFAULT_BINS = 64
 # Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
 _CONSTANT_BIN_RELATIVE_WIDTH = 1e-6
 _CONSTANT_BIN_MIN_WIDTH = 1e-12
+# Device types on which host syncs cost nothing: there the finite entries are compacted and binned
+# arithmetically (checked against the edges), about twice as fast as the sync-free binary search.
+_HOST_BOUNDS_DEVICE_TYPES: frozenset[str] = frozenset({"cpu"})
 # Layout of the head of device_vector; the bins + 1 edges and the bins counts follow.
 _HEAD = ("finite", "min", "max", "sum", "sum_squares")
 
@@ -153,6 +159,8 @@ def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
         values = tensor.reshape(-1).to(torch.float32)
     else:
         values = tensor.reshape(-1).to(torch.float64)
+    if values.device.type in _HOST_BOUNDS_DEVICE_TYPES:
+        return _count_with_host_bounds(values, bins)
     device = values.device
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum().to(torch.float64)
@@ -170,6 +178,51 @@ def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
     finite_x = torch.where(finite_mask, x, 0.0)
     head = torch.stack([finite, low, high, finite_x.sum(), torch.dot(finite_x, finite_x)])
     return torch.cat([head, edges, counts])
+
+
+def _count_with_host_bounds(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """`_count` where host syncs are free (CPU): compact the finite entries, bin arithmetically."""
+    finite_mask = torch.isfinite(values)
+    finite_count = int(finite_mask.sum())
+    if finite_count == 0:
+        return torch.zeros(len(_HEAD) + 2 * bins + 1, dtype=torch.float64)
+    finite = values if finite_count == values.numel() else values[finite_mask]
+    x = finite.to(torch.float64)
+    low, high = torch.aminmax(x)
+    edges = _edges(low, high, bins)
+    if float(low) == float(high):
+        index = torch.zeros(x.shape, dtype=torch.int64)
+    else:
+        index = _arithmetic_bin_index(x, edges, bins)
+    counts = torch.bincount(index, minlength=bins).to(torch.float64)
+    head = torch.stack([torch.tensor(float(finite_count), dtype=torch.float64), low, high])
+    moments = torch.stack([x.sum(), torch.dot(x, x)])
+    return torch.cat([head, moments, edges, counts])
+
+
+def _arithmetic_bin_index(x: torch.Tensor, edges: torch.Tensor, bins: int) -> torch.Tensor:
+    """`_bin_index` by arithmetic and a one-bin correction against the edges, checked on the host.
+
+    The guess is off by at most one bin except when bins are a few ulps wide; the check catches
+    that and falls back to the binary search, so the result always agrees with the edges.
+    """
+    low, high = float(edges[0]), float(edges[-1])
+    # Halves keep `high - low` finite even for the widest float64 ranges.
+    half_span = high * 0.5 - low * 0.5
+    if not half_span > 0 or not math.isfinite(bins / half_span):  # subnormal ranges underflow
+        return _bin_index(x, edges, bins)
+    scale = bins / half_span
+    guess = torch.mul(x, 0.5).sub_(low * 0.5).mul_(scale).floor_().clamp_(0, bins - 1)
+    index = guess.to(torch.int64)
+    # Right edges with the last one at +inf: the max belongs to the last bin.
+    right = torch.cat([edges[1:-1], edges.new_full((1,), math.inf)])
+    index.sub_(torch.lt(x, torch.index_select(edges, 0, index)).to(torch.int64))
+    index.add_(torch.ge(x, torch.index_select(right, 0, index)).to(torch.int64))
+    inside = torch.ge(x, torch.index_select(edges, 0, index))
+    inside.logical_and_(torch.lt(x, torch.index_select(right, 0, index)))
+    if not bool(inside.all()):
+        return _bin_index(x, edges, bins)
+    return index
 
 
 def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from torchinstruments.records import HistogramRecord
 
 
 @pytest.fixture(autouse=True, scope="module", params=["host_bounds", "sync_free"])
-def counting_path(request: pytest.FixtureRequest) -> object:
+def counting_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on the CPU's host-bounds path and on the sync-free (CUDA) path."""
     original = histograms_module._HOST_BOUNDS_DEVICE_TYPES
     if request.param == "sync_free":

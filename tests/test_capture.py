@@ -301,3 +301,73 @@ def test_exception_inside_forward_propagates_and_closes_the_sample(run_dir: Path
     remove_observer(model)
     history = read_history(run_dir)
     assert history["sample_id"].unique().sort().to_list() == [0, 1]
+
+
+def test_tracing_an_observed_model_passes_through_untouched(run_dir: Path) -> None:
+    model = mlp()
+    x = torch.randn(2, 8)
+    observe(model, run_dir)
+    traced = torch.jit.trace(model, x, check_trace=False)
+    graph = torch.fx.symbolic_trace(model)
+    model(x)
+    remove_observer(model)
+    assert torch.equal(traced(x), model(x))  # type: ignore[not-callable]
+    assert torch.equal(graph(x), model(x))
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().to_list() == [0]  # tracing counted no forward
+
+
+def test_forwards_from_several_threads_keep_their_samples_apart(run_dir: Path) -> None:
+    import threading
+
+    model = mlp()
+    observe(model, run_dir, sampler=EveryNForwardsSampler(2))
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(50):
+                    model(torch.randn(4, 8))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    remove_observer(model)
+    assert not errors
+    history = read_history(run_dir).filter(pl.col("metric") == "mean")
+    assert history["call_index"].unique().to_list() == [0]
+    per_sample = history.group_by("sample_id").agg(pl.len().alias("tensors"))
+    assert per_sample.height == 75  # 150 root forwards, every second one sampled
+    assert per_sample["tensors"].unique().to_list() == [6]
+    assert sorted(history["forward_index"].unique().to_list()) == list(range(0, 150, 2))
+
+
+def test_direct_forward_detection_works_without_wrapts_c_extension(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import wrapt, torch
+        from torch import nn
+        from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        inject_observer(model, output_dir={str(tmp_path / "s")!r},
+                        sampler=EveryNForwardsSampler(1), capture_direct_forwards=False)
+        model(torch.randn(1, 2))
+        model.forward(torch.randn(1, 2))
+        remove_observer(model)
+        """
+    )
+    env = {**os.environ, "WRAPT_DISABLE_EXTENSIONS": "true"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    history = read_history(tmp_path / "s")
+    assert history["forward_index"].unique().to_list() == [0]
+    assert set(history["layer"]) == {"0", "1"}

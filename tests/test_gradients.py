@@ -128,3 +128,21 @@ def test_hooks_on_leaf_outputs_do_not_pile_up_across_samples(run_dir: Path) -> N
     assert not weights._backward_hooks  # type: ignore[attr-defined]
     grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
     assert values(grads, metric="mean") == [pytest.approx(2.0)] * 5
+
+
+def test_forwards_without_backward_leave_at_most_one_hook_on_a_leaf_output(run_dir: Path) -> None:
+    class Positional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.table  # a parameter returned as is
+
+    model = Positional()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    for _ in range(5):
+        model(torch.randn(1))
+    assert len(model.table._backward_hooks or {}) == 1  # type: ignore[attr-defined]
+    remove_observer(model)
+    assert not model.table._backward_hooks  # type: ignore[attr-defined]

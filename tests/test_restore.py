@@ -149,3 +149,25 @@ def test_hundred_inject_run_remove_cycles_leave_no_trace(tmp_path: Path) -> None
     assert _open_fds() == fds
     assert end - start < 2_000_000, f"memory grew by {end - start} bytes over 100 cycles"
     assert read_history(tmp_path / "run109")["sample_id"].unique().to_list() == [0]
+
+
+@pytest.mark.parametrize("child_first", [True, False])
+def test_nested_observers_are_removed_in_either_order_without_a_trace(
+    tmp_path: Path, child_first: bool
+) -> None:
+    model = nn.Sequential(mlp(), nn.Linear(8, 2))
+    child = model[0]
+    before = snapshot(model)
+    inject_observer(child, output_dir=tmp_path / "child", sampler=EveryNForwardsSampler(1))
+    inject_observer(model, output_dir=tmp_path / "parent", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 8)).sum().backward()
+    first, second = (child, model) if child_first else (model, child)
+    remove_observer(first)
+    model(torch.randn(2, 8))  # the remaining observer still works
+    remove_observer(second)
+    assert snapshot(model) == before
+    assert read_history(tmp_path / "child")["layer"].unique().len() == 6
+    assert read_history(tmp_path / "parent")["layer"].unique().len() == 7
+    assert read_history(tmp_path / ("parent" if child_first else "child"))[
+        "sample_id"
+    ].unique().sort().to_list() == [0, 1]

@@ -89,3 +89,38 @@ def test_object_without_sink_methods_is_rejected_at_inject(run_dir: Path) -> Non
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"sinks: .* lacks .*write_forward"):
         inject_observer(model, output_dir=run_dir, sinks=[object()])  # type: ignore[list-item]
+
+
+def test_full_disk_reported_by_polars_keeps_the_directory_attached_and_the_rows(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import polars as pl
+
+    from torchinstruments import HistoryConfig, history
+
+    real_write = history._write_parquet_atomic
+    failures = {"left": 3}
+
+    def full_disk(frame: pl.DataFrame, path: Path) -> None:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise pl.exceptions.ComputeError("parquet: No space left on device (os error 28)")
+        real_write(frame, path)
+
+    monkeypatch.setattr(history, "_write_parquet_atomic", full_disk)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=9),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    messages = [str(w.message) for w in caught]
+    assert sum("could not write history part" in m for m in messages) == 1
+    assert not any("detached" in m for m in messages)
+    assert read_history(run_dir).height == 10 * 2 * 2 * 9  # samples x layers x signals x metrics

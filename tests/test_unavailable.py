@@ -271,3 +271,18 @@ def test_result_json_is_strict_and_keeps_unavailable_as_null(
     ]["nonfinite_fraction"]
     assert nonfinite["valid"] == STEPS
     assert nonfinite["latest"]["value"] == 1.0
+
+
+def test_output_that_cannot_be_measured_gets_null_rows_with_a_reason(tmp_path: Path) -> None:
+    class Ragged(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nested.nested_tensor([x[0, :2], x[0]])
+
+    model = nn.Sequential(nn.Linear(3, 3), Ragged())
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 3))
+    remove_observer(model)
+    rows = read_history(tmp_path / "s").filter(pl.col("layer") == "1")
+    assert rows.height == 9
+    assert rows["value"].null_count() == 9
+    assert rows["unavailable_reason"].null_count() == 0

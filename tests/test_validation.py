@@ -77,3 +77,10 @@ def test_output_dir_holding_a_run_is_refused(run_dir: Path) -> None:
     with pytest.raises(FileExistsError, match="output_dir"):
         inject_observer(second, output_dir=run_dir)
     assert not has_observer(second)
+
+
+def test_data_parallel_is_refused_at_inject(run_dir: Path) -> None:
+    model = nn.Sequential(nn.DataParallel(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="DataParallel"):
+        inject_observer(model, output_dir=run_dir)
+    assert all("forward" not in m.__dict__ for m in model.modules())

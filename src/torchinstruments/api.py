@@ -92,6 +92,12 @@ def inject_observer(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("model: TorchScript modules cannot be observed; observe the eager model")
+    if any(isinstance(module, nn.DataParallel) for module in model.modules()):
+        raise TypeError(
+            "model: nn.DataParallel cannot be observed (its replicas copy each module's __dict__, "
+            "forward included, so they would run the original module); use "
+            "DistributedDataParallel, or observe a model that is not replicated"
+        )
     if not isinstance(output_dir, str | os.PathLike):
         raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
     sampler = TimeIntervalSampler() if sampler is None else sampler

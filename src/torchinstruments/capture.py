@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import CodeType
@@ -42,12 +43,19 @@ _MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
     {nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__}
 )
 
+# wrapt's pure-Python fallback (no C extension) adds frames of its own between caller and wrapper.
+_WRAPT_DIRECTORY = os.path.dirname(wrapt.__file__)
+
 _MAX_OUTPUT_DEPTH = 16
 
 
 def called_through_module_call(depth: int = 2) -> bool:
-    """True when the proxy `depth` frames up was invoked by `nn.Module.__call__`."""
-    return sys._getframe(depth).f_code in _MODULE_CALL_CODES
+    """True when the proxy `depth` frames up (wrapt's own frames skipped) was called by
+    `nn.Module.__call__`, False for a direct `module.forward(x)`."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
+        frame = frame.f_back
+    return frame is not None and frame.f_code in _MODULE_CALL_CODES
 
 
 class ForwardProxy(wrapt.FunctionWrapper):
@@ -101,19 +109,29 @@ def install_proxy(module: nn.Module, wrapper: Wrapper, enabled: Any, owner: obje
 
 
 def restore_proxy(module: nn.Module, owner: object) -> bool:
-    """Undo `install_proxy`; returns False, changing nothing, if our proxy is no longer there.
+    """Undo `install_proxy`; returns False, changing nothing, if our proxy is no longer reachable.
 
-    A proxy someone replaced or wrapped after injection stays where it is: clobbering their
-    object would break their code, and our proxy is inert once its observer is closed.
+    Our proxy may sit under another observer's proxy (a submodule and its parent both observed):
+    it is then spliced out of that chain, which keeps working. A proxy someone else replaced or
+    wrapped after injection stays where it is: clobbering their object would break their code,
+    and our proxy is inert once its observer is closed.
     """
+    holder: ForwardProxy | None = None
     current = module.__dict__.get("forward")
-    if not isinstance(current, ForwardProxy) or getattr(current, "_self_token", None) is not owner:
-        return False
-    if current._self_had_instance_forward:
-        module.__dict__["forward"] = current.__wrapped__
-    else:
-        del module.__dict__["forward"]
-    return True
+    while isinstance(current, ForwardProxy):
+        if current._self_token is owner:
+            replacement = current.__wrapped__
+            had_instance_forward = current._self_had_instance_forward
+            if holder is not None:
+                holder.__wrapped__ = replacement
+                holder._self_had_instance_forward = had_instance_forward
+            elif had_instance_forward:
+                module.__dict__["forward"] = replacement
+            else:
+                del module.__dict__["forward"]
+            return True
+        holder, current = current, current.__wrapped__
+    return False
 
 
 def iter_tensors(output: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -207,8 +207,8 @@ class _ColumnBuffer:
 class HistoryWriter:
     """Appends measurements to the columnar buffer and writes full chunks as Parquet parts.
 
-    Nothing raised while writing a part reaches the caller: an `OSError` (disk full, permission)
-    is reported once as a `RuntimeWarning`, the rows stay in the buffer and are retried at the next
+    Nothing raised while writing a part reaches the caller: an `OSError` or a Polars error (disk
+    full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer and are retried at the next
     chunk boundary, at `flush()` and at `close()`.
 
     Args:
@@ -318,7 +318,8 @@ class HistoryWriter:
             path = part_path(self._directory, self._next_part)
             try:
                 _write_parquet_atomic(self._buffer.frame(n), path)
-            except OSError as exc:
+            except (OSError, pl.exceptions.PolarsError) as exc:
+                # Polars reports a full disk as ComputeError ("No space left on device").
                 self._report(path, exc)
                 self._retry_at = len(self._buffer) + size
                 return
@@ -327,7 +328,7 @@ class HistoryWriter:
             self._rows_written += n
         self._retry_at = size
 
-    def _report(self, path: Path, exc: OSError) -> None:
+    def _report(self, path: Path, exc: Exception) -> None:
         """Warn once per writer about a failed part write."""
         if self._warned:
             return

@@ -30,12 +30,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_tracing
 from torch.utils.hooks import RemovableHandle
 
 from torchinstruments.capture import (
@@ -56,6 +57,15 @@ from torchinstruments.records import (
 )
 from torchinstruments.sinks import SinkGroup
 from torchinstruments.statistics import Measurer, PendingReduction
+
+
+def is_tracing() -> bool:
+    """True while torch.jit.trace, torch.compile or torch.fx is tracing the model.
+
+    Such a call is not a training step: it passes through untouched, so no measurement op ends
+    up in a traced program and nothing is counted.
+    """
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or is_fx_tracing()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -81,9 +91,9 @@ def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
     return host
 
 
-@dataclass(slots=True)
-class _Pending:
-    """One measured tensor whose results are still on its device."""
+@dataclass(frozen=True, slots=True)
+class _TensorKey:
+    """Which tensor of which sample: shared by an output and the gradient into it."""
 
     sample_id: int
     forward_index: int
@@ -91,10 +101,17 @@ class _Pending:
     call_index: int
     signal: str
     tensor_path: str
-    shape: tuple[int, ...]
-    dtype: str
     mode: str
     grad_enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """One measured tensor whose results are still on its device."""
+
+    key: _TensorKey
+    shape: tuple[int, ...]
+    dtype: str
     timestamp_us: int
     reduction: PendingReduction
     histogram: PendingHistogram | None
@@ -153,17 +170,21 @@ class _LayerCapture:
 class _GradientHook:
     """`Tensor.register_hook` callback: records the first gradient into one sampled output."""
 
-    __slots__ = ("fired", "observer", "template")
+    __slots__ = ("fired", "focus", "key", "observer")
 
-    def __init__(self, observer: Observer, template: _Pending) -> None:
+    def __init__(self, observer: Observer, key: _TensorKey, focus: bool) -> None:
         self.observer = observer
-        self.template = template
+        self.key = key
+        self.focus = focus
         self.fired = False
 
     def __call__(self, grad: torch.Tensor) -> None:
         if not self.fired and not self.observer.closed:
             self.fired = True
-            self.observer.measure_gradient(self.template, grad)
+            try:
+                self.observer.measure_gradient(self.key, grad, self.focus)
+            except Exception as error:  # never break the user's backward
+                self.observer.warn_once("gradient", f"recording a gradient failed: {error!r}")
         return None
 
 
@@ -187,15 +208,18 @@ class Observer:
         self.sinks = sinks
         self.rank = rank
         self.capture_direct_forwards = capture_direct_forwards
-        # Non-empty exactly while a sampled root forward runs; its bound __len__ is every leaf
-        # proxy's `enabled` test, evaluated in wrapt's C code.
+        # Non-empty exactly while a sampled root forward runs (one item per thread running one);
+        # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
         self.active: list[int] = []
-        self.current: _Sample | None = None
+        # Root depth and the open sample are per thread: a model run from several threads keeps
+        # each thread's forwards apart. Counters and the sampler are shared, under a lock.
+        self._local = threading.local()
+        self._count_lock = threading.Lock()
+        self._sink_lock = threading.RLock()
         self.closed = False
         self.root_forwards = 0
         self.samples = 0
         self.backward_sample_ids: set[int] = set()
-        self._depth = 0
         self._token = object()
         self._installed: list[weakref.ref[nn.Module]] = []
         self._root_layer: _LayerCapture | None = None
@@ -203,7 +227,9 @@ class Observer:
         self._backward_lock = threading.Lock()
         self._backward_flush_queued = False
         self._warned: set[str] = set()
-        self._leaf_hooks: list[tuple[RemovableHandle, _GradientHook]] = []
+        self._leaf_hooks: list[
+            tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
+        ] = []
 
     # -- installation -------------------------------------------------------------------------
 
@@ -240,46 +266,60 @@ class Observer:
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
     ) -> Any:
         """Count root forwards, ask the sampler, and hold the sample open while the forward runs."""
-        if self.closed or (not self.capture_direct_forwards and not called_through_module_call()):
+        if (
+            self.closed
+            or is_tracing()
+            or (not self.capture_direct_forwards and not called_through_module_call())
+        ):
             return wrapped(*args, **kwargs)
-        if self._depth > 0:
+        local = self._local
+        if getattr(local, "depth", 0) > 0:
             return self._call_nested(wrapped, args, kwargs)
-        forward_index = self.root_forwards
-        self.root_forwards += 1
-        if not self._should_sample(forward_index):
-            self._depth = 1
+        with self._count_lock:
+            forward_index = self.root_forwards
+            self.root_forwards += 1
+            sample_id = self.samples if self._should_sample(forward_index) else None
+            if sample_id is not None:
+                self.samples += 1
+        if sample_id is None:
+            local.depth = 1
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                self._depth = 0
-        sample = _Sample(self.samples, forward_index)
-        self.samples += 1
-        self.current = sample
+                local.depth = 0
+        sample = _Sample(sample_id, forward_index)
+        local.sample = sample
+        local.depth = 1
         self.active.append(1)
-        self._depth = 1
         try:
             return self._call_root_layer(wrapped, args, kwargs)
         finally:
-            self._depth = 0
-            self.active.clear()
-            self.current = None
+            self.active.pop()
+            local.depth = 0
+            local.sample = None
             self._emit_forward(sample)
 
+    @property
+    def current(self) -> _Sample | None:
+        """The sampled root forward running in this thread, if any."""
+        return getattr(self._local, "sample", None)
+
     def _call_nested(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A root call inside a root forward: part of the enclosing forward."""
-        self._depth += 1
+        """A root call inside a root forward (same thread): part of the enclosing forward."""
+        self._local.depth += 1
         try:
             return self._call_root_layer(wrapped, args, kwargs)
         finally:
-            self._depth -= 1
+            self._local.depth -= 1
 
     def _call_root_layer(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run the root's forward, measuring it when the root is itself a selected layer."""
-        if self._root_layer is None or self.current is None:
+        sample = self.current
+        if self._root_layer is None or sample is None:
             return wrapped(*args, **kwargs)
-        call_index = self.current.next_call_index(self._root_layer.info.name)
+        call_index = sample.next_call_index(self._root_layer.info.name)
         output = wrapped(*args, **kwargs)
-        self.measure_output(self.current, self._root_layer, call_index, output)
+        self.measure_output(sample, self._root_layer, call_index, output)
         return output
 
     def _should_sample(self, forward_index: int) -> bool:
@@ -287,7 +327,7 @@ class Observer:
         try:
             return bool(self.sampler.should_sample(forward_index))
         except Exception as error:
-            self._warn_once("sampler", f"sampler {self.sampler!r} raised {error!r}; not sampled")
+            self.warn_once("sampler", f"sampler {self.sampler!r} raised {error!r}; not sampled")
             return False
 
     # -- measurement --------------------------------------------------------------------------
@@ -299,82 +339,74 @@ class Observer:
         try:
             mode = layer.mode()
             grad_enabled = torch.is_grad_enabled()
-            for path, tensor in iter_tensors(output):
-                pending = self._reduce(
-                    sample.sample_id,
-                    sample.forward_index,
-                    layer,
-                    call_index,
-                    OUTPUT,
-                    path,
-                    tensor,
-                    mode,
-                    grad_enabled,
-                )
-                sample.pending.append(pending)
-                if tensor.requires_grad:
-                    hook = _GradientHook(self, pending)
-                    handle = tensor.register_hook(hook)
-                    if tensor.grad_fn is None:
-                        # A leaf (e.g. an input returned as is) outlives the graph, and so would
-                        # one hook per sample on it: removed after its backward, or at close.
-                        self._leaf_hooks.append((handle, hook))
+            tensors = list(iter_tensors(output))
         except Exception as error:
-            self._warn_once(
-                f"measure:{layer.info.name}",
-                f"measuring the output of layer {layer.info.name!r} failed: {error!r}",
+            self.warn_once(
+                f"walk:{layer.info.name}",
+                f"reading the output of layer {layer.info.name!r} failed: {error!r}",
             )
+            return
+        for path, tensor in tensors:
+            key = _TensorKey(
+                sample.sample_id,
+                sample.forward_index,
+                layer.info,
+                call_index,
+                OUTPUT,
+                path,
+                mode,
+                grad_enabled,
+            )
+            sample.pending.append(self._measure(key, tensor, layer.focus))
+            self._hook_gradient(key, tensor, layer.focus)
 
-    def _reduce(
-        self,
-        sample_id: int,
-        forward_index: int,
-        layer: _LayerCapture,
-        call_index: int,
-        signal: str,
-        path: str,
-        tensor: torch.Tensor,
-        mode: str,
-        grad_enabled: bool,
-    ) -> _Pending:
-        """Launch the device-side reductions of one tensor."""
+    def _measure(self, key: _TensorKey, tensor: torch.Tensor, focus: bool) -> _Pending:
+        """Launch the device-side reductions of one tensor; a failure becomes null + reason."""
+        try:
+            shape = tuple(tensor.shape)
+        except Exception:  # e.g. nested tensors have no single shape
+            shape = ()
+        try:
+            reduction = self.measurer.reduce(tensor)
+            histogram = reduce_histogram(tensor) if focus else None
+        except Exception as error:
+            reduction = self.measurer.unavailable(
+                f"measurement error: {type(error).__name__}: {error}"
+            )
+            histogram = None
         return _Pending(
-            sample_id=sample_id,
-            forward_index=forward_index,
-            layer=layer.info,
-            call_index=call_index,
-            signal=signal,
-            tensor_path=path,
-            shape=tuple(tensor.shape),
-            dtype=dtype_name(tensor.dtype),
-            mode=mode,
-            grad_enabled=grad_enabled,
-            timestamp_us=time.time_ns() // 1000,
-            reduction=self.measurer.reduce(tensor),
-            histogram=reduce_histogram(tensor) if layer.focus else None,
+            key, shape, dtype_name(tensor.dtype), time.time_ns() // 1000, reduction, histogram
         )
 
-    def measure_gradient(self, template: _Pending, grad: torch.Tensor) -> None:
-        """Reduce the gradient into one sampled output; flushed when the backward pass ends."""
+    def _hook_gradient(self, key: _TensorKey, tensor: torch.Tensor, focus: bool) -> None:
+        """Register the hook that records the gradient into this sampled output."""
         try:
-            pending = _Pending(
-                sample_id=template.sample_id,
-                forward_index=template.forward_index,
-                layer=template.layer,
-                call_index=template.call_index,
-                signal=OUTPUT_GRADIENT,
-                tensor_path=template.tensor_path,
-                shape=tuple(grad.shape),
-                dtype=dtype_name(grad.dtype),
-                mode=template.mode,
-                grad_enabled=template.grad_enabled,
-                timestamp_us=time.time_ns() // 1000,
-                reduction=self.measurer.reduce(grad),
-                histogram=reduce_histogram(grad) if template.histogram is not None else None,
-            )
+            if not tensor.requires_grad:
+                return
+            hook = _GradientHook(self, key, focus)
+            handle = tensor.register_hook(hook)
+            if tensor.grad_fn is None:
+                self._track_leaf_hook(tensor, handle, hook)
         except Exception as error:
-            self._warn_once("gradient", f"measuring a gradient failed: {error!r}")
-            return
+            self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
+
+    def _track_leaf_hook(
+        self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook
+    ) -> None:
+        """A leaf (e.g. an input or parameter returned as is) outlives the graph: keep at most one
+        unfired hook of ours on it, and remove the rest after their backward or at close."""
+        kept = []
+        for ref, old_handle, old_hook in self._leaf_hooks:
+            if ref() is tensor and not old_hook.fired:
+                old_handle.remove()
+            else:
+                kept.append((ref, old_handle, old_hook))
+        kept.append((weakref.ref(tensor), handle, hook))
+        self._leaf_hooks = kept
+
+    def measure_gradient(self, key: _TensorKey, grad: torch.Tensor, focus: bool) -> None:
+        """Reduce the gradient into one sampled output; flushed when the backward pass ends."""
+        pending = self._measure(replace(key, signal=OUTPUT_GRADIENT), grad, focus)
         with self._backward_lock:
             self._pending_backward.append(pending)
             queue = not self._backward_flush_queued
@@ -402,11 +434,13 @@ class Observer:
         if not pending:
             return
         try:
-            for record in self._finish(OUTPUT_GRADIENT, pending):
-                self.backward_sample_ids.add(record.sample_id)
-                self.sinks.write_backward(record)
+            records = self._finish(OUTPUT_GRADIENT, pending)
+            with self._sink_lock:
+                for record in records:
+                    self.backward_sample_ids.add(record.sample_id)
+                    self.sinks.write_backward(record)
         except Exception as error:
-            self._warn_once("flush_backward", f"recording gradients failed: {error!r}")
+            self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
 
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
@@ -414,10 +448,11 @@ class Observer:
             records = self._finish(OUTPUT, sample.pending)
             if not records:
                 records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
-            for record in records:
-                self.sinks.write_forward(record)
+            with self._sink_lock:
+                for record in records:
+                    self.sinks.write_forward(record)
         except Exception as error:
-            self._warn_once("emit_forward", f"recording a sample failed: {error!r}")
+            self.warn_once("emit_forward", f"recording a sample failed: {error!r}")
 
     def _finish(self, signal: str, pending: list[_Pending]) -> list[SampleRecord]:
         """Transfer pending results to the host and turn them into one record per sample."""
@@ -428,18 +463,19 @@ class Observer:
         host = to_host(vectors)
         by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
         for position, item in enumerate(pending):
+            key = item.key
             _, measurements, histograms = by_sample.setdefault(
-                item.sample_id, (item.forward_index, [], [])
+                key.sample_id, (key.forward_index, [], [])
             )
             measurements.append(self._measurement(item, host[2 * position]))
             if item.histogram is not None:
                 histogram = item.histogram.finish(
                     host[2 * position + 1],
-                    sample_id=item.sample_id,
-                    layer=item.layer.name,
-                    call_index=item.call_index,
-                    signal=item.signal,
-                    tensor_path=item.tensor_path,
+                    sample_id=key.sample_id,
+                    layer=key.layer.name,
+                    call_index=key.call_index,
+                    signal=key.signal,
+                    tensor_path=key.tensor_path,
                 )
                 if histogram is not None:
                     histograms.append(histogram)
@@ -450,20 +486,21 @@ class Observer:
 
     def _measurement(self, item: _Pending, host_values: list[float]) -> Measurement:
         """The host-side record of one measured tensor."""
+        key = item.key
         return Measurement(
-            sample_id=item.sample_id,
-            forward_index=item.forward_index,
+            sample_id=key.sample_id,
+            forward_index=key.forward_index,
             timestamp_us=item.timestamp_us,
             rank=self.rank,
-            layer=item.layer.name,
-            module_type=item.layer.module_type,
-            call_index=item.call_index,
-            signal=item.signal,
-            tensor_path=item.tensor_path,
+            layer=key.layer.name,
+            module_type=key.layer.module_type,
+            call_index=key.call_index,
+            signal=key.signal,
+            tensor_path=key.tensor_path,
             shape=item.shape,
             dtype=item.dtype,
-            mode=item.mode,
-            grad_enabled=item.grad_enabled,
+            mode=key.mode,
+            grad_enabled=key.grad_enabled,
             metrics=self.measurer.metrics,
             values=item.reduction.finish(host_values),
         )
@@ -481,21 +518,20 @@ class Observer:
         self.flush_backward()
         self._remove_leaf_hooks(only_fired=False)
         self.closed = True
-        self.active.clear()
-        self.current = None
-        self.sinks.close(self.counts())
+        with self._sink_lock:
+            self.sinks.close(self.counts())
 
     def _remove_leaf_hooks(self, only_fired: bool) -> None:
         """Remove hooks left on leaf tensors; runs when no backward is iterating over them."""
         keep = []
-        for handle, hook in self._leaf_hooks:
+        for ref, handle, hook in self._leaf_hooks:
             if only_fired and not hook.fired:
-                keep.append((handle, hook))
+                keep.append((ref, handle, hook))
             else:
                 handle.remove()
         self._leaf_hooks = keep
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
         """Report a measurement failure once per kind; training goes on."""
         if key not in self._warned:
             self._warned.add(key)

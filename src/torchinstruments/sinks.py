@@ -8,6 +8,7 @@ break the training step, and one broken sink must not silence the others.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,16 +112,36 @@ class DirectorySink:
         self._write(record)
 
     def _write(self, record: SampleRecord) -> None:
-        """Append the rows; histograms go to this directory's own event file."""
+        """Append the rows; histograms go to this directory's own event file.
+
+        Never raises, so the group never detaches the directory: the history writer keeps rows it
+        could not write, and a failing event file is reported once and given up.
+        """
         if self._history is not None:
             self._history.append(record.measurements)
         if self._events is not None and record.histograms:
-            write_histograms(self._events, record.histograms)
+            try:
+                write_histograms(self._events, record.histograms)
+            except Exception as error:
+                warnings.warn(
+                    f"torchinstruments: writing TensorBoard events under {self.directory} failed "
+                    f"({type(error).__name__}: {error}); histograms are no longer written there, "
+                    "the history goes on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._close_events()
+
+    def _close_events(self) -> None:
+        """Close the event writer (and its flush thread), whatever state it is in."""
+        events, self._events = self._events, None
+        if events is not None:
+            with contextlib.suppress(Exception):
+                events.close()
 
     def close(self, counts: RunCounts) -> None:
         try:
-            if self._events is not None:
-                self._events.close()
+            self._close_events()
             if self._history is not None and self._run is not None:
                 # None: the merge could not complete (already warned); the parts stay on disk
                 # for `torchinstruments finalize`, and result.json keeps its catalog.

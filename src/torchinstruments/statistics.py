@@ -275,11 +275,12 @@ class Measurer:
         try:
             return self._reduce(tensor)
         except Exception as error:  # measuring must never crash the training step
-            reason = _error_reason("statistics", error)
-            part = _Part(
-                self.metrics, fixed={name: MetricValue(None, reason) for name in self.metrics}
-            )
-            return PendingReduction(None, [part])
+            return self.unavailable(_error_reason("statistics", error))
+
+    def unavailable(self, reason: str) -> PendingReduction:
+        """A reduction whose every metric is null with `reason` (nothing to transfer)."""
+        part = _Part(self.metrics, fixed={name: MetricValue(None, reason) for name in self.metrics})
+        return PendingReduction(None, [part])
 
     def _reduce(self, tensor: torch.Tensor) -> PendingReduction:
         """Runs every reducer and packs the device values into one vector."""

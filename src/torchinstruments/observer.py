@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx import _symbolic_trace
 from torch.utils.hooks import RemovableHandle
 
 from torchinstruments.capture import (
@@ -65,7 +65,13 @@ def is_tracing() -> bool:
     Such a call is not a training step: it passes through untouched, so no measurement op ends
     up in a traced program and nothing is counted.
     """
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or is_fx_tracing()
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or _is_fx_tracing()
+
+
+# torch.fx symbolic tracing; `is_fx_tracing` (older torch) also logs a warning in newer releases.
+_is_fx_tracing: Callable[[], bool] = getattr(
+    _symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -2,10 +2,10 @@
 
 Run: `uv run bench/overhead.py` (add `--quick` for a short run).
 
-For each model, one process builds three identical copies: the plain model, one with our proxies
-installed (a sampler that never samples, so only the unsampled path runs), and one with a no-op
-`register_forward_hook` on the same leaves (the reference: any module hook pushes
-`nn.Module.__call__` off its fast path). Each round times every copy, in rotating order, so
+For each model, one process times the same model object in three states: plain, with our
+proxies installed (a sampler that never samples, so only the unsampled path runs), and with a
+no-op `register_forward_hook` on the same leaves (the reference: any module hook pushes
+`nn.Module.__call__` off its fast path). Each round times every state, in rotating order, so
 drift and ordering effects hit all variants alike; the table reports the median of the per-round
 ratios to plain and the median per-round overhead per observed leaf call in µs.
 A micro-benchmark of 200 identity leaves isolates the per-call cost from arithmetic noise.
@@ -14,7 +14,6 @@ A micro-benchmark of 200 identity leaves isolates the per-call cost from arithme
 from __future__ import annotations
 
 import argparse
-import copy
 import tempfile
 import time
 from collections.abc import Callable
@@ -107,36 +106,51 @@ def time_steps(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+class Variant:
+    """Puts the one model into a state (plain, observed or hooked) and takes it out again."""
+
+    def __init__(self, model: nn.Module, kind: str) -> None:
+        self.model = model
+        self.kind = kind
+        self.handles: list = []
+
+    def __enter__(self) -> None:
+        if self.kind == "observed":
+            directory = Path(tempfile.mkdtemp()) / "stats"
+            inject_observer(self.model, output_dir=directory, sampler=NeverSample())
+        elif self.kind == "hook":
+            self.handles = [m.register_forward_hook(lambda *_: None) for m in leaves(self.model)]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.kind == "observed":
+            remove_observer(self.model)
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 def measure(name: str, factory: Callable, steps: int, rounds: int, backward: bool) -> dict:
-    """Time three identical copies (plain, observed, hooked) in rotating order, round by round."""
+    """Time one model in three states, in rotating order, round by round.
+
+    One model object (not copies) keeps parameter addresses, and so cache and alignment effects,
+    identical across the variants; only the timed steps are measured, not injection or removal.
+    """
     torch.manual_seed(0)
-    plain_model, x = factory()
-    calls = leaf_calls_per_step(plain_model, x)
-    observed_model = copy.deepcopy(plain_model)
-    hooked_model = copy.deepcopy(plain_model)
-    inject_observer(
-        observed_model, output_dir=Path(tempfile.mkdtemp()) / "stats", sampler=NeverSample()
-    )
-    handles = [m.register_forward_hook(lambda *_: None) for m in leaves(hooked_model)]
-    variants = {
-        "plain": step_function(plain_model, x, backward),
-        "observed": step_function(observed_model, x, backward),
-        "hook": step_function(hooked_model, x, backward),
-    }
-    for step in variants.values():
-        for _ in range(3):
-            step()
-    times: dict[str, list[float]] = {key: [] for key in variants}
-    order = list(variants)
-    for round_index in range(rounds):
+    model, x = factory()
+    calls = leaf_calls_per_step(model, x)
+    step = step_function(model, x, backward)
+    order = ["plain", "observed", "hook"]
+    times: dict[str, list[float]] = {key: [] for key in order}
+    for round_index in range(rounds + 1):
         rotation = order[round_index % 3 :] + order[: round_index % 3]
         for key in rotation:
-            times[key].append(time_steps(variants[key], steps))
-    remove_observer(observed_model)
-    for handle in handles:
-        handle.remove()
+            with Variant(model, key):
+                step()  # one untimed step after each change of state
+                elapsed = time_steps(step, steps)
+            if round_index > 0:  # round 0 warms every state up
+                times[key].append(elapsed)
     plain = median(times["plain"])
-    # Per-call overhead from paired rounds: robust to slow drift over the run.
+    # Per-round pairs: robust to slow drift over the run.
     paired = [o - p for o, p in zip(times["observed"], times["plain"], strict=True)]
     paired_hook = [h - p for h, p in zip(times["hook"], times["plain"], strict=True)]
     return {
@@ -154,9 +168,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds (default 15, quick 5)")
+    parser.add_argument("--only", default="", help="run only models whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rounds = 5 if args.quick else 15
+    rounds = args.rounds or (5 if args.quick else 15)
     cases = [
         ("identity x200 (forward only)", identities, 200, False),
         ("MLP 8x Linear(256)+ReLU, b64", mlp, 20, True),
@@ -171,6 +187,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, factory, steps, backward in cases:
+        if args.only.lower() not in name.lower():
+            continue
         row = measure(name, factory, steps, rounds, backward)
         print(
             f"{row['name']:36s} {row['calls']:10d} {row['plain_us']:9.0f}µs "

@@ -131,7 +131,7 @@ def _per_sample(lf: pl.LazyFrame, keys: pl.DataFrame, since: int) -> pl.DataFram
         .agg(
             valid=value.count(),
             finite=value.is_finite().sum(),
-            total=value.filter(value.is_finite()).sum(),
+            finite_values=value.filter(value.is_finite()),
         )
         .collect(engine="streaming")
     )
@@ -171,7 +171,9 @@ def _windows(lf: pl.LazyFrame, window: int) -> pl.DataFrame:
             actual=pl.len(),
             valid=pl.col("valid").sum(),
             finite=pl.col("finite").sum(),
-            total=pl.col("total").sum(),
+            # The values themselves, summed exactly on the host: a Polars sum's order (and so
+            # its last bit) depends on how the engine split the rows.
+            finite_values=pl.col("finite_values").explode(),
             first_sample_id=pl.col("sample_id").min(),
             last_sample_id=pl.col("sample_id").max(),
         )
@@ -188,7 +190,9 @@ def _window_entry(row: dict[str, Any] | None) -> dict[str, Any]:
             "first_sample_id": None,
             "last_sample_id": None,
         }
-    mean = row["total"] / row["finite"] if row["finite"] else None
+    # Exploding an empty list may give a null (version-dependent): drop it.
+    values = [value for value in row["finite_values"] or [] if value is not None]
+    mean = math.fsum(values) / len(values) if values else None
     return {
         "mean": _finite(mean),
         "actual": row["actual"],

@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from torchinstruments.histograms import DEFAULT_BINS, reduce_histogram
-from torchinstruments.statistics import Measurer
+from torchinstruments.measurement.histograms import DEFAULT_BINS, reduce_histogram
+from torchinstruments.measurement.reducers import Measurer
 
 from _timing import median, timed
 
@@ -31,14 +31,14 @@ def main() -> None:
     measurer = Measurer(None)
 
     def statistics_once(x: torch.Tensor) -> None:
-        pending = measurer.reduce(x)
+        pending = measurer.launch(x)
         vector = pending.device_vector
-        pending.finish([] if vector is None else vector.tolist())
+        pending.resolve([] if vector is None else vector.tolist())
 
     def histogram_once(x: torch.Tensor) -> None:
         pending = reduce_histogram(x, args.bins)
         vector = pending.device_vector
-        pending.finish(
+        pending.resolve(
             [] if vector is None else vector.tolist(),
             sample_id=0,
             layer="bench",

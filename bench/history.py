@@ -12,8 +12,8 @@ growth under 1 GiB, bytes per row on disk reported)".
    due (one per `buffer_rows` = 8,192 rows, about every 8 samples). Mean and median of the first
    200 and the last 200 samples are compared: the mean carries the amortised part writes, the
    median the plain buffering cost. A ratio near 1 shows that cost does not grow with history.
-2. Removal, in a fresh child process so its RSS is the removal's alone: `HistoryWriter.close()`
-   (flush, then the bounded-memory merge of all parts into history.parquet) and
+2. Removal, in a fresh child process so its RSS is the removal's alone: `merge_history`
+   (the bounded-memory merge of all parts into history.parquet) and
    `summary.write_result` (result.json), which is what `remove_observer` does with the history.
    The parent flushes its last short part before the child starts, so the child's flush is empty;
    index.md and TensorBoard are not included (they do not depend on history size). Peak RSS is
@@ -43,9 +43,10 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.history import HISTORY_FILE, HistoryConfig, HistoryWriter, list_parts
+from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import Measurement, MetricValue
-from torchinstruments.statistics import DEFAULT_METRICS
+from torchinstruments.rundir.layout import HISTORY_FILE, list_parts
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 from _timing import median
 
@@ -105,9 +106,10 @@ def write(directory: Path, samples: int) -> list[float]:
 REMOVAL_CHILD = """
 import json, resource, sys, time
 from pathlib import Path
-from torchinstruments.history import HistoryConfig, HistoryWriter
-from torchinstruments.summary import write_result
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.merge import merge_history
+from torchinstruments.rundir.summary import write_result
+from torchinstruments.rundir.writer import HistoryConfig
 
 def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -117,7 +119,7 @@ layers = [LayerInfo(name, "Linear") for name in json.loads(sys.argv[2])]
 config = HistoryConfig()
 baseline = peak_mib()
 t0 = time.perf_counter()
-HistoryWriter(directory, config).close()
+merge_history(directory)
 t1 = time.perf_counter()
 after_merge = peak_mib()
 write_result(directory, layers, config.window)
@@ -187,7 +189,7 @@ def main() -> None:
     print()
     print(f"| removal of {rows:,} rows (fresh process) | value |")
     print("| --- | ---: |")
-    print(f"| flush + merge (HistoryWriter.close) | {removal['merge_s']:.1f} s |")
+    print(f"| merge (merge_history) | {removal['merge_s']:.1f} s |")
     print(f"| result.json (summary.write_result) | {removal['result_s']:.1f} s |")
     print(f"| total wall time | {removal['merge_s'] + removal['result_s']:.1f} s |")
     print(f"| RSS after imports (baseline) | {baseline:,.0f} MiB |")

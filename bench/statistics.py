@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchinstruments.statistics import Measurer
+from torchinstruments.measurement.reducers import Measurer
 
 from _timing import median, timed
 
@@ -33,9 +33,9 @@ QUANTILE_LIMIT = 2**24
 
 def ours(measurer: Measurer, x: torch.Tensor) -> dict[str, float | None]:
     """The default profile, both halves."""
-    pending = measurer.reduce(x)
+    pending = measurer.launch(x)
     vector = pending.device_vector
-    values = pending.finish([] if vector is None else vector.tolist())
+    values = pending.resolve([] if vector is None else vector.tolist())
     return {name: mv.value for name, mv in zip(measurer.metrics, values, strict=True)}
 
 

@@ -1,18 +1,24 @@
-"""Shared fixtures: small models, run directories, and readers for what a run wrote."""
+"""Shared fixtures and helpers: models, run directories, readers, references, sync detection."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from torchinstruments import EveryNForwardsSampler, has_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, has_observer, inject_observer, remove_observer
+from torchinstruments.measurement import tensors
+from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.records import MetricValue
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +34,20 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def every_forward() -> EveryNForwardsSampler:
-    """A sampler that samples every root forward."""
-    return EveryNForwardsSampler(1)
+def one_thread() -> Iterator[None]:
+    """One torch thread, so float reductions run in one order and compare bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["host", "device"])
+def reduction_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on the CPU path (host syncs free) and on the sync-free device path."""
+    if request.param == "device":
+        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+    return request.param
 
 
 @pytest.fixture
@@ -56,13 +73,111 @@ def read_history(directory: Path) -> pl.DataFrame:
     return pl.read_parquet(directory / "history.parquet")
 
 
-def read_result(directory: Path) -> list[dict[str, Any]]:
-    """result.json, rejecting NaN and Infinity."""
+def strict_loads(text: str) -> Any:
+    """Parse JSON, refusing NaN and Infinity (which result.json must never hold)."""
 
     def reject(constant: str) -> Any:
         raise ValueError(f"non-strict JSON constant {constant}")
 
-    return json.loads((directory / "result.json").read_text("utf-8"), parse_constant=reject)
+    return json.loads(text, parse_constant=reject)
+
+
+def strict_json(path: Path) -> Any:
+    """A UTF-8 JSON file parsed with `strict_loads`."""
+    return strict_loads(path.read_text(encoding="utf-8"))
+
+
+def read_result(directory: Path) -> list[dict[str, Any]]:
+    """result.json, rejecting NaN and Infinity."""
+    return strict_json(directory / "result.json")
+
+
+def observe(model: nn.Module, run_dir: Path, **kwargs: Any) -> Path:
+    """Inject with every root forward sampled (unless `sampler` is given)."""
+    kwargs.setdefault("sampler", EveryNForwardsSampler(1))
+    directory = inject_observer(model, output_dir=run_dir, **kwargs)
+    assert directory is not None
+    return directory
+
+
+def measure(tensor: torch.Tensor, measurer: Measurer | None = None) -> dict[str, MetricValue]:
+    """Both halves of a reduction, as the engine runs them, by metric name."""
+    measurer = measurer or Measurer(None)
+    pending = measurer.launch(tensor)
+    vector = pending.device_vector
+    if vector is not None:
+        assert vector.dtype == torch.float64
+        assert vector.dim() == 1
+        assert vector.device == tensor.device
+    got = pending.resolve([] if vector is None else vector.tolist())
+    assert len(got) == len(measurer.metrics)
+    return dict(zip(measurer.metrics, got, strict=True))
+
+
+def numpy_profile(values: np.ndarray) -> dict[str, float | None]:
+    """The default profile computed independently by NumPy in float64 (None: unavailable)."""
+    flat = values.astype(np.float64).ravel()
+    finite = flat[np.isfinite(flat)]
+    out: dict[str, float | None] = {
+        "zero_fraction": float(np.count_nonzero(flat == 0)) / flat.size,
+        "nonfinite_fraction": float(flat.size - finite.size) / flat.size,
+    }
+    if finite.size == 0:
+        out.update(dict.fromkeys(("mean", "std", "min", "max", "p25", "p50", "p75")))
+        return out
+    # Moments on values scaled by a power of two (exact), so NumPy neither overflows nor underflows.
+    exponent = max(-1000, min(1000, math.frexp(float(np.abs(finite).max()))[1]))
+    scale = math.ldexp(1.0, exponent)
+    out["mean"] = float(np.mean(finite / scale)) * scale
+    out["std"] = float(np.std(finite / scale)) * scale
+    out["min"] = float(finite.min())
+    out["max"] = float(finite.max())
+    for name, q in (("p25", 25), ("p50", 50), ("p75", 75)):
+        out[name] = float(np.percentile(finite, q, method="linear"))
+    return out
+
+
+class NoHostSync(TorchFunctionMode):
+    """Records every torch call that would make a device tensor wait for the host.
+
+    Violations are collected in `violations` rather than raised: the library catches exceptions
+    inside measurement (turning them into null values), so a raised assertion could be swallowed.
+    Assert `mode.violations == []` after the block.
+    """
+
+    SYNCING = frozenset(
+        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+         "masked_select", "bincount", "unique", "histc", "cpu", "numpy", "kthvalue"}
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.violations: list[str] = []
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name in self.SYNCING:
+            self.violations.append(name)
+        elif name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:])
+        ):
+            self.violations.append("boolean-mask indexing")
+        return func(*args, **(kwargs or {}))
+
+
+def _flatten(items: tuple[Any, ...]) -> Iterator[Any]:
+    """Index arguments, tuples opened."""
+    for item in items:
+        if isinstance(item, tuple):
+            yield from item
+        else:
+            yield item
 
 
 def values(frame: pl.DataFrame, **where: Any) -> list[float | None]:

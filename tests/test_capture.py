@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, remove_observer
+from torchinstruments.capture import called_through_module_call, is_tracing, queue_at_backward_end
 
-from conftest import mlp, read_history, values
+from conftest import mlp, observe, read_history, values
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -54,12 +55,6 @@ class Holder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> object:
         return self.child(x)
-
-
-def observe(model: nn.Module, run_dir: Path, **kwargs: object) -> None:
-    """Inject with every forward sampled."""
-    kwargs.setdefault("sampler", EveryNForwardsSampler(1))
-    inject_observer(model, output_dir=run_dir, **kwargs)  # type: ignore[arg-type]
 
 
 def test_shared_module_gets_call_index_per_invocation(run_dir: Path) -> None:
@@ -371,3 +366,50 @@ def test_direct_forward_detection_works_without_wrapts_c_extension(tmp_path: Pat
     history = read_history(tmp_path / "s")
     assert history["forward_index"].unique().to_list() == [0]
     assert set(history["layer"]) == {"0", "1"}
+
+
+# --- the private torch internals, one test each (capture.py keeps them in one place) -----------
+
+
+def test_called_through_module_call_tells_module_call_from_direct_forward() -> None:
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(called_through_module_call(depth=2))
+            return x
+
+    probe = Probe()
+    probe(torch.ones(1))  # nn.Module._call_impl calls forward
+    probe.forward(torch.ones(1))  # called directly
+    assert seen == [True, False]
+
+
+def test_is_tracing_is_true_only_inside_a_trace() -> None:
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(is_tracing())
+            return x + 1
+
+    probe = Probe()
+    probe(torch.ones(1))
+    torch.fx.symbolic_trace(probe)
+    assert seen == [False, True]
+
+
+def test_queue_at_backward_end_runs_after_the_pass_and_refuses_outside_one() -> None:
+    order: list[str] = []
+    assert not queue_at_backward_end(lambda: order.append("never"))
+    x = torch.ones(2, requires_grad=True)
+    y = x * 3
+
+    def hook(grad: torch.Tensor) -> None:
+        order.append("hook")
+        assert queue_at_backward_end(lambda: order.append("end"))
+
+    y.register_hook(hook)
+    (y * 2).sum().backward()
+    order.append("after")
+    assert order == ["hook", "end", "after"]

@@ -15,13 +15,11 @@ parts the kill leaves are then samples 0..K-1, and the reference trains exactly 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +36,9 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
-from torchinstruments.history import list_parts
+from torchinstruments.rundir.layout import list_parts
 
-from conftest import sgd_step
+from conftest import sgd_step, strict_json
 
 SEED = 20240611
 LAYERS = 3  # Linear, Tanh, Linear: every leaf's output is measured and receives a gradient
@@ -76,24 +74,6 @@ def child_main(directory: Path) -> None:
         print(f"step {step} loss {loss:.6f}", flush=True)
         step += 1
         time.sleep(STEP_SLEEP_S)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Run the reference on one thread, like the child, so reductions match bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def strict_json(path: Path) -> Any:
-    """Parse UTF-8 JSON, refusing NaN and Infinity."""
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"non-strict JSON constant {constant}")
-
-    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
 
 
 def json_keys(node: Any) -> set[str]:

@@ -9,6 +9,7 @@ over wrong data fails.
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
 import subprocess
@@ -43,6 +44,7 @@ def run_script(*args: str | Path, timeout: float = 240) -> None:
         text=True,
         timeout=timeout,
         check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one torch thread, as in-process tests
     )
     assert result.returncode == 0, (
         f"{args[0]} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -226,20 +228,14 @@ def test_lightning_example_writes_logger_histograms_and_run_directory(tmp_path: 
 # -- README quick start and basic_training.py -------------------------------------------------
 
 
-def test_readme_quick_start_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    exec(compile(quick_start_block(), "README.md:quick-start", "exec"), {"__name__": "__main__"})
-    (run_dir,) = (tmp_path / "stats").iterdir()
-    assert (run_dir / "history.parquet").is_file()
-    assert (run_dir / "index.md").is_file()
-
-
 def test_basic_training_is_the_readme_quick_start() -> None:
     source = (EXAMPLES / "basic_training.py").read_text("utf-8")
     assert quick_start_block().strip() in source
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_basic_training_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """basic_training.py contains the README's quick start (checked above), so this runs both."""
     monkeypatch.chdir(tmp_path)
     runpy.run_path(str(EXAMPLES / "basic_training.py"), run_name="__main__")
     (run_dir,) = (tmp_path / "stats").iterdir()
@@ -267,6 +263,7 @@ def rank_directories(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_research_workflow_code_runs(
     rank_directories: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

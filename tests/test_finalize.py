@@ -1,60 +1,28 @@
-"""Crash safety and recovery: SIGKILL mid-run, `python -m torchinstruments finalize`, the lock."""
+"""`finalize` and the run lock: completing an interrupted directory, refusing a live one."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from torchinstruments.finalize import RunLock, RunLockedError, check_output_dir, finalize
-from torchinstruments.history import HistoryConfig, HistoryWriter, list_parts
-from torchinstruments.index_page import read_run_info
 from torchinstruments.records import Measurement, MetricValue
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.layout import check_output_dir, list_parts
+from torchinstruments.rundir.lock import RunLock, RunLockedError
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
-WRITER_SCRIPT = textwrap.dedent(
-    """
-    import sys, time
-    from pathlib import Path
-    from torchinstruments.finalize import RunLock
-    from torchinstruments.history import HistoryConfig, HistoryWriter
-    from torchinstruments.index_page import write_index
-    from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunInfo
-    from torchinstruments.summary import write_catalog
-
-    directory = Path(sys.argv[1])
-    layers = (LayerInfo("a", "Linear"), LayerInfo("b", "ReLU"), LayerInfo("idle", "Dropout"))
-    run = RunInfo(directory, "0.1.0", "x", "Net", layers, ("a",), "every 3", ("mean", "std"),
-                  None, None, "rank0", True, 10, 4, "2026-01-01T00:00:00+00:00")
-    lock = RunLock(directory)
-    lock.acquire()
-    write_catalog(directory, layers)
-    write_index(directory, run, None)
-    writer = HistoryWriter(directory, HistoryConfig(buffer_rows=10, window=4))
-    s = 0
-    while True:  # runs until killed
-        writer.append([
-            Measurement(s, 3 * s, time.time_ns() // 1000, None, name, "Linear", 0, "output", "",
-                        (8, 4), "float32", "train", True, ("mean", "std"),
-                        (MetricValue(float(s)), MetricValue(0.5)))
-            for name in ("a", "b")
-        ])
-        s += 1
-    """
-)
+from conftest import strict_json
 
 HOLDER_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from torchinstruments.finalize import RunLock
+    from torchinstruments.rundir.lock import RunLock
     RunLock(Path(sys.argv[1])).acquire()
     print("locked", flush=True)
     time.sleep(60)
@@ -70,13 +38,6 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
-
-
-def strict_json(path: Path) -> object:
-    def refuse(name: str) -> None:
-        raise ValueError(name)
-
-    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
 
 
 def sample_rows(directory: Path, samples: int) -> None:
@@ -106,50 +67,6 @@ def sample_rows(directory: Path, samples: int) -> None:
     writer.flush()
 
 
-def test_sigkill_leaves_readable_parts_and_finalize_completes(tmp_path: Path) -> None:
-    run_dir = tmp_path / "stats"
-    run_dir.mkdir()
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER_SCRIPT, encoding="utf-8")
-    child = subprocess.Popen([sys.executable, str(script), str(run_dir)])
-    try:
-        deadline = time.monotonic() + 60
-        while len(list_parts(run_dir)) < 200:
-            assert child.poll() is None, "writer died on its own"
-            assert time.monotonic() < deadline, "writer too slow"
-            time.sleep(0.05)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
-
-    parts = list_parts(run_dir)
-    part_rows = sum(pl.read_parquet(p).height for p in parts)  # every part reads back
-    assert part_rows == 10 * len(parts)
-
-    done = cli("finalize", run_dir)
-    assert done.returncode == 0, done.stderr
-    history = pl.read_parquet(run_dir / "history.parquet")
-    assert history.height == part_rows
-    assert history.select(pl.struct("sample_id", "layer", "metric").is_unique().all()).item()
-    assert list_parts(run_dir) == []
-    assert not list(run_dir.rglob("*.tmp"))
-
-    result = strict_json(run_dir / "result.json")
-    assert isinstance(result, list)
-    assert [d["layer"] for d in result] == ["a", "b", "idle"]
-    assert result[2]["tensors"] == []
-    mean = result[0]["tensors"][0]["metrics"]["mean"]
-    assert mean["observations"] == history.filter(layer="a", metric="mean").height
-    assert mean["recent"]["actual"] == 4
-
-    text = (run_dir / "index.md").read_text(encoding="utf-8")
-    root_forwards = history["forward_index"].max() + 1  # type: ignore[operator]
-    assert f"{root_forwards} root forwards" in text
-    assert "lower bounds" in text
-    assert read_run_info(run_dir).window == 4
-
-
 def test_finalize_refuses_a_directory_locked_by_a_live_process(tmp_path: Path) -> None:
     sample_rows(tmp_path, 8)
     holder = subprocess.Popen(
@@ -175,17 +92,21 @@ def test_unreadable_part_is_left_in_place_and_reported(tmp_path: Path) -> None:
     good = list_parts(tmp_path)
     broken = tmp_path / "history.parts" / "part-000000777.parquet"
     broken.write_bytes(good[0].read_bytes()[:40])  # a torn file that no atomic write leaves
-    with pytest.warns(RuntimeWarning, match="part-000000777"):
-        report = finalize(tmp_path)
-    assert [p for p, _ in report.unreadable_parts] == [broken]
+    report = finalize(tmp_path)
+    assert report.merge is not None
+    assert [p for p, _ in report.merge.unreadable_parts] == [broken]
+    assert not report.complete
+    assert any("part-000000777" in problem for problem in report.problems)
     assert broken.exists()
     assert all(not p.exists() for p in good)
     assert pl.read_parquet(tmp_path / "history.parquet").height == 12
-    with pytest.warns(RuntimeWarning):
-        finalize(tmp_path)  # idempotent: nothing merged twice
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "INCOMPLETE" in index
+    assert "part-000000777" in index
+    assert not finalize(tmp_path).complete  # idempotent: nothing merged twice
     assert pl.read_parquet(tmp_path / "history.parquet").height == 12
     out = cli("finalize", tmp_path)
-    assert out.returncode == 0
+    assert out.returncode == 1
     assert "part-000000777" in out.stderr
 
 

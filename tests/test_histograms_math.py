@@ -11,28 +11,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from torch.overrides import TorchFunctionMode
 
-from torchinstruments import histograms as histograms_module
-from torchinstruments.histograms import DEFAULT_BINS, reduce_histogram
+from torchinstruments.measurement import tensors
+from torchinstruments.measurement.histograms import DEFAULT_BINS, reduce_histogram
 from torchinstruments.records import HistogramRecord
+
+from conftest import NoHostSync
 
 
 @pytest.fixture(autouse=True, scope="module", params=["host_bounds", "sync_free"])
 def counting_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on the CPU's host-bounds path and on the sync-free (CUDA) path."""
-    original = histograms_module._HOST_BOUNDS_DEVICE_TYPES
+    original = tensors.SYNC_FREE_DEVICE_TYPES
     if request.param == "sync_free":
-        histograms_module._HOST_BOUNDS_DEVICE_TYPES = frozenset()
+        tensors.SYNC_FREE_DEVICE_TYPES = frozenset()
     yield request.param
-    histograms_module._HOST_BOUNDS_DEVICE_TYPES = original
+    tensors.SYNC_FREE_DEVICE_TYPES = original
 
 
 def histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
     """Both halves, as the engine runs them."""
     pending = reduce_histogram(tensor, bins)
     vector = pending.device_vector
-    return pending.finish(
+    return pending.resolve(
         [] if vector is None else vector.tolist(),
         sample_id=3,
         layer="fc",
@@ -142,27 +143,13 @@ def test_invalid_bins_give_none(bins: object) -> None:
     assert histogram(torch.randn(5), bins) is None  # type: ignore[arg-type]
 
 
-class _NoHostSync(TorchFunctionMode):
-    """Fails on torch calls that would make a CUDA tensor wait for the host."""
-
-    SYNCING = frozenset(
-        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-         "masked_select", "bincount", "unique", "histc", "cpu", "numpy"}
-    )  # fmt: skip
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = getattr(func, "__name__", str(func))
-        if name in self.SYNCING:
-            raise AssertionError(f"host sync via {name}")
-        return func(*args, **(kwargs or {}))
-
-
 def test_counting_never_syncs(counting_path: str) -> None:
     if counting_path == "host_bounds":
         pytest.skip("the host-bounds path runs only where host syncs are free (the CPU)")
     tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0])
-    with _NoHostSync():
+    with NoHostSync() as mode:
         pending = reduce_histogram(tensor, 4)
+    assert mode.violations == []
     assert pending.device_vector is not None
     record = histogram(tensor, 4)
     assert record is not None

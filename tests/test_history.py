@@ -9,16 +9,12 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from torchinstruments import history
-from torchinstruments.history import (
-    HISTORY_SCHEMA,
-    MERGE_SORT_KEY,
-    HistoryConfig,
-    HistoryWriter,
-    list_parts,
-    merge_parts,
-)
 from torchinstruments.records import Measurement, MetricValue
+from torchinstruments.rundir import merge as merge_module
+from torchinstruments.rundir import writer as writer_module
+from torchinstruments.rundir.layout import HISTORY_SCHEMA, list_parts
+from torchinstruments.rundir.merge import merge_history
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 EXPECTED_SCHEMA = {
     "sample_id": pl.Int64,
@@ -88,7 +84,7 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
             rows.append(
                 (
                     *(m.sample_id, m.forward_index, m.timestamp_us, m.rank, m.layer, m.module_type),
-                    *(m.call_index, m.signal, m.tensor_path, list(m.shape), m.dtype, m.mode),
+                    *(m.call_index, m.signal, m.tensor_path, list(m.shape or ()), m.dtype, m.mode),
                     *(m.grad_enabled, name, v.value, v.reason),
                 )
             )
@@ -129,8 +125,8 @@ def test_rows_written_equal_rows_produced_and_merge_is_sorted(
     concatenated = pl.concat(frames)
     assert sorted(as_rows(concatenated), key=repr) == sorted(expected, key=repr)
 
-    merged_path = writer.close()
-    assert merged_path == tmp_path / "history.parquet"
+    assert writer.close()
+    assert merge_history(tmp_path).path == tmp_path / "history.parquet"
     merged = pl.read_parquet(tmp_path / "history.parquet")
     assert dict(merged.schema) == EXPECTED_SCHEMA
     rows = as_rows(merged)
@@ -151,9 +147,8 @@ def test_big_append_is_split_into_parts(tmp_path: Path) -> None:
 
 
 def test_empty_history_has_exact_schema(tmp_path: Path) -> None:
-    path = HistoryWriter(tmp_path, HistoryConfig()).close()
-    assert path is not None
-    frame = pl.read_parquet(path)
+    assert HistoryWriter(tmp_path, HistoryConfig()).close()
+    frame = pl.read_parquet(merge_history(tmp_path).path)
     assert frame.height == 0
     assert dict(frame.schema) == EXPECTED_SCHEMA
     assert dict(HISTORY_SCHEMA) == EXPECTED_SCHEMA
@@ -162,10 +157,11 @@ def test_empty_history_has_exact_schema(tmp_path: Path) -> None:
 def test_range_batched_merge_equals_single_sort(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(history, "MERGE_BATCH_ROWS", 37)
-    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
-    produced = run_samples(writer, 30)
-    writer.close()
+    monkeypatch.setattr(merge_module, "MERGE_BATCH_ROWS", 37)
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
+    produced = run_samples(history_writer, 30)
+    history_writer.close()
+    merge_history(tmp_path)
     rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
     assert sorted(rows, key=repr) == sorted(expected_rows(produced), key=repr)
     keys = [row_key(r) for r in rows]
@@ -175,7 +171,7 @@ def test_range_batched_merge_equals_single_sort(
 def test_disk_full_warns_once_keeps_rows_and_retries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = history._write_parquet_atomic
+    real = writer_module.write_parquet_atomic
     failing = {"left": 5}
 
     def flaky(frame: pl.DataFrame, path: Path) -> None:
@@ -184,38 +180,38 @@ def test_disk_full_warns_once_keeps_rows_and_retries(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(frame, path)
 
-    monkeypatch.setattr(history, "_write_parquet_atomic", flaky)
-    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=6))
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", flaky)
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=6))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        produced = run_samples(writer, 30)
+        produced = run_samples(history_writer, 30)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1
     assert "history.parts" in messages[0]
     assert "No space left" in messages[0]
     assert failing["left"] == 0
-    writer.close()
-    rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
-    assert writer.rows_written == writer.rows_produced == len(rows)
+    assert history_writer.close()
+    rows = as_rows(pl.read_parquet(merge_history(tmp_path).path))
+    assert history_writer.rows_written == history_writer.rows_produced == len(rows)
     assert sorted(rows, key=repr) == sorted(expected_rows(produced), key=repr)
 
 
-def test_close_with_unwritable_rows_returns_none_and_keeps_parts(
+def test_close_with_unwritable_rows_reports_them_and_keeps_parts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=3))
-    run_samples(writer, 2)
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=3))
+    run_samples(history_writer, 2)
+    written = history_writer.rows_written
 
     def broken(frame: pl.DataFrame, path: Path) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(history, "_write_parquet_atomic", broken)
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", broken)
     with pytest.warns(RuntimeWarning, match="Permission denied"):
-        writer.append([measurement(5, "a")])
-    with pytest.warns(RuntimeWarning, match="could not be written"):
-        assert writer.close() is None
+        history_writer.append([measurement(5, "a")])
+    assert not history_writer.close()
+    assert history_writer.rows_buffered == history_writer.rows_produced - written > 0
     assert list_parts(tmp_path)
-    assert not (tmp_path / "history.parquet").exists()
 
 
 def test_merge_after_crash_between_rename_and_part_removal_has_no_duplicates(
@@ -226,7 +222,7 @@ def test_merge_after_crash_between_rename_and_part_removal_has_no_duplicates(
     writer.flush()
     parts = list_parts(tmp_path)
     saved = {p: p.read_bytes() for p in parts}
-    merge_parts(tmp_path)
+    merge_history(tmp_path)
     for p, data in saved.items():  # as if the process died before deleting the parts
         p.parent.mkdir(exist_ok=True)
         p.write_bytes(data)
@@ -235,11 +231,7 @@ def test_merge_after_crash_between_rename_and_part_removal_has_no_duplicates(
     extra = [measurement(99, "z")]
     late.append(extra)
     late.flush()
-    merge_parts(tmp_path)
+    merge_history(tmp_path)
     rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
     assert sorted(rows, key=repr) == sorted(expected_rows(produced + extra), key=repr)
     assert list_parts(tmp_path) == []
-
-
-def test_sort_key_is_the_documented_one() -> None:
-    assert MERGE_SORT_KEY == ("sample_id", "signal", "layer", "call_index", "tensor_path", "metric")

@@ -9,9 +9,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from torchinstruments.history import HistoryConfig, HistoryWriter
-from torchinstruments.index_page import read_run_info, render_index, write_index
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
+from torchinstruments.rundir.index_page import read_run_info, render_index, write_index
+from torchinstruments.rundir.merge import merge_history
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 
 def run_info(directory: Path, rank: int | None = None) -> RunInfo:
@@ -64,6 +65,7 @@ def write_history(directory: Path, rank: int | None, keep_parts: bool = False) -
     if keep_parts:
         shutil.copytree(directory / "history.parts", directory / "parts.copy")
     writer.close()
+    merge_history(directory)
     if keep_parts:
         (directory / "parts.copy").rename(directory / "history.parts")
 

@@ -8,17 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from torchinstruments import statistics
+from torchinstruments.measurement import tensors
+from torchinstruments.measurement.reducers import (
+    DEFAULT_METRICS,
+    DefaultStatistics,
+    Measurer,
+    Reducer,
+)
 from torchinstruments.records import MetricValue
-from torchinstruments.statistics import DEFAULT_METRICS, DefaultStatistics, Measurer, Reducer
 
-
-@pytest.fixture(params=["selection", "device"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test on the CPU selection path and on the sync-free device path."""
-    if request.param == "device":
-        monkeypatch.setattr(statistics, "_SELECTION_DEVICE_TYPES", frozenset())
-    return request.param
+from conftest import measure
 
 
 class AbsMax:
@@ -48,22 +47,11 @@ class Failing:
         raise ValueError("bad input")
 
 
-def measure(measurer: Measurer, tensor: torch.Tensor) -> dict[str, MetricValue]:
-    """Both halves of a reduction."""
-    pending = measurer.reduce(tensor)
-    vector = pending.device_vector
-    return dict(
-        zip(
-            measurer.metrics, pending.finish([] if vector is None else vector.tolist()), strict=True
-        )
-    )
-
-
-def test_custom_metrics_follow_the_default_profile(path: str) -> None:
+def test_custom_metrics_follow_the_default_profile(reduction_path: str) -> None:
     measurer = Measurer([AbsMax(), Numel()])
     assert measurer.metrics == (*DEFAULT_METRICS, "abs_max", "numel", "half_numel")
     tensor = torch.tensor([1.0, -7.5, 3.0])
-    got = measure(measurer, tensor)
+    got = measure(tensor, measurer)
     assert got["abs_max"] == MetricValue(7.5)
     assert got["numel"] == MetricValue(3.0)
     assert got["half_numel"] == MetricValue(1.5)
@@ -76,11 +64,11 @@ def test_reducers_satisfy_the_protocol() -> None:
 
 
 def test_device_scalars_travel_in_the_device_vector(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(statistics, "_SELECTION_DEVICE_TYPES", frozenset())
-    pending = Measurer([DefaultStatistics(()), AbsMax(), Numel()]).reduce(torch.tensor([2.0, -4.0]))
+    monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+    pending = Measurer([DefaultStatistics(()), AbsMax(), Numel()]).launch(torch.tensor([2.0, -4.0]))
     assert pending.device_vector is not None
     assert pending.device_vector.tolist() == [4.0]  # Python numbers stay on the host
-    assert pending.finish([4.0]) == (MetricValue(4.0), MetricValue(2.0), MetricValue(1.0))
+    assert pending.resolve([4.0]) == (MetricValue(4.0), MetricValue(2.0), MetricValue(1.0))
 
 
 def test_clash_with_the_default_profile_raises_at_construction() -> None:
@@ -131,17 +119,17 @@ def test_metric_names_must_be_non_empty_strings() -> None:
         Measurer([Bad()])
 
 
-def test_default_statistics_subset_replaces_the_default(path: str) -> None:
+def test_default_statistics_subset_replaces_the_default(reduction_path: str) -> None:
     measurer = Measurer([AbsMax(), DefaultStatistics(("max", "mean"))])
     assert measurer.metrics == ("abs_max", "max", "mean")
-    got = measure(measurer, torch.tensor([1.0, -3.0]))
+    got = measure(torch.tensor([1.0, -3.0]), measurer)
     assert got == {"abs_max": MetricValue(3.0), "max": MetricValue(1.0), "mean": MetricValue(-1.0)}
 
 
-def test_empty_default_statistics_leaves_custom_metrics_only(path: str) -> None:
+def test_empty_default_statistics_leaves_custom_metrics_only(reduction_path: str) -> None:
     measurer = Measurer([DefaultStatistics(()), AbsMax()])
     assert measurer.metrics == ("abs_max",)
-    assert measure(measurer, torch.tensor([-2.0])) == {"abs_max": MetricValue(2.0)}
+    assert measure(torch.tensor([-2.0]), measurer) == {"abs_max": MetricValue(2.0)}
 
 
 def test_subset_can_redefine_a_default_name_elsewhere() -> None:
@@ -163,9 +151,9 @@ def test_default_statistics_validates_its_metrics(metrics: object) -> None:
         assert "nonfinite_fraction" in str(info.value)  # lists the allowed values
 
 
-def test_raising_reducer_gives_null_with_reason_and_others_survive(path: str) -> None:
+def test_raising_reducer_gives_null_with_reason_and_others_survive(reduction_path: str) -> None:
     measurer = Measurer([Failing(), AbsMax()])
-    got = measure(measurer, torch.tensor([1.0, -2.0]))
+    got = measure(torch.tensor([1.0, -2.0]), measurer)
     reason = "reducer error: ValueError: bad input"
     assert got["broken"] == MetricValue(None, reason)
     assert got["also_broken"] == MetricValue(None, reason)
@@ -173,19 +161,19 @@ def test_raising_reducer_gives_null_with_reason_and_others_survive(path: str) ->
     assert got["max"] == MetricValue(1.0)
 
 
-def test_missing_metric_gives_null_with_reason(path: str) -> None:
+def test_missing_metric_gives_null_with_reason(reduction_path: str) -> None:
     class Partial:
         metrics = ("here", "gone")
 
         def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
             return {"here": 1.0}
 
-    got = measure(Measurer([Partial()]), torch.ones(2))
+    got = measure(torch.ones(2), Measurer([Partial()]))
     assert got["here"] == MetricValue(1.0)
     assert got["gone"] == MetricValue(None, "reducer returned no value")
 
 
-def test_invalid_values_give_null_with_reason(path: str) -> None:
+def test_invalid_values_give_null_with_reason(reduction_path: str) -> None:
     class Odd:
         metrics = ("vector", "text", "complex", "nan", "one_element", "flag")
 
@@ -200,7 +188,7 @@ def test_invalid_values_give_null_with_reason(path: str) -> None:
             }
 
     odd: list[Reducer] = [DefaultStatistics(()), Odd()]  # pyrefly: ignore[bad-assignment]
-    got = measure(Measurer(odd), torch.ones(3))
+    got = measure(torch.ones(3), Measurer(odd))
     assert got["vector"].value is None
     assert "shape (3,)" in str(got["vector"].reason)
     assert got["text"].value is None
@@ -213,7 +201,7 @@ def test_invalid_values_give_null_with_reason(path: str) -> None:
     assert got["flag"] == MetricValue(1.0)
 
 
-def test_non_mapping_result_gives_null_with_reason(path: str) -> None:
+def test_non_mapping_result_gives_null_with_reason(reduction_path: str) -> None:
     class Listy:
         metrics = ("a",)
 
@@ -221,12 +209,12 @@ def test_non_mapping_result_gives_null_with_reason(path: str) -> None:
             return [1.0]
 
     listy: list[Reducer] = [Listy()]  # pyrefly: ignore[bad-assignment]
-    got = measure(Measurer(listy), torch.ones(2))
+    got = measure(torch.ones(2), Measurer(listy))
     assert got["a"].value is None
     assert "list" in str(got["a"].reason)
 
 
-def test_reducers_get_a_detached_tensor_without_grad(path: str) -> None:
+def test_reducers_get_a_detached_tensor_without_grad(reduction_path: str) -> None:
     seen: list[tuple[bool, bool]] = []
 
     class Spy:
@@ -236,5 +224,5 @@ def test_reducers_get_a_detached_tensor_without_grad(path: str) -> None:
             seen.append((tensor.requires_grad, torch.is_grad_enabled()))
             return {"spy": 0.0}
 
-    measure(Measurer([Spy()]), torch.ones(3, requires_grad=True) * 2)
+    measure(torch.ones(3, requires_grad=True) * 2, Measurer([Spy()]))
     assert seen == [(False, False)]

@@ -96,9 +96,10 @@ def test_full_disk_reported_by_polars_keeps_the_directory_attached_and_the_rows(
 ) -> None:
     import polars as pl
 
-    from torchinstruments import HistoryConfig, history
+    from torchinstruments import HistoryConfig
+    from torchinstruments.rundir import writer
 
-    real_write = history._write_parquet_atomic
+    real_write = writer.write_parquet_atomic
     failures = {"left": 3}
 
     def full_disk(frame: pl.DataFrame, path: Path) -> None:
@@ -107,7 +108,7 @@ def test_full_disk_reported_by_polars_keeps_the_directory_attached_and_the_rows(
             raise pl.exceptions.ComputeError("parquet: No space left on device (os error 28)")
         real_write(frame, path)
 
-    monkeypatch.setattr(history, "_write_parquet_atomic", full_disk)
+    monkeypatch.setattr(writer, "write_parquet_atomic", full_disk)
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
     inject_observer(
         model,

@@ -1,14 +1,13 @@
 """The default statistics profile against NumPy on the same values, on both reduction paths.
 
 Every case runs twice: on the CPU selection path (the default on CPU) and on the sync-free device
-path (the one CUDA uses), forced on the CPU by emptying `_SELECTION_DEVICE_TYPES`.
+path (the one CUDA uses), forced on the CPU by emptying `tensors.SYNC_FREE_DEVICE_TYPES` (the `reduction_path` fixture).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,60 +15,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from torch.overrides import TorchFunctionMode
 
-from torchinstruments import statistics
+from torchinstruments.measurement import tensors
+from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Measurer
 from torchinstruments.records import MetricValue
-from torchinstruments.statistics import DEFAULT_METRICS, DefaultStatistics, Measurer
 
-PATHS = ("selection", "device")
+from conftest import NoHostSync, measure, numpy_profile
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
-
-
-@pytest.fixture(params=PATHS)
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test on the CPU selection path and on the sync-free device path."""
-    if request.param == "device":
-        monkeypatch.setattr(statistics, "_SELECTION_DEVICE_TYPES", frozenset())
-    return request.param
-
-
-def measure(tensor: torch.Tensor, measurer: Measurer | None = None) -> dict[str, MetricValue]:
-    """Both halves of a reduction, as the engine runs them."""
-    measurer = measurer or Measurer(None)
-    pending = measurer.reduce(tensor)
-    vector = pending.device_vector
-    if vector is not None:
-        assert vector.dtype == torch.float64
-        assert vector.dim() == 1
-        assert vector.device == tensor.device
-    values = pending.finish([] if vector is None else vector.tolist())
-    assert len(values) == len(measurer.metrics)
-    return dict(zip(measurer.metrics, values, strict=True))
-
-
-def reference(values: np.ndarray) -> dict[str, float | None]:
-    """The default profile computed by NumPy in float64 (None where a metric is unavailable)."""
-    flat = values.astype(np.float64).ravel()
-    finite = flat[np.isfinite(flat)]
-    out: dict[str, float | None] = {
-        "zero_fraction": float(np.count_nonzero(flat == 0)) / flat.size,
-        "nonfinite_fraction": float(flat.size - finite.size) / flat.size,
-    }
-    if finite.size == 0:
-        out.update(dict.fromkeys(("mean", "std", "min", "max", "p25", "p50", "p75")))
-        return out
-    # Moments on values scaled by a power of two (exact), so NumPy neither overflows nor underflows.
-    exponent = max(-1000, min(1000, math.frexp(float(np.abs(finite).max()))[1]))
-    scale = math.ldexp(1.0, exponent)
-    out["mean"] = float(np.mean(finite / scale)) * scale
-    out["std"] = float(np.std(finite / scale)) * scale
-    out["min"] = float(finite.min())
-    out["max"] = float(finite.max())
-    for name, q in (("p25", 25), ("p50", 50), ("p75", 75)):
-        out[name] = float(np.percentile(finite, q, method="linear"))
-    return out
 
 
 def check_invariants(got: dict[str, MetricValue]) -> None:
@@ -85,7 +39,7 @@ def check_invariants(got: dict[str, MetricValue]) -> None:
 def assert_matches(got: dict[str, MetricValue], values: np.ndarray) -> None:
     """Compares with NumPy: order statistics exactly, moments tightly."""
     check_invariants(got)
-    want = reference(values)
+    want = numpy_profile(values)
     finite = values.astype(np.float64)[np.isfinite(values.astype(np.float64))]
     magnitude = float(np.abs(finite).max()) if finite.size else 0.0
     for name, expected in want.items():
@@ -135,14 +89,14 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize(("name", "n"), CASES)
-def test_matches_numpy(path: str, dtype: torch.dtype, name: str, n: int) -> None:
+def test_matches_numpy(reduction_path: str, dtype: torch.dtype, name: str, n: int) -> None:
     values = dict(distributions(np.random.default_rng(n), n))[name]
     tensor = as_tensor(values, dtype)
     assert_matches(measure(tensor), as_reference(tensor))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_one_element(path: str, dtype: torch.dtype) -> None:
+def test_one_element(reduction_path: str, dtype: torch.dtype) -> None:
     got = measure(torch.tensor([-1.5], dtype=dtype))
     assert {name: got[name].value for name in DEFAULT_METRICS} == {
         "mean": -1.5,
@@ -158,7 +112,7 @@ def test_one_element(path: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_no_finite_entries(path: str, dtype: torch.dtype) -> None:
+def test_no_finite_entries(reduction_path: str, dtype: torch.dtype) -> None:
     got = measure(torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype))
     assert got["nonfinite_fraction"] == MetricValue(1.0)
     assert got["zero_fraction"] == MetricValue(0.0)
@@ -167,12 +121,12 @@ def test_no_finite_entries(path: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, torch.int64, torch.bool], ids=str)
-def test_empty_tensor(path: str, dtype: torch.dtype) -> None:
+def test_empty_tensor(reduction_path: str, dtype: torch.dtype) -> None:
     got = measure(torch.zeros(0, 3, dtype=dtype))
     assert all(metric == MetricValue(None, "empty tensor") for metric in got.values())
 
 
-def test_signed_zeros_count_as_zero_and_report_positive_zero(path: str) -> None:
+def test_signed_zeros_count_as_zero_and_report_positive_zero(reduction_path: str) -> None:
     got = measure(torch.tensor([-0.0, -0.0, 0.0, -0.0]))
     assert got["zero_fraction"] == MetricValue(1.0)
     for name in ORDER_METRICS:
@@ -183,7 +137,7 @@ def test_signed_zeros_count_as_zero_and_report_positive_zero(path: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8], ids=str)
-def test_integers_are_measured_as_float64(path: str, dtype: torch.dtype) -> None:
+def test_integers_are_measured_as_float64(reduction_path: str, dtype: torch.dtype) -> None:
     low = 0 if dtype == torch.uint8 else -100
     tensor = torch.randint(
         low, 100, (5001,), dtype=dtype, generator=torch.Generator().manual_seed(1)
@@ -191,12 +145,12 @@ def test_integers_are_measured_as_float64(path: str, dtype: torch.dtype) -> None
     assert_matches(measure(tensor), tensor.numpy().astype(np.float64))
 
 
-def test_large_int64_values(path: str) -> None:
+def test_large_int64_values(reduction_path: str) -> None:
     tensor = torch.tensor([2**62, -(2**62), 7, 0], dtype=torch.int64)
     assert_matches(measure(tensor), tensor.numpy().astype(np.float64))
 
 
-def test_bool_is_measured_as_zero_one(path: str) -> None:
+def test_bool_is_measured_as_zero_one(reduction_path: str) -> None:
     tensor = torch.tensor([True, False, True, True])
     got = measure(tensor)
     assert_matches(got, np.array([1.0, 0.0, 1.0, 1.0]))
@@ -205,13 +159,13 @@ def test_bool_is_measured_as_zero_one(path: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
-def test_complex_is_unsupported(path: str, dtype: torch.dtype) -> None:
+def test_complex_is_unsupported(reduction_path: str, dtype: torch.dtype) -> None:
     got = measure(torch.ones(4, dtype=dtype))
     name = str(dtype).removeprefix("torch.")
     assert all(metric == MetricValue(None, f"unsupported dtype {name}") for metric in got.values())
 
 
-def test_sparse_is_unsupported(path: str) -> None:
+def test_sparse_is_unsupported(reduction_path: str) -> None:
     sparse = torch.eye(3).to_sparse()
     got = measure(sparse)
     assert all(
@@ -220,14 +174,14 @@ def test_sparse_is_unsupported(path: str) -> None:
     )
 
 
-def test_float32_variance_beyond_float32_range_is_not_null(path: str) -> None:
+def test_float32_variance_beyond_float32_range_is_not_null(reduction_path: str) -> None:
     values = np.array([3e38, -3e38, 3e38, -3e38], dtype=np.float32)
     got = measure(torch.from_numpy(values))
     assert got["std"].value == pytest.approx(float(np.float32(3e38)), rel=1e-12)
     assert got["mean"].value == 0.0
 
 
-def test_float64_near_overflow_has_mean_and_std(path: str) -> None:
+def test_float64_near_overflow_has_mean_and_std(reduction_path: str) -> None:
     values = np.array([1.5e308, -1.5e308, 1.5e308, 1.0])
     got = measure(torch.from_numpy(values))
     scaled = values / 2.0**1000  # exact; NumPy itself would overflow on the unscaled values
@@ -236,7 +190,7 @@ def test_float64_near_overflow_has_mean_and_std(path: str) -> None:
     assert got["p50"].value == pytest.approx(float(np.percentile(values, 50)), rel=1e-12)
 
 
-def test_subnormal_float64_values_keep_their_std(path: str) -> None:
+def test_subnormal_float64_values_keep_their_std(reduction_path: str) -> None:
     values = np.array([1e-310, 3e-310, 2e-310, 5e-310])
     got = measure(torch.from_numpy(values))
     scaled = values * 2.0**1000  # exact; NumPy's own std underflows to 0 on the unscaled values
@@ -245,13 +199,13 @@ def test_subnormal_float64_values_keep_their_std(path: str) -> None:
     assert got["p25"].value == float(np.percentile(values, 25))
 
 
-def test_non_contiguous_inputs(path: str) -> None:
+def test_non_contiguous_inputs(reduction_path: str) -> None:
     base = torch.randn(64, 48, generator=torch.Generator().manual_seed(2))
     for view in (base.t(), base[::3, 1::2], base.expand(2, 64, 48)):
         assert_matches(measure(view), view.contiguous().numpy())
 
 
-def test_leaves_the_tensor_and_autograd_alone(path: str) -> None:
+def test_leaves_the_tensor_and_autograd_alone(reduction_path: str) -> None:
     leaf = torch.randn(100, requires_grad=True)
     out = leaf * 2
     before = out.detach().clone()
@@ -262,8 +216,8 @@ def test_leaves_the_tensor_and_autograd_alone(path: str) -> None:
     assert torch.equal(leaf.grad, torch.full((100,), 2.0))
 
 
-def test_more_than_2_pow_24_elements_has_exact_quartiles(path: str) -> None:
-    if path == "device":
+def test_more_than_2_pow_24_elements_has_exact_quartiles(reduction_path: str) -> None:
+    if reduction_path == "device":
         pytest.skip(
             "the device path is a plain sort; its size handling is covered by smaller inputs"
         )
@@ -279,27 +233,27 @@ def test_more_than_2_pow_24_elements_has_exact_quartiles(path: str) -> None:
     assert got["nonfinite_fraction"].value == float(values.size - finite.size) / values.size
 
 
-def test_subset_reports_only_its_metrics(path: str) -> None:
+def test_subset_reports_only_its_metrics(reduction_path: str) -> None:
     measurer = Measurer([DefaultStatistics(("p75", "nonfinite_fraction", "mean"))])
     tensor = torch.tensor([1.0, 2.0, math.nan, 4.0])
     got = measure(tensor, measurer)
     assert list(got) == ["p75", "nonfinite_fraction", "mean"]
-    want = reference(tensor.numpy())
+    want = numpy_profile(tensor.numpy())
     assert {name: metric.value for name, metric in got.items()} == {
         name: want[name] for name in got
     }
 
 
-def test_empty_profile_transfers_nothing(path: str) -> None:
-    pending = Measurer([DefaultStatistics(())]).reduce(torch.randn(10))
+def test_empty_profile_transfers_nothing(reduction_path: str) -> None:
+    pending = Measurer([DefaultStatistics(())]).launch(torch.randn(10))
     assert pending.device_vector is None
-    assert pending.finish([]) == ()
+    assert pending.resolve([]) == ()
 
 
-def test_finish_with_wrong_host_values_gives_reasons(path: str) -> None:
+def test_resolve_with_wrong_host_values_gives_reasons(reduction_path: str) -> None:
     measurer = Measurer(None)
-    pending = measurer.reduce(torch.randn(10))
-    got = pending.finish([1.0] * 1000)
+    pending = measurer.launch(torch.randn(10))
+    got = pending.resolve([1.0] * 1000)
     assert len(got) == len(measurer.metrics)
     assert all(metric.value is None and metric.reason for metric in got)
 
@@ -309,43 +263,9 @@ def test_default_statistics_is_callable_on_its_own() -> None:
     assert values == {"mean": 2.0, "p50": 2.0, "min": 1.0}
 
 
-class _NoHostSync(TorchFunctionMode):
-    """Fails on every torch call that would make a CUDA tensor wait for the host."""
-
-    SYNCING = frozenset(
-        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-         "masked_select", "bincount", "unique", "histc", "cpu", "numpy", "kthvalue"}
-    )  # fmt: skip
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        name = getattr(func, "__name__", str(func))
-        if name in self.SYNCING:
-            raise AssertionError(f"host sync via {name}")
-        if name == "__getitem__" and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flatten(args[1:])
-        ):
-            raise AssertionError("host sync via boolean-mask indexing")
-        return func(*args, **(kwargs or {}))
-
-
-def _flatten(items: tuple[Any, ...]) -> Iterator[Any]:
-    """Index arguments, tuples opened."""
-    for item in items:
-        if isinstance(item, tuple):
-            yield from item
-        else:
-            yield item
-
-
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, torch.int32, torch.bool], ids=str)
 def test_device_path_never_syncs(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(statistics, "_SELECTION_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
     tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0]).to(dtype)
 
     class OnDevice:
@@ -355,10 +275,11 @@ def test_device_path_never_syncs(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
             return {"abs_max": tensor.float().abs().amax()}
 
     measurer = Measurer([OnDevice()])
-    with _NoHostSync():
-        pending = measurer.reduce(tensor)
+    with NoHostSync() as mode:
+        pending = measurer.launch(tensor)
+    assert mode.violations == []
     assert pending.device_vector is not None
-    got = pending.finish(pending.device_vector.tolist())
+    got = pending.resolve(pending.device_vector.tolist())
     assert all(metric.reason is None or "error" not in metric.reason for metric in got), [
         metric.reason for metric in got
     ]
@@ -375,7 +296,7 @@ float_arrays = hnp.arrays(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(values=float_arrays)
-def test_arbitrary_arrays_match_numpy(path: str, values: np.ndarray) -> None:
+def test_arbitrary_arrays_match_numpy(reduction_path: str, values: np.ndarray) -> None:
     tensor = torch.from_numpy(np.array(values))
     got = measure(tensor)
     if values.size == 0:

@@ -29,6 +29,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.reasons import explain
 
 from conftest import read_history, read_result, sgd_step
 
@@ -163,6 +164,16 @@ def reasons(
         metric: set(rows.filter(metric=metric)["unavailable_reason"].to_list())
         for metric in ALL_METRICS
     }
+
+
+def test_every_reason_written_is_explained_in_index_md(run: tuple[Path, Net, list[float]]) -> None:
+    written = read_history(run[0])["unavailable_reason"].drop_nulls().unique().to_list()
+    assert written  # the run does produce unavailable values
+    index = (run[0] / "index.md").read_text(encoding="utf-8")
+    for reason in written:
+        entry = explain(reason)
+        assert entry is not None, reason
+        assert f"`{entry.template}`" in index
 
 
 def test_value_is_null_exactly_when_a_reason_is_given(history: pl.DataFrame) -> None:

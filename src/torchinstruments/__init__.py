@@ -2,22 +2,55 @@
 
 `inject_observer(model, output_dir="stats")`, train as usual, `remove_observer(model)`. See
 `index.md` in the run directory for what was written and how to query it.
+
+The public names below are imported on first use (PEP 562), so `import torchinstruments` costs
+nothing and the command line (`python -m torchinstruments finalize DIR`) never imports torch.
 """
 
-from torchinstruments.api import has_observer, inject_observer, remove_observer
-from torchinstruments.history import HistoryConfig
-from torchinstruments.records import (
-    HistogramRecord,
-    LayerInfo,
-    Measurement,
-    MetricValue,
-    RunCounts,
-    RunInfo,
-    SampleRecord,
-)
-from torchinstruments.sampling import EveryNForwardsSampler, Sampler, TimeIntervalSampler
-from torchinstruments.sinks import DirectorySink, Sink, TensorBoardSink
-from torchinstruments.statistics import DEFAULT_METRICS, DefaultStatistics, Reducer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchinstruments.api import has_observer, inject_observer, remove_observer
+    from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Reducer
+    from torchinstruments.records import (
+        HistogramRecord,
+        LayerInfo,
+        Measurement,
+        MetricValue,
+        RunCounts,
+        RunInfo,
+        SampleRecord,
+    )
+    from torchinstruments.rundir.writer import HistoryConfig
+    from torchinstruments.sampling import EveryNForwardsSampler, Sampler, TimeIntervalSampler
+    from torchinstruments.sinks import DirectorySink, Sink, TensorBoardSink
+
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "DEFAULT_METRICS": "torchinstruments.measurement.reducers",
+    "DefaultStatistics": "torchinstruments.measurement.reducers",
+    "DirectorySink": "torchinstruments.sinks",
+    "EveryNForwardsSampler": "torchinstruments.sampling",
+    "HistogramRecord": "torchinstruments.records",
+    "HistoryConfig": "torchinstruments.rundir.writer",
+    "LayerInfo": "torchinstruments.records",
+    "Measurement": "torchinstruments.records",
+    "MetricValue": "torchinstruments.records",
+    "Reducer": "torchinstruments.measurement.reducers",
+    "RunCounts": "torchinstruments.records",
+    "RunInfo": "torchinstruments.records",
+    "SampleRecord": "torchinstruments.records",
+    "Sampler": "torchinstruments.sampling",
+    "Sink": "torchinstruments.sinks",
+    "TensorBoardSink": "torchinstruments.sinks",
+    "TimeIntervalSampler": "torchinstruments.sampling",
+    "has_observer": "torchinstruments.api",
+    "inject_observer": "torchinstruments.api",
+    "remove_observer": "torchinstruments.api",
+}
 
 __all__ = [
     "DEFAULT_METRICS",
@@ -41,3 +74,17 @@ __all__ = [
     "inject_observer",
     "remove_observer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first use."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchinstruments' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,8 +1,10 @@
 """Command line: `python -m torchinstruments finalize DIR` (also the `torchinstruments` script).
 
-Design decision: the command line is a thin argparse shell over `finalize.finalize`, so the
-recovery path is the same code the library runs at removal. Exit codes: 0 done, 1 not a run
-directory or an error while finalizing, 2 the directory is locked by a live run (or bad usage).
+Design decision: the command line is a thin argparse shell over `rundir.finish.finalize`, which
+calls `finish_run`, the same routine the library runs at removal. It imports only the run
+directory package (Polars), never torch. Exit codes: 0 done and complete, 1 not a run directory,
+an error, or a run that is still incomplete after finalizing, 2 the directory is locked by a live
+run (or bad usage).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from torchinstruments.finalize import RunLockedError, finalize
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.lock import RunLockedError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,18 +47,20 @@ def _finalize(directory: Path) -> int:
         print(f"torchinstruments finalize: {exc}", file=sys.stderr)
         return 1
     c = report.counts
-    print(
-        f"finalized {report.directory}: {report.rows} rows in {report.history} "
-        f"({report.merged_parts} parts merged); at least {c.root_forwards} root forwards, "
-        f"{c.samples} samples, {c.backward_samples} with a backward"
-    )
+    merge = report.merge
+    if merge is not None:
+        print(
+            f"finalized {report.directory}: {merge.rows} rows in {merge.path} "
+            f"({len(merge.merged_parts)} parts merged); at least {c.root_forwards} root forwards, "
+            f"{c.samples} samples, {c.backward_samples} with a backward"
+        )
     for path in report.removed_temporaries:
         print(f"removed incomplete temporary {path}")
-    for path, reason in report.unreadable_parts:
-        print(f"left unreadable part in place: {path}: {reason}", file=sys.stderr)
     if report.run_info_recovered:
         print("index.md had no readable run info; layers were rebuilt from history")
-    return 0
+    for problem in report.problems:
+        print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
+    return 0 if report.complete else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """`inject_observer`, `remove_observer`, `has_observer`: the whole public lifecycle.
 
-Every argument is validated here, before anything touches the model or the disk, so a mistake
-fails at injection with a message naming the argument, never in the middle of training. The
+Injection is two steps: `validate_arguments` checks every argument before anything touches the
+model or the disk, so a mistake fails at injection with a message naming the argument, never in
+the middle of training; `start_run` then opens the run directory and installs the proxies. The
 registry of observed models is a `weakref.WeakKeyDictionary`: it stores nothing on the model and
 lets an observed model be garbage collected (its run is then finalized; see observer.py).
 """
@@ -12,7 +13,8 @@ import datetime
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -21,15 +23,19 @@ import torch
 from torch import nn
 
 from torchinstruments.distributed import place_rank, validate_rank_policy
-from torchinstruments.finalize import check_output_dir
-from torchinstruments.history import HistoryConfig
+from torchinstruments.measurement.reducers import Measurer, Reducer
 from torchinstruments.observer import Observer
-from torchinstruments.records import LayerInfo, RunInfo
-from torchinstruments.sampling import TimeIntervalSampler, describe_sampler
+from torchinstruments.records import RunInfo
+from torchinstruments.rundir.layout import check_output_dir, resolve_output_dir
+from torchinstruments.rundir.writer import HistoryConfig
+from torchinstruments.sampling import Sampler, TimeIntervalSampler, describe_sampler
+from torchinstruments.selection import (
+    Selector,
+    check_selector,
+    select_focus_layers,
+    select_layers,
+)
 from torchinstruments.sinks import DirectorySink, Sink, SinkGroup, validate_sinks
-from torchinstruments.statistics import Measurer, Reducer
-
-Selector = Callable[[str, nn.Module], bool]
 
 _OBSERVERS: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
 
@@ -88,89 +94,30 @@ def inject_observer(
         >>> train(model)
         >>> remove_observer(model)
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch.jit.ScriptModule):
-        raise TypeError("model: TorchScript modules cannot be observed; observe the eager model")
-    if any(isinstance(module, nn.DataParallel) for module in model.modules()):
-        raise TypeError(
-            "model: nn.DataParallel cannot be observed (its replicas copy each module's __dict__, "
-            "forward included, so they would run the original module); use "
-            "DistributedDataParallel, or observe a model that is not replicated"
-        )
-    if not isinstance(output_dir, str | os.PathLike):
-        raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
-    sampler = TimeIntervalSampler() if sampler is None else sampler
-    if not callable(getattr(sampler, "should_sample", None)):
-        raise TypeError(
-            f"sampler must have should_sample(forward_index) -> bool (a Sampler), got {sampler!r}"
-        )
-    _check_selector("selector", selector)
-    _check_selector("histogram_selector", histogram_selector)
-    if (
-        isinstance(max_histogram_modules, bool)
-        or not isinstance(max_histogram_modules, int)
-        or max_histogram_modules < 0
-    ):
-        raise ValueError(
-            f"max_histogram_modules must be an int >= 0, got {max_histogram_modules!r}"
-        )
-    history_config = HistoryConfig() if history_config is None else history_config
-    if not isinstance(history_config, HistoryConfig):
-        raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
-    rank_policy = validate_rank_policy(rank_policy)
-    if not isinstance(capture_direct_forwards, bool):
-        raise TypeError(f"capture_direct_forwards must be a bool, got {capture_direct_forwards!r}")
-    user_sinks = validate_sinks(sinks)
-    measurer = Measurer(reducers)
-
+    settings = validate_arguments(
+        model,
+        output_dir=output_dir,
+        sampler=sampler,
+        selector=selector,
+        reducers=reducers,
+        histogram_selector=histogram_selector,
+        max_histogram_modules=max_histogram_modules,
+        history_config=history_config,
+        rank_policy=rank_policy,
+        capture_direct_forwards=capture_direct_forwards,
+        sinks=sinks,
+    )
     if model in _OBSERVERS:
         raise RuntimeError(
             "model already has an observer; call remove_observer(model) before injecting again"
         )
-    placement = place_rank(Path(output_dir), rank_policy)
-    if not placement.attach:
+    observer = start_run(model, settings)
+    if observer is None:
         return None
-    layers = select_layers(model, selector)
-    focus = select_focus_layers(layers, histogram_selector, max_histogram_modules)
-    check_output_dir(placement.directory)
-
-    infos = tuple(info for _, info in layers)
-    run = RunInfo(
-        output_dir=placement.directory,
-        library_version=library_version(),
-        torch_version=torch.__version__,
-        model_class=type(model).__name__,
-        layers=infos,
-        focus_layers=tuple(info.name for info in infos if info.name in focus),
-        sampler=describe_sampler(sampler),
-        metrics=measurer.metrics,
-        rank=placement.rank,
-        world_size=placement.world_size,
-        rank_policy=rank_policy,
-        capture_direct_forwards=capture_direct_forwards,
-        buffer_rows=history_config.buffer_rows,
-        window=history_config.window,
-        started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    )
-    directory = DirectorySink(placement.directory, history_config)
-    directory.start(run)
-    group = SinkGroup(user_sinks)
-    group.start(run)
-    group.insert_started(directory)
-    observer = Observer(
-        directory=placement.directory,
-        sampler=sampler,
-        measurer=measurer,
-        sinks=group,
-        rank=placement.rank,
-        capture_direct_forwards=capture_direct_forwards,
-    )
-    observer.install(model, layers, focus)
     _OBSERVERS[model] = observer
     # A model dropped (or a process ending) without remove_observer still gets a complete run.
     observer.finalizer = weakref.finalize(model, observer.close)
-    return placement.directory
+    return observer.directory
 
 
 def remove_observer(model: nn.Module) -> Path | None:
@@ -205,39 +152,126 @@ def has_observer(model: nn.Module) -> bool:
     return model in _OBSERVERS
 
 
-def _check_selector(name: str, selector: object) -> None:
-    """A selector is None or a callable `(name, module) -> bool`."""
-    if selector is not None and not callable(selector):
+@dataclass(frozen=True)
+class Settings:
+    """The arguments of `inject_observer`, validated and normalised; nothing is touched yet."""
+
+    output_dir: Path
+    sampler: Sampler
+    selector: Selector | None
+    measurer: Measurer
+    histogram_selector: Selector | None
+    max_histogram_modules: int
+    history_config: HistoryConfig
+    rank_policy: str
+    capture_direct_forwards: bool
+    sinks: tuple[Sink, ...]
+
+
+def validate_arguments(
+    model: object,
+    *,
+    output_dir: object,
+    sampler: object,
+    selector: object,
+    reducers: object,
+    histogram_selector: object,
+    max_histogram_modules: object,
+    history_config: object,
+    rank_policy: object,
+    capture_direct_forwards: object,
+    sinks: object,
+) -> Settings:
+    """Check every argument of `inject_observer`; raise naming the argument and what is allowed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError("model: TorchScript modules cannot be observed; observe the eager model")
+    if any(isinstance(module, nn.DataParallel) for module in model.modules()):
         raise TypeError(
-            f"{name} must be a callable (name, module) -> bool or None, got {selector!r}"
+            "model: nn.DataParallel cannot be observed (its replicas copy each module's __dict__, "
+            "forward included, so they would run the original module); use "
+            "DistributedDataParallel, or observe a model that is not replicated"
         )
-
-
-def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.Module, LayerInfo]]:
-    """Selected modules in `named_modules()` traversal order; default: leaf modules."""
-    layers = []
-    for name, module in model.named_modules():
-        chosen = selector(name, module) if selector is not None else not any(module.children())
-        if chosen and not isinstance(module, torch.jit.ScriptModule):
-            layers.append((module, LayerInfo(name, type(module).__name__)))
-    return layers
-
-
-def select_focus_layers(
-    layers: Sequence[tuple[nn.Module, LayerInfo]],
-    histogram_selector: Selector | None,
-    max_histogram_modules: int,
-) -> set[str]:
-    """Focus layers: the first `max_histogram_modules` observed layers the selector accepts."""
-    candidates = [
-        info.name
-        for module, info in layers
-        if histogram_selector is None or histogram_selector(info.name, module)
-    ]
-    if histogram_selector is not None and not candidates:
+    if not isinstance(output_dir, str | os.PathLike):
+        raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
+    directory = resolve_output_dir(output_dir)
+    sampler = TimeIntervalSampler() if sampler is None else sampler
+    if not callable(getattr(sampler, "should_sample", None)):
+        raise TypeError(
+            f"sampler must have should_sample(forward_index) -> bool (a Sampler), got {sampler!r}"
+        )
+    check_selector("selector", selector)
+    check_selector("histogram_selector", histogram_selector)
+    if (
+        isinstance(max_histogram_modules, bool)
+        or not isinstance(max_histogram_modules, int)
+        or max_histogram_modules < 0
+    ):
         raise ValueError(
-            "histogram_selector matched no observed layer; observed layers are: "
-            + ", ".join(repr(info.name) for _, info in layers[:20])
-            + (" ..." if len(layers) > 20 else "")
+            f"max_histogram_modules must be an int >= 0, got {max_histogram_modules!r}"
         )
-    return set(candidates[:max_histogram_modules])
+    history_config = HistoryConfig() if history_config is None else history_config
+    if not isinstance(history_config, HistoryConfig):
+        raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
+    if not isinstance(capture_direct_forwards, bool):
+        raise TypeError(f"capture_direct_forwards must be a bool, got {capture_direct_forwards!r}")
+    return Settings(
+        output_dir=directory,
+        sampler=sampler,  # type: ignore[arg-type]
+        selector=selector,  # type: ignore[arg-type]
+        measurer=Measurer(reducers),  # type: ignore[arg-type]
+        histogram_selector=histogram_selector,  # type: ignore[arg-type]
+        max_histogram_modules=max_histogram_modules,
+        history_config=history_config,
+        rank_policy=validate_rank_policy(rank_policy),
+        capture_direct_forwards=capture_direct_forwards,
+        sinks=validate_sinks(sinks),
+    )
+
+
+def start_run(model: nn.Module, settings: Settings) -> Observer | None:
+    """Place this rank, select layers, open the run directory and install the proxies.
+
+    Returns:
+        The running observer, or None on a rank that attaches nothing.
+    """
+    placement = place_rank(settings.output_dir, settings.rank_policy)
+    if not placement.attach:
+        return None
+    layers = select_layers(model, settings.selector)
+    focus = select_focus_layers(layers, settings.histogram_selector, settings.max_histogram_modules)
+    check_output_dir(placement.directory)
+    infos = tuple(info for _, info in layers)
+    run = RunInfo(
+        output_dir=placement.directory,
+        library_version=library_version(),
+        torch_version=torch.__version__,
+        model_class=type(model).__name__,
+        layers=infos,
+        focus_layers=tuple(info.name for info in infos if info.name in focus),
+        sampler=describe_sampler(settings.sampler),
+        metrics=settings.measurer.metrics,
+        rank=placement.rank,
+        world_size=placement.world_size,
+        rank_policy=settings.rank_policy,
+        capture_direct_forwards=settings.capture_direct_forwards,
+        buffer_rows=settings.history_config.buffer_rows,
+        window=settings.history_config.window,
+        started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    directory = DirectorySink(placement.directory, settings.history_config)
+    directory.start(run)
+    group = SinkGroup(settings.sinks)
+    group.start(run)
+    group.insert_started(directory)
+    observer = Observer(
+        directory=placement.directory,
+        sampler=settings.sampler,
+        measurer=settings.measurer,
+        sinks=group,
+        rank=placement.rank,
+        capture_direct_forwards=settings.capture_direct_forwards,
+    )
+    observer.install(model, layers, focus)
+    return observer

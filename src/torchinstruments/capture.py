@@ -15,6 +15,11 @@ Removal restores the instance `__dict__` exactly: the key is deleted where there
 previous object is put back by identity where there was one, and a proxy someone else replaced or
 wrapped after injection is left in place (the observer is closed, so it is inert for good).
 
+Private torch internals: everything the interception relies on that torch does not promise (the
+caller-frame check against `nn.Module._call_impl`, fx's symbolic-tracing flag, the autograd engine's
+`queue_callback`) lives in this module, one function each, each with its own test in
+tests/test_capture.py, so a torch upgrade that moves one of them breaks in one place.
+
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
 model. The proxy reduces to what was there before injection: the pre-existing instance `forward`,
 or else the class's `forward` bound to the copy (so the copy's `__dict__` holds a plain bound
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 import wrapt
 from torch import nn
+from torch.fx import _symbolic_trace
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -49,13 +55,48 @@ _WRAPT_DIRECTORY = os.path.dirname(wrapt.__file__)
 _MAX_OUTPUT_DEPTH = 16
 
 
+# --- the private torch internals interception relies on, each in one place ----------------------
+
+
 def called_through_module_call(depth: int = 2) -> bool:
     """True when the proxy `depth` frames up (wrapt's own frames skipped) was called by
-    `nn.Module.__call__`, False for a direct `module.forward(x)`."""
+    `nn.Module.__call__`, False for a direct `module.forward(x)`.
+
+    Relies on CPython frames (`sys._getframe`) and on the code objects of `nn.Module._call_impl`
+    and `_slow_forward`, read from torch at import.
+    """
     frame = sys._getframe(depth)
     while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
         frame = frame.f_back
     return frame is not None and frame.f_code in _MODULE_CALL_CODES
+
+
+# torch.fx symbolic tracing; `is_fx_tracing` (older torch) also logs a warning in newer releases.
+_is_fx_tracing: Callable[[], bool] = getattr(
+    _symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing
+)
+
+
+def is_tracing() -> bool:
+    """True while torch.jit.trace, torch.compile or torch.fx is tracing the model.
+
+    Such a call is not a training step: it passes through untouched, so no measurement op ends
+    up in a traced program and nothing is counted.
+    """
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or _is_fx_tracing()
+
+
+def queue_at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run `callback` when the autograd engine finishes the backward pass now running.
+
+    Uses the engine's private `queue_callback`; returns False (queuing nothing) when no backward
+    pass is running or the engine refuses, so the caller can run the work itself.
+    """
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return True
 
 
 class ForwardProxy(wrapt.FunctionWrapper):

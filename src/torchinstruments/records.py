@@ -25,6 +25,20 @@ class LayerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorKey:
+    """Which tensor of which sample: shared by an output and the gradient into it."""
+
+    sample_id: int
+    forward_index: int
+    layer: LayerInfo
+    call_index: int
+    signal: str
+    tensor_path: str
+    mode: str
+    grad_enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
 class MetricValue:
     """One metric of one tensor: a finite value, or None together with the reason."""
 
@@ -45,7 +59,7 @@ class Measurement:
     call_index: int
     signal: str
     tensor_path: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None
     dtype: str
     mode: str
     grad_enabled: bool

@@ -16,11 +16,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.tensorboard import SummaryWriter
 
-from torchinstruments.finalize import RunLock
-from torchinstruments.history import HistoryConfig, HistoryWriter
-from torchinstruments.index_page import write_index
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
-from torchinstruments.summary import write_catalog, write_result
+from torchinstruments.rundir.finish import finish_run
+from torchinstruments.rundir.index_page import write_index
+from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR
+from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.summary import write_catalog
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 TENSORBOARD_FLUSH_SECONDS = 30
 
@@ -102,7 +104,7 @@ class DirectorySink:
         write_index(self.directory, run, None)
         self._history = HistoryWriter(self.directory, self._config)
         self._events = SummaryWriter(
-            str(self.directory / "tensorboard"), flush_secs=TENSORBOARD_FLUSH_SECONDS
+            str(self.directory / TENSORBOARD_DIR), flush_secs=TENSORBOARD_FLUSH_SECONDS
         )
 
     def write_forward(self, record: SampleRecord) -> None:
@@ -140,14 +142,19 @@ class DirectorySink:
                 events.close()
 
     def close(self, counts: RunCounts) -> None:
+        """Finish the run with `rundir.finish.finish_run`; each problem is one warning."""
         try:
             self._close_events()
             if self._history is not None and self._run is not None:
-                # None: the merge could not complete (already warned); the parts stay on disk
-                # for `torchinstruments finalize`, and result.json keeps its catalog.
-                if self._history.close() is not None:
-                    write_result(self.directory, self._run.layers, self._config.window)
-                write_index(self.directory, self._run, counts)
+                unwritten = None
+                if not self._history.close():
+                    unwritten = (
+                        f"{self._history.rows_buffered} history rows could not be written to "
+                        f"{PARTS_DIR}/ and are lost (the write error was warned during the run)"
+                    )
+                report = finish_run(self.directory, self._run, counts, unwritten=unwritten)
+                for problem in report.problems:
+                    warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)
         finally:
             self._events = None
             self._history = None

@@ -15,9 +15,8 @@ compacted and binned arithmetically instead, with a one-bin correction and a che
 same edges (falling back to the binary search if any entry disagrees): the same counts, in about
 half the time. Counts are summed with `scatter_add_`, which
 is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
-1e-6, at least 1e-12) so that TensorBoard can draw it. Dtypes follow `torchinstruments.statistics`:
-low-precision floats, integers and bools are binned as float32/float64 values; complex dtypes and
-non-strided layouts give no histogram.
+1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which
+working dtype they are binned is `tensors`' rule, shared with the statistics.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torchinstruments.measurement import tensors
 from torchinstruments.records import HistogramRecord
 
 __all__ = ["DEFAULT_BINS", "PendingHistogram", "reduce_histogram"]
@@ -35,17 +35,8 @@ DEFAULT_BINS = 64
 # Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
 _CONSTANT_BIN_RELATIVE_WIDTH = 1e-6
 _CONSTANT_BIN_MIN_WIDTH = 1e-12
-# Device types on which host syncs cost nothing: there the finite entries are compacted and binned
-# arithmetically (checked against the edges), about twice as fast as the sync-free binary search.
-_HOST_BOUNDS_DEVICE_TYPES: frozenset[str] = frozenset({"cpu"})
 # Layout of the head of device_vector; the bins + 1 edges and the bins counts follow.
 _HEAD = ("finite", "min", "max", "sum", "sum_squares")
-
-_INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
-    dtype
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
-)
 
 
 class PendingHistogram:
@@ -62,7 +53,7 @@ class PendingHistogram:
         self.device_vector = device_vector
         self._bins = bins
 
-    def finish(
+    def resolve(
         self,
         host_values: Sequence[float],
         *,
@@ -132,7 +123,7 @@ def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingH
 
     Example:
         >>> pending = reduce_histogram(torch.randn(1000), bins=8)
-        >>> record = pending.finish(pending.device_vector.tolist(), sample_id=0, layer="fc",
+        >>> record = pending.resolve(pending.device_vector.tolist(), sample_id=0, layer="fc",
         ...                         call_index=0, signal="output", tensor_path="")
         >>> sum(record.bucket_counts)
         1000.0
@@ -148,18 +139,10 @@ def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingH
 
 def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
     """The device vector: head values, bins + 1 edges, bins counts (float64)."""
-    dtype = tensor.dtype
-    if tensor.layout != torch.strided or tensor.numel() == 0:
+    if tensors.unsupported_reason(tensor) is not None or tensor.numel() == 0:
         return None
-    if dtype.is_complex or not (dtype.is_floating_point or dtype in _INTEGRAL_DTYPES):
-        return None
-    if dtype in (torch.float32, torch.float64):
-        values = tensor.reshape(-1)
-    elif dtype.is_floating_point:
-        values = tensor.reshape(-1).to(torch.float32)
-    else:
-        values = tensor.reshape(-1).to(torch.float64)
-    if values.device.type in _HOST_BOUNDS_DEVICE_TYPES:
+    values = tensors.working_values(tensor)
+    if tensors.host_sync_is_free(values.device):
         return _count_with_host_bounds(values, bins)
     device = values.device
     finite_mask = torch.isfinite(values)

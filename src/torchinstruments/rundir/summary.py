@@ -34,10 +34,13 @@ from typing import Any
 
 import polars as pl
 
-from torchinstruments.history import HISTORY_FILE, HISTORY_SCHEMA, write_text_atomic
 from torchinstruments.records import LayerInfo
-
-RESULT_FILE = "result.json"
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    RESULT_FILE,
+    scan_history,
+    write_text_atomic,
+)
 
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path")
 SERIES_KEY = (*TENSOR_KEY, "metric")
@@ -55,7 +58,7 @@ def _finite(value: float | None) -> float | None:
 def _dump(directory: Path, payload: list[dict[str, Any]]) -> None:
     """Write result.json atomically as strict UTF-8 JSON."""
     text = json.dumps(payload, allow_nan=False, ensure_ascii=False, indent=1) + "\n"
-    write_text_atomic(Path(directory) / RESULT_FILE, text)
+    write_text_atomic(directory / RESULT_FILE, text)
 
 
 def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
@@ -69,10 +72,6 @@ def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
         directory,
         [{"layer": li.name, "module_type": li.module_type, "tensors": []} for li in layers],
     )
-
-
-def _scan(history: Path) -> pl.LazyFrame:
-    return pl.scan_parquet(history, schema=HISTORY_SCHEMA)
 
 
 def _series_stats(lf: pl.LazyFrame) -> pl.DataFrame:
@@ -239,7 +238,7 @@ def summarize(history: Path, layers: Sequence[LayerInfo], window: int) -> list[d
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
-    lf = _scan(history)
+    lf = scan_history(history)
     stats = _series_stats(lf)
     latest = {tuple(r[k] for k in TENSOR_KEY): r for r in _tensor_latest(lf).iter_rows(named=True)}
     windows: dict[tuple, dict[int, dict[str, Any]]] = {}
@@ -285,7 +284,7 @@ def write_result(directory: Path, layers: Sequence[LayerInfo], window: int) -> N
     Raises:
         FileNotFoundError: if history.parquet does not exist (run `torchinstruments finalize`).
     """
-    history = Path(directory) / HISTORY_FILE
+    history = directory / HISTORY_FILE
     if not history.exists():
         raise FileNotFoundError(
             f"{history} does not exist, so result.json cannot be summarised; run "
@@ -294,4 +293,4 @@ def write_result(directory: Path, layers: Sequence[LayerInfo], window: int) -> N
     _dump(directory, summarize(history, layers, window))
 
 
-__all__ = ["RESULT_FILE", "summarize", "write_catalog", "write_result"]
+__all__ = ["summarize", "write_catalog", "write_result"]

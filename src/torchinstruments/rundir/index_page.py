@@ -12,18 +12,26 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from torchinstruments.history import HISTORY_FILE, HISTORY_SCHEMA, PARTS_DIR, write_text_atomic
+from torchinstruments.reasons import REASONS
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    HISTORY_SCHEMA,
+    INDEX_FILE,
+    PARTS_DIR,
+    write_text_atomic,
+)
 
-INDEX_FILE = "index.md"
 RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"
 RUN_INFO_END = "<!-- torchinstruments:run-info:end -->"
 STATE_COMPLETE = "<!-- torchinstruments:state:complete -->"
 STATE_IN_PROGRESS = "<!-- torchinstruments:state:in-progress -->"
+STATE_INCOMPLETE = "<!-- torchinstruments:state:incomplete -->"
 
 COLUMN_NOTES = {
     "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
@@ -43,22 +51,6 @@ COLUMN_NOTES = {
     "value": "the metric; null only together with unavailable_reason, never silently 0",
     "unavailable_reason": "why value is null; non-null exactly when value is null",
 }
-
-UNAVAILABLE_REASONS = (
-    ("empty tensor", "the tensor has no elements"),
-    ("no finite entries", "every element is NaN or +-inf (nonfinite_fraction is still given)"),
-    ("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
-    ("unsupported layout <layout>", "sparse or other non-strided tensors"),
-    ("non-finite result", "the statistic overflowed (e.g. std of huge values)"),
-    ("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
-    ("reducer returned no value", "a custom reducer returned None or nothing usable"),
-    (
-        "reducer returned <type>, expected a mapping of metric names to scalars",
-        "a custom reducer returned something else",
-    ),
-    ("statistics error: <Type>: <message>", "computing the default statistics failed"),
-    ("measurement error: <Type>: <message>", "measuring this tensor failed; training went on"),
-)
 
 METRIC_NOTES = (
     ("mean", "mean of the finite entries"),
@@ -178,7 +170,7 @@ def _section_meanings() -> list[str]:
         "## Unavailable reasons (value is null)",
         "",
     ]
-    lines += [f"- `{reason}`: {meaning}" for reason, meaning in UNAVAILABLE_REASONS]
+    lines += [f"- `{reason.template}`: {reason.meaning}" for reason in REASONS]
     lines += [
         "",
         "## Metrics",
@@ -331,21 +323,43 @@ print(by_rank)""",
     return [*lines, ""]
 
 
-def render_index(run: RunInfo, counts: RunCounts | None, *, recovered: bool = False) -> str:
+def _section_state(counts: RunCounts | None, problems: Sequence[str]) -> list[str]:
+    """The marker line and the visible state: in progress, complete, or incomplete and why."""
+    if counts is None:
+        return [STATE_IN_PROGRESS, "", "**State: in progress.**", ""]
+    if not problems:
+        return [
+            STATE_COMPLETE,
+            "",
+            "**State: complete.** history.parquet holds every row the run recorded.",
+            "",
+        ]
+    lines = [STATE_INCOMPLETE, "", "**State: INCOMPLETE.** What is missing and why:", ""]
+    return [*lines, *(f"- {problem}" for problem in problems), ""]
+
+
+def render_index(
+    run: RunInfo,
+    counts: RunCounts | None,
+    *,
+    recovered: bool = False,
+    problems: Sequence[str] = (),
+) -> str:
     """The text of index.md.
 
     Args:
         run: what the run is.
         counts: how much it saw, or None while the run is in progress.
         recovered: True when `counts` were rebuilt from history after a crash (lower bounds).
+        problems: why the finished run is incomplete (rows lost, merge failed, ...); empty when
+            it is complete.
 
     Returns:
         Markdown, with the RunInfo fields as JSON between `RUN_INFO_BEGIN` and `RUN_INFO_END`.
     """
     lines = [
         "# TorchInstruments run",
-        STATE_IN_PROGRESS if counts is None else STATE_COMPLETE,
-        "",
+        *_section_state(counts, problems),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
@@ -369,7 +383,12 @@ def render_index(run: RunInfo, counts: RunCounts | None, *, recovered: bool = Fa
 
 
 def write_index(
-    directory: Path, run: RunInfo, counts: RunCounts | None, *, recovered: bool = False
+    directory: Path,
+    run: RunInfo,
+    counts: RunCounts | None,
+    *,
+    recovered: bool = False,
+    problems: Sequence[str] = (),
 ) -> None:
     """Write `directory/index.md` atomically.
 
@@ -378,8 +397,11 @@ def write_index(
         run: what the run is.
         counts: how much it saw, or None while the run is in progress.
         recovered: True when `counts` were rebuilt from history after a crash.
+        problems: why the finished run is incomplete; empty when it is complete.
     """
-    write_text_atomic(Path(directory) / INDEX_FILE, render_index(run, counts, recovered=recovered))
+    write_text_atomic(
+        directory / INDEX_FILE, render_index(run, counts, recovered=recovered, problems=problems)
+    )
 
 
 def parse_run_info(text: str) -> RunInfo:
@@ -406,7 +428,7 @@ def parse_run_info(text: str) -> RunInfo:
 def index_is_complete(directory: Path) -> bool:
     """Whether `directory/index.md` exists and was written at removal (with counts)."""
     try:
-        return STATE_COMPLETE in (Path(directory) / INDEX_FILE).read_text(encoding="utf-8")
+        return STATE_COMPLETE in (directory / INDEX_FILE).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -421,7 +443,7 @@ def read_run_info(directory: Path) -> RunInfo:
         FileNotFoundError: if index.md is missing.
         ValueError: if its run-info block is missing or malformed.
     """
-    return parse_run_info((Path(directory) / INDEX_FILE).read_text(encoding="utf-8"))
+    return parse_run_info((directory / INDEX_FILE).read_text(encoding="utf-8"))
 
 
-__all__ = ["INDEX_FILE", "read_run_info", "render_index", "write_index"]
+__all__ = ["index_is_complete", "read_run_info", "render_index", "write_index"]

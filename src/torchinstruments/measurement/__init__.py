@@ -1,0 +1,1 @@
+"""Measuring tensors: which are measurable, the reducers, their numerics, histograms, transfer."""

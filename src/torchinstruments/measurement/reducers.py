@@ -1,0 +1,397 @@
+"""Reducers: the default statistics profile and custom scalar metrics, as one `Measurer`.
+
+The default profile is nine numbers over the finite entries of a tensor (mean, population std,
+min, max, the three quartiles with NumPy's "linear" interpolation) plus two fractions over all
+entries (zero_fraction, nonfinite_fraction); `numerics` computes them exactly. Custom reducers add
+scalar metrics of their own.
+
+Design decision: a reduction is split in two halves. `Measurer.launch` runs on the tensor's
+device and returns a `PendingReduction` whose `device_vector` holds every number that must cross
+to the host; `transfer` concatenates the vectors of all tensors of one sampled forward and moves
+them with ONE transfer, then calls `PendingReduction.resolve` with the host values. Which tensors
+are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from torchinstruments import reasons
+from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement.numerics import metric_value
+from torchinstruments.records import MetricValue
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "DefaultStatistics",
+    "Measurer",
+    "PendingReduction",
+    "Reducer",
+]
+
+DEFAULT_METRICS: tuple[str, ...] = (
+    "mean",
+    "std",
+    "min",
+    "max",
+    "p25",
+    "p50",
+    "p75",
+    "zero_fraction",
+    "nonfinite_fraction",
+)
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """A custom scalar reducer: the extension point for metrics beyond the default profile.
+
+    `metrics` names every metric the reducer returns; it is read once when the observer is
+    injected, so name clashes fail early. The call receives the tensor detached and under
+    `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor, which
+    stays on the device until the sample's single host transfer, or a Python number.
+
+    Example:
+        >>> class AbsMax:
+        ...     metrics = ("abs_max",)
+        ...     def __call__(self, tensor):
+        ...         return {"abs_max": tensor.abs().amax()}
+    """
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Names of the metrics the reducer returns (a plain class attribute is fine)."""
+        ...
+
+    def __call__(self, tensor: torch.Tensor) -> Mapping[str, torch.Tensor | float]:
+        """Returns one scalar per name in `metrics`."""
+        ...
+
+
+class DefaultStatistics:
+    """The default profile, or a subset of it.
+
+    Pass an instance in `reducers` to replace the implicit default profile, e.g.
+    `DefaultStatistics(("mean", "std"))`, or `DefaultStatistics(())` for custom reducers only.
+
+    Args:
+        metrics: Names from `DEFAULT_METRICS`, in the order they should be reported.
+
+    Raises:
+        TypeError: If `metrics` is not a sequence of strings.
+        ValueError: If a name is unknown or repeated.
+    """
+
+    def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS) -> None:
+        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
+            raise TypeError(
+                f"metrics must be a sequence of metric names, got {metrics!r}; "
+                f"allowed names: {', '.join(DEFAULT_METRICS)}"
+            )
+        for name in metrics:
+            if not isinstance(name, str) or name not in DEFAULT_METRICS:
+                raise ValueError(
+                    f"metrics contains unknown metric {name!r}; "
+                    f"allowed: {', '.join(DEFAULT_METRICS)}"
+                )
+        duplicates = sorted({name for name in metrics if list(metrics).count(name) > 1})
+        if duplicates:
+            raise ValueError(f"metrics repeats {', '.join(map(repr, duplicates))}")
+        self.metrics: tuple[str, ...] = tuple(metrics)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
+        """Measures `tensor` synchronously; unavailable metrics are left out.
+
+        `Measurer` uses the fused two-phase path instead; this exists so that the default profile
+        also satisfies the `Reducer` protocol and can be called on its own.
+        """
+        measurer = Measurer([self])
+        pending = measurer.launch(tensor)
+        vector = pending.device_vector
+        values = pending.resolve([] if vector is None else vector.tolist())
+        return {
+            name: mv.value
+            for name, mv in zip(self.metrics, values, strict=True)
+            if mv.value is not None
+        }
+
+    def __repr__(self) -> str:
+        return f"DefaultStatistics(metrics={self.metrics!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What one reducer produced for one tensor, waiting for the host values."""
+
+    metrics: tuple[str, ...]
+    host: dict[str, float] = field(default_factory=dict)
+    refs: dict[str, int] = field(default_factory=dict)
+    fixed: dict[str, MetricValue] = field(default_factory=dict)
+    derive: Callable[[dict[str, float]], dict[str, MetricValue]] | None = None
+
+    def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
+        """Resolves the raw values and turns them into metric values."""
+        raw = dict(self.host)
+        raw.update({key: float(host_values[index]) for key, index in self.refs.items()})
+        derived = self.derive(raw) if self.derive is not None else {}
+        out: list[MetricValue] = []
+        for name in self.metrics:
+            if name in self.fixed:
+                out.append(self.fixed[name])
+            elif name in derived:
+                out.append(derived[name])
+            elif name in raw:
+                out.append(metric_value(raw[name]))
+            else:
+                out.append(MetricValue(None, reasons.NO_VALUE))
+        return tuple(out)
+
+
+class PendingReduction:
+    """Device-resident result for one tensor; resolved on the host after the single transfer.
+
+    Attributes:
+        device_vector: 1-D float64 tensor on the tensor's device holding everything that must
+            cross to the host, or None if nothing must.
+    """
+
+    __slots__ = ("_parts", "_size", "device_vector")
+
+    def __init__(self, device_vector: torch.Tensor | None, parts: Sequence[_Part]) -> None:
+        self.device_vector = device_vector
+        self._parts = tuple(parts)
+        self._size = 0 if device_vector is None else int(device_vector.numel())
+
+    def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
+        """Turns the host copy of `device_vector` into metric values.
+
+        Args:
+            host_values: `device_vector.tolist()`, or an empty sequence when it is None.
+
+        Returns:
+            One `MetricValue` per name in `Measurer.metrics`, in order. Never raises: a failure
+            becomes null values with the reason.
+        """
+        out: list[MetricValue] = []
+        size_ok = len(host_values) == self._size
+        for part in self._parts:
+            if not size_ok:
+                reason = reasons.host_values_mismatch(self._size, len(host_values))
+                out.extend(MetricValue(None, reason) for _ in part.metrics)
+                continue
+            try:
+                out.extend(part.resolve(host_values))
+            except Exception as error:  # resolving must never crash the training step
+                out.extend(
+                    MetricValue(None, reasons.error("statistics", error)) for _ in part.metrics
+                )
+        return tuple(out)
+
+
+class Measurer:
+    """All metrics of one observer: the default profile and custom reducers, validated up front.
+
+    Args:
+        reducers: None for the default profile only. A sequence adds these reducers' metrics after
+            the default profile, unless it contains a `DefaultStatistics` instance, which then
+            replaces the implicit default profile in its position.
+
+    Raises:
+        TypeError: If `reducers` is not None or a sequence of reducers, or a reducer has no
+            `metrics` sequence of non-empty strings.
+        ValueError: If two reducers (or a reducer and the default profile) share a metric name,
+            or one reducer repeats a name.
+    """
+
+    def __init__(self, reducers: Sequence[Reducer] | None) -> None:
+        self._reducers: tuple[Reducer, ...] = _validate_reducers(reducers)
+        self.metrics: tuple[str, ...] = tuple(
+            name for reducer in self._reducers for name in reducer.metrics
+        )
+
+    def __repr__(self) -> str:
+        return f"Measurer(reducers={list(self._reducers)!r})"
+
+    def launch(self, tensor: torch.Tensor) -> PendingReduction:
+        """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
+
+        Args:
+            tensor: Any tensor; it is detached and never modified.
+
+        Returns:
+            The pending reduction; call `resolve` with `device_vector.tolist()` once the values are
+            on the host.
+        """
+        try:
+            return self._launch(tensor)
+        except Exception as error:  # measuring must never crash the training step
+            return self.unavailable(reasons.error("statistics", error))
+
+    def unavailable(self, reason: str) -> PendingReduction:
+        """A reduction whose every metric is null with `reason` (nothing to transfer)."""
+        part = _Part(self.metrics, fixed={name: MetricValue(None, reason) for name in self.metrics})
+        return PendingReduction(None, [part])
+
+    def _launch(self, tensor: torch.Tensor) -> PendingReduction:
+        """Runs every reducer and packs the device values into one vector."""
+        blocks: list[torch.Tensor] = []
+        parts: list[_Part] = []
+        with torch.no_grad():
+            detached = tensor.detach()
+            for reducer in self._reducers:
+                offset = sum(int(block.numel()) for block in blocks)
+                try:
+                    if isinstance(reducer, DefaultStatistics):
+                        part, block = _reduce_default(detached, reducer.metrics, offset)
+                    else:
+                        part, block = _call_reducer(reducer, detached, offset)
+                except Exception as error:
+                    reason = reasons.error("statistics", error)
+                    fixed = {name: MetricValue(None, reason) for name in reducer.metrics}
+                    part, block = _Part(tuple(reducer.metrics), fixed=fixed), None
+                parts.append(part)
+                if block is not None:
+                    blocks.append(block)
+            vector = None
+            if blocks:
+                vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return PendingReduction(vector, parts)
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def _validate_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...]:
+    """Checks types and metric names; returns the reducers with the implicit default added."""
+    if reducers is None:
+        return (DefaultStatistics(),)
+    if isinstance(reducers, str | bytes | Mapping) or not isinstance(reducers, Sequence):
+        raise TypeError(
+            "reducers must be None or a sequence of reducers (callables with a `metrics` tuple "
+            f"of metric names), got {reducers!r}"
+        )
+    checked: list[Reducer] = []
+    for index, reducer in enumerate(reducers):
+        metrics = getattr(reducer, "metrics", None)
+        if not callable(reducer):
+            raise TypeError(f"reducers[{index}] must be callable, got {reducer!r}")
+        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
+            raise TypeError(
+                f"reducers[{index}] ({reducer!r}) must have a `metrics` tuple of metric names, "
+                f"got {metrics!r}"
+            )
+        for name in metrics:
+            if not isinstance(name, str) or not name:
+                raise TypeError(
+                    f"reducers[{index}] ({reducer!r}) has metric name {name!r}; "
+                    "expected a non-empty str"
+                )
+        repeated = sorted({name for name in metrics if list(metrics).count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"reducers[{index}] ({reducer!r}) repeats metric(s) {', '.join(map(repr, repeated))}"
+            )
+        checked.append(reducer)
+    if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
+        checked.insert(0, DefaultStatistics())
+    owners: dict[str, list[str]] = {}
+    for reducer in checked:
+        for name in reducer.metrics:
+            owners.setdefault(name, []).append(repr(reducer))
+    clashes = {name: who for name, who in owners.items() if len(who) > 1}
+    if clashes:
+        described = "; ".join(f"{name!r} from {' and '.join(who)}" for name, who in clashes.items())
+        raise ValueError(
+            f"reducers: metric names must be unique across reducers and the default profile; "
+            f"clashing: {described}. Rename the custom metric, or pass DefaultStatistics(...) "
+            "with a subset to replace the default profile."
+        )
+    return tuple(checked)
+
+
+# --- custom reducers ----------------------------------------------------------------------------
+
+
+def _call_reducer(
+    reducer: Reducer, tensor: torch.Tensor, offset: int
+) -> tuple[_Part, torch.Tensor | None]:
+    """Calls one custom reducer, keeping device scalars on the device."""
+    metrics = tuple(reducer.metrics)
+    try:
+        result = reducer(tensor)
+    except Exception as error:
+        reason = reasons.error("reducer", error)
+        return _Part(metrics, fixed={name: MetricValue(None, reason) for name in metrics}), None
+    if not isinstance(result, Mapping):
+        reason = reasons.reducer_returned(type(result).__name__)
+        return _Part(metrics, fixed={name: MetricValue(None, reason) for name in metrics}), None
+    host: dict[str, float] = {}
+    refs: dict[str, int] = {}
+    fixed: dict[str, MetricValue] = {}
+    device_values: list[torch.Tensor] = []
+    for name in metrics:
+        if name not in result:
+            fixed[name] = MetricValue(None, reasons.NO_VALUE)
+            continue
+        value = result[name]
+        if isinstance(value, torch.Tensor):
+            problem = _scalar_tensor_problem(value)
+            if problem is not None:
+                fixed[name] = MetricValue(None, problem)
+            elif value.device == tensor.device and not tensors.host_sync_is_free(value.device):
+                refs[name] = offset + len(device_values)
+                device_values.append(value.detach().reshape(()).to(torch.float64))
+            else:
+                host[name] = float(value.detach().reshape(()).to(torch.float64).item())
+        elif isinstance(value, numbers.Real):
+            host[name] = float(value)
+        else:
+            fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
+    block = torch.stack(device_values) if device_values else None
+    return _Part(metrics, host=host, refs=refs, fixed=fixed), block
+
+
+def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
+    """Why a reducer's tensor value cannot be a metric, or None if it can."""
+    if value.layout != torch.strided:
+        return reasons.reducer_tensor_layout(value.layout)
+    if not tensors.is_real_dtype(value.dtype):
+        return reasons.reducer_tensor_dtype(tensors.dtype_name(value.dtype))
+    if value.numel() != 1:
+        return reasons.reducer_tensor_shape(tuple(value.shape))
+    return None
+
+
+# --- default profile ----------------------------------------------------------------------------
+
+
+def _reduce_default(
+    tensor: torch.Tensor, metrics: tuple[str, ...], offset: int
+) -> tuple[_Part, torch.Tensor | None]:
+    """The default profile of one tensor: host values on the CPU, a device block elsewhere."""
+    if not metrics:
+        return _Part(metrics), None
+    unsupported = tensors.unsupported_reason(tensor)
+    if unsupported is not None:
+        return _Part(
+            metrics, fixed={name: MetricValue(None, unsupported) for name in metrics}
+        ), None
+    numel = tensor.numel()
+    if numel == 0:
+        return _Part(
+            metrics, fixed={name: MetricValue(None, reasons.EMPTY) for name in metrics}
+        ), None
+    values = tensors.working_values(tensor)
+    wanted = frozenset(metrics)
+    derive = numerics.DefaultDeriver(numel, wanted)
+    if tensors.host_sync_is_free(values.device):
+        host = numerics.raw_on_host(values, wanted)
+        return _Part(metrics, host=host, derive=derive), None
+    keys, block = numerics.raw_on_device(values, wanted)
+    refs = {key: offset + index for index, key in enumerate(keys)}
+    return _Part(metrics, refs=refs, derive=derive), block

@@ -1,0 +1,134 @@
+"""From launched reductions to records: one host transfer per device, then plain records.
+
+Design decision: everything one sampled forward (or one backward pass) launched stays on its
+device until this module moves it, all at once: the result vectors of every tensor are
+concatenated per device and copied with one transfer each, then each tensor's `PendingReduction`
+and `PendingHistogram` are resolved into `Measurement` and `HistogramRecord`s. This is the only
+place where measured values cross to the host.
+
+The path of a value, from a layer's return to a history row: `observer` (or `gradients`) calls
+`launch_tensor`, which launches the reductions on the device and returns a `PendingTensor`;
+`build_records` transfers and resolves a list of them into one `SampleRecord` per sample; the
+sinks turn those into rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torchinstruments import reasons
+from torchinstruments.measurement import tensors
+from torchinstruments.measurement.histograms import PendingHistogram, reduce_histogram
+from torchinstruments.measurement.reducers import Measurer, PendingReduction
+from torchinstruments.records import HistogramRecord, Measurement, SampleRecord, TensorKey
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTensor:
+    """One measured tensor whose results are still on its device."""
+
+    key: TensorKey
+    shape: tuple[int, ...] | None
+    dtype: str
+    timestamp_us: int
+    reduction: PendingReduction
+    histogram: PendingHistogram | None
+
+
+def launch_tensor(
+    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool
+) -> PendingTensor:
+    """Launch the device-side reductions of one tensor; a failure becomes null + reason."""
+    try:
+        reduction = measurer.launch(tensor)
+        histogram = reduce_histogram(tensor) if focus else None
+    except Exception as error:
+        reduction = measurer.unavailable(reasons.error("measurement", error))
+        histogram = None
+    return PendingTensor(
+        key,
+        tensors.shape_of(tensor),
+        tensors.dtype_name(tensor.dtype),
+        time.time_ns() // 1000,
+        reduction,
+        histogram,
+    )
+
+
+def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
+    """Move many small device vectors to the host in one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, vector in enumerate(vectors):
+        if vector is not None:
+            by_device.setdefault(vector.device, []).append(index)
+    host: list[list[float]] = [[] for _ in vectors]
+    for indices in by_device.values():
+        flat = torch.cat([vectors[i].reshape(-1) for i in indices])  # type: ignore[union-attr]
+        values = flat.to("cpu", torch.float64).tolist()
+        start = 0
+        for i in indices:
+            length = vectors[i].numel()  # type: ignore[union-attr]
+            host[i] = values[start : start + length]
+            start += length
+    return host
+
+
+def build_records(
+    signal: str, pending: Sequence[PendingTensor], metrics: tuple[str, ...], rank: int | None
+) -> list[SampleRecord]:
+    """Transfer pending results to the host and resolve them into one record per sample."""
+    vectors: list[torch.Tensor | None] = []
+    for item in pending:
+        vectors.append(item.reduction.device_vector)
+        vectors.append(item.histogram.device_vector if item.histogram is not None else None)
+    host = to_host(vectors)
+    by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
+    for position, item in enumerate(pending):
+        key = item.key
+        _, measurements, histograms = by_sample.setdefault(
+            key.sample_id, (key.forward_index, [], [])
+        )
+        measurements.append(_measurement(item, host[2 * position], metrics, rank))
+        if item.histogram is not None:
+            histogram = item.histogram.resolve(
+                host[2 * position + 1],
+                sample_id=key.sample_id,
+                layer=key.layer.name,
+                call_index=key.call_index,
+                signal=key.signal,
+                tensor_path=key.tensor_path,
+            )
+            if histogram is not None:
+                histograms.append(histogram)
+    return [
+        SampleRecord(signal, sample_id, forward_index, tuple(ms), tuple(hs))
+        for sample_id, (forward_index, ms, hs) in by_sample.items()
+    ]
+
+
+def _measurement(
+    item: PendingTensor, host_values: list[float], metrics: tuple[str, ...], rank: int | None
+) -> Measurement:
+    """The host-side record of one measured tensor."""
+    key = item.key
+    return Measurement(
+        sample_id=key.sample_id,
+        forward_index=key.forward_index,
+        timestamp_us=item.timestamp_us,
+        rank=rank,
+        layer=key.layer.name,
+        module_type=key.layer.module_type,
+        call_index=key.call_index,
+        signal=key.signal,
+        tensor_path=key.tensor_path,
+        shape=item.shape,
+        dtype=item.dtype,
+        mode=key.mode,
+        grad_enabled=key.grad_enabled,
+        metrics=metrics,
+        values=item.reduction.resolve(host_values),
+    )

@@ -1,0 +1,125 @@
+"""Why a value is null: every `unavailable_reason` the library can write, in one table.
+
+Design decision: the code that measures never writes a reason as a literal; it calls the builders
+below, and `REASONS` lists the template and meaning of each. index.md renders `REASONS`, and a test
+builds every reason here and matches it against a template, so the page explains every reason the
+code can emit. Like `records`, this module sits at the bottom of the package (it imports nothing
+of it, and no torch), so the measurement code that emits reasons and the run directory that
+explains them both import it downwards, and `finalize` renders index.md without torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    """One kind of unavailable value: its text (with `<placeholders>`) and what it means."""
+
+    template: str
+    meaning: str
+
+    def matches(self, reason: str) -> bool:
+        """Whether `reason` is an instance of this template."""
+        parts = re.split(r"<[^<>]+>", self.template)
+        pattern = ".+".join(re.escape(part) for part in parts)
+        return re.fullmatch(pattern, reason, re.DOTALL) is not None
+
+
+EMPTY = "empty tensor"
+NO_FINITE = "no finite entries"
+NON_FINITE_RESULT = "non-finite result"
+NO_VALUE = "reducer returned no value"
+
+REASONS: tuple[Reason, ...] = (
+    Reason(EMPTY, "the tensor has no elements"),
+    Reason(NO_FINITE, "every element is NaN or +-inf (nonfinite_fraction is still given)"),
+    Reason("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
+    Reason("unsupported layout <layout>", "sparse, nested or other non-strided tensors"),
+    Reason(NON_FINITE_RESULT, "the statistic overflowed (e.g. std of huge values)"),
+    Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
+    Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),
+    Reason(
+        "reducer returned <type>, expected a mapping of metric names to scalars",
+        "a custom reducer returned something other than a mapping",
+    ),
+    Reason(
+        "reducer returned <type> for <metric>, expected a scalar tensor or a real number",
+        "a custom reducer's value for this metric was neither a tensor nor a number",
+    ),
+    Reason(
+        "reducer returned a tensor with unsupported layout <layout>",
+        "a custom reducer returned a sparse or other non-strided tensor",
+    ),
+    Reason(
+        "reducer returned a tensor of unsupported dtype <dtype>",
+        "a custom reducer returned a complex or otherwise unmeasurable tensor",
+    ),
+    Reason(
+        "reducer returned a tensor of shape <shape>, expected a scalar",
+        "a custom reducer returned a tensor with more than one element",
+    ),
+    Reason("statistics error: <Type>: <message>", "computing the default statistics failed"),
+    Reason(
+        "statistics error: expected <n> host values, got <m>",
+        "the values transferred from the device did not match what was launched (a bug: please "
+        "report it)",
+    ),
+    Reason(
+        "measurement error: <Type>: <message>", "measuring this tensor failed; training went on"
+    ),
+)
+
+
+def unsupported_dtype(dtype: str) -> str:
+    """The tensor's dtype cannot be measured."""
+    return f"unsupported dtype {dtype}"
+
+
+def unsupported_layout(layout: object) -> str:
+    """The tensor's layout cannot be measured."""
+    return f"unsupported layout {layout}"
+
+
+def error(source: str, exc: BaseException) -> str:
+    """`<source> error: <Type>: <message>`; source is reducer, statistics or measurement."""
+    if source not in ("reducer", "statistics", "measurement"):
+        raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
+    return f"{source} error: {type(exc).__name__}: {exc}"
+
+
+def reducer_returned(kind: str) -> str:
+    """A custom reducer returned something other than a mapping."""
+    return f"reducer returned {kind}, expected a mapping of metric names to scalars"
+
+
+def reducer_value(kind: str, metric: str) -> str:
+    """A custom reducer's value is neither a tensor nor a real number."""
+    return f"reducer returned {kind} for {metric!r}, expected a scalar tensor or a real number"
+
+
+def reducer_tensor_layout(layout: object) -> str:
+    """A custom reducer returned a non-strided tensor."""
+    return f"reducer returned a tensor with unsupported layout {layout}"
+
+
+def reducer_tensor_dtype(dtype: str) -> str:
+    """A custom reducer returned a tensor of a dtype that is not a real number."""
+    return f"reducer returned a tensor of unsupported dtype {dtype}"
+
+
+def reducer_tensor_shape(shape: tuple[int, ...]) -> str:
+    """A custom reducer returned a tensor of more than one element."""
+    return f"reducer returned a tensor of shape {shape}, expected a scalar"
+
+
+def host_values_mismatch(expected: int, got: int) -> str:
+    """The host transfer did not return the launched number of values."""
+    return f"statistics error: expected {expected} host values, got {got}"
+
+
+def explain(reason: str) -> Reason | None:
+    """The table entry a reason text belongs to, or None if it is not one of the library's."""
+    return next((entry for entry in REASONS if entry.matches(reason)), None)

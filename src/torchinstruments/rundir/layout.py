@@ -1,0 +1,181 @@
+"""The run directory's rules: its file names, the history schema, literal paths, atomic writes.
+
+Design decision: a run directory is fixed once, at injection: `resolve_output_dir` expands `~` and
+makes the path absolute, so a later `os.chdir` cannot move the run, and every read, write, scan
+and merge afterwards uses it literally. Polars treats path strings as glob patterns by default, so
+every Polars call in this package passes `glob=False` and lists files itself (`list_parts`): a
+directory named `exp[lr=0.1]` or `a?b` is just a name.
+
+Every file the library writes appears by `os.replace` of a complete temporary file whose name ends
+in `TMP_SUFFIX`, a suffix no user file is expected to carry, so crash recovery can delete the
+library's leftovers and nothing else.
+
+This module imports Polars but never torch: `torchinstruments finalize` runs without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import polars as pl
+
+PARTS_DIR = "history.parts"
+HISTORY_FILE = "history.parquet"
+RESULT_FILE = "result.json"
+INDEX_FILE = "index.md"
+LOCK_FILE = ".lock"
+TENSORBOARD_DIR = "tensorboard"
+MERGE_TMP_DIR = "history.merge.torchinstruments-tmp"
+# Temporary files of atomic writes; finalize deletes files with this suffix and no others.
+TMP_SUFFIX = ".torchinstruments-tmp"
+# What marks a directory as holding a run (inject refuses such a directory).
+RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, RESULT_FILE, INDEX_FILE)
+
+HISTORY_SCHEMA = pl.Schema(
+    {
+        "sample_id": pl.Int64(),
+        "forward_index": pl.Int64(),
+        "timestamp": pl.Datetime("us", "UTC"),
+        "rank": pl.Int32(),
+        "layer": pl.String(),
+        "module_type": pl.String(),
+        "call_index": pl.Int32(),
+        "signal": pl.String(),
+        "tensor_path": pl.String(),
+        "shape": pl.List(pl.Int64()),
+        "dtype": pl.String(),
+        "mode": pl.String(),
+        "grad_enabled": pl.Boolean(),
+        "metric": pl.String(),
+        "value": pl.Float64(),
+        "unavailable_reason": pl.String(),
+    }
+)
+
+# The order of history.parquet.
+MERGE_SORT_KEY = ("sample_id", "signal", "layer", "call_index", "tensor_path", "metric")
+
+_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+
+
+def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
+    """The run directory as an absolute path with `~` expanded, fixed for the life of the run.
+
+    Raises:
+        ValueError: if `output_dir` is empty.
+        FileExistsError: if it names an existing file (not a directory).
+    """
+    text = os.fspath(output_dir)
+    if isinstance(text, bytes) or not text.strip():
+        raise ValueError(
+            f"output_dir must name a directory, got {output_dir!r}; pass e.g. output_dir='stats'"
+        )
+    path = Path(text).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(
+            f"output_dir={str(path)!r} is an existing file, not a directory; pass a directory path"
+        )
+    return path
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse an output directory that already holds a run.
+
+    Raises:
+        FileExistsError: if it contains history.parts/, history.parquet, result.json or index.md.
+    """
+    found = [name for name in RUN_MARKERS if (path / name).exists()]
+    if found:
+        raise FileExistsError(
+            f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). Pass a new "
+            "output_dir, or move or delete the old run; if that run was interrupted, "
+            f"`python -m torchinstruments finalize {path}` completes it first."
+        )
+
+
+def part_path(directory: Path, number: int) -> Path:
+    """The path of part `number` under `directory/history.parts/`."""
+    return directory / PARTS_DIR / f"part-{number:09d}.parquet"
+
+
+def part_number(path: Path) -> int | None:
+    """The number of a part file, or None when the name is not a part's."""
+    match = _PART_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_parts(directory: Path) -> list[Path]:
+    """Completed parts under `directory/history.parts/`, in the order they were written."""
+    parts_dir = directory / PARTS_DIR
+    if not parts_dir.is_dir():
+        return []
+    found = [(part_number(p), p) for p in parts_dir.iterdir() if p.is_file()]
+    return [p for n, p in sorted((n, p) for n, p in found if n is not None)]
+
+
+def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
+    """A lazy scan of history files, taken literally (never as glob patterns)."""
+    return pl.scan_parquet(paths, schema=HISTORY_SCHEMA, glob=False)
+
+
+def empty_history() -> pl.DataFrame:
+    """A history table with no rows and the exact schema."""
+    return pl.DataFrame(schema=HISTORY_SCHEMA)
+
+
+def temporary_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def is_library_temporary(path: Path) -> bool:
+    """Whether `path` is a leftover of one of the library's atomic writes."""
+    return path.name.endswith(TMP_SUFFIX)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or directory to stable storage (best effort for directories)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if not path.is_dir():
+            raise
+        return  # directories cannot be opened on some platforms
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
+    """Write `frame` to `path` via a temporary file in the same directory and `os.replace`."""
+    tmp = temporary_path(path)
+    try:
+        frame.write_parquet(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 `text` to `path` via a temporary file in the same directory and `os.replace`."""
+    tmp = temporary_path(path)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

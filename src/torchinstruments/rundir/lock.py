@@ -1,0 +1,149 @@
+"""The run lock: how `finalize` tells a live run from an interrupted one.
+
+Design decision: a live run holds an exclusive, non-blocking OS lock on `<dir>/.lock` for its
+whole life (`fcntl.flock` on POSIX, `msvcrt.locking` on Windows). The kernel drops the lock when
+the process dies, even on SIGKILL, so "lock free" means exactly "no live writer": no PID files, no
+staleness heuristics. The cost: advisory locks are unreliable on some network file systems, and the
+`.lock` file stays in the directory (deleting a lock file races with a process that just opened
+it). The platform module is imported when a lock is taken, not when the package is imported, so
+`import torchinstruments` works everywhere; where neither exists, the run is not locked and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType, TracebackType
+
+from torchinstruments.rundir.layout import LOCK_FILE
+
+
+class RunLockedError(RuntimeError):
+    """The run directory is locked by a live process."""
+
+
+def _platform_locker() -> tuple[str, ModuleType] | None:
+    """`("fcntl", module)`, `("msvcrt", module)`, or None where neither can be imported."""
+    for name in ("fcntl", "msvcrt"):
+        try:
+            return name, importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def _try_lock(fd: int, locker: tuple[str, ModuleType]) -> bool:
+    """Take an exclusive lock without blocking; False if another process holds it."""
+    name, module = locker
+    try:
+        if name == "fcntl":
+            module.flock(fd, module.LOCK_EX | module.LOCK_NB)
+        else:
+            module.locking(fd, module.LK_NBLCK, 1)
+    except (BlockingIOError, PermissionError):
+        return False
+    except OSError as error:  # msvcrt reports a held lock as EACCES / EDEADLK
+        if name == "msvcrt":
+            return False
+        raise error
+    return True
+
+
+def _unlock(fd: int, locker: tuple[str, ModuleType]) -> None:
+    """Release a lock taken by `_try_lock`."""
+    name, module = locker
+    with contextlib.suppress(OSError):
+        if name == "fcntl":
+            module.flock(fd, module.LOCK_UN)
+        else:
+            os.lseek(fd, 0, os.SEEK_SET)
+            module.locking(fd, module.LK_UNLCK, 1)
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on `directory/.lock`, held for the life of a run.
+
+    Args:
+        directory: the run's output directory (created by `acquire` if missing).
+
+    Example:
+        >>> with RunLock(Path("stats")):  # doctest: +SKIP
+        ...     ...
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / LOCK_FILE
+        self._fd: int | None = None
+        self._locker: tuple[str, ModuleType] | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock; idempotent for the holder.
+
+        Raises:
+            RunLockedError: if another process holds it.
+        """
+        if self._fd is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        locker = _platform_locker()
+        try:
+            if locker is None:
+                warnings.warn(
+                    "torchinstruments: this platform has neither fcntl nor msvcrt, so the run "
+                    f"directory {self.path.parent} is not locked; do not run finalize on it while "
+                    "the run is live",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            elif not _try_lock(fd, locker):
+                holder = _read_holder(fd)
+                raise RunLockedError(
+                    f"{self.path.parent} is in use by a live process{holder}: a run is still "
+                    "writing there. Wait for it to end (remove_observer) or stop it first."
+                )
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._locker = fd, locker
+
+    def release(self) -> None:
+        """Drop the lock (no-op if not held)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            if self._locker is not None:
+                _unlock(fd, self._locker)
+            os.close(fd)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    """` (pid N)` from the lock file, or "" if unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        os.lseek(fd, 0, os.SEEK_SET)
+        pid = int(os.read(fd, 32).decode().strip())
+        return f" (pid {pid})"
+    return ""

@@ -1,0 +1,258 @@
+"""The crash-safe merge of history parts into one sorted history.parquet.
+
+Design decision: Polars' sort is not out-of-core (a plain `scan_parquet(...).sort(...).sink_parquet(
+...)` of an 18 M-row history peaked at 4.7 GB for 134 MB on disk), so the merge sorts in sample_id
+ranges of about `MERGE_BATCH_ROWS` rows: parts arrive in sample order, so each range touches only a
+few parts. Each sorted range is streamed into a temporary file, and the ranges are then streamed, in
+order, into one file. Peak memory follows the range size, not the history; the cost is writing the
+data twice and twice the disk space while merging.
+
+Crash safety relies on two facts: (1) every file appears by `os.replace` of a complete temporary
+file, and (2) the merged file's Parquet metadata lists the parts it holds (`MERGED_PARTS_KEY`,
+ranges of part numbers). Parts are deleted only after the merged file is in place, so a part that
+is still there after a crash is either listed (already merged: deleted) or not (merged now,
+together with the existing history.parquet). No row is lost or duplicated, and no heuristic
+key-based de-duplication is needed (a tensor may legitimately be measured twice in one sample,
+e.g. two backward passes with `retain_graph=True`). Every path is used literally (no globbing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    HISTORY_SCHEMA,
+    MERGE_SORT_KEY,
+    MERGE_TMP_DIR,
+    PARTS_DIR,
+    empty_history,
+    fsync_path,
+    list_parts,
+    part_number,
+    scan_history,
+    temporary_path,
+)
+
+MERGED_PARTS_KEY = "torchinstruments.merged_parts"
+MERGE_BATCH_ROWS = 400_000
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge did: the merged file, its rows, and the parts it could not read."""
+
+    path: Path
+    rows: int
+    merged_parts: tuple[Path, ...]
+    unreadable_parts: tuple[tuple[Path, str], ...]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A readable slice of sorted-by-nothing input: a part, or a slice of history.parquet."""
+
+    path: Path
+    lo: int
+    hi: int
+    rows: int
+    offset: int | None = None
+
+    def scan(self) -> pl.LazyFrame:
+        lf = scan_history(self.path)
+        return lf if self.offset is None else lf.slice(self.offset, self.rows)
+
+
+def _encode_ranges(numbers: Sequence[int]) -> str:
+    """`[0, 1, 2, 5]` -> `"0-2,5"`."""
+    out: list[str] = []
+    ordered = sorted(set(numbers))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _decode_ranges(text: str) -> set[int]:
+    """`"0-2,5"` -> `{0, 1, 2, 5}`."""
+    numbers: set[int] = set()
+    for item in filter(None, text.split(",")):
+        lo, _, hi = item.partition("-")
+        numbers.update(range(int(lo), int(hi or lo) + 1))
+    return numbers
+
+
+def merged_part_numbers(history: Path) -> set[int]:
+    """Part numbers recorded as merged in an existing history.parquet's metadata."""
+    return _decode_ranges(pl.read_parquet_metadata(history).get(MERGED_PARTS_KEY, ""))
+
+
+def _check_part(path: Path, *, full: bool) -> str | None:
+    """None if the part is readable with the history schema, else why not."""
+    try:
+        schema = pl.scan_parquet(path, glob=False).collect_schema()
+        if schema != HISTORY_SCHEMA:
+            return f"schema differs from the history schema: {dict(schema)}"
+        if full:
+            pl.read_parquet(path, glob=False)
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _part_sources(parts: Sequence[Path]) -> list[_Source]:
+    """Sample-id range and row count of each part, from one streaming pass over sample_id."""
+    if not parts:
+        return []
+    stats = (
+        pl.scan_parquet(list(parts), schema=HISTORY_SCHEMA, glob=False, include_file_paths="_path")
+        .group_by("_path")
+        .agg(lo=pl.col("sample_id").min(), hi=pl.col("sample_id").max(), n=pl.len())
+        .collect(engine="streaming")
+    )
+    by_path = {row["_path"]: row for row in stats.iter_rows(named=True)}
+    sources = []
+    for p in parts:
+        row = by_path.get(str(p))
+        if row is not None and row["n"] > 0:
+            sources.append(_Source(p, row["lo"], row["hi"], row["n"]))
+    return sources
+
+
+def _history_sources(history: Path) -> list[_Source]:
+    """An existing (sorted) history.parquet as slices of about MERGE_BATCH_ROWS rows."""
+    lf = scan_history(history)
+    total = lf.select(pl.len()).collect().item()
+    sources = []
+    for offset in range(0, total, MERGE_BATCH_ROWS):
+        n = min(MERGE_BATCH_ROWS, total - offset)
+        lo, hi = (
+            lf.slice(offset, n)
+            .select(lo=pl.col("sample_id").min(), hi=pl.col("sample_id").max())
+            .collect()
+            .row(0)
+        )
+        sources.append(_Source(history, lo, hi, n, offset))
+    return sources
+
+
+def _batch_cuts(sources: Sequence[_Source]) -> list[int]:
+    """Sample-id cut points so that each range [cut_i, cut_i+1) holds about MERGE_BATCH_ROWS rows."""
+    ordered = sorted(sources, key=lambda s: (s.lo, s.hi))
+    cuts = [ordered[0].lo]
+    rows = 0
+    for s in ordered:
+        if rows >= MERGE_BATCH_ROWS and s.lo > cuts[-1]:
+            cuts.append(s.lo)
+            rows = 0
+        rows += s.rows
+    cuts.append(max(s.hi for s in sources) + 1)
+    return cuts
+
+
+def _sorted_range(sources: Sequence[_Source], lo: int, hi: int) -> pl.LazyFrame:
+    """Rows with lo <= sample_id < hi from the sources that overlap it, sorted."""
+    frames = [s.scan() for s in sources if s.hi >= lo and s.lo < hi]
+    return (
+        pl.concat(frames, how="vertical")
+        .filter((pl.col("sample_id") >= lo) & (pl.col("sample_id") < hi))
+        .sort(list(MERGE_SORT_KEY), maintain_order=True)
+    )
+
+
+def _sink_sorted(sources: Sequence[_Source], target: Path, metadata: dict[str, str]) -> None:
+    """Sort all sources into `target` in bounded memory (see the module docstring)."""
+    if not sources:
+        empty_history().lazy().sink_parquet(target, metadata=metadata)
+        return
+    cuts = _batch_cuts(sources)
+    if len(cuts) == 2:
+        _sorted_range(sources, cuts[0], cuts[1]).sink_parquet(target, metadata=metadata)
+        return
+    tmp_dir = target.parent / MERGE_TMP_DIR
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+    try:
+        pieces = []
+        for i, (lo, hi) in enumerate(pairwise(cuts)):
+            piece = tmp_dir / f"range-{i:09d}.parquet"
+            _sorted_range(sources, lo, hi).sink_parquet(piece)
+            pieces.append(piece)
+        scan_history(pieces).sink_parquet(target, metadata=metadata)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def merge_history(directory: Path) -> MergeResult:
+    """Merge the parts (and an existing history.parquet) into one sorted history.parquet.
+
+    Unreadable parts are skipped, left in place, and listed in the result; parts already recorded
+    in an existing history.parquet are only deleted. The merged file is written under a temporary
+    name, synced, and renamed; parts are deleted only after that.
+
+    Args:
+        directory: the run's output directory.
+
+    Returns:
+        A `MergeResult`.
+    """
+    directory = Path(directory)
+    history = directory / HISTORY_FILE
+    parts = list_parts(directory)
+    done: set[int] = set()
+    if history.exists():
+        done = merged_part_numbers(history)
+    already = [p for p in parts if part_number(p) in done]
+    pending = [p for p in parts if part_number(p) not in done]
+    bad: dict[Path, str] = {}
+    for p in pending:
+        reason = _check_part(p, full=False)
+        if reason is not None:
+            bad[p] = reason
+    tmp = temporary_path(history)
+    while True:
+        good = [p for p in pending if p not in bad]
+        if not good and history.exists():
+            break  # nothing new: the existing history.parquet stays as it is
+        numbers = done | {n for p in good if (n := part_number(p)) is not None}
+        metadata = {MERGED_PARTS_KEY: _encode_ranges(sorted(numbers))}
+        try:
+            sources = _part_sources(good)
+            if history.exists():
+                sources = _history_sources(history) + sources
+            _sink_sorted(sources, tmp, metadata)
+            break
+        except pl.exceptions.PolarsError:
+            tmp.unlink(missing_ok=True)
+            newly_bad = {p: r for p in good if (r := _check_part(p, full=True)) is not None}
+            if not newly_bad:
+                raise
+            bad.update(newly_bad)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    if tmp.exists():
+        fsync_path(tmp)
+        os.replace(tmp, history)
+        fsync_path(directory)
+    merged = [p for p in pending if p not in bad]
+    for p in already + merged:
+        p.unlink(missing_ok=True)
+    parts_dir = directory / PARTS_DIR
+    if parts_dir.is_dir() and not bad:
+        with contextlib.suppress(OSError):
+            parts_dir.rmdir()
+    rows = scan_history(history).select(pl.len()).collect().item()
+    return MergeResult(history, rows, tuple(merged), tuple(bad.items()))

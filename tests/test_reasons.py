@@ -1,0 +1,82 @@
+"""Every unavailable reason the code can emit is explained in index.md, from one table."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import torchinstruments
+from torchinstruments import reasons
+from torchinstruments.records import LayerInfo, RunInfo
+from torchinstruments.rundir.index_page import render_index
+
+SOURCE = Path(torchinstruments.__file__).parent
+
+
+def every_builder_output() -> list[str]:
+    """One reason from each constant and builder in `reasons`, with made-up arguments."""
+    made = [reasons.EMPTY, reasons.NO_FINITE, reasons.NON_FINITE_RESULT, reasons.NO_VALUE]
+    made += [
+        reasons.unsupported_dtype("complex64"),
+        reasons.unsupported_layout("torch.sparse_coo"),
+        reasons.error("reducer", ValueError("bad: input")),
+        reasons.error("statistics", RuntimeError("x")),
+        reasons.error("measurement", TypeError("y")),
+        reasons.reducer_returned("list"),
+        reasons.reducer_value("str", "abs_max"),
+        reasons.reducer_tensor_layout("torch.sparse_coo"),
+        reasons.reducer_tensor_dtype("complex64"),
+        reasons.reducer_tensor_shape((2, 3)),
+        reasons.host_values_mismatch(7, 3),
+    ]
+    return made
+
+
+def test_every_builder_is_exercised_here() -> None:
+    builders = {
+        name
+        for name, value in vars(reasons).items()
+        if inspect.isfunction(value) and value.__module__ == reasons.__name__
+    }
+    source = inspect.getsource(every_builder_output)
+    assert {name for name in builders if f"reasons.{name}(" not in source} == {"explain"}
+
+
+@pytest.mark.parametrize("reason", every_builder_output())
+def test_each_reason_matches_exactly_one_template(reason: str) -> None:
+    matching = [entry.template for entry in reasons.REASONS if entry.matches(reason)]
+    assert len(matching) == 1, (reason, matching)
+
+
+def test_index_page_explains_every_template() -> None:
+    run = RunInfo(
+        Path("/tmp/run"), "0", "0", "Net", (LayerInfo("a", "Linear"),), (), "s", ("mean",),
+        None, None, "rank0", True, 10, 3, "now",
+    )  # fmt: skip
+    page = render_index(run, None)
+    for entry in reasons.REASONS:
+        assert f"- `{entry.template}`: {entry.meaning}" in page
+
+
+def test_measurement_code_writes_no_reason_literal() -> None:
+    """Reasons come from `reasons` builders only: no MetricValue(None, "<literal>") elsewhere."""
+    offenders = []
+    for path in SOURCE.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "MetricValue"
+                and len(node.args) == 2
+                and isinstance(node.args[1], ast.Constant | ast.JoinedStr)
+            ):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+
+
+def test_explain_refuses_foreign_text() -> None:
+    assert reasons.explain("something the library never says") is None
+    assert reasons.explain("empty tensor") == reasons.REASONS[0]

@@ -1,0 +1,89 @@
+"""Attention is recorded by the default selection: nn.MultiheadAttention counts as one layer.
+
+Its only child, `out_proj`, is a parameter holder that MultiheadAttention never calls as a module
+(it passes the weight to the functional kernel), so a leaf-only rule would see nothing of
+attention. Every value is compared with plain hooks on a deep copy, reduced with NumPy.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import read_history, read_result
+from hook_reference import HookRecorder, assert_profiles_match, observed_profiles
+
+DECODER_LAYERS = [
+    "self_attn",
+    "multihead_attn",
+    "linear1",
+    "dropout",
+    "linear2",
+    "norm1",
+    "norm2",
+    "norm3",
+    "dropout1",
+    "dropout2",
+    "dropout3",
+]
+
+
+def decoder() -> nn.TransformerDecoderLayer:
+    return nn.TransformerDecoderLayer(
+        d_model=8, nhead=2, dim_feedforward=16, dropout=0.1, batch_first=True
+    )
+
+
+def test_default_selection_records_attention_not_its_parameter_holder(run_dir: Path) -> None:
+    model = decoder()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    remove_observer(model)
+    names = [entry["layer"] for entry in read_result(run_dir)]
+    assert sorted(names) == sorted(DECODER_LAYERS)
+    assert "self_attn.out_proj" not in names
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_decoder_attention_outputs_and_gradients_match_hooks(run_dir: Path, mode: str) -> None:
+    model = decoder().train(mode == "train")
+    reference_model = copy.deepcopy(model)
+    recorder = HookRecorder(reference_model, DECODER_LAYERS)
+    tgt, memory = torch.randn(2, 5, 8), torch.randn(2, 7, 8)
+
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    torch.manual_seed(1)
+    model(tgt, memory).square().sum().backward()
+    remove_observer(model)
+
+    torch.manual_seed(1)
+    reference_model(tgt, memory).square().sum().backward()
+
+    observed = observed_profiles(read_history(run_dir), 0)
+    assert ("self_attn", 0, "output", "[0]") in observed
+    assert ("multihead_attn", 0, "output_gradient", "[0]") in observed
+    assert_profiles_match(observed, recorder.profiles)
+    entry = next(e for e in read_result(run_dir) if e["layer"] == "self_attn")
+    assert {(t["signal"], t["tensor_path"]) for t in entry["tensors"]} == {
+        ("output", "[0]"),
+        ("output_gradient", "[0]"),
+    }
+
+
+def test_selector_still_overrides_the_default(run_dir: Path) -> None:
+    model = decoder()
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        selector=lambda name, module: name in {"self_attn.out_proj", "linear1"},
+    )
+    with pytest.warns(RuntimeWarning, match=r"never ran.*self_attn\.out_proj"):
+        model(torch.randn(2, 5, 8), torch.randn(2, 7, 8))
+        remove_observer(model)
+    assert [entry["layer"] for entry in read_result(run_dir)] == ["self_attn.out_proj", "linear1"]

@@ -1,0 +1,135 @@
+"""nn.TransformerEncoder: inner layers are measured on sampled forwards, fast path kept otherwise.
+
+In eval under no_grad PyTorch runs each TransformerEncoderLayer as one fused kernel
+(`torch._transformer_encoder_layer_fwd`) that calls none of its submodules; it takes the
+layer-by-layer path instead when hooks are attached. A sampled forward takes that same
+layer-by-layer path, so it computes what a model with hooks computes; an unsampled forward keeps
+the fused kernel and is bit-identical to the unobserved model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import read_history, read_result
+from hook_reference import HookRecorder, assert_profiles_match, observed_profiles
+
+INNER = ["self_attn", "linear1", "dropout", "linear2", "norm1", "norm2", "dropout1", "dropout2"]
+SELECTED = [f"layers.{i}.{name}" for i in range(2) for name in INNER]
+
+
+def encoder() -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(
+        d_model=16, nhead=4, dim_feedforward=32, dropout=0.1, batch_first=True
+    )
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of the fused encoder-layer kernel (the fast path)."""
+    calls = [0]
+    fused: Callable[..., Any] = torch._transformer_encoder_layer_fwd
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", counting)
+    return calls
+
+
+def test_default_selection_is_every_inner_computing_layer(run_dir: Path) -> None:
+    model = encoder()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    remove_observer(model)
+    assert sorted(entry["layer"] for entry in read_result(run_dir)) == sorted(SELECTED)
+
+
+@pytest.mark.parametrize(
+    ("mode", "grad"), [("train", True), ("eval", True), ("eval", False)], ids=str
+)
+def test_inner_layers_match_hooks(run_dir: Path, mode: str, grad: bool) -> None:
+    model = encoder().train(mode == "train")
+    reference_model = copy.deepcopy(model)
+    recorder = HookRecorder(reference_model, SELECTED)
+    x = torch.randn(3, 5, 16)
+
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(grad):
+        out = model(x)
+    if grad:
+        out.square().sum().backward()
+    remove_observer(model)
+
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(grad):
+        reference = reference_model(x)
+    if grad:
+        reference.square().sum().backward()
+
+    assert torch.equal(out, reference)
+    observed = observed_profiles(read_history(run_dir), 0)
+    assert {key[0] for key in observed} == set(SELECTED)
+    assert_profiles_match(observed, recorder.profiles)
+    index = (run_dir / "index.md").read_text("utf-8")
+    for name in SELECTED:
+        assert f"| `{name}` |" in index
+
+
+def test_unsampled_eval_forwards_keep_the_fast_path_bit_identical(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = encoder().eval()
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16)
+    fused = count_fused_calls(monkeypatch)
+    with torch.no_grad():
+        expected = plain(x)
+    assert fused[0] == 2  # the unobserved model takes the fast path in both layers
+
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    with torch.no_grad():
+        sampled = model(x)  # forward_index 0: sampled, layer by layer
+        assert fused[0] == 2
+        unsampled = model(x)  # forward_index 1: not sampled, fused
+        assert fused[0] == 4
+    remove_observer(model)
+    assert torch.equal(unsampled, expected)
+    assert sampled.shape == expected.shape
+    history = read_history(run_dir)
+    assert set(history["layer"].unique()) == set(SELECTED)
+    assert set(history["sample_id"].unique()) == {0}
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)  # removal leaves the fast path as it was
+    assert fused[0] == 5
+
+
+def test_padding_mask_sampled_output_equals_the_unobserved_model(run_dir: Path) -> None:
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    with torch.no_grad():
+        expected = plain(x, src_key_padding_mask=mask)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with torch.no_grad():
+        out = model(x, src_key_padding_mask=mask)
+    remove_observer(model)
+    assert torch.equal(out, expected)
+    history = read_history(run_dir)
+    # every inner layer ran and has rows: values, or nulls that say why
+    assert set(history["layer"].unique()) == set(SELECTED)
+    nulls = history.filter(history["value"].is_null())
+    assert nulls["unavailable_reason"].null_count() == 0

@@ -1,0 +1,109 @@
+"""Layers that never ran are visible: per-layer counts of sampled forwards, and warnings.
+
+index.md and result.json give, for each selected layer, in how many sampled forwards it was
+called (0 included); removal warns once about the layers that never ran; a `forward` replaced
+after injection is reported at the first sampled forward that no longer reaches it. The counts
+survive a crash: `finalize` rebuilds them from the history.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import read_result
+
+
+class Branchy(nn.Module):
+    """`always` runs every forward, `sometimes` when asked, `never` not at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.always = nn.Linear(4, 4)
+        self.sometimes = nn.ReLU()
+        self.never = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+        x = self.always(x)
+        return self.sometimes(x) if branch else x
+
+
+def sampled_forwards(directory: Path) -> dict[str, int]:
+    return {entry["layer"]: entry["sampled_forwards"] for entry in read_result(directory)}
+
+
+def test_counts_in_result_and_index_and_one_warning_at_removal(run_dir: Path) -> None:
+    model = Branchy()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is warned while layers simply have not run yet
+        for step in range(6):  # samples at forward_index 0, 2, 4
+            model(torch.randn(2, 4), branch=step == 2)
+    with pytest.warns(RuntimeWarning) as caught:
+        remove_observer(model)
+    never = [str(w.message) for w in caught if "never ran" in str(w.message)]
+    assert len(never) == 1
+    assert "'never'" in never[0] and "'sometimes'" not in never[0]
+    assert sampled_forwards(run_dir) == {"always": 3, "sometimes": 1, "never": 0}
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "| `always` | Linear | 3 |" in index
+    assert "| `sometimes` | ReLU | 1 |" in index
+    assert "| `never` | Linear | 0 |" in index
+
+
+def test_no_sample_no_never_ran_warning_per_layer(run_dir: Path) -> None:
+    model = Branchy()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(10))
+    model(torch.randn(2, 4))  # forward_index 0 is sampled: `never` and `sometimes` did not run
+    with pytest.warns(RuntimeWarning, match=r"2 of 3 selected layers never ran"):
+        remove_observer(model)
+
+
+def test_replaced_forward_is_warned_at_the_first_sampled_forward(run_dir: Path) -> None:
+    model = Branchy()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4))
+    model.always.forward = lambda x: x * 2  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match=r"forward of layer 'always' was replaced"):
+        model(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 4))  # said once
+    with pytest.warns(RuntimeWarning):
+        remove_observer(model)
+    assert sampled_forwards(run_dir)["always"] == 1
+
+
+CHILD = """
+import os, sys, torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1),
+                history_config=HistoryConfig(buffer_rows=1))
+for step in range(3):
+    model[0](torch.randn(2, 3)) if step == 1 else model(torch.randn(2, 3))
+os._exit(0)  # no removal, no finalizer: like a crash after the last part was written
+"""
+
+
+def test_counts_are_rebuilt_by_finalize_after_a_crash(run_dir: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    script = textwrap.dedent(CHILD)
+    subprocess.run([sys.executable, "-c", script, str(run_dir)], check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "finalize", str(run_dir)], check=True, env=env
+    )
+    assert sampled_forwards(run_dir) == {"0": 2, "1": 2, "2": 2}
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "| `0` | Linear | 2 |" in index

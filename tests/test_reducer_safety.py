@@ -1,0 +1,86 @@
+"""A custom reducer cannot change training: in-place changes to its argument are caught.
+
+The reducer gets a tensor of its own; if it modifies it (the version counter moves), its metrics
+are null with a reason naming it, one warning says so, the reducers after it still see the
+original values, and the model trains exactly as the unobserved copy does.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import mlp, read_history, sgd_step
+
+
+class Doubling:
+    """Modifies its argument in place (a bug a user could write)."""
+
+    metrics = ("doubled_sum",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        tensor.mul_(2)
+        return {"doubled_sum": tensor.sum()}
+
+
+class AbsMax:
+    metrics = ("abs_max",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        return {"abs_max": tensor.abs().amax()}
+
+
+def test_in_place_reducer_is_reported_and_training_is_unchanged(run_dir: Path) -> None:
+    model = mlp(width=6, depth=2)
+    reference = copy.deepcopy(model)
+    outputs: list[np.ndarray] = []
+    reference[0].register_forward_hook(
+        lambda module, args, out: outputs.append(out.detach().numpy().copy())
+    )
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), reducers=[Doubling(), AbsMax()]
+    )
+    with pytest.warns(RuntimeWarning, match=r"reducer .*Doubling.* modified its argument in place"):
+        losses = [sgd_step(model, x, y, 0.1) for _ in range(3)]
+    remove_observer(model)
+    reference_losses = [sgd_step(reference, x, y, 0.1) for _ in range(3)]
+
+    assert losses == reference_losses
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, expected)
+    history = read_history(run_dir)
+    doubled = history.filter(pl.col("metric") == "doubled_sum")
+    assert doubled.height == 3 * 4 * 2  # samples x layers x signals
+    assert doubled["value"].null_count() == doubled.height
+    assert all(
+        "Doubling" in r and "modified its argument in place" in r
+        for r in doubled["unavailable_reason"]
+    )
+    abs_max = history.filter(
+        (pl.col("metric") == "abs_max") & (pl.col("layer") == "0") & (pl.col("signal") == "output")
+    ).sort("sample_id")
+    assert abs_max["value"].to_list() == [
+        pytest.approx(float(np.abs(out).max())) for out in outputs
+    ]
+
+
+def test_reducer_without_side_effects_sees_the_live_values(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), reducers=[AbsMax()])
+    out = model(torch.randn(4, 3))
+    remove_observer(model)
+    rows = read_history(run_dir).filter(
+        (pl.col("metric") == "abs_max") & (pl.col("signal") == "output")
+    )
+    assert rows["value"].to_list() == [pytest.approx(out.detach().abs().max().item())]

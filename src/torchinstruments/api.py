@@ -28,7 +28,12 @@ from torchinstruments.observer import Observer
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.layout import check_output_dir, resolve_output_dir
 from torchinstruments.rundir.writer import HistoryConfig
-from torchinstruments.sampling import Sampler, TimeIntervalSampler, describe_sampler
+from torchinstruments.sampling import (
+    Sampler,
+    TimeIntervalSampler,
+    describe_sampler,
+    validate_sampler,
+)
 from torchinstruments.selection import (
     Selector,
     check_selector,
@@ -68,7 +73,8 @@ def inject_observer(
         model: the module your loop calls; its calls are the root forwards.
         output_dir: run directory; must not already hold a run.
         sampler: decides per root forward (`Sampler`); default `TimeIntervalSampler(60)`.
-        selector: `selector(name, module) -> bool` picks layers; default: leaf modules.
+        selector: `selector(name, module) -> bool` picks layers; default: the modules that
+            compute (leaf modules, with `nn.MultiheadAttention` as one layer; see selection.py).
         reducers: custom scalar reducers added to the default profile (include a
             `DefaultStatistics(...)` to replace or trim the default profile).
         histogram_selector: `(name, module) -> bool` picks focus layers among the observed ones;
@@ -197,10 +203,7 @@ def validate_arguments(
         raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
     directory = resolve_output_dir(output_dir)
     sampler = TimeIntervalSampler() if sampler is None else sampler
-    if not callable(getattr(sampler, "should_sample", None)):
-        raise TypeError(
-            f"sampler must have should_sample(forward_index) -> bool (a Sampler), got {sampler!r}"
-        )
+    validate_sampler(sampler)
     check_selector("selector", selector)
     check_selector("histogram_selector", histogram_selector)
     if (

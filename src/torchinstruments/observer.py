@@ -48,6 +48,7 @@ from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
 from torchinstruments.records import OUTPUT, LayerInfo, RunCounts, SampleRecord, TensorKey
+from torchinstruments.sampling import as_decision
 from torchinstruments.sinks import SinkGroup
 
 
@@ -230,12 +231,23 @@ class Observer:
         return output
 
     def _should_sample(self, forward_index: int) -> bool:
-        """The sampler's decision; a raising sampler means "not sampled" (warned once)."""
+        """The sampler's decision; a raising sampler, or an answer that is not a bool, means
+        "not sampled" (warned once: a wrong answer is a bug to report, not a value to guess)."""
         try:
-            return bool(self.sampler.should_sample(forward_index))
+            answer = self.sampler.should_sample(forward_index)
         except Exception as error:
             self.warn_once("sampler", f"sampler {self.sampler!r} raised {error!r}; not sampled")
             return False
+        decision = as_decision(answer)
+        if decision is None:
+            self.warn_once(
+                "sampler-answer",
+                f"sampler {self.sampler!r} returned {answer!r} ({type(answer).__name__}) for "
+                f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
+                "such forwards are not sampled",
+            )
+            return False
+        return decision
 
     # -- recording outputs --------------------------------------------------------------------
 

@@ -92,6 +92,45 @@ class EveryNForwardsSampler:
         return f"EveryNForwardsSampler(n={self.n}): forward_index 0, {self.n}, {2 * self.n}, ..."
 
 
+def validate_sampler(sampler: object) -> None:
+    """Refuse what cannot sample: a class instead of an instance, or no `should_sample`.
+
+    Raises:
+        TypeError: naming the argument and what to pass instead.
+    """
+    if isinstance(sampler, type):
+        raise TypeError(
+            f"sampler must be a Sampler instance, got the class {sampler.__name__}; "
+            f"instantiate it, e.g. sampler={sampler.__name__}(...)"
+        )
+    if not callable(getattr(sampler, "should_sample", None)):
+        raise TypeError(
+            f"sampler must have should_sample(forward_index) -> bool (a Sampler), got {sampler!r}"
+        )
+
+
+def as_decision(value: object) -> bool | None:
+    """`should_sample`'s answer as a bool, or None when it is not a bool.
+
+    Accepted: Python bool, NumPy bool, and a 0-d bool tensor. Anything else (None, 0/1, 2, NaN,
+    strings) is refused rather than guessed with `bool(...)`: a sampler that returns the wrong
+    type is a bug the user must hear about, not a silent "always" or "never".
+    """
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in {"bool_", "bool"}:
+        return bool(value)  # type: ignore[arg-type]
+    if (
+        kind.__module__.startswith("torch")
+        and getattr(value, "dtype", None) is not None
+        and str(getattr(value, "dtype", "")) == "torch.bool"
+        and getattr(value, "ndim", None) == 0
+    ):
+        return bool(value)  # type: ignore[arg-type]
+    return None
+
+
 def describe_sampler(sampler: object) -> str:
     """A sampler's one-line description, falling back to its repr for user samplers."""
     describe = getattr(sampler, "describe", None)

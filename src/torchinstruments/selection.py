@@ -1,8 +1,13 @@
 """Which modules are observed (layers) and which of them get histograms (focus layers).
 
-The default rule, meant to be predicted by reading it: every leaf module (a module with no
-children) is a layer, in `named_modules()` traversal order. TorchScript modules are never layers
-(their `forward` cannot be replaced). `selector=` overrides the rule; focus layers are the first
+The default rule, meant to be predicted by reading it: the modules that compute, in
+`named_modules()` traversal order. That is every leaf module (a module with no children), plus
+each module whose children are parameter holders it never calls as modules, in which case the
+module is the layer and those children are not. The one such module in torch is
+`nn.MultiheadAttention` (and subclasses that keep its `forward`): it passes `out_proj.weight` to
+the functional attention kernel and never calls `out_proj`, so a leaf-only rule would record
+nothing of attention, and `out_proj` would be a layer that never runs. TorchScript modules are
+never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers are the first
 `max_histogram_modules` layers that `histogram_selector` accepts (default: all).
 """
 
@@ -26,17 +31,36 @@ def check_selector(name: str, selector: object) -> None:
         )
 
 
-def is_default_layer(name: str, module: nn.Module) -> bool:
-    """The default selection rule (see the module docstring)."""
-    return not any(module.children())
+def holds_uncalled_children(module: nn.Module) -> bool:
+    """True for a module whose children are parameter holders its forward never calls."""
+    return (
+        isinstance(module, nn.MultiheadAttention)
+        and type(module).forward is nn.MultiheadAttention.forward
+    )
+
+
+def default_layers(model: nn.Module) -> set[str]:
+    """Names of the modules the default rule selects (see the module docstring)."""
+    chosen: set[str] = set()
+    holders: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{holder}.") or holder == "" for holder in holders):
+            continue  # inside a module that never calls its children
+        if holds_uncalled_children(module):
+            holders.append(name)
+            chosen.add(name)
+        elif not any(module.children()):
+            chosen.add(name)
+    return chosen
 
 
 def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.Module, LayerInfo]]:
-    """Selected modules in `named_modules()` traversal order; default: `is_default_layer`."""
-    chooser = selector if selector is not None else is_default_layer
+    """Selected modules in `named_modules()` traversal order; default: `default_layers`."""
+    default = default_layers(model) if selector is None else set()
     layers = []
     for name, module in model.named_modules():
-        if chooser(name, module) and not isinstance(module, torch.jit.ScriptModule):
+        chosen = selector(name, module) if selector is not None else name in default
+        if chosen and not isinstance(module, torch.jit.ScriptModule):
             layers.append((module, LayerInfo(name, type(module).__name__)))
     return layers
 

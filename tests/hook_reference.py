@@ -77,7 +77,9 @@ class HookRecorder:
         name, call_index, path = where
 
         def hook(grad: torch.Tensor) -> None:
-            self.profiles.setdefault((name, call_index, "output_gradient", path), numpy_profile(grad))
+            self.profiles.setdefault(
+                (name, call_index, "output_gradient", path), numpy_profile(grad)
+            )
 
         return hook
 

@@ -83,7 +83,7 @@ def test_selector_still_overrides_the_default(run_dir: Path) -> None:
         sampler=EveryNForwardsSampler(1),
         selector=lambda name, module: name in {"self_attn.out_proj", "linear1"},
     )
+    model(torch.randn(2, 5, 8), torch.randn(2, 7, 8))
     with pytest.warns(RuntimeWarning, match=r"never ran.*self_attn\.out_proj"):
-        model(torch.randn(2, 5, 8), torch.randn(2, 7, 8))
         remove_observer(model)
     assert [entry["layer"] for entry in read_result(run_dir)] == ["self_attn.out_proj", "linear1"]

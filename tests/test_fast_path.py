@@ -111,7 +111,7 @@ def test_unsampled_eval_forwards_keep_the_fast_path_bit_identical(
     assert set(history["sample_id"].unique()) == {0}
     with torch.no_grad():
         assert torch.equal(model(x), expected)  # removal leaves the fast path as it was
-    assert fused[0] == 5
+    assert fused[0] == 6
 
 
 def test_padding_mask_sampled_output_equals_the_unobserved_model(run_dir: Path) -> None:

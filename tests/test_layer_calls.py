@@ -53,7 +53,8 @@ def test_counts_in_result_and_index_and_one_warning_at_removal(run_dir: Path) ->
         remove_observer(model)
     never = [str(w.message) for w in caught if "never ran" in str(w.message)]
     assert len(never) == 1
-    assert "'never'" in never[0] and "'sometimes'" not in never[0]
+    assert "'never'" in never[0]
+    assert "'sometimes'" not in never[0]
     assert sampled_forwards(run_dir) == {"always": 3, "sometimes": 1, "never": 0}
     index = (run_dir / "index.md").read_text("utf-8")
     assert "| `always` | Linear | 3 |" in index

@@ -81,9 +81,12 @@ def test_leaf_returned_once_per_sample_gets_its_exact_gradient(run_dir: Path) ->
     rows = gradient_rows(run_dir, "0")
     for sample_id, profile in enumerate(expected):
         got = {
-            r["metric"]: r["value"] for r in rows.filter(pl.col("sample_id") == sample_id).rows(named=True)
+            r["metric"]: r["value"]
+            for r in rows.filter(pl.col("sample_id") == sample_id).rows(named=True)
         }
-        assert got == {name: pytest.approx(value, rel=1e-6, abs=1e-7) for name, value in profile.items()}
+        assert got == {
+            name: pytest.approx(value, rel=1e-6, abs=1e-7) for name, value in profile.items()
+        }
 
 
 def test_eval_sample_of_a_leaf_is_not_credited_with_a_later_gradient(run_dir: Path) -> None:

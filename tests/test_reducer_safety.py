@@ -77,7 +77,9 @@ def test_in_place_reducer_is_reported_and_training_is_unchanged(run_dir: Path) -
 
 def test_reducer_without_side_effects_sees_the_live_values(run_dir: Path) -> None:
     model = nn.Sequential(nn.Linear(3, 3))
-    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), reducers=[AbsMax()])
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), reducers=[AbsMax()]
+    )
     out = model(torch.randn(4, 3))
     remove_observer(model)
     rows = read_history(run_dir).filter(

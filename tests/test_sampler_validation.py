@@ -34,7 +34,9 @@ class Returns:
         return "Returns()"
 
 
-@pytest.mark.parametrize("value", [None, "no", math.nan, 2, 1, 0, torch.tensor([True]), 1.0], ids=repr)
+@pytest.mark.parametrize(
+    "value", [None, "no", math.nan, 2, 1, 0, torch.tensor([True]), 1.0], ids=repr
+)
 def test_non_bool_decision_is_reported_once_and_not_sampled(run_dir: Path, value: Any) -> None:
     model = mlp()
     inject_observer(model, output_dir=run_dir, sampler=Returns(value))

@@ -157,6 +157,13 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
             {
                 "layer": layer.name,
                 "module_type": layer.module_type,
+                "sampled_forwards": len(
+                    {
+                        r["sample_id"]
+                        for r in rows
+                        if r["layer"] == layer.name and r["signal"] == "output"
+                    }
+                ),
                 "tensors": [tensors[k] for k in sorted(tensors)],
             }
         )
@@ -183,7 +190,8 @@ def test_catalog_lists_every_layer_in_order(tmp_path: Path) -> None:
     write_catalog(tmp_path, LAYERS)
     data = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
     assert data == [
-        {"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS
+        {"layer": li.name, "module_type": li.module_type, "sampled_forwards": None, "tensors": []}
+        for li in LAYERS
     ]
 
 
@@ -253,7 +261,8 @@ def test_empty_history_lists_layers_without_tensors(tmp_path: Path) -> None:
     write_result(tmp_path, LAYERS, WINDOW)
     got = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
     assert got == [
-        {"layer": li.name, "module_type": li.module_type, "tensors": []} for li in LAYERS
+        {"layer": li.name, "module_type": li.module_type, "sampled_forwards": 0, "tensors": []}
+        for li in LAYERS
     ]
 
 

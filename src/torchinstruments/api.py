@@ -143,6 +143,18 @@ def remove_observer(model: nn.Module) -> Path | None:
         observer.finalizer.detach()
     left_in_place = observer.restore()
     observer.close()
+    never_ran = observer.never_ran()
+    if observer.samples and never_ran:
+        total = len(never_ran) + len(observer.layer_samples)
+        shown = ", ".join(repr(name) for name in never_ran[:20])
+        warnings.warn(
+            f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
+            f"sampled forward ({observer.samples} samples), so they have no rows: {shown}"
+            + (" ..." if len(never_ran) > 20 else "")
+            + " (see the Layers section of index.md)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if left_in_place:
         warnings.warn(
             f"torchinstruments: {left_in_place} module forward(s) were replaced or wrapped after "

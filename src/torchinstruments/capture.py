@@ -17,7 +17,8 @@ wrapped after injection is left in place (the observer is closed, so it is inert
 
 Private torch internals: everything the interception relies on that torch does not promise (the
 caller-frame check against `nn.Module._call_impl`, fx's symbolic-tracing flag, the autograd engine's
-`queue_callback`) lives in this module, one function each, each with its own test in
+`queue_callback`, the switch that keeps `nn.TransformerEncoderLayer` off its fused kernel) lives in
+this module, one function each, each with its own test in
 tests/test_capture.py, so a torch upgrade that moves one of them breaks in one place.
 
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
@@ -28,6 +29,7 @@ method under `forward`; its behaviour is the class's).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -69,6 +71,37 @@ def called_through_module_call(depth: int = 2) -> bool:
     while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
         frame = frame.f_back
     return frame is not None and frame.f_code in _MODULE_CALL_CODES
+
+
+# nn.TransformerEncoderLayer runs as one fused kernel (`torch._transformer_encoder_layer_fwd`) in
+# eval under no_grad, calling none of its submodules, unless one of its fast-path conditions fails
+# (it also checks for module hooks, which is how a hook user sees the inner layers). This integer
+# attribute (1 relu, 2 gelu, 0 other activation) is one of those conditions, read only by that
+# check and by the fused call; the layer-by-layer path uses `self.activation` instead.
+_FUSED_SWITCH = "activation_relu_or_gelu"
+
+
+def has_fused_fast_path(module: nn.Module) -> bool:
+    """True for a module that may skip its submodules with a fused kernel in eval."""
+    return isinstance(module, nn.TransformerEncoderLayer) and isinstance(
+        module.__dict__.get(_FUSED_SWITCH), int
+    )
+
+
+@contextlib.contextmanager
+def layer_by_layer(module: nn.Module) -> Iterator[None]:
+    """Run `module` (see `has_fused_fast_path`) on its layer-by-layer path for this call only.
+
+    The layer then computes exactly what it computes with a hook attached, and its submodules'
+    forwards run. Only the layer's own fused kernel is avoided: nn.MultiheadAttention inside keeps
+    its own fast path, and nn.TransformerEncoder still packs padded batches as nested tensors.
+    """
+    saved = module.__dict__[_FUSED_SWITCH]
+    module.__dict__[_FUSED_SWITCH] = 0
+    try:
+        yield
+    finally:
+        module.__dict__[_FUSED_SWITCH] = saved
 
 
 # torch.fx symbolic tracing; `is_fx_tracing` (older torch) also logs a warning in newer releases.
@@ -147,6 +180,17 @@ def install_proxy(module: nn.Module, wrapper: Wrapper, enabled: Any, owner: obje
     proxy = ForwardProxy(module, original, had_instance_forward, wrapper, enabled, owner)
     module.__dict__["forward"] = proxy
     return proxy
+
+
+def proxy_reachable(module: nn.Module, owner: object) -> bool:
+    """True while `module.forward` still leads to our proxy (possibly under other proxies of this
+    library); False once someone replaced or wrapped it after injection."""
+    current = module.__dict__.get("forward")
+    while isinstance(current, ForwardProxy):
+        if current._self_token is owner:
+            return True
+        current = current.__wrapped__
+    return False
 
 
 def restore_proxy(module: nn.Module, owner: object) -> bool:

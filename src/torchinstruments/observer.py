@@ -39,9 +39,12 @@ from torch import nn
 
 from torchinstruments.capture import (
     called_through_module_call,
+    has_fused_fast_path,
     install_proxy,
     is_tracing,
     iter_tensors,
+    layer_by_layer,
+    proxy_reachable,
     restore_proxy,
 )
 from torchinstruments.gradients import GradientRecorder
@@ -102,6 +105,30 @@ class _LayerCapture:
         return "train" if module is None or module.training else "eval"
 
 
+class _FusedPathGuard:
+    """The wrapper behind the proxy of a module with a fused fast path that contains layers.
+
+    In a sampled forward of this thread the module runs layer by layer, so its selected
+    submodules are called and measured; otherwise (and in other threads) it is called as is.
+    """
+
+    __slots__ = ("module_ref", "observer")
+
+    def __init__(self, observer: Observer, module: nn.Module) -> None:
+        self.observer = observer
+        self.module_ref = weakref.ref(module)
+
+    def on_call(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Call the forward, on its layer-by-layer path during a sampled forward."""
+        module = self.module_ref()
+        if module is None or self.observer.current is None:
+            return wrapped(*args, **kwargs)
+        with layer_by_layer(module):
+            return wrapped(*args, **kwargs)
+
+
 class Observer:
     """Runtime state of one observed model; created by `inject_observer`."""
 
@@ -136,6 +163,10 @@ class Observer:
         self._token = object()
         self._installed: list[weakref.ref[nn.Module]] = []
         self._root_layer: _LayerCapture | None = None
+        # Per selected layer (root included): the sampled forwards in which it was called.
+        self.layer_samples: dict[str, int] = {}
+        # Selected layers other than the root, to notice a `forward` replaced after injection.
+        self._layers: list[tuple[weakref.ref[nn.Module], str]] = []
         self._warned: set[str] = set()
         self.gradients = GradientRecorder(measurer, rank, self._emit_backward, self.warn_once)
 
@@ -144,13 +175,21 @@ class Observer:
     def install(
         self, root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]], focus: set[str]
     ) -> None:
-        """Install a proxy on every selected layer, then on the root (which delimits forwards)."""
+        """Install a proxy on every selected layer, a fused-path guard on every module that could
+        skip selected layers with a fused kernel, then on the root (which delimits forwards)."""
         for module, info in layers:
             capture = _LayerCapture(self, module, info, info.name in focus)
             if module is root:
                 self._root_layer = capture
                 continue
             self._install(module, capture.on_call, self.active.__len__)
+            self._layers.append((weakref.ref(module), info.name))
+        selected = {id(module) for module, _ in layers}
+        for module in root.modules():
+            if has_fused_fast_path(module) and any(
+                id(inner) in selected for inner in module.modules() if inner is not module
+            ):
+                self._install(module, _FusedPathGuard(self, module).on_call, self.active.__len__)
         self._install(root, self.on_root_call, None)
 
     def _install(self, module: nn.Module, wrapper: Callable[..., Any], enabled: Any) -> None:
@@ -279,8 +318,29 @@ class Observer:
             sample.pending.append(launch_tensor(self.measurer, key, tensor, layer.focus))
             self.gradients.hook_output(key, tensor, layer.focus)
 
+    def _end_sample(self, sample: _Sample) -> None:
+        """Count the layers this sampled forward called; report forwards replaced since inject.
+
+        A layer that was not called may be one whose `forward` someone replaced: said now, at the
+        first sampled forward that notices it, not only at removal.
+        """
+        with self._count_lock:
+            for name in sample.call_counts:
+                self.layer_samples[name] = self.layer_samples.get(name, 0) + 1
+        for module_ref, name in self._layers:
+            if name in sample.call_counts or f"replaced:{name}" in self._warned:
+                continue
+            module = module_ref()
+            if module is not None and not proxy_reachable(module, self._token):
+                self.warn_once(
+                    f"replaced:{name}",
+                    f"the forward of layer {name!r} was replaced after inject_observer; calls "
+                    "that do not go through the previous forward are not observed",
+                )
+
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
+        self._end_sample(sample)
         try:
             records = build_records(OUTPUT, sample.pending, self.measurer.metrics, self.rank)
             if not records:
@@ -300,7 +360,18 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        return RunCounts(self.root_forwards, self.samples, len(self.gradients.sample_ids))
+        with self._count_lock:
+            layer_samples = dict(self.layer_samples)
+        return RunCounts(
+            self.root_forwards, self.samples, len(self.gradients.sample_ids), layer_samples
+        )
+
+    def never_ran(self) -> list[str]:
+        """Selected layers (root included) not called in any sampled forward so far."""
+        names = [name for _, name in self._layers]
+        if self._root_layer is not None:
+            names.insert(0, self._root_layer.info.name)
+        return [name for name in names if not self.layer_samples.get(name)]
 
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""

@@ -8,7 +8,8 @@ were already reduced on the tensor's device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 OUTPUT = "output"
@@ -133,8 +134,14 @@ class RunInfo:
 
 @dataclass(frozen=True, slots=True)
 class RunCounts:
-    """How much a run saw; known at removal."""
+    """How much a run saw; known at removal.
+
+    `layer_samples[name]` is the number of sampled forwards in which the selected layer `name`
+    was called (a layer missing from the mapping never ran in one). After a crash it is rebuilt
+    from history: the sampled forwards in which the layer recorded an output row.
+    """
 
     root_forwards: int
     samples: int
     backward_samples: int
+    layer_samples: Mapping[str, int] = field(default_factory=dict)

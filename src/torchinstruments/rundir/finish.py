@@ -10,7 +10,9 @@ failing result.json never prevents history.parquet, and a failing merge leaves t
 for a later `finalize`.
 
 After a crash the counts are lower bounds read from history: root_forwards = max forward_index +
-1, samples = distinct sample_ids, backward_samples = distinct sample_ids with an output_gradient.
+1, samples = distinct sample_ids, backward_samples = distinct sample_ids with an output_gradient,
+and per layer the distinct sample_ids with an output row (a call whose output held no tensor
+leaves no row, so only the live observer counts it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.records import OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
+from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import index_is_complete, read_run_info, write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -95,6 +97,9 @@ def finish_run(
             f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
             f"the parts are kept: run `python -m torchinstruments finalize {directory}`"
         )
+    recovered = counts is None
+    if counts is None:
+        counts = _recovered_counts(directory)
     if merge is not None:
         problems += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
@@ -102,12 +107,9 @@ def finish_run(
             for path, reason in merge.unreadable_parts
         ]
         try:
-            write_result(directory, run.layers, run.window)
+            write_result(directory, run.layers, run.window, counts.layer_samples)
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             problems.append(f"result.json could not be written ({type(error).__name__}: {error})")
-    recovered = counts is None
-    if counts is None:
-        counts = _recovered_counts(directory)
     if rewrite_index or problems:
         try:
             write_index(directory, run, counts, recovered=recovered, problems=problems)
@@ -190,9 +192,19 @@ def _recovered_counts(directory: Path) -> RunCounts:
             )
             .collect(engine="streaming")
         )
+        per_layer = (
+            scan_history(history)
+            .filter(pl.col("signal") == OUTPUT)
+            .group_by("layer")
+            .agg(samples=pl.col("sample_id").n_unique())
+            .collect(engine="streaming")
+        )
     except (OSError, pl.exceptions.PolarsError):
         return RunCounts(0, 0, 0)
-    return RunCounts(*(int(row[name].item()) for name in row.columns))
+    return RunCounts(
+        *(int(row[name].item()) for name in row.columns),
+        layer_samples={r["layer"]: int(r["samples"]) for r in per_layer.iter_rows(named=True)},
+    )
 
 
 def _fallback_run_info(directory: Path) -> RunInfo:

@@ -119,6 +119,33 @@ def _section_run(run: RunInfo, counts: RunCounts | None, recovered: bool) -> lis
     return [*lines, ""]
 
 
+def _section_layers(run: RunInfo, counts: RunCounts | None, recovered: bool) -> list[str]:
+    """Per selected layer, in how many sampled forwards it ran; the layers that never did."""
+    if counts is None:
+        return []
+    bound = " (lower bounds, rebuilt from history)" if recovered else ""
+    lines = [
+        "## Layers",
+        "",
+        f"Sampled forwards in which each selected layer was called{bound}, out of "
+        f"{counts.samples}. A layer with 0 never ran in a sampled forward: it has no rows "
+        "(a branch not taken, a module its parent never calls, a `forward` replaced after "
+        "injection).",
+        "",
+        "| layer | module_type | sampled forwards |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{li.name or '<root>'}` | {li.module_type} | {counts.layer_samples.get(li.name, 0)} |"
+        for li in run.layers
+    ]
+    never = [li.name or "<root>" for li in run.layers if not counts.layer_samples.get(li.name)]
+    if never and counts.samples:
+        lines += ["", f"Never ran in a sampled forward ({len(never)}): "]
+        lines[-1] += ", ".join(f"`{name}`" for name in never)
+    return [*lines, ""]
+
+
 def _section_files(run: RunInfo) -> list[str]:
     return [
         "## Files",
@@ -198,12 +225,15 @@ def _section_result(run: RunInfo) -> list[str]:
     return [
         "## result.json",
         "",
-        "`[{layer, module_type, tensors: [{call_index, signal, tensor_path, shape, dtype, "
-        "metrics: {name: {observations, valid, first, latest, min, max, previous, recent}}}]}]`."
-        " Every selected layer is listed, in traversal order, also if it never ran "
+        "`[{layer, module_type, sampled_forwards, tensors: [{call_index, signal, tensor_path, "
+        "shape, dtype, metrics: {name: {observations, valid, first, latest, min, max, previous, "
+        "recent}}}]}]`. Every selected layer is listed, in traversal order, also if it never ran "
         "(`tensors: []`); tensors are sorted by (call_index, signal, tensor_path); shape and "
         "dtype are the latest seen.",
         "",
+        "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "
+        "in one; null in the catalog written at injection). After an interrupted run it is "
+        "rebuilt from history: the sampled forwards with an output row of the layer.",
         "- observations: history rows of this tensor-metric; valid: those with a non-null value.",
         "- first / latest: `{value, sample_id}` of the earliest / latest observation (value may "
         "be null: see unavailable_reason in history).",
@@ -365,6 +395,7 @@ def render_index(
         "model). No scores or verdicts: only measurements.",
         "",
         *_section_run(run, counts, recovered),
+        *_section_layers(run, counts, recovered),
         *_section_files(run),
         *_section_schema(),
         *_section_meanings(),

@@ -2,7 +2,10 @@
 
 Design decision: the summary is computed from the merged history.parquet with Polars lazy
 queries on the streaming engine, never from state kept during training, so result.json is a pure
-function of history.parquet and `finalize` can rebuild it after a crash. Plain group-by
+function of history.parquet and `finalize` can rebuild it after a crash. The one exception is each
+layer's `sampled_forwards` (in how many sampled forwards it was called), which at removal comes
+from the observer's `RunCounts`: a call whose output holds no tensor leaves no history row. After
+a crash it is rebuilt from history (sampled forwards with an output row), a lower bound. Plain group-by
 aggregates (counts, first/latest, finite min/max) stream in memory proportional to the number of
 tensor-metrics. The windows need each tensor-metric's last `2 * window` samples; they are found by
 scanning the tail of the sample range and widening it (x4) only for the tensor-metrics that did not
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +73,15 @@ def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
     """
     _dump(
         directory,
-        [{"layer": li.name, "module_type": li.module_type, "tensors": []} for li in layers],
+        [
+            {
+                "layer": li.name,
+                "module_type": li.module_type,
+                "sampled_forwards": None,
+                "tensors": [],
+            }
+            for li in layers
+        ],
     )
 
 
@@ -222,7 +233,12 @@ def _metric_entry(row: dict[str, Any], windows: dict[int, dict[str, Any]]) -> di
     }
 
 
-def summarize(history: Path, layers: Sequence[LayerInfo], window: int) -> list[dict[str, Any]]:
+def summarize(
+    history: Path,
+    layers: Sequence[LayerInfo],
+    window: int,
+    layer_samples: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
     """The result.json payload computed from a history.parquet.
 
     Every layer of `layers` is listed in that order (executed or not); layers present in history
@@ -232,6 +248,8 @@ def summarize(history: Path, layers: Sequence[LayerInfo], window: int) -> list[d
         history: path of history.parquet.
         layers: the selected layers in traversal order.
         window: samples per window.
+        layer_samples: sampled forwards in which each layer was called (`RunCounts`); a layer
+            not in it gets 0. None counts, from history, the sampled forwards with an output row.
 
     Returns:
         A JSON-ready list of layer records.
@@ -265,21 +283,46 @@ def summarize(history: Path, layers: Sequence[LayerInfo], window: int) -> list[d
         module_types.setdefault(tkey[0], info["module_type"])
     names = [li.name for li in layers]
     names += sorted(set(tensors) - set(names))
+    samples = layer_samples if layer_samples is not None else _output_samples(lf)
     out = []
     for name in dict.fromkeys(names):
         entries = tensors.get(name, {})
         ordered = [entries[k] for k in sorted(entries, key=lambda k: (k[1], k[2], k[3]))]
-        out.append({"layer": name, "module_type": module_types[name], "tensors": ordered})
+        out.append(
+            {
+                "layer": name,
+                "module_type": module_types[name],
+                "sampled_forwards": int(samples.get(name, 0)),
+                "tensors": ordered,
+            }
+        )
     return out
 
 
-def write_result(directory: Path, layers: Sequence[LayerInfo], window: int) -> None:
+def _output_samples(lf: pl.LazyFrame) -> dict[str, int]:
+    """Per layer, the distinct sample_ids with an output row."""
+    frame = (
+        lf.filter(pl.col("signal") == "output")
+        .group_by("layer")
+        .agg(samples=pl.col("sample_id").n_unique())
+        .collect(engine="streaming")
+    )
+    return {r["layer"]: int(r["samples"]) for r in frame.iter_rows(named=True)}
+
+
+def write_result(
+    directory: Path,
+    layers: Sequence[LayerInfo],
+    window: int,
+    layer_samples: Mapping[str, int] | None = None,
+) -> None:
     """Write result.json with per-tensor summaries computed from `directory/history.parquet`.
 
     Args:
         directory: the run's output directory (history.parquet must already be merged).
         layers: the selected layers in traversal order.
         window: samples in each of the `previous` and `recent` windows.
+        layer_samples: per layer, the sampled forwards in which it was called (see `summarize`).
 
     Raises:
         FileNotFoundError: if history.parquet does not exist (run `torchinstruments finalize`).
@@ -290,7 +333,7 @@ def write_result(directory: Path, layers: Sequence[LayerInfo], window: int) -> N
             f"{history} does not exist, so result.json cannot be summarised; run "
             f"`python -m torchinstruments finalize {directory}` to merge history.parts/ first"
         )
-    _dump(directory, summarize(history, layers, window))
+    _dump(directory, summarize(history, layers, window, layer_samples))
 
 
 __all__ = ["summarize", "write_catalog", "write_result"]

@@ -31,6 +31,8 @@ def every_builder_output() -> list[str]:
         reasons.reducer_tensor_dtype("complex64"),
         reasons.reducer_tensor_shape((2, 3)),
         reasons.host_values_mismatch(7, 3),
+        reasons.reducer_modified_input("Doubling"),
+        reasons.shared_output(2),
     ]
     return made
 

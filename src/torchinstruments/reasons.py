@@ -70,6 +70,19 @@ REASONS: tuple[Reason, ...] = (
     Reason(
         "measurement error: <Type>: <message>", "measuring this tensor failed; training went on"
     ),
+    Reason(
+        "reducer <name> modified its argument in place (it was given a copy: training is "
+        "unaffected)",
+        "a custom reducer changed the tensor it was given (its version counter moved); its "
+        "values are discarded, and the next reducer gets a fresh copy",
+    ),
+    Reason(
+        "shared output: the same tensor was returned by <n> sampled calls, so its gradient is "
+        "the sum over all of them and belongs to no single call",
+        "a tensor returned as is by several sampled calls (a Parameter or an input returned by a "
+        "module, an Identity applied twice) receives one gradient per backward: the sum over "
+        "every use",
+    ),
 )
 
 
@@ -113,6 +126,22 @@ def reducer_tensor_dtype(dtype: str) -> str:
 def reducer_tensor_shape(shape: tuple[int, ...]) -> str:
     """A custom reducer returned a tensor of more than one element."""
     return f"reducer returned a tensor of shape {shape}, expected a scalar"
+
+
+def reducer_modified_input(name: str) -> str:
+    """A custom reducer modified the tensor it was given."""
+    return (
+        f"reducer {name} modified its argument in place (it was given a copy: training is "
+        "unaffected)"
+    )
+
+
+def shared_output(calls: int) -> str:
+    """One tensor was the output of several sampled calls: its gradient belongs to none."""
+    return (
+        f"shared output: the same tensor was returned by {calls} sampled calls, so its gradient "
+        "is the sum over all of them and belongs to no single call"
+    )
 
 
 def host_values_mismatch(expected: int, got: int) -> str:

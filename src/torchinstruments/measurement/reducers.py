@@ -15,6 +15,7 @@ are measurable, and in which working dtype, is `tensors`' rule; why a value is n
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -52,9 +53,15 @@ class Reducer(Protocol):
     """A custom scalar reducer: the extension point for metrics beyond the default profile.
 
     `metrics` names every metric the reducer returns; it is read once when the observer is
-    injected, so name clashes fail early. The call receives the tensor detached and under
-    `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor, which
-    stays on the device until the sample's single host transfer, or a Python number.
+    injected, so name clashes fail early. The call receives a copy of the tensor, detached and
+    under `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor,
+    which stays on the device until the sample's single host transfer, or a Python number.
+
+    A reducer can never change the training values it reads: the custom reducers of one tensor
+    share one copy of it (the default profile reads the live tensor, and never writes). A reducer
+    that modifies its argument in place (detected by the copy's version counter; `.data` writes
+    are not seen) gets null metrics with a reason naming it, one warning, and the reducers after
+    it get a fresh copy. The cost: one copy per measured tensor when custom reducers are used.
 
     Example:
         >>> class AbsMax:
@@ -210,12 +217,25 @@ class Measurer:
 
     def __init__(self, reducers: Sequence[Reducer] | None) -> None:
         self._reducers: tuple[Reducer, ...] = _validate_reducers(reducers)
+        self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
             name for reducer in self._reducers for name in reducer.metrics
         )
 
     def __repr__(self) -> str:
         return f"Measurer(reducers={list(self._reducers)!r})"
+
+    def _modified_input(self, reducer: Reducer) -> _Part:
+        """Null metrics for a reducer that modified its argument; said once per reducer."""
+        name = reducer_name(reducer)
+        reason = reasons.reducer_modified_input(name)
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(
+                f"torchinstruments: {reason}; its metrics are null", RuntimeWarning, stacklevel=2
+            )
+        metrics = tuple(reducer.metrics)
+        return _Part(metrics, fixed={metric: MetricValue(None, reason) for metric in metrics})
 
     def launch(self, tensor: torch.Tensor) -> PendingReduction:
         """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
@@ -243,13 +263,20 @@ class Measurer:
         parts: list[_Part] = []
         with torch.no_grad():
             detached = tensor.detach()
+            copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
             for reducer in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
                     if isinstance(reducer, DefaultStatistics):
                         part, block = _reduce_default(detached, reducer.metrics, offset)
                     else:
-                        part, block = _call_reducer(reducer, detached, offset)
+                        if copy is None:
+                            copy = detached.clone()
+                        version = copy._version
+                        part, block = _call_reducer(reducer, copy, offset)
+                        if copy._version != version:
+                            part, block = self._modified_input(reducer), None
+                            copy = None  # the next reducer gets a fresh copy
                 except Exception as error:
                     reason = reasons.error("statistics", error)
                     fixed = {name: MetricValue(None, reason) for name in reducer.metrics}
@@ -315,6 +342,11 @@ def _validate_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...
 
 
 # --- custom reducers ----------------------------------------------------------------------------
+
+
+def reducer_name(reducer: object) -> str:
+    """How a reducer is named in reasons and warnings: its function or class name."""
+    return str(getattr(reducer, "__name__", None) or type(reducer).__name__)
 
 
 def _call_reducer(

@@ -59,7 +59,7 @@ def test_parameter_returned_by_two_calls_gets_null_gradient_rows_with_reason(
     rows = gradient_rows(run_dir, "pos")
     assert sorted(set(rows["call_index"].to_list())) == [0, 1]
     assert rows["value"].null_count() == rows.height
-    assert all("several sampled calls" in reason for reason in rows["unavailable_reason"])
+    assert all("returned by 2 sampled calls" in reason for reason in rows["unavailable_reason"])
     outputs = read_history(run_dir).filter(pl.col("signal") == "output")
     expected = numpy_profile(model.pos.table)["mean"]
     assert outputs.filter(pl.col("metric") == "mean")["value"].to_list() == [
@@ -114,4 +114,26 @@ def test_leaf_shared_by_two_samples_before_one_backward_is_null_for_both(run_dir
     rows = gradient_rows(run_dir, "0")
     assert sorted(rows["sample_id"].unique().to_list()) == [0, 1]
     assert rows["value"].null_count() == rows.height
-    assert all("several sampled calls" in reason for reason in rows["unavailable_reason"])
+    assert all("returned by 2 sampled calls" in reason for reason in rows["unavailable_reason"])
+
+
+def test_non_leaf_returned_by_two_calls_is_null_too(run_dir: Path) -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+            self.same = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.linear(x)
+            return (self.same(hidden) * 2 + self.same(hidden).square()).sum()
+
+    model = Twice()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(4, 3)).backward()
+    remove_observer(model)
+    rows = gradient_rows(run_dir, "same")
+    assert sorted(set(rows["call_index"].to_list())) == [0, 1]
+    assert rows["value"].null_count() == rows.height
+    # the gradient into `linear`'s output is the same sum, and it belongs to that one call
+    assert gradient_rows(run_dir, "linear")["value"].null_count() == 0

@@ -10,6 +10,16 @@ pass's results at once when the pass ends. Outside a running backward pass (a ho
 A hook on a non-leaf output dies with the graph. A leaf output (a parameter or an input returned
 as is) outlives it, so hooks on leaves are tracked: at most one unfired hook of ours stays on a
 leaf, fired ones are removed at the end of their backward pass, and the rest at close.
+
+Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
+one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
+an Identity applied twice to one tensor, a leaf input passed through an Identity in two sampled
+forwards before one backward), that sum belongs to none of those calls, so each of their gradient
+rows is null with the reason `reasons.shared_output`, never the sum credited to one call. Distinct
+layers returning one tensor once each (a Linear followed by an Identity, or by a Dropout in eval,
+which returns its input) each get that tensor's gradient, as a hook on it would. Each tensor gets
+at most one unfired hook of ours, holding every call that returned it. An output returned under
+`torch.no_grad()` gets no hook: no gradient can flow back through that use.
 """
 
 from __future__ import annotations
@@ -21,10 +31,17 @@ from dataclasses import replace
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
+from torchinstruments import reasons
 from torchinstruments.capture import queue_at_backward_end
 from torchinstruments.measurement.reducers import Measurer
-from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
+from torchinstruments.measurement.transfer import (
+    PendingTensor,
+    build_records,
+    launch_tensor,
+    unavailable_tensor,
+)
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
 
 Emit = Callable[[SampleRecord], None]
@@ -32,21 +49,21 @@ WarnOnce = Callable[[str, str], None]
 
 
 class _GradientHook:
-    """`Tensor.register_hook` callback: records the first gradient into one sampled output."""
+    """`Tensor.register_hook` callback: records the first gradient into one sampled output
+    (or, for a tensor several sampled calls returned, a null row per call)."""
 
-    __slots__ = ("fired", "focus", "key", "recorder")
+    __slots__ = ("calls", "fired", "recorder")
 
     def __init__(self, recorder: GradientRecorder, key: TensorKey, focus: bool) -> None:
         self.recorder = recorder
-        self.key = key
-        self.focus = focus
+        self.calls: list[tuple[TensorKey, bool]] = [(key, focus)]
         self.fired = False
 
     def __call__(self, grad: torch.Tensor) -> None:
         if not self.fired and not self.recorder.closed:
             self.fired = True
             try:
-                self.recorder.launch_gradient(self.key, grad, self.focus)
+                self.recorder.launch_gradient(self.calls, grad)
             except Exception as error:  # never break the user's backward
                 self.recorder.warn_once("gradient", f"recording a gradient failed: {error!r}")
         return None
@@ -77,24 +94,45 @@ class GradientRecorder:
         self._leaf_hooks: list[
             tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
         ] = []
+        # The unfired hook of ours on each hooked tensor (entries vanish with their tensor).
+        # (torch's id-keyed weak dictionary: a plain WeakKeyDictionary compares tensors with ==)
+        self._unfired: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> None:
         """Register the hook that records the gradient into this sampled output."""
         try:
-            if not tensor.requires_grad:
+            if not tensor.requires_grad or not key.grad_enabled:
                 return
-            hook = _GradientHook(self, key, focus)
+            with self._lock:
+                hook = self._unfired.get(tensor)
+                if hook is not None and not hook.fired:
+                    hook.calls.append((key, focus))  # the same tensor, returned again
+                    return
+                hook = _GradientHook(self, key, focus)
+                self._unfired[tensor] = hook
             handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:
-                self._track_leaf_hook(tensor, handle, hook)
+                self._leaf_hooks.append((weakref.ref(tensor), handle, hook))
         except Exception as error:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
 
-    def launch_gradient(self, key: TensorKey, grad: torch.Tensor, focus: bool) -> None:
-        """Launch the reductions of one gradient; transferred when the backward pass ends."""
-        pending = launch_tensor(self._measurer, replace(key, signal=OUTPUT_GRADIENT), grad, focus)
+    def launch_gradient(self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor) -> None:
+        """Launch the reductions of one gradient (null rows for a shared output); transferred
+        when the backward pass ends."""
+        per_layer: dict[str, int] = {}
+        for key, _ in calls:
+            per_layer[key.layer.name] = per_layer.get(key.layer.name, 0) + 1
+        launched = []
+        for key, focus in calls:
+            gradient_key = replace(key, signal=OUTPUT_GRADIENT)
+            shared = per_layer[key.layer.name]
+            if shared == 1:
+                launched.append(launch_tensor(self._measurer, gradient_key, grad, focus))
+            else:
+                reason = reasons.shared_output(shared)
+                launched.append(unavailable_tensor(self._measurer, gradient_key, grad, reason))
         with self._lock:
-            self._pending.append(pending)
+            self._pending.extend(launched)
             queue = not self._flush_queued
             self._flush_queued = True
         if queue and not queue_at_backward_end(self._end_backward):
@@ -128,19 +166,6 @@ class GradientRecorder:
         """Autograd-engine callback at the end of a backward pass: no hook is running now."""
         self._remove_leaf_hooks(only_fired=True)
         self.flush()
-
-    def _track_leaf_hook(
-        self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook
-    ) -> None:
-        """Keep at most one unfired hook of ours on a leaf; older unfired ones are removed."""
-        kept = []
-        for ref, old_handle, old_hook in self._leaf_hooks:
-            if ref() is tensor and not old_hook.fired:
-                old_handle.remove()
-            else:
-                kept.append((ref, old_handle, old_hook))
-        kept.append((weakref.ref(tensor), handle, hook))
-        self._leaf_hooks = kept
 
     def _remove_leaf_hooks(self, only_fired: bool) -> None:
         """Remove hooks left on leaf tensors; runs when no backward is iterating over them."""

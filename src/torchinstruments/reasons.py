@@ -77,11 +77,11 @@ REASONS: tuple[Reason, ...] = (
         "values are discarded, and the next reducer gets a fresh copy",
     ),
     Reason(
-        "shared output: the same tensor was returned by <n> sampled calls, so its gradient is "
-        "the sum over all of them and belongs to no single call",
-        "a tensor returned as is by several sampled calls (a Parameter or an input returned by a "
-        "module, an Identity applied twice) receives one gradient per backward: the sum over "
-        "every use",
+        "shared output: the same tensor was returned by <n> sampled calls of this layer, so its "
+        "gradient is the sum over all of them and belongs to no single call",
+        "a layer returned one tensor as is in several sampled calls (a Parameter a shared module "
+        "returns, an Identity applied twice, a leaf input in two forwards before one backward); "
+        "that tensor receives one gradient per backward: the sum over every use",
     ),
 )
 
@@ -137,10 +137,10 @@ def reducer_modified_input(name: str) -> str:
 
 
 def shared_output(calls: int) -> str:
-    """One tensor was the output of several sampled calls: its gradient belongs to none."""
+    """One layer returned the same tensor in several sampled calls: its gradient belongs to none."""
     return (
-        f"shared output: the same tensor was returned by {calls} sampled calls, so its gradient "
-        "is the sum over all of them and belongs to no single call"
+        f"shared output: the same tensor was returned by {calls} sampled calls of this layer, so "
+        "its gradient is the sum over all of them and belongs to no single call"
     )
 
 

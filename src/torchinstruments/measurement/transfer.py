@@ -59,6 +59,20 @@ def launch_tensor(
     )
 
 
+def unavailable_tensor(
+    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, reason: str
+) -> PendingTensor:
+    """A tensor that is not measured: every metric null with `reason`, nothing to transfer."""
+    return PendingTensor(
+        key,
+        tensors.shape_of(tensor),
+        tensors.dtype_name(tensor.dtype),
+        time.time_ns() // 1000,
+        measurer.unavailable(reason),
+        None,
+    )
+
+
 def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
     """Move many small device vectors to the host in one transfer per device."""
     by_device: dict[torch.device, list[int]] = {}

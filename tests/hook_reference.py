@@ -19,8 +19,12 @@ Key = tuple[str, int, str, str]  # layer, call_index, signal, tensor_path
 
 
 def numpy_profile(tensor: torch.Tensor) -> dict[str, float]:
-    """The default profile of `tensor`, computed with NumPy (population std, linear quartiles)."""
-    everything = tensor.detach().to(torch.float64).cpu().numpy().ravel()
+    """The default profile of `tensor`, computed with NumPy (population std, linear quartiles);
+    a nested tensor over the entries of its components."""
+    if tensor.is_nested:
+        everything = np.concatenate([c.detach().double().numpy().ravel() for c in tensor.unbind()])
+    else:
+        everything = tensor.detach().to(torch.float64).cpu().numpy().ravel()
     finite = everything[np.isfinite(everything)]
     return {
         "mean": float(finite.mean()),

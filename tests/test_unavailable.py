@@ -285,11 +285,11 @@ def test_result_json_is_strict_and_keeps_unavailable_as_null(
 
 
 def test_output_that_cannot_be_measured_gets_null_rows_with_a_reason(tmp_path: Path) -> None:
-    class Ragged(nn.Module):
+    class Sparse(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.nested.nested_tensor([x[0, :2], x[0]])
+            return x.detach().to_sparse()
 
-    model = nn.Sequential(nn.Linear(3, 3), Ragged())
+    model = nn.Sequential(nn.Linear(3, 3), Sparse())
     inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
     model(torch.randn(2, 3))
     remove_observer(model)
@@ -297,3 +297,22 @@ def test_output_that_cannot_be_measured_gets_null_rows_with_a_reason(tmp_path: P
     assert rows.height == 9
     assert rows["value"].null_count() == 9
     assert rows["unavailable_reason"].null_count() == 0
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_output_is_measured_over_its_components_entries(tmp_path: Path) -> None:
+    class Ragged(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nested.nested_tensor([x[0, :2], x[0]])
+
+    model = nn.Sequential(nn.Linear(3, 3), Ragged())
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    hidden = model[0](x := torch.randn(2, 3))  # not a root forward: not recorded
+    model(x)
+    remove_observer(model)
+    rows = read_history(tmp_path / "s").filter(pl.col("layer") == "1")
+    entries = np.concatenate([hidden[0, :2].detach().numpy(), hidden[0].detach().numpy()])
+    got = {r["metric"]: r["value"] for r in rows.rows(named=True)}
+    assert got["mean"] == pytest.approx(float(entries.astype(np.float64).mean()))
+    assert got["max"] == pytest.approx(float(entries.max()))
+    assert rows["shape"].to_list() == [None] * 9

@@ -37,7 +37,7 @@ REASONS: tuple[Reason, ...] = (
     Reason(EMPTY, "the tensor has no elements"),
     Reason(NO_FINITE, "every element is NaN or +-inf (nonfinite_fraction is still given)"),
     Reason("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
-    Reason("unsupported layout <layout>", "sparse, nested or other non-strided tensors"),
+    Reason("unsupported layout <layout>", "sparse or other non-strided tensors"),
     Reason(NON_FINITE_RESULT, "the statistic overflowed (e.g. std of huge values)"),
     Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
     Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),

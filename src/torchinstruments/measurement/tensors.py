@@ -5,8 +5,12 @@ One copy of each rule, so the statistics and the histograms of a tensor can neve
 whether it is measurable or how its values are read:
 
 - Supported: strided tensors of a floating, integer or bool dtype. Complex and quantized dtypes and
-  non-strided layouts (sparse, jagged nested, ...) are not: their metrics are null with a reason
-  and they get no histogram.
+  non-strided layouts (sparse, ...) are not: their metrics are null with a reason and they get no
+  histogram.
+- Nested tensors (nn.TransformerEncoder packs a padded batch into one in eval under no_grad, so
+  every layer inside it returns one) are measured over the entries of their components, padding
+  excluded: `measured_form` concatenates them into one flat tensor (a copy) before anything else
+  reads them. Their shape is null (no fixed shape).
 - Working dtype: float64 stays float64; float32, float16, bfloat16 and other low-precision floats
   are read as float32; integers and bools as float64 (bool as 0/1; integers beyond 2**53 round to
   the nearest float64).
@@ -54,6 +58,17 @@ def unsupported_reason(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def measured_form(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose entries are measured: itself, or a nested tensor's entries, flattened."""
+    if not tensor.is_nested:
+        return tensor
+    with torch.no_grad():
+        parts = [component.detach().reshape(-1) for component in tensor.unbind()]
+        if not parts:
+            return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return torch.cat(parts)
+
+
 def working_values(tensor: torch.Tensor) -> torch.Tensor:
     """The flat float32/float64 values that are measured (see the module docstring)."""
     dtype = tensor.dtype
@@ -72,7 +87,9 @@ def host_sync_is_free(device: torch.device) -> bool:
 
 
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The tensor's shape as ints, or None when it has no fixed one (jagged nested tensors)."""
+    """The tensor's shape as ints, or None when it has no fixed one (nested tensors)."""
+    if tensor.is_nested:
+        return None
     try:
         return tuple(int(size) for size in tensor.shape)
     except Exception:  # nested tensors have symbolic ragged sizes

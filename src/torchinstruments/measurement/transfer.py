@@ -44,8 +44,9 @@ def launch_tensor(
 ) -> PendingTensor:
     """Launch the device-side reductions of one tensor; a failure becomes null + reason."""
     try:
-        reduction = measurer.launch(tensor)
-        histogram = reduce_histogram(tensor) if focus else None
+        measured = tensors.measured_form(tensor)
+        reduction = measurer.launch(measured)
+        histogram = reduce_histogram(measured) if focus else None
     except Exception as error:
         reduction = measurer.unavailable(reasons.error("measurement", error))
         histogram = None

@@ -17,6 +17,18 @@ A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_o
 `transfer.launch_tensor` (device reductions) -> at the end of the root forward
 `Observer._emit_forward` -> `transfer.build_records` (one host transfer) -> sinks -> rows.
 
+Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
+calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a
+sampled forward (of this thread) it switches that one call to the layer-by-layer path PyTorch
+takes when a hook is attached (`capture.layer_by_layer`), so the layers inside run and are
+measured, and the result is what a hook user gets. Unsampled forwards pass through wrapt's C path
+and keep the fused kernel, bit-identical to the unobserved model.
+
+Coverage: per selected layer the observer counts the sampled forwards in which it was called
+(`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers
+that never ran in one, and a sampled forward that did not reach a layer checks whether its
+`forward` was replaced after injection, so a replacement is reported when it is first noticed.
+
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
 A call of the root inside its own forward is part of the enclosing root forward: it is not
 counted, not sampled on its own, and (if the root is a selected layer) gets the next call_index.

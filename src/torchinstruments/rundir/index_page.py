@@ -130,7 +130,10 @@ def _section_layers(run: RunInfo, counts: RunCounts | None, recovered: bool) -> 
         f"Sampled forwards in which each selected layer was called{bound}, out of "
         f"{counts.samples}. A layer with 0 never ran in a sampled forward: it has no rows "
         "(a branch not taken, a module its parent never calls, a `forward` replaced after "
-        "injection).",
+        "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
+        "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
+        "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
+        "kernel.",
         "",
         "| layer | module_type | sampled forwards |",
         "| --- | --- | --- |",

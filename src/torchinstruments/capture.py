@@ -95,6 +95,9 @@ def layer_by_layer(module: nn.Module) -> Iterator[None]:
     The layer then computes exactly what it computes with a hook attached, and its submodules'
     forwards run. Only the layer's own fused kernel is avoided: nn.MultiheadAttention inside keeps
     its own fast path, and nn.TransformerEncoder still packs padded batches as nested tensors.
+    The switch is an attribute of the module, set for the duration of this call: another thread
+    running the same module object at that moment also takes the layer-by-layer path (the same
+    values up to floating-point rounding). It is restored even if the forward raises.
     """
     saved = module.__dict__[_FUSED_SWITCH]
     module.__dict__[_FUSED_SWITCH] = 0

@@ -1,4 +1,4 @@
-"""Command line: `python -m torchinstruments finalize DIR` (also the `torchinstruments` script).
+"""Command line: `python -m torchinstruments finalize|show|compare|plot` (also `torchinstruments`).
 
 Design decision: the command line is a thin argparse shell over `rundir.finish.finalize`, which
 calls `finish_run`, the same routine the library runs at removal. It imports only the run
@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from torchinstruments.cli import COMMANDS, add_commands, run_command
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.lock import RunLockedError
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         "index.md. Refuses a directory locked by a live run; unreadable parts are left in place.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="the run's output directory")
+    add_commands(commands)
     return parser
 
 
@@ -75,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "finalize":
         return _finalize(args.directory)
+    if args.command in COMMANDS:
+        return run_command(args)
     return 2  # unreachable: argparse requires a known command
 
 

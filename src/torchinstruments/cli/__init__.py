@@ -1,0 +1,245 @@
+"""Reading a run from the command line: `show`, `compare` and `plot`.
+
+Design decision: these commands read run directories with Polars only; nothing here (nor what it
+imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in a fraction of a
+second and works where torch is not installed. `add_commands` puts the subcommands on the
+package's argparse parser (`torchinstruments.__main__`), and `run_command` runs one; each command
+imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
+usage (argparse), 3 matplotlib missing (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchinstruments.cli.show import Selection
+
+COMMANDS = ("show", "compare", "plot")
+_X_CHOICES = ("sample_id", "forward_index")
+
+
+def _width() -> int:
+    """The terminal's width, at least 80 (80 when output is not a terminal)."""
+    return max(80, shutil.get_terminal_size((80, 24)).columns)
+
+
+def _regex(text: str) -> str:
+    """argparse type: a valid regular expression."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {exc}") from None
+    return text
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: expected an int >= 1")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    """argparse type: a float >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: expected a number >= 0")
+    return value
+
+
+def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> None:
+    cmd.add_argument(
+        "--layers",
+        type=_regex,
+        metavar="REGEX",
+        help="layers whose name matches this regular expression (searched anywhere in the name; "
+        "anchor with ^...$ for an exact name)",
+    )
+    cmd.add_argument(
+        "--signal",
+        choices=("output", "output_gradient", "both"),
+        default="both",
+        help="which signal to read (default: both)",
+    )
+    cmd.add_argument(
+        "--metrics",
+        metavar="M1,M2",
+        help="comma-separated metric names (default: all metrics in the run)",
+    )
+    if window:
+        cmd.add_argument(
+            "--window",
+            type=_positive,
+            metavar="N",
+            help="samples in the recent window (default: the run's window from index.md)",
+        )
+
+
+def _format_option(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--format",
+        choices=("text", "csv", "json", "markdown"),
+        default="text",
+        help="text (default, for the terminal) or csv / json / markdown (one row per series, "
+        "full precision)",
+    )
+    cmd.add_argument(
+        "--width", type=_positive, metavar="COLUMNS", help="text width (default: terminal, >= 80)"
+    )
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `show`, `compare` and `plot` to the package's subcommand parsers."""
+    cmd = commands.add_parser(
+        "show",
+        help="a finished or live run: facts, latest values and recent window means",
+        description="Print the run's facts from index.md and, per layer, call, signal and tensor, "
+        "the latest value and the recent window mean of each chosen metric. Works on finished "
+        "runs (history.parquet), live or crashed ones (history.parts/).",
+    )
+    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    _selection_options(cmd)
+    _format_option(cmd)
+
+    cmd = commands.add_parser(
+        "compare",
+        help="two matched runs side by side: window means, differences, first differing sample",
+        description="Per layer, signal, tensor and metric: both runs' recent window means, their "
+        "difference (B - A), and the first matched sample where they differ by more than "
+        "--tolerance. Measured differences only. Rank directories (stats/rank-000, "
+        "stats/rank-001) are compared like any two runs.",
+    )
+    cmd.add_argument("directory_a", type=Path, metavar="DIR_A", help="run A")
+    cmd.add_argument("directory_b", type=Path, metavar="DIR_B", help="run B")
+    _selection_options(cmd)
+    cmd.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=0.0,
+        help="largest |B - A| that is not a difference (default 0: any difference)",
+    )
+    cmd.add_argument(
+        "--x",
+        choices=_X_CHOICES,
+        default="sample_id",
+        help="match samples on sample_id (default) or forward_index",
+    )
+    _format_option(cmd)
+
+    cmd = commands.add_parser(
+        "plot",
+        help="PNG small multiples of metric trends (needs matplotlib: the `plot` extra)",
+        description="Draw one panel per metric and signal, one line per tensor, over sample_id "
+        "or forward_index, into a PNG. Needs matplotlib (pip install 'torchinstruments[plot]').",
+    )
+    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    _selection_options(cmd, window=False)
+    cmd.add_argument(
+        "--x", choices=_X_CHOICES, default="sample_id", help="x axis (default: sample_id)"
+    )
+    cmd.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="PNG",
+        help="file to write (default: DIR/trends.png)",
+    )
+    cmd.add_argument(
+        "--max-tensors",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="draw at most N tensors (lines per panel), in traversal order (default 10)",
+    )
+
+
+def _selection(args: argparse.Namespace) -> Selection:
+    from torchinstruments.cli.reader import parse_list
+    from torchinstruments.cli.show import Selection
+    from torchinstruments.records import SIGNALS
+
+    signals = SIGNALS if args.signal == "both" else (args.signal,)
+    metrics = parse_list(args.metrics)
+    return Selection(
+        layers=args.layers,
+        signals=signals,
+        metrics=tuple(metrics) if metrics is not None else None,
+        window=getattr(args, "window", None),
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run `show`, `compare` or `plot` from parsed arguments; returns the exit code."""
+    from torchinstruments.cli.reader import NotARunError
+
+    prog = f"torchinstruments {args.command}"
+    try:
+        if args.command == "show":
+            from torchinstruments.cli import show
+
+            selection = _selection(args)
+            facts, frame = show.summary(args.directory, selection)
+            from torchinstruments.cli.reader import window_of
+
+            text = show.render(
+                facts,
+                frame,
+                fmt=args.format,
+                width=args.width or _width(),
+                window=window_of(facts, selection.window),
+            )
+            print(text)
+            return 0
+        if args.command == "compare":
+            from torchinstruments.cli import compare
+
+            comparison = compare.compare(
+                args.directory_a,
+                args.directory_b,
+                _selection(args),
+                tolerance=args.tolerance,
+                x=args.x,
+            )
+            print(compare.render(comparison, fmt=args.format, width=args.width or _width()))
+            return 0
+        if args.command == "plot":
+            from torchinstruments.cli import plot
+
+            output = args.output or Path(args.directory) / "trends.png"
+            try:
+                result = plot.plot(
+                    args.directory,
+                    output,
+                    _selection(args),
+                    x=args.x,
+                    max_tensors=args.max_tensors,
+                )
+            except plot.MatplotlibMissingError as exc:
+                print(f"{prog}: {exc}", file=sys.stderr)
+                return 3
+            print(
+                f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
+                f"{len(result.panels)} panels, {len(result.tensors)} tensor(s), x = {result.x}"
+            )
+            if result.left_out:
+                print(
+                    f"{prog}: {len(result.left_out)} tensor(s) left out "
+                    f"({', '.join(result.left_out[:5])}{', ...' if len(result.left_out) > 5 else ''}); "
+                    "choose with --layers REGEX or raise --max-tensors",
+                    file=sys.stderr,
+                )
+            return 0
+    except (NotARunError, ValueError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+__all__ = ["COMMANDS", "add_commands", "run_command"]

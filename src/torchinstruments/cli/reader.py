@@ -1,0 +1,303 @@
+"""Reading a run directory without torch: the one reader behind `show`, `compare` and `plot`.
+
+Design decisions:
+
+- Files are listed here and handed to Polars as an explicit list with `glob=False` and hive
+  partitioning off, so a run directory whose name holds glob characters or `key=value` parts
+  (`runs/exp[lr=0.1]`) is read literally, like the library writes it.
+- A finished run is its history.parquet; a live or crashed run is its completed parts
+  (history.parts/part-*.parquet); a run whose merge was interrupted is history.parquet plus the
+  parts its metadata does not list as merged. Rows are ordered as the library wrote them (the
+  merged file first, then parts in part order) and ordered by sample_id with that write order
+  breaking ties, so "latest" means the same as result.json's `latest`.
+- A live run may merge (and delete its parts) between listing and reading; the read is retried
+  with a fresh listing (`READ_ATTEMPTS`).
+- Summaries follow result.json's definitions: `latest` is the last observation of a series,
+  the recent window is the series' own latest `window` sample_ids, and its mean is the mean of
+  its finite values (a mean of per-sample statistics, not of pooled elements).
+
+The cost: each command reads the history again (filters are pushed into the Parquet scan, so
+only the selected layers, signals and metrics are decoded).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.records import SIGNALS, RunInfo
+from torchinstruments.rundir.index_page import (
+    STATE_COMPLETE,
+    STATE_IN_PROGRESS,
+    STATE_INCOMPLETE,
+    parse_run_info,
+)
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    HISTORY_SCHEMA,
+    INDEX_FILE,
+    PARTS_DIR,
+    list_parts,
+    part_number,
+)
+from torchinstruments.rundir.merge import merged_part_numbers
+
+SERIES_KEY = ("layer", "call_index", "signal", "tensor_path", "metric")
+TENSOR_KEY = SERIES_KEY[:-1]
+X_COLUMNS = ("sample_id", "forward_index")
+READ_ATTEMPTS = 5
+DEFAULT_WINDOW = 10
+_ORDER = "_write_order"
+_RANK_DIR = re.compile(r"^rank-\d+$")
+
+
+class NotARunError(FileNotFoundError):
+    """The directory holds no run (neither history.parquet nor completed parts)."""
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The Parquet files that hold a run's history right now.
+
+    Attributes:
+        directory: the run directory.
+        history: history.parquet, when it exists.
+        parts: completed parts not (yet) merged into history.parquet, in write order.
+    """
+
+    directory: Path
+    history: Path | None
+    parts: tuple[Path, ...]
+
+    @property
+    def paths(self) -> list[Path]:
+        """All files to read, in write order."""
+        return ([self.history] if self.history else []) + list(self.parts)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What index.md says about a run, plus what its files say now.
+
+    Attributes:
+        directory: the run directory.
+        run: the RunInfo embedded in index.md, or None when index.md is missing or unreadable.
+        state: "complete", "in progress", or a sentence saying what is missing.
+        counts: index.md's counts line (without the leading "- "), when it has one.
+        files: the files the history was read from.
+    """
+
+    directory: Path
+    run: RunInfo | None
+    state: str
+    counts: str | None
+    files: RunFiles
+
+
+def rank_directories(directory: Path) -> list[Path]:
+    """`rank-NNN/` subdirectories of `directory` (a `rank_policy="all"` run), sorted."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
+
+
+def locate(directory: Path) -> RunFiles:
+    """List the files that hold `directory`'s history now.
+
+    Args:
+        directory: a run directory (used literally, never as a pattern).
+
+    Raises:
+        NotARunError: if it has neither history.parquet nor completed parts; the message names
+            its `rank-NNN/` subdirectories when it has some.
+    """
+    directory = Path(directory).expanduser()
+    history = directory / HISTORY_FILE
+    parts = list_parts(directory)
+    if history.is_file():
+        merged = merged_part_numbers(history)
+        parts = [p for p in parts if part_number(p) not in merged]
+        return RunFiles(directory, history, tuple(parts))
+    if parts:
+        return RunFiles(directory, None, tuple(parts))
+    ranks = rank_directories(directory)
+    if ranks:
+        names = ", ".join(p.name for p in ranks)
+        raise NotARunError(
+            f"{directory} holds no run itself but rank directories ({names}): pass one of "
+            f"them, e.g. {ranks[0]}"
+        )
+    if (directory / PARTS_DIR).is_dir() or (directory / INDEX_FILE).is_file():
+        raise NotARunError(
+            f"{directory} is a run without any history yet: no sample has been written "
+            f"({PARTS_DIR}/ has no completed part and {HISTORY_FILE} does not exist)"
+        )
+    raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
+
+
+def scan_files(files: RunFiles) -> pl.LazyFrame:
+    """The history of `files` as one LazyFrame, with a `_write_order` row index."""
+    if not files.paths:
+        return pl.DataFrame(schema=HISTORY_SCHEMA).lazy().with_row_index(_ORDER)
+    return pl.scan_parquet(
+        files.paths, schema=HISTORY_SCHEMA, glob=False, hive_partitioning=False
+    ).with_row_index(_ORDER)
+
+
+def read_history(
+    directory: Path, query: Callable[[pl.LazyFrame], pl.LazyFrame] = lambda lf: lf
+) -> pl.DataFrame:
+    """Collect `query(history)` for a finished, live or crashed run.
+
+    Args:
+        directory: the run directory.
+        query: builds the result from the history LazyFrame (which has the history schema plus
+            `_write_order`, the row's position in write order).
+
+    Returns:
+        The collected frame.
+
+    Raises:
+        NotARunError: see `locate`.
+    """
+    for attempt in range(READ_ATTEMPTS):
+        files = locate(directory)
+        try:
+            return query(scan_files(files)).collect()
+        except (FileNotFoundError, pl.exceptions.ComputeError):
+            # A live run merged (and removed) parts between listing and reading: list again.
+            if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):
+                raise
+    raise AssertionError("unreachable")
+
+
+def read_facts(directory: Path) -> RunFacts:
+    """What index.md says about `directory`, and which files hold its history now."""
+    directory = Path(directory).expanduser()
+    files = locate(directory)
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return RunFacts(directory, None, f"{INDEX_FILE} missing or unreadable", None, files)
+    try:
+        run = parse_run_info(text)
+    except (ValueError, KeyError, TypeError):
+        run = None
+    counts = next(
+        (line[2:] for line in text.splitlines() if line.startswith("- counts")),
+        None,
+    )
+    if STATE_COMPLETE in text and not files.parts:
+        state = "complete"
+    elif STATE_INCOMPLETE in text:
+        state = "INCOMPLETE (index.md's State section says what is missing and why)"
+    elif STATE_IN_PROGRESS in text:
+        state = (
+            "in progress, or interrupted (index.md has no final counts; if the process is gone, "
+            "`torchinstruments finalize DIR` completes it)"
+        )
+    else:
+        state = "incomplete (parts not merged yet; `torchinstruments finalize DIR`)"
+    if counts is not None and "in progress" in counts:
+        counts = None
+    return RunFacts(directory, run, state, counts, files)
+
+
+def window_of(facts: RunFacts, window: int | None) -> int:
+    """The window asked for, else the run's own (index.md), else DEFAULT_WINDOW."""
+    if window is not None:
+        return window
+    return facts.run.window if facts.run is not None else DEFAULT_WINDOW
+
+
+def select(
+    lf: pl.LazyFrame,
+    *,
+    layers: str | None = None,
+    signals: Sequence[str] = SIGNALS,
+    metrics: Sequence[str] | None = None,
+) -> pl.LazyFrame:
+    """Rows of the chosen layers (regex, searched anywhere in the name), signals and metrics."""
+    conditions = [pl.col("signal").is_in(list(signals))]
+    if layers is not None:
+        conditions.append(pl.col("layer").str.contains(layers))
+    if metrics is not None:
+        conditions.append(pl.col("metric").is_in(list(metrics)))
+    return lf.filter(*conditions)
+
+
+def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
+    """Per series (layer, call, signal, tensor_path, metric): latest value and recent window.
+
+    Columns: the series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
+    `window_mean` (mean of the finite values in the window; null if none), `window_samples`
+    (sample_ids in the window, <= `window`), `window_valid` (non-null values in it),
+    `window_first_sample_id`, `window_last_sample_id`, `observations`.
+    """
+    ordered = lf.sort("sample_id", _ORDER)
+    sid = pl.col("sample_id")
+    value = pl.col("value")
+    cutoff = sid.unique().top_k(window).min()
+    in_window = sid >= cutoff
+    return (
+        ordered.group_by(SERIES_KEY, maintain_order=True)
+        .agg(
+            module_type=pl.col("module_type").last(),
+            latest_value=value.last(),
+            latest_reason=pl.col("unavailable_reason").last(),
+            latest_sample_id=sid.last(),
+            window_mean=value.filter(in_window & value.is_finite()).mean(),
+            window_samples=sid.filter(in_window).n_unique(),
+            window_valid=value.filter(in_window).count(),
+            window_first_sample_id=cutoff,
+            window_last_sample_id=sid.max(),
+            observations=pl.len(),
+        )
+        .sort(SERIES_KEY)
+    )
+
+
+def metric_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
+    """Metrics in the run's declared order (index.md), then any others, sorted."""
+    declared = list(run.metrics) if run is not None else []
+    ordered = [m for m in declared if m in present]
+    return ordered + sorted(set(present) - set(ordered))
+
+
+def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
+    """Layers in traversal order (index.md), then any others, sorted."""
+    declared = [li.name for li in run.layers] if run is not None else []
+    ordered = [name for name in declared if name in set(present)]
+    return ordered + sorted(set(present) - set(ordered))
+
+
+def parse_list(text: str | None) -> list[str] | None:
+    """`"mean, std"` -> `["mean", "std"]`; None stays None."""
+    if text is None:
+        return None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+__all__ = [
+    "SERIES_KEY",
+    "TENSOR_KEY",
+    "X_COLUMNS",
+    "NotARunError",
+    "RunFacts",
+    "RunFiles",
+    "layer_order",
+    "locate",
+    "metric_order",
+    "parse_list",
+    "rank_directories",
+    "read_facts",
+    "read_history",
+    "scan_files",
+    "select",
+    "summarize_series",
+    "window_of",
+]

@@ -1,0 +1,219 @@
+"""`torchinstruments show DIR`: a run's facts and, per tensor and metric, latest value and window mean.
+
+Design decision: the text view has one table per metric, with a row per layer (and call and
+tensor path) and the output and output_gradient columns side by side, so it stays within 80
+columns whatever the number of metrics; `--metrics` and `--layers` make it shorter. The machine
+formats (`--format csv|json|markdown`) hold one row per series (layer, call, signal, tensor
+path, metric) with full precision and the window bounds, for scripts.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from torchinstruments.cli.reader import (
+    RunFacts,
+    layer_order,
+    metric_order,
+    read_facts,
+    read_history,
+    select,
+    summarize_series,
+    window_of,
+)
+from torchinstruments.cli.text import number, render_frame, table
+from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
+
+COLUMNS = (
+    "layer",
+    "module_type",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "metric",
+    "latest_value",
+    "latest_sample_id",
+    "latest_reason",
+    "window_mean",
+    "window_samples",
+    "window_valid",
+    "window_first_sample_id",
+    "window_last_sample_id",
+    "observations",
+)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What to read: a layer regex, signals, metrics (None = all), and the window size."""
+
+    layers: str | None = None
+    signals: tuple[str, ...] = SIGNALS
+    metrics: tuple[str, ...] | None = None
+    window: int | None = None
+
+
+def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
+    """Rows in traversal order of layers, then call, signal, tensor path, declared metric order."""
+    if frame.is_empty():
+        return frame
+    layers = layer_order(frame["layer"].unique().to_list(), facts.run)
+    metrics = metric_order(frame["metric"].unique().to_list(), facts.run)
+    return (
+        frame.with_columns(
+            _layer=pl.col("layer").replace_strict(layers, list(range(len(layers)))),
+            _signal=pl.col("signal").replace_strict(list(SIGNALS), [0, 1], default=2),
+            _metric=pl.col("metric").replace_strict(metrics, list(range(len(metrics)))),
+        )
+        .sort("_layer", "call_index", "_signal", "tensor_path", "_metric")
+        .drop("_layer", "_signal", "_metric")
+    )
+
+
+def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFrame]:
+    """The run's facts and its per-series summary (columns `COLUMNS`), in display order."""
+    facts = read_facts(directory)
+    window = window_of(facts, selection.window)
+    frame = read_history(
+        directory,
+        lambda lf: summarize_series(
+            select(
+                lf,
+                layers=selection.layers,
+                signals=selection.signals,
+                metrics=selection.metrics,
+            ),
+            window,
+        ),
+    )
+    return facts, ordered(frame.select(COLUMNS), facts)
+
+
+def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
+    """Run facts as plain JSON-ready values."""
+    run = facts.run
+    return {
+        "directory": str(facts.directory),
+        "state": facts.state,
+        "counts": facts.counts,
+        "history_files": [str(p) for p in facts.files.paths],
+        "window": window,
+        "model_class": run.model_class if run else None,
+        "library_version": run.library_version if run else None,
+        "torch_version": run.torch_version if run else None,
+        "sampler": run.sampler if run else None,
+        "started_at": run.started_at if run else None,
+        "selected_layers": len(run.layers) if run else None,
+        "focus_layers": list(run.focus_layers) if run else None,
+        "rank": run.rank if run else None,
+    }
+
+
+def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
+    """The run facts, one short line each."""
+    run = facts.run
+    files = facts.files
+    source = []
+    if files.history is not None:
+        source.append(files.history.name)
+    if files.parts:
+        source.append(f"{len(files.parts)} part(s) in history.parts/")
+    lines = [f"run: {facts.directory}", f"state: {facts.state}"]
+    if run is not None:
+        lines += [
+            f"model: {run.model_class}; torchinstruments {run.library_version}, "
+            f"torch {run.torch_version}; started {run.started_at}",
+            f"sampler: {run.sampler}",
+            f"selected layers: {len(run.layers)}; "
+            + (f"rank {run.rank} of {run.world_size}" if run.rank is not None else "no ranks"),
+        ]
+    else:
+        lines.append("index.md: missing or unreadable (layer order and settings unknown)")
+    if facts.counts:
+        lines.append(facts.counts)
+    latest = frame["latest_sample_id"].max() if frame.height else None
+    lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
+    return lines
+
+
+def _row_name(layer: str, call_index: int, tensor_path: str, calls: bool) -> str:
+    """`layer`, `layer#call` when a layer has several calls, then the tensor path."""
+    name = layer or "<root>"
+    if calls:
+        name += f"#{call_index}"
+    return name + tensor_path
+
+
+def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]:
+    """One table per metric: rows = tensors, columns = latest / window mean per signal."""
+    if frame.is_empty():
+        return ["(no rows match the selection)"]
+    latest_all = frame["latest_sample_id"].max()
+    several_calls = set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
+    signals = [s for s in SIGNALS if s in set(frame["signal"].to_list())]
+    short = {OUTPUT: "out", OUTPUT_GRADIENT: "grad"}
+    headers = ["layer", "type"]
+    for s in signals:
+        headers += [f"{short[s]} latest", f"{short[s]} mean"]
+    numeric = [False, False] + [True] * (2 * len(signals))
+    out: list[str] = []
+    stale = False
+    for metric in metric_order(frame["metric"].unique().to_list(), facts.run):
+        part = frame.filter(pl.col("metric") == metric)
+        rows: dict[tuple[str, int, str], list[str]] = {}
+        for r in part.iter_rows(named=True):
+            key = (r["layer"], r["call_index"], r["tensor_path"])
+            cells = rows.setdefault(
+                key,
+                [
+                    _row_name(*key, calls=r["layer"] in several_calls),
+                    r["module_type"],
+                    *(["-"] * (2 * len(signals))),
+                ],
+            )
+            i = 2 + 2 * signals.index(r["signal"])
+            latest = number(r["latest_value"], missing="null")
+            if r["latest_sample_id"] != latest_all:
+                latest += "*"
+                stale = True
+            cells[i] = latest
+            cells[i + 1] = number(r["window_mean"], missing="null")
+        out += [
+            "",
+            f"{metric}:",
+            *table(headers, list(rows.values()), numeric=numeric, width=width),
+        ]
+    notes = [
+        "latest: the value at each tensor's latest sample"
+        + (f" (* = older than sample_id {latest_all})" if stale else "")
+        + "; mean: the mean over its recent window of samples (a mean of per-sample values, "
+        "not of pooled elements); '-': not measured."
+    ]
+    nulls = frame.filter(pl.col("latest_value").is_null())
+    if nulls.height:
+        reasons = sorted(set(nulls["latest_reason"].drop_nulls().to_list()))
+        notes.append(f"null: {nulls.height} latest value(s) unavailable: {'; '.join(reasons)}")
+    out.append("")
+    for note in notes:
+        out += textwrap.wrap(note, width)
+    return out
+
+
+def render(facts: RunFacts, frame: pl.DataFrame, *, fmt: str, width: int, window: int) -> str:
+    """The whole `show` output in one of the formats."""
+    if fmt == "text":
+        head = [
+            wrapped
+            for line in facts_lines(facts, frame, window)
+            for wrapped in textwrap.wrap(line, width, subsequent_indent="  ")
+        ]
+        return "\n".join(head + metric_tables(frame, facts, width))
+    return render_frame(frame, fmt, facts_dict(facts, window))
+
+
+__all__ = ["COLUMNS", "Selection", "render", "summary"]

@@ -1,0 +1,113 @@
+"""Plain-text tables for the terminal, and the machine formats (csv, json, markdown).
+
+Design decision: text tables are laid out for a fixed width (80 columns unless told otherwise):
+numbers get fixed-width cells (4 significant digits), and name columns are shortened from the
+left (`...` + the end of the name, where layer names differ) to fit. The machine formats always
+carry every row and full float precision, so scripts never parse the text view.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import polars as pl
+
+NUMBER_WIDTH = 10
+FORMATS = ("text", "csv", "json", "markdown")
+
+
+def number(value: float | None, *, missing: str = "-") -> str:
+    """A float in at most NUMBER_WIDTH characters (4 significant digits); None -> `missing`."""
+    if value is None:
+        return missing
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    text = f"{value:.4g}"
+    return text if len(text) <= NUMBER_WIDTH else f"{value:.2e}"
+
+
+def shorten(text: str, width: int) -> str:
+    """`text` cut to `width` characters, keeping its end (the distinctive part of a layer name)."""
+    if len(text) <= width:
+        return text
+    return "..." + text[len(text) - width + 3 :] if width > 3 else text[:width]
+
+
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    numeric: Sequence[bool],
+    width: int,
+) -> list[str]:
+    """Rows as aligned text lines no wider than `width`; text columns shrink to fit.
+
+    Args:
+        headers: column titles.
+        rows: cell strings.
+        numeric: per column, whether it is right-aligned (numbers) and never shortened.
+        width: the widest a line may be.
+    """
+    sizes = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    excess = sum(sizes) + 2 * (len(sizes) - 1) - width
+    shrinkable = [i for i, is_num in enumerate(numeric) if not is_num]
+    while excess > 0 and shrinkable:
+        widest = max(shrinkable, key=lambda i: sizes[i])
+        floor = max(6, len(headers[widest]))
+        if sizes[widest] <= floor:
+            shrinkable.remove(widest)
+            continue
+        cut = min(excess, sizes[widest] - floor)
+        sizes[widest] -= cut
+        excess -= cut
+
+    def line(cells: Sequence[str]) -> str:
+        out = []
+        for cell, size, is_num in zip(cells, sizes, numeric, strict=True):
+            cell = shorten(cell, size)
+            out.append(cell.rjust(size) if is_num else cell.ljust(size))
+        return "  ".join(out).rstrip()
+
+    return [line(headers), line(["-" * s for s in sizes]), *(line(r) for r in rows)]
+
+
+def _jsonable(value: Any) -> Any:
+    """Floats that JSON can hold (no NaN or Infinity: they become null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def markdown(frame: pl.DataFrame) -> str:
+    """A GitHub pipe table of `frame` (floats with full repr precision)."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return ""
+        return str(value).replace("|", "\\|")
+
+    lines = [
+        "| " + " | ".join(frame.columns) + " |",
+        "| " + " | ".join("---" for _ in frame.columns) + " |",
+    ]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.iter_rows()]
+    return "\n".join(lines)
+
+
+def render_frame(frame: pl.DataFrame, fmt: str, facts: dict[str, Any] | None = None) -> str:
+    """`frame` as csv, json (`{"run": facts, "rows": [...]}`) or markdown."""
+    if fmt == "csv":
+        return frame.write_csv().rstrip("\n")
+    if fmt == "json":
+        rows = [{k: _jsonable(v) for k, v in row.items()} for row in frame.iter_rows(named=True)]
+        payload = {"run": facts or {}, "rows": rows}
+        return json.dumps(payload, indent=1, ensure_ascii=False, allow_nan=False)
+    if fmt == "markdown":
+        return markdown(frame)
+    raise ValueError(f"format={fmt!r} is not allowed: expected one of {FORMATS}")
+
+
+__all__ = ["FORMATS", "NUMBER_WIDTH", "markdown", "number", "render_frame", "shorten", "table"]

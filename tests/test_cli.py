@@ -41,6 +41,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main
+from torchinstruments.cli.plot import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
 from torchinstruments.rundir.layout import list_parts
 
 from conftest import sgd_step
@@ -385,7 +386,8 @@ def test_compare_reports_window_means_differences_and_first_differing_sample(
         assert row["matched_samples"] == SAMPLES
         mean_a, mean_b = expected_a[key]["window_mean"], expected_b[key]["window_mean"]
         if mean_a is None:
-            assert row["mean_a"] is None and row["difference"] is None
+            assert row["mean_a"] is None
+            assert row["difference"] is None
             continue
         assert row["mean_a"] == pytest.approx(mean_a, rel=1e-12, abs=1e-300)
         assert row["mean_b"] == pytest.approx(mean_b, rel=1e-12, abs=1e-300)
@@ -440,7 +442,9 @@ def test_plot_writes_a_png_with_the_panels_and_axis_it_says(finished: Path, tmp_
     assert image.format == "PNG"
     width, height = image.size
     assert f"({width}x{height} px)" in result.stdout
-    assert width >= 800 and height >= 3 * 200  # 3 metric rows x 2 signal columns
+    # 3 metric rows x 2 signal columns, plus the legend column and the title row
+    assert width == round((2 * PANEL_WIDTH_IN + LEGEND_WIDTH_IN) * DPI)
+    assert height == round((3 * PANEL_HEIGHT_IN + 0.9) * DPI)
     description = json.loads(image.text["Description"])  # type: ignore[attr-defined]
     assert description["x"] == "forward_index"
     assert description["panels"] == [

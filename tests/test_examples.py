@@ -201,6 +201,30 @@ def test_each_fault_has_a_comparison_plot(faults_dir: Path) -> None:
         assert width > 300, png
 
 
+def test_detached_branch_plot_shows_the_missing_values_outside_the_legend(
+    faults_dir: Path,
+) -> None:
+    script = runpy.run_path(str(EXAMPLES / "find_problems.py"))  # not __main__: nothing runs
+    figure = script["fault_figure"](
+        script["FAULTS"]["detached_branch"],
+        faults_dir / "detached_branch",
+        script["Schedule"](period=10, samples=FAST_SAMPLES),
+    )
+    figure.canvas.draw()
+    (axes,) = figure.axes
+    assert axes.get_legend() is None  # the legend is the figure's, outside the axes
+    (legend,) = figure.legends
+    legend_box = legend.get_window_extent()
+    assert not legend_box.overlaps(axes.get_window_extent())
+    # the broken run's missing gradient rows are marked at each missing sample, in its colour
+    marks = [line for line in axes.get_lines() if line.get_marker() == "x"]
+    assert [list(line.get_xdata()) for line in marks] == [list(range(4, FAST_SAMPLES))]
+    labels = {text.get_text(): text for text in axes.texts}
+    assert "broken: no value (x)" in labels
+    fault_label = next(t for t in labels.values() if t.get_text().startswith(" fault on"))
+    assert not fault_label.get_window_extent().overlaps(legend_box)
+
+
 # -- lightning_mnist.py -----------------------------------------------------------------------
 
 
@@ -214,15 +238,23 @@ def test_lightning_example_writes_logger_histograms_and_run_directory(tmp_path: 
     assert "train_loss" in tags["scalars"]  # Lightning's own logging still works
     assert "net.0/call_0/output/tensor" in tags["histograms"]
     assert "net.0/call_0/output_gradient/tensor" in tags["histograms"]
-    steps = [event.step for event in events.Histograms("net.0/call_0/output/tensor")]
-    assert steps == list(range(8))  # --fast: 40 steps, one sample in 5; step = sample_id
-
     stats = tmp_path / "stats" / "version_0"
     for name in ("history.parquet", "result.json", "index.md"):
         assert (stats / name).is_file(), name
     history = pl.read_parquet(stats / "history.parquet")
     assert sorted(history["sample_id"].unique()) == list(range(8))
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
+
+    # --fast: 40 steps, one sample in 5. Histograms sit on the trainer's global_step (the step
+    # at which the sampled forward ran: its forward_index, as the example has no validation),
+    # the same axis as Lightning's scalars.
+    sampled_steps = sorted(history["forward_index"].unique())
+    assert sampled_steps == list(range(0, 40, 5))
+    for tag in ("net.0/call_0/output/tensor", "net.0/call_0/output_gradient/tensor"):
+        assert [event.step for event in events.Histograms(tag)] == sampled_steps, tag
+    loss_steps = [event.step for event in events.Scalars("train_loss")]
+    assert loss_steps
+    assert max(loss_steps) < 40
 
 
 # -- README quick start and basic_training.py -------------------------------------------------

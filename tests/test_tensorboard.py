@@ -208,3 +208,50 @@ def test_events_are_readable_while_the_run_is_live(run_dir: Path) -> None:
         assert "0/call_0/output/tensor" in found
     finally:
         remove_observer(model)
+
+
+def test_tensorboard_sink_puts_histograms_on_the_callers_step(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """`step=` replaces the sample_id: forward and backward histograms land on the caller's step."""
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    trainer_step = [0]
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(3),
+        sinks=[TensorBoardSink(writer, step=lambda: trainer_step[0])],
+    )
+    for step in range(7):  # sampled: steps 0, 3, 6 (sample_ids 0, 1, 2)
+        trainer_step[0] = 100 + step
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.close()
+    caller = histograms(tmp_path / "caller")
+    for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
+        assert [event.step for event in caller[tag]] == [100, 103, 106], tag
+        # the run directory's own events keep the sample_id
+        assert [event.step for event in histograms(run_dir / "tensorboard")[tag]] == [0, 1, 2]
+
+
+def test_tensorboard_sink_step_must_be_callable_and_return_an_int(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    with pytest.raises(TypeError, match="step must be a zero-argument callable"):
+        TensorBoardSink(writer, step=5)  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        sinks=[TensorBoardSink(writer, step=lambda: "7")],  # type: ignore[arg-type, return-value]
+    )
+    with pytest.warns(RuntimeWarning, match=r"step\(\) returned '7', expected an int"):
+        model(torch.randn(2, 3))
+    model(torch.randn(2, 3))  # the sink is detached; training and the run go on
+    remove_observer(model)
+    writer.close()
+    assert histograms(tmp_path / "caller") == {}
+    assert read_history(run_dir)["sample_id"].unique().to_list() == [0, 1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -65,8 +65,10 @@ def validate_sinks(sinks: object) -> tuple[Sink, ...]:
     return tuple(sinks)
 
 
-def write_histograms(writer: Any, histograms: Sequence[HistogramRecord]) -> None:
-    """Add already-reduced histograms to a SummaryWriter, with sample_id as the step."""
+def write_histograms(
+    writer: Any, histograms: Sequence[HistogramRecord], step: int | None = None
+) -> None:
+    """Add already-reduced histograms to a SummaryWriter, at `step` (default: the sample_id)."""
     for histogram in histograms:
         writer.add_histogram_raw(
             histogram.tag,
@@ -77,7 +79,7 @@ def write_histograms(writer: Any, histograms: Sequence[HistogramRecord]) -> None
             sum_squares=histogram.sum_squares,
             bucket_limits=list(histogram.bucket_limits),
             bucket_counts=list(histogram.bucket_counts),
-            global_step=histogram.sample_id,
+            global_step=histogram.sample_id if step is None else step,
         )
 
 
@@ -168,14 +170,31 @@ class TensorBoardSink:
     (Lightning's `TensorBoardLogger`). The logger stays the caller's: this sink never flushes,
     closes, reconfigures or replaces it, so the caller keeps writing after `remove_observer`.
 
+    The TensorBoard step of a histogram is its sample_id unless `step` is given: then `step()` is
+    called when the sample's histograms arrive (after the sampled forward, and at the end of its
+    backward) and its value is the step, e.g. `step=lambda: trainer.global_step` puts the
+    histograms on Lightning's own step axis. A `step` that raises or returns no int detaches
+    this sink with one warning (like any failing sink); training goes on.
+
     Args:
         logger: a SummaryWriter, or an object whose `.experiment` is one.
+        step: optional zero-argument callable returning the caller's current step (an int).
 
     Raises:
-        TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`.
+        TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`, or if
+            `step` is given and not callable.
+
+    Example:
+        >>> sink = TensorBoardSink(trainer.logger, step=lambda: trainer.global_step)  # doctest: +SKIP
     """
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: Any, step: Callable[[], int] | None = None) -> None:
+        if step is not None and not callable(step):
+            raise TypeError(
+                f"step must be a zero-argument callable returning an int (e.g. "
+                f"`lambda: trainer.global_step`) or None, got {step!r}"
+            )
+        self._step = step
         self._logger = logger
         if not callable(getattr(self._writer(), "add_histogram_raw", None)):
             raise TypeError(
@@ -193,10 +212,19 @@ class TensorBoardSink:
         """Nothing to prepare: the caller's logger already exists."""
 
     def write_forward(self, record: SampleRecord) -> None:
-        write_histograms(self._writer(), record.histograms)
+        write_histograms(self._writer(), record.histograms, self._current_step(record))
 
     def write_backward(self, record: SampleRecord) -> None:
-        write_histograms(self._writer(), record.histograms)
+        write_histograms(self._writer(), record.histograms, self._current_step(record))
+
+    def _current_step(self, record: SampleRecord) -> int | None:
+        """The caller's step, or None (the sample_id) without `step`; only asked with histograms."""
+        if self._step is None or not record.histograms:
+            return None
+        step = self._step()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"TensorBoardSink: step() returned {step!r}, expected an int")
+        return step
 
     def close(self, counts: RunCounts) -> None:
         """Leaves the caller's logger open and unflushed, as the caller left it."""

@@ -348,9 +348,7 @@ def test_live_crashed_and_finalized_runs(
     crashed = check_show(directory, parts)
     assert crashed["rows"] == payload["rows"]
 
-    # finalized: history.parquet replaces the parts, same numbers. (Renamed first: the merge
-    # on main still scans history.parquet as a glob pattern, which fails on `[...]` names.)
-    directory = directory.rename(directory.with_name("exp-lr-0.1"))
+    # finalized: history.parquet replaces the parts, same numbers
     result = cli_process("finalize", directory)
     assert result.returncode == 0, result.stderr
     assert list_parts(directory) == []

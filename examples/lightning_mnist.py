@@ -203,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         .sort("sample_id")
     )
     print(
-        f"\nzero_fraction of each ReLU's output (columns: layer name); one row per sample, "
-        f"forward_index = training step (global_step):"
+        "\nzero_fraction of each ReLU's output (columns: layer name); one row per sample, "
+        "forward_index = training step (global_step):"
     )
     print(relus.rename({name: f"{name} (ReLU)" for name in relus.columns[2:]}))
 

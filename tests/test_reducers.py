@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from torchinstruments.measurement import reducers as ready
 from torchinstruments.measurement import tensors
 from torchinstruments.measurement.reducers import (
     DEFAULT_METRICS,
@@ -100,8 +101,8 @@ def test_repeated_name_within_a_reducer_raises() -> None:
 
 @pytest.mark.parametrize(
     "reducers",
-    [AbsMax(), "mean", {"a": AbsMax()}, [object()], [lambda t: {}], [AbsMax, 3]],
-    ids=["single", "str", "mapping", "not_callable", "no_metrics", "class_and_int"],
+    [AbsMax(), "mean", {"a": 3}, [object()], [lambda t: {}], [AbsMax, 3], [{1: abs}]],
+    ids=["single", "str", "mapping_of_int", "not_callable", "lambda", "class_and_int", "int_key"],
 )
 def test_wrong_types_raise_type_error_naming_reducers(reducers: object) -> None:
     with pytest.raises(TypeError, match="reducers"):
@@ -226,3 +227,86 @@ def test_reducers_get_a_detached_tensor_without_grad(reduction_path: str) -> Non
 
     measure(torch.ones(3, requires_grad=True) * 2, Measurer([Spy()]))
     assert seen == [(False, False)]
+
+
+# -- functions and mappings as reducers, and the ready reducers --------------------------------
+
+
+def peak_to_peak(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain named function: its metric is called `peak_to_peak`."""
+    return tensor.amax() - tensor.amin()
+
+
+def test_named_function_and_mapping_are_reducers(reduction_path: str) -> None:
+    measurer = Measurer(
+        [peak_to_peak, {"numel": lambda t: t.numel(), "first": lambda t: t.flatten()[0]}]
+    )
+    assert measurer.metrics == (*DEFAULT_METRICS, "peak_to_peak", "numel", "first")
+    values = [1.0, -7.5, 3.0, 0.25]
+    got = measure(torch.tensor(values), measurer)
+    assert got["peak_to_peak"] == MetricValue(float(np.ptp(values)))
+    assert got["numel"] == MetricValue(4.0)
+    assert got["first"] == MetricValue(1.0)
+
+
+def test_a_mapping_alone_is_accepted() -> None:
+    assert Measurer({"numel": lambda t: t.numel()}).metrics == (*DEFAULT_METRICS, "numel")
+
+
+def test_a_failing_function_nulls_only_its_own_metric(reduction_path: str) -> None:
+    def broken(tensor: torch.Tensor) -> float:
+        raise ValueError("bad input")
+
+    got = measure(torch.tensor([2.0]), Measurer([{"ok": lambda t: 1.0}, broken]))
+    assert got["ok"] == MetricValue(1.0)
+    assert got["broken"] == MetricValue(None, "reducer error: ValueError: bad input")
+
+
+def test_a_lambda_without_a_name_is_refused_with_a_way_out() -> None:
+    with pytest.raises(TypeError, match=r"reducers\[1\] is a lambda.*\{\"my_metric\": lambda"):
+        Measurer([peak_to_peak, lambda t: t.mean()])
+
+
+def test_a_function_named_like_a_default_metric_clashes() -> None:
+    def mean(tensor: torch.Tensor) -> float:
+        return 0.0
+
+    with pytest.raises(ValueError, match="'mean' from DefaultStatistics"):
+        Measurer([mean])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, -7.5, 3.0],
+        [0.5, float("nan"), -2.0, float("inf")],
+        [3, -4, 0],
+    ],
+    ids=["floats", "nonfinite_skipped", "ints"],
+)
+def test_ready_reducers_match_numpy_on_finite_entries(
+    reduction_path: str, values: list[float]
+) -> None:
+    finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
+    dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float32
+    got = measure(torch.tensor(values, dtype=dtype), Measurer([ready.AbsMax(), ready.L2Norm()]))
+    assert got["abs_max"] == MetricValue(float(np.abs(finite).max()))
+    assert got["l2_norm"].value == pytest.approx(float(np.linalg.norm(finite)), rel=1e-7)
+
+
+def test_ready_reducers_give_null_with_a_reason_without_finite_entries(
+    reduction_path: str,
+) -> None:
+    measurer = Measurer([ready.AbsMax(), ready.L2Norm()])
+    nothing_finite = measure(torch.tensor([float("nan"), float("inf")]), measurer)
+    assert nothing_finite["abs_max"] == MetricValue(None, "non-finite result")
+    assert nothing_finite["l2_norm"] == MetricValue(None, "non-finite result")
+    empty = measure(torch.zeros(0), measurer)
+    assert empty["abs_max"] == MetricValue(None, "reducer returned no value")
+
+
+def test_ready_reducers_are_exported() -> None:
+    import torchinstruments
+
+    assert torchinstruments.AbsMax is ready.AbsMax
+    assert torchinstruments.L2Norm is ready.L2Norm

@@ -28,6 +28,7 @@ class Clashing:
         ({"selector": "leaves"}, TypeError, "selector"),
         ({"histogram_selector": 1}, TypeError, "histogram_selector"),
         ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
+        ({"max_histogram_modules": 0}, ValueError, "max_histogram_modules must be an int >= 1"),
         ({"max_histogram_modules": 2.5}, ValueError, "max_histogram_modules"),
         ({"history_config": {"buffer_rows": 5}}, TypeError, "history_config"),
         ({"rank_policy": "rank1"}, ValueError, "rank_policy"),
@@ -35,6 +36,7 @@ class Clashing:
         ({"sinks": "tensorboard"}, TypeError, "sinks"),
         ({"reducers": [Clashing()]}, ValueError, "mean"),
         ({"reducers": [object()]}, TypeError, "reducers"),
+        ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
     ],
 )
 def test_bad_argument_raises_naming_it_and_changes_nothing(

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchinstruments.api import has_observer, inject_observer, remove_observer
-    from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Reducer
+    from torchinstruments.measurement.reducers import (
+        DEFAULT_METRICS,
+        AbsMax,
+        DefaultStatistics,
+        L2Norm,
+        Reducer,
+    )
     from torchinstruments.records import (
         HistogramRecord,
         LayerInfo,
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     "DEFAULT_METRICS": "torchinstruments.measurement.reducers",
+    "AbsMax": "torchinstruments.measurement.reducers",
+    "L2Norm": "torchinstruments.measurement.reducers",
     "DefaultStatistics": "torchinstruments.measurement.reducers",
     "DirectorySink": "torchinstruments.sinks",
     "EveryNForwardsSampler": "torchinstruments.sampling",
@@ -54,11 +62,13 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "DEFAULT_METRICS",
+    "AbsMax",
     "DefaultStatistics",
     "DirectorySink",
     "EveryNForwardsSampler",
     "HistogramRecord",
     "HistoryConfig",
+    "L2Norm",
     "LayerInfo",
     "Measurement",
     "MetricValue",

@@ -13,7 +13,7 @@ import datetime
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from torchinstruments.distributed import place_rank, validate_rank_policy
-from torchinstruments.measurement.reducers import Measurer, Reducer
+from torchinstruments.measurement.reducers import Measurer, ReducerSpec
 from torchinstruments.observer import Observer
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.layout import check_output_dir, resolve_output_dir
@@ -59,7 +59,7 @@ def inject_observer(
     output_dir: str | os.PathLike[str] = "stats",
     sampler: Any = None,
     selector: Selector | None = None,
-    reducers: Sequence[Reducer] | None = None,
+    reducers: Sequence[ReducerSpec] | Mapping[str, Callable[..., object]] | None = None,
     histogram_selector: Selector | None = None,
     max_histogram_modules: int = 8,
     history_config: HistoryConfig | None = None,
@@ -75,11 +75,14 @@ def inject_observer(
         sampler: decides per root forward (`Sampler`); default `TimeIntervalSampler(60)`.
         selector: `selector(name, module) -> bool` picks layers; default: the modules that
             compute (leaf modules, with `nn.MultiheadAttention` as one layer; see selection.py).
-        reducers: custom scalar reducers added to the default profile (include a
-            `DefaultStatistics(...)` to replace or trim the default profile).
+        reducers: custom scalar metrics added to the default profile: `Reducer` objects (e.g.
+            `AbsMax()`, `L2Norm()`), `{metric_name: fn}` mappings, or named functions
+            `fn(tensor) -> scalar` (the metric is named after the function); include a
+            `DefaultStatistics(...)` to replace or trim the default profile.
         histogram_selector: `(name, module) -> bool` picks focus layers among the observed ones;
             default: all observed, in traversal order.
-        max_histogram_modules: at most this many focus layers (a limit on modules, not tags).
+        max_histogram_modules: at most this many focus layers, >= 1 (a limit on modules, not
+            tags; histograms are always on, so 0 is refused).
         history_config: Parquet chunk size and result.json window size.
         rank_policy: `"rank0"` (only rank 0 attaches) or `"all"` (each rank writes
             `output_dir/rank-NNN/`).
@@ -221,10 +224,12 @@ def validate_arguments(
     if (
         isinstance(max_histogram_modules, bool)
         or not isinstance(max_histogram_modules, int)
-        or max_histogram_modules < 0
+        or max_histogram_modules < 1
     ):
         raise ValueError(
-            f"max_histogram_modules must be an int >= 0, got {max_histogram_modules!r}"
+            f"max_histogram_modules must be an int >= 1, got {max_histogram_modules!r}: "
+            "histograms are always on; histogram_selector and max_histogram_modules choose "
+            "which layers get them, never whether"
         )
     history_config = HistoryConfig() if history_config is None else history_config
     if not isinstance(history_config, HistoryConfig):

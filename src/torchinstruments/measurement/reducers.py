@@ -5,6 +5,12 @@ min, max, the three quartiles with NumPy's "linear" interpolation) plus two frac
 entries (zero_fraction, nonfinite_fraction); `numerics` computes them exactly. Custom reducers add
 scalar metrics of their own.
 
+Custom reducers come in the forms users write first: a `Reducer` object (`metrics` plus a call
+returning `{name: scalar}`), a mapping `{metric_name: fn}`, or a plain named function (the metric
+is named after the function). Mappings and functions are turned into one single-metric reducer
+per function, so one failing function nulls only its own metric. A lambda has no usable name
+(`<lambda>`) and is refused at inject with a message that says how to name it.
+
 Design decision: a reduction is split in two halves. `Measurer.launch` runs on the tensor's
 device and returns a `PendingReduction` whose `device_vector` holds every number that must cross
 to the host; `transfer` concatenates the vectors of all tensors of one sampled forward and moves
@@ -29,10 +35,13 @@ from torchinstruments.records import MetricValue
 
 __all__ = [
     "DEFAULT_METRICS",
+    "AbsMax",
     "DefaultStatistics",
+    "L2Norm",
     "Measurer",
     "PendingReduction",
     "Reducer",
+    "ReducerSpec",
 ]
 
 DEFAULT_METRICS: tuple[str, ...] = (
@@ -131,6 +140,73 @@ class DefaultStatistics:
         return f"DefaultStatistics(metrics={self.metrics!r})"
 
 
+class AbsMax:
+    """`abs_max`: the largest absolute value among the finite entries (null when there are none).
+
+    Example:
+        >>> inject_observer(model, reducers=[AbsMax(), L2Norm()])  # doctest: +SKIP
+    """
+
+    metrics: tuple[str, ...] = ("abs_max",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = tensors.working_values(tensor)
+        if values.numel() == 0:
+            return {}
+        finite = values.isfinite()
+        # -inf when nothing is finite: stored as null with reason "non-finite result".
+        magnitude = torch.where(finite, values.abs(), float("-inf"))
+        return {"abs_max": magnitude.amax()}
+
+    def __repr__(self) -> str:
+        return "AbsMax()"
+
+
+class L2Norm:
+    """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
+
+    Computed in float64 or the tensor's working dtype (`float32` or better), so large tensors of
+    low-precision values do not overflow in their own dtype.
+    """
+
+    metrics: tuple[str, ...] = ("l2_norm",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = tensors.working_values(tensor)
+        if values.numel() == 0:
+            return {}
+        finite = values.isfinite()
+        squares = torch.where(finite, values, 0.0).to(torch.float64).square().sum()
+        # nan when nothing is finite: stored as null with reason "non-finite result".
+        norm = torch.where(finite.any(), squares.sqrt(), float("nan"))
+        return {"l2_norm": norm}
+
+    def __repr__(self) -> str:
+        return "L2Norm()"
+
+
+class _FunctionReducer:
+    """One metric computed by a plain function `fn(tensor) -> scalar`."""
+
+    def __init__(self, name: str, function: Callable[[torch.Tensor], torch.Tensor | float]) -> None:
+        self.metrics: tuple[str, ...] = (name,)
+        self._function = function
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        # Whatever the function returns is checked by `_call_reducer` (null + reason if unusable).
+        return {self.metrics[0]: self._function(tensor)}
+
+    def __repr__(self) -> str:
+        return (
+            f"{{{self.metrics[0]!r}: {getattr(self._function, '__qualname__', self._function)!r}}}"
+        )
+
+
+ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callable[..., object]
+"""What `reducers=` accepts per item: a `Reducer`, a `{metric_name: fn}` mapping, or a named
+function `fn(tensor) -> scalar` (metric named `fn.__name__`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Part:
     """What one reducer produced for one tensor, waiting for the host values."""
@@ -206,16 +282,18 @@ class Measurer:
     Args:
         reducers: None for the default profile only. A sequence adds these reducers' metrics after
             the default profile, unless it contains a `DefaultStatistics` instance, which then
-            replaces the implicit default profile in its position.
+            replaces the implicit default profile in its position. Items are `Reducer`s,
+            `{metric_name: fn}` mappings, or named functions; one mapping alone is accepted too.
 
     Raises:
-        TypeError: If `reducers` is not None or a sequence of reducers, or a reducer has no
-            `metrics` sequence of non-empty strings.
+        TypeError: If `reducers` is not None, a sequence or a mapping, an item is none of the
+            accepted forms (a lambda outside a mapping is refused: it has no name), or a
+            metric name is not a non-empty string.
         ValueError: If two reducers (or a reducer and the default profile) share a metric name,
             or one reducer repeats a name.
     """
 
-    def __init__(self, reducers: Sequence[Reducer] | None) -> None:
+    def __init__(self, reducers: Sequence[ReducerSpec] | Mapping[str, Callable] | None) -> None:
         self._reducers: tuple[Reducer, ...] = _validate_reducers(reducers)
         self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
@@ -293,17 +371,62 @@ class Measurer:
 # --- validation ---------------------------------------------------------------------------------
 
 
-def _validate_reducers(reducers: Sequence[Reducer] | None) -> tuple[Reducer, ...]:
+def _function_reducers(label: str, mapping: Mapping[object, object]) -> list[Reducer]:
+    """`{name: fn}` -> one single-metric reducer per function, names and callables checked."""
+    out: list[Reducer] = []
+    for name, function in mapping.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str")
+        if not callable(function):
+            raise TypeError(
+                f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
+            )
+        out.append(_FunctionReducer(name, function))  # type: ignore[arg-type]
+    return out
+
+
+def _as_reducers(label: str, item: object) -> list[Reducer]:
+    """One `reducers` item as reducers: a Reducer stays, a mapping or named function is wrapped."""
+    if isinstance(item, Mapping):
+        return _function_reducers(label, item)
+    if not callable(item):
+        raise TypeError(
+            f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "
+            f"mapping, or a named function tensor -> scalar; got {item!r}"
+        )
+    if hasattr(item, "metrics"):
+        return [item]  # type: ignore[list-item]
+    name = getattr(item, "__name__", None)
+    if name == "<lambda>":
+        raise TypeError(
+            f"{label} is a lambda, which has no name to give its metric: pass it in a mapping, "
+            '`reducers=[{"my_metric": lambda t: ...}]`, or define it with `def my_metric(t): ...`'
+        )
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(
+            f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
+            "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
+        )
+    return [_FunctionReducer(name, item)]  # type: ignore[arg-type]
+
+
+def _validate_reducers(reducers: object) -> tuple[Reducer, ...]:
     """Checks types and metric names; returns the reducers with the implicit default added."""
     if reducers is None:
         return (DefaultStatistics(),)
-    if isinstance(reducers, str | bytes | Mapping) or not isinstance(reducers, Sequence):
+    if isinstance(reducers, Mapping):
+        reducers = [reducers]
+    if isinstance(reducers, str | bytes) or not isinstance(reducers, Sequence):
         raise TypeError(
-            "reducers must be None or a sequence of reducers (callables with a `metrics` tuple "
-            f"of metric names), got {reducers!r}"
+            "reducers must be None, a sequence of reducers (Reducer objects, "
+            "{metric_name: fn} mappings or named functions), or one mapping; "
+            f"got {reducers!r}"
         )
+    expanded: list[tuple[int, Reducer]] = []
+    for index, item in enumerate(reducers):
+        expanded += [(index, r) for r in _as_reducers(f"reducers[{index}]", item)]
     checked: list[Reducer] = []
-    for index, reducer in enumerate(reducers):
+    for index, reducer in expanded:
         metrics = getattr(reducer, "metrics", None)
         if not callable(reducer):
             raise TypeError(f"reducers[{index}] must be callable, got {reducer!r}")

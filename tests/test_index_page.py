@@ -8,9 +8,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
+from torch import nn
 
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import read_run_info, render_index, write_index
+from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
@@ -100,7 +104,7 @@ def test_page_documents_the_run(tmp_path: Path) -> None:
         "not the statistic of the pooled elements",
         "`[1]['k']`",
         ".hidden",
-        "rank-*/history.parquet",
+        "torchinstruments compare stats/rank-000 stats/rank-001",
     ):
         assert needle in text, needle
     for column in ("sample_id", "unavailable_reason", "shape", "grad_enabled"):
@@ -120,22 +124,99 @@ def test_missing_block_is_a_clear_error(tmp_path: Path) -> None:
         read_run_info(tmp_path)
 
 
-def test_every_query_runs_on_a_real_history(tmp_path: Path) -> None:
-    write_history(tmp_path, rank=None, keep_parts=True)
-    blocks = python_blocks(render_index(run_info(tmp_path), RunCounts(6, 6, 6)))
+class WithEmpty(nn.Module):
+    """Linear -> Tanh, plus a layer whose output is empty (so some values are null)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+        self.empty = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.empty(x[:0])
+        return self.act(self.fc(x))
+
+
+def run_queries(directory: Path) -> dict[str, object]:
+    """Execute every ```python block of `directory/index.md` as printed; their namespaces."""
+    found: dict[str, object] = {}
+    blocks = python_blocks((directory / "index.md").read_text(encoding="utf-8"))
     assert len(blocks) == 5
-    for code in blocks:
-        namespace: dict = {}
-        exec(compile(code, "<index.md>", "exec"), namespace)
-        frames = [v for v in namespace.values() if isinstance(v, pl.DataFrame)]
-        assert frames, code
-        assert all(f.height > 0 for f in frames), code
+    for number, code in enumerate(blocks):
+        namespace: dict[str, object] = {}
+        exec(compile(code, f"index.md:block-{number}", "exec"), namespace)
+        found.update(namespace)
+    return found
+
+
+def test_every_query_runs_on_a_live_and_then_a_finished_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "runs" / "exp[lr=0.1]"  # glob characters: read literally
+    monkeypatch.chdir(tmp_path)  # the queries hold the absolute path; the cwd does not matter
+    torch.manual_seed(0)
+    model = WithEmpty()
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=9),
+    )
+    try:
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+        parts = list_parts(directory)
+        assert parts
+        assert not (directory / "history.parquet").exists()
+        live = run_queries(directory)  # the in-progress index.md, on the parts
+        checks(live, pl.concat([pl.read_parquet(p, glob=False) for p in parts]))
+    finally:
+        remove_observer(model)
+
+    finished = run_queries(directory)  # the complete index.md, on history.parquet
+    checks(finished, pl.read_parquet(directory / "history.parquet", glob=False))
+    assert finished["files"] == [directory / "history.parquet"]
+
+
+def checks(namespace: dict[str, object], history: pl.DataFrame) -> None:
+    """The query results agree with `history` (the rows the queries were run on)."""
+    trend, latest, missing, both, written = (
+        namespace[name] for name in ("trend", "latest", "missing", "both", "written")
+    )
+    for frame in (trend, latest, missing, both, written):
+        assert isinstance(frame, pl.DataFrame)
+        assert frame.height > 0
+    assert isinstance(written, pl.DataFrame)
+    assert written["rows"].sum() == history.height
+    assert isinstance(missing, pl.DataFrame)
+    assert set(missing["layer"]) == {"empty"}
+    assert missing["rows"].sum() == history["value"].null_count()
+    assert isinstance(latest, pl.DataFrame)
+    assert set(latest["sample_id"]) == {history["sample_id"].max()}
+
+
+def test_queries_before_the_first_part_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = WithEmpty()
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(1))
+    try:
+        blocks = python_blocks((tmp_path / "stats" / "index.md").read_text(encoding="utf-8"))
+        for code in blocks[:4]:
+            with pytest.raises(SystemExit, match="no sample written yet"):
+                exec(compile(code, "index.md", "exec"), {})
+        exec(compile(blocks[4], "index.md", "exec"), {})
+        assert "no sample written yet" in capsys.readouterr().out
+    finally:
+        remove_observer(model)
 
 
 def test_rank_comparison_query_runs(tmp_path: Path) -> None:
+    stats = tmp_path / "stats[1]"  # glob characters in the parent: read literally
     for rank in (0, 1):
-        write_history(tmp_path / f"rank-{rank:03d}", rank=rank)
-    text = render_index(run_info(tmp_path / "rank-001", rank=1), RunCounts(6, 6, 6))
+        write_history(stats / f"rank-{rank:03d}", rank=rank)
+    text = render_index(run_info(stats / "rank-001", rank=1), RunCounts(6, 6, 6))
     blocks = [b for b in python_blocks(text) if "rank-*" in b]
     assert len(blocks) == 1
     namespace: dict = {}

@@ -33,10 +33,10 @@ remove_observer(model)  # restores the model; writes history.parquet, result.jso
 
 print(f"artifacts: {output_dir}/ (start with index.md)")
 history = pl.read_parquet(output_dir / "history.parquet")
-print(  # fraction of exact zeros in each ReLU's output, per sample (step = 50 * sample_id)
-    history.filter(
-        pl.col("module_type") == "ReLU",
-        pl.col("signal") == "output",
-        pl.col("metric") == "zero_fraction",
-    ).pivot("layer", index="sample_id", values="value")
-)
+zeros = history.filter(
+    pl.col("module_type") == "ReLU",
+    pl.col("signal") == "output",
+    pl.col("metric") == "zero_fraction",
+).pivot("layer", index=["sample_id", "forward_index"], values="value")
+print("zero_fraction (share of exact zeros) of each ReLU's output; forward_index = training step")
+print(zeros.rename({layer: f"ReLU {layer!r}" for layer in zeros.columns[2:]}))

@@ -9,12 +9,15 @@ over wrong data fails.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import runpy
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import cast
 
@@ -275,6 +278,83 @@ def test_basic_training_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     (run_dir,) = (tmp_path / "stats").iterdir()
     history = pl.read_parquet(run_dir / "history.parquet")
     assert sorted(history["sample_id"].unique()) == list(range(6))  # 300 steps, one in 50
+
+
+def readme_python_blocks() -> list[str]:
+    """Every ```python block of the README (indented ones, inside lists, too), dedented."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", readme, flags=re.MULTILINE | re.DOTALL)
+    return [
+        textwrap.dedent("\n".join(line[len(indent) :] for line in body.splitlines()))
+        for indent, body in blocks
+    ]
+
+
+def test_every_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = readme_python_blocks()
+    assert len(blocks) >= 2
+    for number, block in enumerate(blocks):
+        workdir = tmp_path / f"block-{number}"
+        workdir.mkdir()
+        monkeypatch.chdir(workdir)
+        exec(compile(block, f"README.md:block-{number}", "exec"), {"__name__": "__main__"})
+    history = pl.read_parquet(tmp_path / "block-1" / "stats" / "reducers" / "history.parquet")
+    output = history.filter(pl.col("signal") == "output", pl.col("layer") == "0")
+    for metric in ("abs_max", "l2_norm", "peak_to_peak", "numel"):
+        assert output.filter(pl.col("metric") == metric)["value"].null_count() == 0, metric
+    assert output.filter(pl.col("metric") == "numel")["value"].to_list() == [32.0]
+
+
+def readme_command_lines() -> list[tuple[str, list[str]]]:
+    """(command, printed lines) of each `$ torchinstruments ...` in the README's console blocks."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    found = []
+    for block in re.findall(r"^```console\n(.*?)^```", readme, flags=re.MULTILINE | re.DOTALL):
+        lines = block.splitlines()
+        assert lines[0].startswith("$ torchinstruments "), lines[0]
+        found.append((lines[0][len("$ torchinstruments ") :], lines[1:]))
+    return found
+
+
+def table_rows(lines: list[str]) -> list[list[str]]:
+    """The cells of the rows under each `-----` rule of a text table."""
+    rows, inside = [], False
+    for line in lines:
+        if line.startswith("-----"):
+            inside = True
+        elif not line.strip():
+            inside = False
+        elif inside:
+            rows.append(line.split())
+    return rows
+
+
+def test_readme_command_lines_print_what_the_readme_shows(
+    faults_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's outputs come from a full find_problems run; this one is `--fast` (8 samples
+    instead of 12), so the same rows, columns and first differences are expected, not the same
+    window means."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "find_problems_output").symlink_to(faults_dir)
+    (tmp_path / "docs").mkdir()
+    commands = readme_command_lines()
+    assert [c.split()[0] for c, _ in commands] == ["show", "compare", "plot"]
+    for command, shown in commands:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(shlex.split(command)) == 0, command
+        printed = out.getvalue().splitlines()
+        assert max(len(line) for line in printed) <= 80, command
+        got, want = table_rows(printed), table_rows(shown)
+        assert len(got) == len(want), command
+        if command.startswith("show"):
+            assert [r[:2] for r in got] == [r[:2] for r in want]
+        if command.startswith("compare"):
+            assert [r[:3] + r[6:7] for r in got] == [r[:3] + r[6:7] for r in want]
+    assert printed == commands[2][1]  # same panels, tensors and pixel size
+    written = matplotlib.image.imread(tmp_path / "docs" / "plot.png").shape
+    assert matplotlib.image.imread(ROOT / "docs" / "plot.png").shape == written
 
 
 # -- docs/research-workflows.md ---------------------------------------------------------------

@@ -158,7 +158,8 @@ def _figure(
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
     handles = [Line2D([], [], marker=".", color=color) for color in colors]
     figure.legend(handles, labels, loc="outside right upper", fontsize=8, title="tensor")
-    title = f"{facts.directory.name or facts.directory}: {len(drawn)} tensor(s)"
+    where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
+    title = f"{where}: {len(drawn)} tensor(s)"
     if left_out:
         title += f" ({len(left_out)} more left out: choose with --layers or --max-tensors)"
     figure.suptitle(title, fontsize=10)

@@ -340,6 +340,7 @@ def test_readme_command_lines_print_what_the_readme_shows(
     (tmp_path / "docs").mkdir()
     commands = readme_command_lines()
     assert [c.split()[0] for c, _ in commands] == ["show", "compare", "plot"]
+    printed: list[str] = []
     for command, shown in commands:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

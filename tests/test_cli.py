@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,6 +356,34 @@ def test_live_crashed_and_finalized_runs(
     final = check_show(directory, [directory / "history.parquet"])
     assert final["rows"] == payload["rows"]
     assert final["run"]["counts"].startswith("counts (lower bounds")
+
+
+def test_a_merge_between_listing_and_reading_is_retried(tmp_path: Path) -> None:
+    """A live run may merge its parts while a command reads them: the read lists files again."""
+    from torchinstruments.cli.reader import read_history
+    from torchinstruments.rundir.merge import merge_history
+
+    crashed = tmp_path / "crashed"
+    model, x, y = build()
+    observe(crashed, model)
+    for _ in range(3):
+        sgd_step(model, x, y, 0.05)
+    shutil.copytree(crashed / "history.parts", tmp_path / "parts")
+    remove_observer(model)
+    (crashed / "history.parquet").unlink()
+    shutil.copytree(tmp_path / "parts", crashed / "history.parts")  # as a SIGKILL leaves it
+
+    seen: list[int] = []
+
+    def merge_then_count(lf: pl.LazyFrame) -> pl.LazyFrame:
+        seen.append(len(list_parts(crashed)))
+        if len(seen) == 1:
+            merge_history(crashed)  # the parts this scan was built on are gone now
+        return lf.select(pl.len())
+
+    rows = read_history(crashed, merge_then_count).item()
+    assert seen == [3, 0]  # first over the 3 parts, then over history.parquet
+    assert rows == pl.read_parquet(crashed / "history.parquet").height == 3 * ROWS_PER_SAMPLE
 
 
 # -- compare ----------------------------------------------------------------------------------

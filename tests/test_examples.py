@@ -298,6 +298,10 @@ def test_every_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.Monk
         workdir.mkdir()
         monkeypatch.chdir(workdir)
         exec(compile(block, f"README.md:block-{number}", "exec"), {"__name__": "__main__"})
+    assert blocks[0].strip() == quick_start_block().strip()
+    (run_dir,) = (tmp_path / "block-0" / "stats").iterdir()
+    quick_start = pl.read_parquet(run_dir / "history.parquet")
+    assert sorted(quick_start["sample_id"].unique()) == list(range(6))  # 300 steps, one in 50
     history = pl.read_parquet(tmp_path / "block-1" / "stats" / "reducers" / "history.parquet")
     output = history.filter(pl.col("signal") == "output", pl.col("layer") == "0")
     for metric in ("abs_max", "l2_norm", "peak_to_peak", "numel"):

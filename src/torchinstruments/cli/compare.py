@@ -160,8 +160,8 @@ def _text(c: Comparison, width: int) -> str:
     for note in (
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
-        f"mean A / mean B: the mean over each run's recent window of up to {c.window} samples; "
-        "B - A: their difference.",
+        f"mean A, mean B: the mean over each run's recent window of up to {c.window} samples.",
+        "B - A: their difference (mean B minus mean A).",
         f"first diff: the first {c.x} (of the matched ones) where |B - A| > {c.tolerance:g} or "
         f"only one value is null; '-' = none. matched: {c.x}s measured in both runs.",
     ):

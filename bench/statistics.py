@@ -1,10 +1,14 @@
-"""Cost of the default statistics profile of one float32 tensor on the CPU.
+"""Cost of the default statistics profile (and histogram) of one float32 tensor on the CPU.
 
 Compares, per size, the whole default profile (`Measurer.reduce` + `PendingReduction.finish`)
 with `x.sum()` (the floor: one read of the tensor), `torch.sort(x)` (the reference the budget is
 stated in) and the obvious approach (`torch.quantile` for the three quartiles plus separate
-count, mean, std, min and max passes). Repeats are interleaved in one process and the median is
-reported, as milliseconds and as a ratio to `torch.sort`. The budget at 1e6 elements is 0.4.
+count, mean, std, min and max passes). `stats+hist` is what one focus tensor costs: the profile
+plus its 64-bin histogram, as the observer measures it; `hand` is the hand-rolled equivalent
+(`var_mean`, `aminmax`, `torch.quantile`, two `count_nonzero`, `torch.histc`, one `.tolist()`),
+which `torch.quantile` limits to 2**24 elements. Repeats are interleaved in one process and the
+median is reported, as milliseconds and as medians of the per-repeat ratios. Budgets: stats+hist <= 0.3x sort at 1e6 and
+1e7, and <= hand at 1e4.
 
 Each size also checks that our quartiles equal NumPy-style linear interpolation between the order
 statistics read from `torch.sort` (exact equality, not a tolerance).
@@ -23,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from torchinstruments.measurement.histograms import reduce_histogram
 from torchinstruments.measurement.reducers import Measurer
 
 from _timing import median, timed
@@ -39,6 +44,21 @@ def ours(measurer: Measurer, x: torch.Tensor) -> dict[str, float | None]:
     return {name: mv.value for name, mv in zip(measurer.metrics, values, strict=True)}
 
 
+def with_histogram(measurer: Measurer, x: torch.Tensor) -> None:
+    """The profile and the histogram of one focus tensor, both halves."""
+    ours(measurer, x)
+    pending = reduce_histogram(x)
+    vector = pending.device_vector
+    pending.finish(
+        [] if vector is None else vector.tolist(),
+        sample_id=0,
+        layer="bench",
+        call_index=0,
+        signal="output",
+        tensor_path="",
+    )
+
+
 def obvious(x: torch.Tensor) -> list[float]:
     """torch.quantile for the quartiles plus one pass per other statistic."""
     finite = torch.isfinite(x)
@@ -53,6 +73,17 @@ def obvious(x: torch.Tensor) -> list[float]:
         (~finite).sum() / x.numel(),
     ]
     return [float(v) for v in out] + quartiles.tolist()
+
+
+def hand(x: torch.Tensor, quartiles: torch.Tensor) -> list[float]:
+    """What a careful user writes: the nine statistics and a 64-bin histc, one host transfer."""
+    var, mean = torch.var_mean(x, correction=0)
+    low, high = torch.aminmax(x)
+    q = torch.quantile(x, quartiles)
+    zeros = x.numel() - torch.count_nonzero(x)
+    nonfinite = x.numel() - torch.count_nonzero(torch.isfinite(x))
+    parts = torch.stack([mean, var.sqrt(), low, high, zeros / x.numel(), nonfinite / x.numel()])
+    return torch.cat([parts, q, torch.histc(x, 64)]).tolist()
 
 
 def lerp(a: float, b: float, t: float) -> float:
@@ -79,42 +110,62 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1e4,1e5,1e6,1e7,3e7")
     parser.add_argument("--repeats", type=int, default=0, help="0: 9 below 1e7 elements, else 3")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0: default")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0: default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     torch.manual_seed(0)
     measurer = Measurer(None)
+    quartiles = torch.tensor(QUARTILES)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 randn, median ms")
-    header = f"{'n':>10} {'ours':>9} {'sum':>9} {'sort':>9} {'obvious':>9} | {'ours/sort':>9} {'sum/sort':>9} {'obv/sort':>9}  quartiles"
+    header = (
+        f"{'n':>10} {'ours':>9} {'sum':>9} {'sort':>9} {'obvious':>9} {'stats+hist':>10} "
+        f"{'hand':>9} | {'ours/sort':>9} {'sum/sort':>9} {'obv/sort':>9} {'s+h/sort':>9} "
+        f"{'s+h/hand':>9}  quartiles"
+    )
     print(header)
     for n in sizes:
         x = torch.randn(n)
         repeats = args.repeats or (9 if n < 10**7 else 3)
-        runs: dict[str, list[float]] = {"ours": [], "sum": [], "sort": [], "obvious": []}
+        runs: dict[str, list[float]] = {
+            name: [] for name in ("ours", "sum", "sort", "obvious", "stats+hist", "hand")
+        }
         candidates: dict[str, Callable[[], object]] = {
             "ours": lambda x=x: ours(measurer, x),
             "sum": lambda x=x: x.sum(),
             "sort": lambda x=x: torch.sort(x),
+            "stats+hist": lambda x=x: with_histogram(measurer, x),
         }
         if n <= QUANTILE_LIMIT:
             candidates["obvious"] = lambda x=x: obvious(x)
+            candidates["hand"] = lambda x=x: hand(x, quartiles)
         for fn in candidates.values():  # warm-up
             fn()
-        for _ in range(repeats):
-            for name, fn in candidates.items():
-                runs[name].append(timed(fn))
+        for repeat in range(repeats):  # rotating order, so drift hits every candidate alike
+            names = list(candidates)
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                runs[name].append(timed(candidates[name]))
         ms = {name: median(r) * 1e3 if r else math.nan for name, r in runs.items()}
+
+        def ratio(a: str, b: str, runs: dict[str, list[float]] = runs) -> float:
+            """Median of the per-repeat ratios (robust to load that shifts between repeats)."""
+            return median([x / y for x, y in zip(runs[a], runs[b], strict=True)])
+
         got = ours(measurer, x)
         want = reference_quartiles(torch.sort(x).values)
         exact = [got[f"p{int(q * 100)}"] for q in QUARTILES] == want
-        obvious_ms = f"{ms['obvious']:9.3f}" if n <= QUANTILE_LIMIT else f"{'refuses':>9}"
-        obvious_ratio = f"{ms['obvious'] / ms['sort']:9.3f}" if n <= QUANTILE_LIMIT else f"{'-':>9}"
+        limited = n <= QUANTILE_LIMIT
+        obvious_ms = f"{ms['obvious']:9.3f}" if limited else f"{'refuses':>9}"
+        hand_ms = f"{ms['hand']:9.3f}" if limited else f"{'refuses':>9}"
+        obvious_ratio = f"{ratio('obvious', 'sort'):9.3f}" if limited else f"{'-':>9}"
+        hand_ratio = f"{ratio('stats+hist', 'hand'):9.3f}" if limited else f"{'-':>9}"
         print(
-            f"{n:>10} {ms['ours']:9.3f} {ms['sum']:9.3f} {ms['sort']:9.3f} {obvious_ms} | "
-            f"{ms['ours'] / ms['sort']:9.3f} {ms['sum'] / ms['sort']:9.3f} {obvious_ratio}  "
-            f"{'exact' if exact else 'MISMATCH'}"
+            f"{n:>10} {ms['ours']:9.3f} {ms['sum']:9.3f} {ms['sort']:9.3f} {obvious_ms} "
+            f"{ms['stats+hist']:10.3f} {hand_ms} | "
+            f"{ratio('ours', 'sort'):9.3f} {ratio('sum', 'sort'):9.3f} {obvious_ratio} "
+            f"{ratio('stats+hist', 'sort'):9.3f} {hand_ratio}  {'exact' if exact else 'MISMATCH'}"
         )
     print("torch.quantile refuses inputs over 2**24 elements ('refuses').")
 

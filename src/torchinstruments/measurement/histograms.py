@@ -10,10 +10,11 @@ The bins are equally spaced over [finite min, finite max] and follow `numpy.hist
 holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
 found by `torch.bucketize` (a native binary search) over the float64 edges, so it is exactly
 consistent with the edges reported, even when bins are only a few ulps wide or the range
-overflows float64 arithmetic. On the CPU, where host syncs cost nothing, the finite entries are
-compacted and binned arithmetically instead, with a one-bin correction and a check against the
-same edges (falling back to the binary search if any entry disagrees): the same counts, in about
-half the time. Counts are summed with `scatter_add_`, which
+overflows float64 arithmetic. On the CPU, where host syncs cost nothing, the counts come from
+`numerics.measure_on_cpu` instead: exact counts of the entries below each edge, from the same
+radix pass that selects the quartiles (`Measurer.launch_with_histogram` shares it with the
+statistics), in chunks so that no temporary grows with the tensor. The edges are the same
+(`numerics.edges_on_host` computes `_edges` bit for bit). Counts are summed with `scatter_add_`, which
 is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
 1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which
 working dtype they are binned is `tensors`' rule, shared with the statistics.
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchinstruments.measurement import tensors
+from torchinstruments.measurement import numerics, tensors
 from torchinstruments.records import HistogramRecord
 
 __all__ = ["DEFAULT_BINS", "PendingHistogram", "reduce_histogram"]
@@ -141,9 +142,10 @@ def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
     """The device vector: head values, bins + 1 edges, bins counts (float64)."""
     if tensors.unsupported_reason(tensor) is not None or tensor.numel() == 0:
         return None
+    if tensors.host_sync_is_free(tensor.device):
+        vector = numerics.measure_on_cpu(tensor, frozenset(), bins).histogram
+        return None if vector is None else torch.tensor(vector, dtype=torch.float64)
     values = tensors.working_values(tensor)
-    if tensors.host_sync_is_free(values.device):
-        return _count_with_host_bounds(values, bins)
     device = values.device
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum().to(torch.float64)
@@ -161,51 +163,6 @@ def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
     finite_x = torch.where(finite_mask, x, 0.0)
     head = torch.stack([finite, low, high, finite_x.sum(), torch.dot(finite_x, finite_x)])
     return torch.cat([head, edges, counts])
-
-
-def _count_with_host_bounds(values: torch.Tensor, bins: int) -> torch.Tensor:
-    """`_count` where host syncs are free (CPU): compact the finite entries, bin arithmetically."""
-    finite_mask = torch.isfinite(values)
-    finite_count = int(finite_mask.sum())
-    if finite_count == 0:
-        return torch.zeros(len(_HEAD) + 2 * bins + 1, dtype=torch.float64)
-    finite = values if finite_count == values.numel() else values[finite_mask]
-    x = finite.to(torch.float64)
-    low, high = torch.aminmax(x)
-    edges = _edges(low, high, bins)
-    if float(low) == float(high):
-        index = torch.zeros(x.shape, dtype=torch.int64)
-    else:
-        index = _arithmetic_bin_index(x, edges, bins)
-    counts = torch.bincount(index, minlength=bins).to(torch.float64)
-    head = torch.stack([torch.tensor(float(finite_count), dtype=torch.float64), low, high])
-    moments = torch.stack([x.sum(), torch.dot(x, x)])
-    return torch.cat([head, moments, edges, counts])
-
-
-def _arithmetic_bin_index(x: torch.Tensor, edges: torch.Tensor, bins: int) -> torch.Tensor:
-    """`_bin_index` by arithmetic and a one-bin correction against the edges, checked on the host.
-
-    The guess is off by at most one bin except when bins are a few ulps wide; the check catches
-    that and falls back to the binary search, so the result always agrees with the edges.
-    """
-    low, high = float(edges[0]), float(edges[-1])
-    # Halves keep `high - low` finite even for the widest float64 ranges.
-    half_span = high * 0.5 - low * 0.5
-    if not half_span > 0 or not math.isfinite(bins / half_span):  # subnormal ranges underflow
-        return _bin_index(x, edges, bins)
-    scale = bins / half_span
-    guess = torch.mul(x, 0.5).sub_(low * 0.5).mul_(scale).floor_().clamp_(0, bins - 1)
-    index = guess.to(torch.int64)
-    # Right edges with the last one at +inf: the max belongs to the last bin.
-    right = torch.cat([edges[1:-1], edges.new_full((1,), math.inf)])
-    index.sub_(torch.lt(x, torch.index_select(edges, 0, index)).to(torch.int64))
-    index.add_(torch.ge(x, torch.index_select(right, 0, index)).to(torch.int64))
-    inside = torch.ge(x, torch.index_select(edges, 0, index))
-    inside.logical_and_(torch.lt(x, torch.index_select(right, 0, index)))
-    if not bool(inside.all()):
-        return _bin_index(x, edges, bins)
-    return index
 
 
 def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:

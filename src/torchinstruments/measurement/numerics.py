@@ -8,12 +8,24 @@ Two ways to the same numbers, chosen by `tensors.host_sync_is_free(device)`:
   done on the host by `DefaultDeriver`. One sort is O(n log n) but it is the cheapest sync-free
   exact selection on a GPU, and it has no size limit (unlike `torch.quantile`, which refuses
   inputs over 2**24 elements).
-* CPU path: host syncs are free, so it selects instead of sorting. A fast `x.sum()` proves the
-  common all-finite case; otherwise the finite entries are compacted once. The order statistics
-  come from an exact radix select on the float bit patterns (16 bits per level, at most two levels
-  for float32 and four for float64, each a `bincount` plus one compaction of the bucket that holds
-  the wanted rank); small candidate sets are just sorted. On 1e6 float32 entries the whole profile
-  costs a small fraction of `torch.sort` (see `bench/statistics.py`).
+* CPU path (`measure_on_cpu`): host syncs are free, so it selects instead of sorting, and it
+  computes the statistics and (for a focus layer) the histogram together, in chunks of `CHUNK`
+  entries so that no temporary grows with the tensor (the working-dtype conversion, the float64
+  copy and the integer keys all exist one chunk at a time):
+  1. per chunk: zero count; a fast `sum` that proves the chunk finite, else its finite entries
+     compacted; min/max; the float64 sum; the sortable integer keys of the float bit patterns and
+     the counts of their top 16 bits;
+  2. on the host: the buckets that hold the wanted order statistics (quartile neighbours), and
+     the buckets that hold the histogram's inner edges, each edge turned into the smallest key
+     whose value is >= the edge, so that "x < edge" is exactly "key < threshold";
+  3. the keys in those buckets (kept from pass 1 for a one-chunk tensor, gathered by a second
+     chunked pass otherwise, with the moments' deviations) are sorted together once: buckets are
+     disjoint key ranges, so one sort orders every bucket, each order statistic is one gather and
+     each edge count one searchsorted. Only when the candidates are a large share of the tensor
+     (values packed into a few buckets) is each bucket refined by its next 16 bits instead.
+  Bin counts are differences of exact edge counts, so they agree with the reported edges as
+  `numpy.histogram` bins them. On 1e6 float32 entries, statistics plus histogram cost about a
+  fifth of `torch.sort` (see `bench/statistics.py`).
 * Mean and std are always accumulated in float64 with a corrected two-pass algorithm on values
   scaled by a power of two (exact), so neither a float32 variance nor a float64 sum of huge values
   overflows into a null.
@@ -24,23 +36,22 @@ it is null with the reason "non-finite result". Negative zero results are report
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from torchinstruments import reasons
+from torchinstruments.measurement import tensors
 from torchinstruments.records import MetricValue
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
 
-# Candidate sets at most this large are sorted instead of refined by another radix level.
-_SORT_BELOW = 1 << 14
-_RADIX_BITS = 16
-_RADIX_MASK = (1 << _RADIX_BITS) - 1
 # Power-of-two scaling exponents stay in this range so that the scale and its inverse are normal.
 _MAX_SCALE_EXPONENT = 1000
 
@@ -101,59 +112,20 @@ def _scale_exponent(max_abs: float) -> int:
     return max(-_MAX_SCALE_EXPONENT, min(_MAX_SCALE_EXPONENT, exponent))
 
 
-# --- CPU: compaction and selection --------------------------------------------------------------
+# --- CPU: chunked passes, one radix pass shared by the statistics and the histogram --------------
 
+# Entries per chunk of the CPU passes: bounds every temporary (8 MiB of float64 per chunk).
+CHUNK = 1 << 20
+# Key sets at most this large are sorted (torch's CPU sort is cheap below a few thousand keys).
+_SORT_BELOW = 1 << 11
+# Candidates of all buckets are sorted together when at most this many (or an 8th of the keys).
+_ONE_SORT_LIMIT = 1 << 18
+_RADIX_BITS = 16
+_RADIX_MASK = (1 << _RADIX_BITS) - 1
+_BUCKETS = 1 << _RADIX_BITS
+_SIGN_DIGIT = 1 << (_RADIX_BITS - 1)
 
-def raw_on_host(values: torch.Tensor, wanted: frozenset[str]) -> dict[str, float]:
-    """Raw values on a device where host syncs are free (the CPU)."""
-    numel = values.numel()
-    raw: dict[str, float] = {}
-    if "zero_fraction" in wanted:
-        raw["zeros"] = float(numel - int(torch.count_nonzero(values)))
-    # A finite sum proves every entry finite; only otherwise pay for the mask and the compaction.
-    if math.isfinite(float(values.sum())):
-        finite_values = values
-    else:
-        mask = torch.isfinite(values)
-        count = int(mask.sum())
-        finite_values = values if count == numel else values[mask]
-    finite = finite_values.numel()
-    raw["finite"] = float(finite)
-    if finite == 0 or not wanted & FINITE_METRICS:
-        return raw
-    low, high = (float(v) for v in torch.aminmax(finite_values))
-    raw["min"], raw["max"] = low, high
-    if wanted & {"mean", "std"}:
-        raw["mean"], raw["std"] = _moments_on_host(finite_values, low, high)
-    ranks = _quartile_ranks(finite, wanted)
-    if ranks:
-        needed = sorted({rank for pair in ranks.values() for rank in pair} - {0, finite - 1})
-        order = {0: low, finite - 1: high}
-        if low == high:
-            order.update(dict.fromkeys(needed, low))
-        elif needed:
-            order.update(_select(finite_values, needed))
-        for name, (lo_rank, hi_rank) in ranks.items():
-            raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
-    return raw
-
-
-def _moments_on_host(values: torch.Tensor, low: float, high: float) -> tuple[float, float]:
-    """Mean and population std in float64 (corrected two-pass, power-of-two scaled if needed)."""
-    count = values.numel()
-    max_abs = max(abs(low), abs(high))
-    scale = 1.0
-    if max_abs > 2.0**500 or 0.0 < max_abs < 2.0**-500:
-        scale = math.ldexp(1.0, _scale_exponent(max_abs))
-    work = values.to(torch.float64, copy=True)
-    if scale != 1.0:
-        work.mul_(1.0 / scale)
-    mean = work.mean()
-    work.sub_(mean)
-    squares = float(torch.dot(work, work))
-    residual = float(work.sum())
-    variance = max((squares - residual * residual / count) / count, 0.0)
-    return float(mean) * scale, math.sqrt(variance) * scale
+_Query = tuple[int, int]  # (query id, local rank) or (query id, threshold key)
 
 
 def _sortable_keys(values: torch.Tensor) -> torch.Tensor:
@@ -179,55 +151,354 @@ def _key_to_float(key: int, dtype: torch.dtype) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _select(values: torch.Tensor, ranks: Sequence[int]) -> dict[int, float]:
-    """Exact order statistics (0-based ranks) of finite float32/float64 values by radix select."""
-    keys = _sortable_keys(values)
-    found: dict[int, int] = {}
-    bits = 64 if values.dtype == torch.float64 else 32
-    _radix_select(keys, [(rank, rank) for rank in ranks], bits - _RADIX_BITS, True, found)
-    return {rank: _key_to_float(key, values.dtype) for rank, key in found.items()}
+def edge_thresholds(edges: Sequence[float], dtype: torch.dtype) -> list[int]:
+    """Keys K_i with (x < edges[i]) == (key(x) < K_i) for every finite x of `dtype`.
+
+    K_i is the key of the smallest `dtype` value >= edges[i] (`array` rounds to float32 to
+    nearest; one ulp up when that fell below, and adjacent keys are adjacent values). A zero edge
+    maps to the key of -0.0, so that -0.0, whose key sorts below +0.0's, is not below 0.
+    """
+    if dtype == torch.float64:
+        rounded, bits = list(edges), array("q")
+        bits.frombytes(array("d", edges).tobytes())
+        mask = 0x7FFFFFFFFFFFFFFF
+    else:
+        narrow = array("f", edges)
+        rounded, bits = narrow.tolist(), array("i")
+        bits.frombytes(narrow.tobytes())
+        mask = 0x7FFFFFFF
+    out: list[int] = []
+    for edge, value, bit in zip(edges, rounded, bits, strict=True):
+        if value == 0.0:
+            out.append(-1)  # the key of -0.0 (both widths)
+        else:
+            key = bit ^ mask if bit < 0 else bit
+            out.append(key + 1 if value < edge else key)
+    return out
 
 
-def _radix_select(
-    keys: torch.Tensor, wanted: list[tuple[int, int]], shift: int, top: bool, found: dict[int, int]
+def edges_on_host(low: float, high: float, bins: int) -> list[float]:
+    """bins + 1 non-decreasing float64 edges from low to high, exactly as `_edges` computes them."""
+    out: list[float] = []
+    running = -math.inf
+    for index in range(bins + 1):
+        step = index / bins
+        value = low * (1.0 - step) + high * step
+        running = max(running, value)
+        out.append(min(max(running, low), high))
+    out[0], out[-1] = low, high
+    return [value + 0.0 for value in out]
+
+
+@dataclass
+class _Answers:
+    """Results of rank queries (id -> key) and count queries (id -> keys below the threshold)."""
+
+    selected: dict[int, int] = field(default_factory=dict)
+    counted: dict[int, int] = field(default_factory=dict)
+
+
+class _Cumulative:
+    """Cumulative bucket counts, read on the host only at the buckets a query needs."""
+
+    def __init__(self, counts: torch.Tensor) -> None:
+        self.tensor = counts.cumsum(0)
+        self.known: dict[int, int] = {-1: 0}
+
+    def fetch(self, buckets: set[int]) -> None:
+        missing = sorted(buckets - self.known.keys())
+        if missing:
+            values = self.tensor[torch.tensor(missing, dtype=torch.int64)].tolist()
+            self.known.update(zip(missing, values, strict=True))
+
+    def __getitem__(self, bucket: int) -> int:
+        return self.known[bucket]
+
+
+_Plan = dict[int, tuple[list[_Query], list[_Query]]]
+
+
+def _plan(
+    cumulative: _Cumulative,
+    selects: Sequence[_Query],
+    counts: Sequence[_Query],
+    shift: int,
+    top: bool,
+    out: _Answers,
+) -> _Plan:
+    """The bucket each query continues in, with its rank local to it; counts below are added."""
+    plan: _Plan = {}
+    select_buckets: list[int] = []
+    if selects:
+        locals_ = torch.tensor([local for _, local in selects], dtype=torch.int64)
+        select_buckets = torch.searchsorted(cumulative.tensor, locals_, right=True).tolist()
+    flip = _SIGN_DIGIT if top else 0
+    count_buckets = [((threshold >> shift) & _RADIX_MASK) ^ flip for _, threshold in counts]
+    cumulative.fetch({b for b in select_buckets + count_buckets for b in (b - 1, b)})
+    for (qid, local), bucket in zip(selects, select_buckets, strict=True):
+        plan.setdefault(bucket, ([], []))[0].append((qid, local - cumulative[bucket - 1]))
+    for (qid, threshold), bucket in zip(counts, count_buckets, strict=True):
+        before = cumulative[bucket - 1]
+        out.counted[qid] = out.counted.get(qid, 0) + before
+        if cumulative[bucket] > before:
+            plan.setdefault(bucket, ([], []))[1].append((qid, threshold))
+    return dict(sorted(plan.items()))
+
+
+def _answer_sorted(
+    ordered: torch.Tensor, selects: Sequence[_Query], counts: Sequence[_Query], out: _Answers
 ) -> None:
-    """Finds keys of the given local ranks by one 16-bit digit, recursing into their buckets."""
-    if keys.numel() <= _SORT_BELOW:
-        ordered = torch.sort(keys).values
-        for rank, local in wanted:
-            found[rank] = int(ordered[local])
+    """Rank queries by one gather, count queries by one searchsorted, over sorted keys."""
+    if selects:
+        positions = torch.tensor([local for _, local in selects], dtype=torch.int64)
+        for (qid, _), key in zip(selects, ordered[positions].tolist(), strict=True):
+            out.selected[qid] = key
+    if counts:
+        thresholds = torch.tensor([threshold for _, threshold in counts], dtype=ordered.dtype)
+        below = torch.searchsorted(ordered, thresholds).tolist()
+        for (qid, _), count in zip(counts, below, strict=True):
+            out.counted[qid] = out.counted.get(qid, 0) + count
+
+
+def _finish(
+    candidates: torch.Tensor,
+    group: torch.Tensor,
+    cumulative: _Cumulative,
+    plan: _Plan,
+    shift: int,
+    total: int,
+    out: _Answers,
+) -> None:
+    """Answers the planned queries from the keys of their buckets (`group`: bucket index)."""
+    sizes = [cumulative[bucket] - cumulative[bucket - 1] for bucket in plan]
+    if candidates.numel() <= max(_ONE_SORT_LIMIT, total // 8) or shift < _RADIX_BITS:
+        selects: list[_Query] = []
+        counts: list[_Query] = []
+        start = 0
+        for (bucket_selects, bucket_counts), size in zip(plan.values(), sizes, strict=True):
+            selects += [(qid, start + local) for qid, local in bucket_selects]
+            for qid, threshold in bucket_counts:  # searchsorted counts the lower buckets too
+                out.counted[qid] = out.counted.get(qid, 0) - start
+                counts.append((qid, threshold))
+            start += size
+        _answer_sorted(torch.sort(candidates).values, selects, counts, out)
         return
-    if shift < 0:  # every digit consumed: all keys in this bucket are equal
-        key = int(keys[0])
-        for rank, _ in wanted:
-            found[rank] = key
+    grouped = candidates[torch.argsort(group, stable=True)] if len(plan) > 1 else candidates
+    start = 0
+    for (bucket_selects, bucket_counts), size in zip(plan.values(), sizes, strict=True):
+        _resolve(
+            grouped[start : start + size], bucket_selects, bucket_counts, shift - _RADIX_BITS, out
+        )
+        start += size
+
+
+def _resolve(
+    keys: torch.Tensor,
+    selects: Sequence[_Query],
+    counts: Sequence[_Query],
+    shift: int,
+    out: _Answers,
+) -> None:
+    """Queries over the keys of one bucket, by their next 16-bit digit."""
+    if not selects and not counts:
+        return
+    if keys.numel() <= _SORT_BELOW or shift < 0:
+        _answer_sorted(torch.sort(keys).values, selects, counts, out)
         return
     digits = keys >> shift if shift else keys.clone()
     digits &= _RADIX_MASK
-    if top:  # the top digit holds the sign: flip it so that unsigned digit order is key order
-        digits ^= 1 << (_RADIX_BITS - 1)
-    cumulative = torch.bincount(digits, minlength=1 << _RADIX_BITS).cumsum(0)
-    locals_ = torch.tensor([local for _, local in wanted], dtype=cumulative.dtype)
-    buckets = torch.searchsorted(cumulative, locals_, right=True)
-    before = torch.where(buckets > 0, cumulative[(buckets - 1).clamp(min=0)], 0)
-    by_bucket: dict[int, list[tuple[int, int]]] = {}
-    for (rank, local), bucket, skipped in zip(
-        wanted, buckets.tolist(), before.tolist(), strict=True
-    ):
-        by_bucket.setdefault(bucket, []).append((rank, local - skipped))
-    if len(by_bucket) == 1:
-        [(bucket, members)] = by_bucket.items()
-        _radix_select(keys[digits == bucket], members, shift - _RADIX_BITS, False, found)
-        return
-    # Several buckets: one gather and one compaction over all keys, then split the candidates.
-    table = torch.full((1 << _RADIX_BITS,), -1, dtype=torch.int8)
-    table[list(by_bucket)] = torch.arange(len(by_bucket), dtype=torch.int8)
-    group = table[digits]
+    cumulative = _Cumulative(torch.bincount(digits, minlength=_BUCKETS))
+    plan = _plan(cumulative, selects, counts, shift, False, out)
+    if plan:
+        group, positions = _select_buckets(digits, plan)
+        candidates = torch.index_select(keys, 0, positions)
+        _finish(candidates, group, cumulative, plan, shift, keys.numel(), out)
+
+
+def _select_buckets(digits: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the entries whose digit is a planned bucket, and their bucket index."""
+    if len(plan) == 1:
+        positions = (digits == next(iter(plan))).nonzero().squeeze(1)
+        return torch.zeros(positions.shape, dtype=torch.int16), positions
+    table = torch.full((_BUCKETS,), -1, dtype=torch.int16)
+    table[list(plan)] = torch.arange(len(plan), dtype=torch.int16)
+    group = torch.index_select(table, 0, digits)  # much faster than table[digits]
     positions = (group >= 0).nonzero().squeeze(1)
-    candidates, candidate_group = keys[positions], group[positions]
-    for index, members in enumerate(by_bucket.values()):
-        subset = candidates[candidate_group == index]
-        _radix_select(subset, members, shift - _RADIX_BITS, False, found)
+    return torch.index_select(group, 0, positions), positions
+
+
+def _top_digits(keys: torch.Tensor, shift: int) -> torch.Tensor:
+    """The top 16 bits of each key, sign bit flipped so that unsigned digit order is key order."""
+    digits = keys >> shift
+    digits &= _RADIX_MASK
+    digits ^= _SIGN_DIGIT
+    return digits
+
+
+def _finite(chunk: torch.Tensor) -> torch.Tensor:
+    """The finite entries of a chunk: the chunk itself when its sum proves them all finite."""
+    if math.isfinite(float(chunk.sum())):
+        return chunk
+    return chunk[torch.isfinite(chunk)]
+
+
+@dataclass
+class CpuResult:
+    """Raw values of the default profile (as `_Deriver` reads them) and the histogram vector."""
+
+    raw: dict[str, float]
+    histogram: list[float] | None
+
+
+def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
+    """Default-profile raw values of `tensor` and, if `bins`, its histogram vector.
+
+    The histogram vector is laid out as `finite, min, max, sum, sum_squares`, then the bins + 1
+    edges and the bins counts (all zeros when nothing is finite).
+    """
+    flat = tensor.reshape(-1)
+    numel = flat.numel()
+    work = tensors.working_dtype(flat.dtype)
+    bounds = [(start, min(start + CHUNK, numel)) for start in range(0, numel, CHUNK)]
+    one_chunk = len(bounds) == 1
+    shift = (64 if work == torch.float64 else 32) - _RADIX_BITS
+    order_wanted = bool(bins) or bool(wanted & QUARTILES.keys())
+    radix = order_wanted and numel > _SORT_BELOW
+    top = torch.zeros(_BUCKETS, dtype=torch.int64) if radix else None
+    # One chunk: its keys (and top digits) stay for the queries; more: gathered again in pass 2.
+    kept_keys: torch.Tensor | None = None
+    kept_digits: torch.Tensor | None = None
+    finite = zeros = 0
+    low, high = math.inf, -math.inf
+    total = 0.0
+    squares = residual = sum_squares = 0.0
+    for start, stop in bounds:
+        chunk = flat[start:stop].to(work)
+        zeros += (stop - start) - int(torch.count_nonzero(chunk))
+        values = _finite(chunk)
+        count = values.numel()
+        if not count:
+            continue
+        finite += count
+        lo, hi = torch.aminmax(values)
+        low, high = min(low, float(lo)), max(high, float(hi))
+        wide = values.to(torch.float64)
+        chunk_sum = float(wide.sum())
+        total += chunk_sum
+        if one_chunk:  # the moments need the mean first: one chunk has it now
+            deviations = wide - chunk_sum / count
+            squares = float(torch.dot(deviations, deviations))
+            residual = float(deviations.sum())
+            if bins:
+                sum_squares = float(torch.dot(wide, wide))
+        keys = digits = None
+        if top is not None:
+            keys = _sortable_keys(values)
+            digits = _top_digits(keys, shift)
+            counted = torch.bincount(digits, minlength=_BUCKETS)
+            top = counted if one_chunk else top.add_(counted)
+        elif order_wanted and one_chunk:
+            keys = _sortable_keys(values)
+        if one_chunk:
+            kept_keys, kept_digits = keys, digits
+    raw: dict[str, float] = {"zeros": float(zeros), "finite": float(finite)}
+    if finite == 0:
+        return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
+    raw["min"], raw["max"] = low, high
+    max_abs = max(abs(low), abs(high))
+    scale = 1.0
+    if max_abs > 2.0**500 or max_abs < 2.0**-500:
+        scale = math.ldexp(1.0, _scale_exponent(max_abs)) if max_abs else 1.0
+    mean = total / finite
+    if scale != 1.0 or not math.isfinite(total) or not one_chunk:
+        mean, squares, residual, sum_squares = _moments_in_chunks(
+            flat, bounds, work, scale, finite, bool(bins)
+        )
+    variance = max((squares - residual * residual / finite) / finite, 0.0)
+    raw["mean"], raw["std"] = mean * scale, math.sqrt(variance) * scale
+
+    ranks = _quartile_ranks(finite, wanted)
+    needed = sorted({rank for pair in ranks.values() for rank in pair} - {0, finite - 1})
+    order = {0: low, finite - 1: high}
+    if low == high:
+        order.update(dict.fromkeys(needed, low))
+        needed = []
+    selects: list[_Query] = [(rank, rank) for rank in needed]
+    edges = edges_on_host(low, high, bins) if bins else []
+    counts: list[_Query] = []
+    if bins and low != high:
+        counts = list(enumerate(edge_thresholds(edges[1:-1], work)))
+    out = _Answers()
+    if selects or counts:
+        if top is None:  # few entries, all in one chunk: sort them
+            if kept_keys is not None:
+                _answer_sorted(torch.sort(kept_keys).values, selects, counts, out)
+        else:
+            cumulative = _Cumulative(top)
+            plan = _plan(cumulative, selects, counts, shift, True, out)
+            if plan:
+                if kept_keys is not None and kept_digits is not None:
+                    group, positions = _select_buckets(kept_digits, plan)
+                    candidates = torch.index_select(kept_keys, 0, positions)
+                else:
+                    candidates, group = _candidates_in_chunks(flat, bounds, work, shift, plan)
+                _finish(candidates, group, cumulative, plan, shift, finite, out)
+    for rank in needed:
+        order[rank] = _key_to_float(out.selected[rank], work)
+    for name, (lo_rank, hi_rank) in ranks.items():
+        raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
+    if not bins:
+        return CpuResult(raw, None)
+    if low == high:
+        bin_counts = [float(finite)] + [0.0] * (bins - 1)
+    else:
+        below = [0, *(out.counted.get(index, 0) for index in range(bins - 1)), finite]
+        bin_counts = [float(b - a) for a, b in itertools.pairwise(below)]
+    head = [float(finite), low, high, total, sum_squares]
+    return CpuResult(raw, head + edges + bin_counts)
+
+
+def _moments_in_chunks(
+    flat: torch.Tensor,
+    bounds: Sequence[tuple[int, int]],
+    work: torch.dtype,
+    scale: float,
+    finite: int,
+    with_squares: bool,
+) -> tuple[float, float, float, float]:
+    """Scaled mean, squared deviations, residual and (unscaled) sum of squares, in two passes."""
+    inverse = 1.0 / scale
+    total = 0.0
+    for start, stop in bounds:
+        total += float((_finite(flat[start:stop].to(work)).to(torch.float64) * inverse).sum())
+    mean = total / finite
+    squares = residual = sum_squares = 0.0
+    for start, stop in bounds:
+        wide = _finite(flat[start:stop].to(work)).to(torch.float64)
+        if with_squares:
+            sum_squares += float(torch.dot(wide, wide))
+        deviations = wide * inverse - mean
+        squares += float(torch.dot(deviations, deviations))
+        residual += float(deviations.sum())
+    return mean, squares, residual, sum_squares
+
+
+def _candidates_in_chunks(
+    flat: torch.Tensor,
+    bounds: Sequence[tuple[int, int]],
+    work: torch.dtype,
+    shift: int,
+    plan: _Plan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys in the planned top-level buckets, gathered chunk by chunk, with their bucket."""
+    pieces: list[torch.Tensor] = []
+    groups: list[torch.Tensor] = []
+    for start, stop in bounds:
+        keys = _sortable_keys(_finite(flat[start:stop].to(work)))
+        group, positions = _select_buckets(_top_digits(keys, shift), plan)
+        pieces.append(torch.index_select(keys, 0, positions))
+        groups.append(group)
+    return torch.cat(pieces), torch.cat(groups)
 
 
 # --- other devices: one sort, no host sync ------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram, reduce_histogram
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.records import MetricValue
 
@@ -330,13 +331,40 @@ class Measurer:
         except Exception as error:  # measuring must never crash the training step
             return self.unavailable(reasons.error("statistics", error))
 
+    def launch_with_histogram(
+        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
+    ) -> tuple[PendingReduction, PendingHistogram]:
+        """`launch` plus the tensor's histogram, from the same passes where the path allows.
+
+        On the CPU the default profile's radix pass also counts the histogram's bins (see
+        `numerics.measure_on_cpu`); elsewhere, or without the default profile, the histogram is
+        counted on its own by `reduce_histogram`. Never raises.
+        """
+        shared: list[torch.Tensor] = []
+        try:
+            reduction = self._launch(tensor, bins, shared)
+        except Exception as error:  # measuring must never crash the training step
+            reduction = self.unavailable(reasons.error("statistics", error))
+        if shared:
+            return reduction, PendingHistogram(shared[0], bins)
+        return reduction, reduce_histogram(tensor, bins)
+
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
         part = _Part(self.metrics, fixed={name: MetricValue(None, reason) for name in self.metrics})
         return PendingReduction(None, [part])
 
-    def _launch(self, tensor: torch.Tensor) -> PendingReduction:
-        """Runs every reducer and packs the device values into one vector."""
+    def _launch(
+        self,
+        tensor: torch.Tensor,
+        bins: int | None = None,
+        shared: list[torch.Tensor] | None = None,
+    ) -> PendingReduction:
+        """Runs every reducer and packs the device values into one vector.
+
+        With `bins`, the default profile may also count the histogram; its vector is appended to
+        `shared` when it does.
+        """
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
         with torch.no_grad():
@@ -346,7 +374,11 @@ class Measurer:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
                     if isinstance(reducer, DefaultStatistics):
-                        part, block = _reduce_default(detached, reducer.metrics, offset)
+                        part, block, histogram = _reduce_default(
+                            detached, reducer.metrics, offset, bins
+                        )
+                        if histogram is not None and shared is not None:
+                            shared.append(histogram)
                     else:
                         if copy is None:
                             copy = detached.clone()
@@ -526,27 +558,31 @@ def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
 
 
 def _reduce_default(
-    tensor: torch.Tensor, metrics: tuple[str, ...], offset: int
-) -> tuple[_Part, torch.Tensor | None]:
-    """The default profile of one tensor: host values on the CPU, a device block elsewhere."""
+    tensor: torch.Tensor, metrics: tuple[str, ...], offset: int, bins: int | None = None
+) -> tuple[_Part, torch.Tensor | None, torch.Tensor | None]:
+    """The default profile of one tensor: host values on the CPU, a device block elsewhere.
+
+    Returns the part, the device block, and (on the CPU, when `bins` is given) the histogram
+    vector counted by the same passes.
+    """
     if not metrics:
-        return _Part(metrics), None
+        return _Part(metrics), None, None
     unsupported = tensors.unsupported_reason(tensor)
     if unsupported is not None:
-        return _Part(
-            metrics, fixed={name: MetricValue(None, unsupported) for name in metrics}
-        ), None
+        fixed = {name: MetricValue(None, unsupported) for name in metrics}
+        return _Part(metrics, fixed=fixed), None, None
     numel = tensor.numel()
     if numel == 0:
-        return _Part(
-            metrics, fixed={name: MetricValue(None, reasons.EMPTY) for name in metrics}
-        ), None
-    values = tensors.working_values(tensor)
+        fixed = {name: MetricValue(None, reasons.EMPTY) for name in metrics}
+        return _Part(metrics, fixed=fixed), None, None
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(numel, wanted)
-    if tensors.host_sync_is_free(values.device):
-        host = numerics.raw_on_host(values, wanted)
-        return _Part(metrics, host=host, derive=derive), None
-    keys, block = numerics.raw_on_device(values, wanted)
+    if tensors.host_sync_is_free(tensor.device):
+        result = numerics.measure_on_cpu(tensor, wanted, bins)
+        histogram = None
+        if result.histogram is not None:
+            histogram = torch.tensor(result.histogram, dtype=torch.float64)
+        return _Part(metrics, host=result.raw, derive=derive), None, histogram
+    keys, block = numerics.raw_on_device(tensors.working_values(tensor), wanted)
     refs = {key: offset + index for index, key in enumerate(keys)}
-    return _Part(metrics, refs=refs, derive=derive), block
+    return _Part(metrics, refs=refs, derive=derive), block, None

@@ -69,16 +69,16 @@ def measured_form(tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(parts)
 
 
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of `dtype` is measured in (see the module docstring)."""
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    return torch.float32 if dtype.is_floating_point else torch.float64
+
+
 def working_values(tensor: torch.Tensor) -> torch.Tensor:
     """The flat float32/float64 values that are measured (see the module docstring)."""
-    dtype = tensor.dtype
-    if dtype in (torch.float32, torch.float64):
-        work = tensor
-    elif dtype.is_floating_point:
-        work = tensor.to(torch.float32)
-    else:
-        work = tensor.to(torch.float64)
-    return work.reshape(-1)
+    return tensor.to(working_dtype(tensor.dtype)).reshape(-1)
 
 
 def host_sync_is_free(device: torch.device) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments.measurement import tensors
-from torchinstruments.measurement.histograms import PendingHistogram, reduce_histogram
+from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import HistogramRecord, Measurement, SampleRecord, TensorKey
 
@@ -45,8 +45,10 @@ def launch_tensor(
     """Launch the device-side reductions of one tensor; a failure becomes null + reason."""
     try:
         measured = tensors.measured_form(tensor)
-        reduction = measurer.launch(measured)
-        histogram = reduce_histogram(measured) if focus else None
+        if focus:
+            reduction, histogram = measurer.launch_with_histogram(measured)
+        else:
+            reduction, histogram = measurer.launch(measured), None
     except Exception as error:
         reduction = measurer.unavailable(reasons.error("measurement", error))
         histogram = None

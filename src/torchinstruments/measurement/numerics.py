@@ -501,6 +501,147 @@ def _candidates_in_chunks(
     return torch.cat(pieces), torch.cat(groups)
 
 
+# --- CPU: many small tensors at once ------------------------------------------------------------
+
+# Tensors of at most this many entries are measured together at the end of a sampled forward (or
+# backward): their values are copied at the layer's return and reduced in one segmented pass.
+BATCH_MAX = 1 << 14
+_KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
+_INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
+
+
+def measure_batch_on_cpu(
+    segments: Sequence[torch.Tensor], wanted: frozenset[str], bins: Sequence[int | None]
+) -> list[CpuResult]:
+    """`measure_on_cpu` of many small flat float32 tensors, in a fixed number of torch ops.
+
+    The tensors are concatenated; counts and moments are segmented sums (`segment_reduce`); the
+    order statistics and the histogram edge counts come from ONE sort of int64 keys that hold the
+    segment index above the float32 sortable key (non-finite entries get the key of +inf, so each
+    segment's finite entries come first, in order), read by one gather and one searchsorted.
+    The number of ops does not grow with the number of tensors.
+
+    Args:
+        segments: Non-empty 1-D float32 CPU tensors (copies the caller owns).
+        wanted: Default metrics wanted.
+        bins: Per segment, the histogram's bin count, or None for no histogram.
+    """
+    lengths = [int(segment.numel()) for segment in segments]
+    starts = [0, *itertools.accumulate(lengths)][:-1]
+    values = torch.cat(list(segments)) if len(segments) > 1 else segments[0]
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    all_finite = math.isfinite(float(values.sum()))
+    mask = None if all_finite else torch.isfinite(values)
+    owner = torch.zeros(values.numel(), dtype=torch.int64)
+    owner[starts[1:]] = 1
+    owner = owner.cumsum_(0)  # segment index of every entry
+    wide = values.to(torch.float64)
+    if mask is not None:
+        wide = torch.where(mask, wide, 0.0)
+    sums = torch.segment_reduce(wide, "sum", lengths=lengths_t)
+    counts = lengths_t.to(torch.float64) if mask is None else _segment_count(mask, lengths_t)
+    deviations = wide - torch.index_select(sums / counts.clamp(min=1), 0, owner)
+    if mask is not None:
+        deviations = torch.where(mask, deviations, 0.0)
+    columns = [
+        counts,
+        _segment_count(values == 0, lengths_t),
+        sums,
+        torch.segment_reduce(deviations * deviations, "sum", lengths=lengths_t),
+        torch.segment_reduce(deviations, "sum", lengths=lengths_t),
+    ]
+    if any(bins):
+        columns.append(torch.segment_reduce(wide * wide, "sum", lengths=lengths_t))
+    keys = _sortable_keys(values).to(torch.int64)
+    if mask is not None:
+        keys = torch.where(mask, keys, _INF_KEY)
+    keys += _KEY_OFFSET
+    keys += owner << 32
+    ordered = torch.sort(keys).values
+    table = torch.stack(columns, dim=1).tolist()
+    return _batch_results(ordered, table, starts, wanted, bins)
+
+
+def _segment_count(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per segment, how many entries of `mask` are true (float64)."""
+    return torch.segment_reduce(mask.to(torch.float64), "sum", lengths=lengths)
+
+
+def _batch_results(
+    ordered: torch.Tensor,
+    table: list[list[float]],
+    starts: Sequence[int],
+    wanted: frozenset[str],
+    bins: Sequence[int | None],
+) -> list[CpuResult]:
+    """Reads every segment's order statistics and edge counts from the sorted composite keys."""
+    positions: list[int] = []
+    plans: list[tuple[dict[str, tuple[int, int]], list[float]]] = []
+    thresholds: list[int] = []
+    for index, row in enumerate(table):
+        finite, start = round(row[0]), starts[index]
+        ranks = _quartile_ranks(finite, wanted) if finite else {}
+        # min, max, then the quartile neighbours: positions in the sorted keys
+        needed = sorted({0, finite - 1} | {r for pair in ranks.values() for r in pair})
+        plans.append((ranks, []))
+        if finite:
+            positions += [start + rank for rank in needed]
+    picked = torch.index_select(ordered, 0, torch.tensor(positions, dtype=torch.int64)).tolist()
+    results: list[CpuResult] = []
+    cursor = 0
+    edges_of: list[list[float]] = []
+    for index, row in enumerate(table):
+        finite, zeros, total, squares, residual = row[:5]
+        count = round(finite)
+        raw: dict[str, float] = {"zeros": zeros, "finite": finite}
+        edges: list[float] = []
+        if count:
+            ranks = plans[index][0]
+            needed = sorted({0, count - 1} | {r for pair in ranks.values() for r in pair})
+            order = {
+                rank: _key_to_float((key & 0xFFFFFFFF) - _KEY_OFFSET, torch.float32)
+                for rank, key in zip(needed, picked[cursor : cursor + len(needed)], strict=True)
+            }
+            cursor += len(needed)
+            low, high = order[0], order[count - 1]
+            mean = total / count
+            variance = max((squares - residual * residual / count) / count, 0.0)
+            raw.update(min=low, max=high, mean=mean, std=math.sqrt(variance))
+            for name, (lo_rank, hi_rank) in ranks.items():
+                raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
+            segment_bins = bins[index]
+            if segment_bins:
+                edges = edges_on_host(low, high, segment_bins)
+                if low != high:
+                    base = (index << 32) + _KEY_OFFSET
+                    inner = edge_thresholds(edges[1:-1], torch.float32)
+                    thresholds += [base + key for key in inner]
+        edges_of.append(edges)
+        results.append(CpuResult(raw, None))
+    below = iter(
+        torch.searchsorted(ordered, torch.tensor(thresholds, dtype=torch.int64)).tolist()
+        if thresholds
+        else []
+    )
+    for index, (result, row) in enumerate(zip(results, table, strict=True)):
+        segment_bins = bins[index]
+        if not segment_bins:
+            continue
+        count = round(row[0])
+        if not count:
+            result.histogram = [0.0] * (5 + 2 * segment_bins + 1)
+            continue
+        low, high = result.raw["min"], result.raw["max"]
+        if low == high:
+            bin_counts = [float(count)] + [0.0] * (segment_bins - 1)
+        else:
+            cumulative = [0, *(next(below) - starts[index] for _ in range(segment_bins - 1)), count]
+            bin_counts = [float(b - a) for a, b in itertools.pairwise(cumulative)]
+        head = [float(count), low, high, row[2], row[5]]
+        result.histogram = head + edges_of[index] + bin_counts
+    return results
+
+
 # --- other devices: one sort, no host sync ------------------------------------------------------
 
 

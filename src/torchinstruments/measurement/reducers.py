@@ -236,6 +236,19 @@ class _Part:
         return tuple(out)
 
 
+@dataclass(slots=True)
+class _Deferred:
+    """A small CPU tensor's default profile, copied at launch and reduced later by `settle`."""
+
+    values: torch.Tensor
+    wanted: frozenset[str]
+    host: dict[str, float]
+    bins: int | None = None
+    histogram: PendingHistogram | None = None
+    settled: bool = False
+    error: str | None = None
+
+
 class PendingReduction:
     """Device-resident result for one tensor; resolved on the host after the single transfer.
 
@@ -244,12 +257,18 @@ class PendingReduction:
             cross to the host, or None if nothing must.
     """
 
-    __slots__ = ("_parts", "_size", "device_vector")
+    __slots__ = ("_deferred", "_parts", "_size", "device_vector")
 
-    def __init__(self, device_vector: torch.Tensor | None, parts: Sequence[_Part]) -> None:
+    def __init__(
+        self,
+        device_vector: torch.Tensor | None,
+        parts: Sequence[_Part],
+        deferred: _Deferred | None = None,
+    ) -> None:
         self.device_vector = device_vector
         self._parts = tuple(parts)
         self._size = 0 if device_vector is None else int(device_vector.numel())
+        self._deferred = deferred
 
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
         """Turns the host copy of `device_vector` into metric values.
@@ -261,9 +280,15 @@ class PendingReduction:
             One `MetricValue` per name in `Measurer.metrics`, in order. Never raises: a failure
             becomes null values with the reason.
         """
+        deferred = self._deferred
+        if deferred is not None and not deferred.settled:
+            settle([self])
         out: list[MetricValue] = []
         size_ok = len(host_values) == self._size
         for part in self._parts:
+            if deferred is not None and deferred.error is not None and part.host is deferred.host:
+                out.extend(MetricValue(None, deferred.error) for _ in part.metrics)
+                continue
             if not size_ok:
                 reason = reasons.host_values_mismatch(self._size, len(host_values))
                 out.extend(MetricValue(None, reason) for _ in part.metrics)
@@ -275,6 +300,41 @@ class PendingReduction:
                     MetricValue(None, reasons.error("statistics", error)) for _ in part.metrics
                 )
         return tuple(out)
+
+
+def settle(reductions: Sequence[PendingReduction]) -> None:
+    """Reduces every deferred small tensor among `reductions` together (see `Measurer.launch`).
+
+    One segmented pass per group of equal wanted metrics (`numerics.measure_batch_on_cpu`), so
+    the number of torch ops of a sample does not grow with its number of small tensors. Fills
+    the deferred host values and histogram vectors; never raises (a failure becomes the reason
+    of every deferred metric).
+    """
+    groups: dict[frozenset[str], list[_Deferred]] = {}
+    for reduction in reductions:
+        deferred = reduction._deferred
+        if deferred is not None and not deferred.settled:
+            groups.setdefault(deferred.wanted, []).append(deferred)
+    for wanted, members in groups.items():
+        try:
+            results = numerics.measure_batch_on_cpu(
+                [member.values for member in members], wanted, [m.bins for m in members]
+            )
+            for member, result in zip(members, results, strict=True):
+                member.host.update(result.raw)
+                if member.histogram is not None and result.histogram is not None:
+                    member.histogram.device_vector = torch.tensor(
+                        result.histogram, dtype=torch.float64
+                    )
+        except Exception as error:  # measuring must never crash the training step
+            for member in members:
+                member.error = reasons.error("statistics", error)
+        for member in members:
+            member.settled = True
+            member.values = _RELEASED  # the copy is no longer needed
+
+
+_RELEASED = torch.empty(0)
 
 
 class Measurer:
@@ -316,37 +376,45 @@ class Measurer:
         metrics = tuple(reducer.metrics)
         return _Part(metrics, fixed={metric: MetricValue(None, reason) for metric in metrics})
 
-    def launch(self, tensor: torch.Tensor) -> PendingReduction:
+    def launch(self, tensor: torch.Tensor, *, defer: bool = False) -> PendingReduction:
         """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
 
         Args:
             tensor: Any tensor; it is detached and never modified.
+            defer: On the CPU, a small float tensor (at most `numerics.BATCH_MAX` entries) is
+                copied now and its default profile computed later, together with the sample's
+                other small tensors, by `settle` (which `resolve` calls if nobody did). The copy
+                keeps the values measured as they were at launch.
 
         Returns:
             The pending reduction; call `resolve` with `device_vector.tolist()` once the values are
             on the host.
         """
         try:
-            return self._launch(tensor)
+            return self._launch(tensor, defer=defer)
         except Exception as error:  # measuring must never crash the training step
             return self.unavailable(reasons.error("statistics", error))
 
     def launch_with_histogram(
-        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
+        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS, *, defer: bool = False
     ) -> tuple[PendingReduction, PendingHistogram]:
         """`launch` plus the tensor's histogram, from the same passes where the path allows.
 
-        On the CPU the default profile's radix pass also counts the histogram's bins (see
-        `numerics.measure_on_cpu`); elsewhere, or without the default profile, the histogram is
-        counted on its own by `reduce_histogram`. Never raises.
+        On the CPU the default profile's radix pass (or the deferred batch, see `launch`) also
+        counts the histogram's bins (see `numerics.measure_on_cpu`); elsewhere, or without the
+        default profile, the histogram is counted on its own by `reduce_histogram`. A deferred
+        histogram's `device_vector` is filled by `settle`. Never raises.
         """
-        shared: list[torch.Tensor] = []
+        shared: list[torch.Tensor | PendingHistogram] = []
         try:
-            reduction = self._launch(tensor, bins, shared)
+            reduction = self._launch(tensor, bins, shared, defer=defer)
         except Exception as error:  # measuring must never crash the training step
             reduction = self.unavailable(reasons.error("statistics", error))
         if shared:
-            return reduction, PendingHistogram(shared[0], bins)
+            found = shared[0]
+            if isinstance(found, PendingHistogram):
+                return reduction, found
+            return reduction, PendingHistogram(found, bins)
         return reduction, reduce_histogram(tensor, bins)
 
     def unavailable(self, reason: str) -> PendingReduction:
@@ -358,22 +426,35 @@ class Measurer:
         self,
         tensor: torch.Tensor,
         bins: int | None = None,
-        shared: list[torch.Tensor] | None = None,
+        shared: list[torch.Tensor | PendingHistogram] | None = None,
+        *,
+        defer: bool = False,
     ) -> PendingReduction:
         """Runs every reducer and packs the device values into one vector.
 
-        With `bins`, the default profile may also count the histogram; its vector is appended to
-        `shared` when it does.
+        With `bins`, the default profile may also count the histogram; its vector (or, deferred,
+        its pending histogram) is appended to `shared` when it does.
         """
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
+        deferred: _Deferred | None = None
         with torch.no_grad():
             detached = tensor.detach()
             copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
             for reducer in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
-                    if isinstance(reducer, DefaultStatistics):
+                    if isinstance(reducer, DefaultStatistics) and defer:
+                        deferred = _defer_default(detached, reducer.metrics, bins)
+                    if deferred is not None and isinstance(reducer, DefaultStatistics):
+                        derive = numerics.DefaultDeriver(detached.numel(), deferred.wanted)
+                        part, block = (
+                            _Part(reducer.metrics, host=deferred.host, derive=derive),
+                            None,
+                        )
+                        if deferred.histogram is not None and shared is not None:
+                            shared.append(deferred.histogram)
+                    elif isinstance(reducer, DefaultStatistics):
                         part, block, histogram = _reduce_default(
                             detached, reducer.metrics, offset, bins
                         )
@@ -397,7 +478,7 @@ class Measurer:
             vector = None
             if blocks:
                 vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return PendingReduction(vector, parts)
+        return PendingReduction(vector, parts, deferred)
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -555,6 +636,24 @@ def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
 
 
 # --- default profile ----------------------------------------------------------------------------
+
+
+def _defer_default(
+    tensor: torch.Tensor, metrics: tuple[str, ...], bins: int | None
+) -> _Deferred | None:
+    """A copy of a small float CPU tensor to reduce later with others, or None if not eligible."""
+    numel = tensor.numel()
+    if (
+        not metrics
+        or not tensors.host_sync_is_free(tensor.device)
+        or not 0 < numel <= numerics.BATCH_MAX
+        or tensors.unsupported_reason(tensor) is not None
+        or tensors.working_dtype(tensor.dtype) != torch.float32
+    ):
+        return None
+    values = tensor.reshape(-1).to(torch.float32, copy=True)
+    histogram = PendingHistogram(None, bins) if bins else None
+    return _Deferred(values, frozenset(metrics), {}, bins, histogram)
 
 
 def _reduce_default(

@@ -23,7 +23,7 @@ import torch
 from torchinstruments import reasons
 from torchinstruments.measurement import tensors
 from torchinstruments.measurement.histograms import PendingHistogram
-from torchinstruments.measurement.reducers import Measurer, PendingReduction
+from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
 from torchinstruments.records import HistogramRecord, Measurement, SampleRecord, TensorKey
 
 
@@ -46,9 +46,9 @@ def launch_tensor(
     try:
         measured = tensors.measured_form(tensor)
         if focus:
-            reduction, histogram = measurer.launch_with_histogram(measured)
+            reduction, histogram = measurer.launch_with_histogram(measured, defer=True)
         else:
-            reduction, histogram = measurer.launch(measured), None
+            reduction, histogram = measurer.launch(measured, defer=True), None
     except Exception as error:
         reduction = measurer.unavailable(reasons.error("measurement", error))
         histogram = None
@@ -98,6 +98,7 @@ def build_records(
     signal: str, pending: Sequence[PendingTensor], metrics: tuple[str, ...], rank: int | None
 ) -> list[SampleRecord]:
     """Transfer pending results to the host and resolve them into one record per sample."""
+    settle([item.reduction for item in pending])  # the small CPU tensors, all at once
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)

@@ -40,7 +40,7 @@ def count_ops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
         with record_function("bench::backward"):
             out.mean().backward()
     counts = {"bench::forward": 0, "bench::backward": 0}
-    events = prof.events()
+    events = prof.events() or []
     ranges = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.name in counts]
     for event in events:
         if not event.name.startswith("aten::"):

@@ -1,10 +1,10 @@
 """Cost of the default statistics profile (and histogram) of one float32 tensor on the CPU.
 
-Compares, per size, the whole default profile (`Measurer.reduce` + `PendingReduction.finish`)
+Compares, per size, the whole default profile (`Measurer.launch` + `PendingReduction.resolve`)
 with `x.sum()` (the floor: one read of the tensor), `torch.sort(x)` (the reference the budget is
 stated in) and the obvious approach (`torch.quantile` for the three quartiles plus separate
 count, mean, std, min and max passes). `stats+hist` is what one focus tensor costs: the profile
-plus its 64-bin histogram, as the observer measures it; `hand` is the hand-rolled equivalent
+plus its 64-bin histogram, as the observer measures it (`Measurer.launch_with_histogram`); `hand` is the hand-rolled equivalent
 (`var_mean`, `aminmax`, `torch.quantile`, two `count_nonzero`, `torch.histc`, one `.tolist()`),
 which `torch.quantile` limits to 2**24 elements. Repeats are interleaved in one process and the
 median is reported, as milliseconds and as medians of the per-repeat ratios. Budgets: stats+hist <= 0.3x sort at 1e6 and
@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import torch
 
-from torchinstruments.measurement.histograms import reduce_histogram
 from torchinstruments.measurement.reducers import Measurer
 
 from _timing import median, timed
@@ -45,11 +44,12 @@ def ours(measurer: Measurer, x: torch.Tensor) -> dict[str, float | None]:
 
 
 def with_histogram(measurer: Measurer, x: torch.Tensor) -> None:
-    """The profile and the histogram of one focus tensor, both halves."""
-    ours(measurer, x)
-    pending = reduce_histogram(x)
+    """The profile and the histogram of one focus tensor, both halves, as the observer runs them."""
+    reduction, pending = measurer.launch_with_histogram(x)
+    vector = reduction.device_vector
+    reduction.resolve([] if vector is None else vector.tolist())
     vector = pending.device_vector
-    pending.finish(
+    pending.resolve(
         [] if vector is None else vector.tolist(),
         sample_id=0,
         layer="bench",

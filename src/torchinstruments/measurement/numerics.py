@@ -178,16 +178,16 @@ def edge_thresholds(edges: Sequence[float], dtype: torch.dtype) -> list[int]:
 
 
 def edges_on_host(low: float, high: float, bins: int) -> list[float]:
-    """bins + 1 non-decreasing float64 edges from low to high, exactly as `_edges` computes them."""
-    out: list[float] = []
-    running = -math.inf
-    for index in range(bins + 1):
-        step = index / bins
-        value = low * (1.0 - step) + high * step
-        running = max(running, value)
-        out.append(min(max(running, low), high))
+    """bins + 1 non-decreasing float64 edges from low to high, exactly as `_edges` computes them.
+
+    The same IEEE operations in the same order as the torch version (`histograms._edges`, which
+    the sync-free path runs on the device), so both paths report identical edges.
+    """
+    steps = [index / bins for index in range(bins + 1)]
+    running = itertools.accumulate([low * (1.0 - step) + high * step for step in steps], max)
+    out = [min(max(value, low), high) for value in running]
     out[0], out[-1] = low, high
-    return [value + 0.0 for value in out]
+    return out
 
 
 @dataclass
@@ -505,7 +505,7 @@ def _candidates_in_chunks(
 
 # Tensors of at most this many entries are measured together at the end of a sampled forward (or
 # backward): their values are copied at the layer's return and reduced in one segmented pass.
-BATCH_MAX = 1 << 14
+BATCH_MAX = 1 << 12
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 

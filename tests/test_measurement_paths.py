@@ -1,0 +1,271 @@
+"""Statistics and histograms of the same tensor on every reduction path, against NumPy.
+
+Paths: the CPU's one-pass radix (`numerics.measure_on_cpu`) as configured, with tiny chunks (so
+multi-chunk gathering runs on small inputs), with every bucket refined instead of one shared sort
+(`_ONE_SORT_LIMIT = 0`), the CPU batch of small tensors (`Measurer.launch(defer=True)` + `settle`)
+and the sync-free device path (forced on the CPU). Every metric is compared with NumPy (order
+statistics and fractions exactly, moments to 1e-9) and every histogram bin with `numpy.histogram`
+on the edges reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
+from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
+from torchinstruments.records import HistogramRecord, MetricValue
+
+from conftest import NoHostSync, numpy_profile
+
+PATHS = ("cpu", "cpu_chunked", "cpu_refined", "cpu_batched", "device")
+ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Configures one reduction path for the test."""
+    name = request.param
+    if name == "cpu_chunked":
+        monkeypatch.setattr(numerics, "CHUNK", 97)
+        monkeypatch.setattr(numerics, "_SORT_BELOW", 8)
+    elif name == "cpu_refined":
+        monkeypatch.setattr(numerics, "_ONE_SORT_LIMIT", 0)
+        monkeypatch.setattr(numerics, "_SORT_BELOW", 8)
+    elif name == "device":
+        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+    return name
+
+
+def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHistogram]:
+    """Statistics and histogram of one tensor as the observer launches them (focus layer)."""
+    measurer = Measurer(None)
+    if path == "device":
+        with NoHostSync() as mode:
+            pending = measurer.launch_with_histogram(tensor)
+        assert mode.violations == []
+        return pending
+    return measurer.launch_with_histogram(tensor, defer=path == "cpu_batched")
+
+
+def resolve(
+    measurer: Measurer, reduction: PendingReduction, histogram: PendingHistogram
+) -> tuple[dict[str, MetricValue], HistogramRecord | None]:
+    """Both halves, as `transfer.build_records` runs them."""
+    settle([reduction])
+    vector = reduction.device_vector
+    values = reduction.resolve([] if vector is None else vector.tolist())
+    hist_vector = histogram.device_vector
+    record = histogram.resolve(
+        [] if hist_vector is None else hist_vector.tolist(),
+        sample_id=0,
+        layer="fc",
+        call_index=0,
+        signal="output",
+        tensor_path="",
+    )
+    return dict(zip(measurer.metrics, values, strict=True)), record
+
+
+def assert_profile(got: dict[str, MetricValue], values: np.ndarray) -> None:
+    """Order statistics and fractions exactly, moments to 1e-9, nulls with reasons."""
+    want = numpy_profile(values)
+    finite = values.astype(np.float64)[np.isfinite(values.astype(np.float64))]
+    magnitude = float(np.abs(finite).max()) if finite.size else 0.0
+    for name, expected in want.items():
+        actual = got[name].value
+        if expected is None:
+            assert actual is None, name
+            assert got[name].reason == "no finite entries", name
+        elif name in ORDER_METRICS or name.endswith("_fraction"):
+            assert actual == expected, (name, actual, expected)
+        else:
+            assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12 * magnitude), name
+
+
+def assert_histogram(record: HistogramRecord | None, values: np.ndarray) -> None:
+    """Every bin equals numpy.histogram's on the reported edges."""
+    finite = values.astype(np.float64).ravel()
+    finite = finite[np.isfinite(finite)]
+    if finite.size == 0:
+        assert record is None
+        return
+    assert record is not None
+    assert record.num == finite.size
+    assert (record.min, record.max) == (finite.min(), finite.max())
+    assert record.sum == pytest.approx(float(finite.sum()), rel=1e-9, abs=1e-300)
+    if record.min == record.max:
+        assert record.bucket_counts == (float(finite.size),)
+        return
+    edges = np.array([record.min, *record.bucket_limits])
+    assert len(record.bucket_counts) == DEFAULT_BINS
+    want, _ = np.histogram(finite, bins=edges)
+    assert list(record.bucket_counts) == want.astype(float).tolist()
+
+
+def reference(tensor: torch.Tensor) -> np.ndarray:
+    """The values NumPy sees: half types after conversion to float32, integers as float64."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.to(torch.float32).numpy()
+    if not tensor.dtype.is_floating_point:
+        return tensor.to(torch.float64).numpy()
+    return tensor.numpy()
+
+
+def patterns(rng: np.random.Generator, n: int) -> Iterator[tuple[str, np.ndarray]]:
+    """NaN/Inf mixes, subnormals, signed zeros, constants, heavy tails."""
+    yield "normal", rng.standard_normal(n)
+    yield "cauchy", rng.standard_cauchy(n)
+    yield "relu", np.maximum(rng.standard_normal(n), 0.0)
+    yield "constant", np.full(n, -3.25)
+    yield "signed_zeros", rng.choice(np.array([0.0, -0.0, 1.5, -2.0]), n)
+    yield "narrow", 1.0 + 1e-6 * rng.standard_normal(n)
+    yield "subnormal32", rng.standard_normal(n) * 1e-41
+    yield "subnormal64", rng.standard_normal(n) * 1e-310
+    yield "huge64", rng.standard_normal(n) * 1e305
+    mixed = rng.standard_normal(n)
+    bad = rng.random(n) < 0.3
+    mixed[bad] = rng.choice(np.array([np.nan, np.inf, -np.inf]), int(bad.sum()))
+    yield "nonfinite_mix", mixed
+    yield "all_nan", np.full(n, np.nan)
+
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+FLOAT64_ONLY = ("subnormal64", "huge64")
+CASES = [
+    (pattern, dtype)
+    for pattern, _ in patterns(np.random.default_rng(0), 1)
+    for dtype in DTYPES
+    if pattern not in FLOAT64_ONLY or dtype == torch.float64
+]
+
+
+@pytest.mark.parametrize("n", [1, 3000])
+@pytest.mark.parametrize(("pattern", "dtype"), CASES, ids=str)
+def test_every_path_matches_numpy(path: str, dtype: torch.dtype, n: int, pattern: str) -> None:
+    values = dict(patterns(np.random.default_rng(n), n))[pattern]
+    tensor = torch.from_numpy(values).to(dtype)
+    reduction, histogram = launch(path, tensor)
+    got, record = resolve(Measurer(None), reduction, histogram)
+    assert_profile(got, reference(tensor))
+    with np.errstate(over="ignore"):
+        if pattern != "huge64":  # sum of squares overflows float64 there, as in NumPy
+            assert_histogram(record, reference(tensor))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool], ids=str)
+def test_integers_on_every_path(path: str, dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(7)
+    tensor = torch.from_numpy(rng.integers(-50, 50, 4000)).to(dtype)
+    reduction, histogram = launch(path, tensor)
+    got, record = resolve(Measurer(None), reduction, histogram)
+    assert_profile(got, reference(tensor))
+    assert_histogram(record, reference(tensor))
+
+
+def test_empty_tensor_on_every_path(path: str) -> None:
+    reduction, histogram = launch(path, torch.zeros(0, 3))
+    got, record = resolve(Measurer(None), reduction, histogram)
+    assert all(metric == MetricValue(None, "empty tensor") for metric in got.values())
+    assert record is None
+
+
+def test_a_batch_of_mixed_tensors_matches_numpy() -> None:
+    """Many small tensors reduced together, as one sampled forward's: each still matches NumPy."""
+    rng = np.random.default_rng(11)
+    batch: list[torch.Tensor] = []
+    for index, (_, values) in enumerate(patterns(rng, 257)):
+        dtype = DTYPES[index % len(DTYPES)]
+        batch.append(torch.from_numpy(values).to(dtype))
+    batch += [torch.zeros(0), torch.tensor([math.nan]), torch.arange(10, dtype=torch.int16)]
+    measurer = Measurer(None)
+    launched = [measurer.launch_with_histogram(t, defer=True) for t in batch]
+    before = [t.clone() for t in batch]
+    for t in batch:  # later in-place changes must not reach what was measured at launch
+        t.mul_(2) if t.is_floating_point() else None
+    settle([reduction for reduction, _ in launched])
+    for tensor, original, (reduction, histogram) in zip(batch, before, launched, strict=True):
+        got, record = resolve(measurer, reduction, histogram)
+        if original.numel() == 0:
+            assert record is None
+            continue
+        assert_profile(got, reference(original))
+        if not np.isfinite(np.abs(reference(original)).astype(np.float64) ** 2).all():
+            continue
+        assert_histogram(record, reference(original))
+        del tensor
+
+
+def test_batch_ops_do_not_grow_with_the_number_of_tensors() -> None:
+    """The segmented pass runs a fixed number of torch ops, however many tensors it reduces."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(count: int) -> int:
+        measurer = Measurer(None)
+        launched = [measurer.launch(torch.randn(64), defer=True) for _ in range(count)]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            settle(launched)
+        return sum(1 for event in prof.events() or [] if event.cpu_parent is None)
+
+    assert ops(40) == ops(5)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    values=hnp.arrays(
+        dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+        shape=st.integers(0, 400),
+        elements={"allow_nan": True, "allow_infinity": True, "allow_subnormal": True},
+    )
+)
+def test_arbitrary_arrays_on_every_path(path: str, values: np.ndarray) -> None:
+    tensor = torch.from_numpy(values)
+    reduction, histogram = launch(path, tensor)
+    got, record = resolve(Measurer(None), reduction, histogram)
+    if values.size == 0:
+        assert record is None
+        return
+    finite = reference(tensor).astype(np.float64)
+    finite = finite[np.isfinite(finite)]
+    with np.errstate(over="ignore"):
+        if finite.size and not np.isfinite(np.dot(finite, finite)):
+            return  # NumPy's own sums overflow; the invariants are checked elsewhere
+    assert_profile(got, reference(tensor))
+    assert_histogram(record, reference(tensor))
+
+
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_more_than_2_pow_24_entries_with_histogram(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if where == "device":
+        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+    rng = np.random.default_rng(24)
+    values = rng.standard_normal(2**24 + 5, dtype=np.float32)
+    values[rng.integers(0, values.size, 1000)] = np.nan
+    values[rng.integers(0, values.size, 10)] = -np.inf
+    tensor = torch.from_numpy(values)
+    got, record = resolve(Measurer(None), *launch(where, tensor))
+    finite = values[np.isfinite(values)].astype(np.float64)
+    quartiles = np.percentile(finite, [25, 50, 75])
+    assert [got[name].value for name in ("p25", "p50", "p75")] == quartiles.tolist()
+    assert (got["min"].value, got["max"].value) == (finite.min(), finite.max())
+    assert got["nonfinite_fraction"].value == (values.size - finite.size) / values.size
+    assert got["mean"].value == pytest.approx(float(finite.mean()), rel=1e-9, abs=1e-12)
+    assert got["std"].value == pytest.approx(float(finite.std()), rel=1e-9)
+    assert record is not None
+    want, _ = np.histogram(finite, bins=np.array([record.min, *record.bucket_limits]))
+    assert list(record.bucket_counts) == want.astype(float).tolist()

@@ -16,6 +16,13 @@ device and returns a `PendingReduction` whose `device_vector` holds every number
 to the host; `transfer` concatenates the vectors of all tensors of one sampled forward and moves
 them with ONE transfer, then calls `PendingReduction.resolve` with the host values. Which tensors
 are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
+
+Two ways the default profile shares work, both on the CPU only (where host syncs are free; the
+sync-free device path is unchanged): `launch_with_histogram` counts a focus tensor's histogram in
+the statistics' own radix pass, and `launch(defer=True)` copies a small float tensor (at most
+`numerics.BATCH_MAX` entries; the copy keeps the values as they were at the layer's return) so
+that `settle` reduces all of a sample's small tensors in one segmented pass. Measured with
+`bench/ops.py`: a sampled forward of a 100-leaf MLP adds 4 torch ops per layer instead of 39.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ place where measured values cross to the host.
 The path of a value, from a layer's return to a history row: `observer` (or `gradients`) calls
 `launch_tensor`, which launches the reductions on the device and returns a `PendingTensor`;
 `build_records` transfers and resolves a list of them into one `SampleRecord` per sample; the
-sinks turn those into rows.
+sinks turn those into rows. On the CPU, small tensors are only copied by `launch_tensor` (so later
+in-place ops cannot change what is measured) and `build_records` first reduces all of them
+together (`reducers.settle`): one segmented pass per sampled forward or backward, so the number
+of torch ops per sample does not grow with the number of layers.
 """
 
 from __future__ import annotations

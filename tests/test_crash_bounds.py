@@ -1,0 +1,241 @@
+"""Loss on a crash is bounded by time: real training processes killed with SIGKILL and SIGTERM.
+
+The child (this file run as a script) trains with the default settings except two: every root
+forward is sampled (so there is something to lose) and `HistoryConfig(flush_seconds=...)` is
+short. At the default `buffer_rows=8192` the child never fills a chunk in its lifetime
+(`ROWS_PER_SAMPLE` rows per step, about `1 / STEP_SLEEP_S` steps per second), so every part on
+disk was written because of the time bound, not the row bound.
+
+The child prints `step K T` after step K, where T is its wall clock: every row of sample K was
+measured (and appended) before T. The parent kills the child at wall time `killed_at`. The
+guarantee under test: every sample printed before `killed_at - FLUSH_SECONDS` is complete in
+`history.parts/` and in the TensorBoard events (all three layers are focus layers). The run
+directory's name holds glob characters, a space and non-ASCII letters, so that the live writer,
+the merge and `finalize` are exercised on a path that must be used literally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import (
+    HISTOGRAMS,
+    EventAccumulator,
+)
+from torch import nn
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+)
+
+from conftest import sgd_step
+
+FLUSH_SECONDS = 1.0
+LAYERS = 3  # Linear, Tanh, Linear: all three are focus layers and get a gradient
+ROWS_PER_SAMPLE = LAYERS * len(DEFAULT_METRICS) * 2  # x 2 signals
+STEP_SLEEP_S = 0.1
+CHILD_LIFETIME_S = 120.0  # the child stops on its own if the parent never kills it
+WAIT_S = 90.0
+OLD_STEPS_BEFORE_KILL = 15  # steps printed at least one flush interval before the kill
+RUN_NAME = "exp[lr=0.1]{a,b} ?*~ ü"  # glob characters, a space, non-ASCII
+TAGS = [
+    f"{layer}/call_0/{signal}/tensor"
+    for layer in ("0", "1", "2")
+    for signal in ("output", "output_gradient")
+]
+
+
+def child_main(directory: Path, mode: str) -> None:
+    """Train until killed. mode "plain": no SIGTERM handler of its own; "chained": the
+    program installs its own SIGTERM handler first (as frameworks do), which writes a marker
+    and exits with status 143."""
+    torch.set_num_threads(1)
+    if mode == "chained":
+
+        def on_term(signum: int, frame: Any) -> None:
+            (directory.parent / "handler-ran").write_text(str(signum), encoding="utf-8")
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, on_term)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    x, y = torch.randn(64, 6), torch.randn(64, 1)
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=FLUSH_SECONDS),
+    )
+    deadline = time.monotonic() + CHILD_LIFETIME_S
+    step = 0
+    while time.monotonic() < deadline:
+        sgd_step(model, x, y, 0.01)
+        print(f"step {step} {time.time():.6f}", flush=True)
+        step += 1
+        time.sleep(STEP_SLEEP_S)
+
+
+def printed_steps(log: Path) -> dict[int, float]:
+    """Step number -> wall time printed after it."""
+    steps = {}
+    for line in log.read_text("utf-8").splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0] == "step":
+            steps[int(words[1])] = float(words[2])
+    return steps
+
+
+def part_files(directory: Path) -> list[Path]:
+    """Completed parts, listed without any glob pattern."""
+    parts = directory / "history.parts"
+    if not parts.is_dir():
+        return []
+    return sorted(
+        p for p in parts.iterdir() if p.name.startswith("part-") and p.name.endswith(".parquet")
+    )
+
+
+def read_parts(directory: Path) -> pl.DataFrame:
+    """All rows of the completed parts."""
+    frames = [pl.read_parquet(p, glob=False) for p in part_files(directory)]
+    assert frames, "no part on disk"
+    return pl.concat(frames)
+
+
+def event_steps(directory: Path) -> dict[str, set[int]]:
+    """Histogram tag -> steps (sample ids), as TensorBoard reads the event files."""
+    accumulator = EventAccumulator(str(directory / "tensorboard"), size_guidance={HISTOGRAMS: 0})
+    accumulator.Reload()
+    tags: dict[str, Any] = accumulator.Tags()
+    return {tag: {e.step for e in accumulator.Histograms(tag)} for tag in tags["histograms"]}
+
+
+def run_and_kill(
+    tmp_path: Path, mode: str, signum: int, returncode: int
+) -> tuple[Path, dict[int, float], float]:
+    """Start the child, wait until OLD_STEPS_BEFORE_KILL steps are older than one flush
+    interval, send `signum`, check the child's exit status; returns the run directory, the
+    printed steps and the kill time."""
+    directory = tmp_path / RUN_NAME
+    log = tmp_path / "child.log"
+    with log.open("w", encoding="utf-8") as out:
+        child = subprocess.Popen(
+            [sys.executable, __file__, str(directory), mode], stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                steps = printed_steps(log)
+                old = [s for s, t in steps.items() if t < time.time() - 2 * FLUSH_SECONDS]
+                if len(old) >= OLD_STEPS_BEFORE_KILL:
+                    break
+                if child.poll() is not None:
+                    pytest.fail(f"training child exited early:\n{log.read_text('utf-8')}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"fewer than {OLD_STEPS_BEFORE_KILL} steps after {WAIT_S} s")
+                time.sleep(0.05)
+            killed_at = time.time()
+            os.kill(child.pid, signum)
+            child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    steps = printed_steps(log)
+    assert child.returncode == returncode, log.read_text("utf-8")
+    return directory, steps, killed_at
+
+
+def assert_bound(directory: Path, steps: dict[int, float], killed_at: float) -> set[int]:
+    """Every step printed one flush interval before the kill is complete in the parts and in the
+    TensorBoard events; returns the sample ids in the parts."""
+    old = {s for s, t in steps.items() if t < killed_at - FLUSH_SECONDS}
+    assert len(old) >= OLD_STEPS_BEFORE_KILL
+    rows = read_parts(directory)
+    per_sample = dict(rows.group_by("sample_id").len().iter_rows())
+    missing = sorted(s for s in old if per_sample.get(s) != ROWS_PER_SAMPLE)
+    assert not missing, f"samples older than {FLUSH_SECONDS} s not (fully) in the parts: {missing}"
+    # no part is larger than the rows of the run so far: the row bound never triggered
+    assert rows.height < HistoryConfig().buffer_rows
+    events = event_steps(directory)
+    assert set(events) == set(TAGS)
+    for tag in TAGS:
+        assert old <= events[tag], (tag, sorted(old - events[tag]))
+    # both hold only samples that were really measured (at most the step in flight besides)
+    printed = set(steps)
+    assert set(per_sample) <= printed | {max(printed) + 1}
+    for tag in TAGS:
+        assert events[tag] <= printed | {max(printed) + 1}
+    return set(per_sample)
+
+
+def finalize_cli(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "finalize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_path: Path) -> None:
+    directory, steps, killed_at = run_and_kill(tmp_path, "plain", signal.SIGKILL, -signal.SIGKILL)
+    assert not (directory / "history.parquet").exists()
+    in_parts = assert_bound(directory, steps, killed_at)
+    parts_rows = read_parts(directory).height
+
+    done = finalize_cli(directory)
+    assert done.returncode == 0, done.stderr
+    history = pl.read_parquet(directory / "history.parquet", glob=False)
+    assert history.height == parts_rows
+    assert set(history["sample_id"].unique().to_list()) == in_parts
+    assert part_files(directory) == []
+    index = (directory / "index.md").read_text("utf-8")
+    # a killed run is never called complete: what it held in memory is unknown
+    assert "<!-- torchinstruments:state:complete -->" not in index
+    assert "<!-- torchinstruments:state:interrupted -->" in index
+    assert f"flush_seconds={FLUSH_SECONDS}" in index
+
+
+def test_sigterm_flushes_everything_then_ends_with_the_default_action(tmp_path: Path) -> None:
+    directory, steps, killed_at = run_and_kill(tmp_path, "plain", signal.SIGTERM, -signal.SIGTERM)
+    in_parts = assert_bound(directory, steps, killed_at)
+    # SIGTERM loses no more than SIGKILL, and in fact nothing that was measured before it:
+    # every printed step is in the parts and in the events.
+    assert set(steps) <= in_parts
+    for tag, found in event_steps(directory).items():
+        assert set(steps) <= found, tag
+
+    done = finalize_cli(directory)
+    assert done.returncode == 0, done.stderr
+    history = pl.read_parquet(directory / "history.parquet", glob=False)
+    assert set(steps) <= set(history["sample_id"].unique().to_list())
+
+
+def test_sigterm_chains_to_the_handler_installed_before(tmp_path: Path) -> None:
+    directory, steps, _ = run_and_kill(tmp_path, "chained", signal.SIGTERM, 143)
+    assert (tmp_path / "handler-ran").read_text("utf-8") == str(int(signal.SIGTERM))
+    # the program's own handler ended it with SystemExit, so the run finished normally
+    # (interpreter exit finalizes an unremoved observer): complete, with every printed step
+    history = pl.read_parquet(directory / "history.parquet", glob=False)
+    assert set(steps) <= set(history["sample_id"].unique().to_list())
+    index = (directory / "index.md").read_text("utf-8")
+    assert "<!-- torchinstruments:state:complete -->" in index
+    assert part_files(directory) == []
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,150 @@
+"""Run directories are used literally: glob characters, `~`, spaces, non-ASCII, and `os.chdir`.
+
+Polars reads a path string as a glob pattern unless told otherwise, so a directory named like a
+sweep (`exp[lr=0.1]`) or one whose name matches a sibling's as a pattern (`a?b` next to `axb`)
+must still read exactly its own parts. Every run here writes several parts (`buffer_rows` is one
+sample's forward rows), so the merge really has parts to find.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import read_result
+
+STEPS = 4
+LAYERS = 2  # Linear, ReLU
+FORWARD_ROWS = LAYERS * len(DEFAULT_METRICS)
+CONFIG = HistoryConfig(buffer_rows=FORWARD_ROWS)
+
+NAMES = [
+    "exp[lr=0.1]",
+    "a?b",
+    "st*r",
+    "{x,y}",
+    "~tilde",
+    "with space",
+    "ünïcödé ✓ 実験",
+    "[",
+    "]?*{}~ all",
+]
+
+
+def run(directory: str | Path, scale: float = 1.0) -> tuple[Path | None, list[float]]:
+    """Observe STEPS forwards (no backward) of a tiny model; returns inject's directory and the
+    Linear output means, computed independently of the library."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    returned = inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    expected = []
+    try:
+        for step in range(STEPS):
+            x = torch.full((2, 3), scale * (step + 1))
+            with torch.no_grad():
+                model(x)
+                expected.append(model[0](x).mean().item())
+    finally:
+        remove_observer(model)
+    return returned, expected
+
+
+def linear_means(directory: Path) -> list[float]:
+    history = pl.read_parquet(directory / "history.parquet", glob=False)
+    return (
+        history.filter((pl.col("layer") == "0") & (pl.col("metric") == "mean"))
+        .sort("sample_id")["value"]
+        .to_list()
+    )
+
+
+def assert_complete(directory: Path, expected_means: list[float]) -> None:
+    """history.parquet holds exactly this run's rows; parts merged; summaries; index complete."""
+    history = pl.read_parquet(directory / "history.parquet", glob=False)
+    assert history.height == STEPS * FORWARD_ROWS
+    assert linear_means(directory) == pytest.approx(expected_means, rel=1e-6)
+    assert not (directory / "history.parts").exists()
+    result = read_result(directory)
+    assert result[0]["tensors"][0]["metrics"]["mean"]["observations"] == STEPS
+    index = (directory / "index.md").read_text("utf-8")
+    assert "<!-- torchinstruments:state:complete -->" in index
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_glob_characters_spaces_and_non_ascii_names_are_literal(tmp_path: Path, name: str) -> None:
+    directory = tmp_path / name
+    returned, expected = run(directory)
+    assert returned == directory
+    assert_complete(directory, expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing written elsewhere
+
+
+def test_sibling_matching_as_a_glob_contributes_no_rows(tmp_path: Path) -> None:
+    _, expected_other = run(tmp_path / "axb", scale=100.0)
+    _, expected = run(tmp_path / "a?b", scale=1.0)
+    assert_complete(tmp_path / "a?b", expected)
+    assert_complete(tmp_path / "axb", expected_other)  # and the sibling is untouched
+
+
+def test_sibling_pattern_directory_is_not_read_while_live(tmp_path: Path) -> None:
+    """The other way round: `a*` exists first, then `ab` runs; `a*` keeps only its rows."""
+    _, expected_star = run(tmp_path / "a*", scale=3.0)
+    _, expected = run(tmp_path / "ab", scale=1.0)
+    assert_complete(tmp_path / "a*", expected_star)
+    assert_complete(tmp_path / "ab", expected)
+
+
+def test_tilde_is_expanded_once_at_inject(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    returned, expected = run("~/runs/x")
+    assert returned == home / "runs" / "x"
+    assert returned is not None and returned.is_absolute()
+    assert_complete(home / "runs" / "x", expected)
+    assert list(work.iterdir()) == []  # no literal ./~ directory
+
+
+def test_relative_dir_survives_chdir_after_inject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    returned = inject_observer(
+        model, output_dir="rel/stats", sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    assert returned == start / "rel" / "stats"
+    os.chdir(elsewhere)  # what Hydra-style launchers do after the program started
+    expected = []
+    try:
+        for step in range(STEPS):
+            x = torch.full((2, 3), float(step + 1))
+            with torch.no_grad():
+                model(x)
+                expected.append(model[0](x).mean().item())
+    finally:
+        remove_observer(model)
+    assert_complete(start / "rel" / "stats", expected)
+    assert list(elsewhere.iterdir()) == []

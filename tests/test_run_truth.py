@@ -1,0 +1,250 @@
+"""The run directory never lies: odd tensors, failing artifacts, lost rows, and leaf hooks.
+
+- A tensor that cannot be measured or described (a jagged nested tensor) becomes null rows with a
+  reason; every other row is written and history.parquet exists.
+- A failing result.json or TensorBoard step never prevents history.parquet.
+- index.md says "complete" only when history.parquet holds every row the run recorded; otherwise
+  it says how many rows were lost and why.
+- Hooks kept on leaf outputs stay bounded in loops that never run a backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.tensorboard import SummaryWriter
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import read_result
+
+METRICS = len(DEFAULT_METRICS)
+COMPLETE = "<!-- torchinstruments:state:complete -->"
+INCOMPLETE = "<!-- torchinstruments:state:incomplete -->"
+
+
+class Jagged(nn.Module):
+    """Returns a jagged nested tensor built from its input's rows (lengths 2 and 3)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nested.nested_tensor([h[0, :2], h[1, :3]], layout=torch.jagged)
+
+
+class WithJagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.jag = Jagged()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.jag(h)
+        return self.out(h)
+
+
+def index_text(directory: Path) -> str:
+    return (directory / "index.md").read_text("utf-8")
+
+
+def small_run(directory: Path, steps: int = 3) -> nn.Module:
+    """Inject into a Linear+Tanh model and train `steps` steps (left injected)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(steps):
+        model(torch.randn(2, 3)).sum().backward()
+    return model
+
+
+ROWS_SMALL = 2 * METRICS * 2  # two layers, two signals
+
+
+def test_jagged_nested_tensor_gives_null_rows_and_every_other_row(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = WithJagged()
+    inputs = [torch.randn(2, 4) for _ in range(3)]
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for x in inputs:
+            model(x).sum().backward()
+        remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    jag = history.filter(pl.col("layer") == "jag")
+    assert jag.height == 3 * METRICS  # its output, every sample; no gradient reaches it
+    assert jag["value"].null_count() == jag.height
+    assert jag["unavailable_reason"].null_count() == 0
+    assert set(jag["unavailable_reason"]) == {"unsupported layout torch.jagged"}
+    assert jag["shape"].to_list() == [[2, None, 4]] * jag.height  # the ragged dim is null
+    for layer in ("lin", "out"):
+        for signal in ("output", "output_gradient"):
+            rows = history.filter((pl.col("layer") == layer) & (pl.col("signal") == signal))
+            assert rows.height == 3 * METRICS, (layer, signal)
+            assert rows["value"].null_count() == 0
+    # the values around it are the real ones (independent recomputation)
+    torch.manual_seed(0)
+    reference = WithJagged()
+    means = (
+        history.filter(
+            (pl.col("layer") == "lin") & (pl.col("signal") == "output") & (pl.col("metric") == "mean")
+        )
+        .sort("sample_id")["value"]
+        .to_list()
+    )
+    with torch.no_grad():
+        assert means == pytest.approx([reference.lin(x).mean().item() for x in inputs], rel=1e-6)
+    assert COMPLETE in index_text(run_dir)
+    assert [layer["layer"] for layer in read_result(run_dir)] == ["lin", "jag", "out"]
+
+
+def test_failing_result_json_never_prevents_history(run_dir: Path) -> None:
+    model = small_run(run_dir)
+    (run_dir / "result.json").unlink()
+    (run_dir / "result.json").mkdir()  # a directory with content: result.json cannot be replaced
+    (run_dir / "result.json" / "keep").write_text("x")
+    with pytest.warns(RuntimeWarning, match="result.json"):
+        remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert history.height == 3 * ROWS_SMALL
+    index = index_text(run_dir)
+    assert "result.json could not be written" in index
+    assert COMPLETE in index  # the history is complete; the page says what is missing
+
+
+def test_failing_tensorboard_never_prevents_history(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("event file gone")
+
+    monkeypatch.setattr(SummaryWriter, "add_histogram_raw", broken)
+    monkeypatch.setattr(SummaryWriter, "close", broken)
+    with pytest.warns(RuntimeWarning, match="TensorBoard"):
+        model = small_run(run_dir)
+        remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert history.height == 3 * ROWS_SMALL
+    assert "TensorBoard events" in index_text(run_dir)
+    assert COMPLETE in index_text(run_dir)
+
+
+def test_tensorboard_path_taken_by_a_file_never_prevents_history(run_dir: Path) -> None:
+    run_dir.mkdir()
+    (run_dir / "tensorboard").write_text("not a directory")
+    with pytest.warns(RuntimeWarning, match="TensorBoard"):
+        model = small_run(run_dir)
+        remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert history.height == 3 * ROWS_SMALL
+    assert "TensorBoard events" in index_text(run_dir)
+
+
+def test_index_says_how_many_rows_were_lost_and_why(run_dir: Path) -> None:
+    model = small_run(run_dir, steps=0)
+    shutil.rmtree(run_dir / "history.parts")
+    (run_dir / "history.parts").write_text("a file where the parts go")
+    with pytest.warns(RuntimeWarning, match="history"):
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    index = index_text(run_dir)
+    assert COMPLETE not in index
+    assert INCOMPLETE in index
+    lost = 3 * ROWS_SMALL
+    assert f"{lost} of {lost} rows" in index and "lost" in index
+    assert "NotADirectoryError" in index or "Not a directory" in index
+    # whatever could be written is: history.parquet exists (here with no rows)
+    assert pl.read_parquet(run_dir / "history.parquet").height == 0
+
+
+def test_failed_merge_is_incomplete_until_finalize_completes_it(run_dir: Path) -> None:
+    model = small_run(run_dir)
+    (run_dir / "history.parquet").mkdir()  # blocks the merged file
+    (run_dir / "history.parquet" / "keep").write_text("x")
+    with pytest.warns(RuntimeWarning, match="finalize"):
+        remove_observer(model)
+    index = index_text(run_dir)
+    assert INCOMPLETE in index and COMPLETE not in index
+    assert "history.parts" in index
+    shutil.rmtree(run_dir / "history.parquet")
+    done = subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "finalize", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "complete" in done.stdout
+    assert pl.read_parquet(run_dir / "history.parquet").height == 3 * ROWS_SMALL
+    assert COMPLETE in index_text(run_dir)  # every row the run recorded is there now
+
+
+class PassThrough(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # its (leaf) input itself: a hook on it outlives any graph
+
+
+def live_handles() -> int:
+    gc.collect()
+    return sum(isinstance(o, RemovableHandle) for o in gc.get_objects())
+
+
+def test_leaf_hooks_stay_bounded_without_backward(run_dir: Path) -> None:
+    model = nn.Sequential(PassThrough())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=1 << 20),
+    )
+    try:
+        for _ in range(1500):
+            model(torch.randn(2, requires_grad=True))  # each input dropped after its forward
+        after_1500 = live_handles()
+        for _ in range(1500):
+            model(torch.randn(2, requires_grad=True))
+        assert live_handles() == after_1500
+    finally:
+        remove_observer(model)
+
+
+def test_leaf_hooks_on_kept_tensors_stay_bounded(run_dir: Path) -> None:
+    model = nn.Sequential(PassThrough())
+    kept: list[torch.Tensor] = []
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=1 << 20),
+    )
+    try:
+        for _ in range(3000):
+            kept.append(model(torch.randn(2, requires_grad=True)))
+            if len(kept) == 1500:
+                at_1500 = sum(len(t._backward_hooks or {}) for t in kept)  # type: ignore[attr-defined]
+        at_3000 = sum(len(t._backward_hooks or {}) for t in kept)  # type: ignore[attr-defined]
+        assert at_3000 == at_1500 < 1500
+        kept[-1].sum().backward()  # the newest one still records its gradient
+    finally:
+        remove_observer(model)
+    assert sum(len(t._backward_hooks or {}) for t in kept) == 0  # type: ignore[attr-defined]
+    history = pl.read_parquet(run_dir / "history.parquet")
+    grads = history.filter(pl.col("signal") == "output_gradient")
+    assert grads["sample_id"].unique().to_list() == [2999]

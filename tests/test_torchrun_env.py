@@ -1,0 +1,123 @@
+"""torchrun launches: ranks come from the environment when inject runs before init_process_group.
+
+Two real processes get exactly what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), call `inject_observer` first, then `init_process_group("gloo")` (env:// rendezvous),
+train, and remove the observer. Without reading the environment both would write one directory
+with rank null, and race for it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TIMEOUT_SECONDS = 120
+WORLD_SIZE = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker(rank: int, port: int, policy: str, output_dir: str) -> None:
+    """One torchrun-like rank: environment first, inject before the process group exists."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    returned = inject_observer(
+        model, output_dir=output_dir, sampler=EveryNForwardsSampler(1), rank_policy=policy
+    )
+    initialized_at_inject = dist.is_initialized()
+    dist.init_process_group("gloo")
+    try:
+        for step in range(3 + rank):  # ranks sample different numbers of forwards
+            model(torch.full((2, 4), float(rank + 1) * (step + 1))).sum().backward()
+        dist.barrier()  # the user's own collective: the process group really works
+        removed = remove_observer(model)
+        Path(output_dir, f"report-{rank}.txt").write_text(
+            f"{initialized_at_inject} {returned} {removed}", encoding="utf-8"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_ranks(tmp_path: Path, policy: str) -> Path:
+    output_dir = tmp_path / "stats"
+    output_dir.mkdir()
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=worker, args=(rank, port, policy, str(output_dir)))
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(TIMEOUT_SECONDS)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
+    assert [p.exitcode for p in processes] == [0] * WORLD_SIZE
+    return output_dir
+
+
+def test_rank0_policy_before_init_attaches_only_rank0(tmp_path: Path) -> None:
+    output_dir = run_two_ranks(tmp_path, "rank0")
+    assert (output_dir / "report-0.txt").read_text() == f"False {output_dir} {output_dir}"
+    assert (output_dir / "report-1.txt").read_text() == "False None None"
+    assert not any(p.name.startswith("rank-") for p in output_dir.iterdir())
+    history = pl.read_parquet(output_dir / "history.parquet")
+    assert history["rank"].unique().to_list() == [0]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
+    index = (output_dir / "index.md").read_text("utf-8")
+    assert "rank 0 of 2" in index
+
+
+def test_all_policy_before_init_writes_one_directory_per_rank(tmp_path: Path) -> None:
+    output_dir = run_two_ranks(tmp_path, "all")
+    for rank in range(WORLD_SIZE):
+        directory = output_dir / f"rank-{rank:03d}"
+        assert (output_dir / f"report-{rank}.txt").read_text() == (
+            f"False {directory} {directory}"
+        )
+        history = pl.read_parquet(directory / "history.parquet")
+        assert history["rank"].unique().to_list() == [rank]
+        assert history["sample_id"].max() == 2 + rank
+        means = (
+            history.filter(
+                (pl.col("layer") == "0")
+                & (pl.col("metric") == "mean")
+                & (pl.col("signal") == "output")
+            )
+            .sort("sample_id")["value"]
+            .to_list()
+        )
+        torch.manual_seed(0)
+        reference = nn.Linear(4, 4)
+        expected = [
+            reference(torch.full((2, 4), float(rank + 1) * (step + 1))).mean().item()
+            for step in range(3 + rank)
+        ]
+        assert means == pytest.approx(expected, rel=1e-6)
+        assert "<!-- torchinstruments:state:complete -->" in (directory / "index.md").read_text(
+            "utf-8"
+        )

@@ -2,7 +2,8 @@
 
 - A tensor that cannot be measured or described (a jagged nested tensor) becomes null rows with a
   reason; every other row is written and history.parquet exists.
-- A failing result.json or TensorBoard step never prevents history.parquet.
+- A failing result.json or TensorBoard step never prevents history.parquet (index.md then says
+  what is missing: the directory is not complete).
 - index.md says "complete" only when history.parquet holds every row the run recorded; otherwise
   it says how many rows were lost and why.
 - Hooks kept on leaf outputs stay bounded in loops that never run a backward.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import shutil
 import subprocess
 import sys
@@ -91,7 +93,7 @@ def test_jagged_nested_tensor_gives_null_rows_and_every_other_row(run_dir: Path)
     assert jag["value"].null_count() == jag.height
     assert jag["unavailable_reason"].null_count() == 0
     assert set(jag["unavailable_reason"]) == {"unsupported layout torch.jagged"}
-    assert jag["shape"].to_list() == [[2, None, 4]] * jag.height  # the ragged dim is null
+    assert jag["shape"].to_list() == [None] * jag.height  # no fixed shape: null, not a crash
     for layer in ("lin", "out"):
         for signal in ("output", "output_gradient"):
             rows = history.filter((pl.col("layer") == layer) & (pl.col("signal") == signal))
@@ -124,7 +126,7 @@ def test_failing_result_json_never_prevents_history(run_dir: Path) -> None:
     assert history.height == 3 * ROWS_SMALL
     index = index_text(run_dir)
     assert "result.json could not be written" in index
-    assert COMPLETE in index  # the history is complete; the page says what is missing
+    assert INCOMPLETE in index and COMPLETE not in index  # the page says what is missing
 
 
 def test_failing_tensorboard_never_prevents_history(
@@ -140,8 +142,9 @@ def test_failing_tensorboard_never_prevents_history(
         remove_observer(model)
     history = pl.read_parquet(run_dir / "history.parquet")
     assert history.height == 3 * ROWS_SMALL
-    assert "TensorBoard events" in index_text(run_dir)
-    assert COMPLETE in index_text(run_dir)
+    index = index_text(run_dir)
+    assert "TensorBoard events" in index
+    assert INCOMPLETE in index and COMPLETE not in index
 
 
 def test_tensorboard_path_taken_by_a_file_never_prevents_history(run_dir: Path) -> None:
@@ -167,8 +170,8 @@ def test_index_says_how_many_rows_were_lost_and_why(run_dir: Path) -> None:
     assert COMPLETE not in index
     assert INCOMPLETE in index
     lost = 3 * ROWS_SMALL
-    assert f"{lost} of {lost} rows" in index and "lost" in index
-    assert "NotADirectoryError" in index or "Not a directory" in index
+    assert re.search(rf"\b{lost} of the {lost} rows\b[^\n]*lost", index), index
+    assert "Not a directory" in index  # the write error itself
     # whatever could be written is: history.parquet exists (here with no rows)
     assert pl.read_parquet(run_dir / "history.parquet").height == 0
 
@@ -191,7 +194,7 @@ def test_failed_merge_is_incomplete_until_finalize_completes_it(run_dir: Path) -
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "complete" in done.stdout
+    assert "state: complete" in done.stdout
     assert pl.read_parquet(run_dir / "history.parquet").height == 3 * ROWS_SMALL
     assert COMPLETE in index_text(run_dir)  # every row the run recorded is there now
 

@@ -121,3 +121,38 @@ def test_all_policy_before_init_writes_one_directory_per_rank(tmp_path: Path) ->
         assert "<!-- torchinstruments:state:complete -->" in (directory / "index.md").read_text(
             "utf-8"
         )
+
+
+def test_environment_rank_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process with torchrun's variables for rank 1: rank0 attaches nothing, all writes
+    rank-001 with the rank in every row; no process group is ever created."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert inject_observer(model, output_dir=tmp_path / "s", rank_policy="rank0") is None
+    assert remove_observer(model) is None
+    returned = inject_observer(
+        model, output_dir=tmp_path / "s", rank_policy="all", sampler=EveryNForwardsSampler(1)
+    )
+    assert returned == tmp_path / "s" / "rank-001"
+    model(torch.ones(1, 2))
+    remove_observer(model)
+    assert pl.read_parquet(returned / "history.parquet")["rank"].unique().to_list() == [1]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [("zero", "2"), ("2", "2"), ("-1", "2")])
+def test_malformed_launcher_environment_is_ignored_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str, world_size: str
+) -> None:
+    from torchinstruments import inject_observer, remove_observer
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    model = nn.Linear(2, 2)
+    with pytest.warns(RuntimeWarning, match="RANK"):
+        returned = inject_observer(model, output_dir=tmp_path / "s", rank_policy="all")
+    remove_observer(model)
+    assert returned == tmp_path / "s"  # treated as not distributed

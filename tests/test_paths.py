@@ -118,7 +118,8 @@ def test_tilde_is_expanded_once_at_inject(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(work)
     returned, expected = run("~/runs/x")
     assert returned == home / "runs" / "x"
-    assert returned is not None and returned.is_absolute()
+    assert returned is not None
+    assert returned.is_absolute()
     assert_complete(home / "runs" / "x", expected)
     assert list(work.iterdir()) == []  # no literal ./~ directory
 

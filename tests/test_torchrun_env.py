@@ -96,9 +96,7 @@ def test_all_policy_before_init_writes_one_directory_per_rank(tmp_path: Path) ->
     output_dir = run_two_ranks(tmp_path, "all")
     for rank in range(WORLD_SIZE):
         directory = output_dir / f"rank-{rank:03d}"
-        assert (output_dir / f"report-{rank}.txt").read_text() == (
-            f"False {directory} {directory}"
-        )
+        assert (output_dir / f"report-{rank}.txt").read_text() == (f"False {directory} {directory}")
         history = pl.read_parquet(directory / "history.parquet")
         assert history["rank"].unique().to_list() == [rank]
         assert history["sample_id"].max() == 2 + rank
@@ -139,7 +137,9 @@ def test_environment_rank_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert returned == tmp_path / "s" / "rank-001"
     model(torch.ones(1, 2))
     remove_observer(model)
-    assert pl.read_parquet(returned / "history.parquet")["rank"].unique().to_list() == [1]
+    assert pl.read_parquet(tmp_path / "s" / "rank-001" / "history.parquet")[
+        "rank"
+    ].unique().to_list() == [1]
     assert not dist.is_initialized()
 
 

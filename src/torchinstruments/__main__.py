@@ -60,6 +60,13 @@ def _finalize(directory: Path) -> int:
         print(f"removed incomplete temporary {path}")
     if report.run_info_recovered:
         print("index.md had no readable run info; layers were rebuilt from history")
+    if report.complete and report.interrupted:
+        print(
+            "state: interrupted: the run ended without remove_observer; every row it wrote is in "
+            "history.parquet, rows of its last flush interval may be missing (see index.md)"
+        )
+    elif report.complete:
+        print("state: complete")
     for problem in report.problems:
         print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
     return 0 if report.complete else 1

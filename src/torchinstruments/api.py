@@ -279,6 +279,7 @@ def start_run(model: nn.Module, settings: Settings) -> Observer | None:
         buffer_rows=settings.history_config.buffer_rows,
         window=settings.history_config.window,
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        flush_seconds=settings.history_config.flush_seconds,
     )
     directory = DirectorySink(placement.directory, settings.history_config)
     directory.start(run)

@@ -4,10 +4,21 @@ No collective is ever called: ranks sample on their own clocks and forward count
 all-reduce or barrier inside the library could hang a run whose ranks disagree. Each rank's
 history is complete on its own and comparable afterwards with
 `pl.scan_parquet("stats/rank-*/history.parquet")`.
+
+Design decision: the rank comes from the process group when it is initialized, and otherwise from
+the launcher's environment (`RANK` and `WORLD_SIZE`, set by torchrun, `torch.distributed.launch`
+and most launchers built on them). Scripts commonly build the model, and so inject, before
+`init_process_group`; without the environment every rank would think it is alone, write the same
+directory and race for it, with a null rank column. The environment is read once, at inject; a
+malformed value (not an integer, rank outside `[0, WORLD_SIZE)`) is ignored with a warning, since
+such a process would fail in `init_process_group` anyway and the run must not fail first.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +29,7 @@ RANK_POLICIES = ("rank0", "all")
 
 @dataclass(frozen=True, slots=True)
 class RankPlacement:
-    """This process's rank (None outside an initialized process group) and whether it attaches."""
+    """This process's rank (None outside torch.distributed) and whether it attaches."""
 
     rank: int | None
     world_size: int | None
@@ -36,16 +47,45 @@ def validate_rank_policy(rank_policy: object) -> str:
     return str(rank_policy)
 
 
+def environment_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """`(rank, world_size)` from a launcher's `RANK` and `WORLD_SIZE`, or None if not set."""
+    rank_text, world_text = environ.get("RANK"), environ.get("WORLD_SIZE")
+    if rank_text is None or world_text is None:
+        return None
+    try:
+        rank, world_size = int(rank_text), int(world_text)
+    except ValueError:
+        rank, world_size = -1, 0
+    if not 0 <= rank < world_size:
+        warnings.warn(
+            f"torchinstruments: ignoring RANK={rank_text!r}, WORLD_SIZE={world_text!r} from the "
+            "environment (expected integers with 0 <= RANK < WORLD_SIZE); this process is "
+            "treated as not distributed",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return rank, world_size
+
+
+def current_rank() -> tuple[int, int] | None:
+    """`(rank, world_size)` from the process group, else from the environment, else None."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return environment_rank(os.environ)
+
+
 def place_rank(output_dir: Path, rank_policy: str) -> RankPlacement:
-    """Decide, from the process group alone, whether to attach and which directory to write.
+    """Decide whether to attach and which directory to write.
 
     `"rank0"`: rank 0 (or a process outside torch.distributed) writes `output_dir`; other ranks
-    attach nothing. `"all"`: every rank writes `output_dir/rank-NNN/`; outside an initialized
-    process group there is one rank and it writes `output_dir` itself.
+    attach nothing. `"all"`: every rank writes `output_dir/rank-NNN/`; outside torch.distributed
+    there is one rank and it writes `output_dir` itself.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    found = current_rank()
+    if found is None:
         return RankPlacement(None, None, True, output_dir)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = found
     if rank_policy == "rank0":
         return RankPlacement(rank, world_size, rank == 0, output_dir)
     return RankPlacement(rank, world_size, True, output_dir / f"rank-{rank:03d}")

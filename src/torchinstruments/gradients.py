@@ -9,7 +9,12 @@ pass's results at once when the pass ends. Outside a running backward pass (a ho
 
 A hook on a non-leaf output dies with the graph. A leaf output (a parameter or an input returned
 as is) outlives it, so hooks on leaves are tracked: at most one unfired hook of ours stays on a
-leaf, fired ones are removed at the end of their backward pass, and the rest at close.
+leaf, fired ones are removed at the end of their backward pass, and the rest at close. The
+bookkeeping itself stays bounded whether or not a backward ever runs: entries of leaves that no
+longer exist are dropped at each new leaf hook, and at most `MAX_LEAF_HOOKS` unfired hooks are
+kept on live leaves; beyond that the oldest is removed (its gradient, if a backward ever reached
+that old output, is then not recorded; warned once). A loop of forwards without backward that
+returns a fresh leaf each time (an input returned as is) otherwise kept one entry per sample.
 
 Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
 one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
@@ -43,6 +48,8 @@ from torchinstruments.measurement.transfer import (
     unavailable_tensor,
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
+
+MAX_LEAF_HOOKS = 64
 
 Emit = Callable[[SampleRecord], None]
 WarnOnce = Callable[[str, str], None]
@@ -112,7 +119,7 @@ class GradientRecorder:
                 self._unfired[tensor] = hook
             handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:
-                self._leaf_hooks.append((weakref.ref(tensor), handle, hook))
+                self._track_leaf_hook(tensor, handle, hook)
         except Exception as error:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
 
@@ -166,6 +173,34 @@ class GradientRecorder:
         """Autograd-engine callback at the end of a backward pass: no hook is running now."""
         self._remove_leaf_hooks(only_fired=True)
         self.flush()
+
+    def _track_leaf_hook(
+        self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook
+    ) -> None:
+        """Remember a hook on a leaf; drop entries of dead leaves and keep at most
+        `MAX_LEAF_HOOKS` unfired ones (see the module docstring)."""
+        kept = [entry for entry in self._leaf_hooks if entry[0]() is not None]
+        kept.append((weakref.ref(tensor), handle, hook))
+        unfired = [entry for entry in kept if not entry[2].fired]
+        excess = len(unfired) - MAX_LEAF_HOOKS
+        if excess > 0:
+            oldest = unfired[:excess]
+            for ref, old_handle, old_hook in oldest:
+                old_handle.remove()
+                leaf = ref()
+                with self._lock:
+                    if leaf is not None and self._unfired.get(leaf) is old_hook:
+                        del self._unfired[leaf]
+            dropped = {id(entry) for entry in oldest}
+            kept = [entry for entry in kept if id(entry) not in dropped]
+            self.warn_once(
+                "leaf_hooks",
+                f"more than {MAX_LEAF_HOOKS} sampled outputs that are leaf tensors (inputs or "
+                "parameters returned as is) are still alive without a backward; the gradient "
+                "hooks of the oldest are removed, so a backward through them would not be "
+                "recorded",
+            )
+        self._leaf_hooks = kept
 
     def _remove_leaf_hooks(self, only_fired: bool) -> None:
         """Remove hooks left on leaf tensors; runs when no backward is iterating over them."""

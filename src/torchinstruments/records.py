@@ -130,6 +130,7 @@ class RunInfo:
     buffer_rows: int
     window: int
     started_at: str
+    flush_seconds: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,9 @@ from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR
 from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.summary import write_catalog
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
-
-TENSORBOARD_FLUSH_SECONDS = 30
+from torchinstruments.rundir.writer import FlushTimer, HistoryConfig, HistoryWriter
 
 
 @runtime_checkable
@@ -88,6 +87,15 @@ class DirectorySink:
 
     Holds `RunLock` on the directory for the life of the run, which is how
     `torchinstruments finalize` tells a live run from an interrupted one.
+
+    Crash safety: a `FlushTimer` thread writes the buffered rows as a part and flushes the
+    TensorBoard events once the oldest buffered row is half a flush interval old (see
+    `rundir.writer`), so a crash loses at most `HistoryConfig.flush_seconds` of history and the
+    events agree with the history to the same bound. A SIGTERM handler (`rundir.signals`, when
+    inject runs in the main thread) has that thread write everything first, then chains.
+
+    A failing TensorBoard step (creating, writing, flushing or closing the event file) is warned
+    once and given up; the history goes on, and index.md lists the failure.
     """
 
     def __init__(self, directory: Path, history_config: HistoryConfig) -> None:
@@ -97,6 +105,9 @@ class DirectorySink:
         self._run: RunInfo | None = None
         self._history: HistoryWriter | None = None
         self._events: SummaryWriter | None = None
+        self._events_problem: str | None = None
+        self._timer: FlushTimer | None = None
+        self._term: TermFlush | None = None
 
     def start(self, run: RunInfo) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -104,10 +115,24 @@ class DirectorySink:
         self._run = run
         write_catalog(self.directory, run.layers)
         write_index(self.directory, run, None)
-        self._history = HistoryWriter(self.directory, self._config)
-        self._events = SummaryWriter(
-            str(self.directory / TENSORBOARD_DIR), flush_secs=TENSORBOARD_FLUSH_SECONDS
+        self._history = history = HistoryWriter(self.directory, self._config)
+        self._events = self._open_events()
+        self._timer = FlushTimer(
+            history.seconds_until_due, self._flush, name=f"torchinstruments flush {self.directory}"
         )
+        self._term = TermFlush(self._timer.flush_now)
+        self._term.install()
+
+    def _open_events(self) -> SummaryWriter | None:
+        """This directory's event writer; None (warned) when it cannot be created."""
+        try:
+            return SummaryWriter(
+                str(self.directory / TENSORBOARD_DIR),
+                flush_secs=self._config.flush_seconds / 2,  # type: ignore[arg-type]
+            )
+        except Exception as error:
+            self._give_up_events("could not be created", error)
+            return None
 
     def write_forward(self, record: SampleRecord) -> None:
         self._write(record)
@@ -123,43 +148,99 @@ class DirectorySink:
         """
         if self._history is not None:
             self._history.append(record.measurements)
-        if self._events is not None and record.histograms:
+            if self._timer is not None:
+                self._timer.poke()
+        events = self._events
+        if events is not None and record.histograms:
             try:
-                write_histograms(self._events, record.histograms)
+                write_histograms(events, record.histograms)
             except Exception as error:
-                warnings.warn(
-                    f"torchinstruments: writing TensorBoard events under {self.directory} failed "
-                    f"({type(error).__name__}: {error}); histograms are no longer written there, "
-                    "the history goes on",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._close_events()
+                self._give_up_events("could not be written", error)
 
-    def _close_events(self) -> None:
-        """Close the event writer (and its flush thread), whatever state it is in."""
+    def _flush(self) -> None:
+        """Write every buffered row, then flush the events (the flush thread's one job)."""
+        try:
+            if self._history is not None:
+                self._history.flush()
+        except Exception as error:  # never let the flush thread die
+            warnings.warn(
+                f"torchinstruments: flushing history under {self.directory} failed "
+                f"({type(error).__name__}: {error})",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        events = self._events
+        if events is not None:
+            try:
+                events.flush()
+            except Exception as error:
+                self._give_up_events("could not be flushed", error)
+
+    def _give_up_events(self, what: str, error: BaseException) -> None:
+        """Warn once, remember the failure for index.md, and close the event writer."""
+        if self._events_problem is None:
+            self._events_problem = (
+                f"TensorBoard events under {TENSORBOARD_DIR}/ {what} ({type(error).__name__}: "
+                f"{error}); histograms after that point are missing (the history is not affected)"
+            )
+            warnings.warn(
+                f"torchinstruments: TensorBoard events under {self.directory / TENSORBOARD_DIR} "
+                f"{what} ({type(error).__name__}: {error}); histograms are no longer written "
+                "there, the history goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         events, self._events = self._events, None
         if events is not None:
             with contextlib.suppress(Exception):
                 events.close()
 
+    def _close_events(self) -> None:
+        """Close the event writer (and its flush thread); a failure is given up like any other."""
+        events, self._events = self._events, None
+        if events is not None:
+            try:
+                events.close()
+            except Exception as error:
+                self._give_up_events("could not be closed", error)
+
     def close(self, counts: RunCounts) -> None:
-        """Finish the run with `rundir.finish.finish_run`; each problem is one warning."""
+        """Finish the run with `rundir.finish.finish_run`; each problem is one warning.
+
+        The history comes first: a failing TensorBoard or result.json step never prevents it.
+        """
         try:
+            if self._term is not None:
+                self._term.uninstall()
+            if self._timer is not None:
+                self._timer.stop()
+            history, run = self._history, self._run
+            unwritten = None
+            if history is not None and not history.close():
+                unwritten = (
+                    f"{history.rows_buffered} of the {history.rows_produced} rows this run "
+                    f"recorded could not be written to {PARTS_DIR}/ and are lost "
+                    f"({history.last_error})"
+                )
             self._close_events()
-            if self._history is not None and self._run is not None:
-                unwritten = None
-                if not self._history.close():
-                    unwritten = (
-                        f"{self._history.rows_buffered} history rows could not be written to "
-                        f"{PARTS_DIR}/ and are lost (the write error was warned during the run)"
-                    )
-                report = finish_run(self.directory, self._run, counts, unwritten=unwritten)
+            if history is not None and run is not None:
+                known = (self._events_problem,) if self._events_problem else ()
+                report = finish_run(
+                    self.directory,
+                    run,
+                    counts,
+                    unwritten=unwritten,
+                    problems=known,
+                    rows_recorded=history.rows_produced,
+                )
                 for problem in report.problems:
-                    warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)
+                    if problem != self._events_problem:  # that one was warned when it happened
+                        warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)
         finally:
             self._events = None
             self._history = None
+            self._timer = None
+            self._term = None
             self._lock.release()
 
 

@@ -9,6 +9,11 @@ when there are none, and the caller reports them (a warning at removal, stderr i
 failing result.json never prevents history.parquet, and a failing merge leaves the parts in place
 for a later `finalize`.
 
+"Complete" means history.parquet holds every row the run recorded. The live run knows that
+number and embeds it in index.md at removal; a crashed run never reached removal, so `finalize`
+cannot know how many rows it still held in memory (at most one flush interval's worth) and calls
+the directory "interrupted", never "complete".
+
 After a crash the counts are lower bounds read from history: root_forwards = max forward_index +
 1, samples = distinct sample_ids, backward_samples = distinct sample_ids with an output_gradient,
 and per layer the distinct sample_ids with an output row (a call whose output held no tensor
@@ -18,13 +23,19 @@ leaves no row, so only the live observer counts it).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
-from torchinstruments.rundir.index_page import index_is_complete, read_run_info, write_index
+from torchinstruments.rundir.index_page import (
+    index_is_complete,
+    read_rows_recorded,
+    read_run_info,
+    write_index,
+)
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     MERGE_TMP_DIR,
@@ -51,6 +62,8 @@ class FinishReport:
             recorded and result.json and index.md were written.
         removed_temporaries: library temporaries deleted by `finalize`.
         run_info_recovered: True when index.md's run info was unreadable and rebuilt from history.
+        interrupted: True when the run never reached removal (its process died): rows of its
+            last flush interval may be missing, and their number is unknown.
     """
 
     directory: Path
@@ -59,6 +72,7 @@ class FinishReport:
     problems: tuple[str, ...]
     removed_temporaries: tuple[Path, ...] = ()
     run_info_recovered: bool = False
+    interrupted: bool = False
 
     @property
     def complete(self) -> bool:
@@ -72,6 +86,9 @@ def finish_run(
     counts: RunCounts | None,
     *,
     unwritten: str | None = None,
+    problems: Sequence[str] = (),
+    rows_recorded: int | None = None,
+    interrupted: bool = False,
     rewrite_index: bool = True,
 ) -> FinishReport:
     """Merge the parts, write result.json and index.md; never raises for disk or Polars errors.
@@ -81,19 +98,21 @@ def finish_run(
         run: what the run is.
         counts: the live run's counts, or None after a crash (then recovered from history).
         unwritten: why rows the run recorded never reached a part, or None if none were lost.
+        problems: other failures already known (e.g. TensorBoard events), listed in index.md.
+        rows_recorded: rows the run recorded, when known; history.parquet is checked against it.
+        interrupted: the process ended without removal (see the module docstring).
         rewrite_index: False keeps an existing complete index.md (finalize of a finished run).
 
     Returns:
         A `FinishReport`; `problems` is empty exactly when the run is complete.
     """
-    problems: list[str] = []
-    if unwritten is not None:
-        problems.append(unwritten)
+    found: list[str] = [] if unwritten is None else [unwritten]
+    found += problems
     merge: MergeResult | None = None
     try:
         merge = merge_history(directory)
     except (OSError, pl.exceptions.PolarsError) as error:
-        problems.append(
+        found.append(
             f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
             f"the parts are kept: run `python -m torchinstruments finalize {directory}`"
         )
@@ -101,21 +120,34 @@ def finish_run(
     if counts is None:
         counts = _recovered_counts(directory)
     if merge is not None:
-        problems += [
+        found += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
             "are not in history.parquet"
             for path, reason in merge.unreadable_parts
         ]
+        if rows_recorded is not None and unwritten is None and merge.rows < rows_recorded:
+            found.append(
+                f"{HISTORY_FILE} holds {merge.rows} of the {rows_recorded} rows this run "
+                f"recorded; {rows_recorded - merge.rows} rows are missing"
+            )
         try:
             write_result(directory, run.layers, run.window, counts.layer_samples)
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
-            problems.append(f"result.json could not be written ({type(error).__name__}: {error})")
-    if rewrite_index or problems:
+            found.append(f"result.json could not be written ({type(error).__name__}: {error})")
+    if rewrite_index or found:
         try:
-            write_index(directory, run, counts, recovered=recovered, problems=problems)
+            write_index(
+                directory,
+                run,
+                counts,
+                recovered=recovered,
+                problems=found,
+                interrupted=interrupted,
+                rows_recorded=rows_recorded,
+            )
         except OSError as error:
-            problems.append(f"index.md could not be written ({type(error).__name__}: {error})")
-    return FinishReport(directory, merge, counts, tuple(problems))
+            found.append(f"index.md could not be written ({type(error).__name__}: {error})")
+    return FinishReport(directory, merge, counts, tuple(found), interrupted=interrupted)
 
 
 def finalize(directory: Path) -> FinishReport:
@@ -144,11 +176,19 @@ def finalize(directory: Path) -> FinishReport:
     with RunLock(directory):
         removed = _remove_temporaries(directory)
         keep_index = index_is_complete(directory) and not list_parts(directory)
+        rows_recorded = read_rows_recorded(directory)
         try:
             run, recovered = read_run_info(directory), False
         except (OSError, ValueError):
             run, recovered = _fallback_run_info(directory), True
-        report = finish_run(directory, run, None, rewrite_index=recovered or not keep_index)
+        report = finish_run(
+            directory,
+            run,
+            None,
+            rows_recorded=rows_recorded,
+            interrupted=rows_recorded is None and not keep_index,
+            rewrite_index=recovered or not keep_index,
+        )
     return FinishReport(
         report.directory,
         report.merge,
@@ -156,6 +196,7 @@ def finalize(directory: Path) -> FinishReport:
         report.problems,
         tuple(removed),
         recovered,
+        report.interrupted,
     )
 
 

@@ -32,6 +32,10 @@ RUN_INFO_END = "<!-- torchinstruments:run-info:end -->"
 STATE_COMPLETE = "<!-- torchinstruments:state:complete -->"
 STATE_IN_PROGRESS = "<!-- torchinstruments:state:in-progress -->"
 STATE_INCOMPLETE = "<!-- torchinstruments:state:incomplete -->"
+STATE_INTERRUPTED = "<!-- torchinstruments:state:interrupted -->"
+# The rows the live run recorded, written at removal: finalize compares history.parquet with it.
+ROWS_RECORDED = "<!-- torchinstruments:rows-recorded:{} -->"
+_ROWS_RECORDED_RE = re.compile(r"<!-- torchinstruments:rows-recorded:(\d+) -->")
 
 COLUMN_NOTES = {
     "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
@@ -101,7 +105,7 @@ def _section_run(run: RunInfo, counts: RunCounts | None, recovered: bool) -> lis
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
         f"- capture_direct_forwards={run.capture_direct_forwards}, "
-        f"buffer_rows={run.buffer_rows}, window={run.window}",
+        f"buffer_rows={run.buffer_rows}, flush_seconds={run.flush_seconds}, window={run.window}",
     ]
     if counts is None:
         lines.append(
@@ -154,7 +158,10 @@ def _section_files(run: RunInfo) -> list[str]:
         "## Files",
         "",
         f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
-        "(temporary name, then rename) while the run is live; merged and removed at the end.",
+        "(temporary name, then rename) while the run is live, when the buffer holds "
+        "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
+        "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
+        "SIGTERM writes them first, then ends the process as before.",
         f"- `{HISTORY_FILE}`: the whole history, one row per scalar, sorted by sample_id, "
         "signal, layer, call_index, tensor_path, metric.",
         "- `result.json`: one record per selected layer (traversal order); at injection with an "
@@ -385,19 +392,50 @@ print(by_rank)""",
     return [*lines, ""]
 
 
-def _section_state(counts: RunCounts | None, problems: Sequence[str]) -> list[str]:
-    """The marker line and the visible state: in progress, complete, or incomplete and why."""
+def _section_state(
+    run: RunInfo,
+    counts: RunCounts | None,
+    problems: Sequence[str],
+    interrupted: bool,
+    rows_recorded: int | None,
+) -> list[str]:
+    """The marker lines and the visible state: in progress, complete, interrupted, incomplete.
+
+    "complete" is said only when history.parquet holds every row the run recorded (and nothing
+    else is missing); after a crash the number of rows the run held in memory is unknown, so a
+    finalized crashed run is "interrupted", with the bound on what it may have lost.
+    """
     if counts is None:
         return [STATE_IN_PROGRESS, "", "**State: in progress.**", ""]
-    if not problems:
+    marker = [] if rows_recorded is None else [ROWS_RECORDED.format(rows_recorded)]
+    lost_bound = (
+        f"Rows measured in the last flush_seconds={run.flush_seconds} s before the process "
+        "ended may be missing: a SIGKILL or a crash loses them, a SIGTERM writes them first."
+    )
+    if problems:
+        lines = [STATE_INCOMPLETE, *marker, "", "**State: INCOMPLETE.** What is missing and why:"]
+        lines += ["", *(f"- {problem}" for problem in problems)]
+        if interrupted:
+            lines.append(f"- the process ended without remove_observer. {lost_bound}")
+        return [*lines, ""]
+    if interrupted:
         return [
-            STATE_COMPLETE,
+            STATE_INTERRUPTED,
             "",
-            "**State: complete.** history.parquet holds every row the run recorded.",
+            "**State: interrupted.** The process ended without remove_observer (killed, crashed "
+            "or preempted); `finalize` merged every row it had written into history.parquet. "
+            f"{lost_bound} Counts are lower bounds.",
             "",
         ]
-    lines = [STATE_INCOMPLETE, "", "**State: INCOMPLETE.** What is missing and why:", ""]
-    return [*lines, *(f"- {problem}" for problem in problems), ""]
+    return [
+        STATE_COMPLETE,
+        *marker,
+        "",
+        "**State: complete.** history.parquet holds every row the run recorded"
+        + ("" if rows_recorded is None else f" ({rows_recorded} rows)")
+        + ".",
+        "",
+    ]
 
 
 def render_index(
@@ -406,6 +444,8 @@ def render_index(
     *,
     recovered: bool = False,
     problems: Sequence[str] = (),
+    interrupted: bool = False,
+    rows_recorded: int | None = None,
 ) -> str:
     """The text of index.md.
 
@@ -415,13 +455,15 @@ def render_index(
         recovered: True when `counts` were rebuilt from history after a crash (lower bounds).
         problems: why the finished run is incomplete (rows lost, merge failed, ...); empty when
             it is complete.
+        interrupted: True when the process ended without removal (finalize after a crash).
+        rows_recorded: rows the live run recorded, when known (embedded for `finalize`).
 
     Returns:
         Markdown, with the RunInfo fields as JSON between `RUN_INFO_BEGIN` and `RUN_INFO_END`.
     """
     lines = [
         "# TorchInstruments run",
-        *_section_state(counts, problems),
+        *_section_state(run, counts, problems, interrupted, rows_recorded),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
@@ -452,6 +494,8 @@ def write_index(
     *,
     recovered: bool = False,
     problems: Sequence[str] = (),
+    interrupted: bool = False,
+    rows_recorded: int | None = None,
 ) -> None:
     """Write `directory/index.md` atomically.
 
@@ -461,10 +505,18 @@ def write_index(
         counts: how much it saw, or None while the run is in progress.
         recovered: True when `counts` were rebuilt from history after a crash.
         problems: why the finished run is incomplete; empty when it is complete.
+        interrupted: True when the process ended without removal (finalize after a crash).
+        rows_recorded: rows the live run recorded, when known.
     """
-    write_text_atomic(
-        directory / INDEX_FILE, render_index(run, counts, recovered=recovered, problems=problems)
+    text = render_index(
+        run,
+        counts,
+        recovered=recovered,
+        problems=problems,
+        interrupted=interrupted,
+        rows_recorded=rows_recorded,
     )
+    write_text_atomic(directory / INDEX_FILE, text)
 
 
 def parse_run_info(text: str) -> RunInfo:
@@ -479,6 +531,7 @@ def parse_run_info(text: str) -> RunInfo:
         raise ValueError("index.md has no run-info block between the torchinstruments markers")
     data = json.loads(match.group(1))
     names = {f.name for f in fields(RunInfo)}
+    data.setdefault("flush_seconds", 60.0)  # index.md of a version before flush_seconds
     if set(data) != names:
         raise ValueError(f"run-info block has fields {sorted(data)}, expected {sorted(names)}")
     data["output_dir"] = Path(data["output_dir"])
@@ -496,6 +549,16 @@ def index_is_complete(directory: Path) -> bool:
         return False
 
 
+def read_rows_recorded(directory: Path) -> int | None:
+    """The rows the live run recorded, from index.md; None if it never reached removal."""
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = _ROWS_RECORDED_RE.search(text)
+    return None if match is None else int(match.group(1))
+
+
 def read_run_info(directory: Path) -> RunInfo:
     """The RunInfo embedded in `directory/index.md`.
 
@@ -509,4 +572,10 @@ def read_run_info(directory: Path) -> RunInfo:
     return parse_run_info((directory / INDEX_FILE).read_text(encoding="utf-8"))
 
 
-__all__ = ["index_is_complete", "read_run_info", "render_index", "write_index"]
+__all__ = [
+    "index_is_complete",
+    "read_rows_recorded",
+    "read_run_info",
+    "render_index",
+    "write_index",
+]

@@ -6,14 +6,33 @@ column) and leave it as one Parquet part per `buffer_rows` rows, written under a
 how much history was already written, and a reader (or a crash) never sees a half-written part.
 The cost: rows not yet in a part live in memory and are lost if the process dies.
 
+Loss on a crash is bounded by time, not rows: a part is also written once the oldest buffered row
+is `flush_seconds / 2` old, so every row measured more than `flush_seconds` before a crash is in a
+part (the half interval of slack absorbs a slow part write or a busy CPU). A row-count trigger
+alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows were
+about 90 minutes of history held only in memory.
+
+Design decision: the time trigger runs on a daemon thread (`FlushTimer`), not on the training
+path. A check at each sample or root forward only runs while the model is called, so a run that
+stops sampling (a long evaluation of another model, a stalled data loader, a hang before the
+crash) would keep its buffer in memory without bound. The thread sleeps on an `Event` until the
+oldest buffered row is due (no periodic wake-ups; an idle run costs nothing), so the cost is one
+idle thread per run, one `Event.set()` per sample, and a lock around the buffer (uncontended
+except while a part is written). The price on disk is more, smaller parts: at the defaults and one
+sample per minute, one part per sample, 1,440 parts a day (bench/merge_parts.py measures what
+that costs the merge).
+
 Merging the parts into history.parquet is not this module's job: see `rundir.merge`, called by
 the one end-of-run routine in `rundir.finish`.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -38,16 +57,30 @@ class HistoryConfig:
     Args:
         buffer_rows: rows kept in memory before they are written as one Parquet part (>= 1).
         window: samples in each of the `previous` and `recent` windows of result.json (>= 1).
+        flush_seconds: the most history a crash can lose, in seconds (> 0): every row measured
+            more than `flush_seconds` before the process dies is in a part on disk, and so are
+            the TensorBoard events of its sample. Smaller means more, smaller parts.
     """
 
     buffer_rows: int = 8192
     window: int = 10
+    flush_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("buffer_rows", "window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed: expected an int >= 1")
+        seconds = self.flush_seconds
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ValueError(
+                f"flush_seconds={seconds!r} is not allowed: expected a finite number of seconds > 0"
+            )
 
 
 @dataclass
@@ -71,7 +104,7 @@ class _ColumnBuffer:
             raise ValueError(
                 f"Measurement of {m.layer!r} has {k} metrics but {len(m.values)} values"
             )
-        shape = None if m.shape is None else tuple(m.shape)
+        shape = _valid_shape(m.shape)
         shape_id = self.shapes.setdefault(shape, len(self.shapes))
         c = self.columns
         c["sample_id"].extend(repeat(m.sample_id, k))
@@ -93,7 +126,19 @@ class _ColumnBuffer:
         return k
 
     def frame(self, n: int) -> pl.DataFrame:
-        """The first `n` rows as a DataFrame with the exact history schema."""
+        """The first `n` rows as a DataFrame with the exact history schema.
+
+        A cell that does not fit its column (a custom record with a value that is not a number,
+        say) is replaced by null, with a reason for `value`, and the frame is built again: one
+        bad record never blocks the rows around it.
+        """
+        try:
+            return self._frame(n)
+        except Exception:  # a cell of the wrong type: repair the cells, keep every row
+            self._repair(n)
+            return self._frame(n)
+
+    def _frame(self, n: int) -> pl.DataFrame:
         data = {}
         for name, dtype in HISTORY_SCHEMA.items():
             values = self.columns[name][:n]
@@ -105,27 +150,93 @@ class _ColumnBuffer:
                 )
                 data[name] = distinct.gather(pl.Series(values, dtype=pl.UInt32))
             else:
-                data[name] = pl.Series(name, values, dtype=dtype)
+                data[name] = pl.Series(name, values, dtype=dtype, strict=True)
         return pl.DataFrame(data)
+
+    def _repair(self, n: int) -> None:
+        """Null every cell of the first `n` rows that does not fit its column's type."""
+        c = self.columns
+        for name, kind in _CELL_TYPES.items():
+            values = c[name]
+            for i in range(n):
+                cell = values[i]
+                if cell is None or (isinstance(cell, kind) and not _is_bool_as_number(cell, kind)):
+                    continue
+                values[i] = None
+                if name == "value" and c["unavailable_reason"][i] is None:
+                    c["unavailable_reason"][i] = (
+                        f"record error: value of type {type(cell).__name__} is not a number"
+                    )
+        reasons = c["unavailable_reason"]
+        for i in range(n):  # a reason exactly when the value is null
+            if c["value"][i] is None and reasons[i] is None:
+                reasons[i] = "record error: value missing"
+            elif c["value"][i] is not None:
+                reasons[i] = None
 
     def drop(self, n: int) -> None:
         """Forget the first `n` rows (and the shape table once the buffer is empty)."""
         for values in self.columns.values():
             del values[:n]
-        if not self.columns["metric"]:
+        if not any(self.columns.values()):
             self.shapes.clear()
 
 
-class HistoryWriter:
-    """Appends measurements to the columnar buffer and writes full chunks as Parquet parts.
+_CELL_TYPES: dict[str, type | tuple[type, ...]] = {
+    "sample_id": int,
+    "forward_index": int,
+    "timestamp": int,
+    "rank": int,
+    "layer": str,
+    "module_type": str,
+    "call_index": int,
+    "signal": str,
+    "tensor_path": str,
+    "dtype": str,
+    "mode": str,
+    "grad_enabled": bool,
+    "metric": str,
+    "value": (float, int),
+    "unavailable_reason": str,
+}
 
+
+def _is_bool_as_number(cell: object, kind: type | tuple[type, ...]) -> bool:
+    """True for a bool in a numeric column (bool is an int subclass, but not a number here)."""
+    return isinstance(cell, bool) and kind is not bool
+
+
+def _valid_shape(shape: object) -> tuple[int, ...] | None:
+    """`shape` as a tuple of ints, or None when it has none (a jagged nested tensor's symbolic
+    sizes, or anything else that is not a sequence of ints)."""
+    if shape is None:
+        return None
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if all(type(d) is int for d in dims):
+        return dims
+    return None
+
+
+class HistoryWriter:
+    """Appends measurements to the columnar buffer and writes parts by size and by age.
+
+    A part is written when the buffer holds `buffer_rows` rows (by the appending thread) or when
+    its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `flush_due`).
     Nothing raised while writing a part reaches the caller: an `OSError` or a Polars error (disk
-    full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer and are retried at the next
-    chunk boundary, at `flush()` and at `close()`.
+    full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer and are
+    retried at the next chunk boundary, after half a flush interval, and at `close()`. A row whose
+    fields cannot be stored (a shape that is not ints, a value that is not a number) is stored
+    with a null shape or a null value and a reason, never blocking the rows around it.
+
+    Thread-safe: `append` (training thread) and `flush` (flush thread, signal handler's thread)
+    serialise on one lock.
 
     Args:
         directory: the run's output directory; `history.parts/` is created inside it.
-        config: buffer size and summary window.
+        config: buffer size, flush interval and summary window.
 
     Example:
         >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=8192))
@@ -141,9 +252,14 @@ class HistoryWriter:
         existing = [part_number(p) for p in list_parts(self._directory)]
         self._next_part = max((n for n in existing if n is not None), default=-1) + 1
         self._buffer = _ColumnBuffer()
+        self._lock = threading.Lock()
         self._rows_produced = 0
         self._rows_written = 0
         self._retry_at = config.buffer_rows
+        # monotonic time at which the oldest buffered row was measured; None when empty
+        self._oldest: float | None = None
+        self._retry_after = 0.0  # monotonic; no timed retry before it after a failed write
+        self._error: str | None = None
         self._warned = False
         self._closed = False
 
@@ -167,6 +283,11 @@ class HistoryWriter:
         """Rows in memory, not yet in a part."""
         return len(self._buffer)
 
+    @property
+    def last_error(self) -> str | None:
+        """The last part-write failure (`Type: message`), or None if every write succeeded."""
+        return self._error
+
     def append(self, measurements: Sequence[Measurement]) -> None:
         """Buffer one row per metric of each measurement; write full chunks as parts.
 
@@ -178,21 +299,37 @@ class HistoryWriter:
         """
         if self._closed:
             raise RuntimeError("HistoryWriter.append() after close(); create a new writer")
-        for m in measurements:
-            self._rows_produced += self._buffer.extend(m)
-        if len(self._buffer) >= self._retry_at:
-            self._write_chunks(partial=False)
+        if not measurements:
+            return
+        with self._lock:
+            if self._oldest is None:
+                self._oldest = _monotonic_of(min(m.timestamp_us for m in measurements))
+            for m in measurements:
+                self._rows_produced += self._buffer.extend(m)
+            if len(self._buffer) >= self._retry_at:
+                self._write_chunks(partial=False)
+
+    def seconds_until_due(self) -> float | None:
+        """Seconds until the buffered rows must be written (<= 0: now); None when empty."""
+        oldest = self._oldest
+        if oldest is None:
+            return None
+        now = time.monotonic()
+        due = oldest + self._config.flush_seconds / 2 - now
+        return max(due, self._retry_after - now)
 
     def flush(self) -> None:
         """Write every buffered row (the last part may be short); failures warn, never raise."""
-        self._write_chunks(partial=True)
+        with self._lock:
+            self._write_chunks(partial=True)
 
     def close(self) -> bool:
         """Write every buffered row; the writer takes no rows afterwards.
 
         Returns:
             True when every row produced is in a part on disk. False when some could not be
-            written (already warned); they are counted in `rows_buffered`.
+            written (already warned); they are counted in `rows_buffered`, and `last_error` says
+            why.
         """
         if not self._closed:
             self._closed = True
@@ -200,7 +337,10 @@ class HistoryWriter:
         return len(self._buffer) == 0
 
     def _write_chunks(self, *, partial: bool) -> None:
-        """Write full chunks (and, if `partial`, the remainder); stop at the first failure."""
+        """Write full chunks (and, if `partial`, the remainder); stop at the first failure.
+
+        The caller holds the lock.
+        """
         size = self._config.buffer_rows
         while len(self._buffer) >= size or (partial and len(self._buffer) > 0):
             n = min(size, len(self._buffer))
@@ -209,13 +349,17 @@ class HistoryWriter:
                 write_parquet_atomic(self._buffer.frame(n), path)
             except (OSError, pl.exceptions.PolarsError) as exc:
                 # Polars reports a full disk as ComputeError ("No space left on device").
+                self._error = f"{type(exc).__name__}: {exc}"
                 self._report(path, exc)
                 self._retry_at = len(self._buffer) + size
+                self._retry_after = time.monotonic() + self._config.flush_seconds / 2
                 return
             self._buffer.drop(n)
             self._next_part += 1
             self._rows_written += n
         self._retry_at = size
+        if not len(self._buffer):
+            self._oldest = None
 
     def _report(self, path: Path, exc: Exception) -> None:
         """Warn once per writer about a failed part write."""
@@ -224,8 +368,78 @@ class HistoryWriter:
         self._warned = True
         warnings.warn(
             f"torchinstruments could not write history part {path} ({exc}); the rows stay in "
-            "memory and are retried at the next chunk and at removal. Training goes on. "
-            "(Reported once.)",
+            "memory and are retried at the next chunk, after half a flush interval and at "
+            "removal. Training goes on. (Reported once.)",
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _monotonic_of(timestamp_us: int) -> float:
+    """The `time.monotonic()` reading at wall-clock `timestamp_us` (never in the future)."""
+    age = max(0.0, time.time() - timestamp_us / 1e6)
+    return time.monotonic() - age
+
+
+class FlushTimer:
+    """Calls `flush()` on a daemon thread whenever `due()` says a flush is due, or on request.
+
+    See the module docstring for why a thread. The thread waits on an `Event` for exactly the
+    time `due()` returns, or until `poke()` (rows arrived) or `flush_now()`.
+
+    Args:
+        due: seconds until the next flush is due (<= 0: now), or None when nothing is buffered.
+        flush: writes what is buffered; must not raise (it reports its own failures).
+        name: the thread's name.
+    """
+
+    def __init__(
+        self, due: Callable[[], float | None], flush: Callable[[], None], name: str
+    ) -> None:
+        self._due = due
+        self._flush = flush
+        self._wake = threading.Event()
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._requested = 0  # flush_now requests made and served, under _cond
+        self._served = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        """Rows were added: recompute when the next flush is due."""
+        self._wake.set()
+
+    def flush_now(self, timeout: float) -> bool:
+        """Have the thread flush everything now; wait up to `timeout` s. True if it did."""
+        with self._cond:
+            self._requested += 1
+            ticket = self._requested
+        self._wake.set()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._served >= ticket, timeout)
+
+    def stop(self) -> None:
+        """End the thread (a flush in progress completes first)."""
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            if self._stopping:
+                return
+            with self._cond:
+                requested = self._requested
+            due = self._due()
+            if requested > self._served or (due is not None and due <= 0):
+                try:
+                    self._flush()
+                finally:
+                    with self._cond:
+                        self._served = requested
+                        self._cond.notify_all()
+                continue
+            self._wake.wait(due)

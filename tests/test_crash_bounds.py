@@ -38,6 +38,7 @@ from torchinstruments import (
     EveryNForwardsSampler,
     HistoryConfig,
     inject_observer,
+    remove_observer,
 )
 
 from conftest import sgd_step
@@ -235,6 +236,50 @@ def test_sigterm_chains_to_the_handler_installed_before(tmp_path: Path) -> None:
     index = (directory / "index.md").read_text("utf-8")
     assert "<!-- torchinstruments:state:complete -->" in index
     assert part_files(directory) == []
+
+
+def in_process_run(directory: Path) -> nn.Module:
+    """Inject into a small model (default buffer and flush interval) and take three samples."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+    assert part_files(directory) == []  # all rows are still in memory
+    return model
+
+
+def test_sigterm_handler_chains_in_process_and_is_restored(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def mine(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        model = in_process_run(tmp_path / "run")
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM]  # chained to the handler installed before
+        assert read_parts(tmp_path / "run").height == 3 * ROWS_PER_SAMPLE  # flushed first
+        remove_observer(model)
+        assert signal.getsignal(signal.SIGTERM) is mine  # restored at removal
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        model = in_process_run(tmp_path / "run")
+        os.kill(os.getpid(), signal.SIGTERM)  # still ignored: this test goes on
+        assert read_parts(tmp_path / "run").height == 3 * ROWS_PER_SAMPLE
+        model(torch.randn(4, 6)).sum().backward()
+        remove_observer(model)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        history = pl.read_parquet(tmp_path / "run" / "history.parquet", glob=False)
+        assert history.height == 4 * ROWS_PER_SAMPLE
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

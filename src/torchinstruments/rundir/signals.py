@@ -12,11 +12,15 @@ Design decisions:
   action (or a handler installed from C, reported as None) is re-raised: the handler is reset to
   SIG_DFL and the signal sent again, so the process ends as killed by SIGTERM, with the exit
   status its launcher expects.
-- The flush runs on the run's flush thread, with a timeout (`FLUSH_TIMEOUT_S`). The handler runs
-  in the main thread between two bytecodes, possibly while that thread holds the history writer's
-  lock or TensorBoard's; taking either from the handler could deadlock. If the main thread was
-  interrupted inside one of them, the wait times out and the run loses what a SIGKILL would have
-  lost (at most one flush interval), never more.
+- The handler itself takes no lock. It runs in the main thread between two bytecodes, possibly
+  while that thread holds the history writer's lock, TensorBoard's, or the one inside
+  `threading.Event`; taking any of them from the handler could deadlock. So a helper thread asks
+  the run's flush thread to write everything, and the handler only joins the helper with a
+  timeout (`FLUSH_TIMEOUT_S`). If the main thread was interrupted inside one of those locks, the
+  wait times out and the run loses what a SIGKILL would have lost (at most one flush interval),
+  never more, and never hangs.
+- A process forked after injection (a DataLoader worker) inherits the handler but not the flush
+  thread, and its copy of the buffer is not its to write: there the handler only chains.
 - Python can install signal handlers only from the main thread: an observer injected from another
   thread installs none (SIGTERM then behaves like SIGKILL, within the same bound).
 - Removal restores the previous handler if ours is still installed; if something replaced ours
@@ -48,6 +52,7 @@ class TermFlush:
         self._previous: Any = signal.SIG_DFL
         self._active = False
         self._installed = False
+        self._pid = os.getpid()
 
     @property
     def installed(self) -> bool:
@@ -59,6 +64,7 @@ class TermFlush:
         if threading.current_thread() is not threading.main_thread():
             return False
         self._previous = signal.getsignal(signal.SIGTERM)
+        self._pid = os.getpid()
         signal.signal(signal.SIGTERM, self)
         self._active = self._installed = True
         return True
@@ -76,9 +82,14 @@ class TermFlush:
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
         """Flush (once), then do what the previous handler or the default action would do."""
-        if self._active:
+        if self._active and os.getpid() == self._pid:
             self._active = False
-            self._flush(FLUSH_TIMEOUT_S)
+            helper = threading.Thread(
+                target=self._flush, args=(FLUSH_TIMEOUT_S,), name="torchinstruments SIGTERM flush"
+            )
+            helper.daemon = True
+            helper.start()
+            helper.join(FLUSH_TIMEOUT_S)
         previous = self._previous
         if callable(previous):
             return previous(signum, frame)

@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
-from torchinstruments.measurement.reducers import DEFAULT_METRICS
 
 from _timing import median
 

@@ -211,7 +211,7 @@ class PassThrough(nn.Module):
 
 def live_handles() -> int:
     gc.collect()
-    return sum(isinstance(o, RemovableHandle) for o in gc.get_objects())
+    return sum(type(o) is RemovableHandle for o in gc.get_objects())
 
 
 def test_leaf_hooks_stay_bounded_without_backward(run_dir: Path) -> None:
@@ -244,12 +244,16 @@ def test_leaf_hooks_on_kept_tensors_stay_bounded(run_dir: Path) -> None:
         history_config=HistoryConfig(buffer_rows=1 << 20),
     )
     try:
-        for _ in range(3000):
-            kept.append(model(torch.randn(2, requires_grad=True)))
-            if len(kept) == 1500:
-                at_1500 = sum(len(t._backward_hooks or {}) for t in kept)  # type: ignore[attr-defined]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3000):
+                kept.append(model(torch.randn(2, requires_grad=True)))
+                if len(kept) == 1500:
+                    at_1500 = sum(len(t._backward_hooks or {}) for t in kept)  # type: ignore[attr-defined]
         at_3000 = sum(len(t._backward_hooks or {}) for t in kept)  # type: ignore[attr-defined]
         assert at_3000 == at_1500 < 1500
+        dropped = [w for w in caught if "leaf tensors" in str(w.message)]
+        assert len(dropped) == 1  # never silent, and said once
         kept[-1].sum().backward()  # the newest one still records its gradient
     finally:
         remove_observer(model)

@@ -282,5 +282,31 @@ def test_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_rows_are_written_when_sampling_stops(tmp_path: Path) -> None:
+    """The time bound does not depend on later samples: one sample, then no forward at all."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(
+        model,
+        output_dir=tmp_path / "run",
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=0.5),
+    )
+    try:
+        model(torch.randn(4, 6)).sum().backward()
+        deadline = time.monotonic() + 30  # generous: only a hung flush thread fails this
+        while not part_files(tmp_path / "run") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_parts(tmp_path / "run").height == ROWS_PER_SAMPLE
+        assert set(event_steps(tmp_path / "run")) == set(TAGS)  # events flushed with them
+    finally:
+        remove_observer(model)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "60"])
+def test_flush_seconds_must_be_a_positive_finite_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="flush_seconds"):
+        HistoryConfig(flush_seconds=bad)  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":
     child_main(Path(sys.argv[1]), sys.argv[2])

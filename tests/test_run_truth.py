@@ -1,7 +1,8 @@
 """The run directory never lies: odd tensors, failing artifacts, lost rows, and leaf hooks.
 
-- A tensor that cannot be measured or described (a jagged nested tensor) becomes null rows with a
-  reason; every other row is written and history.parquet exists.
+- A tensor that cannot be described (a jagged nested tensor has no fixed shape) gets a null
+  shape, never a lost run; a record the writer cannot store becomes null cells with a reason;
+  every other row is written and history.parquet exists.
 - A failing result.json or TensorBoard step never prevents history.parquet (index.md then says
   what is missing: the directory is not complete).
 - index.md says "complete" only when history.parquet holds every row the run recorded; otherwise
@@ -19,6 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -30,9 +32,12 @@ from torchinstruments import (
     DEFAULT_METRICS,
     EveryNForwardsSampler,
     HistoryConfig,
+    Measurement,
+    MetricValue,
     inject_observer,
     remove_observer,
 )
+from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import read_result
 
@@ -77,44 +82,72 @@ def small_run(directory: Path, steps: int = 3) -> nn.Module:
 ROWS_SMALL = 2 * METRICS * 2  # two layers, two signals
 
 
-def test_jagged_nested_tensor_gives_null_rows_and_every_other_row(run_dir: Path) -> None:
+def test_jagged_nested_tensor_next_to_ordinary_layers(run_dir: Path) -> None:
+    """A jagged nested tensor (symbolic ragged size) never costs the run its history: its rows
+    hold the statistics of its components' entries with a null shape, and every other row is
+    there, with the real values."""
     torch.manual_seed(0)
     model = WithJagged()
     inputs = [torch.randn(2, 4) for _ in range(3)]
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for x in inputs:
-            model(x).sum().backward()
-        remove_observer(model)
+    for x in inputs:
+        model(x).sum().backward()
+    remove_observer(model)
     history = pl.read_parquet(run_dir / "history.parquet")
     jag = history.filter(pl.col("layer") == "jag")
     assert jag.height == 3 * METRICS  # its output, every sample; no gradient reaches it
-    assert jag["value"].null_count() == jag.height
-    assert jag["unavailable_reason"].null_count() == 0
-    assert set(jag["unavailable_reason"]) == {"unsupported layout torch.jagged"}
     assert jag["shape"].to_list() == [None] * jag.height  # no fixed shape: null, not a crash
     for layer in ("lin", "out"):
         for signal in ("output", "output_gradient"):
             rows = history.filter((pl.col("layer") == layer) & (pl.col("signal") == signal))
             assert rows.height == 3 * METRICS, (layer, signal)
             assert rows["value"].null_count() == 0
-    # the values around it are the real ones (independent recomputation)
+    # values checked against an independent computation on the same weights
     torch.manual_seed(0)
     reference = WithJagged()
-    means = (
-        history.filter(
-            (pl.col("layer") == "lin")
-            & (pl.col("signal") == "output")
-            & (pl.col("metric") == "mean")
-        )
-        .sort("sample_id")["value"]
-        .to_list()
-    )
     with torch.no_grad():
-        assert means == pytest.approx([reference.lin(x).mean().item() for x in inputs], rel=1e-6)
+        hidden = [reference.lin(x) for x in inputs]
+    entries = [np.concatenate([h[0, :2].numpy(), h[1, :3].numpy()]) for h in hidden]
+
+    def metric(layer: str, name: str) -> list[float]:
+        rows = history.filter(
+            (pl.col("layer") == layer) & (pl.col("signal") == "output") & (pl.col("metric") == name)
+        )
+        return rows.sort("sample_id")["value"].to_list()
+
+    assert metric("lin", "mean") == pytest.approx([h.mean().item() for h in hidden], rel=1e-6)
+    assert metric("jag", "mean") == pytest.approx([e.mean() for e in entries], rel=1e-6)
+    assert metric("jag", "std") == pytest.approx([e.std() for e in entries], rel=1e-6)
+    assert metric("jag", "max") == pytest.approx([e.max() for e in entries], rel=1e-6)
     assert COMPLETE in index_text(run_dir)
     assert [layer["layer"] for layer in read_result(run_dir)] == ["lin", "jag", "out"]
+
+
+def test_a_record_that_cannot_be_stored_never_stops_the_writer(tmp_path: Path) -> None:
+    """The writer's own guard: a record with a symbolic shape and a value that is not a number
+    (what a broken custom sink or reducer path could hand it) becomes null cells with a reason;
+    the rows around it are written unchanged."""
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
+
+    def record(sample: int, shape: object, value: object) -> Measurement:
+        return Measurement(
+            sample, sample, 1_700_000_000_000_000, None, "a", "Linear", 0, "output", "",
+            shape, "float32", "train", True, ("mean",), (MetricValue(value),),  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    writer = HistoryWriter(tmp_path, HistoryConfig())
+    writer.append([record(0, (2, 3), 1.5), record(1, tuple(nested.shape), 2.5)])
+    writer.append([record(2, (2, 3), "not a number"), record(3, (4,), 4.5)])
+    assert writer.close()
+    rows = pl.read_parquet(tmp_path / "history.parts" / "part-000000000.parquet")
+    assert rows["shape"].to_list() == [[2, 3], None, [2, 3], [4]]
+    assert rows["value"].to_list() == [1.5, 2.5, None, 4.5]
+    assert rows["unavailable_reason"].to_list() == [
+        None,
+        None,
+        "record error: value of type str is not a number",
+        None,
+    ]
 
 
 def test_failing_result_json_never_prevents_history(run_dir: Path) -> None:

@@ -32,6 +32,7 @@ EMPTY = "empty tensor"
 NO_FINITE = "no finite entries"
 NON_FINITE_RESULT = "non-finite result"
 NO_VALUE = "reducer returned no value"
+RECORD_NO_VALUE = "record error: value missing"
 
 REASONS: tuple[Reason, ...] = (
     Reason(EMPTY, "the tensor has no elements"),
@@ -82,6 +83,16 @@ REASONS: tuple[Reason, ...] = (
         "a layer returned one tensor as is in several sampled calls (a Parameter a shared module "
         "returns, an Identity applied twice, a leaf input in two forwards before one backward); "
         "that tensor receives one gradient per backward: the sum over every use",
+    ),
+    Reason(
+        "record error: value of type <type> is not a number",
+        "a record reached the history writer with a value it cannot store (a bug: please report "
+        "it); the cell is null, the rows around it are kept",
+    ),
+    Reason(
+        RECORD_NO_VALUE,
+        "a record reached the history writer with neither a value nor a reason (a bug: please "
+        "report it)",
     ),
 )
 
@@ -142,6 +153,11 @@ def shared_output(calls: int) -> str:
         f"shared output: the same tensor was returned by {calls} sampled calls of this layer, so "
         "its gradient is the sum over all of them and belongs to no single call"
     )
+
+
+def record_value(kind: str) -> str:
+    """The history writer received a value that is not a number."""
+    return f"record error: value of type {kind} is not a number"
 
 
 def host_values_mismatch(expected: int, got: int) -> str:

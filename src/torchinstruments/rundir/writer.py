@@ -39,6 +39,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments import reasons
 from torchinstruments.records import Measurement
 from torchinstruments.rundir.layout import (
     HISTORY_SCHEMA,
@@ -164,15 +165,13 @@ class _ColumnBuffer:
                     continue
                 values[i] = None
                 if name == "value" and c["unavailable_reason"][i] is None:
-                    c["unavailable_reason"][i] = (
-                        f"record error: value of type {type(cell).__name__} is not a number"
-                    )
-        reasons = c["unavailable_reason"]
+                    c["unavailable_reason"][i] = reasons.record_value(type(cell).__name__)
+        why = c["unavailable_reason"]
         for i in range(n):  # a reason exactly when the value is null
-            if c["value"][i] is None and reasons[i] is None:
-                reasons[i] = "record error: value missing"
+            if c["value"][i] is None and why[i] is None:
+                why[i] = reasons.RECORD_NO_VALUE
             elif c["value"][i] is not None:
-                reasons[i] = None
+                why[i] = None
 
     def drop(self, n: int) -> None:
         """Forget the first `n` rows (and the shape table once the buffer is empty)."""

@@ -16,6 +16,7 @@ the merge and `finalize` are exercised on a path that must be used literally.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -209,6 +210,16 @@ def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_pat
     assert "<!-- torchinstruments:state:complete -->" not in index
     assert "<!-- torchinstruments:state:interrupted -->" in index
     assert f"flush_seconds={FLUSH_SECONDS}" in index
+    assert "state: interrupted" in done.stdout  # the CLI says the same
+    shown = subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "show", str(directory), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["run"]["state"].startswith("interrupted")
 
 
 def test_sigterm_flushes_everything_then_ends_with_the_default_action(tmp_path: Path) -> None:

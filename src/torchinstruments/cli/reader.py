@@ -34,6 +34,7 @@ from torchinstruments.rundir.index_page import (
     STATE_COMPLETE,
     STATE_IN_PROGRESS,
     STATE_INCOMPLETE,
+    STATE_INTERRUPTED,
     parse_run_info,
 )
 from torchinstruments.rundir.layout import (
@@ -193,6 +194,11 @@ def read_facts(directory: Path) -> RunFacts:
     )
     if STATE_COMPLETE in text and not files.parts:
         state = "complete"
+    elif STATE_INTERRUPTED in text and not files.parts:
+        state = (
+            "interrupted (finalized after the process ended without remove_observer: rows of its "
+            "last flush interval may be missing; see index.md)"
+        )
     elif STATE_INCOMPLETE in text:
         state = "INCOMPLETE (index.md's State section says what is missing and why)"
     elif STATE_IN_PROGRESS in text:

@@ -1,8 +1,8 @@
 """Layers that never ran are visible: per-layer counts of sampled forwards, and warnings.
 
 index.md and result.json give, for each selected layer, in how many sampled forwards it was
-called (0 included); removal warns once about the layers that never ran; a `forward` replaced
-after injection is reported at the first sampled forward that no longer reaches it. The counts
+called (0 included); removal warns once about the layers that never ran; a layer `forward`
+replaced during a sampled forward is warned about when it ends. The counts
 survive a crash: `finalize` rebuilds them from the history.
 """
 
@@ -70,19 +70,34 @@ def test_no_sample_no_never_ran_warning_per_layer(run_dir: Path) -> None:
         remove_observer(model)
 
 
-def test_replaced_forward_is_warned_at_the_first_sampled_forward(run_dir: Path) -> None:
+def test_forward_replaced_between_forwards_is_still_observed(run_dir: Path) -> None:
+    """Layer proxies go on for each sampled forward, on top of whatever `forward` is there."""
     model = Branchy()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     model(torch.randn(2, 4))
     model.always.forward = lambda x: x * 2  # type: ignore[method-assign]
-    with pytest.warns(RuntimeWarning, match=r"forward of layer 'always' was replaced"):
-        model(torch.randn(2, 4))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model(torch.randn(2, 4))  # said once
-    with pytest.warns(RuntimeWarning):
+        warnings.simplefilter("error")  # nothing of ours was lost: no warning
+        model(torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match="never ran"):
         remove_observer(model)
-    assert sampled_forwards(run_dir)["always"] == 1
+    assert sampled_forwards(run_dir)["always"] == 2
+    assert "forward" in model.always.__dict__  # the replacement stays
+
+
+def test_forward_replaced_during_a_sampled_forward_is_warned(run_dir: Path) -> None:
+    model = Branchy()
+
+    def replace(x: torch.Tensor) -> torch.Tensor:
+        model.always.forward = lambda y: y  # type: ignore[method-assign]
+        return x
+
+    model.sometimes.forward = replace  # type: ignore[method-assign]
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match=r"forward of 'always' was replaced during"):
+        model(torch.randn(2, 4), branch=True)
+    with pytest.warns(RuntimeWarning, match="1 module forward"):
+        remove_observer(model)
 
 
 CHILD = """

@@ -6,6 +6,7 @@ import gc
 import os
 import threading
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,9 @@ def test_model_is_identical_during_and_after_observation_except_forward(run_dir:
     before = snapshot(model)
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     during = snapshot(model)
-    proxied = {name for name, m in model.named_modules() if name == "" or not any(m.children())}
+    # Between root forwards only the root carries a proxy (layers get theirs per sample).
     for name, module_dict in during["dicts"].items():  # type: ignore[union-attr]
-        assert ("forward" in module_dict) == (name in proxied), name
+        assert ("forward" in module_dict) == (name == ""), name
         without = {k: v for k, v in module_dict.items() if k != "forward"}
         assert without == before["dicts"][name]  # type: ignore[index]
     for key in ("state_keys", "parameters", "buffers", "children"):
@@ -71,27 +72,52 @@ def test_pre_existing_instance_forward_is_restored_by_identity(run_dir: Path) ->
     assert read_history(run_dir)["layer"].unique().len() == 6
 
 
-def test_forward_wrapped_by_someone_else_after_injection_is_not_clobbered(run_dir: Path) -> None:
+def test_root_forward_wrapped_by_someone_else_after_injection_is_not_clobbered(
+    run_dir: Path,
+) -> None:
     model = mlp()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    ours = model[0].forward
+    ours = model.forward
     calls = []
 
     def theirs(*args: object) -> object:
         calls.append(1)
         return ours(*args)
 
-    model[0].forward = theirs
+    model.forward = theirs  # type: ignore[assignment]
     model(torch.randn(2, 8))
     with pytest.warns(RuntimeWarning, match="1 module forward"):
         remove_observer(model)
-    assert model[0].__dict__["forward"] is theirs
-    assert "forward" not in model[2].__dict__
+    assert model.__dict__["forward"] is theirs
     x = torch.randn(2, 8)
+    assert torch.equal(model(x), nn.Sequential.forward(model, x))
+    assert len(calls) == 2
+    assert read_history(run_dir)["forward_index"].unique().to_list() == [0]
+
+
+def test_layer_forward_replaced_between_forwards_is_kept_and_still_observed(
+    run_dir: Path,
+) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     first = model[0]
     assert isinstance(first, nn.Linear)
-    assert torch.equal(first(x), nn.Linear.forward(first, x))
-    assert len(calls) == 2
+    calls = []
+
+    def theirs(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return nn.Linear.forward(first, x)
+
+    first.forward = theirs  # type: ignore[assignment]
+    model(torch.randn(2, 8))  # sampled: our proxy goes on top of theirs, and off again
+    assert first.__dict__["forward"] is theirs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of ours is inside theirs: no warning
+        remove_observer(model)
+    assert first.__dict__["forward"] is theirs
+    assert "forward" not in model[2].__dict__
+    assert len(calls) == 1
+    assert "0" in read_history(run_dir)["layer"].to_list()
 
 
 def test_second_injection_raises_and_first_observer_keeps_working(

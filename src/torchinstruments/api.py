@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchinstruments.capture import compile_support, compiled_from_the_top, compiled_original
 from torchinstruments.distributed import place_rank, validate_rank_policy
 from torchinstruments.measurement.reducers import Measurer, ReducerSpec
 from torchinstruments.observer import Observer
@@ -41,6 +42,19 @@ from torchinstruments.selection import (
     select_layers,
 )
 from torchinstruments.sinks import DirectorySink, Sink, SinkGroup, validate_sinks
+
+_NO_COMPILE_SUPPORT = (
+    f"not recorded: forwards run under torch.compile (torch {torch.__version__} cannot keep the "
+    "observer's root wrapper out of compiled code, so a compiled model's root forwards are "
+    "neither counted nor sampled; eager forwards are recorded as usual)"
+)
+_COMPILED_FROM_THE_TOP = (
+    "model.compile() ran before inject_observer on a {cls}, whose forward lives in torch: "
+    "torch.compile then traces nn.Module.__call__ from the top and meets the observer's root "
+    "wrapper, so each root forward has one extra graph break (and fullgraph=True fails). "
+    "Everything is still recorded. Call model.compile() after inject_observer, or inject into "
+    "torch.compile(model), for unchanged graphs"
+)
 
 _OBSERVERS: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
 
@@ -158,6 +172,14 @@ def remove_observer(model: nn.Module) -> Path | None:
             RuntimeWarning,
             stacklevel=2,
         )
+    counts = observer.counts()
+    if counts.samples == 0 and observer.layer_count:
+        warnings.warn(
+            f"torchinstruments: no sample was recorded ({counts.root_forwards} root forwards "
+            f"seen, none sampled): {observer.directory} holds no rows, and its index.md says so",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if left_in_place:
         warnings.warn(
             f"torchinstruments: {left_in_place} module forward(s) were replaced or wrapped after "
@@ -250,6 +272,15 @@ def validate_arguments(
     )
 
 
+def compile_notes(model: nn.Module) -> tuple[str, ...]:
+    """What torch.compile changes for this model's run (index.md and a warning at inject)."""
+    if not compile_support():
+        return (_NO_COMPILE_SUPPORT,)
+    if compiled_from_the_top(model):
+        return (_COMPILED_FROM_THE_TOP.format(cls=type(model).__name__),)
+    return ()
+
+
 def start_run(model: nn.Module, settings: Settings) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
@@ -267,7 +298,7 @@ def start_run(model: nn.Module, settings: Settings) -> Observer | None:
         output_dir=placement.directory,
         library_version=library_version(),
         torch_version=torch.__version__,
-        model_class=type(model).__name__,
+        model_class=type(compiled_original(model) or model).__name__,
         layers=infos,
         focus_layers=tuple(info.name for info in infos if info.name in focus),
         sampler=describe_sampler(settings.sampler),
@@ -280,7 +311,10 @@ def start_run(model: nn.Module, settings: Settings) -> Observer | None:
         window=settings.history_config.window,
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flush_seconds=settings.history_config.flush_seconds,
+        notes=compile_notes(model),
     )
+    for note in run.notes:
+        warnings.warn(f"torchinstruments: {note}", RuntimeWarning, stacklevel=3)
     directory = DirectorySink(placement.directory, settings.history_config)
     directory.start(run)
     group = SinkGroup(settings.sinks)

@@ -6,10 +6,12 @@ around the bound forward it had. `nn.Module.__call__` looks `self.forward` up on
 are not used: any hook pushes `nn.Module.__call__` off its fast path (about 1 µs per call here),
 while an instance `forward` keeps it on it.
 
-The unsampled path is wrapt's C code alone: the proxy is built with `enabled=<list>.__len__`, so
-while the observer's `active` list is empty, wrapt calls the original forward directly without
-entering Python (about 20 ns per call here; see bench/overhead.py). Only during a sampled root
-forward does the list hold an item and the Python wrapper run.
+Between root forwards only the root carries a proxy; the selected layers get theirs when a
+sampled root forward starts and lose them when it ends (observer.py), so an unsampled forward
+costs one Python call at the root and nothing per layer, and compiled code (below) never meets
+a layer proxy. During a sampled forward the layer proxies are built with
+`enabled=<list>.__len__`: another thread's unsampled forward passing through them stays in
+wrapt's C code (about 20 ns per call here; see bench/overhead.py).
 
 Removal restores the instance `__dict__` exactly: the key is deleted where there was none, the
 previous object is put back by identity where there was one, and a proxy someone else replaced or
@@ -17,9 +19,17 @@ wrapped after injection is left in place (the observer is closed, so it is inert
 
 Private torch internals: everything the interception relies on that torch does not promise (the
 caller-frame check against `nn.Module._call_impl`, fx's symbolic-tracing flag, the autograd engine's
-`queue_callback`, the switch that keeps `nn.TransformerEncoderLayer` off its fused kernel) lives in
-this module, one function each, each with its own test in
-tests/test_capture.py, so a torch upgrade that moves one of them breaks in one place.
+`queue_callback`, the switch that keeps `nn.TransformerEncoderLayer` off its fused kernel,
+dynamo's frame-evaluation switches, the OptimizedModule wrapper) lives in this module, one
+function each, so a torch upgrade that moves one of them breaks in one place.
+
+torch.compile: dynamo compiles the frames a compiled call enters. The root proxy's wrapper is
+excluded from that (`exclude_from_compilation`: its frame runs as plain Python, the frames it
+calls are still compiled), and it pauses compilation while it does its own bookkeeping, so the
+sampling decision is taken in Python at every root forward and an unsampled forward then enters
+the compiled code exactly as the plain model does. Layer proxies exist only while a sampled
+forward runs (observer.py), and a sampled forward runs with torch.compile off (`call_eagerly`):
+compiled code never sees a proxy, so it has the graphs, breaks and guards of the plain model.
 
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
 model. The proxy reduces to what was there before injection: the pre-existing instance `forward`,
@@ -32,8 +42,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator, Mapping
 from types import CodeType
 from typing import Any
@@ -135,11 +147,152 @@ def queue_at_backward_end(callback: Callable[[], None]) -> bool:
     return True
 
 
+# --- torch.compile: dynamo's frame-evaluation switches, from torch._C (no torch._dynamo import) ----
+
+try:
+    from torch._C._dynamo import eval_frame as _eval_frame
+except ImportError:  # pragma: no cover - a torch built without dynamo
+    _eval_frame = None
+
+
+def compile_support() -> bool:
+    """Whether this torch can exclude one frame from compilation while compiling its callees."""
+    return _eval_frame is not None and hasattr(_eval_frame, "set_code_exec_strategy")
+
+
+def exclude_from_compilation(function: Callable[..., Any]) -> None:
+    """Make dynamo run `function`'s frames as plain Python and still compile what they call.
+
+    Marks the code object (`set_code_exec_strategy(SKIP, DEFAULT)`, what
+    `torch.compiler.disable(recursive=False)` does for the frame it wraps) without importing
+    torch._dynamo, which takes seconds; a no-op where this torch lacks it (see compile_support).
+    """
+    if compile_support():
+        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+            _eval_frame._FrameAction.DEFAULT,  # type: ignore[union-attr]
+        )
+        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+
+
+def _no_callback(*_: Any) -> None:
+    return None
+
+
+# C callables on purpose: a Python helper called by the root wrapper before compilation is paused
+# would be a frame for dynamo to compile. `pause_compilation()` stops dynamo from compiling the
+# frames this thread enters and returns its callback; `resume_compilation(callback)` puts it back.
+pause_compilation: Callable[[], Any] = (
+    functools.partial(_eval_frame.set_eval_frame, None) if _eval_frame is not None else _no_callback
+)
+resume_compilation: Callable[[Any], Any] = (
+    _eval_frame.set_eval_frame if _eval_frame is not None else _no_callback
+)
+
+
+def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `function` with torch.compile off, compiled modules nested inside included.
+
+    `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
+    process-wide while the call lasts. A `fullgraph=True` caller counts this call as a compiled
+    frame, so that skipping compilation on purpose is not reported as "no compiled frames".
+    Without torch._dynamo imported nothing can be compiled, and the call is a plain one.
+    """
+    paused = pause_compilation()
+    try:
+        if "torch._dynamo" not in sys.modules:
+            return function(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            result = function(*args, **kwargs)
+        count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
+        if count_frames is not None:
+            count = count_frames(-1)
+            count_frames(count + 1 if count >= 0 else count)
+        return result
+    finally:
+        resume_compilation(paused)
+
+
+def _call_forward(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Template of `forward_caller`: the frame dynamo compiles for an unsampled root forward."""
+    return forward(*args, **kwargs)
+
+
+def forward_caller() -> Callable[[Callable[..., Any], tuple, dict], Any]:
+    """A function calling `forward(*args, **kwargs)` through a frame of its own code object.
+
+    The root wrapper is never compiled, so the frame it calls is where dynamo starts. The class's
+    forward cannot be that frame when it lives in torch (`nn.Sequential.forward`): dynamo never
+    starts compiling inside torch.nn, and would run it eagerly. This frame is compiled instead,
+    with the forward inlined into it, as torch.compile's own wrapper does. Each observer gets a
+    fresh code object, so dynamo's per-code cache (and its recompile limit) is not shared
+    between observed models.
+    """
+    code = _call_forward.__code__
+    code = code.replace(co_varnames=code.co_varnames)  # a new code object, same bytecode
+    return types.FunctionType(code, _call_forward.__globals__, "observed_forward")
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module a `torch.compile(module)` wrapper (OptimizedModule) compiles, else None."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return module._orig_mod
+    return None
+
+
+def compiled_from_the_top(model: nn.Module) -> bool:
+    """True when `model.compile()` ran on a module whose forward lives in torch (nn.Sequential).
+
+    torch.compile then wraps `nn.Module._call_impl` so that dynamo traces it from the top (it never
+    starts compiling inside torch.nn), into whatever instance `forward` the module gets later:
+    a root proxy installed after that is a graph break. Read from dynamo's trace rules, loaded
+    whenever something was compiled.
+    """
+    if model.__dict__.get("_compiled_call_impl") is None:
+        return False
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    check = getattr(trace_rules, "check", None)
+    return check is not None and bool(check(type(model).forward))
+
+
+def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`named_modules()` as if nothing were compiled.
+
+    A `torch.compile(module)` wrapper is looked through and the module it wraps takes its name
+    (`blocks.0.fc`, not `blocks.0._orig_mod.fc`), so layer names are those of the eager model.
+    """
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        inner = compiled_original(module)
+        while inner is not None:
+            module, inner = inner, compiled_original(inner)
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield prefix, module
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{prefix}.{name}" if prefix else name)
+
+    yield from walk(model, "")
+
+
 class ForwardProxy(wrapt.FunctionWrapper):
     """The object installed as a module's instance `forward`.
 
     `_self_*` attributes stay on the proxy (wrapt's convention) and never reach the module.
     """
+
+    # wrapt reports the wrapped object's class, so the proxy would pass for a bound method; it
+    # must not, for torch.compile: OptimizedModule starts compiling at the model's forward frame
+    # only when `isinstance(model.forward, MethodType)` is False or the method is user code, and
+    # otherwise traces `nn.Module.__call__` from the top, into the root wrapper (a graph break).
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        return type(self)
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ is dropped without `remove_observer` is collected and its run is finalized by `w
 
 Timing of work, by design:
 - unsampled root forward: one Python call of `on_root_call` (counter, sampler) and nothing per
-  layer (wrapt's C path, see capture.py);
+  layer: layer proxies are installed only for the duration of a sampled root forward;
 - sampled root forward: reductions are launched on each tensor's device as the layer returns (so
   a later in-place op cannot change what was measured), their results stay on the device, and
   everything the forward produced crosses to the host in one transfer per device when the root
@@ -21,13 +21,22 @@ Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fu
 calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a
 sampled forward (of this thread) it switches that one call to the layer-by-layer path PyTorch
 takes when a hook is attached (`capture.layer_by_layer`), so the layers inside run and are
-measured, and the result is what a hook user gets. Unsampled forwards pass through wrapt's C path
-and keep the fused kernel, bit-identical to the unobserved model.
+measured, and the result is what a hook user gets. Unsampled forwards never meet
+the guard (it is installed with the layer proxies, per sampled forward) and keep the fused
+kernel, bit-identical to the unobserved model.
 
 Coverage: per selected layer the observer counts the sampled forwards in which it was called
 (`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers
-that never ran in one, and a sampled forward that did not reach a layer checks whether its
-`forward` was replaced after injection, so a replacement is reported when it is first noticed.
+that never ran in one. A layer `forward` replaced between forwards is still observed (the proxy
+goes on top of the replacement for each sampled forward); one replaced during a sampled forward
+keeps the proxy inside it, and that is warned about when the forward ends.
+
+torch.compile: `on_root_call` is never compiled (capture.exclude_from_compilation) and decides
+with compilation paused; an unsampled forward then calls the compiled forward as the plain model
+would, so it runs the same graphs with the same guards (no layer proxy is installed then). A
+sampled forward runs eagerly (capture.call_eagerly): the same rows as an eager run, at the cost
+of one eager step, and its outputs are eager numerics. Compiled code is never traced with a
+proxy in it, so alternating sampled and unsampled steps never recompiles.
 
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
 A call of the root inside its own forward is part of the enclosing root forward: it is not
@@ -50,14 +59,18 @@ import torch
 from torch import nn
 
 from torchinstruments.capture import (
+    call_eagerly,
     called_through_module_call,
+    exclude_from_compilation,
+    forward_caller,
     has_fused_fast_path,
     install_proxy,
     is_tracing,
     iter_tensors,
     layer_by_layer,
-    proxy_reachable,
+    pause_compilation,
     restore_proxy,
+    resume_compilation,
 )
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.reducers import Measurer
@@ -65,6 +78,10 @@ from torchinstruments.measurement.transfer import PendingTensor, build_records, 
 from torchinstruments.records import OUTPUT, LayerInfo, RunCounts, SampleRecord, TensorKey
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks import SinkGroup
+
+# What `_begin_root_forward` returns besides a sample or None (unsampled).
+_PASS_THROUGH = object()  # closed, tracing, or a direct call not captured
+_NESTED = object()  # a root call inside a root forward of the same thread
 
 
 class _Sample:
@@ -174,6 +191,14 @@ class Observer:
         self.samples = 0
         self._token = object()
         self._installed: list[weakref.ref[nn.Module]] = []
+        # What `_install_layers` puts on for each sampled forward: (module, layer name or "" for a
+        # fused-path guard, wrapper).
+        self._layer_proxies: list[tuple[weakref.ref[nn.Module], str, Callable[..., Any]]] = []
+        self._layers_lock = threading.Lock()
+        self._sampling_threads = 0
+        self._layers_left_in_place = 0
+        self.layer_count = 0
+        self._call_forward = forward_caller()
         self._root_layer: _LayerCapture | None = None
         # Per selected layer (root included): the sampled forwards in which it was called.
         self.layer_samples: dict[str, int] = {}
@@ -187,21 +212,24 @@ class Observer:
     def install(
         self, root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]], focus: set[str]
     ) -> None:
-        """Install a proxy on every selected layer, a fused-path guard on every module that could
-        skip selected layers with a fused kernel, then on the root (which delimits forwards)."""
+        """Install the root's proxy (which delimits root forwards). Layer proxies, and a fused-path
+        guard on every module that could skip selected layers with a fused kernel, are installed
+        per sampled forward (`_install_layers`)."""
         for module, info in layers:
             capture = _LayerCapture(self, module, info, info.name in focus)
             if module is root:
                 self._root_layer = capture
-                continue
-            self._install(module, capture.on_call, self.active.__len__)
-            self._layers.append((weakref.ref(module), info.name))
+            else:
+                self._layers.append((weakref.ref(module), info.name))
+                self._layer_proxies.append((weakref.ref(module), info.name, capture.on_call))
         selected = {id(module) for module, _ in layers}
         for module in root.modules():
             if has_fused_fast_path(module) and any(
                 id(inner) in selected for inner in module.modules() if inner is not module
             ):
-                self._install(module, _FusedPathGuard(self, module).on_call, self.active.__len__)
+                guard = _FusedPathGuard(self, module).on_call
+                self._layer_proxies.append((weakref.ref(module), "", guard))
+        self.layer_count = len(layers)
         self._install(root, self.on_root_call, None)
 
     def _install(self, module: nn.Module, wrapper: Callable[..., Any], enabled: Any) -> None:
@@ -217,42 +245,104 @@ class Observer:
             if module is not None and not restore_proxy(module, self._token):
                 left_in_place += 1
         self._installed.clear()
-        return left_in_place
+        return left_in_place + self._layers_left_in_place
+
+    def _install_layers(self) -> None:
+        """Put a proxy on every selected layer when the first concurrent sampled forward starts."""
+        with self._layers_lock:
+            self._sampling_threads += 1
+            if self._sampling_threads > 1:
+                return
+            for module_ref, _, wrapper in self._layer_proxies:
+                module = module_ref()
+                if module is not None:
+                    install_proxy(module, wrapper, self.active.__len__, self._token)
+
+    def _restore_layers(self) -> None:
+        """Take the layer proxies away when the last concurrent sampled forward ends."""
+        with self._layers_lock:
+            self._sampling_threads -= 1
+            if self._sampling_threads > 0:
+                return
+            for module_ref, name, _ in reversed(self._layer_proxies):
+                module = module_ref()
+                if module is not None and not restore_proxy(module, self._token):
+                    # Replaced or wrapped during the forward: left in place, inert once closed.
+                    self._layers_left_in_place += 1
+                    self.warn_once(
+                        f"replaced:{name}",
+                        f"the forward of {name or type(module).__name__!r} was replaced during a "
+                        "sampled forward; the replacement is kept, with the observer's proxy "
+                        "inside it (inert after removal)",
+                    )
 
     # -- root forwards ------------------------------------------------------------------------
 
     def on_root_call(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
     ) -> Any:
-        """Count root forwards, ask the sampler, and hold the sample open while the forward runs."""
+        """Count root forwards, ask the sampler, and hold the sample open while the forward runs.
+
+        Never compiled (see the end of this module); compilation is paused while it decides, so
+        its bookkeeping never ends up in a graph, and resumed for an unsampled forward.
+        """
+        paused = pause_compilation()
+        try:
+            sample = self._begin_root_forward()
+        except BaseException:
+            resume_compilation(paused)
+            raise
+        if sample is _PASS_THROUGH:
+            resume_compilation(paused)
+            return wrapped(*args, **kwargs)
+        if sample is _NESTED:
+            resume_compilation(paused)
+            return self._call_nested(wrapped, args, kwargs)
+        local = self._local
+        if sample is None:
+            resume_compilation(paused)
+            local.depth = 1
+            try:
+                return self._call_forward(wrapped, args, kwargs)  # compiled, if the model is
+            finally:
+                local.depth = 0
+        try:
+            return self._run_sample(sample, wrapped, args, kwargs)  # type: ignore[arg-type]
+        finally:
+            resume_compilation(paused)
+
+    def _begin_root_forward(self) -> _Sample | object | None:
+        """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""
         if (
             self.closed
             or is_tracing()
-            or (not self.capture_direct_forwards and not called_through_module_call())
+            # on_root_call, the proxy, and the proxy's caller: depth 3 from here.
+            or (not self.capture_direct_forwards and not called_through_module_call(3))
         ):
-            return wrapped(*args, **kwargs)
-        local = self._local
-        if getattr(local, "depth", 0) > 0:
-            return self._call_nested(wrapped, args, kwargs)
+            return _PASS_THROUGH
+        if getattr(self._local, "depth", 0) > 0:
+            return _NESTED
         with self._count_lock:
             forward_index = self.root_forwards
             self.root_forwards += 1
             sample_id = self.samples if self._should_sample(forward_index) else None
             if sample_id is not None:
                 self.samples += 1
-        if sample_id is None:
-            local.depth = 1
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                local.depth = 0
-        sample = _Sample(sample_id, forward_index)
+        return None if sample_id is None else _Sample(sample_id, forward_index)
+
+    def _run_sample(
+        self, sample: _Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """A sampled root forward: layer proxies on, torch.compile off, then one emission."""
+        local = self._local
         local.sample = sample
         local.depth = 1
         self.active.append(1)
+        self._install_layers()
         try:
-            return self._call_root_layer(wrapped, args, kwargs)
+            return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         finally:
+            self._restore_layers()
             self.active.pop()
             local.depth = 0
             local.sample = None
@@ -331,24 +421,10 @@ class Observer:
             self.gradients.hook_output(key, tensor, layer.focus)
 
     def _end_sample(self, sample: _Sample) -> None:
-        """Count the layers this sampled forward called; report forwards replaced since inject.
-
-        A layer that was not called may be one whose `forward` someone replaced: said now, at the
-        first sampled forward that notices it, not only at removal.
-        """
+        """Count the layers this sampled forward called."""
         with self._count_lock:
             for name in sample.call_counts:
                 self.layer_samples[name] = self.layer_samples.get(name, 0) + 1
-        for module_ref, name in self._layers:
-            if name in sample.call_counts or f"replaced:{name}" in self._warned:
-                continue
-            module = module_ref()
-            if module is not None and not proxy_reachable(module, self._token):
-                self.warn_once(
-                    f"replaced:{name}",
-                    f"the forward of layer {name!r} was replaced after inject_observer; calls "
-                    "that do not go through the previous forward are not observed",
-                )
 
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
@@ -399,3 +475,7 @@ class Observer:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"torchinstruments: {message}", RuntimeWarning, stacklevel=3)
+
+
+# The root wrapper runs as plain Python even inside a compiled region; what it calls is compiled.
+exclude_from_compilation(Observer.on_root_call)

@@ -131,6 +131,9 @@ class RunInfo:
     window: int
     started_at: str
     flush_seconds: float = 60.0
+    # What this configuration cannot record or changes, one sentence each (warned at inject,
+    # stated in index.md).
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,10 @@ module is the layer and those children are not. The one such module in torch is
 the functional attention kernel and never calls `out_proj`, so a leaf-only rule would record
 nothing of attention, and `out_proj` would be a layer that never runs. TorchScript modules are
 never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers are the first
-`max_histogram_modules` layers that `histogram_selector` accepts (default: all).
+`max_histogram_modules` layers that `histogram_selector` accepts (default: all). A
+`torch.compile(module)` wrapper (OptimizedModule) is looked through: the module it compiles is
+offered in its place, under the name it has in the eager model (`blocks.0.fc`, not
+`blocks.0._orig_mod.fc`), so a compiled model has the layers and layer names of the eager one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from torchinstruments.capture import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
 
 Selector = Callable[[str, nn.Module], bool]
@@ -43,13 +47,13 @@ def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
     holders: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in named_modules_uncompiled(model):
         if any(name.startswith(f"{holder}.") or holder == "" for holder in holders):
             continue  # inside a module that never calls its children
         if holds_uncalled_children(module):
             holders.append(name)
             chosen.add(name)
-        elif not any(module.children()):
+        elif next(iter(module.children()), None) is None:  # any() calls a child's __len__
             chosen.add(name)
     return chosen
 
@@ -58,7 +62,7 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
     """Selected modules in `named_modules()` traversal order; default: `default_layers`."""
     default = default_layers(model) if selector is None else set()
     layers = []
-    for name, module in model.named_modules():
+    for name, module in named_modules_uncompiled(model):
         chosen = selector(name, module) if selector is not None else name in default
         if chosen and not isinstance(module, torch.jit.ScriptModule):
             layers.append((module, LayerInfo(name, type(module).__name__)))

@@ -438,6 +438,22 @@ def _section_state(
     ]
 
 
+def _section_gaps(run: RunInfo, counts: RunCounts | None) -> list[str]:
+    """What the run does not hold although layers were selected: said before anything else."""
+    lines = [f"**Note:** {note}" for note in run.notes]
+    if counts is not None and run.layers and counts.samples == 0:
+        seen = (
+            "the model was never called"
+            if counts.root_forwards == 0
+            else f"{counts.root_forwards} root forwards were seen and the sampler chose none"
+        )
+        lines.append(
+            f"**No sample was recorded:** {seen}, so history.parquet has no rows and result.json "
+            "no measurements."
+        )
+    return [line for pair in zip(lines, [""] * len(lines), strict=True) for line in pair]
+
+
 def render_index(
     run: RunInfo,
     counts: RunCounts | None,
@@ -464,6 +480,7 @@ def render_index(
     lines = [
         "# TorchInstruments run",
         *_section_state(run, counts, problems, interrupted, rows_recorded),
+        *_section_gaps(run, counts),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
@@ -532,12 +549,14 @@ def parse_run_info(text: str) -> RunInfo:
     data = json.loads(match.group(1))
     names = {f.name for f in fields(RunInfo)}
     data.setdefault("flush_seconds", 60.0)  # index.md of a version before flush_seconds
+    data.setdefault("notes", [])  # index.md of a version before notes
     if set(data) != names:
         raise ValueError(f"run-info block has fields {sorted(data)}, expected {sorted(names)}")
     data["output_dir"] = Path(data["output_dir"])
     data["layers"] = tuple(LayerInfo(d["name"], d["module_type"]) for d in data["layers"])
     data["focus_layers"] = tuple(data["focus_layers"])
     data["metrics"] = tuple(data["metrics"])
+    data["notes"] = tuple(data.get("notes", ()))
     return RunInfo(**data)
 
 

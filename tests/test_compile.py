@@ -1,0 +1,360 @@
+"""torch.compile: unsampled steps run the plain compiled graph; sampled steps are measured eagerly.
+
+Each configuration runs the same steps three times from the same weights and inputs: compiled
+without an observer, compiled with one, and eager with one. No parameter is updated (backward
+only), so the weights stay equal across the three runs: outputs of unsampled steps are compared
+bit for bit with the plain compiled model, and the rows of sampled steps with the eager run's.
+Graphs and graph breaks are read from dynamo's counters; after warm-up (one sampled and one
+unsampled step) the steps run under `set_stance("fail_on_recompile")`, which raises on any
+recompile.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+WIDTH = 8
+STEPS = 6  # forward_index 0, 2, 4 sampled; 1, 3, 5 not
+KEY_COLUMNS = [
+    "sample_id",
+    "forward_index",
+    "layer",
+    "module_type",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "shape",
+    "dtype",
+    "mode",
+    "grad_enabled",
+    "metric",
+]
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: four selected leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """`blocks` residual blocks and a linear head."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One way of compiling, and when the observer is injected relative to it."""
+
+    how: str
+    backend: str
+    blocks: int = 2
+    options: dict[str, Any] = field(default_factory=dict)
+    sequential: bool = False  # root is an nn.Sequential: its forward lives in torch
+
+    def __str__(self) -> str:
+        extra = "".join(f"-{key}" for key in self.options)
+        root = "-sequential" if self.sequential else ""
+        return f"{self.how}-{self.backend}-{self.blocks}blocks{extra}{root}"
+
+    def model(self) -> nn.Module:
+        if self.sequential:
+            return nn.Sequential(*(Block() for _ in range(self.blocks)), nn.Linear(WIDTH, 2))
+        return Net(self.blocks)
+
+
+@dataclass
+class Prepared:
+    """What the loop calls, and the module given to inject_observer / remove_observer."""
+
+    call: Callable[[torch.Tensor], torch.Tensor]
+    observed: nn.Module
+
+
+def compile_module(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """`torch.compile(module)`: an OptimizedModule (typed as a plain callable by torch)."""
+    compiled = torch.compile(module, **kwargs)
+    assert isinstance(compiled, nn.Module)
+    return compiled
+
+
+def prepare(
+    setup: Setup, model: nn.Module, observe: Callable[[nn.Module], object] | None
+) -> Prepared:
+    """Compile `model` as `setup` says, injecting (when `observe` is given) at the right moment."""
+
+    def attach(module: nn.Module) -> None:
+        if observe is not None:
+            observe(module)
+
+    kwargs: dict[str, Any] = {"backend": setup.backend, **setup.options}
+    if setup.how == "compile_model_after_inject":
+        attach(model)
+        return Prepared(torch.compile(model, **kwargs), model)
+    if setup.how == "inject_on_optimized_module":
+        compiled = compile_module(model, **kwargs)
+        attach(compiled)
+        return Prepared(compiled, compiled)
+    if setup.how == "inject_on_orig_mod":
+        compiled = compile_module(model, **kwargs)
+        original = compiled.get_submodule("_orig_mod")
+        attach(original)
+        return Prepared(compiled, original)
+    if setup.how == "model_compile_before_inject":
+        model.compile(**kwargs)
+        attach(model)
+        return Prepared(model, model)
+    if setup.how == "model_compile_after_inject":
+        attach(model)
+        model.compile(**kwargs)
+        return Prepared(model, model)
+    assert isinstance(model, Net)
+    if setup.how == "block_compile_after_inject":
+        attach(model)
+        for block in model.blocks:
+            block.compile(**kwargs)
+        return Prepared(model, model)
+    if setup.how == "torch_compile_blocks_before_inject":
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = compile_module(block, **kwargs)
+        attach(model)
+        return Prepared(model, model)
+    raise AssertionError(setup.how)
+
+
+SETUPS = [
+    Setup("compile_model_after_inject", "aot_eager"),
+    Setup("compile_model_after_inject", "inductor"),
+    Setup("compile_model_after_inject", "eager", options={"fullgraph": True}),
+    Setup("compile_model_after_inject", "aot_eager", options={"dynamic": True}),
+    Setup("compile_model_after_inject", "eager", sequential=True, options={"fullgraph": True}),
+    Setup("inject_on_optimized_module", "eager", sequential=True),
+    Setup("inject_on_orig_mod", "aot_eager"),
+    Setup("model_compile_before_inject", "eager"),
+    Setup("model_compile_after_inject", "eager", sequential=True),
+    Setup("model_compile_after_inject", "aot_eager", options={"fullgraph": True}),
+    Setup("block_compile_after_inject", "inductor"),
+    Setup("block_compile_after_inject", "aot_eager", blocks=12, options={"fullgraph": True}),
+    Setup("torch_compile_blocks_before_inject", "eager", blocks=12),
+]
+
+
+def graphs_and_breaks() -> tuple[int, int]:
+    """Graphs compiled (recompiles included) and graph breaks, from dynamo's counters."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def inputs(setup: Setup) -> list[torch.Tensor]:
+    """One batch per step; batch sizes vary only where shapes are compiled dynamic."""
+    generator = torch.Generator().manual_seed(1)
+    sizes = [3 + i for i in range(STEPS)] if setup.options.get("dynamic") else [4] * STEPS
+    return [torch.randn(size, WIDTH, generator=generator) for size in sizes]
+
+
+def step(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Forward and backward, no parameter update: the weights stay those of the start."""
+    output = call(x)
+    output.square().mean().backward()
+    return output.detach()
+
+
+def forward_dicts(model: nn.Module) -> dict[str, object]:
+    """Each module's instance `forward` (None where it has none), by name."""
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def history(directory: Path) -> pl.DataFrame:
+    return pl.read_parquet(directory / "history.parquet").sort(KEY_COLUMNS)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    """No compiled code, counter or stance leaks from one test into another."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=str)
+def test_compiled_model_is_observed_at_compiled_speed(setup: Setup, tmp_path: Path) -> None:
+    base = setup.model()
+    batches = inputs(setup)
+
+    # 1. The plain compiled model.
+    plain = prepare(setup, copy.deepcopy(base), None)
+    plain_outputs = [step(plain.call, x) for x in batches]
+    plain_counts = graphs_and_breaks()
+    assert plain_counts[0] >= 1
+    torch._dynamo.reset()
+    counters.clear()
+
+    # 2. The same, observed: sampled steps 0, 2, 4.
+    run_dir = tmp_path / "compiled"
+    before: dict[str, object] = {}
+
+    def observe(module: nn.Module) -> None:
+        before.update(forward_dicts(module))
+        inject_observer(module, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+
+    with warnings.catch_warnings():
+        # A supported configuration warns about nothing.
+        warnings.filterwarnings("error", message="torchinstruments")
+        prepared = prepare(setup, copy.deepcopy(base), observe)
+        outputs = [step(prepared.call, x) for x in batches[:2]]
+        warm = graphs_and_breaks()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            outputs += [step(prepared.call, x) for x in batches[2:]]
+    assert graphs_and_breaks() == warm == plain_counts
+    for index in (1, 3, 5):
+        assert torch.equal(outputs[index], plain_outputs[index])
+    for index in (0, 2, 4):  # eager numerics: equal up to rounding
+        torch.testing.assert_close(outputs[index], plain_outputs[index])
+    remove_observer(prepared.observed)
+
+    # Removal restores every forward; the compiled model keeps running, at most one recompile.
+    # A torch container compiled while observed is the exception (README): dynamo then compiles
+    # its children one by one, as it would for nn.Sequential's own frame.
+    assert forward_dicts(prepared.observed) == before
+    after = [step(prepared.call, x) for x in batches[:3]]
+    if not (setup.sequential and setup.how != "inject_on_optimized_module"):
+        assert graphs_and_breaks()[0] <= warm[0] + 1
+    torch.testing.assert_close(after[1], plain_outputs[1])
+
+    # 3. The same steps, eager and observed: the same rows.
+    eager = copy.deepcopy(base)
+    eager_dir = tmp_path / "eager"
+    inject_observer(eager, output_dir=eager_dir, sampler=EveryNForwardsSampler(2))
+    for x in batches:
+        step(eager, x)
+    remove_observer(eager)
+    got, want = history(run_dir), history(eager_dir)
+    assert got.height == want.height > 0
+    assert got.select(KEY_COLUMNS).equals(want.select(KEY_COLUMNS))
+    assert got["forward_index"].unique().sort().to_list() == [0, 2, 4]
+    assert set(got["signal"].unique()) == {"output", "output_gradient"}
+    assert got["layer"].n_unique() == 4 * setup.blocks + 1
+    assert got["unavailable_reason"].null_count() == got.height
+    assert got["value"].to_list() == pytest.approx(want["value"].to_list(), rel=1e-5, abs=1e-6)
+
+
+class NeverSample:
+    """A sampler that declines every root forward."""
+
+    def should_sample(self, forward_index: int) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("calls", [0, 3])
+def test_run_without_a_sample_says_so_at_removal_and_in_index(calls: int, tmp_path: Path) -> None:
+    model = Net(2)
+    run_dir = tmp_path / "stats"
+    inject_observer(model, output_dir=run_dir, sampler=NeverSample())
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(calls):
+        step(compiled, torch.randn(4, WIDTH))
+    with pytest.warns(RuntimeWarning, match=f"no sample was recorded \\({calls} root forwards"):
+        remove_observer(model)
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**No sample was recorded:**" in index
+    seen = "the model was never called" if calls == 0 else f"{calls} root forwards were seen"
+    assert seen in index
+    assert pl.read_parquet(run_dir / "history.parquet").height == 0
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def test_compiled_function_calling_the_observed_model_breaks_the_graph_once(
+    tmp_path: Path,
+) -> None:
+    """Not the compiled model but a compiled step that calls it: the call to the model is one
+    graph break (the root proxy is not traceable), and the model's forward compiles as its own
+    graph. With fullgraph=True dynamo refuses it."""
+    base = Net(2)
+    batches = inputs(Setup("compile_function", "eager"))
+    plain = torch.compile(loss_of, backend="eager")
+    for x in batches:
+        plain(base, x).backward()
+    plain_graphs, plain_breaks = graphs_and_breaks()
+    torch._dynamo.reset()
+    counters.clear()
+
+    model = copy.deepcopy(base)
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    observed = torch.compile(loss_of, backend="eager")
+    for x in batches:
+        observed(model, x).backward()
+    assert graphs_and_breaks() == (plain_graphs + 1, plain_breaks + 1)
+    torch._dynamo.reset()  # else the cached graphs above would serve the fullgraph call too
+    refused = torch.compile(loss_of, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="no traceable __call__"):
+        refused(model, batches[0])
+    remove_observer(model)
+    rows = pl.read_parquet(tmp_path / "stats" / "history.parquet")
+    assert rows["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
+def test_model_compile_before_inject_on_a_torch_container_costs_one_graph_break_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """nn.Sequential.forward lives in torch, where dynamo never starts compiling: model.compile()
+    then traces nn.Module.__call__ from the top, into the root proxy installed later."""
+    setup = Setup("model_compile_before_inject", "eager", sequential=True)
+    base = setup.model()
+    batches = inputs(setup)
+    plain = prepare(setup, copy.deepcopy(base), None)
+    for x in batches:
+        step(plain.call, x)
+    plain_graphs, plain_breaks = graphs_and_breaks()
+    torch._dynamo.reset()
+    counters.clear()
+
+    run_dir = tmp_path / "stats"
+
+    def observe(module: nn.Module) -> None:
+        inject_observer(module, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+
+    with pytest.warns(RuntimeWarning, match="one extra graph break"):
+        prepared = prepare(setup, copy.deepcopy(base), observe)
+    for x in batches:
+        step(prepared.call, x)
+    assert graphs_and_breaks() == (plain_graphs, plain_breaks + 1)
+    remove_observer(prepared.observed)
+    assert "**Note:** model.compile() ran before inject_observer" in (
+        run_dir / "index.md"
+    ).read_text("utf-8")
+    assert history(run_dir)["forward_index"].unique().sort().to_list() == [0, 2, 4]

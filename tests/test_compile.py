@@ -12,6 +12,7 @@ recompile.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -358,3 +359,29 @@ def test_model_compile_before_inject_on_a_torch_container_costs_one_graph_break_
         run_dir / "index.md"
     ).read_text("utf-8")
     assert history(run_dir)["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
+def test_sampled_forwards_in_several_threads_leave_torch_compile_on(tmp_path: Path) -> None:
+    """Sampled forwards switch torch.compile off process-wide while they run; threads entering
+    and leaving in crossed order must not leave it off."""
+    model = Net(2)
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(1))
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                step(model, torch.randn(4, WIDTH))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    remove_observer(model)
+    assert errors == []
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    compiled(torch.ones(3))
+    assert graphs_and_breaks()[0] == 1

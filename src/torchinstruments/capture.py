@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from types import CodeType
@@ -190,20 +191,57 @@ resume_compilation: Callable[[Any], Any] = (
 )
 
 
+class _ForceEager:
+    """`set_stance("force_eager")`, held while at least one sampled forward runs in the process.
+
+    The stance is process-wide and `set_stance` restores the stance it found when it was entered,
+    so two threads entering and leaving it in crossed order would leave it on for good. The
+    first sampled forward to start sets it and the last to end restores it, under one lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._context: Any = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                context = torch.compiler.set_stance("force_eager")
+                context.__enter__()
+                self._context = context
+            self._holders += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._context is not None:
+                context, self._context = self._context, None
+                context.__exit__(None, None, None)
+
+
+# The one piece of process-wide state here: it mirrors torch's own process-wide stance.
+_FORCE_EAGER = _ForceEager()
+
+
 def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call `function` with torch.compile off, compiled modules nested inside included.
 
     `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
-    process-wide while the call lasts. A `fullgraph=True` caller counts this call as a compiled
-    frame, so that skipping compilation on purpose is not reported as "no compiled frames".
-    Without torch._dynamo imported nothing can be compiled, and the call is a plain one.
+    process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
+    call as a compiled frame, so that skipping compilation on purpose is not reported as "no
+    compiled frames". Without torch._dynamo imported nothing can be compiled, and the call is a
+    plain one.
     """
     paused = pause_compilation()
     try:
         if "torch._dynamo" not in sys.modules:
             return function(*args, **kwargs)
-        with torch.compiler.set_stance("force_eager"):
+        _FORCE_EAGER.enter()
+        try:
             result = function(*args, **kwargs)
+        finally:
+            _FORCE_EAGER.exit()
         count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
         if count_frames is not None:
             count = count_frames(-1)

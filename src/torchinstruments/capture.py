@@ -376,17 +376,6 @@ def install_proxy(module: nn.Module, wrapper: Wrapper, enabled: Any, owner: obje
     return proxy
 
 
-def proxy_reachable(module: nn.Module, owner: object) -> bool:
-    """True while `module.forward` still leads to our proxy (possibly under other proxies of this
-    library); False once someone replaced or wrapped it after injection."""
-    current = module.__dict__.get("forward")
-    while isinstance(current, ForwardProxy):
-        if current._self_token is owner:
-            return True
-        current = current.__wrapped__
-    return False
-
-
 def restore_proxy(module: nn.Module, owner: object) -> bool:
     """Undo `install_proxy`; returns False, changing nothing, if our proxy is no longer reachable.
 

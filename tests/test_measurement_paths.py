@@ -1,6 +1,7 @@
 """Statistics and histograms of the same tensor on every reduction path, against NumPy.
 
-Paths: the CPU's one-pass radix (`numerics.measure_on_cpu`) as configured, with tiny chunks (so
+Paths: the CPU as configured (`numerics.measure_on_cpu`: one NumPy sort up to `SORT_MAX`
+entries), its one-pass radix (`SORT_MAX = 0`), the radix with tiny chunks (so
 multi-chunk gathering runs on small inputs), with every bucket refined instead of one shared sort
 (`_ONE_SORT_LIMIT = 0`), the CPU batch of small tensors (`Measurer.launch(defer=True)` + `settle`)
 and the sync-free device path (forced on the CPU). Every metric is compared with NumPy (order
@@ -27,7 +28,7 @@ from torchinstruments.records import HistogramRecord, MetricValue
 
 from conftest import NoHostSync, numpy_profile
 
-PATHS = ("cpu", "cpu_chunked", "cpu_refined", "cpu_batched", "device")
+PATHS = ("cpu", "cpu_radix", "cpu_chunked", "cpu_refined", "cpu_batched", "device")
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
 
 
@@ -35,6 +36,8 @@ ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Configures one reduction path for the test."""
     name = request.param
+    if name.startswith(("cpu_radix", "cpu_chunked", "cpu_refined")):
+        monkeypatch.setattr(numerics, "SORT_MAX", 0)
     if name == "cpu_chunked":
         monkeypatch.setattr(numerics, "CHUNK", 97)
         monkeypatch.setattr(numerics, "_SORT_BELOW", 8)
@@ -247,10 +250,12 @@ def test_arbitrary_arrays_on_every_path(path: str, values: np.ndarray) -> None:
     assert_histogram(record, reference(tensor))
 
 
-@pytest.mark.parametrize("where", ["cpu", "device"])
+@pytest.mark.parametrize("where", ["cpu", "cpu_sorted", "device"])
 def test_more_than_2_pow_24_entries_with_histogram(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if where == "cpu_sorted":  # NumPy's sort instead of the radix passes
+        monkeypatch.setattr(numerics, "SORT_MAX", 2**25)
     if where == "device":
         monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
     rng = np.random.default_rng(24)

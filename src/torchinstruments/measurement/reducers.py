@@ -18,8 +18,8 @@ them with ONE transfer, then calls `PendingReduction.resolve` with the host valu
 are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
 
 Two ways the default profile shares work, both on the CPU only (where host syncs are free; the
-sync-free device path is unchanged): `launch_with_histogram` counts a focus tensor's histogram in
-the statistics' own radix pass, and `launch(defer=True)` copies a small float tensor (at most
+sync-free device path is unchanged): `launch_with_histogram` counts a focus tensor's histogram
+from the statistics' own sort (or radix pass), and `launch(defer=True)` copies a small float tensor (at most
 `numerics.BATCH_MAX` entries; the copy keeps the values as they were at the layer's return) so
 that `settle` reduces all of a sample's small tensors in one segmented pass. Measured with
 `bench/ops.py`: a sampled forward of a 100-leaf MLP adds 4 torch ops per layer instead of 39.
@@ -407,7 +407,7 @@ class Measurer:
     ) -> tuple[PendingReduction, PendingHistogram]:
         """`launch` plus the tensor's histogram, from the same passes where the path allows.
 
-        On the CPU the default profile's radix pass (or the deferred batch, see `launch`) also
+        On the CPU the default profile's sort or radix pass (or the deferred batch, see `launch`) also
         counts the histogram's bins (see `numerics.measure_on_cpu`); elsewhere, or without the
         default profile, the histogram is counted on its own by `reduce_histogram`. A deferred
         histogram's `device_vector` is filled by `settle`. Never raises.

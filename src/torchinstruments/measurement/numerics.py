@@ -385,11 +385,14 @@ def _probes(dtype: np.dtype) -> np.ndarray:
     """Search keys whose left insertion points count -inf, -inf..+inf, x < 0 and x <= 0."""
     info = np.finfo(dtype)
     tiny = np.nextafter(dtype.type(0), dtype.type(1))
-    return np.array([-info.max, np.inf, 0.0, tiny], dtype=dtype)
+    probes = np.array([-info.max, np.inf, 0.0, tiny], dtype=dtype)
+    probes.flags.writeable = False
+    return probes
 
 
-_PROBES = {np.dtype(np.float32): _probes(np.dtype(np.float32))}
-_PROBES[np.dtype(np.float64)] = _probes(np.dtype(np.float64))
+_PROBES: dict[np.dtype, np.ndarray] = {
+    np.dtype(dtype): _probes(np.dtype(dtype)) for dtype in (np.float32, np.float64)
+}
 _NUMPY_INF32 = np.float32(np.inf)
 
 

@@ -274,3 +274,18 @@ def test_more_than_2_pow_24_entries_with_histogram(
     assert record is not None
     want, _ = np.histogram(finite, bins=np.array([record.min, *record.bucket_limits]))
     assert list(record.bucket_counts) == want.astype(float).tolist()
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.int32], ids=str
+)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_sort_path_never_writes_the_tensor(dtype: torch.dtype, layout: str) -> None:
+    rng = np.random.default_rng(7)
+    base = torch.from_numpy(rng.standard_normal((40, 30)) * 100).to(dtype)
+    tensor = base if layout == "contiguous" else base[:, ::3]
+    before = tensor.clone()
+    got, record = resolve(Measurer(None), *launch("cpu", tensor))
+    assert torch.equal(tensor, before)
+    assert_profile(got, reference(tensor.contiguous()))
+    assert_histogram(record, reference(tensor.contiguous()))

@@ -409,8 +409,12 @@ def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | No
     the dtype, as `numpy.histogram` bins them).
     """
     flat = tensor.reshape(-1)
-    work = tensors.working_dtype(flat.dtype)
-    ordered = np.sort(flat.to(work).numpy())
+    converted = flat.to(tensors.working_dtype(flat.dtype))
+    if converted is flat:  # the caller's memory: sort a copy
+        ordered = np.sort(flat.numpy())
+    else:  # already our own copy (half precision, integers): sort it in place
+        ordered = converted.numpy()
+        ordered.sort()
     neg, end, below_zero, upto_zero = np.searchsorted(ordered, _PROBES[ordered.dtype]).tolist()
     finite = end - neg
     raw: dict[str, float] = {"zeros": float(upto_zero - below_zero), "finite": float(finite)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from torch import nn
 from torchinstruments import inject_observer, remove_observer
 
 from _timing import median
+
+# The bench never samples on purpose; the library's "no sample was recorded" warning is expected.
+warnings.filterwarnings("ignore", message=".*no sample was recorded", category=RuntimeWarning)
 
 
 class NeverSample:

@@ -49,13 +49,24 @@ import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from torchinstruments import reasons
 from torchinstruments.measurement import tensors
 from torchinstruments.records import MetricValue
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    try:  # NumPy is not a runtime dependency: without it, CPU tensors take the radix passes.
+        import numpy as np
+    except ImportError:  # exercised in a subprocess by tests/test_imports.py
+        np = None
+
+# Whether the NumPy sort path is available (NumPy importable in this process).
+HAVE_NUMPY = np is not None
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
@@ -192,12 +203,23 @@ def edges_on_host(low: float, high: float, bins: int) -> list[float]:
     the sync-free path runs on the device), elementwise in NumPy, so both paths report identical
     edges.
     """
+    if not HAVE_NUMPY:
+        return _edges_in_python(low, high, bins)
     steps = np.arange(bins + 1, dtype=np.float64) / bins
     edges = low * (1.0 - steps)
     edges += high * steps
     np.maximum.accumulate(edges, out=edges)
     np.minimum(np.maximum(edges, low, out=edges), high, out=edges)
     out = edges.tolist()
+    out[0], out[-1] = low, high
+    return out
+
+
+def _edges_in_python(low: float, high: float, bins: int) -> list[float]:
+    """`edges_on_host` without NumPy: the same IEEE operations, one edge at a time."""
+    steps = [index / bins for index in range(bins + 1)]
+    running = itertools.accumulate([low * (1.0 - step) + high * step for step in steps], max)
+    out = [min(max(value, low), high) for value in running]
     out[0], out[-1] = low, high
     return out
 
@@ -369,7 +391,7 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     edges and the bins counts (all zeros when nothing is finite). Tensors of at most `SORT_MAX`
     entries are sorted by NumPy (`measure_by_sort`), larger ones take the chunked radix passes.
     """
-    if tensor.numel() <= SORT_MAX:
+    if HAVE_NUMPY and tensor.numel() <= SORT_MAX:
         return measure_by_sort(tensor, wanted, bins)
     return _measure_by_radix(tensor, wanted, bins)
 
@@ -390,10 +412,12 @@ def _probes(dtype: np.dtype) -> np.ndarray:
     return probes
 
 
-_PROBES: dict[np.dtype, np.ndarray] = {
-    np.dtype(dtype): _probes(np.dtype(dtype)) for dtype in (np.float32, np.float64)
-}
-_NUMPY_INF32 = np.float32(np.inf)
+_PROBES: dict[np.dtype, np.ndarray] = (
+    {np.dtype(dtype): _probes(np.dtype(dtype)) for dtype in (np.float32, np.float64)}
+    if HAVE_NUMPY
+    else {}
+)
+_NUMPY_INF32 = np.float32(np.inf) if HAVE_NUMPY else math.inf
 
 
 def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:

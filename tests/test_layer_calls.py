@@ -123,3 +123,25 @@ def test_counts_are_rebuilt_by_finalize_after_a_crash(run_dir: Path) -> None:
     assert sampled_forwards(run_dir) == {"0": 2, "1": 2, "2": 2}
     index = (run_dir / "index.md").read_text("utf-8")
     assert "| `0` | Linear | 2 |" in index
+
+
+def test_transformer_run_index_lists_every_layer_with_its_count(run_dir: Path) -> None:
+    """A transformer trained then evaluated under no_grad: every inner layer, attention
+    included, is listed in index.md with the sampled forwards it ran in (fast path or not)."""
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    x = torch.randn(3, 5, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text("utf-8")
+    expected = {name: type(module).__name__ for name, module in model.named_modules()}
+    for name in ("layers.0.self_attn", "layers.0.linear1", "layers.1.norm2", "layers.1.dropout"):
+        assert f"| `{name}` | {expected[name]} | 3 |" in index, name
+    assert "layers.0.self_attn.out_proj" not in index  # a parameter holder, not a layer
+    counts = sampled_forwards(run_dir)
+    assert counts["layers.0.self_attn"] == counts["layers.1.linear2"] == 3

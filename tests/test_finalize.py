@@ -140,3 +140,21 @@ def test_check_output_dir_refuses_an_existing_run(tmp_path: Path, marker: str) -
     (tmp_path / marker).mkdir() if marker == "history.parts" else (tmp_path / marker).touch()
     with pytest.raises(FileExistsError, match=r"output_dir=.*already holds a run.*finalize"):
         check_output_dir(tmp_path)
+
+
+def test_finalize_deletes_only_the_librarys_temporaries(tmp_path: Path) -> None:
+    sample_rows(tmp_path, 6)
+    users = [
+        tmp_path / "notes.tmp",
+        tmp_path / "history.parquet.tmp",
+        tmp_path / "history.parts" / "x.tmp",
+    ]
+    for path in users:
+        path.write_text("the user's", encoding="utf-8")
+    ours = tmp_path / "result.json.torchinstruments-tmp"
+    ours.write_text("torn write", encoding="utf-8")
+    report = finalize(tmp_path)
+    assert report.removed_temporaries == (ours,)
+    assert not ours.exists()
+    for path in users:
+        assert path.read_text(encoding="utf-8") == "the user's"

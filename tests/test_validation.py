@@ -86,3 +86,22 @@ def test_data_parallel_is_refused_at_inject(run_dir: Path) -> None:
     with pytest.raises(TypeError, match="DataParallel"):
         inject_observer(model, output_dir=run_dir)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("empty", ["", "   "])
+def test_empty_output_dir_is_refused_naming_it(empty: str, tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="output_dir must name a directory"):
+        inject_observer(model, output_dir=empty)
+    assert not has_observer(model)
+    assert "forward" not in model.__dict__
+
+
+def test_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path) -> None:
+    existing = tmp_path / "notes.txt"
+    existing.write_text("mine", encoding="utf-8")
+    model = nn.Linear(2, 2)
+    with pytest.raises(FileExistsError, match=r"output_dir=.*notes\.txt.* is an existing file"):
+        inject_observer(model, output_dir=existing)
+    assert existing.read_text(encoding="utf-8") == "mine"
+    assert "forward" not in model.__dict__

@@ -23,8 +23,10 @@ over rounds).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -84,17 +86,21 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
 
 
 def observed_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules the observer's default selection proxies, in traversal order."""
-    before = {id(m) for m in model.modules() if "forward" in vars(m)}
-    inject_observer(model, output_dir=Path(tempfile.mkdtemp()) / "stats")
+    """The modules the observer's default selection measures, in traversal order.
+
+    Read from the run's catalog (result.json, written at inject): layer proxies exist only
+    during sampled forwards, so the installed proxies cannot be read between forwards.
+    """
+    directory = Path(tempfile.mkdtemp()) / "stats"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
     try:
-        return [
-            m
-            for m in model.modules()
-            if m is not model and "forward" in vars(m) and id(m) not in before
-        ]
+        names = [entry["layer"] for entry in json.loads((directory / "result.json").read_text())]
     finally:
-        remove_observer(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no sample recorded: intended
+            remove_observer(model)
+    modules = dict(model.named_modules())
+    return [modules[name] for name in names if name in modules and modules[name] is not model]
 
 
 def tensors_of(output: Any) -> Iterator[torch.Tensor]:

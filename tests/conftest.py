@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,37 @@ def numpy_profile(values: np.ndarray) -> dict[str, float | None]:
     for name, q in (("p25", 25), ("p50", 50), ("p75", 75)):
         out[name] = float(np.percentile(finite, q, method="linear"))
     return out
+
+
+ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
+
+
+def assert_matches_numpy(got: dict[str, MetricValue], values: np.ndarray) -> None:
+    """Order statistics and fractions exactly, moments to 1e-9; nulls only with a reason."""
+    want = numpy_profile(values)
+    finite = values.astype(np.float64)[np.isfinite(values.astype(np.float64))]
+    magnitude = float(np.abs(finite).max()) if finite.size else 0.0
+    for name, expected in want.items():
+        actual = got[name].value
+        if expected is None:
+            assert actual is None, name
+            assert got[name].reason == "no finite entries", name
+        elif name in ORDER_METRICS or name.endswith("_fraction"):
+            assert actual == expected, (name, actual, expected)
+        else:
+            assert actual is not None, (name, got[name].reason)
+            assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12 * magnitude), name
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`python -m torchinstruments ARGS` in a new process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "torchinstruments", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 class NoHostSync(TorchFunctionMode):

@@ -45,7 +45,7 @@ from torchinstruments.__main__ import main
 from torchinstruments.cli.plot import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
 from torchinstruments.rundir.layout import list_parts
 
-from conftest import sgd_step
+from conftest import run_cli, sgd_step
 
 SAMPLES = 7
 WINDOW = 3
@@ -131,17 +131,6 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
-def cli_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """`python -m torchinstruments ARGS` in a new process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "torchinstruments", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def cli_json(*args: str | Path) -> dict[str, Any]:
@@ -327,7 +316,7 @@ def test_live_crashed_and_finalized_runs(
     payload = check_show(directory, parts)
     assert payload["run"]["state"].startswith("in progress")
     assert payload["run"]["history_files"] == [str(p) for p in parts]
-    text = cli_process("show", directory, "--metrics", "mean")
+    text = run_cli("show", directory, "--metrics", "mean")
     assert text.returncode == 0, text.stderr
     assert f"{len(parts)} part(s)" in text.stdout
 
@@ -350,7 +339,7 @@ def test_live_crashed_and_finalized_runs(
     assert crashed["rows"] == payload["rows"]
 
     # finalized: history.parquet replaces the parts, same numbers
-    result = cli_process("finalize", directory)
+    result = run_cli("finalize", directory)
     assert result.returncode == 0, result.stderr
     assert list_parts(directory) == []
     final = check_show(directory, [directory / "history.parquet"])

@@ -16,7 +16,7 @@ from torchinstruments.rundir.layout import check_output_dir, list_parts
 from torchinstruments.rundir.lock import RunLock, RunLockedError
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
-from conftest import strict_json
+from conftest import run_cli, strict_json
 
 HOLDER_SCRIPT = textwrap.dedent(
     """
@@ -28,16 +28,6 @@ HOLDER_SCRIPT = textwrap.dedent(
     time.sleep(60)
     """
 )
-
-
-def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchinstruments", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def sample_rows(directory: Path, samples: int) -> None:
@@ -75,7 +65,7 @@ def test_finalize_refuses_a_directory_locked_by_a_live_process(tmp_path: Path) -
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "locked"
-        refused = cli("finalize", tmp_path)
+        refused = run_cli("finalize", tmp_path)
         assert refused.returncode == 2
         assert "live process" in refused.stderr
         assert f"pid {holder.pid}" in refused.stderr
@@ -84,7 +74,9 @@ def test_finalize_refuses_a_directory_locked_by_a_live_process(tmp_path: Path) -
     finally:
         holder.kill()
         holder.wait()
-    assert cli("finalize", tmp_path).returncode == 0  # the kernel dropped the dead holder's lock
+    assert (
+        run_cli("finalize", tmp_path).returncode == 0
+    )  # the kernel dropped the dead holder's lock
 
 
 def test_unreadable_part_is_left_in_place_and_reported(tmp_path: Path) -> None:
@@ -105,7 +97,7 @@ def test_unreadable_part_is_left_in_place_and_reported(tmp_path: Path) -> None:
     assert "part-000000777" in index
     assert not finalize(tmp_path).complete  # idempotent: nothing merged twice
     assert pl.read_parquet(tmp_path / "history.parquet").height == 12
-    out = cli("finalize", tmp_path)
+    out = run_cli("finalize", tmp_path)
     assert out.returncode == 1
     assert "part-000000777" in out.stderr
 
@@ -118,7 +110,7 @@ def test_finalize_rebuilds_without_index(tmp_path: Path) -> None:
 
 
 def test_finalize_on_a_directory_without_a_run(tmp_path: Path) -> None:
-    out = cli("finalize", tmp_path)
+    out = run_cli("finalize", tmp_path)
     assert out.returncode == 1
     assert "holds no run" in out.stderr
 

@@ -26,7 +26,7 @@ from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogr
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
 from torchinstruments.records import HistogramRecord, MetricValue
 
-from conftest import NoHostSync, numpy_profile
+from conftest import NoHostSync, assert_matches_numpy
 
 PATHS = ("cpu", "cpu_radix", "cpu_chunked", "cpu_refined", "cpu_batched", "device")
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
@@ -77,22 +77,6 @@ def resolve(
         tensor_path="",
     )
     return dict(zip(measurer.metrics, values, strict=True)), record
-
-
-def assert_profile(got: dict[str, MetricValue], values: np.ndarray) -> None:
-    """Order statistics and fractions exactly, moments to 1e-9, nulls with reasons."""
-    want = numpy_profile(values)
-    finite = values.astype(np.float64)[np.isfinite(values.astype(np.float64))]
-    magnitude = float(np.abs(finite).max()) if finite.size else 0.0
-    for name, expected in want.items():
-        actual = got[name].value
-        if expected is None:
-            assert actual is None, name
-            assert got[name].reason == "no finite entries", name
-        elif name in ORDER_METRICS or name.endswith("_fraction"):
-            assert actual == expected, (name, actual, expected)
-        else:
-            assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12 * magnitude), name
 
 
 def assert_histogram(record: HistogramRecord | None, values: np.ndarray) -> None:
@@ -161,7 +145,7 @@ def test_every_path_matches_numpy(path: str, dtype: torch.dtype, n: int, pattern
     tensor = torch.from_numpy(values).to(dtype)
     reduction, histogram = launch(path, tensor)
     got, record = resolve(Measurer(None), reduction, histogram)
-    assert_profile(got, reference(tensor))
+    assert_matches_numpy(got, reference(tensor))
     with np.errstate(over="ignore"):
         if pattern != "huge64":  # sum of squares overflows float64 there, as in NumPy
             assert_histogram(record, reference(tensor))
@@ -173,7 +157,7 @@ def test_integers_on_every_path(path: str, dtype: torch.dtype) -> None:
     tensor = torch.from_numpy(rng.integers(-50, 50, 4000)).to(dtype)
     reduction, histogram = launch(path, tensor)
     got, record = resolve(Measurer(None), reduction, histogram)
-    assert_profile(got, reference(tensor))
+    assert_matches_numpy(got, reference(tensor))
     assert_histogram(record, reference(tensor))
 
 
@@ -203,7 +187,7 @@ def test_a_batch_of_mixed_tensors_matches_numpy() -> None:
         if original.numel() == 0:
             assert record is None
             continue
-        assert_profile(got, reference(original))
+        assert_matches_numpy(got, reference(original))
         if not np.isfinite(np.abs(reference(original)).astype(np.float64) ** 2).all():
             continue
         assert_histogram(record, reference(original))
@@ -246,7 +230,7 @@ def test_arbitrary_arrays_on_every_path(path: str, values: np.ndarray) -> None:
     with np.errstate(over="ignore"):
         if finite.size and not np.isfinite(np.dot(finite, finite)):
             return  # NumPy's own sums overflow; the invariants are checked elsewhere
-    assert_profile(got, reference(tensor))
+    assert_matches_numpy(got, reference(tensor))
     assert_histogram(record, reference(tensor))
 
 
@@ -287,5 +271,5 @@ def test_the_sort_path_never_writes_the_tensor(dtype: torch.dtype, layout: str) 
     before = tensor.clone()
     got, record = resolve(Measurer(None), *launch("cpu", tensor))
     assert torch.equal(tensor, before)
-    assert_profile(got, reference(tensor.contiguous()))
+    assert_matches_numpy(got, reference(tensor.contiguous()))
     assert_histogram(record, reference(tensor.contiguous()))

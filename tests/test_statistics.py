@@ -20,7 +20,7 @@ from torchinstruments.measurement import tensors
 from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Measurer
 from torchinstruments.records import MetricValue
 
-from conftest import NoHostSync, measure, numpy_profile
+from conftest import NoHostSync, assert_matches_numpy, measure, numpy_profile
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
@@ -39,19 +39,7 @@ def check_invariants(got: dict[str, MetricValue]) -> None:
 def assert_matches(got: dict[str, MetricValue], values: np.ndarray) -> None:
     """Compares with NumPy: order statistics exactly, moments tightly."""
     check_invariants(got)
-    want = numpy_profile(values)
-    finite = values.astype(np.float64)[np.isfinite(values.astype(np.float64))]
-    magnitude = float(np.abs(finite).max()) if finite.size else 0.0
-    for name, expected in want.items():
-        actual = got[name].value
-        if expected is None:
-            assert actual is None, name
-            assert got[name].reason == "no finite entries", name
-        elif name in ORDER_METRICS or name.endswith("_fraction"):
-            assert actual == expected, (name, actual, expected)
-        else:
-            assert actual is not None, (name, got[name].reason)
-            assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12 * magnitude), name
+    assert_matches_numpy(got, values)
 
 
 def as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -23,3 +23,11 @@ def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def time_steps(step: Callable[[], None], steps: int) -> float:
+    """Mean seconds per call of `step` over `steps` calls."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps

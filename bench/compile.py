@@ -19,7 +19,6 @@ import argparse
 import copy
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
-from _timing import median
+from _timing import median, time_steps
 
 
 def unshadow_standard_library() -> None:
@@ -77,13 +76,6 @@ def step_function(
             p.grad = None
 
     return step
-
-
-def time_steps(step: Callable[[], None], steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:

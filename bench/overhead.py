@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,8 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
-from _timing import median
+from _models import cnn, transformer
+from _timing import median, time_steps
 
 # The bench never samples on purpose; the library's "no sample was recorded" warning is expected.
 warnings.filterwarnings("ignore", message=".*no sample was recorded", category=RuntimeWarning)
@@ -43,30 +43,6 @@ def mlp() -> tuple[nn.Module, torch.Tensor]:
     for _ in range(8):
         layers += [nn.Linear(256, 256), nn.ReLU()]
     return nn.Sequential(*layers), torch.randn(64, 256)
-
-
-def cnn() -> tuple[nn.Module, torch.Tensor]:
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 10),
-    )
-    return model, torch.randn(16, 3, 32, 32)
-
-
-def transformer() -> tuple[nn.Module, torch.Tensor]:
-    layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
-    return model, torch.randn(16, 64, 128)
 
 
 def identities() -> tuple[nn.Module, torch.Tensor]:
@@ -101,13 +77,6 @@ def step_function(model: nn.Module, x: torch.Tensor, backward: bool) -> Callable
                 p.grad = None
 
     return step
-
-
-def time_steps(step: Callable[[], None], steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
 
 
 class Variant:

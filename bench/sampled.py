@@ -36,6 +36,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
+from _models import cnn, transformer
 from _timing import median
 
 FOCUS = 8
@@ -50,32 +51,6 @@ def mlp() -> tuple[nn.Module, torch.Tensor]:
         layers += [nn.Linear(256, 256), nn.ReLU()]
     layers.append(nn.Linear(256, 10))
     return nn.Sequential(*layers), torch.randn(64, 256)
-
-
-def cnn() -> tuple[nn.Module, torch.Tensor]:
-    """Three convolutions with batch norm, pooling and a classifier."""
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 10),
-    )
-    return model, torch.randn(16, 3, 32, 32)
-
-
-def transformer() -> tuple[nn.Module, torch.Tensor]:
-    """4 encoder blocks, d_model 128, sequence 64, batch 16."""
-    layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
-    return model, torch.randn(16, 64, 128)
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.writer import FileWriter
 
 from torchinstruments import (
     DEFAULT_METRICS,
@@ -171,8 +171,8 @@ def test_failing_tensorboard_never_prevents_history(
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("event file gone")
 
-    monkeypatch.setattr(SummaryWriter, "add_histogram_raw", broken)
-    monkeypatch.setattr(SummaryWriter, "close", broken)
+    monkeypatch.setattr(FileWriter, "add_summary", broken)  # the run directory's event writer
+    monkeypatch.setattr(FileWriter, "close", broken)
     with pytest.warns(RuntimeWarning, match="TensorBoard"):
         model = small_run(run_dir)  # warned once, at the first failing histogram
     remove_observer(model)

@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from torch.utils.tensorboard import SummaryWriter
-
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
+from torchinstruments.rundir.events import EventFile
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR
@@ -104,7 +103,7 @@ class DirectorySink:
         self._lock = RunLock(directory)
         self._run: RunInfo | None = None
         self._history: HistoryWriter | None = None
-        self._events: SummaryWriter | None = None
+        self._events: EventFile | None = None
         self._events_problem: str | None = None
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
@@ -123,13 +122,10 @@ class DirectorySink:
         self._term = TermFlush(self._timer.flush_now)
         self._term.install()
 
-    def _open_events(self) -> SummaryWriter | None:
+    def _open_events(self) -> EventFile | None:
         """This directory's event writer; None (warned) when it cannot be created."""
         try:
-            return SummaryWriter(
-                str(self.directory / TENSORBOARD_DIR),
-                flush_secs=self._config.flush_seconds / 2,  # type: ignore[arg-type]
-            )
+            return EventFile(str(self.directory / TENSORBOARD_DIR), self._config.flush_seconds / 2)
         except Exception as error:
             self._give_up_events("could not be created", error)
             return None
@@ -153,7 +149,7 @@ class DirectorySink:
         events = self._events
         if events is not None and record.histograms:
             try:
-                write_histograms(events, record.histograms)
+                events.add_histograms(record.histograms)
             except Exception as error:
                 self._give_up_events("could not be written", error)
 

@@ -45,13 +45,23 @@ class PendingHistogram:
 
     Attributes:
         device_vector: 1-D float64 tensor on the tensor's device, or None when there is nothing
-            to transfer (unsupported or empty tensor, or a failure while counting).
+            to transfer (unsupported or empty tensor, a failure while counting, or a histogram
+            counted on the host).
+        host_vector: The same layout as a list, for a histogram counted on the host (the CPU
+            paths), which then never round-trips through a tensor; `resolve` reads it instead of
+            its argument.
     """
 
-    __slots__ = ("_bins", "device_vector")
+    __slots__ = ("_bins", "device_vector", "host_vector")
 
-    def __init__(self, device_vector: torch.Tensor | None, bins: int) -> None:
+    def __init__(
+        self,
+        device_vector: torch.Tensor | None,
+        bins: int,
+        host_vector: list[float] | None = None,
+    ) -> None:
         self.device_vector = device_vector
+        self.host_vector = host_vector
         self._bins = bins
 
     def resolve(
@@ -67,7 +77,8 @@ class PendingHistogram:
         """Builds the record from the host copy of `device_vector`.
 
         Args:
-            host_values: `device_vector.tolist()`, or an empty sequence when it is None.
+            host_values: `device_vector.tolist()`, or an empty sequence when it is None
+                (ignored when `host_vector` is set).
             sample_id: Sample the tensor belongs to.
             layer: Qualified name of the layer.
             call_index: Call of the layer within the sample.
@@ -80,9 +91,13 @@ class PendingHistogram:
         """
         try:
             bins = self._bins
-            if self.device_vector is None or len(host_values) != len(_HEAD) + 2 * bins + 1:
+            if self.host_vector is not None:
+                host_values = self.host_vector
+            elif self.device_vector is None:
                 return None
-            finite, low, high, total, squares = (float(v) for v in host_values[: len(_HEAD)])
+            if len(host_values) != len(_HEAD) + 2 * bins + 1:
+                return None
+            finite, low, high, total, squares = map(float, host_values[: len(_HEAD)])
             count = round(finite)
             if count == 0 or not (math.isfinite(low) and math.isfinite(high)):
                 return None
@@ -92,8 +107,8 @@ class PendingHistogram:
                 counts: tuple[float, ...] = (float(count),)
             else:
                 edges = host_values[len(_HEAD) : len(_HEAD) + bins + 1]
-                limits = tuple(float(v) for v in edges[1:])
-                counts = tuple(float(v) for v in host_values[len(_HEAD) + bins + 1 :])
+                limits = tuple(map(float, edges[1:]))
+                counts = tuple(map(float, host_values[len(_HEAD) + bins + 1 :]))
             return HistogramRecord(
                 sample_id=sample_id,
                 layer=layer,
@@ -133,18 +148,19 @@ def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingH
         return PendingHistogram(None, 1)
     try:
         with torch.no_grad():
-            return PendingHistogram(_count(tensor.detach(), bins), bins)
+            detached = tensor.detach()
+            if tensors.unsupported_reason(detached) is not None or detached.numel() == 0:
+                return PendingHistogram(None, bins)
+            if tensors.host_sync_is_free(detached.device):
+                vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram
+                return PendingHistogram(None, bins, vector)
+            return PendingHistogram(_count(detached, bins), bins)
     except Exception:  # measuring must never crash the training step
         return PendingHistogram(None, bins)
 
 
-def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor | None:
-    """The device vector: head values, bins + 1 edges, bins counts (float64)."""
-    if tensors.unsupported_reason(tensor) is not None or tensor.numel() == 0:
-        return None
-    if tensors.host_sync_is_free(tensor.device):
-        vector = numerics.measure_on_cpu(tensor, frozenset(), bins).histogram
-        return None if vector is None else torch.tensor(vector, dtype=torch.float64)
+def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor:
+    """The device vector: head values, bins + 1 edges, bins counts (float64), without a sync."""
     values = tensors.working_values(tensor)
     device = values.device
     finite_mask = torch.isfinite(values)

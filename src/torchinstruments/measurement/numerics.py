@@ -43,6 +43,7 @@ it is null with the reason "non-finite result". Negative zero results are report
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
@@ -205,14 +206,27 @@ def edges_on_host(low: float, high: float, bins: int) -> list[float]:
     """
     if not HAVE_NUMPY:
         return _edges_in_python(low, high, bins)
-    steps = np.arange(bins + 1, dtype=np.float64) / bins
-    edges = low * (1.0 - steps)
+    return _edges_array(low, high, bins).tolist()
+
+
+def _edges_array(low: float, high: float, bins: int) -> np.ndarray:
+    """`edges_on_host` as a NumPy array."""
+    steps, complement = _steps(bins)
+    edges = low * complement
     edges += high * steps
     np.maximum.accumulate(edges, out=edges)
-    np.minimum(np.maximum(edges, low, out=edges), high, out=edges)
-    out = edges.tolist()
-    out[0], out[-1] = low, high
-    return out
+    np.clip(edges, low, high, out=edges)
+    edges[0], edges[-1] = low, high
+    return edges
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """i / bins and 1 - i / bins for i in 0..bins (read-only: shared by every call)."""
+    steps = np.arange(bins + 1, dtype=np.float64) / bins
+    complement = 1.0 - steps
+    steps.flags.writeable = complement.flags.writeable = False
+    return steps, complement
 
 
 def _edges_in_python(low: float, high: float, bins: int) -> list[float]:
@@ -458,21 +472,20 @@ def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | No
             raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
     if not bins:
         return CpuResult(raw, None)
-    edges = edges_on_host(low, high, bins)
+    edges = _edges_array(low, high, bins)
     if low == high:
         bin_counts = [float(finite)] + [0.0] * (bins - 1)
     else:
-        inner = np.array(edges[1:-1], dtype=np.float64)
+        inner = edges[1:-1]
         thresholds = inner.astype(values.dtype)
         if values.dtype == np.float32:  # rounded to nearest: one ulp up where that fell below
-            up = thresholds < inner
-            thresholds[up] = np.nextafter(thresholds[up], _NUMPY_INF32)
-        below = np.empty(bins + 1, dtype=np.float64)
-        below[0], below[-1] = 0.0, finite
+            np.nextafter(thresholds, _NUMPY_INF32, out=thresholds, where=thresholds < inner)
+        below = np.empty(bins + 1, dtype=np.int64)
+        below[0], below[-1] = 0, finite
         below[1:-1] = np.searchsorted(values, thresholds)
-        bin_counts = np.diff(below).tolist()
+        bin_counts = np.subtract(below[1:], below[:-1], dtype=np.float64).tolist()
     head = [float(finite), low, high, total, sum_squares]
-    return CpuResult(raw, head + edges + bin_counts)
+    return CpuResult(raw, head + edges.tolist() + bin_counts)
 
 
 def _sorted_moments(
@@ -488,6 +501,16 @@ def _sorted_moments(
     scale = 1.0
     if max_abs > 2.0**500 or max_abs < 2.0**-500:
         scale = math.ldexp(1.0, _scale_exponent(max_abs)) if max_abs else 1.0
+    if scale == 1.0 and count <= CHUNK:  # the common case, in as few operations as it takes
+        wide = values.astype(np.float64)
+        shared = torch.from_numpy(wide)  # the same memory, for torch.dot (see `_dot`)
+        sum_squares = float(torch.dot(shared, shared)) if with_squares else 0.0
+        total = float(wide.sum())
+        mean = total / count
+        wide -= mean
+        squares, residual = float(torch.dot(shared, shared)), float(wide.sum())
+        variance = max((squares - residual * residual / count) / count, 0.0)
+        return total, sum_squares, mean, math.sqrt(variance)
     inverse = 1.0 / scale
     total = sum_squares = scaled = 0.0
     kept: np.ndarray | None = None

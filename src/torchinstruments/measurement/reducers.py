@@ -330,9 +330,7 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
             for member, result in zip(members, results, strict=True):
                 member.host.update(result.raw)
                 if member.histogram is not None and result.histogram is not None:
-                    member.histogram.device_vector = torch.tensor(
-                        result.histogram, dtype=torch.float64
-                    )
+                    member.histogram.host_vector = result.histogram
         except Exception as error:  # measuring must never crash the training step
             for member in members:
                 member.error = reasons.error("statistics", error)
@@ -410,18 +408,15 @@ class Measurer:
         On the CPU the default profile's sort or radix pass (or the deferred batch, see `launch`) also
         counts the histogram's bins (see `numerics.measure_on_cpu`); elsewhere, or without the
         default profile, the histogram is counted on its own by `reduce_histogram`. A deferred
-        histogram's `device_vector` is filled by `settle`. Never raises.
+        histogram's `host_vector` is filled by `settle`. Never raises.
         """
-        shared: list[torch.Tensor | PendingHistogram] = []
+        shared: list[PendingHistogram] = []
         try:
             reduction = self._launch(tensor, bins, shared, defer=defer)
         except Exception as error:  # measuring must never crash the training step
             reduction = self.unavailable(reasons.error("statistics", error))
         if shared:
-            found = shared[0]
-            if isinstance(found, PendingHistogram):
-                return reduction, found
-            return reduction, PendingHistogram(found, bins)
+            return reduction, shared[0]
         return reduction, reduce_histogram(tensor, bins)
 
     def unavailable(self, reason: str) -> PendingReduction:
@@ -433,7 +428,7 @@ class Measurer:
         self,
         tensor: torch.Tensor,
         bins: int | None = None,
-        shared: list[torch.Tensor | PendingHistogram] | None = None,
+        shared: list[PendingHistogram] | None = None,
         *,
         defer: bool = False,
     ) -> PendingReduction:
@@ -665,11 +660,11 @@ def _defer_default(
 
 def _reduce_default(
     tensor: torch.Tensor, metrics: tuple[str, ...], offset: int, bins: int | None = None
-) -> tuple[_Part, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[_Part, torch.Tensor | None, PendingHistogram | None]:
     """The default profile of one tensor: host values on the CPU, a device block elsewhere.
 
     Returns the part, the device block, and (on the CPU, when `bins` is given) the histogram
-    vector counted by the same passes.
+    counted by the same passes, already on the host.
     """
     if not metrics:
         return _Part(metrics), None, None
@@ -686,8 +681,8 @@ def _reduce_default(
     if tensors.host_sync_is_free(tensor.device):
         result = numerics.measure_on_cpu(tensor, wanted, bins)
         histogram = None
-        if result.histogram is not None:
-            histogram = torch.tensor(result.histogram, dtype=torch.float64)
+        if result.histogram is not None and bins is not None:
+            histogram = PendingHistogram(None, bins, result.histogram)
         return _Part(metrics, host=result.raw, derive=derive), None, histogram
     keys, block = numerics.raw_on_device(tensors.working_values(tensor), wanted)
     refs = {key: offset + index for index, key in enumerate(keys)}

@@ -12,9 +12,11 @@ found by `torch.bucketize` (a native binary search) over the float64 edges, so i
 consistent with the edges reported, even when bins are only a few ulps wide or the range
 overflows float64 arithmetic. On the CPU, where host syncs cost nothing, the counts come from
 `numerics.measure_on_cpu` instead: exact counts of the entries below each edge, from the same
-sort (or, above 2**24 entries, radix pass) that selects the quartiles (`Measurer.launch_with_histogram` shares it with the
-statistics), in chunks so that no temporary grows with the tensor. The edges are the same
-(`numerics.edges_on_host` computes `_edges` bit for bit). Counts are summed with `scatter_add_`, which
+sort (or, above 2**24 entries, radix pass) that selects the quartiles
+(`Measurer.launch_with_histogram` shares it with the statistics), in chunks so that no temporary
+grows with the tensor. The edges are the same (`numerics.edges_on_host` computes `_edges` bit for
+bit), and the vector stays a host list (`PendingHistogram.host_vector`): it never round-trips
+through a tensor. On devices, counts are summed with `scatter_add_`, which
 is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
 1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which
 working dtype they are binned is `tensors`' rule, shared with the statistics.

@@ -215,7 +215,8 @@ def _edges_array(low: float, high: float, bins: int) -> np.ndarray:
     edges = low * complement
     edges += high * steps
     np.maximum.accumulate(edges, out=edges)
-    np.clip(edges, low, high, out=edges)
+    np.maximum(edges, low, out=edges)
+    np.minimum(edges, high, out=edges)
     edges[0], edges[-1] = low, high
     return edges
 
@@ -447,29 +448,26 @@ def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | No
     the dtype, as `numpy.histogram` bins them).
     """
     flat = tensor.reshape(-1)
-    converted = flat.to(tensors.working_dtype(flat.dtype))
-    if converted is flat:  # the caller's memory: sort a copy
-        ordered = np.sort(flat.numpy())
-    else:  # already our own copy (half precision, integers): sort it in place
-        ordered = converted.numpy()
-        ordered.sort()
-    neg, end, below_zero, upto_zero = np.searchsorted(ordered, _PROBES[ordered.dtype]).tolist()
+    if flat.dtype == torch.float32 or flat.dtype == torch.float64:  # the caller's memory: a copy
+        ordered = flat.numpy().copy()
+    else:  # converted to the working dtype: already our own copy
+        ordered = flat.to(tensors.working_dtype(flat.dtype)).numpy()
+    ordered.sort()
+    neg, end, below_zero, upto_zero = ordered.searchsorted(_PROBES[ordered.dtype]).tolist()
     finite = end - neg
     raw: dict[str, float] = {"zeros": float(upto_zero - below_zero), "finite": float(finite)}
     if finite == 0:
         return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
-    values = ordered[neg:end]
-    low, high = float(values[0]), float(values[-1])
+    values = ordered if finite == ordered.size else ordered[neg:end]
+    low, high = values[0].item(), values[-1].item()
     raw["min"], raw["max"] = low, high
-    with np.errstate(over="ignore", invalid="ignore"):  # inf sums become nulls, as in torch
-        total, sum_squares, mean, std = _sorted_moments(values, low, high, bool(bins))
+    total, sum_squares, mean, std = _sorted_moments(values, low, high, bool(bins))
     raw["mean"], raw["std"] = mean, std
-    ranks = _quartile_ranks(finite, wanted)
-    if ranks:
-        needed = sorted({rank for pair in ranks.values() for rank in pair})
-        order = dict(zip(needed, values[needed].tolist(), strict=True))
-        for name, (lo_rank, hi_rank) in ranks.items():
-            raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
+    for name, q in QUARTILES.items():
+        if name in wanted:  # the order statistics around the quartile, as `_quartile_ranks`
+            rank = math.floor((finite - 1) * q)
+            raw[f"{name}_lo"] = values[rank].item()
+            raw[f"{name}_hi"] = values[min(rank + 1, finite - 1)].item()
     if not bins:
         return CpuResult(raw, None)
     edges = _edges_array(low, high, bins)
@@ -482,7 +480,7 @@ def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | No
             np.nextafter(thresholds, _NUMPY_INF32, out=thresholds, where=thresholds < inner)
         below = np.empty(bins + 1, dtype=np.int64)
         below[0], below[-1] = 0, finite
-        below[1:-1] = np.searchsorted(values, thresholds)
+        below[1:-1] = values.searchsorted(thresholds)
         bin_counts = np.subtract(below[1:], below[:-1], dtype=np.float64).tolist()
     head = [float(finite), low, high, total, sum_squares]
     return CpuResult(raw, head + edges.tolist() + bin_counts)
@@ -501,16 +499,24 @@ def _sorted_moments(
     scale = 1.0
     if max_abs > 2.0**500 or max_abs < 2.0**-500:
         scale = math.ldexp(1.0, _scale_exponent(max_abs)) if max_abs else 1.0
-    if scale == 1.0 and count <= CHUNK:  # the common case, in as few operations as it takes
-        wide = values.astype(np.float64)
-        shared = torch.from_numpy(wide)  # the same memory, for torch.dot (see `_dot`)
-        sum_squares = float(torch.dot(shared, shared)) if with_squares else 0.0
-        total = float(wide.sum())
+    if scale == 1.0 and count <= CHUNK:  # the common case, in four passes; nothing can overflow
+        total = float(np.add.reduce(values, dtype=np.float64))
         mean = total / count
-        wide -= mean
-        squares, residual = float(torch.dot(shared, shared)), float(wide.sum())
+        deviations = np.subtract(values, mean, dtype=np.float64)
+        shared = torch.from_numpy(deviations)  # the same memory, for torch.dot (see `_dot`)
+        squares, residual = float(torch.dot(shared, shared)), float(np.add.reduce(deviations))
         variance = max((squares - residual * residual / count) / count, 0.0)
+        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
+        sum_squares = squares + 2.0 * mean * residual + count * mean * mean if with_squares else 0.0
         return total, sum_squares, mean, math.sqrt(variance)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf sums become nulls, as in torch
+        return _moments_in_float64_chunks(values, count, scale, with_squares)
+
+
+def _moments_in_float64_chunks(
+    values: np.ndarray, count: int, scale: float, with_squares: bool
+) -> tuple[float, float, float, float]:
+    """`_sorted_moments` of large or scaled values: float64 copies one chunk at a time."""
     inverse = 1.0 / scale
     total = sum_squares = scaled = 0.0
     kept: np.ndarray | None = None
@@ -702,6 +708,10 @@ def _candidates_in_chunks(
 # Tensors of at most this many entries are measured together at the end of a sampled forward (or
 # backward): their values are copied at the layer's return and reduced in one segmented pass.
 BATCH_MAX = 1 << 12
+# ... when at least this many of them want the same metrics: below, one NumPy sort each
+# (`measure_by_sort`, ~40 us of fixed cost) beats the batch's fixed ~250 us of torch ops
+# (`uv run bench/small_tensors.py`).
+BATCH_MIN = 8
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 

@@ -310,12 +310,13 @@ class PendingReduction:
 
 
 def settle(reductions: Sequence[PendingReduction]) -> None:
-    """Reduces every deferred small tensor among `reductions` together (see `Measurer.launch`).
+    """Reduces every deferred small tensor among `reductions` (see `Measurer.launch`).
 
-    One segmented pass per group of equal wanted metrics (`numerics.measure_batch_on_cpu`), so
-    the number of torch ops of a sample does not grow with its number of small tensors. Fills
-    the deferred host values and histogram vectors; never raises (a failure becomes the reason
-    of every deferred metric).
+    Groups of equal wanted metrics with at least `numerics.BATCH_MIN` members take one
+    segmented pass (`numerics.measure_batch_on_cpu`), so the number of torch ops of a sample
+    does not grow with its number of small tensors; smaller groups are cheaper one by one
+    (`numerics.measure_on_cpu`). Fills the deferred host values and histogram vectors; never
+    raises (a failure becomes the reason of every deferred metric of its group).
     """
     groups: dict[frozenset[str], list[_Deferred]] = {}
     for reduction in reductions:
@@ -324,9 +325,12 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
             groups.setdefault(deferred.wanted, []).append(deferred)
     for wanted, members in groups.items():
         try:
-            results = numerics.measure_batch_on_cpu(
-                [member.values for member in members], wanted, [m.bins for m in members]
-            )
+            if len(members) >= numerics.BATCH_MIN or not numerics.HAVE_NUMPY:
+                results = numerics.measure_batch_on_cpu(
+                    [member.values for member in members], wanted, [m.bins for m in members]
+                )
+            else:
+                results = [numerics.measure_on_cpu(m.values, wanted, m.bins) for m in members]
             for member, result in zip(members, results, strict=True):
                 member.host.update(result.raw)
                 if member.histogram is not None and result.histogram is not None:

@@ -163,6 +163,18 @@ def test_integers_on_every_path(path: str, dtype: torch.dtype) -> None:
     assert_histogram(record, reference(tensor))
 
 
+def test_zeros_below_a_tiny_positive_edge_on_every_path(path: str) -> None:
+    """A float64 inner edge between 0 and float32's smallest subnormal rounds to 0 in float32,
+    yet zeros (of both signs) are below it: they belong to the bin that starts at the 0.0 edge."""
+    tiny = 2.0**-149  # float32's smallest subnormal
+    tensor = torch.tensor([-tiny, -0.0, 0.0, 0.0, tiny], dtype=torch.float32)
+    reduction, histogram = launch(path, tensor)
+    _, record = resolve(Measurer(None), reduction, histogram)
+    assert record is not None
+    assert 0.0 < record.bucket_limits[DEFAULT_BINS // 2] < tiny  # the tiny positive edge
+    assert_histogram(record, reference(tensor))
+
+
 def test_empty_tensor_on_every_path(path: str) -> None:
     reduction, histogram = launch(path, torch.zeros(0, 3))
     got, record = resolve(Measurer(None), reduction, histogram)

@@ -16,6 +16,10 @@ Two ways to the same numbers, chosen by `tensors.host_sync_is_free(device)`:
   thread): NumPy sorts 16k float32 in ~70 us where `torch.sort` takes ~1.3 ms, so this beats
   both the radix passes below (whose fixed ~35 torch ops cost ~0.8 ms per tensor) and a
   hand-rolled `torch.quantile`. Its one temporary of the tensor's size is the sorted copy.
+* CPU path, the small tensors of one sample (`measure_batch_on_cpu`: at least `BATCH_MIN` of at
+  most `BATCH_MAX` entries each): one NumPy sort of int64 keys holding the tensor's index above
+  the float32 sortable key, and segmented sums, so only reading the results is a loop over the
+  tensors (a sort per tensor costs ~40 us of fixed NumPy calls, whatever its size).
 * CPU path, larger tensors (`_measure_by_radix`): host syncs are free, so it selects instead of
   sorting, and it computes the statistics and (for a focus layer) the histogram together, in
   chunks of `CHUNK` entries so that no temporary grows with the tensor (the working-dtype
@@ -175,8 +179,10 @@ def edge_thresholds(edges: Sequence[float], dtype: torch.dtype) -> list[int]:
     """Keys K_i with (x < edges[i]) == (key(x) < K_i) for every finite x of `dtype`.
 
     K_i is the key of the smallest `dtype` value >= edges[i] (`array` rounds to float32 to
-    nearest; one ulp up when that fell below, and adjacent keys are adjacent values). A zero edge
-    maps to the key of -0.0, so that -0.0, whose key sorts below +0.0's, is not below 0.
+    nearest; one ulp up when that fell below, and adjacent keys are adjacent values). When that
+    value is zero, K_i is the key of -0.0, so that -0.0, whose key sorts below +0.0's, is not
+    below an edge that 0.0 is not below. A positive edge too small for the dtype rounds to 0.0
+    and then goes one ulp up: both zeros are below it.
     """
     if dtype == torch.float64:
         rounded, bits = list(edges), array("q")
@@ -189,11 +195,12 @@ def edge_thresholds(edges: Sequence[float], dtype: torch.dtype) -> list[int]:
         mask = 0x7FFFFFFF
     out: list[int] = []
     for edge, value, bit in zip(edges, rounded, bits, strict=True):
-        if value == 0.0:
+        if value < edge:  # one ulp up (the key of +0.0 is 0: the smallest subnormal is 1)
+            out.append((0 if value == 0.0 else bit ^ mask if bit < 0 else bit) + 1)
+        elif value == 0.0:
             out.append(-1)  # the key of -0.0 (both widths)
         else:
-            key = bit ^ mask if bit < 0 else bit
-            out.append(key + 1 if value < edge else key)
+            out.append(bit ^ mask if bit < 0 else bit)
     return out
 
 
@@ -706,12 +713,13 @@ def _candidates_in_chunks(
 # --- CPU: many small tensors at once ------------------------------------------------------------
 
 # Tensors of at most this many entries are measured together at the end of a sampled forward (or
-# backward): their values are copied at the layer's return and reduced in one segmented pass.
-BATCH_MAX = 1 << 12
-# ... when at least this many of them want the same metrics: below, one NumPy sort each
-# (`measure_by_sort`, ~40 us of fixed cost) beats the batch's fixed ~250 us of torch ops
-# (`uv run bench/small_tensors.py`).
-BATCH_MIN = 8
+# backward): their values are copied at the layer's return and reduced in one segmented pass...
+BATCH_MAX = 1 << 10
+# ... when at least this many of them want the same metrics (and NumPy is there); fewer are
+# measured one by one (`measure_by_sort`). From `uv run bench/small_tensors.py` (one thread):
+# 4 tensors of 640 entries cost 0.96 x one sort each, 16 cost 0.64 x; at 4,096 entries the
+# batch's one int64 sort is slower than float32 sorts one by one (1.1 to 2 x), hence BATCH_MAX.
+BATCH_MIN = 4
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 
@@ -719,62 +727,58 @@ _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every fi
 def measure_batch_on_cpu(
     segments: Sequence[torch.Tensor], wanted: frozenset[str], bins: Sequence[int | None]
 ) -> list[CpuResult]:
-    """`measure_on_cpu` of many small flat float32 tensors, in a fixed number of torch ops.
+    """`measure_on_cpu` of many small flat float32 tensors, in a fixed number of NumPy calls.
 
-    The tensors are concatenated; counts and moments are segmented sums (`segment_reduce`); the
-    order statistics and the histogram edge counts come from ONE sort of int64 keys that hold the
-    segment index above the float32 sortable key (non-finite entries get the key of +inf, so each
-    segment's finite entries come first, in order), read by one gather and one searchsorted.
-    The number of ops does not grow with the number of tensors.
+    The tensors are concatenated; counts and moments are segmented sums (`add.reduceat`, the same
+    corrected two-pass algorithm as one tensor); the order statistics and the histogram edge
+    counts come from ONE sort of int64 keys that hold the segment index above the float32
+    sortable key (non-finite entries get the key of +inf, so each segment's finite entries come
+    first, in order), read by one gather and one searchsorted. Only building the results is a
+    loop over the tensors.
 
     Args:
         segments: Non-empty 1-D float32 CPU tensors (copies the caller owns).
         wanted: Default metrics wanted.
         bins: Per segment, the histogram's bin count, or None for no histogram.
     """
-    lengths = [int(segment.numel()) for segment in segments]
-    starts = [0, *itertools.accumulate(lengths)][:-1]
-    values = torch.cat(list(segments)) if len(segments) > 1 else segments[0]
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    all_finite = math.isfinite(float(values.sum()))
-    mask = None if all_finite else torch.isfinite(values)
-    owner = torch.zeros(values.numel(), dtype=torch.int64)
-    owner[starts[1:]] = 1
-    owner = owner.cumsum_(0)  # segment index of every entry
-    wide = values.to(torch.float64)
-    if mask is not None:
-        wide = torch.where(mask, wide, 0.0)
-    sums = torch.segment_reduce(wide, "sum", lengths=lengths_t)
-    counts = lengths_t.to(torch.float64) if mask is None else _segment_count(mask, lengths_t)
-    deviations = wide - torch.index_select(sums / counts.clamp(min=1), 0, owner)
-    if mask is not None:
-        deviations = torch.where(mask, deviations, 0.0)
+    count = len(segments)
+    lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
+    finite = np.isfinite(values)
+    all_finite = bool(finite.all())
+    wide = values.astype(np.float64)
+    if all_finite:
+        counts = lengths.astype(np.float64)
+    else:
+        wide[~finite] = 0.0
+        counts = np.add.reduceat(finite, starts, dtype=np.float64)
+    sums = np.add.reduceat(wide, starts)
+    deviations = wide - np.repeat(sums / np.maximum(counts, 1.0), lengths)
+    if not all_finite:
+        deviations[~finite] = 0.0
     columns = [
         counts,
-        _segment_count(values == 0, lengths_t),
+        np.add.reduceat(values == 0, starts, dtype=np.float64),
         sums,
-        torch.segment_reduce(deviations * deviations, "sum", lengths=lengths_t),
-        torch.segment_reduce(deviations, "sum", lengths=lengths_t),
+        np.add.reduceat(deviations * deviations, starts),
+        np.add.reduceat(deviations, starts),
     ]
     if any(bins):
-        columns.append(torch.segment_reduce(wide * wide, "sum", lengths=lengths_t))
-    keys = _sortable_keys(values).to(torch.int64)
-    if mask is not None:
-        keys = torch.where(mask, keys, _INF_KEY)
-    keys += _KEY_OFFSET
-    keys += owner << 32
-    ordered = torch.sort(keys).values
-    table = torch.stack(columns, dim=1).tolist()
-    return _batch_results(ordered, table, starts, wanted, bins)
-
-
-def _segment_count(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per segment, how many entries of `mask` are true (float64)."""
-    return torch.segment_reduce(mask.to(torch.float64), "sum", lengths=lengths)
+        columns.append(np.add.reduceat(wide * wide, starts))
+    bits = values.view(np.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
+    if not all_finite:
+        keys[~finite] = _INF_KEY
+    keys += np.repeat(np.arange(count, dtype=np.int64) << 32, lengths) + _KEY_OFFSET
+    keys.sort()
+    table = np.stack(columns, axis=1).tolist()
+    return _batch_results(keys, table, starts.tolist(), wanted, bins)
 
 
 def _batch_results(
-    ordered: torch.Tensor,
+    ordered: np.ndarray,
     table: list[list[float]],
     starts: Sequence[int],
     wanted: frozenset[str],
@@ -782,70 +786,75 @@ def _batch_results(
 ) -> list[CpuResult]:
     """Reads every segment's order statistics and edge counts from the sorted composite keys."""
     positions: list[int] = []
-    plans: list[tuple[dict[str, tuple[int, int]], list[float]]] = []
-    thresholds: list[int] = []
-    for index, row in enumerate(table):
-        finite, start = round(row[0]), starts[index]
-        ranks = _quartile_ranks(finite, wanted) if finite else {}
-        # min, max, then the quartile neighbours: positions in the sorted keys
-        needed = sorted({0, finite - 1} | {r for pair in ranks.values() for r in pair})
-        plans.append((ranks, []))
-        if finite:
-            positions += [start + rank for rank in needed]
-    picked = torch.index_select(ordered, 0, torch.tensor(positions, dtype=torch.int64)).tolist()
+    for row, start in zip(table, starts, strict=True):
+        count = round(row[0])
+        if count:  # min, max, then each quartile's two neighbours
+            positions += [start, start + count - 1]
+            for low_rank, high_rank in _quartile_ranks(count, wanted).values():
+                positions += [start + low_rank, start + high_rank]
+    picked = _keys_to_float32(ordered.take(positions)) if positions else []
     results: list[CpuResult] = []
+    thresholds: list[np.ndarray] = []
+    edges_of: list[np.ndarray | None] = []
     cursor = 0
-    edges_of: list[list[float]] = []
     for index, row in enumerate(table):
         finite, zeros, total, squares, residual = row[:5]
         count = round(finite)
         raw: dict[str, float] = {"zeros": zeros, "finite": finite}
-        edges: list[float] = []
+        edges = None
         if count:
-            ranks = plans[index][0]
-            needed = sorted({0, count - 1} | {r for pair in ranks.values() for r in pair})
-            order = {
-                rank: _key_to_float((key & 0xFFFFFFFF) - _KEY_OFFSET, torch.float32)
-                for rank, key in zip(needed, picked[cursor : cursor + len(needed)], strict=True)
-            }
-            cursor += len(needed)
-            low, high = order[0], order[count - 1]
+            low, high = picked[cursor], picked[cursor + 1]
+            cursor += 2
+            for name in QUARTILES:
+                if name in wanted:
+                    raw[f"{name}_lo"], raw[f"{name}_hi"] = picked[cursor], picked[cursor + 1]
+                    cursor += 2
             mean = total / count
             variance = max((squares - residual * residual / count) / count, 0.0)
             raw.update(min=low, max=high, mean=mean, std=math.sqrt(variance))
-            for name, (lo_rank, hi_rank) in ranks.items():
-                raw[f"{name}_lo"], raw[f"{name}_hi"] = order[lo_rank], order[hi_rank]
             segment_bins = bins[index]
             if segment_bins:
-                edges = edges_on_host(low, high, segment_bins)
+                edges = _edges_array(low, high, segment_bins)
                 if low != high:
-                    base = (index << 32) + _KEY_OFFSET
-                    inner = edge_thresholds(edges[1:-1], torch.float32)
-                    thresholds += [base + key for key in inner]
+                    thresholds.append(_threshold_keys(edges[1:-1]) + ((index << 32) + _KEY_OFFSET))
         edges_of.append(edges)
         results.append(CpuResult(raw, None))
-    below = iter(
-        torch.searchsorted(ordered, torch.tensor(thresholds, dtype=torch.int64)).tolist()
-        if thresholds
-        else []
-    )
+    below = iter(ordered.searchsorted(np.concatenate(thresholds)).tolist() if thresholds else [])
     for index, (result, row) in enumerate(zip(results, table, strict=True)):
         segment_bins = bins[index]
         if not segment_bins:
             continue
         count = round(row[0])
-        if not count:
+        edges = edges_of[index]
+        if not count or edges is None:
             result.histogram = [0.0] * (5 + 2 * segment_bins + 1)
             continue
         low, high = result.raw["min"], result.raw["max"]
         if low == high:
             bin_counts = [float(count)] + [0.0] * (segment_bins - 1)
         else:
-            cumulative = [0, *(next(below) - starts[index] for _ in range(segment_bins - 1)), count]
+            start = starts[index]
+            cumulative = [0, *(next(below) - start for _ in range(segment_bins - 1)), count]
             bin_counts = [float(b - a) for a, b in itertools.pairwise(cumulative)]
         head = [float(count), low, high, row[2], row[5]]
-        result.histogram = head + edges_of[index] + bin_counts
+        result.histogram = head + edges.tolist() + bin_counts
     return results
+
+
+def _keys_to_float32(composite: np.ndarray) -> list[float]:
+    """The float32 values of composite batch keys (segment index above the offset key)."""
+    keys = ((composite & 0xFFFFFFFF) - _KEY_OFFSET).astype(np.int32)
+    bits = keys ^ ((keys >> 31) & 0x7FFFFFFF)
+    return bits.view(np.float32).tolist()
+
+
+def _threshold_keys(edges: np.ndarray) -> np.ndarray:
+    """`edge_thresholds` for float32, vectorised: int64 keys K with x < edge == key(x) < K."""
+    rounded = edges.astype(np.float32)
+    np.nextafter(rounded, _NUMPY_INF32, out=rounded, where=rounded < edges)
+    rounded[rounded == 0.0] = -0.0  # the smallest value >= the edge is a zero: -0.0 is one
+    bits = rounded.view(np.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
 
 
 # --- other devices: one sort, no host sync ------------------------------------------------------

@@ -313,9 +313,9 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
     """Reduces every deferred small tensor among `reductions` (see `Measurer.launch`).
 
     Groups of equal wanted metrics with at least `numerics.BATCH_MIN` members take one
-    segmented pass (`numerics.measure_batch_on_cpu`), so the number of torch ops of a sample
-    does not grow with its number of small tensors; smaller groups are cheaper one by one
-    (`numerics.measure_on_cpu`). Fills the deferred host values and histogram vectors; never
+    segmented NumPy pass (`numerics.measure_batch_on_cpu`), so the number of calls per sample
+    does not grow with its number of small tensors; smaller groups (or any, without NumPy) are
+    measured one by one (`numerics.measure_on_cpu`). Fills the deferred host values and histogram vectors; never
     raises (a failure becomes the reason of every deferred metric of its group).
     """
     groups: dict[frozenset[str], list[_Deferred]] = {}
@@ -325,7 +325,7 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
             groups.setdefault(deferred.wanted, []).append(deferred)
     for wanted, members in groups.items():
         try:
-            if len(members) >= numerics.BATCH_MIN or not numerics.HAVE_NUMPY:
+            if numerics.HAVE_NUMPY and len(members) >= numerics.BATCH_MIN:
                 results = numerics.measure_batch_on_cpu(
                     [member.values for member in members], wanted, [m.bins for m in members]
                 )

@@ -510,8 +510,8 @@ def _sorted_moments(
         total = float(np.add.reduce(values, dtype=np.float64))
         mean = total / count
         deviations = np.subtract(values, mean, dtype=np.float64)
-        shared = torch.from_numpy(deviations)  # the same memory, for torch.dot (see `_dot`)
-        squares, residual = float(torch.dot(shared, shared)), float(np.add.reduce(deviations))
+        residual = float(np.add.reduce(deviations))
+        squares = float(np.add.reduce(np.square(deviations, out=deviations)))  # no BLAS (`_dot`)
         variance = max((squares - residual * residual / count) / count, 0.0)
         # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
         sum_squares = squares + 2.0 * mean * residual + count * mean * mean if with_squares else 0.0

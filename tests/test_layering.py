@@ -1,7 +1,8 @@
 """The package reads top to bottom: no module imports one above it, and there are no cycles.
 
 The order is README's "Where each idea lives": records and reasons at the bottom; the run
-directory, the measurement, sampling, distributed placement and capture above them; then sinks,
+directory, its TensorBoard events, the measurement, sampling, distributed placement and capture
+above them; then sinks,
 selection, gradients and the command line; the observer; the API; the package entry points.
 Imports are read from the source (inside functions too), so a lazy import cannot hide a cycle.
 """
@@ -17,7 +18,7 @@ PACKAGE = Path(torchinstruments.__file__).parent
 
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"records", "reasons"}),
-    frozenset({"rundir", "measurement", "sampling", "distributed", "capture"}),
+    frozenset({"rundir", "events", "measurement", "sampling", "distributed", "capture"}),
     frozenset({"sinks", "selection", "gradients", "cli"}),
     frozenset({"observer"}),
     frozenset({"api"}),
@@ -100,3 +101,21 @@ def test_there_are_no_import_cycles() -> None:
 
     for module in edges:
         visit(module, ())
+
+
+def test_the_run_directory_never_imports_torch_or_tensorboard() -> None:
+    """`finalize`, `show` and `compare` run in processes without torch: they live on rundir."""
+    offenders = []
+    for path in (PACKAGE / "rundir").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            offenders += [
+                f"{module_name(path)} imports {name}"
+                for name in names
+                if name.split(".")[0] in ("torch", "tensorboard")
+            ]
+    assert offenders == []

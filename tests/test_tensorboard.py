@@ -30,7 +30,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
-from torchinstruments.rundir.events import Crc32c, EventFile
+from torchinstruments.events import Crc32c, EventFile
 
 from conftest import read_history
 

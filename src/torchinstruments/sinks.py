@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from torchinstruments.events import EventFile
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
-from torchinstruments.rundir.events import EventFile
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR

@@ -40,7 +40,7 @@ else:
     except ImportError:  # pragma: no cover - exercised only without NumPy
         np = None
 
-__all__ = ["Crc32c", "EventFile"]
+__all__ = ["Crc32c", "EventFile", "histogram_arguments"]
 
 _POLYNOMIAL = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 _MASK = 0xFFFFFFFF
@@ -113,6 +113,19 @@ class _ChecksummedRecords(RecordWriter):
         self._file.write(header + head_crc + data + data_crc)
 
 
+def histogram_arguments(histogram: HistogramRecord) -> dict[str, Any]:
+    """The keyword arguments of TensorBoard's raw histogram (`add_histogram_raw`) for a record."""
+    return {
+        "min": histogram.min,
+        "max": histogram.max,
+        "num": histogram.num,
+        "sum": histogram.sum,
+        "sum_squares": histogram.sum_squares,
+        "bucket_limits": list(histogram.bucket_limits),
+        "bucket_counts": list(histogram.bucket_counts),
+    }
+
+
 class EventFile:
     """The run directory's event file: one event per record, checksummed by `Crc32c`.
 
@@ -131,16 +144,7 @@ class EventFile:
         """One event per sample_id, holding each histogram as one value under its tag."""
         by_step: dict[int, Any] = {}  # sample_id -> its Summary
         for histogram in histograms:
-            summary = histogram_raw(
-                histogram.tag,
-                min=histogram.min,
-                max=histogram.max,
-                num=histogram.num,
-                sum=histogram.sum,
-                sum_squares=histogram.sum_squares,
-                bucket_limits=list(histogram.bucket_limits),
-                bucket_counts=list(histogram.bucket_counts),
-            )
+            summary = histogram_raw(histogram.tag, **histogram_arguments(histogram))
             if histogram.sample_id in by_step:
                 by_step[histogram.sample_id].value.extend(summary.value)
             else:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from torchinstruments.events import EventFile
+from torchinstruments.events import EventFile, histogram_arguments
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
@@ -70,13 +70,7 @@ def write_histograms(
     for histogram in histograms:
         writer.add_histogram_raw(
             histogram.tag,
-            min=histogram.min,
-            max=histogram.max,
-            num=histogram.num,
-            sum=histogram.sum,
-            sum_squares=histogram.sum_squares,
-            bucket_limits=list(histogram.bucket_limits),
-            bucket_counts=list(histogram.bucket_counts),
+            **histogram_arguments(histogram),
             global_step=histogram.sample_id if step is None else step,
         )
 

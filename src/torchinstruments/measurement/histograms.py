@@ -4,7 +4,9 @@ Design decision: like the statistics, a histogram is reduced in two halves. `red
 runs on the tensor's device without any host synchronisation (no `.item()`, no boolean-mask
 indexing, no `torch.bincount`, whose CUDA kernel reads its input's max back to the host) and
 returns a `PendingHistogram` whose `device_vector` travels to the host with the sample's single
-transfer; `finish` turns it into a `HistogramRecord`.
+transfer; `resolve` turns it into a `HistogramRecord`. A focus tensor that the default profile
+measures on a device needs no pass of its own: `vector_from_sort` counts its bins with one
+`searchsorted` of the edges over the statistics' sort.
 
 The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
 holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
@@ -180,6 +182,35 @@ def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor:
     counts = torch.zeros(bins, dtype=torch.float64, device=device).scatter_add_(0, index, weights)
     finite_x = torch.where(finite_mask, x, 0.0)
     head = torch.stack([finite, low, high, finite_x.sum(), torch.dot(finite_x, finite_x)])
+    return torch.cat([head, edges, counts])
+
+
+def vector_from_sort(sort: numerics.DeviceSort, bins: int) -> torch.Tensor:
+    """The device vector of a focus tensor from its statistics' own sort, without a sync.
+
+    Each inner edge becomes the smallest working-dtype value >= it (rounded to nearest, one ulp
+    up where that fell below), so "x < edge" is "x < threshold" for every x of the dtype, and one
+    `searchsorted` over the sorted values counts the entries below every edge (non-finite
+    entries, +inf there, are below none). The sum and sum of squares come from the statistics'
+    mean and std (count * mean and count * (std**2 + mean**2)).
+    """
+    ordered = sort.ordered
+    finite = sort.finite.to(torch.float64)
+    any_finite = finite > 0
+    low = torch.where(any_finite, sort.low, 0.0)
+    high = torch.where(any_finite, sort.high, 0.0)
+    edges = _edges(low, high, bins)
+    inner = edges[1:-1]
+    thresholds = inner.to(ordered.dtype)
+    if ordered.dtype != torch.float64:
+        up = torch.nextafter(thresholds, torch.full_like(thresholds, math.inf))
+        thresholds = torch.where(thresholds < inner, up, thresholds)
+    below = torch.searchsorted(ordered, thresholds).to(torch.float64)
+    cumulative = torch.cat([below.new_zeros(1), below, finite.reshape(1)])
+    counts = cumulative[1:] - cumulative[:-1]
+    total = sort.mean * finite
+    squares = (sort.std * sort.std + sort.mean * sort.mean) * finite
+    head = torch.stack([finite, low, high, total, squares])
     return torch.cat([head, edges, counts])
 
 

@@ -860,8 +860,31 @@ def _threshold_keys(edges: np.ndarray) -> np.ndarray:
 # --- other devices: one sort, no host sync ------------------------------------------------------
 
 
-def raw_on_device(values: torch.Tensor, wanted: frozenset[str]) -> tuple[list[str], torch.Tensor]:
-    """Raw values as one float64 device block, computed without any host synchronisation."""
+@dataclass(frozen=True, slots=True)
+class DeviceSort:
+    """What the sync-free path's one sort leaves for a histogram of the same tensor (0-d tensors).
+
+    `ordered` holds the working values ascending, non-finite ones replaced by +inf (so they sort
+    last and are never below a finite edge); `low`, `high`, `mean`, `std` are float64.
+    """
+
+    ordered: torch.Tensor
+    finite: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def raw_on_device(
+    values: torch.Tensor, wanted: frozenset[str]
+) -> tuple[list[str], torch.Tensor, DeviceSort | None]:
+    """Raw values as one float64 device block, computed without any host synchronisation.
+
+    Also returns the sort and moments behind them when all were computed (the quartiles or
+    min/max, and mean/std, are wanted), so that a focus tensor's histogram is counted from the
+    same sort (`histograms.vector_from_sort`); None otherwise.
+    """
     numel = values.numel()
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
@@ -870,7 +893,7 @@ def raw_on_device(values: torch.Tensor, wanted: frozenset[str]) -> tuple[list[st
         entries["zeros"] = (numel - torch.count_nonzero(values)).to(torch.float64)
     last = (finite - 1).clamp(min=0)
     ranks = [name for name in QUARTILES if name in wanted]
-    low = high = None
+    low = high = ordered = None
     if ranks or wanted & {"min", "max"}:
         inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
         ordered = torch.sort(torch.where(finite_mask, values, inf)).values
@@ -889,7 +912,12 @@ def raw_on_device(values: torch.Tensor, wanted: frozenset[str]) -> tuple[list[st
     if wanted & {"mean", "std"}:
         entries["mean"], entries["std"] = _moments_on_device(values, finite_mask, finite, low, high)
     keys = list(entries)
-    return keys, torch.stack([entries[key] for key in keys])
+    shared = None
+    if ordered is not None and "mean" in entries:
+        shared = DeviceSort(
+            ordered, finite, entries["min"], entries["max"], entries["mean"], entries["std"]
+        )
+    return keys, torch.stack([entries[key] for key in keys]), shared
 
 
 def _moments_on_device(

@@ -17,13 +17,14 @@ to the host; `transfer` concatenates the vectors of all tensors of one sampled f
 them with ONE transfer, then calls `PendingReduction.resolve` with the host values. Which tensors
 are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
 
-Two ways the default profile shares work, both on the CPU only (where host syncs are free; the
-sync-free device path is unchanged): `launch_with_histogram` counts a focus tensor's histogram
-from the statistics' own sort (or radix pass), and `launch(defer=True)` copies a small float tensor (at most
-`numerics.BATCH_MAX` entries; the copy keeps the values as they were at the layer's return) so
-that `settle` reduces all of a sample's small tensors in one segmented pass. Measured with
-`bench/ops.py`: a sampled forward of a 100-leaf MLP adds 6 torch ops per measured tensor (3 when
-its outputs are small enough to be reduced together) instead of 39.
+Two ways the default profile shares work. `launch_with_histogram` counts a focus tensor's
+histogram from the statistics' own sort: the NumPy sort or radix pass on the CPU, the sort of
+the sync-free path elsewhere (`histograms.vector_from_sort`). And, on the CPU only,
+`launch(defer=True)` copies a small float tensor (at most `numerics.BATCH_MAX` entries; the copy
+keeps the values as they were at the layer's return) so that `settle` reduces a sample's small
+tensors together in one segmented pass. Measured with `bench/ops.py`: a sampled forward of a
+100-leaf MLP adds 6 torch ops per measured tensor (3 when its outputs are small enough to be
+reduced together) instead of 39.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments.measurement import numerics, tensors
-from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram, reduce_histogram
+from torchinstruments.measurement.histograms import (
+    DEFAULT_BINS,
+    PendingHistogram,
+    reduce_histogram,
+    vector_from_sort,
+)
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.records import MetricValue
 
@@ -689,6 +695,9 @@ def _reduce_default(
         if result.histogram is not None and bins is not None:
             histogram = PendingHistogram(None, bins, result.histogram)
         return _Part(metrics, host=result.raw, derive=derive), None, histogram
-    keys, block = numerics.raw_on_device(tensors.working_values(tensor), wanted)
+    keys, block, sort = numerics.raw_on_device(tensors.working_values(tensor), wanted)
     refs = {key: offset + index for index, key in enumerate(keys)}
-    return _Part(metrics, refs=refs, derive=derive), block, None
+    histogram = None
+    if bins is not None and sort is not None:  # counted from the statistics' own sort
+        histogram = PendingHistogram(vector_from_sort(sort, bins), bins)
+    return _Part(metrics, refs=refs, derive=derive), block, histogram

@@ -175,6 +175,25 @@ def test_zeros_below_a_tiny_positive_edge_on_every_path(path: str) -> None:
     assert_histogram(record, reference(tensor))
 
 
+def test_a_focus_histogram_is_counted_from_the_statistics_own_pass(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default profile, no path runs a histogram pass of its own."""
+    from torchinstruments.measurement import reducers
+
+    def separate_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a separate histogram pass ran")
+
+    monkeypatch.setattr(reducers, "reduce_histogram", separate_pass)
+    values = np.random.default_rng(5).standard_normal(3000).astype(np.float32)
+    values[::7] = 0.0
+    values[3] = np.nan
+    reduction, histogram = launch(path, torch.from_numpy(values))
+    got, record = resolve(Measurer(None), reduction, histogram)
+    assert_matches_numpy(got, values)
+    assert_histogram(record, values)
+
+
 def test_empty_tensor_on_every_path(path: str) -> None:
     reduction, histogram = launch(path, torch.zeros(0, 3))
     got, record = resolve(Measurer(None), reduction, histogram)

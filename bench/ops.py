@@ -1,6 +1,9 @@
 """Torch ops the observer adds to one sampled forward (and its backward), counted by torch.profiler.
 
-Run: `uv run bench/ops.py [--leaves 100] [--width 64]`
+Run: `uv run bench/ops.py [--leaves 100] [--width 64] [--sync-free]`
+
+`--sync-free` measures with the path a GPU takes (no host synchronisation, everything stays on
+the device until the sample's one transfer), forced on the CPU: there each op is a kernel launch.
 
 A 100-leaf MLP (Linear + ReLU pairs) is profiled on the CPU for one forward + backward, plain and
 then with `inject_observer(..., sampler=EveryNForwardsSampler(1))`. Counted are the top-level
@@ -22,6 +25,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.measurement import tensors as measurement_tensors
 
 
 def mlp(leaves: int, width: int) -> nn.Sequential:
@@ -65,7 +69,10 @@ def main() -> None:
     parser.add_argument("--leaves", type=int, default=100)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sync-free", action="store_true", help="the device path, on the CPU")
     args = parser.parse_args()
+    if args.sync_free:
+        measurement_tensors.SYNC_FREE_DEVICE_TYPES = frozenset()  # no host sync is free, even here
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = mlp(args.leaves, args.width)

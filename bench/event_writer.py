@@ -70,8 +70,11 @@ def measure(name: str, steps: int) -> tuple[float, float, float]:
         try:
             for _ in range(10):  # warm-up
                 training_step(model, x, lambda: None)
-            before = {t.native_id: t for t in threading.enumerate()}
-            writers = [i for i, t in before.items() if t.name.startswith("Thread-")]
+            writers = [
+                t.native_id
+                for t in threading.enumerate()
+                if t.name.startswith("Thread-") and t.native_id is not None
+            ]
             main = threading.main_thread().native_id
             assert main is not None
             start = {i: thread_cpu_seconds(i) for i in [*writers, main]}

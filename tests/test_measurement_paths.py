@@ -92,6 +92,8 @@ def assert_histogram(record: HistogramRecord | None, values: np.ndarray) -> None
     assert record.num == finite.size
     assert (record.min, record.max) == (finite.min(), finite.max())
     assert record.sum == pytest.approx(float(finite.sum()), rel=1e-9, abs=1e-300)
+    squares = float(np.dot(finite, finite))
+    assert record.sum_squares == pytest.approx(squares, rel=1e-9, abs=1e-300)
     if record.min == record.max:
         assert record.bucket_counts == (float(finite.size),)
         return

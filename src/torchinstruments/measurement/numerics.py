@@ -470,21 +470,15 @@ def measure_by_sort(tensor: torch.Tensor, wanted: frozenset[str], bins: int | No
     raw["min"], raw["max"] = low, high
     total, sum_squares, mean, std = _sorted_moments(values, low, high, bool(bins))
     raw["mean"], raw["std"] = mean, std
-    for name, q in QUARTILES.items():
-        if name in wanted:  # the order statistics around the quartile, as `_quartile_ranks`
-            rank = math.floor((finite - 1) * q)
-            raw[f"{name}_lo"] = values[rank].item()
-            raw[f"{name}_hi"] = values[min(rank + 1, finite - 1)].item()
+    for name, (low_rank, high_rank) in _quartile_ranks(finite, wanted).items():
+        raw[f"{name}_lo"], raw[f"{name}_hi"] = values[low_rank].item(), values[high_rank].item()
     if not bins:
         return CpuResult(raw, None)
     edges = _edges_array(low, high, bins)
     if low == high:
         bin_counts = [float(finite)] + [0.0] * (bins - 1)
     else:
-        inner = edges[1:-1]
-        thresholds = inner.astype(values.dtype)
-        if values.dtype == np.float32:  # rounded to nearest: one ulp up where that fell below
-            np.nextafter(thresholds, _NUMPY_INF32, out=thresholds, where=thresholds < inner)
+        thresholds = _smallest_at_least(edges[1:-1], values.dtype)
         below = np.empty(bins + 1, dtype=np.int64)
         below[0], below[-1] = 0, finite
         below[1:-1] = values.searchsorted(thresholds)
@@ -848,10 +842,18 @@ def _keys_to_float32(composite: np.ndarray) -> list[float]:
     return bits.view(np.float32).tolist()
 
 
+def _smallest_at_least(edges: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Per float64 edge, the smallest `dtype` value >= it, so that for every x of `dtype`,
+    x < edge exactly when x < that value (rounded to nearest, one ulp up where that fell below)."""
+    rounded = edges.astype(dtype)
+    if rounded.dtype != np.float64:
+        np.nextafter(rounded, _NUMPY_INF32, out=rounded, where=rounded < edges)
+    return rounded
+
+
 def _threshold_keys(edges: np.ndarray) -> np.ndarray:
     """`edge_thresholds` for float32, vectorised: int64 keys K with x < edge == key(x) < K."""
-    rounded = edges.astype(np.float32)
-    np.nextafter(rounded, _NUMPY_INF32, out=rounded, where=rounded < edges)
+    rounded = _smallest_at_least(edges, np.dtype(np.float32))
     rounded[rounded == 0.0] = -0.0  # the smallest value >= the edge is a zero: -0.0 is one
     bits = rounded.view(np.int32)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)

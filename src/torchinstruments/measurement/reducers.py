@@ -321,8 +321,8 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
 
     Groups of equal wanted metrics with at least `numerics.BATCH_MIN` members take one
     segmented NumPy pass (`numerics.measure_batch_on_cpu`), so the number of calls per sample
-    does not grow with its number of small tensors; smaller groups (or any, without NumPy) are
-    measured one by one (`numerics.measure_on_cpu`). Fills the deferred host values and histogram vectors; never
+    does not grow with its number of small tensors; smaller groups are measured one by one
+    (`numerics.measure_on_cpu`). Without NumPy nothing is deferred (see `_defer_default`). Fills the deferred host values and histogram vectors; never
     raises (a failure becomes the reason of every deferred metric of its group).
     """
     groups: dict[frozenset[str], list[_Deferred]] = {}
@@ -332,7 +332,7 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
             groups.setdefault(deferred.wanted, []).append(deferred)
     for wanted, members in groups.items():
         try:
-            if numerics.HAVE_NUMPY and len(members) >= numerics.BATCH_MIN:
+            if len(members) >= numerics.BATCH_MIN:
                 results = numerics.measure_batch_on_cpu(
                     [member.values for member in members], wanted, [m.bins for m in members]
                 )
@@ -658,6 +658,7 @@ def _defer_default(
     numel = tensor.numel()
     if (
         not metrics
+        or not numerics.HAVE_NUMPY  # the batch is NumPy's: without it the copy would serve nothing
         or not tensors.host_sync_is_free(tensor.device)
         or not 0 < numel <= numerics.BATCH_MAX
         or tensors.unsupported_reason(tensor) is not None

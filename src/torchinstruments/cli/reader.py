@@ -46,6 +46,7 @@ from torchinstruments.rundir.layout import (
     part_number,
 )
 from torchinstruments.rundir.merge import merged_part_numbers
+from torchinstruments.rundir.shell import command_line
 
 SERIES_KEY = ("layer", "call_index", "signal", "tensor_path", "metric")
 TENSOR_KEY = SERIES_KEY[:-1]
@@ -130,7 +131,7 @@ def locate(directory: Path) -> RunFiles:
         names = ", ".join(p.name for p in ranks)
         raise NotARunError(
             f"{directory} holds no run itself but rank directories ({names}): pass one of "
-            f"them, e.g. {ranks[0]}"
+            f"them, e.g. {command_line(ranks[0])}"
         )
     if (directory / PARTS_DIR).is_dir() or (directory / INDEX_FILE).is_file():
         raise NotARunError(
@@ -192,6 +193,7 @@ def read_facts(directory: Path) -> RunFacts:
         (line[2:] for line in text.splitlines() if line.startswith("- counts")),
         None,
     )
+    finalize_command = command_line("torchinstruments", "finalize", directory)
     if STATE_COMPLETE in text and not files.parts:
         state = "complete"
     elif STATE_INTERRUPTED in text and not files.parts:
@@ -204,10 +206,10 @@ def read_facts(directory: Path) -> RunFacts:
     elif STATE_IN_PROGRESS in text:
         state = (
             "in progress, or interrupted (index.md has no final counts; if the process is gone, "
-            "`torchinstruments finalize DIR` completes it)"
+            f"`{finalize_command}` completes it)"
         )
     else:
-        state = "incomplete (parts not merged yet; `torchinstruments finalize DIR`)"
+        state = f"incomplete (parts not merged yet; `{finalize_command}`)"
     if counts is not None and "in progress" in counts:
         counts = None
     return RunFacts(directory, run, state, counts, files)

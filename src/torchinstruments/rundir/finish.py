@@ -46,6 +46,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.merge import MergeResult, merge_history
+from torchinstruments.rundir.shell import command_line
 from torchinstruments.rundir.summary import write_result
 from torchinstruments.rundir.writer import HistoryConfig
 
@@ -114,7 +115,8 @@ def finish_run(
     except (OSError, pl.exceptions.PolarsError) as error:
         found.append(
             f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
-            f"the parts are kept: run `python -m torchinstruments finalize {directory}`"
+            "the parts are kept: run "
+            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}`"
         )
     recovered = counts is None
     if counts is None:

@@ -26,6 +26,7 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     write_text_atomic,
 )
+from torchinstruments.rundir.shell import code_span, command_span
 
 RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"
 RUN_INFO_END = "<!-- torchinstruments:run-info:end -->"
@@ -96,7 +97,7 @@ def _section_run(run: RunInfo, counts: RunCounts | None, recovered: bool) -> lis
     lines = [
         "## Run",
         "",
-        f"- output_dir: `{Path(run.output_dir).as_posix()}`; started at {run.started_at}",
+        f"- output_dir: {code_span(Path(run.output_dir).as_posix())}; started at {run.started_at}",
         f"- torchinstruments {run.library_version}, torch {run.torch_version}",
         f"- model class: `{run.model_class}`",
         f"- selected layers ({len(run.layers)}, traversal order): {layers or 'none'}",
@@ -169,8 +170,9 @@ def _section_files(run: RunInfo) -> list[str]:
         "- `index.md`: this page. `tensorboard/`: histograms of the focus layers. `.lock`: held "
         "by the live process; `torchinstruments finalize` refuses a directory while it is held.",
         "",
-        "If the process died, `python -m torchinstruments finalize "
-        f"{Path(run.output_dir).as_posix()}` merges the completed parts and writes result.json "
+        "If the process died, "
+        + command_span("python", "-m", "torchinstruments", "finalize", run.output_dir)
+        + " merges the completed parts and writes result.json "
         "and index.md; counts are then lower bounds (root forwards = max forward_index + 1).",
         "",
     ]
@@ -356,9 +358,11 @@ else:
         "## Ready Polars queries",
         "",
         "Each block runs as is, on a finished run (history.parquet) and on a live or crashed one "
-        f"(its completed parts). From a shell: `torchinstruments show {root}` (latest values "
-        "and window means), `torchinstruments compare DIR_A DIR_B`, `torchinstruments plot "
-        f"{root}`.",
+        "(its completed parts). From a shell: "
+        + command_span("torchinstruments", "show", run.output_dir)
+        + " (latest values and window means), `torchinstruments compare DIR_A DIR_B`, "
+        + command_span("torchinstruments", "plot", run.output_dir)
+        + ".",
         "",
     ]
     for title, code in blocks:

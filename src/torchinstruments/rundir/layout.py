@@ -22,6 +22,8 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.rundir.shell import command_line
+
 PARTS_DIR = "history.parts"
 HISTORY_FILE = "history.parquet"
 RESULT_FILE = "result.json"
@@ -92,7 +94,8 @@ def check_output_dir(path: Path) -> None:
         raise FileExistsError(
             f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). Pass a new "
             "output_dir, or move or delete the old run; if that run was interrupted, "
-            f"`python -m torchinstruments finalize {path}` completes it first."
+            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', path)}` completes "
+            "it first."
         )
 
 

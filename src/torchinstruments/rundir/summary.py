@@ -44,6 +44,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
     write_text_atomic,
 )
+from torchinstruments.rundir.shell import command_line
 
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path")
 SERIES_KEY = (*TENSOR_KEY, "metric")
@@ -331,7 +332,8 @@ def write_result(
     if not history.exists():
         raise FileNotFoundError(
             f"{history} does not exist, so result.json cannot be summarised; run "
-            f"`python -m torchinstruments finalize {directory}` to merge history.parts/ first"
+            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}` to "
+            "merge history.parts/ first"
         )
     _dump(directory, summarize(history, layers, window, layer_samples))
 

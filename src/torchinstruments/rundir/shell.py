@@ -1,0 +1,42 @@
+"""Command lines the library prints (index.md, CLI messages, warnings), safe to paste into a shell.
+
+Design decision: every printed command that names a path is built here, with `shlex.quote` on
+each word, so a run directory called `runs/exp [lr=0.1]` or `run"; $(touch x)` is one argument
+that names exactly that directory and nothing in it runs. In Markdown the command goes into a
+code span whose backtick fence is longer than any backtick run inside it (CommonMark), so a
+backtick in a path cannot end the span early. POSIX shells only (bash, zsh, sh); the cost is
+that plain paths with a space now print with quotes around them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+
+def command_line(*words: str | os.PathLike[str]) -> str:
+    """`words` joined into one POSIX shell command line, each word quoted where it needs it.
+
+    Example:
+        >>> command_line("torchinstruments", "show", "runs/exp [lr=0.1]")
+        "torchinstruments show 'runs/exp [lr=0.1]'"
+    """
+    return shlex.join(os.fspath(word) for word in words)
+
+
+def code_span(text: str) -> str:
+    """`text` as one Markdown inline code span, whatever backticks it holds."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    if longest or text.startswith(" ") or text.endswith(" "):
+        return f"{fence} {text} {fence}"  # CommonMark strips one space on each side
+    return f"{fence}{text}{fence}"
+
+
+def command_span(*words: str | os.PathLike[str]) -> str:
+    """`command_line(*words)` as a Markdown code span (for index.md)."""
+    return code_span(command_line(*words))
+
+
+__all__ = ["code_span", "command_line", "command_span"]

@@ -12,7 +12,11 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, remove_observer
-from torchinstruments.capture import called_through_module_call, is_tracing, queue_at_backward_end
+from torchinstruments._torch_internals import (
+    called_through_module_call,
+    is_tracing,
+    queue_at_backward_end,
+)
 
 from conftest import mlp, observe, read_history, values
 
@@ -368,7 +372,7 @@ def test_direct_forward_detection_works_without_wrapts_c_extension(tmp_path: Pat
     assert set(history["layer"]) == {"0", "1"}
 
 
-# --- the private torch internals, one test each (capture.py keeps them in one place) -----------
+# --- the private torch internals, one test each (_torch_internals.py keeps them) -----------
 
 
 def test_called_through_module_call_tells_module_call_from_direct_forward() -> None:

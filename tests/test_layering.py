@@ -17,8 +17,19 @@ import torchinstruments
 PACKAGE = Path(torchinstruments.__file__).parent
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"records", "reasons"}),
-    frozenset({"rundir", "events", "measurement", "sampling", "distributed", "capture"}),
+    frozenset({"records", "reasons", "_torch_internals", "_tensorboard_internals"}),
+    frozenset(
+        {
+            "rundir",
+            "events",
+            "measurement",
+            "sampling",
+            "distributed",
+            "capture",
+            "outputs",
+            "compilation",
+        }
+    ),
     frozenset({"sinks", "selection", "gradients", "cli"}),
     frozenset({"observer"}),
     frozenset({"api"}),

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments.capture import compile_support, compiled_from_the_top, compiled_original
+from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
 from torchinstruments.distributed import place_rank, validate_rank_policy
 from torchinstruments.measurement.reducers import Measurer, ReducerSpec
 from torchinstruments.observer import Observer

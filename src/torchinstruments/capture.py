@@ -8,8 +8,8 @@ while an instance `forward` keeps it on it.
 
 Between root forwards only the root carries a proxy; the selected layers get theirs when a
 sampled root forward starts and lose them when it ends (observer.py), so an unsampled forward
-costs one Python call at the root and nothing per layer, and compiled code (below) never meets
-a layer proxy. During a sampled forward the layer proxies are built with
+costs one Python call at the root and nothing per layer, and compiled code never meets a layer
+proxy (compilation.py). During a sampled forward the layer proxies are built with
 `enabled=<list>.__len__`: another thread's unsampled forward passing through them stays in
 wrapt's C code (about 20 ns per call here; see bench/overhead.py).
 
@@ -17,19 +17,9 @@ Removal restores the instance `__dict__` exactly: the key is deleted where there
 previous object is put back by identity where there was one, and a proxy someone else replaced or
 wrapped after injection is left in place (the observer is closed, so it is inert for good).
 
-Private torch internals: everything the interception relies on that torch does not promise (the
-caller-frame check against `nn.Module._call_impl`, fx's symbolic-tracing flag, the autograd engine's
-`queue_callback`, the switch that keeps `nn.TransformerEncoderLayer` off its fused kernel,
-dynamo's frame-evaluation switches, the OptimizedModule wrapper) lives in this module, one
-function each, so a torch upgrade that moves one of them breaks in one place.
-
-torch.compile: dynamo compiles the frames a compiled call enters. The root proxy's wrapper is
-excluded from that (`exclude_from_compilation`: its frame runs as plain Python, the frames it
-calls are still compiled), and it pauses compilation while it does its own bookkeeping, so the
-sampling decision is taken in Python at every root forward and an unsampled forward then enters
-the compiled code exactly as the plain model does. Layer proxies exist only while a sampled
-forward runs (observer.py), and a sampled forward runs with torch.compile off (`call_eagerly`):
-compiled code never sees a proxy, so it has the graphs, breaks and guards of the plain model.
+The private torch internals this relies on (the caller-frame check, tracing flags, the
+fused-path switch) live in `_torch_internals`; torch.compile's side lives in `compilation`, and
+the walk over what a forward returned in `outputs`.
 
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
 model. The proxy reduces to what was there before injection: the pre-existing instance `forward`,
@@ -39,283 +29,14 @@ method under `forward`; its behaviour is the class's).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import functools
-import os
-import sys
-import threading
-import types
-from collections.abc import Callable, Iterator, Mapping
-from types import CodeType
+from collections.abc import Callable
 from typing import Any
 
-import torch
 import wrapt
 from torch import nn
-from torch.fx import _symbolic_trace
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
-
-# Frames of nn.Module.__call__ that call `self.forward`; a proxy whose caller is not one of these
-# was called directly (`module.forward(x)`). Read from torch, not from a global registry.
-_MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
-    {nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__}
-)
-
-# wrapt's pure-Python fallback (no C extension) adds frames of its own between caller and wrapper.
-_WRAPT_DIRECTORY = os.path.dirname(wrapt.__file__)
-
-_MAX_OUTPUT_DEPTH = 16
-
-
-# --- the private torch internals interception relies on, each in one place ----------------------
-
-
-def called_through_module_call(depth: int = 2) -> bool:
-    """True when the proxy `depth` frames up (wrapt's own frames skipped) was called by
-    `nn.Module.__call__`, False for a direct `module.forward(x)`.
-
-    Relies on CPython frames (`sys._getframe`) and on the code objects of `nn.Module._call_impl`
-    and `_slow_forward`, read from torch at import.
-    """
-    frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
-        frame = frame.f_back
-    return frame is not None and frame.f_code in _MODULE_CALL_CODES
-
-
-# nn.TransformerEncoderLayer runs as one fused kernel (`torch._transformer_encoder_layer_fwd`) in
-# eval under no_grad, calling none of its submodules, unless one of its fast-path conditions fails
-# (it also checks for module hooks, which is how a hook user sees the inner layers). This integer
-# attribute (1 relu, 2 gelu, 0 other activation) is one of those conditions, read only by that
-# check and by the fused call; the layer-by-layer path uses `self.activation` instead.
-_FUSED_SWITCH = "activation_relu_or_gelu"
-
-
-def has_fused_fast_path(module: nn.Module) -> bool:
-    """True for a module that may skip its submodules with a fused kernel in eval."""
-    return isinstance(module, nn.TransformerEncoderLayer) and isinstance(
-        module.__dict__.get(_FUSED_SWITCH), int
-    )
-
-
-@contextlib.contextmanager
-def layer_by_layer(module: nn.Module) -> Iterator[None]:
-    """Run `module` (see `has_fused_fast_path`) on its layer-by-layer path for this call only.
-
-    The layer then computes exactly what it computes with a hook attached, and its submodules'
-    forwards run. Only the layer's own fused kernel is avoided: nn.MultiheadAttention inside keeps
-    its own fast path, and nn.TransformerEncoder still packs padded batches as nested tensors.
-    The switch is an attribute of the module, set for the duration of this call: another thread
-    running the same module object at that moment also takes the layer-by-layer path (the same
-    values up to floating-point rounding). It is restored even if the forward raises.
-    """
-    saved = module.__dict__[_FUSED_SWITCH]
-    module.__dict__[_FUSED_SWITCH] = 0
-    try:
-        yield
-    finally:
-        module.__dict__[_FUSED_SWITCH] = saved
-
-
-# torch.fx symbolic tracing; `is_fx_tracing` (older torch) also logs a warning in newer releases.
-_is_fx_tracing: Callable[[], bool] = getattr(
-    _symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing
-)
-
-
-def is_tracing() -> bool:
-    """True while torch.jit.trace, torch.compile or torch.fx is tracing the model.
-
-    Such a call is not a training step: it passes through untouched, so no measurement op ends
-    up in a traced program and nothing is counted.
-    """
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or _is_fx_tracing()
-
-
-def queue_at_backward_end(callback: Callable[[], None]) -> bool:
-    """Run `callback` when the autograd engine finishes the backward pass now running.
-
-    Uses the engine's private `queue_callback`; returns False (queuing nothing) when no backward
-    pass is running or the engine refuses, so the caller can run the work itself.
-    """
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
-    except Exception:
-        return False
-    return True
-
-
-# --- torch.compile: dynamo's frame-evaluation switches, from torch._C (no torch._dynamo import) ----
-
-try:
-    from torch._C._dynamo import eval_frame as _eval_frame
-except ImportError:  # pragma: no cover - a torch built without dynamo
-    _eval_frame = None
-
-
-def compile_support() -> bool:
-    """Whether this torch can exclude one frame from compilation while compiling its callees."""
-    return _eval_frame is not None and hasattr(_eval_frame, "set_code_exec_strategy")
-
-
-def exclude_from_compilation(function: Callable[..., Any]) -> None:
-    """Make dynamo run `function`'s frames as plain Python and still compile what they call.
-
-    Marks the code object (`set_code_exec_strategy(SKIP, DEFAULT)`, what
-    `torch.compiler.disable(recursive=False)` does for the frame it wraps) without importing
-    torch._dynamo, which takes seconds; a no-op where this torch lacks it (see compile_support).
-    """
-    if compile_support():
-        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
-            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
-            _eval_frame._FrameAction.DEFAULT,  # type: ignore[union-attr]
-        )
-        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
-
-
-def _no_callback(*_: Any) -> None:
-    return None
-
-
-# C callables on purpose: a Python helper called by the root wrapper before compilation is paused
-# would be a frame for dynamo to compile. `pause_compilation()` stops dynamo from compiling the
-# frames this thread enters and returns its callback; `resume_compilation(callback)` puts it back.
-pause_compilation: Callable[[], Any] = (
-    functools.partial(_eval_frame.set_eval_frame, None) if _eval_frame is not None else _no_callback
-)
-resume_compilation: Callable[[Any], Any] = (
-    _eval_frame.set_eval_frame if _eval_frame is not None else _no_callback
-)
-
-
-class _ForceEager:
-    """`set_stance("force_eager")`, held while at least one sampled forward runs in the process.
-
-    The stance is process-wide and `set_stance` restores the stance it found when it was entered,
-    so two threads entering and leaving it in crossed order would leave it on for good. The
-    first sampled forward to start sets it and the last to end restores it, under one lock.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._context: Any = None
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                context = torch.compiler.set_stance("force_eager")
-                context.__enter__()
-                self._context = context
-            self._holders += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0 and self._context is not None:
-                context, self._context = self._context, None
-                context.__exit__(None, None, None)
-
-
-# The one piece of process-wide state here: it mirrors torch's own process-wide stance.
-_FORCE_EAGER = _ForceEager()
-
-
-def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call `function` with torch.compile off, compiled modules nested inside included.
-
-    `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
-    process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
-    call as a compiled frame, so that skipping compilation on purpose is not reported as "no
-    compiled frames". Without torch._dynamo imported nothing can be compiled, and the call is a
-    plain one.
-    """
-    paused = pause_compilation()
-    try:
-        if "torch._dynamo" not in sys.modules:
-            return function(*args, **kwargs)
-        _FORCE_EAGER.enter()
-        try:
-            result = function(*args, **kwargs)
-        finally:
-            _FORCE_EAGER.exit()
-        count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
-        if count_frames is not None:
-            count = count_frames(-1)
-            count_frames(count + 1 if count >= 0 else count)
-        return result
-    finally:
-        resume_compilation(paused)
-
-
-def _call_forward(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Template of `forward_caller`: the frame dynamo compiles for an unsampled root forward."""
-    return forward(*args, **kwargs)
-
-
-def forward_caller() -> Callable[[Callable[..., Any], tuple, dict], Any]:
-    """A function calling `forward(*args, **kwargs)` through a frame of its own code object.
-
-    The root wrapper is never compiled, so the frame it calls is where dynamo starts. The class's
-    forward cannot be that frame when it lives in torch (`nn.Sequential.forward`): dynamo never
-    starts compiling inside torch.nn, and would run it eagerly. This frame is compiled instead,
-    with the forward inlined into it, as torch.compile's own wrapper does. Each observer gets a
-    fresh code object, so dynamo's per-code cache (and its recompile limit) is not shared
-    between observed models.
-    """
-    code = _call_forward.__code__
-    code = code.replace(co_varnames=code.co_varnames)  # a new code object, same bytecode
-    return types.FunctionType(code, _call_forward.__globals__, "observed_forward")
-
-
-def compiled_original(module: nn.Module) -> nn.Module | None:
-    """The module a `torch.compile(module)` wrapper (OptimizedModule) compiles, else None."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(eval_frame, "OptimizedModule", None)
-    if optimized is not None and isinstance(module, optimized):
-        return module._orig_mod
-    return None
-
-
-def compiled_from_the_top(model: nn.Module) -> bool:
-    """True when `model.compile()` ran on a module whose forward lives in torch (nn.Sequential).
-
-    torch.compile then wraps `nn.Module._call_impl` so that dynamo traces it from the top (it never
-    starts compiling inside torch.nn), into whatever instance `forward` the module gets later:
-    a root proxy installed after that is a graph break. Read from dynamo's trace rules, loaded
-    whenever something was compiled.
-    """
-    if model.__dict__.get("_compiled_call_impl") is None:
-        return False
-    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
-    check = getattr(trace_rules, "check", None)
-    return check is not None and bool(check(type(model).forward))
-
-
-def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """`named_modules()` as if nothing were compiled.
-
-    A `torch.compile(module)` wrapper is looked through and the module it wraps takes its name
-    (`blocks.0.fc`, not `blocks.0._orig_mod.fc`), so layer names are those of the eager model.
-    """
-    seen: set[int] = set()
-
-    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-        inner = compiled_original(module)
-        while inner is not None:
-            module, inner = inner, compiled_original(inner)
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        yield prefix, module
-        for name, child in module._modules.items():
-            if child is not None:
-                yield from walk(child, f"{prefix}.{name}" if prefix else name)
-
-    yield from walk(model, "")
 
 
 class ForwardProxy(wrapt.FunctionWrapper):
@@ -400,43 +121,3 @@ def restore_proxy(module: nn.Module, owner: object) -> bool:
             return True
         holder, current = current, current.__wrapped__
     return False
-
-
-def iter_tensors(output: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(tensor_path, tensor)` for every tensor inside a forward's output.
-
-    Walks tuples and lists (`[0]`), mappings (`['key']`), namedtuples and dataclasses (`.field`);
-    any other object is passed over untouched. Each object is visited once, so cycles and
-    repeated references are safe; a tensor reachable twice is measured at its first path.
-    """
-    yield from _walk(output, "", set(), 0)
-
-
-def _walk(obj: Any, path: str, seen: set[int], depth: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Depth-first walk behind `iter_tensors`."""
-    if id(obj) in seen or depth > _MAX_OUTPUT_DEPTH:
-        return
-    if isinstance(obj, torch.Tensor):
-        seen.add(id(obj))
-        yield path, obj
-        return
-    if isinstance(obj, str | bytes | int | float | bool) or obj is None:
-        return
-    if isinstance(obj, Mapping):
-        seen.add(id(obj))
-        for key, value in obj.items():
-            yield from _walk(value, f"{path}[{key!r}]", seen, depth + 1)
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        seen.add(id(obj))
-        for name, value in zip(obj._fields, obj, strict=False):
-            yield from _walk(value, f"{path}.{name}", seen, depth + 1)
-    elif isinstance(obj, tuple | list):
-        seen.add(id(obj))
-        for index, value in enumerate(obj):
-            yield from _walk(value, f"{path}[{index}]", seen, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        seen.add(id(obj))
-        for field in dataclasses.fields(obj):
-            yield from _walk(
-                getattr(obj, field.name, None), f"{path}.{field.name}", seen, depth + 1
-            )

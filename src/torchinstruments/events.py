@@ -14,10 +14,9 @@ Measured with `uv run bench/event_writer.py` (the MLP of `bench/sampled.py`, 16 
 step): the writer thread's CPU time per step goes from 5.0 to 5.5 ms (one event per histogram)
 to 4.0 to 4.4 ms (one per record) and 1.5 ms (with `Crc32c`).
 
-Cost: handing the checksum over reaches four private names of TensorBoard's async writer
-(`event_writer._async_writer`, its `_writer` and `_worker`, the worker's `_record_writer`). Where
-they are missing (another TensorBoard version) or NumPy is, the writer keeps its own checksum:
-slower, never wrong. TensorBoard's reader verifies every checksum it reads, and the tests read
+Cost: handing the checksum over reaches private names of TensorBoard's async writer (kept in
+`_tensorboard_internals.replace_record_framing`). Where they are missing (another TensorBoard
+version) or NumPy is, the writer keeps its own checksum: slower, never wrong. TensorBoard's reader verifies every checksum it reads, and the tests read
 every event file back with it; `tests/test_tensorboard.py` also pins that the hand-over happens.
 """
 
@@ -31,6 +30,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard.summary import histogram_raw
 from torch.utils.tensorboard.writer import FileWriter
 
+from torchinstruments._tensorboard_internals import replace_record_framing
 from torchinstruments.records import HistogramRecord
 
 if TYPE_CHECKING:
@@ -137,9 +137,7 @@ class EventFile:
 
     def __init__(self, log_dir: str, flush_seconds: float) -> None:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
-        self.fast_checksum = np is not None and _hand_over_checksum(
-            self._writer.event_writer, Crc32c()
-        )
+        self.fast_checksum = np is not None and _hand_over_checksum(self._writer, Crc32c())
 
     def add_histograms(self, histograms: Sequence[HistogramRecord]) -> None:
         """One event per sample_id, holding each histogram as one value under its tag."""
@@ -162,25 +160,9 @@ class EventFile:
         self._writer.close()
 
 
-def _hand_over_checksum(event_writer: Any, checksum: Crc32c) -> bool:
-    """Replaces the framing of `event_writer`'s records by one with `checksum`, on the same file.
-
-    Returns whether it did: False where TensorBoard's async writer does not have the known shape.
-    The worker thread reads its record writer afresh for every record, and both framings write
-    to the same file object, so a record in flight is finished by the old one, correctly.
-    """
-    async_writer = getattr(event_writer, "_async_writer", None)
-    worker = getattr(async_writer, "_worker", None)
-    records = getattr(async_writer, "_writer", None)
-    file = getattr(records, "_writer", None)
-    if (
-        async_writer is None
-        or file is None
-        or not isinstance(records, RecordWriter)
-        or getattr(worker, "_record_writer", None) is not records
-    ):
-        return False
-    replacement = _ChecksummedRecords(file, checksum)
-    async_writer._writer = replacement
-    worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
-    return True
+def _hand_over_checksum(writer: FileWriter, checksum: Crc32c) -> bool:
+    """Frames `writer`'s records with `checksum`, on the same file; False where TensorBoard's
+    writer does not have the known shape (`_tensorboard_internals.replace_record_framing`)."""
+    return replace_record_framing(
+        writer.event_writer, lambda file: _ChecksummedRecords(file, checksum)
+    )

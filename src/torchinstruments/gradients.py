@@ -3,7 +3,7 @@
 Design decision: the only hook the library uses is `Tensor.register_hook` on each sampled output
 that requires grad. The hook launches the gradient's reductions on its device as the gradient
 arrives (it never alters the gradient: it returns None), and the first hook of a backward pass
-queues one autograd-engine callback (`capture.queue_at_backward_end`) that transfers all of that
+queues one autograd-engine callback (`_torch_internals.queue_at_backward_end`) that transfers all of that
 pass's results at once when the pass ends. Outside a running backward pass (a hook fired by
 `torch.autograd.grad` on a finished engine, say), the results are transferred at once.
 
@@ -36,10 +36,9 @@ from dataclasses import replace
 
 import torch
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from torchinstruments import reasons
-from torchinstruments.capture import queue_at_backward_end
+from torchinstruments._torch_internals import WeakIdKeyDictionary, queue_at_backward_end
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
     PendingTensor,

@@ -20,7 +20,7 @@ A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_o
 Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
 calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a
 sampled forward (of this thread) it switches that one call to the layer-by-layer path PyTorch
-takes when a hook is attached (`capture.layer_by_layer`), so the layers inside run and are
+takes when a hook is attached (`_torch_internals.layer_by_layer`), so the layers inside run and are
 measured, and the result is what a hook user gets. Unsampled forwards never meet
 the guard (it is installed with the layer proxies, per sampled forward) and keep the fused
 kernel, bit-identical to the unobserved model.
@@ -31,10 +31,10 @@ that never ran in one. A layer `forward` replaced between forwards is still obse
 goes on top of the replacement for each sampled forward); one replaced during a sampled forward
 keeps the proxy inside it, and that is warned about when the forward ends.
 
-torch.compile: `on_root_call` is never compiled (capture.exclude_from_compilation) and decides
+torch.compile: `on_root_call` is never compiled (compilation.exclude_from_compilation) and decides
 with compilation paused; an unsampled forward then calls the compiled forward as the plain model
 would, so it runs the same graphs with the same guards (no layer proxy is installed then). A
-sampled forward runs eagerly (capture.call_eagerly): the same rows as an eager run, at the cost
+sampled forward runs eagerly (compilation.call_eagerly): the same rows as an eager run, at the cost
 of one eager step, and its outputs are eager numerics. Compiled code is never traced with a
 proxy in it, so alternating sampled and unsampled steps never recompiles.
 
@@ -58,23 +58,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments.capture import (
-    call_eagerly,
+from torchinstruments._torch_internals import (
     called_through_module_call,
+    has_fused_fast_path,
+    is_tracing,
+    layer_by_layer,
+)
+from torchinstruments.capture import install_proxy, restore_proxy
+from torchinstruments.compilation import (
+    call_eagerly,
     exclude_from_compilation,
     forward_caller,
-    has_fused_fast_path,
-    install_proxy,
-    is_tracing,
-    iter_tensors,
-    layer_by_layer,
     pause_compilation,
-    restore_proxy,
     resume_compilation,
 )
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
+from torchinstruments.outputs import iter_tensors
 from torchinstruments.records import OUTPUT, LayerInfo, RunCounts, SampleRecord, TensorKey
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks import SinkGroup

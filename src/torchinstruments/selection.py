@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from torchinstruments.capture import named_modules_uncompiled
+from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
 
 Selector = Callable[[str, nn.Module], bool]

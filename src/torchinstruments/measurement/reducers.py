@@ -38,6 +38,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from torchinstruments import reasons
+from torchinstruments._torch_internals import tensor_version
 from torchinstruments.measurement import numerics, tensors
 from torchinstruments.measurement.histograms import (
     DEFAULT_BINS,
@@ -476,9 +477,9 @@ class Measurer:
                     else:
                         if copy is None:
                             copy = detached.clone()
-                        version = copy._version
+                        version = tensor_version(copy)
                         part, block = _call_reducer(reducer, copy, offset)
-                        if copy._version != version:
+                        if tensor_version(copy) != version:
                             part, block = self._modified_input(reducer), None
                             copy = None  # the next reducer gets a fresh copy
                 except Exception as error:

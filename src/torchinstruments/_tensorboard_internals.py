@@ -1,0 +1,44 @@
+"""Every private TensorBoard internal the library relies on, one adapter each.
+
+TensorBoard does not promise any of these; an upgrade that moves one breaks here and nowhere else,
+and each adapter falls back to TensorBoard's own behaviour (slower, never wrong) where the shape
+it expects is missing. Checked on tensorboard 2.21.0 (with torch 2.15.0's `FileWriter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+__all__ = ["replace_record_framing"]
+
+
+def replace_record_framing(event_writer: Any, framing: Callable[[Any], RecordWriter]) -> bool:
+    """Replace the record framing of `event_writer`'s writer thread by `framing(file)`.
+
+    Why: TensorBoard frames each record with a CRC-32C computed in pure Python, on the writer
+    thread, holding the GIL; `events.Crc32c` computes the same checksum in NumPy. Reaches four
+    private names of TensorBoard's async writer (`EventFileWriter._async_writer`, its `_writer`
+    and `_worker`, the worker's `_record_writer`) and the record writer's `_writer` (the file).
+
+    Returns whether it did: False, changing nothing, where the async writer does not have the
+    known shape. The worker thread reads its record writer afresh for every record, and both
+    framings write to the same file object, so a record in flight is finished by the old one.
+    """
+    async_writer = getattr(event_writer, "_async_writer", None)
+    worker = getattr(async_writer, "_worker", None)
+    records = getattr(async_writer, "_writer", None)
+    file = getattr(records, "_writer", None)
+    if (
+        async_writer is None
+        or file is None
+        or not isinstance(records, RecordWriter)
+        or getattr(worker, "_record_writer", None) is not records
+    ):
+        return False
+    replacement = framing(file)
+    async_writer._writer = replacement
+    worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
+    return True

@@ -1,0 +1,266 @@
+"""Every private torch (and CPython) internal the library relies on, one adapter each.
+
+torch does not promise any of these; a torch upgrade that moves one breaks here and nowhere else.
+Each adapter says why it is needed and the torch version it was checked on. Nothing outside this
+module (and `_tensorboard_internals` for TensorBoard) reads a private name of another library:
+`tests/test_internals.py` fails on any `torch._*`, `._C.` or `._name` of another library
+elsewhere in src.
+
+Checked on torch 2.15.0 (CPython 3.11 to 3.13); the smoke subset of `.ci/run` runs the oldest
+torch pyproject allows (see README, "Supported versions"), where the adapters marked "guarded"
+degrade as their docstrings say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import CodeType
+from typing import Any
+
+import torch
+import wrapt
+from torch import nn
+from torch.fx import _symbolic_trace
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "WeakIdKeyDictionary",
+    "called_through_module_call",
+    "child_modules",
+    "compile_support",
+    "compiled_call_impl_installed",
+    "dynamo_imported",
+    "dynamo_skips",
+    "exclude_from_compilation",
+    "has_fused_fast_path",
+    "is_tracing",
+    "layer_by_layer",
+    "optimized_module_original",
+    "pause_compilation",
+    "queue_at_backward_end",
+    "resume_compilation",
+    "set_fullgraph_frame_count",
+    "tensor_version",
+]
+
+# torch.utils.weak.WeakIdKeyDictionary (undocumented module, checked on 2.15.0, present since
+# 2.0): a weak dictionary keyed by identity; a plain WeakKeyDictionary compares tensors with ==.
+
+# --- nn.Module.__call__: which frames call `self.forward` ---------------------------------------
+
+# Frames of nn.Module.__call__ that call `self.forward`; a proxy whose caller is not one of these
+# was called directly (`module.forward(x)`). Read from torch, not from a global registry.
+# Why: tells `model(x)` from `model.forward(x)`. Checked on torch 2.15.0.
+_MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
+    {nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__}
+)
+
+# wrapt's pure-Python fallback (no C extension) adds frames of its own between caller and wrapper.
+_WRAPT_DIRECTORY = os.path.dirname(wrapt.__file__)
+
+
+def called_through_module_call(depth: int = 2) -> bool:
+    """True when the proxy `depth` frames up (wrapt's own frames skipped) was called by
+    `nn.Module.__call__`, False for a direct `module.forward(x)`.
+
+    Relies on CPython frames (`sys._getframe`) and on the code objects of `nn.Module._call_impl`
+    and `_slow_forward`, read from torch at import. Checked on torch 2.15.0.
+    """
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
+        frame = frame.f_back
+    return frame is not None and frame.f_code in _MODULE_CALL_CODES
+
+
+def child_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`(name, child)` for each direct child, read from `module._modules` as torch stores them.
+
+    Why: `named_children()` skips a child registered twice and goes through `__getattr__`, which a
+    compiled wrapper (OptimizedModule) forwards; walking the dict is what `named_modules()` does
+    itself. Checked on torch 2.15.0.
+    """
+    for name, child in module._modules.items():
+        if child is not None:
+            yield name, child
+
+
+# --- nn.TransformerEncoderLayer's fused fast path -----------------------------------------------
+
+# nn.TransformerEncoderLayer runs as one fused kernel in eval under no_grad, calling none of its
+# submodules, unless one of its fast-path conditions fails (it also checks for module hooks, which
+# is how a hook user sees the inner layers). This integer attribute (1 relu, 2 gelu, 0 other
+# activation) is one of those conditions, read only by that check and by the fused call; the
+# layer-by-layer path uses `self.activation` instead. Checked on torch 2.15.0.
+_FUSED_SWITCH = "activation_relu_or_gelu"
+
+
+def has_fused_fast_path(module: nn.Module) -> bool:
+    """True for a module that may skip its submodules with a fused kernel in eval."""
+    return isinstance(module, nn.TransformerEncoderLayer) and isinstance(
+        module.__dict__.get(_FUSED_SWITCH), int
+    )
+
+
+@contextlib.contextmanager
+def layer_by_layer(module: nn.Module) -> Iterator[None]:
+    """Run `module` (see `has_fused_fast_path`) on its layer-by-layer path for this call only.
+
+    The layer then computes exactly what it computes with a hook attached, and its submodules'
+    forwards run. Only the layer's own fused kernel is avoided: nn.MultiheadAttention inside keeps
+    its own fast path, and nn.TransformerEncoder still packs padded batches as nested tensors.
+    The switch is an attribute of the module, set for the duration of this call: another thread
+    running the same module object at that moment also takes the layer-by-layer path (the same
+    values up to floating-point rounding). It is restored even if the forward raises.
+    """
+    saved = module.__dict__[_FUSED_SWITCH]
+    module.__dict__[_FUSED_SWITCH] = 0
+    try:
+        yield
+    finally:
+        module.__dict__[_FUSED_SWITCH] = saved
+
+
+# --- tracing flags and the autograd engine -------------------------------------------------------
+
+# torch.fx symbolic tracing; `is_fx_tracing` (older torch) also logs a warning in newer releases.
+# Why: a traced call is not a training step. Checked on torch 2.15.0 (`is_fx_symbolic_tracing`).
+_is_fx_tracing: Callable[[], bool] = getattr(
+    _symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing
+)
+
+
+def is_tracing() -> bool:
+    """True while torch.jit.trace, torch.compile or torch.fx is tracing the model.
+
+    Such a call is not a training step: it passes through untouched, so no measurement op ends
+    up in a traced program and nothing is counted.
+    """
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or _is_fx_tracing()
+
+
+def queue_at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run `callback` when the autograd engine finishes the backward pass now running.
+
+    Uses the engine's private `queue_callback` (why: one host transfer per backward pass; checked
+    on torch 2.15.0); returns False (queuing nothing) when no backward pass is running or the
+    engine refuses, so the caller can run the work itself.
+    """
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except Exception:
+        return False
+    return True
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (`Tensor._version`).
+
+    Why: tells whether a custom reducer modified the tensor it was given, without comparing
+    values. Checked on torch 2.15.0.
+    """
+    return tensor._version
+
+
+# --- torch.compile: dynamo's frame-evaluation switches, from torch._C (no torch._dynamo import) ----
+
+try:
+    from torch._C._dynamo import eval_frame as _eval_frame
+except ImportError:  # pragma: no cover - a torch built without dynamo
+    _eval_frame = None
+
+
+def compile_support() -> bool:
+    """Whether this torch can exclude one frame from compilation while compiling its callees.
+
+    Checked on torch 2.15.0 (`torch._C._dynamo.eval_frame.set_code_exec_strategy`).
+    """
+    return _eval_frame is not None and hasattr(_eval_frame, "set_code_exec_strategy")
+
+
+def exclude_from_compilation(function: Callable[..., Any]) -> None:
+    """Make dynamo run `function`'s frames as plain Python and still compile what they call.
+
+    Marks the code object (`set_code_exec_strategy(SKIP, DEFAULT)`, what
+    `torch.compiler.disable(recursive=False)` does for the frame it wraps) without importing
+    torch._dynamo, which takes seconds; a no-op where this torch lacks it (see compile_support).
+    """
+    if compile_support():
+        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+            _eval_frame._FrameAction.DEFAULT,  # type: ignore[union-attr]
+        )
+        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+
+
+def _no_callback(*_: Any) -> None:
+    return None
+
+
+# C callables on purpose: a Python helper called by the root wrapper before compilation is paused
+# would be a frame for dynamo to compile. `pause_compilation()` stops dynamo from compiling the
+# frames this thread enters and returns its callback; `resume_compilation(callback)` puts it back.
+# Checked on torch 2.15.0 (`torch._C._dynamo.eval_frame.set_eval_frame`).
+pause_compilation: Callable[[], Any] = (
+    functools.partial(_eval_frame.set_eval_frame, None) if _eval_frame is not None else _no_callback
+)
+resume_compilation: Callable[[Any], Any] = (
+    _eval_frame.set_eval_frame if _eval_frame is not None else _no_callback
+)
+
+
+def set_fullgraph_frame_count(adjust: Callable[[int], int]) -> None:
+    """Replace dynamo's count of compiled frames under `fullgraph=True` by `adjust(count)`.
+
+    Why: an eager call inside a `fullgraph=True` caller must count as a compiled frame, or dynamo
+    reports "no compiled frames". A no-op where this torch lacks the counter. Checked on 2.15.0.
+    """
+    count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if count_frames is not None:
+        count = count_frames(-1)
+        count_frames(adjust(count))
+
+
+def dynamo_imported() -> bool:
+    """Whether torch._dynamo was imported (nothing can have been compiled before that).
+
+    Why: importing it takes seconds, so the library only ever looks it up. Checked on 2.15.0.
+    """
+    return "torch._dynamo" in sys.modules
+
+
+def optimized_module_original(module: nn.Module) -> nn.Module | None:
+    """The module a `torch.compile(module)` wrapper (OptimizedModule) compiles, else None.
+
+    Why: layer names and the model class are those of the eager model. Reads
+    `torch._dynamo.eval_frame.OptimizedModule` and its `_orig_mod`; checked on torch 2.15.0.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return module._orig_mod
+    return None
+
+
+def compiled_call_impl_installed(model: nn.Module) -> bool:
+    """Whether `model.compile()` ran on `model` (it sets the instance's `_compiled_call_impl`).
+
+    Checked on torch 2.15.0.
+    """
+    return model.__dict__.get("_compiled_call_impl") is not None
+
+
+def dynamo_skips(function: Callable[..., Any]) -> bool | None:
+    """Whether dynamo's trace rules skip `function` (dynamo never starts compiling there).
+
+    None when `torch._dynamo.trace_rules` is not loaded (it is whenever something was compiled).
+    Checked on torch 2.15.0 (`trace_rules.check`).
+    """
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    check = getattr(trace_rules, "check", None)
+    if check is None:
+        return None
+    return bool(check(function))

@@ -1,0 +1,172 @@
+"""torch.compile: what the observer does so that compiled code never meets its bookkeeping.
+
+Dynamo compiles the frames a compiled call enters. The root proxy's wrapper is excluded from that
+(`exclude_from_compilation`: its frame runs as plain Python, the frames it calls are still
+compiled), and it pauses compilation while it does its own bookkeeping, so the sampling decision
+is taken in Python at every root forward and an unsampled forward then enters the compiled code
+exactly as the plain model does. Layer proxies exist only while a sampled forward runs
+(observer.py), and a sampled forward runs with torch.compile off (`call_eagerly`): compiled code
+never sees a proxy, so it has the graphs, breaks and guards of the plain model.
+
+Compiled-module naming: a `torch.compile(module)` wrapper is looked through, so layer names and
+the model class are those of the eager model (`named_modules_uncompiled`, `compiled_original`).
+
+The dynamo switches themselves are private torch internals and live in `_torch_internals`.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchinstruments._torch_internals import (
+    child_modules,
+    compile_support,
+    compiled_call_impl_installed,
+    dynamo_imported,
+    dynamo_skips,
+    exclude_from_compilation,
+    optimized_module_original,
+    pause_compilation,
+    resume_compilation,
+    set_fullgraph_frame_count,
+)
+
+__all__ = [
+    "call_eagerly",
+    "compile_support",
+    "compiled_from_the_top",
+    "compiled_original",
+    "exclude_from_compilation",
+    "forward_caller",
+    "named_modules_uncompiled",
+    "pause_compilation",
+    "resume_compilation",
+]
+
+
+class _ForceEager:
+    """`set_stance("force_eager")`, held while at least one sampled forward runs in the process.
+
+    The stance is process-wide and `set_stance` restores the stance it found when it was entered,
+    so two threads entering and leaving it in crossed order would leave it on for good. The
+    first sampled forward to start sets it and the last to end restores it, under one lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._context: Any = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                context = torch.compiler.set_stance("force_eager")
+                context.__enter__()
+                self._context = context
+            self._holders += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._context is not None:
+                context, self._context = self._context, None
+                context.__exit__(None, None, None)
+
+
+# The one piece of process-wide state here: it mirrors torch's own process-wide stance.
+_FORCE_EAGER = _ForceEager()
+
+
+def _one_more_frame(count: int) -> int:
+    """dynamo's compiled-frame count with this eager call counted (a negative count is kept)."""
+    return count + 1 if count >= 0 else count
+
+
+def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `function` with torch.compile off, compiled modules nested inside included.
+
+    `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
+    process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
+    call as a compiled frame, so that skipping compilation on purpose is not reported as "no
+    compiled frames". Without torch._dynamo imported nothing can be compiled, and the call is a
+    plain one.
+    """
+    paused = pause_compilation()
+    try:
+        if not dynamo_imported():
+            return function(*args, **kwargs)
+        _FORCE_EAGER.enter()
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            _FORCE_EAGER.exit()
+        set_fullgraph_frame_count(_one_more_frame)
+        return result
+    finally:
+        resume_compilation(paused)
+
+
+def _call_forward(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Template of `forward_caller`: the frame dynamo compiles for an unsampled root forward."""
+    return forward(*args, **kwargs)
+
+
+def forward_caller() -> Callable[[Callable[..., Any], tuple, dict], Any]:
+    """A function calling `forward(*args, **kwargs)` through a frame of its own code object.
+
+    The root wrapper is never compiled, so the frame it calls is where dynamo starts. The class's
+    forward cannot be that frame when it lives in torch (`nn.Sequential.forward`): dynamo never
+    starts compiling inside torch.nn, and would run it eagerly. This frame is compiled instead,
+    with the forward inlined into it, as torch.compile's own wrapper does. Each observer gets a
+    fresh code object, so dynamo's per-code cache (and its recompile limit) is not shared
+    between observed models.
+    """
+    code = _call_forward.__code__
+    code = code.replace(co_varnames=code.co_varnames)  # a new code object, same bytecode
+    return types.FunctionType(code, _call_forward.__globals__, "observed_forward")
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module a `torch.compile(module)` wrapper (OptimizedModule) compiles, else None."""
+    return optimized_module_original(module)
+
+
+def compiled_from_the_top(model: nn.Module) -> bool:
+    """True when `model.compile()` ran on a module whose forward lives in torch (nn.Sequential).
+
+    torch.compile then wraps `nn.Module._call_impl` so that dynamo traces it from the top (it never
+    starts compiling inside torch.nn), into whatever instance `forward` the module gets later:
+    a root proxy installed after that is a graph break. Read from dynamo's trace rules, loaded
+    whenever something was compiled.
+    """
+    if not compiled_call_impl_installed(model):
+        return False
+    return bool(dynamo_skips(type(model).forward))
+
+
+def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`named_modules()` as if nothing were compiled.
+
+    A `torch.compile(module)` wrapper is looked through and the module it wraps takes its name
+    (`blocks.0.fc`, not `blocks.0._orig_mod.fc`), so layer names are those of the eager model.
+    """
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        inner = compiled_original(module)
+        while inner is not None:
+            module, inner = inner, compiled_original(inner)
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield prefix, module
+        for name, child in child_modules(module):
+            yield from walk(child, f"{prefix}.{name}" if prefix else name)
+
+    yield from walk(model, "")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchinstruments import forks
 from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
 from torchinstruments.distributed import place_rank, validate_rank_policy
 from torchinstruments.measurement.reducers import Measurer, ReducerSpec
@@ -130,6 +131,13 @@ def inject_observer(
         capture_direct_forwards=capture_direct_forwards,
         sinks=sinks,
     )
+    if forks.forked_from_a_run():
+        raise RuntimeError(
+            "inject_observer: this process was forked from a process with a live "
+            "torchinstruments run; Polars' thread pool and the parent's locks do not survive a "
+            "fork, so a run here could hang. Start the child with the 'spawn' or 'forkserver' "
+            "method (torch.multiprocessing.set_start_method('spawn')) and inject in it"
+        )
     if model in _OBSERVERS:
         raise RuntimeError(
             "model already has an observer; call remove_observer(model) before injecting again"
@@ -148,13 +156,18 @@ def remove_observer(model: nn.Module) -> Path | None:
 
     Flushes the history, merges `history.parts/` into `history.parquet`, writes result.json and
     index.md, and closes the directory's TensorBoard events. On a model without an observer
-    (never injected, already removed, or a rank that attached nothing) it does nothing.
+    (never injected, already removed, or a rank that attached nothing) it does nothing. In a
+    process forked from the observing one it only restores the forwards there (the run is the
+    parent's: nothing of it is touched) and returns None.
 
     Returns:
         The run directory that was finished, or None if `model` had no observer.
     """
     observer = _OBSERVERS.pop(model, None)
     if observer is None:
+        return None
+    if observer.forked:  # a forked child: the run is the parent's (forks.py)
+        observer.restore()
         return None
     if observer.finalizer is not None:
         observer.finalizer.detach()
@@ -329,4 +342,5 @@ def start_run(model: nn.Module, settings: Settings) -> Observer | None:
         capture_direct_forwards=settings.capture_direct_forwards,
     )
     observer.install(model, layers, focus)
+    forks.track(observer)
     return observer

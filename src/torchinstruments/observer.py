@@ -48,6 +48,7 @@ recorded; inject into the module your loop calls.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchinstruments import forks
 from torchinstruments._torch_internals import (
     called_through_module_call,
     has_fused_fast_path,
@@ -188,6 +190,9 @@ class Observer:
         self._count_lock = threading.Lock()
         self._sink_lock = threading.RLock()
         self.closed = False
+        # True in a process forked from the one that created this observer (see forks.py).
+        self.forked = False
+        self._parent_pid = os.getpid()
         self.root_forwards = 0
         self.samples = 0
         self._token = object()
@@ -314,9 +319,12 @@ class Observer:
 
     def _begin_root_forward(self) -> _Sample | object | None:
         """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""
+        if self.closed:
+            if self.forked:
+                self._warn_forked()
+            return _PASS_THROUGH
         if (
-            self.closed
-            or is_tracing()
+            is_tracing()
             # on_root_call, the proxy, and the proxy's caller: depth 3 from here.
             or (not self.capture_direct_forwards and not called_through_module_call(3))
         ):
@@ -343,11 +351,12 @@ class Observer:
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         finally:
-            self._restore_layers()
-            self.active.pop()
             local.depth = 0
             local.sample = None
-            self._emit_forward(sample)
+            if not self.forked:  # forked during this forward: the child records nothing
+                self._restore_layers()
+                self.active.pop()
+                self._emit_forward(sample)
 
     @property
     def current(self) -> _Sample | None:
@@ -468,8 +477,30 @@ class Observer:
             return
         self.gradients.close()
         self.closed = True
+        forks.untrack(self)
         with self._sink_lock:
             self.sinks.close(self.counts())
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: pass every call through and record nothing (see forks.py).
+
+        Takes no lock: another thread of the parent may have held any of them at the fork.
+        """
+        self.forked = True
+        self.closed = True
+        self.active.clear()  # layer proxies of a forward in progress become inert
+        self.gradients.closed = True
+
+    def _warn_forked(self) -> None:
+        """The child's first root forward: say once that this process records nothing."""
+        self.warn_once(
+            "forked",
+            f"this process (pid {os.getpid()}) was forked from the observing process (pid "
+            f"{self._parent_pid}): the model runs unobserved here, nothing this process computes "
+            f"is recorded, and the parent's run directory {self.directory} is not touched. To "
+            "observe a child process, start it with the 'spawn' or 'forkserver' method and call "
+            "inject_observer in it",
+        )
 
     def warn_once(self, key: str, message: str) -> None:
         """Report a measurement failure once per kind; training goes on."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from torchinstruments import forks
 from torchinstruments.events import EventFile, histogram_arguments
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.finish import finish_run
@@ -105,6 +106,7 @@ class DirectorySink:
     def start(self, run: RunInfo) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        forks.track(self)
         self._run = run
         write_catalog(self.directory, run.layers)
         write_index(self.directory, run, None)
@@ -115,6 +117,11 @@ class DirectorySink:
         )
         self._term = TermFlush(self._timer.flush_now)
         self._term.install()
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: drop the child's copy of the lock descriptor; nothing else of this
+        sink is used there (its threads do not exist in the child; see forks.py)."""
+        self._lock.forget()
 
     def _open_events(self) -> EventFile | None:
         """This directory's event writer; None (warned) when it cannot be created."""
@@ -232,6 +239,7 @@ class DirectorySink:
             self._timer = None
             self._term = None
             self._lock.release()
+            forks.untrack(self)
 
 
 class TensorBoardSink:

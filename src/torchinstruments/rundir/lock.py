@@ -127,6 +127,14 @@ class RunLock:
                 _unlock(fd, self._locker)
             os.close(fd)
 
+    def forget(self) -> None:
+        """Close this process's descriptor without unlocking: in a forked child, whose copy of
+        the descriptor shares the parent's lock (an unlock here would release it there)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def __enter__(self) -> RunLock:
         self.acquire()
         return self

@@ -1,0 +1,272 @@
+"""A process forked from an observing one runs the model unobserved and leaves the run alone.
+
+Real processes, each bounded by a timeout: `os.fork` in a script (the child ends through the
+normal interpreter exit, atexit handlers included), a 'fork' Hogwild pair training one shared
+model with torch.multiprocessing, and DataLoader workers started with 'fork'. Every forward is
+sampled and `buffer_rows` is tiny, so a child that still recorded would write (or hang writing)
+a part at its first sampled step. The parent's run must be complete afterwards, with exactly the
+parent's samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    HistoryConfig,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import sgd_step
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+
+CHILD_TIMEOUT_S = 60.0
+LAYERS = 3
+ROWS_PER_SAMPLE = LAYERS * 9 * 2  # default metrics x (output, output_gradient)
+# flush_seconds is long so that nothing but the parent's own appends writes a part
+CONFIG = HistoryConfig(buffer_rows=16, flush_seconds=600.0)
+
+
+def small_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def first_weight(model: nn.Sequential) -> torch.Tensor:
+    layer = model[0]
+    assert isinstance(layer, nn.Linear)
+    return layer.weight
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under the run directory (the event file aside: the parent's own TensorBoard
+    thread may still be writing it): size, mtime and content hash."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and "tensorboard" not in path.parts:
+            data = path.read_bytes()
+            stat = path.stat()
+            found[str(path.relative_to(directory))] = (
+                stat.st_size,
+                stat.st_mtime_ns,
+                hashlib.sha256(data).hexdigest(),
+            )
+    return found
+
+
+def tensorboard_steps(directory: Path) -> set[int]:
+    """Steps of every histogram in the run's event files, as TensorBoard reads them."""
+    accumulator = EventAccumulator(str(directory / "tensorboard"), size_guidance={HISTOGRAMS: 0})
+    accumulator.Reload()
+    tags: dict[str, Any] = accumulator.Tags()
+    return {event.step for tag in tags["histograms"] for event in accumulator.Histograms(tag)}
+
+
+def fds_on(path: Path) -> list[str]:
+    """This process's open descriptors that point at `path` (Linux /proc)."""
+    fd_dir = Path("/proc/self/fd")
+    found = []
+    for fd in fd_dir.iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                found.append(fd.name)
+        except OSError:
+            continue
+    return found
+
+
+def script_main(directory: Path, report: Path) -> None:
+    """Inject, train, fork; the child trains too and exits normally; the parent then checks
+    that its directory is byte-for-byte what it was at the fork, trains on and removes."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = small_model()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    for _ in range(3):
+        sgd_step(model, x, y, 0.01)
+    before = snapshot(directory)
+    child_report = report.with_name("child.json")
+    pid = os.fork()
+    if pid == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                sgd_step(model, x, y, 0.01)
+        try:
+            inject_observer(nn.Linear(2, 2), output_dir=report.with_name("child-run"))
+            refused = ""
+        except RuntimeError as error:
+            refused = str(error)
+        facts = {
+            "warnings": [str(w.message) for w in caught],
+            "lock_fds": fds_on(directory / ".lock") if Path("/proc/self/fd").is_dir() else None,
+            "refused": refused,
+            "removed": str(remove_observer(model)),
+            "observed_after_remove": has_observer(model),
+        }
+        child_report.write_text(json.dumps(facts), encoding="utf-8")
+        sys.exit(0)  # the normal exit: atexit and weakref.finalize handlers run
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    after_child = snapshot(directory)
+    event_steps = sorted(tensorboard_steps(directory))
+    for _ in range(2):
+        sgd_step(model, x, y, 0.01)
+    remove_observer(model)
+    facts = {
+        "child_status": status,
+        "untouched": before == after_child,
+        "event_steps": event_steps,
+        "child": json.loads(child_report.read_text("utf-8")) if child_report.exists() else None,
+    }
+    report.write_text(json.dumps(facts), encoding="utf-8")
+
+
+def assert_parent_run_complete(directory: Path, samples: int) -> None:
+    """index.md says complete and history holds exactly the parent's samples, all rows."""
+    index = (directory / "index.md").read_text("utf-8")
+    assert "**State: complete.**" in index
+    history = pl.read_parquet(directory / "history.parquet")
+    assert sorted(history["sample_id"].unique()) == list(range(samples))
+    assert sorted(history["forward_index"].unique()) == list(range(samples))
+    assert history.height == samples * ROWS_PER_SAMPLE
+    assert list((directory / "history.parts").glob("*")) == []
+
+
+@pytest.mark.timeout(150)
+def test_os_fork_child_runs_unobserved_and_never_touches_the_parents_run(tmp_path: Path) -> None:
+    directory, report = tmp_path / "run", tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, __file__, str(directory), str(report)],
+        timeout=2 * CHILD_TIMEOUT_S,
+        check=True,
+    )
+    facts = json.loads(report.read_text("utf-8"))
+    assert facts["child_status"] == 0, "the forked child hung or failed"
+    assert facts["untouched"], "the child changed a file of the parent's run directory"
+    assert set(facts["event_steps"]) <= {0, 1, 2}  # the parent's samples before the fork only
+    child = facts["child"]
+    forked = [m for m in child["warnings"] if "forked from the observing process" in m]
+    assert len(forked) == 1, child["warnings"]
+    assert str(directory) in forked[0]
+    assert child["lock_fds"] in (None, [])  # the child holds no descriptor of the parent's lock
+    assert "forked from a process with a live torchinstruments run" in child["refused"]
+    assert child["removed"] == "None"
+    assert not child["observed_after_remove"]
+    assert not (tmp_path / "child-run").exists()
+    assert_parent_run_complete(directory, samples=5)
+
+
+def hogwild_worker(model: nn.Module, seed: int, steps: int, done: Any) -> None:
+    """One Hogwild trainer: SGD steps on the shared parameters; reports its warnings."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            sgd_step(model, x, y, 0.05)
+    done.put([str(w.message) for w in caught if "torchinstruments" in str(w.message)])
+
+
+@pytest.mark.timeout(150)
+def test_hogwild_fork_pair_trains_the_shared_model_unobserved(
+    tmp_path: Path, cleanup: list[nn.Module]
+) -> None:
+    torch.set_num_threads(1)
+    model = small_model()
+    model.share_memory()
+    cleanup.append(model)
+    directory = tmp_path / "run"
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(2):
+        sgd_step(model, x, y, 0.01)
+    weights = first_weight(model).detach().clone()
+    context = torch.multiprocessing.get_context("fork")
+    done = context.SimpleQueue()
+    workers = [
+        context.Process(target=hogwild_worker, args=(model, seed, 10, done)) for seed in (1, 2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(CHILD_TIMEOUT_S)
+    hung = [w.pid for w in workers if w.is_alive()]
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    assert not hung, f"Hogwild workers {hung} did not finish within {CHILD_TIMEOUT_S} s"
+    assert [w.exitcode for w in workers] == [0, 0]
+    reports = [done.get() for _ in workers]
+    for messages in reports:
+        assert len(messages) == 1, messages
+        assert "runs unobserved" in messages[0]
+    assert not torch.equal(first_weight(model), weights)  # the workers trained the shared model
+    for _ in range(2):
+        sgd_step(model, x, y, 0.01)
+    remove_observer(model)
+    assert_parent_run_complete(directory, samples=4)
+
+
+@pytest.mark.timeout(150)
+def test_dataloader_fork_workers_leave_the_run_complete(
+    tmp_path: Path, cleanup: list[nn.Module]
+) -> None:
+    model = small_model()
+    cleanup.append(model)
+    directory = tmp_path / "run"
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    data = TensorDataset(torch.randn(48, 4), torch.randn(48, 1))
+    loader = DataLoader(
+        data,
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=CHILD_TIMEOUT_S,  # a worker that hangs fails the test instead of blocking it
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in loader:
+            sgd_step(model, x, y, 0.01)
+    assert not [w for w in caught if "forked" in str(w.message)]
+    remove_observer(model)
+    assert_parent_run_complete(directory, samples=6)
+
+
+if __name__ == "__main__":
+    script_main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -133,14 +133,62 @@ def test_second_injection_raises_and_first_observer_keeps_working(
     assert read_history(run_dir).height > 0
 
 
-def test_remove_observer_without_observer_is_a_no_op_returning_none(run_dir: Path) -> None:
+def test_remove_observer_without_observer_does_nothing_and_says_so(run_dir: Path) -> None:
     model = mlp()
-    assert remove_observer(model) is None
+    message = r"^torchinstruments: remove_observer: this Sequential has no observer \(never "
+    with pytest.warns(RuntimeWarning, match=message):
+        assert remove_observer(model) is None
     assert inject_observer(model, output_dir=run_dir) == run_dir
     assert has_observer(model)
     assert remove_observer(model) == run_dir
     assert not has_observer(model)
-    assert remove_observer(model) is None
+    with pytest.warns(RuntimeWarning, match="already removed"):
+        assert remove_observer(model) is None
+
+
+def test_remove_in_finally_after_a_refused_inject_warns_and_keeps_the_error(
+    tmp_path: Path,
+) -> None:
+    model = mlp()
+
+    def observed_loop() -> None:
+        try:
+            inject_observer(model, output_dir=tmp_path / "s", selector=lambda n, m: False)
+        finally:
+            remove_observer(model)
+
+    with pytest.raises(ValueError, match="selector"), pytest.warns(RuntimeWarning, match="no obs"):
+        observed_loop()
+
+
+def test_remove_and_has_observer_see_through_torch_compile_wrappers(tmp_path: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=tmp_path / "a", sampler=EveryNForwardsSampler(1))
+    compiled = torch.compile(model, backend="eager")
+    assert isinstance(compiled, nn.Module)
+    assert has_observer(compiled)
+    with pytest.raises(RuntimeError, match="already has an observer"):
+        inject_observer(compiled, output_dir=tmp_path / "b")
+    model(torch.randn(2, 8)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert remove_observer(compiled) == tmp_path / "a"
+    assert not has_observer(model)
+    assert not has_observer(compiled)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert read_history(tmp_path / "a")["sample_id"].unique().to_list() == [0]
+
+    # The other way round: injected into the wrapper, removed through the module it compiles.
+    wrapper = torch.compile(model, backend="eager")
+    assert isinstance(wrapper, nn.Module)
+    own_forward = wrapper.__dict__.get("forward")  # OptimizedModule's own, restored exactly
+    inject_observer(wrapper, output_dir=tmp_path / "c", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 8))
+    assert has_observer(model)
+    assert remove_observer(model) == tmp_path / "c"
+    assert not has_observer(wrapper)
+    assert wrapper.__dict__.get("forward") is own_forward
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def _open_fds() -> int:

@@ -27,6 +27,17 @@ class Clashing:
         ({"sampler": object()}, TypeError, "sampler"),
         ({"selector": "leaves"}, TypeError, "selector"),
         ({"histogram_selector": 1}, TypeError, "histogram_selector"),
+        (
+            {"selector": lambda n, m: False},
+            ValueError,
+            r"^selector matched no module of the model, so nothing would be observed; its "
+            r"modules are: '', '0', '1', '2'",
+        ),
+        (
+            {"histogram_selector": lambda n, m: False},
+            ValueError,
+            "^histogram_selector matched no observed layer; observed layers are: '0', '1'",
+        ),
         ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
         ({"max_histogram_modules": 0}, ValueError, "max_histogram_modules must be an int >= 1"),
         ({"max_histogram_modules": 2.5}, ValueError, "max_histogram_modules"),

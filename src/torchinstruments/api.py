@@ -58,6 +58,34 @@ _COMPILED_FROM_THE_TOP = (
 )
 
 _OBSERVERS: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
+# Models injected on a rank that attaches nothing: removing them is expected and stays quiet.
+_UNATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _compile_chain(model: nn.Module) -> list[nn.Module]:
+    """`model` and the modules its torch.compile wrappers compile (OptimizedModule._orig_mod)."""
+    chain = [model]
+    inner = compiled_original(model)
+    while inner is not None and inner not in chain:
+        chain.append(inner)
+        inner = compiled_original(inner)
+    return chain
+
+
+def _registered(model: nn.Module) -> nn.Module | None:
+    """The observed module `model` stands for, seeing through torch.compile wrappers both ways.
+
+    `inject_observer(model); compiled = torch.compile(model)` then `remove_observer(compiled)`
+    finds `model`; `inject_observer(torch.compile(model))` then `remove_observer(model)` finds
+    the wrapper.
+    """
+    for candidate in _compile_chain(model):
+        if candidate in _OBSERVERS:
+            return candidate
+    for key in list(_OBSERVERS):
+        if model in _compile_chain(key):
+            return key
+    return None
 
 
 def library_version() -> str:
@@ -138,12 +166,14 @@ def inject_observer(
             "fork, so a run here could hang. Start the child with the 'spawn' or 'forkserver' "
             "method (torch.multiprocessing.set_start_method('spawn')) and inject in it"
         )
-    if model in _OBSERVERS:
+    if _registered(model) is not None:
         raise RuntimeError(
-            "model already has an observer; call remove_observer(model) before injecting again"
+            "model already has an observer (directly or through a torch.compile wrapper); call "
+            "remove_observer(model) before injecting again"
         )
     observer = start_run(model, settings)
     if observer is None:
+        _UNATTACHED.add(model)
         return None
     _OBSERVERS[model] = observer
     # A model dropped (or a process ending) without remove_observer still gets a complete run.
@@ -155,17 +185,30 @@ def remove_observer(model: nn.Module) -> Path | None:
     """Stop observing `model`, restore every `forward` exactly, and finish the run's artifacts.
 
     Flushes the history, merges `history.parts/` into `history.parquet`, writes result.json and
-    index.md, and closes the directory's TensorBoard events. On a model without an observer
-    (never injected, already removed, or a rank that attached nothing) it does nothing. In a
-    process forked from the observing one it only restores the forwards there (the run is the
-    parent's: nothing of it is touched) and returns None.
+    index.md, and closes the directory's TensorBoard events. `model` may be the module given
+    to `inject_observer` or a `torch.compile` wrapper of it (or the module a wrapper given to
+    `inject_observer` compiles). On a rank that attached nothing it does nothing, quietly; on a
+    model that has no observer (never injected, or already removed) it does nothing and warns,
+    so a `try/finally` that removes is always safe, and a removal that missed is never silent.
+    In a process forked from the observing one it only restores the forwards there (the run
+    is the parent's: nothing of it is touched) and returns None.
 
     Returns:
         The run directory that was finished, or None if `model` had no observer.
     """
-    observer = _OBSERVERS.pop(model, None)
-    if observer is None:
+    key = _registered(model)
+    if key is None:
+        if model in _UNATTACHED:
+            _UNATTACHED.discard(model)
+            return None
+        warnings.warn(
+            f"torchinstruments: remove_observer: this {type(model).__name__} has no observer "
+            "(never injected, or already removed); nothing was done",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
+    observer = _OBSERVERS.pop(key)
     if observer.forked:  # a forked child: the run is the parent's (forks.py)
         observer.restore()
         return None
@@ -204,8 +247,12 @@ def remove_observer(model: nn.Module) -> Path | None:
 
 
 def has_observer(model: nn.Module) -> bool:
-    """True while `model` is observed (between inject_observer and remove_observer)."""
-    return model in _OBSERVERS
+    """True while `model` is observed (between inject_observer and remove_observer).
+
+    Sees through torch.compile wrappers like `remove_observer`: `has_observer(torch.compile(m))`
+    is True while `m` is observed, and the other way round.
+    """
+    return _registered(model) is not None
 
 
 @dataclass(frozen=True)

@@ -62,11 +62,26 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
     """Selected modules in `named_modules()` traversal order; default: `default_layers`."""
     default = default_layers(model) if selector is None else set()
     layers = []
+    offered = []
     for name, module in named_modules_uncompiled(model):
+        offered.append(name)
         chosen = selector(name, module) if selector is not None else name in default
         if chosen and not isinstance(module, torch.jit.ScriptModule):
             layers.append((module, LayerInfo(name, type(module).__name__)))
+    if not layers:
+        # A run that observes nothing would end "complete (0 rows)": refuse it at injection.
+        which = "selector matched" if selector is not None else "the default selection found"
+        raise ValueError(
+            f"{which} no module of the model, so nothing would be observed; its modules are: "
+            f"{_listed(offered)} (TorchScript modules are never layers)"
+        )
     return layers
+
+
+def _listed(names: Sequence[str], limit: int = 20) -> str:
+    """Names for an error message: the first `limit`, quoted, then how many more."""
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def select_focus_layers(
@@ -83,7 +98,6 @@ def select_focus_layers(
     if histogram_selector is not None and not candidates:
         raise ValueError(
             "histogram_selector matched no observed layer; observed layers are: "
-            + ", ".join(repr(info.name) for _, info in layers[:20])
-            + (" ..." if len(layers) > 20 else "")
+            + _listed([info.name for _, info in layers])
         )
     return set(candidates[:max_histogram_modules])

@@ -67,9 +67,9 @@ def test_finalize_cli_runs_without_torch_or_tensorboard(tmp_path: Path) -> None:
     directory_sink = observer.sinks._sinks[0]
     directory_sink._history.flush()  # type: ignore[attr-defined]
     directory_sink._lock.release()  # type: ignore[attr-defined]
-    assert observer.finalizer is not None
-    observer.finalizer.detach()
-    observer.restore()
+    assert observer._finalizer is not None
+    observer._finalizer.detach()
+    observer.proxies.restore()
     assert list_parts(run)
 
     done = run_python(

@@ -31,6 +31,7 @@ LAYERS: tuple[frozenset[str], ...] = (
         }
     ),
     frozenset({"sinks", "selection", "gradients", "cli"}),
+    frozenset({"config"}),
     frozenset({"observer"}),
     frozenset({"api"}),
     frozenset({"__main__", ""}),

@@ -8,9 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import DefaultStatistics, HistoryConfig, has_observer, inject_observer
+from torchinstruments import (
+    DefaultStatistics,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    ObserverConfig,
+    TimeIntervalSampler,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
 
-from conftest import mlp
+from conftest import mlp, read_history
 
 
 class Clashing:
@@ -20,7 +29,7 @@ class Clashing:
         return {"mean": 0.0}
 
 
-@pytest.mark.parametrize(
+BAD_ARGUMENTS = pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"output_dir": 3}, TypeError, "output_dir"),
@@ -50,6 +59,9 @@ class Clashing:
         ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
     ],
 )
+
+
+@BAD_ARGUMENTS
 def test_bad_argument_raises_naming_it_and_changes_nothing(
     run_dir: Path, kwargs: dict, error: type[Exception], match: str
 ) -> None:
@@ -83,8 +95,6 @@ def test_output_dir_holding_a_run_is_refused(run_dir: Path) -> None:
     first = nn.Linear(2, 2)
     inject_observer(first, output_dir=run_dir)
     first(torch.randn(1, 2))
-    from torchinstruments import remove_observer
-
     remove_observer(first)
     second = nn.Linear(2, 2)
     with pytest.raises(FileExistsError, match="output_dir"):
@@ -116,3 +126,42 @@ def test_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path) -> None:
         inject_observer(model, output_dir=existing)
     assert existing.read_text(encoding="utf-8") == "mine"
     assert "forward" not in model.__dict__
+
+
+@BAD_ARGUMENTS
+def test_observer_config_refuses_the_same_bad_arguments_without_a_model(
+    run_dir: Path, kwargs: dict, error: type[Exception], match: str
+) -> None:
+    kwargs.setdefault("output_dir", run_dir)
+    with pytest.raises(error, match=match):
+        ObserverConfig(**kwargs)
+    assert not run_dir.exists()
+
+
+def test_observer_config_is_frozen_and_normalised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = ObserverConfig(output_dir="~/../relative", sinks=[])
+    assert config.output_dir == Path("~/../relative").expanduser().absolute()
+    assert isinstance(config.sampler, TimeIntervalSampler)
+    assert config.history_config == HistoryConfig()
+    assert config.sinks == ()
+    with pytest.raises(AttributeError):
+        config.rank_policy = "all"  # type: ignore[misc]
+
+
+def test_observer_config_options_pass_through_to_inject_observer(run_dir: Path) -> None:
+    config = ObserverConfig(
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(2),
+        history_config=HistoryConfig(window=3),
+        max_histogram_modules=1,
+    )
+    model = mlp()
+    assert inject_observer(model, **config.options()) == run_dir
+    for _ in range(4):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert sorted(history["forward_index"].unique().to_list()) == [0, 2]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchinstruments.api import has_observer, inject_observer, remove_observer
+    from torchinstruments.config import ObserverConfig
     from torchinstruments.measurement.reducers import (
         DEFAULT_METRICS,
         AbsMax,
@@ -47,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "LayerInfo": "torchinstruments.records",
     "Measurement": "torchinstruments.records",
     "MetricValue": "torchinstruments.records",
+    "ObserverConfig": "torchinstruments.config",
     "Reducer": "torchinstruments.measurement.reducers",
     "RunCounts": "torchinstruments.records",
     "RunInfo": "torchinstruments.records",
@@ -72,6 +74,7 @@ __all__ = [
     "LayerInfo",
     "Measurement",
     "MetricValue",
+    "ObserverConfig",
     "Reducer",
     "RunCounts",
     "RunInfo",

@@ -1,8 +1,9 @@
 """`inject_observer`, `remove_observer`, `has_observer`: the whole public lifecycle.
 
-Injection is two steps: `validate_arguments` checks every argument before anything touches the
-model or the disk, so a mistake fails at injection with a message naming the argument, never in
-the middle of training; `start_run` then opens the run directory and installs the proxies. The
+Injection is two steps: `check_model` and `ObserverConfig` (config.py) check every argument before
+anything touches the model or the disk, so a mistake fails at injection with a message naming the
+argument, never in the middle of training; `start_run` then opens the run directory and installs
+the proxies. The
 registry of observed models is a `weakref.WeakKeyDictionary`: it stores nothing on the model and
 lets an observed model be garbage collected (its run is then finalized; see observer.py).
 """
@@ -14,7 +15,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -24,25 +24,15 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
-from torchinstruments.distributed import place_rank, validate_rank_policy
-from torchinstruments.measurement.reducers import Measurer, ReducerSpec
+from torchinstruments.config import ObserverConfig
+from torchinstruments.distributed import place_rank
+from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.observer import Observer
 from torchinstruments.records import RunInfo
-from torchinstruments.rundir.layout import check_output_dir, resolve_output_dir
 from torchinstruments.rundir.writer import HistoryConfig
-from torchinstruments.sampling import (
-    Sampler,
-    TimeIntervalSampler,
-    describe_sampler,
-    validate_sampler,
-)
-from torchinstruments.selection import (
-    Selector,
-    check_selector,
-    select_focus_layers,
-    select_layers,
-)
-from torchinstruments.sinks import DirectorySink, Sink, SinkGroup, validate_sinks
+from torchinstruments.sampling import describe_sampler
+from torchinstruments.selection import Selector, select_focus_layers, select_layers
+from torchinstruments.sinks import DirectorySink, Sink, SinkGroup
 
 _NO_COMPILE_SUPPORT = (
     f"not recorded: forwards run under torch.compile (torch {torch.__version__} cannot keep the "
@@ -146,8 +136,8 @@ def inject_observer(
         >>> train(model)
         >>> remove_observer(model)
     """
-    settings = validate_arguments(
-        model,
+    check_model(model)
+    config = ObserverConfig(
         output_dir=output_dir,
         sampler=sampler,
         selector=selector,
@@ -171,13 +161,11 @@ def inject_observer(
             "model already has an observer (directly or through a torch.compile wrapper); call "
             "remove_observer(model) before injecting again"
         )
-    observer = start_run(model, settings)
+    observer = start_run(model, config)
     if observer is None:
         _UNATTACHED.add(model)
         return None
     _OBSERVERS[model] = observer
-    # A model dropped (or a process ending) without remove_observer still gets a complete run.
-    observer.finalizer = weakref.finalize(model, observer.close)
     return observer.directory
 
 
@@ -210,15 +198,12 @@ def remove_observer(model: nn.Module) -> Path | None:
         return None
     observer = _OBSERVERS.pop(key)
     if observer.forked:  # a forked child: the run is the parent's (forks.py)
-        observer.restore()
+        observer.remove()  # restores the forwards; the observer is closed already
         return None
-    if observer.finalizer is not None:
-        observer.finalizer.detach()
-    left_in_place = observer.restore()
-    observer.close()
+    left_in_place = observer.remove()
     never_ran = observer.never_ran()
     if observer.samples and never_ran:
-        total = len(never_ran) + len(observer.layer_samples)
+        total = len(observer.layer_names)
         shown = ", ".join(repr(name) for name in never_ran[:20])
         warnings.warn(
             f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
@@ -229,7 +214,7 @@ def remove_observer(model: nn.Module) -> Path | None:
             stacklevel=2,
         )
     counts = observer.counts()
-    if counts.samples == 0 and observer.layer_count:
+    if counts.samples == 0 and observer.layer_names:
         warnings.warn(
             f"torchinstruments: no sample was recorded ({counts.root_forwards} root forwards "
             f"seen, none sampled): {observer.directory} holds no rows, and its index.md says so",
@@ -255,37 +240,8 @@ def has_observer(model: nn.Module) -> bool:
     return _registered(model) is not None
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The arguments of `inject_observer`, validated and normalised; nothing is touched yet."""
-
-    output_dir: Path
-    sampler: Sampler
-    selector: Selector | None
-    measurer: Measurer
-    histogram_selector: Selector | None
-    max_histogram_modules: int
-    history_config: HistoryConfig
-    rank_policy: str
-    capture_direct_forwards: bool
-    sinks: tuple[Sink, ...]
-
-
-def validate_arguments(
-    model: object,
-    *,
-    output_dir: object,
-    sampler: object,
-    selector: object,
-    reducers: object,
-    histogram_selector: object,
-    max_histogram_modules: object,
-    history_config: object,
-    rank_policy: object,
-    capture_direct_forwards: object,
-    sinks: object,
-) -> Settings:
-    """Check every argument of `inject_observer`; raise naming the argument and what is allowed."""
+def check_model(model: object) -> None:
+    """Refuse a model that cannot be observed, naming why (before anything is touched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
@@ -296,40 +252,6 @@ def validate_arguments(
             "forward included, so they would run the original module); use "
             "DistributedDataParallel, or observe a model that is not replicated"
         )
-    if not isinstance(output_dir, str | os.PathLike):
-        raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
-    directory = resolve_output_dir(output_dir)
-    sampler = TimeIntervalSampler() if sampler is None else sampler
-    validate_sampler(sampler)
-    check_selector("selector", selector)
-    check_selector("histogram_selector", histogram_selector)
-    if (
-        isinstance(max_histogram_modules, bool)
-        or not isinstance(max_histogram_modules, int)
-        or max_histogram_modules < 1
-    ):
-        raise ValueError(
-            f"max_histogram_modules must be an int >= 1, got {max_histogram_modules!r}: "
-            "histograms are always on; histogram_selector and max_histogram_modules choose "
-            "which layers get them, never whether"
-        )
-    history_config = HistoryConfig() if history_config is None else history_config
-    if not isinstance(history_config, HistoryConfig):
-        raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
-    if not isinstance(capture_direct_forwards, bool):
-        raise TypeError(f"capture_direct_forwards must be a bool, got {capture_direct_forwards!r}")
-    return Settings(
-        output_dir=directory,
-        sampler=sampler,  # type: ignore[arg-type]
-        selector=selector,  # type: ignore[arg-type]
-        measurer=Measurer(reducers),  # type: ignore[arg-type]
-        histogram_selector=histogram_selector,  # type: ignore[arg-type]
-        max_histogram_modules=max_histogram_modules,
-        history_config=history_config,
-        rank_policy=validate_rank_policy(rank_policy),
-        capture_direct_forwards=capture_direct_forwards,
-        sinks=validate_sinks(sinks),
-    )
 
 
 def compile_notes(model: nn.Module) -> tuple[str, ...]:
@@ -341,19 +263,19 @@ def compile_notes(model: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def start_run(model: nn.Module, settings: Settings) -> Observer | None:
+def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
     Returns:
         The running observer, or None on a rank that attaches nothing.
     """
-    placement = place_rank(settings.output_dir, settings.rank_policy)
+    placement = place_rank(config.directory, config.rank_policy)
     if not placement.attach:
         return None
-    layers = select_layers(model, settings.selector)
-    focus = select_focus_layers(layers, settings.histogram_selector, settings.max_histogram_modules)
-    check_output_dir(placement.directory)
+    layers = select_layers(model, config.selector)
+    focus = select_focus_layers(layers, config.histogram_selector, config.max_histogram_modules)
     infos = tuple(info for _, info in layers)
+    history = config.history
     run = RunInfo(
         output_dir=placement.directory,
         library_version=library_version(),
@@ -361,32 +283,27 @@ def start_run(model: nn.Module, settings: Settings) -> Observer | None:
         model_class=type(compiled_original(model) or model).__name__,
         layers=infos,
         focus_layers=tuple(info.name for info in infos if info.name in focus),
-        sampler=describe_sampler(settings.sampler),
-        metrics=settings.measurer.metrics,
+        sampler=describe_sampler(config.sampler),
+        metrics=config.measurer.metrics,
         rank=placement.rank,
         world_size=placement.world_size,
-        rank_policy=settings.rank_policy,
-        capture_direct_forwards=settings.capture_direct_forwards,
-        buffer_rows=settings.history_config.buffer_rows,
-        window=settings.history_config.window,
+        rank_policy=config.rank_policy,
+        capture_direct_forwards=config.capture_direct_forwards,
+        buffer_rows=history.buffer_rows,
+        window=history.window,
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        flush_seconds=settings.history_config.flush_seconds,
+        flush_seconds=history.flush_seconds,
         notes=compile_notes(model),
     )
+    directory = DirectorySink(placement.directory, history)
+    directory.start(run)  # refuses a directory that already holds a run
     for note in run.notes:
         warnings.warn(f"torchinstruments: {note}", RuntimeWarning, stacklevel=3)
-    directory = DirectorySink(placement.directory, settings.history_config)
-    directory.start(run)
-    group = SinkGroup(settings.sinks)
+    group = SinkGroup(config.sinks)
     group.start(run)
     group.insert_started(directory)
     observer = Observer(
-        directory=placement.directory,
-        sampler=settings.sampler,
-        measurer=settings.measurer,
-        sinks=group,
-        rank=placement.rank,
-        capture_direct_forwards=settings.capture_direct_forwards,
+        config=config, directory=placement.directory, sinks=group, rank=placement.rank
     )
     observer.install(model, layers, focus)
     forks.track(observer)

@@ -30,6 +30,8 @@ method under `forward`; its behaviour is the class's).
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -121,3 +123,76 @@ def restore_proxy(module: nn.Module, owner: object) -> bool:
             return True
         holder, current = current, current.__wrapped__
     return False
+
+
+WarnOnce = Callable[[str, str], None]
+
+
+class Proxies:
+    """Every proxy one observer puts on a model, and how each comes off again.
+
+    The root's proxy stays from injection to removal. The layers' proxies (and fused-path guards)
+    are registered once and installed per sampled forward: the first of several concurrent
+    sampled forwards installs them and the last to end removes them, under one lock.
+
+    Args:
+        warn_once: reports a layer whose `forward` was replaced during a sampled forward.
+    """
+
+    def __init__(self, warn_once: WarnOnce) -> None:
+        self._warn_once = warn_once
+        self._token = object()  # marks our proxies among other observers' ones
+        self._installed: list[weakref.ref[nn.Module]] = []
+        # (module, layer name or "" for a fused-path guard, wrapper), installed per sampled forward.
+        self._layers: list[tuple[weakref.ref[nn.Module], str, Wrapper]] = []
+        self._lock = threading.Lock()
+        self._sampling_threads = 0
+        self._left_in_place = 0
+
+    def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
+        """Install the root's proxy, which stays until `restore`."""
+        install_proxy(module, wrapper, None, self._token)
+        self._installed.append(weakref.ref(module))
+
+    def add_layer(self, module: nn.Module, name: str, wrapper: Wrapper) -> None:
+        """Register a layer's proxy (`name` "" for a guard); installed by `install_layers`."""
+        self._layers.append((weakref.ref(module), name, wrapper))
+
+    def install_layers(self, enabled: Any) -> None:
+        """Put every layer's proxy on when the first concurrent sampled forward starts."""
+        with self._lock:
+            self._sampling_threads += 1
+            if self._sampling_threads > 1:
+                return
+            for module_ref, _, wrapper in self._layers:
+                module = module_ref()
+                if module is not None:
+                    install_proxy(module, wrapper, enabled, self._token)
+
+    def restore_layers(self) -> None:
+        """Take the layers' proxies off when the last concurrent sampled forward ends."""
+        with self._lock:
+            self._sampling_threads -= 1
+            if self._sampling_threads > 0:
+                return
+            for module_ref, name, _ in reversed(self._layers):
+                module = module_ref()
+                if module is not None and not restore_proxy(module, self._token):
+                    # Replaced or wrapped during the forward: left in place, inert once closed.
+                    self._left_in_place += 1
+                    self._warn_once(
+                        f"replaced:{name}",
+                        f"the forward of {name or type(module).__name__!r} was replaced during a "
+                        "sampled forward; the replacement is kept, with the observer's proxy "
+                        "inside it (inert after removal)",
+                    )
+
+    def restore(self) -> int:
+        """Undo the root's proxy; returns how many proxies were left in place (not ours now)."""
+        left_in_place = 0
+        for module_ref in reversed(self._installed):
+            module = module_ref()
+            if module is not None and not restore_proxy(module, self._token):
+                left_in_place += 1
+        self._installed.clear()
+        return left_in_place + self._left_in_place

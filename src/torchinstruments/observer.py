@@ -66,7 +66,7 @@ from torchinstruments._torch_internals import (
     is_tracing,
     layer_by_layer,
 )
-from torchinstruments.capture import install_proxy, restore_proxy
+from torchinstruments.capture import Proxies
 from torchinstruments.compilation import (
     call_eagerly,
     exclude_from_compilation,
@@ -74,8 +74,8 @@ from torchinstruments.compilation import (
     pause_compilation,
     resume_compilation,
 )
+from torchinstruments.config import ObserverConfig
 from torchinstruments.gradients import GradientRecorder
-from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.records import OUTPUT, LayerInfo, RunCounts, SampleRecord, TensorKey
@@ -162,25 +162,24 @@ class _FusedPathGuard:
 
 
 class Observer:
-    """Runtime state of one observed model; created by `inject_observer`."""
+    """Runtime state of one observed model; created by `inject_observer`.
+
+    Args:
+        config: the run's options (sampler, reducers, capture_direct_forwards).
+        directory: the directory this rank writes.
+        sinks: the run directory first, then the caller's sinks.
+        rank: this process's rank, written into every record.
+    """
 
     def __init__(
-        self,
-        *,
-        directory: Path,
-        sampler: Any,
-        measurer: Measurer,
-        sinks: SinkGroup,
-        rank: int | None,
-        capture_direct_forwards: bool,
+        self, *, config: ObserverConfig, directory: Path, sinks: SinkGroup, rank: int | None
     ) -> None:
         self.directory = directory
-        self.sampler = sampler
-        self.finalizer: weakref.finalize | None = None
-        self.measurer = measurer
+        self.sampler: Any = config.sampler  # any object with should_sample (checked by config)
+        self.measurer = config.measurer
+        self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
         self.rank = rank
-        self.capture_direct_forwards = capture_direct_forwards
         # Non-empty exactly while a sampled root forward runs (one item per thread running one);
         # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
         self.active: list[int] = []
@@ -195,23 +194,15 @@ class Observer:
         self._parent_pid = os.getpid()
         self.root_forwards = 0
         self.samples = 0
-        self._token = object()
-        self._installed: list[weakref.ref[nn.Module]] = []
-        # What `_install_layers` puts on for each sampled forward: (module, layer name or "" for a
-        # fused-path guard, wrapper).
-        self._layer_proxies: list[tuple[weakref.ref[nn.Module], str, Callable[..., Any]]] = []
-        self._layers_lock = threading.Lock()
-        self._sampling_threads = 0
-        self._layers_left_in_place = 0
-        self.layer_count = 0
+        self.proxies = Proxies(self.warn_once)
+        self._finalizer: weakref.finalize | None = None
         self._call_forward = forward_caller()
         self._root_layer: _LayerCapture | None = None
         # Per selected layer (root included): the sampled forwards in which it was called.
         self.layer_samples: dict[str, int] = {}
-        # Selected layers other than the root, to notice a `forward` replaced after injection.
-        self._layers: list[tuple[weakref.ref[nn.Module], str]] = []
+        self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
-        self.gradients = GradientRecorder(measurer, rank, self._emit_backward, self.warn_once)
+        self.gradients = GradientRecorder(self.measurer, rank, self._emit_backward, self.warn_once)
 
     # -- installation -------------------------------------------------------------------------
 
@@ -220,67 +211,34 @@ class Observer:
     ) -> None:
         """Install the root's proxy (which delimits root forwards). Layer proxies, and a fused-path
         guard on every module that could skip selected layers with a fused kernel, are installed
-        per sampled forward (`_install_layers`)."""
+        per sampled forward (`Proxies.install_layers`).
+
+        A model dropped (or a process ending) without `remove` still gets a complete run: the
+        observer closes when `root` is garbage collected.
+        """
         for module, info in layers:
             capture = _LayerCapture(self, module, info, info.name in focus)
             if module is root:
                 self._root_layer = capture
             else:
-                self._layers.append((weakref.ref(module), info.name))
-                self._layer_proxies.append((weakref.ref(module), info.name, capture.on_call))
+                self.proxies.add_layer(module, info.name, capture.on_call)
         selected = {id(module) for module, _ in layers}
         for module in root.modules():
             if has_fused_fast_path(module) and any(
                 id(inner) in selected for inner in module.modules() if inner is not module
             ):
-                guard = _FusedPathGuard(self, module).on_call
-                self._layer_proxies.append((weakref.ref(module), "", guard))
-        self.layer_count = len(layers)
-        self._install(root, self.on_root_call, None)
+                self.proxies.add_layer(module, "", _FusedPathGuard(self, module).on_call)
+        self.layer_names = tuple(info.name for _, info in layers)
+        self.proxies.install_root(root, self.on_root_call)
+        self._finalizer = weakref.finalize(root, self.close)
 
-    def _install(self, module: nn.Module, wrapper: Callable[..., Any], enabled: Any) -> None:
-        """Install one proxy and remember how to undo it."""
-        install_proxy(module, wrapper, enabled, self._token)
-        self._installed.append(weakref.ref(module))
-
-    def restore(self) -> int:
-        """Undo every proxy in reverse order; returns how many were left in place (not ours)."""
-        left_in_place = 0
-        for module_ref in reversed(self._installed):
-            module = module_ref()
-            if module is not None and not restore_proxy(module, self._token):
-                left_in_place += 1
-        self._installed.clear()
-        return left_in_place + self._layers_left_in_place
-
-    def _install_layers(self) -> None:
-        """Put a proxy on every selected layer when the first concurrent sampled forward starts."""
-        with self._layers_lock:
-            self._sampling_threads += 1
-            if self._sampling_threads > 1:
-                return
-            for module_ref, _, wrapper in self._layer_proxies:
-                module = module_ref()
-                if module is not None:
-                    install_proxy(module, wrapper, self.active.__len__, self._token)
-
-    def _restore_layers(self) -> None:
-        """Take the layer proxies away when the last concurrent sampled forward ends."""
-        with self._layers_lock:
-            self._sampling_threads -= 1
-            if self._sampling_threads > 0:
-                return
-            for module_ref, name, _ in reversed(self._layer_proxies):
-                module = module_ref()
-                if module is not None and not restore_proxy(module, self._token):
-                    # Replaced or wrapped during the forward: left in place, inert once closed.
-                    self._layers_left_in_place += 1
-                    self.warn_once(
-                        f"replaced:{name}",
-                        f"the forward of {name or type(module).__name__!r} was replaced during a "
-                        "sampled forward; the replacement is kept, with the observer's proxy "
-                        "inside it (inert after removal)",
-                    )
+    def remove(self) -> int:
+        """Undo every proxy and close; returns how many proxies were left in place (not ours)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        left_in_place = self.proxies.restore()
+        self.close()
+        return left_in_place
 
     # -- root forwards ------------------------------------------------------------------------
 
@@ -347,14 +305,14 @@ class Observer:
         local.sample = sample
         local.depth = 1
         self.active.append(1)
-        self._install_layers()
+        self.proxies.install_layers(self.active.__len__)
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         finally:
             local.depth = 0
             local.sample = None
             if not self.forked:  # forked during this forward: the child records nothing
-                self._restore_layers()
+                self.proxies.restore_layers()
                 self.active.pop()
                 self._emit_forward(sample)
 
@@ -466,10 +424,7 @@ class Observer:
 
     def never_ran(self) -> list[str]:
         """Selected layers (root included) not called in any sampled forward so far."""
-        names = [name for _, name in self._layers]
-        if self._root_layer is not None:
-            names.insert(0, self._root_layer.info.name)
-        return [name for name in names if not self.layer_samples.get(name)]
+        return [name for name in self.layer_names if not self.layer_samples.get(name)]
 
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""

@@ -19,7 +19,7 @@ from torchinstruments.events import EventFile, histogram_arguments
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
-from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR
+from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.summary import write_catalog
@@ -104,6 +104,8 @@ class DirectorySink:
         self._term: TermFlush | None = None
 
     def start(self, run: RunInfo) -> None:
+        """Refuse a directory that already holds a run, then lock it and write the catalog."""
+        check_output_dir(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         forks.track(self)

@@ -1,0 +1,105 @@
+"""`ObserverConfig`: every option of `inject_observer`, validated once, frozen, passed down.
+
+Design decision: the options are one frozen dataclass that validates itself when built. It is
+built once (by `inject_observer`, from its keyword arguments) and handed down as one object, so
+each option is named in two places only: `inject_observer`'s signature (for readers and editors)
+and the fields below (the one definition of each default and each check). A mistake fails while
+the object is built, with a message naming the argument, before anything touches the model or
+the disk.
+
+Integrations that accept every option (a trainer callback, say) build an `ObserverConfig` from
+their caller's keywords as early as they like, which validates them there, and later pass
+`config.options()` on: `inject_observer(model, **config.options())`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from torchinstruments.distributed import validate_rank_policy
+from torchinstruments.measurement.reducers import Measurer, ReducerSpec
+from torchinstruments.rundir.layout import resolve_output_dir
+from torchinstruments.rundir.writer import HistoryConfig
+from torchinstruments.sampling import Sampler, TimeIntervalSampler, validate_sampler
+from torchinstruments.selection import Selector, check_selector
+from torchinstruments.sinks import Sink, validate_sinks
+
+__all__ = ["ObserverConfig"]
+
+
+@dataclass(frozen=True)
+class ObserverConfig:
+    """The options of one observed run; see `inject_observer` for what each one means.
+
+    Building one checks every option and normalises it: `output_dir` becomes an absolute path
+    (fixed for the life of the run), a None `sampler` or `history_config` becomes its default,
+    `sinks` a tuple, and `reducers` is compiled into `measurer`.
+
+    Raises:
+        TypeError, ValueError: an option is invalid (the message names it).
+        FileExistsError: `output_dir` names an existing file.
+    """
+
+    output_dir: str | os.PathLike[str] = "stats"
+    sampler: Sampler | None = None
+    selector: Selector | None = None
+    reducers: Sequence[ReducerSpec] | Mapping[str, Callable[..., object]] | None = None
+    histogram_selector: Selector | None = None
+    max_histogram_modules: int = 8
+    history_config: HistoryConfig | None = None
+    rank_policy: str = "rank0"
+    capture_direct_forwards: bool = True
+    sinks: Sequence[Sink] = ()
+    # The compiled reducers; built from `reducers`, never passed.
+    measurer: Measurer = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        output_dir: object = self.output_dir
+        if not isinstance(output_dir, str | os.PathLike):
+            raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
+        self._set("output_dir", resolve_output_dir(output_dir))
+        sampler = TimeIntervalSampler() if self.sampler is None else self.sampler
+        validate_sampler(sampler)
+        self._set("sampler", sampler)
+        check_selector("selector", self.selector)
+        check_selector("histogram_selector", self.histogram_selector)
+        limit: object = self.max_histogram_modules
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(
+                f"max_histogram_modules must be an int >= 1, got {limit!r}: "
+                "histograms are always on; histogram_selector and max_histogram_modules choose "
+                "which layers get them, never whether"
+            )
+        history_config = HistoryConfig() if self.history_config is None else self.history_config
+        if not isinstance(history_config, HistoryConfig):
+            raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
+        self._set("history_config", history_config)
+        self._set("rank_policy", validate_rank_policy(self.rank_policy))
+        direct: object = self.capture_direct_forwards
+        if not isinstance(direct, bool):
+            raise TypeError(f"capture_direct_forwards must be a bool, got {direct!r}")
+        self._set("sinks", validate_sinks(self.sinks))
+        self._set("measurer", Measurer(self.reducers))
+
+    def _set(self, name: str, value: Any) -> None:
+        """Store a normalised value on the frozen instance (only while it is being built)."""
+        object.__setattr__(self, name, value)
+
+    @property
+    def directory(self) -> Path:
+        """`output_dir`, resolved: the absolute path the run is placed under."""
+        return Path(self.output_dir)
+
+    @property
+    def history(self) -> HistoryConfig:
+        """`history_config`, never None once built."""
+        assert isinstance(self.history_config, HistoryConfig)
+        return self.history_config
+
+    def options(self) -> dict[str, Any]:
+        """The options as `inject_observer` keywords: `inject_observer(model, **config.options())`."""
+        return {item.name: getattr(self, item.name) for item in fields(self) if item.init}

@@ -25,6 +25,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "measurement",
             "sampling",
             "distributed",
+            "forks",
             "capture",
             "outputs",
             "compilation",

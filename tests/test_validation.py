@@ -29,39 +29,40 @@ class Clashing:
         return {"mean": 0.0}
 
 
-BAD_ARGUMENTS = pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"output_dir": 3}, TypeError, "output_dir"),
-        ({"sampler": object()}, TypeError, "sampler"),
-        ({"selector": "leaves"}, TypeError, "selector"),
-        ({"histogram_selector": 1}, TypeError, "histogram_selector"),
-        (
-            {"selector": lambda n, m: False},
-            ValueError,
-            r"^selector matched no module of the model, so nothing would be observed; its "
-            r"modules are: '', '0', '1', '2'",
-        ),
-        (
-            {"histogram_selector": lambda n, m: False},
-            ValueError,
-            "^histogram_selector matched no observed layer; observed layers are: '0', '1'",
-        ),
-        ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
-        ({"max_histogram_modules": 0}, ValueError, "max_histogram_modules must be an int >= 1"),
-        ({"max_histogram_modules": 2.5}, ValueError, "max_histogram_modules"),
-        ({"history_config": {"buffer_rows": 5}}, TypeError, "history_config"),
-        ({"rank_policy": "rank1"}, ValueError, "rank_policy"),
-        ({"capture_direct_forwards": "yes"}, TypeError, "capture_direct_forwards"),
-        ({"sinks": "tensorboard"}, TypeError, "sinks"),
-        ({"reducers": [Clashing()]}, ValueError, "mean"),
-        ({"reducers": [object()]}, TypeError, "reducers"),
-        ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
-    ],
-)
+# Options that are wrong whatever the model: ObserverConfig refuses them on its own.
+BAD_OPTIONS = [
+    ({"output_dir": 3}, TypeError, "output_dir"),
+    ({"sampler": object()}, TypeError, "sampler"),
+    ({"selector": "leaves"}, TypeError, "selector"),
+    ({"histogram_selector": 1}, TypeError, "histogram_selector"),
+    ({"max_histogram_modules": -1}, ValueError, "max_histogram_modules"),
+    ({"max_histogram_modules": 0}, ValueError, "max_histogram_modules must be an int >= 1"),
+    ({"max_histogram_modules": 2.5}, ValueError, "max_histogram_modules"),
+    ({"history_config": {"buffer_rows": 5}}, TypeError, "history_config"),
+    ({"rank_policy": "rank1"}, ValueError, "rank_policy"),
+    ({"capture_direct_forwards": "yes"}, TypeError, "capture_direct_forwards"),
+    ({"sinks": "tensorboard"}, TypeError, "sinks"),
+    ({"reducers": [Clashing()]}, ValueError, "mean"),
+    ({"reducers": [object()]}, TypeError, "reducers"),
+    ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
+]
+# Options that are wrong for this model (selectors that select nothing of it).
+BAD_FOR_THE_MODEL = [
+    (
+        {"selector": lambda n, m: False},
+        ValueError,
+        r"^selector matched no module of the model, so nothing would be observed; its "
+        r"modules are: '', '0', '1', '2'",
+    ),
+    (
+        {"histogram_selector": lambda n, m: False},
+        ValueError,
+        "^histogram_selector matched no observed layer; observed layers are: '0', '1'",
+    ),
+]
 
 
-@BAD_ARGUMENTS
+@pytest.mark.parametrize(("kwargs", "error", "match"), BAD_OPTIONS + BAD_FOR_THE_MODEL)
 def test_bad_argument_raises_naming_it_and_changes_nothing(
     run_dir: Path, kwargs: dict, error: type[Exception], match: str
 ) -> None:
@@ -128,7 +129,7 @@ def test_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path) -> None:
     assert "forward" not in model.__dict__
 
 
-@BAD_ARGUMENTS
+@pytest.mark.parametrize(("kwargs", "error", "match"), BAD_OPTIONS)
 def test_observer_config_refuses_the_same_bad_arguments_without_a_model(
     run_dir: Path, kwargs: dict, error: type[Exception], match: str
 ) -> None:

@@ -1,13 +1,39 @@
-"""Reference recordings made with plain PyTorch hooks on a deep copy, reduced with NumPy.
+"""The conformance reference: plain PyTorch hooks on a deep copy, reduced with NumPy.
 
-Independent of the library on purpose: `register_forward_hook` sees each module call, and
-`Tensor.register_hook` on what it returned sees the gradient into that output; statistics come
-from NumPy over float64 copies of the values. Tests compare these against history.parquet.
+Independent of the library on purpose. `register_forward_hook(..., prepend=True)` sees what each
+module's forward returned (before any other forward hook, such as a tensor-parallel style's
+output conversion, changes it), and `Tensor.register_hook` on each returned tensor, registered
+right then, sees the gradient into that tensor as that module returned it (its autograd node at
+return time: a later in-place op on the same object does not move the hook). Statistics come from
+NumPy over float64 copies of the values, as design.md defines them: over the finite entries
+mean, population std, min, max, p25/p50/p75 (linear interpolation), and over all entries
+zero_fraction and nonfinite_fraction.
+
+What a reference tensor is, where a tensor is not a plain one:
+- nested tensor: the entries of its components (padding excluded); shape None.
+- DTensor: Replicate describes the whole tensor and Shard(d) this rank's local shard (both: the
+  values of `to_local()`); Partial holds partial sums, not the layer's output, so its row is
+  null with a reason that says "partial". `placement` is the label the row should carry.
+- torch.func: the reference is the plain model run without the transform (see the zoo's cases).
+
+Shared outputs: a tensor (one autograd identity) returned by one layer in several calls before a
+backward receives the sum of the gradients of all its uses; that sum belongs to no single call,
+so each of those rows is null with a reason saying "shared output".
+
+`assert_conforms` compares in both directions: every reference tensor has a row (or a stated
+reason for its absence, `unrecorded`), and every row has a reference tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,77 +41,298 @@ import polars as pl
 import torch
 from torch import nn
 
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
 Key = tuple[str, int, str, str]  # layer, call_index, signal, tensor_path
+SampleKey = tuple[int, str, int, str, str]  # sample_id, layer, call_index, signal, tensor_path
+
+METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+MOMENTS = ("mean", "std")
+FRACTIONS = ("zero_fraction", "nonfinite_fraction")
+FINITE_ONLY = ("mean", "std", "min", "max", "p25", "p50", "p75")
+PARTIAL_REASON = r"(?i)partial"
+SHARED_REASON = r"^shared output"
+
+
+# --- NumPy statistics --------------------------------------------------------------------------
+
+
+def _float64_values(tensor: torch.Tensor) -> np.ndarray:
+    """All entries of a plain or nested tensor as a flat float64 array on the host."""
+    if tensor.is_nested:
+        parts = [c.detach().to(torch.float64).cpu().numpy().ravel() for c in tensor.unbind()]
+        return np.concatenate(parts) if parts else np.zeros(0)
+    return tensor.detach().to(torch.float64).cpu().numpy().ravel()
+
+
+def profile_of_values(values: np.ndarray) -> tuple[dict[str, float | None], str | None]:
+    """The default profile of flat float64 `values`, and the reason for its nulls (if any)."""
+    if values.size == 0:
+        return dict.fromkeys(METRICS), r"^empty tensor$"
+    finite = values[np.isfinite(values)]
+    out: dict[str, float | None] = {
+        "zero_fraction": float(np.count_nonzero(values == 0)) / values.size,
+        "nonfinite_fraction": float(values.size - finite.size) / values.size,
+    }
+    if finite.size == 0:
+        out.update(dict.fromkeys(FINITE_ONLY))
+        return out, r"^no finite entries$"
+    out.update(
+        mean=float(np.mean(finite)),
+        std=float(np.std(finite)),
+        min=float(finite.min()),
+        max=float(finite.max()),
+        p25=float(np.percentile(finite, 25, method="linear")),
+        p50=float(np.percentile(finite, 50, method="linear")),
+        p75=float(np.percentile(finite, 75, method="linear")),
+    )
+    return out, None
 
 
 def numpy_profile(tensor: torch.Tensor) -> dict[str, float]:
-    """The default profile of `tensor`, computed with NumPy (population std, linear quartiles);
-    a nested tensor over the entries of its components."""
-    if tensor.is_nested:
-        everything = np.concatenate([c.detach().double().numpy().ravel() for c in tensor.unbind()])
-    else:
-        everything = tensor.detach().to(torch.float64).cpu().numpy().ravel()
-    finite = everything[np.isfinite(everything)]
-    return {
-        "mean": float(finite.mean()),
-        "std": float(finite.std()),
-        "min": float(finite.min()),
-        "max": float(finite.max()),
-        "p25": float(np.percentile(finite, 25)),
-        "p50": float(np.percentile(finite, 50)),
-        "p75": float(np.percentile(finite, 75)),
-        "zero_fraction": float(np.mean(everything == 0)),
-        "nonfinite_fraction": float(np.mean(~np.isfinite(everything))),
-    }
+    """The default profile of a tensor with finite entries (nested: over its components)."""
+    values, reason = profile_of_values(_float64_values(tensor))
+    assert reason is None, reason
+    return {name: value for name, value in values.items() if value is not None}
+
+
+# --- what a reference tensor describes ---------------------------------------------------------
+
+
+@dataclass
+class ReferenceTensor:
+    """What the row(s) of one tensor should say.
+
+    `values[m] is None` means a null with a reason matching `reason` (a regex; None: any reason).
+    `scale` is the largest finite magnitude (for the moments' absolute tolerance).
+    """
+
+    values: dict[str, float | None]
+    reason: str | None
+    shape: tuple[int, ...] | None
+    dtype: str
+    scale: float = 0.0
+    placement: str | None = None
+
+
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # a torch without distributed
+        return None
+    return DTensor
+
+
+def reference_tensor(tensor: torch.Tensor) -> ReferenceTensor:
+    """The reference row of `tensor` (see the module docstring for nested tensors and DTensor)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        placements = tuple(tensor.placements)
+        label = ", ".join(str(p) for p in placements)
+        shape = tuple(int(s) for s in tensor.to_local().shape)
+        if any(p.is_partial() for p in placements):
+            return ReferenceTensor(dict.fromkeys(METRICS), PARTIAL_REASON, shape, dtype, 0.0, label)
+        row = reference_tensor(tensor.to_local())
+        row.placement = label
+        return row
+    values = _float64_values(tensor)
+    profile, reason = profile_of_values(values)
+    finite = values[np.isfinite(values)]
+    scale = float(np.abs(finite).max()) if finite.size else 0.0
+    shape = None if tensor.is_nested else tuple(int(s) for s in tensor.shape)
+    return ReferenceTensor(profile, reason, shape, dtype, scale)
+
+
+def shared_reference(like: ReferenceTensor, calls: int) -> ReferenceTensor:
+    """A gradient several calls of one layer share: null with the shared-output reason."""
+    return dataclasses.replace(
+        like, values=dict.fromkeys(METRICS), reason=SHARED_REASON, placement=like.placement
+    )
 
 
 def output_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
-    """A bare tensor at `""`, or the tensors of a tuple/list at `[i]` (enough for these models)."""
-    if isinstance(output, torch.Tensor):
-        return [("", output)]
-    if isinstance(output, tuple | list):
-        return [(f"[{i}]", t) for i, t in enumerate(output) if isinstance(t, torch.Tensor)]
-    return []
+    """Every tensor in a forward's output with its tensor_path, as design.md spells paths.
+
+    Tuples and lists `[i]`, mappings `['key']` (a Hugging Face ModelOutput is one), namedtuples
+    and dataclasses `.field`; anything else is opaque (a Cache object, a string). Each object is
+    visited once: a tensor reachable twice is described at its first path.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect(output, "", set(), found, 0)
+    return found
+
+
+def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> None:
+    """Depth-first walk behind `output_tensors`."""
+    if id(obj) in seen or depth > 16 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        seen.add(id(obj))
+        found.append((path, obj))
+        return
+    if isinstance(obj, str | bytes | int | float | bool):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{path}[{key!r}]", seen, found, depth + 1)
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for name, value in zip(obj._fields, obj, strict=False):
+            _collect(value, f"{path}.{name}", seen, found, depth + 1)
+    elif isinstance(obj, tuple | list):
+        for index, value in enumerate(obj):
+            _collect(value, f"{path}[{index}]", seen, found, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for item in dataclasses.fields(obj):
+            _collect(getattr(obj, item.name, None), f"{path}.{item.name}", seen, found, depth + 1)
+
+
+def default_layer_names(model: nn.Module) -> list[str]:
+    """The layers design.md's default rule selects, computed here independently: every leaf
+    module, and nn.MultiheadAttention as one layer (its out_proj is never called)."""
+    names: list[str] = []
+    holders: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{holder}.") for holder in holders):
+            continue
+        if type(module).forward is nn.MultiheadAttention.forward:
+            holders.append(name)
+            names.append(name)
+        elif not list(module.children()):
+            names.append(name)
+    return names
+
+
+# --- the recorder on the copy ------------------------------------------------------------------
 
 
 class HookRecorder:
     """Forward hooks on the named modules of a model; gradient hooks on what they return.
 
-    `profiles[key]` is the NumPy profile of each output (signal "output") and of the gradient into
-    it ("output_gradient"), for the forwards run since the last `reset()`.
+    Root forward `i` of `model` is sample `i // every` when `i % every == 0` (as
+    EveryNForwardsSampler(every) decides); each call of a named module inside a sampled root
+    forward is recorded in `tensors[(sample_id, layer, call_index, signal, tensor_path)]`, and
+    the gradient into each returned tensor under signal "output_gradient". `profiles` holds the
+    latest sample as plain metric dicts (the shape older tests compare).
     """
 
-    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
-        self.profiles: dict[Key, dict[str, float]] = {}
+    def __init__(self, model: nn.Module, names: Iterable[str], every: int = 1) -> None:
+        self.sample_id: int | None = None
+        self.tensors: dict[SampleKey, ReferenceTensor] = {}
         self.calls: dict[str, int] = {}
+        self.root_forwards = 0
+        self._every = every
+        self._depth = 0
+        # Unfired gradient hooks by autograd identity: the keys of every call that returned it.
+        self._uses: dict[tuple[int, int, int], list[SampleKey]] = {}
+        self._alive: list[Any] = []
         modules = dict(model.named_modules())
-        for name in names:
-            modules[name].register_forward_hook(self._forward_hook(name))
+        self.names = list(names)
+        # A root forward delimits a sample: a module run outside one (checkpointing's recompute
+        # during backward) is not a call of a sampled forward. The end hook is registered first
+        # and the layer hooks prepended, so a root that is itself a layer is recorded before.
+        model.register_forward_pre_hook(self._begin_root)
+        model.register_forward_hook(self._end_root)
+        for name in self.names:
+            modules[name].register_forward_hook(self._forward_hook(name), prepend=True)
 
-    def reset(self) -> None:
-        self.profiles = {}
+    @property
+    def profiles(self) -> dict[Key, dict[str, float]]:
+        """The latest sample's rows, metric -> value (older tests' view)."""
+        latest = max((key[0] for key in self.tensors), default=None)
+        return {
+            key[1:]: {m: v for m, v in row.values.items() if v is not None}  # type: ignore[misc]
+            for key, row in self.tensors.items()
+            if key[0] == latest
+        }
+
+    def _begin_root(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return  # a root call inside a root forward belongs to it
+        index = self.root_forwards
+        self.root_forwards += 1
+        self.sample_id = index // self._every if index % self._every == 0 else None
         self.calls = {}
 
-    def _forward_hook(self, name: str) -> Any:
+    def _end_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.sample_id = None
+
+    def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.sample_id is None:
+                return
             call_index = self.calls.get(name, 0)
             self.calls[name] = call_index + 1
             for path, tensor in output_tensors(output):
-                self.profiles[(name, call_index, "output", path)] = numpy_profile(tensor)
-                if tensor.requires_grad:
-                    tensor.register_hook(self._gradient_hook((name, call_index, path)))
+                key = (self.sample_id, name, call_index, "output", path)
+                self.tensors[key] = reference_tensor(tensor)
+                if tensor.requires_grad and torch.is_grad_enabled():
+                    self._hook_gradient(tensor, (self.sample_id, name, call_index, path))
 
         return hook
 
-    def _gradient_hook(self, where: tuple[str, int, str]) -> Any:
-        name, call_index, path = where
+    def _hook_gradient(self, tensor: torch.Tensor, where: tuple[int, str, int, str]) -> None:
+        """One hook per autograd identity (tensor object, node, output number) at return time."""
+        sample_id, name, call_index, path = where
+        gradient_key = (sample_id, name, call_index, "output_gradient", path)
+        node = tensor.grad_fn
+        # Held for the recorder's life, so no id below is reused by a later object.
+        self._alive.append((tensor, node))
+        identity = (id(tensor), id(node), tensor.output_nr)
+        uses = self._uses.get(identity)
+        if uses is not None:
+            uses.append(gradient_key)
+            return
+        uses = [gradient_key]
+        self._uses[identity] = uses
 
-        def hook(grad: torch.Tensor) -> None:
-            self.profiles.setdefault(
-                (name, call_index, "output_gradient", path), numpy_profile(grad)
-            )
+        def on_gradient(grad: torch.Tensor) -> None:
+            if self._uses.get(identity) is not uses:
+                return  # fired before: the first backward that reaches an output counts
+            del self._uses[identity]
+            row = reference_tensor(grad)
+            per_layer: dict[str, int] = {}
+            for key in uses:
+                per_layer[key[1]] = per_layer.get(key[1], 0) + 1
+            for key in uses:
+                shared = per_layer[key[1]]
+                self.tensors[key] = row if shared == 1 else shared_reference(row, shared)
 
-        return hook
+        tensor.register_hook(on_gradient)
+
+
+# --- the observed side -------------------------------------------------------------------------
+
+
+@dataclass
+class ObservedTensor:
+    """The rows of one tensor in history.parquet."""
+
+    values: dict[str, float | None] = field(default_factory=dict)
+    reasons: dict[str, str | None] = field(default_factory=dict)
+    shape: tuple[int, ...] | None = None
+    dtype: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def observed_tensors(history: pl.DataFrame) -> dict[SampleKey, ObservedTensor]:
+    """history.parquet grouped by tensor: (sample_id, layer, call_index, signal, tensor_path)."""
+    known = {"sample_id", "layer", "call_index", "signal", "tensor_path", "metric", "value"}
+    known |= {"unavailable_reason", "shape", "dtype"}
+    out: dict[SampleKey, ObservedTensor] = {}
+    for row in history.iter_rows(named=True):
+        key = (row["sample_id"], row["layer"], row["call_index"], row["signal"], row["tensor_path"])
+        entry = out.setdefault(key, ObservedTensor())
+        entry.values[row["metric"]] = row["value"]
+        entry.reasons[row["metric"]] = row["unavailable_reason"]
+        entry.shape = None if row["shape"] is None else tuple(row["shape"])
+        entry.dtype = row["dtype"]
+        entry.extra = {k: v for k, v in row.items() if k not in known}
+    return out
 
 
 def observed_profiles(history: pl.DataFrame, sample_id: int) -> dict[Key, dict[str, float | None]]:
@@ -111,3 +358,167 @@ def assert_profiles_match(
             got = observed[key][metric]
             assert got is not None, (key, metric)
             assert abs(got - expected) <= abs_ + rel * abs(expected), (key, metric, got, expected)
+
+
+# --- the comparison ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a value must be to NumPy's, per kind of metric.
+
+    On the CPU both sides reduce the very same values in float64: moments agree to rounding
+    (relative 1e-9, plus 1e-12 of the largest magnitude for means near 0), order statistics
+    and fractions to the last bits. On an accelerator the observed and the reference runs are
+    two runs of the model, which may differ in the last bits of float32 kernels.
+    """
+
+    moments: float = 1e-9
+    order: float = 1e-12
+    fractions: float = 1e-12
+
+    def close(self, metric: str, got: float, want: float, scale: float) -> bool:
+        if metric in MOMENTS:
+            return abs(got - want) <= self.moments * (abs(want) + scale) + 1e-300
+        if metric in FRACTIONS:
+            return abs(got - want) <= self.fractions
+        return abs(got - want) <= self.order * max(abs(want), scale) + 1e-300
+
+
+CPU_TOLERANCE = Tolerance()
+ACCELERATOR_TOLERANCE = Tolerance(moments=1e-5, order=1e-5, fractions=1e-3)
+
+
+def compare(
+    observed: Mapping[SampleKey, ObservedTensor],
+    reference: Mapping[SampleKey, ReferenceTensor],
+    *,
+    tolerance: Tolerance = CPU_TOLERANCE,
+    compare_shapes: bool = True,
+    unrecorded: Mapping[SampleKey, str] | None = None,
+) -> list[str]:
+    """Every difference between the rows and the reference, both directions, as lines."""
+    problems: list[str] = []
+    unrecorded = unrecorded or {}
+    for key in sorted(set(observed) - set(reference), key=str):
+        problems.append(f"row without a reference tensor: {key}")
+    for key in sorted(set(reference) - set(observed), key=str):
+        if key not in unrecorded:
+            problems.append(f"reference tensor without a row (and no stated reason): {key}")
+    for key in sorted(set(reference) & set(observed), key=str):
+        want, got = reference[key], observed[key]
+        if compare_shapes and (got.shape, got.dtype) != (want.shape, want.dtype):
+            problems.append(
+                f"{key}: shape/dtype {got.shape} {got.dtype} != {want.shape} {want.dtype}"
+            )
+        for metric in METRICS:
+            if metric not in got.values:
+                problems.append(f"{key}: no {metric} row")
+                continue
+            value, reason = got.values[metric], got.reasons.get(metric)
+            expected = want.values[metric]
+            if expected is None:
+                if value is not None or reason is None:
+                    problems.append(f"{key} {metric}: {value} ({reason}), expected null + reason")
+                elif want.reason is not None and not re.search(want.reason, reason):
+                    problems.append(f"{key} {metric}: reason {reason!r} !~ {want.reason!r}")
+            elif value is None:
+                problems.append(f"{key} {metric}: null ({reason}), expected {expected!r}")
+            elif not (
+                math.isfinite(value) and tolerance.close(metric, value, expected, want.scale)
+            ):
+                problems.append(f"{key} {metric}: {value!r} != {expected!r} (NumPy)")
+    return problems
+
+
+def assert_conforms(
+    history: pl.DataFrame,
+    recorder: HookRecorder,
+    *,
+    tolerance: Tolerance = CPU_TOLERANCE,
+    compare_shapes: bool = True,
+    unrecorded: Mapping[SampleKey, str] | None = None,
+) -> None:
+    """history.parquet equals the reference in both directions (see `compare`)."""
+    problems = compare(
+        observed_tensors(history),
+        recorder.tensors,
+        tolerance=tolerance,
+        compare_shapes=compare_shapes,
+        unrecorded=unrecorded,
+    )
+    shown = "\n  ".join(problems[:40])
+    more = f"\n  ... {len(problems) - 40} more" if len(problems) > 40 else ""
+    assert not problems, f"{len(problems)} differences from plain hooks:\n  {shown}{more}"
+
+
+# --- running one model both ways ---------------------------------------------------------------
+
+Step = Callable[[nn.Module, int], Any]
+
+
+@dataclass
+class Conformance:
+    """One model observed and, on a deep copy, hooked; what both saw."""
+
+    history: pl.DataFrame
+    recorder: HookRecorder
+    layers: list[str]
+    catalog: list[str]
+    observed_outputs: list[Any]
+    reference_outputs: list[Any]
+
+    def assert_conforms(self, **kwargs: Any) -> None:
+        """The catalog lists the reference's layers, and every row equals the reference."""
+        assert self.catalog == self.layers
+        assert_conforms(self.history, self.recorder, **kwargs)
+
+
+def run_both(
+    model: nn.Module,
+    step: Step,
+    run_dir: Path,
+    *,
+    reference_step: Step | None = None,
+    steps: int = 1,
+    every: int = 1,
+    prepare: Callable[[nn.Module], Any] | None = None,
+    names: list[str] | None = None,
+    **inject_kwargs: Any,
+) -> Conformance:
+    """Observe `model` for `steps` steps and run a deep copy of it with plain hooks.
+
+    `step(model, i)` is one step (forward, and backward if any), seeded identically on both sides
+    (`torch.manual_seed(1000 + i)` before it). `reference_step` replaces it on the copy (a
+    torch.func step's plain equivalent). `prepare` turns the model into what is observed (e.g.
+    `torch.compile`); the copy runs eagerly. Forward `i` is sampled when `i % every == 0`.
+    """
+    reference_model = copy.deepcopy(model)
+    layers = names if names is not None else default_layer_names(reference_model)
+    recorder = HookRecorder(reference_model, layers, every)
+    observed_model = prepare(model) if prepare is not None else model
+    directory = inject_observer(
+        observed_model, output_dir=run_dir, sampler=EveryNForwardsSampler(every), **inject_kwargs
+    )
+    assert directory is not None
+    observed_outputs = []
+    try:
+        for i in range(steps):
+            torch.manual_seed(1000 + i)
+            observed_outputs.append(step(observed_model, i))
+    finally:
+        remove_observer(observed_model)
+    reference_outputs = []
+    for i in range(steps):
+        torch.manual_seed(1000 + i)
+        reference_outputs.append((reference_step or step)(reference_model, i))
+    history = pl.read_parquet(directory / "history.parquet")
+    result = json.loads((directory / "result.json").read_text("utf-8"))
+    catalog = [entry["layer"] for entry in result]
+    return Conformance(history, recorder, layers, catalog, observed_outputs, reference_outputs)
+
+
+def leaves(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a step's result, for comparing the two runs' results."""
+    for _, tensor in output_tensors(output):
+        yield tensor

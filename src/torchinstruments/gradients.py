@@ -16,6 +16,15 @@ kept on live leaves; beyond that the oldest is removed (its gradient, if a backw
 that old output, is then not recorded; warned once). A loop of forwards without backward that
 returns a fresh leaf each time (an input returned as is) otherwise kept one entry per sample.
 
+In-place outputs: the gradient recorded for a layer is the one into the tensor as that layer
+returned it. A hook registered on a tensor attaches to its autograd node at that moment, and an
+in-place op that reuses the object (`Linear -> ReLU(inplace=True)`: both layers return the same
+tensor) gives it a new node: the Linear's hook still receives the gradient into the Linear's
+result, while the ReLU's gradient flows into the new node. So hooks are keyed by the tensor and
+its version counter at return time (every in-place op bumps it, and an in-place op under autograd
+is what gives a tensor a new node): a tensor returned again after an in-place op gets a hook of its
+own, registered then, exactly as `register_hook` on the ReLU's return value does.
+
 Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
 one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
 an Identity applied twice to one tensor, a leaf input passed through an Identity in two sampled
@@ -23,8 +32,9 @@ forwards before one backward), that sum belongs to none of those calls, so each 
 rows is null with the reason `reasons.shared_output`, never the sum credited to one call. Distinct
 layers returning one tensor once each (a Linear followed by an Identity, or by a Dropout in eval,
 which returns its input) each get that tensor's gradient, as a hook on it would. Each tensor gets
-at most one unfired hook of ours, holding every call that returned it. An output returned under
-`torch.no_grad()` gets no hook: no gradient can flow back through that use.
+at most one unfired hook of ours per version, holding every call that returned it at that
+version (the hook of an earlier version stays registered and records its own calls). An output
+returned under `torch.no_grad()` gets no hook: no gradient can flow back through that use.
 """
 
 from __future__ import annotations
@@ -54,16 +64,27 @@ Emit = Callable[[SampleRecord], None]
 WarnOnce = Callable[[str, str], None]
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place op); None where it has none."""
+    try:
+        return tensor._version
+    except Exception:  # tensor subclasses without a version counter
+        return None
+
+
 class _GradientHook:
     """`Tensor.register_hook` callback: records the first gradient into one sampled output
     (or, for a tensor several sampled calls returned, a null row per call)."""
 
-    __slots__ = ("calls", "fired", "recorder")
+    __slots__ = ("calls", "fired", "recorder", "version")
 
-    def __init__(self, recorder: GradientRecorder, key: TensorKey, focus: bool) -> None:
+    def __init__(
+        self, recorder: GradientRecorder, key: TensorKey, focus: bool, version: int | None
+    ) -> None:
         self.recorder = recorder
         self.calls: list[tuple[TensorKey, bool]] = [(key, focus)]
         self.fired = False
+        self.version = version  # the tensor's version counter when it was hooked
 
     def __call__(self, grad: torch.Tensor) -> None:
         if not self.fired and not self.recorder.closed:
@@ -109,12 +130,14 @@ class GradientRecorder:
         try:
             if not tensor.requires_grad or not key.grad_enabled:
                 return
+            version = _version(tensor)
             with self._lock:
                 hook = self._unfired.get(tensor)
-                if hook is not None and not hook.fired:
+                if hook is not None and not hook.fired and hook.version == version:
                     hook.calls.append((key, focus))  # the same tensor, returned again
                     return
-                hook = _GradientHook(self, key, focus)
+                # New, or changed in place since (a new autograd node): a hook of its own.
+                hook = _GradientHook(self, key, focus, version)
                 self._unfired[tensor] = hook
             handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:

@@ -48,7 +48,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from torchinstruments import reasons
-from torchinstruments._torch_internals import WeakIdKeyDictionary, queue_at_backward_end
+from torchinstruments._torch_internals import (
+    WeakIdKeyDictionary,
+    queue_at_backward_end,
+    tensor_version,
+)
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
     PendingTensor,
@@ -67,7 +71,7 @@ WarnOnce = Callable[[str, str], None]
 def _version(tensor: torch.Tensor) -> int | None:
     """The tensor's version counter (bumped by every in-place op); None where it has none."""
     try:
-        return tensor._version
+        return tensor_version(tensor)
     except Exception:  # tensor subclasses without a version counter
         return None
 

@@ -234,3 +234,91 @@ def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, learning_rate: 
             if parameter.grad is not None:
                 parameter -= learning_rate * parameter.grad
     return loss.item()
+
+
+def cli_in_process(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`torchinstruments ARGS` in this process (the entry point the script calls)."""
+    import contextlib
+    import io
+
+    from torchinstruments.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+# -- heatmap PNGs ------------------------------------------------------------------------------
+
+
+def read_heatmap(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
+    """A heatmap PNG's RGB pixels and the JSON of its "Description" text chunk."""
+    from PIL import Image
+
+    image = Image.open(path)
+    return np.asarray(image.convert("RGB")), json.loads(image.text["Description"])  # type: ignore[attr-defined]
+
+
+def heatmap_cell(panel: dict[str, Any], row: int, column: int) -> tuple[int, int]:
+    """(y, x) of the centre pixel of a cell."""
+    return (
+        panel["top"] + row * panel["cell_height"] + panel["cell_height"] // 2,
+        panel["left"] + column * panel["cell_width"] + panel["cell_width"] // 2,
+    )
+
+
+def expected_colours(
+    history: pl.DataFrame, metric: str, sig: str, tensors: list[tuple[str, int, str]], x: str
+) -> tuple[dict[tuple[int, int], tuple[int, ...]], list[Any]]:
+    """Per (row, column): the colour the cell must have; and the columns' x values."""
+    from matplotlib import colormaps
+    from matplotlib.colors import Normalize
+
+    from torchinstruments.cli.heatmap import ABSENT_COLOUR, NULL_COLOUR
+
+    rows = history.filter(pl.col("metric") == metric)
+    columns = sorted(set(rows[x].to_list()))
+    panel = rows.filter(pl.col("signal") == sig)
+    finite = [v for v in panel["value"].to_list() if v is not None and np.isfinite(v)]
+    norm = Normalize(min(finite), max(finite))
+    cmap = colormaps["viridis"]
+    out: dict[tuple[int, int], tuple[int, ...]] = {}
+    for r, (layer, call, path) in enumerate(tensors):
+        series = panel.filter(
+            pl.col("layer") == layer, pl.col("call_index") == call, pl.col("tensor_path") == path
+        )
+        got = dict(zip(series[x].to_list(), series["value"].to_list(), strict=True))
+        for c, at in enumerate(columns):
+            if at not in got:
+                out[r, c] = ABSENT_COLOUR
+            elif got[at] is None:
+                out[r, c] = NULL_COLOUR
+            else:
+                out[r, c] = tuple(int(v) for v in cmap(norm(got[at]), bytes=True)[:3])
+    return out, columns
+
+
+def check_heatmap(
+    png: Path, history: pl.DataFrame, metric: str, tensors: list[tuple[str, int, str]], x: str
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Every cell of every panel of a heatmap PNG has the colour computed from `history`.
+
+    `tensors` are the rows the image must have, in order; the columns are `history`'s sorted
+    `x` values. A measured value: viridis over the panel's finite min..max; a null: the null
+    colour; no row: the absent colour. Returns the pixels and the metadata.
+    """
+    pixels, meta = read_heatmap(png)
+    assert meta["metric"] == metric
+    assert [tuple(t) for t in meta["rows"]] == tensors
+    for panel in meta["panels"]:
+        want, columns = expected_colours(history, metric, panel["signal"], tensors, x)
+        assert meta["columns"] == columns
+        bottom = panel["top"] + panel["cell_height"] * len(tensors)
+        right = panel["left"] + panel["cell_width"] * len(columns)
+        assert bottom < pixels.shape[0]
+        assert right < pixels.shape[1]
+        for (r, c), colour in want.items():
+            y, xx = heatmap_cell(panel, r, c)
+            assert tuple(pixels[y, xx]) == pytest.approx(colour, abs=1), (panel["signal"], r, c)
+    return pixels, meta

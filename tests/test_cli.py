@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -45,7 +46,7 @@ from torchinstruments.__main__ import main
 from torchinstruments.cli.plot import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
 from torchinstruments.rundir.layout import list_parts
 
-from conftest import run_cli, sgd_step
+from conftest import check_heatmap, run_cli, sgd_step
 
 SAMPLES = 7
 WINDOW = 3
@@ -55,6 +56,7 @@ ROWS_PER_SAMPLE = (OUTPUT_TENSORS + LAYERS_WITH_GRADIENT) * len(DEFAULT_METRICS)
 WAIT_S = 120.0
 CHILD_LIFETIME_S = 300.0
 SERIES = ["layer", "call_index", "signal", "tensor_path", "metric"]
+TENSORS = [("fc1", 0, ""), ("act", 0, ""), ("shared", 0, ""), ("shared", 1, ""), ("empty", 0, "")]
 
 
 class Empty(nn.Module):
@@ -331,12 +333,15 @@ def test_live_crashed_and_finalized_runs(
     assert result.returncode == 0, result.stderr
     assert Image.open(png).size[0] > 300
 
+    heatmaps = [heatmap_of(directory, tmp_path / "live", parts)]
+
     # crashed: SIGKILL, the parts stay, the commands still read them
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)
     assert list_parts(directory) == parts
     crashed = check_show(directory, parts)
     assert crashed["rows"] == payload["rows"]
+    heatmaps.append(heatmap_of(directory, tmp_path / "crashed", parts))
 
     # finalized: history.parquet replaces the parts, same numbers
     result = run_cli("finalize", directory)
@@ -345,6 +350,18 @@ def test_live_crashed_and_finalized_runs(
     final = check_show(directory, [directory / "history.parquet"])
     assert final["rows"] == payload["rows"]
     assert final["run"]["counts"].startswith("counts (lower bounds")
+    heatmaps.append(heatmap_of(directory, tmp_path / "final", [directory / "history.parquet"]))
+    assert all(np.array_equal(heatmaps[0], other) for other in heatmaps[1:])
+
+
+def heatmap_of(directory: Path, out: Path, files: list[Path]) -> np.ndarray:
+    """`heatmap --metrics mean` of `directory`, its cells checked against `files`; the pixels."""
+    out.mkdir()
+    result = cli("heatmap", directory, "--metrics", "mean", "-o", out)
+    assert result.returncode == 0, result.stderr
+    history = pl.concat([pl.read_parquet(f, glob=False) for f in files])
+    pixels, _ = check_heatmap(out / "heatmap-mean.png", history, "mean", TENSORS, "sample_id")
+    return pixels
 
 
 def test_a_merge_between_listing_and_reading_is_retried(tmp_path: Path) -> None:

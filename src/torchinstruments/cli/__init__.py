@@ -1,11 +1,11 @@
-"""Reading a run from the command line: `show`, `compare` and `plot`.
+"""Reading a run from the command line: `show`, `compare`, `plot` and `heatmap`.
 
 Design decision: these commands read run directories with Polars only; nothing here (nor what it
 imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in a fraction of a
 second and works where torch is not installed. `add_commands` puts the subcommands on the
 package's argparse parser (`torchinstruments.__main__`), and `run_command` runs one; each command
 imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
-usage (argparse), 3 matplotlib missing (plot).
+usage (argparse), 3 matplotlib missing (plot, heatmap).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torchinstruments.cli.show import Selection
 
-COMMANDS = ("show", "compare", "plot")
+COMMANDS = ("show", "compare", "plot", "heatmap")
 _X_CHOICES = ("sample_id", "forward_index")
 
 
@@ -96,7 +96,7 @@ def _format_option(cmd: argparse.ArgumentParser) -> None:
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `show`, `compare` and `plot` to the package's subcommand parsers."""
+    """Add `show`, `compare`, `plot` and `heatmap` to the package's subcommand parsers."""
     cmd = commands.add_parser(
         "show",
         help="a finished or live run: facts, latest values and recent window means",
@@ -157,6 +157,37 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         default=10,
         metavar="N",
         help="draw at most N tensors (lines per panel), in traversal order (default 10)",
+    )
+
+    cmd = commands.add_parser(
+        "heatmap",
+        help="PNG per metric: tensors down, samples across (needs matplotlib: the `plot` extra)",
+        description="Write one image per metric: tensors (traversal order) down, samples "
+        "across, output and output_gradient side by side, one colour scale per panel. Null "
+        "values, nonfinite values and missing rows each have their own colour. Needs "
+        "matplotlib (pip install 'torchinstruments[plot]').",
+    )
+    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    _selection_options(cmd, window=False)
+    cmd.add_argument(
+        "--x",
+        choices=_X_CHOICES,
+        default="sample_id",
+        help="order and label the columns by sample_id (default) or forward_index",
+    )
+    cmd.add_argument(
+        "--scale",
+        choices=("linear", "robust", "log"),
+        default="linear",
+        help="colour scale of each panel: linear min..max (default), robust (2nd..98th "
+        "percentile) or log (symmetric log when values are not all positive)",
+    )
+    cmd.add_argument(
+        "-o",
+        "--output-dir",
+        type=Path,
+        metavar="DIR_OUT",
+        help="directory for heatmap-<metric>.png (default: DIR)",
     )
 
 
@@ -234,6 +265,25 @@ def run_command(args: argparse.Namespace) -> int:
                     f"({', '.join(result.left_out[:5])}{', ...' if len(result.left_out) > 5 else ''}); "
                     "choose with --layers REGEX or raise --max-tensors",
                     file=sys.stderr,
+                )
+            return 0
+        if args.command == "heatmap":
+            from torchinstruments.cli import heatmap
+
+            output_dir = args.output_dir or Path(args.directory)
+            if not output_dir.is_dir():
+                raise ValueError(f"--output-dir {output_dir} is not an existing directory")
+            try:
+                results = heatmap.heatmap(
+                    args.directory, output_dir, _selection(args), x=args.x, scale=args.scale
+                )
+            except heatmap.MatplotlibMissingError as exc:
+                print(f"{prog}: {exc}", file=sys.stderr)
+                return 3
+            for r in results:
+                print(
+                    f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric}, "
+                    f"{r.rows} tensor(s) x {r.columns} sample(s)"
                 )
             return 0
     except (NotARunError, ValueError) as exc:

@@ -279,8 +279,9 @@ def metric_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
 def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
     """Layers in traversal order (index.md), then any others, sorted."""
     declared = [li.name for li in run.layers] if run is not None else []
-    ordered = [name for name in declared if name in set(present)]
-    return ordered + sorted(set(present) - set(ordered))
+    wanted = set(present)
+    ordered = [name for name in declared if name in wanted]
+    return ordered + sorted(wanted - set(ordered))
 
 
 def parse_list(text: str | None) -> list[str] | None:

@@ -89,6 +89,23 @@ def strict_json(path: Path) -> Any:
     return strict_loads(path.read_text(encoding="utf-8"))
 
 
+# The one State line index.md shows for each status of the state file.
+STATE_LINES = {
+    "in progress": "**State: in progress.**",
+    "complete": "**State: complete.**",
+    "interrupted": "**State: interrupted.**",
+    "incomplete": "**State: INCOMPLETE.**",
+}
+
+
+def run_status(directory: Path) -> str:
+    """The status in `directory/.state.json`; index.md must show that State line and no other."""
+    status = strict_json(directory / ".state.json")["status"]
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert [s for s, line in STATE_LINES.items() if line in page] == [status], page[:400]
+    return status
+
+
 def read_result(directory: Path) -> list[dict[str, Any]]:
     """result.json, rejecting NaN and Infinity."""
     return strict_json(directory / "result.json")

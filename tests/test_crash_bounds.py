@@ -42,7 +42,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import sgd_step
+from conftest import run_status, sgd_step
 
 FLUSH_SECONDS = 1.0
 LAYERS = 3  # Linear, Tanh, Linear: all three are focus layers and get a gradient
@@ -207,8 +207,7 @@ def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_pat
     assert part_files(directory) == []
     index = (directory / "index.md").read_text("utf-8")
     # a killed run is never called complete: what it held in memory is unknown
-    assert "<!-- torchinstruments:state:complete -->" not in index
-    assert "<!-- torchinstruments:state:interrupted -->" in index
+    assert run_status(directory) == "interrupted"
     assert f"flush_seconds={FLUSH_SECONDS}" in index
     assert "state: interrupted" in done.stdout  # the CLI says the same
     shown = subprocess.run(
@@ -244,8 +243,7 @@ def test_sigterm_chains_to_the_handler_installed_before(tmp_path: Path) -> None:
     # (interpreter exit finalizes an unremoved observer): complete, with every printed step
     history = pl.read_parquet(directory / "history.parquet", glob=False)
     assert set(steps) <= set(history["sample_id"].unique().to_list())
-    index = (directory / "index.md").read_text("utf-8")
-    assert "<!-- torchinstruments:state:complete -->" in index
+    assert run_status(directory) == "complete"
     assert part_files(directory) == []
 
 

@@ -1,4 +1,4 @@
-"""index.md: content, run-info round trip, and every Polars query in it runs on real files."""
+"""index.md: content rendered from a state, and every Polars query in it runs on real files."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
-from torchinstruments.rundir.index_page import read_run_info, render_index, write_index
+from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.merge import merge_history
+from torchinstruments.rundir.state import RunState
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 
@@ -79,7 +80,7 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_page_documents_the_run(tmp_path: Path) -> None:
-    text = render_index(run_info(tmp_path), RunCounts(100, 25, 24))
+    text = render_index(RunState(run_info(tmp_path), RunCounts(100, 25, 24)))
     for needle in (
         "torchinstruments 0.1.0",
         "torch 2.15.0",
@@ -109,19 +110,7 @@ def test_page_documents_the_run(tmp_path: Path) -> None:
         assert needle in text, needle
     for column in ("sample_id", "unavailable_reason", "shape", "grad_enabled"):
         assert f"| {column} |" in text
-    assert "in progress" in render_index(run_info(tmp_path), None)
-
-
-def test_run_info_round_trip(tmp_path: Path) -> None:
-    run = run_info(tmp_path, rank=1)
-    write_index(tmp_path, run, None)
-    assert read_run_info(tmp_path) == run
-
-
-def test_missing_block_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "index.md").write_text("# hand-written\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="run-info"):
-        read_run_info(tmp_path)
+    assert "in progress" in render_index(RunState(run_info(tmp_path)))
 
 
 class WithEmpty(nn.Module):
@@ -216,7 +205,7 @@ def test_rank_comparison_query_runs(tmp_path: Path) -> None:
     stats = tmp_path / "stats[1]"  # glob characters in the parent: read literally
     for rank in (0, 1):
         write_history(stats / f"rank-{rank:03d}", rank=rank)
-    text = render_index(run_info(stats / "rank-001", rank=1), RunCounts(6, 6, 6))
+    text = render_index(RunState(run_info(stats / "rank-001", rank=1), RunCounts(6, 6, 6)))
     blocks = [b for b in python_blocks(text) if "rank-*" in b]
     assert len(blocks) == 1
     namespace: dict = {}

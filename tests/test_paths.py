@@ -24,7 +24,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import read_result
+from conftest import read_result, run_status
 
 STEPS = 4
 LAYERS = 2  # Linear, ReLU
@@ -81,8 +81,7 @@ def assert_complete(directory: Path, expected_means: list[float]) -> None:
     assert not (directory / "history.parts").exists()
     result = read_result(directory)
     assert result[0]["tensors"][0]["metrics"]["mean"]["observations"] == STEPS
-    index = (directory / "index.md").read_text("utf-8")
-    assert "<!-- torchinstruments:state:complete -->" in index
+    assert run_status(directory) == "complete"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -12,6 +12,7 @@ import torchinstruments
 from torchinstruments import reasons
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.index_page import render_index
+from torchinstruments.rundir.state import RunState
 
 SOURCE = Path(torchinstruments.__file__).parent
 
@@ -59,7 +60,7 @@ def test_index_page_explains_every_template() -> None:
         Path("/tmp/run"), "0", "0", "Net", (LayerInfo("a", "Linear"),), (), "s", ("mean",),
         None, None, "rank0", True, 10, 3, "now",
     )  # fmt: skip
-    page = render_index(run, None)
+    page = render_index(RunState(run))
     for entry in reasons.REASONS:
         assert f"- `{entry.template}`: {entry.meaning}" in page
 

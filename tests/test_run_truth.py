@@ -39,11 +39,9 @@ from torchinstruments import (
 )
 from torchinstruments.rundir.writer import HistoryWriter
 
-from conftest import read_result
+from conftest import read_result, run_status
 
 METRICS = len(DEFAULT_METRICS)
-COMPLETE = "<!-- torchinstruments:state:complete -->"
-INCOMPLETE = "<!-- torchinstruments:state:incomplete -->"
 
 
 class Jagged(nn.Module):
@@ -119,7 +117,7 @@ def test_jagged_nested_tensor_next_to_ordinary_layers(run_dir: Path) -> None:
     assert metric("jag", "mean") == pytest.approx([e.mean() for e in entries], rel=1e-6)
     assert metric("jag", "std") == pytest.approx([e.std() for e in entries], rel=1e-6)
     assert metric("jag", "max") == pytest.approx([e.max() for e in entries], rel=1e-6)
-    assert COMPLETE in index_text(run_dir)
+    assert run_status(run_dir) == "complete"
     assert [layer["layer"] for layer in read_result(run_dir)] == ["lin", "jag", "out"]
 
 
@@ -161,8 +159,7 @@ def test_failing_result_json_never_prevents_history(run_dir: Path) -> None:
     assert history.height == 3 * ROWS_SMALL
     index = index_text(run_dir)
     assert "result.json could not be written" in index
-    assert INCOMPLETE in index
-    assert COMPLETE not in index
+    assert run_status(run_dir) == "incomplete"
 
 
 def test_failing_tensorboard_never_prevents_history(
@@ -180,8 +177,7 @@ def test_failing_tensorboard_never_prevents_history(
     assert history.height == 3 * ROWS_SMALL
     index = index_text(run_dir)
     assert "TensorBoard events" in index
-    assert INCOMPLETE in index
-    assert COMPLETE not in index
+    assert run_status(run_dir) == "incomplete"
 
 
 def test_tensorboard_path_taken_by_a_file_never_prevents_history(run_dir: Path) -> None:
@@ -204,8 +200,7 @@ def test_index_says_how_many_rows_were_lost_and_why(run_dir: Path) -> None:
     with pytest.warns(RuntimeWarning, match="history"):
         remove_observer(model)
     index = index_text(run_dir)
-    assert COMPLETE not in index
-    assert INCOMPLETE in index
+    assert run_status(run_dir) == "incomplete"
     lost = 3 * ROWS_SMALL
     assert re.search(rf"\b{lost} of the {lost} rows\b[^\n]*lost", index), index
     assert "Not a directory" in index  # the write error itself
@@ -220,8 +215,7 @@ def test_failed_merge_is_incomplete_until_finalize_completes_it(run_dir: Path) -
     with pytest.warns(RuntimeWarning, match="finalize"):
         remove_observer(model)
     index = index_text(run_dir)
-    assert INCOMPLETE in index
-    assert COMPLETE not in index
+    assert run_status(run_dir) == "incomplete"
     assert "history.parts" in index
     shutil.rmtree(run_dir / "history.parquet")
     done = subprocess.run(
@@ -234,7 +228,7 @@ def test_failed_merge_is_incomplete_until_finalize_completes_it(run_dir: Path) -
     assert done.returncode == 0, done.stderr
     assert "state: complete" in done.stdout
     assert pl.read_parquet(run_dir / "history.parquet").height == 3 * ROWS_SMALL
-    assert COMPLETE in index_text(run_dir)  # every row the run recorded is there now
+    assert run_status(run_dir) == "complete"  # every row the run recorded is there now
 
 
 class PassThrough(nn.Module):

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import run_status
+
 TIMEOUT_SECONDS = 120
 WORLD_SIZE = 2
 
@@ -117,9 +119,7 @@ def test_all_policy_before_init_writes_one_directory_per_rank(tmp_path: Path) ->
             for step in range(3 + rank)
         ]
         assert means == pytest.approx(expected, rel=1e-6)
-        assert "<!-- torchinstruments:state:complete -->" in (directory / "index.md").read_text(
-            "utf-8"
-        )
+        assert run_status(directory) == "complete"
 
 
 def test_environment_rank_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer
 
-from conftest import read_result
+from conftest import read_result, run_status
 
 
 def test_collected_model_finalizes_its_run(run_dir: Path) -> None:
@@ -51,4 +51,4 @@ def test_process_exiting_without_removal_finalizes_its_run(tmp_path: Path) -> No
     history = pl.read_parquet(run_dir / "history.parquet")
     assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
     assert set(history["signal"]) == {"output", "output_gradient"}
-    assert "<!-- torchinstruments:state:complete -->" in (run_dir / "index.md").read_text()
+    assert run_status(run_dir) == "complete"

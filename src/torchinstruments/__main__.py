@@ -59,7 +59,7 @@ def _finalize(directory: Path) -> int:
     for path in report.removed_temporaries:
         print(f"removed incomplete temporary {path}")
     if report.run_info_recovered:
-        print("index.md had no readable run info; layers were rebuilt from history")
+        print("the directory had no readable run info; layers were rebuilt from history")
     if report.complete and report.interrupted:
         print(
             "state: interrupted: the run ended without remove_observer; every row it wrote is in "

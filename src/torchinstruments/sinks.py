@@ -22,6 +22,7 @@ from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.signals import TermFlush
+from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import FlushTimer, HistoryConfig, HistoryWriter
 
@@ -111,7 +112,9 @@ class DirectorySink:
         forks.track(self)
         self._run = run
         write_catalog(self.directory, run.layers)
-        write_index(self.directory, run, None)
+        state = RunState(run)
+        write_state(self.directory, state)
+        write_index(self.directory, state)
         self._history = history = HistoryWriter(self.directory, self._config)
         self._events = self._open_events()
         self._timer = FlushTimer(
@@ -224,14 +227,10 @@ class DirectorySink:
             self._close_events()
             if history is not None and run is not None:
                 known = (self._events_problem,) if self._events_problem else ()
-                report = finish_run(
-                    self.directory,
-                    run,
-                    counts,
-                    unwritten=unwritten,
-                    problems=known,
-                    rows_recorded=history.rows_produced,
+                state = RunState(
+                    run, counts, rows_recorded=history.rows_produced, live_problems=known
                 )
+                report = finish_run(self.directory, state, unwritten=unwritten)
                 for problem in report.problems:
                     if problem != self._events_problem:  # that one was warned when it happened
                         warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)

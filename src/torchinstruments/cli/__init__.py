@@ -78,7 +78,7 @@ def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> 
             "--window",
             type=_positive,
             metavar="N",
-            help="samples in the recent window (default: the run's window from index.md)",
+            help="samples in the recent window (default: the run's own window)",
         )
 
 
@@ -100,7 +100,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     cmd = commands.add_parser(
         "show",
         help="a finished or live run: facts, latest values and recent window means",
-        description="Print the run's facts from index.md and, per layer, call, signal and tensor, "
+        description="Print the run's facts from its state file and, per layer, call, signal and tensor, "
         "the latest value and the recent window mean of each chosen metric. Works on finished "
         "runs (history.parquet), live or crashed ones (history.parts/).",
     )

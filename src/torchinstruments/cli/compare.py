@@ -109,7 +109,7 @@ def compare(
     Args:
         directory_a: run A (finished, live or crashed).
         directory_b: run B.
-        selection: layers, signals, metrics and window (None: run A's window from index.md).
+        selection: layers, signals, metrics and window (None: run A's own window).
         tolerance: the largest |B - A| that does not count as a difference (>= 0).
         x: "sample_id" or "forward_index", the column samples are matched on.
 

@@ -30,29 +30,25 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments.records import SIGNALS, RunInfo
-from torchinstruments.rundir.index_page import (
-    STATE_COMPLETE,
-    STATE_IN_PROGRESS,
-    STATE_INCOMPLETE,
-    STATE_INTERRUPTED,
-    parse_run_info,
-)
+from torchinstruments.rundir.index_page import counts_sentence
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     HISTORY_SCHEMA,
     INDEX_FILE,
     PARTS_DIR,
+    STATE_FILE,
     list_parts,
     part_number,
 )
 from torchinstruments.rundir.merge import merged_part_numbers
+from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.state import RunState, Status
+from torchinstruments.rundir.summary import SERIES_KEY, TENSOR_KEY
+from torchinstruments.rundir.writer import HistoryConfig
 
-SERIES_KEY = ("layer", "call_index", "signal", "tensor_path", "metric")
-TENSOR_KEY = SERIES_KEY[:-1]
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
-DEFAULT_WINDOW = 10
 _ORDER = "_write_order"
 _RANK_DIR = re.compile(r"^rank-\d+$")
 
@@ -83,14 +79,15 @@ class RunFiles:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What index.md says about a run, plus what its files say now.
+    """What the run's state file says about it, plus what its files say now.
 
     Attributes:
         directory: the run directory.
-        run: the RunInfo embedded in index.md, or None when index.md is missing or unreadable.
+        run: the run's RunInfo, or None when its state is missing or unreadable.
         state: "complete", "in progress", or a sentence saying what is missing.
-        counts: index.md's counts line (without the leading "- "), when it has one.
+        counts: the counts line of index.md (without the leading "- "), when the run has counts.
         files: the files the history was read from.
+        run_state: the state read (`rundir.recovery.load_state`), or None.
     """
 
     directory: Path
@@ -98,6 +95,7 @@ class RunFacts:
     state: str
     counts: str | None
     files: RunFiles
+    run_state: RunState | None = None
 
 
 def rank_directories(directory: Path) -> list[Path]:
@@ -133,7 +131,7 @@ def locate(directory: Path) -> RunFiles:
             f"{directory} holds no run itself but rank directories ({names}): pass one of "
             f"them, e.g. {command_line(ranks[0])}"
         )
-    if (directory / PARTS_DIR).is_dir() or (directory / INDEX_FILE).is_file():
+    if any((directory / name).exists() for name in (PARTS_DIR, STATE_FILE, INDEX_FILE)):
         raise NotARunError(
             f"{directory} is a run without any history yet: no sample has been written "
             f"({PARTS_DIR}/ has no completed part and {HISTORY_FILE} does not exist)"
@@ -178,48 +176,52 @@ def read_history(
 
 
 def read_facts(directory: Path) -> RunFacts:
-    """What index.md says about `directory`, and which files hold its history now."""
+    """What the state file says about `directory`, and which files hold its history now."""
     directory = Path(directory).expanduser()
     files = locate(directory)
     try:
-        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return RunFacts(directory, None, f"{INDEX_FILE} missing or unreadable", None, files)
-    try:
-        run = parse_run_info(text)
-    except (ValueError, KeyError, TypeError):
-        run = None
-    counts = next(
-        (line[2:] for line in text.splitlines() if line.startswith("- counts")),
-        None,
-    )
+        state = load_state(directory)
+    except (OSError, ValueError) as error:
+        why = f"the run's state is unreadable ({type(error).__name__}: {error})"
+        return RunFacts(directory, None, why, None, files)
+    if state is None:
+        why = f"{STATE_FILE} and {INDEX_FILE} missing (settings and layer order unknown)"
+        return RunFacts(directory, None, why, None, files)
+    counts = None if state.counts is None else counts_sentence(state)
+    sentence = _state_sentence(state, files, directory)
+    return RunFacts(directory, state.run, sentence, counts, files, state)
+
+
+def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
+    """The state as `show` prints it; parts not yet merged make a finished run incomplete."""
+    status = state.status
     finalize_command = command_line("torchinstruments", "finalize", directory)
-    if STATE_COMPLETE in text and not files.parts:
-        state = "complete"
-    elif STATE_INTERRUPTED in text and not files.parts:
-        state = (
+    if status is Status.COMPLETE and not files.parts:
+        return "complete"
+    if status is Status.INTERRUPTED and not files.parts:
+        return (
             "interrupted (finalized after the process ended without remove_observer: rows of its "
             "last flush interval may be missing; see index.md)"
         )
-    elif STATE_INCOMPLETE in text:
-        state = "INCOMPLETE (index.md's State section says what is missing and why)"
-    elif STATE_IN_PROGRESS in text:
-        state = (
-            "in progress, or interrupted (index.md has no final counts; if the process is gone, "
+    if status is Status.INCOMPLETE:
+        missing = [
+            *state.problems,
+            *(f"{loss.rows} rows lost: {loss.reason}" for loss in state.losses),
+        ]
+        return "INCOMPLETE: " + "; ".join(missing) + " (see index.md's State section)"
+    if status is Status.IN_PROGRESS:
+        return (
+            "in progress, or interrupted (no final counts yet; if the process is gone, "
             f"`{finalize_command}` completes it)"
         )
-    else:
-        state = f"incomplete (parts not merged yet; `{finalize_command}`)"
-    if counts is not None and "in progress" in counts:
-        counts = None
-    return RunFacts(directory, run, state, counts, files)
+    return f"incomplete (parts not merged yet; `{finalize_command}`)"
 
 
 def window_of(facts: RunFacts, window: int | None) -> int:
-    """The window asked for, else the run's own (index.md), else DEFAULT_WINDOW."""
+    """The window asked for, else the run's own, else `HistoryConfig`'s default."""
     if window is not None:
         return window
-    return facts.run.window if facts.run is not None else DEFAULT_WINDOW
+    return facts.run.window if facts.run is not None else HistoryConfig().window
 
 
 def select(
@@ -270,14 +272,14 @@ def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
 
 
 def metric_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
-    """Metrics in the run's declared order (index.md), then any others, sorted."""
+    """Metrics in the run's declared order, then any others, sorted."""
     declared = list(run.metrics) if run is not None else []
     ordered = [m for m in declared if m in present]
     return ordered + sorted(set(present) - set(ordered))
 
 
 def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
-    """Layers in traversal order (index.md), then any others, sorted."""
+    """Layers in traversal order (the run's), then any others, sorted."""
     declared = [li.name for li in run.layers] if run is not None else []
     wanted = set(present)
     ordered = [name for name in declared if name in wanted]

@@ -133,7 +133,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
             + (f"rank {run.rank} of {run.world_size}" if run.rank is not None else "no ranks"),
         ]
     else:
-        lines.append("index.md: missing or unreadable (layer order and settings unknown)")
+        lines.append("run info: missing or unreadable (layer order and settings unknown)")
     if facts.counts:
         lines.append(facts.counts)
     latest = frame["latest_sample_id"].max() if frame.height else None

@@ -1,4 +1,4 @@
-"""The run directory: file layout, lock, live writer, merge, result.json, index.md, end of run.
+"""The run directory: layout, lock, live writer, merge, result.json, state file, index.md, end.
 
 Nothing in this package imports torch, so `torchinstruments finalize` runs without it.
 """

@@ -1,54 +1,49 @@
 """The end of a run: one routine for removal and for crash recovery (`finalize`).
 
 Design decision: `finish_run` is the only code that turns a directory of parts into a finished
-run (merge, result.json, index.md), and both `remove_observer` (through `DirectorySink.close`)
-and `torchinstruments finalize` call it, so recovery is the same code the library runs at removal.
-Its error policy is single: nothing it does raises for a disk or Polars failure; each failure
-becomes a line in `FinishReport.problems`, index.md lists those lines and says "complete" only
-when there are none, and the caller reports them (a warning at removal, stderr in the CLI). A
-failing result.json never prevents history.parquet, and a failing merge leaves the parts in place
-for a later `finalize`.
+run (merge, result.json, the state file, index.md), and both `remove_observer` (through
+`DirectorySink.close`) and `torchinstruments finalize` call it, so recovery is the same code the
+library runs at removal. Its error policy is single: nothing it does raises for a disk or Polars
+failure; each failure becomes a line in the state's `problems`, index.md lists those lines and
+says "complete" only when there are none, and the caller reports them (a warning at removal,
+stderr in the CLI). A failing result.json never prevents history.parquet, and a failing merge
+leaves the parts in place for a later `finalize`.
 
 "Complete" means history.parquet holds every row the run recorded. The live run knows that
-number and embeds it in index.md at removal; a crashed run never reached removal, so `finalize`
-cannot know how many rows it still held in memory (at most one flush interval's worth) and calls
-the directory "interrupted", never "complete".
-
-After a crash the counts are lower bounds read from history: root_forwards = max forward_index +
-1, samples = distinct sample_ids, backward_samples = distinct sample_ids with an output_gradient,
-and per layer the distinct sample_ids with an output row (a call whose output held no tensor
-leaves no row, so only the live observer counts it).
+number and writes it into the state file at removal; a crashed run never reached removal, so
+`finalize` cannot know how many rows it still held in memory (at most one flush interval's worth)
+and calls the directory "interrupted", never "complete". `finalize` reads the directory's state
+through `rundir.recovery.load_state` (older directories included) and keeps what only the live
+run knew: its exact counts, the rows it recorded, the problems no later finalize can check again
+(`RunState.live_problems`), the loss ledger and the notes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
-from torchinstruments.rundir.index_page import (
-    index_is_complete,
-    read_rows_recorded,
-    read_run_info,
-    write_index,
-)
+from torchinstruments.records import RunCounts
+from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
+    INDEX_FILE,
     MERGE_TMP_DIR,
     PARTS_DIR,
+    STATE_FILE,
     is_library_temporary,
-    list_parts,
-    scan_history,
 )
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.merge import MergeResult, merge_history
+from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.state import NewerStateError, RunState, Status, write_state
 from torchinstruments.rundir.summary import write_result
-from torchinstruments.rundir.writer import HistoryConfig
 
 
 @dataclass(frozen=True)
@@ -58,57 +53,61 @@ class FinishReport:
     Attributes:
         directory: the run directory.
         merge: the merge's result, or None when the merge failed.
-        counts: the counts written into index.md.
-        problems: why the run is incomplete; empty when history.parquet holds every row the run
-            recorded and result.json and index.md were written.
+        state: the state written into the state file and index.md.
         removed_temporaries: library temporaries deleted by `finalize`.
-        run_info_recovered: True when index.md's run info was unreadable and rebuilt from history.
-        interrupted: True when the run never reached removal (its process died): rows of its
-            last flush interval may be missing, and their number is unknown.
     """
 
     directory: Path
     merge: MergeResult | None
-    counts: RunCounts
-    problems: tuple[str, ...]
+    state: RunState
     removed_temporaries: tuple[Path, ...] = ()
-    run_info_recovered: bool = False
-    interrupted: bool = False
+
+    @property
+    def counts(self) -> RunCounts:
+        """The counts written into the state (finish always has them)."""
+        assert self.state.counts is not None
+        return self.state.counts
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Why the run is incomplete; empty when history.parquet holds every row the run
+        recorded and result.json, the state file and index.md were written."""
+        return self.state.problems
 
     @property
     def complete(self) -> bool:
-        """Whether the run directory holds everything the run recorded."""
-        return not self.problems
+        """Whether the run directory holds everything the run recorded (as far as is known)."""
+        return self.state.status in (Status.COMPLETE, Status.INTERRUPTED)
+
+    @property
+    def interrupted(self) -> bool:
+        """True when the run never reached removal (its process died): rows of its last flush
+        interval may be missing, and their number is unknown."""
+        return self.state.interrupted
+
+    @property
+    def run_info_recovered(self) -> bool:
+        """True when the directory's run info was unreadable and rebuilt from history."""
+        return self.state.run_info_recovered
 
 
-def finish_run(
-    directory: Path,
-    run: RunInfo,
-    counts: RunCounts | None,
-    *,
-    unwritten: str | None = None,
-    problems: Sequence[str] = (),
-    rows_recorded: int | None = None,
-    interrupted: bool = False,
-    rewrite_index: bool = True,
-) -> FinishReport:
-    """Merge the parts, write result.json and index.md; never raises for disk or Polars errors.
+def finish_run(directory: Path, state: RunState, *, unwritten: str | None = None) -> FinishReport:
+    """Merge the parts, write result.json, the state file and index.md; never raises for disk
+    or Polars errors.
 
     Args:
         directory: the run directory (absolute, used literally).
-        run: what the run is.
-        counts: the live run's counts, or None after a crash (then recovered from history).
+        state: the run's state before finishing: `counts` None to rebuild them from history
+            (after a crash), `rows_recorded` when known (history.parquet is checked against
+            it), `live_problems` the failures already known (listed, and kept by later
+            finishes), `interrupted` when the process ended without removal.
         unwritten: why rows the run recorded never reached a part, or None if none were lost.
-        problems: other failures already known (e.g. TensorBoard events), listed in index.md.
-        rows_recorded: rows the run recorded, when known; history.parquet is checked against it.
-        interrupted: the process ended without removal (see the module docstring).
-        rewrite_index: False keeps an existing complete index.md (finalize of a finished run).
 
     Returns:
-        A `FinishReport`; `problems` is empty exactly when the run is complete.
+        A `FinishReport`; its `problems` are empty exactly when nothing is known to be missing.
     """
     found: list[str] = [] if unwritten is None else [unwritten]
-    found += problems
+    found += state.live_problems
     merge: MergeResult | None = None
     try:
         merge = merge_history(directory)
@@ -118,9 +117,9 @@ def finish_run(
             "the parts are kept: run "
             f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}`"
         )
-    recovered = counts is None
-    if counts is None:
-        counts = _recovered_counts(directory)
+    recovered = state.counts is None
+    counts = recovered_counts(directory) if state.counts is None else state.counts
+    rows_recorded = state.rows_recorded
     if merge is not None:
         found += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
@@ -133,32 +132,39 @@ def finish_run(
                 f"recorded; {rows_recorded - merge.rows} rows are missing"
             )
         try:
-            write_result(directory, run.layers, run.window, counts.layer_samples)
+            write_result(directory, state.run.layers, state.run.window, counts.layer_samples)
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")
-    if rewrite_index or found:
-        try:
-            write_index(
-                directory,
-                run,
-                counts,
-                recovered=recovered,
-                problems=found,
-                interrupted=interrupted,
-                rows_recorded=rows_recorded,
-            )
-        except OSError as error:
-            found.append(f"index.md could not be written ({type(error).__name__}: {error})")
-    return FinishReport(directory, merge, counts, tuple(found), interrupted=interrupted)
+    final = dataclasses.replace(
+        state, counts=counts, counts_recovered=recovered, problems=tuple(found)
+    )
+    try:
+        write_state(directory, final)
+    except OSError as error:
+        final = _with_problem(final, f"{STATE_FILE} could not be written", error)
+    try:
+        write_index(directory, final)
+    except OSError as error:
+        final = _with_problem(final, f"{INDEX_FILE} could not be written", error)
+        with contextlib.suppress(OSError):
+            write_state(directory, final)
+    return FinishReport(directory, merge, final)
+
+
+def _with_problem(state: RunState, what: str, error: OSError) -> RunState:
+    """`state` with one more problem: `what (Type: message)`."""
+    problem = f"{what} ({type(error).__name__}: {error})"
+    return dataclasses.replace(state, problems=(*state.problems, problem))
 
 
 def finalize(directory: Path) -> FinishReport:
-    """Complete an interrupted run directory: merge parts, write result.json and index.md.
+    """Complete an interrupted run directory: merge parts, write result.json, state and index.md.
 
     Safe to run again: parts already in history.parquet are not merged twice, unreadable parts stay
-    in place (and are listed in `problems`). A finished run only gets result.json recomputed; its
-    index.md, with the exact counts of the live run, is kept. Only files the library created are
-    deleted (temporaries ending in `.torchinstruments-tmp`).
+    in place (and are listed in `problems`). A finished run keeps the exact counts its live
+    process wrote into the state file; index.md is rendered again from the state, so a directory
+    whose index.md was deleted gets it back. Only files the library created are deleted
+    (temporaries ending in `.torchinstruments-tmp`).
 
     Args:
         directory: the run's output directory.
@@ -169,6 +175,7 @@ def finalize(directory: Path) -> FinishReport:
     Raises:
         FileNotFoundError: if `directory` holds no run (no history.parts/ nor history.parquet).
         RunLockedError: if a live process holds the run lock.
+        NewerStateError: if a newer torchinstruments wrote the directory's state file.
     """
     directory = Path(directory).expanduser().absolute()
     if not (directory / PARTS_DIR).is_dir() and not (directory / HISTORY_FILE).is_file():
@@ -177,28 +184,33 @@ def finalize(directory: Path) -> FinishReport:
         )
     with RunLock(directory):
         removed = _remove_temporaries(directory)
-        keep_index = index_is_complete(directory) and not list_parts(directory)
-        rows_recorded = read_rows_recorded(directory)
-        try:
-            run, recovered = read_run_info(directory), False
-        except (OSError, ValueError):
-            run, recovered = _fallback_run_info(directory), True
-        report = finish_run(
-            directory,
-            run,
-            None,
-            rows_recorded=rows_recorded,
-            interrupted=rows_recorded is None and not keep_index,
-            rewrite_index=recovered or not keep_index,
+        report = finish_run(directory, _state_to_finish(directory))
+    return dataclasses.replace(report, removed_temporaries=tuple(removed))
+
+
+def _state_to_finish(directory: Path) -> RunState:
+    """What `finalize` starts from: the directory's state, with what a later finish recomputes
+    cleared (problems; counts that were already lower bounds), or one rebuilt from history."""
+    unreadable: tuple[str, ...] = ()
+    try:
+        previous = load_state(directory)
+    except NewerStateError:
+        raise
+    except (OSError, ValueError) as error:
+        previous = None
+        unreadable = (f"the run's state could not be read ({type(error).__name__}: {error})",)
+    if previous is None:
+        return RunState(
+            fallback_run_info(directory),
+            interrupted=True,
+            notes=unreadable,
+            run_info_recovered=True,
         )
-    return FinishReport(
-        report.directory,
-        report.merge,
-        report.counts,
-        report.problems,
-        tuple(removed),
-        recovered,
-        report.interrupted,
+    return dataclasses.replace(
+        previous,
+        counts=None if previous.counts_recovered else previous.counts,
+        interrupted=previous.interrupted or previous.status is Status.IN_PROGRESS,
+        problems=(),
     )
 
 
@@ -216,76 +228,6 @@ def _remove_temporaries(directory: Path) -> list[Path]:
         shutil.rmtree(directory / MERGE_TMP_DIR)
         removed.append(directory / MERGE_TMP_DIR)
     return removed
-
-
-def _recovered_counts(directory: Path) -> RunCounts:
-    """Lower-bound counts read from history.parquet (zero when there is none)."""
-    history = directory / HISTORY_FILE
-    if not history.is_file():
-        return RunCounts(0, 0, 0)
-    try:
-        row = (
-            scan_history(history)
-            .select(
-                root_forwards=(pl.col("forward_index").max() + 1).fill_null(0),
-                samples=pl.col("sample_id").n_unique(),
-                backward_samples=pl.col("sample_id")
-                .filter(pl.col("signal") == OUTPUT_GRADIENT)
-                .n_unique(),
-            )
-            .collect(engine="streaming")
-        )
-        per_layer = (
-            scan_history(history)
-            .filter(pl.col("signal") == OUTPUT)
-            .group_by("layer")
-            .agg(samples=pl.col("sample_id").n_unique())
-            .collect(engine="streaming")
-        )
-    except (OSError, pl.exceptions.PolarsError):
-        return RunCounts(0, 0, 0)
-    return RunCounts(
-        *(int(row[name].item()) for name in row.columns),
-        layer_samples={r["layer"]: int(r["samples"]) for r in per_layer.iter_rows(named=True)},
-    )
-
-
-def _fallback_run_info(directory: Path) -> RunInfo:
-    """A RunInfo rebuilt from history alone when index.md is missing or unreadable."""
-    layers: list[LayerInfo] = []
-    history = directory / HISTORY_FILE
-    sources = [history] if history.is_file() else list_parts(directory)
-    if not sources:
-        sources = []
-    try:
-        frame = (
-            scan_history(sources)
-            .group_by("layer")
-            .agg(pl.col("module_type").last())
-            .sort("layer")
-            .collect(engine="streaming")
-        )
-        layers = [LayerInfo(r["layer"], r["module_type"]) for r in frame.iter_rows(named=True)]
-    except (OSError, pl.exceptions.PolarsError):
-        pass  # no readable history: the page lists no layers, and history says the rest
-    default = HistoryConfig()
-    return RunInfo(
-        output_dir=directory,
-        library_version="unknown",
-        torch_version="unknown",
-        model_class="unknown",
-        layers=tuple(layers),
-        focus_layers=(),
-        sampler="unknown (index.md was missing; layers rebuilt from history)",
-        metrics=(),
-        rank=None,
-        world_size=None,
-        rank_policy="unknown",
-        capture_direct_forwards=False,
-        buffer_rows=default.buffer_rows,
-        window=default.window,
-        started_at="unknown",
-    )
 
 
 __all__ = ["FinishReport", "finalize", "finish_run"]

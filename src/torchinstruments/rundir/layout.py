@@ -6,9 +6,9 @@ and merge afterwards uses it literally. Polars treats path strings as glob patte
 every Polars call in this package passes `glob=False` and lists files itself (`list_parts`): a
 directory named `exp[lr=0.1]` or `a?b` is just a name.
 
-Every file the library writes appears by `os.replace` of a complete temporary file whose name ends
-in `TMP_SUFFIX`, a suffix no user file is expected to carry, so crash recovery can delete the
-library's leftovers and nothing else.
+Every file the library writes appears through `replace_atomically` (`os.replace` of a complete,
+synced temporary file whose name ends in `TMP_SUFFIX`, a suffix no user file is expected to carry),
+so crash recovery can delete the library's leftovers and nothing else.
 
 This module imports Polars but never torch: `torchinstruments finalize` runs without it.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -29,12 +30,14 @@ HISTORY_FILE = "history.parquet"
 RESULT_FILE = "result.json"
 INDEX_FILE = "index.md"
 LOCK_FILE = ".lock"
+# The run's state (rundir.state): the machine-readable truth index.md is rendered from.
+STATE_FILE = ".state.json"
 TENSORBOARD_DIR = "tensorboard"
 MERGE_TMP_DIR = "history.merge.torchinstruments-tmp"
 # Temporary files of atomic writes; finalize deletes files with this suffix and no others.
 TMP_SUFFIX = ".torchinstruments-tmp"
 # What marks a directory as holding a run (inject refuses such a directory).
-RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, RESULT_FILE, INDEX_FILE)
+RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, RESULT_FILE, INDEX_FILE, STATE_FILE)
 
 HISTORY_SCHEMA = pl.Schema(
     {
@@ -87,7 +90,8 @@ def check_output_dir(path: Path) -> None:
     """Refuse an output directory that already holds a run.
 
     Raises:
-        FileExistsError: if it contains history.parts/, history.parquet, result.json or index.md.
+        FileExistsError: if it contains history.parts/, history.parquet, result.json, index.md
+            or .state.json.
     """
     found = [name for name in RUN_MARKERS if (path / name).exists()]
     if found:
@@ -157,28 +161,49 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
-    """Write `frame` to `path` via a temporary file in the same directory and `os.replace`."""
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Make `path` appear complete or not at all: `write(tmp)`, fsync, `os.replace`, fsync dir.
+
+    The one way the library puts a file in place (parts, history.parquet, result.json,
+    index.md, the state file). `write` fills a temporary file in the same directory (its name
+    ends in `TMP_SUFFIX`, so `finalize` may delete it after a crash); on any exception the
+    temporary is removed and the exception propagates.
+
+    The fsync policy is one for every file: the temporary's data is synced before the rename,
+    and the directory after it (best effort where a directory cannot be opened). A process
+    crash alone never needs it (the rename is atomic in the page cache), but a machine crash
+    does: without the first sync a power loss can leave a complete-looking name with no data,
+    and without the second the rename can be lost while later deletions survive (the merge
+    deletes parts once history.parquet is in place; `finalize` trusts every final name). The
+    cost is two fsyncs per file, and files are few: a part per `buffer_rows` rows or per half
+    flush interval, plus a handful at removal.
+
+    Args:
+        path: the final path.
+        write: writes the complete content to the path it is given.
+    """
     tmp = temporary_path(path)
     try:
-        frame.write_parquet(tmp)
+        write(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+    fsync_path(path.parent)
+
+
+def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
+    """Write `frame` to `path` with `replace_atomically`."""
+    replace_atomically(path, frame.write_parquet)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write UTF-8 `text` to `path` via a temporary file in the same directory and `os.replace`."""
-    tmp = temporary_path(path)
-    try:
+    """Write UTF-8 `text` (with `\\n` line ends) to `path` with `replace_atomically`."""
+
+    def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+
+    replace_atomically(path, write)

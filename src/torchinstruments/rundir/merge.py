@@ -19,7 +19,7 @@ e.g. two backward passes with `retain_graph=True`). Every path is used literally
 from __future__ import annotations
 
 import contextlib
-import os
+import functools
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,11 +35,10 @@ from torchinstruments.rundir.layout import (
     MERGE_TMP_DIR,
     PARTS_DIR,
     empty_history,
-    fsync_path,
     list_parts,
     part_number,
+    replace_atomically,
     scan_history,
-    temporary_path,
 )
 
 MERGED_PARTS_KEY = "torchinstruments.merged_parts"
@@ -172,7 +171,7 @@ def _sorted_range(sources: Sequence[_Source], lo: int, hi: int) -> pl.LazyFrame:
     )
 
 
-def _sink_sorted(sources: Sequence[_Source], target: Path, metadata: dict[str, str]) -> None:
+def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str, str]) -> None:
     """Sort all sources into `target` in bounded memory (see the module docstring)."""
     if not sources:
         empty_history().lazy().sink_parquet(target, metadata=metadata)
@@ -199,8 +198,9 @@ def merge_history(directory: Path) -> MergeResult:
     """Merge the parts (and an existing history.parquet) into one sorted history.parquet.
 
     Unreadable parts are skipped, left in place, and listed in the result; parts already recorded
-    in an existing history.parquet are only deleted. The merged file is written under a temporary
-    name, synced, and renamed; parts are deleted only after that.
+    in an existing history.parquet are only deleted. The merged file is put in place with
+    `replace_atomically` (written, synced, renamed, directory synced); parts are deleted only
+    after that.
 
     Args:
         directory: the run's output directory.
@@ -221,7 +221,6 @@ def merge_history(directory: Path) -> MergeResult:
         reason = _check_part(p, full=False)
         if reason is not None:
             bad[p] = reason
-    tmp = temporary_path(history)
     while True:
         good = [p for p in pending if p not in bad]
         if not good and history.exists():
@@ -232,21 +231,13 @@ def merge_history(directory: Path) -> MergeResult:
             sources = _part_sources(good)
             if history.exists():
                 sources = _history_sources(history) + sources
-            _sink_sorted(sources, tmp, metadata)
+            replace_atomically(history, functools.partial(_sink_sorted, sources, metadata=metadata))
             break
         except pl.exceptions.PolarsError:
-            tmp.unlink(missing_ok=True)
             newly_bad = {p: r for p in good if (r := _check_part(p, full=True)) is not None}
             if not newly_bad:
                 raise
             bad.update(newly_bad)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    if tmp.exists():
-        fsync_path(tmp)
-        os.replace(tmp, history)
-        fsync_path(directory)
     merged = [p for p in pending if p not in bad]
     for p in already + merged:
         p.unlink(missing_ok=True)

@@ -1,0 +1,173 @@
+"""The parts of index.md that follow from what the run is, never from how far it got.
+
+Design decision: these sections (files, schema, meanings, result.json) depend on `RunInfo` and
+the library's own tables only, so they are the same at injection, at removal and after
+`finalize`; `rundir.index_page` puts them after the state-dependent sections. The cost: they must
+be kept in step with the schema and the summary by hand (the tests check the tables against
+`HISTORY_SCHEMA` and `reasons.REASONS`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from torchinstruments.reasons import REASONS
+from torchinstruments.records import RunInfo
+from torchinstruments.rundir.layout import HISTORY_FILE, HISTORY_SCHEMA, PARTS_DIR, STATE_FILE
+from torchinstruments.rundir.shell import command_span
+
+COLUMN_NOTES = {
+    "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
+    "forward_index": "0-based count of all root forwards (sampled or not) when the sample was taken",
+    "timestamp": "UTC time at which the tensor was measured",
+    "rank": "torch.distributed rank; null outside torch.distributed",
+    "layer": 'qualified module name from named_modules() (root = "")',
+    "module_type": "class name of the module",
+    "call_index": "n-th call (from 0) of this layer inside one sampled root forward",
+    "signal": '"output" or "output_gradient"',
+    "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',
+    "shape": "shape of the measured tensor",
+    "dtype": 'torch dtype without the "torch." prefix, e.g. float32',
+    "mode": '"train" or "eval": the layer\'s module.training at that call',
+    "grad_enabled": "torch.is_grad_enabled() during the forward",
+    "metric": "metric name (see Metrics)",
+    "value": "the metric; null only together with unavailable_reason, never silently 0",
+    "unavailable_reason": "why value is null; non-null exactly when value is null",
+}
+
+METRIC_NOTES = (
+    ("mean", "mean of the finite entries"),
+    ("std", "population standard deviation (divide by N, not N-1) of the finite entries"),
+    ("min / max", "smallest / largest finite entry"),
+    (
+        "p25 / p50 / p75",
+        "quartiles of the finite entries with linear interpolation (numpy.percentile's default)",
+    ),
+    ("zero_fraction", "entries equal to 0, divided by the original element count"),
+    ("nonfinite_fraction", "NaN and +-inf entries, divided by the original element count"),
+)
+
+
+def quoted(text: str) -> str:
+    """A Python string literal (double-quoted) for `text`."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def section_files(run: RunInfo) -> list[str]:
+    return [
+        "## Files",
+        "",
+        f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
+        "(temporary name, then rename) while the run is live, when the buffer holds "
+        "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
+        "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
+        "SIGTERM writes them first, then ends the process as before.",
+        f"- `{HISTORY_FILE}`: the whole history, one row per scalar, sorted by sample_id, "
+        "signal, layer, call_index, tensor_path, metric.",
+        "- `result.json`: one record per selected layer (traversal order); at injection with an "
+        "empty `tensors` list, at removal with per-tensor summaries (see result.json).",
+        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers. `.lock`: held "
+        "by the live process; `torchinstruments finalize` refuses a directory while it is held.",
+        f"- `{STATE_FILE}`: the run's state as JSON (run info, state, counts, problems, loss "
+        "ledger); this page is rendered from it, and `finalize` and the command line read it.",
+        "",
+        "If the process died, "
+        + command_span("python", "-m", "torchinstruments", "finalize", run.output_dir)
+        + " merges the completed parts and writes result.json "
+        "and index.md; counts are then lower bounds (root forwards = max forward_index + 1).",
+        "",
+    ]
+
+
+def section_schema() -> list[str]:
+    lines = ["## history schema (one row per scalar)", "", "| column | type | meaning |"]
+    lines.append("| --- | --- | --- |")
+    for name, dtype in HISTORY_SCHEMA.items():
+        lines.append(f"| {name} | {dtype} | {COLUMN_NOTES[name]} |")
+    return [*lines, ""]
+
+
+def section_meanings() -> list[str]:
+    lines = [
+        "## Signals, tensor paths, calls",
+        "",
+        '- signal `"output"`: a tensor returned by the layer\'s forward. '
+        '`"output_gradient"`: the gradient of the loss with respect to that output tensor, '
+        "recorded when backward reaches it (same sample_id as its forward).",
+        '- tensor_path: `""` the output is a bare tensor; `[0]` first element of a tuple or '
+        "list; `['logits']` dict key; `.hidden` attribute (dataclass / named tuple / model "
+        "output object); `[1]['k']` nested. Non-tensor leaves are skipped.",
+        "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
+        "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
+        "- root forward: the outermost call of the observed model, via `model(x)` or "
+        "`model.forward(x)`. A call of the model inside its own forward belongs to the "
+        "enclosing root forward (not counted again; the next call_index if the model is itself "
+        "a selected layer). A selected layer called outside any root forward is not observed.",
+        "- capture_direct_forwards=False: calls that bypass `nn.Module.__call__` "
+        "(`module.forward(x)`) are neither root forwards nor measured; the proxy tells them "
+        "apart by its caller's frame (`nn.Module._call_impl` or not).",
+        "",
+        "## Unavailable reasons (value is null)",
+        "",
+    ]
+    lines += [f"- `{reason.template}`: {reason.meaning}" for reason in REASONS]
+    lines += [
+        "",
+        "## Metrics",
+        "",
+        "All metrics are computed over the finite entries of the tensor, in float64 for "
+        "integer and bool tensors and in float32 or better for low-precision floats:",
+        "",
+    ]
+    lines += [f"- `{name}`: {meaning}" for name, meaning in METRIC_NOTES]
+    lines += [
+        "- other names: custom scalar reducers given at injection.",
+        "",
+        "## Not collected",
+        "",
+        "Inputs of layers, parameters and parameter gradients, losses, optimizer updates and "
+        "learning rates are not recorded: only layer outputs and the gradients flowing into "
+        "them. Unsampled forwards leave no trace.",
+        "",
+    ]
+    return lines
+
+
+def section_result(run: RunInfo) -> list[str]:
+    w = run.window
+    return [
+        "## result.json",
+        "",
+        "`[{layer, module_type, sampled_forwards, tensors: [{call_index, signal, tensor_path, "
+        "shape, dtype, metrics: {name: {observations, valid, first, latest, min, max, previous, "
+        "recent}}}]}]`. Every selected layer is listed, in traversal order, also if it never ran "
+        "(`tensors: []`); tensors are sorted by (call_index, signal, tensor_path); shape and "
+        "dtype are the latest seen.",
+        "",
+        "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "
+        "in one; null in the catalog written at injection). After an interrupted run it is "
+        "rebuilt from history: the sampled forwards with an output row of the layer.",
+        "- observations: history rows of this tensor-metric; valid: those with a non-null value.",
+        "- first / latest: `{value, sample_id}` of the earliest / latest observation (value may "
+        "be null: see unavailable_reason in history).",
+        "- min / max: `{value, sample_id}` of the smallest / largest finite value, earliest "
+        "sample on ties; null when no value is valid.",
+        f"- windows: over this tensor-metric's own samples (sample_ids where it was observed), "
+        f"newest first: `recent` = the latest {w}, `previous` = the {w} before them. Each has "
+        "`mean` (mean of its finite values, null if none), `actual` (samples in it, fewer than "
+        f"{w} early on), `valid` (non-null values), `first_sample_id`, `last_sample_id`.",
+        "- A window mean averages per-sample statistics (e.g. the mean of 10 per-sample stds); "
+        "it is not the statistic of the pooled elements of those samples.",
+        "",
+    ]
+
+
+__all__ = [
+    "COLUMN_NOTES",
+    "METRIC_NOTES",
+    "quoted",
+    "section_files",
+    "section_meanings",
+    "section_result",
+    "section_schema",
+]

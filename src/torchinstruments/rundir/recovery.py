@@ -1,0 +1,177 @@
+"""The state of any run directory: its state file, an older version's index.md, or its history.
+
+Design decision: `load_state` is the one reader every consumer (`finalize`, the command line)
+goes through, and this module is the one place that knows what older directories look like, so
+no page parser exists anywhere else. A directory has, in order of preference:
+
+1. `.state.json` (`rundir.state`), the record this version writes;
+2. else the index.md of a version before the state file, which embedded the run info as a JSON
+   block between `<!-- torchinstruments:run-info:begin/end -->` and the state as a marker
+   comment. Only those machine-written markers are read (plain string search, no pattern), never
+   the prose: the run info, the state marker and the rows-recorded marker. The counts are not
+   read from the page; they are rebuilt from history (lower bounds), so `finalize` renders the
+   page of such a run with recovered counts;
+3. else nothing: `fallback_run_info` rebuilds what it can from history (`finalize` of a directory
+   whose state file and index.md were deleted).
+
+After a crash the counts are lower bounds read from history (`recovered_counts`): root_forwards
+= max forward_index + 1, samples = distinct sample_ids, backward_samples = distinct sample_ids
+with an output_gradient, and per layer the distinct sample_ids with an output row (a call whose
+output held no tensor leaves no row, so only the live observer counts it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    INDEX_FILE,
+    STATE_FILE,
+    list_parts,
+    scan_history,
+)
+from torchinstruments.rundir.state import RunState, decode_run_info, read_state
+from torchinstruments.rundir.writer import HistoryConfig
+
+# The machine-written markers of index.md before the state file (version 0.1.0 and earlier).
+_OLD_RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"
+_OLD_RUN_INFO_END = "<!-- torchinstruments:run-info:end -->"
+_OLD_ROWS_RECORDED = "<!-- torchinstruments:rows-recorded:"
+_OLD_STATE = "<!-- torchinstruments:state:{} -->"
+
+
+def load_state(directory: Path) -> RunState | None:
+    """The state of `directory`: its state file, else converted from an older index.md.
+
+    Returns:
+        The state, or None when the directory has neither (see `fallback_run_info`).
+
+    Raises:
+        NewerStateError: if a newer torchinstruments wrote the state file.
+        ValueError: if the state file, or the older index.md's run-info block, is malformed.
+        OSError: if a file exists but cannot be read.
+    """
+    if (directory / STATE_FILE).is_file():
+        return read_state(directory)
+    if (directory / INDEX_FILE).is_file():
+        return _state_from_old_index(directory)
+    return None
+
+
+def _state_from_old_index(directory: Path) -> RunState | None:
+    """The state of a directory written before the state file; None if its index.md has none."""
+    try:
+        text = (directory / INDEX_FILE).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{INDEX_FILE} is not UTF-8 ({error})") from error
+    _, begin, rest = text.partition(_OLD_RUN_INFO_BEGIN)
+    block, end, _ = rest.partition(_OLD_RUN_INFO_END)
+    if not begin or not end:
+        return None  # not a page this library wrote: nothing to convert
+    block = block.strip().removeprefix("```json").removesuffix("```")
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{INDEX_FILE}'s run-info block is not JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{INDEX_FILE}'s run-info block is not a JSON object")
+    data.setdefault("flush_seconds", HistoryConfig().flush_seconds)  # before flush_seconds
+    try:
+        run = decode_run_info(data)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{INDEX_FILE}'s run-info block is malformed ({error})") from error
+    finished = any(
+        _OLD_STATE.format(name) in text for name in ("complete", "incomplete", "interrupted")
+    )
+    return RunState(
+        run,
+        counts=recovered_counts(directory) if finished else None,
+        counts_recovered=finished,
+        interrupted=_OLD_STATE.format("interrupted") in text,
+        rows_recorded=_old_rows_recorded(text),
+        migrated_from=INDEX_FILE,
+    )
+
+
+def _old_rows_recorded(text: str) -> int | None:
+    """The rows-recorded marker of an older index.md (written at removal), if any."""
+    _, found, rest = text.partition(_OLD_ROWS_RECORDED)
+    number, closed, _ = rest.partition(" -->")
+    return int(number) if found and closed and number.isdigit() else None
+
+
+def recovered_counts(directory: Path) -> RunCounts:
+    """Lower-bound counts read from history.parquet (zero when there is none)."""
+    history = directory / HISTORY_FILE
+    if not history.is_file():
+        return RunCounts(0, 0, 0)
+    try:
+        row = (
+            scan_history(history)
+            .select(
+                root_forwards=(pl.col("forward_index").max() + 1).fill_null(0),
+                samples=pl.col("sample_id").n_unique(),
+                backward_samples=pl.col("sample_id")
+                .filter(pl.col("signal") == OUTPUT_GRADIENT)
+                .n_unique(),
+            )
+            .collect(engine="streaming")
+        )
+        per_layer = (
+            scan_history(history)
+            .filter(pl.col("signal") == OUTPUT)
+            .group_by("layer")
+            .agg(samples=pl.col("sample_id").n_unique())
+            .collect(engine="streaming")
+        )
+    except (OSError, pl.exceptions.PolarsError):
+        return RunCounts(0, 0, 0)
+    return RunCounts(
+        *(int(row[name].item()) for name in row.columns),
+        layer_samples={r["layer"]: int(r["samples"]) for r in per_layer.iter_rows(named=True)},
+    )
+
+
+def fallback_run_info(directory: Path) -> RunInfo:
+    """A RunInfo rebuilt from history alone, when the directory says nothing readable of it."""
+    layers: list[LayerInfo] = []
+    history = directory / HISTORY_FILE
+    sources = [history] if history.is_file() else list_parts(directory)
+    try:
+        frame = (
+            scan_history(sources)
+            .group_by("layer")
+            .agg(pl.col("module_type").last())
+            .sort("layer")
+            .collect(engine="streaming")
+        )
+        layers = [LayerInfo(r["layer"], r["module_type"]) for r in frame.iter_rows(named=True)]
+    except (OSError, pl.exceptions.PolarsError):
+        pass  # no readable history: the page lists no layers, and history says the rest
+    default = HistoryConfig()
+    return RunInfo(
+        output_dir=directory,
+        library_version="unknown",
+        torch_version="unknown",
+        model_class="unknown",
+        layers=tuple(layers),
+        focus_layers=(),
+        sampler=f"unknown ({STATE_FILE} and {INDEX_FILE} were missing; layers rebuilt from history)",
+        metrics=(),
+        rank=None,
+        world_size=None,
+        rank_policy="unknown",
+        capture_direct_forwards=False,
+        buffer_rows=default.buffer_rows,
+        window=default.window,
+        started_at="unknown",
+        flush_seconds=default.flush_seconds,
+    )
+
+
+__all__ = ["fallback_run_info", "load_state", "recovered_counts"]

@@ -1,7 +1,7 @@
 """Small CPU tensors of one sample: one segmented batch, or one NumPy sort each?
 
 Times `numerics.measure_batch_on_cpu` over k tensors of n entries (every other one with a 64-bin
-histogram, as focus layers are mixed with others) against `numerics.measure_by_sort` of each, in
+histogram, as focus layers are mixed with others) against `numerics.measure_on_cpu` of each, in
 one process, and prints both in microseconds per call with their ratio. `numerics.BATCH_MIN` is
 the k from which the batch is used; this is the table it was read from.
 
@@ -42,7 +42,7 @@ def main() -> None:
 
             def each(segments: list[torch.Tensor] = segments, bins: list = bins) -> None:
                 for segment, segment_bins in zip(segments, bins, strict=True):
-                    numerics.measure_by_sort(segment, WANTED, segment_bins)
+                    numerics.measure_on_cpu(segment, WANTED, segment_bins)
 
             batched, single = [], []
             for _ in range(args.repeats):  # interleaved, so drift hits both alike

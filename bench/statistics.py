@@ -6,7 +6,10 @@ stated in) and the obvious approach (`torch.quantile` for the three quartiles pl
 count, mean, std, min and max passes). `stats+hist` is what one focus tensor costs: the profile
 plus its 64-bin histogram, as the observer measures it (`Measurer.launch_with_histogram`); `hand` is the hand-rolled equivalent
 (`var_mean`, `aminmax`, `torch.quantile`, two `count_nonzero`, `torch.histc`, one `.tolist()`),
-which `torch.quantile` limits to 2**24 elements. Repeats are interleaved in one process and the
+which `torch.quantile` limits to 2**24 elements. `leaf` is what the observer adds per sample for
+one observed `nn.ReLU` leaf whose output is the tensor, under `no_grad` (every forward sampled,
+rows and the focus histogram written as in a real run): the observed forward minus the plain one
+of a second, unobserved model, per repeat. Repeats are interleaved in one process and the
 median is reported, as milliseconds and as medians of the per-repeat ratios. Budgets: stats+hist <= 0.3x sort at 1e6 and
 1e7, and <= hand at 1e4.
 
@@ -23,10 +26,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch import nn
 
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement.reducers import Measurer
 
 from _timing import median, timed
@@ -57,6 +65,12 @@ def with_histogram(measurer: Measurer, x: torch.Tensor) -> None:
         signal="output",
         tensor_path="",
     )
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> None:
+    """One root forward under `no_grad`."""
+    with torch.no_grad():
+        model(x)
 
 
 def obvious(x: torch.Tensor) -> list[float]:
@@ -118,24 +132,41 @@ def main() -> None:
     torch.manual_seed(0)
     measurer = Measurer(None)
     quartiles = torch.tensor(QUARTILES)
+    plain, observed = nn.Sequential(nn.ReLU()), nn.Sequential(nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        directory = Path(tempfile.mkdtemp()) / "stats"
+        inject_observer(observed, output_dir=directory, sampler=EveryNForwardsSampler(1))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 randn, median ms")
     header = (
         f"{'n':>10} {'ours':>9} {'sum':>9} {'sort':>9} {'obvious':>9} {'stats+hist':>10} "
-        f"{'hand':>9} | {'ours/sort':>9} {'sum/sort':>9} {'obv/sort':>9} {'s+h/sort':>9} "
-        f"{'s+h/hand':>9}  quartiles"
+        f"{'hand':>9} {'leaf':>9} | {'ours/sort':>9} {'sum/sort':>9} {'obv/sort':>9} "
+        f"{'s+h/sort':>9} {'s+h/hand':>9} {'leaf/sort':>9} {'leaf ns/el':>10}  quartiles"
     )
     print(header)
     for n in sizes:
         x = torch.randn(n)
         repeats = args.repeats or (9 if n < 10**7 else 3)
         runs: dict[str, list[float]] = {
-            name: [] for name in ("ours", "sum", "sort", "obvious", "stats+hist", "hand")
+            name: []
+            for name in (
+                "ours",
+                "sum",
+                "sort",
+                "obvious",
+                "stats+hist",
+                "hand",
+                "plain",
+                "observed",
+            )
         }
         candidates: dict[str, Callable[[], object]] = {
             "ours": lambda x=x: ours(measurer, x),
             "sum": lambda x=x: x.sum(),
             "sort": lambda x=x: torch.sort(x),
             "stats+hist": lambda x=x: with_histogram(measurer, x),
+            "plain": lambda x=x: forward(plain, x),
+            "observed": lambda x=x: forward(observed, x),
         }
         if n <= QUANTILE_LIMIT:
             candidates["obvious"] = lambda x=x: obvious(x)
@@ -147,6 +178,7 @@ def main() -> None:
             shift = repeat % len(names)
             for name in names[shift:] + names[:shift]:
                 runs[name].append(timed(candidates[name]))
+        runs["leaf"] = [o - p for o, p in zip(runs["observed"], runs["plain"], strict=True)]
         ms = {name: median(r) * 1e3 if r else math.nan for name, r in runs.items()}
 
         def ratio(a: str, b: str, runs: dict[str, list[float]] = runs) -> float:
@@ -163,11 +195,16 @@ def main() -> None:
         hand_ratio = f"{ratio('stats+hist', 'hand'):9.3f}" if limited else f"{'-':>9}"
         print(
             f"{n:>10} {ms['ours']:9.3f} {ms['sum']:9.3f} {ms['sort']:9.3f} {obvious_ms} "
-            f"{ms['stats+hist']:10.3f} {hand_ms} | "
+            f"{ms['stats+hist']:10.3f} {hand_ms} {ms['leaf']:9.3f} | "
             f"{ratio('ours', 'sort'):9.3f} {ratio('sum', 'sort'):9.3f} {obvious_ratio} "
-            f"{ratio('stats+hist', 'sort'):9.3f} {hand_ratio}  {'exact' if exact else 'MISMATCH'}"
+            f"{ratio('stats+hist', 'sort'):9.3f} {hand_ratio} {ratio('leaf', 'sort'):9.3f} "
+            f"{ms['leaf'] * 1e6 / n:10.3f}  {'exact' if exact else 'MISMATCH'}"
         )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remove_observer(observed)
     print("torch.quantile refuses inputs over 2**24 elements ('refuses').")
+    print("leaf: per-sample cost of one observed ReLU leaf under no_grad (observed - plain).")
 
 
 if __name__ == "__main__":

@@ -339,3 +339,42 @@ def check_heatmap(
             y, xx = heatmap_cell(panel, r, c)
             assert tuple(pixels[y, xx]) == pytest.approx(colour, abs=1), (panel["signal"], r, c)
     return pixels, meta
+
+
+class Wrapped(torch.Tensor):
+    """A minimal wrapper tensor subclass: like DTensor, it has no storage of its own, so
+    `.numpy()` and `.tolist()` refuse it; every op runs on `inner` and is wrapped again."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device
+        )
+        wrapper.inner = inner
+        return wrapper
+
+    def __repr__(self) -> str:  # the default repr would call ops on the wrapper
+        return f"Wrapped({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        def unwrap(item: Any) -> Any:
+            if isinstance(item, Wrapped):
+                return item.inner
+            if isinstance(item, list | tuple):
+                return type(item)(unwrap(i) for i in item)
+            return item
+
+        def wrap(item: Any) -> Any:
+            if isinstance(item, torch.Tensor):
+                return Wrapped(item)
+            if isinstance(item, list | tuple):
+                return type(item)(wrap(i) for i in item)
+            return item
+
+        kwargs = {key: unwrap(value) for key, value in (kwargs or {}).items()}
+        return wrap(func(*unwrap(args), **kwargs))

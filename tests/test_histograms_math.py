@@ -178,3 +178,24 @@ def test_arbitrary_arrays_match_numpy(values: np.ndarray, bins: int) -> None:
         if not np.isfinite(np.dot(finite.astype(np.float64), finite.astype(np.float64))):
             return  # sums overflow float64; the counts are what this test is about
     assert_consistent(record, values)
+
+
+def test_host_edges_equal_the_device_edges_bit_for_bit() -> None:
+    """The CPU paths and the general path report the same float64 edges (`edges_on_host`
+    repeats `_edges`' IEEE operations in NumPy)."""
+    import random
+    import struct
+
+    from torchinstruments.measurement import numerics
+    from torchinstruments.measurement.histograms import _edges
+
+    rng = random.Random(5)
+    pairs = [(-1.0, 1.0), (0.0, 0.0), (-0.0, 0.0), (1e-300, 1e300), (-3.5, -3.5 + 1e-12)]
+    pairs += [tuple(sorted((rng.uniform(-1e6, 1e6), rng.uniform(-1e6, 1e6)))) for _ in range(200)]
+    for low, high in pairs:
+        for bins in (1, 7, 64):
+            host = numerics.edges_on_host(low, high, bins).tolist()
+            low_t = torch.tensor(low, dtype=torch.float64)
+            device = _edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
+            pack = [struct.pack("<d", v) for v in host]
+            assert pack == [struct.pack("<d", v) for v in device], (low, high, bins)

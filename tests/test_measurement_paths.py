@@ -1,10 +1,10 @@
 """Statistics and histograms of the same tensor on every reduction path, against NumPy.
 
-Paths: the CPU as configured (`numerics.measure_on_cpu`: one NumPy sort up to `SORT_MAX`
-entries), its one-pass radix (`SORT_MAX = 0`), the radix with tiny chunks (so
-multi-chunk gathering runs on small inputs), with every bucket refined instead of one shared sort
-(`_ONE_SORT_LIMIT = 0`), the CPU batch of small tensors (`Measurer.launch(defer=True)` + `settle`)
-and the sync-free device path (forced on the CPU). Every metric is compared with NumPy (order
+Paths: the CPU as configured (`numerics.measure_on_cpu`: one NumPy sort), the same with tiny
+moment chunks (so a segment spanning chunks runs on small inputs), the CPU batch of small tensors
+(`Measurer.launch(defer=True)` + `settle`), the batch with tiny chunks, the general path (forced
+on the CPU, as every non-CPU device runs it) and the general path on a tensor subclass
+(`conftest.Wrapped`, which the fast paths hand over). Every metric is compared with NumPy (order
 statistics and fractions exactly, moments to 1e-9) and every histogram bin with `numpy.histogram`
 on the edges reported.
 """
@@ -26,9 +26,9 @@ from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogr
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
 from torchinstruments.records import HistogramRecord, MetricValue
 
-from conftest import NoHostSync, assert_matches_numpy
+from conftest import NoHostSync, Wrapped, assert_matches_numpy
 
-PATHS = ("cpu", "cpu_radix", "cpu_chunked", "cpu_refined", "cpu_batched", "device")
+PATHS = ("cpu", "cpu_chunked", "cpu_batched", "cpu_batched_chunked", "device", "subclass")
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
 
 
@@ -36,15 +36,9 @@ ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Configures one reduction path for the test."""
     name = request.param
-    if name.startswith(("cpu_radix", "cpu_chunked", "cpu_refined")):
-        monkeypatch.setattr(numerics, "SORT_MAX", 0)
-    if name == "cpu_chunked":
+    if name.endswith("chunked"):
         monkeypatch.setattr(numerics, "CHUNK", 97)
-        monkeypatch.setattr(numerics, "_SORT_BELOW", 8)
-    elif name == "cpu_refined":
-        monkeypatch.setattr(numerics, "_ONE_SORT_LIMIT", 0)
-        monkeypatch.setattr(numerics, "_SORT_BELOW", 8)
-    elif name == "cpu_batched":  # the segmented pass even for one tensor
+    if name.startswith("cpu_batched"):  # the segmented pass even for one tensor
         monkeypatch.setattr(numerics, "BATCH_MIN", 1)
     elif name == "device":
         monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
@@ -59,7 +53,9 @@ def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHi
             pending = measurer.launch_with_histogram(tensor)
         assert mode.violations == []
         return pending
-    return measurer.launch_with_histogram(tensor, defer=path == "cpu_batched")
+    if path == "subclass":
+        return measurer.launch_with_histogram(Wrapped(tensor))
+    return measurer.launch_with_histogram(tensor, defer=path.startswith("cpu_batched"))
 
 
 def resolve(
@@ -270,12 +266,10 @@ def test_arbitrary_arrays_on_every_path(path: str, values: np.ndarray) -> None:
     assert_histogram(record, reference(tensor))
 
 
-@pytest.mark.parametrize("where", ["cpu", "cpu_sorted", "device"])
+@pytest.mark.parametrize("where", ["cpu", "device"])
 def test_more_than_2_pow_24_entries_with_histogram(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if where == "cpu_sorted":  # NumPy's sort instead of the radix passes
-        monkeypatch.setattr(numerics, "SORT_MAX", 2**25)
     if where == "device":
         monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
     rng = np.random.default_rng(24)

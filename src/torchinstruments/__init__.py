@@ -15,13 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torchinstruments.api import has_observer, inject_observer, remove_observer
     from torchinstruments.config import ObserverConfig
-    from torchinstruments.measurement.reducers import (
-        DEFAULT_METRICS,
-        AbsMax,
-        DefaultStatistics,
-        L2Norm,
-        Reducer,
-    )
+    from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer
+    from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics
     from torchinstruments.records import (
         HistogramRecord,
         LayerInfo,
@@ -38,8 +33,8 @@ if TYPE_CHECKING:
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     "DEFAULT_METRICS": "torchinstruments.measurement.reducers",
-    "AbsMax": "torchinstruments.measurement.reducers",
-    "L2Norm": "torchinstruments.measurement.reducers",
+    "AbsMax": "torchinstruments.measurement.custom",
+    "L2Norm": "torchinstruments.measurement.custom",
     "DefaultStatistics": "torchinstruments.measurement.reducers",
     "DirectorySink": "torchinstruments.sinks",
     "EveryNForwardsSampler": "torchinstruments.sampling",
@@ -49,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "Measurement": "torchinstruments.records",
     "MetricValue": "torchinstruments.records",
     "ObserverConfig": "torchinstruments.config",
-    "Reducer": "torchinstruments.measurement.reducers",
+    "Reducer": "torchinstruments.measurement.custom",
     "RunCounts": "torchinstruments.records",
     "RunInfo": "torchinstruments.records",
     "SampleRecord": "torchinstruments.records",

@@ -1,27 +1,21 @@
-"""Histograms of the finite entries of one tensor, counted on the tensor's device.
+"""Histograms of the finite entries of one tensor, counted where its statistics are.
 
-Design decision: like the statistics, a histogram is reduced in two halves. `reduce_histogram`
-runs on the tensor's device without any host synchronisation (no `.item()`, no boolean-mask
-indexing, no `torch.bincount`, whose CUDA kernel reads its input's max back to the host) and
-returns a `PendingHistogram` whose `device_vector` travels to the host with the sample's single
-transfer; `resolve` turns it into a `HistogramRecord`. A focus tensor that the default profile
-measures on a device needs no pass of its own: `vector_from_sort` counts its bins with one
-`searchsorted` of the edges over the statistics' sort.
+Design decision: like the statistics, a histogram is reduced in two halves, and it never has a
+pass of its own when the default profile measures the same tensor: on the CPU, the NumPy sort
+path's `numerics.host_histogram` counts it from the sorted copy and the vector stays a host list
+(`PendingHistogram.host_vector`, it never round-trips through a tensor); elsewhere (the general
+path, on the tensor's device) `vector_from_sort` counts it with one `searchsorted` of the edges
+over the statistics' own sort, without any host synchronisation, and the vector travels to the
+host with the sample's single transfer. `resolve` turns either into a `HistogramRecord`.
 
 The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
-holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. The bin of each entry is
-found by `torch.bucketize` (a native binary search) over the float64 edges, so it is exactly
-consistent with the edges reported, even when bins are only a few ulps wide or the range
-overflows float64 arithmetic. On the CPU, where host syncs cost nothing, the counts come from
-`numerics.measure_on_cpu` instead: exact counts of the entries below each edge, from the same
-sort (or, above 2**24 entries, radix pass) that selects the quartiles
-(`Measurer.launch_with_histogram` shares it with the statistics), in chunks so that no temporary
-grows with the tensor. The edges are the same (`numerics.edges_on_host` computes `_edges` bit for
-bit), and the vector stays a host list (`PendingHistogram.host_vector`): it never round-trips
-through a tensor. On devices, counts are summed with `scatter_add_`, which
-is deterministic for 1-D inputs on CUDA. A constant tensor gets one bin of tiny width (relative
-1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which
-working dtype they are binned is `tensors`' rule, shared with the statistics.
+holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. Counts are differences
+of exact "entries below the edge" counts, each edge turned into the smallest working-dtype value
+>= it, so they are exactly consistent with the float64 edges reported, even when bins are only a
+few ulps wide or the range overflows float64 arithmetic; `numerics.edges_on_host` computes
+`_edges` bit for bit. A constant tensor gets one bin of tiny width (relative 1e-6, at least
+1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which working dtype
+they are binned is `tensors`' rule, shared with the statistics.
 """
 
 from __future__ import annotations
@@ -132,19 +126,22 @@ class PendingHistogram:
 
 
 def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingHistogram:
-    """Counts the finite entries of `tensor` in `bins` equal bins, on its device, without a sync.
+    """Counts the finite entries of `tensor` in `bins` equal bins, without a sync off the CPU.
+
+    The NumPy sort takes plain CPU tensors (`numerics.measure_on_cpu`); everything else, or what
+    it fails on, is sorted by the general path on the tensor's device and counted from that sort.
 
     Args:
         tensor: Any tensor; it is detached and never modified.
         bins: Number of bins (a positive int).
 
     Returns:
-        The pending histogram; `finish` returns None when there is nothing to draw. Never raises.
+        The pending histogram; `resolve` returns None when there is nothing to draw. Never raises.
 
     Example:
         >>> pending = reduce_histogram(torch.randn(1000), bins=8)
-        >>> record = pending.resolve(pending.device_vector.tolist(), sample_id=0, layer="fc",
-        ...                         call_index=0, signal="output", tensor_path="")
+        >>> record = pending.resolve([], sample_id=0, layer="fc", call_index=0,
+        ...                          signal="output", tensor_path="")
         >>> sum(record.bucket_counts)
         1000.0
     """
@@ -155,34 +152,29 @@ def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingH
             detached = tensor.detach()
             if tensors.unsupported_reason(detached) is not None or detached.numel() == 0:
                 return PendingHistogram(None, bins)
-            if tensors.host_sync_is_free(detached.device):
-                vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram
-                return PendingHistogram(None, bins, vector)
-            return PendingHistogram(_count(detached, bins), bins)
+            if tensors.host_path_takes(detached):
+                try:
+                    vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram
+                    return PendingHistogram(None, bins, vector)
+                except Exception:  # handed to the general path below, never to null
+                    pass
+            _, _, sort = numerics.raw_on_device(tensors.working_values(detached), _SORTED)
+            assert sort is not None  # min, max, mean and std were asked for
+            return pending_histogram(vector_from_sort(sort, bins), bins)
     except Exception:  # measuring must never crash the training step
         return PendingHistogram(None, bins)
 
 
-def _count(tensor: torch.Tensor, bins: int) -> torch.Tensor:
-    """The device vector: head values, bins + 1 edges, bins counts (float64), without a sync."""
-    values = tensors.working_values(tensor)
-    device = values.device
-    finite_mask = torch.isfinite(values)
-    finite = finite_mask.sum().to(torch.float64)
-    inf = torch.tensor(math.inf, dtype=values.dtype, device=device)
-    low = torch.where(finite_mask, values, inf).amin().to(torch.float64)
-    high = torch.where(finite_mask, values, -inf).amax().to(torch.float64)
-    any_finite = finite > 0
-    low = torch.where(any_finite, low, 0.0)
-    high = torch.where(any_finite, high, 0.0)
-    edges = _edges(low, high, bins)
-    x = torch.where(finite_mask, values.to(torch.float64), low)
-    index = _bin_index(x, edges, bins)
-    weights = finite_mask.to(torch.float64)
-    counts = torch.zeros(bins, dtype=torch.float64, device=device).scatter_add_(0, index, weights)
-    finite_x = torch.where(finite_mask, x, 0.0)
-    head = torch.stack([finite, low, high, finite_x.sum(), torch.dot(finite_x, finite_x)])
-    return torch.cat([head, edges, counts])
+# What the general path computes for a histogram of its own: the sort and the moments.
+_SORTED = frozenset({"min", "max", "mean", "std"})
+
+
+def pending_histogram(vector: torch.Tensor, bins: int) -> PendingHistogram:
+    """A device vector waiting for the transfer; a tensor subclass's is read now (see
+    `tensors.host_floats`), so that it never joins, or breaks, the sample's transfer."""
+    if tensors.is_plain(vector):
+        return PendingHistogram(vector, bins)
+    return PendingHistogram(None, bins, tensors.host_floats(vector))
 
 
 def vector_from_sort(sort: numerics.DeviceSort, bins: int) -> torch.Tensor:
@@ -223,10 +215,3 @@ def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:
     edges[0] = low
     edges[-1] = high
     return edges
-
-
-def _bin_index(x: torch.Tensor, edges: torch.Tensor, bins: int) -> torch.Tensor:
-    """Largest i < bins with edges[i] <= x (x >= edges[0]): one native binary search per entry."""
-    # bucketize over the inner edges: x < edges[1] -> 0, ..., x >= edges[bins - 1] -> bins - 1,
-    # so the max lands in the last bin, as in numpy.histogram.
-    return torch.bucketize(x, edges[1:-1].contiguous(), right=True)

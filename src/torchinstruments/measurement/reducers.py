@@ -3,13 +3,7 @@
 The default profile is nine numbers over the finite entries of a tensor (mean, population std,
 min, max, the three quartiles with NumPy's "linear" interpolation) plus two fractions over all
 entries (zero_fraction, nonfinite_fraction); `numerics` computes them exactly. Custom reducers add
-scalar metrics of their own.
-
-Custom reducers come in the forms users write first: a `Reducer` object (`metrics` plus a call
-returning `{name: scalar}`), a mapping `{metric_name: fn}`, or a plain named function (the metric
-is named after the function). Mappings and functions are turned into one single-metric reducer
-per function, so one failing function nulls only its own metric. A lambda has no usable name
-(`<lambda>`) and is refused at inject with a message that says how to name it.
+scalar metrics of their own (`custom`: their forms, validation and calling).
 
 Design decision: a reduction is split in two halves. `Measurer.launch` runs on the tensor's
 device and returns a `PendingReduction` whose `device_vector` holds every number that must cross
@@ -18,8 +12,8 @@ them with ONE transfer, then calls `PendingReduction.resolve` with the host valu
 are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
 
 Two ways the default profile shares work. `launch_with_histogram` counts a focus tensor's
-histogram from the statistics' own sort: the NumPy sort or radix pass on the CPU, the sort of
-the sync-free path elsewhere (`histograms.vector_from_sort`). And, on the CPU only,
+histogram from the statistics' own sort: the NumPy sort on the CPU, the sort of the general
+path elsewhere (`histograms.vector_from_sort`). And, on the CPU only,
 `launch(defer=True)` copies a small float tensor (at most `numerics.BATCH_MAX` entries; the copy
 keeps the values as they were at the layer's return) so that `settle` reduces a sample's small
 tensors together in one segmented pass. Measured with `bench/ops.py`: a sampled forward of a
@@ -29,20 +23,20 @@ reduced together) instead of 39.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
-from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement import custom, numerics, tensors
+from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer, ReducerSpec, reducer_name
 from torchinstruments.measurement.histograms import (
     DEFAULT_BINS,
     PendingHistogram,
+    pending_histogram,
     reduce_histogram,
     vector_from_sort,
 )
@@ -71,38 +65,6 @@ DEFAULT_METRICS: tuple[str, ...] = (
     "zero_fraction",
     "nonfinite_fraction",
 )
-
-
-@runtime_checkable
-class Reducer(Protocol):
-    """A custom scalar reducer: the extension point for metrics beyond the default profile.
-
-    `metrics` names every metric the reducer returns; it is read once when the observer is
-    injected, so name clashes fail early. The call receives a copy of the tensor, detached and
-    under `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor,
-    which stays on the device until the sample's single host transfer, or a Python number.
-
-    A reducer can never change the training values it reads: the custom reducers of one tensor
-    share one copy of it (the default profile reads the live tensor, and never writes). A reducer
-    that modifies its argument in place (detected by the copy's version counter; `.data` writes
-    are not seen) gets null metrics with a reason naming it, one warning, and the reducers after
-    it get a fresh copy. The cost: one copy per measured tensor when custom reducers are used.
-
-    Example:
-        >>> class AbsMax:
-        ...     metrics = ("abs_max",)
-        ...     def __call__(self, tensor):
-        ...         return {"abs_max": tensor.abs().amax()}
-    """
-
-    @property
-    def metrics(self) -> tuple[str, ...]:
-        """Names of the metrics the reducer returns (a plain class attribute is fine)."""
-        ...
-
-    def __call__(self, tensor: torch.Tensor) -> Mapping[str, torch.Tensor | float]:
-        """Returns one scalar per name in `metrics`."""
-        ...
 
 
 class DefaultStatistics:
@@ -154,73 +116,6 @@ class DefaultStatistics:
 
     def __repr__(self) -> str:
         return f"DefaultStatistics(metrics={self.metrics!r})"
-
-
-class AbsMax:
-    """`abs_max`: the largest absolute value among the finite entries (null when there are none).
-
-    Example:
-        >>> inject_observer(model, reducers=[AbsMax(), L2Norm()])  # doctest: +SKIP
-    """
-
-    metrics: tuple[str, ...] = ("abs_max",)
-
-    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = tensors.working_values(tensor)
-        if values.numel() == 0:
-            return {}
-        finite = values.isfinite()
-        # -inf when nothing is finite: stored as null with reason "non-finite result".
-        magnitude = torch.where(finite, values.abs(), float("-inf"))
-        return {"abs_max": magnitude.amax()}
-
-    def __repr__(self) -> str:
-        return "AbsMax()"
-
-
-class L2Norm:
-    """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
-
-    Computed in float64 or the tensor's working dtype (`float32` or better), so large tensors of
-    low-precision values do not overflow in their own dtype.
-    """
-
-    metrics: tuple[str, ...] = ("l2_norm",)
-
-    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = tensors.working_values(tensor)
-        if values.numel() == 0:
-            return {}
-        finite = values.isfinite()
-        squares = torch.where(finite, values, 0.0).to(torch.float64).square().sum()
-        # nan when nothing is finite: stored as null with reason "non-finite result".
-        norm = torch.where(finite.any(), squares.sqrt(), float("nan"))
-        return {"l2_norm": norm}
-
-    def __repr__(self) -> str:
-        return "L2Norm()"
-
-
-class _FunctionReducer:
-    """One metric computed by a plain function `fn(tensor) -> scalar`."""
-
-    def __init__(self, name: str, function: Callable[[torch.Tensor], torch.Tensor | float]) -> None:
-        self.metrics: tuple[str, ...] = (name,)
-        self._function = function
-
-    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
-        # Whatever the function returns is checked by `_call_reducer` (null + reason if unusable).
-        return {self.metrics[0]: self._function(tensor)}
-
-    def __repr__(self) -> str:
-        return (
-            f"{{{self.metrics[0]!r}: {getattr(self._function, '__qualname__', self._function)!r}}}"
-        )
-
-
-ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callable[..., object]
-"""What `reducers=` accepts per item: a `Reducer`, a `{metric_name: fn}` mapping, or a named
-function `fn(tensor) -> scalar` (metric named `fn.__name__`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,8 +218,9 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
     Groups of equal wanted metrics with at least `numerics.BATCH_MIN` members take one
     segmented NumPy pass (`numerics.measure_batch_on_cpu`), so the number of calls per sample
     does not grow with its number of small tensors; smaller groups are measured one by one
-    (`numerics.measure_on_cpu`). Without NumPy nothing is deferred (see `_defer_default`). Fills the deferred host values and histogram vectors; never
-    raises (a failure becomes the reason of every deferred metric of its group).
+    (`numerics.measure_on_cpu`), and so is every member of a group whose batch failed, so that
+    a failure stays in its own tensor's rows. Fills the deferred host values and histogram
+    vectors; never raises (a failure becomes the reason of that tensor's deferred metrics).
     """
     groups: dict[frozenset[str], list[_Deferred]] = {}
     for reduction in reductions:
@@ -332,21 +228,23 @@ def settle(reductions: Sequence[PendingReduction]) -> None:
         if deferred is not None and not deferred.settled:
             groups.setdefault(deferred.wanted, []).append(deferred)
     for wanted, members in groups.items():
-        try:
-            if len(members) >= numerics.BATCH_MIN:
-                results = numerics.measure_batch_on_cpu(
-                    [member.values for member in members], wanted, [m.bins for m in members]
-                )
-            else:
-                results = [numerics.measure_on_cpu(m.values, wanted, m.bins) for m in members]
-            for member, result in zip(members, results, strict=True):
+        results: list[numerics.CpuResult | None] = [None] * len(members)
+        if len(members) >= numerics.BATCH_MIN:
+            try:
+                values = [member.values for member in members]
+                bins = [member.bins for member in members]
+                results = list(numerics.measure_batch_on_cpu(values, wanted, bins))
+            except Exception:  # each tensor is then measured on its own: a failure stays in it
+                pass
+        for member, result in zip(members, results, strict=True):
+            try:
+                if result is None:
+                    result = numerics.measure_on_cpu(member.values, wanted, member.bins)
                 member.host.update(result.raw)
                 if member.histogram is not None and result.histogram is not None:
                     member.histogram.host_vector = result.histogram
-        except Exception as error:  # measuring must never crash the training step
-            for member in members:
+            except Exception as error:  # measuring must never crash the training step
                 member.error = reasons.error("statistics", error)
-        for member in members:
             member.settled = True
             member.values = _RELEASED  # the copy is no longer needed
 
@@ -417,7 +315,7 @@ class Measurer:
     ) -> tuple[PendingReduction, PendingHistogram]:
         """`launch` plus the tensor's histogram, from the same passes where the path allows.
 
-        On the CPU the default profile's sort or radix pass (or the deferred batch, see `launch`) also
+        On the CPU the default profile's sort (or the deferred batch, see `launch`) also
         counts the histogram's bins (see `numerics.measure_on_cpu`); elsewhere, or without the
         default profile, the histogram is counted on its own by `reduce_histogram`. A deferred
         histogram's `host_vector` is filled by `settle`. Never raises.
@@ -478,7 +376,9 @@ class Measurer:
                         if copy is None:
                             copy = detached.clone()
                         version = tensor_version(copy)
-                        part, block = _call_reducer(reducer, copy, offset)
+                        called = custom.call_reducer(reducer, copy, offset)
+                        part = _Part(tuple(reducer.metrics), called.host, called.refs, called.fixed)
+                        block = called.block
                         if tensor_version(copy) != version:
                             part, block = self._modified_input(reducer), None
                             copy = None  # the next reducer gets a fresh copy
@@ -495,161 +395,18 @@ class Measurer:
         return PendingReduction(vector, parts, deferred)
 
 
-# --- validation ---------------------------------------------------------------------------------
-
-
-def _function_reducers(label: str, mapping: Mapping[object, object]) -> list[Reducer]:
-    """`{name: fn}` -> one single-metric reducer per function, names and callables checked."""
-    out: list[Reducer] = []
-    for name, function in mapping.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str")
-        if not callable(function):
-            raise TypeError(
-                f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
-            )
-        out.append(_FunctionReducer(name, function))  # type: ignore[arg-type]
-    return out
-
-
-def _as_reducers(label: str, item: object) -> list[Reducer]:
-    """One `reducers` item as reducers: a Reducer stays, a mapping or named function is wrapped."""
-    if isinstance(item, Mapping):
-        return _function_reducers(label, item)
-    if not callable(item):
-        raise TypeError(
-            f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "
-            f"mapping, or a named function tensor -> scalar; got {item!r}"
-        )
-    if hasattr(item, "metrics"):
-        return [item]  # type: ignore[list-item]
-    name = getattr(item, "__name__", None)
-    if name == "<lambda>":
-        raise TypeError(
-            f"{label} is a lambda, which has no name to give its metric: pass it in a mapping, "
-            '`reducers=[{"my_metric": lambda t: ...}]`, or define it with `def my_metric(t): ...`'
-        )
-    if not isinstance(name, str) or not name.isidentifier():
-        raise TypeError(
-            f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
-            "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
-        )
-    return [_FunctionReducer(name, item)]  # type: ignore[arg-type]
+# --- default profile ----------------------------------------------------------------------------
 
 
 def _validate_reducers(reducers: object) -> tuple[Reducer, ...]:
     """Checks types and metric names; returns the reducers with the implicit default added."""
     if reducers is None:
         return (DefaultStatistics(),)
-    if isinstance(reducers, Mapping):
-        reducers = [reducers]
-    if isinstance(reducers, str | bytes) or not isinstance(reducers, Sequence):
-        raise TypeError(
-            "reducers must be None, a sequence of reducers (Reducer objects, "
-            "{metric_name: fn} mappings or named functions), or one mapping; "
-            f"got {reducers!r}"
-        )
-    expanded: list[tuple[int, Reducer]] = []
-    for index, item in enumerate(reducers):
-        expanded += [(index, r) for r in _as_reducers(f"reducers[{index}]", item)]
-    checked: list[Reducer] = []
-    for index, reducer in expanded:
-        metrics = getattr(reducer, "metrics", None)
-        if not callable(reducer):
-            raise TypeError(f"reducers[{index}] must be callable, got {reducer!r}")
-        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
-            raise TypeError(
-                f"reducers[{index}] ({reducer!r}) must have a `metrics` tuple of metric names, "
-                f"got {metrics!r}"
-            )
-        for name in metrics:
-            if not isinstance(name, str) or not name:
-                raise TypeError(
-                    f"reducers[{index}] ({reducer!r}) has metric name {name!r}; "
-                    "expected a non-empty str"
-                )
-        repeated = sorted({name for name in metrics if list(metrics).count(name) > 1})
-        if repeated:
-            raise ValueError(
-                f"reducers[{index}] ({reducer!r}) repeats metric(s) {', '.join(map(repr, repeated))}"
-            )
-        checked.append(reducer)
+    checked = custom.expand(reducers)
     if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
         checked.insert(0, DefaultStatistics())
-    owners: dict[str, list[str]] = {}
-    for reducer in checked:
-        for name in reducer.metrics:
-            owners.setdefault(name, []).append(repr(reducer))
-    clashes = {name: who for name, who in owners.items() if len(who) > 1}
-    if clashes:
-        described = "; ".join(f"{name!r} from {' and '.join(who)}" for name, who in clashes.items())
-        raise ValueError(
-            f"reducers: metric names must be unique across reducers and the default profile; "
-            f"clashing: {described}. Rename the custom metric, or pass DefaultStatistics(...) "
-            "with a subset to replace the default profile."
-        )
+    custom.check_unique(checked)
     return tuple(checked)
-
-
-# --- custom reducers ----------------------------------------------------------------------------
-
-
-def reducer_name(reducer: object) -> str:
-    """How a reducer is named in reasons and warnings: its function or class name."""
-    return str(getattr(reducer, "__name__", None) or type(reducer).__name__)
-
-
-def _call_reducer(
-    reducer: Reducer, tensor: torch.Tensor, offset: int
-) -> tuple[_Part, torch.Tensor | None]:
-    """Calls one custom reducer, keeping device scalars on the device."""
-    metrics = tuple(reducer.metrics)
-    try:
-        result = reducer(tensor)
-    except Exception as error:
-        reason = reasons.error("reducer", error)
-        return _Part(metrics, fixed={name: MetricValue(None, reason) for name in metrics}), None
-    if not isinstance(result, Mapping):
-        reason = reasons.reducer_returned(type(result).__name__)
-        return _Part(metrics, fixed={name: MetricValue(None, reason) for name in metrics}), None
-    host: dict[str, float] = {}
-    refs: dict[str, int] = {}
-    fixed: dict[str, MetricValue] = {}
-    device_values: list[torch.Tensor] = []
-    for name in metrics:
-        if name not in result:
-            fixed[name] = MetricValue(None, reasons.NO_VALUE)
-            continue
-        value = result[name]
-        if isinstance(value, torch.Tensor):
-            problem = _scalar_tensor_problem(value)
-            if problem is not None:
-                fixed[name] = MetricValue(None, problem)
-            elif value.device == tensor.device and not tensors.host_sync_is_free(value.device):
-                refs[name] = offset + len(device_values)
-                device_values.append(value.detach().reshape(()).to(torch.float64))
-            else:
-                host[name] = float(value.detach().reshape(()).to(torch.float64).item())
-        elif isinstance(value, numbers.Real):
-            host[name] = float(value)
-        else:
-            fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
-    block = torch.stack(device_values) if device_values else None
-    return _Part(metrics, host=host, refs=refs, fixed=fixed), block
-
-
-def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
-    """Why a reducer's tensor value cannot be a metric, or None if it can."""
-    if value.layout != torch.strided:
-        return reasons.reducer_tensor_layout(value.layout)
-    if not tensors.is_real_dtype(value.dtype):
-        return reasons.reducer_tensor_dtype(tensors.dtype_name(value.dtype))
-    if value.numel() != 1:
-        return reasons.reducer_tensor_shape(tuple(value.shape))
-    return None
-
-
-# --- default profile ----------------------------------------------------------------------------
 
 
 def _defer_default(
@@ -659,8 +416,7 @@ def _defer_default(
     numel = tensor.numel()
     if (
         not metrics
-        or not numerics.HAVE_NUMPY  # the batch is NumPy's: without it the copy would serve nothing
-        or not tensors.host_sync_is_free(tensor.device)
+        or not tensors.host_path_takes(tensor)
         or not 0 < numel <= numerics.BATCH_MAX
         or tensors.unsupported_reason(tensor) is not None
         or tensors.working_dtype(tensor.dtype) != torch.float32
@@ -691,15 +447,22 @@ def _reduce_default(
         return _Part(metrics, fixed=fixed), None, None
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(numel, wanted)
-    if tensors.host_sync_is_free(tensor.device):
-        result = numerics.measure_on_cpu(tensor, wanted, bins)
-        histogram = None
-        if result.histogram is not None and bins is not None:
-            histogram = PendingHistogram(None, bins, result.histogram)
-        return _Part(metrics, host=result.raw, derive=derive), None, histogram
+    if tensors.host_path_takes(tensor):
+        try:
+            result = numerics.measure_on_cpu(tensor, wanted, bins)
+        except Exception:  # handed to the general path below, never to null
+            result = None
+        if result is not None:
+            histogram = None
+            if result.histogram is not None and bins is not None:
+                histogram = PendingHistogram(None, bins, result.histogram)
+            return _Part(metrics, host=result.raw, derive=derive), None, histogram
     keys, block, sort = numerics.raw_on_device(tensors.working_values(tensor), wanted)
-    refs = {key: offset + index for index, key in enumerate(keys)}
     histogram = None
     if bins is not None and sort is not None:  # counted from the statistics' own sort
-        histogram = PendingHistogram(vector_from_sort(sort, bins), bins)
+        histogram = pending_histogram(vector_from_sort(sort, bins), bins)
+    if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer
+        host = dict(zip(keys, tensors.host_floats(block), strict=True))
+        return _Part(metrics, host=host, derive=derive), None, histogram
+    refs = {key: offset + index for index, key in enumerate(keys)}
     return _Part(metrics, refs=refs, derive=derive), block, histogram

@@ -86,6 +86,24 @@ def host_sync_is_free(device: torch.device) -> bool:
     return device.type in SYNC_FREE_DEVICE_TYPES
 
 
+def is_plain(tensor: torch.Tensor) -> bool:
+    """Of class `torch.Tensor` itself (no subclass such as DTensor) and strided: what NumPy, the
+    sample's one transfer and `.tolist()` can read."""
+    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_nested
+
+
+def host_path_takes(tensor: torch.Tensor) -> bool:
+    """Whether the NumPy fast paths may take `tensor`: plain, on a device where syncs are free."""
+    return is_plain(tensor) and host_sync_is_free(tensor.device)
+
+
+def host_floats(vector: torch.Tensor) -> list[float]:
+    """The entries of a 1-D result of a tensor subclass, read one by one (`.tolist()` and
+    `.numpy()` refuse subclasses; `float()` reads a 0-d tensor through the subclass's own
+    dispatch). A sync, paid only by subclasses the general path measured."""
+    return [float(value) for value in vector.unbind()]
+
+
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...] | None:
     """The tensor's shape as ints, or None when it has no fixed one (nested tensors)."""
     if tensor.is_nested:

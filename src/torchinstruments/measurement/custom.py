@@ -1,0 +1,289 @@
+"""Custom scalar reducers: the extension point for metrics beyond the default profile.
+
+Custom reducers come in the forms users write first: a `Reducer` object (`metrics` plus a call
+returning `{name: scalar}`), a mapping `{metric_name: fn}`, or a plain named function (the metric
+is named after the function). Mappings and functions are turned into one single-metric reducer
+per function, so one failing function nulls only its own metric. A lambda has no usable name
+(`<lambda>`) and is refused at inject with a message that says how to name it. `AbsMax` and
+`L2Norm` are the built-ins. `reducers.Measurer` runs them next to the default profile.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from torchinstruments import reasons
+from torchinstruments.measurement import tensors
+from torchinstruments.records import MetricValue
+
+__all__ = ["AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """A custom scalar reducer: the extension point for metrics beyond the default profile.
+
+    `metrics` names every metric the reducer returns; it is read once when the observer is
+    injected, so name clashes fail early. The call receives a copy of the tensor, detached and
+    under `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor,
+    which stays on the device until the sample's single host transfer, or a Python number.
+
+    A reducer can never change the training values it reads: the custom reducers of one tensor
+    share one copy of it (the default profile reads the live tensor, and never writes). A reducer
+    that modifies its argument in place (detected by the copy's version counter; `.data` writes
+    are not seen) gets null metrics with a reason naming it, one warning, and the reducers after
+    it get a fresh copy. The cost: one copy per measured tensor when custom reducers are used.
+
+    Example:
+        >>> class AbsMax:
+        ...     metrics = ("abs_max",)
+        ...     def __call__(self, tensor):
+        ...         return {"abs_max": tensor.abs().amax()}
+    """
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Names of the metrics the reducer returns (a plain class attribute is fine)."""
+        ...
+
+    def __call__(self, tensor: torch.Tensor) -> Mapping[str, torch.Tensor | float]:
+        """Returns one scalar per name in `metrics`."""
+        ...
+
+
+class AbsMax:
+    """`abs_max`: the largest absolute value among the finite entries (null when there are none).
+
+    Example:
+        >>> inject_observer(model, reducers=[AbsMax(), L2Norm()])  # doctest: +SKIP
+    """
+
+    metrics: tuple[str, ...] = ("abs_max",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = tensors.working_values(tensor)
+        if values.numel() == 0:
+            return {}
+        finite = values.isfinite()
+        # -inf when nothing is finite: stored as null with reason "non-finite result".
+        magnitude = torch.where(finite, values.abs(), float("-inf"))
+        return {"abs_max": magnitude.amax()}
+
+    def __repr__(self) -> str:
+        return "AbsMax()"
+
+
+class L2Norm:
+    """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
+
+    Computed in float64 or the tensor's working dtype (`float32` or better), so large tensors of
+    low-precision values do not overflow in their own dtype.
+    """
+
+    metrics: tuple[str, ...] = ("l2_norm",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = tensors.working_values(tensor)
+        if values.numel() == 0:
+            return {}
+        finite = values.isfinite()
+        squares = torch.where(finite, values, 0.0).to(torch.float64).square().sum()
+        # nan when nothing is finite: stored as null with reason "non-finite result".
+        norm = torch.where(finite.any(), squares.sqrt(), float("nan"))
+        return {"l2_norm": norm}
+
+    def __repr__(self) -> str:
+        return "L2Norm()"
+
+
+class _FunctionReducer:
+    """One metric computed by a plain function `fn(tensor) -> scalar`."""
+
+    def __init__(self, name: str, function: Callable[[torch.Tensor], torch.Tensor | float]) -> None:
+        self.metrics: tuple[str, ...] = (name,)
+        self._function = function
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        # Whatever the function returns is checked by `_call_reducer` (null + reason if unusable).
+        return {self.metrics[0]: self._function(tensor)}
+
+    def __repr__(self) -> str:
+        return (
+            f"{{{self.metrics[0]!r}: {getattr(self._function, '__qualname__', self._function)!r}}}"
+        )
+
+
+ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callable[..., object]
+"""What `reducers=` accepts per item: a `Reducer`, a `{metric_name: fn}` mapping, or a named
+function `fn(tensor) -> scalar` (metric named `fn.__name__`)."""
+
+
+def _function_reducers(label: str, mapping: Mapping[object, object]) -> list[Reducer]:
+    """`{name: fn}` -> one single-metric reducer per function, names and callables checked."""
+    out: list[Reducer] = []
+    for name, function in mapping.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str")
+        if not callable(function):
+            raise TypeError(
+                f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
+            )
+        out.append(_FunctionReducer(name, function))  # type: ignore[arg-type]
+    return out
+
+
+def _as_reducers(label: str, item: object) -> list[Reducer]:
+    """One `reducers` item as reducers: a Reducer stays, a mapping or named function is wrapped."""
+    if isinstance(item, Mapping):
+        return _function_reducers(label, item)
+    if not callable(item):
+        raise TypeError(
+            f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "
+            f"mapping, or a named function tensor -> scalar; got {item!r}"
+        )
+    if hasattr(item, "metrics"):
+        return [item]  # type: ignore[list-item]
+    name = getattr(item, "__name__", None)
+    if name == "<lambda>":
+        raise TypeError(
+            f"{label} is a lambda, which has no name to give its metric: pass it in a mapping, "
+            '`reducers=[{"my_metric": lambda t: ...}]`, or define it with `def my_metric(t): ...`'
+        )
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(
+            f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
+            "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
+        )
+    return [_FunctionReducer(name, item)]  # type: ignore[arg-type]
+
+
+def expand(reducers: object) -> list[Reducer]:
+    """`reducers=` (a sequence, or one mapping) as checked reducers, in order.
+
+    Raises:
+        TypeError: An item is none of the accepted forms, or a metric name is not a non-empty str.
+        ValueError: One reducer repeats a metric name.
+    """
+    if isinstance(reducers, Mapping):
+        reducers = [reducers]
+    if isinstance(reducers, str | bytes) or not isinstance(reducers, Sequence):
+        raise TypeError(
+            "reducers must be None, a sequence of reducers (Reducer objects, "
+            "{metric_name: fn} mappings or named functions), or one mapping; "
+            f"got {reducers!r}"
+        )
+    expanded: list[tuple[int, Reducer]] = []
+    for index, item in enumerate(reducers):
+        expanded += [(index, r) for r in _as_reducers(f"reducers[{index}]", item)]
+    checked: list[Reducer] = []
+    for index, reducer in expanded:
+        metrics = getattr(reducer, "metrics", None)
+        if not callable(reducer):
+            raise TypeError(f"reducers[{index}] must be callable, got {reducer!r}")
+        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
+            raise TypeError(
+                f"reducers[{index}] ({reducer!r}) must have a `metrics` tuple of metric names, "
+                f"got {metrics!r}"
+            )
+        for name in metrics:
+            if not isinstance(name, str) or not name:
+                raise TypeError(
+                    f"reducers[{index}] ({reducer!r}) has metric name {name!r}; "
+                    "expected a non-empty str"
+                )
+        repeated = sorted({name for name in metrics if list(metrics).count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"reducers[{index}] ({reducer!r}) repeats metric(s) {', '.join(map(repr, repeated))}"
+            )
+        checked.append(reducer)
+    return checked
+
+
+def check_unique(reducers: Sequence[Reducer]) -> None:
+    """Raises ValueError when two reducers (or one and the default profile) share a metric."""
+    owners: dict[str, list[str]] = {}
+    for reducer in reducers:
+        for name in reducer.metrics:
+            owners.setdefault(name, []).append(repr(reducer))
+    clashes = {name: who for name, who in owners.items() if len(who) > 1}
+    if clashes:
+        described = "; ".join(f"{name!r} from {' and '.join(who)}" for name, who in clashes.items())
+        raise ValueError(
+            f"reducers: metric names must be unique across reducers and the default profile; "
+            f"clashing: {described}. Rename the custom metric, or pass DefaultStatistics(...) "
+            "with a subset to replace the default profile."
+        )
+
+
+def reducer_name(reducer: object) -> str:
+    """How a reducer is named in reasons and warnings: its function or class name."""
+    return str(getattr(reducer, "__name__", None) or type(reducer).__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Called:
+    """What one custom reducer returned for one tensor: host values, values left on the device
+    (`refs`: metric -> position in the sample's transfer, `block` holds them) and nulls."""
+
+    host: dict[str, float] = field(default_factory=dict)
+    refs: dict[str, int] = field(default_factory=dict)
+    fixed: dict[str, MetricValue] = field(default_factory=dict)
+    block: torch.Tensor | None = None
+
+
+def call_reducer(reducer: Reducer, tensor: torch.Tensor, offset: int) -> Called:
+    """Calls one custom reducer, keeping device scalars of plain tensors on the device."""
+    metrics = tuple(reducer.metrics)
+    try:
+        result = reducer(tensor)
+    except Exception as error:
+        reason = reasons.error("reducer", error)
+        return Called(fixed={name: MetricValue(None, reason) for name in metrics})
+    if not isinstance(result, Mapping):
+        reason = reasons.reducer_returned(type(result).__name__)
+        return Called(fixed={name: MetricValue(None, reason) for name in metrics})
+    host: dict[str, float] = {}
+    refs: dict[str, int] = {}
+    fixed: dict[str, MetricValue] = {}
+    device_values: list[torch.Tensor] = []
+    for name in metrics:
+        if name not in result:
+            fixed[name] = MetricValue(None, reasons.NO_VALUE)
+            continue
+        value = result[name]
+        if isinstance(value, torch.Tensor):
+            problem = _scalar_tensor_problem(value)
+            if problem is not None:
+                fixed[name] = MetricValue(None, problem)
+            elif (
+                value.device == tensor.device
+                and not tensors.host_sync_is_free(value.device)
+                and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
+            ):
+                refs[name] = offset + len(device_values)
+                device_values.append(value.detach().reshape(()).to(torch.float64))
+            else:
+                host[name] = float(value.detach().reshape(()).to(torch.float64))
+        elif isinstance(value, numbers.Real):
+            host[name] = float(value)
+        else:
+            fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
+    block = torch.stack(device_values) if device_values else None
+    return Called(host, refs, fixed, block)
+
+
+def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
+    """Why a reducer's tensor value cannot be a metric, or None if it can."""
+    if value.layout != torch.strided:
+        return reasons.reducer_tensor_layout(value.layout)
+    if not tensors.is_real_dtype(value.dtype):
+        return reasons.reducer_tensor_dtype(tensors.dtype_name(value.dtype))
+    if value.numel() != 1:
+        return reasons.reducer_tensor_shape(tuple(value.shape))
+    return None

@@ -1,0 +1,145 @@
+"""Fast paths hand over: what the NumPy sort or the small-tensor batch cannot take (or fails on)
+is measured by the general path, and a failure stays in its own tensor's rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.measurement import numerics
+from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
+from torchinstruments.records import MetricValue
+
+from conftest import Wrapped, assert_matches_numpy, read_history
+
+
+def resolved(measurer: Measurer, reduction: PendingReduction) -> dict[str, MetricValue]:
+    """The metric values of one launched reduction."""
+    vector = reduction.device_vector
+    values = reduction.resolve([] if vector is None else vector.tolist())
+    return dict(zip(measurer.metrics, values, strict=True))
+
+
+def small_tensors(count: int) -> list[torch.Tensor]:
+    """Distinct small float32 tensors, each batched when launched deferred."""
+    return [torch.randn(50 + index) * (index + 1) for index in range(count)]
+
+
+def test_a_subclass_among_small_tensors_leaves_the_plain_ones_measured() -> None:
+    measurer = Measurer(None)
+    plain = small_tensors(numerics.BATCH_MIN + 1)
+    wrapped = Wrapped(torch.randn(40))
+    launched = [measurer.launch(t, defer=True) for t in [*plain, wrapped]]
+    settle(launched)
+    for tensor, reduction in zip(plain, launched[:-1], strict=True):
+        assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
+    # a subclass is measured by the general path, through its own dispatch
+    assert_matches_numpy(resolved(measurer, launched[-1]), wrapped.inner.numpy())
+
+
+def test_a_failing_batch_measures_each_tensor_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("batch broke")
+
+    monkeypatch.setattr(numerics, "measure_batch_on_cpu", broken)
+    measurer = Measurer(None)
+    tensors = small_tensors(numerics.BATCH_MIN + 2)
+    launched = [measurer.launch(t, defer=True) for t in tensors]
+    settle(launched)
+    for tensor, reduction in zip(tensors, launched, strict=True):
+        assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
+
+
+def test_a_failure_stays_in_its_own_tensors_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = numerics.measure_on_cpu
+
+    def fails_on_the_marked_tensor(tensor: torch.Tensor, *args: object) -> object:
+        if tensor.reshape(-1)[0].item() == 12345.0:
+            raise RuntimeError("this tensor broke")
+        return original(tensor, *args)  # type: ignore[arg-type]
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("batch broke")
+
+    monkeypatch.setattr(numerics, "measure_batch_on_cpu", broken)
+    monkeypatch.setattr(numerics, "measure_on_cpu", fails_on_the_marked_tensor)
+    measurer = Measurer(None)
+    tensors = small_tensors(numerics.BATCH_MIN + 2)
+    tensors[2][0] = 12345.0
+    launched = [measurer.launch(t, defer=True) for t in tensors]
+    settle(launched)
+    for index, (tensor, reduction) in enumerate(zip(tensors, launched, strict=True)):
+        got = resolved(measurer, reduction)
+        if index == 2:
+            assert {m.reason for m in got.values()} == {
+                "statistics error: RuntimeError: this tensor broke"
+            }
+        else:
+            assert_matches_numpy(got, tensor.numpy())
+
+
+def test_the_sort_path_hands_what_it_fails_on_to_the_general_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("sort path broke")
+
+    monkeypatch.setattr(numerics, "measure_on_cpu", broken)
+    measurer = Measurer(None)
+    tensor = torch.randn(3000).relu()
+    reduction, histogram = measurer.launch_with_histogram(tensor)
+    assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
+    assert histogram.device_vector is not None  # counted from the general path's sort
+    record = histogram.resolve(
+        histogram.device_vector.tolist(),
+        sample_id=0,
+        layer="x",
+        call_index=0,
+        signal="output",
+        tensor_path="",
+    )
+    assert record is not None
+    edges = np.array([record.min, *record.bucket_limits])
+    want, _ = np.histogram(tensor.numpy().astype(np.float64), bins=edges)
+    assert list(record.bucket_counts) == want.astype(float).tolist()
+
+
+class Twin(nn.Module):
+    """Returns its input wrapped in a tensor subclass (as tensor-parallel layers return DTensors)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Wrapped(x)
+
+
+def test_a_layer_returning_a_subclass_does_not_null_the_layers_around_it(tmp_path: Path) -> None:
+    """The subclass's rows are measured and the plain small outputs reduced in the same sample
+    keep their values (before: one failure in the batch nulled every tensor in it)."""
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), Twin()
+    )
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        model(x)
+    remove_observer(model)
+    rows = read_history(tmp_path / "s")
+    assert rows["value"].null_count() == 0
+    hidden = x
+    for index, layer in enumerate(model[:5]):
+        hidden = layer(hidden)
+        got = {
+            r["metric"]: MetricValue(r["value"])
+            for r in rows.filter(pl.col("layer") == str(index)).rows(named=True)
+        }
+        assert_matches_numpy(got, hidden.detach().numpy())
+    twin = {
+        r["metric"]: MetricValue(r["value"])
+        for r in rows.filter(pl.col("layer") == "5").rows(named=True)
+    }
+    assert_matches_numpy(twin, hidden.detach().numpy())

@@ -343,28 +343,28 @@ def check_heatmap(
 
 class Wrapped(torch.Tensor):
     """A minimal wrapper tensor subclass: like DTensor, it has no storage of its own, so
-    `.numpy()` and `.tolist()` refuse it; every op runs on `inner` and is wrapped again."""
+    `.numpy()` and `.tolist()` refuse it; every op runs on `plain` and is wrapped again."""
 
-    inner: torch.Tensor
+    plain: torch.Tensor
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> Wrapped:
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device
         )
-        wrapper.inner = inner
+        wrapper.plain = inner
         return wrapper
 
-    def __repr__(self) -> str:  # the default repr would call ops on the wrapper
-        return f"Wrapped({self.inner!r})"
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # not through ops
+        return f"Wrapped({self.plain!r})"
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[bad-override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         def unwrap(item: Any) -> Any:
             if isinstance(item, Wrapped):
-                return item.inner
+                return item.plain
             if isinstance(item, list | tuple):
                 return type(item)(unwrap(i) for i in item)
             return item

@@ -40,7 +40,7 @@ def test_a_subclass_among_small_tensors_leaves_the_plain_ones_measured() -> None
     for tensor, reduction in zip(plain, launched[:-1], strict=True):
         assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
     # a subclass is measured by the general path, through its own dispatch
-    assert_matches_numpy(resolved(measurer, launched[-1]), wrapped.inner.numpy())
+    assert_matches_numpy(resolved(measurer, launched[-1]), wrapped.plain.numpy())
 
 
 def test_a_failing_batch_measures_each_tensor_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

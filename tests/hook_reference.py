@@ -483,6 +483,7 @@ def run_both(
     steps: int = 1,
     every: int = 1,
     prepare: Callable[[nn.Module], Any] | None = None,
+    prepare_both: Callable[[nn.Module], Any] | None = None,
     names: list[str] | None = None,
     **inject_kwargs: Any,
 ) -> Conformance:
@@ -491,9 +492,14 @@ def run_both(
     `step(model, i)` is one step (forward, and backward if any), seeded identically on both sides
     (`torch.manual_seed(1000 + i)` before it). `reference_step` replaces it on the copy (a
     torch.func step's plain equivalent). `prepare` turns the model into what is observed (e.g.
-    `torch.compile`); the copy runs eagerly. Forward `i` is sampled when `i % every == 0`.
+    `torch.compile`); the copy runs eagerly. `prepare_both` changes the model and the copy alike
+    before anything is attached (e.g. `parallelize_module`, `fully_shard`, which a deep copy of an
+    already distributed model would not reproduce). Forward `i` is sampled when `i % every == 0`.
     """
     reference_model = copy.deepcopy(model)
+    if prepare_both is not None:
+        prepare_both(model)
+        prepare_both(reference_model)
     layers = names if names is not None else default_layer_names(reference_model)
     recorder = HookRecorder(reference_model, layers, every)
     observed_model = prepare(model) if prepare is not None else model

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import json
 import warnings
+from itertools import pairwise
 from pathlib import Path
 
 import polars as pl
@@ -12,7 +14,7 @@ import pytest
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import merge as merge_module
 from torchinstruments.rundir import writer as writer_module
-from torchinstruments.rundir.layout import HISTORY_SCHEMA, list_parts
+from torchinstruments.rundir.layout import HISTORY_SCHEMA, ORDER_KEY, list_parts
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
@@ -97,7 +99,27 @@ def as_rows(frame: pl.DataFrame) -> list[tuple]:
 
 
 def row_key(row: tuple) -> tuple:
-    return (row[0], row[7], row[4], row[6], row[8], row[13])
+    """HISTORY_ORDER: sample_id, then signal (write order breaks ties)."""
+    return (row[0], row[7])
+
+
+def in_write_order(rows: list[tuple], expected: list[tuple]) -> bool:
+    """Whether `rows` keep the writer's order among rows of equal (sample_id, signal)."""
+    position = {repr(row): i for i, row in enumerate(expected)}
+    pairs = [(row_key(row), position[repr(row)]) for row in rows]
+    return all(a[1] < b[1] for a, b in pairwise(pairs) if a[0] == b[0])
+
+
+def run_interleaved(writer: HistoryWriter, samples: int) -> list[Measurement]:
+    """Two forwards, then both backwards (gradient accumulation): parts are out of order."""
+    produced = []
+    for s in range(0, samples, 2):
+        fwd = [[measurement(t, "b"), measurement(t, "a")] for t in (s, s + 1)]
+        bwd = [[measurement(t, "a", "output_gradient")] for t in (s, s + 1)]
+        for batch in (*fwd, *bwd):
+            writer.append(batch)
+            produced += batch
+    return produced
 
 
 def test_config_validation_names_field_value_and_rule() -> None:
@@ -133,6 +155,7 @@ def test_rows_written_equal_rows_produced_and_merge_is_sorted(
     assert sorted(rows, key=repr) == sorted(expected, key=repr)
     keys = [row_key(r) for r in rows]
     assert keys == sorted(keys)
+    assert in_write_order(rows, expected)
     assert not (tmp_path / "history.parts").exists()
 
 
@@ -159,13 +182,45 @@ def test_range_batched_merge_equals_single_sort(
 ) -> None:
     monkeypatch.setattr(merge_module, "MERGE_BATCH_ROWS", 37)
     history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
-    produced = run_samples(history_writer, 30)
+    produced = run_interleaved(history_writer, 30)
     history_writer.close()
+    assert any(not read_order_entry(p) for p in list_parts(tmp_path))  # the sorting path
     merge_history(tmp_path)
     rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
-    assert sorted(rows, key=repr) == sorted(expected_rows(produced), key=repr)
-    keys = [row_key(r) for r in rows]
-    assert keys == sorted(keys)
+    assert rows == sorted(expected_rows(produced), key=row_key)  # a stable sort of write order
+
+
+def read_order_entry(path: Path) -> str | None:
+    return pl.read_parquet_metadata(path).get(ORDER_KEY)
+
+
+def test_parts_in_order_are_concatenated_as_written(tmp_path: Path) -> None:
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
+    produced = run_samples(history_writer, 30)
+    history_writer.close()
+    parts = list_parts(tmp_path)
+    assert all(read_order_entry(p) for p in parts)
+    concatenated = as_rows(pl.concat([pl.read_parquet(p) for p in parts]))
+    merge_history(tmp_path)
+    merged = tmp_path / "history.parquet"
+    assert as_rows(pl.read_parquet(merged)) == concatenated == expected_rows(produced)
+    assert json.loads(read_order_entry(merged) or "") == {
+        "first": [0, "output"],
+        "last": [29, "output_gradient"],
+    }
+
+
+def test_a_part_without_order_metadata_is_sorted_into_place(tmp_path: Path) -> None:
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
+    produced = run_samples(history_writer, 6)
+    history_writer.close()
+    # A part from a writer that does not record its order (an older version): same rows.
+    first = list_parts(tmp_path)[0]
+    pl.read_parquet(first).write_parquet(first)
+    assert read_order_entry(first) is None
+    merge_history(tmp_path)
+    rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
+    assert rows == sorted(expected_rows(produced), key=row_key)
 
 
 def test_disk_full_warns_once_keeps_rows_and_retries(
@@ -174,11 +229,11 @@ def test_disk_full_warns_once_keeps_rows_and_retries(
     real = writer_module.write_parquet_atomic
     failing = {"left": 5}
 
-    def flaky(frame: pl.DataFrame, path: Path) -> None:
+    def flaky(frame: pl.DataFrame, path: Path, **kwargs: object) -> None:
         if failing["left"] > 0:
             failing["left"] -= 1
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(frame, path)
+        real(frame, path, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer_module, "write_parquet_atomic", flaky)
     history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=6))
@@ -203,7 +258,7 @@ def test_close_with_unwritable_rows_reports_them_and_keeps_parts(
     run_samples(history_writer, 2)
     written = history_writer.rows_written
 
-    def broken(frame: pl.DataFrame, path: Path) -> None:
+    def broken(frame: pl.DataFrame, path: Path, **kwargs: object) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     monkeypatch.setattr(writer_module, "write_parquet_atomic", broken)

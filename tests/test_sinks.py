@@ -104,11 +104,11 @@ def test_full_disk_reported_by_polars_keeps_the_directory_attached_and_the_rows(
     real_write = writer.write_parquet_atomic
     failures = {"left": 3}
 
-    def full_disk(frame: pl.DataFrame, path: Path) -> None:
+    def full_disk(frame: pl.DataFrame, path: Path, **kwargs: object) -> None:
         if failures["left"] > 0:
             failures["left"] -= 1
             raise pl.exceptions.ComputeError("parquet: No space left on device (os error 28)")
-        real_write(frame, path)
+        real_write(frame, path, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer, "write_parquet_atomic", full_disk)
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())

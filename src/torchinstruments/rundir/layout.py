@@ -16,6 +16,7 @@ This module imports Polars but never torch: `torchinstruments finalize` runs wit
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections.abc import Callable
@@ -60,8 +61,16 @@ HISTORY_SCHEMA = pl.Schema(
     }
 )
 
-# The order of history.parquet.
-MERGE_SORT_KEY = ("sample_id", "signal", "layer", "call_index", "tensor_path", "metric")
+# The order of history.parquet: by sample_id, then signal (output before output_gradient), then
+# write order (a forward's tensors in the order its layers returned, a backward's in the order its
+# gradients arrived). A stable sort on two columns, not on every key column: parts are written in
+# that order already, so the merge usually only concatenates them (merge.py), and neighbouring
+# layers' values stay neighbours in the file, which compresses better than name order.
+HISTORY_ORDER = ("sample_id", "signal")
+# A part's or history.parquet's Parquet metadata entry: JSON `{"first": [sample_id, signal],
+# "last": [...]}` when its rows are in HISTORY_ORDER (first/last null when it has none); absent
+# when they are not, or the file predates it.
+ORDER_KEY = "torchinstruments.order"
 
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 
@@ -161,6 +170,43 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def order_metadata(frame: pl.DataFrame) -> dict[str, str]:
+    """`{ORDER_KEY: ...}` when `frame`'s rows are in HISTORY_ORDER, else no entry."""
+    if not frame.height:
+        return {ORDER_KEY: json.dumps({"first": None, "last": None})}
+    sample, signal = frame["sample_id"], frame["signal"]
+    step = sample.diff()
+    if sample.null_count() or signal.null_count() or (step < 0).any():
+        return {}
+    if ((step == 0) & (signal < signal.shift(1))).any():
+        return {}
+    first, last = [frame.row(i, named=True) for i in (0, -1)]
+    return {
+        ORDER_KEY: json.dumps(
+            {
+                "first": [first["sample_id"], first["signal"]],
+                "last": [last["sample_id"], last["signal"]],
+            }
+        )
+    }
+
+
+def read_order(path: Path) -> tuple[tuple[int, str] | None, tuple[int, str] | None] | None:
+    """(first, last) HISTORY_ORDER key of a file whose metadata says it is in that order, else
+    None; (None, None) for a file without rows."""
+    entry = pl.read_parquet_metadata(path).get(ORDER_KEY)
+    if entry is None:
+        return None
+    try:
+        order = json.loads(entry)
+        first, last = order["first"], order["last"]
+        if first is None or last is None:
+            return None, None
+        return (int(first[0]), str(first[1])), (int(last[0]), str(last[1]))
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+
+
 def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Make `path` appear complete or not at all: `write(tmp)`, fsync, `os.replace`, fsync dir.
 
@@ -194,9 +240,11 @@ def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
     fsync_path(path.parent)
 
 
-def write_parquet_atomic(frame: pl.DataFrame, path: Path) -> None:
-    """Write `frame` to `path` with `replace_atomically`."""
-    replace_atomically(path, frame.write_parquet)
+def write_parquet_atomic(
+    frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write `frame` (with Parquet key-value `metadata`) to `path` with `replace_atomically`."""
+    replace_atomically(path, lambda tmp: frame.write_parquet(tmp, metadata=metadata or None))
 
 
 def write_text_atomic(path: Path, text: str) -> None:

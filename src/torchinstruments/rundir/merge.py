@@ -1,11 +1,21 @@
-"""The crash-safe merge of history parts into one sorted history.parquet.
+"""The crash-safe merge of history parts into one history.parquet, in HISTORY_ORDER.
 
-Design decision: Polars' sort is not out-of-core (a plain `scan_parquet(...).sort(...).sink_parquet(
-...)` of an 18 M-row history peaked at 4.7 GB for 134 MB on disk), so the merge sorts in sample_id
-ranges of about `MERGE_BATCH_ROWS` rows: parts arrive in sample order, so each range touches only a
-few parts. Each sorted range is streamed into a temporary file, and the ranges are then streamed, in
-order, into one file. Peak memory follows the range size, not the history; the cost is writing the
-data twice and twice the disk space while merging.
+Design decision: the merge streams. Each part records in its Parquet metadata (`ORDER_KEY`) that
+its rows are in HISTORY_ORDER (sample_id, then signal, then write order) and its first and last
+key; the writer sets it when that holds, which it does whenever each backward ends before the
+next sampled forward starts (an ordinary training loop). When every input is in order and each
+starts at or after the previous one's end, the merge is one streaming concatenation of the files
+(`scan_parquet(...).sink_parquet(...)`): one pass, the memory of a few row groups whatever the
+history's size, and the rows keep the order they were written in.
+
+Otherwise (interleaved forwards and backwards, parts of an older version) the merge sorts: Polars'
+sort is not out-of-core (a plain `scan_parquet(...).sort(...).sink_parquet(...)` of an 18 M-row
+history peaked at 4.7 GB for 134 MB on disk), so it sorts in sample_id ranges of about
+`MERGE_BATCH_ROWS` rows: parts arrive in sample order, so each range touches only a few parts.
+Each sorted range is streamed into a temporary file, and the ranges are then streamed, in order,
+into one file. Peak memory follows the range size, not the history; the cost is writing the data
+twice and twice the disk space while merging. The sort is stable, so both paths give the same
+file for the same parts.
 
 Crash safety relies on two facts: (1) every file appears by `os.replace` of a complete temporary
 file, and (2) the merged file's Parquet metadata lists the parts it holds (`MERGED_PARTS_KEY`,
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,13 +41,15 @@ import polars as pl
 
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
+    HISTORY_ORDER,
     HISTORY_SCHEMA,
-    MERGE_SORT_KEY,
     MERGE_TMP_DIR,
+    ORDER_KEY,
     PARTS_DIR,
     empty_history,
     list_parts,
     part_number,
+    read_order,
     replace_atomically,
     scan_history,
 )
@@ -167,7 +180,7 @@ def _sorted_range(sources: Sequence[_Source], lo: int, hi: int) -> pl.LazyFrame:
     return (
         pl.concat(frames, how="vertical")
         .filter((pl.col("sample_id") >= lo) & (pl.col("sample_id") < hi))
-        .sort(list(MERGE_SORT_KEY), maintain_order=True)
+        .sort(list(HISTORY_ORDER), maintain_order=True)
     )
 
 
@@ -194,8 +207,47 @@ def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
+def _chained_order(files: Sequence[Path]) -> dict[str, str] | None:
+    """The merged file's ORDER_KEY entry when `files`, concatenated as they are, are in
+    HISTORY_ORDER (each in order, each starting at or after the previous one's last key);
+    None when they are not, or a file does not say."""
+    first: tuple[int, str] | None = None
+    last: tuple[int, str] | None = None
+    for path in files:
+        order = read_order(path)
+        if order is None:
+            return None
+        start, end = order
+        if start is None or end is None:
+            continue  # no rows
+        if last is not None and start < last:
+            return None
+        first = first or start
+        last = end
+    entry = {"first": None, "last": None}
+    if first is not None and last is not None:
+        entry = {"first": list(first), "last": list(last)}
+    return {ORDER_KEY: json.dumps(entry)}
+
+
+def _sink_history(
+    history: Path | None, parts: Sequence[Path], target: Path, *, metadata: dict[str, str]
+) -> None:
+    """Write the rows of `history` (if any) and `parts` into `target`, in HISTORY_ORDER."""
+    files = ([history] if history is not None else []) + list(parts)
+    order = _chained_order(files)
+    if order is not None and files:
+        scan_history(files).sink_parquet(target, metadata={**metadata, **order})
+        return
+    sources = _part_sources(parts)
+    if history is not None:
+        sources = _history_sources(history) + sources
+    _sink_sorted(sources, target, metadata=metadata)
+
+
 def merge_history(directory: Path) -> MergeResult:
-    """Merge the parts (and an existing history.parquet) into one sorted history.parquet.
+    """Merge the parts (and an existing history.parquet) into one history.parquet in
+    HISTORY_ORDER (see the module docstring).
 
     Unreadable parts are skipped, left in place, and listed in the result; parts already recorded
     in an existing history.parquet are only deleted. The merged file is put in place with
@@ -228,10 +280,12 @@ def merge_history(directory: Path) -> MergeResult:
         numbers = done | {n for p in good if (n := part_number(p)) is not None}
         metadata = {MERGED_PARTS_KEY: _encode_ranges(sorted(numbers))}
         try:
-            sources = _part_sources(good)
-            if history.exists():
-                sources = _history_sources(history) + sources
-            replace_atomically(history, functools.partial(_sink_sorted, sources, metadata=metadata))
+            replace_atomically(
+                history,
+                functools.partial(
+                    _sink_history, history if history.exists() else None, good, metadata=metadata
+                ),
+            )
             break
         except pl.exceptions.PolarsError:
             newly_bad = {p: r for p in good if (r := _check_part(p, full=True)) is not None}

@@ -62,8 +62,10 @@ def section_files(run: RunInfo) -> list[str]:
         "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
         "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
         "SIGTERM writes them first, then ends the process as before.",
-        f"- `{HISTORY_FILE}`: the whole history, one row per scalar, sorted by sample_id, "
-        "signal, layer, call_index, tensor_path, metric.",
+        f"- `{HISTORY_FILE}`: the whole history, one row per scalar, ordered by sample_id, "
+        "then signal (output before output_gradient), then the order the rows were written in "
+        "(a forward's layers in the order they returned, a backward's gradients in the order "
+        "they arrived).",
         "- `result.json`: one record per selected layer (traversal order); at injection with an "
         "empty `tensors` list, at removal with per-tensor summaries (see result.json).",
         "- `index.md`: this page. `tensorboard/`: histograms of the focus layers. `.lock`: held "

@@ -45,6 +45,7 @@ from torchinstruments.rundir.layout import (
     HISTORY_SCHEMA,
     PARTS_DIR,
     list_parts,
+    order_metadata,
     part_number,
     part_path,
     write_parquet_atomic,
@@ -345,7 +346,8 @@ class HistoryWriter:
             n = min(size, len(self._buffer))
             path = part_path(self._directory, self._next_part)
             try:
-                write_parquet_atomic(self._buffer.frame(n), path)
+                frame = self._buffer.frame(n)
+                write_parquet_atomic(frame, path, metadata=order_metadata(frame))
             except (OSError, pl.exceptions.PolarsError) as exc:
                 # Polars reports a full disk as ComputeError ("No space left on device").
                 self._error = f"{type(exc).__name__}: {exc}"

@@ -107,6 +107,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
     _selection_options(cmd)
     _format_option(cmd)
+    cmd.add_argument(
+        "--all",
+        action="store_true",
+        dest="every_tensor",
+        help="text view: one row per tensor even beyond 60 tensors (default there: one row per "
+        "module type and signal; csv/json/markdown always hold every series)",
+    )
 
     cmd = commands.add_parser(
         "compare",
@@ -225,6 +232,7 @@ def run_command(args: argparse.Namespace) -> int:
                 fmt=args.format,
                 width=args.width or _width(),
                 window=window_of(facts, selection.window),
+                every_tensor=args.every_tensor,
             )
             print(text)
             return 0

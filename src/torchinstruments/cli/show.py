@@ -2,8 +2,9 @@
 
 Design decision: the text view has one table per metric, with a row per layer (and call and
 tensor path) and the output and output_gradient columns side by side, so it stays within 80
-columns whatever the number of metrics; `--metrics` and `--layers` make it shorter. The machine
-formats (`--format csv|json|markdown`) hold one row per series (layer, call, signal, tensor
+columns whatever the number of metrics; `--metrics` and `--layers` make it shorter. Beyond
+OVERVIEW_TENSORS tensors it is grouped by module type (`overview.py`; `--all`: every row). The
+machine formats (`--format csv|json|markdown`) hold one row per series (layer, call, signal, tensor
 path, metric) with full precision and the window bounds, for scripts.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.overview import OVERVIEW_TENSORS, overview_tables, tensor_count
 from torchinstruments.cli.reader import (
     RunFacts,
     layer_order,
@@ -204,14 +206,28 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     return out
 
 
-def render(facts: RunFacts, frame: pl.DataFrame, *, fmt: str, width: int, window: int) -> str:
-    """The whole `show` output in one of the formats."""
+def render(
+    facts: RunFacts,
+    frame: pl.DataFrame,
+    *,
+    fmt: str,
+    width: int,
+    window: int,
+    every_tensor: bool = False,
+) -> str:
+    """The whole `show` output in one of the formats.
+
+    The text view of more than OVERVIEW_TENSORS tensors is grouped by module type
+    (`overview.py`) unless `every_tensor`; the machine formats always hold every series.
+    """
     if fmt == "text":
         head = [
             wrapped
             for line in facts_lines(facts, frame, window)
             for wrapped in textwrap.wrap(line, width, subsequent_indent="  ")
         ]
+        if not every_tensor and tensor_count(frame) > OVERVIEW_TENSORS:
+            return "\n".join(head + overview_tables(frame, facts, width))
         return "\n".join(head + metric_tables(frame, facts, width))
     return render_frame(frame, fmt, facts_dict(facts, window))
 

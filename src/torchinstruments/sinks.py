@@ -220,9 +220,9 @@ class DirectorySink:
             unwritten = None
             if history is not None and not history.close():
                 unwritten = (
-                    f"{history.rows_buffered} of the {history.rows_produced} rows this run "
-                    f"recorded could not be written to {PARTS_DIR}/ and are lost "
-                    f"({history.last_error})"
+                    f"{history.rows_lost} of the {history.rows_produced} rows this run recorded "
+                    f"could not be written to {PARTS_DIR}/ and are lost; "
+                    + "; ".join(loss.describe() for loss in history.losses)
                 )
             self._close_events()
             if history is not None and run is not None:

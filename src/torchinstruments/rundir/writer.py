@@ -22,16 +22,33 @@ except while a part is written). The price on disk is more, smaller parts: at th
 sample per minute, one part per sample, 1,440 parts a day (bench/merge_parts.py measures what
 that costs the merge).
 
+Bounded memory when writes fail: rows that could not be written stay buffered and are retried
+(at the next chunk boundary, after half a flush interval, at removal), but at most
+`max_buffered_rows` of them (about 175 bytes a row: ~22 MiB at the default). Beyond the cap the
+*newest* rows are dropped, each counted in the loss ledger (`rundir.ledger`) with its sample and
+why. Newest, not oldest: the buffered rows are the oldest unwritten ones, contiguous with what
+is already on disk, so the history keeps one gap per failure episode whose first sample is
+known; dropping costs nothing on the training thread (no list is shifted), and when the disk
+frees, everything still buffered lands. A retry writes the whole backlog in as few parts as fit
+(one part, or halves of it when one part does not fit), not in `buffer_rows` pieces: one large
+part compresses better, so a nearly full disk takes more rows.
+
+A sample's rows can straddle a part boundary. Each part records in its Parquet metadata
+(`SPLIT_RECORD_KEY`) the record its last rows belong to when the rest of that record is still in
+memory, so after a SIGKILL `finalize` can tell a sample that is only partly on disk.
+
 Merging the parts into history.parquet is not this module's job: see `rundir.merge`, called by
 the one end-of-run routine in `rundir.finish`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -50,6 +67,9 @@ from torchinstruments.rundir.layout import (
     part_path,
     write_parquet_atomic,
 )
+from torchinstruments.rundir.ledger import LossLedger, LostRows
+
+DEFAULT_MAX_BUFFERED_ROWS = 131_072
 
 
 @dataclass(frozen=True)
@@ -62,17 +82,38 @@ class HistoryConfig:
         flush_seconds: the most history a crash can lose, in seconds (> 0): every row measured
             more than `flush_seconds` before the process dies is in a part on disk, and so are
             the TensorBoard events of its sample. Smaller means more, smaller parts.
+        max_buffered_rows: the most rows held in memory while parts cannot be written (a full
+            disk), >= buffer_rows; None (the default) means `max(131072, buffer_rows)`. About
+            175 bytes a row: the default bounds the buffer to about 22 MiB for as long as writes
+            fail. Rows recorded beyond it are dropped (the newest) and counted, with their
+            samples and the write error, in the loss ledger.
     """
 
     buffer_rows: int = 8192
     window: int = 10
     flush_seconds: float = 60.0
+    max_buffered_rows: int | None = None
+
+    @property
+    def buffered_rows_cap(self) -> int:
+        """`max_buffered_rows`, or its default for this `buffer_rows`."""
+        if self.max_buffered_rows is None:
+            return max(DEFAULT_MAX_BUFFERED_ROWS, self.buffer_rows)
+        return self.max_buffered_rows
 
     def __post_init__(self) -> None:
-        for name in ("buffer_rows", "window"):
+        names = ["buffer_rows", "window"]
+        if self.max_buffered_rows is not None:
+            names.append("max_buffered_rows")
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed: expected an int >= 1")
+        if self.buffered_rows_cap < self.buffer_rows:
+            raise ValueError(
+                f"max_buffered_rows={self.max_buffered_rows!r} is not allowed: expected an int "
+                f">= buffer_rows={self.buffer_rows!r} (the buffer must hold at least one part)"
+            )
         seconds = self.flush_seconds
         if (
             isinstance(seconds, bool)
@@ -220,23 +261,39 @@ def _valid_shape(shape: object) -> tuple[int, ...] | None:
     return None
 
 
+SPLIT_RECORD_KEY = "torchinstruments.split_record"
+
+
+class _BufferedRecord:
+    """The rows of one sample and signal, in append order, that are still (partly) buffered."""
+
+    __slots__ = ("left", "rows", "sample_id", "signal")
+
+    def __init__(self, sample_id: int, signal: str, rows: int) -> None:
+        self.sample_id = sample_id
+        self.signal = signal
+        self.rows = rows  # rows it had in the buffer
+        self.left = rows  # of them, rows not yet in a part
+
+
 class HistoryWriter:
     """Appends measurements to the columnar buffer and writes parts by size and by age.
 
     A part is written when the buffer holds `buffer_rows` rows (by the appending thread) or when
     its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `flush_due`).
     Nothing raised while writing a part reaches the caller: an `OSError` or a Polars error (disk
-    full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer and are
-    retried at the next chunk boundary, after half a flush interval, and at `close()`. A row whose
-    fields cannot be stored (a shape that is not ints, a value that is not a number) is stored
-    with a null shape or a null value and a reason, never blocking the rows around it.
+    full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer (up to
+    `max_buffered_rows`; newer rows are dropped and counted in `losses`) and are retried at the
+    next chunk boundary, after half a flush interval, and at `close()`. A row whose fields cannot
+    be stored (a shape that is not ints, a value that is not a number) is stored with a null
+    shape or a null value and a reason, never blocking the rows around it.
 
     Thread-safe: `append` (training thread) and `flush` (flush thread, signal handler's thread)
     serialise on one lock.
 
     Args:
         directory: the run's output directory; `history.parts/` is created inside it.
-        config: buffer size, flush interval and summary window.
+        config: buffer size, memory cap, flush interval and summary window.
 
     Example:
         >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=8192))
@@ -252,6 +309,7 @@ class HistoryWriter:
         existing = [part_number(p) for p in list_parts(self._directory)]
         self._next_part = max((n for n in existing if n is not None), default=-1) + 1
         self._buffer = _ColumnBuffer()
+        self._records: deque[_BufferedRecord] = deque()
         self._lock = threading.Lock()
         self._rows_produced = 0
         self._rows_written = 0
@@ -260,7 +318,11 @@ class HistoryWriter:
         self._oldest: float | None = None
         self._retry_after = 0.0  # monotonic; no timed retry before it after a failed write
         self._error: str | None = None
+        self._failing = False  # between a failed part write and the next successful one
+        self._ledger = LossLedger()
+        self._drop_reason: str | None = None  # the current episode's, fixed at its first drop
         self._warned = False
+        self._warned_drop = False
         self._closed = False
 
     @property
@@ -270,7 +332,7 @@ class HistoryWriter:
 
     @property
     def rows_produced(self) -> int:
-        """Rows appended so far (one per metric of each measurement)."""
+        """Rows recorded so far (one per metric of each measurement), dropped ones included."""
         return self._rows_produced
 
     @property
@@ -284,12 +346,28 @@ class HistoryWriter:
         return len(self._buffer)
 
     @property
+    def losses(self) -> tuple[LostRows, ...]:
+        """The loss ledger: rows recorded but not written (dropped at the cap, or unwritable at
+        `close`), as sample ranges with their reasons."""
+        with self._lock:
+            return self._ledger.entries
+
+    @property
+    def rows_lost(self) -> int:
+        """Rows in `losses`."""
+        with self._lock:
+            return self._ledger.rows
+
+    @property
     def last_error(self) -> str | None:
         """The last part-write failure (`Type: message`), or None if every write succeeded."""
         return self._error
 
     def append(self, measurements: Sequence[Measurement]) -> None:
         """Buffer one row per metric of each measurement; write full chunks as parts.
+
+        Beyond `max_buffered_rows` buffered rows a measurement's rows are dropped and counted in
+        `losses` (see the module docstring).
 
         Args:
             measurements: the measurements of one sample (or any batch of them).
@@ -302,12 +380,22 @@ class HistoryWriter:
         if not measurements:
             return
         with self._lock:
-            if self._oldest is None:
-                self._oldest = _monotonic_of(min(m.timestamp_us for m in measurements))
+            cap = self._config.buffered_rows_cap
+            buffer = self._buffer
             for m in measurements:
-                self._rows_produced += self._buffer.extend(m)
-            if len(self._buffer) >= self._retry_at:
-                self._write_chunks(partial=False)
+                k = len(m.metrics)
+                self._rows_produced += k
+                if len(buffer) + k > cap and not self._failing:
+                    self._write_backlog()  # writes work: only a very large sample got here
+                if len(buffer) + k > cap:
+                    self._drop(k, m.sample_id)
+                    continue
+                if not len(buffer):
+                    self._oldest = _monotonic_of(m.timestamp_us)
+                buffer.extend(m)
+                self._note_record(m.sample_id, m.signal, k)
+            if len(buffer) >= self._retry_at:
+                self._write_chunks()
 
     def seconds_until_due(self) -> float | None:
         """Seconds until the buffered rows must be written (<= 0: now); None when empty."""
@@ -319,48 +407,146 @@ class HistoryWriter:
         return max(due, self._retry_after - now)
 
     def flush(self) -> None:
-        """Write every buffered row (the last part may be short); failures warn, never raise."""
+        """Write every buffered row in as few parts as fit; failures warn, never raise."""
         with self._lock:
-            self._write_chunks(partial=True)
+            self._write_backlog()
 
     def close(self) -> bool:
         """Write every buffered row; the writer takes no rows afterwards.
 
         Returns:
             True when every row produced is in a part on disk. False when some could not be
-            written (already warned); they are counted in `rows_buffered`, and `last_error` says
-            why.
+            written (already warned): rows still buffered are then counted in `losses`, and
+            `last_error` says why.
         """
-        if not self._closed:
-            self._closed = True
-            self.flush()
-        return len(self._buffer) == 0
+        if self._closed:
+            return not len(self._buffer) and not self._ledger.rows
+        self._closed = True
+        self.flush()
+        with self._lock:
+            ids = self._buffer.columns["sample_id"]
+            if ids:
+                self._ledger.end_episode()
+                self._ledger.add(
+                    len(ids),
+                    min(ids),
+                    max(ids),
+                    f"not written at removal: the last attempt to write them failed "
+                    f"({self._error})",
+                )
+            return not self._ledger.rows
 
-    def _write_chunks(self, *, partial: bool) -> None:
-        """Write full chunks (and, if `partial`, the remainder); stop at the first failure.
-
-        The caller holds the lock.
-        """
-        size = self._config.buffer_rows
-        while len(self._buffer) >= size or (partial and len(self._buffer) > 0):
-            n = min(size, len(self._buffer))
-            path = part_path(self._directory, self._next_part)
-            try:
-                frame = self._buffer.frame(n)
-                write_parquet_atomic(frame, path, metadata=order_metadata(frame))
-            except (OSError, pl.exceptions.PolarsError) as exc:
-                # Polars reports a full disk as ComputeError ("No space left on device").
-                self._error = f"{type(exc).__name__}: {exc}"
-                self._report(path, exc)
-                self._retry_at = len(self._buffer) + size
-                self._retry_after = time.monotonic() + self._config.flush_seconds / 2
+    def _note_record(self, sample_id: int, signal: str, rows: int) -> None:
+        """Extend the newest buffered record, or start one (the caller holds the lock)."""
+        records = self._records
+        if records:
+            last = records[-1]
+            if last.sample_id == sample_id and last.signal == signal:
+                last.rows += rows
+                last.left += rows
                 return
-            self._buffer.drop(n)
-            self._next_part += 1
-            self._rows_written += n
+        records.append(_BufferedRecord(sample_id, signal, rows))
+
+    def _drop(self, rows: int, sample_id: int) -> None:
+        """Count one measurement's rows as lost at the memory cap (the caller holds the lock)."""
+        if self._drop_reason is None:
+            self._drop_reason = (
+                f"dropped at the memory cap: max_buffered_rows={self._config.buffered_rows_cap} "
+                "rows were already waiting in memory because history parts could not be written "
+                f"({self._error or 'writes had not caught up'}); the newest rows are dropped, the "
+                "buffered ones are kept and retried"
+            )
+        self._ledger.add(rows, sample_id, sample_id, self._drop_reason)
+        if not self._warned_drop:
+            self._warned_drop = True
+            warnings.warn(
+                f"torchinstruments: {self._config.buffered_rows_cap} history rows are waiting in "
+                f"memory for a part write that keeps failing ({self._error}); newer rows are "
+                "dropped and counted (sample ranges and reasons in the run state and index.md) "
+                "until a write succeeds. Training goes on. (Reported once.)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+    def _write_chunks(self) -> None:
+        """Write full `buffer_rows` chunks; stop at the first failure (the caller holds the
+        lock)."""
+        size = self._config.buffer_rows
+        while len(self._buffer) >= size:
+            if not self._write_part(size):
+                return
         self._retry_at = size
+
+    def _write_backlog(self) -> bool:
+        """Write every buffered row in as few parts as fit: all at once, else halves (down to
+        1/64 of the backlog); stop at the first size that fails. The caller holds the lock."""
+        rows = len(self._buffer)
+        smallest = max(1, rows // 64)
+        while len(self._buffer):
+            rows = min(rows, len(self._buffer))
+            if self._write_part(rows):
+                continue
+            if rows <= smallest:
+                return False
+            rows = max(smallest, rows // 2)
+        self._retry_at = self._config.buffer_rows
+        return True
+
+    def _write_part(self, n: int) -> bool:
+        """Write the first `n` buffered rows as the next part; False (warned once) on failure."""
+        path = part_path(self._directory, self._next_part)
+        try:
+            frame = self._buffer.frame(n)
+            metadata = order_metadata(frame) | self._split_metadata(n)
+            write_parquet_atomic(frame, path, metadata=metadata)
+        except (OSError, pl.exceptions.PolarsError) as exc:
+            # Polars reports a full disk as ComputeError ("No space left on device").
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._failing = True
+            self._report(path, exc)
+            self._retry_at = len(self._buffer) + self._config.buffer_rows
+            self._retry_after = time.monotonic() + self._config.flush_seconds / 2
+            return False
+        self._buffer.drop(n)
+        self._consume_records(n)
+        self._next_part += 1
+        self._rows_written += n
+        self._failing = False
+        self._ledger.end_episode()
+        self._drop_reason = None
         if not len(self._buffer):
             self._oldest = None
+        return True
+
+    def _split_metadata(self, n: int) -> dict[str, str]:
+        """The part's metadata when its last rows are a record whose rest stays buffered."""
+        left = n
+        for record in self._records:
+            if left < record.left:
+                if left == 0:
+                    return {}
+                on_disk = record.rows - record.left + left
+                split = {
+                    "sample_id": record.sample_id,
+                    "signal": record.signal,
+                    "rows_in_parts": on_disk,
+                    "rows": record.rows,
+                }
+                return {SPLIT_RECORD_KEY: json.dumps(split)}
+            left -= record.left
+        return {}
+
+    def _consume_records(self, n: int) -> None:
+        """Forget the records (or the parts of one) that the last part wrote."""
+        records = self._records
+        while n and records:
+            record = records[0]
+            if record.left <= n:
+                n -= record.left
+                records.popleft()
+            else:
+                record.left -= n
+                n = 0
 
     def _report(self, path: Path, exc: Exception) -> None:
         """Warn once per writer about a failed part write."""
@@ -369,10 +555,11 @@ class HistoryWriter:
         self._warned = True
         warnings.warn(
             f"torchinstruments could not write history part {path} ({exc}); the rows stay in "
-            "memory and are retried at the next chunk, after half a flush interval and at "
-            "removal. Training goes on. (Reported once.)",
+            f"memory (at most max_buffered_rows={self._config.buffered_rows_cap}; newer ones are "
+            "dropped and counted) and are retried at the next chunk, after half a flush interval "
+            "and at removal. Training goes on. (Reported once.)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 

@@ -1,0 +1,237 @@
+"""When parts cannot be written: memory stays under the cap, and every lost row is counted.
+
+The history writer keeps at most `max_buffered_rows` rows while writes fail, drops the newest
+beyond that, and counts each dropped row in the loss ledger with its sample and reason; when
+writes work again, everything still buffered lands, in as few parts as fit. Write failures are
+injected by replacing the writer's one write function; a real small file system is in
+`test_small_filesystem.py`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.records import Measurement, MetricValue
+from torchinstruments.rundir import writer as writer_module
+from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.ledger import LossLedger, LostRows, missing_samples
+from torchinstruments.rundir.writer import SPLIT_RECORD_KEY, HistoryWriter
+
+METRICS = ("mean", "std", "p50")
+
+
+def measurement(sample: int, signal: str = "output") -> Measurement:
+    """Three rows of sample `sample`."""
+    return Measurement(
+        sample_id=sample,
+        forward_index=sample,
+        timestamp_us=int(time.time() * 1e6),
+        rank=None,
+        layer="fc",
+        module_type="Linear",
+        call_index=0,
+        signal=signal,
+        tensor_path="",
+        shape=(2,),
+        dtype="float32",
+        mode="train",
+        grad_enabled=True,
+        metrics=METRICS,
+        values=tuple(MetricValue(float(sample)) for _ in METRICS),
+    )
+
+
+class Disk:
+    """The writer's write function, failing with ENOSPC while `full` (or above `fits` rows)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = False
+        self.fits: int | None = None  # the largest frame that still fits, when set
+        self.attempts: list[int] = []
+        self._real = writer_module.write_parquet_atomic
+        monkeypatch.setattr(writer_module, "write_parquet_atomic", self.write)
+
+    def write(
+        self, frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None
+    ) -> None:
+        self.attempts.append(frame.height)
+        if self.full or (self.fits is not None and frame.height > self.fits):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        self._real(frame, path, metadata)
+
+
+def part_samples(directory: Path) -> list[list[int]]:
+    """The sample ids of each part, in part order."""
+    return [pl.read_parquet(p)["sample_id"].to_list() for p in list_parts(directory)]
+
+
+@pytest.fixture
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+@pytest.mark.usefixtures("quiet")
+def test_beyond_the_cap_the_newest_rows_are_dropped_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4, max_buffered_rows=10))
+    disk.full = True
+    buffered = []
+    for sample in range(30):
+        writer.append([measurement(sample)])
+        buffered.append(writer.rows_buffered)
+    assert max(buffered) == 9  # three samples of three rows; a fourth would pass the cap
+    assert writer.rows_produced == 90
+    (loss,) = writer.losses
+    assert (loss.rows, loss.first_sample_id, loss.last_sample_id) == (81, 3, 29)
+    assert "max_buffered_rows=10" in loss.reason
+    assert "No space left on device" in loss.reason
+    disk.full = False
+    writer.flush()  # what the flush thread does after half a flush interval
+    assert part_samples(tmp_path) == [[0, 0, 0, 1, 1, 1, 2, 2, 2]]  # one part, not three
+    for sample in range(30, 33):  # writes work again: nothing is dropped
+        writer.append([measurement(sample)])
+    disk.full = True
+    for sample in range(33, 40):
+        writer.append([measurement(sample)])
+    assert not writer.close()
+    first, second, at_removal = writer.losses
+    assert first == loss  # a successful write ended the first episode
+    # 32 (one row still buffered), 33-35 fill the cap again; 36-39 are dropped
+    assert (second.rows, second.first_sample_id, second.last_sample_id) == (12, 36, 39)
+    assert (at_removal.rows, at_removal.first_sample_id, at_removal.last_sample_id) == (10, 32, 35)
+    assert "not written at removal" in at_removal.reason
+    assert writer.rows_lost == writer.rows_produced - writer.rows_written == 103
+
+
+@pytest.mark.usefixtures("quiet")
+def test_the_backlog_lands_in_as_few_parts_as_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4, max_buffered_rows=64))
+    disk.full = True
+    for sample in range(12):
+        writer.append([measurement(sample)])
+    assert writer.rows_buffered == 36
+    disk.full, disk.fits = False, 20
+    disk.attempts.clear()
+    writer.flush()
+    assert disk.attempts == [36, 18, 18]  # all at once did not fit; two halves did
+    assert writer.rows_buffered == 0
+    assert [len(p) for p in part_samples(tmp_path)] == [18, 18]
+    assert writer.close()
+    assert writer.losses == ()
+
+
+def test_a_part_that_ends_inside_a_sample_names_it(tmp_path: Path) -> None:
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4))
+    writer.append([measurement(0)])
+    writer.append([measurement(1)])  # rows 4-6 of the buffer: the part holds one of them
+    writer.append([measurement(1, "output_gradient")])  # then 2 + 3 rows: a part of 4 again
+    metadata = [pl.read_parquet_metadata(p).get(SPLIT_RECORD_KEY) for p in list_parts(tmp_path)]
+    assert [None if m is None else json.loads(m) for m in metadata] == [
+        {"sample_id": 1, "signal": "output", "rows_in_parts": 1, "rows": 3},
+        {"sample_id": 1, "signal": "output_gradient", "rows_in_parts": 2, "rows": 3},
+    ]
+    assert writer.close()
+
+
+def test_the_ledger_merges_an_episode_and_stays_bounded() -> None:
+    ledger = LossLedger()
+    for sample in range(100):
+        ledger.add(9, sample, sample, "disk full")
+    ledger.end_episode()
+    ledger.add(3, 200, 200, "disk full")
+    assert ledger.entries == (LostRows(900, 0, 99, "disk full"), LostRows(3, 200, 200, "disk full"))
+    for episode in range(200):
+        ledger.end_episode()
+        ledger.add(1, 300 + episode, 300 + episode, f"reason {episode}")
+    assert len(ledger.entries) == 64
+    assert ledger.rows == 900 + 3 + 200
+    assert ledger.entries[-1].last_sample_id == 499
+    assert "ledger keeps at most 64 entries" in ledger.entries[-1].reason
+
+
+def test_missing_samples_are_the_gaps_in_the_sample_ids() -> None:
+    assert missing_samples([0, 1, 5, 6, 9], None) == [(2, 4), (7, 8)]
+    assert missing_samples([0, 1, 5], 8) == [(2, 4), (6, 7)]
+    assert missing_samples([], 3) == [(0, 2)]
+    assert missing_samples([0, 1, 2], 3) == []
+
+
+SAMPLES_FAILING = 10_000
+ROWS_PER_SAMPLE = 9  # one Linear, forward only, default metrics
+
+
+def test_writes_failing_for_10000_samples_keep_memory_under_the_cap_and_count_every_row(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.set_num_threads(1)
+    disk = Disk(monkeypatch)
+    writers: list[HistoryWriter] = []
+    buffered: list[int] = []
+    real_append = HistoryWriter.append
+
+    def watched_append(self: HistoryWriter, measurements: Any) -> None:
+        real_append(self, measurements)
+        if not writers:
+            writers.append(self)
+        buffered.append(self.rows_buffered)
+
+    monkeypatch.setattr(HistoryWriter, "append", watched_append)
+    cap = 100 * ROWS_PER_SAMPLE
+    model = nn.Linear(2, 2)
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=90, max_buffered_rows=cap, flush_seconds=1.0),
+    )
+    x = torch.randn(1, 2)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(50):  # samples 0-49: written
+            model(x)
+        disk.full = True
+        for _ in range(SAMPLES_FAILING):  # 50-149 buffered (the cap), 150-10049 dropped
+            model(x)
+        assert max(buffered) == cap
+        disk.full = False  # the flush thread retries every flush_seconds / 2
+        deadline = time.monotonic() + 60
+        while writers[0].rows_buffered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writers[0].rows_buffered == 0, "the buffered rows did not land"
+        for _ in range(30):  # 10050-10079: written as usual
+            model(x)
+        remove_observer(model)
+    assert max(buffered) == cap
+    messages = [str(w.message) for w in caught]
+    assert sum("could not write history part" in m for m in messages) == 1
+    assert sum("newer rows are dropped and counted" in m for m in messages) == 1
+    dropped = (SAMPLES_FAILING - 100) * ROWS_PER_SAMPLE
+    history = pl.read_parquet(run_dir / "history.parquet")
+    kept = [*range(150), *range(50 + SAMPLES_FAILING, 80 + SAMPLES_FAILING)]
+    assert sorted(history["sample_id"].unique()) == kept
+    assert history.height == len(kept) * ROWS_PER_SAMPLE
+    assert writers[0].rows_produced == history.height + dropped
+    (loss,) = writers[0].losses
+    assert (loss.rows, loss.first_sample_id, loss.last_sample_id) == (dropped, 150, 10049)
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: INCOMPLETE.**" in index
+    assert f"{dropped:,} rows of samples 150-10049: dropped at the memory cap" in index

@@ -150,7 +150,7 @@ def test_index_md_is_rendered_from_a_state_file(tmp_path: Path) -> None:
     for needle in (
         "**State: INCOMPLETE.** What is missing and why:",
         "- result.json could not be written (OSError: gone)",
-        "- 6 rows of samples 1..2 were recorded but not written: disk full",
+        "- 6 rows of samples 1-2 were recorded but not written: disk full",
         "**Note:** a configuration note",
         "**Note:** a later note",
         "counts (lower bounds: rebuilt from history after an interrupted run): 9 root forwards, "

@@ -25,8 +25,10 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import writer as writer_module
+from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.layout import list_parts
-from torchinstruments.rundir.ledger import LossLedger, LostRows, missing_samples
+from torchinstruments.rundir.ledger import LossLedger, LostRows, missing_samples, uncovered
+from torchinstruments.rundir.state import Status, read_state
 from torchinstruments.rundir.writer import SPLIT_RECORD_KEY, HistoryWriter
 
 METRICS = ("mean", "std", "p50")
@@ -173,6 +175,8 @@ def test_missing_samples_are_the_gaps_in_the_sample_ids() -> None:
     assert missing_samples([0, 1, 5], 8) == [(2, 4), (6, 7)]
     assert missing_samples([], 3) == [(0, 2)]
     assert missing_samples([0, 1, 2], 3) == []
+    losses = [LostRows(5, 3, 4, "x"), LostRows(1, 8, 8, "y")]
+    assert uncovered([(2, 4), (6, 9)], losses) == [(2, 2), (6, 7), (9, 9)]
 
 
 SAMPLES_FAILING = 10_000
@@ -217,6 +221,10 @@ def test_writes_failing_for_10000_samples_keep_memory_under_the_cap_and_count_ev
         while writers[0].rows_buffered and time.monotonic() < deadline:
             time.sleep(0.05)
         assert writers[0].rows_buffered == 0, "the buffered rows did not land"
+        while not read_state(run_dir).losses and time.monotonic() < deadline:
+            time.sleep(0.05)  # the flush thread saves the ledger as soon as parts can be written
+        (live,) = read_state(run_dir).losses
+        assert "**State: in progress**, with rows lost so far" in index_text(run_dir)
         for _ in range(30):  # 10050-10079: written as usual
             model(x)
         remove_observer(model)
@@ -232,6 +240,16 @@ def test_writes_failing_for_10000_samples_keep_memory_under_the_cap_and_count_ev
     assert writers[0].rows_produced == history.height + dropped
     (loss,) = writers[0].losses
     assert (loss.rows, loss.first_sample_id, loss.last_sample_id) == (dropped, 150, 10049)
-    index = (run_dir / "index.md").read_text("utf-8")
-    assert "**State: INCOMPLETE.**" in index
-    assert f"{dropped:,} rows of samples 150-10049: dropped at the memory cap" in index
+    assert live == loss
+    assert read_state(run_dir).losses == (loss,)
+    sentence = f"{dropped:,} rows of samples 150-10049 were recorded but not written: dropped"
+    for _ in ("after removal", "after finalize"):
+        index = index_text(run_dir)
+        assert "**State: INCOMPLETE.**" in index
+        assert sentence in index
+        assert read_state(run_dir).status is Status.INCOMPLETE
+        finalize(run_dir)
+
+
+def index_text(directory: Path) -> str:
+    return (directory / "index.md").read_text("utf-8")

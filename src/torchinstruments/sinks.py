@@ -19,7 +19,7 @@ from torchinstruments.events import EventFile, histogram_arguments
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
-from torchinstruments.rundir.layout import PARTS_DIR, TENSORBOARD_DIR, check_output_dir
+from torchinstruments.rundir.layout import TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
@@ -160,10 +160,12 @@ class DirectorySink:
                 self._give_up_events("could not be written", error)
 
     def _flush(self) -> None:
-        """Write every buffered row, then flush the events (the flush thread's one job)."""
+        """Write every buffered row, then new losses into the state file and index.md, then
+        flush the events (the flush thread's one job)."""
         try:
             if self._history is not None:
                 self._history.flush()
+                self._save_losses(self._history)
         except Exception as error:  # never let the flush thread die
             warnings.warn(
                 f"torchinstruments: flushing history under {self.directory} failed "
@@ -177,6 +179,22 @@ class DirectorySink:
                 events.flush()
             except Exception as error:
                 self._give_up_events("could not be flushed", error)
+
+    def _save_losses(self, history: HistoryWriter) -> None:
+        """Write the loss ledger into the state file (and index.md) as soon as parts can be
+        written again; a failure is retried after half a flush interval."""
+        pending = history.unsaved_losses()
+        if pending is None or self._run is None:
+            return
+        version, losses = pending
+        state = RunState(self._run, losses=losses)
+        try:
+            write_state(self.directory, state)
+            write_index(self.directory, state)
+        except OSError:
+            history.losses_not_saved()
+            return
+        history.losses_saved(version)
 
     def _give_up_events(self, what: str, error: BaseException) -> None:
         """Warn once, remember the failure for index.md, and close the event writer."""
@@ -217,23 +235,26 @@ class DirectorySink:
             if self._timer is not None:
                 self._timer.stop()
             history, run = self._history, self._run
-            unwritten = None
-            if history is not None and not history.close():
-                unwritten = (
-                    f"{history.rows_lost} of the {history.rows_produced} rows this run recorded "
-                    f"could not be written to {PARTS_DIR}/ and are lost; "
-                    + "; ".join(loss.describe() for loss in history.losses)
-                )
+            if history is not None:
+                history.close()  # what it could not write is in its loss ledger
             self._close_events()
             if history is not None and run is not None:
                 known = (self._events_problem,) if self._events_problem else ()
                 state = RunState(
-                    run, counts, rows_recorded=history.rows_produced, live_problems=known
+                    run,
+                    counts,
+                    rows_recorded=history.rows_produced,
+                    live_problems=known,
+                    losses=history.losses,
                 )
-                report = finish_run(self.directory, state, unwritten=unwritten)
+                report = finish_run(self.directory, state)
                 for problem in report.problems:
                     if problem != self._events_problem:  # that one was warned when it happened
                         warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)
+                for loss in report.state.losses:
+                    warnings.warn(
+                        f"torchinstruments: {loss.describe()}", RuntimeWarning, stacklevel=2
+                    )
         finally:
             self._events = None
             self._history = None

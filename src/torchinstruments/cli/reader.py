@@ -206,7 +206,7 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     if status is Status.INCOMPLETE:
         missing = [
             *state.problems,
-            *(f"{loss.rows} rows lost: {loss.reason}" for loss in state.losses),
+            *(loss.describe() for loss in state.losses),
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see index.md's State section)"
     if status is Status.IN_PROGRESS:

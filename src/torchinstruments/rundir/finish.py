@@ -37,7 +37,9 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     STATE_FILE,
     is_library_temporary,
+    scan_history,
 )
+from torchinstruments.rundir.ledger import missing_samples, sample_range, uncovered
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
@@ -91,7 +93,7 @@ class FinishReport:
         return self.state.run_info_recovered
 
 
-def finish_run(directory: Path, state: RunState, *, unwritten: str | None = None) -> FinishReport:
+def finish_run(directory: Path, state: RunState) -> FinishReport:
     """Merge the parts, write result.json, the state file and index.md; never raises for disk
     or Polars errors.
 
@@ -100,14 +102,13 @@ def finish_run(directory: Path, state: RunState, *, unwritten: str | None = None
         state: the run's state before finishing: `counts` None to rebuild them from history
             (after a crash), `rows_recorded` when known (history.parquet is checked against
             it), `live_problems` the failures already known (listed, and kept by later
-            finishes), `interrupted` when the process ended without removal.
-        unwritten: why rows the run recorded never reached a part, or None if none were lost.
+            finishes), `interrupted` when the process ended without removal, `losses` the
+            loss ledger (rows recorded but not written; kept as they are).
 
     Returns:
         A `FinishReport`; its `problems` are empty exactly when nothing is known to be missing.
     """
-    found: list[str] = [] if unwritten is None else [unwritten]
-    found += state.live_problems
+    found: list[str] = list(state.live_problems)
     merge: MergeResult | None = None
     try:
         merge = merge_history(directory)
@@ -126,11 +127,15 @@ def finish_run(directory: Path, state: RunState, *, unwritten: str | None = None
             "are not in history.parquet"
             for path, reason in merge.unreadable_parts
         ]
-        if rows_recorded is not None and unwritten is None and merge.rows < rows_recorded:
+        lost = sum(loss.rows for loss in state.losses)
+        if rows_recorded is not None and merge.rows < rows_recorded - lost:
+            ledger = f" ({lost} more are in the loss ledger)" if lost else ""
             found.append(
                 f"{HISTORY_FILE} holds {merge.rows} of the {rows_recorded} rows this run "
-                f"recorded; {rows_recorded - merge.rows} rows are missing"
+                f"recorded; {rows_recorded - lost - merge.rows} rows are missing{ledger}"
             )
+        if state.interrupted:
+            found += _unexplained_gaps(merge.path, state)
         try:
             write_result(directory, state.run.layers, state.run.window, counts.layer_samples)
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
@@ -149,6 +154,29 @@ def finish_run(directory: Path, state: RunState, *, unwritten: str | None = None
         with contextlib.suppress(OSError):
             write_state(directory, final)
     return FinishReport(directory, merge, final)
+
+
+def _unexplained_gaps(history: Path, state: RunState) -> list[str]:
+    """Sample ranges with no row in history that the loss ledger does not explain.
+
+    Used after a crash, when the ledger may not have survived (nothing could be written after
+    the losses): the gaps in the sample ids on disk are then the only trace of them. Samples
+    after the last one on disk cannot be told from the rows; the interrupted line says so.
+    """
+    try:
+        present = (
+            scan_history(history).select(pl.col("sample_id").unique()).collect(engine="streaming")
+        )
+    except (OSError, pl.exceptions.PolarsError):
+        return []  # the merge just read it; a failure here leaves the other checks standing
+    gaps = uncovered(missing_samples(present["sample_id"].to_list(), None), state.losses)
+    return [
+        f"no row of {sample_range(first, last)} is in {HISTORY_FILE} and no loss ledger entry "
+        "covers them: they were recorded but not written (parts that kept failing, e.g. on a "
+        "full disk, until the process ended), unless those sampled forwards recorded nothing "
+        "(layers that returned no tensor)"
+        for first, last in gaps
+    ]
 
 
 def _with_problem(state: RunState, what: str, error: OSError) -> RunState:

@@ -23,7 +23,7 @@ from torchinstruments.rundir.page_sections import (
     section_schema,
 )
 from torchinstruments.rundir.shell import code_span
-from torchinstruments.rundir.state import LostRows, RunState, Status
+from torchinstruments.rundir.state import RunState, Status
 
 
 def counts_sentence(state: RunState) -> str:
@@ -54,7 +54,10 @@ def _section_state(state: RunState) -> list[str]:
     """
     status, run = state.status, state.run
     if status is Status.IN_PROGRESS:
-        return ["**State: in progress.**", ""]
+        if not state.losses:
+            return ["**State: in progress.**", ""]
+        lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
+        return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
     lost_bound = (
         f"Rows measured in the last flush_seconds={run.flush_seconds} s before the process "
         "ended may be missing: a SIGKILL or a crash loses them, a SIGTERM writes them first."
@@ -62,7 +65,7 @@ def _section_state(state: RunState) -> list[str]:
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
         lines += [f"- {problem}" for problem in state.problems]
-        lines += [f"- {_loss_sentence(loss)}" for loss in state.losses]
+        lines += [f"- {loss.describe()}" for loss in state.losses]
         if state.interrupted:
             lines.append(f"- the process ended without remove_observer. {lost_bound}")
         return [*lines, ""]
@@ -78,17 +81,6 @@ def _section_state(state: RunState) -> list[str]:
         f"**State: complete.** history.parquet holds every row the run recorded{recorded}.",
         "",
     ]
-
-
-def _loss_sentence(loss: LostRows) -> str:
-    """One ledger entry as a sentence."""
-    if loss.first_sample_id is None:
-        where = ""
-    elif loss.first_sample_id == loss.last_sample_id:
-        where = f" of sample {loss.first_sample_id}"
-    else:
-        where = f" of samples {loss.first_sample_id}..{loss.last_sample_id}"
-    return f"{loss.rows} rows{where} were recorded but not written: {loss.reason}"
 
 
 def _section_gaps(state: RunState) -> list[str]:

@@ -41,9 +41,10 @@ class LostRows:
     reason: str
 
     def describe(self) -> str:
-        """`"1,234 rows of samples 10-99: <reason>"`, for index.md, warnings and the CLI."""
+        """`"1,234 rows of samples 10-99 were recorded but not written: <reason>"` (index.md,
+        warnings and the command line say it in these words)."""
         where = sample_range(self.first_sample_id, self.last_sample_id)
-        return f"{self.rows:,} rows of {where}: {self.reason}"
+        return f"{self.rows:,} rows of {where} were recorded but not written: {self.reason}"
 
 
 def sample_range(first: int | None, last: int | None) -> str:
@@ -59,6 +60,7 @@ class LossLedger:
     def __init__(self) -> None:
         self._entries: list[LostRows] = []
         self._open = False  # True while the last entry's episode goes on
+        self.version = 0  # counts changes, so a saved copy can tell it is behind
 
     @property
     def entries(self) -> tuple[LostRows, ...]:
@@ -90,6 +92,7 @@ class LossLedger:
         else:
             self._entries.append(LostRows(rows, first_sample_id, last_sample_id, reason))
         self._open = True
+        self.version += 1
 
     def end_episode(self) -> None:
         """A part was written: the next loss opens a new entry."""
@@ -130,4 +133,32 @@ def missing_samples(present: Iterable[int], samples: int | None) -> list[tuple[i
     return gaps
 
 
-__all__ = ["MAX_ENTRIES", "LossLedger", "LostRows", "missing_samples", "sample_range"]
+def uncovered(gaps: Iterable[tuple[int, int]], losses: Iterable[LostRows]) -> list[tuple[int, int]]:
+    """The parts of `gaps` (inclusive ranges) that no loss entry's sample range covers."""
+    covered = sorted(
+        (loss.first_sample_id, loss.last_sample_id)
+        for loss in losses
+        if loss.first_sample_id is not None and loss.last_sample_id is not None
+    )
+    left: list[tuple[int, int]] = []
+    for first, last in gaps:
+        start = first
+        for lo, hi in covered:
+            if hi < start or lo > last:
+                continue
+            if lo > start:
+                left.append((start, lo - 1))
+            start = max(start, hi + 1)
+        if start <= last:
+            left.append((start, last))
+    return left
+
+
+__all__ = [
+    "MAX_ENTRIES",
+    "LossLedger",
+    "LostRows",
+    "missing_samples",
+    "sample_range",
+    "uncovered",
+]

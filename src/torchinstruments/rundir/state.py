@@ -24,7 +24,8 @@ The file (`SCHEMA_VERSION` 1):
 
 Extending it (other issues add fields here, and only here):
 
-1. Add a field with a default to `RunState` (or to `LostRows`, `RunCounts`, `RunInfo`); a field
+1. Add a field with a default to `RunState` (or to `LostRows` in `rundir.ledger`,
+   `RunCounts`, `RunInfo`); a field
    of JSON scalars, or a tuple of them, is written and read without further code, and a file
    without the field reads as the default. A field of another type gets one line in `_ENCODE` and
    `_DECODE` below.
@@ -44,6 +45,7 @@ from typing import Any
 
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
+from torchinstruments.rundir.ledger import LostRows
 
 SCHEMA_VERSION = 1
 
@@ -55,23 +57,6 @@ class Status(enum.StrEnum):
     COMPLETE = "complete"  # history.parquet holds every row the run recorded
     INTERRUPTED = "interrupted"  # finalized after its process died: its last flush may be lost
     INCOMPLETE = "incomplete"  # something is missing; `problems` and `losses` say what
-
-
-@dataclass(frozen=True)
-class LostRows:
-    """One entry of the loss ledger: rows the run recorded that are not in its history.
-
-    Attributes:
-        rows: how many rows.
-        first_sample_id: the first sample they belong to, when known.
-        last_sample_id: the last sample they belong to, when known.
-        reason: why they were not written (one sentence, e.g. the write error).
-    """
-
-    rows: int
-    first_sample_id: int | None
-    last_sample_id: int | None
-    reason: str
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,8 @@ class HistoryWriter:
         self._failing = False  # between a failed part write and the next successful one
         self._ledger = LossLedger()
         self._drop_reason: str | None = None  # the current episode's, fixed at its first drop
+        self._saved_version = 0  # the ledger version last written into the run state
+        self._save_after = 0.0  # monotonic; no new attempt to save the ledger before it
         self._warned = False
         self._warned_drop = False
         self._closed = False
@@ -397,14 +399,41 @@ class HistoryWriter:
             if len(buffer) >= self._retry_at:
                 self._write_chunks()
 
+    def unsaved_losses(self) -> tuple[int, tuple[LostRows, ...]] | None:
+        """`(version, losses)` when the ledger changed since it was last saved and parts can be
+        written again (so the run state probably can too); else None."""
+        with self._lock:
+            ledger = self._ledger
+            if (
+                ledger.version == self._saved_version
+                or self._failing
+                or time.monotonic() < self._save_after
+            ):
+                return None
+            return ledger.version, ledger.entries
+
+    def losses_saved(self, version: int) -> None:
+        """The ledger as of `version` is in the run state."""
+        with self._lock:
+            self._saved_version = max(self._saved_version, version)
+
+    def losses_not_saved(self) -> None:
+        """Saving the ledger failed: try again after half a flush interval."""
+        with self._lock:
+            self._save_after = time.monotonic() + self._config.flush_seconds / 2
+
     def seconds_until_due(self) -> float | None:
-        """Seconds until the buffered rows must be written (<= 0: now); None when empty."""
+        """Seconds until the buffered rows must be written, or the loss ledger saved (<= 0:
+        now); None when there is nothing to do."""
+        now = time.monotonic()
+        save = None
+        if self._ledger.version != self._saved_version and not self._failing:
+            save = self._save_after - now
         oldest = self._oldest
         if oldest is None:
-            return None
-        now = time.monotonic()
-        due = oldest + self._config.flush_seconds / 2 - now
-        return max(due, self._retry_after - now)
+            return save
+        due = max(oldest + self._config.flush_seconds / 2 - now, self._retry_after - now)
+        return due if save is None else min(due, save)
 
     def flush(self) -> None:
         """Write every buffered row in as few parts as fit; failures warn, never raise."""

@@ -1,6 +1,6 @@
 """Cost of a sampled training step: observer vs hand-rolled hooks vs nothing.
 
-Run: `uv run bench/sampled.py [--rounds 9] [--only mlp] [--threads 1]`
+Run: `uv run bench/sampled.py [--rounds 9] [--only mlp] [--threads 1] [--device cuda]`
 
 Every step is sampled. For each model, one process times the same model object in three states,
 round by round in rotating order (so drift and ordering hit all alike):
@@ -98,7 +98,7 @@ class HandRolled:
         self.focus = {id(m) for m in layers[:FOCUS]}
         self.handles: list[Any] = []
         self.pending: list[torch.Tensor] = []
-        self.quartiles = torch.tensor(QUARTILES)
+        self.quartiles: dict[torch.device, torch.Tensor] = {}  # on each device, made once
 
     def measure(self, tensor: torch.Tensor, focus: bool) -> None:
         """Nine statistics (and a histogram) of one tensor, left on its device."""
@@ -106,7 +106,10 @@ class HandRolled:
             x = tensor.detach().reshape(-1).float()
             var, mean = torch.var_mean(x, correction=0)
             low, high = torch.aminmax(x)
-            quartiles = torch.quantile(x, self.quartiles.to(x.device))
+            q = self.quartiles.get(x.device)
+            if q is None:
+                q = self.quartiles[x.device] = torch.tensor(QUARTILES, device=x.device)
+            quartiles = torch.quantile(x, q)
             zeros = x.numel() - torch.count_nonzero(x)
             nonfinite = x.numel() - torch.count_nonzero(torch.isfinite(x))
             parts = [mean, var.sqrt(), low, high, zeros / x.numel(), nonfinite / x.numel()]
@@ -163,18 +166,27 @@ def time_variant(
     return _time(lambda: training_step(model, x, lambda: None), steps)
 
 
+def _synchronize() -> None:
+    """Wait for queued accelerator work, so a timed step includes its kernels."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time(step: Callable[[], None], steps: int) -> float:
     step()
+    _synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    _synchronize()
     return (time.perf_counter() - start) / steps
 
 
-def measure(name: str, rounds: int, steps: int) -> dict[str, Any]:
+def measure(name: str, rounds: int, steps: int, device: str = "cpu") -> dict[str, Any]:
     """Rotating rounds of the three variants on one model object."""
     torch.manual_seed(0)
     model, x = MODELS[name]()
+    model, x = model.to(device), x.to(device)
     layers = observed_layers(model)
     order = ["none", "hand", "observed"]
     times: dict[str, list[float]] = {key: [] for key in order}
@@ -205,10 +217,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--only", default="", help="run only models whose name contains this")
+    parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rounds} rounds x "
+        f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} thread(s), "
+        f"{args.rounds} rounds x "
         f"{args.steps} steps; ratios: median of per-round ratios [min..max]"
     )
     header = (
@@ -220,7 +234,7 @@ def main() -> None:
     for name in MODELS:
         if args.only.lower() not in name:
             continue
-        row = measure(name, args.rounds, args.steps)
+        row = measure(name, args.rounds, args.steps, args.device)
         h, n = row["vs_hand"], row["vs_none"]
         print(
             f"{name:12s} {row['layers']:6d} {row['none_ms']:8.2f} {row['hand_ms']:8.2f} "

@@ -4,7 +4,11 @@ Each case observes a model for one or two steps (every forward sampled, unless i
 and runs a deep copy of it with `register_forward_hook` + `Tensor.register_hook`, reduced with
 NumPy (`hook_reference`). Both directions are compared: every reference tensor has a row, every
 row has a reference tensor, and every value equals NumPy's within a float64-rounding tolerance.
-The cases run on the CPU, and on CUDA too when it is available (skipped otherwise).
+The cases run on the CPU, and on CUDA too when it is available (skipped otherwise); on CUDA the
+zoo also counts host synchronisations: none added to an unsampled step (run under
+`torch.cuda.set_sync_debug_mode("error")` when the plain model itself syncs never), at most one
+per sampled forward and one per backward on a sampled step. `bench/device_check.sh` runs the CUDA
+half on one GPU.
 
 References that need a definition:
 - torch.func: the reference is the plain model run without the transform, on the same values.
@@ -17,11 +21,14 @@ References that need a definition:
   outside any root forward and is neither a call nor a row.
 - torch.compile: sampled forwards run eagerly, so their rows equal the eager copy's; the
   unsampled forward between them runs the compiled graph and has no rows.
+Tensor parallelism and FSDP2 are in test_conformance_distributed.py (two gloo processes).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from hook_reference import (
     ACCELERATOR_TOLERANCE,
@@ -42,13 +51,12 @@ from hook_reference import (
 # Deterministic kernels on CUDA (set before the first CUDA call makes a cuBLAS handle).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    ),
-]
+HAS_CUDA = torch.cuda.is_available()
+CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
+
+Step = Callable[[nn.Module, int], Any]
+Case = Callable[[torch.device], tuple[nn.Module, Step]]
 
 
 @pytest.fixture(params=DEVICES)
@@ -82,15 +90,14 @@ def assert_same_results(result: Conformance, exact: bool) -> None:
 def check(
     result: Conformance, device: torch.device, *, compare_shapes: bool = True, exact: bool = True
 ) -> None:
-    """Results equal, and the rows conform in both directions; at least one row per layer."""
+    """Results equal, and the rows conform in both directions."""
     assert_same_results(result, exact and device.type == "cpu")
     result.assert_conforms(tolerance=tolerance_for(device), compare_shapes=compare_shapes)
-    recorded = set(result.history["layer"].unique().to_list())
-    assert recorded, "no rows at all"
+    assert not result.history.is_empty(), "no rows at all"
 
 
-def backward_of_squares(model: nn.Module, inputs: Callable[[], Any]) -> Callable[..., Any]:
-    """A step: forward on fresh inputs, backward of the sum of squares of the output."""
+def squares_step(inputs: Callable[[], torch.Tensor]) -> Step:
+    """A step: forward on fresh inputs, backward of the sum of squares of the first output."""
 
     def step(m: nn.Module, i: int) -> Any:
         out = m(inputs())
@@ -101,47 +108,41 @@ def backward_of_squares(model: nn.Module, inputs: Callable[[], Any]) -> Callable
     return step
 
 
-# --- in-place activations: torchvision and a small MLP ------------------------------------------
+# --- the cases: (model, step) on a device -------------------------------------------------------
 
 
-def test_mlp_with_inplace_relu(run_dir: Path, device: torch.device) -> None:
+def mlp_inplace_relu(device: torch.device) -> tuple[nn.Module, Step]:
     model = nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(inplace=True)
-    ).to(device)
-    step = backward_of_squares(model, lambda: torch.randn(4, 8, device=device))
-    check(run_both(model, step, run_dir), device)
+    )
+    return model.to(device), squares_step(lambda: torch.randn(4, 8, device=device))
 
 
-def test_resnet18(run_dir: Path, device: torch.device) -> None:
+def resnet18(device: torch.device) -> tuple[nn.Module, Step]:
     torchvision = pytest.importorskip("torchvision")
-    model = torchvision.models.resnet18(weights=None, num_classes=10).to(device)
-    step = backward_of_squares(model, lambda: torch.randn(2, 3, 32, 32, device=device))
-    check(run_both(model, step, run_dir), device)
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    return model.to(device), squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
 
 
-def test_mobilenet_v3_small(run_dir: Path, device: torch.device) -> None:
+def mobilenet_v3_small(device: torch.device) -> tuple[nn.Module, Step]:
     torchvision = pytest.importorskip("torchvision")
-    model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=10).to(device)
-    step = backward_of_squares(model, lambda: torch.randn(2, 3, 32, 32, device=device))
-    check(run_both(model, step, run_dir), device)
+    model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=10)
+    return model.to(device), squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
 
 
-# --- Hugging Face models from tiny configs (no downloads) ---------------------------------------
-
-
-def tokens(device: torch.device) -> torch.Tensor:
-    return torch.randint(0, 64, (2, 8), device=device)
-
-
-def loss_step(m: nn.Module, i: int, device: torch.device, **extra: Any) -> Any:
+def own_loss_step(device: torch.device) -> Step:
     """A Hugging Face step: the model's own loss on random tokens (labels = inputs)."""
-    ids = tokens(device)
-    out = m(input_ids=ids, labels=ids, **extra)
-    out.loss.backward()
-    return out.loss
+
+    def step(m: nn.Module, i: int) -> Any:
+        ids = torch.randint(0, 64, (2, 8), device=device)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss
+
+    return step
 
 
-def test_gpt2(run_dir: Path, device: torch.device) -> None:
+def gpt2(device: torch.device) -> tuple[nn.Module, Step]:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
         vocab_size=64,
@@ -153,11 +154,10 @@ def test_gpt2(run_dir: Path, device: torch.device) -> None:
         bos_token_id=0,
         eos_token_id=0,
     )
-    model = transformers.GPT2LMHeadModel(config).to(device).train()
-    check(run_both(model, lambda m, i: loss_step(m, i, device), run_dir), device)
+    return transformers.GPT2LMHeadModel(config).to(device).train(), own_loss_step(device)
 
 
-def test_bert(run_dir: Path, device: torch.device) -> None:
+def bert(device: torch.device) -> tuple[nn.Module, Step]:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
         vocab_size=64,
@@ -167,11 +167,10 @@ def test_bert(run_dir: Path, device: torch.device) -> None:
         intermediate_size=32,
         max_position_embeddings=16,
     )
-    model = transformers.BertForMaskedLM(config).to(device).train()
-    check(run_both(model, lambda m, i: loss_step(m, i, device), run_dir), device)
+    return transformers.BertForMaskedLM(config).to(device).train(), own_loss_step(device)
 
 
-def test_t5(run_dir: Path, device: torch.device) -> None:
+def t5(device: torch.device) -> tuple[nn.Module, Step]:
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(
         vocab_size=64,
@@ -183,37 +182,35 @@ def test_t5(run_dir: Path, device: torch.device) -> None:
         decoder_start_token_id=0,
         use_cache=False,
     )
-    model = transformers.T5ForConditionalGeneration(config).to(device).train()
-    check(run_both(model, lambda m, i: loss_step(m, i, device), run_dir), device)
+    model = transformers.T5ForConditionalGeneration(config)
+    return model.to(device).train(), own_loss_step(device)
 
 
-# --- torch.nn building blocks -------------------------------------------------------------------
+def transformer_encoder(mode: str, grad: bool) -> Case:
+    def case(device: torch.device) -> tuple[nn.Module, Step]:
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
+        model.train(mode == "train")
+
+        def step(m: nn.Module, i: int) -> Any:
+            with torch.set_grad_enabled(grad):
+                out = m(torch.randn(3, 5, 16, device=device))
+            if grad:
+                out.square().sum().backward()
+            return out
+
+        return model, step
+
+    return case
 
 
-@pytest.mark.parametrize(
-    ("mode", "grad"), [("train", True), ("eval", True), ("eval", False)], ids=str
-)
-def test_transformer_encoder(run_dir: Path, device: torch.device, mode: str, grad: bool) -> None:
-    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
-    model.train(mode == "train")
+def recurrent(kind: str) -> Case:
+    def case(device: torch.device) -> tuple[nn.Module, Step]:
+        # a tuple output: [0], and [1] (GRU) or [1][0], [1][1] (LSTM)
+        model = nn.Sequential(getattr(nn, kind)(8, 16, num_layers=2, batch_first=True))
+        return model.to(device), squares_step(lambda: torch.randn(2, 5, 8, device=device))
 
-    def step(m: nn.Module, i: int) -> Any:
-        with torch.set_grad_enabled(grad):
-            out = m(torch.randn(3, 5, 16, device=device))
-        if grad:
-            out.square().sum().backward()
-        return out
-
-    check(run_both(model, step, run_dir), device)
-
-
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_recurrent(run_dir: Path, device: torch.device, kind: str) -> None:
-    rnn = getattr(nn, kind)(8, 16, num_layers=2, batch_first=True)
-    model = nn.Sequential(rnn).to(device)  # outputs a tuple: [0], [1] or [1][0], [1][1]
-    step = backward_of_squares(model, lambda: torch.randn(2, 5, 8, device=device))
-    check(run_both(model, step, run_dir, steps=2), device)
+    return case
 
 
 class Checkpointed(nn.Module):
@@ -233,15 +230,12 @@ class Checkpointed(nn.Module):
         return x
 
 
-def test_non_reentrant_checkpointing(run_dir: Path, device: torch.device) -> None:
-    model = Checkpointed().to(device)
-    step = backward_of_squares(model, lambda: torch.randn(4, 8, device=device))
-    check(run_both(model, step, run_dir), device)
+def non_reentrant_checkpointing(device: torch.device) -> tuple[nn.Module, Step]:
+    return Checkpointed().to(device), squares_step(lambda: torch.randn(4, 8, device=device))
 
 
-def test_bf16_autocast(run_dir: Path, device: torch.device) -> None:
+def bf16_autocast(device: torch.device) -> tuple[nn.Module, Step]:
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
-    model = model.to(device)
 
     def step(m: nn.Module, i: int) -> Any:
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -249,15 +243,40 @@ def test_bf16_autocast(run_dir: Path, device: torch.device) -> None:
         out.float().square().sum().backward()
         return out
 
-    result = run_both(model, step, run_dir)
-    assert "bfloat16" in result.history["dtype"].unique().to_list()
+    return model.to(device), step
+
+
+CASES: dict[str, Case] = {
+    "mlp_inplace_relu": mlp_inplace_relu,
+    "resnet18": resnet18,
+    "mobilenet_v3_small": mobilenet_v3_small,
+    "gpt2": gpt2,
+    "bert": bert,
+    "t5": t5,
+    "transformer_encoder_train": transformer_encoder("train", True),
+    "transformer_encoder_eval": transformer_encoder("eval", True),
+    "transformer_encoder_eval_no_grad": transformer_encoder("eval", False),
+    "lstm": recurrent("LSTM"),
+    "gru": recurrent("GRU"),
+    "non_reentrant_checkpointing": non_reentrant_checkpointing,
+    "bf16_autocast": bf16_autocast,
+}
+STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restart per forward
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rows_equal_plain_hooks(run_dir: Path, device: torch.device, name: str) -> None:
+    model, step = CASES[name](device)
+    result = run_both(model, step, run_dir, steps=STEPS.get(name, 1))
+    if name == "bf16_autocast":
+        assert "bfloat16" in result.history["dtype"].unique().to_list()
     check(result, device)
 
 
 def test_inductor_compiled_model(run_dir: Path, device: torch.device) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
-    step = backward_of_squares(model, lambda: torch.randn(4, 8, device=device))
-    result = run_both(model, step, run_dir, steps=3, every=2, prepare=lambda m: torch.compile(m))
+    step = squares_step(lambda: torch.randn(4, 8, device=device))
+    result = run_both(model, step, run_dir, steps=3, every=2, prepare=torch.compile)
     assert sorted(result.history["forward_index"].unique().to_list()) == [0, 2]
     check(result, device, exact=False)  # the unsampled step ran inductor's kernels
 
@@ -270,7 +289,7 @@ def func_model(device: torch.device) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
 
 
-def plain_backward(device: torch.device) -> Callable[[nn.Module, int], Any]:
+def plain_backward(device: torch.device) -> Step:
     """The reference of the torch.func steps: the summed loss, one ordinary backward."""
 
     def step(m: nn.Module, i: int) -> Any:
@@ -287,7 +306,7 @@ def functional_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def func_grad_step(device: torch.device) -> Callable[[nn.Module, int], Any]:
+def func_grad_step(device: torch.device) -> Step:
     def step(m: nn.Module, i: int) -> Any:
         params = {name: p.detach() for name, p in m.named_parameters()}
         return torch.func.grad(functional_loss(m))(params, torch.randn(5, 6, device=device))
@@ -295,7 +314,7 @@ def func_grad_step(device: torch.device) -> Callable[[nn.Module, int], Any]:
     return step
 
 
-def func_vmap_step(device: torch.device) -> Callable[[nn.Module, int], Any]:
+def func_vmap_step(device: torch.device) -> Step:
     def step(m: nn.Module, i: int) -> Any:
         params = {name: p.detach() for name, p in m.named_parameters()}
         per_sample = torch.func.vmap(torch.func.grad(functional_loss(m)), in_dims=(None, 0))
@@ -305,7 +324,7 @@ def func_vmap_step(device: torch.device) -> Callable[[nn.Module, int], Any]:
     return step
 
 
-def func_jacrev_step(device: torch.device) -> Callable[[nn.Module, int], Any]:
+def func_jacrev_step(device: torch.device) -> Step:
     def step(m: nn.Module, i: int) -> Any:
         params = {name: p.detach() for name, p in m.named_parameters()}
         return torch.func.jacrev(functional_loss(m))(params, torch.randn(5, 6, device=device))
@@ -320,19 +339,67 @@ FUNC_XFAIL = pytest.mark.xfail(
 
 @FUNC_XFAIL
 @pytest.mark.parametrize(
-    "transform",
-    [func_grad_step, func_vmap_step, func_jacrev_step],
-    ids=["grad", "vmap", "jacrev"],
+    "transform", [func_grad_step, func_vmap_step, func_jacrev_step], ids=["grad", "vmap", "jacrev"]
 )
 def test_torch_func(
-    run_dir: Path, device: torch.device, transform: Callable[[torch.device], Any]
+    run_dir: Path, device: torch.device, transform: Callable[[torch.device], Step]
 ) -> None:
     model = func_model(device)
-    result = run_both(
-        model, transform(device), run_dir, reference_step=plain_backward(device), steps=1
-    )
-    # results: the transform's parameter gradients equal the plain backward's
+    result = run_both(model, transform(device), run_dir, reference_step=plain_backward(device))
+    # the transform's parameter gradients equal the plain backward's
     for got, want in zip(result.observed_outputs, result.reference_outputs, strict=True):
         for name, value in want.items():
             torch.testing.assert_close(got[name], value)
     result.assert_conforms(tolerance=tolerance_for(device), compare_shapes=False)
+
+
+# --- CUDA: host synchronisations ----------------------------------------------------------------
+
+
+def count_host_syncs(fn: Callable[[], Any]) -> int:
+    """How many synchronising CUDA calls `fn` makes (torch's sync debug mode, warn level)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+def run_without_host_syncs(fn: Callable[[], Any]) -> None:
+    """Run `fn` with any synchronising CUDA call raising."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_host_syncs(run_dir: Path, name: str) -> None:
+    device = torch.device("cuda")
+    model, step = CASES[name](device)
+    plain = copy.deepcopy(model)
+    step(plain, 0)  # warm-up: lazy CUDA initialisation is not the step's
+    plain_syncs = count_host_syncs(lambda: step(plain, 1))
+    step(model, 0)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    try:
+        sampled = [count_host_syncs(lambda: step(model, 1))]  # forward_index 0: sampled
+        if plain_syncs == 0:
+            run_without_host_syncs(lambda: step(model, 2))  # forward_index 1: not sampled
+            unsampled = 0
+        else:
+            unsampled = count_host_syncs(lambda: step(model, 2))
+        sampled.append(count_host_syncs(lambda: step(model, 3)))  # forward_index 2: sampled
+    finally:
+        remove_observer(model)
+    torch.cuda.synchronize()
+    assert unsampled == plain_syncs
+    # one transfer when the sampled forward ends, one when its backward ends
+    passes = 1 if name == "transformer_encoder_eval_no_grad" else 2
+    extra = [count - plain_syncs for count in sampled]
+    assert all(0 <= e <= passes for e in extra), (extra, plain_syncs)

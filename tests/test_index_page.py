@@ -37,6 +37,7 @@ def run_info(directory: Path, rank: int | None = None) -> RunInfo:
         buffer_rows=8192,
         window=10,
         started_at="2026-01-01T00:00:00+00:00",
+        flush_seconds=60.0,
     )
 
 

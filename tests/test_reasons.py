@@ -58,7 +58,7 @@ def test_each_reason_matches_exactly_one_template(reason: str) -> None:
 def test_index_page_explains_every_template() -> None:
     run = RunInfo(
         Path("/tmp/run"), "0", "0", "Net", (LayerInfo("a", "Linear"),), (), "s", ("mean",),
-        None, None, "rank0", True, 10, 3, "now",
+        None, None, "rank0", True, 10, 3, "now", 60.0,
     )  # fmt: skip
     page = render_index(RunState(run))
     for entry in reasons.REASONS:

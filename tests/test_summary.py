@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import math
 import random
 from collections import defaultdict
@@ -11,9 +14,10 @@ from typing import Any
 import polars as pl
 import pytest
 
+from torchinstruments.__main__ import main
 from torchinstruments.records import LayerInfo, Measurement, MetricValue
 from torchinstruments.rundir.merge import merge_history
-from torchinstruments.rundir.summary import write_catalog, write_result
+from torchinstruments.rundir.summary import window_mean, write_catalog, write_result
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 from conftest import strict_loads
@@ -269,3 +273,36 @@ def test_empty_history_lists_layers_without_tensors(tmp_path: Path) -> None:
 def test_missing_history_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="finalize"):
         write_result(tmp_path, LAYERS, WINDOW)
+
+
+# Per sample, two rows of one series; summed left to right, 1e16 + 1.0 is 1e16 (the 1.0 is lost).
+CANCELLING = ((5.0, 7.0), (1e16, 1.0), (-1e16, 3.0), (1e-3, 2.0**-30))
+
+
+def test_show_and_result_json_give_the_same_window_means_to_the_last_bit(tmp_path: Path) -> None:
+    """`torchinstruments show` and result.json share one window summary (`window_summaries`),
+    whose mean is exact: equal to `math.fsum`, whatever order the rows come in."""
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=3, window=WINDOW))
+    for s, pair in enumerate(CANCELLING):
+        writer.append([m(s, "a", {"mean": value}) for value in pair])
+    writer.close()
+    merge_history(tmp_path)
+    write_result(tmp_path, (LayerInfo("a", "Linear"),), WINDOW)
+    result = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
+    recent = result[0]["tensors"][0]["metrics"]["mean"]["recent"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["show", str(tmp_path), "--window", str(WINDOW), "--format", "json"]) == 0
+    (row,) = json.loads(out.getvalue())["rows"]
+    values = [value for pair in CANCELLING[-WINDOW:] for value in pair]
+    exact = math.fsum(values) / len(values)
+    assert sum(values) / len(values) != exact  # the data tells an ordered sum from an exact one
+    assert recent["mean"] == exact
+    assert row["window_mean"] == recent["mean"]  # to the bit, not approximately
+    assert (row["window_samples"], recent["actual"]) == (WINDOW, WINDOW)
+
+
+def test_window_mean_is_exact_and_never_overflows() -> None:
+    assert window_mean([1e308, 1e308, 1e308]) == 1e308  # the sum overflows, the mean does not
+    assert window_mean([0.1] * 10) == math.fsum([0.1] * 10) / 10
+    assert window_mean([]) is None

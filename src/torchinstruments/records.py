@@ -130,7 +130,7 @@ class RunInfo:
     buffer_rows: int
     window: int
     started_at: str
-    flush_seconds: float = 60.0
+    flush_seconds: float  # no default here: `HistoryConfig` holds the one default
     # What this configuration cannot record or changes, one sentence each (warned at inject,
     # stated in index.md).
     notes: tuple[str, ...] = ()

@@ -12,9 +12,10 @@ Design decisions:
   breaking ties, so "latest" means the same as result.json's `latest`.
 - A live run may merge (and delete its parts) between listing and reading; the read is retried
   with a fresh listing (`READ_ATTEMPTS`).
-- Summaries follow result.json's definitions: `latest` is the last observation of a series,
-  the recent window is the series' own latest `window` sample_ids, and its mean is the mean of
-  its finite values (a mean of per-sample statistics, not of pooled elements).
+- Summaries follow result.json's definitions: `latest` is the last observation of a series, and
+  the recent window is result.json's own (`rundir.summary.window_summaries`: the series' latest
+  `window` sample_ids, the exact mean of its finite values), so `show` and result.json agree to
+  the last bit.
 
 The cost: each command reads the history again (filters are pushed into the Parquet scan, so
 only the selected layers, signals and metrics are decoded).
@@ -44,7 +45,7 @@ from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line
 from torchinstruments.rundir.state import RunState, Status
-from torchinstruments.rundir.summary import SERIES_KEY, TENSOR_KEY
+from torchinstruments.rundir.summary import SERIES_KEY, TENSOR_KEY, window_summaries
 from torchinstruments.rundir.writer import HistoryConfig
 
 X_COLUMNS = ("sample_id", "forward_index")
@@ -244,31 +245,36 @@ def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
     """Per series (layer, call, signal, tensor_path, metric): latest value and recent window.
 
     Columns: the series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
-    `window_mean` (mean of the finite values in the window; null if none), `window_samples`
-    (sample_ids in the window, <= `window`), `window_valid` (non-null values in it),
-    `window_first_sample_id`, `window_last_sample_id`, `observations`.
+    `window_mean`, `window_samples`, `window_valid`, `window_first_sample_id`,
+    `window_last_sample_id` (result.json's `recent` window, from the same
+    `rundir.summary.window_summaries`, so the means agree to the bit), `observations`.
     """
-    ordered = lf.sort("sample_id", _ORDER)
     sid = pl.col("sample_id")
     value = pl.col("value")
-    cutoff = sid.unique().top_k(window).min()
-    in_window = sid >= cutoff
-    return (
-        ordered.group_by(SERIES_KEY, maintain_order=True)
+    latest = (
+        lf.sort("sample_id", _ORDER)
+        .group_by(SERIES_KEY, maintain_order=True)
         .agg(
             module_type=pl.col("module_type").last(),
             latest_value=value.last(),
             latest_reason=pl.col("unavailable_reason").last(),
             latest_sample_id=sid.last(),
-            window_mean=value.filter(in_window & value.is_finite()).mean(),
-            window_samples=sid.filter(in_window).n_unique(),
-            window_valid=value.filter(in_window).count(),
-            window_first_sample_id=cutoff,
-            window_last_sample_id=sid.max(),
             observations=pl.len(),
         )
-        .sort(SERIES_KEY)
     )
+    recent = (
+        window_summaries(lf, window)
+        .filter(pl.col("which") == 0)
+        .select(
+            *SERIES_KEY,
+            window_mean="mean",
+            window_samples="actual",
+            window_valid="valid",
+            window_first_sample_id="first_sample_id",
+            window_last_sample_id="last_sample_id",
+        )
+    )
+    return latest.join(recent.lazy(), on=SERIES_KEY, how="left", nulls_equal=True).sort(SERIES_KEY)
 
 
 def metric_order(present: Sequence[str], run: RunInfo | None) -> list[str]:

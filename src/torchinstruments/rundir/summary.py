@@ -40,12 +40,14 @@ import polars as pl
 from torchinstruments.records import LayerInfo
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
+    HISTORY_SCHEMA,
     RESULT_FILE,
     scan_history,
     write_text_atomic,
 )
 from torchinstruments.rundir.shell import command_line
 
+# One tensor of one layer call, and one of its metrics: the keys of result.json and the CLI.
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
@@ -191,6 +193,67 @@ def _windows(lf: pl.LazyFrame, window: int) -> pl.DataFrame:
     )
 
 
+def window_mean(values: Sequence[float]) -> float | None:
+    """The mean of a window's finite values: the one definition, for result.json and the CLI.
+
+    Summed exactly (`math.fsum`), so the result does not depend on the order the engine handed
+    the values over, and divided once. A sum that would overflow is taken over the values scaled
+    by a power of two (exact for all but subnormal values) and scaled back after the division.
+    None for no values, or for a mean that is not finite.
+    """
+    if not values:
+        return None
+    n = len(values)
+    try:
+        mean = math.fsum(values) / n
+    except OverflowError:
+        scale = 2.0 ** (n.bit_length() + 1)
+        mean = math.fsum(v / scale for v in values) / n * scale
+    return _finite(mean)
+
+
+def window_summaries(lf: pl.LazyFrame, window: int) -> pl.DataFrame:
+    """Per series, the `recent` (`which` 0) and `previous` (`which` 1) windows of result.json.
+
+    Columns: the series key, `which`, `actual` (samples in the window), `valid` (non-null values
+    in it), `mean` (`window_mean` of its finite values), `first_sample_id`, `last_sample_id`.
+    A series with fewer than `window + 1` samples has no `previous` row. The command line's
+    `show` and `compare` call this too, so their window means equal result.json's to the bit.
+
+    Args:
+        lf: history rows (history.parquet, or the parts of a live run).
+        window: samples per window (>= 1).
+    """
+    frame = _windows(lf, window)
+    if not frame.height:
+        schema = {name: HISTORY_SCHEMA[name] for name in SERIES_KEY}
+        return pl.DataFrame(schema={**schema, **_WINDOW_SCHEMA})
+    means = [
+        # Exploding an empty list may give a null (version-dependent): drop it.
+        window_mean([v for v in values if v is not None])
+        for values in frame.get_column("finite_values").to_list()
+    ]
+    return frame.select(
+        *SERIES_KEY,
+        "which",
+        "actual",
+        "valid",
+        pl.Series("mean", means, dtype=pl.Float64),
+        "first_sample_id",
+        "last_sample_id",
+    )
+
+
+_WINDOW_SCHEMA = {
+    "which": pl.Int32(),
+    "actual": pl.UInt32(),
+    "valid": pl.UInt32(),
+    "mean": pl.Float64(),
+    "first_sample_id": pl.Int64(),
+    "last_sample_id": pl.Int64(),
+}
+
+
 def _window_entry(row: dict[str, Any] | None) -> dict[str, Any]:
     """One window as it appears in result.json."""
     if row is None:
@@ -201,11 +264,8 @@ def _window_entry(row: dict[str, Any] | None) -> dict[str, Any]:
             "first_sample_id": None,
             "last_sample_id": None,
         }
-    # Exploding an empty list may give a null (version-dependent): drop it.
-    values = [value for value in row["finite_values"] or [] if value is not None]
-    mean = math.fsum(values) / len(values) if values else None
     return {
-        "mean": _finite(mean),
+        "mean": row["mean"],
         "actual": row["actual"],
         "valid": row["valid"],
         "first_sample_id": row["first_sample_id"],
@@ -261,7 +321,7 @@ def summarize(
     stats = _series_stats(lf)
     latest = {tuple(r[k] for k in TENSOR_KEY): r for r in _tensor_latest(lf).iter_rows(named=True)}
     windows: dict[tuple, dict[int, dict[str, Any]]] = {}
-    for r in _windows(lf, window).iter_rows(named=True):
+    for r in window_summaries(lf, window).iter_rows(named=True):
         windows.setdefault(tuple(r[k] for k in SERIES_KEY), {})[r["which"]] = r
     tensors: dict[str, dict[tuple, dict[str, Any]]] = {}
     for row in stats.iter_rows(named=True):
@@ -338,4 +398,12 @@ def write_result(
     _dump(directory, summarize(history, layers, window, layer_samples))
 
 
-__all__ = ["summarize", "write_catalog", "write_result"]
+__all__ = [
+    "SERIES_KEY",
+    "TENSOR_KEY",
+    "summarize",
+    "window_mean",
+    "window_summaries",
+    "write_catalog",
+    "write_result",
+]

@@ -6,9 +6,8 @@ module (and `_tensorboard_internals` for TensorBoard) reads a private name of an
 `tests/test_internals.py` fails on any `torch._*`, `._C.` or `._name` of another library
 elsewhere in src.
 
-Checked on torch 2.15.0 (CPython 3.11 to 3.13); the smoke subset of `.ci/run` runs the oldest
-torch pyproject allows (see README, "Supported versions"), where the adapters marked "guarded"
-degrade as their docstrings say.
+Checked on torch 2.15.0 (the locked version, whole suite) and torch 2.13.0 (the floor in
+pyproject.toml: `.ci/floor` runs the smoke subset on it), both with CPython 3.11.
 """
 
 from __future__ import annotations

@@ -332,12 +332,6 @@ def func_jacrev_step(device: torch.device) -> Step:
     return step
 
 
-FUNC_XFAIL = pytest.mark.xfail(
-    strict=True, reason="issue 18: torch.func-wrapped tensors are measured as null today"
-)
-
-
-@FUNC_XFAIL
 @pytest.mark.parametrize(
     "transform", [func_grad_step, func_vmap_step, func_jacrev_step], ids=["grad", "vmap", "jacrev"]
 )

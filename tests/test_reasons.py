@@ -24,6 +24,7 @@ def every_builder_output() -> list[str]:
     made += [
         reasons.unsupported_dtype("complex64"),
         reasons.unsupported_layout("torch.sparse_coo"),
+        reasons.partial_placement("Partial(sum)"),
         reasons.error("reducer", ValueError("bad: input")),
         reasons.error("statistics", RuntimeError("x")),
         reasons.error("measurement", TypeError("y")),

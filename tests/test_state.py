@@ -77,6 +77,7 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
         "samples": 5,
         "backward_samples": 4,
         "layer_samples": {"fc": 5},
+        "notes": [],
     }
     assert data["losses"] == [
         {"rows": 6, "first_sample_id": 2, "last_sample_id": 3, "reason": "disk full"}

@@ -30,8 +30,9 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.reasons import explain
+from torchinstruments.records import MetricValue
 
-from conftest import read_history, read_result, sgd_step
+from conftest import assert_matches_numpy, read_history, read_result, sgd_step
 
 STEPS = 12
 BOOM = "boom on purpose"
@@ -284,19 +285,41 @@ def test_result_json_is_strict_and_keeps_unavailable_as_null(
     assert nonfinite["latest"]["value"] == 1.0
 
 
-def test_output_that_cannot_be_measured_gets_null_rows_with_a_reason(tmp_path: Path) -> None:
+def test_sparse_output_is_measured_as_the_dense_tensor_it_stands_for(tmp_path: Path) -> None:
+    class Sparse(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.detach().relu().to_sparse()
+
+    model = nn.Sequential(nn.Linear(3, 3), Sparse())
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    x = torch.randn(2, 3)
+    model(x)
+    remove_observer(model)
+    rows = read_history(tmp_path / "s").filter(pl.col("layer") == "1")
+    assert rows.height == 9
+    assert rows["value"].null_count() == 0
+    got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
+    assert_matches_numpy(got, model[0](x).detach().relu().numpy())
+    assert rows["shape"].to_list() == [[2, 3]] * 9
+
+
+def test_a_sparse_output_too_large_to_densify_gets_null_rows_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchinstruments.measurement import tensors
+
     class Sparse(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x.detach().to_sparse()
 
+    monkeypatch.setattr(tensors, "DENSE_MAX", 5)
     model = nn.Sequential(nn.Linear(3, 3), Sparse())
     inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
     model(torch.randn(2, 3))
     remove_observer(model)
     rows = read_history(tmp_path / "s").filter(pl.col("layer") == "1")
-    assert rows.height == 9
     assert rows["value"].null_count() == 9
-    assert rows["unavailable_reason"].null_count() == 0
+    assert set(rows["unavailable_reason"].to_list()) == {"unsupported layout torch.sparse_coo"}
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

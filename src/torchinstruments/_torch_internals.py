@@ -35,6 +35,7 @@ __all__ = [
     "dynamo_imported",
     "dynamo_skips",
     "exclude_from_compilation",
+    "functorch_disabled",
     "has_fused_fast_path",
     "is_tracing",
     "layer_by_layer",
@@ -44,6 +45,7 @@ __all__ = [
     "resume_compilation",
     "set_fullgraph_frame_count",
     "tensor_version",
+    "unwrap_functorch",
 ]
 
 # torch.utils.weak.WeakIdKeyDictionary (undocumented module, checked on 2.15.0, present since
@@ -264,3 +266,34 @@ def dynamo_skips(function: Callable[..., Any]) -> bool | None:
     if check is None:
         return None
     return bool(check(function))
+
+
+# --- torch.func: the tensors its transforms wrap -------------------------------------------------
+
+# torch.func (functorch) hands a layer wrapper tensors with no storage of their own: under `grad`
+# and `jacrev` one wrapper per level (GradTrackingTensor), under `vmap` a BatchedTensor whose
+# unwrapped value carries the batch dimension. The library measures the unwrapped value: what the
+# plain model computes (for `vmap`, the whole batch). No public API unwraps them. Checked on torch
+# 2.15.0 (`torch._C._functorch`, present since 2.0).
+
+
+def unwrap_functorch(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The plain tensor under every torch.func wrapper of `tensor`, and the sizes of the vmapped
+    dimensions met on the way (outermost transform first; empty outside `vmap`)."""
+    functorch = torch._C._functorch
+    batch: list[int] = []
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor):
+            level_value = functorch.get_unwrapped(tensor)
+            batch.append(int(level_value.shape[functorch.maybe_get_bdim(tensor)]))
+            tensor = level_value
+        else:
+            tensor = functorch.get_unwrapped(tensor)
+    return tensor, tuple(reversed(batch))
+
+
+def functorch_disabled() -> contextlib.AbstractContextManager[Any]:
+    """A context in which torch ops on plain tensors run as outside every torch.func transform,
+    so the statistics of an unwrapped value are plain tensors (not wrapped again at the current
+    level) that NumPy and `.tolist()` can read. Checked on torch 2.15.0 (`torch._C`)."""
+    return torch._C._DisableFuncTorch()

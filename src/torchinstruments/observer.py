@@ -202,6 +202,7 @@ class Observer:
         self.layer_samples: dict[str, int] = {}
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
+        self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.gradients = GradientRecorder(self.measurer, rank, self._emit_backward, self.warn_once)
 
     # -- installation -------------------------------------------------------------------------
@@ -385,7 +386,11 @@ class Observer:
                 mode,
                 grad_enabled,
             )
-            sample.pending.append(launch_tensor(self.measurer, key, tensor, layer.focus))
+            launched = launch_tensor(self.measurer, key, tensor, layer.focus)
+            sample.pending.append(launched)
+            if launched.note is not None and launched.note not in self.notes:
+                self.notes.append(launched.note)  # said in index.md at removal, and warned now
+                self.warn_once(launched.note, launched.note)
             self.gradients.hook_output(key, tensor, layer.focus)
 
     def _end_sample(self, sample: _Sample) -> None:
@@ -419,7 +424,11 @@ class Observer:
         with self._count_lock:
             layer_samples = dict(self.layer_samples)
         return RunCounts(
-            self.root_forwards, self.samples, len(self.gradients.sample_ids), layer_samples
+            self.root_forwards,
+            self.samples,
+            len(self.gradients.sample_ids),
+            layer_samples,
+            tuple(self.notes),
         )
 
     def never_ran(self) -> list[str]:

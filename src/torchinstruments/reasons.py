@@ -38,7 +38,16 @@ REASONS: tuple[Reason, ...] = (
     Reason(EMPTY, "the tensor has no elements"),
     Reason(NO_FINITE, "every element is NaN or +-inf (nonfinite_fraction is still given)"),
     Reason("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
-    Reason("unsupported layout <layout>", "sparse or other non-strided tensors"),
+    Reason(
+        "unsupported layout <layout>",
+        "a sparse or other non-strided tensor too large to densify (over 2**26 entries; "
+        "smaller ones are measured as the dense tensor they stand for)",
+    ),
+    Reason(
+        "partial sums (DTensor placement <placement>): not the layer's output",
+        "a DTensor with a Partial placement holds this rank's partial sums, which add up to the "
+        "output across ranks; measuring them would need a collective, which the library never adds",
+    ),
     Reason(NON_FINITE_RESULT, "the statistic overflowed (e.g. std of huge values)"),
     Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
     Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),
@@ -100,6 +109,11 @@ REASONS: tuple[Reason, ...] = (
 def unsupported_dtype(dtype: str) -> str:
     """The tensor's dtype cannot be measured."""
     return f"unsupported dtype {dtype}"
+
+
+def partial_placement(placement: str) -> str:
+    """A DTensor whose placement is Partial holds partial sums, not the layer's output."""
+    return f"partial sums (DTensor placement {placement}): not the layer's output"
 
 
 def unsupported_layout(layout: object) -> str:

@@ -149,3 +149,5 @@ class RunCounts:
     samples: int
     backward_samples: int
     layer_samples: Mapping[str, int] = field(default_factory=dict)
+    # What the run said about the tensors it measured (torch.func wrappers, DTensors), once each.
+    notes: tuple[str, ...] = ()

@@ -246,6 +246,7 @@ class DirectorySink:
                     rows_recorded=history.rows_produced,
                     live_problems=known,
                     losses=history.losses,
+                    notes=counts.notes,
                 )
                 report = finish_run(self.directory, state)
                 for problem in report.problems:

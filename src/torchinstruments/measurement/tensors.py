@@ -4,13 +4,23 @@ Which tensors can be measured, in which working dtype, and on which devices a ho
 One copy of each rule, so the statistics and the histograms of a tensor can never disagree about
 whether it is measurable or how its values are read:
 
-- Supported: strided tensors of a floating, integer or bool dtype. Complex and quantized dtypes and
-  non-strided layouts (sparse, ...) are not: their metrics are null with a reason and they get no
-  histogram.
-- Nested tensors (nn.TransformerEncoder packs a padded batch into one in eval under no_grad, so
-  every layer inside it returns one) are measured over the entries of their components, padding
-  excluded: `measured_form` concatenates them into one flat tensor (a copy) before anything else
-  reads them. Their shape is null (no fixed shape).
+- Supported: tensors of a floating, integer or bool dtype. Complex and quantized dtypes are not:
+  their metrics are null with a reason and they get no histogram.
+- What is measured of a tensor a layer returned is its `measured_form`, taken before anything
+  else reads it:
+  - torch.func wrappers (`grad`, `jacrev`, `vmap`) are unwrapped: the values the plain model
+    computes; under `vmap`, the whole underlying batch, and the shape is the vmapped sizes
+    (outermost transform first) followed by the per-sample shape.
+  - A DTensor is measured as this rank's local tensor (no collective): with a Replicate placement
+    that is the whole tensor, with Shard(d) this rank's shard; the row carries the placement and
+    this rank's mesh coordinate. A Partial placement holds partial sums, not the layer's output:
+    null with a reason.
+  - Nested tensors (nn.TransformerEncoder packs a padded batch into one in eval under no_grad, so
+    every layer inside it returns one) are measured over the entries of their components, padding
+    excluded (one flat copy). Their shape is null (no fixed shape).
+  - Sparse and other non-strided layouts are measured as the dense tensor they stand for (a
+    dense copy, refused with a reason above `DENSE_MAX` entries, where the copy could exhaust
+    memory).
 - Working dtype: float64 stays float64; float32, float16, bfloat16 and other low-precision floats
   are read as float32; integers and bools as float64 (bool as 0/1; integers beyond 2**53 round to
   the nearest float64).
@@ -20,9 +30,13 @@ whether it is measurable or how its values are read:
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 import torch
 
 from torchinstruments import reasons
+from torchinstruments._torch_internals import unwrap_functorch
 
 INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
     dtype
@@ -58,15 +72,97 @@ def unsupported_reason(tensor: torch.Tensor) -> str | None:
     return None
 
 
-def measured_form(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose entries are measured: itself, or a nested tensor's entries, flattened."""
-    if not tensor.is_nested:
-        return tensor
+# What index.md (and one warning) says when a run measured wrapped or distributed tensors.
+TORCH_FUNC_NOTE = (
+    "torch.func: layers returned tensors wrapped by grad, jacrev or vmap; they are measured as the "
+    "values the plain model computes (unwrapped): under vmap over the whole underlying batch, and "
+    "their shape is then the vmapped sizes (outermost transform first) followed by the "
+    "per-sample shape"
+)
+DTENSOR_NOTE = (
+    "tensor parallel: layers returned DTensors; each DTensor row describes this rank's local "
+    "tensor and says so in `placement` and `mesh_coordinate` (Replicate: the whole tensor; "
+    "Shard(d): this rank's shard along dim d; Partial: partial sums, null with a reason). Plain "
+    "tensors between tensor-parallel layers are this rank's local parts, not the whole activation"
+)
+
+# Sparse (or other non-strided) tensors of more entries than this are not densified.
+DENSE_MAX = 1 << 26
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredForm:
+    """What is measured of one tensor, and what its row says about it.
+
+    Attributes:
+        values: The tensor whose entries are measured (detached), or None when it is not.
+        shape: The shape the row reports, None when there is no fixed one.
+        placement: A DTensor's placements, e.g. "Shard(0)" or "Replicate, Shard(1)"; else None.
+        mesh_coordinate: This rank's coordinate in a DTensor's device mesh; else None.
+        reason: Why nothing is measured (with `values` None), else None.
+        note: `TORCH_FUNC_NOTE` or `DTENSOR_NOTE` when the tensor was one of those, else None.
+    """
+
+    values: torch.Tensor | None
+    shape: tuple[int, ...] | None
+    placement: str | None = None
+    mesh_coordinate: tuple[int, ...] | None = None
+    reason: str | None = None
+    note: str | None = None
+
+
+def measured_form(tensor: torch.Tensor) -> MeasuredForm:
+    """The form of `tensor` that is measured (see the module docstring); a copy only for nested
+    and non-strided tensors. Never runs a collective."""
     with torch.no_grad():
-        parts = [component.detach().reshape(-1) for component in tensor.unbind()]
-        if not parts:
-            return torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        return torch.cat(parts)
+        plain, batch = unwrap_functorch(tensor)
+        note = TORCH_FUNC_NOTE if plain is not tensor else None
+        plain = plain.detach()
+        placement = coordinate = None
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(plain, dtensor):
+            note = DTENSOR_NOTE
+            placement = ", ".join(_placement_name(p) for p in plain.placements)
+            found = plain.device_mesh.get_coordinate()
+            coordinate = None if found is None else tuple(int(c) for c in found)
+            if any(p.is_partial() for p in plain.placements):
+                shape = shape_of(plain.to_local())
+                reason = reasons.partial_placement(placement)
+                return MeasuredForm(None, shape, placement, coordinate, reason, note)
+            plain = plain.to_local()
+        shape = shape_of(plain)
+        if batch:  # the unwrapped value holds the vmapped dims where vmap put them: named first
+            per_sample = shape_of(tensor)
+            shape = None if per_sample is None else batch + per_sample
+        if plain.is_nested:
+            parts = [component.reshape(-1) for component in plain.unbind()]
+            if not parts:
+                plain = torch.empty(0, dtype=plain.dtype, device=plain.device)
+            else:
+                plain = torch.cat(parts)
+        elif plain.layout != torch.strided:
+            if plain.numel() > DENSE_MAX:
+                reason = reasons.unsupported_layout(plain.layout)
+                return MeasuredForm(None, shape, placement, coordinate, reason, note)
+            plain = plain.to_dense()
+        return MeasuredForm(plain, shape, placement, coordinate, note=note)
+
+
+def _dtensor_type() -> type | None:
+    """DTensor's class if `torch.distributed.tensor` was imported (no DTensor exists otherwise);
+    not importing it saves seconds at the first measurement."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _placement_name(placement: object) -> str:
+    """`Shard(0)`, `Replicate`, `Partial(sum)`: one DTensor placement as the row names it."""
+    name = type(placement).__name__.lstrip("_")
+    if hasattr(placement, "dim"):
+        return f"{name}({placement.dim})"
+    if hasattr(placement, "reduce_op"):
+        return f"{name}({placement.reduce_op})"
+    return name
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from torchinstruments import reasons
+from torchinstruments._torch_internals import functorch_disabled
 from torchinstruments.measurement import tensors
 from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
@@ -40,28 +41,43 @@ class PendingTensor:
     timestamp_us: int
     reduction: PendingReduction
     histogram: PendingHistogram | None
+    placement: str | None = None
+    mesh_coordinate: tuple[int, ...] | None = None
+    note: str | None = None
 
 
 def launch_tensor(
     measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool
 ) -> PendingTensor:
-    """Launch the device-side reductions of one tensor; a failure becomes null + reason."""
+    """Launch the device-side reductions of one tensor; a failure becomes null + reason.
+
+    What is measured is the tensor's `tensors.measured_form` (torch.func wrappers unwrapped, a
+    DTensor's local tensor, ...), reduced with torch.func's transforms switched off, so that the
+    statistics are plain tensors even inside `grad` or `vmap`.
+    """
+    form: tensors.MeasuredForm | None = None
+    histogram = None
     try:
-        measured = tensors.measured_form(tensor)
-        if focus:
-            reduction, histogram = measurer.launch_with_histogram(measured, defer=True)
-        else:
-            reduction, histogram = measurer.launch(measured, defer=True), None
+        with functorch_disabled():
+            form = tensors.measured_form(tensor)
+            if form.values is None:
+                reduction = measurer.unavailable(form.reason or reasons.NO_VALUE)
+            elif focus:
+                reduction, histogram = measurer.launch_with_histogram(form.values, defer=True)
+            else:
+                reduction = measurer.launch(form.values, defer=True)
     except Exception as error:
         reduction = measurer.unavailable(reasons.error("measurement", error))
-        histogram = None
     return PendingTensor(
         key,
-        tensors.shape_of(tensor),
+        form.shape if form is not None else _shape(tensor),
         tensors.dtype_name(tensor.dtype),
         time.time_ns() // 1000,
         reduction,
         histogram,
+        form.placement if form is not None else None,
+        form.mesh_coordinate if form is not None else None,
+        form.note if form is not None else None,
     )
 
 
@@ -71,12 +87,20 @@ def unavailable_tensor(
     """A tensor that is not measured: every metric null with `reason`, nothing to transfer."""
     return PendingTensor(
         key,
-        tensors.shape_of(tensor),
+        _shape(tensor),
         tensors.dtype_name(tensor.dtype),
         time.time_ns() // 1000,
         measurer.unavailable(reason),
         None,
     )
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The row's shape of a tensor whose measured form is not known."""
+    try:
+        return tensors.measured_form(tensor).shape
+    except Exception:
+        return tensors.shape_of(tensor)
 
 
 def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
@@ -101,12 +125,14 @@ def build_records(
     signal: str, pending: Sequence[PendingTensor], metrics: tuple[str, ...], rank: int | None
 ) -> list[SampleRecord]:
     """Transfer pending results to the host and resolve them into one record per sample."""
-    settle([item.reduction for item in pending])  # the small CPU tensors, all at once
+    with functorch_disabled():
+        settle([item.reduction for item in pending])  # the small CPU tensors, all at once
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)
         vectors.append(item.histogram.device_vector if item.histogram is not None else None)
-    host = to_host(vectors)
+    with functorch_disabled():
+        host = to_host(vectors)
     by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
     for position, item in enumerate(pending):
         key = item.key

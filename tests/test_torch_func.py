@@ -1,0 +1,106 @@
+"""torch.func transforms: rows hold the values the plain model computes, and say what they are.
+
+Under `grad` and `jacrev` a layer returns wrapper tensors without storage, under `vmap` a batched
+tensor whose per-sample view hides the batch: the rows describe the unwrapped values (for `vmap`
+the whole underlying batch, with the vmapped sizes first in `shape`), and index.md says so.
+(Both directions against plain hooks on every transform: `tests/test_conformance_zoo.py`.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.records import MetricValue
+
+from conftest import assert_matches_numpy, read_history
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def loss_of(m: nn.Module) -> Callable[..., torch.Tensor]:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(m, params, (x,)).square().sum()
+
+    return loss
+
+
+def grad(m: nn.Module, x: torch.Tensor) -> object:
+    return torch.func.grad(loss_of(m))(dict(m.named_parameters()), x)
+
+
+def jacrev(m: nn.Module, x: torch.Tensor) -> object:
+    return torch.func.jacrev(loss_of(m))(dict(m.named_parameters()), x)
+
+
+def vmap(m: nn.Module, x: torch.Tensor) -> object:
+    return torch.func.vmap(torch.func.grad(loss_of(m)), in_dims=(None, 0))(
+        dict(m.named_parameters()), x
+    )
+
+
+def nested_vmap(m: nn.Module, x: torch.Tensor) -> object:
+    return torch.func.vmap(torch.func.vmap(m, in_dims=1), in_dims=0)(x)
+
+
+@pytest.mark.parametrize(
+    ("transform", "x_shape", "row_shape"),
+    [
+        (grad, (5, 6), [5, 8]),
+        (jacrev, (5, 6), [5, 8]),
+        (vmap, (5, 6), [5, 8]),
+        (nested_vmap, (2, 6, 3), [2, 3, 8]),  # vmapped sizes outermost first, then per sample
+    ],
+    ids=["grad", "jacrev", "vmap", "nested_vmap"],
+)
+def test_rows_hold_the_plain_models_values(
+    tmp_path: Path, transform: Callable[..., object], x_shape: tuple[int, ...], row_shape: list[int]
+) -> None:
+    observed = model()
+    x = torch.randn(*x_shape)
+    inject_observer(observed, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match="torch.func: layers returned tensors wrapped"):
+        transform(observed, x)
+    remove_observer(observed)
+    rows = read_history(tmp_path / "s").filter(pl.col("signal") == "output", pl.col("layer") == "0")
+    assert rows["value"].null_count() == 0
+    assert rows["shape"].to_list() == [row_shape] * rows.height
+    plain = x if transform is not nested_vmap else x.movedim(2, 1)  # the vmapped dims first
+    want = observed[0](plain).detach().numpy()
+    got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
+    assert_matches_numpy(got, want)
+    assert (
+        "torch.func: layers returned tensors wrapped" in (tmp_path / "s" / "index.md").read_text()
+    )
+
+
+def test_per_sample_gradients_are_measured_over_the_batch(tmp_path: Path) -> None:
+    """Under vmap(grad), the gradient into each output is the per-sample gradient; the rows
+    describe all of them together, which is the plain summed-loss backward's gradient."""
+    observed = model()
+    reference = model()
+    reference.load_state_dict(observed.state_dict())
+    x = torch.randn(5, 6)
+    inject_observer(observed, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning):
+        vmap(observed, x)
+    remove_observer(observed)
+    hidden = reference[0](x)
+    hidden.retain_grad()
+    reference[2](reference[1](hidden)).square().sum().backward()
+    assert hidden.grad is not None
+    rows = read_history(tmp_path / "s").filter(
+        pl.col("signal") == "output_gradient", pl.col("layer") == "0"
+    )
+    got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
+    assert_matches_numpy(got, hidden.grad.numpy())
+    assert np.isfinite(rows["value"].to_numpy()).all()

@@ -35,7 +35,7 @@ from torchinstruments.selection import Selector, select_focus_layers, select_lay
 from torchinstruments.sinks import DirectorySink, Sink, SinkGroup
 
 _NO_COMPILE_SUPPORT = (
-    f"not recorded: forwards run under torch.compile (torch {torch.__version__} cannot keep the "
+    f"not recorded: forwards run under torch.compile (torch {torch.version.__version__} cannot keep the "
     "observer's root wrapper out of compiled code, so a compiled model's root forwards are "
     "neither counted nor sampled; eager forwards are recorded as usual)"
 )
@@ -279,7 +279,7 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
     run = RunInfo(
         output_dir=placement.directory,
         library_version=library_version(),
-        torch_version=torch.__version__,
+        torch_version=torch.version.__version__,
         model_class=type(compiled_original(model) or model).__name__,
         layers=infos,
         focus_layers=tuple(info.name for info in infos if info.name in focus),

@@ -94,8 +94,8 @@ def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
     process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
     call as a compiled frame, so that skipping compilation on purpose is not reported as "no
-    compiled frames". Without torch._dynamo imported nothing can be compiled, and the call is a
-    plain one.
+    compiled frames". Before dynamo (torch's compiler) is imported nothing can be compiled, and
+    the call is a plain one.
     """
     paused = pause_compilation()
     try:

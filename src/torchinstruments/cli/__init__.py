@@ -15,7 +15,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torchinstruments.cli.show import Selection
@@ -95,7 +95,16 @@ def _format_option(cmd: argparse.ArgumentParser) -> None:
     )
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+class Subcommands(Protocol):
+    """What `add_commands` uses of `ArgumentParser.add_subparsers()`'s result (argparse's class
+    for it is private)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A new subcommand's parser."""
+        ...
+
+
+def add_commands(commands: Subcommands) -> None:
     """Add `show`, `compare`, `plot` and `heatmap` to the package's subcommand parsers."""
     cmd = commands.add_parser(
         "show",

@@ -10,7 +10,12 @@
 # Where uv and the project's environment exist, everything runs through `uv run`. Elsewhere (a
 # machine with a CUDA torch already installed and no package index, say) it runs `python3` with
 # src/, tests/ and bench/ on PYTHONPATH; packages that python3 lacks (polars, for one) can be
-# brought as wheels in .whl/ (installed into /tmp/site first). Usage: bash bench/device_check.sh
+# brought as wheels in .whl/ (installed into /tmp/site first), fetched beforehand where an index
+# is reachable, for that machine's Python (3.12 here), e.g.:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     polars==2.1.0 polars-runtime-32==2.1.0
+# Usage: bash bench/device_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

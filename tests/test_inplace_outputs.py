@@ -124,3 +124,42 @@ def test_one_tensor_returned_twice_by_one_layer_is_still_a_shared_output(run_dir
     assert sorted(set(rows["call_index"].to_list())) == [0, 1]
     assert rows["value"].is_null().all()
     assert rows["unavailable_reason"].str.starts_with("shared output").all()
+
+
+class Table(nn.Module):
+    """Returns its parameter itself (a leaf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2, 3))
+
+    def forward(self) -> torch.Tensor:
+        return self.table
+
+
+class UsesTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Table()
+
+    def forward(self, scale: float) -> torch.Tensor:
+        return self.pos() * scale
+
+
+def test_a_leaf_updated_in_place_between_two_samples_is_still_one_shared_output(
+    run_dir: Path,
+) -> None:
+    model = UsesTable()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    first = model(1.0)  # forward_index 0 returns the leaf
+    with torch.no_grad():
+        model.pos.table.mul_(0.5)  # its version moves; its gradient sink does not
+    second = model(3.0)  # forward_index 1: the same leaf again
+    (first.sum() + second.sum()).backward()  # one gradient into the leaf: the sum of both uses
+    remove_observer(model)
+    rows = read_history(run_dir).filter(
+        (pl.col("layer") == "pos") & (pl.col("signal") == "output_gradient")
+    )
+    assert sorted(set(rows["sample_id"].to_list())) == [0, 1]
+    assert rows["value"].is_null().all()
+    assert rows["unavailable_reason"].str.starts_with("shared output").all()

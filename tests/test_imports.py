@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
@@ -85,3 +86,36 @@ def test_finalize_cli_runs_without_torch_or_tensorboard(tmp_path: Path) -> None:
     assert history.height == 6 * 9 * 2  # 6 layers x 9 metrics x (output, output_gradient)
     # a crashed run is never "complete": what it held in memory at the crash is unknown
     assert "**State: interrupted.**" in (run / "index.md").read_text(encoding="utf-8")
+
+
+def test_integrations_import_their_trainer_only_when_used() -> None:
+    done = run_python(
+        """
+        import sys
+        import torchinstruments.integrations as integrations
+        assert sorted(integrations.__all__) == ["HuggingFaceObserver", "LightningObserver"]
+        loaded = [m for m in ("torch", "lightning", "pytorch_lightning", "transformers")
+                  if m in sys.modules]
+        print(loaded)
+        """
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr
+    # Each callback's module imports its own trainer and never the other one.
+    package = Path(__file__).parents[1] / "src" / "torchinstruments" / "integrations"
+    huggingface = top_level_imports(package / "huggingface.py")
+    lightning = top_level_imports(package / "lightning.py")
+    assert "transformers" in huggingface
+    assert not {"lightning", "pytorch_lightning"} & huggingface
+    assert "lightning" in lightning
+    assert "transformers" not in lightning
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level package of every import in `path`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found

@@ -3,7 +3,8 @@
 The order is README's "Where each idea lives": records and reasons at the bottom; the run
 directory, its TensorBoard events, the measurement, sampling, distributed placement and capture
 above them; then sinks,
-selection, gradients and the command line; the observer; the API; the package entry points.
+selection, gradients and the command line; the observer; the API; the trainer integrations; the
+package entry points.
 Imports are read from the source (inside functions too), so a lazy import cannot hide a cycle.
 """
 
@@ -35,6 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"config"}),
     frozenset({"observer"}),
     frozenset({"api"}),
+    frozenset({"integrations"}),
     frozenset({"__main__", ""}),
 )
 

@@ -28,7 +28,7 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.observer import Observer
-from torchinstruments.records import RunInfo
+from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import Selector, select_focus_layers, select_layers
@@ -238,6 +238,25 @@ def has_observer(model: nn.Module) -> bool:
     is True while `m` is observed, and the other way round.
     """
     return _registered(model) is not None
+
+
+def observed_counts(model: nn.Module) -> RunCounts | None:
+    """What `model`'s live observer has seen so far, or None without one (for integrations)."""
+    key = _registered(model)
+    return None if key is None else _OBSERVERS[key].counts()
+
+
+def add_run_note(model: nn.Module, note: str) -> bool:
+    """Add `note` to the run's index.md (written at removal); False when `model` has no observer.
+
+    For integrations: a trainer callback states there how the fit ended (e.g. that it raised),
+    so a run removed on an exception never reads like an ordinary one.
+    """
+    key = _registered(model)
+    if key is None:
+        return False
+    _OBSERVERS[key].sinks.add_note(note)
+    return True
 
 
 def check_model(model: object) -> None:

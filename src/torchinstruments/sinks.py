@@ -9,6 +9,7 @@ break the training step, and one broken sink must not silence the others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -135,6 +136,11 @@ class DirectorySink:
         except Exception as error:
             self._give_up_events("could not be created", error)
             return None
+
+    def add_note(self, note: str) -> None:
+        """Add a note to the run's index.md, from now on (e.g. how a trainer's fit ended)."""
+        if self._run is not None:
+            self._run = dataclasses.replace(self._run, notes=(*self._run.notes, note))
 
     def write_forward(self, record: SampleRecord) -> None:
         self._write(record)
@@ -358,6 +364,12 @@ class SinkGroup:
 
     def start(self, run: RunInfo) -> None:
         self._call("start", run)
+
+    def add_note(self, note: str) -> None:
+        """Hand a note to the sinks that keep notes (the run directory)."""
+        for sink in self._sinks:
+            if isinstance(sink, DirectorySink):
+                sink.add_note(note)
 
     def write_forward(self, record: SampleRecord) -> None:
         self._call("write_forward", record)

@@ -1,0 +1,192 @@
+"""One trainer fit observed from a callback: what the Lightning and Hugging Face callbacks share.
+
+Design decision: a callback holds a `FitObservation`, built with the callback (so every
+`inject_observer` option is validated then, in the user's own line, not at the start of a fit);
+the trainer-specific module only says which module to observe, where the trainer writes, whether
+this process is the trainer's main one, and which TensorBoard logger and step it has. A fit that
+raised is removed like a finished one, with a note in index.md saying so and where it stopped,
+so its run directory is complete and never reads like an ordinary fit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from torchinstruments.api import (
+    add_run_note,
+    has_observer,
+    inject_observer,
+    observed_counts,
+    remove_observer,
+)
+from torchinstruments.config import ObserverConfig
+from torchinstruments.distributed import place_rank
+from torchinstruments.rundir.layout import RUN_MARKERS
+from torchinstruments.sinks import Sink
+
+RUN_NAME = "torchinstruments"
+
+
+def fresh_run_directory(parent: Path, rank_policy: str) -> Path:
+    """`parent/torchinstruments`, or `-2`, `-3`, ... : the first whose run (this rank's) is free.
+
+    A trainer's log directory is often reused (no logger version, `overwrite_output_dir`), and
+    a run needs a directory of its own.
+    """
+    number = 1
+    while True:
+        name = RUN_NAME if number == 1 else f"{RUN_NAME}-{number}"
+        candidate = parent / name
+        written = place_rank(candidate, rank_policy).directory
+        if not any((written / marker).exists() for marker in RUN_MARKERS):
+            return candidate
+        number += 1
+
+
+class FitObservation:
+    """Injects at the start of a fit, removes at its end or when it raised.
+
+    Args:
+        owner: the callback's name, for messages.
+        output_dir: the run directory, or None for `fresh_run_directory(trainer's directory)`.
+        module: which module to observe: None (the trainer's model), an attribute path of it
+            (`"net"`, `"model.encoder"`), or a callable `model -> nn.Module`.
+        options: any other `inject_observer` keywords (sampler, selector, reducers, sinks, ...).
+
+    Raises:
+        TypeError, ValueError: an option is invalid (the message names it).
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        output_dir: str | os.PathLike[str] | None,
+        module: str | Callable[[nn.Module], nn.Module] | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        if "model" in options:
+            raise TypeError(
+                f"{owner}: model is not an option: the trainer's model is observed (choose a part "
+                "of it with module='attribute.path' or module=callable)"
+            )
+        if module is not None and not isinstance(module, str) and not callable(module):
+            raise TypeError(
+                f"{owner}: module must be None, an attribute path such as 'net', or a callable "
+                f"model -> nn.Module, got {module!r}"
+            )
+        self.owner = owner
+        self.module = module
+        self.explicit_dir = output_dir is not None
+        # Built now so a bad option fails in the user's own line; output_dir is fixed at the fit.
+        self.config = ObserverConfig(output_dir=output_dir or ".", **options)
+        self.observed: nn.Module | None = None
+        self.directory: Path | None = None
+        self._checked_first_step = False
+
+    def observed_module(self, model: nn.Module) -> nn.Module:
+        """The module to inject into: the trainer's model, or the part `module` names."""
+        if self.module is None:
+            return model
+        if isinstance(self.module, str):
+            try:
+                return model.get_submodule(self.module)
+            except AttributeError as error:
+                raise ValueError(
+                    f"{self.owner}: module={self.module!r} names no submodule of "
+                    f"{type(model).__name__} ({error})"
+                ) from None
+        chosen = self.module(model)
+        if not isinstance(chosen, nn.Module):
+            raise TypeError(f"{self.owner}: module(model) returned {chosen!r}, not an nn.Module")
+        return chosen
+
+    def start(
+        self,
+        model: nn.Module,
+        trainer_directory: Path,
+        *,
+        main_process: bool,
+        logger_sink: Callable[[], Sink | None],
+    ) -> Path | None:
+        """Inject into the observed module; returns the run directory (None where not attached).
+
+        Args:
+            model: the trainer's model.
+            trainer_directory: the trainer's log or output directory (the default's parent).
+            main_process: whether the trainer calls this process its main (global zero) one;
+                with `rank_policy="rank0"` only that process attaches.
+            logger_sink: the trainer's TensorBoard logger as a sink, or None without one.
+        """
+        if self.observed is not None and has_observer(self.observed):
+            self._finish_stale()
+        options = self.config.options()
+        if options["rank_policy"] == "rank0" and not main_process:
+            return None
+        if not self.explicit_dir:
+            options["output_dir"] = fresh_run_directory(trainer_directory, options["rank_policy"])
+        sink = logger_sink()
+        if sink is not None:
+            options["sinks"] = (*options["sinks"], sink)
+        target = self.observed_module(model)
+        self.directory = inject_observer(target, **options)
+        self.observed = target if self.directory is not None else None
+        self._checked_first_step = False
+        return self.directory
+
+    def check_first_step(self) -> None:
+        """After the first training step: warn when the observed module was never called."""
+        if self._checked_first_step or self.observed is None:
+            return
+        self._checked_first_step = True
+        counts = observed_counts(self.observed)
+        if counts is not None and counts.root_forwards == 0:
+            warnings.warn(
+                f"torchinstruments: {self.owner}: the first training step never called the "
+                f"observed {type(self.observed).__name__}, so nothing is recorded (a training "
+                "step that calls a submodule directly, e.g. self.net(x), bypasses it); pass "
+                "module='net' (the attribute your step calls) to observe that module instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def finish(
+        self, exception: BaseException | None = None, step: int | None = None
+    ) -> Path | None:
+        """Remove the observer; with `exception`, index.md first says the fit raised there."""
+        observed, self.observed = self.observed, None
+        if observed is None or not has_observer(observed):
+            return None
+        if exception is not None:
+            where = f" at global step {step}" if step is not None else ""
+            add_run_note(
+                observed,
+                f"the fit ended with an exception{where}: {type(exception).__name__}: "
+                f"{exception}. The run holds every sample recorded up to then ({self.owner} "
+                "removed the observer when the trainer reported the exception).",
+            )
+        return remove_observer(observed)
+
+    def _finish_stale(self) -> None:
+        """A new fit while the last one's observer is still attached: it ended without a word."""
+        assert self.observed is not None
+        add_run_note(
+            self.observed,
+            f"the fit ended without the trainer's end-of-fit callback ({self.owner} removed the "
+            "observer when the next fit started); an exception outside the training step is the "
+            "likely cause",
+        )
+        warnings.warn(
+            f"torchinstruments: {self.owner}: the previous fit's observer was still attached "
+            f"(its fit ended without an end-of-fit callback); its run {self.directory} is "
+            "finished now and a new one starts",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        remove_observer(self.observed)
+        self.observed = None

@@ -1,0 +1,181 @@
+"""`HuggingFaceObserver`: a transformers `TrainerCallback` that observes `Trainer.train`.
+
+    trainer = transformers.Trainer(..., callbacks=[HuggingFaceObserver()])
+
+Hooks, one line each:
+
+- `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
+  any forward wrapping of mixed precision is already in place and stays inside the proxy).
+- `on_step_end`: after the first optimizer step only, warn if the model was never called.
+- `on_train_end`: remove.
+
+Defaults: the run directory is `args.output_dir/torchinstruments` (`-2`, `-3`, ... when taken).
+With `report_to` including `"tensorboard"`, the focus histograms also go into the Trainer's
+TensorBoard writer on `state.global_step`. With `rank_policy="rank0"` only the world's main
+process attaches (`state.is_world_process_zero`).
+
+An exception: transformers has no exception event for callbacks. So at `on_train_begin` the
+callback finds the running `Trainer` (the caller's frame whose `self` is one; the callback
+handler is given no reference to it) and wraps that instance's `training_step` (an attribute of
+the Trainer object, never of the model; undone at removal): an exception raised in a training
+step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
+unchanged. An exception elsewhere (data loading, the optimizer step, evaluation) leaves the
+observer attached; the next `train()` with this callback finishes that run with a note, and so
+does the end of the process (the observer's finalizer). The same Trainer is how the callback
+finds its `TensorBoardCallback`'s writer.
+
+Imports `transformers` when this module is imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations import TensorBoardCallback
+
+from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.sinks import Sink, TensorBoardSink
+
+__all__ = ["HuggingFaceObserver"]
+
+
+class HuggingFaceObserver(TrainerCallback):
+    """Observe a Hugging Face Trainer run: inject at its start, remove at its end or on an error.
+
+    Args:
+        output_dir: the run directory; default `args.output_dir/torchinstruments`.
+        module: what to observe: None (the Trainer's model), an attribute path of it such as
+            `"model.encoder"`, or a callable `model -> nn.Module`.
+        **options: any other `inject_observer` option (`sampler`, `selector`, `reducers`,
+            `histogram_selector`, `max_histogram_modules`, `history_config`, `rank_policy`,
+            `capture_direct_forwards`, `sinks`), validated here.
+
+    Raises:
+        TypeError, ValueError: an option is invalid (the message names it).
+
+    Example:
+        >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[HuggingFaceObserver()])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        *,
+        module: str | Callable[[nn.Module], nn.Module] | None = None,
+        **options: Any,
+    ) -> None:
+        self._fit = FitObservation("HuggingFaceObserver", output_dir, module, options)
+        self._step_guard: _StepGuard | None = None
+
+    @property
+    def directory(self) -> Path | None:
+        """The run directory of the current (or last) run; None before one, or where not attached."""
+        return self._fit.directory
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Inject into the model; histograms also into the Trainer's TensorBoard writer."""
+        if model is None:
+            raise TypeError("HuggingFaceObserver: on_train_begin was called without the model")
+        trainer = _running_trainer()
+        directory = self._fit.start(
+            model,
+            Path(args.output_dir or "."),
+            main_process=state.is_world_process_zero,
+            logger_sink=lambda: _writer_sink(trainer, state),
+        )
+        if directory is not None and trainer is not None:
+            self._step_guard = _StepGuard(trainer, self._on_step_exception, state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """After the first step: warn if the model was never called."""
+        self._fit.check_first_step()
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Remove: restores every forward, writes history.parquet, result.json, index.md."""
+        self._undo_guard()
+        self._fit.finish()
+
+    def _on_step_exception(self, error: BaseException, step: int) -> None:
+        self._undo_guard()
+        self._fit.finish(error, step)
+
+    def _undo_guard(self) -> None:
+        guard, self._step_guard = self._step_guard, None
+        if guard is not None:
+            guard.undo()
+
+
+def _running_trainer() -> Trainer | None:
+    """The Trainer whose training loop is calling this callback, found in the caller's frames."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # no reference cycle through the frames
+
+
+def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:
+    """The Trainer's TensorBoardCallback writer as a sink on `state.global_step`, else None."""
+    if trainer is None:
+        return None
+    for callback in trainer.callback_handler.callbacks:
+        writer = getattr(callback, "tb_writer", None)
+        if isinstance(callback, TensorBoardCallback) and writer is not None:
+            return TensorBoardSink(writer, step=lambda: state.global_step)
+    return None
+
+
+class _StepGuard:
+    """Wraps one Trainer instance's `training_step` so that an exception removes the observer."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        on_exception: Callable[[BaseException, int], None],
+        state: TrainerState,
+    ) -> None:
+        self._trainer = trainer
+        self._had_own = "training_step" in trainer.__dict__
+        self._own = trainer.__dict__.get("training_step")
+        original = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException as error:
+                on_exception(error, state.global_step)
+                raise
+
+        self._wrapper = training_step
+        trainer.training_step = training_step  # type: ignore[method-assign]
+
+    def undo(self) -> None:
+        """Put back what the instance had (nothing, or its own attribute), unless replaced since."""
+        if self._trainer.__dict__.get("training_step") is not self._wrapper:
+            return
+        if self._had_own:
+            self._trainer.training_step = self._own  # type: ignore[method-assign]
+        else:
+            del self._trainer.training_step

@@ -1,0 +1,122 @@
+"""`LightningObserver`: a Lightning `Callback` that observes `trainer.fit`.
+
+    trainer = lightning.Trainer(..., callbacks=[LightningObserver()])
+
+Hooks, one line each:
+
+- `on_fit_start`: inject into the LightningModule (or `module=` a part of it). Runs after the
+  strategy moved the model to its device and before the sanity check and the first step.
+- `on_train_batch_end`: after the first step only, warn if the observed module was never called.
+- `on_fit_end`: remove; histograms are in the logger before Lightning finalizes it.
+- `on_exception`: remove, with a note in index.md that the fit raised and at which global step.
+
+Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
+directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). With a
+`TensorBoardLogger`, the focus histograms also go into it on `trainer.global_step`. With
+`rank_policy="rank0"` only the global-zero process attaches (`trainer.is_global_zero`).
+
+What is observed: the LightningModule's calls are the root forwards, so `training_step` must
+call `self(x)`; a step that calls `self.net(x)` bypasses it. Pass `module="net"` to observe that
+submodule instead (the callback warns after the first step when nothing was called).
+
+Imports `lightning.pytorch` (or, without it, `pytorch_lightning`) when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.sinks import Sink, TensorBoardSink
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+else:
+    try:
+        from lightning.pytorch import Callback, LightningModule, Trainer
+        from lightning.pytorch.loggers import TensorBoardLogger
+    except ImportError:  # the standalone package of older releases
+        from pytorch_lightning import Callback, LightningModule, Trainer
+        from pytorch_lightning.loggers import TensorBoardLogger
+
+__all__ = ["LightningObserver"]
+
+
+class LightningObserver(Callback):
+    """Observe a Lightning fit: inject at its start, remove at its end or when it raises.
+
+    Args:
+        output_dir: the run directory; default `trainer.log_dir/torchinstruments`.
+        module: what to observe: None (the LightningModule), an attribute path of it such as
+            `"net"`, or a callable `pl_module -> nn.Module`.
+        **options: any other `inject_observer` option (`sampler`, `selector`, `reducers`,
+            `histogram_selector`, `max_histogram_modules`, `history_config`, `rank_policy`,
+            `capture_direct_forwards`, `sinks`), validated here.
+
+    Raises:
+        TypeError, ValueError: an option is invalid (the message names it).
+
+    Example:
+        >>> trainer = lightning.Trainer(callbacks=[LightningObserver()])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        *,
+        module: str | Callable[[nn.Module], nn.Module] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self._fit = FitObservation("LightningObserver", output_dir, module, options)
+
+    @property
+    def directory(self) -> Path | None:
+        """The run directory of the current (or last) fit; None before one, or where not attached."""
+        return self._fit.directory
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Inject into the LightningModule (or `module`), histograms into a TensorBoardLogger."""
+        # trainer.log_dir broadcasts from rank 0 under DDP: every rank reads it, attached or not.
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        self._fit.start(
+            pl_module,
+            Path(log_dir),
+            main_process=trainer.is_global_zero,
+            logger_sink=lambda: _logger_sink(trainer),
+        )
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """After the first step: warn if the observed module was never called."""
+        self._fit.check_first_step()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Remove: restores every forward, writes history.parquet, result.json, index.md."""
+        self._fit.finish()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        """Remove, with a note in index.md that the fit raised, and at which global step."""
+        self._fit.finish(exception, trainer.global_step)
+
+
+def _logger_sink(trainer: Trainer) -> Sink | None:
+    """The trainer's first TensorBoardLogger as a sink on `trainer.global_step`, else None."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return TensorBoardSink(logger, step=lambda: trainer.global_step)
+    return None

@@ -1,0 +1,146 @@
+"""`HuggingFaceObserver` on a real transformers Trainer: a tiny BERT from a config, CPU, 3 steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from torchinstruments import EveryNForwardsSampler, has_observer
+from torchinstruments.integrations import HuggingFaceObserver
+
+from conftest import read_history
+
+STEPS = 3
+COMPLETE = "<!-- torchinstruments:state:complete -->"
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+    )
+    config.num_labels = 2
+    return BertForSequenceClassification(config)
+
+
+def examples(n: int = 12) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "input_ids": torch.randint(0, 32, (6,), generator=generator),
+            "labels": torch.tensor(i % 2),
+        }
+        for i in range(n)
+    ]
+
+
+class RaisingTrainer(Trainer):
+    """Raises in the loss (after the model's forward) at global step 2."""
+
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.state.global_step == 2:
+            raise ValueError("boom in compute_loss")
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def train(
+    tmp_path: Path, model: nn.Module, callback: HuggingFaceObserver, trainer_class: type = Trainer
+) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = trainer_class(model=model, args=args, train_dataset=examples(), callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_training_is_observed_into_the_output_dir_with_histograms_on_the_global_step(
+    tmp_path: Path,
+) -> None:
+    model = tiny_bert()
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), max_histogram_modules=2)
+    trainer = train(tmp_path, model, callback)
+
+    run = tmp_path / "out" / "torchinstruments"
+    assert callback.directory == run
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert "training_step" not in trainer.__dict__  # the step guard is undone
+    history = read_history(run)
+    assert sorted(history["forward_index"].unique()) == list(range(STEPS))
+    layers = set(history["layer"].unique())
+    assert {"bert.embeddings.word_embeddings", "classifier"} <= layers
+    assert set(history["signal"].unique()) == {"output", "output_gradient"}
+    assert COMPLETE in (run / "index.md").read_text(encoding="utf-8")
+
+    # The Trainer's own TensorBoard writer holds its scalars and the focus histograms.
+    logs = [p.parent for p in (tmp_path / "out" / "runs").rglob("events.out.tfevents.*")]
+    assert len(logs) == 1
+    events = EventAccumulator(str(logs[0]), size_guidance={HISTOGRAMS: 0}).Reload()
+    tags = cast(dict[str, list[str]], events.Tags())
+    assert "train/loss" in tags["scalars"]
+    tag = "bert.embeddings.word_embeddings/call_0/output/tensor"
+    assert [e.step for e in events.Histograms(tag)] == list(range(STEPS))
+    assert len(tags["histograms"]) == 4  # 2 focus layers x (output, output_gradient)
+
+
+def test_training_that_raises_removes_the_observer_and_says_so_in_index_md(
+    tmp_path: Path,
+) -> None:
+    model = tiny_bert()
+    callback = HuggingFaceObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    with pytest.raises(ValueError, match="boom in compute_loss"):
+        train(tmp_path, model, callback, RaisingTrainer)
+
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    history = read_history(tmp_path / "run")
+    assert sorted(history["forward_index"].unique()) == [0, 1]
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert COMPLETE in index
+    assert (
+        "the fit ended with an exception at global step 2: ValueError: boom in compute_loss."
+        in index
+    )
+
+
+def test_a_second_run_gets_a_directory_of_its_own(tmp_path: Path) -> None:
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(2), selector=_linear_only)
+    model = tiny_bert()
+    train(tmp_path, model, callback)
+    first = callback.directory
+    train(tmp_path, model, callback)
+    assert (first, callback.directory) == (
+        tmp_path / "out" / "torchinstruments",
+        tmp_path / "out" / "torchinstruments-2",
+    )
+    history = read_history(tmp_path / "out" / "torchinstruments-2")
+    assert sorted(history["forward_index"].unique()) == [0, 2]
+    assert set(history["module_type"].unique()) == {"Linear"}
+
+
+def _linear_only(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+def test_bad_option_fails_when_the_callback_is_built() -> None:
+    with pytest.raises(TypeError, match="sinks"):
+        HuggingFaceObserver(sinks="tensorboard")

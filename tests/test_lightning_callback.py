@@ -1,0 +1,161 @@
+"""`LightningObserver` on a real Lightning Trainer: a tiny model, three steps, on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, cast
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchinstruments import EveryNForwardsSampler, has_observer
+from torchinstruments.integrations import LightningObserver
+
+from conftest import read_history
+
+STEPS = 3
+COMPLETE = "<!-- torchinstruments:state:complete -->"
+
+
+class Tiny(lightning.LightningModule):
+    """Two Linear layers; `training_step` calls `self(x)` (or `self.net(x)` when `direct`)."""
+
+    def __init__(self, raise_at: int | None = None, direct: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.raise_at = raise_at
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.raise_at:
+            raise ValueError("boom in training_step")
+        x, y = batch
+        out = self.net(x) if self.direct else self(x)
+        loss = nn.functional.cross_entropy(out, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(tmp_path: Path, model: Tiny, callback: LightningObserver) -> lightning.Trainer:
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    trainer = lightning.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(save_dir=tmp_path, name="logs"),
+        callbacks=[callback],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_fit_is_observed_into_the_log_dir_with_histograms_on_the_global_step(
+    tmp_path: Path,
+) -> None:
+    model = Tiny()
+    callback = LightningObserver(sampler=EveryNForwardsSampler(1))
+    trainer = fit(tmp_path, model, callback)
+
+    log_dir = tmp_path / "logs" / "version_0"
+    assert trainer.log_dir == str(log_dir)
+    run = log_dir / "torchinstruments"
+    assert callback.directory == run
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    history = read_history(run)
+    assert sorted(history["forward_index"].unique()) == list(range(STEPS))
+    assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
+    assert set(history["signal"].unique()) == {"output", "output_gradient"}
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert COMPLETE in index
+
+    events = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0}).Reload()
+    tags = cast(dict[str, list[str]], events.Tags())
+    assert "train_loss" in tags["scalars"]
+    for tag in ("net.0/call_0/output/tensor", "net.2/call_0/output_gradient/tensor"):
+        assert [e.step for e in events.Histograms(tag)] == list(range(STEPS)), tag
+
+
+def test_fit_that_raises_removes_the_observer_and_says_so_in_index_md(tmp_path: Path) -> None:
+    model = Tiny(raise_at=2)
+    callback = LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    with pytest.raises(ValueError, match="boom in training_step"):
+        fit(tmp_path, model, callback)
+
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    history = read_history(tmp_path / "run")
+    assert sorted(history["forward_index"].unique()) == [0, 1]
+    assert history["value"].null_count() == 0
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert COMPLETE in index
+    assert (
+        "the fit ended with an exception at global step 2: ValueError: boom in training_step."
+        in index
+    )
+
+
+def test_options_pass_through_and_module_chooses_what_the_step_calls(tmp_path: Path) -> None:
+    model = Tiny(direct=True)  # training_step calls self.net(x): the LightningModule is bypassed
+    callback = LightningObserver(
+        module="net",
+        sampler=EveryNForwardsSampler(2),
+        selector=lambda name, module: isinstance(module, nn.Linear),
+        histogram_selector=lambda name, module: name == "2",
+        reducers={"numel": lambda t: t.numel()},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fit(tmp_path, model, callback)
+    assert callback.directory is not None
+    history = read_history(callback.directory)
+    assert sorted(history["forward_index"].unique()) == [0, 2]
+    assert set(history["layer"].unique()) == {"0", "2"}
+    assert "numel" in set(history["metric"].unique())
+    events = EventAccumulator(
+        str(tmp_path / "logs" / "version_0"), size_guidance={HISTOGRAMS: 0}
+    ).Reload()
+    assert cast(dict[str, list[str]], events.Tags())["histograms"] == [
+        "2/call_0/output/tensor",
+        "2/call_0/output_gradient/tensor",
+    ]
+
+
+def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step(
+    tmp_path: Path,
+) -> None:
+    model = Tiny(direct=True)
+    with pytest.warns(RuntimeWarning, match=r"the first training step never called the observed"):
+        fit(tmp_path, model, LightningObserver(sampler=EveryNForwardsSampler(1)))
+    assert not has_observer(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sampler": object()}, "sampler"),
+        ({"max_histogram_modules": 0}, "max_histogram_modules"),
+        ({"rank_policy": "every"}, "rank_policy"),
+        ({"module": 3}, "module must be None"),
+        ({"model": nn.Linear(1, 1)}, "model is not an option"),
+    ],
+)
+def test_bad_option_fails_when_the_callback_is_built(kwargs: dict, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        LightningObserver(**kwargs)

@@ -14,10 +14,9 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 from torchinstruments import EveryNForwardsSampler, has_observer
 from torchinstruments.integrations import HuggingFaceObserver
 
-from conftest import read_history
+from conftest import read_history, run_status
 
 STEPS = 3
-COMPLETE = "<!-- torchinstruments:state:complete -->"
 
 
 def tiny_bert() -> BertForSequenceClassification:
@@ -89,7 +88,7 @@ def test_training_is_observed_into_the_output_dir_with_histograms_on_the_global_
     layers = set(history["layer"].unique())
     assert {"bert.embeddings.word_embeddings", "classifier"} <= layers
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
-    assert COMPLETE in (run / "index.md").read_text(encoding="utf-8")
+    assert run_status(run) == "complete"
 
     # The Trainer's own TensorBoard writer holds its scalars and the focus histograms.
     logs = [p.parent for p in (tmp_path / "out" / "runs").rglob("events.out.tfevents.*")]
@@ -115,7 +114,7 @@ def test_training_that_raises_removes_the_observer_and_says_so_in_index_md(
     history = read_history(tmp_path / "run")
     assert sorted(history["forward_index"].unique()) == [0, 1]
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
-    assert COMPLETE in index
+    assert run_status(tmp_path / "run") == "complete"
     assert (
         "the fit ended with an exception at global step 2: ValueError: boom in compute_loss."
         in index

@@ -17,10 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchinstruments import EveryNForwardsSampler, has_observer
 from torchinstruments.integrations import LightningObserver
 
-from conftest import read_history
+from conftest import read_history, run_status
 
 STEPS = 3
-COMPLETE = "<!-- torchinstruments:state:complete -->"
 
 
 class Tiny(lightning.LightningModule):
@@ -82,8 +81,7 @@ def test_fit_is_observed_into_the_log_dir_with_histograms_on_the_global_step(
     assert sorted(history["forward_index"].unique()) == list(range(STEPS))
     assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
-    index = (run / "index.md").read_text(encoding="utf-8")
-    assert COMPLETE in index
+    assert run_status(run) == "complete"
 
     events = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0}).Reload()
     tags = cast(dict[str, list[str]], events.Tags())
@@ -104,7 +102,7 @@ def test_fit_that_raises_removes_the_observer_and_says_so_in_index_md(tmp_path: 
     assert sorted(history["forward_index"].unique()) == [0, 1]
     assert history["value"].null_count() == 0
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
-    assert COMPLETE in index
+    assert run_status(tmp_path / "run") == "complete"
     assert (
         "the fit ended with an exception at global step 2: ValueError: boom in training_step."
         in index

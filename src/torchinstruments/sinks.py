@@ -9,7 +9,6 @@ break the training step, and one broken sink must not silence the others.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,6 +103,7 @@ class DirectorySink:
         self._events_problem: str | None = None
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
+        self._notes: list[str] = []
 
     def start(self, run: RunInfo) -> None:
         """Refuse a directory that already holds a run, then lock it and write the catalog."""
@@ -138,9 +138,8 @@ class DirectorySink:
             return None
 
     def add_note(self, note: str) -> None:
-        """Add a note to the run's index.md, from now on (e.g. how a trainer's fit ended)."""
-        if self._run is not None:
-            self._run = dataclasses.replace(self._run, notes=(*self._run.notes, note))
+        """Add a note to the run's state (index.md shows it at removal), e.g. how a fit ended."""
+        self._notes.append(note)
 
     def write_forward(self, record: SampleRecord) -> None:
         self._write(record)
@@ -252,7 +251,7 @@ class DirectorySink:
                     rows_recorded=history.rows_produced,
                     live_problems=known,
                     losses=history.losses,
-                    notes=counts.notes,
+                    notes=(*counts.notes, *self._notes),
                 )
                 report = finish_run(self.directory, state)
                 for problem in report.problems:

@@ -36,6 +36,9 @@ def every_builder_output() -> list[str]:
         reasons.host_values_mismatch(7, 3),
         reasons.reducer_modified_input("Doubling"),
         reasons.shared_output(2),
+        reasons.interrupted(ValueError("bad\ninput"), "blocks.1", 2),
+        reasons.interrupted(KeyboardInterrupt(), None, 0),
+        reasons.partly_written("output", 3, 9),
     ]
     return made
 

@@ -48,8 +48,10 @@ recorded; inject into the module your loop calls.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -59,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments import forks
+from torchinstruments import forks, reasons
 from torchinstruments._torch_internals import (
     called_through_module_call,
     has_fused_fast_path,
@@ -78,7 +80,16 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
 from torchinstruments.outputs import iter_tensors
-from torchinstruments.records import OUTPUT, LayerInfo, RunCounts, SampleRecord, TensorKey
+from torchinstruments.records import (
+    INTERRUPTED,
+    OUTPUT,
+    LayerInfo,
+    Measurement,
+    MetricValue,
+    RunCounts,
+    SampleRecord,
+    TensorKey,
+)
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks import SinkGroup
 
@@ -90,13 +101,30 @@ _NESTED = object()  # a root call inside a root forward of the same thread
 class _Sample:
     """A sampled root forward in progress."""
 
-    __slots__ = ("call_counts", "forward_index", "pending", "sample_id")
+    __slots__ = (
+        "call_counts",
+        "forward_index",
+        "interrupted",
+        "pending",
+        "raised",
+        "returned",
+        "sample_id",
+    )
 
     def __init__(self, sample_id: int, forward_index: int) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
         self.call_counts: dict[str, int] = {}
         self.pending: list[PendingTensor] = []
+        self.returned: set[str] = set()  # layers with at least one call that returned
+        # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
+        self.raised: tuple[LayerInfo, int, str, int] | None = None
+        self.interrupted: Measurement | None = None  # the marker row, once the forward raised
+
+    def layer_raised(self, layer: _LayerCapture, call_index: int, error: BaseException) -> None:
+        """Remember where `error` started (the innermost layer it passes through first)."""
+        if self.raised is None or self.raised[3] != id(error):
+            self.raised = (layer.info, call_index, layer.mode(), id(error))
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""
@@ -127,7 +155,12 @@ class _LayerCapture:
         ):
             return wrapped(*args, **kwargs)
         call_index = sample.next_call_index(self.info.name)
-        output = wrapped(*args, **kwargs)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException as error:
+            sample.layer_raised(self, call_index, error)
+            raise
+        sample.returned.add(self.info.name)
         observer.record_output(sample, self, call_index, output)
         return output
 
@@ -198,6 +231,8 @@ class Observer:
         self._finalizer: weakref.finalize | None = None
         self._call_forward = forward_caller()
         self._root_layer: _LayerCapture | None = None
+        self._root_ref: weakref.ref[nn.Module] | None = None
+        self._root_type = ""
         # Per selected layer (root included): the sampled forwards in which it was called.
         self.layer_samples: dict[str, int] = {}
         self.layer_names: tuple[str, ...] = ()
@@ -230,6 +265,7 @@ class Observer:
             ):
                 self.proxies.add_layer(module, "", _FusedPathGuard(self, module).on_call)
         self.layer_names = tuple(info.name for _, info in layers)
+        self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
         self.proxies.install_root(root, self.on_root_call)
         self._finalizer = weakref.finalize(root, self.close)
 
@@ -309,6 +345,9 @@ class Observer:
         self.proxies.install_layers(self.active.__len__)
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
+        except BaseException as error:
+            sample.interrupted = self._marker_row(sample, error)
+            raise
         finally:
             local.depth = 0
             local.sample = None
@@ -335,9 +374,15 @@ class Observer:
         sample = self.current
         if self._root_layer is None or sample is None:
             return wrapped(*args, **kwargs)
-        call_index = sample.next_call_index(self._root_layer.info.name)
-        output = wrapped(*args, **kwargs)
-        self.record_output(sample, self._root_layer, call_index, output)
+        root = self._root_layer
+        call_index = sample.next_call_index(root.info.name)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException as error:
+            sample.layer_raised(root, call_index, error)
+            raise
+        sample.returned.add(root.info.name)
+        self.record_output(sample, root, call_index, output)
         return output
 
     def _should_sample(self, forward_index: int) -> bool:
@@ -393,10 +438,44 @@ class Observer:
                 self.warn_once(launched.note, launched.note)
             self.gradients.hook_output(key, tensor, layer.focus)
 
+    def _marker_row(self, sample: _Sample, error: BaseException) -> Measurement:
+        """The row that marks `sample` as interrupted by `error` (metric INTERRUPTED, value
+        null, the reason naming the exception and where it was raised)."""
+        raised = sample.raised
+        if raised is not None and raised[3] == id(error):
+            info, call_index, mode = raised[0], raised[1], raised[2]
+            reason = reasons.interrupted(error, info.name, call_index)
+        else:
+            info, call_index, mode = LayerInfo("", self._root_type), 0, self._root_mode()
+            reason = reasons.interrupted(error, None, 0)
+        return Measurement(
+            sample_id=sample.sample_id,
+            forward_index=sample.forward_index,
+            timestamp_us=time.time_ns() // 1000,
+            rank=self.rank,
+            layer=info.name,
+            module_type=info.module_type,
+            call_index=call_index,
+            signal=OUTPUT,
+            tensor_path="",
+            shape=None,
+            dtype="",
+            mode=mode,
+            grad_enabled=torch.is_grad_enabled(),
+            metrics=(INTERRUPTED,),
+            values=(MetricValue(None, reason),),
+        )
+
+    def _root_mode(self) -> str:
+        """`train` or `eval` of the root module."""
+        root = self._root_ref() if self._root_ref is not None else None
+        return "train" if root is None or root.training else "eval"
+
     def _end_sample(self, sample: _Sample) -> None:
-        """Count the layers this sampled forward called."""
+        """Count the layers this sampled forward called and that returned (a layer whose every
+        call raised did not run to the end: it is not counted)."""
         with self._count_lock:
-            for name in sample.call_counts:
+            for name in sample.returned:
                 self.layer_samples[name] = self.layer_samples.get(name, 0) + 1
 
     def _emit_forward(self, sample: _Sample) -> None:
@@ -406,6 +485,10 @@ class Observer:
             records = build_records(OUTPUT, sample.pending, self.measurer.metrics, self.rank)
             if not records:
                 records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
+            if sample.interrupted is not None:
+                first = records[0]
+                marked = (*first.measurements, sample.interrupted)
+                records[0] = dataclasses.replace(first, measurements=marked)
             with self._sink_lock:
                 for record in records:
                     self.sinks.write_forward(record)

@@ -99,6 +99,23 @@ REASONS: tuple[Reason, ...] = (
         "it); the cell is null, the rows around it are kept",
     ),
     Reason(
+        "interrupted: the root forward raised <Type>: <message> in layer <layer> (call <n>)",
+        "a marker row (metric `interrupted`): this sampled forward ended with an exception "
+        "raised by this layer's forward (or inside it); the layers that returned before it have "
+        "their rows, the others have none",
+    ),
+    Reason(
+        "interrupted: the root forward raised <Type>: <message> outside the selected layers",
+        "a marker row (metric `interrupted`): this sampled forward ended with an exception raised "
+        "between layers (in the model's own code); the layers that returned before it have rows",
+    ),
+    Reason(
+        "interrupted: the process ended before this sample's rows were all written; <k> of its "
+        "<n> <signal> rows are in history",
+        "a marker row written by `finalize`: the process died (SIGKILL, a crash) while part of "
+        "this sample's rows were still in memory, so its values for that signal are partial",
+    ),
+    Reason(
         RECORD_NO_VALUE,
         "a record reached the history writer with neither a value nor a reason (a bug: please "
         "report it)",
@@ -177,6 +194,30 @@ def record_value(kind: str) -> str:
 def host_values_mismatch(expected: int, got: int) -> str:
     """The host transfer did not return the launched number of values."""
     return f"statistics error: expected {expected} host values, got {got}"
+
+
+_MESSAGE_CHARS = 200
+
+
+def interrupted(error: BaseException, layer: str | None, call_index: int) -> str:
+    """A sampled root forward raised `error`, in `layer` (None: outside the selected layers)."""
+    message = " ".join(str(error).split()) or "(no message)"
+    if len(message) > _MESSAGE_CHARS:
+        message = message[: _MESSAGE_CHARS - 3] + "..."
+    where = (
+        "outside the selected layers"
+        if layer is None
+        else f"in layer {layer or '<root>'!r} (call {call_index})"
+    )
+    return f"interrupted: the root forward raised {type(error).__name__}: {message} {where}"
+
+
+def partly_written(signal: str, on_disk: int, rows: int) -> str:
+    """After a crash, only `on_disk` of a sample's `rows` rows of `signal` are in history."""
+    return (
+        "interrupted: the process ended before this sample's rows were all written; "
+        f"{on_disk} of its {rows} {signal} rows are in history"
+    )
 
 
 def explain(reason: str) -> Reason | None:

@@ -15,6 +15,9 @@ from pathlib import Path
 OUTPUT = "output"
 OUTPUT_GRADIENT = "output_gradient"
 SIGNALS = (OUTPUT, OUTPUT_GRADIENT)
+# The reserved metric of a marker row: a null value whose reason says why its sample is not an
+# ordinary complete one (its root forward raised, or only part of its rows reached the disk).
+INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,9 +157,15 @@ def compare(
 def _text(c: Comparison, width: int) -> str:
     """The comparison as an 80-column table with a header that says what each column is."""
     lines: list[str] = []
+    marks = [
+        f"{tag}: {line}; their values are in the windows below"
+        for tag, facts in (("A", c.facts_a), ("B", c.facts_b))
+        for line in facts.marked_lines()
+    ]
     for note in (
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
+        *marks,
         f"mean A, mean B: the mean over each run's recent window of up to {c.window} samples.",
         "B - A: their difference (mean B minus mean A).",
         f"first diff: the first {c.x} (of the matched ones) where |B - A| > {c.tolerance:g} or "

@@ -24,8 +24,8 @@ only the selected layers, signals and metrics are decoded).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -41,6 +41,7 @@ from torchinstruments.rundir.layout import (
     list_parts,
     part_number,
 )
+from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line
@@ -89,6 +90,9 @@ class RunFacts:
         counts: the counts line of index.md (without the leading "- "), when the run has counts.
         files: the files the history was read from.
         run_state: the state read (`rundir.recovery.load_state`), or None.
+        marked: the marked samples in the history files now (`rundir.marks`: a root forward
+            that raised, or a sample only partly written), sample_id -> the reason of its first
+            marker row. Their values are partial: `show` and `compare` say so.
     """
 
     directory: Path
@@ -97,6 +101,18 @@ class RunFacts:
     counts: str | None
     files: RunFiles
     run_state: RunState | None = None
+    marked: Mapping[int, str] = field(default_factory=dict)
+
+    def marked_lines(self, limit: int = 3) -> list[str]:
+        """`marked samples: N (sample 3: <reason>; ...)`, or nothing when none is marked."""
+        if not self.marked:
+            return []
+        shown = [f"sample {s}: {self.marked[s]}" for s in sorted(self.marked)[:limit]]
+        more = "; ..." if len(self.marked) > limit else ""
+        return [
+            f"marked samples: {len(self.marked)}, partial, not ordinary ones "
+            f"({'; '.join(shown)}{more})"
+        ]
 
 
 def rank_directories(directory: Path) -> list[Path]:
@@ -184,13 +200,27 @@ def read_facts(directory: Path) -> RunFacts:
         state = load_state(directory)
     except (OSError, ValueError) as error:
         why = f"the run's state is unreadable ({type(error).__name__}: {error})"
-        return RunFacts(directory, None, why, None, files)
+        return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
     if state is None:
         why = f"{STATE_FILE} and {INDEX_FILE} missing (settings and layer order unknown)"
-        return RunFacts(directory, None, why, None, files)
+        return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
     counts = None if state.counts is None else counts_sentence(state)
     sentence = _state_sentence(state, files, directory)
-    return RunFacts(directory, state.run, sentence, counts, files, state)
+    return RunFacts(directory, state.run, sentence, counts, files, state, read_marked(directory))
+
+
+def read_marked(directory: Path) -> dict[int, str]:
+    """The marked samples of `directory`'s history now: sample_id -> first marker's reason."""
+    frame = read_history(
+        directory,
+        lambda lf: (
+            lf.filter(is_mark())
+            .sort("sample_id", _ORDER)
+            .group_by("sample_id", maintain_order=True)
+            .agg(pl.col("unavailable_reason").first())
+        ),
+    )
+    return {int(r["sample_id"]): r["unavailable_reason"] or "" for r in frame.iter_rows(named=True)}
 
 
 def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
@@ -232,8 +262,9 @@ def select(
     signals: Sequence[str] = SIGNALS,
     metrics: Sequence[str] | None = None,
 ) -> pl.LazyFrame:
-    """Rows of the chosen layers (regex, searched anywhere in the name), signals and metrics."""
-    conditions = [pl.col("signal").is_in(list(signals))]
+    """Rows of the chosen layers (regex, searched anywhere in the name), signals and metrics;
+    never marker rows (`RunFacts.marked` lists those)."""
+    conditions = [pl.col("signal").is_in(list(signals)), ~is_mark()]
     if layers is not None:
         conditions.append(pl.col("layer").str.contains(layers))
     if metrics is not None:

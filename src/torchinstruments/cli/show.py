@@ -47,6 +47,7 @@ COLUMNS = (
     "window_first_sample_id",
     "window_last_sample_id",
     "observations",
+    "latest_marked",
 )
 
 
@@ -93,6 +94,8 @@ def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFra
             window,
         ),
     )
+    marked = pl.col("latest_sample_id").is_in(list(facts.marked), nulls_equal=False)
+    frame = frame.with_columns(latest_marked=marked.fill_null(False))
     return facts, ordered(frame.select(COLUMNS), facts)
 
 
@@ -113,6 +116,7 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "selected_layers": len(run.layers) if run else None,
         "focus_layers": list(run.focus_layers) if run else None,
         "rank": run.rank if run else None,
+        "marked_samples": {str(k): v for k, v in sorted(facts.marked.items())},
     }
 
 
@@ -138,6 +142,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
         lines.append("run info: missing or unreadable (layer order and settings unknown)")
     if facts.counts:
         lines.append(facts.counts)
+    lines += facts.marked_lines()
     latest = frame["latest_sample_id"].max() if frame.height else None
     lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
     return lines
@@ -164,7 +169,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
         headers += [f"{short[s]} latest", f"{short[s]} mean"]
     numeric = [False, False] + [True] * (2 * len(signals))
     out: list[str] = []
-    stale = False
+    stale = marked = False
     for metric in metric_order(frame["metric"].unique().to_list(), facts.run):
         part = frame.filter(pl.col("metric") == metric)
         rows: dict[tuple[str, int, str], list[str]] = {}
@@ -183,6 +188,9 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
             if r["latest_sample_id"] != latest_all:
                 latest += "*"
                 stale = True
+            if r["latest_marked"]:
+                latest += "!"
+                marked = True
             cells[i] = latest
             cells[i + 1] = number(r["window_mean"], missing="null")
         out += [
@@ -196,6 +204,11 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
         + "; mean: the mean over its recent window of samples (a mean of per-sample values, "
         "not of pooled elements); '-': not measured."
     ]
+    if marked:
+        notes.append(
+            "!: that latest value is from a marked sample (its root forward raised, or only part "
+            "of its rows were written): a partial sample, not an ordinary one; see marked samples."
+        )
     nulls = frame.filter(pl.col("latest_value").is_null())
     if nulls.height:
         reasons = sorted(set(nulls["latest_reason"].drop_nulls().to_list()))

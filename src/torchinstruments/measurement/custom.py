@@ -19,7 +19,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments.measurement import tensors
-from torchinstruments.records import MetricValue
+from torchinstruments.records import INTERRUPTED, MetricValue
 
 __all__ = ["AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
 
@@ -200,6 +200,11 @@ def expand(reducers: object) -> list[Reducer]:
         if repeated:
             raise ValueError(
                 f"reducers[{index}] ({reducer!r}) repeats metric(s) {', '.join(map(repr, repeated))}"
+            )
+        if INTERRUPTED in metrics:
+            raise ValueError(
+                f"reducers[{index}] ({reducer!r}) has metric name {INTERRUPTED!r}, which is "
+                "reserved: history rows with that metric mark interrupted samples. Rename it"
             )
         checked.append(reducer)
     return checked

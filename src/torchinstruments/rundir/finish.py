@@ -41,6 +41,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.ledger import missing_samples, sample_range, uncovered
 from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.shell import command_line
@@ -137,6 +138,11 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         if state.interrupted:
             found += _unexplained_gaps(merge.path, state)
         try:
+            marks, marks_total = read_marks(merge.path)
+            state = dataclasses.replace(state, marks=marks, marks_total=marks_total)
+        except (OSError, pl.exceptions.PolarsError) as error:
+            found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
+        try:
             write_result(directory, state.run.layers, state.run.window, counts.layer_samples)
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")
@@ -212,7 +218,10 @@ def finalize(directory: Path) -> FinishReport:
         )
     with RunLock(directory):
         removed = _remove_temporaries(directory)
-        report = finish_run(directory, _state_to_finish(directory))
+        state = _state_to_finish(directory)
+        if state.interrupted:
+            state = _mark_partly_written(directory, state)
+        report = finish_run(directory, state)
     return dataclasses.replace(report, removed_temporaries=tuple(removed))
 
 
@@ -240,6 +249,16 @@ def _state_to_finish(directory: Path) -> RunState:
         interrupted=previous.interrupted or previous.status is Status.IN_PROGRESS,
         problems=(),
     )
+
+
+def _mark_partly_written(directory: Path, state: RunState) -> RunState:
+    """Mark the sample the process died in the middle of writing (see `rundir.marks`)."""
+    try:
+        mark_partly_written(directory)
+    except (OSError, pl.exceptions.PolarsError, ValueError, KeyError) as error:
+        problem = f"the last part could not be checked for a partly written sample ({error})"
+        return dataclasses.replace(state, live_problems=(*state.live_problems, problem))
+    return state
 
 
 def _remove_temporaries(directory: Path) -> list[Path]:

@@ -128,6 +128,26 @@ def _section_run(state: RunState) -> list[str]:
     return [*lines, ""]
 
 
+def _section_marks(state: RunState) -> list[str]:
+    """The marked samples: root forwards that raised, samples only partly written."""
+    if not state.marks_total:
+        return []
+    shown = len(state.marks)
+    more = "" if shown == state.marks_total else f" (the first {shown} are listed)"
+    lines = [
+        "## Interrupted samples",
+        "",
+        f"{state.marks_total} sample(s) are marked{more}: a history row with metric "
+        "`interrupted` (value null) whose reason says why. Their other rows are real "
+        "measurements of the layers that returned before the exception (or of the rows that "
+        "reached the disk), so the sample is partial: compare it with care. List them with "
+        '`history.filter(pl.col("metric") == "interrupted")`.',
+        "",
+    ]
+    lines += [f"- {mark.describe()}" for mark in state.marks]
+    return [*lines, ""]
+
+
 def _section_layers(state: RunState) -> list[str]:
     """Per selected layer, in how many sampled forwards it ran; the layers that never did."""
     run, counts = state.run, state.counts
@@ -137,8 +157,9 @@ def _section_layers(state: RunState) -> list[str]:
     lines = [
         "## Layers",
         "",
-        f"Sampled forwards in which each selected layer was called{bound}, out of "
-        f"{counts.samples}. A layer with 0 never ran in a sampled forward: it has no rows "
+        f"Sampled forwards in which each selected layer was called and returned{bound}, out "
+        f"of {counts.samples} (a call that raised is not counted: see Interrupted samples). A "
+        "layer with 0 never ran in a sampled forward: it has no rows "
         "(a branch not taken, a module its parent never calls, a `forward` replaced after "
         "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
         "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
@@ -174,6 +195,7 @@ def render_index(state: RunState) -> str:
         "",
         *_section_state(state),
         *_section_gaps(state),
+        *_section_marks(state),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",

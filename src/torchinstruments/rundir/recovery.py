@@ -35,6 +35,7 @@ from torchinstruments.rundir.layout import (
     list_parts,
     scan_history,
 )
+from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.state import RunState, decode_run_info, read_state
 from torchinstruments.rundir.writer import HistoryConfig
 
@@ -124,7 +125,7 @@ def recovered_counts(directory: Path) -> RunCounts:
         )
         per_layer = (
             scan_history(history)
-            .filter(pl.col("signal") == OUTPUT)
+            .filter(pl.col("signal") == OUTPUT, ~is_mark())  # a marker names a layer that raised
             .group_by("layer")
             .agg(samples=pl.col("sample_id").n_unique())
             .collect(engine="streaming")

@@ -17,6 +17,7 @@ The file (`SCHEMA_VERSION` 1):
      "counts": {"root_forwards", "samples", "backward_samples", "layer_samples": {name: n}} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
+     "marks": [{SampleMark fields}], "marks_total": 0,
      "run_info_recovered": false, "migrated_from": null}
 
 `status` is written for readers and never read back: it is derived from the other fields
@@ -46,6 +47,7 @@ from typing import Any
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
 from torchinstruments.rundir.ledger import LostRows
+from torchinstruments.rundir.marks import SampleMark
 
 SCHEMA_VERSION = 1
 
@@ -79,6 +81,9 @@ class RunState:
             injection are `run.notes`).
         run_info_recovered: True when `run` was rebuilt from history (no readable state).
         migrated_from: the file of an older version this state was converted from, if any.
+        marks: the first marked samples in history (`rundir.marks`: a root forward that
+            raised, or a sample only partly written before the process died), as of the last
+            finish; `marks_total` counts them all.
     """
 
     run: RunInfo
@@ -92,6 +97,8 @@ class RunState:
     notes: tuple[str, ...] = ()
     run_info_recovered: bool = False
     migrated_from: str | None = None
+    marks: tuple[SampleMark, ...] = ()
+    marks_total: int = 0
 
     @property
     def status(self) -> Status:
@@ -151,11 +158,13 @@ _ENCODE: dict[str, Callable[[Any], Any]] = {
     "run": _encode_run,
     "counts": _encode_counts,
     "losses": lambda losses: [_encode_fields(loss, {}) for loss in losses],
+    "marks": lambda marks: [_encode_fields(mark, {}) for mark in marks],
 }
 _DECODE: dict[str, Callable[[Any], Any]] = {
     "run": decode_run_info,
     "counts": _decode_counts,
     "losses": lambda items: tuple(_decode_fields(LostRows, d, {}) for d in items),
+    "marks": lambda items: tuple(_decode_fields(SampleMark, d, {}) for d in items),
 }
 
 

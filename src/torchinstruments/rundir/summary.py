@@ -45,6 +45,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
     write_text_atomic,
 )
+from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.shell import command_line
 
 # One tensor of one layer call, and one of its metrics: the keys of result.json and the CLI.
@@ -317,7 +318,7 @@ def summarize(
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
-    lf = scan_history(history)
+    lf = scan_history(history).filter(~is_mark())  # marks are listed by the run state
     stats = _series_stats(lf)
     latest = {tuple(r[k] for k in TENSOR_KEY): r for r in _tensor_latest(lf).iter_rows(named=True)}
     windows: dict[tuple, dict[int, dict[str, Any]]] = {}

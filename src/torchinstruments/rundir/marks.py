@@ -1,0 +1,141 @@
+"""Marked samples: history rows that say a sample is not an ordinary, complete one.
+
+Design decision: a mark is a row of the history itself, not a column and not a side file, so it
+is queryable with the same Polars query as any value, travels with the rows through parts and
+the merge, and costs nothing for samples that are not marked. A marker row has the reserved
+metric `interrupted` (`records.INTERRUPTED`), a null value and a reason (`reasons`) saying why:
+
+- the sampled root forward raised: the row names the exception and the innermost selected layer
+  it was raised in (its `layer` and `call_index`; layer `""` with the root's class when it was
+  raised outside the selected layers). The observer writes it with the sample's other rows.
+- the process died while part of the sample's rows were still in memory: `finalize` finds the
+  sample in the metadata of the last part (`writer.SPLIT_RECORD_KEY`) and writes the mark in a
+  part of its own before merging, so the mark survives like any row.
+
+Readers (index.md through the run state, `show`, `compare`) list the marks and keep marker rows
+out of the value tables; `summary` leaves them out of result.json's series.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments import reasons
+from torchinstruments.records import INTERRUPTED, OUTPUT
+from torchinstruments.rundir.layout import (
+    HISTORY_SCHEMA,
+    list_parts,
+    part_number,
+    part_path,
+    scan_history,
+    write_parquet_atomic,
+)
+from torchinstruments.rundir.writer import SPLIT_RECORD_KEY
+
+# index.md lists at most this many marks (the first ones); the state counts them all.
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class SampleMark:
+    """One marked sample, as the run state and index.md list it.
+
+    Attributes:
+        sample_id: the marked sample.
+        layer: the layer the marker row names (the raising layer; "" for the root or outside).
+        call_index: that layer's call.
+        reason: the marker row's reason (which exception, or how much was written).
+    """
+
+    sample_id: int
+    layer: str
+    call_index: int
+    reason: str
+
+    def describe(self) -> str:
+        """`"sample 12: <reason>"`."""
+        return f"sample {self.sample_id}: {self.reason}"
+
+
+def is_mark() -> pl.Expr:
+    """True on marker rows."""
+    return pl.col("metric") == INTERRUPTED
+
+
+def read_marks(history: Path) -> tuple[tuple[SampleMark, ...], int]:
+    """The first `MAX_LISTED` marks of a history file (by sample), and how many there are.
+
+    Raises:
+        OSError, polars.exceptions.PolarsError: if the file cannot be read.
+    """
+    lf = scan_history(history).filter(is_mark())
+    total = int(lf.select(pl.len()).collect(engine="streaming").item())
+    first = (
+        lf.sort("sample_id", "layer", "call_index")
+        .head(MAX_LISTED)
+        .select("sample_id", "layer", "call_index", "unavailable_reason")
+        .collect(engine="streaming")
+    )
+    marks = tuple(
+        SampleMark(r["sample_id"], r["layer"], r["call_index"], r["unavailable_reason"] or "")
+        for r in first.iter_rows(named=True)
+    )
+    return marks, total
+
+
+def mark_partly_written(directory: Path) -> int | None:
+    """After a crash: mark the sample whose rows the last part split, if its rest never came.
+
+    The writer writes parts in buffer order, so only the last part's split can be unfinished: a
+    later part would have started with the rest. Writes the marker row as a part of its own
+    (atomically, like every part) and returns the sample id, or None when nothing is partial.
+
+    Raises:
+        OSError, polars.exceptions.PolarsError: if the last part or the new one fails.
+    """
+    parts = list_parts(directory)
+    if not parts:
+        return None
+    last = parts[-1]
+    entry = pl.read_parquet_metadata(last).get(SPLIT_RECORD_KEY)
+    if entry is None:
+        return None
+    split = json.loads(entry)
+    sample_id, signal = int(split["sample_id"]), str(split["signal"])
+    ordinary = scan_history(last).filter(pl.col("sample_id") == sample_id, ~is_mark())
+    row = ordinary.select("forward_index", "rank", "mode").head(1).collect()
+    forward_index, rank, mode = row.row(0) if row.height else (None, None, "")
+    reason = reasons.partly_written(signal, int(split["rows_in_parts"]), int(split["rows"]))
+    marker = pl.DataFrame(
+        {
+            "sample_id": [sample_id],
+            "forward_index": [forward_index],
+            "timestamp": [time.time_ns() // 1000],
+            "rank": [rank],
+            "layer": [""],
+            "module_type": [""],
+            "call_index": [0],
+            "signal": [OUTPUT if signal == OUTPUT else signal],
+            "tensor_path": [""],
+            "shape": [None],
+            "dtype": [""],
+            "mode": [mode],
+            "grad_enabled": [None],
+            "metric": [INTERRUPTED],
+            "value": [None],
+            "unavailable_reason": [reason],
+        },
+        schema={**HISTORY_SCHEMA, "timestamp": pl.Int64()},
+    ).with_columns(pl.col("timestamp").cast(HISTORY_SCHEMA["timestamp"]))
+    number = part_number(last)
+    assert number is not None  # list_parts lists only part files
+    write_parquet_atomic(marker, part_path(directory, number + 1))
+    return sample_id
+
+
+__all__ = ["MAX_LISTED", "SampleMark", "is_mark", "mark_partly_written", "read_marks"]

@@ -1,0 +1,245 @@
+"""A sampled root forward that raised is a marked sample, never an ordinary-looking partial one.
+
+A layer raising a ValueError the user catches, and a KeyboardInterrupt raised between layers:
+the history holds one marker row (metric `interrupted`) naming the exception and the layer, the
+Layers counts leave out the calls that did not return, and every later sample is exactly what
+an uninterrupted twin run records. After a real SIGKILL, `finalize` marks the sample whose rows
+were only partly written, and `show` flags the latest values that come from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    reasons,
+    remove_observer,
+)
+from torchinstruments.__main__ import main as cli_main
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.state import Status, read_state
+
+from conftest import sgd_step
+
+MARK = pl.col("metric") == "interrupted"
+
+
+class Boom(nn.Module):
+    """tanh, or a ValueError while armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise ValueError("bad input")
+        return torch.tanh(x)
+
+
+def boom_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), Boom(), nn.Linear(8, 1))
+
+
+def history(directory: Path) -> pl.DataFrame:
+    return pl.read_parquet(directory / "history.parquet")
+
+
+def layers_table(directory: Path) -> dict[str, str]:
+    """index.md's Layers table: layer -> sampled forwards."""
+    text = (directory / "index.md").read_text("utf-8")
+    rows = {}
+    for line in text.split("## Layers", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[2]
+    return rows
+
+
+def comparable(frame: pl.DataFrame) -> pl.DataFrame:
+    """Rows without the measurement time, in one order."""
+    return frame.drop("timestamp").sort("sample_id", "signal", "layer", "call_index", "metric")
+
+
+def test_a_layer_raising_marks_the_sample_and_later_samples_are_exact(
+    tmp_path: Path, one_thread: None
+) -> None:
+    model = boom_model()
+    twin = copy.deepcopy(model)
+    boom = model[1]
+    assert isinstance(boom, Boom)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    inject_observer(model, output_dir=tmp_path / "a", sampler=EveryNForwardsSampler(1))
+    inject_observer(twin, output_dir=tmp_path / "b", sampler=EveryNForwardsSampler(1))
+    for step in range(7):
+        if step == 3:
+            boom.armed = True
+            with pytest.raises(ValueError, match="bad input"):
+                sgd_step(model, x, y, 0.1)
+            boom.armed = False
+            assert "forward" not in boom.__dict__  # the layer proxies are gone again
+            continue
+        sgd_step(model, x, y, 0.1)
+        sgd_step(twin, x, y, 0.1)
+    remove_observer(model)
+    remove_observer(twin)
+    a, b = tmp_path / "a", tmp_path / "b"
+    marks = history(a).filter(MARK)
+    assert marks.select("sample_id", "layer", "module_type", "call_index").rows() == [
+        (3, "1", "Boom", 0)
+    ]
+    assert marks["value"].to_list() == [None]
+    assert marks["unavailable_reason"].to_list() == [
+        reasons.interrupted(ValueError("bad input"), "1", 0)
+    ]
+    partial = history(a).filter(pl.col("sample_id") == 3, ~MARK)
+    assert set(partial.select("layer", "signal").unique().rows()) == {("0", "output")}
+    # every other sample is the twin's, which never met the exception
+    later = (
+        history(a)
+        .filter(pl.col("sample_id") != 3)
+        .with_columns(
+            pl.when(pl.col("sample_id") > 3).then(pl.col(c) - 1).otherwise(pl.col(c)).alias(c)
+            for c in ("sample_id", "forward_index")
+        )
+    )
+    assert comparable(later).equals(comparable(history(b)))
+    # the Layers table counts only the calls that returned
+    assert layers_table(a) == {"0": "7", "1": "6", "2": "6"}
+    state = read_state(a)
+    assert state.counts is not None
+    assert dict(state.counts.layer_samples) == {"0": 7, "1": 6, "2": 6}
+    result = json.loads((a / "result.json").read_text("utf-8"))
+    assert [r["sampled_forwards"] for r in result] == [7, 6, 6]
+    assert all(t["metrics"].keys() != {"interrupted"} for r in result for t in r["tensors"])
+    assert state.status is Status.COMPLETE
+    assert state.marks_total == 1
+    index = (a / "index.md").read_text("utf-8")
+    assert "## Interrupted samples" in index
+    assert f"- sample 3: {marks['unavailable_reason'][0]}" in index
+
+
+class Stoppable(nn.Module):
+    """Two layers, with the model's own code between them (where the interrupt lands)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.second = nn.Linear(3, 1)
+        self.stop = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.stop:
+            raise KeyboardInterrupt
+        return self.second(h)
+
+
+def test_keyboard_interrupt_between_layers_marks_the_sample(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = Stoppable()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    model.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    model.stop = False
+    model(x).sum().backward()
+    remove_observer(model)
+    marks = history(run_dir).filter(MARK)
+    assert marks.select("sample_id", "layer", "module_type").rows() == [(1, "", "Stoppable")]
+    assert marks["unavailable_reason"].to_list() == [
+        "interrupted: the root forward raised KeyboardInterrupt: (no message) outside the "
+        "selected layers"
+    ]
+    assert layers_table(run_dir) == {"first": "3", "second": "2"}
+    # sample 2 is whole: both layers, both signals
+    last = history(run_dir).filter(pl.col("sample_id") == 2)
+    assert last.height == 2 * 2 * 9
+    assert cli_main(["show", str(run_dir), "--metrics", "mean"]) == 0
+    shown = capsys.readouterr().out
+    assert "marked samples: 1" in shown
+    assert "KeyboardInterrupt" in shown
+    assert "!" not in shown.split("mean:", 1)[1]  # the latest values are all from sample 2
+
+
+ROWS_PER_SAMPLE = 3 * 9 * 2  # Linear, Tanh, Linear; default metrics; output and gradient
+BUFFER_ROWS = 40  # parts end at rows 40, 80, ...: inside a sample's rows
+STEPS = 5
+
+
+def child_main(directory: Path) -> None:
+    """Train STEPS steps (parts written by size only), say so, and wait to be killed."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=BUFFER_ROWS, flush_seconds=600.0),
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(STEPS):
+        sgd_step(model, x, y, 0.01)
+    print("ready", flush=True)
+    time.sleep(120)
+
+
+@pytest.mark.timeout(150)
+def test_after_sigkill_finalize_marks_the_partly_written_sample(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # 270 rows recorded, 240 in parts: the last part ends 24 rows into sample 4's forward
+    finalize(run_dir)
+    rows = history(run_dir)
+    assert rows.filter(~MARK).height == 240
+    marks = rows.filter(MARK)
+    assert marks.select("sample_id", "signal").rows() == [(4, "output")]
+    assert marks["unavailable_reason"].to_list() == [reasons.partly_written("output", 24, 27)]
+    state = read_state(run_dir)
+    assert state.status is Status.INTERRUPTED
+    assert state.marks_total == 1
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert f"- sample 4: {reasons.partly_written('output', 24, 27)}" in index
+    finalize(run_dir)  # again: nothing new to mark
+    assert history(run_dir).filter(MARK).height == 1
+    assert cli_main(["show", str(run_dir), "--metrics", "mean"]) == 0
+    shown = capsys.readouterr().out
+    assert "marked samples: 1" in shown
+    table = shown.split("mean:", 1)[1]
+    first_layer = next(line for line in table.splitlines() if line.startswith("0 "))
+    assert "!" in first_layer.split()[2]  # its latest output value is from sample 4
+    assert "from a marked sample" in " ".join(table.split())
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]))

@@ -1,44 +1,55 @@
-"""The package reads top to bottom: no module imports one above it, and there are no cycles.
+"""The package reads top to bottom in README's order: no module imports one printed above it.
 
-The order is README's "Where each idea lives": records and reasons at the bottom; the run
-directory, its TensorBoard events, the measurement, sampling, distributed placement and capture
-above them; then sinks,
-selection, gradients and the command line; the observer; the API; the trainer integrations; the
-package entry points.
-Imports are read from the source (inside functions too), so a lazy import cannot hide a cycle.
+README's "Where each idea lives" lists every module of the package (the tree is parsed here and
+compared with the files), most dependent first; every import inside the package must point down
+that list, so the list is a reading order in which each module only uses what a newcomer meets
+after it. Imports are read from the source (inside functions too), so a lazy import cannot hide a
+cycle. A module's own subpackage `__init__` that holds nothing but a docstring need not be listed.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import torchinstruments
 
 PACKAGE = Path(torchinstruments.__file__).parent
+README = PACKAGE.parents[1] / "README.md"
+# An entry of the tree: its indent (2 for the package level, 4 inside a folder), its names.
+_ENTRY = re.compile(r"^(?P<indent> {2}| {4})(?P<names>[\w.]+(?:/|\.py)(?:, [\w.]+\.py)*)(?:\s|$)")
 
-LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"records", "reasons", "_torch_internals", "_tensorboard_internals"}),
-    frozenset(
-        {
-            "rundir",
-            "events",
-            "measurement",
-            "sampling",
-            "distributed",
-            "forks",
-            "capture",
-            "outputs",
-            "compilation",
-        }
-    ),
-    frozenset({"sinks", "selection", "gradients", "cli"}),
-    frozenset({"config"}),
-    frozenset({"observer"}),
-    frozenset({"api"}),
-    frozenset({"integrations"}),
-    frozenset({"__main__", ""}),
-)
+
+def readme_order() -> list[str]:
+    """Module names (`api`, `rundir.layout`, `cli` for cli/__init__.py) in README's tree order.
+
+    A folder line stands for its `__init__.py` at that place (whether or not it is listed).
+    """
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Where each idea lives", 1)[1]
+    block = section.split("```", 2)[1]
+    order: list[str] = []
+    folder = ""
+    for line in block.splitlines():
+        match = _ENTRY.match(line)
+        if match is None:
+            continue  # the root line, or a description's continuation
+        names = match.group("names")
+        if match.group("indent") == "  ":
+            folder = ""
+        if names.endswith("/"):
+            folder = names.removesuffix("/")
+            order.append(folder)
+            continue
+        for name in names.split(", "):
+            stem = name.removesuffix(".py")
+            if stem == "__init__":
+                if folder not in order:  # its folder's line already stands for it
+                    order.append(folder)
+            else:
+                order.append(f"{folder}.{stem}" if folder else stem)
+    return order
 
 
 def module_name(path: Path) -> str:
@@ -81,23 +92,33 @@ def graph() -> dict[str, set[str]]:
     return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
 
 
-def rank(module: str) -> int:
-    top = module.split(".")[0]
-    return next(index for index, layer in enumerate(LAYERS) if top in layer)
+def only_a_docstring(path: Path) -> bool:
+    """An `__init__.py` with nothing but its docstring (it imports and defines nothing)."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
-def test_every_module_has_a_place_in_the_order() -> None:
-    for module in graph():
-        rank(module)  # raises StopIteration for a module the order does not place
+def test_readme_lists_every_module_once() -> None:
+    order = readme_order()
+    assert len(order) == len(set(order)), [name for name in order if order.count(name) > 1]
+    files = {
+        module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        if not (path.name == "__init__.py" and path.parent != PACKAGE and only_a_docstring(path))
+    }
+    # A folder line stands for its docstring-only __init__ too: listed but not required.
+    folders = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
+    assert set(order) - files - folders == set()  # listed, but no such file
+    assert files - set(order) == set()  # a file README does not list
 
 
-def test_no_module_imports_a_module_above_it_or_beside_it() -> None:
+def test_no_module_imports_a_module_printed_above_it() -> None:
+    position = {name: index for index, name in enumerate(readme_order())}
     offenders = []
     for module, deps in graph().items():
         for dep in deps:
-            same_group = dep.split(".")[0] == module.split(".")[0]
-            if not same_group and rank(dep) >= rank(module):
-                offenders.append(f"{module} imports {dep}")
+            if dep in position and module in position and position[dep] <= position[module]:
+                offenders.append(f"{module} imports {dep}, printed above it")
     assert offenders == []
 
 

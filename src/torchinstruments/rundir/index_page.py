@@ -4,9 +4,10 @@ Design decision: the page is rendered from a `RunState` (`rundir.state`) only, n
 data, so it can be written at injection, before any sample exists, and rewritten at removal and
 at `finalize` in constant time. It is never read back: the state file is the machine-readable
 record, and this page is written right after it, from the same object. This module holds the
-sections that depend on how far the run got (state, gaps, run, layers) and assembles the page;
-the sections that follow from `RunInfo` alone are in `rundir.page_sections` and the ready Polars
-queries in `rundir.page_queries`. The cost: the page must be kept in step with the schema and
+sections that depend on how far the run got (state, gaps, run) and assembles the page; the
+lists of layers, bounded whatever the model size, are in `rundir.page_layers`, the sections
+that follow from `RunInfo` alone in `rundir.page_sections`, and the ready Polars queries in
+`rundir.page_queries`. The cost: the page must be kept in step with the schema and
 the summary by hand; the tests execute every query in it against a real history.parquet.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, write_text_atomic
+from torchinstruments.rundir.page_layers import focus_line, layers_line, section_layers
 from torchinstruments.rundir.page_queries import section_queries
 from torchinstruments.rundir.page_sections import (
     section_files,
@@ -107,8 +109,6 @@ def _section_gaps(state: RunState) -> list[str]:
 
 def _section_run(state: RunState) -> list[str]:
     run = state.run
-    layers = ", ".join(f"`{li.name or '<root>'}` ({li.module_type})" for li in run.layers)
-    focus = ", ".join(f"`{name or '<root>'}`" for name in run.focus_layers) or "none"
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
     lines = [
         "## Run",
@@ -116,8 +116,8 @@ def _section_run(state: RunState) -> list[str]:
         f"- output_dir: {code_span(Path(run.output_dir).as_posix())}; started at {run.started_at}",
         f"- torchinstruments {run.library_version}, torch {run.torch_version}",
         f"- model class: `{run.model_class}`",
-        f"- selected layers ({len(run.layers)}, traversal order): {layers or 'none'}",
-        f"- focus layers (TensorBoard histograms): {focus}",
+        f"- {layers_line(run)}",
+        f"- {focus_line(run)}",
         f"- sampler: {run.sampler}",
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
@@ -148,38 +148,6 @@ def _section_marks(state: RunState) -> list[str]:
     return [*lines, ""]
 
 
-def _section_layers(state: RunState) -> list[str]:
-    """Per selected layer, in how many sampled forwards it ran; the layers that never did."""
-    run, counts = state.run, state.counts
-    if counts is None:
-        return []
-    bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
-    lines = [
-        "## Layers",
-        "",
-        f"Sampled forwards in which each selected layer was called and returned{bound}, out "
-        f"of {counts.samples} (a call that raised is not counted: see Interrupted samples). A "
-        "layer with 0 never ran in a sampled forward: it has no rows "
-        "(a branch not taken, a module its parent never calls, a `forward` replaced after "
-        "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
-        "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
-        "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
-        "kernel.",
-        "",
-        "| layer | module_type | sampled forwards |",
-        "| --- | --- | --- |",
-    ]
-    lines += [
-        f"| `{li.name or '<root>'}` | {li.module_type} | {counts.layer_samples.get(li.name, 0)} |"
-        for li in run.layers
-    ]
-    never = [li.name or "<root>" for li in run.layers if not counts.layer_samples.get(li.name)]
-    if never and counts.samples:
-        lines += ["", f"Never ran in a sampled forward ({len(never)}): "]
-        lines[-1] += ", ".join(f"`{name}`" for name in never)
-    return [*lines, ""]
-
-
 def render_index(state: RunState) -> str:
     """The text of index.md for `state`.
 
@@ -201,7 +169,7 @@ def render_index(state: RunState) -> str:
         "model). No scores or verdicts: only measurements.",
         "",
         *_section_run(state),
-        *_section_layers(state),
+        *section_layers(state),
         *section_files(run),
         *section_schema(),
         *section_meanings(),

@@ -1,9 +1,23 @@
-"""The ready Polars queries of index.md: each block runs as printed, live, crashed or finished.
+"""The ready Polars queries of index.md: one setup block, then queries that each run after it.
 
-Design decision: the queries list the run's history files literally (pathlib, then Polars with
-`glob=False`), so they work on a directory whose name holds glob characters, on the completed
-parts of a live or crashed run, and on history.parquet once it exists; the tests execute every
-block against real files. They depend on `RunInfo` only.
+Design decisions:
+
+- One setup block defines `run`, `history_of(directory)` (a run's history files listed literally:
+  history.parquet once finished, its completed parts while live or after a crash; Polars with
+  `glob=False`, so a name holding `[`, `*` or `?` is read as named), `history` and `show`. Every
+  other block runs after it, in the same Python session, as printed; the tests execute them all.
+- Results are printed by `show` as CSV: every row the query means, at full precision, never a
+  10-row table with the middle hidden. Where a query can mean thousands of rows it says how many
+  and prints the first ones, saying so.
+- Missing rows are evidence: a layer that stops running, or a branch cut off from the loss
+  (its gradient series stop), leaves no null value behind, only rows that are not there. The
+  "series that stop" query finds them; the comparison query counts a row present in one run and
+  absent in the other as a difference.
+- The two-run comparison query (`other_run`, as printed this run itself, so it runs and finds
+  nothing) joins the runs on series and sample and lists each series' first differing sample,
+  the earliest first, ties in the order this run wrote its rows (a forward's layers in
+  execution order, outputs before gradients).
+- They depend on `RunInfo` only.
 """
 
 from __future__ import annotations
@@ -11,136 +25,221 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.records import RunInfo
-from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR
+from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import command_span
 
+OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs/baseline")'
+SHOWN_ROWS = 50
 
-def _files_preamble(root: str) -> str:
-    """The first lines of every query: the run's history files, listed literally.
 
-    history.parquet once the run is finished, else the completed parts of a live (or crashed)
-    run. The files are listed with pathlib and passed to Polars with `glob=False`, so a run
-    directory whose name holds `[`, `*` or `?` is read as it is named.
-    """
-    return f"""from pathlib import Path
+def _setup(root: str) -> str:
+    """The setup block: the run, how to read any run's history, and how results are printed."""
+    return f'''import json
+from pathlib import Path
 
 import polars as pl
 
 run = Path({_q(root)})
-# the whole history once the run is finished; its completed parts while it is live
-files = [run / {_q(HISTORY_FILE)}] if (run / {_q(HISTORY_FILE)}).exists() else sorted(
-    (run / {_q(PARTS_DIR)}).glob("part-*.parquet")
-)"""
 
 
-def section_queries(run: RunInfo) -> list[str]:
-    root = Path(run.output_dir).as_posix()
-    layer = run.layers[0].name if run.layers else ""
-    head = _files_preamble(root)
-    guard = """if not files:
-    raise SystemExit(f"{run}: no sample written yet (a part appears every buffer_rows rows)")
-history = pl.scan_parquet(files, glob=False)"""
-    blocks = [
+def history_of(directory: Path) -> pl.LazyFrame:
+    """A run's history: {HISTORY_FILE} once finished, its completed parts while live."""
+    merged = directory / {_q(HISTORY_FILE)}
+    if merged.exists():
+        files = [merged]
+    else:
+        files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
+    if not files:
+        raise SystemExit(f"{{directory}}: no sample written yet (a part appears every buffer_rows rows)")
+    return pl.scan_parquet(files, glob=False)
+
+
+def show(frame: pl.DataFrame, most: int | None = None) -> None:
+    """Print the rows as CSV (full precision, none hidden), or say how many and print `most`."""
+    if most is not None and frame.height > most:
+        print(f"{{frame.height}} rows, the first {{most}}:")
+        frame = frame.head(most)
+    print(frame.write_csv(), end="")
+
+
+history = history_of(run)'''
+
+
+def _blocks(layer: str) -> list[tuple[str, str]]:
+    """(title, code) of every query after the setup block."""
+    series = '"layer", "call_index", "signal", "tensor_path", "metric"'
+    return [
+        (
+            f"Status and counts, from `{STATE_FILE}` (counts are null while the run is in "
+            "progress), and the layers that never ran in a sampled forward:",
+            f"""state = json.loads((run / {_q(STATE_FILE)}).read_text(encoding="utf-8"))
+counts = state["counts"] or {{}}
+print("status:", state["status"])
+print({{k: v for k, v in counts.items() if k != "layer_samples"}})
+ran = counts.get("layer_samples", {{}})
+never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
+print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
+        ),
+        (
+            "What has been written so far (rows, samples, latest sample, layers with rows):",
+            """written = history.select(
+    rows=pl.len(),
+    samples=pl.col("sample_id").n_unique(),
+    latest_sample=pl.col("sample_id").max(),
+    layers=pl.col("layer").n_unique(),
+).collect()
+show(written)""",
+        ),
         (
             "One layer's trend (one metric, by sample):",
-            f"""{head}
-{guard}
-trend = (
+            f"""trend = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
                    pl.col("metric") == "mean")
     .select("sample_id", "call_index", "tensor_path", "value", "unavailable_reason")
     .sort("sample_id", "call_index", "tensor_path")
     .collect()
 )
-print(trend)""",
+show(trend)""",
         ),
         (
             "One metric (std of outputs) across all layers at the latest sample:",
-            f"""{head}
-{guard}
-latest = (
+            """latest = (
     history.filter(pl.col("signal") == "output", pl.col("metric") == "std")
     .filter(pl.col("sample_id") == pl.col("sample_id").max())
     .select("sample_id", "layer", "call_index", "tensor_path", "value", "unavailable_reason")
     .collect()
 )
-print(latest)""",
+show(latest)""",
         ),
         (
             "All unavailable values, and why (`rows`: history rows with a null value):",
-            f"""{head}
-{guard}
-missing = (
+            """missing = (
     history.filter(pl.col("value").is_null())
     .group_by("layer", "signal", "metric", "unavailable_reason")
     .agg(rows=pl.len(), first_sample=pl.col("sample_id").min())
     .sort("layer", "signal", "metric")
     .collect()
 )
-print(missing)""",
+show(missing)""",
         ),
         (
             "std of one layer's output vs its output_gradient, side by side (columns: signal):",
-            f"""{head}
-{guard}
-both = (
+            f"""both = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("metric") == "std")
     .collect()
     .pivot("signal", index=["sample_id", "call_index", "tensor_path"], values="value")
     .sort("sample_id")
 )
-print(both)""",
+show(both)""",
         ),
         (
-            "What has been written so far (works while the run is live, after it finished, and "
-            "before the first part, when it says so):",
-            f"""{head}
-if files:
-    written = (
-        pl.scan_parquet(files, glob=False)
-        .group_by("layer", "signal", "metric")
-        .agg(latest_sample=pl.col("sample_id").max(), rows=pl.len())
-        .sort("layer", "signal", "metric")
-        .collect()
+            "Series that stop: missing rows are evidence. A layer that stops running, or a "
+            "branch cut off from the loss (e.g. by `.detach()`), leaves no null value: its "
+            "series simply end before the run's latest sample (`stopped`), or its outputs never "
+            "get a gradient row at all (`no_gradient`; every tensor, in a run without backward):",
+            """last = history.select(pl.col("sample_id").max()).collect().item()
+tensor = ["layer", "call_index", "tensor_path"]
+series = (
+    history.group_by(*tensor, "signal")
+    .agg(
+        first_sample=pl.col("sample_id").min(),
+        last_sample=pl.col("sample_id").max(),
+        samples=pl.col("sample_id").n_unique(),
     )
-    print(f"{{len(files)}} file(s):", written, sep="\\n")
-else:
-    print(f"{{run}}: no sample written yet (a part appears every buffer_rows rows)")""",
+    .collect()
+)
+stopped = series.filter(pl.col("last_sample") < last).sort("last_sample", *tensor, "signal")
+print(f"series whose last sample is before the run's latest, sample_id {last}:")
+show(stopped)
+outputs = series.filter(pl.col("signal") == "output").select(tensor)
+gradients = series.filter(pl.col("signal") == "output_gradient").select(tensor)
+no_gradient = outputs.join(gradients, on=tensor, how="anti").sort(tensor)
+print("tensors with output rows and no output_gradient row:")
+show(no_gradient)""",
+        ),
+        (
+            "Compare this run with another one (e.g. a baseline with the same seed and data): "
+            "per series, the first sample where the two differ by more than `tolerance`, or "
+            "where a row or a value exists in one run only (samples both runs have); the first "
+            "row departs first (earliest sample, then this run's write order: a forward's "
+            "layers in execution order, outputs before gradients). Set `other_run`; as printed "
+            "it is this run, which differs from itself nowhere. "
+            "`torchinstruments compare DIR_A DIR_B` prints the same per series, with window means:",
+            f"""{OTHER_RUN_LINE}
+tolerance = 0.0  # the largest |difference| that is not a difference
+series = [{series}]
+mine = history.with_row_index("order").select(*series, "sample_id", "order", "value",
+                                                 "unavailable_reason")
+theirs = history_of(other_run).select(
+    *series, "sample_id", value_other="value", reason_other="unavailable_reason"
+)
+common = mine.select("sample_id").unique().join(
+    theirs.select("sample_id").unique(), on="sample_id"
+)
+differ = (
+    mine.join(theirs, on=[*series, "sample_id"], how="full", coalesce=True)
+    .join(common, on="sample_id", how="semi")
+    .filter(
+        (pl.col("value").is_null() != pl.col("value_other").is_null())
+        | ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
+    )
+)
+first = (
+    differ.sort("sample_id", "order", nulls_last=True)
+    .group_by(series, maintain_order=True)
+    .first()
+    .sort("sample_id", "order", nulls_last=True)
+    .select(*series, first_sample="sample_id", value="value", value_other="value_other",
+            reason="unavailable_reason", reason_other="reason_other")
+    .collect()
+)
+print(f"{{first.height}} series differ (null value and null reason: no row in that run)")
+show(first, most={SHOWN_ROWS})""",
         ),
     ]
+
+
+def section_queries(run: RunInfo) -> list[str]:
+    root = Path(run.output_dir).as_posix()
+    layer = run.layers[0].name if run.layers else ""
     lines = [
         "## Ready Polars queries",
         "",
-        "Each block runs as is, on a finished run (history.parquet) and on a live or crashed one "
-        "(its completed parts). From a shell: "
+        "Run the setup block first, then any other block in the same Python session; each "
+        "runs as printed, on a finished run (history.parquet) and on a live or crashed one "
+        "(its completed parts), and prints every row it means as CSV. From a shell: "
         + command_span("torchinstruments", "show", run.output_dir)
         + " (latest values and window means), `torchinstruments compare DIR_A DIR_B`, "
         + command_span("torchinstruments", "plot", run.output_dir)
-        + ".",
+        + ", "
+        + command_span("torchinstruments", "heatmap", run.output_dir)
+        + " (one image per metric, every tensor by every sample).",
+        "",
+        "Setup:",
+        "",
+        "```python",
+        _setup(root),
+        "```",
         "",
     ]
-    for title, code in blocks:
+    for title, code in _blocks(layer):
         lines += [title, "", "```python", code, "```", ""]
     lines += ["Ranks: with rank_policy='all' every rank writes its own `rank-NNN/` directory."]
     if run.rank is not None and run.rank_policy == "all":
         parent = Path(run.output_dir).parent.as_posix()
         lines += [
-            "Compare the ranks that have finished (every row carries its rank):",
+            "Compare the ranks that have finished (every row carries its rank; after setup):",
             "",
             "```python",
-            f"""from pathlib import Path
-
-import polars as pl
-
-ranks = pl.scan_parquet(sorted(Path({_q(parent)}).glob("rank-*/{HISTORY_FILE}")), glob=False)
+            f"""ranks = pl.scan_parquet(sorted(Path({_q(parent)}).glob("rank-*/{HISTORY_FILE}")), glob=False)
 by_rank = (
     ranks.group_by("rank", "layer", "signal", "metric")
     .agg(pl.col("value").mean())
     .sort("layer", "signal", "metric", "rank")
     .collect()
 )
-print(by_rank)""",
+show(by_rank, most={SHOWN_ROWS})""",
             "```",
         ]
     else:
@@ -151,4 +250,4 @@ print(by_rank)""",
     return [*lines, ""]
 
 
-__all__ = ["section_queries"]
+__all__ = ["OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]

@@ -13,7 +13,13 @@ import json
 
 from torchinstruments.reasons import REASONS
 from torchinstruments.records import RunInfo
-from torchinstruments.rundir.layout import HISTORY_FILE, HISTORY_SCHEMA, PARTS_DIR, STATE_FILE
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    HISTORY_SCHEMA,
+    LOCK_FILE,
+    PARTS_DIR,
+    STATE_FILE,
+)
 from torchinstruments.rundir.shell import command_span
 
 COLUMN_NOTES = {
@@ -69,10 +75,16 @@ def section_files(run: RunInfo) -> list[str]:
         "they arrived).",
         "- `result.json`: one record per selected layer (traversal order); at injection with an "
         "empty `tensors` list, at removal with per-tensor summaries (see result.json).",
-        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers. `.lock`: held "
-        "by the live process; `torchinstruments finalize` refuses a directory while it is held.",
-        f"- `{STATE_FILE}`: the run's state as JSON (run info, state, counts, problems, loss "
-        "ledger); this page is rendered from it, and `finalize` and the command line read it.",
+        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers.",
+        f"- `{LOCK_FILE}`: the PID of the process that observed the run. The file stays after "
+        "the run ends; that process holds an OS lock on it (fcntl.flock, msvcrt.locking on "
+        "Windows) only while it lives, so the "
+        "file alone does not mean the run is live. `torchinstruments finalize` refuses the "
+        "directory while the lock is held.",
+        f"- `{STATE_FILE}`: the run's state as JSON: `status`, the run info (`run`), the counts "
+        "(`counts`: root_forwards, samples, backward_samples, and per layer `layer_samples`), "
+        "problems and the loss ledger. This page is rendered from it; `finalize` and the "
+        "command line read it; the first query below prints it.",
         "",
         "If the process died, "
         + command_span("python", "-m", "torchinstruments", "finalize", run.output_dir)

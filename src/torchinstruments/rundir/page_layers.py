@@ -1,0 +1,166 @@
+"""index.md's lists of layers, bounded whatever the model size.
+
+Design decision: up to LISTED_LAYERS selected layers, index.md names every one (in the Run
+section, and in the Layers table with the sampled forwards each ran in). Beyond, a 3,000-layer
+model would make a 300 KB page that no reader takes in, so the page groups: the Run section
+counts the layers per module type, the Layers table has one row per module type (layers,
+fewest and most sampled forwards, first and last layer), and the layers that never ran are
+still listed, as runs of consecutive layers in traversal order, up to NEVER_RAN_CHARS
+characters. Every layer by name stays in `.state.json` (`run.layers`, `counts.layer_samples`)
+and result.json (`sampled_forwards`), and the page says so where it groups. The cost: beyond
+LISTED_LAYERS a single layer's count is one query away instead of on the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchinstruments.records import LayerInfo, RunInfo
+from torchinstruments.rundir.layout import RESULT_FILE, STATE_FILE
+from torchinstruments.rundir.shell import code_span
+from torchinstruments.rundir.state import RunState
+
+LISTED_LAYERS = 200
+LISTED_TYPES = 40
+LISTED_FOCUS = 40
+NEVER_RAN_CHARS = 16_000
+WHERE_EVERY_LAYER = (
+    f"every layer by name: `{STATE_FILE}` (`run.layers`, and `counts.layer_samples`, where a "
+    f"layer that never ran is 0 or absent) and {RESULT_FILE} (`sampled_forwards`)"
+)
+
+
+def _name(layer: LayerInfo | str) -> str:
+    name = layer.name if isinstance(layer, LayerInfo) else layer
+    return code_span(name or "<root>")
+
+
+def _by_type(layers: Sequence[LayerInfo]) -> dict[str, list[LayerInfo]]:
+    """Layers per module type, types in order of first appearance."""
+    groups: dict[str, list[LayerInfo]] = {}
+    for layer in layers:
+        groups.setdefault(layer.module_type, []).append(layer)
+    return groups
+
+
+def layers_line(run: RunInfo) -> str:
+    """The Run section's "selected layers" item: every name, or counts per module type."""
+    n = len(run.layers)
+    if n <= LISTED_LAYERS:
+        names = ", ".join(f"{_name(li)} ({li.module_type})" for li in run.layers)
+        return f"selected layers ({n}, traversal order): {names or 'none'}"
+    groups = list(_by_type(run.layers).items())
+    types = ", ".join(f"{t} {len(ls)}" for t, ls in groups[:LISTED_TYPES])
+    if len(groups) > LISTED_TYPES:
+        types += f", and {len(groups) - LISTED_TYPES} more module types"
+    return (
+        f"selected layers ({n}, traversal order, from {_name(run.layers[0])} to "
+        f"{_name(run.layers[-1])}), by module type: {types}; {WHERE_EVERY_LAYER}"
+    )
+
+
+def focus_line(run: RunInfo) -> str:
+    """The Run section's focus layers item."""
+    names = [_name(name) for name in run.focus_layers[:LISTED_FOCUS]]
+    more = len(run.focus_layers) - LISTED_FOCUS
+    text = ", ".join(names) or "none"
+    if more > 0:
+        text += f", and {more} more (`run.focus_layers` in `{STATE_FILE}`)"
+    return f"focus layers (TensorBoard histograms): {text}"
+
+
+def never_ran_runs(layers: Sequence[LayerInfo], never: set[str], budget: int) -> str:
+    """The layers in `never`, consecutive ones (traversal order) as `first` .. `last` (n layers).
+
+    At most about `budget` characters; what does not fit is counted, never dropped silently.
+    """
+    runs: list[list[LayerInfo]] = []
+    previous_never = False
+    for layer in layers:
+        is_never = layer.name in never
+        if is_never and previous_never:
+            runs[-1].append(layer)
+        elif is_never:
+            runs.append([layer])
+        previous_never = is_never
+    pieces: list[str] = []
+    used = listed = 0
+    for run in runs:
+        piece = (
+            _name(run[0])
+            if len(run) == 1
+            else f"{_name(run[0])} .. {_name(run[-1])} ({len(run)} layers)"
+        )
+        if used + len(piece) > budget:
+            break
+        pieces.append(piece)
+        used += len(piece) + 2
+        listed += len(run)
+    text = ", ".join(pieces)
+    left = sum(len(run) for run in runs) - listed
+    if left:
+        text += f", and {left} more ({WHERE_EVERY_LAYER})"
+    return text
+
+
+def section_layers(state: RunState) -> list[str]:
+    """Per selected layer (or module type), in how many sampled forwards it ran; those that never did."""
+    run, counts = state.run, state.counts
+    if counts is None:
+        return []
+    bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
+    ran = counts.layer_samples
+    lines = [
+        "## Layers",
+        "",
+        f"Sampled forwards in which each selected layer was called and returned{bound}, out "
+        f"of {counts.samples} (a call that raised is not counted: see Interrupted samples). A "
+        "layer with 0 never ran in a sampled forward: it has no rows "
+        "(a branch not taken, a module its parent never calls, a `forward` replaced after "
+        "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
+        "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
+        "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
+        "kernel.",
+        "",
+    ]
+    if len(run.layers) <= LISTED_LAYERS:
+        lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
+        lines += [
+            f"| {_name(li)} | {li.module_type} | {ran.get(li.name, 0)} |" for li in run.layers
+        ]
+    else:
+        lines += [
+            f"{len(run.layers)} layers, one row per module type (more than {LISTED_LAYERS} "
+            f"layers); {WHERE_EVERY_LAYER}.",
+            "",
+            "| module_type | layers | sampled forwards (fewest .. most) | first layer | last layer |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        groups = list(_by_type(run.layers).items())
+        for module_type, layers in groups[:LISTED_TYPES]:
+            numbers = [ran.get(li.name, 0) for li in layers]
+            lines.append(
+                f"| {module_type} | {len(layers)} | {min(numbers)} .. {max(numbers)} | "
+                f"{_name(layers[0])} | {_name(layers[-1])} |"
+            )
+        if len(groups) > LISTED_TYPES:
+            rest = sum(len(ls) for _, ls in groups[LISTED_TYPES:])
+            lines.append(f"| ({len(groups) - LISTED_TYPES} more types) | {rest} | | | |")
+    never = {li.name for li in run.layers if not ran.get(li.name)}
+    if never and counts.samples:
+        lines += [
+            "",
+            f"Never ran in a sampled forward ({len(never)}): "
+            + never_ran_runs(run.layers, never, NEVER_RAN_CHARS),
+        ]
+    return [*lines, ""]
+
+
+__all__ = [
+    "LISTED_LAYERS",
+    "NEVER_RAN_CHARS",
+    "focus_line",
+    "layers_line",
+    "never_ran_runs",
+    "section_layers",
+]

@@ -1,0 +1,261 @@
+"""index.md as the only guide: bounded at any model size, and its queries answer from files alone.
+
+- Size: a 3,000-layer run's index.md (state and history written by the library's own writers;
+  a real 3,000-layer training run costs minutes on CI's 2 cores) stays within 64 KB, lists every
+  layer that never ran, and every query block runs on its history after the setup block. An
+  adversarial catalog (12,000 layers with long names, 60 module types, every other one never
+  ran) stays within the bound too, and counts the never-ran layers it did not name and says
+  where they are.
+- Comparison: on a baseline/broken pair of real training runs (the broken one detaches its
+  `side` branch from step DETACH_AT: its gradient series stop), the printed comparison query,
+  pointed at the baseline, finds per series the first differing sample that a plain-Python
+  walk over both history.parquet files finds, and its first row is the series that departs
+  first; the "series that stop" query names the detached branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
+from torchinstruments.rundir.index_page import write_index
+from torchinstruments.rundir.merge import merge_history
+from torchinstruments.rundir.page_queries import OTHER_RUN_LINE
+from torchinstruments.rundir.state import RunState, write_state
+from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+
+from conftest import sgd_step
+
+LIMIT = 64 * 1024
+BLOCKS = 900  # x (Linear, ReLU, LayerNorm) + 300 layers that never run = 3,000 layers
+UNUSED = 300
+SAMPLES = 3
+METRICS = ("mean", "std")
+STEPS = 7
+DETACH_AT = 4
+SERIES = ("layer", "call_index", "signal", "tensor_path", "metric")
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def run_info(directory: Path, layers: tuple[LayerInfo, ...]) -> RunInfo:
+    return RunInfo(
+        output_dir=directory,
+        library_version="0.1.0",
+        torch_version="2.15.0",
+        model_class="Big",
+        layers=layers,
+        focus_layers=tuple(li.name for li in layers[:8]),
+        sampler="EveryNForwardsSampler(n=1)",
+        metrics=METRICS,
+        rank=None,
+        world_size=None,
+        rank_policy="rank0",
+        capture_direct_forwards=True,
+        buffer_rows=8192,
+        flush_seconds=60.0,
+        window=10,
+        started_at="2026-01-01T00:00:00+00:00",
+    )
+
+
+def measurement(sample: int, layer: LayerInfo, signal: str, k: int) -> Measurement:
+    """One tensor's rows at one sample: a mean that differs per layer and sample, a null std."""
+    return Measurement(
+        sample_id=sample,
+        forward_index=sample,
+        timestamp_us=sample,
+        rank=None,
+        layer=layer.name,
+        module_type=layer.module_type,
+        call_index=0,
+        signal=signal,
+        tensor_path="",
+        shape=(2, 4),
+        dtype="float32",
+        mode="train",
+        grad_enabled=True,
+        metrics=METRICS,
+        values=(MetricValue(sample + k / 1000), MetricValue(None, "empty tensor")),
+    )
+
+
+def big_run(directory: Path) -> tuple[RunState, pl.DataFrame]:
+    """A 3,000-layer run's state, index.md and history.parquet (the last ReLU's gradient stops)."""
+    types = ("Linear", "ReLU", "LayerNorm")
+    ran = [LayerInfo(f"blocks.{b}.{i}", types[i]) for b in range(BLOCKS) for i in range(3)]
+    unused = [LayerInfo(f"unused.{i}", "Linear") for i in range(UNUSED)]
+    stops = ran[-2].name
+    writer = HistoryWriter(directory, HistoryConfig(buffer_rows=8192))
+    for s in range(SAMPLES):
+        for signal in ("output", "output_gradient"):
+            writer.append(
+                [
+                    measurement(s, li, signal, k)
+                    for k, li in enumerate(ran)
+                    if not (signal == "output_gradient" and li.name == stops and s > 0)
+                ]
+            )
+    writer.flush()
+    writer.close()
+    merge_history(directory)
+    counts = RunCounts(SAMPLES, SAMPLES, SAMPLES, {li.name: SAMPLES for li in ran})
+    state = RunState(run_info(directory, (*ran, *unused)), counts, rows_recorded=0)
+    write_state(directory, state)
+    write_index(directory, state)
+    return state, pl.read_parquet(directory / "history.parquet", glob=False)
+
+
+def execute(text: str, replace: dict[str, str] | None = None) -> tuple[dict, list[str]]:
+    """Run the setup block, then each other block in a copy of its namespace; their namespaces
+    merged and each block's stdout."""
+    setup, *blocks = python_blocks(text)
+    base: dict = {}
+    exec(compile(setup, "index.md:setup", "exec"), base)
+    found, printed = dict(base), []
+    for number, code in enumerate(blocks):
+        for old, new in (replace or {}).items():
+            code = code.replace(old, new)
+        session, out = dict(base), io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, f"index.md:block-{number}", "exec"), session)
+        found.update(session)
+        printed.append(out.getvalue())
+    return found, printed
+
+
+def test_index_of_3000_layers_is_bounded_and_its_queries_run(tmp_path: Path) -> None:
+    directory = tmp_path / "big[3000]"
+    state, history = big_run(directory)
+    assert len(state.run.layers) == 3000
+    text = (directory / "index.md").read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) <= LIMIT
+    assert (
+        f"Never ran in a sampled forward ({UNUSED}): `unused.0` .. `unused.299` (300 layers)"
+        in text
+    )
+    assert "| Linear | 1200 | 0 .. 3 | `blocks.0.0` | `unused.299` |" in text
+    assert "| ReLU | 900 | 3 .. 3 | `blocks.0.1` | `blocks.899.1` |" in text
+    found, printed = execute(text)
+    assert found["never"] == [f"unused.{i}" for i in range(UNUSED)]
+    assert found["written"]["rows"].item() == history.height
+    latest = found["latest"]
+    assert latest.height == BLOCKS * 3  # every layer at the latest sample: no row hidden
+    assert len(printed[3].splitlines()) == 1 + BLOCKS * 3  # header + every row, as CSV
+    stopped = found["stopped"]
+    assert stopped.select("layer", "signal", "last_sample").rows() == [
+        (f"blocks.{BLOCKS - 1}.1", "output_gradient", 0)
+    ]
+    assert found["first"].height == 0  # as printed: the run against itself
+
+
+def test_index_stays_bounded_for_any_catalog(tmp_path: Path) -> None:
+    long = "encoder.transformer_stack.residual_attention_block_with_a_long_name"
+    layers = tuple(LayerInfo(f"{long}.{i}.p{i % 7}", f"Type{i % 60}") for i in range(12000))
+    ran = {li.name: 5 for li in layers[::2]}  # every other layer ran: 6,000 runs of one
+    state = RunState(run_info(tmp_path, layers), RunCounts(5, 5, 5, ran))
+    write_index(tmp_path, state)
+    text = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) <= LIMIT
+    listed = re.search(r"Never ran in a sampled forward \(6000\): (.*)", text)
+    assert listed is not None
+    named = re.findall(r"`([^`]+)`", listed.group(1).split(", and ")[0])
+    assert named == [li.name for li in layers[1::2][: len(named)]]  # in traversal order
+    more = re.search(r", and (\d+) more \(every layer by name: `.state.json`", listed.group(1))
+    assert more is not None
+    assert len(named) + int(more.group(1)) == 6000  # counted, never dropped silently
+    assert "| (20 more types) | 4000 | | | |" in text
+
+
+class Branchy(nn.Module):
+    """A trunk and a side branch; `detached` cuts the side branch off the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.trunk_act = nn.Tanh()
+        self.side = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 1)
+        self.detached = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.side(x)
+        if self.detached:
+            side = side.detach()
+        return self.head(self.trunk_act(self.trunk(x)) + side)
+
+
+def train(directory: Path, detach_at: int | None) -> Path:
+    torch.manual_seed(11)
+    model = Branchy()
+    x = torch.randn(16, 6)
+    y = x[:, :1] * 2
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for step in range(STEPS):
+        model.detached = detach_at is not None and step >= detach_at
+        sgd_step(model, x, y, 0.05)
+    remove_observer(model)
+    return directory
+
+
+def first_differences(mine: pl.DataFrame, theirs: pl.DataFrame) -> dict[tuple, int]:
+    """Per series, the first common sample where the runs differ (a value, or a row in one only)."""
+
+    def table(frame: pl.DataFrame) -> dict[tuple, float | None]:
+        return {row[:-1]: row[-1] for row in frame.select(*SERIES, "sample_id", "value").rows()}
+
+    a, b = table(mine), table(theirs)
+    common = set(mine["sample_id"].to_list()) & set(theirs["sample_id"].to_list())
+    out: dict[tuple, int] = {}
+    for key in set(a) | set(b):
+        if key[-1] not in common:
+            continue
+        va, vb = a.get(key), b.get(key)
+        if (va is None) != (vb is None) or (va is not None and vb is not None and va != vb):
+            series = key[:-1]
+            out[series] = min(out.get(series, key[-1]), key[-1])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_comparison_query_finds_the_first_differing_sample(tmp_path: Path) -> None:
+    baseline = train(tmp_path / "baseline", detach_at=None)
+    broken = train(tmp_path / "broken", detach_at=DETACH_AT)
+    text = (broken / "index.md").read_text(encoding="utf-8")
+    assert OTHER_RUN_LINE in text
+    found, printed = execute(
+        text, {OTHER_RUN_LINE: f"other_run = Path({json.dumps(str(baseline))})"}
+    )
+    mine = pl.read_parquet(broken / "history.parquet")
+    theirs = pl.read_parquet(baseline / "history.parquet")
+    want = first_differences(mine, theirs)
+    first = found["first"]
+    got = {row[:-1]: row[-1] for row in first.select(*SERIES, "first_sample").rows()}
+    assert got == want
+    assert min(want.values()) == DETACH_AT
+    # the first row departs first: the detached branch's gradient, absent in this run
+    top = first.row(0, named=True)
+    assert (top["layer"], top["signal"], top["first_sample"]) == (
+        "side",
+        "output_gradient",
+        DETACH_AT,
+    )
+    assert top["value"] is None  # no row in this run: value and reason are both null
+    assert top["reason"] is None
+    assert top["value_other"] is not None
+    assert f"{len(want)} series differ" in printed[-1]
+    # the series that stop: side's gradient ends at the sample before the detach
+    stopped = found["stopped"].select("layer", "signal", "last_sample").rows()
+    assert stopped == [("side", "output_gradient", DETACH_AT - 1)]

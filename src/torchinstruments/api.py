@@ -202,12 +202,12 @@ def remove_observer(model: nn.Module) -> Path | None:
         return None
     left_in_place = observer.remove()
     never_ran = observer.never_ran()
-    if observer.samples and never_ran:
+    if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
         shown = ", ".join(repr(name) for name in never_ran[:20])
         warnings.warn(
             f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
-            f"sampled forward ({observer.samples} samples), so they have no rows: {shown}"
+            f"sampled forward ({observer.counter.samples} samples), so they have no rows: {shown}"
             + (" ..." if len(never_ran) > 20 else "")
             + " (see the Layers section of index.md)",
             RuntimeWarning,

@@ -77,6 +77,7 @@ from torchinstruments.compilation import (
     resume_compilation,
 )
 from torchinstruments.config import ObserverConfig
+from torchinstruments.counting import Counter
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
 from torchinstruments.outputs import iter_tensors
@@ -217,24 +218,20 @@ class Observer:
         # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
         self.active: list[int] = []
         # Root depth and the open sample are per thread: a model run from several threads keeps
-        # each thread's forwards apart. Counters and the sampler are shared, under a lock.
+        # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
-        self._count_lock = threading.Lock()
+        self.counter = Counter()
         self._sink_lock = threading.RLock()
         self.closed = False
         # True in a process forked from the one that created this observer (see forks.py).
         self.forked = False
         self._parent_pid = os.getpid()
-        self.root_forwards = 0
-        self.samples = 0
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
         self._call_forward = forward_caller()
         self._root_layer: _LayerCapture | None = None
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
-        # Per selected layer (root included): the sampled forwards in which it was called.
-        self.layer_samples: dict[str, int] = {}
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
@@ -326,12 +323,7 @@ class Observer:
             return _PASS_THROUGH
         if getattr(self._local, "depth", 0) > 0:
             return _NESTED
-        with self._count_lock:
-            forward_index = self.root_forwards
-            self.root_forwards += 1
-            sample_id = self.samples if self._should_sample(forward_index) else None
-            if sample_id is not None:
-                self.samples += 1
+        forward_index, sample_id = self.counter.next_forward(self._should_sample)
         return None if sample_id is None else _Sample(sample_id, forward_index)
 
     def _run_sample(
@@ -474,9 +466,7 @@ class Observer:
     def _end_sample(self, sample: _Sample) -> None:
         """Count the layers this sampled forward called and that returned (a layer whose every
         call raised did not run to the end: it is not counted)."""
-        with self._count_lock:
-            for name in sample.returned:
-                self.layer_samples[name] = self.layer_samples.get(name, 0) + 1
+        self.counter.count_layers(sample.returned)
 
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
@@ -504,19 +494,12 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        with self._count_lock:
-            layer_samples = dict(self.layer_samples)
-        return RunCounts(
-            self.root_forwards,
-            self.samples,
-            len(self.gradients.sample_ids),
-            layer_samples,
-            tuple(self.notes),
-        )
+        return self.counter.counts(len(self.gradients.sample_ids), tuple(self.notes))
 
     def never_ran(self) -> list[str]:
         """Selected layers (root included) not called in any sampled forward so far."""
-        return [name for name in self.layer_names if not self.layer_samples.get(name)]
+        ran = self.counter.layer_samples()
+        return [name for name in self.layer_names if not ran.get(name)]
 
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""

@@ -1,0 +1,55 @@
+"""How much one observer has seen: root forwards, samples, and each layer's sampled forwards.
+
+Every thread that runs the observed model updates these, so they live behind one lock, and the
+sampler is asked under it: forward_index and sample_id are each handed out once, in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+from torchinstruments.records import RunCounts
+
+
+class Counter:
+    """The counts of one observer (`RunCounts` once the backward side is added)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.root_forwards = 0
+        self.samples = 0
+        # Per selected layer (root included): the sampled forwards in which it was called.
+        self._layer_samples: dict[str, int] = {}
+
+    def next_forward(self, should_sample: Callable[[int], bool]) -> tuple[int, int | None]:
+        """Count one root forward: its forward_index, and its sample_id if `should_sample` says so."""
+        with self._lock:
+            forward_index = self.root_forwards
+            self.root_forwards += 1
+            sample_id = self.samples if should_sample(forward_index) else None
+            if sample_id is not None:
+                self.samples += 1
+        return forward_index, sample_id
+
+    def count_layers(self, names: Iterable[str]) -> None:
+        """One more sampled forward for each of these layers."""
+        with self._lock:
+            for name in names:
+                self._layer_samples[name] = self._layer_samples.get(name, 0) + 1
+
+    def layer_samples(self) -> dict[str, int]:
+        """A copy of the per-layer counts (a layer missing from it never ran in a sample)."""
+        with self._lock:
+            return dict(self._layer_samples)
+
+    def counts(self, backward_samples: int, notes: tuple[str, ...]) -> RunCounts:
+        """The run's counts, with what the backward side and the observer add."""
+        with self._lock:
+            return RunCounts(
+                self.root_forwards,
+                self.samples,
+                backward_samples,
+                dict(self._layer_samples),
+                notes,
+            )

@@ -320,7 +320,7 @@ def test_live_crashed_and_finalized_runs(
     assert payload["run"]["history_files"] == [str(p) for p in parts]
     text = run_cli("show", directory, "--metrics", "mean")
     assert text.returncode == 0, text.stderr
-    assert f"{len(parts)} part(s)" in text.stdout
+    assert f"{len(parts)} parts in history.parts/" in text.stdout
 
     # the same training as `finished`: compare finds no difference at all
     comparison = cli_json("compare", finished, directory)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchinstruments.cli import COMMANDS, add_commands, run_command
+from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.lock import RunLockedError
 
@@ -51,10 +52,13 @@ def _finalize(directory: Path) -> int:
     c = report.counts
     merge = report.merge
     if merge is not None:
+        # Counts rebuilt from history are lower bounds (as index.md says); kept ones are exact.
+        bound = "at least " if report.state.counts_recovered else ""
         print(
-            f"finalized {report.directory}: {merge.rows} rows in {merge.path} "
-            f"({len(merge.merged_parts)} parts merged); at least {c.root_forwards} root forwards, "
-            f"{c.samples} samples, {c.backward_samples} with a backward"
+            f"finalized {report.directory}: {plural(merge.rows, 'row')} in {merge.path} "
+            f"({plural(len(merge.merged_parts), 'part')} merged); {bound}"
+            f"{plural(c.root_forwards, 'root forward')}, {plural(c.samples, 'sample')}, "
+            f"{c.backward_samples} with a backward"
         )
     for path in report.removed_temporaries:
         print(f"removed incomplete temporary {path}")

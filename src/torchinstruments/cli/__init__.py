@@ -174,6 +174,14 @@ def add_commands(commands: Subcommands) -> None:
         metavar="N",
         help="draw at most N tensors (lines per panel), in traversal order (default 10)",
     )
+    cmd.add_argument(
+        "--yscale",
+        choices=("linear", "log", "symlog"),
+        default="linear",
+        help="y axis of every panel: linear (default), log (symlog in a panel with values <= 0) "
+        "or symlog (linear near 0, logarithmic beyond: one large tensor no longer flattens the "
+        "rest)",
+    )
 
     cmd = commands.add_parser(
         "heatmap",
@@ -207,31 +215,37 @@ def add_commands(commands: Subcommands) -> None:
     )
 
 
-def _selection(args: argparse.Namespace) -> Selection:
-    from torchinstruments.cli.reader import parse_list
+def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
+    """The selection the options ask for, refused (SelectionError) where it matches nothing."""
+    from torchinstruments.cli.reader import check_selection, parse_list
     from torchinstruments.cli.show import Selection
     from torchinstruments.records import SIGNALS
 
     signals = SIGNALS if args.signal == "both" else (args.signal,)
     metrics = parse_list(args.metrics)
-    return Selection(
+    selection = Selection(
         layers=args.layers,
         signals=signals,
         metrics=tuple(metrics) if metrics is not None else None,
         window=getattr(args, "window", None),
     )
+    check_selection(
+        directories, layers=selection.layers, signals=signals, metrics=selection.metrics
+    )
+    return selection
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run `show`, `compare` or `plot` from parsed arguments; returns the exit code."""
     from torchinstruments.cli.reader import NotARunError
+    from torchinstruments.cli.text import plural
 
     prog = f"torchinstruments {args.command}"
     try:
         if args.command == "show":
             from torchinstruments.cli import show
 
-            selection = _selection(args)
+            selection = _selection(args, args.directory)
             facts, frame = show.summary(args.directory, selection)
             from torchinstruments.cli.reader import window_of
 
@@ -251,7 +265,7 @@ def run_command(args: argparse.Namespace) -> int:
             comparison = compare.compare(
                 args.directory_a,
                 args.directory_b,
-                _selection(args),
+                _selection(args, args.directory_a, args.directory_b),
                 tolerance=args.tolerance,
                 x=args.x,
             )
@@ -265,20 +279,22 @@ def run_command(args: argparse.Namespace) -> int:
                 result = plot.plot(
                     args.directory,
                     output,
-                    _selection(args),
+                    _selection(args, args.directory),
                     x=args.x,
                     max_tensors=args.max_tensors,
+                    yscale=args.yscale,
                 )
             except plot.MatplotlibMissingError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 3
             print(
                 f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
-                f"{len(result.panels)} panels, {len(result.tensors)} tensor(s), x = {result.x}"
+                f"{plural(len(result.panels), 'panel')}, {plural(len(result.tensors), 'tensor')}, "
+                f"x = {result.x}"
             )
             if result.left_out:
                 print(
-                    f"{prog}: {len(result.left_out)} tensor(s) left out "
+                    f"{prog}: {plural(len(result.left_out), 'tensor')} left out "
                     f"({', '.join(result.left_out[:5])}{', ...' if len(result.left_out) > 5 else ''}); "
                     "choose with --layers REGEX or raise --max-tensors",
                     file=sys.stderr,
@@ -292,7 +308,11 @@ def run_command(args: argparse.Namespace) -> int:
                 raise ValueError(f"--output-dir {output_dir} is not an existing directory")
             try:
                 results = heatmap.heatmap(
-                    args.directory, output_dir, _selection(args), x=args.x, scale=args.scale
+                    args.directory,
+                    output_dir,
+                    _selection(args, args.directory),
+                    x=args.x,
+                    scale=args.scale,
                 )
             except heatmap.MatplotlibMissingError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
@@ -300,7 +320,7 @@ def run_command(args: argparse.Namespace) -> int:
             for r in results:
                 print(
                     f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric}, "
-                    f"{r.rows} tensor(s) x {r.columns} sample(s)"
+                    f"{plural(r.rows, 'tensor')} x {plural(r.columns, 'sample')}"
                 )
             return 0
     except (NotARunError, ValueError) as exc:

@@ -26,7 +26,7 @@ import polars as pl
 
 from torchinstruments.cli.reader import SERIES_KEY, RunFacts, read_history, select, window_of
 from torchinstruments.cli.show import Selection, facts_dict, ordered, summary
-from torchinstruments.cli.text import number, render_frame, table
+from torchinstruments.cli.text import number, plural, render_frame, table
 from torchinstruments.records import OUTPUT
 
 COLUMNS = (
@@ -166,10 +166,12 @@ def _text(c: Comparison, width: int) -> str:
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
         *marks,
-        f"mean A, mean B: the mean over each run's recent window of up to {c.window} samples.",
+        "mean A, mean B: the mean over each run's recent window of up to "
+        f"{plural(c.window, 'sample')}.",
         "B - A: their difference (mean B minus mean A).",
         f"first diff: the first {c.x} (of the matched ones) where |B - A| > {c.tolerance:g} or "
-        f"only one value is null; '-' = none. matched: {c.x}s measured in both runs.",
+        f"only one value is null; '-' = none. matched: how many samples were measured in both "
+        f"runs (matched on {c.x}).",
     ):
         lines += textwrap.wrap(note, width)
     if c.frame.is_empty():
@@ -196,14 +198,15 @@ def _text(c: Comparison, width: int) -> str:
                 str(r["matched_samples"]),
             ]
         )
-    lines += ["", *table(headers, rows, numeric=numeric, width=width)]
+    whole = [False, False, True, False, False, False, False, False]
+    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole)]
     only = c.frame.filter(pl.col("mean_a").is_null() | pl.col("mean_b").is_null())
     notes = []
     if only.height:
         notes.append(f"'-' in a mean: no finite value in that run ({only.height} series).")
     if windows.height:
         notes.append(
-            f"note: the two windows cover different samples for {windows.height} series "
+            f"note: the two windows cover different samples for {plural(windows.height, 'series', 'series')} "
             "(see --format csv: window_a, window_b)."
         )
     for note in notes:

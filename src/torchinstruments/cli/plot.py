@@ -10,6 +10,13 @@ Design decisions:
 - At most `max_tensors` tensors (traversal order) are drawn, so lines stay tellable apart; the
   figure title and a message on stderr say how many were left out and how to choose
   (`--layers REGEX`).
+- Lines that share values stay visible: each tensor has its own hollow marker shape and line
+  style, and lines drawn first have larger markers and wider lines, so a line drawn later on
+  top of an equal one leaves the earlier one's rim showing (several layers with
+  zero_fraction 0 are one point of several rings, not one colour).
+- `yscale`: "linear" (default), "log" (a panel with values <= 0 falls back to "symlog" and its
+  title says so) or "symlog" (linear within the smallest nonzero |value|, logarithmic beyond),
+  for panels where one tensor's scale flattens the others.
 - matplotlib is optional (`pip install "torchinstruments[plot]"`); it is imported only here, with
   the Agg canvas and no pyplot, so plotting never touches a display or global figure state.
 - The PNG's text metadata ("Description") lists the panels and the x column as JSON, so a
@@ -18,6 +25,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +54,11 @@ PANEL_HEIGHT_IN = 2.3
 LEGEND_WIDTH_IN = 2.4
 DPI = 100
 DEFAULT_MAX_TENSORS = 10
+YSCALES = ("linear", "log", "symlog")
+# One (marker, line style) per drawn tensor, all distinct for up to 10 tensors (any number of
+# tensors past that repeats them with another colour).
+MARKERS = ("o", "s", "^", "D", "v", "p", "h", "<", ">", "8")
+LINE_STYLES = ("-", "--", "-.", ":")
 MISSING_MATPLOTLIB = (
     "torchinstruments plot needs matplotlib, which is an optional dependency: install it with "
     '`pip install "torchinstruments[plot]"` (from a checkout: `uv sync --extra plot`), or '
@@ -68,6 +81,8 @@ class PlotResult:
     panels: tuple[tuple[str, str], ...]
     tensors: tuple[str, ...]
     left_out: tuple[str, ...]
+    yscales: tuple[str, ...] = ()
+    styles: tuple[tuple[str, str], ...] = ()
 
 
 def tensor_label(layer: str, call_index: int, tensor_path: str, calls: bool) -> str:
@@ -98,8 +113,34 @@ def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
     )
 
 
+def _style(i: int, count: int) -> dict[str, Any]:
+    """The i-th of `count` lines: its own marker and style; earlier lines wider and larger."""
+    larger = count - 1 - i
+    return {
+        "marker": MARKERS[i % len(MARKERS)],
+        "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
+        "markersize": 4 + 1.5 * larger,
+        "linewidth": 1 + 0.35 * larger,
+        "markerfacecolor": "none",
+        "color": f"C{i % 10}",
+    }
+
+
+def _scale(ax: Any, values: list[float], yscale: str) -> str:
+    """Apply `yscale` to a panel; returns the scale used (log falls back to symlog at <= 0)."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if yscale == "linear" or not finite:
+        return "linear"
+    if yscale == "log" and min(finite) > 0:
+        ax.set_yscale("log")
+        return "log"
+    nonzero = [abs(v) for v in finite if v != 0]
+    ax.set_yscale("symlog", linthresh=min(nonzero) if nonzero else 1.0)
+    return "symlog"
+
+
 def _figure(
-    rows: pl.DataFrame, facts: RunFacts, x: str, max_tensors: int
+    rows: pl.DataFrame, facts: RunFacts, x: str, max_tensors: int, yscale: str = "linear"
 ) -> tuple[Any, PlotResult]:
     """Build the matplotlib Figure and describe it (path left empty)."""
     try:
@@ -126,16 +167,17 @@ def _figure(
     )
     FigureCanvasAgg(figure)
     axes = figure.subplots(nrows, ncols, squeeze=False, sharex=True)
-    colors = [f"C{i % 10}" for i in range(len(drawn))]
+    styles = [_style(i, len(drawn)) for i in range(len(drawn))]
     labels = _labels(drawn, rows)
     panels = []
+    scales = []
     for i, metric in enumerate(metrics):
         for j, signal in enumerate(signals):
             ax = axes[i][j]
             panels.append((metric, signal))
             panel = rows.filter(pl.col("metric") == metric, pl.col("signal") == signal)
-            for color, label, (layer, call_index, tensor_path) in zip(
-                colors, labels, drawn, strict=True
+            for style, label, (layer, call_index, tensor_path) in zip(
+                styles, labels, drawn, strict=True
             ):
                 line = panel.filter(
                     pl.col("layer") == layer,
@@ -147,19 +189,21 @@ def _figure(
                 ax.plot(
                     line[x].to_list(),
                     line["value"].fill_null(float("nan")).to_list(),
-                    marker=".",
-                    color=color,
                     label=label,
+                    **style,
                 )
-            ax.set_title(f"{metric} of {signal}", fontsize=9)
+            used = _scale(ax, panel["value"].drop_nulls().to_list(), yscale)
+            scales.append(used)
+            fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
+            ax.set_title(f"{metric} of {signal}{fallback}", fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
-    handles = [Line2D([], [], marker=".", color=color) for color in colors]
+    handles = [Line2D([], [], **style) for style in styles]
     figure.legend(handles, labels, loc="outside right upper", fontsize=8, title="tensor")
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
-    title = f"{where}: {len(drawn)} tensor(s)"
+    title = f"{where}: {len(drawn)} tensor{'' if len(drawn) == 1 else 's'}"
     if left_out:
         title += f" ({len(left_out)} more left out: choose with --layers or --max-tensors)"
     figure.suptitle(title, fontsize=10)
@@ -172,6 +216,8 @@ def _figure(
         panels=tuple(panels),
         tensors=tuple(labels),
         left_out=tuple(_labels(left_out, rows)),
+        yscales=tuple(scales),
+        styles=tuple((s["marker"], s["linestyle"]) for s in styles),
     )
     return figure, result
 
@@ -183,6 +229,7 @@ def plot(
     *,
     x: str = "sample_id",
     max_tensors: int = DEFAULT_MAX_TENSORS,
+    yscale: str = "linear",
 ) -> PlotResult:
     """Draw the selected trends of a run into a PNG.
 
@@ -192,6 +239,7 @@ def plot(
         selection: layers (regex), signals and metrics to draw.
         x: "sample_id" or "forward_index".
         max_tensors: the most tensors (lines per panel) to draw, >= 1.
+        yscale: "linear", "log" or "symlog" (see the module docstring).
 
     Returns:
         A `PlotResult` describing the image.
@@ -200,26 +248,26 @@ def plot(
         MatplotlibMissingError: if matplotlib is not installed.
         ValueError: if nothing matches the selection, or an argument is out of range.
     """
+    if yscale not in YSCALES:
+        raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {YSCALES}")
     if max_tensors < 1:
         raise ValueError(f"max_tensors={max_tensors!r} is not allowed: expected an int >= 1")
     facts = read_facts(directory)
     rows = plot_rows(directory, selection, x)
     if rows.is_empty():
         raise ValueError(f"no history rows in {directory} match the selection")
-    figure, result = _figure(rows, facts, x, max_tensors)
+    figure, result = _figure(rows, facts, x, max_tensors, yscale)
     description = json.dumps(
-        {"x": x, "panels": [list(p) for p in result.panels], "tensors": list(result.tensors)}
+        {
+            "x": x,
+            "panels": [list(p) for p in result.panels],
+            "tensors": list(result.tensors),
+            "yscales": list(result.yscales),
+            "styles": [list(s) for s in result.styles],
+        }
     )
     figure.savefig(output, format="png", dpi=DPI, metadata={"Description": description})
-    return PlotResult(
-        Path(output),
-        result.width_px,
-        result.height_px,
-        result.x,
-        result.panels,
-        result.tensors,
-        result.left_out,
-    )
+    return dataclasses.replace(result, path=Path(output))
 
 
 __all__ = ["MISSING_MATPLOTLIB", "MatplotlibMissingError", "PlotResult", "plot", "plot_rows"]

@@ -323,6 +323,64 @@ def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
     return ordered + sorted(wanted - set(ordered))
 
 
+class SelectionError(ValueError):
+    """A `--layers`, `--signal` or `--metrics` choice that matches nothing in the run(s)."""
+
+
+def check_selection(
+    directories: Sequence[Path],
+    *,
+    layers: str | None,
+    signals: Sequence[str],
+    metrics: Sequence[str] | None,
+) -> None:
+    """Refuse a choice that matches nothing, listing what the runs hold.
+
+    A typo (`--metrics zero_frac`, `--layers zzz`) would otherwise look like missing data. The
+    names come from the history itself (only its three small string columns are read), so a
+    custom reducer's metric counts like a default one.
+
+    Raises:
+        SelectionError: naming the option, what matched nothing and the available names.
+    """
+    present = pl.concat(
+        [
+            read_history(d, lambda lf: lf.select("layer", "signal", "metric").unique())
+            for d in directories
+        ]
+    ).unique()
+    runs = "these runs" if len(directories) > 1 else "this run"
+    problems = []
+    if layers is not None:
+        names = layer_order(present["layer"].unique().to_list(), None)
+        if present.filter(pl.col("layer").str.contains(layers)).is_empty():
+            problems.append(
+                f"--layers {layers!r} matches no layer of {runs}; its layers: {_names(names)}"
+            )
+    held = [s for s in SIGNALS if s in set(present["signal"].to_list())]
+    if not set(signals) & set(held):
+        problems.append(
+            f"--signal {'/'.join(signals)}: {runs} recorded only {', '.join(held) or 'nothing'}"
+        )
+    if metrics is not None:
+        known = sorted(set(present["metric"].to_list()))
+        unknown = [m for m in metrics if m not in known]
+        if unknown:
+            problems.append(
+                f"--metrics: {', '.join(repr(m) for m in unknown)} "
+                f"{'is not a metric' if len(unknown) == 1 else 'are not metrics'} of {runs}; "
+                f"its metrics: {', '.join(known)}"
+            )
+    if problems:
+        raise SelectionError("; ".join(problems))
+
+
+def _names(names: Sequence[str], limit: int = 20) -> str:
+    """Layer names for a message: the first `limit`, quoted, then how many more."""
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
 def parse_list(text: str | None) -> list[str] | None:
     """`"mean, std"` -> `["mean", "std"]`; None stays None."""
     if text is None:
@@ -337,6 +395,8 @@ __all__ = [
     "NotARunError",
     "RunFacts",
     "RunFiles",
+    "SelectionError",
+    "check_selection",
     "layer_order",
     "locate",
     "metric_order",

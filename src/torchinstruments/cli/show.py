@@ -28,7 +28,7 @@ from torchinstruments.cli.reader import (
     summarize_series,
     window_of,
 )
-from torchinstruments.cli.text import number, render_frame, table
+from torchinstruments.cli.text import number, plural, render_frame, table
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 
 COLUMNS = (
@@ -128,7 +128,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     if files.history is not None:
         source.append(files.history.name)
     if files.parts:
-        source.append(f"{len(files.parts)} part(s) in history.parts/")
+        source.append(f"{plural(len(files.parts), 'part')} in history.parts/")
     lines = [f"run: {facts.directory}", f"state: {facts.state}"]
     if run is not None:
         lines += [
@@ -212,7 +212,9 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     nulls = frame.filter(pl.col("latest_value").is_null())
     if nulls.height:
         reasons = sorted(set(nulls["latest_reason"].drop_nulls().to_list()))
-        notes.append(f"null: {nulls.height} latest value(s) unavailable: {'; '.join(reasons)}")
+        notes.append(
+            f"null: {plural(nulls.height, 'latest value')} unavailable: {'; '.join(reasons)}"
+        )
     out.append("")
     for note in notes:
         out += textwrap.wrap(note, width)

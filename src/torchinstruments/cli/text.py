@@ -42,6 +42,7 @@ def table(
     *,
     numeric: Sequence[bool],
     width: int,
+    whole: Sequence[bool] | None = None,
 ) -> list[str]:
     """Rows as aligned text lines no wider than `width`; text columns shrink to fit.
 
@@ -49,11 +50,14 @@ def table(
         headers: column titles.
         rows: cell strings.
         numeric: per column, whether it is right-aligned (numbers) and never shortened.
-        width: the widest a line may be.
+        width: the widest a line may be (exceeded only when the `whole` columns need it).
+        whole: per column, a text column that is never shortened either (metric names: a cut
+            `..._fraction` could be either fraction); default none.
     """
     sizes = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     excess = sum(sizes) + 2 * (len(sizes) - 1) - width
-    shrinkable = [i for i, is_num in enumerate(numeric) if not is_num]
+    keep = whole if whole is not None else [False] * len(headers)
+    shrinkable = [i for i, is_num in enumerate(numeric) if not is_num and not keep[i]]
     while excess > 0 and shrinkable:
         widest = max(shrinkable, key=lambda i: sizes[i])
         floor = max(6, len(headers[widest]))
@@ -72,6 +76,11 @@ def table(
         return "  ".join(out).rstrip()
 
     return [line(headers), line(["-" * s for s in sizes]), *(line(r) for r in rows)]
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 sample`, `2 samples` (`many` for an irregular plural)."""
+    return f"{count} {word if count == 1 else (many or word + 's')}"
 
 
 def _jsonable(value: Any) -> Any:
@@ -110,4 +119,13 @@ def render_frame(frame: pl.DataFrame, fmt: str, facts: dict[str, Any] | None = N
     raise ValueError(f"format={fmt!r} is not allowed: expected one of {FORMATS}")
 
 
-__all__ = ["FORMATS", "NUMBER_WIDTH", "markdown", "number", "render_frame", "shorten", "table"]
+__all__ = [
+    "FORMATS",
+    "NUMBER_WIDTH",
+    "markdown",
+    "number",
+    "plural",
+    "render_frame",
+    "shorten",
+    "table",
+]

@@ -1,0 +1,149 @@
+"""The command line's edges: a selection that matches nothing is refused, listing what the run
+holds; counts agree with index.md; plurals and metric names print whole; `plot` keeps lines
+that share values visible and offers log and symlog axes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.__main__ import main
+
+METRICS = "max, mean, min, nonfinite_fraction, p25, p50, p75, std, zero_fraction"
+
+
+def cli(*args: str | Path) -> tuple[int, str, str]:
+    """`torchinstruments ARGS` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def make_run(directory: Path, steps: int, every: int, backward: bool = True, window: int = 10):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(every),
+        history_config=HistoryConfig(window=window),
+    )
+    for _ in range(steps):
+        out = model(torch.randn(3, 4))
+        if backward:
+            out.sum().backward()
+    remove_observer(model)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 root forwards, one sampled in 50 (the Quick start's schedule)."""
+    return make_run(tmp_path_factory.mktemp("cli-edges") / "run", 300, 50)
+
+
+@pytest.mark.parametrize("command", ["show", "plot", "heatmap"])
+def test_an_unknown_metric_exits_non_zero_listing_the_metrics(run: Path, command: str) -> None:
+    code, out, err = cli(command, run, "--metrics", "zero_frac,mean")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"torchinstruments {command}: --metrics: 'zero_frac' is not a metric of this run; its "
+        f"metrics: {METRICS}\n"
+    )
+
+
+def test_a_layer_pattern_that_matches_nothing_exits_non_zero_listing_the_layers(
+    run: Path,
+) -> None:
+    code, out, err = cli("show", run, "--layers", "zzz", "--metrics", "bogus")
+    assert (code, out) == (1, "")
+    assert err == (
+        "torchinstruments show: --layers 'zzz' matches no layer of this run; its layers: '0', "
+        f"'1', '2'; --metrics: 'bogus' is not a metric of this run; its metrics: {METRICS}\n"
+    )
+
+
+def test_compare_names_both_runs_and_a_missing_signal_is_refused(run: Path, tmp_path: Path) -> None:
+    forward_only = make_run(tmp_path / "forward-only", 4, 1, backward=False)
+    code, _, err = cli("compare", run, forward_only, "--metrics", "p99")
+    assert code == 1
+    assert "--metrics: 'p99' is not a metric of these runs; its metrics: max," in err
+    code, _, err = cli("show", forward_only, "--signal", "output_gradient")
+    assert (code, err) == (
+        1,
+        "torchinstruments show: --signal output_gradient: this run recorded only output\n",
+    )
+
+
+def test_finalize_counts_agree_with_index_md_and_read_as_english(run: Path, tmp_path: Path) -> None:
+    code, out, _ = cli("finalize", run)
+    assert code == 0
+    assert "; 300 root forwards, 6 samples, 6 with a backward\n" in out
+    assert "at least" not in out
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "300 root forwards" in index
+    one = make_run(tmp_path / "one", 1, 1)
+    code, out, _ = cli("finalize", one)
+    assert "; 1 root forward, 1 sample, 1 with a backward\n" in out
+
+
+def test_compare_prints_metric_names_whole_and_plurals_right_at_80_columns(
+    run: Path, tmp_path: Path
+) -> None:
+    other = make_run(tmp_path / "a-run-with-a-much-longer-name-here", 300, 50, window=1)
+    code, out, _ = cli(
+        "compare", other, run, "--metrics", "nonfinite_fraction,zero_fraction", "--width", "80"
+    )
+    assert code == 0
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert sum("nonfinite_fraction" in line for line in lines) == 6  # 3 layers x 2 signals
+    assert "..._fraction" not in out
+    text = " ".join(lines)
+    assert "forward_indexs" not in text
+    assert "sample_ids measured" not in text
+    assert "matched: how many samples were measured in both runs (matched on sample_id)." in text
+    code, out, _ = cli("compare", other, other, "--window", "1", "--metrics", "mean")
+    assert "recent window of up to 1 sample." in " ".join(out.splitlines())
+
+
+def describe(png: Path) -> dict:
+    with Image.open(png) as image:
+        return json.loads(image.info["Description"])
+
+
+def test_plot_gives_every_line_its_own_marker_and_style(run: Path, tmp_path: Path) -> None:
+    code, out, _ = cli("plot", run, "--metrics", "zero_fraction", "-o", tmp_path / "p.png")
+    assert code == 0
+    assert out.endswith(": 2 panels, 3 tensors, x = sample_id\n")
+    styles = [tuple(s) for s in describe(tmp_path / "p.png")["styles"]]
+    assert len(styles) == 3
+    assert len({marker for marker, _ in styles}) == 3
+    assert len({style for _, style in styles}) == 3
+
+
+def test_plot_log_and_symlog_axes(run: Path, tmp_path: Path) -> None:
+    code, _, _ = cli(
+        "plot", run, "--metrics", "zero_fraction,nonfinite_fraction", "--signal", "output",
+        "--yscale", "log", "-o", tmp_path / "log.png",
+    )  # fmt: skip
+    assert code == 0
+    # zero_fraction is 0 for the Linear layers, nonfinite_fraction 0 everywhere: log cannot show
+    # zeros, so those panels are symlog (and their titles say so)
+    assert describe(tmp_path / "log.png")["yscales"] == ["symlog", "symlog"]
+    code, _, _ = cli("plot", run, "--metrics", "std", "--yscale", "log", "-o", tmp_path / "std.png")
+    # the head's output gradient (of out.sum()) is all ones: std 0 there, so that panel is symlog
+    assert describe(tmp_path / "std.png")["yscales"] == ["log", "symlog"]
+    code, _, _ = cli(
+        "plot", run, "--metrics", "mean", "--yscale", "symlog", "-o", tmp_path / "mean.png"
+    )
+    assert describe(tmp_path / "mean.png")["yscales"] == ["symlog", "symlog"]

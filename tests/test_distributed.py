@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -53,14 +54,13 @@ def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) 
         dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, policy: str) -> Path:
-    output_dir = tmp_path / "stats"
-    output_dir.mkdir()
+def run_ranks(target: Callable[..., None], *args: object, world_size: int = 2) -> None:
+    """`target(rank, world_size, port, *args)` in one spawned process per rank; all must exit 0."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
     processes = [
-        context.Process(target=worker, args=(rank, 2, port, policy, str(output_dir)))
-        for rank in range(2)
+        context.Process(target=target, args=(rank, world_size, port, *args))
+        for rank in range(world_size)
     ]
     for process in processes:
         process.start()
@@ -71,6 +71,12 @@ def run_two_ranks(tmp_path: Path, policy: str) -> Path:
             process.kill()
             pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
         assert process.exitcode == 0
+
+
+def run_two_ranks(tmp_path: Path, policy: str) -> Path:
+    output_dir = tmp_path / "stats"
+    output_dir.mkdir()
+    run_ranks(worker, policy, str(output_dir))
     return output_dir
 
 

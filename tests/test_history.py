@@ -30,6 +30,8 @@ EXPECTED_SCHEMA = {
     "tensor_path": pl.String,
     "shape": pl.List(pl.Int64),
     "dtype": pl.String,
+    "placement": pl.String,
+    "mesh_coordinate": pl.List(pl.Int64),
     "mode": pl.String,
     "grad_enabled": pl.Boolean,
     "metric": pl.String,
@@ -60,6 +62,8 @@ def measurement(sample: int, layer: str, signal: str = "output", call: int = 0) 
             MetricValue(None, "empty tensor"),
             MetricValue(-float(sample)),
         ),
+        placement="Shard(1)" if layer == "b" else None,  # a DTensor's rows
+        mesh_coordinate=(sample % 2,) if layer == "b" else None,
     )
 
 
@@ -86,8 +90,10 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
             rows.append(
                 (
                     *(m.sample_id, m.forward_index, m.timestamp_us, m.rank, m.layer, m.module_type),
-                    *(m.call_index, m.signal, m.tensor_path, list(m.shape or ()), m.dtype, m.mode),
-                    *(m.grad_enabled, name, v.value, v.reason),
+                    *(m.call_index, m.signal, m.tensor_path, list(m.shape or ()), m.dtype),
+                    m.placement,
+                    None if m.mesh_coordinate is None else list(m.mesh_coordinate),
+                    *(m.mode, m.grad_enabled, name, v.value, v.reason),
                 )
             )
     return rows

@@ -69,6 +69,9 @@ class Measurement:
     grad_enabled: bool
     metrics: tuple[str, ...]
     values: tuple[MetricValue, ...]
+    # A DTensor's placements (e.g. "Shard(0)") and this rank's mesh coordinate; None otherwise.
+    placement: str | None = None
+    mesh_coordinate: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,4 +178,6 @@ def _measurement(
         grad_enabled=key.grad_enabled,
         metrics=metrics,
         values=item.reduction.resolve(host_values),
+        placement=item.placement,
+        mesh_coordinate=item.mesh_coordinate,
     )

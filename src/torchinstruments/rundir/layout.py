@@ -53,6 +53,8 @@ HISTORY_SCHEMA = pl.Schema(
         "tensor_path": pl.String(),
         "shape": pl.List(pl.Int64()),
         "dtype": pl.String(),
+        "placement": pl.String(),
+        "mesh_coordinate": pl.List(pl.Int64()),
         "mode": pl.String(),
         "grad_enabled": pl.Boolean(),
         "metric": pl.String(),

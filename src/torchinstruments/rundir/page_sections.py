@@ -32,8 +32,12 @@ COLUMN_NOTES = {
     "call_index": "n-th call (from 0) of this layer inside one sampled root forward",
     "signal": '"output" or "output_gradient"',
     "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',
-    "shape": "shape of the measured tensor",
+    "shape": "shape of the measured tensor (under torch.func's vmap: the vmapped sizes first, "
+    "then the per-sample shape; for a DTensor: this rank's local shape)",
     "dtype": 'torch dtype without the "torch." prefix, e.g. float32',
+    "placement": "a DTensor's placements, e.g. Shard(0), Replicate or Partial(sum) (one per mesh "
+    "dimension, comma-separated): the row describes this rank's local tensor; null otherwise",
+    "mesh_coordinate": "this rank's coordinate in the DTensor's device mesh; null otherwise",
     "mode": '"train" or "eval": the layer\'s module.training at that call',
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '
@@ -160,7 +164,8 @@ def section_result(run: RunInfo) -> list[str]:
         "shape, dtype, metrics: {name: {observations, valid, first, latest, min, max, previous, "
         "recent}}}]}]`. Every selected layer is listed, in traversal order, also if it never ran "
         "(`tensors: []`); tensors are sorted by (call_index, signal, tensor_path); shape and "
-        "dtype are the latest seen.",
+        "dtype are the latest seen. A DTensor's entry also has its latest placement and "
+        "mesh_coordinate.",
         "",
         "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "
         "in one; null in the catalog written at injection). After an interrupted run it is "

@@ -123,13 +123,15 @@ def _series_stats(lf: pl.LazyFrame) -> pl.DataFrame:
 
 
 def _tensor_latest(lf: pl.LazyFrame) -> pl.DataFrame:
-    """module_type, shape and dtype of the latest observation of each tensor."""
+    """module_type, shape, dtype and placement of the latest observation of each tensor."""
     return (
         lf.group_by(TENSOR_KEY)
         .agg(
             module_type=pl.col("module_type").last(),
             shape=pl.col("shape").last(),
             dtype=pl.col("dtype").last(),
+            placement=pl.col("placement").last(),
+            mesh_coordinate=pl.col("mesh_coordinate").last(),
         )
         .collect(engine="streaming")
     )
@@ -338,6 +340,12 @@ def summarize(
                 "dtype": info["dtype"],
                 "metrics": {},
             }
+            if info["placement"] is not None:  # a DTensor: what the values describe
+                coordinate = info["mesh_coordinate"]
+                per_layer[tkey]["placement"] = info["placement"]
+                per_layer[tkey]["mesh_coordinate"] = (
+                    None if coordinate is None else list(coordinate)
+                )
         skey = tuple(row[k] for k in SERIES_KEY)
         per_layer[tkey]["metrics"][row["metric"]] = _metric_entry(row, windows.get(skey, {}))
     module_types = {li.name: li.module_type for li in layers}

@@ -130,12 +130,14 @@ class HistoryConfig:
 class _ColumnBuffer:
     """One list per history column; `frame` turns the first n rows into a DataFrame.
 
-    `shape` is kept as an index into `shapes` (distinct shapes are few), because building a
-    List column from one Python list per row costs ~50x more than a gather.
+    `shape` and `mesh_coordinate` are kept as indices into `shapes` and `coordinates` (distinct
+    ones are few), because building a List column from one Python list per row costs ~50x more
+    than a gather.
     """
 
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in HISTORY_SCHEMA})
     shapes: dict[tuple[int, ...] | None, int] = field(default_factory=dict)
+    coordinates: dict[tuple[int, ...] | None, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.columns["metric"])
@@ -161,6 +163,10 @@ class _ColumnBuffer:
         c["tensor_path"].extend(repeat(m.tensor_path, k))
         c["shape"].extend(repeat(shape_id, k))
         c["dtype"].extend(repeat(m.dtype, k))
+        c["placement"].extend(repeat(m.placement, k))
+        coordinate = _valid_shape(m.mesh_coordinate)
+        coordinate_id = self.coordinates.setdefault(coordinate, len(self.coordinates))
+        c["mesh_coordinate"].extend(repeat(coordinate_id, k))
         c["mode"].extend(repeat(m.mode, k))
         c["grad_enabled"].extend(repeat(m.grad_enabled, k))
         c["metric"].extend(m.metrics)
@@ -187,9 +193,10 @@ class _ColumnBuffer:
             values = self.columns[name][:n]
             if name == "timestamp":
                 data[name] = pl.Series(name, values, dtype=pl.Int64).cast(dtype)
-            elif name == "shape":
+            elif name in ("shape", "mesh_coordinate"):
+                table = self.shapes if name == "shape" else self.coordinates
                 distinct = pl.Series(
-                    name, [None if s is None else list(s) for s in self.shapes], dtype=dtype
+                    name, [None if s is None else list(s) for s in table], dtype=dtype
                 )
                 data[name] = distinct.gather(pl.Series(values, dtype=pl.UInt32))
             else:
@@ -221,6 +228,7 @@ class _ColumnBuffer:
             del values[:n]
         if not any(self.columns.values()):
             self.shapes.clear()
+            self.coordinates.clear()
 
 
 _CELL_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -234,6 +242,7 @@ _CELL_TYPES: dict[str, type | tuple[type, ...]] = {
     "signal": str,
     "tensor_path": str,
     "dtype": str,
+    "placement": str,
     "mode": str,
     "grad_enabled": bool,
     "metric": str,

@@ -314,16 +314,14 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
         flush_seconds=history.flush_seconds,
         notes=compile_notes(model),
     )
-    directory = DirectorySink(placement.directory, history)
+    directory = DirectorySink(run.output_dir, history)
     directory.start(run)  # refuses a directory that already holds a run
     for note in run.notes:
         warnings.warn(f"torchinstruments: {note}", RuntimeWarning, stacklevel=3)
     group = SinkGroup(config.sinks)
     group.start(run)
     group.insert_started(directory)
-    observer = Observer(
-        config=config, directory=placement.directory, sinks=group, rank=placement.rank
-    )
+    observer = Observer(config=config, run=run, sinks=group)
     observer.install(model, layers, focus)
     forks.track(observer)
     return observer

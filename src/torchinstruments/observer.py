@@ -55,7 +55,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +87,7 @@ from torchinstruments.records import (
     Measurement,
     MetricValue,
     RunCounts,
+    RunInfo,
     SampleRecord,
     TensorKey,
 )
@@ -200,20 +200,17 @@ class Observer:
 
     Args:
         config: the run's options (sampler, reducers, capture_direct_forwards).
-        directory: the directory this rank writes.
+        run: the run this observer records (its directory, and the rank written into records).
         sinks: the run directory first, then the caller's sinks.
-        rank: this process's rank, written into every record.
     """
 
-    def __init__(
-        self, *, config: ObserverConfig, directory: Path, sinks: SinkGroup, rank: int | None
-    ) -> None:
-        self.directory = directory
+    def __init__(self, *, config: ObserverConfig, run: RunInfo, sinks: SinkGroup) -> None:
+        self.directory = run.output_dir
         self.sampler: Any = config.sampler  # any object with should_sample (checked by config)
         self.measurer = config.measurer
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
-        self.rank = rank
+        self.rank = run.rank
         # Non-empty exactly while a sampled root forward runs (one item per thread running one);
         # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
         self.active: list[int] = []
@@ -235,7 +232,9 @@ class Observer:
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
-        self.gradients = GradientRecorder(self.measurer, rank, self._emit_backward, self.warn_once)
+        self.gradients = GradientRecorder(
+            self.measurer, self.rank, self._emit_backward, self.warn_once
+        )
 
     # -- installation -------------------------------------------------------------------------
 

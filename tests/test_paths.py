@@ -80,7 +80,7 @@ def assert_complete(directory: Path, expected_means: list[float]) -> None:
     assert linear_means(directory) == pytest.approx(expected_means, rel=1e-6)
     assert not (directory / "history.parts").exists()
     result = read_result(directory)
-    assert result[0]["tensors"][0]["metrics"]["mean"]["observations"] == STEPS
+    assert result[0]["tensors"][0]["observations"] == STEPS
     assert run_status(directory) == "complete"
 
 

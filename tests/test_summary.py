@@ -7,6 +7,7 @@ import io
 import json
 import math
 import random
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from torchinstruments.__main__ import main
 from torchinstruments.records import LayerInfo, Measurement, MetricValue
+from torchinstruments.rundir import summary as summary_module
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import window_mean, write_catalog, write_result
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
@@ -28,6 +30,7 @@ LAYERS = (
     LayerInfo("never", "Dropout"),
     LayerInfo("nulls", "ReLU"),
     LayerInfo("sparse", "Linear"),
+    LayerInfo("partial", "Tanh"),
 )
 WINDOW = 3
 
@@ -76,6 +79,9 @@ def make_history(directory: Path) -> None:
         batch.append(m(s, "nulls", {"mean": None}))
         if s < 2 or s == 39:
             batch.append(m(s, "sparse", {"mean": float(s)}))
+        # As if history had lost rows: from sample 30 on, `std` of `partial` has none.
+        partial = {"mean": rng.gauss(0, 1), "std": rng.random()} if s < 30 else {"mean": 0.5}
+        batch.append(m(s, "partial", partial, module_type="Tanh"))
         writer.append(batch)
         if s % 2 == 0:  # gradients only on even samples; appended after the forward, like backward
             writer.append(
@@ -102,9 +108,6 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
     for r in rows:  # history.parquet is sorted by sample_id: row order is history order
         series[(r["layer"], r["call_index"], r["signal"], r["tensor_path"], r["metric"])].append(r)
 
-    def at(r: dict) -> dict:
-        return {"value": r["value"], "sample_id": r["sample_id"]}
-
     def extreme(obs: list[dict], pick: Any) -> dict:
         finite = [r for r in obs if r["value"] is not None and math.isfinite(r["value"])]
         if not finite:
@@ -126,37 +129,57 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
             "last_sample_id": max(samples) if samples else None,
         }
 
+    def full(obs: list[dict]) -> dict:
+        """Every field of one tensor-metric, as if nothing were shared with its tensor."""
+        distinct = sorted({r["sample_id"] for r in obs}, reverse=True)
+        return {
+            "observations": len(obs),
+            "first_sample_id": obs[0]["sample_id"],
+            "latest_sample_id": obs[-1]["sample_id"],
+            "valid": sum(r["value"] is not None for r in obs),
+            "first": obs[0]["value"],
+            "latest": obs[-1]["value"],
+            "min": extreme(obs, min),
+            "max": extreme(obs, max),
+            "previous": win(obs, distinct[window : 2 * window]),
+            "recent": win(obs, distinct[:window]),
+        }
+
+    sample_facts = ("observations", "first_sample_id", "latest_sample_id")
+    window_facts = ("actual", "first_sample_id", "last_sample_id")
     out = []
     for layer in layers:
         tensors: dict[tuple, dict] = {}
-        for key in sorted(k for k in series if k[0] == layer.name):
-            obs = series[key]
-            tkey = key[1:4]
-            if tkey not in tensors:
-                last = [
-                    r
-                    for r in rows
-                    if (r["layer"], r["call_index"], r["signal"], r["tensor_path"]) == key[:4]
-                ][-1]
-                tensors[tkey] = {
-                    "call_index": key[1],
-                    "signal": key[2],
-                    "tensor_path": key[3],
-                    "shape": last["shape"],
-                    "dtype": last["dtype"],
-                    "metrics": {},
-                }
-            distinct = sorted({r["sample_id"] for r in obs}, reverse=True)
-            tensors[tkey]["metrics"][key[4]] = {
-                "observations": len(obs),
-                "valid": sum(r["value"] is not None for r in obs),
-                "first": at(obs[0]),
-                "latest": at(obs[-1]),
-                "min": extreme(obs, min),
-                "max": extreme(obs, max),
-                "previous": win(obs, distinct[window : 2 * window]),
-                "recent": win(obs, distinct[:window]),
+        keys = sorted(k for k in series if k[0] == layer.name)
+        for tkey in dict.fromkeys(k[1:4] for k in keys):
+            metrics = {k[4]: full(series[k]) for k in keys if k[1:4] == tkey}
+            # The tensor holds the sample facts of its most observed metric (first on ties);
+            # a metric repeats a fact only where its own differs.
+            best = max(metrics.values(), key=lambda e: e["observations"])
+            last = [
+                r
+                for r in rows
+                if (r["layer"], r["call_index"], r["signal"], r["tensor_path"])
+                == (layer.name, *tkey)
+            ][-1]
+            tensor = {
+                "call_index": tkey[0],
+                "signal": tkey[1],
+                "tensor_path": tkey[2],
+                "shape": last["shape"],
+                "dtype": last["dtype"],
+                **{f: best[f] for f in sample_facts},
+                **{w: {f: best[w][f] for f in window_facts} for w in ("previous", "recent")},
+                "metrics": {},
             }
+            for name, entry in metrics.items():
+                compact = {f: entry[f] for f in sample_facts if entry[f] != best[f]}
+                compact |= {f: entry[f] for f in ("valid", "first", "latest", "min", "max")}
+                for w in ("previous", "recent"):
+                    own = {f: entry[w][f] for f in window_facts if entry[w][f] != best[w][f]}
+                    compact[w] = {"mean": entry[w]["mean"], "valid": entry[w]["valid"], **own}
+                tensor["metrics"][name] = compact
+            tensors[tkey] = tensor
         out.append(
             {
                 "layer": layer.name,
@@ -214,6 +237,27 @@ def test_every_field_matches_plain_python(summarized: tuple[Path, list[dict]]) -
     assert_close(data, expected, "result")
 
 
+def test_chunked_summary_equals_one_chunk(
+    summarized: tuple[Path, list[dict]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory, _ = summarized
+    shutil.copy(directory / "history.parquet", tmp_path / "history.parquet")
+    # 7 rows at a time: aggregates combined across chunks, windows read back from the end
+    # (the sparse layer's reach sample 0), samples split between chunks.
+    monkeypatch.setattr(summary_module, "SUMMARY_CHUNK_ROWS", 7)
+    write_result(tmp_path, LAYERS, WINDOW)
+    chunked = (tmp_path / "result.json").read_text(encoding="utf-8")
+    assert chunked == (directory / "result.json").read_text(encoding="utf-8")
+
+
+def test_result_json_is_one_compact_line_per_layer(summarized: tuple[Path, list[dict]]) -> None:
+    directory, data = summarized
+    lines = (directory / "result.json").read_text(encoding="utf-8").splitlines()
+    assert (lines[0], lines[-1]) == ("[", "]")
+    assert [strict_loads(line.rstrip(",")) for line in lines[1:-1]] == data
+    assert all(": " not in line and ", " not in line for line in lines[1:-1])
+
+
 def test_layout_cases_are_present(summarized: tuple[Path, list[dict]]) -> None:
     _, data = summarized
     by_layer = {d["layer"]: d for d in data}
@@ -223,15 +267,23 @@ def test_layout_cases_are_present(summarized: tuple[Path, list[dict]]) -> None:
         (t["call_index"], t["signal"], t["tensor_path"]) for t in by_layer["shared"]["tensors"]
     ]
     assert shared == [(0, "output", ""), (1, "output", "['k']"), (1, "output_gradient", "['k']")]
-    nulls = by_layer["nulls"]["tensors"][0]["metrics"]["mean"]
+    [nulls_tensor] = by_layer["nulls"]["tensors"]
+    nulls = nulls_tensor["metrics"]["mean"]
     assert nulls["valid"] == 0
     assert nulls["min"] == {"value": None, "sample_id": None}
-    assert nulls["recent"]["mean"] is None
-    assert nulls["recent"]["actual"] == WINDOW
-    sparse = by_layer["sparse"]["tensors"][0]["metrics"]["mean"]
-    assert sparse["recent"]["actual"] == 3  # samples 0, 1, 39: reached by widening the tail scan
-    assert sparse["previous"]["actual"] == 0
-    assert sparse["recent"]["mean"] == pytest.approx(40 / 3)
+    assert nulls["recent"] == {"mean": None, "valid": 0}  # sample facts are the tensor's
+    assert nulls_tensor["recent"]["actual"] == WINDOW
+    [sparse_tensor] = by_layer["sparse"]["tensors"]
+    # samples 0, 1, 39: reached by widening the tail scan
+    assert sparse_tensor["recent"] == {"actual": 3, "first_sample_id": 0, "last_sample_id": 39}
+    assert sparse_tensor["previous"]["actual"] == 0
+    assert sparse_tensor["metrics"]["mean"]["recent"]["mean"] == pytest.approx(40 / 3)
+    [partial] = by_layer["partial"]["tensors"]
+    assert partial["observations"] == 40
+    assert "observations" not in partial["metrics"]["mean"]
+    std = partial["metrics"]["std"]  # lost rows: its own sample facts, which differ
+    assert (std["observations"], std["latest_sample_id"]) == (30, 29)
+    assert std["recent"]["last_sample_id"] == 29
 
 
 def test_short_run_has_partial_windows(tmp_path: Path) -> None:
@@ -242,21 +294,12 @@ def test_short_run_has_partial_windows(tmp_path: Path) -> None:
     merge_history(tmp_path)
     write_result(tmp_path, (LayerInfo("x", "Linear"),), 3)
     got = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
-    metric = got[0]["tensors"][0]["metrics"]["mean"]
-    assert metric["recent"] == {
-        "mean": 2.0,
-        "actual": 3,
-        "valid": 3,
-        "first_sample_id": 1,
-        "last_sample_id": 3,
-    }
-    assert metric["previous"] == {
-        "mean": 0.0,
-        "actual": 1,
-        "valid": 1,
-        "first_sample_id": 0,
-        "last_sample_id": 0,
-    }
+    tensor = got[0]["tensors"][0]
+    assert tensor["recent"] == {"actual": 3, "first_sample_id": 1, "last_sample_id": 3}
+    assert tensor["previous"] == {"actual": 1, "first_sample_id": 0, "last_sample_id": 0}
+    metric = tensor["metrics"]["mean"]
+    assert metric["recent"] == {"mean": 2.0, "valid": 3}
+    assert metric["previous"] == {"mean": 0.0, "valid": 1}
 
 
 def test_empty_history_lists_layers_without_tensors(tmp_path: Path) -> None:

@@ -273,16 +273,18 @@ def test_result_json_is_strict_and_keeps_unavailable_as_null(
     by_layer = {entry["layer"]: entry for entry in result}
     [spectrum] = by_layer["spectrum"]["tensors"]
     mean = spectrum["metrics"]["mean"]
-    assert mean["observations"] == STEPS
+    assert spectrum["observations"] == STEPS
+    assert "observations" not in mean  # the tensor's, not repeated per metric
     assert mean["valid"] == 0
-    assert mean["latest"] == {"value": None, "sample_id": STEPS - 1}
+    assert mean["latest"] is None
+    assert spectrum["latest_sample_id"] == STEPS - 1
     assert mean["min"] == {"value": None, "sample_id": None}
     assert mean["recent"]["mean"] is None
     nonfinite = next(t for t in by_layer["all_nan"]["tensors"] if t["signal"] == "output")[
         "metrics"
     ]["nonfinite_fraction"]
     assert nonfinite["valid"] == STEPS
-    assert nonfinite["latest"]["value"] == 1.0
+    assert nonfinite["latest"] == 1.0
 
 
 def test_sparse_output_is_measured_as_the_dense_tensor_it_stands_for(tmp_path: Path) -> None:

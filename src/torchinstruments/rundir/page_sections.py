@@ -161,24 +161,30 @@ def section_result(run: RunInfo) -> list[str]:
         "## result.json",
         "",
         "`[{layer, module_type, sampled_forwards, tensors: [{call_index, signal, tensor_path, "
-        "shape, dtype, metrics: {name: {observations, valid, first, latest, min, max, previous, "
-        "recent}}}]}]`. Every selected layer is listed, in traversal order, also if it never ran "
-        "(`tensors: []`); tensors are sorted by (call_index, signal, tensor_path); shape and "
-        "dtype are the latest seen. A DTensor's entry also has its latest placement and "
-        "mesh_coordinate.",
+        "shape, dtype, observations, first_sample_id, latest_sample_id, previous, recent, "
+        "metrics: {name: {valid, first, latest, min, max, previous, recent}}}]}]`, compact: one "
+        "layer per line, no indentation. Every selected layer is listed, in traversal order, also "
+        "if it never ran (`tensors: []`); tensors are sorted by (call_index, signal, "
+        "tensor_path); shape and dtype are the latest seen. A DTensor's entry also has its latest "
+        "placement and mesh_coordinate.",
         "",
         "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "
         "in one; null in the catalog written at injection). After an interrupted run it is "
         "rebuilt from history: the sampled forwards with an output row of the layer.",
-        "- observations: history rows of this tensor-metric; valid: those with a non-null value.",
-        "- first / latest: `{value, sample_id}` of the earliest / latest observation (value may "
-        "be null: see unavailable_reason in history).",
+        "- Which samples (per tensor, since every metric of a tensor is measured in the same "
+        "samples): observations (history rows of each of its metrics), first_sample_id / "
+        "latest_sample_id (its earliest / latest observation), and for each window `actual` "
+        f"(samples in it, fewer than {w} early on), `first_sample_id`, `last_sample_id`. A "
+        "metric whose own values of these differ (only when history lost rows, e.g. an "
+        "unreadable part) repeats them in its entry, and its values win.",
+        "- Per metric: valid (observations with a non-null value); first / latest: the value of "
+        "the earliest / latest observation (null: see unavailable_reason in history).",
         "- min / max: `{value, sample_id}` of the smallest / largest finite value, earliest "
         "sample on ties; null when no value is valid.",
-        f"- windows: over this tensor-metric's own samples (sample_ids where it was observed), "
-        f"newest first: `recent` = the latest {w}, `previous` = the {w} before them. Each has "
-        "`mean` (mean of its finite values, null if none), `actual` (samples in it, fewer than "
-        f"{w} early on), `valid` (non-null values), `first_sample_id`, `last_sample_id`.",
+        f"- windows: over the tensor's own samples (sample_ids where it was observed), "
+        f"newest first: `recent` = the latest {w}, `previous` = the {w} before them. Per "
+        "metric each has `mean` (mean of its finite values, null if none) and `valid` "
+        "(non-null values).",
         "- A window mean averages per-sample statistics (e.g. the mean of 10 per-sample stds); "
         "it is not the statistic of the pooled elements of those samples.",
         "",

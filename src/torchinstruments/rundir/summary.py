@@ -6,32 +6,44 @@ function of history.parquet and `finalize` can rebuild it after a crash. The one
 layer's `sampled_forwards` (in how many sampled forwards it was called), which at removal comes
 from the observer's `RunCounts`: a call whose output holds no tensor leaves no history row. After
 a crash it is rebuilt from history (sampled forwards with an output row), a lower bound. Plain group-by
-aggregates (counts, first/latest, finite min/max) stream in memory proportional to the number of
-tensor-metrics. The windows need each tensor-metric's last `2 * window` samples; they are found by
-scanning the tail of the sample range and widening it (x4) only for the tensor-metrics that did not
-yet have enough samples, so memory stays near `tensor-metrics x 2 * window` rows. The cost is one
-extra pass over the tail per widening, plus one list of all sample ids (one int per sample).
+aggregates (counts, first/latest, finite min/max, shape and dtype) stream in memory proportional to
+the number of tensor-metrics. The windows need each tensor-metric's last `2 * window` samples; they
+are found by scanning the tail of the sample range and widening it (x4) only for the
+tensor-metrics that did not yet have enough samples, so memory stays near
+`tensor-metrics x 2 * window` rows. The cost is one extra pass over the tail per widening, plus
+one list of all sample ids (one int per sample). Memory grows with the number of tensor-metrics
+in columnar frames only: the JSON is written one layer at a time, never built whole.
+
+Design decision: result.json is compact. No indentation (one layer per line, so `head` and `grep`
+still work), and no field repeated: every metric of a tensor is observed in the same samples (one
+measurement writes a row per metric), so the facts about *which samples* (`observations`,
+`first_sample_id`, `latest_sample_id`, each window's `actual`, `first_sample_id`,
+`last_sample_id`) are written once per tensor, and each metric holds only its values and valid
+counts. A metric whose sample facts differ from its tensor's (possible only when history lost
+rows, e.g. an unreadable part) carries its own values of those fields, which then win. For a
+3,000-layer model this is about a third of the indented file (bench/removal.py).
 
 Definitions (also in index.md):
 
 - One *observation* is one history row of a tensor-metric; `observations` counts them and `valid`
   counts those with a non-null value.
-- `first` / `latest`: the value (possibly null) and sample_id of the earliest / latest
-  observation in history order (sample_id, then write order).
+- `first` / `latest`: the value (possibly null) of the earliest / latest observation in history
+  order (sample_id, then write order), at the tensor's `first_sample_id` / `latest_sample_id`.
 - `min` / `max`: over finite values; `sample_id` is the earliest sample holding that value.
 - Windows are over the tensor-metric's own samples (distinct sample_ids in which it was observed),
   newest first: `recent` holds the latest `window` of them, `previous` the `window` before.
-  `actual` = samples in the window (< window early in a run), `valid` = non-null values in it,
-  `mean` = mean of its finite values (null when there are none), `first_sample_id` /
-  `last_sample_id` = its sample range. A window mean averages per-sample statistics; it is not a
-  statistic of the pooled elements.
+  `actual` = samples in the window (< window early in a run), `first_sample_id` /
+  `last_sample_id` = its sample range (both per tensor); per metric, `valid` = non-null values in
+  it and `mean` = mean of its finite values (null when there are none). A window mean averages
+  per-sample statistics; it is not a statistic of the pooled elements.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +54,8 @@ from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     HISTORY_SCHEMA,
     RESULT_FILE,
+    replace_atomically,
     scan_history,
-    write_text_atomic,
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.shell import command_line
@@ -54,6 +66,10 @@ SERIES_KEY = (*TENSOR_KEY, "metric")
 
 _WIDEN = 4
 
+# Rows read at a time by the summary (see `_series_summary`): about 10 MB in memory as
+# categoricals, 40 to 60 MiB at peak while aggregated (bench/removal.py).
+SUMMARY_CHUNK_ROWS = 250_000
+
 
 def _finite(value: float | None) -> float | None:
     """The value if it is a finite float, else None (keeps result.json strict JSON)."""
@@ -62,10 +78,23 @@ def _finite(value: float | None) -> float | None:
     return float(value)
 
 
-def _dump(directory: Path, payload: list[dict[str, Any]]) -> None:
-    """Write result.json atomically as strict UTF-8 JSON."""
-    text = json.dumps(payload, allow_nan=False, ensure_ascii=False, indent=1) + "\n"
-    write_text_atomic(directory / RESULT_FILE, text)
+def _encode(record: dict[str, Any]) -> str:
+    """One record as compact strict JSON (no NaN or Infinity)."""
+    return json.dumps(record, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+
+
+def _dump(directory: Path, lines: Iterable[str]) -> None:
+    """Write result.json atomically, one layer record (JSON text) per line, as they come."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            separator = "[\n"
+            for line in lines:
+                f.write(separator + line)
+                separator = ",\n"
+            f.write("[]\n" if separator == "[\n" else "\n]\n")
+
+    replace_atomically(directory / RESULT_FILE, write)
 
 
 def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
@@ -77,64 +106,151 @@ def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
     """
     _dump(
         directory,
-        [
-            {
-                "layer": li.name,
-                "module_type": li.module_type,
-                "sampled_forwards": None,
-                "tensors": [],
-            }
+        (
+            _encode(
+                {
+                    "layer": li.name,
+                    "module_type": li.module_type,
+                    "sampled_forwards": None,
+                    "tensors": [],
+                }
+            )
             for li in layers
-        ],
+        ),
     )
 
 
-def _series_stats(lf: pl.LazyFrame) -> pl.DataFrame:
-    """Counts, first/latest and finite min/max (with their earliest sample_id) per series."""
-    value = pl.col("value")
+def _chunk_stats(chunk: pl.DataFrame) -> pl.DataFrame:
+    """Counts, first/latest, finite min/max with their earliest sample_id, and the latest
+    module_type, shape, dtype, placement and mesh_coordinate, per series of one chunk of
+    history (in history order)."""
+    value, sample = pl.col("value"), pl.col("sample_id")
     finite = value.filter(value.is_finite())
-    # Collected before the join: with `base` left lazy, the self-join's peak memory grew with the
-    # history (measured +0.9 GB at 10 M rows, bench/history.py); collected, it stays small.
-    base = (
-        lf.group_by(SERIES_KEY)
-        .agg(
-            observations=pl.len(),
-            valid=value.count(),
-            first_value=value.first(),
-            first_sample_id=pl.col("sample_id").first(),
-            latest_value=value.last(),
-            latest_sample_id=pl.col("sample_id").last(),
-            min_value=finite.min(),
-            max_value=finite.max(),
-        )
-        .collect(engine="streaming")
+    return chunk.group_by(SERIES_KEY).agg(
+        observations=pl.len(),
+        valid=value.count(),
+        first_value=value.first(),
+        first_sample_id=sample.first(),
+        latest_value=value.last(),
+        latest_sample_id=sample.last(),
+        min_value=finite.min(),
+        min_sample_id=sample.filter(value == finite.min()).min(),
+        max_value=finite.max(),
+        max_sample_id=sample.filter(value == finite.max()).min(),
+        module_type=pl.col("module_type").last(),
+        shape=pl.col("shape").last(),
+        dtype=pl.col("dtype").last(),
+        placement=pl.col("placement").last(),
+        mesh_coordinate=pl.col("mesh_coordinate").last(),
     )
-    extremes = (
-        lf.join(base.lazy().select(*SERIES_KEY, "min_value", "max_value"), on=SERIES_KEY)
-        .filter((value == pl.col("min_value")) | (value == pl.col("max_value")))
-        .group_by(SERIES_KEY)
-        .agg(
-            min_sample_id=pl.col("sample_id").filter(value == pl.col("min_value")).min(),
-            max_sample_id=pl.col("sample_id").filter(value == pl.col("max_value")).min(),
-        )
-        .collect(engine="streaming")
-    )
-    return base.join(extremes, on=SERIES_KEY, how="left", nulls_equal=True).sort(SERIES_KEY)
 
 
-def _tensor_latest(lf: pl.LazyFrame) -> pl.DataFrame:
-    """module_type, shape, dtype and placement of the latest observation of each tensor."""
+def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
+    """`_chunk_stats` of two consecutive stretches of history, as one."""
+    low, high = pl.col("min_value"), pl.col("max_value")
     return (
-        lf.group_by(TENSOR_KEY)
+        pl.concat([earlier, later])
+        .group_by(SERIES_KEY, maintain_order=True)
         .agg(
-            module_type=pl.col("module_type").last(),
-            shape=pl.col("shape").last(),
-            dtype=pl.col("dtype").last(),
-            placement=pl.col("placement").last(),
-            mesh_coordinate=pl.col("mesh_coordinate").last(),
+            pl.col("observations", "valid").sum(),
+            pl.col("module_type", "shape", "dtype", "placement", "mesh_coordinate").last(),
+            pl.col("first_value", "first_sample_id").first(),
+            pl.col("latest_value", "latest_sample_id").last(),
+            min_value=low.min(),
+            min_sample_id=pl.col("min_sample_id").filter(low == low.min()).min(),
+            max_value=high.max(),
+            max_sample_id=pl.col("max_sample_id").filter(high == high.max()).min(),
         )
-        .collect(engine="streaming")
     )
+
+
+def _tail(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
+    """The rows of each series' latest `depth` distinct samples, in their order, with their
+    `rank` (1 = the series' latest sample)."""
+    rank = pl.col("sample_id").rank("dense", descending=True).over(SERIES_KEY)
+    return rows.with_columns(rank=rank).filter(pl.col("rank") <= depth)
+
+
+def _window_stats(tail: pl.DataFrame, window: int) -> pl.DataFrame:
+    """The `recent` (which 0) and `previous` (which 1) window aggregates of every series."""
+    value = pl.col("value")
+    return (
+        tail.with_columns(which=((pl.col("rank") - 1) // window).cast(pl.Int32))
+        .group_by(*SERIES_KEY, "which")
+        .agg(
+            actual=pl.col("sample_id").n_unique(),
+            valid=value.count(),
+            finite_values=value.filter(value.is_finite()),
+            first_sample_id=pl.col("sample_id").min(),
+            last_sample_id=pl.col("sample_id").max(),
+        )
+    )
+
+
+def _tail_from_end(
+    chunk: Callable[[int], pl.LazyFrame], total: int, series: int, window: int
+) -> pl.DataFrame:
+    """`_tail` of the whole history, read backwards in chunks until each of the `series` series
+    has more than `2 * window` samples in what was read (or the start is reached).
+
+    More than: history is in sample order, so once a series' `2 * window + 1`-th latest sample
+    has a row in what was read, every row of its latest `2 * window` samples was read too. In an
+    ordinary run every series is in every sample, and only the last chunk or two are read.
+    """
+    depth = 2 * window + 1
+    kept: pl.DataFrame | None = None
+    start = (max(total, 1) - 1) // SUMMARY_CHUNK_ROWS * SUMMARY_CHUNK_ROWS
+    for offset in range(start, -1, -SUMMARY_CHUNK_ROWS):
+        rows = chunk(offset).select(*SERIES_KEY, "sample_id", "value").collect()
+        kept = _tail(rows if kept is None else pl.concat([rows, kept]), depth).drop("rank")
+        del rows
+        deep = kept.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
+        if deep.filter(pl.col("n") == depth).height == series:
+            break
+    assert kept is not None  # the loop runs at least once
+    return _tail(kept, 2 * window)
+
+
+def _series_summary(history: Path, window: int) -> pl.DataFrame:
+    """One row per series: `_chunk_stats`' columns, then `previous_*` / `recent_*`.
+
+    One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
+    sample order, so a chunk continues the one before it), each chunk's aggregates combined with
+    those so far; then the windows from its end (`_tail_from_end`). Memory: one chunk, plus
+    frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
+    series), whatever the history's length.
+    """
+    # Strings as categoricals while aggregating: grouping on their integer codes is about twice
+    # as fast and holds a chunk in a fraction of the memory; strings again at the end.
+    strings = ("layer", "signal", "tensor_path", "metric", "module_type", "dtype", "placement")
+    columns = (
+        *(pl.col(c).cast(pl.Categorical) if c in strings else pl.col(c) for c in SERIES_KEY),
+        "sample_id",
+        "value",
+        pl.col("module_type", "dtype", "placement").cast(pl.Categorical),
+        "shape",
+        "mesh_coordinate",
+    )
+    scan = scan_history(history)
+    total = scan.select(pl.len()).collect().item()
+
+    def chunk(offset: int) -> pl.LazyFrame:
+        """Rows [offset, offset + SUMMARY_CHUNK_ROWS) of history, marks left out (the run
+        state lists them)."""
+        return scan.slice(offset, SUMMARY_CHUNK_ROWS).filter(~is_mark()).select(columns)
+
+    stats = _chunk_stats(chunk(0).collect())
+    for offset in range(SUMMARY_CHUNK_ROWS, total, SUMMARY_CHUNK_ROWS):
+        stats = _combine_stats(stats, _chunk_stats(chunk(offset).collect()))
+    tail = _tail_from_end(chunk, total, stats.height, window)
+    windows = _window_stats(tail, window)
+    means = [window_mean(values) for values in windows.get_column("finite_values").to_list()]
+    windows = windows.drop("finite_values").with_columns(pl.Series("mean", means, dtype=pl.Float64))
+    summary = _with_windows(stats, windows)
+    return summary.with_columns(pl.col(strings).cast(pl.String))
+
+
+# --- the windows of a live run's parts (the CLI) ----------------------------------------------
 
 
 def _per_sample(lf: pl.LazyFrame, keys: pl.DataFrame, since: int) -> pl.DataFrame:
@@ -257,53 +373,136 @@ _WINDOW_SCHEMA = {
 }
 
 
-def _window_entry(row: dict[str, Any] | None) -> dict[str, Any]:
-    """One window as it appears in result.json."""
-    if row is None:
-        return {
-            "mean": None,
-            "actual": 0,
-            "valid": 0,
-            "first_sample_id": None,
-            "last_sample_id": None,
-        }
-    return {
-        "mean": row["mean"],
-        "actual": row["actual"],
-        "valid": row["valid"],
-        "first_sample_id": row["first_sample_id"],
-        "last_sample_id": row["last_sample_id"],
-    }
+# --- result.json --------------------------------------------------------------------------------
+
+# The facts about which samples a series was observed in; equal for every metric of a tensor.
+_SAMPLE_FACTS = ("observations", "first_sample_id", "latest_sample_id")
+_WINDOW_FACTS = ("actual", "first_sample_id", "last_sample_id")
+_WINDOW_NAMES = ("previous", "recent")  # `which` 1 and 0 of `_window_stats`
+_WINDOW_COLUMNS = ("actual", "valid", "mean", "first_sample_id", "last_sample_id")
+_FACT_COLUMNS = (*_SAMPLE_FACTS, *(f"{w}_{f}" for w in _WINDOW_NAMES for f in _WINDOW_FACTS))
 
 
-def _metric_entry(row: dict[str, Any], windows: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One metric of one tensor as it appears in result.json."""
+def _with_windows(stats: pl.DataFrame, windows: pl.DataFrame) -> pl.DataFrame:
+    """`stats` with each window's columns as `previous_*` / `recent_*` (empty: actual 0)."""
+    for which, name in enumerate(reversed(_WINDOW_NAMES)):
+        part = windows.filter(pl.col("which") == which).select(
+            *SERIES_KEY, *(pl.col(c).alias(f"{name}_{c}") for c in _WINDOW_COLUMNS)
+        )
+        stats = stats.join(part, on=SERIES_KEY, how="left", nulls_equal=True).with_columns(
+            pl.col(f"{name}_actual", f"{name}_valid").fill_null(0)
+        )
+    return stats
+
+
+def _finite_column(name: str) -> pl.Expr:
+    """The column with non-finite values as null (keeps result.json strict JSON)."""
+    return pl.when(pl.col(name).is_finite()).then(pl.col(name))
+
+
+def _metric_json() -> pl.Expr:
+    """One metric's entry as JSON text, for a series whose sample facts are its tensor's."""
+
+    def at(value: str, sample: str) -> pl.Expr:
+        kept = _finite_column(value)
+        return pl.struct(value=kept, sample_id=pl.when(kept.is_not_null()).then(pl.col(sample)))
+
+    return pl.struct(
+        valid=pl.col("valid"),
+        first=_finite_column("first_value"),
+        latest=_finite_column("latest_value"),
+        min=at("min_value", "min_sample_id"),
+        max=at("max_value", "max_sample_id"),
+        **{
+            name: pl.struct(mean=_finite_column(f"{name}_mean"), valid=pl.col(f"{name}_valid"))
+            for name in _WINDOW_NAMES
+        },
+    ).struct.json_encode()
+
+
+def _with_tensor_facts(frame: pl.DataFrame) -> pl.DataFrame:
+    """Adds `t_*`: the sample facts of each series' tensor (those of its most observed metric,
+    the first on ties: all agree in a run that lost no rows), `differs`, and `metric_json`
+    (null where the series' facts differ from its tensor's; those are written in Python)."""
+    frame = frame.sort(SERIES_KEY)
+    most = pl.col("observations") == pl.col("observations").max()
+    facts = frame.group_by(TENSOR_KEY, maintain_order=True).agg(
+        pl.col(*_FACT_COLUMNS, "shape", "dtype", "placement", "mesh_coordinate")
+        .filter(most)
+        .first()
+        .name.prefix("t_")
+    )
+    frame = frame.join(facts, on=TENSOR_KEY, how="left", nulls_equal=True)
+    differs = pl.any_horizontal(pl.col(c).ne_missing(pl.col(f"t_{c}")) for c in _FACT_COLUMNS)
+    return frame.with_columns(differs=differs).with_columns(
+        metric_json=pl.when(~pl.col("differs")).then(_metric_json())
+    )
+
+
+def _fallback_metric(row: dict[str, Any]) -> dict[str, Any]:
+    """A metric entry with its own sample facts (where they differ from its tensor's)."""
+    entry: dict[str, Any] = {k: row[k] for k in _SAMPLE_FACTS if row[k] != row[f"t_{k}"]}
 
     def at(value_key: str, sample_key: str) -> dict[str, Any]:
         value = _finite(row[value_key])
         return {"value": value, "sample_id": row[sample_key] if value is not None else None}
 
-    first = {"value": _finite(row["first_value"]), "sample_id": row["first_sample_id"]}
-    latest = {"value": _finite(row["latest_value"]), "sample_id": row["latest_sample_id"]}
-    return {
-        "observations": row["observations"],
-        "valid": row["valid"],
-        "first": first,
-        "latest": latest,
-        "min": at("min_value", "min_sample_id"),
-        "max": at("max_value", "max_sample_id"),
-        "previous": _window_entry(windows.get(1)),
-        "recent": _window_entry(windows.get(0)),
+    entry["valid"] = row["valid"]
+    entry["first"] = _finite(row["first_value"])
+    entry["latest"] = _finite(row["latest_value"])
+    entry["min"] = at("min_value", "min_sample_id")
+    entry["max"] = at("max_value", "max_sample_id")
+    for name in _WINDOW_NAMES:
+        entry[name] = {"mean": _finite(row[f"{name}_mean"]), "valid": row[f"{name}_valid"]}
+        for fact in _WINDOW_FACTS:
+            column = f"{name}_{fact}"
+            if row[column] != row[f"t_{column}"]:
+                entry[name][fact] = row[column]
+    return entry
+
+
+def _tensor_head(row: dict[str, Any]) -> dict[str, Any]:
+    """A tensor's entry without its metrics, from any of its series' rows."""
+    head = {
+        "call_index": row["call_index"],
+        "signal": row["signal"],
+        "tensor_path": row["tensor_path"],
+        "shape": list(row["t_shape"]) if row["t_shape"] is not None else None,
+        "dtype": row["t_dtype"],
     }
+    if row["t_placement"] is not None:  # a DTensor: what the values describe
+        coordinate = row["t_mesh_coordinate"]
+        head["placement"] = row["t_placement"]
+        head["mesh_coordinate"] = None if coordinate is None else list(coordinate)
+    head.update({k: row[f"t_{k}"] for k in _SAMPLE_FACTS})
+    for name in _WINDOW_NAMES:
+        head[name] = {f: row[f"t_{name}_{f}"] for f in _WINDOW_FACTS}
+    return head
 
 
-def summarize(
+def _layer_tensors(rows: list[dict[str, Any]]) -> str:
+    """The `tensors` array of one layer as JSON text (rows sorted by tensor key, then metric)."""
+    tensors = []
+    for _, group in groupby(rows, key=lambda r: (r["call_index"], r["signal"], r["tensor_path"])):
+        series = list(group)
+        metrics = ",".join(
+            _encode(r["metric"])
+            + ":"
+            + (r["metric_json"] if r["metric_json"] is not None else _encode(_fallback_metric(r)))
+            for r in series
+        )
+        tensors.append(_encode(_tensor_head(series[0]))[:-1] + ',"metrics":{' + metrics + "}}")
+    return "[" + ",".join(tensors) + "]"
+
+
+def layer_lines(
     history: Path,
     layers: Sequence[LayerInfo],
     window: int,
     layer_samples: Mapping[str, int] | None = None,
-) -> list[dict[str, Any]]:
-    """The result.json payload computed from a history.parquet.
+) -> Iterator[str]:
+    """The records of result.json computed from a history.parquet, as JSON text, one layer at a
+    time.
 
     Every layer of `layers` is listed in that order (executed or not); layers present in history
     but not in `layers` follow, sorted by name, so no data is hidden.
@@ -315,64 +514,59 @@ def summarize(
         layer_samples: sampled forwards in which each layer was called (`RunCounts`); a layer
             not in it gets 0. None counts, from history, the sampled forwards with an output row.
 
-    Returns:
-        A JSON-ready list of layer records.
+    Yields:
+        One compact JSON object per layer.
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
-    lf = scan_history(history).filter(~is_mark())  # marks are listed by the run state
-    stats = _series_stats(lf)
-    latest = {tuple(r[k] for k in TENSOR_KEY): r for r in _tensor_latest(lf).iter_rows(named=True)}
-    windows: dict[tuple, dict[int, dict[str, Any]]] = {}
-    for r in window_summaries(lf, window).iter_rows(named=True):
-        windows.setdefault(tuple(r[k] for k in SERIES_KEY), {})[r["which"]] = r
-    tensors: dict[str, dict[tuple, dict[str, Any]]] = {}
-    for row in stats.iter_rows(named=True):
-        tkey = tuple(row[k] for k in TENSOR_KEY)
-        per_layer = tensors.setdefault(row["layer"], {})
-        if tkey not in per_layer:
-            info = latest[tkey]
-            per_layer[tkey] = {
-                "call_index": row["call_index"],
-                "signal": row["signal"],
-                "tensor_path": row["tensor_path"],
-                "shape": list(info["shape"]) if info["shape"] is not None else None,
-                "dtype": info["dtype"],
-                "metrics": {},
-            }
-            if info["placement"] is not None:  # a DTensor: what the values describe
-                coordinate = info["mesh_coordinate"]
-                per_layer[tkey]["placement"] = info["placement"]
-                per_layer[tkey]["mesh_coordinate"] = (
-                    None if coordinate is None else list(coordinate)
-                )
-        skey = tuple(row[k] for k in SERIES_KEY)
-        per_layer[tkey]["metrics"][row["metric"]] = _metric_entry(row, windows.get(skey, {}))
+    stats = _series_summary(history, window)
+    samples = layer_samples if layer_samples is not None else _output_samples(history)
     module_types = {li.name: li.module_type for li in layers}
-    for tkey, info in latest.items():
-        module_types.setdefault(tkey[0], info["module_type"])
-    names = [li.name for li in layers]
-    names += sorted(set(tensors) - set(names))
-    samples = layer_samples if layer_samples is not None else _output_samples(lf)
-    out = []
-    for name in dict.fromkeys(names):
-        entries = tensors.get(name, {})
-        ordered = [entries[k] for k in sorted(entries, key=lambda k: (k[1], k[2], k[3]))]
-        out.append(
-            {
-                "layer": name,
-                "module_type": module_types[name],
-                "sampled_forwards": int(samples.get(name, 0)),
-                "tensors": ordered,
-            }
-        )
-    return out
+    names = list(dict.fromkeys(li.name for li in layers))
+    seen = stats.group_by("layer").agg(pl.col("module_type").last())
+    for name, module_type in seen.iter_rows():
+        module_types.setdefault(name, module_type)
+    names += sorted(set(module_types) - set(names))
+    order = pl.DataFrame(
+        {"layer": names, "_order": range(len(names))},
+        schema={"layer": pl.String, "_order": pl.Int64},
+    )
+    frame = (
+        _with_tensor_facts(stats)
+        .join(order, on="layer", how="left")
+        .sort("_order", "call_index", "signal", "tensor_path", "metric")
+    )
+    del stats
+    rows = frame.iter_rows(named=True)
+    pending = next(rows, None)
+    for name in names:
+        mine = []
+        while pending is not None and pending["layer"] == name:
+            mine.append(pending)
+            pending = next(rows, None)
+        head = {
+            "layer": name,
+            "module_type": module_types[name],
+            "sampled_forwards": int(samples.get(name, 0)),
+        }
+        yield _encode(head)[:-1] + ',"tensors":' + _layer_tensors(mine) + "}"
 
 
-def _output_samples(lf: pl.LazyFrame) -> dict[str, int]:
+def summarize(
+    history: Path,
+    layers: Sequence[LayerInfo],
+    window: int,
+    layer_samples: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """The whole result.json payload as Python objects (see `layer_lines`, which streams it)."""
+    return [json.loads(line) for line in layer_lines(history, layers, window, layer_samples)]
+
+
+def _output_samples(history: Path) -> dict[str, int]:
     """Per layer, the distinct sample_ids with an output row."""
     frame = (
-        lf.filter(pl.col("signal") == "output")
+        scan_history(history)
+        .filter(pl.col("signal") == "output", ~is_mark())
         .group_by("layer")
         .agg(samples=pl.col("sample_id").n_unique())
         .collect(engine="streaming")
@@ -404,12 +598,13 @@ def write_result(
             f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}` to "
             "merge history.parts/ first"
         )
-    _dump(directory, summarize(history, layers, window, layer_samples))
+    _dump(directory, layer_lines(history, layers, window, layer_samples))
 
 
 __all__ = [
     "SERIES_KEY",
     "TENSOR_KEY",
+    "layer_lines",
     "summarize",
     "window_mean",
     "window_summaries",

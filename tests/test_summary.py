@@ -80,7 +80,9 @@ def make_history(directory: Path) -> None:
         if s < 2 or s == 39:
             batch.append(m(s, "sparse", {"mean": float(s)}))
         # As if history had lost rows: from sample 30 on, `std` of `partial` has none.
-        partial = {"mean": rng.gauss(0, 1), "std": rng.random()} if s < 30 else {"mean": 0.5}
+        partial: dict[str, float | None] = {"mean": rng.gauss(0, 1), "std": rng.random()}
+        if s >= 30:
+            partial = {"mean": 0.5}
         batch.append(m(s, "partial", partial, module_type="Tanh"))
         writer.append(batch)
         if s % 2 == 0:  # gradients only on even samples; appended after the forward, like backward
@@ -332,7 +334,8 @@ def test_show_and_result_json_give_the_same_window_means_to_the_last_bit(tmp_pat
     merge_history(tmp_path)
     write_result(tmp_path, (LayerInfo("a", "Linear"),), WINDOW)
     result = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
-    recent = result[0]["tensors"][0]["metrics"]["mean"]["recent"]
+    tensor = result[0]["tensors"][0]
+    recent = tensor["metrics"]["mean"]["recent"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["show", str(tmp_path), "--window", str(WINDOW), "--format", "json"]) == 0
@@ -342,7 +345,7 @@ def test_show_and_result_json_give_the_same_window_means_to_the_last_bit(tmp_pat
     assert sum(values) / len(values) != exact  # the data tells an ordered sum from an exact one
     assert recent["mean"] == exact
     assert row["window_mean"] == recent["mean"]  # to the bit, not approximately
-    assert (row["window_samples"], recent["actual"]) == (WINDOW, WINDOW)
+    assert (row["window_samples"], tensor["recent"]["actual"]) == (WINDOW, WINDOW)
 
 
 def test_window_mean_is_exact_and_never_overflows() -> None:

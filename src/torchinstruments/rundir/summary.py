@@ -413,10 +413,8 @@ def _metric_json() -> pl.Expr:
         latest=_finite_column("latest_value"),
         min=at("min_value", "min_sample_id"),
         max=at("max_value", "max_sample_id"),
-        **{
-            name: pl.struct(mean=_finite_column(f"{name}_mean"), valid=pl.col(f"{name}_valid"))
-            for name in _WINDOW_NAMES
-        },
+        previous=pl.struct(mean=_finite_column("previous_mean"), valid=pl.col("previous_valid")),
+        recent=pl.struct(mean=_finite_column("recent_mean"), valid=pl.col("recent_valid")),
     ).struct.json_encode()
 
 

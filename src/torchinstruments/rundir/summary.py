@@ -161,6 +161,7 @@ def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
             max_value=high.max(),
             max_sample_id=pl.col("max_sample_id").filter(high == high.max()).min(),
         )
+        .select(earlier.columns)
     )
 
 

@@ -13,7 +13,10 @@ What a reference tensor is, where a tensor is not a plain one:
 - nested tensor: the entries of its components (padding excluded); shape None.
 - DTensor: Replicate describes the whole tensor and Shard(d) this rank's local shard (both: the
   values of `to_local()`); Partial holds partial sums, not the layer's output, so its row is
-  null with a reason that says "partial". `placement` is the label the row should carry.
+  null with a reason that says "partial". Shape: that of the local tensor the values describe.
+  Its rows carry `placement` ("Shard(1)", "Replicate", "Partial(sum)"; one per mesh dimension,
+  comma-separated) and `mesh_coordinate` (this rank's coordinate in the mesh); plain tensors
+  carry null in both.
 - torch.func: the reference is the plain model run without the transform (see the zoo's cases).
 
 Shared outputs: a tensor (one autograd identity) returned by one layer in several calls before a
@@ -113,6 +116,16 @@ class ReferenceTensor:
     dtype: str
     scale: float = 0.0
     placement: str | None = None
+    mesh_coordinate: tuple[int, ...] | None = None
+
+
+def placement_label(placement: Any) -> str:
+    """One DTensor placement as design.md's rows name it: Shard(d), Replicate, Partial(op)."""
+    if placement.is_shard():
+        return f"Shard({placement.dim})"
+    if placement.is_partial():
+        return f"Partial({placement.reduce_op})"
+    return "Replicate"
 
 
 def _dtensor_class() -> type | None:
@@ -129,12 +142,15 @@ def reference_tensor(tensor: torch.Tensor) -> ReferenceTensor:
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(tensor, dtensor):
         placements = tuple(tensor.placements)
-        label = ", ".join(str(p) for p in placements)
+        label = ", ".join(placement_label(p) for p in placements)
+        coordinate = tensor.device_mesh.get_coordinate()
+        mesh_coordinate = None if coordinate is None else tuple(int(c) for c in coordinate)
         shape = tuple(int(s) for s in tensor.to_local().shape)
         if any(p.is_partial() for p in placements):
-            return ReferenceTensor(dict.fromkeys(METRICS), PARTIAL_REASON, shape, dtype, 0.0, label)
+            nulls = dict.fromkeys(METRICS)
+            return ReferenceTensor(nulls, PARTIAL_REASON, shape, dtype, 0.0, label, mesh_coordinate)
         row = reference_tensor(tensor.to_local())
-        row.placement = label
+        row.placement, row.mesh_coordinate = label, mesh_coordinate
         return row
     values = _float64_values(tensor)
     profile, reason = profile_of_values(values)
@@ -146,9 +162,7 @@ def reference_tensor(tensor: torch.Tensor) -> ReferenceTensor:
 
 def shared_reference(like: ReferenceTensor, calls: int) -> ReferenceTensor:
     """A gradient several calls of one layer share: null with the shared-output reason."""
-    return dataclasses.replace(
-        like, values=dict.fromkeys(METRICS), reason=SHARED_REASON, placement=like.placement
-    )
+    return dataclasses.replace(like, values=dict.fromkeys(METRICS), reason=SHARED_REASON)
 
 
 def output_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
@@ -389,6 +403,11 @@ CPU_TOLERANCE = Tolerance()
 ACCELERATOR_TOLERANCE = Tolerance(moments=1e-5, order=1e-5, fractions=1e-3)
 
 
+def _coordinate(value: Any) -> tuple[int, ...] | None:
+    """A mesh_coordinate cell (a list, or null) as a tuple."""
+    return None if value is None else tuple(int(c) for c in value)
+
+
 def compare(
     observed: Mapping[SampleKey, ObservedTensor],
     reference: Mapping[SampleKey, ReferenceTensor],
@@ -411,6 +430,10 @@ def compare(
             problems.append(
                 f"{key}: shape/dtype {got.shape} {got.dtype} != {want.shape} {want.dtype}"
             )
+        placed = (got.extra.get("placement"), _coordinate(got.extra.get("mesh_coordinate")))
+        if placed != (want.placement, want.mesh_coordinate):
+            wanted = (want.placement, want.mesh_coordinate)
+            problems.append(f"{key}: placement, mesh_coordinate {placed} != {wanted}")
         for metric in METRICS:
             if metric not in got.values:
                 problems.append(f"{key}: no {metric} row")

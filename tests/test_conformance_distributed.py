@@ -89,7 +89,10 @@ def tensor_parallel_case(run_dir: Path, use_local_output: bool) -> list[str]:
         prepare_both=lambda m: parallelize_module(m, mesh, plan),
         rank_policy="all",
     )
-    return problems_of(result)
+    placements = set(result.history["placement"].drop_nulls().unique().to_list())
+    expected = {"Shard(1)", "Partial(sum)"} | (set() if use_local_output else {"Replicate"})
+    missing = [f"no {p} row (placements: {placements})" for p in expected if p not in placements]
+    return missing + problems_of(result)
 
 
 def fsdp2_case(run_dir: Path, rank: int) -> list[str]:
@@ -184,12 +187,6 @@ def assert_case_conforms(reports: dict[int, dict[str, list[str]]], case: str) ->
         assert not problems, f"rank {rank}, {case}: {len(problems)} differences:\n  {shown}"
 
 
-TP_XFAIL = pytest.mark.xfail(
-    strict=True, reason="issue 18: DTensor outputs are measured as null today"
-)
-
-
-@TP_XFAIL
 @pytest.mark.parametrize("case", ["tp-local", "tp-dtensor"], ids=["local_output", "dtensor_output"])
 def test_tensor_parallel(reports: dict[int, dict[str, list[str]]], case: str) -> None:
     assert_case_conforms(reports, case)

@@ -48,9 +48,9 @@ def variant(name: str) -> Iterator[None]:
         events._hand_over_checksum = lambda *args: False  # type: ignore[assignment]
     if "per histogram" in name:
 
-        def one_event_each(self: Any, histograms: Any) -> None:
+        def one_event_each(self: Any, histograms: Any, step: int) -> None:
             for histogram in histograms:
-                add_histograms(self, [histogram])
+                add_histograms(self, [histogram], step)
 
         events.EventFile.add_histograms = one_event_each  # type: ignore[method-assign]
     try:

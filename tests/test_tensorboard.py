@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     EventAccumulator,
+)
+from tensorboard.backend.event_processing.plugin_event_accumulator import (
+    EventAccumulator as PluginEventAccumulator,
 )
 from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[attr-defined]
 from tensorboard.compat.tensorflow_stub import errors
@@ -224,7 +227,7 @@ def test_events_are_readable_while_the_run_is_live(run_dir: Path) -> None:
 def test_tensorboard_sink_puts_histograms_on_the_callers_step(
     run_dir: Path, tmp_path: Path
 ) -> None:
-    """`step=` replaces the sample_id: forward and backward histograms land on the caller's step."""
+    """`step=` replaces forward_index: forward and backward histograms land on the caller's step."""
     writer = SummaryWriter(str(tmp_path / "caller"))
     trainer_step = [0]
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
@@ -242,8 +245,8 @@ def test_tensorboard_sink_puts_histograms_on_the_callers_step(
     caller = histograms(tmp_path / "caller")
     for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
         assert [event.step for event in caller[tag]] == [100, 103, 106], tag
-        # the run directory's own events keep the sample_id
-        assert [event.step for event in histograms(run_dir / "tensorboard")[tag]] == [0, 1, 2]
+        # the run directory's own events are on forward_index
+        assert [event.step for event in histograms(run_dir / "tensorboard")[tag]] == [0, 3, 6]
 
 
 def test_tensorboard_sink_step_must_be_callable_and_return_an_int(
@@ -315,3 +318,87 @@ def test_event_file_takes_over_tensorboards_checksum(tmp_path: Path) -> None:
     assert events.fast_checksum
     (path,) = tmp_path.iterdir()
     assert records(path)[0].file_version == "brain.Event:2"
+
+
+def descriptions(log_dir: Path) -> dict[str, str]:
+    """Each tag's description as TensorBoard's UI reads it (the plugin accumulator)."""
+    accumulator = PluginEventAccumulator(str(log_dir))
+    accumulator.Reload()
+    tags = cast(dict[str, Any], accumulator.Tags())["tensors"]
+    return {tag: accumulator.SummaryMetadata(tag).summary_description for tag in tags}
+
+
+def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(2),
+        sinks=[TensorBoardSink(writer, step=lambda: 40, step_name="the trainer's global_step")],
+    )
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.close()
+    run_events = histograms(run_dir / "tensorboard")
+    assert [e.step for e in run_events["1/call_0/output_gradient/tensor"]] == [0, 2]
+    assert descriptions(run_dir / "tensorboard")["1/call_0/output_gradient/tensor"] == (
+        "Histogram of the gradient flowing back into the output of layer '1' (ReLU), call 0. "
+        "Only finite entries are counted: NaN and Inf are left out (the history's "
+        "nonfinite_fraction counts them), and at a sample where the tensor has no finite entry "
+        "there is no histogram; the text tag '1/call_0/output_gradient/tensor (no histogram)' "
+        "says so at that step. Step: forward_index, the root forward the sample was taken at "
+        "(0 at inject_observer; the training step when each step is one root forward)."
+    )
+    caller = descriptions(tmp_path / "caller")
+    assert set(caller) == set(run_events)
+    assert caller["0/call_0/output/tensor"].startswith(
+        "Histogram of the output of layer '0' (Linear), call 0. Only finite entries are counted"
+    )
+    assert caller["0/call_0/output/tensor"].endswith("Step: the trainer's global_step.")
+
+
+def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    class Poisoned(nn.Module):
+        """All NaN from the second call on."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x * float("nan") if self.calls > 1 else x * 1.0
+
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    model = nn.Sequential(nn.Linear(3, 3), Poisoned())
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(writer)]
+    )
+    model(torch.randn(2, 3))
+    with pytest.warns(RuntimeWarning, match=r"focus tensor 1/call_0/output/tensor has no histog"):
+        model(torch.randn(2, 3))
+    model(torch.randn(2, 3))  # warned once: the later steps are counted in index.md
+    remove_observer(model)
+    writer.close()
+    tag = "1/call_0/output/tensor"
+    assert [e.step for e in histograms(run_dir / "tensorboard")[tag]] == [0]
+    for log_dir in (run_dir / "tensorboard", tmp_path / "caller"):
+        accumulator = PluginEventAccumulator(str(log_dir))
+        accumulator.Reload()
+        notes = accumulator.Tensors(f"{tag} (no histogram)/text_summary")
+        assert [n.step for n in notes] == [1, 2]
+        assert notes[0].tensor_proto.string_val[0].decode() == (
+            "No histogram at step 1: every entry is NaN or Inf (nonfinite_fraction 1). The "
+            "history holds this sample's rows."
+        )
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert (
+        "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
+        f"finite entry to count (first: {tag} at forward_index 1: every entry is NaN or Inf"
+    ) in index

@@ -12,7 +12,7 @@ from typing import Any
 
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["replace_record_framing"]
+__all__ = ["replace_record_framing", "summary_file_writer"]
 
 
 def replace_record_framing(event_writer: Any, framing: Callable[[Any], RecordWriter]) -> bool:
@@ -42,3 +42,19 @@ def replace_record_framing(event_writer: Any, framing: Callable[[Any], RecordWri
     async_writer._writer = replacement
     worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
     return True
+
+
+def summary_file_writer(writer: Any) -> Any | None:
+    """The event-file writer behind a caller's SummaryWriter, or None where it has none.
+
+    Why: `SummaryWriter.add_histogram_raw` takes no description, but a tag's description lives
+    in its summary's metadata; writing our own `Summary` (with the description) needs the writer
+    that `add_histogram_raw` itself uses, `SummaryWriter._get_file_writer()` (torch's and
+    tensorboardX's, checked on torch 2.15.0). Returns None (the caller then falls back to
+    `add_histogram_raw`, without descriptions) where that method is missing.
+    """
+    get = getattr(writer, "_get_file_writer", None)
+    if not callable(get):
+        return None
+    events = get()
+    return events if callable(getattr(events, "add_summary", None)) else None

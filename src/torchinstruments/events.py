@@ -22,16 +22,25 @@ every event file back with it; `tests/test_tensorboard.py` also pins that the ha
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard.summary import histogram_raw
+from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
 
 from torchinstruments._tensorboard_internals import replace_record_framing
-from torchinstruments.records import HistogramRecord
+from torchinstruments.records import (
+    INTERRUPTED,
+    OUTPUT,
+    HistogramRecord,
+    SampleRecord,
+    histogram_tag,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -41,7 +50,18 @@ else:
     except ImportError:  # pragma: no cover - exercised only without NumPy
         np = None
 
-__all__ = ["Crc32c", "EventFile", "histogram_arguments"]
+__all__ = [
+    "NO_HISTOGRAM",
+    "RUN_STEP",
+    "Crc32c",
+    "EventFile",
+    "MissingHistogram",
+    "histogram_arguments",
+    "histogram_description",
+    "histogram_summary",
+    "missing_histograms",
+    "missing_text",
+]
 
 _POLYNOMIAL = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 _MASK = 0xFFFFFFFF
@@ -114,6 +134,74 @@ class _ChecksummedRecords(RecordWriter):
         self._file.write(header + head_crc + data + data_crc)
 
 
+RUN_STEP = (
+    "forward_index, the root forward the sample was taken at (0 at inject_observer; the training "
+    "step when each step is one root forward)"
+)
+
+
+def histogram_description(histogram: HistogramRecord, module_type: str, step: str) -> str:
+    """What a histogram tag shows, for TensorBoard's tag description (its first event only).
+
+    Args:
+        histogram: any histogram of the tag.
+        module_type: the layer's class name.
+        step: what the step axis is, e.g. `RUN_STEP`.
+    """
+    what = "output" if histogram.signal == OUTPUT else "gradient flowing back into the output"
+    path = f", tensor {histogram.tensor_path}" if histogram.tensor_path else ""
+    return (
+        f"Histogram of the {what} of layer {histogram.layer or '<root>'!r} ({module_type}), call "
+        f"{histogram.call_index}{path}. Only finite entries are counted: NaN and Inf are left "
+        "out (the history's nonfinite_fraction counts them), and at a sample where the tensor "
+        f"has no finite entry there is no histogram; the text tag '{histogram.tag}{NO_HISTOGRAM}' "
+        f"says so at that step. Step: {step}."
+    )
+
+
+NO_HISTOGRAM = " (no histogram)"
+
+
+@dataclass(frozen=True, slots=True)
+class MissingHistogram:
+    """A focus tensor of a sample that has rows but no histogram, and why."""
+
+    tag: str
+    reason: str
+
+
+def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[MissingHistogram]:
+    """Focus-layer tensors measured in `record` without a histogram, with the reason from their rows.
+
+    Histograms count finite entries only, so a tensor that is empty or all NaN/Inf has none;
+    this is how a sink says so instead of the tag silently stopping.
+    """
+    drawn = {histogram.tag for histogram in record.histograms}
+    missing = []
+    for m in record.measurements:
+        if m.layer not in focus or INTERRUPTED in m.metrics:
+            continue
+        tag = histogram_tag(m.layer, m.call_index, m.signal, m.tensor_path)
+        if tag in drawn:
+            continue
+        values = dict(zip(m.metrics, m.values, strict=True))
+        nonfinite = values.get("nonfinite_fraction")
+        if m.shape is not None and math.prod(m.shape) == 0:
+            reason = "the tensor is empty"
+        elif nonfinite is not None and nonfinite.value == 1.0:
+            reason = "every entry is NaN or Inf (nonfinite_fraction 1)"
+        else:
+            reasons = [v.reason for v in m.values if v.reason]
+            reason = reasons[0] if reasons else "its histogram could not be computed"
+        missing.append(MissingHistogram(tag, reason))
+    return missing
+
+
+def missing_text(missing: MissingHistogram, step: int) -> str:
+    """The text note put at `step` under the tag's `NO_HISTOGRAM` text tag."""
+    return f"No histogram at step {step}: {missing.reason}. The history holds this sample's rows."
+
+
 def histogram_arguments(histogram: HistogramRecord) -> dict[str, Any]:
     """The keyword arguments of TensorBoard's raw histogram (`add_histogram_raw`) for a record."""
     return {
@@ -127,29 +215,57 @@ def histogram_arguments(histogram: HistogramRecord) -> dict[str, Any]:
     }
 
 
+def histogram_summary(histogram: HistogramRecord, description: str | None = None) -> Any:
+    """TensorBoard's raw-histogram `Summary` of a record, with the tag's description if given."""
+    summary = histogram_raw(histogram.tag, **histogram_arguments(histogram))
+    if description is not None:
+        summary.value[0].metadata.summary_description = description
+    return summary
+
+
 class EventFile:
     """The run directory's event file: one event per record, checksummed by `Crc32c`.
+
+    Each tag's first event carries its description (`histogram_description`; TensorBoard keeps
+    the first one it reads), and the step is the record's forward_index (`RUN_STEP`).
 
     Args:
         log_dir: Directory of the event file (created if missing).
         flush_seconds: How often TensorBoard's writer thread flushes the file.
+        module_types: layer name -> class name, for the descriptions.
     """
 
-    def __init__(self, log_dir: str, flush_seconds: float) -> None:
+    def __init__(
+        self, log_dir: str, flush_seconds: float, module_types: Mapping[str, str] | None = None
+    ) -> None:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
         self.fast_checksum = np is not None and _hand_over_checksum(self._writer, Crc32c())
+        self._module_types = dict(module_types or {})
+        self._described: set[str] = set()
 
-    def add_histograms(self, histograms: Sequence[HistogramRecord]) -> None:
-        """One event per sample_id, holding each histogram as one value under its tag."""
-        by_step: dict[int, Any] = {}  # sample_id -> its Summary
+    def add_histograms(self, histograms: Sequence[HistogramRecord], step: int) -> None:
+        """One event at `step` (the sample's forward_index), holding each histogram under its tag."""
+        if not histograms:
+            return
+        summary: Any = None
         for histogram in histograms:
-            summary = histogram_raw(histogram.tag, **histogram_arguments(histogram))
-            if histogram.sample_id in by_step:
-                by_step[histogram.sample_id].value.extend(summary.value)
+            description = None
+            if histogram.tag not in self._described:
+                self._described.add(histogram.tag)
+                module_type = self._module_types.get(histogram.layer, "?")
+                description = histogram_description(histogram, module_type, RUN_STEP)
+            one = histogram_summary(histogram, description)
+            if summary is None:
+                summary = one
             else:
-                by_step[histogram.sample_id] = summary
-        for step, summary in by_step.items():
-            self._writer.add_summary(summary, global_step=step)
+                summary.value.extend(one.value)
+        self._writer.add_summary(summary, global_step=step)
+
+    def add_missing(self, missing: Sequence[MissingHistogram], step: int) -> None:
+        """A text note at `step` for each focus tensor without a histogram, saying why."""
+        for item in missing:
+            note = text_summary(item.tag + NO_HISTOGRAM, missing_text(item, step))
+            self._writer.add_summary(note, global_step=step)
 
     def flush(self) -> None:
         """Writes every queued event to the file."""

@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torchinstruments import forks
-from torchinstruments.events import EventFile, histogram_arguments
+from torchinstruments._tensorboard_internals import summary_file_writer
+from torchinstruments.events import (
+    NO_HISTOGRAM,
+    RUN_STEP,
+    EventFile,
+    MissingHistogram,
+    histogram_arguments,
+    histogram_description,
+    histogram_summary,
+    missing_histograms,
+    missing_text,
+)
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
@@ -66,15 +77,25 @@ def validate_sinks(sinks: object) -> tuple[Sink, ...]:
 
 
 def write_histograms(
-    writer: Any, histograms: Sequence[HistogramRecord], step: int | None = None
+    writer: Any,
+    histograms: Sequence[HistogramRecord],
+    step: int,
+    describe: Callable[[HistogramRecord], str | None] = lambda histogram: None,
 ) -> None:
-    """Add already-reduced histograms to a SummaryWriter, at `step` (default: the sample_id)."""
+    """Add already-reduced histograms to a SummaryWriter at `step`, with tag descriptions.
+
+    The description (`describe(histogram)`, for a tag's first event) needs the writer's event
+    file (`_tensorboard_internals.summary_file_writer`); where it has none, the histograms go
+    through the public `add_histogram_raw`, without one.
+    """
+    events = summary_file_writer(writer)
     for histogram in histograms:
-        writer.add_histogram_raw(
-            histogram.tag,
-            **histogram_arguments(histogram),
-            global_step=histogram.sample_id if step is None else step,
-        )
+        if events is not None:
+            events.add_summary(histogram_summary(histogram, describe(histogram)), global_step=step)
+        else:
+            writer.add_histogram_raw(
+                histogram.tag, **histogram_arguments(histogram), global_step=step
+            )
 
 
 class DirectorySink:
@@ -104,6 +125,9 @@ class DirectorySink:
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
         self._notes: list[str] = []
+        self._focus: frozenset[str] = frozenset()
+        self._missing_first: tuple[str, int, str] | None = None
+        self._missing_count = 0
 
     def start(self, run: RunInfo) -> None:
         """Refuse a directory that already holds a run, then lock it and write the catalog."""
@@ -112,6 +136,7 @@ class DirectorySink:
         self._lock.acquire()
         forks.track(self)
         self._run = run
+        self._focus = frozenset(run.focus_layers)
         write_catalog(self.directory, run.layers)
         state = RunState(run)
         write_state(self.directory, state)
@@ -132,7 +157,11 @@ class DirectorySink:
     def _open_events(self) -> EventFile | None:
         """This directory's event writer; None (warned) when it cannot be created."""
         try:
-            return EventFile(str(self.directory / TENSORBOARD_DIR), self._config.flush_seconds / 2)
+            run = self._run
+            types = {layer.name: layer.module_type for layer in run.layers} if run else {}
+            return EventFile(
+                str(self.directory / TENSORBOARD_DIR), self._config.flush_seconds / 2, types
+            )
         except Exception as error:
             self._give_up_events("could not be created", error)
             return None
@@ -158,11 +187,44 @@ class DirectorySink:
             if self._timer is not None:
                 self._timer.poke()
         events = self._events
-        if events is not None and record.histograms:
+        if events is not None:
+            missing = missing_histograms(record, self._focus)
             try:
-                events.add_histograms(record.histograms)
+                events.add_histograms(record.histograms, record.forward_index)
+                events.add_missing(missing, record.forward_index)
             except Exception as error:
                 self._give_up_events("could not be written", error)
+            if missing:
+                self._say_missing(missing, record)
+
+    def _say_missing(self, missing: Sequence[MissingHistogram], record: SampleRecord) -> None:
+        """Count focus tensors without a histogram; warn at the first (index.md gets the count)."""
+        if self._missing_first is None:
+            first = missing[0]
+            self._missing_first = (first.tag, record.forward_index, first.reason)
+            warnings.warn(
+                f"torchinstruments: focus tensor {first.tag} has no histogram at forward_index "
+                f"{record.forward_index}: {first.reason} (histograms count finite entries only). "
+                f"TensorBoard shows a text note '{first.tag}{NO_HISTOGRAM}' at each such step, "
+                "and index.md counts them; the history rows are written as usual",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._missing_count += len(missing)
+
+    def _missing_note(self) -> tuple[str, ...]:
+        """index.md's note on histograms that are missing for want of finite entries."""
+        if self._missing_first is None:
+            return ()
+        tag, step, reason = self._missing_first
+        count = self._missing_count
+        return (
+            f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
+            f"{TENSORBOARD_DIR}/ "
+            f"because the tensor had no finite entry to count (first: {tag} at forward_index "
+            f"{step}: {reason}); TensorBoard shows a text note '<tag>{NO_HISTOGRAM}' at each "
+            "such step, and the history holds those samples' rows.",
+        )
 
     def _flush(self) -> None:
         """Write every buffered row, then new losses into the state file and index.md, then
@@ -251,7 +313,7 @@ class DirectorySink:
                     rows_recorded=history.rows_produced,
                     live_problems=known,
                     losses=history.losses,
-                    notes=(*counts.notes, *self._notes),
+                    notes=(*counts.notes, *self._notes, *self._missing_note()),
                 )
                 report = finish_run(self.directory, state)
                 for problem in report.problems:
@@ -277,15 +339,20 @@ class TensorBoardSink:
     (Lightning's `TensorBoardLogger`). The logger stays the caller's: this sink never flushes,
     closes, reconfigures or replaces it, so the caller keeps writing after `remove_observer`.
 
-    The TensorBoard step of a histogram is its sample_id unless `step` is given: then `step()` is
-    called when the sample's histograms arrive (after the sampled forward, and at the end of its
-    backward) and its value is the step, e.g. `step=lambda: trainer.global_step` puts the
-    histograms on Lightning's own step axis. A `step` that raises or returns no int detaches
-    this sink with one warning (like any failing sink); training goes on.
+    The TensorBoard step of a histogram is the sample's forward_index (as in the run directory's
+    own events) unless `step` is given: then `step()` is called when the sample's histograms
+    arrive (after the sampled forward, and at the end of its backward) and its value is the
+    step, e.g. `step=lambda: trainer.global_step` puts the histograms on Lightning's own step
+    axis. A `step` that raises or returns no int detaches this sink with one warning (like any
+    failing sink); training goes on. Each tag's first event carries a description (layer type,
+    signal, finite entries only, the step axis: `step_name`), and a focus tensor without a
+    histogram at a step (no finite entry) gets a text note saying why.
 
     Args:
         logger: a SummaryWriter, or an object whose `.experiment` is one.
         step: optional zero-argument callable returning the caller's current step (an int).
+        step_name: what the step is, for the tag descriptions (default: forward_index, or "the
+            caller's step" with `step`).
 
     Raises:
         TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`, or if
@@ -295,7 +362,9 @@ class TensorBoardSink:
         >>> sink = TensorBoardSink(trainer.logger, step=lambda: trainer.global_step)  # doctest: +SKIP
     """
 
-    def __init__(self, logger: Any, step: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, logger: Any, step: Callable[[], int] | None = None, step_name: str | None = None
+    ) -> None:
         if step is not None and not callable(step):
             raise TypeError(
                 f"step must be a zero-argument callable returning an int (e.g. "
@@ -308,6 +377,12 @@ class TensorBoardSink:
                 "logger must be a torch.utils.tensorboard.SummaryWriter or have an `.experiment` "
                 f"that is one (Lightning's TensorBoardLogger), got {logger!r}"
             )
+        if step_name is None:
+            step_name = RUN_STEP if step is None else "the caller's step (TensorBoardSink step=)"
+        self._step_name = step_name
+        self._module_types: dict[str, str] = {}
+        self._focus: frozenset[str] = frozenset()
+        self._described: set[str] = set()
 
     def _writer(self) -> Any:
         """The SummaryWriter, looked up each time: Lightning creates `.experiment` lazily."""
@@ -316,18 +391,38 @@ class TensorBoardSink:
         return getattr(self._logger, "experiment", None)
 
     def start(self, run: RunInfo) -> None:
-        """Nothing to prepare: the caller's logger already exists."""
+        """Remember the layers' types and the focus layers (the caller's logger already exists)."""
+        self._module_types = {layer.name: layer.module_type for layer in run.layers}
+        self._focus = frozenset(run.focus_layers)
 
     def write_forward(self, record: SampleRecord) -> None:
-        write_histograms(self._writer(), record.histograms, self._current_step(record))
+        self._write(record)
 
     def write_backward(self, record: SampleRecord) -> None:
-        write_histograms(self._writer(), record.histograms, self._current_step(record))
+        self._write(record)
 
-    def _current_step(self, record: SampleRecord) -> int | None:
-        """The caller's step, or None (the sample_id) without `step`; only asked with histograms."""
-        if self._step is None or not record.histograms:
+    def _write(self, record: SampleRecord) -> None:
+        missing = missing_histograms(record, self._focus)
+        if not record.histograms and not missing:
+            return
+        step = self._current_step(record)
+        writer = self._writer()
+        write_histograms(writer, record.histograms, step, self._describe)
+        for item in missing:
+            writer.add_text(item.tag + NO_HISTOGRAM, missing_text(item, step), global_step=step)
+
+    def _describe(self, histogram: HistogramRecord) -> str | None:
+        """The tag's description the first time it is written, else None."""
+        if histogram.tag in self._described:
             return None
+        self._described.add(histogram.tag)
+        module_type = self._module_types.get(histogram.layer, "?")
+        return histogram_description(histogram, module_type, self._step_name)
+
+    def _current_step(self, record: SampleRecord) -> int:
+        """The caller's step, or the sample's forward_index without `step`."""
+        if self._step is None:
+            return record.forward_index
         step = self._step()
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"TensorBoardSink: step() returned {step!r}, expected an int")

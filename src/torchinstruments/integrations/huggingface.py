@@ -143,7 +143,11 @@ def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:
     for callback in trainer.callback_handler.callbacks:
         writer = getattr(callback, "tb_writer", None)
         if isinstance(callback, TensorBoardCallback) and writer is not None:
-            return TensorBoardSink(writer, step=lambda: state.global_step)
+            return TensorBoardSink(
+                writer,
+                step=lambda: state.global_step,
+                step_name="the Trainer's state.global_step (optimizer steps so far)",
+            )
     return None
 
 

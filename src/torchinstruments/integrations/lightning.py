@@ -118,5 +118,9 @@ def _logger_sink(trainer: Trainer) -> Sink | None:
     """The trainer's first TensorBoardLogger as a sink on `trainer.global_step`, else None."""
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            return TensorBoardSink(logger, step=lambda: trainer.global_step)
+            return TensorBoardSink(
+                logger,
+                step=lambda: trainer.global_step,
+                step_name="the trainer's global_step (optimizer steps so far)",
+            )
     return None

@@ -79,7 +79,12 @@ def section_files(run: RunInfo) -> list[str]:
         "they arrived).",
         "- `result.json`: one record per selected layer (traversal order); at injection with an "
         "empty `tensors` list, at removal with per-tensor summaries (see result.json).",
-        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers.",
+        "- `index.md`: this page. `tensorboard/`: histograms of the focus layers' finite "
+        "entries (NaN and Inf left out), on step forward_index (the root forward the sample "
+        "was taken at: the training step when each step is one forward); a trainer callback "
+        "also writes them into the trainer's own TensorBoard logger on its global step. A "
+        "focus tensor with no finite entry has no histogram at that step, and a text note "
+        "'<tag> (no histogram)' there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run. The file stays after "
         "the run ends; that process holds an OS lock on it (fcntl.flock, msvcrt.locking on "
         "Windows) only while it lives, so the "

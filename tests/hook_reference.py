@@ -80,14 +80,15 @@ def profile_of_values(values: np.ndarray) -> tuple[dict[str, float | None], str 
     if finite.size == 0:
         out.update(dict.fromkeys(FINITE_ONLY))
         return out, r"^no finite entries$"
+    p25, p50, p75 = np.percentile(finite, [25, 50, 75], method="linear")
     out.update(
         mean=float(np.mean(finite)),
         std=float(np.std(finite)),
         min=float(finite.min()),
         max=float(finite.max()),
-        p25=float(np.percentile(finite, 25, method="linear")),
-        p50=float(np.percentile(finite, 50, method="linear")),
-        p75=float(np.percentile(finite, 75, method="linear")),
+        p25=float(p25),
+        p50=float(p50),
+        p75=float(p75),
     )
     return out, None
 

@@ -141,6 +141,7 @@ def worker(rank: int, port: int, output_dir: str) -> None:
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # two ranks on the machine's cores, not four contended threads
     dist.init_process_group("gloo", rank=rank, world_size=2)
     report: dict[str, list[str]] = {}
     try:

@@ -51,6 +51,10 @@ from hook_reference import (
 # Deterministic kernels on CUDA (set before the first CUDA call makes a cuBLAS handle).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# One torch thread: the same reduction order on both sides, and tiny models run faster on one
+# thread than on two contended ones.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 HAS_CUDA = torch.cuda.is_available()
 CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]

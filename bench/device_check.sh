@@ -15,6 +15,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     polars==2.1.0 polars-runtime-32==2.1.0
+# python3's torch there must be at least the project's floor (pyproject); print it first.
 # Usage: bash bench/device_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

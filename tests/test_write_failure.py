@@ -13,7 +13,7 @@ import errno
 import json
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,19 +212,16 @@ def test_writes_failing_for_10000_samples_keep_memory_under_the_cap_and_count_ev
         warnings.simplefilter("always")
         for _ in range(50):  # samples 0-49: written
             model(x)
+        wait_until(lambda: writers[0].rows_buffered == 0)  # (a timer flush may cut a part short)
         disk.full = True
         for _ in range(SAMPLES_FAILING):  # 50-149 buffered (the cap), 150-10049 dropped
             model(x)
         assert max(buffered) == cap
         disk.full = False  # the flush thread retries every flush_seconds / 2
-        deadline = time.monotonic() + 60
-        while writers[0].rows_buffered and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert writers[0].rows_buffered == 0, "the buffered rows did not land"
-        while not read_state(run_dir).losses and time.monotonic() < deadline:
-            time.sleep(0.05)  # the flush thread saves the ledger as soon as parts can be written
+        wait_until(lambda: writers[0].rows_buffered == 0)  # everything buffered lands
+        # and the ledger is saved: the state file, then index.md
+        wait_until(lambda: "with rows lost so far" in index_text(run_dir))
         (live,) = read_state(run_dir).losses
-        assert "**State: in progress**, with rows lost so far" in index_text(run_dir)
         for _ in range(30):  # 10050-10079: written as usual
             model(x)
         remove_observer(model)
@@ -249,6 +246,14 @@ def test_writes_failing_for_10000_samples_keep_memory_under_the_cap_and_count_ev
         assert sentence in index
         assert read_state(run_dir).status is Status.INCOMPLETE
         finalize(run_dir)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll `condition` (the flush thread's work) until it holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the flush thread did not get there"
+        time.sleep(0.02)
 
 
 def index_text(directory: Path) -> str:

@@ -28,9 +28,10 @@ from torchinstruments.events import (
     missing_text,
 )
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
+from torchinstruments.rundir import reserve
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
-from torchinstruments.rundir.layout import TENSORBOARD_DIR, check_output_dir
+from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
@@ -141,6 +142,8 @@ class DirectorySink:
         state = RunState(run)
         write_state(self.directory, state)
         write_index(self.directory, state)
+        files = (self.directory / STATE_FILE, self.directory / INDEX_FILE)
+        reserve.hold(self.directory, reserve.reserve_bytes(*files))
         self._history = history = HistoryWriter(self.directory, self._config)
         self._events = self._open_events()
         self._timer = FlushTimer(
@@ -247,10 +250,11 @@ class DirectorySink:
             except Exception as error:
                 self._give_up_events("could not be flushed", error)
 
-    def _save_losses(self, history: HistoryWriter) -> None:
+    def _save_losses(self, history: HistoryWriter, *, now: bool = False) -> None:
         """Write the loss ledger into the state file (and index.md) as soon as parts can be
-        written again; a failure is retried after half a flush interval."""
-        pending = history.unsaved_losses()
+        written again (`now`: at once, even while they cannot); a failure is retried after half
+        a flush interval."""
+        pending = history.unsaved_losses(now=now)
         if pending is None or self._run is None:
             return
         version, losses = pending
@@ -303,6 +307,9 @@ class DirectorySink:
                 self._timer.stop()
             history, run = self._history, self._run
             if history is not None:
+                # The small state file first: on a nearly full disk the backlog may take the
+                # last bytes, and then the ledger of the rows already dropped is still on disk.
+                self._save_losses(history, now=True)
                 history.close()  # what it could not write is in its loss ledger
             self._close_events()
             if history is not None and run is not None:
@@ -315,6 +322,7 @@ class DirectorySink:
                     losses=history.losses,
                     notes=(*counts.notes, *self._notes, *self._missing_note()),
                 )
+                reserve.release(self.directory)  # room for the final state and index.md
                 report = finish_run(self.directory, state)
                 for problem in report.problems:
                     if problem != self._events_problem:  # that one was warned when it happened
@@ -328,6 +336,7 @@ class DirectorySink:
             self._history = None
             self._timer = None
             self._term = None
+            reserve.release(self.directory)
             self._lock.release()
             forks.untrack(self)
 

@@ -61,8 +61,10 @@ def _section_state(state: RunState) -> list[str]:
         lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
         return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
     lost_bound = (
-        f"Rows measured in the last flush_seconds={run.flush_seconds} s before the process "
-        "ended may be missing: a SIGKILL or a crash loses them, a SIGTERM writes them first."
+        "Rows recorded after the last part that reached the disk may be missing: those of the "
+        f"last flush_seconds={run.flush_seconds} s when the process was killed or crashed while "
+        "parts could be written (a SIGTERM writes them first), every later row when part writes "
+        "were failing (a full disk) until it ended; the loss ledger lists what the run counted."
     )
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]

@@ -262,16 +262,14 @@ class HistoryWriter:
             if len(buffer) >= self._retry_at:
                 self._write_chunks()
 
-    def unsaved_losses(self) -> tuple[int, tuple[LostRows, ...]] | None:
+    def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
-        written again (so the run state probably can too); else None."""
+        written again (so the run state probably can too), or at once with `now`; else None."""
         with self._lock:
             ledger = self._ledger
-            if (
-                ledger.version == self._saved_version
-                or self._failing
-                or time.monotonic() < self._save_after
-            ):
+            if ledger.version == self._saved_version:
+                return None
+            if not now and (self._failing or time.monotonic() < self._save_after):
                 return None
             return ledger.version, ledger.entries
 

@@ -1,0 +1,118 @@
+"""A real full disk: a 2 MiB tmpfs that a filler file fills to the last byte, through removal.
+
+Every write fails for real (Polars, TensorBoard, the state file), nothing is injected. The run's
+reserve (`rundir.reserve`) gives the final state file and index.md their room at removal, so
+both state the lost ranges; after the filler is deleted, `finalize` merges what was written and
+keeps saying what is missing. Mounting needs root (CAP_SYS_ADMIN); elsewhere the test is skipped
+and says why (`test_write_failure.py` covers the same logic with injected failures).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.state import Status, read_state
+
+ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs mounted under tmp_path (unmounted afterwards), or a skip saying why not."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounting a 2 MiB tmpfs needs Linux and root (CAP_SYS_ADMIN)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """A file that takes every free byte of `disk`."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        block = b"\xff" * 65536
+        while True:
+            try:
+                f.write(block)
+            except OSError:
+                break
+        for size in (4096, 512, 1):  # the last partial blocks
+            while True:
+                try:
+                    f.write(b"\xff" * size)
+                except OSError:
+                    break
+    return filler
+
+
+# TensorBoard's own writer thread dies on ENOSPC; the run reports that as a TensorBoard problem.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_disk_full_through_removal_leaves_a_true_ledger(small_disk: Path) -> None:
+    run = small_disk / "run"
+    model = nn.Linear(2, 2)
+    inject_observer(
+        model,
+        output_dir=run,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=180, max_buffered_rows=1800, flush_seconds=600),
+    )
+    x = torch.randn(1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(20):  # samples 0-19: two parts
+            model(x).sum().backward()
+        filler = fill(small_disk)
+        assert os.statvfs(small_disk).f_bavail == 0
+        for _ in range(300):  # 20-119 buffered up to the cap, 120-319 dropped
+            model(x).sum().backward()
+        remove_observer(model)  # the backlog cannot be written either
+    expected = [
+        (100 * ROWS_PER_SAMPLE, 20, 119, "not written at removal"),
+        (200 * ROWS_PER_SAMPLE, 120, 319, "dropped at the memory cap"),
+    ]
+    for moment in ("after removal", "after finalize"):
+        state = read_state(run)
+        assert state.status is Status.INCOMPLETE, moment
+        losses = sorted(
+            (loss.rows, loss.first_sample_id, loss.last_sample_id, loss.reason)
+            for loss in state.losses
+        )
+        assert [loss[:3] for loss in losses] == [e[:3] for e in expected], moment
+        for loss, (*_, why) in zip(losses, expected, strict=True):
+            assert loss[3].startswith(why), moment
+            assert "No space left on device" in loss[3]
+        index = (run / "index.md").read_text("utf-8")
+        assert "**State: INCOMPLETE.**" in index, moment
+        assert "1,800 rows of samples 20-119 were recorded but not written" in index, moment
+        assert "3,600 rows of samples 120-319 were recorded but not written" in index, moment
+        if moment == "after removal":
+            filler.unlink()  # the space comes back
+            finalize(run)
+    history = pl.read_parquet(run / "history.parquet")
+    assert sorted(history["sample_id"].unique()) == list(range(20))
+    assert state.rows_recorded == 320 * ROWS_PER_SAMPLE
+    assert history.height == state.rows_recorded - sum(loss.rows for loss in state.losses)
+    assert not (run / "history.parts").exists()  # merged

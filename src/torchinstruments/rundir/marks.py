@@ -26,7 +26,7 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments import reasons
-from torchinstruments.records import INTERRUPTED, OUTPUT
+from torchinstruments.records import INTERRUPTED
 from torchinstruments.rundir.layout import (
     HISTORY_SCHEMA,
     list_parts,
@@ -108,30 +108,28 @@ def mark_partly_written(directory: Path) -> int | None:
     split = json.loads(entry)
     sample_id, signal = int(split["sample_id"]), str(split["signal"])
     ordinary = scan_history(last).filter(pl.col("sample_id") == sample_id, ~is_mark())
-    row = ordinary.select("forward_index", "rank", "mode").head(1).collect()
-    forward_index, rank, mode = row.row(0) if row.height else (None, None, "")
+    found = ordinary.select("forward_index", "rank", "mode").head(1).collect()
+    forward_index, rank, mode = found.row(0) if found.height else (None, None, "")
     reason = reasons.partly_written(signal, int(split["rows_in_parts"]), int(split["rows"]))
-    marker = pl.DataFrame(
-        {
-            "sample_id": [sample_id],
-            "forward_index": [forward_index],
-            "timestamp": [time.time_ns() // 1000],
-            "rank": [rank],
-            "layer": [""],
-            "module_type": [""],
-            "call_index": [0],
-            "signal": [OUTPUT if signal == OUTPUT else signal],
-            "tensor_path": [""],
-            "shape": [None],
-            "dtype": [""],
-            "mode": [mode],
-            "grad_enabled": [None],
-            "metric": [INTERRUPTED],
-            "value": [None],
-            "unavailable_reason": [reason],
-        },
-        schema={**HISTORY_SCHEMA, "timestamp": pl.Int64()},
-    ).with_columns(pl.col("timestamp").cast(HISTORY_SCHEMA["timestamp"]))
+    row: dict[str, object] = dict.fromkeys(HISTORY_SCHEMA)  # null unless said below
+    row.update(
+        sample_id=sample_id,
+        forward_index=forward_index,
+        timestamp=time.time_ns() // 1000,
+        rank=rank,
+        layer="",
+        module_type="",
+        call_index=0,
+        signal=signal,
+        tensor_path="",
+        dtype="",
+        mode=mode,
+        metric=INTERRUPTED,
+        unavailable_reason=reason,
+    )
+    schema = {**HISTORY_SCHEMA, "timestamp": pl.Int64()}
+    marker = pl.DataFrame({name: [value] for name, value in row.items()}, schema=schema)
+    marker = marker.with_columns(pl.col("timestamp").cast(HISTORY_SCHEMA["timestamp"]))
     number = part_number(last)
     assert number is not None  # list_parts lists only part files
     write_parquet_atomic(marker, part_path(directory, number + 1))

@@ -153,7 +153,10 @@ def test_layers_regex_forward_index_and_scales(faulty: Path, tmp_path: Path) -> 
         assert {tuple(pixels[heatmap_cell(output, empty, c)]) for c in range(STEPS)} == {
             NULL_COLOUR
         }
-    assert cli("heatmap", faulty, "--metrics", "nope", "-o", tmp_path).returncode == 1
+    refused = cli("heatmap", faulty, "--metrics", "std,nope", "-o", tmp_path)
+    assert refused.returncode == 1
+    assert "nope" in refused.stderr
+    assert "its metrics: max, mean" in refused.stderr
 
 
 def _grid(names: list[str]) -> Grid:

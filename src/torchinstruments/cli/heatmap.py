@@ -62,6 +62,7 @@ SCALES = ("linear", "robust", "log")
 ROBUST_PERCENTILES = (2.0, 98.0)
 LABEL_ROWS = 60
 DPI = 100
+MAX_PIXELS = 80_000_000  # about 320 MB of RGBA canvas; 3,000 layers x 500 samples is 3.8 M
 PNG_COMPRESSION = 3  # zlib level: large images encode several times faster than at 6
 FONT_SIZE = 8
 LABELLED_CELL_HEIGHT = 14  # px per row when every row is labelled
@@ -178,6 +179,12 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
     )
     columns = rows[x].unique().sort()
     n_rows, n_cols = tensors.height, columns.len()
+    if len(signals) * n_rows * n_cols > MAX_PIXELS // 2:
+        raise ValueError(
+            f"{metric}: {n_rows} tensors x {n_cols} samples x {len(signals)} signal(s) is more "
+            f"cells than one image holds ({MAX_PIXELS // 2:,}): choose fewer tensors with "
+            "--layers REGEX or one signal with --signal"
+        )
     col = np.searchsorted(columns.to_numpy(), located[x].to_numpy())
     row = located["_row"].to_numpy()
     sig = located["_signal"].to_numpy()
@@ -332,6 +339,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
+        ValueError: if the image would exceed MAX_PIXELS (every cell is at least one pixel).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -352,6 +360,12 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
     width = left + stride * len(grid.signals) + 8
     height = TOP + panel_h + BOTTOM
+    if width * height > MAX_PIXELS:
+        raise ValueError(
+            f"the {grid.metric} image would be {width}x{height} px ({n_rows} tensors x {n_cols} "
+            f"samples, at least one pixel each; the most is {MAX_PIXELS:,} px): choose fewer "
+            "tensors with --layers REGEX or one signal with --signal"
+        )
     figure = Figure(figsize=(width / DPI, height / DPI), dpi=DPI, facecolor="white")
     canvas = FigureCanvasAgg(figure)
     boxes = []
@@ -482,24 +496,25 @@ def heatmap(
     except ImportError as exc:
         raise MatplotlibMissingError(MISSING_MATPLOTLIB.replace(" plot ", " heatmap ")) from exc
     facts = read_facts(directory)
-    metrics = selection.metrics
-    if metrics is None:
-        present = read_history(
-            directory,
-            lambda lf: select(lf, layers=selection.layers, signals=selection.signals).select(
-                pl.col("metric").unique()
-            ),
-        )["metric"].to_list()
-        metrics = tuple(metric_order(present, facts.run))
+    present = read_history(
+        directory,
+        lambda lf: select(lf, layers=selection.layers, signals=selection.signals).select(
+            pl.col("metric").unique()
+        ),
+    )["metric"].to_list()
+    if not present:
+        raise ValueError(f"no history rows in {directory} match the selection")
+    metrics = selection.metrics or tuple(metric_order(present, facts.run))
+    absent = [m for m in metrics if m not in present]
+    if absent:
+        raise ValueError(
+            f"no rows of metric(s) {', '.join(absent)} in {directory} for this selection; "
+            f"its metrics: {', '.join(metric_order(present, facts.run))}"
+        )
     results = []
     for metric in metrics:
-        rows = grid_rows(directory, metric, selection, x)
-        if rows.is_empty():
-            continue
-        grid = build_grid(rows, facts, metric, x)
+        grid = build_grid(grid_rows(directory, metric, selection, x), facts, metric, x)
         results.append(draw(grid, facts, Path(output_dir) / file_name(metric), scale=scale))
-    if not results:
-        raise ValueError(f"no history rows in {directory} match the selection")
     return results
 
 

@@ -177,6 +177,10 @@ def test_keyboard_interrupt_between_layers_marks_the_sample(
     assert "marked samples: 1" in shown
     assert "KeyboardInterrupt" in shown
     assert "!" not in shown.split("mean:", 1)[1]  # the latest values are all from sample 2
+    assert cli_main(["compare", str(run_dir), str(run_dir), "--metrics", "mean"]) == 0
+    compared = " ".join(capsys.readouterr().out.split())
+    assert "A: marked samples: 1" in compared
+    assert "B: marked samples: 1" in compared
 
 
 ROWS_PER_SAMPLE = 3 * 9 * 2  # Linear, Tanh, Linear; default metrics; output and gradient

@@ -246,19 +246,32 @@ class HistoryWriter:
             return
         with self._lock:
             cap = self._config.buffered_rows_cap
-            buffer = self._buffer
+            buffer, records = self._buffer, self._records
+            size = len(buffer)  # kept by hand: this loop runs once per measured tensor
+            last = records[-1] if records else None
+            produced = 0
             for m in measurements:
                 k = len(m.metrics)
-                self._rows_produced += k
-                if len(buffer) + k > cap and not self._failing:
-                    self._write_backlog()  # writes work: only a very large sample got here
-                if len(buffer) + k > cap:
-                    self._drop(k, m.sample_id)
-                    continue
-                if not len(buffer):
+                produced += k
+                if size + k > cap:
+                    if not self._failing:  # writes work: only a very large sample got here
+                        self._write_backlog()
+                        size = len(buffer)
+                        last = records[-1] if records else None
+                    if size + k > cap:
+                        self._drop(k, m.sample_id)
+                        continue
+                if not size:
                     self._oldest = _monotonic_of(m.timestamp_us)
                 buffer.extend(m)
-                self._note_record(m.sample_id, m.signal, k)
+                size += k
+                if last is not None and last.sample_id == m.sample_id and last.signal == m.signal:
+                    last.rows += k
+                    last.left += k
+                else:
+                    last = _BufferedRecord(m.sample_id, m.signal, k)
+                    records.append(last)
+            self._rows_produced += produced
             if len(buffer) >= self._retry_at:
                 self._write_chunks()
 
@@ -325,17 +338,6 @@ class HistoryWriter:
                     f"({self._error})",
                 )
             return not self._ledger.rows
-
-    def _note_record(self, sample_id: int, signal: str, rows: int) -> None:
-        """Extend the newest buffered record, or start one (the caller holds the lock)."""
-        records = self._records
-        if records:
-            last = records[-1]
-            if last.sample_id == sample_id and last.signal == signal:
-                last.rows += rows
-                last.left += rows
-                return
-        records.append(_BufferedRecord(sample_id, signal, rows))
 
     def _drop(self, rows: int, sample_id: int) -> None:
         """Count one measurement's rows as lost at the memory cap (the caller holds the lock)."""

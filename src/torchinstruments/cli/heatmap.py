@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.show import Selection
+from torchinstruments.cli.text import plural
 from torchinstruments.records import SIGNALS
 
 CELL_ABSENT, CELL_VALUE, CELL_NULL, CELL_NONFINITE = 0, 1, 2, 3
@@ -72,7 +74,9 @@ PANEL_MIN_WIDTH = 120
 MAX_CELL_WIDTH = 24
 CHAR_WIDTH = 6  # px of an 8 pt character, to size the label margin
 MAX_LABEL_CHARS = 48
-TOP = 64
+TITLE_LINE = 15  # px per title line (9 pt)
+TITLE_CHAR_WIDTH = 6.6  # px of a 9 pt character, to wrap the title to the image's width
+PANEL_TITLE = 34  # px between the title and the panels (the panels' own titles)
 BOTTOM = 76
 COLORBAR_GAP, COLORBAR_WIDTH, COLORBAR_LABELS = 8, 12, 78
 X_LABELS = {
@@ -359,7 +363,15 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     left = 16 + CHAR_WIDTH * max((len(label) for label in labels), default=8)
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
     width = left + stride * len(grid.signals) + 8
-    height = TOP + panel_h + BOTTOM
+    where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
+    about = (
+        f"{plural(n_rows, 'tensor')} down in traversal order (labelled: {label_kind}), "
+        f"{plural(n_cols, 'sample')} across; one colour scale per panel"
+    )
+    chars = max(40, int((width - 16) / TITLE_CHAR_WIDTH))
+    title = [f"{grid.metric}: {where}", *textwrap.wrap(about, chars)]
+    top = 8 + TITLE_LINE * len(title) + PANEL_TITLE
+    height = top + panel_h + BOTTOM
     if width * height > MAX_PIXELS:
         raise ValueError(
             f"the {grid.metric} image would be {width}x{height} px ({n_rows} tensors x {n_cols} "
@@ -370,7 +382,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     canvas = FigureCanvasAgg(figure)
     boxes = []
     pasted: list[tuple[int, np.ndarray]] = []
-    bottom = height - TOP - panel_h  # pixels from the figure's bottom edge
+    bottom = height - top - panel_h  # pixels from the figure's bottom edge
     for s, signal in enumerate(grid.signals):
         x0 = left + s * stride
         finite = grid.values[s][grid.cells[s] == CELL_VALUE]
@@ -401,16 +413,8 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
         colorbar.ax.tick_params(which="both", labelsize=FONT_SIZE - 1)
         colorbar.set_label(scale_name.split(" ")[0].rstrip(":"), fontsize=FONT_SIZE - 1)
         vmin, vmax = (float(norm.vmin), float(norm.vmax)) if finite.size else (None, None)
-        boxes.append(PanelBox(signal, x0, TOP, cell_w, cell_h, scale_name, vmin, vmax))
-    where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
-    figure.text(
-        8 / width,
-        1 - 8 / height,
-        f"{grid.metric}: {where}\n{n_rows} tensor(s) down in traversal order (labelled: "
-        f"{label_kind}), {n_cols} sample(s) across; one colour scale per panel",
-        fontsize=FONT_SIZE + 1,
-        va="top",
-    )
+        boxes.append(PanelBox(signal, x0, top, cell_w, cell_h, scale_name, vmin, vmax))
+    figure.text(8 / width, 1 - 8 / height, "\n".join(title), fontsize=FONT_SIZE + 1, va="top")
     swatches = [
         Patch(facecolor=_unit(c), edgecolor="black", linewidth=0.5, label=text)
         for c, text in (
@@ -444,7 +448,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     canvas.draw()
     image = np.array(canvas.buffer_rgba())[:, :, :3]
     for x0, rgb in pasted:  # whole-pixel cells, over the drawn frame: no resampling
-        image[TOP : TOP + panel_h, x0 : x0 + panel_w] = np.repeat(
+        image[top : top + panel_h, x0 : x0 + panel_w] = np.repeat(
             np.repeat(rgb, cell_h, axis=0), cell_w, axis=1
         )
     info = PngInfo()

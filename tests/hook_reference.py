@@ -161,7 +161,7 @@ def reference_tensor(tensor: torch.Tensor) -> ReferenceTensor:
     return ReferenceTensor(profile, reason, shape, dtype, scale)
 
 
-def shared_reference(like: ReferenceTensor, calls: int) -> ReferenceTensor:
+def shared_reference(like: ReferenceTensor) -> ReferenceTensor:
     """A gradient several calls of one layer share: null with the shared-output reason."""
     return dataclasses.replace(like, values=dict.fromkeys(METRICS), reason=SHARED_REASON)
 
@@ -248,7 +248,7 @@ class HookRecorder:
         # during backward) is not a call of a sampled forward. The end hook is registered first
         # and the layer hooks prepended, so a root that is itself a layer is recorded before.
         model.register_forward_pre_hook(self._begin_root)
-        model.register_forward_hook(self._end_root)
+        model.register_forward_hook(self._end_root, always_call=True)  # also when it raises
         for name in self.names:
             modules[name].register_forward_hook(self._forward_hook(name), prepend=True)
 
@@ -315,7 +315,7 @@ class HookRecorder:
                 per_layer[key[1]] = per_layer.get(key[1], 0) + 1
             for key in uses:
                 shared = per_layer[key[1]]
-                self.tensors[key] = row if shared == 1 else shared_reference(row, shared)
+                self.tensors[key] = row if shared == 1 else shared_reference(row)
 
         tensor.register_hook(on_gradient)
 

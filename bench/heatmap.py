@@ -8,7 +8,8 @@ signals, the nine default metrics: 27,000,000 history rows. A real run that long
 shared CPU, so the rows are written here (random values; the heatmap's cost does not depend on
 them) as parts in the library's order and merged with the library's own `merge_history`; the
 state file and index.md are the library's, from a `RunState`. Timed: `torchinstruments heatmap`
-as a user runs it, in a fresh process (imports included), for one metric (one image: read,
+as a user runs it, in a fresh process (imports included, byte-compiled as in an installed
+environment, so PYTHONDONTWRITEBYTECODE is dropped for it; one warm-up run), for one metric (one image: read,
 grid, draw, PNG), then for all nine; wall and CPU seconds (user + system, all threads) and the
 peak RSS of that process, best and median of `--rounds`.
 
@@ -120,8 +121,11 @@ def build(directory: Path, blocks: int, samples: int) -> int:
 def timed(directory: Path, out: Path, metrics: tuple[str, ...]) -> tuple[float, float, float]:
     """(wall s, CPU s, peak RSS MiB) of `torchinstruments heatmap` in a fresh process."""
     argv = [sys.executable, "-m", "torchinstruments", "heatmap", str(directory), "-o", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     start = time.perf_counter()
-    child = subprocess.Popen([*argv, "--metrics", ",".join(metrics)], stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [*argv, "--metrics", ",".join(metrics)], stdout=subprocess.DEVNULL, env=env
+    )
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -151,6 +155,7 @@ def main() -> None:
             f"history.parquet {(directory / 'history.parquet').stat().st_size / 2**20:.0f} MiB "
             f"(ready in {time.perf_counter() - start:.0f} s)"
         )
+        timed(directory, out, ("mean",))  # warm-up: compiles the imports once, as installs do
         for label, metrics in (("one metric (std)", ("std",)), ("all nine metrics", METRICS)):
             runs = [timed(directory, out, metrics) for _ in range(args.rounds)]
             walls, cpus, peaks = zip(*runs, strict=True)

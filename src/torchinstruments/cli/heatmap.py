@@ -151,6 +151,7 @@ def grid_rows(directory: Path, metric: str, selection: Selection, x: str) -> pl.
         lambda lf: select(
             lf, layers=selection.layers, signals=selection.signals, metrics=(metric,)
         ).select(*(pl.col(n).cast(pl.Categorical) for n in names), "call_index", x, "value"),
+        write_order=False,  # a cell is one row: no order needed, so the filters reach the scan
     )
 
 
@@ -505,6 +506,7 @@ def heatmap(
         lambda lf: select(lf, layers=selection.layers, signals=selection.signals).select(
             pl.col("metric").unique()
         ),
+        write_order=False,
     )["metric"].to_list()
     if not present:
         raise ValueError(f"no history rows in {directory} match the selection")

@@ -156,24 +156,35 @@ def locate(directory: Path) -> RunFiles:
     raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
 
 
-def scan_files(files: RunFiles) -> pl.LazyFrame:
-    """The history of `files` as one LazyFrame, with a `_write_order` row index."""
+def scan_files(files: RunFiles, *, write_order: bool = True) -> pl.LazyFrame:
+    """The history of `files` as one LazyFrame, with a `_write_order` row index if asked.
+
+    The row index keeps filters from reaching the Parquet scan (a row's index depends on every
+    row before it), so a query that needs no order asks for none and reads only what it keeps.
+    """
     if not files.paths:
-        return pl.DataFrame(schema=HISTORY_SCHEMA).lazy().with_row_index(_ORDER)
-    return pl.scan_parquet(
-        files.paths, schema=HISTORY_SCHEMA, glob=False, hive_partitioning=False
-    ).with_row_index(_ORDER)
+        lf = pl.DataFrame(schema=HISTORY_SCHEMA).lazy()
+    else:
+        lf = pl.scan_parquet(
+            files.paths, schema=HISTORY_SCHEMA, glob=False, hive_partitioning=False
+        )
+    return lf.with_row_index(_ORDER) if write_order else lf
 
 
 def read_history(
-    directory: Path, query: Callable[[pl.LazyFrame], pl.LazyFrame] = lambda lf: lf
+    directory: Path,
+    query: Callable[[pl.LazyFrame], pl.LazyFrame] = lambda lf: lf,
+    *,
+    write_order: bool = True,
 ) -> pl.DataFrame:
     """Collect `query(history)` for a finished, live or crashed run.
 
     Args:
         directory: the run directory.
-        query: builds the result from the history LazyFrame (which has the history schema plus
-            `_write_order`, the row's position in write order).
+        query: builds the result from the history LazyFrame (which has the history schema plus,
+            with `write_order`, `_write_order`, the row's position in write order).
+        write_order: whether the query needs `_write_order` (without it, filters and column
+            choices reach the Parquet scan).
 
     Returns:
         The collected frame.
@@ -184,7 +195,7 @@ def read_history(
     for attempt in range(READ_ATTEMPTS):
         files = locate(directory)
         try:
-            return query(scan_files(files)).collect()
+            return query(scan_files(files, write_order=write_order)).collect()
         except (FileNotFoundError, pl.exceptions.ComputeError):
             # A live run merged (and removed) parts between listing and reading: list again.
             if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):

@@ -5,7 +5,8 @@ slower than the peer; at 10 M rows / 54k series (3,000 layers) still bounded", a
 sizes (history bytes per row, result.json, index.md).
 
 Each case trains a model with every step sampled, in a fresh child process, then times
-`remove_observer` and reads the process's peak RSS during it: the kernel's high-water mark
+`remove_observer` (wall and CPU time: on a shared machine the CPU time is the steadier figure)
+and reads the process's peak RSS during it: the kernel's high-water mark
 (`VmHWM`) is reset just before the call (`/proc/self/clear_refs`), so the figure is the peak of
 the removal alone, over the RSS just before it (`VmRSS`). Cases:
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -93,27 +95,38 @@ def status(key):
 before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     remove_observer(model)
-remove_s = time.perf_counter() - t0
+remove_s, remove_cpu = time.perf_counter() - t0, time.process_time() - c0
 peak = status("VmHWM")
-print(json.dumps({"train_s": train_s, "remove_s": remove_s, "rss_before": before, "peak": peak}))
+print(json.dumps({"train_s": train_s, "remove_s": remove_s, "remove_cpu": remove_cpu,
+                  "rss_before": before, "peak": peak}))
 """
 
 CASES = {"chain": 55, "deep": 186}
 
 
-def run_child(python: str, case: str, steps: int, impl: str) -> dict[str, Any]:
-    """One training run and removal in a fresh process; adds artifact sizes to its figures."""
+def run_child(
+    python: str, case: str, steps: int, impl: str, source: str | None = None
+) -> dict[str, Any]:
+    """One training run and removal in a fresh process; adds artifact sizes to its figures.
+
+    `source`: a `src` folder of another checkout of this project, put first on the child's
+    path (the "before" of a change).
+    """
     directory = Path(tempfile.mkdtemp(prefix=f"ti-removal-{impl}-")) / "stats"
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = source
     try:
         out = subprocess.run(
             [python, "-c", CHILD, case, str(steps), impl, str(directory)],
             capture_output=True,
             text=True,
             check=False,
+            env=env,
         )
         if out.returncode:
             raise SystemExit(f"{impl} {case} failed:\n{out.stderr[-4000:]}")
@@ -152,6 +165,7 @@ def report(case: str, impl: str, runs: list[dict[str, Any]]) -> None:
     print(
         f"| {case} | {impl} | {first['rows']:,} | {first['series']:,} "
         f"| {spread([r['remove_s'] for r in runs], '.2f')} s "
+        f"| {spread([r['remove_cpu'] for r in runs], '.2f')} s "
         f"| {spread(growth, ',.0f')} MiB | {median([r['rss_before'] for r in runs]):,.0f} MiB "
         f"| {first['history.parquet'] / first['rows']:.2f} "
         f"| {first['result.json'] / 2**20:.1f} MiB | {first['index.md'] / 1024:.0f} KiB "
@@ -165,23 +179,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="override the case's steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-python", default=None, help="interpreter with the peer installed")
+    parser.add_argument(
+        "--before", default=None, help="src/ of an older checkout, run as 'before' next to ours"
+    )
     args = parser.parse_args()
     cases = list(CASES) if args.case == "all" else [args.case]
-    impls = [("ours", sys.executable)]
+    impls: list[tuple[str, str, str | None]] = [("ours", sys.executable, None)]
+    if args.before:
+        impls.append(("ours before", sys.executable, args.before))
     if args.peer_python:
-        impls.append(("peer 0.10.2", args.peer_python))
+        impls.append(("peer 0.10.2", args.peer_python, None))
     print(
-        "| case | impl | rows | series | remove_observer | peak over RSS before | RSS before "
-        "| history B/row | result.json | index.md | training |"
+        "| case | impl | rows | series | remove_observer wall | its CPU | peak over RSS before "
+        "| RSS before | history B/row | result.json | index.md | training wall |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in cases:
         steps = args.steps or CASES[case]
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in impls}
-        for _ in range(args.repeats):  # alternating, so drift hits both alike
-            for name, python in impls:
-                runs[name].append(run_child(python, case, steps, name.split()[0]))
-        for name, _ in impls:
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in impls}
+        for _ in range(args.repeats):  # alternating, so drift hits all alike
+            for name, python, source in impls:
+                runs[name].append(run_child(python, case, steps, name.split()[0], source))
+        for name, _, _ in impls:
             report(case, name, runs[name])
 
 

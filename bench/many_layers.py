@@ -12,7 +12,8 @@ and ordering hit all alike), an SGD step included in every variant:
   layers, results kept in a list and moved to the host once per step), `observed` (defaults,
   every step sampled).
 * `deep`: 1,000 x (`Linear(8,8)`, `ReLU`, `LayerNorm(8)`) = 3,000 layers, batch 4. Variants:
-  `none`, `unsampled` (observer attached, never sampling), `observed` (every step sampled).
+  `none`, `unsampled` (observer attached, never sampling), `observed` (every step sampled),
+  `hand` as above.
 
 Ratios are medians of per-round ratios, with min..max. `--profile` prints a cProfile of sampled
 steps of the chosen model instead (where the fixed cost goes).

@@ -260,6 +260,31 @@ def test_result_json_is_one_compact_line_per_layer(summarized: tuple[Path, list[
     assert all(": " not in line and ", " not in line for line in lines[1:-1])
 
 
+def test_result_json_of_a_large_model_stays_compact(tmp_path: Path) -> None:
+    """About 300 bytes per tensor-metric with full-precision values: a 3,000-layer run (output
+    and gradient, 9 metrics) is about 16 MB; the indented layout with every fact per metric took
+    about 670 bytes (36 MB)."""
+    rng = random.Random(3)
+    metrics = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite")
+    layers = [
+        LayerInfo(f"blocks.{i // 3}.{('fc', 'act', 'norm')[i % 3]}", "Linear") for i in range(300)
+    ]
+    writer = HistoryWriter(tmp_path, HistoryConfig())
+    for s in range(12):
+        for signal in ("output", "output_gradient"):
+            writer.append(
+                [
+                    m(s, li.name, {k: rng.gauss(0, 1) for k in metrics}, signal=signal)
+                    for li in layers
+                ]
+            )
+    writer.close()
+    merge_history(tmp_path)
+    write_result(tmp_path, tuple(layers), 10)
+    size = (tmp_path / "result.json").stat().st_size
+    assert size / (len(layers) * 2 * len(metrics)) < 320
+
+
 def test_layout_cases_are_present(summarized: tuple[Path, list[dict]]) -> None:
     _, data = summarized
     by_layer = {d["layer"]: d for d in data}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -9,7 +10,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from torchinstruments import EveryNForwardsSampler, has_observer
 from torchinstruments.integrations import HuggingFaceObserver
@@ -143,3 +151,23 @@ def _linear_only(name: str, module: nn.Module) -> bool:
 def test_bad_option_fails_when_the_callback_is_built() -> None:
     with pytest.raises(TypeError, match="sinks"):
         HuggingFaceObserver(sinks="tensorboard")
+
+
+def test_only_the_trainers_main_process_attaches_with_rank0(tmp_path: Path) -> None:
+    """A process the Trainer calls not the world's main one attaches nothing, and its end of
+    training removes nothing (quietly); with rank_policy='all' it attaches."""
+    model = tiny_bert()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    other = TrainerState(is_world_process_zero=False)
+    callback = HuggingFaceObserver()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.on_train_begin(args, other, TrainerControl(), model=model)
+        assert (callback.directory, has_observer(model)) == (None, False)
+        callback.on_train_end(args, other, TrainerControl(), model=model)
+    every = HuggingFaceObserver(rank_policy="all")
+    every.on_train_begin(args, other, TrainerControl(), model=model)
+    assert every.directory == tmp_path / "out" / "torchinstruments"
+    assert has_observer(model)
+    every.on_train_end(args, other, TrainerControl(), model=model)
+    assert not has_observer(model)

@@ -14,6 +14,7 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
     Trainer,
+    TrainerCallback,
     TrainerControl,
     TrainerState,
     TrainingArguments,
@@ -171,3 +172,36 @@ def test_only_the_trainers_main_process_attaches_with_rank0(tmp_path: Path) -> N
     assert has_observer(model)
     every.on_train_end(args, other, TrainerControl(), model=model)
     assert not has_observer(model)
+
+
+class RaiseAtStepEnd(TrainerCallback):
+    """Another callback that raises after the first step: outside `training_step`."""
+
+    def on_step_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 1:
+            raise RuntimeError("boom in a callback")
+
+
+def test_an_exception_outside_the_step_is_finished_by_the_next_train(tmp_path: Path) -> None:
+    model = tiny_bert()
+    observer = HuggingFaceObserver(sampler=EveryNForwardsSampler(1))
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=examples(), callbacks=[observer])
+    trainer.add_callback(RaiseAtStepEnd())
+    with pytest.raises(RuntimeError, match="boom in a callback"):
+        trainer.train()
+    assert has_observer(model)  # transformers said nothing: the observer is still attached
+    trainer.pop_callback(RaiseAtStepEnd)
+    with pytest.warns(RuntimeWarning, match="the previous fit's observer was still attached"):
+        trainer.train()
+    first = tmp_path / "out" / "torchinstruments"
+    assert run_status(first) == "complete"
+    assert "the fit ended without the trainer's end-of-fit callback" in (
+        first / "index.md"
+    ).read_text(encoding="utf-8")
+    assert observer.directory == tmp_path / "out" / "torchinstruments-2"
+    assert not has_observer(model)
+    assert "training_step" not in trainer.__dict__  # one guard at a time, undone at the end

@@ -20,8 +20,9 @@ handler is given no reference to it) and wraps that instance's `training_step` (
 the Trainer object, never of the model; undone at removal): an exception raised in a training
 step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
 unchanged. An exception elsewhere (data loading, the optimizer step, evaluation) leaves the
-observer attached; the next `train()` with this callback finishes that run with a note, and so
-does the end of the process (the observer's finalizer). The same Trainer is how the callback
+observer attached; the next `train()` with this callback finishes that run with a note (and a
+warning), and otherwise the end of the process does (the observer's finalizer; no note, since
+nothing then knows how the fit ended). The same Trainer is how the callback
 finds its `TensorBoardCallback`'s writer.
 
 Imports `transformers` when this module is imported.
@@ -89,6 +90,7 @@ class HuggingFaceObserver(TrainerCallback):
         """Inject into the model; histograms also into the Trainer's TensorBoard writer."""
         if model is None:
             raise TypeError("HuggingFaceObserver: on_train_begin was called without the model")
+        self._undo_guard()  # a guard left by a train() that ended without on_train_end
         trainer = _running_trainer()
         directory = self._fit.start(
             model,

@@ -210,3 +210,41 @@ def test_heatmap_without_matplotlib_says_how_to_install(faulty: Path, tmp_path: 
     assert result.returncode == 3
     assert "torchinstruments[plot]" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_nonfinite_value_is_magenta_and_never_a_scale_end(tmp_path: Path) -> None:
+    """Histories the library writes hold no NaN or Inf; one written by other tools may."""
+    from torchinstruments.cli.heatmap import NONFINITE_COLOUR
+    from torchinstruments.rundir.layout import HISTORY_SCHEMA
+
+    values = [0.0, float("inf"), 1.0, float("nan")]
+    frame = pl.DataFrame(
+        {
+            "sample_id": [0, 1, 2, 3],
+            "forward_index": [0, 1, 2, 3],
+            "layer": ["fc"] * 4,
+            "module_type": ["Linear"] * 4,
+            "call_index": [0] * 4,
+            "signal": ["output"] * 4,
+            "tensor_path": [""] * 4,
+            "metric": ["mean"] * 4,
+            "value": values,
+        }
+    )
+    run = tmp_path / "foreign"
+    run.mkdir()
+    others = [
+        pl.lit(None, dtype).alias(name)
+        for name, dtype in HISTORY_SCHEMA.items()
+        if name not in frame.columns
+    ]
+    history = frame.with_columns(others).select(list(HISTORY_SCHEMA)).cast(HISTORY_SCHEMA)
+    history.write_parquet(run / "history.parquet")
+    result = cli("heatmap", run, "-o", tmp_path)
+    assert result.returncode == 0, result.stderr
+    pixels, meta = read_heatmap(tmp_path / "heatmap-mean.png")
+    (panel,) = meta["panels"]
+    assert (panel["vmin"], panel["vmax"]) == (0.0, 1.0)  # the finite values only
+    got = [tuple(pixels[heatmap_cell(panel, 0, c)]) for c in range(4)]
+    assert got[1] == got[3] == NONFINITE_COLOUR
+    assert got[2] == TOP

@@ -19,7 +19,8 @@ from torchinstruments.__main__ import main
 from torchinstruments.records import LayerInfo, Measurement, MetricValue
 from torchinstruments.rundir import summary as summary_module
 from torchinstruments.rundir.merge import merge_history
-from torchinstruments.rundir.summary import window_mean, write_catalog, write_result
+from torchinstruments.rundir.summary import write_catalog, write_result
+from torchinstruments.rundir.windows import window_mean
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 from conftest import strict_loads

@@ -13,7 +13,7 @@ Design decisions:
 - A live run may merge (and delete its parts) between listing and reading; the read is retried
   with a fresh listing (`READ_ATTEMPTS`).
 - Summaries follow result.json's definitions: `latest` is the last observation of a series, and
-  the recent window is result.json's own (`rundir.summary.window_summaries`: the series' latest
+  the recent window is result.json's own (`rundir.windows.window_summaries`: the series' latest
   `window` sample_ids, the exact mean of its finite values), so `show` and result.json agree to
   the last bit.
 
@@ -46,7 +46,7 @@ from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line
 from torchinstruments.rundir.state import RunState, Status
-from torchinstruments.rundir.summary import SERIES_KEY, TENSOR_KEY, window_summaries
+from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summaries
 from torchinstruments.rundir.writer import HistoryConfig
 
 X_COLUMNS = ("sample_id", "forward_index")
@@ -289,7 +289,7 @@ def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
     Columns: the series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
     `window_mean`, `window_samples`, `window_valid`, `window_first_sample_id`,
     `window_last_sample_id` (result.json's `recent` window, from the same
-    `rundir.summary.window_summaries`, so the means agree to the bit), `observations`.
+    `rundir.windows.window_summaries`, so the means agree to the bit), `observations`.
     """
     sid = pl.col("sample_id")
     value = pl.col("value")

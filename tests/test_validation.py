@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,11 @@ def test_observer_config_options_pass_through_to_inject_observer(run_dir: Path) 
     remove_observer(model)
     history = read_history(run_dir)
     assert sorted(history["forward_index"].unique().to_list()) == [0, 2]
+
+
+def test_inject_observer_and_observer_config_name_the_same_options_and_defaults() -> None:
+    """The two spellings of the options (the signature, the config's fields) cannot drift."""
+    parameters = inspect.signature(inject_observer).parameters
+    signature = {name: p.default for name, p in parameters.items() if name != "model"}
+    fields = {item.name: item.default for item in dataclasses.fields(ObserverConfig) if item.init}
+    assert signature == fields

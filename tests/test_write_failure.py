@@ -258,3 +258,16 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
 
 def index_text(directory: Path) -> str:
     return (directory / "index.md").read_text("utf-8")
+
+
+def test_finalize_names_the_sample_gaps_no_ledger_explains(tmp_path: Path) -> None:
+    """A crashed run with no state file: the gap in the sample ids is all that is left."""
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=30))
+    for sample in [*range(10), *range(20, 30)]:  # samples 10-19 never reached a part
+        writer.append([measurement(sample)])
+    writer.flush()
+    report = finalize(tmp_path)
+    assert report.state.status is Status.INCOMPLETE
+    (gap,) = [p for p in report.problems if "no loss ledger entry covers them" in p]
+    assert gap.startswith("no row of samples 10-19 is in history.parquet")
+    assert gap in index_text(tmp_path)

@@ -337,7 +337,10 @@ class Observer:
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
-            sample.interrupted = self._marker_row(sample, error)
+            try:
+                sample.interrupted = self._marker_row(sample, error)
+            except Exception as failure:  # the user's exception is what must propagate
+                self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
             raise
         finally:
             local.depth = 0

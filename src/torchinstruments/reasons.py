@@ -201,7 +201,10 @@ _MESSAGE_CHARS = 200
 
 def interrupted(error: BaseException, layer: str | None, call_index: int) -> str:
     """A sampled root forward raised `error`, in `layer` (None: outside the selected layers)."""
-    message = " ".join(str(error).split()) or "(no message)"
+    try:
+        message = " ".join(str(error).split()) or "(no message)"
+    except Exception:  # an exception whose __str__ raises still gets its mark
+        message = "(its message could not be read)"
     if len(message) > _MESSAGE_CHARS:
         message = message[: _MESSAGE_CHARS - 3] + "..."
     where = (

@@ -199,8 +199,13 @@ def test_empty_tensor_on_every_path(path: str) -> None:
     assert record is None
 
 
-def test_a_batch_of_mixed_tensors_matches_numpy() -> None:
-    """Many small tensors reduced together, as one sampled forward's: each still matches NumPy."""
+@pytest.mark.parametrize("chunk", [numerics.CHUNK, 97], ids=["one_chunk", "segments_across_chunks"])
+def test_a_batch_of_mixed_tensors_matches_numpy(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many small tensors reduced together, as one sampled forward's: each still matches NumPy
+    (also when the moments' chunks cut through segments)."""
+    monkeypatch.setattr(numerics, "CHUNK", chunk)
     rng = np.random.default_rng(11)
     batch: list[torch.Tensor] = []
     for index, (_, values) in enumerate(patterns(rng, 257)):

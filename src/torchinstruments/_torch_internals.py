@@ -35,8 +35,10 @@ __all__ = [
     "dynamo_imported",
     "dynamo_skips",
     "exclude_from_compilation",
+    "functorch_active",
     "functorch_disabled",
     "has_fused_fast_path",
+    "is_functorch_wrapped",
     "is_tracing",
     "layer_by_layer",
     "optimized_module_original",
@@ -290,6 +292,17 @@ def unwrap_functorch(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...
         else:
             tensor = functorch.get_unwrapped(tensor)
     return tensor, tuple(reversed(batch))
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform is running (`maybe_current_level` is None outside every
+    one). Checked on torch 2.15.0."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a torch.func wrapper (see `unwrap_functorch`). Checked on 2.15.0."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 def functorch_disabled() -> contextlib.AbstractContextManager[Any]:

@@ -16,7 +16,7 @@ One general exact path and two fast paths that hand over to it (`reducers` choos
   the finite entries are one slice whose ends are min and max. Measured (`bench/statistics.py`,
   one thread): NumPy sorts 16k float32 in ~70 us where `torch.sort` takes ~1.3 ms. Its one
   temporary of the tensor's size is the sorted copy (the float64 moments go chunk by chunk); the
-  chunked radix passes it replaced above 2**24 entries cost 12x more per element at 2e7 entries
+  chunked radix passes it replaced above 2**24 entries cost 10x to 14x more per element at 2e7
   (see README, `bench/statistics.py --sizes 1e7,2e7`).
 * CPU fast path, the small tensors of one sample (`measure_batch_on_cpu`: at least `BATCH_MIN`
   of at most `BATCH_MAX` entries each): one NumPy sort of int64 keys holding the tensor's index
@@ -37,6 +37,7 @@ it is null with the reason "non-finite result". Negative zero results are report
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,77 +145,69 @@ def _smallest_at_least(edges: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def host_moments(
-    values: np.ndarray, counts: np.ndarray, with_squares: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per segment: sum, sum of squares, mean and population std, float64.
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool
+) -> list[tuple[float, float, float, float]]:
+    """Per segment: (sum, sum of squares, mean, population std), float64.
 
     Args:
-        values: Finite float32 or float64 entries, ascending within each segment, segments one
-            after another.
+        values: Finite float32 or float64 entries, ascending within each segment.
+        starts: Where each segment starts in `values` (ascending; segments do not overlap).
         counts: The length of each segment (each at least 1).
-        with_squares: Whether the sum of squares is wanted (zeros otherwise).
+        with_squares: Whether the sum of squares is wanted (0.0 otherwise).
 
     A corrected two-pass algorithm over float64 copies made one `CHUNK` at a time (a segment may
-    span chunks). float32 squares always fit float64; float64 values whose magnitude would
-    overflow or underflow their squares are scaled by one power of two per call (exact), chosen
-    from the segments' ends (the segments are sorted).
+    span chunks): segmented sums (`add.reduceat`), then the deviations' sums and squares. float32
+    squares always fit float64; float64 values whose squares could overflow or underflow are
+    scaled by one power of two per call (exact), chosen from the segments' ends (they are sorted).
+    The last step is plain float arithmetic per segment, where an overflow is inf (later a null
+    with a reason), never a warning.
     """
-    starts = np.zeros(counts.size, dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
     scale = 1.0
     if values.dtype == np.float64:
-        max_abs = max(
-            abs(float(values[starts].min())), abs(float(values[starts + counts - 1].max()))
-        )
-        if max_abs > 2.0**500 or max_abs < 2.0**-500:
+        low, high = float(values[starts].min()), float(values[starts + counts - 1].max())
+        max_abs = max(abs(low), abs(high))
+        if max_abs > 2.0**400 or max_abs < 2.0**-400:
             exponent = math.frexp(max_abs)[1] if max_abs else 0
             scale = math.ldexp(1.0, max(-_MAX_SCALE_EXPONENT, min(_MAX_SCALE_EXPONENT, exponent)))
-    inverse = 1.0 / scale
-    size = values.size
-    pieces = [(lo, min(lo + CHUNK, size)) for lo in range(0, size, CHUNK)]
-
-    def within(lo: int, hi: int) -> tuple[int, int, np.ndarray]:
-        """The segments that meet [lo, hi), and their starts local to it (the first clipped)."""
-        if len(pieces) == 1:
-            return 0, counts.size, starts
-        first = int(np.searchsorted(starts, lo, side="right")) - 1
+    ends = starts + counts
+    size = int(ends[-1])
+    pieces = []  # (lo, hi, first segment, last segment + 1, segment starts local to [lo, hi))
+    for lo in range(int(starts[0]), size, CHUNK):
+        hi = min(lo + CHUNK, size)
+        if lo == starts[0] and hi == size:
+            pieces.append((lo, hi, 0, counts.size, starts - lo))
+            break
+        first = int(np.searchsorted(ends, lo, side="right"))
         last = int(np.searchsorted(starts, hi, side="left"))
-        local = starts[first:last] - lo
-        local[0] = 0
-        return first, last, local
-
-    def wide(lo: int, hi: int) -> np.ndarray:
-        """A float64 (scaled) copy of values[lo:hi]."""
-        chunk = values[lo:hi].astype(np.float64)
-        if scale != 1.0:
-            chunk *= inverse
-        return chunk
-
+        local = np.maximum(starts[first:last] - lo, 0)
+        pieces.append((lo, hi, first, last, local))
+    inverse = 1.0 / scale
     sums = np.zeros(counts.size)
-    kept = None
-    for lo, hi in pieces:
-        first, last, local = within(lo, hi)
-        chunk = wide(lo, hi)
-        sums[first:last] += np.add.reduceat(chunk, local)
-        kept = chunk if len(pieces) == 1 else None
+    for lo, hi, first, last, local in pieces:  # float64 sums, without a float64 copy
+        piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
+        sums[first:last] += np.add.reduceat(piece, local, dtype=np.float64)
     means = sums / counts
     squares = np.zeros(counts.size)
     residual = np.zeros(counts.size)
-    with np.errstate(over="ignore", invalid="ignore"):  # inf sums become nulls, as in torch
-        for lo, hi in pieces:
-            first, last, local = within(lo, hi)
-            chunk = kept if kept is not None else wide(lo, hi)
-            if last - first == 1:
-                chunk -= means[first]
-            else:
-                chunk -= np.repeat(means[first:last], np.diff(local, append=hi - lo))
-            residual[first:last] += np.add.reduceat(chunk, local)
-            squares[first:last] += np.add.reduceat(np.square(chunk, out=chunk), local)
-        variance = np.maximum((squares - residual * residual / counts) / counts, 0.0)
-        sum_squares = np.zeros(counts.size)
-        if with_squares:  # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, d = x - mean
-            sum_squares = (squares + 2.0 * means * residual + counts * means * means) * scale**2
-        return sums * scale, sum_squares, means * scale, np.sqrt(variance) * scale
+    for lo, hi, first, last, local in pieces:  # the deviations: one float64 temporary a piece
+        piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
+        if last - first == 1:
+            chunk = np.subtract(piece, means[first], dtype=np.float64)
+        else:
+            subtrahend = np.repeat(means[first:last], np.diff(local, append=hi - lo))
+            chunk = np.subtract(piece, subtrahend, dtype=np.float64)
+        residual[first:last] += np.add.reduceat(chunk, local)
+        squares[first:last] += np.add.reduceat(np.square(chunk, out=chunk), local)
+    out = []
+    for total, square, rest, count in zip(
+        sums.tolist(), squares.tolist(), residual.tolist(), counts.tolist(), strict=True
+    ):
+        mean = total / count
+        std = math.sqrt(max((square - rest * rest / count) / count, 0.0)) * scale
+        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
+        sum_squares = (square + 2.0 * mean * rest + count * mean * mean) * scale * scale
+        out.append((total * scale, sum_squares if with_squares else 0.0, mean * scale, std))
+    return out
 
 
 def host_histogram(values: np.ndarray, bins: int, total: float, sum_squares: float) -> list[float]:
@@ -248,53 +241,49 @@ class CpuResult:
 
 def _from_sorted(
     values: np.ndarray,
-    counts: np.ndarray,
+    counts: Sequence[int],
     zeros: Sequence[float],
     wanted: frozenset[str],
     bins: Sequence[int | None],
 ) -> list[CpuResult]:
-    """The results of every segment of sorted finite `values` (`counts` long each, maybe 0)."""
-    starts = np.zeros(counts.size, dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    present = np.flatnonzero(counts)
-    moments = [[0.0] * counts.size for _ in range(4)]
-    if present.size:
-        for column, computed in zip(
-            moments, host_moments(values, counts[present], any(bins)), strict=True
-        ):
-            for index, value in zip(present.tolist(), computed.tolist(), strict=True):
-                column[index] = value
-    last = np.maximum(counts - 1, 0)
-    ranks = {"min": np.zeros_like(counts), "max": last}
-    for name, q in QUARTILES.items():
+    """The results of every segment of sorted finite `values` (`counts` long each, maybe 0):
+    one segmented moments pass, one gather of every order statistic, a histogram per segment
+    that wants one. Only building the results is a loop over the segments."""
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    present = [index for index, count in enumerate(counts) if count]
+    moments: dict[int, tuple[float, float, float, float]] = {}
+    if present:
+        chosen = np.array([starts[i] for i in present]), np.array([counts[i] for i in present])
+        moments = dict(zip(present, host_moments(values, *chosen, any(bins)), strict=True))
+    keys = ["min", "max"]
+    for name in QUARTILES:
         if name in wanted:
-            low = np.floor(last * q).astype(np.int64)
-            ranks[f"{name}_lo"], ranks[f"{name}_hi"] = low, np.minimum(low + 1, last)
-    taken = {}
-    if present.size:
-        taken = {key: _take(values, starts + rank, present) for key, rank in ranks.items()}
+            keys += [f"{name}_lo", f"{name}_hi"]
+    positions: list[int] = []
+    for index in present:  # min, max, then each quartile's two neighbours
+        start, last = starts[index], counts[index] - 1
+        positions += [start, start + last]
+        for name, q in QUARTILES.items():
+            if name in wanted:
+                low = math.floor(last * q)
+                positions += [start + low, start + min(low + 1, last)]
+    picked = values.take(positions).tolist() if positions else []
     results: list[CpuResult] = []
-    sums, squares, means, stds = moments
-    for index, count in enumerate(counts.tolist()):
+    cursor = 0
+    for index, count in enumerate(counts):
         raw = {"zeros": float(zeros[index]), "finite": float(count)}
-        segment_bins = bins[index]
-        histogram = None
+        total = sum_squares = 0.0
         if count:
-            raw.update({key: column[index] for key, column in taken.items()})
-            raw["mean"], raw["std"] = means[index], stds[index]
+            raw.update(zip(keys, picked[cursor : cursor + len(keys)], strict=True))
+            cursor += len(keys)
+            total, sum_squares, raw["mean"], raw["std"] = moments[index]
+        histogram = None
+        segment_bins = bins[index]
         if segment_bins:
-            start = int(starts[index])
-            segment = values[start : start + count]
-            histogram = host_histogram(segment, segment_bins, sums[index], squares[index])
+            segment = values[starts[index] : starts[index] + count]
+            histogram = host_histogram(segment, segment_bins, total, sum_squares)
         results.append(CpuResult(raw, histogram))
     return results
-
-
-def _take(values: np.ndarray, positions: np.ndarray, present: np.ndarray) -> list[float]:
-    """values[positions] as floats, read only for the non-empty segments (0.0 for the others)."""
-    out = np.zeros(positions.size)
-    out[present] = values.take(positions[present])
-    return out.tolist()
 
 
 # --- host fast path: one NumPy sort -------------------------------------------------------------
@@ -329,8 +318,7 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     ordered.sort()
     neg, end, below_zero, upto_zero = ordered.searchsorted(_PROBES[ordered.dtype]).tolist()
     values = ordered if end - neg == ordered.size else ordered[neg:end]
-    counts = np.array([end - neg], dtype=np.int64)
-    return _from_sorted(values, counts, [upto_zero - below_zero], wanted, [bins])[0]
+    return _from_sorted(values, [end - neg], [upto_zero - below_zero], wanted, [bins])[0]
 
 
 # --- host fast path: many small tensors at once -------------------------------------------------
@@ -383,7 +371,7 @@ def measure_batch_on_cpu(
         kept = local != _INF_KEY
         counts = np.add.reduceat(kept, starts, dtype=np.int64)
         ordered = ordered[kept]
-    return _from_sorted(ordered, counts, zeros, wanted, bins)
+    return _from_sorted(ordered, counts.tolist(), zeros, wanted, bins)
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------

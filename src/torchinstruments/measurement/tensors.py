@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from torchinstruments import reasons
-from torchinstruments._torch_internals import unwrap_functorch
+from torchinstruments._torch_internals import is_functorch_wrapped, unwrap_functorch
 
 INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
     dtype
@@ -114,6 +114,8 @@ class MeasuredForm:
 def measured_form(tensor: torch.Tensor) -> MeasuredForm:
     """The form of `tensor` that is measured (see the module docstring); a copy only for nested
     and non-strided tensors. Never runs a collective."""
+    if is_plain(tensor) and not is_functorch_wrapped(tensor):  # the common case, kept cheap
+        return MeasuredForm(tensor, shape_of(tensor))
     with torch.no_grad():
         plain, batch = unwrap_functorch(tensor)
         note = TORCH_FUNC_NOTE if plain is not tensor else None

@@ -17,6 +17,7 @@ of torch ops per sample does not grow with the number of layers.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from torchinstruments import reasons
-from torchinstruments._torch_internals import functorch_disabled
+from torchinstruments._torch_internals import functorch_active, functorch_disabled
 from torchinstruments.measurement import tensors
 from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
@@ -58,7 +59,7 @@ def launch_tensor(
     form: tensors.MeasuredForm | None = None
     histogram = None
     try:
-        with functorch_disabled():
+        with _outside_torch_func():
             form = tensors.measured_form(tensor)
             if form.values is None:
                 reduction = measurer.unavailable(form.reason or reasons.NO_VALUE)
@@ -103,6 +104,11 @@ def _shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
         return tensors.shape_of(tensor)
 
 
+def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
+    """torch.func's transforms switched off while measuring, if one is running (else nothing)."""
+    return functorch_disabled() if functorch_active() else contextlib.nullcontext()
+
+
 def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
     """Move many small device vectors to the host in one transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
@@ -125,13 +131,13 @@ def build_records(
     signal: str, pending: Sequence[PendingTensor], metrics: tuple[str, ...], rank: int | None
 ) -> list[SampleRecord]:
     """Transfer pending results to the host and resolve them into one record per sample."""
-    with functorch_disabled():
+    with _outside_torch_func():
         settle([item.reduction for item in pending])  # the small CPU tensors, all at once
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)
         vectors.append(item.histogram.device_vector if item.histogram is not None else None)
-    with functorch_disabled():
+    with _outside_torch_func():
         host = to_host(vectors)
     by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
     for position, item in enumerate(pending):

@@ -185,7 +185,10 @@ def host_moments(
     sums = np.zeros(counts.size)
     for lo, hi, first, last, local in pieces:  # float64 sums, without a float64 copy
         piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
-        sums[first:last] += np.add.reduceat(piece, local, dtype=np.float64)
+        if last - first == 1:  # reduce: twice as fast as reduceat when it casts float32
+            sums[first] += np.add.reduce(piece, dtype=np.float64)
+        else:
+            sums[first:last] += np.add.reduceat(piece, local, dtype=np.float64)
     means = sums / counts
     squares = np.zeros(counts.size)
     residual = np.zeros(counts.size)

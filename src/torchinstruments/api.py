@@ -313,6 +313,7 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flush_seconds=history.flush_seconds,
         notes=compile_notes(model),
+        max_buffered_rows=history.buffered_rows_cap,
     )
     directory = DirectorySink(run.output_dir, history)
     directory.start(run)  # refuses a directory that already holds a run

@@ -140,6 +140,9 @@ class RunInfo:
     # What this configuration cannot record or changes, one sentence each (warned at inject,
     # stated in index.md).
     notes: tuple[str, ...] = ()
+    # The most rows buffered while part writes fail (`HistoryConfig.buffered_rows_cap`); None in
+    # the state of a version before the cap.
+    max_buffered_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,8 @@ def _section_run(state: RunState) -> list[str]:
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
         f"- capture_direct_forwards={run.capture_direct_forwards}, "
-        f"buffer_rows={run.buffer_rows}, flush_seconds={run.flush_seconds}, window={run.window}",
+        f"buffer_rows={run.buffer_rows}, flush_seconds={run.flush_seconds}, window={run.window}"
+        + ("" if run.max_buffered_rows is None else f", max_buffered_rows={run.max_buffered_rows}"),
     ]
     lines.append(f"- {counts_sentence(state)}")
     return [*lines, ""]

@@ -72,7 +72,10 @@ def section_files(run: RunInfo) -> list[str]:
         "(temporary name, then rename) while the run is live, when the buffer holds "
         "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
         "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
-        "SIGTERM writes them first, then ends the process as before.",
+        "SIGTERM writes them first, then ends the process as before. While part writes fail (a "
+        "full disk), at most max_buffered_rows rows wait in memory, newer ones are dropped and "
+        "counted in the loss ledger (the State section), and the backlog is later written in as "
+        "few parts as fit (a part may then hold more than buffer_rows rows).",
         f"- `{HISTORY_FILE}`: the whole history, one row per scalar, ordered by sample_id, "
         "then signal (output before output_gradient), then the order the rows were written in "
         "(a forward's layers in the order they returned, a backward's gradients in the order "

@@ -155,6 +155,12 @@ class _LayerCapture:
             not observer.capture_direct_forwards and not called_through_module_call()
         ):
             return wrapped(*args, **kwargs)
+        return self.measured_call(sample, wrapped, args, kwargs)
+
+    def measured_call(
+        self, sample: _Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """One call of this layer inside `sample`: its call_index, where it raised, what it returned."""
         call_index = sample.next_call_index(self.info.name)
         try:
             output = wrapped(*args, **kwargs)
@@ -162,7 +168,7 @@ class _LayerCapture:
             sample.layer_raised(self, call_index, error)
             raise
         sample.returned.add(self.info.name)
-        observer.record_output(sample, self, call_index, output)
+        self.observer.record_output(sample, self, call_index, output)
         return output
 
     def mode(self) -> str:
@@ -368,16 +374,7 @@ class Observer:
         sample = self.current
         if self._root_layer is None or sample is None:
             return wrapped(*args, **kwargs)
-        root = self._root_layer
-        call_index = sample.next_call_index(root.info.name)
-        try:
-            output = wrapped(*args, **kwargs)
-        except BaseException as error:
-            sample.layer_raised(root, call_index, error)
-            raise
-        sample.returned.add(root.info.name)
-        self.record_output(sample, root, call_index, output)
-        return output
+        return self._root_layer.measured_call(sample, wrapped, args, kwargs)
 
     def _should_sample(self, forward_index: int) -> bool:
         """The sampler's decision; a raising sampler, or an answer that is not a bool, means

@@ -38,6 +38,7 @@ from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
     HistogramRecord,
+    MeasurementBlock,
     SampleRecord,
     histogram_tag,
 )
@@ -178,7 +179,10 @@ def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[Miss
     """
     drawn = {histogram.tag for histogram in record.histograms}
     missing = []
-    for m in record.measurements:
+    measurements = record.measurements
+    if isinstance(measurements, MeasurementBlock):  # build the focus layers' measurements only
+        measurements = measurements.of_layers(focus)
+    for m in measurements:
         if m.layer not in focus or INTERRUPTED in m.metrics:
             continue
         tag = histogram_tag(m.layer, m.call_index, m.signal, m.tensor_path)

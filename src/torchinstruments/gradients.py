@@ -52,15 +52,16 @@ from torch.utils.hooks import RemovableHandle
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import (
-    WeakIdKeyDictionary,
     queue_at_backward_end,
+    tensor_hooks,
     tensor_version,
 )
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
+    LaneItem,
     PendingTensor,
     build_records,
-    launch_tensor,
+    launch,
     unavailable_tensor,
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
@@ -81,23 +82,40 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 class _GradientHook:
     """`Tensor.register_hook` callback: records the first gradient into one sampled output
-    (or, for a tensor several sampled calls returned, a null row per call)."""
+    (or, for a tensor several sampled calls returned, a null row per call).
 
-    __slots__ = ("calls", "fired", "recorder", "version")
+    Kept small (one object per sampled output, alive until the backward): the first call's key
+    and focus are fields, further calls of a shared output a list made only then.
+    """
+
+    __slots__ = ("fired", "focus", "key", "more", "recorder", "version")
 
     def __init__(
         self, recorder: GradientRecorder, key: TensorKey, focus: bool, version: int | None
     ) -> None:
         self.recorder = recorder
-        self.calls: list[tuple[TensorKey, bool]] = [(key, focus)]
+        self.key = key
+        self.focus = focus
+        self.more: list[tuple[TensorKey, bool]] | None = None  # later calls, same tensor
         self.fired = False
         self.version = version  # the tensor's version counter when it was hooked
+
+    @property
+    def calls(self) -> list[tuple[TensorKey, bool]]:
+        """Every sampled call that returned the hooked tensor at this version, in order."""
+        return [(self.key, self.focus), *(self.more or ())]
+
+    def add_call(self, key: TensorKey, focus: bool) -> None:
+        """The same tensor, at the same version, returned by one more sampled call."""
+        if self.more is None:
+            self.more = []
+        self.more.append((key, focus))
 
     def __call__(self, grad: torch.Tensor) -> None:
         if not self.fired and not self.recorder.closed:
             self.fired = True
             try:
-                self.recorder.launch_gradient(self.calls, grad)
+                self.recorder.launch_gradient(self, grad)
             except Exception as error:  # never break the user's backward
                 self.recorder.warn_once("gradient", f"recording a gradient failed: {error!r}")
         return None
@@ -123,14 +141,11 @@ class GradientRecorder:
         self.closed = False
         self.sample_ids: set[int] = set()
         self._lock = threading.Lock()
-        self._pending: list[PendingTensor] = []
+        self._pending: list[PendingTensor | LaneItem] = []  # in launch order
         self._flush_queued = False
         self._leaf_hooks: list[
             tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
         ] = []
-        # The unfired hook of ours on each hooked tensor (entries vanish with their tensor).
-        # (torch's id-keyed weak dictionary: a plain WeakKeyDictionary compares tensors with ==)
-        self._unfired: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> None:
         """Register the hook that records the gradient into this sampled output."""
@@ -141,40 +156,63 @@ class GradientRecorder:
             # and one under no_grad gives it no new node): only a non-leaf's version matters.
             version = None if tensor.grad_fn is None else _version(tensor)
             with self._lock:
-                hook = self._unfired.get(tensor)
-                if hook is not None and not hook.fired and hook.version == version:
-                    hook.calls.append((key, focus))  # the same tensor, returned again
+                hook = self._unfired_hook(tensor, version)
+                if hook is not None:
+                    hook.add_call(key, focus)  # the same tensor, returned again
                     return
                 # New, or changed in place since (a new autograd node): a hook of its own.
                 hook = _GradientHook(self, key, focus, version)
-                self._unfired[tensor] = hook
-            handle = tensor.register_hook(hook)
+                handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:
                 self._track_leaf_hook(tensor, handle, hook)
         except Exception as error:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
 
-    def launch_gradient(self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor) -> None:
+    def _unfired_hook(self, tensor: torch.Tensor, version: int | None) -> _GradientHook | None:
+        """Our unfired hook on `tensor` for this version, if a sampled call already returned it
+        (the caller holds the lock)."""
+        for hook in tensor_hooks(tensor):
+            if (
+                type(hook) is _GradientHook
+                and hook.recorder is self
+                and not hook.fired
+                and hook.version == version
+            ):
+                return hook
+        return None
+
+    def launch_gradient(self, hook: _GradientHook, grad: torch.Tensor) -> None:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
-        per_layer: dict[str, int] = {}
-        for key, _ in calls:
-            per_layer[key.layer.name] = per_layer.get(key.layer.name, 0) + 1
-        launched = []
-        for key, focus in calls:
-            gradient_key = replace(key, signal=OUTPUT_GRADIENT)
-            shared = per_layer[key.layer.name]
-            if shared == 1:
-                launched.append(launch_tensor(self._measurer, gradient_key, grad, focus))
-            else:
-                reason = reasons.shared_output(shared)
-                launched.append(unavailable_tensor(self._measurer, gradient_key, grad, reason))
+        if hook.more is None:  # one call returned the tensor: its gradient is that call's
+            launched = [launch(self._measurer, hook.key, grad, hook.focus, OUTPUT_GRADIENT)]
+        else:
+            launched = self._launch_shared(hook.calls, grad)
         with self._lock:
             self._pending.extend(launched)
             queue = not self._flush_queued
             self._flush_queued = True
         if queue and not queue_at_backward_end(self._end_backward):
             self.flush()
+
+    def _launch_shared(
+        self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor
+    ) -> list[PendingTensor | LaneItem]:
+        """The gradient of a tensor several sampled calls returned: each call's own where the
+        calls are of distinct layers, null rows for a layer that returned it more than once."""
+        per_layer: dict[str, int] = {}
+        for key, _ in calls:
+            per_layer[key.layer.name] = per_layer.get(key.layer.name, 0) + 1
+        launched: list[PendingTensor | LaneItem] = []
+        for key, focus in calls:
+            shared = per_layer[key.layer.name]
+            if shared == 1:
+                launched.append(launch(self._measurer, key, grad, focus, OUTPUT_GRADIENT))
+            else:
+                gradient_key = replace(key, signal=OUTPUT_GRADIENT)
+                reason = reasons.shared_output(shared)
+                launched.append(unavailable_tensor(self._measurer, gradient_key, grad, reason))
+        return launched
 
     def flush(self) -> None:
         """Transfer and emit every gradient launched since the last flush."""
@@ -216,12 +254,8 @@ class GradientRecorder:
         excess = len(unfired) - MAX_LEAF_HOOKS
         if excess > 0:
             oldest = unfired[:excess]
-            for ref, old_handle, old_hook in oldest:
-                old_handle.remove()
-                leaf = ref()
-                with self._lock:
-                    if leaf is not None and self._unfired.get(leaf) is old_hook:
-                        del self._unfired[leaf]
+            for _, old_handle, _ in oldest:
+                old_handle.remove()  # off the tensor, so `_unfired_hook` no longer finds it
             dropped = {id(entry) for entry in oldest}
             kept = [entry for entry in kept if id(entry) not in dropped]
             self.warn_once(

@@ -78,7 +78,13 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
 from torchinstruments.gradients import GradientRecorder
-from torchinstruments.measurement.transfer import PendingTensor, build_records, launch_tensor
+from torchinstruments.measurement.transfer import (
+    LaneItem,
+    PendingTensor,
+    build_records,
+    launch,
+    note_of,
+)
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.records import (
     INTERRUPTED,
@@ -116,7 +122,7 @@ class _Sample:
         self.sample_id = sample_id
         self.forward_index = forward_index
         self.call_counts: dict[str, int] = {}
-        self.pending: list[PendingTensor] = []
+        self.pending: list[PendingTensor | LaneItem] = []  # in launch order
         self.returned: set[str] = set()  # layers with at least one call that returned
         # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
         self.raised: tuple[LayerInfo, int, str, int] | None = None
@@ -422,11 +428,12 @@ class Observer:
                 mode,
                 grad_enabled,
             )
-            launched = launch_tensor(self.measurer, key, tensor, layer.focus)
+            launched = launch(self.measurer, key, tensor, layer.focus, OUTPUT)
             sample.pending.append(launched)
-            if launched.note is not None and launched.note not in self.notes:
-                self.notes.append(launched.note)  # said in index.md at removal, and warned now
-                self.warn_once(launched.note, launched.note)
+            note = note_of(launched)
+            if note is not None and note not in self.notes:
+                self.notes.append(note)  # said in index.md at removal, and warned now
+                self.warn_once(note, note)
             self.gradients.hook_output(key, tensor, layer.focus)
 
     def _marker_row(self, sample: _Sample, error: BaseException) -> Measurement:

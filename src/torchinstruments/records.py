@@ -8,9 +8,10 @@ were already reduced on the tensor's device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 OUTPUT = "output"
 OUTPUT_GRADIENT = "output_gradient"
@@ -74,6 +75,89 @@ class Measurement:
     mesh_coordinate: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class MeasurementBlock(Sequence[Measurement]):
+    """The measurements of one sample and signal, held column by column.
+
+    Design decision: a sampled forward of a model with thousands of layers measures thousands of
+    tensors, and one `Measurement` with its `MetricValue`s per tensor is some fifteen Python
+    objects the garbage collector scans until the sample is written. A block holds the same
+    content as one list per field (per tensor) plus the values and reasons of every metric
+    (row-major, `len(metrics)` per tensor), so the run directory turns it into rows without
+    building those objects. It is a `Sequence[Measurement]`: a sink that iterates it gets the
+    `Measurement`s, built on access, equal to the ones the block stands for.
+    """
+
+    sample_id: int
+    forward_index: int
+    signal: str
+    rank: int | None
+    metrics: tuple[str, ...]
+    timestamps_us: list[int]
+    layers: list[str]
+    module_types: list[str]
+    call_indices: list[int]
+    tensor_paths: list[str]
+    shapes: list[tuple[int, ...] | None]
+    dtypes: list[str]
+    modes: list[str]
+    grad_enabled: list[bool]
+    placements: list[str | None]
+    mesh_coordinates: list[tuple[int, ...] | None]
+    values: list[float | None]
+    reasons: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @overload
+    def __getitem__(self, index: int) -> Measurement: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Measurement, ...]: ...
+    def __getitem__(self, index: int | slice) -> Measurement | tuple[Measurement, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        i = range(len(self))[index]  # negative indices, and IndexError past the end
+        k = len(self.metrics)
+        values = self.values[i * k : (i + 1) * k]
+        why = self.reasons[i * k : (i + 1) * k]
+        return Measurement(
+            sample_id=self.sample_id,
+            forward_index=self.forward_index,
+            timestamp_us=self.timestamps_us[i],
+            rank=self.rank,
+            layer=self.layers[i],
+            module_type=self.module_types[i],
+            call_index=self.call_indices[i],
+            signal=self.signal,
+            tensor_path=self.tensor_paths[i],
+            shape=self.shapes[i],
+            dtype=self.dtypes[i],
+            mode=self.modes[i],
+            grad_enabled=self.grad_enabled[i],
+            metrics=self.metrics,
+            values=tuple(MetricValue(v, r) for v, r in zip(values, why, strict=True)),
+            placement=self.placements[i],
+            mesh_coordinate=self.mesh_coordinates[i],
+        )
+
+    def __iter__(self) -> Iterator[Measurement]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same measurements (a tuple of them, say)."""
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def of_layers(self, layers: frozenset[str]) -> list[Measurement]:
+        """The measurements of these layers only, without building the others."""
+        return [self[i] for i, layer in enumerate(self.layers) if layer in layers]
+
+
 @dataclass(frozen=True, slots=True)
 class HistogramRecord:
     """Bin counts of the finite entries of one tensor, reduced on its device.
@@ -113,7 +197,8 @@ class SampleRecord:
     signal: str
     sample_id: int
     forward_index: int
-    measurements: tuple[Measurement, ...]
+    # A `MeasurementBlock` when the observer made the record; any sequence of measurements works.
+    measurements: Sequence[Measurement]
     histograms: tuple[HistogramRecord, ...] = ()
 
 

@@ -147,7 +147,16 @@ def _smallest_at_least(edges: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def host_moments(
     values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool
 ) -> list[tuple[float, float, float, float]]:
-    """Per segment: (sum, sum of squares, mean, population std), float64.
+    """Per segment: (sum, sum of squares, mean, population std), float64 (`segment_moments`)."""
+    parts = segment_moments(values, starts, counts, with_squares)
+    return list(zip(*(part.tolist() for part in parts), strict=True))
+
+
+def segment_moments(
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment, as float64 arrays: sum, sum of squares (zeros unless `with_squares`), mean
+    and population std.
 
     Args:
         values: Finite float32 or float64 entries, ascending within each segment.
@@ -159,8 +168,8 @@ def host_moments(
     span chunks): segmented sums (`add.reduceat`), then the deviations' sums and squares. float32
     squares always fit float64; float64 values whose squares could overflow or underflow are
     scaled by one power of two per call (exact), chosen from the segments' ends (they are sorted).
-    The last step is plain float arithmetic per segment, where an overflow is inf (later a null
-    with a reason), never a warning.
+    The last step is elementwise float64 arithmetic, where an overflow is inf (later a null with
+    a reason), never a warning.
     """
     scale = 1.0
     if values.dtype == np.float64:
@@ -182,6 +191,7 @@ def host_moments(
         local = np.maximum(starts[first:last] - lo, 0)
         pieces.append((lo, hi, first, last, local))
     inverse = 1.0 / scale
+    counts = np.asarray(counts)
     sums = np.zeros(counts.size)
     for lo, hi, first, last, local in pieces:  # float64 sums, without a float64 copy
         piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
@@ -201,16 +211,16 @@ def host_moments(
             chunk = np.subtract(piece, subtrahend, dtype=np.float64)
         residual[first:last] += np.add.reduceat(chunk, local)
         squares[first:last] += np.add.reduceat(np.square(chunk, out=chunk), local)
-    out = []
-    for total, square, rest, count in zip(
-        sums.tolist(), squares.tolist(), residual.tolist(), counts.tolist(), strict=True
-    ):
-        mean = total / count
-        std = math.sqrt(max((square - rest * rest / count) / count, 0.0)) * scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        means = sums / counts
+        stds = np.sqrt(np.maximum((squares - residual * residual / counts) / counts, 0.0)) * scale
         # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
-        sum_squares = (square + 2.0 * mean * rest + count * mean * mean) * scale * scale
-        out.append((total * scale, sum_squares if with_squares else 0.0, mean * scale, std))
-    return out
+        if with_squares:
+            sum_squares = (squares + 2.0 * means * residual + counts * means * means) * scale
+            sum_squares *= scale
+        else:
+            sum_squares = np.zeros(counts.size)
+        return sums * scale, sum_squares, means * scale, stds
 
 
 def host_histogram(values: np.ndarray, bins: int, total: float, sum_squares: float) -> list[float]:
@@ -343,10 +353,8 @@ def measure_batch_on_cpu(
 ) -> list[CpuResult]:
     """`measure_on_cpu` of many small flat float32 tensors, in a fixed number of NumPy calls.
 
-    The tensors are concatenated and ONE sort of int64 keys that hold the segment index above the
-    float32 sortable key (non-finite entries get the key of +inf, so each segment's finite
-    entries come first, in order) turns them into sorted segments, read back as float32; the
-    non-finite entries are dropped and `_from_sorted` measures every segment at once.
+    The tensors are concatenated and sorted into segments by `sorted_segments`; `_from_sorted`
+    measures every segment at once.
 
     Args:
         segments: Non-empty 1-D float32 CPU tensors (copies the caller owns).
@@ -355,10 +363,32 @@ def measure_batch_on_cpu(
     """
     count = len(segments)
     lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
+    values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
+    ordered, counts, zeros = sorted_segments(values, lengths)
+    return _from_sorted(ordered, counts.tolist(), zeros.tolist(), wanted, bins)
+
+
+def sorted_segments(
+    values: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The finite entries of each float32 segment of `values`, ascending, one after another.
+
+    ONE sort of int64 keys that hold the segment index above the float32 sortable key
+    (non-finite entries get the key of +inf, so each segment's finite entries come first, in
+    order), read back as float32, non-finite entries dropped.
+
+    Args:
+        values: The segments' float32 entries, concatenated (never written).
+        lengths: Each segment's number of entries (each at least 1).
+
+    Returns:
+        The sorted finite entries, each segment's finite count (int64), and each segment's
+        count of zeros (float64; -0.0 is a zero).
+    """
+    count = lengths.size
     starts = np.zeros(count, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
-    values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
-    zeros = np.add.reduceat(values == 0, starts, dtype=np.float64).tolist()
+    zeros = np.add.reduceat(values == 0, starts, dtype=np.float64)
     finite = np.isfinite(values)
     all_finite = bool(finite.all())
     bits = values.view(np.int32)
@@ -374,7 +404,70 @@ def measure_batch_on_cpu(
         kept = local != _INF_KEY
         counts = np.add.reduceat(kept, starts, dtype=np.int64)
         ordered = ordered[kept]
-    return _from_sorted(ordered, counts.tolist(), zeros, wanted, bins)
+    return ordered, counts, zeros
+
+
+# --- many small tensors as arrays: the default profile of every segment at once ------------------
+
+# Row layout of `segment_profiles`' result: the nine default metrics.
+PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+
+
+def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The default profile of every float32 segment of `values`, as arrays.
+
+    The same numbers, bit for bit, as `measure_batch_on_cpu` followed by `DefaultDeriver` for
+    each segment (a test holds them to it), computed with array operations only: the same
+    float64 operations in the same order, elementwise (`_lerp`, `metric_value` and the
+    fractions as `DefaultDeriver` computes them). No Python work per segment.
+
+    Args:
+        values: The segments' float32 entries, concatenated (never written).
+        lengths: Each segment's number of entries (each at least 1), int64.
+
+    Returns:
+        `(profile, finite)`: a float64 array of shape (segments, 9) in `PROFILE` order, NaN where
+        a value is null, and each segment's finite count; a null is "no finite entries" where
+        that count is 0 (for the seven metrics of finite entries), else "non-finite result".
+    """
+    ordered, finite, zeros = sorted_segments(values, lengths)
+    count = lengths.size
+    profile = np.full((count, len(PROFILE)), np.nan)
+    numel = lengths.astype(np.float64)
+    profile[:, 7] = zeros / numel
+    profile[:, 8] = (lengths - finite).astype(np.float64) / numel
+    present = np.flatnonzero(finite)
+    if present.size:
+        counts = finite[present]
+        starts = np.zeros(counts.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        _, _, means, stds = segment_moments(ordered, starts, counts)
+        last = counts - 1
+        profile[present, 0] = means
+        profile[present, 1] = stds
+        profile[present, 2] = ordered[starts]
+        profile[present, 3] = ordered[starts + last]
+        for column, q in enumerate(QUARTILES.values(), start=4):
+            rank = last * q
+            low = np.floor(rank)
+            at = starts + low.astype(np.int64)
+            lo = ordered[at].astype(np.float64)
+            hi = ordered[np.minimum(at + 1, starts + last)].astype(np.float64)
+            profile[present, column] = lerp(lo, hi, rank - low)
+    profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
+    profile += 0.0  # -0.0 becomes 0.0, as metric_value does
+    return profile, finite
+
+
+def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """`_lerp` elementwise: the same operations per element, so the same bits."""
+    diff = b - a
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+        overflowed = ~np.isfinite(result)
+        if overflowed.any():
+            result[overflowed] = (a * (1 - t) + b * t)[overflowed]
+    return np.where(a == b, a, result)
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------

@@ -275,6 +275,12 @@ class Measurer:
         self.metrics: tuple[str, ...] = tuple(
             name for reducer in self._reducers for name in reducer.metrics
         )
+        # The metrics when the default profile (or a non-empty subset) is the only reducer:
+        # then the small-tensor lane (`lane`) may measure a tensor. None otherwise.
+        only_default = len(self._reducers) == 1 and isinstance(self._reducers[0], DefaultStatistics)
+        self.default_only: tuple[str, ...] | None = (
+            self.metrics if only_default and self.metrics else None
+        )
 
     def __repr__(self) -> str:
         return f"Measurer(reducers={list(self._reducers)!r})"

@@ -20,16 +20,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, functorch_disabled
-from torchinstruments.measurement import tensors
+from torchinstruments.measurement import lane, tensors
 from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
-from torchinstruments.records import HistogramRecord, Measurement, SampleRecord, TensorKey
+from torchinstruments.records import (
+    HistogramRecord,
+    MeasurementBlock,
+    MetricValue,
+    SampleRecord,
+    TensorKey,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +134,172 @@ def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
     return host
 
 
+# A tensor the small-tensor lane took: its key (an output's key, also for its gradient: the
+# signal is the batch's), when it was measured, its shape and the copy of its values.
+LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray]
+
+
+def launch(
+    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool, signal: str
+) -> PendingTensor | LaneItem:
+    """Launch the measurement of one tensor as `signal`: the small-tensor lane's copy where the
+    lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
+    if not focus and measurer.default_only is not None and lane.takes(tensor):
+        return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
+    if key.signal != signal:
+        key = replace(key, signal=signal)
+    return launch_tensor(measurer, key, tensor, focus)
+
+
+def note_of(item: PendingTensor | LaneItem) -> str | None:
+    """What the run should say about a launched tensor (a torch.func wrapper, a DTensor)."""
+    return item.note if type(item) is PendingTensor else None
+
+
 def build_records(
-    signal: str, pending: Sequence[PendingTensor], metrics: tuple[str, ...], rank: int | None
+    signal: str,
+    items: Sequence[PendingTensor | LaneItem],
+    metrics: tuple[str, ...],
+    rank: int | None,
 ) -> list[SampleRecord]:
-    """Transfer pending results to the host and resolve them into one record per sample."""
+    """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
+    them into one record per sample, in launch order."""
+    general = [item for item in items if type(item) is PendingTensor]
+    lane_copies = [item[3] for item in items if type(item) is tuple]
+    lane_values, lane_reasons = lane.measure(lane_copies, metrics)
+    resolved, histograms = _resolve_general(general, metrics)
+    k = len(metrics)
+    blocks: dict[int, _BlockColumns] = {}
+    lane_at = general_at = 0
+    for item in items:
+        if type(item) is tuple:
+            key, stamp, shape, _ = item
+            columns = blocks.get(key.sample_id)
+            if columns is None:
+                columns = blocks[key.sample_id] = _BlockColumns(key.forward_index)
+            columns.add(key, stamp, shape, "float32", None, None)
+            columns.values += lane_values[lane_at * k : (lane_at + 1) * k]
+            columns.reasons += lane_reasons[lane_at * k : (lane_at + 1) * k]
+            lane_at += 1
+        else:
+            pending: PendingTensor = item  # type: ignore[assignment]
+            key = pending.key
+            columns = blocks.get(key.sample_id)
+            if columns is None:
+                columns = blocks[key.sample_id] = _BlockColumns(key.forward_index)
+            columns.add(
+                key,
+                pending.timestamp_us,
+                pending.shape,
+                pending.dtype,
+                pending.placement,
+                pending.mesh_coordinate,
+            )
+            for value in resolved[general_at]:
+                columns.values.append(value.value)
+                columns.reasons.append(value.reason)
+            general_at += 1
+    return [
+        SampleRecord(
+            signal,
+            sample_id,
+            columns.forward_index,
+            columns.block(sample_id, signal, rank, metrics),
+            tuple(histograms.get(sample_id, ())),
+        )
+        for sample_id, columns in blocks.items()
+    ]
+
+
+class _BlockColumns:
+    """The columns of one sample's `MeasurementBlock` while `build_records` fills them."""
+
+    __slots__ = (
+        "call_indices",
+        "dtypes",
+        "forward_index",
+        "grad_enabled",
+        "layers",
+        "mesh_coordinates",
+        "modes",
+        "module_types",
+        "placements",
+        "reasons",
+        "shapes",
+        "stamps",
+        "tensor_paths",
+        "values",
+    )
+
+    def __init__(self, forward_index: int) -> None:
+        self.forward_index = forward_index
+        self.stamps: list[int] = []
+        self.layers: list[str] = []
+        self.module_types: list[str] = []
+        self.call_indices: list[int] = []
+        self.tensor_paths: list[str] = []
+        self.shapes: list[tuple[int, ...] | None] = []
+        self.dtypes: list[str] = []
+        self.modes: list[str] = []
+        self.grad_enabled: list[bool] = []
+        self.placements: list[str | None] = []
+        self.mesh_coordinates: list[tuple[int, ...] | None] = []
+        self.values: list[float | None] = []
+        self.reasons: list[str | None] = []
+
+    def add(
+        self,
+        key: TensorKey,
+        stamp: int,
+        shape: tuple[int, ...] | None,
+        dtype: str,
+        placement: str | None,
+        mesh_coordinate: tuple[int, ...] | None,
+    ) -> None:
+        self.stamps.append(stamp)
+        self.layers.append(key.layer.name)
+        self.module_types.append(key.layer.module_type)
+        self.call_indices.append(key.call_index)
+        self.tensor_paths.append(key.tensor_path)
+        self.shapes.append(shape)
+        self.dtypes.append(dtype)
+        self.modes.append(key.mode)
+        self.grad_enabled.append(key.grad_enabled)
+        self.placements.append(placement)
+        self.mesh_coordinates.append(mesh_coordinate)
+
+    def block(
+        self, sample_id: int, signal: str, rank: int | None, metrics: tuple[str, ...]
+    ) -> MeasurementBlock:
+        return MeasurementBlock(
+            sample_id=sample_id,
+            forward_index=self.forward_index,
+            signal=signal,
+            rank=rank,
+            metrics=metrics,
+            timestamps_us=self.stamps,
+            layers=self.layers,
+            module_types=self.module_types,
+            call_indices=self.call_indices,
+            tensor_paths=self.tensor_paths,
+            shapes=self.shapes,
+            dtypes=self.dtypes,
+            modes=self.modes,
+            grad_enabled=self.grad_enabled,
+            placements=self.placements,
+            mesh_coordinates=self.mesh_coordinates,
+            values=self.values,
+            reasons=self.reasons,
+        )
+
+
+def _resolve_general(
+    pending: Sequence[PendingTensor], metrics: tuple[str, ...]
+) -> tuple[list[tuple[MetricValue, ...]], dict[int, list[HistogramRecord]]]:
+    """Transfer the general path's results to the host (one transfer per device) and resolve
+    them: each tensor's metric values, and the histograms by sample."""
+    if not pending:
+        return [], {}
     with _outside_torch_func():
         settle([item.reduction for item in pending])  # the small CPU tensors, all at once
     vectors: list[torch.Tensor | None] = []
@@ -139,13 +308,11 @@ def build_records(
         vectors.append(item.histogram.device_vector if item.histogram is not None else None)
     with _outside_torch_func():
         host = to_host(vectors)
-    by_sample: dict[int, tuple[int, list[Measurement], list[HistogramRecord]]] = {}
+    resolved: list[tuple[MetricValue, ...]] = []
+    histograms: dict[int, list[HistogramRecord]] = {}
     for position, item in enumerate(pending):
         key = item.key
-        _, measurements, histograms = by_sample.setdefault(
-            key.sample_id, (key.forward_index, [], [])
-        )
-        measurements.append(_measurement(item, host[2 * position], metrics, rank))
+        resolved.append(item.reduction.resolve(host[2 * position]))
         if item.histogram is not None:
             histogram = item.histogram.resolve(
                 host[2 * position + 1],
@@ -156,34 +323,5 @@ def build_records(
                 tensor_path=key.tensor_path,
             )
             if histogram is not None:
-                histograms.append(histogram)
-    return [
-        SampleRecord(signal, sample_id, forward_index, tuple(ms), tuple(hs))
-        for sample_id, (forward_index, ms, hs) in by_sample.items()
-    ]
-
-
-def _measurement(
-    item: PendingTensor, host_values: list[float], metrics: tuple[str, ...], rank: int | None
-) -> Measurement:
-    """The host-side record of one measured tensor."""
-    key = item.key
-    return Measurement(
-        sample_id=key.sample_id,
-        forward_index=key.forward_index,
-        timestamp_us=item.timestamp_us,
-        rank=rank,
-        layer=key.layer.name,
-        module_type=key.layer.module_type,
-        call_index=key.call_index,
-        signal=key.signal,
-        tensor_path=key.tensor_path,
-        shape=item.shape,
-        dtype=item.dtype,
-        mode=key.mode,
-        grad_enabled=key.grad_enabled,
-        metrics=metrics,
-        values=item.reduction.resolve(host_values),
-        placement=item.placement,
-        mesh_coordinate=item.mesh_coordinate,
-    )
+                histograms.setdefault(key.sample_id, []).append(histogram)
+    return resolved, histograms

@@ -1,29 +1,286 @@
-"""The live history's columnar buffer: one Python list per column, turned into a DataFrame.
+"""The live history's buffer: the rows waiting for a part, as DataFrame chunks in append order.
 
-Design decision: a sample's measurements are appended with one `extend` per column, so the cost
-per sample does not depend on how much history was already written, and the rows leave as one
-DataFrame with the exact history schema when a part is written (`rundir.writer`). A cell that
-does not fit its column (a custom record's value that is not a number) is replaced by null with
-a reason, never lost with the rows around it.
+Design decision: what a sample recorded becomes one DataFrame chunk with the exact history
+schema when it is appended, and a part is the first `n` rows of the chunks, so the cost per
+sample does not depend on how much history was already written. The observer's records are
+`MeasurementBlock`s, whose columns become a chunk without a Python object per row or per tensor
+(`block_frame`: a gather of the per-tensor columns); any other sequence of `Measurement`s (a
+marker row, a custom sink's records) goes through one Python list per column (`_RowLists`). A
+cell that does not fit its column (a custom record's value that is not a number) is replaced by
+null with a reason, never lost with the rows around it.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import polars as pl
 
 from torchinstruments import reasons
-from torchinstruments.records import Measurement
-from torchinstruments.rundir.layout import HISTORY_SCHEMA
+from torchinstruments.records import Measurement, MeasurementBlock
+from torchinstruments.rundir.layout import HISTORY_SCHEMA, empty_history
 
-__all__ = ["ColumnBuffer"]
+__all__ = ["ColumnBuffer", "block_frame", "blocks_frame"]
+
+
+class _BlockRange:
+    """Tensors `start` to `stop` of a block, waiting in the buffer as they were recorded."""
+
+    __slots__ = ("block", "start", "stop")
+
+    def __init__(self, block: MeasurementBlock, start: int, stop: int) -> None:
+        self.block, self.start, self.stop = block, start, stop
+
+    @property
+    def height(self) -> int:
+        return (self.stop - self.start) * len(self.block.metrics)
+
+
+class ColumnBuffer:
+    """The rows not yet in a part, in append order; `frame(n)` is the first `n` of them.
+
+    Blocks wait as they are (no Polars work per sample on the training thread) and become
+    DataFrame rows when a part takes them: all the blocks a part covers in one `blocks_frame`
+    call. Plain measurements become a DataFrame chunk at once.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[pl.DataFrame | _BlockRange] = deque()
+        self._rows = 0
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def add_block(self, block: MeasurementBlock, start: int, stop: int) -> int:
+        """Add the rows of the block's tensors `start` to `stop`; returns how many."""
+        item = _BlockRange(block, start, stop)
+        if item.height:
+            self._items.append(item)
+            self._rows += item.height
+        return item.height
+
+    def add_measurements(self, measurements: Sequence[Measurement]) -> int:
+        """Add one row per metric of each measurement; returns how many."""
+        if not measurements:
+            return 0
+        lists = _RowLists()
+        for m in measurements:
+            lists.extend(m)
+        chunk = lists.frame()
+        if chunk.height:
+            self._items.append(chunk)
+            self._rows += chunk.height
+        return chunk.height
+
+    def frame(self, n: int) -> pl.DataFrame:
+        """The first `n` rows as one DataFrame with the exact history schema.
+
+        The items these rows come from are replaced by that DataFrame (all of their rows), so a
+        part that fails to be written is not converted again when it is retried.
+        """
+        covered = 0
+        count = 0
+        for item in self._items:
+            if covered >= n:
+                break
+            covered += item.height
+            count += 1
+        if not count:
+            return empty_history()
+        items = [self._items.popleft() for _ in range(count)]
+        frames: list[pl.DataFrame] = []
+        ranges: list[_BlockRange] = []
+        for item in items:
+            if isinstance(item, _BlockRange):
+                ranges.append(item)
+                continue
+            if ranges:
+                frames.append(blocks_frame(ranges))
+                ranges = []
+            frames.append(item)
+        if ranges:
+            frames.append(blocks_frame(ranges))
+        whole = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
+        self._items.appendleft(whole)
+        return whole if whole.height <= n else whole.head(n)
+
+    def drop(self, n: int) -> None:
+        """Forget the first `n` rows."""
+        n = min(n, self._rows)
+        self._rows -= n
+        while n:
+            item = self._items[0]
+            if item.height <= n:
+                self._items.popleft()
+                n -= item.height
+            elif isinstance(item, _BlockRange):  # whole tensors only: a part ends on a frame
+                self.frame(n)
+                self._items[0] = self._items[0].slice(n)  # type: ignore[union-attr]
+                n = 0
+            else:
+                self._items[0] = item.slice(n)
+                n = 0
+
+    def sample_range(self) -> tuple[int, int] | None:
+        """The smallest and largest sample_id of the buffered rows; None when there are none."""
+        ids: list[int] = []
+        for item in self._items:
+            if isinstance(item, _BlockRange):
+                ids.append(item.block.sample_id)
+            elif item.height:
+                ids += [int(item["sample_id"].min()), int(item["sample_id"].max())]  # type: ignore[arg-type]
+        return (min(ids), max(ids)) if ids else None
+
+
+def blocks_frame(ranges: Sequence[_BlockRange]) -> pl.DataFrame:
+    """The rows of several block ranges, in order, as one DataFrame (one conversion for all of
+    them when they share their metrics, as an observer's blocks do)."""
+    metrics = ranges[0].block.metrics
+    if len(ranges) == 1 or any(r.block.metrics != metrics for r in ranges):
+        frames = [block_frame(r.block, r.start, r.stop) for r in ranges]
+        return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
+    try:
+        joined = _joined(ranges)
+        return _columns_frame(joined, 0, len(joined))
+    except Exception:  # a cell of the wrong type somewhere: block by block, which repairs it
+        return pl.concat([block_frame(r.block, r.start, r.stop) for r in ranges], how="vertical")
+
+
+def _joined(ranges: Sequence[_BlockRange]) -> MeasurementBlock:
+    """One block holding the tensors of several ranges, their per-block fields made per tensor
+    (`_PerTensor`), for `block_frame`."""
+    k = len(ranges[0].block.metrics)
+
+    def tensors(field: str) -> list:
+        out: list = []
+        for r in ranges:
+            out += getattr(r.block, field)[r.start : r.stop]
+        return out
+
+    def rows(field: str) -> list:
+        out: list = []
+        for r in ranges:
+            out += getattr(r.block, field)[r.start * k : r.stop * k]
+        return out
+
+    def per_block(field: str) -> _PerTensor:
+        return _PerTensor(
+            [value for r in ranges for value in [getattr(r.block, field)] * (r.stop - r.start)]
+        )
+
+    first = ranges[0].block
+    return MeasurementBlock(
+        sample_id=per_block("sample_id"),  # type: ignore[arg-type]
+        forward_index=per_block("forward_index"),  # type: ignore[arg-type]
+        signal=per_block("signal"),  # type: ignore[arg-type]
+        rank=per_block("rank"),  # type: ignore[arg-type]
+        metrics=first.metrics,
+        timestamps_us=tensors("timestamps_us"),
+        layers=tensors("layers"),
+        module_types=tensors("module_types"),
+        call_indices=tensors("call_indices"),
+        tensor_paths=tensors("tensor_paths"),
+        shapes=tensors("shapes"),
+        dtypes=tensors("dtypes"),
+        modes=tensors("modes"),
+        grad_enabled=tensors("grad_enabled"),
+        placements=tensors("placements"),
+        mesh_coordinates=tensors("mesh_coordinates"),
+        values=rows("values"),
+        reasons=rows("reasons"),
+    )
+
+
+class _PerTensor(list):
+    """A block field given per tensor instead of once for the block (see `_joined`)."""
+
+
+def block_frame(block: MeasurementBlock, start: int = 0, stop: int | None = None) -> pl.DataFrame:
+    """The rows of the block's tensors `start` to `stop` (all by default), history schema.
+
+    A cell that does not fit its column sends the block through `_RowLists`, which repairs it.
+    """
+    stop = len(block) if stop is None else stop
+    try:
+        return _columns_frame(block, start, stop)
+    except Exception:  # a cell of the wrong type: row by row, which repairs the cells
+        lists = _RowLists()
+        for i in range(start, stop):
+            lists.extend(block[i])
+        return lists.frame()
+
+
+def _columns_frame(block: MeasurementBlock, start: int, stop: int) -> pl.DataFrame:
+    """`block_frame` without the repair: raises on a cell that does not fit its column.
+
+    Each per-tensor column becomes a Series of one entry per tensor, gathered `len(metrics)`
+    times; the values and reasons are already one per row.
+    """
+    import numpy as np  # here: finalize and the CLI import this module and never need NumPy
+
+    k = len(block.metrics)
+    n = stop - start
+    rows = n * k
+    each = pl.Series(np.repeat(np.arange(n, dtype=np.uint32), k))
+
+    def per_tensor(values: list, dtype: pl.DataType) -> pl.Series:
+        return pl.Series(values[start:stop], dtype=dtype, strict=True).gather(each)
+
+    def constant(value: object, dtype: pl.DataType) -> pl.Series:
+        if isinstance(value, _PerTensor):  # several blocks joined: one value per tensor
+            return per_tensor(value, dtype)
+        return pl.Series([value], dtype=dtype).new_from_index(0, rows)
+
+    data = {
+        "sample_id": constant(block.sample_id, pl.Int64()),
+        "forward_index": constant(block.forward_index, pl.Int64()),
+        "timestamp": per_tensor(block.timestamps_us, pl.Int64()).cast(HISTORY_SCHEMA["timestamp"]),
+        "rank": constant(block.rank, pl.Int32()),
+        "layer": per_tensor(block.layers, pl.String()),
+        "module_type": per_tensor(block.module_types, pl.String()),
+        "call_index": per_tensor(block.call_indices, pl.Int32()),
+        "signal": constant(block.signal, pl.String()),
+        "tensor_path": per_tensor(block.tensor_paths, pl.String()),
+        "shape": _distinct_lists(block.shapes[start:stop], each),
+        "dtype": per_tensor(block.dtypes, pl.String()),
+        "placement": per_tensor(block.placements, pl.String()),
+        "mesh_coordinate": _distinct_lists(block.mesh_coordinates[start:stop], each),
+        "mode": per_tensor(block.modes, pl.String()),
+        "grad_enabled": per_tensor(block.grad_enabled, pl.Boolean()),
+        "metric": pl.Series(block.metrics, dtype=pl.String()).gather(
+            pl.Series(np.tile(np.arange(k, dtype=np.uint32), n))
+        ),
+        "value": pl.Series(block.values[start * k : stop * k], dtype=pl.Float64(), strict=True),
+        "unavailable_reason": pl.Series(
+            block.reasons[start * k : stop * k], dtype=pl.String(), strict=True
+        ),
+    }
+    frame = pl.DataFrame({name: series.alias(name) for name, series in data.items()})
+    if frame.schema != HISTORY_SCHEMA:
+        raise TypeError(f"block frame schema {frame.schema} is not the history schema")
+    return frame
+
+
+def _distinct_lists(items: list, each: pl.Series) -> pl.Series:
+    """A List(Int64) column from per-tensor tuples (or None), built from its distinct values
+    and gathered: one Python list per row costs ~50x more than a gather."""
+    table: dict[object, int] = {}
+    ids = [table.setdefault(item, len(table)) for item in items]
+    if len(table) == 1:
+        only = _valid_shape(next(iter(table)))
+        value = None if only is None else list(only)
+        return pl.Series([value], dtype=pl.List(pl.Int64)).new_from_index(0, each.len())
+    distinct = [_valid_shape(item) for item in table]
+    column = pl.Series([None if s is None else list(s) for s in distinct], dtype=pl.List(pl.Int64))
+    return column.gather(pl.Series(ids, dtype=pl.UInt32).gather(each))
 
 
 @dataclass
-class ColumnBuffer:
-    """One list per history column; `frame` turns the first n rows into a DataFrame.
+class _RowLists:
+    """One list per history column; `frame` turns them into a DataFrame.
 
     `shape` and `mesh_coordinate` are kept as indices into `shapes` and `coordinates` (distinct
     ones are few), because building a List column from one Python list per row costs ~50x more
@@ -69,23 +326,23 @@ class ColumnBuffer:
         c["unavailable_reason"].extend(v.reason for v in m.values)
         return k
 
-    def frame(self, n: int) -> pl.DataFrame:
-        """The first `n` rows as a DataFrame with the exact history schema.
+    def frame(self) -> pl.DataFrame:
+        """Every row as a DataFrame with the exact history schema.
 
         A cell that does not fit its column (a custom record with a value that is not a number,
         say) is replaced by null, with a reason for `value`, and the frame is built again: one
         bad record never blocks the rows around it.
         """
         try:
-            return self._frame(n)
+            return self._frame()
         except Exception:  # a cell of the wrong type: repair the cells, keep every row
-            self._repair(n)
-            return self._frame(n)
+            self._repair()
+            return self._frame()
 
-    def _frame(self, n: int) -> pl.DataFrame:
+    def _frame(self) -> pl.DataFrame:
         data = {}
         for name, dtype in HISTORY_SCHEMA.items():
-            values = self.columns[name][:n]
+            values = self.columns[name]
             if name == "timestamp":
                 data[name] = pl.Series(name, values, dtype=pl.Int64).cast(dtype)
             elif name in ("shape", "mesh_coordinate"):
@@ -98,9 +355,10 @@ class ColumnBuffer:
                 data[name] = pl.Series(name, values, dtype=dtype, strict=True)
         return pl.DataFrame(data)
 
-    def _repair(self, n: int) -> None:
-        """Null every cell of the first `n` rows that does not fit its column's type."""
+    def _repair(self) -> None:
+        """Null every cell that does not fit its column's type."""
         c = self.columns
+        n = len(self)
         for name, kind in _CELL_TYPES.items():
             values = c[name]
             for i in range(n):
@@ -116,14 +374,6 @@ class ColumnBuffer:
                 why[i] = reasons.RECORD_NO_VALUE
             elif c["value"][i] is not None:
                 why[i] = None
-
-    def drop(self, n: int) -> None:
-        """Forget the first `n` rows (and the shape table once the buffer is empty)."""
-        for values in self.columns.values():
-            del values[:n]
-        if not any(self.columns.values()):
-            self.shapes.clear()
-            self.coordinates.clear()
 
 
 _CELL_TYPES: dict[str, type | tuple[type, ...]] = {

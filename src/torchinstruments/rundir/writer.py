@@ -55,7 +55,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.records import Measurement
+from torchinstruments.records import Measurement, MeasurementBlock
 from torchinstruments.rundir.columns import ColumnBuffer
 from torchinstruments.rundir.layout import (
     PARTS_DIR,
@@ -235,7 +235,8 @@ class HistoryWriter:
         `losses` (see the module docstring).
 
         Args:
-            measurements: the measurements of one sample (or any batch of them).
+            measurements: the measurements of one sample (a `MeasurementBlock`, as the observer
+                records them, or any sequence of them).
 
         Raises:
             RuntimeError: if the writer was closed.
@@ -245,35 +246,71 @@ class HistoryWriter:
         if not measurements:
             return
         with self._lock:
-            cap = self._config.buffered_rows_cap
-            buffer, records = self._buffer, self._records
-            size = len(buffer)  # kept by hand: this loop runs once per measured tensor
-            last = records[-1] if records else None
-            produced = 0
-            for m in measurements:
-                k = len(m.metrics)
-                produced += k
-                if size + k > cap:
-                    if not self._failing:  # writes work: only a very large sample got here
-                        self._write_backlog()
-                        size = len(buffer)
-                        last = records[-1] if records else None
-                    if size + k > cap:
-                        self._drop(k, m.sample_id)
-                        continue
-                if not size:
-                    self._oldest = _monotonic_of(m.timestamp_us)
-                buffer.extend(m)
-                size += k
-                if last is not None and last.sample_id == m.sample_id and last.signal == m.signal:
-                    last.rows += k
-                    last.left += k
-                else:
-                    last = _BufferedRecord(m.sample_id, m.signal, k)
-                    records.append(last)
-            self._rows_produced += produced
-            if len(buffer) >= self._retry_at:
+            if isinstance(measurements, MeasurementBlock):
+                self._append_block(measurements)
+            else:
+                self._append_measurements(measurements)
+            if len(self._buffer) >= self._retry_at:
                 self._write_chunks()
+
+    def _append_block(self, block: MeasurementBlock) -> None:
+        """`append` of a block: its tensors in as few chunks as the cap allows (the caller
+        holds the lock)."""
+        cap = self._config.buffered_rows_cap
+        k = len(block.metrics)
+        total = len(block)
+        self._rows_produced += total * k
+        start = 0
+        while start < total:
+            size = len(self._buffer)
+            fit = min(total - start, (cap - size) // k) if k else total - start
+            if fit <= 0 and not self._failing:  # writes work: only a very large sample got here
+                self._write_backlog()
+                size = len(self._buffer)
+                fit = min(total - start, (cap - size) // k) if k else total - start
+            if fit <= 0:
+                self._drop((total - start) * k, block.sample_id)
+                return
+            if not size:
+                self._oldest = _monotonic_of(block.timestamps_us[start])
+            rows = self._buffer.add_block(block, start, start + fit)
+            self._note_rows(block.sample_id, block.signal, rows)
+            start += fit
+
+    def _append_measurements(self, measurements: Sequence[Measurement]) -> None:
+        """`append` of plain measurements, one by one against the cap (the caller holds the
+        lock); the accepted ones become one chunk."""
+        cap = self._config.buffered_rows_cap
+        size = len(self._buffer)  # kept by hand, with the accepted rows not yet in a chunk
+        accepted: list[Measurement] = []
+        for m in measurements:
+            k = len(m.metrics)
+            self._rows_produced += k
+            if size + k > cap:
+                if not self._failing:  # writes work: only a very large sample got here
+                    self._buffer.add_measurements(accepted)
+                    accepted = []
+                    self._write_backlog()
+                    size = len(self._buffer)
+                if size + k > cap:
+                    self._drop(k, m.sample_id)
+                    continue
+            if not size:
+                self._oldest = _monotonic_of(m.timestamp_us)
+            accepted.append(m)
+            size += k
+            self._note_rows(m.sample_id, m.signal, k)
+        self._buffer.add_measurements(accepted)
+
+    def _note_rows(self, sample_id: int, signal: str, rows: int) -> None:
+        """Count `rows` more buffered rows of this sample and signal (for `_split_metadata`)."""
+        records = self._records
+        last = records[-1] if records else None
+        if last is not None and last.sample_id == sample_id and last.signal == signal:
+            last.rows += rows
+            last.left += rows
+        else:
+            records.append(_BufferedRecord(sample_id, signal, rows))
 
     def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
@@ -327,13 +364,13 @@ class HistoryWriter:
         self._closed = True
         self.flush()
         with self._lock:
-            ids = self._buffer.columns["sample_id"]
-            if ids:
+            ids = self._buffer.sample_range()
+            if ids is not None:
                 self._ledger.end_episode()
                 self._ledger.add(
-                    len(ids),
-                    min(ids),
-                    max(ids),
+                    len(self._buffer),
+                    ids[0],
+                    ids[1],
                     f"not written at removal: the last attempt to write them failed "
                     f"({self._error})",
                 )

@@ -1,0 +1,101 @@
+"""The small-tensor lane: a sample's small float32 CPU tensors, measured together as arrays.
+
+Design decision: on a model of thousands of small layers the statistics are cheap and the fixed
+cost per tensor is what a sampled step pays: the objects of a reduction and of its record (some
+fifteen per tensor, which the garbage collector scans until the sample is written, and which
+made it scan the whole heap about once per step at 3,000 layers), and the Python work of
+deriving nine metrics one tensor at a time. The lane takes the common case off that path: a
+plain strided float32 tensor on the CPU of 1 to `numerics.BATCH_MAX` entries, outside every
+torch.func transform, when the default profile is the only reducer and the layer is not a focus
+layer (a focus tensor's histogram takes the general path). At the layer's return (or as its
+gradient arrives) the lane copies the values into a NumPy array (so a later in-place op cannot
+change what is measured; NumPy arrays are not tracked by the garbage collector) and keeps no
+other object for it; at the end of the sampled forward or backward pass, `measure` reduces every
+copy in one segmented pass (`numerics.segment_profiles`: the same numbers, bit for bit, as the
+general path's) and returns the values and reasons as flat lists, ready for a
+`records.MeasurementBlock`.
+
+Everything else takes the general path (`reducers.Measurer`), which hands over in its turn; a
+failure of the lane's batch measures each of its tensors on its own, so a failure stays in its
+own tensor's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from torchinstruments import reasons
+from torchinstruments._torch_internals import functorch_active, is_functorch_wrapped
+from torchinstruments.measurement import numerics
+
+# The metrics the lane computes, in the order of `numerics.PROFILE`.
+_COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
+_FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
+
+
+def takes(tensor: torch.Tensor) -> bool:
+    """Whether the lane measures `tensor` (the caller checked the reducers and the focus)."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and tensor.dtype == torch.float32
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and 0 < tensor.numel() <= numerics.BATCH_MAX
+        and not functorch_active()
+        and not is_functorch_wrapped(tensor)
+    )
+
+
+def copy_values(tensor: torch.Tensor) -> np.ndarray:
+    """A flat copy of the values as they are now (C order, whatever the tensor's strides)."""
+    return tensor.detach().numpy().flatten()
+
+
+def measure(
+    copies: Sequence[np.ndarray], metrics: tuple[str, ...]
+) -> tuple[list[float | None], list[str | None]]:
+    """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons.
+
+    Never raises: when the batch fails, each copy is measured on its own, and a copy that fails
+    alone gets null values with the error as their reason.
+    """
+    if not copies:
+        return [], []
+    try:
+        return _measure_batch(copies, metrics)
+    except Exception:  # each copy on its own: a failure stays in its own rows
+        values: list[float | None] = []
+        why: list[str | None] = []
+        for copy in copies:
+            try:
+                one, one_why = _measure_batch([copy], metrics)
+            except Exception as error:
+                reason = reasons.error("statistics", error)
+                one, one_why = [None] * len(metrics), [reason] * len(metrics)
+            values += one
+            why += one_why
+        return values, why
+
+
+def _measure_batch(
+    copies: Sequence[np.ndarray], metrics: tuple[str, ...]
+) -> tuple[list[float | None], list[str | None]]:
+    """`measure` in one segmented pass."""
+    lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
+    values = np.concatenate(copies) if len(copies) > 1 else copies[0]
+    profile, finite = numerics.segment_profiles(values, lengths)
+    columns = [_COLUMN[name] for name in metrics]
+    chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
+    flat = chosen.reshape(-1)
+    out: list[float | None] = flat.tolist()
+    why: list[str | None] = [None] * flat.size
+    for position in np.flatnonzero(np.isnan(flat)).tolist():  # the nulls only
+        row, column = divmod(position, len(columns))
+        out[position] = None
+        no_finite = finite[row] == 0 and columns[column] in _FINITE_COLUMNS
+        why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
+    return out, why

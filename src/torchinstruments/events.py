@@ -180,8 +180,16 @@ def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[Miss
     drawn = {histogram.tag for histogram in record.histograms}
     missing = []
     measurements = record.measurements
-    if isinstance(measurements, MeasurementBlock):  # build the focus layers' measurements only
-        measurements = measurements.of_layers(focus)
+    if isinstance(measurements, MeasurementBlock):  # build only the measurements it must read
+        measurements = [
+            measurements[i]
+            for i, layer in enumerate(measurements.layers)
+            if layer in focus
+            and histogram_tag(
+                layer, measurements.call_indices[i], record.signal, measurements.tensor_paths[i]
+            )
+            not in drawn
+        ]
     for m in measurements:
         if m.layer not in focus or INTERRUPTED in m.metrics:
             continue

@@ -153,10 +153,6 @@ class MeasurementBlock(Sequence[Measurement]):
 
     __hash__ = None  # type: ignore[assignment]
 
-    def of_layers(self, layers: frozenset[str]) -> list[Measurement]:
-        """The measurements of these layers only, without building the others."""
-        return [self[i] for i, layer in enumerate(self.layers) if layer in layers]
-
 
 @dataclass(frozen=True, slots=True)
 class HistogramRecord:

@@ -147,29 +147,52 @@ def _smallest_at_least(edges: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def host_moments(
     values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool
 ) -> list[tuple[float, float, float, float]]:
-    """Per segment: (sum, sum of squares, mean, population std), float64 (`segment_moments`)."""
-    parts = segment_moments(values, starts, counts, with_squares)
-    return list(zip(*(part.tolist() for part in parts), strict=True))
+    """Per segment: (sum, sum of squares, mean, population std), float64.
+
+    The sums are `segment_sums`'; the last step is plain float arithmetic per segment (cheaper
+    than NumPy's for the one segment of a large tensor), where an overflow is inf (later a null
+    with a reason), never a warning. `segment_moments` is the same arithmetic on arrays.
+    """
+    sums, squares, residual, scale = segment_sums(values, starts, counts)
+    out = []
+    for total, square, rest, count in zip(
+        sums.tolist(), squares.tolist(), residual.tolist(), np.asarray(counts).tolist(), strict=True
+    ):
+        mean = total / count
+        std = math.sqrt(max((square - rest * rest / count) / count, 0.0)) * scale
+        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
+        sum_squares = (square + 2.0 * mean * rest + count * mean * mean) * scale * scale
+        out.append((total * scale, sum_squares if with_squares else 0.0, mean * scale, std))
+    return out
 
 
 def segment_moments(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per segment, as float64 arrays: sum, sum of squares (zeros unless `with_squares`), mean
-    and population std.
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment, as float64 arrays: the mean and the population std, by `host_moments`'
+    arithmetic elementwise (so the same bits; `tests/test_lane.py` holds them to it)."""
+    sums, squares, residual, scale = segment_sums(values, starts, counts)
+    with np.errstate(over="ignore", invalid="ignore"):
+        means = sums / counts
+        stds = np.sqrt(np.maximum((squares - residual * residual / counts) / counts, 0.0)) * scale
+        return means * scale, stds
+
+
+def segment_sums(
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Per segment, float64 arrays: the sum, the sum of squared deviations from the mean and the
+    sum of those deviations (a correction term), of values scaled by the returned power of two.
 
     Args:
         values: Finite float32 or float64 entries, ascending within each segment.
         starts: Where each segment starts in `values` (ascending; segments do not overlap).
         counts: The length of each segment (each at least 1).
-        with_squares: Whether the sum of squares is wanted (0.0 otherwise).
 
     A corrected two-pass algorithm over float64 copies made one `CHUNK` at a time (a segment may
     span chunks): segmented sums (`add.reduceat`), then the deviations' sums and squares. float32
     squares always fit float64; float64 values whose squares could overflow or underflow are
     scaled by one power of two per call (exact), chosen from the segments' ends (they are sorted).
-    The last step is elementwise float64 arithmetic, where an overflow is inf (later a null with
-    a reason), never a warning.
     """
     scale = 1.0
     if values.dtype == np.float64:
@@ -211,16 +234,7 @@ def segment_moments(
             chunk = np.subtract(piece, subtrahend, dtype=np.float64)
         residual[first:last] += np.add.reduceat(chunk, local)
         squares[first:last] += np.add.reduceat(np.square(chunk, out=chunk), local)
-    with np.errstate(over="ignore", invalid="ignore"):
-        means = sums / counts
-        stds = np.sqrt(np.maximum((squares - residual * residual / counts) / counts, 0.0)) * scale
-        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
-        if with_squares:
-            sum_squares = (squares + 2.0 * means * residual + counts * means * means) * scale
-            sum_squares *= scale
-        else:
-            sum_squares = np.zeros(counts.size)
-        return sums * scale, sum_squares, means * scale, stds
+    return sums, squares, residual, scale
 
 
 def host_histogram(values: np.ndarray, bins: int, total: float, sum_squares: float) -> list[float]:
@@ -441,7 +455,7 @@ def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
         counts = finite[present]
         starts = np.zeros(counts.size, dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
-        _, _, means, stds = segment_moments(ordered, starts, counts)
+        means, stds = segment_moments(ordered, starts, counts)
         last = counts - 1
         profile[present, 0] = means
         profile[present, 1] = stds

@@ -168,129 +168,113 @@ def build_records(
     lane_copies = [item[3] for item in items if type(item) is tuple]
     lane_values, lane_reasons = lane.measure(lane_copies, metrics)
     resolved, histograms = _resolve_general(general, metrics)
+    values, why = _in_launch_order(items, lane_values, lane_reasons, resolved, len(metrics))
+    # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
+    # and each tuple is an object the garbage collector scans until then.
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    entries: list[_Entry] = [
+        (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
+        if type(item) is tuple
+        else (
+            item.key,  # type: ignore[union-attr]
+            item.timestamp_us,  # type: ignore[union-attr]
+            item.shape,  # type: ignore[union-attr]
+            item.dtype,  # type: ignore[union-attr]
+            item.placement,  # type: ignore[union-attr]
+            item.mesh_coordinate,  # type: ignore[union-attr]
+        )
+        for item in items
+    ]
+    by_sample: dict[int, list[int]] = {}
+    if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
+        by_sample[entries[0][0].sample_id] = list(range(len(entries)))  # the usual case
+    else:
+        for position, entry in enumerate(entries):
+            by_sample.setdefault(entry[0].sample_id, []).append(position)
     k = len(metrics)
-    blocks: dict[int, _BlockColumns] = {}
+    records = []
+    for sample_id, positions in by_sample.items():
+        if len(positions) == len(entries):
+            chosen, block_values, block_why = entries, values, why
+        else:
+            chosen = [entries[p] for p in positions]
+            block_values = [v for p in positions for v in values[p * k : (p + 1) * k]]
+            block_why = [r for p in positions for r in why[p * k : (p + 1) * k]]
+        block = _block(chosen, block_values, block_why, sample_id, signal, rank, metrics)
+        records.append(
+            SampleRecord(
+                signal,
+                sample_id,
+                block.forward_index,
+                block,
+                tuple(histograms.get(sample_id, ())),
+            )
+        )
+    return records
+
+
+# (key, timestamp_us, shape, dtype, placement, mesh_coordinate) of one tensor of a block.
+_Entry = tuple[TensorKey, int, tuple[int, ...] | None, str, str | None, tuple[int, ...] | None]
+
+
+def _in_launch_order(
+    items: Sequence[PendingTensor | LaneItem],
+    lane_values: list[float | None],
+    lane_reasons: list[str | None],
+    resolved: list[tuple[MetricValue, ...]],
+    k: int,
+) -> tuple[list[float | None], list[str | None]]:
+    """Every tensor's `k` values and reasons, in launch order, from the lane's and the general
+    path's results."""
+    if not resolved:
+        return lane_values, lane_reasons
+    values: list[float | None] = []
+    why: list[str | None] = []
     lane_at = general_at = 0
     for item in items:
         if type(item) is tuple:
-            key, stamp, shape, _ = item
-            columns = blocks.get(key.sample_id)
-            if columns is None:
-                columns = blocks[key.sample_id] = _BlockColumns(key.forward_index)
-            columns.add(key, stamp, shape, "float32", None, None)
-            columns.values += lane_values[lane_at * k : (lane_at + 1) * k]
-            columns.reasons += lane_reasons[lane_at * k : (lane_at + 1) * k]
+            values += lane_values[lane_at * k : (lane_at + 1) * k]
+            why += lane_reasons[lane_at * k : (lane_at + 1) * k]
             lane_at += 1
         else:
-            pending: PendingTensor = item  # type: ignore[assignment]
-            key = pending.key
-            columns = blocks.get(key.sample_id)
-            if columns is None:
-                columns = blocks[key.sample_id] = _BlockColumns(key.forward_index)
-            columns.add(
-                key,
-                pending.timestamp_us,
-                pending.shape,
-                pending.dtype,
-                pending.placement,
-                pending.mesh_coordinate,
-            )
             for value in resolved[general_at]:
-                columns.values.append(value.value)
-                columns.reasons.append(value.reason)
+                values.append(value.value)
+                why.append(value.reason)
             general_at += 1
-    return [
-        SampleRecord(
-            signal,
-            sample_id,
-            columns.forward_index,
-            columns.block(sample_id, signal, rank, metrics),
-            tuple(histograms.get(sample_id, ())),
-        )
-        for sample_id, columns in blocks.items()
-    ]
+    return values, why
 
 
-class _BlockColumns:
-    """The columns of one sample's `MeasurementBlock` while `build_records` fills them."""
-
-    __slots__ = (
-        "call_indices",
-        "dtypes",
-        "forward_index",
-        "grad_enabled",
-        "layers",
-        "mesh_coordinates",
-        "modes",
-        "module_types",
-        "placements",
-        "reasons",
-        "shapes",
-        "stamps",
-        "tensor_paths",
-        "values",
+def _block(
+    entries: Sequence[_Entry],
+    values: list[float | None],
+    why: list[str | None],
+    sample_id: int,
+    signal: str,
+    rank: int | None,
+    metrics: tuple[str, ...],
+) -> MeasurementBlock:
+    """One sample's block, column by column."""
+    keys = [entry[0] for entry in entries]
+    return MeasurementBlock(
+        sample_id=sample_id,
+        forward_index=keys[0].forward_index,
+        signal=signal,
+        rank=rank,
+        metrics=metrics,
+        timestamps_us=[entry[1] for entry in entries],
+        layers=[key.layer.name for key in keys],
+        module_types=[key.layer.module_type for key in keys],
+        call_indices=[key.call_index for key in keys],
+        tensor_paths=[key.tensor_path for key in keys],
+        shapes=[entry[2] for entry in entries],
+        dtypes=[entry[3] for entry in entries],
+        modes=[key.mode for key in keys],
+        grad_enabled=[key.grad_enabled for key in keys],
+        placements=[entry[4] for entry in entries],
+        mesh_coordinates=[entry[5] for entry in entries],
+        values=values,
+        reasons=why,
     )
-
-    def __init__(self, forward_index: int) -> None:
-        self.forward_index = forward_index
-        self.stamps: list[int] = []
-        self.layers: list[str] = []
-        self.module_types: list[str] = []
-        self.call_indices: list[int] = []
-        self.tensor_paths: list[str] = []
-        self.shapes: list[tuple[int, ...] | None] = []
-        self.dtypes: list[str] = []
-        self.modes: list[str] = []
-        self.grad_enabled: list[bool] = []
-        self.placements: list[str | None] = []
-        self.mesh_coordinates: list[tuple[int, ...] | None] = []
-        self.values: list[float | None] = []
-        self.reasons: list[str | None] = []
-
-    def add(
-        self,
-        key: TensorKey,
-        stamp: int,
-        shape: tuple[int, ...] | None,
-        dtype: str,
-        placement: str | None,
-        mesh_coordinate: tuple[int, ...] | None,
-    ) -> None:
-        self.stamps.append(stamp)
-        self.layers.append(key.layer.name)
-        self.module_types.append(key.layer.module_type)
-        self.call_indices.append(key.call_index)
-        self.tensor_paths.append(key.tensor_path)
-        self.shapes.append(shape)
-        self.dtypes.append(dtype)
-        self.modes.append(key.mode)
-        self.grad_enabled.append(key.grad_enabled)
-        self.placements.append(placement)
-        self.mesh_coordinates.append(mesh_coordinate)
-
-    def block(
-        self, sample_id: int, signal: str, rank: int | None, metrics: tuple[str, ...]
-    ) -> MeasurementBlock:
-        return MeasurementBlock(
-            sample_id=sample_id,
-            forward_index=self.forward_index,
-            signal=signal,
-            rank=rank,
-            metrics=metrics,
-            timestamps_us=self.stamps,
-            layers=self.layers,
-            module_types=self.module_types,
-            call_indices=self.call_indices,
-            tensor_paths=self.tensor_paths,
-            shapes=self.shapes,
-            dtypes=self.dtypes,
-            modes=self.modes,
-            grad_enabled=self.grad_enabled,
-            placements=self.placements,
-            mesh_coordinates=self.mesh_coordinates,
-            values=self.values,
-            reasons=self.reasons,
-        )
 
 
 def _resolve_general(

@@ -1,0 +1,279 @@
+"""The small-tensor lane: the same numbers as the general path, bit for bit, in fewer objects.
+
+The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
+arrays (`numerics.segment_profiles`) and records them as a `MeasurementBlock`. These tests hold
+it to the general path's values (the NumPy batch followed by `DefaultDeriver`, itself held to
+NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
+existing: few objects for the garbage collector per measured tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.measurement import lane, numerics
+from torchinstruments.measurement.reducers import DEFAULT_METRICS
+from torchinstruments.records import Measurement, MeasurementBlock, MetricValue
+
+from conftest import numpy_profile, read_history
+
+SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, -1.0]
+
+
+def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
+    """The default profiles of a batch as the general path's NumPy batch and deriver give them.
+
+    The same batch on both sides: a segment's float64 sum is summed pairwise when it is the
+    only one and in order among several, which may differ in the last bit.
+    """
+    wanted = frozenset(DEFAULT_METRICS)
+    segments = [torch.from_numpy(copy) for copy in copies]
+    results = numerics.measure_batch_on_cpu(segments, wanted, [None] * len(copies))
+    return [
+        numerics.DefaultDeriver(copy.size, wanted)(result.raw)
+        for copy, result in zip(copies, results, strict=True)
+    ]
+
+
+def lane_rows(copies: list[np.ndarray], metrics: tuple[str, ...]) -> list[dict[str, MetricValue]]:
+    values, why = lane.measure(copies, metrics)
+    k = len(metrics)
+    return [
+        {m: MetricValue(values[i * k + j], why[i * k + j]) for j, m in enumerate(metrics)}
+        for i in range(len(copies))
+    ]
+
+
+def same_bits(a: MetricValue, b: MetricValue) -> bool:
+    """Equal values (NaN never occurs: a null is None) with equal signs of zero, equal reasons."""
+    if a.value is None or b.value is None:
+        return a == b
+    return a.reason == b.reason and np.float64(a.value).tobytes() == np.float64(b.value).tobytes()
+
+
+segments = st.lists(
+    st.lists(
+        st.one_of(st.sampled_from(SPECIAL), st.floats(width=32, allow_nan=True)),
+        min_size=1,
+        max_size=80,
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(segments)
+def test_the_lane_gives_the_general_paths_values_bit_for_bit(data: list[list[float]]) -> None:
+    copies = [np.array(segment, dtype=np.float32) for segment in data]
+    expected = general_path(copies)
+    for copy, got, want in zip(copies, lane_rows(copies, DEFAULT_METRICS), expected, strict=True):
+        for metric in DEFAULT_METRICS:
+            assert same_bits(got[metric], want[metric]), (metric, copy, got[metric], want[metric])
+
+
+def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit() -> None:
+    rng = np.random.default_rng(0)
+    copies = [
+        (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        for size in (1, 2, 3, 7, 64, 513, numerics.BATCH_MAX)
+    ]
+    copies[3][[0, 4]] = 0.0
+    for copy, got in zip(copies, lane_rows(copies, DEFAULT_METRICS), strict=True):
+        want = numpy_profile(copy)
+        for metric in DEFAULT_METRICS:
+            assert got[metric].value == pytest.approx(want[metric], rel=1e-6, abs=1e-7), metric
+
+
+def test_a_subset_of_metrics_comes_in_the_order_asked() -> None:
+    copies = [np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)]
+    (got,) = lane_rows(copies, ("p75", "zero_fraction", "mean"))
+    assert list(got) == ["p75", "zero_fraction", "mean"]
+    assert [v.value for v in got.values()] == [3.25, 0.0, 2.5]
+
+
+def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
+    copies = [
+        np.array([math.nan, math.inf], dtype=np.float32),
+        np.array([3e38, -3e38, 3e38, -3e38], dtype=np.float32),
+    ]
+    nothing, huge = lane_rows(copies, DEFAULT_METRICS)
+    assert nothing["mean"] == MetricValue(None, "no finite entries")
+    assert nothing["p50"] == MetricValue(None, "no finite entries")
+    assert nothing["nonfinite_fraction"] == MetricValue(1.0)
+    assert nothing["zero_fraction"] == MetricValue(0.0)
+    assert huge == general_path(copies)[1]  # float64 holds float32 squares: no overflow here
+
+
+def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = numerics.segment_profiles
+
+    def breaks_on_batches_and_the_marked_copy(values: np.ndarray, lengths: np.ndarray) -> object:
+        if lengths.size > 1:
+            raise RuntimeError("batch broke")
+        if values[0] == 12345.0:
+            raise RuntimeError("this tensor broke")
+        return original(values, lengths)
+
+    monkeypatch.setattr(numerics, "segment_profiles", breaks_on_batches_and_the_marked_copy)
+    copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
+    good, bad = lane_rows(copies, ("mean", "max"))
+    assert good == {"mean": MetricValue(1.5), "max": MetricValue(2.0)}
+    assert {v.reason for v in bad.values()} == {"statistics error: RuntimeError: this tensor broke"}
+
+
+def test_the_lane_takes_only_small_plain_float32_cpu_tensors() -> None:
+    assert lane.takes(torch.randn(4, 8))
+    assert lane.takes(torch.randn(8, 4, requires_grad=True).t())  # any strides
+    assert not lane.takes(torch.randn(numerics.BATCH_MAX + 1))  # the NumPy sort one by one
+    assert not lane.takes(torch.empty(0))
+    assert not lane.takes(torch.randn(4, dtype=torch.float64))
+    assert not lane.takes(torch.randn(4).to(torch.bfloat16))
+    assert not lane.takes(torch.randn(4).to_sparse())
+    assert not lane.takes(torch.randn(4).as_subclass(_Marked))
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: measured through its own dispatch, by the general path."""
+
+
+def test_the_copy_keeps_the_values_as_they_were() -> None:
+    tensor = torch.arange(6.0).reshape(2, 3).t()
+    copy = lane.copy_values(tensor)
+    tensor.mul_(0)
+    assert copy.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+
+
+def chain(depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.LayerNorm(8)]
+    return nn.Sequential(*layers)
+
+
+def run(model: nn.Module, x: torch.Tensor, directory: Path, steps: int = 2) -> pl.DataFrame:
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), max_histogram_modules=1
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    return read_history(directory).drop("timestamp")
+
+
+def test_a_run_writes_the_same_rows_with_and_without_the_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = chain(6)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    measured = []
+    original = lane.measure
+
+    def counting(copies: list[np.ndarray], metrics: tuple[str, ...]) -> object:
+        measured.append(len(copies))
+        return original(copies, metrics)
+
+    monkeypatch.setattr(lane, "measure", counting)
+    x = torch.randn(4, 8)
+    with_lane = run(model, x, tmp_path / "lane")
+    # every output and gradient of both steps but the focus layer's (its histogram needs the
+    # general path)
+    assert sum(measured) == 2 * 2 * (6 * 3 - 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(initial[name])
+    monkeypatch.setattr(lane, "takes", lambda tensor: False)
+    general = run(model, x, tmp_path / "general")
+    assert with_lane.height == general.height > 0
+    assert with_lane.equals(general, null_equal=True)
+
+
+def test_a_sampled_forward_keeps_few_objects_for_the_collector_per_tensor(
+    tmp_path: Path,
+) -> None:
+    """The lane's reason to exist: before it, a sampled step kept about 29 tracked objects per
+    measured tensor alive until its sample was written, so the collector scanned the whole heap
+    about once per step of a 3,000-layer model."""
+    model = chain(100)  # 300 layers: 300 outputs, then 300 gradients
+    x = torch.randn(4, 8)
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(1))
+    model(x).sum().backward()  # warm
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        output = model(x)  # the sampled forward's pending tensors are alive until it ends...
+        during = len(gc.get_objects()) - before
+    finally:
+        if was_enabled:
+            gc.enable()
+    output.sum().backward()
+    remove_observer(model)
+    # ...with the autograd graph's own objects: one tensor per layer output at least
+    assert during / 300 < 6, during
+
+
+def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:
+    block = MeasurementBlock(
+        sample_id=3,
+        forward_index=7,
+        signal="output",
+        rank=None,
+        metrics=("mean", "max"),
+        timestamps_us=[10, 11],
+        layers=["a", "b"],
+        module_types=["Linear", "ReLU"],
+        call_indices=[0, 1],
+        tensor_paths=["", "[0]"],
+        shapes=[(2, 3), None],
+        dtypes=["float32", "float32"],
+        modes=["train", "eval"],
+        grad_enabled=[True, False],
+        placements=[None, "Shard(0)"],
+        mesh_coordinates=[None, (1,)],
+        values=[1.0, 2.0, None, 4.0],
+        reasons=[None, None, "no finite entries", None],
+    )
+    second = Measurement(
+        sample_id=3,
+        forward_index=7,
+        timestamp_us=11,
+        rank=None,
+        layer="b",
+        module_type="ReLU",
+        call_index=1,
+        signal="output",
+        tensor_path="[0]",
+        shape=None,
+        dtype="float32",
+        mode="eval",
+        grad_enabled=False,
+        metrics=("mean", "max"),
+        values=(MetricValue(None, "no finite entries"), MetricValue(4.0)),
+        placement="Shard(0)",
+        mesh_coordinate=(1,),
+    )
+    assert len(block) == 2
+    assert block[1] == block[-1] == second
+    assert block[0].values == (MetricValue(1.0), MetricValue(2.0))
+    assert block == (block[0], second)
+    assert block != (second, block[0])
+    assert block[1:] == (second,)
+    with pytest.raises(IndexError):
+        block[2]

@@ -18,7 +18,11 @@ and ordering hit all alike), an SGD step included in every variant:
 Ratios are medians of per-round ratios, with min..max. `--profile` prints a cProfile of sampled
 steps of the chosen model instead (where the fixed cost goes).
 
-Run: `uv run bench/many_layers.py [--rounds 7] [--steps 5] [--only chain|deep] [--profile]`.
+`--buffer-memory` prints the bytes per row the history buffer holds for the 3,000-layer model's
+samples instead (tracemalloc; no part is written meanwhile).
+
+Run: `uv run bench/many_layers.py [--rounds 7] [--steps 5] [--only chain|deep] [--profile]
+[--clock wall] [--buffer-memory]`.
 """
 
 from __future__ import annotations
@@ -155,6 +159,36 @@ def profile(name: str, steps: int, sort: str = "tottime") -> None:
     pstats.Stats(profiler).sort_stats(sort).print_stats(45)
 
 
+def buffer_memory(steps: int = 3) -> None:
+    """Bytes per row the history buffer holds for the 3,000-layer model's samples (tracemalloc,
+    no part written meanwhile)."""
+    import gc
+    import tracemalloc
+
+    from torchinstruments import HistoryConfig
+
+    torch.manual_seed(0)
+    model, x = deep()
+    config = HistoryConfig(buffer_rows=10**7, max_buffered_rows=10**7, flush_seconds=3600.0)
+    directory = Path(tempfile.mkdtemp()) / "stats"
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=config
+    )
+    step = make_step(model, x, lambda: None)
+    step()
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(steps):
+        step()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    rows = steps * 3000 * 2 * 9
+    print(f"history buffer: {held / rows:.1f} bytes per row ({rows} rows buffered)")
+    remove_observer(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -163,7 +197,13 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only this model (chain or deep)")
     parser.add_argument("--profile", action="store_true", help="cProfile sampled steps instead")
     parser.add_argument("--clock", choices=list(CLOCK), default="cpu")
+    parser.add_argument(
+        "--buffer-memory", action="store_true", help="bytes per buffered history row instead"
+    )
     args = parser.parse_args()
+    if args.buffer_memory:
+        buffer_memory()
+        return
     global clock
     clock = CLOCK[args.clock]
     torch.set_num_threads(args.threads)

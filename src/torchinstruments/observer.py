@@ -14,8 +14,9 @@ Timing of work, by design:
 - backward: `gradients.GradientRecorder` (the hooks on sampled outputs, one transfer per pass).
 
 A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_output` ->
-`transfer.launch_tensor` (device reductions) -> at the end of the root forward
-`Observer._emit_forward` -> `transfer.build_records` (one host transfer) -> sinks -> rows.
+`transfer.launch` (the small-tensor lane's copy, or device reductions) -> at the end of the root
+forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
+`MeasurementBlock` per sample) -> sinks -> rows.
 
 Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
 calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a

@@ -3,16 +3,19 @@
 Design decision: everything one sampled forward (or one backward pass) launched stays on its
 device until this module moves it, all at once: the result vectors of every tensor are
 concatenated per device and copied with one transfer each, then each tensor's `PendingReduction`
-and `PendingHistogram` are resolved into `Measurement` and `HistogramRecord`s. This is the only
+and `PendingHistogram` are resolved into metric values and `HistogramRecord`s. This is the only
 place where measured values cross to the host.
 
 The path of a value, from a layer's return to a history row: `observer` (or `gradients`) calls
-`launch_tensor`, which launches the reductions on the device and returns a `PendingTensor`;
-`build_records` transfers and resolves a list of them into one `SampleRecord` per sample; the
-sinks turn those into rows. On the CPU, small tensors are only copied by `launch_tensor` (so later
-in-place ops cannot change what is measured) and `build_records` first reduces all of them
-together (`reducers.settle`): one segmented pass per sampled forward or backward, so the number
-of torch ops per sample does not grow with the number of layers.
+`launch`, which either gives the tensor to the small-tensor lane (`lane`: a NumPy copy of a small
+float32 CPU tensor, nothing else) or launches its reductions on its device (`launch_tensor`, the
+general path) and returns a `PendingTensor`; `build_records` measures the lane's copies in one
+segmented pass, transfers and resolves the others, and returns one `SampleRecord` per sample whose
+measurements are a `MeasurementBlock` (column by column, in launch order); the sinks turn those
+into rows. On the CPU, the general path's small tensors (a focus layer's, say) are only copied by
+`launch_tensor` (so later in-place ops cannot change what is measured) and reduced together by
+`reducers.settle`: either way, one segmented pass per sampled forward or backward, so the number of
+torch ops per sample does not grow with the number of layers.
 """
 
 from __future__ import annotations

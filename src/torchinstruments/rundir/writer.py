@@ -1,9 +1,10 @@
-"""The live history writer: a columnar buffer and atomic Parquet parts.
+"""The live history writer: a buffer of recorded rows and atomic Parquet parts.
 
-Design decision: during training, measurements go into a columnar buffer (one Python list per
-column) and leave it as one Parquet part per `buffer_rows` rows, written under a temporary name in
-`history.parts/` and renamed into place. Per-sample work is an `extend` per column, independent of
-how much history was already written, and a reader (or a crash) never sees a half-written part.
+Design decision: during training, measurements go into a buffer (`columns.ColumnBuffer`: the
+observer's blocks as they are, other measurements as DataFrame chunks) and leave it as one Parquet
+part per `buffer_rows` rows, written under a temporary name in `history.parts/` and renamed into
+place. Per-sample work does not depend on how much history was already written (a block is kept,
+not converted, until a part takes it), and a reader (or a crash) never sees a half-written part.
 The cost: rows not yet in a part live in memory and are lost if the process dies.
 
 Loss on a crash is bounded by time, not rows: a part is also written once the oldest buffered row
@@ -24,8 +25,9 @@ that costs the merge).
 
 Bounded memory when writes fail: rows that could not be written stay buffered and are retried
 (at the next chunk boundary, after half a flush interval, at removal), but at most
-`max_buffered_rows` of them (about 175 bytes a row: ~22 MiB at the default). Beyond the cap the
-*newest* rows are dropped, each counted in the loss ledger (`rundir.ledger`) with its sample and
+`max_buffered_rows` of them (about 57 bytes a row as the observer records them, `uv run
+bench/many_layers.py --buffer-memory`; at most ~175 for other measurements: ~7 to 22 MiB at the
+default). Beyond the cap the *newest* rows are dropped, each counted in the loss ledger (`rundir.ledger`) with its sample and
 why. Newest, not oldest: the buffered rows are the oldest unwritten ones, contiguous with what
 is already on disk, so the history keeps one gap per failure episode whose first sample is
 known; dropping costs nothing on the training thread (no list is shifted), and when the disk
@@ -82,8 +84,8 @@ class HistoryConfig:
             the TensorBoard events of its sample. Smaller means more, smaller parts.
         max_buffered_rows: the most rows held in memory while parts cannot be written (a full
             disk), >= buffer_rows; None (the default) means `max(131072, buffer_rows)`. About
-            175 bytes a row: the default bounds the buffer to about 22 MiB for as long as writes
-            fail. Rows recorded beyond it are dropped (the newest) and counted, with their
+            57 bytes a row as the observer records them (at most ~175 for other measurements):
+            the default bounds the buffer to about 7 MiB (22 MiB) for as long as writes fail. Rows recorded beyond it are dropped (the newest) and counted, with their
             samples and the write error, in the loss ledger.
     """
 
@@ -140,7 +142,7 @@ class _BufferedRecord:
 
 
 class HistoryWriter:
-    """Appends measurements to the columnar buffer and writes parts by size and by age.
+    """Appends measurements to the buffer and writes parts by size and by age.
 
     A part is written when the buffer holds `buffer_rows` rows (by the appending thread) or when
     its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `flush_due`).

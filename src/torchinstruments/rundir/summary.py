@@ -46,6 +46,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from torchinstruments.records import LayerInfo
@@ -107,34 +108,64 @@ def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
     )
 
 
+# `_extreme_keys`: an Int128 is (value's order) * 2**64 + (a sample's order in [0, 2**64)).
+_LOW = 2**64
+_HALF = 2**63
+_FLIP = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _extreme_keys(chunk: pl.DataFrame) -> pl.DataFrame:
+    """`chunk` with `low_key` / `high_key`: integers whose minimum / maximum over a series give
+    its finite minimum / maximum and the earliest sample holding it, in one plain aggregate.
+
+    Why: the earliest sample at the minimum needs the minimum first (a filter per group, most
+    of the summary's cost), and Polars' `min_by` / `arg_min` may pick any of equal values. An
+    Int128 ordered as (value, sample) for the minimum, (value, -sample) for the maximum, has one
+    minimum whatever the ties. The value's part is its order-preserving integer image (the bits
+    of `value + 0.0`, so -0.0 and 0.0, equal values, are one; negative floats' magnitude bits
+    flipped); null where the value is not finite.
+    """
+    values = chunk.get_column("value").to_numpy() + 0.0  # a copy; nulls are NaN, dropped below
+    bits = values.view(np.int64)
+    ordered = pl.Series(np.where(bits < 0, bits ^ _FLIP, bits), dtype=pl.Int64)
+    image = pl.when(pl.col("value").is_finite()).then(pl.col("_ordered").cast(pl.Int128) * _LOW)
+    sample = pl.col("sample_id").cast(pl.Int128)
+    return chunk.with_columns(_ordered=ordered).with_columns(
+        low_key=image + (sample + _HALF), high_key=image + (_HALF - 1 - sample)
+    )
+
+
 def _chunk_stats(chunk: pl.DataFrame) -> pl.DataFrame:
-    """Counts, first/latest, finite min/max with their earliest sample_id, and the latest
+    """Counts, first/latest, finite min/max (with `_extreme_keys`), and the latest
     module_type, shape, dtype, placement and mesh_coordinate, per series of one chunk of
     history (in history order)."""
     value, sample = pl.col("value"), pl.col("sample_id")
     finite = value.filter(value.is_finite())
-    return chunk.group_by(SERIES_KEY).agg(
-        observations=pl.len(),
-        valid=value.count(),
-        first_value=value.first(),
-        first_sample_id=sample.first(),
-        latest_value=value.last(),
-        latest_sample_id=sample.last(),
-        min_value=finite.min(),
-        min_sample_id=sample.filter(value == finite.min()).min(),
-        max_value=finite.max(),
-        max_sample_id=sample.filter(value == finite.max()).min(),
-        module_type=pl.col("module_type").last(),
-        shape=pl.col("shape").last(),
-        dtype=pl.col("dtype").last(),
-        placement=pl.col("placement").last(),
-        mesh_coordinate=pl.col("mesh_coordinate").last(),
+    return (
+        _extreme_keys(chunk)
+        .group_by(SERIES_KEY)
+        .agg(
+            observations=pl.len(),
+            valid=value.count(),
+            first_value=value.first(),
+            first_sample_id=sample.first(),
+            latest_value=value.last(),
+            latest_sample_id=sample.last(),
+            min_value=finite.min(),
+            low_key=pl.col("low_key").min(),
+            max_value=finite.max(),
+            high_key=pl.col("high_key").max(),
+            module_type=pl.col("module_type").last(),
+            shape=pl.col("shape").last(),
+            dtype=pl.col("dtype").last(),
+            placement=pl.col("placement").last(),
+            mesh_coordinate=pl.col("mesh_coordinate").last(),
+        )
     )
 
 
 def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
     """`_chunk_stats` of two consecutive stretches of history, as one."""
-    low, high = pl.col("min_value"), pl.col("max_value")
     return (
         pl.concat([earlier, later])
         .group_by(SERIES_KEY, maintain_order=True)
@@ -143,13 +174,19 @@ def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
             pl.col("module_type", "shape", "dtype", "placement", "mesh_coordinate").last(),
             pl.col("first_value", "first_sample_id").first(),
             pl.col("latest_value", "latest_sample_id").last(),
-            min_value=low.min(),
-            min_sample_id=pl.col("min_sample_id").filter(low == low.min()).min(),
-            max_value=high.max(),
-            max_sample_id=pl.col("max_sample_id").filter(high == high.max()).min(),
+            pl.col("min_value", "low_key").min(),
+            pl.col("max_value", "high_key").max(),
         )
         .select(earlier.columns)
     )
+
+
+def _extreme_samples(stats: pl.DataFrame) -> pl.DataFrame:
+    """`stats` with `min_sample_id` / `max_sample_id` read from their `_extreme_keys`."""
+    return stats.with_columns(
+        min_sample_id=(pl.col("low_key") % _LOW - _HALF).cast(pl.Int64),
+        max_sample_id=(_HALF - 1 - pl.col("high_key") % _LOW).cast(pl.Int64),
+    ).drop("low_key", "high_key")
 
 
 def _tail(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
@@ -199,12 +236,40 @@ def _tail_from_end(
     return _tail(kept, 2 * window)
 
 
+def _latest_samples(
+    scan: pl.LazyFrame, samples: pl.Series, columns: Sequence[pl.Expr], window: int
+) -> pl.DataFrame:
+    """`_tail` of every series observed in each of the run's latest `2 * window` samples (an
+    ordinary run: every series), from one read of those samples' rows.
+
+    Such a series' latest `2 * window` samples are the run's, so each row's rank is its
+    sample's rank among `samples` (the distinct sample ids of history): no per-series ranking.
+    A series missing from one of them is left out; `_tail_from_end` reads it back.
+    """
+    latest = samples.unique().sort(descending=True).head(2 * window)
+    ranks = pl.DataFrame(
+        {"sample_id": latest, "rank": pl.Series(range(1, latest.len() + 1), dtype=pl.UInt32)}
+    )
+    rows = (
+        scan.filter(pl.col("sample_id") >= latest.min(), ~is_mark())
+        .select(columns)
+        .select(*SERIES_KEY, "sample_id", "value")
+        .join(ranks.lazy(), on="sample_id")
+        .collect()
+    )
+    seen = rows.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
+    every = seen.filter(pl.col("n") == latest.len()).drop("n")
+    return rows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
+
+
 def _series_summary(history: Path, window: int) -> pl.DataFrame:
     """One row per series: `_chunk_stats`' columns, then `previous_*` / `recent_*`.
 
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
-    those so far; then the windows from its end (`_tail_from_end`). Memory: one chunk, plus
+    those so far; then the windows: one read of the latest `2 * window` samples for the series
+    observed in each of them (`_latest_samples`), and for any other series a read back from the
+    end of history until it has enough samples (`_tail_from_end`). Memory: one chunk, plus
     frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
     series), whatever the history's length.
     """
@@ -213,11 +278,11 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     strings = ("layer", "signal", "tensor_path", "metric", "module_type", "dtype", "placement")
     columns = (
         *(pl.col(c).cast(pl.Categorical) if c in strings else pl.col(c) for c in SERIES_KEY),
-        "sample_id",
-        "value",
+        pl.col("sample_id"),
+        pl.col("value"),
         pl.col("module_type", "dtype", "placement").cast(pl.Categorical),
-        "shape",
-        "mesh_coordinate",
+        pl.col("shape"),
+        pl.col("mesh_coordinate"),
     )
     scan = scan_history(history)
     total = scan.select(pl.len()).collect().item()
@@ -227,14 +292,30 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
         state lists them)."""
         return scan.slice(offset, SUMMARY_CHUNK_ROWS).filter(~is_mark()).select(columns)
 
-    stats = _chunk_stats(chunk(0).collect())
+    rows = chunk(0).collect()
+    stats, samples = _chunk_stats(rows), [rows.get_column("sample_id").unique()]
     for offset in range(SUMMARY_CHUNK_ROWS, total, SUMMARY_CHUNK_ROWS):
-        stats = _combine_stats(stats, _chunk_stats(chunk(offset).collect()))
-    tail = _tail_from_end(chunk, total, stats.height, window)
+        rows = chunk(offset).collect()
+        stats = _combine_stats(stats, _chunk_stats(rows))
+        samples.append(rows.get_column("sample_id").unique())
+    del rows
+    tail = _latest_samples(scan, pl.concat(samples), columns, window) if stats.height else None
+    if tail is None:
+        tail = _tail_from_end(chunk, total, stats.height, window)
+    else:
+        rest = stats.select(SERIES_KEY).join(tail, on=SERIES_KEY, how="anti", nulls_equal=True)
+        if rest.height:
+
+            def rest_chunk(offset: int) -> pl.LazyFrame:
+                """`chunk` of the series not in `tail`."""
+                return chunk(offset).join(rest.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
+
+            tail = pl.concat([tail, _tail_from_end(rest_chunk, total, rest.height, window)])
     windows = _window_stats(tail, window)
+    del tail
     means = [window_mean(values) for values in windows.get_column("finite_values").to_list()]
     windows = windows.drop("finite_values").with_columns(pl.Series("mean", means, dtype=pl.Float64))
-    summary = _with_windows(stats, windows)
+    summary = _with_windows(_extreme_samples(stats), windows)
     return summary.with_columns(pl.col(strings).cast(pl.String))
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -405,38 +404,103 @@ def _fallback_metric(row: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def _tensor_head(row: dict[str, Any]) -> dict[str, Any]:
-    """A tensor's entry without its metrics, from any of its series' rows."""
-    head = {
-        "call_index": row["call_index"],
-        "signal": row["signal"],
-        "tensor_path": row["tensor_path"],
-        "shape": list(row["t_shape"]) if row["t_shape"] is not None else None,
-        "dtype": row["t_dtype"],
-    }
-    if row["t_placement"] is not None:  # a DTensor: what the values describe
-        coordinate = row["t_mesh_coordinate"]
-        head["placement"] = row["t_placement"]
-        head["mesh_coordinate"] = None if coordinate is None else list(coordinate)
-    head.update({k: row[f"t_{k}"] for k in _SAMPLE_FACTS})
-    for name in _WINDOW_NAMES:
-        head[name] = {f: row[f"t_{name}_{f}"] for f in _WINDOW_FACTS}
-    return head
+def _text(frame: pl.DataFrame, column: str) -> pl.Expr:
+    """A string column's values as JSON text, each distinct value encoded once by `_encode`
+    (so the escaping is Python's, as everywhere in result.json); null as `null`."""
+    values = frame.get_column(column).drop_nulls().unique().to_list()
+    encoded = [_encode(v) for v in values]
+    return pl.col(column).replace_strict(values, encoded, return_dtype=pl.String).fill_null("null")
 
 
-def _layer_tensors(rows: list[dict[str, Any]]) -> str:
-    """The `tensors` array of one layer as JSON text (rows sorted by tensor key, then metric)."""
-    tensors = []
-    for _, group in groupby(rows, key=lambda r: (r["call_index"], r["signal"], r["tensor_path"])):
-        series = list(group)
-        metrics = ",".join(
-            _encode(r["metric"])
-            + ":"
-            + (r["metric_json"] if r["metric_json"] is not None else _encode(_fallback_metric(r)))
-            for r in series
-        )
-        tensors.append(_encode(_tensor_head(series[0]))[:-1] + ',"metrics":{' + metrics + "}}")
-    return "[" + ",".join(tensors) + "]"
+def _number_text(column: str) -> pl.Expr:
+    """An integer column as JSON text (null as `null`)."""
+    return pl.col(column).cast(pl.String).fill_null("null")
+
+
+def _list_text(column: str) -> pl.Expr:
+    """An integer list column as JSON text (`[1,2]`; null as `null`)."""
+    joined = pl.col(column).cast(pl.List(pl.String)).list.join(",")
+    return pl.when(pl.col(column).is_not_null()).then("[" + joined + "]").otherwise(pl.lit("null"))
+
+
+def _object_text(*fields: tuple[str, pl.Expr]) -> pl.Expr:
+    """A JSON object from (key, JSON text) pairs, in that order."""
+    parts: list[pl.Expr] = []
+    for i, (key, text) in enumerate(fields):
+        parts += [pl.lit(("{" if i == 0 else ",") + _encode(key) + ":"), text]
+    return pl.concat_str([*parts, pl.lit("}")])
+
+
+def _tensor_text(frame: pl.DataFrame) -> pl.Expr:
+    """A tensor's entry as JSON text from its row of `_layer_texts`' tensor frame: the tensor's
+    facts (`t_*`, placement and mesh_coordinate only for a DTensor), then `metrics`."""
+    windows = [
+        (name, _object_text(*((f, _number_text(f"t_{name}_{f}")) for f in _WINDOW_FACTS)))
+        for name in _WINDOW_NAMES
+    ]
+    head = _object_text(
+        ("call_index", _number_text("call_index")),
+        ("signal", _text(frame, "signal")),
+        ("tensor_path", _text(frame, "tensor_path")),
+        ("shape", _list_text("t_shape")),
+        ("dtype", _text(frame, "t_dtype")),
+    )
+    placement = pl.concat_str(
+        pl.lit(',"placement":'),
+        _text(frame, "t_placement"),
+        pl.lit(',"mesh_coordinate":'),
+        _list_text("t_mesh_coordinate"),
+    )
+    rest = _object_text(
+        *((fact, _number_text(f"t_{fact}")) for fact in _SAMPLE_FACTS),
+        *windows,
+        ("metrics", "{" + pl.col("metrics") + "}"),
+    )
+    return pl.concat_str(
+        head.str.head(-1),
+        pl.when(pl.col("t_placement").is_not_null()).then(placement).otherwise(pl.lit("")),
+        "," + rest.str.tail(-1),
+    )
+
+
+def _layer_texts(frame: pl.DataFrame) -> dict[str, str]:
+    """Per layer, the entries of its `tensors` array as JSON text (`frame`: `_with_tensor_facts`,
+    sorted by layer order, tensor key and metric).
+
+    Assembled in Polars, column by column: the metrics' JSON (`metric_json`, or
+    `_fallback_metric` in Python for the rare series whose sample facts differ from their
+    tensor's), joined per tensor, each tensor's head, joined per layer. Python then handles one
+    string per layer, not one row per tensor-metric.
+    """
+    fallback = frame.with_row_index("_row").filter(pl.col("differs"))
+    own = pl.DataFrame(
+        {
+            "_row": fallback.get_column("_row"),
+            "_own": [_encode(_fallback_metric(r)) for r in fallback.iter_rows(named=True)],
+        },
+        schema={"_row": pl.UInt32, "_own": pl.String},
+    )
+    metric = pl.concat_str(_text(frame, "metric"), pl.lit(":"), pl.coalesce("metric_json", "_own"))
+    heads = (
+        "t_shape",
+        "t_dtype",
+        "t_placement",
+        "t_mesh_coordinate",
+        *(f"t_{c}" for c in _FACT_COLUMNS),
+    )
+    tensors = (
+        frame.with_row_index("_row")
+        .join(own, on="_row", how="left")
+        .with_columns(metric=metric)
+        .group_by("_order", *TENSOR_KEY, maintain_order=True)
+        .agg(pl.col(*heads).first(), metrics=pl.col("metric").str.join(","))
+    )
+    layers = (
+        tensors.with_columns(tensor=_tensor_text(tensors))
+        .group_by("layer", maintain_order=True)
+        .agg(pl.col("tensor").str.join(","))
+    )
+    return dict(layers.iter_rows())
 
 
 def layer_lines(
@@ -481,19 +545,15 @@ def layer_lines(
         .sort("_order", "call_index", "signal", "tensor_path", "metric")
     )
     del stats
-    rows = frame.iter_rows(named=True)
-    pending = next(rows, None)
+    texts = _layer_texts(frame)
+    del frame
     for name in names:
-        mine = []
-        while pending is not None and pending["layer"] == name:
-            mine.append(pending)
-            pending = next(rows, None)
         head = {
             "layer": name,
             "module_type": module_types[name],
             "sampled_forwards": int(samples.get(name, 0)),
         }
-        yield _encode(head)[:-1] + ',"tensors":' + _layer_tensors(mine) + "}"
+        yield _encode(head)[:-1] + ',"tensors":[' + texts.pop(name, "") + "]}"
 
 
 def summarize(

@@ -52,6 +52,7 @@ from torchinstruments.rundir.layout import (
     read_order,
     replace_atomically,
     scan_history,
+    sink_history,
 )
 
 MERGED_PARTS_KEY = "torchinstruments.merged_parts"
@@ -187,11 +188,11 @@ def _sorted_range(sources: Sequence[_Source], lo: int, hi: int) -> pl.LazyFrame:
 def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str, str]) -> None:
     """Sort all sources into `target` in bounded memory (see the module docstring)."""
     if not sources:
-        empty_history().lazy().sink_parquet(target, metadata=metadata)
+        sink_history(empty_history().lazy(), target, metadata)
         return
     cuts = _batch_cuts(sources)
     if len(cuts) == 2:
-        _sorted_range(sources, cuts[0], cuts[1]).sink_parquet(target, metadata=metadata)
+        sink_history(_sorted_range(sources, cuts[0], cuts[1]), target, metadata)
         return
     tmp_dir = target.parent / MERGE_TMP_DIR
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -202,7 +203,7 @@ def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str
             piece = tmp_dir / f"range-{i:09d}.parquet"
             _sorted_range(sources, lo, hi).sink_parquet(piece)
             pieces.append(piece)
-        scan_history(pieces).sink_parquet(target, metadata=metadata)
+        sink_history(scan_history(pieces), target, metadata)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
@@ -237,7 +238,7 @@ def _sink_history(
     files = ([history] if history is not None else []) + list(parts)
     order = _chained_order(files)
     if order is not None and files:
-        scan_history(files).sink_parquet(target, metadata={**metadata, **order})
+        sink_history(scan_history(files), target, {**metadata, **order})
         return
     sources = _part_sources(parts)
     if history is not None:

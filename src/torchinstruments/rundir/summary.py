@@ -235,15 +235,16 @@ def _tail_from_end(
     return _tail(kept, 2 * window)
 
 
-def _latest_samples(
+def _latest_windows(
     scan: pl.LazyFrame, samples: pl.Series, columns: Sequence[pl.Expr], window: int
 ) -> pl.DataFrame:
-    """`_tail` of every series observed in each of the run's latest `2 * window` samples (an
-    ordinary run: every series), from one read of those samples' rows.
+    """`_window_stats` of every series observed in each of the run's latest `2 * window`
+    samples (in an ordinary run, every series), from one read of those samples' rows.
 
-    Such a series' latest `2 * window` samples are the run's, so each row's rank is its
-    sample's rank among `samples` (the distinct sample ids of history): no per-series ranking.
-    A series missing from one of them is left out; `_tail_from_end` reads it back.
+    Such a series' latest `2 * window` samples are the run's, so a row's rank is its sample's
+    rank among `samples` (the distinct sample ids of history): no ranking per series. A series
+    missing from one of them has fewer samples than that in its windows and is left out here;
+    `_tail_from_end` reads it back.
     """
     latest = samples.unique().sort(descending=True).head(2 * window)
     ranks = pl.DataFrame(
@@ -256,9 +257,15 @@ def _latest_samples(
         .join(ranks.lazy(), on="sample_id")
         .collect()
     )
-    seen = rows.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
-    every = seen.filter(pl.col("n") == latest.len()).drop("n")
-    return rows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
+    windows = _window_stats(rows, window)
+    del rows
+    every = (
+        windows.group_by(SERIES_KEY)
+        .agg(n=pl.col("actual").sum())
+        .filter(pl.col("n") == latest.len())
+        .drop("n")
+    )
+    return windows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
 
 
 def _series_summary(history: Path, window: int) -> pl.DataFrame:
@@ -267,7 +274,7 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
     those so far; then the windows: one read of the latest `2 * window` samples for the series
-    observed in each of them (`_latest_samples`), and for any other series a read back from the
+    observed in each of them (`_latest_windows`), and for any other series a read back from the
     end of history until it has enough samples (`_tail_from_end`). Memory: one chunk, plus
     frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
     series), whatever the history's length.
@@ -298,20 +305,20 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
         stats = _combine_stats(stats, _chunk_stats(rows))
         samples.append(rows.get_column("sample_id").unique())
     del rows
-    tail = _latest_samples(scan, pl.concat(samples), columns, window) if stats.height else None
-    if tail is None:
-        tail = _tail_from_end(chunk, total, stats.height, window)
+    if stats.height:
+        windows = _latest_windows(scan, pl.concat(samples), columns, window)
+        rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)
     else:
-        rest = stats.select(SERIES_KEY).join(tail, on=SERIES_KEY, how="anti", nulls_equal=True)
-        if rest.height:
+        windows, rest = None, stats.select(SERIES_KEY)
+    if windows is None or rest.height:
 
-            def rest_chunk(offset: int) -> pl.LazyFrame:
-                """`chunk` of the series not in `tail`."""
-                return chunk(offset).join(rest.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
+        def rest_chunk(offset: int) -> pl.LazyFrame:
+            """`chunk` of the series without windows yet."""
+            return chunk(offset).join(rest.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
 
-            tail = pl.concat([tail, _tail_from_end(rest_chunk, total, rest.height, window)])
-    windows = _window_stats(tail, window)
-    del tail
+        tail = _tail_from_end(rest_chunk, total, rest.height, window)
+        found = _window_stats(tail, window)
+        windows = found if windows is None else pl.concat([windows, found])
     means = [window_mean(values) for values in windows.get_column("finite_values").to_list()]
     windows = windows.drop("finite_values").with_columns(pl.Series("mean", means, dtype=pl.Float64))
     summary = _with_windows(_extreme_samples(stats), windows)

@@ -146,7 +146,7 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
 # `value` and `timestamp` columns, whose values repeat (counts, one timestamp per tensor for
 # each of its metrics), took a third more space (bench/removal.py, `chain`: 1.49 -> 1.10 bytes
 # per row, about 7% more CPU to write).
-HISTORY_ROW_GROUP_ROWS = 2**18
+HISTORY_ROW_GROUP_ROWS = 2**17
 HISTORY_PAGE_BYTES = 2**22
 
 

@@ -236,29 +236,51 @@ def _tail_from_end(
 
 
 def _latest_windows(
-    scan: pl.LazyFrame, samples: pl.Series, columns: Sequence[pl.Expr], window: int
+    scan: pl.LazyFrame, samples: pl.Series, columns: Sequence[pl.Expr], window: int, rows: int
 ) -> pl.DataFrame:
     """`_window_stats` of every series observed in each of the run's latest `2 * window`
     samples (in an ordinary run, every series), from one read of those samples' rows.
 
     Such a series' latest `2 * window` samples are the run's, so a row's rank is its sample's
-    rank among `samples` (the distinct sample ids of history): no ranking per series. A series
-    missing from one of them has fewer samples than that in its windows and is left out here;
-    `_tail_from_end` reads it back.
+    rank among `samples` (the distinct sample ids of history's `rows` rows): no ranking per
+    series. A series missing from one of them is left out here; `_tail_from_end` reads it back.
+    The samples are read in ranges of about `SUMMARY_CHUNK_ROWS` rows (whole samples, so the
+    ranges' aggregates add up), each range's aggregated before the next is read.
     """
-    latest = samples.unique().sort(descending=True).head(2 * window)
-    ranks = pl.DataFrame(
+    distinct = samples.unique().sort(descending=True)
+    latest = distinct.head(2 * window)
+    ranks = pl.LazyFrame(
         {"sample_id": latest, "rank": pl.Series(range(1, latest.len() + 1), dtype=pl.UInt32)}
     )
-    rows = (
-        scan.filter(pl.col("sample_id") >= latest.min(), ~is_mark())
-        .select(columns)
-        .select(*SERIES_KEY, "sample_id", "value")
-        .join(ranks.lazy(), on="sample_id")
-        .collect()
-    )
-    windows = _window_stats(rows, window)
-    del rows
+    step = max(1, SUMMARY_CHUNK_ROWS * distinct.len() // max(rows, 1))
+    pieces = []
+    for start in range(0, latest.len(), step):
+        piece = latest.slice(start, step)
+        in_piece = pl.col("sample_id").is_between(piece.min(), piece.max())
+        frame = (
+            scan.filter(in_piece, ~is_mark())
+            .select(columns)
+            .select(*SERIES_KEY, "sample_id", "value")
+            .join(ranks, on="sample_id")
+            .collect()
+        )
+        pieces.append(_window_stats(frame, window))
+        del frame
+    windows = pieces[0]
+    if len(pieces) > 1:
+        windows = (
+            pl.concat(pieces)
+            .group_by(*SERIES_KEY, "which")
+            .agg(
+                pl.col("actual", "valid").sum(),
+                pl.col("finite_values").explode(),
+                pl.col("first_sample_id").min(),
+                pl.col("last_sample_id").max(),
+            )
+            # Exploding an empty list may give a null (version-dependent): drop it.
+            .with_columns(pl.col("finite_values").list.drop_nulls())
+        )
+    del pieces
     every = (
         windows.group_by(SERIES_KEY)
         .agg(n=pl.col("actual").sum())
@@ -298,15 +320,17 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
         state lists them)."""
         return scan.slice(offset, SUMMARY_CHUNK_ROWS).filter(~is_mark()).select(columns)
 
-    rows = chunk(0).collect()
-    stats, samples = _chunk_stats(rows), [rows.get_column("sample_id").unique()]
-    for offset in range(SUMMARY_CHUNK_ROWS, total, SUMMARY_CHUNK_ROWS):
+    stats: pl.DataFrame | None = None
+    samples: list[pl.Series] = []
+    for offset in range(0, max(total, 1), SUMMARY_CHUNK_ROWS):
         rows = chunk(offset).collect()
-        stats = _combine_stats(stats, _chunk_stats(rows))
+        found = _chunk_stats(rows)
         samples.append(rows.get_column("sample_id").unique())
-    del rows
+        del rows  # before the next chunk is read
+        stats = found if stats is None else _combine_stats(stats, found)
+    assert stats is not None  # the loop runs at least once
     if stats.height:
-        windows = _latest_windows(scan, pl.concat(samples), columns, window)
+        windows = _latest_windows(scan, pl.concat(samples), columns, window, total)
         rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)
     else:
         windows, rest = None, stats.select(SERIES_KEY)

@@ -378,3 +378,60 @@ def test_window_mean_is_exact_and_never_overflows() -> None:
     assert window_mean([1e308, 1e308, 1e308]) == 1e308  # the sum overflows, the mean does not
     assert window_mean([0.1] * 10) == math.fsum([0.1] * 10) / 10
     assert window_mean([]) is None
+
+
+# Equal values of either sign, negative values, ties, and values that are not finite.
+EXTREMES = (0.0, -0.0, -1.5, 2.5, -1.5, 2.5, math.inf, -math.inf, math.nan, None)
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 250_000])
+def test_min_and_max_are_the_earliest_sample_holding_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_rows: int
+) -> None:
+    """0.0 and -0.0 are equal values; infinities and NaN are not finite and never the min or
+    max; chunks of 7 rows split the ties between chunks."""
+    monkeypatch.setattr(summary_module, "SUMMARY_CHUNK_ROWS", chunk_rows)
+    rng = random.Random(11)
+    names = [f"m{k}" for k in range(12)]
+    observed: dict[str, list[tuple[int, float | None]]] = defaultdict(list)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=5))
+    for s in range(30):
+        values = {name: rng.choice(EXTREMES) for name in names}
+        for name, value in values.items():
+            observed[name].append((s, value))
+        writer.append([m(s, "x", values)])
+    writer.close()
+    merge_history(tmp_path)
+    write_result(tmp_path, (LayerInfo("x", "Linear"),), WINDOW)
+    [layer] = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
+    metrics = layer["tensors"][0]["metrics"]
+    for name, pairs in observed.items():
+        finite = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
+        for pick in (min, max):
+            got = metrics[name][pick.__name__]
+            if not finite:
+                assert got == {"value": None, "sample_id": None}, name
+                continue
+            best = pick(v for _, v in finite)
+            assert got["value"] == best, name
+            assert got["sample_id"] == min(s for s, v in finite if v == best), name
+
+
+ODD_NAMES = ('q"uote', "back\\slash", "new\nline", "tab\t", "\x01control", "é ü 中", "\u2028")
+
+
+def test_odd_tensor_paths_metrics_and_dtypes_read_back_as_written(tmp_path: Path) -> None:
+    """result.json's text is assembled column-wise; every string is escaped as JSON requires."""
+    writer = HistoryWriter(tmp_path, HistoryConfig())
+    for s in range(3):
+        writer.append([m(s, "odd", {name: float(s)}, path=name, dtype=name) for name in ODD_NAMES])
+    writer.close()
+    merge_history(tmp_path)
+    write_result(tmp_path, (LayerInfo("odd", "Linear"),), WINDOW)
+    [layer] = strict_loads((tmp_path / "result.json").read_text(encoding="utf-8"))
+    got = {t["tensor_path"]: t for t in layer["tensors"]}
+    assert set(got) == set(ODD_NAMES)
+    for name, tensor in got.items():
+        assert tensor["dtype"] == name
+        assert tensor["metrics"][name]["latest"] == 2.0
+        assert tensor["shape"] == [2, 3]

@@ -5,14 +5,24 @@ queries on the streaming engine, never from state kept during training, so resul
 function of history.parquet and `finalize` can rebuild it after a crash. The one exception is each
 layer's `sampled_forwards` (in how many sampled forwards it was called), which at removal comes
 from the observer's `RunCounts`: a call whose output holds no tensor leaves no history row. After
-a crash it is rebuilt from history (sampled forwards with an output row), a lower bound. Plain group-by
-aggregates (counts, first/latest, finite min/max, shape and dtype) stream in memory proportional to
-the number of tensor-metrics. The windows need each tensor-metric's last `2 * window` samples; they
-are found by scanning the tail of the sample range and widening it (x4) only for the
-tensor-metrics that did not yet have enough samples, so memory stays near
-`tensor-metrics x 2 * window` rows. The cost is one extra pass over the tail per widening, plus
-one list of all sample ids (one int per sample). Memory grows with the number of tensor-metrics
-in columnar frames only: the JSON is written one layer at a time, never built whole.
+a crash it is rebuilt from history (sampled forwards with an output row), a lower bound.
+
+Design decision: one pass in chunks, then one read of the latest samples, then the text in
+Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype) are
+taken per chunk of `SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the
+number of tensor-metrics; the earliest sample at the min/max comes from one Int128 key per row
+(`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows need
+each tensor-metric's latest `2 * window` samples. In an ordinary run every tensor-metric is in
+every sample, so these are the run's latest `2 * window` sample ids: one read of those samples
+(in ranges of whole samples, each aggregated before the next is read) serves every such series,
+with no ranking per series. Any other series (a layer that skips samples, gradients of some
+samples only) is found by reading back from the end and widening only for the series that did
+not yet have enough (`_tail_from_end`). Memory stays near `tensor-metrics x 2 * window` rows.
+result.json's text is assembled in Polars, column by column (a tensor-metric's JSON, joined per
+tensor, tensors joined per layer), and written one layer at a time; Python handles one string
+per layer. Memory grows with the number of tensor-metrics in columnar frames only.
+Measured (bench/removal.py, 1 M rows, 18k series): this took result.json from about 1.0 s of CPU
+to 0.6 s.
 
 Design decision: result.json is compact. No indentation (one layer per line, so `head` and `grep`
 still work), and no field repeated: every metric of a tensor is observed in the same samples (one

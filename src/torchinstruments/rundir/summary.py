@@ -173,10 +173,10 @@ def _chunk_stats(chunk: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
-    """`_chunk_stats` of two consecutive stretches of history, as one."""
+def _combine_stats(frames: Sequence[pl.DataFrame]) -> pl.DataFrame:
+    """`_chunk_stats` of consecutive stretches of history (in history order), as one."""
     return (
-        pl.concat([earlier, later])
+        pl.concat(frames)
         .group_by(SERIES_KEY, maintain_order=True)
         .agg(
             pl.col("observations", "valid").sum(),
@@ -186,7 +186,7 @@ def _combine_stats(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame:
             pl.col("min_value", "low_key").min(),
             pl.col("max_value", "high_key").max(),
         )
-        .select(earlier.columns)
+        .select(frames[0].columns)
     )
 
 
@@ -330,15 +330,19 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
         state lists them)."""
         return scan.slice(offset, SUMMARY_CHUNK_ROWS).filter(~is_mark()).select(columns)
 
-    stats: pl.DataFrame | None = None
+    # Chunks' aggregates are combined once they hold about a chunk's rows: each combine groups
+    # them all at once, so a history of many chunks and many series is not regrouped per chunk.
+    pending: list[pl.DataFrame] = []
     samples: list[pl.Series] = []
     for offset in range(0, max(total, 1), SUMMARY_CHUNK_ROWS):
         rows = chunk(offset).collect()
-        found = _chunk_stats(rows)
+        pending.append(_chunk_stats(rows))
         samples.append(rows.get_column("sample_id").unique())
         del rows  # before the next chunk is read
-        stats = found if stats is None else _combine_stats(stats, found)
-    assert stats is not None  # the loop runs at least once
+        if len(pending) > 1 and sum(f.height for f in pending) >= SUMMARY_CHUNK_ROWS:
+            pending = [_combine_stats(pending)]
+    stats = pending[0] if len(pending) == 1 else _combine_stats(pending)
+    del pending
     if stats.height:
         windows = _latest_windows(scan, pl.concat(samples), columns, window, total)
         rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)

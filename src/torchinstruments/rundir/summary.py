@@ -75,9 +75,9 @@ from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, finite_or_no
 SUMMARY_CHUNK_ROWS = 250_000
 
 
-def _encode(record: dict[str, Any]) -> str:
-    """One record as compact strict JSON (no NaN or Infinity)."""
-    return json.dumps(record, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+def _encode(value: object) -> str:
+    """One record (or string) as compact strict JSON (no NaN or Infinity)."""
+    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 def _dump(directory: Path, lines: Iterable[str]) -> None:

@@ -397,6 +397,8 @@ def test_min_and_max_are_the_earliest_sample_holding_them(
     writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=5))
     for s in range(30):
         values = {name: rng.choice(EXTREMES) for name in names}
+        values["zeros"] = 0.0 if s < 10 else -0.0  # the min and max is 0.0 (= -0.0) at 0
+        values["signed_zeros"] = -0.0 if s < 10 else 0.0
         for name, value in values.items():
             observed[name].append((s, value))
         writer.append([m(s, "x", values)])

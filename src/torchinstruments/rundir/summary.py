@@ -55,7 +55,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import polars as pl
 
 from torchinstruments.records import LayerInfo
@@ -120,7 +119,7 @@ def write_catalog(directory: Path, layers: Sequence[LayerInfo]) -> None:
 # `_extreme_keys`: an Int128 is (value's order) * 2**64 + (a sample's order in [0, 2**64)).
 _LOW = 2**64
 _HALF = 2**63
-_FLIP = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+_FLIP = 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _extreme_keys(chunk: pl.DataFrame) -> pl.DataFrame:
@@ -130,17 +129,17 @@ def _extreme_keys(chunk: pl.DataFrame) -> pl.DataFrame:
     Why: the earliest sample at the minimum needs the minimum first (a filter per group, most
     of the summary's cost), and Polars' `min_by` / `arg_min` may pick any of equal values. An
     Int128 ordered as (value, sample) for the minimum, (value, -sample) for the maximum, has one
-    minimum whatever the ties. The value's part is its order-preserving integer image (the bits
-    of `value + 0.0`, so -0.0 and 0.0, equal values, are one; negative floats' magnitude bits
+    minimum whatever the ties. The value's part is its order-preserving integer image (its bits,
+    with -0.0 as 0.0 since the two are equal values, and negative floats' magnitude bits
     flipped); null where the value is not finite.
     """
-    values = chunk.get_column("value").to_numpy() + 0.0  # a copy; nulls are NaN, dropped below
-    bits = values.view(np.int64)
-    ordered = pl.Series(np.where(bits < 0, bits ^ _FLIP, bits), dtype=pl.Int64)
-    image = pl.when(pl.col("value").is_finite()).then(pl.col("_ordered").cast(pl.Int128) * _LOW)
+    value = pl.col("value")
+    bits = pl.when(value == 0.0).then(pl.lit(0.0)).otherwise(value).reinterpret(dtype=pl.Int64)
+    ordered = pl.when(bits < 0).then(bits ^ _FLIP).otherwise(bits)
+    image = pl.when(value.is_finite()).then(ordered.cast(pl.Int128) * _LOW)
     sample = pl.col("sample_id").cast(pl.Int128)
-    return chunk.with_columns(_ordered=ordered).with_columns(
-        low_key=image + (sample + _HALF), high_key=image + (_HALF - 1 - sample)
+    return chunk.with_columns(image=image).with_columns(
+        low_key=pl.col("image") + (sample + _HALF), high_key=pl.col("image") + (_HALF - 1 - sample)
     )
 
 

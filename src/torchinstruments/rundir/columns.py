@@ -136,66 +136,20 @@ class ColumnBuffer:
 
 
 def blocks_frame(ranges: Sequence[_BlockRange]) -> pl.DataFrame:
-    """The rows of several block ranges, in order, as one DataFrame (one conversion for all of
-    them when they share their metrics, as an observer's blocks do)."""
+    """The rows of several block ranges, in order, as one DataFrame: one conversion for all of
+    them when they share their metrics, as an observer's blocks do.
+
+    A cell that does not fit its column sends each block through `block_frame`, which repairs
+    it.
+    """
     metrics = ranges[0].block.metrics
-    if len(ranges) == 1 or any(r.block.metrics != metrics for r in ranges):
-        frames = [block_frame(r.block, r.start, r.stop) for r in ranges]
-        return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
-    try:
-        joined = _joined(ranges)
-        return _columns_frame(joined, 0, len(joined))
-    except Exception:  # a cell of the wrong type somewhere: block by block, which repairs it
-        return pl.concat([block_frame(r.block, r.start, r.stop) for r in ranges], how="vertical")
-
-
-def _joined(ranges: Sequence[_BlockRange]) -> MeasurementBlock:
-    """One block holding the tensors of several ranges, their per-block fields made per tensor
-    (`_PerTensor`), for `block_frame`."""
-    k = len(ranges[0].block.metrics)
-
-    def tensors(field: str) -> list:
-        out: list = []
-        for r in ranges:
-            out += getattr(r.block, field)[r.start : r.stop]
-        return out
-
-    def rows(field: str) -> list:
-        out: list = []
-        for r in ranges:
-            out += getattr(r.block, field)[r.start * k : r.stop * k]
-        return out
-
-    def per_block(field: str) -> _PerTensor:
-        return _PerTensor(
-            [value for r in ranges for value in [getattr(r.block, field)] * (r.stop - r.start)]
-        )
-
-    first = ranges[0].block
-    return MeasurementBlock(
-        sample_id=per_block("sample_id"),  # type: ignore[arg-type]
-        forward_index=per_block("forward_index"),  # type: ignore[arg-type]
-        signal=per_block("signal"),  # type: ignore[arg-type]
-        rank=per_block("rank"),  # type: ignore[arg-type]
-        metrics=first.metrics,
-        timestamps_us=tensors("timestamps_us"),
-        layers=tensors("layers"),
-        module_types=tensors("module_types"),
-        call_indices=tensors("call_indices"),
-        tensor_paths=tensors("tensor_paths"),
-        shapes=tensors("shapes"),
-        dtypes=tensors("dtypes"),
-        modes=tensors("modes"),
-        grad_enabled=tensors("grad_enabled"),
-        placements=tensors("placements"),
-        mesh_coordinates=tensors("mesh_coordinates"),
-        values=rows("values"),
-        reasons=rows("reasons"),
-    )
-
-
-class _PerTensor(list):
-    """A block field given per tensor instead of once for the block (see `_joined`)."""
+    if len(ranges) > 1 and all(r.block.metrics == metrics for r in ranges):
+        try:
+            return _columns_frame(_fields(ranges), metrics)
+        except Exception:  # a cell of the wrong type somewhere: block by block
+            pass
+    frames = [block_frame(r.block, r.start, r.stop) for r in ranges]
+    return frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
 
 
 def block_frame(block: MeasurementBlock, start: int = 0, stop: int | None = None) -> pl.DataFrame:
@@ -205,7 +159,7 @@ def block_frame(block: MeasurementBlock, start: int = 0, stop: int | None = None
     """
     stop = len(block) if stop is None else stop
     try:
-        return _columns_frame(block, start, stop)
+        return _columns_frame(_fields([_BlockRange(block, start, stop)]), block.metrics)
     except Exception:  # a cell of the wrong type: row by row, which repairs the cells
         lists = _RowLists()
         for i in range(start, stop):
@@ -213,50 +167,76 @@ def block_frame(block: MeasurementBlock, start: int = 0, stop: int | None = None
         return lists.frame()
 
 
-def _columns_frame(block: MeasurementBlock, start: int, stop: int) -> pl.DataFrame:
-    """`block_frame` without the repair: raises on a cell that does not fit its column.
+# The fields of a MeasurementBlock by how many entries they have: one for the whole block, one
+# per tensor, one per row (`len(metrics)` per tensor).
+_PER_BLOCK = ("sample_id", "forward_index", "signal", "rank")
+_PER_TENSOR = (
+    "timestamps_us",
+    "layers",
+    "module_types",
+    "call_indices",
+    "tensor_paths",
+    "shapes",
+    "dtypes",
+    "modes",
+    "grad_enabled",
+    "placements",
+    "mesh_coordinates",
+)
+_PER_ROW = ("values", "reasons")
 
-    Each per-tensor column becomes a Series of one entry per tensor, gathered `len(metrics)`
+
+def _fields(ranges: Sequence[_BlockRange]) -> dict[str, list]:
+    """Every field of the ranges' tensors as one list: one entry per tensor (a block's own
+    fields repeated for each of its tensors) or, for the values and reasons, per row."""
+    fields: dict[str, list] = {name: [] for name in (*_PER_BLOCK, *_PER_TENSOR, *_PER_ROW)}
+    for r in ranges:
+        block, k = r.block, len(r.block.metrics)
+        for name in _PER_BLOCK:
+            fields[name] += [getattr(block, name)] * (r.stop - r.start)
+        for name in _PER_TENSOR:
+            fields[name] += getattr(block, name)[r.start : r.stop]
+        for name in _PER_ROW:
+            fields[name] += getattr(block, name)[r.start * k : r.stop * k]
+    return fields
+
+
+def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.DataFrame:
+    """The rows of `_fields` as a DataFrame; raises on a cell that does not fit its column.
+
+    Each per-tensor field becomes a Series of one entry per tensor, gathered `len(metrics)`
     times; the values and reasons are already one per row.
     """
     import numpy as np  # here: finalize and the CLI import this module and never need NumPy
 
-    k = len(block.metrics)
-    n = stop - start
-    rows = n * k
+    k = len(metrics)
+    n = len(fields["layers"])
     each = pl.Series(np.repeat(np.arange(n, dtype=np.uint32), k))
 
-    def per_tensor(values: list, dtype: pl.DataType) -> pl.Series:
-        return pl.Series(values[start:stop], dtype=dtype, strict=True).gather(each)
-
-    def constant(value: object, dtype: pl.DataType) -> pl.Series:
-        if isinstance(value, _PerTensor):  # several blocks joined: one value per tensor
-            return per_tensor(value, dtype)
-        return pl.Series([value], dtype=dtype).new_from_index(0, rows)
+    def per_tensor(name: str, dtype: pl.DataType) -> pl.Series:
+        return pl.Series(fields[name], dtype=dtype, strict=True).gather(each)
 
     data = {
-        "sample_id": constant(block.sample_id, pl.Int64()),
-        "forward_index": constant(block.forward_index, pl.Int64()),
-        "timestamp": per_tensor(block.timestamps_us, pl.Int64()).cast(HISTORY_SCHEMA["timestamp"]),
-        "rank": constant(block.rank, pl.Int32()),
-        "layer": per_tensor(block.layers, pl.String()),
-        "module_type": per_tensor(block.module_types, pl.String()),
-        "call_index": per_tensor(block.call_indices, pl.Int32()),
-        "signal": constant(block.signal, pl.String()),
-        "tensor_path": per_tensor(block.tensor_paths, pl.String()),
-        "shape": _distinct_lists(block.shapes[start:stop], each),
-        "dtype": per_tensor(block.dtypes, pl.String()),
-        "placement": per_tensor(block.placements, pl.String()),
-        "mesh_coordinate": _distinct_lists(block.mesh_coordinates[start:stop], each),
-        "mode": per_tensor(block.modes, pl.String()),
-        "grad_enabled": per_tensor(block.grad_enabled, pl.Boolean()),
-        "metric": pl.Series(block.metrics, dtype=pl.String()).gather(
+        "sample_id": per_tensor("sample_id", pl.Int64()),
+        "forward_index": per_tensor("forward_index", pl.Int64()),
+        "timestamp": per_tensor("timestamps_us", pl.Int64()).cast(HISTORY_SCHEMA["timestamp"]),
+        "rank": per_tensor("rank", pl.Int32()),
+        "layer": per_tensor("layers", pl.String()),
+        "module_type": per_tensor("module_types", pl.String()),
+        "call_index": per_tensor("call_indices", pl.Int32()),
+        "signal": per_tensor("signal", pl.String()),
+        "tensor_path": per_tensor("tensor_paths", pl.String()),
+        "shape": _distinct_lists(fields["shapes"], each),
+        "dtype": per_tensor("dtypes", pl.String()),
+        "placement": per_tensor("placements", pl.String()),
+        "mesh_coordinate": _distinct_lists(fields["mesh_coordinates"], each),
+        "mode": per_tensor("modes", pl.String()),
+        "grad_enabled": per_tensor("grad_enabled", pl.Boolean()),
+        "metric": pl.Series(metrics, dtype=pl.String()).gather(
             pl.Series(np.tile(np.arange(k, dtype=np.uint32), n))
         ),
-        "value": pl.Series(block.values[start * k : stop * k], dtype=pl.Float64(), strict=True),
-        "unavailable_reason": pl.Series(
-            block.reasons[start * k : stop * k], dtype=pl.String(), strict=True
-        ),
+        "value": pl.Series(fields["values"], dtype=pl.Float64(), strict=True),
+        "unavailable_reason": pl.Series(fields["reasons"], dtype=pl.String(), strict=True),
     }
     frame = pl.DataFrame({name: series.alias(name) for name, series in data.items()})
     if frame.schema != HISTORY_SCHEMA:

@@ -139,13 +139,15 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
     return pl.scan_parquet(paths, schema=HISTORY_SCHEMA, glob=False)
 
 
-# history.parquet's Parquet layout (`sink_history`). Row groups of 2**18 rows keep a reader's
-# memory and the predicate pushdown's granularity small; pages of 4 MiB (16 bytes a row) hold a
-# row group's whole dictionary even when every value of a 64-bit column differs. With the
-# default 1 MiB, a dictionary that outgrows its page is dropped for plain encoding, and the
-# `value` and `timestamp` columns, whose values repeat (counts, one timestamp per tensor for
-# each of its metrics), took a third more space (bench/removal.py, `chain`: 1.49 -> 1.10 bytes
-# per row, about 7% more CPU to write).
+# history.parquet's Parquet layout (`sink_history`), measured on bench/removal.py's `chain`
+# (1 M rows) in bytes per row: Polars' defaults 1.49; 2**17-row groups with 1 MiB pages 1.48,
+# with 4 MiB pages 1.27; 2**18-row groups with 4 MiB pages 1.10. The gain is in `value` and
+# `timestamp`, whose values repeat (counts; one timestamp per tensor for each of its metrics):
+# dictionary-encoded, as we read it, only while a row group's dictionary fits in a page (up to
+# 8 bytes a row for a 64-bit column; 4 MiB is 32), and each row group holds its own dictionary,
+# so larger groups compress better. But the merge holds a row group in memory while it writes
+# it (+117 MiB at 2**18 against +68 at 2**17 on that run), and readers decode one at a time.
+# Writing costs about 3% more CPU than with Polars' defaults.
 HISTORY_ROW_GROUP_ROWS = 2**17
 HISTORY_PAGE_BYTES = 2**22
 

@@ -71,7 +71,7 @@ from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, finite_or_no
 # Rows read at a time by the summary (see `_series_summary`). Measured (bench/removal.py):
 # 250k rows peak at +160 MiB at 18k series and +254 MiB at 54k; 500k rows are 8% faster at
 # +205 and +321 MiB.
-SUMMARY_CHUNK_ROWS = 250_000
+SUMMARY_CHUNK_ROWS = 2**18
 
 
 def _encode(value: object) -> str:

@@ -11,8 +11,8 @@ Design decision: one pass in chunks, then one read of the latest samples, then t
 Polars. Plain group-by aggregates (counts, first/latest, finite min/max) are taken per chunk of
 `SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the number of tensor-metrics
 (module_type, shape, dtype, placement and mesh_coordinate come from each series' latest row,
-read from the end: `_latest_attributes`); the earliest sample at the min/max comes from one
-Int128 key per row (`_extreme_keys`), so every aggregate is a plain one. The windows need
+read from the end: `_latest_attributes`); the earliest sample at the min/max comes from one Int128 key per row
+(`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows need
 each tensor-metric's latest `2 * window` samples. In an ordinary run every tensor-metric is in
 every sample, so these are the run's latest `2 * window` sample ids: one read of those samples
 (in ranges of whole samples, each aggregated before the next is read) serves every such series,

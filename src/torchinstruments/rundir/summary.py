@@ -8,10 +8,9 @@ from the observer's `RunCounts`: a call whose output holds no tensor leaves no h
 a crash it is rebuilt from history (sampled forwards with an output row), a lower bound.
 
 Design decision: one pass in chunks, then one read of the latest samples, then the text in
-Polars. Plain group-by aggregates (counts, first/latest, finite min/max) are taken per chunk of
-`SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the number of tensor-metrics
-(module_type, shape, dtype, placement and mesh_coordinate come from each series' latest row,
-read from the end: `_latest_attributes`); the earliest sample at the min/max comes from one Int128 key per row
+Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype) are
+taken per chunk of `SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the
+number of tensor-metrics; the earliest sample at the min/max comes from one Int128 key per row
 (`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows need
 each tensor-metric's latest `2 * window` samples. In an ordinary run every tensor-metric is in
 every sample, so these are the run's latest `2 * window` sample ids: one read of those samples
@@ -147,8 +146,9 @@ def _extreme_keys(chunk: pl.DataFrame) -> pl.DataFrame:
 
 
 def _chunk_stats(chunk: pl.DataFrame) -> pl.DataFrame:
-    """Counts, first/latest and finite min/max (with `_extreme_keys`) per series of one chunk
-    of history (in history order)."""
+    """Counts, first/latest, finite min/max (with `_extreme_keys`), and the latest
+    module_type, shape, dtype, placement and mesh_coordinate, per series of one chunk of
+    history (in history order)."""
     value, sample = pl.col("value"), pl.col("sample_id")
     finite = value.filter(value.is_finite())
     return (
@@ -165,6 +165,11 @@ def _chunk_stats(chunk: pl.DataFrame) -> pl.DataFrame:
             low_key=pl.col("low_key").min(),
             max_value=finite.max(),
             high_key=pl.col("high_key").max(),
+            module_type=pl.col("module_type").last(),
+            shape=pl.col("shape").last(),
+            dtype=pl.col("dtype").last(),
+            placement=pl.col("placement").last(),
+            mesh_coordinate=pl.col("mesh_coordinate").last(),
         )
     )
 
@@ -176,6 +181,7 @@ def _combine_stats(frames: Sequence[pl.DataFrame]) -> pl.DataFrame:
         .group_by(SERIES_KEY, maintain_order=True)
         .agg(
             pl.col("observations", "valid").sum(),
+            pl.col("module_type", "shape", "dtype", "placement", "mesh_coordinate").last(),
             pl.col("first_value", "first_sample_id").first(),
             pl.col("latest_value", "latest_sample_id").last(),
             pl.col("min_value", "low_key").min(),
@@ -183,39 +189,6 @@ def _combine_stats(frames: Sequence[pl.DataFrame]) -> pl.DataFrame:
         )
         .select(frames[0].columns)
     )
-
-
-# Facts of a series taken from its latest row (`_latest_attributes`).
-_ATTRIBUTES = ("module_type", "shape", "dtype", "placement", "mesh_coordinate")
-
-
-def _latest_attributes(
-    chunk: Callable[[int], pl.LazyFrame], total: int, series: int
-) -> pl.DataFrame:
-    """Per series, the `_ATTRIBUTES` of its latest row: chunks read back from the end until
-    each of the `series` series was seen (in an ordinary run, only the last chunk).
-
-    Why apart from `_chunk_stats`: decoding these five columns for every row took half of the
-    chunks' reading (bench/removal.py, deep case), and only a series' latest row is used.
-    """
-    found: list[pl.DataFrame] = []
-    seen = 0
-    start = (max(total, 1) - 1) // SUMMARY_CHUNK_ROWS * SUMMARY_CHUNK_ROWS
-    for offset in range(start, -1, -SUMMARY_CHUNK_ROWS):
-        latest = (
-            chunk(offset)
-            .select(*SERIES_KEY, *_ATTRIBUTES)
-            .group_by(SERIES_KEY)
-            .agg(pl.col(_ATTRIBUTES).last())
-            .collect()
-        )
-        for earlier in found:  # a later chunk's row is the latest
-            latest = latest.join(earlier, on=SERIES_KEY, how="anti", nulls_equal=True)
-        found.append(latest)
-        seen += latest.height
-        if seen >= series:
-            break
-    return pl.concat(found)
 
 
 def _extreme_samples(stats: pl.DataFrame) -> pl.DataFrame:
@@ -333,7 +306,7 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
 
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
-    those so far; then the latest rows' facts (`_latest_attributes`); then the windows: one read of the latest `2 * window` samples for the series
+    those so far; then the windows: one read of the latest `2 * window` samples for the series
     observed in each of them (`_latest_windows`), and for any other series a read back from the
     end of history until it has enough samples (`_tail_from_end`). Memory: one chunk, plus
     frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
@@ -363,7 +336,7 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     pending: list[pl.DataFrame] = []
     samples: list[pl.Series] = []
     for offset in range(0, max(total, 1), SUMMARY_CHUNK_ROWS):
-        rows = chunk(offset).select(*SERIES_KEY, "sample_id", "value").collect()
+        rows = chunk(offset).collect()
         pending.append(_chunk_stats(rows))
         samples.append(rows.get_column("sample_id").unique())
         del rows  # before the next chunk is read
@@ -371,9 +344,6 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
             pending = [_combine_stats(pending)]
     stats = pending[0] if len(pending) == 1 else _combine_stats(pending)
     del pending
-    attributes = _latest_attributes(chunk, total, stats.height)
-    stats = stats.join(attributes, on=SERIES_KEY, how="left", nulls_equal=True)
-    del attributes
     if stats.height:
         windows = _latest_windows(scan, pl.concat(samples), columns, window, total)
         rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)

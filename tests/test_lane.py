@@ -301,3 +301,22 @@ def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:
     assert block[1:] == (second,)
     with pytest.raises(IndexError):
         block[2]
+
+
+def test_a_copy_that_fails_hands_the_tensor_to_the_general_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(tensor: torch.Tensor) -> np.ndarray:
+        raise RuntimeError("copy broke")
+
+    torch.manual_seed(0)
+    model = chain(2)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.randn(4, 8)
+    with_lane = run(model, x, tmp_path / "lane")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(initial[name])
+    monkeypatch.setattr(lane, "copy_values", broken)
+    handed_over = run(model, x, tmp_path / "handed-over")  # the user's step is not broken
+    assert handed_over.equals(with_lane, null_equal=True)

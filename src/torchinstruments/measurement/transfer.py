@@ -147,8 +147,12 @@ def launch(
 ) -> PendingTensor | LaneItem:
     """Launch the measurement of one tensor as `signal`: the small-tensor lane's copy where the
     lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
-    if not focus and measurer.default_only is not None and lane.takes(tensor):
-        return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
+    if not focus and measurer.default_only is not None:
+        try:
+            if lane.takes(tensor):
+                return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
+        except Exception:  # handed to the general path, which gives null + reason if it fails too
+            pass
     if key.signal != signal:
         key = replace(key, signal=signal)
     return launch_tensor(measurer, key, tensor, focus)

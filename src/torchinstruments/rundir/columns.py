@@ -244,32 +244,29 @@ def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.Data
     return frame
 
 
-def _distinct_lists(items: list, each: pl.Series) -> pl.Series:
-    """A List(Int64) column from per-tensor tuples (or None), built from its distinct values
-    and gathered: one Python list per row costs ~50x more than a gather."""
+def _distinct_lists(items: list, each: pl.Series | None = None) -> pl.Series:
+    """A List(Int64) column from one tuple (or None) per entry, built from its distinct values
+    and gathered (then repeated per row by `each`, if given): one Python list per row costs
+    ~50x more than a gather."""
     table: dict[object, int] = {}
     ids = [table.setdefault(item, len(table)) for item in items]
+    rows = len(items) if each is None else each.len()
     if len(table) == 1:
         only = _valid_shape(next(iter(table)))
         value = None if only is None else list(only)
-        return pl.Series([value], dtype=pl.List(pl.Int64)).new_from_index(0, each.len())
+        return pl.Series([value], dtype=pl.List(pl.Int64)).new_from_index(0, rows)
     distinct = [_valid_shape(item) for item in table]
     column = pl.Series([None if s is None else list(s) for s in distinct], dtype=pl.List(pl.Int64))
-    return column.gather(pl.Series(ids, dtype=pl.UInt32).gather(each))
+    index = pl.Series(ids, dtype=pl.UInt32)
+    return column.gather(index if each is None else index.gather(each))
 
 
 @dataclass
 class _RowLists:
-    """One list per history column; `frame` turns them into a DataFrame.
-
-    `shape` and `mesh_coordinate` are kept as indices into `shapes` and `coordinates` (distinct
-    ones are few), because building a List column from one Python list per row costs ~50x more
-    than a gather.
-    """
+    """One list per history column; `frame` turns them into a DataFrame (`shape` and
+    `mesh_coordinate` through `_distinct_lists`)."""
 
     columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in HISTORY_SCHEMA})
-    shapes: dict[tuple[int, ...] | None, int] = field(default_factory=dict)
-    coordinates: dict[tuple[int, ...] | None, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.columns["metric"])
@@ -281,8 +278,6 @@ class _RowLists:
             raise ValueError(
                 f"Measurement of {m.layer!r} has {k} metrics but {len(m.values)} values"
             )
-        shape = _valid_shape(m.shape)
-        shape_id = self.shapes.setdefault(shape, len(self.shapes))
         c = self.columns
         c["sample_id"].extend(repeat(m.sample_id, k))
         c["forward_index"].extend(repeat(m.forward_index, k))
@@ -293,12 +288,10 @@ class _RowLists:
         c["call_index"].extend(repeat(m.call_index, k))
         c["signal"].extend(repeat(m.signal, k))
         c["tensor_path"].extend(repeat(m.tensor_path, k))
-        c["shape"].extend(repeat(shape_id, k))
+        c["shape"].extend(repeat(_valid_shape(m.shape), k))
         c["dtype"].extend(repeat(m.dtype, k))
         c["placement"].extend(repeat(m.placement, k))
-        coordinate = _valid_shape(m.mesh_coordinate)
-        coordinate_id = self.coordinates.setdefault(coordinate, len(self.coordinates))
-        c["mesh_coordinate"].extend(repeat(coordinate_id, k))
+        c["mesh_coordinate"].extend(repeat(_valid_shape(m.mesh_coordinate), k))
         c["mode"].extend(repeat(m.mode, k))
         c["grad_enabled"].extend(repeat(m.grad_enabled, k))
         c["metric"].extend(m.metrics)
@@ -326,11 +319,7 @@ class _RowLists:
             if name == "timestamp":
                 data[name] = pl.Series(name, values, dtype=pl.Int64).cast(dtype)
             elif name in ("shape", "mesh_coordinate"):
-                table = self.shapes if name == "shape" else self.coordinates
-                distinct = pl.Series(
-                    name, [None if s is None else list(s) for s in table], dtype=dtype
-                )
-                data[name] = distinct.gather(pl.Series(values, dtype=pl.UInt32))
+                data[name] = _distinct_lists(values).alias(name)
             else:
                 data[name] = pl.Series(name, values, dtype=dtype, strict=True)
         return pl.DataFrame(data)

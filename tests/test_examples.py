@@ -312,14 +312,18 @@ def test_every_readme_python_block_runs(tmp_path: Path, monkeypatch: pytest.Monk
     assert output.filter(pl.col("metric") == "numel")["value"].to_list() == [32.0]
 
 
+README_PREFIX = "$ uv run torchinstruments "  # run as typed in the checkout's environment
+
+
 def readme_command_lines() -> list[tuple[str, list[str]]]:
-    """(command, printed lines) of each `$ torchinstruments ...` in the README's console blocks."""
+    """(command, printed lines) of each `$ uv run torchinstruments ...` in the README's console
+    blocks (the part after `torchinstruments`)."""
     readme = (ROOT / "README.md").read_text("utf-8")
     found = []
     for block in re.findall(r"^```console\n(.*?)^```", readme, flags=re.MULTILINE | re.DOTALL):
         lines = block.splitlines()
-        assert lines[0].startswith("$ torchinstruments "), lines[0]
-        found.append((lines[0][len("$ torchinstruments ") :], lines[1:]))
+        assert lines[0].startswith(README_PREFIX), lines[0]
+        found.append((lines[0][len(README_PREFIX) :], lines[1:]))
     return found
 
 
@@ -344,8 +348,10 @@ def test_readme_command_lines_print_what_the_readme_shows(
     `faults_dir`: every printed line is compared, all but the `model:` line as they are."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "80")  # a terminal's width would change the text layout
-    (tmp_path / "find_problems_output").symlink_to(faults_dir)
-    (tmp_path / "docs").mkdir()
+    output = tmp_path / "find_problems_output"  # the runs linked in; the PNGs land beside them
+    output.mkdir()
+    for fault_dir in faults_dir.iterdir():
+        (output / fault_dir.name).symlink_to(fault_dir)
     commands = readme_command_lines()
     assert [c.split()[0] for c, _ in commands] == ["show", "compare", "plot", "heatmap"]
     for command, shown in commands:
@@ -356,8 +362,14 @@ def test_readme_command_lines_print_what_the_readme_shows(
         if command.startswith(("show", "compare")):  # tables; plot and heatmap print one line
             assert max(len(line) for line in printed) <= 80, command
         assert machine_independent(printed) == machine_independent(shown), command
+    for command, _ in commands:  # pictures go beside the example's runs, never over the repo's
+        words = shlex.split(command)
+        if "-o" in words:
+            target = Path(words[words.index("-o") + 1])
+            assert target.parts[0] == "find_problems_output", command
+            assert not (ROOT / target).exists(), command
     for image in ("plot.png", "heatmap-zero_fraction.png"):
-        written = matplotlib.image.imread(tmp_path / "docs" / image).shape
+        written = matplotlib.image.imread(output / image).shape
         assert matplotlib.image.imread(ROOT / "docs" / image).shape == written, image
 
 

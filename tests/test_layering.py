@@ -1,9 +1,9 @@
-"""The package reads top to bottom in README's order: no module imports one printed above it.
+"""The package reads top to bottom in the design notes' order: no module imports one above it.
 
-README's "Where each idea lives" lists every module of the package (the tree is parsed here and
-compared with the files), most dependent first; every import inside the package must point down
-that list, so the list is a reading order in which each module only uses what a newcomer meets
-after it. Imports are read from the source (inside functions too), so a lazy import cannot hide a
+docs/design-notes.md's "Where each idea lives" lists every module of the package (the tree is
+parsed here and compared with the files), most dependent first; every import inside the package
+must point down that list, so the list is a reading order in which each module only uses what a
+newcomer meets after it. Imports are read from the source (inside functions too), so a lazy import cannot hide a
 cycle. A module's own subpackage `__init__` that holds nothing but a docstring need not be listed.
 """
 
@@ -16,17 +16,17 @@ from pathlib import Path
 import torchinstruments
 
 PACKAGE = Path(torchinstruments.__file__).parent
-README = PACKAGE.parents[1] / "README.md"
+DESIGN_NOTES = PACKAGE.parents[1] / "docs" / "design-notes.md"
 # An entry of the tree: its indent (2 for the package level, 4 inside a folder), its names.
 _ENTRY = re.compile(r"^(?P<indent> {2}| {4})(?P<names>[\w.]+(?:/|\.py)(?:, [\w.]+\.py)*)(?:\s|$)")
 
 
 def readme_order() -> list[str]:
-    """Module names (`api`, `rundir.layout`, `cli` for cli/__init__.py) in README's tree order.
+    """Module names (`api`, `rundir.layout`, `cli` for cli/__init__.py) in the design notes' tree order.
 
     A folder line stands for its `__init__.py` at that place (whether or not it is listed).
     """
-    text = README.read_text(encoding="utf-8")
+    text = DESIGN_NOTES.read_text(encoding="utf-8")
     section = text.split("## Where each idea lives", 1)[1]
     block = section.split("```", 2)[1]
     order: list[str] = []
@@ -109,7 +109,7 @@ def test_readme_lists_every_module_once() -> None:
     # A folder line stands for its docstring-only __init__ too: listed but not required.
     folders = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
     assert set(order) - files - folders == set()  # listed, but no such file
-    assert files - set(order) == set()  # a file README does not list
+    assert files - set(order) == set()  # a file the design notes do not list
 
 
 def test_no_module_imports_a_module_printed_above_it() -> None:

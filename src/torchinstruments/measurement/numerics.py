@@ -17,7 +17,7 @@ One general exact path and two fast paths that hand over to it (`reducers` choos
   one thread): NumPy sorts 16k float32 in ~70 us where `torch.sort` takes ~1.3 ms. Its one
   temporary of the tensor's size is the sorted copy (the float64 moments go chunk by chunk); the
   chunked radix passes it replaced above 2**24 entries cost 10x to 14x more per element at 2e7
-  (see README, `bench/statistics.py --sizes 1e7,2e7`).
+  (see docs/benchmarks.md, `bench/statistics.py --sizes 1e7,2e7`).
 * CPU fast path, the small tensors of one sample (`measure_batch_on_cpu`: at least `BATCH_MIN`
   of at most `BATCH_MAX` entries each): one NumPy sort of int64 keys holding the tensor's index
   above the float32 sortable key, so that the whole batch becomes one array of sorted finite

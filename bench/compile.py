@@ -9,8 +9,8 @@ runs only the unsampled path. Timed rounds alternate between the two in rotating
 median of the per-round step-time ratios is reported, with the graphs and graph breaks of both
 compilations and any compiled during the rounds (there should be none).
 
-A sampled step runs eagerly (that is the design: see docs/design-notes.md, "torch.compile"), so its cost is
-reported as a ratio to a compiled step, next to a plain eager step for reference.
+A sampled step runs eagerly (that is the design: see docs/design-notes.md, "torch.compile"), so
+its cost is reported as a ratio to a compiled step, next to a plain eager step for reference.
 """
 
 from __future__ import annotations

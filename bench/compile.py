@@ -27,6 +27,7 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
+from _machine import print_machine
 from _timing import median, time_steps
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round and model")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     args = parser.parse_args()
+    print_machine()
     unshadow_standard_library()
     import torch._dynamo
     from torch._dynamo.utils import counters

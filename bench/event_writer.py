@@ -32,6 +32,8 @@ from sampled import mlp, training_step
 import torchinstruments.events as events
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
+from _machine import print_machine
+
 
 def thread_cpu_seconds(native_id: int) -> float:
     """User + system CPU seconds of one thread of this process."""
@@ -93,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
+    print_machine()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, MLP, every step sampled, ms per step")
     print(f"{'variant':30s} {'writer CPU':>11s} {'training CPU':>13s} {'wall':>7s}")

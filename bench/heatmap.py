@@ -36,6 +36,7 @@ from torchinstruments.rundir.layout import HISTORY_SCHEMA, part_path, write_parq
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.state import RunState, write_state
 
+from _machine import print_machine
 from _timing import median
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
@@ -143,6 +144,7 @@ def main() -> None:
         "--keep", type=Path, metavar="DIR", help="build the run in DIR once and reuse it after"
     )
     args = parser.parse_args()
+    print_machine()
     with tempfile.TemporaryDirectory() as tmp:
         directory, out = args.keep or Path(tmp) / "run", Path(tmp) / "images"
         out.mkdir()

@@ -15,6 +15,7 @@ import torch
 from torchinstruments.measurement.histograms import DEFAULT_BINS, reduce_histogram
 from torchinstruments.measurement.reducers import Measurer
 
+from _machine import print_machine
 from _timing import median, timed
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads; 0: default")
     args = parser.parse_args()
+    print_machine()
     if args.threads:
         torch.set_num_threads(args.threads)
     measurer = Measurer(None)

@@ -48,6 +48,7 @@ from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.layout import HISTORY_FILE, list_parts
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
+from _machine import print_machine
 from _timing import median
 
 BLOCKS = 14
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ti-bench-history"))
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     args = parser.parse_args()
+    print_machine()
     samples = 1_000 if args.quick else args.samples
     probe = min(PROBE, samples // 2)
     if probe < 1:

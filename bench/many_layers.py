@@ -42,6 +42,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
+from _machine import print_machine
 from _timing import median
 
 warnings.filterwarnings("ignore", message=".*no sample was recorded", category=RuntimeWarning)
@@ -201,6 +202,7 @@ def main() -> None:
         "--buffer-memory", action="store_true", help="bytes per buffered history row instead"
     )
     args = parser.parse_args()
+    print_machine()
     if args.buffer_memory:
         buffer_memory()
         return

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _machine import print_machine
 from _timing import median
 
 MIB = 2**20
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    print_machine()
     elements = int(args.elements)
     if args.child:
         child(args.child, elements)

@@ -30,6 +30,7 @@ from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
+from _machine import print_machine
 from _timing import median
 
 BLOCKS = 14
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1440, help="one per simulated minute")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    print_machine()
     rows = args.samples * ROWS_PER_SAMPLE
     layouts = (
         ("one part per sample (flush interval)", ROWS_PER_SAMPLE),

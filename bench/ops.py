@@ -27,6 +27,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement import tensors as measurement_tensors
 
+from _machine import print_machine
+
 
 def mlp(leaves: int, width: int) -> nn.Sequential:
     """`leaves` leaf modules: Linear and ReLU alternating."""
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--sync-free", action="store_true", help="the device path, on the CPU")
     args = parser.parse_args()
+    print_machine()
     if args.sync_free:
         measurement_tensors.SYNC_FREE_DEVICE_TYPES = frozenset()  # no host sync is free, even here
     torch.set_num_threads(1)

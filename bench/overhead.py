@@ -24,6 +24,7 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
+from _machine import print_machine
 from _models import cnn, transformer
 from _timing import median, time_steps
 
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0, help="rounds (default 15, quick 5)")
     parser.add_argument("--only", default="", help="run only models whose name contains this")
     args = parser.parse_args()
+    print_machine()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (5 if args.quick else 15)
     cases = [

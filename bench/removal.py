@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _machine import print_machine
 from _timing import median
 
 CHILD = r"""
@@ -183,6 +184,7 @@ def main() -> None:
         "--before", default=None, help="src/ of an older checkout, run as 'before' next to ours"
     )
     args = parser.parse_args()
+    print_machine()
     cases = list(CASES) if args.case == "all" else [args.case]
     impls: list[tuple[str, str, str | None]] = [("ours", sys.executable, None)]
     if args.before:

@@ -36,6 +36,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
+from _machine import print_machine
 from _models import cnn, transformer
 from _timing import median
 
@@ -219,6 +220,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only models whose name contains this")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     args = parser.parse_args()
+    print_machine()
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} thread(s), "

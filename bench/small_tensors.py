@@ -16,6 +16,7 @@ import torch
 
 from torchinstruments.measurement import numerics
 
+from _machine import print_machine
 from _timing import median, time_steps
 
 WANTED = frozenset(
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--counts", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    print_machine()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, BATCH_MIN = {numerics.BATCH_MIN}")
     print(f"{'entries':>8} {'tensors':>8} {'batch us':>10} {'each us':>10} {'batch/each':>11}")

@@ -37,6 +37,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement.reducers import Measurer
 
+from _machine import print_machine
 from _timing import median, timed
 
 QUARTILES = (0.25, 0.5, 0.75)
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="0: 9 below 1e7 elements, else 3")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0: default")
     args = parser.parse_args()
+    print_machine()
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(float(s)) for s in args.sizes.split(",")]

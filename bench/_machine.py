@@ -1,0 +1,65 @@
+"""The machine a benchmark ran on, printed first by every bench (figures name their machine).
+
+Sorting speed, and so every ratio against `torch.sort`, depends on the CPU and on which SIMD
+kernels NumPy dispatches to (x86-simd-sort on AVX-512 is an order of magnitude faster than a
+scalar sort on some CPUs and not on others), so a figure without its machine proves little.
+The SIMD lines are what `numpy.show_runtime()` reports: the baseline NumPy was built for, and
+the dispatched extensions this CPU has and lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux `/proc/cpuinfo`, else `platform.processor()`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def numpy_simd() -> tuple[list[str], list[str], list[str]]:
+    """NumPy's SIMD baseline, and the dispatched extensions found and not found on this CPU."""
+    umath = importlib.import_module("numpy._core._multiarray_umath")  # numpy.show_runtime()'s
+
+    features: dict[str, bool] = umath.__cpu_features__
+    dispatch: list[str] = list(umath.__cpu_dispatch__)
+    found = [name for name in dispatch if features.get(name)]
+    missing = [name for name in dispatch if not features.get(name)]
+    return list(umath.__cpu_baseline__), found, missing
+
+
+def describe() -> str:
+    """Two lines naming the machine: CPU, cores, torch, NumPy and its SIMD dispatch."""
+    baseline, found, missing = numpy_simd()
+    return (
+        f"machine: {cpu_model()}, {cores()} cores, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}\n"
+        f"NumPy SIMD: baseline {' '.join(baseline) or '-'}; dispatched, found "
+        f"{' '.join(found) or '-'}; not found {' '.join(missing) or '-'}"
+    )
+
+
+def print_machine() -> None:
+    """Prints `describe()` and a blank line."""
+    print(describe(), flush=True)
+    print(flush=True)

@@ -169,7 +169,16 @@ def empty_history() -> pl.DataFrame:
 
 
 def temporary_path(path: Path) -> Path:
-    """Where `path` is written before it is renamed into place."""
+    """Where `path` is written before it is renamed into place: next to it, except a part's.
+
+    A part's temporary is in the run directory, not in `history.parts/`: a live reader of that
+    directory (`pl.read_parquet(run / "history.parts")`, which refuses a directory holding files
+    of different extensions, or a glob that lists a name the rename just removed) then only ever
+    sees completed parts. The same file system, so the rename stays atomic; the name ends in
+    `TMP_SUFFIX`, so `finalize` deletes it after a crash.
+    """
+    if path.parent.name == PARTS_DIR and part_number(path) is not None:
+        return path.parent.parent / f"{PARTS_DIR}-{path.name}{TMP_SUFFIX}"
     return path.with_name(path.name + TMP_SUFFIX)
 
 
@@ -264,6 +273,8 @@ def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
             tmp.unlink()
         raise
     fsync_path(path.parent)
+    if tmp.parent != path.parent:
+        fsync_path(tmp.parent)  # the temporary's name left that directory
 
 
 def write_parquet_atomic(

@@ -69,7 +69,8 @@ def section_files(run: RunInfo) -> list[str]:
         "## Files",
         "",
         f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
-        "(temporary name, then rename) while the run is live, when the buffer holds "
+        "(a temporary in the run directory, then renamed into the folder, so reading "
+        f"`{PARTS_DIR}/` as a directory works while the run is live) while the run is live, when the buffer holds "
         "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
         "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
         "SIGTERM writes them first, then ends the process as before. While part writes fail (a "

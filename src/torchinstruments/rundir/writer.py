@@ -2,8 +2,9 @@
 
 Design decision: during training, measurements go into a buffer (`columns.ColumnBuffer`: the
 observer's blocks as they are, other measurements as DataFrame chunks) and leave it as one Parquet
-part per `buffer_rows` rows, written under a temporary name in `history.parts/` and renamed into
-place. Per-sample work does not depend on how much history was already written (a block is kept,
+part per `buffer_rows` rows, written under a temporary name in the run directory (never inside
+`history.parts/`, so a live reader of it sees completed parts only) and renamed into place.
+Per-sample work does not depend on how much history was already written (a block is kept,
 not converted, until a part takes it), and a reader (or a crash) never sees a half-written part.
 The cost: rows not yet in a part live in memory and are lost if the process dies.
 

@@ -6,9 +6,12 @@ breaks in one place. Anywhere else in src, a test fails on:
 - the text `torch._` or `._C.` (what `grep -rn "torch\\._\\|\\._C\\." src` finds);
 - importing a private module or name of another library (`from torch.fx import _symbolic_trace`,
   `import torch._dynamo`), or an undocumented torch module (`torch.utils.weak`);
-- reading `x._name` (or `getattr(x, "_name")`) where `_name` is not an attribute this package
-  defines itself (`self._x`, a slot or field) and not part of namedtuple's public API
-  (`_fields`, `_replace`, ...).
+- reading `x._name` (or `getattr(x, "_name")`) where `_name` is not defined by the module that
+  reads it (`self._x`, a slot or field, a function) and not part of namedtuple's public API
+  (`_fields`, `_replace`, ...): a name another module of ours defines does not count, so a read
+  of a foreign `_writer` cannot hide behind one of our own `_writer` attributes;
+- subclassing a class of another library that is not in `DOCUMENTED_BASES`, by exact name
+  (a subclass depends on the base's private behaviour as much as an attribute read does).
 """
 
 from __future__ import annotations
@@ -24,6 +27,17 @@ ALLOWED = frozenset({"_torch_internals.py", "_tensorboard_internals.py"})
 TEXT = re.compile(r"torch\._|\._C\.")
 UNDOCUMENTED_MODULES = frozenset({"torch.utils.weak"})
 NAMEDTUPLE_API = frozenset({"_fields", "_replace", "_asdict", "_make", "_field_defaults"})
+# Foreign classes the package subclasses outside the internals modules, each a documented
+# extension point of its library.
+DOCUMENTED_BASES = frozenset(
+    {
+        "typing.Protocol",
+        "enum.StrEnum",
+        "wrapt.FunctionWrapper",
+        "pytorch_lightning.Callback",
+        "transformers.TrainerCallback",
+    }
+)
 
 
 def is_private(name: str) -> bool:
@@ -53,10 +67,32 @@ def own_names(trees: list[ast.Module]) -> set[str]:
     return {name for name in names if is_private(name)}
 
 
+def foreign_bases(tree: ast.Module) -> list[str]:
+    """The foreign classes (as `module.Name`) that the module's classes subclass."""
+    imported: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            imported.update({(a.asname or a.name).split(".")[0]: a.name for a in node.names})
+    bases = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                text = ast.unparse(base)
+                head, _, rest = text.partition(".")
+                origin = imported.get(head)
+                if origin and not origin.startswith("torchinstruments"):
+                    bases.append(f"{origin}.{rest}" if rest else origin)
+    return bases
+
+
 def offenses(source: str, own: set[str]) -> list[str]:
     """What `source` reads of another library's private names (see the module docstring)."""
     found = [f"text {match.group()!r}" for match in TEXT.finditer(source)]
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    found += [f"subclass of {base}" for base in foreign_bases(tree) if base not in DOCUMENTED_BASES]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -101,8 +137,7 @@ def package_sources() -> dict[str, str]:
 def test_private_names_of_other_libraries_are_read_only_in_the_internals_modules() -> None:
     sources = package_sources()
     checked = {name: text for name, text in sources.items() if name not in ALLOWED}
-    own = own_names([ast.parse(text) for text in checked.values()])
-    found = {name: offenses(text, own) for name, text in checked.items()}
+    found = {name: offenses(text, own_names([ast.parse(text)])) for name, text in checked.items()}
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
@@ -136,3 +171,23 @@ def test_own_names_and_namedtuple_api_are_not_private_uses() -> None:
     assert own == {"_slot", "_x"}
     uses = "a._x\na._slot\npoint._fields\npoint._replace(x=1)\nm.__dict__\ngetattr(a, '_x')\n"
     assert offenses(uses, own) == []
+
+
+def test_a_foreign_private_name_fails_even_where_another_module_defines_it() -> None:
+    sources = package_sources()
+    everywhere = own_names([ast.parse(text) for name, text in sources.items()])
+    assert "_writer" in everywhere  # events.EventFile's own attribute
+    source = "def f(records):\n    return records._writer\n"
+    assert offenses(source, own_names([ast.parse(source)])) == ["line 2: ._writer"]
+
+
+def test_subclassing_an_undocumented_foreign_class_is_caught() -> None:
+    source = (
+        "from tensorboard.summary.writer.record_writer import RecordWriter\n"
+        "import wrapt\n"
+        "class Framing(RecordWriter):\n    pass\n"
+        "class Proxy(wrapt.FunctionWrapper):\n    pass\n"
+    )
+    assert offenses(source, set()) == [
+        "subclass of tensorboard.summary.writer.record_writer.RecordWriter"
+    ]

@@ -1,4 +1,5 @@
-"""Command line: `python -m torchinstruments finalize|show|compare|plot` (also `torchinstruments`).
+"""Command line: `python -m torchinstruments finalize|show|compare|plot|heatmap` (also
+`torchinstruments`).
 
 Design decision: the command line is a thin argparse shell over `rundir.finish.finalize`, which
 calls `finish_run`, the same routine the library runs at removal. It imports only the run

@@ -7,6 +7,7 @@ it expects is missing. Checked on tensorboard 2.21.0 (with torch 2.15.0's `FileW
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,29 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 __all__ = ["replace_record_framing", "summary_file_writer"]
 
 
-def replace_record_framing(event_writer: Any, framing: Callable[[Any], RecordWriter]) -> bool:
-    """Replace the record framing of `event_writer`'s writer thread by `framing(file)`.
+class _ChecksummedRecords(RecordWriter):
+    """TensorBoard's record framing (length, masked CRC of length, data, masked CRC of data).
+
+    Why a subclass of TensorBoard's undocumented `RecordWriter`: the async writer's worker calls
+    `write` on whatever record writer it holds, and `replace_record_framing` checks that the one
+    it replaces is a `RecordWriter`, so the replacement keeps the same class (checked on
+    tensorboard 2.21.0).
+    """
+
+    def __init__(self, file: Any, masked: Callable[[bytes], int]) -> None:
+        super().__init__(file)
+        self._file = file
+        self._masked = masked
+
+    def write(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        head_crc = struct.pack("<I", self._masked(header))
+        data_crc = struct.pack("<I", self._masked(data))
+        self._file.write(header + head_crc + data + data_crc)
+
+
+def replace_record_framing(event_writer: Any, masked: Callable[[bytes], int]) -> bool:
+    """Frame the records of `event_writer`'s writer thread with the TFRecord checksum `masked`.
 
     Why: TensorBoard frames each record with a CRC-32C computed in pure Python, on the writer
     thread, holding the GIL; `events.Crc32c` computes the same checksum in NumPy. Reaches four
@@ -38,7 +60,7 @@ def replace_record_framing(event_writer: Any, framing: Callable[[Any], RecordWri
         or getattr(worker, "_record_writer", None) is not records
     ):
         return False
-    replacement = framing(file)
+    replacement = _ChecksummedRecords(file, masked)
     async_writer._writer = replacement
     worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
     return True

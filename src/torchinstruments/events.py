@@ -16,19 +16,18 @@ to 4.0 to 4.4 ms (one per record) and 1.5 ms (with `Crc32c`).
 
 Cost: handing the checksum over reaches private names of TensorBoard's async writer (kept in
 `_tensorboard_internals.replace_record_framing`). Where they are missing (another TensorBoard
-version) or NumPy is, the writer keeps its own checksum: slower, never wrong. TensorBoard's reader verifies every checksum it reads, and the tests read
-every event file back with it; `tests/test_tensorboard.py` also pins that the hand-over happens.
+version), the writer keeps its own checksum: slower, never wrong. TensorBoard's reader verifies
+every checksum it reads, and the tests read every event file back with it; `tests/test_tensorboard.py` also pins that the hand-over happens.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tensorboard.summary.writer.record_writer import RecordWriter
+import numpy as np
 from torch.utils.tensorboard.summary import histogram_raw
 from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
@@ -42,14 +41,6 @@ from torchinstruments.records import (
     SampleRecord,
     histogram_tag,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    try:  # NumPy comes with TensorBoard, but is not a declared dependency of ours
-        import numpy as np
-    except ImportError:  # pragma: no cover - exercised only without NumPy
-        np = None
 
 __all__ = [
     "NO_HISTOGRAM",
@@ -118,21 +109,6 @@ class Crc32c:
         """TFRecord's masked checksum of `data`."""
         crc = self.crc(data)
         return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & _MASK
-
-
-class _ChecksummedRecords(RecordWriter):
-    """TensorBoard's record framing (length, masked CRC of length, data, masked CRC of data)."""
-
-    def __init__(self, file: Any, checksum: Crc32c) -> None:
-        super().__init__(file)
-        self._file = file
-        self._checksum = checksum
-
-    def write(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        head_crc = struct.pack("<I", self._checksum.masked(header))
-        data_crc = struct.pack("<I", self._checksum.masked(data))
-        self._file.write(header + head_crc + data + data_crc)
 
 
 RUN_STEP = (
@@ -251,7 +227,7 @@ class EventFile:
         self, log_dir: str, flush_seconds: float, module_types: Mapping[str, str] | None = None
     ) -> None:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
-        self.fast_checksum = np is not None and _hand_over_checksum(self._writer, Crc32c())
+        self.fast_checksum = _hand_over_checksum(self._writer, Crc32c())
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 
@@ -291,6 +267,4 @@ class EventFile:
 def _hand_over_checksum(writer: FileWriter, checksum: Crc32c) -> bool:
     """Frames `writer`'s records with `checksum`, on the same file; False where TensorBoard's
     writer does not have the known shape (`_tensorboard_internals.replace_record_framing`)."""
-    return replace_record_framing(
-        writer.event_writer, lambda file: _ChecksummedRecords(file, checksum)
-    )
+    return replace_record_framing(writer.event_writer, checksum.masked)

@@ -8,7 +8,7 @@ command line read this file. The cost: two files say the same thing, so the page
 written after the state, from the very object that was just written.
 
 Reading: `read_state(directory)` reads this file only. Readers of any directory call
-`rundir.migrate.load_state`, which also converts the directories of versions before this file
+`rundir.recovery.load_state`, which also converts the directories of versions before this file
 (the one place that knows the old index.md); that keeps every version check out of this module.
 
 The file (`SCHEMA_VERSION` 1):
@@ -244,7 +244,7 @@ def read_state(directory: Path) -> RunState:
     """The state in `directory/.state.json`.
 
     Raises:
-        FileNotFoundError: if the directory has no state file (see `rundir.migrate.load_state`).
+        FileNotFoundError: if the directory has no state file (see `rundir.recovery.load_state`).
         NewerStateError: if a newer version wrote it.
         ValueError: if it is malformed.
     """

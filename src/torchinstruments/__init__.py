@@ -9,8 +9,9 @@ nothing and the command line (`python -m torchinstruments finalize DIR`) never i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchinstruments._lazy import lazy_namespace
 
 if TYPE_CHECKING:
     from torchinstruments.api import has_observer, inject_observer, remove_observer
@@ -87,15 +88,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchinstruments' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_namespace(__name__, globals(), _EXPORTS)

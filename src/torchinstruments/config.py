@@ -20,13 +20,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from torchinstruments.distributed import validate_rank_policy
+from torchinstruments.distributed import check_rank_policy
 from torchinstruments.measurement.reducers import Measurer, ReducerSpec
 from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.rundir.writer import HistoryConfig
-from torchinstruments.sampling import Sampler, TimeIntervalSampler, validate_sampler
+from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sampler
 from torchinstruments.selection import Selector, check_selector
-from torchinstruments.sinks import Sink, validate_sinks
+from torchinstruments.sinks import Sink, check_sinks
 
 __all__ = ["ObserverConfig"]
 
@@ -63,7 +63,7 @@ class ObserverConfig:
             raise TypeError(f"output_dir must be a str or os.PathLike, got {output_dir!r}")
         self._set("output_dir", resolve_output_dir(output_dir))
         sampler = TimeIntervalSampler() if self.sampler is None else self.sampler
-        validate_sampler(sampler)
+        check_sampler(sampler)
         self._set("sampler", sampler)
         check_selector("selector", self.selector)
         check_selector("histogram_selector", self.histogram_selector)
@@ -78,11 +78,11 @@ class ObserverConfig:
         if not isinstance(history_config, HistoryConfig):
             raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
         self._set("history_config", history_config)
-        self._set("rank_policy", validate_rank_policy(self.rank_policy))
+        self._set("rank_policy", check_rank_policy(self.rank_policy))
         direct: object = self.capture_direct_forwards
         if not isinstance(direct, bool):
             raise TypeError(f"capture_direct_forwards must be a bool, got {direct!r}")
-        self._set("sinks", validate_sinks(self.sinks))
+        self._set("sinks", check_sinks(self.sinks))
         self._set("measurer", Measurer(self.reducers))
 
     def _set(self, name: str, value: Any) -> None:

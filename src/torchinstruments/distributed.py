@@ -37,7 +37,7 @@ class RankPlacement:
     directory: Path
 
 
-def validate_rank_policy(rank_policy: object) -> str:
+def check_rank_policy(rank_policy: object) -> str:
     """Return `rank_policy` if allowed, else raise ValueError listing the allowed values."""
     if rank_policy not in RANK_POLICIES:
         raise ValueError(

@@ -92,7 +92,7 @@ class EveryNForwardsSampler:
         return f"EveryNForwardsSampler(n={self.n}): forward_index 0, {self.n}, {2 * self.n}, ..."
 
 
-def validate_sampler(sampler: object) -> None:
+def check_sampler(sampler: object) -> None:
     """Refuse what cannot sample: a class instead of an instance, or no `should_sample`.
 
     Raises:

@@ -63,7 +63,7 @@ class Sink(Protocol):
 SINK_METHODS = ("start", "write_forward", "write_backward", "close")
 
 
-def validate_sinks(sinks: object) -> tuple[Sink, ...]:
+def check_sinks(sinks: object) -> tuple[Sink, ...]:
     """Check `sinks` at inject time: a sequence of objects with the four Sink methods."""
     if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
         raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}")

@@ -17,8 +17,9 @@ Lightning (nor the other way round).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchinstruments._lazy import lazy_namespace
 
 if TYPE_CHECKING:
     from torchinstruments.integrations.huggingface import HuggingFaceObserver
@@ -32,15 +33,4 @@ _EXPORTS = {
 __all__ = ["HuggingFaceObserver", "LightningObserver"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a callback (and with it, its trainer) on first use."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchinstruments.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_namespace(__name__, globals(), _EXPORTS)

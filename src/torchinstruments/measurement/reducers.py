@@ -270,7 +270,7 @@ class Measurer:
     """
 
     def __init__(self, reducers: Sequence[ReducerSpec] | Mapping[str, Callable] | None) -> None:
-        self._reducers: tuple[Reducer, ...] = _validate_reducers(reducers)
+        self._reducers: tuple[Reducer, ...] = _check_reducers(reducers)
         self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
             name for reducer in self._reducers for name in reducer.metrics
@@ -404,7 +404,7 @@ class Measurer:
 # --- default profile ----------------------------------------------------------------------------
 
 
-def _validate_reducers(reducers: object) -> tuple[Reducer, ...]:
+def _check_reducers(reducers: object) -> tuple[Reducer, ...]:
     """Checks types and metric names; returns the reducers with the implicit default added."""
     if reducers is None:
         return (DefaultStatistics(),)

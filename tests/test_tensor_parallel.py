@@ -80,6 +80,15 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
             observed_collectives = collectives(step)
             remove_observer(model)
         plain_collectives = collectives(step)
+        # The reference: the parallel model's own step, unobserved, with fc1's output (this
+        # rank's local shard, as ColwiseParallel hands it on) kept for its gradient. Its float32
+        # values are what the layer computed; the unsharded model's shard is the same up to
+        # rounding only (a matmul of 3 columns may round differently from one of 6: 1 ulp on an
+        # AMD EPYC), so the statistics are checked against the former, the values against both.
+        local = model.fc1(x)
+        local.retain_grad()
+        model.fc2(model.relu(local)).sum().backward()
+        assert local.grad is not None
         hidden = plain.fc1(x)
         hidden.retain_grad()
         plain.fc2(plain.relu(hidden)).sum().backward()
@@ -88,9 +97,11 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         report = {
             "warnings": [str(w.message) for w in caught],
             "collectives": [observed_collectives, plain_collectives],
-            "fc1": hidden[:, shard].detach().tolist(),
-            "fc1_grad": hidden.grad[:, shard].tolist(),
-            "relu": plain.relu(hidden)[:, shard].detach().tolist(),
+            "fc1": local.detach().tolist(),
+            "fc1_grad": local.grad.tolist(),
+            "relu": model.relu(local).detach().tolist(),
+            "fc1_unsharded": hidden[:, shard].detach().tolist(),
+            "fc1_grad_unsharded": hidden.grad[:, shard].tolist(),
         }
         Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
     finally:
@@ -120,6 +131,11 @@ def test_tensor_parallel_layers_are_measured_and_labelled(tmp_path: Path) -> Non
         assert set(fc1["placement"].to_list()) == {"Shard(1)"}
         assert fc1["mesh_coordinate"].to_list() == [[rank]] * fc1.height
         assert fc1["shape"].to_list() == [[5, 3]] * fc1.height  # this rank's local shard
+        # this rank's shard of the unsharded model, up to float32 rounding of the matmul
+        for name in ("fc1", "fc1_grad"):
+            np.testing.assert_allclose(
+                np.array(report[name]), np.array(report[f"{name}_unsharded"]), rtol=1e-6, atol=1e-7
+            )
         assert_matches_numpy(profile_of(rows, "fc1"), np.array(report["fc1"]))
         assert_matches_numpy(
             profile_of(rows, "fc1", "output_gradient"), np.array(report["fc1_grad"])

@@ -32,6 +32,7 @@ EXPECTED_SCHEMA = {
     "dtype": pl.String,
     "placement": pl.String,
     "mesh_coordinate": pl.List(pl.Int64),
+    "step": pl.Int64,
     "mode": pl.String,
     "grad_enabled": pl.Boolean,
     "metric": pl.String,
@@ -64,6 +65,7 @@ def measurement(sample: int, layer: str, signal: str = "output", call: int = 0) 
         ),
         placement="Shard(1)" if layer == "b" else None,  # a DTensor's rows
         mesh_coordinate=(sample % 2,) if layer == "b" else None,
+        step=None if sample % 4 == 3 else 10 * sample,  # a loop's steps, some unset
     )
 
 
@@ -93,6 +95,7 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
                     *(m.call_index, m.signal, m.tensor_path, list(m.shape or ()), m.dtype),
                     m.placement,
                     None if m.mesh_coordinate is None else list(m.mesh_coordinate),
+                    m.step,
                     *(m.mode, m.grad_enabled, name, v.value, v.reason),
                 )
             )

@@ -94,6 +94,8 @@ def test_training_is_observed_into_the_output_dir_with_histograms_on_the_global_
     assert "training_step" not in trainer.__dict__  # the step guard is undone
     history = read_history(run)
     assert sorted(history["forward_index"].unique()) == list(range(STEPS))
+    # One forward per optimizer step: the step column is state.global_step then.
+    assert (history["step"] == history["forward_index"]).all()
     layers = set(history["layer"].unique())
     assert {"bert.embeddings.word_embeddings", "classifier"} <= layers
     assert set(history["signal"].unique()) == {"output", "output_gradient"}

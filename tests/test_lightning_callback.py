@@ -79,6 +79,8 @@ def test_fit_is_observed_into_the_log_dir_with_histograms_on_the_global_step(
     assert all("forward" not in m.__dict__ for m in model.modules())
     history = read_history(run)
     assert sorted(history["forward_index"].unique()) == list(range(STEPS))
+    # One forward per optimizer step: the step column is the trainer's global step then.
+    assert (history["step"] == history["forward_index"]).all()
     assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
     assert run_status(run) == "complete"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from torchinstruments._lazy import lazy_namespace
 
 if TYPE_CHECKING:
-    from torchinstruments.api import has_observer, inject_observer, remove_observer
+    from torchinstruments.api import has_observer, inject_observer, remove_observer, set_step
     from torchinstruments.config import ObserverConfig
     from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer
     from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics
@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "has_observer": "torchinstruments.api",
     "inject_observer": "torchinstruments.api",
     "remove_observer": "torchinstruments.api",
+    "set_step": "torchinstruments.api",
 }
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "has_observer",
     "inject_observer",
     "remove_observer",
+    "set_step",
 ]
 
 

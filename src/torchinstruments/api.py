@@ -1,4 +1,4 @@
-"""`inject_observer`, `remove_observer`, `has_observer`: the whole public lifecycle.
+"""`inject_observer`, `remove_observer`, `has_observer`, `set_step`: the whole public lifecycle.
 
 Injection is two steps: `check_model` and `ObserverConfig` (config.py) check every argument before
 anything touches the model or the disk, so a mistake fails at injection with a message naming the
@@ -11,13 +11,14 @@ lets an observed model be garbage collected (its run is then finalized; see obse
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import nn
@@ -238,6 +239,63 @@ def has_observer(model: nn.Module) -> bool:
     is True while `m` is observed, and the other way round.
     """
     return _registered(model) is not None
+
+
+def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
+    """Give the step of the samples taken from now on: history's `step` column.
+
+    Call it from the training loop, once per step, before the model's forward; nothing on the
+    model changes. Samples taken before the first call, or after `set_step(model, None)`, have
+    a null step. On a rank that attaches nothing it does nothing. Under a trainer callback the
+    trainer's global step is used and a value given here is ignored.
+
+    Args:
+        model: the observed model (or a torch.compile wrapper of it).
+        step: an integer (Python, NumPy or 0-d integer tensor), or None for "no step".
+
+    Raises:
+        TypeError: `step` is not an integer (a bool or a float is refused). A model without an
+            observer (never injected, or removed) is warned about, not refused: the loop goes on.
+
+    Example:
+        >>> for step, (x, y) in enumerate(loader):
+        ...     set_step(model, step)
+        ...     loss_fn(model(x), y).backward()
+    """
+    value: int | None = None
+    if step is not None:
+        if isinstance(step, bool):
+            raise TypeError(f"set_step: step must be an integer or None, got {step!r}")
+        try:
+            value = operator.index(step)
+        except TypeError:
+            raise TypeError(
+                f"set_step: step must be an integer or None, got {step!r} ({type(step).__name__})"
+            ) from None
+    key = _registered(model)
+    if key is None:
+        if model not in _UNATTACHED:
+            warnings.warn(
+                f"torchinstruments: set_step: this {type(model).__name__} has no observer "
+                "(never injected, or already removed); the step was not recorded",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return
+    _OBSERVERS[key].step = value
+
+
+def follow_step(model: nn.Module, source: Callable[[], object] | None) -> bool:
+    """Read each sample's step from `source()` (a trainer's global step); False without observer.
+
+    For integrations: the step is read when the sample is taken, so a trainer's own counter
+    is the one source of truth (no per-batch bookkeeping in the callback).
+    """
+    key = _registered(model)
+    if key is None:
+        return False
+    _OBSERVERS[key].step_source = source
+    return True
 
 
 def observed_counts(model: nn.Module) -> RunCounts | None:

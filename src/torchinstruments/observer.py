@@ -50,6 +50,7 @@ recorded; inject into the module your loop calls.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import threading
 import time
@@ -117,11 +118,13 @@ class _Sample:
         "raised",
         "returned",
         "sample_id",
+        "step",
     )
 
-    def __init__(self, sample_id: int, forward_index: int) -> None:
+    def __init__(self, sample_id: int, forward_index: int, step: int | None) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
+        self.step = step
         self.call_counts: dict[str, int] = {}
         self.pending: list[PendingTensor | LaneItem] = []  # in launch order
         self.returned: set[str] = set()  # layers with at least one call that returned
@@ -248,6 +251,10 @@ class Observer:
         self.gradients = GradientRecorder(
             self.measurer, self.rank, self._emit_backward, self.warn_once
         )
+        # The `step` column: a value a plain loop sets (`set_step`), or a trainer's step read at
+        # each sampled forward (`follow_step`, for the callbacks); None for neither.
+        self.step: int | None = None
+        self.step_source: Callable[[], object] | None = None
 
     # -- installation -------------------------------------------------------------------------
 
@@ -336,7 +343,9 @@ class Observer:
         if getattr(self._local, "depth", 0) > 0:
             return _NESTED
         forward_index, sample_id = self.counter.next_forward(self._should_sample)
-        return None if sample_id is None else _Sample(sample_id, forward_index)
+        if sample_id is None:
+            return None
+        return _Sample(sample_id, forward_index, self.current_step())
 
     def _run_sample(
         self, sample: _Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
@@ -383,6 +392,22 @@ class Observer:
             return wrapped(*args, **kwargs)
         return self._root_layer.measured_call(sample, wrapped, args, kwargs)
 
+    def current_step(self) -> int | None:
+        """The step of a sample taken now: the step source's value, else the step last set.
+
+        A source that raises or gives no integer means a null step (warned once): the sample is
+        still taken, only its step is unknown.
+        """
+        source = self.step_source
+        if source is None:
+            return self.step
+        try:
+            value = source()
+            return None if value is None else operator.index(value)  # type: ignore[arg-type]
+        except Exception as error:
+            self.warn_once("step", f"reading the step for the step column failed: {error!r}")
+            return None
+
     def _should_sample(self, forward_index: int) -> bool:
         """The sampler's decision; a raising sampler, or an answer that is not a bool, means
         "not sampled" (warned once: a wrong answer is a bug to report, not a value to guess)."""
@@ -428,6 +453,7 @@ class Observer:
                 path,
                 mode,
                 grad_enabled,
+                sample.step,
             )
             launched = launch(self.measurer, key, tensor, layer.focus, OUTPUT)
             sample.pending.append(launched)
@@ -463,6 +489,7 @@ class Observer:
             grad_enabled=torch.is_grad_enabled(),
             metrics=(INTERRUPTED,),
             values=(MetricValue(None, reason),),
+            step=sample.step,
         )
 
     def _root_mode(self) -> str:

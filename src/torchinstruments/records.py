@@ -41,6 +41,8 @@ class TensorKey:
     tensor_path: str
     mode: str
     grad_enabled: bool
+    # The trainer's global step, or the step a plain loop gave with `set_step`; None otherwise.
+    step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,8 @@ class Measurement:
     # A DTensor's placements (e.g. "Shard(0)") and this rank's mesh coordinate; None otherwise.
     placement: str | None = None
     mesh_coordinate: tuple[int, ...] | None = None
+    # The trainer's global step, or the step a plain loop gave with `set_step`; None otherwise.
+    step: int | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,6 +110,7 @@ class MeasurementBlock(Sequence[Measurement]):
     mesh_coordinates: list[tuple[int, ...] | None]
     values: list[float | None]
     reasons: list[str | None]
+    step: int | None = None  # the sample's step (see `Measurement.step`)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -139,6 +144,7 @@ class MeasurementBlock(Sequence[Measurement]):
             values=tuple(MetricValue(v, r) for v, r in zip(values, why, strict=True)),
             placement=self.placements[i],
             mesh_coordinate=self.mesh_coordinates[i],
+            step=self.step,
         )
 
     def __iter__(self) -> Iterator[Measurement]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from torchinstruments.api import (
     add_run_note,
+    follow_step,
     has_observer,
     inject_observer,
     observed_counts,
@@ -113,6 +114,7 @@ class FitObservation:
         *,
         main_process: bool,
         logger_sink: Callable[[], Sink | None],
+        global_step: Callable[[], int],
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -122,6 +124,7 @@ class FitObservation:
             main_process: whether the trainer calls this process its main (global zero) one;
                 with `rank_policy="rank0"` only that process attaches.
             logger_sink: the trainer's TensorBoard logger as a sink, or None without one.
+            global_step: the trainer's global step, read at each sample (history's `step`).
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -136,6 +139,8 @@ class FitObservation:
         target = self.observed_module(model)
         self.directory = inject_observer(target, **options)
         self.observed = target if self.directory is not None else None
+        if self.observed is not None:
+            follow_step(self.observed, global_step)
         self._checked_first_step = False
         return self.directory
 

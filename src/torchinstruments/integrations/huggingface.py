@@ -97,6 +97,7 @@ class HuggingFaceObserver(TrainerCallback):
             Path(args.output_dir or "."),
             main_process=state.is_world_process_zero,
             logger_sink=lambda: _writer_sink(trainer, state),
+            global_step=lambda: state.global_step,
         )
         if directory is not None and trainer is not None:
             self._step_guard = _StepGuard(trainer, self._on_step_exception, state)

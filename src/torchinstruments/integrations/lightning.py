@@ -90,6 +90,7 @@ class LightningObserver(Callback):
             Path(log_dir),
             main_process=trainer.is_global_zero,
             logger_sink=lambda: _logger_sink(trainer),
+            global_step=lambda: trainer.global_step,
         )
 
     def on_train_batch_end(

@@ -281,6 +281,7 @@ def _block(
         mesh_coordinates=[entry[5] for entry in entries],
         values=values,
         reasons=why,
+        step=keys[0].step,
     )
 
 

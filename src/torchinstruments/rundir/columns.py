@@ -169,7 +169,7 @@ def block_frame(block: MeasurementBlock, start: int = 0, stop: int | None = None
 
 # The fields of a MeasurementBlock by how many entries they have: one for the whole block, one
 # per tensor, one per row (`len(metrics)` per tensor).
-_PER_BLOCK = ("sample_id", "forward_index", "signal", "rank")
+_PER_BLOCK = ("sample_id", "forward_index", "signal", "rank", "step")
 _PER_TENSOR = (
     "timestamps_us",
     "layers",
@@ -230,6 +230,7 @@ def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.Data
         "dtype": per_tensor("dtypes", pl.String()),
         "placement": per_tensor("placements", pl.String()),
         "mesh_coordinate": _distinct_lists(fields["mesh_coordinates"], each),
+        "step": per_tensor("step", pl.Int64()),
         "mode": per_tensor("modes", pl.String()),
         "grad_enabled": per_tensor("grad_enabled", pl.Boolean()),
         "metric": pl.Series(metrics, dtype=pl.String()).gather(
@@ -292,6 +293,7 @@ class _RowLists:
         c["dtype"].extend(repeat(m.dtype, k))
         c["placement"].extend(repeat(m.placement, k))
         c["mesh_coordinate"].extend(repeat(_valid_shape(m.mesh_coordinate), k))
+        c["step"].extend(repeat(m.step, k))
         c["mode"].extend(repeat(m.mode, k))
         c["grad_enabled"].extend(repeat(m.grad_enabled, k))
         c["metric"].extend(m.metrics)
@@ -357,6 +359,7 @@ _CELL_TYPES: dict[str, type | tuple[type, ...]] = {
     "tensor_path": str,
     "dtype": str,
     "placement": str,
+    "step": int,
     "mode": str,
     "grad_enabled": bool,
     "metric": str,

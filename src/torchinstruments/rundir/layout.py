@@ -55,6 +55,7 @@ HISTORY_SCHEMA = pl.Schema(
         "dtype": pl.String(),
         "placement": pl.String(),
         "mesh_coordinate": pl.List(pl.Int64()),
+        "step": pl.Int64(),
         "mode": pl.String(),
         "grad_enabled": pl.Boolean(),
         "metric": pl.String(),

@@ -38,6 +38,9 @@ COLUMN_NOTES = {
     "placement": "a DTensor's placements, e.g. Shard(0), Replicate or Partial(sum) (one per mesh "
     "dimension, comma-separated): the row describes this rank's local tensor; null otherwise",
     "mesh_coordinate": "this rank's coordinate in the DTensor's device mesh; null otherwise",
+    "step": "the trainer's global step in the Lightning and Hugging Face callbacks (optimizer "
+    "steps so far), or the value a plain loop gave with torchinstruments.set_step(model, step); "
+    "null otherwise",
     "mode": '"train" or "eval": the layer\'s module.training at that call',
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '

@@ -20,6 +20,7 @@ from torchinstruments.cli import COMMANDS, add_commands, run_command
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.lock import RunLockedError
+from torchinstruments.rundir.state import NewerStateError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def _finalize(directory: Path) -> int:
     except RunLockedError as exc:
         print(f"torchinstruments finalize: refused: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError) as exc:
+    except (FileNotFoundError, NotADirectoryError, NewerStateError) as exc:
         print(f"torchinstruments finalize: {exc}", file=sys.stderr)
         return 1
     c = report.counts

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -67,6 +68,10 @@ from torchinstruments.measurement.transfer import (
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
 
 MAX_LEAF_HOOKS = 64
+# How many of the latest samples with gradients `GradientRecorder` remembers to count each once:
+# a sample whose gradients come again after this many other samples' (a graph kept with
+# retain_graph for over a thousand sampled steps) would be counted twice.
+RECENT_SAMPLES = 1024
 
 Emit = Callable[[SampleRecord], None]
 WarnOnce = Callable[[str, str], None]
@@ -139,7 +144,12 @@ class GradientRecorder:
         self._emit = emit
         self.warn_once = warn_once
         self.closed = False
-        self.sample_ids: set[int] = set()
+        # Samples whose gradients were recorded: a count, not a set of every id (which grew by
+        # ~84 bytes a sample for the whole run). A sample's gradients can arrive in more than one
+        # flush (two backward passes through it), always while its outputs are alive, so only
+        # the most recent ids are remembered to count each sample once.
+        self.backward_samples = 0
+        self._recent: deque[int] = deque(maxlen=RECENT_SAMPLES)
         self._lock = threading.Lock()
         self._pending: list[PendingTensor | LaneItem] = []  # in launch order
         self._flush_queued = False
@@ -225,7 +235,9 @@ class GradientRecorder:
             for record in build_records(
                 OUTPUT_GRADIENT, pending, self._measurer.metrics, self._rank
             ):
-                self.sample_ids.add(record.sample_id)
+                if record.sample_id not in self._recent:
+                    self._recent.append(record.sample_id)
+                    self.backward_samples += 1
                 self._emit(record)
         except Exception as error:
             self.warn_once("flush_backward", f"recording gradients failed: {error!r}")

@@ -528,7 +528,7 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        return self.counter.counts(len(self.gradients.sample_ids), tuple(self.notes))
+        return self.counter.counts(self.gradients.backward_samples, tuple(self.notes))
 
     def never_ran(self) -> list[str]:
         """Selected layers (root included) not called in any sampled forward so far."""

@@ -235,6 +235,22 @@ def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
     return selection
 
 
+def _say_unreadable_state(prog: str, *directories: Path) -> None:
+    """One stderr line per run whose state file cannot be read (a newer schema, a bad value):
+    the drawing and comparing commands go on with the history, and say so."""
+    from torchinstruments.rundir.recovery import load_state
+
+    for directory in directories:
+        try:
+            load_state(Path(directory).expanduser())
+        except (OSError, ValueError) as error:
+            print(
+                f"{prog}: {directory}: the run's state is unreadable ({error}); its history is "
+                "read as it is (layer order and settings unknown)",
+                file=sys.stderr,
+            )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run `show`, `compare` or `plot` from parsed arguments; returns the exit code."""
     from torchinstruments.cli.reader import NotARunError
@@ -259,6 +275,15 @@ def run_command(args: argparse.Namespace) -> int:
             )
             print(text)
             return 0
+        if args.command in ("compare", "plot", "heatmap"):
+            _say_unreadable_state(
+                prog,
+                *(
+                    [args.directory_a, args.directory_b]
+                    if args.command == "compare"
+                    else [args.directory]
+                ),
+            )
         if args.command == "compare":
             from torchinstruments.cli import compare
 

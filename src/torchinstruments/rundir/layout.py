@@ -37,8 +37,9 @@ TENSORBOARD_DIR = "tensorboard"
 MERGE_TMP_DIR = "history.merge.torchinstruments-tmp"
 # Temporary files of atomic writes; finalize deletes files with this suffix and no others.
 TMP_SUFFIX = ".torchinstruments-tmp"
-# What marks a directory as holding a run (inject refuses such a directory).
-RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, RESULT_FILE, INDEX_FILE, STATE_FILE)
+# What marks a directory as holding a run (inject refuses such a directory). tensorboard/ too: a
+# leftover one (its run's other files deleted) would mix two runs' histograms in one event log.
+RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, RESULT_FILE, INDEX_FILE, STATE_FILE, TENSORBOARD_DIR)
 
 HISTORY_SCHEMA = pl.Schema(
     {
@@ -102,8 +103,8 @@ def check_output_dir(path: Path) -> None:
     """Refuse an output directory that already holds a run.
 
     Raises:
-        FileExistsError: if it contains history.parts/, history.parquet, result.json, index.md
-            or .state.json.
+        FileExistsError: if it contains history.parts/, history.parquet, result.json, index.md,
+            .state.json or tensorboard/.
     """
     found = [name for name in RUN_MARKERS if (path / name).exists()]
     if found:

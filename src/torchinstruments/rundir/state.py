@@ -28,8 +28,9 @@ Extending it (other issues add fields here, and only here):
 1. Add a field with a default to `RunState` (or to `LostRows` in `rundir.ledger`,
    `RunCounts`, `RunInfo`); a field
    of JSON scalars, or a tuple of them, is written and read without further code, and a file
-   without the field reads as the default. A field of another type gets one line in `_ENCODE` and
-   `_DECODE` below.
+   without the field reads as the default. A field of another type gets one line in `_ENCODE`
+   below. Reading checks every value against the field's annotation (`_decode_value`), so the
+   annotation is the schema: a wrong-typed value is a one-line `StateTypeError` naming it.
 2. Render it in `rundir.index_page` if a reader of index.md should see it.
 3. Bump `SCHEMA_VERSION` only for a change an older reader would misread (a field whose meaning
    changes); an added field is not one: older readers ignore keys they do not know.
@@ -37,14 +38,18 @@ Extending it (other issues add fields here, and only here):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
+import math
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from torchinstruments.records import LayerInfo, RunCounts, RunInfo
+from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.marks import SampleMark
@@ -124,19 +129,13 @@ def _encode_run(run: RunInfo) -> dict[str, Any]:
 
 
 def decode_run_info(data: Mapping[str, Any]) -> RunInfo:
-    """A `RunInfo` from its JSON object (the state file's `run`).
+    """A `RunInfo` from its JSON object (the state file's `run`), every value checked by type.
 
     Raises:
-        ValueError: if a field without a default is missing or a value has the wrong shape.
+        ValueError: if a field without a default is missing or a value has the wrong type (the
+            message names the field, e.g. `run.window`).
     """
-    return _decode_fields(
-        RunInfo,
-        data,
-        {
-            "output_dir": Path,
-            "layers": lambda ls: tuple(LayerInfo(d["name"], d["module_type"]) for d in ls),
-        },
-    )
+    return _decode_value(data, RunInfo, "run")
 
 
 def _encode_counts(counts: RunCounts | None) -> dict[str, Any] | None:
@@ -145,26 +144,13 @@ def _encode_counts(counts: RunCounts | None) -> dict[str, Any] | None:
     return _encode_fields(counts, {"layer_samples": dict})
 
 
-def _decode_counts(data: Mapping[str, Any] | None) -> RunCounts | None:
-    if data is None:
-        return None
-    return _decode_fields(
-        RunCounts, data, {"layer_samples": lambda m: {str(k): int(v) for k, v in m.items()}}
-    )
-
-
-# Fields of RunState that are not JSON scalars or tuples of them: (encode, decode).
+# Fields of RunState that are not JSON scalars or tuples of them (decoding needs no table: the
+# fields' type annotations say what each value must be, see `_decode_value`).
 _ENCODE: dict[str, Callable[[Any], Any]] = {
     "run": _encode_run,
     "counts": _encode_counts,
     "losses": lambda losses: [_encode_fields(loss, {}) for loss in losses],
     "marks": lambda marks: [_encode_fields(mark, {}) for mark in marks],
-}
-_DECODE: dict[str, Callable[[Any], Any]] = {
-    "run": decode_run_info,
-    "counts": _decode_counts,
-    "losses": lambda items: tuple(_decode_fields(LostRows, d, {}) for d in items),
-    "marks": lambda items: tuple(_decode_fields(SampleMark, d, {}) for d in items),
 }
 
 
@@ -181,22 +167,108 @@ def _encode_fields(obj: Any, special: Mapping[str, Callable[[Any], Any]]) -> dic
     return out
 
 
-def _decode_fields(cls: Any, data: Mapping[str, Any], special: Mapping[str, Callable]) -> Any:
-    """`cls` from a JSON object: missing fields take their default, unknown keys are ignored."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"expected a JSON object for {cls.__name__}, got {data!r}")
+class StateTypeError(ValueError):
+    """A value of the state file has the wrong type; the message is one line naming the field."""
+
+
+def _type_name(hint: Any) -> str:
+    """How an error names the expected type: `int`, `str or null`, `list of str`."""
+    if hint is type(None):
+        return "null"
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if origin is not None:  # Mapping[str, int]
+        key, value = typing.get_args(hint)
+        return f"an object of {_type_name(key)} to {_type_name(value)}"
+    if dataclasses.is_dataclass(hint):
+        return f"an object ({hint.__name__})"
+    return {Path: "str", float: "number"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _wrong(where: str, value: Any, hint: Any) -> StateTypeError:
+    shown = json.dumps(value, ensure_ascii=False, allow_nan=True, default=repr)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return StateTypeError(f"{STATE_FILE}: field {where!r} is {shown}, expected {_type_name(hint)}")
+
+
+def _decode_value(value: Any, hint: Any, where: str) -> Any:
+    """`value` (parsed JSON) as the Python value of type `hint`, checked all the way down.
+
+    Why by type and not by trust: a value edited by hand or written by another tool (`"1080"`
+    for an int, `"text"` for a list) would otherwise fail far from here (a traceback in
+    `finalize` after the merge, or a string split into characters). Booleans are never
+    numbers here, and a number is never a string.
+
+    Raises:
+        StateTypeError: naming the field (`where`, e.g. `counts.layer_samples['fc']`).
+    """
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        kinds = [option for option in options if option is not type(None)]
+        if len(kinds) == 1:  # `X | None`: X's own error names the inner field
+            return _decode_value(value, kinds[0], where)
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _decode_value(value, option, where)
+            except StateTypeError:
+                continue
+        raise _wrong(where, value, hint)
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(value, list):
+            raise _wrong(where, value, hint)
+        return tuple(_decode_value(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is not None:  # Mapping[str, int]
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise _wrong(where, value, hint)
+        return {
+            _decode_value(k, key_hint, where): _decode_value(v, value_hint, f"{where}[{k!r}]")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise _wrong(where, value, hint)
+        return _decode_fields(hint, value, where)
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:  # finite: json.loads reads NaN and Infinity, which we never write
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+        value = float(value) if ok else value
+    elif hint is str or hint is Path:
+        ok = isinstance(value, str)
+        value = Path(value) if ok and hint is Path else value
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise _wrong(where, value, hint)
+    return value
+
+
+def _decode_fields(cls: Any, data: Mapping[str, Any], where: str) -> Any:
+    """`cls` from a JSON object: missing fields take their default, unknown keys are ignored,
+    every value is checked against the field's annotation (`_decode_value`)."""
+    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
         if f.name not in data:
             if f.default is MISSING and f.default_factory is MISSING:
-                raise ValueError(f"{cls.__name__} field {f.name!r} is missing")
+                raise StateTypeError(f"{STATE_FILE}: field {name!r} is missing")
             continue
-        value = data[f.name]
-        if f.name in special and value is not None:
-            value = special[f.name](value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        values[f.name] = value
+        values[f.name] = _decode_value(data[f.name], hints[f.name], name)
     return cls(**values)
 
 
@@ -216,23 +288,22 @@ def decode_state(text: str) -> RunState:
 
     Raises:
         NewerStateError: if its schema version is newer than `SCHEMA_VERSION`.
-        ValueError: if it is not a state file (bad JSON, a missing field, a wrong shape).
+        StateTypeError: if a field is missing or a value has the wrong type (one line that
+            names the field).
+        ValueError: if it is not a state file (bad JSON, no schema version).
     """
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{STATE_FILE} is not JSON ({error})") from error
     if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
-        raise ValueError(f"{STATE_FILE} has no schema_version")
+        raise ValueError(f"{STATE_FILE} has no schema_version (not a state file)")
     if data["schema_version"] > SCHEMA_VERSION:
         raise NewerStateError(
             f"{STATE_FILE} has schema version {data['schema_version']}, newer than this "
             f"torchinstruments reads ({SCHEMA_VERSION}); use the version that wrote the run"
         )
-    try:
-        return _decode_fields(RunState, data, _DECODE)
-    except (KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{STATE_FILE} is malformed ({type(error).__name__}: {error})") from error
+    return _decode_fields(RunState, data, "")
 
 
 def write_state(directory: Path, state: RunState) -> None:
@@ -260,6 +331,7 @@ __all__ = [
     "LostRows",
     "NewerStateError",
     "RunState",
+    "StateTypeError",
     "Status",
     "decode_run_info",
     "decode_state",

@@ -106,7 +106,8 @@ def test_a_bad_value_is_a_one_line_error_and_finalize_recovers(
     assert pl.read_parquet(run / "history.parquet").equals(rows)
     recovered = read_state(run)
     assert recovered.run_info_recovered
-    assert recovered.counts is not None and recovered.counts.samples == 3
+    assert recovered.counts is not None
+    assert recovered.counts.samples == 3
     assert any(name in note for note in recovered.notes)
     assert name in (run / "index.md").read_text(encoding="utf-8")
     no_traceback(cli_in_process("finalize", run))  # and again: idempotent

@@ -9,9 +9,14 @@ Design decisions:
   schedule: sample k is the same step in both) or on `forward_index` (`--x forward_index`, e.g.
   ranks whose samplers differ). A series measured twice in one sample (two backwards) is matched
   occurrence by occurrence.
-- "Differ" means `|B - A| > tolerance`, or a value in one run and a null in the other. Only
+- "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other, or a row in
+  one run and none in the other at a sample both runs have (a series that stops or starts in one
+  run: a branch cut off from the loss leaves no null, only rows that are not there). Only
   measured differences: no verdicts, scores or thresholds of our own (the default tolerance is 0,
   i.e. any difference).
+- Series in one run only, series that stop or start in one run, and runs sampled differently
+  (sampler or window) are said in words, the latter first: a reader of the table alone would
+  otherwise read "no difference" or a null into them.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
 """
 
@@ -24,7 +29,14 @@ from typing import Any
 
 import polars as pl
 
-from torchinstruments.cli.reader import SERIES_KEY, RunFacts, read_history, select, window_of
+from torchinstruments.cli.reader import (
+    SERIES_KEY,
+    TENSOR_KEY,
+    RunFacts,
+    read_history,
+    select,
+    window_of,
+)
 from torchinstruments.cli.show import Selection, facts_dict, ordered, summary
 from torchinstruments.cli.text import number, plural, render_frame, table
 from torchinstruments.records import OUTPUT
@@ -45,6 +57,12 @@ COLUMNS = (
     "first_difference",
     "value_a_at_first_difference",
     "value_b_at_first_difference",
+    "samples_a",
+    "first_a",
+    "last_a",
+    "samples_b",
+    "first_b",
+    "last_b",
 )
 
 
@@ -79,20 +97,46 @@ def _matched_values(directory: Path, selection: Selection, x: str) -> pl.DataFra
 
 
 def first_differences(a: pl.DataFrame, b: pl.DataFrame, x: str, tolerance: float) -> pl.DataFrame:
-    """Per series: matched samples, and the first x (with both values) where A and B differ."""
+    """Per series: matched samples, and the first x where A and B differ.
+
+    Only samples both runs have (a row of any series at that x) are compared; there, a row in one
+    run and not the other is a difference, as is a value in one and a null in the other.
+    """
     keys = [*SERIES_KEY, x, "_occurrence"]
-    joined = a.join(b, on=keys, how="inner", suffix="_b", nulls_equal=True).rename(
-        {"value": "value_a"}
+    common = a.select(x).unique().join(b.select(x).unique(), on=x)
+    joined = (
+        a.with_columns(_in_a=pl.lit(True))
+        .join(
+            b.with_columns(_in_b=pl.lit(True)),
+            on=keys,
+            how="full",
+            suffix="_b",
+            coalesce=True,
+            nulls_equal=True,
+        )
+        .join(common, on=x, how="semi")
+        .rename({"value": "value_a"})
+        .with_columns(pl.col("_in_a", "_in_b").fill_null(False))
     )
+    one_missing = pl.col("_in_a") != pl.col("_in_b")
     one_null = pl.col("value_a").is_null() != pl.col("value_b").is_null()
-    differ = one_null | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
+    differ = one_missing | one_null | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
     first = pl.col(x).filter(differ).min()
     at_first = differ & (pl.col(x) == first)
     return joined.group_by(SERIES_KEY).agg(
-        matched_samples=pl.col(x).n_unique(),
+        matched_samples=pl.col(x).filter(pl.col("_in_a") & pl.col("_in_b")).n_unique(),
         first_difference=first,
         value_a_at_first_difference=pl.col("value_a").filter(at_first).first(),
         value_b_at_first_difference=pl.col("value_b").filter(at_first).first(),
+    )
+
+
+def _extent(values: pl.DataFrame, x: str, tag: str) -> pl.DataFrame:
+    """Per series: how many samples it has in one run, and its first and last x there."""
+    return values.group_by(SERIES_KEY).agg(
+        pl.col(x).n_unique().alias(f"samples_{tag}"),
+        pl.col(x).min().alias(f"first_{tag}"),
+        pl.col(x).max().alias(f"last_{tag}"),
     )
 
 
@@ -136,22 +180,106 @@ def compare(
     both = side(summary_a, "a").join(
         side(summary_b, "b"), on=SERIES_KEY, how="full", coalesce=True, nulls_equal=True
     )
-    diffs = first_differences(
-        _matched_values(directory_a, selection, x),
-        _matched_values(directory_b, selection, x),
-        x,
-        tolerance,
-    )
+    values_a = _matched_values(directory_a, selection, x)
+    values_b = _matched_values(directory_b, selection, x)
+    diffs = first_differences(values_a, values_b, x, tolerance)
     frame = (
         both.join(diffs, on=SERIES_KEY, how="left", nulls_equal=True)
+        .join(_extent(values_a, x, "a"), on=SERIES_KEY, how="left", nulls_equal=True)
+        .join(_extent(values_b, x, "b"), on=SERIES_KEY, how="left", nulls_equal=True)
         .with_columns(
             module_type=pl.coalesce("module_type_a", "module_type_b"),
             difference=pl.col("mean_b") - pl.col("mean_a"),
             matched_samples=pl.col("matched_samples").fill_null(0),
+            samples_a=pl.col("samples_a").fill_null(0),
+            samples_b=pl.col("samples_b").fill_null(0),
         )
         .select(COLUMNS)
     )
     return Comparison(facts_a, facts_b, window, x, tolerance, ordered(frame, facts_a))
+
+
+def warnings_of(c: Comparison) -> list[str]:
+    """`warning: ...` lines for runs that were not sampled alike (said before the table)."""
+    run_a, run_b = c.facts_a.run, c.facts_b.run
+    if run_a is None or run_b is None:
+        return []
+    out = []
+    if run_a.sampler != run_b.sampler:
+        hint = " (--x forward_index matches them by root forward)" if c.x == "sample_id" else ""
+        out.append(
+            f"warning: the runs were sampled differently (A: {run_a.sampler}; B: "
+            f"{run_b.sampler}): the same {c.x} may be a different step in each{hint}."
+        )
+    if run_a.window != run_b.window:
+        out.append(
+            f"warning: the runs' own windows differ (A: {run_a.window}, B: {run_b.window}); "
+            f"both means here are over up to {plural(c.window, 'sample')} (--window N)."
+        )
+    return out
+
+
+def _span(first: int | None, last: int | None) -> str:
+    return "none" if first is None else (str(first) if first == last else f"{first}-{last}")
+
+
+def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
+    name = r["layer"] or "<root>"
+    if r["layer"] in several_calls:
+        name += f"#{r['call_index']}"
+    return name + r["tensor_path"]
+
+
+def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
+    """One line per tensor and signal whose samples differ between the runs (both have rows),
+    in order of where they part: `side grad: sample_id 0-7 in A, 0-3 in B (B stops after 3)`."""
+    both = c.frame.filter(pl.col("samples_a") > 0, pl.col("samples_b") > 0)
+    parted = (
+        both.filter(
+            (pl.col("first_a") != pl.col("first_b")) | (pl.col("last_a") != pl.col("last_b"))
+        )
+        .unique([*TENSOR_KEY, "first_a", "last_a", "first_b", "last_b"], maintain_order=True)
+        .with_columns(
+            _parts=pl.min_horizontal(
+                pl.max_horizontal("first_a", "first_b"), pl.min_horizontal("last_a", "last_b") + 1
+            )
+        )
+        .sort("_parts", maintain_order=True)
+    )
+    lines = []
+    for r in parted.iter_rows(named=True):
+        what = []
+        for tag, other in (("A", "b"), ("B", "a")):
+            mine = tag.lower()
+            if r[f"first_{mine}"] > r[f"first_{other}"]:
+                what.append(f"{tag} starts at {r[f'first_{mine}']}")
+            if r[f"last_{mine}"] < r[f"last_{other}"]:
+                what.append(f"{tag} stops after {r[f'last_{mine}']}")
+        signal = "out" if r["signal"] == OUTPUT else "grad"
+        lines.append(
+            f"  {_series_name(r, several_calls)} {signal}: {c.x} "
+            f"{_span(r['first_a'], r['last_a'])} in A, {_span(r['first_b'], r['last_b'])} in B "
+            f"({', '.join(what)})"
+        )
+    return lines
+
+
+def _absent_notes(c: Comparison) -> list[str]:
+    """Which layers have rows in one run only (none of the selected series in the other)."""
+    out = []
+    for tag, mine, other in (("A", "a", "b"), ("B", "b", "a")):
+        by_layer = c.frame.group_by("layer", maintain_order=True).agg(
+            mine=pl.col(f"samples_{mine}").max(), other=pl.col(f"samples_{other}").max()
+        )
+        only = by_layer.filter(pl.col("mine") > 0, pl.col("other") == 0)["layer"].to_list()
+        if only:
+            names = ", ".join(name or "<root>" for name in only[:20])
+            more = f" ... ({len(only) - 20} more)" if len(only) > 20 else ""
+            out.append(
+                f"only in {tag} ({plural(len(only), 'layer')}, no row in the other run): "
+                f"{names}{more}."
+            )
+    return out
 
 
 def _text(c: Comparison, width: int) -> str:
@@ -163,15 +291,16 @@ def _text(c: Comparison, width: int) -> str:
         for line in facts.marked_lines()
     ]
     for note in (
+        *warnings_of(c),
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
         *marks,
         "mean A, mean B: the mean over each run's recent window of up to "
         f"{plural(c.window, 'sample')}.",
         "B - A: their difference (mean B minus mean A).",
-        f"first diff: the first {c.x} (of the matched ones) where |B - A| > {c.tolerance:g} or "
-        f"only one value is null; '-' = none. matched: how many samples were measured in both "
-        f"runs (matched on {c.x}).",
+        f"first diff: the first {c.x} both runs have where |B - A| > {c.tolerance:g}, only "
+        f"one value is null, or only one run has a row; '-' = none. matched: how many samples "
+        f"were measured in both runs (matched on {c.x}).",
     ):
         lines += textwrap.wrap(note, width)
     if c.frame.is_empty():
@@ -182,35 +311,56 @@ def _text(c: Comparison, width: int) -> str:
     several_calls = set(c.frame.filter(pl.col("call_index") > 0)["layer"].to_list())
     rows = []
     for r in c.frame.iter_rows(named=True):
-        name = r["layer"] or "<root>"
-        if r["layer"] in several_calls:
-            name += f"#{r['call_index']}"
         first = r["first_difference"]
         rows.append(
             [
-                name + r["tensor_path"],
+                _series_name(r, several_calls),
                 "out" if r["signal"] == OUTPUT else "grad",
                 r["metric"],
-                number(r["mean_a"]),
-                number(r["mean_b"]),
+                "absent" if r["samples_a"] == 0 else number(r["mean_a"]),
+                "absent" if r["samples_b"] == 0 else number(r["mean_b"]),
                 number(r["difference"]),
                 "-" if first is None else str(first),
                 str(r["matched_samples"]),
             ]
         )
     whole = [False, False, True, False, False, False, False, False]
-    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole)]
-    only = c.frame.filter(pl.col("mean_a").is_null() | pl.col("mean_b").is_null())
+    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole, wrap_first=True)]
+    present = (pl.col("samples_a") > 0) & (pl.col("samples_b") > 0)
+    no_finite = c.frame.filter(
+        (pl.col("mean_a").is_null() & (pl.col("samples_a") > 0))
+        | (pl.col("mean_b").is_null() & (pl.col("samples_b") > 0))
+    )
     notes = []
-    if only.height:
-        notes.append(f"'-' in a mean: no finite value in that run ({only.height} series).")
-    if windows.height:
+    if no_finite.height:
         notes.append(
-            f"note: the two windows cover different samples for {plural(windows.height, 'series', 'series')} "
+            f"'-' in a mean: no finite value in that run's window "
+            f"({plural(no_finite.height, 'series', 'series')})."
+        )
+    absent = _absent_notes(c)
+    if absent or c.frame.filter(~present).height:
+        notes.append("absent: the series has no row in that run.")
+        notes += absent
+    if windows.filter(present).height:
+        notes.append(
+            f"note: the two windows cover different samples for "
+            f"{plural(windows.filter(present).height, 'series', 'series')} "
             "(see --format csv: window_a, window_b)."
         )
     for note in notes:
         lines += textwrap.wrap(note, width)
+    parted = extent_notes(c, several_calls)
+    if parted:
+        lines += textwrap.wrap(
+            f"series that stop or start in one run ({plural(len(parted), 'tensor')}, "
+            "earliest first; --format csv: first_a, last_a, first_b, last_b):",
+            width,
+        )
+        lines += [
+            wrapped
+            for line in parted
+            for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")
+        ]
     return "\n".join(lines)
 
 
@@ -228,4 +378,12 @@ def render(c: Comparison, *, fmt: str, width: int) -> str:
     return render_frame(c.frame, fmt, facts)
 
 
-__all__ = ["COLUMNS", "Comparison", "compare", "first_differences", "render"]
+__all__ = [
+    "COLUMNS",
+    "Comparison",
+    "compare",
+    "extent_notes",
+    "first_differences",
+    "render",
+    "warnings_of",
+]

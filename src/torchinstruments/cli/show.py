@@ -156,6 +156,13 @@ def _row_name(layer: str, call_index: int, tensor_path: str, calls: bool) -> str
     return name + tensor_path
 
 
+def _valid_count(valid: int | None, samples: int | None) -> str:
+    """`8` (every sample of the window has a value), `4/8` (4 of 8 have one), `-` (no window)."""
+    if samples is None:
+        return "-"
+    return str(samples) if valid == samples else f"{valid or 0}/{samples}"
+
+
 def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]:
     """One table per metric: rows = tensors, columns = latest / window mean per signal."""
     if frame.is_empty():
@@ -166,8 +173,8 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     short = {OUTPUT: "out", OUTPUT_GRADIENT: "grad"}
     headers = ["layer", "type"]
     for s in signals:
-        headers += [f"{short[s]} latest", f"{short[s]} mean"]
-    numeric = [False, False] + [True] * (2 * len(signals))
+        headers += [f"{short[s]} latest", f"{short[s]} mean", "n"]
+    numeric = [False, False] + [True] * (3 * len(signals))
     out: list[str] = []
     stale = marked = False
     for metric in metric_order(frame["metric"].unique().to_list(), facts.run):
@@ -180,10 +187,10 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
                 [
                     _row_name(*key, calls=r["layer"] in several_calls),
                     r["module_type"],
-                    *(["-"] * (2 * len(signals))),
+                    *(["-"] * (3 * len(signals))),
                 ],
             )
-            i = 2 + 2 * signals.index(r["signal"])
+            i = 2 + 3 * signals.index(r["signal"])
             latest = number(r["latest_value"], missing="null")
             if r["latest_sample_id"] != latest_all:
                 latest += "*"
@@ -193,16 +200,18 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
                 marked = True
             cells[i] = latest
             cells[i + 1] = number(r["window_mean"], missing="null")
+            cells[i + 2] = _valid_count(r["window_valid"], r["window_samples"])
         out += [
             "",
             f"{metric}:",
-            *table(headers, list(rows.values()), numeric=numeric, width=width),
+            *table(headers, list(rows.values()), numeric=numeric, width=width, wrap_first=True),
         ]
     notes = [
         "latest: the value at each tensor's latest sample"
         + (f" (* = older than sample_id {latest_all})" if stale else "")
         + "; mean: the mean over its recent window of samples (a mean of per-sample values, "
-        "not of pooled elements); '-': not measured."
+        "not of pooled elements); n: the samples that mean is over (those with a value), "
+        "'4/8' when only 4 of the window's 8 have one; '-': not measured."
     ]
     if marked:
         notes.append(

@@ -1,8 +1,10 @@
 """Plain-text tables for the terminal, and the machine formats (csv, json, markdown).
 
 Design decision: text tables are laid out for a fixed width (80 columns unless told otherwise):
-numbers get fixed-width cells (4 significant digits), and name columns are shortened from the
-left (`...` + the end of the name, where layer names differ) to fit. The machine formats always
+numbers get fixed-width cells (4 significant digits), and name columns are shortened to fit, or,
+for layer names (`wrap_first`), a name too long for its column is printed whole on a line of its
+own above its row: `bert.encoder.layer.0...query` and `...layer.1...query` differ in the middle,
+where any cut would make them print alike. The machine formats always
 carry every row and full float precision, so scripts never parse the text view.
 """
 
@@ -43,6 +45,7 @@ def table(
     numeric: Sequence[bool],
     width: int,
     whole: Sequence[bool] | None = None,
+    wrap_first: bool = False,
 ) -> list[str]:
     """Rows as aligned text lines no wider than `width`; text columns shrink to fit.
 
@@ -53,6 +56,8 @@ def table(
         width: the widest a line may be (exceeded only when the `whole` columns need it).
         whole: per column, a text column that is never shortened either (metric names: a cut
             `..._fraction` could be either fraction); default none.
+        wrap_first: the first column's cells that do not fit go whole on a line of their own
+            (split at `width` when longer), above the row, whose first cell is then blank.
     """
     sizes = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     excess = sum(sizes) + 2 * (len(sizes) - 1) - width
@@ -75,7 +80,13 @@ def table(
             out.append(cell.rjust(size) if is_num else cell.ljust(size))
         return "  ".join(out).rstrip()
 
-    return [line(headers), line(["-" * s for s in sizes]), *(line(r) for r in rows)]
+    out = [line(headers), line(["-" * s for s in sizes])]
+    for r in rows:
+        if wrap_first and len(r[0]) > sizes[0]:
+            out += [r[0][i : i + width] for i in range(0, len(r[0]), width)]
+            r = ["", *r[1:]]
+        out.append(line(r))
+    return out
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:

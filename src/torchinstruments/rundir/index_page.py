@@ -42,9 +42,15 @@ def counts_sentence(state: RunState) -> str:
         else ""
     )
     return (
-        f"counts{bound}: {counts.root_forwards} root forwards, {counts.samples} samples, "
-        f"{counts.backward_samples} samples with a backward"
+        f"counts{bound}: {_count(counts.root_forwards, 'root forward')}, "
+        f"{_count(counts.samples, 'sample')}, "
+        f"{_count(counts.backward_samples, 'sample')} with a backward"
     )
+
+
+def _count(count: int, word: str) -> str:
+    """`1 sample`, `2 samples`."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _section_state(state: RunState) -> list[str]:

@@ -195,7 +195,7 @@ first = (
     .collect()
 )
 print(f"{{first.height}} series differ (null value and null reason: no row in that run)")
-show(first, most={SHOWN_ROWS})""",
+show(first)  # every differing series, the earliest first""",
         ),
     ]
 

@@ -1,0 +1,167 @@
+"""`compare` says every difference a reader would want: a series that stops or starts in one run
+(from which sample), layers in one run only, runs sampled differently; index.md's comparison
+query prints every differing series.
+
+Runs are real (a small model trained in this process); the expected samples come from the
+training schedule written here, the rows from Polars on the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.__main__ import main
+
+STEPS = 8
+CUT_FROM = 3  # from this step on, the branch of the cut run is detached
+
+
+class Branches(nn.Module):
+    def __init__(self, cut_from: int | None, extra: bool = False) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.side = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.extra = nn.Tanh() if extra else None
+        self.cut_from = cut_from
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.side(x)
+        if self.cut_from is not None and self.step >= self.cut_from:
+            side = side.detach()  # the fault: the branch no longer receives a gradient
+        self.step += 1
+        hidden = self.trunk(x) + side
+        if self.extra is not None:
+            hidden = self.extra(hidden)
+        return self.head(hidden)
+
+
+def train(directory: Path, *, cut_from: int | None = None, every: int = 1, **kw: Any) -> Path:
+    torch.manual_seed(0)
+    model = Branches(cut_from, **kw)
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(every))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+    remove_observer(model)
+    return directory
+
+
+def cli(*args: str | Path) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main([str(a) for a in args])
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    return {
+        "baseline": train(root / "baseline"),
+        "cut": train(root / "cut", cut_from=CUT_FROM),
+        "every2": train(root / "every2", every=2),
+        "extra": train(root / "extra", extra=True),
+    }
+
+
+def test_a_series_that_stops_in_one_run_is_a_difference_from_the_sample_it_stops(
+    runs: dict[str, Path],
+) -> None:
+    code, out = cli("compare", runs["baseline"], runs["cut"], "--format", "json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    side_grad = [r for r in rows if r["layer"] == "side" and r["signal"] == "output_gradient"]
+    assert side_grad
+    for row in side_grad:
+        assert row["first_difference"] == CUT_FROM, row["metric"]  # not "no difference"
+        assert row["matched_samples"] == CUT_FROM
+        assert (row["first_a"], row["last_a"], row["samples_a"]) == (0, STEPS - 1, STEPS)
+        assert (row["first_b"], row["last_b"], row["samples_b"]) == (0, CUT_FROM - 1, CUT_FROM)
+    # the same, from the files: B's side gradient rows end where the fault begins
+    cut = pl.read_parquet(runs["cut"] / "history.parquet")
+    grads = cut.filter(pl.col("layer") == "side", pl.col("signal") == "output_gradient")
+    assert grads["sample_id"].max() == CUT_FROM - 1
+
+    code, text = cli("compare", runs["baseline"], runs["cut"], "--metrics", "std")
+    assert code == 0
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "series that stop or start in one run (1 tensor" in text
+    assert (
+        f"  side grad: sample_id 0-{STEPS - 1} in A, 0-{CUT_FROM - 1} in B "
+        f"(B stops after {CUT_FROM - 1})" in text.splitlines()
+    )
+    line = next(li for li in text.splitlines() if re.match(r"side\s+grad\s+std", li))
+    assert line.split()[-2:] == [str(CUT_FROM), str(CUT_FROM)]  # first diff, matched
+
+
+def test_a_series_that_starts_late_in_one_run_says_so(runs: dict[str, Path]) -> None:
+    code, text = cli("compare", runs["cut"], runs["baseline"], "--metrics", "std")
+    assert code == 0
+    assert f"(A stops after {CUT_FROM - 1})" in text
+
+
+def test_layers_in_one_run_only_are_absent_not_nonfinite(runs: dict[str, Path]) -> None:
+    code, text = cli("compare", runs["baseline"], runs["extra"], "--metrics", "mean")
+    assert code == 0
+    extra_rows = [li for li in text.splitlines() if li.startswith("extra ")]
+    assert len(extra_rows) == 2  # output and gradient
+    assert all(li.split()[3] == "absent" for li in extra_rows)  # mean A
+    assert "only in B (1 layer, no row in the other run): extra." in text
+    assert "no finite value" not in text
+
+
+def test_runs_sampled_differently_warn_first(runs: dict[str, Path]) -> None:
+    code, text = cli("compare", runs["baseline"], runs["every2"], "--metrics", "mean")
+    assert code == 0
+    first = text.splitlines()[0]
+    assert first.startswith("warning: the runs were sampled differently (A:")
+    assert "EveryNForwardsSampler(n=1)" in text
+    assert "EveryNForwardsSampler(n=2)" in text
+    code, same = cli("compare", runs["baseline"], runs["cut"], "--metrics", "mean")
+    assert "warning" not in same
+
+
+def test_index_comparison_query_prints_every_differing_series(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The page's own setup and comparison blocks, with `other_run` set, list every series
+    whose rows differ (here more than 50, where the page used to cut), the stopped gradients
+    included."""
+    page = (runs["cut"] / "index.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.MULTILINE | re.DOTALL)
+    comparison = next(b for b in blocks if "other_run = run" in b)
+    comparison = re.sub(
+        r"^other_run = run\b.*$",
+        f"other_run = Path({str(runs['baseline'])!r})",
+        comparison,
+        flags=re.MULTILINE,
+    )
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(blocks[0], "setup", "exec"), namespace)
+    capsys.readouterr()
+    exec(compile(comparison, "comparison", "exec"), namespace)
+    printed = capsys.readouterr().out
+    first = namespace["first"]
+    assert isinstance(first, pl.DataFrame)
+    assert first.height > 50
+    csv_rows = printed.splitlines()[2:]  # the count line, the CSV header
+    assert len(csv_rows) == first.height
+    side = first.filter(pl.col("layer") == "side", pl.col("signal") == "output_gradient")
+    assert set(side["first_sample"]) == {CUT_FROM}
+    assert first["first_sample"].is_sorted()

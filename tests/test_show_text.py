@@ -1,0 +1,109 @@
+"""`show`'s text view: each window mean with the number of samples it is over, layer names that
+stay distinguishable at 80 columns, and counts in the right number ("1 sample").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.__main__ import main
+
+
+def show(*args: str | Path) -> list[str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["show", *map(str, args), "--width", "80"]) == 0
+    return out.getvalue().splitlines()
+
+
+def row_of(lines: list[str], name: str) -> list[str]:
+    """The cells of the table row of layer `name` (after its name line when it was wrapped)."""
+    for i, line in enumerate(lines):
+        if line == name:
+            return lines[i + 1].split()
+        if line.split() and line.split()[0] == name:
+            return line.split()[1:]
+    raise AssertionError(f"no row for {name}: {lines}")
+
+
+def test_window_means_say_how_many_samples_they_are_over(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Identity())
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    for step in range(8):
+        x = torch.full((4,), float(step))
+        model(x if step % 2 == 0 else x * float("nan"))  # odd samples: no finite entry
+    remove_observer(model)
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet").filter(
+        pl.col("metric") == "mean"
+    )
+    valid = history["value"].drop_nulls()
+    assert valid.len() == 4
+
+    lines = show(tmp_path / "run", "--metrics", "mean")
+    header = next(line for line in lines if line.startswith("layer"))
+    assert header.split() == ["layer", "type", "out", "latest", "out", "mean", "n"]
+    latest, mean, count = row_of(lines, "0")[1:]
+    assert latest == "null"
+    assert float(mean) == pytest.approx(sum(valid.to_list()) / 4, rel=1e-3)
+    assert count == "4/8"  # the mean is over 4 of the window's 8 samples
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Linear(4, 4)
+        self.key = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.query(x) + self.key(x)
+
+
+class Deep(nn.Module):
+    """BERT-like names: two layers whose names differ only in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = lambda: nn.ModuleDict({"attention_self": Attention()})  # noqa: E731
+        self.encoder_with_a_long_name = nn.ModuleDict({"layer": nn.ModuleList([block(), block()])})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder_with_a_long_name["layer"]:  # type: ignore[union-attr]
+            x = block["attention_self"](x)
+        return x
+
+
+def test_long_layer_names_stay_distinct_at_80_columns(tmp_path: Path) -> None:
+    model = Deep()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    names = [
+        f"encoder_with_a_long_name.layer.{i}.attention_self.{part}"
+        for i in range(2)
+        for part in ("query", "key")
+    ]
+    lines = show(tmp_path / "run", "--metrics", "std")
+    assert max(len(line) for line in lines) <= 80
+    for name in names:
+        assert name in lines, name  # whole, on a line of its own, above its row
+        assert len(row_of(lines, name)) == 7  # type, then latest / mean / n of both signals
+
+
+def test_counts_of_one_are_singular(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    inject_observer(model, output_dir=tmp_path / "run")
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    lines = show(tmp_path / "run")
+    assert "counts: 1 root forward, 1 sample, 0 samples with a backward" in lines
+    page = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "1 samples" not in page
+    assert "1 root forwards" not in page

@@ -185,6 +185,11 @@ def remove_observer(model: nn.Module) -> Path | None:
     Returns:
         The run directory that was finished, or None if `model` had no observer.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"remove_observer(model): model must be the nn.Module given to inject_observer "
+            f"(or its torch.compile wrapper), got {type(model).__name__} {model!r}"
+        )
     key = _registered(model)
     if key is None:
         if model in _UNATTACHED:

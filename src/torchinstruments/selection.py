@@ -16,6 +16,7 @@ offered in its place, under the name it has in the eager model (`blocks.0.fc`, n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,11 +29,36 @@ Selector = Callable[[str, nn.Module], bool]
 
 
 def check_selector(name: str, selector: object) -> None:
-    """A selector is None or a callable `(name, module) -> bool`."""
-    if selector is not None and not callable(selector):
+    """A selector is None or a callable `(name, module) -> bool`.
+
+    A class (`selector=nn.Linear`) is callable too, and a one-argument function can be called:
+    both would fail only when the selector first runs, with torch's or Python's message about
+    something else, so both are refused here, with the form to write instead.
+    """
+    if selector is None:
+        return
+    example = f"{name}=lambda name, module: isinstance(module, nn.Linear)"
+    if isinstance(selector, type):
         raise TypeError(
-            f"{name} must be a callable (name, module) -> bool or None, got {selector!r}"
+            f"{name}={selector.__name__} is a class, not a function (name, module) -> bool: "
+            f"write {name}=lambda name, module: isinstance(module, {selector.__name__})"
         )
+    if not callable(selector):
+        raise TypeError(
+            f"{name} must be a function (name, module) -> bool or None, got {selector!r}: "
+            f"e.g. {example}"
+        )
+    try:
+        signature = inspect.signature(selector)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind("name", nn.Module())
+    except TypeError:
+        raise TypeError(
+            f"{name}={getattr(selector, '__name__', repr(selector))}{signature} cannot be "
+            f"called as {name}(name, module), with the layer's name and module: e.g. {example}"
+        ) from None
 
 
 def holds_uncalled_children(module: nn.Module) -> bool:

@@ -300,11 +300,17 @@ def run_command(args: argparse.Namespace) -> int:
             from torchinstruments.cli import plot
 
             output = args.output or Path(args.directory) / "trends.png"
+            selection = _selection(args, args.directory)
+            if not output.parent.is_dir():
+                raise ValueError(
+                    f"-o {output}: the folder {output.parent} does not exist; create it, or "
+                    "choose a PNG path in an existing folder"
+                )
             try:
                 result = plot.plot(
                     args.directory,
                     output,
-                    _selection(args, args.directory),
+                    selection,
                     x=args.x,
                     max_tensors=args.max_tensors,
                     yscale=args.yscale,
@@ -328,14 +334,18 @@ def run_command(args: argparse.Namespace) -> int:
         if args.command == "heatmap":
             from torchinstruments.cli import heatmap
 
+            selection = _selection(args, args.directory)  # a missing run is said first
             output_dir = args.output_dir or Path(args.directory)
             if not output_dir.is_dir():
-                raise ValueError(f"--output-dir {output_dir} is not an existing directory")
+                raise ValueError(
+                    f"-o/--output-dir {output_dir} is not an existing folder; create it, or "
+                    "choose an existing one"
+                )
             try:
                 results = heatmap.heatmap(
                     args.directory,
                     output_dir,
-                    _selection(args, args.directory),
+                    selection,
                     x=args.x,
                     scale=args.scale,
                 )

@@ -133,6 +133,9 @@ def locate(directory: Path) -> RunFiles:
             its `rank-NNN/` subdirectories when it has some.
     """
     directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        what = "is a file, not a run directory" if directory.exists() else "does not exist"
+        raise NotARunError(f"{directory} {what}: pass a run's output directory")
     history = directory / HISTORY_FILE
     parts = list_parts(directory)
     if history.is_file():
@@ -153,7 +156,29 @@ def locate(directory: Path) -> RunFiles:
             f"{directory} is a run without any history yet: no sample has been written "
             f"({PARTS_DIR}/ has no completed part and {HISTORY_FILE} does not exist)"
         )
+    below = runs_below(directory)
+    if below:
+        names = ", ".join(str(p.relative_to(directory)) for p in below[:20])
+        more = f" ... ({len(below) - 20} more)" if len(below) > 20 else ""
+        raise NotARunError(
+            f"{directory} holds no run itself but {len(below)} below it ({names}{more}): pass "
+            f"one of them, e.g. {command_line(below[0])}"
+        )
     raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
+
+
+def runs_below(directory: Path, depth: int = 3) -> list[Path]:
+    """Run directories (holding a state file, history or parts) up to `depth` levels below
+    `directory`, sorted: what a user who passed a parent of runs meant."""
+    found: list[Path] = []
+    level = [directory]
+    for _ in range(depth):
+        level = sorted(c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink())
+        for child in level:
+            if any((child / name).exists() for name in (HISTORY_FILE, PARTS_DIR, STATE_FILE)):
+                found.append(child)
+        level = [c for c in level if c not in found]
+    return sorted(found)
 
 
 def scan_files(files: RunFiles, *, write_order: bool = True) -> pl.LazyFrame:
@@ -361,6 +386,11 @@ def check_selection(
         ]
     ).unique()
     runs = "these runs" if len(directories) > 1 else "this run"
+    if present.is_empty():
+        raise SelectionError(
+            f"{', '.join(map(str, directories))}: {runs} recorded no rows (no sample was taken; "
+            "its index.md says why): nothing to show"
+        )
     problems = []
     if layers is not None:
         names = layer_order(present["layer"].unique().to_list(), None)
@@ -415,6 +445,7 @@ __all__ = [
     "rank_directories",
     "read_facts",
     "read_history",
+    "runs_below",
     "scan_files",
     "select",
     "summarize_series",

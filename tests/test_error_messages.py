@@ -1,0 +1,133 @@
+"""Each mistake a new user makes gets one line that names the argument and the fix, no traceback.
+
+Library mistakes raise at `inject_observer` (before the model or the disk change) or at
+`remove_observer`; command-line mistakes exit 1 with one line on stderr, checked in a real
+process where a traceback used to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import inject_observer, remove_observer
+from torchinstruments.__main__ import main
+
+from conftest import run_cli
+
+
+def cli_error(*args: str | Path) -> str:
+    """The one stderr line of a command that fails with exit code 1."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    assert code == 1, (out.getvalue(), err.getvalue())
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("runs") / "experiment" / "baseline"
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    inject_observer(model, output_dir=directory)
+    model(torch.randn(3, 2)).sum().backward()
+    remove_observer(model)
+    return directory
+
+
+@pytest.mark.parametrize("option", ["selector", "histogram_selector"])
+def test_a_class_as_selector_says_to_write_a_function(option: str, tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError) as caught:
+        inject_observer(model, output_dir=tmp_path / "run", **{option: nn.Linear})
+    message = str(caught.value)
+    assert message.startswith(f"{option}=Linear is a class, not a function")
+    assert f"{option}=lambda name, module: isinstance(module, Linear)" in message
+    assert not (tmp_path / "run").exists()  # refused before the disk changed
+    assert "forward" not in model[0].__dict__  # and before the model changed
+
+
+@pytest.mark.parametrize("option", ["selector", "histogram_selector"])
+def test_a_one_argument_selector_says_how_it_is_called(option: str, tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError) as caught:
+        inject_observer(
+            model,
+            output_dir=tmp_path / "run",
+            **{option: lambda module: isinstance(module, nn.Linear)},
+        )
+    message = str(caught.value)
+    assert message.startswith(
+        f"{option}=<lambda>(module) cannot be called as {option}(name, module)"
+    )
+    assert "lambda name, module:" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_remove_observer_of_a_name_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"model must be the nn.Module given to inject_observer"):
+        remove_observer("model")  # type: ignore[arg-type]
+
+
+def test_a_mistyped_run_directory_does_not_exist(finished: Path) -> None:
+    wrong = finished.parent / "baselin"
+    for command in ("show", "plot", "heatmap"):
+        line = cli_error(command, wrong)
+        assert (
+            line
+            == f"torchinstruments {command}: {wrong} does not exist: pass a run's output directory"
+        )
+    line = cli_error("compare", finished, wrong)
+    assert f"{wrong} does not exist" in line
+
+
+def test_heatmap_on_a_missing_run_blames_the_run_not_the_output_folder(finished: Path) -> None:
+    line = cli_error("heatmap", finished.parent / "nothing")
+    assert "does not exist" in line
+    assert "output-dir" not in line
+
+
+def test_heatmap_into_a_missing_folder_names_the_option(finished: Path, tmp_path: Path) -> None:
+    line = cli_error("heatmap", finished, "-o", tmp_path / "no" / "such")
+    assert "-o/--output-dir" in line
+    assert "create it" in line
+
+
+def test_heatmap_on_an_empty_run_says_it_recorded_no_rows(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    inject_observer(model, output_dir=tmp_path / "empty")
+    with pytest.warns(RuntimeWarning, match="no sample was recorded"):
+        remove_observer(model)  # never called: no sample
+    for command in ("heatmap", "show", "plot"):
+        line = cli_error(command, tmp_path / "empty")
+        assert "recorded no rows" in line, line
+        assert "only nothing" not in line
+
+
+def test_plot_into_a_missing_folder_is_one_line_in_a_real_process(
+    finished: Path, tmp_path: Path
+) -> None:
+    result = run_cli("plot", finished, "-o", tmp_path / "missing" / "plot.png")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"torchinstruments plot: -o {tmp_path / 'missing' / 'plot.png'}: ")
+    assert f"the folder {tmp_path / 'missing'} does not exist; create it" in line
+
+
+def test_show_on_a_parent_of_runs_lists_the_runs_below(finished: Path) -> None:
+    sibling = finished.parent / "broken"
+    model = nn.Sequential(nn.Linear(2, 2))
+    inject_observer(model, output_dir=sibling)
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    line = cli_error("show", finished.parent.parent)
+    assert "holds no run itself but 2 below it (experiment/baseline, experiment/broken)" in line
+    assert str(finished) in line

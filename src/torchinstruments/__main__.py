@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         "finalize",
         help="complete an interrupted run directory",
         description="Merge history.parts/ into history.parquet and write result.json and "
-        "index.md. Refuses a directory locked by a live run; unreadable parts are left in place.",
+        "index.md. Refuses a directory locked by a live run; unreadable parts are left in place. "
+        "On a directory of rank-NNN/ runs: finalizes each rank, then writes its index.md.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="the run's output directory")
     add_commands(commands)
@@ -78,6 +79,20 @@ def _finalize(directory: Path) -> int:
     return 0 if report.complete else 1
 
 
+def _finalize_ranks(parent: Path) -> int:
+    """`finalize PARENT`: finalize every rank directory, then write the parent's index.md."""
+    from torchinstruments.rundir.page_ranks import rank_dirs, write_parent_index
+
+    codes = [_finalize(directory) for _, directory in rank_dirs(parent)]
+    try:
+        path = write_parent_index(parent)
+    except OSError as exc:
+        print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({plural(len(codes), 'rank')})")
+    return max(codes)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m torchinstruments` and the `torchinstruments` script.
 
@@ -89,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     if args.command == "finalize":
+        from torchinstruments.rundir.page_ranks import rank_dirs
+
+        directory = Path(args.directory).expanduser()
+        if (
+            not (directory / "history.parquet").exists()
+            and not (directory / "history.parts").exists()
+        ) and rank_dirs(directory):
+            return _finalize_ranks(directory.absolute())
         return _finalize(args.directory)
     if args.command in COMMANDS:
         return run_command(args)

@@ -55,6 +55,9 @@ def _tolerance(text: str) -> float:
 
 
 def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> None:
+    from torchinstruments.cli.ranks_command import add_rank_option
+
+    add_rank_option(cmd)
     cmd.add_argument(
         "--layers",
         type=_regex,
@@ -133,7 +136,13 @@ def add_commands(commands: Subcommands) -> None:
         "stats/rank-001) are compared like any two runs.",
     )
     cmd.add_argument("directory_a", type=Path, metavar="DIR_A", help="run A")
-    cmd.add_argument("directory_b", type=Path, metavar="DIR_B", help="run B")
+    cmd.add_argument(
+        "directory_b",
+        type=Path,
+        metavar="DIR_B",
+        nargs="?",
+        help="run B (omitted: DIR_A is a directory of rank-NNN/ runs, compared rank by rank)",
+    )
     _selection_options(cmd)
     cmd.add_argument(
         "--tolerance",
@@ -252,7 +261,23 @@ def _say_unreadable_state(prog: str, *directories: Path) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Run `show`, `compare` or `plot` from parsed arguments; returns the exit code."""
+    """Run `show`, `compare`, `plot` or `heatmap` from parsed arguments; returns the exit code.
+
+    A directory of `rank-NNN/` runs (and `--rank`) goes to `cli.ranks_command` first.
+    """
+    from torchinstruments.cli.ranks_command import run_on_ranks
+    from torchinstruments.cli.reader import NotARunError
+
+    try:
+        done = run_on_ranks(args, _run_single, _selection, _width())
+    except (NotARunError, ValueError) as exc:
+        print(f"torchinstruments {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return _run_single(args) if done is None else done
+
+
+def _run_single(args: argparse.Namespace) -> int:
+    """Run a command whose directories are single runs; returns the exit code."""
     from torchinstruments.cli.reader import NotARunError
     from torchinstruments.cli.text import plural
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from torchinstruments.rundir.ledger import missing_samples, sample_range, uncove
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
+from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.shell import command_line
 from torchinstruments.rundir.state import NewerStateError, RunState, Status, write_state
@@ -159,7 +161,24 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         final = _with_problem(final, f"{INDEX_FILE} could not be written", error)
         with contextlib.suppress(OSError):
             write_state(directory, final)
+    if is_rank_run(directory, final):
+        _write_parent_page(directory.parent)
     return FinishReport(directory, merge, final)
+
+
+def _write_parent_page(parent: Path) -> None:
+    """Rewrite the rank runs' parent index.md (`rundir.page_ranks`); a failure is warned, since
+    this rank's own directory is complete without it."""
+    try:
+        write_parent_index(parent)
+    except OSError as error:
+        warnings.warn(
+            f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
+            f"({type(error).__name__}: {error}); "
+            f"`{command_line('torchinstruments', 'finalize', parent)}` writes it again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _unexplained_gaps(history: Path, state: RunState) -> list[str]:

@@ -1,0 +1,570 @@
+"""A directory of `rank-NNN/` runs read as one run: `show`, `compare`, `plot`, `heatmap` on it.
+
+Design decisions:
+
+- A parent is a directory that holds no run itself and has `rank-NNN/` subdirectories (what
+  `rank_policy="all"` writes). `--rank 0,2-3` picks ranks (by the number in the directory's
+  name); one rank alone is read exactly like that rank's own directory.
+- `show PARENT`: per series, the spread across ranks of two measured values of each rank, its
+  latest value and its recent-window mean (each the very number `show RANK_DIR` prints, from the
+  same `show.summary`): min, max, median, the rank farthest from the cross-rank median and its
+  signed distance from it (`value - median`; ties: the lower rank). Ranks whose value is null or
+  nonfinite are left out of the spread and counted (`ranks` = ranks with a finite value).
+  Measured values only, nothing judged.
+- `compare PARENT`: per series, the first sample (matched on `--x`) at which one rank departs
+  from the others by more than `--tolerance`: its nearest other rank's value is farther than the
+  tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule). Only finite
+  values take part; a series measured twice in a sample is matched occurrence by occurrence.
+- Memory is bounded by streaming: `show` reads one rank at a time (the spread needs two numbers
+  per rank and series); `compare` reads all ranks together in ranges of `x` of about
+  `DEPARTURE_BATCH_ROWS` rows (history is ordered by sample, so each range reads only the Parquet
+  row groups that hold it); plot and heatmap read one tensor's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from torchinstruments.cli.reader import (
+    SERIES_KEY,
+    NotARunError,
+    RunFacts,
+    locate,
+    rank_directories,
+    read_facts,
+    scan_files,
+    select,
+    window_of,
+)
+from torchinstruments.cli.show import Selection, facts_dict, ordered, summary
+from torchinstruments.cli.text import number, plural, render_frame, table
+from torchinstruments.records import OUTPUT
+
+DEPARTURE_BATCH_ROWS = 1 << 22
+TEXT_TENSORS = 60
+_RANK_NAME = re.compile(r"^rank-(\d+)$")
+_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+SPREAD_COLUMNS = (
+    "layer",
+    "module_type",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "metric",
+    "at",
+    "ranks",
+    "min",
+    "max",
+    "median",
+    "farthest_rank",
+    "farthest_by",
+    "first_sample_id",
+    "last_sample_id",
+)
+DEPARTURE_COLUMNS = (
+    "layer",
+    "module_type",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "metric",
+    "ranks",
+    "matched_samples",
+    "first_departure",
+    "departing_ranks",
+    "departing_values",
+    "nearest_other",
+)
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's run directory under a parent."""
+
+    rank: int
+    directory: Path
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`"0,2-4"` -> `(0, 2, 3, 4)`; raises ValueError naming `--rank` on anything else."""
+    ranks: list[int] = []
+    for item in (i.strip() for i in text.split(",")):
+        found = _RANK_ITEM.match(item)
+        if not found:
+            raise ValueError(f"--rank {text!r}: expected ranks like 0 or 0,3 or 0-7")
+        low = int(found.group(1))
+        high = int(found.group(2)) if found.group(2) else low
+        if high < low:
+            raise ValueError(f"--rank {text!r}: the range {item} is empty")
+        ranks += [r for r in range(low, high + 1) if r not in ranks]
+    return tuple(ranks)
+
+
+def is_parent(directory: Path) -> bool:
+    """Whether `directory` holds no run itself but `rank-NNN/` run directories."""
+    directory = Path(directory).expanduser()
+    try:
+        locate(directory)
+    except NotARunError:
+        return bool(rank_directories(directory))
+    return False
+
+
+def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]:
+    """The parent's rank runs, all or those of `ranks` (in rank order).
+
+    Raises:
+        ValueError: if a rank asked for has no directory, naming the ranks there are.
+    """
+    parent = Path(parent).expanduser()
+    found = {
+        int(m.group(1)): d for d in rank_directories(parent) if (m := _RANK_NAME.match(d.name))
+    }
+    if ranks is None:
+        return [RankRun(r, found[r]) for r in sorted(found)]
+    missing = [r for r in ranks if r not in found]
+    if missing:
+        raise ValueError(
+            f"--rank: no rank directory for rank {', '.join(map(str, missing))} in {parent}; "
+            f"its ranks: {', '.join(map(str, sorted(found)))}"
+        )
+    return [RankRun(r, found[r]) for r in sorted(set(ranks))]
+
+
+def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
+    """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
+    each = [read_facts(run.directory) for run in runs]
+    return dataclasses.replace(each[0], directory=Path(parent).expanduser()), each
+
+
+# --- show: the spread across ranks -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spread:
+    """`show PARENT`: the ranks read, their facts, the window and the per-series spread."""
+
+    parent: Path
+    runs: tuple[RankRun, ...]
+    facts: tuple[RunFacts, ...]
+    window: int
+    frame: pl.DataFrame
+
+
+def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.DataFrame:
+    """Per series: min, max, median over ranks of `value`, and the rank farthest from the median."""
+    keys = [*SERIES_KEY, "module_type"]
+    finite = per_rank.filter(pl.col(value).is_finite()).with_columns(
+        _median=pl.col(value).median().over(SERIES_KEY)
+    )
+    finite = finite.with_columns(_by=pl.col(value) - pl.col("_median"))
+    stats = (
+        finite.sort(pl.col("_by").abs(), "rank", descending=[True, False])
+        .group_by(SERIES_KEY, maintain_order=True)
+        .agg(
+            ranks=pl.len().cast(pl.Int64),
+            min=pl.col(value).min(),
+            max=pl.col(value).max(),
+            median=pl.col("_median").first(),
+            farthest_rank=pl.col("rank").first(),
+            farthest_by=pl.col("_by").first(),
+        )
+    )
+    every = per_rank.group_by(SERIES_KEY).agg(
+        module_type=pl.col("module_type").first(),
+        first_sample_id=pl.col(sample).min(),
+        last_sample_id=pl.col(sample).max(),
+    )
+    return (
+        every.join(stats, on=SERIES_KEY, how="left", nulls_equal=True)
+        .with_columns(at=pl.lit(at), ranks=pl.col("ranks").fill_null(0))
+        .select(*keys, "at", *SPREAD_COLUMNS[7:])
+    )
+
+
+def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = None) -> Spread:
+    """Each rank's `show` summary, one rank at a time, then their spread per series.
+
+    `at` is "latest" (each rank's latest value; `first_sample_id`..`last_sample_id` is the range
+    of those ranks' latest samples) or "window" (each rank's recent-window mean; the range of the
+    windows' last samples).
+    """
+    runs = rank_runs(parent, ranks)
+    if not runs:
+        raise NotARunError(f"{parent} has no rank-NNN/ directories")
+    first_facts = read_facts(runs[0].directory)
+    window = window_of(first_facts, selection.window)
+    selection = dataclasses.replace(selection, window=window)
+    frames, facts = [], []
+    for run in runs:
+        f, frame = summary(run.directory, selection)
+        facts.append(f)
+        frames.append(frame.with_columns(rank=pl.lit(run.rank, pl.Int64)))
+    per_rank = pl.concat(frames, how="vertical_relaxed")
+    latest = _spread_of(per_rank, "latest_value", "latest_sample_id", "latest")
+    recent = _spread_of(per_rank, "window_mean", "window_last_sample_id", "window")
+    view = dataclasses.replace(first_facts, directory=Path(parent).expanduser())
+    frame = _ordered_spread(pl.concat([latest, recent]), view)
+    return Spread(Path(parent).expanduser(), tuple(runs), tuple(facts), window, frame)
+
+
+def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:
+    """Series in display order (`show.ordered`), each series' latest row before its window row."""
+    series = ordered(frame.filter(pl.col("at") == "latest"), view).select(SERIES_KEY)
+    series = series.with_row_index("_pos")
+    return (
+        frame.join(series, on=SERIES_KEY, how="left", nulls_equal=True)
+        .sort("_pos", pl.col("at") != "latest", maintain_order=True)
+        .drop("_pos")
+    )
+
+
+def _header(parent: Path, runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
+    """One line for the parent, one per rank (its state and latest sample)."""
+    states: dict[str, list[int]] = {}
+    for run, f in zip(runs, facts, strict=True):
+        states.setdefault(f.state.split(" (")[0], []).append(run.rank)
+    lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {_rank_list(r.rank for r in runs)})"]
+    for state, which in states.items():
+        lines.append(f"rank {_rank_list(which)}: {state}")
+    for run, f in zip(runs, facts, strict=True):
+        for line in f.marked_lines():
+            lines.append(f"rank {run.rank}: {line}")
+    return lines
+
+
+def _rank_list(ranks: Any) -> str:
+    """`0-3, 5`: ranks as ranges."""
+    ranks = sorted(ranks)
+    out: list[str] = []
+    start = prev = None
+    for r in [*ranks, None]:
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    return ", ".join(out)
+
+
+def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
+    name = r["layer"] or "<root>"
+    if r["layer"] in several_calls:
+        name += f"#{r['call_index']}"
+    return name + r["tensor_path"]
+
+
+def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False) -> str:
+    """The spread as text (one table per metric) or one row per series and `at` (machine)."""
+    if fmt != "text":
+        facts = {
+            "parent": str(s.parent),
+            "ranks": [r.rank for r in s.runs],
+            "window": s.window,
+            "by": "value - median (of the farthest rank)",
+            "rank_facts": [facts_dict(f, s.window) for f in s.facts],
+        }
+        return render_frame(s.frame, fmt, facts)
+    lines: list[str] = []
+    for line in _header(s.parent, s.runs, s.facts):
+        lines += textwrap.wrap(line, width, subsequent_indent="  ")
+    frame = s.frame
+    tensors = frame.select("layer", "call_index", "tensor_path").unique(maintain_order=True)
+    if not every_tensor and tensors.height > TEXT_TENSORS:
+        kept = tensors.head(TEXT_TENSORS)
+        frame = frame.join(
+            kept, on=["layer", "call_index", "tensor_path"], nulls_equal=True, maintain_order="left"
+        )
+    several = set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
+    headers = ["layer", "sig", "at", "min", "max", "far rank", "by"]
+    numeric = [False, False, False, True, True, True, True]
+    for metric in frame["metric"].unique(maintain_order=True).to_list():
+        rows = []
+        for r in frame.filter(pl.col("metric") == metric).iter_rows(named=True):
+            rows.append(
+                [
+                    _series_name(r, several),
+                    "out" if r["signal"] == OUTPUT else "grad",
+                    r["at"],
+                    number(r["min"]),
+                    number(r["max"]),
+                    "-" if r["farthest_rank"] is None else str(r["farthest_rank"]),
+                    number(r["farthest_by"]),
+                ]
+            )
+        lines += ["", f"{metric}:", *table(headers, rows, numeric=numeric, width=width)]
+    notes = [
+        f"Across {plural(len(s.runs), 'rank')}: latest = each rank's value at its latest sample; "
+        f"window = each rank's mean over its recent window of up to "
+        f"{plural(s.window, 'sample')}. min, max: over the ranks with a finite value; far rank: "
+        "the rank farthest from the cross-rank median, by: its value minus that median. "
+        "'-': no rank has a finite value.",
+    ]
+    if tensors.height > TEXT_TENSORS and not every_tensor:
+        notes.append(
+            f"{tensors.height - TEXT_TENSORS} more tensors not shown (the first {TEXT_TENSORS} in "
+            "traversal order are): --all, --layers REGEX, --rank N or --format csv."
+        )
+    lines.append("")
+    for note in notes:
+        lines += textwrap.wrap(note, width)
+    return "\n".join(lines)
+
+
+# --- compare: the first departure of one rank --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Departures:
+    """`compare PARENT`: the ranks, x, tolerance and the per-series first departure."""
+
+    parent: Path
+    runs: tuple[RankRun, ...]
+    facts: tuple[RunFacts, ...]
+    x: str
+    tolerance: float
+    frame: pl.DataFrame
+
+
+def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
+    """Every chosen rank's selected rows (series key, x, occurrence, rank, value), streamed."""
+    frames = []
+    for run in runs:
+        lf = select(
+            scan_files(locate(run.directory), write_order=False),
+            layers=selection.layers,
+            signals=selection.signals,
+            metrics=selection.metrics,
+        )
+        frames.append(lf.with_columns(rank=pl.lit(run.rank, pl.Int64)))
+    return pl.concat(frames, how="vertical")
+
+
+def _x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int]]:
+    """Half-open ranges of `x` holding about `budget_rows` rows each (from the x column alone)."""
+    bounds = lf.select(pl.col(x).min().alias("lo"), pl.col(x).max().alias("hi"), pl.len()).collect()
+    lo, hi, rows = bounds.row(0)
+    if lo is None or hi is None:
+        return []
+    per_x = rows / (hi - lo + 1)
+    step = max(1, int(budget_rows / max(per_x, 1e-9)))
+    return [(start, min(start + step, hi + 1)) for start in range(lo, hi + 1, step)]
+
+
+_TEXT_KEYS = ("layer", "signal", "tensor_path", "metric")
+
+
+def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
+    """Whether the row `shift` rows away holds the same `keys` (rows sorted by them)."""
+    same = pl.lit(True)
+    for k in keys:
+        same = same & (pl.col(k) == pl.col(k).shift(shift)).fill_null(False)
+    return same
+
+
+def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
+    """Per series in one x range: samples measured by >= 2 ranks, and the first x where one
+    rank's value is more than `tolerance` from its nearest other rank's.
+
+    Names are compared as integer codes (Categorical), and groups are found by comparing
+    neighbours in one sort, not by window functions: a range of millions of rows takes two
+    numeric sorts.
+    """
+    codes = [f"_{k}" for k in _TEXT_KEYS]
+    keys = [codes[0], "call_index", codes[1], codes[2], codes[3]]
+    frame = batch.select(
+        *(pl.col(k).cast(pl.Categorical) for k in (*_TEXT_KEYS, "module_type")),
+        *(
+            pl.col(k).cast(pl.Categorical).to_physical().alias(c)
+            for k, c in zip(_TEXT_KEYS, codes, strict=True)
+        ),
+        "call_index",
+        x,
+        "rank",
+        "value",
+    ).collect()
+    # A series measured twice in one sample (two backwards): its occurrences, in write order.
+    per_rank = [*keys, x, "rank"]
+    frame = frame.sort(*per_rank, maintain_order=True).with_columns(_start=~_same_as(per_rank, 1))
+    position = pl.int_range(pl.len())
+    frame = frame.with_columns(
+        _occurrence=position - pl.when("_start").then(position).forward_fill()
+    )
+    at = [*keys, x, "_occurrence"]
+    values = frame.filter(pl.col("value").is_finite()).sort(*at, "value")
+    values = values.with_columns(
+        _below=pl.when(_same_as(at, 1)).then(pl.col("value") - pl.col("value").shift(1)),
+        _above=pl.when(_same_as(at, -1)).then(pl.col("value").shift(-1) - pl.col("value")),
+    ).with_columns(nearest_other=pl.min_horizontal("_below", "_above"))
+    series = [*_TEXT_KEYS, "call_index"]
+    seen = frame.group_by(series).agg(
+        module_type=pl.col("module_type").last(), ranks=pl.col("rank").n_unique()
+    )
+    matched = (
+        values.filter(pl.col("nearest_other").is_not_null())
+        .group_by(series)
+        .agg(matched_samples=pl.col(x).n_unique())
+    )
+    measured = seen.join(matched, on=series, how="left")
+    departing = values.filter(pl.col("nearest_other") > tolerance)
+    first = departing.group_by(series).agg(first_departure=pl.col(x).min())
+    at_first = (
+        departing.join(first, on=series)
+        .filter(pl.col(x) == pl.col("first_departure"))
+        .sort("rank")
+        .group_by(series)
+        .agg(
+            pl.col("first_departure").first(),
+            departing_ranks=pl.col("rank"),
+            departing_values=pl.col("value"),
+            nearest_other=pl.col("nearest_other").max(),
+        )
+    )
+    return measured.join(at_first, on=series, how="left").with_columns(
+        pl.col(k).cast(pl.String) for k in (*_TEXT_KEYS, "module_type")
+    )
+
+
+def departures(
+    parent: Path,
+    selection: Selection,
+    *,
+    ranks: Sequence[int] | None = None,
+    tolerance: float = 0.0,
+    x: str = "sample_id",
+    budget_rows: int = DEPARTURE_BATCH_ROWS,
+) -> Departures:
+    """Per series, the first x at which one rank's value is more than `tolerance` from every
+    other rank's (see the module docstring); read in x ranges of about `budget_rows` rows."""
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance={tolerance!r} is not allowed: expected a number >= 0")
+    runs = rank_runs(parent, ranks)
+    if len(runs) < 2:
+        raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")
+    facts = [read_facts(run.directory) for run in runs]
+    lf = _rank_scan(runs, selection, x)
+    pieces = []
+    for lo, hi in _x_ranges(lf, x, budget_rows):
+        batch = lf.filter(pl.col(x) >= lo, pl.col(x) < hi)
+        pieces.append(_batch_departures(batch, x, tolerance))
+    frame = _combine_departures(pieces)
+    view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
+    return Departures(
+        Path(parent).expanduser(), tuple(runs), tuple(facts), x, tolerance, ordered(frame, view)
+    )
+
+
+def _combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
+    """The batches' results as one row per series: the earliest departure, summed matches."""
+    schema = {
+        "layer": pl.String,
+        "module_type": pl.String,
+        "call_index": pl.Int32,
+        "signal": pl.String,
+        "tensor_path": pl.String,
+        "metric": pl.String,
+        "ranks": pl.Int64,
+        "matched_samples": pl.Int64,
+        "first_departure": pl.Int64,
+        "departing_ranks": pl.List(pl.Int64),
+        "departing_values": pl.List(pl.Float64),
+        "nearest_other": pl.Float64,
+    }
+    if not pieces:
+        return pl.DataFrame(schema=schema)
+    both = pl.concat(pieces, how="vertical_relaxed")
+    matched = both.group_by(SERIES_KEY).agg(
+        pl.col("module_type").last(),
+        pl.col("matched_samples").sum().cast(pl.Int64),
+        pl.col("ranks").max().cast(pl.Int64),
+    )
+    first = (
+        both.filter(pl.col("first_departure").is_not_null())
+        .sort("first_departure")
+        .group_by(SERIES_KEY, maintain_order=True)
+        .first()
+        .select(
+            *SERIES_KEY, "first_departure", "departing_ranks", "departing_values", "nearest_other"
+        )
+    )
+    frame = matched.join(first, on=SERIES_KEY, how="left", nulls_equal=True).with_columns(
+        pl.col("matched_samples").fill_null(0), pl.col("ranks").fill_null(0).cast(pl.Int64)
+    )
+    return frame.select(list(schema)).cast(schema)  # type: ignore[arg-type]
+
+
+def render_departures(d: Departures, *, fmt: str, width: int) -> str:
+    """The departures as an 80-column table, or one row per series (machine formats)."""
+    if fmt != "text":
+        facts = {
+            "parent": str(d.parent),
+            "ranks": [r.rank for r in d.runs],
+            "x": d.x,
+            "tolerance": d.tolerance,
+            "departs": "the rank's nearest other rank is farther than tolerance",
+        }
+        frame = d.frame
+        if fmt != "json":  # csv and markdown cells hold no lists: `0;1`
+            frame = frame.with_columns(
+                pl.col(c).list.eval(pl.element().cast(pl.String)).list.join(";")
+                for c in ("departing_ranks", "departing_values")
+            )
+        return render_frame(frame, fmt, facts)
+    lines: list[str] = []
+    for line in [
+        *_header(d.parent, d.runs, d.facts),
+        f"first departure: the first {d.x} at which one rank's finite value is more than "
+        f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
+        "the ranks departing there, by: that distance; '-' = none. matched: samples measured "
+        "by at least 2 of the ranks (nulls and nonfinite values take no part).",
+    ]:
+        lines += textwrap.wrap(line, width, subsequent_indent="  ")
+    if d.frame.is_empty():
+        return "\n".join([*lines, "", "(no rows match the selection)"])
+    several = set(d.frame.filter(pl.col("call_index") > 0)["layer"].to_list())
+    headers = ["layer", "signal", "metric", "first dep", "ranks", "by", "matched"]
+    numeric = [False, False, False, True, True, True, True]
+    whole = [False, False, True, False, False, False, False]
+    rows = []
+    for r in d.frame.iter_rows(named=True):
+        first = r["first_departure"]
+        rows.append(
+            [
+                _series_name(r, several),
+                "out" if r["signal"] == OUTPUT else "grad",
+                r["metric"],
+                "-" if first is None else str(first),
+                "-" if first is None else _rank_list(r["departing_ranks"]),
+                number(r["nearest_other"]),
+                str(r["matched_samples"]),
+            ]
+        )
+    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole)]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEPARTURE_COLUMNS",
+    "SPREAD_COLUMNS",
+    "Departures",
+    "RankRun",
+    "Spread",
+    "departures",
+    "is_parent",
+    "parent_facts",
+    "parse_ranks",
+    "rank_runs",
+    "render_departures",
+    "render_spread",
+    "spread",
+]

@@ -1,0 +1,168 @@
+"""The command-line side of multi-rank runs: `--rank`, and each command on a parent directory.
+
+Design decision: `run_command` asks `run_on_ranks` first; it answers None when no directory of
+the command is a parent of `rank-NNN/` runs and `--rank` is not given, so single runs take the
+path they always took. On a parent, one rank (`--rank N`) is that rank's directory, read by the
+single-run command; several ranks (or none named: all of them) are read side by side
+(`cli.ranks`, `cli.ranks_draw`). `compare` with two directories compares one rank of each
+parent (`--rank N`); with one directory, a parent, it compares its ranks with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def add_rank_option(cmd: argparse.ArgumentParser) -> None:
+    """`--rank N` (or `0,3`, `0-7`): which ranks of a parent of `rank-NNN/` runs to read."""
+    cmd.add_argument(
+        "--rank",
+        metavar="N[,M|-M]",
+        help="for a directory of rank-NNN/ runs (rank_policy='all'): the ranks to read; one "
+        "rank reads that rank's run alone (default: all ranks, side by side)",
+    )
+
+
+def _resolve(directory: Path, ranks: tuple[int, ...] | None) -> Path:
+    """A parent with one rank chosen -> that rank's directory; anything else unchanged."""
+    from torchinstruments.cli.ranks import is_parent, rank_runs
+
+    if ranks is not None and len(ranks) == 1 and is_parent(directory):
+        return rank_runs(directory, ranks)[0].directory
+    return directory
+
+
+def run_on_ranks(
+    args: argparse.Namespace,
+    run_single: Callable[[argparse.Namespace], int],
+    selection: Callable[..., object],
+    width: int,
+) -> int | None:
+    """Run `args.command` on a parent of rank runs; None when it concerns no parent.
+
+    Args:
+        args: the parsed arguments (`rank` is None or the `--rank` text).
+        run_single: runs a command whose directories are single runs.
+        selection: `cli._selection(args, *directories)`, which refuses a choice matching nothing.
+        width: the text width.
+
+    Raises:
+        ValueError: bad `--rank`, or a combination that names no run.
+    """
+    from torchinstruments.cli import ranks as multi
+
+    ranks = multi.parse_ranks(args.rank) if getattr(args, "rank", None) else None
+    names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
+    given = [getattr(args, n) for n in names if getattr(args, n) is not None]
+    parents = [d for d in given if multi.is_parent(d)]
+    if not parents:
+        if ranks is not None:
+            raise ValueError(
+                f"--rank {args.rank}: {given[0]} holds no rank-NNN/ directories (it is one run)"
+            )
+        if args.command == "compare" and args.directory_b is None:
+            raise ValueError(
+                f"DIR_B is needed: {args.directory_a} is one run (only a directory of "
+                "rank-NNN/ runs is compared with itself, rank by rank)"
+            )
+        return None
+    if args.command == "compare" and args.directory_b is not None:
+        if parents and (ranks is None or len(ranks) != 1):
+            raise ValueError(
+                "compare DIR_A DIR_B with a directory of rank-NNN/ runs needs --rank N (the "
+                "rank to compare); compare one such directory alone to compare its ranks"
+            )
+        args.directory_a = _resolve(args.directory_a, ranks)
+        args.directory_b = _resolve(args.directory_b, ranks)
+        return run_single(args)
+    if ranks is not None and len(ranks) == 1:
+        setattr(args, names[0], _resolve(given[0], ranks))
+        return run_single(args)
+    parent = given[0]
+    runs = multi.rank_runs(parent, ranks)
+    chosen = selection(args, *(r.directory for r in runs))
+    if args.command == "show":
+        result = multi.spread(parent, chosen, ranks)  # type: ignore[arg-type]
+        print(
+            multi.render_spread(
+                result, fmt=args.format, width=args.width or width, every_tensor=args.every_tensor
+            )
+        )
+        return 0
+    if args.command == "compare":
+        found = multi.departures(
+            parent,
+            chosen,  # type: ignore[arg-type]
+            ranks=ranks,
+            tolerance=args.tolerance,
+            x=args.x,
+        )
+        print(multi.render_departures(found, fmt=args.format, width=args.width or width))
+        return 0
+    return _draw(args, parent, ranks, chosen)
+
+
+def _draw(
+    args: argparse.Namespace, parent: Path, ranks: tuple[int, ...] | None, chosen: object
+) -> int:
+    """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
+    from torchinstruments.cli import ranks_draw
+    from torchinstruments.cli.plot import MatplotlibMissingError
+    from torchinstruments.cli.text import plural
+
+    prog = f"torchinstruments {args.command}"
+    try:
+        if args.command == "plot":
+            output = args.output or Path(parent) / "trends-ranks.png"
+            result, tensor = ranks_draw.plot_ranks(
+                parent,
+                output,
+                chosen,  # type: ignore[arg-type]
+                ranks=ranks,
+                x=args.x,
+                max_tensors=args.max_tensors,
+                yscale=args.yscale,
+            )
+            print(
+                f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
+                f"{plural(len(result.panels), 'panel')}, tensor {_name(tensor)}, "
+                f"{plural(len(result.tensors), 'rank')}, x = {result.x}"
+            )
+            if result.left_out:
+                print(
+                    f"{prog}: {plural(len(result.left_out), 'rank')} left out; choose with "
+                    "--rank or raise --max-tensors",
+                    file=sys.stderr,
+                )
+            return 0
+        output_dir = args.output_dir or Path(parent)
+        if not output_dir.is_dir():
+            raise ValueError(f"--output-dir {output_dir} is not an existing directory")
+        results, tensor = ranks_draw.heatmap_ranks(
+            parent,
+            output_dir,
+            chosen,  # type: ignore[arg-type]
+            ranks=ranks,
+            x=args.x,
+            scale=args.scale,
+        )
+        for r in results:
+            print(
+                f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
+                f"{_name(tensor)}, {plural(r.rows, 'rank')} x {plural(r.columns, 'sample')}"
+            )
+        return 0
+    except MatplotlibMissingError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 3
+
+
+def _name(tensor: tuple[str, int, str]) -> str:
+    layer, call_index, path = tensor
+    return f"{layer or '<root>'}{f'#{call_index}' if call_index else ''}{path}"
+
+
+__all__ = ["add_rank_option", "run_on_ranks"]

@@ -1,0 +1,160 @@
+"""`plot PARENT` and `heatmap PARENT`: one tensor of a multi-rank run, rank by rank.
+
+Design decision: both draw one tensor (layer, call, tensor path): the first, in traversal order,
+that `--layers` matches (the first tensor of the run without it), so an image of 64 ranks stays
+readable and reads only that tensor's rows from each rank. They reuse the single-run drawing
+code unchanged, with ranks where it has tensors: `plot` draws one line per rank (labelled
+`rank N: tensor`) in each metric and signal panel; `heatmap` draws one image per metric with a
+row per rank and a column per sample (output and output_gradient side by side), the same four
+cell kinds (value, null, nonfinite, no row) as the single-run heatmap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.cli import heatmap as single_heatmap
+from torchinstruments.cli import plot as single_plot
+from torchinstruments.cli.ranks import RankRun, parent_facts, rank_runs
+from torchinstruments.cli.reader import (
+    TENSOR_KEY,
+    RunFacts,
+    layer_order,
+    metric_order,
+    read_history,
+    select,
+)
+from torchinstruments.cli.show import Selection
+
+TensorId = tuple[str, int, str]
+
+
+def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection) -> TensorId:
+    """The first tensor (layer, call_index, tensor_path) in traversal order that the selection
+    matches in any of the ranks.
+
+    Raises:
+        ValueError: if the selection matches no row of any rank.
+    """
+    keys = ["layer", "call_index", "tensor_path"]
+    found = pl.concat(
+        [
+            read_history(
+                run.directory,
+                lambda lf: (
+                    select(
+                        lf,
+                        layers=selection.layers,
+                        signals=selection.signals,
+                        metrics=selection.metrics,
+                    )
+                    .select(keys)
+                    .unique()
+                ),
+                write_order=False,
+            )
+            for run in runs
+        ]
+    ).unique()
+    if found.is_empty():
+        raise ValueError(f"no history rows in {facts.directory} match the selection")
+    order = {name: i for i, name in enumerate(layer_order(found["layer"].to_list(), facts.run))}
+    return min(found.iter_rows(), key=lambda k: (order[k[0]], k[1], k[2]))
+
+
+def _tensor_rows(
+    runs: Sequence[RankRun], selection: Selection, tensor: TensorId, x: str, metrics: bool
+) -> pl.DataFrame:
+    """That tensor's rows from every rank, in write order, its `layer` renamed `rank N: layer`."""
+    layer, call_index, path = tensor
+    frames = []
+    for run in runs:
+        rows = read_history(
+            run.directory,
+            lambda lf: (
+                select(
+                    lf, signals=selection.signals, metrics=selection.metrics if metrics else None
+                )
+                .filter(
+                    pl.col("layer") == layer,
+                    pl.col("call_index") == call_index,
+                    pl.col("tensor_path") == path,
+                )
+                .sort(x, "_write_order")
+                .select(*TENSOR_KEY, "module_type", "metric", x, "value")
+            ),
+        )
+        frames.append(rows.with_columns(layer=pl.lit(f"rank {run.rank:03d}: {layer or '<root>'}")))
+    return pl.concat(frames)
+
+
+def plot_ranks(
+    parent: Path,
+    output: Path,
+    selection: Selection,
+    *,
+    ranks: Sequence[int] | None = None,
+    x: str = "sample_id",
+    max_tensors: int = single_plot.DEFAULT_MAX_TENSORS,
+    yscale: str = "linear",
+) -> tuple[single_plot.PlotResult, TensorId]:
+    """Draw one tensor's trends, one line per rank (at most `max_tensors` ranks), into a PNG."""
+    runs = rank_runs(parent, ranks)
+    facts, _ = parent_facts(parent, runs[:1])
+    tensor = chosen_tensor(runs, facts, selection)
+    rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
+    if yscale not in single_plot.YSCALES:
+        raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {single_plot.YSCALES}")
+    figure, result = single_plot._figure(rows, facts, x, max_tensors, yscale)
+    figure.savefig(output, format="png", dpi=single_plot.DPI)
+    return dataclasses.replace(result, path=Path(output)), tensor
+
+
+def heatmap_ranks(
+    parent: Path,
+    output_dir: Path,
+    selection: Selection,
+    *,
+    ranks: Sequence[int] | None = None,
+    x: str = "sample_id",
+    scale: str = "linear",
+) -> tuple[list[single_heatmap.HeatmapResult], TensorId]:
+    """One PNG per selected metric of one tensor: a row per rank, a column per sample.
+
+    Files are `heatmap-ranks-<metric>.png` in `output_dir`.
+    """
+    if scale not in single_heatmap.SCALES:
+        raise ValueError(f"scale={scale!r} is not allowed: expected one of {single_heatmap.SCALES}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise single_heatmap.MatplotlibMissingError(
+            single_plot.MISSING_MATPLOTLIB.replace(" plot ", " heatmap ")
+        ) from exc
+    runs = rank_runs(parent, ranks)
+    facts, _ = parent_facts(parent, runs[:1])
+    tensor = chosen_tensor(runs, facts, selection)
+    rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
+    metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
+    # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
+    plain = dataclasses.replace(facts, run=None)
+    results = []
+    for metric in metrics:
+        cells = rows.filter(pl.col("metric") == metric).select(
+            *(pl.col(n).cast(pl.Categorical) for n in ("layer", "tensor_path", "module_type")),
+            pl.col("signal").cast(pl.Categorical),
+            "call_index",
+            x,
+            "value",
+        )
+        grid = single_heatmap.build_grid(cells, plain, metric, x)
+        name = single_heatmap.file_name(metric).replace("heatmap-", "heatmap-ranks-", 1)
+        results.append(single_heatmap.draw(grid, facts, Path(output_dir) / name, scale=scale))
+    return results, tensor
+
+
+__all__ = ["chosen_tensor", "heatmap_ranks", "plot_ranks"]

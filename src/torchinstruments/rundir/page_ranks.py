@@ -1,0 +1,293 @@
+"""index.md of a parent of rank runs (`rank_policy="all"`): the ranks as one run.
+
+Design decisions:
+
+- Rendered from state, like each rank's page: from the `.state.json` of every `rank-NNN/`
+  directory (read with `rundir.recovery.load_state`), never from the data, in constant time per
+  rank. The parent has no state file of its own: its state is its ranks' states.
+- Who writes it: every rank, at the end of its own finish (`remove_observer` or `finalize` of
+  that rank's directory), and `torchinstruments finalize PARENT`. No rank waits for the others
+  (that would be a collective, and a rank that died would hang the rest): each rewrite reads all
+  ranks' states under an exclusive lock on `PARENT/.index.lock`, so the page written last has
+  seen the state of every rank that finished before it; the last rank to finish writes a page
+  that calls every rank finished. A rank still running is "in progress" there, and a rank its
+  world size expects but that has no directory is listed as missing.
+- Its ready queries read all ranks at once (every history row carries its `rank`), including
+  the first sample at which one rank departs from the others by more than X, as a plain query:
+  a rank departs when its nearest other rank's value is farther than X (for two ranks,
+  `|a - b| > X`), the rule `torchinstruments compare PARENT` applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, PARTS_DIR, write_text_atomic
+from torchinstruments.rundir.page_sections import quoted as _q
+from torchinstruments.rundir.recovery import load_state
+from torchinstruments.rundir.shell import command_span
+from torchinstruments.rundir.state import RunState
+
+PARENT_LOCK = ".index.lock"
+SHOWN_ROWS = 50
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+
+def rank_dirs(parent: Path) -> list[tuple[int, Path]]:
+    """`(rank, directory)` of the parent's `rank-NNN/` subdirectories, in rank order."""
+    found = []
+    for path in parent.iterdir() if parent.is_dir() else ():
+        match = _RANK_DIR.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def is_rank_run(directory: Path, state: RunState) -> bool:
+    """Whether `directory` is one rank's run of a `rank_policy="all"` run (its parent gets a page)."""
+    run = state.run
+    return bool(
+        _RANK_DIR.match(directory.name) and run.rank is not None and run.rank_policy == "all"
+    )
+
+
+def _read(directory: Path) -> tuple[RunState | None, str | None]:
+    try:
+        return load_state(directory), None
+    except (OSError, ValueError) as error:
+        return None, f"state unreadable ({type(error).__name__}: {error})"
+
+
+def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
+    """The State section's lines, and the ranks present."""
+    ranks = rank_dirs(parent)
+    rows, world_sizes, finished = [], set(), 0
+    for rank, directory in ranks:
+        state, problem = _read(directory)
+        if state is None:
+            rows.append(f"| {rank} | `{directory.name}/` | {problem or 'no state file'} | - | - |")
+            continue
+        if state.run.world_size is not None:
+            world_sizes.add(state.run.world_size)
+        counts = state.counts
+        finished += counts is not None
+        rows.append(
+            f"| {rank} | `{directory.name}/` | {state.status.value} | "
+            f"{'-' if counts is None else counts.samples} | "
+            f"{'-' if counts is None else counts.root_forwards} |"
+        )
+    present = [r for r, _ in ranks]
+    expected = max(world_sizes) if world_sizes else None
+    missing = [r for r in range(expected)] if expected else []
+    missing = [r for r in missing if r not in present]
+    head = (
+        f"**Ranks: {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'}, "
+        f"{finished} finished (removed or finalized)"
+        + (f", world size {expected}" if expected else "")
+        + ".**"
+    )
+    lines = [head, ""]
+    if missing:
+        lines += [
+            f"Missing: no directory for rank {', '.join(map(str, missing))} (it never attached, "
+            "or wrote elsewhere): what it saw is unknown.",
+            "",
+        ]
+    if finished < len(ranks):
+        lines += [
+            "A rank not finished is in progress or its process died; this page is rewritten "
+            "whenever a rank finishes, and by "
+            + command_span("torchinstruments", "finalize", parent)
+            + ".",
+            "",
+        ]
+    lines += [
+        "| rank | directory | state | samples | root forwards |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+    ]
+    return lines, present
+
+
+def _setup(parent: str) -> str:
+    return f'''from pathlib import Path
+
+import polars as pl
+
+parent = Path({_q(parent)})
+
+
+def history_files(directory: Path) -> list[Path]:
+    """A rank's history files: {HISTORY_FILE} once finished, its completed parts while live."""
+    merged = directory / {_q(HISTORY_FILE)}
+    return [merged] if merged.exists() else sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
+
+
+files = [f for d in sorted(parent.glob("rank-*")) if d.is_dir() for f in history_files(d)]
+ranks = pl.scan_parquet(files, glob=False)  # every rank's rows; the `rank` column tells them apart
+SERIES = ["layer", "call_index", "signal", "tensor_path", "metric"]
+
+
+def show(frame: pl.DataFrame, most: int | None = None) -> None:
+    """Print the rows as CSV (full precision, none hidden), or say how many and print `most`."""
+    if most is not None and frame.height > most:
+        print(f"{{frame.height}} rows, the first {{most}}:")
+        frame = frame.head(most)
+    print(frame.write_csv(), end="")'''
+
+
+def _blocks(layer: str) -> list[tuple[str, str]]:
+    return [
+        (
+            "Samples and rows per rank (a rank that sampled less, or stopped, shows here):",
+            """per_rank = (
+    ranks.group_by("rank")
+    .agg(samples=pl.col("sample_id").n_unique(), last_sample=pl.col("sample_id").max(), rows=pl.len())
+    .sort("rank")
+    .collect()
+)
+show(per_rank)""",
+        ),
+        (
+            "Each rank's latest value of every series of one metric, ranks side by side:",
+            f"""latest = (
+    ranks.filter(pl.col("metric") == "mean")
+    .group_by("rank", *SERIES)
+    .agg(pl.col("value").sort_by("sample_id").last())
+    .collect()
+    .pivot("rank", index=SERIES, values="value", sort_columns=True)
+    .sort(SERIES)
+)
+show(latest, most={SHOWN_ROWS})""",
+        ),
+        (
+            "The spread across ranks at every sample of one layer (min, max, median, ranks):",
+            f"""spread = (
+    ranks.filter(pl.col("layer") == {_q(layer)}, pl.col("value").is_finite())
+    .group_by(*SERIES, "sample_id")
+    .agg(
+        ranks=pl.len(),
+        min=pl.col("value").min(),
+        max=pl.col("value").max(),
+        median=pl.col("value").median(),
+    )
+    .sort(SERIES + ["sample_id"])
+    .collect()
+)
+show(spread, most={SHOWN_ROWS})""",
+        ),
+        (
+            "The first sample where one rank departs from the others by more than X (its "
+            "nearest other rank's value is farther than X; for two ranks, |a - b| > X; finite "
+            "values only):",
+            f"""X = 0.0  # <- the departure to look for
+METRIC = "mean"  # <- the metric (one at a time: the sort below holds its rows in memory)
+at = SERIES + ["sample_id"]
+nearest = (
+    ranks.filter(pl.col("metric") == METRIC, pl.col("value").is_finite())
+    .sort(*at, "value")
+    .with_columns(below=pl.col("value").diff().over(at), above=(-pl.col("value").diff(-1)).over(at))
+    .with_columns(nearest_other=pl.min_horizontal("below", "above"))
+)
+first = (
+    nearest.filter(pl.col("nearest_other") > X)
+    .sort("sample_id", "rank")
+    .group_by(SERIES, maintain_order=True)
+    .agg(
+        first_sample=pl.col("sample_id").first(),
+        rank=pl.col("rank").first(),
+        value=pl.col("value").first(),
+        nearest_other=pl.col("nearest_other").first(),
+    )
+    .sort("first_sample", *SERIES)
+    .collect()
+)
+print(f"{{first.height}} series of {{METRIC}} where a rank departs by more than {{X}}")
+show(first, most={SHOWN_ROWS})""",
+        ),
+    ]
+
+
+def render_parent_index(parent: Path) -> str:
+    """The text of the parent's index.md, from its ranks' states."""
+    parent = Path(parent)
+    state_lines, present = _rank_lines(parent)
+    layer = ""
+    for _, directory in rank_dirs(parent)[:1]:
+        state, _ = _read(directory)
+        if state is not None and state.run.layers:
+            layer = state.run.layers[0].name
+    root = parent.as_posix()
+    lines = [
+        "# TorchInstruments multi-rank run",
+        "",
+        *state_lines,
+        "Each rank wrote its own run into `rank-NNN/` (rank_policy='all'): its history, "
+        "result.json, index.md and tensorboard/, complete on its own; every history row "
+        "carries its `rank`.",
+        "",
+        "## Reading the ranks together",
+        "",
+        "- " + command_span("torchinstruments", "show", parent) + ": per series, the spread "
+        "across ranks of each rank's latest value and recent-window mean (min, max, the rank "
+        "farthest from the cross-rank median and by how much).",
+        "- " + command_span("torchinstruments", "compare", parent) + " --tolerance X: per "
+        "series, the first sample where one rank departs from the others by more than X.",
+        "- " + command_span("torchinstruments", "heatmap", parent) + " --layers REGEX: per "
+        "metric, a rank x sample image of one tensor; "
+        + command_span("torchinstruments", "plot", parent)
+        + ": its trends, one line per rank.",
+        "- `--rank N` reads rank N alone (as its own directory); `--rank 0,3` or `0-7` a few.",
+        "",
+        "## Ready Polars queries over all ranks",
+        "",
+        "Run the setup block first, then any other block in the same Python session.",
+        "",
+        "```python",
+        _setup(root),
+        "```",
+        "",
+    ]
+    for title, code in _blocks(layer):
+        lines += [title, "", "```python", code, "```", ""]
+    if not present:
+        lines.append("(no rank directory yet)")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _exclusive(parent: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `parent/.index.lock` (no lock where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: rewrites race; the last writer's page may be a little old
+        yield
+        return
+    with open(parent / PARENT_LOCK, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def write_parent_index(parent: Path) -> Path:
+    """Render the parent's index.md from every rank's state, under the parent's lock."""
+    parent = Path(parent)
+    with _exclusive(parent):
+        path = parent / INDEX_FILE
+        write_text_atomic(path, render_parent_index(parent))
+    return path
+
+
+__all__ = [
+    "PARENT_LOCK",
+    "is_rank_run",
+    "rank_dirs",
+    "render_parent_index",
+    "write_parent_index",
+]

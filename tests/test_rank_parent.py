@@ -1,0 +1,169 @@
+"""A parent of rank runs read as one run: two real gloo ranks with rank_policy="all", then
+`show`, `compare`, `plot`, `heatmap` and `finalize` on the parent and its index.md's queries,
+each rank's values checked against that rank's own history.parquet."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import run_ranks
+from torch import nn
+
+from torchinstruments.__main__ import main
+
+SERIES = ["layer", "call_index", "signal", "tensor_path", "metric"]
+STEPS = 4
+
+
+def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """One rank: a small MLP, rank-specific inputs, every forward sampled."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        inject_observer(
+            model,
+            output_dir=output_dir,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+        )
+        for step in range(STEPS):
+            torch.manual_seed(100 * rank + step)
+            model(torch.randn(3, 4) * (rank + 1)).sum().backward()
+        remove_observer(model)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ranks") / "stats"
+    directory.mkdir()
+    run_ranks(worker, str(directory))
+    return directory
+
+
+def history(parent: Path, rank: int) -> pl.DataFrame:
+    return pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet")
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def test_show_parent_gives_each_ranks_latest_and_window(parent: Path) -> None:
+    code, text = run_cli("show", str(parent), "--format", "json")
+    assert code == 0
+    rows = pl.DataFrame(json.loads(text)["rows"])
+    latest = rows.filter(pl.col("at") == "latest")
+    for layer, signal in (("0", "output"), ("2", "output_gradient")):
+        values = []
+        for rank in (0, 1):
+            h = history(parent, rank).filter(
+                pl.col("layer") == layer, pl.col("signal") == signal, pl.col("metric") == "mean"
+            )
+            values.append(h.sort("sample_id")["value"][-1])
+        row = latest.filter(
+            pl.col("layer") == layer, pl.col("signal") == signal, pl.col("metric") == "mean"
+        ).row(0, named=True)
+        assert row["ranks"] == 2
+        assert (row["min"], row["max"]) == (min(values), max(values))
+        assert row["median"] == pytest.approx(sum(values) / 2, rel=1e-12)
+        assert row["farthest_by"] == pytest.approx(values[row["farthest_rank"]] - row["median"])
+    code, text = run_cli("show", str(parent))
+    assert code == 0
+    assert "ranks: " in text
+    assert "far rank" in text
+
+
+def test_show_one_rank_is_that_ranks_show(parent: Path) -> None:
+    assert run_cli("show", str(parent), "--rank", "1") == run_cli("show", str(parent / "rank-001"))
+
+
+def test_compare_parent_first_departure_matches_a_walk(parent: Path) -> None:
+    code, text = run_cli("compare", str(parent), "--tolerance", "0.05", "--format", "json")
+    assert code == 0
+    rows = pl.DataFrame(json.loads(text)["rows"])
+    a, b = history(parent, 0), history(parent, 1)
+    joined = a.join(b, on=[*SERIES, "sample_id"], suffix="_b")
+    for r in rows.iter_rows(named=True):
+        key = (pl.col(k) == r[k] for k in SERIES)
+        pair = joined.filter(*key).sort("sample_id")
+        differ = pair.filter((pl.col("value_b") - pl.col("value")).abs() > 0.05)
+        expected = differ["sample_id"][0] if differ.height else None
+        assert r["first_departure"] == expected, r
+        assert r["matched_samples"] == pair.height
+        if expected is not None:
+            assert r["departing_ranks"] == [0, 1]
+            first = differ.row(0, named=True)
+            assert r["nearest_other"] == pytest.approx(abs(first["value_b"] - first["value"]))
+    code, _ = run_cli("compare", str(parent), str(parent), "--rank", "0")
+    assert code == 0
+
+
+def test_plot_and_heatmap_of_the_parent(parent: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    code, text = run_cli("plot", str(parent), "-o", str(tmp_path / "p.png"), "--layers", "^2$")
+    assert code == 0
+    assert "tensor 2, 2 ranks" in text
+    code, text = run_cli("heatmap", str(parent), "-o", str(tmp_path), "--metrics", "mean")
+    assert code == 0
+    assert "2 ranks x 4 samples" in text
+    image = Image.open(tmp_path / "heatmap-ranks-mean.png")
+    description = json.loads(image.text["Description"])  # type: ignore[attr-defined]
+    assert description["rows"] == [["rank 000: 0", 0, ""], ["rank 001: 0", 0, ""]]
+    assert description["columns"] == list(range(STEPS))
+
+
+def test_parent_index_queries_read_every_rank(parent: Path) -> None:
+    text = (parent / "index.md").read_text()
+    assert "2 rank directories, 2 finished" in text
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    scope: dict[str, object] = {}
+    outputs = []
+    for block in blocks:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(block, scope)
+        outputs.append(out.getvalue())
+    per_rank = pl.read_csv(io.StringIO(outputs[1]))
+    assert per_rank["rank"].to_list() == [0, 1]
+    assert per_rank["rows"].to_list() == [history(parent, r).height for r in (0, 1)]
+    latest = pl.read_csv(
+        io.StringIO(outputs[2]),
+        schema_overrides={"layer": pl.String, "tensor_path": pl.String},
+    ).with_columns(pl.col("tensor_path").fill_null(""))
+    for rank in (0, 1):
+        h = history(parent, rank).filter(pl.col("metric") == "mean")
+        expected = h.sort("sample_id").group_by(SERIES, maintain_order=True).last()
+        got = latest.join(expected, on=SERIES)
+        assert got.height == expected.height
+        assert (got[str(rank)] == got["value"]).all()
+    departs = outputs[4]
+    assert "series of mean where a rank departs by more than 0.0" in departs
+
+
+def test_finalize_parent_rewrites_its_index(parent: Path) -> None:
+    (parent / "index.md").unlink()
+    code, text = run_cli("finalize", str(parent))
+    assert code == 0
+    assert "wrote" in text
+    assert "2 finished" in (parent / "index.md").read_text()

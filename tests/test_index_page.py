@@ -16,7 +16,7 @@ from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCou
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.merge import merge_history
-from torchinstruments.rundir.state import RunState
+from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 
@@ -215,7 +215,9 @@ def test_rank_comparison_query_runs(tmp_path: Path) -> None:
     stats = tmp_path / "stats[1]"  # glob characters in the parent: read literally
     for rank in (0, 1):
         write_history(stats / f"rank-{rank:03d}", rank=rank)
-    text = render_index(RunState(run_info(stats / "rank-001", rank=1), RunCounts(6, 6, 6)))
+    state = RunState(run_info(stats / "rank-001", rank=1), RunCounts(6, 6, 6))
+    write_state(stats / "rank-001", state)  # the setup block finds its run by the state file
+    text = render_index(state)
     setup, *blocks = python_blocks(text)
     blocks = [b for b in blocks if "rank-*" in b]
     assert len(blocks) == 1

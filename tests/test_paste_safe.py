@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,25 +81,29 @@ def test_index_md_shell_lines_address_the_run_directory_and_run_nothing_else(
     remove_observer(model)
     index = (directory / "index.md").read_text(encoding="utf-8")
 
+    # Commands run with the interpreter that wrote the run; here a recorder stands in for it.
+    interpreter = shlex.quote(sys.executable) + " "
     commands = [
-        span
+        "python " + span.removeprefix(interpreter)
         for span in code_spans(index)
-        if span.startswith(("torchinstruments ", "python -m torchinstruments "))
+        if span.startswith(interpreter + "-m torchinstruments ")
     ]
-    # Commands that name this run (not `torchinstruments finalize` alone, nor DIR_A DIR_B).
-    with_directory = [
-        c for c in commands if c.count(" ") >= 2 and "DIR" not in c and "rank-" not in c
-    ]
-    assert len(with_directory) >= 3, commands  # show, plot, finalize
+    # Commands that name this run: its directory (finalize) or `.`, the folder of this page.
+    expected = {
+        "finalize": [str(directory)],
+        "show": ["."],
+        "plot": ["."],
+        "heatmap": ["."],
+        "compare": ["OTHER_RUN", "."],
+    }
+    named = [c for c in commands if "rank-" not in c]
+    assert sorted(c.split()[3] for c in named) == sorted(expected), commands
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()
-    for line in with_directory:
+    for line in named:
         argv, printed = run_pasted(line, sandbox)
-        expected_words = line.split(" ", 2)[:2] if line.startswith("torchinstruments") else None
-        if expected_words is not None:
-            assert argv == [*expected_words, str(directory)], line
-        else:
-            assert argv == ["python", "-m", "torchinstruments", "finalize", str(directory)], line
+        command = line.split()[3]
+        assert argv == ["python", "-m", "torchinstruments", command, *expected[command]], line
         assert printed == "", (line, printed)
         assert list(sandbox.iterdir()) == [], line  # no $(touch PWNED), no redirection
     # The output_dir line is a code span holding the literal path, backticks and all.
@@ -115,7 +121,8 @@ def test_messages_that_name_a_command_quote_the_directory(tmp_path: Path, name: 
     with pytest.raises(FileExistsError) as exists:
         check_output_dir(directory)
     finalize = command_line("python", "-m", "torchinstruments", "finalize", directory)
-    assert f"`{finalize}`" in str(exists.value)
+    printed = command_line(sys.executable, "-m", "torchinstruments", "finalize", directory)
+    assert f"`{printed}`" in str(exists.value)  # the interpreter that runs the library
     sandbox = tmp_path / "sandbox"
     sandbox.mkdir()
     argv, printed = run_pasted(finalize, sandbox)

@@ -156,12 +156,34 @@ class GradientRecorder:
         self._leaf_hooks: list[
             tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
         ] = []
+        # Layers whose sampled outputs (with grad enabled) did or did not require grad: a layer
+        # only ever in the second has no gradient rows, and index.md says why (`no_grad_note`).
+        self.outputs_without_grad: dict[str, None] = {}  # an ordered set, in the order seen
+        self.outputs_with_grad: set[str] = set()
+
+    def no_grad_note(self) -> str | None:
+        """The sentence naming the layers whose outputs never required grad, or None."""
+        names = [n for n in self.outputs_without_grad if n not in self.outputs_with_grad]
+        if not names:
+            return None
+        shown = ", ".join(repr(name) for name in names[:20]) + (" ..." if len(names) > 20 else "")
+        return (
+            f"{len(names)} selected layer{'' if len(names) == 1 else 's'} never returned an "
+            "output that requires grad, so no gradient can arrive and "
+            f"{'it has' if len(names) == 1 else 'they have'} no output_gradient rows: {shown} "
+            "(nothing before them requires grad: e.g. a layer without parameters fed the input "
+            "data, or a frozen part of the model)."
+        )
 
     def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> None:
         """Register the hook that records the gradient into this sampled output."""
         try:
-            if not tensor.requires_grad or not key.grad_enabled:
+            if not key.grad_enabled:
                 return
+            if not tensor.requires_grad:  # no gradient can arrive: said at removal
+                self.outputs_without_grad.setdefault(key.layer.name, None)
+                return
+            self.outputs_with_grad.add(key.layer.name)
             # A leaf keeps its one gradient sink (in-place ops on it are refused under autograd,
             # and one under no_grad gives it no new node): only a non-leaf's version matters.
             version = None if tensor.grad_fn is None else _version(tensor)

@@ -528,7 +528,9 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        return self.counter.counts(self.gradients.backward_samples, tuple(self.notes))
+        no_grad = self.gradients.no_grad_note()
+        notes = (*self.notes, *([no_grad] if no_grad is not None else []))
+        return self.counter.counts(self.gradients.backward_samples, notes)
 
     def never_ran(self) -> list[str]:
         """Selected layers (root included) not called in any sampled forward so far."""

@@ -44,7 +44,7 @@ from torchinstruments.rundir.layout import (
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
-from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summaries
 from torchinstruments.rundir.writer import HistoryConfig
@@ -262,7 +262,7 @@ def read_marked(directory: Path) -> dict[int, str]:
 def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     """The state as `show` prints it; parts not yet merged make a finished run incomplete."""
     status = state.status
-    finalize_command = command_line("torchinstruments", "finalize", directory)
+    finalize_command = tool_command("finalize", directory)
     if status is Status.COMPLETE and not files.parts:
         return "complete"
     if status is Status.INTERRUPTED and not files.parts:
@@ -275,7 +275,7 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
             *state.problems,
             *(loss.describe() for loss in state.losses),
         ]
-        return "INCOMPLETE: " + "; ".join(missing) + " (see index.md's State section)"
+        return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
     if status is Status.IN_PROGRESS:
         return (
             "in progress, or interrupted (no final counts yet; if the process is gone, "

@@ -46,7 +46,7 @@ from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
-from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import NewerStateError, RunState, Status, write_state
 from torchinstruments.rundir.summary import write_result
 
@@ -119,7 +119,7 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         found.append(
             f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
             "the parts are kept: run "
-            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}`"
+            f"`{tool_command('finalize', directory)}`"
         )
     recovered = state.counts is None
     counts = recovered_counts(directory) if state.counts is None else state.counts

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.shell import tool_command
 
 PARTS_DIR = "history.parts"
 HISTORY_FILE = "history.parquet"
@@ -111,7 +111,7 @@ def check_output_dir(path: Path) -> None:
         raise FileExistsError(
             f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). Pass a new "
             "output_dir, or move or delete the old run; if that run was interrupted, "
-            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', path)}` completes "
+            f"`{tool_command('finalize', path)}` completes "
             "it first."
         )
 

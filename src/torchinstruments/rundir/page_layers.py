@@ -114,7 +114,7 @@ def section_layers(state: RunState) -> list[str]:
         "## Layers",
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
-        f"of {counts.samples} (a call that raised is not counted: see Interrupted samples). A "
+        f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). A "
         "layer with 0 never ran in a sampled forward: it has no rows "
         "(a branch not taken, a module its parent never calls, a `forward` replaced after "
         "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "

@@ -27,20 +27,45 @@ from pathlib import Path
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE
 from torchinstruments.rundir.page_sections import quoted as _q
-from torchinstruments.rundir.shell import command_span
+from torchinstruments.rundir.shell import tool_span
 
 OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs/baseline")'
 SHOWN_ROWS = 50
 
 
-def _setup(root: str) -> str:
-    """The setup block: the run, how to read any run's history, and how results are printed."""
+def _setup(root: str, started_at: str) -> str:
+    """The setup block: the run, how to read any run's history, and how results are printed.
+
+    `run` is the directory that holds this run (its state file names the same start time, to the
+    second): the
+    current directory when Python runs in it (a copy or a moved run), else where the run was
+    written; neither, and the block stops saying so, so a query never reads another run.
+    """
     return f'''import json
 from pathlib import Path
 
 import polars as pl
 
-run = Path({_q(root)})
+STARTED_AT = {_q(started_at)}  # this run's start: its {STATE_FILE} says the same
+WRITTEN_TO = Path({_q(root)})
+
+
+def this_run() -> Path:
+    """The directory holding this run: the current one (a copy, a moved run), else WRITTEN_TO."""
+    for directory in (Path.cwd(), WRITTEN_TO):
+        state = directory / {_q(STATE_FILE)}
+        if state.is_file():
+            started = json.loads(state.read_text(encoding="utf-8"))["run"].get("started_at")
+            if started == STARTED_AT:
+                return directory
+    raise SystemExit(
+        f"this page's run (started {{STARTED_AT}}, written to {{WRITTEN_TO}}) is neither in the "
+        f"current directory ({{Path.cwd()}}) nor there: start Python in the folder that holds "
+        "this index.md, or replace `run = this_run()` with run = Path(...); no other run is read"
+    )
+
+
+run = this_run()
 
 
 def history_of(directory: Path) -> pl.LazyFrame:
@@ -165,7 +190,7 @@ show(no_gradient)""",
             "row departs first (earliest sample, then this run's write order: a forward's "
             "layers in execution order, outputs before gradients). Set `other_run`; as printed "
             "it is this run, which differs from itself nowhere. "
-            "`torchinstruments compare DIR_A DIR_B` prints the same per series, with window means:",
+            "`compare` (above) prints the same per series, with window means:",
             f"""{OTHER_RUN_LINE}
 tolerance = 0.0  # the largest |difference| that is not a difference
 series = [{series}]
@@ -208,18 +233,26 @@ def section_queries(run: RunInfo) -> list[str]:
         "",
         "Run the setup block first, then any other block in the same Python session; each "
         "runs as printed, on a finished run (history.parquet) and on a live or crashed one "
-        "(its completed parts), and prints every row it means as CSV. From a shell: "
-        + command_span("torchinstruments", "show", run.output_dir)
-        + " (latest values and window means), `torchinstruments compare DIR_A DIR_B`, "
-        + command_span("torchinstruments", "plot", run.output_dir)
+        "(its completed parts), and prints every row it means as CSV. The setup block reads "
+        "this run where Python runs, if it is there (a copied or moved run directory), else "
+        "where it was written, and stops if neither holds it.",
+        "",
+        "From a shell in this run's directory (the one holding this index.md; the interpreter is "
+        "the one that wrote the run): "
+        + tool_span("show", ".")
+        + " (latest values and window means), "
+        + tool_span("compare", "OTHER_RUN", ".")
         + ", "
-        + command_span("torchinstruments", "heatmap", run.output_dir)
-        + " (one image per metric, every tensor by every sample).",
+        + tool_span("plot", ".")
+        + " (writes trends.png here; `-o FILE` elsewhere), "
+        + tool_span("heatmap", ".")
+        + " (one image per metric, every tensor by every sample: heatmap-<metric>.png here; "
+        "`-o DIR` elsewhere).",
         "",
         "Setup:",
         "",
         "```python",
-        _setup(root),
+        _setup(root, run.started_at),
         "```",
         "",
     ]
@@ -244,7 +277,9 @@ show(by_rank, most={SHOWN_ROWS})""",
         ]
     else:
         lines.append(
-            "Compare them with `torchinstruments compare stats/rank-000 stats/rank-001`, or "
+            "Compare two of them with "
+            + tool_span("compare", "stats/rank-000", "stats/rank-001")
+            + ", or "
             'scan their history.parquet files together and group by `"rank"`.'
         )
     return [*lines, ""]

@@ -20,7 +20,7 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     STATE_FILE,
 )
-from torchinstruments.rundir.shell import command_span
+from torchinstruments.rundir.shell import tool_span
 
 COLUMN_NOTES = {
     "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
@@ -78,7 +78,7 @@ def section_files(run: RunInfo) -> list[str]:
         "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
         "SIGTERM writes them first, then ends the process as before. While part writes fail (a "
         "full disk), at most max_buffered_rows rows wait in memory, newer ones are dropped and "
-        "counted in the loss ledger (the State section), and the backlog is later written in as "
+        "counted in the loss ledger (listed at the top of this page), and the backlog is later written in as "
         "few parts as fit (a part may then hold more than buffer_rows rows).",
         f"- `{HISTORY_FILE}`: the whole history, one row per scalar, ordered by sample_id, "
         "then signal (output before output_gradient), then the order the rows were written in "
@@ -103,7 +103,7 @@ def section_files(run: RunInfo) -> list[str]:
         "command line read it; the first query below prints it.",
         "",
         "If the process died, "
-        + command_span("python", "-m", "torchinstruments", "finalize", run.output_dir)
+        + tool_span("finalize", run.output_dir)
         + " merges the completed parts and writes result.json "
         "and index.md; counts are then lower bounds (root forwards = max forward_index + 1).",
         "",
@@ -154,7 +154,7 @@ def section_meanings() -> list[str]:
     lines += [
         "- `interrupted` (reserved): a marker row, value always null; its unavailable_reason "
         "names the exception and the layer that raised it, or how much of a sample a crash "
-        "left on disk (see Interrupted samples).",
+        "left on disk (marked samples are listed near the top of this page).",
         "- other names: custom scalar reducers given at injection.",
         "",
         "## Not collected",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
 
 
 def command_line(*words: str | os.PathLike[str]) -> str:
@@ -23,6 +24,23 @@ def command_line(*words: str | os.PathLike[str]) -> str:
         "torchinstruments show 'runs/exp [lr=0.1]'"
     """
     return shlex.join(os.fspath(word) for word in words)
+
+
+def tool_command(*words: str | os.PathLike[str]) -> str:
+    """`<this interpreter> -m torchinstruments WORDS`, quoted: it runs as typed in a shell that
+    has not activated the environment (`torchinstruments` alone is on PATH only where it has),
+    and it names the interpreter of the process that prints it: the one that wrote the run.
+
+    Example:
+        >>> tool_command("show", "runs/a").endswith("-m torchinstruments show runs/a")
+        True
+    """
+    return command_line(sys.executable, "-m", "torchinstruments", *words)
+
+
+def tool_span(*words: str | os.PathLike[str]) -> str:
+    """`tool_command(*words)` as a Markdown code span (for index.md)."""
+    return code_span(tool_command(*words))
 
 
 def code_span(text: str) -> str:
@@ -39,4 +57,4 @@ def command_span(*words: str | os.PathLike[str]) -> str:
     return code_span(command_line(*words))
 
 
-__all__ = ["code_span", "command_line", "command_span"]
+__all__ = ["code_span", "command_line", "command_span", "tool_command", "tool_span"]

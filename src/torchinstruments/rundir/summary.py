@@ -66,7 +66,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
 )
 from torchinstruments.rundir.marks import is_mark
-from torchinstruments.rundir.shell import command_line
+from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, finite_or_none, window_mean
 
 # Rows read at a time by the summary (see `_series_summary`): two whole row groups of
@@ -661,7 +661,7 @@ def write_result(
     if not history.exists():
         raise FileNotFoundError(
             f"{history} does not exist, so result.json cannot be summarised; run "
-            f"`{command_line('python', '-m', 'torchinstruments', 'finalize', directory)}` to "
+            f"`{tool_command('finalize', directory)}` to "
             "merge history.parts/ first"
         )
     _dump(directory, layer_lines(history, layers, window, layer_samples))

@@ -175,7 +175,7 @@ def _write_parent_page(parent: Path) -> None:
         warnings.warn(
             f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
             f"({type(error).__name__}: {error}); "
-            f"`{command_line('torchinstruments', 'finalize', parent)}` writes it again",
+            f"`{tool_command('finalize', parent)}` writes it again",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, PARTS_DIR, write_text_atomic
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.recovery import load_state
-from torchinstruments.rundir.shell import command_span
+from torchinstruments.rundir.shell import tool_span
 from torchinstruments.rundir.state import RunState
 
 PARENT_LOCK = ".index.lock"
@@ -100,7 +100,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         lines += [
             "A rank not finished is in progress or its process died; this page is rewritten "
             "whenever a rank finishes, and by "
-            + command_span("torchinstruments", "finalize", parent)
+            + tool_span("finalize", parent)
             + ".",
             "",
         ]
@@ -232,14 +232,14 @@ def render_parent_index(parent: Path) -> str:
         "",
         "## Reading the ranks together",
         "",
-        "- " + command_span("torchinstruments", "show", parent) + ": per series, the spread "
+        "- " + tool_span("show", parent) + ": per series, the spread "
         "across ranks of each rank's latest value and recent-window mean (min, max, the rank "
         "farthest from the cross-rank median and by how much).",
-        "- " + command_span("torchinstruments", "compare", parent) + " --tolerance X: per "
+        "- " + tool_span("compare", parent) + " --tolerance X: per "
         "series, the first sample where one rank departs from the others by more than X.",
-        "- " + command_span("torchinstruments", "heatmap", parent) + " --layers REGEX: per "
+        "- " + tool_span("heatmap", parent) + " --layers REGEX: per "
         "metric, a rank x sample image of one tensor; "
-        + command_span("torchinstruments", "plot", parent)
+        + tool_span("plot", parent)
         + ": its trends, one line per rank.",
         "- `--rank N` reads rank N alone (as its own directory); `--rank 0,3` or `0-7` a few.",
         "",

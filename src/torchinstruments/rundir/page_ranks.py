@@ -99,9 +99,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     if finished < len(ranks):
         lines += [
             "A rank not finished is in progress or its process died; this page is rewritten "
-            "whenever a rank finishes, and by "
-            + tool_span("finalize", parent)
-            + ".",
+            "whenever a rank finishes, and by " + tool_span("finalize", parent) + ".",
             "",
         ]
     lines += [

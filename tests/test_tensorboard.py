@@ -402,3 +402,32 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
         "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
         f"finite entry to count (first: {tag} at forward_index 1: every entry is NaN or Inf"
     ) in index
+
+
+def test_tensorboards_reader_reads_every_histogram_without_a_warning(
+    run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each tag's metadata names the histograms plugin (as `SummaryWriter.add_histogram`'s do):
+    a description alone made EventAccumulator warn "oddly not associated with a plugin"."""
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        sinks=[TensorBoardSink(writer)],
+    )
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.close()
+    for log_dir in (run_dir / "tensorboard", tmp_path / "caller"):
+        caplog.clear()
+        with caplog.at_level("DEBUG"):
+            events = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0}).Reload()
+        tags = cast(dict[str, list[str]], events.Tags())["histograms"]
+        assert len(tags) == 4  # two layers, output and gradient
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+        for tag in tags:
+            assert events.SummaryMetadata(tag).plugin_data.plugin_name == "histograms", tag
+            assert len(events.Histograms(tag)) == 2

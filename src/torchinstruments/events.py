@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tensorboard.plugins.histogram import metadata as histogram_metadata
 from torch.utils.tensorboard.summary import histogram_raw
 from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
@@ -207,7 +208,10 @@ def histogram_summary(histogram: HistogramRecord, description: str | None = None
     """TensorBoard's raw-histogram `Summary` of a record, with the tag's description if given."""
     summary = histogram_raw(histogram.tag, **histogram_arguments(histogram))
     if description is not None:
-        summary.value[0].metadata.summary_description = description
+        # The histograms plugin's own metadata, as TensorBoard's `histogram` summary writes it:
+        # a description alone is metadata of no plugin, which TensorBoard's reader warns about.
+        metadata = histogram_metadata.create_summary_metadata(histogram.tag, description)
+        summary.value[0].metadata.CopyFrom(metadata)
     return summary
 
 

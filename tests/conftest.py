@@ -286,9 +286,12 @@ def heatmap_cell(panel: dict[str, Any], row: int, column: int) -> tuple[int, int
 
 
 def expected_colours(
-    history: pl.DataFrame, metric: str, sig: str, tensors: list[tuple[str, int, str]], x: str
+    history: pl.DataFrame, metric: str, sig: str, tensors: list[tuple], x: str
 ) -> tuple[dict[tuple[int, int], tuple[int, ...]], list[Any]]:
-    """Per (row, column): the colour the cell must have; and the columns' x values."""
+    """Per (row, column): the colour the cell must have; and the columns' x values.
+
+    `tensors`: (layer, call_index, tensor_path, mode) per row (mode "train" when left out).
+    """
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
 
@@ -301,9 +304,12 @@ def expected_colours(
     norm = Normalize(min(finite), max(finite))
     cmap = colormaps["viridis"]
     out: dict[tuple[int, int], tuple[int, ...]] = {}
-    for r, (layer, call, path) in enumerate(tensors):
+    for r, (layer, call, path, *mode) in enumerate(tensors):
         series = panel.filter(
-            pl.col("layer") == layer, pl.col("call_index") == call, pl.col("tensor_path") == path
+            pl.col("layer") == layer,
+            pl.col("call_index") == call,
+            pl.col("tensor_path") == path,
+            pl.col("mode") == (mode[0] if mode else "train"),
         )
         got = dict(zip(series[x].to_list(), series["value"].to_list(), strict=True))
         for c, at in enumerate(columns):
@@ -317,7 +323,7 @@ def expected_colours(
 
 
 def check_heatmap(
-    png: Path, history: pl.DataFrame, metric: str, tensors: list[tuple[str, int, str]], x: str
+    png: Path, history: pl.DataFrame, metric: str, tensors: list[tuple], x: str
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Every cell of every panel of a heatmap PNG has the colour computed from `history`.
 
@@ -327,6 +333,7 @@ def check_heatmap(
     """
     pixels, meta = read_heatmap(png)
     assert meta["metric"] == metric
+    tensors = [t if len(t) == 4 else (*t, "train") for t in tensors]
     assert [tuple(t) for t in meta["rows"]] == tensors
     for panel in meta["panels"]:
         want, columns = expected_colours(history, metric, panel["signal"], tensors, x)

@@ -165,7 +165,7 @@ def _grid(names: list[str]) -> Grid:
         metric="mean",
         x="sample_id",
         signals=("output",),
-        tensors=tuple((name, 0, "") for name in names),
+        tensors=tuple((name, 0, "", "train") for name in names),
         module_types=("Linear",) * n,
         columns=(0,),
         values=np.zeros((1, n, 1)),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
@@ -134,7 +134,7 @@ def run_queries(directory: Path) -> dict[str, object]:
     found: dict[str, object] = {}
     setup, *blocks = python_blocks((directory / "index.md").read_text(encoding="utf-8"))
     assert "def history_of(" in setup
-    assert len(blocks) == 8
+    assert len(blocks) == 9
     assert all("def history_of(" not in code for code in blocks)  # one preamble, not one per query
     namespace: dict[str, object] = {}
     exec(compile(setup, "index.md:setup", "exec"), namespace)
@@ -159,7 +159,8 @@ def test_every_query_runs_on_a_live_and_then_a_finished_run(
         history_config=HistoryConfig(buffer_rows=9),
     )
     try:
-        for _ in range(4):
+        for step in range(4):
+            set_step(model, 10 * step)
             model(torch.randn(3, 4)).sum().backward()
         parts = list_parts(directory)
         assert parts
@@ -195,6 +196,17 @@ def checks(namespace: dict[str, object], history: pl.DataFrame) -> None:
     no_gradient = namespace["no_gradient"]
     assert isinstance(no_gradient, pl.DataFrame)
     assert no_gradient["layer"].to_list() == ["empty"]
+    # The step query: the layer's output std per step (set_step's values), the log's columns.
+    by_step = namespace["by_step"]
+    assert isinstance(by_step, pl.DataFrame)
+    want = history.filter(
+        pl.col("layer") == "fc", pl.col("signal") == "output", pl.col("metric") == "std"
+    ).sort("sample_id")
+    assert (
+        by_step["step"].to_list() == want["step"].to_list() == [10 * s for s in want["sample_id"]]
+    )
+    assert by_step["value"].to_list() == want["value"].to_list()
+    assert by_step["loss"].null_count() == by_step.height  # as printed: an empty log
 
 
 def test_queries_before_the_first_part_say_so(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def m(sample: int, layer: str, values: dict[str, float | None], **kw: Any) -> Me
         tensor_path=kw.get("path", ""),
         shape=kw.get("shape", (2, 3)),
         dtype=kw.get("dtype", "float32"),
-        mode="train",
+        mode=kw.get("mode", "train"),
         grad_enabled=True,
         metrics=tuple(values),
         values=tuple(
@@ -60,11 +60,13 @@ def m(sample: int, layer: str, values: dict[str, float | None], **kw: Any) -> Me
 
 
 def make_history(directory: Path) -> None:
-    """A run with a shared layer, gradients, an all-null layer, a sparse layer, ties."""
+    """A run with a shared layer, gradients, an all-null layer, a sparse layer, ties, and eval
+    samples (every fifth sample of the root and the shared layer: a series of their own)."""
     rng = random.Random(7)
     writer = HistoryWriter(directory, HistoryConfig(buffer_rows=13, window=WINDOW))
     for s in range(40):
-        batch = [m(s, "", {"mean": rng.gauss(0, 1), "std": 1.0}, module_type="Net")]
+        mode = "eval" if s % 5 == 4 else "train"
+        batch = [m(s, "", {"mean": rng.gauss(0, 1), "std": 1.0}, module_type="Net", mode=mode)]
         for call in (0, 1):
             maybe = None if rng.random() < 0.3 else rng.gauss(0, 1)
             batch.append(
@@ -75,6 +77,7 @@ def make_history(directory: Path) -> None:
                     call=call,
                     path="['k']" if call else "",
                     shape=(s % 4 + 1, 2),
+                    mode=mode,
                 )
             )
         batch.append(m(s, "nulls", {"mean": None}))
@@ -109,7 +112,8 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
     rows = pl.read_parquet(history).to_dicts()
     series: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:  # history.parquet is sorted by sample_id: row order is history order
-        series[(r["layer"], r["call_index"], r["signal"], r["tensor_path"], r["metric"])].append(r)
+        key = (r["layer"], r["call_index"], r["signal"], r["tensor_path"], r["mode"], r["metric"])
+        series[key].append(r)
 
     def extreme(obs: list[dict], pick: Any) -> dict:
         finite = [r for r in obs if r["value"] is not None and math.isfinite(r["value"])]
@@ -154,21 +158,22 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
     for layer in layers:
         tensors: dict[tuple, dict] = {}
         keys = sorted(k for k in series if k[0] == layer.name)
-        for tkey in dict.fromkeys(k[1:4] for k in keys):
-            metrics = {k[4]: full(series[k]) for k in keys if k[1:4] == tkey}
+        for tkey in dict.fromkeys(k[1:5] for k in keys):
+            metrics = {k[5]: full(series[k]) for k in keys if k[1:5] == tkey}
             # The tensor holds the sample facts of its most observed metric (first on ties);
             # a metric repeats a fact only where its own differs.
             best = max(metrics.values(), key=lambda e: e["observations"])
             last = [
                 r
                 for r in rows
-                if (r["layer"], r["call_index"], r["signal"], r["tensor_path"])
+                if (r["layer"], r["call_index"], r["signal"], r["tensor_path"], r["mode"])
                 == (layer.name, *tkey)
             ][-1]
             tensor = {
                 "call_index": tkey[0],
                 "signal": tkey[1],
                 "tensor_path": tkey[2],
+                "mode": tkey[3],
                 "shape": last["shape"],
                 "dtype": last["dtype"],
                 **{f: best[f] for f in sample_facts},
@@ -194,7 +199,10 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
                         if r["layer"] == layer.name and r["signal"] == "output"
                     }
                 ),
-                "tensors": [tensors[k] for k in sorted(tensors)],
+                # train before eval for one tensor
+                "tensors": [
+                    tensors[k] for k in sorted(tensors, key=lambda k: (*k[:3], k[3] != "train"))
+                ],
             }
         )
     return out
@@ -292,9 +300,18 @@ def test_layout_cases_are_present(summarized: tuple[Path, list[dict]]) -> None:
     assert [d["layer"] for d in data] == [li.name for li in LAYERS]
     assert by_layer["never"]["tensors"] == []
     shared = [
-        (t["call_index"], t["signal"], t["tensor_path"]) for t in by_layer["shared"]["tensors"]
+        (t["call_index"], t["signal"], t["tensor_path"], t["mode"])
+        for t in by_layer["shared"]["tensors"]
     ]
-    assert shared == [(0, "output", ""), (1, "output", "['k']"), (1, "output_gradient", "['k']")]
+    assert shared == [
+        *((0, "output", "", "train"), (0, "output", "", "eval")),
+        *((1, "output", "['k']", "train"), (1, "output", "['k']", "eval")),
+        (1, "output_gradient", "['k']", "train"),
+    ]
+    # An eval sample is never in a train series: each entry's samples are of its own mode.
+    for tensor in by_layer["shared"]["tensors"]:
+        eval_sample = tensor["latest_sample_id"] % 5 == 4
+        assert eval_sample == (tensor["mode"] == "eval"), tensor
     [nulls_tensor] = by_layer["nulls"]["tensors"]
     nulls = nulls_tensor["metrics"]["mean"]
     assert nulls["valid"] == 0

@@ -29,6 +29,7 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.observer import Observer
+from torchinstruments.phases import EVAL, Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import describe_sampler
@@ -301,6 +302,25 @@ def follow_step(model: nn.Module, source: Callable[[], object] | None) -> bool:
         return False
     _OBSERVERS[key].step_source = source
     return True
+
+
+def trainer_phases(model: nn.Module) -> Phases | None:
+    """The observer's `Phases` (which forwards are training ones), or None without observer.
+
+    For integrations: a trainer callback marks its training steps there (phases.py).
+    """
+    key = _registered(model)
+    return None if key is None else _OBSERVERS[key].phases
+
+
+def evaluation_counts(model: nn.Module) -> tuple[int, int] | None:
+    """(evaluation forwards on their own schedule, evaluation forwards passed through
+    unobserved) so far, or None without observer; for a trainer callback's index.md note."""
+    key = _registered(model)
+    if key is None:
+        return None
+    counter = _OBSERVERS[key].counter
+    return counter.scheduled.get(EVAL, 0), counter.unobserved
 
 
 def observed_counts(model: nn.Module) -> RunCounts | None:

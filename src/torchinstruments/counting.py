@@ -19,18 +19,32 @@ class Counter:
         self._lock = threading.Lock()
         self.root_forwards = 0
         self.samples = 0
+        # Per schedule (phases.TRAIN, phases.EVAL): the root forwards it has seen, which is what
+        # its sampler is asked with; and the evaluation forwards passed through unobserved.
+        self.scheduled: dict[str, int] = {}
+        self.unobserved = 0
         # Per selected layer (root included): the sampled forwards in which it was called.
         self._layer_samples: dict[str, int] = {}
 
-    def next_forward(self, should_sample: Callable[[int], bool]) -> tuple[int, int | None]:
-        """Count one root forward: its forward_index, and its sample_id if `should_sample` says so."""
+    def next_forward(
+        self, should_sample: Callable[[int, str], bool], schedule: str
+    ) -> tuple[int, int | None]:
+        """Count one root forward on `schedule`: its forward_index, and its sample_id if
+        `should_sample(index on that schedule, schedule)` says so."""
         with self._lock:
             forward_index = self.root_forwards
             self.root_forwards += 1
-            sample_id = self.samples if should_sample(forward_index) else None
+            index = self.scheduled.get(schedule, 0)
+            self.scheduled[schedule] = index + 1
+            sample_id = self.samples if should_sample(index, schedule) else None
             if sample_id is not None:
                 self.samples += 1
         return forward_index, sample_id
+
+    def count_unobserved(self) -> None:
+        """One evaluation forward passed through unobserved (see phases.py)."""
+        with self._lock:
+            self.unobserved += 1
 
     def count_layers(self, names: Iterable[str]) -> None:
         """One more sampled forward for each of these layers."""

@@ -128,9 +128,15 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
     """
     what = "output" if histogram.signal == OUTPUT else "gradient flowing back into the output"
     path = f", tensor {histogram.tensor_path}" if histogram.tensor_path else ""
+    mode = (
+        f", in {histogram.mode} mode (samples taken with module.training False: a series of "
+        "their own, never mixed with the train tag)"
+        if histogram.mode != "train"
+        else ""
+    )
     return (
         f"Histogram of the {what} of layer {histogram.layer or '<root>'!r} ({module_type}), call "
-        f"{histogram.call_index}{path}. Only finite entries are counted: NaN and Inf are left "
+        f"{histogram.call_index}{path}{mode}. Only finite entries are counted: NaN and Inf are left "
         "out (the history's nonfinite_fraction counts them), and at a sample where the tensor "
         f"has no finite entry there is no histogram; the text tag '{histogram.tag}{NO_HISTOGRAM}' "
         f"says so at that step. Step: {step}."
@@ -163,14 +169,18 @@ def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[Miss
             for i, layer in enumerate(measurements.layers)
             if layer in focus
             and histogram_tag(
-                layer, measurements.call_indices[i], record.signal, measurements.tensor_paths[i]
+                layer,
+                measurements.call_indices[i],
+                record.signal,
+                measurements.tensor_paths[i],
+                measurements.modes[i],
             )
             not in drawn
         ]
     for m in measurements:
         if m.layer not in focus or INTERRUPTED in m.metrics:
             continue
-        tag = histogram_tag(m.layer, m.call_index, m.signal, m.tensor_path)
+        tag = histogram_tag(m.layer, m.call_index, m.signal, m.tensor_path, m.mode)
         if tag in drawn:
             continue
         values = dict(zip(m.metrics, m.values, strict=True))

@@ -88,6 +88,7 @@ from torchinstruments.measurement.transfer import (
     note_of,
 )
 from torchinstruments.outputs import iter_tensors
+from torchinstruments.phases import TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
@@ -255,6 +256,7 @@ class Observer:
         # each sampled forward (`follow_step`, for the callbacks); None for neither.
         self.step: int | None = None
         self.step_source: Callable[[], object] | None = None
+        self.phases = Phases()  # which schedule a root forward is on (trainer callbacks)
 
     # -- installation -------------------------------------------------------------------------
 
@@ -342,7 +344,11 @@ class Observer:
             return _PASS_THROUGH
         if getattr(self._local, "depth", 0) > 0:
             return _NESTED
-        forward_index, sample_id = self.counter.next_forward(self._should_sample)
+        schedule = self.phases.current
+        if schedule == UNOBSERVED:
+            self.counter.count_unobserved()
+            return _PASS_THROUGH
+        forward_index, sample_id = self.counter.next_forward(self._should_sample, schedule)
         if sample_id is None:
             return None
         return _Sample(sample_id, forward_index, self.current_step())
@@ -408,19 +414,21 @@ class Observer:
             self.warn_once("step", f"reading the step for the step column failed: {error!r}")
             return None
 
-    def _should_sample(self, forward_index: int) -> bool:
-        """The sampler's decision; a raising sampler, or an answer that is not a bool, means
-        "not sampled" (warned once: a wrong answer is a bug to report, not a value to guess)."""
+    def _should_sample(self, forward_index: int, schedule: str) -> bool:
+        """The decision of the schedule's sampler (`forward_index`: the count of root forwards
+        on that schedule); a raising sampler, or an answer that is not a bool, means "not
+        sampled" (warned once: a wrong answer is a bug to report, not a value to guess)."""
+        sampler = self.sampler if schedule == TRAIN else self.phases.eval_sampler
         try:
-            answer = self.sampler.should_sample(forward_index)
+            answer = sampler.should_sample(forward_index)
         except Exception as error:
-            self.warn_once("sampler", f"sampler {self.sampler!r} raised {error!r}; not sampled")
+            self.warn_once("sampler", f"sampler {sampler!r} raised {error!r}; not sampled")
             return False
         decision = as_decision(answer)
         if decision is None:
             self.warn_once(
                 "sampler-answer",
-                f"sampler {self.sampler!r} returned {answer!r} ({type(answer).__name__}) for "
+                f"sampler {sampler!r} returned {answer!r} ({type(answer).__name__}) for "
                 f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
                 "such forwards are not sampled",
             )

@@ -180,16 +180,26 @@ class HistogramRecord:
     sum_squares: float
     bucket_limits: tuple[float, ...]
     bucket_counts: tuple[float, ...]
+    mode: str = "train"  # the layer's mode at the call; an eval tensor has tags of its own
 
     @property
     def tag(self) -> str:
-        """Stable TensorBoard tag: `layer/call_N/signal/tensor_path` (root layer is `<root>`)."""
-        return histogram_tag(self.layer, self.call_index, self.signal, self.tensor_path)
+        """Stable TensorBoard tag: `layer/call_N/signal/tensor_path` (root layer is `<root>`),
+        under `eval/` for a sample in eval mode."""
+        return histogram_tag(self.layer, self.call_index, self.signal, self.tensor_path, self.mode)
 
 
-def histogram_tag(layer: str, call_index: int, signal: str, tensor_path: str) -> str:
-    """The TensorBoard tag of one tensor; a bare tensor's empty path is written as `tensor`."""
-    return f"{layer or '<root>'}/call_{call_index}/{signal}/{tensor_path or 'tensor'}"
+def histogram_tag(
+    layer: str, call_index: int, signal: str, tensor_path: str, mode: str = "train"
+) -> str:
+    """The TensorBoard tag of one tensor; a bare tensor's empty path is written as `tensor`.
+
+    An eval-mode tensor's tag starts with `eval/` (five parts against a train tag's four, so
+    no layer name can make the two meet): train and eval samples are never one series, and
+    TensorBoard groups the eval tags in a section of their own.
+    """
+    tag = f"{layer or '<root>'}/call_{call_index}/{signal}/{tensor_path or 'tensor'}"
+    return tag if mode == "train" else f"{mode}/{tag}"
 
 
 @dataclass(frozen=True, slots=True)

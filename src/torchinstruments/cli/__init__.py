@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 COMMANDS = ("show", "compare", "plot", "heatmap")
 _X_CHOICES = ("sample_id", "forward_index")
+# plot and heatmap can also draw over history's step (the trainer's global step); compare
+# matches samples one to one, which a step shared by several samples cannot do.
+_DRAW_X_CHOICES = (*_X_CHOICES, "step")
 
 
 def _width() -> int:
@@ -167,7 +170,11 @@ def add_commands(commands: Subcommands) -> None:
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
     _selection_options(cmd, window=False)
     cmd.add_argument(
-        "--x", choices=_X_CHOICES, default="sample_id", help="x axis (default: sample_id)"
+        "--x",
+        choices=_DRAW_X_CHOICES,
+        default="sample_id",
+        help="x axis: sample_id (default), forward_index, or step (the trainer's global step, "
+        "or set_step's value; samples without one are left out)",
     )
     cmd.add_argument(
         "-o",
@@ -204,9 +211,10 @@ def add_commands(commands: Subcommands) -> None:
     _selection_options(cmd, window=False)
     cmd.add_argument(
         "--x",
-        choices=_X_CHOICES,
+        choices=_DRAW_X_CHOICES,
         default="sample_id",
-        help="order and label the columns by sample_id (default) or forward_index",
+        help="order and label the columns by sample_id (default), forward_index or step "
+        "(samples without a step are left out)",
     )
     cmd.add_argument(
         "--scale",

@@ -47,6 +47,7 @@ COLUMNS = (
     "call_index",
     "signal",
     "tensor_path",
+    "mode",
     "metric",
     "mean_a",
     "mean_b",
@@ -227,7 +228,7 @@ def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
     name = r["layer"] or "<root>"
     if r["layer"] in several_calls:
         name += f"#{r['call_index']}"
-    return name + r["tensor_path"]
+    return name + r["tensor_path"] + ("" if r["mode"] == "train" else f" [{r['mode']}]")
 
 
 def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
@@ -332,6 +333,11 @@ def _text(c: Comparison, width: int) -> str:
         | (pl.col("mean_b").is_null() & (pl.col("samples_b") > 0))
     )
     notes = []
+    if (c.frame["mode"] != "train").any():
+        notes.append(
+            "[eval]: samples taken in eval mode, a series of their own (compared with the other "
+            "run's eval samples only, never with train ones)."
+        )
     if no_finite.height:
         notes.append(
             f"'-' in a mean: no finite value in that run's window "

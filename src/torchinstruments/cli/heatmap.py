@@ -2,9 +2,12 @@
 
 Design decisions:
 
-- One image per metric. Rows are tensors (layer, call, tensor path) in traversal order; columns
-  are the samples in order of `sample_id` (or of `forward_index` with `--x forward_index`: the
-  columns are the same samples, labelled by the root forward they were taken at). Output and
+- One image per metric. Rows are tensors (layer, call, tensor path, mode: a tensor's eval
+  samples are a row of their own, labelled `[eval]`, never one series with its train samples)
+  in traversal order; columns are the samples in order of `sample_id` (or of `forward_index`
+  with `--x forward_index`, or of `step` with `--x step`: the columns are the same samples,
+  labelled by the root forward or the step they were taken at; with `step`, samples without
+  one are left out and samples that share a step are adjacent columns with the same label). Output and
   output_gradient are two panels side by side with the same rows, each with its own colour scale
   (their values differ by orders of magnitude): `linear` (min to max), `robust` (2nd to 98th
   percentile, values beyond drawn in the end colours) or `log` (log10 when every value is
@@ -42,7 +45,12 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from torchinstruments.cli.plot import MISSING_MATPLOTLIB, MatplotlibMissingError, tensor_label
+from torchinstruments.cli.plot import (
+    MISSING_MATPLOTLIB,
+    NO_STEP,
+    MatplotlibMissingError,
+    tensor_label,
+)
 from torchinstruments.cli.reader import (
     RunFacts,
     layer_order,
@@ -82,6 +90,7 @@ COLORBAR_GAP, COLORBAR_WIDTH, COLORBAR_LABELS = 8, 12, 78
 X_LABELS = {
     "sample_id": "sample_id (n-th sampled root forward)",
     "forward_index": "forward_index of each sample (n-th root forward, sampled or not)",
+    "step": "step of each sample (the trainer's global step, or the value given with set_step)",
 }
 
 
@@ -91,9 +100,9 @@ class Grid:
 
     Attributes:
         metric: the metric drawn.
-        x: "sample_id" or "forward_index".
+        x: "sample_id", "forward_index" or "step".
         signals: the panels, in SIGNALS order.
-        tensors: (layer, call_index, tensor_path) per row, in traversal order.
+        tensors: (layer, call_index, tensor_path, mode) per row, in traversal order.
         module_types: the module type of each row's layer.
         columns: the x value of each column, ascending.
         values: float64, NaN wherever the cell holds no finite value.
@@ -103,7 +112,7 @@ class Grid:
     metric: str
     x: str
     signals: tuple[str, ...]
-    tensors: tuple[tuple[str, int, str], ...]
+    tensors: tuple[tuple[str, int, str, str], ...]
     module_types: tuple[str, ...]
     columns: tuple[int, ...]
     values: np.ndarray
@@ -145,19 +154,23 @@ def grid_rows(directory: Path, metric: str, selection: Selection, x: str) -> pl.
     """
     if x not in X_LABELS:
         raise ValueError(f"x={x!r} is not allowed: expected one of {tuple(X_LABELS)}")
-    names = ("layer", "tensor_path", "module_type", "signal")
+    names = ("layer", "tensor_path", "module_type", "signal", "mode")
+    # With x = step, a column is a sample (several may share a step): its sample_id too.
+    xs = ("step", "sample_id") if x == "step" else (x,)
     return read_history(
         directory,
-        lambda lf: select(
-            lf, layers=selection.layers, signals=selection.signals, metrics=(metric,)
-        ).select(*(pl.col(n).cast(pl.Categorical) for n in names), "call_index", x, "value"),
+        lambda lf: (
+            select(lf, layers=selection.layers, signals=selection.signals, metrics=(metric,))
+            .filter(pl.col(x).is_not_null())
+            .select(*(pl.col(n).cast(pl.Categorical) for n in names), "call_index", *xs, "value")
+        ),
         write_order=False,  # a cell is one row: no order needed, so the filters reach the scan
     )
 
 
 def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid:
     """Scatter one metric's rows (from `grid_rows`) into a Grid; rows are tensors in traversal order."""
-    keys = ["layer", "call_index", "tensor_path"]
+    keys = ["layer", "call_index", "tensor_path", "mode"]
     tensors = (
         rows.group_by(keys)
         .agg(pl.col("module_type").last())
@@ -165,13 +178,14 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
             _layer=pl.col("layer").cast(pl.String),
             _path=pl.col("tensor_path").cast(pl.String),
             _type=pl.col("module_type").cast(pl.String),
+            _mode=pl.col("mode").cast(pl.String),
         )
     )
     layers = layer_order(tensors["_layer"].unique().to_list(), facts.run)
     rank = {name: i for i, name in enumerate(layers)}
     tensors = (
         tensors.with_columns(_rank=pl.col("_layer").replace_strict(rank, return_dtype=pl.Int64))
-        .sort("_rank", "call_index", "_path")
+        .sort("_rank", "call_index", "_path", pl.col("_mode").ne_missing("train"))
         .with_row_index("_row")
     )
     present = set(rows["signal"].unique().cast(pl.String).to_list())
@@ -179,10 +193,14 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
     signal_index = pl.lit(0)
     for i, name in enumerate(signals[1:], start=1):
         signal_index = pl.when(pl.col("signal") == name).then(i).otherwise(signal_index)
-    located = rows.join(tensors.select(*keys, "_row"), on=keys, how="left").select(
-        "_row", x, "value", _signal=signal_index
+    xs = ["step", "sample_id"] if x == "step" else [x]
+    samples = rows.select(xs).unique().sort(xs).with_row_index("_col")
+    located = (
+        rows.join(tensors.select(*keys, "_row"), on=keys, how="left", nulls_equal=True)
+        .join(samples, on=xs, how="left", nulls_equal=True)
+        .select("_row", "_col", "value", _signal=signal_index)
     )
-    columns = rows[x].unique().sort()
+    columns = samples[x]
     n_rows, n_cols = tensors.height, columns.len()
     if len(signals) * n_rows * n_cols > MAX_PIXELS // 2:
         raise ValueError(
@@ -190,7 +208,7 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
             f"cells than one image holds ({MAX_PIXELS // 2:,}): choose fewer tensors with "
             "--layers REGEX or one signal with --signal"
         )
-    col = np.searchsorted(columns.to_numpy(), located[x].to_numpy())
+    col = located["_col"].to_numpy()
     row = located["_row"].to_numpy()
     sig = located["_signal"].to_numpy()
     value = located["value"].to_numpy()  # null -> NaN (a float column)
@@ -206,7 +224,7 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
         metric=metric,
         x=x,
         signals=signals,
-        tensors=tuple(tensors.select("_layer", "call_index", "_path").iter_rows()),
+        tensors=tuple(tensors.select("_layer", "call_index", "_path", "_mode").iter_rows()),
         module_types=tuple(tensors["_type"].to_list()),
         columns=tuple(columns.to_list()),
         values=values,
@@ -482,7 +500,8 @@ def heatmap(
         directory: a finished, live or crashed run.
         output_dir: an existing directory for the images (`heatmap-<metric>.png`).
         selection: layers (regex), signals and metrics (None: every metric of the run).
-        x: "sample_id" or "forward_index" (the label and order of the columns).
+        x: "sample_id", "forward_index" or "step" (the label and order of the columns; with
+            step, samples without one are left out).
         scale: "linear", "robust" or "log", applied to each panel on its own.
 
     Returns:
@@ -510,6 +529,8 @@ def heatmap(
     )["metric"].to_list()
     if not present:
         raise ValueError(f"no history rows in {directory} match the selection")
+    if x == "step" and not _has_step(directory, selection):
+        raise ValueError(NO_STEP.format(directory=directory))
     metrics = selection.metrics or tuple(metric_order(present, facts.run))
     absent = [m for m in metrics if m not in present]
     if absent:
@@ -522,6 +543,21 @@ def heatmap(
         grid = build_grid(grid_rows(directory, metric, selection, x), facts, metric, x)
         results.append(draw(grid, facts, Path(output_dir) / file_name(metric), scale=scale))
     return results
+
+
+def _has_step(directory: Path, selection: Selection) -> bool:
+    """Whether any selected row has a step."""
+    found = read_history(
+        directory,
+        lambda lf: (
+            select(lf, layers=selection.layers, signals=selection.signals)
+            .filter(pl.col("step").is_not_null())
+            .select("step")
+            .head(1)
+        ),
+        write_order=False,
+    )
+    return found.height > 0
 
 
 __all__ = [

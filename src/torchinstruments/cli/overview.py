@@ -31,15 +31,26 @@ def tensor_count(frame: pl.DataFrame) -> int:
 
 
 def group_rows(frame: pl.DataFrame, latest_all: int) -> pl.DataFrame:
-    """Per metric, module type and signal: tensors, nulls, stopped series, min/median/max."""
+    """Per metric, module type, signal and mode: tensors, nulls, stopped series (older than
+    the latest sample of their mode; `latest_all` when all are train), min/median/max.
+
+    Train and eval series are separate rows: an eval series is never summarized with train ones.
+    """
     latest = pl.col("latest_value")
-    return frame.group_by("metric", "module_type", "signal", maintain_order=True).agg(
-        tensors=pl.len(),
-        null=latest.is_null().sum(),
-        stopped=(pl.col("latest_sample_id") < latest_all).sum(),
-        low=latest.filter(latest.is_finite()).min(),
-        median=latest.filter(latest.is_finite()).median(),
-        high=latest.filter(latest.is_finite()).max(),
+    own_latest = pl.col("latest_sample_id").max().over("mode")
+    if set(frame["mode"].unique().to_list()) <= {"train"}:
+        own_latest = pl.lit(latest_all)
+    return (
+        frame.with_columns(_latest=own_latest)
+        .group_by("metric", "module_type", "signal", "mode", maintain_order=True)
+        .agg(
+            tensors=pl.len(),
+            null=latest.is_null().sum(),
+            stopped=(pl.col("latest_sample_id") < pl.col("_latest")).sum(),
+            low=latest.filter(latest.is_finite()).min(),
+            median=latest.filter(latest.is_finite()).median(),
+            high=latest.filter(latest.is_finite()).max(),
+        )
     )
 
 
@@ -58,17 +69,17 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
     out = ["", *textwrap.wrap(intro, width)]
     for metric in metric_order(frame["metric"].unique().to_list(), facts.run):
         part = groups.filter(pl.col("metric") == metric)
-        by_key = {(r["module_type"], r["signal"]): r for r in part.iter_rows(named=True)}
+        by_key = {(r["module_type"], r["signal"], r["mode"]): r for r in part.iter_rows(named=True)}
         rows = []
         for module_type in types:
-            for signal in SIGNALS:
-                r = by_key.get((module_type, signal))
+            for signal, mode in ((s, m) for s in SIGNALS for m in ("train", "eval")):
+                r = by_key.get((module_type, signal, mode))
                 if r is None:
                     continue
                 rows.append(
                     [
                         module_type,
-                        _SHORT[signal],
+                        _SHORT[signal] + ("" if mode == "train" else f" [{mode}]"),
                         str(r["tensors"]),
                         str(r["null"]),
                         str(r["stopped"]),
@@ -83,7 +94,9 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
         "values only; '-': none). null: tensors whose latest value is null (the reason is in "
         f"history). stopped: tensors whose latest sample is older than sample_id {latest_all} "
         "(their series stopped: a layer that no longer runs, or a gradient that no longer "
-        "arrives). Every tensor: --all, --layers REGEX, or --format csv."
+        "arrives; an [eval] row: older than the latest eval sample). [eval]: samples taken in "
+        "eval mode, never summarized with train ones. Every tensor: --all, --layers REGEX, or "
+        "--format csv."
     )
     return [*out, "", *textwrap.wrap(note, width)]
 

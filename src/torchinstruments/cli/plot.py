@@ -4,8 +4,10 @@ Design decisions:
 
 - One panel per (metric, signal): rows are metrics, columns are `output` and `output_gradient`
   (their scales differ by orders of magnitude, so they never share an axis); inside a panel,
-  one line per tensor (layer, call, tensor path), one point per sample. The x axis is
-  `sample_id` or `forward_index` and its label says which.
+  one line per tensor (layer, call, tensor path, mode: an eval series is a line of its own,
+  labelled `[eval]`), one point per sample. The x axis is `sample_id`, `forward_index` or
+  `step` (the trainer's global step, or set_step's value; samples without one are left out)
+  and its label says which.
 - A null value (unavailable, with a reason in history) is a gap in the line, never a 0.
 - At most `max_tensors` tensors (traversal order) are drawn, so lines stay tellable apart; the
   figure title and a message on stderr say how many were left out and how to choose
@@ -48,7 +50,13 @@ from torchinstruments.records import SIGNALS
 X_LABELS = {
     "sample_id": "sample_id (n-th sampled root forward)",
     "forward_index": "forward_index (n-th root forward, sampled or not)",
+    "step": "step (the trainer's global step, or the value given with set_step)",
 }
+NO_STEP = (
+    "no sample of {directory} that matches the selection has a step (history's step column is "
+    "null: a trainer callback or torchinstruments.set_step(model, step) gives it); use --x "
+    "sample_id or --x forward_index"
+)
 PANEL_WIDTH_IN = 4.6
 PANEL_HEIGHT_IN = 2.3
 LEGEND_WIDTH_IN = 2.4
@@ -85,12 +93,16 @@ class PlotResult:
     styles: tuple[tuple[str, str], ...] = ()
 
 
-def tensor_label(layer: str, call_index: int, tensor_path: str, calls: bool) -> str:
-    """`layer`, `layer#call` for layers called several times, then the tensor path."""
-    return (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
+def tensor_label(
+    layer: str, call_index: int, tensor_path: str, mode: str = "train", *, calls: bool
+) -> str:
+    """`layer`, `layer#call` for layers called several times, the tensor path, then ` [eval]`
+    for an eval series (a series of its own)."""
+    name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
+    return name + ("" if mode == "train" else f" [{mode}]")
 
 
-def _labels(keys: list[tuple[str, int, str]], rows: pl.DataFrame) -> list[str]:
+def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
     """Legend labels: the tensor and its module type, e.g. `3[0] (LSTM)`."""
     calls = set(rows.filter(pl.col("call_index") > 0)["layer"].to_list())
     types = dict(rows.select("layer", "module_type").unique("layer").iter_rows())
@@ -107,6 +119,7 @@ def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
             select(
                 lf, layers=selection.layers, signals=selection.signals, metrics=selection.metrics
             )
+            .filter(pl.col(x).is_not_null())  # step: samples without one are left out
             .sort(x, "_write_order")
             .select(*TENSOR_KEY, "module_type", "metric", x, "value")
         ),
@@ -153,8 +166,8 @@ def _figure(
     layers = layer_order(rows["layer"].unique().to_list(), facts.run)
     rank = {name: i for i, name in enumerate(layers)}
     keys = sorted(
-        {(r[0], r[1], r[3]) for r in rows.select(TENSOR_KEY).unique().iter_rows()},
-        key=lambda k: (rank[k[0]], k[1], k[2]),
+        {(r[0], r[1], r[3], r[4]) for r in rows.select(TENSOR_KEY).unique().iter_rows()},
+        key=lambda k: (rank[k[0]], k[1], k[2], k[3] != "train"),
     )
     drawn, left_out = keys[:max_tensors], keys[max_tensors:]
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
@@ -176,13 +189,14 @@ def _figure(
             ax = axes[i][j]
             panels.append((metric, signal))
             panel = rows.filter(pl.col("metric") == metric, pl.col("signal") == signal)
-            for style, label, (layer, call_index, tensor_path) in zip(
+            for style, label, (layer, call_index, tensor_path, mode) in zip(
                 styles, labels, drawn, strict=True
             ):
                 line = panel.filter(
                     pl.col("layer") == layer,
                     pl.col("call_index") == call_index,
                     pl.col("tensor_path") == tensor_path,
+                    pl.col("mode") == mode,
                 )
                 if line.is_empty():
                     continue
@@ -237,7 +251,7 @@ def plot(
         directory: a finished, live or crashed run.
         output: the PNG to write (its directory must exist).
         selection: layers (regex), signals and metrics to draw.
-        x: "sample_id" or "forward_index".
+        x: "sample_id", "forward_index" or "step" (samples without a step are left out).
         max_tensors: the most tensors (lines per panel) to draw, >= 1.
         yscale: "linear", "log" or "symlog" (see the module docstring).
 
@@ -254,6 +268,8 @@ def plot(
         raise ValueError(f"max_tensors={max_tensors!r} is not allowed: expected an int >= 1")
     facts = read_facts(directory)
     rows = plot_rows(directory, selection, x)
+    if rows.is_empty() and x == "step":
+        raise ValueError(NO_STEP.format(directory=directory))
     if rows.is_empty():
         raise ValueError(f"no history rows in {directory} match the selection")
     figure, result = _figure(rows, facts, x, max_tensors, yscale)
@@ -270,4 +286,11 @@ def plot(
     return dataclasses.replace(result, path=Path(output))
 
 
-__all__ = ["MISSING_MATPLOTLIB", "MatplotlibMissingError", "PlotResult", "plot", "plot_rows"]
+__all__ = [
+    "MISSING_MATPLOTLIB",
+    "NO_STEP",
+    "MatplotlibMissingError",
+    "PlotResult",
+    "plot",
+    "plot_rows",
+]

@@ -37,6 +37,7 @@ COLUMNS = (
     "call_index",
     "signal",
     "tensor_path",
+    "mode",
     "metric",
     "latest_value",
     "latest_sample_id",
@@ -62,7 +63,8 @@ class Selection:
 
 
 def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
-    """Rows in traversal order of layers, then call, signal, tensor path, declared metric order."""
+    """Rows in traversal order of layers, then call, signal, tensor path, mode (train first),
+    declared metric order."""
     if frame.is_empty():
         return frame
     layers = layer_order(frame["layer"].unique().to_list(), facts.run)
@@ -72,9 +74,10 @@ def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
             _layer=pl.col("layer").replace_strict(layers, list(range(len(layers)))),
             _signal=pl.col("signal").replace_strict(list(SIGNALS), [0, 1], default=2),
             _metric=pl.col("metric").replace_strict(metrics, list(range(len(metrics)))),
+            _mode=pl.col("mode") != "train",
         )
-        .sort("_layer", "call_index", "_signal", "tensor_path", "_metric")
-        .drop("_layer", "_signal", "_metric")
+        .sort("_layer", "call_index", "_signal", "tensor_path", "_mode", "_metric")
+        .drop("_layer", "_signal", "_metric", "_mode")
     )
 
 
@@ -148,12 +151,13 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     return lines
 
 
-def _row_name(layer: str, call_index: int, tensor_path: str, calls: bool) -> str:
-    """`layer`, `layer#call` when a layer has several calls, then the tensor path."""
+def _row_name(layer: str, call_index: int, tensor_path: str, mode: str, calls: bool) -> str:
+    """`layer`, `layer#call` when a layer has several calls, then the tensor path, then
+    ` [eval]` for an eval series (a series of its own: never averaged with the train one)."""
     name = layer or "<root>"
     if calls:
         name += f"#{call_index}"
-    return name + tensor_path
+    return name + tensor_path + ("" if mode == "train" else f" [{mode}]")
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:
@@ -167,6 +171,9 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     """One table per metric: rows = tensors, columns = latest / window mean per signal."""
     if frame.is_empty():
         return ["(no rows match the selection)"]
+    # A series is stale when older than the latest sample of its own mode (eval samples are
+    # rarer than train ones: an eval series is not stale for ending before the last train one).
+    latest_of = dict(frame.group_by("mode").agg(pl.col("latest_sample_id").max()).iter_rows())
     latest_all = frame["latest_sample_id"].max()
     several_calls = set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
     signals = [s for s in SIGNALS if s in set(frame["signal"].to_list())]
@@ -179,9 +186,9 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     stale = marked = False
     for metric in metric_order(frame["metric"].unique().to_list(), facts.run):
         part = frame.filter(pl.col("metric") == metric)
-        rows: dict[tuple[str, int, str], list[str]] = {}
+        rows: dict[tuple[str, int, str, str], list[str]] = {}
         for r in part.iter_rows(named=True):
-            key = (r["layer"], r["call_index"], r["tensor_path"])
+            key = (r["layer"], r["call_index"], r["tensor_path"], r["mode"])
             cells = rows.setdefault(
                 key,
                 [
@@ -192,7 +199,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
             )
             i = 2 + 3 * signals.index(r["signal"])
             latest = number(r["latest_value"], missing="null")
-            if r["latest_sample_id"] != latest_all:
+            if r["latest_sample_id"] != latest_of[r["mode"]]:
                 latest += "*"
                 stale = True
             if r["latest_marked"]:
@@ -208,11 +215,20 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
         ]
     notes = [
         "latest: the value at each tensor's latest sample"
-        + (f" (* = older than sample_id {latest_all})" if stale else "")
+        + (
+            f" (* = older than sample_id {latest_all}, or than its mode's latest sample)"
+            if stale
+            else ""
+        )
         + "; mean: the mean over its recent window of samples (a mean of per-sample values, "
         "not of pooled elements); n: the samples that mean is over (those with a value), "
         "'4/8' when only 4 of the window's 8 have one; '-': not measured."
     ]
+    if set(latest_of) != {"train"}:
+        notes.append(
+            "[eval]: the tensor's samples taken in eval mode (module.training False), a series "
+            "of their own: never averaged or compared with its train samples."
+        )
     if marked:
         notes.append(
             "!: that latest value is from a marked sample (its root forward raised, or only part "

@@ -6,10 +6,17 @@ the trainer-specific module only says which module to observe, where the trainer
 this process is the trainer's main one, and which TensorBoard logger and step it has. A fit that
 raised is removed like a finished one, with a note in index.md saying so and where it stopped,
 so its run directory is complete and never reads like an ordinary fit.
+
+Training forwards are the samples (phases.py): the callback marks the trainer's training steps,
+and every other forward of the observed module during the fit (sanity check, validation, test,
+predict) is an evaluation forward, unobserved unless `record_eval` asks for it; then it is
+sampled on a schedule of its own and its rows (mode `eval`) form their own series. The step
+column is the trainer's global step, read at each sample.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -20,15 +27,19 @@ from torch import nn
 
 from torchinstruments.api import (
     add_run_note,
+    evaluation_counts,
     follow_step,
     has_observer,
     inject_observer,
     observed_counts,
     remove_observer,
+    trainer_phases,
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
+from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import RUN_MARKERS
+from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks import Sink
 
 RUN_NAME = "torchinstruments"
@@ -50,6 +61,34 @@ def fresh_run_directory(parent: Path, rank_policy: str) -> Path:
         number += 1
 
 
+def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> object:
+    """The evaluation forwards' sampler for `record_eval` (None: not observed).
+
+    Raises:
+        TypeError: `record_eval` is neither a bool nor a Sampler, or True with a sampler that
+            cannot be copied.
+    """
+    if record_eval is False:
+        return None
+    if record_eval is True:
+        try:
+            return copy.deepcopy(sampler)  # its own state: evaluation never moves training's
+        except Exception as error:
+            raise TypeError(
+                f"{owner}: record_eval=True samples evaluation forwards with a copy of the "
+                f"sampler, and {sampler!r} cannot be copied ({error!r}); pass "
+                "record_eval=<a Sampler for evaluation forwards> instead"
+            ) from None
+    try:
+        check_sampler(record_eval)
+    except TypeError:
+        raise TypeError(
+            f"{owner}: record_eval must be False, True or a Sampler (should_sample(forward_index)"
+            f" -> bool), got {record_eval!r}"
+        ) from None
+    return record_eval
+
+
 class FitObservation:
     """Injects at the start of a fit, removes at its end or when it raised.
 
@@ -59,6 +98,8 @@ class FitObservation:
         module: which module to observe: None (the trainer's model), an attribute path of it
             (`"net"`, `"model.encoder"`), or a callable `model -> nn.Module`.
         options: any other `inject_observer` keywords (sampler, selector, reducers, sinks, ...).
+        record_eval: False (evaluation forwards are not observed), True (they are sampled by
+            a copy of the sampler, on the count of evaluation forwards), or a `Sampler` for them.
 
     Raises:
         TypeError, ValueError: an option is invalid (the message names it).
@@ -70,6 +111,7 @@ class FitObservation:
         output_dir: str | os.PathLike[str] | None,
         module: str | Callable[[nn.Module], nn.Module] | None,
         options: Mapping[str, Any],
+        record_eval: object = False,
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -86,6 +128,8 @@ class FitObservation:
         self.explicit_dir = output_dir is not None
         # Built now so a bad option fails in the user's own line; output_dir is fixed at the fit.
         self.config = ObserverConfig(output_dir=output_dir or ".", **options)
+        self.eval_sampler = evaluation_sampler(owner, record_eval, self.config.sampler)
+        self.phases: Phases | None = None
         self.observed: nn.Module | None = None
         self.directory: Path | None = None
         self._checked_first_step = False
@@ -141,8 +185,30 @@ class FitObservation:
         self.observed = target if self.directory is not None else None
         if self.observed is not None:
             follow_step(self.observed, global_step)
+            self.phases = trainer_phases(self.observed)
+            if self.phases is not None:
+                self.phases.follow_trainer(self.eval_sampler)
+            if self.eval_sampler is not None:
+                add_run_note(
+                    self.observed,
+                    "evaluation forwards (sanity check, validation, test, predict: every forward "
+                    f"outside a training step) are recorded as their own series ({self.owner}, "
+                    f"record_eval): sampled by {describe_sampler(self.eval_sampler)} on the "
+                    "count of evaluation forwards, so they never move the training schedule; "
+                    "the trainer runs them in eval mode, so their rows have mode eval",
+                )
         self._checked_first_step = False
         return self.directory
+
+    def enter_training(self) -> None:
+        """A training step starts: its forwards are training forwards."""
+        if self.phases is not None:
+            self.phases.enter_training()
+
+    def leave_training(self) -> None:
+        """A training step ended: forwards until the next one are evaluation forwards."""
+        if self.phases is not None:
+            self.phases.leave_training()
 
     def check_first_step(self) -> None:
         """After the first training step: warn when the observed module was never called."""
@@ -165,8 +231,10 @@ class FitObservation:
     ) -> Path | None:
         """Remove the observer; with `exception`, index.md first says the fit raised there."""
         observed, self.observed = self.observed, None
+        self.phases = None
         if observed is None or not has_observer(observed):
             return None
+        self._note_evaluation(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
             add_run_note(
@@ -176,6 +244,23 @@ class FitObservation:
                 "removed the observer when the trainer reported the exception).",
             )
         return remove_observer(observed)
+
+    def _note_evaluation(self, observed: nn.Module) -> None:
+        """index.md: how many evaluation forwards there were, and what became of them."""
+        counts = evaluation_counts(observed)
+        if counts is None:
+            return
+        recorded, unobserved = counts
+        if self.eval_sampler is not None:
+            add_run_note(observed, f"{recorded} evaluation forwards were seen (record_eval).")
+        elif unobserved:
+            add_run_note(
+                observed,
+                f"{unobserved} evaluation forwards (sanity check, validation, test, predict: "
+                "forwards outside a training step) were not observed: they take no sample and "
+                f"forward_index does not count them ({self.owner}(record_eval=True) records "
+                "them as their own series)",
+            )
 
     def _finish_stale(self) -> None:
         """A new fit while the last one's observer is still attached: it ended without a word."""
@@ -193,5 +278,7 @@ class FitObservation:
             RuntimeWarning,
             stacklevel=3,
         )
+        self._note_evaluation(self.observed)
         remove_observer(self.observed)
         self.observed = None
+        self.phases = None

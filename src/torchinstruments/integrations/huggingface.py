@@ -9,6 +9,13 @@ Hooks, one line each:
 - `on_step_end`: after the first optimizer step only, warn if the model was never called.
 - `on_train_end`: remove.
 
+Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
+wrap below), and every other forward of the model during `train()` (evaluation every
+`eval_steps`, `eval_on_start`, predictions) never takes a sample and never enters the training
+series; with `record_eval=True` those are sampled on their own count and form their own series
+(mode `eval`). Each micro-batch of gradient accumulation is a training forward; their samples
+share one `step` (`state.global_step`, history's `step`).
+
 Defaults: the run directory is `args.output_dir/torchinstruments` (`-2`, `-3`, ... when taken).
 With `report_to` including `"tensorboard"`, the focus histograms also go into the Trainer's
 TensorBoard writer on `state.global_step`. With `rank_policy="rank0"` only the world's main
@@ -17,7 +24,8 @@ process attaches (`state.is_world_process_zero`).
 An exception: transformers has no exception event for callbacks. So at `on_train_begin` the
 callback finds the running `Trainer` (the caller's frame whose `self` is one; the callback
 handler is given no reference to it) and wraps that instance's `training_step` (an attribute of
-the Trainer object, never of the model; undone at removal): an exception raised in a training
+the Trainer object, never of the model; undone at removal): its forwards are the training
+forwards, and an exception raised in a training
 step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
 unchanged. An exception elsewhere (data loading, the optimizer step, evaluation) leaves the
 observer attached; the next `train()` with this callback finishes that run with a note (and a
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +49,9 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
+from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.sampling import Sampler
 from torchinstruments.sinks import Sink, TensorBoardSink
 
 __all__ = ["HuggingFaceObserver"]
@@ -56,6 +67,9 @@ class HuggingFaceObserver(TrainerCallback):
         **options: any other `inject_observer` option (`sampler`, `selector`, `reducers`,
             `histogram_selector`, `max_histogram_modules`, `history_config`, `rank_policy`,
             `capture_direct_forwards`, `sinks`), validated here.
+        record_eval: False (default): forwards outside `training_step` are not observed.
+            True: they are sampled by a copy of the sampler, on the count of evaluation
+            forwards, as their own series (mode `eval`). A `Sampler`: that one samples them.
 
     Raises:
         TypeError, ValueError: an option is invalid (the message names it).
@@ -69,9 +83,10 @@ class HuggingFaceObserver(TrainerCallback):
         output_dir: str | os.PathLike[str] | None = None,
         *,
         module: str | Callable[[nn.Module], nn.Module] | None = None,
+        record_eval: bool | Sampler = False,
         **options: Any,
     ) -> None:
-        self._fit = FitObservation("HuggingFaceObserver", output_dir, module, options)
+        self._fit = FitObservation("HuggingFaceObserver", output_dir, module, options, record_eval)
         self._step_guard: _StepGuard | None = None
 
     @property
@@ -100,7 +115,21 @@ class HuggingFaceObserver(TrainerCallback):
             global_step=lambda: state.global_step,
         )
         if directory is not None and trainer is not None:
-            self._step_guard = _StepGuard(trainer, self._on_step_exception, state)
+            self._step_guard = _StepGuard(trainer, self._fit, self._on_step_exception, state)
+        elif directory is not None:
+            self._fit.enter_training()  # training steps cannot be told apart: all forwards
+            warnings.warn(
+                "torchinstruments: HuggingFaceObserver: the running Trainer was not found, so "
+                "training and evaluation forwards cannot be told apart: every forward is on the "
+                "sampler's schedule (the mode column still keeps eval rows apart)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            add_run_note(
+                self._fit.observed or model,
+                "the running Trainer was not found: evaluation forwards were not told apart "
+                "from training forwards (both on the sampler's schedule; mode keeps rows apart)",
+            )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -155,11 +184,13 @@ def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:
 
 
 class _StepGuard:
-    """Wraps one Trainer instance's `training_step` so that an exception removes the observer."""
+    """Wraps one Trainer instance's `training_step`: its forwards are the training forwards,
+    and an exception in it removes the observer."""
 
     def __init__(
         self,
         trainer: Trainer,
+        fit: FitObservation,
         on_exception: Callable[[BaseException, int], None],
         state: TrainerState,
     ) -> None:
@@ -169,11 +200,14 @@ class _StepGuard:
         original = trainer.training_step
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
+            fit.enter_training()
             try:
                 return original(*args, **kwargs)
             except BaseException as error:
                 on_exception(error, state.global_step)
                 raise
+            finally:
+                fit.leave_training()
 
         self._wrapper = training_step
         trainer.training_step = training_step  # type: ignore[method-assign]

@@ -6,9 +6,17 @@ Hooks, one line each:
 
 - `on_fit_start`: inject into the LightningModule (or `module=` a part of it). Runs after the
   strategy moved the model to its device and before the sanity check and the first step.
-- `on_train_batch_end`: after the first step only, warn if the observed module was never called.
+- `on_train_batch_start`: the batch's forwards are training forwards (the sampler's schedule).
+- `on_train_batch_end`: what follows is evaluation; after the first batch only, warn if the
+  observed module was never called.
 - `on_fit_end`: remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: remove, with a note in index.md that the fit raised and at which global step.
+
+Training forwards are the samples: forwards outside a training batch (the sanity check,
+validation, test, predict) never take one and never enter the training series; with
+`record_eval=True` they are sampled on their own count and form their own series (mode `eval`).
+With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
+forward, and their samples share one `step` (the trainer's global step, history's `step`).
 
 Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
 directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). With a
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.sampling import Sampler
 from torchinstruments.sinks import Sink, TensorBoardSink
 
 if TYPE_CHECKING:
@@ -58,6 +67,9 @@ class LightningObserver(Callback):
         **options: any other `inject_observer` option (`sampler`, `selector`, `reducers`,
             `histogram_selector`, `max_histogram_modules`, `history_config`, `rank_policy`,
             `capture_direct_forwards`, `sinks`), validated here.
+        record_eval: False (default): forwards outside training batches are not observed.
+            True: they are sampled by a copy of the sampler, on the count of evaluation
+            forwards, as their own series (mode `eval`). A `Sampler`: that one samples them.
 
     Raises:
         TypeError, ValueError: an option is invalid (the message names it).
@@ -71,10 +83,11 @@ class LightningObserver(Callback):
         output_dir: str | os.PathLike[str] | None = None,
         *,
         module: str | Callable[[nn.Module], nn.Module] | None = None,
+        record_eval: bool | Sampler = False,
         **options: Any,
     ) -> None:
         super().__init__()
-        self._fit = FitObservation("LightningObserver", output_dir, module, options)
+        self._fit = FitObservation("LightningObserver", output_dir, module, options, record_eval)
 
     @property
     def directory(self) -> Path | None:
@@ -93,6 +106,12 @@ class LightningObserver(Callback):
             global_step=lambda: trainer.global_step,
         )
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The batch's forwards are training forwards."""
+        self._fit.enter_training()
+
     def on_train_batch_end(
         self,
         trainer: Trainer,
@@ -101,7 +120,8 @@ class LightningObserver(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """After the first step: warn if the observed module was never called."""
+        """What follows is evaluation; after the first batch: warn if nothing was called."""
+        self._fit.leave_training()
         self._fit.check_first_step()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

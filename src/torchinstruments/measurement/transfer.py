@@ -315,5 +315,7 @@ def _resolve_general(
                 tensor_path=key.tensor_path,
             )
             if histogram is not None:
+                if key.mode != "train":  # its own tags (records.histogram_tag)
+                    histogram = replace(histogram, mode=key.mode)
                 histograms.setdefault(key.sample_id, []).append(histogram)
     return resolved, histograms

@@ -93,7 +93,7 @@ history = history_of(run)'''
 
 def _blocks(layer: str) -> list[tuple[str, str]]:
     """(title, code) of every query after the setup block."""
-    series = '"layer", "call_index", "signal", "tensor_path", "metric"'
+    series = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
     return [
         (
             f"Status and counts, from `{STATE_FILE}` (counts are null while the run is in "
@@ -164,7 +164,7 @@ show(both)""",
             "series simply end before the run's latest sample (`stopped`), or its outputs never "
             "get a gradient row at all (`no_gradient`; every tensor, in a run without backward):",
             """last = history.select(pl.col("sample_id").max()).collect().item()
-tensor = ["layer", "call_index", "tensor_path"]
+tensor = ["layer", "call_index", "tensor_path", "mode"]
 series = (
     history.group_by(*tensor, "signal")
     .agg(
@@ -182,6 +182,27 @@ gradients = series.filter(pl.col("signal") == "output_gradient").select(tensor)
 no_gradient = outputs.join(gradients, on=tensor, how="anti").sort(tensor)
 print("tensors with output rows and no output_gradient row:")
 show(no_gradient)""",
+        ),
+        (
+            "One layer's trend by step, joined with the trainer's own logged scalars (loss, "
+            "learning rate) on `step`: the trainer's global step in the Lightning and Hugging "
+            "Face callbacks, or what `torchinstruments.set_step(model, step)` gave in a plain "
+            "loop. Train samples only (`mode`); several samples can share a step (gradient "
+            "accumulation). Set `scalars` to your trainer's log, e.g. Lightning's CSVLogger "
+            '`pl.read_csv("lightning_logs/version_0/metrics.csv")` or the Hugging Face Trainer\'s '
+            '`pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])`; '
+            "as printed it is an empty table (its columns: null):",
+            f"""scalars = pl.DataFrame(schema={{"step": pl.Int64, "loss": pl.Float64}})  # <- your log
+by_step = (
+    history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
+                   pl.col("metric") == "std", pl.col("mode") == "train",
+                   pl.col("step").is_not_null())
+    .select("step", "sample_id", "call_index", "tensor_path", "value")
+    .collect()
+    .join(scalars.with_columns(pl.col("step").cast(pl.Int64)), on="step", how="left")
+    .sort("step", "sample_id", "call_index", "tensor_path")
+)
+show(by_step, most={SHOWN_ROWS})""",
         ),
         (
             "Compare this run with another one (e.g. a baseline with the same seed and data): "

@@ -24,7 +24,8 @@ from torchinstruments.rundir.shell import tool_span
 
 COLUMN_NOTES = {
     "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
-    "forward_index": "0-based count of all root forwards (sampled or not) when the sample was taken",
+    "forward_index": "0-based count of all root forwards (sampled or not) when the sample was "
+    "taken (under a trainer callback: the forwards it observes; see mode below)",
     "timestamp": "UTC time at which the tensor was measured",
     "rank": "torch.distributed rank; null outside torch.distributed",
     "layer": 'qualified module name from named_modules() (root = "")',
@@ -130,6 +131,22 @@ def section_meanings() -> list[str]:
         "output object); `[1]['k']` nested. Non-tensor leaves are skipped.",
         "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
         "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
+        "- mode: a series is one (layer, call_index, signal, tensor_path, mode, metric). A "
+        "tensor's samples taken in eval mode (module.training False) are a series of their own, "
+        "never one with its train samples: result.json has a tensor entry per mode (`mode`), "
+        "`show` and `compare` print eval rows as `name [eval]`, `plot` and `heatmap` draw them "
+        "as their own line or row, and TensorBoard has their histograms under `eval/<tag>`. "
+        "That holds in a plain loop that calls model.eval() as under a trainer. The trainer "
+        "callbacks sample training forwards only: the sanity check, validation, test and "
+        "predict forwards take no sample and forward_index does not count them (index.md's "
+        "notes say how many there were), unless record_eval=True records them, on their own "
+        "schedule, as eval series.",
+        "- step: the trainer's global step (optimizer steps so far) in the Lightning and "
+        "Hugging Face callbacks, so the samples of one optimizer step under gradient "
+        "accumulation share it; in a plain loop the value last given with "
+        "`torchinstruments.set_step(model, step)`; null otherwise. It joins history with a "
+        "trainer's own logs (the query below), and `plot --x step` / `heatmap --x step` draw "
+        "over it.",
         "- root forward: the outermost call of the observed model, via `model(x)` or "
         "`model.forward(x)`. A call of the model inside its own forward belongs to the "
         "enclosing root forward (not counted again; the next call_index if the model is itself "
@@ -173,11 +190,13 @@ def section_result(run: RunInfo) -> list[str]:
         "## result.json",
         "",
         "`[{layer, module_type, sampled_forwards, tensors: [{call_index, signal, tensor_path, "
-        "shape, dtype, observations, first_sample_id, latest_sample_id, previous, recent, "
+        "mode, shape, dtype, observations, first_sample_id, latest_sample_id, previous, recent, "
         "metrics: {name: {valid, first, latest, min, max, previous, recent}}}]}]`, compact: one "
         "layer per line, no indentation. Every selected layer is listed, in traversal order, also "
         "if it never ran (`tensors: []`); tensors are sorted by (call_index, signal, "
-        "tensor_path); shape and dtype are the latest seen. A DTensor's entry also has its latest "
+        "tensor_path, mode: train before eval); shape and dtype are the latest seen. A tensor "
+        "sampled in train and in eval mode has one entry per mode: every figure of an entry "
+        "(windows, min / max, first / latest) is over that mode's samples only. A DTensor's entry also has its latest "
         "placement and mesh_coordinate.",
         "",
         "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "

@@ -35,6 +35,8 @@ rows, e.g. an unreadable part) carries its own values of those fields, which the
 
 Definitions (also in index.md):
 
+- A tensor entry is one (call_index, signal, tensor_path, mode): a train sample and an eval
+  sample of one tensor are never one series, so each mode has its own entry.
 - One *observation* is one history row of a tensor-metric; `observations` counts them and `valid`
   counts those with a non-null value.
 - `first` / `latest`: the value (possibly null) of the earliest / latest observation in history
@@ -314,7 +316,10 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     """
     # Strings as categoricals while aggregating: grouping on their integer codes is about twice
     # as fast and holds a chunk in a fraction of the memory; strings again at the end.
-    strings = ("layer", "signal", "tensor_path", "metric", "module_type", "dtype", "placement")
+    strings = (
+        *("layer", "signal", "tensor_path", "mode", "metric"),
+        *("module_type", "dtype", "placement"),
+    )
     columns = (
         *(pl.col(c).cast(pl.Categorical) if c in strings else pl.col(c) for c in SERIES_KEY),
         pl.col("sample_id"),
@@ -504,6 +509,7 @@ def _tensor_text(frame: pl.DataFrame) -> pl.Expr:
         ("call_index", _number_text("call_index")),
         ("signal", _text(frame, "signal")),
         ("tensor_path", _text(frame, "tensor_path")),
+        ("mode", _text(frame, "mode")),
         ("shape", _list_text("t_shape")),
         ("dtype", _text(frame, "t_dtype")),
     )
@@ -604,7 +610,10 @@ def layer_lines(
     frame = (
         _with_tensor_facts(stats)
         .join(order, on="layer", how="left")
-        .sort("_order", "call_index", "signal", "tensor_path", "metric")
+        .sort(
+            *("_order", "call_index", "signal", "tensor_path", "mode", "metric"),
+            descending=[False, False, False, False, True, False],  # train before eval
+        )
     )
     del stats
     texts = _layer_texts(frame)

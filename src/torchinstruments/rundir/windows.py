@@ -19,7 +19,10 @@ from torchinstruments.rundir.layout import HISTORY_SCHEMA
 __all__ = ["SERIES_KEY", "TENSOR_KEY", "finite_or_none", "window_mean", "window_summaries"]
 
 # One tensor of one layer call, and one of its metrics: the keys of result.json and the CLI.
-TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path")
+# `mode` is part of it: a train sample and an eval sample of one tensor are never one series
+# (their windows, extrema, first and latest are each their own), in a plain loop that calls
+# model.eval() as under a trainer callback with record_eval.
+TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path", "mode")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
 _WIDEN = 4

@@ -1,0 +1,53 @@
+"""Which schedule a root forward is on: a training forward, or a trainer's evaluation forward.
+
+Design decision: in a plain loop every root forward is on one schedule, the sampler's, whatever
+`model.train()` / `model.eval()` say; the `mode` column then keeps eval rows apart in every
+summary. Under a trainer callback the trainer says which forwards are training ones (Lightning's
+training-batch hooks, the Hugging Face Trainer's `training_step`) and only those are on the
+sampler's schedule. Every other root forward (sanity check, validation, test, predict) is an
+evaluation forward: by default it passes through unobserved (it is not a root forward of the
+run: forward_index does not count it and it never takes a sample; only its number is kept, for
+index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
+the count of evaluation forwards, so evaluation never moves the training schedule.
+Cost: one attribute read per root forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EVAL", "TRAIN", "UNOBSERVED", "Phases"]
+
+TRAIN = "train"  # the sampler's schedule: every root forward of a plain loop
+EVAL = "eval"  # a trainer's evaluation forwards, with record_eval: the evaluation sampler's
+UNOBSERVED = "unobserved"  # a trainer's evaluation forwards by default: passed through
+
+
+class Phases:
+    """The schedule the next root forward is on, as a trainer callback sets it."""
+
+    __slots__ = ("current", "eval_sampler", "following")
+
+    def __init__(self) -> None:
+        self.current = TRAIN
+        self.eval_sampler: Any = None  # a Sampler; None: evaluation forwards are unobserved
+        self.following = False  # True once a trainer callback says which forwards train
+
+    def follow_trainer(self, eval_sampler: Any) -> None:
+        """From now on only forwards inside a training step are training forwards.
+
+        Args:
+            eval_sampler: the evaluation forwards' sampler, or None to leave them unobserved.
+        """
+        self.eval_sampler = eval_sampler
+        self.following = True
+        self.leave_training()
+
+    def enter_training(self) -> None:
+        """A training step starts: its forwards are on the sampler's schedule."""
+        self.current = TRAIN
+
+    def leave_training(self) -> None:
+        """A training step ended: what follows is evaluation (or the trainer's own code)."""
+        if self.following:
+            self.current = UNOBSERVED if self.eval_sampler is None else EVAL

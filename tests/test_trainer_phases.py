@@ -1,0 +1,283 @@
+"""Real trainers: training forwards are the samples, the step column is the global step, and
+evaluation forwards are recorded only on request, as their own series.
+
+Each model writes down, at every call, what the trainer was doing (an independent record: a
+forward pre-hook in the test, never the library's) and the trainer's global step; history is
+checked against that record sample by sample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import lightning
+import polars as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from torchinstruments import EveryNForwardsSampler
+from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
+
+from conftest import cli_in_process, read_history, read_result
+
+
+def per_sample(history: pl.DataFrame) -> pl.DataFrame:
+    """One row per sample: its forward_index, steps and modes (as sets: one each, checked)."""
+    return (
+        history.group_by("sample_id")
+        .agg(
+            forward_index=pl.col("forward_index").unique(),
+            step=pl.col("step").unique(),
+            mode=pl.col("mode").unique(),
+        )
+        .sort("sample_id")
+    )
+
+
+def check_samples(history: pl.DataFrame, calls: list[tuple[str, int]]) -> None:
+    """Every sample is the call its forward_index names: its phase is its mode, its step the
+    trainer's global step at that call, and every call the observer counted was sampled."""
+    samples = per_sample(history)
+    assert samples["sample_id"].to_list() == list(range(len(calls)))
+    for row in samples.iter_rows(named=True):
+        [forward_index], [step], [mode] = row["forward_index"], row["step"], row["mode"]
+        assert (mode, step) == calls[forward_index], row
+
+
+# -- Lightning ----------------------------------------------------------------------------------
+
+
+class Recorded(lightning.LightningModule):
+    """Two Linear layers; every call of the module records (phase, global step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.calls: list[tuple[str, int]] = []
+        self.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        trainer = self.trainer
+        phase = "train" if trainer.training and not trainer.sanity_checking else "eval"
+        self.calls.append((phase, trainer.global_step))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def lightning_fit(tmp_path: Path, callback: LightningObserver) -> Recorded:
+    """8 training batches, accumulate_grad_batches=2 (4 optimizer steps), a sanity check of 2
+    validation batches and a validation of 2 batches after training batches 4 and 8."""
+    model = Recorded()
+    train = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    val = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    trainer = lightning.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=2,
+        val_check_interval=4,
+        logger=TensorBoardLogger(save_dir=tmp_path, name="logs"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(train, batch_size=4), DataLoader(val, batch_size=4))
+    return model
+
+
+def test_lightning_samples_training_forwards_only_on_the_global_step(tmp_path: Path) -> None:
+    callback = LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    model = lightning_fit(tmp_path, callback)
+    phases = [phase for phase, _ in model.calls]
+    assert phases.count("train") == 8
+    assert phases.count("eval") == 6  # sanity check 2, validation 2 x 2
+    history = read_history(tmp_path / "run")
+    training = [call for call in model.calls if call[0] == "train"]
+    assert [step for _, step in training] == [0, 0, 1, 1, 2, 2, 3, 3]
+    check_samples(history, training)  # forward_index counts training forwards only
+    assert set(history["mode"]) == {"train"}
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "6 evaluation forwards (sanity check, validation, test, predict" in index
+
+
+def test_lightning_record_eval_gives_eval_series_of_their_own(tmp_path: Path) -> None:
+    callback = LightningObserver(
+        tmp_path / "run", sampler=EveryNForwardsSampler(1), record_eval=True
+    )
+    model = lightning_fit(tmp_path, callback)
+    run = tmp_path / "run"
+    history = read_history(run)
+    check_samples(history, model.calls)  # every call observed, each with its own phase
+    eval_samples = history.filter(pl.col("mode") == "eval")["sample_id"].unique()
+    assert eval_samples.len() == 6
+    assert set(history.filter(pl.col("mode") == "eval")["signal"]) == {"output"}  # no backward
+
+    # result.json: one entry per mode, each over its own samples only.
+    layer = next(r for r in read_result(run) if r["layer"] == "net.0")
+    entries = {(t["signal"], t["mode"]): t for t in layer["tensors"]}
+    assert set(entries) == {("output", "train"), ("output", "eval"), ("output_gradient", "train")}
+    for (signal, mode), entry in entries.items():
+        rows = history.filter(
+            pl.col("layer") == "net.0", pl.col("signal") == signal, pl.col("mode") == mode
+        )
+        assert entry["observations"] == rows.filter(pl.col("metric") == "mean").height
+        assert entry["latest_sample_id"] == rows["sample_id"].max()
+        mean = rows.filter(pl.col("metric") == "mean").sort("sample_id")["value"].to_list()
+        assert entry["metrics"]["mean"]["first"] == mean[0]
+        assert entry["metrics"]["mean"]["latest"] == mean[-1]
+
+    # show: the eval series is a row of its own.
+    shown = cli_in_process("show", run, "--layers", "^net\\.0$", "--metrics", "mean", "--all")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert any(line.startswith("net.0 [eval]") for line in lines), shown.stdout
+    assert any(line.startswith("net.0 ") and "[eval]" not in line for line in lines)
+    csv = cli_in_process("show", run, "--format", "csv", "--metrics", "mean")
+    shown_modes = pl.read_csv(csv.stdout.encode()).filter(pl.col("layer") == "net.0")["mode"]
+    assert sorted(shown_modes.to_list()) == ["eval", "train", "train"]
+
+    # TensorBoard (the trainer's logger): eval histograms under eval/, on the global step.
+    events = EventAccumulator(str(tmp_path / "logs" / "version_0"), {HISTOGRAMS: 0}).Reload()
+    tags = cast(dict[str, list[str]], events.Tags())["histograms"]
+    evals = [call for call in model.calls if call[0] == "eval"]
+    want = [step for _, step in evals]  # 0, 0 (sanity), 2, 2, 4, 4
+    assert [e.step for e in events.Histograms("eval/net.0/call_0/output/tensor")] == want
+    train_steps = [step for phase, step in model.calls if phase == "train"]
+    assert [e.step for e in events.Histograms("net.0/call_0/output/tensor")] == train_steps
+    assert not any(tag.startswith("eval/") and "output_gradient" in tag for tag in tags)
+
+
+def test_record_eval_is_validated_when_the_callback_is_built() -> None:
+    with pytest.raises(TypeError, match="record_eval must be False, True or a Sampler"):
+        LightningObserver(record_eval="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="record_eval must be False, True or a Sampler"):
+        HuggingFaceObserver(record_eval=3)  # type: ignore[arg-type]
+
+
+# -- Hugging Face ---------------------------------------------------------------------------------
+
+
+class RecordingTrainer(Trainer):
+    """Marks its own training steps, so the test knows which forwards are training ones."""
+
+    in_training = False
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.in_training = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.in_training = False
+
+
+def hf_train(tmp_path: Path, callback: HuggingFaceObserver) -> tuple[Trainer, list]:
+    """4 optimizer steps of 2 micro-batches (gradient accumulation), evaluation every 2 steps
+    (2 batches each)."""
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+    )
+    config.num_labels = 2
+    model = BertForSequenceClassification(config)
+    generator = torch.Generator().manual_seed(0)
+
+    def examples(n: int) -> list[dict[str, torch.Tensor]]:
+        return [
+            {
+                "input_ids": torch.randint(0, 32, (6,), generator=generator),
+                "labels": torch.tensor(i % 2),
+            }
+            for i in range(n)
+        ]
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = RecordingTrainer(
+        model=model,
+        args=args,
+        train_dataset=examples(16),
+        eval_dataset=examples(4),
+        callbacks=[callback],
+    )
+    calls: list[tuple[str, int]] = []
+
+    def record(module: nn.Module, args: Any, kwargs: Any) -> None:
+        calls.append(("train" if trainer.in_training else "eval", trainer.state.global_step))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.train()
+    return trainer, calls
+
+
+def test_huggingface_samples_training_forwards_only_on_the_global_step(tmp_path: Path) -> None:
+    callback = HuggingFaceObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    _, calls = hf_train(tmp_path, callback)
+    training = [call for call in calls if call[0] == "train"]
+    assert [step for _, step in training] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [phase for phase, _ in calls].count("eval") == 4  # 2 evaluations of 2 batches
+    history = read_history(tmp_path / "run")
+    check_samples(history, training)
+    assert set(history["mode"]) == {"train"}
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "4 evaluation forwards (sanity check, validation, test, predict" in index
+
+
+def test_huggingface_record_eval_gives_eval_series_of_their_own(tmp_path: Path) -> None:
+    callback = HuggingFaceObserver(
+        tmp_path / "run",
+        sampler=EveryNForwardsSampler(1),
+        record_eval=True,
+        max_histogram_modules=1,
+    )
+    _, calls = hf_train(tmp_path, callback)
+    run = tmp_path / "run"
+    history = read_history(run)
+    check_samples(history, calls)
+    assert history.filter(pl.col("mode") == "eval")["sample_id"].n_unique() == 4
+    layer = next(r for r in read_result(run) if r["layer"] == "classifier")
+    modes = sorted((t["signal"], t["mode"]) for t in layer["tensors"])
+    assert modes == [("output", "eval"), ("output", "train"), ("output_gradient", "train")]
+
+    logs = [p.parent for p in (tmp_path / "out" / "runs").rglob("events.out.tfevents.*")]
+    events = EventAccumulator(str(logs[0]), {HISTOGRAMS: 0}).Reload()
+    tag = "bert.embeddings.word_embeddings/call_0/output/tensor"
+    evals = [step for phase, step in calls if phase == "eval"]  # 2, 2, 4, 4
+    assert [e.step for e in events.Histograms("eval/" + tag)] == evals
+    assert [e.step for e in events.Histograms(tag)] == [s for p, s in calls if p == "train"]

@@ -129,7 +129,7 @@ def test_plot_and_heatmap_of_the_parent(parent: Path, tmp_path: Path) -> None:
     assert "2 ranks x 4 samples" in text
     image = Image.open(tmp_path / "heatmap-ranks-mean.png")
     description = json.loads(image.text["Description"])  # type: ignore[attr-defined]
-    assert description["rows"] == [["rank 000: 0", 0, ""], ["rank 001: 0", 0, ""]]
+    assert description["rows"] == [["rank 000: 0", 0, "", "train"], ["rank 001: 0", 0, "", "train"]]
     assert description["columns"] == list(range(STEPS))
 
 

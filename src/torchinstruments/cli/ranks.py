@@ -59,6 +59,7 @@ SPREAD_COLUMNS = (
     "call_index",
     "signal",
     "tensor_path",
+    "mode",
     "metric",
     "at",
     "ranks",
@@ -76,6 +77,7 @@ DEPARTURE_COLUMNS = (
     "call_index",
     "signal",
     "tensor_path",
+    "mode",
     "metric",
     "ranks",
     "matched_samples",
@@ -187,7 +189,7 @@ def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.D
     return (
         every.join(stats, on=SERIES_KEY, how="left", nulls_equal=True)
         .with_columns(at=pl.lit(at), ranks=pl.col("ranks").fill_null(0))
-        .select(*keys, "at", *SPREAD_COLUMNS[7:])
+        .select(*keys, "at", *SPREAD_COLUMNS[SPREAD_COLUMNS.index("at") + 1 :])
     )
 
 
@@ -261,7 +263,7 @@ def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
     name = r["layer"] or "<root>"
     if r["layer"] in several_calls:
         name += f"#{r['call_index']}"
-    return name + r["tensor_path"]
+    return name + r["tensor_path"] + ("" if r.get("mode", "train") == "train" else " [eval]")
 
 
 def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False) -> str:
@@ -361,7 +363,7 @@ def _x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int
     return [(start, min(start + step, hi + 1)) for start in range(lo, hi + 1, step)]
 
 
-_TEXT_KEYS = ("layer", "signal", "tensor_path", "metric")
+_TEXT_KEYS = ("layer", "signal", "tensor_path", "mode", "metric")  # mode: windows.TENSOR_KEY
 
 
 def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
@@ -381,7 +383,7 @@ def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataF
     numeric sorts.
     """
     codes = [f"_{k}" for k in _TEXT_KEYS]
-    keys = [codes[0], "call_index", codes[1], codes[2], codes[3]]
+    keys = [codes[0], "call_index", *codes[1:]]
     frame = batch.select(
         *(pl.col(k).cast(pl.Categorical) for k in (*_TEXT_KEYS, "module_type")),
         *(
@@ -472,6 +474,7 @@ def _combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
         "call_index": pl.Int32,
         "signal": pl.String,
         "tensor_path": pl.String,
+        "mode": pl.String,
         "metric": pl.String,
         "ranks": pl.Int64,
         "matched_samples": pl.Int64,

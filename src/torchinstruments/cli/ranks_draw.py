@@ -146,7 +146,7 @@ def heatmap_ranks(
     for metric in metrics:
         cells = rows.filter(pl.col("metric") == metric).select(
             *(pl.col(n).cast(pl.Categorical) for n in ("layer", "tensor_path", "module_type")),
-            pl.col("signal").cast(pl.Categorical),
+            pl.col("signal", "mode").cast(pl.Categorical),
             "call_index",
             x,
             "value",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import operator
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +27,7 @@ from torchinstruments.compilation import compile_support, compiled_from_the_top,
 from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.measurement.reducers import ReducerSpec
+from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import EVAL, Phases
 from torchinstruments.records import RunCounts, RunInfo
@@ -196,11 +196,9 @@ def remove_observer(model: nn.Module) -> Path | None:
         if model in _UNATTACHED:
             _UNATTACHED.discard(model)
             return None
-        warnings.warn(
+        warn(
             f"torchinstruments: remove_observer: this {type(model).__name__} has no observer "
-            "(never injected, or already removed); nothing was done",
-            RuntimeWarning,
-            stacklevel=2,
+            "(never injected, or already removed); nothing was done"
         )
         return None
     observer = _OBSERVERS.pop(key)
@@ -212,28 +210,22 @@ def remove_observer(model: nn.Module) -> Path | None:
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
         shown = ", ".join(repr(name) for name in never_ran[:20])
-        warnings.warn(
+        warn(
             f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
             f"sampled forward ({observer.counter.samples} samples), so they have no rows: {shown}"
             + (" ..." if len(never_ran) > 20 else "")
-            + " (see the Layers section of index.md)",
-            RuntimeWarning,
-            stacklevel=2,
+            + " (see the Layers section of index.md)"
         )
     counts = observer.counts()
     if counts.samples == 0 and observer.layer_names:
-        warnings.warn(
+        warn(
             f"torchinstruments: no sample was recorded ({counts.root_forwards} root forwards "
-            f"seen, none sampled): {observer.directory} holds no rows, and its index.md says so",
-            RuntimeWarning,
-            stacklevel=2,
+            f"seen, none sampled): {observer.directory} holds no rows, and its index.md says so"
         )
     if left_in_place:
-        warnings.warn(
+        warn(
             f"torchinstruments: {left_in_place} module forward(s) were replaced or wrapped after "
-            "inject_observer; they were left in place and the proxies inside them are now inert",
-            RuntimeWarning,
-            stacklevel=2,
+            "inject_observer; they were left in place and the proxies inside them are now inert"
         )
     return observer.directory
 
@@ -281,11 +273,9 @@ def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
     key = _registered(model)
     if key is None:
         if model not in _UNATTACHED:
-            warnings.warn(
+            warn(
                 f"torchinstruments: set_step: this {type(model).__name__} has no observer "
-                "(never injected, or already removed); the step was not recorded",
-                RuntimeWarning,
-                stacklevel=2,
+                "(never injected, or already removed); the step was not recorded"
             )
         return
     _OBSERVERS[key].step = value
@@ -401,7 +391,7 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
     directory = DirectorySink(run.output_dir, history)
     directory.start(run)  # refuses a directory that already holds a run
     for note in run.notes:
-        warnings.warn(f"torchinstruments: {note}", RuntimeWarning, stacklevel=3)
+        warn(f"torchinstruments: {note}")
     group = SinkGroup(config.sinks)
     group.start(run)
     group.insert_started(directory)

@@ -17,12 +17,13 @@ such a process would fail in `init_process_group` anyway and the run must not fa
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+
+from torchinstruments.notices import warn
 
 RANK_POLICIES = ("rank0", "all")
 
@@ -57,12 +58,10 @@ def environment_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
     except ValueError:
         rank, world_size = -1, 0
     if not 0 <= rank < world_size:
-        warnings.warn(
+        warn(
             f"torchinstruments: ignoring RANK={rank_text!r}, WORLD_SIZE={world_text!r} from the "
             "environment (expected integers with 0 <= RANK < WORLD_SIZE); this process is "
-            "treated as not distributed",
-            RuntimeWarning,
-            stacklevel=3,
+            "treated as not distributed"
         )
         return None
     return rank, world_size

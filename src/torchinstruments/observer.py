@@ -54,7 +54,6 @@ import operator
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,6 +86,7 @@ from torchinstruments.measurement.transfer import (
     launch,
     note_of,
 )
+from torchinstruments.notices import warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
@@ -580,7 +580,7 @@ class Observer:
         """Report a measurement failure once per kind; training goes on."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"torchinstruments: {message}", RuntimeWarning, stacklevel=3)
+            warn(f"torchinstruments: {message}")
 
 
 # The root wrapper runs as plain Python even inside a compiled region; what it calls is compiled.

@@ -9,7 +9,6 @@ break the training step, and one broken sink must not silence the others.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +26,7 @@ from torchinstruments.events import (
     missing_histograms,
     missing_text,
 )
+from torchinstruments.notices import warn
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
 from torchinstruments.rundir.finish import finish_run
@@ -205,13 +205,11 @@ class DirectorySink:
         if self._missing_first is None:
             first = missing[0]
             self._missing_first = (first.tag, record.forward_index, first.reason)
-            warnings.warn(
+            warn(
                 f"torchinstruments: focus tensor {first.tag} has no histogram at forward_index "
                 f"{record.forward_index}: {first.reason} (histograms count finite entries only). "
                 f"TensorBoard shows a text note '{first.tag}{NO_HISTOGRAM}' at each such step, "
-                "and index.md counts them; the history rows are written as usual",
-                RuntimeWarning,
-                stacklevel=4,
+                "and index.md counts them; the history rows are written as usual"
             )
         self._missing_count += len(missing)
 
@@ -237,11 +235,9 @@ class DirectorySink:
                 self._history.flush()
                 self._save_losses(self._history)
         except Exception as error:  # never let the flush thread die
-            warnings.warn(
+            warn(
                 f"torchinstruments: flushing history under {self.directory} failed "
-                f"({type(error).__name__}: {error})",
-                RuntimeWarning,
-                stacklevel=1,
+                f"({type(error).__name__}: {error})"
             )
         events = self._events
         if events is not None:
@@ -274,12 +270,10 @@ class DirectorySink:
                 f"TensorBoard events under {TENSORBOARD_DIR}/ {what} ({type(error).__name__}: "
                 f"{error}); histograms after that point are missing (the history is not affected)"
             )
-            warnings.warn(
+            warn(
                 f"torchinstruments: TensorBoard events under {self.directory / TENSORBOARD_DIR} "
                 f"{what} ({type(error).__name__}: {error}); histograms are no longer written "
-                "there, the history goes on",
-                RuntimeWarning,
-                stacklevel=3,
+                "there, the history goes on"
             )
         events, self._events = self._events, None
         if events is not None:
@@ -326,11 +320,9 @@ class DirectorySink:
                 report = finish_run(self.directory, state)
                 for problem in report.problems:
                     if problem != self._events_problem:  # that one was warned when it happened
-                        warnings.warn(f"torchinstruments: {problem}", RuntimeWarning, stacklevel=2)
+                        warn(f"torchinstruments: {problem}")
                 for loss in report.state.losses:
-                    warnings.warn(
-                        f"torchinstruments: {loss.describe()}", RuntimeWarning, stacklevel=2
-                    )
+                    warn(f"torchinstruments: {loss.describe()}")
         finally:
             self._events = None
             self._history = None
@@ -458,11 +450,9 @@ class SinkGroup:
                 getattr(sink, method)(argument)
             except Exception as error:
                 self._sinks.remove(sink)
-                warnings.warn(
+                warn(
                     f"torchinstruments: sink {sink!r} raised {type(error).__name__}: {error} in "
-                    f"{method}(); it is detached and the other sinks go on",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    f"{method}(); it is detached and the other sinks go on"
                 )
 
     def start(self, run: RunInfo) -> None:

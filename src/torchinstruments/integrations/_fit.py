@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from torchinstruments.api import (
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
+from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import RUN_MARKERS
 from torchinstruments.sampling import check_sampler, describe_sampler
@@ -217,13 +217,11 @@ class FitObservation:
         self._checked_first_step = True
         counts = observed_counts(self.observed)
         if counts is not None and counts.root_forwards == 0:
-            warnings.warn(
+            warn(
                 f"torchinstruments: {self.owner}: the first training step never called the "
                 f"observed {type(self.observed).__name__}, so nothing is recorded (a training "
                 "step that calls a submodule directly, e.g. self.net(x), bypasses it); pass "
-                "module='net' (the attribute your step calls) to observe that module instead",
-                RuntimeWarning,
-                stacklevel=2,
+                "module='net' (the attribute your step calls) to observe that module instead"
             )
 
     def finish(
@@ -271,12 +269,10 @@ class FitObservation:
             "observer when the next fit started); an exception outside the training step is the "
             "likely cause",
         )
-        warnings.warn(
+        warn(
             f"torchinstruments: {self.owner}: the previous fit's observer was still attached "
             f"(its fit ended without an end-of-fit callback); its run {self.directory} is "
-            "finished now and a new one starts",
-            RuntimeWarning,
-            stacklevel=3,
+            "finished now and a new one starts"
         )
         self._note_evaluation(self.observed)
         remove_observer(self.observed)

@@ -23,7 +23,6 @@ reduced together) instead of 39.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +40,7 @@ from torchinstruments.measurement.histograms import (
     vector_from_sort,
 )
 from torchinstruments.measurement.numerics import metric_value
+from torchinstruments.notices import warn
 from torchinstruments.records import MetricValue
 
 __all__ = [
@@ -291,9 +291,7 @@ class Measurer:
         reason = reasons.reducer_modified_input(name)
         if name not in self._warned:
             self._warned.add(name)
-            warnings.warn(
-                f"torchinstruments: {reason}; its metrics are null", RuntimeWarning, stacklevel=2
-            )
+            warn(f"torchinstruments: {reason}; its metrics are null")
         metrics = tuple(reducer.metrics)
         return _Part(metrics, fixed={metric: MetricValue(None, reason) for metric in metrics})
 

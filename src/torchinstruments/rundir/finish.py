@@ -23,12 +23,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
@@ -172,12 +172,10 @@ def _write_parent_page(parent: Path) -> None:
     try:
         write_parent_index(parent)
     except OSError as error:
-        warnings.warn(
+        warn(
             f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
             f"({type(error).__name__}: {error}); "
-            f"`{tool_command('finalize', parent)}` writes it again",
-            RuntimeWarning,
-            stacklevel=2,
+            f"`{tool_command('finalize', parent)}` writes it again"
         )
 
 

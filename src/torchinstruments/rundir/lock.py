@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import warnings
 from pathlib import Path
 from types import ModuleType, TracebackType
 
+from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 
 
@@ -98,12 +98,10 @@ class RunLock:
         locker = _platform_locker()
         try:
             if locker is None:
-                warnings.warn(
+                warn(
                     "torchinstruments: this platform has neither fcntl nor msvcrt, so the run "
                     f"directory {self.path.parent} is not locked; do not run finalize on it while "
-                    "the run is live",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "the run is live"
                 )
             elif not _try_lock(fd, locker):
                 holder = _read_holder(fd)

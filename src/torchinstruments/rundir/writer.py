@@ -50,7 +50,6 @@ import json
 import math
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.notices import warn
 from torchinstruments.records import Measurement, MeasurementBlock
 from torchinstruments.rundir.columns import ColumnBuffer
 from torchinstruments.rundir.layout import (
@@ -391,13 +391,11 @@ class HistoryWriter:
         self._ledger.add(rows, sample_id, sample_id, self._drop_reason)
         if not self._warned_drop:
             self._warned_drop = True
-            warnings.warn(
+            warn(
                 f"torchinstruments: {self._config.buffered_rows_cap} history rows are waiting in "
                 f"memory for a part write that keeps failing ({self._error}); newer rows are "
                 "dropped and counted (sample ranges and reasons in the run state and index.md) "
-                "until a write succeeds. Training goes on. (Reported once.)",
-                RuntimeWarning,
-                stacklevel=5,
+                "until a write succeeds. Training goes on. (Reported once.)"
             )
 
     def _write_chunks(self) -> None:
@@ -485,13 +483,11 @@ class HistoryWriter:
         if self._warned:
             return
         self._warned = True
-        warnings.warn(
+        warn(
             f"torchinstruments could not write history part {path} ({exc}); the rows stay in "
             f"memory (at most max_buffered_rows={self._config.buffered_rows_cap}; newer ones are "
             "dropped and counted) and are retried at the next chunk, after half a flush interval "
-            "and at removal. Training goes on. (Reported once.)",
-            RuntimeWarning,
-            stacklevel=5,
+            "and at removal. Training goes on. (Reported once.)"
         )
 
 

@@ -1,0 +1,55 @@
+"""Library warnings, pointed at the user's line.
+
+Design decision: a warning raised deep in the library (a sink, a gradient hook, the history
+writer) would name that library line (`sinks.py:458`), which tells a user nothing. `warn` walks
+the stack past the frames of this package and of the code between the user and it (torch, wrapt,
+and the trainers whose callbacks run it: Lightning, transformers, accelerate) and names the first
+frame beyond them: the user's `model(x)`, `loss.backward()`, `trainer.fit(...)` or
+`remove_observer(model)`. `skip_file_prefixes` (Python 3.12) does the same, but the library
+supports 3.11. A warning raised on a thread that runs only library code (the flush timer) names
+the library line it came from. The cost is one frame walk per warning, and warnings are rare
+(most are said once).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_BETWEEN = ("torch", "wrapt", "lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def _skipped() -> tuple[str, ...]:
+    """Folders whose frames stand between the user and the library (those imported now)."""
+    folders = [_PACKAGE]
+    for name in _BETWEEN:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            folders.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(folders)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside the library (and torch, wrapt, trainers),
+    counted from the caller of `warn`; that caller's own level when every frame is inside."""
+    import inspect  # here, not at import: the command line imports this module and never warns
+
+    skipped = _skipped()
+    here = inspect.currentframe()  # this function; its caller is `warn`, whose caller is level 2
+    frame = None if here is None or here.f_back is None else here.f_back.f_back
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame = frame.f_back
+        level += 1
+    return 2 if frame is None else level
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """`warnings.warn(message, category)` at the user's line (see the module docstring)."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+__all__ = ["user_stacklevel", "warn"]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
+from torchinstruments import notices
 from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import FitObservation
 from torchinstruments.sampling import Sampler
@@ -118,12 +118,10 @@ class HuggingFaceObserver(TrainerCallback):
             self._step_guard = _StepGuard(trainer, self._fit, self._on_step_exception, state)
         elif directory is not None:
             self._fit.enter_training()  # training steps cannot be told apart: all forwards
-            warnings.warn(
+            notices.warn(
                 "torchinstruments: HuggingFaceObserver: the running Trainer was not found, so "
                 "training and evaluation forwards cannot be told apart: every forward is on the "
-                "sampler's schedule (the mode column still keeps eval rows apart)",
-                RuntimeWarning,
-                stacklevel=2,
+                "sampler's schedule (the mode column still keeps eval rows apart)"
             )
             add_run_note(
                 self._fit.observed or model,

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import torchinstruments.config as observer_config
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import tensors as measurement_tensors
+from torchinstruments.measurement.reducers import Measurer
 
 from _machine import print_machine
 
@@ -65,6 +66,13 @@ def count_ops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     return counts["bench::forward"], counts["bench::backward"]
 
 
+class GeneralPathMeasurer(Measurer):
+    """The observer's `Measurer` with the NumPy paths off (`host_paths=False`)."""
+
+    def __init__(self, reducers: object) -> None:
+        super().__init__(reducers, host_paths=False)  # type: ignore[arg-type]
+
+
 def main() -> None:
     """Prints the counts."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,8 +82,8 @@ def main() -> None:
     parser.add_argument("--sync-free", action="store_true", help="the device path, on the CPU")
     args = parser.parse_args()
     print_machine()
-    if args.sync_free:
-        measurement_tensors.SYNC_FREE_DEVICE_TYPES = frozenset()  # no host sync is free, even here
+    if args.sync_free:  # every tensor on the general path (Measurer's host_paths), as on a GPU
+        observer_config.Measurer = GeneralPathMeasurer  # type: ignore[misc]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = mlp(args.leaves, args.width)

@@ -18,7 +18,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from torchinstruments import EveryNForwardsSampler, has_observer, inject_observer, remove_observer
-from torchinstruments.measurement import tensors
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.records import MetricValue
 
@@ -45,10 +44,9 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(params=["host", "device"])
-def reduction_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test on the CPU path (host syncs free) and on the sync-free device path."""
-    if request.param == "device":
-        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+def reduction_path(request: pytest.FixtureRequest) -> str:
+    """Runs a test on the CPU's NumPy paths ("host") and on the sync-free general path
+    ("device", `Measurer(..., host_paths=False)`), which every non-CPU device runs."""
     return request.param
 
 
@@ -119,9 +117,11 @@ def observe(model: nn.Module, run_dir: Path, **kwargs: Any) -> Path:
     return directory
 
 
-def measure(tensor: torch.Tensor, measurer: Measurer | None = None) -> dict[str, MetricValue]:
+def measure(
+    tensor: torch.Tensor, measurer: Measurer | None = None, *, host_paths: bool = True
+) -> dict[str, MetricValue]:
     """Both halves of a reduction, as the engine runs them, by metric name."""
-    measurer = measurer or Measurer(None)
+    measurer = measurer or Measurer(None, host_paths=host_paths)
     pending = measurer.launch(tensor)
     vector = pending.device_vector
     if vector is not None:

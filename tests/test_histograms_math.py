@@ -3,35 +3,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement import tensors
 from torchinstruments.measurement.histograms import DEFAULT_BINS, reduce_histogram
 from torchinstruments.records import HistogramRecord
 
 from conftest import NoHostSync
 
-
-@pytest.fixture(autouse=True, scope="module", params=["host_bounds", "sync_free"])
-def counting_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs on the CPU's host-bounds path and on the sync-free (CUDA) path."""
-    original = tensors.SYNC_FREE_DEVICE_TYPES
-    if request.param == "sync_free":
-        tensors.SYNC_FREE_DEVICE_TYPES = frozenset()
-    yield request.param
-    tensors.SYNC_FREE_DEVICE_TYPES = original
+# Whether the NumPy path may count (the CPU's host path) or the sync-free general path counts.
+HOST_PATHS = {"host": True, "sync_free": False}
 
 
-def histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
-    """Both halves, as the engine runs them."""
-    pending = reduce_histogram(tensor, bins)
+@pytest.fixture(params=list(HOST_PATHS))
+def counting_path(request: pytest.FixtureRequest) -> str:
+    """Runs a test on the CPU's host path and on the sync-free (CUDA) path."""
+    return request.param
+
+
+def histogram(tensor: torch.Tensor, path: str, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
+    """Both halves, as the engine runs them, on `path` (a `HOST_PATHS` key)."""
+    pending = reduce_histogram(tensor, bins, host_paths=HOST_PATHS[path])
     vector = pending.device_vector
     return pending.resolve(
         [] if vector is None else vector.tolist(),
@@ -65,13 +62,13 @@ def assert_consistent(record: HistogramRecord, values: np.ndarray) -> None:
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
 )
-def test_counts_match_numpy(dtype: torch.dtype) -> None:
+def test_counts_match_numpy(counting_path: str, dtype: torch.dtype) -> None:
     rng = np.random.default_rng(0)
     values = rng.standard_normal(10_000)
     values[:50] = np.nan
     values[50:60] = np.inf
     tensor = torch.from_numpy(values).to(dtype)
-    record = histogram(tensor)
+    record = histogram(tensor, counting_path)
     assert record is not None
     assert len(record.bucket_limits) == len(record.bucket_counts) == DEFAULT_BINS
     assert_consistent(record, tensor.to(torch.float64).numpy())
@@ -79,15 +76,15 @@ def test_counts_match_numpy(dtype: torch.dtype) -> None:
     assert (record.signal, record.tensor_path) == ("output", "[0]")
 
 
-def test_edges_are_equally_spaced_and_max_falls_in_the_last_bin() -> None:
-    record = histogram(torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0]), bins=4)
+def test_edges_are_equally_spaced_and_max_falls_in_the_last_bin(counting_path: str) -> None:
+    record = histogram(torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0]), counting_path, bins=4)
     assert record is not None
     assert record.bucket_limits == (1.0, 2.0, 3.0, 4.0)
     assert record.bucket_counts == (1.0, 1.0, 1.0, 2.0)
 
 
-def test_constant_tensor_has_one_narrow_bin() -> None:
-    record = histogram(torch.full((7,), -2.5))
+def test_constant_tensor_has_one_narrow_bin(counting_path: str) -> None:
+    record = histogram(torch.full((7,), -2.5), counting_path)
     assert record is not None
     assert record.bucket_counts == (7.0,)
     assert record.min == record.max == -2.5
@@ -96,8 +93,8 @@ def test_constant_tensor_has_one_narrow_bin() -> None:
 
 
 @pytest.mark.parametrize("values", [[math.nan, math.inf], [-math.inf], [math.nan]])
-def test_no_finite_entries_gives_none(values: list[float]) -> None:
-    assert histogram(torch.tensor(values)) is None
+def test_no_finite_entries_gives_none(counting_path: str, values: list[float]) -> None:
+    assert histogram(torch.tensor(values), counting_path) is None
 
 
 @pytest.mark.parametrize(
@@ -105,23 +102,23 @@ def test_no_finite_entries_gives_none(values: list[float]) -> None:
     [torch.zeros(0), torch.ones(3, dtype=torch.complex64), torch.eye(3).to_sparse()],
     ids=["empty", "complex", "sparse"],
 )
-def test_unsupported_or_empty_gives_none(tensor: torch.Tensor) -> None:
-    assert histogram(tensor) is None
+def test_unsupported_or_empty_gives_none(counting_path: str, tensor: torch.Tensor) -> None:
+    assert histogram(tensor, counting_path) is None
 
 
-def test_integers_and_bools() -> None:
+def test_integers_and_bools(counting_path: str) -> None:
     ints = torch.tensor([1, 5, 5, -3, 9])
-    record = histogram(ints, bins=3)
+    record = histogram(ints, counting_path, bins=3)
     assert record is not None
     assert_consistent(record, ints.numpy())
-    flags = histogram(torch.tensor([True, False, True]), bins=2)
+    flags = histogram(torch.tensor([True, False, True]), counting_path, bins=2)
     assert flags is not None
     assert flags.bucket_counts == (1.0, 2.0)
 
 
-def test_extreme_float64_range_stays_consistent() -> None:
+def test_extreme_float64_range_stays_consistent(counting_path: str) -> None:
     values = np.array([-1.7e308, 1.7e308, 0.0, 1e308, -5.0])
-    record = histogram(torch.from_numpy(values), bins=8)
+    record = histogram(torch.from_numpy(values), counting_path, bins=8)
     assert record is not None
     finite = values
     edges = np.array([record.min, *record.bucket_limits])
@@ -130,33 +127,35 @@ def test_extreme_float64_range_stays_consistent() -> None:
     assert list(record.bucket_counts) == want.astype(float).tolist()
 
 
-def test_bins_a_few_ulps_wide_stay_consistent() -> None:
+def test_bins_a_few_ulps_wide_stay_consistent(counting_path: str) -> None:
     start = 1e6
     values = np.array([start + k * np.spacing(start) for k in range(5)] * 3)
-    record = histogram(torch.from_numpy(values), bins=64)
+    record = histogram(torch.from_numpy(values), counting_path, bins=64)
     assert record is not None
     assert_consistent(record, values)
 
 
 @pytest.mark.parametrize("bins", [0, -1, 2.5, True])
-def test_invalid_bins_give_none(bins: object) -> None:
-    assert histogram(torch.randn(5), bins) is None  # type: ignore[arg-type]
+def test_invalid_bins_give_none(counting_path: str, bins: object) -> None:
+    assert histogram(torch.randn(5), counting_path, bins) is None  # type: ignore[arg-type]
 
 
 def test_counting_never_syncs(counting_path: str) -> None:
-    if counting_path == "host_bounds":
-        pytest.skip("the host-bounds path runs only where host syncs are free (the CPU)")
+    if counting_path == "host":
+        pytest.skip("the host path runs only where host syncs are free (the CPU)")
     tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0])
     with NoHostSync() as mode:
-        pending = reduce_histogram(tensor, 4)
+        pending = reduce_histogram(tensor, 4, host_paths=False)
     assert mode.violations == []
     assert pending.device_vector is not None
-    record = histogram(tensor, 4)
+    record = histogram(tensor, counting_path, 4)
     assert record is not None
     assert record.num == 4.0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     values=hnp.arrays(
         dtype=st.sampled_from([np.float32, np.float64]),
@@ -165,8 +164,8 @@ def test_counting_never_syncs(counting_path: str) -> None:
     ),
     bins=st.integers(1, 70),
 )
-def test_arbitrary_arrays_match_numpy(values: np.ndarray, bins: int) -> None:
-    record = histogram(torch.from_numpy(values), bins)
+def test_arbitrary_arrays_match_numpy(counting_path: str, values: np.ndarray, bins: int) -> None:
+    record = histogram(torch.from_numpy(values), counting_path, bins)
     finite = values[np.isfinite(values)]
     if finite.size == 0:
         assert record is None
@@ -181,21 +180,20 @@ def test_arbitrary_arrays_match_numpy(values: np.ndarray, bins: int) -> None:
 
 
 def test_host_edges_equal_the_device_edges_bit_for_bit() -> None:
-    """The CPU paths and the general path report the same float64 edges (`edges_on_host`
-    repeats `_edges`' IEEE operations in NumPy)."""
+    """The CPU paths and the general path report the same float64 edges (`numerics.edges` runs
+    the same IEEE operations on floats in NumPy and on tensors in torch)."""
     import random
     import struct
 
     from torchinstruments.measurement import numerics
-    from torchinstruments.measurement.histograms import _edges
 
     rng = random.Random(5)
     pairs = [(-1.0, 1.0), (0.0, 0.0), (-0.0, 0.0), (1e-300, 1e300), (-3.5, -3.5 + 1e-12)]
     pairs += [tuple(sorted((rng.uniform(-1e6, 1e6), rng.uniform(-1e6, 1e6)))) for _ in range(200)]
     for low, high in pairs:
         for bins in (1, 7, 64):
-            host = numerics.edges_on_host(low, high, bins).tolist()
+            host = numerics.edges(low, high, bins).tolist()
             low_t = torch.tensor(low, dtype=torch.float64)
-            device = _edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
+            device = numerics.edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
             pack = [struct.pack("<d", v) for v in host]
             assert pack == [struct.pack("<d", v) for v in device], (low, high, bins)

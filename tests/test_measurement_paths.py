@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement import numerics
 from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
 from torchinstruments.records import HistogramRecord, MetricValue
@@ -40,14 +40,12 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
         monkeypatch.setattr(numerics, "CHUNK", 97)
     if name.startswith("cpu_batched"):  # the segmented pass even for one tensor
         monkeypatch.setattr(numerics, "BATCH_MIN", 1)
-    elif name == "device":
-        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
     return name
 
 
 def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHistogram]:
     """Statistics and histogram of one tensor as the observer launches them (focus layer)."""
-    measurer = Measurer(None)
+    measurer = Measurer(None, host_paths=path != "device")
     if path == "device":
         with NoHostSync() as mode:
             pending = measurer.launch_with_histogram(tensor)
@@ -272,11 +270,7 @@ def test_arbitrary_arrays_on_every_path(path: str, values: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("where", ["cpu", "device"])
-def test_more_than_2_pow_24_entries_with_histogram(
-    where: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if where == "device":
-        monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+def test_more_than_2_pow_24_entries_with_histogram(where: str) -> None:
     rng = np.random.default_rng(24)
     values = rng.standard_normal(2**24 + 5, dtype=np.float32)
     values[rng.integers(0, values.size, 1000)] = np.nan

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from torchinstruments.measurement import reducers as ready
-from torchinstruments.measurement import tensors
 from torchinstruments.measurement.reducers import (
     DEFAULT_METRICS,
     DefaultStatistics,
@@ -49,7 +48,7 @@ class Failing:
 
 
 def test_custom_metrics_follow_the_default_profile(reduction_path: str) -> None:
-    measurer = Measurer([AbsMax(), Numel()])
+    measurer = Measurer([AbsMax(), Numel()], host_paths=reduction_path == "host")
     assert measurer.metrics == (*DEFAULT_METRICS, "abs_max", "numel", "half_numel")
     tensor = torch.tensor([1.0, -7.5, 3.0])
     got = measure(tensor, measurer)
@@ -64,9 +63,9 @@ def test_reducers_satisfy_the_protocol() -> None:
     assert isinstance(DefaultStatistics(), Reducer)
 
 
-def test_device_scalars_travel_in_the_device_vector(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
-    pending = Measurer([DefaultStatistics(()), AbsMax(), Numel()]).launch(torch.tensor([2.0, -4.0]))
+def test_device_scalars_travel_in_the_device_vector() -> None:
+    measurer = Measurer([DefaultStatistics(()), AbsMax(), Numel()], host_paths=False)
+    pending = measurer.launch(torch.tensor([2.0, -4.0]))
     assert pending.device_vector is not None
     assert pending.device_vector.tolist() == [4.0]  # Python numbers stay on the host
     assert pending.resolve([4.0]) == (MetricValue(4.0), MetricValue(2.0), MetricValue(1.0))
@@ -121,14 +120,16 @@ def test_metric_names_must_be_non_empty_strings() -> None:
 
 
 def test_default_statistics_subset_replaces_the_default(reduction_path: str) -> None:
-    measurer = Measurer([AbsMax(), DefaultStatistics(("max", "mean"))])
+    measurer = Measurer(
+        [AbsMax(), DefaultStatistics(("max", "mean"))], host_paths=reduction_path == "host"
+    )
     assert measurer.metrics == ("abs_max", "max", "mean")
     got = measure(torch.tensor([1.0, -3.0]), measurer)
     assert got == {"abs_max": MetricValue(3.0), "max": MetricValue(1.0), "mean": MetricValue(-1.0)}
 
 
 def test_empty_default_statistics_leaves_custom_metrics_only(reduction_path: str) -> None:
-    measurer = Measurer([DefaultStatistics(()), AbsMax()])
+    measurer = Measurer([DefaultStatistics(()), AbsMax()], host_paths=reduction_path == "host")
     assert measurer.metrics == ("abs_max",)
     assert measure(torch.tensor([-2.0]), measurer) == {"abs_max": MetricValue(2.0)}
 
@@ -153,7 +154,7 @@ def test_default_statistics_validates_its_metrics(metrics: object) -> None:
 
 
 def test_raising_reducer_gives_null_with_reason_and_others_survive(reduction_path: str) -> None:
-    measurer = Measurer([Failing(), AbsMax()])
+    measurer = Measurer([Failing(), AbsMax()], host_paths=reduction_path == "host")
     got = measure(torch.tensor([1.0, -2.0]), measurer)
     reason = "reducer error: ValueError: bad input"
     assert got["broken"] == MetricValue(None, reason)
@@ -169,7 +170,7 @@ def test_missing_metric_gives_null_with_reason(reduction_path: str) -> None:
         def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
             return {"here": 1.0}
 
-    got = measure(torch.ones(2), Measurer([Partial()]))
+    got = measure(torch.ones(2), Measurer([Partial()], host_paths=reduction_path == "host"))
     assert got["here"] == MetricValue(1.0)
     assert got["gone"] == MetricValue(None, "reducer returned no value")
 
@@ -189,7 +190,7 @@ def test_invalid_values_give_null_with_reason(reduction_path: str) -> None:
             }
 
     odd: list[Reducer] = [DefaultStatistics(()), Odd()]  # pyrefly: ignore[bad-assignment]
-    got = measure(torch.ones(3), Measurer(odd))
+    got = measure(torch.ones(3), Measurer(odd, host_paths=reduction_path == "host"))
     assert got["vector"].value is None
     assert "shape (3,)" in str(got["vector"].reason)
     assert got["text"].value is None
@@ -210,7 +211,7 @@ def test_non_mapping_result_gives_null_with_reason(reduction_path: str) -> None:
             return [1.0]
 
     listy: list[Reducer] = [Listy()]  # pyrefly: ignore[bad-assignment]
-    got = measure(torch.ones(2), Measurer(listy))
+    got = measure(torch.ones(2), Measurer(listy, host_paths=reduction_path == "host"))
     assert got["a"].value is None
     assert "list" in str(got["a"].reason)
 
@@ -225,7 +226,10 @@ def test_reducers_get_a_detached_tensor_without_grad(reduction_path: str) -> Non
             seen.append((tensor.requires_grad, torch.is_grad_enabled()))
             return {"spy": 0.0}
 
-    measure(torch.ones(3, requires_grad=True) * 2, Measurer([Spy()]))
+    measure(
+        torch.ones(3, requires_grad=True) * 2,
+        Measurer([Spy()], host_paths=reduction_path == "host"),
+    )
     assert seen == [(False, False)]
 
 
@@ -239,7 +243,8 @@ def peak_to_peak(tensor: torch.Tensor) -> torch.Tensor:
 
 def test_named_function_and_mapping_are_reducers(reduction_path: str) -> None:
     measurer = Measurer(
-        [peak_to_peak, {"numel": lambda t: t.numel(), "first": lambda t: t.flatten()[0]}]
+        [peak_to_peak, {"numel": lambda t: t.numel(), "first": lambda t: t.flatten()[0]}],
+        host_paths=reduction_path == "host",
     )
     assert measurer.metrics == (*DEFAULT_METRICS, "peak_to_peak", "numel", "first")
     values = [1.0, -7.5, 3.0, 0.25]
@@ -257,7 +262,10 @@ def test_a_failing_function_nulls_only_its_own_metric(reduction_path: str) -> No
     def broken(tensor: torch.Tensor) -> float:
         raise ValueError("bad input")
 
-    got = measure(torch.tensor([2.0]), Measurer([{"ok": lambda t: 1.0}, broken]))
+    got = measure(
+        torch.tensor([2.0]),
+        Measurer([{"ok": lambda t: 1.0}, broken], host_paths=reduction_path == "host"),
+    )
     assert got["ok"] == MetricValue(1.0)
     assert got["broken"] == MetricValue(None, "reducer error: ValueError: bad input")
 
@@ -289,7 +297,10 @@ def test_ready_reducers_match_numpy_on_finite_entries(
 ) -> None:
     finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
     dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float32
-    got = measure(torch.tensor(values, dtype=dtype), Measurer([ready.AbsMax(), ready.L2Norm()]))
+    got = measure(
+        torch.tensor(values, dtype=dtype),
+        Measurer([ready.AbsMax(), ready.L2Norm()], host_paths=reduction_path == "host"),
+    )
     assert got["abs_max"] == MetricValue(float(np.abs(finite).max()))
     assert got["l2_norm"].value == pytest.approx(float(np.linalg.norm(finite)), rel=1e-7)
 
@@ -297,7 +308,7 @@ def test_ready_reducers_match_numpy_on_finite_entries(
 def test_ready_reducers_give_null_with_a_reason_without_finite_entries(
     reduction_path: str,
 ) -> None:
-    measurer = Measurer([ready.AbsMax(), ready.L2Norm()])
+    measurer = Measurer([ready.AbsMax(), ready.L2Norm()], host_paths=reduction_path == "host")
     nothing_finite = measure(torch.tensor([float("nan"), float("inf")]), measurer)
     assert nothing_finite["abs_max"] == MetricValue(None, "non-finite result")
     assert nothing_finite["l2_norm"] == MetricValue(None, "non-finite result")

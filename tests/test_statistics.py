@@ -1,7 +1,7 @@
 """The default statistics profile against NumPy on the same values, on both reduction paths.
 
 Every case runs twice: on the CPU selection path (the default on CPU) and on the sync-free device
-path (the one CUDA uses), forced on the CPU by emptying `tensors.SYNC_FREE_DEVICE_TYPES` (the `reduction_path` fixture).
+path (the one CUDA uses), forced on the CPU by `Measurer(..., host_paths=False)` (the `reduction_path` fixture).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement import tensors
 from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Measurer
 from torchinstruments.records import MetricValue
 
@@ -80,12 +79,12 @@ CASES = [
 def test_matches_numpy(reduction_path: str, dtype: torch.dtype, name: str, n: int) -> None:
     values = dict(distributions(np.random.default_rng(n), n))[name]
     tensor = as_tensor(values, dtype)
-    assert_matches(measure(tensor), as_reference(tensor))
+    assert_matches(measure(tensor, host_paths=reduction_path == "host"), as_reference(tensor))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_one_element(reduction_path: str, dtype: torch.dtype) -> None:
-    got = measure(torch.tensor([-1.5], dtype=dtype))
+    got = measure(torch.tensor([-1.5], dtype=dtype), host_paths=reduction_path == "host")
     assert {name: got[name].value for name in DEFAULT_METRICS} == {
         "mean": -1.5,
         "std": 0.0,
@@ -101,7 +100,10 @@ def test_one_element(reduction_path: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_no_finite_entries(reduction_path: str, dtype: torch.dtype) -> None:
-    got = measure(torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype))
+    got = measure(
+        torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype),
+        host_paths=reduction_path == "host",
+    )
     assert got["nonfinite_fraction"] == MetricValue(1.0)
     assert got["zero_fraction"] == MetricValue(0.0)
     for name in ("mean", "std", "min", "max", "p25", "p50", "p75"):
@@ -110,12 +112,12 @@ def test_no_finite_entries(reduction_path: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, torch.int64, torch.bool], ids=str)
 def test_empty_tensor(reduction_path: str, dtype: torch.dtype) -> None:
-    got = measure(torch.zeros(0, 3, dtype=dtype))
+    got = measure(torch.zeros(0, 3, dtype=dtype), host_paths=reduction_path == "host")
     assert all(metric == MetricValue(None, "empty tensor") for metric in got.values())
 
 
 def test_signed_zeros_count_as_zero_and_report_positive_zero(reduction_path: str) -> None:
-    got = measure(torch.tensor([-0.0, -0.0, 0.0, -0.0]))
+    got = measure(torch.tensor([-0.0, -0.0, 0.0, -0.0]), host_paths=reduction_path == "host")
     assert got["zero_fraction"] == MetricValue(1.0)
     for name in ORDER_METRICS:
         value = got[name].value
@@ -130,17 +132,21 @@ def test_integers_are_measured_as_float64(reduction_path: str, dtype: torch.dtyp
     tensor = torch.randint(
         low, 100, (5001,), dtype=dtype, generator=torch.Generator().manual_seed(1)
     )
-    assert_matches(measure(tensor), tensor.numpy().astype(np.float64))
+    assert_matches(
+        measure(tensor, host_paths=reduction_path == "host"), tensor.numpy().astype(np.float64)
+    )
 
 
 def test_large_int64_values(reduction_path: str) -> None:
     tensor = torch.tensor([2**62, -(2**62), 7, 0], dtype=torch.int64)
-    assert_matches(measure(tensor), tensor.numpy().astype(np.float64))
+    assert_matches(
+        measure(tensor, host_paths=reduction_path == "host"), tensor.numpy().astype(np.float64)
+    )
 
 
 def test_bool_is_measured_as_zero_one(reduction_path: str) -> None:
     tensor = torch.tensor([True, False, True, True])
-    got = measure(tensor)
+    got = measure(tensor, host_paths=reduction_path == "host")
     assert_matches(got, np.array([1.0, 0.0, 1.0, 1.0]))
     assert got["mean"].value == 0.75
     assert got["zero_fraction"].value == 0.25
@@ -148,14 +154,14 @@ def test_bool_is_measured_as_zero_one(reduction_path: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
 def test_complex_is_unsupported(reduction_path: str, dtype: torch.dtype) -> None:
-    got = measure(torch.ones(4, dtype=dtype))
+    got = measure(torch.ones(4, dtype=dtype), host_paths=reduction_path == "host")
     name = str(dtype).removeprefix("torch.")
     assert all(metric == MetricValue(None, f"unsupported dtype {name}") for metric in got.values())
 
 
 def test_sparse_is_unsupported(reduction_path: str) -> None:
     sparse = torch.eye(3).to_sparse()
-    got = measure(sparse)
+    got = measure(sparse, host_paths=reduction_path == "host")
     assert all(
         metric == MetricValue(None, "unsupported layout torch.sparse_coo")
         for metric in got.values()
@@ -164,14 +170,14 @@ def test_sparse_is_unsupported(reduction_path: str) -> None:
 
 def test_float32_variance_beyond_float32_range_is_not_null(reduction_path: str) -> None:
     values = np.array([3e38, -3e38, 3e38, -3e38], dtype=np.float32)
-    got = measure(torch.from_numpy(values))
+    got = measure(torch.from_numpy(values), host_paths=reduction_path == "host")
     assert got["std"].value == pytest.approx(float(np.float32(3e38)), rel=1e-12)
     assert got["mean"].value == 0.0
 
 
 def test_float64_near_overflow_has_mean_and_std(reduction_path: str) -> None:
     values = np.array([1.5e308, -1.5e308, 1.5e308, 1.0])
-    got = measure(torch.from_numpy(values))
+    got = measure(torch.from_numpy(values), host_paths=reduction_path == "host")
     scaled = values / 2.0**1000  # exact; NumPy itself would overflow on the unscaled values
     assert got["mean"].value == pytest.approx(float(np.mean(scaled)) * 2.0**1000, rel=1e-12)
     assert got["std"].value == pytest.approx(float(np.std(scaled)) * 2.0**1000, rel=1e-12)
@@ -180,7 +186,7 @@ def test_float64_near_overflow_has_mean_and_std(reduction_path: str) -> None:
 
 def test_subnormal_float64_values_keep_their_std(reduction_path: str) -> None:
     values = np.array([1e-310, 3e-310, 2e-310, 5e-310])
-    got = measure(torch.from_numpy(values))
+    got = measure(torch.from_numpy(values), host_paths=reduction_path == "host")
     scaled = values * 2.0**1000  # exact; NumPy's own std underflows to 0 on the unscaled values
     assert got["std"].value == pytest.approx(float(np.std(scaled)) / 2.0**1000, rel=1e-12)
     assert got["mean"].value == pytest.approx(float(np.mean(scaled)) / 2.0**1000, rel=1e-12)
@@ -190,14 +196,16 @@ def test_subnormal_float64_values_keep_their_std(reduction_path: str) -> None:
 def test_non_contiguous_inputs(reduction_path: str) -> None:
     base = torch.randn(64, 48, generator=torch.Generator().manual_seed(2))
     for view in (base.t(), base[::3, 1::2], base.expand(2, 64, 48)):
-        assert_matches(measure(view), view.contiguous().numpy())
+        assert_matches(
+            measure(view, host_paths=reduction_path == "host"), view.contiguous().numpy()
+        )
 
 
 def test_leaves_the_tensor_and_autograd_alone(reduction_path: str) -> None:
     leaf = torch.randn(100, requires_grad=True)
     out = leaf * 2
     before = out.detach().clone()
-    measure(out)
+    measure(out, host_paths=reduction_path == "host")
     assert torch.equal(out.detach(), before)
     out.sum().backward()
     assert leaf.grad is not None
@@ -206,13 +214,11 @@ def test_leaves_the_tensor_and_autograd_alone(reduction_path: str) -> None:
 
 def test_more_than_2_pow_24_elements_has_exact_quartiles(reduction_path: str) -> None:
     if reduction_path == "device":
-        pytest.skip(
-            "the device path is a plain sort; its size handling is covered by smaller inputs"
-        )
+        pytest.skip("the device path at this size: test_measurement_paths (with its histogram)")
     rng = np.random.default_rng(24)
     values = rng.standard_normal(2**24 + 3, dtype=np.float32)
     values[rng.integers(0, values.size, 1000)] = np.nan
-    got = measure(torch.from_numpy(values))
+    got = measure(torch.from_numpy(values), host_paths=reduction_path == "host")
     finite = values[np.isfinite(values)].astype(np.float64)
     quartiles = np.percentile(finite, [25, 50, 75])  # one partition for all three
     assert [got[name].value for name in ("p25", "p50", "p75")] == quartiles.tolist()
@@ -222,7 +228,10 @@ def test_more_than_2_pow_24_elements_has_exact_quartiles(reduction_path: str) ->
 
 
 def test_subset_reports_only_its_metrics(reduction_path: str) -> None:
-    measurer = Measurer([DefaultStatistics(("p75", "nonfinite_fraction", "mean"))])
+    measurer = Measurer(
+        [DefaultStatistics(("p75", "nonfinite_fraction", "mean"))],
+        host_paths=reduction_path == "host",
+    )
     tensor = torch.tensor([1.0, 2.0, math.nan, 4.0])
     got = measure(tensor, measurer)
     assert list(got) == ["p75", "nonfinite_fraction", "mean"]
@@ -233,13 +242,15 @@ def test_subset_reports_only_its_metrics(reduction_path: str) -> None:
 
 
 def test_empty_profile_transfers_nothing(reduction_path: str) -> None:
-    pending = Measurer([DefaultStatistics(())]).launch(torch.randn(10))
+    pending = Measurer([DefaultStatistics(())], host_paths=reduction_path == "host").launch(
+        torch.randn(10)
+    )
     assert pending.device_vector is None
     assert pending.resolve([]) == ()
 
 
 def test_resolve_with_wrong_host_values_gives_reasons(reduction_path: str) -> None:
-    measurer = Measurer(None)
+    measurer = Measurer(None, host_paths=reduction_path == "host")
     pending = measurer.launch(torch.randn(10))
     got = pending.resolve([1.0] * 1000)
     assert len(got) == len(measurer.metrics)
@@ -252,8 +263,7 @@ def test_default_statistics_is_callable_on_its_own() -> None:
 
 
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, torch.int32, torch.bool], ids=str)
-def test_device_path_never_syncs(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(tensors, "SYNC_FREE_DEVICE_TYPES", frozenset())
+def test_device_path_never_syncs(dtype: torch.dtype) -> None:
     tensor = torch.tensor([1.0, math.nan, -2.0, 0.0, math.inf, 5.0]).to(dtype)
 
     class OnDevice:
@@ -262,7 +272,7 @@ def test_device_path_never_syncs(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
         def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"abs_max": tensor.float().abs().amax()}
 
-    measurer = Measurer([OnDevice()])
+    measurer = Measurer([OnDevice()], host_paths=False)
     with NoHostSync() as mode:
         pending = measurer.launch(tensor)
     assert mode.violations == []
@@ -286,7 +296,7 @@ float_arrays = hnp.arrays(
 @given(values=float_arrays)
 def test_arbitrary_arrays_match_numpy(reduction_path: str, values: np.ndarray) -> None:
     tensor = torch.from_numpy(np.array(values))
-    got = measure(tensor)
+    got = measure(tensor, host_paths=reduction_path == "host")
     if values.size == 0:
         assert all(metric == MetricValue(None, "empty tensor") for metric in got.values())
         return

@@ -242,8 +242,11 @@ class Called:
     block: torch.Tensor | None = None
 
 
-def call_reducer(reducer: Reducer, tensor: torch.Tensor, offset: int) -> Called:
-    """Calls one custom reducer, keeping device scalars of plain tensors on the device."""
+def call_reducer(
+    reducer: Reducer, tensor: torch.Tensor, offset: int, host_paths: bool = True
+) -> Called:
+    """Calls one custom reducer, keeping device scalars of plain tensors on the device (also on
+    the CPU when `host_paths` is False, as the general path does)."""
     metrics = tuple(reducer.metrics)
     try:
         result = reducer(tensor)
@@ -268,7 +271,7 @@ def call_reducer(reducer: Reducer, tensor: torch.Tensor, offset: int) -> Called:
                 fixed[name] = MetricValue(None, problem)
             elif (
                 value.device == tensor.device
-                and not tensors.host_sync_is_free(value.device)
+                and not (host_paths and tensors.host_sync_is_free(value.device))
                 and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
             ):
                 refs[name] = offset + len(device_values)

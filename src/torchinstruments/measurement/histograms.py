@@ -1,21 +1,21 @@
 """Histograms of the finite entries of one tensor, counted where its statistics are.
 
-Design decision: like the statistics, a histogram is reduced in two halves, and it never has a
-pass of its own when the default profile measures the same tensor: on the CPU, the NumPy sort
-path's `numerics.host_histogram` counts it from the sorted copy and the vector stays a host list
-(`PendingHistogram.host_vector`, it never round-trips through a tensor); elsewhere (the general
-path, on the tensor's device) `vector_from_sort` counts it with one `searchsorted` of the edges
-over the statistics' own sort, without any host synchronisation, and the vector travels to the
-host with the sample's single transfer. `resolve` turns either into a `HistogramRecord`.
+Design decision: like the statistics, a histogram is reduced in two halves, and it shares the
+default profile's work when both measure the same tensor: the statistics' min, max, sum and sum
+of squares are the histogram's head and range, and the counts are one more pass
+(`numerics.histogram_vector`, the one histogram count of every path). On the CPU the vector
+stays a host list (`PendingHistogram.host_vector`, it never round-trips through a tensor); on
+the general path it is counted on the tensor's device without any host synchronisation and
+travels to the host with the sample's single transfer. `resolve` turns either into a
+`HistogramRecord`.
 
 The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
-holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. Counts are differences
-of exact "entries below the edge" counts, each edge turned into the smallest working-dtype value
->= it, so they are exactly consistent with the float64 edges reported, even when bins are only a
-few ulps wide or the range overflows float64 arithmetic; `numerics.edges_on_host` computes
-`_edges` bit for bit. A constant tensor gets one bin of tiny width (relative 1e-6, at least
-1e-12) so that TensorBoard can draw it. Which tensors get a histogram and in which working dtype
-they are binned is `tensors`' rule, shared with the statistics.
+holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. Counts are exactly
+consistent with the float64 edges reported, even when bins are only a few ulps wide or the range
+overflows float64 arithmetic (`numerics.thresholds`). A constant tensor gets one bin of tiny
+width (relative 1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a
+histogram and in which working dtype they are binned is `tensors`' rule, shared with the
+statistics.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchinstruments.measurement import numerics, tensors
+from torchinstruments.measurement import numerics, paths, tensors
 from torchinstruments.records import HistogramRecord
 
 __all__ = ["DEFAULT_BINS", "PendingHistogram", "reduce_histogram"]
@@ -125,15 +125,19 @@ class PendingHistogram:
             return None
 
 
-def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingHistogram:
+def reduce_histogram(
+    tensor: torch.Tensor, bins: int = DEFAULT_BINS, *, host_paths: bool = True
+) -> PendingHistogram:
     """Counts the finite entries of `tensor` in `bins` equal bins, without a sync off the CPU.
 
-    The NumPy sort takes plain CPU tensors (`numerics.measure_on_cpu`); everything else, or what
-    it fails on, is sorted by the general path on the tensor's device and counted from that sort.
+    Plain CPU tensors take the NumPy path (`numerics.measure_on_cpu`) unless `host_paths` is
+    False; everything else, or what it fails on, is counted by the general path on the tensor's
+    device (`paths.choose` decides).
 
     Args:
         tensor: Any tensor; it is detached and never modified.
         bins: Number of bins (a positive int).
+        host_paths: Whether the NumPy path may take a plain CPU tensor.
 
     Returns:
         The pending histogram; `resolve` returns None when there is nothing to draw. Never raises.
@@ -152,21 +156,18 @@ def reduce_histogram(tensor: torch.Tensor, bins: int = DEFAULT_BINS) -> PendingH
             detached = tensor.detach()
             if tensors.unsupported_reason(detached) is not None or detached.numel() == 0:
                 return PendingHistogram(None, bins)
-            if tensors.host_path_takes(detached):
+            path = paths.choose(detached, host_paths=host_paths, lane_ok=False, defer=False)
+            if path == "host":
                 try:
                     vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram
                     return PendingHistogram(None, bins, vector)
                 except Exception:  # handed to the general path below, never to null
                     pass
-            _, _, sort = numerics.raw_on_device(tensors.working_values(detached), _SORTED)
-            assert sort is not None  # min, max, mean and std were asked for
-            return pending_histogram(vector_from_sort(sort, bins), bins)
+            values = tensors.working_values(detached)
+            _, _, statistics = numerics.raw_on_device(values, frozenset())
+            return pending_histogram(numerics.device_histogram(statistics, bins), bins)
     except Exception:  # measuring must never crash the training step
         return PendingHistogram(None, bins)
-
-
-# What the general path computes for a histogram of its own: the sort and the moments.
-_SORTED = frozenset({"min", "max", "mean", "std"})
 
 
 def pending_histogram(vector: torch.Tensor, bins: int) -> PendingHistogram:
@@ -175,43 +176,3 @@ def pending_histogram(vector: torch.Tensor, bins: int) -> PendingHistogram:
     if tensors.is_plain(vector):
         return PendingHistogram(vector, bins)
     return PendingHistogram(None, bins, tensors.host_floats(vector))
-
-
-def vector_from_sort(sort: numerics.DeviceSort, bins: int) -> torch.Tensor:
-    """The device vector of a focus tensor from its statistics' own sort, without a sync.
-
-    Each inner edge becomes the smallest working-dtype value >= it (rounded to nearest, one ulp
-    up where that fell below), so "x < edge" is "x < threshold" for every x of the dtype, and one
-    `searchsorted` over the sorted values counts the entries below every edge (non-finite
-    entries, +inf there, are below none). The sum and sum of squares come from the statistics'
-    mean and std (count * mean and count * (std**2 + mean**2)).
-    """
-    ordered = sort.ordered
-    finite = sort.finite.to(torch.float64)
-    any_finite = finite > 0
-    low = torch.where(any_finite, sort.low, 0.0)
-    high = torch.where(any_finite, sort.high, 0.0)
-    edges = _edges(low, high, bins)
-    inner = edges[1:-1]
-    thresholds = inner.to(ordered.dtype)
-    if ordered.dtype != torch.float64:
-        up = torch.nextafter(thresholds, torch.full_like(thresholds, math.inf))
-        thresholds = torch.where(thresholds < inner, up, thresholds)
-    below = torch.searchsorted(ordered, thresholds).to(torch.float64)
-    cumulative = torch.cat([below.new_zeros(1), below, finite.reshape(1)])
-    counts = cumulative[1:] - cumulative[:-1]
-    total = sort.mean * finite
-    squares = (sort.std * sort.std + sort.mean * sort.mean) * finite
-    head = torch.stack([finite, low, high, total, squares])
-    return torch.cat([head, edges, counts])
-
-
-def _edges(low: torch.Tensor, high: torch.Tensor, bins: int) -> torch.Tensor:
-    """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair)."""
-    steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
-    edges = low * (1.0 - steps) + high * steps
-    edges = torch.cummax(edges, 0).values
-    edges = torch.minimum(torch.maximum(edges, low), high)
-    edges[0] = low
-    edges[-1] = high
-    return edges

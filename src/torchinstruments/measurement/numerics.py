@@ -1,37 +1,33 @@
-"""The exact numerics of the default profile: order statistics, moments, quartiles, histograms.
+"""The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
-One general exact path and two fast paths that hand over to it (`reducers` chooses):
+Each family is written once and used by every path (one CPU tensor, a batch of small CPU
+tensors, the general path on any device); the functions marked "generic" take NumPy arrays or
+torch tensors alike, so the host and the device run the same IEEE operations in the same order:
 
-* General path (`raw_on_device`): torch ops only, on the tensor's own device, without any host
-  synchronisation, for any tensor torch can compute on (CUDA and other devices, tensor
-  subclasses, whatever a fast path declines or fails on). Non-finite entries are replaced by +inf
-  and the tensor is sorted once; min, max and the quartile neighbours are gathered at positions
-  computed on the device from the finite count, and the interpolation is done on the host by
-  `DefaultDeriver`. One sort is O(n log n), the cheapest sync-free exact selection on a GPU, with
-  no size limit (unlike `torch.quantile`, which refuses inputs over 2**24 elements). A focus
-  tensor's histogram is counted from the same sort (`histograms.vector_from_sort`).
-* CPU fast path, one tensor (`measure_on_cpu`, plain strided CPU tensors of any size): NumPy's
-  vectorised sort of a copy of the working values, then reads and binary searches only. NaN sorts
-  last and -inf first, so the counts of -inf, finite and zero entries are insertion points, and
-  the finite entries are one slice whose ends are min and max. Measured (`bench/statistics.py`,
-  one thread): NumPy sorts 16k float32 in ~70 us where `torch.sort` takes ~1.3 ms. Its one
-  temporary of the tensor's size is the sorted copy (the float64 moments go chunk by chunk); the
-  chunked radix passes it replaced above 2**24 entries cost 10x to 14x more per element at 2e7
-  (see docs/benchmarks.md, `bench/statistics.py --sizes 1e7,2e7`).
-* CPU fast path, the small tensors of one sample (`measure_batch_on_cpu`: at least `BATCH_MIN`
-  of at most `BATCH_MAX` entries each): one NumPy sort of int64 keys holding the tensor's index
-  above the float32 sortable key, so that the whole batch becomes one array of sorted finite
-  segments (a sort per tensor costs ~40 us of fixed NumPy calls, whatever its size).
+* Quantiles (`quartile_positions`, `lerp`, generic): the two neighbouring order statistics of
+  each quartile and NumPy's "linear" interpolation between them. The order statistics come from
+  selection (`order`: linear time, never a sort of a whole tensor) or, for a batch of small
+  tensors, from one sort of the batch's keys (`sorted_segments`; each tensor at most
+  `BATCH_MAX` entries).
+* Moments (`finish_moments`, generic, over the sums of `segment_sums` on the host or
+  `device_sums`): mean and population std by a corrected two-pass algorithm in float64, float64
+  inputs on values scaled by a power of two (exact), so neither a variance nor a sum of huge
+  values overflows into a null.
+* Histogram counts (`edges`, `thresholds`, `bin_counts`, generic): bins equally spaced over
+  [finite min, finite max], each inner edge turned into the smallest working-dtype value >= it,
+  each entry's bin the number of those thresholds <= it, so counts agree with the reported
+  edges exactly as `numpy.histogram` bins them, however narrow the bins.
 
-Both CPU paths end in the same place: the finite entries of each tensor, ascending, one segment
-after another (`_from_sorted`), whose moments are one segmented function (`host_moments`) and
-whose histogram is one count (`host_histogram`). Bin counts are differences of exact edge counts,
-so they agree with the reported edges as `numpy.histogram` bins them. Mean and std are always
-accumulated in float64 with a corrected two-pass algorithm, float64 inputs on values scaled by a
-power of two (exact), so neither a variance nor a sum of huge values overflows into a null.
+Paths: `measure_on_cpu` (one plain CPU tensor, NumPy), `measure_batch_on_cpu` and
+`segment_profiles` (small CPU tensors together: the same arrays, so the same bits) and
+`raw_on_device` (torch ops on the tensor's own device, no host synchronisation). Which path a
+tensor takes is `tensors.choose_path`'s decision alone. Passes over one large CPU tensor's
+values: finiteness (1), zeros (1), min and max (1), the two moment passes (2), and per quartile
+group of the selection a bracket's two comparisons and its extraction (3 x 3), about 14
+vectorised reads, all linear.
 
-Quartiles use NumPy's "linear" interpolation. A value that comes out non-finite is never stored:
-it is null with the reason "non-finite result". Negative zero results are reported as 0.0.
+A value that comes out non-finite is never stored: it is null with the reason "non-finite
+result". Negative zero results are reported as 0.0.
 """
 
 from __future__ import annotations
@@ -41,59 +37,48 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from torchinstruments import reasons
-from torchinstruments.measurement import tensors
+from torchinstruments.measurement import order, tensors
 from torchinstruments.records import MetricValue
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
+# Row layout of `segment_profiles`' result: the nine default metrics.
+PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+_Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 
 # Power-of-two scaling exponents stay in this range so that the scale and its inverse are normal.
 _MAX_SCALE_EXPONENT = 1000
 
 
+def _xp(array: _Array) -> Any:
+    """The module whose functions apply to `array`: torch for tensors, else NumPy."""
+    return torch if isinstance(array, torch.Tensor) else np
+
+
 @dataclass(frozen=True, slots=True)
 class DefaultDeriver:
-    """Turns the raw values (counts, moments, quartile neighbours) into the default metrics."""
+    """Turns the raw values (counts, moments, order statistics) into the default metrics."""
 
     numel: int
     wanted: frozenset[str]
 
     def __call__(self, raw: dict[str, float]) -> dict[str, MetricValue]:
-        """Computes fractions and interpolated quartiles on the host."""
+        """Computes the fractions on the host and nulls what cannot be measured."""
         out: dict[str, MetricValue] = {}
         finite = round(raw["finite"])
         if "nonfinite_fraction" in self.wanted:
             out["nonfinite_fraction"] = metric_value((self.numel - finite) / self.numel)
         if "zero_fraction" in self.wanted:
             out["zero_fraction"] = metric_value(raw["zeros"] / self.numel)
-        if finite == 0:
-            for name in self.wanted & FINITE_METRICS:
-                out[name] = MetricValue(None, reasons.NO_FINITE)
-            return out
-        for name in ("mean", "std", "min", "max"):
-            if name in self.wanted:
-                out[name] = metric_value(raw[name])
-        for name, q in QUARTILES.items():
-            if name in self.wanted:
-                gamma = (finite - 1) * q - math.floor((finite - 1) * q)
-                out[name] = metric_value(_lerp(raw[f"{name}_lo"], raw[f"{name}_hi"], gamma))
+        for name in self.wanted & FINITE_METRICS:
+            out[name] = metric_value(raw[name]) if finite else MetricValue(None, reasons.NO_FINITE)
         return out
-
-
-def _lerp(a: float, b: float, t: float) -> float:
-    """Linear interpolation exactly as `numpy.percentile(method="linear")` rounds it."""
-    if a == b:
-        return a
-    diff = b - a
-    result = b - diff * (1 - t) if t >= 0.5 else a + diff * t
-    if not math.isfinite(result):  # b - a overflowed; this form cannot
-        result = a * (1 - t) + b * t
-    return result
 
 
 def metric_value(value: float) -> MetricValue:
@@ -103,101 +88,71 @@ def metric_value(value: float) -> MetricValue:
     return MetricValue(value + 0.0)  # + 0.0 turns -0.0 into 0.0
 
 
-# --- host: the edges, the moments and the histogram of sorted finite segments -----------------
-
-# Entries per chunk of the float64 moments: bounds their temporaries (8 MiB of float64 each).
-CHUNK = 1 << 20
+# --- quantiles: positions and interpolation (generic) -------------------------------------------
 
 
-def edges_on_host(low: float, high: float, bins: int) -> np.ndarray:
-    """bins + 1 non-decreasing float64 edges from low to high, exactly as `_edges` computes them.
-
-    The same IEEE operations in the same order as the torch version (`histograms._edges`, which
-    the general path runs on the device), elementwise in NumPy, so every path reports identical
-    edges.
-    """
-    steps, complement = _steps(bins)
-    edges = low * complement
-    edges += high * steps
-    np.maximum.accumulate(edges, out=edges)
-    np.maximum(edges, low, out=edges)
-    np.minimum(edges, high, out=edges)
-    edges[0], edges[-1] = low, high
-    return edges
+def quartile_positions(last: _Array, q: _Array) -> tuple[_Array, _Array]:
+    """The lower neighbour's 0-based position (float64, integral) of quantile `q` among
+    `last + 1` sorted entries, and the interpolation weight towards the next one."""
+    rank = last * q
+    low = _xp(rank).floor(rank)
+    return low, rank - low
 
 
-@functools.lru_cache(maxsize=8)
-def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """i / bins and 1 - i / bins for i in 0..bins (read-only: shared by every call)."""
-    steps = np.arange(bins + 1, dtype=np.float64) / bins
-    complement = 1.0 - steps
-    steps.flags.writeable = complement.flags.writeable = False
-    return steps, complement
-
-
-def _smallest_at_least(edges: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Per float64 edge, the smallest `dtype` value >= it, so that for every x of `dtype`,
-    x < edge exactly when x < that value (rounded to nearest, one ulp up where that fell below)."""
-    rounded = edges.astype(dtype)
-    if rounded.dtype != np.float64:
-        np.nextafter(rounded, np.float32(np.inf), out=rounded, where=rounded < edges)
-    return rounded
-
-
-def host_moments(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, with_squares: bool
-) -> list[tuple[float, float, float, float]]:
-    """Per segment: (sum, sum of squares, mean, population std), float64.
-
-    The sums are `segment_sums`'; the last step is plain float arithmetic per segment (cheaper
-    than NumPy's for the one segment of a large tensor), where an overflow is inf (later a null
-    with a reason), never a warning. `segment_moments` is the same arithmetic on arrays.
-    """
-    sums, squares, residual, scale = segment_sums(values, starts, counts)
-    out = []
-    for total, square, rest, count in zip(
-        sums.tolist(), squares.tolist(), residual.tolist(), np.asarray(counts).tolist(), strict=True
-    ):
-        mean = total / count
-        std = math.sqrt(max((square - rest * rest / count) / count, 0.0)) * scale
-        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
-        sum_squares = (square + 2.0 * mean * rest + count * mean * mean) * scale * scale
-        out.append((total * scale, sum_squares if with_squares else 0.0, mean * scale, std))
-    return out
-
-
-def segment_moments(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment, as float64 arrays: the mean and the population std, by `host_moments`'
-    arithmetic elementwise (so the same bits; `tests/test_lane.py` holds them to it)."""
-    sums, squares, residual, scale = segment_sums(values, starts, counts)
+def lerp(a: _Array, b: _Array, t: _Array) -> _Array:
+    """Linear interpolation exactly as `numpy.percentile(method="linear")` rounds it, float64."""
+    xp = _xp(a)
+    diff = b - a
     with np.errstate(over="ignore", invalid="ignore"):
-        means = sums / counts
-        stds = np.sqrt(np.maximum((squares - residual * residual / counts) / counts, 0.0)) * scale
-        return means * scale, stds
+        result = xp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+        result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed
+    return xp.where(a == b, a, result)
+
+
+# --- moments ------------------------------------------------------------------------------------
+
+# Entries per chunk of the float64 moments on the host: bounds their temporaries.
+CHUNK = 1 << 16
+
+
+def finish_moments(
+    sums: _Array, squares: _Array, residual: _Array, counts: _Array, scale: _Array | float
+) -> tuple[_Array, _Array, _Array, _Array]:
+    """Mean, population std, sum and sum of squares from the scaled sums (generic).
+
+    `sums` is the sum of the values scaled by 1 / `scale`, `squares` and `residual` the sums of
+    their squared deviations from the mean and of those deviations (the correction term).
+    """
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        mean = sums / counts
+        std = _xp(sums).sqrt(((squares - residual * residual / counts) / counts).clip(min=0.0))
+        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
+        sum_squares = (squares + 2.0 * mean * residual + counts * mean * mean) * scale * scale
+        return mean * scale, std * scale, sums * scale, sum_squares
 
 
 def segment_sums(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, visit: Any = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Per segment, float64 arrays: the sum, the sum of squared deviations from the mean and the
-    sum of those deviations (a correction term), of values scaled by the returned power of two.
+    """Per segment, float64 arrays: the sums `finish_moments` takes, and the scale.
 
     Args:
-        values: Finite float32 or float64 entries, ascending within each segment.
+        values: Finite float32 or float64 entries.
         starts: Where each segment starts in `values` (ascending; segments do not overlap).
         counts: The length of each segment (each at least 1).
+        visit: Called with each chunk of `values` during the first pass, so that another
+            reduction (`order.HostSelection`) reads it while it is in the cache.
 
-    A corrected two-pass algorithm over float64 copies made one `CHUNK` at a time (a segment may
-    span chunks): segmented sums (`add.reduceat`), then the deviations' sums and squares. float32
-    squares always fit float64; float64 values whose squares could overflow or underflow are
-    scaled by one power of two per call (exact), chosen from the segments' ends (they are sorted).
+    Two passes over float64 copies made one `CHUNK` at a time (a segment may span chunks):
+    segmented sums (`add.reduceat`), then the deviations' sums and squares. A segment's sums
+    depend only on its entries (in their order) and on where chunks cut it, so one tensor alone
+    and the same tensor within a batch of small ones give the same bits. float32 squares
+    always fit float64; float64 values whose squares could overflow or underflow are scaled by
+    one power of two per call (exact).
     """
     scale = 1.0
     if values.dtype == np.float64:
-        low, high = float(values[starts].min()), float(values[starts + counts - 1].max())
-        max_abs = max(abs(low), abs(high))
+        max_abs = float(np.max(np.abs(values)))
         if max_abs > 2.0**400 or max_abs < 2.0**-400:
             exponent = math.frexp(max_abs)[1] if max_abs else 0
             scale = math.ldexp(1.0, max(-_MAX_SCALE_EXPONENT, min(_MAX_SCALE_EXPONENT, exponent)))
@@ -211,23 +166,20 @@ def segment_sums(
             break
         first = int(np.searchsorted(ends, lo, side="right"))
         last = int(np.searchsorted(starts, hi, side="left"))
-        local = np.maximum(starts[first:last] - lo, 0)
-        pieces.append((lo, hi, first, last, local))
+        pieces.append((lo, hi, first, last, np.maximum(starts[first:last] - lo, 0)))
     inverse = 1.0 / scale
-    counts = np.asarray(counts)
     sums = np.zeros(counts.size)
-    for lo, hi, first, last, local in pieces:  # float64 sums, without a float64 copy
-        piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
-        if last - first == 1:  # reduce: twice as fast as reduceat when it casts float32
-            sums[first] += np.add.reduce(piece, dtype=np.float64)
-        else:
-            sums[first:last] += np.add.reduceat(piece, local, dtype=np.float64)
+    for lo, hi, first, last, local in pieces:  # float64 sums of float64 pieces: no buffering
+        if visit is not None:
+            visit(values[lo:hi])
+        piece = values[lo:hi].astype(np.float64) if scale == 1.0 else values[lo:hi] * inverse
+        sums[first:last] += np.add.reduceat(piece, local)
     means = sums / counts
     squares = np.zeros(counts.size)
     residual = np.zeros(counts.size)
     for lo, hi, first, last, local in pieces:  # the deviations: one float64 temporary a piece
         piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
-        if last - first == 1:
+        if last - first == 1:  # the same numbers as the repeat below, without building it
             chunk = np.subtract(piece, means[first], dtype=np.float64)
         else:
             subtrahend = np.repeat(means[first:last], np.diff(local, append=hi - lo))
@@ -237,25 +189,127 @@ def segment_sums(
     return sums, squares, residual, scale
 
 
-def host_histogram(values: np.ndarray, bins: int, total: float, sum_squares: float) -> list[float]:
-    """The histogram vector of one segment of sorted finite values (see `measure_on_cpu`).
+def device_sums(
+    values: torch.Tensor, finite: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | float]:
+    """`segment_sums` of the finite entries (`finite`: their mask, `count`: how many, at least
+    1) of one tensor, as 0-d float64 tensors on its device, without a host synchronisation."""
+    wide = torch.where(finite, values.to(torch.float64), 0.0)
+    scale: torch.Tensor | float = 1.0
+    if values.dtype == torch.float64:
+        max_abs = wide.abs().amax()
+        exponent = torch.frexp(max_abs).exponent.to(torch.int64)
+        exponent = exponent.clamp(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+        scale = _power_of_two(exponent)
+        big_or_tiny = (max_abs > 2.0**400) | (max_abs < 2.0**-400)
+        scale = torch.where(big_or_tiny, scale, 1.0)
+        wide = wide / scale
+    sums = wide.sum()
+    wide = torch.where(finite, wide.sub_(sums / count), 0.0)
+    return sums, torch.dot(wide, wide), wide.sum(), scale
 
-    Each inner edge becomes the smallest value of the working dtype >= it, so one `searchsorted`
-    counts the entries below every edge exactly as `numpy.histogram` bins them.
-    """
-    count = values.size
-    if count == 0:
-        return [0.0] * (5 + 2 * bins + 1)
-    low, high = values[0].item(), values[-1].item()
-    edges = edges_on_host(low, high, bins)
-    if low == high:
-        bin_counts = [float(count)] + [0.0] * (bins - 1)
-    else:
-        below = np.empty(bins + 1, dtype=np.int64)
-        below[0], below[-1] = 0, count
-        below[1:-1] = values.searchsorted(_smallest_at_least(edges[1:-1], values.dtype))
-        bin_counts = np.subtract(below[1:], below[:-1], dtype=np.float64).tolist()
-    return [float(count), low, high, total, sum_squares, *edges.tolist(), *bin_counts]
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as an exact float64 built from its bit pattern (exponent within ±1000)."""
+    return ((exponent + 1023) << 52).reshape(1).view(torch.float64).reshape(())
+
+
+# --- histogram counts (generic) -----------------------------------------------------------------
+
+
+def edges(low: _Array, high: _Array, bins: int) -> _Array:
+    """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair):
+    float64 NumPy arrays for float `low`/`high`, else tensors on their device."""
+    if isinstance(low, torch.Tensor):
+        steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
+        complement = 1.0 - steps
+        out = torch.cummax(low * complement + high * steps, 0).values
+        out = torch.minimum(torch.maximum(out, low), high)
+        return torch.cat([low.reshape(1), out[1:-1], high.reshape(1)])
+    steps, complement = _steps(bins)
+    out = low * complement + high * steps
+    np.maximum.accumulate(out, out=out)
+    np.minimum(np.maximum(out, low, out=out), high, out=out)
+    out[0], out[-1] = low, high
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """i / bins and 1 - i / bins for i in 0..bins (read-only: shared by every call)."""
+    steps = np.arange(bins + 1, dtype=np.float64) / bins
+    complement = 1.0 - steps
+    steps.flags.writeable = complement.flags.writeable = False
+    return steps, complement
+
+
+def thresholds(edges: _Array, dtype: Any) -> _Array:
+    """Per inner edge, the smallest value of the working `dtype` >= it, so that for every x of
+    `dtype`, x < edge exactly when x < threshold (generic)."""
+    inner = edges[1:-1]
+    if isinstance(inner, torch.Tensor):
+        rounded = inner.to(dtype)
+        up = torch.nextafter(rounded, torch.full_like(rounded, math.inf))
+        return torch.where(rounded < inner, up, rounded)
+    rounded = inner.astype(dtype)
+    if rounded.dtype != np.float64:
+        np.nextafter(rounded, np.float32(np.inf), out=rounded, where=rounded < inner)
+    return rounded
+
+
+def bin_counts(values: _Array, limits: _Array, bins: int, finite: _Array | None = None) -> _Array:
+    """How many `values` fall in each bin (generic): an entry's bin is the number of `limits`
+    (the `thresholds`) <= it; entries where `finite` is False are in none. float64 counts."""
+    if isinstance(values, torch.Tensor):
+        index = torch.bucketize(values, limits, right=True)
+        if finite is not None:
+            index = torch.where(finite, index, bins)
+        counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
+        return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
+    return np.bincount(_host_bins(values, limits, bins), minlength=bins).astype(np.float64)
+
+
+def _host_bins(values: np.ndarray, limits: np.ndarray, bins: int) -> np.ndarray:
+    """Each entry's bin, as `np.searchsorted(limits, values, side="right")` gives it, from an
+    arithmetic guess corrected against its neighbouring limits (a few elementwise passes
+    instead of a binary search per entry); the search itself where the guess cannot settle."""
+    low, high = float(values.min()), float(values.max())
+    span = high - low
+    if bins < 2 or not math.isfinite(span) or span <= 0 or not math.isfinite(bins / span):
+        return np.searchsorted(limits, values, side="right")
+    bounds = np.concatenate([[-np.inf], limits, [np.inf]]).astype(values.dtype)
+    guess = ((values - np.float64(low)) * (bins / span)).astype(np.intp)
+    np.clip(guess, 0, bins - 1, out=guess)
+    for _ in range(3):
+        down = values < bounds[guess]
+        up = values >= bounds[guess + 1]
+        if not (down.any() or up.any()):
+            return guess
+        guess -= down
+        guess += up
+    return np.searchsorted(limits, values, side="right")
+
+
+def histogram_vector(
+    values: _Array,
+    low: _Array,
+    high: _Array,
+    head: tuple[_Array, _Array, _Array],
+    bins: int,
+    finite: _Array | None = None,
+) -> Any:
+    """A histogram's vector, laid out as `finite, min, max, sum, sum_squares` (`head` is the
+    count, sum and sum of squares), then the bins + 1 edges and the bins counts (generic: a list
+    for NumPy `values`, all finite; a device tensor for torch ones, `finite` their mask)."""
+    count, total, sum_squares = head
+    bounds = edges(low, high, bins)
+    counts = bin_counts(values, thresholds(bounds, values.dtype), bins, finite)
+    if isinstance(values, torch.Tensor):
+        return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
+    return [float(count), low, high, total, sum_squares, *bounds.tolist(), *counts.tolist()]
+
+
+# --- the host paths: one tensor, or many small ones -----------------------------------------------
 
 
 @dataclass
@@ -266,97 +320,110 @@ class CpuResult:
     histogram: list[float] | None
 
 
-def _from_sorted(
+class _Sorted:
+    """The order statistics of sorted segments (`sorted_segments`): reads at their positions."""
+
+    visit = None
+
+    def __init__(self, ordered: np.ndarray) -> None:
+        self._ordered = ordered
+        self._positions: list[int] = []
+
+    def want(self, positions: Sequence[int]) -> None:
+        self._positions = list(positions)
+
+    def selected(self) -> list[float]:
+        return self._ordered.take(self._positions).tolist()
+
+
+def _host_arrays(
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: frozenset[str], select: Any
+) -> dict[str, np.ndarray]:
+    """Per segment of finite `values` (each at least one entry): the moments and the order
+    statistics wanted, float64 arrays. `select` (an `order.HostSelection` or `_Sorted`) is told
+    the sorted positions (absolute in `values`) and reads them during the moments' first pass."""
+    out: dict[str, np.ndarray] = {}
+    last = (counts - 1).astype(np.float64)
+    names = [name for name in QUARTILES if name in wanted]
+    ends = starts + counts - 1
+    positions = [starts, ends]
+    for name in names:
+        low, _ = quartile_positions(last, QUARTILES[name])
+        at = starts + low.astype(np.int64)
+        positions += [at, np.minimum(at + 1, ends)]
+    select.want(np.stack(positions).reshape(-1).tolist())
+    sums, squares, residual, scale = segment_sums(values, starts, counts, select.visit)
+    out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
+        sums, squares, residual, counts, scale
+    )
+    picked = np.array(select.selected(), dtype=np.float64).reshape(len(positions), -1)
+    out["min"], out["max"] = picked[0], picked[1]
+    for index, name in enumerate(names):
+        _, weight = quartile_positions(last, QUARTILES[name])
+        out[name] = lerp(picked[2 + 2 * index], picked[3 + 2 * index], weight)
+    return out
+
+
+def _results(
     values: np.ndarray,
     counts: Sequence[int],
     zeros: Sequence[float],
     wanted: frozenset[str],
     bins: Sequence[int | None],
+    select: Any,
 ) -> list[CpuResult]:
-    """The results of every segment of sorted finite `values` (`counts` long each, maybe 0):
-    one segmented moments pass, one gather of every order statistic, a histogram per segment
-    that wants one. Only building the results is a loop over the segments."""
+    """The results of every segment of finite `values` (`counts` long each, maybe 0)."""
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
     present = [index for index, count in enumerate(counts) if count]
-    moments: dict[int, tuple[float, float, float, float]] = {}
+    arrays: dict[str, list[float]] = {}
     if present:
         chosen = np.array([starts[i] for i in present]), np.array([counts[i] for i in present])
-        moments = dict(zip(present, host_moments(values, *chosen, any(bins)), strict=True))
-    keys = ["min", "max"]
-    for name in QUARTILES:
-        if name in wanted:
-            keys += [f"{name}_lo", f"{name}_hi"]
-    positions: list[int] = []
-    for index in present:  # min, max, then each quartile's two neighbours
-        start, last = starts[index], counts[index] - 1
-        positions += [start, start + last]
-        for name, q in QUARTILES.items():
-            if name in wanted:
-                low = math.floor(last * q)
-                positions += [start + low, start + min(low + 1, last)]
-    picked = values.take(positions).tolist() if positions else []
+        arrays = {k: v.tolist() for k, v in _host_arrays(values, *chosen, wanted, select).items()}
+    at = {index: row for row, index in enumerate(present)}
     results: list[CpuResult] = []
-    cursor = 0
     for index, count in enumerate(counts):
         raw = {"zeros": float(zeros[index]), "finite": float(count)}
-        total = sum_squares = 0.0
         if count:
-            raw.update(zip(keys, picked[cursor : cursor + len(keys)], strict=True))
-            cursor += len(keys)
-            total, sum_squares, raw["mean"], raw["std"] = moments[index]
+            raw.update({name: column[at[index]] for name, column in arrays.items()})
         histogram = None
-        segment_bins = bins[index]
-        if segment_bins:
+        if bins[index]:
             segment = values[starts[index] : starts[index] + count]
-            histogram = host_histogram(segment, segment_bins, total, sum_squares)
+            histogram = _host_histogram(segment, raw, bins[index] or 1)
         results.append(CpuResult(raw, histogram))
     return results
 
 
-# --- host fast path: one NumPy sort -------------------------------------------------------------
-
-
-def _probes(dtype: np.dtype) -> np.ndarray:
-    """Search keys whose left insertion points count -inf, -inf..+inf, x < 0 and x <= 0."""
-    info = np.finfo(dtype)
-    tiny = np.nextafter(dtype.type(0), dtype.type(1))
-    probes = np.array([-info.max, np.inf, 0.0, tiny], dtype=dtype)
-    probes.flags.writeable = False
-    return probes
-
-
-_PROBES = {np.dtype(dtype): _probes(np.dtype(dtype)) for dtype in (np.float32, np.float64)}
+def _host_histogram(values: np.ndarray, raw: dict[str, float], bins: int) -> list[float]:
+    """The histogram vector of one segment of finite values (all zeros when it is empty)."""
+    if values.size == 0:
+        return [0.0] * (5 + 2 * bins + 1)
+    head = (values.size, raw["sum"], raw["sum_squares"])
+    return histogram_vector(values, raw["min"], raw["max"], head, bins)
 
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector.
 
-    The histogram vector is laid out as `finite, min, max, sum, sum_squares`, then the bins + 1
-    edges and the bins counts (all zeros when nothing is finite). One NumPy sort of a copy of the
-    working values (x86-simd-sort on AVX2/AVX-512, an order of magnitude faster than `torch.sort`
-    on one thread); one `searchsorted` of four probes gives the non-finite counts and the zero
-    count (-0.0 == 0.0). The tensor is never written.
+    The order statistics are selected (`order.on_host`), never sorted; the tensor is read in
+    place (float32/float64) and never written. The histogram vector is laid out as
+    `histogram_vector` says.
     """
     flat = tensor.reshape(-1)
-    if flat.dtype == torch.float32 or flat.dtype == torch.float64:  # the caller's memory: a copy
-        ordered = flat.numpy().copy()
-    else:  # converted to the working dtype: already our own copy
-        ordered = flat.to(tensors.working_dtype(flat.dtype)).numpy()
-    ordered.sort()
-    neg, end, below_zero, upto_zero = ordered.searchsorted(_PROBES[ordered.dtype]).tolist()
-    values = ordered if end - neg == ordered.size else ordered[neg:end]
-    return _from_sorted(values, [end - neg], [upto_zero - below_zero], wanted, [bins])[0]
+    if flat.dtype != torch.float32 and flat.dtype != torch.float64:
+        flat = flat.to(tensors.working_dtype(flat.dtype))
+    array = flat.numpy()
+    finite = np.isfinite(array)
+    values = array if finite.all() else array[finite]
+    zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
+    select = order.HostSelection(values)
+    return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
 
-
-# --- host fast path: many small tensors at once -------------------------------------------------
 
 # Tensors of at most this many entries are measured together at the end of a sampled forward (or
 # backward): their values are copied at the layer's return and reduced in one segmented pass...
 BATCH_MAX = 1 << 10
 # ... when at least this many of them want the same metrics; fewer are measured one by one
-# (`measure_on_cpu`). From `uv run bench/small_tensors.py` (one thread): 4 tensors of 640 entries
-# cost 0.96 x one sort each, 16 cost 0.64 x; at 4,096 entries the batch's one int64 sort is slower
-# than float32 sorts one by one (1.1 to 2 x), hence BATCH_MAX.
+# (`measure_on_cpu`). From `uv run bench/small_tensors.py` (one thread).
 BATCH_MIN = 4
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
@@ -365,39 +432,28 @@ _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every fi
 def measure_batch_on_cpu(
     segments: Sequence[torch.Tensor], wanted: frozenset[str], bins: Sequence[int | None]
 ) -> list[CpuResult]:
-    """`measure_on_cpu` of many small flat float32 tensors, in a fixed number of NumPy calls.
-
-    The tensors are concatenated and sorted into segments by `sorted_segments`; `_from_sorted`
-    measures every segment at once.
-
-    Args:
-        segments: Non-empty 1-D float32 CPU tensors (copies the caller owns).
-        wanted: Default metrics wanted.
-        bins: Per segment, the histogram's bin count, or None for no histogram.
-    """
+    """`measure_on_cpu` of many small flat float32 tensors (non-empty 1-D CPU copies the caller
+    owns; `bins`: per segment, its histogram's bin count or None), in a fixed number of calls."""
     count = len(segments)
     lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
     values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
-    ordered, counts, zeros = sorted_segments(values, lengths)
-    return _from_sorted(ordered, counts.tolist(), zeros.tolist(), wanted, bins)
+    ordered, finite, counts, zeros = sorted_segments(values, lengths)
+    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, _Sorted(ordered))
 
 
 def sorted_segments(
     values: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The finite entries of each float32 segment of `values`, ascending, one after another.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The finite entries of each small float32 segment of `values`, ascending, one after another.
 
-    ONE sort of int64 keys that hold the segment index above the float32 sortable key
-    (non-finite entries get the key of +inf, so each segment's finite entries come first, in
-    order), read back as float32, non-finite entries dropped.
-
-    Args:
-        values: The segments' float32 entries, concatenated (never written).
-        lengths: Each segment's number of entries (each at least 1).
+    ONE sort of int64 keys that hold the segment index above the float32 sortable key (a sort
+    per tensor costs ~40 us of fixed NumPy calls, whatever its size; each segment has at most
+    `BATCH_MAX` entries). Non-finite entries get the key of +inf and are dropped.
 
     Returns:
-        The sorted finite entries, each segment's finite count (int64), and each segment's
-        count of zeros (float64; -0.0 is a zero).
+        The sorted finite entries, the same in their original order (what the moments sum, as
+        for one tensor alone), each segment's finite count (int64), and each segment's count of
+        zeros (float64; -0.0 is a zero).
     """
     count = lengths.size
     starts = np.zeros(count, dtype=np.int64)
@@ -418,35 +474,24 @@ def sorted_segments(
         kept = local != _INF_KEY
         counts = np.add.reduceat(kept, starts, dtype=np.int64)
         ordered = ordered[kept]
-    return ordered, counts, zeros
-
-
-# --- many small tensors as arrays: the default profile of every segment at once ------------------
-
-# Row layout of `segment_profiles`' result: the nine default metrics.
-PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+        values = values[finite]
+    return ordered, values, counts, zeros
 
 
 def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The default profile of every float32 segment of `values`, as arrays.
+    """The default profile of every float32 segment of `values`, as arrays, in `PROFILE` order.
 
     The same numbers, bit for bit, as `measure_batch_on_cpu` followed by `DefaultDeriver` for
-    each segment (a test holds them to it), computed with array operations only: the same
-    float64 operations in the same order, elementwise (`_lerp`, `metric_value` and the
-    fractions as `DefaultDeriver` computes them). No Python work per segment.
-
-    Args:
-        values: The segments' float32 entries, concatenated (never written).
-        lengths: Each segment's number of entries (each at least 1), int64.
+    each segment (the same `_host_arrays`, and the fractions and `metric_value` as the deriver
+    computes them), with no Python work per segment.
 
     Returns:
-        `(profile, finite)`: a float64 array of shape (segments, 9) in `PROFILE` order, NaN where
-        a value is null, and each segment's finite count; a null is "no finite entries" where
-        that count is 0 (for the seven metrics of finite entries), else "non-finite result".
+        `(profile, finite)`: a float64 array of shape (segments, 9), NaN where a value is null,
+        and each segment's finite count; a null is "no finite entries" where that count is 0
+        (for the seven metrics of finite entries), else "non-finite result".
     """
-    ordered, finite, zeros = sorted_segments(values, lengths)
-    count = lengths.size
-    profile = np.full((count, len(PROFILE)), np.nan)
+    ordered, in_order, finite, zeros = sorted_segments(values, lengths)
+    profile = np.full((lengths.size, len(PROFILE)), np.nan)
     numel = lengths.astype(np.float64)
     profile[:, 7] = zeros / numel
     profile[:, 8] = (lengths - finite).astype(np.float64) / numel
@@ -455,131 +500,71 @@ def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
         counts = finite[present]
         starts = np.zeros(counts.size, dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
-        means, stds = segment_moments(ordered, starts, counts)
-        last = counts - 1
-        profile[present, 0] = means
-        profile[present, 1] = stds
-        profile[present, 2] = ordered[starts]
-        profile[present, 3] = ordered[starts + last]
-        for column, q in enumerate(QUARTILES.values(), start=4):
-            rank = last * q
-            low = np.floor(rank)
-            at = starts + low.astype(np.int64)
-            lo = ordered[at].astype(np.float64)
-            hi = ordered[np.minimum(at + 1, starts + last)].astype(np.float64)
-            profile[present, column] = lerp(lo, hi, rank - low)
+        arrays = _host_arrays(in_order, starts, counts, frozenset(PROFILE), _Sorted(ordered))
+        for column, name in enumerate(PROFILE[:7]):
+            profile[present, column] = arrays[name]
     profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
     profile += 0.0  # -0.0 becomes 0.0, as metric_value does
     return profile, finite
-
-
-def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """`_lerp` elementwise: the same operations per element, so the same bits."""
-    diff = b - a
-    with np.errstate(over="ignore", invalid="ignore"):
-        result = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
-        overflowed = ~np.isfinite(result)
-        if overflowed.any():
-            result[overflowed] = (a * (1 - t) + b * t)[overflowed]
-    return np.where(a == b, a, result)
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceSort:
-    """What the general path's one sort leaves for a histogram of the same tensor (0-d tensors).
+class DeviceStatistics:
+    """What the general path leaves for a histogram of the same tensor (0-d float64 tensors but
+    `values`, the working values, and `finite`, their finiteness mask)."""
 
-    `ordered` holds the working values ascending, non-finite ones replaced by +inf (so they sort
-    last and are never below a finite edge); `low`, `high`, `mean`, `std` are float64.
-    """
-
-    ordered: torch.Tensor
+    values: torch.Tensor
     finite: torch.Tensor
+    count: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
+    total: torch.Tensor
+    sum_squares: torch.Tensor
 
 
 def raw_on_device(
     values: torch.Tensor, wanted: frozenset[str]
-) -> tuple[list[str], torch.Tensor, DeviceSort | None]:
-    """Raw values as one float64 device block, computed without any host synchronisation.
-
-    Also returns the sort and moments behind them when all were computed (the quartiles or
-    min/max, and mean/std, are wanted), so that a focus tensor's histogram is counted from the
-    same sort (`histograms.vector_from_sort`); None otherwise.
-    """
+) -> tuple[list[str], torch.Tensor, DeviceStatistics]:
+    """Raw values as one float64 device block, computed without any host synchronisation: min,
+    max and the quartiles' neighbours by radix selection (`order.on_device`), interpolated on
+    the device by `lerp`. Also returns what a focus tensor's histogram is counted from."""
     numel = values.numel()
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
-    entries: dict[str, torch.Tensor] = {"finite": finite.to(torch.float64)}
+    count = finite.to(torch.float64)
+    entries: dict[str, torch.Tensor] = {"finite": count}
     if "zero_fraction" in wanted:
         entries["zeros"] = (numel - torch.count_nonzero(values)).to(torch.float64)
     last = (finite - 1).clamp(min=0)
-    ranks = [name for name in QUARTILES if name in wanted]
-    low = high = ordered = None
-    if ranks or wanted & {"min", "max"}:
-        inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
-        ordered = torch.sort(torch.where(finite_mask, values, inf)).values
-        low = ordered[0]
-        high = ordered.gather(0, last.reshape(1)).reshape(())
-        entries["min"], entries["max"] = low.to(torch.float64), high.to(torch.float64)
-        if ranks:
-            steps = torch.tensor(
-                [QUARTILES[name] for name in ranks], dtype=torch.float64, device=values.device
-            )
-            positions = torch.floor(last.to(torch.float64) * steps).to(torch.int64)
-            lows = ordered.gather(0, positions).to(torch.float64)
-            highs = ordered.gather(0, torch.minimum(positions + 1, last)).to(torch.float64)
-            for index, name in enumerate(ranks):
-                entries[f"{name}_lo"], entries[f"{name}_hi"] = lows[index], highs[index]
-    if wanted & {"mean", "std"}:
-        entries["mean"], entries["std"] = _moments_on_device(values, finite_mask, finite, low, high)
-    keys = list(entries)
-    shared = None
-    if ordered is not None and "mean" in entries:
-        shared = DeviceSort(
-            ordered, finite, entries["min"], entries["max"], entries["mean"], entries["std"]
-        )
-    return keys, torch.stack([entries[key] for key in keys]), shared
+    names = [name for name in QUARTILES if name in wanted]
+    steps = torch.tensor(
+        [QUARTILES[name] for name in names], dtype=torch.float64, device=values.device
+    )
+    low, weight = quartile_positions(last.to(torch.float64), steps)
+    low = low.to(torch.int64)
+    ranks = torch.cat([torch.zeros_like(last).reshape(1), last.reshape(1), low])
+    ranks = torch.cat([ranks, torch.minimum(low + 1, last)])
+    picked = order.on_device(values, finite_mask, ranks).to(torch.float64)
+    entries["min"], entries["max"] = picked[0], picked[1]
+    quartiles = lerp(picked[2 : 2 + len(names)], picked[2 + len(names) :], weight)
+    entries.update(zip(names, quartiles.unbind(), strict=True))
+    sums, squares, residual, scale = device_sums(values, finite_mask, count.clamp(min=1.0))
+    mean, std, total, sum_squares = finish_moments(
+        sums, squares, residual, count.clamp(min=1.0), scale
+    )
+    entries["mean"], entries["std"] = mean, std
+    keys = [key for key in entries if key in wanted or key in ("finite", "zeros")]
+    block = torch.stack([entries[key] for key in keys])
+    low_value, high_value = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
+    shared = DeviceStatistics(values, finite_mask, count, low_value, high_value, total, sum_squares)
+    return keys, block, shared
 
 
-def _moments_on_device(
-    values: torch.Tensor,
-    finite_mask: torch.Tensor,
-    finite: torch.Tensor,
-    low: torch.Tensor | None,
-    high: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and population std of the finite entries, float64, corrected two-pass, no sync.
-
-    float32 working values need no scaling: float64 holds the squares of every float32 (at most
-    about 1.2e77, at least about 2e-90) and their sums over any tensor, which saves a dozen
-    scalar kernels per tensor on a GPU; float64 values are scaled by a power of two (exact).
-    """
-    count = finite.clamp(min=1).to(torch.float64)
-    wide = torch.where(finite_mask, values.to(torch.float64), 0.0)
-    scale = None
-    if values.dtype == torch.float64:
-        if low is None or high is None:
-            max_abs = wide.abs().amax()
-        else:
-            max_abs = torch.maximum(low.abs(), high.abs()).to(torch.float64)
-        max_abs = torch.where(torch.isfinite(max_abs), max_abs, 1.0)
-        exponent = torch.frexp(max_abs).exponent.to(torch.int64)
-        exponent = exponent.clamp(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
-        scale = _power_of_two(exponent)
-        wide = wide * _power_of_two(-exponent)
-    mean = wide.sum() / count
-    wide = torch.where(finite_mask, wide.sub_(mean), 0.0)
-    squares, residual = torch.dot(wide, wide), wide.sum()
-    std = ((squares - residual * residual / count) / count).clamp(min=0.0).sqrt()
-    return (mean, std) if scale is None else (mean * scale, std * scale)
-
-
-def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
-    """2**exponent as an exact float64 built from its bit pattern (exponent within ±1000)."""
-    return ((exponent + 1023) << 52).reshape(1).view(torch.float64).reshape(())
+def device_histogram(statistics: DeviceStatistics, bins: int) -> torch.Tensor:
+    """The histogram vector of the general path's tensor, from its statistics, without a sync."""
+    s = statistics
+    head = (s.count, s.total, s.sum_squares)
+    return histogram_vector(s.values, s.low, s.high, head, bins, s.finite)

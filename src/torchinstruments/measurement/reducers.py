@@ -12,8 +12,8 @@ them with ONE transfer, then calls `PendingReduction.resolve` with the host valu
 are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
 
 Two ways the default profile shares work. `launch_with_histogram` counts a focus tensor's
-histogram from the statistics' own sort: the NumPy sort on the CPU, the sort of the general
-path elsewhere (`histograms.vector_from_sort`). And, on the CPU only,
+histogram with the statistics' own min, max and sums (`numerics.histogram_vector`, on every
+path). And, on the CPU only,
 `launch(defer=True)` copies a small float tensor (at most `numerics.BATCH_MAX` entries; the copy
 keeps the values as they were at the layer's return) so that `settle` reduces a sample's small
 tensors together in one segmented pass. Measured with `bench/ops.py`: a sampled forward of a
@@ -30,14 +30,13 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
-from torchinstruments.measurement import custom, numerics, tensors
+from torchinstruments.measurement import custom, numerics, paths, tensors
 from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer, ReducerSpec, reducer_name
 from torchinstruments.measurement.histograms import (
     DEFAULT_BINS,
     PendingHistogram,
     pending_histogram,
     reduce_histogram,
-    vector_from_sort,
 )
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
@@ -260,6 +259,8 @@ class Measurer:
             the default profile, unless it contains a `DefaultStatistics` instance, which then
             replaces the implicit default profile in its position. Items are `Reducer`s,
             `{metric_name: fn}` mappings, or named functions; one mapping alone is accepted too.
+        host_paths: Whether plain CPU tensors may take the NumPy paths (`paths.choose`); False
+            measures every tensor on the general path, as on a GPU (tests and benchmarks).
 
     Raises:
         TypeError: If `reducers` is not None, a sequence or a mapping, an item is none of the
@@ -269,8 +270,14 @@ class Measurer:
             or one reducer repeats a name.
     """
 
-    def __init__(self, reducers: Sequence[ReducerSpec] | Mapping[str, Callable] | None) -> None:
+    def __init__(
+        self,
+        reducers: Sequence[ReducerSpec] | Mapping[str, Callable] | None,
+        *,
+        host_paths: bool = True,
+    ) -> None:
         self._reducers: tuple[Reducer, ...] = _check_reducers(reducers)
+        self.host_paths = host_paths
         self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
             name for reducer in self._reducers for name in reducer.metrics
@@ -331,7 +338,7 @@ class Measurer:
             reduction = self.unavailable(reasons.error("statistics", error))
         if shared:
             return reduction, shared[0]
-        return reduction, reduce_histogram(tensor, bins)
+        return reduction, reduce_histogram(tensor, bins, host_paths=self.host_paths)
 
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
@@ -361,7 +368,7 @@ class Measurer:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
                     if isinstance(reducer, DefaultStatistics) and defer:
-                        deferred = _defer_default(detached, reducer.metrics, bins)
+                        deferred = _defer_default(detached, reducer.metrics, bins, self.host_paths)
                     if deferred is not None and isinstance(reducer, DefaultStatistics):
                         derive = numerics.DefaultDeriver(detached.numel(), deferred.wanted)
                         part, block = (
@@ -372,7 +379,7 @@ class Measurer:
                             shared.append(deferred.histogram)
                     elif isinstance(reducer, DefaultStatistics):
                         part, block, histogram = _reduce_default(
-                            detached, reducer.metrics, offset, bins
+                            detached, reducer.metrics, offset, bins, self.host_paths
                         )
                         if histogram is not None and shared is not None:
                             shared.append(histogram)
@@ -380,7 +387,7 @@ class Measurer:
                         if copy is None:
                             copy = detached.clone()
                         version = tensor_version(copy)
-                        called = custom.call_reducer(reducer, copy, offset)
+                        called = custom.call_reducer(reducer, copy, offset, self.host_paths)
                         part = _Part(tuple(reducer.metrics), called.host, called.refs, called.fixed)
                         block = called.block
                         if tensor_version(copy) != version:
@@ -414,16 +421,12 @@ def _check_reducers(reducers: object) -> tuple[Reducer, ...]:
 
 
 def _defer_default(
-    tensor: torch.Tensor, metrics: tuple[str, ...], bins: int | None
+    tensor: torch.Tensor, metrics: tuple[str, ...], bins: int | None, host_paths: bool
 ) -> _Deferred | None:
     """A copy of a small float CPU tensor to reduce later with others, or None if not eligible."""
-    numel = tensor.numel()
     if (
         not metrics
-        or not tensors.host_path_takes(tensor)
-        or not 0 < numel <= numerics.BATCH_MAX
-        or tensors.unsupported_reason(tensor) is not None
-        or tensors.working_dtype(tensor.dtype) != torch.float32
+        or paths.choose(tensor, host_paths=host_paths, lane_ok=False, defer=True) != "batch"
     ):
         return None
     values = tensor.reshape(-1).to(torch.float32, copy=True)
@@ -432,7 +435,11 @@ def _defer_default(
 
 
 def _reduce_default(
-    tensor: torch.Tensor, metrics: tuple[str, ...], offset: int, bins: int | None = None
+    tensor: torch.Tensor,
+    metrics: tuple[str, ...],
+    offset: int,
+    bins: int | None = None,
+    host_paths: bool = True,
 ) -> tuple[_Part, torch.Tensor | None, PendingHistogram | None]:
     """The default profile of one tensor: host values on the CPU, a device block elsewhere.
 
@@ -451,7 +458,7 @@ def _reduce_default(
         return _Part(metrics, fixed=fixed), None, None
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(numel, wanted)
-    if tensors.host_path_takes(tensor):
+    if paths.choose(tensor, host_paths=host_paths, lane_ok=False, defer=False) == "host":
         try:
             result = numerics.measure_on_cpu(tensor, wanted, bins)
         except Exception:  # handed to the general path below, never to null
@@ -461,10 +468,10 @@ def _reduce_default(
             if result.histogram is not None and bins is not None:
                 histogram = PendingHistogram(None, bins, result.histogram)
             return _Part(metrics, host=result.raw, derive=derive), None, histogram
-    keys, block, sort = numerics.raw_on_device(tensors.working_values(tensor), wanted)
+    keys, block, statistics = numerics.raw_on_device(tensors.working_values(tensor), wanted)
     histogram = None
-    if bins is not None and sort is not None:  # counted from the statistics' own sort
-        histogram = pending_histogram(vector_from_sort(sort, bins), bins)
+    if bins is not None:  # counted with the statistics' own min, max and sums
+        histogram = pending_histogram(numerics.device_histogram(statistics, bins), bins)
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer
         host = dict(zip(keys, tensors.host_floats(block), strict=True))
         return _Part(metrics, host=host, derive=derive), None, histogram

@@ -30,7 +30,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, functorch_disabled
-from torchinstruments.measurement import lane, tensors
+from torchinstruments.measurement import lane, paths, tensors
 from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
 from torchinstruments.records import (
@@ -149,7 +149,8 @@ def launch(
     lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
     if not focus and measurer.default_only is not None:
         try:
-            if lane.takes(tensor):
+            path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True, defer=True)
+            if path == "lane":
                 return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
         except Exception:  # handed to the general path, which gives null + reason if it fails too
             pass

@@ -1,0 +1,193 @@
+"""Order statistics by selection: exact k-th smallest entries in linear time, never a full sort.
+
+Design decision: a full sort is O(n log n) and its speed depends on whether the CPU and the
+NumPy build have a SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min
+and max need only selection, which is linear and does not. Two selections, one per kind of
+device, both exact for every input:
+
+* `on_host` (NumPy, where reading a value back is free): a sample-bracketed selection. A strided
+  sample of `SAMPLE` entries is sorted; for each group of nearby ranks, two sample values that
+  bracket it with a wide margin (3 standard deviations of the sample's rank error and more) are
+  compared with every entry once, the entries between them are extracted, and the ranks are
+  selected among those few (recursively, then `np.partition` below `SMALL` entries, or where
+  ties keep a bracket from shrinking to half). When a bracket misses its ranks (possible only
+  for adversarial orders), the group is selected from the whole array by `np.partition`, still
+  linear. Min and max come from one `torch.aminmax`.
+* `on_device` (torch ops, no host synchronisation, any device): a radix select over
+  order-preserving integer keys, 16 bits a pass (two passes for float32, four for float64): each
+  pass counts the digits of the entries that share the wanted ranks' prefix found so far, in one
+  `index_add_` over all ranks at once, and a prefix sum tells each rank's next digit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# Entries of the strided sample that brackets the wanted ranks.
+SAMPLE = 1 << 13
+# At most this many entries are selected by `np.partition` directly.
+SMALL = 1 << 15
+_DIGIT_BITS = 16
+_DIGITS = 1 << _DIGIT_BITS
+
+
+class HostSelection:
+    """The entries of 1-D finite `values` at 0-based sorted positions (each below its size),
+    selected in the passes of whoever reads `values` chunk by chunk anyway.
+
+    `want` takes the positions; `visit` must then see every entry of `values` once, in order,
+    one chunk at a time (the moments' first pass calls it, so the tensor is read from memory
+    once for both); `selected` returns the entries. Nearby ranks share one bracket (within
+    1/64 of the size); min and max come from `torch.aminmax` of each chunk. `values` is never
+    written.
+    """
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+        self._ranks: list[int] = []
+        self._groups: list[list[int]] = []
+        self._bounds: list[tuple[float | None, float | None]] = []
+        self._below: list[int] = []
+        self._pieces: list[list[np.ndarray]] = []
+        self._low: float | None = None
+        self._high: float | None = None
+        self._extremes = False
+
+    def want(self, ranks: Sequence[int]) -> None:
+        """Which sorted positions `selected` returns, in this order."""
+        values, size = self._values, self._values.size
+        self._ranks = [int(rank) for rank in ranks]
+        wanted = sorted(set(self._ranks))
+        self._extremes = wanted[0] == 0 or wanted[-1] == size - 1
+        inner = [rank for rank in wanted if 0 < rank < size - 1]
+        if not inner:
+            return
+        if size <= SMALL:  # small: partitioned in `selected`, one group without bounds
+            self._groups = [inner]
+            return
+        sample = np.sort(values[:: max(size // SAMPLE, 1)])
+        count = sample.size
+        margin = 3 * math.isqrt(count) + 2
+        for rank in inner:
+            if self._groups and rank - self._groups[-1][-1] <= size // 64:
+                self._groups[-1].append(rank)
+            else:
+                self._groups.append([rank])
+        for group in self._groups:
+            first = group[0] * count // size - margin
+            last = group[-1] * count // size + margin
+            low = float(sample[first]) if first > 0 else None
+            high = float(sample[last]) if last < count - 1 else None
+            self._bounds.append((low, high))
+        self._below = [0] * len(self._groups)
+        self._pieces = [[] for _ in self._groups]
+
+    def visit(self, piece: np.ndarray) -> None:
+        """Reads one chunk: its extremes, and each bracket's entries and count below it."""
+        if self._extremes:
+            low, high = (float(value) for value in torch.aminmax(torch.from_numpy(piece)))
+            self._low = low if self._low is None else min(self._low, low)
+            self._high = high if self._high is None else max(self._high, high)
+        for index, (low, high) in enumerate(self._bounds):
+            if low is None and high is None:
+                continue
+            if low is None:
+                mask = piece <= high
+            else:
+                mask = piece >= low
+                self._below[index] += piece.size - int(np.count_nonzero(mask))
+                if high is not None:
+                    mask &= piece <= high
+            self._pieces[index].append(piece[mask])
+
+    def selected(self) -> list[float]:
+        """The entries at the wanted positions (after every chunk was visited)."""
+        values, size = self._values, self._values.size
+        found: dict[int, float] = {}
+        if self._extremes:
+            found[0], found[size - 1] = self._low, self._high  # type: ignore[assignment]
+        for index, group in enumerate(self._groups):
+            bounds = self._bounds[index] if self._bounds else (None, None)
+            if bounds == (None, None):
+                found.update(zip(group, np.partition(values, group)[group].tolist(), strict=True))
+                continue
+            candidates = np.concatenate(self._pieces[index])
+            local = [rank - self._below[index] for rank in group]
+            if local[0] < 0 or local[-1] >= candidates.size:  # the bracket missed: all entries
+                picked = np.partition(values, group)[group].tolist()
+            elif 2 * candidates.size > size:  # ties: the bracket barely shrinks
+                picked = np.partition(candidates, local)[local].tolist()
+            else:
+                picked = on_host(candidates, local)
+            found.update(zip(group, picked, strict=True))
+        return [found[rank] for rank in self._ranks]
+
+
+def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> list[float]:
+    """The entries of 1-D finite `values` at 0-based sorted positions `ranks` (each below
+    `values.size`), as Python floats, reading `values` in chunks of `chunk` entries."""
+    selection = HostSelection(values)
+    selection.want(ranks)
+    for start in range(0, values.size, chunk):
+        selection.visit(values[start : start + chunk])
+    return selection.selected()
+
+
+def sortable_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose order is the float order of float32/float64 `values` (-0.0 just below
+    0.0); NaN must have been replaced beforehand."""
+    if values.dtype == torch.float32:
+        bits = values.view(torch.int32).to(torch.int64)  # sign-extended
+        return bits ^ ((bits >> 63) & 0x7FFFFFFF)
+    bits = values.view(torch.int64)
+    return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+
+
+def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of `sortable_keys` (the map is its own inverse)."""
+    if dtype == torch.float32:
+        return (keys ^ ((keys >> 63) & 0x7FFFFFFF)).to(torch.int32).view(torch.float32)
+    return (keys ^ ((keys >> 63) & 0x7FFFFFFFFFFFFFFF)).view(torch.float64)
+
+
+def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """The entries at 0-based sorted positions `ranks` (int64, each below the finite count) among
+    the finite entries of 1-D float32/float64 `values` (`finite` its mask), on their device,
+    without a host synchronisation. Non-finite entries count as +inf, after every finite one."""
+    width = 32 if values.dtype == torch.float32 else 64
+    inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
+    keys = sortable_keys(torch.where(finite, values, inf))
+    order = torch.argsort(ranks)  # a handful of ranks, never the tensor
+    remaining = ranks[order]
+    slots = remaining.numel()
+    prefix = torch.zeros_like(remaining)
+    for shift in range(width - _DIGIT_BITS, -1, -_DIGIT_BITS):
+        if shift == width - _DIGIT_BITS:  # the top digit: one histogram for every rank
+            digits = (keys >> shift) + _DIGITS // 2
+            counts = torch.zeros(_DIGITS, dtype=torch.int64, device=keys.device)
+            counts.index_add_(0, digits, torch.ones_like(digits))
+            rows = counts.expand(slots, _DIGITS)
+        else:  # entries sharing a rank's prefix, counted in that rank's slot
+            higher = keys >> (shift + _DIGIT_BITS)
+            slot = torch.searchsorted(prefix, higher).clamp(max=slots - 1)
+            hit = prefix[slot] == higher
+            bins = torch.where(hit, slot * _DIGITS + ((keys >> shift) & (_DIGITS - 1)), -1)
+            counts = torch.zeros(slots * _DIGITS + 1, dtype=torch.int64, device=keys.device)
+            counts.index_add_(0, bins + 1, torch.ones_like(bins))
+            rows = counts[1:].view(slots, _DIGITS)[torch.searchsorted(prefix, prefix)]
+        cumulative = rows.cumsum(1)
+        digit = torch.searchsorted(cumulative, remaining.unsqueeze(1), right=True)
+        before = cumulative.gather(1, (digit - 1).clamp(min=0))
+        remaining = remaining - torch.where(digit > 0, before, 0).squeeze(1)
+        digit = digit.squeeze(1)
+        if shift == width - _DIGIT_BITS:
+            prefix = digit - _DIGITS // 2
+        else:
+            prefix = (prefix << _DIGIT_BITS) | digit
+    selected = torch.empty_like(prefix)
+    selected[order] = prefix
+    return _from_keys(selected, values.dtype)

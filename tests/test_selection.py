@@ -1,0 +1,132 @@
+"""Order statistics by selection: exact quartiles at every size, and no full sort of a tensor.
+
+The quartiles are pinned against `numpy.percentile` (linear interpolation) at 1e4 and 2e7
+entries and on ties, NaN and ±inf mixes, on the host path and on the sync-free general path
+(`Measurer(..., host_paths=False)`, what a GPU runs). A spy on every sort and partition of NumPy
+and torch, and on `torch.quantile`, records the sizes of what they are given while tensors of
+more than 1e5 entries are measured on every path: nothing larger than a bracket's few entries is
+ever sorted, whatever the path (methods such as `ndarray.sort` are seen by a profile hook).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from torchinstruments.measurement import order
+from torchinstruments.measurement.histograms import reduce_histogram
+from torchinstruments.measurement.reducers import Measurer
+
+from conftest import measure
+
+
+def quartiles(values: np.ndarray, host_paths: bool) -> list[float | None]:
+    got = measure(torch.from_numpy(values), host_paths=host_paths)
+    return [got[name].value for name in ("p25", "p50", "p75")]
+
+
+def numpy_quartiles(values: np.ndarray) -> list[float]:
+    finite = values[np.isfinite(values)].astype(np.float64)
+    return (np.percentile(finite, [25, 50, 75], method="linear") + 0.0).tolist()
+
+
+def mixes(rng: np.random.Generator) -> Iterator[tuple[str, np.ndarray]]:
+    """Ties, NaN and ±inf mixed into values of both working dtypes."""
+    for dtype in (np.float32, np.float64):
+        ties = rng.integers(-3, 4, 10_001).astype(dtype)
+        yield "ties", ties
+        mixed = rng.standard_normal(10_000).astype(dtype)
+        mixed[rng.integers(0, mixed.size, 700)] = np.nan
+        mixed[rng.integers(0, mixed.size, 300)] = np.inf
+        mixed[rng.integers(0, mixed.size, 300)] = -np.inf
+        mixed[rng.integers(0, mixed.size, 500)] = 0.0
+        mixed[rng.integers(0, mixed.size, 500)] = -0.0
+        yield "nan_inf_zeros", mixed
+        few = np.array([np.nan, 2.0, -np.inf, 2.0, np.inf, -1.0, np.nan], dtype=dtype)
+        yield "few_finite", few
+        extremes = rng.choice(
+            np.array([np.finfo(dtype).max, -np.finfo(dtype).max, np.finfo(dtype).tiny, 0.0]),
+            3_001,
+        ).astype(dtype)
+        yield "extremes", extremes
+
+
+@pytest.mark.parametrize("host_paths", [True, False], ids=["host", "device"])
+def test_quartiles_equal_numpy_percentile_at_1e4_and_on_mixes(host_paths: bool) -> None:
+    rng = np.random.default_rng(27)
+    cases = [("randn_1e4", rng.standard_normal(10_000).astype(np.float32)), *mixes(rng)]
+    for name, values in cases:
+        assert quartiles(values, host_paths) == numpy_quartiles(values), name
+
+
+def test_quartiles_equal_numpy_percentile_at_2e7() -> None:
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal(20_000_000, dtype=np.float32)
+    values[rng.integers(0, values.size, 1000)] = np.nan
+    values[rng.integers(0, values.size, 100)] = -np.inf
+    assert quartiles(values, True) == numpy_quartiles(values)
+
+
+def test_selection_brackets_that_miss_fall_back_exactly() -> None:
+    """A sorted input with a periodic pattern defeats the strided sample: still exact."""
+    pattern = np.tile(np.array([0.0, 1.0, 2.0, 3.0, 1e6], dtype=np.float32), 40_000)
+    values = np.sort(pattern)[::-1].copy()
+    values[::8192] = -1e9  # every sampled entry is an outlier
+    ranks = [0, 50_000, 100_000, 100_001, 150_000, values.size - 1]
+    assert order.on_host(values, ranks) == np.sort(values)[ranks].tolist()
+
+
+@pytest.fixture
+def sorted_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Sizes of every input given to a sort, partition or torch.quantile while the test runs."""
+    seen: list[int] = []
+
+    def spy(original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(array: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(int(np.size(array)) if isinstance(array, np.ndarray) else array.numel())
+            return original(array, *args, **kwargs)
+
+        return recorded
+
+    for name in ("sort", "argsort", "partition", "argpartition"):
+        monkeypatch.setattr(np, name, spy(getattr(np, name)))
+    for name in ("sort", "argsort", "msort", "quantile", "nanquantile", "kthvalue", "topk"):
+        monkeypatch.setattr(torch, name, spy(getattr(torch, name)))
+    for name in ("sort", "argsort", "msort", "quantile", "kthvalue", "topk"):
+        monkeypatch.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name)))
+
+    def methods(frame: object, event: str, arg: Any) -> None:  # ndarray.sort() and the like
+        owner = getattr(arg, "__self__", None)
+        if event == "c_call" and getattr(arg, "__name__", "") in _SORTS:
+            if isinstance(owner, np.ndarray):
+                seen.append(owner.size)
+            elif isinstance(owner, torch.Tensor):
+                seen.append(owner.numel())
+
+    sys.setprofile(methods)
+    yield seen
+    sys.setprofile(None)
+
+
+_SORTS = frozenset({"sort", "argsort", "partition", "argpartition", "msort", "kthvalue", "topk"})
+
+
+@pytest.mark.parametrize("size", [100_001, 1_000_000])
+def test_no_path_sorts_a_whole_tensor(sorted_sizes: list[int], size: int) -> None:
+    values = torch.randn(size)
+    values[::997] = float("nan")
+    for host_paths in (True, False):
+        measurer = Measurer(None, host_paths=host_paths)
+        reduction, histogram = measurer.launch_with_histogram(values)
+        assert histogram.device_vector is not None or histogram.host_vector is not None
+        vector = reduction.device_vector
+        got = reduction.resolve([] if vector is None else vector.tolist())
+        assert all(metric.value is not None for metric in got)
+        reduce_histogram(values, host_paths=host_paths)
+    assert sorted_sizes  # the spy sees the brackets' small selections
+    assert max(sorted_sizes) <= max(order.SAMPLE, order.SMALL) < size // 3

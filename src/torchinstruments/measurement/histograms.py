@@ -72,21 +72,9 @@ class PendingHistogram:
         signal: str,
         tensor_path: str,
     ) -> HistogramRecord | None:
-        """Builds the record from the host copy of `device_vector`.
-
-        Args:
-            host_values: `device_vector.tolist()`, or an empty sequence when it is None
-                (ignored when `host_vector` is set).
-            sample_id: Sample the tensor belongs to.
-            layer: Qualified name of the layer.
-            call_index: Call of the layer within the sample.
-            signal: `"output"` or `"output_gradient"`.
-            tensor_path: Where the tensor sits in the layer's output.
-
-        Returns:
-            The record, or None when the tensor has no finite entries, is unsupported, or the
-            values are malformed. Never raises.
-        """
+        """The record from `host_values` (`device_vector.tolist()`, or empty when it is None;
+        ignored when `host_vector` is set), or None when the tensor has no finite entries, is
+        unsupported, or the values are malformed. Never raises."""
         try:
             bins = self._bins
             if self.host_vector is not None:
@@ -128,19 +116,10 @@ class PendingHistogram:
 def reduce_histogram(
     tensor: torch.Tensor, bins: int = DEFAULT_BINS, *, host_paths: bool = True
 ) -> PendingHistogram:
-    """Counts the finite entries of `tensor` in `bins` equal bins, without a sync off the CPU.
-
-    Plain CPU tensors take the NumPy path (`numerics.measure_on_cpu`) unless `host_paths` is
-    False; everything else, or what it fails on, is counted by the general path on the tensor's
-    device (`paths.choose` decides).
-
-    Args:
-        tensor: Any tensor; it is detached and never modified.
-        bins: Number of bins (a positive int).
-        host_paths: Whether the NumPy path may take a plain CPU tensor.
-
-    Returns:
-        The pending histogram; `resolve` returns None when there is nothing to draw. Never raises.
+    """Counts the finite entries of `tensor` (detached, never modified) in `bins` equal bins,
+    without a sync off the CPU: plain CPU tensors in NumPy unless `host_paths` is False, the rest
+    (or what NumPy fails on) on the general path (`paths.choose`). Never raises; `resolve` gives
+    None when there is nothing to draw.
 
     Example:
         >>> pending = reduce_histogram(torch.randn(1000), bins=8)

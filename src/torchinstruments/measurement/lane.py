@@ -1,23 +1,16 @@
 """The small-tensor lane: a sample's small float32 CPU tensors, measured together as arrays.
 
-Design decision: on a model of thousands of small layers the statistics are cheap and the fixed
-cost per tensor is what a sampled step pays: the objects of a reduction and of its record (some
-fifteen per tensor, which the garbage collector scans until the sample is written, and which
-made it scan the whole heap about once per step at 3,000 layers), and the Python work of
-deriving nine metrics one tensor at a time. The lane takes the common case off that path: a
-plain strided float32 tensor on the CPU of 1 to `numerics.BATCH_MAX` entries, outside every
-torch.func transform, when the default profile is the only reducer and the layer is not a focus
-layer (a focus tensor's histogram takes the general path). At the layer's return (or as its
-gradient arrives) the lane copies the values into a NumPy array (so a later in-place op cannot
-change what is measured; NumPy arrays are not tracked by the garbage collector) and keeps no
-other object for it; at the end of the sampled forward or backward pass, `measure` reduces every
-copy in one segmented pass (`numerics.segment_profiles`: the same numbers, bit for bit, as the
-general path's) and returns the values and reasons as flat lists, ready for a
-`records.MeasurementBlock`.
-
-Everything else takes the general path (`reducers.Measurer`), which hands over in its turn; a
-failure of the lane's batch measures each of its tensors on its own, so a failure stays in its
-own tensor's rows.
+Design decision: on a model of thousands of small layers the fixed cost per tensor is what a
+sampled step pays: the objects of a reduction and its record (about fifteen per tensor, which
+the garbage collector scans until the sample is written) and deriving nine metrics one tensor at
+a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 to
+`numerics.BATCH_MAX` entries, outside torch.func transforms, when the default profile is the
+only reducer and the layer is not a focus layer. At the layer's return (or as its gradient
+arrives) it copies the values into a NumPy array (a later in-place op cannot change them; the
+collector does not track arrays) and keeps nothing else; at the end of the pass, `measure`
+reduces every copy in one segmented pass (`numerics.segment_profiles`: the general path's
+numbers, bit for bit) into flat lists for a `records.MeasurementBlock`. A failure of the batch
+measures each copy on its own, so a failure stays in its own tensor's rows.
 """
 
 from __future__ import annotations

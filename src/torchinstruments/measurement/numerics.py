@@ -1,33 +1,25 @@
 """The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
 Each family is written once and used by every path (one CPU tensor, a batch of small CPU
-tensors, the general path on any device); the functions marked "generic" take NumPy arrays or
-torch tensors alike, so the host and the device run the same IEEE operations in the same order:
+tensors, the general path on any device); "generic" functions take NumPy arrays or torch
+tensors alike, so host and device run the same IEEE operations in the same order:
 
-* Quantiles (`quartile_positions`, `lerp`, generic): the two neighbouring order statistics of
-  each quartile and NumPy's "linear" interpolation between them. The order statistics come from
-  selection (`order`: linear time, never a sort of a whole tensor) or, for a batch of small
-  tensors, from one sort of the batch's keys (`sorted_segments`; each tensor at most
-  `BATCH_MAX` entries).
-* Moments (`finish_moments`, generic, over the sums of `segment_sums` on the host or
-  `device_sums`): mean and population std by a corrected two-pass algorithm in float64, float64
-  inputs on values scaled by a power of two (exact), so neither a variance nor a sum of huge
-  values overflows into a null.
-* Histogram counts (`edges`, `thresholds`, `bin_counts`, generic): bins equally spaced over
-  [finite min, finite max], each inner edge turned into the smallest working-dtype value >= it,
-  each entry's bin the number of those thresholds <= it, so counts agree with the reported
-  edges exactly as `numpy.histogram` bins them, however narrow the bins.
+* Quantiles (`quartile_positions`, `lerp`): the two order statistics around each quartile and
+  NumPy's "linear" interpolation. The order statistics come from selection (`order`, linear
+  time) or, for a batch of small tensors (at most `BATCH_MAX` entries each), from one sort of
+  the batch's keys (`sorted_segments`).
+* Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
+  device): a corrected two-pass algorithm in float64, float64 inputs scaled by a power of two
+  (exact), so neither a variance nor a sum of huge values overflows into a null.
+* Histogram counts (`edges`, `thresholds`, `bin_counts`): each inner edge becomes the smallest
+  working-dtype value >= it and an entry's bin is the number of those <= it, so counts agree with
+  the reported edges as `numpy.histogram` bins them, however narrow the bins.
 
-Paths: `measure_on_cpu` (one plain CPU tensor, NumPy), `measure_batch_on_cpu` and
-`segment_profiles` (small CPU tensors together: the same arrays, so the same bits) and
-`raw_on_device` (torch ops on the tensor's own device, no host synchronisation). Which path a
-tensor takes is `tensors.choose_path`'s decision alone. Passes over one large CPU tensor's
-values: finiteness (1), zeros (1), min and max (1), the two moment passes (2), and per quartile
-group of the selection a bracket's two comparisons and its extraction (3 x 3), about 14
-vectorised reads, all linear.
-
-A value that comes out non-finite is never stored: it is null with the reason "non-finite
-result". Negative zero results are reported as 0.0.
+Paths (`paths.choose` decides): `measure_on_cpu`, `measure_batch_on_cpu` and `segment_profiles`
+(the same arrays, so the same bits), `raw_on_device`. One large CPU tensor is read four times:
+finiteness, zeros, the moments' first pass (which also feeds the selection's brackets and the
+min and max, `order.HostSelection`), and the deviations; plus a strided sample. A non-finite
+result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -134,21 +126,14 @@ def finish_moments(
 def segment_sums(
     values: np.ndarray, starts: np.ndarray, counts: np.ndarray, visit: Any = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Per segment, float64 arrays: the sums `finish_moments` takes, and the scale.
+    """Per segment of finite float32/float64 `values` (`starts` ascending, `counts` >= 1): the
+    float64 sums `finish_moments` takes, and the scale (one power of two per call, for float64
+    values whose squares could overflow or underflow).
 
-    Args:
-        values: Finite float32 or float64 entries.
-        starts: Where each segment starts in `values` (ascending; segments do not overlap).
-        counts: The length of each segment (each at least 1).
-        visit: Called with each chunk of `values` during the first pass, so that another
-            reduction (`order.HostSelection`) reads it while it is in the cache.
-
-    Two passes over float64 copies made one `CHUNK` at a time (a segment may span chunks):
-    segmented sums (`add.reduceat`), then the deviations' sums and squares. A segment's sums
-    depend only on its entries (in their order) and on where chunks cut it, so one tensor alone
-    and the same tensor within a batch of small ones give the same bits. float32 squares
-    always fit float64; float64 values whose squares could overflow or underflow are scaled by
-    one power of two per call (exact).
+    Two passes over float64 copies of one `CHUNK` at a time: segmented sums, then the deviations'
+    sums and squares. A segment's sums depend only on its entries and where chunks cut it, so a
+    tensor alone and within a batch give the same bits. `visit` sees each chunk of the first
+    pass (`order.HostSelection` reads it while it is in the cache).
     """
     scale = 1.0
     if values.dtype == np.float64:
@@ -270,9 +255,8 @@ def bin_counts(values: _Array, limits: _Array, bins: int, finite: _Array | None 
 
 
 def _host_bins(values: np.ndarray, limits: np.ndarray, bins: int) -> np.ndarray:
-    """Each entry's bin, as `np.searchsorted(limits, values, side="right")` gives it, from an
-    arithmetic guess corrected against its neighbouring limits (a few elementwise passes
-    instead of a binary search per entry); the search itself where the guess cannot settle."""
+    """`np.searchsorted(limits, values, side="right")`, from an arithmetic guess corrected
+    against the neighbouring limits (elementwise passes, not a binary search per entry)."""
     low, high = float(values.min()), float(values.max())
     span = high - low
     if bins < 2 or not math.isfinite(span) or span <= 0 or not math.isfinite(bins / span):
@@ -298,9 +282,8 @@ def histogram_vector(
     bins: int,
     finite: _Array | None = None,
 ) -> Any:
-    """A histogram's vector, laid out as `finite, min, max, sum, sum_squares` (`head` is the
-    count, sum and sum of squares), then the bins + 1 edges and the bins counts (generic: a list
-    for NumPy `values`, all finite; a device tensor for torch ones, `finite` their mask)."""
+    """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
+    edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
     bounds = edges(low, high, bins)
     counts = bin_counts(values, thresholds(bounds, values.dtype), bins, finite)
@@ -402,12 +385,8 @@ def _host_histogram(values: np.ndarray, raw: dict[str, float], bins: int) -> lis
 
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector.
-
-    The order statistics are selected (`order.on_host`), never sorted; the tensor is read in
-    place (float32/float64) and never written. The histogram vector is laid out as
-    `histogram_vector` says.
-    """
+    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
+    order statistics selected (`order.HostSelection`), the tensor read in place, never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
@@ -418,12 +397,9 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     select = order.HostSelection(values)
     return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
 
-
-# Tensors of at most this many entries are measured together at the end of a sampled forward (or
-# backward): their values are copied at the layer's return and reduced in one segmented pass...
+# Tensors of at most BATCH_MAX entries are copied and reduced together at the end of a sample
+# when at least BATCH_MIN want the same metrics (`uv run bench/small_tensors.py`).
 BATCH_MAX = 1 << 10
-# ... when at least this many of them want the same metrics; fewer are measured one by one
-# (`measure_on_cpu`). From `uv run bench/small_tensors.py` (one thread).
 BATCH_MIN = 4
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
@@ -444,17 +420,10 @@ def measure_batch_on_cpu(
 def sorted_segments(
     values: np.ndarray, lengths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The finite entries of each small float32 segment of `values`, ascending, one after another.
-
-    ONE sort of int64 keys that hold the segment index above the float32 sortable key (a sort
-    per tensor costs ~40 us of fixed NumPy calls, whatever its size; each segment has at most
-    `BATCH_MAX` entries). Non-finite entries get the key of +inf and are dropped.
-
-    Returns:
-        The sorted finite entries, the same in their original order (what the moments sum, as
-        for one tensor alone), each segment's finite count (int64), and each segment's count of
-        zeros (float64; -0.0 is a zero).
-    """
+    """The finite entries of each small float32 segment of `values`: ascending (ONE sort of
+    int64 keys, the segment index above the float32 sortable key; non-finite entries get +inf's
+    key and are dropped) and in their order (what the moments sum), each segment's finite count
+    and its count of zeros (float64; -0.0 is a zero)."""
     count = lengths.size
     starts = np.zeros(count, dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -479,17 +448,10 @@ def sorted_segments(
 
 
 def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The default profile of every float32 segment of `values`, as arrays, in `PROFILE` order.
-
-    The same numbers, bit for bit, as `measure_batch_on_cpu` followed by `DefaultDeriver` for
-    each segment (the same `_host_arrays`, and the fractions and `metric_value` as the deriver
-    computes them), with no Python work per segment.
-
-    Returns:
-        `(profile, finite)`: a float64 array of shape (segments, 9), NaN where a value is null,
-        and each segment's finite count; a null is "no finite entries" where that count is 0
-        (for the seven metrics of finite entries), else "non-finite result".
-    """
+    """The default profile of every float32 segment of `values` as a (segments, 9) float64
+    array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
+    0, else "non-finite result"): `measure_batch_on_cpu` and `DefaultDeriver`'s numbers, bit for
+    bit (the same `_host_arrays`), without Python work per segment."""
     ordered, in_order, finite, zeros = sorted_segments(values, lengths)
     profile = np.full((lengths.size, len(PROFILE)), np.nan)
     numel = lengths.astype(np.float64)

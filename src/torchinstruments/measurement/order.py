@@ -1,22 +1,19 @@
 """Order statistics by selection: exact k-th smallest entries in linear time, never a full sort.
 
-Design decision: a full sort is O(n log n) and its speed depends on whether the CPU and the
-NumPy build have a SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min
-and max need only selection, which is linear and does not. Two selections, one per kind of
-device, both exact for every input:
+A full sort is O(n log n) and its speed depends on whether the CPU and the NumPy build have a
+SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and max need only
+selection, which is linear and does not. One selection per kind of device, exact for every input:
 
-* `on_host` (NumPy, where reading a value back is free): a sample-bracketed selection. A strided
-  sample of `SAMPLE` entries is sorted; for each group of nearby ranks, two sample values that
-  bracket it with a wide margin (3 standard deviations of the sample's rank error and more) are
-  compared with every entry once, the entries between them are extracted, and the ranks are
-  selected among those few (recursively, then `np.partition` below `SMALL` entries, or where
-  ties keep a bracket from shrinking to half). When a bracket misses its ranks (possible only
-  for adversarial orders), the group is selected from the whole array by `np.partition`, still
-  linear. Min and max come from one `torch.aminmax`.
-* `on_device` (torch ops, no host synchronisation, any device): a radix select over
-  order-preserving integer keys, 16 bits a pass (two passes for float32, four for float64): each
-  pass counts the digits of the entries that share the wanted ranks' prefix found so far, in one
-  `index_add_` over all ranks at once, and a prefix sum tells each rank's next digit.
+* `HostSelection` (NumPy): a strided sample of `SAMPLE` entries is sorted; each group of nearby
+  ranks gets two sample values that bracket it with a wide margin (3 standard deviations of the
+  sample's rank error), the entries between them are extracted while the moments' first pass
+  reads each chunk, and the ranks are selected among those few (recursively; `np.partition`
+  below `SMALL` entries or where ties keep a bracket from halving). A bracket that misses its
+  ranks (only for adversarial orders) selects from the whole array by `np.partition`, still
+  linear.
+* `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
+  keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
+  `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
 """
 
 from __future__ import annotations
@@ -36,15 +33,9 @@ _DIGITS = 1 << _DIGIT_BITS
 
 
 class HostSelection:
-    """The entries of 1-D finite `values` at 0-based sorted positions (each below its size),
-    selected in the passes of whoever reads `values` chunk by chunk anyway.
-
-    `want` takes the positions; `visit` must then see every entry of `values` once, in order,
-    one chunk at a time (the moments' first pass calls it, so the tensor is read from memory
-    once for both); `selected` returns the entries. Nearby ranks share one bracket (within
-    1/64 of the size); min and max come from `torch.aminmax` of each chunk. `values` is never
-    written.
-    """
+    """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
+    see every chunk once, in order, then read them from `selected`. Nearby ranks (within 1/64
+    of the size) share a bracket; min and max come from each chunk's `torch.aminmax`."""
 
     def __init__(self, values: np.ndarray) -> None:
         self._values = values
@@ -155,9 +146,8 @@ def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
-    """The entries at 0-based sorted positions `ranks` (int64, each below the finite count) among
-    the finite entries of 1-D float32/float64 `values` (`finite` its mask), on their device,
-    without a host synchronisation. Non-finite entries count as +inf, after every finite one."""
+    """The entries at sorted positions `ranks` (int64, each below the finite count) among the
+    finite entries of 1-D float32/float64 `values` (`finite`: the mask), with no sync."""
     width = 32 if values.dtype == torch.float32 else 64
     inf = torch.tensor(math.inf, dtype=values.dtype, device=values.device)
     keys = sortable_keys(torch.where(finite, values, inf))

@@ -1,12 +1,10 @@
 """Which path measures a tensor's default profile: the one decision, for every caller.
 
-Paths, cheapest first: the small-tensor lane (`lane`: a NumPy copy, measured with the sample's
-other small tensors as arrays), the deferred batch (`reducers.settle`: a small CPU tensor of a
-focus layer, say, measured with the sample's others), the host path (`numerics.measure_on_cpu`:
-one plain CPU tensor in NumPy) and the general path (`numerics.raw_on_device`: torch ops on the
-tensor's own device, no host synchronisation), which every fast path hands over to when it
-declines or fails. `host_paths=False` sends every tensor to the general path, as on a GPU: a
-parameter of `reducers.Measurer` (and `histograms.reduce_histogram`), never a module global.
+Cheapest first: the small-tensor lane (`lane`), the deferred batch of small CPU tensors
+(`reducers.settle`), one CPU tensor in NumPy (`numerics.measure_on_cpu`), and the general path
+(`numerics.raw_on_device`, on the tensor's device, no sync) that every fast path hands over to.
+`host_paths=False` (a parameter of `reducers.Measurer` and `histograms.reduce_histogram`, not a
+module global) sends every tensor to the general path, as on a GPU.
 """
 
 from __future__ import annotations
@@ -21,15 +19,8 @@ Path = Literal["lane", "batch", "host", "general"]
 
 
 def choose(tensor: torch.Tensor, *, host_paths: bool, lane_ok: bool, defer: bool) -> Path:
-    """The path of `tensor`.
-
-    Args:
-        tensor: The measured form of the tensor (detached or not).
-        host_paths: Whether the NumPy paths may take plain CPU tensors.
-        lane_ok: Whether the lane may take it (the default profile is the only reducer and the
-            layer is not a focus layer).
-        defer: Whether a small tensor may wait for the sample's batch.
-    """
+    """The path of `tensor`: `lane_ok` when the default profile is the only reducer and the
+    layer is not a focus layer, `defer` when a small tensor may wait for the sample's batch."""
     if lane_ok and host_paths and lane.takes(tensor):  # the hot case first: checked per tensor
         return "lane"
     if not host_paths or not tensors.host_path_takes(tensor):

@@ -1,24 +1,17 @@
 """Reducers: the default statistics profile and custom scalar metrics, as one `Measurer`.
 
-The default profile is nine numbers over the finite entries of a tensor (mean, population std,
-min, max, the three quartiles with NumPy's "linear" interpolation) plus two fractions over all
-entries (zero_fraction, nonfinite_fraction); `numerics` computes them exactly. Custom reducers add
-scalar metrics of their own (`custom`: their forms, validation and calling).
+The default profile is nine numbers: mean, population std, min, max and the three quartiles
+(NumPy's "linear" interpolation) of the finite entries, and the zero and non-finite fractions
+of all entries; `numerics` computes them exactly. Custom reducers add metrics (`custom`).
 
-Design decision: a reduction is split in two halves. `Measurer.launch` runs on the tensor's
-device and returns a `PendingReduction` whose `device_vector` holds every number that must cross
-to the host; `transfer` concatenates the vectors of all tensors of one sampled forward and moves
-them with ONE transfer, then calls `PendingReduction.resolve` with the host values. Which tensors
-are measurable, and in which working dtype, is `tensors`' rule; why a value is null, `reasons`'.
-
-Two ways the default profile shares work. `launch_with_histogram` counts a focus tensor's
-histogram with the statistics' own min, max and sums (`numerics.histogram_vector`, on every
-path). And, on the CPU only,
-`launch(defer=True)` copies a small float tensor (at most `numerics.BATCH_MAX` entries; the copy
-keeps the values as they were at the layer's return) so that `settle` reduces a sample's small
-tensors together in one segmented pass. Measured with `bench/ops.py`: a sampled forward of a
-100-leaf MLP adds 6 torch ops per measured tensor (3 when its outputs are small enough to be
-reduced together) instead of 39.
+Design decision: a reduction has two halves. `Measurer.launch` runs on the tensor's device and
+returns a `PendingReduction` whose `device_vector` holds what must cross to the host;
+`transfer` moves the vectors of one sampled forward with ONE transfer and calls
+`PendingReduction.resolve`. Measurable tensors and working dtypes are `tensors`' rule, the path
+`paths.choose`'s. `launch_with_histogram` counts a focus tensor's histogram with the statistics'
+own min, max and sums; on the CPU, `launch(defer=True)` copies a small tensor (at most
+`numerics.BATCH_MAX` entries, as it was at the layer's return) so that `settle` reduces a
+sample's small tensors together (`bench/ops.py`: a fixed number of torch ops per sample).
 """
 
 from __future__ import annotations
@@ -159,12 +152,8 @@ class _Deferred:
 
 
 class PendingReduction:
-    """Device-resident result for one tensor; resolved on the host after the single transfer.
-
-    Attributes:
-        device_vector: 1-D float64 tensor on the tensor's device holding everything that must
-            cross to the host, or None if nothing must.
-    """
+    """One tensor's result: `device_vector` (1-D float64 on its device, or None) holds what must
+    cross to the host; `resolve` finishes it after the sample's single transfer."""
 
     __slots__ = ("_deferred", "_parts", "_size", "device_vector")
 
@@ -180,15 +169,8 @@ class PendingReduction:
         self._deferred = deferred
 
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
-        """Turns the host copy of `device_vector` into metric values.
-
-        Args:
-            host_values: `device_vector.tolist()`, or an empty sequence when it is None.
-
-        Returns:
-            One `MetricValue` per name in `Measurer.metrics`, in order. Never raises: a failure
-            becomes null values with the reason.
-        """
+        """One `MetricValue` per name in `Measurer.metrics` from `host_values`
+        (`device_vector.tolist()`, or empty when it is None). Never raises: null + reason."""
         deferred = self._deferred
         if deferred is not None and not deferred.settled:
             settle([self])
@@ -212,15 +194,10 @@ class PendingReduction:
 
 
 def settle(reductions: Sequence[PendingReduction]) -> None:
-    """Reduces every deferred small tensor among `reductions` (see `Measurer.launch`).
-
-    Groups of equal wanted metrics with at least `numerics.BATCH_MIN` members take one
-    segmented NumPy pass (`numerics.measure_batch_on_cpu`), so the number of calls per sample
-    does not grow with its number of small tensors; smaller groups are measured one by one
-    (`numerics.measure_on_cpu`), and so is every member of a group whose batch failed, so that
-    a failure stays in its own tensor's rows. Fills the deferred host values and histogram
-    vectors; never raises (a failure becomes the reason of that tensor's deferred metrics).
-    """
+    """Reduces every deferred small tensor among `reductions` (see `Measurer.launch`): groups
+    of equal wanted metrics with at least `numerics.BATCH_MIN` members in one segmented pass
+    (`numerics.measure_batch_on_cpu`), smaller groups and the members of a failed batch one by
+    one (a failure stays in its own rows). Never raises."""
     groups: dict[frozenset[str], list[_Deferred]] = {}
     for reduction in reductions:
         deferred = reduction._deferred

@@ -1,21 +1,16 @@
 """From launched reductions to records: one host transfer per device, then plain records.
 
-Design decision: everything one sampled forward (or one backward pass) launched stays on its
-device until this module moves it, all at once: the result vectors of every tensor are
-concatenated per device and copied with one transfer each, then each tensor's `PendingReduction`
-and `PendingHistogram` are resolved into metric values and `HistogramRecord`s. This is the only
-place where measured values cross to the host.
+Design decision: everything one sampled forward (or backward) launched stays on its device until
+this module moves it: the result vectors of every tensor are concatenated per device and copied
+with one transfer each, then resolved into metric values and `HistogramRecord`s. This is the
+only place where measured values cross to the host.
 
-The path of a value, from a layer's return to a history row: `observer` (or `gradients`) calls
-`launch`, which either gives the tensor to the small-tensor lane (`lane`: a NumPy copy of a small
-float32 CPU tensor, nothing else) or launches its reductions on its device (`launch_tensor`, the
-general path) and returns a `PendingTensor`; `build_records` measures the lane's copies in one
-segmented pass, transfers and resolves the others, and returns one `SampleRecord` per sample whose
-measurements are a `MeasurementBlock` (column by column, in launch order); the sinks turn those
-into rows. On the CPU, the general path's small tensors (a focus layer's, say) are only copied by
-`launch_tensor` (so later in-place ops cannot change what is measured) and reduced together by
-`reducers.settle`: either way, one segmented pass per sampled forward or backward, so the number of
-torch ops per sample does not grow with the number of layers.
+A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
+small-tensor lane (`lane`: a NumPy copy) or launches its reductions (`launch_tensor`, which
+`paths.choose` sends on); `build_records` measures the lane's copies in one segmented pass,
+transfers and resolves the others (a focus layer's small CPU tensors reduced together by
+`reducers.settle`), and returns one `SampleRecord` per sample whose measurements are a
+`MeasurementBlock`, in launch order. Torch ops per sample do not grow with the layers.
 """
 
 from __future__ import annotations

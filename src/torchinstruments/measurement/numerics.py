@@ -397,6 +397,7 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     select = order.HostSelection(values)
     return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
 
+
 # Tensors of at most BATCH_MAX entries are copied and reduced together at the end of a sample
 # when at least BATCH_MIN want the same metrics (`uv run bench/small_tensors.py`).
 BATCH_MAX = 1 << 10

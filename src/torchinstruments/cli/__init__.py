@@ -356,6 +356,13 @@ def _run_single(args: argparse.Namespace) -> int:
                 f"{plural(len(result.panels), 'panel')}, {plural(len(result.tensors), 'tensor')}, "
                 f"x = {result.x}"
             )
+            if result.metrics_left_out:
+                print(
+                    f"{prog}: drew {', '.join(dict.fromkeys(m for m, _ in result.panels))}; not drawn "
+                    f"without --metrics: {', '.join(result.metrics_left_out)} (--metrics "
+                    "m1,m2 chooses)",
+                    file=sys.stderr,
+                )
             if result.left_out:
                 print(
                     f"{prog}: {plural(len(result.left_out), 'tensor')} left out "

@@ -74,19 +74,21 @@ LABEL_ROWS = 60
 DPI = 100
 MAX_PIXELS = 80_000_000  # about 320 MB of RGBA canvas; 3,000 layers x 500 samples is 3.8 M
 PNG_COMPRESSION = 3  # zlib level: large images encode several times faster than at 6
-FONT_SIZE = 8
-LABELLED_CELL_HEIGHT = 14  # px per row when every row is labelled
+FONT_SIZE = 10  # pt at DPI 100: about 14 px, legible on a laptop screen at 100%
+LABELLED_CELL_HEIGHT = 22  # px per row when every row is labelled (a 10 pt label's height)
 PANEL_TARGET_HEIGHT = 720  # px; rows get fewer pixels down to 1, never less
 PANEL_TARGET_WIDTH = 480
-PANEL_MIN_WIDTH = 120
-MAX_CELL_WIDTH = 24
-CHAR_WIDTH = 6  # px of an 8 pt character, to size the label margin
+PANEL_MIN_WIDTH = 280
+MAX_CELL_WIDTH = 48
+CHAR_WIDTH = 7.5  # px of a 10 pt character, to size the label margin
 MAX_LABEL_CHARS = 48
-TITLE_LINE = 15  # px per title line (9 pt)
-TITLE_CHAR_WIDTH = 6.6  # px of a 9 pt character, to wrap the title to the image's width
-PANEL_TITLE = 34  # px between the title and the panels (the panels' own titles)
-BOTTOM = 76
-COLORBAR_GAP, COLORBAR_WIDTH, COLORBAR_LABELS = 8, 12, 78
+TITLE_LINE = 18  # px per title line (11 pt)
+TITLE_CHAR_WIDTH = 7.6  # px of an 11 pt character, to wrap the title to the image's width
+PANEL_TITLE = 40  # px between the title and the panels (the panels' own titles)
+BOTTOM = 96
+COLORBAR_GAP, COLORBAR_WIDTH, COLORBAR_LABELS = 10, 16, 96
+FRAME_COLOUR = (90, 90, 90)  # a panel's 1 px frame, outside its cells: white no-row cells
+# at a panel's edge would otherwise merge with the page
 X_LABELS = {
     "sample_id": "sample_id (n-th sampled root forward)",
     "forward_index": "forward_index of each sample (n-th root forward, sampled or not)",
@@ -369,6 +371,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
         from matplotlib.cm import ScalarMappable
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter
         from PIL import Image  # a dependency of matplotlib
         from PIL.PngImagePlugin import PngInfo
     except ImportError as exc:
@@ -379,16 +382,18 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     panel_w, panel_h = cell_w * n_cols, cell_h * n_rows
     ticks, labels, label_kind = row_ticks(grid)
     labels = [_shorten(label) for label in labels]
-    left = 16 + CHAR_WIDTH * max((len(label) for label in labels), default=8)
+    left = 16 + round(CHAR_WIDTH * max((len(label) for label in labels), default=8))
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
     width = left + stride * len(grid.signals) + 8
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     about = (
-        f"{plural(n_rows, 'tensor')} down in traversal order (labelled: {label_kind}), "
-        f"{plural(n_cols, 'sample')} across; one colour scale per panel"
+        f"{plural(n_rows, 'tensor')} down in traversal order (labelled: {label_kind})",
+        f"{plural(n_cols, 'sample')} across; one colour scale per panel",
     )
     chars = max(40, int((width - 16) / TITLE_CHAR_WIDTH))
-    title = [f"{grid.metric}: {where}", *textwrap.wrap(about, chars)]
+    title = [f"{grid.metric}: {where}"]
+    for phrase in about:  # one phrase a line; a phrase wraps only when it is wider than that
+        title += textwrap.wrap(phrase, chars)
     top = 8 + TITLE_LINE * len(title) + PANEL_TITLE
     height = top + panel_h + BOTTOM
     if width * height > MAX_PIXELS:
@@ -429,6 +434,8 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
             )
         )
         colorbar = figure.colorbar(ScalarMappable(norm=norm, cmap=COLOURMAP), cax=cax)
+        # Each tick its own number (1e-05, not "1e-5" above the bar over the panel's title).
+        colorbar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
         colorbar.ax.tick_params(which="both", labelsize=FONT_SIZE - 1)
         colorbar.set_label(scale_name.split(" ")[0].rstrip(":"), fontsize=FONT_SIZE - 1)
         vmin, vmax = (float(norm.vmin), float(norm.vmax)) if finite.size else (None, None)
@@ -467,6 +474,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     canvas.draw()
     image = np.array(canvas.buffer_rgba())[:, :, :3]
     for x0, rgb in pasted:  # whole-pixel cells, over the drawn frame: no resampling
+        image[top - 1 : top + panel_h + 1, x0 - 1 : x0 + panel_w + 1] = FRAME_COLOUR
         image[top : top + panel_h, x0 : x0 + panel_w] = np.repeat(
             np.repeat(rgb, cell_h, axis=0), cell_w, axis=1
         )

@@ -8,7 +8,12 @@ Design decisions:
   labelled `[eval]`), one point per sample. The x axis is `sample_id`, `forward_index` or
   `step` (the trainer's global step, or set_step's value; samples without one are left out)
   and its label says which.
-- A null value (unavailable, with a reason in history) is a gap in the line, never a 0.
+- A null value (unavailable, with a reason in history) is a gap in the line, never a 0, and
+  an `x` in the line's colour at the bottom of the panel marks each such sample, so a line that
+  ends at a null does not look like a series that stopped.
+- Without `--metrics`, DEFAULT_METRICS are drawn (8 panels: a figure that reads on a laptop
+  screen, not 18 panels 2,160 px tall); `PlotResult.metrics_left_out` names the others, and the
+  command says so on stderr.
 - At most `max_tensors` tensors (traversal order) are drawn, so lines stay tellable apart; the
   figure title and a message on stderr say how many were left out and how to choose
   (`--layers REGEX`).
@@ -62,6 +67,8 @@ PANEL_HEIGHT_IN = 2.3
 LEGEND_WIDTH_IN = 2.4
 DPI = 100
 DEFAULT_MAX_TENSORS = 10
+DEFAULT_METRICS = ("mean", "std", "zero_fraction", "nonfinite_fraction")
+NULL_MARK = "x"
 YSCALES = ("linear", "log", "symlog")
 # One (marker, line style) per drawn tensor, all distinct for up to 10 tensors (any number of
 # tensors past that repeats them with another colour).
@@ -91,6 +98,8 @@ class PlotResult:
     left_out: tuple[str, ...]
     yscales: tuple[str, ...] = ()
     styles: tuple[tuple[str, str], ...] = ()
+    metrics_left_out: tuple[str, ...] = ()
+    null_marks: int = 0  # samples marked as a null value, over all panels
 
 
 def tensor_label(
@@ -184,6 +193,7 @@ def _figure(
     labels = _labels(drawn, rows)
     panels = []
     scales = []
+    null_marks = 0
     for i, metric in enumerate(metrics):
         for j, signal in enumerate(signals):
             ax = axes[i][j]
@@ -206,6 +216,19 @@ def _figure(
                     label=label,
                     **style,
                 )
+                nulls = line.filter(pl.col("value").is_null())[x].to_list()
+                if nulls:  # at the panel's bottom edge, in the line's colour
+                    null_marks += len(nulls)
+                    ax.plot(
+                        nulls,
+                        [0.02] * len(nulls),
+                        transform=ax.get_xaxis_transform(),
+                        marker=NULL_MARK,
+                        linestyle="none",
+                        color=style["color"],
+                        markersize=7,
+                        clip_on=False,
+                    )
             used = _scale(ax, panel["value"].drop_nulls().to_list(), yscale)
             scales.append(used)
             fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
@@ -215,7 +238,10 @@ def _figure(
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
     handles = [Line2D([], [], **style) for style in styles]
-    figure.legend(handles, labels, loc="outside right upper", fontsize=8, title="tensor")
+    if null_marks:
+        handles.append(Line2D([], [], marker=NULL_MARK, linestyle="none", color="black"))
+        labels = [*labels, "x at the bottom:\nnull value (reason\nin history)"]
+    figure.legend(handles, labels, loc="outside right upper", fontsize=9, title="tensor")
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     title = f"{where}: {len(drawn)} tensor{'' if len(drawn) == 1 else 's'}"
     if left_out:
@@ -228,10 +254,11 @@ def _figure(
         height_px=round(height * DPI),
         x=x,
         panels=tuple(panels),
-        tensors=tuple(labels),
+        tensors=tuple(labels[: len(drawn)]),
         left_out=tuple(_labels(left_out, rows)),
         yscales=tuple(scales),
         styles=tuple((s["marker"], s["linestyle"]) for s in styles),
+        null_marks=null_marks,
     )
     return figure, result
 
@@ -268,6 +295,12 @@ def plot(
         raise ValueError(f"max_tensors={max_tensors!r} is not allowed: expected an int >= 1")
     facts = read_facts(directory)
     rows = plot_rows(directory, selection, x)
+    left_out: tuple[str, ...] = ()
+    if selection.metrics is None:  # the default: a figure that reads on a laptop screen
+        present = metric_order(rows["metric"].unique().to_list(), facts.run)
+        if set(present) & set(DEFAULT_METRICS):
+            left_out = tuple(m for m in present if m not in DEFAULT_METRICS)
+            rows = rows.filter(pl.col("metric").is_in(DEFAULT_METRICS))
     if rows.is_empty() and x == "step":
         raise ValueError(NO_STEP.format(directory=directory))
     if rows.is_empty():
@@ -283,10 +316,11 @@ def plot(
         }
     )
     figure.savefig(output, format="png", dpi=DPI, metadata={"Description": description})
-    return dataclasses.replace(result, path=Path(output))
+    return dataclasses.replace(result, path=Path(output), metrics_left_out=left_out)
 
 
 __all__ = [
+    "DEFAULT_METRICS",
     "MISSING_MATPLOTLIB",
     "NO_STEP",
     "MatplotlibMissingError",

@@ -1,0 +1,104 @@
+"""Heatmap and plot pictures that read without a legend hunt: framed panels (white "no row"
+cells at an edge stay inside a visible panel), cells large enough for a laptop screen, nulls
+marked on the plot's lines, and a default plot of a few panels instead of eighteen.
+
+Values are checked on the PNG's pixels and on what the command reports, against the history
+read with Polars.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.cli.heatmap import FRAME_COLOUR, heatmap
+from torchinstruments.cli.plot import DEFAULT_METRICS, plot
+from torchinstruments.cli.show import Selection
+
+from conftest import read_heatmap
+
+pytest.importorskip("matplotlib")
+
+
+class Branch(nn.Module):
+    """`side` is cut from the loss after two samples (its gradient rows stop); `head`'s output
+    is NaN from the third sample on (its statistics over finite entries are null)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 3)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.side(x)
+        if self.step >= 2:
+            side = side.detach()
+        out = self.head(x) + side
+        self.step += 1
+        return out * float("nan") if self.step > 3 else out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("pictures") / "run"
+    torch.manual_seed(0)
+    model = Branch()
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(6):
+        model(torch.randn(4, 3)).sum().backward()
+    remove_observer(model)
+    return directory
+
+
+def test_heatmap_panels_are_framed_and_cells_read_on_a_laptop(run: Path, tmp_path: Path) -> None:
+    (result,) = heatmap(run, tmp_path, Selection(metrics=("mean",)))
+    pixels, meta = read_heatmap(result.path)
+    history = pl.read_parquet(run / "history.parquet")
+    columns = sorted(history["sample_id"].unique())
+    for panel in meta["panels"]:
+        top, left = panel["top"], panel["left"]
+        bottom = top + panel["cell_height"] * len(meta["rows"])
+        right = left + panel["cell_width"] * len(columns)
+        frame = [
+            *pixels[top - 1, left - 1 : right + 1],
+            *pixels[bottom, left - 1 : right + 1],
+            *pixels[top - 1 : bottom + 1, left - 1],
+            *pixels[top - 1 : bottom + 1, right],
+        ]
+        assert {tuple(int(c) for c in p) for p in frame} == {FRAME_COLOUR}, panel["signal"]
+        assert panel["cell_height"] >= 20  # a 10 pt row label's height
+    # side's gradient has no row from sample 2: its cells are white, inside the frame
+    gradient = next(p for p in meta["panels"] if p["signal"] == "output_gradient")
+    row = [tuple(r[:3]) for r in meta["rows"]].index(("side", 0, ""))
+    y = gradient["top"] + row * gradient["cell_height"] + gradient["cell_height"] // 2
+    x = gradient["left"] + 4 * gradient["cell_width"] + gradient["cell_width"] // 2
+    assert tuple(pixels[y, x]) == (255, 255, 255)
+
+
+def test_plot_marks_null_values_and_draws_a_few_metrics_by_default(
+    run: Path, tmp_path: Path
+) -> None:
+    result = plot(run, tmp_path / "trends.png", Selection())
+    history = pl.read_parquet(run / "history.parquet").filter(pl.col("metric") != "interrupted")
+    drawn = sorted({m for m, _ in result.panels})
+    assert drawn == sorted(DEFAULT_METRICS)
+    assert sorted(result.metrics_left_out) == sorted(set(history["metric"]) - set(DEFAULT_METRICS))
+    nulls = history.filter(pl.col("metric").is_in(DEFAULT_METRICS), pl.col("value").is_null())
+    assert nulls.height > 0
+    assert result.null_marks == nulls.height  # one x per null value, in its line's colour
+    assert result.height_px <= 1100  # 8 panels: fits a laptop screen, not 2,160 px
+    image = np.asarray(Image.open(result.path))
+    assert image.shape[0] == result.height_px
+
+    every = plot(
+        run, tmp_path / "all.png", Selection(metrics=tuple(sorted(set(history["metric"]))))
+    )
+    assert every.metrics_left_out == ()

@@ -15,6 +15,7 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -371,6 +372,49 @@ def test_readme_command_lines_print_what_the_readme_shows(
     for image in ("plot.png", "heatmap-zero_fraction.png"):
         written = matplotlib.image.imread(output / image).shape
         assert matplotlib.image.imread(ROOT / "docs" / image).shape == written, image
+
+
+def test_readme_commands_run_as_typed_with_only_uv_on_path(
+    faults_dir: Path, tmp_path: Path
+) -> None:
+    """Each README command line, pasted into a fresh `bash -c` whose PATH holds only uv (no
+    activated environment, no `torchinstruments` script): `uv run` finds the checkout's
+    environment (`UV_PROJECT`, as a shell in the checkout would) and the command succeeds."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not installed (the README's commands are its `uv run` form)")
+    output = tmp_path / "find_problems_output"
+    output.mkdir()
+    for fault_dir in faults_dir.iterdir():
+        (output / fault_dir.name).symlink_to(fault_dir)
+    env = {
+        "PATH": str(Path(uv).parent),
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "UV_PROJECT": str(ROOT),
+        "UV_NO_SYNC": "1",  # the environment as it is; nothing installed by the test
+        "OMP_NUM_THREADS": "1",
+    }
+    assert (
+        subprocess.run(
+            ["/bin/bash", "-c", "torchinstruments --help"],
+            env=env,
+            check=False,
+            capture_output=True,
+        ).returncode
+        == 127
+    )  # not on this PATH
+    for command, _ in readme_command_lines():
+        typed = README_PREFIX.removeprefix("$ ") + command
+        result = subprocess.run(
+            ["/bin/bash", "-c", typed],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        assert result.returncode == 0, (typed, result.stderr[-2000:])
 
 
 # -- docs/research-workflows.md ---------------------------------------------------------------

@@ -8,7 +8,8 @@ latest = the value at the series' largest sample_id, window mean = the mean over
 latest `window` sample_ids.
 
 The child training process is this file itself (`python tests/test_cli.py DIR`): it trains
-SAMPLES steps with one part per sample, then sleeps with the observer attached until it is killed.
+SAMPLES steps with one part per sample (the first sample's forward and backward rows are each a
+part, written at once), then sleeps with the observer attached until it is killed.
 Its directory name holds glob characters (`exp[lr=0.1]`), which must be read literally.
 """
 
@@ -292,7 +293,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subpr
     )
     try:
         deadline = time.monotonic() + WAIT_S
-        while len(list_parts(directory)) < SAMPLES:
+        while len(list_parts(directory)) < SAMPLES + 1:  # the first sample is two parts
             assert child.poll() is None, f"training child exited early: {child.stdout}"
             assert time.monotonic() < deadline, f"no {SAMPLES} parts after {WAIT_S} s"
             time.sleep(0.05)
@@ -310,7 +311,7 @@ def test_live_crashed_and_finalized_runs(
 ) -> None:
     directory, child = live
     parts = list_parts(directory)
-    assert len(parts) == SAMPLES
+    assert len(parts) == SAMPLES + 1  # the first sample's forward and backward: a part each
     assert not (directory / "history.parquet").exists()
 
     # live: the observer is attached (the process holds the run lock)
@@ -349,7 +350,8 @@ def test_live_crashed_and_finalized_runs(
     assert list_parts(directory) == []
     final = check_show(directory, [directory / "history.parquet"])
     assert final["rows"] == payload["rows"]
-    assert final["run"]["counts"].startswith("counts (lower bounds")
+    assert final["run"]["counts"].startswith("counts (rebuilt from history")
+    assert "at least 7 root forwards" in final["run"]["counts"]
     heatmaps.append(heatmap_of(directory, tmp_path / "final", [directory / "history.parquet"]))
     assert all(np.array_equal(heatmaps[0], other) for other in heatmaps[1:])
 
@@ -388,7 +390,7 @@ def test_a_merge_between_listing_and_reading_is_retried(tmp_path: Path) -> None:
         return lf.select(pl.len())
 
     rows = read_history(crashed, merge_then_count).item()
-    assert seen == [3, 0]  # first over the 3 parts, then over history.parquet
+    assert seen == [4, 0]  # first over the 4 parts (sample 0 is two), then history.parquet
     assert rows == pl.read_parquet(crashed / "history.parquet").height == 3 * ROWS_PER_SAMPLE
 
 

@@ -8,8 +8,9 @@ Why the comparison is exact: the child and the reference share one deterministic
 definition (this file is also the child's script), run on one CPU thread so that every float
 reduction happens in the same order. `buffer_rows` is set to the rows of one sample (forward plus
 backward rows), and the observer appends a sample's forward rows and then its backward rows, so
-each part holds exactly one complete sample (the test checks this rather than assuming it). The K
-parts the kill leaves are then samples 0..K-1, and the reference trains exactly K steps. Only the
+after the first sample (whose forward and backward rows are written at once, two parts) each part
+holds exactly one complete sample (the test checks this rather than assuming it). The K parts the
+kill leaves are then samples 0..K-2, and the reference trains exactly K-1 steps. Only the
 `timestamp` column may differ; result.json holds no timestamps (checked too).
 """
 
@@ -118,7 +119,14 @@ def test_sigkill_mid_training_then_finalize_matches_normal_removal(
     # Every completed part reads back, and holds exactly one whole sample, in order.
     parts = list_parts(crashed)
     assert len(parts) >= PARTS_BEFORE_KILL
-    for number, part in enumerate(parts):
+    # The first sample's forward rows and backward rows were each written at once (two parts);
+    # every later part holds one whole sample.
+    for kind, part in zip(("output", "output_gradient"), parts[:2], strict=True):
+        frame = pl.read_parquet(part)
+        assert frame["sample_id"].unique().to_list() == [0], part
+        assert frame["signal"].unique().to_list() == [kind], part
+        assert frame.height == ROWS_PER_SAMPLE // 2, part
+    for number, part in enumerate(parts[2:], start=1):
         frame = pl.read_parquet(part)
         assert frame.height == ROWS_PER_SAMPLE, part
         assert frame["sample_id"].unique().to_list() == [number], part
@@ -126,7 +134,7 @@ def test_sigkill_mid_training_then_finalize_matches_normal_removal(
             ("output", ROWS_PER_SAMPLE // 2),
             ("output_gradient", ROWS_PER_SAMPLE // 2),
         ]
-    samples = len(parts)
+    samples = len(parts) - 1
 
     done = subprocess.run(
         [sys.executable, "-m", "torchinstruments", "finalize", str(crashed)],

@@ -222,18 +222,20 @@ def test_after_sigkill_finalize_marks_the_partly_written_sample(
         if child.poll() is None:
             child.kill()
             child.wait()
-    # 270 rows recorded, 240 in parts: the last part ends 24 rows into sample 4's forward
+    # 270 rows recorded; sample 0's 54 at once (two parts), then 40-row parts: 254 in parts, the
+    # last ending 11 rows into sample 4's backward
     finalize(run_dir)
     rows = history(run_dir)
-    assert rows.filter(~MARK).height == 240
+    assert rows.filter(~MARK).height == 254
     marks = rows.filter(MARK)
-    assert marks.select("sample_id", "signal").rows() == [(4, "output")]
-    assert marks["unavailable_reason"].to_list() == [reasons.partly_written("output", 24, 27)]
+    assert marks.select("sample_id", "signal").rows() == [(4, "output_gradient")]
+    partly = reasons.partly_written("output_gradient", 11, 27)
+    assert marks["unavailable_reason"].to_list() == [partly]
     state = read_state(run_dir)
     assert state.status is Status.INTERRUPTED
     assert state.marks_total == 1
     index = (run_dir / "index.md").read_text("utf-8")
-    assert f"- sample 4: {reasons.partly_written('output', 24, 27)}" in index
+    assert f"- sample 4: {partly}" in index
     finalize(run_dir)  # again: nothing new to mark
     assert history(run_dir).filter(MARK).height == 1
     assert cli_main(["show", str(run_dir), "--metrics", "mean"]) == 0

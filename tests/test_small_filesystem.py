@@ -82,16 +82,16 @@ def test_a_disk_full_through_removal_leaves_a_true_ledger(small_disk: Path) -> N
     x = torch.randn(1, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        for _ in range(20):  # samples 0-19: two parts
+        for _ in range(20):  # sample 0 at once (two parts), samples 1-10 in a third part
             model(x).sum().backward()
         filler = fill(small_disk)
         assert os.statvfs(small_disk).f_bavail == 0
-        for _ in range(300):  # 20-119 buffered up to the cap, 120-319 dropped
+        for _ in range(300):  # 11-110 buffered up to the cap, 111-319 dropped
             model(x).sum().backward()
         remove_observer(model)  # the backlog cannot be written either
     expected = [
-        (100 * ROWS_PER_SAMPLE, 20, 119, "not written at removal"),
-        (200 * ROWS_PER_SAMPLE, 120, 319, "dropped at the memory cap"),
+        (100 * ROWS_PER_SAMPLE, 11, 110, "not written at removal"),
+        (209 * ROWS_PER_SAMPLE, 111, 319, "dropped at the memory cap"),
     ]
     for moment in ("after removal", "after finalize"):
         state = read_state(run)
@@ -106,13 +106,13 @@ def test_a_disk_full_through_removal_leaves_a_true_ledger(small_disk: Path) -> N
             assert "No space left on device" in loss[3]
         index = (run / "index.md").read_text("utf-8")
         assert "**State: INCOMPLETE.**" in index, moment
-        assert "1,800 rows of samples 20-119 were recorded but not written" in index, moment
-        assert "3,600 rows of samples 120-319 were recorded but not written" in index, moment
+        assert "1,800 rows of samples 11-110 were recorded but not written" in index, moment
+        assert "3,762 rows of samples 111-319 were recorded but not written" in index, moment
         if moment == "after removal":
             filler.unlink()  # the space comes back
             finalize(run)
     history = pl.read_parquet(run / "history.parquet")
-    assert sorted(history["sample_id"].unique()) == list(range(20))
+    assert sorted(history["sample_id"].unique()) == list(range(11))
     assert state.rows_recorded == 320 * ROWS_PER_SAMPLE
     assert history.height == state.rows_recorded - sum(loss.rows for loss in state.losses)
     assert not (run / "history.parts").exists()  # merged

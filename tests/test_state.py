@@ -154,8 +154,9 @@ def test_index_md_is_rendered_from_a_state_file(tmp_path: Path) -> None:
         "- 6 rows of samples 1-2 were recorded but not written: disk full",
         "**Note:** a configuration note",
         "**Note:** a later note",
-        "counts (lower bounds: rebuilt from history after an interrupted run): 9 root forwards, "
-        "4 samples, 3 samples with a backward",
+        "counts (rebuilt from history after an interrupted run: what reached the disk, so lower "
+        "bounds; unknown where nothing did): at least 9 root forwards, at least 4 samples, at "
+        "least 3 samples with a backward",
         "| `fc` | Linear | 4 |",
         "| `unused` | ReLU | 0 |",
         "Never ran in a sampled forward (1): `unused`",

@@ -19,6 +19,7 @@ from pathlib import Path
 from torchinstruments.cli import COMMANDS, add_commands, run_command
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.state import NewerStateError
 
@@ -56,12 +57,20 @@ def _finalize(directory: Path) -> int:
     merge = report.merge
     if merge is not None:
         # Counts rebuilt from history are lower bounds (as index.md says); kept ones are exact.
-        bound = "at least " if report.state.counts_recovered else ""
+        if report.state.counts_recovered:  # lower bounds; a 0 there is unknown, never 0
+            counts = (
+                f"{bound_count(c.root_forwards, 'root forward')}, "
+                f"{bound_count(c.samples, 'sample')}, {bound_count(c.backward_samples)} with a "
+                "backward (rebuilt from history)"
+            )
+        else:
+            counts = (
+                f"{plural(c.root_forwards, 'root forward')}, {plural(c.samples, 'sample')}, "
+                f"{c.backward_samples} with a backward"
+            )
         print(
             f"finalized {report.directory}: {plural(merge.rows, 'row')} in {merge.path} "
-            f"({plural(len(merge.merged_parts), 'part')} merged); {bound}"
-            f"{plural(c.root_forwards, 'root forward')}, {plural(c.samples, 'sample')}, "
-            f"{c.backward_samples} with a backward"
+            f"({plural(len(merge.merged_parts), 'part')} merged); {counts}"
         )
     for path in report.removed_temporaries:
         print(f"removed incomplete temporary {path}")

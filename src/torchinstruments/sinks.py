@@ -129,6 +129,7 @@ class DirectorySink:
         self._focus: frozenset[str] = frozenset()
         self._missing_first: tuple[str, int, str] | None = None
         self._missing_count = 0
+        self._first_written: set[str] = set()  # signals whose first record was written at once
 
     def start(self, run: RunInfo) -> None:
         """Refuse a directory that already holds a run, then lock it and write the catalog."""
@@ -187,6 +188,12 @@ class DirectorySink:
         """
         if self._history is not None:
             self._history.append(record.measurements)
+            if record.signal not in self._first_written:
+                # The run's first forward rows (and first backward rows) go to disk at once, on
+                # this thread, so a run killed right after its first sample has its rows; later
+                # ones wait for a part's triggers (buffer_rows, half the flush interval).
+                self._first_written.add(record.signal)
+                self._history.flush()
             if self._timer is not None:
                 self._timer.poke()
         events = self._events

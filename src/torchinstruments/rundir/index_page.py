@@ -36,13 +36,16 @@ def counts_sentence(state: RunState) -> str:
             "counts: the run is in progress (history.parquet and the summaries in "
             "result.json appear at removal; read history.parts/ meanwhile)"
         )
-    bound = (
-        " (lower bounds: rebuilt from history after an interrupted run)"
-        if state.counts_recovered
-        else ""
-    )
+    if state.counts_recovered:
+        return (
+            "counts (rebuilt from history after an interrupted run: what reached the disk, "
+            "so lower bounds; unknown where nothing did): "
+            f"{bound_count(counts.root_forwards, 'root forward')}, "
+            f"{bound_count(counts.samples, 'sample')}, "
+            f"{bound_count(counts.backward_samples, 'sample')} with a backward"
+        )
     return (
-        f"counts{bound}: {_count(counts.root_forwards, 'root forward')}, "
+        f"counts: {_count(counts.root_forwards, 'root forward')}, "
         f"{_count(counts.samples, 'sample')}, "
         f"{_count(counts.backward_samples, 'sample')} with a backward"
     )
@@ -51,6 +54,14 @@ def counts_sentence(state: RunState) -> str:
 def _count(count: int, word: str) -> str:
     """`1 sample`, `2 samples`."""
     return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def bound_count(n: int, word: str = "") -> str:
+    """A count rebuilt from history: `at least N <word>s`, or `unknown` for 0 (no row says
+    anything: a count nobody wrote is unknown, never 0)."""
+    if not word:
+        return f"at least {n}" if n else "unknown"
+    return f"at least {_count(n, word)}" if n else f"unknown {word}s"
 
 
 def _section_state(state: RunState) -> list[str]:
@@ -102,7 +113,14 @@ def _section_gaps(state: RunState) -> list[str]:
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "
             "rebuilt from history, and settings this page cannot know are `unknown`."
         )
-    if counts is not None and run.layers and counts.samples == 0:
+    if counts is not None and run.layers and counts.samples == 0 and state.counts_recovered:
+        lines.append(
+            "**No row reached the disk:** the process ended before any part was written, so "
+            "history.parquet has no rows and result.json no measurements. Whether the model was "
+            "called, and how many samples were taken, is unknown (the live run's counts died "
+            "with it)."
+        )
+    elif counts is not None and run.layers and counts.samples == 0:
         seen = (
             "the model was never called"
             if counts.root_forwards == 0
@@ -193,4 +211,4 @@ def write_index(directory: Path, state: RunState) -> None:
     write_text_atomic(directory / INDEX_FILE, render_index(state))
 
 
-__all__ = ["counts_sentence", "render_index", "write_index"]
+__all__ = ["bound_count", "counts_sentence", "render_index", "write_index"]

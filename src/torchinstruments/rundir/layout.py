@@ -106,7 +106,11 @@ def check_output_dir(path: Path) -> None:
         FileExistsError: if it contains history.parts/, history.parquet, result.json, index.md,
             .state.json or tensorboard/.
     """
-    found = [name for name in RUN_MARKERS if (path / name).exists()]
+    found = [
+        name
+        for name in RUN_MARKERS
+        if (path / name).exists() and (name != TENSORBOARD_DIR or (path / name).is_dir())
+    ]
     if found:
         raise FileExistsError(
             f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). Pass a new "

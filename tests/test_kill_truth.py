@@ -1,0 +1,109 @@
+"""A kill never misstates: a default-config run killed after its first sample has that sample's
+rows, and index.md's counts after `finalize` are true or marked unknown.
+
+The child injects with every default (one sample a minute, a 60 s flush interval), takes its
+first sample (forward and backward), runs unsampled steps, says so, and is killed with SIGKILL
+long before any flush interval. The first sample's rows are written right after it, on the
+training thread, so they are on disk when the child says it is done; the later rows of the run
+(none here: nothing else is sampled) would wait for the flush interval.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+from torchinstruments import DEFAULT_METRICS, inject_observer
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.index_page import counts_sentence, render_index
+from torchinstruments.rundir.state import RunState, Status, read_state
+
+STEPS = 40
+LAYERS = 3  # Linear, Tanh, Linear
+
+
+def child_main(directory: Path) -> None:
+    """A default-config run: the first forward is sampled, the next STEPS are not."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    inject_observer(model, output_dir=directory)
+    for _ in range(1 + STEPS):
+        model(torch.randn(2, 4)).sum().backward()
+    print("stepped", flush=True)
+    time.sleep(120)
+
+
+def test_a_default_run_killed_after_its_first_sample_has_its_rows(run_dir: Path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "stepped"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    finalize(run_dir)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    rows = LAYERS * len(DEFAULT_METRICS)
+    assert history["sample_id"].unique().to_list() == [0]
+    assert history.group_by("signal").len().sort("signal").rows() == [
+        ("output", rows),
+        ("output_gradient", rows),
+    ]
+    assert history["value"].null_count() == 0  # real measurements, not placeholders
+
+    state = read_state(run_dir)
+    assert state.status is Status.INTERRUPTED
+    assert state.counts_recovered
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    line = counts_sentence(state)
+    assert f"- {line}" in index
+    # The truth is 41 root forwards, 1 sample, 1 with a backward: each is said as a bound.
+    assert line.endswith(
+        "at least 1 root forward, at least 1 sample, at least 1 sample with a backward"
+    )
+    assert "never called" not in index
+
+
+def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
+    from torchinstruments.records import LayerInfo, RunCounts, RunInfo
+
+    run = RunInfo(
+        output_dir=tmp_path,
+        library_version="x",
+        torch_version="x",
+        model_class="Net",
+        layers=(LayerInfo("fc", "Linear"),),
+        focus_layers=("fc",),
+        sampler="s",
+        metrics=("mean",),
+        rank=None,
+        world_size=None,
+        rank_policy="rank0",
+        capture_direct_forwards=True,
+        buffer_rows=1,
+        window=1,
+        started_at="t",
+        flush_seconds=60.0,
+    )
+    killed = RunState(run, RunCounts(0, 0, 0), counts_recovered=True, interrupted=True)
+    page = render_index(killed)
+    assert "unknown root forwards, unknown samples, unknown samples with a backward" in page
+    assert "never called" not in page
+    assert " 0 root forwards" not in page
+    removed = RunState(run, RunCounts(0, 0, 0))  # the live run counted: the model never ran
+    assert "the model was never called" in render_index(removed)
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]))

@@ -130,7 +130,9 @@ def test_check_output_dir_refuses_an_existing_run(tmp_path: Path, marker: str) -
     check_output_dir(tmp_path / "new")  # a missing directory is fine
     check_output_dir(tmp_path)  # so is an empty one
     (tmp_path / marker).mkdir() if marker == "history.parts" else (tmp_path / marker).touch()
-    with pytest.raises(FileExistsError, match=r"output_dir=.*already holds a run.*finalize"):
+    with pytest.raises(
+        FileExistsError, match=r"output_dir=.*already holds a run.*resume=True.*new output_dir"
+    ):
         check_output_dir(tmp_path)
 
 

@@ -38,6 +38,7 @@ EXPECTED_SCHEMA = {
     "metric": pl.String,
     "value": pl.Float64,
     "unavailable_reason": pl.String,
+    "attempt": pl.Int32,
 }
 
 

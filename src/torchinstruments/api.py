@@ -101,6 +101,7 @@ def inject_observer(
     rank_policy: str = "rank0",
     capture_direct_forwards: bool = True,
     sinks: Sequence[Sink] = (),
+    resume: bool = False,
 ) -> Path | None:
     """Start observing `model`: sampled root forwards and their backward are measured and written.
 
@@ -124,6 +125,11 @@ def inject_observer(
         capture_direct_forwards: if False, calls that bypass `nn.Module.__call__`
             (`module.forward(x)`) are neither root forwards nor measured.
         sinks: extra sinks (e.g. `TensorBoardSink(writer)`) receiving the same records.
+        resume: if True and `output_dir` already holds a run (a restarted job), continue it:
+            an earlier attempt that was killed is finalized first, its rows stay as they are,
+            sample_id and forward_index continue, and each row's `attempt` column says which
+            process wrote it. Without a run there, a new one starts. Default False: such a
+            directory is refused.
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -131,7 +137,9 @@ def inject_observer(
     Raises:
         TypeError, ValueError: an argument is invalid (the message names it).
         RuntimeError: `model` already has an observer.
-        FileExistsError: `output_dir` already holds a run.
+        FileExistsError: `output_dir` already holds a run (and `resume` is False), or
+            `resume` cannot continue it (the message says why).
+        RunLockedError: `resume` and a live process still writes the run.
 
     Example:
         >>> inject_observer(model, output_dir="stats", sampler=EveryNForwardsSampler(100))
@@ -150,6 +158,7 @@ def inject_observer(
         rank_policy=rank_policy,
         capture_direct_forwards=capture_direct_forwards,
         sinks=sinks,
+        resume=resume,
     )
     if forks.forked_from_a_run():
         raise RuntimeError(
@@ -389,13 +398,20 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
         max_buffered_rows=history.buffered_rows_cap,
     )
     directory = DirectorySink(run.output_dir, history)
-    directory.start(run)  # refuses a directory that already holds a run
+    # Refuses a directory that already holds a run, or (resume) continues it.
+    continuation = directory.open_run(run, resume=config.resume)
     for note in run.notes:
         warn(f"torchinstruments: {note}")
     group = SinkGroup(config.sinks)
     group.start(run)
     group.insert_started(directory)
-    observer = Observer(config=config, run=run, sinks=group)
+    observer = Observer(
+        config=config,
+        run=run,
+        sinks=group,
+        first_forward_index=0 if continuation is None else continuation.first_forward_index,
+        first_sample_id=0 if continuation is None else continuation.first_sample_id,
+    )
     observer.install(model, layers, focus)
     forks.track(observer)
     return observer

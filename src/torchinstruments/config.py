@@ -54,6 +54,7 @@ class ObserverConfig:
     rank_policy: str = "rank0"
     capture_direct_forwards: bool = True
     sinks: Sequence[Sink] = ()
+    resume: bool = False
     # The compiled reducers; built from `reducers`, never passed.
     measurer: Measurer = field(init=False, repr=False, compare=False)
 
@@ -83,6 +84,12 @@ class ObserverConfig:
         if not isinstance(direct, bool):
             raise TypeError(f"capture_direct_forwards must be a bool, got {direct!r}")
         self._set("sinks", check_sinks(self.sinks))
+        resume: object = self.resume
+        if not isinstance(resume, bool):
+            raise TypeError(
+                f"resume must be a bool (True: continue the run already in output_dir), got "
+                f"{resume!r}"
+            )
         self._set("measurer", Measurer(self.reducers))
 
     def _set(self, name: str, value: Any) -> None:

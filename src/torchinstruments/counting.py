@@ -15,14 +15,18 @@ from torchinstruments.records import RunCounts
 class Counter:
     """The counts of one observer (`RunCounts` once the backward side is added)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_forward_index: int = 0, first_sample_id: int = 0) -> None:
         self._lock = threading.Lock()
+        # This observer's counts; ids are handed out after `first_*` (a continued run's earlier
+        # attempts used those before them).
         self.root_forwards = 0
         self.samples = 0
         # Per schedule (phases.TRAIN, phases.EVAL): the root forwards it has seen, which is what
         # its sampler is asked with; and the evaluation forwards passed through unobserved.
         self.scheduled: dict[str, int] = {}
         self.unobserved = 0
+        self._first_forward = first_forward_index
+        self._first_sample = first_sample_id
         # Per selected layer (root included): the sampled forwards in which it was called.
         self._layer_samples: dict[str, int] = {}
 
@@ -32,11 +36,13 @@ class Counter:
         """Count one root forward on `schedule`: its forward_index, and its sample_id if
         `should_sample(index on that schedule, schedule)` says so."""
         with self._lock:
-            forward_index = self.root_forwards
+            forward_index = self._first_forward + self.root_forwards
             self.root_forwards += 1
             index = self.scheduled.get(schedule, 0)
             self.scheduled[schedule] = index + 1
-            sample_id = self.samples if should_sample(index, schedule) else None
+            sample_id = (
+                self._first_sample + self.samples if should_sample(index, schedule) else None
+            )
             if sample_id is not None:
                 self.samples += 1
         return forward_index, sample_id

@@ -221,7 +221,15 @@ class Observer:
         sinks: the run directory first, then the caller's sinks.
     """
 
-    def __init__(self, *, config: ObserverConfig, run: RunInfo, sinks: SinkGroup) -> None:
+    def __init__(
+        self,
+        *,
+        config: ObserverConfig,
+        run: RunInfo,
+        sinks: SinkGroup,
+        first_forward_index: int = 0,
+        first_sample_id: int = 0,
+    ) -> None:
         self.directory = run.output_dir
         self.sampler: Any = config.sampler  # any object with should_sample (checked by config)
         self.measurer = config.measurer
@@ -234,7 +242,8 @@ class Observer:
         # Root depth and the open sample are per thread: a model run from several threads keeps
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
-        self.counter = Counter()
+        # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
+        self.counter = Counter(first_forward_index, first_sample_id)
         self._sink_lock = threading.RLock()
         self.closed = False
         # True in a process forked from the one that created this observer (see forks.py).

@@ -9,6 +9,7 @@ break the training step, and one broken sink must not silence the others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,10 +30,12 @@ from torchinstruments.events import (
 from torchinstruments.notices import warn
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
+from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, Continuation, job_counts
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
@@ -130,28 +133,68 @@ class DirectorySink:
         self._missing_first: tuple[str, int, str] | None = None
         self._missing_count = 0
         self._first_written: set[str] = set()  # signals whose first record was written at once
+        # A continued run's plan and earlier state (`start` with resume); None for a new run.
+        self._continuation: Continuation | None = None
+        self._previous: RunState | None = None
+        self._base: RunState | None = None  # the state written at start; finishes build on it
 
     def start(self, run: RunInfo) -> None:
-        """Refuse a directory that already holds a run, then lock it and write the catalog."""
-        check_output_dir(self.directory)
+        """The Sink call: `open_run` for a new run."""
+        self.open_run(run)
+
+    def open_run(self, run: RunInfo, *, resume: bool = False) -> Continuation | None:
+        """Refuse a directory that already holds a run (unless `resume`: then finalize its
+        earlier attempt and continue it, `rundir.resume`), then lock it and write the catalog.
+
+        Returns:
+            Where this attempt's ids start when it continues a run, else None.
+        """
+        continuation, previous = None, None
+        if resume and holds_run(self.directory):
+            continuation, previous = open_continuation(self.directory, run)
+        else:
+            check_output_dir(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         forks.track(self)
         self._run = run
         self._focus = frozenset(run.focus_layers)
-        write_catalog(self.directory, run.layers)
-        state = RunState(run)
+        self._continuation, self._previous = continuation, previous
+        this = AttemptCounts(
+            0 if continuation is None else continuation.attempt,
+            run.started_at,
+            first_sample_id=0 if continuation is None else continuation.first_sample_id,
+            first_forward_index=0 if continuation is None else continuation.first_forward_index,
+        )
+        if continuation is None or previous is None:
+            self._base = state = RunState(run, attempts=(this,))
+            write_catalog(self.directory, run.layers)
+        else:  # the earlier attempts' ledger, notes and TensorBoard problems stay the run's
+            self._base = state = RunState(
+                run,
+                interrupted=previous.interrupted,
+                live_problems=previous.live_problems,
+                losses=previous.losses,
+                notes=previous.notes,
+                attempts=(*continuation.attempts, this),
+            )
         write_state(self.directory, state)
         write_index(self.directory, state)
         files = (self.directory / STATE_FILE, self.directory / INDEX_FILE)
         reserve.hold(self.directory, reserve.reserve_bytes(*files))
-        self._history = history = HistoryWriter(self.directory, self._config)
+        self._history = history = HistoryWriter(
+            self.directory,
+            self._config,
+            attempt=this.attempt,
+            first_part=0 if continuation is None else continuation.first_part,
+        )
         self._events = self._open_events()
         self._timer = FlushTimer(
             history.seconds_until_due, self._flush, name=f"torchinstruments flush {self.directory}"
         )
         self._term = TermFlush(self._timer.flush_now)
         self._term.install()
+        return continuation
 
     def after_fork_in_child(self) -> None:
         """In a forked child: drop the child's copy of the lock descriptor; nothing else of this
@@ -258,10 +301,11 @@ class DirectorySink:
         written again (`now`: at once, even while they cannot); a failure is retried after half
         a flush interval."""
         pending = history.unsaved_losses(now=now)
-        if pending is None or self._run is None:
+        base = self._base
+        if pending is None or base is None:
             return
         version, losses = pending
-        state = RunState(self._run, losses=losses)
+        state = dataclasses.replace(base, losses=(*base.losses, *losses))
         try:
             write_state(self.directory, state)
             write_index(self.directory, state)
@@ -269,6 +313,20 @@ class DirectorySink:
             history.losses_not_saved()
             return
         history.losses_saved(version)
+
+    def _final_state(self, counts: RunCounts, history: HistoryWriter) -> RunState:
+        """The state `close` finishes the run with (`counts`: this attempt's)."""
+        assert self._base is not None  # started
+        state = _job_state(
+            self._base, self._previous, self._continuation, counts, history.rows_produced
+        )
+        known = (self._events_problem,) if self._events_problem else ()
+        return dataclasses.replace(
+            state,
+            live_problems=(*state.live_problems, *known),
+            losses=(*state.losses, *history.losses),
+            notes=(*state.notes, *counts.notes, *self._notes, *self._missing_note()),
+        )
 
     def _give_up_events(self, what: str, error: BaseException) -> None:
         """Warn once, remember the failure for index.md, and close the event writer."""
@@ -314,15 +372,7 @@ class DirectorySink:
                 history.close()  # what it could not write is in its loss ledger
             self._close_events()
             if history is not None and run is not None:
-                known = (self._events_problem,) if self._events_problem else ()
-                state = RunState(
-                    run,
-                    counts,
-                    rows_recorded=history.rows_produced,
-                    live_problems=known,
-                    losses=history.losses,
-                    notes=(*counts.notes, *self._notes, *self._missing_note()),
-                )
+                state = self._final_state(counts, history)
                 reserve.release(self.directory)  # room for the final state and index.md
                 report = finish_run(self.directory, state)
                 for problem in report.problems:
@@ -338,6 +388,37 @@ class DirectorySink:
             reserve.release(self.directory)
             self._lock.release()
             forks.untrack(self)
+
+
+def _job_state(
+    base: RunState,
+    previous: RunState | None,
+    continuation: Continuation | None,
+    counts: RunCounts,
+    rows_produced: int,
+) -> RunState:
+    """The state at removal: this attempt's counts (`counts`) ended in `base.attempts`, the
+    whole run's counts, and rows recorded (unknown when an earlier attempt was killed)."""
+    *earlier, this = base.attempts
+    ended = dataclasses.replace(
+        this,
+        root_forwards=counts.root_forwards,
+        samples=counts.samples,
+        backward_samples=counts.backward_samples,
+        ended=REMOVED,
+    )
+    if continuation is None or previous is None or previous.counts is None:
+        return dataclasses.replace(
+            base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
+        )
+    rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
+    return dataclasses.replace(
+        base,
+        counts=job_counts(continuation, previous.counts, counts),
+        counts_recovered=previous.counts_recovered or previous.interrupted,
+        rows_recorded=rows,
+        attempts=(*earlier, ended),
+    )
 
 
 class TensorBoardSink:

@@ -21,7 +21,7 @@ import polars as pl
 
 from torchinstruments import reasons
 from torchinstruments.records import Measurement, MeasurementBlock
-from torchinstruments.rundir.layout import HISTORY_SCHEMA, empty_history
+from torchinstruments.rundir.layout import RECORDED_SCHEMA, empty_history
 
 __all__ = ["ColumnBuffer", "block_frame", "blocks_frame"]
 
@@ -89,7 +89,7 @@ class ColumnBuffer:
             covered += item.height
             count += 1
         if not count:
-            return empty_history()
+            return empty_history(RECORDED_SCHEMA)
         items = [self._items.popleft() for _ in range(count)]
         frames: list[pl.DataFrame] = []
         ranges: list[_BlockRange] = []
@@ -219,7 +219,7 @@ def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.Data
     data = {
         "sample_id": per_tensor("sample_id", pl.Int64()),
         "forward_index": per_tensor("forward_index", pl.Int64()),
-        "timestamp": per_tensor("timestamps_us", pl.Int64()).cast(HISTORY_SCHEMA["timestamp"]),
+        "timestamp": per_tensor("timestamps_us", pl.Int64()).cast(RECORDED_SCHEMA["timestamp"]),
         "rank": per_tensor("rank", pl.Int32()),
         "layer": per_tensor("layers", pl.String()),
         "module_type": per_tensor("module_types", pl.String()),
@@ -240,7 +240,7 @@ def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.Data
         "unavailable_reason": pl.Series(fields["reasons"], dtype=pl.String(), strict=True),
     }
     frame = pl.DataFrame({name: series.alias(name) for name, series in data.items()})
-    if frame.schema != HISTORY_SCHEMA:
+    if frame.schema != RECORDED_SCHEMA:
         raise TypeError(f"block frame schema {frame.schema} is not the history schema")
     return frame
 
@@ -267,7 +267,7 @@ class _RowLists:
     """One list per history column; `frame` turns them into a DataFrame (`shape` and
     `mesh_coordinate` through `_distinct_lists`)."""
 
-    columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in HISTORY_SCHEMA})
+    columns: dict[str, list] = field(default_factory=lambda: {name: [] for name in RECORDED_SCHEMA})
 
     def __len__(self) -> int:
         return len(self.columns["metric"])
@@ -316,7 +316,7 @@ class _RowLists:
 
     def _frame(self) -> pl.DataFrame:
         data = {}
-        for name, dtype in HISTORY_SCHEMA.items():
+        for name, dtype in RECORDED_SCHEMA.items():
             values = self.columns[name]
             if name == "timestamp":
                 data[name] = pl.Series(name, values, dtype=pl.Int64).cast(dtype)

@@ -30,6 +30,8 @@ import polars as pl
 
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
+from torchinstruments.rundir.attempts import close_attempts
+from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -125,6 +127,9 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
     counts = recovered_counts(directory) if state.counts is None else state.counts
     rows_recorded = state.rows_recorded
     if merge is not None:
+        state = dataclasses.replace(state, attempts=close_attempts(state.attempts, merge.path))
+        if state.interrupted:
+            state, counts = _events_without_rows(directory, merge.path, state, counts, recovered)
         found += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
             "are not in history.parquet"
@@ -177,6 +182,36 @@ def _write_parent_page(parent: Path) -> None:
             f"({type(error).__name__}: {error}); "
             f"`{tool_command('finalize', parent)}` writes it again"
         )
+
+
+def _events_without_rows(
+    directory: Path, history: Path, state: RunState, counts: RunCounts, recovered: bool
+) -> tuple[RunState, RunCounts]:
+    """After a kill: the sampled forwards the run's TensorBoard events hold and history has no
+    row of (their rows died in memory), and counts rebuilt from history raised to them."""
+    steps = event_steps(directory)
+    if not steps:
+        return state, counts
+    try:
+        present = (
+            scan_history(history)
+            .select(pl.col("forward_index").unique())
+            .collect(engine="streaming")["forward_index"]
+            .to_list()
+        )
+    except (OSError, pl.exceptions.PolarsError):
+        return state, counts
+    missing = sorted(steps - set(present))
+    state = dataclasses.replace(
+        state, events_without_rows=tuple(missing[:20]), events_without_rows_total=len(missing)
+    )
+    if recovered:
+        counts = dataclasses.replace(
+            counts,
+            root_forwards=max(counts.root_forwards, max(steps) + 1),
+            samples=counts.samples + len(missing),
+        )
+    return state, counts
 
 
 def _unexplained_gaps(history: Path, state: RunState) -> list[str]:

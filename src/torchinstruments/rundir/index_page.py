@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, write_text_atomic
+from torchinstruments.rundir.attempts import AttemptCounts
+from torchinstruments.rundir.event_steps import ranges
+from torchinstruments.rundir.layout import (
+    INDEX_FILE,
+    STATE_FILE,
+    TENSORBOARD_DIR,
+    write_text_atomic,
+)
 from torchinstruments.rundir.page_layers import focus_line, layers_line, section_layers
 from torchinstruments.rundir.page_queries import section_queries
 from torchinstruments.rundir.page_sections import (
@@ -133,6 +140,52 @@ def _section_gaps(state: RunState) -> list[str]:
     return [line for pair in zip(lines, [""] * len(lines), strict=True) for line in pair]
 
 
+def _events_line(state: RunState) -> list[str]:
+    """After a kill: the samples TensorBoard holds whose history rows were lost."""
+    total = state.events_without_rows_total
+    if not total:
+        return []
+    shown = ranges(list(state.events_without_rows))
+    listed = len(state.events_without_rows)
+    more = "" if total == listed else f" (the first {listed} of {total})"
+    return [
+        f"**Lost in the kill:** {TENSORBOARD_DIR}/ holds histograms of {total} sampled "
+        f"forward(s) that have no row in history.parquet: forward_index {shown}{more}. Their "
+        "rows were still in memory when the process died; the counts include them.",
+        "",
+    ]
+
+
+def _section_attempts(state: RunState) -> list[str]:
+    """One line per process of a continued run (`resume=True`)."""
+    if len(state.attempts) < 2:
+        return []
+    lines = [
+        "## Attempts",
+        "",
+        f"This run was written by {len(state.attempts)} processes (a restarted job continued "
+        "with `inject_observer(..., resume=True)`, or a trainer resumed from a checkpoint). "
+        "Each row's `attempt` column says which; sample_id and forward_index continue across "
+        "them, and result.json summarizes the whole run. A killed attempt's counts are read "
+        "from its rows (lower bounds, unknown where it left none).",
+        "",
+        "| attempt | started at | ended | first sample_id | first forward_index | root forwards "
+        "| samples | samples with a backward |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for a in state.attempts:
+
+        def count(n: int, a: AttemptCounts = a) -> str:
+            return bound_count(n) if a.counts_recovered else str(n)
+
+        lines.append(
+            f"| {a.attempt} | {a.started_at} | {a.ended} | {a.first_sample_id} | "
+            f"{a.first_forward_index} | {count(a.root_forwards)} | {count(a.samples)} | "
+            f"{count(a.backward_samples)} |"
+        )
+    return [*lines, ""]
+
+
 def _section_run(state: RunState) -> list[str]:
     run = state.run
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
@@ -190,12 +243,14 @@ def render_index(state: RunState) -> str:
         "",
         *_section_state(state),
         *_section_gaps(state),
+        *_events_line(state),
         *_section_marks(state),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
         "",
         *_section_run(state),
+        *_section_attempts(state),
         *section_layers(state),
         *section_files(run),
         *section_schema(),

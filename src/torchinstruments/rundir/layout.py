@@ -24,8 +24,6 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.rundir.shell import tool_command
-
 PARTS_DIR = "history.parts"
 HISTORY_FILE = "history.parquet"
 RESULT_FILE = "result.json"
@@ -64,6 +62,12 @@ HISTORY_SCHEMA = pl.Schema(
         "unavailable_reason": pl.String(),
     }
 )
+# What a record's rows hold (`rundir.columns` builds them); the history writer adds the columns
+# below, which are the same for every row of one process.
+RECORDED_SCHEMA = pl.Schema(HISTORY_SCHEMA)
+# The attempt (process) that wrote the row, from 0; a continued run's later processes count up
+# (`rundir.attempts`). Null in rows written by a version before it.
+HISTORY_SCHEMA = pl.Schema({**RECORDED_SCHEMA, "attempt": pl.Int32()})
 
 # The order of history.parquet: by sample_id, then signal (output before output_gradient), then
 # write order (a forward's tensors in the order its layers returned, a backward's in the order its
@@ -100,23 +104,33 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
 
 
 def check_output_dir(path: Path) -> None:
-    """Refuse an output directory that already holds a run.
+    """Refuse an output directory that already holds a run (or a leftover tensorboard/).
+
+    The message names both ways on, and never a command after which the same refusal comes
+    back: `resume=True` continues the run there (a restarted job), or a new output_dir starts
+    a new one.
 
     Raises:
         FileExistsError: if it contains history.parts/, history.parquet, result.json, index.md,
-            .state.json or tensorboard/.
+            .state.json or a tensorboard/ folder.
     """
     found = [
         name
         for name in RUN_MARKERS
         if (path / name).exists() and (name != TENSORBOARD_DIR or (path / name).is_dir())
     ]
+    if found == [TENSORBOARD_DIR]:
+        raise FileExistsError(
+            f"output_dir={str(path)!r} holds a {TENSORBOARD_DIR}/ folder and no run (a leftover "
+            "of a run whose other files were deleted?): this run's histograms would mix with "
+            f"its events. Pass a new output_dir, or move or delete {TENSORBOARD_DIR}/ first."
+        )
     if found:
         raise FileExistsError(
-            f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). Pass a new "
-            "output_dir, or move or delete the old run; if that run was interrupted, "
-            f"`{tool_command('finalize', path)}` completes "
-            "it first."
+            f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). To continue "
+            "that run in this directory (a restarted or requeued job), pass resume=True to "
+            "inject_observer (a killed run is completed first, then sample_id continues); to "
+            "start a new run, pass a new output_dir (or move the old run away)."
         )
 
 
@@ -169,9 +183,9 @@ def sink_history(lf: pl.LazyFrame, target: Path, metadata: dict[str, str] | None
     )
 
 
-def empty_history() -> pl.DataFrame:
-    """A history table with no rows and the exact schema."""
-    return pl.DataFrame(schema=HISTORY_SCHEMA)
+def empty_history(schema: pl.Schema | None = None) -> pl.DataFrame:
+    """A history table with no rows and the exact schema (or `schema`)."""
+    return pl.DataFrame(schema=HISTORY_SCHEMA if schema is None else schema)
 
 
 def temporary_path(path: Path) -> Path:

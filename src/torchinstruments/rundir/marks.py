@@ -108,8 +108,10 @@ def mark_partly_written(directory: Path) -> int | None:
     split = json.loads(entry)
     sample_id, signal = int(split["sample_id"]), str(split["signal"])
     ordinary = scan_history(last).filter(pl.col("sample_id") == sample_id, ~is_mark())
-    found = ordinary.select("forward_index", "rank", "mode", "step").head(1).collect()
-    forward_index, rank, mode, step = found.row(0) if found.height else (None, None, "", None)
+    found = ordinary.select("forward_index", "rank", "mode", "step", "attempt").head(1).collect()
+    forward_index, rank, mode, step, attempt = (
+        found.row(0) if found.height else (None, None, "", None, None)
+    )
     reason = reasons.partly_written(signal, int(split["rows_in_parts"]), int(split["rows"]))
     row: dict[str, object] = dict.fromkeys(HISTORY_SCHEMA)  # null unless said below
     row.update(
@@ -124,6 +126,7 @@ def mark_partly_written(directory: Path) -> int | None:
         tensor_path="",
         dtype="",
         step=step,
+        attempt=attempt,
         mode=mode,
         metric=INTERRUPTED,
         unavailable_reason=reason,

@@ -48,6 +48,9 @@ COLUMN_NOTES = {
     "raised or whose rows were only partly written (value null, the reason says why)",
     "value": "the metric; null only together with unavailable_reason, never silently 0",
     "unavailable_reason": "why value is null; non-null exactly when value is null",
+    "attempt": "the process (attempt) that recorded the row, from 0: a run continued with "
+    "inject_observer(..., resume=True) counts its restarts up (see Attempts); null in rows of "
+    "versions before it",
 }
 
 METRIC_NOTES = (

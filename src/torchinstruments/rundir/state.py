@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.attempts import AttemptCounts
 from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.marks import SampleMark
@@ -89,6 +90,11 @@ class RunState:
         marks: the first marked samples in history (`rundir.marks`: a root forward that
             raised, or a sample only partly written before the process died), as of the last
             finish; `marks_total` counts them all.
+        attempts: one entry per process that wrote the run (`rundir.attempts`; more than one
+            when it was continued with `resume=True`), with its own counts.
+        events_without_rows: after a kill, the first forward_index values (at most 20) the
+            run's TensorBoard events hold a sample at but history has no row of (rows that
+            died in memory); `events_without_rows_total` counts them all.
     """
 
     run: RunInfo
@@ -104,6 +110,9 @@ class RunState:
     migrated_from: str | None = None
     marks: tuple[SampleMark, ...] = ()
     marks_total: int = 0
+    attempts: tuple[AttemptCounts, ...] = ()
+    events_without_rows: tuple[int, ...] = ()
+    events_without_rows_total: int = 0
 
     @property
     def status(self) -> Status:
@@ -151,6 +160,7 @@ _ENCODE: dict[str, Callable[[Any], Any]] = {
     "counts": _encode_counts,
     "losses": lambda losses: [_encode_fields(loss, {}) for loss in losses],
     "marks": lambda marks: [_encode_fields(mark, {}) for mark in marks],
+    "attempts": lambda attempts: [_encode_fields(a, {}) for a in attempts],
 }
 
 

@@ -160,6 +160,9 @@ class HistoryWriter:
     Args:
         directory: the run's output directory; `history.parts/` is created inside it.
         config: buffer size, memory cap, flush interval and summary window.
+        attempt: the `attempt` column of every row (this process's attempt, `rundir.attempts`).
+        first_part: the number of the first part (a continued run's parts follow the merged
+            ones).
 
     Example:
         >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=8192))
@@ -168,12 +171,15 @@ class HistoryWriter:
         True
     """
 
-    def __init__(self, directory: Path, config: HistoryConfig) -> None:
+    def __init__(
+        self, directory: Path, config: HistoryConfig, *, attempt: int = 0, first_part: int = 0
+    ) -> None:
         self._directory = directory
         self._config = config
+        self._attempt = pl.lit(attempt, dtype=pl.Int32()).alias("attempt")
         (self._directory / PARTS_DIR).mkdir(parents=True, exist_ok=True)
         existing = [part_number(p) for p in list_parts(self._directory)]
-        self._next_part = max((n for n in existing if n is not None), default=-1) + 1
+        self._next_part = max((n for n in existing if n is not None), default=first_part - 1) + 1
         self._buffer = ColumnBuffer()
         self._records: deque[_BufferedRecord] = deque()
         self._lock = threading.Lock()
@@ -426,7 +432,7 @@ class HistoryWriter:
         """Write the first `n` buffered rows as the next part; False (warned once) on failure."""
         path = part_path(self._directory, self._next_part)
         try:
-            frame = self._buffer.frame(n)
+            frame = self._buffer.frame(n).with_columns(self._attempt)
             metadata = order_metadata(frame) | self._split_metadata(n)
             write_parquet_atomic(frame, path, metadata=metadata)
         except (OSError, pl.exceptions.PolarsError) as exc:

@@ -1,0 +1,210 @@
+"""A run continued across processes: its attempts, and where a new one starts.
+
+Design decision: a restarted job (preempted, requeued, resumed from a checkpoint) continues the
+run in the same directory only on request (`inject_observer(..., resume=True)`); without it the
+directory is refused, so two unrelated runs never end up in one history by accident. Each
+process is one *attempt*, numbered from 0, and every history row carries its attempt (the
+`attempt` column). A continued run:
+
+- first completes the earlier attempt exactly as `finalize` does (`rundir.finish.finalize`: a
+  killed attempt's parts merged, its losses in the ledger, its cut sample marked), so the earlier
+  rows stay as they are: history.parquet is only ever extended, never rewritten row by row;
+- continues `sample_id` and `forward_index` after everything the earlier attempts left, in
+  history and in the run's own TensorBoard events (`rundir.event_steps`), so no id and no
+  TensorBoard step is used twice; a killed attempt's counts are lower bounds (its last flush
+  interval died with it), so the ids may skip a few, never repeat;
+- continues the part numbers after those already merged (merge.py deletes a part whose number
+  history.parquet says it holds);
+- keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's
+  counts and summaries (result.json) cover the whole job.
+
+The cost: a continued run re-reads the earlier history's sample and forward ids once at start,
+and the merge at the end rewrites history.parquet with the new parts added (it streams).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.records import RunCounts
+from torchinstruments.rundir.event_steps import event_steps
+
+IN_PROGRESS = "in progress"
+REMOVED = "removed"
+KILLED = "killed"
+
+
+@dataclass(frozen=True)
+class AttemptCounts:
+    """One process's part of a run.
+
+    Attributes:
+        attempt: its number, from 0 (the `attempt` column of its rows).
+        started_at: when it was injected (UTC, ISO 8601).
+        first_sample_id: the sample_id its first sample got.
+        first_forward_index: the forward_index its first root forward got.
+        root_forwards: root forwards it saw.
+        samples: samples it took.
+        backward_samples: its samples with a backward.
+        ended: `"removed"` (remove_observer), `"killed"` (its process died: counted from the
+            rows it left, lower bounds) or `"in progress"`.
+    """
+
+    attempt: int
+    started_at: str
+    first_sample_id: int = 0
+    first_forward_index: int = 0
+    root_forwards: int = 0
+    samples: int = 0
+    backward_samples: int = 0
+    ended: str = IN_PROGRESS
+
+    @property
+    def counts_recovered(self) -> bool:
+        """Whether its counts were rebuilt from its rows (its process died)."""
+        return self.ended != REMOVED
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Where a continued run's new attempt starts.
+
+    Attributes:
+        attempt: the new attempt's number.
+        first_sample_id: its first sample_id.
+        first_forward_index: its first forward_index.
+        first_part: the number of its first history part.
+        attempts: the earlier attempts (each ended).
+    """
+
+    attempt: int
+    first_sample_id: int
+    first_forward_index: int
+    first_part: int
+    attempts: tuple[AttemptCounts, ...]
+
+
+def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
+    """The counts an attempt's rows in `history` say (lower bounds), or None without rows."""
+    try:
+        frame = (
+            pl.scan_parquet(history, glob=False)
+            .filter(pl.col("attempt") == attempt)
+            .select(
+                first_sample=pl.col("sample_id").min(),
+                first_forward=pl.col("forward_index").min(),
+                last_forward=pl.col("forward_index").max(),
+                samples=pl.col("sample_id").n_unique(),
+                backward=pl.col("sample_id")
+                .filter(pl.col("signal") == "output_gradient")
+                .n_unique(),
+                rows=pl.len(),
+            )
+            .collect()
+        )
+    except (OSError, pl.exceptions.PolarsError):
+        return None
+    row = frame.row(0, named=True)
+    if not row["rows"]:
+        return None
+    return AttemptCounts(
+        attempt,
+        "unknown",
+        first_sample_id=int(row["first_sample"]),
+        first_forward_index=int(row["first_forward"]),
+        root_forwards=int(row["last_forward"]) - int(row["first_forward"]) + 1,
+        samples=int(row["samples"]),
+        backward_samples=int(row["backward"]),
+    )
+
+
+def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[AttemptCounts, ...]:
+    """`attempts` with each one still "in progress" (its process died) counted from its rows
+    in `history` and marked killed."""
+    closed = []
+    for entry in attempts:
+        if entry.ended == IN_PROGRESS:
+            found = attempt_rows(history, entry.attempt) if history.is_file() else None
+            entry = dataclasses.replace(
+                entry,
+                root_forwards=0 if found is None else found.root_forwards,
+                samples=0 if found is None else found.samples,
+                backward_samples=0 if found is None else found.backward_samples,
+                ended=KILLED,
+            )
+        closed.append(entry)
+    return tuple(closed)
+
+
+def plan_continuation(
+    directory: Path, attempts: tuple[AttemptCounts, ...], history: Path
+) -> Continuation:
+    """Where the next attempt of the run in `directory` starts (its earlier attempts ended).
+
+    Args:
+        directory: the run directory (finalized: no parts left, history.parquet in place).
+        attempts: the earlier attempts, as the state file says (every one ended).
+        history: the run's history.parquet.
+    """
+    from torchinstruments.rundir.merge import merged_part_numbers
+
+    next_sample = max((a.first_sample_id + a.samples for a in attempts), default=0)
+    next_forward = max((a.first_forward_index + a.root_forwards for a in attempts), default=0)
+    first_part = 0
+    if history.is_file():
+        frame = (
+            pl.scan_parquet(history, glob=False)
+            .select(pl.col("sample_id").max(), pl.col("forward_index").max())
+            .collect()
+        )
+        last_sample, last_forward = frame.row(0)
+        if last_sample is not None:
+            next_sample = max(next_sample, int(last_sample) + 1)
+        if last_forward is not None:
+            next_forward = max(next_forward, int(last_forward) + 1)
+        first_part = max(merged_part_numbers(history), default=-1) + 1
+    steps = event_steps(directory)
+    if steps:
+        next_forward = max(next_forward, max(steps) + 1)
+    return Continuation(
+        attempt=max((a.attempt for a in attempts), default=-1) + 1,
+        first_sample_id=next_sample,
+        first_forward_index=next_forward,
+        first_part=first_part,
+        attempts=attempts,
+    )
+
+
+def job_counts(
+    continuation: Continuation | None, previous: RunCounts | None, this: RunCounts
+) -> RunCounts:
+    """The whole run's counts: the earlier attempts' (`previous`) and this attempt's."""
+    if continuation is None or previous is None:
+        return this
+    layers = dict(previous.layer_samples)
+    for name, n in this.layer_samples.items():
+        layers[name] = layers.get(name, 0) + n
+    return RunCounts(
+        continuation.first_forward_index + this.root_forwards,
+        continuation.first_sample_id + this.samples,
+        previous.backward_samples + this.backward_samples,
+        layers,
+        tuple(dict.fromkeys((*previous.notes, *this.notes))),
+    )
+
+
+__all__ = [
+    "IN_PROGRESS",
+    "KILLED",
+    "REMOVED",
+    "AttemptCounts",
+    "Continuation",
+    "attempt_rows",
+    "close_attempts",
+    "job_counts",
+    "plan_continuation",
+]

@@ -1,0 +1,105 @@
+"""Opening a run directory for a new attempt: `inject_observer(..., resume=True)`.
+
+Design decision: the earlier attempt is completed by `rundir.finish.finalize`, the same code a
+user would run, before anything of the new attempt is written, so a killed attempt is recorded
+exactly as `finalize` records it (parts merged, losses in the ledger, a cut sample marked) and
+its rows are never touched again. Then `rundir.attempts.plan_continuation` says where the new
+attempt's ids start. Refusals name what to do: a live run (its lock is held) is never continued,
+a directory holding only a leftover `tensorboard/` has no run to continue, and a model whose
+selected layers differ from the run's would make one history of two models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchinstruments.records import RunInfo
+from torchinstruments.rundir.attempts import (
+    KILLED,
+    REMOVED,
+    AttemptCounts,
+    Continuation,
+    plan_continuation,
+)
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    PARTS_DIR,
+    RUN_MARKERS,
+    TENSORBOARD_DIR,
+    list_parts,
+)
+from torchinstruments.rundir.recovery import load_state
+from torchinstruments.rundir.state import NewerStateError, RunState, Status
+
+
+def holds_run(directory: Path) -> bool:
+    """Whether `directory` holds a run to continue (a leftover tensorboard/ alone is none)."""
+    return any((directory / name).exists() for name in RUN_MARKERS if name != TENSORBOARD_DIR)
+
+
+def _needs_finish(directory: Path) -> bool:
+    """Whether the earlier attempt must be finalized first (killed, parts left, state unreadable)."""
+    if list_parts(directory):
+        return True
+    try:
+        state = load_state(directory)
+    except NewerStateError:
+        raise
+    except (OSError, ValueError):
+        return True
+    return state is None or state.status is Status.IN_PROGRESS
+
+
+def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunState]:
+    """Finalize the earlier attempt of the run in `directory` and plan the next one.
+
+    Args:
+        directory: the run directory (it holds a run: `holds_run`).
+        run: the new attempt's run info.
+
+    Returns:
+        Where the new attempt starts, and the run's state as the earlier attempts left it.
+
+    Raises:
+        RunLockedError: a live process holds the run.
+        NewerStateError: a newer torchinstruments wrote it.
+        FileExistsError: there is nothing to continue (no history), or the layers differ.
+    """
+    if not (directory / PARTS_DIR).is_dir() and not (directory / HISTORY_FILE).is_file():
+        raise FileExistsError(
+            f"output_dir={str(directory)!r} holds run files but no history (neither {PARTS_DIR}/ "
+            f"nor {HISTORY_FILE}), so resume=True has nothing to continue; pass a new output_dir"
+        )
+    if _needs_finish(directory):
+        finalize(directory)
+    previous = load_state(directory)
+    if previous is None or previous.counts is None:
+        raise FileExistsError(
+            f"output_dir={str(directory)!r}: its run's state could not be completed, so "
+            "resume=True cannot continue it; pass a new output_dir"
+        )
+    if not previous.run_info_recovered:
+        before = [(layer.name, layer.module_type) for layer in previous.run.layers]
+        now = [(layer.name, layer.module_type) for layer in run.layers]
+        if before != now:
+            raise FileExistsError(
+                f"resume=True: the run in output_dir={str(directory)!r} observed other layers "
+                f"({len(before)} selected, e.g. {before[:3]}) than this model and selector "
+                f"({len(now)}, e.g. {now[:3]}); one run's history is one model's: pass a new "
+                "output_dir"
+            )
+    attempts = previous.attempts or (
+        AttemptCounts(
+            0,
+            previous.run.started_at,
+            root_forwards=previous.counts.root_forwards,
+            samples=previous.counts.samples,
+            backward_samples=previous.counts.backward_samples,
+            ended=KILLED if previous.interrupted else REMOVED,
+        ),
+    )
+    return plan_continuation(directory, attempts, directory / HISTORY_FILE), previous
+
+
+__all__ = ["holds_run", "open_continuation"]

@@ -1,0 +1,177 @@
+"""A restarted job continues its run on request: `inject_observer(..., resume=True)`.
+
+The job is this file run as a script: a plain training loop that saves a checkpoint (weights and
+step) after every step, gives the step to the history (`set_step`), and is killed with SIGKILL
+mid-training; it is then started again with the same output_dir, loads its checkpoint and goes
+on for a few steps before `remove_observer`. The earlier attempt's rows, read from its parts
+before the restart, must be in the final history unchanged (compared value by value), with
+sample_id and the step column continuing after them and result.json covering both attempts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from polars.testing import assert_frame_equal
+from torch import nn
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+    set_step,
+)
+from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.state import Status, read_state
+
+from conftest import sgd_step
+
+ROWS_PER_SAMPLE = 3 * len(DEFAULT_METRICS) * 2  # Linear, Tanh, Linear; output and gradient
+CONFIG = HistoryConfig(buffer_rows=ROWS_PER_SAMPLE, window=3)
+PARTS_BEFORE_KILL = 6
+SECOND_STEPS = 4
+WAIT_S = 60.0
+
+
+def child_main(directory: Path, checkpoint: Path, steps: int | None) -> None:
+    """One attempt: resume from the checkpoint if any, train `steps` steps (None: until
+    killed), then remove the observer."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    step = 0
+    if checkpoint.exists():
+        saved = torch.load(checkpoint)
+        model.load_state_dict(saved["model"])
+        step = saved["step"] + 1
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=CONFIG,
+        resume=True,
+    )
+    done = 0
+    while steps is None or done < steps:
+        set_step(model, step)
+        sgd_step(model, x, y, 0.05)
+        torch.save({"model": model.state_dict(), "step": step}, checkpoint)
+        step += 1
+        done += 1
+        time.sleep(0.01)
+    remove_observer(model)
+
+
+def run_child(directory: Path, checkpoint: Path, steps: int | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, __file__, str(directory), str(checkpoint), str(steps)],
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) -> None:
+    run, checkpoint = tmp_path / "stats", tmp_path / "ckpt.pt"
+    first = run_child(run, checkpoint, None)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(list_parts(run)) < PARTS_BEFORE_KILL:
+            assert first.poll() is None, first.stderr.read().decode() if first.stderr else ""
+            assert time.monotonic() < deadline, "the first attempt wrote no parts"
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    # What the killed attempt left on disk: the rows that must survive as they are.
+    before = pl.read_parquet(list_parts(run), glob=False)
+    assert before["attempt"].unique().to_list() == [0]
+    first_samples = before["sample_id"].n_unique()
+    assert first_samples >= PARTS_BEFORE_KILL - 1
+
+    second = run_child(run, checkpoint, SECOND_STEPS)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err.decode()
+
+    history = pl.read_parquet(run / "history.parquet")
+    kept = history.filter(pl.col("attempt") == 0)
+    assert_frame_equal(kept, before)  # every column, value by value, in order
+    later = history.filter(pl.col("attempt") == 1)
+    ids = later["sample_id"].unique().sort().to_list()
+    last_first = before["sample_id"].max()
+    assert isinstance(last_first, int)
+    assert ids == list(range(last_first + 1, last_first + 1 + SECOND_STEPS))
+    assert int(later["forward_index"].min()) > int(before["forward_index"].max())  # type: ignore[arg-type]
+    # The step column: each attempt's steps in order, the second going on from the checkpoint
+    # (a step the kill cut before its checkpoint is trained again), no gap.
+    steps = history.group_by("sample_id").agg(pl.col("step").first()).sort("sample_id")
+    values = steps["step"].to_list()
+    assert all(b - a in (0, 1) for a, b in itertools.pairwise(values))
+    assert values[0] == 0
+    assert values == sorted(values)
+
+    total = first_samples + SECOND_STEPS
+    result = json.loads((run / "result.json").read_text(encoding="utf-8"))
+    tensor = result[0]["tensors"][0]
+    assert tensor["observations"] == total
+    assert tensor["first_sample_id"] == 0
+    assert tensor["latest_sample_id"] == last_first + SECOND_STEPS
+
+    state = read_state(run)
+    assert state.status is Status.INTERRUPTED  # the first attempt's last rows may be missing
+    assert [(a.attempt, a.ended) for a in state.attempts] == [(0, "killed"), (1, "removed")]
+    assert state.attempts[0].samples == first_samples
+    assert state.attempts[1].samples == SECOND_STEPS
+    assert state.attempts[1].first_sample_id == last_first + 1
+    assert state.counts is not None
+    assert state.counts.samples == total
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "## Attempts" in index
+    assert f"| 1 | {state.attempts[1].started_at} | removed | {last_first + 1} |" in index
+
+
+def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_again(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "stats"
+    model = nn.Linear(2, 2)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    with pytest.raises(FileExistsError) as refused:
+        inject_observer(nn.Linear(2, 2), output_dir=run)
+    message = str(refused.value)
+    assert "resume=True" in message
+    assert "new output_dir" in message
+    assert "finalize" not in message
+    # What it names works: resume=True continues the run.
+    again = nn.Linear(2, 2)
+    inject_observer(again, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    again(torch.randn(1, 2)).sum().backward()
+    remove_observer(again)
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.group_by("attempt").agg(pl.col("sample_id").unique()).sort("attempt").rows() == [
+        (0, [0]),
+        (1, [1]),
+    ]
+    assert read_state(run).status is Status.COMPLETE
+
+
+if __name__ == "__main__":
+    child_main(
+        Path(sys.argv[1]), Path(sys.argv[2]), None if sys.argv[3] == "None" else int(sys.argv[3])
+    )

@@ -98,6 +98,7 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
                     None if m.mesh_coordinate is None else list(m.mesh_coordinate),
                     m.step,
                     *(m.mode, m.grad_enabled, name, v.value, v.reason),
+                    0,  # attempt: a writer's rows are its process's, the first attempt's here
                 )
             )
     return rows

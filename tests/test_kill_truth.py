@@ -107,3 +107,41 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     child_main(Path(sys.argv[1]))
+
+
+def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path) -> None:
+    """As a kill leaves it: the events of the last samples reached the disk, their rows did not
+    (here: cut from the parts by hand, with the state put back to "in progress")."""
+    import json
+
+    from torchinstruments import EveryNForwardsSampler, HistoryConfig, remove_observer
+
+    run = tmp_path / "stats"
+    model = nn.Linear(3, 3)
+    rows = 2 * len(DEFAULT_METRICS)
+    inject_observer(
+        model,
+        output_dir=run,
+        sampler=EveryNForwardsSampler(2),
+        history_config=HistoryConfig(buffer_rows=rows),
+    )
+    for _ in range(12):  # samples 0-5 at forward_index 0, 2, ..., 10
+        model(torch.randn(2, 3)).sum().backward()
+    state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+    remove_observer(model)
+    history = pl.read_parquet(run / "history.parquet")
+    kept = history.filter(pl.col("sample_id") <= 2)
+    (run / "history.parquet").unlink()
+    (run / "history.parts").mkdir()
+    kept.write_parquet(run / "history.parts" / "part-000000000.parquet")
+    (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")  # in progress
+
+    report = finalize(run)
+    assert report.state.events_without_rows == (6, 8, 10)
+    assert report.state.events_without_rows_total == 3
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "holds histograms of 3 sampled forward(s) that have no row in history.parquet: " in index
+    assert "forward_index 6, 8, 10." in index
+    # The counts are raised to what the events prove: 6 samples, 11 root forwards at least.
+    assert report.counts.samples == 6
+    assert report.counts.root_forwards == 11

@@ -141,7 +141,7 @@ def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[
 
 
 def plan_continuation(
-    directory: Path, attempts: tuple[AttemptCounts, ...], history: Path
+    directory: Path, attempts: tuple[AttemptCounts, ...], history: Path, first_part: int
 ) -> Continuation:
     """Where the next attempt of the run in `directory` starts (its earlier attempts ended).
 
@@ -149,12 +149,10 @@ def plan_continuation(
         directory: the run directory (finalized: no parts left, history.parquet in place).
         attempts: the earlier attempts, as the state file says (every one ended).
         history: the run's history.parquet.
+        first_part: the number after the parts history.parquet holds (`merge`'s record).
     """
-    from torchinstruments.rundir.merge import merged_part_numbers
-
     next_sample = max((a.first_sample_id + a.samples for a in attempts), default=0)
     next_forward = max((a.first_forward_index + a.root_forwards for a in attempts), default=0)
-    first_part = 0
     if history.is_file():
         frame = (
             pl.scan_parquet(history, glob=False)
@@ -166,7 +164,6 @@ def plan_continuation(
             next_sample = max(next_sample, int(last_sample) + 1)
         if last_forward is not None:
             next_forward = max(next_forward, int(last_forward) + 1)
-        first_part = max(merged_part_numbers(history), default=-1) + 1
     steps = event_steps(directory)
     if steps:
         next_forward = max(next_forward, max(steps) + 1)

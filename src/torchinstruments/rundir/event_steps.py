@@ -6,8 +6,8 @@ the sample's forward_index (`events.RUN_STEP`), so the steps are a second, indep
 which root forwards were sampled: `finalize` lists the ones with no history row (index.md says
 which), and a continued run starts its forward_index after the last of them, so two attempts
 never share a step. The files are TFRecord framed (length, crc, Event proto, crc); they are read
-record by record with TensorBoard's own Event proto, and a torn last record (the kill) ends the
-file quietly. The checksums are not verified: a record is used only for its step.
+record by record, the two Event fields needed (step, summary) decoded by hand so `finalize`
+needs no TensorBoard, and a torn last record (the kill) ends the file quietly. The checksums are not verified: a record is used only for its step.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ def event_steps(directory: Path) -> set[int]:
     folder = directory / TENSORBOARD_DIR
     if not folder.is_dir():
         return set()
-    try:
-        from tensorboard.compat.proto import event_pb2
-    except ImportError:  # pragma: no cover - tensorboard is a runtime dependency
-        return set()
     steps: set[int] = set()
     for path in sorted(folder.glob("events.out.tfevents.*")):
         try:
@@ -43,13 +39,57 @@ def event_steps(directory: Path) -> set[int]:
             if end + 4 > len(data):
                 break  # a torn last record
             try:
-                event = event_pb2.Event.FromString(data[start:end])  # type: ignore
-            except Exception:
+                step = _summary_step(data[start:end])
+            except (IndexError, ValueError):
                 break
-            if event.HasField("summary") and event.summary.value:
-                steps.add(int(event.step))
+            if step is not None:
+                steps.add(step)
             offset = end + 4
     return steps
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """A protobuf varint at `at`: (value, the offset after it)."""
+    value, shift = 0, 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _summary_step(event: bytes) -> int | None:
+    """An `Event` proto's step when it carries a non-empty summary (field 5), else None.
+
+    Read by hand, field by field (Event: 1 wall_time double, 2 step int64, 5 summary), so this
+    module needs neither TensorBoard nor protobuf: `finalize` runs without them.
+    """
+    at, step, summary = 0, 0, False
+    while at < len(event):
+        key, at = _varint(event, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(event, at)
+            if field == 2:
+                step = value - (1 << 64) if value >> 63 else value
+        elif wire == 1:
+            at += 8
+        elif wire == 5:
+            at += 4
+        elif wire == 2:
+            size, at = _varint(event, at)
+            if field == 5 and size:
+                summary = True
+            at += size
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+    if at != len(event):
+        raise ValueError("truncated event")
+    return step if summary else None
 
 
 def ranges(numbers: list[int]) -> str:

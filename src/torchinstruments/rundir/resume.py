@@ -29,6 +29,7 @@ from torchinstruments.rundir.layout import (
     TENSORBOARD_DIR,
     list_parts,
 )
+from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import NewerStateError, RunState, Status
 
@@ -99,7 +100,9 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
             ended=KILLED if previous.interrupted else REMOVED,
         ),
     )
-    return plan_continuation(directory, attempts, directory / HISTORY_FILE), previous
+    history = directory / HISTORY_FILE
+    first_part = max(merged_part_numbers(history), default=-1) + 1 if history.is_file() else 0
+    return plan_continuation(directory, attempts, history, first_part), previous
 
 
 __all__ = ["holds_run", "open_continuation"]

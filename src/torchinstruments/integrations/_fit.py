@@ -89,6 +89,21 @@ def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> obje
     return record_eval
 
 
+def last_run_directory(parent: Path, rank_policy: str) -> Path:
+    """The last `parent/torchinstruments[-N]` holding a run (this rank's), which a fit resumed
+    from a checkpoint continues; `parent/torchinstruments` when none does."""
+    found = parent / RUN_NAME
+    number = 1
+    while True:
+        name = RUN_NAME if number == 1 else f"{RUN_NAME}-{number}"
+        candidate = parent / name
+        written = place_rank(candidate, rank_policy).directory
+        if not any((written / marker).exists() for marker in RUN_MARKERS):
+            return found
+        found = candidate
+        number += 1
+
+
 class FitObservation:
     """Injects at the start of a fit, removes at its end or when it raised.
 
@@ -159,6 +174,7 @@ class FitObservation:
         main_process: bool,
         logger_sink: Callable[[], Sink | None],
         global_step: Callable[[], int],
+        resuming: bool = False,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -169,14 +185,19 @@ class FitObservation:
                 with `rank_policy="rank0"` only that process attaches.
             logger_sink: the trainer's TensorBoard logger as a sink, or None without one.
             global_step: the trainer's global step, read at each sample (history's `step`).
+            resuming: the fit resumes from a checkpoint: continue the run (`resume=True`) in
+                the output_dir given, or in the last run under the trainer's directory.
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
         options = self.config.options()
         if options["rank_policy"] == "rank0" and not main_process:
             return None
+        if resuming:
+            options["resume"] = True
         if not self.explicit_dir:
-            options["output_dir"] = fresh_run_directory(trainer_directory, options["rank_policy"])
+            pick = last_run_directory if options["resume"] else fresh_run_directory
+            options["output_dir"] = pick(trainer_directory, options["rank_policy"])
         sink = logger_sink()
         if sink is not None:
             options["sinks"] = (*options["sinks"], sink)

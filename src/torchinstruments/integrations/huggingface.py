@@ -113,6 +113,8 @@ class HuggingFaceObserver(TrainerCallback):
             main_process=state.is_world_process_zero,
             logger_sink=lambda: _writer_sink(trainer, state),
             global_step=lambda: state.global_step,
+            # train(resume_from_checkpoint=...) loaded the state before on_train_begin
+            resuming=state.global_step > 0,
         )
         if directory is not None and trainer is not None:
             self._step_guard = _StepGuard(trainer, self._fit, self._on_step_exception, state)

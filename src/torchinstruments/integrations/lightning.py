@@ -104,6 +104,7 @@ class LightningObserver(Callback):
             main_process=trainer.is_global_zero,
             logger_sink=lambda: _logger_sink(trainer),
             global_step=lambda: trainer.global_step,
+            resuming=trainer.ckpt_path is not None,  # fit(ckpt_path=...): continue the run
         )
 
     def on_train_batch_start(

@@ -18,15 +18,14 @@ import polars as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from polars.testing import assert_frame_equal
+from test_huggingface_callback import examples, tiny_bert
+from test_lightning_callback import Tiny
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import Trainer, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.state import Status, read_state
-
-from test_huggingface_callback import examples, tiny_bert
-from test_lightning_callback import Tiny
 
 FIRST, TOTAL = 3, 6
 

@@ -29,7 +29,7 @@ from torchinstruments.distributed import place_rank
 from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
-from torchinstruments.phases import EVAL, Phases
+from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import describe_sampler
@@ -319,7 +319,7 @@ def evaluation_counts(model: nn.Module) -> tuple[int, int] | None:
     if key is None:
         return None
     counter = _OBSERVERS[key].counter
-    return counter.scheduled.get(EVAL, 0), counter.unobserved
+    return counter.eval_forwards, counter.unobserved
 
 
 def observed_counts(model: nn.Module) -> RunCounts | None:

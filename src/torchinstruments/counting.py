@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
+from torchinstruments.phases import TRAIN
 from torchinstruments.records import RunCounts
 
 
@@ -23,7 +24,8 @@ class Counter:
         self.samples = 0
         # Per schedule (phases.TRAIN, phases.EVAL): the root forwards it has seen, which is what
         # its sampler is asked with; and the evaluation forwards passed through unobserved.
-        self.scheduled: dict[str, int] = {}
+        self.train_forwards = 0
+        self.eval_forwards = 0
         self.unobserved = 0
         self._first_forward = first_forward_index
         self._first_sample = first_sample_id
@@ -38,8 +40,13 @@ class Counter:
         with self._lock:
             forward_index = self._first_forward + self.root_forwards
             self.root_forwards += 1
-            index = self.scheduled.get(schedule, 0)
-            self.scheduled[schedule] = index + 1
+            if schedule == TRAIN:  # two plain counters: no dict work per root forward
+                # continues a resumed run's schedule, as forward_index does
+                index = self._first_forward + self.train_forwards
+                self.train_forwards += 1
+            else:
+                index = self.eval_forwards
+                self.eval_forwards += 1
             sample_id = (
                 self._first_sample + self.samples if should_sample(index, schedule) else None
             )

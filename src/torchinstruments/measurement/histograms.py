@@ -143,8 +143,8 @@ def reduce_histogram(
                 except Exception:  # handed to the general path below, never to null
                     pass
             values = tensors.working_values(detached)
-            _, _, statistics = numerics.raw_on_device(values, frozenset())
-            return pending_histogram(numerics.device_histogram(statistics, bins), bins)
+            _, _, vector = numerics.raw_on_device(values, frozenset(), bins)
+            return pending_histogram(vector, bins)  # type: ignore[arg-type]
     except Exception:  # measuring must never crash the training step
         return PendingHistogram(None, bins)
 

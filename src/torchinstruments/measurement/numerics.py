@@ -242,15 +242,21 @@ def thresholds(edges: _Array, dtype: Any) -> _Array:
     return rounded
 
 
-def bin_counts(values: _Array, limits: _Array, bins: int, finite: _Array | None = None) -> _Array:
+def bin_counts(
+    values: _Array, limits: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
+) -> _Array:
     """How many `values` fall in each bin (generic): an entry's bin is the number of `limits`
-    (the `thresholds`) <= it; entries where `finite` is False are in none. float64 counts."""
+    (the `thresholds`) <= it; entries where `finite` is False are in none. float64 counts. For
+    `ascending` NumPy values, the same counts from the entries below each limit."""
     if isinstance(values, torch.Tensor):
         index = torch.bucketize(values, limits, right=True)
         if finite is not None:
             index = torch.where(finite, index, bins)
         counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
+    if ascending:
+        below = np.concatenate([[0], np.searchsorted(values, limits), [values.size]])
+        return np.diff(below).astype(np.float64)
     return np.bincount(_host_bins(values, limits, bins), minlength=bins).astype(np.float64)
 
 
@@ -281,12 +287,13 @@ def histogram_vector(
     head: tuple[_Array, _Array, _Array],
     bins: int,
     finite: _Array | None = None,
+    ascending: bool = False,
 ) -> Any:
     """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
     edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
     bounds = edges(low, high, bins)
-    counts = bin_counts(values, thresholds(bounds, values.dtype), bins, finite)
+    counts = bin_counts(values, thresholds(bounds, values.dtype), bins, finite, ascending)
     if isinstance(values, torch.Tensor):
         return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
     return [float(count), low, high, total, sum_squares, *bounds.tolist(), *counts.tolist()]
@@ -304,16 +311,15 @@ class CpuResult:
 
 
 class _Sorted:
-    """The order statistics of sorted segments (`sorted_segments`): reads at their positions."""
+    """Sorted segments' order statistics (`sorted_segments`): read where `HostSelection` selects."""
 
     visit = None
 
     def __init__(self, ordered: np.ndarray) -> None:
-        self._ordered = ordered
-        self._positions: list[int] = []
+        self._ordered, self._positions = ordered, []
 
-    def want(self, positions: Sequence[int]) -> None:
-        self._positions = list(positions)
+    def want(self, positions: list[int]) -> None:
+        self._positions = positions
 
     def selected(self) -> list[float]:
         return self._ordered.take(self._positions).tolist()
@@ -354,39 +360,43 @@ def _results(
     wanted: frozenset[str],
     bins: Sequence[int | None],
     select: Any,
+    ordered: np.ndarray | None = None,
 ) -> list[CpuResult]:
-    """The results of every segment of finite `values` (`counts` long each, maybe 0)."""
+    """The results of every segment of finite `values` (`counts` long each, maybe 0); the
+    histograms count `ordered`, the same segments ascending, where it is given."""
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
     present = [index for index, count in enumerate(counts) if count]
-    arrays: dict[str, list[float]] = {}
+    rows: dict[int, dict[str, float]] = {}
     if present:
         chosen = np.array([starts[i] for i in present]), np.array([counts[i] for i in present])
-        arrays = {k: v.tolist() for k, v in _host_arrays(values, *chosen, wanted, select).items()}
-    at = {index: row for row, index in enumerate(present)}
+        arrays = _host_arrays(values, *chosen, wanted, select)
+        columns = {name: column.tolist() for name, column in arrays.items()}
+        rows = {i: {k: v[row] for k, v in columns.items()} for row, i in enumerate(present)}
     results: list[CpuResult] = []
     for index, count in enumerate(counts):
-        raw = {"zeros": float(zeros[index]), "finite": float(count)}
-        if count:
-            raw.update({name: column[at[index]] for name, column in arrays.items()})
+        raw = {"zeros": float(zeros[index]), "finite": float(count), **rows.get(index, {})}
         histogram = None
         if bins[index]:
-            segment = values[starts[index] : starts[index] + count]
-            histogram = _host_histogram(segment, raw, bins[index] or 1)
+            segment = (values if ordered is None else ordered)[starts[index] :][:count]
+            histogram = _host_histogram(segment, raw, bins[index] or 1, ordered is not None)
         results.append(CpuResult(raw, histogram))
     return results
 
 
-def _host_histogram(values: np.ndarray, raw: dict[str, float], bins: int) -> list[float]:
+def _host_histogram(
+    values: np.ndarray, raw: dict[str, float], bins: int, ascending: bool
+) -> list[float]:
     """The histogram vector of one segment of finite values (all zeros when it is empty)."""
     if values.size == 0:
         return [0.0] * (5 + 2 * bins + 1)
     head = (values.size, raw["sum"], raw["sum_squares"])
-    return histogram_vector(values, raw["min"], raw["max"], head, bins)
+    return histogram_vector(values, raw["min"], raw["max"], head, bins, None, ascending)
 
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
-    order statistics selected (`order.HostSelection`), the tensor read in place, never written."""
+    order statistics selected (`order.HostSelection`) above `order.SMALL` entries, read from a
+    sorted copy below; the tensor read in place, never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
@@ -394,8 +404,12 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
-    select = order.HostSelection(values)
-    return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
+    if values.size > order.SMALL:
+        return _results(
+            values, [values.size], [zeros], wanted, [bins], order.HostSelection(values)
+        )[0]
+    ordered = np.sort(values)  # small: a sort costs less than the selection's fixed calls
+    return _results(values, [values.size], [zeros], wanted, [bins], _Sorted(ordered), ordered)[0]
 
 
 # Tensors of at most BATCH_MAX entries are copied and reduced together at the end of a sample
@@ -415,7 +429,8 @@ def measure_batch_on_cpu(
     lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
     values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
     ordered, finite, counts, zeros = sorted_segments(values, lengths)
-    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, _Sorted(ordered))
+    select = _Sorted(ordered)
+    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, select, ordered)
 
 
 def sorted_segments(
@@ -474,26 +489,12 @@ def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceStatistics:
-    """What the general path leaves for a histogram of the same tensor (0-d float64 tensors but
-    `values`, the working values, and `finite`, their finiteness mask)."""
-
-    values: torch.Tensor
-    finite: torch.Tensor
-    count: torch.Tensor
-    low: torch.Tensor
-    high: torch.Tensor
-    total: torch.Tensor
-    sum_squares: torch.Tensor
-
-
 def raw_on_device(
-    values: torch.Tensor, wanted: frozenset[str]
-) -> tuple[list[str], torch.Tensor, DeviceStatistics]:
-    """Raw values as one float64 device block, computed without any host synchronisation: min,
-    max and the quartiles' neighbours by radix selection (`order.on_device`), interpolated on
-    the device by `lerp`. Also returns what a focus tensor's histogram is counted from."""
+    values: torch.Tensor, wanted: frozenset[str], bins: int | None = None
+) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
+    """Raw values as one float64 device block, computed without any host synchronisation (min,
+    max and the quartiles' neighbours by `order.on_device`, interpolated there by `lerp`), and
+    with `bins` the histogram vector from the same statistics."""
     numel = values.numel()
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
@@ -521,13 +522,8 @@ def raw_on_device(
     entries["mean"], entries["std"] = mean, std
     keys = [key for key in entries if key in wanted or key in ("finite", "zeros")]
     block = torch.stack([entries[key] for key in keys])
-    low_value, high_value = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
-    shared = DeviceStatistics(values, finite_mask, count, low_value, high_value, total, sum_squares)
-    return keys, block, shared
-
-
-def device_histogram(statistics: DeviceStatistics, bins: int) -> torch.Tensor:
-    """The histogram vector of the general path's tensor, from its statistics, without a sync."""
-    s = statistics
-    head = (s.count, s.total, s.sum_squares)
-    return histogram_vector(s.values, s.low, s.high, head, bins, s.finite)
+    if bins is None:
+        return keys, block, None
+    low, high = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
+    head = (count, total, sum_squares)
+    return keys, block, histogram_vector(values, low, high, head, bins, finite_mask)

@@ -35,85 +35,68 @@ _DIGITS = 1 << _DIGIT_BITS
 class HostSelection:
     """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
     see every chunk once, in order, then read them from `selected`. Nearby ranks (within 1/64
-    of the size) share a bracket; min and max come from each chunk's `torch.aminmax`."""
+    of the size) share a bracket; min and max come from each chunk's own."""
 
     def __init__(self, values: np.ndarray) -> None:
-        self._values = values
-        self._ranks: list[int] = []
-        self._groups: list[list[int]] = []
-        self._bounds: list[tuple[float | None, float | None]] = []
+        self._values, self._ranks, self._groups = values, [], []
+        self._bounds: list[tuple[float, float]] = []  # per group; none: partition it all
         self._below: list[int] = []
         self._pieces: list[list[np.ndarray]] = []
-        self._low: float | None = None
-        self._high: float | None = None
-        self._extremes = False
+        self._extremes: list[tuple[float, float]] | None = None
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
         values, size = self._values, self._values.size
         self._ranks = [int(rank) for rank in ranks]
         wanted = sorted(set(self._ranks))
-        self._extremes = wanted[0] == 0 or wanted[-1] == size - 1
-        inner = [rank for rank in wanted if 0 < rank < size - 1]
-        if not inner:
-            return
-        if size <= SMALL:  # small: partitioned in `selected`, one group without bounds
-            self._groups = [inner]
-            return
-        sample = np.sort(values[:: max(size // SAMPLE, 1)])
-        count = sample.size
-        margin = 3 * math.isqrt(count) + 2
-        for rank in inner:
-            if self._groups and rank - self._groups[-1][-1] <= size // 64:
+        self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
+        for rank in (rank for rank in wanted if 0 < rank < size - 1):  # one group when small
+            if self._groups and (size <= SMALL or rank - self._groups[-1][-1] <= size // 64):
                 self._groups[-1].append(rank)
             else:
                 self._groups.append([rank])
+        if size <= SMALL or not self._groups:
+            return
+        sample = np.sort(values[:: max(size // SAMPLE, 1)])
+        count, margin = sample.size, 3 * math.isqrt(sample.size) + 2
         for group in self._groups:
             first = group[0] * count // size - margin
             last = group[-1] * count // size + margin
-            low = float(sample[first]) if first > 0 else None
-            high = float(sample[last]) if last < count - 1 else None
-            self._bounds.append((low, high))
+            low = float(sample[first]) if first > 0 else -math.inf
+            self._bounds.append((low, float(sample[last]) if last < count - 1 else math.inf))
         self._below = [0] * len(self._groups)
         self._pieces = [[] for _ in self._groups]
 
     def visit(self, piece: np.ndarray) -> None:
         """Reads one chunk: its extremes, and each bracket's entries and count below it."""
-        if self._extremes:
-            low, high = (float(value) for value in torch.aminmax(torch.from_numpy(piece)))
-            self._low = low if self._low is None else min(self._low, low)
-            self._high = high if self._high is None else max(self._high, high)
+        if self._extremes is not None:
+            self._extremes.append((float(piece.min()), float(piece.max())))
         for index, (low, high) in enumerate(self._bounds):
-            if low is None and high is None:
-                continue
-            if low is None:
-                mask = piece <= high
-            else:
-                mask = piece >= low
-                self._below[index] += piece.size - int(np.count_nonzero(mask))
-                if high is not None:
-                    mask &= piece <= high
+            mask = piece >= low
+            self._below[index] += piece.size - int(np.count_nonzero(mask))
+            mask &= piece <= high
             self._pieces[index].append(piece[mask])
 
     def selected(self) -> list[float]:
         """The entries at the wanted positions (after every chunk was visited)."""
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
-        if self._extremes:
-            found[0], found[size - 1] = self._low, self._high  # type: ignore[assignment]
+        if self._extremes is not None:
+            found[0] = min(low for low, _ in self._extremes)
+            found[size - 1] = max(high for _, high in self._extremes)
         for index, group in enumerate(self._groups):
-            bounds = self._bounds[index] if self._bounds else (None, None)
-            if bounds == (None, None):
-                found.update(zip(group, np.partition(values, group)[group].tolist(), strict=True))
-                continue
-            candidates = np.concatenate(self._pieces[index])
-            local = [rank - self._below[index] for rank in group]
-            if local[0] < 0 or local[-1] >= candidates.size:  # the bracket missed: all entries
+            picked = None
+            if self._bounds:
+                candidates = np.concatenate(self._pieces[index])
+                local = [rank - self._below[index] for rank in group]
+                if local[0] < 0 or local[-1] >= candidates.size:
+                    pass  # the bracket missed: selected from all entries below
+                elif 2 * candidates.size > size:  # ties: the bracket barely shrinks
+                    picked = np.partition(candidates, local)[local].tolist()
+                else:
+                    picked = on_host(candidates, local)
+            if picked is None:
                 picked = np.partition(values, group)[group].tolist()
-            elif 2 * candidates.size > size:  # ties: the bracket barely shrinks
-                picked = np.partition(candidates, local)[local].tolist()
-            else:
-                picked = on_host(candidates, local)
             found.update(zip(group, picked, strict=True))
         return [found[rank] for rank in self._ranks]
 

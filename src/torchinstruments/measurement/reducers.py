@@ -445,10 +445,10 @@ def _reduce_default(
             if result.histogram is not None and bins is not None:
                 histogram = PendingHistogram(None, bins, result.histogram)
             return _Part(metrics, host=result.raw, derive=derive), None, histogram
-    keys, block, statistics = numerics.raw_on_device(tensors.working_values(tensor), wanted)
-    histogram = None
-    if bins is not None:  # counted with the statistics' own min, max and sums
-        histogram = pending_histogram(numerics.device_histogram(statistics, bins), bins)
+    keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
+    histogram = None  # counted with the statistics' own min, max and sums
+    if bins is not None and vector is not None:
+        histogram = pending_histogram(vector, bins)
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer
         host = dict(zip(keys, tensors.host_floats(block), strict=True))
         return _Part(metrics, host=host, derive=derive), None, histogram

@@ -116,3 +116,52 @@ def test_all_and_csv_give_every_tensor(deep: Path) -> None:
     assert csv.returncode == 0, csv.stderr
     frame = pl.read_csv(csv.stdout.encode())
     assert frame.height == (2 * PAIRS + 1) * 2 * len(DEFAULT_METRICS)
+
+
+def test_eval_samples_are_rows_of_their_own(tmp_path: Path) -> None:
+    """Two train steps, then an eval forward: the grouped view's train rows hold the train
+    samples' latest values only, and the eval samples have their own `[eval]` rows."""
+    directory = tmp_path / "stats"
+    model = Deep()
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(2):
+        model(torch.randn(8, 4)).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(8, 4) * 3)
+    remove_observer(model)
+    result = cli("show", directory, "--metrics", "mean")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index("mean:")
+    table = {}
+    for line in lines[start + 3 : start + 9]:
+        words = line.split()
+        eval_row = words[2] == "[eval]"
+        table[words[0], words[1] + (" [eval]" if eval_row else "")] = words[3 if eval_row else 2 :]
+    history = pl.read_parquet(directory / "history.parquet")
+    for module_type in ("Linear", "Tanh"):
+        for mode, short in (("train", "out"), ("eval", "out [eval]")):
+            rows = (
+                history.filter(
+                    pl.col("metric") == "mean",
+                    pl.col("module_type") == module_type,
+                    pl.col("signal") == "output",
+                    pl.col("mode") == mode,
+                )
+                .sort("sample_id")
+                .group_by("layer")
+                .agg(pl.col("value").last(), pl.col("sample_id").last())
+            )
+            last = rows["sample_id"].max()
+            values = rows["value"].to_list()
+            want = [
+                str(rows.height),
+                "0",
+                str(rows.filter(pl.col("sample_id") < last).height),
+                number(min(values)),
+                number(statistics.median(values)),
+                number(max(values)),
+            ]
+            assert table[module_type, short] == want, (module_type, mode)
+    assert {key for key in table if "grad" in key[1]} == {("Linear", "grad"), ("Tanh", "grad")}

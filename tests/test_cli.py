@@ -495,12 +495,12 @@ def test_plot_writes_a_png_with_the_panels_and_axis_it_says(finished: Path, tmp_
 
 
 def test_plot_figure_lines_are_the_history_values(finished: Path) -> None:
-    from torchinstruments.cli.plot import X_LABELS, _figure, plot_rows
+    from torchinstruments.cli.plot import X_LABELS, build_figure, plot_rows
     from torchinstruments.cli.reader import read_facts
     from torchinstruments.cli.show import Selection
 
     rows = plot_rows(finished, Selection(metrics=("std",)), "sample_id")
-    figure, result = _figure(rows, read_facts(finished), "sample_id", max_tensors=2)
+    figure, result = build_figure(rows, read_facts(finished), "sample_id", max_tensors=2)
     assert result.left_out == ("shared#0 (Linear)", "shared#1 (Linear)", "empty (Empty)")
     output, gradient = figure.axes
     assert output.get_title() == "std of output"

@@ -161,7 +161,7 @@ def _scale(ax: Any, values: list[float], yscale: str) -> str:
     return "symlog"
 
 
-def _figure(
+def build_figure(
     rows: pl.DataFrame, facts: RunFacts, x: str, max_tensors: int, yscale: str = "linear"
 ) -> tuple[Any, PlotResult]:
     """Build the matplotlib Figure and describe it (path left empty)."""
@@ -305,7 +305,7 @@ def plot(
         raise ValueError(NO_STEP.format(directory=directory))
     if rows.is_empty():
         raise ValueError(f"no history rows in {directory} match the selection")
-    figure, result = _figure(rows, facts, x, max_tensors, yscale)
+    figure, result = build_figure(rows, facts, x, max_tensors, yscale)
     description = json.dumps(
         {
             "x": x,
@@ -325,6 +325,7 @@ __all__ = [
     "NO_STEP",
     "MatplotlibMissingError",
     "PlotResult",
+    "build_figure",
     "plot",
     "plot_rows",
 ]

@@ -109,7 +109,7 @@ def plot_ranks(
     rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
     if yscale not in single_plot.YSCALES:
         raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {single_plot.YSCALES}")
-    figure, result = single_plot._figure(rows, facts, x, max_tensors, yscale)
+    figure, result = single_plot.build_figure(rows, facts, x, max_tensors, yscale)
     figure.savefig(output, format="png", dpi=single_plot.DPI)
     return dataclasses.replace(result, path=Path(output)), tensor
 

@@ -332,24 +332,23 @@ def _host_arrays(
     statistics wanted, float64 arrays. `select` (an `order.HostSelection` or `_Sorted`) is told
     the sorted positions (absolute in `values`) and reads them during the moments' first pass."""
     out: dict[str, np.ndarray] = {}
-    last = (counts - 1).astype(np.float64)
     names = [name for name in QUARTILES if name in wanted]
     ends = starts + counts - 1
-    positions = [starts, ends]
-    for name in names:
-        low, _ = quartile_positions(last, QUARTILES[name])
-        at = starts + low.astype(np.int64)
-        positions += [at, np.minimum(at + 1, ends)]
-    select.want(np.stack(positions).reshape(-1).tolist())
+    low, weight = quartile_positions(
+        (counts - 1).astype(np.float64), np.array([[QUARTILES[name]] for name in names])
+    )  # one row per quartile, one column per segment
+    at = starts + low.astype(np.int64)
+    positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
+    select.want(positions.tolist())
     sums, squares, residual, scale = segment_sums(values, starts, counts, select.visit)
     out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
         sums, squares, residual, counts, scale
     )
-    picked = np.array(select.selected(), dtype=np.float64).reshape(len(positions), -1)
+    picked = np.array(select.selected(), dtype=np.float64).reshape(-1, counts.size)
     out["min"], out["max"] = picked[0], picked[1]
-    for index, name in enumerate(names):
-        _, weight = quartile_positions(last, QUARTILES[name])
-        out[name] = lerp(picked[2 + 2 * index], picked[3 + 2 * index], weight)
+    k = len(names)
+    quartiles = lerp(picked[2 : 2 + k], picked[2 + k :], weight)
+    out.update(zip(names, quartiles, strict=True))
     return out
 
 
@@ -395,8 +394,8 @@ def _host_histogram(
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
-    order statistics selected (`order.HostSelection`) above `order.SMALL` entries, read from a
-    sorted copy below; the tensor read in place, never written."""
+    order statistics selected (`order.HostSelection`), or read from a sorted copy that also
+    counts the histogram of a focus tensor of at most `order.SMALL` entries; never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
@@ -404,11 +403,11 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
-    if values.size > order.SMALL:
+    if values.size > order.SMALL or not bins:
         return _results(
             values, [values.size], [zeros], wanted, [bins], order.HostSelection(values)
         )[0]
-    ordered = np.sort(values)  # small: a sort costs less than the selection's fixed calls
+    ordered = np.sort(values)  # a small focus tensor: the sort also counts its histogram
     return _results(values, [values.size], [zeros], wanted, [bins], _Sorted(ordered), ordered)[0]
 
 

@@ -68,7 +68,9 @@ def child_main(directory: Path, checkpoint: Path, steps: int | None) -> None:
     while steps is None or done < steps:
         set_step(model, step)
         sgd_step(model, x, y, 0.05)
-        torch.save({"model": model.state_dict(), "step": step}, checkpoint)
+        partial = checkpoint.with_suffix(".partial")  # a kill mid-save leaves the last one
+        torch.save({"model": model.state_dict(), "step": step}, partial)
+        os.replace(partial, checkpoint)
         step += 1
         done += 1
         time.sleep(0.01)
@@ -141,6 +143,7 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     assert state.counts.samples == total
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "## Attempts" in index
+    assert "**State: interrupted** in an earlier attempt: attempt(s) 0 ended" in index
     assert f"| 1 | {state.attempts[1].started_at} | removed | {last_first + 1} |" in index
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchinstruments.rundir.attempts import AttemptCounts
+from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.event_steps import ranges
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -97,6 +97,15 @@ def _section_state(state: RunState) -> list[str]:
         if state.interrupted:
             lines.append(f"- the process ended without remove_observer. {lost_bound}")
         return [*lines, ""]
+    killed = [a.attempt for a in state.attempts if a.ended == KILLED]
+    if status is Status.INTERRUPTED and state.attempts and state.attempts[-1].ended == REMOVED:
+        return [
+            f"**State: interrupted** in an earlier attempt: attempt(s) {ranges(killed)} ended "
+            "without remove_observer (killed, crashed or preempted) and were finalized when the "
+            "run was continued; every row they had written is in history.parquet, and the last "
+            f"attempt was removed as usual. {lost_bound} Counts are lower bounds.",
+            "",
+        ]
     if status is Status.INTERRUPTED:
         return [
             "**State: interrupted.** The process ended without remove_observer (killed, crashed "

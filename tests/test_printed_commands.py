@@ -181,3 +181,14 @@ def test_index_md_says_why_a_layer_has_no_gradient_rows(tmp_path: Path) -> None:
         "1 selected layer never returned an output that requires grad, so no gradient can "
         "arrive and it has no output_gradient rows: '0'"
     ) in page
+
+
+def test_index_md_points_only_to_sections_it_has(tmp_path: Path) -> None:
+    run = train(tmp_path / "run")
+    page = (run / "index.md").read_text(encoding="utf-8")
+    headings = set(re.findall(r"^#+ (.+)$", page, flags=re.MULTILINE))
+    assert "Interrupted samples" not in headings  # nothing was interrupted in this run
+    for named in re.findall(r"\b(?:see|the) ([A-Z][\w ]+?) section\b", page):
+        assert named in headings, named
+    assert "see Interrupted samples" not in page
+    assert "the State section" not in page

@@ -38,6 +38,7 @@ EXPECTED_SCHEMA = {
     "metric": pl.String,
     "value": pl.Float64,
     "unavailable_reason": pl.String,
+    "population": pl.String,
     "attempt": pl.Int32,
 }
 
@@ -98,6 +99,7 @@ def expected_rows(measurements: list[Measurement]) -> list[tuple]:
                     None if m.mesh_coordinate is None else list(m.mesh_coordinate),
                     m.step,
                     *(m.mode, m.grad_enabled, name, v.value, v.reason),
+                    m.population,
                     0,  # attempt: a writer's rows are its process's, the first attempt's here
                 )
             )

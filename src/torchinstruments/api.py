@@ -26,6 +26,7 @@ from torchinstruments import forks
 from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
 from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
+from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
@@ -102,6 +103,7 @@ def inject_observer(
     capture_direct_forwards: bool = True,
     sinks: Sequence[Sink] = (),
     resume: bool = False,
+    global_statistics: Any = False,
 ) -> Path | None:
     """Start observing `model`: sampled root forwards and their backward are measured and written.
 
@@ -130,6 +132,14 @@ def inject_observer(
             sample_id and forward_index continue, and each row's `attempt` column says which
             process wrote it. Without a run there, a new one starts. Default False: such a
             directory is refused.
+        global_statistics: False (default: no collective ever); True: DTensor outputs with a
+            Shard or Partial placement (1-D mesh) are measured as the whole tensor they stand
+            for, exactly, over the mesh's ranks; a `torch.distributed.ProcessGroup`: also
+            every other floating output, as the union of that group's ranks' tensors (e.g.
+            the data-parallel global batch). Rows then say `population="global:ranks=..."`.
+            Costs a fixed number of packed collectives per sampled forward (see
+            `global_statistics.py`); needs `rank_policy="all"` and a sampler that decides the
+            same on every rank (`EveryNForwardsSampler`).
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -159,6 +169,7 @@ def inject_observer(
         capture_direct_forwards=capture_direct_forwards,
         sinks=sinks,
         resume=resume,
+        global_statistics=global_statistics,
     )
     if forks.forked_from_a_run():
         raise RuntimeError(
@@ -355,6 +366,24 @@ def check_model(model: object) -> None:
         )
 
 
+def global_notes(option: GlobalOption | None) -> tuple[str, ...]:
+    """What `global_statistics=` changes in the rows, said in index.md (empty when off)."""
+    if option is None:
+        return ()
+    over = (
+        "DTensor Shard/Partial outputs (1-D meshes) and, over the named process group, every "
+        "other floating output"
+        if option.group is not None
+        else "DTensor Shard/Partial outputs on 1-D meshes"
+    )
+    return (
+        f"global_statistics: {over} are measured as the whole tensor over their ranks (rows with "
+        "population 'global:ranks=...', exact); those outputs get no local rows and no "
+        "TensorBoard histogram, their output_gradient rows stay this rank's tensor (population "
+        "null); each sampled forward runs a fixed number of packed collectives",
+    )
+
+
 def compile_notes(model: nn.Module) -> tuple[str, ...]:
     """What torch.compile changes for this model's run (index.md and a warning at inject)."""
     if not compile_support():
@@ -394,7 +423,7 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
         window=history.window,
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         flush_seconds=history.flush_seconds,
-        notes=compile_notes(model),
+        notes=compile_notes(model) + global_notes(config.global_option),
         max_buffered_rows=history.buffered_rows_cap,
     )
     directory = DirectorySink(run.output_dir, history)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchinstruments.distributed import check_rank_policy
+from torchinstruments.global_statistics import GlobalOption, check_global_statistics
 from torchinstruments.measurement.reducers import Measurer, ReducerSpec
 from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.rundir.writer import HistoryConfig
@@ -55,8 +56,11 @@ class ObserverConfig:
     capture_direct_forwards: bool = True
     sinks: Sequence[Sink] = ()
     resume: bool = False
+    global_statistics: Any = False
     # The compiled reducers; built from `reducers`, never passed.
     measurer: Measurer = field(init=False, repr=False, compare=False)
+    # The checked `global_statistics`; None when off.
+    global_option: GlobalOption | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         output_dir: object = self.output_dir
@@ -91,6 +95,10 @@ class ObserverConfig:
                 f"{resume!r}"
             )
         self._set("measurer", Measurer(self.reducers))
+        self._set(
+            "global_option",
+            check_global_statistics(self.global_statistics, sampler, self.rank_policy),
+        )
 
     def _set(self, name: str, value: Any) -> None:
         """Store a normalised value on the frozen instance (only while it is being built)."""

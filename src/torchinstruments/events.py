@@ -178,8 +178,8 @@ def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[Miss
             not in drawn
         ]
     for m in measurements:
-        if m.layer not in focus or INTERRUPTED in m.metrics:
-            continue
+        if m.layer not in focus or INTERRUPTED in m.metrics or m.population is not None:
+            continue  # a global row (global_statistics) has no histogram, as index.md says
         tag = histogram_tag(m.layer, m.call_index, m.signal, m.tensor_path, m.mode)
         if tag in drawn:
             continue

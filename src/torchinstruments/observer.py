@@ -78,6 +78,7 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
+from torchinstruments.global_statistics import GlobalTensor, keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.transfer import (
     LaneItem,
@@ -114,6 +115,7 @@ class _Sample:
     __slots__ = (
         "call_counts",
         "forward_index",
+        "global_pending",
         "interrupted",
         "pending",
         "raised",
@@ -128,6 +130,7 @@ class _Sample:
         self.step = step
         self.call_counts: dict[str, int] = {}
         self.pending: list[PendingTensor | LaneItem] = []  # in launch order
+        self.global_pending: list[GlobalTensor] = []  # measured over their ranks at the end
         self.returned: set[str] = set()  # layers with at least one call that returned
         # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
         self.raised: tuple[LayerInfo, int, str, int] | None = None
@@ -236,6 +239,7 @@ class Observer:
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
         self.rank = run.rank
+        self.global_option = config.global_option
         # Non-empty exactly while a sampled root forward runs (one item per thread running one);
         # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
         self.active: list[int] = []
@@ -472,6 +476,11 @@ class Observer:
                 grad_enabled,
                 sample.step,
             )
+            if self.global_option is not None and keep(
+                self.global_option, sample.global_pending, key, tensor, self.warn_once
+            ):  # measured over its ranks when the forward ends
+                self.gradients.hook_output(key, tensor, layer.focus)
+                continue
             launched = launch(self.measurer, key, tensor, layer.focus, OUTPUT)
             sample.pending.append(launched)
             note = note_of(launched)
@@ -522,10 +531,19 @@ class Observer:
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         self._end_sample(sample)
+        extra = []
+        if self.global_option is not None:  # on every rank, raised or not: the collectives meet
+            raised = sample.interrupted is not None
+            extra = sample_rows(
+                sample.global_pending, raised, self.measurer, self.rank, self.warn_once
+            )
         try:
             records = build_records(OUTPUT, sample.pending, self.measurer.metrics, self.rank)
             if not records:
                 records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
+            if extra:
+                first = records[0]
+                records[0] = dataclasses.replace(first, measurements=(*first.measurements, *extra))
             if sample.interrupted is not None:
                 first = records[0]
                 marked = (*first.measurements, sample.interrupted)

@@ -77,6 +77,9 @@ class Measurement:
     mesh_coordinate: tuple[int, ...] | None = None
     # The trainer's global step, or the step a plain loop gave with `set_step`; None otherwise.
     step: int | None = None
+    # Which tensor the row describes: None for this rank's own tensor (or DTensor shard),
+    # "global:ranks=0,1" for the whole tensor over those ranks (`global_statistics=`).
+    population: str | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -238,6 +238,7 @@ def _columns_frame(fields: dict[str, list], metrics: tuple[str, ...]) -> pl.Data
         ),
         "value": pl.Series(fields["values"], dtype=pl.Float64(), strict=True),
         "unavailable_reason": pl.Series(fields["reasons"], dtype=pl.String(), strict=True),
+        "population": pl.repeat(None, n * k, dtype=pl.String(), eager=True),  # blocks are local
     }
     frame = pl.DataFrame({name: series.alias(name) for name, series in data.items()})
     if frame.schema != RECORDED_SCHEMA:
@@ -299,6 +300,7 @@ class _RowLists:
         c["metric"].extend(m.metrics)
         c["value"].extend(v.value for v in m.values)
         c["unavailable_reason"].extend(v.reason for v in m.values)
+        c["population"].extend(repeat(m.population, k))
         return k
 
     def frame(self) -> pl.DataFrame:
@@ -365,6 +367,7 @@ _CELL_TYPES: dict[str, type | tuple[type, ...]] = {
     "metric": str,
     "value": (float, int),
     "unavailable_reason": str,
+    "population": str,
 }
 
 

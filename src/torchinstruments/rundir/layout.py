@@ -60,6 +60,7 @@ HISTORY_SCHEMA = pl.Schema(
         "metric": pl.String(),
         "value": pl.Float64(),
         "unavailable_reason": pl.String(),
+        "population": pl.String(),
     }
 )
 # What a record's rows hold (`rundir.columns` builds them); the history writer adds the columns

@@ -48,6 +48,12 @@ COLUMN_NOTES = {
     "raised or whose rows were only partly written (value null, the reason says why)",
     "value": "the metric; null only together with unavailable_reason, never silently 0",
     "unavailable_reason": "why value is null; non-null exactly when value is null",
+    "population": "which tensor the row describes: null = this rank's own tensor (for a DTensor, "
+    "its local shard); `global:ranks=0,1,...` = the whole tensor over those ranks "
+    "(inject_observer's global_statistics=: a DTensor's Shard or Partial output, or any output "
+    "over the named process group), measured exactly, as if gathered in one place. A series "
+    "(layer, call, signal, tensor path) has one population for the whole run; never average "
+    "rows of different populations",
     "attempt": "the process (attempt) that recorded the row, from 0: a run continued with "
     "inject_observer(..., resume=True) counts its restarts up (see Attempts); null in rows of "
     "versions before it",

@@ -1,0 +1,461 @@
+"""Exact statistics of a tensor spread over ranks (opt-in: `inject_observer(global_statistics=)`).
+
+What it measures: a DTensor output with a Shard placement stands for the concatenation of its
+shards, one with Partial(sum) for the elementwise sum of its partials; with a process group
+named, any other output stands for the union of every group rank's tensor (data parallel: the
+global batch). Such an output gets rows of the whole tensor, exact: the nine default metrics
+equal those of the full tensor gathered in one place (the quartiles select the very elements
+and interpolate with the measurement folder's own `DefaultDeriver`), labelled
+`population = "global:ranks=..."`. Its local rows are not written: a series has one population
+for the whole run, so no summary mixes them.
+
+The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
+fixed number of collectives whatever the number of layers:
+
+1. one `all_gather` of a 3-integer header over the default group: did a rank's forward raise,
+   how many tensors, a hash of their names. Any disagreement (a rank that raised mid-forward,
+   ranks that ran different layers) and every rank skips the rest of this sample: its global
+   rows are null with a reason. Every rank reaches this point (it runs when the root forward
+   ends, raised or not), so a rank that raises never leaves the others waiting;
+2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
+   tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
+   has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
+   moments and counts per tensor (counts, sum, local mean and M2 combined by Chan's formula,
+   min, max), and `RADIX_PASSES` `all_reduce`s of int64 histograms: a radix select on the 64
+   bits of each finite value's order-preserving key, 8 bits a pass, for the 6 order statistics
+   the quartiles need (each quartile's two neighbours), `6 x 256` counts per tensor per pass.
+
+Bytes sent per rank and sample: 24 per rank of the header, 8 per Partial element,
+`64 x world` per tensor of moments, `8 x 12288` per tensor of histograms (8 passes x 6 x 256
+int64); the data itself is never gathered.
+
+Safety: only samplers that decide the same on every rank are accepted (the default
+`TimeIntervalSampler` reads each rank's clock: refused at inject); every rank must observe
+(`rank_policy="all"`). Gradients (`output_gradient` rows) stay this rank's local tensor.
+This module is self-contained: it keeps its own key transform and histogram passes (the
+measurement folder has no shared radix primitive yet) and reuses `numerics.DefaultDeriver`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchinstruments.measurement.numerics import PROFILE, QUARTILES, DefaultDeriver
+from torchinstruments.measurement.tensors import dtype_name
+from torchinstruments.records import OUTPUT, MetricValue
+
+RADIX_BITS = 8
+RADIX_PASSES = 64 // RADIX_BITS
+_BINS = 1 << RADIX_BITS
+_TARGETS = 2 * len(QUARTILES)  # each quartile's lower and upper neighbour
+_SIGN = -(1 << 63)
+_LOW63 = (1 << 63) - 1
+NOT_CUSTOM = "custom reducers are computed on this rank's tensor only; with global_statistics "
+"this tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
+
+
+@dataclass(frozen=True)
+class GlobalOption:
+    """The checked `global_statistics=` option: the named group (None: DTensors only)."""
+
+    group: Any
+
+
+def check_global_statistics(
+    value: object, sampler: object, rank_policy: str
+) -> GlobalOption | None:
+    """Validate `global_statistics=` at inject; None when it is off.
+
+    Raises:
+        TypeError: not a bool or a `torch.distributed.ProcessGroup`.
+        ValueError: on without an initialized process group, with `rank_policy="rank0"`, or
+            with a sampler whose decision could differ across ranks.
+    """
+    if value is False or value is None:
+        return None
+    group_class = getattr(dist, "ProcessGroup", None)
+    if value is not True and not (group_class is not None and isinstance(value, group_class)):
+        raise TypeError(
+            f"global_statistics must be False (default), True (DTensor Shard/Partial outputs "
+            f"measured over their mesh) or a torch.distributed.ProcessGroup (also every other "
+            f"output, over that group's ranks), got {value!r}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "global_statistics needs an initialized process group at inject_observer "
+            "(call torch.distributed.init_process_group first)"
+        )
+    if rank_policy != "all":
+        raise ValueError(
+            f"global_statistics needs rank_policy='all' (got {rank_policy!r}): every rank "
+            "must observe and take part in each sample's collectives"
+        )
+    from torchinstruments.sampling import EveryNForwardsSampler
+
+    if not isinstance(sampler, EveryNForwardsSampler) and not getattr(
+        sampler, "same_on_every_rank", False
+    ):
+        raise ValueError(
+            f"global_statistics refuses sampler={sampler!r}: its decision could differ across "
+            "ranks (a rank's clock, say), and a sample one rank takes and another does not "
+            "would leave the first waiting in a collective. Use EveryNForwardsSampler(n), or "
+            "a sampler with the attribute `same_on_every_rank = True` whose decision depends "
+            "on the forward index only"
+        )
+    return GlobalOption(None if value is True else value)
+
+
+@dataclass
+class GlobalTensor:
+    """One output to be measured over its group, kept until the sampled forward ends."""
+
+    key: Any  # measurement.transfer.TensorKey
+    values: torch.Tensor  # this rank's part, detached (a copy: later in-place ops cannot reach it)
+    partial: bool
+    ranks: tuple[int, ...]
+    group: Any
+    shape: tuple[int, ...]
+    dtype: str
+    placement: str | None
+    coordinate: tuple[int, ...] | None
+    timestamp_us: int
+
+    @property
+    def label(self) -> str:
+        """The population column's value."""
+        return "global:ranks=" + ",".join(map(str, self.ranks))
+
+    def name(self) -> str:
+        """What every rank must agree on (not the local shape: shards may be uneven)."""
+        k = self.key
+        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{self.partial}|{self.ranks}"
+
+
+def _dtensor_class() -> type | None:
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor | None:
+    """The GlobalTensor for `tensor` if it is measured over a group, else None (local rows).
+
+    A DTensor on a 1-D mesh with a Shard or Partial(sum) placement is measured over the mesh's
+    group; with a group named, so is every plain floating tensor. Anything else (Replicate,
+    multi-dimensional meshes, integer tensors) keeps its local rows.
+    """
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        mesh = tensor.device_mesh
+        if mesh.ndim != 1:
+            return None
+        placement = tensor.placements[0]
+        partial = placement.is_partial()
+        if partial and getattr(placement, "reduce_op", "sum") != "sum":
+            return None
+        if not (partial or placement.is_shard()):
+            return None
+        group = mesh.get_group(0)
+        local = tensor.to_local()
+        shape = tuple(tensor.shape)
+        name = type(placement).__name__.lstrip("_")
+        label = f"{name}({placement.reduce_op if partial else placement.dim})"
+        coordinate = tuple(mesh.get_coordinate() or ())
+    elif option.group is not None and isinstance(tensor, torch.Tensor):
+        if type(tensor) is not torch.Tensor:
+            return None
+        group, local, partial, label, coordinate = option.group, tensor, False, None, None
+        shape = tuple(tensor.shape)
+    else:
+        return None
+    if not (local.is_floating_point()):
+        return None
+    return GlobalTensor(
+        key,
+        local.detach().clone(),
+        partial,
+        tuple(dist.get_process_group_ranks(group)),
+        group,
+        shape,
+        dtype_name(tensor.dtype),
+        label,
+        coordinate or None,
+        time.time_ns() // 1000,
+    )
+
+
+def _keys(values: torch.Tensor) -> torch.Tensor:
+    """Finite float64 values -> int64 keys in unsigned order (offset by 2**63): order-preserving."""
+    bits = values.view(torch.int64)
+    signed = torch.where(bits < 0, bits ^ _LOW63, bits)
+    return signed ^ _SIGN
+
+
+def _value(keys: torch.Tensor) -> torch.Tensor:
+    """`_keys` inverted."""
+    signed = keys ^ _SIGN
+    return torch.where(signed < 0, signed ^ _LOW63, signed).view(torch.float64)
+
+
+def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's [numel, finite, zeros, sum, mean, M2, min, max], and its finite values."""
+    flat = values.reshape(-1).to(torch.float64)
+    finite = flat[torch.isfinite(flat)]
+    n = finite.numel()
+    mean = finite.mean() if n else torch.tensor(0.0, dtype=torch.float64)
+    m2 = ((finite - mean) ** 2).sum() if n else torch.tensor(0.0, dtype=torch.float64)
+    row = torch.stack(
+        [
+            torch.tensor(float(flat.numel()), dtype=torch.float64),
+            torch.tensor(float(n), dtype=torch.float64),
+            (flat == 0).sum().to(torch.float64),
+            finite.sum(),
+            mean,
+            m2,
+            finite.min() if n else torch.tensor(math.inf, dtype=torch.float64),
+            finite.max() if n else torch.tensor(-math.inf, dtype=torch.float64),
+        ]
+    )
+    return row, finite
+
+
+def _combined(rows: list[torch.Tensor]) -> dict[str, float]:
+    """Chan's combination of the ranks' moment rows, in rank order (the same on every rank)."""
+    numel = finite = zeros = 0.0
+    mean = m2 = 0.0
+    low, high = math.inf, -math.inf
+    for row in rows:
+        r_numel, r_n, r_zeros, _, r_mean, r_m2, r_min, r_max = row.tolist()
+        numel += r_numel
+        zeros += r_zeros
+        if r_n:
+            total = finite + r_n
+            delta = r_mean - mean
+            mean += delta * r_n / total
+            m2 += r_m2 + delta * delta * finite * r_n / total
+            finite = total
+        low, high = min(low, r_min), max(high, r_max)
+    std = math.sqrt(m2 / finite) if finite else math.nan
+    return {
+        "numel": numel,
+        "finite": finite,
+        "zeros": zeros,
+        "mean": mean,
+        "std": std,
+        "min": low,
+        "max": high,
+    }
+
+
+def _targets(finite: float) -> list[int]:
+    """The 0-based ranks of each quartile's two neighbours among `finite` sorted values."""
+    last = max(int(finite) - 1, 0)
+    out = []
+    for q in QUARTILES.values():
+        low = math.floor(last * q)
+        out += [low, min(low + 1, last)]
+    return out
+
+
+def _select(finite_parts: list[torch.Tensor], targets: torch.Tensor, group: Any) -> torch.Tensor:
+    """The order statistics `targets[t, j]` of each tensor t over the group, by radix select.
+
+    One packed all_reduce of `[T, 6, 256]` counts per pass; the same result on every rank.
+    """
+    keys = [_keys(part) for part in finite_parts]
+    t = len(keys)
+    prefix = torch.zeros((t, _TARGETS), dtype=torch.int64)
+    remaining = targets.clone()
+    offsets = torch.arange(_TARGETS, dtype=torch.int64)[:, None] * _BINS
+    for p in range(RADIX_PASSES):
+        shift = 64 - RADIX_BITS * (p + 1)
+        counts = torch.zeros((t, _TARGETS * _BINS), dtype=torch.int64)
+        for i, k in enumerate(keys):
+            if not k.numel():
+                continue
+            digit = (k >> shift) & (_BINS - 1)
+            if p == 0:
+                match = torch.ones((_TARGETS, k.numel()), dtype=torch.bool)
+            else:
+                high = (k >> (shift + RADIX_BITS)) & ((1 << (RADIX_BITS * p)) - 1)
+                match = high[None, :] == prefix[i][:, None]
+            index = (digit[None, :] + offsets).masked_select(match)
+            counts[i] = torch.bincount(index, minlength=_TARGETS * _BINS)
+        dist.all_reduce(counts, group=group)
+        cum = counts.reshape(t, _TARGETS, _BINS).cumsum(-1)
+        chosen = (cum <= remaining[..., None]).sum(-1).clamp(max=_BINS - 1)
+        below = torch.where(
+            chosen > 0, cum.gather(-1, (chosen - 1).clamp(min=0)[..., None])[..., 0], 0
+        )
+        remaining = remaining - below
+        prefix = (prefix << RADIX_BITS) | chosen
+    return _value(prefix)
+
+
+def _group_rows(
+    items: list[GlobalTensor], metrics: tuple[str, ...]
+) -> list[tuple[MetricValue, ...]]:
+    """Every item's metric values over its (shared) group: the packed collectives of one group."""
+    group = items[0].group
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    parts = [item.values for item in items]
+    partial = [i for i, item in enumerate(items) if item.partial]
+    if partial:
+        flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in partial])
+        dist.all_reduce(flat, group=group)
+        for i, summed in zip(partial, flat.split([parts[i].numel() for i in partial]), strict=True):
+            whole = summed.to(parts[i].dtype)  # the output's own dtype, rounded once
+            parts[i] = torch.tensor_split(whole, world)[me]
+    rows, finite_parts = zip(*(_moments(part) for part in parts), strict=True)
+    local = torch.stack(list(rows))
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    combined = [_combined([g[i] for g in gathered]) for i in range(len(items))]
+    targets = torch.tensor([_targets(c["finite"]) for c in combined], dtype=torch.int64)
+    selected = _select(list(finite_parts), targets, group).tolist()
+    wanted = frozenset(m for m in metrics if m in PROFILE)
+    out = []
+    for c, picks in zip(combined, selected, strict=True):
+        raw: dict[str, float] = dict(c)
+        for j, name in enumerate(QUARTILES):
+            raw[f"{name}_lo"], raw[f"{name}_hi"] = picks[2 * j], picks[2 * j + 1]
+        derived = DefaultDeriver(int(c["numel"]), wanted)(raw) if c["numel"] else {}
+        out.append(
+            tuple(
+                derived.get(m, MetricValue(None, "empty tensor over every rank"))
+                if m in PROFILE
+                else MetricValue(None, NOT_CUSTOM)
+                for m in metrics
+            )
+        )
+    return out
+
+
+def measure(
+    items: Sequence[GlobalTensor], *, raised: bool, metrics: tuple[str, ...], rank: int | None
+) -> list[Any]:
+    """The global rows of one sampled forward (`Measurement`s); every rank calls it once per
+    sampled forward, raised or not, with whatever it claimed."""
+    from torchinstruments.records import Measurement
+
+    structure = zlib.crc32("\n".join(item.name() for item in items).encode())
+    header = torch.tensor([int(raised), len(items), structure], dtype=torch.int64)
+    world = dist.get_world_size()
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header)
+    reason = None
+    raisers = [r for r, h in enumerate(headers) if h[0].item()]
+    if raisers:
+        reason = (
+            f"the root forward raised on rank {', '.join(map(str, raisers))}: this sample has "
+            "no global statistics (every rank skipped its collectives)"
+        )
+    elif any(not torch.equal(h, header) for h in headers):
+        reason = (
+            "the ranks' sampled forwards produced different tensors (layers or outputs differ "
+            "across ranks): no global statistics for this sample"
+        )
+    values: dict[int, tuple[MetricValue, ...]] = {}
+    if reason is None:
+        by_group: dict[tuple[int, ...], list[int]] = {}
+        for i, item in enumerate(items):
+            by_group.setdefault(item.ranks, []).append(i)
+        for ranks in sorted(by_group):
+            chosen = by_group[ranks]
+            try:
+                rows = _group_rows([items[i] for i in chosen], metrics)
+            except Exception as error:  # a failed collective: null + reason, never the step
+                failed = (MetricValue(None, f"global statistics failed: {error!r}"),) * len(metrics)
+                rows = [failed] * len(chosen)
+            values.update(zip(chosen, rows, strict=True))
+    out = []
+    for i, item in enumerate(items):
+        k = item.key
+        row = values.get(i) or (MetricValue(None, reason or "not measured"),) * len(metrics)
+        out.append(
+            Measurement(
+                sample_id=k.sample_id,
+                forward_index=k.forward_index,
+                timestamp_us=item.timestamp_us,
+                rank=rank,
+                layer=k.layer.name,
+                module_type=k.layer.module_type,
+                call_index=k.call_index,
+                signal=OUTPUT,
+                tensor_path=k.tensor_path,
+                shape=item.shape,
+                dtype=item.dtype,
+                mode=k.mode,
+                grad_enabled=k.grad_enabled,
+                metrics=metrics,
+                values=row,
+                placement=item.placement,
+                mesh_coordinate=item.coordinate,
+                step=k.step,
+                population=item.label,
+            )
+        )
+    return out
+
+
+def keep(
+    option: GlobalOption,
+    pending: list[GlobalTensor],
+    key: Any,
+    tensor: torch.Tensor,
+    warn: Callable[[str, str], None],
+) -> bool:
+    """Append `tensor` to the sample's `pending` if it is measured over its ranks.
+
+    A failure here writes no row for this tensor in this sample (warned once): a local row would
+    put two populations into one series.
+    """
+    try:
+        claimed = claim(option, key, tensor)
+    except Exception as error:
+        warn(
+            "global-claim",
+            f"global statistics of {key.layer.name!r}{key.tensor_path} failed: {error!r}; its "
+            "rows of this sample are not written (a local row would mix populations)",
+        )
+        return True
+    if claimed is not None:
+        pending.append(claimed)
+    return claimed is not None
+
+
+def sample_rows(
+    pending: Sequence[GlobalTensor],
+    raised: bool,
+    measurer: Any,
+    rank: int | None,
+    warn: Callable[[str, str], None],
+) -> list[Any]:
+    """`measure`, with a failure warned once and no rows (never an exception in the step)."""
+    try:
+        return measure(pending, raised=raised, metrics=measurer.metrics, rank=rank)
+    except Exception as error:
+        warn("global", f"global statistics of a sample failed: {error!r}")
+        return []
+
+
+__all__ = [
+    "RADIX_PASSES",
+    "GlobalOption",
+    "GlobalTensor",
+    "check_global_statistics",
+    "claim",
+    "keep",
+    "measure",
+    "sample_rows",
+]

@@ -1,0 +1,289 @@
+"""global_statistics=: exact statistics of the whole tensor over ranks, on real gloo processes.
+
+One worker per rank runs every case (2 and 4 ranks on 127.0.0.1):
+
+- tensor parallel, both `use_local_output` settings (model A: Colwise(False) + Rowwise(True),
+  model B: Colwise(True) + Rowwise(False)): fc1's Shard(-1) output and fc2's Partial output get
+  global rows equal to NumPy's statistics of the whole tensor (gathered by the test itself after
+  removal, through plain forward hooks);
+- data parallel, `global_statistics=<the world group>`: every layer's rows are those of the
+  global batch (every rank's outputs concatenated);
+- the collectives the library adds per sample, counted by wrapping torch.distributed's
+  functions: the same with 3 layers and with 30, and none without the option;
+- a rank whose forward raises mid-sample: no hang, the sample's global rows are null with a
+  reason on every rank, and the next sample is measured again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+import test_distributed
+from test_distributed import run_ranks
+from torch import nn
+
+METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+class Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.when: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.when is not None:
+            raise RuntimeError("raised mid-forward")
+        return x * 2
+
+
+def chain(layers: int) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)))
+
+
+class Counting:
+    """Counts calls of torch.distributed's collectives (the library calls them by name)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+
+    def __enter__(self) -> Counting:
+        for name, fn in self.saved.items():
+
+            def counted(*args: object, _fn: object = fn, **kwargs: object) -> object:
+                self.calls += 1
+                return _fn(*args, **kwargs)  # type: ignore[operator]
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def whole(t: torch.Tensor, dim: int) -> np.ndarray:
+    """The whole tensor a rank's part stands for, gathered by the test (DTensor or local part)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.full_tensor().detach().numpy()
+    parts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, t.detach().numpy())  # parts may differ in size (uneven batches)
+    return np.concatenate(parts, axis=dim)  # type: ignore[arg-type]
+
+
+def outputs(model: nn.Module, x: torch.Tensor, names: dict[str, int]) -> dict[str, np.ndarray]:
+    """Each named layer's output as plain forward hooks see it, gathered along `names[layer]`
+    (-1: already whole, the replicated output of a row-parallel layer)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        getattr(model, n).register_forward_hook(lambda m, a, out, n=n: seen.__setitem__(n, out))
+        for n in names
+    ]
+    model(x)
+    for h in handles:
+        h.remove()
+    out = {}
+    for name, dim in names.items():
+        t = seen[name]
+        if dim == -2:  # whole already (Replicate DTensor or its local tensor)
+            t = t.to_local() if hasattr(t, "to_local") else t
+            out[name] = t.detach().numpy()
+        else:
+            out[name] = whole(t, dim)
+    return out
+
+
+def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    report: dict[str, object] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        every = EveryNForwardsSampler(1)
+        torch.manual_seed(0)
+        x = torch.randn(5, 4)  # the same on every rank (tensor parallel)
+        for name, colwise, rowwise in (("a", False, True), ("b", True, False)):
+            torch.manual_seed(1)
+            model = TwoLayers()
+            plan: dict[str, ParallelStyle] = {
+                "fc1": ColwiseParallel(use_local_output=colwise),
+                "fc2": RowwiseParallel(use_local_output=rowwise),
+            }
+            parallelize_module(model, mesh, plan)
+            out = str(Path(output_dir) / f"tp-{name}")
+            inject_observer(
+                model, output_dir=out, sampler=every, rank_policy="all", global_statistics=True
+            )
+            model(x).sum().backward()
+            remove_observer(model)
+            report[f"tp-{name}"] = {
+                k: v.tolist() for k, v in outputs(model, x, {"fc1": -1, "fc2": -2}).items()
+            }
+        # data parallel: each rank its own batch, the world group named
+        counts = {}
+        for layers in (3, 30):
+            torch.manual_seed(2)
+            model = chain(layers)
+            out = str(Path(output_dir) / f"dp-{layers}")
+            inject_observer(
+                model,
+                output_dir=out,
+                sampler=every,
+                rank_policy="all",
+                global_statistics=dist.group.WORLD,
+            )
+            torch.manual_seed(10 + rank)
+            xs = torch.randn(3 + rank, 4)  # uneven batches
+            with Counting() as counting:
+                model(xs)
+            counts[layers] = counting.calls
+            remove_observer(model)
+            if layers == 3:
+                names = {str(i): 0 for i in range(layers)}
+                report["dp"] = {k: v.tolist() for k, v in outputs(model, xs, names).items()}
+        torch.manual_seed(2)
+        model = chain(3)
+        inject_observer(
+            model, output_dir=str(Path(output_dir) / "off"), sampler=every, rank_policy="all"
+        )
+        with Counting() as counting:
+            model(torch.randn(2, 4)).sum().backward()
+        remove_observer(model)
+        report["collectives"] = {"3": counts[3], "30": counts[30], "off": counting.calls}
+        # a rank that raises mid-forward: no hang, the sample is skipped on every rank
+        raiser = Raises()
+        model = nn.Sequential(nn.Linear(4, 4), raiser, nn.Linear(4, 4))
+        inject_observer(
+            model,
+            output_dir=str(Path(output_dir) / "raise"),
+            sampler=every,
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        for step in range(3):
+            raiser.when = step if (step == 1 and rank == world_size - 1) else None
+            with contextlib.suppress(RuntimeError):
+                model(torch.ones(2, 4))
+        remove_observer(model)
+        if rank == 0:
+            Path(output_dir, "report.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def reference(values: np.ndarray) -> dict[str, float]:
+    v = values.astype(np.float64).ravel()
+    return {
+        "mean": v.mean(),
+        "std": v.std(),
+        "min": v.min(),
+        "max": v.max(),
+        "p25": np.percentile(v, 25),
+        "p50": np.percentile(v, 50),
+        "p75": np.percentile(v, 75),
+        "zero_fraction": float((v == 0).mean()),
+        "nonfinite_fraction": 0.0,
+    }
+
+
+def global_rows(directory: Path, layer: str) -> dict[str, float]:
+    rows = pl.read_parquet(directory / "history.parquet").filter(
+        pl.col("layer") == layer, pl.col("signal") == "output"
+    )
+    assert rows["population"].unique().to_list() == [
+        "global:ranks=" + ",".join(map(str, range(len(list(directory.parent.glob("rank-*"))))))
+    ]
+    return dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+
+
+def check(got: dict[str, float], values: np.ndarray, rel: float = 1e-12) -> None:
+    want = reference(values)
+    for metric in METRICS:
+        if metric in ("mean", "std"):
+            assert got[metric] == pytest.approx(want[metric], rel=max(rel, 1e-9), abs=1e-12), metric
+        else:
+            assert got[metric] == pytest.approx(want[metric], rel=rel, abs=0), metric
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_global_rows_equal_the_gathered_tensor(
+    tmp_path: Path, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 gloo ranks on CI's 2 cores run several models each: more than the usual 120 s per rank
+    monkeypatch.setattr(test_distributed, "TIMEOUT_SECONDS", 420)
+    run_ranks(worker, str(tmp_path), world_size=world_size)
+    report = json.loads((tmp_path / "report.json").read_text())
+    for rank in range(world_size):
+        for name in ("a", "b"):
+            directory = tmp_path / f"tp-{name}" / f"rank-{rank:03d}"
+            tensors = report[f"tp-{name}"]
+            check(global_rows(directory, "fc1"), np.array(tensors["fc1"], dtype=np.float32))
+            # Partial: the sums in float64 rounded to float32 once, the model's all-reduce in
+            # float32: equal up to float32 rounding
+            check(global_rows(directory, "fc2"), np.array(tensors["fc2"], dtype=np.float32), 1e-6)
+            if name == "a":  # fc1 hands on a DTensor: the ReLU's output is one too, Shard(-1)
+                fc1 = np.array(tensors["fc1"], dtype=np.float32)
+                check(global_rows(directory, "relu"), np.maximum(fc1, 0))
+            else:  # fc1 hands on its local shard: the ReLU's output is this rank's tensor
+                relu = pl.read_parquet(directory / "history.parquet").filter(
+                    pl.col("layer") == "relu", pl.col("signal") == "output"
+                )
+                assert relu["population"].null_count() == relu.height
+        directory = tmp_path / "dp-3" / f"rank-{rank:03d}"
+        for layer, values in report["dp"].items():
+            check(global_rows(directory, layer), np.array(values, dtype=np.float32))
+    counts = report["collectives"]
+    assert counts["3"] == counts["30"] > 0
+    assert counts["off"] == 0
+    for rank in range(world_size):
+        rows = pl.read_parquet(tmp_path / "raise" / f"rank-{rank:03d}" / "history.parquet")
+        rows = rows.filter(pl.col("metric") == "mean", pl.col("layer") == "0")
+        by_sample = dict(zip(rows["sample_id"].to_list(), rows["value"].to_list(), strict=True))
+        assert by_sample[1] is None
+        assert by_sample[0] is not None
+        assert by_sample[2] is not None
+        reason = rows.filter(pl.col("sample_id") == 1)["unavailable_reason"][0]
+        assert f"raised on rank {world_size - 1}" in reason
+
+
+def test_refused_at_inject_without_a_rank_consistent_sampler() -> None:
+    from torchinstruments import inject_observer
+
+    with pytest.raises(ValueError, match="initialized process group"):
+        inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics=True)
+    with pytest.raises(TypeError, match="global_statistics must be"):
+        inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics="yes")

@@ -138,8 +138,10 @@ def main() -> None:
         f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"NumPy {np.__version__}; {a.layers} x (Linear({a.width}, {a.width}), ReLU), batch 64"
     )
-    print(f"{'ranks':>5} {'plain ms':>9} {'local x':>8} {'global x':>9} {'extra ms':>9} "
-          f"{'calls':>6} {'KiB/sample':>11}")
+    print(
+        f"{'ranks':>5} {'plain ms':>9} {'local x':>8} {'global x':>9} {'extra ms':>9} "
+        f"{'calls':>6} {'KiB/sample':>11}"
+    )
     for world in (int(w) for w in a.ranks.split(",")):
         r = run(world, args)
         print(

@@ -363,7 +363,8 @@ def _x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int
     return [(start, min(start + step, hi + 1)) for start in range(lo, hi + 1, step)]
 
 
-_TEXT_KEYS = ("layer", "signal", "tensor_path", "mode", "metric")  # mode: windows.TENSOR_KEY
+# The series key's string columns (every key column but call_index), compared as codes.
+_TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
 
 
 def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
@@ -383,7 +384,7 @@ def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataF
     numeric sorts.
     """
     codes = [f"_{k}" for k in _TEXT_KEYS]
-    keys = [codes[0], "call_index", *codes[1:]]
+    keys = [*codes, "call_index"]
     frame = batch.select(
         *(pl.col(k).cast(pl.Categorical) for k in (*_TEXT_KEYS, "module_type")),
         *(

@@ -69,7 +69,8 @@ def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection
 def _tensor_rows(
     runs: Sequence[RankRun], selection: Selection, tensor: TensorId, x: str, metrics: bool
 ) -> pl.DataFrame:
-    """That tensor's rows from every rank, in write order, its `layer` renamed `rank N: layer`."""
+    """That tensor's rows from every rank, in write order, its `layer` renamed `rank N: layer`;
+    only its rows are decoded (the filters reach the Parquet scan)."""
     layer, call_index, path = tensor
     frames = []
     for run in runs:
@@ -84,9 +85,10 @@ def _tensor_rows(
                     pl.col("call_index") == call_index,
                     pl.col("tensor_path") == path,
                 )
-                .sort(x, "_write_order")
                 .select(*TENSOR_KEY, "module_type", "metric", x, "value")
+                .sort(x, maintain_order=True)  # files are in write order: ties keep it
             ),
+            write_order=False,  # so that the filters reach the Parquet scan
         )
         frames.append(rows.with_columns(layer=pl.lit(f"rank {run.rank:03d}: {layer or '<root>'}")))
     return pl.concat(frames)

@@ -40,6 +40,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def payload(step: object) -> tuple[int, int]:
+    """Collective calls and the bytes of the tensors handed to them during one `step()`."""
+    sent = {"calls": 0, "bytes": 0}
+    saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather")}
+
+    def wrap(name: str, fn: object) -> object:
+        def counted(*a: object, **k: object) -> object:
+            tensor = a[0] if name == "all_reduce" else a[1]
+            sent["calls"] += 1
+            sent["bytes"] += tensor.numel() * tensor.element_size()  # type: ignore[union-attr]
+            return fn(*a, **k)  # type: ignore[operator]
+
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    try:
+        step()  # type: ignore[operator]
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+    return sent["calls"], sent["bytes"]
+
+
 def worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
@@ -83,21 +107,7 @@ def worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
         step()
         report[name] = timed(args["steps"])
         if name == "global":
-            sent = {"calls": 0, "bytes": 0}
-            saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather")}
-
-            def counted(*a: object, _fn: object = None, _n: str = "", **k: object) -> object:
-                sent["calls"] += 1
-                tensor = a[0] if _n == "all_reduce" else a[1]
-                sent["bytes"] += tensor.numel() * tensor.element_size()  # type: ignore[union-attr]
-                return _fn(*a, **k)  # type: ignore[operator]
-
-            for n, fn in saved.items():
-                setattr(dist, n, lambda *a, _fn=fn, _n=n, **k: counted(*a, _fn=_fn, _n=_n, **k))
-            model(x)
-            for n, fn in saved.items():
-                setattr(dist, n, fn)
-            report["calls"], report["bytes"] = sent["calls"], sent["bytes"]
+            report["calls"], report["bytes"] = payload(lambda: model(x))
         remove_observer(model)
     if rank == 0:
         Path(out, "report.json").write_text(json.dumps(report))

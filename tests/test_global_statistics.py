@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+import test_distributed
 import torch
 import torch.distributed as dist
-import test_distributed
 from test_distributed import run_ranks
 from torch import nn
 

@@ -409,17 +409,20 @@ def measure(
 
 
 def keep(
-    option: GlobalOption,
+    option: GlobalOption | None,
     pending: list[GlobalTensor],
     key: Any,
     tensor: torch.Tensor,
     warn: Callable[[str, str], None],
 ) -> bool:
-    """Append `tensor` to the sample's `pending` if it is measured over its ranks.
+    """Append `tensor` to the sample's `pending` if it is measured over its ranks (never
+    without the option).
 
     A failure here writes no row for this tensor in this sample (warned once): a local row would
     put two populations into one series.
     """
+    if option is None:
+        return False
     try:
         claimed = claim(option, key, tensor)
     except Exception as error:
@@ -435,18 +438,26 @@ def keep(
 
 
 def sample_rows(
-    pending: Sequence[GlobalTensor],
-    raised: bool,
+    option: GlobalOption | None,
+    sample: Any,
     measurer: Any,
     rank: int | None,
     warn: Callable[[str, str], None],
-) -> list[Any]:
-    """`measure`, with a failure warned once and no rows (never an exception in the step)."""
+) -> tuple[Any, ...]:
+    """`measure` of the sampled forward `sample` (its `global_pending`; `interrupted` when it
+    raised), called on every rank once per sampled forward, raised or not, so the collectives
+    meet; a failure is warned once and gives no rows, never an exception in the step. Nothing
+    without the option."""
+    if option is None:
+        return ()
+    raised = sample.interrupted is not None
     try:
-        return measure(pending, raised=raised, metrics=measurer.metrics, rank=rank)
+        return tuple(
+            measure(sample.global_pending, raised=raised, metrics=measurer.metrics, rank=rank)
+        )
     except Exception as error:
         warn("global", f"global statistics of a sample failed: {error!r}")
-        return []
+        return ()
 
 
 __all__ = [

@@ -130,7 +130,7 @@ class _Sample:
         self.step = step
         self.call_counts: dict[str, int] = {}
         self.pending: list[PendingTensor | LaneItem] = []  # in launch order
-        self.global_pending: list[GlobalTensor] = []  # measured over their ranks at the end
+        self.global_pending: list[GlobalTensor] = []  # global_statistics: measured at the end
         self.returned: set[str] = set()  # layers with at least one call that returned
         # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
         self.raised: tuple[LayerInfo, int, str, int] | None = None
@@ -271,8 +271,6 @@ class Observer:
         self.step_source: Callable[[], object] | None = None
         self.phases = Phases()  # which schedule a root forward is on (trainer callbacks)
 
-    # -- installation -------------------------------------------------------------------------
-
     def install(
         self, root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]], focus: set[str]
     ) -> None:
@@ -307,8 +305,6 @@ class Observer:
         left_in_place = self.proxies.restore()
         self.close()
         return left_in_place
-
-    # -- root forwards ------------------------------------------------------------------------
 
     def on_root_call(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
@@ -476,10 +472,8 @@ class Observer:
                 grad_enabled,
                 sample.step,
             )
-            if self.global_option is not None and keep(
-                self.global_option, sample.global_pending, key, tensor, self.warn_once
-            ):  # measured over its ranks when the forward ends
-                self.gradients.hook_output(key, tensor, layer.focus)
+            if keep(self.global_option, sample.global_pending, key, tensor, self.warn_once):
+                self.gradients.hook_output(key, tensor, layer.focus)  # measured when it ends
                 continue
             launched = launch(self.measurer, key, tensor, layer.focus, OUTPUT)
             sample.pending.append(launched)
@@ -531,23 +525,16 @@ class Observer:
     def _emit_forward(self, sample: _Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         self._end_sample(sample)
-        extra = []
-        if self.global_option is not None:  # on every rank, raised or not: the collectives meet
-            raised = sample.interrupted is not None
-            extra = sample_rows(
-                sample.global_pending, raised, self.measurer, self.rank, self.warn_once
-            )
+        extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.warn_once)
         try:
             records = build_records(OUTPUT, sample.pending, self.measurer.metrics, self.rank)
             if not records:
                 records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
-            if extra:
+            if sample.interrupted is not None:
+                extra = (*extra, sample.interrupted)
+            if extra:  # global rows (global_statistics), then the marker row
                 first = records[0]
                 records[0] = dataclasses.replace(first, measurements=(*first.measurements, *extra))
-            if sample.interrupted is not None:
-                first = records[0]
-                marked = (*first.measurements, sample.interrupted)
-                records[0] = dataclasses.replace(first, measurements=marked)
             with self._sink_lock:
                 for record in records:
                     self.sinks.write_forward(record)
@@ -558,8 +545,6 @@ class Observer:
         """Hand one sample's gradient record to the sinks."""
         with self._sink_lock:
             self.sinks.write_backward(record)
-
-    # -- shutdown -----------------------------------------------------------------------------
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""

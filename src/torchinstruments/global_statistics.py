@@ -32,8 +32,11 @@ int64); the data itself is never gathered.
 Safety: only samplers that decide the same on every rank are accepted (the default
 `TimeIntervalSampler` reads each rank's clock: refused at inject); every rank must observe
 (`rank_policy="all"`). Gradients (`output_gradient` rows) stay this rank's local tensor.
-This module is self-contained: it keeps its own key transform and histogram passes (the
-measurement folder has no shared radix primitive yet) and reuses `numerics.DefaultDeriver`.
+It reuses the measurement folder's key transform (`order.sortable_keys`), quantile routine
+(`numerics.quartile_positions`, `numerics.lerp`) and `numerics.DefaultDeriver`; its histogram
+passes are its own (`order.on_device` counts 16-bit digits of one tensor on one device; here
+the counts of every tensor of a sample travel in one packed all-reduce, so 8-bit digits keep
+the packet small).
 """
 
 from __future__ import annotations
@@ -45,10 +48,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchinstruments.measurement.numerics import PROFILE, QUARTILES, DefaultDeriver
+from torchinstruments.measurement.numerics import (
+    PROFILE,
+    QUARTILES,
+    DefaultDeriver,
+    lerp,
+    quartile_positions,
+)
+from torchinstruments.measurement.order import sortable_keys
 from torchinstruments.measurement.tensors import dtype_name
 from torchinstruments.records import OUTPUT, MetricValue
 
@@ -57,7 +68,6 @@ RADIX_PASSES = 64 // RADIX_BITS
 _BINS = 1 << RADIX_BITS
 _TARGETS = 2 * len(QUARTILES)  # each quartile's lower and upper neighbour
 _SIGN = -(1 << 63)
-_LOW63 = (1 << 63) - 1
 NOT_CUSTOM = "custom reducers are computed on this rank's tensor only; with global_statistics "
 "this tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
 
@@ -194,16 +204,14 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
 
 
 def _keys(values: torch.Tensor) -> torch.Tensor:
-    """Finite float64 values -> int64 keys in unsigned order (offset by 2**63): order-preserving."""
-    bits = values.view(torch.int64)
-    signed = torch.where(bits < 0, bits ^ _LOW63, bits)
-    return signed ^ _SIGN
+    """Finite float64 values -> `order.sortable_keys` offset by 2**63 (unsigned order), so the
+    digits of a pass are plain bit fields."""
+    return sortable_keys(values) ^ _SIGN
 
 
 def _value(keys: torch.Tensor) -> torch.Tensor:
-    """`_keys` inverted."""
-    signed = keys ^ _SIGN
-    return torch.where(signed < 0, signed ^ _LOW63, signed).view(torch.float64)
+    """`_keys` inverted (`sortable_keys` is its own inverse on the bits)."""
+    return sortable_keys((keys ^ _SIGN).view(torch.float64)).view(torch.float64)
 
 
 def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,12 +265,13 @@ def _combined(rows: list[torch.Tensor]) -> dict[str, float]:
 
 
 def _targets(finite: float) -> list[int]:
-    """The 0-based ranks of each quartile's two neighbours among `finite` sorted values."""
+    """The 0-based ranks of each quartile's two neighbours among `finite` sorted values
+    (`numerics.quartile_positions`, the measurement folder's one quantile routine)."""
     last = max(int(finite) - 1, 0)
     out = []
     for q in QUARTILES.values():
-        low = math.floor(last * q)
-        out += [low, min(low + 1, last)]
+        low, _ = quartile_positions(np.float64(last), q)
+        out += [int(low), min(int(low) + 1, last)]
     return out
 
 
@@ -327,8 +336,11 @@ def _group_rows(
     out = []
     for c, picks in zip(combined, selected, strict=True):
         raw: dict[str, float] = dict(c)
-        for j, name in enumerate(QUARTILES):
-            raw[f"{name}_lo"], raw[f"{name}_hi"] = picks[2 * j], picks[2 * j + 1]
+        last = np.float64(max(c["finite"] - 1, 0))
+        for j, (name, q) in enumerate(QUARTILES.items()):
+            _, weight = quartile_positions(last, q)
+            low, high = np.float64(picks[2 * j]), np.float64(picks[2 * j + 1])
+            raw[name] = float(lerp(low, high, weight))
         derived = DefaultDeriver(int(c["numel"]), wanted)(raw) if c["numel"] else {}
         out.append(
             tuple(

@@ -16,11 +16,13 @@ import polars as pl
 import pytest
 
 from torchinstruments.__main__ import main
-from torchinstruments.records import LayerInfo, Measurement, MetricValue
+from torchinstruments.records import INTERRUPTED, LayerInfo, Measurement, MetricValue
 from torchinstruments.rundir import summary as summary_module
+from torchinstruments.rundir.layout import scan_history
+from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import write_catalog, write_result
-from torchinstruments.rundir.windows import window_mean
+from torchinstruments.rundir.windows import SERIES_KEY, window_mean, window_summaries
 from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
 
 from conftest import strict_loads
@@ -454,3 +456,72 @@ def test_odd_tensor_paths_metrics_and_dtypes_read_back_as_written(tmp_path: Path
         assert tensor["dtype"] == name
         assert tensor["metrics"][name]["latest"] == 2.0
         assert tensor["shape"] == [2, 3]
+
+
+def uneven_history(directory: Path) -> None:
+    """Samples with gaps in their ids, a layer in some samples only, nulls, gradients of some
+    samples only, eval samples, and two interrupted samples (marker rows)."""
+    rng = random.Random(3)
+    writer = HistoryWriter(directory, HistoryConfig(buffer_rows=11, window=WINDOW))
+    samples = [0, 1, 2, 5, 6, 9, 14, 15, 16, 23, 24, 31, 40, 41]
+    for s in samples:
+        mode = "eval" if s in (9, 24) else "train"
+        batch = [m(s, "dense", {"mean": rng.gauss(0, 1), "std": rng.random()}, mode=mode)]
+        if s % 3 != 0:
+            batch.append(m(s, "sparse", {"mean": rng.gauss(0, 1)}))
+        nullable = None if rng.random() < 0.4 else rng.gauss(0, 1)
+        batch.append(m(s, "nulls", {"mean": nullable, "std": None}))
+        if s % 2:
+            batch.append(m(s, "dense", {"mean": rng.gauss(0, 1)}, signal="output_gradient"))
+        if s in (6, 31):
+            batch.append(m(s, "dense", {INTERRUPTED: None}, call=1))
+        writer.append(batch)
+    writer.close()
+
+
+def test_result_json_and_the_command_line_share_one_window_definition(tmp_path: Path) -> None:
+    """Every series' `recent` and `previous` windows in result.json (computed at removal) equal
+    `window_summaries` (what `show` and `compare` read), and `show` prints the same recent
+    window: samples, valid values, mean to the bit, and sample range."""
+    uneven_history(tmp_path)
+    merge_history(tmp_path)
+    layers = (
+        LayerInfo("dense", "Linear"),
+        LayerInfo("sparse", "Linear"),
+        LayerInfo("nulls", "ReLU"),
+    )
+    write_result(tmp_path, layers, WINDOW)
+    from_json: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for layer in strict_loads((tmp_path / "result.json").read_text(encoding="utf-8")):
+        for tensor in layer["tensors"]:
+            key = (layer["layer"], tensor["call_index"], tensor["signal"], tensor["tensor_path"])
+            for metric, facts in tensor["metrics"].items():
+                for name in ("recent", "previous"):
+                    window = {**tensor[name], **facts.get(name, {})}
+                    if window["actual"]:
+                        from_json[(*key, tensor["mode"], metric, name)] = window
+    lf = scan_history(tmp_path / "history.parquet").filter(~is_mark())
+    windows = window_summaries(lf, WINDOW)
+    from_cli = {
+        (*(row[k] for k in SERIES_KEY), ("recent", "previous")[row["which"]]): row
+        for row in windows.iter_rows(named=True)
+    }
+    assert set(from_json) == set(from_cli)
+    assert {key[2] for key in from_json} == {"output", "output_gradient"}
+    assert {key[4] for key in from_json} == {"train", "eval"}
+    assert any(window["valid"] < window["actual"] for window in from_json.values())  # nulls
+    for key, window in from_json.items():
+        row = from_cli[key]
+        got = {k: window[k] for k in ("actual", "valid", "first_sample_id", "last_sample_id")}
+        assert got == {k: row[k] for k in got}, key
+        assert window["mean"] == row["mean"], key  # to the bit
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["show", str(tmp_path), "--window", str(WINDOW), "--format", "json"]) == 0
+    shown = json.loads(out.getvalue())["rows"]
+    assert shown
+    for row in shown:
+        key = (*(row[k] for k in SERIES_KEY), "recent")
+        window = from_json[key]
+        assert (row["window_samples"], row["window_valid"]) == (window["actual"], window["valid"])
+        assert row["window_mean"] == window["mean"], key

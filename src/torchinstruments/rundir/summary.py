@@ -17,7 +17,7 @@ every sample, so these are the run's latest `2 * window` sample ids: one read of
 (in ranges of whole samples, each aggregated before the next is read) serves every such series,
 with no ranking per series. Any other series (a layer that skips samples, gradients of some
 samples only) is found by reading back from the end and widening only for the series that did
-not yet have enough (`_tail_from_end`). Memory stays near `tensor-metrics x 2 * window` rows.
+not yet have enough (`tail_from_end`). Memory stays near `tensor-metrics x 2 * window` rows.
 result.json's text is assembled in Polars, column by column (a tensor-metric's JSON, joined per
 tensor, tensors joined per layer), and written one layer at a time; Python handles one string
 per layer. Memory grows with the number of tensor-metrics in columnar frames only.
@@ -53,7 +53,7 @@ Definitions (also in index.md):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,15 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.shell import tool_command
-from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, finite_or_none, window_mean
+from torchinstruments.rundir.windows import (
+    SERIES_KEY,
+    TENSOR_KEY,
+    finite_or_none,
+    latest_windows,
+    tail_from_end,
+    tail_windows,
+    window_means,
+)
 
 # Rows read at a time by the summary (see `_series_summary`): two whole row groups of
 # history.parquet, so no row group is decoded for two chunks. Measured (bench/removal.py, deep
@@ -201,116 +209,14 @@ def _extreme_samples(stats: pl.DataFrame) -> pl.DataFrame:
     ).drop("low_key", "high_key")
 
 
-def _tail(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
-    """The rows of each series' latest `depth` distinct samples, in their order, with their
-    `rank` (1 = the series' latest sample)."""
-    rank = pl.col("sample_id").rank("dense", descending=True).over(SERIES_KEY)
-    return rows.with_columns(rank=rank).filter(pl.col("rank") <= depth)
-
-
-def _window_stats(tail: pl.DataFrame, window: int) -> pl.DataFrame:
-    """The `recent` (which 0) and `previous` (which 1) window aggregates of every series."""
-    value = pl.col("value")
-    return (
-        tail.with_columns(which=((pl.col("rank") - 1) // window).cast(pl.Int32))
-        .group_by(*SERIES_KEY, "which")
-        .agg(
-            actual=pl.col("sample_id").n_unique(),
-            valid=value.count(),
-            finite_values=value.filter(value.is_finite()),
-            first_sample_id=pl.col("sample_id").min(),
-            last_sample_id=pl.col("sample_id").max(),
-        )
-    )
-
-
-def _tail_from_end(
-    chunk: Callable[[int], pl.LazyFrame], total: int, series: int, window: int
-) -> pl.DataFrame:
-    """`_tail` of the whole history, read backwards in chunks until each of the `series` series
-    has more than `2 * window` samples in what was read (or the start is reached).
-
-    More than: history is in sample order, so once a series' `2 * window + 1`-th latest sample
-    has a row in what was read, every row of its latest `2 * window` samples was read too. In an
-    ordinary run every series is in every sample, and only the last chunk or two are read.
-    """
-    depth = 2 * window + 1
-    kept: pl.DataFrame | None = None
-    start = (max(total, 1) - 1) // SUMMARY_CHUNK_ROWS * SUMMARY_CHUNK_ROWS
-    for offset in range(start, -1, -SUMMARY_CHUNK_ROWS):
-        rows = chunk(offset).select(*SERIES_KEY, "sample_id", "value").collect()
-        kept = _tail(rows if kept is None else pl.concat([rows, kept]), depth).drop("rank")
-        del rows
-        deep = kept.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
-        if deep.filter(pl.col("n") == depth).height == series:
-            break
-    assert kept is not None  # the loop runs at least once
-    return _tail(kept, 2 * window)
-
-
-def _latest_windows(
-    scan: pl.LazyFrame, samples: pl.Series, columns: Sequence[pl.Expr], window: int, rows: int
-) -> pl.DataFrame:
-    """`_window_stats` of every series observed in each of the run's latest `2 * window`
-    samples (in an ordinary run, every series), from one read of those samples' rows.
-
-    Such a series' latest `2 * window` samples are the run's, so a row's rank is its sample's
-    rank among `samples` (the distinct sample ids of history's `rows` rows): no ranking per
-    series. A series missing from one of them is left out here; `_tail_from_end` reads it back.
-    The samples are read in ranges of about `SUMMARY_CHUNK_ROWS` rows (whole samples, so the
-    ranges' aggregates add up), each range's aggregated before the next is read.
-    """
-    distinct = samples.unique().sort(descending=True)
-    latest = distinct.head(2 * window)
-    ranks = pl.LazyFrame(
-        {"sample_id": latest, "rank": pl.Series(range(1, latest.len() + 1), dtype=pl.UInt32)}
-    )
-    step = max(1, SUMMARY_CHUNK_ROWS * distinct.len() // max(rows, 1))
-    pieces = []
-    for start in range(0, latest.len(), step):
-        piece = latest.slice(start, step)
-        in_piece = pl.col("sample_id").is_between(piece.min(), piece.max())
-        frame = (
-            scan.filter(in_piece, ~is_mark())
-            .select(columns)
-            .select(*SERIES_KEY, "sample_id", "value")
-            .join(ranks, on="sample_id")
-            .collect()
-        )
-        pieces.append(_window_stats(frame, window))
-        del frame
-    windows = pieces[0]
-    if len(pieces) > 1:
-        windows = (
-            pl.concat(pieces)
-            .group_by(*SERIES_KEY, "which")
-            .agg(
-                pl.col("actual", "valid").sum(),
-                pl.col("finite_values").explode(),
-                pl.col("first_sample_id").min(),
-                pl.col("last_sample_id").max(),
-            )
-            # Exploding an empty list may give a null (version-dependent): drop it.
-            .with_columns(pl.col("finite_values").list.drop_nulls())
-        )
-    del pieces
-    every = (
-        windows.group_by(SERIES_KEY)
-        .agg(n=pl.col("actual").sum())
-        .filter(pl.col("n") == latest.len())
-        .drop("n")
-    )
-    return windows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
-
-
 def _series_summary(history: Path, window: int) -> pl.DataFrame:
     """One row per series: `_chunk_stats`' columns, then `previous_*` / `recent_*`.
 
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
     those so far; then the windows: one read of the latest `2 * window` samples for the series
-    observed in each of them (`_latest_windows`), and for any other series a read back from the
-    end of history until it has enough samples (`_tail_from_end`). Memory: one chunk, plus
+    observed in each of them (`latest_windows`), and for any other series a read back from the
+    end of history until it has enough samples (`tail_from_end`). Memory: one chunk, plus
     frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
     series), whatever the history's length.
     """
@@ -350,7 +256,9 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     stats = pending[0] if len(pending) == 1 else _combine_stats(pending)
     del pending
     if stats.height:
-        windows = _latest_windows(scan, pl.concat(samples), columns, window, total)
+        windows = latest_windows(
+            scan, pl.concat(samples), columns, window, total, SUMMARY_CHUNK_ROWS
+        )
         rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)
     else:
         windows, rest = None, stats.select(SERIES_KEY)
@@ -360,29 +268,13 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
             """`chunk` of the series without windows yet."""
             return chunk(offset).join(rest.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
 
-        tail = _tail_from_end(rest_chunk, total, rest.height, window)
-        found = _window_stats(tail, window)
+        tail = tail_from_end(rest_chunk, total, rest.height, window, SUMMARY_CHUNK_ROWS)
+        found = tail_windows(tail, window)
         windows = found if windows is None else pl.concat([windows, found])
-    means = _window_means(windows.get_column("finite_values"))
+    means = window_means(windows.get_column("finite_values"))
     windows = windows.drop("finite_values").with_columns(pl.Series("mean", means, dtype=pl.Float64))
     summary = _with_windows(_extreme_samples(stats), windows)
     return summary.with_columns(pl.col(strings).cast(pl.String))
-
-
-def _window_means(finite_values: pl.Series) -> list[float | None]:
-    """`window_mean` of each window's list of finite values.
-
-    Read as one flat list and the lists' lengths: converting a List column that a group-by
-    built from many chunks to Python lists row by row costs several times more.
-    """
-    lengths = finite_values.list.len().to_list()
-    flat = finite_values.explode().drop_nulls().to_list()  # an empty list explodes to a null
-    means = []
-    at = 0
-    for length in lengths:
-        means.append(window_mean(flat[at : at + length]))
-        at += length
-    return means
 
 
 # --- result.json --------------------------------------------------------------------------------
@@ -390,7 +282,7 @@ def _window_means(finite_values: pl.Series) -> list[float | None]:
 # The facts about which samples a series was observed in; equal for every metric of a tensor.
 _SAMPLE_FACTS = ("observations", "first_sample_id", "latest_sample_id")
 _WINDOW_FACTS = ("actual", "first_sample_id", "last_sample_id")
-_WINDOW_NAMES = ("previous", "recent")  # `which` 1 and 0 of `_window_stats`
+_WINDOW_NAMES = ("previous", "recent")  # `which` 1 and 0 of `tail_windows`
 _WINDOW_COLUMNS = ("actual", "valid", "mean", "first_sample_id", "last_sample_id")
 _FACT_COLUMNS = (*_SAMPLE_FACTS, *(f"{w}_{f}" for w in _WINDOW_NAMES for f in _WINDOW_FACTS))
 

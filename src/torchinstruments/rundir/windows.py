@@ -1,22 +1,38 @@
-"""The window summary: one definition of a series' `recent` and `previous` windows and their mean.
+"""The window summary: a series' `recent` and `previous` windows and their mean, in one module.
 
 Design decision: result.json (`rundir.summary`) and the command line's `show` and `compare` take
 their window means from `window_mean`, summed exactly on the host, so the two agree to the last
-bit whatever order the engine hands the values over in. `window_summaries` computes the windows
-of any history rows (history.parquet, or a live run's parts); it reads each series' latest
-`2 * window` samples, widening the range (x4) only for the series that did not have enough.
+bit whatever order the engine hands the values over in. Which samples a window holds is defined
+once (a series' latest `window` samples, and the `window` before them), and computed two ways:
+`window_summaries` for any history rows (history.parquet, or a live run's parts), reading each
+series' latest `2 * window` samples and widening the range (x4) only for the series that did not
+have enough; and, at removal, `latest_windows` and `tail_from_end`, which read history.parquet
+in sample order once for result.json (bounded memory whatever the history's length).
+`tests/test_summary.py` holds the two to the same windows on runs with nulls, interruptions
+and uneven sample spacing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import polars as pl
 
 from torchinstruments.rundir.layout import HISTORY_SCHEMA
+from torchinstruments.rundir.marks import is_mark
 
-__all__ = ["SERIES_KEY", "TENSOR_KEY", "finite_or_none", "window_mean", "window_summaries"]
+__all__ = [
+    "SERIES_KEY",
+    "TENSOR_KEY",
+    "finite_or_none",
+    "latest_windows",
+    "tail_from_end",
+    "tail_windows",
+    "window_mean",
+    "window_means",
+    "window_summaries",
+]
 
 # One tensor of one layer call, and one of its metrics: the keys of result.json and the CLI.
 # `mode` is part of it: a train sample and an eval sample of one tensor are never one series
@@ -153,3 +169,131 @@ _WINDOW_SCHEMA = {
     "first_sample_id": pl.Int64(),
     "last_sample_id": pl.Int64(),
 }
+
+
+# --- result.json's windows, from one pass over history.parquet in sample order -------------
+
+
+def _latest_samples(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
+    """The rows of each series' latest `depth` distinct samples, in their order, with their
+    `rank` (1 = the series' latest sample)."""
+    rank = pl.col("sample_id").rank("dense", descending=True).over(SERIES_KEY)
+    return rows.with_columns(rank=rank).filter(pl.col("rank") <= depth)
+
+
+def tail_windows(tail: pl.DataFrame, window: int) -> pl.DataFrame:
+    """The `recent` (which 0) and `previous` (which 1) window aggregates of every series."""
+    value = pl.col("value")
+    return (
+        tail.with_columns(which=((pl.col("rank") - 1) // window).cast(pl.Int32))
+        .group_by(*SERIES_KEY, "which")
+        .agg(
+            actual=pl.col("sample_id").n_unique(),
+            valid=value.count(),
+            finite_values=value.filter(value.is_finite()),
+            first_sample_id=pl.col("sample_id").min(),
+            last_sample_id=pl.col("sample_id").max(),
+        )
+    )
+
+
+def tail_from_end(
+    chunk: Callable[[int], pl.LazyFrame], total: int, series: int, window: int, chunk_rows: int
+) -> pl.DataFrame:
+    """`_latest_samples` of the whole history, read backwards in chunks until each of the `series` series
+    has more than `2 * window` samples in what was read (or the start is reached).
+
+    More than: history is in sample order, so once a series' `2 * window + 1`-th latest sample
+    has a row in what was read, every row of its latest `2 * window` samples was read too. In an
+    ordinary run every series is in every sample, and only the last chunk or two are read.
+    """
+    depth = 2 * window + 1
+    kept: pl.DataFrame | None = None
+    start = (max(total, 1) - 1) // chunk_rows * chunk_rows
+    for offset in range(start, -1, -chunk_rows):
+        rows = chunk(offset).select(*SERIES_KEY, "sample_id", "value").collect()
+        kept = _latest_samples(rows if kept is None else pl.concat([rows, kept]), depth).drop(
+            "rank"
+        )
+        del rows
+        deep = kept.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
+        if deep.filter(pl.col("n") == depth).height == series:
+            break
+    assert kept is not None  # the loop runs at least once
+    return _latest_samples(kept, 2 * window)
+
+
+def latest_windows(
+    scan: pl.LazyFrame,
+    samples: pl.Series,
+    columns: Sequence[pl.Expr],
+    window: int,
+    rows: int,
+    chunk_rows: int,
+) -> pl.DataFrame:
+    """`tail_windows` of every series observed in each of the run's latest `2 * window`
+    samples (in an ordinary run, every series), from one read of those samples' rows.
+
+    Such a series' latest `2 * window` samples are the run's, so a row's rank is its sample's
+    rank among `samples` (the distinct sample ids of history's `rows` rows): no ranking per
+    series. A series missing from one of them is left out here; `tail_from_end` reads it back.
+    The samples are read in ranges of about `chunk_rows` rows (whole samples, so the
+    ranges' aggregates add up), each range's aggregated before the next is read.
+    """
+    distinct = samples.unique().sort(descending=True)
+    latest = distinct.head(2 * window)
+    ranks = pl.LazyFrame(
+        {"sample_id": latest, "rank": pl.Series(range(1, latest.len() + 1), dtype=pl.UInt32)}
+    )
+    step = max(1, chunk_rows * distinct.len() // max(rows, 1))
+    pieces = []
+    for start in range(0, latest.len(), step):
+        piece = latest.slice(start, step)
+        in_piece = pl.col("sample_id").is_between(piece.min(), piece.max())
+        frame = (
+            scan.filter(in_piece, ~is_mark())
+            .select(columns)
+            .select(*SERIES_KEY, "sample_id", "value")
+            .join(ranks, on="sample_id")
+            .collect()
+        )
+        pieces.append(tail_windows(frame, window))
+        del frame
+    windows = pieces[0]
+    if len(pieces) > 1:
+        windows = (
+            pl.concat(pieces)
+            .group_by(*SERIES_KEY, "which")
+            .agg(
+                pl.col("actual", "valid").sum(),
+                pl.col("finite_values").explode(),
+                pl.col("first_sample_id").min(),
+                pl.col("last_sample_id").max(),
+            )
+            # Exploding an empty list may give a null (version-dependent): drop it.
+            .with_columns(pl.col("finite_values").list.drop_nulls())
+        )
+    del pieces
+    every = (
+        windows.group_by(SERIES_KEY)
+        .agg(n=pl.col("actual").sum())
+        .filter(pl.col("n") == latest.len())
+        .drop("n")
+    )
+    return windows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
+
+
+def window_means(finite_values: pl.Series) -> list[float | None]:
+    """`window_mean` of each window's list of finite values.
+
+    Read as one flat list and the lists' lengths: converting a List column that a group-by
+    built from many chunks to Python lists row by row costs several times more.
+    """
+    lengths = finite_values.list.len().to_list()
+    flat = finite_values.explode().drop_nulls().to_list()  # an empty list explodes to a null
+    means = []
+    at = 0
+    for length in lengths:
+        means.append(window_mean(flat[at : at + length]))
+        at += length
+    return means

@@ -281,10 +281,18 @@ def test_basic_training_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert sorted(history["sample_id"].unique()) == list(range(6))  # 300 steps, one in 50
 
 
+# The user's guide: README.md and the pages it sends readers to for the details.
+GUIDES = ("README.md", "docs/command-line.md")
+
+
+def guides() -> str:
+    """The text of every guide page, one after the other."""
+    return "\n".join((ROOT / name).read_text("utf-8") for name in GUIDES)
+
+
 def readme_python_blocks() -> list[str]:
     """Every ```python block of the README (indented ones, inside lists, too), dedented."""
-    readme = (ROOT / "README.md").read_text("utf-8")
-    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", readme, flags=re.MULTILINE | re.DOTALL)
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", guides(), flags=re.MULTILINE | re.DOTALL)
     return [
         textwrap.dedent("\n".join(line[len(indent) :] for line in body.splitlines()))
         for indent, body in blocks
@@ -319,9 +327,8 @@ README_PREFIX = "$ uv run torchinstruments "  # run as typed in the checkout's e
 def readme_command_lines() -> list[tuple[str, list[str]]]:
     """(command, printed lines) of each `$ uv run torchinstruments ...` in the README's console
     blocks (the part after `torchinstruments`)."""
-    readme = (ROOT / "README.md").read_text("utf-8")
     found = []
-    for block in re.findall(r"^```console\n(.*?)^```", readme, flags=re.MULTILINE | re.DOTALL):
+    for block in re.findall(r"^```console\n(.*?)^```", guides(), flags=re.MULTILINE | re.DOTALL):
         lines = block.splitlines()
         assert lines[0].startswith(README_PREFIX), lines[0]
         found.append((lines[0][len(README_PREFIX) :], lines[1:]))

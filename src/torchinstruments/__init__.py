@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     )
     from torchinstruments.rundir.writer import HistoryConfig
     from torchinstruments.sampling import EveryNForwardsSampler, Sampler, TimeIntervalSampler
-    from torchinstruments.sinks import DirectorySink, Sink, TensorBoardSink
+    from torchinstruments.sinks.directory import DirectorySink
+    from torchinstruments.sinks.protocol import Sink
+    from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -38,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "AbsMax": "torchinstruments.measurement.custom",
     "L2Norm": "torchinstruments.measurement.custom",
     "DefaultStatistics": "torchinstruments.measurement.reducers",
-    "DirectorySink": "torchinstruments.sinks",
+    "DirectorySink": "torchinstruments.sinks.directory",
     "EveryNForwardsSampler": "torchinstruments.sampling",
     "HistogramRecord": "torchinstruments.records",
     "HistoryConfig": "torchinstruments.rundir.writer",
@@ -52,8 +54,8 @@ _EXPORTS: dict[str, str] = {
     "RunInfo": "torchinstruments.records",
     "SampleRecord": "torchinstruments.records",
     "Sampler": "torchinstruments.sampling",
-    "Sink": "torchinstruments.sinks",
-    "TensorBoardSink": "torchinstruments.sinks",
+    "Sink": "torchinstruments.sinks.protocol",
+    "TensorBoardSink": "torchinstruments.sinks.tensorboard",
     "TimeIntervalSampler": "torchinstruments.sampling",
     "has_observer": "torchinstruments.api",
     "inject_observer": "torchinstruments.api",

@@ -35,7 +35,9 @@ from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import Selector, select_focus_layers, select_layers
-from torchinstruments.sinks import DirectorySink, Sink, SinkGroup
+from torchinstruments.sinks.directory import DirectorySink
+from torchinstruments.sinks.dispatch import SinkGroup
+from torchinstruments.sinks.protocol import Sink
 
 _NO_COMPILE_SUPPORT = (
     f"not recorded: forwards run under torch.compile (torch {torch.version.__version__} cannot keep the "

@@ -27,7 +27,7 @@ from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sampler
 from torchinstruments.selection import Selector, check_selector
-from torchinstruments.sinks import Sink, check_sinks
+from torchinstruments.sinks.protocol import Sink, check_sinks
 
 __all__ = ["ObserverConfig"]
 

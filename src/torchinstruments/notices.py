@@ -1,7 +1,7 @@
 """Library warnings, pointed at the user's line.
 
 Design decision: a warning raised deep in the library (a sink, a gradient hook, the history
-writer) would name that library line (`sinks.py:458`), which tells a user nothing. `warn` walks
+writer) would name that library line (`sinks/dispatch.py:40`), which tells a user nothing. `warn` walks
 the stack past the frames of this package and of the code between the user and it (torch, wrapt,
 and the trainers whose callbacks run it: Lightning, transformers, accelerate) and names the first
 frame beyond them: the user's `model(x)`, `loss.backward()`, `trainer.fit(...)` or

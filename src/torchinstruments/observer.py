@@ -102,7 +102,7 @@ from torchinstruments.records import (
     TensorKey,
 )
 from torchinstruments.sampling import as_decision
-from torchinstruments.sinks import SinkGroup
+from torchinstruments.sinks.dispatch import SinkGroup
 
 # What `_begin_root_forward` returns besides a sample or None (unsampled).
 _PASS_THROUGH = object()  # closed, tracing, or a direct call not captured

@@ -40,7 +40,7 @@ from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import RUN_MARKERS
 from torchinstruments.sampling import check_sampler, describe_sampler
-from torchinstruments.sinks import Sink
+from torchinstruments.sinks.protocol import Sink
 
 RUN_NAME = "torchinstruments"
 

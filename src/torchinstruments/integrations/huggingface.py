@@ -52,7 +52,8 @@ from torchinstruments import notices
 from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import FitObservation
 from torchinstruments.sampling import Sampler
-from torchinstruments.sinks import Sink, TensorBoardSink
+from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = ["HuggingFaceObserver"]
 

@@ -41,7 +41,8 @@ from torch import nn
 
 from torchinstruments.integrations._fit import FitObservation
 from torchinstruments.sampling import Sampler
-from torchinstruments.sinks import Sink, TensorBoardSink
+from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer

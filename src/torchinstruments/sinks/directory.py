@@ -1,34 +1,25 @@
-"""Where records go: the run directory, the caller's TensorBoard logger, or any custom sink.
+"""The run directory as a sink: history parts and merge, result.json, index.md, TensorBoard events.
 
-A sink receives plain records (`records.SampleRecord`), never tensors, in four lifecycle calls.
-The run directory is itself a sink (`DirectorySink`), always first, so custom sinks see exactly
-what the directory writes. A sink that raises is reported once and detached: telemetry must never
-break the training step, and one broken sink must not silence the others.
+It is always the first sink, so custom sinks see exactly what the directory writes; its `start`
+raises (a directory that cannot be opened refuses the run), where other sinks only warn.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
 
 from torchinstruments import forks
-from torchinstruments._tensorboard_internals import summary_file_writer
 from torchinstruments.events import (
     NO_HISTOGRAM,
-    RUN_STEP,
     EventFile,
     MissingHistogram,
-    histogram_arguments,
-    histogram_description,
-    histogram_summary,
     missing_histograms,
-    missing_text,
 )
 from torchinstruments.notices import warn
-from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
+from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
 from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, Continuation, job_counts
 from torchinstruments.rundir.finish import finish_run
@@ -41,65 +32,7 @@ from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import FlushTimer, HistoryConfig, HistoryWriter
 
-
-@runtime_checkable
-class Sink(Protocol):
-    """Receives what the observer records, in order: start, samples..., close."""
-
-    def start(self, run: RunInfo) -> None:
-        """Called once at `inject_observer`, before any sample."""
-        ...
-
-    def write_forward(self, record: SampleRecord) -> None:
-        """Called once per sampled root forward, after its one host transfer."""
-        ...
-
-    def write_backward(self, record: SampleRecord) -> None:
-        """Called once per sample whose output gradients arrived in a backward pass."""
-        ...
-
-    def close(self, counts: RunCounts) -> None:
-        """Called once at `remove_observer`; the last call a sink receives."""
-        ...
-
-
-SINK_METHODS = ("start", "write_forward", "write_backward", "close")
-
-
-def check_sinks(sinks: object) -> tuple[Sink, ...]:
-    """Check `sinks` at inject time: a sequence of objects with the four Sink methods."""
-    if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
-        raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}")
-    for sink in sinks:
-        missing = [name for name in SINK_METHODS if not callable(getattr(sink, name, None))]
-        if missing:
-            raise TypeError(
-                f"sinks: {sink!r} is not a Sink; it lacks {', '.join(missing)} "
-                f"(a Sink has {', '.join(SINK_METHODS)})"
-            )
-    return tuple(sinks)
-
-
-def write_histograms(
-    writer: Any,
-    histograms: Sequence[HistogramRecord],
-    step: int,
-    describe: Callable[[HistogramRecord], str | None] = lambda histogram: None,
-) -> None:
-    """Add already-reduced histograms to a SummaryWriter at `step`, with tag descriptions.
-
-    The description (`describe(histogram)`, for a tag's first event) needs the writer's event
-    file (`_tensorboard_internals.summary_file_writer`); where it has none, the histograms go
-    through the public `add_histogram_raw`, without one.
-    """
-    events = summary_file_writer(writer)
-    for histogram in histograms:
-        if events is not None:
-            events.add_summary(histogram_summary(histogram, describe(histogram)), global_step=step)
-        else:
-            writer.add_histogram_raw(
-                histogram.tag, **histogram_arguments(histogram), global_step=step
-            )
+__all__ = ["DirectorySink"]
 
 
 class DirectorySink:
@@ -419,145 +352,3 @@ def _job_state(
         rows_recorded=rows,
         attempts=(*earlier, ended),
     )
-
-
-class TensorBoardSink:
-    """Writes focus-layer histograms into a caller-owned TensorBoard logger.
-
-    Accepts a `torch.utils.tensorboard.SummaryWriter` or anything with `.experiment` that is one
-    (Lightning's `TensorBoardLogger`). The logger stays the caller's: this sink never flushes,
-    closes, reconfigures or replaces it, so the caller keeps writing after `remove_observer`.
-
-    The TensorBoard step of a histogram is the sample's forward_index (as in the run directory's
-    own events) unless `step` is given: then `step()` is called when the sample's histograms
-    arrive (after the sampled forward, and at the end of its backward) and its value is the
-    step, e.g. `step=lambda: trainer.global_step` puts the histograms on Lightning's own step
-    axis. A `step` that raises or returns no int detaches this sink with one warning (like any
-    failing sink); training goes on. Each tag's first event carries a description (layer type,
-    signal, finite entries only, the step axis: `step_name`), and a focus tensor without a
-    histogram at a step (no finite entry) gets a text note saying why.
-
-    Args:
-        logger: a SummaryWriter, or an object whose `.experiment` is one.
-        step: optional zero-argument callable returning the caller's current step (an int).
-        step_name: what the step is, for the tag descriptions (default: forward_index, or "the
-            caller's step" with `step`).
-
-    Raises:
-        TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`, or if
-            `step` is given and not callable.
-
-    Example:
-        >>> sink = TensorBoardSink(trainer.logger, step=lambda: trainer.global_step)  # doctest: +SKIP
-    """
-
-    def __init__(
-        self, logger: Any, step: Callable[[], int] | None = None, step_name: str | None = None
-    ) -> None:
-        if step is not None and not callable(step):
-            raise TypeError(
-                f"step must be a zero-argument callable returning an int (e.g. "
-                f"`lambda: trainer.global_step`) or None, got {step!r}"
-            )
-        self._step = step
-        self._logger = logger
-        if not callable(getattr(self._writer(), "add_histogram_raw", None)):
-            raise TypeError(
-                "logger must be a torch.utils.tensorboard.SummaryWriter or have an `.experiment` "
-                f"that is one (Lightning's TensorBoardLogger), got {logger!r}"
-            )
-        if step_name is None:
-            step_name = RUN_STEP if step is None else "the caller's step (TensorBoardSink step=)"
-        self._step_name = step_name
-        self._module_types: dict[str, str] = {}
-        self._focus: frozenset[str] = frozenset()
-        self._described: set[str] = set()
-
-    def _writer(self) -> Any:
-        """The SummaryWriter, looked up each time: Lightning creates `.experiment` lazily."""
-        if callable(getattr(self._logger, "add_histogram_raw", None)):
-            return self._logger
-        return getattr(self._logger, "experiment", None)
-
-    def start(self, run: RunInfo) -> None:
-        """Remember the layers' types and the focus layers (the caller's logger already exists)."""
-        self._module_types = {layer.name: layer.module_type for layer in run.layers}
-        self._focus = frozenset(run.focus_layers)
-
-    def write_forward(self, record: SampleRecord) -> None:
-        self._write(record)
-
-    def write_backward(self, record: SampleRecord) -> None:
-        self._write(record)
-
-    def _write(self, record: SampleRecord) -> None:
-        missing = missing_histograms(record, self._focus)
-        if not record.histograms and not missing:
-            return
-        step = self._current_step(record)
-        writer = self._writer()
-        write_histograms(writer, record.histograms, step, self._describe)
-        for item in missing:
-            writer.add_text(item.tag + NO_HISTOGRAM, missing_text(item, step), global_step=step)
-
-    def _describe(self, histogram: HistogramRecord) -> str | None:
-        """The tag's description the first time it is written, else None."""
-        if histogram.tag in self._described:
-            return None
-        self._described.add(histogram.tag)
-        module_type = self._module_types.get(histogram.layer, "?")
-        return histogram_description(histogram, module_type, self._step_name)
-
-    def _current_step(self, record: SampleRecord) -> int:
-        """The caller's step, or the sample's forward_index without `step`."""
-        if self._step is None:
-            return record.forward_index
-        step = self._step()
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"TensorBoardSink: step() returned {step!r}, expected an int")
-        return step
-
-    def close(self, counts: RunCounts) -> None:
-        """Leaves the caller's logger open and unflushed, as the caller left it."""
-
-
-class SinkGroup:
-    """Fans records out to sinks, detaching any sink that raises after one warning."""
-
-    def __init__(self, sinks: Sequence[Sink]) -> None:
-        self._sinks: list[Sink] = list(sinks)
-
-    def insert_started(self, sink: Sink) -> None:
-        """Put an already started sink first (the directory, whose start must raise, not warn)."""
-        self._sinks.insert(0, sink)
-
-    def _call(self, method: str, argument: Any) -> None:
-        """Call `method(argument)` on every attached sink, isolating failures."""
-        for sink in list(self._sinks):
-            try:
-                getattr(sink, method)(argument)
-            except Exception as error:
-                self._sinks.remove(sink)
-                warn(
-                    f"torchinstruments: sink {sink!r} raised {type(error).__name__}: {error} in "
-                    f"{method}(); it is detached and the other sinks go on"
-                )
-
-    def start(self, run: RunInfo) -> None:
-        self._call("start", run)
-
-    def add_note(self, note: str) -> None:
-        """Hand a note to the sinks that keep notes (the run directory)."""
-        for sink in self._sinks:
-            if isinstance(sink, DirectorySink):
-                sink.add_note(note)
-
-    def write_forward(self, record: SampleRecord) -> None:
-        self._call("write_forward", record)
-
-    def write_backward(self, record: SampleRecord) -> None:
-        self._call("write_backward", record)
-
-    def close(self, counts: RunCounts) -> None:
-        self._call("close", counts)
-        self._sinks.clear()

@@ -1,0 +1,52 @@
+"""The Sink protocol: what an extension point receives, in four lifecycle calls, and its check.
+
+A sink receives plain records (`records.SampleRecord`), never tensors. `check_sinks` runs at
+`inject_observer`, so an object that lacks a method fails there, naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from torchinstruments.records import RunCounts, RunInfo, SampleRecord
+
+__all__ = ["SINK_METHODS", "Sink", "check_sinks"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives what the observer records, in order: start, samples..., close."""
+
+    def start(self, run: RunInfo) -> None:
+        """Called once at `inject_observer`, before any sample."""
+        ...
+
+    def write_forward(self, record: SampleRecord) -> None:
+        """Called once per sampled root forward, after its one host transfer."""
+        ...
+
+    def write_backward(self, record: SampleRecord) -> None:
+        """Called once per sample whose output gradients arrived in a backward pass."""
+        ...
+
+    def close(self, counts: RunCounts) -> None:
+        """Called once at `remove_observer`; the last call a sink receives."""
+        ...
+
+
+SINK_METHODS = ("start", "write_forward", "write_backward", "close")
+
+
+def check_sinks(sinks: object) -> tuple[Sink, ...]:
+    """Check `sinks` at inject time: a sequence of objects with the four Sink methods."""
+    if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}")
+    for sink in sinks:
+        missing = [name for name in SINK_METHODS if not callable(getattr(sink, name, None))]
+        if missing:
+            raise TypeError(
+                f"sinks: {sink!r} is not a Sink; it lacks {', '.join(missing)} "
+                f"(a Sink has {', '.join(SINK_METHODS)})"
+            )
+    return tuple(sinks)

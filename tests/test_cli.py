@@ -497,7 +497,7 @@ def test_plot_writes_a_png_with_the_panels_and_axis_it_says(finished: Path, tmp_
 def test_plot_figure_lines_are_the_history_values(finished: Path) -> None:
     from torchinstruments.cli.plot import X_LABELS, build_figure, plot_rows
     from torchinstruments.cli.reader import read_facts
-    from torchinstruments.cli.show import Selection
+    from torchinstruments.cli.selection import Selection
 
     rows = plot_rows(finished, Selection(metrics=("std",)), "sample_id")
     figure, result = build_figure(rows, read_facts(finished), "sample_id", max_tensors=2)

@@ -20,7 +20,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.cli.heatmap import FRAME_COLOUR, heatmap
 from torchinstruments.cli.plot import DEFAULT_METRICS, plot
-from torchinstruments.cli.show import Selection
+from torchinstruments.cli.selection import Selection
 
 from conftest import read_heatmap
 

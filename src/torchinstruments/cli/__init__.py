@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from torchinstruments.cli.show import Selection
+    from torchinstruments.cli.selection import Selection
 
 COMMANDS = ("show", "compare", "plot", "heatmap")
 _X_CHOICES = ("sample_id", "forward_index")
@@ -235,7 +235,7 @@ def add_commands(commands: Subcommands) -> None:
 def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
     """The selection the options ask for, refused (SelectionError) where it matches nothing."""
     from torchinstruments.cli.reader import check_selection, parse_list
-    from torchinstruments.cli.show import Selection
+    from torchinstruments.cli.selection import Selection
     from torchinstruments.records import SIGNALS
 
     signals = SIGNALS if args.signal == "both" else (args.signal,)
@@ -293,9 +293,10 @@ def _run_single(args: argparse.Namespace) -> int:
     try:
         if args.command == "show":
             from torchinstruments.cli import show
+            from torchinstruments.cli.selection import summary
 
             selection = _selection(args, args.directory)
-            facts, frame = show.summary(args.directory, selection)
+            facts, frame = summary(args.directory, selection)
             from torchinstruments.cli.reader import window_of
 
             text = show.render(
@@ -331,6 +332,7 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
         if args.command == "plot":
             from torchinstruments.cli import plot
+            from torchinstruments.cli.pictures import MatplotlibMissingError
 
             output = args.output or Path(args.directory) / "trends.png"
             selection = _selection(args, args.directory)
@@ -348,7 +350,7 @@ def _run_single(args: argparse.Namespace) -> int:
                     max_tensors=args.max_tensors,
                     yscale=args.yscale,
                 )
-            except plot.MatplotlibMissingError as exc:
+            except MatplotlibMissingError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 3
             print(

@@ -37,7 +37,7 @@ from torchinstruments.cli.reader import (
     select,
     window_of,
 )
-from torchinstruments.cli.show import Selection, facts_dict, ordered, summary
+from torchinstruments.cli.selection import Selection, facts_dict, ordered, summary
 from torchinstruments.cli.text import number, plural, render_frame, table
 from torchinstruments.records import OUTPUT
 

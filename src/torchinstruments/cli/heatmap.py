@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from torchinstruments.cli.plot import (
+from torchinstruments.cli.pictures import (
     MISSING_MATPLOTLIB,
     NO_STEP,
     MatplotlibMissingError,
@@ -59,7 +59,7 @@ from torchinstruments.cli.reader import (
     read_history,
     select,
 )
-from torchinstruments.cli.show import Selection
+from torchinstruments.cli.selection import Selection
 from torchinstruments.cli.text import plural
 from torchinstruments.records import SIGNALS
 

@@ -40,6 +40,12 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.pictures import (
+    MISSING_MATPLOTLIB,
+    NO_STEP,
+    MatplotlibMissingError,
+    tensor_label,
+)
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
     RunFacts,
@@ -49,7 +55,7 @@ from torchinstruments.cli.reader import (
     read_history,
     select,
 )
-from torchinstruments.cli.show import Selection
+from torchinstruments.cli.selection import Selection
 from torchinstruments.records import SIGNALS
 
 X_LABELS = {
@@ -57,11 +63,6 @@ X_LABELS = {
     "forward_index": "forward_index (n-th root forward, sampled or not)",
     "step": "step (the trainer's global step, or the value given with set_step)",
 }
-NO_STEP = (
-    "no sample of {directory} that matches the selection has a step (history's step column is "
-    "null: a trainer callback or torchinstruments.set_step(model, step) gives it); use --x "
-    "sample_id or --x forward_index"
-)
 PANEL_WIDTH_IN = 4.6
 PANEL_HEIGHT_IN = 2.3
 LEGEND_WIDTH_IN = 2.4
@@ -74,15 +75,6 @@ YSCALES = ("linear", "log", "symlog")
 # tensors past that repeats them with another colour).
 MARKERS = ("o", "s", "^", "D", "v", "p", "h", "<", ">", "8")
 LINE_STYLES = ("-", "--", "-.", ":")
-MISSING_MATPLOTLIB = (
-    "torchinstruments plot needs matplotlib, which is an optional dependency: install it with "
-    '`pip install "torchinstruments[plot]"` (from a checkout: `uv sync --extra plot`), or '
-    "`pip install matplotlib`."
-)
-
-
-class MatplotlibMissingError(ImportError):
-    """matplotlib is not installed."""
 
 
 @dataclass(frozen=True)
@@ -100,15 +92,6 @@ class PlotResult:
     styles: tuple[tuple[str, str], ...] = ()
     metrics_left_out: tuple[str, ...] = ()
     null_marks: int = 0  # samples marked as a null value, over all panels
-
-
-def tensor_label(
-    layer: str, call_index: int, tensor_path: str, mode: str = "train", *, calls: bool
-) -> str:
-    """`layer`, `layer#call` for layers called several times, the tensor path, then ` [eval]`
-    for an eval series (a series of its own)."""
-    name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
-    return name + ("" if mode == "train" else f" [{mode}]")
 
 
 def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
@@ -321,9 +304,6 @@ def plot(
 
 __all__ = [
     "DEFAULT_METRICS",
-    "MISSING_MATPLOTLIB",
-    "NO_STEP",
-    "MatplotlibMissingError",
     "PlotResult",
     "build_figure",
     "plot",

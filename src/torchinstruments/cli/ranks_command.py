@@ -110,7 +110,7 @@ def _draw(
 ) -> int:
     """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
     from torchinstruments.cli import ranks_draw
-    from torchinstruments.cli.plot import MatplotlibMissingError
+    from torchinstruments.cli.pictures import MatplotlibMissingError
     from torchinstruments.cli.text import plural
 
     prog = f"torchinstruments {args.command}"

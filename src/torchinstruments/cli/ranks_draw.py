@@ -19,6 +19,7 @@ import polars as pl
 
 from torchinstruments.cli import heatmap as single_heatmap
 from torchinstruments.cli import plot as single_plot
+from torchinstruments.cli.pictures import MISSING_MATPLOTLIB
 from torchinstruments.cli.ranks import RankRun, parent_facts, rank_runs
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
@@ -28,7 +29,7 @@ from torchinstruments.cli.reader import (
     read_history,
     select,
 )
-from torchinstruments.cli.show import Selection
+from torchinstruments.cli.selection import Selection
 
 TensorId = tuple[str, int, str]
 
@@ -135,7 +136,7 @@ def heatmap_ranks(
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise single_heatmap.MatplotlibMissingError(
-            single_plot.MISSING_MATPLOTLIB.replace(" plot ", " heatmap ")
+            MISSING_MATPLOTLIB.replace(" plot ", " heatmap ")
         ) from exc
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])

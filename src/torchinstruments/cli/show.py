@@ -11,116 +11,17 @@ path, metric) with full precision and the window bounds, for scripts.
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import polars as pl
 
 from torchinstruments.cli.overview import OVERVIEW_TENSORS, overview_tables, tensor_count
 from torchinstruments.cli.reader import (
     RunFacts,
-    layer_order,
     metric_order,
-    read_facts,
-    read_history,
-    select,
-    summarize_series,
-    window_of,
 )
+from torchinstruments.cli.selection import facts_dict
 from torchinstruments.cli.text import number, plural, render_frame, table
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
-
-COLUMNS = (
-    "layer",
-    "module_type",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "mode",
-    "metric",
-    "latest_value",
-    "latest_sample_id",
-    "latest_reason",
-    "window_mean",
-    "window_samples",
-    "window_valid",
-    "window_first_sample_id",
-    "window_last_sample_id",
-    "observations",
-    "latest_marked",
-)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """What to read: a layer regex, signals, metrics (None = all), and the window size."""
-
-    layers: str | None = None
-    signals: tuple[str, ...] = SIGNALS
-    metrics: tuple[str, ...] | None = None
-    window: int | None = None
-
-
-def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
-    """Rows in traversal order of layers, then call, signal, tensor path, mode (train first),
-    declared metric order."""
-    if frame.is_empty():
-        return frame
-    layers = layer_order(frame["layer"].unique().to_list(), facts.run)
-    metrics = metric_order(frame["metric"].unique().to_list(), facts.run)
-    return (
-        frame.with_columns(
-            _layer=pl.col("layer").replace_strict(layers, list(range(len(layers)))),
-            _signal=pl.col("signal").replace_strict(list(SIGNALS), [0, 1], default=2),
-            _metric=pl.col("metric").replace_strict(metrics, list(range(len(metrics)))),
-            _mode=pl.col("mode") != "train",
-        )
-        .sort("_layer", "call_index", "_signal", "tensor_path", "_mode", "_metric")
-        .drop("_layer", "_signal", "_metric", "_mode")
-    )
-
-
-def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFrame]:
-    """The run's facts and its per-series summary (columns `COLUMNS`), in display order."""
-    facts = read_facts(directory)
-    window = window_of(facts, selection.window)
-    frame = read_history(
-        directory,
-        lambda lf: summarize_series(
-            select(
-                lf,
-                layers=selection.layers,
-                signals=selection.signals,
-                metrics=selection.metrics,
-            ),
-            window,
-        ),
-    )
-    marked = pl.col("latest_sample_id").is_in(list(facts.marked), nulls_equal=False)
-    frame = frame.with_columns(latest_marked=marked.fill_null(False))
-    return facts, ordered(frame.select(COLUMNS), facts)
-
-
-def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
-    """Run facts as plain JSON-ready values."""
-    run = facts.run
-    return {
-        "directory": str(facts.directory),
-        "state": facts.state,
-        "counts": facts.counts,
-        "history_files": [str(p) for p in facts.files.paths],
-        "window": window,
-        "model_class": run.model_class if run else None,
-        "library_version": run.library_version if run else None,
-        "torch_version": run.torch_version if run else None,
-        "sampler": run.sampler if run else None,
-        "started_at": run.started_at if run else None,
-        "selected_layers": len(run.layers) if run else None,
-        "focus_layers": list(run.focus_layers) if run else None,
-        "rank": run.rank if run else None,
-        "marked_samples": {str(k): v for k, v in sorted(facts.marked.items())},
-    }
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -272,4 +173,4 @@ def render(
     return render_frame(frame, fmt, facts_dict(facts, window))
 
 
-__all__ = ["COLUMNS", "Selection", "render", "summary"]
+__all__ = ["render"]

@@ -155,3 +155,20 @@ def test_the_run_directory_never_imports_torch_or_tensorboard() -> None:
                 if name.split(".")[0] in ("torch", "tensorboard")
             ]
     assert offenders == []
+
+
+def test_every_module_declares_its_public_names() -> None:
+    """Each module says what it offers (`__all__`), so a reader (and `from x import *`) never
+    takes a helper or an imported name for part of its interface."""
+    lacking = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        targets = [
+            target
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        ]
+        if not any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            lacking.append(str(path.relative_to(PACKAGE)))
+    assert lacking == []

@@ -23,6 +23,8 @@ from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.state import NewerStateError
 
+__all__ = ["main"]
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

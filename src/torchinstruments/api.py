@@ -39,6 +39,23 @@ from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.sinks.protocol import Sink
 
+__all__ = [
+    "add_run_note",
+    "check_model",
+    "compile_notes",
+    "evaluation_counts",
+    "follow_step",
+    "global_notes",
+    "has_observer",
+    "inject_observer",
+    "library_version",
+    "observed_counts",
+    "remove_observer",
+    "set_step",
+    "start_run",
+    "trainer_phases",
+]
+
 _NO_COMPILE_SUPPORT = (
     f"not recorded: forwards run under torch.compile (torch {torch.version.__version__} cannot keep the "
     "observer's root wrapper out of compiled code, so a compiled model's root forwards are "

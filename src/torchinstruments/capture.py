@@ -38,6 +38,8 @@ from typing import Any
 import wrapt
 from torch import nn
 
+__all__ = ["ForwardProxy", "Proxies", "WarnOnce", "Wrapper", "install_proxy", "restore_proxy"]
+
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from torchinstruments.phases import TRAIN
 from torchinstruments.records import RunCounts
 
+__all__ = ["Counter"]
+
 
 class Counter:
     """The counts of one observer (`RunCounts` once the backward side is added)."""

@@ -25,6 +25,15 @@ import torch.distributed as dist
 
 from torchinstruments.notices import warn
 
+__all__ = [
+    "RANK_POLICIES",
+    "RankPlacement",
+    "check_rank_policy",
+    "current_rank",
+    "environment_rank",
+    "place_rank",
+]
+
 RANK_POLICIES = ("rank0", "all")
 
 

@@ -67,6 +67,8 @@ from torchinstruments.measurement.transfer import (
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
 
+__all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder", "WarnOnce"]
+
 MAX_LEAF_HOOKS = 64
 # How many of the latest samples with gradients `GradientRecorder` remembers to count each once:
 # a sample whose gradients come again after this many other samples' (a graph kept with

@@ -104,6 +104,8 @@ from torchinstruments.records import (
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks.dispatch import SinkGroup
 
+__all__ = ["Observer"]
+
 # What `_begin_root_forward` returns besides a sample or None (unsampled).
 _PASS_THROUGH = object()  # closed, tracing, or a direct call not captured
 _NESTED = object()  # a root call inside a root forward of the same thread

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["iter_tensors"]
+
 _MAX_OUTPUT_DEPTH = 16
 
 

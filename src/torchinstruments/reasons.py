@@ -13,6 +13,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+__all__ = [
+    "EMPTY",
+    "NON_FINITE_RESULT",
+    "NO_FINITE",
+    "NO_VALUE",
+    "REASONS",
+    "RECORD_NO_VALUE",
+    "Reason",
+    "error",
+    "explain",
+    "host_values_mismatch",
+    "interrupted",
+    "partial_placement",
+    "partly_written",
+    "record_value",
+    "reducer_modified_input",
+    "reducer_returned",
+    "reducer_tensor_dtype",
+    "reducer_tensor_layout",
+    "reducer_tensor_shape",
+    "reducer_value",
+    "shared_output",
+    "unsupported_dtype",
+    "unsupported_layout",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Reason:

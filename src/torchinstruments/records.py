@@ -13,6 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
 
+__all__ = [
+    "INTERRUPTED",
+    "OUTPUT",
+    "OUTPUT_GRADIENT",
+    "SIGNALS",
+    "HistogramRecord",
+    "LayerInfo",
+    "Measurement",
+    "MeasurementBlock",
+    "MetricValue",
+    "RunCounts",
+    "RunInfo",
+    "SampleRecord",
+    "TensorKey",
+    "histogram_tag",
+]
+
 OUTPUT = "output"
 OUTPUT_GRADIENT = "output_gradient"
 SIGNALS = (OUTPUT, OUTPUT_GRADIENT)

@@ -13,6 +13,16 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+__all__ = [
+    "Clock",
+    "EveryNForwardsSampler",
+    "Sampler",
+    "TimeIntervalSampler",
+    "as_decision",
+    "check_sampler",
+    "describe_sampler",
+]
+
 Clock = Callable[[], float]
 
 

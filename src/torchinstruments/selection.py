@@ -25,6 +25,15 @@ from torch import nn
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
 
+__all__ = [
+    "Selector",
+    "check_selector",
+    "default_layers",
+    "holds_uncalled_children",
+    "select_focus_layers",
+    "select_layers",
+]
+
 Selector = Callable[[str, nn.Module], bool]
 
 

@@ -42,6 +42,14 @@ from torchinstruments.rundir.layout import RUN_MARKERS
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
+__all__ = [
+    "RUN_NAME",
+    "FitObservation",
+    "evaluation_sampler",
+    "fresh_run_directory",
+    "last_run_directory",
+]
+
 RUN_NAME = "torchinstruments"
 
 

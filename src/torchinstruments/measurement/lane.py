@@ -24,6 +24,8 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, is_functorch_wrapped
 from torchinstruments.measurement import numerics
 
+__all__ = ["copy_values", "measure", "takes"]
+
 # The metrics the lane computes, in the order of `numerics.PROFILE`.
 _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)

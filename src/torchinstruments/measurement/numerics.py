@@ -38,6 +38,32 @@ from torchinstruments import reasons
 from torchinstruments.measurement import order, tensors
 from torchinstruments.records import MetricValue
 
+__all__ = [
+    "BATCH_MAX",
+    "BATCH_MIN",
+    "CHUNK",
+    "FINITE_METRICS",
+    "PROFILE",
+    "QUARTILES",
+    "CpuResult",
+    "DefaultDeriver",
+    "bin_counts",
+    "device_sums",
+    "edges",
+    "finish_moments",
+    "histogram_vector",
+    "lerp",
+    "measure_batch_on_cpu",
+    "measure_on_cpu",
+    "metric_value",
+    "quartile_positions",
+    "raw_on_device",
+    "segment_profiles",
+    "segment_sums",
+    "sorted_segments",
+    "thresholds",
+]
+
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
 # Row layout of `segment_profiles`' result: the nine default metrics.

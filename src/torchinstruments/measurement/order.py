@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+__all__ = ["SAMPLE", "SMALL", "HostSelection", "on_device", "on_host", "sortable_keys"]
+
 # Entries of the strided sample that brackets the wanted ranks.
 SAMPLE = 1 << 13
 # At most this many entries are selected by `np.partition` directly.

@@ -15,6 +15,8 @@ import torch
 
 from torchinstruments.measurement import lane, numerics, tensors
 
+__all__ = ["Path", "choose"]
+
 Path = Literal["lane", "batch", "host", "general"]
 
 

@@ -38,6 +38,27 @@ import torch
 from torchinstruments import reasons
 from torchinstruments._torch_internals import is_functorch_wrapped, unwrap_functorch
 
+__all__ = [
+    "DENSE_MAX",
+    "DTENSOR_NOTE",
+    "INTEGRAL_DTYPES",
+    "SYNC_FREE_DEVICE_TYPES",
+    "TORCH_FUNC_NOTE",
+    "MeasuredForm",
+    "dtype_name",
+    "host_floats",
+    "host_path_takes",
+    "host_sync_is_free",
+    "is_integral",
+    "is_plain",
+    "is_real_dtype",
+    "measured_form",
+    "shape_of",
+    "unsupported_reason",
+    "working_dtype",
+    "working_values",
+]
+
 INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
     dtype
     for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")

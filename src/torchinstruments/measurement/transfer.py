@@ -36,6 +36,17 @@ from torchinstruments.records import (
     TensorKey,
 )
 
+__all__ = [
+    "LaneItem",
+    "PendingTensor",
+    "build_records",
+    "launch",
+    "launch_tensor",
+    "note_of",
+    "to_host",
+    "unavailable_tensor",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class PendingTensor:

@@ -2,3 +2,5 @@
 
 Nothing in this package imports torch, so `torchinstruments finalize` runs without it.
 """
+
+__all__: list[str] = []

@@ -24,6 +24,41 @@ from pathlib import Path
 
 import polars as pl
 
+__all__ = [
+    "HISTORY_FILE",
+    "HISTORY_ORDER",
+    "HISTORY_PAGE_BYTES",
+    "HISTORY_ROW_GROUP_ROWS",
+    "HISTORY_SCHEMA",
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "MERGE_TMP_DIR",
+    "ORDER_KEY",
+    "PARTS_DIR",
+    "RECORDED_SCHEMA",
+    "RESULT_FILE",
+    "RUN_MARKERS",
+    "STATE_FILE",
+    "TENSORBOARD_DIR",
+    "TMP_SUFFIX",
+    "check_output_dir",
+    "empty_history",
+    "fsync_path",
+    "is_library_temporary",
+    "list_parts",
+    "order_metadata",
+    "part_number",
+    "part_path",
+    "read_order",
+    "replace_atomically",
+    "resolve_output_dir",
+    "scan_history",
+    "sink_history",
+    "temporary_path",
+    "write_parquet_atomic",
+    "write_text_atomic",
+]
+
 PARTS_DIR = "history.parts"
 HISTORY_FILE = "history.parquet"
 RESULT_FILE = "result.json"

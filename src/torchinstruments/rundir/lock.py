@@ -21,6 +21,8 @@ from types import ModuleType, TracebackType
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 
+__all__ = ["RunLock", "RunLockedError"]
+
 
 class RunLockedError(RuntimeError):
     """The run directory is locked by a live process."""

@@ -55,6 +55,14 @@ from torchinstruments.rundir.layout import (
     sink_history,
 )
 
+__all__ = [
+    "MERGED_PARTS_KEY",
+    "MERGE_BATCH_ROWS",
+    "MergeResult",
+    "merge_history",
+    "merged_part_numbers",
+]
+
 MERGED_PARTS_KEY = "torchinstruments.merged_parts"
 MERGE_BATCH_ROWS = 400_000
 

@@ -70,6 +70,14 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.ledger import LossLedger, LostRows
 
+__all__ = [
+    "DEFAULT_MAX_BUFFERED_ROWS",
+    "SPLIT_RECORD_KEY",
+    "FlushTimer",
+    "HistoryConfig",
+    "HistoryWriter",
+]
+
 DEFAULT_MAX_BUFFERED_ROWS = 131_072
 
 

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchinstruments import reasons
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
@@ -68,8 +69,6 @@ RADIX_PASSES = 64 // RADIX_BITS
 _BINS = 1 << RADIX_BITS
 _TARGETS = 2 * len(QUARTILES)  # each quartile's lower and upper neighbour
 _SIGN = -(1 << 63)
-NOT_CUSTOM = "custom reducers are computed on this rank's tensor only; with global_statistics "
-"this tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
 
 
 @dataclass(frozen=True)
@@ -344,9 +343,9 @@ def _group_rows(
         derived = DefaultDeriver(int(c["numel"]), wanted)(raw) if c["numel"] else {}
         out.append(
             tuple(
-                derived.get(m, MetricValue(None, "empty tensor over every rank"))
+                derived.get(m, MetricValue(None, reasons.EMPTY_GLOBAL))
                 if m in PROFILE
-                else MetricValue(None, NOT_CUSTOM)
+                else MetricValue(None, reasons.NOT_GLOBAL_CUSTOM)
                 for m in metrics
             )
         )
@@ -368,15 +367,9 @@ def measure(
     reason = None
     raisers = [r for r, h in enumerate(headers) if h[0].item()]
     if raisers:
-        reason = (
-            f"the root forward raised on rank {', '.join(map(str, raisers))}: this sample has "
-            "no global statistics (every rank skipped its collectives)"
-        )
+        reason = reasons.raised_on_ranks(raisers)
     elif any(not torch.equal(h, header) for h in headers):
-        reason = (
-            "the ranks' sampled forwards produced different tensors (layers or outputs differ "
-            "across ranks): no global statistics for this sample"
-        )
+        reason = reasons.GLOBAL_MISMATCH
     values: dict[int, tuple[MetricValue, ...]] = {}
     if reason is None:
         by_group: dict[tuple[int, ...], list[int]] = {}
@@ -387,7 +380,9 @@ def measure(
             try:
                 rows = _group_rows([items[i] for i in chosen], metrics)
             except Exception as error:  # a failed collective: null + reason, never the step
-                failed = (MetricValue(None, f"global statistics failed: {error!r}"),) * len(metrics)
+                failed = (MetricValue(None, reasons.error("global statistics", error)),) * len(
+                    metrics
+                )
                 rows = [failed] * len(chosen)
             values.update(zip(chosen, rows, strict=True))
     out = []

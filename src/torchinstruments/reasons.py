@@ -59,6 +59,15 @@ NO_FINITE = "no finite entries"
 NON_FINITE_RESULT = "non-finite result"
 NO_VALUE = "reducer returned no value"
 RECORD_NO_VALUE = "record error: value missing"
+EMPTY_GLOBAL = "empty tensor over every rank"
+NOT_GLOBAL_CUSTOM = (
+    "custom reducers are computed on this rank's tensor only; with global_statistics this "
+    "tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
+)
+GLOBAL_MISMATCH = (
+    "the ranks' sampled forwards produced different tensors (layers or outputs differ across "
+    "ranks): no global statistics for this sample"
+)
 
 REASONS: tuple[Reason, ...] = (
     Reason(EMPTY, "the tensor has no elements"),
@@ -98,6 +107,18 @@ REASONS: tuple[Reason, ...] = (
         "a custom reducer returned a tensor with more than one element",
     ),
     Reason("statistics error: <Type>: <message>", "computing the default statistics failed"),
+    Reason(EMPTY_GLOBAL, "global_statistics: the tensor has no elements on any rank"),
+    Reason(NOT_GLOBAL_CUSTOM, "global_statistics: custom reducers are not computed globally"),
+    Reason(GLOBAL_MISMATCH, "global_statistics: the ranks disagreed on what the sample holds"),
+    Reason(
+        "the root forward raised on rank <ranks>: this sample has no global statistics (every "
+        "rank skipped its collectives)",
+        "global_statistics: a rank's sampled forward raised, so every rank skipped the sample",
+    ),
+    Reason(
+        "global statistics error: <Type>: <message>",
+        "global_statistics: a collective or its arithmetic failed; training went on",
+    ),
     Reason(
         "statistics error: expected <n> host values, got <m>",
         "the values transferred from the device did not match what was launched (a bug: please "
@@ -165,9 +186,12 @@ def unsupported_layout(layout: object) -> str:
 
 
 def error(source: str, exc: BaseException) -> str:
-    """`<source> error: <Type>: <message>`; source is reducer, statistics or measurement."""
-    if source not in ("reducer", "statistics", "measurement"):
-        raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
+    """`<source> error: <Type>: <message>`; source is reducer, statistics, measurement or
+    global statistics."""
+    if source not in ("reducer", "statistics", "measurement", "global statistics"):
+        raise ValueError(
+            f"source must be reducer, statistics, measurement or global statistics, got {source!r}"
+        )
     return f"{source} error: {type(exc).__name__}: {exc}"
 
 
@@ -239,6 +263,14 @@ def interrupted(error: BaseException, layer: str | None, call_index: int) -> str
         else f"in layer {layer or '<root>'!r} (call {call_index})"
     )
     return f"interrupted: the root forward raised {type(error).__name__}: {message} {where}"
+
+
+def raised_on_ranks(ranks: list[int]) -> str:
+    """A rank's sampled forward raised: no rank takes the sample's collectives."""
+    return (
+        f"the root forward raised on rank {', '.join(map(str, ranks))}: this sample has no "
+        "global statistics (every rank skipped its collectives)"
+    )
 
 
 def partly_written(signal: str, on_disk: int, rows: int) -> str:

@@ -287,3 +287,38 @@ def test_refused_at_inject_without_a_rank_consistent_sampler() -> None:
         inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics=True)
     with pytest.raises(TypeError, match="global_statistics must be"):
         inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics="yes")
+
+
+def test_refused_at_inject_with_a_sampler_that_could_disagree_or_one_rank_observing(
+    tmp_path: Path,
+) -> None:
+    """With a process group (one gloo rank here), the default clock sampler and rank_policy
+    'rank0' are refused at inject, naming the fix; nothing is written and the model is not
+    touched."""
+    from torchinstruments import EveryNForwardsSampler, has_observer, inject_observer
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        run = tmp_path / "run"
+        with pytest.raises(ValueError, match=r"refuses sampler=.*EveryNForwardsSampler\(n\)"):
+            inject_observer(model, output_dir=run, global_statistics=True, rank_policy="all")
+
+        class Clock:
+            def should_sample(self, forward_index: int) -> bool:
+                return forward_index == 0
+
+        with pytest.raises(ValueError, match="same_on_every_rank = True"):
+            inject_observer(
+                model, output_dir=run, global_statistics=True, rank_policy="all", sampler=Clock()
+            )
+        with pytest.raises(ValueError, match="rank_policy='all'"):
+            inject_observer(
+                model, output_dir=run, global_statistics=True, sampler=EveryNForwardsSampler(2)
+            )
+        assert not has_observer(model)
+        assert "forward" not in vars(model)
+        assert not run.exists()
+    finally:
+        dist.destroy_process_group()

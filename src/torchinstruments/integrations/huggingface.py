@@ -22,8 +22,7 @@ TensorBoard writer on `state.global_step`. With `rank_policy="rank0"` only the w
 process attaches (`state.is_world_process_zero`).
 
 An exception: transformers has no exception event for callbacks. So at `on_train_begin` the
-callback finds the running `Trainer` (the caller's frame whose `self` is one; the callback
-handler is given no reference to it) and wraps that instance's `training_step` (an attribute of
+callback finds the running `Trainer` (the caller's frame whose `self` is one) and wraps that instance's `training_step` (an attribute of
 the Trainer object, never of the model; undone at removal): its forwards are the training
 forwards, and an exception raised in a training
 step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
@@ -32,6 +31,13 @@ observer attached; the next `train()` with this callback finishes that run with 
 warning), and otherwise the end of the process does (the observer's finalizer; no note, since
 nothing then knows how the fit ended). The same Trainer is how the callback
 finds its `TensorBoardCallback`'s writer.
+
+Why the frames, the only way: every event (`on_train_begin` included) receives `args`, `state`,
+`control` and, from `CallbackHandler.call_event`, the model, processing class, optimizer,
+scheduler and dataloaders, never the Trainer (checked on transformers 5.24.0); the callback is
+built before the Trainer, so it cannot be handed one either. Where no frame holds a Trainer
+(another loop driving the callbacks), every forward is sampled as before, with a warning and a
+note in index.md.
 
 Imports `transformers` when this module is imported.
 """

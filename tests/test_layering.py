@@ -172,3 +172,13 @@ def test_every_module_declares_its_public_names() -> None:
         if not any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             lacking.append(str(path.relative_to(PACKAGE)))
     assert lacking == []
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """A module that outgrows 600 lines holds more than one idea: split it by idea."""
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > 600
+    }
+    assert long == {}

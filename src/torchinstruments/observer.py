@@ -21,10 +21,9 @@ forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer,
 Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
 calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a
 sampled forward (of this thread) it switches that one call to the layer-by-layer path PyTorch
-takes when a hook is attached (`_torch_internals.layer_by_layer`), so the layers inside run and are
-measured, and the result is what a hook user gets. Unsampled forwards never meet
-the guard (it is installed with the layer proxies, per sampled forward) and keep the fused
-kernel, bit-identical to the unobserved model.
+takes when a hook is attached (`_torch_internals.layer_by_layer`), so the layers inside run and
+are measured, and the result is what a hook user gets. Unsampled forwards never meet the guard
+(it is installed with the layer proxies, per sampled forward): fused, bit-identical.
 
 Coverage: per selected layer the observer counts the sampled forwards in which it was called
 (`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers

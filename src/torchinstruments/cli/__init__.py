@@ -2,9 +2,10 @@
 
 Design decision: these commands read run directories with Polars only; nothing here (nor what it
 imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in a fraction of a
-second and works where torch is not installed. `add_commands` puts the subcommands on the
-package's argparse parser (`torchinstruments.__main__`), and `run_command` runs one; each command
-imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
+second and works where torch is not installed. This package is the whole command line:
+`main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
+(`add_commands` puts the reading subcommands on the parser, beside `finalize`), and
+`run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
 usage (argparse), 3 matplotlib missing (plot, heatmap).
 """
 
@@ -14,6 +15,7 @@ import argparse
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -406,4 +408,40 @@ def _run_single(args: argparse.Namespace) -> int:
     raise ValueError(f"unknown command {args.command!r}")
 
 
-__all__ = ["COMMANDS", "add_commands", "run_command"]
+__all__ = ["COMMANDS", "add_commands", "main", "run_command"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchinstruments", description="TorchInstruments run-directory tools."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    cmd = commands.add_parser(
+        "finalize",
+        help="complete an interrupted run directory",
+        description="Merge history.parts/ into history.parquet and write result.json and "
+        "index.md. Refuses a directory locked by a live run; unreadable parts are left in place. "
+        "On a directory of rank-NNN/ runs: finalizes each rank, then writes its index.md.",
+    )
+    cmd.add_argument("directory", type=Path, metavar="DIR", help="the run's output directory")
+    add_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m torchinstruments` and the `torchinstruments` script.
+
+    Args:
+        argv: arguments without the program name (default: `sys.argv[1:]`).
+
+    Returns:
+        The exit code.
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "finalize":
+        from torchinstruments.cli.finalize import finalize_command
+
+        return finalize_command(args.directory)
+    if args.command in COMMANDS:
+        return run_command(args)
+    return 2  # unreachable: argparse requires a known command

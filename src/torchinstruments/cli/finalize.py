@@ -1,0 +1,94 @@
+"""`torchinstruments finalize DIR`: complete an interrupted run directory (or every rank's).
+
+Design decision: a thin shell over `rundir.finish.finalize`, which calls `finish_run`, the same
+routine the library runs at removal; it imports only the run directory package (Polars), never
+torch. Exit codes: 0 done and complete, 1 not a run directory, an error, or a run that is still
+incomplete after finalizing, 2 the directory is locked by a live run.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+from torchinstruments.cli.text import plural
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.index_page import bound_count
+from torchinstruments.rundir.lock import RunLockedError
+from torchinstruments.rundir.state import NewerStateError
+
+__all__ = ["finalize_command"]
+
+
+def finalize_command(directory: Path) -> int:
+    """`finalize DIR`: a run directory, or a directory of rank-NNN/ runs; the exit code."""
+    from torchinstruments.rundir.page_ranks import rank_dirs
+
+    expanded = Path(directory).expanduser()
+    if (
+        not (expanded / "history.parquet").exists() and not (expanded / "history.parts").exists()
+    ) and rank_dirs(expanded):
+        return _finalize_ranks(expanded.absolute())
+    return _finalize(directory)
+
+
+def _finalize(directory: Path) -> int:
+    """Run finalize and print what it did; returns the exit code."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            report = finalize(directory)
+    except RunLockedError as exc:
+        print(f"torchinstruments finalize: refused: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, NewerStateError) as exc:
+        print(f"torchinstruments finalize: {exc}", file=sys.stderr)
+        return 1
+    c = report.counts
+    merge = report.merge
+    if merge is not None:
+        # Counts rebuilt from history are lower bounds (as index.md says); kept ones are exact.
+        if report.state.counts_recovered:  # lower bounds; a 0 there is unknown, never 0
+            counts = (
+                f"{bound_count(c.root_forwards, 'root forward')}, "
+                f"{bound_count(c.samples, 'sample')}, {bound_count(c.backward_samples)} with a "
+                "backward (rebuilt from history)"
+            )
+        else:
+            counts = (
+                f"{plural(c.root_forwards, 'root forward')}, {plural(c.samples, 'sample')}, "
+                f"{c.backward_samples} with a backward"
+            )
+        print(
+            f"finalized {report.directory}: {plural(merge.rows, 'row')} in {merge.path} "
+            f"({plural(len(merge.merged_parts), 'part')} merged); {counts}"
+        )
+    for path in report.removed_temporaries:
+        print(f"removed incomplete temporary {path}")
+    if report.run_info_recovered:
+        print("the directory had no readable run info; layers were rebuilt from history")
+    if report.complete and report.interrupted:
+        print(
+            "state: interrupted: the run ended without remove_observer; every row it wrote is in "
+            "history.parquet, rows of its last flush interval may be missing (see index.md)"
+        )
+    elif report.complete:
+        print("state: complete")
+    for problem in report.problems:
+        print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
+    return 0 if report.complete else 1
+
+
+def _finalize_ranks(parent: Path) -> int:
+    """`finalize PARENT`: finalize every rank directory, then write the parent's index.md."""
+    from torchinstruments.rundir.page_ranks import rank_dirs, write_parent_index
+
+    codes = [_finalize(directory) for _, directory in rank_dirs(parent)]
+    try:
+        path = write_parent_index(parent)
+    except OSError as exc:
+        print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({plural(len(codes), 'rank')})")
+    return max(codes)

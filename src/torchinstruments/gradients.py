@@ -57,6 +57,7 @@ from torchinstruments._torch_internals import (
     tensor_hooks,
     tensor_version,
 )
+from torchinstruments.capture import WarnOnce
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
     LaneItem,
@@ -67,7 +68,7 @@ from torchinstruments.measurement.transfer import (
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
 
-__all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder", "WarnOnce"]
+__all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder"]
 
 MAX_LEAF_HOOKS = 64
 # How many of the latest samples with gradients `GradientRecorder` remembers to count each once:
@@ -76,7 +77,6 @@ MAX_LEAF_HOOKS = 64
 RECENT_SAMPLES = 1024
 
 Emit = Callable[[SampleRecord], None]
-WarnOnce = Callable[[str, str], None]
 
 
 def _version(tensor: torch.Tensor) -> int | None:

@@ -43,10 +43,11 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.layout import HISTORY_FILE, list_parts
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from _machine import print_machine
 from _timing import median
@@ -110,7 +111,7 @@ from pathlib import Path
 from torchinstruments.records import LayerInfo
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import write_result
-from torchinstruments.rundir.writer import HistoryConfig
+from torchinstruments.history_config import HistoryConfig
 
 def peak_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

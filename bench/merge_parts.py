@@ -25,10 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.merge import merge_history
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from _machine import print_machine
 from _timing import median

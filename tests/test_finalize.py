@@ -10,11 +10,12 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.layout import check_output_dir, list_parts
 from torchinstruments.rundir.lock import RunLock, RunLockedError
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import run_cli, strict_json
 

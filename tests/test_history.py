@@ -11,12 +11,13 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import merge as merge_module
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.layout import HISTORY_SCHEMA, ORDER_KEY, list_parts
 from torchinstruments.rundir.merge import merge_history
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 EXPECTED_SCHEMA = {
     "sample_id": pl.Int64,

@@ -16,10 +16,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import MeasurementBlock
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.layout import list_parts
-from torchinstruments.rundir.writer import SPLIT_RECORD_KEY, HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import SPLIT_RECORD_KEY, HistoryWriter
 
 METRICS = ("mean", "max", "zero_fraction")
 

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.state import RunState, write_state
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 
 def run_info(directory: Path, rank: int | None = None) -> RunInfo:

@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.page_queries import OTHER_RUN_LINE
 from torchinstruments.rundir.state import RunState, write_state
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import sgd_step
 

@@ -14,6 +14,7 @@ from torch import nn
 import torchinstruments
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.cli.reader import read_facts
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import render_index
@@ -27,7 +28,7 @@ from torchinstruments.rundir.state import (
     read_state,
     write_state,
 )
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import run_status, strict_json
 

@@ -16,6 +16,7 @@ import polars as pl
 import pytest
 
 from torchinstruments.__main__ import main
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import INTERRUPTED, LayerInfo, Measurement, MetricValue
 from torchinstruments.rundir import summary as summary_module
 from torchinstruments.rundir.layout import scan_history
@@ -23,7 +24,7 @@ from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import write_catalog, write_result
 from torchinstruments.rundir.windows import SERIES_KEY, window_mean, window_summaries
-from torchinstruments.rundir.writer import HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import strict_loads
 

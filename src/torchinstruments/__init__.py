@@ -16,6 +16,7 @@ from torchinstruments._lazy import lazy_namespace
 if TYPE_CHECKING:
     from torchinstruments.api import has_observer, inject_observer, remove_observer, set_step
     from torchinstruments.config import ObserverConfig
+    from torchinstruments.history_config import HistoryConfig
     from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer
     from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics
     from torchinstruments.records import (
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
         RunInfo,
         SampleRecord,
     )
-    from torchinstruments.rundir.writer import HistoryConfig
     from torchinstruments.sampling import EveryNForwardsSampler, Sampler, TimeIntervalSampler
     from torchinstruments.sinks.directory import DirectorySink
     from torchinstruments.sinks.protocol import Sink
@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "DirectorySink": "torchinstruments.sinks.directory",
     "EveryNForwardsSampler": "torchinstruments.sampling",
     "HistogramRecord": "torchinstruments.records",
-    "HistoryConfig": "torchinstruments.rundir.writer",
+    "HistoryConfig": "torchinstruments.history_config",
     "LayerInfo": "torchinstruments.records",
     "Measurement": "torchinstruments.records",
     "MeasurementBlock": "torchinstruments.records",

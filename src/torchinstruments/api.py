@@ -27,12 +27,12 @@ from torchinstruments.compilation import compile_support, compiled_from_the_top,
 from torchinstruments.config import ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import GlobalOption
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.reducers import ReducerSpec
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
-from torchinstruments.rundir.writer import HistoryConfig
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import Selector, select_focus_layers, select_layers
 from torchinstruments.sinks.directory import DirectorySink

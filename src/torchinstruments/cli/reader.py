@@ -30,6 +30,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
 from torchinstruments.rundir.index_page import counts_sentence
 from torchinstruments.rundir.layout import (
@@ -47,7 +48,6 @@ from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summaries
-from torchinstruments.rundir.writer import HistoryConfig
 
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5

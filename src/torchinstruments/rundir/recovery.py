@@ -27,6 +27,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -37,7 +38,6 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.state import RunState, decode_run_info, read_state
-from torchinstruments.rundir.writer import HistoryConfig
 
 # The machine-written markers of index.md before the state file (version 0.1.0 and earlier).
 _OLD_RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"

@@ -18,6 +18,7 @@ from torchinstruments.events import (
     MissingHistogram,
     missing_histograms,
 )
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
@@ -30,7 +31,7 @@ from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
-from torchinstruments.rundir.writer import FlushTimer, HistoryConfig, HistoryWriter
+from torchinstruments.rundir.writer import FlushTimer, HistoryWriter
 
 __all__ = ["DirectorySink"]
 

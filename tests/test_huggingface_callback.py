@@ -20,7 +20,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from torchinstruments import EveryNForwardsSampler, has_observer
+from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
+from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import HuggingFaceObserver
 
 from conftest import read_history, run_status
@@ -154,6 +155,41 @@ def _linear_only(name: str, module: nn.Module) -> bool:
 def test_bad_option_fails_when_the_callback_is_built() -> None:
     with pytest.raises(TypeError, match="sinks"):
         HuggingFaceObserver(sinks="tensorboard")
+    with pytest.raises(TypeError, match=r"'window' is not an option.*history_config"):
+        HuggingFaceObserver(window=3)
+
+
+class SpyTrainer(Trainer):
+    """Records the observed model's config at each loss (inside the training step)."""
+
+    seen: list[ObserverConfig]
+
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(_OBSERVERS[model].config)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_the_callbacks_config_is_built_once_and_is_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[ObserverConfig] = []
+    check = ObserverConfig.__post_init__
+
+    def counted(self: ObserverConfig) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(ObserverConfig, "__post_init__", counted)
+    SpyTrainer.seen = []
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(2), selector=_linear_only)
+    train(tmp_path, tiny_bert(), callback, SpyTrainer)
+    assert len(built) == 1
+    assert len(SpyTrainer.seen) == STEPS
+    assert all(config is built[0] for config in SpyTrainer.seen)
+    assert callback.directory == tmp_path / "out" / "torchinstruments"
+    run = callback.directory
+    assert run is not None
+    assert sorted(read_history(run)["forward_index"].unique()) == [0, 2]
 
 
 def test_only_the_trainers_main_process_attaches_with_rank0(tmp_path: Path) -> None:

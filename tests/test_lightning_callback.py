@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, E
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchinstruments import EveryNForwardsSampler, has_observer
+from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
+from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import LightningObserver
 
 from conftest import read_history, run_status
@@ -154,8 +155,40 @@ def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step
         ({"rank_policy": "every"}, "rank_policy"),
         ({"module": 3}, "module must be None"),
         ({"model": nn.Linear(1, 1)}, "model is not an option"),
+        ({"samplr": EveryNForwardsSampler(1)}, r"'samplr' is not an option.*sampler, selector"),
     ],
 )
 def test_bad_option_fails_when_the_callback_is_built(kwargs: dict, match: str) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
         LightningObserver(**kwargs)
+
+
+def test_the_callbacks_config_is_built_once_and_is_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ObserverConfig per run: built with the callback, and that very object observes the fit."""
+    built: list[ObserverConfig] = []
+    check = ObserverConfig.__post_init__
+
+    def counted(self: ObserverConfig) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(ObserverConfig, "__post_init__", counted)
+    seen: list[ObserverConfig] = []
+
+    class Spy(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(_OBSERVERS[self].config)
+            return super().training_step(batch, batch_idx)
+
+    callback = LightningObserver(sampler=EveryNForwardsSampler(2))
+    fit(tmp_path, Spy(), callback)
+    assert len(built) == 1
+    assert len(seen) == STEPS
+    assert all(config is built[0] for config in seen)
+    # ... and it is what the run did: every second forward sampled, in the fit's own directory.
+    assert callback.directory == tmp_path / "logs" / "version_0" / "torchinstruments"
+    run = callback.directory
+    assert run is not None
+    assert sorted(read_history(run)["forward_index"].unique()) == [0, 2]

@@ -176,3 +176,16 @@ def test_inject_observer_and_observer_config_name_the_same_options_and_defaults(
     signature = {name: p.default for name, p in parameters.items() if name != "model"}
     fields = {item.name: item.default for item in dataclasses.fields(ObserverConfig) if item.init}
     assert signature == fields
+
+
+def test_the_readme_options_table_names_every_option_once() -> None:
+    """README's table of options is held to the one list (ObserverConfig's fields)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    table = readme.split("## Options and extension points", 1)[1].split("\n\n", 2)[1]
+    named = [
+        name.strip("` ")
+        for line in table.splitlines()[2:]
+        for name in line.split("|")[1].split(",")
+    ]
+    options = [item.name for item in dataclasses.fields(ObserverConfig) if item.init]
+    assert sorted(named) == sorted(options)

@@ -1,9 +1,10 @@
 """`inject_observer`, `remove_observer`, `has_observer`, `set_step`: the whole public lifecycle.
 
-Injection is two steps: `check_model` and `ObserverConfig` (config.py) check every argument before
-anything touches the model or the disk, so a mistake fails at injection with a message naming the
-argument, never in the middle of training; `start_run` then opens the run directory and installs
-the proxies. The
+Injection is two steps: `ObserverConfig` (config.py) checks every option, then `start_run` checks
+the model, opens the run directory and installs the proxies; a mistake fails at injection with a
+message naming the argument, before anything touches the model or the disk, never in the middle
+of training. `start_run` is the one way a run starts: `inject_observer` builds the config from its
+keywords, and a trainer callback hands over the config it built when it was built. The
 registry of observed models is a `weakref.WeakKeyDictionary`: it stores nothing on the model and
 lets an observed model be garbage collected (its run is then finalized; see observer.py).
 """
@@ -24,7 +25,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
-from torchinstruments.config import ObserverConfig
+from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
@@ -33,6 +34,7 @@ from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import Selector, select_focus_layers, select_layers
 from torchinstruments.sinks.directory import DirectorySink
@@ -175,39 +177,9 @@ def inject_observer(
         >>> train(model)
         >>> remove_observer(model)
     """
-    check_model(model)
-    config = ObserverConfig(
-        output_dir=output_dir,
-        sampler=sampler,
-        selector=selector,
-        reducers=reducers,
-        histogram_selector=histogram_selector,
-        max_histogram_modules=max_histogram_modules,
-        history_config=history_config,
-        rank_policy=rank_policy,
-        capture_direct_forwards=capture_direct_forwards,
-        sinks=sinks,
-        resume=resume,
-        global_statistics=global_statistics,
-    )
-    if forks.forked_from_a_run():
-        raise RuntimeError(
-            "inject_observer: this process was forked from a process with a live "
-            "torchinstruments run; Polars' thread pool and the parent's locks do not survive a "
-            "fork, so a run here could hang. Start the child with the 'spawn' or 'forkserver' "
-            "method (torch.multiprocessing.set_start_method('spawn')) and inject in it"
-        )
-    if _registered(model) is not None:
-        raise RuntimeError(
-            "model already has an observer (directly or through a torch.compile wrapper); call "
-            "remove_observer(model) before injecting again"
-        )
-    observer = start_run(model, config)
-    if observer is None:
-        _UNATTACHED.add(model)
-        return None
-    _OBSERVERS[model] = observer
-    return observer.directory
+    arguments = locals()  # first, so exactly the parameters: ObserverConfig's fields and model
+    config = ObserverConfig(**{name: arguments[name] for name in OPTION_NAMES})
+    return start_run(model, config)
 
 
 def remove_observer(model: nn.Module) -> Path | None:
@@ -412,13 +384,80 @@ def compile_notes(model: nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
+def start_run(
+    model: nn.Module,
+    config: ObserverConfig,
+    *,
+    directory: Path | None = None,
+    resume: bool = False,
+    extra_sinks: Sequence[Sink] = (),
+) -> Path | None:
+    """Observe `model` with `config`: the one way a run starts (`inject_observer`, the callbacks).
+
+    The run keeps `config` itself (`Observer.config`): a trainer callback builds its config once,
+    when it is built, and that object is the run's; nothing is rebuilt or checked again. What a
+    callback only learns at the start of a fit comes as the arguments below, never as a changed
+    copy of the options.
+
+    Args:
+        model: the module to observe (checked here).
+        config: the run's options, already checked.
+        directory: where the run goes instead of `config.directory` (a callback's default,
+            under the trainer's own directory).
+        resume: continue a run already there even if `config.resume` is False (a fit resumed
+            from a checkpoint).
+        extra_sinks: sinks after `config.sinks` (a trainer's TensorBoard logger).
+
+    Returns:
+        The directory this process writes, or None on a rank that attaches nothing.
+
+    Raises:
+        TypeError: `model` cannot be observed.
+        RuntimeError: `model` already has an observer, or this process was forked from one
+            with a live run.
+        FileExistsError: the directory already holds a run (and neither `resume` nor
+            `config.resume` is set), or the run there cannot be continued.
+    """
+    check_model(model)
+    if forks.forked_from_a_run():
+        raise RuntimeError(
+            "inject_observer: this process was forked from a process with a live "
+            "torchinstruments run; Polars' thread pool and the parent's locks do not survive a "
+            "fork, so a run here could hang. Start the child with the 'spawn' or 'forkserver' "
+            "method (torch.multiprocessing.set_start_method('spawn')) and inject in it"
+        )
+    if _registered(model) is not None:
+        raise RuntimeError(
+            "model already has an observer (directly or through a torch.compile wrapper); call "
+            "remove_observer(model) before injecting again"
+        )
+    observer = _open_run(
+        model,
+        config,
+        config.directory if directory is None else resolve_output_dir(directory),
+        resume or config.resume,
+        (*config.sinks, *extra_sinks),
+    )
+    if observer is None:
+        _UNATTACHED.add(model)
+        return None
+    _OBSERVERS[model] = observer
+    return observer.directory
+
+
+def _open_run(
+    model: nn.Module,
+    config: ObserverConfig,
+    output_dir: Path,
+    resume: bool,
+    sinks: Sequence[Sink],
+) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
     Returns:
         The running observer, or None on a rank that attaches nothing.
     """
-    placement = place_rank(config.directory, config.rank_policy)
+    placement = place_rank(output_dir, config.rank_policy)
     if not placement.attach:
         return None
     layers = select_layers(model, config.selector)
@@ -447,10 +486,10 @@ def start_run(model: nn.Module, config: ObserverConfig) -> Observer | None:
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.
-    continuation = directory.open_run(run, resume=config.resume)
+    continuation = directory.open_run(run, resume=resume)
     for note in run.notes:
         warn(f"torchinstruments: {note}")
-    group = SinkGroup(config.sinks)
+    group = SinkGroup(sinks)
     group.start(run)
     group.insert_started(directory)
     observer = Observer(

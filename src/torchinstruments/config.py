@@ -1,21 +1,20 @@
 """`ObserverConfig`: every option of `inject_observer`, validated once, frozen, passed down.
 
 Design decision: the options are one frozen dataclass that validates itself when built. It is
-built once (by `inject_observer`, from its keyword arguments) and handed down as one object, so
-each option is named in two places only: `inject_observer`'s signature (for readers and editors)
-and the fields below (the one definition of each default and each check). A mistake fails while
+built once per run and handed down as one object: by `inject_observer` from its keywords, or by
+a trainer callback when the callback is built (so a mistake fails in the user's own line), and
+`api.start_run` starts the run with that very object. The fields below are the one list of the
+options (each default and each check); everything else derives from them (`OPTION_NAMES`,
+`options()`, the callbacks' keyword check), except `inject_observer`'s signature, which spells
+them out for readers and editors and is held to these fields by a test. A mistake fails while
 the object is built, with a message naming the argument, before anything touches the model or
 the disk.
-
-Integrations that accept every option (a trainer callback, say) build an `ObserverConfig` from
-their caller's keywords as early as they like, which validates them there, and later pass
-`config.options()` on: `inject_observer(model, **config.options())`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sample
 from torchinstruments.selection import Selector, check_selector
 from torchinstruments.sinks.protocol import Sink, check_sinks
 
-__all__ = ["ObserverConfig"]
+__all__ = ["OPTION_NAMES", "ObserverConfig", "check_option_names"]
 
 
 @dataclass(frozen=True)
@@ -117,4 +116,22 @@ class ObserverConfig:
 
     def options(self) -> dict[str, Any]:
         """The options as `inject_observer` keywords: `inject_observer(model, **config.options())`."""
-        return {item.name: getattr(self, item.name) for item in fields(self) if item.init}
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+
+# The options' names, in the order of the fields: what `inject_observer` takes besides the model.
+OPTION_NAMES = tuple(item.name for item in fields(ObserverConfig) if item.init)
+
+
+def check_option_names(owner: str, names: Iterable[str]) -> None:
+    """Refuse a keyword that is not an option, listing the options (a callback's `**options`).
+
+    Raises:
+        TypeError: naming the first unknown keyword and the allowed ones.
+    """
+    for name in names:
+        if name not in OPTION_NAMES:
+            raise TypeError(
+                f"{owner}: {name!r} is not an option of inject_observer; the options are "
+                f"{', '.join(OPTION_NAMES)}"
+            )

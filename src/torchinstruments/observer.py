@@ -220,7 +220,7 @@ class Observer:
     """Runtime state of one observed model; created by `inject_observer`.
 
     Args:
-        config: the run's options (sampler, reducers, capture_direct_forwards).
+        config: the run's options, kept as given (`self.config`: the object the caller built).
         run: the run this observer records (its directory, and the rank written into records).
         sinks: the run directory first, then the caller's sinks.
     """
@@ -234,7 +234,7 @@ class Observer:
         first_forward_index: int = 0,
         first_sample_id: int = 0,
     ) -> None:
-        self.directory = run.output_dir
+        self.config, self.directory = config, run.output_dir
         self.sampler: Any = config.sampler  # any object with should_sample (checked by config)
         self.measurer = config.measurer
         self.capture_direct_forwards = config.capture_direct_forwards

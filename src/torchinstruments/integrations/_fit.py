@@ -1,7 +1,8 @@
 """One trainer fit observed from a callback: what the Lightning and Hugging Face callbacks share.
 
-Design decision: a callback holds a `FitObservation`, built with the callback (so every
-`inject_observer` option is validated then, in the user's own line, not at the start of a fit);
+Design decision: a callback holds a `FitObservation`, built with the callback, which builds the
+run's `ObserverConfig` then (so every `inject_observer` option is validated in the user's own
+line, not at the start of a fit) and hands that very object to `api.start_run` at each fit;
 the trainer-specific module only says which module to observe, where the trainer writes, whether
 this process is the trainer's main one, and which TensorBoard logger and step it has. A fit that
 raised is removed like a finished one, with a note in index.md saying so and where it stopped,
@@ -29,12 +30,12 @@ from torchinstruments.api import (
     evaluation_counts,
     follow_step,
     has_observer,
-    inject_observer,
     observed_counts,
     remove_observer,
+    start_run,
     trainer_phases,
 )
-from torchinstruments.config import ObserverConfig
+from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
@@ -149,7 +150,9 @@ class FitObservation:
         self.owner = owner
         self.module = module
         self.explicit_dir = output_dir is not None
-        # Built now so a bad option fails in the user's own line; output_dir is fixed at the fit.
+        check_option_names(owner, options)
+        # Built once, now, so a bad option fails in the user's own line; this very object is the
+        # run's (`start_run`). Without output_dir the run's directory is chosen at each fit.
         self.config = ObserverConfig(output_dir=output_dir or ".", **options)
         self.eval_sampler = evaluation_sampler(owner, record_eval, self.config.sampler)
         self.phases: Phases | None = None
@@ -198,19 +201,23 @@ class FitObservation:
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
-        options = self.config.options()
-        if options["rank_policy"] == "rank0" and not main_process:
+        config = self.config
+        if config.rank_policy == "rank0" and not main_process:
             return None
-        if resuming:
-            options["resume"] = True
+        resume = resuming or config.resume
+        directory = None
         if not self.explicit_dir:
-            pick = last_run_directory if options["resume"] else fresh_run_directory
-            options["output_dir"] = pick(trainer_directory, options["rank_policy"])
+            pick = last_run_directory if resume else fresh_run_directory
+            directory = pick(trainer_directory, config.rank_policy)
         sink = logger_sink()
-        if sink is not None:
-            options["sinks"] = (*options["sinks"], sink)
         target = self.observed_module(model)
-        self.directory = inject_observer(target, **options)
+        self.directory = start_run(
+            target,
+            config,
+            directory=directory,
+            resume=resume,
+            extra_sinks=() if sink is None else (sink,),
+        )
         self.observed = target if self.directory is not None else None
         if self.observed is not None:
             follow_step(self.observed, global_step)

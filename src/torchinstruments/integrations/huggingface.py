@@ -71,9 +71,8 @@ class HuggingFaceObserver(TrainerCallback):
         output_dir: the run directory; default `args.output_dir/torchinstruments`.
         module: what to observe: None (the Trainer's model), an attribute path of it such as
             `"model.encoder"`, or a callable `model -> nn.Module`.
-        **options: any other `inject_observer` option (`sampler`, `selector`, `reducers`,
-            `histogram_selector`, `max_histogram_modules`, `history_config`, `rank_policy`,
-            `capture_direct_forwards`, `sinks`), validated here.
+        **options: any other `inject_observer` option (the fields of `ObserverConfig`), checked
+            here: the `ObserverConfig` built from them now is the one every fit's run uses.
         record_eval: False (default): forwards outside `training_step` are not observed.
             True: they are sampled by a copy of the sampler, on the count of evaluation
             forwards, as their own series (mode `eval`). A `Sampler`: that one samples them.

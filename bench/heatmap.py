@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import HISTORY_SCHEMA, part_path, write_parquet_atomic
@@ -107,9 +108,7 @@ def build(directory: Path, blocks: int, samples: int) -> int:
         world_size=None,
         rank_policy="rank0",
         capture_direct_forwards=True,
-        buffer_rows=8192,
-        flush_seconds=60.0,
-        window=10,
+        history=HistoryConfig(buffer_rows=8192, window=10, flush_seconds=60.0),
         started_at="2026-01-01T00:00:00+00:00",
     )
     counts = RunCounts(samples, samples, samples, {li.name: samples for li in catalog})

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.layout import HISTORY_FILE, HISTORY_SCHEMA, sink_history
 from torchinstruments.rundir.state import RunState, write_state
@@ -141,9 +142,7 @@ def run_info(directory: Path, rank: int, world_size: int, layers: int) -> RunInf
         world_size=world_size,
         rank_policy="all",
         capture_direct_forwards=True,
-        buffer_rows=8192,
-        flush_seconds=60.0,
-        window=10,
+        history=HistoryConfig(buffer_rows=8192, window=10, flush_seconds=60.0),
         started_at="2026-01-01T00:00:00+00:00",
     )
 

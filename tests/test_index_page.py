@@ -35,10 +35,8 @@ def run_info(directory: Path, rank: int | None = None) -> RunInfo:
         world_size=None if rank is None else 2,
         rank_policy="all" if rank is not None else "rank0",
         capture_direct_forwards=True,
-        buffer_rows=8192,
-        window=10,
+        history=HistoryConfig(buffer_rows=8192, window=10, flush_seconds=60.0),
         started_at="2026-01-01T00:00:00+00:00",
-        flush_seconds=60.0,
     )
 
 

@@ -65,9 +65,7 @@ def run_info(directory: Path, layers: tuple[LayerInfo, ...]) -> RunInfo:
         world_size=None,
         rank_policy="rank0",
         capture_direct_forwards=True,
-        buffer_rows=8192,
-        flush_seconds=60.0,
-        window=10,
+        history=HistoryConfig(buffer_rows=8192, window=10, flush_seconds=60.0),
         started_at="2026-01-01T00:00:00+00:00",
     )
 

@@ -76,6 +76,7 @@ def test_a_default_run_killed_after_its_first_sample_has_its_rows(run_dir: Path)
 
 
 def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
+    from torchinstruments.history_config import HistoryConfig
     from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 
     run = RunInfo(
@@ -91,10 +92,8 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
         world_size=None,
         rank_policy="rank0",
         capture_direct_forwards=True,
-        buffer_rows=1,
-        window=1,
+        history=HistoryConfig(buffer_rows=1, window=1, flush_seconds=60.0),
         started_at="t",
-        flush_seconds=60.0,
     )
     killed = RunState(run, RunCounts(0, 0, 0), counts_recovered=True, interrupted=True)
     page = render_index(killed)

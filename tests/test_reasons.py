@@ -10,6 +10,7 @@ import pytest
 
 import torchinstruments
 from torchinstruments import reasons
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.state import RunState
@@ -67,7 +68,7 @@ def test_each_reason_matches_exactly_one_template(reason: str) -> None:
 def test_index_page_explains_every_template() -> None:
     run = RunInfo(
         Path("/tmp/run"), "0", "0", "Net", (LayerInfo("a", "Linear"),), (), "s", ("mean",),
-        None, None, "rank0", True, 10, 3, "now", 60.0,
+        None, None, "rank0", True, HistoryConfig(buffer_rows=10, window=3), "now",
     )  # fmt: skip
     page = render_index(RunState(run))
     for entry in reasons.REASONS:

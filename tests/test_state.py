@@ -49,10 +49,8 @@ def run_info(directory: Path, **changes: object) -> RunInfo:
         "world_size": None,
         "rank_policy": "rank0",
         "capture_direct_forwards": True,
-        "buffer_rows": 2,
-        "window": 3,
+        "history": HistoryConfig(buffer_rows=2, window=3, flush_seconds=12.5),
         "started_at": "2026-01-01T00:00:00+00:00",
-        "flush_seconds": 12.5,
         "notes": ("a configuration note",),
     }
     fields.update(changes)
@@ -84,6 +82,14 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
         {"rows": 6, "first_sample_id": 2, "last_sample_id": 3, "reason": "disk full"}
     ]
     assert data["run"]["output_dir"] == tmp_path.as_posix()
+    # The run's HistoryConfig is written inline, as the run's own keys (the file is unchanged).
+    assert "history" not in data["run"]
+    assert {name: data["run"][name] for name in ("buffer_rows", "window", "flush_seconds")} == {
+        "buffer_rows": 2,
+        "window": 3,
+        "flush_seconds": 12.5,
+    }
+    assert data["run"]["max_buffered_rows"] is None
     assert read_state(tmp_path) == state
 
 
@@ -337,3 +343,19 @@ def test_only_the_migration_reads_index_md() -> None:
             if any(_names_index_md(t) for t in target):
                 readers.add(path.relative_to(SOURCE).as_posix())
     assert readers == {"rundir/recovery.py"}
+
+
+def test_a_runs_state_and_index_state_the_buffer_cap_in_force(tmp_path: Path) -> None:
+    """`max_buffered_rows=None` means max(131072, buffer_rows): the run records that number."""
+    model = nn.Linear(2, 2)
+    run = tmp_path / "run"
+    history = HistoryConfig(buffer_rows=200_000, window=4, flush_seconds=30.0)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=history)
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    data = strict_json(run / ".state.json")["run"]
+    assert (data["buffer_rows"], data["window"], data["flush_seconds"]) == (200_000, 4, 30.0)
+    assert data["max_buffered_rows"] == 200_000
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "buffer_rows=200000, flush_seconds=30.0, window=4, max_buffered_rows=200000" in index
+    assert read_state(run).run.history == HistoryConfig(200_000, 4, 30.0, 200_000)

@@ -42,6 +42,7 @@ BAD_VALUES = [
     (("run",), "text", "run"),
     (("run", "layers"), [{"name": 1, "module_type": "Linear"}], "run.layers[0].name"),
     (("run", "flush_seconds"), None, "run.flush_seconds"),
+    (("run", "buffer_rows"), 0, "run.buffer_rows"),  # the right type, refused by HistoryConfig
     (("run", "output_dir"), 7, "run.output_dir"),
     (("run", "notes"), "a note", "run.notes"),
     (("notes",), [1, 2], "notes[0]"),

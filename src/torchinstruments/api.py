@@ -11,6 +11,7 @@ lets an observed model be garbage collected (its run is then finalized; see obse
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import operator
 import os
@@ -477,12 +478,10 @@ def _open_run(
         world_size=placement.world_size,
         rank_policy=config.rank_policy,
         capture_direct_forwards=config.capture_direct_forwards,
-        buffer_rows=history.buffer_rows,
-        window=history.window,
+        # The cap in force, stated in index.md even where the option was left at None.
+        history=dataclasses.replace(history, max_buffered_rows=history.buffered_rows_cap),
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        flush_seconds=history.flush_seconds,
         notes=compile_notes(model) + global_notes(config.global_option),
-        max_buffered_rows=history.buffered_rows_cap,
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.

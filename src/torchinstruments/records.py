@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
 
+from torchinstruments.history_config import HistoryConfig
+
 __all__ = [
     "INTERRUPTED",
     "OUTPUT",
@@ -236,7 +238,14 @@ class SampleRecord:
 
 @dataclass(frozen=True, slots=True)
 class RunInfo:
-    """What a run is: written into index.md and handed to sinks at start."""
+    """What a run is: written into index.md and handed to sinks at start.
+
+    It records the options a reader of the run needs without the code that ran it: the run's
+    own `HistoryConfig` (one object, not copies of its fields; `max_buffered_rows` is the cap
+    in force, None in the state of a version before the cap), `rank_policy` and
+    `capture_direct_forwards`. The other options are code (sampler, selectors, reducers, sinks)
+    and are recorded as what they did: `sampler` described, `metrics`, the selected `layers`.
+    """
 
     output_dir: Path
     library_version: str
@@ -250,16 +259,11 @@ class RunInfo:
     world_size: int | None
     rank_policy: str
     capture_direct_forwards: bool
-    buffer_rows: int
-    window: int
+    history: HistoryConfig
     started_at: str
-    flush_seconds: float  # no default here: `HistoryConfig` holds the one default
     # What this configuration cannot record or changes, one sentence each (warned at inject,
     # stated in index.md).
     notes: tuple[str, ...] = ()
-    # The most rows buffered while part writes fail (`HistoryConfig.buffered_rows_cap`); None in
-    # the state of a version before the cap.
-    max_buffered_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,9 +212,9 @@ def warnings_of(c: Comparison) -> list[str]:
             f"warning: the runs were sampled differently (A: {run_a.sampler}; B: "
             f"{run_b.sampler}): the same {c.x} may be a different step in each{hint}."
         )
-    if run_a.window != run_b.window:
+    if run_a.history.window != run_b.history.window:
         out.append(
-            f"warning: the runs' own windows differ (A: {run_a.window}, B: {run_b.window}); "
+            f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "
             f"both means here are over up to {plural(c.window, 'sample')} (--window N)."
         )
     return out

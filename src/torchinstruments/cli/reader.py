@@ -288,7 +288,7 @@ def window_of(facts: RunFacts, window: int | None) -> int:
     """The window asked for, else the run's own, else `HistoryConfig`'s default."""
     if window is not None:
         return window
-    return facts.run.window if facts.run is not None else HistoryConfig().window
+    return facts.run.history.window if facts.run is not None else HistoryConfig().window
 
 
 def select(

@@ -150,7 +150,9 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         except (OSError, pl.exceptions.PolarsError) as error:
             found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
         try:
-            write_result(directory, state.run.layers, state.run.window, counts.layer_samples)
+            write_result(
+                directory, state.run.layers, state.run.history.window, counts.layer_samples
+            )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")
     final = dataclasses.replace(

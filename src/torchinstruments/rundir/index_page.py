@@ -86,7 +86,7 @@ def _section_state(state: RunState) -> list[str]:
         return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
     lost_bound = (
         "Rows recorded after the last part that reached the disk may be missing: those of the "
-        f"last flush_seconds={run.flush_seconds} s when the process was killed or crashed while "
+        f"last flush_seconds={run.history.flush_seconds} s when the process was killed or crashed while "
         "parts could be written (a SIGTERM writes them first), every later row when part writes "
         "were failing (a full disk) until it ended; the loss ledger lists what the run counted."
     )
@@ -198,6 +198,7 @@ def _section_attempts(state: RunState) -> list[str]:
 def _section_run(state: RunState) -> list[str]:
     run = state.run
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
+    history, cap = run.history, run.history.max_buffered_rows
     lines = [
         "## Run",
         "",
@@ -210,8 +211,8 @@ def _section_run(state: RunState) -> list[str]:
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
         f"- capture_direct_forwards={run.capture_direct_forwards}, "
-        f"buffer_rows={run.buffer_rows}, flush_seconds={run.flush_seconds}, window={run.window}"
-        + ("" if run.max_buffered_rows is None else f", max_buffered_rows={run.max_buffered_rows}"),
+        f"buffer_rows={history.buffer_rows}, flush_seconds={history.flush_seconds}, "
+        f"window={history.window}" + ("" if cap is None else f", max_buffered_rows={cap}"),
     ]
     lines.append(f"- {counts_sentence(state)}")
     return [*lines, ""]

@@ -194,7 +194,7 @@ def section_meanings() -> list[str]:
 
 
 def section_result(run: RunInfo) -> list[str]:
-    w = run.window
+    w = run.history.window
     return [
         "## result.json",
         "",

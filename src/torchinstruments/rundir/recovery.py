@@ -81,7 +81,6 @@ def _state_from_old_index(directory: Path) -> RunState | None:
         raise ValueError(f"{INDEX_FILE}'s run-info block is not JSON ({error})") from error
     if not isinstance(data, dict):
         raise ValueError(f"{INDEX_FILE}'s run-info block is not a JSON object")
-    data.setdefault("flush_seconds", HistoryConfig().flush_seconds)  # before flush_seconds
     try:
         run = decode_run_info(data)
     except (KeyError, TypeError) as error:
@@ -154,7 +153,6 @@ def fallback_run_info(directory: Path) -> RunInfo:
         layers = [LayerInfo(r["layer"], r["module_type"]) for r in frame.iter_rows(named=True)]
     except (OSError, pl.exceptions.PolarsError):
         pass  # no readable history: the page lists no layers, and history says the rest
-    default = HistoryConfig()
     return RunInfo(
         output_dir=directory,
         library_version="unknown",
@@ -168,10 +166,8 @@ def fallback_run_info(directory: Path) -> RunInfo:
         world_size=None,
         rank_policy="unknown",
         capture_direct_forwards=False,
-        buffer_rows=default.buffer_rows,
-        window=default.window,
+        history=HistoryConfig(),
         started_at="unknown",
-        flush_seconds=default.flush_seconds,
     )
 
 

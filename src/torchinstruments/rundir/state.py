@@ -13,7 +13,7 @@ Reading: `read_state(directory)` reads this file only. Readers of any directory 
 
 The file (`SCHEMA_VERSION` 1):
 
-    {"schema_version": 1, "status": "complete", "run": {RunInfo fields},
+    {"schema_version": 1, "status": "complete", "run": {RunInfo fields, HistoryConfig's inline},
      "counts": {"root_forwards", "samples", "backward_samples", "layer_samples": {name: n}} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
@@ -49,6 +49,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.attempts import AttemptCounts
 from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
@@ -127,14 +128,22 @@ class RunState:
         return Status.COMPLETE
 
 
+# `RunInfo.history`'s fields sit in the run object itself, as they did before RunInfo held the
+# HistoryConfig (`"run": {..., "buffer_rows": 8192, "window": 10, ...}`): the file is unchanged.
+_HISTORY_KEYS = tuple(f.name for f in fields(HistoryConfig))
+
+
 def _encode_run(run: RunInfo) -> dict[str, Any]:
-    return _encode_fields(
+    out = _encode_fields(
         run,
         {
             "output_dir": lambda p: Path(p).as_posix(),
             "layers": lambda ls: [{"name": li.name, "module_type": li.module_type} for li in ls],
         },
     )
+    history = out.pop("history")
+    out.update((name, getattr(history, name)) for name in _HISTORY_KEYS)
+    return out
 
 
 def decode_run_info(data: Mapping[str, Any]) -> RunInfo:
@@ -145,6 +154,16 @@ def decode_run_info(data: Mapping[str, Any]) -> RunInfo:
             message names the field, e.g. `run.window`).
     """
     return _decode_value(data, RunInfo, "run")
+
+
+def _decode_run(value: Any, where: str) -> RunInfo:
+    """The run object: `_HISTORY_KEYS` make its `HistoryConfig` (named `run.window` and so on),
+    the other keys its own fields."""
+    if not isinstance(value, dict):
+        raise _wrong(where, value, RunInfo)
+    own = {key: item for key, item in value.items() if key not in _HISTORY_KEYS}
+    history = _decode_fields(HistoryConfig, value, where)
+    return _decode_fields(RunInfo, own, where, {"history": history})
 
 
 def _encode_counts(counts: RunCounts | None) -> dict[str, Any] | None:
@@ -245,6 +264,8 @@ def _decode_value(value: Any, hint: Any, where: str) -> Any:
             _decode_value(k, key_hint, where): _decode_value(v, value_hint, f"{where}[{k!r}]")
             for k, v in value.items()
         }
+    if hint is RunInfo:
+        return _decode_run(value, where)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise _wrong(where, value, hint)
@@ -267,19 +288,35 @@ def _decode_value(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
-def _decode_fields(cls: Any, data: Mapping[str, Any], where: str) -> Any:
+def _decode_fields(
+    cls: Any, data: Mapping[str, Any], where: str, decoded: Mapping[str, Any] | None = None
+) -> Any:
     """`cls` from a JSON object: missing fields take their default, unknown keys are ignored,
-    every value is checked against the field's annotation (`_decode_value`)."""
+    every value is checked against the field's annotation (`_decode_value`); `decoded` gives
+    fields already decoded.
+
+    Raises:
+        StateTypeError: a value of the wrong type, a missing field, or a value `cls` refuses
+            (e.g. `window` 0), naming the field.
+    """
     hints = typing.get_type_hints(cls)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(decoded or {})
     for f in fields(cls):
         name = f"{where}.{f.name}" if where else f.name
+        if f.name in values:
+            continue
         if f.name not in data:
             if f.default is MISSING and f.default_factory is MISSING:
                 raise StateTypeError(f"{STATE_FILE}: field {name!r} is missing")
             continue
         values[f.name] = _decode_value(data[f.name], hints[f.name], name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as error:  # a check of the record itself (HistoryConfig's bounds)
+        said = str(error)  # such a check's message starts with `name=value`
+        found = next((f.name for f in fields(cls) if said.startswith(f"{f.name}=")), None)
+        name = ".".join(part for part in (where, found) if part) or "the file"
+        raise StateTypeError(f"{STATE_FILE}: field {name!r}: {said}") from None
 
 
 def encode_state(state: RunState) -> str:

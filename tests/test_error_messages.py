@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,18 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import inject_observer, remove_observer
+from torchinstruments import (
+    DefaultStatistics,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    TensorBoardSink,
+    TimeIntervalSampler,
+    inject_observer,
+    remove_observer,
+    set_step,
+)
 from torchinstruments.__main__ import main
+from torchinstruments.integrations._fit import FitObservation
 
 from conftest import run_cli
 
@@ -130,3 +141,180 @@ def test_show_on_a_parent_of_runs_lists_the_runs_below(finished: Path) -> None:
     line = cli_error("show", finished.parent.parent)
     assert "holds no run itself but 2 below it (experiment/baseline, experiment/broken)" in line
     assert str(finished) in line
+
+
+# -- One style for every refused argument --------------------------------------------------------
+# Each mistake: (what the user wrote, the argument, how its value is shown, the fix or the allowed
+# values). The message must be one line holding all three, so it says what was wrong, where, and
+# what to write instead.
+
+
+def _inject(**options: Any) -> Callable[[Path], object]:
+    return lambda run: inject_observer(nn.Sequential(nn.Linear(2, 2)), output_dir=run, **options)
+
+
+def _no_output_dir(value: object) -> Callable[[Path], object]:
+    return lambda run: inject_observer(nn.Linear(2, 2), output_dir=value)  # type: ignore[arg-type]
+
+
+def _fit(**arguments: Any) -> Callable[[Path], object]:
+    options = arguments.pop("options", {})
+    return lambda run: FitObservation("Callback", None, options=options, **arguments)
+
+
+MISTAKES: list[tuple[str, Callable[[Path], object], str, str, str]] = [
+    ("sampler object", _inject(sampler=object()), "sampler", "<object object", "should_sample"),
+    (
+        "sampler class",
+        _inject(sampler=EveryNForwardsSampler),
+        "sampler",
+        "EveryNForwardsSampler",
+        "sampler=EveryNForwardsSampler(...)",
+    ),
+    (
+        "max_histogram_modules",
+        _inject(max_histogram_modules=0),
+        "max_histogram_modules",
+        "0",
+        ">= 1",
+    ),
+    ("rank_policy", _inject(rank_policy="every"), "rank_policy", "'every'", "'rank0', 'all'"),
+    (
+        "history_config",
+        _inject(history_config={"window": 3}),
+        "history_config",
+        "{'window': 3}",
+        "history_config=HistoryConfig(window=20)",
+    ),
+    (
+        "capture_direct_forwards",
+        _inject(capture_direct_forwards="yes"),
+        "capture_direct_forwards",
+        "'yes'",
+        "True or False",
+    ),
+    ("resume", _inject(resume=1), "resume", "1", "True (continue"),
+    ("sinks", _inject(sinks=[object()]), "sinks", "<object object", "a Sink has start"),
+    ("reducers object", _inject(reducers=[object()]), "reducers[0]", "<object object", "mapping"),
+    (
+        "reducers lambda",
+        _inject(reducers=[lambda t: t.abs().max()]),
+        "reducers[0]",
+        "lambda",
+        "def my_metric",
+    ),
+    ("reducers clash", _inject(reducers={"mean": len}), "reducers", "'mean'", "Rename"),
+    ("global_statistics", _inject(global_statistics="yes"), "global_statistics", "'yes'", "True"),
+    (
+        "global_statistics without a group",
+        _inject(global_statistics=True),
+        "global_statistics",
+        "True",
+        "init_process_group",
+    ),
+    ("output_dir type", _no_output_dir(3), "output_dir", "3", "str or os.PathLike"),
+    ("output_dir empty", _no_output_dir(""), "output_dir", "''", "output_dir='stats'"),
+    (
+        "selector nothing",
+        _inject(selector=lambda name, module: False),
+        "selector",
+        "'0'",
+        "pass a selector that accepts",
+    ),
+    (
+        "histogram_selector nothing",
+        _inject(histogram_selector=lambda name, module: False),
+        "histogram_selector",
+        "'0'",
+        "pass one that accepts",
+    ),
+    (
+        "HistoryConfig window",
+        lambda run: HistoryConfig(window=0),
+        "window",
+        "0",
+        "an int >= 1",
+    ),
+    (
+        "HistoryConfig cap",
+        lambda run: HistoryConfig(buffer_rows=10, max_buffered_rows=5),
+        "max_buffered_rows",
+        "5",
+        ">= buffer_rows (10",
+    ),
+    (
+        "HistoryConfig flush",
+        lambda run: HistoryConfig(flush_seconds=float("nan")),
+        "flush_seconds",
+        "nan",
+        "> 0",
+    ),
+    ("EveryNForwardsSampler", lambda run: EveryNForwardsSampler(0), "n", "0", "a positive int"),
+    (
+        "TimeIntervalSampler",
+        lambda run: TimeIntervalSampler(seconds=-1),
+        "seconds",
+        "-1",
+        "a positive finite number",
+    ),
+    (
+        "DefaultStatistics",
+        lambda run: DefaultStatistics(metrics=("mean", "median")),
+        "metrics",
+        "'median'",
+        "allowed: mean, std",
+    ),
+    (
+        "TensorBoardSink logger",
+        lambda run: TensorBoardSink(object()),  # type: ignore[arg-type]
+        "logger",
+        "<object object",
+        "SummaryWriter",
+    ),
+    (
+        "TensorBoardSink step",
+        lambda run: TensorBoardSink(object(), step=3),  # type: ignore[arg-type]
+        "step",
+        "3",
+        "lambda: trainer.global_step",
+    ),
+    ("set_step", lambda run: set_step(nn.Linear(1, 1), 1.5), "step", "1.5", "an integer or None"),  # type: ignore[arg-type]
+    ("model", lambda run: inject_observer("net", output_dir=run), "model", "str", "nn.Module"),  # type: ignore[arg-type]
+    (
+        "model DataParallel",
+        lambda run: inject_observer(
+            nn.Sequential(nn.DataParallel(nn.Linear(2, 2))), output_dir=run
+        ),
+        "model",
+        "model.0",
+        "DistributedDataParallel",
+    ),
+    ("callback option", _fit(module=None, options={"samplr": 1}), "'samplr'", "samplr", "sampler,"),
+    ("callback module", _fit(module=3), "module", "3", "an attribute path such as 'net'"),
+    (
+        "callback record_eval",
+        _fit(module=None, record_eval="yes"),
+        "record_eval",
+        "'yes'",
+        "False, True or a Sampler",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "argument", "value", "fix"),
+    [case[1:] for case in MISTAKES],
+    ids=[case[0] for case in MISTAKES],
+)
+def test_each_mistake_is_one_line_naming_the_argument_its_value_and_the_fix(
+    tmp_path: Path, call: Callable[[Path], object], argument: str, value: str, fix: str
+) -> None:
+    run = tmp_path / "run"
+    with pytest.raises((TypeError, ValueError)) as caught:
+        call(run)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert argument in message
+    assert value in message
+    assert fix in message
+    assert not run.exists()  # refused before the disk changed

@@ -53,13 +53,14 @@ BAD_FOR_THE_MODEL = [
     (
         {"selector": lambda n, m: False},
         ValueError,
-        r"^selector matched no module of the model, so nothing would be observed; its "
-        r"modules are: '', '0', '1', '2'",
+        r"^selector matched no module of the model, so nothing would be observed: pass a "
+        r"selector that accepts some of its modules: '', '0', '1', '2'",
     ),
     (
         {"histogram_selector": lambda n, m: False},
         ValueError,
-        "^histogram_selector matched no observed layer; observed layers are: '0', '1'",
+        r"^histogram_selector matched no observed layer: pass one that accepts some of the "
+        r"observed layers \(or None, for the first ones\): '0', '1'",
     ),
 ]
 

@@ -349,13 +349,18 @@ def check_model(model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
-        raise TypeError("model: TorchScript modules cannot be observed; observe the eager model")
-    if any(isinstance(module, nn.DataParallel) for module in model.modules()):
         raise TypeError(
-            "model: nn.DataParallel cannot be observed (its replicas copy each module's __dict__, "
-            "forward included, so they would run the original module); use "
-            "DistributedDataParallel, or observe a model that is not replicated"
+            f"model must be an eager nn.Module, got a TorchScript {type(model).__name__}: "
+            "TorchScript modules cannot be observed; observe the eager model"
         )
+    for name, module in model.named_modules():
+        if isinstance(module, nn.DataParallel):
+            where = "model" if not name else f"model.{name}"
+            raise TypeError(
+                f"model must not hold an nn.DataParallel, got one at {where} (its replicas copy "
+                "each module's __dict__, forward included, so they would run the original "
+                "module): use DistributedDataParallel, or observe a model that is not replicated"
+            )
 
 
 def global_notes(option: GlobalOption | None) -> tuple[str, ...]:

@@ -80,17 +80,20 @@ class ObserverConfig:
             )
         history_config = HistoryConfig() if self.history_config is None else self.history_config
         if not isinstance(history_config, HistoryConfig):
-            raise TypeError(f"history_config must be a HistoryConfig, got {history_config!r}")
+            raise TypeError(
+                f"history_config must be a HistoryConfig or None, got {history_config!r}: pass "
+                "e.g. history_config=HistoryConfig(window=20)"
+            )
         self._set("history_config", history_config)
         self._set("rank_policy", check_rank_policy(self.rank_policy))
         direct: object = self.capture_direct_forwards
         if not isinstance(direct, bool):
-            raise TypeError(f"capture_direct_forwards must be a bool, got {direct!r}")
+            raise TypeError(f"capture_direct_forwards must be True or False, got {direct!r}")
         self._set("sinks", check_sinks(self.sinks))
         resume: object = self.resume
         if not isinstance(resume, bool):
             raise TypeError(
-                f"resume must be a bool (True: continue the run already in output_dir), got "
+                f"resume must be True (continue the run already in output_dir) or False, got "
                 f"{resume!r}"
             )
         self._set("measurer", Measurer(self.reducers))

@@ -99,13 +99,15 @@ def check_global_statistics(
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
-            "global_statistics needs an initialized process group at inject_observer "
-            "(call torch.distributed.init_process_group first)"
+            f"global_statistics={value!r} needs an initialized process group at "
+            "inject_observer: call torch.distributed.init_process_group first, or leave "
+            "global_statistics=False"
         )
     if rank_policy != "all":
         raise ValueError(
-            f"global_statistics needs rank_policy='all' (got {rank_policy!r}): every rank "
-            "must observe and take part in each sample's collectives"
+            f"global_statistics needs rank_policy='all', got rank_policy={rank_policy!r}: every "
+            "rank must observe and take part in each sample's collectives; pass "
+            "rank_policy='all'"
         )
     from torchinstruments.sampling import EveryNForwardsSampler
 

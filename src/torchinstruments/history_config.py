@@ -53,11 +53,11 @@ class HistoryConfig:
         for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not allowed: expected an int >= 1")
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.buffered_rows_cap < self.buffer_rows:
             raise ValueError(
-                f"max_buffered_rows={self.max_buffered_rows!r} is not allowed: expected an int "
-                f">= buffer_rows={self.buffer_rows!r} (the buffer must hold at least one part)"
+                f"max_buffered_rows must be None or an int >= buffer_rows ({self.buffer_rows!r}; "
+                f"the buffer must hold at least one part), got {self.max_buffered_rows!r}"
             )
         seconds = self.flush_seconds
         if (
@@ -67,5 +67,5 @@ class HistoryConfig:
             or seconds <= 0
         ):
             raise ValueError(
-                f"flush_seconds={seconds!r} is not allowed: expected a finite number of seconds > 0"
+                f"flush_seconds must be a finite number of seconds > 0, got {seconds!r}"
             )

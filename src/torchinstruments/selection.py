@@ -107,8 +107,9 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
         # A run that observes nothing would end "complete (0 rows)": refuse it at injection.
         which = "selector matched" if selector is not None else "the default selection found"
         raise ValueError(
-            f"{which} no module of the model, so nothing would be observed; its modules are: "
-            f"{_listed(offered)} (TorchScript modules are never layers)"
+            f"{which} no module of the model, so nothing would be observed: pass a selector "
+            f"that accepts some of its modules: {_listed(offered)} (TorchScript modules are "
+            "never layers)"
         )
     return layers
 
@@ -132,7 +133,8 @@ def select_focus_layers(
     ]
     if histogram_selector is not None and not candidates:
         raise ValueError(
-            "histogram_selector matched no observed layer; observed layers are: "
+            "histogram_selector matched no observed layer: pass one that accepts some of the "
+            "observed layers (or None, for the first ones): "
             + _listed([info.name for _, info in layers])
         )
     return set(candidates[:max_histogram_modules])

@@ -170,11 +170,15 @@ class FitObservation:
             except AttributeError as error:
                 raise ValueError(
                     f"{self.owner}: module={self.module!r} names no submodule of "
-                    f"{type(model).__name__} ({error})"
+                    f"{type(model).__name__} ({error}): pass the attribute path your training "
+                    "step calls, such as module='net'"
                 ) from None
         chosen = self.module(model)
         if not isinstance(chosen, nn.Module):
-            raise TypeError(f"{self.owner}: module(model) returned {chosen!r}, not an nn.Module")
+            raise TypeError(
+                f"{self.owner}: module must return an nn.Module of the model, but module(model) "
+                f"returned {chosen!r}: e.g. module=lambda model: model.net"
+            )
         return chosen
 
     def start(

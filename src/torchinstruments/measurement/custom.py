@@ -199,7 +199,8 @@ def expand(reducers: object) -> list[Reducer]:
         repeated = sorted({name for name in metrics if list(metrics).count(name) > 1})
         if repeated:
             raise ValueError(
-                f"reducers[{index}] ({reducer!r}) repeats metric(s) {', '.join(map(repr, repeated))}"
+                f"reducers[{index}] ({reducer!r}) repeats metric(s) "
+                f"{', '.join(map(repr, repeated))}: give each metric one name"
             )
         if INTERRUPTED in metrics:
             raise ValueError(

@@ -87,7 +87,9 @@ class DefaultStatistics:
                 )
         duplicates = sorted({name for name in metrics if list(metrics).count(name) > 1})
         if duplicates:
-            raise ValueError(f"metrics repeats {', '.join(map(repr, duplicates))}")
+            raise ValueError(
+                f"metrics must name each metric once, got {', '.join(map(repr, duplicates))} twice"
+            )
         self.metrics: tuple[str, ...] = tuple(metrics)
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, float]:

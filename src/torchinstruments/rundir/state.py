@@ -313,8 +313,9 @@ def _decode_fields(
     try:
         return cls(**values)
     except ValueError as error:  # a check of the record itself (HistoryConfig's bounds)
-        said = str(error)  # such a check's message starts with `name=value`
-        found = next((f.name for f in fields(cls) if said.startswith(f"{f.name}=")), None)
+        said = str(error)  # such a check's message names its field first: `window must be ...`
+        named = [(said.find(f.name), f.name) for f in fields(cls) if f.name in said.split()]
+        found = min(named)[1] if named else None
         name = ".".join(part for part in (where, found) if part) or "the file"
         raise StateTypeError(f"{STATE_FILE}: field {name!r}: {said}") from None
 

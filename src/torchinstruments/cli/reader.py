@@ -13,9 +13,9 @@ Design decisions:
 - A live run may merge (and delete its parts) between listing and reading; the read is retried
   with a fresh listing (`READ_ATTEMPTS`).
 - Summaries follow result.json's definitions: `latest` is the last observation of a series, and
-  the recent window is result.json's own (`rundir.windows.window_summaries`: the series' latest
-  `window` sample_ids, the exact mean of its finite values), so `show` and result.json agree to
-  the last bit.
+  the recent window is computed by result.json's own implementation
+  (`rundir.windows.window_summaries`: the series' latest `window` sample_ids, the exact mean of
+  its finite values), so `show` and result.json agree to the last bit.
 
 The cost: each command reads the history again (filters are pushed into the Parquet scan, so
 only the selected layers, signals and metrics are decoded).
@@ -313,8 +313,8 @@ def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
 
     Columns: the series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
     `window_mean`, `window_samples`, `window_valid`, `window_first_sample_id`,
-    `window_last_sample_id` (result.json's `recent` window, from the same
-    `rundir.windows.window_summaries`, so the means agree to the bit), `observations`.
+    `window_last_sample_id` (result.json's `recent` window, from its one implementation,
+    `rundir.windows.window_summaries`), `observations`.
     """
     sid = pl.col("sample_id")
     value = pl.col("value")

@@ -11,13 +11,10 @@ Design decision: one pass in chunks, then one read of the latest samples, then t
 Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype) are
 taken per chunk of `SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the
 number of tensor-metrics; the earliest sample at the min/max comes from one Int128 key per row
-(`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows need
-each tensor-metric's latest `2 * window` samples. In an ordinary run every tensor-metric is in
-every sample, so these are the run's latest `2 * window` sample ids: one read of those samples
-(in ranges of whole samples, each aggregated before the next is read) serves every such series,
-with no ranking per series. Any other series (a layer that skips samples, gradients of some
-samples only) is found by reading back from the end and widening only for the series that did
-not yet have enough (`tail_from_end`). Memory stays near `tensor-metrics x 2 * window` rows.
+(`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows are
+`rundir.windows.window_summaries`, the one implementation the command line calls too, handed
+the samples and series this pass found (so it reads only the latest samples of an ordinary run,
+in ranges of whole samples). Memory stays near `tensor-metrics x 2 * window` rows.
 result.json's text is assembled in Polars, column by column (a tensor-metric's JSON, joined per
 tensor, tensors joined per layer), and written one layer at a time; Python handles one string
 per layer. Memory grows with the number of tensor-metrics in columnar frames only.
@@ -73,10 +70,7 @@ from torchinstruments.rundir.windows import (
     SERIES_KEY,
     TENSOR_KEY,
     finite_or_none,
-    latest_windows,
-    tail_from_end,
-    tail_windows,
-    window_means,
+    window_summaries,
 )
 
 # Rows read at a time by the summary (see `_series_summary`): two whole row groups of
@@ -214,11 +208,10 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
 
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
-    those so far; then the windows: one read of the latest `2 * window` samples for the series
-    observed in each of them (`latest_windows`), and for any other series a read back from the
-    end of history until it has enough samples (`tail_from_end`). Memory: one chunk, plus
-    frames the size of the number of series (the windows' with up to `2 * window + 1` rows per
-    series), whatever the history's length.
+    those so far, with each sample's rows; then the windows, from `rundir.windows`' one
+    implementation given those samples and series. Memory: one chunk, plus frames the size of
+    the number of series (the windows' with up to `2 * window` samples per series), whatever the
+    history's length.
     """
     # Strings as categoricals while aggregating: grouping on their integer codes is about twice
     # as fast and holds a chunk in a fraction of the memory; strings again at the end.
@@ -245,36 +238,28 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     # Chunks' aggregates are combined once they hold about a chunk's rows: each combine groups
     # them all at once, so a history of many chunks and many series is not regrouped per chunk.
     pending: list[pl.DataFrame] = []
-    samples: list[pl.Series] = []
+    samples: list[pl.DataFrame] = []
     for offset in range(0, max(total, 1), SUMMARY_CHUNK_ROWS):
         rows = chunk(offset).collect()
         pending.append(_chunk_stats(rows))
-        samples.append(rows.get_column("sample_id").unique())
+        samples.append(rows.group_by("sample_id").agg(rows=pl.len()))
         del rows  # before the next chunk is read
         if len(pending) > 1 and sum(f.height for f in pending) >= SUMMARY_CHUNK_ROWS:
             pending = [_combine_stats(pending)]
     stats = pending[0] if len(pending) == 1 else _combine_stats(pending)
     del pending
-    if stats.height:
-        windows = latest_windows(
-            scan, pl.concat(samples), columns, window, total, SUMMARY_CHUNK_ROWS
-        )
-        rest = stats.select(SERIES_KEY).join(windows, on=SERIES_KEY, how="anti", nulls_equal=True)
-    else:
-        windows, rest = None, stats.select(SERIES_KEY)
-    if windows is None or rest.height:
-
-        def rest_chunk(offset: int) -> pl.LazyFrame:
-            """`chunk` of the series without windows yet."""
-            return chunk(offset).join(rest.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
-
-        tail = tail_from_end(rest_chunk, total, rest.height, window, SUMMARY_CHUNK_ROWS)
-        found = tail_windows(tail, window)
-        windows = found if windows is None else pl.concat([windows, found])
-    means = window_means(windows.get_column("finite_values"))
-    windows = windows.drop("finite_values").with_columns(pl.Series("mean", means, dtype=pl.Float64))
-    summary = _with_windows(_extreme_samples(stats), windows)
-    return summary.with_columns(pl.col(strings).cast(pl.String))
+    # A sample may span two chunks: its rows are the sum of its parts'.
+    sample_rows = pl.concat(samples).group_by("sample_id").agg(pl.col("rows").sum())
+    del samples
+    windows = window_summaries(
+        scan,
+        window,
+        samples=sample_rows,
+        series=stats.select(SERIES_KEY),
+        chunk_rows=SUMMARY_CHUNK_ROWS,
+    )
+    stats = _extreme_samples(stats).with_columns(pl.col(strings).cast(pl.String))
+    return _with_windows(stats, windows)
 
 
 # --- result.json --------------------------------------------------------------------------------
@@ -282,7 +267,7 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
 # The facts about which samples a series was observed in; equal for every metric of a tensor.
 _SAMPLE_FACTS = ("observations", "first_sample_id", "latest_sample_id")
 _WINDOW_FACTS = ("actual", "first_sample_id", "last_sample_id")
-_WINDOW_NAMES = ("previous", "recent")  # `which` 1 and 0 of `tail_windows`
+_WINDOW_NAMES = ("previous", "recent")  # `which` 1 and 0 of `window_summaries`
 _WINDOW_COLUMNS = ("actual", "valid", "mean", "first_sample_id", "last_sample_id")
 _FACT_COLUMNS = (*_SAMPLE_FACTS, *(f"{w}_{f}" for w in _WINDOW_NAMES for f in _WINDOW_FACTS))
 

@@ -1,36 +1,52 @@
-"""The window summary: a series' `recent` and `previous` windows and their mean, in one module.
+"""The window summary: which samples form a series' `recent` and `previous` windows, and their
+`actual` and `valid` counts, `mean` and sample range, in one implementation, `window_summaries`.
 
-Design decision: result.json (`rundir.summary`) and the command line's `show` and `compare` take
-their window means from `window_mean`, summed exactly on the host, so the two agree to the last
-bit whatever order the engine hands the values over in. Which samples a window holds is defined
-once (a series' latest `window` samples, and the `window` before them), and computed two ways:
-`window_summaries` for any history rows (history.parquet, or a live run's parts), reading each
-series' latest `2 * window` samples and widening the range (x4) only for the series that did not
-have enough; and, at removal, `latest_windows` and `tail_from_end`, which read history.parquet
-in sample order once for result.json (bounded memory whatever the history's length).
-`tests/test_summary.py` holds the two to the same windows on runs with nulls, interruptions
-and uneven sample spacing.
+result.json (`rundir.summary`) and every command of the command line (`show`, `compare`, the
+`show` of a parent of rank runs, all through `cli.reader.summarize_series`) call it, so they
+agree to the last bit and a newcomer finds the definition in one place.
+
+Definition: a series' samples are the distinct sample_ids with a row of it (marker rows of
+interrupted samples are no series' rows), newest first: `recent` holds the latest `window` of
+them, `previous` the `window` before. Per window: `actual` = samples in it (< window early in a
+run), `valid` = non-null values, `mean` = `window_mean` of its finite values (null when there are
+none; an average of per-sample statistics, not a statistic of the pooled elements),
+`first_sample_id` / `last_sample_id` = its sample range.
+
+Design decision: two reads, each in ranges of whole samples of about `chunk_rows` rows chosen by
+sample_id (the filter reaches the Parquet scan; history.parquet is in sample order, so a range
+reads only the row groups that hold it), each range aggregated before the next is read, so
+memory stays near one range plus `series x 2 * window` rows whatever the history's length:
+
+1. The run's latest `2 * window` samples. A series observed in each of them (in an ordinary run,
+   every series) has them as its own latest samples, so a row's window is its sample's rank
+   among the run's samples: no ranking per series.
+2. Any other series (a layer that skips samples, gradients of some samples only, a layer that
+   stopped): its rows only, read back from the newest sample, each series' latest `2 * window`
+   samples kept, and a series set aside once it has that many (older ranges cannot change it),
+   until none is left or the start is reached.
+
+The same reads serve history.parquet at removal and a live run's parts in the command line.
+Means are summed exactly on the host (`math.fsum`), so they do not depend on the order the
+engine hands the values over in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import polars as pl
 
-from torchinstruments.rundir.layout import HISTORY_SCHEMA
+from torchinstruments.rundir.layout import HISTORY_ROW_GROUP_ROWS, HISTORY_SCHEMA
 from torchinstruments.rundir.marks import is_mark
 
 __all__ = [
     "SERIES_KEY",
     "TENSOR_KEY",
+    "WINDOW_CHUNK_ROWS",
     "finite_or_none",
-    "latest_windows",
-    "tail_from_end",
-    "tail_windows",
+    "sample_rows",
     "window_mean",
-    "window_means",
     "window_summaries",
 ]
 
@@ -41,7 +57,21 @@ __all__ = [
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path", "mode")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
-_WIDEN = 4
+# Rows read at a time: two whole row groups of history.parquet (see `rundir.summary`).
+WINDOW_CHUNK_ROWS = 2 * HISTORY_ROW_GROUP_ROWS
+
+# Grouped as categoricals: grouping on their integer codes is about twice as fast, and a range
+# is held in a fraction of the memory; strings again in the result.
+_STRINGS = ("layer", "signal", "tensor_path", "mode", "metric")
+
+_WINDOW_SCHEMA = {
+    "which": pl.Int32(),
+    "actual": pl.UInt32(),
+    "valid": pl.UInt32(),
+    "mean": pl.Float64(),
+    "first_sample_id": pl.Int64(),
+    "last_sample_id": pl.Int64(),
+}
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -49,65 +79,6 @@ def finite_or_none(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return float(value)
-
-
-def _per_sample(lf: pl.LazyFrame, keys: pl.DataFrame, since: int) -> pl.DataFrame:
-    """One row per (series, sample) at sample_id >= since, for the series in `keys`."""
-    value = pl.col("value")
-    return (
-        lf.filter(pl.col("sample_id") >= since)
-        .join(keys.lazy(), on=SERIES_KEY, how="semi")
-        .group_by(*SERIES_KEY, "sample_id")
-        .agg(
-            valid=value.count(),
-            finite=value.is_finite().sum(),
-            finite_values=value.filter(value.is_finite()),
-        )
-        .collect(engine="streaming")
-    )
-
-
-def _windows(lf: pl.LazyFrame, window: int) -> pl.DataFrame:
-    """The `recent` (rank 0) and `previous` (rank 1) window aggregates of every series."""
-    samples = (
-        lf.select(pl.col("sample_id").unique())
-        .collect(engine="streaming")
-        .get_column("sample_id")
-        .sort(descending=True)
-    )
-    pending = lf.select(SERIES_KEY).unique().collect(engine="streaming")
-    done: list[pl.DataFrame] = []
-    depth = 2 * window
-    while pending.height:
-        since = samples[min(depth, samples.len()) - 1]
-        rows = _per_sample(lf, pending, since)
-        ranked = rows.with_columns(
-            rank=pl.col("sample_id").rank("ordinal", descending=True).over(SERIES_KEY) - 1
-        )
-        enough = ranked.group_by(SERIES_KEY).agg(n=pl.len())
-        if depth < samples.len():
-            enough = enough.filter(pl.col("n") >= 2 * window)
-        done.append(ranked.join(enough.select(SERIES_KEY), on=SERIES_KEY, how="semi"))
-        pending = pending.join(enough.select(SERIES_KEY), on=SERIES_KEY, how="anti")
-        depth *= _WIDEN
-    ranked = pl.concat(done) if done else pl.DataFrame()
-    if not ranked.height:
-        return pl.DataFrame()
-    return (
-        ranked.filter(pl.col("rank") < 2 * window)
-        .with_columns(which=(pl.col("rank") // window).cast(pl.Int32))
-        .group_by(*SERIES_KEY, "which")
-        .agg(
-            actual=pl.len(),
-            valid=pl.col("valid").sum(),
-            finite=pl.col("finite").sum(),
-            # The values themselves, summed exactly on the host: a Polars sum's order (and so
-            # its last bit) depends on how the engine split the rows.
-            finite_values=pl.col("finite_values").explode(),
-            first_sample_id=pl.col("sample_id").min(),
-            last_sample_id=pl.col("sample_id").max(),
-        )
-    )
 
 
 def window_mean(values: Sequence[float]) -> float | None:
@@ -129,63 +100,41 @@ def window_mean(values: Sequence[float]) -> float | None:
     return finite_or_none(mean)
 
 
-def window_summaries(lf: pl.LazyFrame, window: int) -> pl.DataFrame:
-    """Per series, the `recent` (`which` 0) and `previous` (`which` 1) windows of result.json.
-
-    Columns: the series key, `which`, `actual` (samples in the window), `valid` (non-null values
-    in it), `mean` (`window_mean` of its finite values), `first_sample_id`, `last_sample_id`.
-    A series with fewer than `window + 1` samples has no `previous` row. The command line's
-    `show` and `compare` call this too, so their window means equal result.json's to the bit.
-
-    Args:
-        lf: history rows (history.parquet, or the parts of a live run).
-        window: samples per window (>= 1).
-    """
-    frame = _windows(lf, window)
-    if not frame.height:
-        schema = {name: HISTORY_SCHEMA[name] for name in SERIES_KEY}
-        return pl.DataFrame(schema={**schema, **_WINDOW_SCHEMA})
-    means = [
-        # Exploding an empty list may give a null (version-dependent): drop it.
-        window_mean([v for v in values if v is not None])
-        for values in frame.get_column("finite_values").to_list()
-    ]
-    return frame.select(
-        *SERIES_KEY,
-        "which",
-        "actual",
-        "valid",
-        pl.Series("mean", means, dtype=pl.Float64),
-        "first_sample_id",
-        "last_sample_id",
+def _series_rows(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """The rows windows are made of: no marker rows; the series key (strings as categoricals),
+    sample_id and value."""
+    return lf.filter(~is_mark()).select(
+        *(pl.col(c).cast(pl.Categorical) if c in _STRINGS else pl.col(c) for c in SERIES_KEY),
+        pl.col("sample_id"),
+        pl.col("value"),
     )
 
 
-_WINDOW_SCHEMA = {
-    "which": pl.Int32(),
-    "actual": pl.UInt32(),
-    "valid": pl.UInt32(),
-    "mean": pl.Float64(),
-    "first_sample_id": pl.Int64(),
-    "last_sample_id": pl.Int64(),
-}
+def sample_rows(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """Per sample_id, its rows (`rows`), marker rows left out: what `window_summaries` reads by."""
+    return lf.filter(~is_mark()).group_by("sample_id").agg(rows=pl.len())
 
 
-# --- result.json's windows, from one pass over history.parquet in sample order -------------
+def _ranges(samples: pl.DataFrame, chunk_rows: int) -> Iterator[pl.DataFrame]:
+    """`samples` (sample_id, rows; newest first) cut into consecutive runs of about
+    `chunk_rows` rows, each at least one sample."""
+    before = samples.get_column("rows").cum_sum() - samples.get_column("rows")
+    piece = samples.with_columns(_piece=before // max(chunk_rows, 1))
+    yield from (p.drop("_piece") for p in piece.partition_by("_piece", maintain_order=True))
 
 
-def _latest_samples(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
-    """The rows of each series' latest `depth` distinct samples, in their order, with their
-    `rank` (1 = the series' latest sample)."""
-    rank = pl.col("sample_id").rank("dense", descending=True).over(SERIES_KEY)
-    return rows.with_columns(rank=rank).filter(pl.col("rank") <= depth)
+def _read(lf: pl.LazyFrame, samples: pl.DataFrame) -> pl.LazyFrame:
+    """The rows of a run of consecutive `samples` (a sample_id range: it reaches the scan)."""
+    ids = samples.get_column("sample_id")
+    return lf.filter(pl.col("sample_id").is_between(ids.min(), ids.max()))
 
 
-def tail_windows(tail: pl.DataFrame, window: int) -> pl.DataFrame:
-    """The `recent` (which 0) and `previous` (which 1) window aggregates of every series."""
+def _aggregate(rows: pl.DataFrame, window: int) -> pl.DataFrame:
+    """Per series and window (`which` = (rank - 1) // window, rank 1 the series' latest sample):
+    `actual`, `valid`, the finite values, and the sample range."""
     value = pl.col("value")
     return (
-        tail.with_columns(which=((pl.col("rank") - 1) // window).cast(pl.Int32))
+        rows.with_columns(which=((pl.col("rank") - 1) // window).cast(pl.Int32))
         .group_by(*SERIES_KEY, "which")
         .agg(
             actual=pl.col("sample_id").n_unique(),
@@ -197,93 +146,138 @@ def tail_windows(tail: pl.DataFrame, window: int) -> pl.DataFrame:
     )
 
 
-def tail_from_end(
-    chunk: Callable[[int], pl.LazyFrame], total: int, series: int, window: int, chunk_rows: int
-) -> pl.DataFrame:
-    """`_latest_samples` of the whole history, read backwards in chunks until each of the `series` series
-    has more than `2 * window` samples in what was read (or the start is reached).
-
-    More than: history is in sample order, so once a series' `2 * window + 1`-th latest sample
-    has a row in what was read, every row of its latest `2 * window` samples was read too. In an
-    ordinary run every series is in every sample, and only the last chunk or two are read.
-    """
-    depth = 2 * window + 1
-    kept: pl.DataFrame | None = None
-    start = (max(total, 1) - 1) // chunk_rows * chunk_rows
-    for offset in range(start, -1, -chunk_rows):
-        rows = chunk(offset).select(*SERIES_KEY, "sample_id", "value").collect()
-        kept = _latest_samples(rows if kept is None else pl.concat([rows, kept]), depth).drop(
-            "rank"
+def _combine(pieces: list[pl.DataFrame]) -> pl.DataFrame:
+    """`_aggregate` of ranges that share no sample, as one."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return (
+        pl.concat(pieces)
+        .group_by(*SERIES_KEY, "which")
+        .agg(
+            pl.col("actual", "valid").sum(),
+            pl.col("finite_values").explode(),
+            pl.col("first_sample_id").min(),
+            pl.col("last_sample_id").max(),
         )
-        del rows
-        deep = kept.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
-        if deep.filter(pl.col("n") == depth).height == series:
-            break
-    assert kept is not None  # the loop runs at least once
-    return _latest_samples(kept, 2 * window)
-
-
-def latest_windows(
-    scan: pl.LazyFrame,
-    samples: pl.Series,
-    columns: Sequence[pl.Expr],
-    window: int,
-    rows: int,
-    chunk_rows: int,
-) -> pl.DataFrame:
-    """`tail_windows` of every series observed in each of the run's latest `2 * window`
-    samples (in an ordinary run, every series), from one read of those samples' rows.
-
-    Such a series' latest `2 * window` samples are the run's, so a row's rank is its sample's
-    rank among `samples` (the distinct sample ids of history's `rows` rows): no ranking per
-    series. A series missing from one of them is left out here; `tail_from_end` reads it back.
-    The samples are read in ranges of about `chunk_rows` rows (whole samples, so the
-    ranges' aggregates add up), each range's aggregated before the next is read.
-    """
-    distinct = samples.unique().sort(descending=True)
-    latest = distinct.head(2 * window)
-    ranks = pl.LazyFrame(
-        {"sample_id": latest, "rank": pl.Series(range(1, latest.len() + 1), dtype=pl.UInt32)}
+        # Exploding an empty list may give a null (version-dependent): drop it.
+        .with_columns(pl.col("finite_values").list.drop_nulls())
     )
-    step = max(1, chunk_rows * distinct.len() // max(rows, 1))
+
+
+def _in_every_latest(
+    lf: pl.LazyFrame, latest: pl.DataFrame, window: int, chunk_rows: int
+) -> pl.DataFrame:
+    """Read 1: `_aggregate` of the series observed in each of the `latest` samples (the run's
+    latest `2 * window`, newest first), ranked by the run's sample order."""
+    ranks = latest.with_columns(rank=pl.int_range(1, pl.len() + 1, dtype=pl.UInt32))
     pieces = []
-    for start in range(0, latest.len(), step):
-        piece = latest.slice(start, step)
-        in_piece = pl.col("sample_id").is_between(piece.min(), piece.max())
-        frame = (
-            scan.filter(in_piece, ~is_mark())
-            .select(columns)
-            .select(*SERIES_KEY, "sample_id", "value")
-            .join(ranks, on="sample_id")
-            .collect()
-        )
-        pieces.append(tail_windows(frame, window))
-        del frame
-    windows = pieces[0]
-    if len(pieces) > 1:
-        windows = (
-            pl.concat(pieces)
-            .group_by(*SERIES_KEY, "which")
-            .agg(
-                pl.col("actual", "valid").sum(),
-                pl.col("finite_values").explode(),
-                pl.col("first_sample_id").min(),
-                pl.col("last_sample_id").max(),
-            )
-            # Exploding an empty list may give a null (version-dependent): drop it.
-            .with_columns(pl.col("finite_values").list.drop_nulls())
-        )
-    del pieces
+    for part in _ranges(ranks, chunk_rows):
+        rows = _read(lf, part).join(part.lazy().drop("rows"), on="sample_id").collect()
+        pieces.append(_aggregate(rows, window))
+        del rows  # before the next range is read
+    if not pieces:
+        return pl.DataFrame()
+    windows = _combine(pieces)
     every = (
         windows.group_by(SERIES_KEY)
         .agg(n=pl.col("actual").sum())
-        .filter(pl.col("n") == latest.len())
+        .filter(pl.col("n") == latest.height)
         .drop("n")
     )
     return windows.join(every, on=SERIES_KEY, how="semi", nulls_equal=True)
 
 
-def window_means(finite_values: pl.Series) -> list[float | None]:
+def _latest_samples(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
+    """The rows of each series' latest `depth` distinct samples, with their `rank` (1 = the
+    series' latest sample)."""
+    rank = pl.col("sample_id").rank("dense", descending=True).over(SERIES_KEY)
+    return rows.with_columns(rank=rank).filter(pl.col("rank") <= depth)
+
+
+def _each_its_own(
+    lf: pl.LazyFrame, samples: pl.DataFrame, pending: pl.DataFrame, window: int, chunk_rows: int
+) -> pl.DataFrame:
+    """Read 2: `_aggregate` of the `pending` series, each ranked by its own samples, read back
+    from the newest of `samples` until each has `2 * window` or the start is reached."""
+    depth = 2 * window
+    done: list[pl.DataFrame] = []
+    kept: pl.DataFrame | None = None
+    for part in _ranges(samples, chunk_rows):
+        rows = _read(lf, part).join(pending.lazy(), on=SERIES_KEY, how="semi", nulls_equal=True)
+        rows = rows.collect()
+        kept = _latest_samples(rows if kept is None else pl.concat([kept, rows]), depth)
+        del rows
+        deep = kept.group_by(SERIES_KEY).agg(n=pl.col("sample_id").n_unique())
+        full = deep.filter(pl.col("n") == depth).drop("n")
+        if full.height:
+            # The ranges read hold whole samples, newest first: older ones cannot change these.
+            done.append(kept.join(full, on=SERIES_KEY, how="semi", nulls_equal=True))
+            kept = kept.join(full, on=SERIES_KEY, how="anti", nulls_equal=True).drop("rank")
+            pending = pending.join(full, on=SERIES_KEY, how="anti", nulls_equal=True)
+        else:
+            kept = kept.drop("rank")
+        if not pending.height:
+            break
+    if kept is not None and kept.height:
+        done.append(_latest_samples(kept, depth))
+    return _aggregate(pl.concat(done), window) if done else pl.DataFrame()
+
+
+def window_summaries(
+    lf: pl.LazyFrame,
+    window: int,
+    *,
+    samples: pl.DataFrame | None = None,
+    series: pl.DataFrame | None = None,
+    chunk_rows: int = WINDOW_CHUNK_ROWS,
+) -> pl.DataFrame:
+    """Per series, its `recent` (`which` 0) and `previous` (`which` 1) windows: the one
+    implementation behind result.json and every command of the command line.
+
+    Columns: the series key (strings), `which`, `actual` (samples in the window), `valid`
+    (non-null values in it), `mean` (`window_mean` of its finite values), `first_sample_id`,
+    `last_sample_id`. A series with fewer than `window + 1` samples has no `previous` row.
+
+    Args:
+        lf: history rows (history.parquet, or the parts of a live run); marker rows are left out
+            here.
+        window: samples per window (>= 1).
+        samples: `sample_rows(lf)`, when the caller has it already (None: read here).
+        series: the series key of every series of `lf`, when the caller has it (None: read here).
+        chunk_rows: about how many rows are read at a time.
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
+    rows = _series_rows(lf)
+    if samples is None or series is None:
+        samples, series = pl.collect_all(
+            [sample_rows(lf), rows.select(SERIES_KEY).unique()], engine="streaming"
+        )
+    series = series.select(
+        pl.col(c).cast(pl.Categorical) if c in _STRINGS else c for c in SERIES_KEY
+    )
+    newest = samples.select("sample_id", "rows").sort("sample_id", descending=True)
+    found = [_in_every_latest(rows, newest.head(2 * window), window, chunk_rows)]
+    pending = series
+    if found[0].height:
+        pending = series.join(found[0], on=SERIES_KEY, how="anti", nulls_equal=True)
+    if pending.height:
+        found.append(_each_its_own(rows, newest, pending, window, chunk_rows))
+    found = [f for f in found if f.height]
+    if not found:
+        schema = {name: HISTORY_SCHEMA[name] for name in SERIES_KEY}
+        return pl.DataFrame(schema={**schema, **_WINDOW_SCHEMA})
+    frame = pl.concat(found)
+    return frame.select(
+        *(pl.col(c).cast(pl.String) if c in _STRINGS else pl.col(c) for c in SERIES_KEY),
+        pl.col("which"),
+        pl.col("actual", "valid").cast(pl.UInt32),
+        pl.Series("mean", _means(frame.get_column("finite_values")), dtype=pl.Float64),
+        pl.col("first_sample_id", "last_sample_id"),
+    )
+
+
+def _means(finite_values: pl.Series) -> list[float | None]:
     """`window_mean` of each window's list of finite values.
 
     Read as one flat list and the lists' lengths: converting a List column that a group-by

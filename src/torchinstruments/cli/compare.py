@@ -38,7 +38,7 @@ from torchinstruments.cli.reader import (
     window_of,
 )
 from torchinstruments.cli.selection import Selection, facts_dict, ordered, summary
-from torchinstruments.cli.text import number, plural, render_frame, table
+from torchinstruments.cli.text import number, plural, render_frame, series_name, table
 from torchinstruments.records import OUTPUT
 
 COLUMNS = (
@@ -224,13 +224,6 @@ def _span(first: int | None, last: int | None) -> str:
     return "none" if first is None else (str(first) if first == last else f"{first}-{last}")
 
 
-def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
-    name = r["layer"] or "<root>"
-    if r["layer"] in several_calls:
-        name += f"#{r['call_index']}"
-    return name + r["tensor_path"] + ("" if r["mode"] == "train" else f" [{r['mode']}]")
-
-
 def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
     """One line per tensor and signal whose samples differ between the runs (both have rows),
     in order of where they part: `side grad: sample_id 0-7 in A, 0-3 in B (B stops after 3)`."""
@@ -258,7 +251,7 @@ def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
                 what.append(f"{tag} stops after {r[f'last_{mine}']}")
         signal = "out" if r["signal"] == OUTPUT else "grad"
         lines.append(
-            f"  {_series_name(r, several_calls)} {signal}: {c.x} "
+            f"  {series_name(r, several_calls)} {signal}: {c.x} "
             f"{_span(r['first_a'], r['last_a'])} in A, {_span(r['first_b'], r['last_b'])} in B "
             f"({', '.join(what)})"
         )
@@ -315,7 +308,7 @@ def _text(c: Comparison, width: int) -> str:
         first = r["first_difference"]
         rows.append(
             [
-                _series_name(r, several_calls),
+                series_name(r, several_calls),
                 "out" if r["signal"] == OUTPUT else "grad",
                 r["metric"],
                 "absent" if r["samples_a"] == 0 else number(r["mean_a"]),

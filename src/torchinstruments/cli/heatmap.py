@@ -49,7 +49,6 @@ from torchinstruments.cli.pictures import (
     MISSING_MATPLOTLIB,
     NO_STEP,
     MatplotlibMissingError,
-    tensor_label,
 )
 from torchinstruments.cli.reader import (
     RunFacts,
@@ -60,7 +59,7 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.selection import Selection
-from torchinstruments.cli.text import plural
+from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
 
 CELL_ABSENT, CELL_VALUE, CELL_NULL, CELL_NONFINITE = 0, 1, 2, 3

@@ -44,7 +44,6 @@ from torchinstruments.cli.pictures import (
     MISSING_MATPLOTLIB,
     NO_STEP,
     MatplotlibMissingError,
-    tensor_label,
 )
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
@@ -56,6 +55,7 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.selection import Selection
+from torchinstruments.cli.text import tensor_label
 from torchinstruments.records import SIGNALS
 
 X_LABELS = {

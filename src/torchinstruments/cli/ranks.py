@@ -29,7 +29,6 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
@@ -45,8 +44,9 @@ from torchinstruments.cli.reader import (
     window_of,
 )
 from torchinstruments.cli.selection import Selection, facts_dict, ordered, summary
-from torchinstruments.cli.text import number, plural, render_frame, table
+from torchinstruments.cli.text import number, plural, render_frame, series_name, table
 from torchinstruments.records import OUTPUT
+from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 22
 TEXT_TENSORS = 60
@@ -235,35 +235,13 @@ def _header(parent: Path, runs: Sequence[RankRun], facts: Sequence[RunFacts]) ->
     states: dict[str, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         states.setdefault(f.state.split(" (")[0], []).append(run.rank)
-    lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {_rank_list(r.rank for r in runs)})"]
+    lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
     for state, which in states.items():
-        lines.append(f"rank {_rank_list(which)}: {state}")
+        lines.append(f"rank {ranges(which)}: {state}")
     for run, f in zip(runs, facts, strict=True):
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
     return lines
-
-
-def _rank_list(ranks: Any) -> str:
-    """`0-3, 5`: ranks as ranges."""
-    ranks = sorted(ranks)
-    out: list[str] = []
-    start = prev = None
-    for r in [*ranks, None]:
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    return ", ".join(out)
-
-
-def _series_name(r: dict[str, Any], several_calls: set[str]) -> str:
-    name = r["layer"] or "<root>"
-    if r["layer"] in several_calls:
-        name += f"#{r['call_index']}"
-    return name + r["tensor_path"] + ("" if r.get("mode", "train") == "train" else " [eval]")
 
 
 def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False) -> str:
@@ -295,7 +273,7 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
         for r in frame.filter(pl.col("metric") == metric).iter_rows(named=True):
             rows.append(
                 [
-                    _series_name(r, several),
+                    series_name(r, several),
                     "out" if r["signal"] == OUTPUT else "grad",
                     r["at"],
                     number(r["min"]),
@@ -544,11 +522,11 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
         first = r["first_departure"]
         rows.append(
             [
-                _series_name(r, several),
+                series_name(r, several),
                 "out" if r["signal"] == OUTPUT else "grad",
                 r["metric"],
                 "-" if first is None else str(first),
-                "-" if first is None else _rank_list(r["departing_ranks"]),
+                "-" if first is None else ranges(r["departing_ranks"]),
                 number(r["nearest_other"]),
                 str(r["matched_samples"]),
             ]

@@ -111,7 +111,7 @@ def _draw(
     """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
     from torchinstruments.cli import ranks_draw
     from torchinstruments.cli.pictures import MatplotlibMissingError
-    from torchinstruments.cli.text import plural
+    from torchinstruments.cli.text import plural, tensor_label
 
     prog = f"torchinstruments {args.command}"
     try:
@@ -128,7 +128,7 @@ def _draw(
             )
             print(
                 f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
-                f"{plural(len(result.panels), 'panel')}, tensor {_name(tensor)}, "
+                f"{plural(len(result.panels), 'panel')}, tensor {tensor_label(*tensor, calls=tensor[1] > 0)}, "
                 f"{plural(len(result.tensors), 'rank')}, x = {result.x}"
             )
             if result.left_out:
@@ -152,17 +152,12 @@ def _draw(
         for r in results:
             print(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
-                f"{_name(tensor)}, {plural(r.rows, 'rank')} x {plural(r.columns, 'sample')}"
+                f"{tensor_label(*tensor, calls=tensor[1] > 0)}, {plural(r.rows, 'rank')} x {plural(r.columns, 'sample')}"
             )
         return 0
     except MatplotlibMissingError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 3
-
-
-def _name(tensor: tuple[str, int, str]) -> str:
-    layer, call_index, path = tensor
-    return f"{layer or '<root>'}{f'#{call_index}' if call_index else ''}{path}"
 
 
 __all__ = ["add_rank_option", "run_on_ranks"]

@@ -20,7 +20,7 @@ from torchinstruments.cli.reader import (
     metric_order,
 )
 from torchinstruments.cli.selection import facts_dict
-from torchinstruments.cli.text import number, plural, render_frame, table
+from torchinstruments.cli.text import number, plural, render_frame, table, tensor_label
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 
 
@@ -50,15 +50,6 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     latest = frame["latest_sample_id"].max() if frame.height else None
     lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
     return lines
-
-
-def _row_name(layer: str, call_index: int, tensor_path: str, mode: str, calls: bool) -> str:
-    """`layer`, `layer#call` when a layer has several calls, then the tensor path, then
-    ` [eval]` for an eval series (a series of its own: never averaged with the train one)."""
-    name = layer or "<root>"
-    if calls:
-        name += f"#{call_index}"
-    return name + tensor_path + ("" if mode == "train" else f" [{mode}]")
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:
@@ -93,7 +84,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
             cells = rows.setdefault(
                 key,
                 [
-                    _row_name(*key, calls=r["layer"] in several_calls),
+                    tensor_label(*key, calls=r["layer"] in several_calls),
                     r["module_type"],
                     *(["-"] * (3 * len(signals))),
                 ],

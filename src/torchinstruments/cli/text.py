@@ -21,6 +21,28 @@ NUMBER_WIDTH = 10
 FORMATS = ("text", "csv", "json", "markdown")
 
 
+def tensor_label(
+    layer: str, call_index: int, tensor_path: str, mode: str = "train", *, calls: bool
+) -> str:
+    """How every command names a tensor: `layer` (`<root>` for the root), `layer#call` for
+    layers called several times (`calls`), the tensor path, then ` [eval]` for an eval series
+    (a series of its own: never averaged with the train one)."""
+    name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
+    return name + ("" if mode == "train" else f" [{mode}]")
+
+
+def series_name(row: dict[str, Any], several_calls: set[str]) -> str:
+    """`tensor_label` of a row of a command's frame (`several_calls`: the layers called more
+    than once)."""
+    return tensor_label(
+        row["layer"],
+        row["call_index"],
+        row["tensor_path"],
+        row.get("mode", "train"),
+        calls=row["layer"] in several_calls,
+    )
+
+
 def number(value: float | None, *, missing: str = "-") -> str:
     """A float in at most NUMBER_WIDTH characters (4 significant digits); None -> `missing`."""
     if value is None:
@@ -137,6 +159,8 @@ __all__ = [
     "number",
     "plural",
     "render_frame",
+    "series_name",
     "shorten",
     "table",
+    "tensor_label",
 ]

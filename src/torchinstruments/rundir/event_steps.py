@@ -92,17 +92,4 @@ def _summary_step(event: bytes) -> int | None:
     return step if summary else None
 
 
-def ranges(numbers: list[int]) -> str:
-    """`"3, 7-9, 12"` for sorted distinct numbers."""
-    spans: list[str] = []
-    i = 0
-    while i < len(numbers):
-        j = i
-        while j + 1 < len(numbers) and numbers[j + 1] == numbers[j] + 1:
-            j += 1
-        spans.append(str(numbers[i]) if i == j else f"{numbers[i]}-{numbers[j]}")
-        i = j + 1
-    return ", ".join(spans)
-
-
-__all__ = ["event_steps", "ranges"]
+__all__ = ["event_steps"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
-from torchinstruments.rundir.event_steps import ranges
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -31,6 +30,7 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
+from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import RunState, Status
 

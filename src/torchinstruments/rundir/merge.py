@@ -54,6 +54,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
     sink_history,
 )
+from torchinstruments.rundir.ranges import parse_ranges, ranges
 
 __all__ = [
     "MERGED_PARTS_KEY",
@@ -92,32 +93,9 @@ class _Source:
         return lf if self.offset is None else lf.slice(self.offset, self.rows)
 
 
-def _encode_ranges(numbers: Sequence[int]) -> str:
-    """`[0, 1, 2, 5]` -> `"0-2,5"`."""
-    out: list[str] = []
-    ordered = sorted(set(numbers))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _decode_ranges(text: str) -> set[int]:
-    """`"0-2,5"` -> `{0, 1, 2, 5}`."""
-    numbers: set[int] = set()
-    for item in filter(None, text.split(",")):
-        lo, _, hi = item.partition("-")
-        numbers.update(range(int(lo), int(hi or lo) + 1))
-    return numbers
-
-
 def merged_part_numbers(history: Path) -> set[int]:
     """Part numbers recorded as merged in an existing history.parquet's metadata."""
-    return _decode_ranges(pl.read_parquet_metadata(history).get(MERGED_PARTS_KEY, ""))
+    return parse_ranges(pl.read_parquet_metadata(history).get(MERGED_PARTS_KEY, ""))
 
 
 def _check_part(path: Path, *, full: bool) -> str | None:
@@ -287,7 +265,7 @@ def merge_history(directory: Path) -> MergeResult:
         if not good and history.exists():
             break  # nothing new: the existing history.parquet stays as it is
         numbers = done | {n for p in good if (n := part_number(p)) is not None}
-        metadata = {MERGED_PARTS_KEY: _encode_ranges(sorted(numbers))}
+        metadata = {MERGED_PARTS_KEY: ranges(numbers, ",")}
         try:
             replace_atomically(
                 history,

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from torchinstruments import EveryNForwardsSampler, has_observer, inject_observer, remove_observer
+from torchinstruments import (
+    EveryNForwardsSampler,
+    ObserverConfig,
+    has_observer,
+    inject_observer,
+    remove_observer,
+)
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.records import MetricValue
 
@@ -58,6 +64,20 @@ def cleanup() -> Iterator[list[nn.Module]]:
     for model in models:
         if has_observer(model):
             remove_observer(model)
+
+
+@pytest.fixture
+def config_builds(monkeypatch: pytest.MonkeyPatch) -> list[ObserverConfig]:
+    """Every `ObserverConfig` built while the test runs, in order (its checks run as usual)."""
+    built: list[ObserverConfig] = []
+    check = ObserverConfig.__post_init__
+
+    def counted(self: ObserverConfig) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(ObserverConfig, "__post_init__", counted)
+    return built
 
 
 def mlp(width: int = 8, depth: int = 3) -> nn.Sequential:

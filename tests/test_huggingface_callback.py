@@ -170,22 +170,14 @@ class SpyTrainer(Trainer):
 
 
 def test_the_callbacks_config_is_built_once_and_is_the_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, config_builds: list[ObserverConfig]
 ) -> None:
-    built: list[ObserverConfig] = []
-    check = ObserverConfig.__post_init__
-
-    def counted(self: ObserverConfig) -> None:
-        built.append(self)
-        check(self)
-
-    monkeypatch.setattr(ObserverConfig, "__post_init__", counted)
     SpyTrainer.seen = []
     callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(2), selector=_linear_only)
     train(tmp_path, tiny_bert(), callback, SpyTrainer)
-    assert len(built) == 1
+    assert len(config_builds) == 1
     assert len(SpyTrainer.seen) == STEPS
-    assert all(config is built[0] for config in SpyTrainer.seen)
+    assert all(config is config_builds[0] for config in SpyTrainer.seen)
     assert callback.directory == tmp_path / "out" / "torchinstruments"
     run = callback.directory
     assert run is not None

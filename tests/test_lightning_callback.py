@@ -164,17 +164,9 @@ def test_bad_option_fails_when_the_callback_is_built(kwargs: dict, match: str) -
 
 
 def test_the_callbacks_config_is_built_once_and_is_the_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, config_builds: list[ObserverConfig]
 ) -> None:
     """One ObserverConfig per run: built with the callback, and that very object observes the fit."""
-    built: list[ObserverConfig] = []
-    check = ObserverConfig.__post_init__
-
-    def counted(self: ObserverConfig) -> None:
-        built.append(self)
-        check(self)
-
-    monkeypatch.setattr(ObserverConfig, "__post_init__", counted)
     seen: list[ObserverConfig] = []
 
     class Spy(Tiny):
@@ -184,9 +176,9 @@ def test_the_callbacks_config_is_built_once_and_is_the_runs(
 
     callback = LightningObserver(sampler=EveryNForwardsSampler(2))
     fit(tmp_path, Spy(), callback)
-    assert len(built) == 1
+    assert len(config_builds) == 1
     assert len(seen) == STEPS
-    assert all(config is built[0] for config in seen)
+    assert all(config is config_builds[0] for config in seen)
     # ... and it is what the run did: every second forward sampled, in the fit's own directory.
     assert callback.directory == tmp_path / "logs" / "version_0" / "torchinstruments"
     run = callback.directory

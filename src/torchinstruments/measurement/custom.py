@@ -109,7 +109,7 @@ class _FunctionReducer:
         self._function = function
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
-        # Whatever the function returns is checked by `_call_reducer` (null + reason if unusable).
+        # Whatever the function returns is checked by `call_reducer` (null + reason if unusable).
         return {self.metrics[0]: self._function(tensor)}
 
     def __repr__(self) -> str:

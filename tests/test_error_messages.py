@@ -318,3 +318,11 @@ def test_each_mistake_is_one_line_naming_the_argument_its_value_and_the_fix(
     assert value in message
     assert fix in message
     assert not run.exists()  # refused before the disk changed
+
+
+def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Path) -> None:
+    line = cli_error("finalize", tmp_path)
+    assert line == (
+        f"torchinstruments finalize: {tmp_path} holds no run: neither history.parts/ nor "
+        "history.parquet exists; pass the output_dir a run wrote"
+    )

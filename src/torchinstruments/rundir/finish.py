@@ -268,7 +268,8 @@ def finalize(directory: Path) -> FinishReport:
     directory = Path(directory).expanduser().absolute()
     if not (directory / PARTS_DIR).is_dir() and not (directory / HISTORY_FILE).is_file():
         raise FileNotFoundError(
-            f"{directory} holds no run: neither {PARTS_DIR}/ nor {HISTORY_FILE} exists"
+            f"{directory} holds no run: neither {PARTS_DIR}/ nor {HISTORY_FILE} exists; pass "
+            "the output_dir a run wrote"
         )
     with RunLock(directory):
         removed = _remove_temporaries(directory)

@@ -18,7 +18,7 @@ tensors alike, so host and device run the same IEEE operations in the same order
 Paths (`paths.choose` decides): `measure_on_cpu`, `measure_batch_on_cpu` and `segment_profiles`
 (the same arrays, so the same bits), `raw_on_device`. One large CPU tensor is read four times:
 finiteness, zeros, the moments' first pass (which also feeds the selection's brackets and the
-min and max, `order.HostSelection`), and the deviations; plus a strided sample. A non-finite
+min and max, `order.HostSelection`), and the deviations; plus a random sample. A non-finite
 result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
 """
 
@@ -269,11 +269,13 @@ def thresholds(edges: _Array, dtype: Any) -> _Array:
 
 
 def bin_counts(
-    values: _Array, limits: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
+    values: _Array, bounds: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
 ) -> _Array:
-    """How many `values` fall in each bin (generic): an entry's bin is the number of `limits`
-    (the `thresholds`) <= it; entries where `finite` is False are in none. float64 counts. For
-    `ascending` NumPy values, the same counts from the entries below each limit."""
+    """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
+    generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
+    is False are in none. float64 counts. For `ascending` NumPy values, the entries below each
+    threshold are found by bisection."""
+    limits = thresholds(bounds, values.dtype)
     if isinstance(values, torch.Tensor):
         index = torch.bucketize(values, limits, right=True)
         if finite is not None:
@@ -283,27 +285,33 @@ def bin_counts(
     if ascending:
         below = np.concatenate([[0], np.searchsorted(values, limits), [values.size]])
         return np.diff(below).astype(np.float64)
-    return np.bincount(_host_bins(values, limits, bins), minlength=bins).astype(np.float64)
+    low, high = float(bounds[0]), float(bounds[-1])
+    scale = bins / (high - low) if high > low else math.inf
+    if not _guess_is_exact(limits, low, scale):  # bins narrower than the guess resolves
+        return np.bincount(np.searchsorted(limits, values, side="right"), minlength=bins) + 0.0
+    counts = np.zeros(bins + 1, dtype=np.int64)
+    buffer = np.empty(min(CHUNK, values.size))
+    for start in range(0, values.size, CHUNK):
+        piece = values[start : start + CHUNK]
+        guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
+        guess *= scale
+        counts += np.bincount(guess.astype(np.intp), minlength=bins + 1)
+    counts[bins - 1] += counts[bins]  # the max (and what rounds up to its guess): the last bin
+    return counts[:bins].astype(np.float64)
 
 
-def _host_bins(values: np.ndarray, limits: np.ndarray, bins: int) -> np.ndarray:
-    """`np.searchsorted(limits, values, side="right")`, from an arithmetic guess corrected
-    against the neighbouring limits (elementwise passes, not a binary search per entry)."""
-    low, high = float(values.min()), float(values.max())
-    span = high - low
-    if bins < 2 or not math.isfinite(span) or span <= 0 or not math.isfinite(bins / span):
-        return np.searchsorted(limits, values, side="right")
-    bounds = np.concatenate([[-np.inf], limits, [np.inf]]).astype(values.dtype)
-    guess = ((values - np.float64(low)) * (bins / span)).astype(np.intp)
-    np.clip(guess, 0, bins - 1, out=guess)
-    for _ in range(3):
-        down = values < bounds[guess]
-        up = values >= bounds[guess + 1]
-        if not (down.any() or up.any()):
-            return guess
-        guess -= down
-        guess += up
-    return np.searchsorted(limits, values, side="right")
+def _guess_is_exact(limits: np.ndarray, low: float, scale: float) -> bool:
+    """Whether `int((x - low) * scale)` in float64, monotone in x, reaches each bin i exactly
+    from `limits[i - 1]` on for every x of the limits' dtype: checked on each limit and the
+    value below it, so the guess is the bin of every entry without reading one twice."""
+    if not math.isfinite(scale):
+        return False
+    steps = np.arange(1, limits.size + 1)
+    below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
+    with np.errstate(over="ignore", invalid="ignore"):
+        at = np.subtract(limits, low, dtype=np.float64) * scale
+        under = np.subtract(below, low, dtype=np.float64) * scale
+    return bool(np.all(at >= steps) and np.all(under < steps))
 
 
 def histogram_vector(
@@ -319,7 +327,7 @@ def histogram_vector(
     edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
     bounds = edges(low, high, bins)
-    counts = bin_counts(values, thresholds(bounds, values.dtype), bins, finite, ascending)
+    counts = bin_counts(values, bounds, bins, finite, ascending)
     if isinstance(values, torch.Tensor):
         return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
     return [float(count), low, high, total, sum_squares, *bounds.tolist(), *counts.tolist()]
@@ -336,27 +344,16 @@ class CpuResult:
     histogram: list[float] | None
 
 
-class _Sorted:
-    """Sorted segments' order statistics (`sorted_segments`): read where `HostSelection` selects."""
-
-    visit = None
-
-    def __init__(self, ordered: np.ndarray) -> None:
-        self._ordered, self._positions = ordered, []
-
-    def want(self, positions: list[int]) -> None:
-        self._positions = positions
-
-    def selected(self) -> list[float]:
-        return self._ordered.take(self._positions).tolist()
-
-
 def _host_arrays(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, wanted: frozenset[str], select: Any
+    values: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    wanted: frozenset[str],
+    select: order.HostSelection,
 ) -> dict[str, np.ndarray]:
     """Per segment of finite `values` (each at least one entry): the moments and the order
-    statistics wanted, float64 arrays. `select` (an `order.HostSelection` or `_Sorted`) is told
-    the sorted positions (absolute in `values`) and reads them during the moments' first pass."""
+    statistics wanted, float64 arrays. `select` is told the sorted positions (absolute in
+    `values`) and, unless it holds them sorted, reads them during the moments' first pass."""
     out: dict[str, np.ndarray] = {}
     names = [name for name in QUARTILES if name in wanted]
     ends = starts + counts - 1
@@ -366,7 +363,8 @@ def _host_arrays(
     at = starts + low.astype(np.int64)
     positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
     select.want(positions.tolist())
-    sums, squares, residual, scale = segment_sums(values, starts, counts, select.visit)
+    visit = select.visit if select.ordered is None else None
+    sums, squares, residual, scale = segment_sums(values, starts, counts, visit)
     out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
         sums, squares, residual, counts, scale
     )
@@ -384,11 +382,10 @@ def _results(
     zeros: Sequence[float],
     wanted: frozenset[str],
     bins: Sequence[int | None],
-    select: Any,
-    ordered: np.ndarray | None = None,
+    select: order.HostSelection,
 ) -> list[CpuResult]:
     """The results of every segment of finite `values` (`counts` long each, maybe 0); the
-    histograms count `ordered`, the same segments ascending, where it is given."""
+    histograms count `select.ordered`, the same segments ascending, where it is known."""
     starts = list(itertools.accumulate(counts, initial=0))[:-1]
     present = [index for index, count in enumerate(counts) if count]
     rows: dict[int, dict[str, float]] = {}
@@ -397,6 +394,7 @@ def _results(
         arrays = _host_arrays(values, *chosen, wanted, select)
         columns = {name: column.tolist() for name, column in arrays.items()}
         rows = {i: {k: v[row] for k, v in columns.items()} for row, i in enumerate(present)}
+    ordered = select.ordered
     results: list[CpuResult] = []
     for index, count in enumerate(counts):
         raw = {"zeros": float(zeros[index]), "finite": float(count), **rows.get(index, {})}
@@ -420,8 +418,8 @@ def _host_histogram(
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
-    order statistics selected (`order.HostSelection`), or read from a sorted copy that also
-    counts the histogram of a focus tensor of at most `order.SMALL` entries; never written."""
+    order statistics selected (`order.HostSelection`, which sorts at most `order.SMALL`
+    entries: that sorted copy then also counts the histogram); never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
@@ -429,12 +427,8 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
-    if values.size > order.SMALL or not bins:
-        return _results(
-            values, [values.size], [zeros], wanted, [bins], order.HostSelection(values)
-        )[0]
-    ordered = np.sort(values)  # a small focus tensor: the sort also counts its histogram
-    return _results(values, [values.size], [zeros], wanted, [bins], _Sorted(ordered), ordered)[0]
+    select = order.HostSelection(values)
+    return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
 
 
 # Tensors of at most BATCH_MAX entries are copied and reduced together at the end of a sample
@@ -454,8 +448,8 @@ def measure_batch_on_cpu(
     lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
     values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
     ordered, finite, counts, zeros = sorted_segments(values, lengths)
-    select = _Sorted(ordered)
-    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, select, ordered)
+    select = order.HostSelection(finite, ordered)
+    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, select)
 
 
 def sorted_segments(
@@ -503,7 +497,8 @@ def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
         counts = finite[present]
         starts = np.zeros(counts.size, dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
-        arrays = _host_arrays(in_order, starts, counts, frozenset(PROFILE), _Sorted(ordered))
+        select = order.HostSelection(in_order, ordered)
+        arrays = _host_arrays(in_order, starts, counts, frozenset(PROFILE), select)
         for column, name in enumerate(PROFILE[:7]):
             profile[present, column] = arrays[name]
     profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null

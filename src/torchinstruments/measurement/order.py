@@ -4,13 +4,15 @@ A full sort is O(n log n) and its speed depends on whether the CPU and the NumPy
 SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and max need only
 selection, which is linear and does not. One selection per kind of device, exact for every input:
 
-* `HostSelection` (NumPy): a strided sample of `SAMPLE` entries is sorted; each group of nearby
-  ranks gets two sample values that bracket it with a wide margin (3 standard deviations of the
-  sample's rank error), the entries between them are extracted while the moments' first pass
-  reads each chunk, and the ranks are selected among those few (recursively; `np.partition`
-  below `SMALL` entries or where ties keep a bracket from halving). A bracket that misses its
-  ranks (only for adversarial orders) selects from the whole array by `np.partition`, still
-  linear.
+* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array that fits
+  in the cache costs less than one selection call). Above, a sample of `SAMPLE` entries (at random
+  positions, fixed per size) is sorted; each group of nearby ranks gets two sample values that bracket it with a wide margin
+  (4 standard deviations of the sample's rank error at worst). While the moments' first pass reads each
+  chunk, the entries at or below the lower bound are counted and those strictly between the
+  bounds kept (a few percent; ties at a bound, such as a ReLU's zeros, are counted, never
+  copied), and the ranks are selected among the kept ones (recursively). A bracket that misses
+  its ranks (only for adversarial orders) selects them from the whole array by `np.partition`,
+  still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
@@ -18,17 +20,26 @@ selection, which is linear and does not. One selection per kind of device, exact
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["SAMPLE", "SMALL", "HostSelection", "on_device", "on_host", "sortable_keys"]
+__all__ = [
+    "SAMPLE",
+    "SMALL",
+    "HostSelection",
+    "on_device",
+    "on_host",
+    "sample_positions",
+    "sortable_keys",
+]
 
-# Entries of the strided sample that brackets the wanted ranks.
-SAMPLE = 1 << 13
-# At most this many entries are selected by `np.partition` directly.
+# Entries of the sample that brackets the wanted ranks.
+SAMPLE = 1 << 15
+# At most this many entries are sorted instead of selected.
 SMALL = 1 << 15
 _DIGIT_BITS = 16
 _DIGITS = 1 << _DIGIT_BITS
@@ -36,71 +47,139 @@ _DIGITS = 1 << _DIGIT_BITS
 
 class HostSelection:
     """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
-    see every chunk once, in order, then read them from `selected`. Nearby ranks (within 1/64
-    of the size) share a bracket; min and max come from each chunk's own."""
+    see every chunk once, in order, then read them from `selected`. `ordered` (given, or sorted
+    here when there are at most `SMALL` entries) is read instead of selecting. Nearby ranks
+    (within 1/64 of the size) share a bracket; min and max come from each chunk's own."""
 
-    def __init__(self, values: np.ndarray) -> None:
-        self._values, self._ranks, self._groups = values, [], []
-        self._bounds: list[tuple[float, float]] = []  # per group; none: partition it all
-        self._below: list[int] = []
-        self._pieces: list[list[np.ndarray]] = []
+    def __init__(self, values: np.ndarray, ordered: np.ndarray | None = None) -> None:
+        self._values, self.ordered = values, ordered
+        self._ranks: list[int] = []
+        self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
         values, size = self._values, self._values.size
         self._ranks = [int(rank) for rank in ranks]
+        if self.ordered is None and size <= SMALL:
+            self.ordered = np.sort(values)
+        if self.ordered is not None:
+            return
         wanted = sorted(set(self._ranks))
         self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
-        for rank in (rank for rank in wanted if 0 < rank < size - 1):  # one group when small
-            if self._groups and (size <= SMALL or rank - self._groups[-1][-1] <= size // 64):
-                self._groups[-1].append(rank)
+        groups: list[list[int]] = []
+        for rank in (rank for rank in wanted if 0 < rank < size - 1):
+            if groups and rank - groups[-1][-1] <= size // 64:
+                groups[-1].append(rank)
             else:
-                self._groups.append([rank])
-        if size <= SMALL or not self._groups:
+                groups.append([rank])
+        if not groups:
             return
-        sample = np.sort(values[:: max(size // SAMPLE, 1)])
-        count, margin = sample.size, 3 * math.isqrt(sample.size) + 2
-        for group in self._groups:
+        sample = np.sort(values.take(sample_positions(size)))
+        count, margin = sample.size, 2 * math.isqrt(sample.size) + 2
+        for group in groups:
             first = group[0] * count // size - margin
             last = group[-1] * count // size + margin
             low = float(sample[first]) if first > 0 else -math.inf
-            self._bounds.append((low, float(sample[last]) if last < count - 1 else math.inf))
-        self._below = [0] * len(self._groups)
-        self._pieces = [[] for _ in self._groups]
+            high = float(sample[last]) if last < count - 1 else math.inf
+            # A bound the sample shows tied with the ranks' own estimate is counted as it is read.
+            tied_low = low == sample[min(group[0] * count // size, count - 1)]
+            tied_high = high == sample[min(group[-1] * count // size, count - 1)]
+            self._brackets.append(_Bracket(group, low, high, tied_low, tied_high))
 
     def visit(self, piece: np.ndarray) -> None:
-        """Reads one chunk: its extremes, and each bracket's entries and count below it."""
+        """Reads one chunk: its extremes, and each bracket's counts and inner entries."""
         if self._extremes is not None:
             self._extremes.append((float(piece.min()), float(piece.max())))
-        for index, (low, high) in enumerate(self._bounds):
-            mask = piece >= low
-            self._below[index] += piece.size - int(np.count_nonzero(mask))
-            mask &= piece <= high
-            self._pieces[index].append(piece[mask])
+        for bracket in self._brackets:
+            bracket.visit(piece)
 
     def selected(self) -> list[float]:
         """The entries at the wanted positions (after every chunk was visited)."""
+        if self.ordered is not None:
+            return self.ordered.take(self._ranks).tolist()
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
         if self._extremes is not None:
             found[0] = min(low for low, _ in self._extremes)
             found[size - 1] = max(high for _, high in self._extremes)
-        for index, group in enumerate(self._groups):
-            picked = None
-            if self._bounds:
-                candidates = np.concatenate(self._pieces[index])
-                local = [rank - self._below[index] for rank in group]
-                if local[0] < 0 or local[-1] >= candidates.size:
-                    pass  # the bracket missed: selected from all entries below
-                elif 2 * candidates.size > size:  # ties: the bracket barely shrinks
-                    picked = np.partition(candidates, local)[local].tolist()
-                else:
-                    picked = on_host(candidates, local)
-            if picked is None:
-                picked = np.partition(values, group)[group].tolist()
-            found.update(zip(group, picked, strict=True))
+        for bracket in self._brackets:
+            found.update(bracket.selected(values))
         return [found[rank] for rank in self._ranks]
+
+
+@functools.lru_cache(maxsize=64)
+def sample_positions(size: int) -> np.ndarray:
+    """`SAMPLE` positions below `size`, uniform at random but fixed per size (a stride would
+    see one column of a convolution's output), ascending so that they are read in order."""
+    positions = np.sort(np.random.default_rng(size).integers(0, size, SAMPLE))
+    positions.flags.writeable = False
+    return positions
+
+
+class _Bracket:
+    """Ranks bracketed by two sample values: the entries counted at or below `low` and kept
+    strictly between the two, so that ties (a ReLU's zeros) are counted, never copied."""
+
+    def __init__(
+        self, ranks: list[int], low: float, high: float, tied_low: bool, tied_high: bool
+    ) -> None:
+        self.ranks, self.low, self.high = ranks, low, high
+        self.at_most_low = 0  # entries <= low
+        self.below_low: int | None = 0 if tied_low and low > -math.inf else None
+        self.at_most_high: int | None = 0 if tied_high and high < math.inf else None
+        self.pieces: list[np.ndarray] = []
+
+    def visit(self, piece: np.ndarray) -> None:
+        """Counts and keeps what one chunk holds of the bracket."""
+        low, high = self.low, self.high
+        inside = None
+        if low > -math.inf:
+            at_most = piece <= low
+            self.at_most_low += int(np.count_nonzero(at_most))
+            if high > low:
+                inside = np.less(piece, high) ^ at_most if high < math.inf else ~at_most
+        elif high < math.inf:
+            inside = piece < high
+        if self.below_low is not None:
+            self.below_low += int(np.count_nonzero(piece < low))
+        if self.at_most_high is not None:
+            self.at_most_high += int(np.count_nonzero(piece <= high))
+        if inside is not None:
+            self.pieces.append(piece.take(np.flatnonzero(inside)))
+
+    def selected(self, values: np.ndarray) -> dict[int, float]:
+        """The bracket's ranks and their entries (from all `values` where the bracket missed)."""
+        inner = np.concatenate(self.pieces) if self.pieces else values[:0]
+        start, end = self.at_most_low, self.at_most_low + inner.size
+        if self.low == self.high:
+            self.at_most_high = start
+        found: dict[int, float] = {}
+        local = [rank - start for rank in self.ranks if start <= rank < end]
+        if local:
+            if 2 * inner.size > values.size:  # the bracket barely shrank: one partition
+                picked = np.partition(inner, local)[local].tolist()
+            else:
+                picked = on_host(inner, local)
+            found.update((start + rank, value) for rank, value in zip(local, picked, strict=True))
+        missed = []
+        for rank in (rank for rank in self.ranks if not start <= rank < end):
+            if rank < start:  # ties at low, or a miss
+                if self.below_low is None:
+                    self.below_low = int(np.count_nonzero(values < self.low))
+                if rank >= self.below_low:
+                    found[rank] = self.low
+                    continue
+            else:
+                if self.at_most_high is None:
+                    self.at_most_high = int(np.count_nonzero(values <= self.high))
+                if rank < self.at_most_high:
+                    found[rank] = self.high
+                    continue
+            missed.append(rank)
+        if missed:  # a sample this far off is a chance in millions: exact, still linear
+            found.update(zip(missed, np.partition(values, missed)[missed].tolist(), strict=True))
+        return found
 
 
 def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> list[float]:

@@ -177,6 +177,11 @@ def test_inject_observer_and_observer_config_name_the_same_options_and_defaults(
     signature = {name: p.default for name, p in parameters.items() if name != "model"}
     fields = {item.name: item.default for item in dataclasses.fields(ObserverConfig) if item.init}
     assert signature == fields
+    # ... and its docstring's Args say what each one means, in the same order.
+    doc = inspect.getdoc(inject_observer) or ""
+    args = doc.split("Args:\n", 1)[1].split("\n\n", 1)[0]
+    documented = [line.split(":")[0].strip() for line in args.splitlines() if line[4:5] != " "]
+    assert documented == ["model", *fields]
 
 
 def test_the_readme_options_table_names_every_option_once() -> None:

@@ -315,7 +315,7 @@ def expected_colours(
     from matplotlib import colormaps
     from matplotlib.colors import Normalize
 
-    from torchinstruments.cli.heatmap import ABSENT_COLOUR, NULL_COLOUR
+    from torchinstruments.cli.pictures_grid import ABSENT_COLOUR, NULL_COLOUR
 
     rows = history.filter(pl.col("metric") == metric)
     columns = sorted(set(rows[x].to_list()))

@@ -44,7 +44,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main
-from torchinstruments.cli.plot import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
+from torchinstruments.cli.pictures import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
 from torchinstruments.rundir.layout import list_parts
 
 from conftest import check_heatmap, run_cli, sgd_step
@@ -495,12 +495,13 @@ def test_plot_writes_a_png_with_the_panels_and_axis_it_says(finished: Path, tmp_
 
 
 def test_plot_figure_lines_are_the_history_values(finished: Path) -> None:
-    from torchinstruments.cli.plot import X_LABELS, build_figure, plot_rows
+    from torchinstruments.cli.pictures import X_LABELS, trend_figure
+    from torchinstruments.cli.plot import plot_rows
     from torchinstruments.cli.reader import read_facts
     from torchinstruments.cli.selection import Selection
 
     rows = plot_rows(finished, Selection(metrics=("std",)), "sample_id")
-    figure, result = build_figure(rows, read_facts(finished), "sample_id", max_tensors=2)
+    figure, result = trend_figure(rows, read_facts(finished), "sample_id", max_tensors=2)
     assert result.left_out == ("shared#0 (Linear)", "shared#1 (Linear)", "empty (Empty)")
     output, gradient = figure.axes
     assert output.get_title() == "std of output"

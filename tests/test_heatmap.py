@@ -28,7 +28,7 @@ from matplotlib.colors import LogNorm
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-from torchinstruments.cli.heatmap import (
+from torchinstruments.cli.pictures_grid import (
     ABSENT_COLOUR,
     LABEL_ROWS,
     NULL_COLOUR,
@@ -214,7 +214,7 @@ def test_heatmap_without_matplotlib_says_how_to_install(faulty: Path, tmp_path: 
 
 def test_a_nonfinite_value_is_magenta_and_never_a_scale_end(tmp_path: Path) -> None:
     """Histories the library writes hold no NaN or Inf; one written by other tools may."""
-    from torchinstruments.cli.heatmap import NONFINITE_COLOUR
+    from torchinstruments.cli.pictures_grid import NONFINITE_COLOUR
     from torchinstruments.rundir.layout import HISTORY_SCHEMA
 
     values = [0.0, float("inf"), 1.0, float("nan")]

@@ -139,6 +139,45 @@ def test_there_are_no_import_cycles() -> None:
         visit(module, ())
 
 
+# The command line's modules, each of one kind. A command's module holds what one command (or
+# one command on a parent of rank runs) does; what several commands share (reading, ordering,
+# text, drawing) is in the shared modules; the entry parses arguments and runs a command.
+CLI_COMMANDS = {
+    "cli.show",
+    "cli.compare",
+    "cli.plot",
+    "cli.heatmap",
+    "cli.finalize",
+    "cli.ranks",
+    "cli.ranks_draw",
+}
+CLI_SHARED = {
+    "cli.reader",
+    "cli.selection",
+    "cli.text",
+    "cli.overview",
+    "cli.pictures",
+    "cli.pictures_grid",
+}
+CLI_ENTRY = {"cli", "cli.ranks_command"}
+
+
+def test_no_command_module_imports_another_commands_module() -> None:
+    """`plot PARENT` draws through the shared drawing modules, not through `plot`'s module: a
+    command changed for its own sake never changes another. Every CLI module is of one kind, so
+    a new one cannot slip past the rule."""
+    edges = graph()
+    cli = {m for m in edges if m == "cli" or m.startswith("cli.")}
+    assert cli == CLI_COMMANDS | CLI_SHARED | CLI_ENTRY
+    offenders = [
+        f"{module} imports {dep}"
+        for module in CLI_COMMANDS | CLI_SHARED
+        for dep in edges[module]
+        if dep in CLI_COMMANDS | CLI_ENTRY and dep != module
+    ]
+    assert offenders == []
+
+
 def test_the_run_directory_never_imports_torch_or_tensorboard() -> None:
     """`finalize`, `show` and `compare` run in processes without torch: they live on rundir."""
     offenders = []

@@ -18,7 +18,8 @@ from PIL import Image
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.cli.heatmap import FRAME_COLOUR, heatmap
+from torchinstruments.cli.heatmap import heatmap
+from torchinstruments.cli.pictures_grid import FRAME_COLOUR
 from torchinstruments.cli.plot import DEFAULT_METRICS, plot
 from torchinstruments.cli.selection import Selection
 

@@ -377,6 +377,7 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
         if args.command == "heatmap":
             from torchinstruments.cli import heatmap
+            from torchinstruments.cli.pictures import MatplotlibMissingError
 
             selection = _selection(args, args.directory)  # a missing run is said first
             output_dir = args.output_dir or Path(args.directory)
@@ -393,7 +394,7 @@ def _run_single(args: argparse.Namespace) -> int:
                     x=args.x,
                     scale=args.scale,
                 )
-            except heatmap.MatplotlibMissingError as exc:
+            except MatplotlibMissingError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 3
             for r in results:

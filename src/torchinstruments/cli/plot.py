@@ -1,104 +1,41 @@
 """`torchinstruments plot DIR`: PNG small multiples of metric trends, output and output_gradient.
 
-Design decisions:
+Design decisions (the figure's own are `pictures`'):
 
-- One panel per (metric, signal): rows are metrics, columns are `output` and `output_gradient`
-  (their scales differ by orders of magnitude, so they never share an axis); inside a panel,
-  one line per tensor (layer, call, tensor path, mode: an eval series is a line of its own,
-  labelled `[eval]`), one point per sample. The x axis is `sample_id`, `forward_index` or
-  `step` (the trainer's global step, or set_step's value; samples without one are left out)
-  and its label says which.
-- A null value (unavailable, with a reason in history) is a gap in the line, never a 0, and
-  an `x` in the line's colour at the bottom of the panel marks each such sample, so a line that
-  ends at a null does not look like a series that stopped.
+- The x axis is `sample_id`, `forward_index` or `step` (the trainer's global step, or
+  set_step's value; samples without one are left out).
 - Without `--metrics`, DEFAULT_METRICS are drawn (8 panels: a figure that reads on a laptop
   screen, not 18 panels 2,160 px tall); `PlotResult.metrics_left_out` names the others, and the
   command says so on stderr.
-- At most `max_tensors` tensors (traversal order) are drawn, so lines stay tellable apart; the
-  figure title and a message on stderr say how many were left out and how to choose
-  (`--layers REGEX`).
-- Lines that share values stay visible: each tensor has its own hollow marker shape and line
-  style, and lines drawn first have larger markers and wider lines, so a line drawn later on
-  top of an equal one leaves the earlier one's rim showing (several layers with
-  zero_fraction 0 are one point of several rings, not one colour).
-- `yscale`: "linear" (default), "log" (a panel with values <= 0 falls back to "symlog" and its
-  title says so) or "symlog" (linear within the smallest nonzero |value|, logarithmic beyond),
-  for panels where one tensor's scale flattens the others.
-- matplotlib is optional (`pip install "torchinstruments[plot]"`); it is imported only here, with
-  the Agg canvas and no pyplot, so plotting never touches a display or global figure state.
-- The PNG's text metadata ("Description") lists the panels and the x column as JSON, so a
-  script (or a test) can read back what the image shows.
+- At most `max_tensors` tensors (traversal order) are drawn; a message on stderr says how many
+  were left out and how to choose (`--layers REGEX`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
 from torchinstruments.cli.pictures import (
-    MISSING_MATPLOTLIB,
+    DEFAULT_MAX_TENSORS,
     NO_STEP,
-    MatplotlibMissingError,
+    X_LABELS,
+    PlotResult,
+    trend_figure,
+    write_trends,
 )
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
-    RunFacts,
-    layer_order,
     metric_order,
     read_facts,
     read_history,
     select,
 )
 from torchinstruments.cli.selection import Selection
-from torchinstruments.cli.text import tensor_label
-from torchinstruments.records import SIGNALS
 
-X_LABELS = {
-    "sample_id": "sample_id (n-th sampled root forward)",
-    "forward_index": "forward_index (n-th root forward, sampled or not)",
-    "step": "step (the trainer's global step, or the value given with set_step)",
-}
-PANEL_WIDTH_IN = 4.6
-PANEL_HEIGHT_IN = 2.3
-LEGEND_WIDTH_IN = 2.4
-DPI = 100
-DEFAULT_MAX_TENSORS = 10
 DEFAULT_METRICS = ("mean", "std", "zero_fraction", "nonfinite_fraction")
-NULL_MARK = "x"
-YSCALES = ("linear", "log", "symlog")
-# One (marker, line style) per drawn tensor, all distinct for up to 10 tensors (any number of
-# tensors past that repeats them with another colour).
-MARKERS = ("o", "s", "^", "D", "v", "p", "h", "<", ">", "8")
-LINE_STYLES = ("-", "--", "-.", ":")
-
-
-@dataclass(frozen=True)
-class PlotResult:
-    """What was drawn: file, pixel size, panels (metric, signal), tensors drawn and left out."""
-
-    path: Path
-    width_px: int
-    height_px: int
-    x: str
-    panels: tuple[tuple[str, str], ...]
-    tensors: tuple[str, ...]
-    left_out: tuple[str, ...]
-    yscales: tuple[str, ...] = ()
-    styles: tuple[tuple[str, str], ...] = ()
-    metrics_left_out: tuple[str, ...] = ()
-    null_marks: int = 0  # samples marked as a null value, over all panels
-
-
-def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
-    """Legend labels: the tensor and its module type, e.g. `3[0] (LSTM)`."""
-    calls = set(rows.filter(pl.col("call_index") > 0)["layer"].to_list())
-    types = dict(rows.select("layer", "module_type").unique("layer").iter_rows())
-    return [f"{tensor_label(*k, calls=k[0] in calls)} ({types[k[0]]})" for k in keys]
 
 
 def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
@@ -116,134 +53,6 @@ def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
             .select(*TENSOR_KEY, "module_type", "metric", x, "value")
         ),
     )
-
-
-def _style(i: int, count: int) -> dict[str, Any]:
-    """The i-th of `count` lines: its own marker and style; earlier lines wider and larger."""
-    larger = count - 1 - i
-    return {
-        "marker": MARKERS[i % len(MARKERS)],
-        "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
-        "markersize": 4 + 1.5 * larger,
-        "linewidth": 1 + 0.35 * larger,
-        "markerfacecolor": "none",
-        "color": f"C{i % 10}",
-    }
-
-
-def _scale(ax: Any, values: list[float], yscale: str) -> str:
-    """Apply `yscale` to a panel; returns the scale used (log falls back to symlog at <= 0)."""
-    finite = [v for v in values if v == v and abs(v) != float("inf")]
-    if yscale == "linear" or not finite:
-        return "linear"
-    if yscale == "log" and min(finite) > 0:
-        ax.set_yscale("log")
-        return "log"
-    nonzero = [abs(v) for v in finite if v != 0]
-    ax.set_yscale("symlog", linthresh=min(nonzero) if nonzero else 1.0)
-    return "symlog"
-
-
-def build_figure(
-    rows: pl.DataFrame, facts: RunFacts, x: str, max_tensors: int, yscale: str = "linear"
-) -> tuple[Any, PlotResult]:
-    """Build the matplotlib Figure and describe it (path left empty)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-    except ImportError as exc:
-        raise MatplotlibMissingError(MISSING_MATPLOTLIB) from exc
-
-    layers = layer_order(rows["layer"].unique().to_list(), facts.run)
-    rank = {name: i for i, name in enumerate(layers)}
-    keys = sorted(
-        {(r[0], r[1], r[3], r[4]) for r in rows.select(TENSOR_KEY).unique().iter_rows()},
-        key=lambda k: (rank[k[0]], k[1], k[2], k[3] != "train"),
-    )
-    drawn, left_out = keys[:max_tensors], keys[max_tensors:]
-    metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
-    signals = [s for s in SIGNALS if s in set(rows["signal"].to_list())]
-    ncols, nrows = max(1, len(signals)), max(1, len(metrics))
-    figure = Figure(
-        figsize=(PANEL_WIDTH_IN * ncols + LEGEND_WIDTH_IN, PANEL_HEIGHT_IN * nrows + 0.9),
-        dpi=DPI,
-        layout="constrained",
-    )
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(nrows, ncols, squeeze=False, sharex=True)
-    styles = [_style(i, len(drawn)) for i in range(len(drawn))]
-    labels = _labels(drawn, rows)
-    panels = []
-    scales = []
-    null_marks = 0
-    for i, metric in enumerate(metrics):
-        for j, signal in enumerate(signals):
-            ax = axes[i][j]
-            panels.append((metric, signal))
-            panel = rows.filter(pl.col("metric") == metric, pl.col("signal") == signal)
-            for style, label, (layer, call_index, tensor_path, mode) in zip(
-                styles, labels, drawn, strict=True
-            ):
-                line = panel.filter(
-                    pl.col("layer") == layer,
-                    pl.col("call_index") == call_index,
-                    pl.col("tensor_path") == tensor_path,
-                    pl.col("mode") == mode,
-                )
-                if line.is_empty():
-                    continue
-                ax.plot(
-                    line[x].to_list(),
-                    line["value"].fill_null(float("nan")).to_list(),
-                    label=label,
-                    **style,
-                )
-                nulls = line.filter(pl.col("value").is_null())[x].to_list()
-                if nulls:  # at the panel's bottom edge, in the line's colour
-                    null_marks += len(nulls)
-                    ax.plot(
-                        nulls,
-                        [0.02] * len(nulls),
-                        transform=ax.get_xaxis_transform(),
-                        marker=NULL_MARK,
-                        linestyle="none",
-                        color=style["color"],
-                        markersize=7,
-                        clip_on=False,
-                    )
-            used = _scale(ax, panel["value"].drop_nulls().to_list(), yscale)
-            scales.append(used)
-            fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
-            ax.set_title(f"{metric} of {signal}{fallback}", fontsize=9)
-            ax.tick_params(labelsize=8)
-            ax.grid(alpha=0.3)
-            if i == nrows - 1:
-                ax.set_xlabel(X_LABELS[x], fontsize=8)
-    handles = [Line2D([], [], **style) for style in styles]
-    if null_marks:
-        handles.append(Line2D([], [], marker=NULL_MARK, linestyle="none", color="black"))
-        labels = [*labels, "x at the bottom:\nnull value (reason\nin history)"]
-    figure.legend(handles, labels, loc="outside right upper", fontsize=9, title="tensor")
-    where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
-    title = f"{where}: {len(drawn)} tensor{'' if len(drawn) == 1 else 's'}"
-    if left_out:
-        title += f" ({len(left_out)} more left out: choose with --layers or --max-tensors)"
-    figure.suptitle(title, fontsize=10)
-    width, height = figure.get_size_inches()
-    result = PlotResult(
-        path=Path(),
-        width_px=round(width * DPI),
-        height_px=round(height * DPI),
-        x=x,
-        panels=tuple(panels),
-        tensors=tuple(labels[: len(drawn)]),
-        left_out=tuple(_labels(left_out, rows)),
-        yscales=tuple(scales),
-        styles=tuple((s["marker"], s["linestyle"]) for s in styles),
-        null_marks=null_marks,
-    )
-    return figure, result
 
 
 def plot(
@@ -272,8 +81,6 @@ def plot(
         MatplotlibMissingError: if matplotlib is not installed.
         ValueError: if nothing matches the selection, or an argument is out of range.
     """
-    if yscale not in YSCALES:
-        raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {YSCALES}")
     if max_tensors < 1:
         raise ValueError(f"max_tensors={max_tensors!r} is not allowed: expected an int >= 1")
     facts = read_facts(directory)
@@ -288,24 +95,9 @@ def plot(
         raise ValueError(NO_STEP.format(directory=directory))
     if rows.is_empty():
         raise ValueError(f"no history rows in {directory} match the selection")
-    figure, result = build_figure(rows, facts, x, max_tensors, yscale)
-    description = json.dumps(
-        {
-            "x": x,
-            "panels": [list(p) for p in result.panels],
-            "tensors": list(result.tensors),
-            "yscales": list(result.yscales),
-            "styles": [list(s) for s in result.styles],
-        }
-    )
-    figure.savefig(output, format="png", dpi=DPI, metadata={"Description": description})
-    return dataclasses.replace(result, path=Path(output), metrics_left_out=left_out)
+    figure, result = trend_figure(rows, facts, x, max_tensors, yscale)
+    result = write_trends(figure, result, output)
+    return dataclasses.replace(result, metrics_left_out=left_out)
 
 
-__all__ = [
-    "DEFAULT_METRICS",
-    "PlotResult",
-    "build_figure",
-    "plot",
-    "plot_rows",
-]
+__all__ = ["DEFAULT_METRICS", "plot", "plot_rows"]

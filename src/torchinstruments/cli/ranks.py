@@ -24,7 +24,6 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,9 +34,10 @@ import polars as pl
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     NotARunError,
+    RankRun,
     RunFacts,
     locate,
-    rank_directories,
+    rank_runs,
     read_facts,
     scan_files,
     select,
@@ -50,8 +50,6 @@ from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 22
 TEXT_TENSORS = 60
-_RANK_NAME = re.compile(r"^rank-(\d+)$")
-_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 SPREAD_COLUMNS = (
     "layer",
@@ -86,66 +84,6 @@ DEPARTURE_COLUMNS = (
     "departing_values",
     "nearest_other",
 )
-
-
-@dataclass(frozen=True)
-class RankRun:
-    """One rank's run directory under a parent."""
-
-    rank: int
-    directory: Path
-
-
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """`"0,2-4"` -> `(0, 2, 3, 4)`; raises ValueError naming `--rank` on anything else."""
-    ranks: list[int] = []
-    for item in (i.strip() for i in text.split(",")):
-        found = _RANK_ITEM.match(item)
-        if not found:
-            raise ValueError(f"--rank {text!r}: expected ranks like 0 or 0,3 or 0-7")
-        low = int(found.group(1))
-        high = int(found.group(2)) if found.group(2) else low
-        if high < low:
-            raise ValueError(f"--rank {text!r}: the range {item} is empty")
-        ranks += [r for r in range(low, high + 1) if r not in ranks]
-    return tuple(ranks)
-
-
-def is_parent(directory: Path) -> bool:
-    """Whether `directory` holds no run itself but `rank-NNN/` run directories."""
-    directory = Path(directory).expanduser()
-    try:
-        locate(directory)
-    except NotARunError:
-        return bool(rank_directories(directory))
-    return False
-
-
-def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]:
-    """The parent's rank runs, all or those of `ranks` (in rank order).
-
-    Raises:
-        ValueError: if a rank asked for has no directory, naming the ranks there are.
-    """
-    parent = Path(parent).expanduser()
-    found = {
-        int(m.group(1)): d for d in rank_directories(parent) if (m := _RANK_NAME.match(d.name))
-    }
-    if ranks is None:
-        return [RankRun(r, found[r]) for r in sorted(found)]
-    missing = [r for r in ranks if r not in found]
-    if missing:
-        raise ValueError(
-            f"--rank: no rank directory for rank {', '.join(map(str, missing))} in {parent}; "
-            f"its ranks: {', '.join(map(str, sorted(found)))}"
-        )
-    return [RankRun(r, found[r]) for r in sorted(set(ranks))]
-
-
-def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
-    """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
-    each = [read_facts(run.directory) for run in runs]
-    return dataclasses.replace(each[0], directory=Path(parent).expanduser()), each
 
 
 # --- show: the spread across ranks -------------------------------------------------------------
@@ -539,13 +477,8 @@ __all__ = [
     "DEPARTURE_COLUMNS",
     "SPREAD_COLUMNS",
     "Departures",
-    "RankRun",
     "Spread",
     "departures",
-    "is_parent",
-    "parent_facts",
-    "parse_ranks",
-    "rank_runs",
     "render_departures",
     "render_spread",
     "spread",

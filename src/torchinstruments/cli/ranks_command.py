@@ -28,7 +28,7 @@ def add_rank_option(cmd: argparse.ArgumentParser) -> None:
 
 def _resolve(directory: Path, ranks: tuple[int, ...] | None) -> Path:
     """A parent with one rank chosen -> that rank's directory; anything else unchanged."""
-    from torchinstruments.cli.ranks import is_parent, rank_runs
+    from torchinstruments.cli.reader import is_parent, rank_runs
 
     if ranks is not None and len(ranks) == 1 and is_parent(directory):
         return rank_runs(directory, ranks)[0].directory
@@ -53,11 +53,12 @@ def run_on_ranks(
         ValueError: bad `--rank`, or a combination that names no run.
     """
     from torchinstruments.cli import ranks as multi
+    from torchinstruments.cli.reader import is_parent, parse_ranks, rank_runs
 
-    ranks = multi.parse_ranks(args.rank) if getattr(args, "rank", None) else None
+    ranks = parse_ranks(args.rank) if getattr(args, "rank", None) else None
     names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
     given = [getattr(args, n) for n in names if getattr(args, n) is not None]
-    parents = [d for d in given if multi.is_parent(d)]
+    parents = [d for d in given if is_parent(d)]
     if not parents:
         if ranks is not None:
             raise ValueError(
@@ -82,7 +83,7 @@ def run_on_ranks(
         setattr(args, names[0], _resolve(given[0], ranks))
         return run_single(args)
     parent = given[0]
-    runs = multi.rank_runs(parent, ranks)
+    runs = rank_runs(parent, ranks)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
         result = multi.spread(parent, chosen, ranks)  # type: ignore[arg-type]

@@ -2,8 +2,8 @@
 
 Design decision: both draw one tensor (layer, call, tensor path): the first, in traversal order,
 that `--layers` matches (the first tensor of the run without it), so an image of 64 ranks stays
-readable and reads only that tensor's rows from each rank. They reuse the single-run drawing
-code unchanged, with ranks where it has tensors: `plot` draws one line per rank (labelled
+readable and reads only that tensor's rows from each rank. They draw with the single-run
+drawing code (`pictures`, `pictures_grid`) unchanged, with ranks where it has tensors: `plot` draws one line per rank (labelled
 `rank N: tensor`) in each metric and signal panel; `heatmap` draws one image per metric with a
 row per rank and a column per sample (output and output_gradient side by side), the same four
 cell kinds (value, null, nonfinite, no row) as the single-run heatmap.
@@ -17,15 +17,22 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.cli import heatmap as single_heatmap
-from torchinstruments.cli import plot as single_plot
-from torchinstruments.cli.pictures import MISSING_MATPLOTLIB
-from torchinstruments.cli.ranks import RankRun, parent_facts, rank_runs
+from torchinstruments.cli.pictures import (
+    DEFAULT_MAX_TENSORS,
+    PlotResult,
+    matplotlib_missing,
+    trend_figure,
+    write_trends,
+)
+from torchinstruments.cli.pictures_grid import SCALES, HeatmapResult, build_grid, draw, file_name
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
+    RankRun,
     RunFacts,
     layer_order,
     metric_order,
+    parent_facts,
+    rank_runs,
     read_history,
     select,
 )
@@ -102,19 +109,16 @@ def plot_ranks(
     *,
     ranks: Sequence[int] | None = None,
     x: str = "sample_id",
-    max_tensors: int = single_plot.DEFAULT_MAX_TENSORS,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
     yscale: str = "linear",
-) -> tuple[single_plot.PlotResult, TensorId]:
+) -> tuple[PlotResult, TensorId]:
     """Draw one tensor's trends, one line per rank (at most `max_tensors` ranks), into a PNG."""
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
-    if yscale not in single_plot.YSCALES:
-        raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {single_plot.YSCALES}")
-    figure, result = single_plot.build_figure(rows, facts, x, max_tensors, yscale)
-    figure.savefig(output, format="png", dpi=single_plot.DPI)
-    return dataclasses.replace(result, path=Path(output)), tensor
+    figure, result = trend_figure(rows, facts, x, max_tensors, yscale)
+    return write_trends(figure, result, output), tensor
 
 
 def heatmap_ranks(
@@ -125,19 +129,17 @@ def heatmap_ranks(
     ranks: Sequence[int] | None = None,
     x: str = "sample_id",
     scale: str = "linear",
-) -> tuple[list[single_heatmap.HeatmapResult], TensorId]:
+) -> tuple[list[HeatmapResult], TensorId]:
     """One PNG per selected metric of one tensor: a row per rank, a column per sample.
 
     Files are `heatmap-ranks-<metric>.png` in `output_dir`.
     """
-    if scale not in single_heatmap.SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed: expected one of {single_heatmap.SCALES}")
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not allowed: expected one of {SCALES}")
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
-        raise single_heatmap.MatplotlibMissingError(
-            MISSING_MATPLOTLIB.replace(" plot ", " heatmap ")
-        ) from exc
+        raise matplotlib_missing("heatmap") from exc
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
@@ -154,9 +156,9 @@ def heatmap_ranks(
             x,
             "value",
         )
-        grid = single_heatmap.build_grid(cells, plain, metric, x)
-        name = single_heatmap.file_name(metric).replace("heatmap-", "heatmap-ranks-", 1)
-        results.append(single_heatmap.draw(grid, facts, Path(output_dir) / name, scale=scale))
+        grid = build_grid(cells, plain, metric, x)
+        name = file_name(metric).replace("heatmap-", "heatmap-ranks-", 1)
+        results.append(draw(grid, facts, Path(output_dir) / name, scale=scale))
     return results, tensor
 
 

@@ -23,6 +23,7 @@ only the selected layers, signals and metrics are decoded).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,8 @@ from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summa
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
 _ORDER = "_write_order"
-_RANK_DIR = re.compile(r"^rank-\d+$")
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 class NotARunError(FileNotFoundError):
@@ -429,20 +431,86 @@ def parse_list(text: str | None) -> list[str] | None:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+# --- a parent of rank-NNN/ runs (`rank_policy="all"`), read rank by rank ---------------------
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's run directory under a parent."""
+
+    rank: int
+    directory: Path
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`"0,2-4"` -> `(0, 2, 3, 4)`; raises ValueError naming `--rank` on anything else."""
+    ranks: list[int] = []
+    for item in (i.strip() for i in text.split(",")):
+        found = _RANK_ITEM.match(item)
+        if not found:
+            raise ValueError(f"--rank {text!r}: expected ranks like 0 or 0,3 or 0-7")
+        low = int(found.group(1))
+        high = int(found.group(2)) if found.group(2) else low
+        if high < low:
+            raise ValueError(f"--rank {text!r}: the range {item} is empty")
+        ranks += [r for r in range(low, high + 1) if r not in ranks]
+    return tuple(ranks)
+
+
+def is_parent(directory: Path) -> bool:
+    """Whether `directory` holds no run itself but `rank-NNN/` run directories."""
+    directory = Path(directory).expanduser()
+    try:
+        locate(directory)
+    except NotARunError:
+        return bool(rank_directories(directory))
+    return False
+
+
+def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]:
+    """The parent's rank runs, all or those of `ranks` (in rank order).
+
+    Raises:
+        ValueError: if a rank asked for has no directory, naming the ranks there are.
+    """
+    parent = Path(parent).expanduser()
+    found = {int(m.group(1)): d for d in rank_directories(parent) if (m := _RANK_DIR.match(d.name))}
+    if ranks is None:
+        return [RankRun(r, found[r]) for r in sorted(found)]
+    missing = [r for r in ranks if r not in found]
+    if missing:
+        raise ValueError(
+            f"--rank: no rank directory for rank {', '.join(map(str, missing))} in {parent}; "
+            f"its ranks: {', '.join(map(str, sorted(found)))}"
+        )
+    return [RankRun(r, found[r]) for r in sorted(set(ranks))]
+
+
+def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
+    """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
+    each = [read_facts(run.directory) for run in runs]
+    return dataclasses.replace(each[0], directory=Path(parent).expanduser()), each
+
+
 __all__ = [
     "SERIES_KEY",
     "TENSOR_KEY",
     "X_COLUMNS",
     "NotARunError",
+    "RankRun",
     "RunFacts",
     "RunFiles",
     "SelectionError",
     "check_selection",
+    "is_parent",
     "layer_order",
     "locate",
     "metric_order",
+    "parent_facts",
     "parse_list",
+    "parse_ranks",
     "rank_directories",
+    "rank_runs",
     "read_facts",
     "read_history",
     "runs_below",

@@ -37,18 +37,25 @@ from torchinstruments.cli.reader import (
     select,
     window_of,
 )
-from torchinstruments.cli.selection import Selection, facts_dict, ordered, summary
-from torchinstruments.cli.text import number, plural, render_frame, series_name, table
-from torchinstruments.records import OUTPUT
+from torchinstruments.cli.selection import (
+    SERIES_COLUMNS,
+    Selection,
+    facts_dict,
+    ordered,
+    summary,
+)
+from torchinstruments.cli.text import (
+    number,
+    plural,
+    render_frame,
+    series_name,
+    series_table,
+    several_calls,
+    signal_short,
+)
 
 COLUMNS = (
-    "layer",
-    "module_type",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "mode",
-    "metric",
+    *SERIES_COLUMNS,
     "mean_a",
     "mean_b",
     "difference",
@@ -224,7 +231,7 @@ def _span(first: int | None, last: int | None) -> str:
     return "none" if first is None else (str(first) if first == last else f"{first}-{last}")
 
 
-def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
+def extent_notes(c: Comparison) -> list[str]:
     """One line per tensor and signal whose samples differ between the runs (both have rows),
     in order of where they part: `side grad: sample_id 0-7 in A, 0-3 in B (B stops after 3)`."""
     both = c.frame.filter(pl.col("samples_a") > 0, pl.col("samples_b") > 0)
@@ -241,6 +248,7 @@ def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
         .sort("_parts", maintain_order=True)
     )
     lines = []
+    calls = several_calls(c.frame)
     for r in parted.iter_rows(named=True):
         what = []
         for tag, other in (("A", "b"), ("B", "a")):
@@ -249,9 +257,8 @@ def extent_notes(c: Comparison, several_calls: set[str]) -> list[str]:
                 what.append(f"{tag} starts at {r[f'first_{mine}']}")
             if r[f"last_{mine}"] < r[f"last_{other}"]:
                 what.append(f"{tag} stops after {r[f'last_{mine}']}")
-        signal = "out" if r["signal"] == OUTPUT else "grad"
         lines.append(
-            f"  {series_name(r, several_calls)} {signal}: {c.x} "
+            f"  {series_name(r, calls)} {signal_short(r['signal'])}: {c.x} "
             f"{_span(r['first_a'], r['last_a'])} in A, {_span(r['first_b'], r['last_b'])} in B "
             f"({', '.join(what)})"
         )
@@ -301,25 +308,18 @@ def _text(c: Comparison, width: int) -> str:
         return "\n".join([*lines, "", "(no rows match the selection)"])
     windows = c.frame.filter(pl.col("window_a") != pl.col("window_b"))
     headers = ["layer", "signal", "metric", "mean A", "mean B", "B - A", "first diff", "matched"]
-    numeric = [False, False, False, True, True, True, True, True]
-    several_calls = set(c.frame.filter(pl.col("call_index") > 0)["layer"].to_list())
-    rows = []
-    for r in c.frame.iter_rows(named=True):
+
+    def cells(r: dict[str, Any]) -> list[str]:
         first = r["first_difference"]
-        rows.append(
-            [
-                series_name(r, several_calls),
-                "out" if r["signal"] == OUTPUT else "grad",
-                r["metric"],
-                "absent" if r["samples_a"] == 0 else number(r["mean_a"]),
-                "absent" if r["samples_b"] == 0 else number(r["mean_b"]),
-                number(r["difference"]),
-                "-" if first is None else str(first),
-                str(r["matched_samples"]),
-            ]
-        )
-    whole = [False, False, True, False, False, False, False, False]
-    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole, wrap_first=True)]
+        return [
+            "absent" if r["samples_a"] == 0 else number(r["mean_a"]),
+            "absent" if r["samples_b"] == 0 else number(r["mean_b"]),
+            number(r["difference"]),
+            "-" if first is None else str(first),
+            str(r["matched_samples"]),
+        ]
+
+    lines += ["", *series_table(c.frame, headers, cells, width=width, wrap_first=True)]
     present = (pl.col("samples_a") > 0) & (pl.col("samples_b") > 0)
     no_finite = c.frame.filter(
         (pl.col("mean_a").is_null() & (pl.col("samples_a") > 0))
@@ -348,7 +348,7 @@ def _text(c: Comparison, width: int) -> str:
         )
     for note in notes:
         lines += textwrap.wrap(note, width)
-    parted = extent_notes(c, several_calls)
+    parted = extent_notes(c)
     if parted:
         lines += textwrap.wrap(
             f"series that stop or start in one run ({plural(len(parted), 'tensor')}, "

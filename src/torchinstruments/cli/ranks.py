@@ -28,6 +28,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -43,22 +44,21 @@ from torchinstruments.cli.reader import (
     select,
     window_of,
 )
-from torchinstruments.cli.selection import Selection, facts_dict, ordered, summary
-from torchinstruments.cli.text import number, plural, render_frame, series_name, table
-from torchinstruments.records import OUTPUT
+from torchinstruments.cli.selection import (
+    SERIES_COLUMNS,
+    Selection,
+    facts_dict,
+    ordered,
+    summary,
+)
+from torchinstruments.cli.text import number, plural, render_frame, series_table, several_calls
 from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 22
 TEXT_TENSORS = 60
 
 SPREAD_COLUMNS = (
-    "layer",
-    "module_type",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "mode",
-    "metric",
+    *SERIES_COLUMNS,
     "at",
     "ranks",
     "min",
@@ -70,13 +70,7 @@ SPREAD_COLUMNS = (
     "last_sample_id",
 )
 DEPARTURE_COLUMNS = (
-    "layer",
-    "module_type",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "mode",
-    "metric",
+    *SERIES_COLUMNS,
     "ranks",
     "matched_samples",
     "first_departure",
@@ -203,24 +197,17 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
         frame = frame.join(
             kept, on=["layer", "call_index", "tensor_path"], nulls_equal=True, maintain_order="left"
         )
-    several = set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
     headers = ["layer", "sig", "at", "min", "max", "far rank", "by"]
-    numeric = [False, False, False, True, True, True, True]
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        far = r["farthest_rank"]
+        far_rank = "-" if far is None else str(far)
+        return [number(r["min"]), number(r["max"]), far_rank, number(r["farthest_by"])]
+
+    calls = several_calls(frame)
     for metric in frame["metric"].unique(maintain_order=True).to_list():
-        rows = []
-        for r in frame.filter(pl.col("metric") == metric).iter_rows(named=True):
-            rows.append(
-                [
-                    series_name(r, several),
-                    "out" if r["signal"] == OUTPUT else "grad",
-                    r["at"],
-                    number(r["min"]),
-                    number(r["max"]),
-                    "-" if r["farthest_rank"] is None else str(r["farthest_rank"]),
-                    number(r["farthest_by"]),
-                ]
-            )
-        lines += ["", f"{metric}:", *table(headers, rows, numeric=numeric, width=width)]
+        part = frame.filter(pl.col("metric") == metric)
+        lines += ["", f"{metric}:", *series_table(part, headers, cells, width=width, calls=calls)]
     notes = [
         f"Across {plural(len(s.runs), 'rank')}: latest = each rank's value at its latest sample; "
         f"window = each rank's mean over its recent window of up to "
@@ -451,25 +438,18 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
     if d.frame.is_empty():
         return "\n".join([*lines, "", "(no rows match the selection)"])
-    several = set(d.frame.filter(pl.col("call_index") > 0)["layer"].to_list())
     headers = ["layer", "signal", "metric", "first dep", "ranks", "by", "matched"]
-    numeric = [False, False, False, True, True, True, True]
-    whole = [False, False, True, False, False, False, False]
-    rows = []
-    for r in d.frame.iter_rows(named=True):
+
+    def cells(r: dict[str, Any]) -> list[str]:
         first = r["first_departure"]
-        rows.append(
-            [
-                series_name(r, several),
-                "out" if r["signal"] == OUTPUT else "grad",
-                r["metric"],
-                "-" if first is None else str(first),
-                "-" if first is None else ranges(r["departing_ranks"]),
-                number(r["nearest_other"]),
-                str(r["matched_samples"]),
-            ]
-        )
-    lines += ["", *table(headers, rows, numeric=numeric, width=width, whole=whole)]
+        return [
+            "-" if first is None else str(first),
+            "-" if first is None else ranges(r["departing_ranks"]),
+            number(r["nearest_other"]),
+            str(r["matched_samples"]),
+        ]
+
+    lines += ["", *series_table(d.frame, headers, cells, width=width)]
     return "\n".join(lines)
 
 

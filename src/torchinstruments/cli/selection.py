@@ -26,16 +26,12 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.records import SIGNALS
 
-__all__ = ["COLUMNS", "Selection", "facts_dict", "ordered", "summary"]
+__all__ = ["COLUMNS", "SERIES_COLUMNS", "Selection", "facts_dict", "ordered", "summary"]
 
+# A series' key and its layer's module type: how every command's frame begins.
+SERIES_COLUMNS = ("layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric")
 COLUMNS = (
-    "layer",
-    "module_type",
-    "call_index",
-    "signal",
-    "tensor_path",
-    "mode",
-    "metric",
+    *SERIES_COLUMNS,
     "latest_value",
     "latest_sample_id",
     "latest_reason",

@@ -20,7 +20,14 @@ from torchinstruments.cli.reader import (
     metric_order,
 )
 from torchinstruments.cli.selection import facts_dict
-from torchinstruments.cli.text import number, plural, render_frame, table, tensor_label
+from torchinstruments.cli.text import (
+    number,
+    plural,
+    render_frame,
+    several_calls,
+    table,
+    tensor_label,
+)
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 
 
@@ -67,7 +74,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     # rarer than train ones: an eval series is not stale for ending before the last train one).
     latest_of = dict(frame.group_by("mode").agg(pl.col("latest_sample_id").max()).iter_rows())
     latest_all = frame["latest_sample_id"].max()
-    several_calls = set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
+    calls = several_calls(frame)
     signals = [s for s in SIGNALS if s in set(frame["signal"].to_list())]
     short = {OUTPUT: "out", OUTPUT_GRADIENT: "grad"}
     headers = ["layer", "type"]
@@ -84,7 +91,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
             cells = rows.setdefault(
                 key,
                 [
-                    tensor_label(*key, calls=r["layer"] in several_calls),
+                    tensor_label(*key, calls=r["layer"] in calls),
                     r["module_type"],
                     *(["-"] * (3 * len(signals))),
                 ],

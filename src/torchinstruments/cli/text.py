@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import polars as pl
+
+from torchinstruments.records import OUTPUT
 
 NUMBER_WIDTH = 10
 FORMATS = ("text", "csv", "json", "markdown")
@@ -29,6 +31,16 @@ def tensor_label(
     (a series of its own: never averaged with the train one)."""
     name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
     return name + ("" if mode == "train" else f" [{mode}]")
+
+
+def several_calls(frame: pl.DataFrame) -> set[str]:
+    """The layers of `frame` called more than once in a forward (their names carry `#call`)."""
+    return set(frame.filter(pl.col("call_index") > 0)["layer"].to_list())
+
+
+def signal_short(signal: str) -> str:
+    """`out` for output, `grad` for output_gradient: a table's signal column."""
+    return "out" if signal == OUTPUT else "grad"
 
 
 def series_name(row: dict[str, Any], several_calls: set[str]) -> str:
@@ -58,6 +70,31 @@ def shorten(text: str, width: int) -> str:
     if len(text) <= width:
         return text
     return "..." + text[len(text) - width + 3 :] if width > 3 else text[:width]
+
+
+def series_table(
+    frame: pl.DataFrame,
+    headers: Sequence[str],
+    cells: Callable[[dict[str, Any]], list[str]],
+    *,
+    width: int,
+    wrap_first: bool = False,
+    calls: set[str] | None = None,
+) -> list[str]:
+    """A row per series of `frame`: its tensor (`series_name`; `calls`: `several_calls`, by
+    default of `frame`), signal (`signal_short`), the third column's value (`metric` or `at`,
+    named by `headers[2]`), then `cells(row)`: numbers, right-aligned. A metric name is never
+    shortened. See `table`.
+    """
+    third = headers[2]
+    calls = several_calls(frame) if calls is None else calls
+    rows = [
+        [series_name(r, calls), signal_short(r["signal"]), str(r[third]), *cells(r)]
+        for r in frame.iter_rows(named=True)
+    ]
+    numeric = [False] * 3 + [True] * (len(headers) - 3)
+    whole = [False, False, third == "metric"] + [False] * (len(headers) - 3)
+    return table(headers, rows, numeric=numeric, width=width, whole=whole, wrap_first=wrap_first)
 
 
 def table(
@@ -160,7 +197,10 @@ __all__ = [
     "plural",
     "render_frame",
     "series_name",
+    "series_table",
+    "several_calls",
     "shorten",
+    "signal_short",
     "table",
     "tensor_label",
 ]

@@ -197,3 +197,43 @@ def test_host_edges_equal_the_device_edges_bit_for_bit() -> None:
             device = numerics.edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
             pack = [struct.pack("<d", v) for v in host]
             assert pack == [struct.pack("<d", v) for v in device], (low, high, bins)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    values=hnp.arrays(
+        dtype=st.sampled_from([np.float32, np.float64]),
+        shape=st.integers(1, 40),
+        elements={"allow_nan": True, "allow_infinity": True},
+    ),
+    bins=st.integers(1, 70),
+)
+def test_arrays_above_the_sort_limit_match_numpy(values: np.ndarray, bins: int) -> None:
+    """Above `order.SMALL` entries the host path bins by an arithmetic guess (checked on the
+    limits, corrected where it misses one): the counts are still numpy.histogram's."""
+    from torchinstruments.measurement import order
+
+    big = np.resize(values, order.SMALL + 1 + values.size)
+    record = histogram(torch.from_numpy(big), "host", bins)
+    if not np.isfinite(values).any():
+        assert record is None
+        return
+    assert record is not None
+    counts = np.array(record.bucket_counts)
+    if record.min != record.max:
+        edges = np.array([record.min, *record.bucket_limits])
+        finite = big[np.isfinite(big)].astype(np.float64)
+        assert counts.tolist() == np.histogram(finite, bins=edges)[0].astype(float).tolist()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.1, 1 / 3, 1e-30])
+def test_values_on_the_edges_are_binned_as_numpy_bins_them(scale: float) -> None:
+    """Integers (times `scale`) put many values exactly on an edge, where the guess can miss."""
+    rng = np.random.default_rng(3)
+    values = (rng.integers(-1000, 1001, 100_000) * scale).astype(np.float32)
+    for bins in (7, 64, 2000):
+        record = histogram(torch.from_numpy(values), "host", bins)
+        assert record is not None
+        assert_consistent(record, values)

@@ -285,33 +285,51 @@ def bin_counts(
     if ascending:
         below = np.concatenate([[0], np.searchsorted(values, limits), [values.size]])
         return np.diff(below).astype(np.float64)
-    low, high = float(bounds[0]), float(bounds[-1])
-    scale = bins / (high - low) if high > low else math.inf
-    if not _guess_is_exact(limits, low, scale):  # bins narrower than the guess resolves
+    low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
+    missed = _misguessed(limits, low, bins, span)
+    if missed is None:  # bins narrower than the guess resolves: a bisection per entry
         return np.bincount(np.searchsorted(limits, values, side="right"), minlength=bins) + 0.0
     counts = np.zeros(bins + 1, dtype=np.int64)
     buffer = np.empty(min(CHUNK, values.size))
-    for start in range(0, values.size, CHUNK):
-        piece = values[start : start + CHUNK]
+    for begin in range(0, values.size, CHUNK):
+        piece = values[begin : begin + CHUNK]
         guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
-        guess *= scale
-        counts += np.bincount(guess.astype(np.intp), minlength=bins + 1)
+        guess *= bins
+        guess /= span
+        index = guess.astype(np.intp)
+        counts += np.bincount(index, minlength=bins + 1)
+        for upper, up in missed:  # entries the guess put one bin off at this limit
+            limit = limits[upper - 1]
+            if up:
+                moved = np.count_nonzero((index == upper - 1) & (piece >= limit))
+            else:
+                moved = -np.count_nonzero((index == upper) & (piece < limit))
+            counts[upper - 1] -= moved
+            counts[upper] += moved
     counts[bins - 1] += counts[bins]  # the max (and what rounds up to its guess): the last bin
     return counts[:bins].astype(np.float64)
 
 
-def _guess_is_exact(limits: np.ndarray, low: float, scale: float) -> bool:
-    """Whether `int((x - low) * scale)` in float64, monotone in x, reaches each bin i exactly
-    from `limits[i - 1]` on for every x of the limits' dtype: checked on each limit and the
-    value below it, so the guess is the bin of every entry without reading one twice."""
-    if not math.isfinite(scale):
-        return False
+def _misguessed(
+    limits: np.ndarray, low: float, bins: int, span: float
+) -> list[tuple[int, bool]] | None:
+    """The limits i where the guess `int((x - low) * bins / span)` (float64, monotone in x;
+    exact where an edge is) is not the number of limits <= x for every x of their dtype, and
+    whether it falls short (True) or over: checked on each limit and the value below it. With
+    its neighbours guessed right, a missed limit's entries are one bin off, in the bins beside
+    it. None where misses are many or adjacent (bins as narrow as the guess resolves)."""
+    if not (math.isfinite(span) and span > 0 and math.isfinite(bins / span)):
+        return None
     steps = np.arange(1, limits.size + 1)
-    below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
     with np.errstate(over="ignore", invalid="ignore"):
-        at = np.subtract(limits, low, dtype=np.float64) * scale
-        under = np.subtract(below, low, dtype=np.float64) * scale
-    return bool(np.all(at >= steps) and np.all(under < steps))
+        at = np.subtract(limits, low, dtype=np.float64) * bins / span
+        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
+        under = np.subtract(below, low, dtype=np.float64) * bins / span
+    short = at < steps
+    missed = np.flatnonzero(short | (under >= steps))
+    if missed.size > 8 or np.any(np.diff(missed) == 1):
+        return None
+    return [(index + 1, bool(short[index])) for index in missed.tolist()]
 
 
 def histogram_vector(

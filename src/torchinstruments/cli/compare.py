@@ -34,7 +34,6 @@ from torchinstruments.cli.reader import (
     TENSOR_KEY,
     RunFacts,
     read_history,
-    select,
     window_of,
 )
 from torchinstruments.cli.selection import (
@@ -91,12 +90,7 @@ def _matched_values(directory: Path, selection: Selection, x: str) -> pl.DataFra
     return read_history(
         directory,
         lambda lf: (
-            select(
-                lf,
-                layers=selection.layers,
-                signals=selection.signals,
-                metrics=selection.metrics,
-            )
+            selection.rows(lf)
             .sort(x, "_write_order")
             .with_columns(_occurrence=pl.int_range(pl.len()).over(*SERIES_KEY, x))
             .select(*SERIES_KEY, x, "_occurrence", "value")

@@ -31,7 +31,6 @@ from torchinstruments.cli.reader import (
     metric_order,
     read_facts,
     read_history,
-    select,
 )
 from torchinstruments.cli.selection import Selection
 
@@ -45,9 +44,7 @@ def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
     return read_history(
         directory,
         lambda lf: (
-            select(
-                lf, layers=selection.layers, signals=selection.signals, metrics=selection.metrics
-            )
+            selection.rows(lf)
             .filter(pl.col(x).is_not_null())  # step: samples without one are left out
             .sort(x, "_write_order")
             .select(*TENSOR_KEY, "module_type", "metric", x, "value")

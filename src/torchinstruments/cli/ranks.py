@@ -41,7 +41,6 @@ from torchinstruments.cli.reader import (
     rank_runs,
     read_facts,
     scan_files,
-    select,
     window_of,
 )
 from torchinstruments.cli.selection import (
@@ -245,12 +244,7 @@ def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.Lazy
     """Every chosen rank's selected rows (series key, x, occurrence, rank, value), streamed."""
     frames = []
     for run in runs:
-        lf = select(
-            scan_files(locate(run.directory), write_order=False),
-            layers=selection.layers,
-            signals=selection.signals,
-            metrics=selection.metrics,
-        )
+        lf = selection.rows(scan_files(locate(run.directory), write_order=False))
         frames.append(lf.with_columns(rank=pl.lit(run.rank, pl.Int64)))
     return pl.concat(frames, how="vertical")
 

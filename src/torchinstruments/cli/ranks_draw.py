@@ -53,16 +53,7 @@ def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection
         [
             read_history(
                 run.directory,
-                lambda lf: (
-                    select(
-                        lf,
-                        layers=selection.layers,
-                        signals=selection.signals,
-                        metrics=selection.metrics,
-                    )
-                    .select(keys)
-                    .unique()
-                ),
+                lambda lf: selection.rows(lf).select(keys).unique(),
                 write_order=False,
             )
             for run in runs

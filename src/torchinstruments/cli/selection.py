@@ -54,6 +54,10 @@ class Selection:
     metrics: tuple[str, ...] | None = None
     window: int | None = None
 
+    def rows(self, lf: pl.LazyFrame) -> pl.LazyFrame:
+        """The rows of `lf` this selection chooses, never marker rows (`reader.select`)."""
+        return select(lf, layers=self.layers, signals=self.signals, metrics=self.metrics)
+
 
 def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
     """Rows in traversal order of layers, then call, signal, tensor path, mode (train first),
@@ -80,15 +84,7 @@ def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFra
     window = window_of(facts, selection.window)
     frame = read_history(
         directory,
-        lambda lf: summarize_series(
-            select(
-                lf,
-                layers=selection.layers,
-                signals=selection.signals,
-                metrics=selection.metrics,
-            ),
-            window,
-        ),
+        lambda lf: summarize_series(selection.rows(lf), window),
     )
     marked = pl.col("latest_sample_id").is_in(list(facts.marked), nulls_equal=False)
     frame = frame.with_columns(latest_marked=marked.fill_null(False))

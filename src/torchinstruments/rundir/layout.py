@@ -195,17 +195,24 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
     return pl.scan_parquet(paths, schema=HISTORY_SCHEMA, glob=False)
 
 
-# history.parquet's Parquet layout (`sink_history`), measured on bench/removal.py's `chain`
-# (1 M rows) in bytes per row: Polars' defaults 1.49; 2**17-row groups with 1 MiB pages 1.48,
-# with 4 MiB pages 1.27; 2**18-row groups with 4 MiB pages 1.10. The gain is in `value` and
-# `timestamp`, whose values repeat (counts; one timestamp per tensor for each of its metrics):
-# dictionary-encoded, as we read it, only while a row group's dictionary fits in a page (up to
-# 8 bytes a row for a 64-bit column; 4 MiB is 32), and each row group holds its own dictionary,
-# so larger groups compress better. But the merge holds a row group in memory while it writes
-# it (+117 MiB at 2**18 against +68 at 2**17 on that run), and readers decode one at a time.
-# Writing costs about 3% more CPU than with Polars' defaults.
-HISTORY_ROW_GROUP_ROWS = 2**17
-HISTORY_PAGE_BYTES = 2**22
+# history.parquet's Parquet layout (`sink_history`). Polars (2.1) compresses each page on its own
+# with zstd and picks the encodings itself: `value` (Float64) is always PLAIN, the integer
+# columns and strings dictionary-encoded per row group. A sample repeats most of the previous
+# one's values (counts, zero fractions, layers that no longer change), and zstd finds those
+# repeats only inside one page, so a row group whose every column is one page (HISTORY_PAGE_BYTES
+# holds 2**18 rows of up to 64 bytes) pays for a new value once per row group. `timestamp` (one
+# per tensor, shared by its metrics) is a dictionary plus one run per tensor, whatever the
+# layout: about 0.39 bytes a row on the chain below, the most of any column after `value`.
+# Measured on bench/removal.py's `chain` (1 M rows, 18k series), bytes per row: Polars' defaults
+# 1.49; 2**17-row groups with 4 MiB pages 1.26 (value 0.80, timestamp 0.39); 2**18 rows with
+# 16 MiB pages 1.08 (0.65, 0.39); 2**19 rows 1.00 (0.58, 0.39); the whole file as one group
+# 0.99 (0.55, 0.44). Its `deep` case (60 steps, 3.2 M rows): 1.53 at 2**17, 1.12 at 2**18.
+# Larger groups cost memory: the merge holds a row group while it encodes it (alone, +99..117
+# MiB at 2**17, +139..161 at 2**18), and every reader decodes one at a time. On the chain,
+# removal's peak (about +200 MiB, the summary's) rose by 16 to 41 MiB at 2**18 (medians of three
+# sessions) and to +360..430 MiB at 2**19. docs/benchmarks.md has the figures.
+HISTORY_ROW_GROUP_ROWS = 2**18
+HISTORY_PAGE_BYTES = 2**24
 
 
 def sink_history(lf: pl.LazyFrame, target: Path, metadata: dict[str, str] | None = None) -> None:

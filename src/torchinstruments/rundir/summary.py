@@ -73,11 +73,11 @@ from torchinstruments.rundir.windows import (
     window_summaries,
 )
 
-# Rows read at a time by the summary (see `_series_summary`): two whole row groups of
+# Rows read at a time by the summary (see `_series_summary`): one whole row group of
 # history.parquet, so no row group is decoded for two chunks. Measured (bench/removal.py, deep
 # case, 10 M rows, 54k series): result.json in 4.3 s of CPU at 2**18 rows, 5.5 s at 2**17, and
 # 4.3 s at 2**19 for a higher peak.
-SUMMARY_CHUNK_ROWS = 2 * HISTORY_ROW_GROUP_ROWS
+SUMMARY_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS
 
 
 def _encode(value: object) -> str:

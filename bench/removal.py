@@ -13,6 +13,9 @@ the removal alone, over the RSS just before it (`VmRSS`). Cases:
 * `chain`: 512 x (`Linear(16,16)`, `Tanh`) = 1,024 layers, batch 8, SGD, 55 steps: 1,013,760
   rows, 18,432 series (layers x 2 signals x 9 metrics), `HistoryConfig(buffer_rows=8192)`,
   8 focus layers. The case of the issue, also run with the peer.
+* `skips`: the chain's 512 blocks (`Linear(16,16)`, `Tanh`), a quarter of them run on every
+  third forward only and a quarter only on the first 20, 55 steps: series that skip samples or
+  stop, whose windows are read back from the end of history (`rundir.windows`' second read).
 * `deep`: 1,000 x (`Linear(8,8)`, `ReLU`, `LayerNorm(8)`) = 3,000 layers, batch 4, SGD; with
   `--steps 186` about 10 M rows and 54,000 series.
 
@@ -28,7 +31,7 @@ checkout's torch and polars:
     echo "$PWD/.venv/lib/python3.11/site-packages" \
         > /tmp/peer-venv/lib/python3.11/site-packages/_deps.pth
 
-Run: `uv run bench/removal.py [--case chain|deep|all] [--repeats 3] [--peer-python PY]`.
+Run: `uv run bench/removal.py [--case chain|skips|deep|all] [--repeats 3] [--peer-python PY]`.
 Figures: medians over repeats with min..max; the machine may be shared (say so).
 """
 
@@ -61,6 +64,24 @@ if case == "chain":
     for _ in range(512):
         layers += [nn.Linear(16, 16), nn.Tanh()]
     model, x = nn.Sequential(*layers), torch.randn(8, 16)
+elif case == "skips":
+    class Skips(nn.Module):
+        # The chain's blocks, some run on some forwards only: series that skip samples, or stop.
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(512))
+            self.calls = 0
+
+        def forward(self, x):
+            k, self.calls = self.calls, self.calls + 1
+            for i, block in enumerate(self.blocks):
+                if (i % 4 == 1 and k % 3) or (i % 4 == 2 and k >= 20):
+                    continue
+                x = block(x)
+            return x
+
+    model, x = Skips(), torch.randn(8, 16)
 else:
     layers = []
     for _ in range(1000):
@@ -106,7 +127,7 @@ print(json.dumps({"train_s": train_s, "remove_s": remove_s, "remove_cpu": remove
                   "rss_before": before, "peak": peak}))
 """
 
-CASES = {"chain": 55, "deep": 186}
+CASES = {"chain": 55, "deep": 186, "skips": 55}
 
 
 def run_child(

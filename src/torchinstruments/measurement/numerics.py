@@ -16,10 +16,13 @@ tensors alike, so host and device run the same IEEE operations in the same order
   the reported edges as `numpy.histogram` bins them, however narrow the bins.
 
 Paths (`paths.choose` decides): `measure_on_cpu`, `measure_batch_on_cpu` and `segment_profiles`
-(the same arrays, so the same bits), `raw_on_device`. One large CPU tensor is read four times:
-finiteness, zeros, the moments' first pass (which also feeds the selection's brackets and the
-min and max, `order.HostSelection`), and the deviations; plus a random sample. A non-finite
-result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
+(the same arrays, so the same bits), `raw_on_device`. A finite CPU tensor above `order.SMALL`
+entries is read four times (`tests/test_reads.py` counts them): finiteness, zeros, the moments'
+first pass (which also feeds the selection's brackets and the min and max,
+`order.HostSelection`) and the deviations, plus a random sample of `order.SAMPLE` entries; a
+focus tensor's histogram is one pass more. A tensor with non-finite entries is read three times
+(finiteness, a copy of its finite entries, zeros) and the passes after read the copy. A
+non-finite result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "finish_moments",
     "histogram_vector",
     "lerp",
+    "measure_array",
     "measure_batch_on_cpu",
     "measure_on_cpu",
     "metric_value",
@@ -181,9 +185,10 @@ def segment_sums(
     inverse = 1.0 / scale
     sums = np.zeros(counts.size)
     for lo, hi, first, last, local in pieces:  # float64 sums of float64 pieces: no buffering
+        chunk = values[lo:hi]
         if visit is not None:
-            visit(values[lo:hi])
-        piece = values[lo:hi].astype(np.float64) if scale == 1.0 else values[lo:hi] * inverse
+            visit(chunk)
+        piece = chunk.astype(np.float64) if scale == 1.0 else chunk * inverse
         sums[first:last] += np.add.reduceat(piece, local)
     means = sums / counts
     squares = np.zeros(counts.size)
@@ -441,7 +446,11 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
-    array = flat.numpy()
+    return measure_array(flat.numpy(), wanted, bins)
+
+
+def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
+    """`measure_on_cpu` of a flat float32/float64 array (its reads: see the module docstring)."""
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0

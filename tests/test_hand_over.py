@@ -1,5 +1,5 @@
-"""Fast paths hand over: what the NumPy sort or the small-tensor batch cannot take (or fails on)
-is measured by the general path, and a failure stays in its own tensor's rows."""
+"""Fast paths hand over: what the NumPy path cannot take (or fails on) is measured by the
+general path, and a failure stays in its own tensor's rows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement import numerics
-from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
+from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import MetricValue
 
 from conftest import Wrapped, assert_matches_numpy, read_history
@@ -26,62 +26,15 @@ def resolved(measurer: Measurer, reduction: PendingReduction) -> dict[str, Metri
     return dict(zip(measurer.metrics, values, strict=True))
 
 
-def small_tensors(count: int) -> list[torch.Tensor]:
-    """Distinct small float32 tensors, each batched when launched deferred."""
-    return [torch.randn(50 + index) * (index + 1) for index in range(count)]
-
-
 def test_a_subclass_among_small_tensors_leaves_the_plain_ones_measured() -> None:
     measurer = Measurer(None)
-    plain = small_tensors(numerics.BATCH_MIN + 1)
+    plain = [torch.randn(50 + index) * (index + 1) for index in range(5)]
     wrapped = Wrapped(torch.randn(40))
-    launched = [measurer.launch(t, defer=True) for t in [*plain, wrapped]]
-    settle(launched)
+    launched = [measurer.launch(t) for t in [*plain, wrapped]]
     for tensor, reduction in zip(plain, launched[:-1], strict=True):
         assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
     # a subclass is measured by the general path, through its own dispatch
     assert_matches_numpy(resolved(measurer, launched[-1]), wrapped.plain.numpy())
-
-
-def test_a_failing_batch_measures_each_tensor_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("batch broke")
-
-    monkeypatch.setattr(numerics, "measure_batch_on_cpu", broken)
-    measurer = Measurer(None)
-    tensors = small_tensors(numerics.BATCH_MIN + 2)
-    launched = [measurer.launch(t, defer=True) for t in tensors]
-    settle(launched)
-    for tensor, reduction in zip(tensors, launched, strict=True):
-        assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
-
-
-def test_a_failure_stays_in_its_own_tensors_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = numerics.measure_on_cpu
-
-    def fails_on_the_marked_tensor(tensor: torch.Tensor, *args: object) -> object:
-        if tensor.reshape(-1)[0].item() == 12345.0:
-            raise RuntimeError("this tensor broke")
-        return original(tensor, *args)  # type: ignore[arg-type]
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("batch broke")
-
-    monkeypatch.setattr(numerics, "measure_batch_on_cpu", broken)
-    monkeypatch.setattr(numerics, "measure_on_cpu", fails_on_the_marked_tensor)
-    measurer = Measurer(None)
-    tensors = small_tensors(numerics.BATCH_MIN + 2)
-    tensors[2][0] = 12345.0
-    launched = [measurer.launch(t, defer=True) for t in tensors]
-    settle(launched)
-    for index, (tensor, reduction) in enumerate(zip(tensors, launched, strict=True)):
-        got = resolved(measurer, reduction)
-        if index == 2:
-            assert {m.reason for m in got.values()} == {
-                "statistics error: RuntimeError: this tensor broke"
-            }
-        else:
-            assert_matches_numpy(got, tensor.numpy())
 
 
 def test_the_sort_path_hands_what_it_fails_on_to_the_general_path(

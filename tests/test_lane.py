@@ -2,7 +2,7 @@
 
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
 arrays (`numerics.segment_profiles`) and records them as a `MeasurementBlock`. These tests hold
-it to the general path's values (the NumPy batch followed by `DefaultDeriver`, itself held to
+it to the general path's values (the NumPy path followed by `DefaultDeriver`, itself held to
 NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
 existing: few objects for the garbage collector per measured tensor.
 """
@@ -32,17 +32,14 @@ SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4
 
 
 def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
-    """The default profiles of a batch as the general path's NumPy batch and deriver give them.
-
-    The same batch on both sides: a segment's float64 sum is summed pairwise when it is the
-    only one and in order among several, which may differ in the last bit.
-    """
+    """The default profiles of the copies as the NumPy path and its deriver give them, one
+    tensor at a time (each within one moments chunk, as the lane's batch is)."""
     wanted = frozenset(DEFAULT_METRICS)
-    segments = [torch.from_numpy(copy) for copy in copies]
-    results = numerics.measure_batch_on_cpu(segments, wanted, [None] * len(copies))
     return [
-        numerics.DefaultDeriver(copy.size, wanted)(result.raw)
-        for copy, result in zip(copies, results, strict=True)
+        numerics.DefaultDeriver(copy.size, wanted)(
+            numerics.measure_on_cpu(torch.from_numpy(copy), wanted, None).raw
+        )
+        for copy in copies
     ]
 
 

@@ -1,9 +1,8 @@
 """Statistics and histograms of the same tensor on every reduction path, against NumPy.
 
-Paths: the CPU as configured (`numerics.measure_on_cpu`: one NumPy sort), the same with tiny
-moment chunks (so a segment spanning chunks runs on small inputs), the CPU batch of small tensors
-(`Measurer.launch(defer=True)` + `settle`), the batch with tiny chunks, the general path (forced
-on the CPU, as every non-CPU device runs it) and the general path on a tensor subclass
+Paths: the CPU as configured (`numerics.measure_on_cpu`: selection, or a sort of at most
+`order.SMALL` entries), the same with tiny moment chunks (so a tensor spans many chunks), the
+general path (forced on the CPU, as every non-CPU device runs it) and the general path on a tensor subclass
 (`conftest.Wrapped`, which the fast paths hand over). Every metric is compared with NumPy (order
 statistics and fractions exactly, moments to 1e-9) and every histogram bin with `numpy.histogram`
 on the edges reported.
@@ -23,12 +22,12 @@ from hypothesis.extra import numpy as hnp
 
 from torchinstruments.measurement import numerics
 from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
-from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
+from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import HistogramRecord, MetricValue
 
 from conftest import NoHostSync, Wrapped, assert_matches_numpy
 
-PATHS = ("cpu", "cpu_chunked", "cpu_batched", "cpu_batched_chunked", "device", "subclass")
+PATHS = ("cpu", "cpu_chunked", "device", "subclass")
 ORDER_METRICS = ("min", "max", "p25", "p50", "p75")
 
 
@@ -38,8 +37,6 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     name = request.param
     if name.endswith("chunked"):
         monkeypatch.setattr(numerics, "CHUNK", 97)
-    if name.startswith("cpu_batched"):  # the segmented pass even for one tensor
-        monkeypatch.setattr(numerics, "BATCH_MIN", 1)
     return name
 
 
@@ -53,14 +50,13 @@ def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHi
         return pending
     if path == "subclass":
         return measurer.launch_with_histogram(Wrapped(tensor))
-    return measurer.launch_with_histogram(tensor, defer=path.startswith("cpu_batched"))
+    return measurer.launch_with_histogram(tensor)
 
 
 def resolve(
     measurer: Measurer, reduction: PendingReduction, histogram: PendingHistogram
 ) -> tuple[dict[str, MetricValue], HistogramRecord | None]:
     """Both halves, as `transfer.build_records` runs them."""
-    settle([reduction])
     vector = reduction.device_vector
     values = reduction.resolve([] if vector is None else vector.tolist())
     hist_vector = histogram.device_vector
@@ -198,11 +194,11 @@ def test_empty_tensor_on_every_path(path: str) -> None:
 
 
 @pytest.mark.parametrize("chunk", [numerics.CHUNK, 97], ids=["one_chunk", "segments_across_chunks"])
-def test_a_batch_of_mixed_tensors_matches_numpy(
+def test_a_samples_mixed_tensors_match_numpy_as_they_were_at_launch(
     chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Many small tensors reduced together, as one sampled forward's: each still matches NumPy
-    (also when the moments' chunks cut through segments)."""
+    """Many small tensors of mixed dtypes, as one sampled forward's: each matches NumPy on its
+    values at launch (also when the moments' chunks are tiny)."""
     monkeypatch.setattr(numerics, "CHUNK", chunk)
     rng = np.random.default_rng(11)
     batch: list[torch.Tensor] = []
@@ -211,11 +207,10 @@ def test_a_batch_of_mixed_tensors_matches_numpy(
         batch.append(torch.from_numpy(values).to(dtype))
     batch += [torch.zeros(0), torch.tensor([math.nan]), torch.arange(10, dtype=torch.int16)]
     measurer = Measurer(None)
-    launched = [measurer.launch_with_histogram(t, defer=True) for t in batch]
+    launched = [measurer.launch_with_histogram(t) for t in batch]
     before = [t.clone() for t in batch]
     for t in batch:  # later in-place changes must not reach what was measured at launch
         t.mul_(2) if t.is_floating_point() else None
-    settle([reduction for reduction, _ in launched])
     for tensor, original, (reduction, histogram) in zip(batch, before, launched, strict=True):
         got, record = resolve(measurer, reduction, histogram)
         if original.numel() == 0:
@@ -226,21 +221,6 @@ def test_a_batch_of_mixed_tensors_matches_numpy(
             continue
         assert_histogram(record, reference(original))
         del tensor
-
-
-def test_batch_ops_do_not_grow_with_the_number_of_tensors() -> None:
-    """The segmented pass runs a fixed number of torch ops, however many tensors it reduces
-    (from `BATCH_MIN` tensors on; fewer are measured one by one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def ops(count: int) -> int:
-        measurer = Measurer(None)
-        launched = [measurer.launch(torch.randn(64), defer=True) for _ in range(count)]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            settle(launched)
-        return sum(1 for event in prof.events() or [] if event.cpu_parent is None)
-
-    assert ops(40) == ops(numerics.BATCH_MIN)
 
 
 @settings(

@@ -135,7 +135,7 @@ def reduce_histogram(
             detached = tensor.detach()
             if tensors.unsupported_reason(detached) is not None or detached.numel() == 0:
                 return PendingHistogram(None, bins)
-            path = paths.choose(detached, host_paths=host_paths, lane_ok=False, defer=False)
+            path = paths.choose(detached, host_paths=host_paths, lane_ok=False)
             if path == "host":
                 try:
                     vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram

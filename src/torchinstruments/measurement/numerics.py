@@ -1,13 +1,13 @@
 """The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
-Each family is written once and used by every path (one CPU tensor, a batch of small CPU
+Each family is written once and used by every path (one CPU tensor, the lane's batch of small CPU
 tensors, the general path on any device); "generic" functions take NumPy arrays or torch
 tensors alike, so host and device run the same IEEE operations in the same order:
 
 * Quantiles (`quartile_positions`, `lerp`): the two order statistics around each quartile and
-  NumPy's "linear" interpolation. The order statistics come from selection (`order`, linear
-  time) or, for a batch of small tensors (at most `BATCH_MAX` entries each), from one sort of
-  the batch's keys (`sorted_segments`).
+  NumPy's "linear" interpolation. The order statistics come from `order.HostSelection`
+  (selection in linear time above `order.SMALL` entries, a sort below), `order.on_device`, or,
+  for the lane's small tensors, one sort of the batch's keys (`sorted_segments`).
 * Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
   device): a corrected two-pass algorithm in float64, float64 inputs scaled by a power of two
   (exact), so neither a variance nor a sum of huge values overflows into a null.
@@ -15,8 +15,8 @@ tensors alike, so host and device run the same IEEE operations in the same order
   working-dtype value >= it and an entry's bin is the number of those <= it, so counts agree with
   the reported edges as `numpy.histogram` bins them, however narrow the bins.
 
-Paths (`paths.choose` decides): `measure_on_cpu`, `measure_batch_on_cpu` and `segment_profiles`
-(the same arrays, so the same bits), `raw_on_device`. A finite CPU tensor above `order.SMALL`
+Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `segment_profiles` (the same
+arrays, so the same bits), `raw_on_device`. A finite CPU tensor above `order.SMALL`
 entries is read four times (`tests/test_reads.py` counts them): finiteness, zeros, the moments'
 first pass (which also feeds the selection's brackets and the min and max,
 `order.HostSelection`) and the deviations, plus a random sample of `order.SAMPLE` entries; a
@@ -28,9 +28,7 @@ non-finite result is null with the reason "non-finite result"; -0.0 is reported 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +41,6 @@ from torchinstruments.records import MetricValue
 
 __all__ = [
     "BATCH_MAX",
-    "BATCH_MIN",
     "CHUNK",
     "FINITE_METRICS",
     "PROFILE",
@@ -57,7 +54,6 @@ __all__ = [
     "histogram_vector",
     "lerp",
     "measure_array",
-    "measure_batch_on_cpu",
     "measure_on_cpu",
     "metric_value",
     "quartile_positions",
@@ -399,46 +395,6 @@ def _host_arrays(
     return out
 
 
-def _results(
-    values: np.ndarray,
-    counts: Sequence[int],
-    zeros: Sequence[float],
-    wanted: frozenset[str],
-    bins: Sequence[int | None],
-    select: order.HostSelection,
-) -> list[CpuResult]:
-    """The results of every segment of finite `values` (`counts` long each, maybe 0); the
-    histograms count `select.ordered`, the same segments ascending, where it is known."""
-    starts = list(itertools.accumulate(counts, initial=0))[:-1]
-    present = [index for index, count in enumerate(counts) if count]
-    rows: dict[int, dict[str, float]] = {}
-    if present:
-        chosen = np.array([starts[i] for i in present]), np.array([counts[i] for i in present])
-        arrays = _host_arrays(values, *chosen, wanted, select)
-        columns = {name: column.tolist() for name, column in arrays.items()}
-        rows = {i: {k: v[row] for k, v in columns.items()} for row, i in enumerate(present)}
-    ordered = select.ordered
-    results: list[CpuResult] = []
-    for index, count in enumerate(counts):
-        raw = {"zeros": float(zeros[index]), "finite": float(count), **rows.get(index, {})}
-        histogram = None
-        if bins[index]:
-            segment = (values if ordered is None else ordered)[starts[index] :][:count]
-            histogram = _host_histogram(segment, raw, bins[index] or 1, ordered is not None)
-        results.append(CpuResult(raw, histogram))
-    return results
-
-
-def _host_histogram(
-    values: np.ndarray, raw: dict[str, float], bins: int, ascending: bool
-) -> list[float]:
-    """The histogram vector of one segment of finite values (all zeros when it is empty)."""
-    if values.size == 0:
-        return [0.0] * (5 + 2 * bins + 1)
-    head = (values.size, raw["sum"], raw["sum_squares"])
-    return histogram_vector(values, raw["min"], raw["max"], head, bins, None, ascending)
-
-
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
     order statistics selected (`order.HostSelection`, which sorts at most `order.SMALL`
@@ -454,29 +410,27 @@ def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
+    raw = {"zeros": zeros, "finite": float(values.size)}
+    if values.size == 0:
+        return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
     select = order.HostSelection(values)
-    return _results(values, [values.size], [zeros], wanted, [bins], select)[0]
+    arrays = _host_arrays(values, np.zeros(1, np.int64), np.array([values.size]), wanted, select)
+    raw.update((name, float(column[0])) for name, column in arrays.items())
+    if not bins:
+        return CpuResult(raw, None)
+    ordered = select.ordered  # a sorted copy (at most order.SMALL entries) counts by bisection
+    head = (values.size, raw["sum"], raw["sum_squares"])
+    counted = values if ordered is None else ordered
+    vector = histogram_vector(
+        counted, raw["min"], raw["max"], head, bins, None, ordered is not None
+    )
+    return CpuResult(raw, vector)
 
 
-# Tensors of at most BATCH_MAX entries are copied and reduced together at the end of a sample
-# when at least BATCH_MIN want the same metrics (`uv run bench/small_tensors.py`).
+# The small-tensor lane (`lane`) takes float32 tensors of at most BATCH_MAX entries.
 BATCH_MAX = 1 << 10
-BATCH_MIN = 4
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
-
-
-def measure_batch_on_cpu(
-    segments: Sequence[torch.Tensor], wanted: frozenset[str], bins: Sequence[int | None]
-) -> list[CpuResult]:
-    """`measure_on_cpu` of many small flat float32 tensors (non-empty 1-D CPU copies the caller
-    owns; `bins`: per segment, its histogram's bin count or None), in a fixed number of calls."""
-    count = len(segments)
-    lengths = np.fromiter((segment.numel() for segment in segments), dtype=np.int64, count=count)
-    values = (torch.cat(list(segments)) if count > 1 else segments[0]).numpy()  # one torch op
-    ordered, finite, counts, zeros = sorted_segments(values, lengths)
-    select = order.HostSelection(finite, ordered)
-    return _results(finite, counts.tolist(), zeros.tolist(), wanted, bins, select)
 
 
 def sorted_segments(
@@ -512,7 +466,7 @@ def sorted_segments(
 def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The default profile of every float32 segment of `values` as a (segments, 9) float64
     array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
-    0, else "non-finite result"): `measure_batch_on_cpu` and `DefaultDeriver`'s numbers, bit for
+    0, else "non-finite result"): `measure_on_cpu` and `DefaultDeriver`'s numbers, bit for
     bit (the same `_host_arrays`), without Python work per segment."""
     ordered, in_order, finite, zeros = sorted_segments(values, lengths)
     profile = np.full((lengths.size, len(PROFILE)), np.nan)

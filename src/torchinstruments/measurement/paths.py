@@ -1,7 +1,7 @@
 """Which path measures a tensor's default profile: the one decision, for every caller.
 
-Cheapest first: the small-tensor lane (`lane`), the deferred batch of small CPU tensors
-(`reducers.settle`), one CPU tensor in NumPy (`numerics.measure_on_cpu`), and the general path
+Cheapest first: the small-tensor lane (`lane`, a sample's small float32 CPU tensors measured
+together), one CPU tensor in NumPy (`numerics.measure_on_cpu`), and the general path
 (`numerics.raw_on_device`, on the tensor's device, no sync) that every fast path hands over to.
 `host_paths=False` (a parameter of `reducers.Measurer` and `histograms.reduce_histogram`, not a
 module global) sends every tensor to the general path, as on a GPU.
@@ -13,25 +13,18 @@ from typing import Literal
 
 import torch
 
-from torchinstruments.measurement import lane, numerics, tensors
+from torchinstruments.measurement import lane, tensors
 
 __all__ = ["Path", "choose"]
 
-Path = Literal["lane", "batch", "host", "general"]
+Path = Literal["lane", "host", "general"]
 
 
-def choose(tensor: torch.Tensor, *, host_paths: bool, lane_ok: bool, defer: bool) -> Path:
+def choose(tensor: torch.Tensor, *, host_paths: bool, lane_ok: bool) -> Path:
     """The path of `tensor`: `lane_ok` when the default profile is the only reducer and the
-    layer is not a focus layer, `defer` when a small tensor may wait for the sample's batch."""
+    layer is not a focus layer."""
     if lane_ok and host_paths and lane.takes(tensor):  # the hot case first: checked per tensor
         return "lane"
     if not host_paths or not tensors.host_path_takes(tensor):
         return "general"
-    if (
-        defer
-        and 0 < tensor.numel() <= numerics.BATCH_MAX
-        and tensors.unsupported_reason(tensor) is None
-        and tensors.working_dtype(tensor.dtype) == torch.float32
-    ):
-        return "batch"
     return "host"

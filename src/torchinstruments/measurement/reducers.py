@@ -9,9 +9,8 @@ returns a `PendingReduction` whose `device_vector` holds what must cross to the 
 `transfer` moves the vectors of one sampled forward with ONE transfer and calls
 `PendingReduction.resolve`. Measurable tensors and working dtypes are `tensors`' rule, the path
 `paths.choose`'s. `launch_with_histogram` counts a focus tensor's histogram with the statistics'
-own min, max and sums; on the CPU, `launch(defer=True)` copies a small tensor (at most
-`numerics.BATCH_MAX` entries, as it was at the layer's return) so that `settle` reduces a
-sample's small tensors together (`bench/ops.py`: a fixed number of torch ops per sample).
+own min, max and sums. A sample's small plain tensors are measured together by the lane
+(`lane`), before any reducer is launched.
 """
 
 from __future__ import annotations
@@ -140,48 +139,23 @@ class _Part:
         return tuple(out)
 
 
-@dataclass(slots=True)
-class _Deferred:
-    """A small CPU tensor's default profile, copied at launch and reduced later by `settle`."""
-
-    values: torch.Tensor
-    wanted: frozenset[str]
-    host: dict[str, float]
-    bins: int | None = None
-    histogram: PendingHistogram | None = None
-    settled: bool = False
-    error: str | None = None
-
-
 class PendingReduction:
     """One tensor's result: `device_vector` (1-D float64 on its device, or None) holds what must
     cross to the host; `resolve` finishes it after the sample's single transfer."""
 
-    __slots__ = ("_deferred", "_parts", "_size", "device_vector")
+    __slots__ = ("_parts", "_size", "device_vector")
 
-    def __init__(
-        self,
-        device_vector: torch.Tensor | None,
-        parts: Sequence[_Part],
-        deferred: _Deferred | None = None,
-    ) -> None:
+    def __init__(self, device_vector: torch.Tensor | None, parts: Sequence[_Part]) -> None:
         self.device_vector = device_vector
         self._parts = tuple(parts)
         self._size = 0 if device_vector is None else int(device_vector.numel())
-        self._deferred = deferred
 
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
         """One `MetricValue` per name in `Measurer.metrics` from `host_values`
         (`device_vector.tolist()`, or empty when it is None). Never raises: null + reason."""
-        deferred = self._deferred
-        if deferred is not None and not deferred.settled:
-            settle([self])
         out: list[MetricValue] = []
         size_ok = len(host_values) == self._size
         for part in self._parts:
-            if deferred is not None and deferred.error is not None and part.host is deferred.host:
-                out.extend(MetricValue(None, deferred.error) for _ in part.metrics)
-                continue
             if not size_ok:
                 reason = reasons.host_values_mismatch(self._size, len(host_values))
                 out.extend(MetricValue(None, reason) for _ in part.metrics)
@@ -193,41 +167,6 @@ class PendingReduction:
                     MetricValue(None, reasons.error("statistics", error)) for _ in part.metrics
                 )
         return tuple(out)
-
-
-def settle(reductions: Sequence[PendingReduction]) -> None:
-    """Reduces every deferred small tensor among `reductions` (see `Measurer.launch`): groups
-    of equal wanted metrics with at least `numerics.BATCH_MIN` members in one segmented pass
-    (`numerics.measure_batch_on_cpu`), smaller groups and the members of a failed batch one by
-    one (a failure stays in its own rows). Never raises."""
-    groups: dict[frozenset[str], list[_Deferred]] = {}
-    for reduction in reductions:
-        deferred = reduction._deferred
-        if deferred is not None and not deferred.settled:
-            groups.setdefault(deferred.wanted, []).append(deferred)
-    for wanted, members in groups.items():
-        results: list[numerics.CpuResult | None] = [None] * len(members)
-        if len(members) >= numerics.BATCH_MIN:
-            try:
-                values = [member.values for member in members]
-                bins = [member.bins for member in members]
-                results = list(numerics.measure_batch_on_cpu(values, wanted, bins))
-            except Exception:  # each tensor is then measured on its own: a failure stays in it
-                pass
-        for member, result in zip(members, results, strict=True):
-            try:
-                if result is None:
-                    result = numerics.measure_on_cpu(member.values, wanted, member.bins)
-                member.host.update(result.raw)
-                if member.histogram is not None and result.histogram is not None:
-                    member.histogram.host_vector = result.histogram
-            except Exception as error:  # measuring must never crash the training step
-                member.error = reasons.error("statistics", error)
-            member.settled = True
-            member.values = _RELEASED  # the copy is no longer needed
-
-
-_RELEASED = torch.empty(0)
 
 
 class Measurer:
@@ -281,38 +220,33 @@ class Measurer:
         metrics = tuple(reducer.metrics)
         return _Part(metrics, fixed={metric: MetricValue(None, reason) for metric in metrics})
 
-    def launch(self, tensor: torch.Tensor, *, defer: bool = False) -> PendingReduction:
+    def launch(self, tensor: torch.Tensor) -> PendingReduction:
         """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
 
         Args:
             tensor: Any tensor; it is detached and never modified.
-            defer: On the CPU, a small float tensor (at most `numerics.BATCH_MAX` entries) is
-                copied now and its default profile computed later, together with the sample's
-                other small tensors, by `settle` (which `resolve` calls if nobody did). The copy
-                keeps the values measured as they were at launch.
 
         Returns:
             The pending reduction; call `resolve` with `device_vector.tolist()` once the values are
             on the host.
         """
         try:
-            return self._launch(tensor, defer=defer)
+            return self._launch(tensor)
         except Exception as error:  # measuring must never crash the training step
             return self.unavailable(reasons.error("statistics", error))
 
     def launch_with_histogram(
-        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS, *, defer: bool = False
+        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
     ) -> tuple[PendingReduction, PendingHistogram]:
         """`launch` plus the tensor's histogram, from the same passes where the path allows.
 
-        On the CPU the default profile's sort (or the deferred batch, see `launch`) also
-        counts the histogram's bins (see `numerics.measure_on_cpu`); elsewhere, or without the
-        default profile, the histogram is counted on its own by `reduce_histogram`. A deferred
-        histogram's `host_vector` is filled by `settle`. Never raises.
+        The default profile's passes also count the histogram's bins (see
+        `numerics.measure_on_cpu` and `numerics.raw_on_device`); without the default profile, the
+        histogram is counted on its own by `reduce_histogram`. Never raises.
         """
         shared: list[PendingHistogram] = []
         try:
-            reduction = self._launch(tensor, bins, shared, defer=defer)
+            reduction = self._launch(tensor, bins, shared)
         except Exception as error:  # measuring must never crash the training step
             reduction = self.unavailable(reasons.error("statistics", error))
         if shared:
@@ -329,34 +263,21 @@ class Measurer:
         tensor: torch.Tensor,
         bins: int | None = None,
         shared: list[PendingHistogram] | None = None,
-        *,
-        defer: bool = False,
     ) -> PendingReduction:
         """Runs every reducer and packs the device values into one vector.
 
-        With `bins`, the default profile may also count the histogram; its vector (or, deferred,
-        its pending histogram) is appended to `shared` when it does.
+        With `bins`, the default profile may also count the histogram; its pending histogram is
+        appended to `shared` when it does.
         """
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
-        deferred: _Deferred | None = None
         with torch.no_grad():
             detached = tensor.detach()
             copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
             for reducer in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
-                    if isinstance(reducer, DefaultStatistics) and defer:
-                        deferred = _defer_default(detached, reducer.metrics, bins, self.host_paths)
-                    if deferred is not None and isinstance(reducer, DefaultStatistics):
-                        derive = numerics.DefaultDeriver(detached.numel(), deferred.wanted)
-                        part, block = (
-                            _Part(reducer.metrics, host=deferred.host, derive=derive),
-                            None,
-                        )
-                        if deferred.histogram is not None and shared is not None:
-                            shared.append(deferred.histogram)
-                    elif isinstance(reducer, DefaultStatistics):
+                    if isinstance(reducer, DefaultStatistics):
                         part, block, histogram = _reduce_default(
                             detached, reducer.metrics, offset, bins, self.host_paths
                         )
@@ -382,7 +303,7 @@ class Measurer:
             vector = None
             if blocks:
                 vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return PendingReduction(vector, parts, deferred)
+        return PendingReduction(vector, parts)
 
 
 # --- default profile ----------------------------------------------------------------------------
@@ -397,20 +318,6 @@ def _check_reducers(reducers: object) -> tuple[Reducer, ...]:
         checked.insert(0, DefaultStatistics())
     custom.check_unique(checked)
     return tuple(checked)
-
-
-def _defer_default(
-    tensor: torch.Tensor, metrics: tuple[str, ...], bins: int | None, host_paths: bool
-) -> _Deferred | None:
-    """A copy of a small float CPU tensor to reduce later with others, or None if not eligible."""
-    if (
-        not metrics
-        or paths.choose(tensor, host_paths=host_paths, lane_ok=False, defer=True) != "batch"
-    ):
-        return None
-    values = tensor.reshape(-1).to(torch.float32, copy=True)
-    histogram = PendingHistogram(None, bins) if bins else None
-    return _Deferred(values, frozenset(metrics), {}, bins, histogram)
 
 
 def _reduce_default(
@@ -437,7 +344,7 @@ def _reduce_default(
         return _Part(metrics, fixed=fixed), None, None
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(numel, wanted)
-    if paths.choose(tensor, host_paths=host_paths, lane_ok=False, defer=False) == "host":
+    if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
         try:
             result = numerics.measure_on_cpu(tensor, wanted, bins)
         except Exception:  # handed to the general path below, never to null

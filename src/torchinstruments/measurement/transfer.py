@@ -8,9 +8,9 @@ only place where measured values cross to the host.
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
 small-tensor lane (`lane`: a NumPy copy) or launches its reductions (`launch_tensor`, which
 `paths.choose` sends on); `build_records` measures the lane's copies in one segmented pass,
-transfers and resolves the others (a focus layer's small CPU tensors reduced together by
-`reducers.settle`), and returns one `SampleRecord` per sample whose measurements are a
-`MeasurementBlock`, in launch order. Torch ops per sample do not grow with the layers.
+transfers and resolves the others, and returns one `SampleRecord` per sample whose measurements
+are a `MeasurementBlock`, in launch order. The lane's torch ops per sample do not grow with the
+layers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, functorch_disabled
 from torchinstruments.measurement import lane, paths, tensors
 from torchinstruments.measurement.histograms import PendingHistogram
-from torchinstruments.measurement.reducers import Measurer, PendingReduction, settle
+from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
     HistogramRecord,
     MeasurementBlock,
@@ -80,9 +80,9 @@ def launch_tensor(
             if form.values is None:
                 reduction = measurer.unavailable(form.reason or reasons.NO_VALUE)
             elif focus:
-                reduction, histogram = measurer.launch_with_histogram(form.values, defer=True)
+                reduction, histogram = measurer.launch_with_histogram(form.values)
             else:
-                reduction = measurer.launch(form.values, defer=True)
+                reduction = measurer.launch(form.values)
     except Exception as error:
         reduction = measurer.unavailable(reasons.error("measurement", error))
     return PendingTensor(
@@ -155,7 +155,7 @@ def launch(
     lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
     if not focus and measurer.default_only is not None:
         try:
-            path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True, defer=True)
+            path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True)
             if path == "lane":
                 return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
         except Exception:  # handed to the general path, which gives null + reason if it fails too
@@ -299,8 +299,6 @@ def _resolve_general(
     them: each tensor's metric values, and the histograms by sample."""
     if not pending:
         return [], {}
-    with _outside_torch_func():
-        settle([item.reduction for item in pending])  # the small CPU tensors, all at once
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)

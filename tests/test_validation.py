@@ -205,6 +205,7 @@ def test_inject_observer_builds_one_config_and_the_run_keeps_it(
     model = mlp()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(3))
     try:
+        model(torch.randn(2, 8))
         assert len(config_builds) == 1
         assert _OBSERVERS[model].config is config_builds[0]
         assert _OBSERVERS[model].sampler is config_builds[0].sampler

@@ -149,6 +149,9 @@ def finish_moments(
         return mean * scale, std * scale, sums * scale, sum_squares
 
 
+_FIRST = np.zeros(1, dtype=np.intp)  # reduceat's start of a chunk's only segment
+
+
 def segment_sums(
     values: np.ndarray, starts: np.ndarray, counts: np.ndarray, visit: Any = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -172,9 +175,9 @@ def segment_sums(
     pieces = []  # (lo, hi, first segment, last segment + 1, segment starts local to [lo, hi))
     for lo in range(int(starts[0]), size, CHUNK):
         hi = min(lo + CHUNK, size)
-        if lo == starts[0] and hi == size:
-            pieces.append((lo, hi, 0, counts.size, starts - lo))
-            break
+        if counts.size == 1:  # one tensor: every chunk is its only segment's
+            pieces.append((lo, hi, 0, 1, _FIRST))
+            continue
         first = int(np.searchsorted(ends, lo, side="right"))
         last = int(np.searchsorted(starts, hi, side="left"))
         pieces.append((lo, hi, first, last, np.maximum(starts[first:last] - lo, 0)))
@@ -291,13 +294,14 @@ def bin_counts(
     if missed is None:  # bins narrower than the guess resolves: a bisection per entry
         return np.bincount(np.searchsorted(limits, values, side="right"), minlength=bins) + 0.0
     counts = np.zeros(bins + 1, dtype=np.int64)
-    buffer = np.empty(min(CHUNK, values.size))
+    buffer, indices = np.empty(min(CHUNK, values.size)), np.empty(min(CHUNK, values.size), np.intp)
     for begin in range(0, values.size, CHUNK):
         piece = values[begin : begin + CHUNK]
         guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
         guess *= bins
         guess /= span
-        index = guess.astype(np.intp)
+        index = indices[: piece.size]
+        np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
         counts += np.bincount(index, minlength=bins + 1)
         for upper, up in missed:  # entries the guess put one bin off at this limit
             limit = limits[upper - 1]

@@ -94,7 +94,7 @@ class HistoryWriter:
     """Appends measurements to the buffer and writes parts by size and by age.
 
     A part is written when the buffer holds `buffer_rows` rows (by the appending thread) or when
-    its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `flush_due`).
+    its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `seconds_until_due`).
     Nothing raised while writing a part reaches the caller: an `OSError` or a Polars error (disk
     full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer (up to
     `max_buffered_rows`; newer rows are dropped and counted in `losses`) and are retried at the

@@ -57,8 +57,9 @@ __all__ = [
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path", "mode")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
-# Rows read at a time: two whole row groups of history.parquet (see `rundir.summary`).
-WINDOW_CHUNK_ROWS = 2 * HISTORY_ROW_GROUP_ROWS
+# Rows read at a time, by default: one row group of history.parquet, like `rundir.summary`'s
+# chunks (which it passes as `chunk_rows`).
+WINDOW_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS
 
 # Grouped as categoricals: grouping on their integer codes is about twice as fast, and a range
 # is held in a fraction of the memory; strings again in the result.

@@ -326,3 +326,27 @@ def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Pa
         f"torchinstruments finalize: {tmp_path} holds no run: neither history.parts/ nor "
         "history.parquet exists; pass the output_dir a run wrote"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "argument", "value", "allowed"),
+    [
+        (("show", "--window", "0"), "--window", "got 0", "an int >= 1"),
+        (("show", "--width", "-3"), "--width", "got -3", "an int >= 1"),
+        (("compare", "--tolerance", "-0.5"), "--tolerance", "got '-0.5'", "a number >= 0"),
+    ],
+    ids=["window", "width", "tolerance"],
+)
+def test_a_refused_command_line_number_names_the_option_its_value_and_what_is_allowed(
+    finished: Path, args: tuple[str, ...], argument: str, value: str, allowed: str
+) -> None:
+    command, *options = args
+    directories = [finished] * (2 if command == "compare" else 1)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main([command, *map(str, directories), *options])
+    assert exited.value.code == 2  # argparse's usage error
+    last = err.getvalue().splitlines()[-1]
+    assert argument in last
+    assert value in last
+    assert allowed in last

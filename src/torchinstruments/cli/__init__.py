@@ -47,7 +47,7 @@ def _positive(text: str) -> int:
     """argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: expected an int >= 1")
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
     return value
 
 
@@ -55,7 +55,7 @@ def _tolerance(text: str) -> float:
     """argparse type: a float >= 0."""
     value = float(text)
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: expected a number >= 0")
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
 
 

@@ -163,7 +163,7 @@ def compare(
         A `Comparison` whose frame has the columns `COLUMNS`, one row per series in either run.
     """
     if not tolerance >= 0:
-        raise ValueError(f"tolerance={tolerance!r} is not allowed: expected a number >= 0")
+        raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
     facts_a, summary_a = summary(directory_a, selection)
     window = window_of(facts_a, selection.window)
     selection = Selection(selection.layers, selection.signals, selection.metrics, window)

@@ -47,7 +47,7 @@ def grid_rows(directory: Path, metric: str, selection: Selection, x: str) -> pl.
     integer codes, not by hashing strings.
     """
     if x not in X_LABELS:
-        raise ValueError(f"x={x!r} is not allowed: expected one of {tuple(X_LABELS)}")
+        raise ValueError(f"x must be one of {tuple(X_LABELS)}, got {x!r}")
     names = ("layer", "tensor_path", "module_type", "signal", "mode")
     # With x = step, a column is a sample (several may share a step): its sample_id too.
     xs = ("step", "sample_id") if x == "step" else (x,)
@@ -95,9 +95,9 @@ def heatmap(
         ValueError: if nothing matches the selection, or an argument is out of range.
     """
     if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed: expected one of {SCALES}")
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if x not in X_LABELS:
-        raise ValueError(f"x={x!r} is not allowed: expected one of {tuple(X_LABELS)}")
+        raise ValueError(f"x must be one of {tuple(X_LABELS)}, got {x!r}")
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:

@@ -158,7 +158,7 @@ def trend_figure(
         ValueError: if `yscale` is not one of YSCALES.
     """
     if yscale not in YSCALES:
-        raise ValueError(f"yscale={yscale!r} is not allowed: expected one of {YSCALES}")
+        raise ValueError(f"yscale must be one of {YSCALES}, got {yscale!r}")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -218,7 +218,7 @@ def _norm(finite: np.ndarray, scale: str) -> tuple[Any, str]:
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm
 
     if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed: expected one of {SCALES}")
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if finite.size == 0:
         return Normalize(0.0, 1.0, clip=True), "no finite values"
     lo, hi = float(finite.min()), float(finite.max())

@@ -40,7 +40,7 @@ DEFAULT_METRICS = ("mean", "std", "zero_fraction", "nonfinite_fraction")
 def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
     """The rows to draw: tensor key, metric, x and value, in write order."""
     if x not in X_LABELS:
-        raise ValueError(f"x={x!r} is not allowed: expected one of {tuple(X_LABELS)}")
+        raise ValueError(f"x must be one of {tuple(X_LABELS)}, got {x!r}")
     return read_history(
         directory,
         lambda lf: (
@@ -79,7 +79,7 @@ def plot(
         ValueError: if nothing matches the selection, or an argument is out of range.
     """
     if max_tensors < 1:
-        raise ValueError(f"max_tensors={max_tensors!r} is not allowed: expected an int >= 1")
+        raise ValueError(f"max_tensors must be an int >= 1, got {max_tensors!r}")
     facts = read_facts(directory)
     rows = plot_rows(directory, selection, x)
     left_out: tuple[str, ...] = ()

@@ -347,7 +347,7 @@ def departures(
     """Per series, the first x at which one rank's value is more than `tolerance` from every
     other rank's (see the module docstring); read in x ranges of about `budget_rows` rows."""
     if not tolerance >= 0:
-        raise ValueError(f"tolerance={tolerance!r} is not allowed: expected a number >= 0")
+        raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
     runs = rank_runs(parent, ranks)
     if len(runs) < 2:
         raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")

@@ -126,7 +126,7 @@ def heatmap_ranks(
     Files are `heatmap-ranks-<metric>.png` in `output_dir`.
     """
     if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed: expected one of {SCALES}")
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:

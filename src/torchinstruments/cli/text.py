@@ -186,7 +186,7 @@ def render_frame(frame: pl.DataFrame, fmt: str, facts: dict[str, Any] | None = N
         return json.dumps(payload, indent=1, ensure_ascii=False, allow_nan=False)
     if fmt == "markdown":
         return markdown(frame)
-    raise ValueError(f"format={fmt!r} is not allowed: expected one of {FORMATS}")
+    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 
 
 __all__ = [

@@ -69,6 +69,7 @@ from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.windows import (
     SERIES_KEY,
     TENSOR_KEY,
+    check_window,
     finite_or_none,
     window_summaries,
 )
@@ -470,8 +471,7 @@ def layer_lines(
     Yields:
         One compact JSON object per layer.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
+    check_window(window)
     stats = _series_summary(history, window)
     samples = layer_samples if layer_samples is not None else _output_samples(history)
     module_types = {li.name: li.module_type for li in layers}

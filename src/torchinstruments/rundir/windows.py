@@ -44,6 +44,7 @@ __all__ = [
     "SERIES_KEY",
     "TENSOR_KEY",
     "WINDOW_CHUNK_ROWS",
+    "check_window",
     "finite_or_none",
     "sample_rows",
     "window_mean",
@@ -224,6 +225,12 @@ def _each_its_own(
     return _aggregate(pl.concat(done), window) if done else pl.DataFrame()
 
 
+def check_window(window: object) -> None:
+    """Refuses a window size that is not an int >= 1 (bool excluded), in the library's one style."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+
+
 def window_summaries(
     lf: pl.LazyFrame,
     window: int,
@@ -247,8 +254,7 @@ def window_summaries(
         series: the series key of every series of `lf`, when the caller has it (None: read here).
         chunk_rows: about how many rows are read at a time.
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window={window!r} is not allowed: expected an int >= 1")
+    check_window(window)
     rows = _series_rows(lf)
     if samples is None or series is None:
         samples, series = pl.collect_all(

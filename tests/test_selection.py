@@ -81,6 +81,37 @@ def test_selection_brackets_that_miss_fall_back_exactly() -> None:
     assert order.on_host(values, ranks) == np.sort(values)[ranks].tolist()
 
 
+def tied(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Values whose ties sit where the brackets' bounds fall."""
+    normal = rng.standard_normal(size)
+    return {
+        "relu": np.maximum(normal, 0),
+        "relu6": np.clip(normal * 4, 0, 6),
+        "integers": rng.integers(-3, 4, size).astype(float),
+        "two_values": rng.integers(0, 2, size).astype(float),
+        "constant": np.full(size, 2.5),
+        "a_third_ones": np.where(rng.random(size) < 0.3, 1.0, normal),
+        "ascending": np.sort(normal),
+        "millis": rng.integers(0, 1000, size) * 1e-3,
+    }[kind]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["relu", "relu6", "integers", "two_values", "constant", "a_third_ones", "ascending", "millis"],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_brackets_are_exact_on_ties_at_their_bounds(kind: str, dtype: type) -> None:
+    """Above `order.SMALL` entries, ties at a bracket's bounds are counted, not copied: the
+    ranks they hold, and every other, are still the sorted array's."""
+    rng = np.random.default_rng(len(kind))
+    size = 3 * order.SMALL + 7
+    values = tied(kind, size, rng).astype(dtype)
+    ranks = [0, 1, size // 4, size // 4 + 1, size // 2, size // 2 + 1, 3 * size // 4]
+    ranks += [3 * size // 4 + 1, size - 2, size - 1, *rng.integers(0, size, 4).tolist()]
+    assert order.on_host(values, ranks) == np.sort(values)[ranks].tolist()
+
+
 @pytest.fixture
 def sorted_sizes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Sizes of every input given to a sort, partition or torch.quantile while the test runs."""

@@ -18,8 +18,9 @@ column is the trainer's global step, read at each sample.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +55,24 @@ __all__ = [
 RUN_NAME = "torchinstruments"
 
 
+def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, bool]]:
+    """`parent/torchinstruments`, `-2`, `-3`, ... in order, each with whether it holds a run
+    (this rank's); endless, so a caller stops at the first free one."""
+    for number in itertools.count(1):
+        candidate = parent / (RUN_NAME if number == 1 else f"{RUN_NAME}-{number}")
+        written = place_rank(candidate, rank_policy).directory
+        yield candidate, any((written / marker).exists() for marker in RUN_MARKERS)
+
+
 def fresh_run_directory(parent: Path, rank_policy: str) -> Path:
     """`parent/torchinstruments`, or `-2`, `-3`, ... : the first whose run (this rank's) is free.
 
     A trainer's log directory is often reused (no logger version, `overwrite_output_dir`), and
     a run needs a directory of its own.
     """
-    number = 1
-    while True:
-        name = RUN_NAME if number == 1 else f"{RUN_NAME}-{number}"
-        candidate = parent / name
-        written = place_rank(candidate, rank_policy).directory
-        if not any((written / marker).exists() for marker in RUN_MARKERS):
-            return candidate
-        number += 1
+    return next(
+        candidate for candidate, taken in _run_directories(parent, rank_policy) if not taken
+    )
 
 
 def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> object:
@@ -102,15 +107,11 @@ def last_run_directory(parent: Path, rank_policy: str) -> Path:
     """The last `parent/torchinstruments[-N]` holding a run (this rank's), which a fit resumed
     from a checkpoint continues; `parent/torchinstruments` when none does."""
     found = parent / RUN_NAME
-    number = 1
-    while True:
-        name = RUN_NAME if number == 1 else f"{RUN_NAME}-{number}"
-        candidate = parent / name
-        written = place_rank(candidate, rank_policy).directory
-        if not any((written / marker).exists() for marker in RUN_MARKERS):
-            return found
+    for candidate, taken in _run_directories(parent, rank_policy):
+        if not taken:
+            break
         found = candidate
-        number += 1
+    return found
 
 
 class FitObservation:

@@ -385,13 +385,13 @@ def _host_arrays(
     )  # one row per quartile, one column per segment
     at = starts + low.astype(np.int64)
     positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
-    select.want(positions.tolist())
+    select.want(positions)
     visit = select.visit if select.ordered is None else None
     sums, squares, residual, scale = segment_sums(values, starts, counts, visit)
     out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
         sums, squares, residual, counts, scale
     )
-    picked = np.array(select.selected(), dtype=np.float64).reshape(-1, counts.size)
+    picked = select.selected().astype(np.float64).reshape(-1, counts.size)
     out["min"], out["max"] = picked[0], picked[1]
     k = len(names)
     quartiles = lerp(picked[2 : 2 + k], picked[2 + k :], weight)

@@ -53,18 +53,19 @@ class HostSelection:
 
     def __init__(self, values: np.ndarray, ordered: np.ndarray | None = None) -> None:
         self._values, self.ordered = values, ordered
-        self._ranks: list[int] = []
+        self._ranks: Sequence[int] | np.ndarray = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
 
-    def want(self, ranks: Sequence[int]) -> None:
+    def want(self, ranks: Sequence[int] | np.ndarray) -> None:
         """Which sorted positions `selected` returns, in this order."""
         values, size = self._values, self._values.size
-        self._ranks = [int(rank) for rank in ranks]
         if self.ordered is None and size <= SMALL:
             self.ordered = np.sort(values)
         if self.ordered is not None:
+            self._ranks = ranks  # read by one `take`: an array stays an array
             return
+        self._ranks = [int(rank) for rank in ranks]
         wanted = sorted(set(self._ranks))
         self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
         groups: list[list[int]] = []
@@ -94,10 +95,10 @@ class HostSelection:
         for bracket in self._brackets:
             bracket.visit(piece)
 
-    def selected(self) -> list[float]:
+    def selected(self) -> np.ndarray:
         """The entries at the wanted positions (after every chunk was visited)."""
         if self.ordered is not None:
-            return self.ordered.take(self._ranks).tolist()
+            return self.ordered.take(self._ranks)
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
         if self._extremes is not None:
@@ -105,7 +106,7 @@ class HostSelection:
             found[size - 1] = max(high for _, high in self._extremes)
         for bracket in self._brackets:
             found.update(bracket.selected(values))
-        return [found[rank] for rank in self._ranks]
+        return np.array([found[rank] for rank in self._ranks])
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,7 +190,7 @@ def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> l
     selection.want(ranks)
     for start in range(0, values.size, chunk):
         selection.visit(values[start : start + chunk])
-    return selection.selected()
+    return selection.selected().tolist()
 
 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:

@@ -209,8 +209,9 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
 # 0.99 (0.55, 0.44). Its `deep` case (60 steps, 3.2 M rows): 1.53 at 2**17, 1.12 at 2**18.
 # Larger groups cost memory: the merge holds a row group while it encodes it (alone, +99..117
 # MiB at 2**17, +139..161 at 2**18), and every reader decodes one at a time. On the chain,
-# removal's peak (about +200 MiB, the summary's) rose by 16 to 41 MiB at 2**18 (medians of three
-# sessions) and to +360..430 MiB at 2**19. docs/benchmarks.md has the figures.
+# removal's peak (the summary's) is +218 MiB at 2**18 with the summary reading half a row group
+# at a time (`summary.SUMMARY_CHUNK_ROWS`), +210 at 2**17, +360..430 at 2**19.
+# docs/benchmarks.md has the figures.
 HISTORY_ROW_GROUP_ROWS = 2**18
 HISTORY_PAGE_BYTES = 2**24
 

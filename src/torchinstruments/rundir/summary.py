@@ -74,11 +74,13 @@ from torchinstruments.rundir.windows import (
     window_summaries,
 )
 
-# Rows read at a time by the summary (see `_series_summary`): one whole row group of
-# history.parquet, so no row group is decoded for two chunks. Measured (bench/removal.py, deep
-# case, 10 M rows, 54k series): result.json in 4.3 s of CPU at 2**18 rows, 5.5 s at 2**17, and
-# 4.3 s at 2**19 for a higher peak.
-SUMMARY_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS
+# Rows read at a time by the summary (see `_series_summary`): half a row group of
+# history.parquet. The chunk's aggregates, not the decoded rows, set removal's peak: measured on
+# bench/removal.py (AMD EPYC, 2 cores, one process), chain (1 M rows, 18k series): a whole row
+# group (2**18 rows) peaks at +254 MiB over the RSS before, half at +218 MiB, for 1.01 against
+# 1.12 s of CPU; deep (60 steps, 3.2 M rows, 54k series): +281 against +225 MiB, 3.03 against
+# 3.47 s. Half keeps the chain under issue 21's +256 MiB with room to spare.
+SUMMARY_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS // 2
 
 
 def _encode(value: object) -> str:

@@ -9,6 +9,7 @@ existing: few objects for the garbage collector per measured tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 from pathlib import Path
@@ -17,14 +18,21 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement import lane, numerics
+from torchinstruments.measurement.histograms import PendingHistogram
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
-from torchinstruments.records import Measurement, MeasurementBlock, MetricValue
+from torchinstruments.records import (
+    HistogramRecord,
+    Measurement,
+    MeasurementBlock,
+    MetricValue,
+    SampleRecord,
+)
 
 from conftest import numpy_profile, read_history
 
@@ -44,7 +52,7 @@ def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
 
 
 def lane_rows(copies: list[np.ndarray], metrics: tuple[str, ...]) -> list[dict[str, MetricValue]]:
-    values, why = lane.measure(copies, metrics)
+    values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
     k = len(metrics)
     return [
         {m: MetricValue(values[i * k + j], why[i * k + j]) for j, m in enumerate(metrics)}
@@ -78,6 +86,68 @@ def test_the_lane_gives_the_general_paths_values_bit_for_bit(data: list[list[flo
     for copy, got, want in zip(copies, lane_rows(copies, DEFAULT_METRICS), expected, strict=True):
         for metric in DEFAULT_METRICS:
             assert same_bits(got[metric], want[metric]), (metric, copy, got[metric], want[metric])
+
+
+def as_record(vector: list[float] | None) -> HistogramRecord | None:
+    return PendingHistogram(None, 64, vector).resolve(
+        [], sample_id=1, layer="fc", call_index=0, signal="output", tensor_path=""
+    )
+
+
+def same_record_bits(a: HistogramRecord | None, b: HistogramRecord | None) -> bool:
+    """Equal records, field by field, floats (alone or in tuples) by their bits."""
+    if a is None or b is None:
+        return a is b
+    for field in dataclasses.fields(HistogramRecord):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, float) or (isinstance(x, tuple) and x and isinstance(x[0], float)):
+            if np.array(x, dtype=np.float64).tobytes() != np.array(y, dtype=np.float64).tobytes():
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(segments, st.data())
+@example([[2.5] * 5, [math.nan, math.inf, -math.inf], [0.0, -0.0, 0.0], [-0.0]], None)
+@example([[7.0], [math.nan, -3.0, math.inf, -3.0], [math.inf], [1e-45, -1e-45]], None)
+def test_a_focus_copys_histogram_is_the_host_paths_bit_for_bit(
+    data: list[list[float]], draw: st.DataObject | None
+) -> None:
+    """The focus copies' histograms from the lane's sorted segments: the records the one-tensor
+    host path (`numerics.measure_on_cpu`, what a focus layer's small tensor took before) gives;
+    no histogram where there is no finite entry; none for the other copies."""
+    copies = [np.array(segment, dtype=np.float32) for segment in data]
+    focus = (
+        [True] * len(copies)
+        if draw is None
+        else draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
+    )
+    values, why, vectors = lane.measure(copies, DEFAULT_METRICS, focus, 64)
+    assert (values, why) == lane.measure(copies, DEFAULT_METRICS, [False] * len(copies), 64)[:2]
+    wanted = frozenset(DEFAULT_METRICS)
+    for copy, chosen, vector in zip(copies, focus, vectors, strict=True):
+        if not chosen:
+            assert vector is None
+            continue
+        host = numerics.measure_on_cpu(torch.from_numpy(copy), wanted, 64).histogram
+        assert (vector is None) == (not np.isfinite(copy).any()), copy
+        if vector is not None:
+            assert np.array(vector).tobytes() == np.array(host).tobytes(), copy
+        assert same_record_bits(as_record(vector), as_record(host)), copy
+
+
+def test_a_histogram_that_fails_is_none_and_the_values_stay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: object) -> object:
+        raise RuntimeError("histogram broke")
+
+    copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([3.0], dtype=np.float32)]
+    expected = lane.measure(copies, ("mean",), [True, False], 64)[:2]
+    monkeypatch.setattr(numerics, "histogram_vector", broken)
+    assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
 
 
 def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit() -> None:
@@ -116,12 +186,14 @@ def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
 def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     original = numerics.segment_profiles
 
-    def breaks_on_batches_and_the_marked_copy(values: np.ndarray, lengths: np.ndarray) -> object:
+    def breaks_on_batches_and_the_marked_copy(
+        values: np.ndarray, lengths: np.ndarray, focus: list[int], bins: int
+    ) -> object:
         if lengths.size > 1:
             raise RuntimeError("batch broke")
         if values[0] == 12345.0:
             raise RuntimeError("this tensor broke")
-        return original(values, lengths)
+        return original(values, lengths, focus, bins)
 
     monkeypatch.setattr(numerics, "segment_profiles", breaks_on_batches_and_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
@@ -159,9 +231,19 @@ def chain(depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def run(model: nn.Module, x: torch.Tensor, directory: Path, steps: int = 2) -> pl.DataFrame:
+def run(
+    model: nn.Module,
+    x: torch.Tensor,
+    directory: Path,
+    steps: int = 2,
+    sink: _HistogramSink | None = None,
+) -> pl.DataFrame:
     inject_observer(
-        model, output_dir=directory, sampler=EveryNForwardsSampler(1), max_histogram_modules=1
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        max_histogram_modules=2,
+        sinks=[sink] if sink is not None else [],
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
@@ -170,6 +252,25 @@ def run(model: nn.Module, x: torch.Tensor, directory: Path, steps: int = 2) -> p
         optimizer.step()
     remove_observer(model)
     return read_history(directory).drop("timestamp")
+
+
+class _HistogramSink:
+    """Keeps every sample's histograms, in the order the records carry them."""
+
+    def __init__(self) -> None:
+        self.histograms: list[HistogramRecord] = []
+
+    def start(self, run: object) -> None:
+        pass
+
+    def write_forward(self, record: SampleRecord) -> None:
+        self.histograms += record.histograms
+
+    def write_backward(self, record: SampleRecord) -> None:
+        self.histograms += record.histograms
+
+    def close(self, counts: object) -> None:
+        pass
 
 
 def test_a_run_writes_the_same_rows_with_and_without_the_lane(
@@ -181,23 +282,35 @@ def test_a_run_writes_the_same_rows_with_and_without_the_lane(
     measured = []
     original = lane.measure
 
-    def counting(copies: list[np.ndarray], metrics: tuple[str, ...]) -> object:
+    def counting(
+        copies: list[np.ndarray], metrics: tuple[str, ...], focus: list[bool], bins: int
+    ) -> object:
         measured.append(len(copies))
-        return original(copies, metrics)
+        return original(copies, metrics, focus, bins)
 
     monkeypatch.setattr(lane, "measure", counting)
     x = torch.randn(4, 8)
-    with_lane = run(model, x, tmp_path / "lane")
-    # every output and gradient of both steps but the focus layer's (its histogram needs the
-    # general path)
-    assert sum(measured) == 2 * 2 * (6 * 3 - 1)
+    lane_sink, general_sink = _HistogramSink(), _HistogramSink()
+    with_lane = run(model, x, tmp_path / "lane", sink=lane_sink)
+    # every output and gradient of both steps, the focus layers' too
+    assert sum(measured) == 2 * 2 * 6 * 3
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(initial[name])
     monkeypatch.setattr(lane, "takes", lambda tensor: False)
-    general = run(model, x, tmp_path / "general")
+    general = run(model, x, tmp_path / "general", sink=general_sink)
     assert with_lane.height == general.height > 0
     assert with_lane.equals(general, null_equal=True)
+    # two focus layers, output and gradient, two steps: the same records in the same order
+    assert len(lane_sink.histograms) == len(general_sink.histograms) == 2 * 2 * 2
+    assert [(h.layer, h.signal) for h in lane_sink.histograms][:4] == [
+        ("0", "output"),
+        ("1", "output"),
+        ("1", "output_gradient"),
+        ("0", "output_gradient"),
+    ]
+    for got, want in zip(lane_sink.histograms, general_sink.histograms, strict=True):
+        assert same_record_bits(got, want), (got, want)
 
 
 class _CountingSink:

@@ -5,12 +5,12 @@ sampled step pays: the objects of a reduction and its record (about fifteen per 
 the garbage collector scans until the sample is written) and deriving nine metrics one tensor at
 a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 to
 `numerics.BATCH_MAX` entries, outside torch.func transforms, when the default profile is the
-only reducer and the layer is not a focus layer. At the layer's return (or as its gradient
-arrives) it copies the values into a NumPy array (a later in-place op cannot change them; the
-collector does not track arrays) and keeps nothing else; at the end of the pass, `measure`
-reduces every copy in one segmented pass (`numerics.segment_profiles`: the general path's
-numbers, bit for bit) into flat lists for a `records.MeasurementBlock`. A failure of the batch
-measures each copy on its own, so a failure stays in its own tensor's rows.
+only reducer. At the layer's return (or as its gradient arrives) it copies the values into a
+NumPy array (a later in-place op cannot change them; the collector does not track arrays) and
+keeps nothing else; at the end of the pass, `measure` reduces every copy in one segmented pass
+(`numerics.segment_profiles`: the host path's numbers, bit for bit) into flat lists for a
+`records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. A
+failing batch measures each copy on its own: a failure stays in its own tensor's rows.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
 
 
 def takes(tensor: torch.Tensor) -> bool:
-    """Whether the lane measures `tensor` (the caller checked the reducers and the focus)."""
+    """Whether the lane measures `tensor` (the caller checked the reducers)."""
     return (
         type(tensor) is torch.Tensor
         and tensor.is_cpu
@@ -55,38 +55,40 @@ def copy_values(tensor: torch.Tensor) -> np.ndarray:
 
 
 def measure(
-    copies: Sequence[np.ndarray], metrics: tuple[str, ...]
-) -> tuple[list[float | None], list[str | None]]:
-    """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons.
+    copies: Sequence[np.ndarray], metrics: tuple[str, ...], focus: Sequence[bool], bins: int
+) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
+    """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons;
+    and per copy its `bins` histogram vector where `focus` (`numerics.histogram_vector`'s
+    layout), else (and where it has no finite entry or fails) None.
 
     Never raises: when the batch fails, each copy is measured on its own, and a copy that fails
-    alone gets null values with the error as their reason.
+    alone gets null values with the error as their reason, and no histogram.
     """
     if not copies:
-        return [], []
+        return [], [], []
     try:
-        return _measure_batch(copies, metrics)
+        return _measure_batch(copies, metrics, focus, bins)
     except Exception:  # each copy on its own: a failure stays in its own rows
-        values: list[float | None] = []
-        why: list[str | None] = []
-        for copy in copies:
+        out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
+        for copy, one in zip(copies, focus, strict=True):
             try:
-                one, one_why = _measure_batch([copy], metrics)
+                row = _measure_batch([copy], metrics, [one], bins)
             except Exception as error:
                 reason = reasons.error("statistics", error)
-                one, one_why = [None] * len(metrics), [reason] * len(metrics)
-            values += one
-            why += one_why
-        return values, why
+                row = [None] * len(metrics), [reason] * len(metrics), [None]
+            for whole, part in zip(out, row, strict=True):
+                whole += part
+        return out
 
 
 def _measure_batch(
-    copies: Sequence[np.ndarray], metrics: tuple[str, ...]
-) -> tuple[list[float | None], list[str | None]]:
+    copies: Sequence[np.ndarray], metrics: tuple[str, ...], focus: Sequence[bool], bins: int
+) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
     """`measure` in one segmented pass."""
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
     values = np.concatenate(copies) if len(copies) > 1 else copies[0]
-    profile, finite = numerics.segment_profiles(values, lengths)
+    wanted = [index for index, one in enumerate(focus) if one]
+    profile, finite, vectors = numerics.segment_profiles(values, lengths, wanted, bins)
     columns = [_COLUMN[name] for name in metrics]
     chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
     flat = chosen.reshape(-1)
@@ -97,4 +99,4 @@ def _measure_batch(
         out[position] = None
         no_finite = finite[row] == 0 and columns[column] in _FINITE_COLUMNS
         why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
-    return out, why
+    return out, why, [vectors.get(index) for index in range(len(copies))]

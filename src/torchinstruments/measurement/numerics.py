@@ -27,8 +27,10 @@ non-finite result is null with the reason "non-finite result"; -0.0 is reported 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,6 +351,7 @@ def histogram_vector(
     """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
     edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
+    low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
     bounds = edges(low, high, bins)
     counts = bin_counts(values, bounds, bins, finite, ascending)
     if isinstance(values, torch.Tensor):
@@ -467,12 +470,17 @@ def sorted_segments(
     return ordered, values, counts, zeros
 
 
-def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def segment_profiles(
+    values: np.ndarray, lengths: np.ndarray, focus: Sequence[int] = (), bins: int = 1
+) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
     """The default profile of every float32 segment of `values` as a (segments, 9) float64
     array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
-    0, else "non-finite result"): `measure_on_cpu` and `DefaultDeriver`'s numbers, bit for
-    bit (the same `_host_arrays`), without Python work per segment."""
+    0, else "non-finite result"), the finite counts, and the `bins` histogram vectors of the
+    `focus` segments (None: no finite entry, or a failure): `measure_on_cpu`'s numbers, bit for
+    bit (the same `_host_arrays`, the same sorted finite copy), without Python work per
+    segment but per focus segment."""
     ordered, in_order, finite, zeros = sorted_segments(values, lengths)
+    histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
     profile = np.full((lengths.size, len(PROFILE)), np.nan)
     numel = lengths.astype(np.float64)
     profile[:, 7] = zeros / numel
@@ -486,9 +494,17 @@ def segment_profiles(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
         arrays = _host_arrays(in_order, starts, counts, frozenset(PROFILE), select)
         for column, name in enumerate(PROFILE[:7]):
             profile[present, column] = arrays[name]
+        for segment in (segment for segment in focus if finite[segment]):
+            at = int(np.searchsorted(present, segment))
+            with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
+                names = ("min", "max", "sum", "sum_squares")
+                low, high, total, squares = (float(arrays[name][at]) for name in names)
+                mine = ordered[starts[at] : starts[at] + counts[at]]
+                head = (mine.size, total, squares)
+                histograms[segment] = histogram_vector(mine, low, high, head, bins, None, True)
     profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
     profile += 0.0  # -0.0 becomes 0.0, as metric_value does
-    return profile, finite
+    return profile, finite, histograms
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------

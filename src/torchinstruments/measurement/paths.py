@@ -21,8 +21,8 @@ Path = Literal["lane", "host", "general"]
 
 
 def choose(tensor: torch.Tensor, *, host_paths: bool, lane_ok: bool) -> Path:
-    """The path of `tensor`: `lane_ok` when the default profile is the only reducer and the
-    layer is not a focus layer."""
+    """The path of `tensor`: `lane_ok` when the default profile is the only reducer (a focus
+    layer's histogram is counted on the lane's sorted copy too)."""
     if lane_ok and host_paths and lane.takes(tensor):  # the hot case first: checked per tensor
         return "lane"
     if not host_paths or not tensors.host_path_takes(tensor):

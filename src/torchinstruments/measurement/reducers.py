@@ -350,9 +350,8 @@ def _reduce_default(
         except Exception:  # handed to the general path below, never to null
             result = None
         if result is not None:
-            histogram = None
-            if result.histogram is not None and bins is not None:
-                histogram = PendingHistogram(None, bins, result.histogram)
+            vector = result.histogram  # a list only with bins
+            histogram = PendingHistogram(None, bins, vector) if bins and vector else None
             return _Part(metrics, host=result.raw, derive=derive), None, histogram
     keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
     histogram = None  # counted with the statistics' own min, max and sums

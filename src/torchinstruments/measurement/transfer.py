@@ -26,7 +26,7 @@ import torch
 from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, functorch_disabled
 from torchinstruments.measurement import lane, paths, tensors
-from torchinstruments.measurement.histograms import PendingHistogram
+from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
     HistogramRecord,
@@ -144,8 +144,8 @@ def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
 
 
 # A tensor the small-tensor lane took: its key (an output's key, also for its gradient: the
-# signal is the batch's), when it was measured, its shape and the copy of its values.
-LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray]
+# signal is the batch's), when it was measured, its shape, its values' copy and its focus.
+LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
 
 
 def launch(
@@ -153,11 +153,12 @@ def launch(
 ) -> PendingTensor | LaneItem:
     """Launch the measurement of one tensor as `signal`: the small-tensor lane's copy where the
     lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
-    if not focus and measurer.default_only is not None:
+    if measurer.default_only is not None:
         try:
             path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True)
             if path == "lane":
-                return (key, time.time_ns() // 1000, tuple(tensor.shape), lane.copy_values(tensor))
+                copy = lane.copy_values(tensor)
+                return (key, time.time_ns() // 1000, tuple(tensor.shape), copy, focus)
         except Exception:  # handed to the general path, which gives null + reason if it fails too
             pass
     if key.signal != signal:
@@ -179,10 +180,22 @@ def build_records(
     """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
     them into one record per sample, in launch order."""
     general = [item for item in items if type(item) is PendingTensor]
-    lane_copies = [item[3] for item in items if type(item) is tuple]
-    lane_values, lane_reasons = lane.measure(lane_copies, metrics)
-    resolved, histograms = _resolve_general(general, metrics)
+    lane_items = [item for item in items if type(item) is tuple]
+    lane_values, lane_reasons, lane_histograms = lane.measure(
+        [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
+    )
+    resolved, general_histograms = _resolve_general(general, metrics)
     values, why = _in_launch_order(items, lane_values, lane_reasons, resolved, len(metrics))
+    histograms: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
+    lane_at, general_at = iter(lane_histograms), iter(general_histograms)
+    for item in items if any(vector is not None for vector in lane_histograms) else general:
+        record = (
+            _histogram(PendingHistogram(None, DEFAULT_BINS, next(lane_at)), [], item[0], signal)
+            if type(item) is tuple
+            else next(general_at)
+        )
+        if record is not None:
+            histograms.setdefault(record.sample_id, []).append(record)
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -294,11 +307,11 @@ def _block(
 
 def _resolve_general(
     pending: Sequence[PendingTensor], metrics: tuple[str, ...]
-) -> tuple[list[tuple[MetricValue, ...]], dict[int, list[HistogramRecord]]]:
+) -> tuple[list[tuple[MetricValue, ...]], list[HistogramRecord | None]]:
     """Transfer the general path's results to the host (one transfer per device) and resolve
-    them: each tensor's metric values, and the histograms by sample."""
+    them: each tensor's metric values and histogram (or None)."""
     if not pending:
-        return [], {}
+        return [], []
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)
@@ -306,21 +319,29 @@ def _resolve_general(
     with _outside_torch_func():
         host = to_host(vectors)
     resolved: list[tuple[MetricValue, ...]] = []
-    histograms: dict[int, list[HistogramRecord]] = {}
+    histograms: list[HistogramRecord | None] = []
     for position, item in enumerate(pending):
-        key = item.key
         resolved.append(item.reduction.resolve(host[2 * position]))
-        if item.histogram is not None:
-            histogram = item.histogram.resolve(
-                host[2 * position + 1],
-                sample_id=key.sample_id,
-                layer=key.layer.name,
-                call_index=key.call_index,
-                signal=key.signal,
-                tensor_path=key.tensor_path,
-            )
-            if histogram is not None:
-                if key.mode != "train":  # its own tags (records.histogram_tag)
-                    histogram = replace(histogram, mode=key.mode)
-                histograms.setdefault(key.sample_id, []).append(histogram)
+        histograms.append(
+            None
+            if item.histogram is None
+            else _histogram(item.histogram, host[2 * position + 1], item.key, item.key.signal)
+        )
     return resolved, histograms
+
+
+def _histogram(
+    pending: PendingHistogram, host_values: list[float], key: TensorKey, signal: str
+) -> HistogramRecord | None:
+    """The record of one tensor's histogram, or None where it has none."""
+    histogram = pending.resolve(
+        host_values,
+        sample_id=key.sample_id,
+        layer=key.layer.name,
+        call_index=key.call_index,
+        signal=signal,
+        tensor_path=key.tensor_path,
+    )
+    if histogram is not None and key.mode != "train":  # its own tags (records.histogram_tag)
+        histogram = replace(histogram, mode=key.mode)
+    return histogram

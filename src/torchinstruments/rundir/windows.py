@@ -58,8 +58,8 @@ __all__ = [
 TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path", "mode")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
-# Rows read at a time, by default: one row group of history.parquet, like `rundir.summary`'s
-# chunks (which it passes as `chunk_rows`).
+# Rows read at a time, by default (the command line): one row group of history.parquet.
+# `rundir.summary` passes its own `chunk_rows`, half a row group, to bound removal's peak.
 WINDOW_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS
 
 # Grouped as categoricals: grouping on their integer codes is about twice as fast, and a range

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -194,6 +195,23 @@ def assert_matches_numpy(got: dict[str, MetricValue], values: np.ndarray) -> Non
         else:
             assert actual is not None, (name, got[name].reason)
             assert actual == pytest.approx(expected, rel=1e-9, abs=1e-12 * magnitude), name
+
+
+def kill_when_ready(script: str, ready: str, *args: str | Path) -> None:
+    """Run a test file's child mode (`script` with `args`), wait until it prints the line
+    `ready`, then SIGKILL it: a real kill at a known point of the child's run."""
+    child = subprocess.Popen(
+        [sys.executable, script, *map(str, args)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == ready
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from torchinstruments.__main__ import main as cli_main
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import sgd_step
+from conftest import kill_when_ready, sgd_step
 
 MARK = pl.col("metric") == "interrupted"
 
@@ -210,18 +208,7 @@ def child_main(directory: Path) -> None:
 def test_after_sigkill_finalize_marks_the_partly_written_sample(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    child = subprocess.Popen(
-        [sys.executable, __file__, str(run_dir)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    kill_when_ready(__file__, "ready", run_dir)
     # 270 rows recorded; sample 0's 54 at once (two parts), then 40-row parts: 254 in parts, the
     # last ending 11 rows into sample 4's backward
     finalize(run_dir)

@@ -10,8 +10,6 @@ training thread, so they are on disk when the child says it is done; the later r
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,8 @@ from torchinstruments import DEFAULT_METRICS, inject_observer
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import counts_sentence, render_index
 from torchinstruments.rundir.state import RunState, Status, read_state
+
+from conftest import kill_when_ready
 
 STEPS = 40
 LAYERS = 3  # Linear, Tanh, Linear
@@ -40,18 +40,7 @@ def child_main(directory: Path) -> None:
 
 
 def test_a_default_run_killed_after_its_first_sample_has_its_rows(run_dir: Path) -> None:
-    child = subprocess.Popen(
-        [sys.executable, __file__, str(run_dir)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "stepped"
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    kill_when_ready(__file__, "stepped", run_dir)
     finalize(run_dir)
     history = pl.read_parquet(run_dir / "history.parquet")
     rows = LAYERS * len(DEFAULT_METRICS)

@@ -1,7 +1,8 @@
 """Cost of one histogram relative to the default statistics of the same tensor (CPU, float32).
 
-For each size, times `reduce_histogram` + `finish` and `Measurer(None).reduce` + `finish` on the
-same randn tensor, interleaved, and prints the medians and their ratio.
+For each size, times a histogram alone (`Measurer([DefaultStatistics(())])`'s
+`launch_with_histogram`) and `Measurer(None).launch`, each resolved, on the same randn tensor,
+interleaved, and prints the medians and their ratio.
 
 Run: `uv run bench/histograms.py [--sizes 1e5,1e6] [--bins 64] [--threads 1]`
 """
@@ -12,8 +13,8 @@ import argparse
 
 import torch
 
-from torchinstruments.measurement.histograms import DEFAULT_BINS, reduce_histogram
-from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.measurement.histograms import DEFAULT_BINS
+from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 
 from _machine import print_machine
 from _timing import median, timed
@@ -31,6 +32,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     measurer = Measurer(None)
+    histogram_only = Measurer([DefaultStatistics(())])
 
     def statistics_once(x: torch.Tensor) -> None:
         pending = measurer.launch(x)
@@ -38,7 +40,7 @@ def main() -> None:
         pending.resolve([] if vector is None else vector.tolist())
 
     def histogram_once(x: torch.Tensor) -> None:
-        pending = reduce_histogram(x, args.bins)
+        pending = histogram_only.launch_with_histogram(x, args.bins)[1]
         vector = pending.device_vector
         pending.resolve(
             [] if vector is None else vector.tolist(),

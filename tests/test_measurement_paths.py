@@ -170,17 +170,23 @@ def test_zeros_below_a_tiny_positive_edge_on_every_path(path: str) -> None:
 def test_a_focus_histogram_is_counted_from_the_statistics_own_pass(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the default profile, no path runs a histogram pass of its own."""
-    from torchinstruments.measurement import reducers
+    """Statistics and histogram come from ONE call of the path's numerics: no path runs a
+    histogram pass of its own."""
+    calls: list[str] = []
+    for name in ("measure_on_cpu", "raw_on_device"):
 
-    def separate_pass(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a separate histogram pass ran")
+        def counted(
+            *args: object, _name: str = name, _run: object = getattr(numerics, name)
+        ) -> object:
+            calls.append(_name)
+            return _run(*args)  # type: ignore[operator]
 
-    monkeypatch.setattr(reducers, "reduce_histogram", separate_pass)
+        monkeypatch.setattr(numerics, name, counted)
     values = np.random.default_rng(5).standard_normal(3000).astype(np.float32)
     values[::7] = 0.0
     values[3] = np.nan
     reduction, histogram = launch(path, torch.from_numpy(values))
+    assert len(calls) == 1, calls
     got, record = resolve(Measurer(None), reduction, histogram)
     assert_matches_numpy(got, values)
     assert_histogram(record, values)

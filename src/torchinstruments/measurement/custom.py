@@ -10,16 +10,13 @@ per function, so one failing function nulls only its own metric. A lambda has no
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchinstruments import reasons
 from torchinstruments.measurement import tensors
-from torchinstruments.records import INTERRUPTED, MetricValue
+from torchinstruments.records import INTERRUPTED
 
 __all__ = ["AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
 
@@ -109,7 +106,7 @@ class _FunctionReducer:
         self._function = function
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
-        # Whatever the function returns is checked by `call_reducer` (null + reason if unusable).
+        # Whatever the function returns is checked by `reducers` (null + reason if unusable).
         return {self.metrics[0]: self._function(tensor)}
 
     def __repr__(self) -> str:
@@ -123,30 +120,43 @@ ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callabl
 function `fn(tensor) -> scalar` (metric named `fn.__name__`)."""
 
 
-def _function_reducers(label: str, mapping: Mapping[object, object]) -> list[Reducer]:
-    """`{name: fn}` -> one single-metric reducer per function, names and callables checked."""
-    out: list[Reducer] = []
-    for name, function in mapping.items():
+def _check_names(label: str, names: object) -> None:
+    """Metric names: a sequence of distinct non-empty strings, none of them reserved."""
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+        raise TypeError(f"{label} must have a `metrics` tuple of metric names, got {names!r}")
+    for name in names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str")
-        if not callable(function):
-            raise TypeError(
-                f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
+        if name == INTERRUPTED:
+            raise ValueError(
+                f"{label} has metric name {INTERRUPTED!r}, which is reserved: history rows with "
+                "that metric mark interrupted samples. Rename it"
             )
-        out.append(_FunctionReducer(name, function))  # type: ignore[arg-type]
-    return out
+    repeated = sorted({name for name in names if list(names).count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"{label} repeats metric(s) {', '.join(map(repr, repeated))}: give each metric one name"
+        )
 
 
 def _as_reducers(label: str, item: object) -> list[Reducer]:
-    """One `reducers` item as reducers: a Reducer stays, a mapping or named function is wrapped."""
+    """One `reducers` item as checked reducers: a Reducer stays, a mapping or named function is
+    wrapped."""
     if isinstance(item, Mapping):
-        return _function_reducers(label, item)
+        _check_names(label, list(item))
+        for name, function in item.items():
+            if not callable(function):
+                raise TypeError(
+                    f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
+                )
+        return [_FunctionReducer(name, function) for name, function in item.items()]
     if not callable(item):
         raise TypeError(
             f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "
             f"mapping, or a named function tensor -> scalar; got {item!r}"
         )
     if hasattr(item, "metrics"):
+        _check_names(f"{label} ({item!r})", item.metrics)
         return [item]  # type: ignore[list-item]
     name = getattr(item, "__name__", None)
     if name == "<lambda>":
@@ -159,6 +169,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
             f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
             "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
         )
+    _check_names(label, [name])
     return [_FunctionReducer(name, item)]  # type: ignore[arg-type]
 
 
@@ -167,7 +178,7 @@ def expand(reducers: object) -> list[Reducer]:
 
     Raises:
         TypeError: An item is none of the accepted forms, or a metric name is not a non-empty str.
-        ValueError: One reducer repeats a metric name.
+        ValueError: One reducer repeats a metric name, or uses the reserved one.
     """
     if isinstance(reducers, Mapping):
         reducers = [reducers]
@@ -177,38 +188,9 @@ def expand(reducers: object) -> list[Reducer]:
             "{metric_name: fn} mappings or named functions), or one mapping; "
             f"got {reducers!r}"
         )
-    expanded: list[tuple[int, Reducer]] = []
-    for index, item in enumerate(reducers):
-        expanded += [(index, r) for r in _as_reducers(f"reducers[{index}]", item)]
-    checked: list[Reducer] = []
-    for index, reducer in expanded:
-        metrics = getattr(reducer, "metrics", None)
-        if not callable(reducer):
-            raise TypeError(f"reducers[{index}] must be callable, got {reducer!r}")
-        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
-            raise TypeError(
-                f"reducers[{index}] ({reducer!r}) must have a `metrics` tuple of metric names, "
-                f"got {metrics!r}"
-            )
-        for name in metrics:
-            if not isinstance(name, str) or not name:
-                raise TypeError(
-                    f"reducers[{index}] ({reducer!r}) has metric name {name!r}; "
-                    "expected a non-empty str"
-                )
-        repeated = sorted({name for name in metrics if list(metrics).count(name) > 1})
-        if repeated:
-            raise ValueError(
-                f"reducers[{index}] ({reducer!r}) repeats metric(s) "
-                f"{', '.join(map(repr, repeated))}: give each metric one name"
-            )
-        if INTERRUPTED in metrics:
-            raise ValueError(
-                f"reducers[{index}] ({reducer!r}) has metric name {INTERRUPTED!r}, which is "
-                "reserved: history rows with that metric mark interrupted samples. Rename it"
-            )
-        checked.append(reducer)
-    return checked
+    return [
+        r for index, item in enumerate(reducers) for r in _as_reducers(f"reducers[{index}]", item)
+    ]
 
 
 def check_unique(reducers: Sequence[Reducer]) -> None:
@@ -230,69 +212,3 @@ def check_unique(reducers: Sequence[Reducer]) -> None:
 def reducer_name(reducer: object) -> str:
     """How a reducer is named in reasons and warnings: its function or class name."""
     return str(getattr(reducer, "__name__", None) or type(reducer).__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Called:
-    """What one custom reducer returned for one tensor: host values, values left on the device
-    (`refs`: metric -> position in the sample's transfer, `block` holds them) and nulls."""
-
-    host: dict[str, float] = field(default_factory=dict)
-    refs: dict[str, int] = field(default_factory=dict)
-    fixed: dict[str, MetricValue] = field(default_factory=dict)
-    block: torch.Tensor | None = None
-
-
-def call_reducer(
-    reducer: Reducer, tensor: torch.Tensor, offset: int, host_paths: bool = True
-) -> Called:
-    """Calls one custom reducer, keeping device scalars of plain tensors on the device (also on
-    the CPU when `host_paths` is False, as the general path does)."""
-    metrics = tuple(reducer.metrics)
-    try:
-        result = reducer(tensor)
-    except Exception as error:
-        reason = reasons.error("reducer", error)
-        return Called(fixed={name: MetricValue(None, reason) for name in metrics})
-    if not isinstance(result, Mapping):
-        reason = reasons.reducer_returned(type(result).__name__)
-        return Called(fixed={name: MetricValue(None, reason) for name in metrics})
-    host: dict[str, float] = {}
-    refs: dict[str, int] = {}
-    fixed: dict[str, MetricValue] = {}
-    device_values: list[torch.Tensor] = []
-    for name in metrics:
-        if name not in result:
-            fixed[name] = MetricValue(None, reasons.NO_VALUE)
-            continue
-        value = result[name]
-        if isinstance(value, torch.Tensor):
-            problem = _scalar_tensor_problem(value)
-            if problem is not None:
-                fixed[name] = MetricValue(None, problem)
-            elif (
-                value.device == tensor.device
-                and not (host_paths and tensors.host_sync_is_free(value.device))
-                and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
-            ):
-                refs[name] = offset + len(device_values)
-                device_values.append(value.detach().reshape(()).to(torch.float64))
-            else:
-                host[name] = float(value.detach().reshape(()).to(torch.float64))
-        elif isinstance(value, numbers.Real):
-            host[name] = float(value)
-        else:
-            fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
-    block = torch.stack(device_values) if device_values else None
-    return Called(host, refs, fixed, block)
-
-
-def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
-    """Why a reducer's tensor value cannot be a metric, or None if it can."""
-    if value.layout != torch.strided:
-        return reasons.reducer_tensor_layout(value.layout)
-    if not tensors.is_real_dtype(value.dtype):
-        return reasons.reducer_tensor_dtype(tensors.dtype_name(value.dtype))
-    if value.numel() != 1:
-        return reasons.reducer_tensor_shape(tuple(value.shape))
-    return None

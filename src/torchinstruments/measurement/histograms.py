@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
-from torchinstruments.measurement import numerics, paths, tensors
+from torchinstruments.measurement import tensors
 from torchinstruments.records import HistogramRecord
 
-__all__ = ["DEFAULT_BINS", "PendingHistogram", "reduce_histogram"]
+__all__ = ["DEFAULT_BINS", "PendingHistogram"]
 
 DEFAULT_BINS = 64
 # Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
@@ -111,42 +111,6 @@ class PendingHistogram:
             )
         except Exception:  # finishing must never crash the training step
             return None
-
-
-def reduce_histogram(
-    tensor: torch.Tensor, bins: int = DEFAULT_BINS, *, host_paths: bool = True
-) -> PendingHistogram:
-    """Counts the finite entries of `tensor` (detached, never modified) in `bins` equal bins,
-    without a sync off the CPU: plain CPU tensors in NumPy unless `host_paths` is False, the rest
-    (or what NumPy fails on) on the general path (`paths.choose`). Never raises; `resolve` gives
-    None when there is nothing to draw.
-
-    Example:
-        >>> pending = reduce_histogram(torch.randn(1000), bins=8)
-        >>> record = pending.resolve([], sample_id=0, layer="fc", call_index=0,
-        ...                          signal="output", tensor_path="")
-        >>> sum(record.bucket_counts)
-        1000.0
-    """
-    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
-        return PendingHistogram(None, 1)
-    try:
-        with torch.no_grad():
-            detached = tensor.detach()
-            if tensors.unsupported_reason(detached) is not None or detached.numel() == 0:
-                return PendingHistogram(None, bins)
-            path = paths.choose(detached, host_paths=host_paths, lane_ok=False)
-            if path == "host":
-                try:
-                    vector = numerics.measure_on_cpu(detached, frozenset(), bins).histogram
-                    return PendingHistogram(None, bins, vector)
-                except Exception:  # handed to the general path below, never to null
-                    pass
-            values = tensors.working_values(detached)
-            _, _, vector = numerics.raw_on_device(values, frozenset(), bins)
-            return pending_histogram(vector, bins)  # type: ignore[arg-type]
-    except Exception:  # measuring must never crash the training step
-        return PendingHistogram(None, bins)
 
 
 def pending_histogram(vector: torch.Tensor, bins: int) -> PendingHistogram:

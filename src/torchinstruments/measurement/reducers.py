@@ -15,6 +15,7 @@ own min, max and sums. A sample's small plain tensors are measured together by t
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +29,6 @@ from torchinstruments.measurement.histograms import (
     DEFAULT_BINS,
     PendingHistogram,
     pending_histogram,
-    reduce_histogram,
 )
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
@@ -120,6 +120,11 @@ class _Part:
     refs: dict[str, int] = field(default_factory=dict)
     fixed: dict[str, MetricValue] = field(default_factory=dict)
     derive: Callable[[dict[str, float]], dict[str, MetricValue]] | None = None
+
+    @classmethod
+    def null(cls, metrics: Sequence[str], reason: str) -> _Part:
+        """Every metric null with `reason`."""
+        return cls(tuple(metrics), fixed=dict.fromkeys(metrics, MetricValue(None, reason)))
 
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
         """Resolves the raw values and turns them into metric values."""
@@ -217,8 +222,7 @@ class Measurer:
         if name not in self._warned:
             self._warned.add(name)
             warn(f"torchinstruments: {reason}; its metrics are null")
-        metrics = tuple(reducer.metrics)
-        return _Part(metrics, fixed={metric: MetricValue(None, reason) for metric in metrics})
+        return _Part.null(reducer.metrics, reason)
 
     def launch(self, tensor: torch.Tensor) -> PendingReduction:
         """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
@@ -231,46 +235,34 @@ class Measurer:
             on the host.
         """
         try:
-            return self._launch(tensor)
+            return self._launch(tensor, None)[0]
         except Exception as error:  # measuring must never crash the training step
             return self.unavailable(reasons.error("statistics", error))
 
     def launch_with_histogram(
         self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
     ) -> tuple[PendingReduction, PendingHistogram]:
-        """`launch` plus the tensor's histogram, from the same passes where the path allows.
-
-        The default profile's passes also count the histogram's bins (see
-        `numerics.measure_on_cpu` and `numerics.raw_on_device`); without the default profile, the
-        histogram is counted on its own by `reduce_histogram`. Never raises.
-        """
-        shared: list[PendingHistogram] = []
+        """`launch` plus the tensor's histogram, counted by the default profile's own passes
+        (`numerics.measure_on_cpu`, `numerics.raw_on_device`), also when its metrics are
+        `DefaultStatistics(())`. Never raises."""
         try:
-            reduction = self._launch(tensor, bins, shared)
+            reduction, histogram = self._launch(tensor, bins)
         except Exception as error:  # measuring must never crash the training step
-            reduction = self.unavailable(reasons.error("statistics", error))
-        if shared:
-            return reduction, shared[0]
-        return reduction, reduce_histogram(tensor, bins, host_paths=self.host_paths)
+            reduction, histogram = self.unavailable(reasons.error("statistics", error)), None
+        return reduction, histogram or PendingHistogram(None, bins)
 
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
-        part = _Part(self.metrics, fixed={name: MetricValue(None, reason) for name in self.metrics})
-        return PendingReduction(None, [part])
+        return PendingReduction(None, [_Part.null(self.metrics, reason)])
 
     def _launch(
-        self,
-        tensor: torch.Tensor,
-        bins: int | None = None,
-        shared: list[PendingHistogram] | None = None,
-    ) -> PendingReduction:
-        """Runs every reducer and packs the device values into one vector.
-
-        With `bins`, the default profile may also count the histogram; its pending histogram is
-        appended to `shared` when it does.
-        """
+        self, tensor: torch.Tensor, bins: int | None
+    ) -> tuple[PendingReduction, PendingHistogram | None]:
+        """Runs every reducer and packs the device values into one vector; with `bins`, the
+        default profile also counts the histogram."""
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
+        histogram: PendingHistogram | None = None
         with torch.no_grad():
             detached = tensor.detach()
             copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
@@ -278,35 +270,30 @@ class Measurer:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
                     if isinstance(reducer, DefaultStatistics):
-                        part, block, histogram = _reduce_default(
+                        part, block, counted = _reduce_default(
                             detached, reducer.metrics, offset, bins, self.host_paths
                         )
-                        if histogram is not None and shared is not None:
-                            shared.append(histogram)
+                        histogram = histogram or counted
                     else:
                         if copy is None:
                             copy = detached.clone()
                         version = tensor_version(copy)
-                        called = custom.call_reducer(reducer, copy, offset, self.host_paths)
-                        part = _Part(tuple(reducer.metrics), called.host, called.refs, called.fixed)
-                        block = called.block
+                        part, block = _reduce_custom(reducer, copy, offset, self.host_paths)
                         if tensor_version(copy) != version:
                             part, block = self._modified_input(reducer), None
                             copy = None  # the next reducer gets a fresh copy
                 except Exception as error:
-                    reason = reasons.error("statistics", error)
-                    fixed = {name: MetricValue(None, reason) for name in reducer.metrics}
-                    part, block = _Part(tuple(reducer.metrics), fixed=fixed), None
+                    part, block = (
+                        _Part.null(reducer.metrics, reasons.error("statistics", error)),
+                        None,
+                    )
                 parts.append(part)
                 if block is not None:
                     blocks.append(block)
             vector = None
             if blocks:
                 vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return PendingReduction(vector, parts)
-
-
-# --- default profile ----------------------------------------------------------------------------
+        return PendingReduction(vector, parts), histogram
 
 
 def _check_reducers(reducers: object) -> tuple[Reducer, ...]:
@@ -324,26 +311,21 @@ def _reduce_default(
     tensor: torch.Tensor,
     metrics: tuple[str, ...],
     offset: int,
-    bins: int | None = None,
-    host_paths: bool = True,
+    bins: int | None,
+    host_paths: bool,
 ) -> tuple[_Part, torch.Tensor | None, PendingHistogram | None]:
     """The default profile of one tensor: host values on the CPU, a device block elsewhere.
 
-    Returns the part, the device block, and (on the CPU, when `bins` is given) the histogram
-    counted by the same passes, already on the host.
+    Returns the part, the device block, and with `bins` the histogram counted by the same passes
+    (a host list on the CPU).
     """
-    if not metrics:
+    if not metrics and bins is None:
         return _Part(metrics), None, None
     unsupported = tensors.unsupported_reason(tensor)
-    if unsupported is not None:
-        fixed = {name: MetricValue(None, unsupported) for name in metrics}
-        return _Part(metrics, fixed=fixed), None, None
-    numel = tensor.numel()
-    if numel == 0:
-        fixed = {name: MetricValue(None, reasons.EMPTY) for name in metrics}
-        return _Part(metrics, fixed=fixed), None, None
+    if unsupported is not None or tensor.numel() == 0:
+        return _Part.null(metrics, unsupported or reasons.EMPTY), None, None
     wanted = frozenset(metrics)
-    derive = numerics.DefaultDeriver(numel, wanted)
+    derive = numerics.DefaultDeriver(tensor.numel(), wanted)
     if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
         try:
             result = numerics.measure_on_cpu(tensor, wanted, bins)
@@ -357,8 +339,60 @@ def _reduce_default(
     histogram = None  # counted with the statistics' own min, max and sums
     if bins is not None and vector is not None:
         histogram = pending_histogram(vector, bins)
+    if not metrics:
+        return _Part(metrics), None, histogram
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer
         host = dict(zip(keys, tensors.host_floats(block), strict=True))
         return _Part(metrics, host=host, derive=derive), None, histogram
     refs = {key: offset + index for index, key in enumerate(keys)}
     return _Part(metrics, refs=refs, derive=derive), block, histogram
+
+
+def _reduce_custom(
+    reducer: Reducer, tensor: torch.Tensor, offset: int, host_paths: bool
+) -> tuple[_Part, torch.Tensor | None]:
+    """One custom reducer's metrics: device scalars of plain tensors stay on the device for the
+    sample's transfer (also on the CPU when `host_paths` is False, as the general path does)."""
+    metrics = tuple(reducer.metrics)
+    try:
+        result = reducer(tensor)
+    except Exception as error:
+        return _Part.null(metrics, reasons.error("reducer", error)), None
+    if not isinstance(result, Mapping):
+        return _Part.null(metrics, reasons.reducer_returned(type(result).__name__)), None
+    part = _Part(metrics)
+    device_values: list[torch.Tensor] = []
+    for name in metrics:
+        if name not in result:
+            part.fixed[name] = MetricValue(None, reasons.NO_VALUE)
+            continue
+        value = result[name]
+        if isinstance(value, torch.Tensor):
+            problem = _scalar_tensor_problem(value)
+            if problem is not None:
+                part.fixed[name] = MetricValue(None, problem)
+            elif (
+                value.device == tensor.device
+                and not (host_paths and tensors.host_sync_is_free(value.device))
+                and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
+            ):
+                part.refs[name] = offset + len(device_values)
+                device_values.append(value.detach().reshape(()).to(torch.float64))
+            else:
+                part.host[name] = float(value.detach().reshape(()).to(torch.float64))
+        elif isinstance(value, numbers.Real):
+            part.host[name] = float(value)
+        else:
+            part.fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
+    return part, torch.stack(device_values) if device_values else None
+
+
+def _scalar_tensor_problem(value: torch.Tensor) -> str | None:
+    """Why a custom reducer's tensor value cannot be a metric, or None if it can."""
+    if value.layout != torch.strided:
+        return reasons.reducer_tensor_layout(value.layout)
+    if not tensors.is_real_dtype(value.dtype):
+        return reasons.reducer_tensor_dtype(tensors.dtype_name(value.dtype))
+    if value.numel() != 1:
+        return reasons.reducer_tensor_shape(tuple(value.shape))
+    return None

@@ -9,7 +9,8 @@ tensors alike, so host and device run the same IEEE operations in the same order
   (selection in linear time above `order.SMALL` entries, a sort below), `order.on_device`, or,
   for the lane's small tensors, one sort of the batch's keys (`sorted_segments`).
 * Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
-  device): a corrected two-pass algorithm in float64, float64 inputs scaled by a power of two
+  device): the shifted-data algorithm in float64, shifted by an entry near the median on the host
+  (one pass) and by the mean on the device (two), float64 inputs scaled by a power of two
   (exact), so neither a variance nor a sum of huge values overflows into a null.
 * Histogram counts (`edges`, `thresholds`, `bin_counts`): each inner edge becomes the smallest
   working-dtype value >= it and an entry's bin is the number of those <= it, so counts agree with
@@ -17,10 +18,10 @@ tensors alike, so host and device run the same IEEE operations in the same order
 
 Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `segment_profiles` (the same
 arrays, so the same bits), `raw_on_device`. A finite CPU tensor above `order.SMALL`
-entries is read four times (`tests/test_reads.py` counts them): finiteness, zeros, the moments'
-first pass (which also feeds the selection's brackets and the min and max,
-`order.HostSelection`) and the deviations, plus a random sample of `order.SAMPLE` entries; a
-focus tensor's histogram is one pass more. A tensor with non-finite entries is read three times
+entries is read three times (`tests/test_reads.py` counts them): finiteness, zeros and the
+moments' pass (which also feeds the selection's brackets and the min and max,
+`order.HostSelection`), plus a random sample (`order.sample_positions`); a focus tensor's
+histogram is one pass more. A tensor with non-finite entries is read three times
 (finiteness, a copy of its finite entries, zeros) and the passes after read the copy. A
 non-finite result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
 """
@@ -136,35 +137,41 @@ CHUNK = 1 << 16
 
 
 def finish_moments(
-    sums: _Array, squares: _Array, residual: _Array, counts: _Array, scale: _Array | float
+    shift: _Array, squares: _Array, residual: _Array, counts: _Array, scale: _Array | float
 ) -> tuple[_Array, _Array, _Array, _Array]:
     """Mean, population std, sum and sum of squares from the scaled sums (generic).
 
-    `sums` is the sum of the values scaled by 1 / `scale`, `squares` and `residual` the sums of
-    their squared deviations from the mean and of those deviations (the correction term).
+    `residual` and `squares` are the sums of the deviations of the values (scaled by 1 /
+    `scale`) from `shift` and of their squares: the shifted-data algorithm, accurate when the
+    shift is near the mean (within a standard deviation, as any median is, it loses at most a bit).
     """
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        mean = sums / counts
-        std = _xp(sums).sqrt(((squares - residual * residual / counts) / counts).clip(min=0.0))
-        # sum(x**2) = sum(d**2) + 2 mean sum(d) + count mean**2, with d = x - mean
-        sum_squares = (squares + 2.0 * mean * residual + counts * mean * mean) * scale * scale
-        return mean * scale, std * scale, sums * scale, sum_squares
+        mean = shift + residual / counts
+        std = _xp(squares).sqrt(((squares - residual * residual / counts) / counts).clip(min=0.0))
+        # sum(x**2) = sum(d**2) + 2 shift sum(d) + count shift**2, with d = x - shift
+        sum_squares = (squares + 2.0 * shift * residual + counts * shift * shift) * scale * scale
+        return mean * scale, std * scale, (shift * counts + residual) * scale, sum_squares
 
 
 _FIRST = np.zeros(1, dtype=np.intp)  # reduceat's start of a chunk's only segment
 
 
 def segment_sums(
-    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, visit: Any = None
+    values: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    shifts: np.ndarray,
+    visit: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Per segment of finite float32/float64 `values` (`starts` ascending, `counts` >= 1): the
-    float64 sums `finish_moments` takes, and the scale (one power of two per call, for float64
-    values whose squares could overflow or underflow).
+    """Per segment of finite float32/float64 `values` (`starts` ascending, `counts` >= 1), with
+    `shifts` (float64, one per segment, near its median): what `finish_moments` takes (the
+    shifts scaled, the deviations' squares and sums) and the scale (one power of two per call,
+    for float64 values whose squares could overflow or underflow).
 
-    Two passes over float64 copies of one `CHUNK` at a time: segmented sums, then the deviations'
-    sums and squares. A segment's sums depend only on its entries and where chunks cut it, so a
-    tensor alone and within a batch give the same bits. `visit` sees each chunk of the first
-    pass (`order.HostSelection` reads it while it is in the cache).
+    One pass over float64 deviations, one `CHUNK` at a time, segmented. A segment's sums depend
+    only on its entries, its shift and where chunks cut it, so a tensor alone and within a batch
+    give the same bits. `visit` sees each chunk (`order.HostSelection` reads it while it is in
+    the cache).
     """
     scale = 1.0
     if values.dtype == np.float64:
@@ -172,45 +179,39 @@ def segment_sums(
         if max_abs > 2.0**400 or max_abs < 2.0**-400:
             exponent = math.frexp(max_abs)[1] if max_abs else 0
             scale = math.ldexp(1.0, max(-_MAX_SCALE_EXPONENT, min(_MAX_SCALE_EXPONENT, exponent)))
-    ends = starts + counts
-    size = int(ends[-1])
-    pieces = []  # (lo, hi, first segment, last segment + 1, segment starts local to [lo, hi))
-    for lo in range(int(starts[0]), size, CHUNK):
-        hi = min(lo + CHUNK, size)
-        if counts.size == 1:  # one tensor: every chunk is its only segment's
-            pieces.append((lo, hi, 0, 1, _FIRST))
-            continue
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(starts, hi, side="left"))
-        pieces.append((lo, hi, first, last, np.maximum(starts[first:last] - lo, 0)))
     inverse = 1.0 / scale
-    sums = np.zeros(counts.size)
-    for lo, hi, first, last, local in pieces:  # float64 sums of float64 pieces: no buffering
+    shifts = shifts * inverse
+    ends = starts + counts
+    squares = np.zeros(counts.size)
+    residual = np.zeros(counts.size)
+    for lo in range(int(starts[0]), int(ends[-1]), CHUNK):
+        hi = min(lo + CHUNK, int(ends[-1]))
         chunk = values[lo:hi]
         if visit is not None:
             visit(chunk)
-        piece = chunk.astype(np.float64) if scale == 1.0 else chunk * inverse
-        sums[first:last] += np.add.reduceat(piece, local)
-    means = sums / counts
-    squares = np.zeros(counts.size)
-    residual = np.zeros(counts.size)
-    for lo, hi, first, last, local in pieces:  # the deviations: one float64 temporary a piece
-        piece = values[lo:hi] if scale == 1.0 else values[lo:hi] * inverse
-        if last - first == 1:  # the same numbers as the repeat below, without building it
-            chunk = np.subtract(piece, means[first], dtype=np.float64)
+        piece = chunk if scale == 1.0 else chunk * inverse
+        if counts.size == 1:  # one tensor: every chunk is its only segment's
+            first, last, local = 0, 1, _FIRST
         else:
-            subtrahend = np.repeat(means[first:last], np.diff(local, append=hi - lo))
-            chunk = np.subtract(piece, subtrahend, dtype=np.float64)
-        residual[first:last] += np.add.reduceat(chunk, local)
-        squares[first:last] += np.add.reduceat(np.square(chunk, out=chunk), local)
-    return sums, squares, residual, scale
+            first = int(np.searchsorted(ends, lo, side="right"))
+            last = int(np.searchsorted(starts, hi, side="left"))
+            local = np.maximum(starts[first:last] - lo, 0)
+        if last - first == 1:
+            deviations = np.subtract(piece, shifts[first], dtype=np.float64)
+        else:
+            subtrahend = np.repeat(shifts[first:last], np.diff(local, append=hi - lo))
+            deviations = np.subtract(piece, subtrahend, dtype=np.float64)
+        residual[first:last] += np.add.reduceat(deviations, local)
+        squares[first:last] += np.add.reduceat(np.square(deviations, out=deviations), local)
+    return shifts, squares, residual, scale
 
 
 def device_sums(
     values: torch.Tensor, finite: torch.Tensor, count: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | float]:
     """`segment_sums` of the finite entries (`finite`: their mask, `count`: how many, at least
-    1) of one tensor, as 0-d float64 tensors on its device, without a host synchronisation."""
+    1) of one tensor, as 0-d float64 tensors on its device, without a host synchronisation: the
+    shift is their mean, from a first pass."""
     wide = torch.where(finite, values.to(torch.float64), 0.0)
     scale: torch.Tensor | float = 1.0
     if values.dtype == torch.float64:
@@ -221,9 +222,9 @@ def device_sums(
         big_or_tiny = (max_abs > 2.0**400) | (max_abs < 2.0**-400)
         scale = torch.where(big_or_tiny, scale, 1.0)
         wide = wide / scale
-    sums = wide.sum()
-    wide = torch.where(finite, wide.sub_(sums / count), 0.0)
-    return sums, torch.dot(wide, wide), wide.sum(), scale
+    shift = wide.sum() / count
+    wide = torch.where(finite, wide.sub_(shift), 0.0)
+    return shift, torch.dot(wide, wide), wide.sum(), scale
 
 
 def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
@@ -379,7 +380,7 @@ def _host_arrays(
 ) -> dict[str, np.ndarray]:
     """Per segment of finite `values` (each at least one entry): the moments and the order
     statistics wanted, float64 arrays. `select` is told the sorted positions (absolute in
-    `values`) and, unless it holds them sorted, reads them during the moments' first pass."""
+    `values`) and, unless it holds them sorted, reads them during the moments' pass."""
     out: dict[str, np.ndarray] = {}
     names = [name for name in QUARTILES if name in wanted]
     ends = starts + counts - 1
@@ -390,9 +391,10 @@ def _host_arrays(
     positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
     select.want(positions)
     visit = select.visit if select.ordered is None else None
-    sums, squares, residual, scale = segment_sums(values, starts, counts, visit)
+    shifts = select.pivots(starts, counts)
+    sums = segment_sums(values, starts, counts, shifts, visit)
     out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
-        sums, squares, residual, counts, scale
+        *sums[:3], counts, sums[3]
     )
     picked = select.selected().astype(np.float64).reshape(-1, counts.size)
     out["min"], out["max"] = picked[0], picked[1]
@@ -536,9 +538,9 @@ def raw_on_device(
     entries["min"], entries["max"] = picked[0], picked[1]
     quartiles = lerp(picked[2 : 2 + len(names)], picked[2 + len(names) :], weight)
     entries.update(zip(names, quartiles.unbind(), strict=True))
-    sums, squares, residual, scale = device_sums(values, finite_mask, count.clamp(min=1.0))
+    shift, squares, residual, scale = device_sums(values, finite_mask, count.clamp(min=1.0))
     mean, std, total, sum_squares = finish_moments(
-        sums, squares, residual, count.clamp(min=1.0), scale
+        shift, squares, residual, count.clamp(min=1.0), scale
     )
     entries["mean"], entries["std"] = mean, std
     keys = [key for key in entries if key in wanted or key in ("finite", "zeros")]

@@ -5,14 +5,15 @@ SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and m
 selection, which is linear and does not. One selection per kind of device, exact for every input:
 
 * `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array that fits
-  in the cache costs less than one selection call). Above, a sample of `SAMPLE` entries (at random
-  positions, fixed per size) is sorted; each group of nearby ranks gets two sample values that bracket it with a wide margin
-  (4 standard deviations of the sample's rank error at worst). While the moments' first pass reads each
-  chunk, the entries at or below the lower bound are counted and those strictly between the
-  bounds kept (a few percent; ties at a bound, such as a ReLU's zeros, are counted, never
-  copied), and the ranks are selected among the kept ones (recursively). A bracket that misses
-  its ranks (only for adversarial orders) selects them from the whole array by `np.partition`,
-  still linear.
+  in the cache costs less than one selection call). Above, a sample (`sample_positions`: at
+  random positions fixed per size, about (6n)**(2/3) entries, which balances sorting the sample
+  against sorting what the brackets keep) is sorted; each group of nearby ranks gets two sample
+  values that bracket it with a wide margin (4 standard deviations of the sample's rank error at
+  worst). While the moments' pass reads each chunk, the entries at or below each lower bound are
+  counted and those strictly inside any bracket kept, in one copy (a few percent; ties at a
+  bound, such as a ReLU's zeros, are counted, never copied); each bracket then selects its ranks
+  among the kept entries inside it (recursively). A bracket that misses its ranks (only for
+  adversarial orders) selects them from the whole array by `np.partition`, still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
@@ -28,7 +29,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "SAMPLE",
     "SMALL",
     "HostSelection",
     "on_device",
@@ -37,8 +37,6 @@ __all__ = [
     "sortable_keys",
 ]
 
-# Entries of the sample that brackets the wanted ranks.
-SAMPLE = 1 << 15
 # At most this many entries are sorted instead of selected.
 SMALL = 1 << 15
 _DIGIT_BITS = 16
@@ -53,18 +51,29 @@ class HostSelection:
 
     def __init__(self, values: np.ndarray, ordered: np.ndarray | None = None) -> None:
         self._values, self.ordered = values, ordered
+        if ordered is None and values.size <= SMALL:
+            self.ordered = np.sort(values)
+        self._sample: np.ndarray | None = None
         self._ranks: Sequence[int] | np.ndarray = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
+        self._kept: list[np.ndarray] = []
+
+    def pivots(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per segment, an entry near its median (float64): the moments' shift. The middle
+        entry of a sorted segment, else the sorted sample's middle, so that a segment alone and
+        within a batch get the same one."""
+        if self.ordered is not None:
+            return self.ordered.take(starts + counts // 2).astype(np.float64)
+        sample = self._sorted_sample()
+        return np.array([float(sample[sample.size // 2])])
 
     def want(self, ranks: Sequence[int] | np.ndarray) -> None:
         """Which sorted positions `selected` returns, in this order."""
-        values, size = self._values, self._values.size
-        if self.ordered is None and size <= SMALL:
-            self.ordered = np.sort(values)
         if self.ordered is not None:
             self._ranks = ranks  # read by one `take`: an array stays an array
             return
+        size = self._values.size
         self._ranks = [int(rank) for rank in ranks]
         wanted = sorted(set(self._ranks))
         self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
@@ -76,7 +85,7 @@ class HostSelection:
                 groups.append([rank])
         if not groups:
             return
-        sample = np.sort(values.take(sample_positions(size)))
+        sample = self._sorted_sample()
         count, margin = sample.size, 2 * math.isqrt(sample.size) + 2
         for group in groups:
             first = group[0] * count // size - margin
@@ -89,11 +98,17 @@ class HostSelection:
             self._brackets.append(_Bracket(group, low, high, tied_low, tied_high))
 
     def visit(self, piece: np.ndarray) -> None:
-        """Reads one chunk: its extremes, and each bracket's counts and inner entries."""
+        """Reads one chunk: its extremes, each bracket's counts, and (one copy for all
+        brackets) the entries inside any of them."""
         if self._extremes is not None:
             self._extremes.append((float(piece.min()), float(piece.max())))
+        kept = None
         for bracket in self._brackets:
-            bracket.visit(piece)
+            inside = bracket.visit(piece)
+            if inside is not None:
+                kept = inside if kept is None else np.logical_or(kept, inside, out=kept)
+        if kept is not None:
+            self._kept.append(piece.take(np.flatnonzero(kept)))
 
     def selected(self) -> np.ndarray:
         """The entries at the wanted positions (after every chunk was visited)."""
@@ -104,23 +119,35 @@ class HostSelection:
         if self._extremes is not None:
             found[0] = min(low for low, _ in self._extremes)
             found[size - 1] = max(high for _, high in self._extremes)
+        kept = np.concatenate(self._kept) if self._kept else values[:0]
+        ascending = kept.size <= SMALL
+        if ascending:  # then each bracket's inner entries are a slice of it, already in order
+            kept.sort()
         for bracket in self._brackets:
-            found.update(bracket.selected(values))
+            found.update(bracket.selected(values, kept, ascending))
         return np.array([found[rank] for rank in self._ranks])
+
+    def _sorted_sample(self) -> np.ndarray:
+        if self._sample is None:
+            self._sample = np.sort(self._values.take(sample_positions(self._values.size)))
+        return self._sample
 
 
 @functools.lru_cache(maxsize=64)
 def sample_positions(size: int) -> np.ndarray:
-    """`SAMPLE` positions below `size`, uniform at random but fixed per size (a stride would
-    see one column of a convolution's output), ascending so that they are read in order."""
-    positions = np.sort(np.random.default_rng(size).integers(0, size, SAMPLE))
+    """About (6 `size`)**(2/3) positions below `size` (a power of two, 2**12 to 2**15), uniform at
+    random but fixed per size (a stride would see one column of a convolution's output),
+    ascending so that they are read in order."""
+    exponent = min(15, max(12, round(math.log2(6 * size) * 2 / 3)))
+    positions = np.sort(np.random.default_rng(size).integers(0, size, 1 << exponent))
     positions.flags.writeable = False
     return positions
 
 
 class _Bracket:
-    """Ranks bracketed by two sample values: the entries counted at or below `low` and kept
-    strictly between the two, so that ties (a ReLU's zeros) are counted, never copied."""
+    """Ranks bracketed by two sample values: the entries counted at or below `low`, and those
+    strictly between the two found among the kept ones, so that ties (a ReLU's zeros) are
+    counted, never copied."""
 
     def __init__(
         self, ranks: list[int], low: float, high: float, tied_low: bool, tied_high: bool
@@ -129,10 +156,9 @@ class _Bracket:
         self.at_most_low = 0  # entries <= low
         self.below_low: int | None = 0 if tied_low and low > -math.inf else None
         self.at_most_high: int | None = 0 if tied_high and high < math.inf else None
-        self.pieces: list[np.ndarray] = []
 
-    def visit(self, piece: np.ndarray) -> None:
-        """Counts and keeps what one chunk holds of the bracket."""
+    def visit(self, piece: np.ndarray) -> np.ndarray | None:
+        """Counts what one chunk holds of the bracket; the mask of its entries inside."""
         low, high = self.low, self.high
         inside = None
         if low > -math.inf:
@@ -146,19 +172,27 @@ class _Bracket:
             self.below_low += int(np.count_nonzero(piece < low))
         if self.at_most_high is not None:
             self.at_most_high += int(np.count_nonzero(piece <= high))
-        if inside is not None:
-            self.pieces.append(piece.take(np.flatnonzero(inside)))
+        return inside
 
-    def selected(self, values: np.ndarray) -> dict[int, float]:
-        """The bracket's ranks and their entries (from all `values` where the bracket missed)."""
-        inner = np.concatenate(self.pieces) if self.pieces else values[:0]
+    def selected(self, values: np.ndarray, kept: np.ndarray, ascending: bool) -> dict[int, float]:
+        """The bracket's ranks and their entries (from all `values` where the bracket missed),
+        from the `kept` entries (`ascending`: sorted)."""
+        low, high = self.low, self.high
+        if high <= low:
+            inner = kept[:0]
+        elif ascending:
+            inner = kept[np.searchsorted(kept, low, "right") : np.searchsorted(kept, high, "left")]
+        else:
+            inner = kept[(kept > low) & (kept < high)]
         start, end = self.at_most_low, self.at_most_low + inner.size
         if self.low == self.high:
             self.at_most_high = start
         found: dict[int, float] = {}
         local = [rank - start for rank in self.ranks if start <= rank < end]
         if local:
-            if 2 * inner.size > values.size:  # the bracket barely shrank: one partition
+            if ascending:
+                picked = inner.take(local).tolist()
+            elif 2 * inner.size > values.size:  # the bracket barely shrank: one partition
                 picked = np.partition(inner, local)[local].tolist()
             else:
                 picked = on_host(inner, local)

@@ -25,6 +25,6 @@ def choose(tensor: torch.Tensor, *, host_paths: bool, lane_ok: bool) -> Path:
     layer's histogram is counted on the lane's sorted copy too)."""
     if lane_ok and host_paths and lane.takes(tensor):  # the hot case first: checked per tensor
         return "lane"
-    if not host_paths or not tensors.host_path_takes(tensor):
-        return "general"
-    return "host"
+    if host_paths and tensors.is_plain(tensor) and tensors.host_sync_is_free(tensor.device):
+        return "host"  # NumPy reads it: plain, where a host sync is free
+    return "general"

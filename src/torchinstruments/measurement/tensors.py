@@ -42,14 +42,11 @@ __all__ = [
     "DENSE_MAX",
     "DTENSOR_NOTE",
     "INTEGRAL_DTYPES",
-    "SYNC_FREE_DEVICE_TYPES",
     "TORCH_FUNC_NOTE",
     "MeasuredForm",
     "dtype_name",
     "host_floats",
-    "host_path_takes",
     "host_sync_is_free",
-    "is_integral",
     "is_plain",
     "is_real_dtype",
     "measured_form",
@@ -65,23 +62,15 @@ INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 )
 
-# Device types on which a host synchronisation costs nothing.
-SYNC_FREE_DEVICE_TYPES: frozenset[str] = frozenset({"cpu"})
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `float32`."""
     return str(dtype).removeprefix("torch.")
 
 
-def is_integral(dtype: torch.dtype) -> bool:
-    """True for bool and the plain integer dtypes (not quantized ones)."""
-    return dtype in INTEGRAL_DTYPES
-
-
 def is_real_dtype(dtype: torch.dtype) -> bool:
-    """Floating, integer or bool: a dtype whose values are real numbers."""
-    return not dtype.is_complex and (dtype.is_floating_point or is_integral(dtype))
+    """Floating, integer or bool (not complex, not quantized): a dtype whose values are real."""
+    return dtype.is_floating_point or dtype in INTEGRAL_DTYPES
 
 
 def unsupported_reason(tensor: torch.Tensor) -> str | None:
@@ -202,18 +191,13 @@ def working_values(tensor: torch.Tensor) -> torch.Tensor:
 
 def host_sync_is_free(device: torch.device) -> bool:
     """Whether reading a value of a tensor on `device` back to the host costs nothing."""
-    return device.type in SYNC_FREE_DEVICE_TYPES
+    return device.type == "cpu"
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
     """Of class `torch.Tensor` itself (no subclass such as DTensor) and strided: what NumPy, the
     sample's one transfer and `.tolist()` can read."""
     return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_nested
-
-
-def host_path_takes(tensor: torch.Tensor) -> bool:
-    """Whether the NumPy fast paths may take `tensor`: plain, on a device where syncs are free."""
-    return is_plain(tensor) and host_sync_is_free(tensor.device)
 
 
 def host_floats(vector: torch.Tensor) -> list[float]:

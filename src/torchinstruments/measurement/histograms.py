@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,7 @@ _CONSTANT_BIN_MIN_WIDTH = 1e-12
 _HEAD = ("finite", "min", "max", "sum", "sum_squares")
 
 
+@dataclass(slots=True)  # not frozen: a frozen one's __init__ costs more, per tensor
 class PendingHistogram:
     """A histogram counted on the device, waiting for the sample's host transfer.
 
@@ -45,22 +47,15 @@ class PendingHistogram:
         device_vector: 1-D float64 tensor on the tensor's device, or None when there is nothing
             to transfer (unsupported or empty tensor, a failure while counting, or a histogram
             counted on the host).
+        bins: The number of bins counted.
         host_vector: The same layout as a list, for a histogram counted on the host (the CPU
             paths), which then never round-trips through a tensor; `resolve` reads it instead of
             its argument.
     """
 
-    __slots__ = ("_bins", "device_vector", "host_vector")
-
-    def __init__(
-        self,
-        device_vector: torch.Tensor | None,
-        bins: int,
-        host_vector: list[float] | None = None,
-    ) -> None:
-        self.device_vector = device_vector
-        self.host_vector = host_vector
-        self._bins = bins
+    device_vector: torch.Tensor | None
+    bins: int
+    host_vector: list[float] | None = None
 
     def resolve(
         self,
@@ -76,7 +71,7 @@ class PendingHistogram:
         ignored when `host_vector` is set), or None when the tensor has no finite entries, is
         unsupported, or the values are malformed. Never raises."""
         try:
-            bins = self._bins
+            bins = self.bins
             if self.host_vector is not None:
                 host_values = self.host_vector
             elif self.device_vector is None:

@@ -45,17 +45,8 @@ __all__ = [
     "ReducerSpec",
 ]
 
-DEFAULT_METRICS: tuple[str, ...] = (
-    "mean",
-    "std",
-    "min",
-    "max",
-    "p25",
-    "p50",
-    "p75",
-    "zero_fraction",
-    "nonfinite_fraction",
-)
+# The nine metrics of the default profile, in the order `numerics` computes and reports them.
+DEFAULT_METRICS: tuple[str, ...] = numerics.PROFILE
 
 
 class DefaultStatistics:
@@ -144,25 +135,22 @@ class _Part:
         return tuple(out)
 
 
+@dataclass(slots=True)  # not frozen: a frozen one's __init__ costs more, per tensor
 class PendingReduction:
     """One tensor's result: `device_vector` (1-D float64 on its device, or None) holds what must
     cross to the host; `resolve` finishes it after the sample's single transfer."""
 
-    __slots__ = ("_parts", "_size", "device_vector")
-
-    def __init__(self, device_vector: torch.Tensor | None, parts: Sequence[_Part]) -> None:
-        self.device_vector = device_vector
-        self._parts = tuple(parts)
-        self._size = 0 if device_vector is None else int(device_vector.numel())
+    device_vector: torch.Tensor | None
+    parts: Sequence[_Part]
 
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
         """One `MetricValue` per name in `Measurer.metrics` from `host_values`
         (`device_vector.tolist()`, or empty when it is None). Never raises: null + reason."""
         out: list[MetricValue] = []
-        size_ok = len(host_values) == self._size
-        for part in self._parts:
-            if not size_ok:
-                reason = reasons.host_values_mismatch(self._size, len(host_values))
+        size = 0 if self.device_vector is None else self.device_vector.numel()
+        for part in self.parts:
+            if len(host_values) != size:  # a transfer that lost values: never wrong numbers
+                reason = reasons.host_values_mismatch(size, len(host_values))
                 out.extend(MetricValue(None, reason) for _ in part.metrics)
                 continue
             try:

@@ -96,3 +96,33 @@ def test_a_layer_returning_a_subclass_does_not_null_the_layers_around_it(tmp_pat
         for r in rows.filter(pl.col("layer") == "5").rows(named=True)
     }
     assert_matches_numpy(twin, hidden.detach().numpy())
+
+
+def test_an_output_and_a_gradient_the_host_path_fails_on_are_measured_by_the_general_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain CPU tensor too large for the lane is measured as it is launched; when the NumPy
+    path raises there, the general path measures it (values, then its histogram)."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("host path broke")
+
+    monkeypatch.setattr(numerics, "measure_on_cpu", broken)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    x = torch.randn(32, 64)  # 2,048 entries: past the lane
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    out = model(x)
+    out.sum().backward()
+    remove_observer(model)
+    rows = read_history(tmp_path / "s")
+    assert rows["value"].null_count() == 0
+    hidden = model[0](x).detach()
+    for layer, signal, values in [
+        ("0", "output", hidden),
+        ("1", "output", hidden.relu()),
+        ("1", "output_gradient", torch.ones(32, 64)),
+        ("0", "output_gradient", (hidden > 0).float()),
+    ]:
+        chosen = rows.filter((pl.col("layer") == layer) & (pl.col("signal") == signal))
+        got = {r["metric"]: MetricValue(r["value"]) for r in chosen.rows(named=True)}
+        assert_matches_numpy(got, values.numpy())

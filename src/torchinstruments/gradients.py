@@ -46,7 +46,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -60,8 +59,7 @@ from torchinstruments._torch_internals import (
 from torchinstruments.capture import WarnOnce
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
-    LaneItem,
-    PendingTensor,
+    Launched,
     build_records,
     launch,
     unavailable_tensor,
@@ -153,7 +151,7 @@ class GradientRecorder:
         self.backward_samples = 0
         self._recent: deque[int] = deque(maxlen=RECENT_SAMPLES)
         self._lock = threading.Lock()
-        self._pending: list[PendingTensor | LaneItem] = []  # in launch order
+        self._pending: list[Launched] = []  # in launch order
         self._flush_queued = False
         self._leaf_hooks: list[
             tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
@@ -219,7 +217,7 @@ class GradientRecorder:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
         if hook.more is None:  # one call returned the tensor: its gradient is that call's
-            launched = [launch(self._measurer, hook.key, grad, hook.focus, OUTPUT_GRADIENT)]
+            launched = [launch(self._measurer, hook.key, grad, hook.focus)]
         else:
             launched = self._launch_shared(hook.calls, grad)
         with self._lock:
@@ -231,21 +229,20 @@ class GradientRecorder:
 
     def _launch_shared(
         self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor
-    ) -> list[PendingTensor | LaneItem]:
+    ) -> list[Launched]:
         """The gradient of a tensor several sampled calls returned: each call's own where the
         calls are of distinct layers, null rows for a layer that returned it more than once."""
         per_layer: dict[str, int] = {}
         for key, _ in calls:
             per_layer[key.layer.name] = per_layer.get(key.layer.name, 0) + 1
-        launched: list[PendingTensor | LaneItem] = []
+        launched: list[Launched] = []
         for key, focus in calls:
             shared = per_layer[key.layer.name]
             if shared == 1:
-                launched.append(launch(self._measurer, key, grad, focus, OUTPUT_GRADIENT))
+                launched.append(launch(self._measurer, key, grad, focus))
             else:
-                gradient_key = replace(key, signal=OUTPUT_GRADIENT)
                 reason = reasons.shared_output(shared)
-                launched.append(unavailable_tensor(self._measurer, gradient_key, grad, reason))
+                launched.append(unavailable_tensor(self._measurer, key, grad, reason))
         return launched
 
     def flush(self) -> None:

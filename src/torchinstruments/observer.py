@@ -80,8 +80,7 @@ from torchinstruments.counting import Counter
 from torchinstruments.global_statistics import GlobalTensor, keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.transfer import (
-    LaneItem,
-    PendingTensor,
+    Launched,
     build_records,
     launch,
     note_of,
@@ -130,7 +129,7 @@ class _Sample:
         self.forward_index = forward_index
         self.step = step
         self.call_counts: dict[str, int] = {}
-        self.pending: list[PendingTensor | LaneItem] = []  # in launch order
+        self.pending: list[Launched] = []  # in launch order
         self.global_pending: list[GlobalTensor] = []  # global_statistics: measured at the end
         self.returned: set[str] = set()  # layers with at least one call that returned
         # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
@@ -476,7 +475,7 @@ class Observer:
             if keep(self.global_option, sample.global_pending, key, tensor, self.warn_once):
                 self.gradients.hook_output(key, tensor, layer.focus)  # measured when it ends
                 continue
-            launched = launch(self.measurer, key, tensor, layer.focus, OUTPUT)
+            launched = launch(self.measurer, key, tensor, layer.focus)
             sample.pending.append(launched)
             note = note_of(launched)
             if note is not None and note not in self.notes:

@@ -6,11 +6,13 @@ with one transfer each, then resolved into metric values and `HistogramRecord`s.
 only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy) or launches its reductions (`launch_tensor`, which
+small-tensor lane (`lane`: a NumPy copy), measures a plain CPU tensor at once when the default
+profile is the only reducer (`Measured`: its values, reasons and histogram vector, and no
+reduction objects to resolve later), or launches its reductions (`launch_tensor`, which
 `paths.choose` sends on); `build_records` measures the lane's copies in one segmented pass,
-transfers and resolves the others, and returns one `SampleRecord` per sample whose measurements
-are a `MeasurementBlock`, in launch order. The lane's torch ops per sample do not grow with the
-layers.
+transfers and resolves the general path's results, and returns one `SampleRecord` per sample
+whose measurements are a `MeasurementBlock`, in launch order. The lane's torch ops per sample
+do not grow with the layers.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import numpy as np
 import torch
 
 from torchinstruments import reasons
-from torchinstruments._torch_internals import functorch_active, functorch_disabled
-from torchinstruments.measurement import lane, paths, tensors
+from torchinstruments._torch_internals import (
+    functorch_active,
+    functorch_disabled,
+    is_functorch_wrapped,
+)
+from torchinstruments.measurement import lane, numerics, paths, tensors
 from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
@@ -38,6 +44,8 @@ from torchinstruments.records import (
 
 __all__ = [
     "LaneItem",
+    "Launched",
+    "Measured",
     "PendingTensor",
     "build_records",
     "launch",
@@ -148,77 +156,126 @@ def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
 LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
 
 
-def launch(
-    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool, signal: str
-) -> PendingTensor | LaneItem:
-    """Launch the measurement of one tensor as `signal`: the small-tensor lane's copy where the
-    lane takes it (`lane`), else the general path's reductions (`launch_tensor`)."""
-    if measurer.default_only is not None:
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """A plain CPU tensor measured as it was launched (`numerics.measure_on_cpu`), when the
+    default profile is the only reducer: its row's values and reasons and its histogram vector
+    are ready, so nothing of it waits for the transfer (its key's signal is the batch's)."""
+
+    key: TensorKey
+    timestamp_us: int
+    shape: tuple[int, ...]
+    dtype: str
+    values: list[float | None]
+    reasons: list[str | None]
+    histogram: list[float] | None
+
+
+# What `launch` gives for one tensor; `build_records` takes a pass's list of them.
+Launched = PendingTensor | LaneItem | Measured
+
+
+def launch(measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool) -> Launched:
+    """Launch the measurement of one tensor: the small-tensor lane's copy where the lane takes
+    it (`lane`), a plain CPU tensor measured now (`Measured`), else the general path's
+    reductions (`launch_tensor`). The key is the output's, also for its gradient: the signal
+    is the one `build_records` is given."""
+    metrics = measurer.default_only
+    if metrics is not None:
         try:
             path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True)
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 return (key, time.time_ns() // 1000, tuple(tensor.shape), copy, focus)
+            if path == "host" and (measured := _measure_now(metrics, key, tensor, focus)):
+                return measured
         except Exception:  # handed to the general path, which gives null + reason if it fails too
             pass
-    if key.signal != signal:
-        key = replace(key, signal=signal)
     return launch_tensor(measurer, key, tensor, focus)
 
 
-def note_of(item: PendingTensor | LaneItem) -> str | None:
+def _measure_now(
+    metrics: tuple[str, ...], key: TensorKey, tensor: torch.Tensor, focus: bool
+) -> Measured | None:
+    """The default profile (and histogram) of a plain CPU tensor as the general path resolves
+    it; None where that path unwraps the tensor first or gives nulls."""
+    numel = tensor.numel()
+    dtype = tensor.dtype
+    if not numel or not tensors.is_real_dtype(dtype) or functorch_active():
+        return None
+    if is_functorch_wrapped(tensor):
+        return None
+    wanted = frozenset(metrics)
+    result = numerics.measure_on_cpu(tensor.detach(), wanted, DEFAULT_BINS if focus else None)
+    derived = numerics.DefaultDeriver(numel, wanted)(result.raw)
+    values = [derived[name].value for name in metrics]
+    why = [derived[name].reason for name in metrics]
+    stamp = time.time_ns() // 1000
+    shape = tuple(tensor.shape)
+    return Measured(key, stamp, shape, tensors.dtype_name(dtype), values, why, result.histogram)
+
+
+def note_of(item: Launched) -> str | None:
     """What the run should say about a launched tensor (a torch.func wrapper, a DTensor)."""
     return item.note if type(item) is PendingTensor else None
 
 
 def build_records(
     signal: str,
-    items: Sequence[PendingTensor | LaneItem],
+    items: Sequence[Launched],
     metrics: tuple[str, ...],
     rank: int | None,
 ) -> list[SampleRecord]:
     """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
     them into one record per sample, in launch order."""
-    general = [item for item in items if type(item) is PendingTensor]
     lane_items = [item for item in items if type(item) is tuple]
     lane_values, lane_reasons, lane_histograms = lane.measure(
         [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
     )
-    resolved, general_histograms = _resolve_general(general, metrics)
-    values, why = _in_launch_order(items, lane_values, lane_reasons, resolved, len(metrics))
+    general = [item for item in items if type(item) is PendingTensor]
+    resolved, general_histograms = _resolve_general(general, metrics, signal)
+    k = len(metrics)
+    values: list[float | None] = []
+    why: list[str | None] = []
+    entries: list[_Entry] = []
     histograms: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
-    lane_at, general_at = iter(lane_histograms), iter(general_histograms)
-    for item in items if any(vector is not None for vector in lane_histograms) else general:
-        record = (
-            _histogram(PendingHistogram(None, DEFAULT_BINS, next(lane_at)), [], item[0], signal)
-            if type(item) is tuple
-            else next(general_at)
-        )
-        if record is not None:
-            histograms.setdefault(record.sample_id, []).append(record)
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-    entries: list[_Entry] = [
-        (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
-        if type(item) is tuple
-        else (
-            item.key,  # type: ignore[union-attr]
-            item.timestamp_us,  # type: ignore[union-attr]
-            item.shape,  # type: ignore[union-attr]
-            item.dtype,  # type: ignore[union-attr]
-            item.placement,  # type: ignore[union-attr]
-            item.mesh_coordinate,  # type: ignore[union-attr]
-        )
-        for item in items
-    ]
+    lane_at = general_at = 0
+    for item in items:
+        record = vector = None
+        if isinstance(item, PendingTensor):
+            for value in resolved[general_at]:
+                values.append(value.value)
+                why.append(value.reason)
+            record = general_histograms[general_at]
+            general_at += 1
+            shape, placement, mesh = item.shape, item.placement, item.mesh_coordinate
+            entry = (item.key, item.timestamp_us, shape, item.dtype, placement, mesh)
+        elif isinstance(item, Measured):
+            values += item.values
+            why += item.reasons
+            vector = item.histogram
+            shape = shapes.setdefault(item.shape, item.shape)
+            entry = (item.key, item.timestamp_us, shape, item.dtype, None, None)
+        else:
+            values += lane_values[lane_at * k : (lane_at + 1) * k]
+            why += lane_reasons[lane_at * k : (lane_at + 1) * k]
+            vector = lane_histograms[lane_at]
+            lane_at += 1
+            entry = (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
+        entries.append(entry)
+        if vector is not None:
+            record = _histogram(PendingHistogram(None, DEFAULT_BINS, vector), [], entry[0], signal)
+        if record is not None:
+            histograms.setdefault(record.sample_id, []).append(record)
     by_sample: dict[int, list[int]] = {}
     if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
         by_sample[entries[0][0].sample_id] = list(range(len(entries)))  # the usual case
     else:
         for position, entry in enumerate(entries):
             by_sample.setdefault(entry[0].sample_id, []).append(position)
-    k = len(metrics)
     records = []
     for sample_id, positions in by_sample.items():
         if len(positions) == len(entries):
@@ -242,33 +299,6 @@ def build_records(
 
 # (key, timestamp_us, shape, dtype, placement, mesh_coordinate) of one tensor of a block.
 _Entry = tuple[TensorKey, int, tuple[int, ...] | None, str, str | None, tuple[int, ...] | None]
-
-
-def _in_launch_order(
-    items: Sequence[PendingTensor | LaneItem],
-    lane_values: list[float | None],
-    lane_reasons: list[str | None],
-    resolved: list[tuple[MetricValue, ...]],
-    k: int,
-) -> tuple[list[float | None], list[str | None]]:
-    """Every tensor's `k` values and reasons, in launch order, from the lane's and the general
-    path's results."""
-    if not resolved:
-        return lane_values, lane_reasons
-    values: list[float | None] = []
-    why: list[str | None] = []
-    lane_at = general_at = 0
-    for item in items:
-        if type(item) is tuple:
-            values += lane_values[lane_at * k : (lane_at + 1) * k]
-            why += lane_reasons[lane_at * k : (lane_at + 1) * k]
-            lane_at += 1
-        else:
-            for value in resolved[general_at]:
-                values.append(value.value)
-                why.append(value.reason)
-            general_at += 1
-    return values, why
 
 
 def _block(
@@ -306,7 +336,7 @@ def _block(
 
 
 def _resolve_general(
-    pending: Sequence[PendingTensor], metrics: tuple[str, ...]
+    pending: Sequence[PendingTensor], metrics: tuple[str, ...], signal: str
 ) -> tuple[list[tuple[MetricValue, ...]], list[HistogramRecord | None]]:
     """Transfer the general path's results to the host (one transfer per device) and resolve
     them: each tensor's metric values and histogram (or None)."""
@@ -325,7 +355,7 @@ def _resolve_general(
         histograms.append(
             None
             if item.histogram is None
-            else _histogram(item.histogram, host[2 * position + 1], item.key, item.key.signal)
+            else _histogram(item.histogram, host[2 * position + 1], item.key, signal)
         )
     return resolved, histograms
 

@@ -17,13 +17,13 @@ tensors alike, so host and device run the same IEEE operations in the same order
   the reported edges as `numpy.histogram` bins them, however narrow the bins.
 
 Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `segment_profiles` (the same
-arrays, so the same bits), `raw_on_device`. A finite CPU tensor above `order.SMALL`
-entries is read three times (`tests/test_reads.py` counts them): finiteness, zeros and the
-moments' pass (which also feeds the selection's brackets and the min and max,
-`order.HostSelection`), plus a random sample (`order.sample_positions`); a focus tensor's
-histogram is one pass more. A tensor with non-finite entries is read three times
-(finiteness, a copy of its finite entries, zeros) and the passes after read the copy. A
-non-finite result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
+arrays, so the same bits), `raw_on_device`. A finite float32 CPU tensor above `order.SMALL`
+entries is read once (`tests/test_reads.py` counts the reads): the moments' pass, which also
+counts zeros, shows finiteness and feeds the selection's brackets and the min and max
+(`order.HostSelection`), plus a random sample (`order.sample_positions`); a focus tensor's
+histogram is one pass more. One with non-finite entries is read four times (that pass, then
+finiteness, a copy of its finite entries and zeros; the passes after read the copy), as is a
+float64 one (finiteness and zeros first). A non-finite result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -377,10 +377,15 @@ def _host_arrays(
     counts: np.ndarray,
     wanted: frozenset[str],
     select: order.HostSelection,
+    zeros: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per segment of finite `values` (each at least one entry): the moments and the order
     statistics wanted, float64 arrays. `select` is told the sorted positions (absolute in
-    `values`) and, unless it holds them sorted, reads them during the moments' pass."""
+    `values`) and, unless it holds them sorted, reads them during the moments' pass.
+
+    With `zeros`, float32 `values` are only presumed finite: the pass appends each chunk's count
+    of zeros to it, and raises `_NotFiniteError` if an entry was not (the squares of its deviation,
+    and so their sum, are then not finite; those of finite float32 entries cannot overflow)."""
     out: dict[str, np.ndarray] = {}
     names = [name for name in QUARTILES if name in wanted]
     ends = starts + counts - 1
@@ -391,8 +396,12 @@ def _host_arrays(
     positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
     select.want(positions)
     visit = select.visit if select.ordered is None else None
+    if zeros is not None and visit is not None:
+        visit = functools.partial(_visit_counting_zeros, select.visit, zeros)
     shifts = select.pivots(starts, counts)
     sums = segment_sums(values, starts, counts, shifts, visit)
+    if zeros is not None and not np.isfinite(sums[1]).all():
+        raise _NotFiniteError
     out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
         *sums[:3], counts, sums[3]
     )
@@ -402,6 +411,16 @@ def _host_arrays(
     quartiles = lerp(picked[2 : 2 + k], picked[2 + k :], weight)
     out.update(zip(names, quartiles, strict=True))
     return out
+
+
+class _NotFiniteError(Exception):
+    """A tensor presumed finite was not."""
+
+
+def _visit_counting_zeros(visit: Any, zeros: list[int], chunk: np.ndarray) -> None:
+    """Counts a chunk's zeros while it is in the cache, then lets `visit` read it."""
+    zeros.append(int(np.count_nonzero(chunk == 0)))
+    visit(chunk)
 
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
@@ -415,7 +434,19 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
 
 
 def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """`measure_on_cpu` of a flat float32/float64 array (its reads: see the module docstring)."""
+    """`measure_on_cpu` of a flat float32/float64 array (its reads: see the module docstring).
+
+    A float32 array above `order.SMALL` entries is presumed finite, so that finiteness and zeros
+    cost no pass of their own; if it was not, it is measured again below, from its finite copy.
+    """
+    if array.dtype == np.float32 and array.size > order.SMALL:
+        counted: list[int] = []
+        select = order.HostSelection(array)
+        starts, counts = np.zeros(1, np.int64), np.array([array.size])
+        with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
+            arrays = _host_arrays(array, starts, counts, wanted, select, counted)
+            raw = {"zeros": float(sum(counted)), "finite": float(array.size)}
+            return _with_histogram(array, raw, arrays, select, bins)
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
@@ -424,6 +455,17 @@ def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -
         return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
     select = order.HostSelection(values)
     arrays = _host_arrays(values, np.zeros(1, np.int64), np.array([values.size]), wanted, select)
+    return _with_histogram(values, raw, arrays, select, bins)
+
+
+def _with_histogram(
+    values: np.ndarray,
+    raw: dict[str, float],
+    arrays: dict[str, np.ndarray],
+    select: order.HostSelection,
+    bins: int | None,
+) -> CpuResult:
+    """`measure_array`'s result from its finite `values` and their `arrays` of one segment."""
     raw.update((name, float(column[0])) for name, column in arrays.items())
     if not bins:
         return CpuResult(raw, None)

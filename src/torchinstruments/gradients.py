@@ -62,7 +62,7 @@ from torchinstruments.measurement.transfer import (
     Launched,
     build_records,
     launch,
-    unavailable_tensor,
+    launch_tensor,
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
 
@@ -242,7 +242,7 @@ class GradientRecorder:
                 launched.append(launch(self._measurer, key, grad, focus))
             else:
                 reason = reasons.shared_output(shared)
-                launched.append(unavailable_tensor(self._measurer, key, grad, reason))
+                launched.append(launch_tensor(self._measurer, key, grad, False, reason))
         return launched
 
     def flush(self) -> None:

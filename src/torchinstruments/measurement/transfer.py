@@ -52,7 +52,6 @@ __all__ = [
     "launch_tensor",
     "note_of",
     "to_host",
-    "unavailable_tensor",
 ]
 
 
@@ -72,9 +71,14 @@ class PendingTensor:
 
 
 def launch_tensor(
-    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool
+    measurer: Measurer,
+    key: TensorKey,
+    tensor: torch.Tensor,
+    focus: bool,
+    reason: str | None = None,
 ) -> PendingTensor:
-    """Launch the device-side reductions of one tensor; a failure becomes null + reason.
+    """Launch the device-side reductions of one tensor, or with `reason` none (every metric null
+    with it, nothing to transfer); a failure becomes null + reason.
 
     What is measured is the tensor's `tensors.measured_form` (torch.func wrappers unwrapped, a
     DTensor's local tensor, ...), reduced with torch.func's transforms switched off, so that the
@@ -85,47 +89,27 @@ def launch_tensor(
     try:
         with _outside_torch_func():
             form = tensors.measured_form(tensor)
-            if form.values is None:
-                reduction = measurer.unavailable(form.reason or reasons.NO_VALUE)
+            if reason is not None or form.values is None:
+                reduction = measurer.unavailable(reason or form.reason or reasons.NO_VALUE)
             elif focus:
                 reduction, histogram = measurer.launch_with_histogram(form.values)
             else:
                 reduction = measurer.launch(form.values)
     except Exception as error:
-        reduction = measurer.unavailable(reasons.error("measurement", error))
+        reduction = measurer.unavailable(reason or reasons.error("measurement", error))
+    if form is None:
+        form = tensors.MeasuredForm(None, tensors.shape_of(tensor))
     return PendingTensor(
         key,
-        form.shape if form is not None else _shape(tensor),
+        form.shape,
         tensors.dtype_name(tensor.dtype),
         time.time_ns() // 1000,
         reduction,
         histogram,
-        form.placement if form is not None else None,
-        form.mesh_coordinate if form is not None else None,
-        form.note if form is not None else None,
+        form.placement,
+        form.mesh_coordinate,
+        form.note,
     )
-
-
-def unavailable_tensor(
-    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, reason: str
-) -> PendingTensor:
-    """A tensor that is not measured: every metric null with `reason`, nothing to transfer."""
-    return PendingTensor(
-        key,
-        _shape(tensor),
-        tensors.dtype_name(tensor.dtype),
-        time.time_ns() // 1000,
-        measurer.unavailable(reason),
-        None,
-    )
-
-
-def _shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The row's shape of a tensor whose measured form is not known."""
-    try:
-        return tensors.measured_form(tensor).shape
-    except Exception:
-        return tensors.shape_of(tensor)
 
 
 def _outside_torch_func() -> contextlib.AbstractContextManager[object]:

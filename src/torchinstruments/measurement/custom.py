@@ -11,7 +11,8 @@ per function, so one failing function nulls only its own metric. A lambda has no
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -53,6 +54,7 @@ class Reducer(Protocol):
         ...
 
 
+@dataclass(frozen=True)  # for its repr, `AbsMax()`, which error messages name it by
 class AbsMax:
     """`abs_max`: the largest absolute value among the finite entries (null when there are none).
 
@@ -60,7 +62,7 @@ class AbsMax:
         >>> inject_observer(model, reducers=[AbsMax(), L2Norm()])  # doctest: +SKIP
     """
 
-    metrics: tuple[str, ...] = ("abs_max",)
+    metrics: ClassVar[tuple[str, ...]] = ("abs_max",)
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         values = tensors.working_values(tensor)
@@ -71,10 +73,8 @@ class AbsMax:
         magnitude = torch.where(finite, values.abs(), float("-inf"))
         return {"abs_max": magnitude.amax()}
 
-    def __repr__(self) -> str:
-        return "AbsMax()"
 
-
+@dataclass(frozen=True)
 class L2Norm:
     """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
 
@@ -82,7 +82,7 @@ class L2Norm:
     low-precision values do not overflow in their own dtype.
     """
 
-    metrics: tuple[str, ...] = ("l2_norm",)
+    metrics: ClassVar[tuple[str, ...]] = ("l2_norm",)
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         values = tensors.working_values(tensor)
@@ -93,9 +93,6 @@ class L2Norm:
         # nan when nothing is finite: stored as null with reason "non-finite result".
         norm = torch.where(finite.any(), squares.sqrt(), float("nan"))
         return {"l2_norm": norm}
-
-    def __repr__(self) -> str:
-        return "L2Norm()"
 
 
 class _FunctionReducer:

@@ -66,6 +66,7 @@ class PendingHistogram:
         call_index: int,
         signal: str,
         tensor_path: str,
+        mode: str = "train",
     ) -> HistogramRecord | None:
         """The record from `host_values` (`device_vector.tolist()`, or empty when it is None;
         ignored when `host_vector` is set), or None when the tensor has no finite entries, is
@@ -96,6 +97,7 @@ class PendingHistogram:
                 call_index=call_index,
                 signal=signal,
                 tensor_path=tensor_path,
+                mode=mode,
                 min=low,
                 max=high,
                 num=float(count),

@@ -15,6 +15,7 @@ own min, max and sums. A sample's small plain tensors are measured together by t
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -315,11 +316,8 @@ def _reduce_default(
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(tensor.numel(), wanted)
     if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
-        try:
+        with contextlib.suppress(Exception):  # a failure is handed to the general path below
             result = numerics.measure_on_cpu(tensor, wanted, bins)
-        except Exception:  # handed to the general path below, never to null
-            result = None
-        if result is not None:
             vector = result.histogram  # a list only with bins
             histogram = PendingHistogram(None, bins, vector) if bins and vector else None
             return _Part(metrics, host=result.raw, derive=derive), None, histogram

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -348,14 +348,12 @@ def _histogram(
     pending: PendingHistogram, host_values: list[float], key: TensorKey, signal: str
 ) -> HistogramRecord | None:
     """The record of one tensor's histogram, or None where it has none."""
-    histogram = pending.resolve(
+    return pending.resolve(
         host_values,
         sample_id=key.sample_id,
         layer=key.layer.name,
         call_index=key.call_index,
         signal=signal,
         tensor_path=key.tensor_path,
+        mode=key.mode,  # an eval tensor's histogram has tags of its own (records.histogram_tag)
     )
-    if histogram is not None and key.mode != "train":  # its own tags (records.histogram_tag)
-        histogram = replace(histogram, mode=key.mode)
-    return histogram

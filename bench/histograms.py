@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from torchinstruments.measurement import histograms
 from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 
@@ -41,9 +42,11 @@ def main() -> None:
 
     def histogram_once(x: torch.Tensor) -> None:
         pending = histogram_only.launch_with_histogram(x, args.bins)[1]
-        vector = pending.device_vector
-        pending.resolve(
-            [] if vector is None else vector.tolist(),
+        if isinstance(pending, torch.Tensor):  # the general path's: read with the transfer
+            pending = pending.tolist()
+        histograms.record(
+            pending or [],
+            args.bins,
             sample_id=0,
             layer="bench",
             call_index=0,

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.measurement import histograms
+from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import Measurer
 
 from _machine import print_machine
@@ -57,9 +59,11 @@ def with_histogram(measurer: Measurer, x: torch.Tensor) -> None:
     reduction, pending = measurer.launch_with_histogram(x)
     vector = reduction.device_vector
     reduction.resolve([] if vector is None else vector.tolist())
-    vector = pending.device_vector
-    pending.resolve(
-        [] if vector is None else vector.tolist(),
+    if isinstance(pending, torch.Tensor):  # the general path's: read with the sample's transfer
+        pending = pending.tolist()
+    histograms.record(
+        pending or [],
+        DEFAULT_BINS,
         sample_id=0,
         layer="bench",
         call_index=0,

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import numerics
+from torchinstruments.measurement import histograms, numerics
+from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import MetricValue
 
@@ -48,9 +49,10 @@ def test_the_sort_path_hands_what_it_fails_on_to_the_general_path(
     tensor = torch.randn(3000).relu()
     reduction, histogram = measurer.launch_with_histogram(tensor)
     assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
-    assert histogram.device_vector is not None  # counted from the general path's sort
-    record = histogram.resolve(
-        histogram.device_vector.tolist(),
+    assert isinstance(histogram, torch.Tensor)  # counted by the general path
+    record = histograms.record(
+        histogram.tolist(),
+        DEFAULT_BINS,
         sample_id=0,
         layer="x",
         call_index=0,

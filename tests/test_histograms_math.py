@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
+from torchinstruments.measurement import histograms
+from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 from torchinstruments.records import HistogramRecord
 
@@ -27,7 +28,7 @@ def counting_path(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def launch(tensor: torch.Tensor, path: str, bins: int) -> PendingHistogram:
+def launch(tensor: torch.Tensor, path: str, bins: int) -> HistogramVector | None:
     """A histogram alone (no metrics), as a focus layer's is launched, on `path`."""
     measurer = Measurer([DefaultStatistics(())], host_paths=HOST_PATHS[path])
     return measurer.launch_with_histogram(tensor, bins)[1]
@@ -35,10 +36,12 @@ def launch(tensor: torch.Tensor, path: str, bins: int) -> PendingHistogram:
 
 def histogram(tensor: torch.Tensor, path: str, bins: int = DEFAULT_BINS) -> HistogramRecord | None:
     """Both halves, as the engine runs them, on `path` (a `HOST_PATHS` key)."""
-    pending = launch(tensor, path, bins)
-    vector = pending.device_vector
-    return pending.resolve(
-        [] if vector is None else vector.tolist(),
+    vector = launch(tensor, path, bins)
+    if vector is None:
+        return None
+    return histograms.record(
+        vector.tolist() if isinstance(vector, torch.Tensor) else vector,
+        bins,
         sample_id=3,
         layer="fc",
         call_index=1,
@@ -149,7 +152,7 @@ def test_counting_never_syncs(counting_path: str) -> None:
     with NoHostSync() as mode:
         pending = launch(tensor, counting_path, 4)
     assert mode.violations == []
-    assert pending.device_vector is not None
+    assert isinstance(pending, torch.Tensor)  # on the device until the sample's transfer
     record = histogram(tensor, counting_path, 4)
     assert record is not None
     assert record.num == 4.0

@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import lane, numerics
-from torchinstruments.measurement.histograms import PendingHistogram
+from torchinstruments.measurement import histograms, lane, numerics
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import (
     HistogramRecord,
@@ -89,8 +88,10 @@ def test_the_lane_gives_the_general_paths_values_bit_for_bit(data: list[list[flo
 
 
 def as_record(vector: list[float] | None) -> HistogramRecord | None:
-    return PendingHistogram(None, 64, vector).resolve(
-        [], sample_id=1, layer="fc", call_index=0, signal="output", tensor_path=""
+    if vector is None:
+        return None
+    return histograms.record(
+        vector, 64, sample_id=1, layer="fc", call_index=0, signal="output", tensor_path=""
     )
 
 

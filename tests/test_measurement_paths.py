@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement import numerics
-from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
+from torchinstruments.measurement import histograms, numerics
+from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import HistogramRecord, MetricValue
 
@@ -40,7 +40,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return name
 
 
-def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHistogram]:
+def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, HistogramVector | None]:
     """Statistics and histogram of one tensor as the observer launches them (focus layer)."""
     measurer = Measurer(None, host_paths=path != "device")
     if path == "device":
@@ -54,21 +54,22 @@ def launch(path: str, tensor: torch.Tensor) -> tuple[PendingReduction, PendingHi
 
 
 def resolve(
-    measurer: Measurer, reduction: PendingReduction, histogram: PendingHistogram
+    measurer: Measurer, reduction: PendingReduction, histogram: HistogramVector | None
 ) -> tuple[dict[str, MetricValue], HistogramRecord | None]:
     """Both halves, as `transfer.build_records` runs them."""
     vector = reduction.device_vector
     values = reduction.resolve([] if vector is None else vector.tolist())
-    hist_vector = histogram.device_vector
-    record = histogram.resolve(
-        [] if hist_vector is None else hist_vector.tolist(),
-        sample_id=0,
-        layer="fc",
-        call_index=0,
-        signal="output",
-        tensor_path="",
+    return dict(zip(measurer.metrics, values, strict=True)), as_record(histogram)
+
+
+def as_record(histogram: HistogramVector | None) -> HistogramRecord | None:
+    """A launched histogram vector's record, read on the host."""
+    if histogram is None:
+        return None
+    host = histogram.tolist() if isinstance(histogram, torch.Tensor) else histogram
+    return histograms.record(
+        host, DEFAULT_BINS, sample_id=0, layer="fc", call_index=0, signal="output", tensor_path=""
     )
-    return dict(zip(measurer.metrics, values, strict=True)), record
 
 
 def assert_histogram(record: HistogramRecord | None, values: np.ndarray) -> None:

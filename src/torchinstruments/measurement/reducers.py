@@ -24,13 +24,9 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
-from torchinstruments.measurement import custom, numerics, paths, tensors
+from torchinstruments.measurement import custom, histograms, numerics, paths, tensors
 from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer, ReducerSpec, reducer_name
-from torchinstruments.measurement.histograms import (
-    DEFAULT_BINS,
-    PendingHistogram,
-    pending_histogram,
-)
+from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
 from torchinstruments.records import MetricValue
@@ -230,15 +226,14 @@ class Measurer:
 
     def launch_with_histogram(
         self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
-    ) -> tuple[PendingReduction, PendingHistogram]:
-        """`launch` plus the tensor's histogram, counted by the default profile's own passes
-        (`numerics.measure_on_cpu`, `numerics.raw_on_device`), also when its metrics are
-        `DefaultStatistics(())`. Never raises."""
+    ) -> tuple[PendingReduction, HistogramVector | None]:
+        """`launch` plus the tensor's histogram vector (None where it has none), counted by the
+        default profile's own passes (`numerics.measure_on_cpu`, `numerics.raw_on_device`), also
+        when its metrics are `DefaultStatistics(())`. Never raises."""
         try:
-            reduction, histogram = self._launch(tensor, bins)
+            return self._launch(tensor, bins)
         except Exception as error:  # measuring must never crash the training step
-            reduction, histogram = self.unavailable(reasons.error("statistics", error)), None
-        return reduction, histogram or PendingHistogram(None, bins)
+            return self.unavailable(reasons.error("statistics", error)), None
 
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
@@ -246,12 +241,12 @@ class Measurer:
 
     def _launch(
         self, tensor: torch.Tensor, bins: int | None
-    ) -> tuple[PendingReduction, PendingHistogram | None]:
+    ) -> tuple[PendingReduction, HistogramVector | None]:
         """Runs every reducer and packs the device values into one vector; with `bins`, the
         default profile also counts the histogram."""
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
-        histogram: PendingHistogram | None = None
+        histogram: HistogramVector | None = None
         with torch.no_grad():
             detached = tensor.detach()
             copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
@@ -262,7 +257,7 @@ class Measurer:
                         part, block, counted = _reduce_default(
                             detached, reducer.metrics, offset, bins, self.host_paths
                         )
-                        histogram = histogram or counted
+                        histogram = counted if histogram is None else histogram
                     else:
                         if copy is None:
                             copy = detached.clone()
@@ -302,7 +297,7 @@ def _reduce_default(
     offset: int,
     bins: int | None,
     host_paths: bool,
-) -> tuple[_Part, torch.Tensor | None, PendingHistogram | None]:
+) -> tuple[_Part, torch.Tensor | None, HistogramVector | None]:
     """The default profile of one tensor: host values on the CPU, a device block elsewhere.
 
     Returns the part, the device block, and with `bins` the histogram counted by the same passes
@@ -318,13 +313,9 @@ def _reduce_default(
     if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
         with contextlib.suppress(Exception):  # a failure is handed to the general path below
             result = numerics.measure_on_cpu(tensor, wanted, bins)
-            vector = result.histogram  # a list only with bins
-            histogram = PendingHistogram(None, bins, vector) if bins and vector else None
-            return _Part(metrics, host=result.raw, derive=derive), None, histogram
+            return _Part(metrics, host=result.raw, derive=derive), None, result.histogram
     keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
-    histogram = None  # counted with the statistics' own min, max and sums
-    if bins is not None and vector is not None:
-        histogram = pending_histogram(vector, bins)
+    histogram = None if vector is None else histograms.pending(vector)
     if not metrics:
         return _Part(metrics), None, histogram
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer

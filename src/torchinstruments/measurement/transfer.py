@@ -31,8 +31,8 @@ from torchinstruments._torch_internals import (
     functorch_disabled,
     is_functorch_wrapped,
 )
-from torchinstruments.measurement import lane, numerics, paths, tensors
-from torchinstruments.measurement.histograms import DEFAULT_BINS, PendingHistogram
+from torchinstruments.measurement import histograms, lane, numerics, paths, tensors
+from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
     HistogramRecord,
@@ -64,7 +64,7 @@ class PendingTensor:
     dtype: str
     timestamp_us: int
     reduction: PendingReduction
-    histogram: PendingHistogram | None
+    histogram: HistogramVector | None
     placement: str | None = None
     mesh_coordinate: tuple[int, ...] | None = None
     note: str | None = None
@@ -222,7 +222,7 @@ def build_records(
     values: list[float | None] = []
     why: list[str | None] = []
     entries: list[_Entry] = []
-    histograms: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
+    by_sample_histograms: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -251,9 +251,9 @@ def build_records(
             entry = (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
         entries.append(entry)
         if vector is not None:
-            record = _histogram(PendingHistogram(None, DEFAULT_BINS, vector), [], entry[0], signal)
+            record = _histogram(vector, entry[0], signal)
         if record is not None:
-            histograms.setdefault(record.sample_id, []).append(record)
+            by_sample_histograms.setdefault(record.sample_id, []).append(record)
     by_sample: dict[int, list[int]] = {}
     if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
         by_sample[entries[0][0].sample_id] = list(range(len(entries)))  # the usual case
@@ -275,7 +275,7 @@ def build_records(
                 sample_id,
                 block.forward_index,
                 block,
-                tuple(histograms.get(sample_id, ())),
+                tuple(by_sample_histograms.get(sample_id, ())),
             )
         )
     return records
@@ -329,27 +329,26 @@ def _resolve_general(
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         vectors.append(item.reduction.device_vector)
-        vectors.append(item.histogram.device_vector if item.histogram is not None else None)
+        histogram = item.histogram
+        vectors.append(histogram if isinstance(histogram, torch.Tensor) else None)
     with _outside_torch_func():
         host = to_host(vectors)
     resolved: list[tuple[MetricValue, ...]] = []
-    histograms: list[HistogramRecord | None] = []
+    records: list[HistogramRecord | None] = []
     for position, item in enumerate(pending):
         resolved.append(item.reduction.resolve(host[2 * position]))
-        histograms.append(
-            None
-            if item.histogram is None
-            else _histogram(item.histogram, host[2 * position + 1], item.key, signal)
-        )
-    return resolved, histograms
+        histogram = item.histogram
+        if isinstance(histogram, torch.Tensor):
+            histogram = host[2 * position + 1]
+        records.append(None if histogram is None else _histogram(histogram, item.key, signal))
+    return resolved, records
 
 
-def _histogram(
-    pending: PendingHistogram, host_values: list[float], key: TensorKey, signal: str
-) -> HistogramRecord | None:
-    """The record of one tensor's histogram, or None where it has none."""
-    return pending.resolve(
-        host_values,
+def _histogram(vector: list[float], key: TensorKey, signal: str) -> HistogramRecord | None:
+    """The record of one tensor's histogram vector, or None where it has none."""
+    return histograms.record(
+        vector,
+        DEFAULT_BINS,
         sample_id=key.sample_id,
         layer=key.layer.name,
         call_index=key.call_index,

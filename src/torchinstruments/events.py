@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 from tensorboard.plugins.histogram import metadata as histogram_metadata
-from torch.utils.tensorboard.summary import histogram_raw
+from torch.utils.tensorboard.summary import HistogramProto, Summary
 from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
 
@@ -52,6 +52,7 @@ __all__ = [
     "histogram_arguments",
     "histogram_description",
     "histogram_summary",
+    "histogram_value",
     "missing_histograms",
     "missing_text",
 ]
@@ -216,13 +217,30 @@ def histogram_arguments(histogram: HistogramRecord) -> dict[str, Any]:
 
 def histogram_summary(histogram: HistogramRecord, description: str | None = None) -> Any:
     """TensorBoard's raw-histogram `Summary` of a record, with the tag's description if given."""
-    summary = histogram_raw(histogram.tag, **histogram_arguments(histogram))
+    return Summary(value=[histogram_value(histogram, description)])
+
+
+def histogram_value(histogram: HistogramRecord, description: str | None = None) -> Any:
+    """One record as the `Summary.Value` TensorBoard's `histogram_raw` builds (built here
+    directly: the bins are read once, and a sample's values go into one `Summary`)."""
+    value = Summary.Value(
+        tag=histogram.tag,
+        histo=HistogramProto(
+            min=histogram.min,
+            max=histogram.max,
+            num=histogram.num,
+            sum=histogram.sum,
+            sum_squares=histogram.sum_squares,
+            bucket_limit=histogram.bucket_limits,
+            bucket=histogram.bucket_counts,
+        ),
+    )
     if description is not None:
         # The histograms plugin's own metadata, as TensorBoard's `histogram` summary writes it:
         # a description alone is metadata of no plugin, which TensorBoard's reader warns about.
         metadata = histogram_metadata.create_summary_metadata(histogram.tag, description)
-        summary.value[0].metadata.CopyFrom(metadata)
-    return summary
+        value.metadata.CopyFrom(metadata)
+    return value
 
 
 class EventFile:
@@ -249,18 +267,15 @@ class EventFile:
         """One event at `step` (the sample's forward_index), holding each histogram under its tag."""
         if not histograms:
             return
-        summary: Any = None
+        values = []
         for histogram in histograms:
             description = None
             if histogram.tag not in self._described:
                 self._described.add(histogram.tag)
                 module_type = self._module_types.get(histogram.layer, "?")
                 description = histogram_description(histogram, module_type, RUN_STEP)
-            one = histogram_summary(histogram, description)
-            if summary is None:
-                summary = one
-            else:
-                summary.value.extend(one.value)
+            values.append(histogram_value(histogram, description))
+        summary = Summary(value=values)
         self._writer.add_summary(summary, global_step=step)
 
     def add_missing(self, missing: Sequence[MissingHistogram], step: int) -> None:

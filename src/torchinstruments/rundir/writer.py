@@ -473,11 +473,18 @@ class FlushTimer:
         self._cond = threading.Condition()
         self._requested = 0  # flush_now requests made and served, under _cond
         self._served = 0
+        self._wake_at: float | None = None  # when the waiting thread wakes on its own
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def poke(self) -> None:
-        """Rows were added: recompute when the next flush is due."""
+        """Rows were added: recompute when the next flush is due, unless the thread already
+        wakes by then (waking it for nothing costs the training thread a GIL hand-over)."""
+        wake_at = self._wake_at
+        if wake_at is not None:
+            due = self._due()
+            if due is not None and time.monotonic() + due >= wake_at:
+                return
         self._wake.set()
 
     def flush_now(self, timeout: float) -> bool:
@@ -498,6 +505,7 @@ class FlushTimer:
 
     def _run(self) -> None:
         while True:
+            self._wake_at = None  # until the wait below: every poke wakes the thread
             self._wake.clear()
             if self._stopping:
                 return
@@ -512,4 +520,6 @@ class FlushTimer:
                         self._served = requested
                         self._cond.notify_all()
                 continue
+            if due is not None:
+                self._wake_at = time.monotonic() + due
             self._wake.wait(due)

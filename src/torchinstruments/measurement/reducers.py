@@ -219,17 +219,15 @@ class Measurer:
             The pending reduction; call `resolve` with `device_vector.tolist()` once the values are
             on the host.
         """
-        try:
-            return self._launch(tensor, None)[0]
-        except Exception as error:  # measuring must never crash the training step
-            return self.unavailable(reasons.error("statistics", error))
+        return self.launch_with_histogram(tensor, None)[0]
 
     def launch_with_histogram(
-        self, tensor: torch.Tensor, bins: int = DEFAULT_BINS
+        self, tensor: torch.Tensor, bins: int | None = DEFAULT_BINS
     ) -> tuple[PendingReduction, HistogramVector | None]:
-        """`launch` plus the tensor's histogram vector (None where it has none), counted by the
-        default profile's own passes (`numerics.measure_on_cpu`, `numerics.raw_on_device`), also
-        when its metrics are `DefaultStatistics(())`. Never raises."""
+        """`launch` plus the tensor's histogram vector of `bins` bins (None where it has none, or
+        `bins` is None), counted by the default profile's own passes (`numerics.measure_on_cpu`,
+        `numerics.raw_on_device`), also when its metrics are `DefaultStatistics(())`. Never
+        raises."""
         try:
             return self._launch(tensor, bins)
         except Exception as error:  # measuring must never crash the training step

@@ -117,13 +117,17 @@ ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callabl
 function `fn(tensor) -> scalar` (metric named `fn.__name__`)."""
 
 
-def _check_names(label: str, names: object) -> None:
-    """Metric names: a sequence of distinct non-empty strings, none of them reserved."""
+def check_names(label: str, names: object, allowed: Sequence[str] = ()) -> None:
+    """Metric names: a sequence of distinct non-empty strings, none of them reserved, and each
+    one of `allowed` when it is given (the default profile's)."""
+    hint = f"; allowed: {', '.join(allowed)}" if allowed else ""
     if isinstance(names, str | bytes) or not isinstance(names, Sequence):
-        raise TypeError(f"{label} must have a `metrics` tuple of metric names, got {names!r}")
+        raise TypeError(f"{label} must be a sequence of metric names, got {names!r}{hint}")
     for name in names:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str")
+            raise TypeError(f"{label} has metric name {name!r}; expected a non-empty str{hint}")
+        if allowed and name not in allowed:
+            raise ValueError(f"{label} contains unknown metric {name!r}{hint}")
         if name == INTERRUPTED:
             raise ValueError(
                 f"{label} has metric name {INTERRUPTED!r}, which is reserved: history rows with "
@@ -140,7 +144,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
     """One `reducers` item as checked reducers: a Reducer stays, a mapping or named function is
     wrapped."""
     if isinstance(item, Mapping):
-        _check_names(label, list(item))
+        check_names(label, list(item))
         for name, function in item.items():
             if not callable(function):
                 raise TypeError(
@@ -153,7 +157,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
             f"mapping, or a named function tensor -> scalar; got {item!r}"
         )
     if hasattr(item, "metrics"):
-        _check_names(f"{label} ({item!r})", item.metrics)
+        check_names(f"{label} ({item!r}).metrics", item.metrics)
         return [item]  # type: ignore[list-item]
     name = getattr(item, "__name__", None)
     if name == "<lambda>":
@@ -166,7 +170,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
             f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
             "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
         )
-    _check_names(label, [name])
+    check_names(label, [name])
     return [_FunctionReducer(name, item)]  # type: ignore[arg-type]
 
 

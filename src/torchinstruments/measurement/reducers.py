@@ -61,22 +61,7 @@ class DefaultStatistics:
     """
 
     def __init__(self, metrics: Sequence[str] = DEFAULT_METRICS) -> None:
-        if isinstance(metrics, str | bytes) or not isinstance(metrics, Sequence):
-            raise TypeError(
-                f"metrics must be a sequence of metric names, got {metrics!r}; "
-                f"allowed names: {', '.join(DEFAULT_METRICS)}"
-            )
-        for name in metrics:
-            if not isinstance(name, str) or name not in DEFAULT_METRICS:
-                raise ValueError(
-                    f"metrics contains unknown metric {name!r}; "
-                    f"allowed: {', '.join(DEFAULT_METRICS)}"
-                )
-        duplicates = sorted({name for name in metrics if list(metrics).count(name) > 1})
-        if duplicates:
-            raise ValueError(
-                f"metrics must name each metric once, got {', '.join(map(repr, duplicates))} twice"
-            )
+        custom.check_names("metrics", metrics, DEFAULT_METRICS)
         self.metrics: tuple[str, ...] = tuple(metrics)
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
@@ -184,7 +169,11 @@ class Measurer:
         *,
         host_paths: bool = True,
     ) -> None:
-        self._reducers: tuple[Reducer, ...] = _check_reducers(reducers)
+        checked = [DefaultStatistics()] if reducers is None else custom.expand(reducers)
+        if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
+            checked.insert(0, DefaultStatistics())  # the implicit default profile
+        custom.check_unique(checked)
+        self._reducers: tuple[Reducer, ...] = tuple(checked)
         self.host_paths = host_paths
         self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
@@ -276,17 +265,6 @@ class Measurer:
             if blocks:
                 vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return PendingReduction(vector, parts), histogram
-
-
-def _check_reducers(reducers: object) -> tuple[Reducer, ...]:
-    """Checks types and metric names; returns the reducers with the implicit default added."""
-    if reducers is None:
-        return (DefaultStatistics(),)
-    checked = custom.expand(reducers)
-    if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
-        checked.insert(0, DefaultStatistics())
-    custom.check_unique(checked)
-    return tuple(checked)
 
 
 def _reduce_default(

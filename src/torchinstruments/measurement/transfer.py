@@ -37,7 +37,6 @@ from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
     HistogramRecord,
     MeasurementBlock,
-    MetricValue,
     SampleRecord,
     TensorKey,
 )
@@ -216,8 +215,7 @@ def build_records(
     lane_values, lane_reasons, lane_histograms = lane.measure(
         [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
     )
-    general = [item for item in items if type(item) is PendingTensor]
-    resolved, general_histograms = _resolve_general(general, metrics, signal)
+    host = _transfer([item for item in items if type(item) is PendingTensor])
     k = len(metrics)
     values: list[float | None] = []
     why: list[str | None] = []
@@ -228,12 +226,14 @@ def build_records(
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     lane_at = general_at = 0
     for item in items:
-        record = vector = None
+        vector = None
         if isinstance(item, PendingTensor):
-            for value in resolved[general_at]:
+            for value in item.reduction.resolve(host[2 * general_at]):
                 values.append(value.value)
                 why.append(value.reason)
-            record = general_histograms[general_at]
+            vector = item.histogram
+            if isinstance(vector, torch.Tensor):  # it crossed with the transfer
+                vector = host[2 * general_at + 1]
             general_at += 1
             shape, placement, mesh = item.shape, item.placement, item.mesh_coordinate
             entry = (item.key, item.timestamp_us, shape, item.dtype, placement, mesh)
@@ -250,9 +250,7 @@ def build_records(
             lane_at += 1
             entry = (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
         entries.append(entry)
-        if vector is not None:
-            record = _histogram(vector, entry[0], signal)
-        if record is not None:
+        if vector is not None and (record := _histogram(vector, entry[0], signal)) is not None:
             by_sample_histograms.setdefault(record.sample_id, []).append(record)
     by_sample: dict[int, list[int]] = {}
     if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
@@ -319,29 +317,16 @@ def _block(
     )
 
 
-def _resolve_general(
-    pending: Sequence[PendingTensor], metrics: tuple[str, ...], signal: str
-) -> tuple[list[tuple[MetricValue, ...]], list[HistogramRecord | None]]:
-    """Transfer the general path's results to the host (one transfer per device) and resolve
-    them: each tensor's metric values and histogram (or None)."""
-    if not pending:
-        return [], []
+def _transfer(pending: Sequence[PendingTensor]) -> list[list[float]]:
+    """The general path's vectors on the host, two per tensor (its reduction's and its
+    histogram's; empty where it has none on the device), in one transfer per device."""
     vectors: list[torch.Tensor | None] = []
     for item in pending:
-        vectors.append(item.reduction.device_vector)
         histogram = item.histogram
+        vectors.append(item.reduction.device_vector)
         vectors.append(histogram if isinstance(histogram, torch.Tensor) else None)
     with _outside_torch_func():
-        host = to_host(vectors)
-    resolved: list[tuple[MetricValue, ...]] = []
-    records: list[HistogramRecord | None] = []
-    for position, item in enumerate(pending):
-        resolved.append(item.reduction.resolve(host[2 * position]))
-        histogram = item.histogram
-        if isinstance(histogram, torch.Tensor):
-            histogram = host[2 * position + 1]
-        records.append(None if histogram is None else _histogram(histogram, item.key, signal))
-    return resolved, records
+        return to_host(vectors)
 
 
 def _histogram(vector: list[float], key: TensorKey, signal: str) -> HistogramRecord | None:

@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from torchinstruments.measurement import reducers as ready
-from torchinstruments.measurement.reducers import (
-    DEFAULT_METRICS,
-    DefaultStatistics,
-    Measurer,
-    Reducer,
-)
+from torchinstruments.measurement import custom as ready
+from torchinstruments.measurement.custom import Reducer
+from torchinstruments.measurement.reducers import DEFAULT_METRICS, DefaultStatistics, Measurer
 from torchinstruments.records import MetricValue
 
 from conftest import measure

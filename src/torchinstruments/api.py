@@ -30,7 +30,7 @@ from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.measurement.reducers import ReducerSpec
+from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases

@@ -22,7 +22,8 @@ from typing import Any
 from torchinstruments.distributed import check_rank_policy
 from torchinstruments.global_statistics import GlobalOption, check_global_statistics
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.measurement.reducers import Measurer, ReducerSpec
+from torchinstruments.measurement.custom import ReducerSpec
+from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sampler
 from torchinstruments.selection import Selector, check_selector

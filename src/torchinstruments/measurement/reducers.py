@@ -25,22 +25,13 @@ import torch
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
 from torchinstruments.measurement import custom, histograms, numerics, paths, tensors
-from torchinstruments.measurement.custom import AbsMax, L2Norm, Reducer, ReducerSpec, reducer_name
+from torchinstruments.measurement.custom import Reducer, ReducerSpec, reducer_name
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
 from torchinstruments.records import MetricValue
 
-__all__ = [
-    "DEFAULT_METRICS",
-    "AbsMax",
-    "DefaultStatistics",
-    "L2Norm",
-    "Measurer",
-    "PendingReduction",
-    "Reducer",
-    "ReducerSpec",
-]
+__all__ = ["DEFAULT_METRICS", "DefaultStatistics", "Measurer", "PendingReduction"]
 
 # The nine metrics of the default profile, in the order `numerics` computes and reports them.
 DEFAULT_METRICS: tuple[str, ...] = numerics.PROFILE

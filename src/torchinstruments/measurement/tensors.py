@@ -41,7 +41,6 @@ from torchinstruments._torch_internals import is_functorch_wrapped, unwrap_funct
 __all__ = [
     "DENSE_MAX",
     "DTENSOR_NOTE",
-    "INTEGRAL_DTYPES",
     "TORCH_FUNC_NOTE",
     "MeasuredForm",
     "dtype_name",
@@ -56,7 +55,7 @@ __all__ = [
     "working_values",
 ]
 
-INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
+_INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
     dtype
     for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
@@ -70,7 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def is_real_dtype(dtype: torch.dtype) -> bool:
     """Floating, integer or bool (not complex, not quantized): a dtype whose values are real."""
-    return dtype.is_floating_point or dtype in INTEGRAL_DTYPES
+    return dtype.is_floating_point or dtype in _INTEGRAL_DTYPES
 
 
 def unsupported_reason(tensor: torch.Tensor) -> str | None:

@@ -1,14 +1,18 @@
-"""history.parquet's physical layout: the merge round-trips every column exactly, and a sample
-that repeats the previous one's values costs about its new timestamps, not its values again."""
+"""history.parquet's physical layout: the merge round-trips every column exactly, writes brotli
+row groups of HISTORY_ROW_GROUP_ROWS rows whose sample ranges a reader can prune on (read from the
+file's footer, not through Polars), and a sample that repeats the previous one's values costs
+about its new timestamps, not its values again."""
 
 from __future__ import annotations
 
 import math
+import struct
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
+from parquet_footer import BROTLI, column_chunks
 from polars.testing import assert_frame_equal
 
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
@@ -110,6 +114,25 @@ def test_merged_history_equals_its_rows_frame_for_frame(
         f.get_column("value").fill_null(0.0).to_numpy().view(np.int64) for f in (merged, frame)
     )
     np.testing.assert_array_equal(got, want)  # -0.0 and subnormals too, bit for bit
+
+
+def test_row_groups_are_brotli_with_each_ones_sample_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layout, "HISTORY_ROW_GROUP_ROWS", 1_000)
+    frame = synthetic_history(6, 200, varied=True)  # 10,800 rows
+    groups = column_chunks(merge_parts(tmp_path, frame, part_rows=1_234))
+    # Row groups of 1,000 rows in history order, the last one what is left; every column of
+    # every group brotli-compressed.
+    assert [g[0]["rows"] for g in groups] == [1_000] * 10 + [800]
+    assert {c["codec"] for g in groups for c in g} == {BROTLI}
+    assert [c["name"].split(".")[0] for c in groups[0]] == list(HISTORY_SCHEMA)
+    # Each group's sample_id statistics are its rows' range: a reader can skip groups by sample.
+    for i, group in enumerate(groups):
+        (chunk,) = (c for c in group if c["name"] == "sample_id")
+        rows = frame.get_column("sample_id").slice(1_000 * i, 1_000)
+        assert struct.unpack("<q", chunk["min"])[0] == rows.min()
+        assert struct.unpack("<q", chunk["max"])[0] == rows.max()
 
 
 def test_a_repeated_sample_costs_its_timestamps_not_its_values(tmp_path: Path) -> None:

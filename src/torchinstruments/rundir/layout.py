@@ -21,10 +21,13 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import polars as pl
 
 __all__ = [
+    "HISTORY_COMPRESSION",
+    "HISTORY_COMPRESSION_LEVEL",
     "HISTORY_FILE",
     "HISTORY_ORDER",
     "HISTORY_PAGE_BYTES",
@@ -196,24 +199,30 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
 
 
 # history.parquet's Parquet layout (`sink_history`). Polars (2.1) compresses each page on its own
-# with zstd and picks the encodings itself: `value` (Float64) is always PLAIN, the integer
-# columns and strings dictionary-encoded per row group. A sample repeats most of the previous
-# one's values (counts, zero fractions, layers that no longer change), and zstd finds those
-# repeats only inside one page, so a row group whose every column is one page (HISTORY_PAGE_BYTES
-# holds 2**18 rows of up to 64 bytes) pays for a new value once per row group. `timestamp` (one
-# per tensor, shared by its metrics) is a dictionary plus one run per tensor, whatever the
-# layout: about 0.39 bytes a row on the chain below, the most of any column after `value`.
+# and picks the encodings itself: `value` (Float64) is always PLAIN, the integer columns and
+# strings dictionary-encoded per row group. A sample repeats most of the previous one's values
+# (counts, zero fractions, layers that no longer change), and the codec finds those repeats only
+# inside one page, so a row group whose every column is one page (HISTORY_PAGE_BYTES holds 2**18
+# rows of up to 64 bytes) pays for a new value once per row group. `timestamp` (one per tensor,
+# shared by its metrics) is a dictionary plus one run per tensor, whatever the layout or the row
+# order: Polars writes no delta encoding, and the runs' keys count up, which no codec predicts.
 # Measured on bench/removal.py's `chain` (1 M rows, 18k series), bytes per row: Polars' defaults
-# 1.49; 2**17-row groups with 4 MiB pages 1.26 (value 0.80, timestamp 0.39); 2**18 rows with
-# 16 MiB pages 1.08 (0.65, 0.39); 2**19 rows 1.00 (0.58, 0.39); the whole file as one group
-# 0.99 (0.55, 0.44). Its `deep` case (60 steps, 3.2 M rows): 1.53 at 2**17, 1.12 at 2**18.
-# Larger groups cost memory: the merge holds a row group while it encodes it (alone, +99..117
-# MiB at 2**17, +139..161 at 2**18), and every reader decodes one at a time. On the chain,
-# removal's peak (the summary's) is +218 MiB at 2**18 with the summary reading half a row group
-# at a time (`summary.SUMMARY_CHUNK_ROWS`), +210 at 2**17, +360..430 at 2**19.
-# docs/benchmarks.md has the figures.
+# 1.49; zstd with 2**17-row groups and 4 MiB pages 1.26 (value 0.80, timestamp 0.39); zstd with
+# 2**18 rows and 16 MiB pages 1.08 (0.65, 0.38); brotli level 5 with 2**18 rows, what is written
+# now, 0.98 (0.62, 0.33). Its `deep` case (60 steps, 3.2 M rows): 1.53, 1.12 and 1.02. Brotli
+# costs CPU: about 0.18 s more per million rows to write (the merge) and twice zstd's time to
+# decode (0.05 to 0.08 s for the chain's whole file); brotli levels 6 to 9 save under 2% more,
+# level 4 half as much, zstd levels up to 12 nothing. Larger groups cost memory: the merge holds
+# a row group while it encodes it (alone, zstd: +141..144 MiB at 2**18, +215..229 at 2**19;
+# brotli adds 45 to 60), and every reader decodes one at a time. 2**19 rows with brotli (0.89)
+# put removal's peak at +245..255 MiB, at issue 21's +256 MiB bar, even with result.json
+# reading 2**17 rows at a time. Reordering the rows inside a sample (by series, by metric)
+# moves the file by at most 6% with zstd and by nothing with brotli. docs/benchmarks.md has the
+# figures.
 HISTORY_ROW_GROUP_ROWS = 2**18
 HISTORY_PAGE_BYTES = 2**24
+HISTORY_COMPRESSION: Literal["brotli"] = "brotli"
+HISTORY_COMPRESSION_LEVEL = 5
 
 
 def sink_history(lf: pl.LazyFrame, target: Path, metadata: dict[str, str] | None = None) -> None:
@@ -221,6 +230,8 @@ def sink_history(lf: pl.LazyFrame, target: Path, metadata: dict[str, str] | None
     and Parquet key-value `metadata`."""
     lf.sink_parquet(
         target,
+        compression=HISTORY_COMPRESSION,
+        compression_level=HISTORY_COMPRESSION_LEVEL,
         metadata=metadata or None,
         row_group_size=HISTORY_ROW_GROUP_ROWS,
         data_page_size=HISTORY_PAGE_BYTES,

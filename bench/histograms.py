@@ -16,9 +16,13 @@ import torch
 from torchinstruments.measurement import histograms
 from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
+from torchinstruments.records import LayerInfo, TensorKey
 
 from _machine import print_machine
 from _timing import median, timed
+
+# The key a benchmark's histogram is recorded under.
+KEY = TensorKey(0, 0, LayerInfo("bench", "Identity"), 0, "output", "", "train", True)
 
 
 def main() -> None:
@@ -44,15 +48,7 @@ def main() -> None:
         pending = histogram_only.launch_with_histogram(x, args.bins)[1]
         if isinstance(pending, torch.Tensor):  # the general path's: read with the transfer
             pending = pending.tolist()
-        histograms.record(
-            pending or [],
-            args.bins,
-            sample_id=0,
-            layer="bench",
-            call_index=0,
-            signal="output",
-            tensor_path="",
-        )
+        histograms.record(pending or [], args.bins, KEY, "output")
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.bins} bins, median ms"

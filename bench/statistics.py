@@ -38,12 +38,16 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 from torchinstruments.measurement import histograms
 from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.records import LayerInfo, TensorKey
 
 from _machine import print_machine
 from _timing import median, timed
 
 QUARTILES = (0.25, 0.5, 0.75)
 QUANTILE_LIMIT = 2**24
+
+# The key a benchmark's histogram is recorded under.
+KEY = TensorKey(0, 0, LayerInfo("bench", "Identity"), 0, "output", "", "train", True)
 
 
 def ours(measurer: Measurer, x: torch.Tensor) -> dict[str, float | None]:
@@ -61,15 +65,7 @@ def with_histogram(measurer: Measurer, x: torch.Tensor) -> None:
     reduction.resolve([] if vector is None else vector.tolist())
     if isinstance(pending, torch.Tensor):  # the general path's: read with the sample's transfer
         pending = pending.tolist()
-    histograms.record(
-        pending or [],
-        DEFAULT_BINS,
-        sample_id=0,
-        layer="bench",
-        call_index=0,
-        signal="output",
-        tensor_path="",
-    )
+    histograms.record(pending or [], DEFAULT_BINS, KEY, "output")
 
 
 def forward(model: nn.Module, x: torch.Tensor) -> None:

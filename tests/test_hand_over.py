@@ -15,7 +15,7 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 from torchinstruments.measurement import histograms, numerics
 from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
-from torchinstruments.records import MetricValue
+from torchinstruments.records import LayerInfo, MetricValue, TensorKey
 
 from conftest import Wrapped, assert_matches_numpy, read_history
 
@@ -50,15 +50,8 @@ def test_the_sort_path_hands_what_it_fails_on_to_the_general_path(
     reduction, histogram = measurer.launch_with_histogram(tensor)
     assert_matches_numpy(resolved(measurer, reduction), tensor.numpy())
     assert isinstance(histogram, torch.Tensor)  # counted by the general path
-    record = histograms.record(
-        histogram.tolist(),
-        DEFAULT_BINS,
-        sample_id=0,
-        layer="x",
-        call_index=0,
-        signal="output",
-        tensor_path="",
-    )
+    key = TensorKey(0, 0, LayerInfo("x", "Identity"), 0, "output", "", "train", True)
+    record = histograms.record(histogram.tolist(), DEFAULT_BINS, key, "output")
     assert record is not None
     edges = np.array([record.min, *record.bucket_limits])
     want, _ = np.histogram(tensor.numpy().astype(np.float64), bins=edges)

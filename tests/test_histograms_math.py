@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 from torchinstruments.measurement import histograms
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
-from torchinstruments.records import HistogramRecord
+from torchinstruments.records import HistogramRecord, LayerInfo, TensorKey
 
 from conftest import NoHostSync
 
@@ -39,15 +39,9 @@ def histogram(tensor: torch.Tensor, path: str, bins: int = DEFAULT_BINS) -> Hist
     vector = launch(tensor, path, bins)
     if vector is None:
         return None
-    return histograms.record(
-        vector.tolist() if isinstance(vector, torch.Tensor) else vector,
-        bins,
-        sample_id=3,
-        layer="fc",
-        call_index=1,
-        signal="output",
-        tensor_path="[0]",
-    )
+    host = vector.tolist() if isinstance(vector, torch.Tensor) else vector
+    key = TensorKey(3, 3, LayerInfo("fc", "Linear"), 1, "output", "[0]", "train", True)
+    return histograms.record(host, bins, key, "output")
 
 
 def assert_consistent(record: HistogramRecord, values: np.ndarray) -> None:

@@ -27,10 +27,12 @@ from torchinstruments.measurement import histograms, lane, numerics
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import (
     HistogramRecord,
+    LayerInfo,
     Measurement,
     MeasurementBlock,
     MetricValue,
     SampleRecord,
+    TensorKey,
 )
 
 from conftest import numpy_profile, read_history
@@ -90,9 +92,8 @@ def test_the_lane_gives_the_general_paths_values_bit_for_bit(data: list[list[flo
 def as_record(vector: list[float] | None) -> HistogramRecord | None:
     if vector is None:
         return None
-    return histograms.record(
-        vector, 64, sample_id=1, layer="fc", call_index=0, signal="output", tensor_path=""
-    )
+    key = TensorKey(1, 1, LayerInfo("fc", "Linear"), 0, "output", "", "train", True)
+    return histograms.record(vector, 64, key, "output")
 
 
 def same_record_bits(a: HistogramRecord | None, b: HistogramRecord | None) -> bool:

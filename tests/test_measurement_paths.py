@@ -23,7 +23,7 @@ from hypothesis.extra import numpy as hnp
 from torchinstruments.measurement import histograms, numerics
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
-from torchinstruments.records import HistogramRecord, MetricValue
+from torchinstruments.records import HistogramRecord, LayerInfo, MetricValue, TensorKey
 
 from conftest import NoHostSync, Wrapped, assert_matches_numpy
 
@@ -67,9 +67,8 @@ def as_record(histogram: HistogramVector | None) -> HistogramRecord | None:
     if histogram is None:
         return None
     host = histogram.tolist() if isinstance(histogram, torch.Tensor) else histogram
-    return histograms.record(
-        host, DEFAULT_BINS, sample_id=0, layer="fc", call_index=0, signal="output", tensor_path=""
-    )
+    key = TensorKey(0, 0, LayerInfo("fc", "Linear"), 0, "output", "", "train", True)
+    return histograms.record(host, DEFAULT_BINS, key, "output")
 
 
 def assert_histogram(record: HistogramRecord | None, values: np.ndarray) -> None:

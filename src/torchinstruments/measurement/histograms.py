@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from torchinstruments.measurement import tensors
-from torchinstruments.records import HistogramRecord
+from torchinstruments.records import HistogramRecord, TensorKey
 
 __all__ = ["DEFAULT_BINS", "HistogramVector", "pending", "record"]
 
@@ -49,18 +49,11 @@ def pending(vector: torch.Tensor) -> HistogramVector:
 
 
 def record(
-    values: Sequence[float],
-    bins: int,
-    *,
-    sample_id: int,
-    layer: str,
-    call_index: int,
-    signal: str,
-    tensor_path: str,
-    mode: str = "train",
+    values: Sequence[float], bins: int, key: TensorKey, signal: str
 ) -> HistogramRecord | None:
-    """The record of a histogram vector read on the host, or None when the tensor has no finite
-    entries or the values are malformed. Never raises."""
+    """The record of the histogram vector of the tensor `key` names as `signal`, read on the
+    host, or None when the tensor has no finite entries or the values are malformed. An eval
+    tensor's record has tags of its own (`records.histogram_tag`). Never raises."""
     try:
         if len(values) != len(_HEAD) + 2 * bins + 1:
             return None
@@ -77,11 +70,11 @@ def record(
             limits = tuple(map(float, edges[1:]))
             counts = tuple(map(float, values[len(_HEAD) + bins + 1 :]))
         return HistogramRecord(
-            sample_id=sample_id,
-            layer=layer,
-            call_index=call_index,
+            sample_id=key.sample_id,
+            layer=key.layer.name,
+            call_index=key.call_index,
             signal=signal,
-            tensor_path=tensor_path,
+            tensor_path=key.tensor_path,
             min=low,
             max=high,
             num=float(count),
@@ -89,7 +82,7 @@ def record(
             sum_squares=squares,
             bucket_limits=limits,
             bucket_counts=counts,
-            mode=mode,
+            mode=key.mode,
         )
     except Exception:  # finishing must never crash the training step
         return None

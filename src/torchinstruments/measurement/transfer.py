@@ -250,7 +250,10 @@ def build_records(
             lane_at += 1
             entry = (item[0], item[1], shapes.setdefault(item[2], item[2]), "float32", None, None)
         entries.append(entry)
-        if vector is not None and (record := _histogram(vector, entry[0], signal)) is not None:
+        record = (
+            None if vector is None else histograms.record(vector, DEFAULT_BINS, entry[0], signal)
+        )
+        if record is not None:
             by_sample_histograms.setdefault(record.sample_id, []).append(record)
     by_sample: dict[int, list[int]] = {}
     if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
@@ -327,17 +330,3 @@ def _transfer(pending: Sequence[PendingTensor]) -> list[list[float]]:
         vectors.append(histogram if isinstance(histogram, torch.Tensor) else None)
     with _outside_torch_func():
         return to_host(vectors)
-
-
-def _histogram(vector: list[float], key: TensorKey, signal: str) -> HistogramRecord | None:
-    """The record of one tensor's histogram vector, or None where it has none."""
-    return histograms.record(
-        vector,
-        DEFAULT_BINS,
-        sample_id=key.sample_id,
-        layer=key.layer.name,
-        call_index=key.call_index,
-        signal=signal,
-        tensor_path=key.tensor_path,
-        mode=key.mode,  # an eval tensor's histogram has tags of its own (records.histogram_tag)
-    )

@@ -20,10 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from torchinstruments.measurement import histograms, numerics
+from torchinstruments.measurement import histograms, numerics, transfer
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
-from torchinstruments.records import HistogramRecord, LayerInfo, MetricValue, TensorKey
+from torchinstruments.records import (
+    HistogramRecord,
+    LayerInfo,
+    MeasurementBlock,
+    MetricValue,
+    TensorKey,
+)
 
 from conftest import NoHostSync, Wrapped, assert_matches_numpy
 
@@ -288,3 +294,29 @@ def test_the_sort_path_never_writes_the_tensor(dtype: torch.dtype, layout: str) 
     assert torch.equal(tensor, before)
     assert_matches_numpy(got, reference(tensor.contiguous()))
     assert_histogram(record, reference(tensor.contiguous()))
+
+
+def test_the_samples_one_transfer_gives_each_tensor_its_own_values() -> None:
+    """The general path's vectors of several tensors cross in one transfer
+    (`transfer.build_records`, forced on the CPU as on a GPU): each row and histogram is its
+    own tensor's."""
+    measurer = Measurer(None, host_paths=False)
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(size).astype(np.float32) for size in (3000, 5, 700)]
+    arrays[1][2] = np.nan
+    items = []
+    for index, array in enumerate(arrays):
+        key = TensorKey(0, 0, LayerInfo(f"l{index}", "Linear"), 0, "output", "", "train", True)
+        items.append(transfer.launch_tensor(measurer, key, torch.from_numpy(array), True))
+    (record,) = transfer.build_records("output", items, measurer.metrics, None)
+    block, k = record.measurements, len(measurer.metrics)
+    assert isinstance(block, MeasurementBlock)
+    for index, array in enumerate(arrays):
+        row = zip(block.values[index * k :], block.reasons[index * k :], strict=False)
+        got = {
+            name: MetricValue(*value) for name, value in zip(measurer.metrics, row, strict=False)
+        }
+        assert_matches_numpy(got, array)
+    assert [histogram.layer for histogram in record.histograms] == ["l0", "l1", "l2"]
+    for histogram, array in zip(record.histograms, arrays, strict=True):
+        assert_histogram(histogram, array)

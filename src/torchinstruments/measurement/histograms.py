@@ -24,10 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from torchinstruments.measurement import tensors
 from torchinstruments.records import HistogramRecord, TensorKey
 
-__all__ = ["DEFAULT_BINS", "HistogramVector", "pending", "record"]
+__all__ = ["DEFAULT_BINS", "HistogramVector", "record"]
 
 DEFAULT_BINS = 64
 # Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
@@ -40,12 +39,6 @@ _HEAD = ("finite", "min", "max", "sum", "sum_squares")
 # A histogram vector (`numerics.histogram_vector`): `finite, min, max, sum, sum_squares`, the bins
 # + 1 edges and the bins counts; a device tensor until the sample's transfer, else a host list.
 HistogramVector = torch.Tensor | list[float]
-
-
-def pending(vector: torch.Tensor) -> HistogramVector:
-    """A device vector waiting for the transfer; a tensor subclass's is read now (see
-    `tensors.host_floats`), so that it never joins, or breaks, the sample's transfer."""
-    return vector if tensors.is_plain(vector) else tensors.host_floats(vector)
 
 
 def record(

@@ -24,7 +24,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
-from torchinstruments.measurement import custom, histograms, numerics, paths, tensors
+from torchinstruments.measurement import custom, numerics, paths, tensors
 from torchinstruments.measurement.custom import Reducer, ReducerSpec, reducer_name
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.numerics import metric_value
@@ -282,7 +282,9 @@ def _reduce_default(
             result = numerics.measure_on_cpu(tensor, wanted, bins)
             return _Part(metrics, host=result.raw, derive=derive), None, result.histogram
     keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
-    histogram = None if vector is None else histograms.pending(vector)
+    histogram: HistogramVector | None = vector  # counted with the statistics' min, max and sums
+    if vector is not None and not tensors.is_plain(vector):
+        histogram = tensors.host_floats(vector)  # read now: it never joins, or breaks, the transfer
     if not metrics:
         return _Part(metrics), None, histogram
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer

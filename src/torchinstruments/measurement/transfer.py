@@ -50,7 +50,6 @@ __all__ = [
     "launch",
     "launch_tensor",
     "note_of",
-    "to_host",
 ]
 
 
@@ -114,24 +113,6 @@ def launch_tensor(
 def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
     """torch.func's transforms switched off while measuring, if one is running (else nothing)."""
     return functorch_disabled() if functorch_active() else contextlib.nullcontext()
-
-
-def to_host(vectors: Sequence[torch.Tensor | None]) -> list[list[float]]:
-    """Move many small device vectors to the host in one transfer per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for index, vector in enumerate(vectors):
-        if vector is not None:
-            by_device.setdefault(vector.device, []).append(index)
-    host: list[list[float]] = [[] for _ in vectors]
-    for indices in by_device.values():
-        flat = torch.cat([vectors[i].reshape(-1) for i in indices])  # type: ignore[union-attr]
-        values = flat.to("cpu", torch.float64).tolist()
-        start = 0
-        for i in indices:
-            length = vectors[i].numel()  # type: ignore[union-attr]
-            host[i] = values[start : start + length]
-            start += length
-    return host
 
 
 # A tensor the small-tensor lane took: its key (an output's key, also for its gradient: the
@@ -215,7 +196,7 @@ def build_records(
     lane_values, lane_reasons, lane_histograms = lane.measure(
         [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
     )
-    host = _transfer([item for item in items if type(item) is PendingTensor])
+    host = _to_host([item for item in items if type(item) is PendingTensor])
     k = len(metrics)
     values: list[float | None] = []
     why: list[str | None] = []
@@ -320,7 +301,7 @@ def _block(
     )
 
 
-def _transfer(pending: Sequence[PendingTensor]) -> list[list[float]]:
+def _to_host(pending: Sequence[PendingTensor]) -> list[list[float]]:
     """The general path's vectors on the host, two per tensor (its reduction's and its
     histogram's; empty where it has none on the device), in one transfer per device."""
     vectors: list[torch.Tensor | None] = []
@@ -328,5 +309,17 @@ def _transfer(pending: Sequence[PendingTensor]) -> list[list[float]]:
         histogram = item.histogram
         vectors.append(item.reduction.device_vector)
         vectors.append(histogram if isinstance(histogram, torch.Tensor) else None)
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for index, vector in enumerate(vectors):
+        if vector is not None:
+            by_device.setdefault(vector.device, []).append((index, vector))
+    host: list[list[float]] = [[] for _ in vectors]
     with _outside_torch_func():
-        return to_host(vectors)
+        for placed in by_device.values():
+            flat = torch.cat([vector.reshape(-1) for _, vector in placed])
+            values = flat.to("cpu", torch.float64).tolist()
+            start = 0
+            for index, vector in placed:
+                host[index] = values[start : start + vector.numel()]
+                start += vector.numel()
+    return host

@@ -147,11 +147,8 @@ class Measurer:
             measures every tensor on the general path, as on a GPU (tests and benchmarks).
 
     Raises:
-        TypeError: If `reducers` is not None, a sequence or a mapping, an item is none of the
-            accepted forms (a lambda outside a mapping is refused: it has no name), or a
-            metric name is not a non-empty string.
-        ValueError: If two reducers (or a reducer and the default profile) share a metric name,
-            or one reducer repeats a name.
+        TypeError, ValueError: As `custom.expand` and `custom.check_unique` raise them (an item
+            of no accepted form, a bad, repeated or reserved metric name, a shared one).
     """
 
     def __init__(

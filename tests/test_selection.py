@@ -160,4 +160,4 @@ def test_no_path_sorts_a_whole_tensor(sorted_sizes: list[int], size: int) -> Non
         alone = Measurer([DefaultStatistics(())], host_paths=host_paths)
         alone.launch_with_histogram(values)  # a histogram without the metrics
     assert sorted_sizes  # the spy sees the brackets' small selections
-    assert max(sorted_sizes) <= order.SMALL < size // 3
+    assert max(sorted_sizes) < size // 3  # the brackets' kept entries at most, a few percent

@@ -39,6 +39,9 @@ __all__ = [
 
 # At most this many entries are sorted instead of selected.
 SMALL = 1 << 15
+# The brackets' kept entries (a few percent of the tensor) are sorted up to this many: cheaper
+# than finding each bracket's among them by a mask, which branches at random.
+_KEPT_SORTED = 4 * SMALL
 _DIGIT_BITS = 16
 _DIGITS = 1 << _DIGIT_BITS
 
@@ -120,7 +123,7 @@ class HostSelection:
             found[0] = min(low for low, _ in self._extremes)
             found[size - 1] = max(high for _, high in self._extremes)
         kept = np.concatenate(self._kept) if self._kept else values[:0]
-        ascending = kept.size <= SMALL
+        ascending = kept.size <= _KEPT_SORTED
         if ascending:  # then each bracket's inner entries are a slice of it, already in order
             kept.sort()
         for bracket in self._brackets:

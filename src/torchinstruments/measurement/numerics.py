@@ -440,40 +440,38 @@ def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -
     cost no pass of their own; if it was not, it is measured again below, from its finite copy.
     """
     if array.dtype == np.float32 and array.size > order.SMALL:
-        counted: list[int] = []
-        select = order.HostSelection(array)
-        starts, counts = np.zeros(1, np.int64), np.array([array.size])
         with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
-            arrays = _host_arrays(array, starts, counts, wanted, select, counted)
-            raw = {"zeros": float(sum(counted)), "finite": float(array.size)}
-            return _with_histogram(array, raw, arrays, select, bins)
+            return _measure_finite(array, wanted, bins, None)
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
     zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
-    raw = {"zeros": zeros, "finite": float(values.size)}
     if values.size == 0:
+        raw = {"zeros": zeros, "finite": 0.0}
         return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
-    select = order.HostSelection(values)
-    arrays = _host_arrays(values, np.zeros(1, np.int64), np.array([values.size]), wanted, select)
-    return _with_histogram(values, raw, arrays, select, bins)
+    return _measure_finite(values, wanted, bins, zeros)
 
 
-def _with_histogram(
-    values: np.ndarray,
-    raw: dict[str, float],
-    arrays: dict[str, np.ndarray],
-    select: order.HostSelection,
-    bins: int | None,
+def _measure_finite(
+    values: np.ndarray, wanted: frozenset[str], bins: int | None, zeros: float | None
 ) -> CpuResult:
-    """`measure_array`'s result from its finite `values` and their `arrays` of one segment."""
+    """`measure_array` of its finite `values` (at least one) with `zeros` zeros; `zeros` None:
+    float32 `values` only presumed finite, their zeros counted during the moments' pass
+    (`_host_arrays` raises `_NotFiniteError` if they were not)."""
+    counted: list[int] = []
+    select = order.HostSelection(values)
+    starts, counts = np.zeros(1, np.int64), np.array([values.size])
+    arrays = _host_arrays(
+        values, starts, counts, wanted, select, counted if zeros is None else None
+    )
+    raw = {"zeros": float(sum(counted)) if zeros is None else zeros, "finite": float(values.size)}
     raw.update((name, float(column[0])) for name, column in arrays.items())
     if not bins:
         return CpuResult(raw, None)
     ordered = select.ordered  # a sorted copy (at most order.SMALL entries) counts by bisection
     head = (values.size, raw["sum"], raw["sum_squares"])
-    counted = values if ordered is None else ordered
+    counted_values = values if ordered is None else ordered
     vector = histogram_vector(
-        counted, raw["min"], raw["max"], head, bins, None, ordered is not None
+        counted_values, raw["min"], raw["max"], head, bins, None, ordered is not None
     )
     return CpuResult(raw, vector)
 

@@ -284,7 +284,7 @@ def bin_counts(
     threshold are found by bisection."""
     limits = thresholds(bounds, values.dtype)
     if isinstance(values, torch.Tensor):
-        index = torch.bucketize(values, limits, right=True)
+        index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
         if finite is not None:
             index = torch.where(finite, index, bins)
         counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)

@@ -15,7 +15,7 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import merge as merge_module
 from torchinstruments.rundir import writer as writer_module
-from torchinstruments.rundir.layout import HISTORY_SCHEMA, ORDER_KEY, list_parts
+from torchinstruments.rundir.layout import CONSTANT_KEY, HISTORY_SCHEMA, ORDER_KEY, list_parts
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.writer import HistoryWriter
 
@@ -202,6 +202,8 @@ def test_range_batched_merge_equals_single_sort(
     merge_history(tmp_path)
     rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
     assert rows == sorted(expected_rows(produced), key=row_key)  # a stable sort of write order
+    merged = tmp_path / "history.parquet"
+    assert constant_entry(merged) == constant_by_hand(merged)  # what the concatenation names
 
 
 def read_order_entry(path: Path) -> str | None:
@@ -221,6 +223,44 @@ def test_parts_in_order_are_concatenated_as_written(tmp_path: Path) -> None:
     assert json.loads(read_order_entry(merged) or "") == {
         "first": [0, "output"],
         "last": [29, "output_gradient"],
+    }
+
+
+def constant_by_hand(path: Path) -> dict[str, object]:
+    """The columns of a file whose rows all hold one Python value (None: all null), from its
+    rows; a non-null `value` or `timestamp` is never named (-0.0 == 0.0 in Python too)."""
+    frame = pl.read_parquet(path)
+    found = {}
+    for name in frame.columns:
+        values = {repr(v) for v in frame.get_column(name).to_list()}
+        if len(values) == 1 and (name not in ("value", "timestamp") or values == {"None"}):
+            found[name] = frame.get_column(name).to_list()[0]
+    return found
+
+
+def constant_entry(path: Path) -> dict[str, object] | None:
+    entry = pl.read_parquet_metadata(path).get(CONSTANT_KEY)
+    return None if entry is None else json.loads(entry)
+
+
+def test_parts_and_history_name_their_constant_columns(tmp_path: Path) -> None:
+    history_writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=11))
+    produced = run_samples(history_writer, 30)
+    history_writer.close()
+    parts = list_parts(tmp_path)
+    entries = [constant_entry(p) for p in parts]
+    assert entries == [constant_by_hand(p) for p in parts]
+    # Every part holds rows of several metrics and values: those are never named.
+    assert not {"metric", "value"} & {k for e in entries for k in e or {}}
+    assert any(e and e.get("sample_id") is not None for e in entries)  # some parts: one sample
+    merge_history(tmp_path)
+    merged = tmp_path / "history.parquet"
+    assert as_rows(pl.read_parquet(merged)) == expected_rows(produced)
+    # The merged file names what is constant in all of it (here rank, module_type, dtype,
+    # mode, grad_enabled, population, attempt), so a later merge into it streams them too.
+    assert constant_entry(merged) == constant_by_hand(merged)
+    assert set(constant_by_hand(merged)) == {
+        *("rank", "module_type", "dtype", "mode", "grad_enabled", "population", "attempt"),
     }
 
 

@@ -19,13 +19,14 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import polars as pl
 
 __all__ = [
+    "CONSTANT_KEY",
     "HISTORY_COMPRESSION",
     "HISTORY_COMPRESSION_LEVEL",
     "HISTORY_FILE",
@@ -45,17 +46,20 @@ __all__ = [
     "TENSORBOARD_DIR",
     "TMP_SUFFIX",
     "check_output_dir",
+    "constant_literals",
+    "constant_metadata",
     "empty_history",
     "fsync_path",
     "is_library_temporary",
     "list_parts",
     "order_metadata",
+    "order_of",
     "part_number",
     "part_path",
-    "read_order",
     "replace_atomically",
     "resolve_output_dir",
     "scan_history",
+    "shared_constants",
     "sink_history",
     "temporary_path",
     "write_parquet_atomic",
@@ -118,6 +122,12 @@ HISTORY_ORDER = ("sample_id", "signal")
 # "last": [...]}` when its rows are in HISTORY_ORDER (first/last null when it has none); absent
 # when they are not, or the file predates it.
 ORDER_KEY = "torchinstruments.order"
+# A part's Parquet metadata entry: JSON `{column: value}` for the columns whose every row holds
+# the same value (null: every row null), so the merge streams them as literals instead of reading
+# them (`rundir.merge`). Only types whose equality is identity: integers (not `timestamp`),
+# strings, booleans, lists of integers, and any column that is all null; never `value` (0.0 and
+# -0.0 compare equal). Absent in parts without such columns, or of a version before it.
+CONSTANT_KEY = "torchinstruments.constant"
 
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 
@@ -199,28 +209,29 @@ def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
 
 
 # history.parquet's Parquet layout (`sink_history`). Polars (2.1) compresses each page on its own
-# and picks the encodings itself: `value` (Float64) is always PLAIN, the integer columns and
-# strings dictionary-encoded per row group. A sample repeats most of the previous one's values
-# (counts, zero fractions, layers that no longer change), and the codec finds those repeats only
-# inside one page, so a row group whose every column is one page (HISTORY_PAGE_BYTES holds 2**18
-# rows of up to 64 bytes) pays for a new value once per row group. `timestamp` (one per tensor,
-# shared by its metrics) is a dictionary plus one run per tensor, whatever the layout or the row
-# order: Polars writes no delta encoding, and the runs' keys count up, which no codec predicts.
+# and picks the encodings itself (no option chooses one: `value` (Float64) is always PLAIN, the
+# integer columns and strings dictionary-encoded per row group; no delta or byte-stream-split
+# encoding). A sample repeats most of the previous one's values (counts, zero fractions, layers
+# that no longer change), and the codec finds those repeats only inside one page, so a row group
+# whose every column is one page (HISTORY_PAGE_BYTES holds a row group of up to 102 bytes a row)
+# pays for a new value once per row group. `timestamp` (one per tensor, shared by its metrics)
+# is a dictionary of the group's distinct times plus one run per tensor whose key counts up.
+# HISTORY_ROW_GROUP_ROWS is over 9 * 2**16: a group of the default profile's rows then holds
+# more than 2**16 tensors, whose keys take 3 bytes instead of 2, and brotli compresses those runs
+# to about 1.1 bytes a tensor against 1.8 (measured; zstd does worse with wider keys).
 # Measured on bench/removal.py's `chain` (1 M rows, 18k series), bytes per row: Polars' defaults
-# 1.49; zstd with 2**17-row groups and 4 MiB pages 1.26 (value 0.80, timestamp 0.39); zstd with
-# 2**18 rows and 16 MiB pages 1.08 (0.65, 0.38); brotli level 5 with 2**18 rows, what is written
-# now, 0.98 (0.62, 0.33). Its `deep` case (60 steps, 3.2 M rows): 1.53, 1.12 and 1.02. Brotli
-# costs CPU: about 0.18 s more per million rows to write (the merge) and twice zstd's time to
-# decode (0.05 to 0.08 s for the chain's whole file); brotli levels 6 to 9 save under 2% more,
-# level 4 half as much, zstd levels up to 12 nothing. Larger groups cost memory: the merge holds
-# a row group while it encodes it (alone, zstd: +141..144 MiB at 2**18, +215..229 at 2**19;
-# brotli adds 45 to 60), and every reader decodes one at a time. 2**19 rows with brotli (0.89)
-# put removal's peak at +245..255 MiB, at issue 21's +256 MiB bar, even with result.json
-# reading 2**17 rows at a time. Reordering the rows inside a sample (by series, by metric)
-# moves the file by at most 6% with zstd and by nothing with brotli. docs/benchmarks.md has the
-# figures.
-HISTORY_ROW_GROUP_ROWS = 2**18
-HISTORY_PAGE_BYTES = 2**24
+# 1.49; zstd, 2**17-row groups, 4 MiB pages 1.26; zstd, 2**18 rows, 16 MiB pages 1.08; brotli
+# level 5, 2**18 rows 0.98 (value 0.62, timestamp 0.33); 2**19 rows 0.89 (0.54, 0.33); 655,360
+# rows, what is written now, 0.85 (0.54, 0.28); its `deep` case (60 steps, 3.2 M rows): 1.53,
+# 1.12, 1.02, 0.82, 0.68. Brotli levels 6 to 9 save under 2% more, level 10 about 10% for six
+# times the CPU (4.3 s for the chain's merge against 0.8). Larger groups cost memory: the merge
+# holds a row group while it encodes it (alone, reading every column: +190 MiB at 2**18, +275 at
+# 2**19, +270..290 at 655,360), which the merge's literals for constant columns bring back to
+# +170..190 (`rundir.merge`); readers decode a whole group whichever of its rows they read.
+# Reordering the rows inside a sample (by series, by metric) moves the file by at most 6% with
+# zstd and by nothing with brotli. docs/benchmarks.md has the figures.
+HISTORY_ROW_GROUP_ROWS = 5 * 2**17
+HISTORY_PAGE_BYTES = 2**26
 HISTORY_COMPRESSION: Literal["brotli"] = "brotli"
 HISTORY_COMPRESSION_LEVEL = 5
 
@@ -301,10 +312,12 @@ def order_metadata(frame: pl.DataFrame) -> dict[str, str]:
     }
 
 
-def read_order(path: Path) -> tuple[tuple[int, str] | None, tuple[int, str] | None] | None:
-    """(first, last) HISTORY_ORDER key of a file whose metadata says it is in that order, else
-    None; (None, None) for a file without rows."""
-    entry = pl.read_parquet_metadata(path).get(ORDER_KEY)
+def order_of(
+    metadata: dict[str, str],
+) -> tuple[tuple[int, str] | None, tuple[int, str] | None] | None:
+    """(first, last) HISTORY_ORDER key of a file whose Parquet key-value `metadata` says it is
+    in that order, else None; (None, None) for a file without rows."""
+    entry = metadata.get(ORDER_KEY)
     if entry is None:
         return None
     try:
@@ -315,6 +328,65 @@ def read_order(path: Path) -> tuple[tuple[int, str] | None, tuple[int, str] | No
         return (int(first[0]), str(first[1])), (int(last[0]), str(last[1]))
     except (ValueError, TypeError, KeyError, IndexError):
         return None
+
+
+def _constant_type(dtype: pl.DataType) -> bool:
+    """Whether a column of `dtype` may be a constant of CONSTANT_KEY when it has no nulls."""
+    if isinstance(dtype, pl.List):
+        return dtype.inner in (pl.Int32(), pl.Int64())
+    return dtype in (pl.Int32(), pl.Int64(), pl.String(), pl.Boolean())
+
+
+def constant_metadata(frame: pl.DataFrame) -> dict[str, str]:
+    """`{CONSTANT_KEY: ...}` naming `frame`'s columns that hold one value in every row (or are
+    all null); no entry when there are none or no rows."""
+    constant: dict[str, object] = {}
+    for series in frame.iter_columns() if frame.height else ():
+        nulls = series.null_count()
+        if nulls == frame.height:
+            constant[series.name] = None
+        elif not nulls and _constant_type(series.dtype) and series.n_unique() == 1:
+            value = series[0]
+            constant[series.name] = value.to_list() if isinstance(value, pl.Series) else value
+    return {CONSTANT_KEY: json.dumps(constant)} if constant else {}
+
+
+def shared_constants(metadata: Sequence[dict[str, str]]) -> dict[str, object]:
+    """The columns constant in every file whose Parquet metadata is in `metadata`, with the same
+    value in all (CONSTANT_KEY): what is constant in those files concatenated. Empty when one of
+    them has no such entry (a version before it, or no constant column)."""
+    shared: dict[str, object] | None = None
+    for entry in metadata:
+        try:
+            constant = json.loads(entry[CONSTANT_KEY])
+        except (KeyError, ValueError):
+            return {}
+        if not isinstance(constant, dict):
+            return {}
+        if shared is None:
+            shared = constant
+        else:
+            shared = {k: v for k, v in shared.items() if k in constant and constant[k] == v}
+    return shared or {}
+
+
+def constant_literals(constant: dict[str, object], schema: pl.Schema) -> dict[str, pl.Expr]:
+    """Literals for `shared_constants`' columns, each of its column's type in `schema`; none when
+    one is not a column of `schema` or not a value `constant_metadata` writes for its type."""
+    literals = {}
+    try:
+        for name, value in constant.items():
+            dtype = schema[name]
+            if value is None:
+                literal = pl.lit(None, dtype=dtype)
+            elif not _constant_type(dtype):
+                return {}
+            else:  # a one-row Series, so a list is one value and the type is checked
+                literal = pl.lit(pl.Series(name, [value], dtype=dtype, strict=True)).first()
+            literals[name] = literal.alias(name)
+    except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError):
+        return {}
+    return literals
 
 
 def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:

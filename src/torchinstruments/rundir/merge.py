@@ -6,7 +6,9 @@ key; the writer sets it when that holds, which it does whenever each backward en
 next sampled forward starts (an ordinary training loop). When every input is in order and each
 starts at or after the previous one's end, the merge is one streaming concatenation of the files
 (`scan_parquet(...).sink_parquet(...)`): one pass, the memory of a few row groups whatever the
-history's size, and the rows keep the order they were written in.
+history's size, and the rows keep the order they were written in. Columns that hold one value in
+every input (each part names its own: `layout.CONSTANT_KEY`) are streamed as literals, not read,
+so a row group held while it is encoded is about the columns that vary (see `_sink_history`).
 
 Otherwise (interleaved forwards and backwards, parts of an older version) the merge sorts: Polars'
 sort is not out-of-core (a plain `scan_parquet(...).sort(...).sink_parquet(...)` of an 18 M-row
@@ -40,18 +42,21 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments.rundir.layout import (
+    CONSTANT_KEY,
     HISTORY_FILE,
     HISTORY_ORDER,
     HISTORY_SCHEMA,
     MERGE_TMP_DIR,
     ORDER_KEY,
     PARTS_DIR,
+    constant_literals,
     empty_history,
     list_parts,
+    order_of,
     part_number,
-    read_order,
     replace_atomically,
     scan_history,
+    shared_constants,
     sink_history,
 )
 from torchinstruments.rundir.ranges import parse_ranges, ranges
@@ -171,14 +176,22 @@ def _sorted_range(sources: Sequence[_Source], lo: int, hi: int) -> pl.LazyFrame:
     )
 
 
-def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str, str]) -> None:
-    """Sort all sources into `target` in bounded memory (see the module docstring)."""
+def _sink_sorted(
+    sources: Sequence[_Source],
+    target: Path,
+    *,
+    metadata: dict[str, str],
+    literals: Sequence[pl.Expr] = (),
+) -> None:
+    """Sort all sources into `target` in bounded memory (see the module docstring), the columns
+    of `literals` written from them."""
     if not sources:
         sink_history(empty_history().lazy(), target, metadata)
         return
     cuts = _batch_cuts(sources)
     if len(cuts) == 2:
-        sink_history(_sorted_range(sources, cuts[0], cuts[1]), target, metadata)
+        sorted_rows = _sorted_range(sources, cuts[0], cuts[1])
+        sink_history(_with_literals(sorted_rows, literals), target, metadata)
         return
     tmp_dir = target.parent / MERGE_TMP_DIR
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -189,19 +202,24 @@ def _sink_sorted(sources: Sequence[_Source], target: Path, *, metadata: dict[str
             piece = tmp_dir / f"range-{i:09d}.parquet"
             _sorted_range(sources, lo, hi).sink_parquet(piece)
             pieces.append(piece)
-        sink_history(scan_history(pieces), target, metadata)
+        sink_history(_with_literals(scan_history(pieces), literals), target, metadata)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _chained_order(files: Sequence[Path]) -> dict[str, str] | None:
-    """The merged file's ORDER_KEY entry when `files`, concatenated as they are, are in
-    HISTORY_ORDER (each in order, each starting at or after the previous one's last key);
-    None when they are not, or a file does not say."""
+def _with_literals(lf: pl.LazyFrame, literals: Sequence[pl.Expr]) -> pl.LazyFrame:
+    """`lf` with the columns of `literals` replaced by them (not read)."""
+    return lf.with_columns(literals) if literals else lf
+
+
+def _chained_order(metadata: Sequence[dict[str, str]]) -> dict[str, str] | None:
+    """The merged file's ORDER_KEY entry when the files whose Parquet metadata is `metadata`,
+    concatenated as they are, are in HISTORY_ORDER (each in order, each starting at or after the
+    previous one's last key); None when they are not, or a file does not say."""
     first: tuple[int, str] | None = None
     last: tuple[int, str] | None = None
-    for path in files:
-        order = read_order(path)
+    for entry in metadata:
+        order = order_of(entry)
         if order is None:
             return None
         start, end = order
@@ -211,25 +229,39 @@ def _chained_order(files: Sequence[Path]) -> dict[str, str] | None:
             return None
         first = first or start
         last = end
-    entry = {"first": None, "last": None}
+    chained = {"first": None, "last": None}
     if first is not None and last is not None:
-        entry = {"first": list(first), "last": list(last)}
-    return {ORDER_KEY: json.dumps(entry)}
+        chained = {"first": list(first), "last": list(last)}
+    return {ORDER_KEY: json.dumps(chained)}
 
 
 def _sink_history(
     history: Path | None, parts: Sequence[Path], target: Path, *, metadata: dict[str, str]
 ) -> None:
-    """Write the rows of `history` (if any) and `parts` into `target`, in HISTORY_ORDER."""
+    """Write the rows of `history` (if any) and `parts` into `target`, in HISTORY_ORDER.
+
+    The columns constant in every input (`shared_constants`: each part names its own) are
+    literals instead of read: a literal stands for any number of rows, so the merge gathers a row
+    group of only the columns that vary. Measured on bench/removal.py's chain, the merge alone
+    with 655,360-row groups: +170..190 MiB over the RSS before, against +260..290 reading every
+    column, for the same CPU time and the same rows. history.parquet names them in turn, so a
+    later merge into it (a continued run) does the same.
+    """
     files = ([history] if history is not None else []) + list(parts)
-    order = _chained_order(files)
+    footers = [pl.read_parquet_metadata(path) for path in files]
+    constant = shared_constants(footers)
+    literals = constant_literals(constant, HISTORY_SCHEMA)
+    if literals:
+        metadata = {**metadata, CONSTANT_KEY: json.dumps({n: constant[n] for n in literals})}
+    order = _chained_order(footers)
     if order is not None and files:
-        sink_history(scan_history(files), target, {**metadata, **order})
+        scan = _with_literals(scan_history(files), list(literals.values()))
+        sink_history(scan, target, {**metadata, **order})
         return
     sources = _part_sources(parts)
     if history is not None:
         sources = _history_sources(history) + sources
-    _sink_sorted(sources, target, metadata=metadata)
+    _sink_sorted(sources, target, metadata=metadata, literals=list(literals.values()))
 
 
 def merge_history(directory: Path) -> MergeResult:

@@ -74,13 +74,14 @@ from torchinstruments.rundir.windows import (
     window_summaries,
 )
 
-# Rows read at a time by the summary (see `_series_summary`): half a row group of
-# history.parquet. The chunk's aggregates, not the decoded rows, set removal's peak: measured on
-# bench/removal.py (AMD EPYC, 2 cores, one process), chain (1 M rows, 18k series): a whole row
-# group (2**18 rows) peaks at +254 MiB over the RSS before, half at +218 MiB, for 1.01 against
-# 1.12 s of CPU; deep (60 steps, 3.2 M rows, 54k series): +281 against +225 MiB, 3.03 against
-# 3.47 s. Half keeps the chain under issue 21's +256 MiB with room to spare.
-SUMMARY_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS // 2
+# Rows read at a time by the summary (see `_series_summary`): a fifth of a row group of
+# history.parquet (2**17 rows). The chunk's aggregates, not the decoded rows, set removal's peak:
+# measured on bench/removal.py (AMD EPYC, 2 cores, one process), chain (1 M rows, 18k series),
+# with 2**18-row groups: a whole group per chunk peaks at +254 MiB over the RSS before, half at
+# +218 MiB, for 1.01 against 1.12 s of CPU; deep (60 steps, 3.2 M rows, 54k series): +281
+# against +225 MiB, 3.03 against 3.47 s. With 655,360-row groups each chunk still decodes its
+# whole group (one page per column), about 0.08 s more CPU on the chain than 2**18-row groups.
+SUMMARY_CHUNK_ROWS = HISTORY_ROW_GROUP_ROWS // 5
 
 
 def _encode(value: object) -> str:

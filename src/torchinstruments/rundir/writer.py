@@ -61,6 +61,7 @@ from torchinstruments.records import Measurement, MeasurementBlock
 from torchinstruments.rundir.columns import ColumnBuffer
 from torchinstruments.rundir.layout import (
     PARTS_DIR,
+    constant_metadata,
     list_parts,
     order_metadata,
     part_number,
@@ -381,7 +382,7 @@ class HistoryWriter:
         path = part_path(self._directory, self._next_part)
         try:
             frame = self._buffer.frame(n).with_columns(self._attempt)
-            metadata = order_metadata(frame) | self._split_metadata(n)
+            metadata = order_metadata(frame) | constant_metadata(frame) | self._split_metadata(n)
             write_parquet_atomic(frame, path, metadata=metadata)
         except (OSError, pl.exceptions.PolarsError) as exc:
             # Polars reports a full disk as ComputeError ("No space left on device").

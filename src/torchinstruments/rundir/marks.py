@@ -29,6 +29,7 @@ from torchinstruments import reasons
 from torchinstruments.records import INTERRUPTED
 from torchinstruments.rundir.layout import (
     HISTORY_SCHEMA,
+    constant_metadata,
     list_parts,
     part_number,
     part_path,
@@ -136,7 +137,8 @@ def mark_partly_written(directory: Path) -> int | None:
     marker = marker.with_columns(pl.col("timestamp").cast(HISTORY_SCHEMA["timestamp"]))
     number = part_number(last)
     assert number is not None  # list_parts lists only part files
-    write_parquet_atomic(marker, part_path(directory, number + 1))
+    # Its one row's columns are all constant: those the other parts share stay literals.
+    write_parquet_atomic(marker, part_path(directory, number + 1), constant_metadata(marker))
     return sample_id
 
 

@@ -33,8 +33,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
-from torchinstruments.events import Crc32c, EventFile, MissingHistogram
-from torchinstruments.records import HistogramRecord
+from torchinstruments.events import Crc32c, EventFile
 
 from conftest import read_history
 
@@ -319,48 +318,6 @@ def test_event_file_takes_over_tensorboards_checksum(tmp_path: Path) -> None:
     assert events.fast_checksum
     (path,) = tmp_path.iterdir()
     assert records(path)[0].file_version == "brain.Event:2"
-
-
-def test_the_writer_thread_builds_the_events_tensorboards_writer_would(tmp_path: Path) -> None:
-    """Pins that the writer thread builds and serializes the histogram events (where it frames
-    them), and that they are the events TensorBoard's own writer gets from the training thread:
-    the same steps, summaries and descriptions, in the same order as text notes queued
-    between them."""
-    shown = [histogram(f"fc{index}", float(index)) for index in range(3)]
-    missing = [MissingHistogram("fc9/output", "the tensor is empty")]
-    files = []
-    for name, defer in (("deferred", True), ("direct", False)):
-        events = EventFile(str(tmp_path / name), flush_seconds=1.0, module_types={"fc0": "Linear"})
-        assert (events._defer is not None) is events.fast_checksum  # type: ignore[attr-defined]
-        if not defer:
-            events._defer = None  # type: ignore[attr-defined]  # TensorBoard's writer, this thread
-        for step in range(3):
-            events.add_histograms(shown[step:], step)
-            events.add_missing(missing, step)
-        events.close()
-        (path,) = (tmp_path / name).iterdir()
-        files.append([(e.step, e.summary) for e in records(path) if e.HasField("summary")])
-    deferred, direct = files
-    assert len(deferred) == 6
-    assert deferred == direct
-
-
-def histogram(layer: str, low: float) -> HistogramRecord:
-    """A two-bin histogram record of `layer`'s output."""
-    return HistogramRecord(
-        sample_id=0,
-        layer=layer,
-        call_index=0,
-        signal="output",
-        tensor_path="",
-        min=low,
-        max=low + 2.0,
-        num=3.0,
-        sum=3 * low + 3.0,
-        sum_squares=3 * low * low + 6 * low + 5.0,
-        bucket_limits=(low + 1.0, low + 2.0),
-        bucket_counts=(1.0, 2.0),
-    )
 
 
 def descriptions(log_dir: Path) -> dict[str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["deferred_record_writer", "replace_record_framing", "summary_file_writer"]
+__all__ = ["replace_record_framing", "summary_file_writer"]
 
 
 class _ChecksummedRecords(RecordWriter):
@@ -30,9 +30,7 @@ class _ChecksummedRecords(RecordWriter):
         self._file = file
         self._masked = masked
 
-    def write(self, data: bytes | Callable[[], bytes]) -> None:
-        if callable(data):  # a record serialized here, on the writer thread
-            data = data()
+    def write(self, data: bytes) -> None:
         header = struct.pack("<Q", len(data))
         head_crc = struct.pack("<I", self._masked(header))
         data_crc = struct.pack("<I", self._masked(data))
@@ -66,25 +64,6 @@ def replace_record_framing(event_writer: Any, masked: Callable[[bytes], int]) ->
     async_writer._writer = replacement
     worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
     return True
-
-
-def deferred_record_writer(event_writer: Any) -> Callable[[Callable[[], bytes]], None] | None:
-    """A function that queues a record for `event_writer`'s writer thread as a function that
-    returns its bytes, called on that thread; None unless `replace_record_framing` put
-    `_ChecksummedRecords` there (the framing that calls it).
-
-    Why: building and serializing a sample's histogram `Summary` costs the training thread
-    about 65 us (8 histograms of 64 bins) where queueing costs a few. Reaches the async writer
-    (`EventFileWriter._async_writer`, its `_worker` and the worker's `_record_writer`) and
-    calls its `write`, which puts anything it is given on the queue that the worker writes in
-    order, so records queued either way keep their order (checked on tensorboard 2.21.0).
-    """
-    async_writer = getattr(event_writer, "_async_writer", None)
-    worker = getattr(async_writer, "_worker", None)
-    write = getattr(async_writer, "write", None)
-    if not isinstance(getattr(worker, "_record_writer", None), _ChecksummedRecords):
-        return None
-    return write if callable(write) else None
 
 
 def summary_file_writer(writer: Any) -> Any | None:

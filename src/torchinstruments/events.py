@@ -1,7 +1,7 @@
 """The run directory's TensorBoard event file: TensorBoard's own writer, made cheap per sample.
 
 Design decision: events are written by TensorBoard's writer (torch's `FileWriter` over
-TensorBoard's `EventFileWriter`: its file naming, record framing and writer thread), but three of
+TensorBoard's `EventFileWriter`: its file naming, record framing and writer thread), but two of
 its per-record costs are taken off the training step, where its thread holds the GIL:
 
 * Without TensorFlow, that writer opens, appends to and closes the file for every record. So
@@ -9,38 +9,31 @@ its per-record costs are taken off the training step, where its thread holds the
   histograms as values of one `Summary`, which TensorBoard reads exactly like one event each.
 * Its framing computes each record's CRC-32C in pure Python, byte by byte: about 170 us per KiB.
   `Crc32c` computes the same checksum with one NumPy gather for all its whole 1 KiB blocks.
-* The training thread built and serialized each event's `Summary`: about 65 us for 8
-  histograms. With the framing replaced, the writer thread builds it too (from the frozen
-  `HistogramRecord`s, with the wall time taken at the call): queueing costs about 15 us.
 
 Measured with `uv run bench/event_writer.py` (the MLP of `bench/sampled.py`, 16 histograms per
 step): the writer thread's CPU time per step goes from 5.0 to 5.5 ms (one event per histogram)
 to 4.0 to 4.4 ms (one per record) and 1.5 ms (with `Crc32c`).
 
-Cost: handing the checksum and the serialization over reaches private names of TensorBoard's
-async writer (kept in `_tensorboard_internals.replace_record_framing` and
-`deferred_record_writer`). Where they are missing (another TensorBoard
+Cost: handing the checksum over reaches private names of TensorBoard's async writer (kept in
+`_tensorboard_internals.replace_record_framing`). Where they are missing (another TensorBoard
 version), the writer keeps its own checksum: slower, never wrong. TensorBoard's reader verifies
 every checksum it reads, and the tests read every event file back with it; `tests/test_tensorboard.py` also pins that the hand-over happens.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[attr-defined]
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from torch.utils.tensorboard.summary import HistogramProto, Summary
 from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
 
-from torchinstruments._tensorboard_internals import deferred_record_writer, replace_record_framing
+from torchinstruments._tensorboard_internals import replace_record_framing
 from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
@@ -275,35 +268,13 @@ class EventFile:
     ) -> None:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
         self.fast_checksum = _hand_over_checksum(self._writer, Crc32c())
-        # Where the checksum is ours, so is the serialization: on the writer thread.
-        self._defer = deferred_record_writer(self._writer.event_writer)
         self._module_types = dict(module_types or {})
-        self._described: set[str] = set()  # by the writer thread where `_defer` is set
+        self._described: set[str] = set()
 
     def add_histograms(self, histograms: Sequence[HistogramRecord], step: int) -> None:
-        """One event at `step` (the sample's forward_index), holding each histogram under its tag.
-
-        Where the writer thread frames records with `Crc32c`, it also builds and serializes the
-        event (the records are frozen, the wall time is taken now), in the order of the calls;
-        else this thread does, through TensorBoard's writer.
-        """
+        """One event at `step` (the sample's forward_index), holding each histogram under its tag."""
         if not histograms:
             return
-        if self._defer is not None:
-            event = functools.partial(self._event, tuple(histograms), step, time.time())
-            self._defer(event)
-            return
-        self._writer.add_summary(self._summary(histograms), global_step=step)
-
-    def _event(self, histograms: Sequence[HistogramRecord], step: int, wall_time: float) -> bytes:
-        """The serialized event, as TensorBoard's `FileWriter.add_summary` builds it."""
-        event = Event(summary=self._summary(histograms))
-        event.wall_time = wall_time
-        event.step = int(step)
-        return event.SerializeToString()
-
-    def _summary(self, histograms: Sequence[HistogramRecord]) -> Any:
-        """One `Summary` of the histograms, each tag's first with its description."""
         values = []
         for histogram in histograms:
             description = None
@@ -312,7 +283,8 @@ class EventFile:
                 module_type = self._module_types.get(histogram.layer, "?")
                 description = histogram_description(histogram, module_type, RUN_STEP)
             values.append(histogram_value(histogram, description))
-        return Summary(value=values)
+        summary = Summary(value=values)
+        self._writer.add_summary(summary, global_step=step)
 
     def add_missing(self, missing: Sequence[MissingHistogram], step: int) -> None:
         """A text note at `step` for each focus tensor without a histogram, saying why."""

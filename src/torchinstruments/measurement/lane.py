@@ -120,7 +120,8 @@ def _profile_of_one(
 ) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
     """`numerics.segment_profiles` of a batch of one copy, from `numerics.measure_array` (the
     same numbers, bit for bit, as the lane's tests hold them; one tensor alone, as the last
-    layer of a model of large ones often is, costs a third of a segmented pass's fixed cost)."""
+    layer of a model of large ones often is, costs less than half a segmented pass's fixed
+    cost)."""
     result = numerics.measure_array(copy, _PROFILE_SET, bins)
     raw, numel = result.raw, float(copy.size)
     finite = round(raw["finite"])

@@ -8,16 +8,14 @@ a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 
 only reducer. At the layer's return (or as its gradient arrives) it copies the values into a
 NumPy array (a later in-place op cannot change them; the collector does not track arrays) and
 keeps nothing else; at the end of the pass, `measure` reduces every copy in one segmented pass
-(`numerics.segment_profiles`: the host path's numbers, bit for bit; a pass's lone copy, as in a
-model whose other tensors are large, by that host path, `numerics.measure_array`, at less than half
-the cost: 51 against 126 us for 640 entries) into flat lists for a
+(`numerics.segment_profiles`: the host path's numbers, bit for bit; a pass's lone copy by that
+host path itself, at less than half the cost) into flat lists for a
 `records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. A
 failing batch measures each copy on its own: a failure stays in its own tensor's rows.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,7 +30,6 @@ __all__ = ["copy_values", "measure", "takes"]
 # The metrics the lane computes, in the order of `numerics.PROFILE`.
 _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
-_PROFILE_SET = frozenset(numerics.PROFILE)
 
 
 def takes(tensor: torch.Tensor) -> bool:
@@ -71,7 +68,13 @@ def measure(
     if not copies:
         return [], [], []
     try:
-        return _measure_batch(copies, metrics, focus, bins, alone=len(copies) == 1)
+        if len(copies) == 1:  # the host path: the same numbers, without a batch's fixed cost
+            wanted, one = frozenset(metrics), copies[0]
+            result = numerics.measure_array(one, wanted, bins if focus[0] else None)
+            got = numerics.DefaultDeriver(one.size, wanted)(result.raw)
+            vector = result.histogram if result.raw["finite"] else None
+            return [got[n].value for n in metrics], [got[n].reason for n in metrics], [vector]
+        return _measure_batch(copies, metrics, focus, bins)
     except Exception:  # each copy on its own: a failure stays in its own rows
         out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
         for copy, one in zip(copies, focus, strict=True):
@@ -86,22 +89,13 @@ def measure(
 
 
 def _measure_batch(
-    copies: Sequence[np.ndarray],
-    metrics: tuple[str, ...],
-    focus: Sequence[bool],
-    bins: int,
-    alone: bool = False,
+    copies: Sequence[np.ndarray], metrics: tuple[str, ...], focus: Sequence[bool], bins: int
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
-    """`measure` in one segmented pass, or with `alone` (the pass's only copy, not one retried
-    on its own) by `_profile_of_one`."""
-    if alone:
-        profile, finite, vectors = _profile_of_one(copies[0], bins if focus[0] else None)
-    else:
-        lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
-        wanted = [index for index, one in enumerate(focus) if one]
-        profile, finite, vectors = numerics.segment_profiles(
-            np.concatenate(copies), lengths, wanted, bins
-        )
+    """`measure` in one segmented pass."""
+    lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
+    values = np.concatenate(copies) if len(copies) > 1 else copies[0]
+    wanted = [index for index, one in enumerate(focus) if one]
+    profile, finite, vectors = numerics.segment_profiles(values, lengths, wanted, bins)
     columns = [_COLUMN[name] for name in metrics]
     chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
     flat = chosen.reshape(-1)
@@ -113,22 +107,3 @@ def _measure_batch(
         no_finite = finite[row] == 0 and columns[column] in _FINITE_COLUMNS
         why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
     return out, why, [vectors.get(index) for index in range(len(copies))]
-
-
-def _profile_of_one(
-    copy: np.ndarray, bins: int | None
-) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
-    """`numerics.segment_profiles` of a batch of one copy, from `numerics.measure_array` (the
-    same numbers, bit for bit, as the lane's tests hold them; one tensor alone, as the last
-    layer of a model of large ones often is, costs less than half a segmented pass's fixed
-    cost)."""
-    result = numerics.measure_array(copy, _PROFILE_SET, bins)
-    raw, numel = result.raw, float(copy.size)
-    finite = round(raw["finite"])
-    row = [raw.get(name, math.nan) for name in numerics.PROFILE[:7]]
-    row += [raw["zeros"] / numel, (copy.size - finite) / numel]
-    profile = np.array([row])
-    profile[~np.isfinite(profile)] = np.nan  # as segment_profiles nulls a non-finite result
-    profile += 0.0  # -0.0 becomes 0.0
-    vector = result.histogram if finite else None  # no finite entry: no histogram
-    return profile, np.array([finite]), {0: vector} if bins else {}

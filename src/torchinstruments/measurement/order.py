@@ -9,11 +9,12 @@ selection, which is linear and does not. One selection per kind of device, exact
   random positions fixed per size, about (6n)**(2/3) entries up to 2**17, which balances
   sorting the sample against sorting what the brackets keep) is sorted; each group of nearby
   ranks gets two sample values that bracket it with a wide margin (4 standard deviations of the
-  sample's rank error at worst). While the moments' pass reads each chunk, the entries at or below each lower bound are
-  counted and those strictly inside any bracket kept, in one copy (a few percent; ties at a
-  bound, such as a ReLU's zeros, are counted, never copied); each bracket then selects its ranks
-  among the kept entries inside it (recursively). A bracket that misses its ranks (only for
-  adversarial orders) selects them from the whole array by `np.partition`, still linear.
+  sample's rank error at worst). While the moments' pass reads each chunk, the entries at or
+  below each lower bound are counted and those strictly inside any bracket kept, in one copy (a
+  few percent; ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket
+  then selects its ranks among the kept entries inside it (recursively). A bracket that misses
+  its ranks (only for adversarial orders) selects them from the whole array by `np.partition`,
+  still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
@@ -140,12 +141,9 @@ class HostSelection:
 def sample_positions(size: int) -> np.ndarray:
     """About (6 `size`)**(2/3) positions below `size` (a power of two, 2**12 to 2**17), uniform at
     random but fixed per size (a stride would see one column of a convolution's output),
-    ascending so that they are read in order; int32 below 2**31 (half the cache's memory).
-
-    The cap sets the brackets' width: each spans about 4 / sqrt(sample) of the tensor, and the
-    entries inside are copied by a mask that costs about 1 ns an entry on the CPUs measured, so
-    a 1e7-entry tensor is measured about a quarter faster with 2**17 than with 2**15
-    (docs/benchmarks.md)."""
+    ascending so that they are read in order. The cap sets the brackets' width (about 4 /
+    sqrt(sample) of the tensor each): 2**17 rather than 2**15 measures 1e7 entries a quarter
+    faster (docs/benchmarks.md)."""
     exponent = min(17, max(12, round(math.log2(6 * size) * 2 / 3)))
     dtype = np.int32 if size < 2**31 else np.int64
     positions = np.sort(np.random.default_rng(size).integers(0, size, 1 << exponent, dtype))

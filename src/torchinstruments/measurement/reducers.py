@@ -16,7 +16,6 @@ own min, max and sums. A sample's small plain tensors are measured together by t
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,14 +31,7 @@ from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
 from torchinstruments.records import MetricValue
 
-__all__ = [
-    "DEFAULT_METRICS",
-    "DefaultStatistics",
-    "Measurer",
-    "PendingReduction",
-    "default_values",
-    "measure_on_host",
-]
+__all__ = ["DEFAULT_METRICS", "DefaultStatistics", "Measurer", "PendingReduction"]
 
 # The nine metrics of the default profile, in the order `numerics` computes and reports them.
 DEFAULT_METRICS: tuple[str, ...] = numerics.PROFILE
@@ -280,16 +272,12 @@ def _reduce_default(
     unsupported = tensors.unsupported_reason(tensor)
     if unsupported is not None or tensor.numel() == 0:
         return _Part.null(metrics, unsupported or reasons.EMPTY), None, None
-    if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
-        with contextlib.suppress(Exception):  # a failure is handed to the general path below
-            values, why, histogram = measure_on_host(tensor, metrics, bins)
-            fixed = {
-                name: MetricValue(value, reason)
-                for name, value, reason in zip(metrics, values, why, strict=True)
-            }
-            return _Part(metrics, fixed=fixed), None, histogram
     wanted = frozenset(metrics)
     derive = numerics.DefaultDeriver(tensor.numel(), wanted)
+    if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
+        with contextlib.suppress(Exception):  # a failure is handed to the general path below
+            result = numerics.measure_on_cpu(tensor, wanted, bins)
+            return _Part(metrics, host=result.raw, derive=derive), None, result.histogram
     keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
     histogram: HistogramVector | None = vector  # counted with the statistics' min, max and sums
     if vector is not None and not tensors.is_plain(vector):
@@ -301,45 +289,6 @@ def _reduce_default(
         return _Part(metrics, host=host, derive=derive), None, histogram
     refs = {key: offset + index for index, key in enumerate(keys)}
     return _Part(metrics, refs=refs, derive=derive), block, histogram
-
-
-def measure_on_host(
-    tensor: torch.Tensor, metrics: tuple[str, ...], bins: int | None
-) -> tuple[list[float | None], list[str | None], list[float] | None]:
-    """The default profile of a plain CPU tensor of a real dtype with entries, measured now
-    (`numerics.measure_on_cpu`): its values and reasons in `metrics` order
-    (`default_values`), and with `bins` its histogram vector."""
-    result = numerics.measure_on_cpu(tensor.detach(), frozenset(metrics), bins)
-    values, why = default_values(tensor.numel(), metrics, result.raw)
-    return values, why, result.histogram
-
-
-def default_values(
-    numel: int, metrics: tuple[str, ...], raw: dict[str, float]
-) -> tuple[list[float | None], list[str | None]]:
-    """`numerics.DefaultDeriver`'s metric values as two lists, values and reasons, in `metrics`
-    order: what a record stores, without a `MetricValue` per metric (a fifth of the cost)."""
-    finite = round(raw["finite"])
-    values: list[float | None] = []
-    why: list[str | None] = []
-    for name in metrics:
-        if name == "nonfinite_fraction":
-            value = (numel - finite) / numel
-        elif name == "zero_fraction":
-            value = raw["zeros"] / numel
-        elif not finite:
-            values.append(None)
-            why.append(reasons.NO_FINITE)
-            continue
-        else:
-            value = raw[name]
-        if math.isfinite(value):
-            values.append(value + 0.0)  # + 0.0 turns -0.0 into 0.0, as metric_value does
-            why.append(None)
-        else:
-            values.append(None)
-            why.append(reasons.NON_FINITE_RESULT)
-    return values, why
 
 
 def _reduce_custom(

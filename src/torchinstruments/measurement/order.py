@@ -49,36 +49,33 @@ _DIGITS = 1 << _DIGIT_BITS
 
 class HostSelection:
     """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
-    see every chunk once, in order, then read them from `selected`. `ordered` (given, or sorted
-    here when there are at most `SMALL` entries) is read instead of selecting. Nearby ranks
-    (within 1/64 of the size) share a bracket; min and max come from each chunk's own."""
+    see every chunk once, in order, then read them from `selected`. At most `SMALL` entries
+    are sorted here (`ordered`) and read instead of selecting. Nearby ranks (within 1/64 of
+    the size) share a bracket; min and max come from each chunk's own."""
 
-    def __init__(self, values: np.ndarray, ordered: np.ndarray | None = None) -> None:
-        self._values, self.ordered = values, ordered
-        if ordered is None and values.size <= SMALL:
-            self.ordered = np.sort(values)
+    def __init__(self, values: np.ndarray) -> None:
+        self._values = values
+        self.ordered = np.sort(values) if values.size <= SMALL else None
         self._sample: np.ndarray | None = None
-        self._ranks: Sequence[int] | np.ndarray = []
+        self._ranks: Sequence[int] = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
         self._kept: list[np.ndarray] = []
+        self._zeros = 0  # counted as chunks are visited
 
-    def pivots(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Per segment, an entry near its median (float64): the moments' shift. The middle
-        entry of a sorted segment, else the sorted sample's middle, so that a segment alone and
-        within a batch get the same one."""
+    def pivot(self) -> float:
+        """An entry near the median: the moments' shift. The middle entry when sorted (as the
+        lane's `lane._segment_arrays` takes it), else the sorted sample's middle."""
         if self.ordered is not None:
-            return self.ordered.take(starts + counts // 2).astype(np.float64)
+            return float(self.ordered[self.ordered.size // 2])
         sample = self._sorted_sample()
-        return np.array([float(sample[sample.size // 2])])
+        return float(sample[sample.size // 2])
 
-    def want(self, ranks: Sequence[int] | np.ndarray) -> None:
+    def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
+        self._ranks, size = ranks, self._values.size
         if self.ordered is not None:
-            self._ranks = ranks  # read by one `take`: an array stays an array
             return
-        size = self._values.size
-        self._ranks = [int(rank) for rank in ranks]
         wanted = sorted(set(self._ranks))
         self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
         groups: list[list[int]] = []
@@ -104,6 +101,7 @@ class HostSelection:
     def visit(self, piece: np.ndarray) -> None:
         """Reads one chunk: its extremes, each bracket's counts, and (one copy for all
         brackets) the entries inside any of them."""
+        self._zeros += int(np.count_nonzero(piece == 0))
         if self._extremes is not None:
             self._extremes.append((float(piece.min()), float(piece.max())))
         kept = None
@@ -114,10 +112,17 @@ class HostSelection:
         if kept is not None:
             self._kept.append(piece.take(np.flatnonzero(kept)))
 
-    def selected(self) -> np.ndarray:
+    def zeros(self) -> int:
+        """How many entries are zero (-0.0 too): by bisection when sorted, else as visited."""
+        if self.ordered is None:
+            return self._zeros
+        zero = self.ordered.dtype.type(0)  # a Python float would make searchsorted cast them all
+        return int(self.ordered.searchsorted(zero, "right") - self.ordered.searchsorted(zero))
+
+    def selected(self) -> list[float]:
         """The entries at the wanted positions (after every chunk was visited)."""
         if self.ordered is not None:
-            return self.ordered.take(self._ranks)
+            return self.ordered.take(self._ranks).tolist()
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
         if self._extremes is not None:
@@ -129,7 +134,7 @@ class HostSelection:
             kept.sort()
         for bracket in self._brackets:
             found.update(bracket.selected(values, kept, ascending))
-        return np.array([found[rank] for rank in self._ranks])
+        return [found[rank] for rank in self._ranks]
 
     def _sorted_sample(self) -> np.ndarray:
         if self._sample is None:
@@ -188,7 +193,9 @@ class _Bracket:
         if high <= low:
             inner = kept[:0]
         elif ascending:
-            inner = kept[np.searchsorted(kept, low, "right") : np.searchsorted(kept, high, "left")]
+            bound = kept.dtype.type  # a Python float would make searchsorted cast all of `kept`
+            first = kept.searchsorted(bound(low), "right")
+            inner = kept[first : kept.searchsorted(bound(high), "left")]
         else:
             inner = kept[(kept > low) & (kept < high)]
         start, end = self.at_most_low, self.at_most_low + inner.size
@@ -231,7 +238,7 @@ def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> l
     selection.want(ranks)
     for start in range(0, values.size, chunk):
         selection.visit(values[start : start + chunk])
-    return selection.selected().tolist()
+    return selection.selected()
 
 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:

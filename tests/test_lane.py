@@ -13,6 +13,8 @@ import dataclasses
 import gc
 import math
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -52,8 +54,15 @@ def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
     ]
 
 
+def as_batch() -> mock._patch[int]:
+    """The lane's batch for any number of copies (below `lane.BATCH_FROM` each is measured
+    alone, by the path these tests hold the batch to)."""
+    return mock.patch.object(lane, "BATCH_FROM", 1)
+
+
 def lane_rows(copies: list[np.ndarray], metrics: tuple[str, ...]) -> list[dict[str, MetricValue]]:
-    values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
+    with as_batch():
+        values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
     k = len(metrics)
     return [
         {m: MetricValue(values[i * k + j], why[i * k + j]) for j, m in enumerate(metrics)}
@@ -126,8 +135,9 @@ def test_a_focus_copys_histogram_is_the_host_paths_bit_for_bit(
         if draw is None
         else draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
     )
-    values, why, vectors = lane.measure(copies, DEFAULT_METRICS, focus, 64)
-    assert (values, why) == lane.measure(copies, DEFAULT_METRICS, [False] * len(copies), 64)[:2]
+    with as_batch():
+        values, why, vectors = lane.measure(copies, DEFAULT_METRICS, focus, 64)
+        assert (values, why) == lane.measure(copies, DEFAULT_METRICS, [False] * len(copies), 64)[:2]
     wanted = frozenset(DEFAULT_METRICS)
     for copy, chosen, vector in zip(copies, focus, vectors, strict=True):
         if not chosen:
@@ -150,6 +160,28 @@ def test_a_histogram_that_fails_is_none_and_the_values_stay(
     expected = lane.measure(copies, ("mean",), [True, False], 64)[:2]
     monkeypatch.setattr(numerics, "histogram_vector", broken)
     assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
+    with as_batch():  # the batch's histogram too
+        assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(segments, st.data())
+def test_fewer_copies_than_a_batch_are_measured_alone_with_the_batchs_bits(
+    data: list[list[float]], draw: st.DataObject
+) -> None:
+    """Below `lane.BATCH_FROM` copies each is measured by the host path: the values, reasons
+    and histogram vectors a batch of the same copies gives, bit for bit."""
+    copies = [np.array(segment, dtype=np.float32) for segment in data]
+    focus = draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
+    assert len(copies) < lane.BATCH_FROM
+    alone = lane.measure(copies, DEFAULT_METRICS, focus, 64)
+    with as_batch():
+        batch = lane.measure(copies, DEFAULT_METRICS, focus, 64)
+    assert np.array(alone[0], np.float64).tobytes() == np.array(batch[0], np.float64).tobytes()
+    assert alone[1] == batch[1]
+    assert [None if v is None else np.array(v).tobytes() for v in alone[2]] == [
+        None if v is None else np.array(v).tobytes() for v in batch[2]
+    ]
 
 
 def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit() -> None:
@@ -186,18 +218,18 @@ def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
 
 
 def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = lane.segment_profiles
+    original = numerics.measure_array
 
-    def breaks_on_batches_and_the_marked_copy(
-        values: np.ndarray, lengths: np.ndarray, focus: list[int], bins: int
-    ) -> object:
-        if lengths.size > 1:
-            raise RuntimeError("batch broke")
+    def batch_broke(*args: object) -> object:
+        raise RuntimeError("batch broke")
+
+    def breaks_on_the_marked_copy(values: np.ndarray, *args: Any) -> object:
         if values[0] == 12345.0:
             raise RuntimeError("this tensor broke")
-        return original(values, lengths, focus, bins)
+        return original(values, *args)
 
-    monkeypatch.setattr(lane, "segment_profiles", breaks_on_batches_and_the_marked_copy)
+    monkeypatch.setattr(lane, "segment_profiles", batch_broke)
+    monkeypatch.setattr(numerics, "measure_array", breaks_on_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
     good, bad = lane_rows(copies, ("mean", "max"))
     assert good == {"mean": MetricValue(1.5), "max": MetricValue(2.0)}

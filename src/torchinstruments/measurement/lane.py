@@ -25,13 +25,22 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import functorch_active, is_functorch_wrapped
 from torchinstruments.measurement import numerics
 
-__all__ = ["BATCH_MAX", "copy_values", "measure", "segment_profiles", "sorted_segments", "takes"]
+__all__ = [
+    "BATCH_FROM",
+    "BATCH_MAX",
+    "copy_values",
+    "measure",
+    "segment_profiles",
+    "sorted_segments",
+    "takes",
+]
 
 # The metrics the lane computes, in the order of `numerics.PROFILE`.
 _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
-# The lane takes float32 tensors of at most BATCH_MAX entries.
-BATCH_MAX = 1 << 10
+# The lane takes float32 tensors of at most BATCH_MAX entries; a batch's fixed cost (about 0.2 ms
+# in a training step) is that of measuring BATCH_FROM copies alone.
+BATCH_MAX, BATCH_FROM = 1 << 10, 16
 _KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
 _INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 
@@ -64,26 +73,26 @@ def measure(
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
     """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons;
     and per copy its `bins` histogram vector where `focus` (`numerics.histogram_vector`'s
-    layout), else (and where it has no finite entry or fails) None.
-
-    Never raises: when the batch fails, each copy is measured on its own, and a copy that fails
-    alone gets null values with the error as their reason, and no histogram.
-    """
-    if not copies:
-        return [], [], []
-    try:
-        return _measure_batch(copies, metrics, focus, bins)
-    except Exception:  # each copy on its own: a failure stays in its own rows
-        out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
-        for copy, one in zip(copies, focus, strict=True):
-            try:
-                row = _measure_batch([copy], metrics, [one], bins)
-            except Exception as error:
-                reason = reasons.error("statistics", error)
-                row = [None] * len(metrics), [reason] * len(metrics), [None]
-            for whole, part in zip(out, row, strict=True):
-                whole += part
-        return out
+    layout), else (and where it has no finite entry or fails) None. Never raises: fewer than
+    `BATCH_FROM` copies, or a batch that fails, are measured each alone by the host path (the
+    same numbers), a copy that fails alone null with the error as the reason, no histogram."""
+    if len(copies) >= BATCH_FROM:
+        with contextlib.suppress(Exception):  # each copy on its own: a failure stays in its rows
+            return _measure_batch(copies, metrics, focus, bins)
+    out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
+    wanted = frozenset(metrics)
+    for copy, one in zip(copies, focus, strict=True):
+        try:
+            result = numerics.measure_array(copy, wanted, bins if one else None)
+            got = numerics.DefaultDeriver(copy.size, wanted)(result.raw)
+            vector = result.histogram if result.raw["finite"] else None
+            row = [got[m].value for m in metrics], [got[m].reason for m in metrics], [vector]
+        except Exception as error:
+            reason = reasons.error("statistics", error)
+            row = [None] * len(metrics), [reason] * len(metrics), [None]
+        for whole, part in zip(out, row, strict=True):
+            whole += part
+    return out
 
 
 def _measure_batch(
@@ -157,18 +166,17 @@ def segment_profiles(
         counts = finite[present]
         starts = np.zeros(counts.size, dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
-        arrays = _segment_arrays(in_order, ordered, starts, counts)
-        for column, name in enumerate(numerics.PROFILE[:7]):
-            profile[present, column] = arrays[name]
+        mean, std, total, squares, low, high, *quartiles = _segment_arrays(
+            in_order, ordered, starts, counts
+        )
+        profile[present, :7] = np.stack([mean, std, low, high, *quartiles], axis=1)
         for segment in (segment for segment in focus if finite[segment]):
             at = int(np.searchsorted(present, segment))
             with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
-                names = ("min", "max", "sum", "sum_squares")
-                low, high, total, squares = (float(arrays[name][at]) for name in names)
                 mine = ordered[starts[at] : starts[at] + counts[at]]
-                head = (mine.size, total, squares)
+                head = (mine.size, float(total[at]), float(squares[at]))
                 histograms[segment] = numerics.histogram_vector(
-                    mine, low, high, head, bins, None, True
+                    mine, float(low[at]), float(high[at]), head, bins, None, True
                 )
     profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
     profile += 0.0  # -0.0 becomes 0.0, as metric_value does
@@ -177,26 +185,17 @@ def segment_profiles(
 
 def _segment_arrays(
     values: np.ndarray, ordered: np.ndarray, starts: np.ndarray, counts: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Per segment of finite `values` (each at least one entry) and `ordered` (the same
-    segments, each ascending): the moments and the order statistics, float64 arrays;
-    `_measure_finite`'s steps for many segments at once."""
-    out: dict[str, np.ndarray] = {}
-    names = list(numerics.QUARTILES)
+) -> list[np.ndarray]:
+    """Mean, std, sum, sum of squares, min, max and the quartiles of each segment of finite
+    `values` (each at least one entry) and `ordered` (the same segments, each ascending), float64
+    arrays: `numerics._measure_finite`'s steps for many segments at once."""
     ends = starts + counts - 1
-    low, weight = numerics.quartile_positions(
-        (counts - 1).astype(np.float64), np.array([[numerics.QUARTILES[name]] for name in names])
-    )  # one row per quartile, one column per segment
-    at = starts + low.astype(np.int64)
+    steps = np.array([[q] for q in numerics.QUARTILES.values()])
+    low, weight = numerics.quartile_positions((counts - 1).astype(np.float64), steps)
+    at = starts + low.astype(np.int64)  # one row per quartile, one column per segment
     positions = np.concatenate([starts, ends, at.reshape(-1), np.minimum(at + 1, ends).reshape(-1)])
-    shifts = ordered.take(starts + counts // 2).astype(np.float64)  # HostSelection.pivots'
+    shifts = ordered.take(starts + counts // 2).astype(np.float64)  # HostSelection.pivot's
     sums = numerics.segment_sums(values, starts, counts, shifts)
-    out["mean"], out["std"], out["sum"], out["sum_squares"] = numerics.finish_moments(
-        *sums[:3], counts, sums[3]
-    )
     picked = ordered.take(positions).astype(np.float64).reshape(-1, counts.size)
-    out["min"], out["max"] = picked[0], picked[1]
-    k = len(names)
-    quartiles = numerics.lerp(picked[2 : 2 + k], picked[2 + k :], weight)
-    out.update(zip(names, quartiles, strict=True))
-    return out
+    quartiles = numerics.lerp(picked[2:5], picked[5:], weight)
+    return [*numerics.finish_moments(*sums[:3], counts, sums[3]), picked[0], picked[1], *quartiles]

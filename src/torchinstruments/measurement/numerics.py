@@ -441,8 +441,12 @@ def _measure_finite(
     if not bins:
         return CpuResult(raw, None)
     head = (size, moments[2], moments[3])
-    counted = values if ordered is None else ordered  # sorted: counted by bisection
-    vector = histogram_vector(counted, picked[0], picked[1], head, bins, None, ordered is not None)
+    low, high, vector = picked[0], picked[1], None
+    with contextlib.suppress(Exception):  # a failure: no histogram, as in the lane's batch
+        if ordered is None:
+            vector = histogram_vector(values, low, high, head, bins)
+        else:  # counted by bisection
+            vector = histogram_vector(ordered, low, high, head, bins, None, True)
     return CpuResult(raw, vector)
 
 

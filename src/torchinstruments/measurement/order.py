@@ -4,17 +4,15 @@ A full sort is O(n log n) and its speed depends on whether the CPU and the NumPy
 SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and max need only
 selection, which is linear and does not. One selection per kind of device, exact for every input:
 
-* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array that fits
-  in the cache costs less than one selection call). Above, a sample (`sample_positions`: at
-  random positions fixed per size, about (6n)**(2/3) entries up to 2**17, which balances
-  sorting the sample against sorting what the brackets keep) is sorted; each group of nearby
-  ranks gets two sample values that bracket it with a wide margin (4 standard deviations of the
-  sample's rank error at worst). While the moments' pass reads each chunk, the entries at or
-  below each lower bound are counted and those strictly inside any bracket kept, in one copy (a
-  few percent; ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket
-  then selects its ranks among the kept entries inside it (recursively). A bracket that misses
-  its ranks (only for adversarial orders) selects them from the whole array by `np.partition`,
-  still linear.
+* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array in the
+  cache costs less than one selection call). Above, a sample (`sample_positions`: random
+  positions fixed per size, about (6n)**(2/3) entries up to 2**17) is sorted; each group of
+  nearby ranks gets two sample values that bracket it with a wide margin (4 standard deviations
+  of the sample's rank error at worst). While the moments' pass reads each chunk, the entries at
+  or below each lower bound are counted and those strictly inside any bracket kept, in one copy
+  (ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket then
+  selects its ranks among the kept entries inside it. A bracket that misses its ranks (only for
+  adversarial orders) selects them from the whole array by `np.partition`, still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
@@ -40,8 +38,7 @@ __all__ = [
 
 # At most this many entries are sorted instead of selected.
 SMALL = 1 << 15
-# The brackets' kept entries (a few percent of the tensor) are sorted up to this many: cheaper
-# than finding each bracket's among them by a mask, which branches at random.
+# The brackets' kept entries are sorted up to this many (a mask would branch at random).
 _KEPT_SORTED = 4 * SMALL
 _DIGIT_BITS = 16
 _DIGITS = 1 << _DIGIT_BITS
@@ -110,7 +107,10 @@ class HostSelection:
             if inside is not None:
                 kept = inside if kept is None else np.logical_or(kept, inside, out=kept)
         if kept is not None:
-            self._kept.append(piece.take(np.flatnonzero(kept)))
+            # Padded to over 10% True, NumPy's nonzero is branch-free: 0.4 ns an entry, not 1 to 1.5.
+            tail = kept.size // 8 + 1
+            positions = np.flatnonzero(np.concatenate([kept, np.ones(tail, dtype=bool)]))
+            self._kept.append(piece.take(positions[: positions.size - tail]))
 
     def zeros(self) -> int:
         """How many entries are zero (-0.0 too): by bisection when sorted, else as visited."""

@@ -9,8 +9,8 @@ only reducer. At the layer's return (or as its gradient arrives) it copies the v
 NumPy array (a later in-place op cannot change them; the collector does not track arrays) and
 keeps nothing else; at the end of the pass, `measure` reduces every copy in one segmented pass
 (`segment_profiles`: the host path's numbers, bit for bit) into flat lists for a
-`records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. A
-failing batch measures each copy on its own: a failure stays in its own tensor's rows.
+`records.MeasurementBlock`, and a focus layer's histograms from the same sorted copies. Fewer
+copies than `BATCH_FROM`, or a failing batch, are measured one by one by the host path.
 """
 
 from __future__ import annotations

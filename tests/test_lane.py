@@ -9,6 +9,7 @@ existing: few objects for the garbage collector per measured tensor.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -54,7 +55,7 @@ def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
     ]
 
 
-def as_batch() -> mock._patch[int]:
+def as_batch() -> contextlib.AbstractContextManager[object]:
     """The lane's batch for any number of copies (below `lane.BATCH_FROM` each is measured
     alone, by the path these tests hold the batch to)."""
     return mock.patch.object(lane, "BATCH_FROM", 1)

@@ -124,8 +124,8 @@ def metric_value(value: float) -> MetricValue:
 
 
 def quartile_positions(last: _Array, q: _Array) -> tuple[_Array, _Array]:
-    """The lower neighbour's 0-based position (float64, integral) of quantile `q` among
-    `last + 1` sorted entries, and the interpolation weight towards the next one."""
+    """The lower neighbour's 0-based position (integral; an int for Python floats) of quantile
+    `q` among `last + 1` sorted entries, and the interpolation weight towards the next one."""
     rank = last * q
     low = _xp(rank).floor(rank)
     return low, rank - low

@@ -17,7 +17,11 @@ round by round in rotating order (so drift and ordering hit all alike):
 The layers are the ones the observer's default selection proxies (read from the installed
 proxies, not re-derived), and the focus layers are the first 8 of them. The table reports the
 medians of the per-round ratios observed/hand and observed/none, with their spread (min..max
-over rounds).
+over rounds), of wall time. With fewer torch threads than cores (`--threads 1` on a machine of
+two or more), the observer measures plain CPU tensors on the idle core (spare_core.py), which
+the wall time does not count: `cpu obs/hand` is the ratio of the process's CPU time over all its
+threads (that worker, the history and event writers, Polars' pool), the work done wherever it
+ran.
 """
 
 from __future__ import annotations
@@ -152,8 +156,8 @@ def training_step(model: nn.Module, x: torch.Tensor, after: Callable[[], None]) 
 
 def time_variant(
     kind: str, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], steps: int
-) -> float:
-    """Seconds per step of `kind` (after one untimed step in that state)."""
+) -> tuple[float, float]:
+    """Seconds per step of `kind`, wall and the process's CPU (after one untimed step)."""
     if kind == "observed":
         directory = Path(tempfile.mkdtemp()) / "stats"
         inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
@@ -173,14 +177,14 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _time(step: Callable[[], None], steps: int) -> float:
+def _time(step: Callable[[], None], steps: int) -> tuple[float, float]:
     step()
     _synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     _synchronize()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
 def measure(name: str, rounds: int, steps: int, device: str = "cpu") -> dict[str, Any]:
@@ -191,15 +195,18 @@ def measure(name: str, rounds: int, steps: int, device: str = "cpu") -> dict[str
     layers = observed_layers(model)
     order = ["none", "hand", "observed"]
     times: dict[str, list[float]] = {key: [] for key in order}
+    cpu: dict[str, list[float]] = {key: [] for key in order}
     for round_index in range(rounds + 1):
         rotation = order[round_index % 3 :] + order[: round_index % 3]
         for kind in rotation:
-            elapsed = time_variant(kind, model, x, layers, steps)
+            elapsed, used = time_variant(kind, model, x, layers, steps)
             if round_index > 0:  # round 0 warms every state up
                 times[kind].append(elapsed)
+                cpu[kind].append(used)
     vs_hand = [o / h for o, h in zip(times["observed"], times["hand"], strict=True)]
     vs_none = [o / n for o, n in zip(times["observed"], times["none"], strict=True)]
     hand_none = [h / n for h, n in zip(times["hand"], times["none"], strict=True)]
+    cpu_hand = [o / h for o, h in zip(cpu["observed"], cpu["hand"], strict=True)]
     return {
         "layers": len(layers),
         "none_ms": median(times["none"]) * 1e3,
@@ -208,6 +215,7 @@ def measure(name: str, rounds: int, steps: int, device: str = "cpu") -> dict[str
         "vs_hand": (median(vs_hand), min(vs_hand), max(vs_hand)),
         "vs_none": (median(vs_none), min(vs_none), max(vs_none)),
         "hand_none": median(hand_none),
+        "cpu_hand": median(cpu_hand),
     }
 
 
@@ -229,7 +237,7 @@ def main() -> None:
     )
     header = (
         f"{'model':12s} {'layers':>6s} {'none ms':>8s} {'hand ms':>8s} {'obs ms':>8s} "
-        f"{'observed/hand':>22s} {'observed/none':>22s} {'hand/none':>9s}"
+        f"{'observed/hand':>22s} {'observed/none':>22s} {'hand/none':>9s} {'cpu obs/hand':>12s}"
     )
     print(header)
     print("-" * len(header))
@@ -241,7 +249,8 @@ def main() -> None:
         print(
             f"{name:12s} {row['layers']:6d} {row['none_ms']:8.2f} {row['hand_ms']:8.2f} "
             f"{row['observed_ms']:8.2f} {h[0]:8.2f} [{h[1]:5.2f}..{h[2]:5.2f}] "
-            f"{n[0]:8.2f} [{n[1]:5.2f}..{n[2]:5.2f}] {row['hand_none']:9.2f}"
+            f"{n[0]:8.2f} [{n[1]:5.2f}..{n[2]:5.2f}] {row['hand_none']:9.2f} "
+            f"{row['cpu_hand']:12.2f}"
         )
 
 

@@ -52,7 +52,8 @@ from hook_reference import (
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # One torch thread: the same reduction order on both sides, and tiny models run faster on one
-# thread than on two contended ones.
+# thread than on two contended ones. On a machine of two or more cores that leaves a core spare,
+# so the CPU cases' host-path tensors are measured by spare_core's worker (test_spare_core.py).
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HAS_CUDA = torch.cuda.is_available()

@@ -65,6 +65,7 @@ from torchinstruments.measurement.transfer import (
     launch_tensor,
 )
 from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
+from torchinstruments.spare_core import SpareCore
 
 __all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder"]
 
@@ -137,9 +138,15 @@ class GradientRecorder:
     """
 
     def __init__(
-        self, measurer: Measurer, rank: int | None, emit: Emit, warn_once: WarnOnce
+        self,
+        measurer: Measurer,
+        rank: int | None,
+        emit: Emit,
+        warn_once: WarnOnce,
+        spare: SpareCore,
     ) -> None:
         self._measurer = measurer
+        self._spare = spare
         self._rank = rank
         self._emit = emit
         self.warn_once = warn_once
@@ -217,7 +224,7 @@ class GradientRecorder:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
         if hook.more is None:  # one call returned the tensor: its gradient is that call's
-            launched = [launch(self._measurer, hook.key, grad, hook.focus)]
+            launched = [launch(self._measurer, hook.key, grad, hook.focus, self._spare)]
         else:
             launched = self._launch_shared(hook.calls, grad)
         with self._lock:
@@ -239,7 +246,7 @@ class GradientRecorder:
         for key, focus in calls:
             shared = per_layer[key.layer.name]
             if shared == 1:
-                launched.append(launch(self._measurer, key, grad, focus))
+                launched.append(launch(self._measurer, key, grad, focus, self._spare))
             else:
                 reason = reasons.shared_output(shared)
                 launched.append(launch_tensor(self._measurer, key, grad, False, reason))

@@ -7,15 +7,14 @@ is dropped without `remove_observer` is collected and its run is finalized by `w
 Timing of work, by design:
 - unsampled root forward: one Python call of `on_root_call` (counter, sampler) and nothing per
   layer: layer proxies are installed only for the duration of a sampled root forward;
-- sampled root forward: reductions are launched on each tensor's device as the layer returns (so
-  a later in-place op cannot change what was measured), their results stay on the device, and
-  everything the forward produced crosses to the host in one transfer per device when the root
-  forward ends;
+- sampled root forward: each tensor is measured as the layer returns (a later in-place op cannot
+  change what was measured): on the host or the spare core (`spare_core`, on a copy), or by
+  reductions on its device, whose results cross in one transfer per device at the forward's end;
 - backward: `gradients.GradientRecorder` (the hooks on sampled outputs, one transfer per pass).
 
 A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_output` ->
-`transfer.launch` (the small-tensor lane's copy, or device reductions) -> at the end of the root
-forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
+`transfer.launch` (the lane's copy, host statistics, or device reductions) -> at the end of the
+root forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
 `MeasurementBlock` per sample) -> sinks -> rows.
 
 Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
@@ -101,6 +100,7 @@ from torchinstruments.records import (
 )
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks.dispatch import SinkGroup
+from torchinstruments.spare_core import SpareCore
 
 __all__ = ["Observer"]
 
@@ -250,8 +250,7 @@ class Observer:
         self.counter = Counter(first_forward_index, first_sample_id)
         self._sink_lock = threading.RLock()
         self.closed = False
-        # True in a process forked from the one that created this observer (see forks.py).
-        self.forked = False
+        self.forked = False  # True in a process forked from the one that created it (forks.py)
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
@@ -262,8 +261,9 @@ class Observer:
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
+        self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         self.gradients = GradientRecorder(
-            self.measurer, self.rank, self._emit_backward, self.warn_once
+            self.measurer, self.rank, self._emit_backward, self.warn_once, self.spare
         )
         # The `step` column: a value a plain loop sets (`set_step`), or a trainer's step read at
         # each sampled forward (`follow_step`, for the callbacks); None for neither.
@@ -475,7 +475,7 @@ class Observer:
             if keep(self.global_option, sample.global_pending, key, tensor, self.warn_once):
                 self.gradients.hook_output(key, tensor, layer.focus)  # measured when it ends
                 continue
-            launched = launch(self.measurer, key, tensor, layer.focus)
+            launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
             sample.pending.append(launched)
             note = note_of(launched)
             if note is not None and note not in self.notes:
@@ -562,6 +562,7 @@ class Observer:
         if self.closed:
             return
         self.gradients.close()
+        self.spare.close()
         self.closed = True
         forks.untrack(self)
         with self._sink_lock:

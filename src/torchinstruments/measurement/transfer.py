@@ -6,13 +6,13 @@ with one transfer each, then resolved into metric values and `HistogramRecord`s.
 only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy), measures a plain CPU tensor at once when the default
-profile is the only reducer (`Measured`: its values, reasons and histogram vector, and no
-reduction objects to resolve later), or launches its reductions (`launch_tensor`, which
-`paths.choose` sends on); `build_records` measures the lane's copies in one segmented pass,
-transfers and resolves the general path's results, and returns one `SampleRecord` per sample
-whose measurements are a `MeasurementBlock`, in launch order. The lane's torch ops per sample
-do not grow with the layers.
+small-tensor lane (`lane`: a NumPy copy), measures a plain CPU tensor when the default profile
+is the only reducer (`Measured`: values, reasons and histogram vector, nothing to resolve later;
+at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or launches its
+reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits for what the
+spare core measures, measures the lane's copies in one segmented pass, transfers and resolves
+the general path's results, and returns one `SampleRecord` per sample whose measurements are a
+`MeasurementBlock`, in launch order. The lane's torch ops per sample do not grow with the layers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -34,12 +35,8 @@ from torchinstruments._torch_internals import (
 from torchinstruments.measurement import histograms, lane, numerics, paths, tensors
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
-from torchinstruments.records import (
-    HistogramRecord,
-    MeasurementBlock,
-    SampleRecord,
-    TensorKey,
-)
+from torchinstruments.records import HistogramRecord, MeasurementBlock, SampleRecord, TensorKey
+from torchinstruments.spare_core import Deferred, SpareCore
 
 __all__ = [
     "LaneItem",
@@ -136,14 +133,16 @@ class Measured:
 
 
 # What `launch` gives for one tensor; `build_records` takes a pass's list of them.
-Launched = PendingTensor | LaneItem | Measured
+Launched = PendingTensor | LaneItem | Measured | Deferred[Measured | PendingTensor]
 
 
-def launch(measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool) -> Launched:
+def launch(
+    measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool, spare: SpareCore
+) -> Launched:
     """Launch the measurement of one tensor: the small-tensor lane's copy where the lane takes
-    it (`lane`), a plain CPU tensor measured now (`Measured`), else the general path's
-    reductions (`launch_tensor`). The key is the output's, also for its gradient: the signal
-    is the one `build_records` is given."""
+    it (`lane`), a plain CPU tensor measured now or on the spare core (`Measured`, `Deferred`),
+    else the general path's reductions (`launch_tensor`). The key is the output's, also for its
+    gradient: the signal is the one `build_records` is given."""
     metrics = measurer.default_only
     if metrics is not None:
         try:
@@ -151,32 +150,34 @@ def launch(measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 return (key, time.time_ns() // 1000, tuple(tensor.shape), copy, focus)
-            if path == "host" and (measured := _measure_now(metrics, key, tensor, focus)):
-                return measured
+            if path == "host" and _measured_here(tensor):
+                return spare.run(partial(_measure, measurer, key, focus, time.time_ns()), tensor)
         except Exception:  # handed to the general path, which gives null + reason if it fails too
             pass
     return launch_tensor(measurer, key, tensor, focus)
 
 
-def _measure_now(
-    metrics: tuple[str, ...], key: TensorKey, tensor: torch.Tensor, focus: bool
-) -> Measured | None:
+def _measured_here(tensor: torch.Tensor) -> bool:
+    """Whether the general path would measure `tensor` as it is (no unwrapping), with values."""
+    if not tensor.numel() or not tensors.is_real_dtype(tensor.dtype) or functorch_active():
+        return False
+    return not is_functorch_wrapped(tensor)
+
+
+def _measure(
+    measurer: Measurer, key: TensorKey, focus: bool, stamp_ns: int, tensor: torch.Tensor
+) -> Measured | PendingTensor:
     """The default profile (and histogram) of a plain CPU tensor as the general path resolves
-    it; None where that path unwraps the tensor first or gives nulls."""
-    numel = tensor.numel()
-    dtype = tensor.dtype
-    if not numel or not tensors.is_real_dtype(dtype) or functorch_active():
-        return None
-    if is_functorch_wrapped(tensor):
-        return None
-    wanted = frozenset(metrics)
-    result = numerics.measure_on_cpu(tensor.detach(), wanted, DEFAULT_BINS if focus else None)
-    derived = numerics.DefaultDeriver(numel, wanted)(result.raw)
-    values = [derived[name].value for name in metrics]
-    why = [derived[name].reason for name in metrics]
-    stamp = time.time_ns() // 1000
-    shape = tuple(tensor.shape)
-    return Measured(key, stamp, shape, tensors.dtype_name(dtype), values, why, result.histogram)
+    it (on the spare core's thread or this one); the general path's if this fails."""
+    wanted = frozenset(metrics := measurer.default_only or ())
+    try:
+        result = numerics.measure_on_cpu(tensor, wanted, DEFAULT_BINS if focus else None)
+        derived = numerics.DefaultDeriver(tensor.numel(), wanted)(result.raw)
+    except Exception:
+        return launch_tensor(measurer, key, tensor, focus)
+    values, why = [derived[n].value for n in metrics], [derived[n].reason for n in metrics]
+    shape, dtype = tuple(tensor.shape), tensors.dtype_name(tensor.dtype)
+    return Measured(key, stamp_ns // 1000, shape, dtype, values, why, result.histogram)
 
 
 def note_of(item: Launched) -> str | None:
@@ -186,17 +187,18 @@ def note_of(item: Launched) -> str | None:
 
 def build_records(
     signal: str,
-    items: Sequence[Launched],
+    launched: Sequence[Launched],
     metrics: tuple[str, ...],
     rank: int | None,
 ) -> list[SampleRecord]:
     """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
     them into one record per sample, in launch order."""
-    lane_items = [item for item in items if type(item) is tuple]
+    ready = [item.result() if isinstance(item, Deferred) else item for item in launched]
+    lane_items = [item for item in ready if type(item) is tuple]
     lane_values, lane_reasons, lane_histograms = lane.measure(
         [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
     )
-    host = _to_host([item for item in items if type(item) is PendingTensor])
+    host = _to_host([item for item in ready if type(item) is PendingTensor])
     k = len(metrics)
     values: list[float | None] = []
     why: list[str | None] = []
@@ -206,7 +208,7 @@ def build_records(
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     lane_at = general_at = 0
-    for item in items:
+    for item in ready:
         vector = None
         if isinstance(item, PendingTensor):
             for value in item.reduction.resolve(host[2 * general_at]):
@@ -251,15 +253,8 @@ def build_records(
             block_values = [v for p in positions for v in values[p * k : (p + 1) * k]]
             block_why = [r for p in positions for r in why[p * k : (p + 1) * k]]
         block = _block(chosen, block_values, block_why, sample_id, signal, rank, metrics)
-        records.append(
-            SampleRecord(
-                signal,
-                sample_id,
-                block.forward_index,
-                block,
-                tuple(by_sample_histograms.get(sample_id, ())),
-            )
-        )
+        counted = tuple(by_sample_histograms.get(sample_id, ()))
+        records.append(SampleRecord(signal, sample_id, block.forward_index, block, counted))
     return records
 
 

@@ -1,0 +1,162 @@
+"""A spare core: plain CPU tensors measured on a worker thread while the training step goes on.
+
+Design decision: when the process may run on more cores than torch's intra-op threads use
+(`torch.get_num_threads()`, times the node's ranks under torchrun, below the cores in
+`os.sched_getaffinity`, as under `torch.set_num_threads(1)` on a machine of several), a sampled forward's
+plain CPU tensors, and the gradients into them, are copied on the training thread (one read and
+one write, about a tenth of measuring them) and measured on one worker thread per observer while
+the forward or backward goes on. Records are still built where they were, at the end of the
+forward and of the backward, which wait there for what the worker has not finished: the sinks,
+the order of the rows and the values (the same function on the same entries, so the same bits)
+do not change, only the thread that computes them. The copy is what makes this safe: a later
+in-place operation (a `ReLU(inplace=True)` after the layer, an optimizer step) changes the
+tensor, never the copy.
+
+When torch already uses every core (its default), nothing is moved: a worker would take a core
+from torch's own threads and slow every parallel op, so each tensor is measured on the training
+thread as before (no copy). The cores are read again whenever torch's thread count changes, so
+a `torch.set_num_threads` in the middle of a run is followed.
+
+Cost and bounds: the copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a
+tensor beyond it is measured on the training thread at once, so memory stays bounded however far
+the worker falls behind. The worker is a daemon thread started at the first tensor it takes and
+stopped when the observer closes. The step's CPU time summed over threads is the same or a little
+more (the copies); bench/sampled.py prints it next to the wall time.
+
+A process forked while tensors wait has no worker: there a waiting tensor is measured by the
+thread that asks for it (forks.py makes such a child's run inert, so it seldom asks).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["MAX_BYTES_IN_FLIGHT", "Deferred", "SpareCore", "spare_core_count"]
+
+T = TypeVar("T")
+
+MAX_BYTES_IN_FLIGHT = 256 * 2**20
+
+
+def spare_core_count(threads: int) -> int:
+    """Cores this process may run on beyond `threads` (torch's intra-op threads) for each of the
+    node's ranks (`LOCAL_WORLD_SIZE`, as torchrun sets it, which also gives each rank one thread
+    by default: its ranks share the cores every one of them sees)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS, Windows)
+        cores = os.cpu_count() or 1
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return max(0, cores - threads * ranks)
+
+
+class Deferred(Generic[T]):
+    """One tensor's measurement that the worker computes; `result()` waits for it."""
+
+    __slots__ = ("_error", "_job", "_pending", "_pid", "_value", "copy", "nbytes")
+
+    def __init__(self, job: Callable[[torch.Tensor], T], copy: torch.Tensor) -> None:
+        self._job: Callable[[torch.Tensor], T] | None = job
+        self.copy: torch.Tensor | None = copy
+        self.nbytes = copy.numel() * copy.element_size()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._pid = os.getpid()
+        self._pending = threading.Lock()  # held until the value is set
+        self._pending.acquire()
+
+    @property
+    def done(self) -> bool:
+        """Whether the value (or the job's exception) is set."""
+        return self._job is None
+
+    def compute(self) -> None:
+        """Run the job on the copy, keep its value or exception, and drop the copy."""
+        job, copy = self._job, self.copy
+        try:
+            if job is not None and copy is not None:
+                self._value = job(copy)
+        except BaseException as error:  # kept for `result`, which raises it in the caller
+            self._error = error
+        finally:
+            self._job = self.copy = None
+            self._pending.release()
+
+    def result(self) -> T:
+        """The job's value, once the worker has it (in a forked child, computed here)."""
+        if self._job is not None and os.getpid() != self._pid:
+            self._pid = os.getpid()  # this process has no worker: the copy is measured here
+            self.compute()
+        with self._pending:
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]  # set by compute without an error
+
+
+class SpareCore:
+    """One observer's worker for plain CPU tensors (see the module docstring).
+
+    `run` measures a tensor's copy on the worker (a `Deferred`) when a core is spare, else the
+    tensor at once.
+    """
+
+    def __init__(self, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
+        self.max_bytes = max_bytes  # of copies waiting for the worker; beyond, measured at once
+        self._threads = 0  # torch's thread count when `spare` was last read
+        self.spare = False
+        self._queue: queue.SimpleQueue[Deferred | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._in_flight: deque[Deferred] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, job: Callable[[torch.Tensor], T], tensor: torch.Tensor) -> T | Deferred[T]:
+        """`job` of `tensor` (detached): on a copy by the worker when a core is spare and the
+        copies in flight leave room, else now on this thread."""
+        tensor = tensor.detach()
+        if (threads := torch.get_num_threads()) != self._threads:
+            self._threads, self.spare = threads, spare_core_count(threads) > 0
+        if not self.spare or self._closed or tensor.device.type != "cpu":
+            return job(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            while self._in_flight and self._in_flight[0].done:
+                self._bytes -= self._in_flight.popleft().nbytes
+            if self._bytes + nbytes > self.max_bytes or self._closed:
+                return job(tensor)
+            deferred = Deferred(job, tensor.clone(memory_format=torch.contiguous_format))
+            self._in_flight.append(deferred)
+            self._bytes += nbytes
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._work, name="torchinstruments-spare-core", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(deferred)
+        return deferred
+
+    def _work(self) -> None:
+        """The worker: compute each deferred measurement in order until `close`."""
+        while (deferred := self._queue.get()) is not None:
+            deferred.compute()
+
+    def close(self) -> None:
+        """Finish what is waiting, then stop the worker (idempotent)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join()

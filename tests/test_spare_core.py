@@ -1,0 +1,197 @@
+"""The spare core: plain CPU tensors measured on a worker thread when torch leaves a core idle.
+
+Whether a core is spare is the process's real affinity against torch's thread count, so the
+tests pin the process to one core or give it all of them (`os.sched_setaffinity`) under one
+torch thread. Pinned down: the rows are those the training thread gives, bit for bit; a later
+in-place op does not change what was measured (the conformance reference); copies beyond the cap
+are measured at once; a forked child measures what waits itself; closing finishes everything.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.spare_core import Deferred, SpareCore, spare_core_count
+
+from hook_reference import run_both
+
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+pytestmark = [
+    pytest.mark.skipif(len(CORES) < 2, reason="needs two cores for one to be spare"),
+    pytest.mark.usefixtures("one_thread"),
+]
+WORKER = "torchinstruments-spare-core"
+
+
+@contextmanager
+def cores(count: int) -> Iterator[None]:
+    """This process may run on its first `count` cores only, for the duration."""
+    os.sched_setaffinity(0, CORES[:count])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, CORES)
+
+
+def workers() -> list[threading.Thread]:
+    """The spare-core threads alive now."""
+    return [thread for thread in threading.enumerate() if thread.name == WORKER]
+
+
+def convnet() -> nn.Module:
+    """Outputs of 16k to 65k entries (the host path, not the small-tensor lane); the batch
+    norm's output is changed in place by the ReLU after it."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.Sigmoid(),
+        nn.Flatten(),
+        nn.Linear(16 * 32 * 32, 10),
+    )
+
+
+def train_step(model: nn.Module, _: int) -> torch.Tensor:
+    """One forward and backward on a fixed batch."""
+    output = model(torch.randn(4, 3, 32, 32))
+    output.square().mean().backward()
+    return output
+
+
+def history_of(model: nn.Module, run_dir: Path, steps: int) -> tuple[pl.DataFrame, int]:
+    """The rows of `steps` observed steps (timestamps dropped), and the spare-core threads
+    alive after the first step."""
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    try:
+        alive = 0
+        for i in range(steps):
+            torch.manual_seed(1000 + i)
+            train_step(model, i)
+            alive = alive or len(workers())
+    finally:
+        remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet").drop("timestamp")
+    return history.sort("sample_id", "signal", "layer", "call_index", "metric"), alive
+
+
+def test_the_spare_core_records_the_rows_the_training_thread_records(tmp_path: Path) -> None:
+    model = convnet()
+    twin = copy.deepcopy(model)
+    before = len(workers())
+    with cores(len(CORES)):
+        spared, alive_spared = history_of(model, tmp_path / "spared", steps=2)
+    with cores(1):
+        here, alive_here = history_of(twin, tmp_path / "here", steps=2)
+    assert alive_spared == before + 1, "the worker measured the run with a spare core"
+    assert alive_here == before, "one core: nothing moved off the training thread"
+    assert len(workers()) == before, "removal stops the worker"
+    assert spared.height == here.height > 0
+    assert spared.equals(here, null_equal=True)
+
+
+def test_what_a_later_in_place_op_changes_was_measured_as_the_layer_returned(
+    run_dir: Path,
+) -> None:
+    with cores(len(CORES)):
+        conformance = run_both(convnet(), train_step, run_dir, steps=2)
+    conformance.assert_conforms()
+    batch_norm = conformance.history.filter(
+        (pl.col("layer") == "1") & (pl.col("signal") == "output") & (pl.col("metric") == "min")
+    )
+    assert (batch_norm["value"] < 0).all(), "measured before the in-place ReLU"
+
+
+def wait_on_the_worker(gate: threading.Event) -> None:
+    """Hold the worker (and only the worker) until `gate` is set."""
+    if threading.current_thread().name == WORKER:
+        assert gate.wait(30)
+
+
+def total(gate: threading.Event, tensor: torch.Tensor) -> float:
+    """A job: the entries' sum, after the gate on the worker."""
+    wait_on_the_worker(gate)
+    return float(tensor.double().sum())
+
+
+def test_copies_beyond_the_cap_are_measured_at_once_and_copies_do_not_change() -> None:
+    gate = threading.Event()
+    spare = SpareCore(max_bytes=3 * 4096)  # three copies of 1,024 float32 entries
+    tensors = [torch.full((1024,), float(i + 1)) for i in range(5)]
+    with cores(len(CORES)):
+        launched = [spare.run(lambda t: total(gate, t), tensor) for tensor in tensors]
+        for tensor in tensors:
+            tensor.zero_()  # after `run`: the copies keep the values it was given
+        assert [type(item) is Deferred for item in launched] == [True, True, True, False, False]
+        assert launched[3:] == [4096.0, 5120.0], "measured at once, within `run`"
+        gate.set()
+        results = [item.result() for item in launched[:3] if isinstance(item, Deferred)]
+        spare.close()
+    assert results == [1024.0, 2048.0, 3072.0]
+
+
+def test_with_torch_on_every_core_nothing_is_copied() -> None:
+    spare = SpareCore()
+    tensor = torch.ones(4096)
+    with cores(1):
+        assert spare.run(lambda t: t.data_ptr(), tensor) == tensor.data_ptr()
+    torch.set_num_threads(len(CORES))
+    try:
+        assert spare.run(lambda t: t.data_ptr(), tensor) == tensor.data_ptr()
+    finally:
+        torch.set_num_threads(1)
+    copied = spare.run(lambda t: t.data_ptr(), tensor)
+    assert isinstance(copied, Deferred)
+    assert copied.result() != tensor.data_ptr()
+    spare.close()
+
+
+def test_a_child_forked_while_copies_wait_measures_them_itself() -> None:
+    gate = threading.Event()
+    spare = SpareCore()
+    with cores(len(CORES)):
+        waiting = spare.run(lambda t: total(gate, t), torch.full((2048,), 2.0))
+        assert isinstance(waiting, Deferred)
+        pid = os.fork()
+        if pid == 0:  # the child: no worker thread; the copy is measured here
+            os._exit(0 if waiting.result() == 4096.0 else 1)
+        _, status = os.waitpid(pid, 0)
+        gate.set()
+        assert waiting.result() == 4096.0
+        spare.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_close_finishes_every_waiting_copy_then_stops_the_worker() -> None:
+    gate = threading.Event()
+    spare = SpareCore()
+    before = len(workers())
+    with cores(len(CORES)):
+        waiting = [spare.run(lambda t: total(gate, t), torch.full((1024,), 1.0)) for _ in range(3)]
+        assert len(workers()) == before + 1
+        threading.Timer(0.2, gate.set).start()
+        spare.close()
+        assert all(isinstance(item, Deferred) for item in waiting)
+        assert all(item.done for item in waiting if isinstance(item, Deferred))
+        assert spare.run(lambda t: total(gate, t), torch.ones(8)) == 8.0, "closed: at once"
+    assert len(workers()) == before
+
+
+def test_the_ranks_of_a_node_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert spare_core_count(1) == len(CORES) - 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(CORES)))
+    assert spare_core_count(1) == 0, "one thread for each rank on the node: no core is spare"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert spare_core_count(1) == len(CORES) - 1

@@ -53,7 +53,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # One torch thread: the same reduction order on both sides, and tiny models run faster on one
 # thread than on two contended ones. On a machine of two or more cores that leaves a core spare,
-# so the CPU cases' host-path tensors are measured by spare_core's worker (test_spare_core.py).
+# so the CPU cases' tensors of 2**16 to 2**22 entries are measured by spare_core's worker
+# (test_spare_core.py holds its rows to the training thread's, bit for bit).
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HAS_CUDA = torch.cuda.is_available()

@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.spare_core import Deferred, SpareCore, spare_core_count
+from torchinstruments.spare_core import (
+    LARGEST_COPY,
+    SMALLEST_COPY,
+    Deferred,
+    SpareCore,
+    results,
+    spare_core_count,
+)
 
 from hook_reference import run_both
 
@@ -50,7 +57,7 @@ def workers() -> list[threading.Thread]:
 
 
 def convnet() -> nn.Module:
-    """Outputs of 16k to 65k entries (the host path, not the small-tensor lane); the batch
+    """Outputs of 131,072 entries (at a batch of 8, the spare core's sizes) and 10; the batch
     norm's output is changed in place by the ReLU after it."""
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1),
@@ -65,7 +72,7 @@ def convnet() -> nn.Module:
 
 def train_step(model: nn.Module, _: int) -> torch.Tensor:
     """One forward and backward on a fixed batch."""
-    output = model(torch.randn(4, 3, 32, 32))
+    output = model(torch.randn(8, 3, 32, 32))
     output.square().mean().backward()
     return output
 
@@ -127,23 +134,23 @@ def total(gate: threading.Event, tensor: torch.Tensor) -> float:
 
 def test_copies_beyond_the_cap_are_measured_at_once_and_copies_do_not_change() -> None:
     gate = threading.Event()
-    spare = SpareCore(max_bytes=3 * 4096)  # three copies of 1,024 float32 entries
-    tensors = [torch.full((1024,), float(i + 1)) for i in range(5)]
+    spare = SpareCore(max_bytes=3 * 4 * SMALLEST_COPY)  # three copies
+    tensors = [torch.full((SMALLEST_COPY,), float(i + 1)) for i in range(5)]
     with cores(len(CORES)):
         launched = [spare.run(lambda t: total(gate, t), tensor) for tensor in tensors]
         for tensor in tensors:
             tensor.zero_()  # after `run`: the copies keep the values it was given
         assert [type(item) is Deferred for item in launched] == [True, True, True, False, False]
-        assert launched[3:] == [4096.0, 5120.0], "measured at once, within `run`"
+        assert launched[3:] == [4.0 * SMALLEST_COPY, 5.0 * SMALLEST_COPY], "at once, in `run`"
         gate.set()
         results = [item.result() for item in launched[:3] if isinstance(item, Deferred)]
         spare.close()
-    assert results == [1024.0, 2048.0, 3072.0]
+    assert results == [1.0 * SMALLEST_COPY, 2.0 * SMALLEST_COPY, 3.0 * SMALLEST_COPY]
 
 
 def test_with_torch_on_every_core_nothing_is_copied() -> None:
     spare = SpareCore()
-    tensor = torch.ones(4096)
+    tensor = torch.ones(SMALLEST_COPY)
     with cores(1):
         assert spare.run(lambda t: t.data_ptr(), tensor) == tensor.data_ptr()
     torch.set_num_threads(len(CORES))
@@ -161,14 +168,14 @@ def test_a_child_forked_while_copies_wait_measures_them_itself() -> None:
     gate = threading.Event()
     spare = SpareCore()
     with cores(len(CORES)):
-        waiting = spare.run(lambda t: total(gate, t), torch.full((2048,), 2.0))
+        waiting = spare.run(lambda t: total(gate, t), torch.full((SMALLEST_COPY,), 2.0))
         assert isinstance(waiting, Deferred)
         pid = os.fork()
         if pid == 0:  # the child: no worker thread; the copy is measured here
-            os._exit(0 if waiting.result() == 4096.0 else 1)
+            os._exit(0 if waiting.result() == 2.0 * SMALLEST_COPY else 1)
         _, status = os.waitpid(pid, 0)
         gate.set()
-        assert waiting.result() == 4096.0
+        assert waiting.result() == 2.0 * SMALLEST_COPY
         spare.close()
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -178,13 +185,14 @@ def test_close_finishes_every_waiting_copy_then_stops_the_worker() -> None:
     spare = SpareCore()
     before = len(workers())
     with cores(len(CORES)):
-        waiting = [spare.run(lambda t: total(gate, t), torch.full((1024,), 1.0)) for _ in range(3)]
+        ones = torch.ones(SMALLEST_COPY)
+        waiting = [spare.run(lambda t: total(gate, t), ones) for _ in range(3)]
         assert len(workers()) == before + 1
         threading.Timer(0.2, gate.set).start()
         spare.close()
         assert all(isinstance(item, Deferred) for item in waiting)
         assert all(item.done for item in waiting if isinstance(item, Deferred))
-        assert spare.run(lambda t: total(gate, t), torch.ones(8)) == 8.0, "closed: at once"
+        assert spare.run(lambda t: total(gate, t), ones) == SMALLEST_COPY, "closed: at once"
     assert len(workers()) == before
 
 
@@ -195,3 +203,54 @@ def test_the_ranks_of_a_node_share_its_cores(monkeypatch: pytest.MonkeyPatch) ->
     assert spare_core_count(1) == 0, "one thread for each rank on the node: no core is spare"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert spare_core_count(1) == len(CORES) - 1
+
+
+def test_the_caller_measures_what_the_worker_has_not_begun() -> None:
+    gate, started = threading.Event(), threading.Event()
+    spare = SpareCore()
+
+    def where(tensor: torch.Tensor) -> str:
+        if threading.current_thread().name == WORKER:
+            started.set()
+        wait_on_the_worker(gate)
+        return threading.current_thread().name
+
+    with cores(len(CORES)):
+        launched = [spare.run(where, torch.ones(SMALLEST_COPY)) for _ in range(4)]
+        assert started.wait(30)  # the worker has begun the first, and is held there
+        threading.Timer(0.5, gate.set).start()
+        names = results(launched)
+        spare.close()
+    assert names[0] == WORKER
+    assert names[1:] == [threading.current_thread().name] * 3
+
+
+def test_tensors_outside_the_copied_sizes_are_measured_where_they_are() -> None:
+    spare = SpareCore()
+    with cores(len(CORES)):
+        for entries in (SMALLEST_COPY - 1, LARGEST_COPY + 1):
+            tensor = torch.empty(entries)
+            assert spare.run(lambda t: t.data_ptr(), tensor) == tensor.data_ptr()
+        for entries in (SMALLEST_COPY, LARGEST_COPY):
+            tensor = torch.empty(entries)
+            copied = spare.run(lambda t: t.data_ptr(), tensor)
+            assert isinstance(copied, Deferred)
+            assert copied.result() != tensor.data_ptr()
+        spare.close()
+
+
+def test_a_torchvision_resnet_measured_on_the_spare_core_conforms(run_dir: Path) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    before, alive = len(workers()), []
+
+    def step(observed: nn.Module, _: int) -> torch.Tensor:
+        output = observed(torch.randn(4, 3, 64, 64))  # outputs of 65,536 to 262,144 entries
+        output.square().mean().backward()
+        alive.append(len(workers()))
+        return output
+
+    with cores(len(CORES)):
+        conformance = run_both(model, step, run_dir, steps=2)
+    conformance.assert_conforms()
+    assert alive == [before + 1] * 2 + [before] * 2, "the observed steps used the worker"

@@ -2,26 +2,30 @@
 
 Design decision: when the process may run on more cores than torch's intra-op threads use
 (`torch.get_num_threads()`, times the node's ranks under torchrun, below the cores in
-`os.sched_getaffinity`, as under `torch.set_num_threads(1)` on a machine of several), a sampled forward's
-plain CPU tensors, and the gradients into them, are copied on the training thread (one read and
-one write, about a tenth of measuring them) and measured on one worker thread per observer while
-the forward or backward goes on. Records are still built where they were, at the end of the
-forward and of the backward, which wait there for what the worker has not finished: the sinks,
-the order of the rows and the values (the same function on the same entries, so the same bits)
-do not change, only the thread that computes them. The copy is what makes this safe: a later
-in-place operation (a `ReLU(inplace=True)` after the layer, an optimizer step) changes the
-tensor, never the copy.
+`os.sched_getaffinity`: `torch.set_num_threads(1)` on a machine of several), a sampled
+forward's plain CPU tensors, and the gradients into them, are copied on the training thread and
+measured on one worker thread per observer while the forward or backward goes on. Records are
+still built where they were, at the end of the forward and of the backward: the sinks, the order
+of the rows and the values (the same function on the same entries, so the same bits) do not
+change, only the thread that computes them. There the training thread measures, last first,
+the copies the worker has not begun (`results`), so it never waits for a tensor nobody is
+measuring. The copy is what makes this safe: a later in-place operation (a `ReLU(inplace=True)`
+after the layer, an optimizer step) changes the tensor, never the copy.
 
 When torch already uses every core (its default), nothing is moved: a worker would take a core
 from torch's own threads and slow every parallel op, so each tensor is measured on the training
 thread as before (no copy). The cores are read again whenever torch's thread count changes, so
 a `torch.set_num_threads` in the middle of a run is followed.
 
-Cost and bounds: the copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a
-tensor beyond it is measured on the training thread at once, so memory stays bounded however far
-the worker falls behind. The worker is a daemon thread started at the first tensor it takes and
-stopped when the observer closes. The step's CPU time summed over threads is the same or a little
-more (the copies); bench/sampled.py prints it next to the wall time.
+Cost and bounds: a copy is one read and one write of the tensor, about a tenth of measuring it
+while its memory is reused, as much as measuring it when fresh pages must be mapped (above
+`LARGEST_COPY` entries, which are measured where they are, as are those below `SMALLEST_COPY`). Copies wait in memory until
+measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a tensor beyond it is measured on the
+training thread at once, so memory stays bounded however far the worker falls behind. The
+worker is a daemon thread started at the first tensor it takes and stopped when the observer
+closes. The step's CPU time summed over threads is not reduced (the copies add to it);
+bench/sampled.py prints it next to the wall time. Small tensors would gain nothing: the
+worker's Python between NumPy calls contends for the GIL with the training thread's.
 
 A process forked while tensors wait has no worker: there a waiting tensor is measured by the
 thread that asks for it (forks.py makes such a child's run inert, so it seldom asks).
@@ -33,16 +37,30 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["MAX_BYTES_IN_FLIGHT", "Deferred", "SpareCore", "spare_core_count"]
+__all__ = [
+    "LARGEST_COPY",
+    "MAX_BYTES_IN_FLIGHT",
+    "SMALLEST_COPY",
+    "Deferred",
+    "SpareCore",
+    "results",
+    "spare_core_count",
+]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 MAX_BYTES_IN_FLIGHT = 256 * 2**20
+# Tensors of fewer or more entries are measured where they are. Below, measuring takes less
+# than the worker's wake-up and the GIL's hand-overs cost (about 0.1 to 0.7 ms a pass here);
+# above, the copy takes fresh pages from the system (about 2.2 ns an entry for 1e7 float32, as
+# much as measuring them) and seldom has anything left in the pass to overlap with.
+SMALLEST_COPY, LARGEST_COPY = 2**16, 2**22
 
 
 def spare_core_count(threads: int) -> int:
@@ -61,9 +79,10 @@ def spare_core_count(threads: int) -> int:
 
 
 class Deferred(Generic[T]):
-    """One tensor's measurement that the worker computes; `result()` waits for it."""
+    """One tensor's measurement on a copy: computed by the worker, or by the thread that asks
+    for it first (`claim`); `result()` waits for it."""
 
-    __slots__ = ("_error", "_job", "_pending", "_pid", "_value", "copy", "nbytes")
+    __slots__ = ("_claimed", "_error", "_job", "_pending", "_pid", "_value", "copy", "nbytes")
 
     def __init__(self, job: Callable[[torch.Tensor], T], copy: torch.Tensor) -> None:
         self._job: Callable[[torch.Tensor], T] | None = job
@@ -72,6 +91,7 @@ class Deferred(Generic[T]):
         self._value: T | None = None
         self._error: BaseException | None = None
         self._pid = os.getpid()
+        self._claimed = threading.Lock()  # taken by whichever thread computes it
         self._pending = threading.Lock()  # held until the value is set
         self._pending.acquire()
 
@@ -80,12 +100,18 @@ class Deferred(Generic[T]):
         """Whether the value (or the job's exception) is set."""
         return self._job is None
 
-    def compute(self) -> None:
+    def claim(self) -> None:
+        """Compute it on this thread unless another thread has begun to (or has)."""
+        if self._claimed.acquire(blocking=False):
+            self._compute()
+
+    def _compute(self) -> None:
         """Run the job on the copy, keep its value or exception, and drop the copy."""
         job, copy = self._job, self.copy
+        if job is None or copy is None:
+            return  # computed already (in a forked child: before `claim`)
         try:
-            if job is not None and copy is not None:
-                self._value = job(copy)
+            self._value = job(copy)
         except BaseException as error:  # kept for `result`, which raises it in the caller
             self._error = error
         finally:
@@ -93,15 +119,27 @@ class Deferred(Generic[T]):
             self._pending.release()
 
     def result(self) -> T:
-        """The job's value, once the worker has it (in a forked child, computed here)."""
+        """The job's value: computed here if no thread has begun it, else waited for (in a
+        forked child, where the worker that began it does not exist, computed here)."""
         if self._job is not None and os.getpid() != self._pid:
-            self._pid = os.getpid()  # this process has no worker: the copy is measured here
-            self.compute()
+            self._pid = os.getpid()
+            self._compute()
+        self.claim()
         with self._pending:
             pass
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]  # set by compute without an error
+
+
+def results(items: Sequence[U | Deferred[T]]) -> list[U | T]:
+    """`items` with every `Deferred` replaced by its result. The caller computes the ones the
+    worker has not begun, last first, while the worker goes on from the first: they meet
+    between, and the caller never waits for a tensor nobody is measuring."""
+    for item in reversed(items):
+        if isinstance(item, Deferred):
+            item.claim()
+    return [item.result() if isinstance(item, Deferred) else item for item in items]
 
 
 class SpareCore:
@@ -130,6 +168,8 @@ class SpareCore:
             self._threads, self.spare = threads, spare_core_count(threads) > 0
         if not self.spare or self._closed or tensor.device.type != "cpu":
             return job(tensor)
+        if not SMALLEST_COPY <= tensor.numel() <= LARGEST_COPY:
+            return job(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             while self._in_flight and self._in_flight[0].done:
@@ -150,7 +190,7 @@ class SpareCore:
     def _work(self) -> None:
         """The worker: compute each deferred measurement in order until `close`."""
         while (deferred := self._queue.get()) is not None:
-            deferred.compute()
+            deferred.claim()
 
     def close(self) -> None:
         """Finish what is waiting, then stop the worker (idempotent)."""

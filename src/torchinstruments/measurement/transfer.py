@@ -36,7 +36,7 @@ from torchinstruments.measurement import histograms, lane, numerics, paths, tens
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
 from torchinstruments.records import HistogramRecord, MeasurementBlock, SampleRecord, TensorKey
-from torchinstruments.spare_core import Deferred, SpareCore
+from torchinstruments.spare_core import Deferred, SpareCore, results
 
 __all__ = [
     "LaneItem",
@@ -193,7 +193,7 @@ def build_records(
 ) -> list[SampleRecord]:
     """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
     them into one record per sample, in launch order."""
-    ready = [item.result() if isinstance(item, Deferred) else item for item in launched]
+    ready = results(launched)
     lane_items = [item for item in ready if type(item) is tuple]
     lane_values, lane_reasons, lane_histograms = lane.measure(
         [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS

@@ -15,6 +15,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 from torch import nn
@@ -145,3 +146,33 @@ def test_transformer_run_index_lists_every_layer_with_its_count(run_dir: Path) -
     assert "layers.0.self_attn.out_proj" not in index  # a parameter holder, not a layer
     counts = sampled_forwards(run_dir)
     assert counts["layers.0.self_attn"] == counts["layers.1.linear2"] == 3
+
+
+class Doubler(nn.Module):
+    """A layer whose class's `forward` a test replaces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_class_forward_replaced_between_forwards_is_the_one_called_and_observed(
+    run_dir: Path,
+) -> None:
+    """A layer's proxy is kept for the next sampled forward only while it wraps the class's
+    current `forward`."""
+    model = nn.Sequential(Doubler())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    original = Doubler.forward
+    try:
+        first = model(torch.ones(2, 4))
+        Doubler.forward = lambda self, x: x * 3  # type: ignore[method-assign]
+        second = model(torch.ones(2, 4))
+    finally:
+        Doubler.forward = original  # type: ignore[method-assign]
+    remove_observer(model)
+    assert first.max() == 2
+    assert second.max() == 3
+    rows = pl.read_parquet(run_dir / "history.parquet").filter(
+        (pl.col("layer") == "0") & (pl.col("metric") == "max")
+    )
+    assert rows.sort("sample_id")["value"].to_list() == [2.0, 3.0]

@@ -171,14 +171,23 @@ class SpareCore:
         if not SMALLEST_COPY <= tensor.numel() <= LARGEST_COPY:
             return job(tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._lock:
+        with self._lock:  # held for the bookkeeping only, never while a tensor is copied
             while self._in_flight and self._in_flight[0].done:
                 self._bytes -= self._in_flight.popleft().nbytes
-            if self._bytes + nbytes > self.max_bytes or self._closed:
-                return job(tensor)
+            room = not self._closed and self._bytes + nbytes <= self.max_bytes
+            self._bytes += nbytes if room else 0  # reserved for the copy
+        if not room:
+            return job(tensor)
+        try:
             deferred = Deferred(job, tensor.clone(memory_format=torch.contiguous_format))
+        except BaseException:
+            with self._lock:
+                self._bytes -= nbytes
+            raise
+        with self._lock:
             self._in_flight.append(deferred)
-            self._bytes += nbytes
+            if self._closed:  # closed meanwhile: whoever asks for it measures it (`results`)
+                return deferred
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._work, name="torchinstruments-spare-core", daemon=True

@@ -82,11 +82,11 @@ class Deferred(Generic[T]):
     """One tensor's measurement on a copy: computed by the worker, or by the thread that asks
     for it first (`claim`); `result()` waits for it."""
 
-    __slots__ = ("_claimed", "_error", "_job", "_pending", "_pid", "_value", "copy", "nbytes")
+    __slots__ = ("_claimed", "_copy", "_error", "_job", "_pending", "_pid", "_value", "nbytes")
 
     def __init__(self, job: Callable[[torch.Tensor], T], copy: torch.Tensor) -> None:
         self._job: Callable[[torch.Tensor], T] | None = job
-        self.copy: torch.Tensor | None = copy
+        self._copy: torch.Tensor | None = copy
         self.nbytes = copy.numel() * copy.element_size()
         self._value: T | None = None
         self._error: BaseException | None = None
@@ -107,7 +107,7 @@ class Deferred(Generic[T]):
 
     def _compute(self) -> None:
         """Run the job on the copy, keep its value or exception, and drop the copy."""
-        job, copy = self._job, self.copy
+        job, copy = self._job, self._copy
         if job is None or copy is None:
             return  # computed already (in a forked child: before `claim`)
         try:
@@ -115,7 +115,7 @@ class Deferred(Generic[T]):
         except BaseException as error:  # kept for `result`, which raises it in the caller
             self._error = error
         finally:
-            self._job = self.copy = None
+            self._job = self._copy = None
             self._pending.release()
 
     def result(self) -> T:
@@ -151,8 +151,8 @@ class SpareCore:
 
     def __init__(self, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
         self.max_bytes = max_bytes  # of copies waiting for the worker; beyond, measured at once
-        self._threads = 0  # torch's thread count when `spare` was last read
-        self.spare = False
+        self._threads = 0  # torch's thread count when `_spare` was last read
+        self._spare = False
         self._queue: queue.SimpleQueue[Deferred | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._in_flight: deque[Deferred] = deque()
@@ -165,8 +165,8 @@ class SpareCore:
         copies in flight leave room, else now on this thread."""
         tensor = tensor.detach()
         if (threads := torch.get_num_threads()) != self._threads:
-            self._threads, self.spare = threads, spare_core_count(threads) > 0
-        if not self.spare or self._closed or tensor.device.type != "cpu":
+            self._threads, self._spare = threads, spare_core_count(threads) > 0
+        if not self._spare or self._closed or tensor.device.type != "cpu":
             return job(tensor)
         if not SMALLEST_COPY <= tensor.numel() <= LARGEST_COPY:
             return job(tensor)

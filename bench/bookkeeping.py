@@ -1,5 +1,5 @@
 """What a sampled step pays besides the arithmetic: bench/sampled.py's models with the host
-path's statistics canned.
+path's and the small-tensor lane's statistics canned.
 
 Run: `uv run bench/bookkeeping.py [--rounds 15] [--steps 10] [--only mlp] [--clock cpu]`
 
@@ -9,9 +9,10 @@ same model object is timed round by round in rotating order in three states:
 * `plain`: the training step alone;
 * `observed`: `inject_observer` with defaults;
 * `canned`: the same, with `numerics.measure_array` (one CPU tensor's statistics and histogram,
-  what bench/statistics.py times) returning the result it gave the first time for an array of
-  that size: what is left over `plain` is the library's own work per tensor and per sample
-  (proxies, hooks, records, rows, history parts, TensorBoard events) plus the small-tensor lane.
+  what bench/statistics.py times) and `lane.measure` (a pass's small tensors) returning the
+  result they gave the first time for arrays of those sizes: what is left over `plain` is the
+  library's own work per tensor and per sample (proxies, hooks, copies, records, rows, history
+  parts, TensorBoard events).
 
 Figures are medians over rounds of (state - plain) in ms per step. `--clock cpu` (the default)
 counts the training thread's CPU time only, which a machine shared with other jobs disturbs
@@ -24,7 +25,7 @@ import argparse
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from sampled import MODELS, training_step
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import numerics
+from torchinstruments.measurement import lane, numerics
 
 from _machine import print_machine
 from _timing import median
@@ -44,23 +45,38 @@ CLOCK = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 @contextmanager
 def canned_statistics() -> Iterator[None]:
-    """`numerics.measure_array` answers from a cache keyed by size, dtype and bins."""
-    real = numerics.measure_array
-    cache: dict[tuple[int, str, frozenset[str], int | None], Any] = {}
+    """`numerics.measure_array` and `lane.measure` answer from caches keyed by the sizes, dtype,
+    metrics and histograms asked for."""
+    real_array, real_lane = numerics.measure_array, lane.measure
+    cache: dict[Any, Any] = {}
 
     def canned(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> Any:
         key = (array.size, str(array.dtype), wanted, bins)
         if key not in cache:
-            cache[key] = real(array, wanted, bins)
+            cache[key] = real_array(array, wanted, bins)
         result = cache[key]
         histogram = None if result.histogram is None else list(result.histogram)
         return numerics.CpuResult(dict(result.raw), histogram)
 
-    numerics.measure_array = canned
+    def canned_lane(
+        copies: Sequence[np.ndarray],
+        metrics: tuple[str, ...],
+        focus: Sequence[bool],
+        bins: int,
+        ascending: Sequence[bool] | None = None,
+        buffers: Any = None,
+    ) -> Any:
+        key = (tuple(copy.size for copy in copies), metrics, tuple(focus), bins)
+        if key not in cache:
+            cache[key] = real_lane(copies, metrics, focus, bins, ascending, buffers)
+        values, why, vectors = cache[key]
+        return list(values), list(why), [None if v is None else list(v) for v in vectors]
+
+    numerics.measure_array, lane.measure = canned, canned_lane
     try:
         yield
     finally:
-        numerics.measure_array = real
+        numerics.measure_array, lane.measure = real_array, real_lane
 
 
 def per_step(step: Callable[[], None], steps: int, clock: Callable[[], float]) -> float:

@@ -151,6 +151,79 @@ def test_a_focus_copys_histogram_is_the_host_paths_bit_for_bit(
         assert same_record_bits(as_record(vector), as_record(host)), copy
 
 
+def long_copy(size: int, seed: int, kind: str) -> np.ndarray:
+    """A copy of `size` entries (at least `lane.SORT_EACH_FROM`): normal, a ReLU's (half of it
+    zeros, some -0.0), few distinct values, or normal with special values mixed in."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 4))
+    if kind == "relu":
+        values = np.maximum(values, np.float32(0))
+        values[rng.integers(0, size, size // 50)] = -0.0
+    elif kind == "ties":
+        values = rng.integers(-3, 4, size).astype(np.float32)
+    elif kind == "special":
+        values[rng.integers(0, size, 1 + size // 20)] = rng.choice(np.array(SPECIAL, np.float32))
+    return values
+
+
+long_copies = st.lists(
+    st.tuples(
+        st.integers(lane.SORT_EACH_FROM, 3 * lane.SORT_EACH_FROM),
+        st.integers(0, 2**32 - 1),
+        st.sampled_from(["normal", "relu", "ties", "special"]),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(long_copies, st.data())
+@example([(lane.SORT_EACH_FROM, 1, "special"), (lane.SORT_EACH_FROM + 1, 2, "relu")], None)
+def test_long_copies_sorted_then_measured_together_give_the_host_paths_bits(
+    specs: list[tuple[int, int, str]], data: st.DataObject | None
+) -> None:
+    """Copies of `lane.SORT_EACH_FROM` entries or more are sorted one by one (here, or already
+    on the spare core: `ascending`) and measured in one vectorised pass: the host path's
+    values, reasons and histograms, bit for bit."""
+    copies = [long_copy(*spec) for spec in specs]
+    focus = [data is None or data.draw(st.booleans()) for _ in copies]
+    expected = general_path(copies)
+    hosts = [
+        numerics.measure_on_cpu(torch.from_numpy(c), frozenset(DEFAULT_METRICS), 64) for c in copies
+    ]
+    k = len(DEFAULT_METRICS)
+    for ascending in (None, [True] * len(copies)):
+        given = [np.sort(copy) if ascending else copy.copy() for copy in copies]
+        values, why, vectors = lane.measure(given, DEFAULT_METRICS, focus, 64, ascending)
+        for index, want in enumerate(expected):
+            for j, metric in enumerate(DEFAULT_METRICS):
+                got = MetricValue(values[index * k + j], why[index * k + j])
+                assert same_bits(got, want[metric]), (metric, specs[index], got, want[metric])
+            host = hosts[index].histogram if focus[index] and hosts[index].raw["finite"] else None
+            assert (vectors[index] is None) == (host is None)
+            if host is not None:
+                assert np.array(vectors[index]).tobytes() == np.array(host).tobytes()
+
+
+def test_a_tensors_moments_are_the_same_bits_alone_and_within_a_batch() -> None:
+    """`segment_sums` cuts a batch into chunks only where it would cut each tensor alone, also
+    for tensors longer than a chunk and chunks holding several tensors."""
+    rng = np.random.default_rng(5)
+    sizes = [3, numerics.CHUNK + 17, 5, 2 * numerics.CHUNK, 20_000, 40_000, 1, numerics.CHUNK]
+    parts = [rng.standard_normal(size).astype(np.float32) * 100 for size in sizes]
+    shifts = np.array([float(part[part.size // 2]) for part in parts])
+    counts = np.array(sizes)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    batch = numerics.segment_sums(np.concatenate(parts), starts, counts, shifts)
+    for index, part in enumerate(parts):
+        alone = numerics.segment_sums(
+            part, np.array([0]), counts[index : index + 1], shifts[index : index + 1]
+        )
+        for got, want in zip(batch[1:3], alone[1:3], strict=True):
+            assert got[index].tobytes() == want[0].tobytes(), sizes[index]
+
+
 def test_a_histogram_that_fails_is_none_and_the_values_stay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -159,7 +232,7 @@ def test_a_histogram_that_fails_is_none_and_the_values_stay(
 
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([3.0], dtype=np.float32)]
     expected = lane.measure(copies, ("mean",), [True, False], 64)[:2]
-    monkeypatch.setattr(numerics, "histogram_vector", broken)
+    monkeypatch.setattr(numerics, "sorted_histograms", broken)
     assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
     with as_batch():  # the batch's histogram too
         assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
@@ -219,7 +292,7 @@ def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
 
 
 def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = numerics.measure_array
+    original = numerics.measure_sorted
 
     def batch_broke(*args: object) -> object:
         raise RuntimeError("batch broke")
@@ -230,7 +303,7 @@ def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.Monke
         return original(values, *args)
 
     monkeypatch.setattr(lane, "segment_profiles", batch_broke)
-    monkeypatch.setattr(numerics, "measure_array", breaks_on_the_marked_copy)
+    monkeypatch.setattr(numerics, "measure_sorted", breaks_on_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
     good, bad = lane_rows(copies, ("mean", "max"))
     assert good == {"mean": MetricValue(1.5), "max": MetricValue(2.0)}
@@ -240,7 +313,7 @@ def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.Monke
 def test_the_lane_takes_only_small_plain_float32_cpu_tensors() -> None:
     assert lane.takes(torch.randn(4, 8))
     assert lane.takes(torch.randn(8, 4, requires_grad=True).t())  # any strides
-    assert not lane.takes(torch.randn(lane.BATCH_MAX + 1))  # the NumPy sort one by one
+    assert not lane.takes(torch.randn(lane.BATCH_MAX + 1))  # selected, not sorted
     assert not lane.takes(torch.empty(0))
     assert not lane.takes(torch.randn(4, dtype=torch.float64))
     assert not lane.takes(torch.randn(4).to(torch.bfloat16))
@@ -317,11 +390,9 @@ def test_a_run_writes_the_same_rows_with_and_without_the_lane(
     measured = []
     original = lane.measure
 
-    def counting(
-        copies: list[np.ndarray], metrics: tuple[str, ...], focus: list[bool], bins: int
-    ) -> object:
+    def counting(copies: list[np.ndarray], *args: Any) -> object:
         measured.append(len(copies))
-        return original(copies, metrics, focus, bins)
+        return original(copies, *args)
 
     monkeypatch.setattr(lane, "measure", counting)
     x = torch.randn(4, 8)

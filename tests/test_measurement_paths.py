@@ -30,6 +30,7 @@ from torchinstruments.records import (
     MetricValue,
     TensorKey,
 )
+from torchinstruments.spare_core import SpareCore
 
 from conftest import NoHostSync, Wrapped, assert_matches_numpy
 
@@ -311,7 +312,7 @@ def test_the_samples_one_transfer_gives_each_tensor_its_own_values() -> None:
     for index, array in enumerate(arrays):
         key = TensorKey(0, 0, LayerInfo(f"l{index}", "Linear"), 0, "output", "", "train", True)
         items.append(transfer.launch_tensor(measurer, key, torch.from_numpy(array), True))
-    (record,) = transfer.build_records("output", items, measurer.metrics, None)
+    (record,) = transfer.build_records("output", items, measurer.metrics, None, SpareCore())
     block, k = record.measurements, len(measurer.metrics)
     assert isinstance(block, MeasurementBlock)
     for index, array in enumerate(arrays):

@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, spare_core
+from torchinstruments.measurement import lane, numerics, transfer
+from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.records import LayerInfo, MeasurementBlock, TensorKey
 from torchinstruments.spare_core import (
     LARGEST_COPY,
     SMALLEST_COPY,
@@ -194,6 +198,100 @@ def test_close_finishes_every_waiting_copy_then_stops_the_worker() -> None:
         assert all(item.done for item in waiting if isinstance(item, Deferred))
         assert spare.run(lambda t: total(gate, t), ones) == SMALLEST_COPY, "closed: at once"
     assert len(workers()) == before
+
+
+def mlp() -> nn.Module:
+    """Outputs of 64 x 256 entries: the lane's copies that the spare core sorts."""
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
+
+
+def mlp_step(model: nn.Module, _: int) -> torch.Tensor:
+    """One forward and backward of the MLP on a fixed batch."""
+    output = model(torch.randn(64, 256))
+    output.square().mean().backward()
+    return output
+
+
+def test_the_lanes_copies_sorted_on_the_spare_core_give_the_rows_of_one_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sorted_on: list[str] = []
+
+    def sort_in_place(copy: np.ndarray) -> np.ndarray:
+        sorted_on.append(threading.current_thread().name)
+        return original(copy)
+
+    original = lane.sort_in_place
+    monkeypatch.setattr(lane, "sort_in_place", sort_in_place)
+    model = mlp()
+    twin = copy.deepcopy(model)
+    runs = []
+    for count, directory in ((len(CORES), "spared"), (1, "here")):
+        observed = model if count > 1 else twin
+        with cores(count):
+            inject_observer(
+                observed, output_dir=tmp_path / directory, sampler=EveryNForwardsSampler(1)
+            )
+            try:
+                for i in range(3):
+                    torch.manual_seed(1000 + i)
+                    mlp_step(observed, i)
+            finally:
+                remove_observer(observed)
+        history = pl.read_parquet(tmp_path / directory / "history.parquet").drop("timestamp")
+        runs.append(history.sort("sample_id", "signal", "layer", "call_index", "metric"))
+    assert len(sorted_on) == 3 * 2 * 4, "every output and gradient, with a spare core only"
+    assert WORKER in sorted_on, "the worker sorted copies"
+    assert runs[0].height == runs[1].height > 0
+    assert runs[0].equals(runs[1], null_equal=True)
+
+
+def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Copies kept until the end of their pass count against `MAX_BYTES_HELD`: beyond it a
+    tensor is measured at once (the host path: the same values); the pass's end frees them."""
+    measurer = Measurer(None)
+    spare = SpareCore()
+    nbytes = 4 * 64 * 256
+    monkeypatch.setattr(spare_core, "MAX_BYTES_HELD", 2 * nbytes)
+    tensors = [torch.randn(64, 256) for _ in range(3)]
+    with cores(1):  # no worker: only the bound is at work
+        launched = [
+            transfer.launch(measurer, key_of(index), tensor, False, spare)
+            for index, tensor in enumerate(tensors)
+        ]
+        assert [type(item) for item in launched] == [tuple, tuple, transfer.Measured]
+        (record,) = transfer.build_records("output", launched, measurer.metrics, None, spare)
+        assert spare.hold(2 * nbytes), "the pass's copies were released"
+    block, metrics = record.measurements, measurer.metrics
+    assert isinstance(block, MeasurementBlock)
+    for index, tensor in enumerate(tensors):
+        raw = numerics.measure_on_cpu(tensor, frozenset(metrics), None).raw
+        want = numerics.DefaultDeriver(tensor.numel(), frozenset(metrics))(raw)
+        got = block.values[index * len(metrics) : (index + 1) * len(metrics)]
+        assert got == [want[metric].value for metric in metrics], "the same bits on either path"
+
+
+def key_of(index: int) -> TensorKey:
+    """The key of output `index` of sample 0."""
+    return TensorKey(0, 0, LayerInfo(f"l{index}", "Linear"), 0, "output", "", "train", True)
+
+
+def test_buffers_are_lent_to_one_pass_at_a_time_and_kept_for_the_next() -> None:
+    spare = SpareCore()
+    with spare.buffers() as buffers:
+        first = buffers.array("ordered", 1000, np.float32)
+        with spare.buffers() as other:  # a second pass at once: arrays of its own
+            assert not np.shares_memory(other.array("ordered", 1000, np.float32), first)
+    with spare.buffers() as buffers:
+        again = buffers.array("ordered", 500, np.float32)
+        assert np.shares_memory(again, first), "the next pass reuses the array"
+        assert buffers.array("ordered", 2000, np.float32).size == 2000  # larger: a new one
+        huge = buffers.array("huge", spare_core.KEPT_BYTES // 4 + 1, np.float32)
+    with spare.buffers() as buffers:
+        assert not np.shares_memory(buffers.array("huge", huge.size, np.float32), huge)
+    spare.close()
 
 
 def test_the_ranks_of_a_node_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,7 +261,7 @@ class GradientRecorder:
             return
         try:
             for record in build_records(
-                OUTPUT_GRADIENT, pending, self._measurer.metrics, self._rank
+                OUTPUT_GRADIENT, pending, self._measurer.metrics, self._rank, self._spare
             ):
                 if record.sample_id not in self._recent:
                     self._recent.append(record.sample_id)

@@ -7,9 +7,8 @@ is dropped without `remove_observer` is collected and its run is finalized by `w
 Timing of work, by design:
 - unsampled root forward: one Python call of `on_root_call` (counter, sampler) and nothing per
   layer: layer proxies are installed only for the duration of a sampled root forward;
-- sampled root forward: each tensor is measured as the layer returns (a later in-place op cannot
-  change what was measured): on the host or the spare core (`spare_core`, on a copy), or by
-  reductions on its device, whose results cross in one transfer per device at the forward's end;
+- sampled root forward: each tensor is measured as it was returned (the lane's or the spare
+  core's copy, host statistics, or device reductions crossing in one transfer at the end);
 - backward: `gradients.GradientRecorder` (the hooks on sampled outputs, one transfer per pass).
 
 A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_output` ->
@@ -526,10 +525,11 @@ class Observer:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         self._end_sample(sample)
         extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.warn_once)
+        metrics = self.measurer.metrics
         try:
-            records = build_records(OUTPUT, sample.pending, self.measurer.metrics, self.rank)
-            if not records:
-                records = [SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())]
+            records = build_records(OUTPUT, sample.pending, metrics, self.rank, self.spare) or [
+                SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())
+            ]
             if sample.interrupted is not None:
                 extra = (*extra, sample.interrupted)
             if extra:  # global rows (global_statistics), then the marker row

@@ -4,25 +4,28 @@ Each family is written once; its "generic" functions take NumPy arrays, torch te
 floats alike, so every path runs the same IEEE operations in the same order:
 
 * Quantiles (`quartile_positions`, `lerp`): the two order statistics around each quartile and
-  NumPy's "linear" interpolation; the order statistics come from `order.HostSelection` (a sort
-  up to `order.SMALL` entries, selection in linear time above), `order.on_device`, or one sort
-  of the lane's batch (`lane.sorted_segments`).
+  NumPy's "linear" interpolation; the order statistics come from a sorted copy up to
+  `order.SMALL` entries (`measure_sorted`, and the lane's sorted copies), from
+  `order.HostSelection` (selection in linear time) above, or from `order.on_device`.
 * Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
   device): the shifted-data algorithm in float64, shifted by an entry near the median on the host
-  (one pass) and by the mean on the device (two), float64 inputs scaled by a power of two
-  (exact), so neither a variance nor a sum of huge values overflows into a null.
-* Histogram counts (`edges`, `thresholds`, `bin_counts`): each inner edge becomes the smallest
-  working-dtype value >= it and an entry's bin is the number of those <= it, so counts agree with
-  the reported edges as `numpy.histogram` bins them, however narrow the bins.
+  (one pass, over the sorted entries where there are such) and by the mean on the device (two),
+  float64 inputs scaled by a power of two (exact), so neither a variance nor a sum of huge
+  values overflows into a null.
+* Histogram counts (`edges`, `thresholds`, and `bin_counts`, or `sorted_histograms` by bisection
+  of sorted entries): each inner edge becomes the smallest working-dtype value >= it and an
+  entry's bin is the number of those <= it, so counts agree with the reported edges as
+  `numpy.histogram` bins them, however narrow the bins.
 
-Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `lane.segment_profiles` (the
-same arithmetic, so the same bits), `raw_on_device`. `tests/test_reads.py` counts the reads of a
+Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `lane.measure` (the same
+arithmetic, so the same bits), `raw_on_device`. `tests/test_reads.py` counts the reads of a
 float32 CPU tensor above `order.SMALL` entries: once if finite (the moments' pass also counts
 zeros, shows finiteness and feeds the selection's brackets, min and max) plus a random sample
 (`order.sample_positions`), a focus tensor's histogram once more; with non-finite entries,
 three times (that pass, finiteness, a copy of the finite entries, which the passes after read).
-Up to `order.SMALL` entries a sort comes first (its ends show finiteness; bisections count
-zeros and the histogram); a float64 tensor's finiteness is a pass of its own. A non-finite
+Up to `order.SMALL` entries a sorted copy is read instead (its ends show finiteness, bisections
+find its finite part, its zeros and the histogram's counts, the moments' pass reads it once); a
+float64 tensor's finiteness is a pass of its own. A non-finite
 result is null ("non-finite result"); -0.0 is reported as 0.0.
 """
 
@@ -32,6 +35,7 @@ import contextlib
 import functools
 import math
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +57,17 @@ __all__ = [
     "device_sums",
     "edges",
     "finish_moments",
+    "finite_part",
     "histogram_vector",
     "lerp",
     "measure_array",
     "measure_on_cpu",
+    "measure_sorted",
     "metric_value",
     "quartile_positions",
     "raw_on_device",
     "segment_sums",
+    "sorted_histograms",
     "thresholds",
 ]
 
@@ -167,6 +174,7 @@ def finish_moments(
 
 
 _FIRST = np.zeros(1, dtype=np.intp)  # reduceat's start of a chunk's only segment
+_FEW_SEGMENTS = 8  # a chunk of at most this many segments subtracts each one's shift in place
 
 
 def segment_sums(
@@ -175,16 +183,18 @@ def segment_sums(
     counts: np.ndarray,
     shifts: np.ndarray,
     visit: Any = None,
+    scratch: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Per segment of finite float32/float64 `values` (`starts` ascending, `counts` >= 1), with
     `shifts` (float64, one per segment, near its median): what `finish_moments` takes (the
     shifts scaled, the deviations' squares and sums) and the scale (one power of two per call,
     for float64 values whose squares could overflow or underflow).
 
-    One pass over float64 deviations, one `CHUNK` at a time, segmented. A segment's sums depend
-    only on its entries, its shift and where chunks cut it, so a tensor alone and within a batch
-    give the same bits. `visit` sees each chunk (`order.HostSelection` reads it while it is in
-    the cache).
+    One pass over float64 deviations, at most `CHUNK` entries at a time, segmented. A segment's
+    sums depend only on its entries, its shift and where chunks cut it, which is where they cut
+    it alone (`_chunk_end`), so a tensor alone and within a batch give the same bits. `visit` sees each chunk (`order.HostSelection` reads it while it is in
+    the cache). `scratch`: float64 room for the deviations of a chunk (at most `CHUNK`
+    entries), else one array is made.
     """
     scale = 1.0
     if values.dtype == np.float64:
@@ -197,8 +207,9 @@ def segment_sums(
     ends = starts + counts
     squares, residual = np.zeros(counts.size), np.zeros(counts.size)
     end = int(ends[-1])
-    for lo in range(int(starts[0]), end, CHUNK):
-        hi = min(lo + CHUNK, end)
+    lo = int(starts[0])
+    while lo < end:
+        hi = _chunk_end(starts, lo, end)
         chunk = values[lo:hi]
         if visit is not None:
             visit(chunk)
@@ -209,14 +220,34 @@ def segment_sums(
             first = int(np.searchsorted(ends, lo, side="right"))
             last = int(np.searchsorted(starts, hi, side="left"))
             local = np.maximum(starts[first:last] - lo, 0)
-        deviations = piece.astype(np.float64)  # then subtracted in place: a quarter faster
+        if scratch is None:  # one array for every chunk: fresh pages cost a fault each
+            scratch = np.empty(min(CHUNK, end - lo))
+        deviations = scratch[: piece.size]
+        np.copyto(deviations, piece)
         if last - first == 1:
             deviations -= shifts[first]
+        elif last - first <= _FEW_SEGMENTS:  # a slice each: no repeated shifts to allocate
+            bounds = [*local.tolist(), hi - lo]
+            for segment in range(first, last):
+                deviations[bounds[segment - first] : bounds[segment - first + 1]] -= shifts[segment]
         else:
             deviations -= np.repeat(shifts[first:last], np.diff(local, append=hi - lo))
         residual[first:last] += np.add.reduceat(deviations, local)
         squares[first:last] += np.add.reduceat(np.square(deviations, out=deviations), local)
+        lo = hi
     return shifts, squares, residual, scale
+
+
+def _chunk_end(starts: np.ndarray, lo: int, end: int) -> int:
+    """Where the chunk that begins at `lo` ends: at most `CHUNK` entries on, at the start of
+    a segment (the last one there) unless one segment covers the whole span (then cut `CHUNK`
+    entries on; `lo` is then that segment's start or a cut of it, `CHUNK` apart). So every
+    segment is cut where it would be alone, and a tensor's sums are the same bits alone and in
+    a batch."""
+    if lo + CHUNK >= end or starts.size == 1:
+        return min(lo + CHUNK, end)
+    start = int(starts[np.searchsorted(starts, lo + CHUNK, side="right") - 1])
+    return start if start > lo else lo + CHUNK
 
 
 def device_sums(
@@ -250,7 +281,8 @@ def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
 
 def edges(low: _Array, high: _Array, bins: int) -> _Array:
     """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair):
-    float64 NumPy arrays for float `low`/`high`, else tensors on their device."""
+    float64 NumPy arrays for float `low`/`high` (a row each for columns of them), else tensors
+    on their device."""
     if isinstance(low, torch.Tensor):
         steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
         complement = 1.0 - steps
@@ -258,10 +290,10 @@ def edges(low: _Array, high: _Array, bins: int) -> _Array:
         out = torch.minimum(torch.maximum(out, low), high)
         return torch.cat([low.reshape(1), out[1:-1], high.reshape(1)])
     steps, complement = _steps(bins)
-    out = low * complement + high * steps
-    np.maximum.accumulate(out, out=out)
+    out = low * complement + high * steps  # one row per pair, if they are columns
+    np.maximum.accumulate(out, axis=-1, out=out)
     np.minimum(np.maximum(out, low, out=out), high, out=out)
-    out[0], out[-1] = low, high
+    out[..., :1], out[..., -1:] = low, high
     return out
 
 
@@ -276,8 +308,8 @@ def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
 
 def thresholds(edges: _Array, dtype: Any) -> _Array:
     """Per inner edge, the smallest value of the working `dtype` >= it, so that for every x of
-    `dtype`, x < edge exactly when x < threshold (generic)."""
-    inner = edges[1:-1]
+    `dtype`, x < edge exactly when x < threshold (generic; per row of NumPy `edges`)."""
+    inner = edges[..., 1:-1]
     if isinstance(inner, torch.Tensor):
         rounded = inner.to(dtype)
         up = torch.nextafter(rounded, torch.full_like(rounded, math.inf))
@@ -288,13 +320,10 @@ def thresholds(edges: _Array, dtype: Any) -> _Array:
     return rounded
 
 
-def bin_counts(
-    values: _Array, bounds: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
-) -> _Array:
+def bin_counts(values: _Array, bounds: _Array, bins: int, finite: _Array | None = None) -> _Array:
     """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
     generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
-    is False are in none. float64 counts. For `ascending` NumPy values, the entries below each
-    threshold are found by bisection."""
+    is False are in none. float64 counts. (Ascending NumPy values: `sorted_histograms`.)"""
     limits = thresholds(bounds, values.dtype)
     if isinstance(values, torch.Tensor):
         index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
@@ -302,9 +331,6 @@ def bin_counts(
             index = torch.where(finite, index, bins)
         counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
-    if ascending:
-        below = np.concatenate([[0], np.searchsorted(values, limits), [values.size]])
-        return np.diff(below).astype(np.float64)
     low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
     missed = _misguessed(limits, low, bins, span)
     if missed is None:  # bins narrower than the guess resolves: a bisection per entry
@@ -366,11 +392,32 @@ def histogram_vector(
     edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
     low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
+    if ascending and not isinstance(values, torch.Tensor):
+        return sorted_histograms([values], [(count, low, high, total, sum_squares)], bins)[0]
     bounds = edges(low, high, bins)
-    counts = bin_counts(values, bounds, bins, finite, ascending)
+    counts = bin_counts(values, bounds, bins, finite)
     if isinstance(values, torch.Tensor):
         return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
     return [float(count), low, high, total, sum_squares, *bounds.tolist(), *counts.tolist()]
+
+
+def sorted_histograms(
+    parts: Sequence[np.ndarray], heads: Sequence[Sequence[float]], bins: int
+) -> list[list[float]]:
+    """`histogram_vector` of ascending finite NumPy arrays of one dtype (`heads`: each one's
+    count, min, max, sum and sum of squares), all at once: their `edges` and `thresholds` as
+    rows of one array, the entries below each threshold found by bisection (a call per
+    array)."""
+    head = np.array(heads, dtype=np.float64).reshape(len(parts), 5)
+    head[:, 1:3] += 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
+    bounds = edges(head[:, 1:2], head[:, 2:3], bins)
+    limits = thresholds(bounds, parts[0].dtype)
+    below = np.empty((len(parts), bins + 1), dtype=np.int64)
+    below[:, 0] = 0
+    for row, part in enumerate(parts):
+        below[row, 1:-1] = part.searchsorted(limits[row])
+        below[row, -1] = part.size
+    return np.concatenate([head, bounds, np.diff(below, axis=1)], axis=1).tolist()
 
 
 # --- the host paths: one tensor, or many small ones -----------------------------------------------
@@ -395,58 +442,110 @@ def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | Non
 
 
 def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's). A
-    float32 one is presumed finite (as its sorted copy's ends or its moments' pass show), else
-    measured again from its finite copy."""
-    if array.dtype == np.float32 and array.size:
-        select = order.HostSelection(array)
-        ordered = select.ordered
-        if ordered is None or (math.isfinite(ordered[0]) and math.isfinite(ordered[-1])):
-            with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
-                return _measure_finite(array, wanted, bins, select)
+    """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's):
+    up to `order.SMALL` entries `measure_sorted` of a sorted copy, above them selected. A float32
+    one is presumed finite (as its moments' pass shows), else measured again from its finite
+    copy."""
+    if array.size <= order.SMALL:
+        return measure_sorted(np.sort(array), wanted, bins)
+    if array.dtype == np.float32:
+        with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
+            return _measure_selected(array, wanted, bins)
     finite = np.isfinite(array)
     values = array if finite.all() else array[finite]
-    if values.size == 0:  # no finite entry: no zero either
+    if values.size <= order.SMALL:
+        return measure_sorted(np.sort(values), wanted, bins)
+    return _measure_selected(values, wanted, bins)
+
+
+# Per dtype, 0 and the least positive value: the entries below them are the negative ones and
+# those at most 0 (-0.0 is not below 0.0), so the zeros lie between.
+_ZERO_BOUNDS = {
+    np.dtype(t): np.array([0, np.nextafter(t(0), t(1))], dtype=t) for t in (np.float32, np.float64)
+}
+
+
+def measure_sorted(ordered: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
+    """`measure_array` of an ascending float32/float64 array (as `np.sort` leaves it: -inf
+    first, +inf and NaN last), read by bisection and the moments' pass only: its finite entries
+    lie between the infinities, its zeros between the negative entries and the positive ones.
+    The lane measures each of its sorted copies with it, so both give the same bits."""
+    values, zeros = finite_part(ordered)
+    size = values.size
+    if not size:  # no finite entry: no zero either
         return CpuResult(
             {"zeros": 0.0, "finite": 0.0}, [0.0] * (5 + 2 * bins + 1) if bins else None
         )
-    return _measure_finite(values, wanted, bins, order.HostSelection(values))
+    names, weights, ranks = _positions(size, wanted)
+    shift = np.array([float(values[size // 2])])  # the middle entry (the lane's too)
+    sums = segment_sums(values, _FIRST, np.array([size]), shift)
+    picked = values.take(ranks).tolist()
+    return _result(values, zeros, picked, names, weights, sums, bins, True)
 
 
-def _measure_finite(
-    values: np.ndarray, wanted: frozenset[str], bins: int | None, select: order.HostSelection
-) -> CpuResult:
-    """`measure_array` of `values` presumed finite (at least one; `select`: their selection),
-    or `_NotFiniteError` (a sum of squares is not finite; those of finite entries are): the
-    lane's `_segment_arrays` for one segment, in Python floats (`_Floats`), so the same bits."""
-    size = values.size
-    last = float(size - 1)
-    names = [name for name in QUARTILES if name in wanted]
-    weights = [quartile_positions(last, QUARTILES[name]) for name in names]
-    lows = [int(low) for low, _ in weights]
-    select.want([0, size - 1, *lows, *(min(low + 1, size - 1) for low in lows)])
-    ordered = select.ordered
-    visit = select.visit if ordered is None else None
-    sums = segment_sums(values, _FIRST, np.array([size]), np.array([select.pivot()]), visit)
-    shifted, squares, residual, scale = sums
-    if not math.isfinite(squares[0]):
+def finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
+    """The finite entries of an ascending array (as `np.sort` leaves it: -inf first, +inf
+    and NaN last), a view, and how many of them are zeros, by bisection."""
+    first, end = 0, ordered.size
+    if end and not (math.isfinite(ordered[0]) and math.isfinite(ordered[-1])):
+        first = int(ordered.searchsorted(ordered.dtype.type(-math.inf), "right"))
+        end = int(ordered.searchsorted(ordered.dtype.type(math.inf), "left"))
+    values = ordered[first:end]
+    negative, not_positive = values.searchsorted(_ZERO_BOUNDS[values.dtype]).tolist()
+    return values, not_positive - negative
+
+
+def _measure_selected(values: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
+    """`measure_array` of over `order.SMALL` entries presumed finite, order statistics by
+    selection (`order.HostSelection`, fed by the moments' pass), or `_NotFiniteError` (a sum
+    of squares is not finite; those of finite entries are)."""
+    select = order.HostSelection(values)
+    names, weights, ranks = _positions(values.size, wanted)
+    select.want(ranks)
+    size = np.array([values.size])
+    sums = segment_sums(values, _FIRST, size, np.array([select.pivot()]), select.visit)
+    if not math.isfinite(sums[1][0]):
         raise _NotFiniteError
-    raw = {"zeros": float(select.zeros()), "finite": float(size)}
+    return _result(values, select.zeros(), select.selected(), names, weights, sums, bins, False)
+
+
+def _positions(size: int, wanted: frozenset[str]) -> tuple[list[str], list[Any], list[int]]:
+    """The wanted quartiles, each one's (lower position, weight), and the sorted positions to
+    read among `size` entries: min, max, each quartile's lower then upper neighbours."""
+    last = size - 1
+    names = [name for name in QUARTILES if name in wanted]
+    weights = [quartile_positions(float(last), QUARTILES[name]) for name in names]
+    lows = [int(low) for low, _ in weights]
+    return names, weights, [0, last, *lows, *(min(low + 1, last) for low in lows)]
+
+
+def _result(
+    values: np.ndarray,
+    zeros: int,
+    picked: list[float],
+    names: list[str],
+    weights: list[Any],
+    sums: tuple[np.ndarray, np.ndarray, np.ndarray, float],
+    bins: int | None,
+    ascending: bool,
+) -> CpuResult:
+    """One tensor's raw values and histogram from its finite `values`, its count of zeros, the
+    entries at `_positions` and its `segment_sums`: the lane's `_segment_arrays` for one
+    segment, in Python floats (`_Floats`), so the same bits."""
+    shifted, squares, residual, scale = sums
+    size = values.size
+    raw = {"zeros": float(zeros), "finite": float(size)}
     moments = finish_moments(float(shifted[0]), float(squares[0]), float(residual[0]), size, scale)
     raw["mean"], raw["std"], raw["sum"], raw["sum_squares"] = moments
-    picked = select.selected()
     raw["min"], raw["max"] = picked[0], picked[1]
     for index, (name, (_, weight)) in enumerate(zip(names, weights, strict=True)):
         raw[name] = lerp(picked[2 + index], picked[2 + len(names) + index], weight)
     if not bins:
         return CpuResult(raw, None)
     head = (size, moments[2], moments[3])
-    low, high, vector = picked[0], picked[1], None
+    vector = None
     with contextlib.suppress(Exception):  # a failure: no histogram, as in the lane's batch
-        if ordered is None:
-            vector = histogram_vector(values, low, high, head, bins)
-        else:  # counted by bisection
-            vector = histogram_vector(ordered, low, high, head, bins, None, True)
+        vector = histogram_vector(values, picked[0], picked[1], head, bins, None, ascending)
     return CpuResult(raw, vector)
 
 

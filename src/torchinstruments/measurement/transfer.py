@@ -6,18 +6,21 @@ with one transfer each, then resolved into metric values and `HistogramRecord`s.
 only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy), measures a plain CPU tensor when the default profile
-is the only reducer (`Measured`: values, reasons and histogram vector, nothing to resolve later;
-at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or launches its
-reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits for what the
-spare core measures, measures the lane's copies in one segmented pass, transfers and resolves
-the general path's results, and returns one `SampleRecord` per sample whose measurements are a
-`MeasurementBlock`, in launch order. The lane's torch ops per sample do not grow with the layers.
+small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound and sorted there when
+a core is spare, else measured as a host tensor), measures a plain CPU tensor when the default
+profile is the only reducer (`Measured`: values, reasons and histogram vector, nothing to
+resolve later; at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or
+launches its reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits
+for what the spare core measures or sorts, measures the lane's copies together, transfers and
+resolves the general path's results, and returns one `SampleRecord` per sample whose
+measurements are a `MeasurementBlock`, in launch order. The lane's torch ops per sample do not
+grow with the layers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,7 +117,7 @@ def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
 
 # A tensor the small-tensor lane took: its key (an output's key, also for its gradient: the
 # signal is the batch's), when it was measured, its shape, its values' copy and its focus.
-LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
+LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray | Deferred[np.ndarray], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +152,24 @@ def launch(
             path = paths.choose(tensor, host_paths=measurer.host_paths, lane_ok=True)
             if path == "lane":
                 copy = lane.copy_values(tensor)
-                return (key, time.time_ns() // 1000, tuple(tensor.shape), copy, focus)
+                if spare.hold(_held_bytes(copy.size)):  # else the lane keeps enough: now
+                    waiting = None  # sorted on the spare core, if one is, as the pass goes on
+                    if copy.size >= lane.SORT_EACH_FROM:
+                        waiting = spare.later(lane.sort_in_place, copy)
+                    stamp = time.time_ns() // 1000
+                    return (key, stamp, tuple(tensor.shape), waiting or copy, focus)
+                path = "host"
             if path == "host" and _measured_here(tensor):
                 return spare.run(partial(_measure, measurer, key, focus, time.time_ns()), tensor)
         except Exception:  # handed to the general path, which gives null + reason if it fails too
             pass
     return launch_tensor(measurer, key, tensor, focus)
+
+
+def _held_bytes(numel: int) -> int:
+    """The bytes a lane copy of `numel` entries counts against `spare_core.MAX_BYTES_HELD`:
+    those of `lane.HELD_FROM` entries or more (fewer are bounded by the count of layers)."""
+    return 4 * numel if numel >= lane.HELD_FROM else 0
 
 
 def _measured_here(tensor: torch.Tensor) -> bool:
@@ -190,14 +205,24 @@ def build_records(
     launched: Sequence[Launched],
     metrics: tuple[str, ...],
     rank: int | None,
+    spare: SpareCore,
 ) -> list[SampleRecord]:
     """Measure the lane's tensors, transfer the others' results to the host, and resolve all of
     them into one record per sample, in launch order."""
-    ready = results(launched)
-    lane_items = [item for item in ready if type(item) is tuple]
-    lane_values, lane_reasons, lane_histograms = lane.measure(
-        [item[3] for item in lane_items], metrics, [item[4] for item in lane_items], DEFAULT_BINS
-    )
+    try:
+        ready = results(launched)
+        lane_items = [item for item in ready if type(item) is tuple]
+        copies = [item[3] for item in lane_items]
+        ascending = [isinstance(copy, Deferred) for copy in copies]  # sorted on the spare core
+        focus = [item[4] for item in lane_items]
+        with spare.buffers() as buffers:
+            measured = lane.measure(
+                results(copies), metrics, focus, DEFAULT_BINS, ascending, buffers
+            )
+    finally:  # the lane's copies are dropped with the pass, however it ends
+        kept = (math.prod(item[2]) for item in launched if type(item) is tuple)
+        spare.release(sum(_held_bytes(numel) for numel in kept))
+    lane_values, lane_reasons, lane_histograms = measured
     host = _to_host([item for item in ready if type(item) is PendingTensor])
     k = len(metrics)
     values: list[float | None] = []

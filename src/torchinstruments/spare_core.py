@@ -26,12 +26,12 @@ Copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a
 it is measured on the training thread at once, so memory stays bounded however far the worker
 falls behind. The lane's copies of `lane.HELD_FROM` entries or more live until the end of their
 pass, at most `MAX_BYTES_HELD` (64 MiB) of them at once (`hold`, `release`); beyond, a tensor is
-measured at once. A job costs one object and, when the worker sleeps and `WAKE_AT` jobs wait,
-one wake-up (a system call, about 12 us here); one lock guards every job's state. The worker is
-a daemon thread started at the first job and stopped when the observer closes. The step's CPU
-time summed over threads is not reduced (the copies add to it); bench/sampled.py prints it next
-to the wall time. Jobs are NumPy calls that release the GIL: Python run on the worker between
-them would hold the training thread's Python back.
+measured at once. A job costs one object and, when the worker sleeps (for sorts: once
+`WAKE_AT` of them wait), one wake-up (a system call, about 12 us here); one lock guards every
+job's state. The worker is a daemon thread started at the first job and stopped when the
+observer closes. The step's CPU time summed over threads is not reduced (the copies add to it);
+bench/sampled.py prints it next to the wall time. Jobs are NumPy calls that release the GIL:
+Python run on the worker between them would hold the training thread's Python back.
 
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).
@@ -70,8 +70,9 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 MAX_BYTES_IN_FLIGHT = 256 * 2**20
-# The worker is woken when this many jobs wait: each wake-up costs the waking thread a system
-# call (about 12 us here); a job left alone is computed by whoever asks for it (`results`).
+# The worker is woken for a tensor's measurement (`run`), and for sorts (`later`) when this
+# many wait: each wake-up costs the waking thread a system call (about 12 us here), more than
+# a third of a sort of 16,384 entries; a job left alone is computed by whoever asks for it.
 WAKE_AT = 2
 # The most `Buffers` keeps per array (a batch of 2**22 float32 entries).
 KEPT_BYTES = 16 * 2**20
@@ -279,8 +280,8 @@ class SpareCore:
                     target=self._work, name="torchinstruments-spare-core", daemon=True
                 )
                 self._thread.start()
-            elif self._sleeping and len(self._queue) >= WAKE_AT:
-                self._ready.notify()
+            elif self._sleeping and (nbytes or len(self._queue) >= WAKE_AT):
+                self._ready.notify()  # a tensor's measurement at once, sorts a few at a time
         return deferred
 
     def hold(self, nbytes: int) -> bool:

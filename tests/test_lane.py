@@ -1,7 +1,7 @@
 """The small-tensor lane: the same numbers as the general path, bit for bit, in fewer objects.
 
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
-arrays (`lane.segment_profiles`) and records them as a `MeasurementBlock`. These tests hold
+arrays (`lane.sorted_profiles`) and records them as a `MeasurementBlock`. These tests hold
 it to the general path's values (the NumPy path followed by `DefaultDeriver`, itself held to
 NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
 existing: few objects for the garbage collector per measured tensor.
@@ -245,7 +245,7 @@ def test_fewer_copies_than_a_batch_are_measured_alone_with_the_batchs_bits(
 ) -> None:
     """Below `lane.BATCH_FROM` copies each is measured by the host path: the values, reasons
     and histogram vectors a batch of the same copies gives, bit for bit."""
-    copies = [np.array(segment, dtype=np.float32) for segment in data]
+    copies = [np.array(segment, dtype=np.float32) for segment in data[: lane.BATCH_FROM - 1]]
     focus = draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
     assert len(copies) < lane.BATCH_FROM
     alone = lane.measure(copies, DEFAULT_METRICS, focus, 64)
@@ -302,7 +302,7 @@ def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.Monke
             raise RuntimeError("this tensor broke")
         return original(values, *args)
 
-    monkeypatch.setattr(lane, "segment_profiles", batch_broke)
+    monkeypatch.setattr(lane, "sorted_profiles", batch_broke)
     monkeypatch.setattr(numerics, "measure_sorted", breaks_on_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
     good, bad = lane_rows(copies, ("mean", "max"))

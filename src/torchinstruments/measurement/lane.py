@@ -9,19 +9,15 @@ transforms, when the default profile is the only reducer. At the layer's return 
 gradient arrives) it copies the values into a NumPy array (a later in-place op cannot change
 them; the collector does not track arrays) and keeps nothing else; at the end of the pass,
 `measure` reduces the copies together into flat lists for a `records.MeasurementBlock`, and a
-focus layer's histograms from the same sorted copies:
-
-* copies of `SORT_EACH_FROM` entries or more are each sorted in place by one NumPy sort, as
-  the host path sorts a tensor alone (on the spare core while the pass goes on, when there is
-  one: `spare_core.SpareCore.later`), then measured in one vectorised pass (`sorted_profiles`);
-* shorter ones, when there are `BATCH_FROM` of them, in one segmented pass with ONE sort of
-  all of them (`segment_profiles`), which costs less than a call each.
-
-Both give the host path's numbers bit for bit (`numerics.measure_sorted`: the same arithmetic on
-the same sorted entries, the moments' chunks cut where they would cut a tensor alone); fewer
-short copies than `BATCH_FROM`, or a failing batch, are measured one by one by that function.
-Copies of `HELD_FROM` entries or more count against the observer's bound on kept copies
-(`spare_core.MAX_BYTES_HELD`): beyond it a tensor is measured at once by the host path.
+focus layer's histograms from the same sorted copies: each copy is sorted in place by one
+NumPy sort, as the host path sorts a tensor alone (on the spare core while the pass goes on,
+when there is one and the copy has `SORT_EACH_FROM` entries: `spare_core.SpareCore.later`),
+then all are measured in one vectorised pass (`sorted_profiles`): the host path's numbers bit
+for bit (`numerics.measure_sorted`: the same arithmetic on the same sorted entries, the moments'
+chunks cut where they would cut a tensor alone). Fewer copies than `BATCH_FROM`, or a failing
+batch, are measured one by one by that function. Copies of `HELD_FROM` entries or more count
+against the observer's bound on kept copies (`spare_core.MAX_BYTES_HELD`): beyond it a tensor
+is measured at once by the host path.
 """
 
 from __future__ import annotations
@@ -44,26 +40,23 @@ __all__ = [
     "SORT_EACH_FROM",
     "copy_values",
     "measure",
-    "segment_profiles",
     "sort_in_place",
     "sorted_profiles",
-    "sorted_segments",
     "takes",
 ]
 
 # The metrics the lane computes, in the order of `numerics.PROFILE`.
 _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
-# The lane takes float32 tensors of at most BATCH_MAX entries; a batch's fixed cost (about 0.2 ms
-# in a training step) is that of measuring BATCH_FROM copies alone.
-BATCH_MAX, BATCH_FROM = order.SMALL, 16
-# Copies of this many entries are sorted one by one, not in the batch's one sort (`measure`).
+# The lane takes float32 tensors of at most BATCH_MAX entries (those the host path sorts too); a
+# batch's fixed cost is that of measuring about BATCH_FROM copies alone.
+BATCH_MAX, BATCH_FROM = order.SMALL, 4
+# Copies of this many entries are sorted on the spare core, if there is one (a job each), and
+# copies this long on average have their finite parts found by bisection (`sorted_profiles`).
 SORT_EACH_FROM = 512
 # Copies of this many entries count against the copies an observer keeps at once (the caller
 # checks: `spare_core.SpareCore.hold`); smaller ones are bounded by the count of layers.
 HELD_FROM = 1 << 10
-_KEY_OFFSET = 1 << 31  # float32 keys shifted into [0, 2**32) below the segment index
-_INF_KEY = 0x7F800000  # the key of +inf: non-finite entries sort after every finite one
 
 
 def takes(tensor: torch.Tensor) -> bool:
@@ -107,45 +100,26 @@ def measure(
     and per copy its `bins` histogram vector where `focus` (`numerics.histogram_vector`'s
     layout), else (and where it has no finite entry or fails) None. Never raises.
 
-    Copies of `SORT_EACH_FROM` entries or more are sorted in place (they are the lane's own),
-    each by one NumPy sort as the host path sorts a tensor, then measured together
-    (`sorted_profiles`); shorter ones in one segmented pass with one sort for all
-    (`segment_profiles`) when there are `BATCH_FROM` of them. The others, and those of a batch
-    that fails, are measured each alone by the host path (`numerics.measure_sorted`: the same
-    numbers); a copy that fails alone is null with the error as the reason, no histogram."""
-    k = len(metrics)
+    Each copy not already `ascending` is sorted in place (they are the lane's own), as the host
+    path sorts a tensor alone; `BATCH_FROM` copies or more are then measured together
+    (`sorted_profiles`). Fewer, and those of a batch that fails, are measured each alone by the
+    host path (`numerics.measure_sorted`: the same numbers); a copy that fails alone is null
+    with the error as the reason, no histogram."""
     ascending = ascending or [False] * len(copies)
-    rows: list[_Row | None] = [None] * len(copies)
-    long = [index for index, copy in enumerate(copies) if copy.size >= SORT_EACH_FROM]
-    short = [index for index, copy in enumerate(copies) if copy.size < SORT_EACH_FROM]
-    for chosen, presorted in ((long, True), (short, False)):
-        if not chosen or (not presorted and len(chosen) < BATCH_FROM):
-            continue
+    if len(copies) >= BATCH_FROM:
         with contextlib.suppress(Exception):  # each copy on its own: a failure stays in its rows
-            picked = [copies[index] for index in chosen]
-            chosen_focus = [focus[index] for index in chosen]
-            if presorted:
-                for index in chosen:
-                    if not ascending[index]:
-                        copies[index].sort()
-            batch = _measure_batch(picked, metrics, chosen_focus, bins, presorted, buffers)
-            if len(chosen) == len(copies):
-                return batch
-            for at, index in enumerate(chosen):
-                part = slice(at * k, (at + 1) * k)
-                rows[index] = (batch[0][part], batch[1][part], batch[2][at])
+            for copy, ordered in zip(copies, ascending, strict=True):
+                if not ordered:
+                    copy.sort()
+            return _measure_batch(copies, metrics, focus, bins, buffers)
     out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
     wanted = frozenset(metrics)
-    for copy, one, row, ordered in zip(copies, focus, rows, ascending, strict=True):
-        values, why, vector = row or _alone(copy, metrics, wanted, bins if one else None, ordered)
+    for copy, one, ordered in zip(copies, focus, ascending, strict=True):
+        values, why, vector = _alone(copy, metrics, wanted, bins if one else None, ordered)
         out[0].extend(values)
         out[1].extend(why)
         out[2].append(vector)
     return out
-
-
-# One copy's values, reasons (one each per metric) and histogram vector.
-_Row = tuple[list[float | None], list[str | None], list[float] | None]
 
 
 def _alone(
@@ -154,8 +128,9 @@ def _alone(
     wanted: frozenset[str],
     bins: int | None,
     ascending: bool,
-) -> _Row:
-    """One copy's row, measured as the host path measures a tensor (sorted in place)."""
+) -> tuple[list[float | None], list[str | None], list[float] | None]:
+    """One copy's values, reasons and histogram, measured as the host path measures a tensor
+    (sorted in place unless `ascending`; sorting a sorted copy again changes nothing)."""
     try:
         if not ascending:
             copy.sort()
@@ -173,18 +148,11 @@ def _measure_batch(
     metrics: tuple[str, ...],
     focus: Sequence[bool],
     bins: int,
-    presorted: bool,
     buffers: Buffers | None,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
-    """`measure` of copies together: each already ascending (`presorted`), or in one
-    segmented pass with one sort of them all."""
+    """`measure` of ascending copies together."""
     wanted = [index for index, one in enumerate(focus) if one]
-    if presorted:
-        profile, finite, vectors = sorted_profiles(copies, wanted, bins, buffers)
-    else:
-        lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
-        values = np.concatenate(copies) if len(copies) > 1 else copies[0]
-        profile, finite, vectors = segment_profiles(values, lengths, wanted, bins)
+    profile, finite, vectors = sorted_profiles(copies, wanted, bins, buffers)
     columns = [_COLUMN[name] for name in metrics]
     chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
     flat = chosen.reshape(-1)
@@ -198,65 +166,42 @@ def _measure_batch(
     return out, why, [vectors.get(index) for index in range(len(copies))]
 
 
-def sorted_segments(
-    values: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The finite entries of each small float32 segment of `values`, ascending (ONE sort of
-    int64 keys, the segment index above the float32 sortable key; non-finite entries get +inf's
-    key and are dropped), each segment's finite count and its count of zeros (float64; -0.0 is
-    a zero)."""
-    count = lengths.size
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    zeros = np.add.reduceat(values == 0, starts, dtype=np.float64)
-    finite = np.isfinite(values)
-    all_finite = bool(finite.all())
-    bits = values.view(np.int32)
-    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)
-    if not all_finite:
-        keys[~finite] = _INF_KEY
-    keys += np.repeat(np.arange(count, dtype=np.int64) << 32, lengths) + _KEY_OFFSET
-    keys.sort()
-    local = ((keys & 0xFFFFFFFF) - _KEY_OFFSET).astype(np.int32)
-    ordered = (local ^ ((local >> 31) & 0x7FFFFFFF)).view(np.float32)
-    counts = lengths
-    if not all_finite:
-        kept = local != _INF_KEY
-        counts = np.add.reduceat(kept, starts, dtype=np.int64)
-        ordered = ordered[kept]
-    return ordered, counts, zeros
-
-
-def segment_profiles(
-    values: np.ndarray, lengths: np.ndarray, focus: Sequence[int] = (), bins: int = 1
-) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
-    """The default profile of every float32 segment of `values` as a (segments, 9) float64
-    array in `PROFILE` order (NaN: null; "no finite entries" where the returned finite count is
-    0, else "non-finite result"), the finite counts, and the `bins` histogram vectors of the
-    `focus` segments (None: no finite entry, or a failure): `measure_on_cpu`'s numbers, bit for
-    bit (`_segment_arrays`: the same arithmetic on the same sorted finite entries), without
-    Python work per segment but per focus segment."""
-    ordered, finite, zeros = sorted_segments(values, lengths)
-    return _profiles(ordered, finite, zeros, lengths, focus, bins)
-
-
 def sorted_profiles(
     copies: Sequence[np.ndarray],
     focus: Sequence[int] = (),
     bins: int = 1,
     buffers: Buffers | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
-    """`segment_profiles` of copies each already ascending (as `np.sort` leaves them): their
-    finite entries and zeros found by bisection (`numerics.finite_part`), then the same."""
-    parts = [numerics.finite_part(copy) for copy in copies]
-    buffers = buffers or Buffers()
-    ordered = parts[0][0]
-    if len(parts) > 1:
-        room = buffers.array("ordered", sum(part.size for part, _ in parts), np.float32)
-        ordered = np.concatenate([part for part, _ in parts], out=room)
-    finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
-    zeros = np.fromiter((zeros for _, zeros in parts), dtype=np.float64, count=len(parts))
+    """The default profile of every ascending float32 copy (as `np.sort` leaves them: NaN
+    last) as a (copies, 9) float64 array in `PROFILE` order (NaN: null; "no finite entries"
+    where the returned finite count is 0, else "non-finite result"), the finite counts, and the
+    `bins` histogram vectors of the `focus` copies (None: no finite entry, or a failure):
+    `measure_sorted`'s numbers, bit for bit (`_segment_arrays`: the same arithmetic on the same
+    sorted finite entries), in one pass over them all. Long copies' finite parts and zeros are
+    found by bisection (`numerics.finite_part`), short ones' by a mask over them all."""
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    buffers = buffers or Buffers()
+    ordered = copies[0]
+    if len(copies) > 1:
+        ordered = np.concatenate(
+            copies, out=buffers.array("ordered", int(lengths.sum()), np.float32)
+        )
+    finite = lengths
+    if ordered.size >= SORT_EACH_FROM * len(copies):  # a few long copies: a bisection each
+        parts = [numerics.finite_part(copy) for copy in copies]
+        zeros = np.fromiter((zeros for _, zeros in parts), dtype=np.float64, count=len(parts))
+        if any(part.size != copy.size for (part, _), copy in zip(parts, copies, strict=True)):
+            finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
+            ordered = np.concatenate([part for part, _ in parts])
+    else:  # many short ones: zeros and non-finite entries (sorted at the ends) by masks
+        zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
+        ends = starts + lengths - 1
+        if not (np.isfinite(ordered[starts]).all() and np.isfinite(ordered[ends]).all()):
+            kept = np.isfinite(ordered)
+            finite = np.add.reduceat(kept, starts, dtype=np.int64)
+            ordered = ordered[kept]
     return _profiles(ordered, finite, zeros, lengths, focus, bins, buffers)
 
 
@@ -269,8 +214,8 @@ def _profiles(
     bins: int,
     buffers: Buffers | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[int, list[float] | None]]:
-    """`segment_profiles` from each segment's sorted finite entries (`ordered`, one after the
-    other), their counts, the segments' zeros and lengths."""
+    """`sorted_profiles` from each copy's sorted finite entries (`ordered`, one after the
+    other), their counts, the copies' zeros and lengths."""
     histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
     profile = np.full((lengths.size, len(numerics.PROFILE)), np.nan)
     numel = lengths.astype(np.float64)

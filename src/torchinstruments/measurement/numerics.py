@@ -73,7 +73,7 @@ __all__ = [
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
-# Row layout of `lane.segment_profiles`' result: the nine default metrics.
+# Row layout of `lane.sorted_profiles`' result: the nine default metrics.
 PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 
@@ -432,9 +432,9 @@ class CpuResult:
 
 
 def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector;
-    order statistics selected (`order.HostSelection`, which sorts at most `order.SMALL`
-    entries: that sorted copy then also counts the histogram); never written."""
+    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector:
+    a sorted copy read (`measure_sorted`) up to `order.SMALL` entries, order statistics
+    selected above (`order.HostSelection`); never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))

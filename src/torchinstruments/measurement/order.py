@@ -46,13 +46,12 @@ _DIGITS = 1 << _DIGIT_BITS
 
 class HostSelection:
     """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
-    see every chunk once, in order, then read them from `selected`. At most `SMALL` entries
-    are sorted here (`ordered`) and read instead of selecting. Nearby ranks (within 1/64 of
-    the size) share a bracket; min and max come from each chunk's own."""
+    see every chunk once, in order, then read them from `selected` (over `SMALL` entries:
+    fewer are sorted instead, `on_host`). Nearby ranks (within 1/64 of the size) share a
+    bracket; min and max come from each chunk's own."""
 
     def __init__(self, values: np.ndarray) -> None:
         self._values = values
-        self.ordered = np.sort(values) if values.size <= SMALL else None
         self._sample: np.ndarray | None = None
         self._ranks: Sequence[int] = []
         self._brackets: list[_Bracket] = []
@@ -61,18 +60,13 @@ class HostSelection:
         self._zeros = 0  # counted as chunks are visited
 
     def pivot(self) -> float:
-        """An entry near the median: the moments' shift. The middle entry when sorted (as the
-        lane's `lane._segment_arrays` takes it), else the sorted sample's middle."""
-        if self.ordered is not None:
-            return float(self.ordered[self.ordered.size // 2])
+        """An entry near the median: the moments' shift, the sorted sample's middle."""
         sample = self._sorted_sample()
         return float(sample[sample.size // 2])
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
         self._ranks, size = ranks, self._values.size
-        if self.ordered is not None:
-            return
         wanted = sorted(set(self._ranks))
         self._extremes = [] if wanted[0] == 0 or wanted[-1] == size - 1 else None
         groups: list[list[int]] = []
@@ -113,16 +107,11 @@ class HostSelection:
             self._kept.append(piece.take(positions[: positions.size - tail]))
 
     def zeros(self) -> int:
-        """How many entries are zero (-0.0 too): by bisection when sorted, else as visited."""
-        if self.ordered is None:
-            return self._zeros
-        zero = self.ordered.dtype.type(0)  # a Python float would make searchsorted cast them all
-        return int(self.ordered.searchsorted(zero, "right") - self.ordered.searchsorted(zero))
+        """How many entries are zero (-0.0 too), as visited."""
+        return self._zeros
 
     def selected(self) -> list[float]:
         """The entries at the wanted positions (after every chunk was visited)."""
-        if self.ordered is not None:
-            return self.ordered.take(self._ranks).tolist()
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
         if self._extremes is not None:
@@ -233,7 +222,10 @@ class _Bracket:
 
 def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> list[float]:
     """The entries of 1-D finite `values` at 0-based sorted positions `ranks` (each below
-    `values.size`), as Python floats, reading `values` in chunks of `chunk` entries."""
+    `values.size`), as Python floats, reading `values` in chunks of `chunk` entries (at most
+    `SMALL` of them sorted instead)."""
+    if values.size <= SMALL:
+        return np.sort(values).take(ranks).tolist()
     selection = HostSelection(values)
     selection.want(ranks)
     for start in range(0, values.size, chunk):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -180,6 +181,26 @@ def test_a_child_forked_while_copies_wait_measures_them_itself() -> None:
         _, status = os.waitpid(pid, 0)
         gate.set()
         assert waiting.result() == 2.0 * SMALLEST_COPY
+        spare.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_child_forked_while_the_lock_is_held_computes_what_waits_without_it() -> None:
+    """The fork copies the core's one lock as it is: held, here, by the parent's thread. The
+    child's `results` computes the waiting sorts without it (SIGALRM ends a child that hangs)."""
+    spare = SpareCore()
+    with cores(len(CORES)):
+        later = [spare.later(lane.sort_in_place, np.arange(9.0)[::-1].copy()) for _ in range(3)]
+        waiting = [item for item in later if isinstance(item, Deferred)]
+        assert len(waiting) == 3
+        with spare.lock:  # the worker can take none of them now
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(20)
+                done = results(waiting)
+                os._exit(0 if all(list(item) == list(range(9)) for item in done) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert [list(item) for item in results(waiting)] == [list(np.arange(9.0))] * 3
         spare.close()
     assert os.waitstatus_to_exitcode(status) == 0
 

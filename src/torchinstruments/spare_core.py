@@ -147,8 +147,9 @@ class Deferred(Generic[T]):
         return self._state == _DONE
 
     def claim(self) -> None:
-        """Compute it on this thread unless another thread has begun to (or has)."""
-        if self._state != _WAITING:  # read without the lock: a state only moves forward
+        """Compute it on this thread unless another thread has begun to (or has); in a forked
+        child, `result` does (without the lock)."""
+        if self._state != _WAITING or os.getpid() != self._pid:  # a state only moves forward
             return
         with self._core.lock:
             if self._state != _WAITING:

@@ -226,7 +226,7 @@ class SpareCore:
         self._in_flight: deque[tuple[Deferred, int]] = deque()
         self._bytes = 0
         self._held = 0
-        self._sleeping = False  # the worker waits for `WAKE_AT` jobs
+        self._sleeping = False  # the worker waits on `_ready` (woken as `_submit` says)
         self._closed = False
         self._buffers = Buffers(keep=True)
         self._lending = threading.Lock()

@@ -192,9 +192,10 @@ def segment_sums(
 
     One pass over float64 deviations, at most `CHUNK` entries at a time, segmented. A segment's
     sums depend only on its entries, its shift and where chunks cut it, which is where they cut
-    it alone (`_chunk_end`), so a tensor alone and within a batch give the same bits. `visit` sees each chunk (`order.HostSelection` reads it while it is in
-    the cache). `scratch`: float64 room for the deviations of a chunk (at most `CHUNK`
-    entries), else one array is made.
+    it alone (`_chunk_end`), so a tensor alone and within a batch give the same bits. `visit`
+    sees each chunk (`order.HostSelection` reads it while it is in the cache). `scratch`:
+    float64 room for the deviations of a chunk (at most `CHUNK` entries), else one array is
+    made.
     """
     scale = 1.0
     if values.dtype == np.float64:

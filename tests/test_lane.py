@@ -1,7 +1,7 @@
 """The small-tensor lane: the same numbers as the general path, bit for bit, in fewer objects.
 
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
-arrays (`lane.sorted_profiles`) and records them as a `MeasurementBlock`. These tests hold
+arrays (`numerics.sorted_profiles`, the host path's arithmetic) and records them as a `MeasurementBlock`. These tests hold
 it to the general path's values (the NumPy path followed by `DefaultDeriver`, itself held to
 NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
 existing: few objects for the garbage collector per measured tensor.
@@ -9,13 +9,11 @@ existing: few objects for the garbage collector per measured tensor.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import math
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -49,21 +47,14 @@ def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
     wanted = frozenset(DEFAULT_METRICS)
     return [
         numerics.DefaultDeriver(copy.size, wanted)(
-            numerics.measure_on_cpu(torch.from_numpy(copy), wanted, None).raw
+            numerics.measure_on_cpu(torch.from_numpy(copy), None).raw
         )
         for copy in copies
     ]
 
 
-def as_batch() -> contextlib.AbstractContextManager[object]:
-    """The lane's batch for any number of copies (below `lane.BATCH_FROM` each is measured
-    alone, by the path these tests hold the batch to)."""
-    return mock.patch.object(lane, "BATCH_FROM", 1)
-
-
 def lane_rows(copies: list[np.ndarray], metrics: tuple[str, ...]) -> list[dict[str, MetricValue]]:
-    with as_batch():
-        values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
+    values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
     k = len(metrics)
     return [
         {m: MetricValue(values[i * k + j], why[i * k + j]) for j, m in enumerate(metrics)}
@@ -136,15 +127,13 @@ def test_a_focus_copys_histogram_is_the_host_paths_bit_for_bit(
         if draw is None
         else draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
     )
-    with as_batch():
-        values, why, vectors = lane.measure(copies, DEFAULT_METRICS, focus, 64)
-        assert (values, why) == lane.measure(copies, DEFAULT_METRICS, [False] * len(copies), 64)[:2]
-    wanted = frozenset(DEFAULT_METRICS)
+    values, why, vectors = lane.measure(copies, DEFAULT_METRICS, focus, 64)
+    assert (values, why) == lane.measure(copies, DEFAULT_METRICS, [False] * len(copies), 64)[:2]
     for copy, chosen, vector in zip(copies, focus, vectors, strict=True):
         if not chosen:
             assert vector is None
             continue
-        host = numerics.measure_on_cpu(torch.from_numpy(copy), wanted, 64).histogram
+        host = numerics.measure_on_cpu(torch.from_numpy(copy), 64).histogram
         assert (vector is None) == (not np.isfinite(copy).any()), copy
         if vector is not None:
             assert np.array(vector).tobytes() == np.array(host).tobytes(), copy
@@ -189,9 +178,7 @@ def test_long_copies_sorted_then_measured_together_give_the_host_paths_bits(
     copies = [long_copy(*spec) for spec in specs]
     focus = [data is None or data.draw(st.booleans()) for _ in copies]
     expected = general_path(copies)
-    hosts = [
-        numerics.measure_on_cpu(torch.from_numpy(c), frozenset(DEFAULT_METRICS), 64) for c in copies
-    ]
+    hosts = [numerics.measure_on_cpu(torch.from_numpy(c), 64) for c in copies]
     k = len(DEFAULT_METRICS)
     for ascending in (None, [True] * len(copies)):
         given = [np.sort(copy) if ascending else copy.copy() for copy in copies]
@@ -234,28 +221,29 @@ def test_a_histogram_that_fails_is_none_and_the_values_stay(
     expected = lane.measure(copies, ("mean",), [True, False], 64)[:2]
     monkeypatch.setattr(numerics, "sorted_histograms", broken)
     assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
-    with as_batch():  # the batch's histogram too
-        assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(segments, st.data())
-def test_fewer_copies_than_a_batch_are_measured_alone_with_the_batchs_bits(
+def test_a_copy_gives_the_same_bits_alone_and_among_others(
     data: list[list[float]], draw: st.DataObject
 ) -> None:
-    """Below `lane.BATCH_FROM` copies each is measured by the host path: the values, reasons
-    and histogram vectors a batch of the same copies gives, bit for bit."""
-    copies = [np.array(segment, dtype=np.float32) for segment in data[: lane.BATCH_FROM - 1]]
+    """Many short copies are read by masks over them all, one alone by bisection, and the
+    moments' chunks cut a batch where they would cut each copy alone: the values, reasons and
+    histogram vectors of a copy are the same bits either way."""
+    copies = [np.array(segment, dtype=np.float32) for segment in data]
     focus = draw.draw(st.lists(st.booleans(), min_size=len(copies), max_size=len(copies)))
-    assert len(copies) < lane.BATCH_FROM
-    alone = lane.measure(copies, DEFAULT_METRICS, focus, 64)
-    with as_batch():
-        batch = lane.measure(copies, DEFAULT_METRICS, focus, 64)
-    assert np.array(alone[0], np.float64).tobytes() == np.array(batch[0], np.float64).tobytes()
-    assert alone[1] == batch[1]
-    assert [None if v is None else np.array(v).tobytes() for v in alone[2]] == [
-        None if v is None else np.array(v).tobytes() for v in batch[2]
-    ]
+    batch = lane.measure([copy.copy() for copy in copies], DEFAULT_METRICS, focus, 64)
+    k = len(DEFAULT_METRICS)
+    for index, (copy, one) in enumerate(zip(copies, focus, strict=True)):
+        values, why, (vector,) = lane.measure([copy.copy()], DEFAULT_METRICS, [one], 64)
+        together = batch[0][index * k : (index + 1) * k]
+        assert np.array(values, np.float64).tobytes() == np.array(together, np.float64).tobytes()
+        assert why == batch[1][index * k : (index + 1) * k]
+        got, want = (
+            None if v is None else np.array(v).tobytes() for v in (vector, batch[2][index])
+        )
+        assert got == want
 
 
 def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit() -> None:
@@ -292,18 +280,14 @@ def test_no_finite_entry_and_overflow_are_nulls_with_their_reasons() -> None:
 
 
 def test_a_failing_batch_measures_each_copy_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = numerics.measure_sorted
+    original = numerics.sorted_profiles
 
-    def batch_broke(*args: object) -> object:
-        raise RuntimeError("batch broke")
-
-    def breaks_on_the_marked_copy(values: np.ndarray, *args: Any) -> object:
-        if values[0] == 12345.0:
+    def breaks_on_the_marked_copy(copies: list[np.ndarray], *args: Any) -> object:
+        if any(copy[0] == 12345.0 for copy in copies):
             raise RuntimeError("this tensor broke")
-        return original(values, *args)
+        return original(copies, *args)
 
-    monkeypatch.setattr(lane, "sorted_profiles", batch_broke)
-    monkeypatch.setattr(numerics, "measure_sorted", breaks_on_the_marked_copy)
+    monkeypatch.setattr(numerics, "sorted_profiles", breaks_on_the_marked_copy)
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([12345.0], dtype=np.float32)]
     good, bad = lane_rows(copies, ("mean", "max"))
     assert good == {"mean": MetricValue(1.5), "max": MetricValue(2.0)}

@@ -288,7 +288,7 @@ def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
     block, metrics = record.measurements, measurer.metrics
     assert isinstance(block, MeasurementBlock)
     for index, tensor in enumerate(tensors):
-        raw = numerics.measure_on_cpu(tensor, frozenset(metrics), None).raw
+        raw = numerics.measure_on_cpu(tensor, None).raw
         want = numerics.DefaultDeriver(tensor.numel(), frozenset(metrics))(raw)
         got = block.values[index * len(metrics) : (index + 1) * len(metrics)]
         assert got == [want[metric].value for metric in metrics], "the same bits on either path"

@@ -1,32 +1,30 @@
 """The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
-Each family is written once; its "generic" functions take NumPy arrays, torch tensors or Python
-floats alike, so every path runs the same IEEE operations in the same order:
+Each family is written once; its generic functions take NumPy arrays and torch tensors alike,
+so every path runs the same IEEE operations in the same order:
 
-* Quantiles (`quartile_positions`, `lerp`): the two order statistics around each quartile and
-  NumPy's "linear" interpolation; the order statistics come from a sorted copy up to
-  `order.SMALL` entries (`measure_sorted`, and the lane's sorted copies), from
-  `order.HostSelection` (selection in linear time) above, or from `order.on_device`.
-* Moments (`finish_moments` over the sums of `segment_sums` on the host, `device_sums` on the
-  device): the shifted-data algorithm in float64, shifted by an entry near the median on the host
-  (one pass, over the sorted entries where there are such) and by the mean on the device (two),
-  float64 inputs scaled by a power of two (exact), so neither a variance nor a sum of huge
-  values overflows into a null.
-* Histogram counts (`edges`, `thresholds`, and `bin_counts`, or `sorted_histograms` by bisection
-  of sorted entries): each inner edge becomes the smallest working-dtype value >= it and an
-  entry's bin is the number of those <= it, so counts agree with the reported edges as
+* Quantiles (`quartile_positions`, `lerp`; on the host `profile_ranks`, `finish_profiles`):
+  NumPy's "linear" interpolation between the two order statistics around each quartile, which
+  come from a sorted copy up to `order.SMALL` entries, from `order.HostSelection` (selection in
+  linear time) above, or from `order.on_device`.
+* Moments (`finish_moments` over `segment_sums` on the host, `device_sums` on the device): the
+  shifted-data algorithm in float64, shifted by an entry near the median on the host (one pass)
+  and by the mean on the device (two), float64 inputs scaled by a power of two (exact), so
+  neither a variance nor a sum of huge values overflows into a null.
+* Histogram counts (`edges`, `thresholds`, then `bin_counts`, or `sorted_histograms` by
+  bisection of sorted entries): each inner edge becomes the smallest working-dtype value >= it
+  and an entry's bin is the number of those <= it, so counts agree with the reported edges as
   `numpy.histogram` bins them, however narrow the bins.
 
-Paths (`paths.choose` decides): `measure_on_cpu` and the lane's `lane.measure` (the same
-arithmetic, so the same bits), `raw_on_device`. `tests/test_reads.py` counts the reads of a
-float32 CPU tensor above `order.SMALL` entries: once if finite (the moments' pass also counts
-zeros, shows finiteness and feeds the selection's brackets, min and max) plus a random sample
+Paths (`paths.choose` decides): `measure_on_cpu` and the lane (both through `sorted_profiles` up
+to `order.SMALL` entries), `raw_on_device`. `tests/test_reads.py` counts the reads of a float32
+CPU tensor above `order.SMALL` entries: once if finite (the moments' pass also counts zeros,
+shows finiteness and feeds the selection's brackets, min and max) plus a random sample
 (`order.sample_positions`), a focus tensor's histogram once more; with non-finite entries,
 three times (that pass, finiteness, a copy of the finite entries, which the passes after read).
 Up to `order.SMALL` entries a sorted copy is read instead (its ends show finiteness, bisections
-find its finite part, its zeros and the histogram's counts, the moments' pass reads it once); a
-float64 tensor's finiteness is a pass of its own. A non-finite
-result is null ("non-finite result"); -0.0 is reported as 0.0.
+find its finite part, zeros and histogram counts; the moments' pass reads it once); a float64
+tensor's finiteness is a pass of its own. A non-finite result is null; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,35 +42,38 @@ import torch
 from torchinstruments import reasons
 from torchinstruments.measurement import order, tensors
 from torchinstruments.records import MetricValue
+from torchinstruments.spare_core import Buffers
 
 __all__ = [
     "CHUNK",
     "FINITE_METRICS",
     "PROFILE",
     "QUARTILES",
+    "RAW",
     "CpuResult",
     "DefaultDeriver",
     "bin_counts",
     "device_sums",
     "edges",
     "finish_moments",
-    "finite_part",
+    "finish_profiles",
     "histogram_vector",
     "lerp",
     "measure_array",
     "measure_on_cpu",
-    "measure_sorted",
     "metric_value",
+    "profile_ranks",
     "quartile_positions",
     "raw_on_device",
     "segment_sums",
     "sorted_histograms",
+    "sorted_profiles",
     "thresholds",
 ]
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
 FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
-# Row layout of `lane.sorted_profiles`' result: the nine default metrics.
+# The nine default metrics, in the order rows and a profile's columns list them.
 PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 
@@ -82,22 +82,8 @@ _MAX_SCALE_EXPONENT = 1000
 
 
 def _xp(array: _Array) -> Any:
-    """The module whose functions apply to `array`: torch for tensors, `_Floats` for Python
-    floats (one tensor's scalars: arrays of one would cost more than its passes), else NumPy."""
-    if type(array) is float:
-        return _Floats
+    """The module whose functions apply to `array`: torch for tensors, else NumPy."""
     return torch if isinstance(array, torch.Tensor) else np
-
-
-# What the generic arithmetic calls for Python floats: the same IEEE operations as on float64
-# arrays (so the same bits), without an array per scalar or warnings to silence.
-_Floats = types.SimpleNamespace(
-    floor=math.floor,
-    sqrt=math.sqrt,
-    isfinite=math.isfinite,
-    where=lambda condition, a, b: a if condition else b,
-    errstate=lambda **_: contextlib.nullcontext(),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +117,7 @@ def metric_value(value: float) -> MetricValue:
 
 
 def quartile_positions(last: _Array, q: _Array) -> tuple[_Array, _Array]:
-    """The lower neighbour's 0-based position (integral; an int for Python floats) of quantile
+    """The lower neighbour's 0-based position (integral) of quantile
     `q` among `last + 1` sorted entries, and the interpolation weight towards the next one."""
     rank = last * q
     low = _xp(rank).floor(rank)
@@ -142,7 +128,7 @@ def lerp(a: _Array, b: _Array, t: _Array) -> _Array:
     """Linear interpolation exactly as `numpy.percentile(method="linear")` rounds it, float64."""
     xp = _xp(a)
     diff = b - a
-    with (np if xp is torch else xp).errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         result = xp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
         result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed
     return xp.where(a == b, a, result)
@@ -164,10 +150,10 @@ def finish_moments(
     shift is near the mean (within a standard deviation, as any median is, it loses at most a bit).
     """
     xp = _xp(squares)
-    with (np if xp is torch else xp).errstate(over="ignore", invalid="ignore", divide="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         mean = shift + residual / counts
         variance = (squares - residual * residual / counts) / counts  # rounding's negatives: 0
-        std = xp.sqrt(max(variance, 0.0) if xp is _Floats else variance.clip(min=0.0))
+        std = xp.sqrt(variance.clip(min=0.0))
         # sum(x**2) = sum(d**2) + 2 shift sum(d) + count shift**2, with d = x - shift
         sum_squares = (squares + 2.0 * shift * residual + counts * shift * shift) * scale * scale
         return mean * scale, std * scale, (shift * counts + residual) * scale, sum_squares
@@ -333,51 +319,39 @@ def bin_counts(values: _Array, bounds: _Array, bins: int, finite: _Array | None 
         counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
     low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
-    missed = _misguessed(limits, low, bins, span)
-    if missed is None:  # bins narrower than the guess resolves: a bisection per entry
-        return np.bincount(np.searchsorted(limits, values, side="right"), minlength=bins) + 0.0
-    counts = np.zeros(bins + 1, dtype=np.int64)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scale = bins / span if span > 0 else math.nan
+        # The guess `int((x - low) * scale)` is monotone in x: right for every x when right on
+        # each limit and on the value below it; else corrected per entry, or a bisection.
+        at = np.subtract(limits, low, dtype=np.float64) * scale
+        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
+        under = np.subtract(below, low, dtype=np.float64) * scale
+    steps = np.arange(1, bins)
+    exact = not np.any((at < steps) | (under >= steps))
+    around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
+    counts = np.zeros(bins, dtype=np.int64)  # around[i] up to, not including, around[i + 1]
     buffer, indices = np.empty(min(CHUNK, values.size)), np.empty(min(CHUNK, values.size), np.intp)
     for begin in range(0, values.size, CHUNK):
         piece = values[begin : begin + CHUNK]
-        guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
-        guess *= bins
-        guess /= span
-        index = indices[: piece.size]
-        np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
-        np.add.at(counts, index, 1)  # NumPy 2's unbuffered add: a third under np.bincount's time
-        for upper, up in missed:  # entries the guess put one bin off at this limit
-            limit = limits[upper - 1]
-            if up:
-                moved = np.count_nonzero((index == upper - 1) & (piece >= limit))
+        if not math.isfinite(scale):  # no span to guess within: a bisection per entry
+            index = np.searchsorted(limits, piece, side="right")
+        else:
+            guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
+            guess *= scale
+            index = indices[: piece.size]
+            np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
+            np.minimum(index, bins - 1, out=index)
+            for _ in range(0 if exact else 3):  # off by a bin, at most, unless bins are
+                below, above = piece < around.take(index), piece >= around.take(index + 1)
+                if not (below.any() or above.any()):  # as narrow as the guess resolves
+                    break
+                index -= below
+                index += above
             else:
-                moved = -np.count_nonzero((index == upper) & (piece < limit))
-            counts[upper - 1] -= moved
-            counts[upper] += moved
-    counts[bins - 1] += counts[bins]  # the max (and what rounds up to its guess): the last bin
-    return counts[:bins].astype(np.float64)
-
-
-def _misguessed(
-    limits: np.ndarray, low: float, bins: int, span: float
-) -> list[tuple[int, bool]] | None:
-    """The limits i where the guess `int((x - low) * bins / span)` (float64, monotone in x;
-    exact where an edge is) is not the number of limits <= x for every x of their dtype, and
-    whether it falls short (True) or over: checked on each limit and the value below it. With
-    its neighbours guessed right, a missed limit's entries are one bin off, in the bins beside
-    it. None where misses are many or adjacent (bins as narrow as the guess resolves)."""
-    if not (math.isfinite(span) and span > 0 and math.isfinite(bins / span)):
-        return None
-    steps = np.arange(1, limits.size + 1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        at = np.subtract(limits, low, dtype=np.float64) * bins / span
-        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
-        under = np.subtract(below, low, dtype=np.float64) * bins / span
-    short = at < steps
-    missed = np.flatnonzero(short | (under >= steps))
-    if missed.size > 8 or np.any(np.diff(missed) == 1):
-        return None
-    return [(index + 1, bool(short[index])) for index in missed.tolist()]
+                if not exact:
+                    index = np.searchsorted(limits, piece, side="right")
+        np.add.at(counts, index, 1)  # NumPy 2's unbuffered add: a third under np.bincount's time
+    return counts.astype(np.float64)
 
 
 def histogram_vector(
@@ -387,14 +361,11 @@ def histogram_vector(
     head: tuple[_Array, _Array, _Array],
     bins: int,
     finite: _Array | None = None,
-    ascending: bool = False,
 ) -> Any:
     """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
     edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
     count, total, sum_squares = head
     low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
-    if ascending and not isinstance(values, torch.Tensor):
-        return sorted_histograms([values], [(count, low, high, total, sum_squares)], bins)[0]
     bounds = edges(low, high, bins)
     counts = bin_counts(values, bounds, bins, finite)
     if isinstance(values, torch.Tensor):
@@ -423,6 +394,19 @@ def sorted_histograms(
 
 # --- the host paths: one tensor, or many small ones -----------------------------------------------
 
+# Columns of a raw profile row (`sorted_profiles`, `measure_array`): the seven metrics over the
+# finite entries, then how many entries are zeros and how many finite.
+RAW = ("mean", "std", "min", "max", "p25", "p50", "p75", "zeros", "finite")
+# Copies this long on average have their finite parts and zeros found by bisection, a call each;
+# shorter ones by masks over them all (`sorted_profiles`).
+_BISECT_FROM = 512
+_QUARTILE_STEPS = np.array([[q] for q in QUARTILES.values()])
+# Per dtype, 0 and the least positive value: the entries below them are the negative ones and
+# those at most 0 (-0.0 is not below 0.0), so the zeros lie between.
+_ZERO_BOUNDS = {
+    np.dtype(t): np.array([0, np.nextafter(t(0), t(1))], dtype=t) for t in (np.float32, np.float64)
+}
+
 
 @dataclass
 class CpuResult:
@@ -432,59 +416,36 @@ class CpuResult:
     histogram: list[float] | None
 
 
-def measure_on_cpu(tensor: torch.Tensor, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector:
-    a sorted copy read (`measure_sorted`) up to `order.SMALL` entries, order statistics
-    selected above (`order.HostSelection`); never written."""
+def measure_on_cpu(tensor: torch.Tensor, bins: int | None) -> CpuResult:
+    """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector
+    (`measure_array`); never written."""
     flat = tensor.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.to(tensors.working_dtype(flat.dtype))
-    return measure_array(flat.numpy(), wanted, bins)
+    return measure_array(flat.numpy(), bins)
 
 
-def measure_array(array: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
+def measure_array(array: np.ndarray, bins: int | None) -> CpuResult:
     """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's):
-    up to `order.SMALL` entries `measure_sorted` of a sorted copy, above them selected. A float32
-    one is presumed finite (as its moments' pass shows), else measured again from its finite
-    copy."""
-    if array.size <= order.SMALL:
-        return measure_sorted(np.sort(array), wanted, bins)
-    if array.dtype == np.float32:
-        with contextlib.suppress(_NotFiniteError), np.errstate(invalid="ignore", over="ignore"):
-            return _measure_selected(array, wanted, bins)
-    finite = np.isfinite(array)
-    values = array if finite.all() else array[finite]
-    if values.size <= order.SMALL:
-        return measure_sorted(np.sort(values), wanted, bins)
-    return _measure_selected(values, wanted, bins)
+    up to `order.SMALL` entries `sorted_profiles` of a sorted copy, above them selected
+    (`_measure_selected`). A float32 one is presumed finite (as its moments' pass shows), else
+    measured again from its finite copy."""
+    if array.size > order.SMALL:
+        if array.dtype == np.float32:
+            with (
+                contextlib.suppress(FloatingPointError),
+                np.errstate(invalid="ignore", over="ignore"),
+            ):
+                return _measure_selected(array, bins)
+        finite = np.isfinite(array)
+        array = array if finite.all() else array[finite]
+        if array.size > order.SMALL:
+            return _measure_selected(array, bins)
+    raw, histograms = sorted_profiles([np.sort(array)], [0] if bins else (), bins or 1)
+    return CpuResult(dict(zip(RAW, raw[0].tolist(), strict=True)), histograms.get(0))
 
 
-# Per dtype, 0 and the least positive value: the entries below them are the negative ones and
-# those at most 0 (-0.0 is not below 0.0), so the zeros lie between.
-_ZERO_BOUNDS = {
-    np.dtype(t): np.array([0, np.nextafter(t(0), t(1))], dtype=t) for t in (np.float32, np.float64)
-}
-
-
-def measure_sorted(ordered: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
-    """`measure_array` of an ascending float32/float64 array (as `np.sort` leaves it: -inf
-    first, +inf and NaN last), read by bisection and the moments' pass only: its finite entries
-    lie between the infinities, its zeros between the negative entries and the positive ones.
-    The lane measures each of its sorted copies with it, so both give the same bits."""
-    values, zeros = finite_part(ordered)
-    size = values.size
-    if not size:  # no finite entry: no zero either
-        return CpuResult(
-            {"zeros": 0.0, "finite": 0.0}, [0.0] * (5 + 2 * bins + 1) if bins else None
-        )
-    names, weights, ranks = _positions(size, wanted)
-    shift = np.array([float(values[size // 2])])  # the middle entry (the lane's too)
-    sums = segment_sums(values, _FIRST, np.array([size]), shift)
-    picked = values.take(ranks).tolist()
-    return _result(values, zeros, picked, names, weights, sums, bins, True)
-
-
-def finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
+def _finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
     """The finite entries of an ascending array (as `np.sort` leaves it: -inf first, +inf
     and NaN last), a view, and how many of them are zeros, by bisection."""
     first, end = 0, ordered.size
@@ -496,62 +457,117 @@ def finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
     return values, not_positive - negative
 
 
-def _measure_selected(values: np.ndarray, wanted: frozenset[str], bins: int | None) -> CpuResult:
+def sorted_profiles(
+    copies: Sequence[np.ndarray],
+    focus: Sequence[int] = (),
+    bins: int = 1,
+    buffers: Buffers | None = None,
+) -> tuple[np.ndarray, dict[int, list[float] | None]]:
+    """The raw profile of every ascending float32/float64 copy (as `np.sort` leaves them: NaN
+    last; all of one dtype), a (copies, 9) float64 array in `RAW` order (values where a copy
+    has no finite entry: NaN), and the `bins` histogram vectors of the `focus` copies (None:
+    no finite entry, or a failure), in one pass over them all: the moments' chunks cut each
+    copy where they would cut it alone, so a copy's numbers are the same bits alone and among
+    others. Long copies' finite parts and zeros are found by bisection (`_finite_part`), short
+    ones' by masks over them all."""
+    lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
+    starts = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    buffers = buffers or Buffers()
+    ordered = copies[0]
+    if len(copies) > 1:
+        room = buffers.array("ordered", int(lengths.sum()), ordered.dtype.type)
+        ordered = np.concatenate(copies, out=room)
+    finite = lengths
+    if ordered.size >= _BISECT_FROM * len(copies):  # a few long copies: a bisection each
+        parts = [_finite_part(copy) for copy in copies]
+        zeros = np.fromiter((zeros for _, zeros in parts), dtype=np.float64, count=len(parts))
+        if any(part.size != copy.size for (part, _), copy in zip(parts, copies, strict=True)):
+            finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
+            ordered = np.concatenate([part for part, _ in parts])
+    else:  # many short ones: zeros and non-finite entries (sorted at the ends) by masks
+        zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
+        ends = starts + lengths - 1
+        if not (np.isfinite(ordered[starts]).all() and np.isfinite(ordered[ends]).all()):
+            kept = np.isfinite(ordered)
+            finite = np.add.reduceat(kept, starts, dtype=np.int64)
+            ordered = ordered[kept]
+    raw = np.full((lengths.size, len(RAW)), np.nan)
+    raw[:, 7], raw[:, 8] = zeros, finite
+    histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
+    present = np.flatnonzero(finite)
+    if present.size:
+        counts = finite[present]
+        at = np.zeros(counts.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=at[1:])
+        ranks, weight = profile_ranks(counts - 1)
+        picked = ordered.take(ranks + at).astype(np.float64)
+        shifts = ordered.take(at + counts // 2).astype(np.float64)  # the middle entries
+        scratch = buffers.array("deviations", min(CHUNK, ordered.size), np.float64)
+        sums = segment_sums(ordered, at, counts, shifts, None, scratch)
+        raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
+        shown = [copy for copy in focus if finite[copy]]
+        with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
+            index = np.searchsorted(present, shown)
+            parts = [ordered[a : a + c] for a, c in zip(at[index], counts[index], strict=True)]
+            if parts:
+                heads = np.stack([counts, picked[0], picked[1], total, squares], axis=1)[index]
+                vectors = sorted_histograms(parts, heads.tolist(), bins)
+                histograms.update(zip(shown, vectors, strict=True))
+    return raw, histograms
+
+
+def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
+    """Per entry of `last` (int64, the position of a tensor's last sorted finite entry, >= 0)
+    the 0-based sorted positions to read, a row each (min, max, each quartile's lower then upper
+    neighbour), and the quartiles' interpolation weights, a row each (generic): the one
+    quantile routine of every path."""
+    if isinstance(last, torch.Tensor):
+        steps = torch.tensor(_QUARTILE_STEPS, device=last.device)
+        low, weight = quartile_positions(last.to(torch.float64), steps)
+        low = low.to(torch.int64)
+    else:
+        low, weight = quartile_positions(last.astype(np.float64), _QUARTILE_STEPS)
+        low = low.astype(np.int64)
+    xp = _xp(last)
+    first = xp.zeros_like(last)[None]
+    return xp.concatenate([first, last[None], low, xp.minimum(low + 1, last)]), weight
+
+
+def finish_profiles(
+    picked: _Array, weight: _Array, sums: tuple[Any, Any, Any, Any], counts: _Array
+) -> tuple[_Array, _Array, _Array]:
+    """The first seven `RAW` columns of tensors with `counts` finite entries from the entries
+    at `profile_ranks` (`picked`, float64, a row each) and their `segment_sums` or
+    `device_sums`; also their sums and sums of squares, a histogram's head (generic)."""
+    mean, std, total, squares = finish_moments(*sums[:3], counts, sums[3])
+    quartiles = lerp(picked[2:5], picked[5:], weight)
+    columns = [mean, std, picked[0], picked[1], *quartiles]
+    return _xp(picked).stack(columns, axis=1), total, squares
+
+
+def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
     """`measure_array` of over `order.SMALL` entries presumed finite, order statistics by
-    selection (`order.HostSelection`, fed by the moments' pass), or `_NotFiniteError` (a sum
-    of squares is not finite; those of finite entries are)."""
+    selection (`order.HostSelection`, fed by the moments' pass), or `FloatingPointError` (a sum
+    of squares is not finite; those of finite entries are; NumPy's own errors are ignored)."""
     select = order.HostSelection(values)
-    names, weights, ranks = _positions(values.size, wanted)
-    select.want(ranks)
-    size = np.array([values.size])
-    sums = segment_sums(values, _FIRST, size, np.array([select.pivot()]), select.visit)
+    counts = np.array([values.size])
+    ranks, weight = profile_ranks(counts - 1)
+    select.want(ranks[:, 0].tolist())
+    sums = segment_sums(values, _FIRST, counts, np.array([select.pivot()]), select.visit)
     if not math.isfinite(sums[1][0]):
-        raise _NotFiniteError
-    return _result(values, select.zeros(), select.selected(), names, weights, sums, bins, False)
-
-
-def _positions(size: int, wanted: frozenset[str]) -> tuple[list[str], list[Any], list[int]]:
-    """The wanted quartiles, each one's (lower position, weight), and the sorted positions to
-    read among `size` entries: min, max, each quartile's lower then upper neighbours."""
-    last = size - 1
-    names = [name for name in QUARTILES if name in wanted]
-    weights = [quartile_positions(float(last), QUARTILES[name]) for name in names]
-    lows = [int(low) for low, _ in weights]
-    return names, weights, [0, last, *lows, *(min(low + 1, last) for low in lows)]
-
-
-def _result(
-    values: np.ndarray,
-    zeros: int,
-    picked: list[float],
-    names: list[str],
-    weights: list[Any],
-    sums: tuple[np.ndarray, np.ndarray, np.ndarray, float],
-    bins: int | None,
-    ascending: bool,
-) -> CpuResult:
-    """One tensor's raw values and histogram from its finite `values`, its count of zeros, the
-    entries at `_positions` and its `segment_sums`: the lane's `_segment_arrays` for one
-    segment, in Python floats (`_Floats`), so the same bits."""
-    shifted, squares, residual, scale = sums
-    size = values.size
-    raw = {"zeros": float(zeros), "finite": float(size)}
-    moments = finish_moments(float(shifted[0]), float(squares[0]), float(residual[0]), size, scale)
-    raw["mean"], raw["std"], raw["sum"], raw["sum_squares"] = moments
-    raw["min"], raw["max"] = picked[0], picked[1]
-    for index, (name, (_, weight)) in enumerate(zip(names, weights, strict=True)):
-        raw[name] = lerp(picked[2 + index], picked[2 + len(names) + index], weight)
-    if not bins:
-        return CpuResult(raw, None)
-    head = (size, moments[2], moments[3])
-    vector = None
-    with contextlib.suppress(Exception):  # a failure: no histogram, as in the lane's batch
-        vector = histogram_vector(values, picked[0], picked[1], head, bins, None, ascending)
-    return CpuResult(raw, vector)
-
-
-class _NotFiniteError(Exception):
-    """A tensor presumed finite was not."""
+        raise FloatingPointError
+    picked = np.array(select.selected(), dtype=np.float64)[:, None]
+    profile, total, squares = finish_profiles(picked, weight, sums, counts)
+    raw = dict(
+        zip(RAW, [*profile[0].tolist(), float(select.zeros()), float(values.size)], strict=True)
+    )
+    histogram = None
+    if bins:
+        head = (values.size, float(total[0]), float(squares[0]))
+        with contextlib.suppress(Exception):  # a failure: no histogram, as in `sorted_profiles`
+            histogram = histogram_vector(values, raw["min"], raw["max"], head, bins)
+    return CpuResult(raw, histogram)
 
 
 # --- the general path: torch ops on the tensor's device, no host sync ---------------------------
@@ -563,35 +579,21 @@ def raw_on_device(
     """Raw values as one float64 device block, computed without any host synchronisation (min,
     max and the quartiles' neighbours by `order.on_device`, interpolated there by `lerp`), and
     with `bins` the histogram vector from the same statistics."""
-    numel = values.numel()
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
-    count = finite.to(torch.float64)
-    entries: dict[str, torch.Tensor] = {"finite": count}
+    count, counted = finite.to(torch.float64), finite.to(torch.float64).clamp(min=1.0)
+    ranks, weight = profile_ranks((finite - 1).clamp(min=0).reshape(1))
+    picked = order.on_device(values, finite_mask, ranks.reshape(-1)).to(torch.float64)
+    sums = device_sums(values, finite_mask, counted)
+    profile, total, squares = finish_profiles(picked[:, None], weight, sums, counted.reshape(1))
+    entries = dict(zip(RAW[:7], profile[0].unbind(), strict=True))
+    entries["finite"] = count
     if "zero_fraction" in wanted:
-        entries["zeros"] = (numel - torch.count_nonzero(values)).to(torch.float64)
-    last = (finite - 1).clamp(min=0)
-    names = [name for name in QUARTILES if name in wanted]
-    steps = torch.tensor(
-        [QUARTILES[name] for name in names], dtype=torch.float64, device=values.device
-    )
-    low, weight = quartile_positions(last.to(torch.float64), steps)
-    low = low.to(torch.int64)
-    ranks = torch.cat([torch.zeros_like(last).reshape(1), last.reshape(1), low])
-    ranks = torch.cat([ranks, torch.minimum(low + 1, last)])
-    picked = order.on_device(values, finite_mask, ranks).to(torch.float64)
-    entries["min"], entries["max"] = picked[0], picked[1]
-    quartiles = lerp(picked[2 : 2 + len(names)], picked[2 + len(names) :], weight)
-    entries.update(zip(names, quartiles.unbind(), strict=True))
-    shift, squares, residual, scale = device_sums(values, finite_mask, count.clamp(min=1.0))
-    mean, std, total, sum_squares = finish_moments(
-        shift, squares, residual, count.clamp(min=1.0), scale
-    )
-    entries["mean"], entries["std"] = mean, std
+        entries["zeros"] = (values.numel() - torch.count_nonzero(values)).to(torch.float64)
     keys = [key for key in entries if key in wanted or key in ("finite", "zeros")]
     block = torch.stack([entries[key] for key in keys])
     if bins is None:
         return keys, block, None
     low, high = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
-    head = (count, total, sum_squares)
+    head = (count, total[0], squares[0])
     return keys, block, histogram_vector(values, low, high, head, bins, finite_mask)

@@ -276,7 +276,7 @@ def _reduce_default(
     derive = numerics.DefaultDeriver(tensor.numel(), wanted)
     if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
         with contextlib.suppress(Exception):  # a failure is handed to the general path below
-            result = numerics.measure_on_cpu(tensor, wanted, bins)
+            result = numerics.measure_on_cpu(tensor, bins)
             return _Part(metrics, host=result.raw, derive=derive), None, result.histogram
     keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
     histogram: HistogramVector | None = vector  # counted with the statistics' min, max and sums

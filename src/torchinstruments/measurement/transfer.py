@@ -186,7 +186,7 @@ def _measure(
     it (on the spare core's thread or this one); the general path's if this fails."""
     wanted = frozenset(metrics := measurer.default_only or ())
     try:
-        result = numerics.measure_on_cpu(tensor, wanted, DEFAULT_BINS if focus else None)
+        result = numerics.measure_on_cpu(tensor, DEFAULT_BINS if focus else None)
         derived = numerics.DefaultDeriver(tensor.numel(), wanted)(result.raw)
     except Exception:
         return launch_tensor(measurer, key, tensor, focus)

@@ -471,8 +471,7 @@ def sorted_profiles(
     others. Long copies' finite parts and zeros are found by bisection (`_finite_part`), short
     ones' by masks over them all."""
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
-    starts = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
+    starts = _starts(lengths)
     buffers = buffers or Buffers()
     ordered = copies[0]
     if len(copies) > 1:
@@ -492,14 +491,13 @@ def sorted_profiles(
             kept = np.isfinite(ordered)
             finite = np.add.reduceat(kept, starts, dtype=np.int64)
             ordered = ordered[kept]
-    raw = np.full((lengths.size, len(RAW)), np.nan)
-    raw[:, 7], raw[:, 8] = zeros, finite
+    raw = np.empty((lengths.size, len(RAW)))
+    raw[:, :7], raw[:, 7], raw[:, 8] = np.nan, zeros, finite
     histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
-    present = np.flatnonzero(finite)
+    present = finite.nonzero()[0]
     if present.size:
         counts = finite[present]
-        at = np.zeros(counts.size, dtype=np.int64)
-        np.cumsum(counts[:-1], out=at[1:])
+        at = _starts(counts)
         ranks, weight = profile_ranks(counts - 1)
         picked = ordered.take(ranks + at).astype(np.float64)
         shifts = ordered.take(at + counts // 2).astype(np.float64)  # the middle entries
@@ -508,13 +506,20 @@ def sorted_profiles(
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
         shown = [copy for copy in focus if finite[copy]]
         with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
-            index = np.searchsorted(present, shown)
-            parts = [ordered[a : a + c] for a, c in zip(at[index], counts[index], strict=True)]
-            if parts:
+            if shown:
+                index = present.searchsorted(shown)
+                parts = [ordered[a : a + c] for a, c in zip(at[index], counts[index], strict=True)]
                 heads = np.stack([counts, picked[0], picked[1], total, squares], axis=1)[index]
                 vectors = sorted_histograms(parts, heads.tolist(), bins)
                 histograms.update(zip(shown, vectors, strict=True))
     return raw, histograms
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive segments of `lengths` (int64) starts: 0, then the running sum."""
+    starts = np.zeros_like(lengths)
+    lengths[:-1].cumsum(out=starts[1:])
+    return starts
 
 
 def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
@@ -530,7 +535,7 @@ def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
         low, weight = quartile_positions(last.astype(np.float64), _QUARTILE_STEPS)
         low = low.astype(np.int64)
     xp = _xp(last)
-    first = xp.zeros_like(last)[None]
+    first = last[None] * 0
     return xp.concatenate([first, last[None], low, xp.minimum(low + 1, last)]), weight
 
 
@@ -542,8 +547,8 @@ def finish_profiles(
     `device_sums`; also their sums and sums of squares, a histogram's head (generic)."""
     mean, std, total, squares = finish_moments(*sums[:3], counts, sums[3])
     quartiles = lerp(picked[2:5], picked[5:], weight)
-    columns = [mean, std, picked[0], picked[1], *quartiles]
-    return _xp(picked).stack(columns, axis=1), total, squares
+    columns = [mean[None], std[None], picked[:2], quartiles]  # rows, one a metric
+    return _xp(picked).concatenate(columns).T, total, squares
 
 
 def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:

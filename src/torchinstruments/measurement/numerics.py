@@ -11,9 +11,9 @@ so every path runs the same IEEE operations in the same order:
   shifted-data algorithm in float64, shifted by an entry near the median on the host (one pass)
   and by the mean on the device (two), float64 inputs scaled by a power of two (exact), so
   neither a variance nor a sum of huge values overflows into a null.
-* Histogram counts (`edges`, `thresholds`, then `bin_counts`, or `sorted_histograms` by
-  bisection of sorted entries): each inner edge becomes the smallest working-dtype value >= it
-  and an entry's bin is the number of those <= it, so counts agree with the reported edges as
+* Histogram counts (`histogram_vector`: `edges`, `thresholds`, then `bin_counts`, by bisection
+  of sorted entries): each inner edge becomes the smallest working-dtype value >= it and an
+  entry's bin is the number of those <= it, so counts agree with the reported edges as
   `numpy.histogram` bins them, however narrow the bins.
 
 Paths (`paths.choose` decides): `measure_on_cpu` and the lane (both through `sorted_profiles` up
@@ -66,7 +66,6 @@ __all__ = [
     "quartile_positions",
     "raw_on_device",
     "segment_sums",
-    "sorted_histograms",
     "sorted_profiles",
     "thresholds",
 ]
@@ -307,11 +306,16 @@ def thresholds(edges: _Array, dtype: Any) -> _Array:
     return rounded
 
 
-def bin_counts(values: _Array, bounds: _Array, bins: int, finite: _Array | None = None) -> _Array:
+def bin_counts(
+    values: _Array, bounds: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
+) -> _Array:
     """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
     generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
-    is False are in none. float64 counts. (Ascending NumPy values: `sorted_histograms`.)"""
+    is False are in none. float64 counts; `ascending` NumPy values are counted by bisection."""
     limits = thresholds(bounds, values.dtype)
+    if ascending:  # the entries below each limit: a bisection each (np.diff's own cost: 10 us)
+        below = np.concatenate(([0], values.searchsorted(limits), [values.size]))
+        return np.subtract(below[1:], below[:-1], dtype=np.float64)
     if isinstance(values, torch.Tensor):
         index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
         if finite is not None:
@@ -361,35 +365,19 @@ def histogram_vector(
     head: tuple[_Array, _Array, _Array],
     bins: int,
     finite: _Array | None = None,
+    ascending: bool = False,
 ) -> Any:
     """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
-    edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones."""
+    edges and the bins counts: a list for finite NumPy `values` (`ascending`: sorted), a tensor
+    for torch ones."""
     count, total, sum_squares = head
     low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
     bounds = edges(low, high, bins)
-    counts = bin_counts(values, bounds, bins, finite)
+    counts = bin_counts(values, bounds, bins, finite, ascending)
     if isinstance(values, torch.Tensor):
         return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
-    return [float(count), low, high, total, sum_squares, *bounds.tolist(), *counts.tolist()]
-
-
-def sorted_histograms(
-    parts: Sequence[np.ndarray], heads: Sequence[Sequence[float]], bins: int
-) -> list[list[float]]:
-    """`histogram_vector` of ascending finite NumPy arrays of one dtype (`heads`: each one's
-    count, min, max, sum and sum of squares), all at once: their `edges` and `thresholds` as
-    rows of one array, the entries below each threshold found by bisection (a call per
-    array)."""
-    head = np.array(heads, dtype=np.float64).reshape(len(parts), 5)
-    head[:, 1:3] += 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
-    bounds = edges(head[:, 1:2], head[:, 2:3], bins)
-    limits = thresholds(bounds, parts[0].dtype)
-    below = np.empty((len(parts), bins + 1), dtype=np.int64)
-    below[:, 0] = 0
-    for row, part in enumerate(parts):
-        below[row, 1:-1] = part.searchsorted(limits[row])
-        below[row, -1] = part.size
-    return np.concatenate([head, bounds, np.diff(below, axis=1)], axis=1).tolist()
+    head_values = [float(count), float(low), float(high), float(total), float(sum_squares)]
+    return [*head_values, *bounds.tolist(), *counts.tolist()]
 
 
 # --- the host paths: one tensor, or many small ones -----------------------------------------------
@@ -505,13 +493,14 @@ def sorted_profiles(
         sums = segment_sums(ordered, at, counts, shifts, None, scratch)
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
         shown = [copy for copy in focus if finite[copy]]
-        with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
-            if shown:
-                index = present.searchsorted(shown)
-                parts = [ordered[a : a + c] for a, c in zip(at[index], counts[index], strict=True)]
-                heads = np.stack([counts, picked[0], picked[1], total, squares], axis=1)[index]
-                vectors = sorted_histograms(parts, heads.tolist(), bins)
-                histograms.update(zip(shown, vectors, strict=True))
+        for copy, row in zip(shown, present.searchsorted(shown).tolist(), strict=True):
+            part, head = (
+                ordered[at[row] : at[row] + counts[row]],
+                (counts[row], total[row], squares[row]),
+            )
+            with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
+                low, high = picked[0, row], picked[1, row]
+                histograms[copy] = histogram_vector(part, low, high, head, bins, None, True)
     return raw, histograms
 
 

@@ -486,7 +486,7 @@ def sorted_profiles(
     if present.size:
         counts = finite[present]
         at = _starts(counts)
-        ranks, weight = profile_ranks(counts - 1)
+        ranks, weight = _ranks_of(int(counts[0])) if counts.size == 1 else profile_ranks(counts - 1)
         picked = ordered.take(ranks + at).astype(np.float64)
         shifts = ordered.take(at + counts // 2).astype(np.float64)  # the middle entries
         scratch = buffers.array("deviations", min(CHUNK, ordered.size), np.float64)
@@ -528,6 +528,14 @@ def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
     return xp.concatenate([first, last[None], low, xp.minimum(low + 1, last)]), weight
 
 
+@functools.lru_cache(maxsize=64)
+def _ranks_of(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`profile_ranks` of one tensor of `size` finite entries (cached: a layer's sizes repeat)."""
+    ranks, weight = profile_ranks(np.array([size - 1]))
+    ranks.flags.writeable = weight.flags.writeable = False  # shared by every call
+    return ranks, weight
+
+
 def finish_profiles(
     picked: _Array, weight: _Array, sums: tuple[Any, Any, Any, Any], counts: _Array
 ) -> tuple[_Array, _Array, _Array]:
@@ -546,7 +554,7 @@ def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
     of squares is not finite; those of finite entries are; NumPy's own errors are ignored)."""
     select = order.HostSelection(values)
     counts = np.array([values.size])
-    ranks, weight = profile_ranks(counts - 1)
+    ranks, weight = _ranks_of(values.size)
     select.want(ranks[:, 0].tolist())
     sums = segment_sums(values, _FIRST, counts, np.array([select.pivot()]), select.visit)
     if not math.isfinite(sums[1][0]):

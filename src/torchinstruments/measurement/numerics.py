@@ -407,9 +407,7 @@ class CpuResult:
 def measure_on_cpu(tensor: torch.Tensor, bins: int | None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector
     (`measure_array`); never written."""
-    flat = tensor.reshape(-1)
-    if flat.dtype != torch.float32 and flat.dtype != torch.float64:
-        flat = flat.to(tensors.working_dtype(flat.dtype))
+    flat = tensor.reshape(-1).to(tensors.working_dtype(tensor.dtype))  # float32/64: no copy
     return measure_array(flat.numpy(), bins)
 
 
@@ -420,10 +418,7 @@ def measure_array(array: np.ndarray, bins: int | None) -> CpuResult:
     measured again from its finite copy."""
     if array.size > order.SMALL:
         if array.dtype == np.float32:
-            with (
-                contextlib.suppress(FloatingPointError),
-                np.errstate(invalid="ignore", over="ignore"),
-            ):
+            with contextlib.suppress(FloatingPointError):
                 return _measure_selected(array, bins)
         finite = np.isfinite(array)
         array = array if finite.all() else array[finite]
@@ -548,6 +543,7 @@ def finish_profiles(
     return _xp(picked).concatenate(columns).T, total, squares
 
 
+@np.errstate(invalid="ignore", over="ignore")  # a float32 tensor is presumed finite
 def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
     """`measure_array` of over `order.SMALL` entries presumed finite, order statistics by
     selection (`order.HostSelection`, fed by the moments' pass), or `FloatingPointError` (a sum

@@ -236,3 +236,16 @@ def test_values_on_the_edges_are_binned_as_numpy_bins_them(scale: float) -> None
         record = histogram(torch.from_numpy(values), "host", bins)
         assert record is not None
         assert_consistent(record, values)
+
+
+@pytest.mark.parametrize("bins", [1, 7, 64])
+def test_a_range_wider_than_float64_is_still_counted(bins: int) -> None:
+    """max - min overflows float64 (here by rounding: -DBL_MAX to 2**970), so the host path's
+    arithmetic guess has no scale: it bisects instead of dropping the histogram."""
+    from torchinstruments.measurement import order
+
+    pair = np.array([-np.finfo(np.float64).max, 2.0**970])
+    values = np.resize(pair, order.SMALL + 3)
+    record = histogram(torch.from_numpy(values), "host", bins)
+    assert record is not None
+    assert_consistent(record, values)

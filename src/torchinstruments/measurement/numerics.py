@@ -324,7 +324,7 @@ def bin_counts(
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
     low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scale = bins / span if span > 0 else math.nan
+        scale = bins / span if 0 < span < math.inf else math.nan  # an overflowed span: bisect
         # The guess `int((x - low) * scale)` is monotone in x: right for every x when right on
         # each limit and on the value below it; else corrected per entry, or a bisection.
         at = np.subtract(limits, low, dtype=np.float64) * scale

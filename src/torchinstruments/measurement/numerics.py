@@ -489,11 +489,9 @@ def sorted_profiles(
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
         shown = [copy for copy in focus if finite[copy]]
         for copy, row in zip(shown, present.searchsorted(shown).tolist(), strict=True):
-            part, head = (
-                ordered[at[row] : at[row] + counts[row]],
-                (counts[row], total[row], squares[row]),
-            )
             with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
+                part = ordered[at[row] : at[row] + counts[row]]
+                head = (counts[row], total[row], squares[row])
                 low, high = picked[0, row], picked[1, row]
                 histograms[copy] = histogram_vector(part, low, high, head, bins, None, True)
     return raw, histograms

@@ -13,6 +13,7 @@ import copy
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -221,6 +222,45 @@ def test_close_finishes_every_waiting_copy_then_stops_the_worker() -> None:
     assert len(workers()) == before
 
 
+def test_a_job_quicker_than_its_hand_over_is_computed_by_the_thread_that_gives_it() -> None:
+    """Timed at its first call, a job that takes a few microseconds is never handed over: the
+    worker's wake-up and the GIL's hand-overs would cost the training thread more."""
+    spare = SpareCore()
+    with cores(len(CORES)):
+        given = [spare.later(lane.sort_in_place, np.arange(9.0)[::-1].copy(), 9) for _ in range(5)]
+        assert all(isinstance(item, Deferred) and item.done for item in given)
+        assert [list(item.result()) for item in given if item is not None] == [list(range(9))] * 5
+        assert all(thread.name != WORKER for thread in workers()), "no worker was started"
+        spare.close()
+
+
+def test_a_job_slower_than_its_hand_over_goes_to_the_worker_once_timed() -> None:
+    """The first call is computed here and timed; once its rate puts a job at `HAND_OVER_NS`
+    or more, it is handed over (queued for the worker, or whoever asks for it first)."""
+    ran_on: list[str] = []
+    gate = threading.Event()
+
+    def slow(payload: int) -> int:
+        if payload:  # the handed-over ones wait until the test has looked at them
+            gate.wait(10)
+        else:
+            time.sleep(2 * spare_core.HAND_OVER_NS / 1e9)
+        ran_on.append(threading.current_thread().name)
+        return payload + 1
+
+    spare = SpareCore()
+    with cores(len(CORES)):
+        first = spare.later(slow, 0, 1.0)
+        assert first is not None
+        assert first.done
+        assert ran_on == [threading.current_thread().name]
+        handed = [spare.later(slow, payload, 1.0) for payload in (1, 2)]
+        assert all(item is not None and not item.done for item in handed)
+        gate.set()
+        assert results(handed) == [2, 3]
+        spare.close()
+
+
 def mlp() -> nn.Module:
     """Outputs of 64 x 256 entries: the lane's copies that the spare core sorts."""
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
@@ -236,6 +276,9 @@ def mlp_step(model: nn.Module, _: int) -> torch.Tensor:
 def test_the_lanes_copies_sorted_on_the_spare_core_give_the_rows_of_one_core(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every sort after the first (which times the machine's sort) is handed over here, however
+    fast this CPU sorts (`HAND_OVER_NS` 0)."""
+    monkeypatch.setattr(spare_core, "HAND_OVER_NS", 0)
     sorted_on: list[str] = []
 
     def sort_in_place(copy: np.ndarray) -> np.ndarray:

@@ -5,8 +5,9 @@ Design decision: when the process may run on more cores than torch's intra-op th
 `os.sched_getaffinity`: `torch.set_num_threads(1)` on a machine of several), a sampled
 forward's plain CPU tensors, and the gradients into them, are copied on the training thread and
 measured on one worker thread per observer while the forward or backward goes on (`run`), and
-the small-tensor lane's copies of `lane.SORT_EACH_FROM` entries or more are sorted there
-(`later`: the sort, which releases the GIL, is most of what measuring them costs). Records are
+the small-tensor lane's copies of `lane.SORT_EACH_FROM` entries or more are sorted there when a
+sort takes longer than handing it over (`later`: the sort, which releases the GIL, is most of what
+measuring them costs where the CPU's sort is slow). Records are
 still built where they were, at the end of the forward and of the backward: the sinks, the order
 of the rows and the values (the same function on the same entries, so the same bits) do not
 change, only the thread that computes them. There the training thread computes, last first,
@@ -33,6 +34,15 @@ observer closes. The step's CPU time summed over threads is not reduced (the cop
 bench/sampled.py prints it next to the wall time. Jobs are NumPy calls that release the GIL:
 Python run on the worker between them would hold the training thread's Python back.
 
+Design decision: a job is handed over only when it takes longer than the hand-over costs. Each
+one handed over costs the training thread a lock, a share of a wake-up and the GIL's hand-overs
+around it: about 60 us a job for the lane's sorts of 16,384 entries on an Intel Xeon with
+NumPy's AVX-512 sort, which sorts them in 36 us (so handing them over made bench/sampled.py's
+MLP step 0.8 ms slower, not faster); an AMD EPYC's NumPy sort of the same copy takes several
+times as long. Which kind of machine this is is measured, not guessed: `later` times the jobs it
+computes on the training thread, keeps the least time per unit of work seen for each job, and
+hands a job to the worker once that rate puts it at `HAND_OVER_NS` or more.
+
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).
 
@@ -44,8 +54,10 @@ run inert, so it seldom asks).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -74,6 +86,9 @@ MAX_BYTES_IN_FLIGHT = 256 * 2**20
 # many wait: each wake-up costs the waking thread a system call (about 12 us here), more than
 # a third of a sort of 16,384 entries; a job left alone is computed by whoever asks for it.
 WAKE_AT = 2
+# A job expected to take less (at the least time per unit of work measured for it here) is
+# computed by the thread that gives it (`SpareCore.later`): handing it over costs about 60 us.
+HAND_OVER_NS = 100_000
 # The most `Buffers` keeps per array (a batch of 2**22 float32 entries).
 KEPT_BYTES = 16 * 2**20
 # The lane's copies kept until the end of their pass (`SpareCore.hold`), over all passes.
@@ -230,6 +245,7 @@ class SpareCore:
         self._closed = False
         self._buffers = Buffers(keep=True)
         self._lending = threading.Lock()
+        self._rates: dict[Callable[[Any], Any], float] = {}  # a job's least ns per unit of work
 
     def spare(self) -> bool:
         """Whether a core is spare now (torch's thread count is read at every call)."""
@@ -262,10 +278,24 @@ class SpareCore:
             raise
         return self._submit(job, copy, nbytes)
 
-    def later(self, job: Callable[[Any], T], payload: Any) -> Deferred[T] | None:
-        """`job` of `payload` (the caller's own copy, counted by `hold`) on the worker when a
-        core is spare; else None, and nothing is done."""
-        return self._submit(job, payload, 0) if self.spare() else None
+    def later(
+        self, job: Callable[[Any], T], payload: Any, work: float = math.inf
+    ) -> Deferred[T] | None:
+        """`job` of `payload` (the caller's own copy, counted by `hold`) when a core is spare,
+        else None, and nothing is done. On the worker when the least time per unit of `work`
+        measured for `job` here puts it at `HAND_OVER_NS` or more (always, for infinite `work`);
+        else computed now, timed, on this thread (a `Deferred` that is done)."""
+        if not self.spare():
+            return None
+        rate = self._rates.get(job)
+        if work == math.inf or (rate is not None and rate * work >= HAND_OVER_NS):
+            return self._submit(job, payload, 0)
+        deferred = Deferred(self, job, payload)
+        start = time.perf_counter_ns()
+        deferred._compute(locked=False)  # nobody else has it yet
+        measured = (time.perf_counter_ns() - start) / max(work, 1.0)
+        self._rates[job] = measured if rate is None else min(rate, measured)
+        return deferred
 
     def _submit(self, job: Callable[[Any], T], payload: Any, nbytes: int) -> Deferred[T]:
         """Queue one job for the worker, started at its first job."""

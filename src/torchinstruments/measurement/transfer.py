@@ -153,9 +153,9 @@ def launch(
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 if spare.hold(_held_bytes(copy.size)):  # else the lane keeps enough: now
-                    waiting = None  # sorted on the spare core, if one is, as the pass goes on
+                    waiting = None  # sorted as the pass goes on where a core is spare (`later`)
                     if copy.size >= lane.SORT_EACH_FROM:
-                        waiting = spare.later(lane.sort_in_place, copy)
+                        waiting = spare.later(lane.sort_in_place, copy, copy.size)
                     stamp = time.time_ns() // 1000
                     return (key, stamp, tuple(tensor.shape), waiting or copy, focus)
                 path = "host"
@@ -213,7 +213,7 @@ def build_records(
         ready = results(launched)
         lane_items = [item for item in ready if type(item) is tuple]
         copies = [item[3] for item in lane_items]
-        ascending = [isinstance(copy, Deferred) for copy in copies]  # sorted on the spare core
+        ascending = [isinstance(copy, Deferred) for copy in copies]  # sorted as the pass went
         focus = [item[4] for item in lane_items]
         with spare.buffers() as buffers:
             measured = lane.measure(

@@ -311,11 +311,14 @@ def bin_counts(
 ) -> _Array:
     """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
     generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
-    is False are in none. float64 counts; `ascending` NumPy values are counted by bisection."""
-    limits = thresholds(bounds, values.dtype)
-    if ascending:  # the entries below each limit: a bisection each (np.diff's own cost: 10 us)
-        below = np.concatenate(([0], values.searchsorted(limits), [values.size]))
-        return np.subtract(below[1:], below[:-1], dtype=np.float64)
+    is False are in none. float64 counts; `ascending`: sorted NumPy parts, a row of `bounds`
+    each, counted by bisection (a row of counts each)."""
+    limits = thresholds(bounds, (values[0] if ascending else values).dtype)
+    if ascending:  # the entries of each part below each of its limits: a bisection each
+        below = np.zeros((len(values), bins + 1), dtype=np.int64)
+        below[:, 1:-1] = [part.searchsorted(row) for part, row in zip(values, limits, strict=True)]
+        below[:, -1] = [part.size for part in values]
+        return np.diff(below, axis=1).astype(np.float64)
     if isinstance(values, torch.Tensor):
         index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
         if finite is not None:
@@ -368,14 +371,18 @@ def histogram_vector(
     ascending: bool = False,
 ) -> Any:
     """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
-    edges and the bins counts: a list for finite NumPy `values` (`ascending`: sorted), a tensor
-    for torch ones."""
+    edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones, and
+    for `ascending` ones (sorted NumPy parts, with arrays of `low`, `high` and `head`, an entry
+    per part) a list per part, their edges and limits computed as rows, at once."""
     count, total, sum_squares = head
     low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
-    bounds = edges(low, high, bins)
+    bounds = edges(low[:, None], high[:, None], bins) if ascending else edges(low, high, bins)
     counts = bin_counts(values, bounds, bins, finite, ascending)
     if isinstance(values, torch.Tensor):
         return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
+    if ascending:
+        heads = np.stack([count, low, high, total, sum_squares], axis=1, dtype=np.float64)
+        return np.concatenate([heads, bounds, counts], axis=1).tolist()
     head_values = [float(count), float(low), float(high), float(total), float(sum_squares)]
     return [*head_values, *bounds.tolist(), *counts.tolist()]
 
@@ -488,12 +495,12 @@ def sorted_profiles(
         sums = segment_sums(ordered, at, counts, shifts, None, scratch)
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
         shown = [copy for copy in focus if finite[copy]]
-        for copy, row in zip(shown, present.searchsorted(shown).tolist(), strict=True):
-            with contextlib.suppress(Exception):  # a failure: no histogram, nothing else
-                part = ordered[at[row] : at[row] + counts[row]]
-                head = (counts[row], total[row], squares[row])
-                low, high = picked[0, row], picked[1, row]
-                histograms[copy] = histogram_vector(part, low, high, head, bins, None, True)
+        with contextlib.suppress(Exception):  # a failure: no histograms, nothing else
+            rows = present.searchsorted(shown)
+            parts = [ordered[at[row] : at[row] + counts[row]] for row in rows.tolist()]
+            head, low, high = (counts[rows], total[rows], squares[rows]), *picked[:2, rows]
+            vectors = histogram_vector(parts, low, high, head, bins, None, True) if shown else []
+            histograms.update(zip(shown, vectors, strict=True))
     return raw, histograms
 
 
@@ -509,14 +516,14 @@ def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
     the 0-based sorted positions to read, a row each (min, max, each quartile's lower then upper
     neighbour), and the quartiles' interpolation weights, a row each (generic): the one
     quantile routine of every path."""
-    if isinstance(last, torch.Tensor):
+    xp = _xp(last)
+    if xp is torch:
         steps = torch.tensor(_QUARTILE_STEPS, device=last.device)
         low, weight = quartile_positions(last.to(torch.float64), steps)
         low = low.to(torch.int64)
     else:
         low, weight = quartile_positions(last.astype(np.float64), _QUARTILE_STEPS)
         low = low.astype(np.int64)
-    xp = _xp(last)
     first = last[None] * 0
     return xp.concatenate([first, last[None], low, xp.minimum(low + 1, last)]), weight
 
@@ -555,9 +562,7 @@ def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
         raise FloatingPointError
     picked = np.array(select.selected(), dtype=np.float64)[:, None]
     profile, total, squares = finish_profiles(picked, weight, sums, counts)
-    raw = dict(
-        zip(RAW, [*profile[0].tolist(), float(select.zeros()), float(values.size)], strict=True)
-    )
+    raw = dict(zip(RAW, [*profile[0].tolist(), float(select.zeros()), values.size], strict=True))
     histogram = None
     if bins:
         head = (values.size, float(total[0]), float(squares[0]))

@@ -8,13 +8,8 @@ whether it is measurable or how its values are read:
   their metrics are null with a reason and they get no histogram.
 - What is measured of a tensor a layer returned is its `measured_form`, taken before anything
   else reads it:
-  - torch.func wrappers (`grad`, `jacrev`, `vmap`) are unwrapped: the values the plain model
-    computes; under `vmap`, the whole underlying batch, and the shape is the vmapped sizes
-    (outermost transform first) followed by the per-sample shape.
-  - A DTensor is measured as this rank's local tensor (no collective): with a Replicate placement
-    that is the whole tensor, with Shard(d) this rank's shard; the row carries the placement and
-    this rank's mesh coordinate. A Partial placement holds partial sums, not the layer's output:
-    null with a reason.
+  - torch.func wrappers (`grad`, `jacrev`, `vmap`) are unwrapped, as `TORCH_FUNC_NOTE` says.
+  - A DTensor is measured as this rank's local tensor, no collective (`DTENSOR_NOTE`).
   - Nested tensors (nn.TransformerEncoder packs a padded batch into one in eval under no_grad, so
     every layer inside it returns one) are measured over the entries of their components, padding
     excluded (one flat copy). Their shape is null (no fixed shape).
@@ -40,7 +35,6 @@ from torchinstruments._torch_internals import is_functorch_wrapped, unwrap_funct
 
 __all__ = [
     "DENSE_MAX",
-    "DTENSOR_NOTE",
     "TORCH_FUNC_NOTE",
     "MeasuredForm",
     "dtype_name",
@@ -55,10 +49,9 @@ __all__ = [
     "working_values",
 ]
 
-_INTEGRAL_DTYPES: frozenset[torch.dtype] = frozenset(
-    dtype
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+_INTEGRAL_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+    | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
 
 
@@ -130,7 +123,9 @@ def measured_form(tensor: torch.Tensor) -> MeasuredForm:
         note = TORCH_FUNC_NOTE if plain is not tensor else None
         plain = plain.detach()
         placement = coordinate = None
-        dtensor = _dtensor_type()
+        # No DTensor exists unless `torch.distributed.tensor` was imported (importing it here
+        # would cost seconds at the first measurement).
+        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if dtensor is not None and isinstance(plain, dtensor):
             note = DTENSOR_NOTE
             placement = ", ".join(_placement_name(p) for p in plain.placements)
@@ -146,11 +141,8 @@ def measured_form(tensor: torch.Tensor) -> MeasuredForm:
             per_sample = shape_of(tensor)
             shape = None if per_sample is None else batch + per_sample
         if plain.is_nested:
-            parts = [component.reshape(-1) for component in plain.unbind()]
-            if not parts:
-                plain = torch.empty(0, dtype=plain.dtype, device=plain.device)
-            else:
-                plain = torch.cat(parts)
+            empty = torch.empty(0, dtype=plain.dtype, device=plain.device)
+            plain = torch.cat([component.reshape(-1) for component in plain.unbind()] or [empty])
         elif plain.layout != torch.strided:
             if plain.numel() > DENSE_MAX:
                 reason = reasons.unsupported_layout(plain.layout)
@@ -159,21 +151,11 @@ def measured_form(tensor: torch.Tensor) -> MeasuredForm:
         return MeasuredForm(plain, shape, placement, coordinate, note=note)
 
 
-def _dtensor_type() -> type | None:
-    """DTensor's class if `torch.distributed.tensor` was imported (no DTensor exists otherwise);
-    not importing it saves seconds at the first measurement."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def _placement_name(placement: object) -> str:
     """`Shard(0)`, `Replicate`, `Partial(sum)`: one DTensor placement as the row names it."""
     name = type(placement).__name__.lstrip("_")
-    if hasattr(placement, "dim"):
-        return f"{name}({placement.dim})"
-    if hasattr(placement, "reduce_op"):
-        return f"{name}({placement.reduce_op})"
-    return name
+    detail = getattr(placement, "dim", getattr(placement, "reduce_op", None))
+    return name if detail is None else f"{name}({detail})"
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

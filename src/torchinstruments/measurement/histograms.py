@@ -8,13 +8,11 @@ is a host list (it never round-trips through a tensor); on the general path it i
 the tensor's device without any host synchronisation and travels to the host with the sample's
 single transfer. `record` turns it into a `HistogramRecord`.
 
-The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram`: bin i
-holds edges[i] <= x < edges[i + 1], and the last bin also holds the max. Counts are exactly
-consistent with the float64 edges reported, even when bins are only a few ulps wide or the range
-overflows float64 arithmetic (`numerics.thresholds`). A constant tensor gets one bin of tiny
-width (relative 1e-6, at least 1e-12) so that TensorBoard can draw it. Which tensors get a
-histogram and in which working dtype they are binned is `tensors`' rule, shared with the
-statistics.
+The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram` (bin i
+holds edges[i] <= x < edges[i + 1], the last bin also the max), consistent with the float64
+edges reported however narrow the bins (`numerics.thresholds`). A constant tensor gets one bin
+of tiny width so that TensorBoard can draw it. Which tensors get a histogram, in which working
+dtype, is `tensors`' rule, shared with the statistics.
 """
 
 from __future__ import annotations
@@ -29,16 +27,10 @@ from torchinstruments.records import HistogramRecord, TensorKey
 __all__ = ["DEFAULT_BINS", "HistogramVector", "record"]
 
 DEFAULT_BINS = 64
-# Width of the single bin of a constant tensor, relative to its value (absolute for values near 0).
-_CONSTANT_BIN_RELATIVE_WIDTH = 1e-6
-_CONSTANT_BIN_MIN_WIDTH = 1e-12
-# The head of a histogram vector; the bins + 1 edges and the bins counts follow.
-_HEAD = ("finite", "min", "max", "sum", "sum_squares")
-
-
-# A histogram vector (`numerics.histogram_vector`): `finite, min, max, sum, sum_squares`, the bins
-# + 1 edges and the bins counts; a device tensor until the sample's transfer, else a host list.
+# A histogram vector (`numerics.histogram_vector`): its `_HEAD` entries `finite, min, max, sum,
+# sum_squares`, the bins + 1 edges and the bins counts (on the host or the tensor's device).
 HistogramVector = torch.Tensor | list[float]
+_HEAD = 5
 
 
 def record(
@@ -48,20 +40,19 @@ def record(
     host, or None when the tensor has no finite entries or the values are malformed. An eval
     tensor's record has tags of its own (`records.histogram_tag`). Never raises."""
     try:
-        if len(values) != len(_HEAD) + 2 * bins + 1:
+        if len(values) != _HEAD + 2 * bins + 1:
             return None
-        finite, low, high, total, squares = map(float, values[: len(_HEAD)])
+        finite, low, high, total, squares = map(float, values[:_HEAD])
         count = round(finite)
         if count == 0 or not (math.isfinite(low) and math.isfinite(high)):
             return None
         if low == high:
-            width = max(abs(low) * _CONSTANT_BIN_RELATIVE_WIDTH, _CONSTANT_BIN_MIN_WIDTH)
+            width = max(abs(low) * 1e-6, 1e-12)  # relative to the value, absolute near 0
             limits: tuple[float, ...] = (low + width,)
             counts: tuple[float, ...] = (float(count),)
         else:
-            edges = values[len(_HEAD) : len(_HEAD) + bins + 1]
-            limits = tuple(map(float, edges[1:]))
-            counts = tuple(map(float, values[len(_HEAD) + bins + 1 :]))
+            limits = tuple(map(float, values[_HEAD + 1 : _HEAD + bins + 1]))
+            counts = tuple(map(float, values[_HEAD + bins + 1 :]))
         return HistogramRecord(
             sample_id=key.sample_id,
             layer=key.layer.name,

@@ -4,13 +4,12 @@ A full sort is O(n log n) and its speed depends on whether the CPU and the NumPy
 SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and max need only
 selection, which is linear and does not. One selection per kind of device, exact for every input:
 
-* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array in the
-  cache costs less than one selection call). Above, a sample (`sample_positions`: random
-  positions fixed per size, about (6n)**(2/3) entries up to 2**17) is sorted; each group of
-  nearby ranks gets two sample values that bracket it with a wide margin (4 standard deviations
-  of the sample's rank error at worst). While the moments' pass reads each chunk, the entries at
-  or below each lower bound are counted and those strictly inside any bracket kept, in one copy
-  (ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket then
+* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array in the cache
+  costs less than one selection call). Above, a random sample (`sample_positions`) is sorted; each
+  group of nearby ranks gets two sample values that bracket it with a wide margin (4 standard
+  deviations of the sample's rank error at worst). While the moments' pass reads each chunk, the
+  entries at or below each lower bound are counted and those strictly inside any bracket kept, in
+  one copy (ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket then
   selects its ranks among the kept entries inside it. A bracket that misses its ranks (only for
   adversarial orders) selects them from the whole array by `np.partition`, still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
@@ -147,8 +146,7 @@ def sample_positions(size: int) -> np.ndarray:
 
 class _Bracket:
     """Ranks bracketed by two sample values: the entries counted at or below `low`, and those
-    strictly between the two found among the kept ones, so that ties (a ReLU's zeros) are
-    counted, never copied."""
+    strictly between the two found among the kept ones (ties are counted, never copied)."""
 
     def __init__(
         self, ranks: list[int], low: float, high: float, tied_low: bool, tied_high: bool
@@ -237,17 +235,14 @@ def sortable_keys(values: torch.Tensor) -> torch.Tensor:
     """int64 keys whose order is the float order of float32/float64 `values` (-0.0 just below
     0.0); NaN must have been replaced beforehand."""
     if values.dtype == torch.float32:
-        bits = values.view(torch.int32).to(torch.int64)  # sign-extended
-        return bits ^ ((bits >> 63) & 0x7FFFFFFF)
-    bits = values.view(torch.int64)
-    return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+        return _flip_negatives(values.view(torch.int32).to(torch.int64), 32)  # sign-extended
+    return _flip_negatives(values.view(torch.int64), 64)
 
 
-def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The floats of `sortable_keys` (the map is its own inverse)."""
-    if dtype == torch.float32:
-        return (keys ^ ((keys >> 63) & 0x7FFFFFFF)).to(torch.int32).view(torch.float32)
-    return (keys ^ ((keys >> 63) & 0x7FFFFFFFFFFFFFFF)).view(torch.float64)
+def _flip_negatives(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """Negative floats' bits (`width` of them, as int64) with all but the sign flipped: its own
+    inverse, from floats' bits to `sortable_keys` and back."""
+    return bits ^ ((bits >> 63) & ((1 << (width - 1)) - 1))
 
 
 def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
@@ -261,7 +256,8 @@ def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -
     slots = remaining.numel()
     prefix = torch.zeros_like(remaining)
     for shift in range(width - _DIGIT_BITS, -1, -_DIGIT_BITS):
-        if shift == width - _DIGIT_BITS:  # the top digit: one histogram for every rank
+        top = shift == width - _DIGIT_BITS
+        if top:  # the top digit: one histogram for every rank
             digits = (keys >> shift) + _DIGITS // 2
             counts = torch.zeros(_DIGITS, dtype=torch.int64, device=keys.device)
             counts.index_add_(0, digits, torch.ones_like(digits))
@@ -279,10 +275,8 @@ def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -
         before = cumulative.gather(1, (digit - 1).clamp(min=0))
         remaining = remaining - torch.where(digit > 0, before, 0).squeeze(1)
         digit = digit.squeeze(1)
-        if shift == width - _DIGIT_BITS:
-            prefix = digit - _DIGITS // 2
-        else:
-            prefix = (prefix << _DIGIT_BITS) | digit
+        prefix = digit - _DIGITS // 2 if top else (prefix << _DIGIT_BITS) | digit
     selected = torch.empty_like(prefix)
     selected[order] = prefix
-    return _from_keys(selected, values.dtype)
+    floats = _flip_negatives(selected, width)
+    return floats.to(torch.int32).view(torch.float32) if width == 32 else floats.view(torch.float64)

@@ -3,8 +3,7 @@
 Cheapest first: the small-tensor lane (`lane`, a sample's small float32 CPU tensors measured
 together), one CPU tensor in NumPy (`numerics.measure_on_cpu`), and the general path
 (`numerics.raw_on_device`, on the tensor's device, no sync) that every fast path hands over to.
-`host_paths=False` (a parameter of `reducers.Measurer`, not a module global) sends every tensor
-to the general path, as on a GPU.
+`host_paths` is a parameter of `reducers.Measurer`, not a module global.
 """
 
 from __future__ import annotations

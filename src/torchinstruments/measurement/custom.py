@@ -1,11 +1,9 @@
 """Custom scalar reducers: the extension point for metrics beyond the default profile.
 
-Custom reducers come in the forms users write first: a `Reducer` object (`metrics` plus a call
-returning `{name: scalar}`), a mapping `{metric_name: fn}`, or a plain named function (the metric
-is named after the function). Mappings and functions are turned into one single-metric reducer
-per function, so one failing function nulls only its own metric. A lambda has no usable name
-(`<lambda>`) and is refused at inject with a message that says how to name it. `AbsMax` and
-`L2Norm` are the built-ins. `reducers.Measurer` runs them next to the default profile.
+Custom reducers come in the forms users write first (`ReducerSpec`). Mappings and functions are
+turned into one single-metric reducer per function, so one failing function nulls only its own
+metric. A lambda has no usable name (`<lambda>`): refused at inject, with how to name it.
+`AbsMax` and `L2Norm` are the built-ins. `reducers.Measurer` runs them next to the default profile.
 """
 
 from __future__ import annotations
@@ -68,9 +66,8 @@ class AbsMax:
         values = tensors.working_values(tensor)
         if values.numel() == 0:
             return {}
-        finite = values.isfinite()
         # -inf when nothing is finite: stored as null with reason "non-finite result".
-        magnitude = torch.where(finite, values.abs(), float("-inf"))
+        magnitude = torch.where(values.isfinite(), values.abs(), float("-inf"))
         return {"abs_max": magnitude.amax()}
 
 
@@ -107,9 +104,8 @@ class _FunctionReducer:
         return {self.metrics[0]: self._function(tensor)}
 
     def __repr__(self) -> str:
-        return (
-            f"{{{self.metrics[0]!r}: {getattr(self._function, '__qualname__', self._function)!r}}}"
-        )
+        function = getattr(self._function, "__qualname__", self._function)
+        return f"{{{self.metrics[0]!r}: {function!r}}}"
 
 
 ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callable[..., object]
@@ -208,8 +204,3 @@ def check_unique(reducers: Sequence[Reducer]) -> None:
             f"clashing: {described}. Rename the custom metric, or pass DefaultStatistics(...) "
             "with a subset to replace the default profile."
         )
-
-
-def reducer_name(reducer: object) -> str:
-    """How a reducer is named in reasons and warnings: its function or class name."""
-    return str(getattr(reducer, "__name__", None) or type(reducer).__name__)

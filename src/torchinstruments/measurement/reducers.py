@@ -8,9 +8,7 @@ Design decision: a reduction has two halves. `Measurer.launch` runs on the tenso
 returns a `PendingReduction` whose `device_vector` holds what must cross to the host;
 `transfer` moves the vectors of one sampled forward with ONE transfer and calls
 `PendingReduction.resolve`. Measurable tensors and working dtypes are `tensors`' rule, the path
-`paths.choose`'s. `launch_with_histogram` counts a focus tensor's histogram with the statistics'
-own min, max and sums. A sample's small plain tensors are measured together by the lane
-(`lane`), before any reducer is launched.
+`paths.choose`'s.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 from torchinstruments import reasons
 from torchinstruments._torch_internals import tensor_version
 from torchinstruments.measurement import custom, numerics, paths, tensors
-from torchinstruments.measurement.custom import Reducer, ReducerSpec, reducer_name
+from torchinstruments.measurement.custom import Reducer, ReducerSpec
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
@@ -56,20 +54,13 @@ class DefaultStatistics:
         self.metrics: tuple[str, ...] = tuple(metrics)
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
-        """Measures `tensor` synchronously; unavailable metrics are left out.
-
-        `Measurer` uses the fused two-phase path instead; this exists so that the default profile
-        also satisfies the `Reducer` protocol and can be called on its own.
-        """
-        measurer = Measurer([self])
-        pending = measurer.launch(tensor)
+        """Measures `tensor` synchronously, unavailable metrics left out: the default profile is
+        a `Reducer` too (`Measurer` launches it in two halves instead)."""
+        pending = Measurer([self]).launch(tensor)
         vector = pending.device_vector
         values = pending.resolve([] if vector is None else vector.tolist())
-        return {
-            name: mv.value
-            for name, mv in zip(self.metrics, values, strict=True)
-            if mv.value is not None
-        }
+        pairs = zip(self.metrics, values, strict=True)
+        return {name: value.value for name, value in pairs if value.value is not None}
 
     def __repr__(self) -> str:
         return f"DefaultStatistics(metrics={self.metrics!r})"
@@ -119,19 +110,17 @@ class PendingReduction:
     def resolve(self, host_values: Sequence[float]) -> tuple[MetricValue, ...]:
         """One `MetricValue` per name in `Measurer.metrics` from `host_values`
         (`device_vector.tolist()`, or empty when it is None). Never raises: null + reason."""
-        out: list[MetricValue] = []
         size = 0 if self.device_vector is None else self.device_vector.numel()
+        if len(host_values) != size:  # a transfer that lost values: never wrong numbers
+            reason = reasons.host_values_mismatch(size, len(host_values))
+            return tuple(MetricValue(None, reason) for part in self.parts for _ in part.metrics)
+        out: list[MetricValue] = []
         for part in self.parts:
-            if len(host_values) != size:  # a transfer that lost values: never wrong numbers
-                reason = reasons.host_values_mismatch(size, len(host_values))
-                out.extend(MetricValue(None, reason) for _ in part.metrics)
-                continue
             try:
                 out.extend(part.resolve(host_values))
             except Exception as error:  # resolving must never crash the training step
-                out.extend(
-                    MetricValue(None, reasons.error("statistics", error)) for _ in part.metrics
-                )
+                reason = reasons.error("statistics", error)
+                out.extend(MetricValue(None, reason) for _ in part.metrics)
         return tuple(out)
 
 
@@ -139,10 +128,8 @@ class Measurer:
     """All metrics of one observer: the default profile and custom reducers, validated up front.
 
     Args:
-        reducers: None for the default profile only. A sequence adds these reducers' metrics after
-            the default profile, unless it contains a `DefaultStatistics` instance, which then
-            replaces the implicit default profile in its position. Items are `Reducer`s,
-            `{metric_name: fn}` mappings, or named functions; one mapping alone is accepted too.
+        reducers: As `inject_observer` takes them (`api`): None, or reducers added after the
+            default profile, which a `DefaultStatistics` among them replaces in its position.
         host_paths: Whether plain CPU tensors may take the NumPy paths (`paths.choose`); False
             measures every tensor on the general path, as on a GPU (tests and benchmarks).
 
@@ -157,7 +144,7 @@ class Measurer:
         *,
         host_paths: bool = True,
     ) -> None:
-        checked = [DefaultStatistics()] if reducers is None else custom.expand(reducers)
+        checked = [] if reducers is None else custom.expand(reducers)
         if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
             checked.insert(0, DefaultStatistics())  # the implicit default profile
         custom.check_unique(checked)
@@ -179,7 +166,7 @@ class Measurer:
 
     def _modified_input(self, reducer: Reducer) -> _Part:
         """Null metrics for a reducer that modified its argument; said once per reducer."""
-        name = reducer_name(reducer)
+        name = str(getattr(reducer, "__name__", None) or type(reducer).__name__)
         reason = reasons.reducer_modified_input(name)
         if name not in self._warned:
             self._warned.add(name)
@@ -187,44 +174,24 @@ class Measurer:
         return _Part.null(reducer.metrics, reason)
 
     def launch(self, tensor: torch.Tensor) -> PendingReduction:
-        """Starts measuring `tensor`; never raises and, off the CPU, never syncs with the host.
-
-        Args:
-            tensor: Any tensor; it is detached and never modified.
-
-        Returns:
-            The pending reduction; call `resolve` with `device_vector.tolist()` once the values are
-            on the host.
-        """
+        """Starts measuring `tensor` (detached, never modified); never raises and, off the CPU,
+        never syncs with the host. Resolve it with `device_vector.tolist()` on the host."""
         return self.launch_with_histogram(tensor, None)[0]
 
+    @torch.no_grad()
     def launch_with_histogram(
         self, tensor: torch.Tensor, bins: int | None = DEFAULT_BINS
     ) -> tuple[PendingReduction, HistogramVector | None]:
         """`launch` plus the tensor's histogram vector of `bins` bins (None where it has none, or
         `bins` is None), counted by the default profile's own passes (`numerics.measure_on_cpu`,
-        `numerics.raw_on_device`), also when its metrics are `DefaultStatistics(())`. Never
-        raises."""
-        try:
-            return self._launch(tensor, bins)
-        except Exception as error:  # measuring must never crash the training step
-            return self.unavailable(reasons.error("statistics", error)), None
-
-    def unavailable(self, reason: str) -> PendingReduction:
-        """A reduction whose every metric is null with `reason` (nothing to transfer)."""
-        return PendingReduction(None, [_Part.null(self.metrics, reason)])
-
-    def _launch(
-        self, tensor: torch.Tensor, bins: int | None
-    ) -> tuple[PendingReduction, HistogramVector | None]:
-        """Runs every reducer and packs the device values into one vector; with `bins`, the
-        default profile also counts the histogram."""
+        `numerics.raw_on_device`), also when its metrics are `DefaultStatistics(())`. Every
+        reducer's device values are packed into one vector. Never raises."""
         blocks: list[torch.Tensor] = []
         parts: list[_Part] = []
         histogram: HistogramVector | None = None
-        with torch.no_grad():
+        copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
+        try:
             detached = tensor.detach()
-            copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
             for reducer in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
@@ -242,17 +209,19 @@ class Measurer:
                             part, block = self._modified_input(reducer), None
                             copy = None  # the next reducer gets a fresh copy
                 except Exception as error:
-                    part, block = (
-                        _Part.null(reducer.metrics, reasons.error("statistics", error)),
-                        None,
-                    )
+                    reason = reasons.error("statistics", error)
+                    part, block = _Part.null(reducer.metrics, reason), None
                 parts.append(part)
                 if block is not None:
                     blocks.append(block)
-            vector = None
-            if blocks:
-                vector = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            vector = (blocks[0] if len(blocks) == 1 else torch.cat(blocks)) if blocks else None
+        except Exception as error:  # measuring must never crash the training step
+            return self.unavailable(reasons.error("statistics", error)), None
         return PendingReduction(vector, parts), histogram
+
+    def unavailable(self, reason: str) -> PendingReduction:
+        """A reduction whose every metric is null with `reason` (nothing to transfer)."""
+        return PendingReduction(None, [_Part.null(self.metrics, reason)])
 
 
 def _reduce_default(
@@ -262,11 +231,8 @@ def _reduce_default(
     bins: int | None,
     host_paths: bool,
 ) -> tuple[_Part, torch.Tensor | None, HistogramVector | None]:
-    """The default profile of one tensor: host values on the CPU, a device block elsewhere.
-
-    Returns the part, the device block, and with `bins` the histogram counted by the same passes
-    (a host list on the CPU).
-    """
+    """The default profile of one tensor (host values on the CPU, else a device block) and with
+    `bins` its histogram, counted by the same passes (a host list on the CPU)."""
     if not metrics and bins is None:
         return _Part(metrics), None, None
     unsupported = tensors.unsupported_reason(tensor)
@@ -307,8 +273,7 @@ def _reduce_custom(
     device_values: list[torch.Tensor] = []
     for name in metrics:
         if name not in result:
-            part.fixed[name] = MetricValue(None, reasons.NO_VALUE)
-            continue
+            continue  # resolved as null with reasons.NO_VALUE
         value = result[name]
         if isinstance(value, torch.Tensor):
             problem = _scalar_tensor_problem(value)

@@ -51,7 +51,6 @@ class HostSelection:
 
     def __init__(self, values: np.ndarray) -> None:
         self._values = values
-        self._sample: np.ndarray | None = None
         self._ranks: Sequence[int] = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
@@ -60,8 +59,7 @@ class HostSelection:
 
     def pivot(self) -> float:
         """An entry near the median: the moments' shift, the sorted sample's middle."""
-        sample = self._sorted_sample()
-        return float(sample[sample.size // 2])
+        return float(self._sample[self._sample.size // 2])
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
@@ -76,17 +74,15 @@ class HostSelection:
                 groups.append([rank])
         if not groups:
             return
-        sample = self._sorted_sample()
+        sample = self._sample
         count, margin = sample.size, 2 * math.isqrt(sample.size) + 2
         for group in groups:
-            first = group[0] * count // size - margin
-            last = group[-1] * count // size + margin
-            low = float(sample[first]) if first > 0 else -math.inf
-            high = float(sample[last]) if last < count - 1 else math.inf
+            at = group[0] * count // size, group[-1] * count // size  # where the sample has them
+            low = float(sample[at[0] - margin]) if at[0] > margin else -math.inf
+            high = float(sample[at[1] + margin]) if at[1] + margin < count - 1 else math.inf
             # A bound the sample shows tied with the ranks' own estimate is counted as it is read.
-            tied_low = low == sample[min(group[0] * count // size, count - 1)]
-            tied_high = high == sample[min(group[-1] * count // size, count - 1)]
-            self._brackets.append(_Bracket(group, low, high, tied_low, tied_high))
+            tied = low == sample[at[0]], high == sample[at[1]]
+            self._brackets.append(_Bracket(group, low, high, *tied))
 
     def visit(self, piece: np.ndarray) -> None:
         """Reads one chunk: its extremes, each bracket's counts, and (one copy for all
@@ -124,10 +120,10 @@ class HostSelection:
             found.update(bracket.selected(values, kept, ascending))
         return [found[rank] for rank in self._ranks]
 
-    def _sorted_sample(self) -> np.ndarray:
-        if self._sample is None:
-            self._sample = np.sort(self._values.take(sample_positions(self._values.size)))
-        return self._sample
+    @functools.cached_property
+    def _sample(self) -> np.ndarray:
+        """The entries at `sample_positions`, sorted (taken when first needed)."""
+        return np.sort(self._values.take(sample_positions(self._values.size)))
 
 
 @functools.lru_cache(maxsize=32)

@@ -171,19 +171,14 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
 
 
 def expand(reducers: object) -> list[Reducer]:
-    """`reducers=` (a sequence, or one mapping) as checked reducers, in order.
-
-    Raises:
-        TypeError: An item is none of the accepted forms, or a metric name is not a non-empty str.
-        ValueError: One reducer repeats a metric name, or uses the reserved one.
-    """
+    """`reducers=` (a sequence, or one mapping) as checked reducers, in order; TypeError or
+    ValueError for an item of no accepted form, or a bad, repeated or reserved metric name."""
     if isinstance(reducers, Mapping):
         reducers = [reducers]
     if isinstance(reducers, str | bytes) or not isinstance(reducers, Sequence):
         raise TypeError(
-            "reducers must be None, a sequence of reducers (Reducer objects, "
-            "{metric_name: fn} mappings or named functions), or one mapping; "
-            f"got {reducers!r}"
+            "reducers must be None, a sequence of reducers (Reducer objects, {metric_name: fn} "
+            f"mappings or named functions), or one mapping; got {reducers!r}"
         )
     return [
         r for index, item in enumerate(reducers) for r in _as_reducers(f"reducers[{index}]", item)

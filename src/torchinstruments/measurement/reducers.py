@@ -1,8 +1,7 @@
 """Reducers: the default statistics profile and custom scalar metrics, as one `Measurer`.
 
-The default profile is nine numbers: mean, population std, min, max and the three quartiles
-(NumPy's "linear" interpolation) of the finite entries, and the zero and non-finite fractions
-of all entries; `numerics` computes them exactly. Custom reducers add metrics (`custom`).
+The default profile's nine metrics (`DEFAULT_METRICS`) are computed exactly by `numerics`;
+custom reducers add metrics (`custom`).
 
 Design decision: a reduction has two halves. `Measurer.launch` runs on the tensor's device and
 returns a `PendingReduction` whose `device_vector` holds what must cross to the host;
@@ -134,8 +133,7 @@ class Measurer:
             measures every tensor on the general path, as on a GPU (tests and benchmarks).
 
     Raises:
-        TypeError, ValueError: As `custom.expand` and `custom.check_unique` raise them (an item
-            of no accepted form, a bad, repeated or reserved metric name, a shared one).
+        TypeError, ValueError: As `custom.expand` and `custom.check_unique` raise them.
     """
 
     def __init__(
@@ -160,9 +158,6 @@ class Measurer:
         self.default_only: tuple[str, ...] | None = (
             self.metrics if only_default and self.metrics else None
         )
-
-    def __repr__(self) -> str:
-        return f"Measurer(reducers={list(self._reducers)!r})"
 
     def _modified_input(self, reducer: Reducer) -> _Part:
         """Null metrics for a reducer that modified its argument; said once per reducer."""

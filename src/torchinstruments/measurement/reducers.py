@@ -24,7 +24,6 @@ from torchinstruments._torch_internals import tensor_version
 from torchinstruments.measurement import custom, numerics, paths, tensors
 from torchinstruments.measurement.custom import Reducer, ReducerSpec
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
-from torchinstruments.measurement.numerics import metric_value
 from torchinstruments.notices import warn
 from torchinstruments.records import MetricValue
 
@@ -92,7 +91,7 @@ class _Part:
             elif name in derived:
                 out.append(derived[name])
             elif name in raw:
-                out.append(metric_value(raw[name]))
+                out.append(numerics.metric_value(raw[name]))
             else:
                 out.append(MetricValue(None, reasons.NO_VALUE))
         return tuple(out)

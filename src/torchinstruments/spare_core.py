@@ -39,9 +39,9 @@ one handed over costs the training thread a lock, a share of a wake-up and the G
 around it: about 60 us a job for the lane's sorts of 16,384 entries on an Intel Xeon with
 NumPy's AVX-512 sort, which sorts them in 36 us (so handing them over made bench/sampled.py's
 MLP step 0.8 ms slower, not faster); an AMD EPYC's NumPy sort of the same copy takes several
-times as long. Which kind of machine this is is measured, not guessed: `later` times the jobs it
-computes on the training thread, keeps the least time per unit of work seen for each job, and
-hands a job to the worker once that rate puts it at `HAND_OVER_NS` or more.
+times as long. Which kind of machine this is is measured, not guessed: `later` times every job it
+is given (on whichever thread computes it), keeps the least time per unit of work seen for each
+job, and hands a job to the worker while that rate puts it at `HAND_OVER_NS` or more.
 
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).
@@ -144,10 +144,23 @@ class Deferred(Generic[T]):
     that asks for it first (`claim`); `result()` waits for it. Its state changes under its
     core's one lock; each item costs no lock of its own."""
 
-    __slots__ = ("_core", "_error", "_job", "_payload", "_pid", "_state", "_value", "_waiter")
+    __slots__ = (
+        "_core",
+        "_error",
+        "_job",
+        "_payload",
+        "_pid",
+        "_state",
+        "_value",
+        "_waiter",
+        "_work",
+    )
 
-    def __init__(self, core: SpareCore, job: Callable[[Any], T], payload: Any) -> None:
+    def __init__(
+        self, core: SpareCore, job: Callable[[Any], T], payload: Any, work: float = math.inf
+    ) -> None:
         self._core = core
+        self._work = work  # its units of work, for the core's rates (`SpareCore.later`)
         self._job: Callable[[Any], T] | None = job
         self._payload = payload
         self._value: T | None = None
@@ -178,11 +191,14 @@ class Deferred(Generic[T]):
         job, payload = self._job, self._payload
         if job is None:
             return  # computed already (in a forked child: before `claim`)
+        start = time.perf_counter_ns()
         try:
             self._value = job(payload)
         except BaseException as error:  # kept for `result`, which raises it in the caller
             self._error = error
         finally:
+            if self._work < math.inf:  # wherever it ran: the least time is the CPU's own
+                self._core.timed(job, (time.perf_counter_ns() - start) / max(self._work, 1.0))
             with self._core.lock if locked else contextlib.nullcontext():
                 self._job = self._payload = None
                 self._state = _DONE
@@ -283,23 +299,27 @@ class SpareCore:
     ) -> Deferred[T] | None:
         """`job` of `payload` (the caller's own copy, counted by `hold`) when a core is spare,
         else None, and nothing is done. On the worker when the least time per unit of `work`
-        measured for `job` here puts it at `HAND_OVER_NS` or more (always, for infinite `work`);
-        else computed now, timed, on this thread (a `Deferred` that is done)."""
+        measured for `job` puts it at `HAND_OVER_NS` or more (always, for infinite `work`); else
+        computed now on this thread (a `Deferred` that is done). Either way it is timed."""
         if not self.spare():
             return None
         rate = self._rates.get(job)
         if work == math.inf or (rate is not None and rate * work >= HAND_OVER_NS):
-            return self._submit(job, payload, 0)
-        deferred = Deferred(self, job, payload)
-        start = time.perf_counter_ns()
+            return self._submit(job, payload, 0, work)
+        deferred = Deferred(self, job, payload, work)
         deferred._compute(locked=False)  # nobody else has it yet
-        measured = (time.perf_counter_ns() - start) / max(work, 1.0)
-        self._rates[job] = measured if rate is None else min(rate, measured)
         return deferred
 
-    def _submit(self, job: Callable[[Any], T], payload: Any, nbytes: int) -> Deferred[T]:
+    def timed(self, job: Callable[[Any], Any], rate: float) -> None:
+        """Keep `rate` (ns per unit of work of one computation of `job`) if the least yet: a
+        sort slowed by a cold cache or the GIL is not what this CPU's sort costs."""
+        self._rates[job] = min(rate, self._rates.get(job, rate))
+
+    def _submit(
+        self, job: Callable[[Any], T], payload: Any, nbytes: int, work: float = math.inf
+    ) -> Deferred[T]:
         """Queue one job for the worker, started at its first job."""
-        deferred = Deferred(self, job, payload)
+        deferred = Deferred(self, job, payload, work)
         with self.lock:
             if nbytes:
                 self._in_flight.append((deferred, nbytes))

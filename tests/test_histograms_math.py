@@ -179,21 +179,19 @@ def test_arbitrary_arrays_match_numpy(counting_path: str, values: np.ndarray, bi
 
 
 def test_host_edges_equal_the_device_edges_bit_for_bit() -> None:
-    """The CPU paths and the general path report the same float64 edges (`numerics.edges` runs
+    """The CPU paths and the general path report the same float64 edges (`histograms.edges` runs
     the same IEEE operations on floats in NumPy and on tensors in torch)."""
     import random
     import struct
-
-    from torchinstruments.measurement import numerics
 
     rng = random.Random(5)
     pairs = [(-1.0, 1.0), (0.0, 0.0), (-0.0, 0.0), (1e-300, 1e300), (-3.5, -3.5 + 1e-12)]
     pairs += [tuple(sorted((rng.uniform(-1e6, 1e6), rng.uniform(-1e6, 1e6)))) for _ in range(200)]
     for low, high in pairs:
         for bins in (1, 7, 64):
-            host = numerics.edges(low, high, bins).tolist()
+            host = histograms.edges(low, high, bins).tolist()
             low_t = torch.tensor(low, dtype=torch.float64)
-            device = numerics.edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
+            device = histograms.edges(low_t, torch.tensor(high, dtype=torch.float64), bins).tolist()
             pack = [struct.pack("<d", v) for v in host]
             assert pack == [struct.pack("<d", v) for v in device], (low, high, bins)
 

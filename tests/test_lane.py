@@ -219,7 +219,7 @@ def test_a_histogram_that_fails_is_none_and_the_values_stay(
 
     copies = [np.array([1.0, 2.0], dtype=np.float32), np.array([3.0], dtype=np.float32)]
     expected = lane.measure(copies, ("mean",), [True, False], 64)[:2]
-    monkeypatch.setattr(numerics, "histogram_vector", broken)
+    monkeypatch.setattr(histograms, "histogram_vector", broken)
     assert lane.measure(copies, ("mean",), [True, False], 64) == (*expected, [None, None])
 
 

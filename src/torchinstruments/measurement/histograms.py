@@ -3,34 +3,185 @@
 Design decision: like the statistics, a histogram is reduced in two halves, and it shares the
 default profile's work when both measure the same tensor: the statistics' min, max, sum and sum
 of squares are the histogram's head and range, and the counts are one more pass
-(`numerics.histogram_vector`, the one histogram count of every path). On the CPU the vector
+(`histogram_vector`, the one histogram count of every path). On the CPU the vector
 is a host list (it never round-trips through a tensor); on the general path it is counted on
 the tensor's device without any host synchronisation and travels to the host with the sample's
 single transfer. `record` turns it into a `HistogramRecord`.
 
 The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram` (bin i
 holds edges[i] <= x < edges[i + 1], the last bin also the max), consistent with the float64
-edges reported however narrow the bins (`numerics.thresholds`). A constant tensor gets one bin
-of tiny width so that TensorBoard can draw it. Which tensors get a histogram, in which working
-dtype, is `tensors`' rule, shared with the statistics.
+edges reported however narrow the bins: each inner edge becomes the smallest working-dtype
+value >= it (`thresholds`) and an entry's bin is the number of those <= it (`bin_counts`: by
+bisection of sorted entries, a checked guess for unsorted ones, `torch.bucketize` on a device).
+A constant tensor gets one bin of tiny width so that TensorBoard can draw it. Which tensors get
+a histogram, in which working dtype, is `tensors`' rule, shared with the statistics.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from torchinstruments.records import HistogramRecord, TensorKey
 
-__all__ = ["DEFAULT_BINS", "HistogramVector", "record"]
+__all__ = [
+    "DEFAULT_BINS",
+    "HistogramVector",
+    "bin_counts",
+    "edges",
+    "histogram_vector",
+    "record",
+    "thresholds",
+]
 
 DEFAULT_BINS = 64
-# A histogram vector (`numerics.histogram_vector`): its `_HEAD` entries `finite, min, max, sum,
+# A histogram vector (`histogram_vector`): its `_HEAD` entries `finite, min, max, sum,
 # sum_squares`, the bins + 1 edges and the bins counts (on the host or the tensor's device).
 HistogramVector = torch.Tensor | list[float]
 _HEAD = 5
+_Array = Any  # a NumPy array or a torch tensor: what the generic functions take
+_CHUNK = 1 << 16  # entries counted at a time on the host: bounds the temporaries
+_LANES = 4  # counters per bin (`bin_counts`), and which of them each entry of a chunk adds to:
+_LANE_OF = np.resize(np.arange(_LANES, dtype=np.int32), _CHUNK)
+_LANE_OF.flags.writeable = False
+
+
+def edges(low: _Array, high: _Array, bins: int) -> _Array:
+    """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair):
+    float64 NumPy arrays for float `low`/`high` (a row each for columns of them), else tensors
+    on their device."""
+    if isinstance(low, torch.Tensor):
+        steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
+        complement = 1.0 - steps
+        out = torch.cummax(low * complement + high * steps, 0).values
+        out = torch.minimum(torch.maximum(out, low), high)
+        return torch.cat([low.reshape(1), out[1:-1], high.reshape(1)])
+    steps, complement = _steps(bins)
+    out = low * complement + high * steps  # one row per pair, if they are columns
+    np.maximum.accumulate(out, axis=-1, out=out)
+    np.minimum(np.maximum(out, low, out=out), high, out=out)
+    out[..., :1], out[..., -1:] = low, high
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """i / bins and 1 - i / bins for i in 0..bins (read-only: shared by every call)."""
+    steps = np.arange(bins + 1, dtype=np.float64) / bins
+    complement = 1.0 - steps
+    steps.flags.writeable = complement.flags.writeable = False
+    return steps, complement
+
+
+def thresholds(edges: _Array, dtype: Any) -> _Array:
+    """Per inner edge, the smallest value of the working `dtype` >= it, so that for every x of
+    `dtype`, x < edge exactly when x < threshold (generic; per row of NumPy `edges`)."""
+    inner = edges[..., 1:-1]
+    if isinstance(inner, torch.Tensor):
+        rounded = inner.to(dtype)
+        up = torch.nextafter(rounded, torch.full_like(rounded, math.inf))
+        return torch.where(rounded < inner, up, rounded)
+    rounded = inner.astype(dtype)
+    if rounded.dtype != np.float64:
+        np.nextafter(rounded, np.float32(np.inf), out=rounded, where=rounded < inner)
+    return rounded
+
+
+def bin_counts(
+    values: _Array, bounds: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
+) -> _Array:
+    """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
+    generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
+    is False are in none. float64 counts; `ascending`: sorted NumPy parts, a row of `bounds`
+    each, counted by bisection (a row of counts each)."""
+    limits = thresholds(bounds, (values[0] if ascending else values).dtype)
+    if ascending:  # the entries of each part below each of its limits: a bisection each
+        below = np.zeros((len(values), bins + 1), dtype=np.int64)
+        below[:, 1:-1] = [part.searchsorted(row) for part, row in zip(values, limits, strict=True)]
+        below[:, -1] = [part.size for part in values]
+        return np.diff(below, axis=1).astype(np.float64)
+    if isinstance(values, torch.Tensor):
+        index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
+        if finite is not None:
+            index = torch.where(finite, index, bins)
+        counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
+        return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
+    low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scale = bins / span if 0 < span < math.inf else math.nan  # an overflowed span: bisect
+        # The guess `int((x - low) * scale)` is monotone in x: right for every x when right on
+        # each limit and on the value below it; else corrected per entry, or a bisection. It is
+        # at most `bins` (then the last bin's: counted apart, added to it at the end).
+        at = np.subtract(limits, low, dtype=np.float64) * scale
+        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
+        under = np.subtract(below, low, dtype=np.float64) * scale
+    steps = np.arange(1, bins)
+    exact = not np.any((at < steps) | (under >= steps))
+    around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
+    counts = np.zeros((bins + 1) * _LANES, dtype=np.int64)  # around[i] to around[i + 1]
+    size = min(_CHUNK, values.size)
+    buffer, indices = np.empty(size), np.empty(size, np.int32)  # int32: half int64's casts
+    for begin in range(0, values.size, _CHUNK):
+        piece = values[begin : begin + _CHUNK]
+        index = indices[: piece.size]
+        if not math.isfinite(scale):  # no span to guess within: a bisection per entry
+            index[:] = np.searchsorted(limits, piece, side="right")
+        else:
+            guess = buffer[: piece.size]
+            np.copyto(guess, piece)  # then in place: a cast within the subtraction is slower
+            guess -= low
+            guess *= scale
+            np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
+            if not exact:
+                np.minimum(index, bins - 1, out=index)
+            for _ in range(0 if exact else 3):  # off by a bin, at most, unless bins are
+                below, above = piece < around.take(index), piece >= around.take(index + 1)
+                if not (below.any() or above.any()):  # as narrow as the guess resolves
+                    break
+                index -= below
+                index += above
+            else:
+                if not exact:
+                    index[:] = np.searchsorted(limits, piece, side="right")
+        # Entries of one bin in a row (a ReLU's zeros) add to _LANES counters in turn: one
+        # counter's increments wait for each other (NumPy 2's unbuffered add.at: 1.5 ns an entry)
+        index *= _LANES
+        index += _LANE_OF[: index.size]
+        np.add.at(counts, index, 1)
+    lanes = counts.reshape(bins + 1, _LANES).sum(axis=1, dtype=np.float64)
+    lanes[bins - 1] += lanes[bins]
+    return lanes[:bins]
+
+
+def histogram_vector(
+    values: _Array,
+    low: _Array,
+    high: _Array,
+    head: tuple[_Array, _Array, _Array],
+    bins: int,
+    finite: _Array | None = None,
+    ascending: bool = False,
+) -> Any:
+    """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
+    edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones, and
+    for `ascending` ones (sorted NumPy parts, with arrays of `low`, `high` and `head`, an entry
+    per part) a list per part, their edges and limits computed as rows, at once."""
+    count, total, sum_squares = head
+    low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
+    bounds = edges(low[:, None], high[:, None], bins) if ascending else edges(low, high, bins)
+    counts = bin_counts(values, bounds, bins, finite, ascending)
+    if isinstance(values, torch.Tensor):
+        return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
+    if ascending:
+        heads = np.stack([count, low, high, total, sum_squares], axis=1, dtype=np.float64)
+        return np.concatenate([heads, bounds, counts], axis=1).tolist()
+    head_values = [float(count), float(low), float(high), float(total), float(sum_squares)]
+    return [*head_values, *bounds.tolist(), *counts.tolist()]
 
 
 def record(

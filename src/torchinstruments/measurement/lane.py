@@ -88,7 +88,7 @@ def measure(
     buffers: Buffers | None = None,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
     """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons;
-    and per copy its `bins` histogram vector where `focus` (`numerics.histogram_vector`'s
+    and per copy its `bins` histogram vector where `focus` (`histograms.histogram_vector`'s
     layout), else (and where it has no finite entry or fails) None. Never raises.
 
     Each copy not already `ascending` is sorted in place (they are the lane's own), as the host

@@ -11,10 +11,7 @@ so every path runs the same IEEE operations in the same order:
   shifted-data algorithm in float64, shifted by an entry near the median on the host (one pass)
   and by the mean on the device (two), float64 inputs scaled by a power of two (exact), so
   neither a variance nor a sum of huge values overflows into a null.
-* Histogram counts (`histogram_vector`: `edges`, `thresholds`, then `bin_counts`, by bisection
-  of sorted entries): each inner edge becomes the smallest working-dtype value >= it and an
-  entry's bin is the number of those <= it, so counts agree with the reported edges as
-  `numpy.histogram` bins them, however narrow the bins.
+* Histogram counts: `histograms.histogram_vector`, over the statistics' own min, max and sums.
 
 Paths (`paths.choose` decides): `measure_on_cpu` and the lane (both through `sorted_profiles` up
 to `order.SMALL` entries), `raw_on_device`. `tests/test_reads.py` counts the reads of a float32
@@ -40,7 +37,7 @@ import numpy as np
 import torch
 
 from torchinstruments import reasons
-from torchinstruments.measurement import order, tensors
+from torchinstruments.measurement import histograms, order, tensors
 from torchinstruments.records import MetricValue
 from torchinstruments.spare_core import Buffers
 
@@ -52,12 +49,9 @@ __all__ = [
     "RAW",
     "CpuResult",
     "DefaultDeriver",
-    "bin_counts",
     "device_sums",
-    "edges",
     "finish_moments",
     "finish_profiles",
-    "histogram_vector",
     "lerp",
     "measure_array",
     "measure_on_cpu",
@@ -67,7 +61,6 @@ __all__ = [
     "raw_on_device",
     "segment_sums",
     "sorted_profiles",
-    "thresholds",
 ]
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
@@ -262,131 +255,6 @@ def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + 1023) << 52).reshape(1).view(torch.float64).reshape(())
 
 
-# --- histogram counts (generic) -----------------------------------------------------------------
-
-
-def edges(low: _Array, high: _Array, bins: int) -> _Array:
-    """bins + 1 non-decreasing float64 edges from low to high (no overflow for any finite pair):
-    float64 NumPy arrays for float `low`/`high` (a row each for columns of them), else tensors
-    on their device."""
-    if isinstance(low, torch.Tensor):
-        steps = torch.arange(bins + 1, dtype=torch.float64, device=low.device) / bins
-        complement = 1.0 - steps
-        out = torch.cummax(low * complement + high * steps, 0).values
-        out = torch.minimum(torch.maximum(out, low), high)
-        return torch.cat([low.reshape(1), out[1:-1], high.reshape(1)])
-    steps, complement = _steps(bins)
-    out = low * complement + high * steps  # one row per pair, if they are columns
-    np.maximum.accumulate(out, axis=-1, out=out)
-    np.minimum(np.maximum(out, low, out=out), high, out=out)
-    out[..., :1], out[..., -1:] = low, high
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _steps(bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """i / bins and 1 - i / bins for i in 0..bins (read-only: shared by every call)."""
-    steps = np.arange(bins + 1, dtype=np.float64) / bins
-    complement = 1.0 - steps
-    steps.flags.writeable = complement.flags.writeable = False
-    return steps, complement
-
-
-def thresholds(edges: _Array, dtype: Any) -> _Array:
-    """Per inner edge, the smallest value of the working `dtype` >= it, so that for every x of
-    `dtype`, x < edge exactly when x < threshold (generic; per row of NumPy `edges`)."""
-    inner = edges[..., 1:-1]
-    if isinstance(inner, torch.Tensor):
-        rounded = inner.to(dtype)
-        up = torch.nextafter(rounded, torch.full_like(rounded, math.inf))
-        return torch.where(rounded < inner, up, rounded)
-    rounded = inner.astype(dtype)
-    if rounded.dtype != np.float64:
-        np.nextafter(rounded, np.float32(np.inf), out=rounded, where=rounded < inner)
-    return rounded
-
-
-def bin_counts(
-    values: _Array, bounds: _Array, bins: int, finite: _Array | None = None, ascending: bool = False
-) -> _Array:
-    """How many `values` fall in each of the `bins` bins between the `bounds` (the `edges`;
-    generic): an entry's bin is the number of inner `thresholds` <= it; entries where `finite`
-    is False are in none. float64 counts; `ascending`: sorted NumPy parts, a row of `bounds`
-    each, counted by bisection (a row of counts each)."""
-    limits = thresholds(bounds, (values[0] if ascending else values).dtype)
-    if ascending:  # the entries of each part below each of its limits: a bisection each
-        below = np.zeros((len(values), bins + 1), dtype=np.int64)
-        below[:, 1:-1] = [part.searchsorted(row) for part, row in zip(values, limits, strict=True)]
-        below[:, -1] = [part.size for part in values]
-        return np.diff(below, axis=1).astype(np.float64)
-    if isinstance(values, torch.Tensor):
-        index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
-        if finite is not None:
-            index = torch.where(finite, index, bins)
-        counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
-        return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
-    low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scale = bins / span if 0 < span < math.inf else math.nan  # an overflowed span: bisect
-        # The guess `int((x - low) * scale)` is monotone in x: right for every x when right on
-        # each limit and on the value below it; else corrected per entry, or a bisection.
-        at = np.subtract(limits, low, dtype=np.float64) * scale
-        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
-        under = np.subtract(below, low, dtype=np.float64) * scale
-    steps = np.arange(1, bins)
-    exact = not np.any((at < steps) | (under >= steps))
-    around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
-    counts = np.zeros(bins, dtype=np.int64)  # around[i] up to, not including, around[i + 1]
-    buffer, indices = np.empty(min(CHUNK, values.size)), np.empty(min(CHUNK, values.size), np.intp)
-    for begin in range(0, values.size, CHUNK):
-        piece = values[begin : begin + CHUNK]
-        if not math.isfinite(scale):  # no span to guess within: a bisection per entry
-            index = np.searchsorted(limits, piece, side="right")
-        else:
-            guess = np.subtract(piece, low, out=buffer[: piece.size], dtype=np.float64)
-            guess *= scale
-            index = indices[: piece.size]
-            np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
-            np.minimum(index, bins - 1, out=index)
-            for _ in range(0 if exact else 3):  # off by a bin, at most, unless bins are
-                below, above = piece < around.take(index), piece >= around.take(index + 1)
-                if not (below.any() or above.any()):  # as narrow as the guess resolves
-                    break
-                index -= below
-                index += above
-            else:
-                if not exact:
-                    index = np.searchsorted(limits, piece, side="right")
-        np.add.at(counts, index, 1)  # NumPy 2's unbuffered add: a third under np.bincount's time
-    return counts.astype(np.float64)
-
-
-def histogram_vector(
-    values: _Array,
-    low: _Array,
-    high: _Array,
-    head: tuple[_Array, _Array, _Array],
-    bins: int,
-    finite: _Array | None = None,
-    ascending: bool = False,
-) -> Any:
-    """`finite, min, max, sum, sum_squares` (`head`: count, sum, sum of squares), the bins + 1
-    edges and the bins counts: a list for finite NumPy `values`, a tensor for torch ones, and
-    for `ascending` ones (sorted NumPy parts, with arrays of `low`, `high` and `head`, an entry
-    per part) a list per part, their edges and limits computed as rows, at once."""
-    count, total, sum_squares = head
-    low, high = low + 0.0, high + 0.0  # -0.0 is 0.0, as a metric (sorts put either zero first)
-    bounds = edges(low[:, None], high[:, None], bins) if ascending else edges(low, high, bins)
-    counts = bin_counts(values, bounds, bins, finite, ascending)
-    if isinstance(values, torch.Tensor):
-        return torch.cat([torch.stack([count, low, high, total, sum_squares]), bounds, counts])
-    if ascending:
-        heads = np.stack([count, low, high, total, sum_squares], axis=1, dtype=np.float64)
-        return np.concatenate([heads, bounds, counts], axis=1).tolist()
-    head_values = [float(count), float(low), float(high), float(total), float(sum_squares)]
-    return [*head_values, *bounds.tolist(), *counts.tolist()]
-
-
 # --- the host paths: one tensor, or many small ones -----------------------------------------------
 
 # Columns of a raw profile row (`sorted_profiles`, `measure_array`): the seven metrics over the
@@ -431,8 +299,8 @@ def measure_array(array: np.ndarray, bins: int | None) -> CpuResult:
         array = array if finite.all() else array[finite]
         if array.size > order.SMALL:
             return _measure_selected(array, bins)
-    raw, histograms = sorted_profiles([np.sort(array)], [0] if bins else (), bins or 1)
-    return CpuResult(dict(zip(RAW, raw[0].tolist(), strict=True)), histograms.get(0))
+    raw, vectors = sorted_profiles([np.sort(array)], [0] if bins else (), bins or 1)
+    return CpuResult(dict(zip(RAW, raw[0].tolist(), strict=True)), vectors.get(0))
 
 
 def _finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
@@ -483,7 +351,7 @@ def sorted_profiles(
             ordered = ordered[kept]
     raw = np.empty((lengths.size, len(RAW)))
     raw[:, :7], raw[:, 7], raw[:, 8] = np.nan, zeros, finite
-    histograms: dict[int, list[float] | None] = dict.fromkeys(focus)
+    shown_vectors: dict[int, list[float] | None] = dict.fromkeys(focus)
     present = finite.nonzero()[0]
     if present.size:
         counts = finite[present]
@@ -499,9 +367,13 @@ def sorted_profiles(
             rows = present.searchsorted(shown)
             parts = [ordered[at[row] : at[row] + counts[row]] for row in rows.tolist()]
             head, low, high = (counts[rows], total[rows], squares[rows]), *picked[:2, rows]
-            vectors = histogram_vector(parts, low, high, head, bins, None, True) if shown else []
-            histograms.update(zip(shown, vectors, strict=True))
-    return raw, histograms
+            vectors = (
+                histograms.histogram_vector(parts, low, high, head, bins, None, True)
+                if shown
+                else []
+            )
+            shown_vectors.update(zip(shown, vectors, strict=True))
+    return raw, shown_vectors
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -567,7 +439,7 @@ def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
     if bins:
         head = (values.size, float(total[0]), float(squares[0]))
         with contextlib.suppress(Exception):  # a failure: no histogram, as in `sorted_profiles`
-            histogram = histogram_vector(values, raw["min"], raw["max"], head, bins)
+            histogram = histograms.histogram_vector(values, raw["min"], raw["max"], head, bins)
     return CpuResult(raw, histogram)
 
 
@@ -597,4 +469,4 @@ def raw_on_device(
         return keys, block, None
     low, high = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
     head = (count, total[0], squares[0])
-    return keys, block, histogram_vector(values, low, high, head, bins, finite_mask)
+    return keys, block, histograms.histogram_vector(values, low, high, head, bins, finite_mask)

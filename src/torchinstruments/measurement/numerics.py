@@ -362,17 +362,13 @@ def sorted_profiles(
         scratch = buffers.array("deviations", min(CHUNK, ordered.size), np.float64)
         sums = segment_sums(ordered, at, counts, shifts, None, scratch)
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
-        shown = [copy for copy in focus if finite[copy]]
-        with contextlib.suppress(Exception):  # a failure: no histograms, nothing else
-            rows = present.searchsorted(shown)
-            parts = [ordered[at[row] : at[row] + counts[row]] for row in rows.tolist()]
-            head, low, high = (counts[rows], total[rows], squares[rows]), *picked[:2, rows]
-            vectors = (
-                histograms.histogram_vector(parts, low, high, head, bins, None, True)
-                if shown
-                else []
-            )
-            shown_vectors.update(zip(shown, vectors, strict=True))
+        if shown := [copy for copy in focus if finite[copy]]:
+            with contextlib.suppress(Exception):  # a failure: no histograms, nothing else
+                rows = present.searchsorted(shown)
+                parts = [ordered[at[row] : at[row] + counts[row]] for row in rows.tolist()]
+                head, low, high = (counts[rows], total[rows], squares[rows]), *picked[:2, rows]
+                vectors = histograms.histogram_vector(parts, low, high, head, bins, None, True)
+                shown_vectors.update(zip(shown, vectors, strict=True))
     return raw, shown_vectors
 
 

@@ -75,8 +75,8 @@ class AbsMax:
 class L2Norm:
     """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
 
-    Computed in float64 or the tensor's working dtype (`float32` or better), so large tensors of
-    low-precision values do not overflow in their own dtype.
+    The squares of the working values (`float32` or better) are summed in float64, so large
+    tensors of low-precision values do not overflow in their own dtype.
     """
 
     metrics: ClassVar[tuple[str, ...]] = ("l2_norm",)

@@ -187,7 +187,8 @@ class Deferred(Generic[T]):
 
     def _compute(self, locked: bool = True) -> None:
         """Run the job on the payload, keep its value or exception, and drop the payload (the
-        state set under the core's lock unless not `locked`: in a forked child)."""
+        state set under the core's lock unless not `locked`: in a forked child, or for a job
+        no other thread has seen, `later`'s own), timed when it has units of work."""
         job, payload = self._job, self._payload
         if job is None:
             return  # computed already (in a forked child: before `claim`)

@@ -247,3 +247,20 @@ def test_a_range_wider_than_float64_is_still_counted(bins: int) -> None:
     record = histogram(torch.from_numpy(values), "host", bins)
     assert record is not None
     assert_consistent(record, values)
+
+
+@pytest.mark.parametrize("bins", [3, 64, 300])
+@pytest.mark.parametrize("size", [65_536 + 1, 2 * 65_536 + 7, 40_001])
+def test_entries_counted_in_pairs_match_numpy_with_an_odd_last_chunk(bins: int, size: int) -> None:
+    """The host path counts unsorted entries two at a time (one counter per pair of bins, up to
+    a bound on the bins: 300 are counted one at a time); a chunk of odd size has its last entry
+    counted alone. Runs of one bin (a ReLU's zeros) and the max (the last bin's) included."""
+    rng = np.random.default_rng(size + bins)
+    values = np.maximum(rng.standard_normal(size), 0.0).astype(np.float32)
+    values[-1] = values.max() + 1.0
+    record = histogram(torch.from_numpy(values), "host", bins)
+    assert record is not None
+    edges = np.array([record.min, *record.bucket_limits])
+    want = np.histogram(values.astype(np.float64), bins=edges)[0].astype(float).tolist()
+    assert list(record.bucket_counts) == want
+    assert sum(record.bucket_counts) == size

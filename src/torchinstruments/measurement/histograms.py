@@ -46,8 +46,7 @@ HistogramVector = torch.Tensor | list[float]
 _HEAD = 5
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 _CHUNK = 1 << 16  # entries counted at a time on the host: bounds the temporaries
-# Up to this many counters (bins + 1 squared), `bin_counts` counts the entries two at a time.
-_PAIRED_MAX = 1 << 16
+_PAIRED_MAX = 1 << 16  # up to this many counters ((bins + 1)**2), `bin_counts` counts in pairs
 
 
 def edges(low: _Array, high: _Array, bins: int) -> _Array:
@@ -122,13 +121,11 @@ def bin_counts(
     steps = np.arange(1, bins)
     exact = not np.any((at < steps) | (under >= steps))
     around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
-    # around[i] to around[i + 1]; bin `bins` is the last one's entries counted apart. NumPy's
-    # unbuffered add.at costs per increment (about 1.5 ns, whatever the bins), so entries are
-    # counted in pairs, one counter per pair of bins (1.1 ns an entry), when there are few bins.
-    width = bins + 1
-    paired = width * width <= _PAIRED_MAX
-    counts = np.zeros(width * width if paired else width, dtype=np.int64)
-    alone = np.zeros(width, dtype=np.int64)  # the last entry of a chunk of odd size
+    width = bins + 1  # around[i] to around[i + 1]; bin `bins`: the max's, added to the last
+    # NumPy's unbuffered add.at costs per increment (about 1.5 ns), so with few bins two entries
+    # add to one counter of a width x width grid, an entry's bin its row or column (1.1 ns).
+    grid = np.zeros(width * width if width * width <= _PAIRED_MAX else 0, dtype=np.int64)
+    counts = np.zeros(width, dtype=np.int64)  # the entries not paired
     size = min(_CHUNK, values.size)
     buffer, indices = np.empty(size), np.empty(size, np.int32)  # int32: half int64's casts
     pairs = np.empty(size // 2, np.int32)
@@ -154,17 +151,14 @@ def bin_counts(
             else:
                 if not exact:
                     index[:] = np.searchsorted(limits, piece, side="right")
-        if not paired:
-            np.add.at(counts, index, 1)
-            continue
-        even = index.size - index.size % 2
-        pair = np.multiply(index[:even:2], width, out=pairs[: even // 2])
-        pair += index[1:even:2]
-        np.add.at(counts, pair, 1)
-        alone[index[even:]] += 1
-    if paired:  # an entry's bin is its pair's row or column
-        grid = counts.reshape(width, width)
-        counts = grid.sum(axis=0) + grid.sum(axis=1) + alone
+        if grid.size:  # all but an odd chunk's last entry in pairs
+            even = index.size - index.size % 2
+            pair = np.multiply(index[:even:2], width, out=pairs[: even // 2])
+            np.add.at(grid, np.add(pair, index[1:even:2], out=pair), 1)
+            index = index[even:]
+        np.add.at(counts, index, 1)
+    if grid.size:
+        counts += grid.reshape(width, width).sum(axis=0) + grid.reshape(width, width).sum(axis=1)
     totals = counts.astype(np.float64)
     totals[bins - 1] += totals[bins]
     return totals[:bins]

@@ -158,7 +158,8 @@ def bin_counts(
             index = index[even:]
         np.add.at(counts, index, 1)
     if grid.size:
-        counts += grid.reshape(width, width).sum(axis=0) + grid.reshape(width, width).sum(axis=1)
+        square = grid.reshape(width, width)
+        counts += square.sum(axis=0) + square.sum(axis=1)
     totals = counts.astype(np.float64)
     totals[bins - 1] += totals[bins]
     return totals[:bins]

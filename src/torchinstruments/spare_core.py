@@ -39,9 +39,12 @@ one handed over costs the training thread a lock, a share of a wake-up and the G
 around it: about 60 us a job for the lane's sorts of 16,384 entries on an Intel Xeon with
 NumPy's AVX-512 sort, which sorts them in 36 us (so handing them over made bench/sampled.py's
 MLP step 0.8 ms slower, not faster); an AMD EPYC's NumPy sort of the same copy takes several
-times as long. Which kind of machine this is is measured, not guessed: `later` times every job it
-is given (on whichever thread computes it), keeps the least time per unit of work seen for each
-job, and hands a job to the worker while that rate puts it at `HAND_OVER_NS` or more.
+times as long. Which kind of machine this is is measured, not guessed: `later` times the jobs it
+is given (on whichever thread computes them), keeps the least time per unit of work seen for each
+job, and hands a job to the worker while that rate puts it at `HAND_OVER_NS` or more. Below, the
+job is left to the caller, untimed: the least rate only falls, so the choice is made for good, and
+a job's object and timing (about 8 us a copy) are saved: the lane sorts such copies at the end of
+the pass (bench/sampled.py's MLP step on that Xeon: 7.4 to 7.6 against 8.0 ms).
 
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).
@@ -300,13 +303,16 @@ class SpareCore:
     ) -> Deferred[T] | None:
         """`job` of `payload` (the caller's own copy, counted by `hold`) when a core is spare,
         else None, and nothing is done. On the worker when the least time per unit of `work`
-        measured for `job` puts it at `HAND_OVER_NS` or more (always, for infinite `work`); else
-        computed now on this thread (a `Deferred` that is done). Either way it is timed."""
+        measured for `job` puts it at `HAND_OVER_NS` or more (always, for infinite `work`); with
+        no rate yet, computed now on this thread and timed (a `Deferred` that is done); below,
+        None again: the caller computes it where it suits it."""
         if not self.spare():
             return None
         rate = self._rates.get(job)
         if work == math.inf or (rate is not None and rate * work >= HAND_OVER_NS):
             return self._submit(job, payload, 0, work)
+        if rate is not None:  # the least rate only falls: left to the caller for good
+            return None
         deferred = Deferred(self, job, payload, work)
         deferred._compute(locked=False)  # nobody else has it yet
         return deferred

@@ -8,12 +8,13 @@ a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 
 transforms, when the default profile is the only reducer. At the layer's return (or as its
 gradient arrives) it copies the values into a NumPy array (a later in-place op cannot change
 them; the collector does not track arrays) and keeps nothing else. Each copy is sorted in place,
-as the host path sorts a tensor alone (as the pass goes on, where a core is spare and the copy
-has `SORT_EACH_FROM` entries: there if quicker, `spare_core.SpareCore.later`); at the end of the
-pass `measure` reduces them all in one vectorised pass (`numerics.sorted_profiles`, the host
-path's own arithmetic) into flat lists for a `records.MeasurementBlock`, and a focus layer's
-histograms. Copies of `HELD_FROM` entries or more count against the observer's bound on kept
-copies (`spare_core.MAX_BYTES_HELD`): beyond it a tensor is measured at once by the host path.
+as the host path sorts a tensor alone: by the spare core as the pass goes on where its sort takes
+longer than handing it over (`spare_core.SpareCore.later`), else at the end of the pass, where
+no job per copy is kept or timed (about 8 us a copy). Then `measure` reduces them all in one
+vectorised pass (`numerics.sorted_profiles`, the host path's own arithmetic) into flat lists for
+a `records.MeasurementBlock`, and a focus layer's histograms. Copies of `HELD_FROM` entries or
+more count against the observer's bound on kept copies (`spare_core.MAX_BYTES_HELD`): beyond it
+a tensor is measured at once by the host path.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
 # The lane takes float32 tensors of at most BATCH_MAX entries (those the host path sorts too).
 BATCH_MAX = order.SMALL
-# Copies of this many entries are sorted as the pass goes on, where a core is spare (a job each).
+# Copies of this many entries may be sorted by the spare core as the pass goes on (a job each).
 SORT_EACH_FROM = 512
 # Copies of this many entries count against the copies an observer keeps at once (the caller
 # checks: `spare_core.SpareCore.hold`); smaller ones are bounded by the count of layers.

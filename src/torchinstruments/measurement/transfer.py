@@ -6,8 +6,8 @@ with one transfer each, then resolved into metric values and `HistogramRecord`s.
 only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound and sorted there when
-a core is spare, else measured as a host tensor), measures a plain CPU tensor when the default
+small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound and sorted there where
+that is quicker, else measured as a host tensor), measures a plain CPU tensor when the default
 profile is the only reducer (`Measured`: values, reasons and histogram vector, nothing to
 resolve later; at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or
 launches its reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits
@@ -153,7 +153,7 @@ def launch(
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 if spare.hold(_held_bytes(copy.size)):  # else the lane keeps enough: now
-                    waiting = None  # sorted as the pass goes on where a core is spare (`later`)
+                    waiting = None  # the spare core's as the pass goes on, else at its end
                     if copy.size >= lane.SORT_EACH_FROM:
                         waiting = spare.later(lane.sort_in_place, copy, copy.size)
                     stamp = time.time_ns() // 1000

@@ -7,6 +7,7 @@ import math
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,25 @@ def kill_when_ready(script: str, ready: str, *args: str | Path) -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def rows_in_parts(directory: Path) -> int:
+    """The rows in the run's completed `history.parts/` (their Parquet metadata)."""
+    from torchinstruments.rundir.layout import list_parts
+
+    parts = list_parts(directory)
+    return pl.scan_parquet(parts, glob=False).select(pl.len()).collect().item() if parts else 0
+
+
+def wait_for_rows(directory: Path, rows: int, timeout: float = 60.0) -> None:
+    """Wait until the run's parts hold `rows` rows. The flush thread writes each full chunk
+    while training goes on, so a test that copies the parts, forks or kills at a known point
+    first waits for the rows that point has on disk (rows, not parts: whether the flush thread
+    or the training thread wrote a sample's first rows decides how they are cut)."""
+    deadline = time.monotonic() + timeout
+    while rows_in_parts(directory) < rows:
+        assert time.monotonic() < deadline, f"{rows} rows not in parts within {timeout} s"
+        time.sleep(0.005)
 
 
 def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:

@@ -47,7 +47,7 @@ from torchinstruments.__main__ import main
 from torchinstruments.cli.pictures import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
 from torchinstruments.rundir.layout import list_parts
 
-from conftest import check_heatmap, run_cli, sgd_step
+from conftest import check_heatmap, run_cli, sgd_step, wait_for_rows
 
 SAMPLES = 7
 WINDOW = 3
@@ -376,6 +376,7 @@ def test_a_merge_between_listing_and_reading_is_retried(tmp_path: Path) -> None:
     observe(crashed, model)
     for _ in range(3):
         sgd_step(model, x, y, 0.05)
+    wait_for_rows(crashed, 3 * ROWS_PER_SAMPLE)  # a later sample's rows are one chunk
     shutil.copytree(crashed / "history.parts", tmp_path / "parts")
     remove_observer(model)
     (crashed / "history.parquet").unlink()

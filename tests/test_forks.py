@@ -35,7 +35,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import sgd_step
+from conftest import sgd_step, wait_for_rows
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
 
@@ -105,6 +105,10 @@ def script_main(directory: Path, report: Path) -> None:
     )
     for _ in range(3):
         sgd_step(model, x, y, 0.01)
+    # sample 0's rows at once, then the full chunks of the next two (the flush thread's): what
+    # is left (less than a chunk) waits for flush_seconds, so nothing writes while the child runs
+    chunk = CONFIG.buffer_rows
+    wait_for_rows(directory, ROWS_PER_SAMPLE + 2 * ROWS_PER_SAMPLE // chunk * chunk)
     before = snapshot(directory)
     child_report = report.with_name("child.json")
     pid = os.fork()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 import warnings
 from itertools import pairwise
 from pathlib import Path
@@ -344,3 +345,80 @@ def test_merge_after_crash_between_rename_and_part_removal_has_no_duplicates(
     rows = as_rows(pl.read_parquet(tmp_path / "history.parquet"))
     assert sorted(rows, key=repr) == sorted(expected_rows(produced + extra), key=repr)
     assert list_parts(tmp_path) == []
+
+
+def test_full_chunks_left_elsewhere_are_written_by_write_due_without_blocking_appends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `chunks_elsewhere` `append` writes no part: the chunks are due at once, and
+    `write_due` (the flush thread's call) writes them, holding the buffer's lock only around
+    the write, so an append made while a part is being written returns at once."""
+    import threading
+
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4), chunks_elsewhere=True)
+    writer.append([measurement(0, f"l{i}") for i in range(10)])  # 30 rows
+    assert list_parts(tmp_path) == []
+    assert writer.seconds_until_due() == 0.0
+    writing, release = threading.Event(), threading.Event()
+    original = writer_module.write_parquet_atomic
+
+    def held(frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None) -> None:
+        writing.set()
+        assert release.wait(10)
+        original(frame, path, metadata=metadata)
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", held)
+    flush_thread = threading.Thread(target=writer.write_due)
+    flush_thread.start()
+    assert writing.wait(10)
+    writer.append([measurement(1, "late")])  # returns while the part's write waits
+    assert writer.rows_buffered == 33
+    release.set()
+    flush_thread.join(10)
+    sizes = [pl.read_parquet(p).height for p in list_parts(tmp_path)]
+    # the late rows made the eighth chunk; the last row, as old as these test rows are, is due
+    assert sizes == [4] * 8 + [1]
+    assert writer.rows_buffered == 0
+    assert writer.close()
+    assert writer.rows_written == 33
+
+
+def test_a_sampled_step_leaves_its_full_chunks_to_the_flush_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An observed run's training thread writes its first forward and backward rows at once
+    and no part after them: every full chunk is the flush thread's, and no row is lost."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    writers: list[str] = []
+    original = writer_module.write_parquet_atomic
+
+    def named(frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None) -> None:
+        writers.append(threading.current_thread().name)
+        original(frame, path, metadata=metadata)
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", named)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    rows = 3 * 9 * 2  # three layers, nine metrics, output and gradient
+    inject_observer(
+        model,
+        output_dir=tmp_path / "run",
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=rows),
+    )
+    for _ in range(6):
+        model(torch.randn(2, 4)).sum().backward()
+    training = threading.current_thread().name
+    deadline = time.monotonic() + 60
+    while len(writers) < 2 + 5 and time.monotonic() < deadline:  # a chunk a later sample
+        time.sleep(0.005)
+    assert writers[:2] == [training, training]  # sample 0's forward, then its backward
+    assert len(writers) == 7
+    assert all(name.startswith("torchinstruments flush") for name in writers[2:])
+    remove_observer(model)
+    assert pl.read_parquet(tmp_path / "run" / "history.parquet").height == 6 * rows

@@ -20,6 +20,8 @@ from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.writer import HistoryWriter
 
+from conftest import rows_in_parts, wait_for_rows
+
 
 def run_info(directory: Path, rank: int | None = None) -> RunInfo:
     return RunInfo(
@@ -157,10 +159,14 @@ def test_every_query_runs_on_a_live_and_then_a_finished_run(
         sampler=EveryNForwardsSampler(1),
         history_config=HistoryConfig(buffer_rows=9),
     )
+    per_sample = 0
     try:
         for step in range(4):
             set_step(model, 10 * step)
             model(torch.randn(3, 4)).sum().backward()
+            if step == 0:  # its rows went to disk at once
+                per_sample = rows_in_parts(directory)
+        wait_for_rows(directory, per_sample + 3 * per_sample // 9 * 9)  # the flush thread's chunks
         parts = list_parts(directory)
         assert parts
         assert not (directory / "history.parquet").exists()

@@ -31,7 +31,7 @@ from torchinstruments.__main__ import main as cli_main
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import kill_when_ready, sgd_step
+from conftest import kill_when_ready, sgd_step, wait_for_rows
 
 MARK = pl.col("metric") == "interrupted"
 
@@ -200,6 +200,9 @@ def child_main(directory: Path) -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     for _ in range(STEPS):
         sgd_step(model, x, y, 0.01)
+    # sample 0's rows at once, then the full 40-row chunks the flush thread writes
+    later = (STEPS - 1) * ROWS_PER_SAMPLE // BUFFER_ROWS * BUFFER_ROWS
+    wait_for_rows(directory, ROWS_PER_SAMPLE + later)
     print("ready", flush=True)
     time.sleep(120)
 

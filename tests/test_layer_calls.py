@@ -102,14 +102,23 @@ def test_forward_replaced_during_a_sampled_forward_is_warned(run_dir: Path) -> N
 
 
 CHILD = """
-import os, sys, torch
+import os, sys, time, torch
+from pathlib import Path
 from torch import nn
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+import polars as pl
+from torchinstruments.rundir.layout import list_parts
 model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
 inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1),
                 history_config=HistoryConfig(buffer_rows=1))
 for step in range(3):
     model[0](torch.randn(2, 3)) if step == 1 else model(torch.randn(2, 3))
+def rows():
+    parts = list_parts(Path(sys.argv[1]))
+    return pl.scan_parquet(parts, glob=False).select(pl.len()).collect().item() if parts else 0
+deadline = time.monotonic() + 60  # the flush thread writes the second forward's rows
+while rows() < 2 * 3 * 9 and time.monotonic() < deadline:
+    time.sleep(0.005)
 os._exit(0)  # no removal, no finalizer: like a crash after the last part was written
 """
 

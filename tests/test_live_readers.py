@@ -27,6 +27,8 @@ from torchinstruments import (
 )
 from torchinstruments.rundir.layout import list_parts
 
+from conftest import wait_for_rows
+
 PARTS = 60
 ROWS_PER_PART = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its output gradient
 WAIT_S = 120.0
@@ -43,6 +45,7 @@ def child_main(directory: Path) -> None:
     )
     for _ in range(PARTS):
         model(torch.randn(2, 4)).sum().backward()
+    wait_for_rows(directory, PARTS * ROWS_PER_PART)  # the flush thread writes the later ones
     (directory.parent / "written").touch()
     sys.stdin.read()  # the reader closes stdin when it has read the last part
     remove_observer(model)

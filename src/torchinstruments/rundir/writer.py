@@ -24,6 +24,15 @@ except while a part is written). The price on disk is more, smaller parts: at th
 sample per minute, one part per sample, 1,440 parts a day (bench/merge_parts.py measures what
 that costs the merge).
 
+Design decision: the run directory's writer (`chunks_elsewhere`) has that thread write the full
+`buffer_rows` chunks too, so a sampled step never waits for a disk: a part of 8,192 rows took the
+training thread about 13 ms (its frame 4, its metadata 1.5, Polars' writing and three fsyncs
+6.5), once every 27 steps of bench/sampled.py's MLP sampled at every step, or six times a step
+for a 3,000-layer model. Only the run's first forward and backward rows are written on the
+training thread (`sinks.directory`). One writer at a time (`_writing`); the buffer's lock is held
+while a part's rows become a frame and while they leave the buffer, never while it is written, so
+appends go on meanwhile (after them).
+
 Bounded memory when writes fail: rows that could not be written stay buffered and are retried
 (at the next chunk boundary, after half a flush interval, at removal), but at most
 `max_buffered_rows` of them (about 57 bytes a row as the observer records them, `uv run
@@ -96,8 +105,9 @@ class _BufferedRecord:
 class HistoryWriter:
     """Appends measurements to the buffer and writes parts by size and by age.
 
-    A part is written when the buffer holds `buffer_rows` rows (by the appending thread) or when
-    its oldest row is `flush_seconds / 2` old (by the run's `FlushTimer`, through `seconds_until_due`).
+    A part is written when the buffer holds `buffer_rows` rows (by the appending thread, or with
+    `chunks_elsewhere` by the caller of `write_due`: the run's `FlushTimer`) or when its oldest
+    row is `flush_seconds / 2` old (by the `FlushTimer`, through `seconds_until_due`).
     Nothing raised while writing a part reaches the caller: an `OSError` or a Polars error (disk
     full, permission) is reported once as a `RuntimeWarning`, the rows stay in the buffer (up to
     `max_buffered_rows`; newer rows are dropped and counted in `losses`) and are retried at the
@@ -105,8 +115,8 @@ class HistoryWriter:
     be stored (a shape that is not ints, a value that is not a number) is stored with a null
     shape or a null value and a reason, never blocking the rows around it.
 
-    Thread-safe: `append` (training thread) and `flush` (flush thread, signal handler's thread)
-    serialise on one lock.
+    Thread-safe: `append` (training thread), `write_due` (flush thread) and `flush` (flush
+    thread, signal handler's thread, `close`): one lock for the buffer, one for part writers.
 
     Args:
         directory: the run's output directory; `history.parts/` is created inside it.
@@ -114,6 +124,8 @@ class HistoryWriter:
         attempt: the `attempt` column of every row (this process's attempt, `rundir.attempts`).
         first_part: the number of the first part (a continued run's parts follow the merged
             ones).
+        chunks_elsewhere: full chunks are left to `write_due` (`seconds_until_due` says they
+            are due at once) instead of being written by `append`.
 
     Example:
         >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=8192))
@@ -123,17 +135,25 @@ class HistoryWriter:
     """
 
     def __init__(
-        self, directory: Path, config: HistoryConfig, *, attempt: int = 0, first_part: int = 0
+        self,
+        directory: Path,
+        config: HistoryConfig,
+        *,
+        attempt: int = 0,
+        first_part: int = 0,
+        chunks_elsewhere: bool = False,
     ) -> None:
         self._directory = directory
         self._config = config
+        self._chunks_elsewhere = chunks_elsewhere
         self._attempt = pl.lit(attempt, dtype=pl.Int32()).alias("attempt")
         (self._directory / PARTS_DIR).mkdir(parents=True, exist_ok=True)
         existing = [part_number(p) for p in list_parts(self._directory)]
         self._next_part = max((n for n in existing if n is not None), default=first_part - 1) + 1
         self._buffer = ColumnBuffer()
         self._records: deque[_BufferedRecord] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the buffer and the counts; never held while writing
+        self._writing = threading.Lock()  # one part writer at a time; taken before `_lock`
         self._rows_produced = 0
         self._rows_written = 0
         self._retry_at = config.buffer_rows
@@ -205,62 +225,69 @@ class HistoryWriter:
             raise RuntimeError("HistoryWriter.append() after close(); create a new writer")
         if not measurements:
             return
-        with self._lock:
-            if isinstance(measurements, MeasurementBlock):
-                self._append_block(measurements)
-            else:
-                self._append_measurements(measurements)
-            if len(self._buffer) >= self._retry_at:
+        start: int | None = 0
+        due = False
+        while start is not None:
+            with self._lock:
+                if isinstance(measurements, MeasurementBlock):
+                    start = self._append_block(measurements, start)
+                else:
+                    start = self._append_measurements(measurements, start)
+                due = len(self._buffer) >= self._retry_at
+            if start is not None:  # full while writes work: room first, the whole backlog
+                self.flush()
+        if due and not self._chunks_elsewhere:
+            with self._writing:
                 self._write_chunks()
 
-    def _append_block(self, block: MeasurementBlock) -> None:
-        """`append` of a block: its tensors in as few chunks as the cap allows (the caller
-        holds the lock)."""
+    def _append_block(self, block: MeasurementBlock, start: int) -> int | None:
+        """`append` of a block's tensors from `start`: in as few chunks as the cap allows; where
+        the buffer is full while writes work, the tensor to go on from once there is room, else
+        None (the caller holds the lock)."""
         cap = self._config.buffered_rows_cap
         k = len(block.metrics)
         total = len(block)
-        self._rows_produced += total * k
-        start = 0
         while start < total:
             size = len(self._buffer)
             fit = min(total - start, (cap - size) // k) if k else total - start
-            if fit <= 0 and not self._failing:  # writes work: only a very large sample got here
-                self._write_backlog()
-                size = len(self._buffer)
-                fit = min(total - start, (cap - size) // k) if k else total - start
+            if fit <= 0 and size and not self._failing:  # only a very large sample got here
+                return start
             if fit <= 0:
+                self._rows_produced += (total - start) * k
                 self._drop((total - start) * k, block.sample_id)
-                return
+                return None
             if not size:
                 self._oldest = _monotonic_of(block.timestamps_us[start])
+            self._rows_produced += fit * k
             rows = self._buffer.add_block(block, start, start + fit)
             self._note_rows(block.sample_id, block.signal, rows)
             start += fit
+        return None
 
-    def _append_measurements(self, measurements: Sequence[Measurement]) -> None:
-        """`append` of plain measurements, one by one against the cap (the caller holds the
-        lock); the accepted ones become one chunk."""
+    def _append_measurements(self, measurements: Sequence[Measurement], start: int) -> int | None:
+        """`append` of plain measurements from `start`, one by one against the cap; the
+        accepted ones become one chunk. Where the buffer is full while writes work, the
+        measurement to go on from once there is room, else None (the caller holds the lock)."""
         cap = self._config.buffered_rows_cap
         size = len(self._buffer)  # kept by hand, with the accepted rows not yet in a chunk
         accepted: list[Measurement] = []
-        for m in measurements:
+        for index in range(start, len(measurements)):
+            m = measurements[index]
             k = len(m.metrics)
+            if size + k > cap and size and not self._failing:  # only a very large sample
+                self._buffer.add_measurements(accepted)
+                return index
             self._rows_produced += k
             if size + k > cap:
-                if not self._failing:  # writes work: only a very large sample got here
-                    self._buffer.add_measurements(accepted)
-                    accepted = []
-                    self._write_backlog()
-                    size = len(self._buffer)
-                if size + k > cap:
-                    self._drop(k, m.sample_id)
-                    continue
+                self._drop(k, m.sample_id)
+                continue
             if not size:
                 self._oldest = _monotonic_of(m.timestamp_us)
             accepted.append(m)
             size += k
             self._note_rows(m.sample_id, m.signal, k)
         self._buffer.add_measurements(accepted)
+        return None
 
     def _note_rows(self, sample_id: int, signal: str, rows: int) -> None:
         """Count `rows` more buffered rows of this sample and signal (for `_split_metadata`)."""
@@ -300,6 +327,8 @@ class HistoryWriter:
         save = None
         if self._ledger.version != self._saved_version and not self._failing:
             save = self._save_after - now
+        if self._chunks_elsewhere and len(self._buffer) >= self._retry_at:
+            return 0.0  # a full chunk waits (`write_due`)
         oldest = self._oldest
         if oldest is None:
             return save
@@ -308,8 +337,20 @@ class HistoryWriter:
 
     def flush(self) -> None:
         """Write every buffered row in as few parts as fit; failures warn, never raise."""
-        with self._lock:
+        with self._writing:
             self._write_backlog()
+
+    def write_due(self) -> None:
+        """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush
+        thread): full `buffer_rows` chunks once they wait, then every buffered row once the
+        oldest is half a flush interval old; failures warn, never raise."""
+        with self._writing:
+            if len(self._buffer) >= self._retry_at:
+                self._write_chunks()
+            oldest, now = self._oldest, time.monotonic()
+            half = self._config.flush_seconds / 2
+            if oldest is not None and now >= max(oldest + half, self._retry_after):
+                self._write_backlog()
 
     def close(self) -> bool:
         """Write every buffered row; the writer takes no rows afterwards.
@@ -356,8 +397,8 @@ class HistoryWriter:
             )
 
     def _write_chunks(self) -> None:
-        """Write full `buffer_rows` chunks; stop at the first failure (the caller holds the
-        lock)."""
+        """Write full `buffer_rows` chunks; stop at the first failure (the caller holds
+        `_writing`)."""
         size = self._config.buffer_rows
         while len(self._buffer) >= size:
             if not self._write_part(size):
@@ -365,13 +406,15 @@ class HistoryWriter:
         self._retry_at = size
 
     def _write_backlog(self) -> bool:
-        """Write every buffered row in as few parts as fit: all at once, else halves (down to
-        1/64 of the backlog); stop at the first size that fails. The caller holds the lock."""
-        rows = len(self._buffer)
+        """Write the rows buffered now (those appended meanwhile wait) in as few parts as fit:
+        all at once, else halves (down to 1/64 of them); stop at the first size that fails. The
+        caller holds `_writing`."""
+        left = rows = len(self._buffer)
         smallest = max(1, rows // 64)
-        while len(self._buffer):
-            rows = min(rows, len(self._buffer))
+        while left:
+            rows = min(rows, left)
             if self._write_part(rows):
+                left -= rows
                 continue
             if rows <= smallest:
                 return False
@@ -380,29 +423,38 @@ class HistoryWriter:
         return True
 
     def _write_part(self, n: int) -> bool:
-        """Write the first `n` buffered rows as the next part; False (warned once) on failure."""
-        path = part_path(self._directory, self._next_part)
+        """Write the first `n` buffered rows as the next part; False (warned once) on failure.
+
+        The caller holds `_writing`. The rows become a frame under `_lock`, the part is written
+        without it (the training thread appends meanwhile, after them), and they leave the
+        buffer under it once the part is in place."""
+        path = part_path(self._directory, self._next_part)  # only this writer moves it on
         try:
-            frame = self._buffer.frame(n).with_columns(self._attempt)
-            metadata = order_metadata(frame) | constant_metadata(frame) | self._split_metadata(n)
+            with self._lock:
+                frame = self._buffer.frame(n)
+                split = self._split_metadata(n)
+            frame = frame.with_columns(self._attempt)
+            metadata = order_metadata(frame) | constant_metadata(frame) | split
             write_parquet_atomic(frame, path, metadata=metadata)
         except (OSError, pl.exceptions.PolarsError) as exc:
             # Polars reports a full disk as ComputeError ("No space left on device").
-            self._error = f"{type(exc).__name__}: {exc}"
-            self._failing = True
-            self._report(path, exc)
-            self._retry_at = len(self._buffer) + self._config.buffer_rows
-            self._retry_after = time.monotonic() + self._config.flush_seconds / 2
+            with self._lock:
+                self._error = f"{type(exc).__name__}: {exc}"
+                self._failing = True
+                self._report(path, exc)
+                self._retry_at = len(self._buffer) + self._config.buffer_rows
+                self._retry_after = time.monotonic() + self._config.flush_seconds / 2
             return False
-        self._buffer.drop(n)
-        self._consume_records(n)
-        self._next_part += 1
-        self._rows_written += n
-        self._failing = False
-        self._ledger.end_episode()
-        self._drop_reason = None
-        if not len(self._buffer):
-            self._oldest = None
+        with self._lock:
+            self._buffer.drop(n)
+            self._consume_records(n)
+            self._next_part += 1
+            self._rows_written += n
+            self._failing = False
+            self._ledger.end_episode()
+            self._drop_reason = None
+            if not len(self._buffer):
+                self._oldest = None
         return True
 
     def _split_metadata(self, n: int) -> dict[str, str]:
@@ -455,19 +507,21 @@ def _monotonic_of(timestamp_us: int) -> float:
 
 
 class FlushTimer:
-    """Calls `flush()` on a daemon thread whenever `due()` says a flush is due, or on request.
+    """Calls `flush(False)` on a daemon thread whenever `due()` says a flush is due, and
+    `flush(True)` on request.
 
     See the module docstring for why a thread. The thread waits on an `Event` for exactly the
     time `due()` returns, or until `poke()` (rows arrived) or `flush_now()`.
 
     Args:
         due: seconds until the next flush is due (<= 0: now), or None when nothing is buffered.
-        flush: writes what is buffered; must not raise (it reports its own failures).
+        flush: writes what is due (False) or everything buffered (True, a `flush_now`); must
+            not raise (it reports its own failures).
         name: the thread's name.
     """
 
     def __init__(
-        self, due: Callable[[], float | None], flush: Callable[[], None], name: str
+        self, due: Callable[[], float | None], flush: Callable[[bool], None], name: str
     ) -> None:
         self._due = due
         self._flush = flush
@@ -517,7 +571,7 @@ class FlushTimer:
             due = self._due()
             if requested > self._served or (due is not None and due <= 0):
                 try:
-                    self._flush()
+                    self._flush(requested > self._served)
                 finally:
                     with self._cond:
                         self._served = requested

@@ -42,9 +42,9 @@ class DirectorySink:
     Holds `RunLock` on the directory for the life of the run, which is how
     `torchinstruments finalize` tells a live run from an interrupted one.
 
-    Crash safety: a `FlushTimer` thread writes the buffered rows as a part and flushes the
-    TensorBoard events once the oldest buffered row is half a flush interval old (see
-    `rundir.writer`), so a crash loses at most `HistoryConfig.flush_seconds` of history and the
+    Crash safety: a `FlushTimer` thread writes each full `buffer_rows` chunk as a part, and the
+    buffered rows with the TensorBoard events once the oldest of them is half a flush interval old
+    (see `rundir.writer`), so a crash loses at most `HistoryConfig.flush_seconds` of history and the
     events agree with the history to the same bound. A SIGTERM handler (`rundir.signals`, when
     inject runs in the main thread) has that thread write everything first, then chains.
 
@@ -121,6 +121,7 @@ class DirectorySink:
             self._config,
             attempt=this.attempt,
             first_part=0 if continuation is None else continuation.first_part,
+            chunks_elsewhere=True,  # the flush thread writes them: the step never waits for a disk
         )
         self._events = self._open_events()
         self._timer = FlushTimer(
@@ -211,12 +212,15 @@ class DirectorySink:
             "such step, and the history holds those samples' rows.",
         )
 
-    def _flush(self) -> None:
-        """Write every buffered row, then new losses into the state file and index.md, then
-        flush the events (the flush thread's one job)."""
+    def _flush(self, everything: bool) -> None:
+        """Write the buffered rows that are due (`everything`: all of them), then new losses
+        into the state file and index.md, then flush the events (the flush thread's one job)."""
         try:
             if self._history is not None:
-                self._history.flush()
+                if everything:
+                    self._history.flush()
+                else:
+                    self._history.write_due()
                 self._save_losses(self._history)
         except Exception as error:  # never let the flush thread die
             warn(

@@ -340,17 +340,21 @@ class HistoryWriter:
         with self._writing:
             self._write_backlog()
 
-    def write_due(self) -> None:
+    def write_due(self) -> bool:
         """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush
         thread): full `buffer_rows` chunks once they wait, then every buffered row once the
-        oldest is half a flush interval old; failures warn, never raise."""
+        oldest is half a flush interval old. Whether more than full chunks was due (the time
+        bound's turn). Failures warn, never raise."""
         with self._writing:
-            if len(self._buffer) >= self._retry_at:
+            chunks = len(self._buffer) >= self._retry_at
+            if chunks:
                 self._write_chunks()
             oldest, now = self._oldest, time.monotonic()
             half = self._config.flush_seconds / 2
             if oldest is not None and now >= max(oldest + half, self._retry_after):
                 self._write_backlog()
+                return True
+            return not chunks  # nothing buffered was due: the loss ledger's turn
 
     def close(self) -> bool:
         """Write every buffered row; the writer takes no rows afterwards.

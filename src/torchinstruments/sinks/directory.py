@@ -214,13 +214,15 @@ class DirectorySink:
 
     def _flush(self, everything: bool) -> None:
         """Write the buffered rows that are due (`everything`: all of them), then new losses
-        into the state file and index.md, then flush the events (the flush thread's one job)."""
+        into the state file and index.md, then, unless only full chunks were due, flush the
+        events (the flush thread's one job): they keep to the time bound, not to each part."""
+        aged = True
         try:
             if self._history is not None:
                 if everything:
                     self._history.flush()
                 else:
-                    self._history.write_due()
+                    aged = self._history.write_due()
                 self._save_losses(self._history)
         except Exception as error:  # never let the flush thread die
             warn(
@@ -228,7 +230,7 @@ class DirectorySink:
                 f"({type(error).__name__}: {error})"
             )
         events = self._events
-        if events is not None:
+        if events is not None and aged:
             try:
                 events.flush()
             except Exception as error:

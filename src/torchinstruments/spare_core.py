@@ -44,7 +44,7 @@ is given (on whichever thread computes them), keeps the least time per unit of w
 job, and hands a job to the worker while that rate puts it at `HAND_OVER_NS` or more. Below, the
 job is left to the caller, untimed: the least rate only falls, so the choice is made for good, and
 a job's object and timing (about 8 us a copy) are saved: the lane sorts such copies at the end of
-the pass (bench/sampled.py's MLP step on that Xeon: 7.4 to 7.6 against 8.0 ms).
+the pass (bench/sampled.py's MLP step on that Xeon: 7.8 against 8.3 ms, docs/benchmarks.md).
 
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).

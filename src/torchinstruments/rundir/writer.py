@@ -336,7 +336,7 @@ class HistoryWriter:
         return due if save is None else min(due, save)
 
     def flush(self) -> None:
-        """Write every buffered row in as few parts as fit; failures warn, never raise."""
+        """Write every row buffered now in as few parts as fit; failures warn, never raise."""
         with self._writing:
             self._write_backlog()
 

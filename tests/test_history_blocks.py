@@ -25,9 +25,11 @@ from torchinstruments.rundir.writer import SPLIT_RECORD_KEY, HistoryWriter
 METRICS = ("mean", "max", "zero_fraction")
 
 
-def block(sample_id: int, tensors: int, signal: str = "output") -> MeasurementBlock:
+def block(
+    sample_id: int, tensors: int, signal: str = "output", metrics: tuple[str, ...] = METRICS
+) -> MeasurementBlock:
     """A block whose fields vary per tensor (shapes, paths, nulls, placements)."""
-    k = len(METRICS)
+    k = len(metrics)
     values: list[float | None] = [float(sample_id * 1000 + i) for i in range(tensors * k)]
     why: list[str | None] = [None] * (tensors * k)
     values[1], why[1] = None, "no finite entries"
@@ -36,7 +38,7 @@ def block(sample_id: int, tensors: int, signal: str = "output") -> MeasurementBl
         forward_index=sample_id + 10,
         signal=signal,
         rank=None if sample_id % 2 else 1,
-        metrics=METRICS,
+        metrics=metrics,
         timestamps_us=[1_700_000_000_000_000 + sample_id * 1000 + i for i in range(tensors)],
         layers=[f"blocks.{i}" for i in range(tensors)],
         module_types=["Linear" if i % 2 else "ReLU" for i in range(tensors)],
@@ -82,6 +84,16 @@ def test_blocks_write_the_rows_of_their_measurements_in_parts_of_any_size(
     assert whole.filter(pl.col("value").is_null())["unavailable_reason"].unique().to_list() == [
         "no finite entries"
     ]
+
+
+def test_blocks_of_one_metric_write_the_rows_of_their_measurements(tmp_path: Path) -> None:
+    records = [block(0, 5, metrics=("max",)), block(1, 3, "output_gradient", ("max",))]
+    from_blocks = written(tmp_path / "blocks", records, 1000, as_measurements=False)
+    from_rows = written(tmp_path / "rows", records, 1000, as_measurements=True)
+    assert len(from_blocks) == len(from_rows) == 1
+    assert from_blocks[0].equals(from_rows[0], null_equal=True)
+    assert from_blocks[0]["metric"].to_list() == ["max"] * 8
+    assert from_blocks[0]["layer"].to_list() == [f"blocks.{i}" for i in (0, 1, 2, 3, 4, 0, 1, 2)]
 
 
 def test_a_part_that_splits_a_block_says_so_in_its_metadata(tmp_path: Path) -> None:

@@ -329,11 +329,18 @@ class HistoryWriter:
             save = self._save_after - now
         if self._chunks_elsewhere and len(self._buffer) >= self._retry_at:
             return 0.0  # a full chunk waits (`write_due`)
+        due = self._aged_in(now)
+        if due is None:
+            return save
+        return due if save is None else min(due, save)
+
+    def _aged_in(self, now: float) -> float | None:
+        """Seconds from `now` until the buffered rows are due by age (<= 0: due), None when
+        nothing is buffered: the oldest half a flush interval old, not before a retry is."""
         oldest = self._oldest
         if oldest is None:
-            return save
-        due = max(oldest + self._config.flush_seconds / 2 - now, self._retry_after - now)
-        return due if save is None else min(due, save)
+            return None
+        return max(oldest + self._config.flush_seconds / 2, self._retry_after) - now
 
     def flush(self) -> None:
         """Write every row buffered now in as few parts as fit; failures warn, never raise."""
@@ -349,9 +356,8 @@ class HistoryWriter:
             chunks = len(self._buffer) >= self._retry_at
             if chunks:
                 self._write_chunks()
-            oldest, now = self._oldest, time.monotonic()
-            half = self._config.flush_seconds / 2
-            if oldest is not None and now >= max(oldest + half, self._retry_after):
+            due = self._aged_in(time.monotonic())
+            if due is not None and due <= 0:
                 self._write_backlog()
                 return True
             return not chunks  # nothing buffered was due: the loss ledger's turn

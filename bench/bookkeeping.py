@@ -50,10 +50,10 @@ def canned_statistics() -> Iterator[None]:
     real_array, real_lane = numerics.measure_array, lane.measure
     cache: dict[Any, Any] = {}
 
-    def canned(array: np.ndarray, bins: int | None) -> Any:
-        key = (array.size, str(array.dtype), bins)
+    def canned(array: np.ndarray, bins: int | None, select: bool | None = None) -> Any:
+        key = (array.size, str(array.dtype), bins, select)
         if key not in cache:
-            cache[key] = real_array(array, bins)
+            cache[key] = real_array(array, bins, select)
         result = cache[key]
         histogram = None if result.histogram is None else list(result.histogram)
         return numerics.CpuResult(dict(result.raw), histogram)
@@ -63,12 +63,12 @@ def canned_statistics() -> Iterator[None]:
         metrics: tuple[str, ...],
         focus: Sequence[bool],
         bins: int,
-        ascending: Sequence[bool] | None = None,
         buffers: Any = None,
+        select: bool | None = None,
     ) -> Any:
-        key = (tuple(copy.size for copy in copies), metrics, tuple(focus), bins)
+        key = (tuple(copy.size for copy in copies), metrics, tuple(focus), bins, select)
         if key not in cache:
-            cache[key] = real_lane(copies, metrics, focus, bins, ascending, buffers)
+            cache[key] = real_lane(copies, metrics, focus, bins, buffers, select)
         values, why, vectors = cache[key]
         return list(values), list(why), [None if v is None else list(v) for v in vectors]
 

@@ -1,10 +1,12 @@
 """The small-tensor lane: the same numbers as the general path, bit for bit, in fewer objects.
 
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
-arrays (`numerics.sorted_profiles`, the host path's arithmetic) and records them as a `MeasurementBlock`. These tests hold
-it to the general path's values (the NumPy path followed by `DefaultDeriver`, itself held to
-NumPy elsewhere), to the rows the general path writes for a whole run, and to its reason for
-existing: few objects for the garbage collector per measured tensor.
+arrays (`numerics.sorted_profiles`, the host path's arithmetic) and records them as a
+`MeasurementBlock`. These tests hold it to the general path's values (the NumPy path followed by
+`DefaultDeriver`, itself held to NumPy elsewhere), sorting its copies or, where the CPU sorts
+slowly (`select`), selecting their order statistics as the host path then does; to the rows the
+general path writes for a whole run, and to its reason for existing: few objects for the garbage
+collector per measured tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import histograms, lane, numerics
+from torchinstruments.measurement import histograms, lane, numerics, order
 from torchinstruments.measurement.reducers import DEFAULT_METRICS
 from torchinstruments.records import (
     HistogramRecord,
@@ -37,24 +39,27 @@ from torchinstruments.records import (
 )
 
 from conftest import numpy_profile, read_history
+from hook_reference import run_both
 
 SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, -1.0]
 
 
-def general_path(copies: list[np.ndarray]) -> list[dict[str, MetricValue]]:
+def general_path(copies: list[np.ndarray], select: bool = False) -> list[dict[str, MetricValue]]:
     """The default profiles of the copies as the NumPy path and its deriver give them, one
     tensor at a time (each within one moments chunk, as the lane's batch is)."""
     wanted = frozenset(DEFAULT_METRICS)
     return [
         numerics.DefaultDeriver(copy.size, wanted)(
-            numerics.measure_on_cpu(torch.from_numpy(copy), None).raw
+            numerics.measure_on_cpu(torch.from_numpy(copy), None, select).raw
         )
         for copy in copies
     ]
 
 
-def lane_rows(copies: list[np.ndarray], metrics: tuple[str, ...]) -> list[dict[str, MetricValue]]:
-    values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64)
+def lane_rows(
+    copies: list[np.ndarray], metrics: tuple[str, ...], select: bool = False
+) -> list[dict[str, MetricValue]]:
+    values, why, _ = lane.measure(copies, metrics, [False] * len(copies), 64, None, select)
     k = len(metrics)
     return [
         {m: MetricValue(values[i * k + j], why[i * k + j]) for j, m in enumerate(metrics)}
@@ -141,8 +146,8 @@ def test_a_focus_copys_histogram_is_the_host_paths_bit_for_bit(
 
 
 def long_copy(size: int, seed: int, kind: str) -> np.ndarray:
-    """A copy of `size` entries (at least `lane.SORT_EACH_FROM`): normal, a ReLU's (half of it
-    zeros, some -0.0), few distinct values, or normal with special values mixed in."""
+    """A copy of `size` entries: normal, a ReLU's (half of it zeros, some -0.0), few distinct
+    values, or normal with special values mixed in."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 4))
     if kind == "relu":
@@ -156,8 +161,8 @@ def long_copy(size: int, seed: int, kind: str) -> np.ndarray:
 
 
 long_copies = st.lists(
-    st.tuples(
-        st.integers(lane.SORT_EACH_FROM, 3 * lane.SORT_EACH_FROM),
+    st.tuples(  # sorted and, with `select`, selected ones (above `order.SORTED_UP_TO`)
+        st.integers(order.SORTED_UP_TO // 2, 3 * order.SORTED_UP_TO),
         st.integers(0, 2**32 - 1),
         st.sampled_from(["normal", "relu", "ties", "special"]),
     ),
@@ -166,31 +171,43 @@ long_copies = st.lists(
 )
 
 
+@pytest.mark.parametrize("select", [False, True], ids=["sorted", "selected"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(long_copies, st.data())
-@example([(lane.SORT_EACH_FROM, 1, "special"), (lane.SORT_EACH_FROM + 1, 2, "relu")], None)
-def test_long_copies_sorted_then_measured_together_give_the_host_paths_bits(
-    specs: list[tuple[int, int, str]], data: st.DataObject | None
+@example([(order.SORTED_UP_TO, 1, "special"), (order.SORTED_UP_TO + 1, 2, "relu")], None)
+@example([(order.SORTED_UP_TO + 1, 3, "ties"), (2 * order.SORTED_UP_TO, 4, "special")], None)
+def test_long_copies_measured_together_give_the_host_paths_bits(
+    select: bool, specs: list[tuple[int, int, str]], data: st.DataObject | None
 ) -> None:
-    """Copies of `lane.SORT_EACH_FROM` entries or more are sorted one by one (here, or already
-    on the spare core: `ascending`) and measured in one vectorised pass: the host path's
-    values, reasons and histograms, bit for bit."""
+    """Copies sorted one by one, or with `select` those above `order.SORTED_UP_TO` entries
+    selected (a batch of their own), measured in one vectorised pass: the host path's values,
+    reasons and histograms, bit for bit, alone and among others; a selected copy is left as it
+    was given."""
     copies = [long_copy(*spec) for spec in specs]
     focus = [data is None or data.draw(st.booleans()) for _ in copies]
-    expected = general_path(copies)
-    hosts = [numerics.measure_on_cpu(torch.from_numpy(c), 64) for c in copies]
+    expected = general_path(copies, select)
+    hosts = [numerics.measure_on_cpu(torch.from_numpy(c), 64, select) for c in copies]
     k = len(DEFAULT_METRICS)
-    for ascending in (None, [True] * len(copies)):
-        given = [np.sort(copy) if ascending else copy.copy() for copy in copies]
-        values, why, vectors = lane.measure(given, DEFAULT_METRICS, focus, 64, ascending)
-        for index, want in enumerate(expected):
-            for j, metric in enumerate(DEFAULT_METRICS):
-                got = MetricValue(values[index * k + j], why[index * k + j])
-                assert same_bits(got, want[metric]), (metric, specs[index], got, want[metric])
-            host = hosts[index].histogram if focus[index] and hosts[index].raw["finite"] else None
-            assert (vectors[index] is None) == (host is None)
-            if host is not None:
-                assert np.array(vectors[index]).tobytes() == np.array(host).tobytes()
+    given = [copy.copy() for copy in copies]
+    measured = lane.measure(given, DEFAULT_METRICS, focus, 64, None, select)
+    for index, copy in enumerate(copies):
+        one = focus[index : index + 1]
+        alone = lane.measure([copy.copy()], DEFAULT_METRICS, one, 64, None, select)
+        together = [part[index * k : (index + 1) * k] for part in measured[:2]]
+        assert np.array(alone[0], np.float64).tobytes() == np.array(together[0]).tobytes()
+        assert alone[1] == together[1]
+        assert alone[2][0] == measured[2][index]
+        selected = select and copy.size > order.SORTED_UP_TO
+        assert np.array_equal(given[index], copy if selected else np.sort(copy), equal_nan=True)
+    values, why, vectors = measured
+    for index, want in enumerate(expected):
+        for j, metric in enumerate(DEFAULT_METRICS):
+            got = MetricValue(values[index * k + j], why[index * k + j])
+            assert same_bits(got, want[metric]), (metric, specs[index], got, want[metric])
+        host = hosts[index].histogram if focus[index] and hosts[index].raw["finite"] else None
+        assert (vectors[index] is None) == (host is None)
+        if host is not None:
+            assert np.array(vectors[index]).tobytes() == np.array(host).tobytes()
 
 
 def test_a_tensors_moments_are_the_same_bits_alone_and_within_a_batch() -> None:
@@ -246,17 +263,48 @@ def test_a_copy_gives_the_same_bits_alone_and_among_others(
         assert got == want
 
 
-def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit() -> None:
+@pytest.mark.parametrize("select", [False, True], ids=["sorted", "selected"])
+def test_the_lane_matches_numpy_on_tensors_of_every_size_up_to_the_batch_limit(
+    select: bool,
+) -> None:
     rng = np.random.default_rng(0)
     copies = [
         (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
         for size in (1, 2, 3, 7, 64, 513, lane.BATCH_MAX)
     ]
     copies[3][[0, 4]] = 0.0
-    for copy, got in zip(copies, lane_rows(copies, DEFAULT_METRICS), strict=True):
+    for copy, got in zip(copies, lane_rows(copies, DEFAULT_METRICS, select), strict=True):
         want = numpy_profile(copy)
         for metric in DEFAULT_METRICS:
             assert got[metric].value == pytest.approx(want[metric], rel=1e-6, abs=1e-7), metric
+
+
+def test_where_this_cpu_sorts_slowly_a_run_selects_and_matches_plain_hooks(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With selection quicker than the sort (as on a CPU without a fast SIMD sort), an MLP's
+    lane copies of 64 x 256 entries are never sorted whole (a spy on NumPy's sort sees at most
+    `order.SORTED_UP_TO` entries at a time), and the rows are plain hooks' values."""
+    monkeypatch.setattr(order, "selection_is_quicker", lambda: True)
+    sorted_sizes: list[int] = []
+    original = np.sort
+
+    def spy(values: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
+        sorted_sizes.append(np.size(values))
+        return original(values, *args, **kwargs)
+
+    monkeypatch.setattr(np, "sort", spy)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
+
+    def step(observed: nn.Module, _: int) -> torch.Tensor:
+        output = observed(torch.randn(64, 256))
+        output.square().mean().backward()
+        return output
+
+    conformance = run_both(model, step, run_dir, steps=2)
+    conformance.assert_conforms()
+    assert sorted_sizes, "the spy sees the buckets' sorts"
+    assert max(sorted_sizes) <= order.SORTED_UP_TO
 
 
 def test_a_subset_of_metrics_comes_in_the_order_asked() -> None:

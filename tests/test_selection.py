@@ -17,11 +17,23 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from torchinstruments.measurement import order
+from torchinstruments.measurement import numerics, order
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 
 from conftest import measure
+
+
+def selected(values: np.ndarray, ranks: list[int], chunk: int = 1 << 16) -> list[float]:
+    """`order.HostSelection`'s entries of `values` at `ranks`, read in chunks as the moments'
+    pass reads a tensor."""
+    selection = order.HostSelection(values)
+    selection.want(ranks)
+    for start in range(0, values.size, chunk):
+        selection.visit(values[start : start + chunk])
+    return selection.selected()
 
 
 def quartiles(values: np.ndarray, host_paths: bool) -> list[float | None]:
@@ -63,6 +75,49 @@ def test_quartiles_equal_numpy_percentile_at_1e4_and_on_mixes(host_paths: bool) 
         assert quartiles(values, host_paths) == numpy_quartiles(values), name
 
 
+def test_quartiles_selected_where_the_cpu_sorts_slowly_equal_numpy_percentile() -> None:
+    """The host path's `select` (what a CPU whose sort is slow runs up to `order.SMALL`
+    entries): the same quartiles at 1e4 and on the mixes."""
+    rng = np.random.default_rng(28)
+    cases = [("randn_1e4", rng.standard_normal(10_000).astype(np.float32)), *mixes(rng)]
+    for name, values in cases:
+        raw = numerics.measure_array(values, None, select=True).raw
+        assert [raw[p] + 0.0 for p in ("p25", "p50", "p75")] == numpy_quartiles(values), name
+
+
+SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, 2.0, 3.4e38, -3.4e38, 1.2e-38, -1.2e-38]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([np.float32, np.float64]),
+    st.lists(
+        st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=False, allow_infinity=False)),
+        min_size=1,
+        max_size=60,
+    ),
+    st.integers(1, 4_000),
+    st.integers(0, 2**32 - 1),
+)
+def test_select_gives_the_sorted_entries_at_any_ranks(
+    dtype: type, pool: list[float], size: int, seed: int
+) -> None:
+    """`order.select` of finite values drawn from a pool (ties, signed zeros, subnormals,
+    extremes; a few distinct values or many) at random ranks: `np.sort`'s entries."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):
+        values = rng.choice(np.array(pool), size).astype(dtype)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return
+    noise = rng.standard_normal(values.size).astype(dtype) * dtype(rng.choice([0.0, 1e-3, 1e3]))
+    for drawn in (values, values + noise):
+        ranks = rng.integers(0, drawn.size, 9)
+        ranks[:2] = 0, drawn.size - 1
+        got = order.select(drawn, ranks) + 0.0
+        assert got.tobytes() == (np.sort(drawn)[ranks].astype(np.float64) + 0.0).tobytes()
+
+
 def test_quartiles_equal_numpy_percentile_at_2e7() -> None:
     rng = np.random.default_rng(7)
     values = rng.standard_normal(20_000_000, dtype=np.float32)
@@ -77,7 +132,7 @@ def test_selection_brackets_that_miss_fall_back_exactly() -> None:
     values = np.sort(pattern)[::-1].copy()
     values[order.sample_positions(values.size)] = -1e9
     ranks = [0, 50_000, 100_000, 100_001, 150_000, values.size - 1]
-    assert order.on_host(values, ranks) == np.sort(values)[ranks].tolist()
+    assert selected(values, ranks) == np.sort(values)[ranks].tolist()
 
 
 def tied(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -108,7 +163,7 @@ def test_brackets_are_exact_on_ties_at_their_bounds(kind: str, dtype: type) -> N
     values = tied(kind, size, rng).astype(dtype)
     ranks = [0, 1, size // 4, size // 4 + 1, size // 2, size // 2 + 1, 3 * size // 4]
     ranks += [3 * size // 4 + 1, size - 2, size - 1, *rng.integers(0, size, 4).tolist()]
-    assert order.on_host(values, ranks) == np.sort(values)[ranks].tolist()
+    assert selected(values, ranks) == np.sort(values)[ranks].tolist()
 
 
 @pytest.fixture
@@ -161,3 +216,29 @@ def test_no_path_sorts_a_whole_tensor(sorted_sizes: list[int], size: int) -> Non
         alone.launch_with_histogram(values)  # a histogram without the metrics
     assert sorted_sizes  # the spy sees the brackets' small selections
     assert max(sorted_sizes) < size // 3  # the brackets' kept entries at most, a few percent
+
+
+@pytest.mark.parametrize("size", [order.SORTED_UP_TO + 1, 20_000, 100_001, 1_000_000])
+def test_where_this_cpu_sorts_slowly_nothing_larger_than_a_bucket_is_sorted(
+    sorted_sizes: list[int], size: int
+) -> None:
+    """With `select` (a CPU without a fast SIMD sort), neither a small tensor, nor a large one's
+    sample and brackets, is sorted: at most `order.SORTED_UP_TO` entries at a time (once a
+    size's sample positions are drawn: `order.sample_positions`, cached), and the statistics
+    are the sorting path's (the quartiles exact, the moments within rounding)."""
+    rng = np.random.default_rng(size)
+    values = np.maximum(rng.standard_normal(size), -0.5).astype(np.float32)  # ties at -0.5
+    values[::997] = np.nan
+    numerics.measure_array(values, 64, select=True)
+    sorted_sizes.clear()
+    slow = numerics.measure_array(values, 64, select=True)
+    assert max(sorted_sizes) <= order.SORTED_UP_TO
+    sorted_sizes.clear()
+    quick = numerics.measure_array(values, 64, select=False)
+    for name in ("min", "max", "p25", "p50", "p75", "zeros", "finite"):
+        assert slow.raw[name] == quick.raw[name], name
+    for name in ("mean", "std"):
+        assert slow.raw[name] == pytest.approx(quick.raw[name], rel=1e-12), name
+    assert slow.histogram is not None
+    assert quick.histogram is not None
+    assert slow.histogram[5:] == quick.histogram[5:]  # the same edges and counts

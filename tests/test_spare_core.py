@@ -13,7 +13,6 @@ import copy
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, spare_core
-from torchinstruments.measurement import lane, numerics, transfer
+from torchinstruments.measurement import numerics, transfer
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.records import LayerInfo, MeasurementBlock, TensorKey
 from torchinstruments.spare_core import (
@@ -188,20 +187,22 @@ def test_a_child_forked_while_copies_wait_measures_them_itself() -> None:
 
 def test_a_child_forked_while_the_lock_is_held_computes_what_waits_without_it() -> None:
     """The fork copies the core's one lock as it is: held, here, by the parent's thread. The
-    child's `results` computes the waiting sorts without it (SIGALRM ends a child that hangs)."""
+    child's `results` computes the waiting jobs without it (SIGALRM ends a child that hangs)."""
+    gate = threading.Event()
     spare = SpareCore()
     with cores(len(CORES)):
-        later = [spare.later(lane.sort_in_place, np.arange(9.0)[::-1].copy()) for _ in range(3)]
-        waiting = [item for item in later if isinstance(item, Deferred)]
-        assert len(waiting) == 3
+        ones = torch.ones(SMALLEST_COPY)
+        waiting = [spare.run(lambda t: total(gate, t), ones) for _ in range(3)]
+        assert all(isinstance(item, Deferred) for item in waiting)
         with spare.lock:  # the worker can take none of them now
             pid = os.fork()
             if pid == 0:
                 signal.alarm(20)
-                done = results(waiting)
-                os._exit(0 if all(list(item) == list(range(9)) for item in done) else 1)
+                gate.set()
+                os._exit(0 if results(waiting) == [float(SMALLEST_COPY)] * 3 else 1)
         _, status = os.waitpid(pid, 0)
-        assert [list(item) for item in results(waiting)] == [list(np.arange(9.0))] * 3
+        gate.set()
+        assert results(waiting) == [float(SMALLEST_COPY)] * 3
         spare.close()
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -220,101 +221,6 @@ def test_close_finishes_every_waiting_copy_then_stops_the_worker() -> None:
         assert all(item.done for item in waiting if isinstance(item, Deferred))
         assert spare.run(lambda t: total(gate, t), ones) == SMALLEST_COPY, "closed: at once"
     assert len(workers()) == before
-
-
-def test_a_job_quicker_than_its_hand_over_is_left_to_the_thread_that_gives_it() -> None:
-    """Timed at its first call (computed there), a job that takes a few microseconds is never
-    handed over: the worker's wake-up and the GIL's hand-overs would cost the training thread
-    more. Once its least rate says so, nothing is done or timed (None): the caller computes it
-    when it needs it, as it does when no core is spare."""
-    spare = SpareCore()
-    with cores(len(CORES)):
-        copies = [np.arange(9.0)[::-1].copy() for _ in range(5)]
-        given = [spare.later(lane.sort_in_place, copy, copy.size) for copy in copies]
-        first = given[0]
-        assert isinstance(first, Deferred)
-        assert first.done
-        assert list(first.result()) == list(range(9))
-        assert given[1:] == [None] * 4
-        assert all(list(copy) == list(range(9))[::-1] for copy in copies[1:]), "left as given"
-        assert all(thread.name != WORKER for thread in workers()), "no worker was started"
-        spare.close()
-
-
-def test_a_job_slower_than_its_hand_over_goes_to_the_worker_once_timed() -> None:
-    """The first call is computed here and timed; once its rate puts a job at `HAND_OVER_NS`
-    or more, it is handed over (queued for the worker, or whoever asks for it first)."""
-    ran_on: list[str] = []
-    gate = threading.Event()
-
-    def slow(payload: int) -> int:
-        if payload:  # the handed-over ones wait until the test has looked at them
-            gate.wait(10)
-        else:
-            time.sleep(2 * spare_core.HAND_OVER_NS / 1e9)
-        ran_on.append(threading.current_thread().name)
-        return payload + 1
-
-    spare = SpareCore()
-    with cores(len(CORES)):
-        first = spare.later(slow, 0, 1.0)
-        assert first is not None
-        assert first.done
-        assert ran_on == [threading.current_thread().name]
-        handed = [spare.later(slow, payload, 1.0) for payload in (1, 2)]
-        assert all(item is not None and not item.done for item in handed)
-        gate.set()
-        assert results(handed) == [2, 3]
-        spare.close()
-
-
-def mlp() -> nn.Module:
-    """Outputs of 64 x 256 entries: the lane's copies that the spare core sorts."""
-    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
-
-
-def mlp_step(model: nn.Module, _: int) -> torch.Tensor:
-    """One forward and backward of the MLP on a fixed batch."""
-    output = model(torch.randn(64, 256))
-    output.square().mean().backward()
-    return output
-
-
-def test_the_lanes_copies_sorted_on_the_spare_core_give_the_rows_of_one_core(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every sort after the first (which times the machine's sort) is handed over here, however
-    fast this CPU sorts (`HAND_OVER_NS` 0)."""
-    monkeypatch.setattr(spare_core, "HAND_OVER_NS", 0)
-    sorted_on: list[str] = []
-
-    def sort_in_place(copy: np.ndarray) -> np.ndarray:
-        sorted_on.append(threading.current_thread().name)
-        return original(copy)
-
-    original = lane.sort_in_place
-    monkeypatch.setattr(lane, "sort_in_place", sort_in_place)
-    model = mlp()
-    twin = copy.deepcopy(model)
-    runs = []
-    for count, directory in ((len(CORES), "spared"), (1, "here")):
-        observed = model if count > 1 else twin
-        with cores(count):
-            inject_observer(
-                observed, output_dir=tmp_path / directory, sampler=EveryNForwardsSampler(1)
-            )
-            try:
-                for i in range(3):
-                    torch.manual_seed(1000 + i)
-                    mlp_step(observed, i)
-            finally:
-                remove_observer(observed)
-        history = pl.read_parquet(tmp_path / directory / "history.parquet").drop("timestamp")
-        runs.append(history.sort("sample_id", "signal", "layer", "call_index", "metric"))
-    assert len(sorted_on) == 3 * 2 * 4, "every output and gradient, with a spare core only"
-    assert WORKER in sorted_on, "the worker sorted copies"
-    assert runs[0].height == runs[1].height > 0
-    assert runs[0].equals(runs[1], null_equal=True)
 
 
 def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(

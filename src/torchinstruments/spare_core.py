@@ -4,11 +4,8 @@ Design decision: when the process may run on more cores than torch's intra-op th
 (`torch.get_num_threads()`, times the node's ranks under torchrun, below the cores in
 `os.sched_getaffinity`: `torch.set_num_threads(1)` on a machine of several), a sampled
 forward's plain CPU tensors, and the gradients into them, are copied on the training thread and
-measured on one worker thread per observer while the forward or backward goes on (`run`), and
-the small-tensor lane's copies of `lane.SORT_EACH_FROM` entries or more are sorted there when a
-sort takes longer than handing it over (`later`: the sort, which releases the GIL, is most of what
-measuring them costs where the CPU's sort is slow). Records are
-still built where they were, at the end of the forward and of the backward: the sinks, the order
+measured on one worker thread per observer while the forward or backward goes on (`run`).
+Records are still built where they were, at the end of the forward and of the backward: the sinks, the order
 of the rows and the values (the same function on the same entries, so the same bits) do not
 change, only the thread that computes them. There the training thread computes, last first,
 the jobs the worker has not begun (`results`), so it never waits for a tensor nobody is
@@ -27,24 +24,19 @@ Copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a
 it is measured on the training thread at once, so memory stays bounded however far the worker
 falls behind. The lane's copies of `lane.HELD_FROM` entries or more live until the end of their
 pass, at most `MAX_BYTES_HELD` (64 MiB) of them at once (`hold`, `release`); beyond, a tensor is
-measured at once. A job costs one object and, when the worker sleeps (for sorts: once
-`WAKE_AT` of them wait), one wake-up (a system call, about 12 us here); one lock guards every
-job's state. The worker is a daemon thread started at the first job and stopped when the
+measured at once. A job costs one object and, when the worker sleeps, one wake-up (a system
+call, about 12 us here); one lock guards every job's state. The worker is a daemon thread started at the first job and stopped when the
 observer closes. The step's CPU time summed over threads is not reduced (the copies add to it);
 bench/sampled.py prints it next to the wall time. Jobs are NumPy calls that release the GIL:
 Python run on the worker between them would hold the training thread's Python back.
 
-Design decision: a job is handed over only when it takes longer than the hand-over costs. Each
-one handed over costs the training thread a lock, a share of a wake-up and the GIL's hand-overs
-around it: about 60 us a job for the lane's sorts of 16,384 entries on an Intel Xeon with
-NumPy's AVX-512 sort, which sorts them in 36 us (so handing them over made bench/sampled.py's
-MLP step 0.8 ms slower, not faster); an AMD EPYC's NumPy sort of the same copy takes several
-times as long. Which kind of machine this is is measured, not guessed: `later` times the jobs it
-is given (on whichever thread computes them), keeps the least time per unit of work seen for each
-job, and hands a job to the worker while that rate puts it at `HAND_OVER_NS` or more. Below, the
-job is left to the caller, untimed: the least rate only falls, so the choice is made for good, and
-a job's object and timing (about 8 us a copy) are saved: the lane sorts such copies at the end of
-the pass (bench/sampled.py's MLP step on that Xeon: 7.8 against 8.3 ms, docs/benchmarks.md).
+Design decision: the small-tensor lane's sorts stay on the training thread, at the end of the
+pass. Handing a job over costs the training thread a lock, a share of a wake-up and the GIL's
+hand-overs around it: about 60 us a job here, more than NumPy's AVX-512 sort takes for a copy of
+16,384 float32 entries on an Intel Xeon (36 us; handing them over made bench/sampled.py's MLP
+step 0.8 ms slower). Where a CPU sorts slowly (an AMD EPYC's NumPy sort of the same copy takes
+several times as long) the lane selects instead of sorting (`order.selection_is_quicker`, timed
+once per process), which costs the same on every CPU.
 
 `Buffers`: the arrays the lane's batch at the end of a pass reuses from the last one's (a fresh
 array of a megabyte maps fresh pages, a fault each, more than the batch's arithmetic costs).
@@ -57,10 +49,8 @@ run inert, so it seldom asks).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -85,13 +75,6 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 MAX_BYTES_IN_FLIGHT = 256 * 2**20
-# The worker is woken for a tensor's measurement (`run`), and for sorts (`later`) when this
-# many wait: each wake-up costs the waking thread a system call (about 12 us here), more than
-# a third of a sort of 16,384 entries; a job left alone is computed by whoever asks for it.
-WAKE_AT = 2
-# A job expected to take less (at the least time per unit of work measured for it here) is
-# computed by the thread that gives it (`SpareCore.later`): handing it over costs about 60 us.
-HAND_OVER_NS = 100_000
 # The most `Buffers` keeps per array (a batch of 2**22 float32 entries).
 KEPT_BYTES = 16 * 2**20
 # The lane's copies kept until the end of their pass (`SpareCore.hold`), over all passes.
@@ -156,14 +139,10 @@ class Deferred(Generic[T]):
         "_state",
         "_value",
         "_waiter",
-        "_work",
     )
 
-    def __init__(
-        self, core: SpareCore, job: Callable[[Any], T], payload: Any, work: float = math.inf
-    ) -> None:
+    def __init__(self, core: SpareCore, job: Callable[[Any], T], payload: Any) -> None:
         self._core = core
-        self._work = work  # its units of work, for the core's rates (`SpareCore.later`)
         self._job: Callable[[Any], T] | None = job
         self._payload = payload
         self._value: T | None = None
@@ -190,19 +169,15 @@ class Deferred(Generic[T]):
 
     def _compute(self, locked: bool = True) -> None:
         """Run the job on the payload, keep its value or exception, and drop the payload (the
-        state set under the core's lock unless not `locked`: in a forked child, or for a job
-        no other thread has seen, `later`'s own), timed when it has units of work."""
+        state set under the core's lock unless not `locked`: in a forked child)."""
         job, payload = self._job, self._payload
         if job is None:
             return  # computed already (in a forked child: before `claim`)
-        start = time.perf_counter_ns()
         try:
             self._value = job(payload)
         except BaseException as error:  # kept for `result`, which raises it in the caller
             self._error = error
         finally:
-            if self._work < math.inf:  # wherever it ran: the least time is the CPU's own
-                self._core.timed(job, (time.perf_counter_ns() - start) / max(self._work, 1.0))
             with self._core.lock if locked else contextlib.nullcontext():
                 self._job = self._payload = None
                 self._state = _DONE
@@ -246,8 +221,8 @@ class SpareCore:
     module docstring).
 
     `run` measures a tensor's copy on the worker (a `Deferred`) when a core is spare, else the
-    tensor at once; `later` gives the worker a job on a copy the caller made; `hold` and
-    `release` count the bytes of the lane's copies kept until the end of their pass.
+    tensor at once; `hold` and `release` count the bytes of the lane's copies kept until the
+    end of their pass.
     """
 
     def __init__(self, max_bytes: int = MAX_BYTES_IN_FLIGHT) -> None:
@@ -265,7 +240,6 @@ class SpareCore:
         self._closed = False
         self._buffers = Buffers(keep=True)
         self._lending = threading.Lock()
-        self._rates: dict[Callable[[Any], Any], float] = {}  # a job's least ns per unit of work
 
     def spare(self) -> bool:
         """Whether a core is spare now (torch's thread count is read at every call)."""
@@ -298,38 +272,11 @@ class SpareCore:
             raise
         return self._submit(job, copy, nbytes)
 
-    def later(
-        self, job: Callable[[Any], T], payload: Any, work: float = math.inf
-    ) -> Deferred[T] | None:
-        """`job` of `payload` (the caller's own copy, counted by `hold`) when a core is spare,
-        else None, and nothing is done. On the worker when the least time per unit of `work`
-        measured for `job` puts it at `HAND_OVER_NS` or more (always, for infinite `work`); with
-        no rate yet, computed now on this thread and timed (a `Deferred` that is done); below,
-        None again: the caller computes it where it suits it."""
-        if not self.spare():
-            return None
-        rate = self._rates.get(job)
-        if work == math.inf or (rate is not None and rate * work >= HAND_OVER_NS):
-            return self._submit(job, payload, 0, work)
-        if rate is not None:  # the least rate only falls: left to the caller for good
-            return None
-        deferred = Deferred(self, job, payload, work)
-        deferred._compute(locked=False)  # nobody else has it yet
-        return deferred
-
-    def timed(self, job: Callable[[Any], Any], rate: float) -> None:
-        """Keep `rate` (ns per unit of work of one computation of `job`) if the least yet: a
-        sort slowed by a cold cache or the GIL is not what this CPU's sort costs."""
-        self._rates[job] = min(rate, self._rates.get(job, rate))
-
-    def _submit(
-        self, job: Callable[[Any], T], payload: Any, nbytes: int, work: float = math.inf
-    ) -> Deferred[T]:
+    def _submit(self, job: Callable[[Any], T], payload: Any, nbytes: int) -> Deferred[T]:
         """Queue one job for the worker, started at its first job."""
-        deferred = Deferred(self, job, payload, work)
+        deferred = Deferred(self, job, payload)
         with self.lock:
-            if nbytes:
-                self._in_flight.append((deferred, nbytes))
+            self._in_flight.append((deferred, nbytes))
             if self._closed:  # closed meanwhile: whoever asks for it computes it (`results`)
                 return deferred
             self._queue.append(deferred)
@@ -338,8 +285,8 @@ class SpareCore:
                     target=self._work, name="torchinstruments-spare-core", daemon=True
                 )
                 self._thread.start()
-            elif self._sleeping and (nbytes or len(self._queue) >= WAKE_AT):
-                self._ready.notify()  # a tensor's measurement at once, sorts a few at a time
+            elif self._sleeping:
+                self._ready.notify()
         return deferred
 
     def hold(self, nbytes: int) -> bool:

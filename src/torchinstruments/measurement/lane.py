@@ -7,14 +7,14 @@ a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 
 `BATCH_MAX` entries (`order.SMALL`: the host path would sort it too), outside torch.func
 transforms, when the default profile is the only reducer. At the layer's return (or as its
 gradient arrives) it copies the values into a NumPy array (a later in-place op cannot change
-them; the collector does not track arrays) and keeps nothing else. Each copy is sorted in place,
-as the host path sorts a tensor alone: by the spare core as the pass goes on where its sort takes
-longer than handing it over (`spare_core.SpareCore.later`), else at the end of the pass, where
-no job per copy is kept or timed (about 8 us a copy). Then `measure` reduces them all in one
-vectorised pass (`numerics.sorted_profiles`, the host path's own arithmetic) into flat lists for
-a `records.MeasurementBlock`, and a focus layer's histograms. Copies of `HELD_FROM` entries or
-more count against the observer's bound on kept copies (`spare_core.MAX_BYTES_HELD`): beyond it
-a tensor is measured at once by the host path.
+them; the collector does not track arrays) and keeps nothing else. At the end of the pass each
+copy is sorted in place, as the host path sorts a tensor alone, and `measure` reduces them all
+in one vectorised pass (`numerics.sorted_profiles`, the host path's own arithmetic) into flat
+lists for a `records.MeasurementBlock`, and a focus layer's histograms. Where this CPU sorts
+slowly (`order.selection_is_quicker`, timed once per process) copies of more than
+`order.SORTED_UP_TO` entries are not sorted: their order statistics are selected, as the host
+path then selects them (measured apart from the sorted ones, their rows put back in order). Copies of `HELD_FROM` entries or more count against the observer's bound on kept copies
+(`spare_core.MAX_BYTES_HELD`): beyond it a tensor is measured at once by the host path.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ from torchinstruments.spare_core import Buffers
 __all__ = [
     "BATCH_MAX",
     "HELD_FROM",
-    "SORT_EACH_FROM",
     "copy_values",
     "measure",
-    "sort_in_place",
     "takes",
 ]
 
@@ -44,8 +42,6 @@ _COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
 _FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
 # The lane takes float32 tensors of at most BATCH_MAX entries (those the host path sorts too).
 BATCH_MAX = order.SMALL
-# Copies of this many entries may be sorted by the spare core as the pass goes on (a job each).
-SORT_EACH_FROM = 512
 # Copies of this many entries count against the copies an observer keeps at once (the caller
 # checks: `spare_core.SpareCore.hold`); smaller ones are bounded by the count of layers.
 HELD_FROM = 1 << 10
@@ -65,12 +61,6 @@ def takes(tensor: torch.Tensor) -> bool:
     )
 
 
-def sort_in_place(copy: np.ndarray) -> np.ndarray:
-    """A copy sorted in place (the spare core's job: `measure` then reads it as ascending)."""
-    copy.sort()
-    return copy
-
-
 def copy_values(tensor: torch.Tensor) -> np.ndarray:
     """A flat copy of the values as they are now (C order, whatever the tensor's strides).
 
@@ -85,29 +75,28 @@ def measure(
     metrics: tuple[str, ...],
     focus: Sequence[bool],
     bins: int,
-    ascending: Sequence[bool] | None = None,
     buffers: Buffers | None = None,
+    select: bool | None = None,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
     """The `metrics` of every copy: `len(metrics)` values per copy, row-major, and their reasons;
     and per copy its `bins` histogram vector where `focus` (`histograms.histogram_vector`'s
     layout), else (and where it has no finite entry or fails) None. Never raises.
 
-    Each copy not already `ascending` is sorted in place (they are the lane's own), as the host
-    path sorts a tensor alone, then all are measured together (`numerics.sorted_profiles`: the
-    host path's numbers, bit for bit). If that fails, each copy is measured alone; one that
-    fails alone is null with the error as the reason, no histogram."""
+    Each copy is sorted in place (they are the lane's own), as the host path sorts a tensor
+    alone, then all are measured together (`numerics.sorted_profiles`: the host path's numbers,
+    bit for bit); with `select` (by default where this CPU sorts slowly), copies of more than
+    `order.SORTED_UP_TO` entries are not sorted (the host path's numbers with `select`). If that
+    fails, each copy is measured alone; one
+    that fails alone is null with the error as the reason, no histogram."""
+    select = order.selection_is_quicker() if select is None else select
     try:
-        for copy, ordered in zip(copies, ascending or [False] * len(copies), strict=True):
-            if not ordered:
-                copy.sort()
-        return _measure_sorted(copies, metrics, focus, bins, buffers)
+        return _measure_together(copies, metrics, focus, bins, buffers, select)
     except Exception:  # each copy on its own: a failure stays in its rows
         pass
     out: tuple[list[float | None], list[str | None], list[list[float] | None]] = [], [], []
     for copy, one in zip(copies, focus, strict=True):
         try:
-            copy.sort()  # sorting a sorted copy again changes nothing
-            values, why, vectors = _measure_sorted([copy], metrics, [one], bins, buffers)
+            values, why, vectors = _measure_together([copy], metrics, [one], bins, buffers, select)
         except Exception as error:
             why = [reasons.error("statistics", error)] * len(metrics)
             values, vectors = [None] * len(metrics), [None]
@@ -117,17 +106,26 @@ def measure(
     return out
 
 
-def _measure_sorted(
+def _measure_together(
     copies: Sequence[np.ndarray],
     metrics: tuple[str, ...],
     focus: Sequence[bool],
     bins: int,
     buffers: Buffers | None,
+    select: bool,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
-    """`measure` of ascending copies: `numerics.DefaultDeriver`'s metrics and reasons, for all
-    copies at once."""
-    shown = [index for index, one in enumerate(focus) if one]
-    raw, vectors = numerics.sorted_profiles(copies, shown, bins, buffers)
+    """`measure` of all copies at once: `numerics.DefaultDeriver`'s metrics and reasons. The
+    sorted copies and the selected ones are two batches, their rows put back in order."""
+    selected = [select and copy.size > order.SORTED_UP_TO for copy in copies]
+    raw, vectors = np.empty((len(copies), len(numerics.RAW))), {}
+    for ascending in (True, False):
+        if rows := [row for row, chosen in enumerate(selected) if chosen != ascending]:
+            batch = [copies[row] for row in rows] if len(rows) < len(copies) else copies
+            for copy in batch if ascending else ():
+                copy.sort()  # sorting a sorted copy again changes nothing
+            shown = [at for at, row in enumerate(rows) if focus[row]]
+            raw[rows], found = numerics.sorted_profiles(batch, shown, bins, buffers, ascending)
+            vectors.update((rows[at], vector) for at, vector in found.items())
     numel = np.fromiter((copy.size for copy in copies), dtype=np.float64, count=len(copies))
     profile = np.empty((len(copies), len(numerics.PROFILE)))
     profile[:, :7] = raw[:, :7]

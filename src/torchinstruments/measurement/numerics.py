@@ -5,8 +5,9 @@ so every path runs the same IEEE operations in the same order:
 
 * Quantiles (`quartile_positions`, `lerp`; on the host `profile_ranks`, `finish_profiles`):
   NumPy's "linear" interpolation between the two order statistics around each quartile, which
-  come from a sorted copy up to `order.SMALL` entries, from `order.HostSelection` (selection in
-  linear time) above, or from `order.on_device`.
+  come from a sorted copy up to `order.SMALL` entries (where this CPU sorts slowly, from
+  `order.select`), from `order.HostSelection` (selection in linear time) above, or from
+  `order.on_device`.
 * Moments (`finish_moments` over `segment_sums` on the host, `device_sums` on the device): the
   shifted-data algorithm in float64, shifted by an entry near the median on the host (one pass)
   and by the mean on the device (two), float64 inputs scaled by a power of two (exact), so
@@ -20,8 +21,9 @@ shows finiteness and feeds the selection's brackets, min and max) plus a random 
 (`order.sample_positions`), a focus tensor's histogram once more; with non-finite entries,
 three times (that pass, finiteness, a copy of the finite entries, which the passes after read).
 Up to `order.SMALL` entries a sorted copy is read instead (its ends show finiteness, bisections
-find its finite part, zeros and histogram counts; the moments' pass reads it once); a float64
-tensor's finiteness is a pass of its own. A non-finite result is null; -0.0 is reported as 0.0.
+find its finite part, zeros and histogram counts; the moments' pass reads it once), or where the
+CPU sorts slowly the tensor itself (finiteness, zeros, `order.select`'s counting pass and buckets,
+the moments, a focus tensor's histogram); a float64 tensor's finiteness is a pass of its own. A non-finite result is null; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -279,27 +281,32 @@ class CpuResult:
     histogram: list[float] | None
 
 
-def measure_on_cpu(tensor: torch.Tensor, bins: int | None) -> CpuResult:
+def measure_on_cpu(tensor: torch.Tensor, bins: int | None, select: bool | None = None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector
     (`measure_array`); never written."""
     flat = tensor.reshape(-1).to(tensors.working_dtype(tensor.dtype))  # float32/64: no copy
-    return measure_array(flat.numpy(), bins)
+    return measure_array(flat.numpy(), bins, select)
 
 
-def measure_array(array: np.ndarray, bins: int | None) -> CpuResult:
+def measure_array(array: np.ndarray, bins: int | None, select: bool | None = None) -> CpuResult:
     """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's):
     up to `order.SMALL` entries `sorted_profiles` of a sorted copy, above them selected
-    (`_measure_selected`). A float32 one is presumed finite (as its moments' pass shows), else
-    measured again from its finite copy."""
+    (`_measure_selected`). With `select` (by default where this CPU sorts slowly:
+    `order.selection_is_quicker`) nothing larger than `order.SORTED_UP_TO` entries is sorted.
+    A float32 one is presumed finite (as its moments' pass shows), else measured again from its
+    finite copy."""
+    select = order.selection_is_quicker() if select is None else select
     if array.size > order.SMALL:
         if array.dtype == np.float32:
             with contextlib.suppress(FloatingPointError):
-                return _measure_selected(array, bins)
+                return _measure_selected(array, bins, select)
         finite = np.isfinite(array)
         array = array if finite.all() else array[finite]
         if array.size > order.SMALL:
-            return _measure_selected(array, bins)
-    raw, vectors = sorted_profiles([np.sort(array)], [0] if bins else (), bins or 1)
+            return _measure_selected(array, bins, select)
+    ascending = not select or array.size <= order.SORTED_UP_TO
+    copy = np.sort(array) if ascending else array
+    raw, vectors = sorted_profiles([copy], [0] if bins else (), bins or 1, None, ascending)
     return CpuResult(dict(zip(RAW, raw[0].tolist(), strict=True)), vectors.get(0))
 
 
@@ -320,14 +327,17 @@ def sorted_profiles(
     focus: Sequence[int] = (),
     bins: int = 1,
     buffers: Buffers | None = None,
+    ascending: bool = True,
 ) -> tuple[np.ndarray, dict[int, list[float] | None]]:
-    """The raw profile of every ascending float32/float64 copy (as `np.sort` leaves them: NaN
-    last; all of one dtype), a (copies, 9) float64 array in `RAW` order (values where a copy
-    has no finite entry: NaN), and the `bins` histogram vectors of the `focus` copies (None:
-    no finite entry, or a failure), in one pass over them all: the moments' chunks cut each
-    copy where they would cut it alone, so a copy's numbers are the same bits alone and among
-    others. Long copies' finite parts and zeros are found by bisection (`_finite_part`), short
-    ones' by masks over them all."""
+    """The raw profile of every copy (float32/float64, all of one dtype), a (copies, 9) float64
+    array in `RAW` order (values where a copy has no finite entry: NaN), and the `bins`
+    histogram vectors of the `focus` copies (None: no finite entry, or a failure), in one pass
+    over them all: the moments' chunks cut each copy where they would cut it alone, so a copy's
+    numbers are the same bits alone and among others. `ascending` copies (as `np.sort` leaves
+    them: NaN last): long ones' finite parts and zeros found by bisection (`_finite_part`),
+    short ones' by masks over them all, order statistics read at their ranks. Else (where this
+    CPU sorts slowly: `order.selection_is_quicker`) the copies as they are: masks, and the
+    order statistics selected (`order.select`); the moments summed in that order."""
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
     starts = _starts(lengths)
     buffers = buffers or Buffers()
@@ -336,12 +346,17 @@ def sorted_profiles(
         room = buffers.array("ordered", int(lengths.sum()), ordered.dtype.type)
         ordered = np.concatenate(copies, out=room)
     finite = lengths
-    if ordered.size >= _BISECT_FROM * len(copies):  # a few long copies: a bisection each
+    if ascending and ordered.size >= _BISECT_FROM * len(copies):  # a few long: a bisection each
         parts = [_finite_part(copy) for copy in copies]
         zeros = np.fromiter((zeros for _, zeros in parts), dtype=np.float64, count=len(parts))
         if any(part.size != copy.size for (part, _), copy in zip(parts, copies, strict=True)):
             finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
             ordered = np.concatenate([part for part, _ in parts])
+    elif not ascending:  # as they are (long ones): zeros counted, finiteness by a mask
+        zeros = np.fromiter((np.count_nonzero(copy == 0) for copy in copies), np.float64)
+        if not (kept := np.isfinite(ordered)).all():
+            finite = np.add.reduceat(kept, starts, dtype=np.int64)
+            ordered = ordered[kept]
     else:  # many short ones: zeros and non-finite entries (sorted at the ends) by masks
         zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
         ends = starts + lengths - 1
@@ -357,8 +372,12 @@ def sorted_profiles(
         counts = finite[present]
         at = _starts(counts)
         ranks, weight = _ranks_of(int(counts[0])) if counts.size == 1 else profile_ranks(counts - 1)
-        picked = ordered.take(ranks + at).astype(np.float64)
-        shifts = ordered.take(at + counts // 2).astype(np.float64)  # the middle entries
+        if ascending:
+            picked = ordered.take(ranks + at).astype(np.float64)
+        else:
+            segments = zip(at.tolist(), counts.tolist(), ranks.T, strict=True)
+            picked = np.stack([order.select(ordered[a : a + c], r) for a, c, r in segments], 1)
+        shifts = np.where(counts % 2 == 1, picked[3], picked[6])  # the middle entries
         scratch = buffers.array("deviations", min(CHUNK, ordered.size), np.float64)
         sums = segment_sums(ordered, at, counts, shifts, None, scratch)
         raw[present, :7], total, squares = finish_profiles(picked, weight, sums, counts)
@@ -367,7 +386,11 @@ def sorted_profiles(
                 rows = present.searchsorted(shown)
                 parts = [ordered[at[row] : at[row] + counts[row]] for row in rows.tolist()]
                 head, low, high = (counts[rows], total[rows], squares[rows]), *picked[:2, rows]
-                vectors = histograms.histogram_vector(parts, low, high, head, bins, None, True)
+                if ascending:
+                    vectors = histograms.histogram_vector(parts, low, high, head, bins, None, True)
+                else:  # each part counted alone
+                    each = zip(parts, low, high, zip(*head, strict=True), strict=True)
+                    vectors = [histograms.histogram_vector(*one, bins) for one in each]
                 shown_vectors.update(zip(shown, vectors, strict=True))
     return raw, shown_vectors
 
@@ -417,20 +440,21 @@ def finish_profiles(
 
 
 @np.errstate(invalid="ignore", over="ignore")  # a float32 tensor is presumed finite
-def _measure_selected(values: np.ndarray, bins: int | None) -> CpuResult:
+def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> CpuResult:
     """`measure_array` of over `order.SMALL` entries presumed finite, order statistics by
     selection (`order.HostSelection`, fed by the moments' pass), or `FloatingPointError` (a sum
     of squares is not finite; those of finite entries are; NumPy's own errors are ignored)."""
-    select = order.HostSelection(values)
+    selection = order.HostSelection(values, select)
     counts = np.array([values.size])
     ranks, weight = _ranks_of(values.size)
-    select.want(ranks[:, 0].tolist())
-    sums = segment_sums(values, _FIRST, counts, np.array([select.pivot()]), select.visit)
+    selection.want(ranks[:, 0].tolist())
+    sums = segment_sums(values, _FIRST, counts, np.array([selection.pivot()]), selection.visit)
     if not math.isfinite(sums[1][0]):
         raise FloatingPointError
-    picked = np.array(select.selected(), dtype=np.float64)[:, None]
+    picked = np.array(selection.selected(), dtype=np.float64)[:, None]
     profile, total, squares = finish_profiles(picked, weight, sums, counts)
-    raw = dict(zip(RAW, [*profile[0].tolist(), float(select.zeros()), values.size], strict=True))
+    zeros = float(selection.zeros())
+    raw = dict(zip(RAW, [*profile[0].tolist(), zeros, values.size], strict=True))
     histogram = None
     if bins:
         head = (values.size, float(total[0]), float(squares[0]))

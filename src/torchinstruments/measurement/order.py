@@ -10,28 +10,36 @@ selection, which is linear and does not. One selection per kind of device, exact
   deviations of the sample's rank error at worst). While the moments' pass reads each chunk, the
   entries at or below each lower bound are counted and those strictly inside any bracket kept, in
   one copy (ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket then
-  selects its ranks among the kept entries inside it. A bracket that misses its ranks (only for
-  adversarial orders) selects them from the whole array by `np.partition`, still linear.
+  selects its ranks among the kept entries inside it (sorted up to `4 * SMALL`, else `select`).
+  A bracket that misses its ranks (only for adversarial orders) selects them from the whole array
+  (`select`), still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
+* `select` (NumPy: where this CPU's sort is slow, `selection_is_quicker`, instead of every sort
+  above: of tensors up to `SMALL` entries, of the sample, of the kept entries; else the brackets'
+  unsorted inner entries): a radix select by counting, which no SIMD sort speeds up or slows down.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 __all__ = [
     "SMALL",
+    "SORTED_UP_TO",
     "HostSelection",
     "on_device",
-    "on_host",
     "sample_positions",
+    "select",
+    "selection_is_quicker",
     "sortable_keys",
 ]
 
@@ -39,18 +47,24 @@ __all__ = [
 SMALL = 1 << 15
 # The brackets' kept entries are sorted up to this many (a mask would branch at random).
 _KEPT_SORTED = 4 * SMALL
+_Bits = Any  # a float's bits as signed integers: a NumPy array or a torch tensor
 _DIGIT_BITS = 16
 _DIGITS = 1 << _DIGIT_BITS
+# `select` sorts at most this many entries at a time (where this CPU sorts slowly, arrays of
+# at most this many are sorted, longer ones selected), and counts this many bits of a key a pass.
+SORTED_UP_TO = 1 << 10
+_SELECT_BITS = 12
 
 
 class HostSelection:
     """The entries of 1-D finite `values` at 0-based sorted positions: `want` them, let `visit`
     see every chunk once, in order, then read them from `selected` (over `SMALL` entries:
-    fewer are sorted instead, `on_host`). Nearby ranks (within 1/64 of the size) share a
+    fewer are sorted instead). Nearby ranks (within 1/64 of the size) share a
     bracket; min and max come from each chunk's own."""
 
-    def __init__(self, values: np.ndarray) -> None:
-        self._values = values
+    def __init__(self, values: np.ndarray, select: bool = False) -> None:
+        self._values, self._select = values, select  # `select`: where this CPU sorts slowly
+        self._pivot: float | None = None
         self._ranks: Sequence[int] = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
@@ -59,7 +73,9 @@ class HostSelection:
 
     def pivot(self) -> float:
         """An entry near the median: the moments' shift, the sorted sample's middle."""
-        return float(self._sample[self._sample.size // 2])
+        if self._pivot is None:
+            self._pivot = self._sampled([sample_positions(self._values.size).size // 2])[0]
+        return self._pivot
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
@@ -74,15 +90,19 @@ class HostSelection:
                 groups.append([rank])
         if not groups:
             return
-        sample = self._sample
-        count, margin = sample.size, 2 * math.isqrt(sample.size) + 2
-        for group in groups:
-            at = group[0] * count // size, group[-1] * count // size  # where the sample has them
-            low = float(sample[at[0] - margin]) if at[0] > margin else -math.inf
-            high = float(sample[at[1] + margin]) if at[1] + margin < count - 1 else math.inf
+        count = sample_positions(size).size
+        margin = 2 * math.isqrt(count) + 2
+        places = [(group[0] * count // size, group[-1] * count // size) for group in groups]
+        spots = [count // 2]  # where the sorted sample has the pivot, then each group's bounds
+        for first, last in places:
+            spots += [max(first - margin, 0), first, last, min(last + margin, count - 1)]
+        self._pivot, *bounds = self._sampled(spots)
+        for index, (group, (first, last)) in enumerate(zip(groups, places, strict=True)):
+            low, at_first, at_last, high = bounds[4 * index : 4 * index + 4]
+            low = low if first > margin else -math.inf
+            high = high if last + margin < count - 1 else math.inf
             # A bound the sample shows tied with the ranks' own estimate is counted as it is read.
-            tied = low == sample[at[0]], high == sample[at[1]]
-            self._brackets.append(_Bracket(group, low, high, *tied))
+            self._brackets.append(_Bracket(group, low, high, low == at_first, high == at_last))
 
     def visit(self, piece: np.ndarray) -> None:
         """Reads one chunk: its extremes, each bracket's counts, and (one copy for all
@@ -96,10 +116,7 @@ class HostSelection:
             if inside is not None:
                 kept = inside if kept is None else np.logical_or(kept, inside, out=kept)
         if kept is not None:
-            # Padded to over 10% True, NumPy's nonzero is branch-free: 0.4 ns an entry, not 1 to 1.5.
-            tail = kept.size // 8 + 1
-            positions = np.flatnonzero(np.concatenate([kept, np.ones(tail, dtype=bool)]))
-            self._kept.append(piece.take(positions[: positions.size - tail]))
+            self._kept.append(_where_true(piece, kept))
 
     def zeros(self) -> int:
         """How many entries are zero (-0.0 too), as visited."""
@@ -113,17 +130,20 @@ class HostSelection:
             found[0] = min(low for low, _ in self._extremes)
             found[size - 1] = max(high for _, high in self._extremes)
         kept = np.concatenate(self._kept) if self._kept else values[:0]
-        ascending = kept.size <= _KEPT_SORTED
+        ascending = not self._select and kept.size <= _KEPT_SORTED
         if ascending:  # then each bracket's inner entries are a slice of it, already in order
             kept.sort()
         for bracket in self._brackets:
             found.update(bracket.selected(values, kept, ascending))
         return [found[rank] for rank in self._ranks]
 
-    @functools.cached_property
-    def _sample(self) -> np.ndarray:
-        """The entries at `sample_positions`, sorted (taken when first needed)."""
-        return np.sort(self._values.take(sample_positions(self._values.size)))
+    def _sampled(self, spots: list[int]) -> list[float]:
+        """The entries at `spots` of the sorted sample (`sample_positions`): sorted or, with
+        `select`, selected."""
+        sample = self._values.take(sample_positions(self._values.size))
+        return (
+            select(sample, np.array(spots)) if self._select else np.sort(sample)[spots]
+        ).tolist()
 
 
 @functools.lru_cache(maxsize=32)
@@ -187,12 +207,7 @@ class _Bracket:
         found: dict[int, float] = {}
         local = [rank - start for rank in self.ranks if start <= rank < end]
         if local:
-            if ascending:
-                picked = inner.take(local).tolist()
-            elif 2 * inner.size > values.size:  # the bracket barely shrank: one partition
-                picked = np.partition(inner, local)[local].tolist()
-            else:
-                picked = on_host(inner, local)
+            picked = (inner.take(local) if ascending else select(inner, np.array(local))).tolist()
             found.update((start + rank, value) for rank, value in zip(local, picked, strict=True))
         missed = []
         for rank in (rank for rank in self.ranks if not start <= rank < end):
@@ -210,21 +225,78 @@ class _Bracket:
                     continue
             missed.append(rank)
         if missed:  # a sample this far off is a chance in millions: exact, still linear
-            found.update(zip(missed, np.partition(values, missed)[missed].tolist(), strict=True))
+            found.update(zip(missed, select(values, np.array(missed)).tolist(), strict=True))
         return found
 
 
-def on_host(values: np.ndarray, ranks: Sequence[int], chunk: int = 1 << 16) -> list[float]:
-    """The entries of 1-D finite `values` at 0-based sorted positions `ranks` (each below
-    `values.size`), as Python floats, reading `values` in chunks of `chunk` entries (at most
-    `SMALL` of them sorted instead)."""
-    if values.size <= SMALL:
-        return np.sort(values).take(ranks).tolist()
-    selection = HostSelection(values)
-    selection.want(ranks)
-    for start in range(0, values.size, chunk):
-        selection.visit(values[start : start + chunk])
-    return selection.selected()
+def _where_true(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """`values[mask]` without branches: padded to over 10% True, NumPy's nonzero is
+    branch-free (0.4 ns an entry, not 1 to 1.5 for a mask of random density)."""
+    tail = mask.size // 8 + 1
+    positions = np.flatnonzero(np.concatenate([mask, np.ones(tail, dtype=bool)]))
+    return values.take(positions[: positions.size - tail])
+
+
+def select(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """The entries of 1-D finite float32/float64 `values` at 0-based sorted positions `ranks`
+    (int64, any order), as float64, sorting at most `SORTED_UP_TO` entries at a time: a radix
+    select over their order-preserving keys (`_flip_negatives`). Each pass counts `_SELECT_BITS`
+    bits of the keys between the least and the greatest, then reads on only the buckets that
+    hold a wanted rank; a bucket of one value (a ReLU's zeros) ends there. Its cost is counting
+    and comparing, the same on every CPU, where a sort's is not (`selection_is_quicker`)."""
+    width = values.itemsize * 8
+    keys = _flip_negatives(values.view(np.int32 if width == 32 else np.int64), width)
+    picked = _flip_negatives(_select_keys(keys, np.asarray(ranks)), width)
+    return picked.view(values.dtype).astype(np.float64)
+
+
+def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """`select` of int32/int64 `keys` (at least one), as keys."""
+    if keys.size <= SORTED_UP_TO:
+        return np.sort(keys).take(ranks)
+    low, high = keys.min(), keys.max()
+    out = np.where(ranks == 0, low, high)  # the extremes, read
+    inner = (ranks > 0) & (ranks < keys.size - 1)
+    if low == high or not inner.any():
+        return out
+    unsigned = np.uint32 if keys.itemsize == 4 else np.uint64
+    shift = unsigned(max((int(high) - int(low)).bit_length() - _SELECT_BITS, 0))
+    digits = ((keys - low).view(unsigned) >> shift).astype(np.intp)  # a wrapped difference
+    ends = np.bincount(digits).cumsum()  # is the right unsigned one
+    at = ends.searchsorted(ranks[inner], side="right")  # each inner rank's bucket
+    before = np.where(at > 0, ends[at - 1], 0)  # entries in the buckets below it
+    wanted, first = np.unique(at, return_index=True)
+    sizes = ends[wanted] - before[first]
+    if sizes.sum() > SORTED_UP_TO:  # a bucket at a time, each read further
+        local, where = ranks[inner] - before, np.flatnonzero(inner)
+        for digit in wanted.tolist():
+            mine = at == digit
+            out[where[mine]] = _select_keys(_where_true(keys, digits == digit), local[mine])
+        return out
+    mask = digits == wanted[0]  # the usual case: those buckets' keys sorted together
+    for digit in wanted[1:].tolist():
+        mask |= digits == digit
+    below = (np.cumsum(sizes) - sizes)[wanted.searchsorted(at)]  # in the wanted buckets
+    out[inner] = np.sort(keys.take(np.flatnonzero(mask))).take(ranks[inner] - before + below)
+    return out
+
+
+@functools.cache
+def selection_is_quicker(size: int = 1 << 14, tries: int = 3) -> bool:
+    """Whether `select` finds a tensor's quartiles and extremes quicker than `np.sort` sorts
+    it on this CPU (best of `tries`, on `size` normal float32 values; timed once per process,
+    0.4 ms with a SIMD sort, 2.5 without): a SIMD sort can be ten times faster than a scalar
+    one, or slower than counting (numpy/numpy#32690). Every host path asks this one function."""
+    values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    ranks = np.array([0, size - 1, size // 4, size // 2, 3 * size // 4])
+    sort = count = math.inf
+    for _ in range(tries):
+        start = time.perf_counter()
+        np.sort(values)
+        middle = time.perf_counter()
+        select(values, ranks)
+        sort, count = min(sort, middle - start), min(count, time.perf_counter() - middle)
+    return count < sort
 
 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:
@@ -235,10 +307,10 @@ def sortable_keys(values: torch.Tensor) -> torch.Tensor:
     return _flip_negatives(values.view(torch.int64), 64)
 
 
-def _flip_negatives(bits: torch.Tensor, width: int) -> torch.Tensor:
-    """Negative floats' bits (`width` of them, as int64) with all but the sign flipped: its own
-    inverse, from floats' bits to `sortable_keys` and back."""
-    return bits ^ ((bits >> 63) & ((1 << (width - 1)) - 1))
+def _flip_negatives(bits: _Bits, width: int) -> _Bits:
+    """Negative floats' bits (`width` of them, as int64, or as NumPy's int32 for 32) with all
+    but the sign flipped: its own inverse, from floats' bits to sortable keys and back."""
+    return bits ^ ((bits >> (width - 1)) & ((1 << (width - 1)) - 1))
 
 
 def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,12 @@ with one transfer each, then resolved into metric values and `HistogramRecord`s.
 only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound and sorted there where
-that is quicker, else measured as a host tensor), measures a plain CPU tensor when the default
+small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound, else measured as a
+host tensor), measures a plain CPU tensor when the default
 profile is the only reducer (`Measured`: values, reasons and histogram vector, nothing to
 resolve later; at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or
 launches its reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits
-for what the spare core measures or sorts, measures the lane's copies together, transfers and
+for what the spare core measures, measures the lane's copies together, transfers and
 resolves the general path's results, and returns one `SampleRecord` per sample whose
 measurements are a `MeasurementBlock`, in launch order. The lane's torch ops per sample do not
 grow with the layers.
@@ -117,7 +117,7 @@ def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
 
 # A tensor the small-tensor lane took: its key (an output's key, also for its gradient: the
 # signal is the batch's), when it was measured, its shape, its values' copy and its focus.
-LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray | Deferred[np.ndarray], bool]
+LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +153,7 @@ def launch(
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 if spare.hold(_held_bytes(copy.size)):  # else the lane keeps enough: now
-                    waiting = None  # the spare core's as the pass goes on, else at its end
-                    if copy.size >= lane.SORT_EACH_FROM:
-                        waiting = spare.later(lane.sort_in_place, copy, copy.size)
-                    stamp = time.time_ns() // 1000
-                    return (key, stamp, tuple(tensor.shape), waiting or copy, focus)
+                    return (key, time.time_ns() // 1000, tuple(tensor.shape), copy, focus)
                 path = "host"
             if path == "host" and _measured_here(tensor):
                 return spare.run(partial(_measure, measurer, key, focus, time.time_ns()), tensor)
@@ -213,12 +209,9 @@ def build_records(
         ready = results(launched)
         lane_items = [item for item in ready if type(item) is tuple]
         copies = [item[3] for item in lane_items]
-        ascending = [isinstance(copy, Deferred) for copy in copies]  # sorted as the pass went
         focus = [item[4] for item in lane_items]
         with spare.buffers() as buffers:
-            measured = lane.measure(
-                results(copies), metrics, focus, DEFAULT_BINS, ascending, buffers
-            )
+            measured = lane.measure(copies, metrics, focus, DEFAULT_BINS, buffers)
     finally:  # the lane's copies are dropped with the pass, however it ends
         kept = (math.prod(item[2]) for item in launched if type(item) is tuple)
         spare.release(sum(_held_bytes(numel) for numel in kept))

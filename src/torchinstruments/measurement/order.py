@@ -245,7 +245,8 @@ def select(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     hold a wanted rank; a bucket of one value (a ReLU's zeros) ends there. Its cost is counting
     and comparing, the same on every CPU, where a sort's is not (`selection_is_quicker`)."""
     width = values.itemsize * 8
-    keys = _flip_negatives(values.view(np.int32 if width == 32 else np.int64), width)
+    zeros_alike = values + values.dtype.type(0)  # -0.0 is 0.0: a ReLU gradient's zeros one key
+    keys = _flip_negatives(zeros_alike.view(np.int32 if width == 32 else np.int64), width)
     picked = _flip_negatives(_select_keys(keys, np.asarray(ranks)), width)
     return picked.view(values.dtype).astype(np.float64)
 
@@ -269,9 +270,13 @@ def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     sizes = ends[wanted] - before[first]
     if sizes.sum() > SORTED_UP_TO:  # a bucket at a time, each read further
         local, where = ranks[inner] - before, np.flatnonzero(inner)
-        for digit in wanted.tolist():
+        zero = -int(low) >> int(shift) if low <= 0 <= high else -1  # the bucket of 0.0's key
+        for digit, size in zip(wanted.tolist(), sizes.tolist(), strict=True):
             mine = at == digit
-            out[where[mine]] = _select_keys(_where_true(keys, digits == digit), local[mine])
+            if digit == zero and np.count_nonzero(keys == 0) == size:  # zeros only: read no more
+                out[where[mine]] = 0
+            else:
+                out[where[mine]] = _select_keys(_where_true(keys, digits == digit), local[mine])
         return out
     mask = digits == wanted[0]  # the usual case: those buckets' keys sorted together
     for digit in wanted[1:].tolist():

@@ -290,8 +290,8 @@ def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 def selection_is_quicker(size: int = 1 << 14, tries: int = 3) -> bool:
     """Whether `select` finds a tensor's quartiles and extremes quicker than `np.sort` sorts
     it on this CPU (best of `tries`, on `size` normal float32 values; timed once per process,
-    0.4 ms with a SIMD sort, 2.5 without): a SIMD sort can be ten times faster than a scalar
-    one, or slower than counting (numpy/numpy#32690). Every host path asks this one function."""
+    about 7 ms there, cold): a SIMD sort can be ten times faster than a scalar one, or slower
+    than counting (numpy/numpy#32690). Every host path asks this one function."""
     values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     ranks = np.array([0, size - 1, size // 4, size // 2, 3 * size // 4])
     sort = count = math.inf

@@ -2,15 +2,15 @@
 
 Design decision: when the process may run on more cores than torch's intra-op threads use
 (`torch.get_num_threads()`, times the node's ranks under torchrun, below the cores in
-`os.sched_getaffinity`: `torch.set_num_threads(1)` on a machine of several), a sampled
-forward's plain CPU tensors, and the gradients into them, are copied on the training thread and
-measured on one worker thread per observer while the forward or backward goes on (`run`).
-Records are still built where they were, at the end of the forward and of the backward: the sinks, the order
-of the rows and the values (the same function on the same entries, so the same bits) do not
-change, only the thread that computes them. There the training thread computes, last first,
-the jobs the worker has not begun (`results`), so it never waits for a tensor nobody is
-measuring. The copy is what makes this safe: a later in-place operation (a `ReLU(inplace=True)`
-after the layer, an optimizer step) changes the tensor, never the copy.
+`os.sched_getaffinity`: `torch.set_num_threads(1)` on a machine of several), a sampled forward's
+plain CPU tensors, and the gradients into them, are copied on the training thread and measured on
+one worker thread per observer while the forward or backward goes on (`run`). Records are still
+built where they were, at the end of the forward and of the backward: the sinks, the order of the
+rows and the values (the same function on the same entries, so the same bits) do not change, only
+the thread that computes them. There the training thread computes, last first, the jobs the worker
+has not begun (`results`), so it never waits for a tensor nobody is measuring. The copy is what
+makes this safe: a later in-place operation (a `ReLU(inplace=True)` after the layer, an optimizer
+step) changes the tensor, never the copy.
 
 When torch already uses every core (its default), nothing is moved: a worker would take a core
 from torch's own threads and slow every parallel op, so each tensor is measured on the training
@@ -20,15 +20,16 @@ a `torch.set_num_threads` in the middle of a run is followed.
 Cost and bounds: a copy is one read and one write of the tensor, about a tenth of measuring it
 while its memory is reused, as much as measuring it when fresh pages must be mapped (above
 `LARGEST_COPY` entries, which are measured where they are, as are those below `SMALLEST_COPY`).
-Copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a tensor beyond
-it is measured on the training thread at once, so memory stays bounded however far the worker
-falls behind. The lane's copies of `lane.HELD_FROM` entries or more live until the end of their
-pass, at most `MAX_BYTES_HELD` (64 MiB) of them at once (`hold`, `release`); beyond, a tensor is
-measured at once. A job costs one object and, when the worker sleeps, one wake-up (a system
-call, about 12 us here); one lock guards every job's state. The worker is a daemon thread started at the first job and stopped when the
-observer closes. The step's CPU time summed over threads is not reduced (the copies add to it);
-bench/sampled.py prints it next to the wall time. Jobs are NumPy calls that release the GIL:
-Python run on the worker between them would hold the training thread's Python back.
+Copies wait in memory until measured, at most `MAX_BYTES_IN_FLIGHT` (256 MiB); a tensor beyond it
+is measured on the training thread at once, so memory stays bounded however far the worker falls
+behind. The lane's copies of `lane.HELD_FROM` entries or more live until the end of their pass, at
+most `MAX_BYTES_HELD` (64 MiB) of them at once (`hold`, `release`); beyond, a tensor is measured at
+once. A job costs one object and, when the worker sleeps, one wake-up (a system call, about 12 us
+here); one lock guards every job's state. The worker is a daemon thread started at the first job
+and stopped when the observer closes. The step's CPU time summed over threads is not reduced (the
+copies add to it); bench/sampled.py prints it next to the wall time. Jobs are NumPy calls that
+release the GIL: Python run on the worker between them would hold the training thread's Python
+back.
 
 Design decision: the small-tensor lane's sorts stay on the training thread, at the end of the
 pass. Handing a job over costs the training thread a lock, a share of a wake-up and the GIL's

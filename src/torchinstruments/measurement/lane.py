@@ -13,7 +13,8 @@ in one vectorised pass (`numerics.sorted_profiles`, the host path's own arithmet
 lists for a `records.MeasurementBlock`, and a focus layer's histograms. Where this CPU sorts
 slowly (`order.selection_is_quicker`, timed once per process) copies of more than
 `order.SORTED_UP_TO` entries are not sorted: their order statistics are selected, as the host
-path then selects them (measured apart from the sorted ones, their rows put back in order). Copies of `HELD_FROM` entries or more count against the observer's bound on kept copies
+path then selects them (measured apart from the sorted ones, their rows put back in order).
+Copies of `HELD_FROM` entries or more count against the observer's bound on kept copies
 (`spare_core.MAX_BYTES_HELD`): beyond it a tensor is measured at once by the host path.
 """
 

@@ -23,7 +23,8 @@ three times (that pass, finiteness, a copy of the finite entries, which the pass
 Up to `order.SMALL` entries a sorted copy is read instead (its ends show finiteness, bisections
 find its finite part, zeros and histogram counts; the moments' pass reads it once), or where the
 CPU sorts slowly the tensor itself (finiteness, zeros, `order.select`'s counting pass and buckets,
-the moments, a focus tensor's histogram); a float64 tensor's finiteness is a pass of its own. A non-finite result is null; -0.0 is reported as 0.0.
+the moments, a focus tensor's histogram); a float64 tensor's finiteness is a pass of its own. A
+non-finite result is null; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations

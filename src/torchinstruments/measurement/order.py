@@ -240,10 +240,11 @@ def _where_true(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def select(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """The entries of 1-D finite float32/float64 `values` at 0-based sorted positions `ranks`
     (int64, any order), as float64, sorting at most `SORTED_UP_TO` entries at a time: a radix
-    select over their order-preserving keys (`_flip_negatives`). Each pass counts `_SELECT_BITS`
-    bits of the keys between the least and the greatest, then reads on only the buckets that
-    hold a wanted rank; a bucket of one value (a ReLU's zeros) ends there. Its cost is counting
-    and comparing, the same on every CPU, where a sort's is not (`selection_is_quicker`)."""
+    select over their order-preserving keys (`_flip_negatives`; -0.0 taken as 0.0). Each pass
+    reads the least and greatest key (the extremes), counts `_SELECT_BITS` bits of the keys
+    between them, then reads on only the buckets that hold a wanted rank; a bucket of zeros alone
+    (a ReLU's) ends there. Its cost is counting and comparing, the same on every CPU, where a
+    sort's is not (`selection_is_quicker`)."""
     width = values.itemsize * 8
     zeros_alike = values + values.dtype.type(0)  # -0.0 is 0.0: a ReLU gradient's zeros one key
     keys = _flip_negatives(zeros_alike.view(np.int32 if width == 32 else np.int64), width)
@@ -262,8 +263,8 @@ def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         return out
     unsigned = np.uint32 if keys.itemsize == 4 else np.uint64
     shift = unsigned(max((int(high) - int(low)).bit_length() - _SELECT_BITS, 0))
-    digits = ((keys - low).view(unsigned) >> shift).astype(np.intp)  # a wrapped difference
-    ends = np.bincount(digits).cumsum()  # is the right unsigned one
+    digits = ((keys - low).view(unsigned) >> shift).astype(np.intp)  # wrapped, read unsigned
+    ends = np.bincount(digits).cumsum()
     at = ends.searchsorted(ranks[inner], side="right")  # each inner rank's bucket
     before = np.where(at > 0, ends[at - 1], 0)  # entries in the buckets below it
     wanted, first = np.unique(at, return_index=True)

@@ -7,14 +7,13 @@ only place where measured values cross to the host.
 
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
 small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound, else measured as a
-host tensor), measures a plain CPU tensor when the default
-profile is the only reducer (`Measured`: values, reasons and histogram vector, nothing to
-resolve later; at once, or on a copy by the spare core, `spare_core`, a `Deferred` of it), or
-launches its reductions (`launch_tensor`, which `paths.choose` sends on); `build_records` waits
-for what the spare core measures, measures the lane's copies together, transfers and
-resolves the general path's results, and returns one `SampleRecord` per sample whose
-measurements are a `MeasurementBlock`, in launch order. The lane's torch ops per sample do not
-grow with the layers.
+host tensor), measures a plain CPU tensor when the default profile is the only reducer (`Measured`:
+values, reasons and histogram vector, nothing to resolve later; at once, or on a copy by the spare
+core, `spare_core`, a `Deferred` of it), or launches its reductions (`launch_tensor`, which
+`paths.choose` sends on); `build_records` waits for what the spare core measures, measures the
+lane's copies together, transfers and resolves the general path's results, and returns one
+`SampleRecord` per sample whose measurements are a `MeasurementBlock`, in launch order. The lane's
+torch ops per sample do not grow with the layers.
 """
 
 from __future__ import annotations

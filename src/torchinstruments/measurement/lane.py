@@ -87,8 +87,8 @@ def measure(
     alone, then all are measured together (`numerics.sorted_profiles`: the host path's numbers,
     bit for bit); with `select` (by default where this CPU sorts slowly), copies of more than
     `order.SORTED_UP_TO` entries are not sorted (the host path's numbers with `select`). If that
-    fails, each copy is measured alone; one
-    that fails alone is null with the error as the reason, no histogram."""
+    fails, each copy is measured alone; one that fails alone is null with the error as the
+    reason, no histogram."""
     select = order.selection_is_quicker() if select is None else select
     try:
         return _measure_together(copies, metrics, focus, bins, buffers, select)
@@ -121,7 +121,7 @@ def _measure_together(
     raw, vectors = np.empty((len(copies), len(numerics.RAW))), {}
     for ascending in (True, False):
         if rows := [row for row, chosen in enumerate(selected) if chosen != ascending]:
-            batch = [copies[row] for row in rows] if len(rows) < len(copies) else copies
+            batch = [copies[row] for row in rows]
             for copy in batch if ascending else ():
                 copy.sort()  # sorting a sorted copy again changes nothing
             shown = [at for at, row in enumerate(rows) if focus[row]]

@@ -353,16 +353,11 @@ def sorted_profiles(
         if any(part.size != copy.size for (part, _), copy in zip(parts, copies, strict=True)):
             finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
             ordered = np.concatenate([part for part, _ in parts])
-    elif not ascending:  # as they are (long ones): zeros counted, finiteness by a mask
-        zeros = np.fromiter((np.count_nonzero(copy == 0) for copy in copies), np.float64)
-        if not (kept := np.isfinite(ordered)).all():
-            finite = np.add.reduceat(kept, starts, dtype=np.int64)
-            ordered = ordered[kept]
-    else:  # many short ones: zeros and non-finite entries (sorted at the ends) by masks
+    else:  # many short sorted ones (any NaN or inf at an end), or unsorted ones: by masks
         zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
-        ends = starts + lengths - 1
-        if not (np.isfinite(ordered[starts]).all() and np.isfinite(ordered[ends]).all()):
-            kept = np.isfinite(ordered)
+        ends = (starts, starts + lengths - 1) if ascending else (slice(None),)
+        finite_ends = all(np.isfinite(ordered[end]).all() for end in ends)
+        if not finite_ends and not (kept := np.isfinite(ordered)).all():
             finite = np.add.reduceat(kept, starts, dtype=np.int64)
             ordered = ordered[kept]
     raw = np.empty((lengths.size, len(RAW)))
@@ -449,7 +444,7 @@ def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> Cpu
     counts = np.array([values.size])
     ranks, weight = _ranks_of(values.size)
     selection.want(ranks[:, 0].tolist())
-    sums = segment_sums(values, _FIRST, counts, np.array([selection.pivot()]), selection.visit)
+    sums = segment_sums(values, _FIRST, counts, np.array([selection.pivot]), selection.visit)
     if not math.isfinite(sums[1][0]):
         raise FloatingPointError
     picked = np.array(selection.selected(), dtype=np.float64)[:, None]

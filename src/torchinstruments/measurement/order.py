@@ -64,18 +64,12 @@ class HostSelection:
 
     def __init__(self, values: np.ndarray, select: bool = False) -> None:
         self._values, self._select = values, select  # `select`: where this CPU sorts slowly
-        self._pivot: float | None = None
+        self.pivot = math.nan  # an entry near the median (the moments' shift), set by `want`
         self._ranks: Sequence[int] = []
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
         self._kept: list[np.ndarray] = []
         self._zeros = 0  # counted as chunks are visited
-
-    def pivot(self) -> float:
-        """An entry near the median: the moments' shift, the sorted sample's middle."""
-        if self._pivot is None:
-            self._pivot = self._sampled([sample_positions(self._values.size).size // 2])[0]
-        return self._pivot
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
@@ -88,15 +82,13 @@ class HostSelection:
                 groups[-1].append(rank)
             else:
                 groups.append([rank])
-        if not groups:
-            return
         count = sample_positions(size).size
         margin = 2 * math.isqrt(count) + 2
         places = [(group[0] * count // size, group[-1] * count // size) for group in groups]
         spots = [count // 2]  # where the sorted sample has the pivot, then each group's bounds
         for first, last in places:
             spots += [max(first - margin, 0), first, last, min(last + margin, count - 1)]
-        self._pivot, *bounds = self._sampled(spots)
+        self.pivot, *bounds = self._sampled(spots)
         for index, (group, (first, last)) in enumerate(zip(groups, places, strict=True)):
             low, at_first, at_last, high = bounds[4 * index : 4 * index + 4]
             low = low if first > margin else -math.inf

@@ -126,6 +126,21 @@ def test_quartiles_equal_numpy_percentile_at_2e7() -> None:
     assert quartiles(values, True) == numpy_quartiles(values)
 
 
+@pytest.mark.parametrize("size", [300_000, 1_000_003])
+def test_quartiles_equal_numpy_percentile_whatever_share_of_a_chunk_the_brackets_keep(
+    size: int,
+) -> None:
+    """A tensor's brackets keep about 6.5% of each chunk here at 3e5 entries (a mask NumPy's
+    nonzero would branch on: padded) and 5.5% at 1e6 (read as it is): both exact, with ties."""
+    rng = np.random.default_rng(size)
+    values = rng.standard_normal(size, dtype=np.float32)
+    values[rng.integers(0, size, size // 10)] = 0.0
+    values[rng.integers(0, size, size // 10)] = np.float32(0.5)
+    assert quartiles(values, True) == numpy_quartiles(values)
+    ranks = [0, size // 3, size // 2, size - 1]
+    assert selected(values, ranks) == np.sort(values)[ranks].tolist()
+
+
 def test_selection_brackets_that_miss_fall_back_exactly() -> None:
     """Every sampled entry an outlier: each bracket misses its ranks, which are still exact."""
     pattern = np.tile(np.array([0.0, 1.0, 2.0, 3.0, 1e6], dtype=np.float32), 40_000)

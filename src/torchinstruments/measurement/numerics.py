@@ -355,9 +355,12 @@ def sorted_profiles(
             ordered = np.concatenate([part for part, _ in parts])
     else:  # many short sorted ones (any NaN or inf at an end), or unsorted ones: by masks
         zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
-        ends = (starts, starts + lengths - 1) if ascending else (slice(None),)
-        finite_ends = all(np.isfinite(ordered[end]).all() for end in ends)
-        if not finite_ends and not (kept := np.isfinite(ordered)).all():
+        sorted_finite = (  # sorted copies with finite ends are finite: no mask to make
+            ascending
+            and np.isfinite(ordered[starts]).all()
+            and np.isfinite(ordered[starts + lengths - 1]).all()
+        )
+        if not sorted_finite and not (kept := np.isfinite(ordered)).all():
             finite = np.add.reduceat(kept, starts, dtype=np.int64)
             ordered = ordered[kept]
     raw = np.empty((lengths.size, len(RAW)))

@@ -4,11 +4,16 @@ Sorting speed, and so every ratio against `torch.sort`, depends on the CPU and o
 kernels NumPy dispatches to (x86-simd-sort on AVX-512 is an order of magnitude faster than a
 scalar sort on some CPUs and not on others), so a figure without its machine proves little.
 The SIMD lines are what `numpy.show_runtime()` reports: the baseline NumPy was built for, and
-the dispatched extensions this CPU has and lacks.
+the dispatched extensions this CPU has and lacks. The benches that measure on the host say how
+its order statistics were found (`order_statistics`): sorted where NumPy's sort is quick, else
+selected, as timed once per process; `--order-statistics selected` shows on any CPU what one
+whose sort is slow (an AMD EPYC's) runs, without slowing NumPy's other loops as switching its
+SIMD dispatch off would.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import platform
@@ -59,7 +64,33 @@ def describe() -> str:
     )
 
 
-def print_machine() -> None:
-    """Prints `describe()` and a blank line."""
+def print_machine(order_statistics: str | None = None) -> None:
+    """Prints `describe()`, with `order_statistics` (`--order-statistics`) how the host paths
+    find order statistics (`use_order_statistics`), and a blank line."""
     print(describe(), flush=True)
+    if order_statistics is not None:
+        use_order_statistics(order_statistics)
     print(flush=True)
+
+
+def add_order_statistics(parser: argparse.ArgumentParser) -> None:
+    """The `--order-statistics` option (see the module docstring)."""
+    parser.add_argument(
+        "--order-statistics",
+        choices=["auto", "sorted", "selected"],
+        default="auto",
+        help="the host paths' quartiles: as timed on this CPU (auto), or sorted or selected",
+    )
+
+
+def use_order_statistics(choice: str) -> None:
+    """Makes the host paths sort or select as `choice` says (auto: as this CPU was timed) and
+    prints which they do."""
+    from torchinstruments.measurement import order
+
+    if choice != "auto":
+        forced = choice == "selected"
+        order.selection_is_quicker = lambda *args, **kwargs: forced  # type: ignore[assignment]
+    chosen = "selected" if order.selection_is_quicker() else "sorted"
+    how = "timed on this CPU" if choice == "auto" else "--order-statistics"
+    print(f"host order statistics: {chosen} ({how})", flush=True)

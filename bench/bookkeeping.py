@@ -1,7 +1,8 @@
 """What a sampled step pays besides the arithmetic: bench/sampled.py's models with the host
 path's and the small-tensor lane's statistics canned.
 
-Run: `uv run bench/bookkeeping.py [--rounds 15] [--steps 10] [--only mlp] [--clock cpu]`
+Run: `uv run bench/bookkeeping.py [--rounds 15] [--steps 10] [--only mlp] [--clock cpu]
+[--order-statistics selected]` (`_machine.py`)
 
 Every step is sampled (`EveryNForwardsSampler(1)`), as in bench/sampled.py. In one process, the
 same model object is timed round by round in rotating order in three states:
@@ -37,7 +38,7 @@ from sampled import MODELS, training_step
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.measurement import lane, numerics
 
-from _machine import print_machine
+from _machine import add_order_statistics, print_machine
 from _timing import median
 
 CLOCK = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -134,8 +135,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--only", default="", help="run only models whose name contains this")
     parser.add_argument("--clock", choices=list(CLOCK), default="cpu")
+    add_order_statistics(parser)
     args = parser.parse_args()
-    print_machine()
+    print_machine(args.order_statistics)
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.rounds} rounds x "

@@ -22,7 +22,7 @@ steps of the chosen model instead (where the fixed cost goes).
 samples instead (tracemalloc; no part is written meanwhile).
 
 Run: `uv run bench/many_layers.py [--rounds 7] [--steps 5] [--only chain|deep] [--profile]
-[--clock wall] [--buffer-memory]`.
+[--clock wall] [--buffer-memory] [--order-statistics selected]` (`_machine.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from _machine import print_machine
+from _machine import add_order_statistics, print_machine
 from _timing import median
 
 warnings.filterwarnings("ignore", message=".*no sample was recorded", category=RuntimeWarning)
@@ -201,8 +201,9 @@ def main() -> None:
     parser.add_argument(
         "--buffer-memory", action="store_true", help="bytes per buffered history row instead"
     )
+    add_order_statistics(parser)
     args = parser.parse_args()
-    print_machine()
+    print_machine(args.order_statistics)
     if args.buffer_memory:
         buffer_memory()
         return

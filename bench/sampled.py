@@ -1,6 +1,7 @@
 """Cost of a sampled training step: observer vs hand-rolled hooks vs nothing.
 
-Run: `uv run bench/sampled.py [--rounds 9] [--only mlp] [--threads 1] [--device cuda]`
+Run: `uv run bench/sampled.py [--rounds 9] [--only mlp] [--threads 1] [--device cuda]
+[--order-statistics selected]` (`_machine.py`: as on a CPU whose NumPy sort is slow)
 
 Every step is sampled. For each model, one process times the same model object in three states,
 round by round in rotating order (so drift and ordering hit all alike):
@@ -40,7 +41,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from _machine import print_machine
+from _machine import add_order_statistics, print_machine
 from _models import cnn, transformer
 from _timing import median
 
@@ -227,8 +228,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--only", default="", help="run only models whose name contains this")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
+    add_order_statistics(parser)
     args = parser.parse_args()
-    print_machine()
+    print_machine(args.order_statistics)
     torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} thread(s), "

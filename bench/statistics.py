@@ -25,7 +25,8 @@ of the per-repeat ratios. Budgets: stats+hist <= 0.3x sort at 1e6 and 1e7, and <
 Each size also checks that our quartiles equal NumPy-style linear interpolation between the order
 statistics read from `torch.sort` (exact equality, not a tolerance).
 
-Run: `uv run bench/statistics.py [--sizes 1e4,1e6] [--repeats 7] [--threads 1]`
+Run: `uv run bench/statistics.py [--sizes 1e4,1e6] [--repeats 7] [--threads 1]
+[--order-statistics selected]` (`_machine.py`: as on a CPU whose NumPy sort is slow)
 
 On a shared machine, multi-threaded ops wait for a scheduler time slice whenever another process
 holds a core, which inflates every short parallel op; `--threads 1` gives stable numbers there.
@@ -49,7 +50,7 @@ from torchinstruments.measurement.histograms import DEFAULT_BINS
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.records import LayerInfo, TensorKey
 
-from _machine import print_machine
+from _machine import add_order_statistics, print_machine
 from _timing import median, timed
 
 QUARTILES = (0.25, 0.5, 0.75)
@@ -137,8 +138,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1e4,1e5,1e6,1e7,3e7")
     parser.add_argument("--repeats", type=int, default=0, help="0: 9 below 1e7 elements, else 3")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0: default")
+    add_order_statistics(parser)
     args = parser.parse_args()
-    print_machine()
+    print_machine(args.order_statistics)
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(float(s)) for s in args.sizes.split(",")]

@@ -26,10 +26,12 @@ from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 from conftest import measure
 
 
-def selected(values: np.ndarray, ranks: list[int], chunk: int = 1 << 16) -> list[float]:
+def selected(
+    values: np.ndarray, ranks: list[int], chunk: int = 1 << 16, select: bool = False
+) -> list[float]:
     """`order.HostSelection`'s entries of `values` at `ranks`, read in chunks as the moments'
-    pass reads a tensor."""
-    selection = order.HostSelection(values)
+    pass reads a tensor (`select`: as where this CPU sorts slowly, nothing sorted)."""
+    selection = order.HostSelection(values, select)
     selection.want(ranks)
     for start in range(0, values.size, chunk):
         selection.visit(values[start : start + chunk])
@@ -141,13 +143,28 @@ def test_quartiles_equal_numpy_percentile_whatever_share_of_a_chunk_the_brackets
     assert selected(values, ranks) == np.sort(values)[ranks].tolist()
 
 
-def test_selection_brackets_that_miss_fall_back_exactly() -> None:
+@pytest.mark.parametrize("select", [False, True], ids=["sorted", "selected"])
+def test_selection_brackets_that_miss_fall_back_exactly(select: bool) -> None:
     """Every sampled entry an outlier: each bracket misses its ranks, which are still exact."""
     pattern = np.tile(np.array([0.0, 1.0, 2.0, 3.0, 1e6], dtype=np.float32), 40_000)
     values = np.sort(pattern)[::-1].copy()
     values[order.sample_positions(values.size)] = -1e9
     ranks = [0, 50_000, 100_000, 100_001, 150_000, values.size - 1]
-    assert selected(values, ranks) == np.sort(values)[ranks].tolist()
+    assert selected(values, ranks, select=select) == np.sort(values)[ranks].tolist()
+
+
+@pytest.mark.parametrize("select", [False, True], ids=["sorted", "selected"])
+def test_overlapping_brackets_read_their_ranks_from_the_entries_they_share(select: bool) -> None:
+    """Groups of ranks 2% of the size apart get brackets that overlap (each about 3% wide on a
+    side here): the entries inside both are kept once, and every rank is still the sorted
+    array's, read from the kept entries by its place among them."""
+    rng = np.random.default_rng(5)
+    size = order.SMALL + 1_001
+    values = rng.standard_normal(size).astype(np.float32)
+    step = size // 50
+    ranks = [0, size // 4, size // 4 + step, size // 2, size // 2 + step, size // 2 + 2 * step]
+    ranks += [size - 1]
+    assert selected(values, ranks, select=select) == np.sort(values)[ranks].tolist()
 
 
 def tied(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -170,15 +187,17 @@ def tied(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
     ["relu", "relu6", "integers", "two_values", "constant", "a_third_ones", "ascending", "millis"],
 )
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_brackets_are_exact_on_ties_at_their_bounds(kind: str, dtype: type) -> None:
+@pytest.mark.parametrize("select", [False, True], ids=["sorted", "selected"])
+def test_brackets_are_exact_on_ties_at_their_bounds(kind: str, dtype: type, select: bool) -> None:
     """Above `order.SMALL` entries, ties at a bracket's bounds are counted, not copied: the
-    ranks they hold, and every other, are still the sorted array's."""
+    ranks they hold, and every other, are still the sorted array's (kept entries sorted, or
+    selected as where this CPU sorts slowly)."""
     rng = np.random.default_rng(len(kind))
     size = 3 * order.SMALL + 7
     values = tied(kind, size, rng).astype(dtype)
     ranks = [0, 1, size // 4, size // 4 + 1, size // 2, size // 2 + 1, 3 * size // 4]
     ranks += [3 * size // 4 + 1, size - 2, size - 1, *rng.integers(0, size, 4).tolist()]
-    assert selected(values, ranks) == np.sort(values)[ranks].tolist()
+    assert selected(values, ranks, select=select) == np.sort(values)[ranks].tolist()
 
 
 @pytest.fixture

@@ -9,16 +9,18 @@ selection, which is linear and does not. One selection per kind of device, exact
   group of nearby ranks gets two sample values that bracket it with a wide margin (4 standard
   deviations of the sample's rank error at worst). While the moments' pass reads each chunk, the
   entries at or below each lower bound are counted and those strictly inside any bracket kept, in
-  one copy (ties at a bound, such as a ReLU's zeros, are counted, never copied); each bracket then
-  selects its ranks among the kept entries inside it (sorted up to `4 * SMALL`, else `select`).
-  A bracket that misses its ranks (only for adversarial orders) selects them from the whole array
-  (`select`), still linear.
+  one copy (ties at a bound, such as a ReLU's zeros, are counted, never copied); then every
+  bracket's ranks are read from the kept entries at once (sorted up to `4 * SMALL`, else one
+  `select`), a rank's place among them being the kept entries at or below its lower bound plus
+  its rank above that bound. A bracket that misses its ranks (only for adversarial orders)
+  selects them from the whole array (`select`), still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
   keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
   `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
 * `select` (NumPy: where this CPU's sort is slow, `selection_is_quicker`, instead of every sort
-  above: of tensors up to `SMALL` entries, of the sample, of the kept entries; else the brackets'
-  unsorted inner entries): a radix select by counting, which no SIMD sort speeds up or slows down.
+  above: of tensors up to `SMALL` entries, of the sample, of the kept entries; else the kept
+  entries above `4 * SMALL`): a radix select by counting, which no SIMD sort speeds up or slows
+  down.
 """
 
 from __future__ import annotations
@@ -123,10 +125,15 @@ class HostSelection:
             found[size - 1] = max(high for _, high in self._extremes)
         kept = np.concatenate(self._kept) if self._kept else values[:0]
         ascending = not self._select and kept.size <= _KEPT_SORTED
-        if ascending:  # then each bracket's inner entries are a slice of it, already in order
+        if ascending:
             kept.sort()
+        at: dict[int, int] = {}  # a rank's position among the kept entries, sorted
         for bracket in self._brackets:
-            found.update(bracket.selected(values, kept, ascending))
+            found.update(bracket.selected(values, kept, at))
+        if at:  # every bracket's ranks read at once: taken, or one selection
+            positions = np.array(list(at.values()))
+            picked = kept.take(positions) if ascending else select(kept, positions)
+            found.update(zip(at, picked.tolist(), strict=True))
         return [found[rank] for rank in self._ranks]
 
     def _sampled(self, spots: list[int]) -> list[float]:
@@ -181,26 +188,20 @@ class _Bracket:
             self.at_most_high += int(np.count_nonzero(piece <= high))
         return inside
 
-    def selected(self, values: np.ndarray, kept: np.ndarray, ascending: bool) -> dict[int, float]:
-        """The bracket's ranks and their entries (from all `values` where the bracket missed),
-        from the `kept` entries (`ascending`: sorted)."""
+    def selected(
+        self, values: np.ndarray, kept: np.ndarray, at: dict[int, int]
+    ) -> dict[int, float]:
+        """The bracket's ranks: the position among the `kept` entries, sorted, of each it holds
+        (into `at`), and the entries of the others (ties at a bound, or from all `values` where
+        the bracket missed)."""
         low, high = self.low, self.high
-        if high <= low:
-            inner = kept[:0]
-        elif ascending:
-            bound = kept.dtype.type  # a Python float would make searchsorted cast all of `kept`
-            first = kept.searchsorted(bound(low), "right")
-            inner = kept[first : kept.searchsorted(bound(high), "left")]
-        else:
-            inner = kept[(kept > low) & (kept < high)]
-        start, end = self.at_most_low, self.at_most_low + inner.size
+        below = int(np.count_nonzero(kept <= low))  # kept entries at most low, and below high
+        under = int(np.count_nonzero(kept < high)) if high > low else below
+        start, end = self.at_most_low, self.at_most_low + under - below
         if self.low == self.high:
             self.at_most_high = start
         found: dict[int, float] = {}
-        local = [rank - start for rank in self.ranks if start <= rank < end]
-        if local:
-            picked = (inner.take(local) if ascending else select(inner, np.array(local))).tolist()
-            found.update((start + rank, value) for rank, value in zip(local, picked, strict=True))
+        at.update((rank, below + rank - start) for rank in self.ranks if start <= rank < end)
         missed = []
         for rank in (rank for rank in self.ranks if not start <= rank < end):
             if rank < start:  # ties at low, or a miss

@@ -354,14 +354,15 @@ def sorted_profiles(
             finite = np.fromiter((part.size for part, _ in parts), dtype=np.int64, count=len(parts))
             ordered = np.concatenate([part for part, _ in parts])
     else:  # many short sorted ones (any NaN or inf at an end), or unsorted ones: by masks
-        zeros = np.add.reduceat(ordered == 0, starts, dtype=np.float64)
+        zero = (ordered == 0).view(np.int8)  # int8 summed into int32: half a bool's cost
+        zeros = np.add.reduceat(zero, starts, dtype=np.int32)
         sorted_finite = (  # sorted copies with finite ends are finite: no mask to make
             ascending
             and np.isfinite(ordered[starts]).all()
             and np.isfinite(ordered[starts + lengths - 1]).all()
         )
         if not sorted_finite and not (kept := np.isfinite(ordered)).all():
-            finite = np.add.reduceat(kept, starts, dtype=np.int64)
+            finite = np.add.reduceat(kept.view(np.int8), starts, dtype=np.int64)
             ordered = ordered[kept]
     raw = np.empty((lengths.size, len(RAW)))
     raw[:, :7], raw[:, 7], raw[:, 8] = np.nan, zeros, finite

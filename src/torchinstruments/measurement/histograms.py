@@ -34,6 +34,7 @@ __all__ = [
     "HistogramVector",
     "bin_counts",
     "edges",
+    "guess_scale",
     "histogram_vector",
     "record",
     "thresholds",
@@ -47,6 +48,7 @@ _HEAD = 5
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 _CHUNK = 1 << 16  # entries counted at a time on the host: bounds the temporaries
 _PAIRED_MAX = 1 << 16  # up to this many counters ((bins + 1)**2), `bin_counts` counts in pairs
+_MAX_OFF = 3  # a guess that can miss by more bins is not corrected: each entry bisected instead
 
 
 def edges(low: _Array, high: _Array, bins: int) -> _Array:
@@ -109,17 +111,8 @@ def bin_counts(
             index = torch.where(finite, index, bins)
         counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
-    low, span = float(bounds[0]), float(bounds[-1]) - float(bounds[0])
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scale = bins / span if 0 < span < math.inf else math.nan  # an overflowed span: bisect
-        # The guess `int((x - low) * scale)` is monotone in x: right for every x when right on
-        # each limit and on the value below it; else corrected per entry, or a bisection. It is
-        # at most `bins` (then the last bin's: counted apart, added to it at the end).
-        at = np.subtract(limits, low, dtype=np.float64) * scale
-        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
-        under = np.subtract(below, low, dtype=np.float64) * scale
-    steps = np.arange(1, bins)
-    exact = not np.any((at < steps) | (under >= steps))
+    low = float(bounds[0])
+    scale, off = guess_scale(limits, low, float(bounds[-1]) - low, bins)
     around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
     width = bins + 1  # around[i] to around[i + 1]; bin `bins`: the max's, added to the last
     # NumPy's unbuffered add.at costs per increment (about 1.5 ns), so with few bins two entries
@@ -132,7 +125,7 @@ def bin_counts(
     for begin in range(0, values.size, _CHUNK):
         piece = values[begin : begin + _CHUNK]
         index = indices[: piece.size]
-        if not math.isfinite(scale):  # no span to guess within: a bisection per entry
+        if off > _MAX_OFF:  # no span to guess within, or bins too narrow: a bisection each
             index[:] = np.searchsorted(limits, piece, side="right")
         else:
             guess = buffer[: piece.size]
@@ -140,17 +133,11 @@ def bin_counts(
             guess -= low
             guess *= scale
             np.copyto(index, guess, casting="unsafe")  # truncation: the floor of a guess >= 0
-            if not exact:
+            if off:
                 np.minimum(index, bins - 1, out=index)
-            for _ in range(0 if exact else 3):  # off by a bin, at most, unless bins are
-                below, above = piece < around.take(index), piece >= around.take(index + 1)
-                if not (below.any() or above.any()):  # as narrow as the guess resolves
-                    break
-                index -= below
-                index += above
-            else:
-                if not exact:
-                    index[:] = np.searchsorted(limits, piece, side="right")
+            for _ in range(off):  # each step takes every entry a bin nearer its own
+                index -= piece < around.take(index)
+                index += piece >= around.take(index + 1)
         if grid.size:  # all but an odd chunk's last entry in pairs
             even = index.size - index.size % 2
             pair = np.multiply(index[:even:2], width, out=pairs[: even // 2])
@@ -163,6 +150,26 @@ def bin_counts(
     totals = counts.astype(np.float64)
     totals[bins - 1] += totals[bins]
     return totals[:bins]
+
+
+def guess_scale(limits: np.ndarray, low: float, span: float, bins: int) -> tuple[float, int]:
+    """The factor of the guess `int((x - low) * scale)` (float64) of an unsorted entry's bin
+    (`limits`: the inner `thresholds`), and by how many bins it can miss (0: never; above
+    `_MAX_OFF`: bisect instead, as where the span overflowed), read on each limit and on the
+    value below it: the guess is monotone in x. `bins / span` is rounded up, not to nearest, so
+    that a limit that is an edge exactly reaches its bin: to nearest, 6 to 25% of float32
+    histograms missed by one (docs/benchmarks.md), and every entry was checked twice. A float64
+    guess may not tell a limit from the value below it: at most one bin off, one check."""
+    scale = math.nextafter(bins / span, math.inf) if 0 < span < math.inf else math.inf
+    if not math.isfinite(scale):  # the span overflowed, or is too narrow to divide by
+        return math.nan, _MAX_OFF + 1
+    with np.errstate(over="ignore", invalid="ignore"):
+        at = np.floor(np.subtract(limits, low, dtype=np.float64) * scale)
+        below = np.nextafter(limits, np.array(-np.inf, dtype=limits.dtype))
+        under = np.floor(np.subtract(below, low, dtype=np.float64) * scale)
+    steps = np.arange(1, bins)
+    off = np.concatenate([[0], steps - at, under + 1 - steps]).max()  # short, or over
+    return scale, int(off) if off <= _MAX_OFF else _MAX_OFF + 1
 
 
 def histogram_vector(

@@ -20,17 +20,16 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from _machine import print_machine
 from _timing import median
 
 
@@ -136,18 +135,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     a = parser.parse_args()
     args = {"layers": a.layers, "width": a.width, "steps": a.steps}
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    print(
-        f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"NumPy {np.__version__}; {a.layers} x (Linear({a.width}, {a.width}), ReLU), batch 64"
-    )
+    print_machine()
+    print(f"{a.layers} x (Linear({a.width}, {a.width}), ReLU), batch 64")
     print(
         f"{'ranks':>5} {'plain ms':>9} {'local x':>8} {'global x':>9} {'extra ms':>9} "
         f"{'calls':>6} {'KiB/sample':>11}"

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,8 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.layout import HISTORY_FILE, HISTORY_SCHEMA, sink_history
 from torchinstruments.rundir.state import RunState, write_state
+
+from _machine import print_machine
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 SIGNALS = ("output", "output_gradient")
@@ -73,22 +73,6 @@ print(json.dumps({"code": code, "wall_s": time.perf_counter() - start,
                   "cpu_s": time.process_time() - cpu, "peak_mib": peak,
                   "output_chars": len(out.getvalue())}))
 """
-
-
-def machine() -> str:
-    """CPU model, cores, Python, Polars and NumPy versions."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"Polars {pl.__version__}, NumPy {np.__version__}"
-    )
 
 
 def keys_frame(layers: int, samples: int) -> pl.DataFrame:
@@ -206,7 +190,8 @@ def main() -> None:
     seconds = generate(parent, args.ranks, args.layers, args.samples)
     rows = args.ranks * args.samples * args.layers * 2 * len(METRICS)
     size = sum(p.stat().st_size for p in parent.glob(f"rank-*/{HISTORY_FILE}"))
-    print(f"machine: {machine()}")
+    print_machine()
+    print(f"Polars {pl.__version__}")
     print(
         f"case: {args.ranks} ranks x {args.layers} layers x {args.samples} samples = "
         f"{rows:,} rows, {size / 2**20:,.0f} MiB of history.parquet (generated in {seconds:.0f} s)"

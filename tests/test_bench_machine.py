@@ -1,0 +1,76 @@
+"""Every benchmark names the machine it measured: CPU, cores, torch, NumPy and its SIMD dispatch.
+
+A ratio against `torch.sort` moves by an order of magnitude between CPUs (NumPy's AVX-512 sort
+is fast on some and microcoded on others), so a figure without its machine proves little.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SCRIPTS = sorted(path for path in BENCH.glob("*.py") if not path.name.startswith("_"))
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch) -> object:
+    """bench/_machine.py, imported as the benches import it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("_machine", None)
+    import _machine
+
+    return _machine
+
+
+def test_there_are_benches_to_check() -> None:
+    assert len(SCRIPTS) >= 10
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_every_bench_prints_its_machine_from_main(script: Path) -> None:
+    tree = ast.parse(script.read_text())
+    main = next(
+        node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main"
+    )
+    called = {
+        node.func.id
+        for node in ast.walk(main)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+    assert "print_machine" in called, f"{script.name}: main() does not call print_machine()"
+
+
+def test_the_machine_lines_say_what_numpy_show_runtime_reports(machine: object) -> None:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        np.show_runtime()
+    found = re.search(r"'simd_extensions': (\{[^{}]*\})", printed.getvalue())
+    assert found is not None, printed.getvalue()
+    simd = ast.literal_eval(found.group(1))
+    text = machine.describe()  # type: ignore[attr-defined]
+    first, second = text.splitlines()
+    assert f"torch {torch.__version__}" in first
+    assert f"NumPy {np.__version__}" in first
+    assert f"{len(os.sched_getaffinity(0))} cores" in first
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("model name")
+        ]
+        if models:
+            assert first.startswith(f"machine: {models[0]},")
+    assert f"baseline {' '.join(simd['baseline']) or '-'};" in second
+    assert f"found {' '.join(simd['found']) or '-'};" in second
+    assert second.endswith(f"not found {' '.join(simd['not_found']) or '-'}")

@@ -205,7 +205,9 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
 
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
-    module, and nn.MultiheadAttention as one layer (its out_proj is never called)."""
+    module, nn.MultiheadAttention as one layer (its out_proj is never called), and a module
+    parametrized by torch.nn.utils.parametrize as one layer (its `parametrizations`, which
+    compute its weights, are not layers)."""
     names: list[str] = []
     holders: list[str] = []
     for name, module in model.named_modules():
@@ -214,7 +216,12 @@ def default_layer_names(model: nn.Module) -> list[str]:
         if type(module).forward is nn.MultiheadAttention.forward:
             holders.append(name)
             names.append(name)
-        elif not list(module.children()):
+            continue
+        children = dict(module.named_children())
+        if torch.nn.utils.parametrize.is_parametrized(module):
+            del children["parametrizations"]
+            holders.append(f"{name}.parametrizations" if name else "parametrizations")
+        if not children:
             names.append(name)
     return names
 

@@ -280,6 +280,30 @@ def test_selector_chooses_layers_and_sampler_chooses_forwards(run_dir: Path) -> 
     assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
 
 
+def test_a_parametrized_module_is_one_layer_and_a_selector_may_choose_its_weight_module(
+    tmp_path: Path,
+) -> None:
+    """weight_norm (torch.nn.utils.parametrize) puts a module that computes the weight under
+    the Linear: by default the Linear is the layer; a selector can still pick that module, whose
+    output is then the weight."""
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)), nn.ReLU())
+    observe(model, tmp_path / "default")
+    model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    assert set(read_history(tmp_path / "default")["layer"]) == {"0", "1"}
+
+    observe(model, tmp_path / "chosen", selector=lambda name, _: name.endswith("weight.0"))
+    model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    history = read_history(tmp_path / "chosen")
+    assert set(history["layer"]) == {"0.parametrizations.weight.0"}
+    linear = model[0]
+    assert isinstance(linear, nn.Linear)  # ParametrizedLinear, a subclass
+    weight = linear.weight.detach().double()
+    row = history.filter(pl.col("signal") == "output", pl.col("metric") == "max")
+    assert row["value"].item() == weight.max().item()
+
+
 def test_exception_inside_forward_propagates_and_closes_the_sample(run_dir: Path) -> None:
     class Failing(nn.Module):
         def __init__(self) -> None:

@@ -252,6 +252,41 @@ def bf16_autocast(device: torch.device) -> tuple[nn.Module, Step]:
     return model.to(device), step
 
 
+def parametrized(device: torch.device) -> tuple[nn.Module, Step]:
+    """torch.nn.utils.parametrize: each module is a layer, its parametrizations are not."""
+    norms = nn.utils.parametrizations
+    model = nn.Sequential(
+        norms.weight_norm(nn.Conv1d(3, 8, 3, padding=1), dim=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        norms.spectral_norm(nn.Linear(8 * 6, 16)),
+        nn.Tanh(),
+        norms.orthogonal(nn.Linear(16, 16)),
+    )
+    return model.to(device), squares_step(lambda: torch.randn(4, 3, 6, device=device))
+
+
+def wav2vec2(device: torch.device) -> tuple[nn.Module, Step]:
+    """Hugging Face's wav2vec2: its positional convolution is weight-normed (parametrize)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8, 8),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        vocab_size=10,
+        layerdrop=0.0,  # the encoder layer runs in the one step (its draw skipped it)
+        mask_time_prob=0.0,  # SpecAugment draws from NumPy's RNG, which the steps do not seed
+    )
+    model = transformers.Wav2Vec2Model(config).to(device).train()
+    return model, squares_step(lambda: torch.randn(2, 400, device=device))
+
+
 CASES: dict[str, Case] = {
     "mlp_inplace_relu": mlp_inplace_relu,
     "resnet18": resnet18,
@@ -266,8 +301,14 @@ CASES: dict[str, Case] = {
     "gru": recurrent("GRU"),
     "non_reentrant_checkpointing": non_reentrant_checkpointing,
     "bf16_autocast": bf16_autocast,
+    "parametrized": parametrized,
+    "wav2vec2": wav2vec2,
 }
-STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restart per forward
+STEPS = {"lstm": 2, "gru": 2}
+PARAMETRIZED = {
+    "parametrized": ["0", "3", "5"],
+    "wav2vec2": ["encoder.pos_conv_embed.conv"],
+}  # two samples: call indices and sample ids restart per forward
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -276,6 +317,9 @@ def test_rows_equal_plain_hooks(run_dir: Path, device: torch.device, name: str) 
     result = run_both(model, step, run_dir, steps=STEPS.get(name, 1))
     if name == "bf16_autocast":
         assert "bfloat16" in result.history["dtype"].unique().to_list()
+    if name in PARAMETRIZED:  # the parametrized modules are layers, their weights' modules not
+        assert not [layer for layer in result.catalog if ".parametrizations" in layer]
+        assert set(PARAMETRIZED[name]) <= set(result.history["layer"].unique().to_list())
     check(result, device)
 
 

@@ -6,9 +6,13 @@ each module whose children are parameter holders it never calls as modules, in w
 module is the layer and those children are not. The one such module in torch is
 `nn.MultiheadAttention` (and subclasses that keep its `forward`): it passes `out_proj.weight` to
 the functional attention kernel and never calls `out_proj`, so a leaf-only rule would record
-nothing of attention, and `out_proj` would be a layer that never runs. TorchScript modules are
-never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers are the first
-`max_histogram_modules` layers that `histogram_selector` accepts (default: all). A
+nothing of attention, and `out_proj` would be a layer that never runs. A module parametrized
+with `torch.nn.utils.parametrize` (`parametrizations.weight_norm`, as Hugging Face's wav2vec2
+convolution is, `spectral_norm`, `orthogonal`) is a layer when its parametrizations are its only
+children, and they are never layers: they compute its weights, not activations, and a leaf-only
+rule would record the weights as outputs and nothing of the module. TorchScript modules are
+never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers
+are the first `max_histogram_modules` layers that `histogram_selector` accepts (default: all). A
 `torch.compile(module)` wrapper (OptimizedModule) is looked through: the module it compiles is
 offered in its place, under the name it has in the eager model (`blocks.0.fc`, not
 `blocks.0._orig_mod.fc`), so a compiled model has the layers and layer names of the eager one.
@@ -21,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
@@ -81,14 +86,19 @@ def holds_uncalled_children(module: nn.Module) -> bool:
 def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
-    holders: list[str] = []
+    skipped: list[str] = []  # subtrees of no layers: uncalled children, parametrizations
     for name, module in named_modules_uncompiled(model):
-        if any(name.startswith(f"{holder}.") or holder == "" for holder in holders):
-            continue  # inside a module that never calls its children
+        if any(name == top or name.startswith(f"{top}.") for top in skipped):
+            continue
+        children = [child for child, _ in module.named_children()]
         if holds_uncalled_children(module):
-            holders.append(name)
+            skipped += [f"{name}.{child}" if name else child for child in children]
             chosen.add(name)
-        elif next(iter(module.children()), None) is None:  # any() calls a child's __len__
+            continue
+        if parametrize.is_parametrized(module):  # its parametrizations compute its weights
+            children.remove("parametrizations")
+            skipped.append(f"{name}.parametrizations" if name else "parametrizations")
+        if not children:
             chosen.add(name)
     return chosen
 

@@ -203,25 +203,35 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
             _collect(getattr(obj, item.name, None), f"{path}.{item.name}", seen, found, depth + 1)
 
 
+# Modules that pass some children's weights to a functional kernel and never call those children
+# (read from their source): each is one layer, and those children are not layers.
+WEIGHTS_PASSED = {
+    "torch.nn.modules.activation.MultiheadAttention": ("out_proj",),
+    "torchvision.models.swin_transformer.ShiftedWindowAttention": ("qkv", "proj"),
+    "torchvision.models.swin_transformer.ShiftedWindowAttentionV2": ("qkv", "proj"),
+    "transformers.models.mamba.modeling_mamba.MambaMixer": ("conv1d", "dt_proj"),
+}
+
+
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
-    module, nn.MultiheadAttention as one layer (its out_proj is never called), and a module
-    parametrized by torch.nn.utils.parametrize as one layer (its `parametrizations`, which
-    compute its weights, are not layers)."""
+    module; the modules of `WEIGHTS_PASSED` as one layer each, without the children whose
+    weights they pass; and a module parametrized by torch.nn.utils.parametrize as one layer (its
+    `parametrizations`, which compute its weights, are not layers)."""
     names: list[str] = []
-    holders: list[str] = []
+    skipped: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(f"{holder}.") for holder in holders):
-            continue
-        if type(module).forward is nn.MultiheadAttention.forward:
-            holders.append(name)
-            names.append(name)
+        if any(name == top or name.startswith(f"{top}.") for top in skipped):
             continue
         children = dict(module.named_children())
         if torch.nn.utils.parametrize.is_parametrized(module):
             del children["parametrizations"]
-            holders.append(f"{name}.parametrizations" if name else "parametrizations")
-        if not children:
+            skipped.append(f"{name}.parametrizations" if name else "parametrizations")
+        passed = WEIGHTS_PASSED.get(f"{type(module).__module__}.{type(module).__qualname__}")
+        if passed:
+            skipped += [f"{name}.{child}" if name else child for child in passed]
+            names.append(name)
+        elif not children:
             names.append(name)
     return names
 

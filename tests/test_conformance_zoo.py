@@ -287,6 +287,43 @@ def wav2vec2(device: torch.device) -> tuple[nn.Module, Step]:
     return model, squares_step(lambda: torch.randn(2, 400, device=device))
 
 
+def swin(version: int) -> Case:
+    """torchvision's Swin Transformer: its window attention passes `qkv` and `proj`'s weights
+    to a functional kernel (the attention is the layer); V2 also calls a small MLP for its bias."""
+
+    def case(device: torch.device) -> tuple[nn.Module, Step]:
+        swin_transformer = pytest.importorskip("torchvision.models.swin_transformer")
+        parts = {}
+        if version == 2:
+            parts = {
+                "block": swin_transformer.SwinTransformerBlockV2,
+                "downsample_layer": swin_transformer.PatchMergingV2,
+            }
+        model = swin_transformer.SwinTransformer(
+            patch_size=[4, 4],
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=[2, 2],
+            stochastic_depth_prob=0.0,
+            num_classes=4,
+            **parts,
+        )
+        return model.to(device), squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
+
+    return case
+
+
+def mamba(device: torch.device) -> tuple[nn.Module, Step]:
+    """Hugging Face's Mamba: its mixer passes `conv1d` and `dt_proj`'s weights to functional
+    kernels (the mixer is the layer)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MambaConfig(
+        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2
+    )
+    return transformers.MambaForCausalLM(config).to(device).train(), own_loss_step(device)
+
+
 CASES: dict[str, Case] = {
     "mlp_inplace_relu": mlp_inplace_relu,
     "resnet18": resnet18,
@@ -303,12 +340,18 @@ CASES: dict[str, Case] = {
     "bf16_autocast": bf16_autocast,
     "parametrized": parametrized,
     "wav2vec2": wav2vec2,
+    "swin": swin(1),
+    "swin_v2": swin(2),
+    "mamba": mamba,
 }
-STEPS = {"lstm": 2, "gru": 2}
-PARAMETRIZED = {
-    "parametrized": ["0", "3", "5"],
-    "wav2vec2": ["encoder.pos_conv_embed.conv"],
-}  # two samples: call indices and sample ids restart per forward
+STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restart per forward
+# Parametrized modules (torch.nn.utils.parametrize) are layers, the modules of their weights not.
+PARAMETRIZED = {"parametrized": ["0", "3", "5"], "wav2vec2": ["encoder.pos_conv_embed.conv"]}
+WEIGHTS_PASSED = {  # a module that passes children's weights to a kernel: it, not they, has rows
+    "swin": ("features.1.0.attn", "features.1.0.attn.qkv"),
+    "swin_v2": ("features.1.0.attn", "features.1.0.attn.proj"),
+    "mamba": ("backbone.layers.0.mixer", "backbone.layers.0.mixer.conv1d"),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -317,7 +360,12 @@ def test_rows_equal_plain_hooks(run_dir: Path, device: torch.device, name: str) 
     result = run_both(model, step, run_dir, steps=STEPS.get(name, 1))
     if name == "bf16_autocast":
         assert "bfloat16" in result.history["dtype"].unique().to_list()
-    if name in PARAMETRIZED:  # the parametrized modules are layers, their weights' modules not
+    if name in WEIGHTS_PASSED:
+        layer, holder = WEIGHTS_PASSED[name]
+        assert layer in result.catalog
+        assert holder not in result.catalog
+        assert layer in result.history["layer"].unique().to_list()
+    if name in PARAMETRIZED:
         assert not [layer for layer in result.catalog if ".parametrizations" in layer]
         assert set(PARAMETRIZED[name]) <= set(result.history["layer"].unique().to_list())
     check(result, device)

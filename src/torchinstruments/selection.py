@@ -2,16 +2,19 @@
 
 The default rule, meant to be predicted by reading it: the modules that compute, in
 `named_modules()` traversal order. That is every leaf module (a module with no children), plus
-each module whose children are parameter holders it never calls as modules, in which case the
-module is the layer and those children are not. The one such module in torch is
-`nn.MultiheadAttention` (and subclasses that keep its `forward`): it passes `out_proj.weight` to
-the functional attention kernel and never calls `out_proj`, so a leaf-only rule would record
-nothing of attention, and `out_proj` would be a layer that never runs. A module parametrized
-with `torch.nn.utils.parametrize` (`parametrizations.weight_norm`, as Hugging Face's wav2vec2
-convolution is, `spectral_norm`, `orthogonal`) is a layer when its parametrizations are its only
-children, and they are never layers: they compute its weights, not activations, and a leaf-only
-rule would record the weights as outputs and nothing of the module. TorchScript modules are
-never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers
+each module that uses some of its children only through their parameters, never calling them
+(its methods outside `__init__` read `self.<child>.weight` and the like, and nothing else of
+the child: `parameter_holders`): it passes their weights to a functional kernel, so it is the
+layer and those children are not (its other children keep the rule). `nn.MultiheadAttention`
+does this with `out_proj`, torchvision's Swin attention with `qkv` and `proj`, Hugging Face's
+Mamba mixer with `conv1d` and `dt_proj`: a leaf-only rule would record nothing of them and
+name as layers children that never run. The rule reads the methods' source, once per class; a
+class without source falls back to the leaf rule. A module parametrized with
+`torch.nn.utils.parametrize` (`parametrizations.weight_norm`, as Hugging Face's wav2vec2
+convolution is, `spectral_norm`, `orthogonal`) is a layer when its parametrizations are its
+only children, and they are never layers: they compute its weights, not activations, and a
+leaf-only rule would record the weights as outputs and nothing of the module. TorchScript
+modules are never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers
 are the first `max_histogram_modules` layers that `histogram_selector` accepts (default: all). A
 `torch.compile(module)` wrapper (OptimizedModule) is looked through: the module it compiles is
 offered in its place, under the name it has in the eager model (`blocks.0.fc`, not
@@ -20,7 +23,11 @@ offered in its place, under the name it has in the eager model (`blocks.0.fc`, n
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,7 +41,7 @@ __all__ = [
     "Selector",
     "check_selector",
     "default_layers",
-    "holds_uncalled_children",
+    "parameter_holders",
     "select_focus_layers",
     "select_layers",
 ]
@@ -75,12 +82,91 @@ def check_selector(name: str, selector: object) -> None:
         ) from None
 
 
-def holds_uncalled_children(module: nn.Module) -> bool:
-    """True for a module whose children are parameter holders its forward never calls."""
-    return (
-        isinstance(module, nn.MultiheadAttention)
-        and type(module).forward is nn.MultiheadAttention.forward
-    )
+def parameter_holders(module: nn.Module) -> list[str]:
+    """The children `module` uses only through their parameters, never calling them: its own
+    methods (outside `__init__`) read `self.<child>.<parameter>` and nothing else of the child.
+    Such a module passes the weights to a functional kernel (`nn.MultiheadAttention` its
+    `out_proj`, torchvision's Swin attention its `qkv` and `proj`), so it is the layer."""
+    children = dict(module.named_children())
+    if not children:
+        return []
+    uses = _attribute_uses(type(module), frozenset(children))
+    return [
+        name
+        for name, child in children.items()
+        if (read := uses.get(name)) and read <= _parameter_names(child)  # None: used otherwise
+    ]
+
+
+def _parameter_names(module: nn.Module) -> frozenset[str]:
+    """The tensors a module holds itself: parameters, buffers and parametrized tensors."""
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    names |= {name for name, _ in module.named_buffers(recurse=False)}
+    if parametrize.is_parametrized(module):
+        held = module.get_submodule("parametrizations")
+        names |= {name for name, _ in held.named_children()}
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_uses(cls: type, names: frozenset[str]) -> dict[str, frozenset[str] | None]:
+    """Per attribute `self.<name>` of `names` in the methods of `cls` and its bases (torch.nn
+    Module's and containers' aside): the attributes read on it outside `__init__`, or None where
+    it is used otherwise (called, passed, aliased, indexed). Assignments are not uses. Only a
+    method whose bytecode names one of `names` is parsed. Empty where such a method's source is
+    missing: the leaf rule applies."""
+    reads: dict[str, set[str] | None] = {}
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
+            continue
+        for method, member in vars(klass).items():
+            for function in _functions(member):
+                if not names & _code_names(function.__code__):
+                    continue
+                try:
+                    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+                except (OSError, TypeError, SyntaxError):
+                    return {}
+                _read_self_attributes(tree, names, reads, init=method == "__init__")
+    return {name: None if read is None else frozenset(read) for name, read in reads.items()}
+
+
+def _functions(member: object) -> list[types.FunctionType]:
+    """The plain functions behind a class member (a method, a property's accessors, a static
+    or class method), unwrapped from their decorators."""
+    if isinstance(member, property):
+        found: list[object] = [member.fget, member.fset, member.fdel]
+    else:
+        found = [getattr(member, "__func__", member)]
+    unwrapped = (inspect.unwrap(item) for item in found if callable(item))
+    return [item for item in unwrapped if isinstance(item, types.FunctionType)]
+
+
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """The attribute and global names a code object and those nested in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _code_names(constant)
+    return frozenset(names)
+
+
+def _read_self_attributes(
+    tree: ast.AST, names: frozenset[str], reads: dict[str, set[str] | None], init: bool
+) -> None:
+    """Adds one method's uses of `self.<name>` to `reads` (see `_attribute_uses`)."""
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or isinstance(node.ctx, ast.Store):
+            continue
+        holder = node.value
+        if isinstance(holder, ast.Attribute) and isinstance(holder.value, ast.Name):
+            if holder.value.id == "self" and holder.attr in names and not init:
+                found = reads.setdefault(holder.attr, set())  # `self.<name>.<attribute>`
+                if found is not None:
+                    found.add(node.attr)
+        elif isinstance(holder, ast.Name) and holder.id == "self" and id(node) not in inner:
+            reads.update(dict.fromkeys({node.attr} & names))  # itself: called, passed, aliased
 
 
 def default_layers(model: nn.Module) -> set[str]:
@@ -91,14 +177,13 @@ def default_layers(model: nn.Module) -> set[str]:
         if any(name == top or name.startswith(f"{top}.") for top in skipped):
             continue
         children = [child for child, _ in module.named_children()]
-        if holds_uncalled_children(module):
-            skipped += [f"{name}.{child}" if name else child for child in children]
-            chosen.add(name)
-            continue
         if parametrize.is_parametrized(module):  # its parametrizations compute its weights
             children.remove("parametrizations")
             skipped.append(f"{name}.parametrizations" if name else "parametrizations")
-        if not children:
+        if held := parameter_holders(module):  # it computes with their weights: the layer
+            skipped += [f"{name}.{child}" if name else child for child in held]
+            chosen.add(name)
+        elif not children:
             chosen.add(name)
     return chosen
 

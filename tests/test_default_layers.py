@@ -1,0 +1,146 @@
+"""The default selection's rule for modules that pass their children's weights to a kernel.
+
+A module whose methods read a child's parameters (`self.proj.weight`) and never call the child
+computes with those weights itself: it is the layer, and the child (which never runs) is not.
+A child that is called anywhere, or used in any other way, keeps the leaf rule. Real cases
+(`nn.MultiheadAttention`, torchvision's Swin, Hugging Face's Mamba) are in the conformance zoo.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.selection import default_layers
+
+from conftest import read_history
+
+
+class PassesWeights(nn.Module):
+    """`proj`'s weights go to `functional.linear`; `act` is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+        nn.init.zeros_(self.proj.bias)  # a read in __init__ is not a use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(functional.linear(x, self.proj.weight, self.proj.bias))
+
+
+class CallsTheChildToo(nn.Module):
+    """Reads `proj.weight` for its dtype, and calls `proj`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(self.proj.weight.dtype))
+
+
+def traced(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class CallsInADecoratedForward(nn.Module):
+    """Calls `proj` in a decorated forward, reads its weight in another method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    @traced
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale()
+
+    def scale(self) -> torch.Tensor:
+        return self.proj.weight.norm()
+
+
+class HandsTheChildOut(nn.Module):
+    """Passes `proj.weight` to a kernel, and hands `proj` itself out through a property."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    @property
+    def output_layer(self) -> nn.Module:
+        return self.proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, self.proj.weight)
+
+
+class ReadsWhatIsNotAParameter(nn.Module):
+    """Reads `proj.weight` and `proj.in_features` (not a tensor it holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x[..., : self.proj.in_features], self.proj.weight)
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        (PassesWeights, {"block", "block.act"}),
+        (CallsTheChildToo, {"block.proj"}),
+        (CallsInADecoratedForward, {"block.proj"}),
+        (HandsTheChildOut, {"block.proj"}),
+        (ReadsWhatIsNotAParameter, {"block.proj"}),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else "",
+)
+def test_a_child_used_only_through_its_parameters_is_not_a_layer_its_user_is(
+    block: type[nn.Module], expected: set[str]
+) -> None:
+    model = nn.Sequential()
+    model.add_module("block", block())
+    model.add_module("head", nn.Linear(4, 2))
+    assert default_layers(model) == expected | {"head"}
+
+
+def test_a_class_without_source_keeps_the_leaf_rule() -> None:
+    namespace: dict[str, Any] = {"nn": nn, "functional": functional}
+    exec(  # a class whose source inspect cannot find
+        "class Generated(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.proj = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return functional.linear(x, self.proj.weight)\n",
+        namespace,
+    )
+    assert default_layers(namespace["Generated"]()) == {"proj"}
+
+
+def test_the_module_that_passes_weights_is_measured_and_its_child_has_no_rows(
+    run_dir: Path,
+) -> None:
+    model = nn.Sequential(PassesWeights(), nn.Linear(4, 2))
+    outputs: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda module, args, output: outputs.append(output.detach()))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history["layer"]) == {"0", "0.act", "1"}
+    mean = history.filter(layer="0", signal="output", metric="mean")["value"].item()
+    assert mean == pytest.approx(outputs[0].double().mean().item(), rel=1e-12)

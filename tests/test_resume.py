@@ -179,6 +179,28 @@ def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_ag
     assert read_state(run).status is Status.COMPLETE
 
 
+def test_resume_refuses_a_model_of_other_layers_and_names_the_difference(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    other = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    with pytest.raises(FileExistsError) as refused:
+        inject_observer(other, output_dir=run, resume=True)
+    message = str(refused.value)
+    assert "2 there, 3 here" in message
+    assert "only in the run: '1' (ReLU); only here: '1' (Tanh), '2' (Linear)" in message
+    assert "new output_dir" in message
+    assert "forward" not in vars(other[0])  # refused before anything was attached
+    # The run is untouched: the same model continues it.
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    assert read_state(run).status is Status.COMPLETE
+    assert pl.read_parquet(run / "history.parquet")["attempt"].unique().sort().to_list() == [0, 1]
+
+
 if __name__ == "__main__":
     child_main(
         Path(sys.argv[1]), Path(sys.argv[2]), None if sys.argv[3] == "None" else int(sys.argv[3])

@@ -86,9 +86,9 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
         if before != now:
             raise FileExistsError(
                 f"resume=True: the run in output_dir={str(directory)!r} observed other layers "
-                f"({len(before)} selected, e.g. {before[:3]}) than this model and selector "
-                f"({len(now)}, e.g. {now[:3]}); one run's history is one model's: pass a new "
-                "output_dir"
+                f"than this model and selector ({len(before)} there, {len(now)} here; "
+                f"{_difference(before, now)}); one run's history is one model's: pass a new "
+                "output_dir, or the selector that chose the run's layers"
             )
     attempts = previous.attempts or (
         AttemptCounts(
@@ -106,3 +106,18 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
 
 
 __all__ = ["holds_run", "open_continuation"]
+
+
+def _difference(before: list[tuple[str, str]], now: list[tuple[str, str]]) -> str:
+    """Which (layer, module type) pairs only the run has and which only this model has, the
+    first three of each, or that the same ones come in another order."""
+    there = [layer for layer in before if layer not in now]
+    here = [layer for layer in now if layer not in before]
+    if not there and not here:
+        return "the same layers in another order"
+
+    def named(layers: list[tuple[str, str]]) -> str:
+        shown = ", ".join(f"{name!r} ({kind})" for name, kind in layers[:3]) or "none"
+        return shown + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+
+    return f"only in the run: {named(there)}; only here: {named(here)}"

@@ -203,20 +203,21 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
             _collect(getattr(obj, item.name, None), f"{path}.{item.name}", seen, found, depth + 1)
 
 
-# Modules that pass some children's weights to a functional kernel and never call those children
-# (read from their source): each is one layer, and those children are not layers.
-WEIGHTS_PASSED = {
+# Modules that hand some children's weights or settings to a functional kernel and never call
+# those children (read from their source): each is one layer, and those children are not layers.
+HELD_NOT_CALLED = {
     "torch.nn.modules.activation.MultiheadAttention": ("out_proj",),
     "torchvision.models.swin_transformer.ShiftedWindowAttention": ("qkv", "proj"),
     "torchvision.models.swin_transformer.ShiftedWindowAttentionV2": ("qkv", "proj"),
     "transformers.models.mamba.modeling_mamba.MambaMixer": ("conv1d", "dt_proj"),
+    "transformers.models.bert.modeling_bert.BertSelfAttention": ("dropout",),  # its rate, `p`
 }
 
 
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
-    module; the modules of `WEIGHTS_PASSED` as one layer each, without the children whose
-    weights they pass; and a module parametrized by torch.nn.utils.parametrize as one layer (its
+    module; the modules of `HELD_NOT_CALLED` as one layer each, without the children they
+    never call; and a module parametrized by torch.nn.utils.parametrize as one layer (its
     `parametrizations`, which compute its weights, are not layers)."""
     names: list[str] = []
     skipped: list[str] = []
@@ -227,7 +228,7 @@ def default_layer_names(model: nn.Module) -> list[str]:
         if torch.nn.utils.parametrize.is_parametrized(module):
             del children["parametrizations"]
             skipped.append(f"{name}.parametrizations" if name else "parametrizations")
-        passed = WEIGHTS_PASSED.get(f"{type(module).__module__}.{type(module).__qualname__}")
+        passed = HELD_NOT_CALLED.get(f"{type(module).__module__}.{type(module).__qualname__}")
         if passed:
             skipped += [f"{name}.{child}" if name else child for child in passed]
             names.append(name)

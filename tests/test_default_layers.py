@@ -1,9 +1,10 @@
-"""The default selection's rule for modules that pass their children's weights to a kernel.
+"""The default selection's rule for modules that hand their children's weights to a kernel.
 
-A module whose methods read a child's parameters (`self.proj.weight`) and never call the child
-computes with those weights itself: it is the layer, and the child (which never runs) is not.
-A child that is called anywhere, or used in any other way, keeps the leaf rule. Real cases
-(`nn.MultiheadAttention`, torchvision's Swin, Hugging Face's Mamba) are in the conformance zoo.
+A module whose methods read what a child holds (`self.proj.weight`, a dropout's `self.drop.p`)
+and never call the child computes with it itself: it is the layer, and the child (which never
+runs) is not. A child that is called anywhere, or used in any other way, keeps the leaf rule.
+Real cases (`nn.MultiheadAttention`, torchvision's Swin, Hugging Face's Mamba and BERT
+attention) are in the conformance zoo.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ class PassesWeights(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(functional.linear(x, self.proj.weight, self.proj.bias))
+
+
+class PassesADropoutRate(nn.Module):
+    """`drop`'s rate goes to `functional.dropout`, as SDPA takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.dropout(x, p=self.drop.p if self.training else 0.0)
 
 
 class CallsTheChildToo(nn.Module):
@@ -86,25 +98,26 @@ class HandsTheChildOut(nn.Module):
         return functional.linear(x, self.proj.weight)
 
 
-class ReadsWhatIsNotAParameter(nn.Module):
-    """Reads `proj.weight` and `proj.in_features` (not a tensor it holds)."""
+class CallsTheChildsForward(nn.Module):
+    """Reads `proj.weight`, and runs `proj` through its `forward` (not `__call__`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.linear(x[..., : self.proj.in_features], self.proj.weight)
+        return self.proj.forward(x) * self.proj.weight.sum()
 
 
 @pytest.mark.parametrize(
     ("block", "expected"),
     [
         (PassesWeights, {"block", "block.act"}),
+        (PassesADropoutRate, {"block"}),
         (CallsTheChildToo, {"block.proj"}),
         (CallsInADecoratedForward, {"block.proj"}),
         (HandsTheChildOut, {"block.proj"}),
-        (ReadsWhatIsNotAParameter, {"block.proj"}),
+        (CallsTheChildsForward, {"block.proj"}),
     ],
     ids=lambda value: value.__name__ if isinstance(value, type) else "",
 )

@@ -2,23 +2,26 @@
 
 The default rule, meant to be predicted by reading it: the modules that compute, in
 `named_modules()` traversal order. That is every leaf module (a module with no children), plus
-each module that uses some of its children only through their parameters, never calling them
-(its methods outside `__init__` read `self.<child>.weight` and the like, and nothing else of
-the child: `parameter_holders`): it passes their weights to a functional kernel, so it is the
-layer and those children are not (its other children keep the rule). `nn.MultiheadAttention`
-does this with `out_proj`, torchvision's Swin attention with `qkv` and `proj`, Hugging Face's
-Mamba mixer with `conv1d` and `dt_proj`: a leaf-only rule would record nothing of them and
-name as layers children that never run. The rule reads the methods' source, once per class; a
-class without source falls back to the leaf rule. A module parametrized with
+each module that uses some of its children only through what they hold, never calling them
+(its methods outside `__init__` read `self.<child>.weight`, `self.<child>.p` and the like,
+and nothing else of the child: `parameter_holders`): it hands their weights or settings to a
+functional kernel, so it is the layer and those children are not (its other children keep
+the rule). `nn.MultiheadAttention` does this with `out_proj`, torchvision's Swin attention
+with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d` and `dt_proj`, and its BERT
+attention (SDPA, or its eager function) with the dropout whose rate it passes: a leaf-only
+rule would record nothing of them and name as layers children that never run. The rule reads
+the methods' source, once per class; a class without source falls back to the leaf rule. A
+module parametrized with
 `torch.nn.utils.parametrize` (`parametrizations.weight_norm`, as Hugging Face's wav2vec2
 convolution is, `spectral_norm`, `orthogonal`) is a layer when its parametrizations are its
 only children, and they are never layers: they compute its weights, not activations, and a
 leaf-only rule would record the weights as outputs and nothing of the module. TorchScript
-modules are never layers (their `forward` cannot be replaced). `selector=` overrides the rule; focus layers
-are the first `max_histogram_modules` layers that `histogram_selector` accepts (default: all). A
-`torch.compile(module)` wrapper (OptimizedModule) is looked through: the module it compiles is
-offered in its place, under the name it has in the eager model (`blocks.0.fc`, not
-`blocks.0._orig_mod.fc`), so a compiled model has the layers and layer names of the eager one.
+modules are never layers (their `forward` cannot be replaced). `selector=` overrides the rule;
+focus layers are the first `max_histogram_modules` layers that `histogram_selector` accepts
+(default: all). A `torch.compile(module)` wrapper (OptimizedModule) is looked through: the
+module it compiles is offered in its place, under the name it has in the eager model
+(`blocks.0.fc`, not `blocks.0._orig_mod.fc`), so a compiled model has the layers and layer
+names of the eager one.
 """
 
 from __future__ import annotations
@@ -83,10 +86,11 @@ def check_selector(name: str, selector: object) -> None:
 
 
 def parameter_holders(module: nn.Module) -> list[str]:
-    """The children `module` uses only through their parameters, never calling them: its own
-    methods (outside `__init__`) read `self.<child>.<parameter>` and nothing else of the child.
-    Such a module passes the weights to a functional kernel (`nn.MultiheadAttention` its
-    `out_proj`, torchvision's Swin attention its `qkv` and `proj`), so it is the layer."""
+    """The children `module` uses only through what they hold, never calling them: its own
+    methods (outside `__init__`) read `self.<child>.<name>` of the child's parameters, buffers
+    or plain settings (a dropout's `p`) and nothing else of the child. Such a module hands
+    those to a functional kernel (`nn.MultiheadAttention` its `out_proj`'s weights, a Hugging
+    Face BERT attention its dropout's rate), so it is the layer."""
     children = dict(module.named_children())
     if not children:
         return []
@@ -94,18 +98,20 @@ def parameter_holders(module: nn.Module) -> list[str]:
     return [
         name
         for name, child in children.items()
-        if (read := uses.get(name)) and read <= _parameter_names(child)  # None: used otherwise
+        if (read := uses.get(name)) and read <= _held(child)  # None: used otherwise
     ]
 
 
-def _parameter_names(module: nn.Module) -> frozenset[str]:
-    """The tensors a module holds itself: parameters, buffers and parametrized tensors."""
+def _held(module: nn.Module) -> frozenset[str]:
+    """What a module holds itself: parameters, buffers, parametrized tensors, and plain settings
+    (its own attributes that are numbers, strings or None)."""
     names = {name for name, _ in module.named_parameters(recurse=False)}
     names |= {name for name, _ in module.named_buffers(recurse=False)}
     if parametrize.is_parametrized(module):
-        held = module.get_submodule("parametrizations")
-        names |= {name for name, _ in held.named_children()}
-    return frozenset(names)
+        names |= {name for name, _ in module.get_submodule("parametrizations").named_children()}
+    plain = (bool, int, float, str, type(None))
+    names |= {name for name, value in vars(module).items() if isinstance(value, plain)}
+    return frozenset(name for name in names if not name.startswith("_"))
 
 
 @functools.lru_cache(maxsize=1024)

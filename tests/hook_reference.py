@@ -214,9 +214,17 @@ HELD_NOT_CALLED = {
 }
 
 
+def _computes_nothing(module: nn.Module) -> bool:
+    """A module class that defines no forward (ModuleList, ModuleDict), or nn.Sequential itself."""
+    return (
+        type(module).forward is nn.Module.forward or type(module).forward is nn.Sequential.forward
+    )
+
+
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
-    module; the modules of `HELD_NOT_CALLED` as one layer each, without the children they
+    module but those that compute nothing (no forward of their own class, or an empty
+    nn.Sequential); the modules of `HELD_NOT_CALLED` as one layer each, without the children they
     never call; and a module parametrized by torch.nn.utils.parametrize as one layer (its
     `parametrizations`, which compute its weights, are not layers)."""
     names: list[str] = []
@@ -232,7 +240,7 @@ def default_layer_names(model: nn.Module) -> list[str]:
         if passed:
             skipped += [f"{name}.{child}" if name else child for child in passed]
             names.append(name)
-        elif not children:
+        elif not children and not _computes_nothing(module):
             names.append(name)
     return names
 

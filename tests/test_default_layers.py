@@ -157,3 +157,29 @@ def test_the_module_that_passes_weights_is_measured_and_its_child_has_no_rows(
     assert set(history["layer"]) == {"0", "0.act", "1"}
     mean = history.filter(layer="0", signal="output", metric="mean")["value"].item()
     assert mean == pytest.approx(outputs[0].double().mean().item(), rel=1e-12)
+
+
+class Doubles(nn.Sequential):
+    """A Sequential subclass with a forward of its own: it computes, children or not."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # Sequential's parameter name
+        return 2 * input
+
+
+def test_modules_that_compute_nothing_are_not_layers() -> None:
+    holder = nn.Module()
+    holder.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    given = nn.Module()
+    given.forward = lambda x: x + 1  # a forward of its own, set on the instance
+    model = nn.Sequential()
+    for name, module in {
+        "shortcut": nn.Sequential(),  # returns its input
+        "blocks": nn.ModuleList(),
+        "heads": nn.ModuleDict(),
+        "holder": holder,  # no forward at all
+        "doubles": Doubles(),
+        "given": given,
+        "fc": nn.Linear(2, 2),
+    }.items():
+        model.add_module(name, module)
+    assert default_layers(model) == {"doubles", "given", "fc"}

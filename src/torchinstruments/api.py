@@ -134,10 +134,10 @@ def inject_observer(
         output_dir: run directory; must not already hold a run.
         sampler: decides per root forward (`Sampler`); default `TimeIntervalSampler(60)`.
         selector: `selector(name, module) -> bool` picks layers; default: the modules that
-            compute: leaf modules, and as one layer a module that hands its children's
-            weights or settings to a kernel instead of calling them (`nn.MultiheadAttention`)
-            or is parametrized by `torch.nn.utils.parametrize` (`weight_norm`); see
-            selection.py.
+            compute: leaf modules (an empty container aside), and as one layer a module that
+            hands its children's weights or settings to a kernel instead of calling them
+            (`nn.MultiheadAttention`) or is parametrized by `torch.nn.utils.parametrize`
+            (`weight_norm`); see selection.py.
         reducers: custom scalar metrics added to the default profile: `Reducer` objects (e.g.
             `AbsMax()`, `L2Norm()`), `{metric_name: fn}` mappings, or named functions
             `fn(tensor) -> scalar` (the metric is named after the function); include a

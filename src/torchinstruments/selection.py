@@ -1,7 +1,9 @@
 """Which modules are observed (layers) and which of them get histograms (focus layers).
 
 The default rule, meant to be predicted by reading it: the modules that compute, in
-`named_modules()` traversal order. That is every leaf module (a module with no children), plus
+`named_modules()` traversal order. That is every leaf module (a module with no children; one
+without a forward, such as an empty `ModuleList`, or an empty `nn.Sequential`, computes
+nothing and is not one), plus
 each module that uses some of its children only through what they hold, never calling them
 (its methods outside `__init__` read `self.<child>.weight`, `self.<child>.p` and the like,
 and nothing else of the child: `parameter_holders`): it hands their weights or settings to a
@@ -175,6 +177,14 @@ def _read_self_attributes(
             reads.update(dict.fromkeys({node.attr} & names))  # itself: called, passed, aliased
 
 
+def _computes(module: nn.Module) -> bool:
+    """Whether a leaf computes: not a module without a forward (an empty `ModuleList` or
+    `ModuleDict`, a bare holder of parameters), nor an empty `nn.Sequential`, which returns its
+    input (ShuffleNetV2's `branch1` in its stride-1 blocks, never called)."""
+    forward = type(module).forward
+    return "forward" in vars(module) or forward not in (nn.Module.forward, nn.Sequential.forward)
+
+
 def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
@@ -189,7 +199,7 @@ def default_layers(model: nn.Module) -> set[str]:
         if held := parameter_holders(module):  # it computes with their weights: the layer
             skipped += [f"{name}.{child}" if name else child for child in held]
             chosen.add(name)
-        elif not children:
+        elif not children and _computes(module):
             chosen.add(name)
     return chosen
 

@@ -3,21 +3,20 @@
 The default rule, meant to be predicted by reading it: the modules that compute, in
 `named_modules()` traversal order. That is every leaf module (a module with no children; one
 without a forward, such as an empty `ModuleList`, or an empty `nn.Sequential`, computes
-nothing and is not one), plus
-each module that uses some of its children only through what they hold, never calling them
-(its methods outside `__init__` read `self.<child>.weight`, `self.<child>.p` and the like,
-and nothing else of the child: `parameter_holders`): it hands their weights or settings to a
-functional kernel, so it is the layer and those children are not (its other children keep
-the rule). `nn.MultiheadAttention` does this with `out_proj`, torchvision's Swin attention
-with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d` and `dt_proj`, and its BERT
-attention (SDPA, or its eager function) with the dropout whose rate it passes: a leaf-only
-rule would record nothing of them and name as layers children that never run. The rule reads
-the methods' source, once per class; a class without source falls back to the leaf rule. A
-module parametrized with
-`torch.nn.utils.parametrize` (`parametrizations.weight_norm`, as Hugging Face's wav2vec2
-convolution is, `spectral_norm`, `orthogonal`) is a layer when its parametrizations are its
-only children, and they are never layers: they compute its weights, not activations, and a
-leaf-only rule would record the weights as outputs and nothing of the module. TorchScript
+nothing and is not one), plus each module that uses some of its children only through what
+they hold, never calling them (its methods outside `__init__` read `self.<child>.weight`,
+`self.<child>.p` and the like, and nothing else of the child: `parameter_holders`): it hands
+their weights or settings to a functional kernel, so it is the layer and those children are
+not (its other children keep the rule). `nn.MultiheadAttention` does this with `out_proj`,
+torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
+and `dt_proj`, and its BERT attention (SDPA, or its eager function) with the dropout whose
+rate it passes: a leaf-only rule would record nothing of them and name as layers children
+that never run. The rule reads the methods' source, once per class; a class without source
+falls back to the leaf rule. A module parametrized with `torch.nn.utils.parametrize`
+(`parametrizations.weight_norm`, as Hugging Face's wav2vec2 convolution is, `spectral_norm`,
+`orthogonal`) is a layer when its parametrizations are its only children, and they are never
+layers: they compute its weights, not activations, and a leaf-only rule would record the
+weights as outputs and nothing of the module. TorchScript
 modules are never layers (their `forward` cannot be replaced). `selector=` overrides the rule;
 focus layers are the first `max_histogram_modules` layers that `histogram_selector` accepts
 (default: all). A `torch.compile(module)` wrapper (OptimizedModule) is looked through: the
@@ -188,16 +187,17 @@ def _computes(module: nn.Module) -> bool:
 def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
-    skipped: list[str] = []  # subtrees of no layers: uncalled children, parametrizations
+    skipped: set[str] = set()  # subtrees of no layers: uncalled children, parametrizations
     for name, module in named_modules_uncompiled(model):
-        if any(name == top or name.startswith(f"{top}.") for top in skipped):
-            continue
+        parts = name.split(".")
+        if any(".".join(parts[:end]) in skipped for end in range(1, len(parts) + 1)):
+            continue  # inside a skipped subtree (a lookup per ancestor, not per subtree)
         children = [child for child, _ in module.named_children()]
         if parametrize.is_parametrized(module):  # its parametrizations compute its weights
             children.remove("parametrizations")
-            skipped.append(f"{name}.parametrizations" if name else "parametrizations")
+            skipped.add(f"{name}.parametrizations" if name else "parametrizations")
         if held := parameter_holders(module):  # it computes with their weights: the layer
-            skipped += [f"{name}.{child}" if name else child for child in held]
+            skipped.update(f"{name}.{child}" if name else child for child in held)
             chosen.add(name)
         elif not children and _computes(module):
             chosen.add(name)

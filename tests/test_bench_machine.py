@@ -1,4 +1,5 @@
-"""Every benchmark names the machine it measured: CPU, cores, torch, NumPy and its SIMD dispatch.
+"""Every benchmark names the machine it measured: CPU (family, model), cores, torch, NumPy, its
+SIMD dispatch and its sort's speed.
 
 A ratio against `torch.sort` moves by an order of magnitude between CPUs (NumPy's AVX-512 sort
 is fast on some and microcoded on others), so a figure without its machine proves little.
@@ -58,19 +59,25 @@ def test_the_machine_lines_say_what_numpy_show_runtime_reports(machine: object) 
     assert found is not None, printed.getvalue()
     simd = ast.literal_eval(found.group(1))
     text = machine.describe()  # type: ignore[attr-defined]
-    first, second = text.splitlines()
+    first, second, third = text.splitlines()
     assert f"torch {torch.__version__}" in first
     assert f"NumPy {np.__version__}" in first
     assert f"{len(os.sched_getaffinity(0))} cores" in first
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        models = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        if models:
-            assert first.startswith(f"machine: {models[0]},")
+        block = cpuinfo.read_text().split("\n\n")[0]  # the first processor's
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            name, _, value = line.partition(":")
+            fields[name.strip()] = value.strip()
+        if "model name" in fields:
+            ids = [f"family {fields['cpu family']}"] if "cpu family" in fields else []
+            ids += [f"{key} {fields[key]}" for key in ("model", "stepping") if key in fields]
+            named = fields["model name"] + (f" ({', '.join(ids)})" if ids else "")
+            assert first.startswith(f"machine: {named}, ")
     assert f"baseline {' '.join(simd['baseline']) or '-'};" in second
     assert f"found {' '.join(simd['found']) or '-'};" in second
     assert second.endswith(f"not found {' '.join(simd['not_found']) or '-'}")
+    speed = re.fullmatch(r"NumPy sort of 2\*\*20 float32: (\d+\.\d) ns per entry", third)
+    assert speed is not None, third
+    assert float(speed.group(1)) > 0

@@ -211,6 +211,8 @@ HELD_NOT_CALLED = {
     "torchvision.models.swin_transformer.ShiftedWindowAttentionV2": ("qkv", "proj"),
     "transformers.models.mamba.modeling_mamba.MambaMixer": ("conv1d", "dt_proj"),
     "transformers.models.bert.modeling_bert.BertSelfAttention": ("dropout",),  # its rate, `p`
+    "transformers.models.roberta.modeling_roberta.RobertaSelfAttention": ("dropout",),
+    "transformers.models.distilbert.modeling_distilbert.DistilBertSelfAttention": ("dropout",),
 }
 
 

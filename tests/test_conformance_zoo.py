@@ -176,6 +176,115 @@ def bert(device: torch.device) -> tuple[nn.Module, Step]:
     return transformers.BertForMaskedLM(config).to(device).train(), own_loss_step(device)
 
 
+def roberta(device: torch.device) -> tuple[nn.Module, Step]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.RobertaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=20,  # RoBERTa's positions start after its padding index
+    )
+    return transformers.RobertaForMaskedLM(config).to(device).train(), own_loss_step(device)
+
+
+def distilbert(device: torch.device) -> tuple[nn.Module, Step]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DistilBertConfig(
+        vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16
+    )
+    return transformers.DistilBertForMaskedLM(config).to(device).train(), own_loss_step(device)
+
+
+def llama(device: torch.device) -> tuple[nn.Module, Step]:
+    """A decoder of today's kind: RMSNorm, rotary positions, gated MLP, grouped-query SDPA."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(config).to(device).train(), own_loss_step(device)
+
+
+def vit(device: torch.device) -> tuple[nn.Module, Step]:
+    """Hugging Face's ViT: patch embedding by a convolution, a classification head."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+    )
+    model = transformers.ViTForImageClassification(config).to(device).train()
+    return model, squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
+
+
+def clip(device: torch.device) -> tuple[nn.Module, Step]:
+    """Hugging Face's CLIP: two towers in one forward, its own contrastive loss."""
+    transformers = pytest.importorskip("transformers")
+    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.CLIPConfig(
+        text_config={
+            **tower,
+            "vocab_size": 64,
+            "intermediate_size": 32,
+            "max_position_embeddings": 16,
+        },
+        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
+        projection_dim=8,
+    )
+    model = transformers.CLIPModel(config).to(device).train()
+
+    def step(m: nn.Module, i: int) -> Any:
+        ids = torch.randint(0, 64, (2, 8), device=device)
+        pixels = torch.randn(2, 3, 32, 32, device=device)
+        out = m(input_ids=ids, pixel_values=pixels, return_loss=True)
+        out.loss.backward()
+        return out.loss
+
+    return model, step
+
+
+def whisper(device: torch.device) -> tuple[nn.Module, Step]:
+    """Hugging Face's Whisper: an audio encoder and a text decoder with cross-attention."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=16,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.WhisperForConditionalGeneration(config).to(device).train()
+
+    def step(m: nn.Module, i: int) -> Any:
+        features = torch.randn(2, 8, 32, device=device)  # 2 x 16 positions after its convolutions
+        out = m(input_features=features, labels=torch.randint(1, 64, (2, 6), device=device))
+        out.loss.backward()
+        return out.loss
+
+    return model, step
+
+
 def t5(device: torch.device) -> tuple[nn.Module, Step]:
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(
@@ -330,7 +439,13 @@ CASES: dict[str, Case] = {
     "mobilenet_v3_small": mobilenet_v3_small,
     "gpt2": gpt2,
     "bert": bert,
+    "roberta": roberta,
+    "distilbert": distilbert,
     "t5": t5,
+    "llama": llama,
+    "vit": vit,
+    "clip": clip,
+    "whisper": whisper,
     "transformer_encoder_train": transformer_encoder("train", True),
     "transformer_encoder_eval": transformer_encoder("eval", True),
     "transformer_encoder_eval_no_grad": transformer_encoder("eval", False),
@@ -349,6 +464,14 @@ STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restar
 PARAMETRIZED = {"parametrized": ["0", "3", "5"], "wav2vec2": ["encoder.pos_conv_embed.conv"]}
 HELD_NOT_CALLED = {  # a module that hands children's weights or settings to a kernel has rows
     "bert": ("bert.encoder.layer.0.attention.self", "bert.encoder.layer.0.attention.self.dropout"),
+    "roberta": (
+        "roberta.encoder.layer.0.attention.self",
+        "roberta.encoder.layer.0.attention.self.dropout",
+    ),
+    "distilbert": (
+        "distilbert.transformer.layer.0.attention",
+        "distilbert.transformer.layer.0.attention.dropout",
+    ),
     "swin": ("features.1.0.attn", "features.1.0.attn.qkv"),
     "swin_v2": ("features.1.0.attn", "features.1.0.attn.proj"),
     "mamba": ("backbone.layers.0.mixer", "backbone.layers.0.mixer.conv1d"),

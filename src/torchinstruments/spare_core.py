@@ -35,7 +35,7 @@ Design decision: the small-tensor lane's sorts stay on the training thread, at t
 pass. Handing a job over costs the training thread a lock, a share of a wake-up and the GIL's
 hand-overs around it: about 60 us a job here, more than NumPy's AVX-512 sort takes for a copy of
 16,384 float32 entries on an Intel Xeon (36 us; handing them over made bench/sampled.py's MLP
-step 0.8 ms slower). Where a CPU sorts slowly (an AMD EPYC's NumPy sort of the same copy takes
+step 0.8 ms slower). Where a CPU sorts slowly (a Zen 4 AMD EPYC's NumPy sort of the same copy takes
 several times as long) the lane selects instead of sorting (`order.selection_is_quicker`, timed
 once per process), which costs the same on every CPU.
 

@@ -148,101 +148,96 @@ def own_loss_step(device: torch.device) -> Step:
     return step
 
 
-def gpt2(device: torch.device) -> tuple[nn.Module, Step]:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=16,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config).to(device).train(), own_loss_step(device)
+def hugging_face(
+    model: str, config: str, step: Callable[[torch.device], Step] = own_loss_step, **settings: Any
+) -> Case:
+    """A Hugging Face model (`model`, a class of transformers) built from a small `config` of
+    `settings`, in train mode, and its `step` (by default its own loss on random tokens)."""
+
+    def case(device: torch.device) -> tuple[nn.Module, Step]:
+        transformers = pytest.importorskip("transformers")
+        built = getattr(transformers, model)(getattr(transformers, config)(**settings))
+        return built.to(device).train(), step(device)
+
+    return case
 
 
-def bert(device: torch.device) -> tuple[nn.Module, Step]:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    return transformers.BertForMaskedLM(config).to(device).train(), own_loss_step(device)
+# Sizes shared by the small text models: two layers of width 16, two heads.
+TEXT = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2}
+gpt2 = hugging_face(
+    "GPT2LMHeadModel",
+    "GPT2Config",
+    vocab_size=64,
+    n_positions=16,
+    n_embd=16,
+    n_layer=2,
+    n_head=2,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+bert = hugging_face(
+    "BertForMaskedLM", "BertConfig", **TEXT, intermediate_size=32, max_position_embeddings=16
+)
+# RoBERTa numbers its positions from its padding index + 1: more than the 8 tokens need.
+roberta = hugging_face(
+    "RobertaForMaskedLM", "RobertaConfig", **TEXT, intermediate_size=32, max_position_embeddings=20
+)
+distilbert = hugging_face(
+    "DistilBertForMaskedLM",
+    "DistilBertConfig",
+    vocab_size=64,
+    dim=16,
+    n_layers=2,
+    n_heads=2,
+    hidden_dim=32,
+    max_position_embeddings=16,
+)
+t5 = hugging_face(
+    "T5ForConditionalGeneration",
+    "T5Config",
+    vocab_size=64,
+    d_model=16,
+    d_kv=8,
+    d_ff=32,
+    num_layers=2,
+    num_heads=2,
+    decoder_start_token_id=0,
+    use_cache=False,
+)
+# A decoder of today's kind: RMSNorm, rotary positions, gated MLP, grouped-query SDPA.
+llama = hugging_face(
+    "LlamaForCausalLM",
+    "LlamaConfig",
+    **{**TEXT, "num_attention_heads": 4},
+    num_key_value_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=16,
+)
 
 
-def roberta(device: torch.device) -> tuple[nn.Module, Step]:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.RobertaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=20,  # RoBERTa's positions start after its padding index
-    )
-    return transformers.RobertaForMaskedLM(config).to(device).train(), own_loss_step(device)
+def images(device: torch.device) -> Step:
+    """A step on two random 32 x 32 RGB images."""
+    return squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
 
 
-def distilbert(device: torch.device) -> tuple[nn.Module, Step]:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.DistilBertConfig(
-        vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16
-    )
-    return transformers.DistilBertForMaskedLM(config).to(device).train(), own_loss_step(device)
+# Hugging Face's ViT: patch embedding by a convolution, a classification head.
+vit = hugging_face(
+    "ViTForImageClassification",
+    "ViTConfig",
+    images,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=32,
+    image_size=32,
+    patch_size=8,
+    num_labels=3,
+)
 
 
-def llama(device: torch.device) -> tuple[nn.Module, Step]:
-    """A decoder of today's kind: RMSNorm, rotary positions, gated MLP, grouped-query SDPA."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    return transformers.LlamaForCausalLM(config).to(device).train(), own_loss_step(device)
-
-
-def vit(device: torch.device) -> tuple[nn.Module, Step]:
-    """Hugging Face's ViT: patch embedding by a convolution, a classification head."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.ViTConfig(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        image_size=32,
-        patch_size=8,
-        num_labels=3,
-    )
-    model = transformers.ViTForImageClassification(config).to(device).train()
-    return model, squares_step(lambda: torch.randn(2, 3, 32, 32, device=device))
-
-
-def clip(device: torch.device) -> tuple[nn.Module, Step]:
-    """Hugging Face's CLIP: two towers in one forward, its own contrastive loss."""
-    transformers = pytest.importorskip("transformers")
-    tower = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
-    config = transformers.CLIPConfig(
-        text_config={
-            **tower,
-            "vocab_size": 64,
-            "intermediate_size": 32,
-            "max_position_embeddings": 16,
-        },
-        vision_config={**tower, "intermediate_size": 32, "image_size": 32, "patch_size": 8},
-        projection_dim=8,
-    )
-    model = transformers.CLIPModel(config).to(device).train()
+def contrastive_step(device: torch.device) -> Step:
+    """CLIP's step: texts and images in one forward, its own contrastive loss."""
 
     def step(m: nn.Module, i: int) -> Any:
         ids = torch.randint(0, 64, (2, 8), device=device)
@@ -251,54 +246,59 @@ def clip(device: torch.device) -> tuple[nn.Module, Step]:
         out.loss.backward()
         return out.loss
 
-    return model, step
+    return step
 
 
-def whisper(device: torch.device) -> tuple[nn.Module, Step]:
-    """Hugging Face's Whisper: an audio encoder and a text decoder with cross-attention."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.WhisperConfig(
-        vocab_size=64,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        num_mel_bins=8,
-        max_source_positions=16,
-        max_target_positions=16,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.WhisperForConditionalGeneration(config).to(device).train()
+TOWER = {
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+}
+clip = hugging_face(
+    "CLIPModel",
+    "CLIPConfig",
+    contrastive_step,
+    text_config={**TOWER, "vocab_size": 64, "max_position_embeddings": 16},
+    vision_config={**TOWER, "image_size": 32, "patch_size": 8},
+    projection_dim=8,
+)
+
+
+def speech_step(device: torch.device) -> Step:
+    """Whisper's step: 8 mel bins of 32 frames (16 positions after its convolutions), its own loss
+    on six random target tokens."""
 
     def step(m: nn.Module, i: int) -> Any:
-        features = torch.randn(2, 8, 32, device=device)  # 2 x 16 positions after its convolutions
+        features = torch.randn(2, 8, 32, device=device)
         out = m(input_features=features, labels=torch.randint(1, 64, (2, 6), device=device))
         out.loss.backward()
         return out.loss
 
-    return model, step
+    return step
 
 
-def t5(device: torch.device) -> tuple[nn.Module, Step]:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(
-        vocab_size=64,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=2,
-        num_heads=2,
-        decoder_start_token_id=0,
-        use_cache=False,
-    )
-    model = transformers.T5ForConditionalGeneration(config)
-    return model.to(device).train(), own_loss_step(device)
+# Whisper: an audio encoder and a text decoder with cross-attention.
+whisper = hugging_face(
+    "WhisperForConditionalGeneration",
+    "WhisperConfig",
+    speech_step,
+    vocab_size=64,
+    d_model=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=32,
+    decoder_ffn_dim=32,
+    num_mel_bins=8,
+    max_source_positions=16,
+    max_target_positions=16,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 def transformer_encoder(mode: str, grad: bool) -> Case:
@@ -375,25 +375,29 @@ def parametrized(device: torch.device) -> tuple[nn.Module, Step]:
     return model.to(device), squares_step(lambda: torch.randn(4, 3, 6, device=device))
 
 
-def wav2vec2(device: torch.device) -> tuple[nn.Module, Step]:
-    """Hugging Face's wav2vec2: its positional convolution is weight-normed (parametrize)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Wav2Vec2Config(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        conv_dim=(8, 8),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2,
-        vocab_size=10,
-        layerdrop=0.0,  # the encoder layer runs in the one step (its draw skipped it)
-        mask_time_prob=0.0,  # SpecAugment draws from NumPy's RNG, which the steps do not seed
-    )
-    model = transformers.Wav2Vec2Model(config).to(device).train()
-    return model, squares_step(lambda: torch.randn(2, 400, device=device))
+def waveforms(device: torch.device) -> Step:
+    """A step on two random waveforms of 400 samples."""
+    return squares_step(lambda: torch.randn(2, 400, device=device))
+
+
+# Hugging Face's wav2vec2: its positional convolution is weight-normed (parametrize).
+wav2vec2 = hugging_face(
+    "Wav2Vec2Model",
+    "Wav2Vec2Config",
+    waveforms,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=32,
+    conv_dim=(8, 8),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=2,
+    vocab_size=10,
+    layerdrop=0.0,  # the encoder layer runs in the one step (its draw skipped it)
+    mask_time_prob=0.0,  # SpecAugment draws from NumPy's RNG, which the steps do not seed
+)
 
 
 def swin(version: int) -> Case:
@@ -423,14 +427,17 @@ def swin(version: int) -> Case:
     return case
 
 
-def mamba(device: torch.device) -> tuple[nn.Module, Step]:
-    """Hugging Face's Mamba: its mixer passes `conv1d` and `dt_proj`'s weights to functional
-    kernels (the mixer is the layer)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MambaConfig(
-        vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2
-    )
-    return transformers.MambaForCausalLM(config).to(device).train(), own_loss_step(device)
+# Hugging Face's Mamba: its mixer passes `conv1d` and `dt_proj`'s weights to functional kernels
+# (the mixer is the layer).
+mamba = hugging_face(
+    "MambaForCausalLM",
+    "MambaConfig",
+    vocab_size=64,
+    hidden_size=16,
+    state_size=4,
+    num_hidden_layers=2,
+    expand=2,
+)
 
 
 CASES: dict[str, Case] = {

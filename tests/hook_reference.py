@@ -217,22 +217,26 @@ HELD_NOT_CALLED = {
 
 
 def _computes_nothing(module: nn.Module) -> bool:
-    """A module class that defines no forward (ModuleList, ModuleDict), or nn.Sequential itself."""
-    return (
-        type(module).forward is nn.Module.forward or type(module).forward is nn.Sequential.forward
-    )
+    """A module class that defines no forward (ModuleList, ModuleDict), or nn.Sequential itself
+    (the class's attribute as stored: TorchScript's raises when read through the class)."""
+    forward = next(c.__dict__["forward"] for c in type(module).__mro__ if "forward" in c.__dict__)
+    return forward is nn.Module.forward or forward is nn.Sequential.forward
 
 
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
     module but those that compute nothing (no forward of their own class, or an empty
     nn.Sequential); the modules of `HELD_NOT_CALLED` as one layer each, without the children they
-    never call; and a module parametrized by torch.nn.utils.parametrize as one layer (its
-    `parametrizations`, which compute its weights, are not layers)."""
+    never call; a module parametrized by torch.nn.utils.parametrize as one layer (its
+    `parametrizations`, which compute its weights, are not layers); and no TorchScript module,
+    nor any module inside one."""
     names: list[str] = []
     skipped: list[str] = []
     for name, module in model.named_modules():
         if any(name == top or name.startswith(f"{top}.") for top in skipped):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):  # compiled: no forward to replace
+            skipped.append(name)
             continue
         children = dict(module.named_children())
         if torch.nn.utils.parametrize.is_parametrized(module):

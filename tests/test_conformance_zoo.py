@@ -400,6 +400,13 @@ wav2vec2 = hugging_face(
 )
 
 
+def torchscript_submodule(device: torch.device) -> tuple[nn.Module, Step]:
+    """A scripted block among eager layers: observed around it (TorchScript is never a layer)."""
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    model = nn.Sequential(nn.Linear(8, 8), scripted, nn.ReLU(), nn.Linear(8, 4))
+    return model.to(device), squares_step(lambda: torch.randn(4, 8, device=device))
+
+
 def swin(version: int) -> Case:
     """torchvision's Swin Transformer: its window attention passes `qkv` and `proj`'s weights
     to a functional kernel (the attention is the layer); V2 also calls a small MLP for its bias."""
@@ -462,6 +469,7 @@ CASES: dict[str, Case] = {
     "bf16_autocast": bf16_autocast,
     "parametrized": parametrized,
     "wav2vec2": wav2vec2,
+    "torchscript_submodule": torchscript_submodule,
     "swin": swin(1),
     "swin_v2": swin(2),
     "mamba": mamba,
@@ -496,6 +504,8 @@ def test_rows_equal_plain_hooks(run_dir: Path, device: torch.device, name: str) 
         assert layer in result.catalog
         assert holder not in result.catalog
         assert layer in result.history["layer"].unique().to_list()
+    if name == "torchscript_submodule":
+        assert result.catalog == ["0", "2", "3"]
     if name in PARAMETRIZED:
         assert not [layer for layer in result.catalog if ".parametrizations" in layer]
         assert set(PARAMETRIZED[name]) <= set(result.history["layer"].unique().to_list())

@@ -183,3 +183,17 @@ def test_modules_that_compute_nothing_are_not_layers() -> None:
     }.items():
         model.add_module(name, module)
     assert default_layers(model) == {"doubles", "given", "fc"}
+
+
+def test_torchscript_submodules_are_observed_around_and_named_in_index_md(run_dir: Path) -> None:
+    inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU(), torch.jit.script(nn.Linear(4, 2)))
+    assert default_layers(model) == {"0", "2"}  # no TorchScript module, nor one inside one
+    with pytest.warns(RuntimeWarning, match=r"2 submodules are TorchScript .* '1', '3'"):
+        inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    assert set(read_history(run_dir)["layer"]) == {"0", "2"}
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "TorchScript: 2 submodules are TorchScript" in index
+    assert "'1', '3'" in index

@@ -37,7 +37,12 @@ from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.sampling import describe_sampler
-from torchinstruments.selection import Selector, select_focus_layers, select_layers
+from torchinstruments.selection import (
+    Selector,
+    select_focus_layers,
+    select_layers,
+    torchscript_note,
+)
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.sinks.protocol import Sink
@@ -489,7 +494,7 @@ def _open_run(
         # The cap in force, stated in index.md even where the option was left at None.
         history=dataclasses.replace(history, max_buffered_rows=history.buffered_rows_cap),
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        notes=compile_notes(model) + global_notes(config.global_option),
+        notes=compile_notes(model) + torchscript_note(model) + global_notes(config.global_option),
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.

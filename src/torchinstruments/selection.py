@@ -17,7 +17,9 @@ falls back to the leaf rule. A module parametrized with `torch.nn.utils.parametr
 `orthogonal`) is a layer when its parametrizations are its only children, and they are never
 layers: they compute its weights, not activations, and a leaf-only rule would record the
 weights as outputs and nothing of the module. TorchScript
-modules are never layers (their `forward` cannot be replaced). `selector=` overrides the rule;
+modules are never layers, nor the modules inside them (their `forward` cannot be replaced): a
+model that holds some is observed around them, and the run names them (`torchscript_note`, in
+index.md and a warning). `selector=` overrides the rule;
 focus layers are the first `max_histogram_modules` layers that `histogram_selector` accepts
 (default: all). A `torch.compile(module)` wrapper (OptimizedModule) is looked through: the
 module it compiles is offered in its place, under the name it has in the eager model
@@ -179,9 +181,35 @@ def _read_self_attributes(
 def _computes(module: nn.Module) -> bool:
     """Whether a leaf computes: not a module without a forward (an empty `ModuleList` or
     `ModuleDict`, a bare holder of parameters), nor an empty `nn.Sequential`, which returns its
-    input (ShuffleNetV2's `branch1` in its stride-1 blocks, never called)."""
-    forward = type(module).forward
+    input (ShuffleNetV2's `branch1` in its stride-1 blocks, never called). The class's `forward`
+    is read without running a descriptor (TorchScript's raises when read from the class)."""
+    forward = inspect.getattr_static(type(module), "forward", None)
     return "forward" in vars(module) or forward not in (nn.Module.forward, nn.Sequential.forward)
+
+
+def torchscript_modules(model: nn.Module) -> list[str]:
+    """The outermost TorchScript submodules of `model` (`torch.jit.script` of a part of it), in
+    traversal order: they and the modules inside them are never layers."""
+    found: list[str] = []
+    for name, module in named_modules_uncompiled(model):
+        inside = any(name.startswith(f"{outer}.") for outer in found)
+        if isinstance(module, torch.jit.ScriptModule) and not inside:
+            found.append(name)
+    return found
+
+
+def torchscript_note(model: nn.Module) -> tuple[str, ...]:
+    """What a run of `model` says about its TorchScript submodules (index.md and a warning at
+    inject), empty when it has none: they compute without their outputs being recorded."""
+    names = torchscript_modules(model)
+    if not names:
+        return ()
+    count = f"{len(names)} submodule{'s are' if len(names) > 1 else ' is'}"
+    return (
+        f"TorchScript: {count} TorchScript (torch.jit.script), whose forward cannot be replaced, "
+        f"so neither {'they' if len(names) > 1 else 'it'} nor the modules inside have rows: "
+        f"{_listed(names)}; observe the eager modules to record them",
+    )
 
 
 def default_layers(model: nn.Module) -> set[str]:
@@ -192,6 +220,9 @@ def default_layers(model: nn.Module) -> set[str]:
         parts = name.split(".")
         if any(".".join(parts[:end]) in skipped for end in range(1, len(parts) + 1)):
             continue  # inside a skipped subtree (a lookup per ancestor, not per subtree)
+        if isinstance(module, torch.jit.ScriptModule):  # never a layer, nor what it holds
+            skipped.add(name)
+            continue
         children = [child for child, _ in module.named_children()]
         if parametrize.is_parametrized(module):  # its parametrizations compute its weights
             children.remove("parametrizations")

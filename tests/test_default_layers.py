@@ -187,7 +187,8 @@ def test_modules_that_compute_nothing_are_not_layers() -> None:
 
 def test_torchscript_submodules_are_observed_around_and_named_in_index_md(run_dir: Path) -> None:
     inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
-    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU(), torch.jit.script(nn.Linear(4, 2)))
+    traced = torch.jit.trace(nn.Linear(4, 2), torch.randn(1, 4))
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU(), traced)
     assert default_layers(model) == {"0", "2"}  # no TorchScript module, nor one inside one
     with pytest.warns(RuntimeWarning, match=r"2 submodules are TorchScript .* '1', '3'"):
         inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))

@@ -188,8 +188,9 @@ def _computes(module: nn.Module) -> bool:
 
 
 def torchscript_modules(model: nn.Module) -> list[str]:
-    """The outermost TorchScript submodules of `model` (`torch.jit.script` of a part of it), in
-    traversal order: they and the modules inside them are never layers."""
+    """The outermost TorchScript submodules of `model` (a part of it given to `torch.jit.script`
+    or `torch.jit.trace`), in traversal order: they and the modules inside them are never
+    layers."""
     found: list[str] = []
     for name, module in named_modules_uncompiled(model):
         inside = any(name.startswith(f"{outer}.") for outer in found)
@@ -206,9 +207,9 @@ def torchscript_note(model: nn.Module) -> tuple[str, ...]:
         return ()
     count = f"{len(names)} submodule{'s are' if len(names) > 1 else ' is'}"
     return (
-        f"TorchScript: {count} TorchScript (torch.jit.script), whose forward cannot be replaced, "
-        f"so neither {'they' if len(names) > 1 else 'it'} nor the modules inside have rows: "
-        f"{_listed(names)}; observe the eager modules to record them",
+        f"TorchScript: {count} TorchScript (torch.jit.script or trace), whose forward cannot be "
+        f"replaced, so neither {'they' if len(names) > 1 else 'it'} nor the modules inside have "
+        f"rows: {_listed(names)}; observe the eager modules to record them",
     )
 
 

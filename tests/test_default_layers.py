@@ -144,6 +144,30 @@ def test_a_class_without_source_keeps_the_leaf_rule() -> None:
     assert default_layers(namespace["Generated"]()) == {"proj"}
 
 
+class Loops:
+    """A callable whose `__wrapped__` is itself: `inspect.unwrap` refuses it."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def test_a_class_that_cannot_be_read_keeps_the_leaf_rule() -> None:
+    looping = Loops()
+    looping.__wrapped__ = looping  # type: ignore[attr-defined]
+    namespace = {"nn": nn, "functional": functional, "looping": looping}
+    exec(  # a class whose member cannot be unwrapped, around a child it only reads
+        "class Unreadable(nn.Module):\n"
+        "    member = looping\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.proj = nn.Linear(2, 2)\n"
+        "    def forward(self, x):\n"
+        "        return functional.linear(x, self.proj.weight)\n",
+        namespace,
+    )
+    assert default_layers(namespace["Unreadable"]()) == {"proj"}
+
+
 def test_the_module_that_passes_weights_is_measured_and_its_child_has_no_rows(
     run_dir: Path,
 ) -> None:

@@ -123,20 +123,20 @@ def _attribute_uses(cls: type, names: frozenset[str]) -> dict[str, frozenset[str
     Module's and containers' aside): the attributes read on it outside `__init__`, or None where
     it is used otherwise (called, passed, aliased, indexed). Assignments are not uses. Only a
     method whose bytecode names one of `names` is parsed. Empty where such a method's source is
-    missing: the leaf rule applies."""
+    missing, or the class cannot be read (a member whose `__wrapped__` chain loops, say): the leaf
+    rule applies, and injection never fails on a model for its selection."""
     reads: dict[str, set[str] | None] = {}
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
-            continue
-        for method, member in vars(klass).items():
-            for function in _functions(member):
-                if not names & _code_names(function.__code__):
-                    continue
-                try:
-                    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-                except (OSError, TypeError, SyntaxError):
-                    return {}
-                _read_self_attributes(tree, names, reads, init=method == "__init__")
+    try:
+        for klass in cls.__mro__:
+            if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
+                continue
+            for method, member in vars(klass).items():
+                for function in _functions(member):
+                    if names & _code_names(function.__code__):
+                        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+                        _read_self_attributes(tree, names, reads, init=method == "__init__")
+    except Exception:  # no source (OSError), unparsable, or unreadable members
+        return {}
     return {name: None if read is None else frozenset(read) for name, read in reads.items()}
 
 

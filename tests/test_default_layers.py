@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -154,7 +154,7 @@ class Loops:
 def test_a_class_that_cannot_be_read_keeps_the_leaf_rule() -> None:
     looping = Loops()
     looping.__wrapped__ = looping  # type: ignore[attr-defined]
-    namespace = {"nn": nn, "functional": functional, "looping": looping}
+    namespace: dict[str, Any] = {"nn": nn, "functional": functional, "looping": looping}
     exec(  # a class whose member cannot be unwrapped, around a child it only reads
         "class Unreadable(nn.Module):\n"
         "    member = looping\n"
@@ -211,7 +211,7 @@ def test_modules_that_compute_nothing_are_not_layers() -> None:
 
 def test_torchscript_submodules_are_observed_around_and_named_in_index_md(run_dir: Path) -> None:
     inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
-    traced = torch.jit.trace(nn.Linear(4, 2), torch.randn(1, 4))
+    traced = cast(nn.Module, torch.jit.trace(nn.Linear(4, 2), torch.randn(1, 4)))
     model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU(), traced)
     assert default_layers(model) == {"0", "2"}  # no TorchScript module, nor one inside one
     with pytest.warns(RuntimeWarning, match=r"2 submodules are TorchScript .* '1', '3'"):

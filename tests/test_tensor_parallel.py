@@ -106,6 +106,11 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+    # Done: end as a forked child ends, without the interpreter's teardown. The profiler's
+    # (kineto's) thread can be unwound at exit and abort the process (SIGABRT, "terminate called
+    # without an active exception", pytorch/kineto#1051) after everything above succeeded; an
+    # exception above still ends the process with a failing exit code.
+    os._exit(0)
 
 
 def profile_of(rows: pl.DataFrame, layer: str, signal: str = "output") -> dict[str, MetricValue]:

@@ -3,7 +3,7 @@
 The lane (`measurement/lane.py`) measures a sample's small float32 CPU tensors together as
 arrays (`numerics.sorted_profiles`, the host path's arithmetic) and records them as a
 `MeasurementBlock`. These tests hold it to the general path's values (the NumPy path followed by
-`DefaultDeriver`, itself held to NumPy elsewhere), sorting its copies or, where the CPU sorts
+`numerics.derived`, itself held to NumPy elsewhere), sorting its copies or, where the CPU sorts
 slowly (`select`), selecting their order statistics as the host path then does; to the rows the
 general path writes for a whole run, and to its reason for existing: few objects for the garbage
 collector per measured tensor.
@@ -47,10 +47,11 @@ SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4
 def general_path(copies: list[np.ndarray], select: bool = False) -> list[dict[str, MetricValue]]:
     """The default profiles of the copies as the NumPy path and its deriver give them, one
     tensor at a time (each within one moments chunk, as the lane's batch is)."""
-    wanted = frozenset(DEFAULT_METRICS)
     return [
-        numerics.DefaultDeriver(copy.size, wanted)(
-            numerics.measure_on_cpu(torch.from_numpy(copy), None, select).raw
+        numerics.derived(
+            numerics.measure_on_cpu(torch.from_numpy(copy), None, select).raw,
+            copy.size,
+            DEFAULT_METRICS,
         )
         for copy in copies
     ]

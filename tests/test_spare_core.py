@@ -245,7 +245,7 @@ def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
     assert isinstance(block, MeasurementBlock)
     for index, tensor in enumerate(tensors):
         raw = numerics.measure_on_cpu(tensor, None).raw
-        want = numerics.DefaultDeriver(tensor.numel(), frozenset(metrics))(raw)
+        want = numerics.derived(raw, tensor.numel(), metrics)
         got = block.values[index * len(metrics) : (index + 1) * len(metrics)]
         assert got == [want[metric].value for metric in metrics], "the same bits on either path"
 

@@ -5,7 +5,7 @@ shards, one with Partial(sum) for the elementwise sum of its partials; with a pr
 named, any other output stands for the union of every group rank's tensor (data parallel: the
 global batch). Such an output gets rows of the whole tensor, exact: the nine default metrics
 equal those of the full tensor gathered in one place (the quartiles select the very elements
-and interpolate with the measurement folder's own `DefaultDeriver`), labelled
+and interpolate as the measurement folder does), labelled
 `population = "global:ranks=..."`. Its local rows are not written: a series has one population
 for the whole run, so no summary mixes them.
 
@@ -33,7 +33,7 @@ Safety: only samplers that decide the same on every rank are accepted (the defau
 `TimeIntervalSampler` reads each rank's clock: refused at inject); every rank must observe
 (`rank_policy="all"`). Gradients (`output_gradient` rows) stay this rank's local tensor.
 It reuses the measurement folder's key transform (`order.sortable_keys`), quantile routine
-(`numerics.quartile_positions`, `numerics.lerp`) and `numerics.DefaultDeriver`; its histogram
+(`numerics.quartile_positions`, `numerics.lerp`) and `numerics.derived`; its histogram
 passes are its own (`order.on_device` counts 16-bit digits of one tensor on one device; here
 the counts of every tensor of a sample travel in one packed all-reduce, so 8-bit digits keep
 the packet small).
@@ -56,7 +56,7 @@ from torchinstruments import reasons
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
-    DefaultDeriver,
+    derived,
     lerp,
     quartile_positions,
 )
@@ -333,7 +333,7 @@ def _group_rows(
     combined = [_combined([g[i] for g in gathered]) for i in range(len(items))]
     targets = torch.tensor([_targets(c["finite"]) for c in combined], dtype=torch.int64)
     selected = _select(list(finite_parts), targets, group).tolist()
-    wanted = frozenset(m for m in metrics if m in PROFILE)
+    wanted = tuple(m for m in metrics if m in PROFILE)
     out = []
     for c, picks in zip(combined, selected, strict=True):
         raw: dict[str, float] = dict(c)
@@ -342,10 +342,10 @@ def _group_rows(
             _, weight = quartile_positions(last, q)
             low, high = np.float64(picks[2 * j]), np.float64(picks[2 * j + 1])
             raw[name] = float(lerp(low, high, weight))
-        derived = DefaultDeriver(int(c["numel"]), wanted)(raw) if c["numel"] else {}
+        profile = derived(raw, int(c["numel"]), wanted) if c["numel"] else {}
         out.append(
             tuple(
-                derived.get(m, MetricValue(None, reasons.EMPTY_GLOBAL))
+                profile.get(m, MetricValue(None, reasons.EMPTY_GLOBAL))
                 if m in PROFILE
                 else MetricValue(None, reasons.NOT_GLOBAL_CUSTOM)
                 for m in metrics

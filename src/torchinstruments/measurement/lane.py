@@ -38,9 +38,6 @@ __all__ = [
     "takes",
 ]
 
-# The metrics the lane computes, in the order of `numerics.PROFILE`.
-_COLUMN = {name: index for index, name in enumerate(numerics.PROFILE)}
-_FINITE_COLUMNS = frozenset(_COLUMN[name] for name in numerics.FINITE_METRICS)
 # The lane takes float32 tensors of at most BATCH_MAX entries (those the host path sorts too).
 BATCH_MAX = order.SMALL
 # Copies of this many entries count against the copies an observer keeps at once (the caller
@@ -115,8 +112,8 @@ def _measure_together(
     buffers: Buffers | None,
     select: bool,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
-    """`measure` of all copies at once: `numerics.DefaultDeriver`'s metrics and reasons. The
-    sorted copies and the selected ones are two batches, their rows put back in order."""
+    """`measure` of all copies at once (`numerics.profile_metrics`). The sorted copies and the
+    selected ones are two batches, their rows put back in order."""
     selected = [select and copy.size > order.SORTED_UP_TO for copy in copies]
     raw, vectors = np.empty((len(copies), len(numerics.RAW))), {}
     for ascending in (True, False):
@@ -128,20 +125,5 @@ def _measure_together(
             raw[rows], found = numerics.sorted_profiles(batch, shown, bins, buffers, ascending)
             vectors.update((rows[at], vector) for at, vector in found.items())
     numel = np.fromiter((copy.size for copy in copies), dtype=np.float64, count=len(copies))
-    profile = np.empty((len(copies), len(numerics.PROFILE)))
-    profile[:, :7] = raw[:, :7]
-    profile[:, 7] = raw[:, 7] / numel
-    profile[:, 8] = (numel - raw[:, 8]) / numel
-    profile[~np.isfinite(profile)] = np.nan  # metric_value: a non-finite result is a null
-    profile += 0.0  # -0.0 becomes 0.0, as metric_value does
-    columns = [_COLUMN[name] for name in metrics]
-    chosen = profile[:, columns] if columns != list(range(len(numerics.PROFILE))) else profile
-    flat = chosen.reshape(-1)
-    out: list[float | None] = flat.tolist()
-    why: list[str | None] = [None] * flat.size
-    for position in np.flatnonzero(np.isnan(flat)).tolist():  # the nulls only
-        row, column = divmod(position, len(columns))
-        out[position] = None
-        no_finite = raw[row, 8] == 0 and columns[column] in _FINITE_COLUMNS
-        why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
+    out, why = numerics.profile_metrics(raw, numel, metrics)
     return out, why, [vectors.get(index) for index in range(len(copies))]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,11 @@ from torchinstruments.spare_core import Buffers
 
 __all__ = [
     "CHUNK",
-    "FINITE_METRICS",
     "PROFILE",
     "QUARTILES",
     "RAW",
     "CpuResult",
-    "DefaultDeriver",
+    "derived",
     "device_sums",
     "finish_moments",
     "finish_profiles",
@@ -59,6 +58,7 @@ __all__ = [
     "measure_array",
     "measure_on_cpu",
     "metric_value",
+    "profile_metrics",
     "profile_ranks",
     "quartile_positions",
     "raw_on_device",
@@ -67,9 +67,10 @@ __all__ = [
 ]
 
 QUARTILES: dict[str, float] = {"p25": 0.25, "p50": 0.5, "p75": 0.75}
-FINITE_METRICS = frozenset({"mean", "std", "min", "max", "p25", "p50", "p75"})
-# The nine default metrics, in the order rows and a profile's columns list them.
+# The nine default metrics, in the order rows list them, and the raw profile's columns (every
+# path's): the seven metrics of the finite entries, then how many entries are zeros and finite.
 PROFILE = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
+RAW = (*PROFILE[:7], "zeros", "finite")
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 
 # Power-of-two scaling exponents stay in this range so that the scale and its inverse are normal.
@@ -81,24 +82,39 @@ def _xp(array: _Array) -> Any:
     return torch if isinstance(array, torch.Tensor) else np
 
 
-@dataclass(frozen=True, slots=True)
-class DefaultDeriver:
-    """Turns the raw values (counts, moments, order statistics) into the default metrics."""
+def profile_metrics(
+    raw: np.ndarray, numel: np.ndarray, metrics: Sequence[str]
+) -> tuple[list[float | None], list[str | None]]:
+    """The `metrics` of tensors of `numel` entries from their raw profiles (a row each, `RAW`
+    columns), row-major, and their reasons: the one derivation of every path. The fractions
+    come from the counts; a non-finite result is null (`reasons.NO_FINITE` where the tensor has
+    no finite entry), -0.0 is 0.0."""
+    profile = np.empty((len(raw), len(PROFILE)))
+    profile[:, :7] = raw[:, :7]
+    profile[raw[:, 8] == 0, :7] = np.nan  # no finite entry: nothing to order or average
+    profile[:, 7] = raw[:, 7] / numel
+    profile[:, 8] = (numel - raw[:, 8]) / numel
+    profile[~np.isfinite(profile)] = np.nan
+    profile += 0.0  # -0.0 becomes 0.0, as metric_value does
+    columns = [PROFILE.index(name) for name in metrics]
+    chosen = profile[:, columns] if columns != list(range(len(PROFILE))) else profile
+    flat = chosen.reshape(-1)
+    out: list[float | None] = flat.tolist()
+    why: list[str | None] = [None] * flat.size
+    for position in np.flatnonzero(np.isnan(flat)).tolist():  # the nulls only
+        row, column = divmod(position, len(columns))
+        out[position] = None
+        no_finite = raw[row, 8] == 0 and columns[column] < 7  # a metric of the finite entries
+        why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
+    return out, why
 
-    numel: int
-    wanted: frozenset[str]
 
-    def __call__(self, raw: dict[str, float]) -> dict[str, MetricValue]:
-        """Computes the fractions on the host and nulls what cannot be measured."""
-        out: dict[str, MetricValue] = {}
-        finite = round(raw["finite"])
-        if "nonfinite_fraction" in self.wanted:
-            out["nonfinite_fraction"] = metric_value((self.numel - finite) / self.numel)
-        if "zero_fraction" in self.wanted:
-            out["zero_fraction"] = metric_value(raw["zeros"] / self.numel)
-        for name in self.wanted & FINITE_METRICS:
-            out[name] = metric_value(raw[name]) if finite else MetricValue(None, reasons.NO_FINITE)
-        return out
+def derived(raw: Mapping[str, float], numel: int, metrics: Sequence[str]) -> dict[str, MetricValue]:
+    """`profile_metrics` of one tensor's raw values (`RAW` names), by name."""
+    row = np.array([[raw[name] for name in RAW]], dtype=np.float64)
+    values, why = profile_metrics(row, np.array([numel]), metrics)
+    pairs = zip(metrics, values, why, strict=True)
+    return {name: MetricValue(value, reason) for name, value, reason in pairs}
 
 
 def metric_value(value: float) -> MetricValue:
@@ -260,9 +276,6 @@ def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
 
 # --- the host paths: one tensor, or many small ones -----------------------------------------------
 
-# Columns of a raw profile row (`sorted_profiles`, `measure_array`): the seven metrics over the
-# finite entries, then how many entries are zeros and how many finite.
-RAW = ("mean", "std", "min", "max", "p25", "p50", "p75", "zeros", "finite")
 # Copies this long on average have their finite parts and zeros found by bisection, a call each;
 # shorter ones by masks over them all (`sorted_profiles`).
 _BISECT_FROM = 512
@@ -276,7 +289,7 @@ _ZERO_BOUNDS = {
 
 @dataclass
 class CpuResult:
-    """Raw values of the default profile (as `DefaultDeriver` reads them) and the histogram."""
+    """Raw values of the default profile (`RAW` names, as `derived` reads them) and the histogram."""
 
     raw: dict[str, float]
     histogram: list[float] | None
@@ -467,11 +480,11 @@ def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> Cpu
 
 
 def raw_on_device(
-    values: torch.Tensor, wanted: frozenset[str], bins: int | None = None
-) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
-    """Raw values as one float64 device block, computed without any host synchronisation (min,
-    max and the quartiles' neighbours by `order.on_device`, interpolated there by `lerp`), and
-    with `bins` the histogram vector from the same statistics."""
+    values: torch.Tensor, bins: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The raw profile (`RAW`) as one float64 device vector, computed without any host
+    synchronisation (min, max and the quartiles' neighbours by `order.on_device`, interpolated
+    there by `lerp`), and with `bins` the histogram vector from the same statistics."""
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
     count, counted = finite.to(torch.float64), finite.to(torch.float64).clamp(min=1.0)
@@ -479,14 +492,10 @@ def raw_on_device(
     picked = order.on_device(values, finite_mask, ranks.reshape(-1)).to(torch.float64)
     sums = device_sums(values, finite_mask, counted)
     profile, total, squares = finish_profiles(picked[:, None], weight, sums, counted.reshape(1))
-    entries = dict(zip(RAW[:7], profile[0].unbind(), strict=True))
-    entries["finite"] = count
-    if "zero_fraction" in wanted:
-        entries["zeros"] = (values.numel() - torch.count_nonzero(values)).to(torch.float64)
-    keys = [key for key in entries if key in wanted or key in ("finite", "zeros")]
-    block = torch.stack([entries[key] for key in keys])
+    zeros = (values.numel() - torch.count_nonzero(values)).to(torch.float64)
+    block = torch.cat([profile[0], torch.stack([zeros, count])])
     if bins is None:
-        return keys, block, None
+        return block, None
     low, high = (torch.where(count > 0, v, 0.0) for v in (picked[0], picked[1]))
     head = (count, total[0], squares[0])
-    return keys, block, histograms.histogram_vector(values, low, high, head, bins, finite_mask)
+    return block, histograms.histogram_vector(values, low, high, head, bins, finite_mask)

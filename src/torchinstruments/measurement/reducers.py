@@ -16,6 +16,7 @@ import contextlib
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -232,22 +233,21 @@ def _reduce_default(
     unsupported = tensors.unsupported_reason(tensor)
     if unsupported is not None or tensor.numel() == 0:
         return _Part.null(metrics, unsupported or reasons.EMPTY), None, None
-    wanted = frozenset(metrics)
-    derive = numerics.DefaultDeriver(tensor.numel(), wanted)
+    derive = partial(numerics.derived, numel=tensor.numel(), metrics=metrics)
     if paths.choose(tensor, host_paths=host_paths, lane_ok=False) == "host":
         with contextlib.suppress(Exception):  # a failure is handed to the general path below
             result = numerics.measure_on_cpu(tensor, bins)
             return _Part(metrics, host=result.raw, derive=derive), None, result.histogram
-    keys, block, vector = numerics.raw_on_device(tensors.working_values(tensor), wanted, bins)
+    block, vector = numerics.raw_on_device(tensors.working_values(tensor), bins)
     histogram: HistogramVector | None = vector  # counted with the statistics' min, max and sums
     if vector is not None and not tensors.is_plain(vector):
         histogram = tensors.host_floats(vector)  # read now: it never joins, or breaks, the transfer
     if not metrics:
         return _Part(metrics), None, histogram
     if not tensors.is_plain(block):  # a subclass's values are read now, outside the transfer
-        host = dict(zip(keys, tensors.host_floats(block), strict=True))
+        host = dict(zip(numerics.RAW, tensors.host_floats(block), strict=True))
         return _Part(metrics, host=host, derive=derive), None, histogram
-    refs = {key: offset + index for index, key in enumerate(keys)}
+    refs = {key: offset + index for index, key in enumerate(numerics.RAW)}
     return _Part(metrics, refs=refs, derive=derive), block, histogram
 
 

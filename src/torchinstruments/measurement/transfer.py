@@ -179,13 +179,13 @@ def _measure(
 ) -> Measured | PendingTensor:
     """The default profile (and histogram) of a plain CPU tensor as the general path resolves
     it (on the spare core's thread or this one); the general path's if this fails."""
-    wanted = frozenset(metrics := measurer.default_only or ())
+    metrics = measurer.default_only or ()
     try:
         result = numerics.measure_on_cpu(tensor, DEFAULT_BINS if focus else None)
-        derived = numerics.DefaultDeriver(tensor.numel(), wanted)(result.raw)
+        row = np.array([[result.raw[name] for name in numerics.RAW]])
+        values, why = numerics.profile_metrics(row, np.array([tensor.numel()]), metrics)
     except Exception:
         return launch_tensor(measurer, key, tensor, focus)
-    values, why = [derived[n].value for n in metrics], [derived[n].reason for n in metrics]
     shape, dtype = tuple(tensor.shape), tensors.dtype_name(tensor.dtype)
     return Measured(key, stamp_ns // 1000, shape, dtype, values, why, result.histogram)
 

@@ -8,8 +8,8 @@ only place where measured values cross to the host.
 A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
 small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound, else measured as a
 host tensor), measures a plain CPU tensor when the default profile is the only reducer (`Measured`:
-values, reasons and histogram vector, nothing to resolve later; at once, or on a copy by the spare
-core, `spare_core`, a `Deferred` of it), or launches its reductions (`launch_tensor`, which
+raw profile and histogram vector, nothing to transfer; at once, or on a copy by the spare core,
+`spare_core`, a `Deferred` of it), or launches its reductions (`launch_tensor`, which
 `paths.choose` sends on); `build_records` waits for what the spare core measures, measures the
 lane's copies together, transfers and resolves the general path's results, and returns one
 `SampleRecord` per sample whose measurements are a `MeasurementBlock`, in launch order. The lane's
@@ -122,15 +122,15 @@ LaneItem = tuple[TensorKey, int, tuple[int, ...], np.ndarray, bool]
 @dataclass(frozen=True, slots=True)
 class Measured:
     """A plain CPU tensor measured as it was launched (`numerics.measure_on_cpu`), when the
-    default profile is the only reducer: its row's values and reasons and its histogram vector
-    are ready, so nothing of it waits for the transfer (its key's signal is the batch's)."""
+    default profile is the only reducer: its raw profile (`numerics.RAW`) and its histogram
+    vector are ready, so nothing of it waits for the transfer; its metrics are derived with the
+    pass's others (its key's signal is the batch's)."""
 
     key: TensorKey
     timestamp_us: int
     shape: tuple[int, ...]
     dtype: str
-    values: list[float | None]
-    reasons: list[str | None]
+    raw: list[float]
     histogram: list[float] | None
 
 
@@ -179,15 +179,13 @@ def _measure(
 ) -> Measured | PendingTensor:
     """The default profile (and histogram) of a plain CPU tensor as the general path resolves
     it (on the spare core's thread or this one); the general path's if this fails."""
-    metrics = measurer.default_only or ()
     try:
         result = numerics.measure_on_cpu(tensor, DEFAULT_BINS if focus else None)
-        row = np.array([[result.raw[name] for name in numerics.RAW]])
-        values, why = numerics.profile_metrics(row, np.array([tensor.numel()]), metrics)
+        raw = [result.raw[name] for name in numerics.RAW]
     except Exception:
         return launch_tensor(measurer, key, tensor, focus)
     shape, dtype = tuple(tensor.shape), tensors.dtype_name(tensor.dtype)
-    return Measured(key, stamp_ns // 1000, shape, dtype, values, why, result.histogram)
+    return Measured(key, stamp_ns // 1000, shape, dtype, raw, result.histogram)
 
 
 def note_of(item: Launched) -> str | None:
@@ -215,6 +213,12 @@ def build_records(
         kept = (math.prod(item[2]) for item in launched if type(item) is tuple)
         spare.release(sum(_held_bytes(numel) for numel in kept))
     lane_values, lane_reasons, lane_histograms = measured
+    done_values: list[float | None] = []  # the `Measured` tensors' metrics, derived together
+    done_reasons: list[str | None] = []
+    if done := [item for item in ready if type(item) is Measured]:
+        numel = np.array([math.prod(item.shape) for item in done])
+        raw = np.array([item.raw for item in done], dtype=np.float64)
+        done_values, done_reasons = numerics.profile_metrics(raw, numel, metrics)
     host = _to_host([item for item in ready if type(item) is PendingTensor])
     k = len(metrics)
     values: list[float | None] = []
@@ -224,7 +228,7 @@ def build_records(
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-    lane_at = general_at = 0
+    lane_at = general_at = done_at = 0
     for item in ready:
         vector = None
         if isinstance(item, PendingTensor):
@@ -238,8 +242,9 @@ def build_records(
             shape, placement, mesh = item.shape, item.placement, item.mesh_coordinate
             entry = (item.key, item.timestamp_us, shape, item.dtype, placement, mesh)
         elif isinstance(item, Measured):
-            values += item.values
-            why += item.reasons
+            values += done_values[done_at * k : (done_at + 1) * k]
+            why += done_reasons[done_at * k : (done_at + 1) * k]
+            done_at += 1
             vector = item.histogram
             shape = shapes.setdefault(item.shape, item.shape)
             entry = (item.key, item.timestamp_us, shape, item.dtype, None, None)

@@ -18,6 +18,21 @@ and ordering hit all alike), an SGD step included in every variant:
 Ratios are medians of per-round ratios, with min..max. `--profile` prints a cProfile of sampled
 steps of the chosen model instead (where the fixed cost goes).
 
+Python's full garbage collections are counted in every timed window (`gc.callbacks`): on the
+3,000-layer model one scans about 400,000 objects (the model's), about 150 ms here, and comes
+after a number of objects promoted out of the young generations (a quarter of the long-lived
+ones), so a window of 10 steps holds 0 to 3 of them, and a sampled step, which keeps a few
+objects per hooked output until its backward (torch's hook dict and `grad_fn`, the observer's
+key and hook), promotes about ten times as many as a plain one. The lines `full collections`
+give their count and time per step by variant, and `.../... without full collections` the
+ratio with their time taken out of both sides: what the step costs apart from when the
+collector happens to run (not a goal figure; the goal counts everything). Each variant's
+untimed step follows a full collection of its own: otherwise a window also pays for
+what was promoted before it (`inject_observer` leaves about 25,000 objects on this model, the
+variant timed before leaves its own), so which variant a collection fell into depended on the
+order and on the process (the `unsampled` step, a root call more than the plain one, measured
+1.24 to 1.33 times it; docs/benchmarks.md, twenty-first session).
+
 `--buffer-memory` prints the bytes per row the history buffer holds for the 3,000-layer model's
 samples instead (tracemalloc; no part is written meanwhile).
 
@@ -29,12 +44,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from sampled import HandRolled
@@ -91,8 +108,16 @@ def make_step(model: nn.Module, x: torch.Tensor, after: Callable[[], None]) -> C
     return step
 
 
-def time_variant(kind: str, model: nn.Module, x: torch.Tensor, steps: int) -> float:
-    """Seconds per step of `kind`, after one untimed step in that state."""
+class Timing(NamedTuple):
+    """One timed window, per step: seconds (by `clock`), full collections, their wall seconds."""
+
+    seconds: float
+    full_collections: float
+    collector_seconds: float
+
+
+def time_variant(kind: str, model: nn.Module, x: torch.Tensor, steps: int) -> Timing:
+    """One window of `kind`, after one untimed step in that state (`_time`)."""
     if kind in ("observed", "unsampled"):
         directory = Path(tempfile.mkdtemp()) / "stats"
         sampler = EveryNForwardsSampler(1) if kind == "observed" else NeverSample()
@@ -115,12 +140,30 @@ CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time
 
 
-def _time(step: Callable[[], None], steps: int) -> float:
-    step()
-    start = clock()
-    for _ in range(steps):
-        step()
-    return (clock() - start) / steps
+def _time(step: Callable[[], None], steps: int) -> Timing:
+    gc.collect()  # nothing promoted before the window: it pays for its own steps (and one more)
+    step()  # after the collection, which leaves the caches cold
+    counted = [0, 0.0]
+    started = [0.0]
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            counted[0] += 1
+            counted[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(count)
+    try:
+        start = clock()
+        for _ in range(steps):
+            step()
+        elapsed = clock() - start
+    finally:
+        gc.callbacks.remove(count)
+    return Timing(elapsed / steps, counted[0] / steps, counted[1] / steps)
 
 
 def measure(name: str, rounds: int, steps: int) -> None:
@@ -128,19 +171,34 @@ def measure(name: str, rounds: int, steps: int) -> None:
     build, order = MODELS[name]
     torch.manual_seed(0)
     model, x = build()
-    times: dict[str, list[float]] = {kind: [] for kind in order}
+    timings: dict[str, list[Timing]] = {kind: [] for kind in order}
     for round_index in range(rounds + 1):
         shift = round_index % len(order)
         for kind in order[shift:] + order[:shift]:
-            elapsed = time_variant(kind, model, x, steps)
+            timing = time_variant(kind, model, x, steps)
             if round_index > 0:  # round 0 warms every state up
-                times[kind].append(elapsed)
+                timings[kind].append(timing)
+    times = {kind: [t.seconds for t in got] for kind, got in timings.items()}
     print(f"{name}: " + ", ".join(f"{k} {median(v) * 1e3:.2f} ms" for k, v in times.items()))
     pairs = [("observed", "none"), ("observed", "hand"), ("hand", "none"), ("unsampled", "none")]
     for a, b in pairs:
         if a in times and b in times:
             ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
             print(f"  {a}/{b}: {median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]")
+    collected = ", ".join(
+        f"{kind} {sum(t.full_collections for t in got) / len(got):.2f} "
+        f"({sum(t.collector_seconds for t in got) / len(got) * 1e3:.1f})"
+        for kind, got in timings.items()
+    )
+    print(f"  full collections per step (ms per step): {collected}")
+    apart = [
+        (a.seconds - a.collector_seconds) / (b.seconds - b.collector_seconds)
+        for a, b in zip(timings["observed"], timings["none"], strict=True)
+    ]
+    print(
+        f"  observed/none without full collections: {median(apart):.2f} "
+        f"[{min(apart):.2f}..{max(apart):.2f}]"
+    )
 
 
 def profile(name: str, steps: int, sort: str = "tottime") -> None:
@@ -163,7 +221,6 @@ def profile(name: str, steps: int, sort: str = "tottime") -> None:
 def buffer_memory(steps: int = 3) -> None:
     """Bytes per row the history buffer holds for the 3,000-layer model's samples (tracemalloc,
     no part written meanwhile)."""
-    import gc
     import tracemalloc
 
     from torchinstruments import HistoryConfig

@@ -19,12 +19,12 @@ Ratios are medians of per-round ratios, with min..max. `--profile` prints a cPro
 steps of the chosen model instead (where the fixed cost goes).
 
 Python's full garbage collections are counted in every timed window (`gc.callbacks`): on the
-3,000-layer model one scans about 400,000 objects (the model's), about 150 ms here, and comes
-after a number of objects promoted out of the young generations (a quarter of the long-lived
-ones), so a window of 10 steps holds 0 to 3 of them, and a sampled step, which keeps a few
-objects per hooked output until its backward (torch's hook dict and `grad_fn`, the observer's
-key and hook), promotes about ten times as many as a plain one. The lines `full collections`
-give their count and time per step by variant, and `.../... without full collections` the
+3,000-layer model one scans about 400,000 objects (torch's, its imports' and the model's), about
+160 ms here, and comes once the objects promoted out of the young generations reach a quarter of
+the long-lived ones. A sampled step keeps a few objects per hooked output until its backward
+(torch's hook dict and `grad_fn`, the observer's key and hook) and promotes about ten times as
+many as a plain one: one full collection in five sampled steps. The lines `full collections`
+give their count and time per step by variant, and `observed/none without full collections` the
 ratio with their time taken out of both sides: what the step costs apart from when the
 collector happens to run (not a goal figure; the goal counts everything). Each variant's
 untimed step follows a full collection of its own: otherwise a window also pays for

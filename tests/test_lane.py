@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.measurement import histograms, lane, numerics, order
-from torchinstruments.measurement.reducers import DEFAULT_METRICS
+from torchinstruments.measurement import histograms, lane, numerics, order, transfer
+from torchinstruments.measurement.reducers import DEFAULT_METRICS, Measurer
 from torchinstruments.records import (
     HistogramRecord,
     LayerInfo,
@@ -37,6 +37,7 @@ from torchinstruments.records import (
     SampleRecord,
     TensorKey,
 )
+from torchinstruments.spare_core import SpareCore
 
 from conftest import numpy_profile, read_history
 from hook_reference import run_both
@@ -500,6 +501,25 @@ def test_a_sampled_forward_keeps_few_objects_for_the_collector_per_tensor(
     output.sum().backward()
     remove_observer(model)
     assert during / 300 < 12, during
+
+
+def test_a_lane_copy_waits_for_its_pass_untracked_by_the_collector() -> None:
+    """A lane copy waits in its pass's list from the layer's return (or its gradient's arrival)
+    to the pass's end, through the collections a long forward or backward runs. It holds only
+    untracked objects (its key is the entry before it), so the collector stops tracking it at
+    the first one and a 3,000-layer step promotes a copy fewer per tensor into the oldest
+    generation."""
+    key = TensorKey(0, 0, LayerInfo("l", "Linear"), 0, "output", "", "train", True)
+    spare = SpareCore()
+    entries = transfer.launch(Measurer(None), key, torch.randn(4, 8), False, spare)
+    assert entries[0] is key
+    assert type(entries[1]) is tuple
+    gc.collect()
+    assert not gc.is_tracked(entries[1])
+    (record,) = transfer.build_records("output", list(entries), DEFAULT_METRICS, None, spare)
+    assert isinstance(record.measurements, MeasurementBlock)
+    assert record.measurements.layers == ["l"]
+    assert record.measurements.shapes == [(4, 8)]
 
 
 def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:

@@ -235,10 +235,12 @@ def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
     tensors = [torch.randn(64, 256) for _ in range(3)]
     with cores(1):  # no worker: only the bound is at work
         launched = [
-            transfer.launch(measurer, key_of(index), tensor, False, spare)
+            entry
             for index, tensor in enumerate(tensors)
+            for entry in transfer.launch(measurer, key_of(index), tensor, False, spare)
         ]
-        assert [type(item) for item in launched] == [tuple, tuple, transfer.Measured]
+        kinds = [type(item) for item in launched]
+        assert kinds == [TensorKey, tuple, TensorKey, tuple, transfer.Measured]
         (record,) = transfer.build_records("output", launched, measurer.metrics, None, spare)
         assert spare.hold(2 * nbytes), "the pass's copies were released"
     block, metrics = record.measurements, measurer.metrics

@@ -224,7 +224,7 @@ class GradientRecorder:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
         if hook.more is None:  # one call returned the tensor: its gradient is that call's
-            launched = [launch(self._measurer, hook.key, grad, hook.focus, self._spare)]
+            launched = launch(self._measurer, hook.key, grad, hook.focus, self._spare)
         else:
             launched = self._launch_shared(hook.calls, grad)
         with self._lock:
@@ -246,7 +246,7 @@ class GradientRecorder:
         for key, focus in calls:
             shared = per_layer[key.layer.name]
             if shared == 1:
-                launched.append(launch(self._measurer, key, grad, focus, self._spare))
+                launched += launch(self._measurer, key, grad, focus, self._spare)
             else:
                 reason = reasons.shared_output(shared)
                 launched.append(launch_tensor(self._measurer, key, grad, False, reason))

@@ -475,8 +475,8 @@ class Observer:
                 self.gradients.hook_output(key, tensor, layer.focus)  # measured when it ends
                 continue
             launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
-            sample.pending.append(launched)
-            note = note_of(launched)
+            sample.pending += launched
+            note = note_of(launched[0])
             if note is not None and note not in self.notes:
                 self.notes.append(note)  # said in index.md at removal, and warned now
                 self.warn_once(note, note)

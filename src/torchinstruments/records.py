@@ -48,9 +48,15 @@ class LayerInfo:
     module_type: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class TensorKey:
-    """Which tensor of which sample: shared by an output and the gradient into it."""
+    """Which tensor of which sample: shared by an output and the gradient into it.
+
+    Made once per sampled output and never changed; not frozen, because a frozen dataclass's
+    `__init__` sets each field through `object.__setattr__` (0.67 against 0.12 us a key, about
+    2 ms of a 3,000-layer sampled step). Compared by identity: two keys are the same tensor of
+    the same sample only when they are one object.
+    """
 
     sample_id: int
     forward_index: int

@@ -86,21 +86,35 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
-class _GradientHook:
+# Not a dataclass itself, so its own __slots__ are allowed (the checker reads it as one).
+class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
     """`Tensor.register_hook` callback: records the first gradient into one sampled output
     (or, for a tensor several sampled calls returned, a null row per call).
 
-    Kept small (one object per sampled output, alive until the backward): the first call's key
-    and focus are fields, further calls of a shared output a list made only then.
+    It is also the key of the first call that returned the tensor (`hook_output` hands it back
+    for the output's own rows): the objects that live from a sampled forward into its backward
+    are promoted to the collector's oldest generation, whose full collections a 3,000-layer
+    step pays for, so one object per hooked output, not a key and a hook. Further calls of a
+    shared output are a list made only then.
     """
 
-    __slots__ = ("fired", "focus", "key", "more", "recorder", "version")
+    __slots__ = ("fired", "focus", "more", "recorder", "version")
 
     def __init__(
         self, recorder: GradientRecorder, key: TensorKey, focus: bool, version: int | None
     ) -> None:
+        super().__init__(
+            key.sample_id,
+            key.forward_index,
+            key.layer,
+            key.call_index,
+            key.signal,
+            key.tensor_path,
+            key.mode,
+            key.grad_enabled,
+            key.step,
+        )
         self.recorder = recorder
-        self.key = key
         self.focus = focus
         self.more: list[tuple[TensorKey, bool]] | None = None  # later calls, same tensor
         self.fired = False
@@ -109,7 +123,7 @@ class _GradientHook:
     @property
     def calls(self) -> list[tuple[TensorKey, bool]]:
         """Every sampled call that returned the hooked tensor at this version, in order."""
-        return [(self.key, self.focus), *(self.more or ())]
+        return [(self, self.focus), *(self.more or ())]
 
     def add_call(self, key: TensorKey, focus: bool) -> None:
         """The same tensor, at the same version, returned by one more sampled call."""
@@ -182,14 +196,16 @@ class GradientRecorder:
             "data, or a frozen part of the model)."
         )
 
-    def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> None:
-        """Register the hook that records the gradient into this sampled output."""
+    def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> TensorKey:
+        """Register the hook that records the gradient into this sampled output; the key to
+        record the output under from now on: the hook where one was made (it is that key too),
+        else `key`."""
         try:
             if not key.grad_enabled:
-                return
+                return key
             if not tensor.requires_grad:  # no gradient can arrive: said at removal
                 self.outputs_without_grad.setdefault(key.layer.name, None)
-                return
+                return key
             self.outputs_with_grad.add(key.layer.name)
             # A leaf keeps its one gradient sink (in-place ops on it are refused under autograd,
             # and one under no_grad gives it no new node): only a non-leaf's version matters.
@@ -198,14 +214,16 @@ class GradientRecorder:
                 hook = self._unfired_hook(tensor, version)
                 if hook is not None:
                     hook.add_call(key, focus)  # the same tensor, returned again
-                    return
+                    return key
                 # New, or changed in place since (a new autograd node): a hook of its own.
                 hook = _GradientHook(self, key, focus, version)
                 handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:
                 self._track_leaf_hook(tensor, handle, hook)
+            return hook
         except Exception as error:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
+            return key
 
     def _unfired_hook(self, tensor: torch.Tensor, version: int | None) -> _GradientHook | None:
         """Our unfired hook on `tensor` for this version, if a sampled call already returned it
@@ -224,7 +242,7 @@ class GradientRecorder:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
         if hook.more is None:  # one call returned the tensor: its gradient is that call's
-            launched = launch(self._measurer, hook.key, grad, hook.focus, self._spare)
+            launched = launch(self._measurer, hook, grad, hook.focus, self._spare)
         else:
             launched = self._launch_shared(hook.calls, grad)
         with self._lock:

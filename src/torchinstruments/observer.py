@@ -471,16 +471,15 @@ class Observer:
                 grad_enabled,
                 sample.step,
             )
+            key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
             if keep(self.global_option, sample.global_pending, key, tensor, self.warn_once):
-                self.gradients.hook_output(key, tensor, layer.focus)  # measured when it ends
-                continue
+                continue  # measured when the sample ends
             launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
             sample.pending += launched
             note = note_of(launched[0])
             if note is not None and note not in self.notes:
                 self.notes.append(note)  # said in index.md at removal, and warned now
                 self.warn_once(note, note)
-            self.gradients.hook_output(key, tensor, layer.focus)
 
     def _marker_row(self, sample: _Sample, error: BaseException) -> Measurement:
         """The row that marks `sample` as interrupted by `error` (metric INTERRUPTED, value

@@ -209,7 +209,7 @@ def build_records(
     try:
         ready = results(launched)
         lane_items = [item for item in ready if type(item) is tuple]
-        lane_keys = [item for item in ready if type(item) is TensorKey]  # each before its copy
+        lane_keys = [item for item in ready if isinstance(item, TensorKey)]  # each before its copy
         copies = [item[1] for item in lane_items]
         focus = [item[2] for item in lane_items]
         with spare.buffers() as buffers:

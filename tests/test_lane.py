@@ -478,10 +478,10 @@ def test_a_sampled_forward_keeps_few_objects_for_the_collector_per_tensor(
     """The lane's reason to exist. When a sampled forward's record reaches the sinks, every
     object made for its tensors is still alive. Before the lane that was about 26.5 tracked
     objects per measured tensor (a reduction, a record, nine metric values, ...), and at 3,000
-    layers the collector scanned the whole heap about once per step; then about 7, and 5.9
-    with a key and a gradient hook per output; now about 4.9 (the gradient hook, which is the
-    output's key too, torch's hook dictionary and autograd objects, and the lane's copy until
-    a collection stops tracking it)."""
+    layers the collector scanned the whole heap about once per step; then 6.9, and 5.9 with
+    the lane entry's sizes inline; now 4.9 (the gradient hook, which is the output's key too,
+    torch's hook dictionary and autograd objects, and the lane's copy until a collection stops
+    tracking it)."""
     model = chain(100)  # 300 layers
     x = torch.randn(4, 8)
     sink = _CountingSink()

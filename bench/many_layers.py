@@ -22,11 +22,14 @@ Python's full garbage collections are counted in every timed window (`gc.callbac
 3,000-layer model one scans about 400,000 objects (torch's, its imports' and the model's), about
 160 ms here, and comes once the objects promoted out of the young generations reach a quarter of
 the long-lived ones. A sampled step keeps a few objects per hooked output until its backward
-(torch's hook dict and `grad_fn`, the observer's key and hook) and promotes about ten times as
-many as a plain one: one full collection in five sampled steps. The lines `full collections`
-give their count and time per step by variant, and `observed/none without full collections` the
-ratio with their time taken out of both sides: what the step costs apart from when the
-collector happens to run (not a goal figure; the goal counts everything). Each variant's
+(torch's hook dict, the `grad_fn`'s and the tensor's Python objects, the observer's hook, which
+is the output's key too) and promotes about seven times as many as a plain one: one full
+collection in about eight sampled steps (five before the twenty-second session), so a window of
+10 steps that starts after a collection meets one, and `--steps 40` gives the fairer rate. The
+lines `full collections` give their count and time per step by variant, and `observed/none
+without full collections` the ratio with their time taken out of both sides: what the step
+costs apart from when the collector happens to run (not a goal figure; the goal counts
+everything). Each variant's
 untimed step follows a full collection of its own: otherwise a window also pays for
 what was promoted before it (`inject_observer` leaves about 25,000 objects on this model, the
 variant timed before leaves its own), so which variant a collection fell into depended on the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -146,3 +147,41 @@ def test_forwards_without_backward_leave_at_most_one_hook_on_a_leaf_output(run_d
     assert len(model.table._backward_hooks or {}) == 1  # type: ignore[attr-defined]
     remove_observer(model)
     assert not model.table._backward_hooks  # type: ignore[attr-defined]
+
+
+class _RecordingMode(torch.overrides.TorchFunctionMode):
+    """A torch function mode that notes the name of every function it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        self.seen.add(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_torch_function_mode_hooks_go_through_the_mode_and_gradients_match(
+    run_dir: Path,
+) -> None:
+    """Outside any mode a non-leaf output's hook is put on the tensor without the handle
+    `register_hook` makes (the observer never removes it); under a torch function mode the
+    observer calls `register_hook` itself, so the mode sees it, and the gradients are the same."""
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x = torch.randn(11, 5)
+    expected = reference_output_gradients(model, x)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    mode = _RecordingMode()
+    with mode:
+        (model(x) ** 2).sum().backward()
+    remove_observer(model)
+    assert "register_hook" in mode.seen
+    history = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    for index, grad in enumerate(expected):
+        rows = history.filter(pl.col("layer") == str(index))
+        got = dict(zip(rows["metric"], rows["value"], strict=True))
+        g = grad.double().numpy().ravel()
+        assert got["mean"] == pytest.approx(g.mean(), rel=1e-5, abs=1e-7)
+        assert got["max"] == pytest.approx(g.max(), rel=1e-6)

@@ -1,10 +1,12 @@
 """Gradients into sampled outputs: tensor hooks, one transfer per backward pass, leaf bookkeeping.
 
 Design decision: the only hook the library uses is `Tensor.register_hook` on each sampled output
-that requires grad. The hook launches the gradient's reductions on its device as the gradient
-arrives (it never alters the gradient: it returns None), and the first hook of a backward pass
-queues one autograd-engine callback (`_torch_internals.queue_at_backward_end`) that transfers all of that
-pass's results at once when the pass ends. Outside a running backward pass (a hook fired by
+that requires grad (on a plain non-leaf tensor its own steps, without the handle it would return:
+`_torch_internals.hook_without_handle`). The hook launches the gradient's reductions on its
+device as the gradient arrives (it never alters the gradient: it returns None), and the first
+hook of a backward pass queues one autograd-engine callback
+(`_torch_internals.queue_at_backward_end`) that transfers all of that pass's results at once when
+the pass ends. Outside a running backward pass (a hook fired by
 `torch.autograd.grad` on a finished engine, say), the results are transferred at once.
 
 A hook on a non-leaf output dies with the graph. A leaf output (a parameter or an input returned
@@ -52,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchinstruments import reasons
 from torchinstruments._torch_internals import (
+    hook_without_handle,
     queue_at_backward_end,
     tensor_hooks,
     tensor_version,
@@ -217,6 +220,8 @@ class GradientRecorder:
                     return key
                 # New, or changed in place since (a new autograd node): a hook of its own.
                 hook = _GradientHook(self, key, focus, version)
+                if hook_without_handle(tensor, hook):  # a non-leaf's: never removed
+                    return hook
                 handle = tensor.register_hook(hook)
             if tensor.grad_fn is None:
                 self._track_leaf_hook(tensor, handle, hook)

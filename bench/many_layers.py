@@ -29,12 +29,11 @@ collection in about eight sampled steps (five before the twenty-second session),
 lines `full collections` give their count and time per step by variant, and `observed/none
 without full collections` the ratio with their time taken out of both sides: what the step
 costs apart from when the collector happens to run (not a goal figure; the goal counts
-everything). Each variant's
-untimed step follows a full collection of its own: otherwise a window also pays for
-what was promoted before it (`inject_observer` leaves about 25,000 objects on this model, the
-variant timed before leaves its own), so which variant a collection fell into depended on the
-order and on the process (the `unsampled` step, a root call more than the plain one, measured
-1.24 to 1.33 times it; docs/benchmarks.md, twenty-first session).
+everything). Each variant's untimed step follows a full collection of its own: otherwise a
+window also pays for what was promoted before it (`inject_observer` leaves about 25,000 objects
+on this model, the variant timed before leaves its own), so which variant a collection fell into
+depended on the order and on the process (the `unsampled` step, a root call more than the plain
+one, measured 1.24 to 1.33 times it; docs/benchmarks.md, twenty-first session).
 
 `--buffer-memory` prints the bytes per row the history buffer holds for the 3,000-layer model's
 samples instead (tracemalloc; no part is written meanwhile).

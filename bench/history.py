@@ -9,9 +9,10 @@ growth under 1 GiB, bytes per row on disk reported)".
    default metrics x 2 signals = 1,008 rows, so the default 10,000 samples give 10,080,000 rows.
    Each sample's two appends are timed together (the measurements are built outside the timed
    region: we time the writer, not this script), including the Parquet part writes that fall
-   due (one per `buffer_rows` = 8,192 rows, about every 8 samples). Mean and median of the first
-   200 and the last 200 samples are compared: the mean carries the amortised part writes, the
-   median the plain buffering cost. A ratio near 1 shows that cost does not grow with history.
+   due (one per `buffer_rows` rows: 65,536 by default, about every 65 samples). Mean and median
+   of the first 200 and the last 200 samples are compared: the mean carries the amortised part
+   writes, the median the plain buffering cost. A ratio near 1 shows that cost does not grow
+   with history.
 2. Removal, in a fresh child process so its RSS is the removal's alone: `merge_history`
    (the bounded-memory merge of all parts into history.parquet) and
    `summary.write_result` (result.json), which is what `remove_observer` does with the history.

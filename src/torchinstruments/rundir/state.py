@@ -129,7 +129,7 @@ class RunState:
 
 
 # `RunInfo.history`'s fields sit in the run object itself, as they did before RunInfo held the
-# HistoryConfig (`"run": {..., "buffer_rows": 8192, "window": 10, ...}`): the file is unchanged.
+# HistoryConfig (`"run": {..., "buffer_rows": 65536, "window": 10, ...}`): the file is unchanged.
 _HISTORY_KEYS = tuple(f.name for f in fields(HistoryConfig))
 
 

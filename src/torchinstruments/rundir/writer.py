@@ -11,8 +11,8 @@ The cost: rows not yet in a part live in memory and are lost if the process dies
 Loss on a crash is bounded by time, not rows: a part is also written once the oldest buffered row
 is `flush_seconds / 2` old, so every row measured more than `flush_seconds` before a crash is in a
 part (the half interval of slack absorbs a slow part write or a busy CPU). A row-count trigger
-alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows were
-about 90 minutes of history held only in memory.
+alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows (the
+default before 65,536) were about 90 minutes of history held only in memory.
 
 Design decision: the time trigger runs on a daemon thread (`FlushTimer`), not on the training
 path. A check at each sample or root forward only runs while the model is called, so a run that
@@ -28,7 +28,8 @@ Design decision: the run directory's writer (`chunks_elsewhere`) has that thread
 `buffer_rows` chunks too, so a sampled step never waits for a disk: a part of 8,192 rows took the
 training thread about 13 ms (its frame 4, its metadata 1.5, Polars' writing and three fsyncs
 6.5), once every 27 steps of bench/sampled.py's MLP sampled at every step, or six times a step
-for a 3,000-layer model. Only the run's first forward and backward rows are written on the
+for a 3,000-layer model. Most of that is paid per part, not per row, which is why the default
+part is 65,536 rows (`HistoryConfig`). Only the run's first forward and backward rows are written on the
 training thread (`sinks.directory`). One writer at a time (`_writing`); the buffer's lock is held
 while a part's rows become a frame and while they leave the buffer, never while it is written, so
 appends go on meanwhile (after them).
@@ -128,7 +129,7 @@ class HistoryWriter:
             are due at once) instead of being written by `append`.
 
     Example:
-        >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=8192))
+        >>> writer = HistoryWriter(Path("stats"), HistoryConfig(buffer_rows=65536))
         >>> writer.append(sample_record.measurements)  # doctest: +SKIP
         >>> writer.close()  # doctest: +SKIP
         True

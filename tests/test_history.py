@@ -146,6 +146,22 @@ def test_config_validation_names_field_value_and_rule() -> None:
         HistoryConfig(window=2.5)  # type: ignore[arg-type]
 
 
+def test_the_default_part_size_yields_to_a_smaller_memory_cap_and_a_passed_one_does_not() -> None:
+    """Parts of 65,536 rows by default; a memory cap below that (valid with the 8,192 default
+    before) makes the default part the cap, while a part size passed on purpose is checked."""
+    assert HistoryConfig().buffer_rows == 65_536
+    assert type(HistoryConfig().buffer_rows) is int
+    assert HistoryConfig() == HistoryConfig(buffer_rows=65_536)
+    assert HistoryConfig(max_buffered_rows=20_000).buffer_rows == 20_000
+    assert HistoryConfig(max_buffered_rows=200_000).buffer_rows == 65_536
+    with pytest.raises(
+        ValueError, match=r"^max_buffered_rows must be None or an int >= buffer_rows"
+    ):
+        HistoryConfig(buffer_rows=65_536, max_buffered_rows=20_000)
+    with pytest.raises(ValueError, match=r"^max_buffered_rows must be an int >= 1, got 'x'$"):
+        HistoryConfig(max_buffered_rows="x")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("buffer_rows", [1, 7, 8192])
 def test_rows_written_equal_rows_produced_and_merge_is_sorted(
     tmp_path: Path, buffer_rows: int

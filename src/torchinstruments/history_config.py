@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_BUFFER_ROWS", "DEFAULT_MAX_BUFFERED_ROWS", "HistoryConfig"]
+__all__ = ["DEFAULT_MAX_BUFFERED_ROWS", "HistoryConfig"]
 
 DEFAULT_MAX_BUFFERED_ROWS = 131_072
 
@@ -22,7 +22,7 @@ class _DefaultRows(int):
     smaller `max_buffered_rows` (a part must fit in the buffer), which a passed value does not."""
 
 
-DEFAULT_BUFFER_ROWS = _DefaultRows(65_536)
+_DEFAULT_BUFFER_ROWS = _DefaultRows(65_536)
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class HistoryConfig:
             and the write error, in the loss ledger.
     """
 
-    buffer_rows: int = DEFAULT_BUFFER_ROWS
+    buffer_rows: int = _DEFAULT_BUFFER_ROWS
     window: int = 10
     flush_seconds: float = 60.0
     max_buffered_rows: int | None = None

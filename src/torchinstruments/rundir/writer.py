@@ -29,10 +29,10 @@ Design decision: the run directory's writer (`chunks_elsewhere`) has that thread
 training thread about 13 ms (its frame 4, its metadata 1.5, Polars' writing and three fsyncs
 6.5), once every 27 steps of bench/sampled.py's MLP sampled at every step, or six times a step
 for a 3,000-layer model. Most of that is paid per part, not per row, which is why the default
-part is 65,536 rows (`HistoryConfig`). Only the run's first forward and backward rows are written on the
-training thread (`sinks.directory`). One writer at a time (`_writing`); the buffer's lock is held
-while a part's rows become a frame and while they leave the buffer, never while it is written, so
-appends go on meanwhile (after them).
+part is 65,536 rows (`HistoryConfig`). Only the run's first forward and backward rows are written
+on the training thread (`sinks.directory`). One writer at a time (`_writing`); the buffer's lock
+is held while a part's rows become a frame and while they leave the buffer, never while it is
+written, so appends go on meanwhile (after them).
 
 Bounded memory when writes fail: rows that could not be written stay buffered and are retried
 (at the next chunk boundary, after half a flush interval, at removal), but at most

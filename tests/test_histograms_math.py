@@ -16,7 +16,7 @@ from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVecto
 from torchinstruments.measurement.reducers import DefaultStatistics, Measurer
 from torchinstruments.records import HistogramRecord, LayerInfo, TensorKey
 
-from conftest import NoHostSync
+from conftest import NoHostSync, measure
 
 # Whether the NumPy path may count (the CPU's host path) or the sync-free general path counts.
 HOST_PATHS = {"host": True, "sync_free": False}
@@ -176,6 +176,23 @@ def test_arbitrary_arrays_match_numpy(counting_path: str, values: np.ndarray, bi
         if not np.isfinite(np.dot(finite.astype(np.float64), finite.astype(np.float64))):
             return  # sums overflow float64; the counts are what this test is about
     assert_consistent(record, values)
+
+
+def test_entries_near_the_float32_limits_that_cancel_give_numpys_sum_and_mean(
+    counting_path: str,
+) -> None:
+    """-3.4028222e38 and 3.4028229e38 among zeros sum to about 6.08e31: each entry's deviation
+    from the mean rounds to the entry's precision (about 4e22), so a sum of the deviations was
+    off by 1.7e-9 of the sum on the general path (found by the test above); the histogram's sum
+    and the mean are NumPy's float64 ones."""
+    values = np.zeros(13, dtype=np.float32)
+    values[:2] = np.float32(-3.4028222e38), np.float32(3.4028229e38)
+    wide = values.astype(np.float64)
+    record = histogram(torch.from_numpy(values), counting_path, 1)
+    assert record is not None
+    assert record.sum == pytest.approx(float(wide.sum()), rel=1e-12)
+    got = measure(torch.from_numpy(values), host_paths=counting_path == "host")
+    assert got["mean"].value == pytest.approx(float(wide.mean()), rel=1e-12)
 
 
 def test_host_edges_equal_the_device_edges_bit_for_bit() -> None:

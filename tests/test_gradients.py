@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,10 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.gradients import GradientRecorder
+from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.records import LayerInfo, TensorKey
+from torchinstruments.spare_core import SpareCore
 
 from conftest import mlp, read_history, values
 
@@ -185,3 +190,20 @@ def test_under_a_torch_function_mode_hooks_go_through_the_mode_and_gradients_mat
         g = grad.double().numpy().ravel()
         assert got["mean"] == pytest.approx(g.mean(), rel=1e-5, abs=1e-7)
         assert got["max"] == pytest.approx(g.max(), rel=1e-6)
+
+
+def test_an_outputs_gradient_hook_is_its_key_with_every_field_of_the_key() -> None:
+    """The hook on a sampled output stands in for the output's key (one object per hooked
+    output), so it carries every field of the key it was made from, the defaulted ones too: a
+    field the copy missed would put the rows of the output and its gradient under another key."""
+    recorder = GradientRecorder(
+        Measurer(None), None, lambda *args: None, lambda *args: None, SpareCore()
+    )
+    layer = LayerInfo("block.0", "Linear")
+    key = TensorKey(3, 7, layer, 2, "output", "[1]", "eval", True, step=41)
+    output = torch.randn(4, requires_grad=True) * 2  # a non-leaf: the hook is kept
+    hook = recorder.hook_output(key, output, True)
+    assert hook is not key
+    assert isinstance(hook, TensorKey)
+    for field in dataclasses.fields(TensorKey):
+        assert getattr(hook, field.name) == getattr(key, field.name), field.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_history, read_result
-from hook_reference import HookRecorder, assert_profiles_match, observed_profiles
+from hook_reference import HookRecorder, assert_profiles_match, observed_profiles, run_both
 
 DECODER_LAYERS = [
     "self_attn",
@@ -87,3 +88,39 @@ def test_selector_still_overrides_the_default(run_dir: Path) -> None:
     with pytest.warns(RuntimeWarning, match=r"never ran.*self_attn\.out_proj"):
         remove_observer(model)
     assert [entry["layer"] for entry in read_result(run_dir)] == ["self_attn.out_proj", "linear1"]
+
+
+class BiasFreeAttention(nn.Module):
+    """nn.MultiheadAttention without biases: `out_proj.bias` is a parameter slot set to None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, bias=False, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0])
+
+
+def bias_free_encoder() -> nn.Module:
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, bias=False, batch_first=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "attention"),
+    [(BiasFreeAttention, "attn"), (bias_free_encoder, "self_attn")],
+    ids=["multihead_attention", "transformer_encoder_layer"],
+)
+def test_bias_free_attention_is_recorded_as_one_layer_like_plain_hooks(
+    run_dir: Path, build: Any, attention: str
+) -> None:
+    def step(model: nn.Module, i: int) -> torch.Tensor:
+        output = model(torch.randn(2, 5, 8))
+        output.square().sum().backward()
+        return output
+
+    result = run_both(build(), step, run_dir)
+    assert attention in result.catalog
+    assert f"{attention}.out_proj" not in result.catalog
+    assert attention in result.history["layer"].unique().to_list()
+    result.assert_conforms()

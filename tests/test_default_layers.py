@@ -49,6 +49,17 @@ class PassesADropoutRate(nn.Module):
         return functional.dropout(x, p=self.drop.p if self.training else 0.0)
 
 
+class PassesBiasFreeWeights(nn.Module):
+    """`proj`'s weight and its bias slot (registered as None) go to `functional.linear`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, self.proj.weight, self.proj.bias)
+
+
 class CallsTheChildToo(nn.Module):
     """Reads `proj.weight` for its dtype, and calls `proj`."""
 
@@ -114,6 +125,7 @@ class CallsTheChildsForward(nn.Module):
     [
         (PassesWeights, {"block", "block.act"}),
         (PassesADropoutRate, {"block"}),
+        (PassesBiasFreeWeights, {"block"}),
         (CallsTheChildToo, {"block.proj"}),
         (CallsInADecoratedForward, {"block.proj"}),
         (HandsTheChildOut, {"block.proj"}),
@@ -222,3 +234,21 @@ def test_torchscript_submodules_are_observed_around_and_named_in_index_md(run_di
     index = (run_dir / "index.md").read_text("utf-8")
     assert "TorchScript: 2 submodules are TorchScript" in index
     assert "'1', '3'" in index
+
+
+@pytest.mark.parametrize("biases", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("version", [1, 2])
+def test_bias_free_swin_attention_is_selected_as_with_biases(
+    version: int, biases: tuple[bool, bool]
+) -> None:
+    from torchvision.models import swin_transformer
+
+    attention = (
+        swin_transformer.ShiftedWindowAttention
+        if version == 1
+        else swin_transformer.ShiftedWindowAttentionV2
+    )
+    qkv_bias, proj_bias = biases
+    bias_free = attention(16, [2, 2], [1, 1], 2, qkv_bias=qkv_bias, proj_bias=proj_bias)
+    assert default_layers(bias_free) == default_layers(attention(16, [2, 2], [1, 1], 2))
+    assert "" in default_layers(bias_free)

@@ -46,6 +46,7 @@ __all__ = [
     "optimized_module_original",
     "pause_compilation",
     "queue_at_backward_end",
+    "registered_tensor_slots",
     "resume_compilation",
     "set_fullgraph_frame_count",
     "tensor_hooks",
@@ -92,6 +93,18 @@ def child_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module._modules.items():
         if child is not None:
             yield name, child
+
+
+def registered_tensor_slots(module: nn.Module) -> Iterator[str]:
+    """The names of `module`'s own parameters and buffers, those registered as None included,
+    read from `module._parameters` and `module._buffers` as torch stores them.
+
+    Why: `named_parameters()` and `named_buffers()` skip a slot registered as None
+    (`nn.MultiheadAttention(bias=False)` registers `out_proj.bias` so), yet the module holds it:
+    its owner reads `out_proj.bias` (None) and never calls it. Checked on torch 2.15.0.
+    """
+    yield from module._parameters
+    yield from module._buffers
 
 
 # --- nn.TransformerEncoderLayer's fused fast path -----------------------------------------------

@@ -5,7 +5,8 @@ The default rule, meant to be predicted by reading it: the modules that compute,
 without a forward, such as an empty `ModuleList`, or an empty `nn.Sequential`, computes
 nothing and is not one), plus each module that uses some of its children only through what
 they hold, never calling them (its methods outside `__init__` read `self.<child>.weight`,
-`self.<child>.p` and the like, and nothing else of the child: `parameter_holders`): it hands
+`self.<child>.p` and the like, a parameter slot registered as None such as a bias-free
+projection's `bias` included, and nothing else of the child: `parameter_holders`): it hands
 their weights or settings to a functional kernel, so it is the layer and those children are
 not (its other children keep the rule). `nn.MultiheadAttention` does this with `out_proj`,
 torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from torchinstruments._torch_internals import registered_tensor_slots
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
 
@@ -106,10 +108,10 @@ def parameter_holders(module: nn.Module) -> list[str]:
 
 
 def _held(module: nn.Module) -> frozenset[str]:
-    """What a module holds itself: parameters, buffers, parametrized tensors, and plain settings
-    (its own attributes that are numbers, strings or None)."""
-    names = {name for name, _ in module.named_parameters(recurse=False)}
-    names |= {name for name, _ in module.named_buffers(recurse=False)}
+    """What a module holds itself: parameters and buffers (a slot registered as None, such as a
+    bias-free projection's `bias`, included), parametrized tensors, and plain settings (its own
+    attributes that are numbers, strings or None)."""
+    names = set(registered_tensor_slots(module))
     if parametrize.is_parametrized(module):
         names |= {name for name, _ in module.get_submodule("parametrizations").named_children()}
     plain = (bool, int, float, str, type(None))

@@ -19,7 +19,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_history
-from hook_reference import numpy_profile
+from hook_reference import numpy_profile, run_both
 
 
 def gradient_profile(history: pl.DataFrame, layer: str, call_index: int = 0) -> dict[str, float]:
@@ -163,3 +163,39 @@ def test_a_leaf_updated_in_place_between_two_samples_is_still_one_shared_output(
     assert sorted(set(rows["sample_id"].to_list())) == [0, 1]
     assert rows["value"].is_null().all()
     assert rows["unavailable_reason"].str.starts_with("shared output").all()
+
+
+class ClampedBetweenCalls(nn.Module):
+    """`same` returns one tensor twice, with an in-place change under no_grad between the calls
+    (its version moves, its autograd node does not); `other` returns it once more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.same = nn.Identity()
+        self.other = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        first = self.same(h)
+        with torch.no_grad():
+            h.clamp_(min=-100.0)
+        return first * 2 + self.same(h) * 3 + self.other(h)
+
+
+def test_a_tensor_changed_in_place_under_no_grad_between_two_calls_is_one_shared_output(
+    run_dir: Path,
+) -> None:
+    def step(model: nn.Module, i: int) -> torch.Tensor:
+        output = model(torch.randn(3, 4))
+        output.square().sum().backward()
+        return output
+
+    result = run_both(ClampedBetweenCalls(), step, run_dir)
+    result.assert_conforms()
+    rows = result.history.filter(layer="same", signal="output_gradient")
+    assert sorted(set(rows["call_index"].to_list())) == [0, 1]
+    assert rows["unavailable_reason"].str.starts_with("shared output").all()
+    assert (
+        result.history.filter(layer="other", signal="output_gradient")["value"].is_not_null().all()
+    )

@@ -179,8 +179,7 @@ def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's in-place version counter (`Tensor._version`).
 
     Why: tells whether a custom reducer modified the tensor it was given, without comparing
-    values; and whether an output was changed in place since it was hooked (a new autograd node:
-    gradients.py). Checked on torch 2.15.0.
+    values. Checked on torch 2.15.0.
     """
     return tensor._version
 

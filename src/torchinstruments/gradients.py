@@ -23,22 +23,25 @@ returned it. A hook registered on a tensor attaches to its autograd node at that
 in-place op that reuses the object (`Linear -> ReLU(inplace=True)`: both layers return the same
 tensor) gives it a new node: the Linear's hook still receives the gradient into the Linear's
 result, while the ReLU's gradient flows into the new node. So hooks are keyed by the tensor and
-its version counter at return time (every in-place op bumps it, and an in-place op under autograd
-is what gives a tensor a new node): a tensor returned again after an in-place op gets a hook of its
-own, registered then, exactly as `register_hook` on the ReLU's return value does. A leaf (a
-Parameter or an input returned as is) has one gradient sink whatever its version (autograd
-refuses in-place ops on it, and one under no_grad gives it no new node), so its version is not
-part of the key.
+its autograd node at return time (its identity, as `register_hook` attaches to it): a tensor
+returned again after an in-place op under autograd gets a hook of its own, registered then,
+exactly as `register_hook` on the ReLU's return value does. An in-place op under `torch.no_grad()`
+bumps the tensor's version counter but gives it no new node, so it does not change the key: the
+tensor returned before and after it receives one gradient, the shared-output case below. A view
+whose base was changed in place gets a new node when its `grad_fn` is next read, and so a new key.
+A leaf (a Parameter or an input returned as is) has no node: its one gradient sink is the tensor
+itself.
 
 Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
 one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
 an Identity applied twice to one tensor, a leaf input passed through an Identity in two sampled
-forwards before one backward), that sum belongs to none of those calls, so each of their gradient
+forwards before one backward, the same tensor returned before and after an in-place op under
+`torch.no_grad()`), that sum belongs to none of those calls, so each of their gradient
 rows is null with the reason `reasons.shared_output`, never the sum credited to one call. Distinct
 layers returning one tensor once each (a Linear followed by an Identity, or by a Dropout in eval,
 which returns its input) each get that tensor's gradient, as a hook on it would. Each tensor gets
-at most one unfired hook of ours per version, holding every call that returned it at that
-version (the hook of an earlier version stays registered and records its own calls). An output
+at most one unfired hook of ours per autograd node, holding every call that returned it with
+that node (the hook of an earlier node stays registered there and records its own calls). An output
 returned under `torch.no_grad()` gets no hook: no gradient can flow back through that use.
 """
 
@@ -57,7 +60,6 @@ from torchinstruments._torch_internals import (
     hook_without_handle,
     queue_at_backward_end,
     tensor_hooks,
-    tensor_version,
 )
 from torchinstruments.capture import WarnOnce
 from torchinstruments.measurement.reducers import Measurer
@@ -81,14 +83,6 @@ RECENT_SAMPLES = 1024
 Emit = Callable[[SampleRecord], None]
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place op); None where it has none."""
-    try:
-        return tensor_version(tensor)
-    except Exception:  # tensor subclasses without a version counter
-        return None
-
-
 # Not a dataclass itself, so its own __slots__ are allowed (the checker reads it as one).
 class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
     """`Tensor.register_hook` callback: records the first gradient into one sampled output
@@ -101,10 +95,10 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
     shared output are a list made only then.
     """
 
-    __slots__ = ("fired", "focus", "more", "recorder", "version")
+    __slots__ = ("fired", "focus", "more", "node", "recorder")
 
     def __init__(
-        self, recorder: GradientRecorder, key: TensorKey, focus: bool, version: int | None
+        self, recorder: GradientRecorder, key: TensorKey, focus: bool, node: int | None
     ) -> None:
         super().__init__(
             key.sample_id,
@@ -121,15 +115,17 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
         self.focus = focus
         self.more: list[tuple[TensorKey, bool]] | None = None  # later calls, same tensor
         self.fired = False
-        self.version = version  # the tensor's version counter when it was hooked
+        # The id of the tensor's autograd node when it was hooked (None for a leaf): not the
+        # node itself, which would make a reference cycle through the node's hook dict.
+        self.node = node
 
     @property
     def calls(self) -> list[tuple[TensorKey, bool]]:
-        """Every sampled call that returned the hooked tensor at this version, in order."""
+        """Every sampled call that returned the hooked tensor with this node, in order."""
         return [(self, self.focus), *(self.more or ())]
 
     def add_call(self, key: TensorKey, focus: bool) -> None:
-        """The same tensor, at the same version, returned by one more sampled call."""
+        """The same tensor, with the same autograd node, returned by one more sampled call."""
         if self.more is None:
             self.more = []
         self.more.append((key, focus))
@@ -210,16 +206,16 @@ class GradientRecorder:
                 self.outputs_without_grad.setdefault(key.layer.name, None)
                 return key
             self.outputs_with_grad.add(key.layer.name)
-            # A leaf keeps its one gradient sink (in-place ops on it are refused under autograd,
-            # and one under no_grad gives it no new node): only a non-leaf's version matters.
-            version = None if tensor.grad_fn is None else _version(tensor)
+            # Read first: it refreshes a stale view's node. A leaf has none (None).
+            grad_fn = tensor.grad_fn
+            node = None if grad_fn is None else id(grad_fn)
             with self._lock:
-                hook = self._unfired_hook(tensor, version)
+                hook = self._unfired_hook(tensor, node)
                 if hook is not None:
-                    hook.add_call(key, focus)  # the same tensor, returned again
+                    hook.add_call(key, focus)  # the same tensor and node, returned again
                     return key
                 # New, or changed in place since (a new autograd node): a hook of its own.
-                hook = _GradientHook(self, key, focus, version)
+                hook = _GradientHook(self, key, focus, node)
                 if hook_without_handle(tensor, hook):  # a non-leaf's: never removed
                     return hook
                 handle = tensor.register_hook(hook)
@@ -230,15 +226,16 @@ class GradientRecorder:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
             return key
 
-    def _unfired_hook(self, tensor: torch.Tensor, version: int | None) -> _GradientHook | None:
-        """Our unfired hook on `tensor` for this version, if a sampled call already returned it
-        (the caller holds the lock)."""
+    def _unfired_hook(self, tensor: torch.Tensor, node: int | None) -> _GradientHook | None:
+        """Our unfired hook on `tensor` for this autograd node, if a sampled call already
+        returned it (the caller holds the lock). The tensor holds its node, so the id is that
+        node's; a new node comes with a new hook dict, so an old node's hook is not found."""
         for hook in tensor_hooks(tensor):
             if (
                 type(hook) is _GradientHook
                 and hook.recorder is self
                 and not hook.fired
-                and hook.version == version
+                and hook.node == node
             ):
                 return hook
         return None

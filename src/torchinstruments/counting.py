@@ -33,6 +33,11 @@ class Counter:
         self._first_sample = first_sample_id
         # Per selected layer (root included): the sampled forwards in which it was called.
         self._layer_samples: dict[str, int] = {}
+        # Calls of selected layers on a thread without a root forward of its own that no sample
+        # could take (observer.py): made while several sampled forwards were in flight, and
+        # begun during a sample but returned after it ended.
+        self.unattributed_several = 0
+        self.unattributed_late = 0
 
     def next_forward(
         self, should_sample: Callable[[int, str], bool], schedule: str
@@ -66,6 +71,19 @@ class Counter:
         with self._lock:
             for name in names:
                 self._layer_samples[name] = self._layer_samples.get(name, 0) + 1
+
+    def count_unattributed(self, several: bool) -> None:
+        """One call of another thread left unmeasured: `several` samples in flight, or late."""
+        with self._lock:
+            if several:
+                self.unattributed_several += 1
+            else:
+                self.unattributed_late += 1
+
+    def unattributed(self) -> tuple[int, int]:
+        """The calls `count_unattributed` counted: (several in flight, late)."""
+        with self._lock:
+            return self.unattributed_several, self.unattributed_late
 
     def layer_samples(self) -> dict[str, int]:
         """A copy of the per-layer counts (a layer missing from it never ran in a sample)."""

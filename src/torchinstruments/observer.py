@@ -36,6 +36,11 @@ sampled forward runs eagerly (compilation.call_eagerly): the same rows as an eag
 of one eager step, and its outputs are eager numerics. Compiled code is never traced with a
 proxy in it, so alternating sampled and unsampled steps never recompiles.
 
+Threads: the open sample and the root depth are per thread, so a model run from several threads
+keeps each thread's forwards apart; a selected layer called on a thread without a root forward
+of its own (a thread pool inside the forward) belongs to the one sampled forward in flight, and
+calls no sample can take are counted and said (`samples.py` explains the decision).
+
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
 A call of the root inside its own forward is part of the enclosing root forward: it is not
 counted, not sampled on its own, and (if the root is a selected layer) gets the next call_index.
@@ -75,10 +80,9 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
-from torchinstruments.global_statistics import GlobalTensor, keep, sample_rows
+from torchinstruments.global_statistics import keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.measurement.transfer import (
-    Launched,
     build_records,
     launch,
     note_of,
@@ -97,6 +101,7 @@ from torchinstruments.records import (
     SampleRecord,
     TensorKey,
 )
+from torchinstruments.samples import InFlight, Sample
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
@@ -106,45 +111,6 @@ __all__ = ["Observer"]
 # What `_begin_root_forward` returns besides a sample or None (unsampled).
 _PASS_THROUGH = object()  # closed, tracing, or a direct call not captured
 _NESTED = object()  # a root call inside a root forward of the same thread
-
-
-class _Sample:
-    """A sampled root forward in progress."""
-
-    __slots__ = (
-        "call_counts",
-        "forward_index",
-        "global_pending",
-        "interrupted",
-        "pending",
-        "raised",
-        "returned",
-        "sample_id",
-        "step",
-    )
-
-    def __init__(self, sample_id: int, forward_index: int, step: int | None) -> None:
-        self.sample_id = sample_id
-        self.forward_index = forward_index
-        self.step = step
-        self.call_counts: dict[str, int] = {}
-        self.pending: list[Launched] = []  # in launch order
-        self.global_pending: list[GlobalTensor] = []  # global_statistics: measured at the end
-        self.returned: set[str] = set()  # layers with at least one call that returned
-        # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
-        self.raised: tuple[LayerInfo, int, str, int] | None = None
-        self.interrupted: Measurement | None = None  # the marker row, once the forward raised
-
-    def layer_raised(self, layer: _LayerCapture, call_index: int, error: BaseException) -> None:
-        """Remember where `error` started (the innermost layer it passes through first)."""
-        if self.raised is None or self.raised[3] != id(error):
-            self.raised = (layer.info, call_index, layer.mode(), id(error))
-
-    def next_call_index(self, layer: str) -> int:
-        """The call_index of this layer's next invocation inside this root forward."""
-        index = self.call_counts.get(layer, 0)
-        self.call_counts[layer] = index + 1
-        return index
 
 
 class _LayerCapture:
@@ -164,24 +130,47 @@ class _LayerCapture:
         """Assign the call_index, run the forward, measure what it returned, return it as is."""
         observer = self.observer
         sample = observer.current
-        if sample is None or (
-            not observer.capture_direct_forwards and not called_through_module_call()
-        ):
+        if sample is None:  # no sampled forward of this thread: maybe another thread's
+            return self.borrowed_call(wrapped, args, kwargs)
+        if not observer.capture_direct_forwards and not called_through_module_call():
             return wrapped(*args, **kwargs)
         return self.measured_call(sample, wrapped, args, kwargs)
 
     def measured_call(
-        self, sample: _Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+        self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
         """One call of this layer inside `sample`: its call_index, where it raised, what it returned."""
         call_index = sample.next_call_index(self.info.name)
         try:
             output = wrapped(*args, **kwargs)
         except BaseException as error:
-            sample.layer_raised(self, call_index, error)
+            sample.layer_raised(self.info, self.mode, call_index, error)
             raise
         sample.returned.add(self.info.name)
         self.observer.record_output(sample, self, call_index, output)
+        return output
+
+    def borrowed_call(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call on a thread without a sampled forward of its own: measured in the one sampled
+        forward in flight, if there is exactly one (see samples.py), else run as is."""
+        observer = self.observer
+        if not observer.capture_direct_forwards and not called_through_module_call(3):
+            return wrapped(*args, **kwargs)
+        sample = observer.sample_in_flight(count=True)
+        if sample is None:
+            return wrapped(*args, **kwargs)
+        call_index = sample.next_call_index(self.info.name)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException as error:
+            sample.layer_raised(self.info, self.mode, call_index, error)
+            raise
+
+        def record() -> None:
+            sample.returned.add(self.info.name)
+            observer.record_output(sample, self, call_index, output)
+
+        observer.in_flight.record(sample, record)
         return output
 
     def mode(self) -> str:
@@ -193,8 +182,9 @@ class _LayerCapture:
 class _FusedPathGuard:
     """The wrapper behind the proxy of a module with a fused fast path that contains layers.
 
-    In a sampled forward of this thread the module runs layer by layer, so its selected
-    submodules are called and measured; otherwise (and in other threads) it is called as is.
+    In a sampled forward (of this thread, or the one in flight for a thread without a forward of
+    its own: see samples.py) the module runs layer by layer, so its selected submodules
+    are called and measured; otherwise it is called as is.
     """
 
     __slots__ = ("module_ref", "observer")
@@ -208,7 +198,10 @@ class _FusedPathGuard:
     ) -> Any:
         """Call the forward, on its layer-by-layer path during a sampled forward."""
         module = self.module_ref()
-        if module is None or self.observer.current is None:
+        observer = self.observer
+        if module is None or (
+            observer.current is None and observer.sample_in_flight(count=False) is None
+        ):
             return wrapped(*args, **kwargs)
         with layer_by_layer(module):
             return wrapped(*args, **kwargs)
@@ -239,14 +232,14 @@ class Observer:
         self.sinks = sinks
         self.rank = run.rank
         self.global_option = config.global_option
-        # Non-empty exactly while a sampled root forward runs (one item per thread running one);
-        # its bound __len__ is every leaf proxy's `enabled` test, evaluated in wrapt's C code.
-        self.active: list[int] = []
+        # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
+        self.counter = Counter(first_forward_index, first_sample_id)
+        # The sampled root forwards in flight (samples.py); `in_flight.samples.__len__` is every
+        # layer proxy's `enabled` test, evaluated in wrapt's C code.
+        self.in_flight = InFlight(self.counter, self.warn_once)
         # Root depth and the open sample are per thread: a model run from several threads keeps
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
-        # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
-        self.counter = Counter(first_forward_index, first_sample_id)
         self._sink_lock = threading.RLock()
         self.closed = False
         self.forked = False  # True in a process forked from the one that created it (forks.py)
@@ -338,7 +331,7 @@ class Observer:
         finally:
             resume_compilation(paused)
 
-    def _begin_root_forward(self) -> _Sample | object | None:
+    def _begin_root_forward(self) -> Sample | object | None:
         """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""
         if self.closed:
             if self.forked:
@@ -359,17 +352,17 @@ class Observer:
         forward_index, sample_id = self.counter.next_forward(self._should_sample, schedule)
         if sample_id is None:
             return None
-        return _Sample(sample_id, forward_index, self.current_step())
+        return Sample(sample_id, forward_index, self.current_step())
 
     def _run_sample(
-        self, sample: _Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+        self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
         """A sampled root forward: layer proxies on, torch.compile off, then one emission."""
         local = self._local
         local.sample = sample
         local.depth = 1
-        self.active.append(1)
-        self.proxies.install_layers(self.active.__len__)
+        self.in_flight.begin(sample)
+        self.proxies.install_layers(self.in_flight.samples.__len__)
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
@@ -383,13 +376,20 @@ class Observer:
             local.sample = None
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers()
-                self.active.pop()
+                self.in_flight.end(sample)  # calls of other threads land before, or are counted
                 self._emit_forward(sample)
 
     @property
-    def current(self) -> _Sample | None:
+    def current(self) -> Sample | None:
         """The sampled root forward running in this thread, if any."""
         return getattr(self._local, "sample", None)
+
+    def sample_in_flight(self, count: bool) -> Sample | None:
+        """For a thread without a sampled forward of its own: the one in flight (samples.py);
+        None in a root forward of its own (its calls are its own), or with none or several."""
+        if getattr(self._local, "depth", 0):
+            return None
+        return self.in_flight.only(count)
 
     def _call_nested(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A root call inside a root forward (same thread): part of the enclosing forward."""
@@ -446,7 +446,7 @@ class Observer:
     # -- recording outputs --------------------------------------------------------------------
 
     def record_output(
-        self, sample: _Sample, layer: _LayerCapture, call_index: int, output: Any
+        self, sample: Sample, layer: _LayerCapture, call_index: int, output: Any
     ) -> None:
         """Launch the reductions of every tensor in `output` and hook their gradients."""
         try:
@@ -481,7 +481,7 @@ class Observer:
                 self.notes.append(note)  # said in index.md at removal, and warned now
                 self.warn_once(note, note)
 
-    def _marker_row(self, sample: _Sample, error: BaseException) -> Measurement:
+    def _marker_row(self, sample: Sample, error: BaseException) -> Measurement:
         """The row that marks `sample` as interrupted by `error` (metric INTERRUPTED, value
         null, the reason naming the exception and where it was raised)."""
         raised = sample.raised
@@ -515,12 +515,12 @@ class Observer:
         root = self._root_ref() if self._root_ref is not None else None
         return "train" if root is None or root.training else "eval"
 
-    def _end_sample(self, sample: _Sample) -> None:
+    def _end_sample(self, sample: Sample) -> None:
         """Count the layers this sampled forward called and that returned (a layer whose every
         call raised did not run to the end: it is not counted)."""
         self.counter.count_layers(sample.returned)
 
-    def _emit_forward(self, sample: _Sample) -> None:
+    def _emit_forward(self, sample: Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         self._end_sample(sample)
         extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.warn_once)
@@ -548,7 +548,7 @@ class Observer:
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
         no_grad = self.gradients.no_grad_note()
-        notes = (*self.notes, *([no_grad] if no_grad is not None else []))
+        notes = (*self.notes, *(n for n in (no_grad, self.in_flight.note()) if n is not None))
         return self.counter.counts(self.gradients.backward_samples, notes)
 
     def never_ran(self) -> list[str]:
@@ -574,7 +574,7 @@ class Observer:
         """
         self.forked = True
         self.closed = True
-        self.active.clear()  # layer proxies of a forward in progress become inert
+        self.in_flight.samples.clear()  # layer proxies of a forward in progress become inert
         self.gradients.closed = True
 
     def _warn_forked(self) -> None:

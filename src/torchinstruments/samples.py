@@ -1,0 +1,165 @@
+"""A sampled root forward in progress, and the ones in flight: where a call of another thread goes.
+
+The open sample and the root depth are per thread (observer.py keeps them in a thread-local), so
+a model run from several threads keeps each thread's forwards apart. A model may also run
+branches of its own forward on other threads (a `ThreadPoolExecutor` or `threading.Thread`
+inside `forward`: multi-tower and ensemble models); those threads have no root forward of their
+own. Design decision: a selected layer called on such a thread while exactly one sampled root
+forward of the observer is in flight (on any thread) belongs to that sample, as plain hooks see
+it: it is measured there, its call_index from the layer's count in that sample, its gradient
+hooked. With several sampled forwards in flight the call cannot be attributed to one of them: it
+runs unmeasured. A call that began during a sample but returned after the sampled forward had
+ended is not measured either (its sample is emitted already). Both are counted (under the
+observer's one counting lock), warned once, and said in index.md, with how many calls and why:
+never silent. A thread in an unsampled root forward of its own keeps its calls to itself, and a
+call made when no sampled forward is in flight is outside any sample.
+
+Cost: the sampling thread finds its sample in its thread-local and pays nothing for this but one
+lock at each sampled forward's start and end; only a thread without a sample reads the list of
+samples in flight (one copy of a list of about one item).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torchinstruments.capture import WarnOnce
+from torchinstruments.counting import Counter
+from torchinstruments.records import LayerInfo, Measurement
+
+if TYPE_CHECKING:
+    from torchinstruments.global_statistics import GlobalTensor
+    from torchinstruments.measurement.transfer import Launched
+
+__all__ = ["InFlight", "Sample"]
+
+
+class Sample:
+    """A sampled root forward in progress."""
+
+    __slots__ = (
+        "call_counts",
+        "forward_index",
+        "global_pending",
+        "interrupted",
+        "pending",
+        "raised",
+        "returned",
+        "sample_id",
+        "step",
+    )
+
+    def __init__(self, sample_id: int, forward_index: int, step: int | None) -> None:
+        self.sample_id = sample_id
+        self.forward_index = forward_index
+        self.step = step
+        # Per layer, its calls' counter: `next` is one atomic step, so a call on another thread
+        # never shares a call_index with one of the sample's own thread.
+        self.call_counts: dict[str, itertools.count[int]] = {}
+        self.pending: list[Launched] = []  # in launch order
+        self.global_pending: list[GlobalTensor] = []  # global_statistics: measured at the end
+        self.returned: set[str] = set()  # layers with at least one call that returned
+        # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
+        self.raised: tuple[LayerInfo, int, str, int] | None = None
+        self.interrupted: Measurement | None = None  # the marker row, once the forward raised
+
+    def layer_raised(
+        self, layer: LayerInfo, mode: Callable[[], str], call_index: int, error: BaseException
+    ) -> None:
+        """Remember where `error` started (the innermost layer it passes through first)."""
+        if self.raised is None or self.raised[3] != id(error):
+            self.raised = (layer, call_index, mode(), id(error))
+
+    def next_call_index(self, layer: str) -> int:
+        """The call_index of this layer's next invocation inside this root forward."""
+        counter = self.call_counts.get(layer)
+        if counter is None:
+            counter = self.call_counts.setdefault(layer, itertools.count())
+        return next(counter)
+
+
+class InFlight:
+    """The sampled root forwards of one observer now running, one per thread running one.
+
+    Args:
+        counter: the observer's counts, where calls no sample took are counted.
+        warn_once: says once per reason that such calls were not measured.
+    """
+
+    def __init__(self, counter: Counter, warn_once: WarnOnce) -> None:
+        # Non-empty exactly while a sampled root forward runs; its bound __len__ is every layer
+        # proxy's `enabled` test, evaluated in wrapt's C code.
+        self.samples: list[Sample] = []
+        # Held while a call of another thread is recorded into a sample and while a sample
+        # ends: such a call lands before its sample is emitted, or is counted as late.
+        self._lock = threading.Lock()
+        self._counter = counter
+        self._warn_once = warn_once
+
+    def begin(self, sample: Sample) -> None:
+        """`sample`'s root forward has started."""
+        with self._lock:
+            self.samples.append(sample)
+
+    def end(self, sample: Sample) -> None:
+        """`sample`'s root forward has returned (or raised): no call is recorded into it now."""
+        with self._lock:
+            self.samples.remove(sample)
+
+    def only(self, count: bool) -> Sample | None:
+        """The sample a call of a thread without a root forward of its own belongs to: the one
+        in flight; None with none, or with several (with `count`, the call is counted and
+        said: it is left unmeasured)."""
+        in_flight = self.samples[:]  # one step: another thread may end its sample meanwhile
+        if len(in_flight) == 1:
+            return in_flight[0]
+        if in_flight and count:
+            self._counter.count_unattributed(several=True)
+            self._warn_once("unattributed", _SEVERAL)
+        return None
+
+    def record(self, sample: Sample, record: Callable[[], None]) -> None:
+        """Run `record` (a call of another thread, measured into `sample`) unless `sample` has
+        ended since the call began; then the call is counted and said as late."""
+        with self._lock:
+            if any(item is sample for item in self.samples):
+                record()
+                return
+        self._counter.count_unattributed(several=False)
+        self._warn_once("unattributed-late", _LATE)
+
+    def note(self) -> str | None:
+        """index.md's sentence on the calls of other threads that no sample took, or None."""
+        several, late = self._counter.unattributed()
+        parts = []
+        if several:
+            parts.append(
+                f"{several} call{'s' if several > 1 else ''} made while several sampled forwards "
+                "were in flight (the call cannot be attributed to one of them)"
+            )
+        if late:
+            parts.append(
+                f"{late} call{'s' if late > 1 else ''} that began during a sampled forward and "
+                "returned after it had ended"
+            )
+        if not parts:
+            return None
+        return (
+            "Calls of selected layers on threads without a root forward of their own (a thread "
+            "pool inside the model's forward) are measured in the sampled forward in flight; "
+            f"these ran unmeasured and have no rows: {'; '.join(parts)}."
+        )
+
+
+_SEVERAL = (
+    "a selected layer was called on a thread without a root forward of its own while several "
+    "sampled forwards were in flight, so the call could not be attributed to one of them and was "
+    "not measured (index.md counts such calls)"
+)
+_LATE = (
+    "a selected layer called on another thread during a sampled forward returned after that "
+    "forward had ended, so the call was not measured (index.md counts such calls)"
+)

@@ -6,7 +6,8 @@ second and works where torch is not installed. This package is the whole command
 `main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
 (`add_commands` puts the reading subcommands on the parser, beside `finalize`), and
 `run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
-usage (argparse), 3 matplotlib missing (plot, heatmap).
+usage (argparse's, or directories and `--rank` that name no run to compare), 3 matplotlib
+missing (plot, heatmap).
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ def add_commands(commands: Subcommands) -> None:
         description="Per layer, signal, tensor and metric: both runs' recent window means, their "
         "difference (B - A), and the first matched sample where they differ by more than "
         "--tolerance. Measured differences only. Rank directories (stats/rank-000, "
-        "stats/rank-001) are compared like any two runs.",
+        "stats/rank-001) are compared like any two runs. A directory of rank-NNN/ runs alone "
+        "(DIR_A, no DIR_B) is compared rank by rank (--rank 0,3 or 0-7 picks the ranks); two "
+        "such directories with --rank N compare rank N of each.",
     )
     cmd.add_argument("directory_a", type=Path, metavar="DIR_A", help="run A")
     cmd.add_argument(
@@ -275,11 +278,14 @@ def run_command(args: argparse.Namespace) -> int:
 
     A directory of `rank-NNN/` runs (and `--rank`) goes to `cli.ranks_command` first.
     """
-    from torchinstruments.cli.ranks_command import run_on_ranks
+    from torchinstruments.cli.ranks_command import UsageError, run_on_ranks
     from torchinstruments.cli.reader import NotARunError
 
     try:
         done = run_on_ranks(args, _run_single, _selection, _width())
+    except UsageError as exc:
+        print(f"torchinstruments {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except (NotARunError, ValueError) as exc:
         print(f"torchinstruments {args.command}: {exc}", file=sys.stderr)
         return 1

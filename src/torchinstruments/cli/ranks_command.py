@@ -5,7 +5,10 @@ the command is a parent of `rank-NNN/` runs and `--rank` is not given, so single
 path they always took. On a parent, one rank (`--rank N`) is that rank's directory, read by the
 single-run command; several ranks (or none named: all of them) are read side by side
 (`cli.ranks`, `cli.ranks_draw`). `compare` with two directories compares one rank of each
-parent (`--rank N`); with one directory, a parent, it compares its ranks with each other.
+parent (`--rank N`); with one directory, a parent, it compares its ranks with each other (all,
+or the ranks `--rank` names, at least two). A combination that names no pair of runs (one
+parent and one rank; two directories with a parent and no single `--rank`) is a usage error,
+exit 2, whose message names what to pass.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A combination of arguments that names no run to read (exit 2, like argparse's errors)."""
 
 
 def add_rank_option(cmd: argparse.ArgumentParser) -> None:
@@ -50,7 +57,8 @@ def run_on_ranks(
         width: the text width.
 
     Raises:
-        ValueError: bad `--rank`, or a combination that names no run.
+        UsageError: a combination of directories and `--rank` that names no run to read.
+        ValueError: bad `--rank`.
     """
     from torchinstruments.cli import ranks as multi
     from torchinstruments.cli.reader import is_parent, parse_ranks, rank_runs
@@ -65,20 +73,27 @@ def run_on_ranks(
                 f"--rank {args.rank}: {given[0]} holds no rank-NNN/ directories (it is one run)"
             )
         if args.command == "compare" and args.directory_b is None:
-            raise ValueError(
+            raise UsageError(
                 f"DIR_B is needed: {args.directory_a} is one run (only a directory of "
                 "rank-NNN/ runs is compared with itself, rank by rank)"
             )
         return None
     if args.command == "compare" and args.directory_b is not None:
         if parents and (ranks is None or len(ranks) != 1):
-            raise ValueError(
+            raise UsageError(
                 "compare DIR_A DIR_B with a directory of rank-NNN/ runs needs --rank N (the "
                 "rank to compare); compare one such directory alone to compare its ranks"
             )
         args.directory_a = _resolve(args.directory_a, ranks)
         args.directory_b = _resolve(args.directory_b, ranks)
         return run_single(args)
+    if args.command == "compare" and ranks is not None and len(ranks) == 1:
+        raise UsageError(
+            f"compare {given[0]} --rank {args.rank} names one run, and compare needs two: pass "
+            f"two runs (DIR_A DIR_B, e.g. two rank-NNN/ directories), two directories of "
+            f"rank-NNN/ runs with --rank N (rank N of each), or {given[0]} without --rank (or "
+            "with several ranks, e.g. --rank 0,3) to compare its ranks with each other"
+        )
     if ranks is not None and len(ranks) == 1:
         setattr(args, names[0], _resolve(given[0], ranks))
         return run_single(args)
@@ -161,4 +176,4 @@ def _draw(
         return 3
 
 
-__all__ = ["add_rank_option", "run_on_ranks"]
+__all__ = ["UsageError", "add_rank_option", "run_on_ranks"]

@@ -1,0 +1,80 @@
+"""Reading a directory of rank runs as one run, where ranks differ: a rank with eval samples,
+steps, another sampler, no history yet, no value for a series, or none at all. Every rank is
+written by a real observer (the launcher's RANK and WORLD_SIZE, as torchrun sets them), and
+what the readers print is checked against each rank's own history.parquet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from conftest import cli_in_process
+
+
+def observe_rank(
+    parent: Path,
+    rank: int,
+    world_size: int = 2,
+    *,
+    forwards: int = 3,
+    every: int = 1,
+    eval_forwards: bool = False,
+    steps: bool = False,
+    selector: Callable[[str, nn.Module], bool] | None = None,
+    remove: bool = True,
+) -> nn.Module:
+    """Rank `rank` of `world_size` observes a small MLP for `forwards` training steps (each
+    followed by an eval forward with `eval_forwards`; with `steps`, step 10 * i via set_step)."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RANK", str(rank))
+        env.setenv("WORLD_SIZE", str(world_size))
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        options: dict[str, Any] = {"selector": selector} if selector is not None else {}
+        inject_observer(
+            model,
+            output_dir=parent,
+            sampler=EveryNForwardsSampler(every),
+            rank_policy="all",
+            **options,
+        )
+    for i in range(forwards):
+        if steps:
+            set_step(model, 10 * i)
+        model(torch.randn(5, 4) * (rank + 1)).sum().backward()
+        if eval_forwards:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(5, 4) * 10)
+            model.train()
+    if remove:
+        remove_observer(model)
+    return model
+
+
+def history(parent: Path, rank: int) -> pl.DataFrame:
+    return pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet")
+
+
+def test_compare_of_one_parent_and_one_rank_is_a_usage_error_naming_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    for rank in (0, 1):
+        observe_rank(tmp_path, rank)
+    done = cli_in_process("compare", tmp_path, "--rank", "0")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    message = " ".join(done.stderr.split())
+    assert "compare needs two" in message
+    assert "two runs" in message
+    assert "without --rank" in message
+    assert "--rank N (rank N of each)" in message
+    assert cli_in_process("compare", tmp_path, "--rank", "0,1").returncode == 0

@@ -78,3 +78,20 @@ def test_compare_of_one_parent_and_one_rank_is_a_usage_error_naming_what_to_pass
     assert "without --rank" in message
     assert "--rank N (rank N of each)" in message
     assert cli_in_process("compare", tmp_path, "--rank", "0,1").returncode == 0
+
+
+def test_heatmap_of_the_parent_over_step_has_a_column_per_sample_labelled_by_its_step(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    from conftest import read_heatmap
+
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank, forwards=4, steps=True)
+    done = cli_in_process("heatmap", parent, "--x", "step", "--metrics", "mean", "-o", tmp_path)
+    assert done.returncode == 0, done.stderr
+    _, description = read_heatmap(tmp_path / "heatmap-ranks-mean.png")
+    steps = history(parent, 0).select("sample_id", "step").unique().sort("sample_id")
+    assert description["columns"] == steps["step"].to_list() == [0, 10, 20, 30]
+    assert [row[0] for row in description["rows"]] == ["rank 000: 0", "rank 001: 0"]

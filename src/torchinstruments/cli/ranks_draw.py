@@ -66,11 +66,18 @@ def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection
 
 
 def _tensor_rows(
-    runs: Sequence[RankRun], selection: Selection, tensor: TensorId, x: str, metrics: bool
+    runs: Sequence[RankRun],
+    selection: Selection,
+    tensor: TensorId,
+    x: str,
+    metrics: bool,
 ) -> pl.DataFrame:
-    """That tensor's rows from every rank, in write order, its `layer` renamed `rank N: layer`;
-    only its rows are decoded (the filters reach the Parquet scan)."""
+    """That tensor's rows from every rank, in order of `x` (write order breaking ties), its
+    `layer` renamed `rank N: layer`; only its rows are decoded (the filters reach the Parquet
+    scan). With `x` = step each row also carries its sample_id (a heatmap column is a sample,
+    and samples may share a step)."""
     layer, call_index, path = tensor
+    xs = ("step", "sample_id") if x == "step" else (x,)
     frames = []
     for run in runs:
         rows = read_history(
@@ -84,8 +91,8 @@ def _tensor_rows(
                     pl.col("call_index") == call_index,
                     pl.col("tensor_path") == path,
                 )
-                .select(*TENSOR_KEY, "module_type", "metric", x, "value")
-                .sort(x, maintain_order=True)  # files are in write order: ties keep it
+                .select(*TENSOR_KEY, "module_type", "metric", *xs, "value")
+                .sort(*xs, maintain_order=True)  # files are in write order: ties keep it
             ),
             write_order=False,  # so that the filters reach the Parquet scan
         )
@@ -144,7 +151,7 @@ def heatmap_ranks(
             *(pl.col(n).cast(pl.Categorical) for n in ("layer", "tensor_path", "module_type")),
             pl.col("signal", "mode").cast(pl.Categorical),
             "call_index",
-            x,
+            *(("step", "sample_id") if x == "step" else (x,)),
             "value",
         )
         grid = build_grid(cells, plain, metric, x)

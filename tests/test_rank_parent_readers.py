@@ -95,3 +95,21 @@ def test_heatmap_of_the_parent_over_step_has_a_column_per_sample_labelled_by_its
     steps = history(parent, 0).select("sample_id", "step").unique().sort("sample_id")
     assert description["columns"] == steps["step"].to_list() == [0, 10, 20, 30]
     assert [row[0] for row in description["rows"]] == ["rank 000: 0", "rank 001: 0"]
+
+
+def test_plot_and_heatmap_of_the_parent_over_step_refuse_ranks_without_steps(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank)
+    assert history(parent, 0)["step"].is_null().all()
+    single = cli_in_process("plot", parent / "rank-000", "--x", "step", "-o", tmp_path / "one.png")
+    for command, output in (("plot", tmp_path / "p.png"), ("heatmap", tmp_path)):
+        done = cli_in_process(command, parent, "--x", "step", "--metrics", "mean", "-o", output)
+        assert done.returncode == 1 == single.returncode
+        assert done.stderr.startswith(f"torchinstruments {command}: no sample of {parent} ")
+        assert done.stderr.split(parent.name, 1)[1] == single.stderr.split("rank-000", 1)[1]
+    assert not (tmp_path / "p.png").exists()
+    assert not list(tmp_path.glob("heatmap-*.png"))

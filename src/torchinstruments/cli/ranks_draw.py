@@ -6,7 +6,9 @@ readable and reads only that tensor's rows from each rank. They draw with the si
 drawing code (`pictures`, `pictures_grid`) unchanged, with ranks where it has tensors: `plot` draws one line per rank (labelled
 `rank N: tensor`) in each metric and signal panel; `heatmap` draws one image per metric with a
 row per rank and a column per sample (output and output_gradient side by side), the same four
-cell kinds (value, null, nonfinite, no row) as the single-run heatmap.
+cell kinds (value, null, nonfinite, no row) as the single-run heatmap. Over `--x step` as on
+one run: samples without a step are left out, and where no rank has one the command refuses
+with the single run's message (exit 1), never an empty picture.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import polars as pl
 
 from torchinstruments.cli.pictures import (
     DEFAULT_MAX_TENSORS,
+    NO_STEP,
     PlotResult,
     matplotlib_missing,
     trend_figure,
@@ -66,6 +69,7 @@ def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection
 
 
 def _tensor_rows(
+    parent: Path,
     runs: Sequence[RankRun],
     selection: Selection,
     tensor: TensorId,
@@ -74,8 +78,12 @@ def _tensor_rows(
 ) -> pl.DataFrame:
     """That tensor's rows from every rank, in order of `x` (write order breaking ties), its
     `layer` renamed `rank N: layer`; only its rows are decoded (the filters reach the Parquet
-    scan). With `x` = step each row also carries its sample_id (a heatmap column is a sample,
-    and samples may share a step)."""
+    scan). Rows without an `x` (a sample without a step) are left out; with `x` = step each row
+    also carries its sample_id (a heatmap column is a sample, and samples may share a step).
+
+    Raises:
+        ValueError: with `x` = step, if no rank has a selected row with a step (`NO_STEP`).
+    """
     layer, call_index, path = tensor
     xs = ("step", "sample_id") if x == "step" else (x,)
     frames = []
@@ -90,6 +98,7 @@ def _tensor_rows(
                     pl.col("layer") == layer,
                     pl.col("call_index") == call_index,
                     pl.col("tensor_path") == path,
+                    pl.col(x).is_not_null(),
                 )
                 .select(*TENSOR_KEY, "module_type", "metric", *xs, "value")
                 .sort(*xs, maintain_order=True)  # files are in write order: ties keep it
@@ -97,7 +106,10 @@ def _tensor_rows(
             write_order=False,  # so that the filters reach the Parquet scan
         )
         frames.append(rows.with_columns(layer=pl.lit(f"rank {run.rank:03d}: {layer or '<root>'}")))
-    return pl.concat(frames)
+    rows = pl.concat(frames)
+    if rows.is_empty() and x == "step":
+        raise ValueError(NO_STEP.format(directory=parent))
+    return rows
 
 
 def plot_ranks(
@@ -114,7 +126,7 @@ def plot_ranks(
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
-    rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
+    rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
     figure, result = trend_figure(rows, facts, x, max_tensors, yscale)
     return write_trends(figure, result, output), tensor
 
@@ -141,7 +153,7 @@ def heatmap_ranks(
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
-    rows = _tensor_rows(runs, selection, tensor, x, metrics=True)
+    rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)

@@ -5,6 +5,7 @@ what the readers print is checked against each rank's own history.parquet."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,30 @@ def test_plot_and_heatmap_of_the_parent_over_step_refuse_ranks_without_steps(
         assert done.stderr.split(parent.name, 1)[1] == single.stderr.split("rank-000", 1)[1]
     assert not (tmp_path / "p.png").exists()
     assert not list(tmp_path.glob("heatmap-*.png"))
+
+
+def test_the_far_rank_of_two_ranks_is_the_lower_one_whatever_the_rounding(tmp_path: Path) -> None:
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    # Two ranks are always equally far from their median; in float64, `value - median` rounds
+    # these two distances apart (4.0220483740170785 and 4.02204837401708).
+    values = (-23.468405922253925, -15.424309174219767)
+    for rank, value in enumerate(values):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RANK", str(rank))
+            env.setenv("WORLD_SIZE", "2")
+            model = nn.Sequential(nn.Identity())
+            inject_observer(
+                model, output_dir=tmp_path, sampler=EveryNForwardsSampler(1), rank_policy="all"
+            )
+        model(torch.tensor([[value]], dtype=torch.float64, requires_grad=True)).sum().backward()
+        remove_observer(model)
+    done = cli_in_process("show", tmp_path, "--format", "csv", "--signal", "output")
+    assert done.returncode == 0, done.stderr
+    rows = pl.read_csv(io.StringIO(done.stdout), comment_prefix="#").filter(
+        pl.col("metric") == "mean"
+    )
+    assert rows["min"].to_list() == [values[0]] * 2
+    assert rows["max"].to_list() == [values[1]] * 2
+    assert rows["farthest_rank"].to_list() == [0, 0]
+    assert rows["farthest_by"].to_list() == [values[0] - rows["median"][0]] * 2

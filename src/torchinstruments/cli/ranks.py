@@ -8,7 +8,8 @@ Design decisions:
 - `show PARENT`: per series, the spread across ranks of two measured values of each rank, its
   latest value and its recent-window mean (each the very number `show RANK_DIR` prints, from the
   same `show.summary`): min, max, median, the rank farthest from the cross-rank median and its
-  signed distance from it (`value - median`; ties: the lower rank). Ranks whose value is null or
+  signed distance from it (`value - median`; ties, distances within `TIE_ULPS` ulps of the
+  values compared, since rounding alone separates them: the lower rank). Ranks whose value is null or
   nonfinite are left out of the spread and counted (`ranks` = ranks with a finite value).
   Measured values only, nothing judged.
 - `compare PARENT`: per series, the first sample (matched on `--x`) at which one rank departs
@@ -54,6 +55,8 @@ from torchinstruments.cli.text import number, plural, render_frame, series_table
 from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 22
+TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
+_EPSILON = 2.0**-52
 TEXT_TENSORS = 60
 
 SPREAD_COLUMNS = (
@@ -99,17 +102,24 @@ def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.D
     finite = per_rank.filter(pl.col(value).is_finite()).with_columns(
         _median=pl.col(value).median().over(SERIES_KEY)
     )
-    finite = finite.with_columns(_by=pl.col(value) - pl.col("_median"))
+    distance = (pl.col(value) - pl.col("_median")).abs()
+    # Distances equal but for the rounding of `value - median` (a few ulps of the larger of the
+    # two) are a tie, which goes to the lower rank: with two ranks both are always as far.
+    slack = TIE_ULPS * _EPSILON * pl.max_horizontal(pl.col(value).abs(), pl.col("_median").abs())
+    finite = finite.with_columns(
+        _by=pl.col(value) - pl.col("_median"),
+        _far=distance >= distance.max().over(SERIES_KEY) - slack,
+    )
     stats = (
-        finite.sort(pl.col("_by").abs(), "rank", descending=[True, False])
+        finite.sort("rank")
         .group_by(SERIES_KEY, maintain_order=True)
         .agg(
             ranks=pl.len().cast(pl.Int64),
             min=pl.col(value).min(),
             max=pl.col(value).max(),
             median=pl.col("_median").first(),
-            farthest_rank=pl.col("rank").first(),
-            farthest_by=pl.col("_by").first(),
+            farthest_rank=pl.col("rank").filter("_far").first(),
+            farthest_by=pl.col("_by").filter("_far").first(),
         )
     )
     every = per_rank.group_by(SERIES_KEY).agg(

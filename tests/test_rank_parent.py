@@ -126,7 +126,7 @@ def test_plot_and_heatmap_of_the_parent(parent: Path, tmp_path: Path) -> None:
     assert "tensor 2, 2 ranks" in text
     code, text = run_cli("heatmap", str(parent), "-o", str(tmp_path), "--metrics", "mean")
     assert code == 0
-    assert "2 ranks x 4 samples" in text
+    assert "2 ranks (2 train rows) x 4 samples" in text
     image = Image.open(tmp_path / "heatmap-ranks-mean.png")
     description = json.loads(image.text["Description"])  # type: ignore[attr-defined]
     assert description["rows"] == [["rank 000: 0", 0, "", "train"], ["rank 001: 0", 0, "", "train"]]

@@ -6,6 +6,7 @@ what the readers print is checked against each rank's own history.parquet."""
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,35 @@ def test_the_far_rank_of_two_ranks_is_the_lower_one_whatever_the_rounding(tmp_pa
     assert rows["max"].to_list() == [values[1]] * 2
     assert rows["farthest_rank"].to_list() == [0, 0]
     assert rows["farthest_by"].to_list() == [values[0] - rows["median"][0]] * 2
+
+
+def test_plot_and_heatmap_of_the_parent_count_ranks_as_ranks_and_keep_each_ranks_modes_together(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from conftest import read_heatmap
+
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank, eval_forwards=True)
+    for rank in (0, 1):
+        assert set(history(parent, rank)["mode"]) == {"train", "eval"}
+    done = cli_in_process("heatmap", parent, "--metrics", "mean", "-o", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "mean of tensor 0, 2 ranks (2 train rows, 2 eval rows) x 6 samples" in done.stdout
+    _, description = read_heatmap(tmp_path / "heatmap-ranks-mean.png")
+    assert len(description["rows"]) == 4
+    done = cli_in_process("plot", parent, "--metrics", "mean", "-o", tmp_path / "all.png")
+    assert done.returncode == 0, done.stderr
+    assert "tensor 0, 2 ranks (2 train lines, 2 eval lines)" in done.stdout
+    assert done.stderr == ""
+    done = cli_in_process(
+        "plot", parent, "--metrics", "mean", "--max-tensors", "1", "-o", tmp_path / "one.png"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tensor 0, 1 rank (1 train line, 1 eval line)" in done.stdout
+    assert "1 rank left out (rank 1;" in done.stderr
+    drawn = json.loads(Image.open(tmp_path / "one.png").text["Description"])["tensors"]  # type: ignore[attr-defined]
+    assert drawn == ["rank 000: 0 (Linear)", "rank 000: 0 [eval] (Linear)"]

@@ -193,7 +193,8 @@ def add_commands(commands: Subcommands) -> None:
         type=_positive,
         default=10,
         metavar="N",
-        help="draw at most N tensors (lines per panel), in traversal order (default 10)",
+        help="draw at most N tensors (lines per panel), in traversal order (default 10); on a "
+        "directory of rank-NNN/ runs, at most N ranks, each with all its modes",
     )
     cmd.add_argument(
         "--yscale",

@@ -39,7 +39,7 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli.reader import TENSOR_KEY, RunFacts, layer_order, metric_order
-from torchinstruments.cli.text import tensor_label
+from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
 
 __all__ = [
@@ -149,9 +149,16 @@ def _scale(ax: Any, values: list[float], yscale: str) -> str:
 
 
 def trend_figure(
-    rows: pl.DataFrame, facts: RunFacts, x: str, max_tensors: int, yscale: str = "linear"
+    rows: pl.DataFrame,
+    facts: RunFacts,
+    x: str,
+    max_tensors: int,
+    yscale: str = "linear",
+    *,
+    title: str | None = None,
 ) -> tuple[Any, PlotResult]:
-    """Build the matplotlib Figure and describe it (path left empty).
+    """Build the matplotlib Figure and describe it (path left empty); `title` says what the
+    lines are (default: `N tensors`).
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
@@ -237,7 +244,7 @@ def trend_figure(
         labels = [*labels, "x at the bottom:\nnull value (reason\nin history)"]
     figure.legend(handles, labels, loc="outside right upper", fontsize=9, title="tensor")
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
-    title = f"{where}: {len(drawn)} tensor{'' if len(drawn) == 1 else 's'}"
+    title = f"{where}: {title or plural(len(drawn), 'tensor')}"
     if left_out:
         title += f" ({len(left_out)} more left out: choose with --layers or --max-tensors)"
     figure.suptitle(title, fontsize=10)

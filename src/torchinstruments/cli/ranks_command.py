@@ -127,13 +127,14 @@ def _draw(
     """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
     from torchinstruments.cli import ranks_draw
     from torchinstruments.cli.pictures import MatplotlibMissingError
-    from torchinstruments.cli.text import plural, tensor_label
+    from torchinstruments.cli.text import plural
+    from torchinstruments.rundir.ranges import ranges
 
     prog = f"torchinstruments {args.command}"
     try:
         if args.command == "plot":
             output = args.output or Path(parent) / "trends-ranks.png"
-            result, tensor = ranks_draw.plot_ranks(
+            result, lines = ranks_draw.plot_ranks(
                 parent,
                 output,
                 chosen,  # type: ignore[arg-type]
@@ -144,12 +145,13 @@ def _draw(
             )
             print(
                 f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
-                f"{plural(len(result.panels), 'panel')}, tensor {tensor_label(*tensor, calls=tensor[1] > 0)}, "
-                f"{plural(len(result.tensors), 'rank')}, x = {result.x}"
+                f"{plural(len(result.panels), 'panel')}, tensor {_label(lines.tensor)}, "
+                f"{lines.describe('line')}, x = {result.x}"
             )
-            if result.left_out:
+            if lines.left_out:
                 print(
-                    f"{prog}: {plural(len(result.left_out), 'rank')} left out; choose with "
+                    f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "
+                    f"{ranges(lines.left_out)}; --max-tensors counts ranks here); choose with "
                     "--rank or raise --max-tensors",
                     file=sys.stderr,
                 )
@@ -157,7 +159,7 @@ def _draw(
         output_dir = args.output_dir or Path(parent)
         if not output_dir.is_dir():
             raise ValueError(f"--output-dir {output_dir} is not an existing directory")
-        results, tensor = ranks_draw.heatmap_ranks(
+        results, lines = ranks_draw.heatmap_ranks(
             parent,
             output_dir,
             chosen,  # type: ignore[arg-type]
@@ -168,12 +170,19 @@ def _draw(
         for r in results:
             print(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
-                f"{tensor_label(*tensor, calls=tensor[1] > 0)}, {plural(r.rows, 'rank')} x {plural(r.columns, 'sample')}"
+                f"{_label(lines.tensor)}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
             )
         return 0
     except MatplotlibMissingError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 3
+
+
+def _label(tensor: tuple[str, int, str]) -> str:
+    """The tensor's name as the pictures say it (`0`, `0 call 1`, `0[1]`)."""
+    from torchinstruments.cli.text import tensor_label
+
+    return tensor_label(*tensor, calls=tensor[1] > 0)
 
 
 __all__ = ["UsageError", "add_rank_option", "run_on_ranks"]

@@ -3,8 +3,10 @@
 Design decision: both draw one tensor (layer, call, tensor path): the first, in traversal order,
 that `--layers` matches (the first tensor of the run without it), so an image of 64 ranks stays
 readable and reads only that tensor's rows from each rank. They draw with the single-run
-drawing code (`pictures`, `pictures_grid`) unchanged, with ranks where it has tensors: `plot` draws one line per rank (labelled
-`rank N: tensor`) in each metric and signal panel; `heatmap` draws one image per metric with a
+drawing code (`pictures`, `pictures_grid`), with ranks where it has tensors: `plot` draws one
+line per rank and mode (labelled `rank N: tensor`, `[eval]` for eval samples) in each metric and
+signal panel, and `--max-tensors N` keeps the N lowest ranks, each with all its modes (ranks are
+counted as ranks, lines per mode separately: `RankLines`); `heatmap` draws one image per metric with a
 row per rank and a column per sample (output and output_gradient side by side), the same four
 cell kinds (value, null, nonfinite, no row) as the single-run heatmap. Over `--x step` as on
 one run: samples without a step are left out, and where no rank has one the command refuses
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
@@ -40,6 +43,7 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.selection import Selection
+from torchinstruments.cli.text import plural
 
 TensorId = tuple[str, int, str]
 
@@ -77,7 +81,7 @@ def _tensor_rows(
     metrics: bool,
 ) -> pl.DataFrame:
     """That tensor's rows from every rank, in order of `x` (write order breaking ties), its
-    `layer` renamed `rank N: layer`; only its rows are decoded (the filters reach the Parquet
+    `layer` renamed `rank N: layer` and its `rank` added; only its rows are decoded (the filters reach the Parquet
     scan). Rows without an `x` (a sample without a step) are left out; with `x` = step each row
     also carries its sample_id (a heatmap column is a sample, and samples may share a step).
 
@@ -105,11 +109,46 @@ def _tensor_rows(
             ),
             write_order=False,  # so that the filters reach the Parquet scan
         )
-        frames.append(rows.with_columns(layer=pl.lit(f"rank {run.rank:03d}: {layer or '<root>'}")))
+        frames.append(
+            rows.with_columns(
+                layer=pl.lit(f"rank {run.rank:03d}: {layer or '<root>'}"),
+                rank=pl.lit(run.rank, pl.Int64),
+            )
+        )
     rows = pl.concat(frames)
     if rows.is_empty() and x == "step":
         raise ValueError(NO_STEP.format(directory=parent))
     return rows
+
+
+@dataclass(frozen=True)
+class RankLines:
+    """What a picture of one tensor across ranks holds: the tensor, the ranks drawn and left
+    out, and its lines (plot) or rows (heatmap) per mode: a rank with train and eval samples
+    has one of each, and is still one rank."""
+
+    tensor: TensorId
+    ranks: tuple[int, ...]
+    left_out: tuple[int, ...]
+    per_mode: tuple[tuple[str, int], ...]
+
+    def describe(self, what: str) -> str:
+        """`2 ranks (2 train lines, 2 eval lines)` for `what` = "line"."""
+        each = ", ".join(f"{n} {mode} {what}{'' if n == 1 else 's'}" for mode, n in self.per_mode)
+        return f"{plural(len(self.ranks), 'rank')} ({each})"
+
+
+def _rank_lines(
+    rows: pl.DataFrame, tensor: TensorId, most: int | None = None
+) -> tuple[pl.DataFrame, RankLines]:
+    """`rows` of the first `most` ranks (all of them: None), each with all its modes."""
+    present = sorted(set(rows["rank"].to_list()))
+    kept = present if most is None else present[:most]
+    rows = rows.filter(pl.col("rank").is_in(kept))
+    lines = rows.select("rank", "mode").unique()
+    modes = sorted(set(lines["mode"].to_list()), key=lambda m: (m != "train", m))
+    per_mode = tuple((m, lines.filter(pl.col("mode") == m).height) for m in modes)
+    return rows, RankLines(tensor, tuple(kept), tuple(present[len(kept) :]), per_mode)
 
 
 def plot_ranks(
@@ -121,14 +160,20 @@ def plot_ranks(
     x: str = "sample_id",
     max_tensors: int = DEFAULT_MAX_TENSORS,
     yscale: str = "linear",
-) -> tuple[PlotResult, TensorId]:
-    """Draw one tensor's trends, one line per rank (at most `max_tensors` ranks), into a PNG."""
+) -> tuple[PlotResult, RankLines]:
+    """Draw one tensor's trends into a PNG: a line per rank and mode, for at most `max_tensors`
+    ranks (the lowest; a rank drawn has all its modes)."""
     runs = rank_runs(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
-    figure, result = trend_figure(rows, facts, x, max_tensors, yscale)
-    return write_trends(figure, result, output), tensor
+    rows, lines = _rank_lines(rows, tensor, max_tensors)
+    count = sum(n for _, n in lines.per_mode)
+    title = lines.describe("line")
+    if lines.left_out:
+        title += f" ({plural(len(lines.left_out), 'more rank')} left out: --rank or --max-tensors)"
+    figure, result = trend_figure(rows, facts, x, count, yscale, title=title)
+    return write_trends(figure, result, output), lines
 
 
 def heatmap_ranks(
@@ -139,8 +184,8 @@ def heatmap_ranks(
     ranks: Sequence[int] | None = None,
     x: str = "sample_id",
     scale: str = "linear",
-) -> tuple[list[HeatmapResult], TensorId]:
-    """One PNG per selected metric of one tensor: a row per rank, a column per sample.
+) -> tuple[list[HeatmapResult], RankLines]:
+    """One PNG per selected metric of one tensor: a row per rank and mode, a column per sample.
 
     Files are `heatmap-ranks-<metric>.png` in `output_dir`.
     """
@@ -154,6 +199,7 @@ def heatmap_ranks(
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
+    rows, lines = _rank_lines(rows, tensor)
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)
@@ -169,7 +215,7 @@ def heatmap_ranks(
         grid = build_grid(cells, plain, metric, x)
         name = file_name(metric).replace("heatmap-", "heatmap-ranks-", 1)
         results.append(draw(grid, facts, Path(output_dir) / name, scale=scale))
-    return results, tensor
+    return results, lines
 
 
-__all__ = ["chosen_tensor", "heatmap_ranks", "plot_ranks"]
+__all__ = ["RankLines", "chosen_tensor", "heatmap_ranks", "plot_ranks"]

@@ -62,6 +62,9 @@ def observe_rank(
     return model
 
 
+SERIES = ["layer", "call_index", "signal", "tensor_path", "mode", "metric"]
+
+
 def history(parent: Path, rank: int) -> pl.DataFrame:
     return pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet")
 
@@ -174,3 +177,58 @@ def test_plot_and_heatmap_of_the_parent_count_ranks_as_ranks_and_keep_each_ranks
     assert "1 rank left out (rank 1;" in done.stderr
     drawn = json.loads(Image.open(tmp_path / "one.png").text["Description"])["tensors"]  # type: ignore[attr-defined]
     assert drawn == ["rank 000: 0 (Linear)", "rank 000: 0 [eval] (Linear)"]
+
+
+def test_a_parent_is_read_with_the_ranks_that_have_history_and_says_which_have_none(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    from torchinstruments import remove_observer
+
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0)
+    waiting = observe_rank(parent, 1, forwards=0, remove=False)  # no sample written yet
+    try:
+        assert not (parent / "rank-001" / "history.parquet").exists()
+        said = (
+            "rank 1: no sample written yet (in progress, or its process died before its first part)"
+        )
+        done = cli_in_process("show", parent, "--width", "200")
+        assert done.returncode == 0, done.stderr
+        assert f"not read, no history: {said}" in done.stdout
+        assert "ranks: " + str(parent) + " (1 rank: 0)" in done.stdout
+        done = cli_in_process("show", parent, "--format", "json")
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == f"torchinstruments show: not read, no history: {said}\n"
+        facts = json.loads(done.stdout)
+        assert facts["run"]["ranks"] == [0]
+        assert facts["run"]["ranks_without_history"] == {"1": said.split(": ", 1)[1]}
+        rows = pl.DataFrame(facts["rows"]).filter(pl.col("at") == "latest")
+        own = history(parent, 0).sort("sample_id").group_by(SERIES, maintain_order=True).last()
+        assert rows.height == own.height
+        joined = rows.join(own, on=SERIES)
+        assert (joined["min"] == joined["value"]).all()
+        done = cli_in_process("compare", parent, "--width", "200")
+        assert done.returncode == 0, done.stderr
+        assert f"not read, no history: {said}" in done.stdout
+        for command, output in (("plot", tmp_path / "p.png"), ("heatmap", tmp_path)):
+            done = cli_in_process(command, parent, "--metrics", "mean", "-o", output)
+            assert done.returncode == 0, done.stderr
+            assert done.stderr == f"torchinstruments {command}: not read, no history: {said}\n"
+            assert "1 rank (1 train" in done.stdout
+    finally:
+        remove_observer(waiting)
+
+
+def test_a_parent_where_no_rank_has_history_is_refused_naming_each_rank(tmp_path: Path) -> None:
+    from torchinstruments import remove_observer
+
+    models = [observe_rank(tmp_path, rank, forwards=0, remove=False) for rank in (0, 1)]
+    try:
+        for command in ("show", "compare"):
+            done = cli_in_process(command, tmp_path)
+            assert done.returncode == 1
+            assert "no rank has any history yet (rank 0-1: no sample written yet" in done.stderr
+    finally:
+        for model in models:
+            remove_observer(model)

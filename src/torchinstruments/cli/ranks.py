@@ -16,6 +16,11 @@ Design decisions:
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
   tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule). Only finite
   values take part; a series measured twice in a sample is matched occurrence by occurrence.
+- A rank without any history yet (killed, or still running, before its first part) is not
+  read: the others are, and the output says which ranks were not and why (`show` and `compare`
+  text in their header, elsewhere one line on stderr); only a parent where no rank has history
+  is refused. `compare` then matches the ranks it read (`matched` 0 where fewer than two have
+  the sample).
 - Memory is bounded by streaming: `show` reads one rank at a time (the spread needs two numbers
   per rank and series); `compare` reads all ranks together in ranges of `x` of about
   `DEPARTURE_BATCH_ROWS` rows (history is ordered by sample, so each range reads only the Parquet
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +44,11 @@ from torchinstruments.cli.reader import (
     RankRun,
     RunFacts,
     locate,
-    rank_runs,
+    ranks_with_history,
     read_facts,
     scan_files,
     window_of,
+    without_history_line,
 )
 from torchinstruments.cli.selection import (
     SERIES_COLUMNS,
@@ -94,6 +100,7 @@ class Spread:
     facts: tuple[RunFacts, ...]
     window: int
     frame: pl.DataFrame
+    without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.DataFrame:
@@ -141,7 +148,7 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
     of those ranks' latest samples) or "window" (each rank's recent-window mean; the range of the
     windows' last samples).
     """
-    runs = rank_runs(parent, ranks)
+    runs, without = ranks_with_history(parent, ranks)
     if not runs:
         raise NotARunError(f"{parent} has no rank-NNN/ directories")
     first_facts = read_facts(runs[0].directory)
@@ -157,7 +164,7 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
     recent = _spread_of(per_rank, "window_mean", "window_last_sample_id", "window")
     view = dataclasses.replace(first_facts, directory=Path(parent).expanduser())
     frame = _ordered_spread(pl.concat([latest, recent]), view)
-    return Spread(Path(parent).expanduser(), tuple(runs), tuple(facts), window, frame)
+    return Spread(Path(parent).expanduser(), tuple(runs), tuple(facts), window, frame, without)
 
 
 def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:
@@ -171,14 +178,21 @@ def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:
     )
 
 
-def _header(parent: Path, runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
-    """One line for the parent, one per rank (its state and latest sample)."""
+def _header(
+    parent: Path,
+    runs: Sequence[RankRun],
+    facts: Sequence[RunFacts],
+    without_history: Mapping[int, str],
+) -> list[str]:
+    """One line for the parent, one per state of the ranks read, one for ranks not read."""
     states: dict[str, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         states.setdefault(f.state.split(" (")[0], []).append(run.rank)
     lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
     for state, which in states.items():
         lines.append(f"rank {ranges(which)}: {state}")
+    if without_history:
+        lines.append(f"not read, no history: {without_history_line(without_history)}")
     for run, f in zip(runs, facts, strict=True):
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
@@ -194,10 +208,11 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
             "window": s.window,
             "by": "value - median (of the farthest rank)",
             "rank_facts": [facts_dict(f, s.window) for f in s.facts],
+            "ranks_without_history": {str(r): why for r, why in s.without_history.items()},
         }
         return render_frame(s.frame, fmt, facts)
     lines: list[str] = []
-    for line in _header(s.parent, s.runs, s.facts):
+    for line in _header(s.parent, s.runs, s.facts, s.without_history):
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
     frame = s.frame
     tensors = frame.select("layer", "call_index", "tensor_path").unique(maintain_order=True)
@@ -248,6 +263,7 @@ class Departures:
     x: str
     tolerance: float
     frame: pl.DataFrame
+    without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
@@ -358,8 +374,8 @@ def departures(
     other rank's (see the module docstring); read in x ranges of about `budget_rows` rows."""
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
-    runs = rank_runs(parent, ranks)
-    if len(runs) < 2:
+    runs, without = ranks_with_history(parent, ranks)
+    if len(runs) + len(without) < 2:
         raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")
     facts = [read_facts(run.directory) for run in runs]
     lf = _rank_scan(runs, selection, x)
@@ -370,7 +386,13 @@ def departures(
     frame = _combine_departures(pieces)
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
     return Departures(
-        Path(parent).expanduser(), tuple(runs), tuple(facts), x, tolerance, ordered(frame, view)
+        Path(parent).expanduser(),
+        tuple(runs),
+        tuple(facts),
+        x,
+        tolerance,
+        ordered(frame, view),
+        without,
     )
 
 
@@ -423,6 +445,7 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
             "x": d.x,
             "tolerance": d.tolerance,
             "departs": "the rank's nearest other rank is farther than tolerance",
+            "ranks_without_history": {str(r): why for r, why in d.without_history.items()},
         }
         frame = d.frame
         if fmt != "json":  # csv and markdown cells hold no lists: `0;1`
@@ -433,7 +456,7 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
         return render_frame(frame, fmt, facts)
     lines: list[str] = []
     for line in [
-        *_header(d.parent, d.runs, d.facts),
+        *_header(d.parent, d.runs, d.facts, d.without_history),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
         "the ranks departing there, by: that distance; '-' = none. matched: samples measured "

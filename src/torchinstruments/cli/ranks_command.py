@@ -61,7 +61,12 @@ def run_on_ranks(
         ValueError: bad `--rank`.
     """
     from torchinstruments.cli import ranks as multi
-    from torchinstruments.cli.reader import is_parent, parse_ranks, rank_runs
+    from torchinstruments.cli.reader import (
+        is_parent,
+        parse_ranks,
+        ranks_with_history,
+        without_history_line,
+    )
 
     ranks = parse_ranks(args.rank) if getattr(args, "rank", None) else None
     names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
@@ -98,7 +103,14 @@ def run_on_ranks(
         setattr(args, names[0], _resolve(given[0], ranks))
         return run_single(args)
     parent = given[0]
-    runs = rank_runs(parent, ranks)
+    runs, without = ranks_with_history(parent, ranks)
+    if without and (args.command in ("plot", "heatmap") or args.format != "text"):
+        # The text of show and compare says it in its header; elsewhere, one line on stderr.
+        print(
+            f"torchinstruments {args.command}: not read, no history: "
+            f"{without_history_line(without)}",
+            file=sys.stderr,
+        )
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
         result = multi.spread(parent, chosen, ranks)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ with the single run's message (exit 1), never an empty picture.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from torchinstruments.cli.reader import (
     layer_order,
     metric_order,
     parent_facts,
-    rank_runs,
+    ranks_with_history,
     read_history,
     select,
 )
@@ -131,6 +131,7 @@ class RankLines:
     ranks: tuple[int, ...]
     left_out: tuple[int, ...]
     per_mode: tuple[tuple[str, int], ...]
+    without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def describe(self, what: str) -> str:
         """`2 ranks (2 train lines, 2 eval lines)` for `what` = "line"."""
@@ -139,7 +140,7 @@ class RankLines:
 
 
 def _rank_lines(
-    rows: pl.DataFrame, tensor: TensorId, most: int | None = None
+    rows: pl.DataFrame, tensor: TensorId, without: Mapping[int, str], most: int | None = None
 ) -> tuple[pl.DataFrame, RankLines]:
     """`rows` of the first `most` ranks (all of them: None), each with all its modes."""
     present = sorted(set(rows["rank"].to_list()))
@@ -148,7 +149,7 @@ def _rank_lines(
     lines = rows.select("rank", "mode").unique()
     modes = sorted(set(lines["mode"].to_list()), key=lambda m: (m != "train", m))
     per_mode = tuple((m, lines.filter(pl.col("mode") == m).height) for m in modes)
-    return rows, RankLines(tensor, tuple(kept), tuple(present[len(kept) :]), per_mode)
+    return rows, RankLines(tensor, tuple(kept), tuple(present[len(kept) :]), per_mode, without)
 
 
 def plot_ranks(
@@ -163,11 +164,11 @@ def plot_ranks(
 ) -> tuple[PlotResult, RankLines]:
     """Draw one tensor's trends into a PNG: a line per rank and mode, for at most `max_tensors`
     ranks (the lowest; a rank drawn has all its modes)."""
-    runs = rank_runs(parent, ranks)
+    runs, without = ranks_with_history(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
-    rows, lines = _rank_lines(rows, tensor, max_tensors)
+    rows, lines = _rank_lines(rows, tensor, without, max_tensors)
     count = sum(n for _, n in lines.per_mode)
     title = lines.describe("line")
     if lines.left_out:
@@ -195,11 +196,11 @@ def heatmap_ranks(
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise matplotlib_missing("heatmap") from exc
-    runs = rank_runs(parent, ranks)
+    runs, without = ranks_with_history(parent, ranks)
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
-    rows, lines = _rank_lines(rows, tensor)
+    rows, lines = _rank_lines(rows, tensor, without)
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)

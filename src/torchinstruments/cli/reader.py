@@ -45,6 +45,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
+from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import RunState, Status
@@ -486,6 +487,54 @@ def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]
     return [RankRun(r, found[r]) for r in sorted(set(ranks))]
 
 
+def ranks_with_history(
+    parent: Path, ranks: Sequence[int] | None = None
+) -> tuple[list[RankRun], dict[int, str]]:
+    """The parent's rank runs (all, or those of `ranks`) that have history now, and why each of
+    the others has none (a rank killed before its first part, or still before it): a parent is
+    read with the ranks it can read, and says which it could not.
+
+    Raises:
+        ValueError: a rank asked for has no directory (`rank_runs`).
+        NotARunError: no rank has history, naming each rank and why.
+    """
+    readable, without = [], {}
+    for run in rank_runs(parent, ranks):
+        try:
+            locate(run.directory)
+        except NotARunError:
+            without[run.rank] = _no_history(run.directory)
+            continue
+        readable.append(run)
+    if not readable and without:
+        raise NotARunError(
+            f"{Path(parent).expanduser()}: no rank has any history yet ("
+            f"{without_history_line(without)})"
+        )
+    return readable, without
+
+
+def _no_history(directory: Path) -> str:
+    """Why a rank's directory has no history, in a few words."""
+    try:
+        state = load_state(directory)
+    except (OSError, ValueError):
+        return "no sample written yet (its state is unreadable)"
+    if state is None:
+        return f"no sample written yet (no {STATE_FILE})"
+    if state.status is Status.IN_PROGRESS:
+        return "no sample written yet (in progress, or its process died before its first part)"
+    return f"no sample written yet ({state.status.value})"
+
+
+def without_history_line(without: Mapping[int, str]) -> str:
+    """`rank 1, 3: no sample written yet (...)`: the ranks without history, grouped by why."""
+    by_reason: dict[str, list[int]] = {}
+    for rank in sorted(without):
+        by_reason.setdefault(without[rank], []).append(rank)
+    return "; ".join(f"rank {ranges(rs)}: {why}" for why, rs in by_reason.items())
+
+
 def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
     """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
     each = [read_facts(run.directory) for run in runs]
@@ -511,6 +560,7 @@ __all__ = [
     "parse_ranks",
     "rank_directories",
     "rank_runs",
+    "ranks_with_history",
     "read_facts",
     "read_history",
     "runs_below",
@@ -518,4 +568,5 @@ __all__ = [
     "select",
     "summarize_series",
     "window_of",
+    "without_history_line",
 ]

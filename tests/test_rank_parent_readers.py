@@ -29,10 +29,12 @@ def observe_rank(
     eval_forwards: bool = False,
     steps: bool = False,
     selector: Callable[[str, nn.Module], bool] | None = None,
+    last_batch: int = 5,
     remove: bool = True,
 ) -> nn.Module:
     """Rank `rank` of `world_size` observes a small MLP for `forwards` training steps (each
-    followed by an eval forward with `eval_forwards`; with `steps`, step 10 * i via set_step)."""
+    followed by an eval forward with `eval_forwards`; with `steps`, step 10 * i via set_step),
+    the last one on a batch of `last_batch` (0: empty outputs, null values)."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 
     with pytest.MonkeyPatch.context() as env:
@@ -51,7 +53,8 @@ def observe_rank(
     for i in range(forwards):
         if steps:
             set_step(model, 10 * i)
-        model(torch.randn(5, 4) * (rank + 1)).sum().backward()
+        batch = last_batch if i == forwards - 1 else 5
+        model(torch.randn(batch, 4) * (rank + 1)).sum().backward()
         if eval_forwards:
             model.eval()
             with torch.no_grad():
@@ -232,3 +235,37 @@ def test_a_parent_where_no_rank_has_history_is_refused_naming_each_rank(tmp_path
     finally:
         for model in models:
             remove_observer(model)
+
+
+def test_show_parent_says_how_many_ranks_each_spread_covers_and_which_ranks_lack_values(
+    tmp_path: Path,
+) -> None:
+    observe_rank(tmp_path, 0, world_size=4)
+    observe_rank(tmp_path, 1, world_size=4, selector=lambda name, module: name == "2")
+    observe_rank(tmp_path, 2, world_size=4, last_batch=0)  # its latest values are null
+    # rank 3 never attached: no directory
+    null = history(tmp_path, 2).filter(pl.col("signal") == "output", pl.col("metric") == "mean")
+    reason = null.sort("sample_id")["unavailable_reason"][-1]
+    assert reason
+    options = ("--signal", "output", "--metrics", "mean")
+    done = cli_in_process("show", tmp_path, *options, "--format", "csv")
+    assert done.returncode == 0, done.stderr
+    rows = pl.read_csv(io.StringIO(done.stdout), schema_overrides={"layer": pl.String})
+    latest = {r["layer"]: r for r in rows.filter(pl.col("at") == "latest").iter_rows(named=True)}
+    counts = {
+        layer: (r["ranks"], r["ranks_not_finite"], r["ranks_without_row"])
+        for layer, r in latest.items()
+    }
+    assert counts == {"0": (1, 1, 1), "1": (1, 1, 1), "2": (2, 1, 0)}
+    done = cli_in_process("show", tmp_path, *options, "--width", "200")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "rank 1: no row in 2 of the 3 series read" in lines
+    assert f"rank 2: latest value null in 3 series ({reason})" in lines
+    assert any(line.startswith("missing: no directory for rank 3 ") for line in lines)
+    header = lines[lines.index("mean:") + 1].split()
+    assert header[:4] == ["layer", "sig", "at", "ranks"]
+    table = [line.split() for line in lines[lines.index("mean:") + 3 :] if line.strip()]
+    cells = {(row[0], row[2]): row[3] for row in table if row[1] == "out"}
+    assert cells[("0", "latest")] == "1/3"
+    assert cells[("2", "latest")] == "2/3"

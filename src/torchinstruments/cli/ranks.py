@@ -9,8 +9,12 @@ Design decisions:
   latest value and its recent-window mean (each the very number `show RANK_DIR` prints, from the
   same `show.summary`): min, max, median, the rank farthest from the cross-rank median and its
   signed distance from it (`value - median`; ties, distances within `TIE_ULPS` ulps of the
-  values compared, since rounding alone separates them: the lower rank). Ranks whose value is null or
-  nonfinite are left out of the spread and counted (`ranks` = ranks with a finite value).
+  values compared, since rounding alone separates them: the lower rank). Ranks whose value is
+  null or nonfinite are left out of the spread and counted (`ranks` = ranks with a finite
+  value, `ranks_not_finite`, `ranks_without_row`), and the text says which ranks lack what
+  (`rank 1: no row in 4 of the 6 series read`, `latest value null in ...`) and which ranks the
+  world size expects but no directory holds; a spread over fewer ranks than were read shows as
+  `1/2` in its `ranks` cell, never like ranks that agree.
   Measured values only, nothing judged.
 - `compare PARENT`: per series, the first sample (matched on `--x`) at which one rank departs
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
@@ -69,6 +73,8 @@ SPREAD_COLUMNS = (
     *SERIES_COLUMNS,
     "at",
     "ranks",
+    "ranks_not_finite",
+    "ranks_without_row",
     "min",
     "max",
     "median",
@@ -101,10 +107,13 @@ class Spread:
     window: int
     frame: pl.DataFrame
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    missing: tuple[int, ...] = ()
+    gaps: tuple[str, ...] = ()
 
 
-def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.DataFrame:
-    """Per series: min, max, median over ranks of `value`, and the rank farthest from the median."""
+def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str, read: int) -> pl.DataFrame:
+    """Per series: min, max, median over ranks of `value`, the rank farthest from the median,
+    and how many of the `read` ranks have a row whose value is null or nonfinite, or no row."""
     keys = [*SERIES_KEY, "module_type"]
     finite = per_rank.filter(pl.col(value).is_finite()).with_columns(
         _median=pl.col(value).median().over(SERIES_KEY)
@@ -133,10 +142,15 @@ def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str) -> pl.D
         module_type=pl.col("module_type").first(),
         first_sample_id=pl.col(sample).min(),
         last_sample_id=pl.col(sample).max(),
+        _present=pl.col("rank").n_unique().cast(pl.Int64),
     )
     return (
         every.join(stats, on=SERIES_KEY, how="left", nulls_equal=True)
         .with_columns(at=pl.lit(at), ranks=pl.col("ranks").fill_null(0))
+        .with_columns(
+            ranks_not_finite=pl.col("_present") - pl.col("ranks"),
+            ranks_without_row=pl.lit(read, pl.Int64) - pl.col("_present"),
+        )
         .select(*keys, "at", *SPREAD_COLUMNS[SPREAD_COLUMNS.index("at") + 1 :])
     )
 
@@ -160,11 +174,52 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
         facts.append(f)
         frames.append(frame.with_columns(rank=pl.lit(run.rank, pl.Int64)))
     per_rank = pl.concat(frames, how="vertical_relaxed")
-    latest = _spread_of(per_rank, "latest_value", "latest_sample_id", "latest")
-    recent = _spread_of(per_rank, "window_mean", "window_last_sample_id", "window")
+    latest = _spread_of(per_rank, "latest_value", "latest_sample_id", "latest", len(runs))
+    recent = _spread_of(per_rank, "window_mean", "window_last_sample_id", "window", len(runs))
     view = dataclasses.replace(first_facts, directory=Path(parent).expanduser())
     frame = _ordered_spread(pl.concat([latest, recent]), view)
-    return Spread(Path(parent).expanduser(), tuple(runs), tuple(facts), window, frame, without)
+    missing: tuple[int, ...] = ()
+    if ranks is None:  # all ranks asked for: those the world size expects and no directory holds
+        world = max((f.run.world_size or 0 for f in facts if f.run is not None), default=0)
+        there = {r.rank for r in runs} | set(without)
+        missing = tuple(r for r in range(world) if r not in there)
+    return Spread(
+        Path(parent).expanduser(),
+        tuple(runs),
+        tuple(facts),
+        window,
+        frame,
+        without,
+        missing,
+        _gaps(per_rank, [r.rank for r in runs]),
+    )
+
+
+def _gaps(per_rank: pl.DataFrame, read: Sequence[int]) -> tuple[str, ...]:
+    """`rank 1: no row in 4 of the 6 series read; latest value null in 1 (<reason>)`: per rank
+    read, what it lacks of the series any rank has (ranks with the same lacks share a line)."""
+    series = per_rank.select(SERIES_KEY).unique().height
+    lacks: dict[str, list[int]] = {}
+    for rank in read:
+        mine = per_rank.filter(pl.col("rank") == rank)
+        said = []
+        if mine.is_empty():
+            said.append("no row in any series read")
+        elif mine.height < series:
+            said.append(f"no row in {series - mine.height} of the {series} series read")
+        null = mine.filter(pl.col("latest_value").is_null())
+        if null.height:
+            reason = null["latest_reason"].drop_nulls().first()
+            said.append(
+                f"latest value null in {plural(null.height, 'series', 'series')}"
+                + (f" ({reason})" if reason else "")
+            )
+        nonfinite = mine.filter(~pl.col("latest_value").is_finite())
+        if nonfinite.height:
+            said.append(f"latest value nonfinite in {plural(nonfinite.height, 'series', 'series')}")
+        if said:
+            lacks.setdefault("; ".join(said), []).append(rank)
+    return tuple(f"rank {ranges(ranks)}: {text}" for text, ranks in lacks.items())
 
 
 def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:
@@ -183,8 +238,10 @@ def _header(
     runs: Sequence[RankRun],
     facts: Sequence[RunFacts],
     without_history: Mapping[int, str],
+    missing: Sequence[int] = (),
 ) -> list[str]:
-    """One line for the parent, one per state of the ranks read, one for ranks not read."""
+    """One line for the parent, one per state of the ranks read, one for ranks not read, one
+    for ranks the world size expects and no directory holds."""
     states: dict[str, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         states.setdefault(f.state.split(" (")[0], []).append(run.rank)
@@ -193,6 +250,11 @@ def _header(
         lines.append(f"rank {ranges(which)}: {state}")
     if without_history:
         lines.append(f"not read, no history: {without_history_line(without_history)}")
+    if missing:
+        lines.append(
+            f"missing: no directory for rank {ranges(missing)} (it never attached, or wrote "
+            "elsewhere): what it saw is unknown"
+        )
     for run, f in zip(runs, facts, strict=True):
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
@@ -209,10 +271,12 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
             "by": "value - median (of the farthest rank)",
             "rank_facts": [facts_dict(f, s.window) for f in s.facts],
             "ranks_without_history": {str(r): why for r, why in s.without_history.items()},
+            "ranks_missing": list(s.missing),
+            "rank_gaps": list(s.gaps),
         }
         return render_frame(s.frame, fmt, facts)
     lines: list[str] = []
-    for line in _header(s.parent, s.runs, s.facts, s.without_history):
+    for line in [*_header(s.parent, s.runs, s.facts, s.without_history, s.missing), *s.gaps]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
     frame = s.frame
     tensors = frame.select("layer", "call_index", "tensor_path").unique(maintain_order=True)
@@ -221,12 +285,14 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
         frame = frame.join(
             kept, on=["layer", "call_index", "tensor_path"], nulls_equal=True, maintain_order="left"
         )
-    headers = ["layer", "sig", "at", "min", "max", "far rank", "by"]
+    headers = ["layer", "sig", "at", "ranks", "min", "max", "far rank", "by"]
+    read = len(s.runs)
 
     def cells(r: dict[str, Any]) -> list[str]:
         far = r["farthest_rank"]
         far_rank = "-" if far is None else str(far)
-        return [number(r["min"]), number(r["max"]), far_rank, number(r["farthest_by"])]
+        ranks = str(r["ranks"]) if r["ranks"] == read else f"{r['ranks']}/{read}"
+        return [ranks, number(r["min"]), number(r["max"]), far_rank, number(r["farthest_by"])]
 
     calls = several_calls(frame)
     for metric in frame["metric"].unique(maintain_order=True).to_list():
@@ -235,7 +301,9 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
     notes = [
         f"Across {plural(len(s.runs), 'rank')}: latest = each rank's value at its latest sample; "
         f"window = each rank's mean over its recent window of up to "
-        f"{plural(s.window, 'sample')}. min, max: over the ranks with a finite value; far rank: "
+        f"{plural(s.window, 'sample')}. ranks: the ranks with a finite value ('1/{len(s.runs)}': "
+        f"1 of the {len(s.runs)} read; the others have a null or nonfinite value or no row, "
+        "said above). min, max: over those ranks; far rank: "
         "the rank farthest from the cross-rank median, by: its value minus that median. "
         "'-': no rank has a finite value.",
     ]

@@ -269,3 +269,31 @@ def test_show_parent_says_how_many_ranks_each_spread_covers_and_which_ranks_lack
     cells = {(row[0], row[2]): row[3] for row in table if row[1] == "out"}
     assert cells[("0", "latest")] == "1/3"
     assert cells[("2", "latest")] == "2/3"
+
+
+def test_compare_parent_warns_first_when_the_ranks_were_sampled_differently(
+    tmp_path: Path,
+) -> None:
+    observe_rank(tmp_path, 0, forwards=6, every=2)
+    observe_rank(tmp_path, 1, forwards=6, every=3)
+    for rank, every in ((0, 2), (1, 3)):  # sample k is forward k * every on each rank
+        samples = history(tmp_path, rank).select("sample_id", "forward_index").unique()
+        assert (samples["forward_index"] == samples["sample_id"] * every).all()
+    options = ("--metrics", "mean", "--width", "400")
+    pair = cli_in_process("compare", tmp_path / "rank-000", tmp_path / "rank-001", *options)
+    done = cli_in_process("compare", tmp_path, *options)
+    assert done.returncode == 0 == pair.returncode, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("warning: the ranks were sampled differently (rank 0: Every")
+    # The two-run compare's rule and words, ranks for runs.
+    expected = pair.stdout.splitlines()[0]
+    assert expected.startswith("warning: the runs were sampled differently (A: ")
+    assert first == (
+        expected.replace("the runs", "the ranks")
+        .replace("(A: ", "(rank 0: ")
+        .replace("; B: ", "; rank 1: ")
+    )
+    done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--format", "json")
+    assert json.loads(done.stdout)["run"]["warnings"] == [first]
+    done = cli_in_process("compare", tmp_path, *options, "--x", "forward_index")
+    assert "(--x forward_index" not in done.stdout.splitlines()[0]

@@ -41,6 +41,7 @@ from torchinstruments.cli.selection import (
     Selection,
     facts_dict,
     ordered,
+    sampled_differently,
     summary,
 )
 from torchinstruments.cli.text import (
@@ -206,13 +207,8 @@ def warnings_of(c: Comparison) -> list[str]:
     run_a, run_b = c.facts_a.run, c.facts_b.run
     if run_a is None or run_b is None:
         return []
-    out = []
-    if run_a.sampler != run_b.sampler:
-        hint = " (--x forward_index matches them by root forward)" if c.x == "sample_id" else ""
-        out.append(
-            f"warning: the runs were sampled differently (A: {run_a.sampler}; B: "
-            f"{run_b.sampler}): the same {c.x} may be a different step in each{hint}."
-        )
+    sampling = sampled_differently([("A", run_a.sampler), ("B", run_b.sampler)], c.x)
+    out = [] if sampling is None else [sampling]
     if run_a.history.window != run_b.history.window:
         out.append(
             f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "

@@ -59,6 +59,7 @@ from torchinstruments.cli.selection import (
     Selection,
     facts_dict,
     ordered,
+    sampled_differently,
     summary,
 )
 from torchinstruments.cli.text import number, plural, render_frame, series_table, several_calls
@@ -504,8 +505,21 @@ def _combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
     return frame.select(list(schema)).cast(schema)  # type: ignore[arg-type]
 
 
+def departure_warnings(d: Departures) -> list[str]:
+    """The two-run `compare`'s warning when the ranks were sampled differently (the same rule,
+    `selection.sampled_differently`), ranks with the same sampler named together."""
+    by_sampler: dict[str, list[int]] = {}
+    for run, f in zip(d.runs, d.facts, strict=True):
+        if f.run is not None:
+            by_sampler.setdefault(f.run.sampler, []).append(run.rank)
+    labelled = [(f"rank {ranges(ranks)}", sampler) for sampler, ranks in by_sampler.items()]
+    warning = sampled_differently(labelled, d.x, "ranks")
+    return [] if warning is None else [warning]
+
+
 def render_departures(d: Departures, *, fmt: str, width: int) -> str:
-    """The departures as an 80-column table, or one row per series (machine formats)."""
+    """The departures as an 80-column table, or one row per series (machine formats); a
+    warning first when the ranks were sampled differently."""
     if fmt != "text":
         facts = {
             "parent": str(d.parent),
@@ -514,6 +528,7 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
             "tolerance": d.tolerance,
             "departs": "the rank's nearest other rank is farther than tolerance",
             "ranks_without_history": {str(r): why for r, why in d.without_history.items()},
+            "warnings": departure_warnings(d),
         }
         frame = d.frame
         if fmt != "json":  # csv and markdown cells hold no lists: `0;1`
@@ -524,6 +539,7 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
         return render_frame(frame, fmt, facts)
     lines: list[str] = []
     for line in [
+        *departure_warnings(d),
         *_header(d.parent, d.runs, d.facts, d.without_history),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
@@ -553,6 +569,7 @@ __all__ = [
     "SPREAD_COLUMNS",
     "Departures",
     "Spread",
+    "departure_warnings",
     "departures",
     "render_departures",
     "render_spread",

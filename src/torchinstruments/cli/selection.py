@@ -3,11 +3,13 @@
 Design decision: `show`, `compare`, the multi-rank readers, `plot` and `heatmap` all take a
 `Selection` and read series through `summary` (one `reader.summarize_series`, so their window
 means are result.json's), in one display order (`ordered`); this module holds what they share,
-so no command imports another command's module.
+so no command imports another command's module (the rule that two runs, or ranks, were sampled
+differently is here too: `compare` and `compare PARENT` say it alike).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,15 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.records import SIGNALS
 
-__all__ = ["COLUMNS", "SERIES_COLUMNS", "Selection", "facts_dict", "ordered", "summary"]
+__all__ = [
+    "COLUMNS",
+    "SERIES_COLUMNS",
+    "Selection",
+    "facts_dict",
+    "ordered",
+    "sampled_differently",
+    "summary",
+]
 
 # A series' key and its layer's module type: how every command's frame begins.
 SERIES_COLUMNS = ("layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric")
@@ -110,3 +120,18 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "rank": run.rank if run else None,
         "marked_samples": {str(k): v for k, v in sorted(facts.marked.items())},
     }
+
+
+def sampled_differently(
+    samplers: Sequence[tuple[str, str]], x: str, runs: str = "runs"
+) -> str | None:
+    """The warning said first when runs matched on `x` were not sampled alike (their samplers
+    differ), or None: `samplers` holds each run's (or group of runs') label and sampler."""
+    if len({sampler for _, sampler in samplers}) < 2:
+        return None
+    hint = " (--x forward_index matches them by root forward)" if x == "sample_id" else ""
+    each = "; ".join(f"{label}: {sampler}" for label, sampler in samplers)
+    return (
+        f"warning: the {runs} were sampled differently ({each}): the same {x} may be a "
+        f"different step in each{hint}."
+    )

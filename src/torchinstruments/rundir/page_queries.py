@@ -31,6 +31,8 @@ from torchinstruments.rundir.shell import tool_span
 
 OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs/baseline")'
 SHOWN_ROWS = 50
+# A series' key in the queries: its mode too, so a train and an eval series are never one.
+_SERIES = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
 
 
 def _setup(root: str, started_at: str) -> str:
@@ -93,7 +95,7 @@ history = history_of(run)'''
 
 def _blocks(layer: str) -> list[tuple[str, str]]:
     """(title, code) of every query after the setup block."""
-    series = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
+    series = _SERIES
     return [
         (
             f"Status and counts, from `{STATE_FILE}` (counts are null while the run is in "
@@ -279,18 +281,22 @@ def section_queries(run: RunInfo) -> list[str]:
     ]
     for title, code in _blocks(layer):
         lines += [title, "", "```python", code, "```", ""]
+    series = _SERIES
     lines += ["Ranks: with rank_policy='all' every rank writes its own `rank-NNN/` directory."]
     if run.rank is not None and run.rank_policy == "all":
         parent = Path(run.output_dir).parent.as_posix()
         lines += [
-            "Compare the ranks that have finished (every row carries its rank; after setup):",
+            "Compare the ranks that have finished (every row carries its rank; after setup): "
+            "each rank's mean over its samples of every series (layer, call, signal, tensor "
+            "path, mode, metric; a train and an eval series apart), ranks side by side:",
             "",
             "```python",
             f"""ranks = pl.scan_parquet(sorted(Path({_q(parent)}).glob("rank-*/{HISTORY_FILE}")), glob=False)
+series = [{series}]
 by_rank = (
-    ranks.group_by("rank", "layer", "signal", "metric")
-    .agg(pl.col("value").mean())
-    .sort("layer", "signal", "metric", "rank")
+    ranks.group_by("rank", *series)
+    .agg(pl.col("value").mean(), samples=pl.col("sample_id").n_unique())
+    .sort(*series, "rank")
     .collect()
 )
 show(by_rank, most={SHOWN_ROWS})""",

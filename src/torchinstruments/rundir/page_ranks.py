@@ -15,7 +15,9 @@ Design decisions:
 - Its ready queries read all ranks at once (every history row carries its `rank`), including
   the first sample at which one rank departs from the others by more than X, as a plain query:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,
-  `|a - b| > X`), the rule `torchinstruments compare PARENT` applies.
+  `|a - b| > X`), the rule `torchinstruments compare PARENT` applies. Every query keys a series
+  on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
+  never one series.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def history_files(directory: Path) -> list[Path]:
 
 files = [f for d in sorted(parent.glob("rank-*")) if d.is_dir() for f in history_files(d)]
 ranks = pl.scan_parquet(files, glob=False)  # every rank's rows; the `rank` column tells them apart
-SERIES = ["layer", "call_index", "signal", "tensor_path", "metric"]
+SERIES = ["layer", "call_index", "signal", "tensor_path", "mode", "metric"]  # train, eval apart
 
 
 def show(frame: pl.DataFrame, most: int | None = None) -> None:

@@ -2,7 +2,8 @@
 
 Design decisions:
 
-- Rendered from state, like each rank's page: from the `.state.json` of every `rank-NNN/`
+- Rendered from state, like each rank's page (a rank's counts as its own page gives them:
+  exact, or, rebuilt after a kill, "at least N" and "unknown", by `index_page.bound_count`): from the `.state.json` of every `rank-NNN/`
   directory (read with `rundir.recovery.load_state`), never from the data, in constant time per
   rank. The parent has no state file of its own: its state is its ranks' states.
 - Who writes it: every rank, at the end of its own finish (`remove_observer` or `finalize` of
@@ -27,6 +28,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, PARTS_DIR, write_text_atomic
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.recovery import load_state
@@ -66,7 +68,7 @@ def _read(directory: Path) -> tuple[RunState | None, str | None]:
 def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     """The State section's lines, and the ranks present."""
     ranks = rank_dirs(parent)
-    rows, world_sizes, finished = [], set(), 0
+    rows, world_sizes, finished, recovered = [], set(), 0, False
     for rank, directory in ranks:
         state, problem = _read(directory)
         if state is None:
@@ -76,10 +78,11 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             world_sizes.add(state.run.world_size)
         counts = state.counts
         finished += counts is not None
+        recovered = recovered or state.counts_recovered
         rows.append(
             f"| {rank} | `{directory.name}/` | {state.status.value} | "
-            f"{'-' if counts is None else counts.samples} | "
-            f"{'-' if counts is None else counts.root_forwards} |"
+            f"{'-' if counts is None else _count(state, counts.samples)} | "
+            f"{'-' if counts is None else _count(state, counts.root_forwards)} |"
         )
     present = [r for r, _ in ranks]
     expected = max(world_sizes) if world_sizes else None
@@ -110,7 +113,19 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         *rows,
         "",
     ]
+    if recovered:
+        lines += [
+            "at least N, unknown: that rank's counts were rebuilt from its history after it was "
+            "interrupted (what reached the disk: lower bounds; unknown where nothing did), as "
+            "its own index.md says.",
+            "",
+        ]
     return lines, present
+
+
+def _count(state: RunState, count: int) -> str:
+    """A count as the rank's own index.md gives it: exact, or rebuilt (`bound_count`)."""
+    return bound_count(count) if state.counts_recovered else str(count)
 
 
 def _setup(parent: str) -> str:

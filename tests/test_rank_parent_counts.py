@@ -1,0 +1,70 @@
+"""A parent's index.md gives each rank's counts as the rank's own index.md does: after real
+SIGKILLs (one rank after 3 samples, one before its first) and `finalize PARENT`, the counts
+rebuilt from history are "at least N", and counts nobody wrote are "unknown", never 0."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from conftest import cli_in_process, kill_when_ready, wait_for_rows
+
+ROWS_PER_SAMPLE = 3 * 9 * 2  # Linear, ReLU, Linear; the default metrics; output and gradient
+
+
+def child_main(parent: Path, rank: int, samples: int) -> None:
+    """Rank `rank` of 3 takes `samples` samples, waits until their rows are on disk, says so."""
+    from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="3")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject_observer(
+        model,
+        output_dir=parent,
+        sampler=EveryNForwardsSampler(1),
+        rank_policy="all",
+        history_config=HistoryConfig(flush_seconds=0.2),
+    )
+    for _ in range(samples):
+        model(torch.randn(5, 4)).sum().backward()
+    wait_for_rows(parent / f"rank-{rank:03d}", samples * ROWS_PER_SAMPLE)
+    print("ready", flush=True)
+    time.sleep(120)
+
+
+def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_path: Path) -> None:
+    from test_rank_parent_readers import observe_rank
+
+    from torchinstruments.rundir.index_page import counts_sentence
+    from torchinstruments.rundir.state import read_state
+
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0, world_size=3)
+    kill_when_ready(__file__, "ready", parent, "1", "3")
+    kill_when_ready(__file__, "ready", parent, "2", "0")
+    done = cli_in_process("finalize", parent)
+    assert done.returncode == 0, done.stderr
+    page = (parent / "index.md").read_text(encoding="utf-8").splitlines()
+    rows = {line.split(" | ")[0]: line for line in page if line.startswith("| ")}
+    for rank, samples, root_forwards in (
+        (1, "at least 3", "at least 3"),
+        (2, "unknown", "unknown"),
+    ):
+        state = read_state(parent / f"rank-{rank:03d}")
+        assert state.counts_recovered
+        own = counts_sentence(state)
+        assert f"{root_forwards} root forward" in own  # the rank's own page says the same
+        assert rows[f"| {rank}"] == (
+            f"| {rank} | `rank-{rank:03d}/` | interrupted | {samples} | {root_forwards} |"
+        )
+    assert rows["| 0"] == "| 0 | `rank-000/` | complete | 3 | 3 |"
+    assert any(line.startswith("at least N, unknown: ") for line in page)
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -302,9 +302,14 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
     notes = [
         f"Across {plural(len(s.runs), 'rank')}: latest = each rank's value at its latest sample; "
         f"window = each rank's mean over its recent window of up to "
-        f"{plural(s.window, 'sample')}. ranks: the ranks with a finite value ('1/{len(s.runs)}': "
-        f"1 of the {len(s.runs)} read; the others have a null or nonfinite value or no row, "
-        "said above). min, max: over those ranks; far rank: "
+        f"{plural(s.window, 'sample')}. ranks: the ranks with a finite value"
+        + (
+            f" ('1/{len(s.runs)}': 1 of the {len(s.runs)} read; the others have a null or "
+            "nonfinite value or no row, said above)"
+            if len(s.runs) > 1
+            else ""
+        )
+        + ". min, max: over those ranks; far rank: "
         "the rank farthest from the cross-rank median, by: its value minus that median. "
         "'-': no rank has a finite value.",
     ]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.__main__ import main
+from torchinstruments.cli import CLOSED_PIPE
 
 METRICS = "max, mean, min, nonfinite_fraction, p25, p50, p75, std, zero_fraction"
 
@@ -147,3 +150,24 @@ def test_plot_log_and_symlog_axes(run: Path, tmp_path: Path) -> None:
         "plot", run, "--metrics", "mean", "--yscale", "symlog", "-o", tmp_path / "mean.png"
     )
     assert describe(tmp_path / "mean.png")["yscales"] == ["symlog", "symlog"]
+
+
+@pytest.mark.parametrize("command", ["show", "compare"])
+def test_a_reader_that_closes_the_pipe_first_stops_the_command_without_a_traceback(
+    run: Path, command: str
+) -> None:
+    """`show DIR | head`: the pipe's reader is gone before the command writes (closed here before
+    the child has imported Polars); the command stops with the shell's SIGPIPE status, and says
+    nothing on stderr."""
+    args = [run] if command == "show" else [run, run]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "torchinstruments", command, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    assert child.stderr is not None
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == CLOSED_PIPE
+    assert err == ""

@@ -7,12 +7,14 @@ second and works where torch is not installed. This package is the whole command
 (`add_commands` puts the reading subcommands on the parser, beside `finalize`), and
 `run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
 usage (argparse's, or directories and `--rank` that name no run to compare), 3 matplotlib
-missing (plot, heatmap).
+missing (plot, heatmap), 141 (`CLOSED_PIPE`) when the reader of standard output went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import shutil
 import sys
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     from torchinstruments.cli.selection import Selection
 
 COMMANDS = ("show", "compare", "plot", "heatmap")
+# The exit code when standard output's reader went away before the command finished (`show DIR |
+# head`): what the shell reports for a process that SIGPIPE ended, 128 + 13.
+CLOSED_PIPE = 141
 _X_CHOICES = ("sample_id", "forward_index")
 # plot and heatmap can also draw over history's step (the trainer's global step); compare
 # matches samples one to one, which a step shared by several samples cannot do.
@@ -446,10 +451,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code.
     """
     args = _parser().parse_args(argv)
-    if args.command == "finalize":
-        from torchinstruments.cli.finalize import finalize_command
+    try:
+        if args.command == "finalize":
+            from torchinstruments.cli.finalize import finalize_command
 
-        return finalize_command(args.directory)
-    if args.command in COMMANDS:
-        return run_command(args)
+            return finalize_command(args.directory)
+        if args.command in COMMANDS:
+            return run_command(args)
+    except BrokenPipeError:
+        return _reader_went_away()
     return 2  # unreachable: argparse requires a known command
+
+
+def _reader_went_away() -> int:
+    """Standard output's reader closed the pipe (`show DIR | head`): it read what it wanted, so
+    the command stops without a traceback. stdout then points at /dev/null, so that the
+    interpreter's flush at exit does not fail on the closed pipe again."""
+    with contextlib.suppress(OSError, ValueError):  # not a file descriptor (tests, notebooks)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return CLOSED_PIPE

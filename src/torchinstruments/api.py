@@ -405,6 +405,7 @@ def start_run(
     directory: Path | None = None,
     resume: bool = False,
     extra_sinks: Sequence[Sink] = (),
+    sampler: Any = None,
 ) -> Path | None:
     """Observe `model` with `config`: the one way a run starts (`inject_observer`, the callbacks).
 
@@ -421,6 +422,8 @@ def start_run(
         resume: continue a run already there even if `config.resume` is False (a fit resumed
             from a checkpoint).
         extra_sinks: sinks after `config.sinks` (a trainer's TensorBoard logger).
+        sampler: the sampler this run asks instead of `config.sampler` (a trainer callback's
+            fresh copy of it for each fit, so one fit's sampler state never reaches the next).
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -451,6 +454,7 @@ def start_run(
         config.directory if directory is None else resolve_output_dir(directory),
         resume or config.resume,
         (*config.sinks, *extra_sinks),
+        config.sampler if sampler is None else sampler,
     )
     if observer is None:
         _UNATTACHED.add(model)
@@ -465,6 +469,7 @@ def _open_run(
     output_dir: Path,
     resume: bool,
     sinks: Sequence[Sink],
+    sampler: Any,
 ) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
@@ -508,6 +513,7 @@ def _open_run(
         config=config,
         run=run,
         sinks=group,
+        sampler=sampler,
         first_forward_index=0 if continuation is None else continuation.first_forward_index,
         first_sample_id=0 if continuation is None else continuation.first_sample_id,
     )

@@ -214,6 +214,7 @@ class Observer:
         config: the run's options, kept as given (`self.config`: the object the caller built).
         run: the run this observer records (its directory, and the rank written into records).
         sinks: the run directory first, then the caller's sinks.
+        sampler: the sampler to ask instead of `config.sampler` (None: `config.sampler`).
     """
 
     def __init__(
@@ -222,11 +223,13 @@ class Observer:
         config: ObserverConfig,
         run: RunInfo,
         sinks: SinkGroup,
+        sampler: Any = None,
         first_forward_index: int = 0,
         first_sample_id: int = 0,
     ) -> None:
         self.config, self.directory = config, run.output_dir
-        self.sampler: Any = config.sampler  # any object with should_sample (checked by config)
+        # any object with should_sample (checked by config); a callback's fresh copy of it
+        self.sampler: Any = config.sampler if sampler is None else sampler
         self.measurer = config.measurer
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks

@@ -103,6 +103,29 @@ def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> obje
     return record_eval
 
 
+def pristine_copy(sampler: object) -> object | None:
+    """A deep copy of `sampler` as it is now, kept to hand each fit a fresh one; None when it
+    cannot be deep-copied (then the object itself is used, and its state carries over)."""
+    try:
+        return copy.deepcopy(sampler)
+    except Exception:
+        return None
+
+
+def fresh_sampler(pristine: object | None, sampler: object) -> object:
+    """A fresh copy of `pristine` for one fit, or `sampler` itself where there is no copy.
+
+    Why: a sampler keeps state (`TimeIntervalSampler` its last sample time), so one object asked
+    by two fits would let the first fit's state decide the second's samples.
+    """
+    if pristine is None:
+        return sampler
+    try:
+        return copy.deepcopy(pristine)
+    except Exception:
+        return sampler
+
+
 def last_run_directory(parent: Path, rank_policy: str) -> Path:
     """The last `parent/torchinstruments[-N]` holding a run (this rank's), which a fit resumed
     from a checkpoint continues; `parent/torchinstruments` when none does."""
@@ -125,6 +148,10 @@ class FitObservation:
         options: any other `inject_observer` keywords (sampler, selector, reducers, sinks, ...).
         record_eval: False (evaluation forwards are not observed), True (they are sampled by
             a copy of the sampler, on the count of evaluation forwards), or a `Sampler` for them.
+
+    Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
+    sampler) as it was when the callback was built, so every fit starts its schedule afresh;
+    a sampler that cannot be deep-copied is used as it is, and its state carries over.
 
     Raises:
         TypeError, ValueError: an option is invalid (the message names it).
@@ -156,6 +183,9 @@ class FitObservation:
         # run's (`start_run`). Without output_dir the run's directory is chosen at each fit.
         self.config = ObserverConfig(output_dir=output_dir or ".", **options)
         self.eval_sampler = evaluation_sampler(owner, record_eval, self.config.sampler)
+        # Copies as built, before any fit asks them: each fit gets a fresh copy of these.
+        self._pristine_sampler = pristine_copy(self.config.sampler)
+        self._pristine_eval = pristine_copy(self.eval_sampler)
         self.phases: Phases | None = None
         self.observed: nn.Module | None = None
         self.directory: Path | None = None
@@ -216,19 +246,21 @@ class FitObservation:
             directory = pick(trainer_directory, config.rank_policy)
         sink = logger_sink()
         target = self.observed_module(model)
+        eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
         self.directory = start_run(
             target,
             config,
             directory=directory,
             resume=resume,
             extra_sinks=() if sink is None else (sink,),
+            sampler=fresh_sampler(self._pristine_sampler, config.sampler),
         )
         self.observed = target if self.directory is not None else None
         if self.observed is not None:
             follow_step(self.observed, global_step)
             self.phases = trainer_phases(self.observed)
             if self.phases is not None:
-                self.phases.follow_trainer(self.eval_sampler)
+                self.phases.follow_trainer(eval_sampler)
             if self.eval_sampler is not None:
                 add_run_note(
                     self.observed,

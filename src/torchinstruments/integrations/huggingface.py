@@ -77,6 +77,11 @@ class HuggingFaceObserver(TrainerCallback):
             True: they are sampled by a copy of the sampler, on the count of evaluation
             forwards, as their own series (mode `eval`). A `Sampler`: that one samples them.
 
+    Every fit gets fresh samplers: a deep copy of `sampler` (and of the evaluation sampler) as
+    it was when the callback was built, so a second fit with this callback samples like the
+    first (a `TimeIntervalSampler` takes its first forward again). A sampler that cannot be
+    deep-copied is used as it is: its state then carries over from one fit to the next.
+
     Raises:
         TypeError, ValueError: an option is invalid (the message names it).
 

@@ -516,6 +516,8 @@ def _open_run(
         sampler=sampler,
         first_forward_index=0 if continuation is None else continuation.first_forward_index,
         first_sample_id=0 if continuation is None else continuation.first_sample_id,
+        first_train_index=None if continuation is None else continuation.first_train_index,
+        first_eval_index=0 if continuation is None else continuation.first_eval_index,
     )
     observer.install(model, layers, focus)
     forks.track(observer)

@@ -18,7 +18,13 @@ __all__ = ["Counter"]
 class Counter:
     """The counts of one observer (`RunCounts` once the backward side is added)."""
 
-    def __init__(self, first_forward_index: int = 0, first_sample_id: int = 0) -> None:
+    def __init__(
+        self,
+        first_forward_index: int = 0,
+        first_sample_id: int = 0,
+        first_train_index: int | None = None,
+        first_eval_index: int = 0,
+    ) -> None:
         self._lock = threading.Lock()
         # This observer's counts; ids are handed out after `first_*` (a continued run's earlier
         # attempts used those before them).
@@ -31,6 +37,10 @@ class Counter:
         self.unobserved = 0
         self._first_forward = first_forward_index
         self._first_sample = first_sample_id
+        # Each schedule continues where a continued run's earlier attempts left it
+        # (`rundir.attempts.plan_continuation`); by default the training schedule is forward_index.
+        self._first_train = first_forward_index if first_train_index is None else first_train_index
+        self._first_eval = first_eval_index
         # Per selected layer (root included): the sampled forwards in which it was called.
         self._layer_samples: dict[str, int] = {}
         # Calls of selected layers on a thread without a root forward of its own that no sample
@@ -48,11 +58,10 @@ class Counter:
             forward_index = self._first_forward + self.root_forwards
             self.root_forwards += 1
             if schedule == TRAIN:  # two plain counters: no dict work per root forward
-                # continues a resumed run's schedule, as forward_index does
-                index = self._first_forward + self.train_forwards
+                index = self._first_train + self.train_forwards
                 self.train_forwards += 1
             else:
-                index = self.eval_forwards
+                index = self._first_eval + self.eval_forwards
                 self.eval_forwards += 1
             sample_id = (
                 self._first_sample + self.samples if should_sample(index, schedule) else None
@@ -99,4 +108,6 @@ class Counter:
                 backward_samples,
                 dict(self._layer_samples),
                 notes,
+                train_forwards=self.train_forwards,
+                eval_forwards=self.eval_forwards,
             )

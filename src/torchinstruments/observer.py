@@ -226,6 +226,8 @@ class Observer:
         sampler: Any = None,
         first_forward_index: int = 0,
         first_sample_id: int = 0,
+        first_train_index: int | None = None,
+        first_eval_index: int = 0,
     ) -> None:
         self.config, self.directory = config, run.output_dir
         # any object with should_sample (checked by config); a callback's fresh copy of it
@@ -236,7 +238,10 @@ class Observer:
         self.rank = run.rank
         self.global_option = config.global_option
         # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
-        self.counter = Counter(first_forward_index, first_sample_id)
+        # Each sampler's schedule continues too (`rundir.attempts.plan_continuation`).
+        self.counter = Counter(
+            first_forward_index, first_sample_id, first_train_index, first_eval_index
+        )
         # The sampled root forwards in flight (samples.py); `in_flight.samples.__len__` is every
         # layer proxy's `enabled` test, evaluated in wrapt's C code.
         self.in_flight = InFlight(self.counter, self.warn_once)

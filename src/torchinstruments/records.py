@@ -287,3 +287,8 @@ class RunCounts:
     layer_samples: Mapping[str, int] = field(default_factory=dict)
     # What the run said about the tensors it measured (torch.func wrappers, DTensors), once each.
     notes: tuple[str, ...] = ()
+    # Root forwards on the training schedule (every one in a plain loop) and evaluation forwards
+    # on their own schedule (a trainer callback's record_eval): what each sampler was asked
+    # with. None: unknown (rebuilt from history, or read from a state written before these).
+    train_forwards: int | None = None
+    eval_forwards: int | None = None

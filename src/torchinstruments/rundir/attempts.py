@@ -13,6 +13,13 @@ process is one *attempt*, numbered from 0, and every history row carries its att
   history and in the run's own TensorBoard events (`rundir.event_steps`), so no id and no
   TensorBoard step is used twice; a killed attempt's counts are lower bounds (its last flush
   interval died with it), so the ids may skip a few, never repeat;
+- continues each sampler's schedule: the training sampler is asked after the earlier attempts'
+  training forwards, the evaluation sampler (a trainer callback's `record_eval`) after their
+  evaluation forwards, so evaluation forwards never move the training schedule across a restart.
+  Each attempt's state records both counts at removal. Where an earlier attempt's count is
+  unknown (a state written before these counts were kept, or an attempt whose process died
+  before removal), that schedule falls back to the rule before them: the training schedule
+  continues from forward_index, the evaluation schedule starts at 0;
 - continues the part numbers after those already merged (merge.py deletes a part whose number
   history.parquet says it holds);
 - keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's
@@ -25,6 +32,7 @@ and the merge at the end rewrites history.parquet with the new parts added (it s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +58,10 @@ class AttemptCounts:
         root_forwards: root forwards it saw.
         samples: samples it took.
         backward_samples: its samples with a backward.
+        train_forwards: its root forwards on the training schedule (the training sampler's
+            count); None: unknown (a state written before it was kept, or killed before removal).
+        eval_forwards: its evaluation forwards on their own schedule (`record_eval`); None:
+            unknown, as for `train_forwards`.
         ended: `"removed"` (remove_observer), `"killed"` (its process died: counted from the
             rows it left, lower bounds) or `"in progress"`.
     """
@@ -62,6 +74,8 @@ class AttemptCounts:
     samples: int = 0
     backward_samples: int = 0
     ended: str = IN_PROGRESS
+    train_forwards: int | None = None
+    eval_forwards: int | None = None
 
     @property
     def counts_recovered(self) -> bool:
@@ -79,6 +93,8 @@ class Continuation:
         first_forward_index: its first forward_index.
         first_part: the number of its first history part.
         attempts: the earlier attempts (each ended).
+        first_train_index: what its training sampler is first asked with.
+        first_eval_index: what its evaluation sampler is first asked with.
     """
 
     attempt: int
@@ -86,6 +102,8 @@ class Continuation:
     first_forward_index: int
     first_part: int
     attempts: tuple[AttemptCounts, ...]
+    first_train_index: int = 0
+    first_eval_index: int = 0
 
 
 def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
@@ -167,13 +185,32 @@ def plan_continuation(
     steps = event_steps(directory)
     if steps:
         next_forward = max(next_forward, max(steps) + 1)
+    train = _schedule_total(a.train_forwards for a in attempts)
+    evaluation = _schedule_total(a.eval_forwards for a in attempts)
     return Continuation(
         attempt=max((a.attempt for a in attempts), default=-1) + 1,
         first_sample_id=next_sample,
         first_forward_index=next_forward,
         first_part=first_part,
         attempts=attempts,
+        first_train_index=next_forward if train is None else train,
+        first_eval_index=0 if evaluation is None else evaluation,
     )
+
+
+def _schedule_total(counts: Iterable[int | None]) -> int | None:
+    """The earlier attempts' forwards on one schedule, None when any attempt's is unknown."""
+    total = 0
+    for count in counts:
+        if count is None:
+            return None
+        total += count
+    return total
+
+
+def _sum_known(a: int | None, b: int | None) -> int | None:
+    """`a + b`, None when either is unknown."""
+    return None if a is None or b is None else a + b
 
 
 def job_counts(
@@ -191,6 +228,8 @@ def job_counts(
         previous.backward_samples + this.backward_samples,
         layers,
         tuple(dict.fromkeys((*previous.notes, *this.notes))),
+        train_forwards=_sum_known(previous.train_forwards, this.train_forwards),
+        eval_forwards=_sum_known(previous.eval_forwards, this.eval_forwards),
     )
 
 

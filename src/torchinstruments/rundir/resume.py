@@ -98,6 +98,8 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
             samples=previous.counts.samples,
             backward_samples=previous.counts.backward_samples,
             ended=KILLED if previous.interrupted else REMOVED,
+            train_forwards=previous.counts.train_forwards,
+            eval_forwards=previous.counts.eval_forwards,
         ),
     )
     history = directory / HISTORY_FILE

@@ -346,6 +346,8 @@ def _job_state(
         samples=counts.samples,
         backward_samples=counts.backward_samples,
         ended=REMOVED,
+        train_forwards=counts.train_forwards,
+        eval_forwards=counts.eval_forwards,
     )
     if continuation is None or previous is None or previous.counts is None:
         return dataclasses.replace(

@@ -167,6 +167,128 @@ def test_lightning_record_eval_gives_eval_series_of_their_own(tmp_path: Path) ->
     assert not any(tag.startswith("eval/") and "output_gradient" in tag for tag in tags)
 
 
+class Probed(Recorded):
+    """A `Recorded` whose calls by the probe callback below are recorded as "probe" calls."""
+
+    probing = False
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        if self.probing:
+            self.calls.append(("probe", self.trainer.global_step))
+        else:
+            super()._record(module, args)
+
+
+class Probe(lightning.Callback):
+    """Another callback (listed before the observer) that runs the model on a fixed batch in its
+    batch hooks, as a 'log predictions' callback does."""
+
+    def _probe(self, pl_module: Probed) -> None:
+        pl_module.probing = True
+        try:
+            with torch.no_grad():
+                pl_module(torch.ones(2, 4))
+        finally:
+            pl_module.probing = False
+
+    def on_train_batch_start(
+        self, trainer: lightning.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._probe(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: lightning.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._probe(pl_module)
+
+
+def probed_fit(callback: LightningObserver) -> Probed:
+    """3 training batches, no validation, the probe callback before `callback`."""
+    model = Probed()
+    train = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
+    trainer = lightning.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[Probe(), callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(train, batch_size=4))
+    assert "training_step" not in vars(trainer.strategy)  # the mark is undone
+    return model
+
+
+def test_another_callbacks_forwards_in_its_batch_hooks_are_not_training_forwards(
+    tmp_path: Path,
+) -> None:
+    model = probed_fit(LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1)))
+    assert [phase for phase, _ in model.calls].count("probe") == 6
+    training = [call for call in model.calls if call[0] == "train"]
+    history = read_history(tmp_path / "run")
+    check_samples(history, training)  # the probe's forwards take no sample, are not counted
+    assert set(history["grad_enabled"]) == {True}
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "6 evaluation forwards" in index
+
+
+def test_another_callbacks_forwards_are_evaluation_forwards_with_record_eval(
+    tmp_path: Path,
+) -> None:
+    callback = LightningObserver(
+        tmp_path / "run", sampler=EveryNForwardsSampler(1), record_eval=True
+    )
+    model = probed_fit(callback)
+    calls = [("eval" if phase == "probe" else phase, step) for phase, step in model.calls]
+    history = read_history(tmp_path / "run")
+    check_samples(history, calls)  # each probe forward: an evaluation sample, mode eval
+    probe = history.filter(pl.col("mode") == "eval")
+    assert probe["sample_id"].n_unique() == 6
+    assert set(probe["shape"].list.first()) == {2}  # the probe's batch of 2
+
+
+class Manual(Recorded):
+    """Manual optimization: the step calls the optimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = cast(torch.optim.Optimizer, self.optimizers())
+        optimizer.zero_grad()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss.detach()
+
+
+def test_lightning_manual_optimization_samples_its_training_forwards(tmp_path: Path) -> None:
+    model = Manual()
+    train = TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,)))
+    val = TensorDataset(torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    trainer = lightning.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        num_sanity_val_steps=1,
+        callbacks=[LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(train, batch_size=4), DataLoader(val, batch_size=4))
+    training = [call for call in model.calls if call[0] == "train"]
+    assert [step for _, step in training] == [0, 1, 2]
+    history = read_history(tmp_path / "run")
+    check_samples(history, training)
+    assert set(history["signal"]) == {"output", "output_gradient"}
+
+
 def test_record_eval_is_validated_when_the_callback_is_built() -> None:
     with pytest.raises(TypeError, match="record_eval must be False, True or a Sampler"):
         LightningObserver(record_eval="yes")  # type: ignore[arg-type]

@@ -89,7 +89,7 @@ from torchinstruments.measurement.transfer import (
 )
 from torchinstruments.notices import warn
 from torchinstruments.outputs import iter_tensors
-from torchinstruments.phases import TRAIN, UNOBSERVED, Phases
+from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
@@ -360,7 +360,8 @@ class Observer:
         forward_index, sample_id = self.counter.next_forward(self._should_sample, schedule)
         if sample_id is None:
             return None
-        return Sample(sample_id, forward_index, self.current_step())
+        mode = "eval" if schedule == EVAL else None  # the evaluation schedule's rows: mode eval
+        return Sample(sample_id, forward_index, self.current_step(), mode)
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
@@ -458,7 +459,7 @@ class Observer:
     ) -> None:
         """Launch the reductions of every tensor in `output` and hook their gradients."""
         try:
-            mode = layer.mode()
+            mode = sample.mode or layer.mode()
             grad_enabled = torch.is_grad_enabled()
             tensors = list(iter_tensors(output))
         except Exception as error:
@@ -497,7 +498,8 @@ class Observer:
             info, call_index, mode = raised[0], raised[1], raised[2]
             reason = reasons.interrupted(error, info.name, call_index)
         else:
-            info, call_index, mode = LayerInfo("", self._root_type), 0, self._root_mode()
+            info, call_index = LayerInfo("", self._root_type), 0
+            mode = sample.mode or self._root_mode()
             reason = reasons.interrupted(error, None, 0)
         return Measurement(
             sample_id=sample.sample_id,

@@ -2,13 +2,15 @@
 
 Design decision: in a plain loop every root forward is on one schedule, the sampler's, whatever
 `model.train()` / `model.eval()` say; the `mode` column then keeps eval rows apart in every
-summary. Under a trainer callback the trainer says which forwards are training ones (Lightning's
-training-batch hooks, the Hugging Face Trainer's `training_step`) and only those are on the
-sampler's schedule. Every other root forward (sanity check, validation, test, predict) is an
-evaluation forward: by default it passes through unobserved (it is not a root forward of the
-run: forward_index does not count it and it never takes a sample; only its number is kept, for
-index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
-the count of evaluation forwards, so evaluation never moves the training schedule.
+summary. Under a trainer callback the trainer says which forwards are training ones (those
+inside Lightning's strategy `training_step` or the Hugging Face Trainer's `training_step`) and
+only those are on the sampler's schedule. Every other root forward during the fit (sanity
+check, validation, another callback's forwards) is an evaluation forward: by default it passes
+through unobserved (it is not a root forward of the run: forward_index does not count it and it
+never takes a sample; only its number is kept, for index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
+the count of evaluation forwards, so evaluation never moves the training schedule, and its rows
+have mode `eval` whatever the module's training flag (another callback's forward in its batch
+hooks runs in train mode, and must not join the training series).
 Cost: one attribute read per root forward.
 """
 

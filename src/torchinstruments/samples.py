@@ -45,6 +45,7 @@ class Sample:
         "forward_index",
         "global_pending",
         "interrupted",
+        "mode",
         "pending",
         "raised",
         "returned",
@@ -52,10 +53,15 @@ class Sample:
         "step",
     )
 
-    def __init__(self, sample_id: int, forward_index: int, step: int | None) -> None:
+    def __init__(
+        self, sample_id: int, forward_index: int, step: int | None, mode: str | None = None
+    ) -> None:
         self.sample_id = sample_id
         self.forward_index = forward_index
         self.step = step
+        # The mode of all its rows, or None for each layer's own training flag (phases.py: a
+        # trainer's evaluation forward is "eval" even when another callback runs it in train mode).
+        self.mode = mode
         # Per layer, its calls' counter: `next` is one atomic step, so a call on another thread
         # never shares a call_index with one of the sample's own thread.
         self.call_counts: dict[str, itertools.count[int]] = {}
@@ -71,7 +77,7 @@ class Sample:
     ) -> None:
         """Remember where `error` started (the innermost layer it passes through first)."""
         if self.raised is None or self.raised[3] != id(error):
-            self.raised = (layer, call_index, mode(), id(error))
+            self.raised = (layer, call_index, self.mode or mode(), id(error))
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""

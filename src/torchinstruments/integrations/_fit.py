@@ -47,6 +47,7 @@ from torchinstruments.sinks.protocol import Sink
 __all__ = [
     "RUN_NAME",
     "FitObservation",
+    "TrainingStepMark",
     "evaluation_sampler",
     "fresh_run_directory",
     "last_run_directory",
@@ -351,3 +352,51 @@ class FitObservation:
         remove_observer(self.observed)
         self.observed = None
         self.phases = None
+
+
+class TrainingStepMark:
+    """Wraps one object's `training_step` for one fit: the forwards inside it are training
+    forwards, and only those (another callback's forwards around it are evaluation forwards).
+
+    The wrapper is an instance attribute of `owner` (the Hugging Face Trainer, Lightning's
+    strategy), never of the model, and `undo` puts back what the instance had.
+
+    Args:
+        owner: the object whose `training_step` the trainer calls for every training step.
+        fit: the fit whose phases the wrapper marks.
+        on_exception: called with an exception raised in the step, before it propagates.
+    """
+
+    def __init__(
+        self,
+        owner: object,
+        fit: FitObservation,
+        on_exception: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._owner = owner
+        self._had_own = "training_step" in vars(owner)
+        self._own = vars(owner).get("training_step")
+        original = owner.training_step  # type: ignore[attr-defined]
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            fit.enter_training()
+            try:
+                return original(*args, **kwargs)
+            except BaseException as error:
+                if on_exception is not None:
+                    on_exception(error)
+                raise
+            finally:
+                fit.leave_training()
+
+        self._wrapper = training_step
+        owner.training_step = training_step  # type: ignore[attr-defined]
+
+    def undo(self) -> None:
+        """Put back what the instance had (nothing, or its own attribute), unless replaced since."""
+        if vars(self._owner).get("training_step") is not self._wrapper:
+            return
+        if self._had_own:
+            self._owner.training_step = self._own  # type: ignore[attr-defined]
+        else:
+            del self._owner.training_step  # type: ignore[attr-defined]

@@ -56,7 +56,7 @@ from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
 from torchinstruments.api import add_run_note
-from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._fit import FitObservation, TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -98,7 +98,7 @@ class HuggingFaceObserver(TrainerCallback):
         **options: Any,
     ) -> None:
         self._fit = FitObservation("HuggingFaceObserver", output_dir, module, options, record_eval)
-        self._step_guard: _StepGuard | None = None
+        self._step_guard: TrainingStepMark | None = None
 
     @property
     def directory(self) -> Path | None:
@@ -128,7 +128,9 @@ class HuggingFaceObserver(TrainerCallback):
             resuming=state.global_step > 0,
         )
         if directory is not None and trainer is not None:
-            self._step_guard = _StepGuard(trainer, self._fit, self._on_step_exception, state)
+            self._step_guard = TrainingStepMark(
+                trainer, self._fit, lambda error: self._on_step_exception(error, state.global_step)
+            )
         elif directory is not None:
             self._fit.enter_training()  # training steps cannot be told apart: all forwards
             notices.warn(
@@ -192,42 +194,3 @@ def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:
                 step_name="the Trainer's state.global_step (optimizer steps so far)",
             )
     return None
-
-
-class _StepGuard:
-    """Wraps one Trainer instance's `training_step`: its forwards are the training forwards,
-    and an exception in it removes the observer."""
-
-    def __init__(
-        self,
-        trainer: Trainer,
-        fit: FitObservation,
-        on_exception: Callable[[BaseException, int], None],
-        state: TrainerState,
-    ) -> None:
-        self._trainer = trainer
-        self._had_own = "training_step" in trainer.__dict__
-        self._own = trainer.__dict__.get("training_step")
-        original = trainer.training_step
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            fit.enter_training()
-            try:
-                return original(*args, **kwargs)
-            except BaseException as error:
-                on_exception(error, state.global_step)
-                raise
-            finally:
-                fit.leave_training()
-
-        self._wrapper = training_step
-        trainer.training_step = training_step  # type: ignore[method-assign]
-
-    def undo(self) -> None:
-        """Put back what the instance had (nothing, or its own attribute), unless replaced since."""
-        if self._trainer.__dict__.get("training_step") is not self._wrapper:
-            return
-        if self._had_own:
-            self._trainer.training_step = self._own  # type: ignore[method-assign]
-        else:
-            del self._trainer.training_step

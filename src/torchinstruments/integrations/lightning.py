@@ -4,17 +4,24 @@
 
 Hooks, one line each:
 
-- `on_fit_start`: inject into the LightningModule (or `module=` a part of it). Runs after the
-  strategy moved the model to its device and before the sanity check and the first step.
-- `on_train_batch_start`: the batch's forwards are training forwards (the sampler's schedule).
-- `on_train_batch_end`: what follows is evaluation; after the first batch only, warn if the
-  observed module was never called.
-- `on_fit_end`: remove; histograms are in the logger before Lightning finalizes it.
-- `on_exception`: remove, with a note in index.md that the fit raised and at which global step.
+- `on_fit_start`: inject into the LightningModule (or `module=` a part of it), and mark the
+  strategy's `training_step` (below). Runs after the strategy moved the model to its device and
+  before the sanity check and the first step.
+- `on_train_batch_end`: after the first batch only, warn if the observed module was never called.
+- `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
+- `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
+  global step.
 
-Training forwards are the samples: forwards outside a training batch (the sanity check,
-validation, test, predict) never take one and never enter the training series; with
-`record_eval=True` they are sampled on their own count and form their own series (mode `eval`).
+Training forwards are the samples, and they are exactly the forwards inside the training step:
+for the fit, the callback wraps `trainer.strategy.training_step` (an instance attribute of the
+strategy, set at fit start and removed at its end or on an exception), which Lightning calls for
+every training step, in automatic and manual optimization alike, through
+`getattr(trainer.strategy, "training_step")` (`lightning.pytorch.trainer.call.
+_call_strategy_hook`, checked on Lightning 2.6.6). Every other forward of the observed module
+during the fit (the sanity check, validation, and another callback's forwards in its own batch
+hooks) is an evaluation forward: it never takes a training sample and never enters the training
+series; with `record_eval=True` it is sampled on its own count and forms its own series (mode
+`eval`).
 With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
 forward, and their samples share one `step` (the trainer's global step, history's `step`).
 
@@ -39,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._fit import FitObservation, TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -93,6 +100,7 @@ class LightningObserver(Callback):
     ) -> None:
         super().__init__()
         self._fit = FitObservation("LightningObserver", output_dir, module, options, record_eval)
+        self._step_mark: TrainingStepMark | None = None
 
     @property
     def directory(self) -> Path | None:
@@ -100,10 +108,12 @@ class LightningObserver(Callback):
         return self._fit.directory
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Inject into the LightningModule (or `module`), histograms into a TensorBoardLogger."""
+        """Inject into the LightningModule (or `module`), histograms into a TensorBoardLogger;
+        mark the strategy's training step."""
+        self._unmark()  # a mark left by a fit that ended without on_fit_end or on_exception
         # trainer.log_dir broadcasts from rank 0 under DDP: every rank reads it, attached or not.
         log_dir = trainer.log_dir or trainer.default_root_dir
-        self._fit.start(
+        directory = self._fit.start(
             pl_module,
             Path(log_dir),
             main_process=trainer.is_global_zero,
@@ -111,12 +121,8 @@ class LightningObserver(Callback):
             global_step=lambda: trainer.global_step,
             resuming=trainer.ckpt_path is not None,  # fit(ckpt_path=...): continue the run
         )
-
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        """The batch's forwards are training forwards."""
-        self._fit.enter_training()
+        if directory is not None:
+            self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
 
     def on_train_batch_end(
         self,
@@ -126,19 +132,27 @@ class LightningObserver(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """What follows is evaluation; after the first batch: warn if nothing was called."""
-        self._fit.leave_training()
+        """After the first batch: warn if the observed module was never called."""
         self._fit.check_first_step()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Remove: restores every forward, writes history.parquet, result.json, index.md."""
+        """Unmark and remove: restores every forward, writes history.parquet, result.json,
+        index.md."""
+        self._unmark()
         self._fit.finish()
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        """Remove, with a note in index.md that the fit raised, and at which global step."""
+        """Unmark and remove, with a note in index.md that the fit raised, and at which step."""
+        self._unmark()
         self._fit.finish(exception, trainer.global_step)
+
+    def _unmark(self) -> None:
+        """Put back the strategy's own `training_step`."""
+        mark, self._step_mark = self._step_mark, None
+        if mark is not None:
+            mark.undo()
 
 
 def _logger_sink(trainer: Trainer) -> Sink | None:

@@ -289,6 +289,33 @@ def test_lightning_manual_optimization_samples_its_training_forwards(tmp_path: P
     assert set(history["signal"]) == {"output", "output_gradient"}
 
 
+def test_index_md_says_which_count_each_sampler_is_asked_with_under_record_eval(
+    tmp_path: Path,
+) -> None:
+    """Under record_eval forward_index counts evaluation forwards too, so the training samples'
+    forward_index is not what the sampler line names; the line says what each is asked with."""
+    callback = LightningObserver(
+        tmp_path / "run", sampler=EveryNForwardsSampler(3), record_eval=True
+    )
+    model = lightning_fit(tmp_path, callback)
+    history = read_history(tmp_path / "run")
+    training = history.filter(pl.col("mode") == "train")["forward_index"].unique().sort()
+    assert training.to_list() != [0, 3, 6]  # 8 training forwards, 0, 3, 6 of them sampled
+    calls = [phase for phase, _ in model.calls]
+    train_positions = [i for i, phase in enumerate(calls) if phase == "train"]
+    assert training.to_list() == train_positions[::3]
+    [line] = [
+        line
+        for line in (tmp_path / "run" / "index.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("- sampler: ")
+    ]
+    assert line.startswith("- sampler: EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...")
+    assert "asked with the count of training forwards" in line
+    assert "asked with the count of evaluation forwards" in line
+    assert "not the samples' forward_index" in line
+    assert "the `step` column is the trainer's global step" in line
+
+
 def test_record_eval_is_validated_when_the_callback_is_built() -> None:
     with pytest.raises(TypeError, match="record_eval must be False, True or a Sampler"):
         LightningObserver(record_eval="yes")  # type: ignore[arg-type]

@@ -406,6 +406,7 @@ def start_run(
     resume: bool = False,
     extra_sinks: Sequence[Sink] = (),
     sampler: Any = None,
+    sampler_line: str | None = None,
 ) -> Path | None:
     """Observe `model` with `config`: the one way a run starts (`inject_observer`, the callbacks).
 
@@ -424,6 +425,8 @@ def start_run(
         extra_sinks: sinks after `config.sinks` (a trainer's TensorBoard logger).
         sampler: the sampler this run asks instead of `config.sampler` (a trainer callback's
             fresh copy of it for each fit, so one fit's sampler state never reaches the next).
+        sampler_line: index.md's sampler line instead of the sampler's description (a
+            callback's, where the sampler is not asked with forward_index).
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -455,6 +458,7 @@ def start_run(
         resume or config.resume,
         (*config.sinks, *extra_sinks),
         config.sampler if sampler is None else sampler,
+        describe_sampler(config.sampler) if sampler_line is None else sampler_line,
     )
     if observer is None:
         _UNATTACHED.add(model)
@@ -470,6 +474,7 @@ def _open_run(
     resume: bool,
     sinks: Sequence[Sink],
     sampler: Any,
+    sampler_line: str,
 ) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
@@ -490,7 +495,7 @@ def _open_run(
         model_class=type(compiled_original(model) or model).__name__,
         layers=infos,
         focus_layers=tuple(info.name for info in infos if info.name in focus),
-        sampler=describe_sampler(config.sampler),
+        sampler=sampler_line,
         metrics=config.measurer.metrics,
         rank=placement.rank,
         world_size=placement.world_size,

@@ -255,6 +255,7 @@ class FitObservation:
             resume=resume,
             extra_sinks=() if sink is None else (sink,),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
+            sampler_line=self._sampler_line(),
         )
         self.observed = target if self.directory is not None else None
         if self.observed is not None:
@@ -273,6 +274,19 @@ class FitObservation:
                 )
         self._checked_first_step = False
         return self.directory
+
+    def _sampler_line(self) -> str | None:
+        """index.md's sampler line under `record_eval`: what each sampler is asked with, since
+        forward_index then counts evaluation forwards too (None: the sampler's own line)."""
+        if self.eval_sampler is None:
+            return None
+        return (
+            f"{describe_sampler(self.config.sampler)}, asked with the count of training "
+            f"forwards; evaluation forwards: {describe_sampler(self.eval_sampler)}, asked with "
+            "the count of evaluation forwards (record_eval). forward_index counts both, so "
+            "the values named here are not the samples' forward_index; the `step` column is "
+            "the trainer's global step"
+        )
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""

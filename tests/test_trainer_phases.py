@@ -117,7 +117,7 @@ def test_lightning_samples_training_forwards_only_on_the_global_step(tmp_path: P
     check_samples(history, training)  # forward_index counts training forwards only
     assert set(history["mode"]) == {"train"}
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
-    assert "6 evaluation forwards (sanity check, validation, test, predict" in index
+    assert "6 evaluation forwards inside the fit (sanity check, validation" in index
 
 
 def test_lightning_record_eval_gives_eval_series_of_their_own(tmp_path: Path) -> None:
@@ -316,6 +316,50 @@ def test_index_md_says_which_count_each_sampler_is_asked_with_under_record_eval(
     assert "the `step` column is the trainer's global step" in line
 
 
+class Tested(Recorded):
+    """A `Recorded` with test and predict steps."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+def test_test_and_predict_after_the_fit_are_neither_observed_nor_counted(tmp_path: Path) -> None:
+    """The run is the fit's: the observer is removed at its end, before test() and predict()."""
+    run = tmp_path / "run"
+    callback = LightningObserver(run, sampler=EveryNForwardsSampler(1), record_eval=True)
+    model = Tested()
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    trainer = lightning.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    fitted = len(model.calls)
+    state = (run / ".state.json").read_text(encoding="utf-8")
+    trainer.test(model, data, verbose=False)
+    trainer.predict(model, data)
+    assert len(model.calls) == fitted + 4  # test and predict did run the model ...
+    assert (run / ".state.json").read_text(encoding="utf-8") == state  # ... unseen by the run
+    assert read_history(run)["sample_id"].n_unique() == fitted == 2
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "evaluation forwards inside the fit (sanity check, validation" in index
+    assert "test, predict or evaluate calls after the fit run after the observer was removed" in (
+        index
+    )
+    assert "test, predict:" not in index
+
+
 def test_record_eval_is_validated_when_the_callback_is_built() -> None:
     with pytest.raises(TypeError, match="record_eval must be False, True or a Sampler"):
         LightningObserver(record_eval="yes")  # type: ignore[arg-type]
@@ -405,7 +449,7 @@ def test_huggingface_samples_training_forwards_only_on_the_global_step(tmp_path:
     check_samples(history, training)
     assert set(history["mode"]) == {"train"}
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
-    assert "4 evaluation forwards (sanity check, validation, test, predict" in index
+    assert "4 evaluation forwards inside the fit (sanity check, validation" in index
 
 
 def test_huggingface_record_eval_gives_eval_series_of_their_own(tmp_path: Path) -> None:

@@ -9,10 +9,13 @@ raised is removed like a finished one, with a note in index.md saying so and whe
 so its run directory is complete and never reads like an ordinary fit.
 
 Training forwards are the samples (phases.py): the callback marks the trainer's training steps,
-and every other forward of the observed module during the fit (sanity check, validation, test,
-predict) is an evaluation forward, unobserved unless `record_eval` asks for it; then it is
-sampled on a schedule of its own and its rows (mode `eval`) form their own series. The step
-column is the trainer's global step, read at each sample.
+and every other forward of the observed module during the fit (sanity check, validation, the
+evaluation the trainer runs during training, another callback's forwards) is an evaluation
+forward, unobserved unless `record_eval` asks for it; then it is sampled on a schedule of its
+own and its rows (mode `eval`) form their own series. The step column is the trainer's global
+step, read at each sample. The run is the fit's: test, predict or evaluate calls after the fit
+run after the observer was removed, so they are neither observed nor counted (a run that went on
+past the fit would have no end a callback is told of).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ __all__ = [
 ]
 
 RUN_NAME = "torchinstruments"
+_AFTER_THE_FIT = (
+    "test, predict or evaluate calls after the fit run after the observer was removed: not "
+    "observed, not counted"
+)
 
 
 def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, bool]]:
@@ -266,11 +273,12 @@ class FitObservation:
             if self.eval_sampler is not None:
                 add_run_note(
                     self.observed,
-                    "evaluation forwards (sanity check, validation, test, predict: every forward "
-                    f"outside a training step) are recorded as their own series ({self.owner}, "
-                    f"record_eval): sampled by {describe_sampler(self.eval_sampler)} on the "
-                    "count of evaluation forwards, so they never move the training schedule; "
-                    "the trainer runs them in eval mode, so their rows have mode eval",
+                    "evaluation forwards inside the fit (sanity check, validation, evaluation the "
+                    "trainer runs during training: every forward outside a training step) are "
+                    f"recorded as their own series ({self.owner}, record_eval): sampled by "
+                    f"{describe_sampler(self.eval_sampler)} on the count of evaluation forwards, "
+                    "so they never move the training schedule; their rows have mode eval. "
+                    f"{_AFTER_THE_FIT}",
                 )
         self._checked_first_step = False
         return self.directory
@@ -342,10 +350,11 @@ class FitObservation:
         elif unobserved:
             add_run_note(
                 observed,
-                f"{unobserved} evaluation forwards (sanity check, validation, test, predict: "
-                "forwards outside a training step) were not observed: they take no sample and "
-                f"forward_index does not count them ({self.owner}(record_eval=True) records "
-                "them as their own series)",
+                f"{unobserved} evaluation forwards inside the fit (sanity check, validation, "
+                "evaluation the trainer runs during training: forwards outside a training step) "
+                "were not observed: they take no sample and forward_index does not count them "
+                f"({self.owner}(record_eval=True) records them as their own series). "
+                f"{_AFTER_THE_FIT}",
             )
 
     def _finish_stale(self) -> None:

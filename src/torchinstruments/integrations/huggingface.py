@@ -11,9 +11,10 @@ Hooks, one line each:
 
 Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
 wrap below), and every other forward of the model during `train()` (evaluation every
-`eval_steps`, `eval_on_start`, predictions) never takes a sample and never enters the training
-series; with `record_eval=True` those are sampled on their own count and form their own series
-(mode `eval`). Each micro-batch of gradient accumulation is a training forward; their samples
+`eval_steps`, `eval_on_start`) never takes a sample and never enters the training series; with
+`record_eval=True` those are sampled on their own count and form their own series (mode
+`eval`). `evaluate()` or `predict()` called after `train()` runs after the observer was
+removed: neither observed nor counted. Each micro-batch of gradient accumulation is a training forward; their samples
 share one `step` (`state.global_step`, history's `step`).
 
 Defaults: the run directory is `args.output_dir/torchinstruments` (`-2`, `-3`, ... when taken).

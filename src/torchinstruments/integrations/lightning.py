@@ -21,7 +21,8 @@ _call_strategy_hook`, checked on Lightning 2.6.6). Every other forward of the ob
 during the fit (the sanity check, validation, and another callback's forwards in its own batch
 hooks) is an evaluation forward: it never takes a training sample and never enters the training
 series; with `record_eval=True` it is sampled on its own count and forms its own series (mode
-`eval`).
+`eval`). `trainer.test()` and `trainer.predict()` run after the fit, after the observer was
+removed: neither observed nor counted.
 With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
 forward, and their samples share one `step` (the trainer's global step, history's `step`).
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import lightning
 import polars as pl
+import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from polars.testing import assert_frame_equal
 from test_huggingface_callback import examples, tiny_bert
@@ -200,3 +202,40 @@ def test_a_state_without_schedule_counts_resumes_by_the_earlier_rule(tmp_path: P
     assert sample_phases(run) == sampled_calls(
         [(first, {"train": 0, "eval": 0}), (second, {"train": len(first), "eval": 0})]
     )
+
+
+def test_notes_of_a_continued_run_name_the_attempt_that_added_them(tmp_path: Path) -> None:
+    """A fit that raised, then resumed from its checkpoint: the first fit's note says it ended
+    with an exception, as attempt 0's, not as the whole run's (which went on)."""
+    run = tmp_path / "run"
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+
+    def fit(model: Tiny, ckpt: Path | None) -> None:
+        trainer = lightning.Trainer(
+            max_steps=4,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[
+                LightningObserver(run, sampler=EveryNForwardsSampler(1)),
+                ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1),
+            ],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, data, ckpt_path=None if ckpt is None else str(ckpt))
+
+    with pytest.raises(ValueError, match="boom in training_step"):
+        fit(Tiny(raise_at=2), None)
+    first = (run / "index.md").read_text(encoding="utf-8")
+    raised = "the fit ended with an exception at global step 2: ValueError: boom in training_step"
+    assert f"**Note:** {raised}. The run holds this attempt's samples up to then" in first
+    fit(Tiny(), tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    index = (run / "index.md").read_text(encoding="utf-8")
+    notes = [line for line in index.splitlines() if line.startswith("**Note:** ")]
+    assert (
+        f"**Note:** attempt 0: {raised}. The run holds this attempt's samples up to then"
+        in (notes[0])
+    )
+    assert not any(raised in note and "attempt 0: " not in note for note in notes)
+    assert [a.ended for a in read_state(run).attempts] == ["removed", "removed"]

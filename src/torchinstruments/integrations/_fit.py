@@ -334,7 +334,7 @@ class FitObservation:
             add_run_note(
                 observed,
                 f"the fit ended with an exception{where}: {type(exception).__name__}: "
-                f"{exception}. The run holds every sample recorded up to then ({self.owner} "
+                f"{exception}. The run holds this attempt's samples up to then ({self.owner} "
                 "removed the observer when the trainer reported the exception).",
             )
         return remove_observer(observed)

@@ -23,7 +23,11 @@ process is one *attempt*, numbered from 0, and every history row carries its att
 - continues the part numbers after those already merged (merge.py deletes a part whose number
   history.parquet says it holds);
 - keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's
-  counts and summaries (result.json) cover the whole job.
+  counts and summaries (result.json) cover the whole job;
+- names the attempt in each note once the run has more than one (`attempt_notes`): a note speaks
+  of the attempt that added it ("attempt 0: the fit ended with an exception ..."), never of the
+  whole run, which went on. The first attempt's notes, written while it was the only one, get
+  their label when the second attempt starts.
 
 The cost: a continued run re-reads the earlier history's sample and forward ids once at start,
 and the merge at the end rewrites history.parquet with the new parts added (it streams).
@@ -213,6 +217,11 @@ def _sum_known(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a + b
 
 
+def attempt_notes(attempt: int, notes: Iterable[str]) -> tuple[str, ...]:
+    """`notes` labelled with the attempt that added them: `attempt 0: ...`."""
+    return tuple(f"attempt {attempt}: {note}" for note in notes)
+
+
 def job_counts(
     continuation: Continuation | None, previous: RunCounts | None, this: RunCounts
 ) -> RunCounts:
@@ -239,6 +248,7 @@ __all__ = [
     "REMOVED",
     "AttemptCounts",
     "Continuation",
+    "attempt_notes",
     "attempt_rows",
     "close_attempts",
     "job_counts",

@@ -22,7 +22,13 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
-from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, Continuation, job_counts
+from torchinstruments.rundir.attempts import (
+    REMOVED,
+    AttemptCounts,
+    Continuation,
+    attempt_notes,
+    job_counts,
+)
 from torchinstruments.rundir.finish import finish_run
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
@@ -109,7 +115,7 @@ class DirectorySink:
                 interrupted=previous.interrupted,
                 live_problems=previous.live_problems,
                 losses=previous.losses,
-                notes=previous.notes,
+                notes=_earlier_notes(previous, continuation),
                 attempts=(*continuation.attempts, this),
             )
         write_state(self.directory, state)
@@ -261,11 +267,14 @@ class DirectorySink:
             self._base, self._previous, self._continuation, counts, history.rows_produced
         )
         known = (self._events_problem,) if self._events_problem else ()
+        added: tuple[str, ...] = (*counts.notes, *self._notes, *self._missing_note())
+        if self._continuation is not None:  # one of several attempts: its notes say which
+            added = attempt_notes(self._continuation.attempt, added)
         return dataclasses.replace(
             state,
             live_problems=(*state.live_problems, *known),
             losses=(*state.losses, *history.losses),
-            notes=(*state.notes, *counts.notes, *self._notes, *self._missing_note()),
+            notes=(*state.notes, *added),
         )
 
     def _give_up_events(self, what: str, error: BaseException) -> None:
@@ -328,6 +337,14 @@ class DirectorySink:
             reserve.release(self.directory)
             self._lock.release()
             forks.untrack(self)
+
+
+def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:
+    """The earlier attempts' notes, each naming its attempt: those of a first attempt, written
+    while it was the run's only one, get their label now."""
+    if len(continuation.attempts) != 1:
+        return previous.notes
+    return attempt_notes(continuation.attempts[0].attempt, previous.notes)
 
 
 def _job_state(

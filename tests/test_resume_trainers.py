@@ -11,6 +11,7 @@ value with history.parquet as the first fit left it), sample_id continues, the s
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import lightning
@@ -239,3 +240,62 @@ def test_notes_of_a_continued_run_name_the_attempt_that_added_them(tmp_path: Pat
     )
     assert not any(raised in note and "attempt 0: " not in note for note in notes)
     assert [a.ended for a in read_state(run).attempts] == ["removed", "removed"]
+
+
+def versioned_fit(tmp_path: Path, max_steps: int, ckpt: Path | None, **options: object) -> Path:
+    """`lightning_fit` with the default auto-versioned TensorBoardLogger (each trainer writes a
+    new `logs/version_N`); returns the callback's run directory."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    callback = LightningObserver(sampler=EveryNForwardsSampler(1), **options)  # type: ignore[arg-type]
+    trainer = lightning.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(save_dir=tmp_path, name="logs"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(
+        Tiny(),
+        train_dataloaders=DataLoader(data, batch_size=4),
+        ckpt_path=None if ckpt is None else str(ckpt),
+    )
+    if ckpt is None:
+        trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    assert callback.directory is not None
+    return callback.directory
+
+
+def test_a_fit_resumed_into_a_new_logger_version_continues_the_checkpoints_run(
+    tmp_path: Path,
+) -> None:
+    run = versioned_fit(tmp_path, FIRST, None)
+    assert run == tmp_path / "logs" / "version_0" / "torchinstruments"
+    first = pl.read_parquet(run / "history.parquet")
+    assert versioned_fit(tmp_path, TOTAL, tmp_path / "step3.ckpt") == run
+    assert (tmp_path / "logs" / "version_1").is_dir()  # the logger moved on; the run did not
+    assert not (tmp_path / "logs" / "version_1" / "torchinstruments").exists()
+    check_continued(run, first)
+
+
+def test_a_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path) -> None:
+    run = versioned_fit(tmp_path, FIRST, None)
+    shutil.rmtree(run)
+    with pytest.warns(RuntimeWarning, match="could not be continued"):
+        later = versioned_fit(tmp_path, TOTAL, tmp_path / "step3.ckpt")
+    assert later == tmp_path / "logs" / "version_1" / "torchinstruments"
+    index = (later / "index.md").read_text(encoding="utf-8")
+    assert f"whose run {run} could not be continued ({run} holds no run)" in index
+    assert str(tmp_path / "step3.ckpt") in index
+
+
+def test_an_explicit_output_dir_wins_over_the_checkpoints_run(tmp_path: Path) -> None:
+    run = versioned_fit(tmp_path, FIRST, None)
+    elsewhere = tmp_path / "elsewhere"
+    assert versioned_fit(tmp_path, TOTAL, tmp_path / "step3.ckpt", output_dir=elsewhere) == (
+        elsewhere
+    )
+    assert read_state(run).attempts[-1].attempt == 0  # the checkpoint's run is left as it was

@@ -43,7 +43,7 @@ from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
-from torchinstruments.rundir.layout import RUN_MARKERS
+from torchinstruments.rundir.layout import RUN_MARKERS, resolve_output_dir
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -109,6 +109,17 @@ def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> obje
             f" -> bool), got {record_eval!r}"
         ) from None
     return record_eval
+
+
+def why_not_continued(run: Path, rank_policy: str) -> str | None:
+    """Why this process cannot continue the run in `run` (None: it can): it holds no run (this
+    rank's), or this process cannot write there."""
+    written = place_rank(run, rank_policy).directory
+    if not any((written / marker).exists() for marker in RUN_MARKERS):
+        return f"{written} holds no run"
+    if not os.access(written, os.W_OK | os.X_OK):
+        return f"this process cannot write {written}"
+    return None
 
 
 def pristine_copy(sampler: object) -> object | None:
@@ -197,6 +208,9 @@ class FitObservation:
         self.phases: Phases | None = None
         self.observed: nn.Module | None = None
         self.directory: Path | None = None
+        # The run directory (before a rank's `rank-NNN/`) of the current or last fit, which a
+        # trainer's checkpoint keeps so that a fit resumed from it continues that run.
+        self.run_directory: Path | None = None
         self._checked_first_step = False
 
     def observed_module(self, model: nn.Module) -> nn.Module:
@@ -229,6 +243,8 @@ class FitObservation:
         logger_sink: Callable[[], Sink | None],
         global_step: Callable[[], int],
         resuming: bool = False,
+        checkpoint_run: Path | None = None,
+        checkpoint: str | None = None,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -240,7 +256,12 @@ class FitObservation:
             logger_sink: the trainer's TensorBoard logger as a sink, or None without one.
             global_step: the trainer's global step, read at each sample (history's `step`).
             resuming: the fit resumes from a checkpoint: continue the run (`resume=True`) in
-                the output_dir given, or in the last run under the trainer's directory.
+                the output_dir given, else in `checkpoint_run`, else in the last run under the
+                trainer's directory.
+            checkpoint_run: the run directory the checkpoint names (None: it names none); a
+                run there that this process cannot continue is stated in index.md, and the
+                last run under the trainer's directory is continued instead.
+            checkpoint: the checkpoint's name, for that note.
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -248,8 +269,11 @@ class FitObservation:
         if config.rank_policy == "rank0" and not main_process:
             return None
         resume = resuming or config.resume
-        directory = None
-        if not self.explicit_dir:
+        directory, not_continued = None, None
+        if resuming and checkpoint_run is not None and not self.explicit_dir:
+            not_continued = why_not_continued(checkpoint_run, config.rank_policy)
+            directory = checkpoint_run if not_continued is None else None
+        if directory is None and not self.explicit_dir:
             pick = last_run_directory if resume else fresh_run_directory
             directory = pick(trainer_directory, config.rank_policy)
         sink = logger_sink()
@@ -266,6 +290,11 @@ class FitObservation:
         )
         self.observed = target if self.directory is not None else None
         if self.observed is not None:
+            self.run_directory = (
+                config.directory if directory is None else resolve_output_dir(directory)
+            )
+            if not_continued is not None:
+                self._note_not_continued(checkpoint_run, checkpoint, not_continued)
             follow_step(self.observed, global_step)
             self.phases = trainer_phases(self.observed)
             if self.phases is not None:
@@ -282,6 +311,27 @@ class FitObservation:
                 )
         self._checked_first_step = False
         return self.directory
+
+    def _note_not_continued(self, run: Path | None, checkpoint: str | None, why: str) -> None:
+        """index.md and a warning: the checkpoint's run could not be continued, this one was."""
+        assert self.observed is not None
+        said = (
+            f"this fit resumed from the checkpoint {checkpoint or '(unnamed)'}, whose run "
+            f"{run} could not be continued ({why}); {self.owner} continued "
+            f"{self.run_directory} instead (the last run under the trainer's directory, or a "
+            "new one there)"
+        )
+        add_run_note(self.observed, said)
+        warn(f"torchinstruments: {self.owner}: {said}")
+
+    def checkpoint_restored_late(self, run: Path) -> None:
+        """A checkpoint's run arrived after the fit started (a strategy that restores callback
+        state after setup): say in index.md when this fit writes another run."""
+        if self.observed is None or self.explicit_dir or self.run_directory == run:
+            return
+        self._note_not_continued(
+            run, None, "the trainer restored the callback's state after the fit had started"
+        )
 
     def _sampler_line(self) -> str | None:
         """index.md's sampler line under `record_eval`: what each sampler is asked with, since

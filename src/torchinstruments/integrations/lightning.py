@@ -11,6 +11,9 @@ Hooks, one line each:
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
+- `state_dict` / `load_state_dict`: a checkpoint keeps the run directory, and a fit resumed from
+  it (`fit(ckpt_path=...)`) continues that run (Lightning 2.6 restores callback state before
+  `on_fit_start`, except for a strategy that restores after setup: then index.md says so).
 
 Training forwards are the samples, and they are exactly the forwards inside the training step:
 for the fit, the callback wraps `trainer.strategy.training_step` (an instance attribute of the
@@ -27,7 +30,11 @@ With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is 
 forward, and their samples share one `step` (the trainer's global step, history's `step`).
 
 Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
-directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). With a
+directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). A fit
+resumed from a checkpoint continues the run the checkpoint names, even where the logger moved
+on to a new version directory; where that run is gone or this process cannot write it, the last
+run under `trainer.log_dir` is continued (or one started there), and index.md and a warning name
+the checkpoint's run. An explicit `output_dir` always wins. With a
 `TensorBoardLogger`, the focus histograms also go into it on `trainer.global_step`. With
 `rank_policy="rank0"` only the global-zero process attaches (`trainer.is_global_zero`).
 
@@ -102,6 +109,7 @@ class LightningObserver(Callback):
         super().__init__()
         self._fit = FitObservation("LightningObserver", output_dir, module, options, record_eval)
         self._step_mark: TrainingStepMark | None = None
+        self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
 
     @property
     def directory(self) -> Path | None:
@@ -121,7 +129,10 @@ class LightningObserver(Callback):
             logger_sink=lambda: _logger_sink(trainer),
             global_step=lambda: trainer.global_step,
             resuming=trainer.ckpt_path is not None,  # fit(ckpt_path=...): continue the run
+            checkpoint_run=self._checkpoint_run,
+            checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
         )
+        self._checkpoint_run = None  # this fit's; a later fit reads its own checkpoint
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
 
@@ -135,6 +146,20 @@ class LightningObserver(Callback):
     ) -> None:
         """After the first batch: warn if the observed module was never called."""
         self._fit.check_first_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in a checkpoint: the run directory, which a fit resumed from it continues."""
+        run = self._fit.run_directory
+        return {} if run is None else {"run_directory": str(run)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint's run directory, for the fit resuming from it (restored before
+        `on_fit_start`, or after it by a strategy that restores after setup: then noted)."""
+        saved = state_dict.get("run_directory")
+        self._checkpoint_run = Path(saved) if isinstance(saved, str) else None
+        if self._checkpoint_run is not None and self._fit.observed is not None:
+            self._fit.checkpoint_restored_late(self._checkpoint_run)
+            self._checkpoint_run = None
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Unmark and remove: restores every forward, writes history.parquet, result.json,

@@ -21,7 +21,6 @@ samples in flight (one copy of a list of about one item).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -42,6 +41,7 @@ class Sample:
 
     __slots__ = (
         "call_counts",
+        "call_lock",
         "forward_index",
         "global_pending",
         "interrupted",
@@ -62,9 +62,12 @@ class Sample:
         # The mode of all its rows, or None for each layer's own training flag (phases.py: a
         # trainer's evaluation forward is "eval" even when another callback runs it in train mode).
         self.mode = mode
-        # Per layer, its calls' counter: `next` is one atomic step, so a call on another thread
-        # never shares a call_index with one of the sample's own thread.
-        self.call_counts: dict[str, itertools.count[int]] = {}
+        # Per layer, how many of its calls began, counted under one lock per sample, so a call on
+        # another thread never shares a call_index with one of the sample's own thread. Plain
+        # ints, not a counter object per layer: every object made per layer lives until the
+        # sample is written, and the garbage collector scans it until then (tests/test_lane.py).
+        self.call_counts: dict[str, int] = {}
+        self.call_lock = threading.Lock()
         self.pending: list[Launched] = []  # in launch order
         self.global_pending: list[GlobalTensor] = []  # global_statistics: measured at the end
         self.returned: set[str] = set()  # layers with at least one call that returned
@@ -81,10 +84,10 @@ class Sample:
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""
-        counter = self.call_counts.get(layer)
-        if counter is None:
-            counter = self.call_counts.setdefault(layer, itertools.count())
-        return next(counter)
+        with self.call_lock:
+            index = self.call_counts.get(layer, 0)
+            self.call_counts[layer] = index + 1
+        return index
 
 
 class InFlight:

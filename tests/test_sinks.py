@@ -60,7 +60,12 @@ def test_custom_sink_receives_lifecycle_and_plain_records(run_dir: Path) -> None
     remove_observer(model)
     assert sink.calls == ["start", "forward", "backward", "forward", "backward", "close"]
     assert sink.counts == RunCounts(
-        root_forwards=4, samples=2, backward_samples=2, layer_samples={"0": 2, "1": 2}
+        root_forwards=4,
+        samples=2,
+        backward_samples=2,
+        layer_samples={"0": 2, "1": 2},
+        train_forwards=4,  # a plain loop's forwards are all on the training schedule
+        eval_forwards=0,
     )
     rows = sum(len(m.metrics) for r in sink.records for m in r.measurements)
     assert rows == read_history(run_dir).height

@@ -22,8 +22,12 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 from conftest import read_history, read_result
 from hook_reference import run_both
 
-# The models' pool, outside them: a deep copy (the reference's) cannot copy an executor.
-POOL = ThreadPoolExecutor(2)
+# The models' pools, outside them: a deep copy (the reference's) cannot copy an executor. The
+# models compared with plain hooks run their branches on ONE thread, so the observed run and the
+# reference's copy compute on the same thread: a thread's count of intra-op threads is its own,
+# taken from torch's setting when it first computes, and two counts can round a matmul apart.
+ONE = ThreadPoolExecutor(1)
+POOL = ThreadPoolExecutor(2)  # two root forwards' branches at once
 
 
 class Towers(nn.Module):
@@ -40,8 +44,8 @@ class Towers(nn.Module):
         return self.act(self.a(self.act(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = POOL.submit(self.tower_a, x).result()  # in order: call indices are fixed
-        second = POOL.submit(self.b, x).result()
+        first = ONE.submit(self.tower_a, x).result()  # in order: call indices are fixed
+        second = ONE.submit(self.b, x).result()
         return self.head(torch.cat([first, second], -1))
 
 
@@ -80,7 +84,7 @@ class EncoderOnAThread(nn.Module):
             return self.encoder(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return POOL.submit(self.encode, x).result()
+        return ONE.submit(self.encode, x).result()
 
 
 def test_a_fused_layer_on_a_thread_pool_runs_layer_by_layer_and_matches_plain_hooks(

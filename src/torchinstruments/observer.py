@@ -55,7 +55,6 @@ import dataclasses
 import operator
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments import forks, reasons
+from torchinstruments import forks
 from torchinstruments._torch_internals import (
     called_through_module_call,
     has_fused_fast_path,
@@ -91,11 +90,8 @@ from torchinstruments.notices import warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
-    INTERRUPTED,
     OUTPUT,
     LayerInfo,
-    Measurement,
-    MetricValue,
     RunCounts,
     RunInfo,
     SampleRecord,
@@ -376,7 +372,8 @@ class Observer:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
             try:
-                sample.interrupted = self._marker_row(sample, error)
+                root = LayerInfo("", self._root_type)
+                sample.interrupted = sample.marker_row(error, root, self._root_mode, self.rank)
             except Exception as failure:  # the user's exception is what must propagate
                 self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
             raise
@@ -489,36 +486,6 @@ class Observer:
             if note is not None and note not in self.notes:
                 self.notes.append(note)  # said in index.md at removal, and warned now
                 self.warn_once(note, note)
-
-    def _marker_row(self, sample: Sample, error: BaseException) -> Measurement:
-        """The row that marks `sample` as interrupted by `error` (metric INTERRUPTED, value
-        null, the reason naming the exception and where it was raised)."""
-        raised = sample.raised
-        if raised is not None and raised[3] == id(error):
-            info, call_index, mode = raised[0], raised[1], raised[2]
-            reason = reasons.interrupted(error, info.name, call_index)
-        else:
-            info, call_index = LayerInfo("", self._root_type), 0
-            mode = sample.mode or self._root_mode()
-            reason = reasons.interrupted(error, None, 0)
-        return Measurement(
-            sample_id=sample.sample_id,
-            forward_index=sample.forward_index,
-            timestamp_us=time.time_ns() // 1000,
-            rank=self.rank,
-            layer=info.name,
-            module_type=info.module_type,
-            call_index=call_index,
-            signal=OUTPUT,
-            tensor_path="",
-            shape=None,
-            dtype="",
-            mode=mode,
-            grad_enabled=torch.is_grad_enabled(),
-            metrics=(INTERRUPTED,),
-            values=(MetricValue(None, reason),),
-            step=sample.step,
-        )
 
     def _root_mode(self) -> str:
         """`train` or `eval` of the root module."""

@@ -22,12 +22,16 @@ samples in flight (one copy of a list of about one item).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
+from torchinstruments import reasons
 from torchinstruments.capture import WarnOnce
 from torchinstruments.counting import Counter
-from torchinstruments.records import LayerInfo, Measurement
+from torchinstruments.records import INTERRUPTED, OUTPUT, LayerInfo, Measurement, MetricValue
 
 if TYPE_CHECKING:
     from torchinstruments.global_statistics import GlobalTensor
@@ -37,7 +41,7 @@ __all__ = ["InFlight", "Sample"]
 
 
 class Sample:
-    """A sampled root forward in progress."""
+    """A sampled root forward in progress, and the row that marks it when it raised."""
 
     __slots__ = (
         "call_counts",
@@ -81,6 +85,37 @@ class Sample:
         """Remember where `error` started (the innermost layer it passes through first)."""
         if self.raised is None or self.raised[3] != id(error):
             self.raised = (layer, call_index, self.mode or mode(), id(error))
+
+    def marker_row(
+        self, error: BaseException, root: LayerInfo, root_mode: Callable[[], str], rank: int | None
+    ) -> Measurement:
+        """The row that marks this sample as interrupted by `error` (metric INTERRUPTED, value
+        null, the reason naming the exception and the layer where it was raised, else `root`)."""
+        raised = self.raised
+        if raised is not None and raised[3] == id(error):
+            info, call_index, mode = raised[0], raised[1], raised[2]
+            reason = reasons.interrupted(error, info.name, call_index)
+        else:
+            info, call_index, mode = root, 0, self.mode or root_mode()
+            reason = reasons.interrupted(error, None, 0)
+        return Measurement(
+            sample_id=self.sample_id,
+            forward_index=self.forward_index,
+            timestamp_us=time.time_ns() // 1000,
+            rank=rank,
+            layer=info.name,
+            module_type=info.module_type,
+            call_index=call_index,
+            signal=OUTPUT,
+            tensor_path="",
+            shape=None,
+            dtype="",
+            mode=mode,
+            grad_enabled=torch.is_grad_enabled(),
+            metrics=(INTERRUPTED,),
+            values=(MetricValue(None, reason),),
+            step=self.step,
+        )
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""

@@ -23,21 +23,43 @@ class _ChecksummedRecords(RecordWriter):
     `write` on whatever record writer it holds, and `replace_record_framing` checks that the one
     it replaces is a `RecordWriter`, so the replacement keeps the same class (checked on
     tensorboard 2.21.0).
+
+    Why it keeps its failure: TensorBoard's worker thread re-raises whatever `write` or `flush`
+    raised (a full disk), which prints a raw `Exception in thread` traceback and ends the
+    thread. Here the first failure is kept in `error` and the writer drops every later record,
+    so the thread lives on quietly; the library's foreground calls (`events.EventFile`) raise
+    it, where the run directory reports it as one warning.
     """
 
     def __init__(self, file: Any, masked: Callable[[bytes], int]) -> None:
         super().__init__(file)
         self._file = file
         self._masked = masked
+        self.error: BaseException | None = None
 
     def write(self, data: bytes) -> None:
+        if self.error is not None:
+            return
         header = struct.pack("<Q", len(data))
         head_crc = struct.pack("<I", self._masked(header))
         data_crc = struct.pack("<I", self._masked(data))
-        self._file.write(header + head_crc + data + data_crc)
+        try:
+            self._file.write(header + head_crc + data + data_crc)
+        except BaseException as error:  # kept for the foreground; the worker thread goes on
+            self.error = error
+
+    def flush(self) -> None:
+        if self.error is not None:
+            return
+        try:
+            super().flush()
+        except BaseException as error:
+            self.error = error
 
 
-def replace_record_framing(event_writer: Any, masked: Callable[[bytes], int]) -> bool:
+def replace_record_framing(
+    event_writer: Any, masked: Callable[[bytes], int]
+) -> _ChecksummedRecords | None:
     """Frame the records of `event_writer`'s writer thread with the TFRecord checksum `masked`.
 
     Why: TensorBoard frames each record with a CRC-32C computed in pure Python, on the writer
@@ -45,9 +67,11 @@ def replace_record_framing(event_writer: Any, masked: Callable[[bytes], int]) ->
     private names of TensorBoard's async writer (`EventFileWriter._async_writer`, its `_writer`
     and `_worker`, the worker's `_record_writer`) and the record writer's `_writer` (the file).
 
-    Returns whether it did: False, changing nothing, where the async writer does not have the
-    known shape. The worker thread reads its record writer afresh for every record, and both
-    framings write to the same file object, so a record in flight is finished by the old one.
+    Returns the record writer it put in place (its `error` holds the first write or flush
+    failure, which no longer ends the writer thread), or None, changing nothing, where the
+    async writer does not have the known shape. The worker thread reads its record writer
+    afresh for every record, and both framings write to the same file object, so a record in
+    flight is finished by the old one.
     """
     async_writer = getattr(event_writer, "_async_writer", None)
     worker = getattr(async_writer, "_worker", None)
@@ -59,11 +83,11 @@ def replace_record_framing(event_writer: Any, masked: Callable[[bytes], int]) ->
         or not isinstance(records, RecordWriter)
         or getattr(worker, "_record_writer", None) is not records
     ):
-        return False
+        return None
     replacement = _ChecksummedRecords(file, masked)
     async_writer._writer = replacement
     worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
-    return True
+    return replacement
 
 
 def summary_file_writer(writer: Any) -> Any | None:

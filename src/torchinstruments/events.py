@@ -267,7 +267,8 @@ class EventFile:
         self, log_dir: str, flush_seconds: float, module_types: Mapping[str, str] | None = None
     ) -> None:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
-        self.fast_checksum = _hand_over_checksum(self._writer, Crc32c())
+        self._records = _hand_over_checksum(self._writer, Crc32c())
+        self.fast_checksum = self._records is not None
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 
@@ -284,6 +285,7 @@ class EventFile:
                 description = histogram_description(histogram, module_type, RUN_STEP)
             values.append(histogram_value(histogram, description))
         summary = Summary(value=values)
+        self._raise_failure()
         self._writer.add_summary(summary, global_step=step)
 
     def add_missing(self, missing: Sequence[MissingHistogram], step: int) -> None:
@@ -293,15 +295,27 @@ class EventFile:
             self._writer.add_summary(note, global_step=step)
 
     def flush(self) -> None:
-        """Writes every queued event to the file."""
+        """Writes every queued event to the file; raises what the writer thread could not
+        write (a full disk)."""
         self._writer.flush()
+        self._raise_failure()
 
     def close(self) -> None:
-        """Flushes, stops the writer thread and closes the file."""
+        """Flushes, stops the writer thread and closes the file; raises what the writer thread
+        could not write."""
         self._writer.close()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise, here, the first failure of the writer thread (kept there, see
+        `_tensorboard_internals.replace_record_framing`)."""
+        error = None if self._records is None else self._records.error
+        if error is not None:
+            raise error
 
 
-def _hand_over_checksum(writer: FileWriter, checksum: Crc32c) -> bool:
-    """Frames `writer`'s records with `checksum`, on the same file; False where TensorBoard's
-    writer does not have the known shape (`_tensorboard_internals.replace_record_framing`)."""
+def _hand_over_checksum(writer: FileWriter, checksum: Crc32c) -> Any:
+    """Frames `writer`'s records with `checksum`, on the same file: the record writer now in
+    place, or None where TensorBoard's writer does not have the known shape
+    (`_tensorboard_internals.replace_record_framing`)."""
     return replace_record_framing(writer.event_writer, checksum.masked)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
 
 import polars as pl
 
@@ -50,6 +50,8 @@ class ColumnBuffer:
     def __init__(self) -> None:
         self._items: deque[pl.DataFrame | _BlockRange] = deque()
         self._rows = 0
+        # what `frame(n)` left for `drop(n)`: n and the rows after them (None: no rows after)
+        self._after: tuple[int, pl.DataFrame | None] | None = None
 
     def __len__(self) -> int:
         return self._rows
@@ -79,8 +81,14 @@ class ColumnBuffer:
         """The first `n` rows as one DataFrame with the exact history schema.
 
         The items these rows come from are replaced by that DataFrame (all of their rows), so a
-        part that fails to be written is not converted again when it is retried.
+        part that fails to be written is not converted again when it is retried. Every Polars
+        call comes before the buffer changes, so an exception raised in one (a write failure,
+        or a KeyboardInterrupt that Polars raises in whichever thread it runs when SIGINT
+        arrives) leaves the buffer as it was; and the rows after the first `n` are cut off here
+        too, so the `drop(n)` that follows a written part is plain Python that cannot fail
+        half-way.
         """
+        self._after = None
         covered = 0
         count = 0
         for item in self._items:
@@ -90,10 +98,9 @@ class ColumnBuffer:
             count += 1
         if not count:
             return empty_history(RECORDED_SCHEMA)
-        items = [self._items.popleft() for _ in range(count)]
         frames: list[pl.DataFrame] = []
         ranges: list[_BlockRange] = []
-        for item in items:
+        for item in islice(self._items, count):
             if isinstance(item, _BlockRange):
                 ranges.append(item)
                 continue
@@ -104,24 +111,37 @@ class ColumnBuffer:
         if ranges:
             frames.append(blocks_frame(ranges))
         whole = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
+        head, rest = (whole, None) if whole.height <= n else (whole.head(n), whole.slice(n))
+        # from here on plain Python: the buffer changes completely or not at all
+        for _ in range(count):
+            self._items.popleft()
         self._items.appendleft(whole)
-        return whole if whole.height <= n else whole.head(n)
+        self._after = (n, rest)
+        return head
 
     def drop(self, n: int) -> None:
-        """Forget the first `n` rows."""
+        """Forget the first `n` rows (after `frame(n)`: without a Polars call, so it cannot
+        fail half-way)."""
         n = min(n, self._rows)
-        self._rows -= n
+        after, self._after = self._after, None
+        if after is not None and after[0] == n and self._items:
+            self._items.popleft()
+            if after[1] is not None:
+                self._items.appendleft(after[1])
+            self._rows -= n
+            return
         while n:
             item = self._items[0]
             if item.height <= n:
                 self._items.popleft()
+                self._rows -= item.height
                 n -= item.height
             elif isinstance(item, _BlockRange):  # whole tensors only: a part ends on a frame
-                self.frame(n)
-                self._items[0] = self._items[0].slice(n)  # type: ignore[union-attr]
-                n = 0
+                self.frame(n)  # converts it; the next round drops from the frame
+                self._after = None
             else:
                 self._items[0] = item.slice(n)
+                self._rows -= n
                 n = 0
 
     def sample_range(self) -> tuple[int, int] | None:

@@ -58,12 +58,14 @@ the one end-of-run routine in `rundir.finish`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from queue import Empty, SimpleQueue
 
 import polars as pl
 
@@ -259,8 +261,8 @@ class HistoryWriter:
                 return None
             if not size:
                 self._oldest = _monotonic_of(block.timestamps_us[start])
-            self._rows_produced += fit * k
             rows = self._buffer.add_block(block, start, start + fit)
+            self._rows_produced += rows
             self._note_rows(block.sample_id, block.signal, rows)
             start += fit
         return None
@@ -268,27 +270,37 @@ class HistoryWriter:
     def _append_measurements(self, measurements: Sequence[Measurement], start: int) -> int | None:
         """`append` of plain measurements from `start`, one by one against the cap; the
         accepted ones become one chunk. Where the buffer is full while writes work, the
-        measurement to go on from once there is room, else None (the caller holds the lock)."""
+        measurement to go on from once there is room, else None (the caller holds the lock).
+
+        The chunk is built (a Polars call, where a KeyboardInterrupt can land) before anything
+        is counted, so an interrupted append leaves the buffer and its counts as they were."""
         cap = self._config.buffered_rows_cap
         size = len(self._buffer)  # kept by hand, with the accepted rows not yet in a chunk
         accepted: list[Measurement] = []
+        dropped: list[Measurement] = []
+        going_on: int | None = None
         for index in range(start, len(measurements)):
             m = measurements[index]
             k = len(m.metrics)
             if size + k > cap and size and not self._failing:  # only a very large sample
-                self._buffer.add_measurements(accepted)
-                return index
-            self._rows_produced += k
+                going_on = index
+                break
             if size + k > cap:
-                self._drop(k, m.sample_id)
+                dropped.append(m)
                 continue
-            if not size:
-                self._oldest = _monotonic_of(m.timestamp_us)
             accepted.append(m)
             size += k
-            self._note_rows(m.sample_id, m.signal, k)
+        empty = not len(self._buffer)
         self._buffer.add_measurements(accepted)
-        return None
+        if empty and accepted:
+            self._oldest = _monotonic_of(accepted[0].timestamp_us)
+        for m in accepted:
+            self._rows_produced += len(m.metrics)
+            self._note_rows(m.sample_id, m.signal, len(m.metrics))
+        for m in dropped:
+            self._rows_produced += len(m.metrics)
+            self._drop(len(m.metrics), m.sample_id)
+        return going_on
 
     def _note_rows(self, sample_id: int, signal: str, rows: int) -> None:
         """Count `rows` more buffered rows of this sample and signal (for `_split_metadata`)."""
@@ -438,24 +450,62 @@ class HistoryWriter:
 
         The caller holds `_writing`. The rows become a frame under `_lock`, the part is written
         without it (the training thread appends meanwhile, after them), and they leave the
-        buffer under it once the part is in place."""
+        buffer under it once the part is in place, never before: whatever is raised on the way
+        (BaseException included), the buffer still holds them, and they are written once.
+
+        A KeyboardInterrupt raised here on another thread than the main one is not a Ctrl-C
+        meant for it: Polars raises one in every thread that is inside a Polars call when
+        SIGINT arrives (the main thread gets the user's own). The write is then tried again at
+        once, up to `_INTERRUPTED_TRIES` times. On the main thread it is the user's, and
+        propagates (as does SystemExit), the rows staying buffered. Any other exception counts
+        as a failed write (warned once, retried later), so nothing raised here ends the flush
+        thread or reaches the training step.
+        """
         path = part_path(self._directory, self._next_part)  # only this writer moves it on
-        try:
-            with self._lock:
-                frame = self._buffer.frame(n)
-                split = self._split_metadata(n)
-            frame = frame.with_columns(self._attempt)
-            metadata = order_metadata(frame) | constant_metadata(frame) | split
-            write_parquet_atomic(frame, path, metadata=metadata)
-        except (OSError, pl.exceptions.PolarsError) as exc:
-            # Polars reports a full disk as ComputeError ("No space left on device").
-            with self._lock:
-                self._error = f"{type(exc).__name__}: {exc}"
-                self._failing = True
-                self._report(path, exc)
-                self._retry_at = len(self._buffer) + self._config.buffer_rows
-                self._retry_after = time.monotonic() + self._config.flush_seconds / 2
-            return False
+        tries = 0
+        while True:
+            try:
+                self._write_frame(n, path)
+            except (OSError, pl.exceptions.PolarsError) as exc:
+                # Polars reports a full disk as ComputeError ("No space left on device").
+                self._failed(path, exc)
+                return False
+            except BaseException as exc:
+                if path.is_file():  # in place before it was raised: written
+                    self._written(n)
+                    if _ours_to_raise(exc):
+                        raise
+                    return True
+                if _ours_to_raise(exc):
+                    raise
+                tries += 1
+                if isinstance(exc, KeyboardInterrupt) and tries < _INTERRUPTED_TRIES:
+                    continue
+                self._failed(path, exc)
+                return False
+            self._written(n)
+            return True
+
+    def _write_frame(self, n: int, path: Path) -> None:
+        """Write the first `n` buffered rows to `path`; the buffer keeps them."""
+        with self._lock:
+            frame = self._buffer.frame(n)
+            split = self._split_metadata(n)
+        frame = frame.with_columns(self._attempt)
+        metadata = order_metadata(frame) | constant_metadata(frame) | split
+        write_parquet_atomic(frame, path, metadata=metadata)
+
+    def _failed(self, path: Path, exc: BaseException) -> None:
+        """A part write failed: report once, retry after half a flush interval."""
+        with self._lock:
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._failing = True
+            self._report(path, exc)
+            self._retry_at = len(self._buffer) + self._config.buffer_rows
+            self._retry_after = time.monotonic() + self._config.flush_seconds / 2
+
+    def _written(self, n: int) -> None:
+        """The first `n` buffered rows are in a part: they leave the buffer."""
         with self._lock:
             self._buffer.drop(n)
             self._consume_records(n)
@@ -466,7 +516,6 @@ class HistoryWriter:
             self._drop_reason = None
             if not len(self._buffer):
                 self._oldest = None
-        return True
 
     def _split_metadata(self, n: int) -> dict[str, str]:
         """The part's metadata when its last rows are a record whose rest stays buffered."""
@@ -498,7 +547,7 @@ class HistoryWriter:
                 record.left -= n
                 n = 0
 
-    def _report(self, path: Path, exc: Exception) -> None:
+    def _report(self, path: Path, exc: BaseException) -> None:
         """Warn once per writer about a failed part write."""
         if self._warned:
             return
@@ -511,6 +560,20 @@ class HistoryWriter:
         )
 
 
+# Seconds the flush thread waits after a round that raised, before the next one.
+_AFTER_ERROR_S = 0.05
+# How often a part write interrupted by a KeyboardInterrupt off the main thread is tried at once.
+_INTERRUPTED_TRIES = 5
+
+
+def _ours_to_raise(exc: BaseException) -> bool:
+    """Whether `exc` must reach the caller: a KeyboardInterrupt or SystemExit on the main
+    thread (the user's Ctrl-C, or an exit), never one on a library thread."""
+    if isinstance(exc, Exception):
+        return False
+    return threading.current_thread() is threading.main_thread()
+
+
 def _monotonic_of(timestamp_us: int) -> float:
     """The `time.monotonic()` reading at wall-clock `timestamp_us` (never in the future)."""
     age = max(0.0, time.time() - timestamp_us / 1e6)
@@ -521,8 +584,11 @@ class FlushTimer:
     """Calls `flush(False)` on a daemon thread whenever `due()` says a flush is due, and
     `flush(True)` on request.
 
-    See the module docstring for why a thread. The thread waits on an `Event` for exactly the
-    time `due()` returns, or until `poke()` (rows arrived) or `flush_now()`.
+    See the module docstring for why a thread. The thread waits for exactly the time `due()`
+    returns, or until `poke()` (rows arrived) or `flush_now()`. It waits on a `SimpleQueue`, not
+    a `threading.Event`: the training thread pokes it at every sample, and a KeyboardInterrupt
+    that lands inside `Event.set` (a Python-level `Condition`) can leave the event's lock held,
+    hanging both threads for good; `SimpleQueue.put` is one C call.
 
     Args:
         due: seconds until the next flush is due (<= 0: now), or None when nothing is buffered.
@@ -536,12 +602,13 @@ class FlushTimer:
     ) -> None:
         self._due = due
         self._flush = flush
-        self._wake = threading.Event()
+        self._wake: SimpleQueue[None] = SimpleQueue()  # an item: wake up
         self._stopping = False
         self._cond = threading.Condition()
         self._requested = 0  # flush_now requests made and served, under _cond
         self._served = 0
         self._wake_at: float | None = None  # when the waiting thread wakes on its own
+        self._warned = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -553,41 +620,69 @@ class FlushTimer:
             due = self._due()
             if due is not None and time.monotonic() + due >= wake_at:
                 return
-        self._wake.set()
+        self._wake.put(None)
 
     def flush_now(self, timeout: float) -> bool:
         """Have the thread flush everything now; wait up to `timeout` s. True if it did."""
         with self._cond:
             self._requested += 1
             ticket = self._requested
-        self._wake.set()
+        self._wake.put(None)
         with self._cond:
             return self._cond.wait_for(lambda: self._served >= ticket, timeout)
 
     def stop(self) -> None:
         """End the thread (a flush in progress completes first)."""
         self._stopping = True
-        self._wake.set()
+        self._wake.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _run(self) -> None:
-        while True:
-            self._wake_at = None  # until the wait below: every poke wakes the thread
-            self._wake.clear()
-            if self._stopping:
-                return
-            with self._cond:
-                requested = self._requested
-            due = self._due()
-            if requested > self._served or (due is not None and due <= 0):
-                try:
-                    self._flush(requested > self._served)
-                finally:
-                    with self._cond:
-                        self._served = requested
-                        self._cond.notify_all()
-                continue
-            if due is not None:
-                self._wake_at = time.monotonic() + due
-            self._wake.wait(due)
+        while not self._stopping:
+            try:
+                self._turn()
+            except BaseException as error:  # never let the thread die: the time bound needs it
+                self._say(error)
+                self._sleep(_AFTER_ERROR_S)
+
+    def _turn(self) -> None:
+        """One round: flush when due or asked, else sleep until due or poked."""
+        self._wake_at = None  # until the wait below: every poke wakes the thread
+        while True:  # forget the pokes so far: `due()` below sees their rows
+            try:
+                self._wake.get_nowait()
+            except Empty:
+                break
+        if self._stopping:
+            return
+        with self._cond:
+            requested = self._requested
+        due = self._due()
+        if requested > self._served or (due is not None and due <= 0):
+            try:
+                self._flush(requested > self._served)
+            finally:
+                with self._cond:
+                    self._served = requested
+                    self._cond.notify_all()
+            return
+        if due is not None:
+            self._wake_at = time.monotonic() + due
+        self._sleep(due)
+
+    def _sleep(self, seconds: float | None) -> None:
+        """Wait `seconds` (None: for ever) or until poked."""
+        with contextlib.suppress(Empty):
+            self._wake.get(timeout=seconds)
+
+    def _say(self, error: BaseException) -> None:
+        """Warn once that a round raised (the thread goes on)."""
+        if self._warned:
+            return
+        self._warned = True
+        warn(
+            f"torchinstruments: the history flush thread ({self._thread.name}) caught "
+            f"{type(error).__name__}: {error}; it goes on, and buffered rows stay in memory "
+            "until a part write succeeds. (Reported once.)"
+        )

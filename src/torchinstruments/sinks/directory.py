@@ -72,6 +72,7 @@ class DirectorySink:
         self._focus: frozenset[str] = frozenset()
         self._missing_first: tuple[str, int, str] | None = None
         self._missing_count = 0
+        self._flush_warned = False
         self._first_written: set[str] = set()  # signals whose first record was written at once
         # A continued run's plan and earlier state (`start` with resume); None for a new run.
         self._continuation: Continuation | None = None
@@ -230,16 +231,19 @@ class DirectorySink:
                 else:
                     aged = self._history.write_due()
                 self._save_losses(self._history)
-        except Exception as error:  # never let the flush thread die
-            warn(
-                f"torchinstruments: flushing history under {self.directory} failed "
-                f"({type(error).__name__}: {error})"
-            )
+        except BaseException as error:  # never let the flush thread die (see FlushTimer)
+            if not self._flush_warned:
+                self._flush_warned = True
+                warn(
+                    f"torchinstruments: flushing history under {self.directory} failed "
+                    f"({type(error).__name__}: {error}); buffered rows stay in memory and are "
+                    "retried. (Reported once.)"
+                )
         events = self._events
         if events is not None and aged:
             try:
                 events.flush()
-            except Exception as error:
+            except BaseException as error:
                 self._give_up_events("could not be flushed", error)
 
     def _save_losses(self, history: HistoryWriter, *, now: bool = False) -> None:

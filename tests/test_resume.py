@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -77,6 +78,21 @@ def child_main(directory: Path, checkpoint: Path, steps: int | None) -> None:
     remove_observer(model)
 
 
+def event_steps_after(run: Path, forward_index: int) -> list[int]:
+    """The steps after `forward_index` at which TensorBoard (its own reader) finds a histogram in
+    the run's events: after a kill, the samples whose rows died in memory."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        HISTOGRAMS,
+        EventAccumulator,
+    )
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={HISTOGRAMS: 0})
+    events.Reload()
+    tags: dict[str, Any] = events.Tags()
+    steps = {e.step for tag in tags["histograms"] for e in events.Histograms(tag)}
+    return sorted(step for step in steps if step > forward_index)
+
+
 def run_child(directory: Path, checkpoint: Path, steps: int | None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, __file__, str(directory), str(checkpoint), str(steps)],
@@ -105,6 +121,8 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     first_samples = before["sample_id"].n_unique()
     assert first_samples >= PARTS_BEFORE_KILL - 1
     saved = int(torch.load(checkpoint)["step"])  # the step the second attempt goes on after
+    # the samples only TensorBoard's events hold (their rows died with the process)
+    without_rows = event_steps_after(run, int(before["forward_index"].max()))  # type: ignore[arg-type]
 
     second = run_child(run, checkpoint, SECOND_STEPS)
     _, err = second.communicate(timeout=120)
@@ -117,7 +135,9 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     ids = later["sample_id"].unique().sort().to_list()
     last_first = before["sample_id"].max()
     assert isinstance(last_first, int)
-    assert ids == list(range(last_first + 1, last_first + 1 + SECOND_STEPS))
+    # after the last row, and after the samples only the events hold: each took an id
+    start = last_first + 1 + len(without_rows)
+    assert ids == list(range(start, start + SECOND_STEPS))
     assert int(later["forward_index"].min()) > int(before["forward_index"].max())  # type: ignore[arg-type]
     # The step column: each attempt's steps in order and without a gap, the second going on
     # from the checkpoint. Between them, the steps whose rows the kill took from memory before
@@ -136,20 +156,21 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     tensor = result[0]["tensors"][0]
     assert tensor["observations"] == total
     assert tensor["first_sample_id"] == 0
-    assert tensor["latest_sample_id"] == last_first + SECOND_STEPS
+    assert tensor["latest_sample_id"] == start + SECOND_STEPS - 1
 
     state = read_state(run)
     assert state.status is Status.INTERRUPTED  # the first attempt's last rows may be missing
     assert [(a.attempt, a.ended) for a in state.attempts] == [(0, "killed"), (1, "removed")]
     assert state.attempts[0].samples == first_samples
     assert state.attempts[1].samples == SECOND_STEPS
-    assert state.attempts[1].first_sample_id == last_first + 1
+    assert state.attempts[1].first_sample_id == start
     assert state.counts is not None
-    assert state.counts.samples == total
+    assert state.counts_recovered  # the first attempt's counts are lower bounds
+    assert state.counts.samples == start + SECOND_STEPS
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "## Attempts" in index
     assert "**State: interrupted** in an earlier attempt: attempt(s) 0 ended" in index
-    assert f"| 1 | {state.attempts[1].started_at} | removed | {last_first + 1} |" in index
+    assert f"| 1 | {state.attempts[1].started_at} | removed | {start} |" in index
 
 
 def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_again(
@@ -199,6 +220,57 @@ def test_resume_refuses_a_model_of_other_layers_and_names_the_difference(tmp_pat
     remove_observer(model)
     assert read_state(run).status is Status.COMPLETE
     assert pl.read_parquet(run / "history.parquet")["attempt"].unique().sort().to_list() == [0, 1]
+
+
+def killed_with_events_beyond_rows(run: Path) -> None:
+    """A run as a kill leaves it: samples 0-5 at forward_index 0, 2, ..., 10 in its TensorBoard
+    events, only samples 0-2 in history (the rest died in memory), its state "in progress"."""
+    model = nn.Linear(3, 3)
+    inject_observer(
+        model,
+        output_dir=run,
+        sampler=EveryNForwardsSampler(2),
+        history_config=HistoryConfig(buffer_rows=2 * len(DEFAULT_METRICS)),
+    )
+    for _ in range(12):
+        model(torch.randn(2, 3)).sum().backward()
+    state = (run / ".state.json").read_text(encoding="utf-8")
+    remove_observer(model)
+    kept = pl.read_parquet(run / "history.parquet").filter(pl.col("sample_id") <= 2)
+    (run / "history.parquet").unlink()
+    (run / "history.parts").mkdir()
+    kept.write_parquet(run / "history.parts" / "part-000000000.parquet")
+    (run / ".state.json").write_text(state, encoding="utf-8")
+
+
+def test_a_continued_run_never_reuses_a_sample_id_its_events_hold_and_counts_stay_bounds(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "stats"
+    killed_with_events_beyond_rows(run)
+    model = nn.Linear(3, 3)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+
+    history = pl.read_parquet(run / "history.parquet")
+    later = history.filter(pl.col("attempt") == 1)
+    # samples 3-5 have events and no row: their ids are taken, so the new ones follow them
+    assert later["sample_id"].unique().sort().to_list() == [6, 7]
+    assert later["forward_index"].unique().sort().to_list() == [11, 12]
+    state = read_state(run)
+    assert [(a.attempt, a.ended) for a in state.attempts] == [(0, "killed"), (1, "removed")]
+    assert state.attempts[1].first_sample_id == 6
+    assert state.counts is not None
+    assert state.counts_recovered  # attempt 0's counts are lower bounds, so the run's are
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "at least 8 samples" in index
+    assert "- counts: 13 root forwards" not in index
+    # a later finalize keeps them bounds
+    from torchinstruments.rundir.finish import finalize
+
+    assert finalize(run).state.counts_recovered
 
 
 if __name__ == "__main__":

@@ -163,18 +163,33 @@ def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[
 
 
 def plan_continuation(
-    directory: Path, attempts: tuple[AttemptCounts, ...], history: Path, first_part: int
+    directory: Path,
+    attempts: tuple[AttemptCounts, ...],
+    history: Path,
+    first_part: int,
+    *,
+    samples_taken: int = 0,
 ) -> Continuation:
-    """Where the next attempt of the run in `directory` starts (its earlier attempts ended).
+    """Where the next attempt of the run in `directory` starts (its earlier attempts ended):
+    after everything any earlier attempt left anywhere, so ids may skip, never repeat.
+
+    The evidence, each a lower bound of its own: the attempts' own counts (from their first
+    ids), history's last sample_id and forward_index, the run's TensorBoard events (a killed
+    attempt's last samples can be there with no row: each step after the last row's
+    forward_index is one more sample, `rundir.event_steps`), and `samples_taken`.
 
     Args:
         directory: the run directory (finalized: no parts left, history.parquet in place).
         attempts: the earlier attempts, as the state file says (every one ended).
         history: the run's history.parquet.
         first_part: the number after the parts history.parquet holds (`merge`'s record).
+        samples_taken: sample ids the run's state says were used (its loss ledger names
+            samples whose rows never reached the disk): the next id is at least this.
     """
     next_sample = max((a.first_sample_id + a.samples for a in attempts), default=0)
+    next_sample = max(next_sample, samples_taken)
     next_forward = max((a.first_forward_index + a.root_forwards for a in attempts), default=0)
+    last_sample, last_forward = None, None
     if history.is_file():
         frame = (
             pl.scan_parquet(history, glob=False)
@@ -189,6 +204,15 @@ def plan_continuation(
     steps = event_steps(directory)
     if steps:
         next_forward = max(next_forward, max(steps) + 1)
+        if last_sample is not None and last_forward is not None:
+            beyond = sum(1 for step in steps if step > last_forward)
+            next_sample = max(next_sample, int(last_sample) + 1 + beyond)
+        for a in attempts:  # one without rows: its samples are its steps
+            beyond = sum(1 for step in steps if step >= a.first_forward_index)
+            later = [b.first_forward_index for b in attempts if b.attempt > a.attempt]
+            if later:  # steps of later attempts are theirs
+                beyond -= sum(1 for step in steps if step >= min(later))
+            next_sample = max(next_sample, a.first_sample_id + beyond)
     train = _schedule_total(a.train_forwards for a in attempts)
     evaluation = _schedule_total(a.eval_forwards for a in attempts)
     return Continuation(

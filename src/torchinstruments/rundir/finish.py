@@ -155,8 +155,13 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
             )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")
+    # counts that were lower bounds stay lower bounds (a continued run whose earlier attempt
+    # was killed keeps its live attempt's exact counts on top of them)
     final = dataclasses.replace(
-        state, counts=counts, counts_recovered=recovered, problems=tuple(found)
+        state,
+        counts=counts,
+        counts_recovered=recovered or state.counts_recovered,
+        problems=tuple(found),
     )
     try:
         write_state(directory, final)

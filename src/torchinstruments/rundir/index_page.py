@@ -43,6 +43,15 @@ def counts_sentence(state: RunState) -> str:
             "counts: the run is in progress (history.parquet and the summaries in "
             "result.json appear at removal; read history.parts/ meanwhile)"
         )
+    killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
+    if state.counts_recovered and killed and state.attempts[-1].ended == REMOVED:
+        return (
+            f"counts (lower bounds: attempt(s) {ranges(killed)} of this run ended without "
+            "remove_observer, and their counts were rebuilt from what reached the disk): "
+            f"{bound_count(counts.root_forwards, 'root forward')}, "
+            f"{bound_count(counts.samples, 'sample')}, "
+            f"{bound_count(counts.backward_samples, 'sample')} with a backward"
+        )
     if state.counts_recovered:
         return (
             "counts (rebuilt from history after an interrupted run: what reached the disk, "

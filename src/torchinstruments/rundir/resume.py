@@ -104,7 +104,12 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
     )
     history = directory / HISTORY_FILE
     first_part = max(merged_part_numbers(history), default=-1) + 1 if history.is_file() else 0
-    return plan_continuation(directory, attempts, history, first_part), previous
+    lost = [loss.last_sample_id for loss in previous.losses if loss.last_sample_id is not None]
+    taken = max(lost, default=-1) + 1
+    return (
+        plan_continuation(directory, attempts, history, first_part, samples_taken=taken),
+        previous,
+    )
 
 
 __all__ = ["holds_run", "open_continuation"]

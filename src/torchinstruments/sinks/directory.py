@@ -375,10 +375,12 @@ def _job_state(
             base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
         )
     rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
+    # the run's totals are lower bounds when any earlier attempt's counts are
+    bounds = any(a.counts_recovered for a in earlier)
     return dataclasses.replace(
         base,
         counts=job_counts(continuation, previous.counts, counts),
-        counts_recovered=previous.counts_recovered or previous.interrupted,
+        counts_recovered=previous.counts_recovered or previous.interrupted or bounds,
         rows_recorded=rows,
         attempts=(*earlier, ended),
     )

@@ -10,6 +10,7 @@ training thread, so they are on disk when the child says it is done; the later r
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,17 +24,18 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import counts_sentence, render_index
 from torchinstruments.rundir.state import RunState, Status, read_state
 
-from conftest import kill_when_ready
+from conftest import kill_when_ready, run_cli
 
 STEPS = 40
 LAYERS = 3  # Linear, Tanh, Linear
 
 
-def child_main(directory: Path) -> None:
-    """A default-config run: the first forward is sampled, the next STEPS are not."""
+def child_main(directory: Path, before: bool) -> None:
+    """A default-config run: the first forward is sampled, the next STEPS are not (`before`:
+    ready before the first forward, so no row can reach the disk)."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     inject_observer(model, output_dir=directory)
-    for _ in range(1 + STEPS):
+    for _ in range(0 if before else 1 + STEPS):
         model(torch.randn(2, 4)).sum().backward()
     print("stepped", flush=True)
     time.sleep(120)
@@ -94,7 +96,7 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]))
+    child_main(Path(sys.argv[1]), sys.argv[2:] == ["before"])
 
 
 def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path) -> None:
@@ -133,3 +135,21 @@ def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path
     # The counts are raised to what the events prove: 6 samples, 11 root forwards at least.
     assert report.counts.samples == 6
     assert report.counts.root_forwards == 11
+
+
+def test_a_kill_before_any_row_leaves_every_layer_count_unknown_never_0(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    kill_when_ready(__file__, "stepped", run, "before")
+    finalize(run)
+    index = (run / "index.md").read_text(encoding="utf-8")
+    layers = index.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    assert "| `0` | Linear | unknown |" in layers
+    assert "| 0 |" not in layers
+    assert "Never ran" not in layers
+    result = json.loads((run / "result.json").read_text("utf-8"))
+    assert [layer["sampled_forwards"] for layer in result] == [None] * len(result)
+    shown = run_cli("show", run)
+    assert shown.returncode == 1
+    assert "no row reached the disk" in shown.stderr
+    assert "unknown" in shown.stderr
+    assert "no sample was taken" not in shown.stderr

@@ -362,6 +362,16 @@ def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
     return ordered + sorted(wanted - set(ordered))
 
 
+def _counts_unknown(directory: Path) -> bool:
+    """Whether the run's state says its counts are unknown (killed before any row reached the
+    disk: `RunState.counts_unknown`)."""
+    try:
+        state = load_state(Path(directory))
+    except (OSError, ValueError):
+        return False
+    return state is not None and state.counts_unknown
+
+
 class SelectionError(ValueError):
     """A `--layers`, `--signal` or `--metrics` choice that matches nothing in the run(s)."""
 
@@ -390,6 +400,12 @@ def check_selection(
     ).unique()
     runs = "these runs" if len(directories) > 1 else "this run"
     if present.is_empty():
+        if any(_counts_unknown(d) for d in directories):
+            raise SelectionError(
+                f"{', '.join(map(str, directories))}: no row reached the disk (the process "
+                "ended before its first part was written), so how many samples were taken is "
+                "unknown: nothing to show"
+            )
         raise SelectionError(
             f"{', '.join(map(str, directories))}: {runs} recorded no rows (no sample was taken; "
             "its index.md says why): nothing to show"

@@ -151,7 +151,12 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
             found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
         try:
             write_result(
-                directory, state.run.layers, state.run.history.window, counts.layer_samples
+                directory,
+                state.run.layers,
+                state.run.history.window,
+                counts.layer_samples,
+                # after a kill before any row reached the disk: unknown, never 0
+                samples_unknown=(recovered or state.counts_recovered) and not counts.samples,
             )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")

@@ -108,6 +108,19 @@ def section_layers(state: RunState) -> list[str]:
     run, counts = state.run, state.counts
     if counts is None:
         return []
+    if state.counts_unknown:
+        lines = [
+            "## Layers",
+            "",
+            "Sampled forwards in which each selected layer was called and returned: unknown. "
+            "No row reached the disk before the process ended, so whether and how often each "
+            "layer ran is unknown (result.json's `sampled_forwards` is null), never 0.",
+            "",
+        ]
+        if len(run.layers) <= LISTED_LAYERS:
+            lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
+            lines += [f"| {_name(li)} | {li.module_type} | unknown |" for li in run.layers]
+        return [*lines, ""]
     bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
     ran = counts.layer_samples
     lines = [

@@ -123,6 +123,12 @@ class RunState:
     events_without_rows_total: int = 0
 
     @property
+    def counts_unknown(self) -> bool:
+        """Whether the counts say nothing: rebuilt from history after the process died, and
+        no row had reached the disk (a 0 there is unknown, never 0), per layer too."""
+        return self.counts is not None and self.counts_recovered and self.counts.samples == 0
+
+    @property
     def status(self) -> Status:
         """In progress without counts; incomplete with a problem or a loss; else interrupted
         when the process died before removal; else complete."""

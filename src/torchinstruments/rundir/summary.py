@@ -5,7 +5,9 @@ queries on the streaming engine, never from state kept during training, so resul
 function of history.parquet and `finalize` can rebuild it after a crash. The one exception is each
 layer's `sampled_forwards` (in how many sampled forwards it was called), which at removal comes
 from the observer's `RunCounts`: a call whose output holds no tensor leaves no history row. After
-a crash it is rebuilt from history (sampled forwards with an output row), a lower bound.
+a crash it is rebuilt from history (sampled forwards with an output row), a lower bound; when the
+process died before any row reached the disk it is null (unknown), never 0. At injection it is
+null too (the catalog, before anything ran).
 
 Design decision: one pass in chunks, then one read of the latest samples, then the text in
 Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype) are
@@ -457,6 +459,8 @@ def layer_lines(
     layers: Sequence[LayerInfo],
     window: int,
     layer_samples: Mapping[str, int] | None = None,
+    *,
+    samples_unknown: bool = False,
 ) -> Iterator[str]:
     """The records of result.json computed from a history.parquet, as JSON text, one layer at a
     time.
@@ -470,6 +474,8 @@ def layer_lines(
         window: samples per window.
         layer_samples: sampled forwards in which each layer was called (`RunCounts`); a layer
             not in it gets 0. None counts, from history, the sampled forwards with an output row.
+        samples_unknown: every layer's `sampled_forwards` is null: unknown (the process died
+            before any row reached the disk), never 0.
 
     Yields:
         One compact JSON object per layer.
@@ -502,7 +508,7 @@ def layer_lines(
         head = {
             "layer": name,
             "module_type": module_types[name],
-            "sampled_forwards": int(samples.get(name, 0)),
+            "sampled_forwards": None if samples_unknown else int(samples.get(name, 0)),
         }
         yield _encode(head)[:-1] + ',"tensors":[' + texts.pop(name, "") + "]}"
 
@@ -534,6 +540,8 @@ def write_result(
     layers: Sequence[LayerInfo],
     window: int,
     layer_samples: Mapping[str, int] | None = None,
+    *,
+    samples_unknown: bool = False,
 ) -> None:
     """Write result.json with per-tensor summaries computed from `directory/history.parquet`.
 
@@ -553,7 +561,10 @@ def write_result(
             f"`{tool_command('finalize', directory)}` to "
             "merge history.parts/ first"
         )
-    _dump(directory, layer_lines(history, layers, window, layer_samples))
+    _dump(
+        directory,
+        layer_lines(history, layers, window, layer_samples, samples_unknown=samples_unknown),
+    )
 
 
 __all__ = ["layer_lines", "summarize", "write_catalog", "write_result"]

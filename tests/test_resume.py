@@ -267,6 +267,8 @@ def test_a_continued_run_never_reuses_a_sample_id_its_events_hold_and_counts_sta
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "at least 8 samples" in index
     assert "- counts: 13 root forwards" not in index
+    assert "Between attempts sample_id may skip (3-5 at most)" in index
+    assert state.status is Status.INTERRUPTED  # the skipped ids are no unexplained gap
     # a later finalize keeps them bounds
     from torchinstruments.rundir.finish import finalize
 

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import shutil
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import polars as pl
@@ -240,6 +241,10 @@ def _unexplained_gaps(history: Path, state: RunState) -> list[str]:
     except (OSError, pl.exceptions.PolarsError):
         return []  # the merge just read it; a failure here leaves the other checks standing
     gaps = uncovered(missing_samples(present["sample_id"].to_list(), None), state.losses)
+    # ids a continued run skipped after a killed attempt: its samples whose rows died with it
+    # (`rundir.attempts.plan_continuation`), which the Attempts section names
+    skipped = {b.first_sample_id for a, b in pairwise(state.attempts) if a.counts_recovered}
+    gaps = [(first, last) for first, last in gaps if last + 1 not in skipped]
     return [
         f"no row of {sample_range(first, last)} is in {HISTORY_FILE} and no loss ledger entry "
         "covers them: they were recorded but not written (parts that kept failing, e.g. on a "

@@ -191,6 +191,18 @@ def _section_attempts(state: RunState) -> list[str]:
         "| samples | samples with a backward |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    skips = [
+        f"{a.first_sample_id + a.samples}-{b.first_sample_id - 1}"
+        for a, b in zip(state.attempts, state.attempts[1:], strict=False)
+        if a.counts_recovered and b.first_sample_id > a.first_sample_id + a.samples
+    ]
+    if skips:
+        lines[2] += (
+            f" Between attempts sample_id may skip ({', '.join(skips)} at most): after a killed "
+            "attempt the next one starts after every sample it left anywhere (rows, "
+            f"{TENSORBOARD_DIR}/ events, the loss ledger), so the ids of samples whose rows "
+            "died with it are never used twice."
+        )
     for a in state.attempts:
 
         def count(n: int, a: AttemptCounts = a) -> str:

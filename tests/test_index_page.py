@@ -220,7 +220,7 @@ def test_queries_before_the_first_part_say_so(tmp_path: Path) -> None:
     try:
         setup, status, *_ = python_blocks((tmp_path / "stats" / "index.md").read_text("utf-8"))
         namespace: dict[str, object] = {}
-        with pytest.raises(SystemExit, match="no sample written yet"):
+        with pytest.raises(SystemExit, match="no part written yet"):
             exec(compile(setup, "index.md", "exec"), namespace)
         exec(compile(status, "index.md", "exec"), namespace)  # the state is there already
         assert namespace["state"]["status"] == "in progress"  # type: ignore[index]

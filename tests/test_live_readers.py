@@ -1,10 +1,14 @@
-"""Reading `history.parts/` while a live run writes parts: every read succeeds.
+"""Reading `history.parts/` while a live run writes parts: every read succeeds, none is partial.
 
 A part is written under a temporary name outside `history.parts/` and renamed into it, so a
 reader of the directory (`pl.read_parquet(run / "history.parts")`, which refuses a directory
 holding files of different extensions), of its `*.parquet` glob, or through index.md's own
 `history_of` only ever sees completed parts. The writer is a child process writing one part per
-sample as fast as it can; this process reads in a loop until the child has written its parts.
+sample as fast as it can; this process reads in a loop until the child has written its parts,
+then on while `remove_observer` merges them: once history.parquet is in place the folder is taken
+away in one rename, so a reader of it gets every row or an error, never fewer rows, and
+`history_of` gets every row at any moment. Before the first part the folder is empty: reading it
+fails (as documented), and `history_of` says no part was written yet.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
+import pytest
 import torch
 from torch import nn
 
@@ -51,6 +58,63 @@ def child_main(directory: Path) -> None:
     remove_observer(model)
 
 
+def history_reader(run: Path) -> Callable[[Path], pl.LazyFrame]:
+    """index.md's own `history_of`, from its setup block (run as printed, but not called)."""
+    text = (run / "index.md").read_text(encoding="utf-8")
+    setup = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "history = history_of(run)" in setup
+    namespace: dict[str, Any] = {}
+    exec(compile(setup.replace("history = history_of(run)", ""), "index.md", "exec"), namespace)
+    return namespace["history_of"]
+
+
+def child_first_sample(directory: Path) -> None:
+    """Inject, wait for a line on stdin, take one sample, wait for stdin to close, remove."""
+    model = nn.Linear(4, 4)
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    print("injected", flush=True)
+    sys.stdin.readline()
+    model(torch.randn(2, 4)).sum().backward()
+    print("sampled", flush=True)
+    sys.stdin.read()
+    remove_observer(model)
+
+
+def test_before_the_first_part_readers_are_told_and_right_after_it_they_read(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "stats"
+    parts_dir = run / "history.parts"
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(run), "first"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "injected"
+        history_of = history_reader(run)
+        assert list(parts_dir.iterdir()) == []  # the moment before the first part
+        with pytest.raises(pl.exceptions.ComputeError):  # as README and index.md say
+            pl.read_parquet(parts_dir)
+        with pytest.raises(SystemExit, match=r"no part written yet .* first sample writes"):
+            history_of(run)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "sampled"
+        # its rows are on disk right after the sample, not a flush interval later
+        assert pl.read_parquet(parts_dir).height == ROWS_PER_PART
+        assert history_of(run).collect().height == ROWS_PER_PART
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert child.returncode == 0
+    assert history_of(run).collect().height == ROWS_PER_PART  # now history.parquet
+    assert not parts_dir.exists()
+
+
 def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Path) -> None:
     run = tmp_path / "stats"
     parts_dir = run / "history.parts"
@@ -58,6 +122,8 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
         [sys.executable, __file__, str(run)], stdin=subprocess.PIPE, stderr=subprocess.PIPE
     )
     failures: list[str] = []
+    during_merge: list[int | None] = []
+    merged: list[int] = []
     reads = 0
     parts_seen: set[int] = set()
     try:
@@ -85,12 +151,26 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
                 reads += 1
                 if "sample_id" in frame.columns:
                     parts_seen.add(frame.height // ROWS_PER_PART)
+        # removal: the merge, then the parts taken away; read all the while
+        history_of = history_reader(run)
+        if child.stdin is not None:
+            child.stdin.close()
+        while child.poll() is None:
+            try:
+                during_merge.append(pl.read_parquet(parts_dir).height)
+            except (OSError, pl.exceptions.ComputeError):  # gone: history.parquet holds them
+                during_merge.append(None)
+            merged.append(history_of(run).collect().height)
     finally:
         if child.stdin is not None:
             child.stdin.close()
         child.wait(timeout=60)
     assert child.returncode == 0
     assert failures == []
+    every = PARTS * ROWS_PER_PART
+    assert set(during_merge) <= {every, None}, sorted(set(during_merge), key=str)  # never fewer
+    assert set(merged) == {every}
+    assert len(merged) >= 3
     # The reads really overlapped the writes: they saw the directory at many sizes.
     assert len(parts_seen) >= 10, sorted(parts_seen)
     assert reads >= 30
@@ -98,4 +178,7 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["first"]:
+        child_first_sample(Path(sys.argv[1]))
+    else:
+        child_main(Path(sys.argv[1]))

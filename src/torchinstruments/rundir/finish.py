@@ -39,6 +39,7 @@ from torchinstruments.rundir.layout import (
     INDEX_FILE,
     MERGE_TMP_DIR,
     PARTS_DIR,
+    PARTS_GONE_DIR,
     STATE_FILE,
     is_library_temporary,
     scan_history,
@@ -341,9 +342,10 @@ def _remove_temporaries(directory: Path) -> list[Path]:
         if path.is_file() and is_library_temporary(path):
             path.unlink()
             removed.append(path)
-    if (directory / MERGE_TMP_DIR).is_dir():
-        shutil.rmtree(directory / MERGE_TMP_DIR)
-        removed.append(directory / MERGE_TMP_DIR)
+    for name in (MERGE_TMP_DIR, PARTS_GONE_DIR):
+        if (directory / name).is_dir():
+            shutil.rmtree(directory / name)
+            removed.append(directory / name)
     return removed
 
 

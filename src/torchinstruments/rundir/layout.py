@@ -39,6 +39,7 @@ __all__ = [
     "MERGE_TMP_DIR",
     "ORDER_KEY",
     "PARTS_DIR",
+    "PARTS_GONE_DIR",
     "RECORDED_SCHEMA",
     "RESULT_FILE",
     "RUN_MARKERS",
@@ -75,6 +76,9 @@ LOCK_FILE = ".lock"
 STATE_FILE = ".state.json"
 TENSORBOARD_DIR = "tensorboard"
 MERGE_TMP_DIR = "history.merge.torchinstruments-tmp"
+# Where the merge moves history.parts/ in one rename once history.parquet holds its parts, before
+# deleting it: a live reader of history.parts/ sees every part or none (rundir.merge).
+PARTS_GONE_DIR = "history.parts.merged.torchinstruments-tmp"
 # Temporary files of atomic writes; finalize deletes files with this suffix and no others.
 TMP_SUFFIX = ".torchinstruments-tmp"
 # What marks a directory as holding a run (inject refuses such a directory). tensorboard/ too: a

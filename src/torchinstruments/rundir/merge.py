@@ -30,9 +30,9 @@ e.g. two backward passes with `retain_graph=True`). Every path is used literally
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +49,10 @@ from torchinstruments.rundir.layout import (
     MERGE_TMP_DIR,
     ORDER_KEY,
     PARTS_DIR,
+    PARTS_GONE_DIR,
     constant_literals,
     empty_history,
+    fsync_path,
     list_parts,
     order_of,
     part_number,
@@ -264,6 +266,27 @@ def _sink_history(
     _sink_sorted(sources, target, metadata=metadata, literals=list(literals.values()))
 
 
+def _take_parts_away(directory: Path, parts: Sequence[Path]) -> None:
+    """Delete the merged `parts` (history.parquet holds them) so that a live reader of
+    `history.parts/` sees all of them or none, never some: when the folder holds nothing else,
+    it is renamed out of the way in one step (`PARTS_GONE_DIR`; `finalize` deletes a leftover
+    one), then deleted. A folder that also holds an unreadable part or a file of the user's
+    keeps it, and only the merged parts are deleted, one by one."""
+    parts_dir = directory / PARTS_DIR
+    if not parts_dir.is_dir():
+        return
+    done = set(parts)
+    if all(entry in done for entry in parts_dir.iterdir()):
+        gone = directory / PARTS_GONE_DIR
+        shutil.rmtree(gone, ignore_errors=True)
+        os.replace(parts_dir, gone)
+        fsync_path(directory)
+        shutil.rmtree(gone, ignore_errors=True)
+        return
+    for p in parts:
+        p.unlink(missing_ok=True)
+
+
 def merge_history(directory: Path) -> MergeResult:
     """Merge the parts (and an existing history.parquet) into one history.parquet in
     HISTORY_ORDER (see the module docstring).
@@ -312,11 +335,6 @@ def merge_history(directory: Path) -> MergeResult:
                 raise
             bad.update(newly_bad)
     merged = [p for p in pending if p not in bad]
-    for p in already + merged:
-        p.unlink(missing_ok=True)
-    parts_dir = directory / PARTS_DIR
-    if parts_dir.is_dir() and not bad:
-        with contextlib.suppress(OSError):
-            parts_dir.rmdir()
+    _take_parts_away(directory, already + merged)
     rows = scan_history(history).select(pl.len()).collect().item()
     return MergeResult(history, rows, tuple(merged), tuple(bad.items()))

@@ -71,15 +71,23 @@ run = this_run()
 
 
 def history_of(directory: Path) -> pl.LazyFrame:
-    """A run's history: {HISTORY_FILE} once finished, its completed parts while live."""
+    """A run's history: {HISTORY_FILE} once finished; while live (or after a crash), every
+    completed part, read now (removal takes the parts away once {HISTORY_FILE} holds them)."""
     merged = directory / {_q(HISTORY_FILE)}
-    if merged.exists():
-        files = [merged]
-    else:
+    for _ in range(5):
+        if merged.exists():
+            return pl.scan_parquet(merged, glob=False)
         files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
-    if not files:
-        raise SystemExit(f"{{directory}}: no sample written yet (a part appears every buffer_rows rows)")
-    return pl.scan_parquet(files, glob=False)
+        if not files and not merged.exists():
+            raise SystemExit(
+                f"{{directory}}: no part written yet (the run's first sample writes the first "
+                "part right after it is taken); run this block again later"
+            )
+        try:
+            return pl.read_parquet(files, glob=False).lazy()
+        except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
+            continue
+    raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
 
 
 def show(frame: pl.DataFrame, most: int | None = None) -> None:

@@ -82,10 +82,14 @@ def section_files(run: RunInfo) -> list[str]:
         "## Files",
         "",
         f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
-        "(a temporary in the run directory, then renamed into the folder, so reading "
-        f"`{PARTS_DIR}/` as a directory works while the run is live) while the run is live, when the buffer holds "
-        "buffer_rows rows or its oldest row is flush_seconds / 2 old; merged and removed at the "
-        "end. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
+        "(a temporary in the run directory, then renamed into the folder) while the run is "
+        "live, when the buffer holds buffer_rows rows or its oldest row is flush_seconds / 2 "
+        f'old. `pl.read_parquet("{PARTS_DIR}")` works from the first part (the first sample '
+        "writes it right after it is taken; before it the folder is empty and the read fails) "
+        f"until removal, which merges the parts into {HISTORY_FILE} and then takes the folder "
+        "away in one rename: a reader gets every part or an error, never some of them. The "
+        f"setup block of the queries below reads {HISTORY_FILE} when it exists, else the "
+        "parts, at any moment. A crash (SIGKILL, out of memory) loses at most the rows of the last flush_seconds; "
         "SIGTERM writes them first, then ends the process as before. While part writes fail (a "
         "full disk), at most max_buffered_rows rows wait in memory, newer ones are dropped and "
         "counted in the loss ledger (listed at the top of this page), and the backlog is later written in as "

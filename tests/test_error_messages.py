@@ -350,3 +350,25 @@ def test_a_refused_command_line_number_names_the_option_its_value_and_what_is_al
     assert argument in last
     assert value in last
     assert allowed in last
+
+
+NO_SUCH_USER = "~torchinstruments-no-such-user"
+
+
+def test_an_output_dir_of_a_user_that_does_not_exist_names_the_option(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match="output_dir='~torchinstruments-no-such-user/stats'"
+    ) as error:
+        inject_observer(nn.Linear(2, 2), output_dir=NO_SUCH_USER + "/stats")
+    assert "./~torchinstruments-no-such-user" in str(error.value)  # what to do instead
+
+
+@pytest.mark.parametrize("command", ["finalize", "show", "plot", "heatmap", "compare"])
+def test_a_command_on_a_user_that_does_not_exist_says_it_in_one_line(command: str) -> None:
+    done = run_cli(command, NO_SUCH_USER)
+    assert done.returncode == 2  # a usage error
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"torchinstruments {command}: ")
+    assert "~torchinstruments-no-such-user" in lines[0]
+    assert "./~torchinstruments-no-such-user" in lines[0]

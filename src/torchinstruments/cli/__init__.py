@@ -6,8 +6,9 @@ second and works where torch is not installed. This package is the whole command
 `main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
 (`add_commands` puts the reading subcommands on the parser, beside `finalize`), and
 `run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
-usage (argparse's, or directories and `--rank` that name no run to compare), 3 matplotlib
-missing (plot, heatmap), 141 (`CLOSED_PIPE`) when the reader of standard output went away.
+usage (argparse's, directories and `--rank` that name no run to compare, or a path starting
+with `~name` for a user that does not exist), 3 matplotlib missing (plot, heatmap), 141
+(`CLOSED_PIPE`) when the reader of standard output went away.
 """
 
 from __future__ import annotations
@@ -441,6 +442,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PATH_ARGUMENTS = {
+    "directory": "DIR",
+    "directory_a": "DIR_A",
+    "directory_b": "DIR_B",
+    "output": "--output",
+    "output_dir": "--output-dir",
+}
+
+
+def _expand_paths(args: argparse.Namespace) -> bool:
+    """Expand `~` in the path arguments once; False (said in one line on stderr) when one
+    starts with `~name` for a user that does not exist (a usage error, exit 2)."""
+    from torchinstruments.rundir.layout import expand_user
+
+    for attribute, shown in _PATH_ARGUMENTS.items():
+        value = getattr(args, attribute, None)
+        if value is None:
+            continue
+        try:
+            setattr(args, attribute, expand_user(value, shown))
+        except ValueError as error:
+            print(f"torchinstruments {args.command}: {error}", file=sys.stderr)
+            return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m torchinstruments` and the `torchinstruments` script.
 
@@ -451,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code.
     """
     args = _parser().parse_args(argv)
+    if not _expand_paths(args):
+        return 2
     try:
         if args.command == "finalize":
             from torchinstruments.cli.finalize import finalize_command

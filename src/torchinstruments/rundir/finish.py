@@ -41,6 +41,7 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     PARTS_GONE_DIR,
     STATE_FILE,
+    expand_user,
     is_library_temporary,
     scan_history,
 )
@@ -281,7 +282,7 @@ def finalize(directory: Path) -> FinishReport:
         RunLockedError: if a live process holds the run lock.
         NewerStateError: if a newer torchinstruments wrote the directory's state file.
     """
-    directory = Path(directory).expanduser().absolute()
+    directory = expand_user(directory, "directory").absolute()
     if not (directory / PARTS_DIR).is_dir() and not (directory / HISTORY_FILE).is_file():
         raise FileNotFoundError(
             f"{directory} holds no run: neither {PARTS_DIR}/ nor {HISTORY_FILE} exists; pass "

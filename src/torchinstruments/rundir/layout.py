@@ -50,6 +50,7 @@ __all__ = [
     "constant_literals",
     "constant_metadata",
     "empty_history",
+    "expand_user",
     "fsync_path",
     "is_library_temporary",
     "list_parts",
@@ -136,11 +137,33 @@ CONSTANT_KEY = "torchinstruments.constant"
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 
 
+def expand_user(path: str | os.PathLike[str], name: str) -> Path:
+    """`path` with a leading `~` or `~user` expanded (`Path.expanduser`).
+
+    Raises:
+        ValueError: naming `name`, the value and what to do, when `~user` names no user on
+            this machine (or the home directory cannot be determined), instead of
+            `Path.expanduser`'s bare `RuntimeError`.
+    """
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        text = os.fspath(path)
+        head = str(text).split("/", 1)[0]
+        raise ValueError(
+            f"{name}={str(text)!r} starts with {head!r}, but no home directory is known for it "
+            f"(no user {head[1:]!r} on this machine{', or no HOME' if head == '~' else ''}); "
+            f"for a folder of that name pass './{text}', for a home directory a user that "
+            "exists"
+        ) from None
+
+
 def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
     """The run directory as an absolute path with `~` expanded, fixed for the life of the run.
 
     Raises:
-        ValueError: if `output_dir` is empty.
+        ValueError: if `output_dir` is empty, or starts with `~name` for a user that does
+            not exist.
         FileExistsError: if it names an existing file (not a directory).
     """
     text = os.fspath(output_dir)
@@ -148,7 +171,7 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
         raise ValueError(
             f"output_dir must name a directory, got {output_dir!r}; pass e.g. output_dir='stats'"
         )
-    path = Path(text).expanduser().absolute()
+    path = expand_user(text, "output_dir").absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(
             f"output_dir={str(path)!r} is an existing file, not a directory; pass a directory path"

@@ -200,6 +200,28 @@ def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_ag
     assert read_state(run).status is Status.COMPLETE
 
 
+def test_a_continued_run_started_when_its_first_attempt_did(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    model = nn.Linear(2, 2)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    first = "2020-01-01T00:00:00+00:00"  # an earlier day than any attempt now can start on
+    state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+    state["run"]["started_at"] = state["attempts"][0]["started_at"] = first
+    (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")
+    again = nn.Linear(2, 2)
+    inject_observer(again, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    again(torch.randn(1, 2)).sum().backward()
+    remove_observer(again)
+    after = read_state(run)
+    assert after.run.started_at == first
+    assert [a.started_at == first for a in after.attempts] == [True, False]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert f"started at {first}" in index
+    assert f"| 1 | {after.attempts[1].started_at} | removed |" in index
+
+
 def test_resume_refuses_a_model_of_other_layers_and_names_the_difference(tmp_path: Path) -> None:
     run = tmp_path / "stats"
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())

@@ -111,8 +111,12 @@ class DirectorySink:
             self._base = state = RunState(run, attempts=(this,))
             write_catalog(self.directory, run.layers)
         else:  # the earlier attempts' ledger, notes and TensorBoard problems stay the run's
+            # the run started when its first attempt did; each attempt keeps its own start
+            started = (continuation.attempts or (this,))[0].started_at
+            if started == "unknown":
+                started = previous.run.started_at
             self._base = state = RunState(
-                run,
+                dataclasses.replace(run, started_at=started),
                 interrupted=previous.interrupted,
                 live_problems=previous.live_problems,
                 losses=previous.losses,

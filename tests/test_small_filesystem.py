@@ -25,6 +25,8 @@ from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observ
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
+from conftest import wait_for_rows
+
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
 
 
@@ -85,6 +87,7 @@ def test_a_disk_full_through_removal_leaves_a_true_ledger(small_disk: Path) -> N
         warnings.simplefilter("always", RuntimeWarning)
         for _ in range(20):  # sample 0 at once (two parts), samples 1-10 in a third part
             model(x).sum().backward()
+        wait_for_rows(run, 11 * ROWS_PER_SAMPLE)  # the flush thread writes that third part
         filler = fill(small_disk)
         assert os.statvfs(small_disk).f_bavail == 0
         for _ in range(300):  # 11-110 buffered up to the cap, 111-319 dropped

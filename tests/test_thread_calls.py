@@ -25,8 +25,11 @@ from hook_reference import run_both
 # The models' pools, outside them: a deep copy (the reference's) cannot copy an executor. The
 # models compared with plain hooks run their branches on ONE thread, so the observed run and the
 # reference's copy compute on the same thread: a thread's count of intra-op threads is its own,
-# taken from torch's setting when it first computes, and two counts can round a matmul apart.
+# taken from torch's setting at its first parallel op. Until then it computes with the default
+# count, so a new thread's first matmul can round apart from its later ones after an earlier
+# test's `torch.set_num_threads(1)`: the thread is made to take its count here, at import.
 ONE = ThreadPoolExecutor(1)
+ONE.submit(torch.get_num_threads).result()
 POOL = ThreadPoolExecutor(2)  # two root forwards' branches at once
 
 

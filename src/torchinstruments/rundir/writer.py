@@ -14,12 +14,12 @@ part (the half interval of slack absorbs a slow part write or a busy CPU). A row
 alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows (the
 default before 65,536) were about 90 minutes of history held only in memory.
 
-Design decision: the time trigger runs on a daemon thread (`FlushTimer`), not on the training
-path. A check at each sample or root forward only runs while the model is called, so a run that
+Design decision: the time trigger runs on a daemon thread (`rundir.flush_timer.FlushTimer`), not
+on the training path. A check at each sample or root forward only runs while the model is called, so a run that
 stops sampling (a long evaluation of another model, a stalled data loader, a hang before the
-crash) would keep its buffer in memory without bound. The thread sleeps on an `Event` until the
+crash) would keep its buffer in memory without bound. The thread sleeps on a queue until the
 oldest buffered row is due (no periodic wake-ups; an idle run costs nothing), so the cost is one
-idle thread per run, one `Event.set()` per sample, and a lock around the buffer (uncontended
+idle thread per run, one `SimpleQueue.put` per sample, and a lock around the buffer (uncontended
 except while a part is written). The price on disk is more, smaller parts: at the defaults and one
 sample per minute, one part per sample, 1,440 parts a day (bench/merge_parts.py measures what
 that costs the merge).
@@ -58,14 +58,12 @@ the one end-of-run routine in `rundir.finish`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from queue import Empty, SimpleQueue
 
 import polars as pl
 
@@ -86,7 +84,6 @@ from torchinstruments.rundir.ledger import LossLedger, LostRows
 
 __all__ = [
     "SPLIT_RECORD_KEY",
-    "FlushTimer",
     "HistoryWriter",
 ]
 
@@ -560,8 +557,6 @@ class HistoryWriter:
         )
 
 
-# Seconds the flush thread waits after a round that raised, before the next one.
-_AFTER_ERROR_S = 0.05
 # How often a part write interrupted by a KeyboardInterrupt off the main thread is tried at once.
 _INTERRUPTED_TRIES = 5
 
@@ -578,111 +573,3 @@ def _monotonic_of(timestamp_us: int) -> float:
     """The `time.monotonic()` reading at wall-clock `timestamp_us` (never in the future)."""
     age = max(0.0, time.time() - timestamp_us / 1e6)
     return time.monotonic() - age
-
-
-class FlushTimer:
-    """Calls `flush(False)` on a daemon thread whenever `due()` says a flush is due, and
-    `flush(True)` on request.
-
-    See the module docstring for why a thread. The thread waits for exactly the time `due()`
-    returns, or until `poke()` (rows arrived) or `flush_now()`. It waits on a `SimpleQueue`, not
-    a `threading.Event`: the training thread pokes it at every sample, and a KeyboardInterrupt
-    that lands inside `Event.set` (a Python-level `Condition`) can leave the event's lock held,
-    hanging both threads for good; `SimpleQueue.put` is one C call.
-
-    Args:
-        due: seconds until the next flush is due (<= 0: now), or None when nothing is buffered.
-        flush: writes what is due (False) or everything buffered (True, a `flush_now`); must
-            not raise (it reports its own failures).
-        name: the thread's name.
-    """
-
-    def __init__(
-        self, due: Callable[[], float | None], flush: Callable[[bool], None], name: str
-    ) -> None:
-        self._due = due
-        self._flush = flush
-        self._wake: SimpleQueue[None] = SimpleQueue()  # an item: wake up
-        self._stopping = False
-        self._cond = threading.Condition()
-        self._requested = 0  # flush_now requests made and served, under _cond
-        self._served = 0
-        self._wake_at: float | None = None  # when the waiting thread wakes on its own
-        self._warned = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def poke(self) -> None:
-        """Rows were added: recompute when the next flush is due, unless the thread already
-        wakes by then (waking it for nothing costs the training thread a GIL hand-over)."""
-        wake_at = self._wake_at
-        if wake_at is not None:
-            due = self._due()
-            if due is not None and time.monotonic() + due >= wake_at:
-                return
-        self._wake.put(None)
-
-    def flush_now(self, timeout: float) -> bool:
-        """Have the thread flush everything now; wait up to `timeout` s. True if it did."""
-        with self._cond:
-            self._requested += 1
-            ticket = self._requested
-        self._wake.put(None)
-        with self._cond:
-            return self._cond.wait_for(lambda: self._served >= ticket, timeout)
-
-    def stop(self) -> None:
-        """End the thread (a flush in progress completes first)."""
-        self._stopping = True
-        self._wake.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._turn()
-            except BaseException as error:  # never let the thread die: the time bound needs it
-                self._say(error)
-                self._sleep(_AFTER_ERROR_S)
-
-    def _turn(self) -> None:
-        """One round: flush when due or asked, else sleep until due or poked."""
-        self._wake_at = None  # until the wait below: every poke wakes the thread
-        while True:  # forget the pokes so far: `due()` below sees their rows
-            try:
-                self._wake.get_nowait()
-            except Empty:
-                break
-        if self._stopping:
-            return
-        with self._cond:
-            requested = self._requested
-        due = self._due()
-        if requested > self._served or (due is not None and due <= 0):
-            try:
-                self._flush(requested > self._served)
-            finally:
-                with self._cond:
-                    self._served = requested
-                    self._cond.notify_all()
-            return
-        if due is not None:
-            self._wake_at = time.monotonic() + due
-        self._sleep(due)
-
-    def _sleep(self, seconds: float | None) -> None:
-        """Wait `seconds` (None: for ever) or until poked."""
-        with contextlib.suppress(Empty):
-            self._wake.get(timeout=seconds)
-
-    def _say(self, error: BaseException) -> None:
-        """Warn once that a round raised (the thread goes on)."""
-        if self._warned:
-            return
-        self._warned = True
-        warn(
-            f"torchinstruments: the history flush thread ({self._thread.name}) caught "
-            f"{type(error).__name__}: {error}; it goes on, and buffered rows stay in memory "
-            "until a part write succeeds. (Reported once.)"
-        )

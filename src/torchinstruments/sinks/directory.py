@@ -30,6 +30,7 @@ from torchinstruments.rundir.attempts import (
     job_counts,
 )
 from torchinstruments.rundir.finish import finish_run
+from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
 from torchinstruments.rundir.lock import RunLock
@@ -37,7 +38,7 @@ from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
-from torchinstruments.rundir.writer import FlushTimer, HistoryWriter
+from torchinstruments.rundir.writer import HistoryWriter
 
 __all__ = ["DirectorySink"]
 

@@ -110,6 +110,27 @@ def test_a_series_that_stops_in_one_run_is_a_difference_from_the_sample_it_stops
     assert line.split()[-2:] == [str(CUT_FROM), str(CUT_FROM)]  # first diff, matched
 
 
+def test_a_series_first_difference_is_the_same_whatever_selects_it(
+    runs: dict[str, Path],
+) -> None:
+    """The samples both runs have are each run's own, not those of the selected rows: the side
+    gradient, selected alone, still differs from the sample its rows stop at in B."""
+    whole = "compare", runs["baseline"], runs["cut"], "--format", "json"
+    alone = (*whole, "--layers", "^side$", "--signal", "output_gradient", "--metrics", "mean")
+    firsts = []
+    for args in (whole, alone):
+        code, out = cli(*args)
+        assert code == 0
+        rows = json.loads(out)["rows"]
+        (row,) = [
+            r
+            for r in rows
+            if (r["layer"], r["signal"], r["metric"]) == ("side", "output_gradient", "mean")
+        ]
+        firsts.append((row["first_difference"], row["matched_samples"]))
+    assert firsts == [(CUT_FROM, CUT_FROM), (CUT_FROM, CUT_FROM)]
+
+
 def test_a_series_that_starts_late_in_one_run_says_so(runs: dict[str, Path]) -> None:
     code, text = cli("compare", runs["cut"], runs["baseline"], "--metrics", "std")
     assert code == 0

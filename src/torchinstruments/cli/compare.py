@@ -11,7 +11,10 @@ Design decisions:
   occurrence by occurrence.
 - "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other, or a row in
   one run and none in the other at a sample both runs have (a series that stops or starts in one
-  run: a branch cut off from the loss leaves no null, only rows that are not there). Only
+  run: a branch cut off from the loss leaves no null, only rows that are not there). The samples
+  a run has are all of its own (a row of any series, marker rows too), never only the selected
+  rows', so a series' first difference is the same whatever `--layers`, `--signal` or
+  `--metrics` select it with. Only
   measured differences: no verdicts, scores or thresholds of our own (the default tolerance is 0,
   i.e. any difference).
 - Series in one run only, series that stop or start in one run, and runs sampled differently
@@ -99,14 +102,29 @@ def _matched_values(directory: Path, selection: Selection, x: str) -> pl.DataFra
     )
 
 
-def first_differences(a: pl.DataFrame, b: pl.DataFrame, x: str, tolerance: float) -> pl.DataFrame:
+def _samples(directory: Path, x: str) -> pl.DataFrame:
+    """Every x the run has a row at (any layer, signal, metric or marker): the run's samples,
+    whatever a selection chooses."""
+    return read_history(directory, lambda lf: lf.select(x).unique(), write_order=False)
+
+
+def first_differences(
+    a: pl.DataFrame,
+    b: pl.DataFrame,
+    x: str,
+    tolerance: float,
+    samples: tuple[pl.DataFrame, pl.DataFrame] | None = None,
+) -> pl.DataFrame:
     """Per series: matched samples, and the first x where A and B differ.
 
-    Only samples both runs have (a row of any series at that x) are compared; there, a row in one
-    run and not the other is a difference, as is a value in one and a null in the other.
+    Only samples both runs have are compared: `samples` holds each run's own (`_samples`, so a
+    series' first difference does not depend on what else is selected; None: the x of `a` and
+    `b`); there, a row in one run and not the other is a difference, as is a value in one and a
+    null in the other.
     """
     keys = [*SERIES_KEY, x, "_occurrence"]
-    common = a.select(x).unique().join(b.select(x).unique(), on=x)
+    own_a, own_b = (a.select(x), b.select(x)) if samples is None else samples
+    common = own_a.unique().join(own_b.unique(), on=x)
     joined = (
         a.with_columns(_in_a=pl.lit(True))
         .join(
@@ -185,7 +203,8 @@ def compare(
     )
     values_a = _matched_values(directory_a, selection, x)
     values_b = _matched_values(directory_b, selection, x)
-    diffs = first_differences(values_a, values_b, x, tolerance)
+    samples = (_samples(directory_a, x), _samples(directory_b, x))
+    diffs = first_differences(values_a, values_b, x, tolerance, samples)
     frame = (
         both.join(diffs, on=SERIES_KEY, how="left", nulls_equal=True)
         .join(_extent(values_a, x, "a"), on=SERIES_KEY, how="left", nulls_equal=True)

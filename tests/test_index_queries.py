@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.__main__ import main
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
 from torchinstruments.rundir.index_page import write_index
@@ -258,3 +259,62 @@ def test_comparison_query_finds_the_first_differing_sample(tmp_path: Path) -> No
     # the series that stop: side's gradient ends at the sample before the detach
     stopped = found["stopped"].select("layer", "signal", "last_sample").rows()
     assert stopped == [("side", "output_gradient", DETACH_AT - 1)]
+
+
+class EmptyOutput(nn.Module):
+    """Returns an empty tensor: every value of its rows is null, with a reason."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :0] * 1.0
+
+
+class WithEmpty(nn.Module):
+    """A linear layer and an empty-output layer that stops running after `stop` forwards."""
+
+    def __init__(self, stop: int | None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.empty = EmptyOutput()
+        self.stop = stop
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.fc(x)
+        self.forwards += 1
+        if self.stop is None or self.forwards <= self.stop:
+            hidden = hidden + self.empty(hidden).sum()
+        return hidden.sum()
+
+
+def run_with_empty(directory: Path, stop: int | None) -> Path:
+    torch.manual_seed(0)
+    model = WithEmpty(stop)
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(5):
+        model(torch.randn(2, 4)).backward()
+    remove_observer(model)
+    return directory
+
+
+def test_comparison_query_agrees_with_compare_on_a_series_of_nulls_that_stops(
+    tmp_path: Path,
+) -> None:
+    """A series whose values are all null (an empty tensor) and whose rows stop in the other
+    run differs from the sample it stops at, in the printed query as in `compare`."""
+    mine = run_with_empty(tmp_path / "a", None)
+    other = run_with_empty(tmp_path / "b", 2)
+    found, _ = execute(
+        (mine / "index.md").read_text(encoding="utf-8"),
+        {OTHER_RUN_LINE: f"other_run = Path({json.dumps(str(other))})"},
+    )
+    key = (*SERIES[:-1], "mode", "metric")
+    query = {row[:-1]: row[-1] for row in found["first"].select(*key, "first_sample").rows()}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["compare", str(mine), str(other), "--format", "json"]) == 0
+    rows = json.loads(out.getvalue())["rows"]
+    cli = {tuple(r[k] for k in key): r["first_difference"] for r in rows}
+    assert {k: v for k, v in cli.items() if v is not None} == query
+    empty = {k: v for k, v in query.items() if k[0] == "empty"}
+    assert len(empty) == len([r for r in rows if r["layer"] == "empty"]) > 0
+    assert set(empty.values()) == {2}  # b's empty layer has no row from its third sample on

@@ -14,7 +14,9 @@ Design decisions:
   "series that stop" query finds them; the comparison query counts a row present in one run and
   absent in the other as a difference.
 - The two-run comparison query (`other_run`, as printed this run itself, so it runs and finds
-  nothing) joins the runs on series and sample and lists each series' first differing sample,
+  nothing) joins the runs on series and sample and lists each series' first differing sample
+  (presence flags per run, so a row in one run only differs even when its value is null; the
+  same rule as `compare`, which a test checks series by series),
   the earliest first, ties in the order this run wrote its rows (a forward's layers in
   execution order, outputs before gradients).
 - They depend on `RunInfo` only.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchinstruments.records import RunInfo
+from torchinstruments.records import INTERRUPTED, RunInfo
 from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
@@ -217,7 +219,9 @@ show(by_step, most={SHOWN_ROWS})""",
         (
             "Compare this run with another one (e.g. a baseline with the same seed and data): "
             "per series, the first sample where the two differ by more than `tolerance`, or "
-            "where a row or a value exists in one run only (samples both runs have); the first "
+            "where a row or a value exists in one run only (samples both runs have; `row`, "
+            "`row_other` say which run has a row, so one there is a difference whatever its "
+            "value, a null included; `interrupted` marker rows are no series); the first "
             "row departs first (earliest sample, then this run's write order: a forward's "
             "layers in execution order, outputs before gradients). Set `other_run`; as printed "
             "it is this run, which differs from itself nowhere. "
@@ -225,19 +229,25 @@ show(by_step, most={SHOWN_ROWS})""",
             f"""{OTHER_RUN_LINE}
 tolerance = 0.0  # the largest |difference| that is not a difference
 series = [{series}]
-mine = history.with_row_index("order").select(*series, "sample_id", "order", "value",
-                                                 "unavailable_reason")
-theirs = history_of(other_run).select(
-    *series, "sample_id", value_other="value", reason_other="unavailable_reason"
+other = history_of(other_run)
+common = history.select("sample_id").unique().join(
+    other.select("sample_id").unique(), on="sample_id"
+)  # every sample both runs have, whatever rows a filter below keeps
+measured = pl.col("metric") != {_q(INTERRUPTED)}  # marker rows are no series
+mine = history.with_row_index("order").filter(measured).select(
+    *series, "sample_id", "order", "value", "unavailable_reason", row=pl.lit(True)
 )
-common = mine.select("sample_id").unique().join(
-    theirs.select("sample_id").unique(), on="sample_id"
+theirs = other.filter(measured).select(
+    *series, "sample_id", value_other="value", reason_other="unavailable_reason",
+    row_other=pl.lit(True)
 )
 differ = (
     mine.join(theirs, on=[*series, "sample_id"], how="full", coalesce=True)
     .join(common, on="sample_id", how="semi")
+    .with_columns(pl.col("row", "row_other").fill_null(False))
     .filter(
-        (pl.col("value").is_null() != pl.col("value_other").is_null())
+        (pl.col("row") != pl.col("row_other"))  # a row in one run only, whatever its value
+        | (pl.col("value").is_null() != pl.col("value_other").is_null())
         | ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
     )
 )
@@ -246,11 +256,12 @@ first = (
     .group_by(series, maintain_order=True)
     .first()
     .sort("sample_id", "order", nulls_last=True)
-    .select(*series, first_sample="sample_id", value="value", value_other="value_other",
-            reason="unavailable_reason", reason_other="reason_other")
+    .select(*series, first_sample="sample_id", row="row", row_other="row_other",
+            value="value", value_other="value_other", reason="unavailable_reason",
+            reason_other="reason_other")
     .collect()
 )
-print(f"{{first.height}} series differ (null value and null reason: no row in that run)")
+print(f"{{first.height}} series differ (row, row_other: whether that run has a row there)")
 show(first)  # every differing series, the earliest first""",
         ),
     ]

@@ -318,3 +318,72 @@ def test_comparison_query_agrees_with_compare_on_a_series_of_nulls_that_stops(
     empty = {k: v for k, v in query.items() if k[0] == "empty"}
     assert len(empty) == len([r for r in rows if r["layer"] == "empty"]) > 0
     assert set(empty.values()) == {2}  # b's empty layer has no row from its third sample on
+
+
+class RaisesOnce(nn.Module):
+    """Doubles its input, and raises in the forward number `raise_at` (from 0)."""
+
+    def __init__(self, raise_at: int) -> None:
+        super().__init__()
+        self.raise_at = raise_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.raise_at:
+            raise ValueError("raised inside the layer")
+        return x * 2
+
+
+# The schedule: sample 0 train, 1 eval (no_grad), 2 train, 3 train whose forward raises in `boom`
+# after `fc` returned (an `interrupted` marker row; `boom` and `head` have no row there).
+MODES = ("train", "eval", "train", "train")
+RAISED_AT = 3
+
+
+def run_with_eval_and_interrupt(directory: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 4))
+    model.add_module("boom", RaisesOnce(RAISED_AT))
+    model.add_module("head", nn.Linear(4, 1))
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for mode in MODES:
+        model.train(mode == "train")
+        with torch.set_grad_enabled(mode == "train"):
+            try:
+                out = model(torch.randn(2, 4)).sum()
+            except ValueError:
+                continue
+            if mode == "train":
+                out.backward()
+    remove_observer(model)
+    return directory
+
+
+def test_queries_keep_eval_samples_apart_and_leave_marker_rows_out(tmp_path: Path) -> None:
+    """The trend and side-by-side queries carry `mode`, train first; "series that stop" judges
+    a series by the latest sample of its own mode, without the `interrupted` marker rows."""
+    directory = run_with_eval_and_interrupt(tmp_path / "run")
+    marker = pl.read_parquet(directory / "history.parquet").filter(
+        pl.col("metric") == "interrupted"
+    )
+    assert marker["sample_id"].to_list() == [RAISED_AT]
+    found, _ = execute((directory / "index.md").read_text(encoding="utf-8"))
+    train = [s for s, mode in enumerate(MODES) if mode == "train"]
+    evaluation = [s for s, mode in enumerate(MODES) if mode == "eval"]
+    for name in ("trend", "both"):
+        rows = found[name].select("mode", "sample_id").rows()
+        assert rows == [("train", s) for s in train] + [("eval", s) for s in evaluation], name
+    # train's latest sample is RAISED_AT (fc returned there), eval's is 1: only the train series
+    # of boom and head, whose rows end at the sample before, and fc's gradient (no backward
+    # after the raise) stop; boom's output has 2 observations, its marker row none
+    stopped = found["stopped"].select("layer", "signal", "mode", "last_sample", "samples")
+    before = RAISED_AT - 1
+    assert sorted(stopped.rows()) == [
+        ("boom", "output", "train", before, 2),
+        ("boom", "output_gradient", "train", before, 2),
+        ("fc", "output_gradient", "train", before, 2),
+        ("head", "output", "train", before, 2),
+        ("head", "output_gradient", "train", before, 2),
+    ]

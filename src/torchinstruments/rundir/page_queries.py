@@ -129,12 +129,13 @@ print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHO
 show(written)""",
         ),
         (
-            "One layer's trend (one metric, by sample):",
+            "One layer's trend (one metric, by sample; `mode` keeps train and eval samples "
+            "apart, each its own series, train first):",
             f"""trend = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
                    pl.col("metric") == "mean")
-    .select("sample_id", "call_index", "tensor_path", "value", "unavailable_reason")
-    .sort("sample_id", "call_index", "tensor_path")
+    .select("mode", "call_index", "tensor_path", "sample_id", "value", "unavailable_reason")
+    .sort(pl.col("mode") != "train", "mode", "call_index", "tensor_path", "sample_id")
     .collect()
 )
 show(trend)""",
@@ -161,24 +162,28 @@ show(latest)""",
 show(missing)""",
         ),
         (
-            "std of one layer's output vs its output_gradient, side by side (columns: signal):",
+            "std of one layer's output vs its output_gradient, side by side (columns: signal; "
+            "`mode` keeps train and eval samples apart, train first):",
             f"""both = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("metric") == "std")
     .collect()
-    .pivot("signal", index=["sample_id", "call_index", "tensor_path"], values="value")
-    .sort("sample_id")
+    .pivot("signal", index=["mode", "call_index", "tensor_path", "sample_id"], values="value")
+    .sort(pl.col("mode") != "train", "mode", "call_index", "tensor_path", "sample_id")
 )
 show(both)""",
         ),
         (
             "Series that stop: missing rows are evidence. A layer that stops running, or a "
             "branch cut off from the loss (e.g. by `.detach()`), leaves no null value: its "
-            "series simply end before the run's latest sample (`stopped`), or its outputs never "
-            "get a gradient row at all (`no_gradient`; every tensor, in a run without backward):",
-            """last = history.select(pl.col("sample_id").max()).collect().item()
+            "series simply end before the latest sample of their mode (`stopped`: a train "
+            "series against the latest train sample, an eval one against the latest eval "
+            "sample), or its outputs never get a gradient row at all (`no_gradient`; every "
+            "tensor, in a run without backward). `interrupted` marker rows are no observation:",
+            f"""observed = history.filter(pl.col("metric") != {_q(INTERRUPTED)})  # no marker rows
 tensor = ["layer", "call_index", "tensor_path", "mode"]
+latest_of_mode = observed.group_by("mode").agg(mode_latest=pl.col("sample_id").max()).collect()
 series = (
-    history.group_by(*tensor, "signal")
+    observed.group_by(*tensor, "signal")
     .agg(
         first_sample=pl.col("sample_id").min(),
         last_sample=pl.col("sample_id").max(),
@@ -186,8 +191,12 @@ series = (
     )
     .collect()
 )
-stopped = series.filter(pl.col("last_sample") < last).sort("last_sample", *tensor, "signal")
-print(f"series whose last sample is before the run's latest, sample_id {last}:")
+stopped = (
+    series.join(latest_of_mode, on="mode")
+    .filter(pl.col("last_sample") < pl.col("mode_latest"))
+    .sort("last_sample", *tensor, "signal")
+)
+print("series whose last sample is before the latest sample of their mode (mode_latest):")
 show(stopped)
 outputs = series.filter(pl.col("signal") == "output").select(tensor)
 gradients = series.filter(pl.col("signal") == "output_gradient").select(tensor)

@@ -75,6 +75,32 @@ def test_a_layer_pattern_that_matches_nothing_exits_non_zero_listing_the_layers(
     )
 
 
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("^(?!0).*2$", "look-around, including look-ahead and look-behind, is not supported"),
+        ("(1)\\1", "backreferences are not supported"),
+    ],
+)
+@pytest.mark.parametrize("command", ["show", "compare", "plot", "heatmap"])
+def test_a_layer_pattern_that_polars_cannot_run_is_a_usage_error(
+    run: Path, command: str, pattern: str, why: str
+) -> None:
+    """Python's `re` takes these patterns; Polars' regex, which filters the layers, does not:
+    a usage error (exit 2) that says so, never a traceback."""
+    directories = [run, run] if command == "compare" else [run]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main([command, *map(str, directories), "--layers", pattern])
+    assert exited.value.code == 2
+    last = err.getvalue().splitlines()[-1]
+    assert last == (
+        f"torchinstruments {command}: error: argument --layers: not a valid regular expression "
+        f"for Polars, which runs it ({why}; Polars' regex has no look-around such as (?!...) or "
+        "(?<=...) and no back-references such as \\1)"
+    )
+
+
 def test_compare_names_both_runs_and_a_missing_signal_is_refused(run: Path, tmp_path: Path) -> None:
     forward_only = make_run(tmp_path / "forward-only", 4, 1, backward=False)
     code, _, err = cli("compare", run, forward_only, "--metrics", "p99")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -42,11 +41,21 @@ def _width() -> int:
 
 
 def _regex(text: str) -> str:
-    """argparse type: a valid regular expression."""
+    """argparse type: a regular expression that Polars' engine (Rust's `regex`, which runs the
+    `--layers` filter) compiles; checked by that engine itself, on an empty frame, since Python's
+    `re` accepts patterns it refuses (look-around, back-references)."""
+    import polars as pl
+
     try:
-        re.compile(text)
-    except re.error as exc:
-        raise argparse.ArgumentTypeError(f"not a valid regular expression: {exc}") from None
+        pl.DataFrame(schema={"layer": pl.String}).select(pl.col("layer").str.contains(text))
+    except pl.exceptions.PolarsError as exc:
+        lines = str(exc).splitlines()
+        why = next((li.strip() for li in lines if li.strip().startswith("error:")), lines[0])
+        raise argparse.ArgumentTypeError(
+            f"not a valid regular expression for Polars, which runs it "
+            f"({why.removeprefix('error: ')}; Polars' regex has no look-around such as (?!...) "
+            "or (?<=...) and no back-references such as \\1)"
+        ) from None
     return text
 
 
@@ -75,7 +84,8 @@ def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> 
         type=_regex,
         metavar="REGEX",
         help="layers whose name matches this regular expression (searched anywhere in the name; "
-        "anchor with ^...$ for an exact name)",
+        "anchor with ^...$ for an exact name; Polars' regex syntax: no look-around or "
+        "back-references)",
     )
     cmd.add_argument(
         "--signal",

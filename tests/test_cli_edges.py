@@ -178,6 +178,17 @@ def test_plot_log_and_symlog_axes(run: Path, tmp_path: Path) -> None:
     assert describe(tmp_path / "mean.png")["yscales"] == ["symlog", "symlog"]
 
 
+def test_plot_chooses_a_panel_scale_from_the_lines_it_draws(run: Path, tmp_path: Path) -> None:
+    """The head's output gradient (of out.sum()) has std 0: drawn, the log panel falls back to
+    symlog; left out by --max-tensors, it does not choose the scale of lines it is not in."""
+    common = ("--metrics", "std", "--signal", "output_gradient", "--yscale", "log")
+    for most, scale in ((2, "log"), (3, "symlog")):
+        png = tmp_path / f"{most}.png"
+        code, _, _ = cli("plot", run, *common, "--max-tensors", str(most), "-o", png)
+        assert code == 0
+        assert (len(describe(png)["tensors"]), describe(png)["yscales"]) == (most, [scale])
+
+
 @pytest.mark.parametrize("command", ["show", "compare"])
 def test_a_reader_that_closes_the_pipe_first_stops_the_command_without_a_traceback(
     run: Path, command: str

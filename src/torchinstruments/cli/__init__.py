@@ -216,7 +216,8 @@ def add_commands(commands: Subcommands) -> None:
         "--yscale",
         choices=("linear", "log", "symlog"),
         default="linear",
-        help="y axis of every panel: linear (default), log (symlog in a panel with values <= 0) "
+        help="y axis of every panel: linear (default), log (symlog in a panel whose drawn lines "
+        "have values <= 0) "
         "or symlog (linear near 0, logarithmic beyond: one large tensor no longer flattens the "
         "rest)",
     )

@@ -20,7 +20,9 @@ Design decisions of the trend figure:
   zero_fraction 0 are one point of several rings, not one colour).
 - `yscale`: "linear" (default), "log" (a panel with values <= 0 falls back to "symlog" and its
   title says so) or "symlog" (linear within the smallest nonzero |value|, logarithmic beyond),
-  for panels where one tensor's scale flattens the others.
+  for panels where one tensor's scale flattens the others. The scale and the linear threshold
+  are chosen from the lines drawn only: a tensor left out (`max_tensors`, the selection) never
+  turns a log panel into symlog.
 - matplotlib is optional (`pip install "torchinstruments[plot]"`); it is imported only when
   drawing, with the Agg canvas and no pyplot, so drawing never touches a display or global
   figure state.
@@ -200,6 +202,7 @@ def trend_figure(
             ax = axes[i][j]
             panels.append((metric, signal))
             panel = rows.filter(pl.col("metric") == metric, pl.col("signal") == signal)
+            shown: list[float] = []  # the drawn lines' values: they alone choose the scale
             for style, label, (layer, call_index, tensor_path, mode) in zip(
                 styles, labels, drawn, strict=True
             ):
@@ -211,6 +214,7 @@ def trend_figure(
                 )
                 if line.is_empty():
                     continue
+                shown += line["value"].drop_nulls().to_list()
                 ax.plot(
                     line[x].to_list(),
                     line["value"].fill_null(float("nan")).to_list(),
@@ -230,7 +234,7 @@ def trend_figure(
                         markersize=7,
                         clip_on=False,
                     )
-            used = _scale(ax, panel["value"].drop_nulls().to_list(), yscale)
+            used = _scale(ax, shown, yscale)
             scales.append(used)
             fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
             ax.set_title(f"{metric} of {signal}{fallback}", fontsize=9)

@@ -8,6 +8,7 @@ read with Polars.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,12 @@ from PIL import Image
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.__main__ import main
 from torchinstruments.cli.heatmap import heatmap
+from torchinstruments.cli.pictures import DPI, MAX_LABEL_CHARS, PANEL_WIDTH_IN, trend_figure
 from torchinstruments.cli.pictures_grid import FRAME_COLOUR
-from torchinstruments.cli.plot import DEFAULT_METRICS, plot
+from torchinstruments.cli.plot import DEFAULT_METRICS, plot, plot_rows
+from torchinstruments.cli.reader import read_facts
 from torchinstruments.cli.selection import Selection
 
 from conftest import read_heatmap
@@ -103,3 +107,60 @@ def test_plot_marks_null_values_and_draws_a_few_metrics_by_default(
         run, tmp_path / "all.png", Selection(metrics=tuple(sorted(set(history["metric"]))))
     )
     assert every.metrics_left_out == ()
+
+
+PARTS = (
+    "query_key_value_projection_with_rotary_embeddings",
+    "cross_attention_block_number_eleven",
+    "transformer_decoder_stack",
+)
+NESTED = "deep." + ".".join(reversed(PARTS))  # 116 characters
+FLAT = "a_very_long_layer_name_" + "x" * 150  # 173 characters
+
+
+class LongNames(nn.Module):
+    """A Linear nested three ModuleDicts deep (a 116-character name) and a 173-character one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner: nn.Module = nn.Linear(3, 3)
+        for part in PARTS:
+            inner = nn.ModuleDict({part: inner})
+        self.deep = inner
+        self.add_module(FLAT, nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.get_submodule(NESTED)
+        return self.get_submodule(FLAT)(layer(x))
+
+
+def test_plot_shortens_long_layer_names_in_the_legend_and_keeps_the_panels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Labels are cut to heatmap's MAX_LABEL_CHARS by its rule (`...` and the name's end), the
+    panels keep their width, and the full names are in the PNG's metadata and on stderr."""
+    assert (len(NESTED), len(FLAT)) == (116, 173)
+    torch.manual_seed(0)
+    model = LongNames()
+    directory = tmp_path / "run"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    png = tmp_path / "long.png"
+    assert main(["plot", str(directory), "--metrics", "mean", "-o", str(png)]) == 0
+    err = capsys.readouterr().err
+    full = [f"{NESTED} (Linear)", f"{FLAT} (Tanh)"]
+    short = ["..." + label[-(MAX_LABEL_CHARS - 3) :] for label in full]
+    with Image.open(png) as image:
+        description = json.loads(image.info["Description"])
+    assert description["tensors"] == full
+    assert description["legend"] == short
+    assert all(f"{s} = {f}" in err for s, f in zip(short, full, strict=True))
+
+    rows = plot_rows(directory, Selection(metrics=("mean",)), "sample_id")
+    figure, _ = trend_figure(rows, read_facts(directory), "sample_id", 10)
+    figure.canvas.draw()
+    widths = [ax.get_window_extent().width for ax in figure.axes]
+    assert len(widths) == 2
+    assert min(widths) > 0.75 * PANEL_WIDTH_IN * DPI  # the legend takes no panel's width

@@ -398,6 +398,17 @@ def _run_single(args: argparse.Namespace) -> int:
                     "choose with --layers REGEX or raise --max-tensors",
                     file=sys.stderr,
                 )
+            shortened = [
+                f"{short} = {full}"
+                for short, full in zip(result.legend, result.tensors, strict=True)
+                if short != full
+            ]
+            if shortened:
+                print(
+                    f"{prog}: {plural(len(shortened), 'legend label')} shortened (the PNG's "
+                    f"Description metadata has them too): {'; '.join(shortened)}",
+                    file=sys.stderr,
+                )
             return 0
         if args.command == "heatmap":
             from torchinstruments.cli import heatmap

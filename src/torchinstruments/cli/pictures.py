@@ -28,6 +28,11 @@ Design decisions of the trend figure:
   figure state.
 - The PNG's text metadata ("Description") lists the panels and the x column as JSON, so a
   script (or a test) can read back what the image shows.
+- Labels longer than MAX_LABEL_CHARS are shortened by one rule for every figure (`shorten`:
+  `...` and the name's end, which tells nested layers apart; heatmap's rows too), and the
+  legend is as wide as its longest label, so a 173-character layer name leaves the panels their
+  width. The full names stay in the PNG's metadata ("tensors"; "legend" holds what is drawn),
+  and `plot` prints them when it shortened one.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "DEFAULT_MAX_TENSORS",
     "DPI",
     "LEGEND_WIDTH_IN",
+    "MAX_LABEL_CHARS",
     "MISSING_MATPLOTLIB",
     "NO_STEP",
     "PANEL_HEIGHT_IN",
@@ -57,6 +63,7 @@ __all__ = [
     "MatplotlibMissingError",
     "PlotResult",
     "matplotlib_missing",
+    "shorten",
     "trend_figure",
     "write_trends",
 ]
@@ -90,6 +97,8 @@ X_LABELS = {
 PANEL_WIDTH_IN = 4.6
 PANEL_HEIGHT_IN = 2.3
 LEGEND_WIDTH_IN = 2.4
+LEGEND_CHAR_IN = 0.075  # inches of a 9 pt legend character, to size the legend to its labels
+MAX_LABEL_CHARS = 48  # the most characters of a tensor's label in a figure (see `shorten`)
 DPI = 100
 DEFAULT_MAX_TENSORS = 10
 NULL_MARK = "x"
@@ -109,12 +118,19 @@ class PlotResult:
     height_px: int
     x: str
     panels: tuple[tuple[str, str], ...]
-    tensors: tuple[str, ...]
+    tensors: tuple[str, ...]  # full labels
     left_out: tuple[str, ...]
     yscales: tuple[str, ...] = ()
     styles: tuple[tuple[str, str], ...] = ()
     metrics_left_out: tuple[str, ...] = ()
     null_marks: int = 0  # samples marked as a null value, over all panels
+    legend: tuple[str, ...] = ()  # the tensors' labels as the legend shows them (`shorten`)
+
+
+def shorten(text: str) -> str:
+    """`text`, or when longer than MAX_LABEL_CHARS, `...` and its end (a nested layer's name
+    differs from its siblings' at the end)."""
+    return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3) :]
 
 
 def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
@@ -185,15 +201,17 @@ def trend_figure(
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     signals = [s for s in SIGNALS if s in set(rows["signal"].to_list())]
     ncols, nrows = max(1, len(signals)), max(1, len(metrics))
+    labels = _labels(drawn, rows)
+    legend = [shorten(label) for label in labels]
+    legend_in = max(LEGEND_WIDTH_IN, LEGEND_CHAR_IN * max(map(len, legend), default=0) + 0.6)
     figure = Figure(
-        figsize=(PANEL_WIDTH_IN * ncols + LEGEND_WIDTH_IN, PANEL_HEIGHT_IN * nrows + 0.9),
+        figsize=(PANEL_WIDTH_IN * ncols + legend_in, PANEL_HEIGHT_IN * nrows + 0.9),
         dpi=DPI,
         layout="constrained",
     )
     FigureCanvasAgg(figure)
     axes = figure.subplots(nrows, ncols, squeeze=False, sharex=True)
     styles = [_style(i, len(drawn)) for i in range(len(drawn))]
-    labels = _labels(drawn, rows)
     panels = []
     scales = []
     null_marks = 0
@@ -204,7 +222,7 @@ def trend_figure(
             panel = rows.filter(pl.col("metric") == metric, pl.col("signal") == signal)
             shown: list[float] = []  # the drawn lines' values: they alone choose the scale
             for style, label, (layer, call_index, tensor_path, mode) in zip(
-                styles, labels, drawn, strict=True
+                styles, legend, drawn, strict=True
             ):
                 line = panel.filter(
                     pl.col("layer") == layer,
@@ -243,10 +261,11 @@ def trend_figure(
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
     handles = [Line2D([], [], **style) for style in styles]
+    entries = list(legend)
     if null_marks:
         handles.append(Line2D([], [], marker=NULL_MARK, linestyle="none", color="black"))
-        labels = [*labels, "x at the bottom:\nnull value (reason\nin history)"]
-    figure.legend(handles, labels, loc="outside right upper", fontsize=9, title="tensor")
+        entries.append("x at the bottom:\nnull value (reason\nin history)")
+    figure.legend(handles, entries, loc="outside right upper", fontsize=9, title="tensor")
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     title = f"{where}: {title or plural(len(drawn), 'tensor')}"
     if left_out:
@@ -259,11 +278,12 @@ def trend_figure(
         height_px=round(height * DPI),
         x=x,
         panels=tuple(panels),
-        tensors=tuple(labels[: len(drawn)]),
+        tensors=tuple(labels),
         left_out=tuple(_labels(left_out, rows)),
         yscales=tuple(scales),
         styles=tuple((s["marker"], s["linestyle"]) for s in styles),
         null_marks=null_marks,
+        legend=tuple(legend),
     )
     return figure, result
 
@@ -275,6 +295,7 @@ def write_trends(figure: Any, result: PlotResult, output: Path) -> PlotResult:
             "x": result.x,
             "panels": [list(p) for p in result.panels],
             "tensors": list(result.tensors),
+            "legend": list(result.legend),
             "yscales": list(result.yscales),
             "styles": [list(s) for s in result.styles],
         }

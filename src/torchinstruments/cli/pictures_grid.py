@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from torchinstruments.cli.pictures import matplotlib_missing
+from torchinstruments.cli.pictures import matplotlib_missing, shorten
 from torchinstruments.cli.reader import RunFacts, layer_order
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
@@ -82,7 +82,6 @@ PANEL_TARGET_WIDTH = 480
 PANEL_MIN_WIDTH = 280
 MAX_CELL_WIDTH = 48
 CHAR_WIDTH = 7.5  # px of a 10 pt character, to size the label margin
-MAX_LABEL_CHARS = 48
 TITLE_LINE = 18  # px per title line (11 pt)
 TITLE_CHAR_WIDTH = 7.6  # px of an 11 pt character, to wrap the title to the image's width
 PANEL_TITLE = 40  # px between the title and the panels (the panels' own titles)
@@ -309,10 +308,6 @@ def row_ticks(grid: Grid) -> tuple[list[float], list[str], str]:
     return [i + 0.5 for i in rows], [labels[i] for i in rows], f"every {step}th tensor"
 
 
-def _shorten(text: str) -> str:
-    return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3) :]
-
-
 def column_ticks(columns: int, most: int = 8) -> list[int]:
     """Column indices to label: every k-th from 0, k in 1, 2, 5, 10, 20, 50, ... (at most `most`)."""
     steps = (m * 10**e for e in range(19) for m in (1, 2, 5))
@@ -353,7 +348,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     cell_w, cell_h = cell_size(n_rows, n_cols)
     panel_w, panel_h = cell_w * n_cols, cell_h * n_rows
     ticks, labels, label_kind = row_ticks(grid)
-    labels = [_shorten(label) for label in labels]
+    labels = [shorten(label) for label in labels]
     left = 16 + round(CHAR_WIDTH * max((len(label) for label in labels), default=8))
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
     width = left + stride * len(grid.signals) + 8

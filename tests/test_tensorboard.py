@@ -34,6 +34,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.events import Crc32c, EventFile
+from torchinstruments.records import histogram_tag
 
 from conftest import read_history
 
@@ -431,3 +432,58 @@ def test_tensorboards_reader_reads_every_histogram_without_a_warning(
         for tag in tags:
             assert events.SummaryMetadata(tag).plugin_data.plugin_name == "histograms", tag
             assert len(events.Histograms(tag)) == 2
+
+
+class SlashNames(nn.Module):
+    """A layer `a` run in eval mode beside a layer named `eval/a` run in train mode: their
+    tags met before names were encoded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.add_module("eval/a", nn.Linear(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a(x) + self.get_submodule("eval/a")(x * 10)).sum()
+
+
+def test_a_layer_name_with_a_slash_never_shares_a_tag(run_dir: Path) -> None:
+    """Each tensor keeps its own tag, one event per step, and its description names the real
+    layer; the ordinary name's tag is unchanged."""
+    torch.manual_seed(0)
+    model = SlashNames()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model.a.eval()
+    for _ in range(3):
+        model(torch.randn(2, 3)).backward()
+    remove_observer(model)
+    found = histograms(run_dir / "tensorboard")
+    said = descriptions(run_dir / "tensorboard")
+    for signal in ("output", "output_gradient"):
+        for tag, layer in (
+            (f"eval/a/call_0/{signal}/tensor", "'a'"),
+            (f"eval%2Fa/call_0/{signal}/tensor", "'eval/a'"),
+        ):
+            assert [e.step for e in found[tag]] == [0, 1, 2], tag
+            assert f"layer {layer} (Linear)" in said[tag]
+    assert len(found) == 4
+
+
+def test_tags_are_one_per_tensor_for_any_layer_name() -> None:
+    """Names that held `/`, `%` or spelled the root's `<root>` used to share tags with others;
+    a name without them keeps the tag it always had."""
+    names = ("", "<root>", "a", "a/b", "a%2Fb", "a%b", "eval/a", "eval", "call_0/output")
+    tensors = [
+        (name, call, signal, path, mode)
+        for name in names
+        for call in (0, 1)
+        for signal in ("output", "output_gradient")
+        for path in ("", "[0]", "['x/y']")
+        for mode in ("train", "eval")
+    ]
+    tags = [histogram_tag(*t) for t in tensors]
+    assert len(set(tags)) == len(tensors)
+    assert histogram_tag("blocks.0.attn", 1, "output", "[0]") == "blocks.0.attn/call_1/output/[0]"
+    assert histogram_tag("", 0, "output_gradient", "", "eval") == (
+        "eval/<root>/call_0/output_gradient/tensor"
+    )

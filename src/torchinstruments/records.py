@@ -30,6 +30,7 @@ __all__ = [
     "SampleRecord",
     "TensorKey",
     "histogram_tag",
+    "tag_layer",
 ]
 
 OUTPUT = "output"
@@ -212,8 +213,8 @@ class HistogramRecord:
 
     @property
     def tag(self) -> str:
-        """Stable TensorBoard tag: `layer/call_N/signal/tensor_path` (root layer is `<root>`),
-        under `eval/` for a sample in eval mode."""
+        """Stable TensorBoard tag: `layer/call_N/signal/tensor_path` (root layer is `<root>`, a
+        `/` or `%` in a name percent-encoded), under `eval/` for a sample in eval mode."""
         return histogram_tag(self.layer, self.call_index, self.signal, self.tensor_path, self.mode)
 
 
@@ -222,12 +223,26 @@ def histogram_tag(
 ) -> str:
     """The TensorBoard tag of one tensor; a bare tensor's empty path is written as `tensor`.
 
-    An eval-mode tensor's tag starts with `eval/` (five parts against a train tag's four, so
-    no layer name can make the two meet): train and eval samples are never one series, and
-    TensorBoard groups the eval tags in a section of their own.
+    An eval-mode tensor's tag starts with `eval/`: train and eval samples are never one series,
+    and TensorBoard groups the eval tags in a section of their own. The layer's name is one part
+    of the tag whatever it holds (`tag_layer`: `/` and `%` percent-encoded), so a train tag
+    has four parts before its tensor path and an eval tag five, and no two tensors share a tag,
+    even a train layer named `eval/a` and an eval layer `a` (a `/` in the tensor path, the last
+    part, cannot make two tags meet either). Names without `/` or `%`, almost all, keep their
+    tags unchanged; the tag's description names the real layer.
     """
-    tag = f"{layer or '<root>'}/call_{call_index}/{signal}/{tensor_path or 'tensor'}"
+    tag = f"{tag_layer(layer)}/call_{call_index}/{signal}/{tensor_path or 'tensor'}"
     return tag if mode == "train" else f"{mode}/{tag}"
+
+
+def tag_layer(layer: str) -> str:
+    """A layer's name as one part of a TensorBoard tag: `<root>` for the root, `%` and `/`
+    written `%25` and `%2F` (a layer literally named `<root>`: `%3Croot>`), which a percent-
+    decoding (`urllib.parse.unquote`) reads back."""
+    if not layer:
+        return "<root>"
+    part = layer.replace("%", "%25").replace("/", "%2F")
+    return "%3Croot>" if part == "<root>" else part
 
 
 @dataclass(frozen=True, slots=True)

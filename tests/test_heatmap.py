@@ -248,3 +248,28 @@ def test_a_nonfinite_value_is_magenta_and_never_a_scale_end(tmp_path: Path) -> N
     got = [tuple(pixels[heatmap_cell(panel, 0, c)]) for c in range(4)]
     assert got[1] == got[3] == NONFINITE_COLOUR
     assert got[2] == TOP
+
+
+def test_metrics_whose_names_clean_alike_get_files_of_their_own(tmp_path: Path) -> None:
+    """`p/q` and `p_q` both clean to `heatmap-p_q.png`: each metric has its own file, and the
+    line that says so names the metric and its file."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    reducers = {"p/q": lambda t: t.abs().max(), "p_q": lambda t: -t.abs().max()}
+    run = tmp_path / "run"
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), reducers=[reducers])
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    out = tmp_path / "images"
+    out.mkdir()
+    done = cli("heatmap", run, "--metrics", "p/q,p_q", "-o", out)
+    assert done.returncode == 0, done.stderr
+    wrote = {
+        line.split(": ")[1].split(",")[0]: line.split()[1] for line in done.stdout.splitlines()
+    }
+    assert wrote == {"p/q": str(out / "heatmap-p_q-2.png"), "p_q": str(out / "heatmap-p_q.png")}
+    assert sorted(p.name for p in out.iterdir()) == ["heatmap-p_q-2.png", "heatmap-p_q.png"]
+    for metric, path in wrote.items():
+        _, description = read_heatmap(Path(path))
+        assert description["metric"] == metric

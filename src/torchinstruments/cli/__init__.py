@@ -251,7 +251,8 @@ def add_commands(commands: Subcommands) -> None:
         "--output-dir",
         type=Path,
         metavar="DIR_OUT",
-        help="directory for heatmap-<metric>.png (default: DIR)",
+        help="directory for heatmap-<metric>.png (default: DIR; metrics whose names clean to "
+        "the same file name get -2, -3, ...: each wrote line names its file)",
     )
 
 

@@ -28,7 +28,7 @@ from torchinstruments.cli.pictures_grid import (
     HeatmapResult,
     build_grid,
     draw,
-    file_name,
+    file_names,
 )
 from torchinstruments.cli.reader import (
     RunFacts,
@@ -122,9 +122,10 @@ def heatmap(
             f"its metrics: {', '.join(metric_order(present, facts.run))}"
         )
     results = []
+    names = file_names(metrics)
     for metric in metrics:
         grid = build_grid(grid_rows(directory, metric, selection, x), facts, metric, x)
-        results.append(draw(grid, facts, Path(output_dir) / file_name(metric), scale=scale))
+        results.append(draw(grid, facts, Path(output_dir) / names[metric], scale=scale))
     return results
 
 

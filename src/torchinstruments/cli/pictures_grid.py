@@ -30,6 +30,7 @@ import json
 import math
 import re
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ __all__ = [
     "PanelBox",
     "build_grid",
     "draw",
-    "file_name",
+    "file_names",
     "row_ticks",
     "top_colour",
 ]
@@ -456,6 +457,19 @@ def _unit(colour: tuple[int, int, int]) -> tuple[float, float, float]:
     return (colour[0] / 255, colour[1] / 255, colour[2] / 255)
 
 
-def file_name(metric: str) -> str:
-    """`heatmap-<metric>.png`, with characters unsafe in file names replaced by `_`."""
-    return f"heatmap-{re.sub(r'[^A-Za-z0-9_.-]', '_', metric)}.png"
+def file_names(metrics: Sequence[str], prefix: str = "heatmap") -> dict[str, str]:
+    """`<prefix>-<metric>.png` for each metric, characters unsafe in file names replaced by
+    `_`, and no two alike (nor alike but for case, for case-insensitive disks): a metric whose
+    name is safe keeps it; another whose cleaned name is taken gets `-2`, `-3`, ... (`p/q`
+    beside `p_q`: `heatmap-p_q-2.png`). The command prints which file each metric went to."""
+    cleaned = {m: re.sub(r"[^A-Za-z0-9_.-]", "_", m) for m in metrics}
+    used: set[str] = set()
+    names: dict[str, str] = {}
+    # Safe names first, so that a metric called `p_q` is in heatmap-p_q.png whatever the order.
+    for metric in sorted(metrics, key=lambda m: cleaned[m] != m):
+        name, k = cleaned[metric], 2
+        while name.casefold() in used:
+            name, k = f"{cleaned[metric]}-{k}", k + 1
+        used.add(name.casefold())
+        names[metric] = f"{prefix}-{name}.png"
+    return {m: names[m] for m in metrics}

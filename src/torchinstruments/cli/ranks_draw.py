@@ -30,7 +30,7 @@ from torchinstruments.cli.pictures import (
     trend_figure,
     write_trends,
 )
-from torchinstruments.cli.pictures_grid import SCALES, HeatmapResult, build_grid, draw, file_name
+from torchinstruments.cli.pictures_grid import SCALES, HeatmapResult, build_grid, draw, file_names
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
     RankRun,
@@ -205,6 +205,7 @@ def heatmap_ranks(
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)
     results = []
+    names = file_names(metrics, prefix="heatmap-ranks")
     for metric in metrics:
         cells = rows.filter(pl.col("metric") == metric).select(
             *(pl.col(n).cast(pl.Categorical) for n in ("layer", "tensor_path", "module_type")),
@@ -214,8 +215,7 @@ def heatmap_ranks(
             "value",
         )
         grid = build_grid(cells, plain, metric, x)
-        name = file_name(metric).replace("heatmap-", "heatmap-ranks-", 1)
-        results.append(draw(grid, facts, Path(output_dir) / name, scale=scale))
+        results.append(draw(grid, facts, Path(output_dir) / names[metric], scale=scale))
     return results, lines
 
 

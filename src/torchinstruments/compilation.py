@@ -4,7 +4,9 @@ Dynamo compiles the frames a compiled call enters. The root proxy's wrapper is e
 (`exclude_from_compilation`: its frame runs as plain Python, the frames it calls are still
 compiled), and it pauses compilation while it does its own bookkeeping, so the sampling decision
 is taken in Python at every root forward and an unsampled forward then enters the compiled code
-exactly as the plain model does. Layer proxies exist only while a sampled forward runs
+exactly as the plain model does (`ForwardEntry`): the model's own forward is the first frame
+dynamo compiles, as for the plain model, and a frame of the observer's own is put in between
+only where torch.compile puts one too (a forward that lives in torch, like nn.Sequential's). Layer proxies exist only while a sampled forward runs
 (observer.py), and a sampled forward runs with torch.compile off (`call_eagerly`): compiled code
 never sees a proxy, so it has the graphs, breaks and guards of the plain model.
 
@@ -38,6 +40,7 @@ from torchinstruments._torch_internals import (
 )
 
 __all__ = [
+    "ForwardEntry",
     "call_eagerly",
     "compile_support",
     "compiled_from_the_top",
@@ -123,13 +126,42 @@ def forward_caller() -> Callable[[Callable[..., Any], tuple, dict], Any]:
     The root wrapper is never compiled, so the frame it calls is where dynamo starts. The class's
     forward cannot be that frame when it lives in torch (`nn.Sequential.forward`): dynamo never
     starts compiling inside torch.nn, and would run it eagerly. This frame is compiled instead,
-    with the forward inlined into it, as torch.compile's own wrapper does. Each observer gets a
+    with the forward inlined into it, as torch.compile's own wrapper does (only there: see
+    `ForwardEntry`). Each observer gets a
     fresh code object, so dynamo's per-code cache (and its recompile limit) is not shared
     between observed models.
     """
     code = _call_forward.__code__
     code = code.replace(co_varnames=code.co_varnames)  # a new code object, same bytecode
     return types.FunctionType(code, _call_forward.__globals__, "observed_forward")
+
+
+class ForwardEntry:
+    """How an unsampled root forward enters compiled code: as torch.compile enters the plain model.
+
+    torch.compile starts compiling at the model's own forward when dynamo may compile there (the
+    user's code), and only for a forward dynamo never starts in (one in torch, nn.Sequential's)
+    does it add a frame of its own that inlines it (`wrap_inline`). The root wrapper does the
+    same: it calls the forward itself, or through `forward_caller`'s frame. A frame in between
+    where torch.compile has none would cost nothing without a graph break, but a break inside the
+    model would break that frame too (one more break, one more compiled frame). The answer is
+    read from dynamo's trace rules the first time the forward is called while compiling, and
+    kept: the root proxy's forward never changes.
+    """
+
+    def __init__(self) -> None:
+        self.call_forward = forward_caller()
+        self._through_caller: bool | None = None
+
+    def through_caller(self, forward: Callable[..., Any]) -> bool:
+        """Whether `forward`, called while compiling, must be entered through `call_forward`."""
+        decided = self._through_caller
+        if decided is None:
+            skips = dynamo_skips(forward)
+            if skips is None:  # trace rules not loaded: the caller's frame compiles either way
+                return True
+            decided = self._through_caller = skips
+        return decided
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:

@@ -71,9 +71,9 @@ from torchinstruments._torch_internals import (
 )
 from torchinstruments.capture import Proxies
 from torchinstruments.compilation import (
+    ForwardEntry,
     call_eagerly,
     exclude_from_compilation,
-    forward_caller,
     pause_compilation,
     resume_compilation,
 )
@@ -250,7 +250,7 @@ class Observer:
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
-        self._call_forward = forward_caller()
+        self._entry = ForwardEntry()
         self._root_layer: _LayerCapture | None = None
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
@@ -324,10 +324,14 @@ class Observer:
             return self._call_nested(wrapped, args, kwargs)
         local = self._local
         if sample is None:
+            # Compiled, if the model is: entered as torch.compile enters the plain model.
+            through_caller = paused is not None and self._entry.through_caller(wrapped)
             resume_compilation(paused)
             local.depth = 1
             try:
-                return self._call_forward(wrapped, args, kwargs)  # compiled, if the model is
+                if through_caller:
+                    return self._entry.call_forward(wrapped, args, kwargs)
+                return wrapped(*args, **kwargs)
             finally:
                 local.depth = 0
         try:

@@ -8,6 +8,7 @@ Both must write exactly the same history.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import warnings
@@ -39,19 +40,19 @@ def block(
         signal=signal,
         rank=None if sample_id % 2 else 1,
         metrics=metrics,
-        timestamps_us=[1_700_000_000_000_000 + sample_id * 1000 + i for i in range(tensors)],
-        layers=[f"blocks.{i}" for i in range(tensors)],
-        module_types=["Linear" if i % 2 else "ReLU" for i in range(tensors)],
-        call_indices=[i % 3 for i in range(tensors)],
-        tensor_paths=["" if i % 4 else "[0]" for i in range(tensors)],
-        shapes=[(4, i + 1) if i % 5 else None for i in range(tensors)],
-        dtypes=["float32"] * tensors,
-        modes=["train" if i % 2 else "eval" for i in range(tensors)],
-        grad_enabled=[bool(i % 2) for i in range(tensors)],
-        placements=[None if i % 3 else "Shard(0)" for i in range(tensors)],
-        mesh_coordinates=[None if i % 3 else (i % 2,) for i in range(tensors)],
-        values=values,
-        reasons=why,
+        timestamps_us=tuple(1_700_000_000_000_000 + sample_id * 1000 + i for i in range(tensors)),
+        layers=tuple(f"blocks.{i}" for i in range(tensors)),
+        module_types=tuple("Linear" if i % 2 else "ReLU" for i in range(tensors)),
+        call_indices=tuple(i % 3 for i in range(tensors)),
+        tensor_paths=tuple("" if i % 4 else "[0]" for i in range(tensors)),
+        shapes=tuple((4, i + 1) if i % 5 else None for i in range(tensors)),
+        dtypes=("float32",) * tensors,
+        modes=tuple("train" if i % 2 else "eval" for i in range(tensors)),
+        grad_enabled=tuple(bool(i % 2) for i in range(tensors)),
+        placements=tuple(None if i % 3 else "Shard(0)" for i in range(tensors)),
+        mesh_coordinates=tuple(None if i % 3 else (i % 2,) for i in range(tensors)),
+        values=tuple(values),
+        reasons=tuple(why),
         step=None if sample_id % 3 == 2 else 7 * sample_id,
     )
 
@@ -111,8 +112,10 @@ def test_a_part_that_splits_a_block_says_so_in_its_metadata(tmp_path: Path) -> N
 def test_a_cell_that_does_not_fit_is_nulled_with_a_reason_and_its_rows_kept(
     tmp_path: Path,
 ) -> None:
-    bad = block(0, 3)
-    bad.values[4] = "not a number"  # type: ignore[call-overload]
+    good = block(0, 3)
+    values: list[object] = list(good.values)
+    values[4] = "not a number"
+    bad = dataclasses.replace(good, values=tuple(values))  # type: ignore[arg-type]
     writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=100))
     writer.append(block(1, 2))
     writer.append(bad)

@@ -520,8 +520,8 @@ def test_a_lane_copy_waits_for_its_pass_untracked_by_the_collector() -> None:
     assert not gc.is_tracked(entries[1])
     (record,) = transfer.build_records("output", list(entries), DEFAULT_METRICS, None, spare)
     assert isinstance(record.measurements, MeasurementBlock)
-    assert record.measurements.layers == ["l"]
-    assert record.measurements.shapes == [(4, 8)]
+    assert record.measurements.layers == ("l",)
+    assert record.measurements.shapes == ((4, 8),)
 
 
 def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:
@@ -531,19 +531,19 @@ def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:
         signal="output",
         rank=None,
         metrics=("mean", "max"),
-        timestamps_us=[10, 11],
-        layers=["a", "b"],
-        module_types=["Linear", "ReLU"],
-        call_indices=[0, 1],
-        tensor_paths=["", "[0]"],
-        shapes=[(2, 3), None],
-        dtypes=["float32", "float32"],
-        modes=["train", "eval"],
-        grad_enabled=[True, False],
-        placements=[None, "Shard(0)"],
-        mesh_coordinates=[None, (1,)],
-        values=[1.0, 2.0, None, 4.0],
-        reasons=[None, None, "no finite entries", None],
+        timestamps_us=(10, 11),
+        layers=("a", "b"),
+        module_types=("Linear", "ReLU"),
+        call_indices=(0, 1),
+        tensor_paths=("", "[0]"),
+        shapes=((2, 3), None),
+        dtypes=("float32", "float32"),
+        modes=("train", "eval"),
+        grad_enabled=(True, False),
+        placements=(None, "Shard(0)"),
+        mesh_coordinates=(None, (1,)),
+        values=(1.0, 2.0, None, 4.0),
+        reasons=(None, None, "no finite entries", None),
     )
     second = Measurement(
         sample_id=3,

@@ -92,6 +92,44 @@ def test_raising_sink_is_warned_once_and_detached_and_others_keep_working(run_di
     assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
 
 
+class Editing(Recording):
+    """A careless sink: it tries to overwrite each record's values in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    def write_forward(self, record: SampleRecord) -> None:
+        super().write_forward(record)
+        block = record.measurements
+        try:
+            block.values[:] = [-1.0] * len(block.values)  # type: ignore[index]
+        except TypeError:
+            self.refused += 1
+
+    write_backward = write_forward
+
+
+def test_a_sink_cannot_change_the_records_other_sinks_and_the_directory_hold(
+    run_dir: Path,
+) -> None:
+    editing, after = Editing(), Recording()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[editing, after]
+    )
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    assert editing.refused == len(editing.records) == 6
+    history = read_history(run_dir)
+    assert history.height > 0
+    assert (history["value"] == -1.0).sum() == 0
+    seen = [v.value for r in after.records for m in r.measurements for v in m.values]
+    assert len(seen) == history.height
+    assert -1.0 not in seen
+
+
 def test_object_without_sink_methods_is_rejected_at_inject(run_dir: Path) -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"sinks: .* lacks .*write_forward"):

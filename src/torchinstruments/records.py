@@ -115,9 +115,10 @@ class MeasurementBlock(Sequence[Measurement]):
     Design decision: a sampled forward of a model with thousands of layers measures thousands of
     tensors, and one `Measurement` with its `MetricValue`s per tensor is some fifteen Python
     objects the garbage collector scans until the sample is written. A block holds the same
-    content as one list per field (per tensor) plus the values and reasons of every metric
+    content as one tuple per field (per tensor) plus the values and reasons of every metric
     (row-major, `len(metrics)` per tensor), so the run directory turns it into rows without
-    building those objects. It is a `Sequence[Measurement]`: a sink that iterates it gets the
+    building those objects. Tuples, so that a block is immutable like every record: a sink that
+    receives it cannot change what another sink, or the run directory's buffer, holds. It is a `Sequence[Measurement]`: a sink that iterates it gets the
     `Measurement`s, built on access, equal to the ones the block stands for.
     """
 
@@ -126,19 +127,19 @@ class MeasurementBlock(Sequence[Measurement]):
     signal: str
     rank: int | None
     metrics: tuple[str, ...]
-    timestamps_us: list[int]
-    layers: list[str]
-    module_types: list[str]
-    call_indices: list[int]
-    tensor_paths: list[str]
-    shapes: list[tuple[int, ...] | None]
-    dtypes: list[str]
-    modes: list[str]
-    grad_enabled: list[bool]
-    placements: list[str | None]
-    mesh_coordinates: list[tuple[int, ...] | None]
-    values: list[float | None]
-    reasons: list[str | None]
+    timestamps_us: tuple[int, ...]
+    layers: tuple[str, ...]
+    module_types: tuple[str, ...]
+    call_indices: tuple[int, ...]
+    tensor_paths: tuple[str, ...]
+    shapes: tuple[tuple[int, ...] | None, ...]
+    dtypes: tuple[str, ...]
+    modes: tuple[str, ...]
+    grad_enabled: tuple[bool, ...]
+    placements: tuple[str | None, ...]
+    mesh_coordinates: tuple[tuple[int, ...] | None, ...]
+    values: tuple[float | None, ...]
+    reasons: tuple[str | None, ...]
     step: int | None = None  # the sample's step (see `Measurement.step`)
 
     def __len__(self) -> int:

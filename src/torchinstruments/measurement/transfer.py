@@ -301,27 +301,28 @@ def _block(
     rank: int | None,
     metrics: tuple[str, ...],
 ) -> MeasurementBlock:
-    """One sample's block, column by column."""
-    keys = [entry[0] for entry in entries]
+    """One sample's block, column by column, in tuples: what a sink receives cannot be changed
+    by it, so no sink rewrites what another sink or the run directory's buffer holds."""
+    keys, stamps, shapes, dtypes, placements, meshes = zip(*entries, strict=True)
     return MeasurementBlock(
         sample_id=sample_id,
         forward_index=keys[0].forward_index,
         signal=signal,
         rank=rank,
         metrics=metrics,
-        timestamps_us=[entry[1] for entry in entries],
-        layers=[key.layer.name for key in keys],
-        module_types=[key.layer.module_type for key in keys],
-        call_indices=[key.call_index for key in keys],
-        tensor_paths=[key.tensor_path for key in keys],
-        shapes=[entry[2] for entry in entries],
-        dtypes=[entry[3] for entry in entries],
-        modes=[key.mode for key in keys],
-        grad_enabled=[key.grad_enabled for key in keys],
-        placements=[entry[4] for entry in entries],
-        mesh_coordinates=[entry[5] for entry in entries],
-        values=values,
-        reasons=why,
+        timestamps_us=stamps,
+        layers=tuple([key.layer.name for key in keys]),
+        module_types=tuple([key.layer.module_type for key in keys]),
+        call_indices=tuple([key.call_index for key in keys]),
+        tensor_paths=tuple([key.tensor_path for key in keys]),
+        shapes=shapes,
+        dtypes=dtypes,
+        modes=tuple([key.mode for key in keys]),
+        grad_enabled=tuple([key.grad_enabled for key in keys]),
+        placements=placements,
+        mesh_coordinates=meshes,
+        values=tuple(values),
+        reasons=tuple(why),
         step=keys[0].step,
     )
 

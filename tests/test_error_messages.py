@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchinstruments import (
+    AbsMax,
     DefaultStatistics,
     EveryNForwardsSampler,
     HistoryConfig,
@@ -196,6 +197,7 @@ MISTAKES: list[tuple[str, Callable[[Path], object], str, str, str]] = [
     ("resume", _inject(resume=1), "resume", "1", "True (continue"),
     ("sinks", _inject(sinks=[object()]), "sinks", "<object object", "a Sink has start"),
     ("reducers object", _inject(reducers=[object()]), "reducers[0]", "<object object", "mapping"),
+    ("reducers class", _inject(reducers=[AbsMax]), "reducers[0]", "AbsMax", "reducers=[AbsMax()]"),
     (
         "reducers lambda",
         _inject(reducers=[lambda t: t.abs().max()]),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchinstruments import (
+    AbsMax,
     DefaultStatistics,
     EveryNForwardsSampler,
     HistoryConfig,
@@ -46,6 +47,7 @@ BAD_OPTIONS = [
     ({"sinks": "tensorboard"}, TypeError, "sinks"),
     ({"reducers": [Clashing()]}, ValueError, "mean"),
     ({"reducers": [object()]}, TypeError, "reducers"),
+    ({"reducers": [AbsMax]}, TypeError, r"reducers\[0\] is the class AbsMax.*instantiate"),
     ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
 ]
 # Options that are wrong for this model (selectors that select nothing of it).

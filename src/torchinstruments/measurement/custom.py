@@ -147,6 +147,11 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
                     f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
                 )
         return [_FunctionReducer(name, function) for name, function in item.items()]
+    if isinstance(item, type):  # callable, and has `metrics` when it is a Reducer class
+        raise TypeError(
+            f"{label} is the class {item.__name__}, not a reducer: instantiate it, e.g. "
+            f"reducers=[{item.__name__}()]"
+        )
     if not callable(item):
         raise TypeError(
             f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "

@@ -266,6 +266,31 @@ def test_a_failing_function_nulls_only_its_own_metric(reduction_path: str) -> No
     assert got["broken"] == MetricValue(None, "reducer error: ValueError: bad input")
 
 
+class Growing:
+    """A reducer whose `metrics` its owner extends after the observer was injected."""
+
+    def __init__(self) -> None:
+        self.metrics = ["first_metric"]
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
+        return dict.fromkeys(self.metrics, 1.0)
+
+
+def test_metrics_are_read_once_so_a_later_change_never_shifts_values_to_other_names(
+    reduction_path: str,
+) -> None:
+    def seven(tensor: torch.Tensor) -> float:
+        return 7.0
+
+    growing = Growing()
+    measurer = Measurer([growing, seven], host_paths=reduction_path == "host")
+    growing.metrics.append("added_later")
+    assert measurer.metrics == (*DEFAULT_METRICS, "first_metric", "seven")
+    got = measure(torch.tensor([2.0, -1.0]), measurer)
+    assert got["first_metric"] == MetricValue(1.0)
+    assert got["seven"] == MetricValue(7.0)
+
+
 def test_a_lambda_without_a_name_is_refused_with_a_way_out() -> None:
     with pytest.raises(TypeError, match=r"reducers\[1\] is a lambda.*\{\"my_metric\": lambda"):
         Measurer([peak_to_peak, lambda t: t.mean()])

@@ -146,27 +146,31 @@ class Measurer:
         if not any(isinstance(reducer, DefaultStatistics) for reducer in checked):
             checked.insert(0, DefaultStatistics())  # the implicit default profile
         custom.check_unique(checked)
-        self._reducers: tuple[Reducer, ...] = tuple(checked)
+        # Each reducer with its `metrics`, read once here (the Reducer protocol says so): a
+        # reducer whose `metrics` changes later still fills the columns named at inject.
+        self._reducers: tuple[tuple[Reducer, tuple[str, ...]], ...] = tuple(
+            (reducer, tuple(reducer.metrics)) for reducer in checked
+        )
         self.host_paths = host_paths
         self._warned: set[str] = set()
         self.metrics: tuple[str, ...] = tuple(
-            name for reducer in self._reducers for name in reducer.metrics
+            name for _, metrics in self._reducers for name in metrics
         )
         # The metrics when the default profile (or a non-empty subset) is the only reducer:
         # then the small-tensor lane (`lane`) may measure a tensor. None otherwise.
-        only_default = len(self._reducers) == 1 and isinstance(self._reducers[0], DefaultStatistics)
+        only_default = len(checked) == 1 and isinstance(checked[0], DefaultStatistics)
         self.default_only: tuple[str, ...] | None = (
             self.metrics if only_default and self.metrics else None
         )
 
-    def _modified_input(self, reducer: Reducer) -> _Part:
+    def _modified_input(self, reducer: Reducer, metrics: tuple[str, ...]) -> _Part:
         """Null metrics for a reducer that modified its argument; said once per reducer."""
         name = str(getattr(reducer, "__name__", None) or type(reducer).__name__)
         reason = reasons.reducer_modified_input(name)
         if name not in self._warned:
             self._warned.add(name)
             warn(f"torchinstruments: {reason}; its metrics are null")
-        return _Part.null(reducer.metrics, reason)
+        return _Part.null(metrics, reason)
 
     def launch(self, tensor: torch.Tensor) -> PendingReduction:
         """Starts measuring `tensor` (detached, never modified); never raises and, off the CPU,
@@ -187,25 +191,27 @@ class Measurer:
         copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
         try:
             detached = tensor.detach()
-            for reducer in self._reducers:
+            for reducer, metrics in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:
                     if isinstance(reducer, DefaultStatistics):
                         part, block, counted = _reduce_default(
-                            detached, reducer.metrics, offset, bins, self.host_paths
+                            detached, metrics, offset, bins, self.host_paths
                         )
                         histogram = counted if histogram is None else histogram
                     else:
                         if copy is None:
                             copy = detached.clone()
                         version = tensor_version(copy)
-                        part, block = _reduce_custom(reducer, copy, offset, self.host_paths)
+                        part, block = _reduce_custom(
+                            reducer, metrics, copy, offset, self.host_paths
+                        )
                         if tensor_version(copy) != version:
-                            part, block = self._modified_input(reducer), None
+                            part, block = self._modified_input(reducer, metrics), None
                             copy = None  # the next reducer gets a fresh copy
                 except Exception as error:
                     reason = reasons.error("statistics", error)
-                    part, block = _Part.null(reducer.metrics, reason), None
+                    part, block = _Part.null(metrics, reason), None
                 parts.append(part)
                 if block is not None:
                     blocks.append(block)
@@ -252,11 +258,15 @@ def _reduce_default(
 
 
 def _reduce_custom(
-    reducer: Reducer, tensor: torch.Tensor, offset: int, host_paths: bool
+    reducer: Reducer,
+    metrics: tuple[str, ...],
+    tensor: torch.Tensor,
+    offset: int,
+    host_paths: bool,
 ) -> tuple[_Part, torch.Tensor | None]:
-    """One custom reducer's metrics: device scalars of plain tensors stay on the device for the
-    sample's transfer (also on the CPU when `host_paths` is False, as the general path does)."""
-    metrics = tuple(reducer.metrics)
+    """One custom reducer's `metrics` (as read at inject, whatever it says now): device scalars
+    of plain tensors stay on the device for the sample's transfer (also on the CPU when
+    `host_paths` is False, as the general path does)."""
     try:
         result = reducer(tensor)
     except Exception as error:

@@ -8,6 +8,7 @@ original values, and the model trains exactly as the unobserved copy does.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,34 @@ def test_reducer_without_side_effects_sees_the_live_values(run_dir: Path) -> Non
         (pl.col("metric") == "abs_max") & (pl.col("signal") == "output")
     )
     assert rows["value"].to_list() == [pytest.approx(out.detach().abs().max().item())]
+
+
+def test_each_modifying_function_is_named_in_its_reason_and_warned_about_once(
+    run_dir: Path,
+) -> None:
+    def clamp_then_max(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clamp_(min=0).amax()
+
+    def scaled_sum(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(2).sum()
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        reducers=[clamp_then_max, scaled_sum, {"halved": lambda t: t.div_(2).sum()}],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(4, 3)).sum().backward()
+    remove_observer(model)
+    modified = [str(w.message) for w in caught if "modified its argument" in str(w.message)]
+    assert len(modified) == 3
+    for name in ("reducer clamp_then_max ", "reducer scaled_sum ", "reducer <lambda> of metric"):
+        assert sum(name in message for message in modified) == 1
+    rows = read_history(run_dir).filter(pl.col("metric").is_in(["clamp_then_max", "scaled_sum"]))
+    assert rows.height == 2 * 2 * 2 * 2  # samples x layers x signals x metrics
+    for metric, reason in rows.select("metric", "unavailable_reason").iter_rows():
+        assert reason.startswith(f"reducer {metric} modified its argument in place")

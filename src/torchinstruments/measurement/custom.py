@@ -98,6 +98,11 @@ class _FunctionReducer:
     def __init__(self, name: str, function: Callable[[torch.Tensor], torch.Tensor | float]) -> None:
         self.metrics: tuple[str, ...] = (name,)
         self._function = function
+        # What reasons and warnings call it: the function's own name, or, for one without a
+        # usable name (a lambda in a mapping), the function of its metric.
+        own = getattr(function, "__name__", None)
+        usable = isinstance(own, str) and own.isidentifier()
+        self.__name__ = own if usable else f"{own or type(function).__name__} of metric {name!r}"
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | float]:
         # Whatever the function returns is checked by `reducers` (null + reason if unusable).

@@ -152,7 +152,7 @@ class Measurer:
             (reducer, tuple(reducer.metrics)) for reducer in checked
         )
         self.host_paths = host_paths
-        self._warned: set[str] = set()
+        self._warned: set[int] = set()  # ids of the reducers warned about
         self.metrics: tuple[str, ...] = tuple(
             name for _, metrics in self._reducers for name in metrics
         )
@@ -164,11 +164,12 @@ class Measurer:
         )
 
     def _modified_input(self, reducer: Reducer, metrics: tuple[str, ...]) -> _Part:
-        """Null metrics for a reducer that modified its argument; said once per reducer."""
+        """Null metrics for a reducer that modified its argument; said once per reducer (a
+        function by its name, a Reducer object by its class)."""
         name = str(getattr(reducer, "__name__", None) or type(reducer).__name__)
         reason = reasons.reducer_modified_input(name)
-        if name not in self._warned:
-            self._warned.add(name)
+        if id(reducer) not in self._warned:  # the reducers live as long as this Measurer
+            self._warned.add(id(reducer))
             warn(f"torchinstruments: {reason}; its metrics are null")
         return _Part.null(metrics, reason)
 

@@ -23,6 +23,56 @@ def test_a_sampler_class_is_refused_with_a_hint_to_instantiate_it(run_dir: Path)
     assert not run_dir.exists()
 
 
+class NoIndex:
+    """Forgot the forward_index argument."""
+
+    def should_sample(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "NoIndex()"
+
+
+class TwoArguments:
+    def should_sample(self, forward_index: int, step: int) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "TwoArguments()"
+
+
+@pytest.mark.parametrize("sampler", [NoIndex(), TwoArguments()], ids=repr)
+def test_a_should_sample_that_cannot_take_the_forward_index_is_refused_at_inject(
+    run_dir: Path, sampler: object
+) -> None:
+    model = mlp()
+    with pytest.raises(TypeError) as caught:
+        inject_observer(model, output_dir=run_dir, sampler=sampler)
+    message = str(caught.value)
+    assert message.startswith(f"sampler={sampler!r} has should_sample(")
+    assert "cannot be called as should_sample(forward_index)" in message
+    assert not run_dir.exists()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class Flexible:
+    """Takes the index among optional arguments, or through a builtin without a signature."""
+
+    def should_sample(self, forward_index: int = 0, *extra: int, step: int = 0) -> bool:
+        return forward_index % 2 == 0
+
+
+def test_a_should_sample_that_accepts_one_positional_argument_is_accepted(run_dir: Path) -> None:
+    model = mlp()
+    builtin = type("Builtin", (), {"should_sample": staticmethod(bool)})()
+    for index, sampler in enumerate([Flexible(), builtin]):
+        inject_observer(model, output_dir=run_dir / str(index), sampler=sampler)
+        model(torch.randn(2, 8))
+        model(torch.randn(2, 8))
+        remove_observer(model)
+        assert read_history(run_dir / str(index))["sample_id"].unique().to_list() == [0]
+
+
 class Returns:
     def __init__(self, value: Any) -> None:
         self.value = value

@@ -8,6 +8,7 @@ sample internally consistent.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -103,7 +104,8 @@ class EveryNForwardsSampler:
 
 
 def check_sampler(sampler: object) -> None:
-    """Refuse what cannot sample: a class instead of an instance, or no `should_sample`.
+    """Refuse what cannot sample: a class instead of an instance, no `should_sample`, or one that
+    cannot be called with one positional argument (a builtin without a signature is accepted).
 
     Raises:
         TypeError: naming the argument and what to pass instead.
@@ -113,10 +115,23 @@ def check_sampler(sampler: object) -> None:
             f"sampler must be a Sampler instance, got the class {sampler.__name__}; "
             f"instantiate it, e.g. sampler={sampler.__name__}(...)"
         )
-    if not callable(getattr(sampler, "should_sample", None)):
+    should_sample = getattr(sampler, "should_sample", None)
+    if not callable(should_sample):
         raise TypeError(
             f"sampler must have should_sample(forward_index) -> bool (a Sampler), got {sampler!r}"
         )
+    try:
+        signature = inspect.signature(should_sample)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        signature.bind(0)
+    except TypeError:
+        raise TypeError(
+            f"sampler={sampler!r} has should_sample{signature}, which cannot be called as "
+            "should_sample(forward_index): it must take the root forward's index as its one "
+            "argument, e.g. def should_sample(self, forward_index: int) -> bool"
+        ) from None
 
 
 def as_decision(value: object) -> bool | None:

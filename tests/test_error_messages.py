@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -80,6 +81,57 @@ def test_a_one_argument_selector_says_how_it_is_called(option: str, tmp_path: Pa
     )
     assert "lambda name, module:" in message
     assert not (tmp_path / "run").exists()
+
+
+def _raises_on_relu(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.ReLU):
+        raise KeyError("no ReLU here")
+    return True
+
+
+@pytest.mark.parametrize("option", ["selector", "histogram_selector"])
+def test_a_raising_selector_is_named_with_the_module_it_failed_on(
+    option: str, tmp_path: Path
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    options: dict[str, Any] = {option: _raises_on_relu}
+    with pytest.raises(ValueError, match="no ReLU here") as caught:
+        inject_observer(model, output_dir=tmp_path / "run", **options)
+    assert str(caught.value).startswith(
+        f"{option} raised KeyError: 'no ReLU here' when asked about module '1' (ReLU)"
+    )
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert not (tmp_path / "run").exists()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("option", ["selector", "histogram_selector"])
+@pytest.mark.parametrize("answer", ["no", torch.tensor([True, True]), 1, None], ids=repr)
+def test_a_selector_answer_that_is_not_a_bool_is_refused_naming_it(
+    option: str, answer: object, tmp_path: Path
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    options: dict[str, Any] = {option: lambda name, module: answer if name == "0" else True}
+    with pytest.raises(TypeError) as caught:
+        inject_observer(model, output_dir=tmp_path / "run", **options)
+    assert str(caught.value) == (
+        f"{option} returned {answer!r} for module '0' (Linear); it must return a bool (True to "
+        "select the module)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option", ["selector", "histogram_selector"])
+@pytest.mark.parametrize("yes", [np.bool_(True), torch.tensor(True)], ids=repr)
+def test_numpy_and_tensor_bools_are_selector_answers(
+    option: str, yes: object, tmp_path: Path
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    options: dict[str, Any] = {option: lambda name, module: yes if name == "0" else False}
+    inject_observer(model, output_dir=tmp_path / "run", **options)
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    assert (tmp_path / "run" / "history.parquet").is_file()
 
 
 def test_remove_observer_of_a_name_is_a_type_error() -> None:

@@ -44,6 +44,7 @@ from torch.nn.utils import parametrize
 from torchinstruments._torch_internals import registered_tensor_slots
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
+from torchinstruments.sampling import as_decision
 
 __all__ = [
     "Selector",
@@ -245,7 +246,9 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
     offered = []
     for name, module in named_modules_uncompiled(model):
         offered.append(name)
-        chosen = selector(name, module) if selector is not None else name in default
+        chosen = (
+            _ask("selector", selector, name, module) if selector is not None else name in default
+        )
         if chosen and not isinstance(module, torch.jit.ScriptModule):
             layers.append((module, LayerInfo(name, type(module).__name__)))
     if not layers:
@@ -257,6 +260,31 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
             "never layers)"
         )
     return layers
+
+
+def _ask(argument: str, selector: Selector, name: str, module: nn.Module) -> bool:
+    """The selector's answer for one module, asked once at inject.
+
+    Its exception is re-raised as a ValueError naming the argument and the module; an answer
+    that is not a bool (a NumPy bool or a 0-d bool tensor is, as for a sampler's answers) is
+    refused instead of read with `bool()`, which would take "no" for True and raise on a tensor
+    of several values.
+    """
+    where = f"module {name!r} ({type(module).__name__})"
+    try:
+        answer = selector(name, module)
+    except Exception as error:
+        raise ValueError(
+            f"{argument} raised {type(error).__name__}: {error} when asked about {where}: it is "
+            f"called with every module's name and module and must return a bool for each"
+        ) from error
+    decision = as_decision(answer)
+    if decision is None:
+        raise TypeError(
+            f"{argument} returned {answer!r} for {where}; it must return a bool (True to "
+            "select the module)"
+        )
+    return decision
 
 
 def _listed(names: Sequence[str], limit: int = 20) -> str:
@@ -274,7 +302,8 @@ def select_focus_layers(
     candidates = [
         info.name
         for module, info in layers
-        if histogram_selector is None or histogram_selector(info.name, module)
+        if histogram_selector is None
+        or _ask("histogram_selector", histogram_selector, info.name, module)
     ]
     if histogram_selector is not None and not candidates:
         raise ValueError(

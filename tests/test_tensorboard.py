@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -250,6 +252,33 @@ def test_tensorboard_sink_puts_histograms_on_the_callers_step(
         assert [event.step for event in histograms(run_dir / "tensorboard")[tag]] == [0, 3, 6]
 
 
+@pytest.mark.parametrize(
+    "make_step", [np.int64, lambda n: torch.tensor(n)], ids=["numpy int", "0-d int tensor"]
+)
+def test_tensorboard_sink_takes_the_integers_set_step_takes(
+    make_step: Any, run_dir: Path, tmp_path: Path
+) -> None:
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    trainer_step = [0]
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(2),
+        sinks=[TensorBoardSink(writer, step=lambda: make_step(trainer_step[0]))],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the sink is never detached
+        for step in range(4):
+            trainer_step[0] = 50 + step
+            model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.close()
+    caller = histograms(tmp_path / "caller")
+    for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
+        assert [event.step for event in caller[tag]] == [50, 52], tag
+
+
 def test_tensorboard_sink_step_must_be_callable_and_return_an_int(
     run_dir: Path, tmp_path: Path
 ) -> None:
@@ -263,7 +292,7 @@ def test_tensorboard_sink_step_must_be_callable_and_return_an_int(
         sampler=EveryNForwardsSampler(1),
         sinks=[TensorBoardSink(writer, step=lambda: "7")],  # type: ignore[arg-type, return-value]
     )
-    with pytest.warns(RuntimeWarning, match=r"step\(\) returned '7', expected an int"):
+    with pytest.warns(RuntimeWarning, match=r"step\(\) returned '7' \(str\), expected an integer"):
         model(torch.randn(2, 3))
     model(torch.randn(2, 3))  # the sink is detached; training and the run go on
     remove_observer(model)

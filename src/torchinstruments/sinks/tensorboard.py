@@ -6,6 +6,7 @@ each tag's first event carries its description and the histograms plugin's metad
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,13 +135,23 @@ class TensorBoardSink:
         return histogram_description(histogram, module_type, self._step_name)
 
     def _current_step(self, record: SampleRecord) -> int:
-        """The caller's step, or the sample's forward_index without `step`."""
+        """The caller's step, or the sample's forward_index without `step`.
+
+        `step()` may return what `set_step` accepts: an integer, Python, NumPy or a 0-d integer
+        tensor (`operator.index`), read as a Python int; a bool or a float is refused.
+        """
         if self._step is None:
             return record.forward_index
         step = self._step()
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"TensorBoardSink: step() returned {step!r}, expected an int")
-        return step
+        try:
+            if isinstance(step, bool):
+                raise TypeError
+            return operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"TensorBoardSink: step() returned {step!r} ({type(step).__name__}), expected an "
+                "integer (Python, NumPy or a 0-d integer tensor)"
+            ) from None
 
     def close(self, counts: RunCounts) -> None:
         """Leaves the caller's logger open and unflushed, as the caller left it."""

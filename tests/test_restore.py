@@ -95,6 +95,47 @@ def test_root_forward_wrapped_by_someone_else_after_injection_is_not_clobbered(
     assert read_history(run_dir)["forward_index"].unique().to_list() == [0]
 
 
+def test_root_forward_replaced_mid_run_is_named_in_index_with_what_was_not_observed(
+    run_dir: Path,
+) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 8))  # observed
+    model.forward = lambda x: nn.Sequential.forward(model, x)  # type: ignore[assignment]
+    for _ in range(3):
+        model(torch.randn(2, 8))  # through the replacement: not observed
+    with pytest.warns(RuntimeWarning, match=r"1 module forward.*\(the root \(Sequential\)\)"):
+        remove_observer(model)
+    index = (run_dir / "index.md").read_text()
+    assert (
+        "replaced or wrapped after inject_observer, the forward of: the root (Sequential). "
+        in index
+    )
+    assert "a root forward made so was neither counted nor sampled" in index
+    assert "counts: 1 root forward, 1 sample" in index
+
+
+def test_a_layer_forward_replaced_during_a_sampled_forward_is_named_in_index(
+    run_dir: Path,
+) -> None:
+    model = mlp()
+    first, second = model[0], model[1]
+
+    def replace_first(x: torch.Tensor) -> torch.Tensor:
+        # Inside the sampled forward, once layer 0 ran: its proxy is wrapped by what replaces it.
+        first.forward = lambda y: nn.Linear.forward(first, y)  # type: ignore[assignment]
+        return torch.relu(x)
+
+    second.forward = replace_first  # type: ignore[assignment]
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match="was replaced during a sampled forward"):
+        model(torch.randn(2, 8))
+    with pytest.warns(RuntimeWarning, match=r"\(layer '0'\)"):
+        remove_observer(model)
+    index = (run_dir / "index.md").read_text()
+    assert "replaced or wrapped after inject_observer, the forward of: layer '0'. " in index
+
+
 def test_layer_forward_replaced_between_forwards_is_kept_and_still_observed(
     run_dir: Path,
 ) -> None:

@@ -244,8 +244,10 @@ def remove_observer(model: nn.Module) -> Path | None:
         )
     if left_in_place:
         warn(
-            f"torchinstruments: {left_in_place} module forward(s) were replaced or wrapped after "
-            "inject_observer; they were left in place and the proxies inside them are now inert"
+            f"torchinstruments: {len(left_in_place)} module forward(s) were replaced or wrapped "
+            f"after inject_observer ({', '.join(left_in_place)}); they were left in place and the "
+            "proxies inside them are now inert; calls through a replacement that skipped the "
+            "proxy were not observed (index.md says so)"
         )
     return observer.directory
 

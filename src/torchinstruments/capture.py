@@ -38,7 +38,15 @@ from typing import Any
 import wrapt
 from torch import nn
 
-__all__ = ["ForwardProxy", "Proxies", "WarnOnce", "Wrapper", "install_proxy", "restore_proxy"]
+__all__ = [
+    "ForwardProxy",
+    "Proxies",
+    "WarnOnce",
+    "Wrapper",
+    "install_proxy",
+    "left_in_place_note",
+    "restore_proxy",
+]
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -174,7 +182,7 @@ class Proxies:
         self._last: list[ForwardProxy | None] = []
         self._lock = threading.Lock()
         self._sampling_threads = 0
-        self._left_in_place = 0
+        self._left_in_place: list[str] = []  # layers whose proxy a replacement kept
 
     def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
         """Install the root's proxy, which stays until `restore`."""
@@ -208,7 +216,7 @@ class Proxies:
                 module = module_ref()
                 if module is not None and not restore_proxy(module, self._token):
                     # Replaced or wrapped during the forward: left in place, inert once closed.
-                    self._left_in_place += 1
+                    self._left_in_place.append(f"layer {name!r}" if name else type(module).__name__)
                     self._warn_once(
                         f"replaced:{name}",
                         f"the forward of {name or type(module).__name__!r} was replaced during a "
@@ -216,13 +224,24 @@ class Proxies:
                         "inside it (inert after removal)",
                     )
 
-    def restore(self) -> int:
-        """Undo the root's proxy; returns how many proxies were left in place (not ours now)."""
-        left_in_place = 0
+    def restore(self) -> tuple[str, ...]:
+        """Undo the root's proxy; returns the forwards whose proxy was left in place, because
+        someone replaced or wrapped it (see `left_in_place_note`)."""
+        left_in_place: list[str] = []
         for module_ref in reversed(self._installed):
             module = module_ref()
             if module is not None and not restore_proxy(module, self._token):
-                left_in_place += 1
+                left_in_place.append(f"the root ({type(module).__name__})")
         self._installed.clear()
         self._last = [None] * len(self._last)  # the layers' modules are not held after removal
-        return left_in_place + self._left_in_place
+        return (*left_in_place, *dict.fromkeys(self._left_in_place))
+
+
+def left_in_place_note(forwards: tuple[str, ...]) -> str:
+    """index.md's note on forwards replaced or wrapped after injection (`Proxies.restore`)."""
+    return (
+        f"replaced or wrapped after inject_observer, the forward of: {', '.join(forwards)}. "
+        "Removal left each replacement in place (an observer proxy it still calls is inert now). "
+        "Calls that went through a replacement without reaching that proxy were not observed: a "
+        "root forward made so was neither counted nor sampled, and a layer call made so has no rows"
+    )

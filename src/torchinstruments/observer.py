@@ -69,7 +69,7 @@ from torchinstruments._torch_internals import (
     is_tracing,
     layer_by_layer,
 )
-from torchinstruments.capture import Proxies
+from torchinstruments.capture import Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
@@ -294,11 +294,14 @@ class Observer:
         self.proxies.install_root(root, self.on_root_call)
         self._finalizer = weakref.finalize(root, self.close)
 
-    def remove(self) -> int:
-        """Undo every proxy and close; returns how many proxies were left in place (not ours)."""
+    def remove(self) -> tuple[str, ...]:
+        """Undo every proxy and close; returns the forwards whose proxy was left in place
+        (replaced or wrapped by someone else), which index.md names too."""
         if self._finalizer is not None:
             self._finalizer.detach()
         left_in_place = self.proxies.restore()
+        if left_in_place and not self.closed:
+            self.notes.append(left_in_place_note(left_in_place))  # said in index.md
         self.close()
         return left_in_place
 

@@ -239,3 +239,76 @@ def test_after_sigkill_finalize_marks_the_partly_written_sample(
 
 if __name__ == "__main__":
     child_main(Path(sys.argv[1]))
+
+
+class RemovesInside(nn.Module):
+    """A layer whose forward removes the observer of `root` once `armed`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.root: nn.Module | None = None
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and self.root is not None:
+            self.armed = False
+            remove_observer(self.root)
+        return self.fc(x)
+
+
+def test_removal_inside_a_sampled_forward_marks_that_sample_and_says_so_in_index(
+    run_dir: Path,
+) -> None:
+    inner = RemovesInside()
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU())
+    inner.root = model
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4)).sum().backward()
+    inner.armed = True
+    model(torch.randn(2, 4)).sum().backward()  # removed during this forward
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(pl.col("metric") == "interrupted")
+    assert marks.select("sample_id", "signal", "layer").rows() == [(1, "output", "")]
+    assert marks["unavailable_reason"][0].startswith(
+        "interrupted: remove_observer was called during this sample's forward"
+    )
+    assert set(history.filter(pl.col("sample_id") == 1)["layer"]) == {"", "0"}  # before removal
+    index = (run_dir / "index.md").read_text()
+    assert "**State: complete, removed while a sample was in flight.**" in index
+    assert "during the forward of sample 1" in index
+    assert "**State: complete.**" not in index
+
+
+def test_removal_inside_a_backward_marks_that_sample_and_says_so_in_index(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    y = model(torch.randn(2, 4))
+
+    def remove(grad: torch.Tensor) -> None:  # runs after the last layer's gradient hook
+        remove_observer(model)
+
+    y.register_hook(remove)
+    y.sum().backward()
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(pl.col("metric") == "interrupted")
+    assert marks.select("sample_id", "signal", "layer").rows() == [(0, "output_gradient", "")]
+    assert marks["unavailable_reason"][0].startswith(
+        "interrupted: remove_observer was called during this sample's backward"
+    )
+    gradients = history.filter(pl.col("signal") == "output_gradient", pl.col("metric") == "mean")
+    assert gradients["layer"].to_list() == ["2"]  # the one gradient that arrived before
+    index = (run_dir / "index.md").read_text()
+    assert "**State: complete, removed while a sample was in flight.**" in index
+    assert "during the backward of sample 0" in index
+
+
+def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text()
+    assert "**State: complete.**" in index
+    assert "interrupted" not in set(pl.read_parquet(run_dir / "history.parquet")["metric"])

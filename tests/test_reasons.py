@@ -40,6 +40,8 @@ def every_builder_output() -> list[str]:
         reasons.interrupted(ValueError("bad\ninput"), "blocks.1", 2),
         reasons.interrupted(KeyboardInterrupt(), None, 0),
         reasons.partly_written("output", 3, 9),
+        reasons.removed_during("forward"),
+        reasons.removed_during("backward"),
         reasons.raised_on_ranks([0, 3]),
         reasons.error("global statistics", RuntimeError("gloo timeout")),
         reasons.EMPTY_GLOBAL,

@@ -51,6 +51,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -69,7 +70,7 @@ from torchinstruments.measurement.transfer import (
     launch,
     launch_tensor,
 )
-from torchinstruments.records import OUTPUT_GRADIENT, SampleRecord, TensorKey
+from torchinstruments.records import OUTPUT_GRADIENT, Measurement, SampleRecord, TensorKey
 from torchinstruments.spare_core import SpareCore
 
 __all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder"]
@@ -272,13 +273,15 @@ class GradientRecorder:
                 launched.append(launch_tensor(self._measurer, key, grad, False, reason))
         return launched
 
-    def flush(self) -> None:
-        """Transfer and emit every gradient launched since the last flush."""
+    def flush(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
+        """Transfer and emit every gradient launched since the last flush, each record with
+        `mark(record)` appended when given; returns the sample ids emitted."""
         with self._lock:
             pending, self._pending = self._pending, []
             self._flush_queued = False
         if not pending:
-            return
+            return []
+        emitted = []
         try:
             for record in build_records(
                 OUTPUT_GRADIENT, pending, self._measurer.metrics, self._rank, self._spare
@@ -286,17 +289,27 @@ class GradientRecorder:
                 if record.sample_id not in self._recent:
                     self._recent.append(record.sample_id)
                     self.backward_samples += 1
+                if mark is not None:
+                    record = replace(record, measurements=(*record.measurements, mark(record)))
                 self._emit(record)
+                emitted.append(record.sample_id)
         except Exception as error:
             self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
+        return emitted
 
-    def close(self) -> None:
-        """Emit outstanding gradients, remove every hook left on a leaf, and stop recording."""
+    def close(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
+        """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.
+
+        Gradients still waiting for the end of their backward pass mean the run is removed
+        inside that pass (from a tensor hook): their samples' records get `mark(record)`, and
+        their ids are returned.
+        """
         if self.closed:
-            return
-        self.flush()
+            return []
+        cut = self.flush(mark)
         self._remove_leaf_hooks(only_fired=False)
         self.closed = True
+        return cut
 
     def _end_backward(self) -> None:
         """Autograd-engine callback at the end of a backward pass: no hook is running now."""

@@ -97,7 +97,7 @@ from torchinstruments.records import (
     SampleRecord,
     TensorKey,
 )
-from torchinstruments.samples import InFlight, Sample
+from torchinstruments.samples import InFlight, Sample, removal_marker, removed_in_flight_note
 from torchinstruments.sampling import as_decision
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
@@ -390,7 +390,8 @@ class Observer:
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers()
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted
-                self._emit_forward(sample)
+                if not self.closed:  # removed during this forward: emitted then (`close`)
+                    self._emit_forward(sample)
 
     @property
     def current(self) -> Sample | None:
@@ -544,7 +545,16 @@ class Observer:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""
         if self.closed:
             return
-        self.gradients.close()
+        # Removed while samples were in flight (from inside a forward or a backward, or from
+        # another thread): each is emitted with what it has, marked; the rest runs unobserved.
+        root = LayerInfo("", self._root_type)
+        forwards = self.in_flight.take_all(root, self._root_mode, self.rank)
+        for sample in forwards:
+            self._emit_forward(sample)
+        backwards = self.gradients.close(lambda record: removal_marker(record, root, self.rank))
+        if forwards or backwards:
+            note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
+            self.notes.append(note)
         self.spare.close()
         self.closed = True
         forks.untrack(self)

@@ -20,6 +20,7 @@ __all__ = [
     "NO_VALUE",
     "REASONS",
     "RECORD_NO_VALUE",
+    "REMOVED_IN_FLIGHT",
     "Reason",
     "error",
     "explain",
@@ -34,6 +35,7 @@ __all__ = [
     "reducer_tensor_layout",
     "reducer_tensor_shape",
     "reducer_value",
+    "removed_during",
     "shared_output",
     "unsupported_dtype",
     "unsupported_layout",
@@ -157,6 +159,18 @@ REASONS: tuple[Reason, ...] = (
         "between layers (in the model's own code); the layers that returned before it have rows",
     ),
     Reason(
+        "interrupted: remove_observer was called during this sample's forward; the layers that "
+        "returned before it have rows, the others have none",
+        "a marker row (metric `interrupted`): the run was removed from inside this sampled "
+        "forward (or from another thread while it ran); the forward went on unobserved",
+    ),
+    Reason(
+        "interrupted: remove_observer was called during this sample's backward; the gradients "
+        "that arrived before it have rows, the others have none",
+        "a marker row (metric `interrupted`, signal output_gradient): the run was removed from "
+        "inside a backward pass through this sample (a tensor hook); the pass went on unobserved",
+    ),
+    Reason(
         "interrupted: the process ended before this sample's rows were all written; <k> of its "
         "<n> <signal> rows are in history",
         "a marker row written by `finalize`: the process died (SIGKILL, a crash) while part of "
@@ -263,6 +277,20 @@ def interrupted(error: BaseException, layer: str | None, call_index: int) -> str
         else f"in layer {layer or '<root>'!r} (call {call_index})"
     )
     return f"interrupted: the root forward raised {type(error).__name__}: {message} {where}"
+
+
+# In the note index.md states, and its state line looks for, when the run was removed while a
+# sampled forward or backward was in flight.
+REMOVED_IN_FLIGHT = "remove_observer was called while a sample was in flight"
+
+
+def removed_during(phase: str) -> str:
+    """The run was removed during a sample's `phase` ("forward" or "backward")."""
+    arrived = "layers that returned" if phase == "forward" else "gradients that arrived"
+    return (
+        f"interrupted: remove_observer was called during this sample's {phase}; the {arrived} "
+        "before it have rows, the others have none"
+    )
 
 
 def raised_on_ranks(ranks: list[int]) -> str:

@@ -31,13 +31,21 @@ import torch
 from torchinstruments import reasons
 from torchinstruments.capture import WarnOnce
 from torchinstruments.counting import Counter
-from torchinstruments.records import INTERRUPTED, OUTPUT, LayerInfo, Measurement, MetricValue
+from torchinstruments.records import (
+    INTERRUPTED,
+    OUTPUT,
+    OUTPUT_GRADIENT,
+    LayerInfo,
+    Measurement,
+    MetricValue,
+    SampleRecord,
+)
 
 if TYPE_CHECKING:
     from torchinstruments.global_statistics import GlobalTensor
     from torchinstruments.measurement.transfer import Launched
 
-__all__ = ["InFlight", "Sample"]
+__all__ = ["InFlight", "Sample", "marker", "removal_marker", "removed_in_flight_note"]
 
 
 class Sample:
@@ -98,23 +106,8 @@ class Sample:
         else:
             info, call_index, mode = root, 0, self.mode or root_mode()
             reason = reasons.interrupted(error, None, 0)
-        return Measurement(
-            sample_id=self.sample_id,
-            forward_index=self.forward_index,
-            timestamp_us=time.time_ns() // 1000,
-            rank=rank,
-            layer=info.name,
-            module_type=info.module_type,
-            call_index=call_index,
-            signal=OUTPUT,
-            tensor_path="",
-            shape=None,
-            dtype="",
-            mode=mode,
-            grad_enabled=torch.is_grad_enabled(),
-            metrics=(INTERRUPTED,),
-            values=(MetricValue(None, reason),),
-            step=self.step,
+        return marker(self.sample_id, self.forward_index, self.step, info, call_index, mode, rank)(
+            OUTPUT, reason
         )
 
     def next_call_index(self, layer: str) -> int:
@@ -123,6 +116,63 @@ class Sample:
             index = self.call_counts.get(layer, 0)
             self.call_counts[layer] = index + 1
         return index
+
+
+def marker(
+    sample_id: int,
+    forward_index: int,
+    step: int | None,
+    info: LayerInfo,
+    call_index: int,
+    mode: str,
+    rank: int | None,
+) -> Callable[[str, str], Measurement]:
+    """`(signal, reason) -> ` the sample's marker row (metric INTERRUPTED, value null) naming
+    `info`'s layer and call."""
+
+    def row(signal: str, reason: str) -> Measurement:
+        return Measurement(
+            sample_id=sample_id,
+            forward_index=forward_index,
+            timestamp_us=time.time_ns() // 1000,
+            rank=rank,
+            layer=info.name,
+            module_type=info.module_type,
+            call_index=call_index,
+            signal=signal,
+            tensor_path="",
+            shape=None,
+            dtype="",
+            mode=mode,
+            grad_enabled=torch.is_grad_enabled(),
+            metrics=(INTERRUPTED,),
+            values=(MetricValue(None, reason),),
+            step=step,
+        )
+
+    return row
+
+
+def removal_marker(record: SampleRecord, root: LayerInfo, rank: int | None) -> Measurement:
+    """The marker row of a sample whose backward the run's removal cut (`record`: the gradients
+    that arrived)."""
+    first = record.measurements[0]
+    row = marker(record.sample_id, record.forward_index, first.step, root, 0, first.mode, rank)
+    return row(OUTPUT_GRADIENT, reasons.removed_during("backward"))
+
+
+def removed_in_flight_note(forwards: list[int], backwards: list[int]) -> str:
+    """index.md's note on the samples in flight at removal (see `removed_during`)."""
+    parts = [
+        f"during the {phase} of sample {', '.join(map(str, ids))}"
+        for phase, ids in (("forward", forwards), ("backward", backwards))
+        if ids
+    ]
+    return (
+        f"{reasons.REMOVED_IN_FLIGHT}: {'; '.join(parts)}. Such a sample is partial (what was measured "
+        "before the removal), marked by a row with metric `interrupted`; the rest of its "
+        "forward or backward ran unobserved."
+    )
 
 
 class InFlight:
@@ -151,7 +201,21 @@ class InFlight:
     def end(self, sample: Sample) -> None:
         """`sample`'s root forward has returned (or raised): no call is recorded into it now."""
         with self._lock:
-            self.samples.remove(sample)
+            if sample in self.samples:  # else taken by `take_all` at the run's removal
+                self.samples.remove(sample)
+
+    def take_all(
+        self, root: LayerInfo, root_mode: Callable[[], str], rank: int | None
+    ) -> list[Sample]:
+        """Every sample in flight, ended now (the run is being removed during their forwards),
+        each with its marker row naming `root`; their layer proxies are inert from here on."""
+        with self._lock:
+            taken, self.samples[:] = self.samples[:], []
+        for sample in taken:
+            mode = sample.mode or root_mode()
+            row = marker(sample.sample_id, sample.forward_index, sample.step, root, 0, mode, rank)
+            sample.interrupted = row(OUTPUT, reasons.removed_during("forward"))
+        return taken
 
     def only(self, count: bool) -> Sample | None:
         """The sample a call of a thread without a root forward of its own belongs to: the one

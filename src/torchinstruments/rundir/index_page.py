@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchinstruments import reasons
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -123,6 +124,14 @@ def _section_state(state: RunState) -> list[str]:
             "",
         ]
     recorded = "" if state.rows_recorded is None else f" ({state.rows_recorded} rows)"
+    if any(reasons.REMOVED_IN_FLIGHT in note for note in state.notes):
+        return [
+            "**State: complete, removed while a sample was in flight.** history.parquet holds "
+            f"every row the run recorded{recorded}, but remove_observer was called during a "
+            "sampled forward or backward: that sample is partial and marked `interrupted` (see "
+            "the note below and Interrupted samples).",
+            "",
+        ]
     return [
         f"**State: complete.** history.parquet holds every row the run recorded{recorded}.",
         "",
@@ -250,8 +259,8 @@ def _section_marks(state: RunState) -> list[str]:
         "",
         f"{state.marks_total} sample(s) are marked{more}: a history row with metric "
         "`interrupted` (value null) whose reason says why. Their other rows are real "
-        "measurements of the layers that returned before the exception (or of the rows that "
-        "reached the disk), so the sample is partial: compare it with care. List them with "
+        "measurements of the layers that returned before the exception or the removal (or of the "
+        "rows that reached the disk), so the sample is partial: compare it with care. List them with "
         '`history.filter(pl.col("metric") == "interrupted")`.',
         "",
     ]

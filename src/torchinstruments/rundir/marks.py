@@ -8,6 +8,9 @@ metric `interrupted` (`records.INTERRUPTED`), a null value and a reason (`reason
 - the sampled root forward raised: the row names the exception and the innermost selected layer
   it was raised in (its `layer` and `call_index`; layer `""` with the root's class when it was
   raised outside the selected layers). The observer writes it with the sample's other rows.
+- `remove_observer` was called during the sample's forward (signal `output`) or backward
+  (signal `output_gradient`), from inside it or from another thread: the observer writes it with
+  what the sample measured before, naming the root (layer `""`).
 - the process died while part of the sample's rows were still in memory: `finalize` finds the
   sample in the metadata of the last part (`writer.SPLIT_RECORD_KEY`) and writes the mark in a
   part of its own before merging, so the mark survives like any row.

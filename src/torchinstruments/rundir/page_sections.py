@@ -45,7 +45,8 @@ COLUMN_NOTES = {
     "mode": '"train" or "eval": the layer\'s module.training at that call',
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '
-    "raised or whose rows were only partly written (value null, the reason says why)",
+    "raised, whose forward or backward remove_observer cut, or whose rows were only partly "
+    "written (value null, the reason says why)",
     "value": "the metric; null only together with unavailable_reason, never silently 0",
     "unavailable_reason": "why value is null; non-null exactly when value is null",
     "population": "which tensor the row describes: null = this rank's own tensor (for a DTensor, "
@@ -183,8 +184,9 @@ def section_meanings() -> list[str]:
     lines += [f"- `{name}`: {meaning}" for name, meaning in METRIC_NOTES]
     lines += [
         "- `interrupted` (reserved): a marker row, value always null; its unavailable_reason "
-        "names the exception and the layer that raised it, or how much of a sample a crash "
-        "left on disk (marked samples are listed near the top of this page).",
+        "names the exception and the layer that raised it, the removal that cut the sample's "
+        "forward or backward, or how much of a sample a crash left on disk (marked samples are "
+        "listed near the top of this page).",
         "- other names: custom scalar reducers given at injection.",
         "",
         "## Not collected",

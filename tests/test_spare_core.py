@@ -249,7 +249,9 @@ def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
         raw = numerics.measure_on_cpu(tensor, None).raw
         want = numerics.derived(raw, tensor.numel(), metrics)
         got = block.values[index * len(metrics) : (index + 1) * len(metrics)]
-        assert got == [want[metric].value for metric in metrics], "the same bits on either path"
+        assert list(got) == [want[metric].value for metric in metrics], (
+            "the same bits on either path"
+        )
 
 
 def key_of(index: int) -> TensorKey:

@@ -40,6 +40,7 @@ __all__ = [
     "functorch_disabled",
     "has_fused_fast_path",
     "hook_without_handle",
+    "in_backward_pass",
     "is_functorch_wrapped",
     "is_tracing",
     "layer_by_layer",
@@ -173,6 +174,18 @@ def queue_at_backward_end(callback: Callable[[], None]) -> bool:
     except Exception:
         return False
     return True
+
+
+def in_backward_pass() -> bool:
+    """Whether this thread runs inside a backward pass of the autograd engine now.
+
+    Uses the private `torch._C._current_graph_task_id` (-1 outside any pass; checked on torch
+    2.15.0). Why: a pass that raised never runs the callback `queue_at_backward_end` queued, and
+    outside every pass such a callback can no longer come. Where the name is missing, True:
+    nothing is taken for ended.
+    """
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is None or current() != -1
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -13,6 +13,10 @@ proxy (compilation.py). During a sampled forward the layer proxies are built wit
 `enabled=<list>.__len__`: another thread's unsampled forward passing through them stays in
 wrapt's C code (about 20 ns per call here; see bench/overhead.py).
 
+A sampled forward's end may be cut by a KeyboardInterrupt (observer.py heals it at the thread's
+next root forward): taking the layers' proxies off is keyed by the sample that put them on, so
+finishing a cut end twice changes nothing, and removal takes off whatever is still on.
+
 Removal restores the instance `__dict__` exactly: the key is deleted where there was none, the
 previous object is put back by identity where there was one, and a proxy someone else replaced or
 wrapped after injection is left in place (the observer is closed, so it is inert for good).
@@ -38,8 +42,11 @@ from typing import Any
 import wrapt
 from torch import nn
 
+from torchinstruments._torch_internals import layer_by_layer
+
 __all__ = [
     "ForwardProxy",
+    "FusedPathGuard",
     "Proxies",
     "WarnOnce",
     "Wrapper",
@@ -181,7 +188,7 @@ class Proxies:
         self._layers: list[tuple[weakref.ref[nn.Module], str, Wrapper]] = []
         self._last: list[ForwardProxy | None] = []
         self._lock = threading.Lock()
-        self._sampling_threads = 0
+        self._holders: set[object] = set()  # the sampled forwards in flight that installed them
         self._left_in_place: list[str] = []  # layers whose proxy a replacement kept
 
     def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
@@ -194,11 +201,12 @@ class Proxies:
         self._layers.append((weakref.ref(module), name, wrapper))
         self._last.append(None)
 
-    def install_layers(self, enabled: Any) -> None:
-        """Put every layer's proxy on when the first concurrent sampled forward starts."""
+    def install_layers(self, enabled: Any, holder: object) -> None:
+        """Put every layer's proxy on when the first concurrent sampled forward (`holder`) starts."""
         with self._lock:
-            self._sampling_threads += 1
-            if self._sampling_threads > 1:
+            first = not self._holders
+            self._holders.add(holder)
+            if not first:
                 return
             last = self._last
             for index, (module_ref, _, wrapper) in enumerate(self._layers):
@@ -206,27 +214,39 @@ class Proxies:
                 if module is not None:
                     last[index] = install_proxy(module, wrapper, enabled, self._token, last[index])
 
-    def restore_layers(self) -> None:
-        """Take the layers' proxies off when the last concurrent sampled forward ends."""
+    def restore_layers(self, holder: object) -> None:
+        """Take the layers' proxies off when the last concurrent sampled forward ends; `holder`
+        is that forward's sample. Idempotent: a holder that is not (or no longer) one changes
+        nothing, so a sample's end cut by an interrupt can be finished later."""
         with self._lock:
-            self._sampling_threads -= 1
-            if self._sampling_threads > 0:
+            if holder not in self._holders:
                 return
-            for module_ref, name, _ in reversed(self._layers):
-                module = module_ref()
-                if module is not None and not restore_proxy(module, self._token):
-                    # Replaced or wrapped during the forward: left in place, inert once closed.
-                    self._left_in_place.append(f"layer {name!r}" if name else type(module).__name__)
-                    self._warn_once(
-                        f"replaced:{name}",
-                        f"the forward of {name or type(module).__name__!r} was replaced during a "
-                        "sampled forward; the replacement is kept, with the observer's proxy "
-                        "inside it (inert after removal)",
-                    )
+            self._holders.discard(holder)
+            if not self._holders:
+                self._take_layers_off()
+
+    def _take_layers_off(self) -> None:
+        """Restore every layer's forward (the caller holds the lock)."""
+        for module_ref, name, _ in reversed(self._layers):
+            module = module_ref()
+            if module is not None and not restore_proxy(module, self._token):
+                # Replaced or wrapped during the forward: left in place, inert once closed.
+                self._left_in_place.append(f"layer {name!r}" if name else type(module).__name__)
+                self._warn_once(
+                    f"replaced:{name}",
+                    f"the forward of {name or type(module).__name__!r} was replaced during a "
+                    "sampled forward; the replacement is kept, with the observer's proxy "
+                    "inside it (inert after removal)",
+                )
 
     def restore(self) -> tuple[str, ...]:
-        """Undo the root's proxy; returns the forwards whose proxy was left in place, because
-        someone replaced or wrapped it (see `left_in_place_note`)."""
+        """Undo the root's proxy, and the layers' where a sampled forward left them on (removed
+        during it, or its end cut by an interrupt); returns the forwards whose proxy was left in
+        place, because someone replaced or wrapped it (see `left_in_place_note`)."""
+        with self._lock:
+            if self._holders:
+                self._holders.clear()
+                self._take_layers_off()
         left_in_place: list[str] = []
         for module_ref in reversed(self._installed):
             module = module_ref()
@@ -235,6 +255,34 @@ class Proxies:
         self._installed.clear()
         self._last = [None] * len(self._last)  # the layers' modules are not held after removal
         return (*left_in_place, *dict.fromkeys(self._left_in_place))
+
+
+class FusedPathGuard:
+    """The wrapper behind the proxy of a module with a fused fast path that contains layers.
+
+    In a sampled forward (of this thread, or the one in flight for a thread without a forward of
+    its own: see samples.py) the module runs layer by layer, so its selected submodules
+    are called and measured; otherwise it is called as is. `observer` is the observer.Observer.
+    """
+
+    __slots__ = ("module_ref", "observer")
+
+    def __init__(self, observer: Any, module: nn.Module) -> None:
+        self.observer = observer
+        self.module_ref = weakref.ref(module)
+
+    def on_call(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Call the forward, on its layer-by-layer path during a sampled forward."""
+        module = self.module_ref()
+        observer = self.observer
+        if module is None or (
+            observer.current is None and observer.sample_in_flight(count=False) is None
+        ):
+            return wrapped(*args, **kwargs)
+        with layer_by_layer(module):
+            return wrapped(*args, **kwargs)
 
 
 def left_in_place_note(forwards: tuple[str, ...]) -> str:

@@ -59,6 +59,7 @@ from torch.utils.hooks import RemovableHandle
 from torchinstruments import reasons
 from torchinstruments._torch_internals import (
     hook_without_handle,
+    in_backward_pass,
     queue_at_backward_end,
     tensor_hooks,
 )
@@ -296,6 +297,17 @@ class GradientRecorder:
         except Exception as error:
             self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
         return emitted
+
+    def heal(self, mark: Callable[[SampleRecord], Measurement]) -> list[int]:
+        """Emit, each record with `mark(record)`, the gradients of a backward pass that raised
+        (a Ctrl-C, a hook's or an autograd Function's exception): its end-of-pass callback never
+        runs, and until this its gradients would wait, with every later pass's (none queues a
+        callback while one is queued), for the run's removal. Called outside a backward pass
+        (a sampled forward, the close); returns the sample ids emitted."""
+        if not self._flush_queued or in_backward_pass():
+            return []
+        self._remove_leaf_hooks(only_fired=True)
+        return self.flush(mark)
 
     def close(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
         """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.

@@ -62,14 +62,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments import forks
+from torchinstruments import forks, reasons
 from torchinstruments._torch_internals import (
     called_through_module_call,
     has_fused_fast_path,
     is_tracing,
-    layer_by_layer,
 )
-from torchinstruments.capture import Proxies, left_in_place_note
+from torchinstruments.capture import FusedPathGuard, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
@@ -81,6 +80,7 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
 from torchinstruments.global_statistics import keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
+from torchinstruments.interrupts import running
 from torchinstruments.measurement.transfer import (
     build_records,
     launch,
@@ -92,13 +92,21 @@ from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
     OUTPUT,
     LayerInfo,
+    Measurement,
     RunCounts,
     RunInfo,
     SampleRecord,
     TensorKey,
 )
-from torchinstruments.samples import InFlight, Sample, removal_marker, removed_in_flight_note
-from torchinstruments.sampling import as_decision
+from torchinstruments.samples import (
+    InFlight,
+    Sample,
+    backward_marker,
+    cut_note,
+    removal_marker,
+    removed_in_flight_note,
+)
+from torchinstruments.sampling import ask
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
 
@@ -175,34 +183,6 @@ class _LayerCapture:
         return "train" if module is None or module.training else "eval"
 
 
-class _FusedPathGuard:
-    """The wrapper behind the proxy of a module with a fused fast path that contains layers.
-
-    In a sampled forward (of this thread, or the one in flight for a thread without a forward of
-    its own: see samples.py) the module runs layer by layer, so its selected submodules
-    are called and measured; otherwise it is called as is.
-    """
-
-    __slots__ = ("module_ref", "observer")
-
-    def __init__(self, observer: Observer, module: nn.Module) -> None:
-        self.observer = observer
-        self.module_ref = weakref.ref(module)
-
-    def on_call(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
-    ) -> Any:
-        """Call the forward, on its layer-by-layer path during a sampled forward."""
-        module = self.module_ref()
-        observer = self.observer
-        if module is None or (
-            observer.current is None and observer.sample_in_flight(count=False) is None
-        ):
-            return wrapped(*args, **kwargs)
-        with layer_by_layer(module):
-            return wrapped(*args, **kwargs)
-
-
 class Observer:
     """Runtime state of one observed model; created by `inject_observer`.
 
@@ -257,6 +237,7 @@ class Observer:
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
+        self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         self.gradients = GradientRecorder(
             self.measurer, self.rank, self._emit_backward, self.warn_once, self.spare
@@ -288,7 +269,7 @@ class Observer:
             if has_fused_fast_path(module) and any(
                 id(inner) in selected for inner in module.modules() if inner is not module
             ):
-                self.proxies.add_layer(module, "", _FusedPathGuard(self, module).on_call)
+                self.proxies.add_layer(module, "", FusedPathGuard(self, module).on_call)
         self.layer_names = tuple(info.name for _, info in layers)
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
         self.proxies.install_root(root, self.on_root_call)
@@ -299,6 +280,8 @@ class Observer:
         (replaced or wrapped by someone else), which index.md names too."""
         if self._finalizer is not None:
             self._finalizer.detach()
+        if getattr(self._local, "depth", 0) > 0 and not running(_ROOT_CODE, self):
+            self._heal()  # this thread's last sampled forward was cut: ended, marked
         left_in_place = self.proxies.restore()
         if left_in_place and not self.closed:
             self.notes.append(left_in_place_note(left_in_place))  # said in index.md
@@ -330,8 +313,7 @@ class Observer:
             # Compiled, if the model is: entered as torch.compile enters the plain model.
             through_caller = paused is not None and self._entry.through_caller(wrapped)
             resume_compilation(paused)
-            local.depth = 1
-            try:
+            try:  # `_begin_root_forward` set the thread's depth to 1
                 if through_caller:
                     return self._entry.call_forward(wrapped, args, kwargs)
                 return wrapped(*args, **kwargs)
@@ -354,27 +336,34 @@ class Observer:
             or (not self.capture_direct_forwards and not called_through_module_call(3))
         ):
             return _PASS_THROUGH
-        if getattr(self._local, "depth", 0) > 0:
-            return _NESTED
+        local = self._local
+        if getattr(local, "depth", 0) > 0:
+            if running(_ROOT_CODE, self):
+                return _NESTED
+            self._heal()  # the end of this thread's last sampled forward was cut
         schedule = self.phases.current
         if schedule == UNOBSERVED:
             self.counter.count_unobserved()
             return _PASS_THROUGH
+        # Before the decision, and back to 0 only once a sampled forward's end is complete: a
+        # Ctrl-C that cuts it leaves the depth above 0, which the next root forward reads anyway.
+        local.depth = 1
         forward_index, sample_id = self.counter.next_forward(self._should_sample, schedule)
         if sample_id is None:
             return None
         mode = "eval" if schedule == EVAL else None  # the evaluation schedule's rows: mode eval
-        return Sample(sample_id, forward_index, self.current_step(), mode)
+        local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
+        return local.sample
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
-        """A sampled root forward: layer proxies on, torch.compile off, then one emission."""
-        local = self._local
-        local.sample = sample
-        local.depth = 1
+        """A sampled root forward: layer proxies on, torch.compile off, then one emission. The
+        thread's depth and sample (set by `_begin_root_forward`) are reset after the end is
+        complete; an end cut by an interrupt is finished by `_heal`."""
+        self.gradients.heal(self._backward_raised)
         self.in_flight.begin(sample)
-        self.proxies.install_layers(self.in_flight.samples.__len__)
+        self.proxies.install_layers(self.in_flight.samples.__len__, sample)
         try:
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
@@ -385,13 +374,38 @@ class Observer:
                 self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
             raise
         finally:
-            local.depth = 0
-            local.sample = None
             if not self.forked:  # forked during this forward: the child records nothing
-                self.proxies.restore_layers()
+                self.proxies.restore_layers(sample)
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted
                 if not self.closed:  # removed during this forward: emitted then (`close`)
                     self._emit_forward(sample)
+            self._local.sample = None
+            self._local.depth = 0
+
+    def _heal(self) -> None:
+        """This thread's last sampled forward left its state behind (its end was cut by a
+        KeyboardInterrupt inside the library's own bookkeeping): take the layers' proxies off,
+        end the sample and emit it, marked, unless it was emitted; said once, and in index.md."""
+        local = self._local
+        sample: Sample | None = getattr(local, "sample", None)
+        if sample is not None and not self.forked:
+            self.proxies.restore_layers(sample)
+            self.in_flight.end(sample)
+            if not sample.emitted and not self.closed:
+                if sample.interrupted is None:
+                    root = LayerInfo("", self._root_type)
+                    mode = sample.mode or self._root_mode()
+                    sample.interrupted = sample.cut_marker(root, mode, self.rank)
+                self._emit_forward(sample)
+            self.cut_samples.append(sample.sample_id)
+            self.warn_once("cut", cut_note(self.cut_samples))
+        local.sample = None
+        local.depth = 0
+
+    def _backward_raised(self, record: SampleRecord) -> Measurement:
+        """The marker row of a sample whose backward pass raised (`GradientRecorder.heal`)."""
+        root = LayerInfo("", self._root_type)
+        return backward_marker(record, root, self.rank, reasons.BACKWARD_RAISED)
 
     @property
     def current(self) -> Sample | None:
@@ -438,24 +452,9 @@ class Observer:
 
     def _should_sample(self, forward_index: int, schedule: str) -> bool:
         """The decision of the schedule's sampler (`forward_index`: the count of root forwards
-        on that schedule); a raising sampler, or an answer that is not a bool, means "not
-        sampled" (warned once: a wrong answer is a bug to report, not a value to guess)."""
+        on that schedule), as `sampling.ask` takes it."""
         sampler = self.sampler if schedule == TRAIN else self.phases.eval_sampler
-        try:
-            answer = sampler.should_sample(forward_index)
-        except Exception as error:
-            self.warn_once("sampler", f"sampler {sampler!r} raised {error!r}; not sampled")
-            return False
-        decision = as_decision(answer)
-        if decision is None:
-            self.warn_once(
-                "sampler-answer",
-                f"sampler {sampler!r} returned {answer!r} ({type(answer).__name__}) for "
-                f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
-                "such forwards are not sampled",
-            )
-            return False
-        return decision
+        return ask(sampler, forward_index, self.warn_once)
 
     # -- recording outputs --------------------------------------------------------------------
 
@@ -507,6 +506,7 @@ class Observer:
 
     def _emit_forward(self, sample: Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
+        sample.emitted = True
         self._end_sample(sample)
         extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.warn_once)
         metrics = self.measurer.metrics
@@ -533,7 +533,8 @@ class Observer:
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
         no_grad = self.gradients.no_grad_note()
-        notes = (*self.notes, *(n for n in (no_grad, self.in_flight.note()) if n is not None))
+        cut = cut_note(self.cut_samples) if self.cut_samples else None
+        notes = (*self.notes, *(n for n in (no_grad, self.in_flight.note(), cut) if n is not None))
         return self.counter.counts(self.gradients.backward_samples, notes)
 
     def never_ran(self) -> list[str]:
@@ -548,6 +549,7 @@ class Observer:
         # Removed while samples were in flight (from inside a forward or a backward, or from
         # another thread): each is emitted with what it has, marked; the rest runs unobserved.
         root = LayerInfo("", self._root_type)
+        self.gradients.heal(self._backward_raised)  # a pass that raised: marked as such
         forwards = self.in_flight.take_all(root, self._root_mode, self.rank)
         for sample in forwards:
             self._emit_forward(sample)
@@ -591,3 +593,5 @@ class Observer:
 
 # The root wrapper runs as plain Python even inside a compiled region; what it calls is compiled.
 exclude_from_compilation(Observer.on_root_call)
+# A frame running it, for this observer, is a root forward in progress (`interrupts.running`).
+_ROOT_CODE = Observer.on_root_call.__code__

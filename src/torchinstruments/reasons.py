@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "BACKWARD_RAISED",
+    "CUT_IN_BOOKKEEPING",
     "EMPTY",
     "NON_FINITE_RESULT",
     "NO_FINITE",
@@ -69,6 +71,16 @@ NOT_GLOBAL_CUSTOM = (
 GLOBAL_MISMATCH = (
     "the ranks' sampled forwards produced different tensors (layers or outputs differ across "
     "ranks): no global statistics for this sample"
+)
+
+# Marker rows of samples cut outside their root forward's own code (samples.py).
+CUT_IN_BOOKKEEPING = (
+    "interrupted: a KeyboardInterrupt cut the end of this sampled forward inside the library's "
+    "own bookkeeping; the layers that returned before it have rows"
+)
+BACKWARD_RAISED = (
+    "interrupted: a backward pass through this sample raised before it ended; the gradients "
+    "that arrived before it have rows, the others have none"
 )
 
 REASONS: tuple[Reason, ...] = (
@@ -169,6 +181,19 @@ REASONS: tuple[Reason, ...] = (
         "that arrived before it have rows, the others have none",
         "a marker row (metric `interrupted`, signal output_gradient): the run was removed from "
         "inside a backward pass through this sample (a tensor hook); the pass went on unobserved",
+    ),
+    Reason(
+        CUT_IN_BOOKKEEPING,
+        "a marker row (metric `interrupted`): a Ctrl-C landed while the library was ending this "
+        "sampled forward (restoring the layers' forwards, handing rows to the sinks) and the "
+        "loop caught it and went on; the thread's next root forward finished that end. What the "
+        "sample measured was kept",
+    ),
+    Reason(
+        BACKWARD_RAISED,
+        "a marker row (metric `interrupted`, signal output_gradient): the backward pass raised "
+        "(a Ctrl-C, an exception in a hook or an autograd Function) after some of this sample's "
+        "gradients arrived; they are written when the next sampled forward starts (or at removal)",
     ),
     Reason(
         "interrupted: the process ended before this sample's rows were all written; <k> of its "

@@ -45,7 +45,15 @@ if TYPE_CHECKING:
     from torchinstruments.global_statistics import GlobalTensor
     from torchinstruments.measurement.transfer import Launched
 
-__all__ = ["InFlight", "Sample", "marker", "removal_marker", "removed_in_flight_note"]
+__all__ = [
+    "InFlight",
+    "Sample",
+    "backward_marker",
+    "cut_note",
+    "marker",
+    "removal_marker",
+    "removed_in_flight_note",
+]
 
 
 class Sample:
@@ -54,6 +62,7 @@ class Sample:
     __slots__ = (
         "call_counts",
         "call_lock",
+        "emitted",
         "forward_index",
         "global_pending",
         "interrupted",
@@ -86,6 +95,7 @@ class Sample:
         # The innermost selected layer whose call raised: (layer, call_index, mode, id(error)).
         self.raised: tuple[LayerInfo, int, str, int] | None = None
         self.interrupted: Measurement | None = None  # the marker row, once the forward raised
+        self.emitted = False  # handed to the sinks (once: a cut emission is never repeated)
 
     def layer_raised(
         self, layer: LayerInfo, mode: Callable[[], str], call_index: int, error: BaseException
@@ -109,6 +119,11 @@ class Sample:
         return marker(self.sample_id, self.forward_index, self.step, info, call_index, mode, rank)(
             OUTPUT, reason
         )
+
+    def cut_marker(self, root: LayerInfo, mode: str, rank: int | None) -> Measurement:
+        """The row that marks this sample as cut inside the library's own bookkeeping."""
+        row = marker(self.sample_id, self.forward_index, self.step, root, 0, mode, rank)
+        return row(OUTPUT, reasons.CUT_IN_BOOKKEEPING)
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""
@@ -156,9 +171,29 @@ def marker(
 def removal_marker(record: SampleRecord, root: LayerInfo, rank: int | None) -> Measurement:
     """The marker row of a sample whose backward the run's removal cut (`record`: the gradients
     that arrived)."""
+    return backward_marker(record, root, rank, reasons.removed_during("backward"))
+
+
+def backward_marker(
+    record: SampleRecord, root: LayerInfo, rank: int | None, reason: str
+) -> Measurement:
+    """The marker row (signal output_gradient) of a sample whose backward was cut (`record`:
+    the gradients that arrived), for `reason`."""
     first = record.measurements[0]
     row = marker(record.sample_id, record.forward_index, first.step, root, 0, first.mode, rank)
-    return row(OUTPUT_GRADIENT, reasons.removed_during("backward"))
+    return row(OUTPUT_GRADIENT, reason)
+
+
+def cut_note(sample_ids: list[int]) -> str:
+    """index.md's note (and the warning) on samples whose end a KeyboardInterrupt cut inside
+    the library's own bookkeeping (see `reasons.CUT_IN_BOOKKEEPING`)."""
+    shown = ", ".join(map(str, sample_ids[:20])) + (" ..." if len(sample_ids) > 20 else "")
+    return (
+        f"a KeyboardInterrupt (Ctrl-C) cut the end of sampled forward{'s' * (len(sample_ids) > 1)} "
+        f"{shown} inside the library's own bookkeeping, and the loop went on; the thread's next "
+        "root forward restored the layers' forwards and ended the sample, marked with a row of "
+        "metric `interrupted` (what it measured was kept; later samples are unaffected)"
+    )
 
 
 def removed_in_flight_note(forwards: list[int], backwards: list[int]) -> str:

@@ -12,7 +12,7 @@ import inspect
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "Clock",
@@ -20,6 +20,7 @@ __all__ = [
     "Sampler",
     "TimeIntervalSampler",
     "as_decision",
+    "ask",
     "check_sampler",
     "describe_sampler",
 ]
@@ -154,6 +155,27 @@ def as_decision(value: object) -> bool | None:
     ):
         return bool(value)  # type: ignore[arg-type]
     return None
+
+
+def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None]) -> bool:
+    """`sampler.should_sample(forward_index)` as a bool; a raising sampler, or an answer that is
+    not a bool, means "not sampled" (warned once: a wrong answer is a bug to report, not a value
+    to guess)."""
+    try:
+        answer = sampler.should_sample(forward_index)
+    except Exception as error:
+        warn_once("sampler", f"sampler {sampler!r} raised {error!r}; not sampled")
+        return False
+    decision = as_decision(answer)
+    if decision is None:
+        warn_once(
+            "sampler-answer",
+            f"sampler {sampler!r} returned {answer!r} ({type(answer).__name__}) for "
+            f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
+            "such forwards are not sampled",
+        )
+        return False
+    return decision
 
 
 def describe_sampler(sampler: object) -> str:

@@ -1,0 +1,139 @@
+"""A KeyboardInterrupt that cuts the library's own bookkeeping is healed, never left behind.
+
+The cut is made exactly where a Ctrl-C can land (`tests/test_sigint_bookkeeping.py` sends real
+ones): the restoration of the layers' proxies at a sampled forward's end raises once, as an
+interrupt there would; and a backward pass raises after some of a sample's gradients arrived.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, reasons, remove_observer
+from torchinstruments.capture import Proxies
+
+
+def model_and_input() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    return model, torch.randn(3, 4)
+
+
+def cut_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first `restore_layers` raises KeyboardInterrupt before it does anything."""
+    original = Proxies.restore_layers
+    calls = [0]
+
+    def restore_layers(self: Proxies, *holder: object) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        original(self, *holder)
+
+    monkeypatch.setattr(Proxies, "restore_layers", restore_layers)
+
+
+def layer_proxies(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if name and "forward" in m.__dict__]
+
+
+def values(history: pl.DataFrame, sample_id: int) -> dict[tuple, float | None]:
+    rows = history.filter((pl.col("sample_id") == sample_id) & (pl.col("metric") != "interrupted"))
+    key = ["signal", "layer", "call_index", "tensor_path", "metric"]
+    return {tuple(r[k] for k in key): r["value"] for r in rows.iter_rows(named=True)}
+
+
+def twin(tmp_path: Path, steps: int) -> pl.DataFrame:
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "twin", sampler=EveryNForwardsSampler(1))
+    for _ in range(steps):
+        model(x).sum().backward()
+    remove_observer(model)
+    return pl.read_parquet(tmp_path / "twin" / "history.parquet")
+
+
+def test_a_sample_end_cut_inside_the_library_is_healed_at_the_next_root_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    cut_once(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        model(x).sum().backward()  # sample 0: its end is cut
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # samples 1 to 3
+            model(x).sum().backward()
+            assert layer_proxies(model) == []  # none left after a step
+    said = [str(w.message) for w in caught if "cut the end" in str(w.message)]
+    assert len(said) == 1
+    assert "sampled forward 0 " in said[0]
+    remove_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    marker = history.filter(pl.col("metric") == "interrupted")
+    assert marker["sample_id"].to_list() == [0]
+    assert marker["unavailable_reason"].to_list() == [reasons.CUT_IN_BOOKKEEPING]
+    assert history.filter(pl.col("call_index") > 0).height == 0  # no layer counted twice
+    expected = twin(tmp_path, 4)
+    forward_only = {k: v for k, v in values(expected, 0).items() if k[0] == "output"}
+    assert values(history, 0) == forward_only  # the cut one kept what it measured (no backward)
+    for sample_id in range(1, 4):  # later ones are the twin's
+        assert values(history, sample_id) == values(expected, sample_id), sample_id
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "cut the end of sampled forward 0 " in index
+
+
+def test_removal_right_after_a_cut_restores_every_forward_and_marks_the_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x = model_and_input()
+    own = model[2].forward  # a forward of the user's own, kept by identity
+    model[2].forward = own
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    cut_once(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    assert layer_proxies(model)  # left on by the cut
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remove_observer(model)
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["2"]
+    assert model[2].__dict__["forward"] is own
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    marker = history.filter(pl.col("metric") == "interrupted")
+    assert marker["unavailable_reason"].to_list() == [reasons.CUT_IN_BOOKKEEPING]
+
+
+def test_a_backward_pass_that_raised_is_marked_and_later_passes_are_written_at_their_end(
+    tmp_path: Path,
+) -> None:
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+
+    def interrupt(grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    out = model(x)  # sample 0
+    out.register_hook(interrupt)  # after the library's hook on the last layer's output
+    with pytest.raises(KeyboardInterrupt):
+        out.sum().backward()
+    model(x).sum().backward()  # sample 1, whole
+    remove_observer(model)
+
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    grads = history.filter(pl.col("signal") == "output_gradient")
+    marker = grads.filter(pl.col("metric") == "interrupted")
+    assert marker["sample_id"].to_list() == [0]
+    assert marker["unavailable_reason"].to_list() == [reasons.BACKWARD_RAISED]
+    measured = grads.filter(pl.col("metric") != "interrupted")
+    assert set(measured.filter(pl.col("sample_id") == 0)["layer"]) == {"4"}  # what arrived
+    expected = twin(tmp_path, 2)
+    assert values(history, 1) == values(expected, 1)  # whole and unmarked

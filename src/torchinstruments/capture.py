@@ -42,11 +42,13 @@ from typing import Any
 import wrapt
 from torch import nn
 
-from torchinstruments._torch_internals import layer_by_layer
+from torchinstruments._torch_internals import called_through_module_call, layer_by_layer
+from torchinstruments.records import LayerInfo
 
 __all__ = [
     "ForwardProxy",
     "FusedPathGuard",
+    "LayerCapture",
     "Proxies",
     "WarnOnce",
     "Wrapper",
@@ -255,6 +257,76 @@ class Proxies:
         self._installed.clear()
         self._last = [None] * len(self._last)  # the layers' modules are not held after removal
         return (*left_in_place, *dict.fromkeys(self._left_in_place))
+
+
+class LayerCapture:
+    """The wrapper behind one selected layer's proxy; runs only during sampled forwards.
+
+    `observer` is the observer.Observer (its `record_output` measures what the layer returned),
+    and a sample is a samples.Sample; neither is imported here, both live above this module.
+    """
+
+    __slots__ = ("focus", "info", "module_ref", "observer")
+
+    def __init__(self, observer: Any, module: nn.Module, info: LayerInfo, focus: bool) -> None:
+        self.observer = observer
+        self.module_ref = weakref.ref(module)
+        self.info = info
+        self.focus = focus
+
+    def on_call(
+        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Assign the call_index, run the forward, measure what it returned, return it as is."""
+        observer = self.observer
+        sample = observer.current
+        if sample is None:  # no sampled forward of this thread: maybe another thread's
+            return self.borrowed_call(wrapped, args, kwargs)
+        if not observer.capture_direct_forwards and not called_through_module_call():
+            return wrapped(*args, **kwargs)
+        return self.measured_call(sample, wrapped, args, kwargs)
+
+    def measured_call(
+        self, sample: Any, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """One call of this layer inside `sample`: its call_index, where it raised, what it returned."""
+        call_index = sample.next_call_index(self.info.name)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException as error:
+            sample.layer_raised(self.info, self.mode, call_index, error)
+            raise
+        sample.returned.add(self.info.name)
+        self.observer.record_output(sample, self, call_index, output)
+        return output
+
+    def borrowed_call(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call on a thread without a sampled forward of its own: measured in the one sampled
+        forward in flight, if there is exactly one (see samples.py), else run as is."""
+        observer = self.observer
+        if not observer.capture_direct_forwards and not called_through_module_call(3):
+            return wrapped(*args, **kwargs)
+        sample = observer.sample_in_flight(count=True)
+        if sample is None:
+            return wrapped(*args, **kwargs)
+        call_index = sample.next_call_index(self.info.name)
+        try:
+            output = wrapped(*args, **kwargs)
+        except BaseException as error:
+            sample.layer_raised(self.info, self.mode, call_index, error)
+            raise
+
+        def record() -> None:
+            sample.returned.add(self.info.name)
+            observer.record_output(sample, self, call_index, output)
+
+        observer.in_flight.record(sample, record)
+        return output
+
+    def mode(self) -> str:
+        """`train` or `eval`, read from the module at call time."""
+        module = self.module_ref()
+        return "train" if module is None or module.training else "eval"
 
 
 class FusedPathGuard:

@@ -6,9 +6,12 @@ sampler is asked under it: forward_index and sample_id are each handed out once,
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal
 from torchinstruments.phases import TRAIN
 from torchinstruments.records import RunCounts
 
@@ -51,9 +54,12 @@ class Counter:
 
     def next_forward(
         self, should_sample: Callable[[int, str], bool], schedule: str
-    ) -> tuple[int, int | None]:
-        """Count one root forward on `schedule`: its forward_index, and its sample_id if
-        `should_sample(index on that schedule, schedule)` says so."""
+    ) -> tuple[int, int | None, Any]:
+        """Count one root forward on `schedule`: its forward_index, its sample_id if
+        `should_sample(index on that schedule, schedule)` says so, and for a sample, SIGINT's
+        handler as it was before the sample's start was held (interrupts.py: the caller
+        `release`s it), else NOT_HELD."""
+        held: Any = NOT_HELD
         with self._lock:
             forward_index = self._first_forward + self.root_forwards
             self.root_forwards += 1
@@ -68,7 +74,16 @@ class Counter:
             )
             if sample_id is not None:
                 self.samples += 1
-        return forward_index, sample_id
+                # Held from here (before the lock's release, where an interrupt would land) to
+                # the call of the user's forward: the sample's start is never cut.
+                try:
+                    held = signal.signal(SIGINT, hold_signal)
+                except KeyboardInterrupt:  # one pending is raised before the swap: held on now
+                    held = signal.signal(SIGINT, hold_signal)
+                    hold_signal(SIGINT, None)
+                except ValueError:  # not the main thread: no SIGINT arrives here
+                    held = NOT_HELD
+        return forward_index, sample_id, held
 
     def count_unobserved(self) -> None:
         """One evaluation forward passed through unobserved (see phases.py)."""

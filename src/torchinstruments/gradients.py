@@ -47,6 +47,7 @@ returned under `torch.no_grad()` gets no hook: no gradient can flow back through
 
 from __future__ import annotations
 
+import signal
 import threading
 import weakref
 from collections import deque
@@ -64,6 +65,7 @@ from torchinstruments._torch_internals import (
     tensor_hooks,
 )
 from torchinstruments.capture import WarnOnce
+from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
     Launched,
@@ -276,7 +278,21 @@ class GradientRecorder:
 
     def flush(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
         """Transfer and emit every gradient launched since the last flush, each record with
-        `mark(record)` appended when given; returns the sample ids emitted."""
+        `mark(record)` appended when given; returns the sample ids emitted. Ctrl-C is held
+        meanwhile (interrupts.py): the records reach every sink, or none was taken."""
+        try:
+            held = signal.signal(SIGINT, hold_signal)
+        except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
+            held = signal.signal(SIGINT, hold_signal)
+            hold_signal(SIGINT, None)
+        except ValueError:  # not the main thread
+            held = NOT_HELD
+        try:
+            return self._flush(mark)
+        finally:
+            release(held)
+
+    def _flush(self, mark: Callable[[SampleRecord], Measurement] | None) -> list[int]:
         with self._lock:
             pending, self._pending = self._pending, []
             self._flush_queued = False
@@ -303,8 +319,9 @@ class GradientRecorder:
         (a Ctrl-C, a hook's or an autograd Function's exception): its end-of-pass callback never
         runs, and until this its gradients would wait, with every later pass's (none queues a
         callback while one is queued), for the run's removal. Called outside a backward pass
-        (a sampled forward, the close); returns the sample ids emitted."""
-        if not self._flush_queued or in_backward_pass():
+        (a sampled forward, the close); returns the sample ids emitted. Outside every pass
+        nothing waits but what such a pass left, whether or not it got to queue its callback."""
+        if not self._pending or in_backward_pass():
             return []
         self._remove_leaf_hooks(only_fired=True)
         return self.flush(mark)
@@ -324,9 +341,21 @@ class GradientRecorder:
         return cut
 
     def _end_backward(self) -> None:
-        """Autograd-engine callback at the end of a backward pass: no hook is running now."""
-        self._remove_leaf_hooks(only_fired=True)
-        self.flush()
+        """Autograd-engine callback at the end of a backward pass: no hook is running now.
+        Ctrl-C is held throughout (interrupts.py); cut at its entry, the pass raises, and
+        `heal` writes its gradients, marked."""
+        try:
+            held = signal.signal(SIGINT, hold_signal)
+        except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
+            held = signal.signal(SIGINT, hold_signal)
+            hold_signal(SIGINT, None)
+        except ValueError:  # not the main thread
+            held = NOT_HELD
+        try:
+            self._remove_leaf_hooks(only_fired=True)
+            self._flush(None)
+        finally:
+            release(held)
 
     def _track_leaf_hook(
         self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook

@@ -11,7 +11,7 @@ Timing of work, by design:
   core's copy, host statistics, or device reductions crossing in one transfer at the end);
 - backward: `gradients.GradientRecorder` (the hooks on sampled outputs, one transfer per pass).
 
-A value's path: a layer returns -> `_LayerCapture.on_call` -> `Observer.record_output` ->
+A value's path: a layer returns -> `LayerCapture.on_call` -> `Observer.record_output` ->
 `transfer.launch` (the lane's copy, host statistics, or device reductions) -> at the end of the
 root forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
 `MeasurementBlock` per sample) -> sinks -> rows.
@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -68,7 +69,7 @@ from torchinstruments._torch_internals import (
     has_fused_fast_path,
     is_tracing,
 )
-from torchinstruments.capture import FusedPathGuard, Proxies, left_in_place_note
+from torchinstruments.capture import FusedPathGuard, LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
@@ -80,7 +81,7 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
 from torchinstruments.global_statistics import keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
-from torchinstruments.interrupts import running
+from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release, running
 from torchinstruments.measurement.transfer import (
     build_records,
     launch,
@@ -115,72 +116,6 @@ __all__ = ["Observer"]
 # What `_begin_root_forward` returns besides a sample or None (unsampled).
 _PASS_THROUGH = object()  # closed, tracing, or a direct call not captured
 _NESTED = object()  # a root call inside a root forward of the same thread
-
-
-class _LayerCapture:
-    """The wrapper behind one selected layer's proxy; runs only during sampled forwards."""
-
-    __slots__ = ("focus", "info", "module_ref", "observer")
-
-    def __init__(self, observer: Observer, module: nn.Module, info: LayerInfo, focus: bool) -> None:
-        self.observer = observer
-        self.module_ref = weakref.ref(module)
-        self.info = info
-        self.focus = focus
-
-    def on_call(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
-    ) -> Any:
-        """Assign the call_index, run the forward, measure what it returned, return it as is."""
-        observer = self.observer
-        sample = observer.current
-        if sample is None:  # no sampled forward of this thread: maybe another thread's
-            return self.borrowed_call(wrapped, args, kwargs)
-        if not observer.capture_direct_forwards and not called_through_module_call():
-            return wrapped(*args, **kwargs)
-        return self.measured_call(sample, wrapped, args, kwargs)
-
-    def measured_call(
-        self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
-    ) -> Any:
-        """One call of this layer inside `sample`: its call_index, where it raised, what it returned."""
-        call_index = sample.next_call_index(self.info.name)
-        try:
-            output = wrapped(*args, **kwargs)
-        except BaseException as error:
-            sample.layer_raised(self.info, self.mode, call_index, error)
-            raise
-        sample.returned.add(self.info.name)
-        self.observer.record_output(sample, self, call_index, output)
-        return output
-
-    def borrowed_call(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A call on a thread without a sampled forward of its own: measured in the one sampled
-        forward in flight, if there is exactly one (see samples.py), else run as is."""
-        observer = self.observer
-        if not observer.capture_direct_forwards and not called_through_module_call(3):
-            return wrapped(*args, **kwargs)
-        sample = observer.sample_in_flight(count=True)
-        if sample is None:
-            return wrapped(*args, **kwargs)
-        call_index = sample.next_call_index(self.info.name)
-        try:
-            output = wrapped(*args, **kwargs)
-        except BaseException as error:
-            sample.layer_raised(self.info, self.mode, call_index, error)
-            raise
-
-        def record() -> None:
-            sample.returned.add(self.info.name)
-            observer.record_output(sample, self, call_index, output)
-
-        observer.in_flight.record(sample, record)
-        return output
-
-    def mode(self) -> str:
-        """`train` or `eval`, read from the module at call time."""
-        module = self.module_ref()
-        return "train" if module is None or module.training else "eval"
 
 
 class Observer:
@@ -231,7 +166,7 @@ class Observer:
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
         self._entry = ForwardEntry()
-        self._root_layer: _LayerCapture | None = None
+        self._root_layer: LayerCapture | None = None
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
         self.layer_names: tuple[str, ...] = ()
@@ -259,7 +194,7 @@ class Observer:
         observer closes when `root` is garbage collected.
         """
         for module, info in layers:
-            capture = _LayerCapture(self, module, info, info.name in focus)
+            capture = LayerCapture(self, module, info, info.name in focus)
             if module is root:
                 self._root_layer = capture
             else:
@@ -348,32 +283,50 @@ class Observer:
         # Before the decision, and back to 0 only once a sampled forward's end is complete: a
         # Ctrl-C that cuts it leaves the depth above 0, which the next root forward reads anyway.
         local.depth = 1
-        forward_index, sample_id = self.counter.next_forward(self._should_sample, schedule)
+        forward_index, sample_id, held = self.counter.next_forward(self._should_sample, schedule)
         if sample_id is None:
             return None
-        mode = "eval" if schedule == EVAL else None  # the evaluation schedule's rows: mode eval
-        local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
+        try:  # held from the decision on (counting.py): released once the forward is called
+            mode = "eval" if schedule == EVAL else None  # the evaluation schedule: mode eval
+            local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
+            local.sample.held = held
+        except BaseException:
+            release(held)
+            raise
         return local.sample
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
-        """A sampled root forward: layer proxies on, torch.compile off, then one emission. The
-        thread's depth and sample (set by `_begin_root_forward`) are reset after the end is
-        complete; an end cut by an interrupt is finished by `_heal`."""
-        self.gradients.heal(self._backward_raised)
-        self.in_flight.begin(sample)
-        self.proxies.install_layers(self.in_flight.samples.__len__, sample)
+        """A sampled root forward: layer proxies on, torch.compile off, then one emission.
+
+        Its start (from the sampling decision) and its end (to the last sink) run with Ctrl-C
+        held (interrupts.py): an interrupt there reaches the user's handler right after, so a
+        sample is never cut in half; one that arrives during the start is raised before the
+        user's forward runs, which marks the sample. The thread's depth and sample (set by
+        `_begin_root_forward`) are reset last; an end cut otherwise is finished by `_heal`.
+        """
+        held, raised = sample.held, None
         try:
+            self.gradients.heal(self._backward_raised)
+            self.in_flight.begin(sample)
+            self.proxies.install_layers(self.in_flight.samples.__len__, sample)
+            release(held)
             return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
-            try:
-                root = LayerInfo("", self._root_type)
-                sample.interrupted = sample.marker_row(error, root, self._root_mode, self.rank)
-            except Exception as failure:  # the user's exception is what must propagate
-                self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
+            raised = error  # marked below, with Ctrl-C held
             raise
         finally:
+            if held is not NOT_HELD:  # inline, first: nothing before it can be interrupted
+                try:
+                    again = signal.signal(SIGINT, hold_signal)
+                except KeyboardInterrupt:  # one pending is raised before the swap
+                    again = signal.signal(SIGINT, hold_signal)
+                    hold_signal(SIGINT, None)
+                if again is not hold_signal:  # else the start's hold was never released
+                    held = again
+            if raised is not None:
+                self._mark(sample, raised)
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers(sample)
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted
@@ -381,11 +334,27 @@ class Observer:
                     self._emit_forward(sample)
             self._local.sample = None
             self._local.depth = 0
+            release(held)  # a Ctrl-C held meanwhile is raised here
+
+    def _mark(self, sample: Sample, error: BaseException) -> None:
+        """Mark `sample` as interrupted by `error`, the exception its root forward raised."""
+        try:
+            root = LayerInfo("", self._root_type)
+            sample.interrupted = sample.marker_row(error, root, self._root_mode, self.rank)
+        except Exception as failure:  # the user's exception is what must propagate
+            self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
 
     def _heal(self) -> None:
         """This thread's last sampled forward left its state behind (its end was cut by a
         KeyboardInterrupt inside the library's own bookkeeping): take the layers' proxies off,
         end the sample and emit it, marked, unless it was emitted; said once, and in index.md."""
+        try:
+            held = signal.signal(SIGINT, hold_signal)
+        except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
+            held = signal.signal(SIGINT, hold_signal)
+            hold_signal(SIGINT, None)
+        except ValueError:  # not the main thread
+            held = NOT_HELD
         local = self._local
         sample: Sample | None = getattr(local, "sample", None)
         if sample is not None and not self.forked:
@@ -401,6 +370,7 @@ class Observer:
             self.warn_once("cut", cut_note(self.cut_samples))
         local.sample = None
         local.depth = 0
+        release(held)
 
     def _backward_raised(self, record: SampleRecord) -> Measurement:
         """The marker row of a sample whose backward pass raised (`GradientRecorder.heal`)."""
@@ -459,7 +429,7 @@ class Observer:
     # -- recording outputs --------------------------------------------------------------------
 
     def record_output(
-        self, sample: Sample, layer: _LayerCapture, call_index: int, output: Any
+        self, sample: Sample, layer: LayerCapture, call_index: int, output: Any
     ) -> None:
         """Launch the reductions of every tensor in `output` and hook their gradients."""
         try:

@@ -65,6 +65,7 @@ class Sample:
         "emitted",
         "forward_index",
         "global_pending",
+        "held",
         "interrupted",
         "mode",
         "pending",
@@ -96,6 +97,7 @@ class Sample:
         self.raised: tuple[LayerInfo, int, str, int] | None = None
         self.interrupted: Measurement | None = None  # the marker row, once the forward raised
         self.emitted = False  # handed to the sinks (once: a cut emission is never repeated)
+        self.held: object = None  # SIGINT's handler before its start was held (interrupts.py)
 
     def layer_raised(
         self, layer: LayerInfo, mode: Callable[[], str], call_index: int, error: BaseException

@@ -7,16 +7,22 @@ interrupt there would; and a backward pass raises after some of a sample's gradi
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import polars as pl
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, reasons, remove_observer
 from torchinstruments.capture import Proxies
+from torchinstruments.events import EventFile, MissingHistogram
 
 
 def model_and_input() -> tuple[nn.Sequential, torch.Tensor]:
@@ -137,3 +143,46 @@ def test_a_backward_pass_that_raised_is_marked_and_later_passes_are_written_at_t
     assert set(measured.filter(pl.col("sample_id") == 0)["layer"]) == {"4"}  # what arrived
     expected = twin(tmp_path, 2)
     assert values(history, 1) == values(expected, 1)  # whole and unmarked
+
+
+def test_an_interrupt_inside_the_handoff_to_tensorboard_never_hangs_the_event_file(
+    tmp_path: Path,
+) -> None:
+    """A KeyboardInterrupt raised as a Python-level lock of the handoff to TensorBoard's writer
+    thread was just taken (where a Ctrl-C lands, as `queue.Queue.put` takes its lock in
+    `Condition.__enter__`) leaves no lock held: the next events, a flush and the close finish."""
+    events = EventFile(str(tmp_path / "tb"), flush_seconds=60.0)
+    missing = [MissingHistogram("0/call_0/output/tensor", "no finite entries")]
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        if frame.f_code is threading.Condition.__enter__.__code__:
+            return interrupt_on_return
+        return None
+
+    def interrupt_on_return(frame: FrameType, event: str, arg: object) -> Any:
+        if event == "return":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return interrupt_on_return
+
+    sys.settrace(trace)
+    try:
+        events.add_missing(missing, step=0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    done = threading.Event()
+
+    def go_on() -> None:
+        events.add_missing(missing, step=1)
+        events.flush()
+        events.close()
+        done.set()
+
+    threading.Thread(target=go_on, daemon=True).start()
+    assert done.wait(10.0)  # no hang
+    (event_file,) = (tmp_path / "tb").iterdir()
+    loaded = EventFileLoader(str(event_file)).Load()
+    steps = [event.step for event in loaded if event.summary.value]
+    assert 1 in steps

@@ -7,13 +7,15 @@ it expects is missing. Checked on tensorboard 2.21.0 (with torch 2.15.0's `FileW
 
 from __future__ import annotations
 
+import queue
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["replace_record_framing", "summary_file_writer"]
+__all__ = ["replace_byte_queue", "replace_record_framing", "summary_file_writer"]
 
 
 class _ChecksummedRecords(RecordWriter):
@@ -88,6 +90,74 @@ def replace_record_framing(
     async_writer._writer = replacement
     worker._record_writer = replacement  # type: ignore[union-attr]  # checked above
     return replacement
+
+
+class _Handoff:
+    """The `queue.Queue` methods TensorBoard's async writer and its thread use, over a
+    `queue.SimpleQueue`, whose `put` and `get` are single C calls: no Python-level lock a
+    KeyboardInterrupt could leave held (see `replace_byte_queue`). Unbounded, as the foreground
+    never waits for room; `join` polls the count of items the thread has finished.
+
+    Args:
+        alive: whether the thread that takes the items still runs (a dead one finishes none).
+    """
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._alive = alive
+        self._put = 0  # puts are serialised by the async writer's lock
+        self._done = 0  # only the writer thread counts these
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self._items.put(item)
+        self._put += 1  # after the put: a cut here makes `join` return early, never hang
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        return self._items.get(block, timeout)
+
+    def task_done(self) -> None:
+        self._done += 1
+
+    def join(self) -> None:
+        target = self._put
+        while self._done < target and self._alive():
+            time.sleep(0.001)
+
+
+def replace_byte_queue(event_writer: Any) -> bool:
+    """Hand the records of `event_writer`'s writer thread over through a `_Handoff` instead of
+    TensorBoard's `queue.Queue`.
+
+    Why: `queue.Queue.put` takes its lock in a Python-level `Condition.__enter__`; a
+    KeyboardInterrupt raised there (a Ctrl-C lands on any bytecode of the main thread) leaves
+    the lock held for good, and the writer thread and every later event, flush and close hang.
+    The library holds Ctrl-C while it hands rows to its sinks (interrupts.py), but a
+    KeyboardInterrupt raised otherwise (by a library's own signal handling) is not held.
+
+    Reaches TensorBoard's private `_AsyncWriter` (`_byte_queue`, `_worker`, `_writer`) and its
+    `_AsyncWriterThread(queue, record_writer, flush_secs)` (checked on tensorboard 2.21.0):
+    the thread started with the writer is stopped (it has written every record queued so far)
+    and one of the same class is started on the handoff. Returns False, changing nothing,
+    where the writer does not have that shape.
+    """
+    async_writer: Any = getattr(event_writer, "_async_writer", None)
+    worker: Any = getattr(async_writer, "_worker", None)
+    byte_queue = getattr(async_writer, "_byte_queue", None)
+    if (
+        not isinstance(byte_queue, queue.Queue)
+        or getattr(worker, "_queue", None) is not byte_queue
+        or not isinstance(getattr(worker, "_flush_secs", None), int | float)
+        or not callable(getattr(worker, "stop", None))
+        or not hasattr(async_writer, "_writer")
+    ):
+        return False
+    worker.stop()
+    handoff = _Handoff(lambda: replacement.is_alive())
+    replacement = type(worker)(handoff, async_writer._writer, worker._flush_secs)
+    async_writer._byte_queue = handoff
+    async_writer._worker = replacement
+    replacement.start()
+    return True
 
 
 def summary_file_writer(writer: Any) -> Any | None:

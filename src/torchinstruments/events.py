@@ -33,7 +33,7 @@ from torch.utils.tensorboard.summary import HistogramProto, Summary
 from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
 
-from torchinstruments._tensorboard_internals import replace_record_framing
+from torchinstruments._tensorboard_internals import replace_byte_queue, replace_record_framing
 from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
@@ -269,6 +269,9 @@ class EventFile:
         self._writer = FileWriter(log_dir, flush_secs=flush_seconds)  # type: ignore[arg-type]
         self._records = _hand_over_checksum(self._writer, Crc32c())
         self.fast_checksum = self._records is not None
+        # Events reach TensorBoard's writer thread through a queue without a Python-level lock
+        # that a KeyboardInterrupt could leave held (`replace_byte_queue`).
+        self.interrupt_safe = replace_byte_queue(self._writer.event_writer)
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 

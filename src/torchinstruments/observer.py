@@ -41,6 +41,15 @@ keeps each thread's forwards apart; a selected layer called on a thread without 
 of its own (a thread pool inside the forward) belongs to the one sampled forward in flight, and
 calls no sample can take are counted and said (`samples.py` explains the decision).
 
+Ctrl-C: a sampled forward's start and end, and a backward pass's end, run with SIGINT held
+(interrupts.py), so a Ctrl-C reaches the user's handler right after them and never cuts a sample
+in half. The thread's root depth is set before the sampling decision and back to 0 only once a
+sampled forward's end is complete; a KeyboardInterrupt that still cuts it (not delivered through
+Python's SIGINT handler) leaves the depth above 0, and the thread's next root forward (which
+reads the depth anyway: nothing more on the unsampled path) or the removal tells that from a
+call of the root inside its own forward (`interrupts.running`, a walk up the stack) and finishes
+the end (`_heal`: the layers' proxies off, the sample ended and written, marked, said once).
+
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
 A call of the root inside its own forward is part of the enclosing root forward: it is not
 counted, not sampled on its own, and (if the root is a selected layer) gets the next call_index.

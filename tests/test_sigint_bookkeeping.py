@@ -31,6 +31,7 @@ from torchinstruments import (
     remove_observer,
     set_step,
 )
+from torchinstruments.interrupts import STUCK_S
 
 SECONDS = 4.0
 KEY = ["signal", "layer", "call_index", "tensor_path", "metric"]
@@ -171,5 +172,60 @@ def test_sigint_storms_on_sampled_steps_leave_no_proxy_and_no_silent_partial_sam
     assert clean > 20  # most samples ran to the end
 
 
+class HangingSink:
+    """A user's sink whose write hangs (a network call without a timeout)."""
+
+    def start(self, run: object) -> None:
+        pass
+
+    def write_forward(self, record: object) -> None:
+        print("hanging", flush=True)
+        time.sleep(120)
+
+    def write_backward(self, record: object) -> None:
+        pass
+
+    def close(self, counts: object) -> None:
+        pass
+
+
+def hanging_main(run: Path) -> None:
+    """One sampled step whose sink hangs; say how the Ctrl-Cs ended it."""
+    model = build()
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), sinks=[HangingSink()])
+    try:
+        model(inputs(0))
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    model(inputs(1))  # the next root forward heals the cut end (the sink is detached or hangs)
+
+
+def test_a_second_ctrl_c_ends_a_step_whose_sink_hangs(tmp_path: Path) -> None:
+    """A held Ctrl-C waits for the section's end; when a user's sink hangs there, a second
+    Ctrl-C (`interrupts.STUCK_S` after the first) raises KeyboardInterrupt at once."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, "hang", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "hanging"
+        child.send_signal(signal.SIGINT)  # held: the step's end is a held section
+        time.sleep(STUCK_S + 0.5)
+        assert child.poll() is None  # still hanging: the first Ctrl-C was held
+        child.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert child.stdout.readline().strip() == "interrupted"
+        assert time.monotonic() - started < 10
+    finally:
+        child.kill()
+        child.wait()
+
+
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), float(sys.argv[2]))
+    if sys.argv[1] == "hang":
+        hanging_main(Path(sys.argv[2]))
+    else:
+        child_main(Path(sys.argv[1]), float(sys.argv[2]))

@@ -40,19 +40,34 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from types import CodeType
 from typing import Any
 
-__all__ = ["NOT_HELD", "SIGINT", "hold_signal", "release", "running"]
+__all__ = ["NOT_HELD", "SIGINT", "STUCK_S", "hold_signal", "release", "running"]
 
 SIGINT = signal.SIGINT
 NOT_HELD = object()  # off the main thread: there is no handler to swap, and no SIGINT arrives
-_held: list[int] = []  # SIGINTs that arrived while held, delivered by `release`
+_held: list[float] = []  # when the SIGINTs held now arrived (`time.monotonic`), for `release`
+# A section that still holds a SIGINT this many seconds after it arrived is stuck (a sink that
+# hangs on a network call): a second Ctrl-C then ends it at once.
+STUCK_S = 1.0
 
 
 def hold_signal(signum: int, frame: Any) -> None:
-    """SIGINT's handler while a section runs: note the signal, raise nothing."""
-    _held.append(signum)
+    """SIGINT's handler while a section runs: note the signal, raise nothing.
+
+    Escape hatch: a section lasts a sample's transfer and sinks, milliseconds, unless one of them
+    hangs, and a Ctrl-C must always end a hung step. A SIGINT that arrives `STUCK_S` or more
+    after a held one puts Python's default handler back (the user's own, if not that one, is not
+    known here) and raises KeyboardInterrupt now, cutting the section; the thread's next root
+    forward heals what it left (see the module docstring)."""
+    now = time.monotonic()
+    if _held and now - _held[0] >= STUCK_S:
+        _held.clear()
+        signal.signal(SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
+    _held.append(now)
 
 
 def release(previous: Any) -> None:

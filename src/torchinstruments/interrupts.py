@@ -29,7 +29,7 @@ raised by a handler the user installed from C, by code the user runs in a held s
 inside the user's forward while the library measures a layer's output, which is not held: that
 sample is marked as raised). observer.py keeps a thread's root depth above 0 until a sampled
 forward's end is complete, so the thread's next root forward, which reads the depth anyway,
-finds a cut end there; `running` tells that apart from a real call of the root inside its own
+finds a cut end there; `_torch_internals.running` tells that apart from a real call of the root inside its own
 forward, and the observer heals the rest.
 
 Cost: two `signal.signal` calls (about 2.5 us each here) per held section, on sampled forwards
@@ -39,12 +39,10 @@ and backward passes only; an unsampled root forward holds nothing.
 from __future__ import annotations
 
 import signal
-import sys
 import time
-from types import CodeType
 from typing import Any
 
-__all__ = ["NOT_HELD", "SIGINT", "STUCK_S", "hold_signal", "release", "running"]
+__all__ = ["NOT_HELD", "SIGINT", "STUCK_S", "hold_signal", "release"]
 
 SIGINT = signal.SIGINT
 NOT_HELD = object()  # off the main thread: there is no handler to swap, and no SIGINT arrives
@@ -83,14 +81,3 @@ def release(previous: Any) -> None:
     if _held:
         _held.clear()
         signal.raise_signal(SIGINT)  # the user's handler runs now, after the section
-
-
-def running(code: CodeType, owner: object) -> bool:
-    """Whether this thread's stack holds a frame running `code` with `self` being `owner`,
-    beyond the caller's caller (the frame asking, and the call it serves, are left out)."""
-    frame = sys._getframe(3)
-    while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is owner:
-            return True
-        frame = frame.f_back
-    return False

@@ -47,7 +47,7 @@ in half. The thread's root depth is set before the sampling decision and back to
 sampled forward's end is complete; a KeyboardInterrupt that still cuts it (not delivered through
 Python's SIGINT handler) leaves the depth above 0, and the thread's next root forward (which
 reads the depth anyway: nothing more on the unsampled path) or the removal tells that from a
-call of the root inside its own forward (`interrupts.running`, a walk up the stack) and finishes
+call of the root inside its own forward (`_torch_internals.running`, a walk up the stack) and finishes
 the end (`_heal`: the layers' proxies off, the sample ended and written, marked, said once).
 
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
@@ -77,6 +77,7 @@ from torchinstruments._torch_internals import (
     called_through_module_call,
     has_fused_fast_path,
     is_tracing,
+    running,
 )
 from torchinstruments.capture import FusedPathGuard, LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
@@ -90,7 +91,7 @@ from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
 from torchinstruments.global_statistics import keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
-from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release, running
+from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.transfer import (
     build_records,
     launch,

@@ -12,19 +12,27 @@ Design decisions:
   action (or a handler installed from C, reported as None) is re-raised: the handler is reset to
   SIG_DFL and the signal sent again, so the process ends as killed by SIGTERM, with the exit
   status its launcher expects.
-- The handler itself takes no lock. It runs in the main thread between two bytecodes, possibly
-  while that thread holds the history writer's lock, TensorBoard's, or the one inside
-  `threading.Event`; taking any of them from the handler could deadlock. So a helper thread asks
-  the run's flush thread to write everything, and the handler only joins the helper with a
-  timeout (`FLUSH_TIMEOUT_S`). If the main thread was interrupted inside one of those locks, the
-  wait times out and the run loses what a SIGKILL would have lost (at most one flush interval),
-  never more, and never hangs.
+- The chain holds only live runs, whatever the order runs end in. Each handler links to the one
+  it chains to (`_previous`) and to the `TermFlush` installed over it (`_next`). A run that ends
+  while its handler is the current one restores the previous handler; one that ends under
+  another run's handler is spliced out (the handler above takes its previous as its own). So
+  observers removed in another order than injected (first in, first out) leave no handler
+  behind, the chain never grows with the number of runs a process went through (at ~1,000 a
+  SIGTERM would end in a RecursionError, exit status 1), and an ended run's writer and sink are
+  not kept alive by it: an uninstalled handler drops its flush callable at once.
+- Python can install signal handlers only from the main thread: an observer injected from
+  another thread installs none (SIGTERM then behaves like SIGKILL, within the same bound), and a
+  run that ends on another thread leaves its handler in place, inert: it only chains.
+- Edits of the chain are serialised by one re-entrant lock (a finalizer may end a run while
+  the same thread edits it); the handler itself takes no lock. It runs in the main thread
+  between two bytecodes, possibly while that thread holds the history writer's lock,
+  TensorBoard's, or the one inside `threading.Event`; taking any of them from the handler could
+  deadlock. So a helper thread asks the run's flush thread to write everything, and the handler
+  only joins the helper with a timeout (`FLUSH_TIMEOUT_S`). If the main thread was interrupted
+  inside one of those locks, the wait times out and the run loses what a SIGKILL would have lost
+  (at most one flush interval), never more, and never hangs.
 - A process forked after injection (a DataLoader worker) inherits the handler but not the flush
   thread, and its copy of the buffer is not its to write: there the handler only chains.
-- Python can install signal handlers only from the main thread: an observer injected from another
-  thread installs none (SIGTERM then behaves like SIGKILL, within the same bound).
-- Removal restores the previous handler if ours is still installed; if something replaced ours
-  meanwhile (and may chain to it), ours only becomes inert: it chains without flushing.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ from typing import Any
 
 FLUSH_TIMEOUT_S = 5.0
 
+# Serialises edits of the chain of `TermFlush` handlers (install, uninstall), on any thread.
+_CHAIN = [threading.RLock()]  # a list, so the fork handler replaces it without `global`
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
 
 class TermFlush:
     """A SIGTERM handler that flushes one run, then chains to the handler installed before it.
@@ -48,8 +63,9 @@ class TermFlush:
     """
 
     def __init__(self, flush: Callable[[float], bool]) -> None:
-        self._flush = flush
-        self._previous: Any = signal.SIG_DFL
+        self._flush: Callable[[float], bool] | None = flush
+        self._previous: Any = signal.SIG_DFL  # the handler this one chains to
+        self._next: TermFlush | None = None  # the TermFlush installed over this one
         self._active = False
         self._installed = False
         self._pid = os.getpid()
@@ -61,31 +77,47 @@ class TermFlush:
 
     def install(self) -> bool:
         """Become the SIGTERM handler; returns False where Python cannot (not the main thread)."""
-        if threading.current_thread() is not threading.main_thread():
+        if not _on_main_thread():
             return False
-        self._previous = signal.getsignal(signal.SIGTERM)
-        self._pid = os.getpid()
-        signal.signal(signal.SIGTERM, self)
-        self._active = self._installed = True
+        with _CHAIN[0]:
+            previous = signal.getsignal(signal.SIGTERM)
+            self._previous, self._next = previous, None
+            self._pid = os.getpid()
+            signal.signal(signal.SIGTERM, self)
+            if isinstance(previous, TermFlush):
+                previous._next = self
+            self._active = self._installed = True
         return True
 
     def uninstall(self) -> None:
-        """Restore the previous handler if ours is still current; otherwise only go inert."""
+        """Go inert and leave the chain: restore the previous handler if this one is current,
+        else splice it out (off the main thread, only go inert: module docstring)."""
         self._active = False
-        if not self._installed:
-            return
-        self._installed = False
-        if threading.current_thread() is not threading.main_thread():
-            return  # cannot touch handlers here; ours stays, inert, and only chains
-        if signal.getsignal(signal.SIGTERM) is self:
-            signal.signal(signal.SIGTERM, self._previous)
+        self._flush = None  # an ended run's writer and sink are not kept alive by the chain
+        with _CHAIN[0]:
+            if not self._installed:
+                return
+            self._installed = False
+            if not _on_main_thread():
+                return  # cannot touch handlers here; ours stays, inert, and only chains
+            above = self._next
+            if signal.getsignal(signal.SIGTERM) is self:
+                signal.signal(signal.SIGTERM, self._previous)
+                if isinstance(self._previous, TermFlush):
+                    self._previous._next = None
+            elif above is not None:  # a TermFlush over this one: splice this one out
+                above._previous = self._previous
+                if isinstance(self._previous, TermFlush):
+                    self._previous._next = above
+            self._next = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
         """Flush (once), then do what the previous handler or the default action would do."""
-        if self._active and os.getpid() == self._pid:
+        flush = self._flush
+        if self._active and flush is not None and os.getpid() == self._pid:
             self._active = False
             helper = threading.Thread(
-                target=self._flush, args=(FLUSH_TIMEOUT_S,), name="torchinstruments SIGTERM flush"
+                target=flush, args=(FLUSH_TIMEOUT_S,), name="torchinstruments SIGTERM flush"
             )
             helper.daemon = True
             helper.start()
@@ -98,6 +130,15 @@ class TermFlush:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at the fork stays held in the child: start with a new one."""
+    _CHAIN[0] = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["FLUSH_TIMEOUT_S", "TermFlush"]

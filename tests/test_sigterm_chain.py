@@ -1,0 +1,172 @@
+"""The SIGTERM handler chain holds only live runs, whatever order runs end in.
+
+Real processes and a real SIGTERM: the child (this file run as a script) injects and removes
+observers many times, in another order than injected (first in, first out), then keeps one run
+live and waits. The parent sends SIGTERM: the child must end
+with SIGTERM's default action (returncode -15), the live run's rows on disk.
+
+A chain that grew by one handler per ended run would need about 1,000 runs to exhaust Python's
+recursion limit when SIGTERM walks it. To keep the test short, the child lowers the limit to its
+current stack depth plus `HEADROOM` frames before waiting, with more cycles than that: a chain
+of ended runs then ends in a RecursionError (exit status 1) as 1,000 runs would at the default.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.signals import TermFlush
+from torchinstruments.sinks.directory import DirectorySink
+
+CYCLES = 60
+HEADROOM = 40  # frames a SIGTERM may use on top of the waiting child's stack (< CYCLES)
+WAIT_S = 120.0
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _step(model: nn.Module) -> None:
+    model(torch.randn(2, 4)).sum().backward()
+
+
+def _inject(model: nn.Module, directory: Path) -> None:
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=600.0),  # only SIGTERM writes the last rows
+    )
+
+
+def _on_thread(target: object, *args: object) -> None:
+    thread = threading.Thread(target=target, args=args)  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+
+
+def _chain() -> tuple[int, object]:
+    """How many of our handlers SIGTERM would pass through, and the handler they end at."""
+    handler, length = signal.getsignal(signal.SIGTERM), 0
+    while isinstance(handler, TermFlush):
+        handler, length = handler._previous, length + 1
+    return length, handler
+
+
+def _chain_length() -> int:
+    return _chain()[0]
+
+
+def child_main(root: Path, mode: str) -> None:
+    """Cycle runs (`mode` "fifo" or "threads"), keep one live, report, then wait for SIGTERM."""
+    torch.set_num_threads(1)
+    before = signal.getsignal(signal.SIGTERM)
+    longest = 0
+    for i in range(CYCLES):
+        a, b = _model(), _model()
+        _inject(a, root / f"a{i}")
+        _inject(b, root / f"b{i}")
+        _step(a)
+        _step(b)
+        if mode == "fifo":
+            remove_observer(a)  # under b's handler: spliced out
+            remove_observer(b)
+        elif i % 2:
+            _on_thread(remove_observer, a)
+            _on_thread(remove_observer, b)
+        else:
+            del a, b  # their runs end when the collector finds them, on a helper thread
+            _on_thread(gc.collect)
+        longest = max(longest, _chain_length())
+    gc.collect()
+    facts = {
+        "longest_chain": longest,
+        "chain_after_cycles": _chain_length(),
+        "ends_at_the_handler_before": _chain()[1] == before,
+        "sinks_alive": sum(type(o) is DirectorySink for o in gc.get_objects()),
+    }
+    first, live = _model(), _model()
+    _inject(first, root / "first")
+    _inject(live, root / "live")
+    _step(live)
+    if mode == "fifo":
+        remove_observer(first)
+    else:
+        _on_thread(remove_observer, first)
+    _step(live)
+    facts["chain_with_one_live_run"] = _chain_length()
+    (root / "facts.json").write_text(json.dumps(facts), encoding="utf-8")
+    sys.setrecursionlimit(len(inspect.stack()) + HEADROOM)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_child(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """Run the child, SIGTERM it once it reported; its result and facts."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(root), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (root / "facts.json").exists():
+            if child.poll() is not None or time.monotonic() > deadline:
+                out, err = child.communicate(timeout=30)
+                pytest.fail(f"the child never reported:\n{out}\n{err}")
+            time.sleep(0.05)
+        time.sleep(0.2)  # past writing the facts, into its wait
+        os.kill(child.pid, signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    result = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+    return result, json.loads((root / "facts.json").read_text("utf-8"))
+
+
+def assert_live_run_flushed(directory: Path) -> None:
+    """The live run's two samples reached its parts (SIGTERM flushed them)."""
+    parts = sorted((directory / "history.parts").glob("part-*.parquet"))
+    assert parts, "SIGTERM did not flush the live run"
+    ids = set(pl.concat([pl.read_parquet(p) for p in parts])["sample_id"].to_list())
+    assert ids == {0, 1}
+
+
+def test_runs_removed_first_in_first_out_leave_the_chain_and_sigterm_ends_the_process(
+    tmp_path: Path,
+) -> None:
+    result, facts = run_child(tmp_path, "fifo")
+    assert "RecursionError" not in result.stderr, result.stderr
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert facts["longest_chain"] <= 2  # the two live runs at most
+    assert facts["chain_after_cycles"] == 0  # SIGTERM's handler is the one before, again
+    assert facts["ends_at_the_handler_before"]
+    assert facts["sinks_alive"] == 0  # no ended run kept alive by a handler
+    assert facts["chain_with_one_live_run"] == 1
+    assert_live_run_flushed(tmp_path / "runs" / "live")
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), sys.argv[2])

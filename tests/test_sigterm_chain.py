@@ -1,8 +1,9 @@
-"""The SIGTERM handler chain holds only live runs, whatever order runs end in.
+"""The SIGTERM handler chain holds only live runs, whatever order and thread runs end in.
 
 Real processes and a real SIGTERM: the child (this file run as a script) injects and removes
-observers many times, in another order than injected (first in, first out), then keeps one run
-live and waits. The parent sends SIGTERM: the child must end
+observers many times, in another order than injected (first in, first out) or from other threads
+(`remove_observer` on a worker thread, a dropped model collected by the garbage collector on a
+helper thread), then keeps one run live and waits. The parent sends SIGTERM: the child must end
 with SIGTERM's default action (returncode -15), the live run's rows on disk.
 
 A chain that grew by one handler per ended run would need about 1,000 runs to exhaust Python's
@@ -164,6 +165,22 @@ def test_runs_removed_first_in_first_out_leave_the_chain_and_sigterm_ends_the_pr
     assert facts["chain_after_cycles"] == 0  # SIGTERM's handler is the one before, again
     assert facts["ends_at_the_handler_before"]
     assert facts["sinks_alive"] == 0  # no ended run kept alive by a handler
+    assert facts["chain_with_one_live_run"] == 1
+    assert_live_run_flushed(tmp_path / "runs" / "live")
+
+
+def test_runs_ended_on_other_threads_leave_the_chain_and_sigterm_ends_the_process(
+    tmp_path: Path,
+) -> None:
+    result, facts = run_child(tmp_path, "threads")
+    assert "RecursionError" not in result.stderr, result.stderr
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    # two live runs, plus at most one inert handler left current by a run ended off the main
+    # thread, taken off at the next install or uninstall on the main thread
+    assert facts["longest_chain"] <= 3
+    assert facts["chain_after_cycles"] <= 1
+    assert facts["ends_at_the_handler_before"]
+    assert facts["sinks_alive"] == 0
     assert facts["chain_with_one_live_run"] == 1
     assert_live_run_flushed(tmp_path / "runs" / "live")
 

@@ -20,9 +20,15 @@ Design decisions:
   behind, the chain never grows with the number of runs a process went through (at ~1,000 a
   SIGTERM would end in a RecursionError, exit status 1), and an ended run's writer and sink are
   not kept alive by it: an uninstalled handler drops its flush callable at once.
-- Python can install signal handlers only from the main thread: an observer injected from
-  another thread installs none (SIGTERM then behaves like SIGKILL, within the same bound), and a
-  run that ends on another thread leaves its handler in place, inert: it only chains.
+- Python can install signal handlers only from the main thread. An observer injected from
+  another thread installs none (SIGTERM then behaves like SIGKILL, within the same bound). A run
+  that ends on another thread (`remove_observer` there, or the garbage collector finalizing a
+  dropped model on whatever thread allocated) makes its handler inert and splices it out where
+  that needs no `signal.signal` (a `TermFlush` sits over it); if it is the current handler it
+  stays, inert, chaining straight to its previous, and is taken off at the next install or
+  uninstall on the main thread, together with any other inert handler at the top of the chain or
+  between live ones. Only a handler that something else (not ours) installed over ours and may
+  chain to keeps an inert one in place: it holds nothing but its link.
 - Edits of the chain are serialised by one re-entrant lock (a finalizer may end a run while
   the same thread edits it); the handler itself takes no lock. It runs in the main thread
   between two bytecodes, possibly while that thread holds the history writer's lock,
@@ -76,10 +82,14 @@ class TermFlush:
         return self._installed
 
     def install(self) -> bool:
-        """Become the SIGTERM handler; returns False where Python cannot (not the main thread)."""
+        """Become the SIGTERM handler; returns False where Python cannot (not the main thread).
+
+        Inert handlers at the top of the chain (runs ended off the main thread) are taken off
+        first, so this one chains to the first live handler under them."""
         if not _on_main_thread():
             return False
         with _CHAIN[0]:
+            _settle()
             previous = signal.getsignal(signal.SIGTERM)
             self._previous, self._next = previous, None
             self._pid = os.getpid()
@@ -91,25 +101,22 @@ class TermFlush:
 
     def uninstall(self) -> None:
         """Go inert and leave the chain: restore the previous handler if this one is current,
-        else splice it out (off the main thread, only go inert: module docstring)."""
+        else splice it out; off the main thread, an inert current handler waits for the next
+        main-thread install or uninstall (module docstring)."""
         self._active = False
         self._flush = None  # an ended run's writer and sink are not kept alive by the chain
         with _CHAIN[0]:
             if not self._installed:
                 return
             self._installed = False
-            if not _on_main_thread():
-                return  # cannot touch handlers here; ours stays, inert, and only chains
             above = self._next
-            if signal.getsignal(signal.SIGTERM) is self:
-                signal.signal(signal.SIGTERM, self._previous)
-                if isinstance(self._previous, TermFlush):
-                    self._previous._next = None
-            elif above is not None:  # a TermFlush over this one: splice this one out
+            if above is not None:  # a TermFlush over this one: splice this one out
                 above._previous = self._previous
                 if isinstance(self._previous, TermFlush):
                     self._previous._next = above
-            self._next = None
+                self._next = None
+            if _on_main_thread():
+                _settle()
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
         """Flush (once), then do what the previous handler or the default action would do."""
@@ -130,6 +137,29 @@ class TermFlush:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+
+def _settle() -> None:
+    """Take inert handlers off the chain: at its top (restoring the first live handler under
+    them) and between live ones. Main thread only; the caller holds the chain's lock."""
+    current = signal.getsignal(signal.SIGTERM)
+    top = current
+    while isinstance(top, TermFlush) and not top._installed and top._previous is not None:
+        top = top._previous  # a handler installed from C (None) cannot be restored: keep ours
+    if top is not current:
+        signal.signal(signal.SIGTERM, top)
+        if isinstance(top, TermFlush):
+            top._next = None
+    node = top
+    while isinstance(node, TermFlush):  # splice inert ones out from between live ones
+        below = node._previous
+        if isinstance(below, TermFlush) and not below._installed:
+            node._previous = below._previous
+            if isinstance(below._previous, TermFlush):
+                below._previous._next = node
+            below._next = None
+            continue
+        node = below
 
 
 def _after_fork_in_child() -> None:

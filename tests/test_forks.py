@@ -272,5 +272,94 @@ def test_dataloader_fork_workers_leave_the_run_complete(
     assert_parent_run_complete(directory, samples=6)
 
 
+def wait_child(pid: int, timeout: float) -> int | None:
+    """The child's exit code, or None when it had not ended after `timeout` s (then killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def child_run(directory: Path, report: Path) -> None:
+    """In a forked child: try to observe a model of its own for two steps; report how it went."""
+    model = small_model()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    try:
+        inject_observer(
+            model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+        )
+    except RuntimeError as error:
+        report.write_text(json.dumps({"refused": str(error)}), encoding="utf-8")
+        os._exit(0)
+    for _ in range(2):
+        sgd_step(model, x, y, 0.01)
+    remove_observer(model)
+    report.write_text(json.dumps({"refused": ""}), encoding="utf-8")
+    os._exit(0)
+
+
+def after_removal_main(directory: Path, report: Path) -> None:
+    """Fork before any inject (that child observes a run of its own), then inject, train,
+    remove, and fork again: that child's inject_observer must be refused, never hang."""
+    torch.set_num_threads(1)
+    before_report, after_report = report.with_name("before.json"), report.with_name("after.json")
+    pid = os.fork()
+    if pid == 0:
+        child_run(directory.with_name("child-before"), before_report)
+    before_status = wait_child(pid, CHILD_TIMEOUT_S)
+    model = small_model()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    for _ in range(3):
+        sgd_step(model, x, y, 0.01)
+    remove_observer(model)
+    pid = os.fork()
+    if pid == 0:
+        child_run(directory.with_name("child-after"), after_report)
+    after_status = wait_child(pid, 30.0)
+    facts = {
+        "before_status": before_status,
+        "before": json.loads(before_report.read_text("utf-8")) if before_report.exists() else None,
+        "after_status": after_status,
+        "after": json.loads(after_report.read_text("utf-8")) if after_report.exists() else None,
+    }
+    report.write_text(json.dumps(facts), encoding="utf-8")
+
+
+@pytest.mark.timeout(150)
+def test_a_child_forked_after_a_run_ended_is_refused_at_inject_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    directory, report = tmp_path / "run", tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, __file__, str(directory), str(report), "after-removal"],
+        timeout=2 * CHILD_TIMEOUT_S,
+        check=True,
+    )
+    facts = json.loads(report.read_text("utf-8"))
+    # forked before the parent's first inject: free to observe, and its run completes
+    assert facts["before_status"] == 0
+    assert facts["before"] == {"refused": ""}
+    assert "**State: complete.**" in (tmp_path / "child-before" / "index.md").read_text("utf-8")
+    # forked after a run ended: refused with the reason and what to do, and never hangs
+    assert facts["after_status"] == 0, "the child forked after removal hung or failed"
+    refused = facts["after"]["refused"]
+    assert "forked from a process" in refused
+    assert "Polars' thread pool" in refused
+    assert "'spawn'" in refused
+    assert "fork before the parent's first inject_observer" in refused
+    assert not (tmp_path / "child-after").exists()
+
+
 if __name__ == "__main__":
-    script_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[3:] == ["after-removal"]:
+        after_removal_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    else:
+        script_main(Path(sys.argv[1]), Path(sys.argv[2]))

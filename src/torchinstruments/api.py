@@ -436,7 +436,7 @@ def start_run(
     Raises:
         TypeError: `model` cannot be observed.
         RuntimeError: `model` already has an observer, or this process was forked from one
-            with a live run.
+            that had opened a run (live at the fork or ended before it; see forks.py).
         FileExistsError: the directory already holds a run (and neither `resume` nor
             `config.resume` is set), or the run there cannot be continued.
     """
@@ -444,9 +444,11 @@ def start_run(
     if forks.forked_from_a_run():
         raise RuntimeError(
             "inject_observer: this process was forked from a process with a live "
-            "torchinstruments run; Polars' thread pool and the parent's locks do not survive a "
-            "fork, so a run here could hang. Start the child with the 'spawn' or 'forkserver' "
-            "method (torch.multiprocessing.set_start_method('spawn')) and inject in it"
+            "torchinstruments run, or one that had ended; Polars' thread pool (every run uses "
+            "it) and the parent's locks do not survive a fork, so a run here could hang. Start "
+            "the child with the 'spawn' or 'forkserver' method "
+            "(torch.multiprocessing.set_start_method('spawn')) and inject in it, or fork before "
+            "the parent's first inject_observer"
         )
     if _registered(model) is not None:
         raise RuntimeError(
@@ -486,6 +488,7 @@ def _open_run(
     placement = place_rank(output_dir, config.rank_policy)
     if not placement.attach:
         return None
+    forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
     layers = select_layers(model, config.selector)
     focus = select_focus_layers(layers, config.histogram_selector, config.max_histogram_modules)
     infos = tuple(info for _, info in layers)

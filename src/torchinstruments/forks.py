@@ -20,11 +20,16 @@ Why the child gets no directory of its own: recording there would need Polars (w
 pool does not survive a fork of a process that used it) and new threads in a process whose
 other locks are in an unknown state, so `inject_observer` in such a child is refused with a
 message that points at the 'spawn' and 'forkserver' start methods, where a child is a fresh
-process and can be observed like any other.
+process and can be observed like any other. The refusal is not limited to runs live at the
+fork: every run uses Polars (its parts, the merge at removal, the readers of a continued run),
+and Polars' pool stays broken in a child of the process that used it, after the run ended too
+(a child forked after `remove_observer` hung for ever at its first part). So a child is refused
+once any run has opened in an ancestor (`opened_a_run`); a process forked before the first
+inject is free to observe, and the message says so.
 
-The one piece of process-wide state in this module mirrors a process-wide event: the set of
-live runs a fork has to make inert (weak references: a finished run drops out by itself), and
-whether this process is such a child.
+The one piece of process-wide state in this module mirrors process-wide events: the set of
+live runs a fork has to make inert (weak references: a finished run drops out by itself),
+whether this process has opened a run, and whether it is a child of one that had.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class ForkAware(Protocol):
 
 _LIVE: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _FORKED_FROM_A_RUN = [False]  # a list, so the handler sets it without a `global` statement
+_OPENED_A_RUN = [False]  # a run opened here (so Polars' pool was used), or in an ancestor
 
 
 def track(item: ForkAware) -> None:
@@ -57,15 +63,21 @@ def untrack(item: ForkAware) -> None:
     _LIVE.discard(item)
 
 
+def opened_a_run() -> None:
+    """A run opens in this process: a child forked from now on may not open one (Polars)."""
+    _OPENED_A_RUN[0] = True
+
+
 def forked_from_a_run() -> bool:
-    """Whether this process was forked from one with a live run (directly or through forks)."""
+    """Whether this process was forked from one that had opened a run, live at the fork or
+    ended before it (directly or through forks)."""
     return _FORKED_FROM_A_RUN[0]
 
 
 def _after_fork_in_child() -> None:
     """Make every live run of the parent inert in this child; never raises."""
     items = list(_LIVE)
-    if items:
+    if items or _OPENED_A_RUN[0]:
         _FORKED_FROM_A_RUN[0] = True
     _LIVE.clear()  # the parent's runs are not this process's to track
     for item in items:
@@ -77,4 +89,4 @@ if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["ForkAware", "forked_from_a_run", "track", "untrack"]
+__all__ = ["ForkAware", "forked_from_a_run", "opened_a_run", "track", "untrack"]

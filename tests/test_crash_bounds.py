@@ -313,6 +313,38 @@ def test_rows_are_written_when_sampling_stops(tmp_path: Path) -> None:
         remove_observer(model)
 
 
+def test_a_continuously_sampled_run_writes_one_part_per_half_flush_interval(
+    tmp_path: Path,
+) -> None:
+    """The age that makes rows due is that of the oldest row still buffered: rows appended while
+    a part was written wait their own half interval, so parts do not follow each other back to
+    back (before, hundreds of tiny parts in a few seconds after the first time-triggered one)."""
+    flush_seconds, duration = 1.0, 4.0
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(
+        model,
+        output_dir=tmp_path / "run",
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=flush_seconds),
+    )
+    try:
+        x = torch.randn(4, 6)
+        steps = 0
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            model(x).sum().backward()
+            steps += 1
+        parts = part_files(tmp_path / "run")
+    finally:
+        remove_observer(model)
+    expected = duration / (flush_seconds / 2)  # by the time trigger; the row trigger is far off
+    # rows per half interval stay under a chunk: the parts were written by the time trigger
+    assert steps * ROWS_PER_SAMPLE / expected < HistoryConfig().buffer_rows
+    # + 2: the first sample's forward and backward rows, written at once
+    assert len(parts) <= 3 * expected + 2, f"{len(parts)} parts in {duration} s"
+    assert len(parts) >= 2 + duration // flush_seconds  # and the time bound still writes
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "60"])
 def test_flush_seconds_must_be_a_positive_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match="flush_seconds"):

@@ -10,7 +10,13 @@ The cost: rows not yet in a part live in memory and are lost if the process dies
 
 Loss on a crash is bounded by time, not rows: a part is also written once the oldest buffered row
 is `flush_seconds / 2` old, so every row measured more than `flush_seconds` before a crash is in a
-part (the half interval of slack absorbs a slow part write or a busy CPU). A row-count trigger
+part (the half interval of slack absorbs a slow part write or a busy CPU). The age is that of
+the oldest row still buffered: each buffered record (a sample's rows of one signal) keeps when
+its first row was measured, and after a part the oldest record left sets the age. Rows appended
+while a part was written are therefore due half an interval after they were measured, not at
+once: with the age of the rows the part took, a run sampled continuously wrote tiny parts back
+to back (hundreds in seconds) after its first time-triggered part, instead of one per half
+interval. A row-count trigger
 alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows (the
 default before 65,536) were about 90 minutes of history held only in memory.
 
@@ -93,13 +99,14 @@ SPLIT_RECORD_KEY = "torchinstruments.split_record"
 class _BufferedRecord:
     """The rows of one sample and signal, in append order, that are still (partly) buffered."""
 
-    __slots__ = ("left", "rows", "sample_id", "signal")
+    __slots__ = ("left", "rows", "sample_id", "signal", "since")
 
-    def __init__(self, sample_id: int, signal: str, rows: int) -> None:
+    def __init__(self, sample_id: int, signal: str, rows: int, since: float) -> None:
         self.sample_id = sample_id
         self.signal = signal
         self.rows = rows  # rows it had in the buffer
         self.left = rows  # of them, rows not yet in a part
+        self.since = since  # monotonic time its first row was measured: none of it is older
 
 
 class HistoryWriter:
@@ -157,7 +164,8 @@ class HistoryWriter:
         self._rows_produced = 0
         self._rows_written = 0
         self._retry_at = config.buffer_rows
-        # monotonic time at which the oldest buffered row was measured; None when empty
+        # monotonic time at which the oldest buffered row was measured (its record's `since`);
+        # None when empty
         self._oldest: float | None = None
         self._retry_after = 0.0  # monotonic; no timed retry before it after a failed write
         self._error: str | None = None
@@ -256,11 +264,9 @@ class HistoryWriter:
                 self._rows_produced += (total - start) * k
                 self._drop((total - start) * k, block.sample_id)
                 return None
-            if not size:
-                self._oldest = _monotonic_of(block.timestamps_us[start])
             rows = self._buffer.add_block(block, start, start + fit)
             self._rows_produced += rows
-            self._note_rows(block.sample_id, block.signal, rows)
+            self._note_rows(block.sample_id, block.signal, rows, block.timestamps_us[start])
             start += fit
         return None
 
@@ -287,27 +293,27 @@ class HistoryWriter:
                 continue
             accepted.append(m)
             size += k
-        empty = not len(self._buffer)
         self._buffer.add_measurements(accepted)
-        if empty and accepted:
-            self._oldest = _monotonic_of(accepted[0].timestamp_us)
         for m in accepted:
             self._rows_produced += len(m.metrics)
-            self._note_rows(m.sample_id, m.signal, len(m.metrics))
+            self._note_rows(m.sample_id, m.signal, len(m.metrics), m.timestamp_us)
         for m in dropped:
             self._rows_produced += len(m.metrics)
             self._drop(len(m.metrics), m.sample_id)
         return going_on
 
-    def _note_rows(self, sample_id: int, signal: str, rows: int) -> None:
-        """Count `rows` more buffered rows of this sample and signal (for `_split_metadata`)."""
+    def _note_rows(self, sample_id: int, signal: str, rows: int, first_us: int) -> None:
+        """Count `rows` more buffered rows of this sample and signal, the first measured at
+        wall time `first_us` (for `_split_metadata`, and the age of the oldest buffered row)."""
         records = self._records
         last = records[-1] if records else None
         if last is not None and last.sample_id == sample_id and last.signal == signal:
             last.rows += rows
             last.left += rows
         else:
-            records.append(_BufferedRecord(sample_id, signal, rows))
+            records.append(_BufferedRecord(sample_id, signal, rows, _monotonic_of(first_us)))
+            if self._oldest is None:
+                self._oldest = records[0].since
 
     def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
@@ -511,8 +517,10 @@ class HistoryWriter:
             self._failing = False
             self._ledger.end_episode()
             self._drop_reason = None
-            if not len(self._buffer):
-                self._oldest = None
+            # The oldest row left, not the oldest before the part: rows appended while it was
+            # written would otherwise inherit its age and be due at once, part after tiny part.
+            records = self._records
+            self._oldest = records[0].since if records and len(self._buffer) else None
 
     def _split_metadata(self, n: int) -> dict[str, str]:
         """The part's metadata when its last rows are a record whose rest stays buffered."""

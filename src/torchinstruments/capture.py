@@ -287,17 +287,32 @@ class LayerCapture:
         return self.measured_call(sample, wrapped, args, kwargs)
 
     def measured_call(
-        self, sample: Any, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+        self,
+        sample: Any,
+        wrapped: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        borrowed: bool = False,
     ) -> Any:
-        """One call of this layer inside `sample`: its call_index, where it raised, what it returned."""
+        """One call of this layer inside `sample`: its call_index, where it raised, what it
+        returned. A `borrowed` call (another thread's, `borrowed_call`) is recorded only while
+        `sample` is still in flight (`samples.InFlight.record`)."""
         call_index = sample.next_call_index(self.info.name)
         try:
             output = wrapped(*args, **kwargs)
         except BaseException as error:
             sample.layer_raised(self.info, self.mode, call_index, error)
             raise
-        sample.returned.add(self.info.name)
-        self.observer.record_output(sample, self, call_index, output)
+        if not borrowed:
+            sample.returned.add(self.info.name)
+            self.observer.record_output(sample, self, call_index, output)
+            return output
+
+        def record() -> None:
+            sample.returned.add(self.info.name)
+            self.observer.record_output(sample, self, call_index, output)
+
+        self.observer.in_flight.record(sample, record)
         return output
 
     def borrowed_call(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -309,19 +324,7 @@ class LayerCapture:
         sample = observer.sample_in_flight(count=True)
         if sample is None:
             return wrapped(*args, **kwargs)
-        call_index = sample.next_call_index(self.info.name)
-        try:
-            output = wrapped(*args, **kwargs)
-        except BaseException as error:
-            sample.layer_raised(self.info, self.mode, call_index, error)
-            raise
-
-        def record() -> None:
-            sample.returned.add(self.info.name)
-            observer.record_output(sample, self, call_index, output)
-
-        observer.in_flight.record(sample, record)
-        return output
+        return self.measured_call(sample, wrapped, args, kwargs, borrowed=True)
 
     def mode(self) -> str:
         """`train` or `eval`, read from the module at call time."""

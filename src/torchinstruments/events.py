@@ -270,8 +270,9 @@ class EventFile:
         self._records = _hand_over_checksum(self._writer, Crc32c())
         self.fast_checksum = self._records is not None
         # Events reach TensorBoard's writer thread through a queue without a Python-level lock
-        # that a KeyboardInterrupt could leave held (`replace_byte_queue`).
-        self.interrupt_safe = replace_byte_queue(self._writer.event_writer)
+        # that a KeyboardInterrupt could leave held (`replace_byte_queue`; where TensorBoard's
+        # writer has another shape, its own queue stays).
+        replace_byte_queue(self._writer.event_writer)
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 

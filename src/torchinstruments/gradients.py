@@ -276,10 +276,16 @@ class GradientRecorder:
                 launched.append(launch_tensor(self._measurer, key, grad, False, reason))
         return launched
 
-    def flush(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
+    def flush(
+        self,
+        mark: Callable[[SampleRecord], Measurement] | None = None,
+        *,
+        fired_leaf_hooks_first: bool = False,
+    ) -> list[int]:
         """Transfer and emit every gradient launched since the last flush, each record with
-        `mark(record)` appended when given; returns the sample ids emitted. Ctrl-C is held
-        meanwhile (interrupts.py): the records reach every sink, or none was taken."""
+        `mark(record)` appended when given (with `fired_leaf_hooks_first`, the leaves' fired
+        hooks are removed first); returns the sample ids emitted. Ctrl-C is held meanwhile
+        (interrupts.py): the records reach every sink, or none was taken."""
         try:
             held = signal.signal(SIGINT, hold_signal)
         except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
@@ -288,6 +294,8 @@ class GradientRecorder:
         except ValueError:  # not the main thread
             held = NOT_HELD
         try:
+            if fired_leaf_hooks_first:
+                self._remove_leaf_hooks(only_fired=True)
             return self._flush(mark)
         finally:
             release(held)
@@ -323,8 +331,7 @@ class GradientRecorder:
         nothing waits but what such a pass left, whether or not it got to queue its callback."""
         if not self._pending or in_backward_pass():
             return []
-        self._remove_leaf_hooks(only_fired=True)
-        return self.flush(mark)
+        return self.flush(mark, fired_leaf_hooks_first=True)
 
     def close(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
         """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.
@@ -344,18 +351,7 @@ class GradientRecorder:
         """Autograd-engine callback at the end of a backward pass: no hook is running now.
         Ctrl-C is held throughout (interrupts.py); cut at its entry, the pass raises, and
         `heal` writes its gradients, marked."""
-        try:
-            held = signal.signal(SIGINT, hold_signal)
-        except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
-            held = signal.signal(SIGINT, hold_signal)
-            hold_signal(SIGINT, None)
-        except ValueError:  # not the main thread
-            held = NOT_HELD
-        try:
-            self._remove_leaf_hooks(only_fired=True)
-            self._flush(None)
-        finally:
-            release(held)
+        self.flush(fired_leaf_hooks_first=True)
 
     def _track_leaf_hook(
         self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook

@@ -114,7 +114,6 @@ from torchinstruments.samples import (
     Sample,
     backward_marker,
     cut_note,
-    removal_marker,
     removed_in_flight_note,
 )
 from torchinstruments.sampling import ask
@@ -374,7 +373,9 @@ class Observer:
                 if sample.interrupted is None:
                     root = LayerInfo("", self._root_type)
                     mode = sample.mode or self._root_mode()
-                    sample.interrupted = sample.cut_marker(root, mode, self.rank)
+                    sample.interrupted = sample.root_marker(
+                        root, mode, self.rank, reasons.CUT_IN_BOOKKEEPING
+                    )
                 self._emit_forward(sample)
             self.cut_samples.append(sample.sample_id)
             self.warn_once("cut", cut_note(self.cut_samples))
@@ -533,7 +534,10 @@ class Observer:
         forwards = self.in_flight.take_all(root, self._root_mode, self.rank)
         for sample in forwards:
             self._emit_forward(sample)
-        backwards = self.gradients.close(lambda record: removal_marker(record, root, self.rank))
+        removed = reasons.removed_during("backward")
+        backwards = self.gradients.close(
+            lambda record: backward_marker(record, root, self.rank, removed)
+        )
         if forwards or backwards:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)

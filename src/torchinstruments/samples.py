@@ -51,7 +51,6 @@ __all__ = [
     "backward_marker",
     "cut_note",
     "marker",
-    "removal_marker",
     "removed_in_flight_note",
 ]
 
@@ -122,10 +121,11 @@ class Sample:
             OUTPUT, reason
         )
 
-    def cut_marker(self, root: LayerInfo, mode: str, rank: int | None) -> Measurement:
-        """The row that marks this sample as cut inside the library's own bookkeeping."""
+    def root_marker(self, root: LayerInfo, mode: str, rank: int | None, reason: str) -> Measurement:
+        """The row that marks this sample for `reason`, naming `root` (cut inside the library's
+        own bookkeeping, or in flight at the run's removal)."""
         row = marker(self.sample_id, self.forward_index, self.step, root, 0, mode, rank)
-        return row(OUTPUT, reasons.CUT_IN_BOOKKEEPING)
+        return row(OUTPUT, reason)
 
     def next_call_index(self, layer: str) -> int:
         """The call_index of this layer's next invocation inside this root forward."""
@@ -168,12 +168,6 @@ def marker(
         )
 
     return row
-
-
-def removal_marker(record: SampleRecord, root: LayerInfo, rank: int | None) -> Measurement:
-    """The marker row of a sample whose backward the run's removal cut (`record`: the gradients
-    that arrived)."""
-    return backward_marker(record, root, rank, reasons.removed_during("backward"))
 
 
 def backward_marker(
@@ -250,8 +244,9 @@ class InFlight:
             taken, self.samples[:] = self.samples[:], []
         for sample in taken:
             mode = sample.mode or root_mode()
-            row = marker(sample.sample_id, sample.forward_index, sample.step, root, 0, mode, rank)
-            sample.interrupted = row(OUTPUT, reasons.removed_during("forward"))
+            sample.interrupted = sample.root_marker(
+                root, mode, rank, reasons.removed_during("forward")
+            )
         return taken
 
     def only(self, count: bool) -> Sample | None:

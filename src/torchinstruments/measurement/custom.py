@@ -142,8 +142,7 @@ def check_names(label: str, names: object, allowed: Sequence[str] = ()) -> None:
 
 
 def _as_reducers(label: str, item: object) -> list[Reducer]:
-    """One `reducers` item as checked reducers: a Reducer stays, a mapping or named function is
-    wrapped."""
+    """One `reducers` item as checked reducers (a mapping or named function wrapped)."""
     if isinstance(item, Mapping):
         check_names(label, list(item))
         for name, function in item.items():

@@ -1,20 +1,14 @@
 """Histograms of the finite entries of one tensor, counted where its statistics are.
 
-Design decision: like the statistics, a histogram is reduced in two halves, and it shares the
-default profile's work when both measure the same tensor: the statistics' min, max, sum and sum
-of squares are the histogram's head and range, and the counts are one more pass
-(`histogram_vector`, the one histogram count of every path). On the CPU the vector
-is a host list (it never round-trips through a tensor); on the general path it is counted on
-the tensor's device without any host synchronisation and travels to the host with the sample's
-single transfer. `record` turns it into a `HistogramRecord`.
+Design decision: a histogram shares the default profile's work: the statistics' min, max, sum
+and sum of squares are its head and range, and the counts are one more pass (`histogram_vector`,
+the one histogram count of every path): a host list on the CPU, counted on the tensor's device
+without a host synchronisation elsewhere (it crosses with the sample's single transfer).
 
-The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram` (bin i
-holds edges[i] <= x < edges[i + 1], the last bin also the max), consistent with the float64
-edges reported however narrow the bins: each inner edge becomes the smallest working-dtype
-value >= it (`thresholds`) and an entry's bin is the number of those <= it (`bin_counts`: by
-bisection of sorted entries, a checked guess for unsorted ones, `torch.bucketize` on a device).
-A constant tensor gets one bin of tiny width so that TensorBoard can draw it. Which tensors get
-a histogram, in which working dtype, is `tensors`' rule, shared with the statistics.
+The bins are equally spaced over [finite min, finite max] and follow `numpy.histogram` (the last
+bin also holds the max), consistent with the float64 edges however narrow the bins: an entry's
+bin is the number of inner `thresholds` (each edge rounded up to the working dtype) <= it. A
+constant tensor gets one bin of tiny width so that TensorBoard can draw it.
 """
 
 from __future__ import annotations
@@ -153,13 +147,10 @@ def bin_counts(
 
 
 def guess_scale(limits: np.ndarray, low: float, span: float, bins: int) -> tuple[float, int]:
-    """The factor of the guess `int((x - low) * scale)` (float64) of an unsorted entry's bin
-    (`limits`: the inner `thresholds`), and by how many bins it can miss (0: never; above
-    `_MAX_OFF`: bisect instead, as where the span overflowed), read on each limit and on the
-    value below it: the guess is monotone in x. `bins / span` is rounded up, not to nearest, so
-    that a limit that is an edge exactly reaches its bin: to nearest, 6 to 25% of float32
-    histograms missed by one (docs/benchmarks.md), and every entry was checked twice. A float64
-    guess may not tell a limit from the value below it: at most one bin off, one check."""
+    """The factor of the guess `int((x - low) * scale)` of an unsorted entry's bin (`limits`:
+    the inner `thresholds`), and by how many bins it can miss (above `_MAX_OFF`: bisect instead),
+    read on each limit and the value below it (the guess is monotone in x). `bins / span` is
+    rounded up, so that a limit that is an edge exactly reaches its bin."""
     scale = math.nextafter(bins / span, math.inf) if 0 < span < math.inf else math.inf
     if not math.isfinite(scale):  # the span overflowed, or is too narrow to divide by
         return math.nan, _MAX_OFF + 1

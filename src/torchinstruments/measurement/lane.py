@@ -3,17 +3,10 @@
 Design decision: on a model of thousands of small layers the fixed cost per tensor is what a
 sampled step pays: the objects of a reduction and its record (about fifteen per tensor, which
 the garbage collector scans until the sample is written) and deriving nine metrics one tensor at
-a time. The lane takes the common case: a plain strided float32 CPU tensor of 1 to
-`BATCH_MAX` entries (`order.SMALL`: the host path would sort it too), outside torch.func
-transforms, when the default profile is the only reducer. At the layer's return (or as its
-gradient arrives) it copies the values into a NumPy array (a later in-place op cannot change
-them; the collector does not track arrays) and keeps nothing else. At the end of the pass each
-copy is sorted in place, as the host path sorts a tensor alone, and `measure` reduces them all
-in one vectorised pass (`numerics.sorted_profiles`, the host path's own arithmetic) into flat
-lists for a `records.MeasurementBlock`, and a focus layer's histograms. Where this CPU sorts
-slowly (`order.selection_is_quicker`, timed once per process) copies of more than
-`order.SORTED_UP_TO` entries are not sorted: their order statistics are selected, as the host
-path then selects them (measured apart from the sorted ones, their rows put back in order).
+a time. The lane takes the common case (`takes`) when the default profile is the only reducer:
+at the layer's return (or as its gradient arrives) it copies the values into a NumPy array (a
+later in-place op cannot change them; the collector does not track arrays), and at the end of
+the pass `measure` reduces every copy in one vectorised pass, the host path's own arithmetic.
 Copies of `HELD_FROM` entries or more count against the observer's bound on kept copies
 (`spare_core.MAX_BYTES_HELD`): beyond it a tensor is measured at once by the host path.
 """
@@ -83,8 +76,8 @@ def measure(
     Each copy is sorted in place (they are the lane's own), as the host path sorts a tensor
     alone, then all are measured together (`numerics.sorted_profiles`: the host path's numbers,
     bit for bit); with `select` (by default where this CPU sorts slowly), copies of more than
-    `order.SORTED_UP_TO` entries are not sorted (the host path's numbers with `select`). If that
-    fails, each copy is measured alone; one that fails alone is null with the error as the
+    `order.SORTED_UP_TO` entries are selected instead, as the host path then selects them. If
+    that fails, each copy is measured alone; one that fails alone is null with the error as the
     reason, no histogram."""
     select = order.selection_is_quicker() if select is None else select
     try:
@@ -112,8 +105,7 @@ def _measure_together(
     buffers: Buffers | None,
     select: bool,
 ) -> tuple[list[float | None], list[str | None], list[list[float] | None]]:
-    """`measure` of all copies at once (`numerics.profile_metrics`). The sorted copies and the
-    selected ones are two batches, their rows put back in order."""
+    """`measure` of all copies at once: the sorted and the selected ones, rows kept in order."""
     selected = [select and copy.size > order.SORTED_UP_TO for copy in copies]
     raw, vectors = np.empty((len(copies), len(numerics.RAW))), {}
     for ascending in (True, False):

@@ -1,30 +1,23 @@
 """The exact numerics of the default profile: one arithmetic per metric family, on every path.
 
-Each family is written once; its generic functions take NumPy arrays and torch tensors alike,
-so every path runs the same IEEE operations in the same order:
+Each family is written once, generic over NumPy arrays and torch tensors, so every path runs the
+same IEEE operations in the same order:
 
-* Quantiles (`quartile_positions`, `lerp`; on the host `profile_ranks`, `finish_profiles`):
-  NumPy's "linear" interpolation between the two order statistics around each quartile, which
-  come from a sorted copy up to `order.SMALL` entries (where this CPU sorts slowly, from
-  `order.select`), from `order.HostSelection` (selection in linear time) above, or from
-  `order.on_device`.
+* Quantiles (`profile_ranks`, `lerp`): NumPy's "linear" interpolation between the two order
+  statistics around each quartile, read from a sorted copy up to `order.SMALL` entries (where
+  this CPU sorts slowly, `order.select`), from `order.HostSelection` above, or `order.on_device`.
 * Moments (`finish_moments` over `segment_sums` on the host, `device_sums` on the device): the
   shifted-data algorithm in float64, shifted by an entry near the median on the host (one pass)
-  and by the mean on the device (two), float64 inputs scaled by a power of two (exact), so
-  neither a variance nor a sum of huge values overflows into a null.
+  and by the mean on the device (two); float64 inputs scaled by a power of two (exact), so no
+  variance or sum of huge values overflows into a null.
 * Histogram counts: `histograms.histogram_vector`, over the statistics' own min, max and sums.
 
-Paths (`paths.choose` decides): `measure_on_cpu` and the lane (both through `sorted_profiles` up
-to `order.SMALL` entries), `raw_on_device`. `tests/test_reads.py` counts the reads of a float32
-CPU tensor above `order.SMALL` entries: once if finite (the moments' pass also counts zeros,
-shows finiteness and feeds the selection's brackets, min and max) plus a random sample
-(`order.sample_positions`), a focus tensor's histogram once more; with non-finite entries,
-three times (that pass, finiteness, a copy of the finite entries, which the passes after read).
-Up to `order.SMALL` entries a sorted copy is read instead (its ends show finiteness, bisections
-find its finite part, zeros and histogram counts; the moments' pass reads it once), or where the
-CPU sorts slowly the tensor itself (finiteness, zeros, `order.select`'s counting pass and buckets,
-the moments, a focus tensor's histogram); a float64 tensor's finiteness is a pass of its own. A
-non-finite result is null; -0.0 is reported as 0.0.
+Reads of a float32 CPU tensor above `order.SMALL` entries (`tests/test_reads.py` counts them):
+once if finite (the moments' pass also counts zeros and feeds the selection's brackets, min and
+max) plus a random sample (`order.sample_positions`), a focus tensor's histogram once more; with
+non-finite entries three times (that pass, finiteness, a copy of the finite entries). Up to
+`order.SMALL` entries a sorted copy is read instead, or where the CPU sorts slowly the tensor
+itself. A non-finite result is null; -0.0 is reported as 0.0.
 """
 
 from __future__ import annotations
@@ -182,18 +175,12 @@ def segment_sums(
     visit: Any = None,
     scratch: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Per segment of finite float32/float64 `values` (`starts` ascending, `counts` >= 1), with
-    `shifts` (float64, one per segment, near its median): what `finish_moments` takes (the
-    shifts scaled, the deviations' squares and sums) and the scale (one power of two per call,
-    for float64 values whose squares could overflow or underflow).
-
-    One pass over float64 deviations, at most `CHUNK` entries at a time, segmented. A segment's
-    sums depend only on its entries, its shift and where chunks cut it, which is where they cut
-    it alone (`_chunk_end`), so a tensor alone and within a batch give the same bits. `visit`
-    sees each chunk (`order.HostSelection` reads it while it is in the cache). `scratch`:
-    float64 room for the deviations of a chunk (at most `CHUNK` entries), else one array is
-    made.
-    """
+    """What `finish_moments` takes per segment of finite float32/float64 `values` (`starts`
+    ascending, `counts` >= 1, `shifts` float64 near each one's median): the shifts scaled, the
+    deviations' squares and sums, and the scale (a power of two, for float64 values whose squares
+    could overflow or underflow). One pass, at most `CHUNK` entries at a time, each segment cut
+    where it would be alone (`_chunk_end`: the same bits alone and in a batch); `visit` sees each
+    chunk while it is in the cache; `scratch` is float64 room for a chunk's deviations."""
     scale = 1.0
     if values.dtype == np.float64:
         max_abs = float(np.max(np.abs(values)))
@@ -237,11 +224,7 @@ def segment_sums(
 
 
 def _chunk_end(starts: np.ndarray, lo: int, end: int) -> int:
-    """Where the chunk that begins at `lo` ends: at most `CHUNK` entries on, at the start of
-    a segment (the last one there) unless one segment covers the whole span (then cut `CHUNK`
-    entries on; `lo` is then that segment's start or a cut of it, `CHUNK` apart). So every
-    segment is cut where it would be alone, and a tensor's sums are the same bits alone and in
-    a batch."""
+    """Where the chunk from `lo` ends: each segment is cut where it would be alone."""
     if lo + CHUNK >= end or starts.size == 1:
         return min(lo + CHUNK, end)
     start = int(starts[np.searchsorted(starts, lo + CHUNK, side="right") - 1])
@@ -254,9 +237,7 @@ def device_sums(
     """`segment_sums` of the finite entries (`finite`: their mask, `count`: how many, at least
     1) of one tensor, as 0-d float64 tensors on its device, without a host synchronisation: the
     shift is their mean, from a first pass. The deviations' sum is that pass's sum less `count`
-    shifts, not a sum of the deviations: one of an entry far larger than the mean rounds to
-    the entry's own precision (entries near +-3.4e38 that cancel to 6e31: off by 1.7e-9 of the
-    sum and the mean), the difference of two sums to theirs."""
+    shifts: a sum of deviations of entries near +-3.4e38 would round to their precision."""
     wide = torch.where(finite, values.to(torch.float64), 0.0)
     scale: torch.Tensor | float = 1.0
     if values.dtype == torch.float64:
@@ -307,12 +288,10 @@ def measure_on_cpu(tensor: torch.Tensor, bins: int | None, select: bool | None =
 
 
 def measure_array(array: np.ndarray, bins: int | None, select: bool | None = None) -> CpuResult:
-    """`measure_on_cpu` of a flat float32/float64 array (its reads: the module docstring's):
-    up to `order.SMALL` entries `sorted_profiles` of a sorted copy, above them selected
-    (`_measure_selected`). With `select` (by default where this CPU sorts slowly:
-    `order.selection_is_quicker`) nothing larger than `order.SORTED_UP_TO` entries is sorted.
-    A float32 one is presumed finite (as its moments' pass shows), else measured again from its
-    finite copy."""
+    """`measure_on_cpu` of a flat float32/float64 array: up to `order.SMALL` entries
+    `sorted_profiles` of a sorted copy (with `select`, by default where this CPU sorts slowly,
+    none above `order.SORTED_UP_TO`), above them `_measure_selected`, of the array if it is
+    finite (presumed for float32, as its moments' pass shows), else of its finite copy."""
     select = order.selection_is_quicker() if select is None else select
     if array.size > order.SMALL:
         if array.dtype == np.float32:
@@ -329,8 +308,7 @@ def measure_array(array: np.ndarray, bins: int | None, select: bool | None = Non
 
 
 def _finite_part(ordered: np.ndarray) -> tuple[np.ndarray, int]:
-    """The finite entries of an ascending array (as `np.sort` leaves it: -inf first, +inf
-    and NaN last), a view, and how many of them are zeros, by bisection."""
+    """An ascending array's finite entries (a view) and how many are zeros, by bisection."""
     first, end = 0, ordered.size
     if end and not (math.isfinite(ordered[0]) and math.isfinite(ordered[-1])):
         first = int(ordered.searchsorted(ordered.dtype.type(-math.inf), "right"))
@@ -347,15 +325,13 @@ def sorted_profiles(
     buffers: Buffers | None = None,
     ascending: bool = True,
 ) -> tuple[np.ndarray, dict[int, list[float] | None]]:
-    """The raw profile of every copy (float32/float64, all of one dtype), a (copies, 9) float64
-    array in `RAW` order (values where a copy has no finite entry: NaN), and the `bins`
-    histogram vectors of the `focus` copies (None: no finite entry, or a failure), in one pass
-    over them all: the moments' chunks cut each copy where they would cut it alone, so a copy's
-    numbers are the same bits alone and among others. `ascending` copies (as `np.sort` leaves
-    them: NaN last): long ones' finite parts and zeros found by bisection (`_finite_part`),
-    short ones' by masks over them all, order statistics read at their ranks. Else (where this
-    CPU sorts slowly: `order.selection_is_quicker`) the copies as they are: masks, and the
-    order statistics selected (`order.select`); the moments summed in that order."""
+    """The raw profile of every copy (float32/float64, of one dtype), a (copies, 9) float64
+    array in `RAW` order (NaN where a copy has no finite entry), and the `bins` histogram vectors
+    of the `focus` copies (None: no finite entry, or a failure), in one pass over them all, each
+    copy's numbers the same bits alone and among others. `ascending` copies (as `np.sort` leaves
+    them): finite parts and zeros by bisection where long (`_finite_part`), by masks where short,
+    order statistics read at their ranks; else (where this CPU sorts slowly) the copies as they
+    are: masks, and the order statistics selected (`order.select`)."""
     lengths = np.fromiter((copy.size for copy in copies), dtype=np.int64, count=len(copies))
     starts = _starts(lengths)
     buffers = buffers or Buffers()
@@ -420,10 +396,9 @@ def _starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def profile_ranks(last: _Array) -> tuple[_Array, _Array]:
-    """Per entry of `last` (int64, the position of a tensor's last sorted finite entry, >= 0)
-    the 0-based sorted positions to read, a row each (min, max, each quartile's lower then upper
-    neighbour), and the quartiles' interpolation weights, a row each (generic): the one
-    quantile routine of every path."""
+    """Per entry of `last` (int64, the position of a tensor's last sorted finite entry) the
+    sorted positions to read, a row each (min, max, each quartile's lower then upper neighbour),
+    and the quartiles' interpolation weights (generic): the one quantile routine of every path."""
     xp = _xp(last)
     if xp is torch:
         steps = torch.tensor(_QUARTILE_STEPS, device=last.device)
@@ -458,9 +433,7 @@ def finish_profiles(
 
 @np.errstate(invalid="ignore", over="ignore")  # a float32 tensor is presumed finite
 def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> CpuResult:
-    """`measure_array` of over `order.SMALL` entries presumed finite, order statistics by
-    selection (`order.HostSelection`, fed by the moments' pass), or `FloatingPointError` (a sum
-    of squares is not finite; those of finite entries are; NumPy's own errors are ignored)."""
+    """`measure_array` above `order.SMALL` entries by `HostSelection`, or FloatingPointError."""
     selection = order.HostSelection(values, select)
     counts = np.array([values.size])
     ranks, weight = _ranks_of(values.size)
@@ -470,7 +443,7 @@ def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> Cpu
         raise FloatingPointError
     picked = np.array(selection.selected(), dtype=np.float64)[:, None]
     profile, total, squares = finish_profiles(picked, weight, sums, counts)
-    zeros = float(selection.zeros())
+    zeros = float(selection.zeros)
     raw = dict(zip(RAW, [*profile[0].tolist(), zeros, values.size], strict=True))
     histogram = None
     if bins:
@@ -486,9 +459,8 @@ def _measure_selected(values: np.ndarray, bins: int | None, select: bool) -> Cpu
 def raw_on_device(
     values: torch.Tensor, bins: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The raw profile (`RAW`) as one float64 device vector, computed without any host
-    synchronisation (min, max and the quartiles' neighbours by `order.on_device`, interpolated
-    there by `lerp`), and with `bins` the histogram vector from the same statistics."""
+    """The raw profile (`RAW`) as one float64 device vector, without a host synchronisation
+    (order statistics by `order.on_device`), and with `bins` the histogram vector."""
     finite_mask = torch.isfinite(values)
     finite = finite_mask.sum()
     count, counted = finite.to(torch.float64), finite.to(torch.float64).clamp(min=1.0)

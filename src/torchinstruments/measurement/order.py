@@ -4,23 +4,16 @@ A full sort is O(n log n) and its speed depends on whether the CPU and the NumPy
 SIMD sort (an order of magnitude apart between CPUs); exact quartiles, min and max need only
 selection, which is linear and does not. One selection per kind of device, exact for every input:
 
-* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array in the cache
-  costs less than one selection call). Above, a random sample (`sample_positions`) is sorted; each
-  group of nearby ranks gets two sample values that bracket it with a wide margin (4 standard
-  deviations of the sample's rank error at worst). While the moments' pass reads each chunk, the
-  entries at or below each lower bound are counted and those strictly inside any bracket kept, in
-  one copy (ties at a bound, such as a ReLU's zeros, are counted, never copied); then every
-  bracket's ranks are read from the kept entries at once (sorted up to `4 * SMALL`, else one
-  `select`), a rank's place among them being the kept entries at or below its lower bound plus
-  its rank above that bound. A bracket that misses its ranks (only for adversarial orders)
-  selects them from the whole array (`select`), still linear.
+* `HostSelection` (NumPy): at most `SMALL` entries are sorted (a SIMD sort of an array in the
+  cache costs less than one selection call). Above, a sorted random sample gives each group of
+  nearby ranks a bracket with a wide margin; the moments' pass counts the entries at or below
+  each lower bound and copies those strictly inside (ties are counted, never copied); the ranks
+  are then read from that copy. A bracket that misses its ranks selects them from the whole
+  array (`select`), still linear.
 * `on_device` (torch, no host synchronisation): a radix select over order-preserving integer
-  keys, 16 bits a pass (two passes for float32, four for float64); each pass counts, in one
-  `index_add_` for all ranks, the digits of the entries sharing each rank's prefix so far.
-* `select` (NumPy: where this CPU's sort is slow, `selection_is_quicker`, instead of every sort
-  above: of tensors up to `SMALL` entries, of the sample, of the kept entries; else the kept
-  entries above `4 * SMALL`): a radix select by counting, which no SIMD sort speeds up or slows
-  down.
+  keys, 16 bits a pass, each pass counting the digits of every rank's prefix in one `index_add_`.
+* `select` (NumPy, where this CPU's sort is slow, `selection_is_quicker`, instead of every sort
+  above): a radix select by counting, which no SIMD sort speeds up or slows down.
 """
 
 from __future__ import annotations
@@ -71,7 +64,7 @@ class HostSelection:
         self._brackets: list[_Bracket] = []
         self._extremes: list[tuple[float, float]] | None = None
         self._kept: list[np.ndarray] = []
-        self._zeros = 0  # counted as chunks are visited
+        self.zeros = 0  # how many entries are zero (-0.0 too), counted as chunks are visited
 
     def want(self, ranks: Sequence[int]) -> None:
         """Which sorted positions `selected` returns, in this order."""
@@ -101,7 +94,7 @@ class HostSelection:
     def visit(self, piece: np.ndarray) -> None:
         """Reads one chunk: its extremes, each bracket's counts, and (one copy for all
         brackets) the entries inside any of them."""
-        self._zeros += int(np.count_nonzero(piece == 0))
+        self.zeros += int(np.count_nonzero(piece == 0))
         if self._extremes is not None:
             self._extremes.append((float(piece.min()), float(piece.max())))
         kept = None
@@ -112,12 +105,8 @@ class HostSelection:
         if kept is not None:
             self._kept.append(_where_true(piece, kept))
 
-    def zeros(self) -> int:
-        """How many entries are zero (-0.0 too), as visited."""
-        return self._zeros
-
     def selected(self) -> list[float]:
-        """The entries at the wanted positions (after every chunk was visited)."""
+        """The bracket's ranks: positions among the sorted `kept` (into `at`), or entries."""
         values, size = self._values, self._values.size
         found: dict[int, float] = {}
         if self._extremes is not None:
@@ -137,8 +126,7 @@ class HostSelection:
         return [found[rank] for rank in self._ranks]
 
     def _sampled(self, spots: list[int]) -> list[float]:
-        """The entries at `spots` of the sorted sample (`sample_positions`): sorted or, with
-        `select`, selected."""
+        """The entries at `spots` of the sorted sample (`sample_positions`)."""
         sample = self._values.take(sample_positions(self._values.size))
         return (
             select(sample, np.array(spots)) if self._select else np.sort(sample)[spots]
@@ -149,9 +137,7 @@ class HostSelection:
 def sample_positions(size: int) -> np.ndarray:
     """About (6 `size`)**(2/3) positions below `size` (a power of two, 2**12 to 2**17), uniform at
     random but fixed per size (a stride would see one column of a convolution's output),
-    ascending so that they are read in order. The cap sets the brackets' width (about 4 /
-    sqrt(sample) of the tensor each): 2**17 rather than 2**15 measures 1e7 entries a quarter
-    faster (docs/benchmarks.md)."""
+    ascending so that they are read in order; the cap sets the brackets' width."""
     exponent = min(17, max(12, round(math.log2(6 * size) * 2 / 3)))
     dtype = np.int32 if size < 2**31 else np.int64
     positions = np.sort(np.random.default_rng(size).integers(0, size, 1 << exponent, dtype))
@@ -160,8 +146,7 @@ def sample_positions(size: int) -> np.ndarray:
 
 
 class _Bracket:
-    """Ranks bracketed by two sample values: the entries counted at or below `low`, and those
-    strictly between the two found among the kept ones (ties are counted, never copied)."""
+    """Ranks between two sample values: entries counted up to `low`, kept up to `high`."""
 
     def __init__(
         self, ranks: list[int], low: float, high: float, tied_low: bool, tied_high: bool
@@ -223,9 +208,7 @@ class _Bracket:
 
 
 def _where_true(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """`values[mask]` by NumPy's nonzero, which branches at random on a mask of a sixteenth to a
-    tenth True entries (about 1 ns an entry here) and not on sparser or denser ones (0.2 to 0.7):
-    such a mask is padded to a ninth True."""
+    """`values[mask]`, a mask NumPy's nonzero would branch on at random padded first."""
     count = int(np.count_nonzero(mask))
     tail = (mask.size - 9 * count) // 8 + 1  # True entries that make a ninth of the padded mask
     if 16 * count < mask.size or tail <= 0:
@@ -237,11 +220,8 @@ def _where_true(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def select(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """The entries of 1-D finite float32/float64 `values` at 0-based sorted positions `ranks`
     (int64, any order), as float64, sorting at most `SORTED_UP_TO` entries at a time: a radix
-    select over their order-preserving keys (`_flip_negatives`; -0.0 taken as 0.0). Each pass
-    reads the least and greatest key (the extremes), counts `_SELECT_BITS` bits of the keys
-    between them, then reads on only the buckets that hold a wanted rank; a bucket of zeros alone
-    (a ReLU's) ends there. Its cost is counting and comparing, the same on every CPU, where a
-    sort's is not (`selection_is_quicker`)."""
+    select over order-preserving keys (-0.0 taken as 0.0), `_SELECT_BITS` bits a pass between the
+    extremes, read on only in buckets that hold a wanted rank (a bucket of zeros alone ends)."""
     width = values.itemsize * 8
     zeros_alike = values + values.dtype.type(0)  # -0.0 is 0.0: a ReLU gradient's zeros one key
     keys = _flip_negatives(zeros_alike.view(np.int32 if width == 32 else np.int64), width)
@@ -286,10 +266,9 @@ def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def selection_is_quicker(size: int = 1 << 14, tries: int = 3) -> bool:
-    """Whether `select` finds a tensor's quartiles and extremes quicker than `np.sort` sorts
-    it on this CPU (best of `tries`, on `size` normal float32 values; timed once per process,
-    about 7 ms there, cold): a SIMD sort can be ten times faster than a scalar one, or slower
-    than counting (numpy/numpy#32690). Every host path asks this one function."""
+    """Whether `select` finds quartiles and extremes quicker than `np.sort` sorts on this CPU
+    (best of `tries` on `size` float32 values, once per process, about 7 ms): a SIMD sort can be
+    ten times a scalar one, or slower than counting (numpy/numpy#32690)."""
     values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     ranks = np.array([0, size - 1, size // 4, size // 2, 3 * size // 4])
     sort = count = math.inf
@@ -311,8 +290,7 @@ def sortable_keys(values: torch.Tensor) -> torch.Tensor:
 
 
 def _flip_negatives(bits: _Bits, width: int) -> _Bits:
-    """Negative floats' bits (`width` of them, as int64, or as NumPy's int32 for 32) with all
-    but the sign flipped: its own inverse, from floats' bits to sortable keys and back."""
+    """Float bits <-> sortable keys: negatives' bits but the sign flipped (its own inverse)."""
     return bits ^ ((bits >> (width - 1)) & ((1 << (width - 1)) - 1))
 
 

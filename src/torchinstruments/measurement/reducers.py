@@ -1,13 +1,9 @@
-"""Reducers: the default statistics profile and custom scalar metrics, as one `Measurer`.
-
-The default profile's nine metrics (`DEFAULT_METRICS`) are computed exactly by `numerics`;
-custom reducers add metrics (`custom`).
+"""Reducers: the default statistics profile (`numerics`) and custom metrics (`custom`), as one
+`Measurer`.
 
 Design decision: a reduction has two halves. `Measurer.launch` runs on the tensor's device and
-returns a `PendingReduction` whose `device_vector` holds what must cross to the host;
-`transfer` moves the vectors of one sampled forward with ONE transfer and calls
-`PendingReduction.resolve`. Measurable tensors and working dtypes are `tensors`' rule, the path
-`paths.choose`'s.
+returns a `PendingReduction` whose `device_vector` holds what must cross to the host; `transfer`
+moves one sampled forward's vectors with ONE transfer and calls `PendingReduction.resolve`.
 """
 
 from __future__ import annotations
@@ -65,6 +61,9 @@ class DefaultStatistics:
         return f"DefaultStatistics(metrics={self.metrics!r})"
 
 
+_NO_VALUE = MetricValue(None, reasons.NO_VALUE)
+
+
 @dataclass(frozen=True, slots=True)
 class _Part:
     """What one reducer produced for one tensor, waiting for the host values."""
@@ -84,18 +83,9 @@ class _Part:
         """Resolves the raw values and turns them into metric values."""
         raw = dict(self.host)
         raw.update({key: float(host_values[index]) for key, index in self.refs.items()})
-        derived = self.derive(raw) if self.derive is not None else {}
-        out: list[MetricValue] = []
-        for name in self.metrics:
-            if name in self.fixed:
-                out.append(self.fixed[name])
-            elif name in derived:
-                out.append(derived[name])
-            elif name in raw:
-                out.append(numerics.metric_value(raw[name]))
-            else:
-                out.append(MetricValue(None, reasons.NO_VALUE))
-        return tuple(out)
+        known = {name: numerics.metric_value(value) for name, value in raw.items()}
+        known |= (self.derive(raw) if self.derive is not None else {}) | self.fixed
+        return tuple(known.get(name, _NO_VALUE) for name in self.metrics)
 
 
 @dataclass(slots=True)  # not frozen: a frozen one's __init__ costs more, per tensor
@@ -164,8 +154,7 @@ class Measurer:
         )
 
     def _modified_input(self, reducer: Reducer, metrics: tuple[str, ...]) -> _Part:
-        """Null metrics for a reducer that modified its argument; said once per reducer (a
-        function by its name, a Reducer object by its class)."""
+        """Null metrics for a reducer that modified its argument; warned once per reducer."""
         name = str(getattr(reducer, "__name__", None) or type(reducer).__name__)
         reason = reasons.reducer_modified_input(name)
         if id(reducer) not in self._warned:  # the reducers live as long as this Measurer
@@ -233,8 +222,7 @@ def _reduce_default(
     bins: int | None,
     host_paths: bool,
 ) -> tuple[_Part, torch.Tensor | None, HistogramVector | None]:
-    """The default profile of one tensor (host values on the CPU, else a device block) and with
-    `bins` its histogram, counted by the same passes (a host list on the CPU)."""
+    """The default profile of one tensor (host values or a device block), and its histogram."""
     if not metrics and bins is None:
         return _Part(metrics), None, None
     unsupported = tensors.unsupported_reason(tensor)
@@ -265,9 +253,7 @@ def _reduce_custom(
     offset: int,
     host_paths: bool,
 ) -> tuple[_Part, torch.Tensor | None]:
-    """One custom reducer's `metrics` (as read at inject, whatever it says now): device scalars
-    of plain tensors stay on the device for the sample's transfer (also on the CPU when
-    `host_paths` is False, as the general path does)."""
+    """One custom reducer's `metrics`: plain device scalars wait for the sample's transfer."""
     try:
         result = reducer(tensor)
     except Exception as error:

@@ -1,26 +1,15 @@
-"""Per-tensor rules shared by the statistics, the histograms and the observer.
+"""Per-tensor rules shared by the statistics, the histograms and the observer, one copy each,
+so a tensor's statistics and histogram never disagree about whether or how it is measured:
 
-Which tensors can be measured, in which working dtype, and on which devices a host sync is free.
-One copy of each rule, so the statistics and the histograms of a tensor can never disagree about
-whether it is measurable or how its values are read:
-
-- Supported: tensors of a floating, integer or bool dtype. Complex and quantized dtypes are not:
-  their metrics are null with a reason and they get no histogram.
-- What is measured of a tensor a layer returned is its `measured_form`, taken before anything
-  else reads it:
-  - torch.func wrappers (`grad`, `jacrev`, `vmap`) are unwrapped, as `TORCH_FUNC_NOTE` says.
-  - A DTensor is measured as this rank's local tensor, no collective (`DTENSOR_NOTE`).
-  - Nested tensors (nn.TransformerEncoder packs a padded batch into one in eval under no_grad, so
-    every layer inside it returns one) are measured over the entries of their components, padding
-    excluded (one flat copy). Their shape is null (no fixed shape).
-  - Sparse and other non-strided layouts are measured as the dense tensor they stand for (a
-    dense copy, refused with a reason above `DENSE_MAX` entries, where the copy could exhaust
-    memory).
-- Working dtype: float64 stays float64; float32, float16, bfloat16 and other low-precision floats
-  are read as float32; integers and bools as float64 (bool as 0/1; integers beyond 2**53 round to
-  the nearest float64).
-- Host syncs are free on the CPU, so the CPU paths may read values back mid-reduction (select
-  instead of sort); every other device type takes the sync-free path.
+- Supported: floating, integer or bool dtypes; complex and quantized ones get null metrics with a
+  reason and no histogram.
+- What is measured is the `measured_form`: torch.func wrappers unwrapped (`TORCH_FUNC_NOTE`); a
+  DTensor's local tensor, no collective (`DTENSOR_NOTE`); a nested tensor's component entries,
+  padding excluded, with a null shape (nn.TransformerEncoder returns them in eval under
+  no_grad); a sparse or other non-strided tensor densified, refused above `DENSE_MAX` entries.
+- Working dtype: float64 stays float64, other floats are read as float32, integers and bools as
+  float64 (beyond 2**53 rounded to the nearest).
+- Host syncs are free on the CPU only, so only the CPU paths read values back mid-reduction.
 """
 
 from __future__ import annotations
@@ -94,16 +83,9 @@ DENSE_MAX = 1 << 26
 
 @dataclass(frozen=True, slots=True)
 class MeasuredForm:
-    """What is measured of one tensor, and what its row says about it.
-
-    Attributes:
-        values: The tensor whose entries are measured (detached), or None when it is not.
-        shape: The shape the row reports, None when there is no fixed one.
-        placement: A DTensor's placements, e.g. "Shard(0)" or "Replicate, Shard(1)"; else None.
-        mesh_coordinate: This rank's coordinate in a DTensor's device mesh; else None.
-        reason: Why nothing is measured (with `values` None), else None.
-        note: `TORCH_FUNC_NOTE` or `DTENSOR_NOTE` when the tensor was one of those, else None.
-    """
+    """What is measured of one tensor (`values`, detached; None with a `reason` when nothing
+    is) and what its row says: `shape` (None: no fixed one), a DTensor's `placement` ("Shard(0)")
+    and `mesh_coordinate`, and the `note` (`TORCH_FUNC_NOTE`, `DTENSOR_NOTE`) it calls for."""
 
     values: torch.Tensor | None
     shape: tuple[int, ...] | None

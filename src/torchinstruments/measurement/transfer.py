@@ -3,17 +3,9 @@
 Design decision: everything one sampled forward (or backward) launched stays on its device until
 this module moves it: the result vectors of every tensor are concatenated per device and copied
 with one transfer each, then resolved into metric values and `HistogramRecord`s. This is the
-only place where measured values cross to the host.
-
-A value's path: `observer` (or `gradients`) calls `launch`, which gives the tensor to the
-small-tensor lane (`lane`: a NumPy copy, kept within the spare core's bound, else measured as a
-host tensor), measures a plain CPU tensor when the default profile is the only reducer (`Measured`:
-raw profile and histogram vector, nothing to transfer; at once, or on a copy by the spare core,
-`spare_core`, a `Deferred` of it), or launches its reductions (`launch_tensor`, which
-`paths.choose` sends on); `build_records` waits for what the spare core measures, measures the
-lane's copies together, transfers and resolves the general path's results, and returns one
-`SampleRecord` per sample whose measurements are a `MeasurementBlock`, in launch order. The lane's
-torch ops per sample do not grow with the layers.
+only place where measured values cross to the host. `launch` sends a tensor on the cheapest path
+that takes it (`launch`'s docstring); `build_records` gathers what each path measured, in launch
+order, into one `SampleRecord` per sample, so the lane's torch ops do not grow with the layers.
 """
 
 from __future__ import annotations
@@ -114,11 +106,9 @@ def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
     return functorch_disabled() if functorch_active() else contextlib.nullcontext()
 
 
-# A tensor the small-tensor lane took, after its key (an output's key, also for its gradient:
-# the signal is the batch's) in a pass's list: when it was measured, its values' copy, its focus
-# and its sizes. It holds no object the garbage collector tracks (the key is apart, the sizes
-# inline), so the collector stops tracking it at its first collection instead of promoting it
-# with the pass's survivors: a 3,000-layer sampled step meets a quarter fewer full collections.
+# A tensor the small-tensor lane took (after its key in a pass's list): when it was measured, its
+# values' copy, its focus and its sizes. It holds no object the garbage collector tracks, so the
+# collector stops tracking it at once instead of promoting it with the pass's survivors.
 LaneCopy = tuple[int, np.ndarray, bool, *tuple[int, ...]]
 
 
@@ -166,8 +156,7 @@ def launch(
 
 
 def _held_bytes(numel: int) -> int:
-    """The bytes a lane copy of `numel` entries counts against `spare_core.MAX_BYTES_HELD`:
-    those of `lane.HELD_FROM` entries or more (fewer are bounded by the count of layers)."""
+    """The bytes a lane copy of `numel` entries counts against `spare_core.MAX_BYTES_HELD`."""
     return 4 * numel if numel >= lane.HELD_FROM else 0
 
 
@@ -181,8 +170,7 @@ def _measured_here(tensor: torch.Tensor) -> bool:
 def _measure(
     measurer: Measurer, key: TensorKey, focus: bool, stamp_ns: int, tensor: torch.Tensor
 ) -> Measured | PendingTensor:
-    """The default profile (and histogram) of a plain CPU tensor as the general path resolves
-    it (on the spare core's thread or this one); the general path's if this fails."""
+    """A plain CPU tensor's default profile, as `Measured`; the general path's if it fails."""
     try:
         result = numerics.measure_on_cpu(tensor, DEFAULT_BINS if focus else None)
         raw = [result.raw[name] for name in numerics.RAW]
@@ -208,83 +196,72 @@ def build_records(
     them into one record per sample, in launch order."""
     try:
         ready = results(launched)
-        lane_items = [item for item in ready if type(item) is tuple]
-        lane_keys = [item for item in ready if isinstance(item, TensorKey)]  # each before its copy
-        copies = [item[1] for item in lane_items]
-        focus = [item[2] for item in lane_items]
+        copies = [item for item in ready if type(item) is tuple]
         with spare.buffers() as buffers:
-            measured = lane.measure(copies, metrics, focus, DEFAULT_BINS, buffers)
+            focus = [copy[2] for copy in copies]
+            lane_values, lane_why, lane_vectors = lane.measure(
+                [copy[1] for copy in copies], metrics, focus, DEFAULT_BINS, buffers
+            )
     finally:  # the lane's copies are dropped with the pass, however it ends
         kept = (item[1].size for item in launched if type(item) is tuple)
         spare.release(sum(_held_bytes(numel) for numel in kept))
-    lane_values, lane_reasons, lane_histograms = measured
     done_values: list[float | None] = []  # the `Measured` tensors' metrics, derived together
-    done_reasons: list[str | None] = []
+    done_why: list[str | None] = []
     if done := [item for item in ready if type(item) is Measured]:
         numel = np.array([math.prod(item.shape) for item in done])
         raw = np.array([item.raw for item in done], dtype=np.float64)
-        done_values, done_reasons = numerics.profile_metrics(raw, numel, metrics)
-    host = _to_host([item for item in ready if type(item) is PendingTensor])
+        done_values, done_why = numerics.profile_metrics(raw, numel, metrics)
+    host = iter(_to_host([item for item in ready if type(item) is PendingTensor]))
     k = len(metrics)
     values: list[float | None] = []
     why: list[str | None] = []
     entries: list[_Entry] = []
-    by_sample_histograms: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
+    counted: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
-    lane_at = general_at = done_at = 0
+    lane_at = done_at = 0
+    lane_keys = [item for item in ready if isinstance(item, TensorKey)]  # each before its copy
     for item in ready:
-        vector = None
         if isinstance(item, TensorKey):  # a lane copy's, which comes next
             continue
         if isinstance(item, PendingTensor):
-            for value in item.reduction.resolve(host[2 * general_at]):
-                values.append(value.value)
-                why.append(value.reason)
-            vector = item.histogram
-            if isinstance(vector, torch.Tensor):  # it crossed with the transfer
-                vector = host[2 * general_at + 1]
-            general_at += 1
-            shape, placement, mesh = item.shape, item.placement, item.mesh_coordinate
-            entry = (item.key, item.timestamp_us, shape, item.dtype, placement, mesh)
+            resolved, crossed = item.reduction.resolve(next(host)), next(host)
+            values += [value.value for value in resolved]
+            why += [value.reason for value in resolved]
+            vector = crossed if isinstance(item.histogram, torch.Tensor) else item.histogram
+            where = (item.placement, item.mesh_coordinate)
+            entry = (item.key, item.timestamp_us, item.shape, item.dtype, *where)
         elif isinstance(item, Measured):
             values += done_values[done_at * k : (done_at + 1) * k]
-            why += done_reasons[done_at * k : (done_at + 1) * k]
-            done_at += 1
-            vector = item.histogram
-            shape = shapes.setdefault(item.shape, item.shape)
+            why += done_why[done_at * k : (done_at + 1) * k]
+            done_at, vector, shape = done_at + 1, item.histogram, item.shape
+            shape = shapes.setdefault(shape, shape)
             entry = (item.key, item.timestamp_us, shape, item.dtype, None, None)
-        elif isinstance(item, tuple):
+        else:
             values += lane_values[lane_at * k : (lane_at + 1) * k]
-            why += lane_reasons[lane_at * k : (lane_at + 1) * k]
-            vector = lane_histograms[lane_at]
-            key, shape = lane_keys[lane_at], item[3:]
+            why += lane_why[lane_at * k : (lane_at + 1) * k]
+            vector, shape, key = lane_vectors[lane_at], item[3:], lane_keys[lane_at]
             entry = (key, item[0], shapes.setdefault(shape, shape), "float32", None, None)
             lane_at += 1
         entries.append(entry)
-        record = (
-            None if vector is None else histograms.record(vector, DEFAULT_BINS, entry[0], signal)
-        )
-        if record is not None:
-            by_sample_histograms.setdefault(record.sample_id, []).append(record)
+        made = None if vector is None else histograms.record(vector, DEFAULT_BINS, entry[0], signal)
+        if made is not None:
+            counted.setdefault(made.sample_id, []).append(made)
     by_sample: dict[int, list[int]] = {}
-    if entries and all(e[0].sample_id == entries[0][0].sample_id for e in entries):
-        by_sample[entries[0][0].sample_id] = list(range(len(entries)))  # the usual case
-    else:
-        for position, entry in enumerate(entries):
-            by_sample.setdefault(entry[0].sample_id, []).append(position)
+    for position, entry in enumerate(entries):
+        by_sample.setdefault(entry[0].sample_id, []).append(position)
     records = []
     for sample_id, positions in by_sample.items():
-        if len(positions) == len(entries):
+        if len(positions) == len(entries):  # the usual case: one sample
             chosen, block_values, block_why = entries, values, why
         else:
             chosen = [entries[p] for p in positions]
             block_values = [v for p in positions for v in values[p * k : (p + 1) * k]]
             block_why = [r for p in positions for r in why[p * k : (p + 1) * k]]
         block = _block(chosen, block_values, block_why, sample_id, signal, rank, metrics)
-        counted = tuple(by_sample_histograms.get(sample_id, ()))
-        records.append(SampleRecord(signal, sample_id, block.forward_index, block, counted))
+        made_here = tuple(counted.get(sample_id, ()))
+        records.append(SampleRecord(signal, sample_id, block.forward_index, block, made_here))
     return records
 
 
@@ -301,8 +278,7 @@ def _block(
     rank: int | None,
     metrics: tuple[str, ...],
 ) -> MeasurementBlock:
-    """One sample's block, column by column, in tuples: what a sink receives cannot be changed
-    by it, so no sink rewrites what another sink or the run directory's buffer holds."""
+    """One sample's block, in tuples: no sink can change what another sink receives."""
     keys, stamps, shapes, dtypes, placements, meshes = zip(*entries, strict=True)
     return MeasurementBlock(
         sample_id=sample_id,
@@ -328,8 +304,7 @@ def _block(
 
 
 def _to_host(pending: Sequence[PendingTensor]) -> list[list[float]]:
-    """The general path's vectors on the host, two per tensor (its reduction's and its
-    histogram's; empty where it has none on the device), in one transfer per device."""
+    """The general path's vectors on the host, two per tensor, one transfer per device."""
     vectors: list[torch.Tensor | None] = []
     for item in pending:
         histogram = item.histogram

@@ -304,6 +304,49 @@ def test_removal_inside_a_backward_marks_that_sample_and_says_so_in_index(run_di
     assert "during the backward of sample 0" in index
 
 
+def test_removal_in_a_backward_before_any_gradient_arrived_marks_that_sample(
+    run_dir: Path,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    loss = model(torch.randn(2, 4)).sum()
+
+    def remove(grad: torch.Tensor) -> None:  # on the loss: before any layer's gradient
+        remove_observer(model)
+
+    loss.register_hook(remove)
+    loss.backward()
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(MARK)
+    assert marks.select("sample_id", "signal", "layer").rows() == [(0, "output_gradient", "")]
+    assert marks["unavailable_reason"][0] == reasons.removed_during("backward")
+    assert history.filter(pl.col("signal") == "output_gradient", ~MARK).height == 0
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: complete, removed while a sample was in flight.**" in index
+    assert "during the backward of sample 0" in index
+
+
+def test_removal_in_the_backward_of_an_unsampled_forward_marks_nothing(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    model(torch.randn(2, 4)).sum().backward()  # sample 0, whole
+    model(torch.randn(2, 4)).sum().backward()  # not sampled
+    model(torch.randn(2, 4))  # sample 1: its graph is dropped without a backward
+    loss = model(torch.randn(2, 4)).sum()  # not sampled
+
+    def remove(grad: torch.Tensor) -> None:
+        remove_observer(model)
+
+    loss.register_hook(remove)
+    loss.backward()
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert history.filter(MARK).height == 0
+    gradients = history.filter(pl.col("signal") == "output_gradient")
+    assert gradients["sample_id"].unique().to_list() == [0]
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: complete.**" in index
+
+
 def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))

@@ -43,6 +43,17 @@ which returns its input) each get that tensor's gradient, as a hook on it would.
 at most one unfired hook of ours per autograd node, holding every call that returned it with
 that node (the hook of an earlier node stays registered there and records its own calls). An output
 returned under `torch.no_grad()` gets no hook: no gradient can flow back through that use.
+
+Removal inside a backward pass (`remove_observer` from a user's tensor hook or module backward
+hook): gradients that arrived before it are written, marked (`close`); a sample none of whose
+gradients had arrived yet is found through `_Awaited`, one small object per sample that its
+hooks hold and the recorder only references weakly, so it is alive exactly while one of the
+sample's hooks is (its graph is). Each sample whose hooks are alive and not all fired is marked
+when the removal runs inside a backward pass. Design decision: which graph the running pass
+goes through cannot be asked without holding an autograd node, and holding one would keep the
+sample's activations alive, so a sample whose graph is kept alive outside this pass (an output
+held with its graph) is marked too: its gradients can no longer be recorded either way. The
+cost: one object and two int increments per sample, one slot per hook.
 """
 
 from __future__ import annotations
@@ -74,9 +85,10 @@ from torchinstruments.measurement.transfer import (
     launch_tensor,
 )
 from torchinstruments.records import OUTPUT_GRADIENT, Measurement, SampleRecord, TensorKey
+from torchinstruments.samples import SampleFacts
 from torchinstruments.spare_core import SpareCore
 
-__all__ = ["MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder"]
+__all__ = ["MAX_AWAITED", "MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder", "Mark"]
 
 MAX_LEAF_HOOKS = 64
 # How many of the latest samples with gradients `GradientRecorder` remembers to count each once:
@@ -84,7 +96,29 @@ MAX_LEAF_HOOKS = 64
 # retain_graph for over a thousand sampled steps) would be counted twice.
 RECENT_SAMPLES = 1024
 
+# How many samples' `_Awaited` the recorder keeps a weak reference to (the latest ones): the
+# samples whose graphs can be alive at once in an ordinary loop are far fewer.
+MAX_AWAITED = 64
+
 Emit = Callable[[SampleRecord], None]
+# The marker row of a sample whose backward was cut: from one of its gradients' measurements,
+# or from its `_Awaited` when none arrived.
+Mark = Callable[[SampleFacts], Measurement]
+
+
+class _Awaited:
+    """The gradients one sample awaits: how many of its outputs were hooked, how many of those
+    hooks fired. Held by the sample's hooks, weakly by the recorder (see the module docstring)."""
+
+    __slots__ = ("__weakref__", "fired", "forward_index", "hooked", "mode", "sample_id", "step")
+
+    def __init__(self, key: TensorKey) -> None:
+        self.sample_id = key.sample_id
+        self.forward_index = key.forward_index
+        self.step = key.step
+        self.mode = key.mode
+        self.hooked = 0
+        self.fired = 0
 
 
 # Not a dataclass itself, so its own __slots__ are allowed (the checker reads it as one).
@@ -99,10 +133,15 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
     shared output are a list made only then.
     """
 
-    __slots__ = ("fired", "focus", "more", "node", "recorder")
+    __slots__ = ("awaited", "fired", "focus", "more", "node", "recorder")
 
     def __init__(
-        self, recorder: GradientRecorder, key: TensorKey, focus: bool, node: int | None
+        self,
+        recorder: GradientRecorder,
+        key: TensorKey,
+        focus: bool,
+        node: int | None,
+        awaited: _Awaited,
     ) -> None:
         super().__init__(
             key.sample_id,
@@ -122,6 +161,8 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
         # The id of the tensor's autograd node when it was hooked (None for a leaf): not the
         # node itself, which would make a reference cycle through the node's hook dict.
         self.node = node
+        self.awaited = awaited  # keeps the sample's `_Awaited` alive while this hook lives
+        awaited.hooked += 1
 
     @property
     def calls(self) -> list[tuple[TensorKey, bool]]:
@@ -184,6 +225,8 @@ class GradientRecorder:
         # only ever in the second has no gradient rows, and index.md says why (`no_grad_note`).
         self.outputs_without_grad: dict[str, None] = {}  # an ordered set, in the order seen
         self.outputs_with_grad: set[str] = set()
+        # The latest samples' `_Awaited`, weakly: alive while a hook of the sample is.
+        self._awaited: deque[weakref.ref[_Awaited]] = deque(maxlen=MAX_AWAITED)
 
     def no_grad_note(self) -> str | None:
         """The sentence naming the layers whose outputs never required grad, or None."""
@@ -219,7 +262,7 @@ class GradientRecorder:
                     hook.add_call(key, focus)  # the same tensor and node, returned again
                     return key
                 # New, or changed in place since (a new autograd node): a hook of its own.
-                hook = _GradientHook(self, key, focus, node)
+                hook = _GradientHook(self, key, focus, node, self._awaited_by(key))
                 if hook_without_handle(tensor, hook):  # a non-leaf's: never removed
                     return hook
                 handle = tensor.register_hook(hook)
@@ -229,6 +272,16 @@ class GradientRecorder:
         except Exception as error:
             self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
             return key
+
+    def _awaited_by(self, key: TensorKey) -> _Awaited:
+        """The `_Awaited` of `key`'s sample: the latest one, or a new one for a new sample
+        (the caller holds the lock)."""
+        latest = self._awaited[-1]() if self._awaited else None
+        if latest is not None and latest.sample_id == key.sample_id:
+            return latest
+        awaited = _Awaited(key)
+        self._awaited.append(weakref.ref(awaited))
+        return awaited
 
     def _unfired_hook(self, tensor: torch.Tensor, node: int | None) -> _GradientHook | None:
         """Our unfired hook on `tensor` for this autograd node, if a sampled call already
@@ -252,6 +305,7 @@ class GradientRecorder:
         else:
             launched = self._launch_shared(hook.calls, grad)
         with self._lock:
+            hook.awaited.fired += 1
             self._pending.extend(launched)
             queue = not self._flush_queued
             self._flush_queued = True
@@ -278,7 +332,7 @@ class GradientRecorder:
 
     def flush(
         self,
-        mark: Callable[[SampleRecord], Measurement] | None = None,
+        mark: Mark | None = None,
         *,
         fired_leaf_hooks_first: bool = False,
     ) -> list[int]:
@@ -300,7 +354,7 @@ class GradientRecorder:
         finally:
             release(held)
 
-    def _flush(self, mark: Callable[[SampleRecord], Measurement] | None) -> list[int]:
+    def _flush(self, mark: Mark | None) -> list[int]:
         with self._lock:
             pending, self._pending = self._pending, []
             self._flush_queued = False
@@ -315,14 +369,15 @@ class GradientRecorder:
                     self._recent.append(record.sample_id)
                     self.backward_samples += 1
                 if mark is not None:
-                    record = replace(record, measurements=(*record.measurements, mark(record)))
+                    marker = mark(record.measurements[0])
+                    record = replace(record, measurements=(*record.measurements, marker))
                 self._emit(record)
                 emitted.append(record.sample_id)
         except Exception as error:
             self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
         return emitted
 
-    def heal(self, mark: Callable[[SampleRecord], Measurement]) -> list[int]:
+    def heal(self, mark: Mark) -> list[int]:
         """Emit, each record with `mark(record)`, the gradients of a backward pass that raised
         (a Ctrl-C, a hook's or an autograd Function's exception): its end-of-pass callback never
         runs, and until this its gradients would wait, with every later pass's (none queues a
@@ -333,19 +388,44 @@ class GradientRecorder:
             return []
         return self.flush(mark, fired_leaf_hooks_first=True)
 
-    def close(self, mark: Callable[[SampleRecord], Measurement] | None = None) -> list[int]:
+    def close(self, mark: Mark | None = None) -> list[int]:
         """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.
 
         Gradients still waiting for the end of their backward pass mean the run is removed
-        inside that pass (from a tensor hook): their samples' records get `mark(record)`, and
-        their ids are returned.
+        inside that pass (from a tensor hook): their samples' records get `mark(...)`. Called
+        inside a backward pass, each sample still awaiting some of its gradients is marked too,
+        with a record of its marker row alone when none of them had arrived (`_Awaited`).
+        Returns the ids of the samples marked.
         """
         if self.closed:
             return []
         cut = self.flush(mark)
+        if mark is not None and in_backward_pass():
+            cut += self._mark_awaited(mark, set(cut))
         self._remove_leaf_hooks(only_fired=False)
         self.closed = True
         return cut
+
+    def _mark_awaited(self, mark: Mark, marked: set[int]) -> list[int]:
+        """Emit the marker row of each sample whose hooks are alive and not all fired, unless
+        in `marked` already; returns their ids."""
+        with self._lock:
+            awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
+        emitted = []
+        for sample in awaited:
+            if sample.fired >= sample.hooked or sample.sample_id in marked:
+                continue
+            marker = mark(sample)
+            try:
+                self._emit(
+                    SampleRecord(OUTPUT_GRADIENT, sample.sample_id, sample.forward_index, (marker,))
+                )
+            except Exception as error:
+                self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
+                continue
+            marked.add(sample.sample_id)
+            emitted.append(sample.sample_id)
+        return emitted
 
     def _end_backward(self) -> None:
         """Autograd-engine callback at the end of a backward pass: no hook is running now.

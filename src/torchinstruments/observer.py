@@ -112,6 +112,7 @@ from torchinstruments.records import (
 from torchinstruments.samples import (
     InFlight,
     Sample,
+    SampleFacts,
     backward_marker,
     cut_note,
     removed_in_flight_note,
@@ -383,10 +384,10 @@ class Observer:
         local.depth = 0
         release(held)
 
-    def _backward_raised(self, record: SampleRecord) -> Measurement:
+    def _backward_raised(self, sample: SampleFacts) -> Measurement:
         """The marker row of a sample whose backward pass raised (`GradientRecorder.heal`)."""
         root = LayerInfo("", self._root_type)
-        return backward_marker(record, root, self.rank, reasons.BACKWARD_RAISED)
+        return backward_marker(sample, root, self.rank, reasons.BACKWARD_RAISED)
 
     @property
     def current(self) -> Sample | None:
@@ -536,7 +537,7 @@ class Observer:
             self._emit_forward(sample)
         removed = reasons.removed_during("backward")
         backwards = self.gradients.close(
-            lambda record: backward_marker(record, root, self.rank, removed)
+            lambda sample: backward_marker(sample, root, self.rank, removed)
         )
         if forwards or backwards:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)

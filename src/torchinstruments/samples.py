@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,7 +38,6 @@ from torchinstruments.records import (
     LayerInfo,
     Measurement,
     MetricValue,
-    SampleRecord,
 )
 
 if TYPE_CHECKING:
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "InFlight",
     "Sample",
+    "SampleFacts",
     "backward_marker",
     "cut_note",
     "marker",
@@ -170,13 +170,27 @@ def marker(
     return row
 
 
+class SampleFacts(Protocol):
+    """What a marker row repeats of its sample: one of its measurements, or the gradients a
+    sample awaited (`gradients.py`) when none of them arrived."""
+
+    @property
+    def sample_id(self) -> int: ...
+    @property
+    def forward_index(self) -> int: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def mode(self) -> str: ...
+
+
 def backward_marker(
-    record: SampleRecord, root: LayerInfo, rank: int | None, reason: str
+    sample: SampleFacts, root: LayerInfo, rank: int | None, reason: str
 ) -> Measurement:
-    """The marker row (signal output_gradient) of a sample whose backward was cut (`record`:
-    the gradients that arrived), for `reason`."""
-    first = record.measurements[0]
-    row = marker(record.sample_id, record.forward_index, first.step, root, 0, first.mode, rank)
+    """The marker row (signal output_gradient) of a sample whose backward was cut, for
+    `reason`; `sample` is one of the gradients that arrived, or, when none did, the sample's
+    awaited gradients."""
+    row = marker(sample.sample_id, sample.forward_index, sample.step, root, 0, sample.mode, rank)
     return row(OUTPUT_GRADIENT, reason)
 
 

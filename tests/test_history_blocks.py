@@ -141,15 +141,18 @@ def test_past_the_cap_whole_tensors_are_dropped_and_counted(
         warnings.simplefilter("ignore", RuntimeWarning)
         writer.append(block(0, 4))  # 12 rows
         writer.append(block(1, 5))  # 2 tensors fit (6 rows), 3 are dropped (9 rows)
-    assert writer.rows_buffered == 18
+    assert writer.rows_buffered == 18 + 1  # and sample 1's marker row: it is partial
     (loss,) = writer.losses
     assert (loss.rows, loss.first_sample_id, loss.last_sample_id) == (9, 1, 1)
     monkeypatch.setattr(writer_module, "write_parquet_atomic", real)
     assert not writer.close()  # 9 rows are lost for good
     history = pl.concat(parts(tmp_path))
-    assert history.height == 18
-    kept = history.filter(pl.col("sample_id") == 1)["layer"].unique(maintain_order=True)
-    assert kept.to_list() == ["blocks.0", "blocks.1"]  # the oldest tensors stay, in order
+    assert history.height == 19
+    marked = history.filter(pl.col("metric") == "interrupted")
+    assert marked.select("sample_id", "layer").rows() == [(1, "")]
+    kept = history.filter(pl.col("sample_id") == 1, pl.col("metric") != "interrupted")
+    layers = kept["layer"].unique(maintain_order=True)
+    assert layers.to_list() == ["blocks.0", "blocks.1"]  # the oldest tensors stay, in order
 
 
 def test_a_sample_larger_than_the_cap_is_written_in_pieces_while_writes_work(

@@ -22,7 +22,13 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments import (
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    reasons,
+    remove_observer,
+)
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.finish import finalize
@@ -271,3 +277,65 @@ def test_finalize_names_the_sample_gaps_no_ledger_explains(tmp_path: Path) -> No
     (gap,) = [p for p in report.problems if "no loss ledger entry covers them" in p]
     assert gap.startswith("no row of samples 10-19 is in history.parquet")
     assert gap in index_text(tmp_path)
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_sample_cut_short_at_the_memory_cap_is_marked_and_said_in_index(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    disk.full = True
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))  # 27 rows a signal
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        # room for sample 0's output rows and one of its three gradients
+        history_config=HistoryConfig(buffer_rows=40, max_buffered_rows=27 + 9 + 4),
+    )
+    model(torch.randn(2, 3)).sum().backward()  # sample 0: two of its gradients dropped
+    model(torch.randn(2, 3)).sum().backward()  # sample 1: dropped whole (the ledger's gap)
+    disk.full = False
+    remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(pl.col("metric") == "interrupted")
+    assert marks.select("sample_id", "signal", "layer", "value").rows() == [
+        (0, "output_gradient", "", None)
+    ]
+    reason = marks["unavailable_reason"][0]
+    assert reason == reasons.dropped_at_cap(40)
+    gradients = history.filter(
+        pl.col("signal") == "output_gradient", pl.col("metric") != "interrupted"
+    )
+    assert gradients["layer"].unique().to_list() == ["2"]  # the one that fit
+    assert history["sample_id"].unique().to_list() == [0]
+    state = read_state(run_dir)
+    assert state.status is Status.INCOMPLETE
+    assert state.marks_total == 1
+    index = index_text(run_dir)
+    assert "## Interrupted samples" in index
+    assert f"- sample 0: {reason}" in index
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_sample_whose_forward_was_dropped_and_backward_kept_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4, max_buffered_rows=10))
+    disk.full = True
+    for sample in range(4):  # 0-2 buffered, 3's output rows dropped at the cap
+        writer.append([measurement(sample)])
+    disk.full = False
+    writer.flush()
+    writer.append([measurement(3, "output_gradient")])  # kept: sample 3 is partial
+    writer.append([measurement(4)])
+    writer.append([measurement(4, "output_gradient")])  # an ordinary sample
+    assert writer.close() is False  # the dropped rows are in the ledger
+    rows = pl.concat([pl.read_parquet(p) for p in list_parts(tmp_path)])
+    marks = rows.filter(pl.col("metric") == "interrupted")
+    assert marks.select("sample_id", "signal", "forward_index", "value").rows() == [
+        (3, "output", 3, None)
+    ]
+    assert marks["unavailable_reason"][0] == reasons.dropped_at_cap(10)
+    assert writer.rows_produced == writer.rows_written + writer.rows_lost

@@ -24,6 +24,7 @@ __all__ = [
     "RECORD_NO_VALUE",
     "REMOVED_IN_FLIGHT",
     "Reason",
+    "dropped_at_cap",
     "error",
     "explain",
     "host_values_mismatch",
@@ -196,6 +197,14 @@ REASONS: tuple[Reason, ...] = (
         "gradients arrived; they are written when the next sampled forward starts (or at removal)",
     ),
     Reason(
+        "interrupted: rows of this sample were dropped at the memory cap (max_buffered_rows=<n>) "
+        "while history parts could not be written; its rows in history are real measurements, "
+        "the loss ledger counts the dropped ones",
+        "a marker row (metric `interrupted`, the signal of the first rows dropped): part of this "
+        "sample's rows were kept and part dropped because the rows waiting for a failing part "
+        "write had reached `max_buffered_rows`, so the sample is partial",
+    ),
+    Reason(
         "interrupted: the process ended before this sample's rows were all written; <k> of its "
         "<n> <signal> rows are in history",
         "a marker row written by `finalize`: the process died (SIGKILL, a crash) while part of "
@@ -323,6 +332,15 @@ def raised_on_ranks(ranks: list[int]) -> str:
     return (
         f"the root forward raised on rank {', '.join(map(str, ranks))}: this sample has no "
         "global statistics (every rank skipped its collectives)"
+    )
+
+
+def dropped_at_cap(cap: int) -> str:
+    """Part of a sample's rows were kept and part dropped at the memory cap (`rundir.writer`)."""
+    return (
+        f"interrupted: rows of this sample were dropped at the memory cap (max_buffered_rows={cap}) "
+        "while history parts could not be written; its rows in history are real measurements, "
+        "the loss ledger counts the dropped ones"
     )
 
 

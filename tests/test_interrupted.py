@@ -28,6 +28,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments.api import add_run_note
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
@@ -345,6 +346,71 @@ def test_removal_in_the_backward_of_an_unsampled_forward_marks_nothing(run_dir: 
     assert gradients["sample_id"].unique().to_list() == [0]
     index = (run_dir / "index.md").read_text("utf-8")
     assert "**State: complete.**" in index
+
+
+def test_the_in_flight_state_comes_from_the_samples_in_flight_not_from_note_text(
+    run_dir: Path,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4)).sum().backward()
+    add_run_note(model, f"a user's note quoting the library: {reasons.REMOVED_IN_FLIGHT}")
+    remove_observer(model)
+    state = read_state(run_dir)
+    assert state.removed_in_flight == ()
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: complete.**" in index
+    assert "removed while a sample was in flight" not in index
+
+
+@pytest.mark.filterwarnings("ignore:torchinstruments. 1 of 3 selected layers never ran")
+def test_more_than_20_marked_samples_are_all_counted_and_a_removal_among_them_is_said(
+    run_dir: Path,
+) -> None:
+    inner = RemovesInside()
+    model = nn.Sequential(nn.Linear(4, 4), boom := Boom(), inner)
+    inner.root = model
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    boom.armed = True
+    for _ in range(25):  # samples 0-24 raise
+        with pytest.raises(ValueError, match="bad input"):
+            model(torch.randn(2, 4))
+    boom.armed = False
+    inner.armed = True
+    model(torch.randn(2, 4))  # sample 25: removed during its forward, past the listed marks
+    state = read_state(run_dir)
+    assert state.removed_in_flight == (25,)
+    assert state.marks_total == 26
+    assert len(state.marks) == 20
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: complete, removed while a sample was in flight" in index
+    assert "26 sample(s) are marked (the marks of the first 20 are listed)" in index
+    assert index.count("\n- sample ") == 20
+
+
+def test_a_removal_in_flight_stays_said_when_the_run_is_continued_and_finalized(
+    run_dir: Path,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    loss = model(torch.randn(2, 4)).sum()
+
+    def remove(grad: torch.Tensor) -> None:
+        remove_observer(model)
+
+    loss.register_hook(remove)
+    loss.backward()  # attempt 0 removed during sample 0's backward
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), resume=True)
+    model(torch.randn(2, 4)).sum().backward()  # sample 1, whole
+    remove_observer(model)
+    for _ in ("after removal", "after finalize"):
+        assert read_state(run_dir).removed_in_flight == (0,)
+        index = (run_dir / "index.md").read_text("utf-8")
+        assert "removed while a sample was in flight" in index
+        assert "sample 0 is partial" in index
+        finalize(run_dir)
+    marks = pl.read_parquet(run_dir / "history.parquet").filter(MARK)
+    assert marks.select("sample_id", "attempt").rows() == [(0, 0)]
 
 
 def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:

@@ -339,3 +339,37 @@ def test_a_sample_whose_forward_was_dropped_and_backward_kept_is_marked(
     ]
     assert marks["unavailable_reason"][0] == reasons.dropped_at_cap(10)
     assert writer.rows_produced == writer.rows_written + writer.rows_lost
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_sample_marked_twice_is_counted_once(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    disk.full = True
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))  # 27 rows a signal
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=32, max_buffered_rows=32),
+    )
+    y = model(torch.randn(2, 3))  # its 27 output rows fit
+
+    def remove(grad: torch.Tensor) -> None:  # after the last layer's gradient arrived
+        disk.full = False
+        remove_observer(model)
+
+    y.register_hook(remove)
+    y.sum().backward()  # that gradient's rows are dropped at the cap, the removal marker kept
+    marks = pl.read_parquet(run_dir / "history.parquet").filter(pl.col("metric") == "interrupted")
+    assert sorted(marks["unavailable_reason"].to_list()) == sorted(
+        [reasons.dropped_at_cap(32), reasons.removed_during("backward")]
+    )
+    assert marks["sample_id"].to_list() == [0, 0]
+    state = read_state(run_dir)
+    assert state.marks_total == 1
+    assert state.removed_in_flight == (0,)
+    index = index_text(run_dir)
+    assert "1 sample(s) are marked:" in index
+    assert index.count("\n- sample 0: interrupted: ") == 2

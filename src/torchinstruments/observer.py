@@ -542,6 +542,7 @@ class Observer:
         if forwards or backwards:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)
+            self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
         self.spare.close()
         self.closed = True
         forks.untrack(self)

@@ -313,8 +313,8 @@ def interrupted(error: BaseException, layer: str | None, call_index: int) -> str
     return f"interrupted: the root forward raised {type(error).__name__}: {message} {where}"
 
 
-# In the note index.md states, and its state line looks for, when the run was removed while a
-# sampled forward or backward was in flight.
+# In the note index.md states when the run was removed while a sampled forward or backward was
+# in flight (its state line is decided by `RunState.removed_in_flight`, never by this text).
 REMOVED_IN_FLIGHT = "remove_observer was called while a sample was in flight"
 
 

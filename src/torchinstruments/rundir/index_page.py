@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchinstruments import reasons
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -124,18 +123,24 @@ def _section_state(state: RunState) -> list[str]:
             "",
         ]
     recorded = "" if state.rows_recorded is None else f" ({state.rows_recorded} rows)"
-    if any(reasons.REMOVED_IN_FLIGHT in note for note in state.notes):
+    if state.removed_in_flight:
         return [
             "**State: complete, removed while a sample was in flight.** history.parquet holds "
             f"every row the run recorded{recorded}, but remove_observer was called during a "
-            "sampled forward or backward: that sample is partial and marked `interrupted` (see "
-            "the note below and Interrupted samples).",
+            f"sampled forward or backward: {_in_flight(state.removed_in_flight)} and marked "
+            "`interrupted` (see the note below and Interrupted samples).",
             "",
         ]
     return [
         f"**State: complete.** history.parquet holds every row the run recorded{recorded}.",
         "",
     ]
+
+
+def _in_flight(sample_ids: tuple[int, ...]) -> str:
+    """`sample 3 is partial`, `samples 3-4 are partial`."""
+    several = len(sample_ids) > 1
+    return f"sample{'s' * several} {ranges(sample_ids)} {'are' if several else 'is'} partial"
 
 
 def _section_gaps(state: RunState) -> list[str]:
@@ -252,8 +257,8 @@ def _section_marks(state: RunState) -> list[str]:
     """The marked samples: root forwards that raised, samples only partly written."""
     if not state.marks_total:
         return []
-    shown = len(state.marks)
-    more = "" if shown == state.marks_total else f" (the first {shown} are listed)"
+    shown = len({mark.sample_id for mark in state.marks})
+    more = "" if shown == state.marks_total else f" (the marks of the first {shown} are listed)"
     lines = [
         "## Interrupted samples",
         "",

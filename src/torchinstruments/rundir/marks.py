@@ -41,7 +41,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.writer import SPLIT_RECORD_KEY
 
-# index.md lists at most this many marks (the first ones); the state counts them all.
+# index.md lists at most this many marks (the first ones); the state counts every marked sample.
 MAX_LISTED = 20
 
 
@@ -72,13 +72,14 @@ def is_mark() -> pl.Expr:
 
 
 def read_marks(history: Path) -> tuple[tuple[SampleMark, ...], int]:
-    """The first `MAX_LISTED` marks of a history file (by sample), and how many there are.
+    """The first `MAX_LISTED` marks of a history file (by sample), and how many samples are
+    marked: each once, however many marker rows it has (a sample can be marked for two causes).
 
     Raises:
         OSError, polars.exceptions.PolarsError: if the file cannot be read.
     """
     lf = scan_history(history).filter(is_mark())
-    total = int(lf.select(pl.len()).collect(engine="streaming").item())
+    total = int(lf.select(pl.col("sample_id").n_unique()).collect(engine="streaming").item())
     first = (
         lf.sort("sample_id", "layer", "call_index")
         .head(MAX_LISTED)

@@ -18,7 +18,7 @@ The file (`SCHEMA_VERSION` 1):
                 "train_forwards", "eval_forwards"} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
-     "marks": [{SampleMark fields}], "marks_total": 0,
+     "marks": [{SampleMark fields}], "marks_total": 0, "removed_in_flight": [...],
      "run_info_recovered": false, "migrated_from": null,
      "attempts": [{AttemptCounts fields}], "events_without_rows": [...], ...}
 
@@ -97,7 +97,11 @@ class RunState:
         migrated_from: the file of an older version this state was converted from, if any.
         marks: the first marked samples in history (`rundir.marks`: a root forward that
             raised, or a sample only partly written before the process died), as of the last
-            finish; `marks_total` counts them all.
+            finish; `marks_total` counts every marked sample (each once, however many marker
+            rows it has).
+        removed_in_flight: the samples that were in flight (their forward or backward running)
+            when `remove_observer` was called, as the live run saw them, over all attempts:
+            what index.md's state line is decided by.
         attempts: one entry per process that wrote the run (`rundir.attempts`; more than one
             when it was continued with `resume=True`), with its own counts.
         events_without_rows: after a kill, the first forward_index values (at most 20) the
@@ -118,6 +122,7 @@ class RunState:
     migrated_from: str | None = None
     marks: tuple[SampleMark, ...] = ()
     marks_total: int = 0
+    removed_in_flight: tuple[int, ...] = ()
     attempts: tuple[AttemptCounts, ...] = ()
     events_without_rows: tuple[int, ...] = ()
     events_without_rows_total: int = 0

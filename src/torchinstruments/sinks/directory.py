@@ -70,6 +70,7 @@ class DirectorySink:
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
         self._notes: list[str] = []
+        self._in_flight: list[int] = []  # samples in flight at removal (`removed_in_flight`)
         self._focus: frozenset[str] = frozenset()
         self._missing_first: tuple[str, int, str] | None = None
         self._missing_count = 0
@@ -122,6 +123,7 @@ class DirectorySink:
                 live_problems=previous.live_problems,
                 losses=previous.losses,
                 notes=_earlier_notes(previous, continuation),
+                removed_in_flight=previous.removed_in_flight,
                 attempts=(*continuation.attempts, this),
             )
         write_state(self.directory, state)
@@ -163,6 +165,11 @@ class DirectorySink:
     def add_note(self, note: str) -> None:
         """Add a note to the run's state (index.md shows it at removal), e.g. how a fit ended."""
         self._notes.append(note)
+
+    def removed_in_flight(self, sample_ids: list[int]) -> None:
+        """The samples whose forward or backward ran when the run was removed: the run state
+        records them, and index.md's state line says so from them."""
+        self._in_flight += sample_ids
 
     def write_forward(self, record: SampleRecord) -> None:
         self._write(record)
@@ -284,6 +291,7 @@ class DirectorySink:
             live_problems=(*state.live_problems, *known),
             losses=(*state.losses, *history.losses),
             notes=(*state.notes, *added),
+            removed_in_flight=tuple(sorted({*state.removed_in_flight, *self._in_flight})),
         )
 
     def _give_up_events(self, what: str, error: BaseException) -> None:

@@ -47,6 +47,12 @@ class SinkGroup:
             if isinstance(sink, DirectorySink):
                 sink.add_note(note)
 
+    def removed_in_flight(self, sample_ids: list[int]) -> None:
+        """Hand the samples in flight at removal to the sinks that keep the run state."""
+        for sink in self._sinks:
+            if isinstance(sink, DirectorySink):
+                sink.removed_in_flight(sample_ids)
+
     def write_forward(self, record: SampleRecord) -> None:
         self._call("write_forward", record)
 

@@ -40,6 +40,7 @@ def every_builder_output() -> list[str]:
         reasons.interrupted(ValueError("bad\ninput"), "blocks.1", 2),
         reasons.interrupted(KeyboardInterrupt(), None, 0),
         reasons.partly_written("output", 3, 9),
+        reasons.unwritten_at_removal("output_gradient", 3, 9),
         reasons.dropped_at_cap(65536),
         reasons.removed_during("forward"),
         reasons.removed_during("backward"),

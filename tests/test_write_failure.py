@@ -67,6 +67,7 @@ class Disk:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.full = False
         self.fits: int | None = None  # the largest frame that still fits, when set
+        self.room: int | None = None  # rows that still fit in all, when set (then it is full)
         self.attempts: list[int] = []
         self._real = writer_module.write_parquet_atomic
         monkeypatch.setattr(writer_module, "write_parquet_atomic", self.write)
@@ -77,6 +78,10 @@ class Disk:
         self.attempts.append(frame.height)
         if self.full or (self.fits is not None and frame.height > self.fits):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        if self.room is not None:
+            if frame.height > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            self.room -= frame.height
         self._real(frame, path, metadata)
 
 
@@ -373,3 +378,37 @@ def test_a_sample_marked_twice_is_counted_once(
     index = index_text(run_dir)
     assert "1 sample(s) are marked:" in index
     assert index.count("\n- sample 0: interrupted: ") == 2
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_sample_only_partly_written_at_removal_is_marked_and_said_in_index(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = Disk(monkeypatch)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))  # 27 rows a signal
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=10_000, flush_seconds=600.0),
+    )
+    for _ in range(5):  # samples 0-4; 1-4 wait in memory for removal (after the first rows)
+        model(torch.randn(2, 3)).sum().backward()
+    disk.room = 101  # at removal, part of the backlog fits: it ends inside sample 2's gradients
+    remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    gradients = history.filter(pl.col("sample_id") == 2, pl.col("signal") == "output_gradient")
+    marks = gradients.filter(pl.col("metric") == "interrupted")
+    assert marks["unavailable_reason"].to_list() == [
+        reasons.unwritten_at_removal("output_gradient", 19, 27)
+    ]
+    assert gradients.height == 19 + 1  # what reached the disk, and the mark
+    assert history.filter(pl.col("metric") == "interrupted")["sample_id"].to_list() == [2]
+    state = read_state(run_dir)
+    assert state.status is Status.INCOMPLETE
+    assert state.marks_total == 1
+    assert f"- sample 2: {marks['unavailable_reason'][0]}" in index_text(run_dir)
+    disk.room = None
+    finalize(run_dir)  # the space is back: the mark is there once
+    again = pl.read_parquet(run_dir / "history.parquet").filter(pl.col("metric") == "interrupted")
+    assert again["sample_id"].to_list() == [2]

@@ -42,6 +42,7 @@ __all__ = [
     "shared_output",
     "unsupported_dtype",
     "unsupported_layout",
+    "unwritten_at_removal",
 ]
 
 
@@ -205,6 +206,13 @@ REASONS: tuple[Reason, ...] = (
         "write had reached `max_buffered_rows`, so the sample is partial",
     ),
     Reason(
+        "interrupted: history parts could not be written at removal after part of this "
+        "sample's rows; <k> of its <n> <signal> rows are in history",
+        "a marker row: at removal, the last history part that could be written ended inside "
+        "this sample's rows of that signal (a full disk), so its values for that signal are "
+        "partial; the loss ledger counts the rows not written",
+    ),
+    Reason(
         "interrupted: the process ended before this sample's rows were all written; <k> of its "
         "<n> <signal> rows are in history",
         "a marker row written by `finalize`: the process died (SIGKILL, a crash) while part of "
@@ -341,6 +349,14 @@ def dropped_at_cap(cap: int) -> str:
         f"interrupted: rows of this sample were dropped at the memory cap (max_buffered_rows={cap}) "
         "while history parts could not be written; its rows in history are real measurements, "
         "the loss ledger counts the dropped ones"
+    )
+
+
+def unwritten_at_removal(signal: str, on_disk: int, rows: int) -> str:
+    """At removal, history parts kept failing after `on_disk` of a sample's `rows` rows."""
+    return (
+        "interrupted: history parts could not be written at removal after part of this "
+        f"sample's rows; {on_disk} of its {rows} {signal} rows are in history"
     )
 
 

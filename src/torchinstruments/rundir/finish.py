@@ -29,6 +29,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments import reasons
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import close_attempts
@@ -291,8 +292,8 @@ def finalize(directory: Path) -> FinishReport:
     with RunLock(directory):
         removed = _remove_temporaries(directory)
         state = _state_to_finish(directory)
-        if state.interrupted:
-            state = _mark_partly_written(directory, state)
+        if state.interrupted or state.losses:
+            state = mark_partly_written_sample(directory, state)
         report = finish_run(directory, state)
     return dataclasses.replace(report, removed_temporaries=tuple(removed))
 
@@ -323,12 +324,18 @@ def _state_to_finish(directory: Path) -> RunState:
     )
 
 
-def _mark_partly_written(directory: Path, state: RunState) -> RunState:
-    """Mark the sample the process died in the middle of writing (see `rundir.marks`)."""
+def mark_partly_written_sample(directory: Path, state: RunState) -> RunState:
+    """Mark the sample whose rows the last part split and whose rest never reached the disk
+    (see `rundir.marks`): the process died (`state.interrupted`), or the removal could not
+    write its last rows. A failure to check or mark is a problem of `state`, never raised."""
+    why = reasons.partly_written if state.interrupted else reasons.unwritten_at_removal
     try:
-        mark_partly_written(directory)
+        mark_partly_written(directory, why)
     except (OSError, pl.exceptions.PolarsError, ValueError, KeyError) as error:
-        problem = f"the last part could not be checked for a partly written sample ({error})"
+        problem = (
+            "the last history part could not be checked for a sample it split, or that sample "
+            f"could not be marked as partly written ({type(error).__name__}: {error})"
+        )
         return dataclasses.replace(state, live_problems=(*state.live_problems, problem))
     return state
 
@@ -350,4 +357,4 @@ def _remove_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-__all__ = ["FinishReport", "finalize", "finish_run"]
+__all__ = ["FinishReport", "finalize", "finish_run", "mark_partly_written_sample"]

@@ -13,7 +13,9 @@ metric `interrupted` (`records.INTERRUPTED`), a null value and a reason (`reason
   what the sample measured before, naming the root (layer `""`).
 - the process died while part of the sample's rows were still in memory: `finalize` finds the
   sample in the metadata of the last part (`writer.SPLIT_RECORD_KEY`) and writes the mark in a
-  part of its own before merging, so the mark survives like any row.
+  part of its own before merging, so the mark survives like any row. The same at removal when
+  the last part writes failed (a full disk) after part of a sample's rows.
+- rows of the sample were dropped at the memory cap while others were kept (`rundir.writer`).
 
 Readers (index.md through the run state, `show`, `compare`) list the marks and keep marker rows
 out of the value tables; `summary` leaves them out of result.json's series.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,12 +96,17 @@ def read_marks(history: Path) -> tuple[tuple[SampleMark, ...], int]:
     return marks, total
 
 
-def mark_partly_written(directory: Path) -> int | None:
-    """After a crash: mark the sample whose rows the last part split, if its rest never came.
+def mark_partly_written(
+    directory: Path, why: Callable[[str, int, int], str] = reasons.partly_written
+) -> int | None:
+    """After a crash, or a removal whose last part writes failed: mark the sample whose rows
+    the last part split, if its rest never came.
 
     The writer writes parts in buffer order, so only the last part's split can be unfinished: a
     later part would have started with the rest. Writes the marker row as a part of its own
-    (atomically, like every part) and returns the sample id, or None when nothing is partial.
+    (atomically, like every part), with the reason `why(signal, rows on disk, rows)`, and
+    returns the sample id, or None when nothing is partial (a second call finds the marker's
+    part last: it marks once).
 
     Raises:
         OSError, polars.exceptions.PolarsError: if the last part or the new one fails.
@@ -117,7 +125,7 @@ def mark_partly_written(directory: Path) -> int | None:
     forward_index, rank, mode, step, attempt = (
         found.row(0) if found.height else (None, None, "", None, None)
     )
-    reason = reasons.partly_written(signal, int(split["rows_in_parts"]), int(split["rows"]))
+    reason = why(signal, int(split["rows_in_parts"]), int(split["rows"]))
     row: dict[str, object] = dict.fromkeys(HISTORY_SCHEMA)  # null unless said below
     row.update(
         sample_id=sample_id,

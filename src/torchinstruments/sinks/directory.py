@@ -29,7 +29,7 @@ from torchinstruments.rundir.attempts import (
     attempt_notes,
     job_counts,
 )
-from torchinstruments.rundir.finish import finish_run
+from torchinstruments.rundir.finish import finish_run, mark_partly_written_sample
 from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
@@ -331,15 +331,18 @@ class DirectorySink:
             if self._timer is not None:
                 self._timer.stop()
             history, run = self._history, self._run
+            written = True
             if history is not None:
                 # The small state file first: on a nearly full disk the backlog may take the
                 # last bytes, and then the ledger of the rows already dropped is still on disk.
                 self._save_losses(history, now=True)
-                history.close()  # what it could not write is in its loss ledger
+                written = history.close()  # what it could not write is in its loss ledger
             self._close_events()
             if history is not None and run is not None:
                 state = self._final_state(counts, history)
                 reserve.release(self.directory)  # room for the final state and index.md
+                if not written:  # the last part may end inside a sample: marked, its own part
+                    state = mark_partly_written_sample(self.directory, state)
                 report = finish_run(self.directory, state)
                 for problem in report.problems:
                     if problem != self._events_problem:  # that one was warned when it happened

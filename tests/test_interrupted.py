@@ -282,6 +282,24 @@ def test_removal_inside_a_sampled_forward_marks_that_sample_and_says_so_in_index
     assert "**State: complete.**" not in index
 
 
+@pytest.mark.filterwarnings("ignore:torchinstruments. 1 of 3 selected layers never ran")
+def test_show_says_a_run_removed_in_flight_is_not_plainly_complete(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inner = RemovesInside()
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU())
+    inner.root = model
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    inner.armed = True
+    model(torch.randn(2, 4))  # removed during sample 0's forward
+    assert cli_main(["show", str(run_dir), "--metrics", "mean"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
+    assert (
+        "state: complete, removed while a sample was in flight (sample 0 is partial and marked)"
+        in shown
+    )
+
+
 def test_removal_inside_a_backward_marks_that_sample_and_says_so_in_index(run_dir: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))

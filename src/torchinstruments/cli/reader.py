@@ -33,7 +33,7 @@ import polars as pl
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
-from torchinstruments.rundir.index_page import counts_sentence
+from torchinstruments.rundir.index_page import counts_sentence, partial_in_flight
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     HISTORY_SCHEMA,
@@ -266,6 +266,9 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     """The state as `show` prints it; parts not yet merged make a finished run incomplete."""
     status = state.status
     finalize_command = tool_command("finalize", directory)
+    if status is Status.COMPLETE and not files.parts and state.removed_in_flight:
+        partial = partial_in_flight(state.removed_in_flight)
+        return f"complete, removed while a sample was in flight ({partial} and marked)"
     if status is Status.COMPLETE and not files.parts:
         return "complete"
     if status is Status.INTERRUPTED and not files.parts:

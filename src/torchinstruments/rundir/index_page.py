@@ -127,7 +127,7 @@ def _section_state(state: RunState) -> list[str]:
         return [
             "**State: complete, removed while a sample was in flight.** history.parquet holds "
             f"every row the run recorded{recorded}, but remove_observer was called during a "
-            f"sampled forward or backward: {_in_flight(state.removed_in_flight)} and marked "
+            f"sampled forward or backward: {partial_in_flight(state.removed_in_flight)} and marked "
             "`interrupted` (see the note below and Interrupted samples).",
             "",
         ]
@@ -137,8 +137,9 @@ def _section_state(state: RunState) -> list[str]:
     ]
 
 
-def _in_flight(sample_ids: tuple[int, ...]) -> str:
-    """`sample 3 is partial`, `samples 3-4 are partial`."""
+def partial_in_flight(sample_ids: tuple[int, ...]) -> str:
+    """`sample 3 is partial`, `samples 3-4 are partial`: the samples in flight at a removal
+    (index.md's state line, and `show`'s)."""
     several = len(sample_ids) > 1
     return f"sample{'s' * several} {ranges(sample_ids)} {'are' if several else 'is'} partial"
 
@@ -311,4 +312,4 @@ def write_index(directory: Path, state: RunState) -> None:
     write_text_atomic(directory / INDEX_FILE, render_index(state))
 
 
-__all__ = ["bound_count", "counts_sentence", "render_index", "write_index"]
+__all__ = ["bound_count", "counts_sentence", "partial_in_flight", "render_index", "write_index"]

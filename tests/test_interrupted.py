@@ -10,9 +10,13 @@ were only partly written, and `show` flags the latest values that come from it.
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
@@ -29,12 +33,21 @@ from torchinstruments import (
 )
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments.api import add_run_note
+from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
 from conftest import kill_when_ready, sgd_step, wait_for_rows
 
 MARK = pl.col("metric") == "interrupted"
+
+
+@pytest.fixture
+def quiet_writes() -> Iterator[None]:
+    """Failing part writes are warned about; these tests expect it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 class Boom(nn.Module):
@@ -429,6 +442,69 @@ def test_a_removal_in_flight_stays_said_when_the_run_is_continued_and_finalized(
         finalize(run_dir)
     marks = pl.read_parquet(run_dir / "history.parquet").filter(MARK)
     assert marks.select("sample_id", "attempt").rows() == [(0, 0)]
+
+
+def test_a_removal_in_flight_after_a_killed_attempt_is_said_in_the_state_line(
+    run_dir: Path,
+) -> None:
+    killed = (
+        "import os, sys, torch\n"
+        "from torch import nn\n"
+        "from torchinstruments import EveryNForwardsSampler, inject_observer\n"
+        "class Inner(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x)\n"
+        "model = nn.Sequential(nn.Linear(4, 4), Inner(), nn.ReLU())\n"
+        "inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1))\n"
+        "model(torch.randn(2, 4)).sum().backward()\n"
+        "os._exit(0)  # no removal: ends like a killed job\n"
+    )
+    subprocess.run([sys.executable, "-c", killed, str(run_dir)], check=True, timeout=120)
+    inner = RemovesInside()
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.ReLU())  # the same layer names and types
+    inner.root = model
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), resume=True)
+    inner.armed = True
+    with pytest.warns(RuntimeWarning, match="never ran"):
+        model(torch.randn(2, 4))  # removed during the continued run's first sample
+    state = read_state(run_dir)
+    assert state.status is Status.INTERRUPTED
+    (sample_id,) = state.removed_in_flight
+    index = " ".join((run_dir / "index.md").read_text("utf-8").split())
+    assert "the last attempt was removed." in index
+    assert (
+        "Also, remove_observer was called while a sample was in flight: "
+        f"sample {sample_id} is partial (see the note below)."
+    ) in index
+
+
+@pytest.mark.usefixtures("quiet_writes")
+def test_an_incomplete_run_removed_in_flight_lists_the_partial_sample_too(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", full)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    loss = model(torch.randn(2, 4)).sum()
+
+    def remove(grad: torch.Tensor) -> None:
+        remove_observer(model)
+
+    loss.register_hook(remove)
+    loss.backward()  # no row reaches the disk, the marker row neither
+    assert pl.read_parquet(run_dir / "history.parquet").height == 0
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "**State: INCOMPLETE.**" in index
+    assert (
+        "- remove_observer was called while a sample was in flight: sample 0 is partial "
+        "(see the note below)\n"
+    ) in index
 
 
 def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:

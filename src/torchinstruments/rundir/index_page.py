@@ -99,27 +99,37 @@ def _section_state(state: RunState) -> list[str]:
         "parts could be written (a SIGTERM writes them first), every later row when part writes "
         "were failing (a full disk) until it ended; the loss ledger lists what the run counted."
     )
+    in_flight = (
+        "remove_observer was called while a sample was in flight: "
+        f"{partial_in_flight(state.removed_in_flight)} (see the note below)"
+        if state.removed_in_flight
+        else None
+    )
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
         lines += [f"- {problem}" for problem in state.problems]
         lines += [f"- {loss.describe()}" for loss in state.losses]
         if state.interrupted:
             lines.append(f"- the process ended without remove_observer. {lost_bound}")
+        if in_flight:
+            lines.append(f"- {in_flight}")
         return [*lines, ""]
+    also = "" if in_flight is None else f" Also, {in_flight}."
     killed = [a.attempt for a in state.attempts if a.ended == KILLED]
     if status is Status.INTERRUPTED and state.attempts and state.attempts[-1].ended == REMOVED:
+        usual = " as usual" if in_flight is None else ""
         return [
             f"**State: interrupted** in an earlier attempt: attempt(s) {ranges(killed)} ended "
             "without remove_observer (killed, crashed or preempted) and were finalized when the "
             "run was continued; every row they had written is in history.parquet, and the last "
-            f"attempt was removed as usual. {lost_bound} Counts are lower bounds.",
+            f"attempt was removed{usual}. {lost_bound} Counts are lower bounds.{also}",
             "",
         ]
     if status is Status.INTERRUPTED:
         return [
             "**State: interrupted.** The process ended without remove_observer (killed, crashed "
             "or preempted); `finalize` merged every row it had written into history.parquet. "
-            f"{lost_bound} Counts are lower bounds.",
+            f"{lost_bound} Counts are lower bounds.{also}",
             "",
         ]
     recorded = "" if state.rows_recorded is None else f" ({state.rows_recorded} rows)"

@@ -186,3 +186,38 @@ def test_an_interrupt_inside_the_handoff_to_tensorboard_never_hangs_the_event_fi
     loaded = EventFileLoader(str(event_file)).Load()
     steps = [event.step for event in loaded if event.summary.value]
     assert 1 in steps
+
+
+def test_more_than_20_cut_samples_are_all_counted_in_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    original = Proxies.restore_layers
+    calls, cuts = [0], [0]
+
+    def restore_layers(self: Proxies, *holder: object) -> None:
+        calls[0] += 1
+        # each sampled forward's end (calls 1, 3, 5, ...) is cut; the heal at the next root
+        # forward (calls 2, 4, ...) restores the layers for real
+        if calls[0] % 2 and cuts[0] < 25:
+            cuts[0] += 1
+            raise KeyboardInterrupt
+        original(self, *holder)
+
+    monkeypatch.setattr(Proxies, "restore_layers", restore_layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(25):  # samples 0-24: each end cut, healed by the next root forward
+            with pytest.raises(KeyboardInterrupt):
+                model(x)
+        model(x).sum().backward()  # sample 25: whole
+        remove_observer(model)
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.filter(pl.col("metric") == "interrupted")["sample_id"].to_list() == list(
+        range(25)
+    )
+    index = " ".join((tmp_path / "run" / "index.md").read_text(encoding="utf-8").split())
+    listed = ", ".join(map(str, range(20)))
+    assert f"cut the end of 25 sampled forwards ({listed} and 5 more) inside" in index
+    assert "25 sample(s) are marked (the marks of the first 20 are listed)" in index

@@ -197,13 +197,28 @@ def backward_marker(
 def cut_note(sample_ids: list[int]) -> str:
     """index.md's note (and the warning) on samples whose end a KeyboardInterrupt cut inside
     the library's own bookkeeping (see `reasons.CUT_IN_BOOKKEEPING`)."""
-    shown = ", ".join(map(str, sample_ids[:20])) + (" ..." if len(sample_ids) > 20 else "")
     return (
-        f"a KeyboardInterrupt (Ctrl-C) cut the end of sampled forward{'s' * (len(sample_ids) > 1)} "
-        f"{shown} inside the library's own bookkeeping, and the loop went on; the thread's next "
+        f"a KeyboardInterrupt (Ctrl-C) cut the end of {_listed(sample_ids, 'sampled forward')} "
+        "inside the library's own bookkeeping, and the loop went on; the thread's next "
         "root forward restored the layers' forwards and ended the sample, marked with a row of "
         "metric `interrupted` (what it measured was kept; later samples are unaffected)"
     )
+
+
+# How many sample ids a note lists; beyond them it gives the count of the rest.
+MAX_LISTED_IDS = 20
+
+
+def _listed(sample_ids: list[int], word: str) -> str:
+    """`sampled forward 3`, `sampled forwards 3, 5`; past `MAX_LISTED_IDS` ids, the count and
+    the first ones: `25 sampled forwards (0, 1, ..., 19 and 5 more)`, so a note never hides how
+    many there were."""
+    if len(sample_ids) == 1:
+        return f"{word} {sample_ids[0]}"
+    if len(sample_ids) <= MAX_LISTED_IDS:
+        return f"{word}s {', '.join(map(str, sample_ids))}"
+    shown = ", ".join(map(str, sample_ids[:MAX_LISTED_IDS]))
+    return f"{len(sample_ids)} {word}s ({shown} and {len(sample_ids) - MAX_LISTED_IDS} more)"
 
 
 def removed_in_flight_note(forwards: list[int], backwards: list[int]) -> str:

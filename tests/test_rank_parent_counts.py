@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,6 +65,36 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
         )
     assert rows["| 0"] == "| 0 | `rank-000/` | complete | 3 | 3 |"
     assert any(line.startswith("at least N, unknown: ") for line in page)
+
+
+def test_the_parent_page_says_a_ranks_marked_samples_and_removal_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_rank_parent_readers import observe_rank
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject_observer(model, output_dir=parent, sampler=EveryNForwardsSampler(1), rank_policy="all")
+    model(torch.randn(5, 4)).sum().backward()
+    loss = model(torch.randn(5, 4)).sum()
+
+    def remove(grad: torch.Tensor) -> None:
+        remove_observer(model)
+
+    loss.register_hook(remove)
+    loss.backward()  # rank 1 removed during sample 1's backward
+    page = (parent / "index.md").read_text(encoding="utf-8").splitlines()
+    rows = {line.split(" | ")[0]: line for line in page if line.startswith("| ")}
+    assert rows["| 0"] == "| 0 | `rank-000/` | complete | 3 | 3 |"
+    assert rows["| 1"] == (
+        "| 1 | `rank-001/` | complete, removed while a sample was in flight (sample 1); "
+        "1 marked sample | 2 | 2 |"
+    )
 
 
 if __name__ == "__main__":

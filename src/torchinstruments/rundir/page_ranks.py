@@ -31,6 +31,7 @@ from pathlib import Path
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, PARTS_DIR, write_text_atomic
 from torchinstruments.rundir.page_sections import quoted as _q
+from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
 from torchinstruments.rundir.state import RunState
@@ -80,7 +81,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         finished += counts is not None
         recovered = recovered or state.counts_recovered
         rows.append(
-            f"| {rank} | `{directory.name}/` | {state.status.value} | "
+            f"| {rank} | `{directory.name}/` | {_state_cell(state)} | "
             f"{'-' if counts is None else _count(state, counts.samples)} | "
             f"{'-' if counts is None else _count(state, counts.root_forwards)} |"
         )
@@ -121,6 +122,17 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             "",
         ]
     return lines, present
+
+
+def _state_cell(state: RunState) -> str:
+    """A rank's state as its own index.md's state line gives it, with its marked samples: a
+    rank with partial samples never reads as plainly complete here."""
+    cell = state.status.value
+    if state.removed_in_flight:
+        cell += f", removed while a sample was in flight (sample {ranges(state.removed_in_flight)})"
+    if state.marks_total:
+        cell += f"; {state.marks_total} marked sample{'s' * (state.marks_total > 1)}"
+    return cell
 
 
 def _count(state: RunState, count: int) -> str:

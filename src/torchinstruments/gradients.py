@@ -84,8 +84,13 @@ from torchinstruments.measurement.transfer import (
     launch,
     launch_tensor,
 )
-from torchinstruments.records import OUTPUT_GRADIENT, Measurement, SampleRecord, TensorKey
-from torchinstruments.samples import SampleFacts
+from torchinstruments.records import (
+    OUTPUT_GRADIENT,
+    Measurement,
+    SampleFacts,
+    SampleRecord,
+    TensorKey,
+)
 from torchinstruments.spare_core import SpareCore
 
 __all__ = ["MAX_AWAITED", "MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder", "Mark"]

@@ -106,13 +106,13 @@ from torchinstruments.records import (
     Measurement,
     RunCounts,
     RunInfo,
+    SampleFacts,
     SampleRecord,
     TensorKey,
 )
 from torchinstruments.samples import (
     InFlight,
     Sample,
-    SampleFacts,
     backward_marker,
     cut_note,
     removed_in_flight_note,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
+from typing import Protocol, overload
 
 from torchinstruments.history_config import HistoryConfig
 
@@ -27,6 +27,7 @@ __all__ = [
     "MetricValue",
     "RunCounts",
     "RunInfo",
+    "SampleFacts",
     "SampleRecord",
     "TensorKey",
     "histogram_tag",
@@ -256,6 +257,20 @@ class SampleRecord:
     # A `MeasurementBlock` when the observer made the record; any sequence of measurements works.
     measurements: Sequence[Measurement]
     histograms: tuple[HistogramRecord, ...] = ()
+
+
+class SampleFacts(Protocol):
+    """What a marker row repeats of its sample (samples.py): one of its measurements, or the
+    gradients a sample awaited (gradients.py) when none of them arrived."""
+
+    @property
+    def sample_id(self) -> int: ...
+    @property
+    def forward_index(self) -> int: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def mode(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)

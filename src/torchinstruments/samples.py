@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +38,7 @@ from torchinstruments.records import (
     LayerInfo,
     Measurement,
     MetricValue,
+    SampleFacts,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = [
     "InFlight",
     "Sample",
-    "SampleFacts",
     "backward_marker",
     "cut_note",
     "marker",
@@ -168,20 +168,6 @@ def marker(
         )
 
     return row
-
-
-class SampleFacts(Protocol):
-    """What a marker row repeats of its sample: one of its measurements, or the gradients a
-    sample awaited (`gradients.py`) when none of them arrived."""
-
-    @property
-    def sample_id(self) -> int: ...
-    @property
-    def forward_index(self) -> int: ...
-    @property
-    def step(self) -> int | None: ...
-    @property
-    def mode(self) -> str: ...
 
 
 def backward_marker(

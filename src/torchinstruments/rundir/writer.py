@@ -48,13 +48,8 @@ default). Beyond the cap the *newest* rows are dropped, each counted in the loss
 why. Newest, not oldest: the buffered rows are the oldest unwritten ones, contiguous with what
 is already on disk, so the history keeps one gap per failure episode whose first sample is
 known; dropping costs nothing on the training thread (no list is shifted), and when the disk
-frees, everything still buffered lands. A sample that has rows kept and rows dropped (the
-buffer filled in the middle of its rows, or its forward was dropped and its backward kept once
-writes worked again) is partial: it gets one marker row (`records.INTERRUPTED`, layer `""`,
-`reasons.dropped_at_cap`), buffered beyond the cap, so it is never an ordinary-looking sample
-with rows missing. Each marker stands for kept rows already in the buffer, so markers add at
-most as many rows as the cap, and in practice one or two per failure episode (the samples at
-its edges). A retry writes the whole backlog in as few parts as fit
+frees, everything still buffered lands. A sample that keeps some rows and loses others is
+marked (`rundir.cap_cuts`). A retry writes the whole backlog in as few parts as fit
 (one part, or halves of it when one part does not fit), not in `buffer_rows` pieces: one large
 part compresses better, so a nearly full disk takes more rows.
 
@@ -70,7 +65,6 @@ the one end-of-run routine in `rundir.finish`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -80,10 +74,10 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments import reasons
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
-from torchinstruments.records import INTERRUPTED, Measurement, MeasurementBlock, MetricValue
+from torchinstruments.records import Measurement, MeasurementBlock
+from torchinstruments.rundir.cap_cuts import CapCuts
 from torchinstruments.rundir.columns import ColumnBuffer
 from torchinstruments.rundir.layout import (
     PARTS_DIR,
@@ -185,11 +179,7 @@ class HistoryWriter:
         self._warned = False
         self._warned_drop = False
         self._closed = False
-        # The latest samples with rows kept, with rows dropped (and the signal dropped), and
-        # those marked as cut at the cap (`_note_cut`): a cut sample is one of the latest.
-        self._kept_ids: deque[int] = deque(maxlen=_RECENT_SAMPLES)
-        self._dropped_ids: deque[tuple[int, str]] = deque(maxlen=_RECENT_SAMPLES)
-        self._cut_ids: deque[int] = deque(maxlen=_RECENT_SAMPLES)
+        self._cuts = CapCuts(config.buffered_rows_cap)  # samples cut at the cap, to mark
 
     @property
     def directory(self) -> Path:
@@ -276,12 +266,12 @@ class HistoryWriter:
             if fit <= 0:
                 self._rows_produced += (total - start) * k
                 self._drop((total - start) * k, block.sample_id)
-                self._note_cut(block.sample_id, block.signal, False, block, start)
+                self._mark_cut(self._cuts.noted(block.sample_id, block.signal, False, block, start))
                 return None
             rows = self._buffer.add_block(block, start, start + fit)
             self._rows_produced += rows
             self._note_rows(block.sample_id, block.signal, rows, block.timestamps_us[start])
-            self._note_cut(block.sample_id, block.signal, True, block, start)
+            self._mark_cut(self._cuts.noted(block.sample_id, block.signal, True, block, start))
             start += fit
         return None
 
@@ -312,40 +302,20 @@ class HistoryWriter:
         for m in accepted:
             self._rows_produced += len(m.metrics)
             self._note_rows(m.sample_id, m.signal, len(m.metrics), m.timestamp_us)
-            self._note_cut(m.sample_id, m.signal, True, (m,), 0)
+            self._mark_cut(self._cuts.noted(m.sample_id, m.signal, True, (m,), 0))
         for m in dropped:
             self._rows_produced += len(m.metrics)
             self._drop(len(m.metrics), m.sample_id)
-            self._note_cut(m.sample_id, m.signal, False, (m,), 0)
+            self._mark_cut(self._cuts.noted(m.sample_id, m.signal, False, (m,), 0))
         return going_on
 
-    def _note_cut(
-        self,
-        sample_id: int,
-        signal: str,
-        kept: bool,
-        measurements: Sequence[Measurement],
-        index: int,
-    ) -> None:
-        """Rows of this sample and signal were kept (or dropped at the cap); once the sample has
-        both, buffer its marker row, built from `measurements[index]` (built only then: a
-        block's measurement is made on access). The caller holds the lock. Why here: only the
-        writer knows that a sample lost part of its rows."""
-        if kept:
-            if not self._kept_ids or self._kept_ids[-1] != sample_id:
-                self._kept_ids.append(sample_id)
-            dropped = next((s for i, s in self._dropped_ids if i == sample_id), None)
-        else:
-            if not self._dropped_ids or self._dropped_ids[-1][0] != sample_id:
-                self._dropped_ids.append((sample_id, signal))
-            dropped = signal if sample_id in self._kept_ids else None
-        if dropped is None or sample_id in self._cut_ids:
-            return
-        self._cut_ids.append(sample_id)
-        marker = _cut_marker(measurements[index], dropped, self._config.buffered_rows_cap)
-        self._buffer.add_measurements([marker])
-        self._rows_produced += 1
-        self._note_rows(sample_id, dropped, 1, marker.timestamp_us)
+    def _mark_cut(self, marker: Measurement | None) -> None:
+        """Buffer the marker row of a sample cut at the cap (`rundir.cap_cuts`), beyond the
+        cap. The caller holds the lock."""
+        if marker is not None:
+            self._buffer.add_measurements([marker])
+            self._rows_produced += 1
+            self._note_rows(marker.sample_id, marker.signal, 1, marker.timestamp_us)
 
     def _note_rows(self, sample_id: int, signal: str, rows: int, first_us: int) -> None:
         """Count `rows` more buffered rows of this sample and signal, the first measured at
@@ -608,31 +578,6 @@ class HistoryWriter:
             "dropped and counted) and are retried at the next chunk, after half a flush interval "
             "and at removal. Training goes on. (Reported once.)"
         )
-
-
-# How many of the latest samples `_note_cut` remembers as kept, dropped and marked: the samples
-# whose rows reach the writer interleaved (a forward's, then its backward's) are far fewer.
-_RECENT_SAMPLES = 16
-
-
-def _cut_marker(row: Measurement, signal: str, cap: int) -> Measurement:
-    """The marker row of a sample cut at the memory cap: `row`'s sample facts, layer `""`."""
-    return dataclasses.replace(
-        row,
-        timestamp_us=time.time_ns() // 1000,
-        layer="",
-        module_type="",
-        call_index=0,
-        signal=signal,
-        tensor_path="",
-        shape=None,
-        dtype="",
-        metrics=(INTERRUPTED,),
-        values=(MetricValue(None, reasons.dropped_at_cap(cap)),),
-        placement=None,
-        mesh_coordinate=None,
-        population=None,
-    )
 
 
 # How often a part write interrupted by a KeyboardInterrupt off the main thread is tried at once.

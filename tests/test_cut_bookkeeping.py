@@ -221,3 +221,24 @@ def test_more_than_20_cut_samples_are_all_counted_in_index(
     listed = ", ".join(map(str, range(20)))
     assert f"cut the end of 25 sampled forwards ({listed} and 5 more) inside" in index
     assert "25 sample(s) are marked (the marks of the first 20 are listed)" in index
+
+
+def test_a_backward_that_raised_after_all_of_a_samples_gradients_leaves_it_whole(
+    tmp_path: Path,
+) -> None:
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    leaf = x.clone().requires_grad_(True)
+
+    def fail(grad: torch.Tensor) -> None:  # the input's gradient: after every layer's
+        raise RuntimeError("a hook failed")
+
+    leaf.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        model(leaf).sum().backward()  # sample 0: every gradient arrived, then the pass raised
+    model(x).sum().backward()  # sample 1 writes sample 0's gradients
+    remove_observer(model)
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.filter(pl.col("metric") == "interrupted").height == 0
+    expected = twin(tmp_path, 2)
+    assert values(history, 0) == values(expected, 0)

@@ -358,6 +358,29 @@ def test_removal_in_a_backward_before_any_gradient_arrived_marks_that_sample(
     assert "during the backward of sample 0" in index
 
 
+def test_removal_in_a_backward_marks_only_the_samples_still_awaiting_gradients(
+    run_dir: Path,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    first = model(torch.randn(2, 4)).sum()  # sample 0
+    second = model(torch.randn(2, 4)).sum()  # sample 1: its nodes are newer, so they run first
+
+    def remove(grad: torch.Tensor) -> None:  # once sample 1's gradients have all arrived
+        remove_observer(model)
+
+    first.register_hook(remove)
+    (first + second).backward()
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(MARK)
+    assert marks.select("sample_id", "signal").rows() == [(0, "output_gradient")]
+    gradients = history.filter(pl.col("signal") == "output_gradient", ~MARK)
+    assert gradients.group_by("sample_id").len().rows() == [(1, 27)]  # whole: not marked
+    assert read_state(run_dir).removed_in_flight == (0,)
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert "during the backward of sample 0." in index
+
+
 def test_removal_in_the_backward_of_an_unsampled_forward_marks_nothing(run_dir: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))

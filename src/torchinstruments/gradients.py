@@ -341,10 +341,12 @@ class GradientRecorder:
         *,
         fired_leaf_hooks_first: bool = False,
     ) -> list[int]:
-        """Transfer and emit every gradient launched since the last flush, each record with
-        `mark(record)` appended when given (with `fired_leaf_hooks_first`, the leaves' fired
-        hooks are removed first); returns the sample ids emitted. Ctrl-C is held meanwhile
-        (interrupts.py): the records reach every sink, or none was taken."""
+        """Transfer and emit every gradient launched since the last flush (with
+        `fired_leaf_hooks_first`, the leaves' fired hooks are removed first); with `mark`, the
+        record of each sample still awaiting gradients gets `mark(...)` appended (one whose
+        gradients all arrived is whole: `_all_arrived`). Returns the sample ids emitted, or
+        with `mark` those marked. Ctrl-C is held meanwhile (interrupts.py): the records reach
+        every sink, or none was taken."""
         try:
             held = signal.signal(SIGINT, hold_signal)
         except KeyboardInterrupt:  # one pending is raised before the swap (interrupts.py)
@@ -360,12 +362,15 @@ class GradientRecorder:
             release(held)
 
     def _flush(self, mark: Mark | None) -> list[int]:
+        """`flush`'s work: the ids emitted, or with `mark`, the ids marked (a sample whose
+        gradients have all arrived is whole: its record is emitted unmarked)."""
         with self._lock:
             pending, self._pending = self._pending, []
             self._flush_queued = False
+            arrived = self._all_arrived() if mark is not None else set()
         if not pending:
             return []
-        emitted = []
+        emitted, marked = [], []
         try:
             for record in build_records(
                 OUTPUT_GRADIENT, pending, self._measurer.metrics, self._rank, self._spare
@@ -373,14 +378,21 @@ class GradientRecorder:
                 if record.sample_id not in self._recent:
                     self._recent.append(record.sample_id)
                     self.backward_samples += 1
-                if mark is not None:
+                if mark is not None and record.sample_id not in arrived:
                     marker = mark(record.measurements[0])
                     record = replace(record, measurements=(*record.measurements, marker))
+                    marked.append(record.sample_id)
                 self._emit(record)
                 emitted.append(record.sample_id)
         except Exception as error:
             self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
-        return emitted
+        return emitted if mark is None else marked
+
+    def _all_arrived(self) -> set[int]:
+        """The samples whose hooks are alive and have all fired: every gradient they can get
+        arrived (the caller holds the lock). A sample not known here is not taken for whole."""
+        live = (ref() for ref in self._awaited)
+        return {a.sample_id for a in live if a is not None and a.fired >= a.hooked}
 
     def heal(self, mark: Mark) -> list[int]:
         """Emit, each record with `mark(record)`, the gradients of a backward pass that raised
@@ -397,7 +409,8 @@ class GradientRecorder:
         """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.
 
         Gradients still waiting for the end of their backward pass mean the run is removed
-        inside that pass (from a tensor hook): their samples' records get `mark(...)`. Called
+        inside that pass (from a tensor hook): the records of their samples still awaiting
+        gradients get `mark(...)` (a sample whose gradients all arrived is whole). Called
         inside a backward pass, each sample still awaiting some of its gradients is marked too,
         with a record of its marker row alone when none of them had arrived (`_Awaited`).
         Returns the ids of the samples marked.

@@ -14,6 +14,7 @@ import errno
 import json
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -538,3 +539,61 @@ def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:
     index = (run_dir / "index.md").read_text()
     assert "**State: complete.**" in index
     assert "interrupted" not in set(pl.read_parquet(run_dir / "history.parquet")["metric"])
+
+
+class Gate(nn.Module):
+    """Doubles its input; while `gating`, the two threads' calls meet here, then thread "a"
+    goes on first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gating = True
+        self.met = threading.Barrier(2)
+        self.a_done = threading.Event()
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = threading.current_thread().name
+        if self.gating:
+            self.met.wait(timeout=30)
+        if self.gating and name == "b":
+            assert self.a_done.wait(timeout=30)
+        self.outputs[name] = out = x * 2
+        return out
+
+
+def test_a_backward_that_raised_marks_a_sample_hooked_on_two_threads_at_once(
+    run_dir: Path,
+) -> None:
+    gate = Gate()
+    model = nn.Sequential(nn.Linear(4, 4), gate, nn.Linear(4, 1))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    losses: dict[str, torch.Tensor] = {}
+
+    def step(name: str) -> None:
+        losses[name] = model(torch.randn(2, 4)).sum()
+        if name == "a":
+            gate.a_done.set()
+
+    threads = [threading.Thread(target=step, args=(name,), name=name) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    gate.gating = False
+    losses["a"].backward()  # whole
+
+    def fail(grad: torch.Tensor) -> None:  # after b's last two gradients, before its first
+        raise RuntimeError("a hook failed")
+
+    gate.outputs["b"].register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        losses["b"].backward()
+    model(torch.randn(2, 4)).sum().backward()  # writes b's gradients, marked
+    remove_observer(model)
+    history = pl.read_parquet(run_dir / "history.parquet")
+    marks = history.filter(MARK)
+    assert marks["unavailable_reason"].to_list() == [reasons.BACKWARD_RAISED]
+    b = history.filter(pl.col("sample_id") == marks["sample_id"][0])
+    gradients = b.filter(pl.col("signal") == "output_gradient", ~MARK)
+    assert sorted(gradients["layer"].unique()) == ["1", "2"]  # not "0": it never arrived

@@ -279,11 +279,13 @@ class GradientRecorder:
             return key
 
     def _awaited_by(self, key: TensorKey) -> _Awaited:
-        """The `_Awaited` of `key`'s sample: the latest one, or a new one for a new sample
-        (the caller holds the lock)."""
-        latest = self._awaited[-1]() if self._awaited else None
-        if latest is not None and latest.sample_id == key.sample_id:
-            return latest
+        """The `_Awaited` of `key`'s sample, or a new one for a new sample (the caller holds
+        the lock). Looked up from the latest: almost always the first one looked at, and two
+        samples hooked on two threads at once still share one each."""
+        for ref in reversed(self._awaited):
+            known = ref()
+            if known is not None and known.sample_id == key.sample_id:
+                return known
         awaited = _Awaited(key)
         self._awaited.append(weakref.ref(awaited))
         return awaited
@@ -391,8 +393,10 @@ class GradientRecorder:
     def _all_arrived(self) -> set[int]:
         """The samples whose hooks are alive and have all fired: every gradient they can get
         arrived (the caller holds the lock). A sample not known here is not taken for whole."""
-        live = (ref() for ref in self._awaited)
-        return {a.sample_id for a in live if a is not None and a.fired >= a.hooked}
+        live = [a for a in (ref() for ref in self._awaited) if a is not None]
+        # a sample hooked on two threads at once can have several: whole only if all are
+        waiting = {a.sample_id for a in live if a.fired < a.hooked}
+        return {a.sample_id for a in live} - waiting
 
     def heal(self, mark: Mark) -> list[int]:
         """Emit, each record with `mark(record)`, the gradients of a backward pass that raised

@@ -52,8 +52,10 @@ sample's hooks is (its graph is). Each sample whose hooks are alive and not all 
 when the removal runs inside a backward pass. Design decision: which graph the running pass
 goes through cannot be asked without holding an autograd node, and holding one would keep the
 sample's activations alive, so a sample whose graph is kept alive outside this pass (an output
-held with its graph) is marked too: its gradients can no longer be recorded either way. The
-cost: one object and two int increments per sample, one slot per hook.
+held with its graph) is marked too: its gradients can no longer be recorded either way. A
+sample whose hooks have all fired is whole, and is written unmarked even when the removal (or a
+pass that raised) came after its gradients. The cost: one object per sample; per hooked output
+one slot, one weak-reference lookup (the latest sample's, as a rule) and two int increments.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shutil
 from pathlib import Path
@@ -226,6 +228,35 @@ def test_queries_before_the_first_part_say_so(tmp_path: Path) -> None:
         assert namespace["state"]["status"] == "in progress"  # type: ignore[index]
     finally:
         remove_observer(model)
+
+
+def status_lines(directory: Path) -> list[str]:
+    """What index.md's setup block and then its status block print for `directory`."""
+    setup, status, *_ = python_blocks((directory / "index.md").read_text("utf-8"))
+    namespace: dict[str, object] = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(setup, "index.md:setup", "exec"), namespace)
+        exec(compile(status, "index.md:status", "exec"), namespace)
+    return printed.getvalue().splitlines()
+
+
+def test_status_query_names_no_layer_never_run_while_the_run_is_live(tmp_path: Path) -> None:
+    """Counts are null until the run ends, which says nothing of which layers ran: a live run's
+    status query must not list every layer as one that never ran."""
+    model = WithEmpty()
+    model.unused = nn.Linear(4, 4)  # selected, never called
+    directory = tmp_path / "stats"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    try:
+        model(torch.randn(3, 4)).sum().backward()  # the first sample's rows reach the disk at once
+        live = status_lines(directory)
+    finally:
+        remove_observer(model)
+    assert live[0] == "status: in progress"
+    assert not any("never ran in a sampled forward:" in line for line in live), live
+    finished = status_lines(directory)
+    assert finished[-1] == "layers that never ran in a sampled forward: 1 ['unused']"
 
 
 def test_rank_comparison_query_runs(tmp_path: Path) -> None:

@@ -108,15 +108,20 @@ def _blocks(layer: str) -> list[tuple[str, str]]:
     series = _SERIES
     return [
         (
-            f"Status and counts, from `{STATE_FILE}` (counts are null while the run is in "
-            "progress), and the layers that never ran in a sampled forward:",
+            f"Status and counts, from `{STATE_FILE}`, and the layers that never ran in a "
+            "sampled forward (counts are null while the run is in progress: both are known "
+            "once it ends, at removal or `finalize`; meanwhile the next query counts the "
+            "layers with rows so far):",
             f"""state = json.loads((run / {_q(STATE_FILE)}).read_text(encoding="utf-8"))
-counts = state["counts"] or {{}}
+counts = state["counts"]
 print("status:", state["status"])
-print({{k: v for k, v in counts.items() if k != "layer_samples"}})
-ran = counts.get("layer_samples", {{}})
-never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
-print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
+if counts is None:  # in progress: no layer is known never to run before the run ends
+    print("counts and the layers that never ran: known once the run ends")
+else:
+    print({{k: v for k, v in counts.items() if k != "layer_samples"}})
+    ran = counts.get("layer_samples", {{}})
+    never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
+    print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
         ),
         (
             "What has been written so far (rows, samples, latest sample, layers with rows):",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +26,7 @@ from transformers import (
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
 from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import HuggingFaceObserver
+from torchinstruments.rundir.page_queries import HF_SCALARS
 
 from conftest import read_history, run_status
 
@@ -131,6 +135,64 @@ def test_training_that_raises_removes_the_observer_and_says_so_in_index_md(
         "the fit ended with an exception at global step 2: ValueError: boom in compute_loss."
         in index
     )
+
+
+class Spread(nn.Module):
+    """Its loss is its layer's output variance, so the logged loss is that output's std, squared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        return {"loss": self.fc(x).var(correction=0)}
+
+
+def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged(
+    tmp_path: Path,
+) -> None:
+    """The by-step query, with the page's own Hugging Face log expression as `scalars`, joins
+    each training sample with the loss computed by that very forward."""
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {"x": torch.randn(4, generator=generator), "labels": torch.tensor(0.0)} for _ in range(8)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1))
+    trainer = Trainer(model=Spread(), args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    trainer.save_state()
+    run = tmp_path / "out" / "torchinstruments"
+    text = (run / "index.md").read_text(encoding="utf-8")
+    assert HF_SCALARS in text
+    scalars = HF_SCALARS.replace(
+        "out/trainer_state.json", str(tmp_path / "out" / "trainer_state.json")
+    )
+    setup, *blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    (by_step_block,) = [b for b in blocks if "by_step = (" in b]
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "index.md:setup", "exec"), namespace)
+        exec(
+            compile(
+                re.sub(r"(?m)^scalars = .*$", f"scalars = {scalars}", by_step_block),
+                "index.md:by_step",
+                "exec",
+            ),
+            namespace,
+        )
+    by_step = namespace["by_step"].drop_nulls("loss")  # the log's other entries (train_runtime)
+    assert by_step["step"].to_list() == list(range(STEPS))
+    assert by_step["loss"].to_list() == pytest.approx([v**2 for v in by_step["value"]], rel=1e-5)
 
 
 def test_a_second_run_gets_a_directory_of_its_own(tmp_path: Path) -> None:

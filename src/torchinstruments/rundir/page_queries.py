@@ -32,6 +32,12 @@ from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
 
 OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs/baseline")'
+# The Hugging Face Trainer's log as `scalars`: it logs an optimizer step's loss once
+# state.global_step has counted that step, so its `step` is one more than the samples' step.
+HF_SCALARS = (
+    'pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])'
+    '.with_columns(pl.col("step") - 1)'
+)
 SHOWN_ROWS = 50
 # A series' key in the queries: its mode too, so a train and an eval series are never one.
 _SERIES = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
@@ -216,8 +222,9 @@ show(no_gradient)""",
             "loop. Train samples only (`mode`); several samples can share a step (gradient "
             "accumulation). Set `scalars` to your trainer's log, e.g. Lightning's CSVLogger "
             '`pl.read_csv("lightning_logs/version_0/metrics.csv")` or the Hugging Face Trainer\'s '
-            '`pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])`; '
-            "as printed it is an empty table (its columns: null):",
+            f"`{HF_SCALARS}` (that Trainer logs what an optimizer step computed under the "
+            "global step after it, one more than the `step` of that step's samples: hence the "
+            "`- 1`); as printed it is an empty table (its columns: null):",
             f"""scalars = pl.DataFrame(schema={{"step": pl.Int64, "loss": pl.Float64}})  # <- your log
 by_step = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
@@ -345,4 +352,4 @@ show(by_rank, most={SHOWN_ROWS})""",
     return [*lines, ""]
 
 
-__all__ = ["OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]
+__all__ = ["HF_SCALARS", "OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]

@@ -516,6 +516,26 @@ def test_plot_figure_lines_are_the_history_values(finished: Path) -> None:
         assert list(line.get_ydata()) == want["value"].to_list()
 
 
+@pytest.mark.parametrize("command", ["plot", "heatmap"])
+def test_drawing_help_sends_no_one_to_the_package_index(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pip install torchinstruments[plot]` fetches an unrelated project of that name from the
+    package index (README, Install), so the help must not send a user there."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "torchinstruments[plot]" not in text
+    assert "pip install matplotlib" in text
+
+
+def test_plot_description_names_every_x_axis(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    description = " ".join(capsys.readouterr().out.split()).partition("positional arguments")[0]
+    assert "over sample_id, forward_index or step (--x)" in description
+
+
 def test_plot_without_matplotlib_says_how_to_install(finished: Path, tmp_path: Path) -> None:
     code = (
         "import sys\n"
@@ -531,7 +551,8 @@ def test_plot_without_matplotlib_says_how_to_install(finished: Path, tmp_path: P
         check=False,
     )
     assert result.returncode == 3
-    assert "torchinstruments[plot]" in result.stderr
+    assert "pip install matplotlib" in result.stderr
+    assert "torchinstruments[plot]" not in result.stderr  # the index's is another project
     assert not (tmp_path / "x.png").exists()
 
 

@@ -131,6 +131,8 @@ class Subcommands(Protocol):
 
 def add_commands(commands: Subcommands) -> None:
     """Add `show`, `compare`, `plot` and `heatmap` to the package's subcommand parsers."""
+    from torchinstruments.rundir.shell import MATPLOTLIB_INSTALL
+
     cmd = commands.add_parser(
         "show",
         help="a finished or live run: facts, latest values and recent window means",
@@ -185,8 +187,8 @@ def add_commands(commands: Subcommands) -> None:
     cmd = commands.add_parser(
         "plot",
         help="PNG small multiples of metric trends (needs matplotlib: the `plot` extra)",
-        description="Draw one panel per metric and signal, one line per tensor, over sample_id "
-        "or forward_index, into a PNG. Needs matplotlib (pip install 'torchinstruments[plot]').",
+        description="Draw one panel per metric and signal, one line per tensor, over sample_id, "
+        f"forward_index or step (--x), into a PNG. Needs matplotlib: {MATPLOTLIB_INSTALL}.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
     _selection_options(cmd, window=False)
@@ -228,7 +230,7 @@ def add_commands(commands: Subcommands) -> None:
         description="Write one image per metric: tensors (traversal order) down, samples "
         "across, output and output_gradient side by side, one colour scale per panel. Null "
         "values, nonfinite values and missing rows each have their own colour. Needs "
-        "matplotlib (pip install 'torchinstruments[plot]').",
+        f"matplotlib: {MATPLOTLIB_INSTALL}.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
     _selection_options(cmd, window=False)

@@ -23,7 +23,7 @@ Design decisions of the trend figure:
   for panels where one tensor's scale flattens the others. The scale and the linear threshold
   are chosen from the lines drawn only: a tensor left out (`max_tensors`, the selection) never
   turns a log panel into symlog.
-- matplotlib is optional (`pip install "torchinstruments[plot]"`); it is imported only when
+- matplotlib is optional (the checkout's `plot` extra); it is imported only when
   drawing, with the Agg canvas and no pyplot, so drawing never touches a display or global
   figure state.
 - The PNG's text metadata ("Description") lists the panels and the x column as JSON, so a
@@ -48,6 +48,7 @@ import polars as pl
 from torchinstruments.cli.reader import TENSOR_KEY, RunFacts, layer_order, metric_order
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
+from torchinstruments.rundir.shell import MATPLOTLIB_INSTALL
 
 __all__ = [
     "DEFAULT_MAX_TENSORS",
@@ -75,8 +76,7 @@ NO_STEP = (
 )
 MISSING_MATPLOTLIB = (
     "torchinstruments plot needs matplotlib, which is an optional dependency: install it with "
-    '`pip install "torchinstruments[plot]"` (from a checkout: `uv sync --extra plot`), or '
-    "`pip install matplotlib`."
+    f"{MATPLOTLIB_INSTALL}."
 )
 
 

@@ -15,6 +15,13 @@ import re
 import shlex
 import sys
 
+# How to get matplotlib (plot, heatmap): never `pip install torchinstruments[plot]`, since the
+# package index's torchinstruments is an unrelated project (README, Install).
+MATPLOTLIB_INSTALL = (
+    "`pip install matplotlib` into this environment, or the checkout's `plot` extra "
+    '(`uv sync --extra plot`, or `pip install ".[plot]"` in the checkout)'
+)
+
 
 def command_line(*words: str | os.PathLike[str]) -> str:
     """`words` joined into one POSIX shell command line, each word quoted where it needs it.
@@ -57,4 +64,11 @@ def command_span(*words: str | os.PathLike[str]) -> str:
     return code_span(command_line(*words))
 
 
-__all__ = ["code_span", "command_line", "command_span", "tool_command", "tool_span"]
+__all__ = [
+    "MATPLOTLIB_INSTALL",
+    "code_span",
+    "command_line",
+    "command_span",
+    "tool_command",
+    "tool_span",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shutil
 from pathlib import Path
@@ -257,6 +258,27 @@ def test_status_query_names_no_layer_never_run_while_the_run_is_live(tmp_path: P
     assert not any("never ran in a sampled forward:" in line for line in live), live
     finished = status_lines(directory)
     assert finished[-1] == "layers that never ran in a sampled forward: 1 ['unused']"
+
+
+def test_result_section_describes_min_and_max_of_a_metric_without_a_valid_value(
+    tmp_path: Path,
+) -> None:
+    def failing(tensor: torch.Tensor) -> float:
+        raise RuntimeError("no value")
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    inject_observer(
+        model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(1), reducers=[failing]
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    (layer,) = json.loads((tmp_path / "stats" / "result.json").read_text(encoding="utf-8"))
+    for tensor in layer["tensors"]:
+        entry = tensor["metrics"]["failing"]
+        assert entry["valid"] == 0
+        assert entry["min"] == entry["max"] == {"value": None, "sample_id": None}
+    text = (tmp_path / "stats" / "index.md").read_text(encoding="utf-8")
+    assert 'both fields are null (`{"value": null, "sample_id": null}`)' in text
 
 
 def test_rank_comparison_query_runs(tmp_path: Path) -> None:

@@ -228,7 +228,8 @@ def section_result(run: RunInfo) -> list[str]:
         "- Per metric: valid (observations with a non-null value); first / latest: the value of "
         "the earliest / latest observation (null: see unavailable_reason in history).",
         "- min / max: `{value, sample_id}` of the smallest / largest finite value, earliest "
-        "sample on ties; null when no value is valid.",
+        "sample on ties; when no value is valid, both fields are null "
+        '(`{"value": null, "sample_id": null}`).',
         f"- windows: over the tensor's own samples (sample_ids where it was observed), "
         f"newest first: `recent` = the latest {w}, `previous` = the {w} before them. Per "
         "metric each has `mean` (mean of its finite values, null if none) and `valid` "

@@ -10,9 +10,11 @@ injects at `on_fit_start` (after the strategy moved the model to its device), re
 What gets observed: the LightningModule's calls are the root forwards, and `training_step` calls
 `self(x)`, so every step is one root forward. A step that calls `self.net(x)` instead bypasses the
 LightningModule: pass `LightningObserver(module="net")` to observe that submodule (the callback
-warns after the first step when nothing was called). Validation and predict forwards through
-`self(x)` are root forwards too (with `mode="eval"`, `grad_enabled=False`) and advance
-`EveryNForwardsSampler`'s count; this example has no validation loop.
+warns after the first step when nothing was called). Only the forwards inside the training step
+are sampled: the sanity check's and validation's forwards during the fit take no sample and do
+not advance `EveryNForwardsSampler`'s count (index.md counts them; `record_eval=True` records
+them as series of their own, mode `eval`), and `trainer.test()` / `predict()` after the fit are
+not observed. This example has no validation loop.
 
 Data: real handwritten digits without a download. `--data-dir DIR` uses torchvision's MNIST in
 DIR if torchvision is installed and DIR already holds it; otherwise (the default) the 5,000-image

@@ -297,6 +297,34 @@ def test_a_continued_run_never_reuses_a_sample_id_its_events_hold_and_counts_sta
     assert finalize(run).state.counts_recovered
 
 
+def test_a_killed_attempts_loss_bound_is_not_quoted_from_the_attempt_that_continued(
+    tmp_path: Path,
+) -> None:
+    """index.md's flush_seconds is the last attempt's; a killed earlier attempt may have run with
+    another, so its loss bound must not quote the last attempt's number."""
+    run = tmp_path / "stats"
+    model = nn.Linear(3, 3)
+    inject_observer(
+        model,
+        output_dir=run,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=5.0),
+    )
+    model(torch.randn(2, 3)).sum().backward()
+    state = (run / ".state.json").read_text(encoding="utf-8")  # as a kill leaves it: live
+    remove_observer(model)
+    (run / ".state.json").write_text(state, encoding="utf-8")
+    model = nn.Linear(3, 3)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    remove_observer(model)  # the default flush_seconds, 60
+
+    assert [a.ended for a in read_state(run).attempts] == ["killed", "removed"]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "flush_seconds=60.0" in index  # the Run section: this attempt's settings
+    assert "last flush_seconds=60.0 s when the process was killed" not in index
+    assert "last flush_seconds that attempt ran with" in index
+
+
 if __name__ == "__main__":
     child_main(
         Path(sys.argv[1]), Path(sys.argv[2]), None if sys.argv[3] == "None" else int(sys.argv[3])

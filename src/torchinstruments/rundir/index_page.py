@@ -80,6 +80,21 @@ def bound_count(n: int, word: str = "") -> str:
     return f"at least {_count(n, word)}" if n else f"unknown {word}s"
 
 
+# A killed earlier attempt's flush_seconds is not in the state (the run info is this attempt's,
+# which may set another), so its loss bound is named, not quoted.
+_EARLIER_FLUSH = "flush_seconds that attempt ran with (its own HistoryConfig, not this page's)"
+
+
+def _lost_bound(flush: str) -> str:
+    """What a process that ended without removal may have lost, with its flush interval `flush`."""
+    return (
+        "Rows recorded after the last part that reached the disk may be missing: those of the "
+        f"last {flush} when the process was killed or crashed while parts could be written (a "
+        "SIGTERM writes them first), every later row when part writes were failing (a full "
+        "disk) until it ended; the loss ledger lists what the run counted."
+    )
+
+
 def _section_state(state: RunState) -> list[str]:
     """The visible state: in progress, complete, interrupted, incomplete (and why).
 
@@ -93,12 +108,7 @@ def _section_state(state: RunState) -> list[str]:
             return ["**State: in progress.**", ""]
         lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
         return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
-    lost_bound = (
-        "Rows recorded after the last part that reached the disk may be missing: those of the "
-        f"last flush_seconds={run.history.flush_seconds} s when the process was killed or crashed while "
-        "parts could be written (a SIGTERM writes them first), every later row when part writes "
-        "were failing (a full disk) until it ended; the loss ledger lists what the run counted."
-    )
+    lost_bound = _lost_bound(f"flush_seconds={run.history.flush_seconds} s")
     in_flight = (
         "remove_observer was called while a sample was in flight: "
         f"{partial_in_flight(state.removed_in_flight)} (see the note below)"
@@ -122,7 +132,8 @@ def _section_state(state: RunState) -> list[str]:
             f"**State: interrupted** in an earlier attempt: attempt(s) {ranges(killed)} ended "
             "without remove_observer (killed, crashed or preempted) and were finalized when the "
             "run was continued; every row they had written is in history.parquet, and the last "
-            f"attempt was removed{usual}. {lost_bound} Counts are lower bounds.{also}",
+            f"attempt was removed{usual}. {_lost_bound(_EARLIER_FLUSH)} Counts are lower "
+            f"bounds.{also}",
             "",
         ]
     if status is Status.INTERRUPTED:

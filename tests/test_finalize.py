@@ -126,6 +126,20 @@ def test_lock_is_exclusive_between_holders(tmp_path: Path) -> None:
         assert again.held
 
 
+def test_finalize_says_the_reserve_it_deletes_is_the_disk_space_held_not_a_torn_write(
+    tmp_path: Path,
+) -> None:
+    sample_rows(tmp_path, 2)
+    reserve = tmp_path / ".reserve.torchinstruments-tmp"
+    torn = tmp_path / "result.json.torchinstruments-tmp"
+    reserve.write_bytes(b"held")
+    torn.write_text("torn write", encoding="utf-8")
+    printed = run_cli("finalize", tmp_path).stdout.splitlines()
+    assert f"removed the disk space the live run held for its final state {reserve}" in printed
+    assert f"removed incomplete temporary {torn}" in printed
+    assert f"removed incomplete temporary {reserve}" not in printed
+
+
 @pytest.mark.parametrize("marker", ["history.parts", "history.parquet", "result.json", "index.md"])
 def test_check_output_dir_refuses_an_existing_run(tmp_path: Path, marker: str) -> None:
     check_output_dir(tmp_path / "new")  # a missing directory is fine

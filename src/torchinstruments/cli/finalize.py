@@ -16,6 +16,7 @@ from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
+from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import NewerStateError
 
 __all__ = ["finalize_command"]
@@ -65,7 +66,7 @@ def _finalize(directory: Path) -> int:
             f"({plural(len(merge.merged_parts), 'part')} merged); {counts}"
         )
     for path in report.removed_temporaries:
-        print(f"removed incomplete temporary {path}")
+        print(_removed_line(path))
     if report.run_info_recovered:
         print("the directory had no readable run info; layers were rebuilt from history")
     if report.complete and report.interrupted:
@@ -78,6 +79,13 @@ def _finalize(directory: Path) -> int:
     for problem in report.problems:
         print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
     return 0 if report.complete else 1
+
+
+def _removed_line(path: Path) -> str:
+    """What finalize says of a file it deleted: the live run's disk reserve is no torn write."""
+    if path.name == RESERVE_FILE:
+        return f"removed the disk space the live run held for its final state {path}"
+    return f"removed incomplete temporary {path}"
 
 
 def _finalize_ranks(parent: Path) -> int:

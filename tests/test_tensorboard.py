@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from torchinstruments import (
+    DefaultStatistics,
     EveryNForwardsSampler,
     TensorBoardSink,
     has_observer,
@@ -432,6 +433,33 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
         "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
         f"finite entry to count (first: {tag} at forward_index 1: every entry is NaN or Inf"
     ) in index
+
+
+def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
+    run_dir: Path,
+) -> None:
+    """With custom reducers only, a NaN tensor's rows hold only the reducers' reasons; those say
+    what went wrong with a reducer, not why the tensor has no histogram."""
+
+    def zeroes(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(0).sum()  # in place: null, with a reason naming this reducer
+
+    model = nn.Sequential(nn.Identity())
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        reducers=[DefaultStatistics(()), zeroes],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.full((2, 3), float("nan")))
+    remove_observer(model)
+    (said,) = [str(w.message) for w in caught if "has no histogram" in str(w.message)]
+    assert "reducer zeroes" not in said
+    assert "it has no finite entry to count, or measuring it failed" in said
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert "0/call_0/output/tensor at forward_index 0: it has no finite entry" in index
 
 
 def test_tensorboards_reader_reads_every_histogram_without_a_warning(

@@ -34,10 +34,12 @@ from torch.utils.tensorboard.summary import text as text_summary
 from torch.utils.tensorboard.writer import FileWriter
 
 from torchinstruments._tensorboard_internals import replace_byte_queue, replace_record_framing
+from torchinstruments.measurement.numerics import PROFILE
 from torchinstruments.records import (
     INTERRUPTED,
     OUTPUT,
     HistogramRecord,
+    Measurement,
     MeasurementBlock,
     SampleRecord,
     histogram_tag,
@@ -199,10 +201,21 @@ def missing_histograms(record: SampleRecord, focus: frozenset[str]) -> list[Miss
         elif nonfinite is not None and nonfinite.value == 1.0:
             reason = "every entry is NaN or Inf (nonfinite_fraction 1)"
         else:
-            reasons = [v.reason for v in m.values if v.reason]
-            reason = reasons[0] if reasons else "its histogram could not be computed"
+            reason = _profile_reason(m)
         missing.append(MissingHistogram(tag, reason))
     return missing
+
+
+def _profile_reason(measurement: Measurement) -> str:
+    """Why a tensor's default statistics are null, as its rows say; a custom reducer's reason
+    (its error, an in-place write, its own non-finite result) is about that reducer, never the
+    reason the tensor has no histogram."""
+    for metric, value in zip(measurement.metrics, measurement.values, strict=True):
+        if value.reason and metric in PROFILE:
+            return value.reason
+    return (
+        "it has no finite entry to count, or measuring it failed (no default statistic says which)"
+    )
 
 
 def missing_text(missing: MissingHistogram, step: int) -> str:

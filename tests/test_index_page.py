@@ -118,6 +118,16 @@ def test_page_documents_the_run(tmp_path: Path) -> None:
     assert "in progress" in render_index(RunState(run_info(tmp_path)))
 
 
+def test_metrics_section_says_which_metrics_count_every_entry(tmp_path: Path) -> None:
+    text = render_index(RunState(run_info(tmp_path), RunCounts(1, 1, 1)))
+    metrics = text.split("## Metrics", 1)[1].split("##", 1)[0]
+    assert "All metrics are computed over the finite entries" not in metrics
+    assert (
+        "except zero_fraction and nonfinite_fraction, which count over all of its entries"
+        in " ".join(metrics.split())
+    )
+
+
 class WithEmpty(nn.Module):
     """Linear -> Tanh, plus a layer whose output is empty (so some values are null)."""
 

@@ -177,8 +177,10 @@ def section_meanings() -> list[str]:
         "",
         "## Metrics",
         "",
-        "All metrics are computed over the finite entries of the tensor, in float64 for "
-        "integer and bool tensors and in float32 or better for low-precision floats:",
+        "The default metrics are computed over the finite entries of the tensor, except "
+        "zero_fraction and nonfinite_fraction, which count over all of its entries; in float64 "
+        "for integer and bool tensors and in float32 or better for low-precision floats. A "
+        "custom reducer computes what it computes from the copy of the tensor it is given:",
         "",
     ]
     lines += [f"- `{name}`: {meaning}" for name, meaning in METRIC_NOTES]

@@ -6,10 +6,13 @@ import ast
 import inspect
 from pathlib import Path
 
+import polars as pl
 import pytest
+import torch
+from torch import nn
 
 import torchinstruments
-from torchinstruments import reasons
+from torchinstruments import EveryNForwardsSampler, inject_observer, reasons, remove_observer
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.index_page import render_index
@@ -77,6 +80,27 @@ def test_index_page_explains_every_template() -> None:
     page = render_index(RunState(run))
     for entry in reasons.REASONS:
         assert f"- `{entry.template}`: {entry.meaning}" in page
+
+
+def test_a_reducers_own_nonfinite_value_is_the_reason_that_names_reducers(
+    tmp_path: Path,
+) -> None:
+    """`non-finite result` is also what a custom reducer's NaN or Inf is stored as, so its
+    explanation must not be only about an overflowing statistic."""
+
+    def undefined(tensor: torch.Tensor) -> float:
+        return float("nan")
+
+    model = nn.Linear(2, 2)
+    inject_observer(
+        model, output_dir=tmp_path, sampler=EveryNForwardsSampler(1), reducers=[undefined]
+    )
+    model(torch.ones(1, 2))
+    remove_observer(model)
+    row = pl.read_parquet(tmp_path / "history.parquet").filter(pl.col("metric") == "undefined")
+    (reason,) = row["unavailable_reason"].to_list()
+    (entry,) = [e for e in reasons.REASONS if e.matches(reason)]
+    assert "a custom reducer returned NaN or +-inf" in entry.meaning
 
 
 def test_measurement_code_writes_no_reason_literal() -> None:

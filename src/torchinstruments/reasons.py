@@ -99,7 +99,11 @@ REASONS: tuple[Reason, ...] = (
         "a DTensor with a Partial placement holds this rank's partial sums, which add up to the "
         "output across ranks; measuring them would need a collective, which the library never adds",
     ),
-    Reason(NON_FINITE_RESULT, "the statistic overflowed (e.g. std of huge values)"),
+    Reason(
+        NON_FINITE_RESULT,
+        "the statistic overflowed (e.g. std of huge values), or a custom reducer returned NaN or "
+        "+-inf (e.g. AbsMax or L2Norm of a tensor without finite entries)",
+    ),
     Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
     Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),
     Reason(

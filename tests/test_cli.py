@@ -45,6 +45,7 @@ from torchinstruments import (
 )
 from torchinstruments.__main__ import main
 from torchinstruments.cli.pictures import DPI, LEGEND_WIDTH_IN, PANEL_HEIGHT_IN, PANEL_WIDTH_IN
+from torchinstruments.cli.plot import DEFAULT_METRICS as PLOT_DEFAULT_METRICS
 from torchinstruments.rundir.layout import list_parts
 
 from conftest import check_heatmap, run_cli, sgd_step, wait_for_rows
@@ -534,6 +535,18 @@ def test_plot_description_names_every_x_axis(capsys: pytest.CaptureFixture[str])
         main(["plot", "--help"])
     description = " ".join(capsys.readouterr().out.split()).partition("positional arguments")[0]
     assert "over sample_id, forward_index or step (--x)" in description
+
+
+def test_plot_help_names_the_metrics_plot_draws_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    metrics_help = text.split("--metrics M1,M2 comma", 1)[1].split(" --x ", 1)[0]
+    default = metrics_help.split("(default: ", 1)[1]
+    assert not default.startswith("all metrics in the run")
+    assert all(metric in default for metric in PLOT_DEFAULT_METRICS), default
 
 
 def test_plot_without_matplotlib_says_how_to_install(finished: Path, tmp_path: Path) -> None:

@@ -75,7 +75,18 @@ def _tolerance(text: str) -> float:
     return value
 
 
-def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> None:
+_ALL_METRICS = "all metrics in the run"
+# plot's own default (cli.plot.DEFAULT_METRICS, written out here so that building the parser
+# imports no command module): a figure that reads on a screen; a rank parent's plot draws all.
+_PLOT_METRICS = (
+    "mean, std, zero_fraction and nonfinite_fraction where the run has any of them, the others "
+    "named on stderr; all metrics for a directory of rank-NNN/ runs"
+)
+
+
+def _selection_options(
+    cmd: argparse.ArgumentParser, *, window: bool = True, metrics_default: str = _ALL_METRICS
+) -> None:
     from torchinstruments.cli.ranks_command import add_rank_option
 
     add_rank_option(cmd)
@@ -96,7 +107,7 @@ def _selection_options(cmd: argparse.ArgumentParser, *, window: bool = True) -> 
     cmd.add_argument(
         "--metrics",
         metavar="M1,M2",
-        help="comma-separated metric names (default: all metrics in the run)",
+        help=f"comma-separated metric names (default: {metrics_default})",
     )
     if window:
         cmd.add_argument(
@@ -191,7 +202,7 @@ def add_commands(commands: Subcommands) -> None:
         f"forward_index or step (--x), into a PNG. Needs matplotlib: {MATPLOTLIB_INSTALL}.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
-    _selection_options(cmd, window=False)
+    _selection_options(cmd, window=False, metrics_default=_PLOT_METRICS)
     cmd.add_argument(
         "--x",
         choices=_DRAW_X_CHOICES,

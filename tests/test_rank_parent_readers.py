@@ -5,6 +5,7 @@ what the readers print is checked against each rank's own history.parquet."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Callable
@@ -15,6 +16,8 @@ import polars as pl
 import pytest
 import torch
 from torch import nn
+
+from torchinstruments.__main__ import main
 
 from conftest import cli_in_process
 
@@ -180,6 +183,23 @@ def test_plot_and_heatmap_of_the_parent_count_ranks_as_ranks_and_keep_each_ranks
     assert "1 rank left out (rank 1;" in done.stderr
     drawn = json.loads(Image.open(tmp_path / "one.png").text["Description"])["tensors"]  # type: ignore[attr-defined]
     assert drawn == ["rank 000: 0 (Linear)", "rank 000: 0 [eval] (Linear)"]
+
+
+def test_plot_and_heatmap_of_the_parent_write_the_default_files_their_help_names(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank)
+    for command, written in (("plot", "trends-ranks.png"), ("heatmap", "heatmap-ranks-mean.png")):
+        done = cli_in_process(command, parent, "--metrics", "mean")
+        assert done.returncode == 0, done.stderr
+        assert (parent / written).is_file()
+        help_text = io.StringIO()
+        with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert written.replace("mean", "<metric>") in "".join(help_text.getvalue().split())
 
 
 def test_a_parent_is_read_with_the_ranks_that_have_history_and_says_which_have_none(

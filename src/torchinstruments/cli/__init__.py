@@ -215,7 +215,8 @@ def add_commands(commands: Subcommands) -> None:
         "--output",
         type=Path,
         metavar="PNG",
-        help="file to write (default: DIR/trends.png)",
+        help="file to write (default: DIR/trends.png; DIR/trends-ranks.png for a directory "
+        "of rank-NNN/ runs)",
     )
     cmd.add_argument(
         "--max-tensors",
@@ -264,8 +265,9 @@ def add_commands(commands: Subcommands) -> None:
         "--output-dir",
         type=Path,
         metavar="DIR_OUT",
-        help="directory for heatmap-<metric>.png (default: DIR; metrics whose names clean to "
-        "the same file name get -2, -3, ...: each wrote line names its file)",
+        help="directory for heatmap-<metric>.png (heatmap-ranks-<metric>.png for a directory "
+        "of rank-NNN/ runs; default: DIR; metrics whose names clean to the same file name get "
+        "-2, -3, ...: each wrote line names its file)",
     )
 
 

@@ -128,6 +128,18 @@ def test_metrics_section_says_which_metrics_count_every_entry(tmp_path: Path) ->
     )
 
 
+def test_mode_item_says_test_and_predict_after_the_fit_are_not_counted(tmp_path: Path) -> None:
+    """A callback removes the observer when the fit ends, so no note can count the forwards of
+    `trainer.test()` / `predict()` after it; only the fit's evaluation forwards are counted."""
+    text = " ".join(render_index(RunState(run_info(tmp_path), RunCounts(1, 1, 1))).split())
+    mode = text.split("- mode: ", 1)[1].split(" - step: ", 1)[0]
+    assert (
+        "test and predict run after the fit, once the observer is removed: neither observed nor counted"
+        in mode
+    )
+    assert "validation, test and predict forwards take no sample" not in mode
+
+
 class WithEmpty(nn.Module):
     """Linear -> Tanh, plus a layer whose output is empty (so some values are null)."""
 

@@ -151,10 +151,11 @@ def section_meanings() -> list[str]:
         "`show` and `compare` print eval rows as `name [eval]`, `plot` and `heatmap` draw them "
         "as their own line or row, and TensorBoard has their histograms under `eval/<tag>`. "
         "That holds in a plain loop that calls model.eval() as under a trainer. The trainer "
-        "callbacks sample training forwards only: the sanity check, validation, test and "
-        "predict forwards take no sample and forward_index does not count them (index.md's "
-        "notes say how many there were), unless record_eval=True records them, on their own "
-        "schedule, as eval series.",
+        "callbacks sample training forwards only: the evaluation forwards inside the fit "
+        "(sanity check, validation) take no sample and forward_index does not count them "
+        "(index.md's notes say how many there were), unless record_eval=True records them, on "
+        "their own schedule, as eval series; test and predict run after the fit, once the "
+        "observer is removed: neither observed nor counted.",
         "- step: the trainer's global step (optimizer steps so far) in the Lightning and "
         "Hugging Face callbacks, so the samples of one optimizer step under gradient "
         "accumulation share it; in a plain loop the value last given with "

@@ -70,9 +70,37 @@ def test_a_layer_pattern_that_matches_nothing_exits_non_zero_listing_the_layers(
     code, out, err = cli("show", run, "--layers", "zzz", "--metrics", "bogus")
     assert (code, out) == (1, "")
     assert err == (
-        "torchinstruments show: --layers 'zzz' matches no layer of this run; its layers: '0', "
-        f"'1', '2'; --metrics: 'bogus' is not a metric of this run; its metrics: {METRICS}\n"
+        "torchinstruments show: --layers 'zzz' matches no layer with rows in this run; its "
+        "layers with rows: '0', '1', '2' (a selected layer that never ran in a sampled forward "
+        "has none: index.md's Layers section lists every one); --metrics: 'bogus' is not a "
+        f"metric of this run; its metrics: {METRICS}\n"
     )
+
+
+class WithUnused(nn.Module):
+    """`used` runs in every forward; `unused` is selected and never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_layer_that_never_ran_is_not_said_to_be_no_layer_of_the_run(tmp_path: Path) -> None:
+    """A selected layer without rows is still a layer of the run (index.md and result.json list
+    it): the refusal names the layers with rows, and says why one may have none."""
+    model = WithUnused()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match="never ran"):
+        remove_observer(model)
+    code, _, err = cli("show", tmp_path / "run", "--layers", "^unused$")
+    assert code == 1
+    assert "matches no layer of this run" not in err
+    assert "matches no layer with rows in this run; its layers with rows: 'used'" in err
 
 
 @pytest.mark.parametrize(

@@ -418,7 +418,9 @@ def check_selection(
         names = layer_order(present["layer"].unique().to_list(), None)
         if present.filter(pl.col("layer").str.contains(layers)).is_empty():
             problems.append(
-                f"--layers {layers!r} matches no layer of {runs}; its layers: {_names(names)}"
+                f"--layers {layers!r} matches no layer with rows in {runs}; its layers with "
+                f"rows: {_names(names)} (a selected layer that never ran in a sampled forward "
+                "has none: index.md's Layers section lists every one)"
             )
     held = [s for s in SIGNALS if s in set(present["signal"].to_list())]
     if not set(signals) & set(held):

@@ -3,7 +3,8 @@
     trainer = lightning.Trainer(..., callbacks=[LightningObserver()])
     trainer = transformers.Trainer(..., callbacks=[HuggingFaceObserver()])
 
-Each callback injects at the start of fitting and removes at its end, and on an exception;
+Each callback injects at the start of fitting and removes at its end, and on an exception (the
+Hugging Face one: an exception in a training step, since transformers has no exception event);
 writes a run directory under the trainer's own log or output directory unless `output_dir=` is
 given; puts the focus layers' histograms into the trainer's TensorBoard logger, on the trainer's
 global step, when one is configured; follows the trainer's ranks; and accepts every option of

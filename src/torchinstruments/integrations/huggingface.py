@@ -66,7 +66,8 @@ __all__ = ["HuggingFaceObserver"]
 
 
 class HuggingFaceObserver(TrainerCallback):
-    """Observe a Hugging Face Trainer run: inject at its start, remove at its end or on an error.
+    """Observe a Hugging Face Trainer run: inject at its start, remove at its end or on an error
+    in a training step (an error elsewhere: see the module docstring).
 
     Args:
         output_dir: the run directory; default `args.output_dir/torchinstruments`.

@@ -431,7 +431,8 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     assert (
         "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
-        f"finite entry to count (first: {tag} at forward_index 1: every entry is NaN or Inf"
+        f"finite entry to count or could not be measured (first: {tag} at forward_index 1: "
+        "every entry is NaN or Inf"
     ) in index
 
 
@@ -460,6 +461,29 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     assert "it has no finite entry to count, or measuring it failed" in said
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     assert "0/call_0/output/tensor at forward_index 0: it has no finite entry" in index
+
+
+def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:
+    """A complex output has finite entries but cannot be measured: index.md's note on missing
+    histograms must not give "no finite entry" as the only cause."""
+
+    class Complex(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.complex(x, x)
+
+    model = nn.Sequential(Complex())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match="unsupported dtype complex64"):
+        model(torch.randn(2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layer's missing gradient rows are warned too
+        remove_observer(model)
+    index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
+    assert "because the tensor had no finite entry to count (first:" not in index
+    assert (
+        "because the tensor had no finite entry to count or could not be measured (first: "
+        "0/call_0/output/tensor at forward_index 0: unsupported dtype complex64)"
+    ) in index
 
 
 def test_tensorboards_reader_reads_every_histogram_without_a_warning(

@@ -218,7 +218,9 @@ class DirectorySink:
         self._missing_count += len(missing)
 
     def _missing_note(self) -> tuple[str, ...]:
-        """index.md's note on histograms that are missing for want of finite entries."""
+        """index.md's note on focus tensors without a histogram: no finite entry to count (empty,
+        all NaN or Inf), or a tensor that could not be measured (e.g. complex); the first says
+        which."""
         if self._missing_first is None:
             return ()
         tag, step, reason = self._missing_first
@@ -226,9 +228,10 @@ class DirectorySink:
         return (
             f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
             f"{TENSORBOARD_DIR}/ "
-            f"because the tensor had no finite entry to count (first: {tag} at forward_index "
-            f"{step}: {reason}); TensorBoard shows a text note '<tag>{NO_HISTOGRAM}' at each "
-            "such step, and the history holds those samples' rows.",
+            "because the tensor had no finite entry to count or could not be measured (first: "
+            f"{tag} at forward_index {step}: {reason}); TensorBoard shows a text note "
+            f"'<tag>{NO_HISTOGRAM}' at each such step, and the history holds those samples' "
+            "rows.",
         )
 
     def _flush(self, everything: bool) -> None:

@@ -140,6 +140,18 @@ def test_mode_item_says_test_and_predict_after_the_fit_are_not_counted(tmp_path:
     assert "validation, test and predict forwards take no sample" not in mode
 
 
+def test_files_section_names_every_count_the_state_file_holds(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    counts = json.loads((tmp_path / "stats" / ".state.json").read_text(encoding="utf-8"))["counts"]
+    index = (tmp_path / "stats" / "index.md").read_text(encoding="utf-8")
+    state_item = index.split("- `.state.json`: ", 1)[1].split("\n", 1)[0]
+    assert [key for key in counts if f"`{key}`" not in state_item and key not in state_item] == []
+    assert "the first query below prints its status and counts" in state_item
+
+
 class WithEmpty(nn.Module):
     """Linear -> Tanh, plus a layer whose output is empty (so some values are null)."""
 

@@ -113,9 +113,12 @@ def section_files(run: RunInfo) -> list[str]:
         "file alone does not mean the run is live. `torchinstruments finalize` refuses the "
         "directory while the lock is held.",
         f"- `{STATE_FILE}`: the run's state as JSON: `status`, the run info (`run`), the counts "
-        "(`counts`: root_forwards, samples, backward_samples, and per layer `layer_samples`), "
-        "problems and the loss ledger. This page is rendered from it; `finalize` and the "
-        "command line read it; the first query below prints it.",
+        "(`counts`: root_forwards, samples, backward_samples, per layer `layer_samples`, the "
+        "run's `notes`, and `train_forwards` / `eval_forwards`: the forwards the training "
+        "sampler and a trainer callback's record_eval sampler were asked about, null where "
+        "unknown), problems, marked samples, attempts and the loss ledger. This page is "
+        "rendered from it; `finalize` and the command line read it; the first query below "
+        "prints its status and counts.",
         "",
         "If the process died, "
         + tool_span("finalize", run.output_dir)

@@ -17,6 +17,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
+from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.merge import merge_history
@@ -313,6 +314,26 @@ def test_result_section_describes_min_and_max_of_a_metric_without_a_valid_value(
         assert entry["min"] == entry["max"] == {"value": None, "sample_id": None}
     text = (tmp_path / "stats" / "index.md").read_text(encoding="utf-8")
     assert 'both fields are null (`{"value": null, "sample_id": null}`)' in text
+
+
+def test_after_a_crash_a_layer_without_rows_is_not_said_to_have_never_run(tmp_path: Path) -> None:
+    """Counts rebuilt from history only know what reached the disk: a layer without rows may
+    have run in the samples the crash lost, so index.md and its status query say "no row on
+    disk", not "never ran"."""
+    model = WithEmpty()
+    model.unused = nn.Linear(4, 4)  # selected, never called
+    directory = tmp_path / "stats"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).sum().backward()
+    live_state = (directory / ".state.json").read_text(encoding="utf-8")
+    with pytest.warns(RuntimeWarning, match="never ran"):
+        remove_observer(model)
+    (directory / ".state.json").write_text(live_state, encoding="utf-8")  # as a kill leaves it
+    assert finalize(directory).state.counts_recovered
+    index = (directory / "index.md").read_text(encoding="utf-8")
+    assert "Never ran in a sampled forward" not in index
+    assert "No row on disk (1): `unused`" in index
+    assert status_lines(directory)[-1] == "layers with no row on disk: 1 ['unused']"
 
 
 def test_rank_comparison_query_runs(tmp_path: Path) -> None:

@@ -168,7 +168,7 @@ def test_index_md_is_rendered_from_a_state_file(tmp_path: Path) -> None:
         "least 3 samples with a backward",
         "| `fc` | Linear | 4 |",
         "| `unused` | ReLU | 0 |",
-        "Never ran in a sampled forward (1): `unused`",
+        "No row on disk (1): `unused`",  # recovered counts: no proof it never ran
         "flush_seconds=12.5",
         "window=3",
     ):

@@ -103,6 +103,19 @@ def never_ran_runs(layers: Sequence[LayerInfo], never: set[str], budget: int) ->
     return text
 
 
+_ZERO = (
+    "A layer with 0 never ran in a sampled forward: it has no rows (a branch not taken, a "
+    "module its parent never calls, a `forward` replaced after injection)."
+)
+# Counts rebuilt after a crash only know what reached the disk: a layer may have run in the
+# samples whose rows died in memory, so 0 is no proof that it never ran.
+_ZERO_RECOVERED = (
+    "A layer with 0 has no row on disk: it ran in no sampled forward whose rows reached the "
+    "disk (a branch not taken, a module its parent never calls, a `forward` replaced after "
+    "injection, or only in samples the end of the process lost)."
+)
+
+
 def section_layers(state: RunState) -> list[str]:
     """Per selected layer (or module type), in how many sampled forwards it ran; those that never did."""
     run, counts = state.run, state.counts
@@ -122,15 +135,14 @@ def section_layers(state: RunState) -> list[str]:
             lines += [f"| {_name(li)} | {li.module_type} | unknown |" for li in run.layers]
         return [*lines, ""]
     bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
+    zero = _ZERO_RECOVERED if state.counts_recovered else _ZERO
     ran = counts.layer_samples
     lines = [
         "## Layers",
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
-        f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). A "
-        "layer with 0 never ran in a sampled forward: it has no rows "
-        "(a branch not taken, a module its parent never calls, a `forward` replaced after "
-        "injection). In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
+        f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). "
+        f"{zero} In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
         "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
         "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
         "kernel.",
@@ -161,10 +173,10 @@ def section_layers(state: RunState) -> list[str]:
             lines.append(f"| ({len(groups) - LISTED_TYPES} more types) | {rest} | | | |")
     never = {li.name for li in run.layers if not ran.get(li.name)}
     if never and counts.samples:
+        title = "No row on disk" if state.counts_recovered else "Never ran in a sampled forward"
         lines += [
             "",
-            f"Never ran in a sampled forward ({len(never)}): "
-            + never_ran_runs(run.layers, never, NEVER_RAN_CHARS),
+            f"{title} ({len(never)}): " + never_ran_runs(run.layers, never, NEVER_RAN_CHARS),
         ]
     return [*lines, ""]
 

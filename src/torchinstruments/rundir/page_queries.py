@@ -127,7 +127,10 @@ else:
     print({{k: v for k, v in counts.items() if k != "layer_samples"}})
     ran = counts.get("layer_samples", {{}})
     never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
-    print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
+    if state.get("counts_recovered"):  # rebuilt after a crash: only what reached the disk
+        print(f"layers with no row on disk: {{len(never)}}", never[:{SHOWN_ROWS}])
+    else:
+        print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
         ),
         (
             "What has been written so far (rows, samples, latest sample, layers with rows):",

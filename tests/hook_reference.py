@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,12 +263,24 @@ class HookRecorder:
     forward is recorded in `tensors[(sample_id, layer, call_index, signal, tensor_path)]`, and
     the gradient into each returned tensor under signal "output_gradient". `profiles` holds the
     latest sample as plain metric dicts (the shape older tests compare).
+
+    `call_index` numbers a layer's invocations in the order they begin, as design.md defines a
+    call (the n-th invocation): a forward pre-hook, run after any other pre-hook (so once the
+    inputs the forward gets are final), takes the number, and the forward hook of that call
+    records under it. So a call made inside a call of the same layer (a module that calls
+    itself, or the root called inside its own forward) comes after the call that made it, and
+    a call that raised keeps its number (and has no rows), even when the model caught the
+    exception and called the layer again.
     """
 
     def __init__(self, model: nn.Module, names: Iterable[str], every: int = 1) -> None:
         self.sample_id: int | None = None
         self.tensors: dict[SampleKey, ReferenceTensor] = {}
         self.calls: dict[str, int] = {}
+        # Per thread and layer, the call_index (None outside a sampled forward) of each call
+        # begun and not yet returned, innermost last: on one thread, calls of one layer return
+        # in the reverse order they began.
+        self._open: dict[tuple[int, str], list[int | None]] = {}
         self.root_forwards = 0
         self._every = every
         self._depth = 0
@@ -282,7 +295,13 @@ class HookRecorder:
         model.register_forward_pre_hook(self._begin_root)
         model.register_forward_hook(self._end_root, always_call=True)  # also when it raises
         for name in self.names:
-            modules[name].register_forward_hook(self._forward_hook(name), prepend=True)
+            # Appended, so after `_begin_root`: a root that is a layer numbers its call in the
+            # sample that call opens.
+            modules[name].register_forward_pre_hook(self._call_begins(name))
+            # always_call: a call that raised gives its number back (and records nothing).
+            modules[name].register_forward_hook(
+                self._forward_hook(name), prepend=True, always_call=True
+            )
 
     @property
     def profiles(self) -> dict[Key, dict[str, float]]:
@@ -308,12 +327,26 @@ class HookRecorder:
         if self._depth == 0:
             self.sample_id = None
 
+    def _call_begins(self, name: str) -> Callable[..., None]:
+        """The forward pre-hook that gives a call of `name` its call_index as it begins."""
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            call_index = None
+            if self.sample_id is not None:
+                call_index = self.calls.get(name, 0)
+                self.calls[name] = call_index + 1
+            self._open.setdefault((threading.get_ident(), name), []).append(call_index)
+
+        return pre_hook
+
     def _forward_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.sample_id is None:
+            open_calls = self._open.get((threading.get_ident(), name))
+            if not open_calls:
+                return  # its pre-hook never ran: an earlier pre-hook raised
+            call_index = open_calls.pop()
+            if self.sample_id is None or call_index is None:
                 return
-            call_index = self.calls.get(name, 0)
-            self.calls[name] = call_index + 1
             for path, tensor in output_tensors(output):
                 key = (self.sample_id, name, call_index, "output", path)
                 self.tensors[key] = reference_tensor(tensor)

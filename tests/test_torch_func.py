@@ -4,6 +4,8 @@ Under `grad` and `jacrev` a layer returns wrapper tensors without storage, under
 tensor whose per-sample view hides the batch: the rows describe the unwrapped values (for `vmap`
 the whole underlying batch, with the vmapped sizes first in `shape`), and index.md says so.
 (Both directions against plain hooks on every transform: `tests/test_conformance_zoo.py`.)
+Gradients that torch.autograd's own, older vmap batches over cotangents
+(`is_grads_batched=True`) are measured over their whole batch the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.gradients import BATCHED_GRADIENTS_NOTE
 from torchinstruments.records import MetricValue
 
 from conftest import assert_matches_numpy, read_history
@@ -104,3 +107,34 @@ def test_per_sample_gradients_are_measured_over_the_batch(tmp_path: Path) -> Non
     got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
     assert_matches_numpy(got, hidden.grad.numpy())
     assert np.isfinite(rows["value"].to_numpy()).all()
+
+
+def test_gradients_batched_over_cotangents_are_measured_over_the_batch(tmp_path: Path) -> None:
+    """`torch.autograd.grad(..., is_grads_batched=True)` (what `torch.autograd.functional.jacobian`
+    and `hessian` run with `vectorize=True`) batches its cotangents with torch.autograd's own vmap,
+    older than torch.func's: the gradient into each output is one per cotangent, and the rows
+    describe all of them together, the cotangents' count first in `shape`, as under vmap."""
+    observed = model()
+    reference = model()
+    reference.load_state_dict(observed.state_dict())
+    x = torch.randn(5, 6, requires_grad=True)
+    cotangents = torch.randn(4, 5, 3)
+    inject_observer(observed, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match="is_grads_batched=True") as caught:
+        torch.autograd.grad(observed(x), x, grad_outputs=cotangents, is_grads_batched=True)
+    assert len(caught) == 1  # said once, and nothing failed
+    remove_observer(observed)
+    assert BATCHED_GRADIENTS_NOTE in (tmp_path / "s" / "index.md").read_text()
+    outputs = []
+    for layer in reference:
+        outputs.append(layer(outputs[-1] if outputs else x))
+    gradients = read_history(tmp_path / "s").filter(pl.col("signal") == "output_gradient")
+    assert sorted(set(gradients["layer"])) == ["0", "1", "2"]
+    for name, output in zip(["0", "1", "2"], outputs, strict=True):
+        want = torch.stack(
+            [torch.autograd.grad(outputs[-1], output, c, retain_graph=True)[0] for c in cotangents]
+        )
+        rows = gradients.filter(pl.col("layer") == name)
+        assert rows["shape"].to_list() == [list(want.shape)] * rows.height
+        got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
+        assert_matches_numpy(got, want.numpy())

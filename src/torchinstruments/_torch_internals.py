@@ -42,6 +42,7 @@ __all__ = [
     "hook_without_handle",
     "in_backward_pass",
     "is_functorch_wrapped",
+    "is_legacy_batched",
     "is_tracing",
     "layer_by_layer",
     "optimized_module_original",
@@ -362,11 +363,19 @@ def dynamo_skips(function: Callable[..., Any]) -> bool | None:
 # unwrapped value carries the batch dimension. The library measures the unwrapped value: what the
 # plain model computes (for `vmap`, the whole batch). No public API unwraps them. Checked on torch
 # 2.15.0 (`torch._C._functorch`, present since 2.0).
+#
+# torch.autograd's own vmap (`torch._vmap_internals`, older than torch.func) batches the
+# cotangents of `torch.autograd.grad(..., is_grads_batched=True)`, which
+# `torch.autograd.functional.jacobian`/`hessian(vectorize=True)` use: the gradient hooks of such
+# a pass get a legacy batched tensor, which no op of the statistics can read. Its batch is
+# unwrapped the same way, at the innermost legacy vmap level (`torch._remove_batch_dim` moves
+# the batch dimension first). Checked on torch 2.15.0.
 
 
 def unwrap_functorch(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The plain tensor under every torch.func wrapper of `tensor`, and the sizes of the vmapped
-    dimensions met on the way (outermost transform first; empty outside `vmap`)."""
+    dimensions met on the way (outermost transform first; empty outside `vmap`); a legacy batched
+    tensor (see above) gives its batch at the innermost level of torch.autograd's vmap."""
     functorch = torch._C._functorch
     batch: list[int] = []
     while functorch.is_functorch_wrapped_tensor(tensor):
@@ -376,7 +385,21 @@ def unwrap_functorch(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...
             tensor = level_value
         else:
             tensor = functorch.get_unwrapped(tensor)
+    if is_legacy_batched(tensor):
+        # 1: the size it would expand a tensor not batched at this level to (batched only at an
+        # outer one, nested passes: left batched, so its rows are null with the error's reason).
+        level_value = torch._remove_batch_dim(tensor, _legacy_vmap_level(), 1, 0)
+        batch.append(level_value.shape[0])
+        tensor = level_value
     return tensor, tuple(reversed(batch))
+
+
+def _legacy_vmap_level() -> int:
+    """The innermost level of torch.autograd's vmap now running (0: none): the nesting count,
+    which only its increment returns."""
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()
+    return level - 1
 
 
 def functorch_active() -> bool:
@@ -386,8 +409,15 @@ def functorch_active() -> bool:
 
 
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a torch.func wrapper (see `unwrap_functorch`). Checked on 2.15.0."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    """Whether `tensor` is a torch.func wrapper, or batched by torch.autograd's vmap (see
+    `unwrap_functorch`). Checked on 2.15.0."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor) or is_legacy_batched(tensor)
+
+
+def is_legacy_batched(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is batched by torch.autograd's vmap (see `unwrap_functorch`). Checked on
+    2.15.0."""
+    return torch._C._functorch.is_legacy_batchedtensor(tensor)
 
 
 def functorch_disabled() -> contextlib.AbstractContextManager[Any]:

@@ -74,6 +74,7 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import (
     hook_without_handle,
     in_backward_pass,
+    is_legacy_batched,
     queue_at_backward_end,
     tensor_hooks,
 )
@@ -95,7 +96,15 @@ from torchinstruments.records import (
 )
 from torchinstruments.spare_core import SpareCore
 
-__all__ = ["MAX_AWAITED", "MAX_LEAF_HOOKS", "RECENT_SAMPLES", "Emit", "GradientRecorder", "Mark"]
+__all__ = [
+    "BATCHED_GRADIENTS_NOTE",
+    "MAX_AWAITED",
+    "MAX_LEAF_HOOKS",
+    "RECENT_SAMPLES",
+    "Emit",
+    "GradientRecorder",
+    "Mark",
+]
 
 MAX_LEAF_HOOKS = 64
 # How many of the latest samples with gradients `GradientRecorder` remembers to count each once:
@@ -126,6 +135,15 @@ class _Awaited:
         self.mode = key.mode
         self.hooked = 0
         self.fired = 0
+
+
+# What index.md (and one warning) says when a backward pass batched its gradients over cotangents.
+BATCHED_GRADIENTS_NOTE = (
+    "torch.autograd: a backward with is_grads_batched=True (which torch.autograd.functional's "
+    "jacobian and hessian run with vectorize=True) passed sampled outputs gradients batched over "
+    "its cotangents; their output_gradient rows describe the whole batch, the count of cotangents "
+    "first in `shape`"
+)
 
 
 # Not a dataclass itself, so its own __slots__ are allowed (the checker reads it as one).
@@ -234,6 +252,7 @@ class GradientRecorder:
         self.outputs_with_grad: set[str] = set()
         # The latest samples' `_Awaited`, weakly: alive while a hook of the sample is.
         self._awaited: deque[weakref.ref[_Awaited]] = deque(maxlen=MAX_AWAITED)
+        self.batched_over_cotangents = False  # a gradient came batched (`BATCHED_GRADIENTS_NOTE`)
 
     def no_grad_note(self) -> str | None:
         """The sentence naming the layers whose outputs never required grad, or None."""
@@ -248,6 +267,10 @@ class GradientRecorder:
             "(nothing before them requires grad: e.g. a layer without parameters fed the input "
             "data, or a frozen part of the model)."
         )
+
+    def batched_note(self) -> str | None:
+        """`BATCHED_GRADIENTS_NOTE` once a gradient came batched over cotangents, else None."""
+        return BATCHED_GRADIENTS_NOTE if self.batched_over_cotangents else None
 
     def hook_output(self, key: TensorKey, tensor: torch.Tensor, focus: bool) -> TensorKey:
         """Register the hook that records the gradient into this sampled output; the key to
@@ -309,6 +332,9 @@ class GradientRecorder:
     def launch_gradient(self, hook: _GradientHook, grad: torch.Tensor) -> None:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
+        if not self.batched_over_cotangents and is_legacy_batched(grad):
+            self.batched_over_cotangents = True  # said in index.md, and warned now
+            self.warn_once("batched", BATCHED_GRADIENTS_NOTE)
         if hook.more is None:  # one call returned the tensor: its gradient is that call's
             launched = launch(self._measurer, hook, grad, hook.focus, self._spare)
         else:

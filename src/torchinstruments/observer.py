@@ -514,9 +514,10 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        no_grad = self.gradients.no_grad_note()
+        no_grad, batched = self.gradients.no_grad_note(), self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
-        notes = (*self.notes, *(n for n in (no_grad, self.in_flight.note(), cut) if n is not None))
+        said = (no_grad, batched, self.in_flight.note(), cut)
+        notes = (*self.notes, *(n for n in said if n is not None))
         return self.counter.counts(self.gradients.backward_samples, notes)
 
     def never_ran(self) -> list[str]:

@@ -19,6 +19,10 @@ What a reference tensor is, where a tensor is not a plain one:
   carry null in both.
 - torch.func: the reference is the plain model run without the transform (see the zoo's cases).
 
+Unused outputs: a backward pass that reaches an autograd node with several outputs (`split`, a
+custom Function) calls the hook of an output the loss never used with None. That is no gradient:
+no row from that pass, and the output's gradient is the first a later pass brings.
+
 Shared outputs: a tensor (one autograd identity) returned by one layer in several calls before a
 backward receives the sum of the gradients of all its uses; that sum belongs to no single call,
 so each of those rows is null with a reason saying "shared output".
@@ -370,7 +374,9 @@ class HookRecorder:
         uses = [gradient_key]
         self._uses[identity] = uses
 
-        def on_gradient(grad: torch.Tensor) -> None:
+        def on_gradient(grad: torch.Tensor | None) -> None:
+            if grad is None:
+                return  # no gradient: the pass reached its node through another output only
             if self._uses.get(identity) is not uses:
                 return  # fired before: the first backward that reaches an output counts
             del self._uses[identity]

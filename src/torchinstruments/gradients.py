@@ -32,6 +32,11 @@ whose base was changed in place gets a new node when its `grad_fn` is next read,
 A leaf (a Parameter or an input returned as is) has no node: its one gradient sink is the tensor
 itself.
 
+Unused pieces: a backward pass that reaches an autograd node with several outputs (`split`,
+`chunk`, `unbind`, `linalg.svd`, a custom autograd Function's) calls the hooks of every output,
+with None for one the loss never used. None is no gradient: that output gets no row from the pass,
+and its hook waits for a pass that brings one, as it waits when no pass reaches the node at all.
+
 Shared outputs: a tensor receives ONE gradient per backward pass, the sum over all its uses. When
 one layer returned the same tensor in several sampled calls (a Parameter a shared module returns,
 an Identity applied twice to one tensor, a leaf input passed through an Identity in two sampled
@@ -200,8 +205,11 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
             self.more = []
         self.more.append((key, focus))
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        if not self.fired and not self.recorder.closed:
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        # None: the pass reached the output's autograd node through another of its outputs only
+        # (`split`'s or a custom Function's piece the loss never used): no gradient arrived, so
+        # the hook waits for a pass that brings one.
+        if grad is not None and not self.fired and not self.recorder.closed:
             self.fired = True
             try:
                 self.recorder.launch_gradient(self, grad)

@@ -329,6 +329,45 @@ def test_compiled_function_calling_the_observed_model_breaks_the_graph_once(
     assert rows["forward_index"].unique().sort().to_list() == [0, 2, 4]
 
 
+def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A whole training step: the forward and the backward inside one function (one frame, so
+    the call to the model breaks its graph once)."""
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def test_compiled_training_step_compiles_none_of_the_librarys_gradient_code(
+    tmp_path: Path,
+) -> None:
+    """The backward inside the compiled function: the autograd engine calls the gradient hooks
+    and the end-of-pass callback while dynamo is on. They run as plain Python, so the observer
+    costs the compiled step what the call to the model costs (one graph break, one graph), and
+    dynamo warns about nothing of the library's."""
+    base = Net(2)
+    batches = inputs(Setup("compile_function", "eager"))
+    plain = torch.compile(train_step, backend="eager")
+    for x in batches:
+        plain(base, x)
+    plain_graphs, plain_breaks = graphs_and_breaks()
+    torch._dynamo.reset()
+    counters.clear()
+
+    model = copy.deepcopy(base)
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    observed = torch.compile(train_step, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in batches:
+            observed(model, x)
+    remove_observer(model)
+    assert graphs_and_breaks() == (plain_graphs + 1, plain_breaks + 1)
+    assert [str(w.message) for w in caught] == []
+    rows = pl.read_parquet(tmp_path / "stats" / "history.parquet")
+    gradients = rows.filter(pl.col("signal") == "output_gradient")
+    assert gradients["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
 def test_model_compile_before_inject_on_a_torch_container_costs_one_graph_break_and_says_so(
     tmp_path: Path,
 ) -> None:

@@ -41,10 +41,12 @@ __all__ = [
     "has_fused_fast_path",
     "hook_without_handle",
     "in_backward_pass",
+    "in_compiled_autograd",
     "is_functorch_wrapped",
     "is_legacy_batched",
     "is_tracing",
     "layer_by_layer",
+    "opaque_to_compilation",
     "optimized_module_original",
     "pause_compilation",
     "queue_at_backward_end",
@@ -187,11 +189,27 @@ def queue_at_backward_end(callback: Callable[[], None]) -> bool:
     on torch 2.15.0); returns False (queuing nothing) when no backward pass is running or the
     engine refuses, so the caller can run the work itself.
     """
+    if in_compiled_autograd():
+        return False
     try:
         torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
     except Exception:
         return False
     return True
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs a backward graph now (`torch._dynamo.config.
+    compiled_autograd`, a backward inside a compiled function).
+
+    Why: the engine accepts a callback queued from a hook that graph calls, but never runs it
+    (compiled autograd ends the pass without the engine's final callbacks). Read from
+    `torch._dynamo.compiled_autograd.in_compiled_autograd_region`, set while its graph runs, only
+    where that module is imported already (importing torch._dynamo takes seconds). Checked on
+    torch 2.15.0.
+    """
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "in_compiled_autograd_region", False))
 
 
 def in_backward_pass() -> bool:
@@ -284,6 +302,27 @@ def exclude_from_compilation(function: Callable[..., Any]) -> None:
             _eval_frame._FrameAction.DEFAULT,  # type: ignore[union-attr]
         )
         _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+
+
+def opaque_to_compilation(function: Callable[..., Any]) -> None:
+    """Make dynamo run `function` and everything it calls as plain Python, also where it would
+    inline `function` into a graph it traces: compiled autograd traces the tensor hooks of a
+    backward pass into the backward's graph.
+
+    Marks the code object (`set_code_exec_strategy(SKIP, SKIP)`: the frame and the frames it
+    calls are never compiled) and the function as `torch.compiler.disable` marks the functions
+    it wraps (`_torchdynamo_disable`, which dynamo reads where it would inline one: it breaks the
+    graph there and calls the function), without a wrapper (which costs every call) and without
+    importing torch._dynamo; a no-op where this torch lacks it (see compile_support). Checked on
+    torch 2.15.0.
+    """
+    if compile_support():
+        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+        )
+        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+        function._torchdynamo_disable = True  # type: ignore[attr-defined]
 
 
 def _no_callback(*_: Any) -> None:

@@ -80,6 +80,7 @@ from torchinstruments._torch_internals import (
     hook_without_handle,
     in_backward_pass,
     is_legacy_batched,
+    opaque_to_compilation,
     queue_at_backward_end,
     tensor_hooks,
 )
@@ -524,3 +525,11 @@ class GradientRecorder:
             else:
                 handle.remove()
         self._leaf_hooks = keep
+
+
+# What the autograd engine calls runs as plain Python under torch.compile too: a backward called
+# inside a compiled function (a whole training step compiled) would otherwise have dynamo compile
+# the statistics and the sinks below them as they run, and compiled autograd would trace the hook
+# into the backward's graph.
+opaque_to_compilation(_GradientHook.__call__)
+opaque_to_compilation(GradientRecorder._end_backward)

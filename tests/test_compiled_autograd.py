@@ -19,6 +19,7 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo import compiled_autograd
+from torch._dynamo.utils import counters
 
 from hook_reference import run_both
 
@@ -70,3 +71,47 @@ def test_gradients_under_compiled_autograd_equal_plain_hooks_and_no_sample_is_in
     gradients = result.history.filter(pl.col("signal") == "output_gradient")
     assert sorted(set(gradients["sample_id"])) == [0, 1]
     assert not result.history.filter(pl.col("metric") == "interrupted").height
+
+
+class Positions(nn.Module):
+    """Returns its parameter as it is (a leaf output, whose hook outlives the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self) -> torch.Tensor:
+        return self.table
+
+
+class WithPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = Positions()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + self.positions())
+
+
+def test_a_parameter_output_keeps_no_fired_hook_so_the_backward_is_not_compiled_again(
+    run_dir: Path, one_thread: None, compiled_autograd_on: None
+) -> None:
+    """Compiled autograd compiles the backward again whenever a tensor's count of hooks changes:
+    the fired hook of each sample comes off the parameter, so the count stays the same."""
+    model = WithPositions()
+    compiled_step = torch.compile(train_step, backend="eager")
+    engaged: list[bool] = []
+    hooks_after_each_step: list[int] = []
+
+    def step(m: nn.Module, i: int) -> torch.Tensor:
+        out = compiled_step(m, torch.randn(4, 8), engaged)
+        hooks_after_each_step.append(len(model.positions.table._backward_hooks or {}))
+        return out
+
+    counters.clear()
+    result = run_both(model, step, run_dir, reference_step=eager_step, steps=6)
+    result.assert_conforms()
+    assert engaged == [True] * 6
+    assert hooks_after_each_step == [0] * 6
+    assert counters["compiled_autograd"]["captures"] <= 2  # warm-up, then one graph

@@ -79,6 +79,7 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import (
     hook_without_handle,
     in_backward_pass,
+    in_compiled_autograd,
     is_legacy_batched,
     opaque_to_compilation,
     queue_at_backward_end,
@@ -354,7 +355,10 @@ class GradientRecorder:
             queue = not self._flush_queued
             self._flush_queued = True
         if queue and not queue_at_backward_end(self._end_backward):
-            self.flush()
+            # Written now. Compiled autograd calls the hooks from its graph's own list, not from
+            # the tensors': the leaves' fired hooks come off now too (else one more on a leaf each
+            # sample, and compiled autograd compiles the backward again for each count).
+            self.flush(fired_leaf_hooks_first=in_compiled_autograd())
 
     def _launch_shared(
         self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor

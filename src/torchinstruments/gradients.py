@@ -7,7 +7,10 @@ device as the gradient arrives (it never alters the gradient: it returns None), 
 hook of a backward pass queues one autograd-engine callback
 (`_torch_internals.queue_at_backward_end`) that transfers all of that pass's results at once when
 the pass ends. Outside a running backward pass (a hook fired by
-`torch.autograd.grad` on a finished engine, say), the results are transferred at once.
+`torch.autograd.grad` on a finished engine, say), the results are transferred at once, and so
+they are under compiled autograd, which never runs such a callback. The hook and the callback
+run as plain Python under torch.compile (`_torch_internals.opaque_to_compilation`): dynamo never
+compiles the statistics, and compiled autograd calls the hook instead of tracing it.
 
 A hook on a non-leaf output dies with the graph. A leaf output (a parameter or an input returned
 as is) outlives it, so hooks on leaves are tracked: at most one unfired hook of ours stays on a

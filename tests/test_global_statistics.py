@@ -322,3 +322,60 @@ def test_refused_at_inject_with_a_sampler_that_could_disagree_or_one_rank_observ
         assert not run.exists()
     finally:
         dist.destroy_process_group()
+
+
+def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """Rank 1 runs one evaluation batch rank 0 does not: from there on the two ranks' k-th
+    samples are different root forwards (rank 0's train step k against rank 1's evaluation
+    batch, then against its step k - 1)."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = chain(2)
+        inject_observer(
+            model,
+            output_dir=output_dir,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        # four root forwards each; None: an evaluation batch (rank 1 only)
+        steps: list[int | None] = [0, None, 1, 2] if rank == 1 else [0, 1, 2, 3]
+        for step in steps:
+            if step is None:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(2, 4))
+                model.train()
+                continue
+            set_step(model, step)
+            model(torch.randn(2, 4)).sum().backward()
+        remove_observer(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tensors(
+    tmp_path: Path,
+) -> None:
+    """A global row stands for one root forward on every rank: where the ranks' samples differ
+    (a step or a mode apart), every rank skips the sample (null with a reason), never a value
+    combined from rank 0's train step and rank 1's evaluation batch or earlier step."""
+    run_ranks(uneven_forwards_worker, str(tmp_path))
+    rows = {
+        rank: pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
+            pl.col("layer") == "0", pl.col("signal") == "output", pl.col("metric") == "mean"
+        )
+        for rank in range(2)
+    }
+    for rank in range(2):
+        assert rows[rank]["population"].unique().to_list() == ["global:ranks=0,1"]
+        by_sample = {r["sample_id"]: r for r in rows[rank].iter_rows(named=True)}
+        assert by_sample[0]["value"] is not None  # the same root forward on both ranks
+        for sample_id in (1, 2, 3):
+            assert by_sample[sample_id]["value"] is None, (rank, sample_id)
+            assert "different root forwards" in by_sample[sample_id]["unavailable_reason"]

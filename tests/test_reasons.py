@@ -48,6 +48,7 @@ def every_builder_output() -> list[str]:
         reasons.removed_during("forward"),
         reasons.removed_during("backward"),
         reasons.raised_on_ranks([0, 3]),
+        reasons.different_forwards("step", ["2", "none"]),
         reasons.error("global statistics", RuntimeError("gloo timeout")),
         reasons.EMPTY_GLOBAL,
         reasons.NOT_GLOBAL_CUSTOM,

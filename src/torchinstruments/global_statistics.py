@@ -12,11 +12,15 @@ for the whole run, so no summary mixes them.
 The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
 fixed number of collectives whatever the number of layers:
 
-1. one `all_gather` of a 3-integer header over the default group: did a rank's forward raise,
-   how many tensors, a hash of their names. Any disagreement (a rank that raised mid-forward,
-   ranks that ran different layers) and every rank skips the rest of this sample: its global
-   rows are null with a reason. Every rank reaches this point (it runs when the root forward
-   ends, raised or not), so a rank that raises never leaves the others waiting;
+1. one `all_gather` of a 6-integer header over the default group: did a rank's forward raise,
+   which root forward the sample is (forward_index, step), how many tensors, a hash
+   of their names and modes. Any disagreement (a rank that raised mid-forward, ranks that ran
+   different layers, or ranks whose k-th samples are different root forwards because one ran
+   a forward the others did not, an extra evaluation batch say) and every rank skips the rest
+   of this sample: its global rows are null with a reason, never a value combined from
+   different steps. Every rank reaches this point (it runs when the root forward ends, raised
+   or not), so a rank that raises never leaves the others waiting; a rank that takes a sample
+   the others never take does wait (nothing can pair its collectives);
 2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
    tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
    has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
@@ -25,7 +29,7 @@ fixed number of collectives whatever the number of layers:
    bits of each finite value's order-preserving key, 8 bits a pass, for the 6 order statistics
    the quartiles need (each quartile's two neighbours), `6 x 256` counts per tensor per pass.
 
-Bytes sent per rank and sample: 24 per rank of the header, 8 per Partial element,
+Bytes sent per rank and sample: 48 per rank of the header, 8 per Partial element,
 `64 x world` per tensor of moments, `8 x 12288` per tensor of histograms (8 passes x 6 x 256
 int64); the data itself is never gathered.
 
@@ -147,7 +151,7 @@ class GlobalTensor:
     def name(self) -> str:
         """What every rank must agree on (not the local shape: shards may be uneven)."""
         k = self.key
-        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{self.partial}|{self.ranks}"
+        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{k.mode}|{self.partial}|{self.ranks}"
 
 
 def _dtensor_class() -> type | None:
@@ -354,24 +358,74 @@ def _group_rows(
     return out
 
 
-def measure(
-    items: Sequence[GlobalTensor], *, raised: bool, metrics: tuple[str, ...], rank: int | None
-) -> list[Any]:
-    """The global rows of one sampled forward (`Measurement`s); every rank calls it once per
-    sampled forward, raised or not, with whatever it claimed."""
-    from torchinstruments.records import Measurement
+# The header's fields that name the root forward a sample is, right after `raised` (`_header`).
+# Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
+# be at the same root forward now.
+_IDENTITY = ("forward_index", "step")
+_NO_STEP = -(1 << 63)  # a sample without a step (no int64 step is this)
+_DIFFERENT_FORWARDS = (
+    "global_statistics: the ranks' samples are different root forwards (a rank ran a root "
+    "forward the others did not, an extra evaluation batch say, or its step differs): such "
+    "samples get null global rows with a reason on every rank. Every rank must run the same "
+    "root forwards in the same order; a rank that takes a sample the others never take waits "
+    "in its collective"
+)
 
+
+def _header(sample: Any, items: Sequence[GlobalTensor]) -> torch.Tensor:
+    """This rank's view of a sample, all-gathered before its collectives: whether its forward
+    raised, which root forward it is, and the tensors it claimed (count, hash of their names)."""
     structure = zlib.crc32("\n".join(item.name() for item in items).encode())
-    header = torch.tensor([int(raised), len(items), structure], dtype=torch.int64)
-    world = dist.get_world_size()
-    headers = [torch.empty_like(header) for _ in range(world)]
-    dist.all_gather(headers, header)
-    reason = None
+    step = _NO_STEP if sample.step is None else sample.step
+    identity = (sample.forward_index, step)
+    raised = sample.interrupted is not None
+    return torch.tensor([int(raised), *identity, len(items), structure], dtype=torch.int64)
+
+
+def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | None:
+    """The first of forward_index and step that differs across the ranks' headers, with
+    each rank's value, or None where every rank's sample is the same root forward."""
+    for position, field in enumerate(_IDENTITY, start=1):
+        values = [int(h[position]) for h in headers]
+        if len(set(values)) > 1:
+            return field, ["none" if v == _NO_STEP else str(v) for v in values]
+    return None
+
+
+def _skip_reason(headers: list[torch.Tensor], mine: torch.Tensor) -> str | None:
+    """Why every rank skips this sample's collectives (the same answer on every rank, read
+    from the same gathered headers), or None to measure it.
+
+    Ranks whose samples are different root forwards come first: their tensors are no one
+    tensor whatever else agrees, and a value combined from them would be labelled with a
+    different step on each rank.
+    """
+    different = _different_forwards(headers)
+    if different is not None:
+        return reasons.different_forwards(*different)
     raisers = [r for r, h in enumerate(headers) if h[0].item()]
     if raisers:
-        reason = reasons.raised_on_ranks(raisers)
-    elif any(not torch.equal(h, header) for h in headers):
-        reason = reasons.GLOBAL_MISMATCH
+        return reasons.raised_on_ranks(raisers)
+    if any(not torch.equal(h, mine) for h in headers):
+        return reasons.GLOBAL_MISMATCH
+    return None
+
+
+def measure(
+    sample: Any, *, metrics: tuple[str, ...], rank: int | None, warn: Callable[[str, str], None]
+) -> list[Any]:
+    """The global rows of one sampled forward (`Measurement`s of its `global_pending`); every
+    rank calls it once per sampled forward, raised or not, with whatever it claimed. Ranks at
+    different root forwards are warned about once: they stay apart until the run ends."""
+    from torchinstruments.records import Measurement
+
+    items: list[GlobalTensor] = sample.global_pending
+    header = _header(sample, items)
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, header)
+    reason = _skip_reason(headers, header)
+    if _different_forwards(headers) is not None:
+        warn("global-forwards", _DIFFERENT_FORWARDS)
     values: dict[int, tuple[MetricValue, ...]] = {}
     if reason is None:
         by_group: dict[tuple[int, ...], list[int]] = {}
@@ -459,11 +513,8 @@ def sample_rows(
     without the option."""
     if option is None:
         return ()
-    raised = sample.interrupted is not None
     try:
-        return tuple(
-            measure(sample.global_pending, raised=raised, metrics=measurer.metrics, rank=rank)
-        )
+        return tuple(measure(sample, metrics=measurer.metrics, rank=rank, warn=warn))
     except Exception as error:
         warn("global", f"global statistics of a sample failed: {error!r}")
         return ()

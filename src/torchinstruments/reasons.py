@@ -71,8 +71,8 @@ NOT_GLOBAL_CUSTOM = (
     "tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
 )
 GLOBAL_MISMATCH = (
-    "the ranks' sampled forwards produced different tensors (layers or outputs differ across "
-    "ranks): no global statistics for this sample"
+    "the ranks' sampled forwards produced different tensors (layers, outputs or modes differ "
+    "across ranks): no global statistics for this sample"
 )
 
 # Marker rows of samples cut outside their root forward's own code (samples.py).
@@ -130,6 +130,12 @@ REASONS: tuple[Reason, ...] = (
     Reason(EMPTY_GLOBAL, "global_statistics: the tensor has no elements on any rank"),
     Reason(NOT_GLOBAL_CUSTOM, "global_statistics: custom reducers are not computed globally"),
     Reason(GLOBAL_MISMATCH, "global_statistics: the ranks disagreed on what the sample holds"),
+    Reason(
+        "the ranks sampled different root forwards (<field> by rank: <values>): this sample has "
+        "no global statistics (every rank skipped its collectives)",
+        "global_statistics: the ranks' samples were not the same root forward (a rank ran a "
+        "forward the others did not, or set another step), so every rank skipped the sample",
+    ),
     Reason(
         "the root forward raised on rank <ranks>: this sample has no global statistics (every "
         "rank skipped its collectives)",
@@ -336,6 +342,14 @@ def removed_during(phase: str) -> str:
     return (
         f"interrupted: remove_observer was called during this sample's {phase}; the {arrived} "
         "before it have rows, the others have none"
+    )
+
+
+def different_forwards(field: str, values: list[str]) -> str:
+    """The ranks' k-th samples are different root forwards: `field` has `values` by rank."""
+    return (
+        f"the ranks sampled different root forwards ({field} by rank: {', '.join(values)}): "
+        "this sample has no global statistics (every rank skipped its collectives)"
     )
 
 

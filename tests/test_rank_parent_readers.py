@@ -317,3 +317,60 @@ def test_compare_parent_warns_first_when_the_ranks_were_sampled_differently(
     assert json.loads(done.stdout)["run"]["warnings"] == [first]
     done = cli_in_process("compare", tmp_path, *options, "--x", "forward_index")
     assert "(--x forward_index" not in done.stdout.splitlines()[0]
+
+
+def observe_on_a_clock(parent: Path, rank: int, sampled: set[int], forwards: int = 6) -> None:
+    """Rank `rank` of 2 with the default clock-based sampler, its clock run so that it samples
+    the root forwards in `sampled` (each rank's own clock: same sampler, other forwards)."""
+    from torchinstruments import TimeIntervalSampler, inject_observer, remove_observer
+
+    # 10 s pass right before each sampled forward but the first, none before the others
+    times = iter([10.0 * sum(1 for j in sampled if 0 < j <= i) for i in range(forwards)])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RANK", str(rank))
+        env.setenv("WORLD_SIZE", "2")
+        model = nn.Sequential(nn.Linear(4, 2))
+        sampler = TimeIntervalSampler(5.0, clock=lambda: next(times))
+        inject_observer(model, output_dir=parent, sampler=sampler, rank_policy="all")
+    for _ in range(forwards):
+        model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+
+
+def test_compare_parent_warns_when_one_sampler_took_different_root_forwards_on_the_ranks(
+    tmp_path: Path,
+) -> None:
+    """The same sampler on every rank (the default clock-based one) can still take different
+    root forwards: matched on sample_id, compare then compares different steps, and says so
+    first, naming the first such sample and each rank's forward_index there."""
+    observe_on_a_clock(tmp_path, 0, {0, 2, 4})
+    observe_on_a_clock(tmp_path, 1, {0, 3, 5})
+    for rank, forwards in ((0, [0, 2, 4]), (1, [0, 3, 5])):
+        samples = history(tmp_path, rank).select("sample_id", "forward_index").unique()
+        assert samples.sort("sample_id")["forward_index"].to_list() == forwards
+    done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--width", "400")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == (
+        "warning: the ranks sampled different root forwards: sample_id 1 is rank 0: "
+        "forward_index 2, step none; rank 1: forward_index 3, step none; from there on the "
+        "same sample_id may be a different step in each (--x forward_index matches them by "
+        "root forward)."
+    )
+    done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--x", "forward_index")
+    assert not done.stdout.startswith("warning")
+
+
+def test_compare_parent_warns_when_a_rank_ran_a_forward_the_others_did_not(
+    tmp_path: Path,
+) -> None:
+    """EveryNForwardsSampler on both ranks, rank 1 with an evaluation batch after each step:
+    sample 2 is step 20 on rank 0 and step 10 on rank 1, which compare says first."""
+    observe_rank(tmp_path, 0, steps=True)
+    observe_rank(tmp_path, 1, steps=True, eval_forwards=True)
+    done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--width", "400")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == (
+        "warning: the ranks sampled different root forwards: sample_id 1 is rank 0: "
+        "forward_index 1, step 10; rank 1: forward_index 1, step 0; from there on the same "
+        "sample_id may be a different step in each."
+    )

@@ -21,7 +21,7 @@ Design decisions:
   tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule). Only finite
   values take part; a series measured twice in a sample is matched occurrence by occurrence.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or
-  when one sample_id is a different root forward or step on some rank (`_first_sample_apart`).
+  when one sample_id is a different root forward or step on some rank (`first_sample_apart`).
 - A rank without any history yet (killed, or still running, before its first part) is not
   read: the others are, and the output says which ranks were not and why (`show` and `compare`
   text in their header, elsewhere one line on stderr); only a parent where no rank has history
@@ -58,8 +58,11 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.cli.selection import (
     SERIES_COLUMNS,
+    SampleApart,
     Selection,
     facts_dict,
+    first_sample_apart,
+    forwards_apart,
     ordered,
     sampled_differently,
     summary,
@@ -340,44 +343,7 @@ class Departures:
     tolerance: float
     frame: pl.DataFrame
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    # The first sample_id that is a different root forward or step on some rank, with each
-    # rank's forward_index and step there (`_first_sample_apart`); None where all agree.
-    apart: tuple[int, tuple[tuple[int, int, int | None], ...]] | None = None
-
-
-def _first_sample_apart(
-    runs: Sequence[RankRun],
-) -> tuple[int, tuple[tuple[int, int, int | None], ...]] | None:
-    """The first sample_id whose forward_index or step differs across the ranks, and each
-    rank's (rank, forward_index, step) there; None where every shared sample_id agrees.
-
-    Samplers that read the same on every rank can still sample different root forwards: the
-    default clock-based one decides on each rank's own clock, and a rank that ran a forward
-    the others did not (an extra evaluation batch) is a step apart from then on. Matching on
-    sample_id then compares different steps, which `compare` must say. Two columns of each
-    rank's history, one row per sample, streamed.
-    """
-    frames = [
-        scan_files(locate(run.directory), write_order=False)
-        .select("sample_id", "forward_index", "step")
-        .unique()
-        .with_columns(rank=pl.lit(run.rank, pl.Int64))
-        for run in runs
-    ]
-    samples = pl.concat(frames, how="vertical").collect(engine="streaming")
-    apart = (
-        samples.group_by("sample_id")
-        .agg(
-            pl.col("rank").n_unique().alias("ranks"),
-            pl.struct("forward_index", "step").n_unique().alias("forwards"),
-        )
-        .filter(pl.col("ranks") > 1, pl.col("forwards") > 1)
-    )
-    if apart.is_empty():
-        return None
-    first: int = apart.select(pl.col("sample_id").min()).item()
-    there = samples.filter(pl.col("sample_id") == first).sort("rank")
-    return first, tuple(there.select("rank", "forward_index", "step").iter_rows())
+    apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id only)
 
 
 def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
@@ -507,7 +473,7 @@ def departures(
         tolerance,
         ordered(frame, view),
         without,
-        _first_sample_apart(runs) if x == "sample_id" else None,
+        first_sample_apart(runs) if x == "sample_id" else None,
     )
 
 
@@ -563,17 +529,7 @@ def departure_warnings(d: Departures) -> list[str]:
     labelled = [(f"rank {ranges(ranks)}", sampler) for sampler, ranks in by_sampler.items()]
     warning = sampled_differently(labelled, d.x, "ranks")
     if warning is None and d.apart is not None:
-        sample_id, there = d.apart
-        each = "; ".join(
-            f"rank {rank}: forward_index {index}, step {'none' if step is None else step}"
-            for rank, index, step in there
-        )
-        by_forward = len({index for _, index, _ in there}) > 1
-        hint = " (--x forward_index matches them by root forward)" if by_forward else ""
-        warning = (
-            f"warning: the ranks sampled different root forwards: sample_id {sample_id} is "
-            f"{each}; from there on the same sample_id may be a different step in each{hint}."
-        )
+        warning = forwards_apart(d.apart)
     return [] if warning is None else [warning]
 
 

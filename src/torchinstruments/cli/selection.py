@@ -17,11 +17,14 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli.reader import (
+    RankRun,
     RunFacts,
     layer_order,
+    locate,
     metric_order,
     read_facts,
     read_history,
+    scan_files,
     select,
     summarize_series,
     window_of,
@@ -31,8 +34,11 @@ from torchinstruments.records import SIGNALS
 __all__ = [
     "COLUMNS",
     "SERIES_COLUMNS",
+    "SampleApart",
     "Selection",
     "facts_dict",
+    "first_sample_apart",
+    "forwards_apart",
     "ordered",
     "sampled_differently",
     "summary",
@@ -134,4 +140,57 @@ def sampled_differently(
     return (
         f"warning: the {runs} were sampled differently ({each}): the same {x} may be a "
         f"different step in each{hint}."
+    )
+
+
+# A sample_id that is a different root forward or step on some rank, and each rank's
+# (rank, forward_index, step) there.
+SampleApart = tuple[int, tuple[tuple[int, int, int | None], ...]]
+
+
+def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
+    """The first sample_id whose forward_index or step differs across the ranks that have it,
+    with each rank's values there; None where every shared sample_id agrees.
+
+    Samplers that read the same on every rank can still sample different root forwards: the
+    default clock-based one decides on each rank's own clock, and a rank that ran a forward
+    the others did not (an extra evaluation batch) is a step apart from then on. Matched on
+    sample_id, ranks then compare different steps, which `compare PARENT` must say. Three
+    columns of each rank's history, one row per sample, streamed.
+    """
+    frames = [
+        scan_files(locate(run.directory), write_order=False)
+        .select("sample_id", "forward_index", "step")
+        .unique()
+        .with_columns(rank=pl.lit(run.rank, pl.Int64))
+        for run in runs
+    ]
+    samples = pl.concat(frames, how="vertical").collect(engine="streaming")
+    apart = (
+        samples.group_by("sample_id")
+        .agg(
+            pl.col("rank").n_unique().alias("ranks"),
+            pl.struct("forward_index", "step").n_unique().alias("forwards"),
+        )
+        .filter(pl.col("ranks") > 1, pl.col("forwards") > 1)
+    )
+    if apart.is_empty():
+        return None
+    first: int = apart.select(pl.col("sample_id").min()).item()
+    there = samples.filter(pl.col("sample_id") == first).sort("rank")
+    return first, tuple(there.select("rank", "forward_index", "step").iter_rows())
+
+
+def forwards_apart(apart: SampleApart) -> str:
+    """The warning said first when one sampler took different root forwards on the ranks."""
+    sample_id, there = apart
+    each = "; ".join(
+        f"rank {rank}: forward_index {index}, step {'none' if step is None else step}"
+        for rank, index, step in there
+    )
+    by_forward = len({index for _, index, _ in there}) > 1
+    hint = " (--x forward_index matches them by root forward)" if by_forward else ""
+    return (
+        f"warning: the ranks sampled different root forwards: sample_id {sample_id} is {each}; "
+        f"from there on the same sample_id may be a different step in each{hint}."
     )

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import read_history
+
 TIMEOUT_SECONDS = 120
 
 
@@ -125,3 +127,42 @@ def test_invalid_rank_policy_raises_at_inject(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="rank_policy must be one of 'rank0', 'all'"):
         inject_observer(nn.Linear(2, 2), output_dir=tmp_path / "s", rank_policy="every")
+
+
+def late_group_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """One rank of a job that injects before `init_process_group`, without torchrun's RANK and
+    WORLD_SIZE (`mp.spawn` passing the rank itself): each rank its own output_dir here."""
+    import warnings
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    own = Path(output_dir, f"process-{rank}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inject_observer(model, output_dir=own, sampler=EveryNForwardsSampler(1), rank_policy="all")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            remove_observer(model)
+        finally:
+            dist.destroy_process_group()
+    Path(output_dir, f"warnings-{rank}.txt").write_text("\n".join(str(w.message) for w in caught))
+
+
+def test_a_run_placed_before_the_process_group_existed_says_so(tmp_path: Path) -> None:
+    """Injected before init_process_group and without the launcher's environment, a process
+    cannot know its rank: its run is a single process's (rank null, output_dir itself). Once
+    it is rank r of a group, the run says so at removal (a warning and index.md), with the fix."""
+    run_ranks(late_group_worker, str(tmp_path))
+    for rank in range(2):
+        directory = tmp_path / f"process-{rank}"
+        assert not any(directory.glob("rank-*"))
+        assert read_history(directory)["rank"].null_count() == read_history(directory).height
+        said = f"this process became rank {rank} of 2 (torch.distributed) after inject_observer"
+        assert said in (tmp_path / f"warnings-{rank}.txt").read_text()
+        page = (directory / "index.md").read_text(encoding="utf-8")
+        assert said in page
+        assert "Call inject_observer after init_process_group" in page

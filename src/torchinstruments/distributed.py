@@ -31,6 +31,7 @@ __all__ = [
     "check_rank_policy",
     "current_rank",
     "environment_rank",
+    "joined_after_inject",
     "place_rank",
 ]
 
@@ -97,3 +98,28 @@ def place_rank(output_dir: Path, rank_policy: str) -> RankPlacement:
     if rank_policy == "rank0":
         return RankPlacement(rank, world_size, rank == 0, output_dir)
     return RankPlacement(rank, world_size, True, output_dir / f"rank-{rank:03d}")
+
+
+def joined_after_inject(rank: int | None) -> str | None:
+    """The note for a run placed as a single process (`rank` None) whose process has joined a
+    process group of several ranks since, or None.
+
+    Placement is decided once, at inject, so such a run cannot move; but its rows carry a null
+    rank, it wrote `output_dir` itself whatever `rank_policy` said, and every other rank of the
+    job attached the same way (the first to open the directory got it, the others were
+    refused). index.md says so, and how to inject so that each rank is placed.
+    """
+    if rank is not None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    world_size = dist.get_world_size()
+    if world_size < 2:
+        return None
+    return (
+        f"this process became rank {dist.get_rank()} of {world_size} (torch.distributed) after "
+        "inject_observer, which found neither a process group nor the launcher's RANK and "
+        "WORLD_SIZE: the run was placed as a single process's (output_dir itself, rank column "
+        "null, rank_policy not applied: every rank of the job attached, and the first to open "
+        "output_dir was the only one to get it). Call inject_observer after "
+        "init_process_group (or launch with torchrun), so that rank_policy='all' writes "
+        "rank-NNN/ per rank and 'rank0' attaches on rank 0 only"
+    )

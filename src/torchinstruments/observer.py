@@ -89,6 +89,7 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
+from torchinstruments.distributed import joined_after_inject
 from torchinstruments.global_statistics import keep, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
@@ -544,6 +545,10 @@ class Observer:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
+        late = joined_after_inject(self.rank)
+        if late is not None:
+            self.notes.append(late)
+            warn(f"torchinstruments: {late}")
         self.spare.close()
         self.closed = True
         forks.untrack(self)

@@ -166,3 +166,28 @@ def test_a_run_placed_before_the_process_group_existed_says_so(tmp_path: Path) -
         page = (directory / "index.md").read_text(encoding="utf-8")
         assert said in page
         assert "Call inject_observer after init_process_group" in page
+
+
+def test_a_second_process_for_a_live_runs_directory_is_told_how_to_place_ranks(
+    tmp_path: Path,
+) -> None:
+    """Ranks that inject before init_process_group (no launcher environment) all take
+    output_dir: the first gets it, the next is refused with a message that says a live process
+    writes it (not "pass resume=True", which would be refused too) and how to place ranks. A
+    second observer in this process holds its own lock, as another process would."""
+    from torchinstruments import inject_observer, remove_observer
+
+    first = nn.Linear(2, 2)
+    inject_observer(first, output_dir=tmp_path / "stats")
+    try:
+        with pytest.raises(FileExistsError) as refused:
+            inject_observer(nn.Linear(2, 2), output_dir=tmp_path / "stats")
+        message = str(refused.value)
+        assert f"holds a run that a live process (pid {os.getpid()}) is writing now" in message
+        assert "resume=True would be refused too" in message
+        assert "Call inject_observer after init_process_group" in message
+    finally:
+        remove_observer(first)
+    with pytest.raises(FileExistsError, match="pass resume=True") as refused:  # ended: as before
+        inject_observer(nn.Linear(2, 2), output_dir=tmp_path / "stats")
+    assert "live process" not in str(refused.value)

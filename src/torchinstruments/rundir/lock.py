@@ -21,7 +21,7 @@ from types import ModuleType, TracebackType
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 
-__all__ = ["RunLock", "RunLockedError"]
+__all__ = ["RunLock", "RunLockedError", "live_writer"]
 
 
 class RunLockedError(RuntimeError):
@@ -146,6 +146,31 @@ class RunLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def live_writer(directory: Path) -> str | None:
+    """` (pid N)` (or "" when unknown) if a live process holds `directory`'s run lock, else None.
+
+    It takes the lock and drops it at once, so call it only on a directory that already holds a
+    run: its writer took the lock before writing anything, so the probe cannot race its start.
+    """
+    path = directory / LOCK_FILE
+    locker = _platform_locker()
+    if locker is None or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if _try_lock(fd, locker):
+            _unlock(fd, locker)
+            return None
+        return _read_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> str:

@@ -33,7 +33,7 @@ from torchinstruments.rundir.finish import finish_run, mark_partly_written_sampl
 from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
-from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.lock import RunLock, live_writer
 from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
@@ -41,6 +41,30 @@ from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import HistoryWriter
 
 __all__ = ["DirectorySink"]
+
+
+def _refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) -> None:
+    """Raise a FileExistsError that says a live process writes the run in `directory` (else
+    return): resume=True, which `refused` suggests, would be refused too. A process placed
+    without a rank is most likely one rank of a job that injected before init_process_group,
+    so every rank took `directory` for its own: the message says how to place each rank."""
+    holder = live_writer(directory)
+    if holder is None:
+        return
+    ranks = (
+        " If this process is one rank of a torch.distributed job: inject_observer found "
+        "neither a process group nor the launcher's RANK and WORLD_SIZE, so every rank took "
+        "output_dir for its own. Call inject_observer after init_process_group (or launch with "
+        "torchrun), so that rank_policy='all' writes output_dir/rank-NNN/ per rank and 'rank0' "
+        "attaches on rank 0 only; otherwise"
+        if run.rank is None
+        else ""
+    )
+    raise FileExistsError(
+        f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now: "
+        f"two processes cannot write one run, and resume=True would be refused too.{ranks} "
+        "pass each process its own output_dir."
+    ) from refused
 
 
 class DirectorySink:
@@ -96,7 +120,11 @@ class DirectorySink:
         if resume and holds_run(self.directory):
             continuation, previous = open_continuation(self.directory, run)
         else:
-            check_output_dir(self.directory)
+            try:
+                check_output_dir(self.directory)
+            except FileExistsError as refused:
+                _refuse_a_live_run(self.directory, run, refused)
+                raise
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         forks.track(self)

@@ -379,3 +379,65 @@ def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tens
         for sample_id in (1, 2, 3):
             assert by_sample[sample_id]["value"] is None, (rank, sample_id)
             assert "different root forwards" in by_sample[sample_id]["unavailable_reason"]
+
+
+def tensor_parallel_in_data_parallel_worker(
+    rank: int, world_size: int, port: int, output_dir: str
+) -> None:
+    """A data parallel x tensor parallel mesh, the model parallelized over its "tp" submesh:
+    each tensor-parallel group measures its own whole tensor over its own ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(1)
+        model = TwoLayers()
+        plan: dict[str, ParallelStyle] = {
+            "fc1": ColwiseParallel(use_local_output=False),
+            "fc2": RowwiseParallel(),
+        }
+        parallelize_module(model, mesh["tp"], plan)
+        inject_observer(
+            model,
+            output_dir=output_dir,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=True,
+        )
+        torch.manual_seed(10 + rank)  # one batch per tensor-parallel group
+        x = torch.randn(5, 4)
+        model(x).sum().backward()
+        remove_observer(model)
+        whole = outputs(model, x, {"fc1": -1})["fc1"]
+        Path(output_dir, f"fc1-{rank}.json").write_text(json.dumps(whole.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_tensor_parallel_group_of_a_2d_mesh_measures_its_own_whole_tensor(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel inside data parallel (a 2 x 1 mesh: two tensor-parallel groups, {0} and
+    {1}, with a batch each; a 2 x 2 mesh's {0, 1} and {2, 3} alike). Every rank's sample holds
+    the same layers over groups of the same size, so the sample is measured: each group's rows
+    are its whole fc1 output, not nulls as if the ranks disagreed."""
+    run_ranks(tensor_parallel_in_data_parallel_worker, str(tmp_path))
+    for rank in range(2):
+        rows = pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
+            pl.col("layer") == "fc1", pl.col("signal") == "output"
+        )
+        assert rows["population"].unique().to_list() == [f"global:ranks={rank}"]
+        got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+        whole = json.loads((tmp_path / f"fc1-{rank}.json").read_text())
+        check(got, np.array(whole, dtype=np.float32))

@@ -149,9 +149,12 @@ class GlobalTensor:
         return "global:ranks=" + ",".join(map(str, self.ranks))
 
     def name(self) -> str:
-        """What every rank must agree on (not the local shape: shards may be uneven)."""
+        """What every rank must agree on: not the local shape (shards may be uneven), nor the
+        group's members (on a 2-D mesh each tensor-parallel group, or each data-parallel group
+        named, has its own), only the group's size."""
         k = self.key
-        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{k.mode}|{self.partial}|{self.ranks}"
+        group = len(self.ranks)
+        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{k.mode}|{self.partial}|{group}"
 
 
 def _dtensor_class() -> type | None:

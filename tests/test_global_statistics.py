@@ -441,3 +441,31 @@ def test_each_tensor_parallel_group_of_a_2d_mesh_measures_its_own_whole_tensor(
         got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
         whole = json.loads((tmp_path / f"fc1-{rank}.json").read_text())
         check(got, np.array(whole, dtype=np.float32))
+
+
+def test_a_trainer_callbacks_evaluation_sampler_that_could_disagree_is_refused(
+    tmp_path: Path,
+) -> None:
+    """record_eval=<Sampler> samples evaluation forwards on a schedule of its own: with
+    global_statistics it must decide alike on every rank too (a clock-based one is refused
+    when the callback is built, naming record_eval), or one rank's evaluation sample would
+    wait in a collective the others never join."""
+    from torchinstruments import EveryNForwardsSampler, TimeIntervalSampler
+    from torchinstruments.integrations.huggingface import HuggingFaceObserver
+    from torchinstruments.integrations.lightning import LightningObserver
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        options = {
+            "sampler": EveryNForwardsSampler(1),
+            "rank_policy": "all",
+            "global_statistics": True,
+        }
+        for callback in (LightningObserver, HuggingFaceObserver):
+            with pytest.raises(ValueError, match=r"refuses record_eval=.*TimeIntervalSampler"):
+                callback(tmp_path / "run", record_eval=TimeIntervalSampler(), **options)
+            callback(tmp_path / "run", record_eval=EveryNForwardsSampler(2), **options)
+            callback(tmp_path / "run", record_eval=True, **options)  # a copy of the sampler
+    finally:
+        dist.destroy_process_group()

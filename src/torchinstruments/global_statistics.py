@@ -113,19 +113,30 @@ def check_global_statistics(
             "rank must observe and take part in each sample's collectives; pass "
             "rank_policy='all'"
         )
+    check_same_on_every_rank(sampler, "sampler")
+    return GlobalOption(None if value is True else value)
+
+
+def check_same_on_every_rank(sampler: object, argument: str) -> None:
+    """Refuse a sampler whose decision could differ across ranks, under global_statistics: every
+    sampler a run asks (the training one, a trainer callback's `record_eval` one) must take the
+    same samples on every rank.
+
+    Raises:
+        ValueError: naming `argument`, the sampler and the samplers allowed.
+    """
     from torchinstruments.sampling import EveryNForwardsSampler
 
     if not isinstance(sampler, EveryNForwardsSampler) and not getattr(
         sampler, "same_on_every_rank", False
     ):
         raise ValueError(
-            f"global_statistics refuses sampler={sampler!r}: its decision could differ across "
-            "ranks (a rank's clock, say), and a sample one rank takes and another does not "
-            "would leave the first waiting in a collective. Use EveryNForwardsSampler(n), or "
-            "a sampler with the attribute `same_on_every_rank = True` whose decision depends "
+            f"global_statistics refuses {argument}={sampler!r}: its decision could differ "
+            "across ranks (a rank's clock, say), and a sample one rank takes and another does "
+            "not would leave the first waiting in a collective. Use EveryNForwardsSampler(n), "
+            "or a sampler with the attribute `same_on_every_rank = True` whose decision depends "
             "on the forward index only"
         )
-    return GlobalOption(None if value is True else value)
 
 
 @dataclass
@@ -528,6 +539,7 @@ __all__ = [
     "GlobalOption",
     "GlobalTensor",
     "check_global_statistics",
+    "check_same_on_every_rank",
     "claim",
     "keep",
     "measure",

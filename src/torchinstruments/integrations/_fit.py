@@ -41,6 +41,7 @@ from torchinstruments.api import (
 )
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
+from torchinstruments.global_statistics import check_same_on_every_rank
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import RUN_MARKERS, resolve_output_dir
@@ -202,6 +203,11 @@ class FitObservation:
         # run's (`start_run`). Without output_dir the run's directory is chosen at each fit.
         self.config = ObserverConfig(output_dir=output_dir or ".", **options)
         self.eval_sampler = evaluation_sampler(owner, record_eval, self.config.sampler)
+        if self.config.global_option is not None and self.eval_sampler is not None:
+            try:  # its samples take the collectives too: the same rule as the sampler's
+                check_same_on_every_rank(self.eval_sampler, "record_eval")
+            except ValueError as refused:
+                raise ValueError(f"{owner}: {refused}") from None
         # Copies as built, before any fit asks them: each fit gets a fresh copy of these.
         self._pristine_sampler = pristine_copy(self.config.sampler)
         self._pristine_eval = pristine_copy(self.eval_sampler)

@@ -355,6 +355,19 @@ def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: st
             set_step(model, step)
             model(torch.randn(2, 4)).sum().backward()
         remove_observer(model)
+        # the same root forwards, the step set on rank 0 only (a loop that logs there): measured
+        inject_observer(
+            model,
+            output_dir=Path(output_dir, "steps-on-rank-0"),
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        for step in range(2):
+            if rank == 0:
+                set_step(model, step)
+            model(torch.randn(2, 4)).sum().backward()
+        remove_observer(model)
     finally:
         dist.destroy_process_group()
 
@@ -379,6 +392,10 @@ def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tens
         for sample_id in (1, 2, 3):
             assert by_sample[sample_id]["value"] is None, (rank, sample_id)
             assert "different root forwards" in by_sample[sample_id]["unavailable_reason"]
+        steps_on_rank_0 = pl.read_parquet(
+            tmp_path / "steps-on-rank-0" / f"rank-{rank:03d}" / "history.parquet"
+        )
+        assert steps_on_rank_0["value"].null_count() == 0  # a step on one rank only: same forward
 
 
 def tensor_parallel_in_data_parallel_worker(

@@ -398,10 +398,11 @@ def _header(sample: Any, items: Sequence[GlobalTensor]) -> torch.Tensor:
 
 def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | None:
     """The first of forward_index and step that differs across the ranks' headers, with
-    each rank's value, or None where every rank's sample is the same root forward."""
+    each rank's value, or None where every rank's sample is the same root forward. A rank
+    without a step differs from none (a loop may call set_step on rank 0 only)."""
     for position, field in enumerate(_IDENTITY, start=1):
         values = [int(h[position]) for h in headers]
-        if len(set(values)) > 1:
+        if len({v for v in values if v != _NO_STEP}) > 1:
             return field, ["none" if v == _NO_STEP else str(v) for v in values]
     return None
 
@@ -420,7 +421,8 @@ def _skip_reason(headers: list[torch.Tensor], mine: torch.Tensor) -> str | None:
     raisers = [r for r, h in enumerate(headers) if h[0].item()]
     if raisers:
         return reasons.raised_on_ranks(raisers)
-    if any(not torch.equal(h, mine) for h in headers):
+    tensors = 1 + len(_IDENTITY)  # where the claimed tensors' count and hash begin
+    if any(not torch.equal(h[tensors:], mine[tensors:]) for h in headers):
         return reasons.GLOBAL_MISMATCH
     return None
 

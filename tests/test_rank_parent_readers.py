@@ -374,3 +374,13 @@ def test_compare_parent_warns_when_a_rank_ran_a_forward_the_others_did_not(
         "forward_index 1, step 10; rank 1: forward_index 1, step 0; from there on the same "
         "sample_id may be a different step in each."
     )
+
+
+def test_compare_parent_does_not_warn_when_only_one_rank_has_steps(tmp_path: Path) -> None:
+    """set_step on rank 0 alone (a loop that logs there): the ranks' samples are the same root
+    forwards, so no warning."""
+    observe_rank(tmp_path, 0, steps=True)
+    observe_rank(tmp_path, 1)
+    done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--width", "400")
+    assert done.returncode == 0, done.stderr
+    assert not done.stdout.startswith("warning")

@@ -149,8 +149,9 @@ SampleApart = tuple[int, tuple[tuple[int, int, int | None], ...]]
 
 
 def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
-    """The first sample_id whose forward_index or step differs across the ranks that have it,
-    with each rank's values there; None where every shared sample_id agrees.
+    """The first sample_id whose forward_index or step differs across the ranks that have it
+    (a rank without a step differs from none), with each rank's values there; None where every
+    shared sample_id agrees.
 
     Samplers that read the same on every rank can still sample different root forwards: the
     default clock-based one decides on each rank's own clock, and a rank that ran a forward
@@ -170,9 +171,10 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
         samples.group_by("sample_id")
         .agg(
             pl.col("rank").n_unique().alias("ranks"),
-            pl.struct("forward_index", "step").n_unique().alias("forwards"),
+            pl.col("forward_index").n_unique().alias("forwards"),
+            pl.col("step").drop_nulls().n_unique().alias("steps"),  # set_step on rank 0 alone
         )
-        .filter(pl.col("ranks") > 1, pl.col("forwards") > 1)
+        .filter(pl.col("ranks") > 1, (pl.col("forwards") > 1) | (pl.col("steps") > 1))
     )
     if apart.is_empty():
         return None

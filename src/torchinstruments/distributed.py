@@ -111,11 +111,14 @@ def joined_after_inject(rank: int | None) -> str | None:
     """
     if rank is not None or not (dist.is_available() and dist.is_initialized()):
         return None
-    world_size = dist.get_world_size()
+    try:
+        joined, world_size = dist.get_rank(), dist.get_world_size()
+    except Exception:  # a group being torn down: nothing known to say (this runs at removal)
+        return None
     if world_size < 2:
         return None
     return (
-        f"this process became rank {dist.get_rank()} of {world_size} (torch.distributed) after "
+        f"this process became rank {joined} of {world_size} (torch.distributed) after "
         "inject_observer, which found neither a process group nor the launcher's RANK and "
         "WORLD_SIZE: the run was placed as a single process's (output_dir itself, rank column "
         "null, rank_policy not applied: every rank of the job attached, and the first to open "

@@ -12,7 +12,7 @@ for the whole run, so no summary mixes them.
 The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
 fixed number of collectives whatever the number of layers:
 
-1. one `all_gather` of a 6-integer header over the default group: did a rank's forward raise,
+1. one `all_gather` of a 5-integer header over the default group: did a rank's forward raise,
    which root forward the sample is (forward_index, step), how many tensors, a hash
    of their names and modes. Any disagreement (a rank that raised mid-forward, ranks that ran
    different layers, or ranks whose k-th samples are different root forwards because one ran
@@ -29,7 +29,7 @@ fixed number of collectives whatever the number of layers:
    bits of each finite value's order-preserving key, 8 bits a pass, for the 6 order statistics
    the quartiles need (each quartile's two neighbours), `6 x 256` counts per tensor per pass.
 
-Bytes sent per rank and sample: 48 per rank of the header, 8 per Partial element,
+Bytes sent per rank and sample: 40 per rank of the header, 8 per Partial element,
 `64 x world` per tensor of moments, `8 x 12288` per tensor of histograms (8 passes x 6 x 256
 int64); the data itself is never gathered.
 
@@ -408,16 +408,9 @@ def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | 
 
 
 def _skip_reason(headers: list[torch.Tensor], mine: torch.Tensor) -> str | None:
-    """Why every rank skips this sample's collectives (the same answer on every rank, read
-    from the same gathered headers), or None to measure it.
-
-    Ranks whose samples are different root forwards come first: their tensors are no one
-    tensor whatever else agrees, and a value combined from them would be labelled with a
-    different step on each rank.
-    """
-    different = _different_forwards(headers)
-    if different is not None:
-        return reasons.different_forwards(*different)
+    """Why every rank skips this sample's collectives though its ranks are at one root forward
+    (the same answer on every rank, read from the same gathered headers), or None to measure
+    it."""
     raisers = [r for r, h in enumerate(headers) if h[0].item()]
     if raisers:
         return reasons.raised_on_ranks(raisers)
@@ -439,9 +432,14 @@ def measure(
     header = _header(sample, items)
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
     dist.all_gather(headers, header)
-    reason = _skip_reason(headers, header)
-    if _different_forwards(headers) is not None:
+    # Ranks at different root forwards first: their tensors are no one tensor whatever else
+    # agrees, and a value combined from them would carry a different step on each rank.
+    different = _different_forwards(headers)
+    if different is not None:
         warn("global-forwards", _DIFFERENT_FORWARDS)
+        reason: str | None = reasons.different_forwards(*different)
+    else:
+        reason = _skip_reason(headers, header)
     values: dict[int, tuple[MetricValue, ...]] = {}
     if reason is None:
         by_group: dict[tuple[int, ...], list[int]] = {}

@@ -51,19 +51,18 @@ def _refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) 
     holder = live_writer(directory)
     if holder is None:
         return
-    ranks = (
+    advice = (
         " If this process is one rank of a torch.distributed job: inject_observer found "
         "neither a process group nor the launcher's RANK and WORLD_SIZE, so every rank took "
         "output_dir for its own. Call inject_observer after init_process_group (or launch with "
         "torchrun), so that rank_policy='all' writes output_dir/rank-NNN/ per rank and 'rank0' "
-        "attaches on rank 0 only; otherwise"
+        "attaches on rank 0 only; otherwise pass each process its own output_dir."
         if run.rank is None
-        else ""
+        else " Pass each process its own output_dir."
     )
     raise FileExistsError(
         f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now: "
-        f"two processes cannot write one run, and resume=True would be refused too.{ranks} "
-        "pass each process its own output_dir."
+        f"two processes cannot write one run, and resume=True would be refused too.{advice}"
     ) from refused
 
 

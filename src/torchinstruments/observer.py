@@ -530,6 +530,10 @@ class Observer:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""
         if self.closed:
             return
+        late = joined_after_inject(self.rank)  # placed before its process had a rank: say so
+        if late is not None:
+            self.notes.append(late)
+            warn(f"torchinstruments: {late}")
         # Removed while samples were in flight (from inside a forward or a backward, or from
         # another thread): each is emitted with what it has, marked; the rest runs unobserved.
         root = LayerInfo("", self._root_type)
@@ -545,10 +549,6 @@ class Observer:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
-        late = joined_after_inject(self.rank)
-        if late is not None:
-            self.notes.append(late)
-            warn(f"torchinstruments: {late}")
         self.spare.close()
         self.closed = True
         forks.untrack(self)

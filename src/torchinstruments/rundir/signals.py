@@ -39,6 +39,11 @@ Design decisions:
   (at most one flush interval), never more, and never hangs.
 - A process forked after injection (a DataLoader worker) inherits the handler but not the flush
   thread, and its copy of the buffer is not its to write: there the handler only chains.
+- Known limit: Python runs a handler only when the main thread next runs Python code. A main
+  thread blocked in native code (a rank waiting in a collective for a rank that died or hangs)
+  never does, so where SIGTERM's default action would end it at once, it now lives on until
+  SIGKILL (torchrun's agent sends it after its grace period). Nothing measured is lost: the
+  flush thread, which needs no main thread, keeps writing parts meanwhile.
 """
 
 from __future__ import annotations

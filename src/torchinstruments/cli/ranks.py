@@ -343,7 +343,7 @@ class Departures:
     tolerance: float
     frame: pl.DataFrame
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id only)
+    apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id, one sampler)
 
 
 def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
@@ -465,6 +465,9 @@ def departures(
         pieces.append(_batch_departures(batch, x, tolerance))
     frame = _combine_departures(pieces)
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
+    # Read only where the samplers' own warning does not already say it (one sampler).
+    one_sampler = len({f.run.sampler for f in facts if f.run is not None}) < 2
+    apart = first_sample_apart(runs) if x == "sample_id" and one_sampler else None
     return Departures(
         Path(parent).expanduser(),
         tuple(runs),
@@ -473,7 +476,7 @@ def departures(
         tolerance,
         ordered(frame, view),
         without,
-        first_sample_apart(runs) if x == "sample_id" else None,
+        apart,
     )
 
 

@@ -11,7 +11,11 @@ One worker per rank runs every case (2 and 4 ranks on 127.0.0.1):
 - the collectives the library adds per sample, counted by wrapping torch.distributed's
   functions: the same with 3 layers and with 30, and none without the option;
 - a rank whose forward raises mid-sample: no hang, the sample's global rows are null with a
-  reason on every rank, and the next sample is measured again.
+  reason on every rank, and the next sample is measured again;
+- ranks whose samples are different root forwards (one ran an extra evaluation batch): null
+  with a reason, never one value from two steps; a step set on rank 0 alone is no difference;
+- tensor parallel over a 2-D mesh's "tp" submesh: each group measures its own whole tensor;
+- a trainer callback's record_eval sampler that could disagree across ranks is refused.
 """
 
 from __future__ import annotations

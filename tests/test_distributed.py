@@ -1,4 +1,5 @@
-"""Two real gloo processes on 127.0.0.1: rank policies, per-rank directories, no collectives."""
+"""Two real gloo processes on 127.0.0.1: rank policies, per-rank directories, no collectives,
+and what a run says when it was placed before its process had a rank."""
 
 from __future__ import annotations
 

@@ -170,3 +170,66 @@ def test_full_disk_reported_by_polars_keeps_the_directory_attached_and_the_rows(
     assert sum("could not write history part" in m for m in messages) == 1
     assert not any("detached" in m for m in messages)
     assert read_history(run_dir).height == 10 * 2 * 2 * 9  # samples x layers x signals x metrics
+
+
+class RaisingAtSecond(Recording):
+    """A sink whose store fails from its second forward record on."""
+
+    def write_forward(self, record: SampleRecord) -> None:
+        super().write_forward(record)
+        if len(self.records) == 2:
+            raise OSError("remote store\nunavailable")
+
+    def __repr__(self) -> str:
+        return "RaisingAtSecond(store='s3://bucket')"
+
+
+class RaisingAtStart(Recording):
+    def start(self, run: RunInfo) -> None:
+        raise ValueError("no credentials")
+
+    def __repr__(self) -> str:
+        return "RaisingAtStart()"
+
+
+def test_a_detached_sink_is_named_in_index_with_the_sample_it_failed_on_and_why(
+    run_dir: Path,
+) -> None:
+    bad = RaisingAtSecond()
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2), sinks=[bad])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(6):
+            model(torch.randn(2, 3))
+        remove_observer(model)
+    assert [r.sample_id for r in bad.records] == [0, 1]
+    index = (run_dir / "index.md").read_text()
+    notes = [line for line in index.splitlines() if "RaisingAtSecond" in line]
+    assert len(notes) == 1
+    assert (
+        "sink RaisingAtSecond(store='s3://bucket') raised OSError: remote store unavailable in "
+        "write_forward() on the output record of sample 1 (forward_index 2); it was detached and received no later record"
+    ) in notes[0]
+    assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
+def test_a_sink_that_raised_at_start_is_named_in_index(run_dir: Path) -> None:
+    good = Recording()
+    model = nn.Sequential(nn.Linear(3, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inject_observer(
+            model,
+            output_dir=run_dir,
+            sampler=EveryNForwardsSampler(1),
+            sinks=[RaisingAtStart(), good],
+        )
+        model(torch.randn(2, 3))
+        remove_observer(model)
+    assert good.calls == ["start", "forward", "close"]
+    index = (run_dir / "index.md").read_text()
+    assert (
+        "sink RaisingAtStart() raised ValueError: no credentials in start() at the start of the "
+        "run, before any sample; it was detached and received no later record"
+    ) in index

@@ -1,6 +1,10 @@
 """Dispatch: records fanned out to every sink, a sink that raises reported once and detached.
 
 Telemetry must never break the training step, and one broken sink must not silence the others.
+A detached sink's records stop, so the run says which sink, when and why: a warning at once and a
+note in index.md (the run directory's notes, the one way notes reach it). A sink that raises in
+`close` is only warned about: every record reached it, and the run directory, closed before it,
+is complete by then (a sink may read it at close).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import Sink
 
-__all__ = ["SinkGroup"]
+__all__ = ["SinkGroup", "detached_note"]
+
+# A sink's repr in index.md is cut to this many characters (index.md has a size budget).
+_REPR_CHARS = 120
 
 
 class SinkGroup:
@@ -21,10 +28,16 @@ class SinkGroup:
 
     def __init__(self, sinks: Sequence[Sink]) -> None:
         self._sinks: list[Sink] = list(sinks)
+        # Notes said before the run directory joins the group (a sink that raised in `start`).
+        self._pending_notes: list[str] = []
 
     def insert_started(self, sink: Sink) -> None:
         """Put an already started sink first (the directory, whose start must raise, not warn)."""
         self._sinks.insert(0, sink)
+        if isinstance(sink, DirectorySink):
+            for note in self._pending_notes:
+                sink.add_note(note)
+            self._pending_notes.clear()
 
     def _call(self, method: str, argument: Any) -> None:
         """Call `method(argument)` on every attached sink, isolating failures."""
@@ -37,15 +50,20 @@ class SinkGroup:
                     f"torchinstruments: sink {sink!r} raised {type(error).__name__}: {error} in "
                     f"{method}(); it is detached and the other sinks go on"
                 )
+                if method != "close":  # see the module docstring
+                    self.add_note(detached_note(sink, method, argument, error))
 
     def start(self, run: RunInfo) -> None:
         self._call("start", run)
 
     def add_note(self, note: str) -> None:
-        """Hand a note to the sinks that keep notes (the run directory)."""
-        for sink in self._sinks:
-            if isinstance(sink, DirectorySink):
-                sink.add_note(note)
+        """Hand a note to the sinks that keep notes (the run directory), or keep it for the
+        directory until it joins the group."""
+        keepers = [sink for sink in self._sinks if isinstance(sink, DirectorySink)]
+        if not keepers:
+            self._pending_notes.append(note)
+        for sink in keepers:
+            sink.add_note(note)
 
     def removed_in_flight(self, sample_ids: list[int]) -> None:
         """Hand the samples in flight at removal to the sinks that keep the run state."""
@@ -62,3 +80,27 @@ class SinkGroup:
     def close(self, counts: RunCounts) -> None:
         self._call("close", counts)
         self._sinks.clear()
+
+
+def detached_note(sink: Sink, method: str, argument: object, error: Exception) -> str:
+    """index.md's note on a sink detached after it raised: which sink, at which record, why.
+
+    `argument` is what `method` was called with: a record names its sample and forward_index,
+    the run's start comes before any sample.
+    """
+    shown = repr(sink)
+    if len(shown) > _REPR_CHARS:
+        shown = shown[: _REPR_CHARS - 3] + "..."
+    if isinstance(argument, SampleRecord):
+        when = (
+            f"on the {argument.signal} record of sample {argument.sample_id} (forward_index "
+            f"{argument.forward_index})"
+        )
+    else:
+        when = "at the start of the run, before any sample"
+    said = " ".join(str(error).split())  # one line: a note is one line of index.md
+    return (
+        f"sink {shown} raised {type(error).__name__}: {said} in {method}() {when}; it was "
+        "detached and received no later record (the run directory and the other sinks "
+        "are not affected)."
+    )

@@ -424,3 +424,42 @@ def test_sampled_forwards_in_several_threads_leave_torch_compile_on(tmp_path: Pa
     compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
     compiled(torch.ones(3))
     assert graphs_and_breaks()[0] == 1
+
+
+def eager_note(run_dir: Path) -> list[str]:
+    index = (run_dir / "index.md").read_text("utf-8")
+    return [line for line in index.splitlines() if "sampled forwards ran eagerly" in line]
+
+
+def test_index_says_sampled_forwards_of_a_compiled_model_ran_eagerly(tmp_path: Path) -> None:
+    model = Net(2)
+    inject_observer(model, output_dir=tmp_path / "compiled", sampler=EveryNForwardsSampler(2))
+    compiled = torch.compile(model, backend="eager")
+    for x in inputs(Setup("compile_model_after_inject", "eager")):
+        step(compiled, x)
+    remove_observer(model)
+    (note,) = eager_note(tmp_path / "compiled")
+    assert "(3 of the 3 samples were called through compiled code)" in note
+    assert "eager numerics, which can differ from the compiled ones in the last bits" in note
+    assert "unsampled forwards ran the compiled code" in note
+
+
+def test_index_names_compiled_blocks_that_ran_eagerly_in_sampled_forwards(tmp_path: Path) -> None:
+    model = Net(2)
+    inject_observer(model, output_dir=tmp_path / "blocks", sampler=EveryNForwardsSampler(2))
+    for block in model.blocks:
+        block.compile(backend="eager")
+    for x in inputs(Setup("block_compile_after_inject", "eager")):
+        step(model, x)
+    remove_observer(model)
+    (note,) = eager_note(tmp_path / "blocks")
+    assert "(compiled modules: 'blocks.0', 'blocks.1')" in note
+
+
+def test_an_eager_run_says_nothing_about_eager_samples(tmp_path: Path) -> None:
+    model = Net(2)
+    inject_observer(model, output_dir=tmp_path / "eager", sampler=EveryNForwardsSampler(2))
+    for x in inputs(Setup("eager", "eager")):
+        step(model, x)
+    remove_observer(model)
+    assert eager_note(tmp_path / "eager") == []

@@ -44,7 +44,9 @@ __all__ = [
     "call_eagerly",
     "compile_support",
     "compiled_from_the_top",
+    "compiled_modules",
     "compiled_original",
+    "eager_samples_note",
     "exclude_from_compilation",
     "forward_caller",
     "named_modules_uncompiled",
@@ -180,6 +182,43 @@ def compiled_from_the_top(model: nn.Module) -> bool:
     if not compiled_call_impl_installed(model):
         return False
     return bool(dynamo_skips(type(model).forward))
+
+
+def compiled_modules(root: nn.Module) -> list[str]:
+    """Names of the modules in `root` (itself included, as "") that torch.compile compiles: a
+    `torch.compile(module)` wrapper, or a module `module.compile()` ran on."""
+    return [
+        name
+        for name, module in root.named_modules()
+        if compiled_original(module) is not None or compiled_call_impl_installed(module)
+    ]
+
+
+def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: int) -> str | None:
+    """index.md's note that a compiled model's sampled forwards ran eagerly, or None.
+
+    Said because it changes what the rows describe: a sampled forward runs with torch.compile
+    off (`call_eagerly`), so its rows, and the model's outputs and gradients on that step, are
+    those of the eager model. `called_compiled`: samples whose root forward was called from
+    compiled code (the root compiled); the modules compiled inside `root` are read now (per-block
+    compilation, which `call_eagerly` turns off too).
+    """
+    compiled = [] if root is None or samples == 0 else compiled_modules(root)
+    if samples == 0 or (called_compiled == 0 and not compiled):
+        return None
+    how = []
+    if called_compiled:
+        how.append(f"{called_compiled} of the {samples} samples were called through compiled code")
+    if compiled:
+        names = ", ".join("the root" if not n else repr(n) for n in compiled[:10])
+        how.append(f"compiled modules: {names}{' ...' if len(compiled) > 10 else ''}")
+    return (
+        f"torch.compile: sampled forwards ran eagerly ({'; '.join(how)}): torch.compile was off "
+        "while each ran, nested compiled modules included, so their rows are those of an eager "
+        "run of the same steps, and on those steps the model's outputs and gradients are eager "
+        "numerics, which can differ from the compiled ones in the last bits; unsampled forwards "
+        "ran the compiled code."
+    )
 
 
 def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

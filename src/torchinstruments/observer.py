@@ -83,6 +83,7 @@ from torchinstruments.capture import FusedPathGuard, LayerCapture, Proxies, left
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
+    eager_samples_note,
     exclude_from_compilation,
     pause_compilation,
     resume_compilation,
@@ -184,6 +185,8 @@ class Observer:
         self._warned: set[str] = set()
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
+        # Sampled forwards called from compiled code: they ran eagerly (index.md says so).
+        self.called_compiled = 0
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         self.gradients = GradientRecorder(
             self.measurer, self.rank, self._emit_backward, self.warn_once, self.spare
@@ -265,6 +268,8 @@ class Observer:
                 return wrapped(*args, **kwargs)
             finally:
                 local.depth = 0
+        if paused is not None:  # called from compiled code: this sample runs eagerly
+            self.called_compiled += 1
         try:
             return self._run_sample(sample, wrapped, args, kwargs)  # type: ignore[arg-type]
         finally:
@@ -549,6 +554,10 @@ class Observer:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
+        root_module = self._root_ref() if self._root_ref is not None else None
+        eager = eager_samples_note(root_module, self.counter.samples, self.called_compiled)
+        if eager is not None:  # read at close: a model may be compiled after inject
+            self.notes.append(eager)
         self.spare.close()
         self.closed = True
         forks.untrack(self)

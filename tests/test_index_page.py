@@ -17,9 +17,11 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
+from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.writer import HistoryWriter
@@ -351,3 +353,21 @@ def test_rank_comparison_query_runs(tmp_path: Path) -> None:
     exec(compile(blocks[0], "<index.md>", "exec"), namespace)
     ranks = namespace["ranks"].select(pl.col("rank").unique().sort()).collect()
     assert ranks["rank"].to_list() == [0, 1]
+
+
+def test_an_incomplete_continued_run_names_the_attempt_that_ended_without_removal(
+    tmp_path: Path,
+) -> None:
+    """The last attempt was removed; only attempt 0 ended without remove_observer."""
+    attempts = (
+        AttemptCounts(0, "2026-01-01T00:00:00+00:00", samples=3, ended=KILLED),
+        AttemptCounts(1, "2026-01-02T00:00:00+00:00", first_sample_id=3, samples=2, ended=REMOVED),
+    )
+    lost = LostRows(18, 4, 4, "the disk was full (OSError: No space left on device)")
+    state = RunState(
+        run_info(tmp_path), RunCounts(5, 5, 5), interrupted=True, losses=(lost,), attempts=attempts
+    )
+    text = render_index(state)
+    assert "**State: INCOMPLETE.**" in text
+    assert "- attempt(s) 0 ended without remove_observer." in text
+    assert "the process ended without remove_observer" not in text

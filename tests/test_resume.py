@@ -34,6 +34,7 @@ from torchinstruments import (
     remove_observer,
     set_step,
 )
+from torchinstruments.__main__ import main as cli_main
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.state import Status, read_state
 
@@ -323,6 +324,35 @@ def test_a_killed_attempts_loss_bound_is_not_quoted_from_the_attempt_that_contin
     assert "flush_seconds=60.0" in index  # the Run section: this attempt's settings
     assert "last flush_seconds=60.0 s when the process was killed" not in index
     assert "last flush_seconds that attempt ran with" in index
+
+
+def test_show_names_the_earlier_attempt_that_ended_without_remove_observer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`show`'s state line says, as index.md's does, that attempt 0 (not the process that
+    removed the last attempt) ended without remove_observer."""
+    run = tmp_path / "stats"
+    model = nn.Linear(3, 3)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 3)).sum().backward()
+    state = (run / ".state.json").read_text(encoding="utf-8")  # as a kill leaves it: live
+    remove_observer(model)
+    (run / ".state.json").write_text(state, encoding="utf-8")
+    model = nn.Linear(3, 3)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "**State: interrupted** in an earlier attempt: attempt(s) 0 ended without" in index
+    assert cli_main(["show", str(run), "--metrics", "mean"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
+    assert (
+        "state: interrupted in an earlier attempt (attempt(s) 0 ended without remove_observer "
+        "and were finalized when the run was continued"
+    ) in shown
+    assert "the last attempt was removed" in shown
+    assert "the process ended without remove_observer" not in shown
 
 
 if __name__ == "__main__":

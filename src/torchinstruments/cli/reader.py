@@ -33,7 +33,11 @@ import polars as pl
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
-from torchinstruments.rundir.index_page import counts_sentence, partial_in_flight
+from torchinstruments.rundir.index_page import (
+    counts_sentence,
+    interrupted_sentence,
+    partial_in_flight,
+)
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     HISTORY_SCHEMA,
@@ -272,10 +276,7 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     if status is Status.COMPLETE and not files.parts:
         return "complete"
     if status is Status.INTERRUPTED and not files.parts:
-        return (
-            "interrupted (finalized after the process ended without remove_observer: rows of its "
-            "last flush interval may be missing; see index.md)"
-        )
+        return interrupted_sentence(state)
     if status is Status.INCOMPLETE:
         missing = [
             *state.problems,

@@ -120,13 +120,15 @@ def _section_state(state: RunState) -> list[str]:
         lines += [f"- {problem}" for problem in state.problems]
         lines += [f"- {loss.describe()}" for loss in state.losses]
         if state.interrupted:
-            lines.append(f"- the process ended without remove_observer. {lost_bound}")
+            lines.append(
+                f"- {_who_ended_unremoved(state)} ended without remove_observer. {lost_bound}"
+            )
         if in_flight:
             lines.append(f"- {in_flight}")
         return [*lines, ""]
     also = "" if in_flight is None else f" Also, {in_flight}."
-    killed = [a.attempt for a in state.attempts if a.ended == KILLED]
-    if status is Status.INTERRUPTED and state.attempts and state.attempts[-1].ended == REMOVED:
+    killed = killed_before_last(state)
+    if status is Status.INTERRUPTED and killed:
         usual = " as usual" if in_flight is None else ""
         return [
             f"**State: interrupted** in an earlier attempt: attempt(s) {ranges(killed)} ended "
@@ -163,6 +165,43 @@ def partial_in_flight(sample_ids: tuple[int, ...]) -> str:
     (index.md's state line, and `show`'s)."""
     several = len(sample_ids) > 1
     return f"sample{'s' * several} {ranges(sample_ids)} {'are' if several else 'is'} partial"
+
+
+def killed_before_last(state: RunState) -> tuple[int, ...]:
+    """The attempts that ended without remove_observer when a later attempt was removed; empty
+    for a run of one attempt or whose last attempt was killed. index.md's state line and `show`
+    name them: "the process" would read as the last attempt's, which was removed."""
+    if not state.attempts or state.attempts[-1].ended != REMOVED:
+        return ()
+    return tuple(a.attempt for a in state.attempts if a.ended == KILLED)
+
+
+def _who_ended_unremoved(state: RunState) -> str:
+    """`attempt(s) 0-1` when earlier attempts ended without remove_observer, else `the process`."""
+    killed = killed_before_last(state)
+    return f"attempt(s) {ranges(killed)}" if killed else "the process"
+
+
+def interrupted_sentence(state: RunState) -> str:
+    """`show`'s state of an interrupted run, in the words of index.md's state line: which
+    attempts ended without remove_observer, and a sample in flight at the last removal."""
+    also = (
+        f"; remove_observer was called while a sample was in flight: "
+        f"{partial_in_flight(state.removed_in_flight)}"
+        if state.removed_in_flight
+        else ""
+    )
+    killed = killed_before_last(state)
+    if killed:
+        return (
+            f"interrupted in an earlier attempt (attempt(s) {ranges(killed)} ended without "
+            "remove_observer and were finalized when the run was continued: rows of their last "
+            f"flush interval may be missing; the last attempt was removed{also}; see index.md)"
+        )
+    return (
+        "interrupted (finalized after the process ended without remove_observer: rows of its "
+        f"last flush interval may be missing{also}; see index.md)"
+    )
 
 
 def _section_gaps(state: RunState) -> list[str]:
@@ -333,4 +372,12 @@ def write_index(directory: Path, state: RunState) -> None:
     write_text_atomic(directory / INDEX_FILE, render_index(state))
 
 
-__all__ = ["bound_count", "counts_sentence", "partial_in_flight", "render_index", "write_index"]
+__all__ = [
+    "bound_count",
+    "counts_sentence",
+    "interrupted_sentence",
+    "killed_before_last",
+    "partial_in_flight",
+    "render_index",
+    "write_index",
+]

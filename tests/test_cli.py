@@ -537,6 +537,19 @@ def test_plot_description_names_every_x_axis(capsys: pytest.CaptureFixture[str])
     assert "over sample_id, forward_index or step (--x)" in description
 
 
+def test_heatmap_description_says_what_a_null_value_is_drawn_as_and_no_nonfinite_colour(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The library's histories hold no NaN or Inf: the colours that matter are a null value's
+    (grey, `pictures_grid.NULL_COLOUR`) and a missing row's (white)."""
+    with pytest.raises(SystemExit):
+        main(["heatmap", "--help"])
+    description = " ".join(capsys.readouterr().out.split()).partition("positional arguments")[0]
+    assert "A null value (no value: its reason is in unavailable_reason" in description
+    assert "is grey, and a tensor without a row at a sample is white" in description
+    assert "nonfinite" not in description
+
+
 def test_plot_help_names_the_metrics_plot_draws_by_default(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -240,8 +240,9 @@ def add_commands(commands: Subcommands) -> None:
         "heatmap",
         help="PNG per metric: tensors down, samples across (needs matplotlib: the `plot` extra)",
         description="Write one image per metric: tensors (traversal order) down, samples "
-        "across, output and output_gradient side by side, one colour scale per panel. Null "
-        "values, nonfinite values and missing rows each have their own colour. Needs "
+        "across, output and output_gradient side by side, one colour scale per panel. A null "
+        "value (no value: its reason is in unavailable_reason, e.g. a tensor without finite "
+        "entries) is grey, and a tensor without a row at a sample is white. Needs "
         f"matplotlib: {MATPLOTLIB_INSTALL}.",
     )
     cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")

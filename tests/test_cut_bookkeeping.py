@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, reasons, remove_observer
+from torchinstruments import gradients as gradients_module
 from torchinstruments.capture import Proxies
 from torchinstruments.events import EventFile, MissingHistogram
 
@@ -221,6 +222,70 @@ def test_more_than_20_cut_samples_are_all_counted_in_index(
     listed = ", ".join(map(str, range(20)))
     assert f"cut the end of 25 sampled forwards ({listed} and 5 more) inside" in index
     assert "25 sample(s) are marked (the marks of the first 20 are listed)" in index
+
+
+def test_a_ctrl_c_inside_a_samples_first_gradient_hook_marks_it_although_no_gradient_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass reached sample 0's outputs (its first hook ran) and raised there, before that
+    gradient was launched: nothing of sample 0 is pending, yet its backward was cut."""
+    original = gradients_module.launch
+    calls = [0]
+
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt  # where a Ctrl-C lands inside the hook
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gradients_module, "launch", launch)
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    out = model(x)  # sample 0
+    with pytest.raises(KeyboardInterrupt):
+        out.sum().backward()
+    model(x).sum().backward()  # sample 1, whole
+    remove_observer(model)
+
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    grads = history.filter(pl.col("signal") == "output_gradient")
+    marker = grads.filter(pl.col("metric") == "interrupted")
+    assert marker["sample_id"].to_list() == [0]
+    assert marker["unavailable_reason"].to_list() == [reasons.BACKWARD_RAISED]
+    assert (
+        grads.filter((pl.col("sample_id") == 0) & (pl.col("metric") != "interrupted")).height == 0
+    )
+    expected = twin(tmp_path, 2)
+    assert values(history, 1) == values(expected, 1)  # whole and unmarked
+
+
+def test_a_pass_that_raised_before_reaching_a_sample_leaves_it_a_sample_without_backward(
+    tmp_path: Path,
+) -> None:
+    """Decided (gradients.py): a hook on the loss raising before any gradient reached the
+    model cuts none of the sample's rows; it reads, and is counted, as a sample no backward
+    reached, and is not marked."""
+    model, x = model_and_input()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    loss = model(x).sum()  # sample 0
+
+    def interrupt(grad: torch.Tensor) -> None:
+        raise KeyboardInterrupt
+
+    loss.register_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    model(x).sum().backward()  # sample 1, whole
+    remove_observer(model)
+
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet")
+    assert history.filter(pl.col("metric") == "interrupted").height == 0
+    sample_0 = history.filter(pl.col("sample_id") == 0)
+    assert set(sample_0["signal"]) == {"output"}
+    expected = twin(tmp_path, 2)
+    assert values(history, 0) == {k: v for k, v in values(expected, 0).items() if k[0] == "output"}
+    index = (tmp_path / "run" / "index.md").read_text("utf-8")
+    assert "2 samples, 1 sample with a backward" in index
 
 
 def test_a_backward_that_raised_after_all_of_a_samples_gradients_leaves_it_whole(

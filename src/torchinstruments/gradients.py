@@ -64,6 +64,16 @@ held with its graph) is marked too: its gradients can no longer be recorded eith
 sample whose hooks have all fired is whole, and is written unmarked even when the removal (or a
 pass that raised) came after its gradients. The cost: one object per sample; per hooked output
 one slot, one weak-reference lookup (the latest sample's, as a rule) and two int increments.
+
+A backward pass that raised: the gradients that arrived before it are written at the next sampled
+forward or the close, their samples marked (`heal`); so is a sample whose pass raised inside one
+of its hooks (a Ctrl-C landing there) before that gradient was launched (`cut_in_hook`), since
+the pass had reached its outputs. Design decision: a pass that raised before it reached any of a
+sample's outputs (an exception or Ctrl-C in a hook on the loss, or in the loss's own backward)
+is not marked. No hook of the sample ran, and the design allows no hook elsewhere, so nothing
+tells it from a sample no backward was run for; and none of its rows was cut: it has all its
+output rows and no gradient reached it, which is what its rows say (index.md counts it among
+the samples without a backward). design.md's marker is for a sample whose rows were cut.
 """
 
 from __future__ import annotations
@@ -220,6 +230,9 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
                 self.recorder.launch_gradient(self, grad)
             except Exception as error:  # never break the user's backward
                 self.recorder.warn_once("gradient", f"recording a gradient failed: {error!r}")
+            except BaseException:  # a Ctrl-C landed here: the pass raises, this sample is cut
+                self.recorder.cut_in_hook(self.awaited)
+                raise
         return None
 
 
@@ -266,6 +279,8 @@ class GradientRecorder:
         # The latest samples' `_Awaited`, weakly: alive while a hook of the sample is.
         self._awaited: deque[weakref.ref[_Awaited]] = deque(maxlen=MAX_AWAITED)
         self.batched_over_cotangents = False  # a gradient came batched (`BATCHED_GRADIENTS_NOTE`)
+        # Samples whose pass raised inside one of their hooks, before its gradient was pending.
+        self._cut: list[_Awaited] = []
 
     def no_grad_note(self) -> str | None:
         """The sentence naming the layers whose outputs never required grad, or None."""
@@ -442,16 +457,28 @@ class GradientRecorder:
         waiting = {a.sample_id for a in live if a.fired < a.hooked}
         return {a.sample_id for a in live} - waiting
 
+    def cut_in_hook(self, awaited: _Awaited) -> None:
+        """A hook of `awaited`'s sample raised (a Ctrl-C inside it) before its gradient was
+        launched: the pass raises with that sample's backward begun, so `heal` marks it even
+        when none of its gradients is pending."""
+        with self._lock:
+            self._cut.append(awaited)
+
     def heal(self, mark: Mark) -> list[int]:
         """Emit, each record with `mark(record)`, the gradients of a backward pass that raised
         (a Ctrl-C, a hook's or an autograd Function's exception): its end-of-pass callback never
         runs, and until this its gradients would wait, with every later pass's (none queues a
-        callback while one is queued), for the run's removal. Called outside a backward pass
-        (a sampled forward, the close); returns the sample ids emitted. Outside every pass
-        nothing waits but what such a pass left, whether or not it got to queue its callback."""
-        if not self._pending or in_backward_pass():
+        callback while one is queued), for the run's removal. A sample cut inside one of its
+        hooks before any of its gradients was pending gets a record of its marker row alone.
+        Called outside a backward pass (a sampled forward, the close); returns the sample ids
+        emitted. Outside every pass nothing waits but what such a pass left, whether or not it
+        got to queue its callback."""
+        if (not self._pending and not self._cut) or in_backward_pass():
             return []
-        return self.flush(mark, fired_leaf_hooks_first=True)
+        marked = self.flush(mark, fired_leaf_hooks_first=True)
+        with self._lock:
+            cut, self._cut = self._cut, []
+        return marked + self._mark_samples(mark, cut, set(marked))
 
     def close(self, mark: Mark | None = None) -> list[int]:
         """Emit outstanding gradients, remove every hook left on a leaf, and stop recording.
@@ -477,9 +504,15 @@ class GradientRecorder:
         in `marked` already; returns their ids."""
         with self._lock:
             awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
+        waiting = [sample for sample in awaited if sample.fired < sample.hooked]
+        return self._mark_samples(mark, waiting, marked)
+
+    def _mark_samples(self, mark: Mark, samples: list[_Awaited], marked: set[int]) -> list[int]:
+        """Emit a record of its marker row alone for each of `samples` not in `marked` (which
+        grows); returns their ids."""
         emitted = []
-        for sample in awaited:
-            if sample.fired >= sample.hooked or sample.sample_id in marked:
+        for sample in samples:
+            if sample.sample_id in marked:
                 continue
             marker = mark(sample)
             try:

@@ -204,8 +204,10 @@ REASONS: tuple[Reason, ...] = (
     Reason(
         BACKWARD_RAISED,
         "a marker row (metric `interrupted`, signal output_gradient): the backward pass raised "
-        "(a Ctrl-C, an exception in a hook or an autograd Function) after some of this sample's "
-        "gradients arrived; they are written when the next sampled forward starts (or at removal)",
+        "(a Ctrl-C, an exception in a hook or an autograd Function) after it reached this "
+        "sample's outputs; the gradients that arrived are written when the next sampled forward "
+        "starts (or at removal). A pass that raised before it reached any of them leaves the "
+        "sample unmarked, with no gradient rows, as a sample without a backward",
     ),
     Reason(
         "interrupted: rows of this sample were dropped at the memory cap (max_buffered_rows=<n>) "

@@ -74,6 +74,17 @@ def forked_from_a_run() -> bool:
     return _FORKED_FROM_A_RUN[0]
 
 
+def forked_child_message(parent_pid: int, directory: object) -> str:
+    """The warning of a forked child's first root forward: it records nothing, and why not."""
+    return (
+        f"this process (pid {os.getpid()}) was forked from the observing process (pid "
+        f"{parent_pid}): the model runs unobserved here, nothing this process computes "
+        f"is recorded, and the parent's run directory {directory} is not touched. To "
+        "observe a child process, start it with the 'spawn' or 'forkserver' method and call "
+        "inject_observer in it"
+    )
+
+
 def _after_fork_in_child() -> None:
     """Make every live run of the parent inert in this child; never raises."""
     items = list(_LIVE)
@@ -89,4 +100,11 @@ if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["ForkAware", "forked_from_a_run", "opened_a_run", "track", "untrack"]
+__all__ = [
+    "ForkAware",
+    "forked_child_message",
+    "forked_from_a_run",
+    "opened_a_run",
+    "track",
+    "untrack",
+]

@@ -530,7 +530,11 @@ def sample_rows(
     try:
         return tuple(measure(sample, metrics=measurer.metrics, rank=rank, warn=warn))
     except Exception as error:
-        warn("global", f"global statistics of a sample failed: {error!r}")
+        warn(
+            "global",
+            f"global statistics of a sample failed: {error!r}; sample {sample.sample_id} has "
+            "no global rows",
+        )
         return ()
 
 

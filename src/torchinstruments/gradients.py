@@ -142,6 +142,11 @@ Emit = Callable[[SampleRecord], None]
 Mark = Callable[[SampleFacts], Measurement]
 
 
+def _not_written(error: Exception) -> str:
+    """The failure of handing a backward pass's gradient records to the sinks."""
+    return f"recording gradients failed: {error!r}; those gradient rows are not written"
+
+
 class _Awaited:
     """The gradients one sample awaits: how many of its outputs were hooked, how many of those
     hooks fired. Held by the sample's hooks, weakly by the recorder (see the module docstring)."""
@@ -229,7 +234,11 @@ class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
             try:
                 self.recorder.launch_gradient(self, grad)
             except Exception as error:  # never break the user's backward
-                self.recorder.warn_once("gradient", f"recording a gradient failed: {error!r}")
+                self.recorder.warn_once(
+                    "gradient",
+                    f"recording a gradient failed: {error!r}; that gradient of sample "
+                    f"{self.sample_id} has no rows",
+                )
             except BaseException:  # a Ctrl-C landed here: the pass raises, this sample is cut
                 self.recorder.cut_in_hook(self.awaited)
                 raise
@@ -328,7 +337,11 @@ class GradientRecorder:
                 self._track_leaf_hook(tensor, handle, hook)
             return hook
         except Exception as error:
-            self.warn_once("hook", f"hooking an output's gradient failed: {error!r}")
+            self.warn_once(
+                "hook",
+                f"hooking an output's gradient failed: {error!r}; the gradient into that output "
+                f"of sample {key.sample_id} is not recorded",
+            )
             return key
 
     def _awaited_by(self, key: TensorKey) -> _Awaited:
@@ -446,7 +459,7 @@ class GradientRecorder:
                 self._emit(record)
                 emitted.append(record.sample_id)
         except Exception as error:
-            self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
+            self.warn_once("flush_backward", _not_written(error))
         return emitted if mark is None else marked
 
     def _all_arrived(self) -> set[int]:
@@ -520,7 +533,7 @@ class GradientRecorder:
                     SampleRecord(OUTPUT_GRADIENT, sample.sample_id, sample.forward_index, (marker,))
                 )
             except Exception as error:
-                self.warn_once("flush_backward", f"recording gradients failed: {error!r}")
+                self.warn_once("flush_backward", _not_written(error))
                 continue
             marked.add(sample.sample_id)
             emitted.append(sample.sample_id)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BETWEEN = ("torch", "wrapt", "lightning", "pytorch_lightning", "transformers", "accelerate")
@@ -52,4 +53,39 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
-__all__ = ["user_stacklevel", "warn"]
+# How many kinds of recording failure index.md lists one by one.
+SHOWN_KINDS = 20
+
+
+class RecordingFailures:
+    """Failures that change what the run records (a gradient not measured, a sample not written,
+    a sampler that raised), each kind warned once and kept for index.md's notes: a warning alone
+    scrolls away, and the run must say what it did not record (design: never an empty or
+    partial run that looks complete). Called as `warn_once(key, message)` is, in its place;
+    `message` says what failed and what is missing because of it.
+    """
+
+    def __init__(self, warn_once: Callable[[str, str], None]) -> None:
+        self._warn_once = warn_once
+        self._said: dict[str, str] = {}  # the first message of each kind, in the order seen
+
+    def __call__(self, key: str, message: str) -> None:
+        self._warn_once(key, message)
+        self._said.setdefault(key, message)
+
+    def notes(self) -> tuple[str, ...]:
+        """index.md's notes: each kind's first message (later ones of a kind are not counted),
+        the first `SHOWN_KINDS` kinds (a kind per layer could otherwise fill the page)."""
+        said = list(self._said.values())
+        shown = tuple(
+            f"{message} (warned when it first happened; later failures of this kind are not "
+            "counted)."
+            for message in said[:SHOWN_KINDS]
+        )
+        more = len(said) - SHOWN_KINDS
+        if more > 0:
+            shown += (f"{more} more kinds of recording failure were warned (see the warnings).",)
+        return shown
+
+
+__all__ = ["SHOWN_KINDS", "RecordingFailures", "user_stacklevel", "warn"]

@@ -99,7 +99,7 @@ from torchinstruments.measurement.transfer import (
     launch,
     note_of,
 )
-from torchinstruments.notices import warn
+from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
 from torchinstruments.records import (
@@ -183,13 +183,15 @@ class Observer:
         self._root_type = ""
         self.layer_names: tuple[str, ...] = ()
         self._warned: set[str] = set()
+        # Failures that leave rows out: warned once each, and said in index.md (`counts`).
+        self.failed_once = RecordingFailures(self.warn_once)
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         # Sampled forwards called from compiled code: they ran eagerly (index.md says so).
         self.called_compiled = 0
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         self.gradients = GradientRecorder(
-            self.measurer, self.rank, self._emit_backward, self.warn_once, self.spare
+            self.measurer, self.rank, self._emit_backward, self.failed_once, self.spare
         )
         # The `step` column: a value a plain loop sets (`set_step`), or a trainer's step read at
         # each sampled forward (`follow_step`, for the callbacks); None for neither.
@@ -358,7 +360,11 @@ class Observer:
             root = LayerInfo("", self._root_type)
             sample.interrupted = sample.marker_row(error, root, self._root_mode, self.rank)
         except Exception as failure:  # the user's exception is what must propagate
-            self.warn_once("marker", f"marking an interrupted sample failed: {failure!r}")
+            self.failed_once(
+                "marker",
+                f"marking an interrupted sample failed: {failure!r}; sample {sample.sample_id}'s "
+                "rows are written without their `interrupted` marker",
+            )
 
     def _heal(self) -> None:
         """This thread's last sampled forward left its state behind (its end was cut by a
@@ -435,14 +441,16 @@ class Observer:
             value = source()
             return None if value is None else operator.index(value)  # type: ignore[arg-type]
         except Exception as error:
-            self.warn_once("step", f"reading the step for the step column failed: {error!r}")
+            self.failed_once(
+                "step", f"reading the step for the step column failed: {error!r}; step is null"
+            )
             return None
 
     def _should_sample(self, forward_index: int, schedule: str) -> bool:
         """The decision of the schedule's sampler (`forward_index`: the count of root forwards
         on that schedule), as `sampling.ask` takes it."""
         sampler = self.sampler if schedule == TRAIN else self.phases.eval_sampler
-        return ask(sampler, forward_index, self.warn_once)
+        return ask(sampler, forward_index, self.failed_once)
 
     # -- recording outputs --------------------------------------------------------------------
 
@@ -455,9 +463,10 @@ class Observer:
             grad_enabled = torch.is_grad_enabled()
             tensors = list(iter_tensors(output))
         except Exception as error:
-            self.warn_once(
+            self.failed_once(
                 f"walk:{layer.info.name}",
-                f"reading the output of layer {layer.info.name!r} failed: {error!r}",
+                f"reading the output of layer {layer.info.name!r} failed: {error!r}; that call "
+                f"has no rows (sample {sample.sample_id})",
             )
             return
         for path, tensor in tensors:
@@ -473,7 +482,7 @@ class Observer:
                 sample.step,
             )
             key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
-            if keep(self.global_option, sample.global_pending, key, tensor, self.warn_once):
+            if keep(self.global_option, sample.global_pending, key, tensor, self.failed_once):
                 continue  # measured when the sample ends
             launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
             sample.pending += launched
@@ -496,7 +505,7 @@ class Observer:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         sample.emitted = True
         self._end_sample(sample)
-        extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.warn_once)
+        extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.failed_once)
         metrics = self.measurer.metrics
         try:
             records = build_records(OUTPUT, sample.pending, metrics, self.rank, self.spare) or [
@@ -511,7 +520,11 @@ class Observer:
                 for record in records:
                     self.sinks.write_forward(record)
         except Exception as error:
-            self.warn_once("emit_forward", f"recording a sample failed: {error!r}")
+            self.failed_once(
+                "emit_forward",
+                f"recording a sample failed: {error!r}; sample {sample.sample_id}'s output rows "
+                "are not written",
+            )
 
     def _emit_backward(self, record: SampleRecord) -> None:
         """Hand one sample's gradient record to the sinks."""
@@ -523,7 +536,7 @@ class Observer:
         no_grad, batched = self.gradients.no_grad_note(), self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
         said = (no_grad, batched, self.in_flight.note(), cut)
-        notes = (*self.notes, *(n for n in said if n is not None))
+        notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         return self.counter.counts(self.gradients.backward_samples, notes)
 
     def never_ran(self) -> list[str]:
@@ -576,14 +589,7 @@ class Observer:
 
     def _warn_forked(self) -> None:
         """The child's first root forward: say once that this process records nothing."""
-        self.warn_once(
-            "forked",
-            f"this process (pid {os.getpid()}) was forked from the observing process (pid "
-            f"{self._parent_pid}): the model runs unobserved here, nothing this process computes "
-            f"is recorded, and the parent's run directory {self.directory} is not touched. To "
-            "observe a child process, start it with the 'spawn' or 'forkserver' method and call "
-            "inject_observer in it",
-        )
+        self.warn_once("forked", forks.forked_child_message(self._parent_pid, self.directory))
 
     def warn_once(self, key: str, message: str) -> None:
         """Report a measurement failure once per kind; training goes on."""

@@ -164,7 +164,11 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     try:
         answer = sampler.should_sample(forward_index)
     except Exception as error:
-        warn_once("sampler", f"sampler {sampler!r} raised {error!r}; not sampled")
+        warn_once(
+            "sampler",
+            f"sampler {sampler!r} raised {error!r} for forward_index {forward_index}; a forward "
+            "whose sampler raises is not sampled",
+        )
         return False
     decision = as_decision(answer)
     if decision is None:

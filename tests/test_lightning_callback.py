@@ -142,9 +142,17 @@ def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step
     tmp_path: Path,
 ) -> None:
     model = Tiny(direct=True)
+    callback = LightningObserver(sampler=EveryNForwardsSampler(1))
     with pytest.warns(RuntimeWarning, match=r"the first training step never called the observed"):
-        fit(tmp_path, model, LightningObserver(sampler=EveryNForwardsSampler(1)))
+        fit(tmp_path, model, callback)
     assert not has_observer(model)
+    assert callback.directory is not None
+    index = " ".join((callback.directory / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "LightningObserver: the first training step never called the observed Tiny, so nothing "
+        "is recorded"
+    ) in index
+    assert "pass module='net' (the attribute your step calls)" in index
 
 
 @pytest.mark.parametrize(

@@ -369,12 +369,14 @@ class FitObservation:
         self._checked_first_step = True
         counts = observed_counts(self.observed)
         if counts is not None and counts.root_forwards == 0:
-            warn(
-                f"torchinstruments: {self.owner}: the first training step never called the "
-                f"observed {type(self.observed).__name__}, so nothing is recorded (a training "
-                "step that calls a submodule directly, e.g. self.net(x), bypasses it); pass "
-                "module='net' (the attribute your step calls) to observe that module instead"
+            said = (
+                f"the first training step never called the observed "
+                f"{type(self.observed).__name__}, so nothing is recorded (a training step that "
+                "calls a submodule directly, e.g. self.net(x), bypasses it); pass module='net' "
+                "(the attribute your step calls) to observe that module instead"
             )
+            warn(f"torchinstruments: {self.owner}: {said}")
+            add_run_note(self.observed, f"{self.owner}: {said}.")  # the run's reader sees why
 
     def finish(
         self, exception: BaseException | None = None, step: int | None = None

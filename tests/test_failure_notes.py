@@ -101,8 +101,8 @@ def test_a_sample_that_could_not_be_handed_to_the_sinks_is_said_in_index(
         remove_observer(model)
     (note,) = [n for n in notes(run_dir) if "host buffer" in n]
     assert (
-        "recording a sample failed: MemoryError('host buffer'); sample 0's output rows are not "
-        "written"
+        "recording a sample failed: MemoryError('host buffer'); some or all of sample 0's "
+        "output rows are not written"
     ) in note
 
 

@@ -442,7 +442,7 @@ class Observer:
             return None if value is None else operator.index(value)  # type: ignore[arg-type]
         except Exception as error:
             self.failed_once(
-                "step", f"reading the step for the step column failed: {error!r}; step is null"
+                "step", f"reading the step for the step column failed: {error!r}; it is null"
             )
             return None
 
@@ -522,8 +522,8 @@ class Observer:
         except Exception as error:
             self.failed_once(
                 "emit_forward",
-                f"recording a sample failed: {error!r}; sample {sample.sample_id}'s output rows "
-                "are not written",
+                f"recording a sample failed: {error!r}; some or all of sample "
+                f"{sample.sample_id}'s output rows are not written",
             )
 
     def _emit_backward(self, record: SampleRecord) -> None:

@@ -280,8 +280,10 @@ class Observer:
     def _begin_root_forward(self) -> Sample | object | None:
         """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""
         if self.closed:
-            if self.forked:
-                self._warn_forked()
+            if self.forked:  # the child's first root forward: said once
+                self.warn_once(
+                    "forked", forks.forked_child_message(self._parent_pid, self.directory)
+                )
             return _PASS_THROUGH
         if (
             is_tracing()
@@ -496,15 +498,10 @@ class Observer:
         root = self._root_ref() if self._root_ref is not None else None
         return "train" if root is None or root.training else "eval"
 
-    def _end_sample(self, sample: Sample) -> None:
-        """Count the layers this sampled forward called and that returned (a layer whose every
-        call raised did not run to the end: it is not counted)."""
-        self.counter.count_layers(sample.returned)
-
     def _emit_forward(self, sample: Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         sample.emitted = True
-        self._end_sample(sample)
+        self.counter.count_layers(sample.returned)  # a layer whose every call raised: not counted
         extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.failed_once)
         metrics = self.measurer.metrics
         try:
@@ -586,10 +583,6 @@ class Observer:
         self.closed = True
         self.in_flight.samples.clear()  # layer proxies of a forward in progress become inert
         self.gradients.closed = True
-
-    def _warn_forked(self) -> None:
-        """The child's first root forward: say once that this process records nothing."""
-        self.warn_once("forked", forks.forked_child_message(self._parent_pid, self.directory))
 
     def warn_once(self, key: str, message: str) -> None:
         """Report a measurement failure once per kind; training goes on."""

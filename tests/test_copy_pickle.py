@@ -75,3 +75,26 @@ def test_state_dict_round_trip_is_unaffected(run_dir: Path) -> None:
     x = torch.randn(2, 8)
     assert torch.equal(fresh(x), model(x))
     remove_observer(model)
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """A module-level function set as a module's own `forward` (pickled by reference)."""
+    return x * 2
+
+
+def test_pickle_of_observed_model_keeps_its_own_forward_function(run_dir: Path) -> None:
+    root = nn.Identity()
+    root.forward = doubled  # type: ignore[method-assign]
+    plain = pickle.loads(pickle.dumps(root))  # what an unobserved model gives
+    inject_observer(root, output_dir=run_dir)
+    unpickled = pickle.loads(pickle.dumps(root))
+    buffer = io.BytesIO()
+    torch.save(root, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert b"torchinstruments" not in pickle.dumps(root)
+    remove_observer(root)
+    for clone in (plain, unpickled, loaded):
+        assert clone.__dict__["forward"] is doubled
+        assert not has_observer(clone)
+        assert torch.equal(clone(torch.ones(2)), torch.full((2,), 2.0))

@@ -34,6 +34,7 @@ method under `forward`; its behaviour is the class's).
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -101,7 +102,10 @@ class ForwardProxy(wrapt.FunctionWrapper):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         if self._self_had_instance_forward:
-            return self.__wrapped__.__reduce_ex__(protocol)
+            # The module's own forward is pickled as pickle would pickle it without us: a
+            # function by reference (its own __reduce_ex__ would refuse it), any other object
+            # by its reduction, shared through the memo. `getitem` is a builtin, not ours.
+            return (operator.getitem, ((self.__wrapped__,), 0))
         # Unpickling evaluates this before the module's state is set, so it finds the class's
         # forward bound to the new module; no reference to this library ends up in the pickle.
         return (getattr, (self._self_module, "forward"))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -98,3 +101,35 @@ def test_pickle_of_observed_model_keeps_its_own_forward_function(run_dir: Path) 
         assert clone.__dict__["forward"] is doubled
         assert not has_observer(clone)
         assert torch.equal(clone(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_deepcopy_of_observed_model_is_exactly_a_plain_deepcopy(run_dir: Path) -> None:
+    """An EMA copy made while observed holds no `forward` of its own, like a plain copy: it is
+    freed without the garbage collector, and `torch.save` of it loads with weights_only=True."""
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    ema = copy.deepcopy(model)
+    whole = io.BytesIO()
+    torch.save(model, whole)  # the observed model itself: its forward is named via getattr
+    remove_observer(model)
+    whole.seek(0)
+    with (
+        torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.ReLU]),
+        pytest.raises(pickle.UnpicklingError, match="getattr"),
+    ):
+        torch.load(whole, weights_only=True)
+    assert [m for m in ema.modules() if "forward" in m.__dict__] == []
+    assert torch.equal(ema(torch.ones(1, 8)), model(torch.ones(1, 8)))
+    buffer = io.BytesIO()
+    torch.save(ema, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.ReLU]):
+        loaded = torch.load(buffer, weights_only=True)
+    assert torch.equal(loaded(torch.ones(1, 8)), model(torch.ones(1, 8)))
+    freed = weakref.ref(ema)
+    gc.disable()
+    try:
+        del ema
+        assert freed() is None  # no reference cycle through a bound forward
+    finally:
+        gc.enable()

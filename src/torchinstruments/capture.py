@@ -27,8 +27,14 @@ the walk over what a forward returned in `outputs`.
 
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
 model. The proxy reduces to what was there before injection: the pre-existing instance `forward`,
-or else the class's `forward` bound to the copy (so the copy's `__dict__` holds a plain bound
-method under `forward`; its behaviour is the class's).
+or else the class's `forward` bound to the copy. A deep copy then drops that bound method again
+(a `__setstate__` of the copy's own, set on the copy under construction and gone once its state
+is set), so it is exactly a deep copy of the unobserved model: no `forward` of its own (no
+reference cycle: an EMA copy per step is freed at once), and `torch.save` of it loads with
+`weights_only=True`. An unpickled copy keeps the bound method under `forward` (its behaviour is
+the class's): the pickle can only name it through `getattr`, which `torch.load(weights_only=True)`
+refuses, so a whole-module `torch.save` of an observed model loads with `weights_only=False`
+(save its `state_dict`, a deep copy, or the model after `remove_observer` otherwise).
 """
 
 from __future__ import annotations
@@ -94,8 +100,11 @@ class ForwardProxy(wrapt.FunctionWrapper):
         if self._self_had_instance_forward or new_module is None:
             return copy.deepcopy(self.__wrapped__, memo)
         # copy.deepcopy registers the new module in `memo` before it copies the module's
-        # __dict__, so the copy gets the class's forward bound to itself.
-        return type(new_module).forward.__get__(new_module)
+        # __dict__, so the copy gets the class's forward bound to itself, and then drops it.
+        bound = type(new_module).forward.__get__(new_module)
+        if not new_module.__dict__:  # its state is being copied now, and set right after
+            new_module.__dict__["__setstate__"] = _set_state_without(new_module, bound)
+        return bound
 
     def __copy__(self) -> Any:
         return self
@@ -109,6 +118,21 @@ class ForwardProxy(wrapt.FunctionWrapper):
         # Unpickling evaluates this before the module's state is set, so it finds the class's
         # forward bound to the new module; no reference to this library ends up in the pickle.
         return (getattr, (self._self_module, "forward"))
+
+
+def _set_state_without(module: nn.Module, bound: Any) -> Callable[[dict[str, Any]], None]:
+    """An instance `__setstate__` that `copy.deepcopy` calls on the copy under construction
+    (instance attributes come before the class's): it removes itself, sets the state as the
+    class does, and takes out the `bound` forward the proxy's copy put in it, so the copy's
+    `__dict__` is what a deep copy of the unobserved module holds (no `forward`, no cycle)."""
+
+    def set_state(state: dict[str, Any]) -> None:
+        module.__dict__.pop("__setstate__", None)
+        type(module).__setstate__(module, state)
+        if module.__dict__.get("forward") is bound:
+            del module.__dict__["forward"]
+
+    return set_state
 
 
 def install_proxy(

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -34,12 +35,14 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.api import _OBSERVERS
 
 from conftest import sgd_step, wait_for_rows
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
 
 CHILD_TIMEOUT_S = 60.0
+HELD_LOCK_TIMEOUT_S = 10.0  # a child that takes a lock held at the fork waits for ever
 LAYERS = 3
 ROWS_PER_SAMPLE = LAYERS * 9 * 2  # default metrics x (output, output_gradient)
 # flush_seconds is long so that nothing but the parent's own appends writes a part
@@ -358,8 +361,63 @@ def test_a_child_forked_after_a_run_ended_is_refused_at_inject_instead_of_hangin
     assert not (tmp_path / "child-after").exists()
 
 
+def held_lock_main(directory: Path, report: Path) -> None:
+    """Fork while another thread holds the lock under which the layers' proxies go on and off
+    (as a concurrent sampled forward's start or end does); the child removes the observer."""
+    torch.set_num_threads(1)
+    model = small_model()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    inject_observer(
+        model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
+    )
+    sgd_step(model, x, y, 0.01)
+    lock = _OBSERVERS[model].proxies._lock
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait()
+    child_report = report.with_name("child.json")
+    pid = os.fork()
+    if pid == 0:
+        removed = remove_observer(model)
+        facts = {"removed": str(removed), "restored": "forward" not in model.__dict__}
+        child_report.write_text(json.dumps(facts), encoding="utf-8")
+        os._exit(0)
+    status = wait_child(pid, HELD_LOCK_TIMEOUT_S)
+    release.set()
+    holder.join()
+    sgd_step(model, x, y, 0.01)
+    remove_observer(model)
+    child = json.loads(child_report.read_text("utf-8")) if child_report.exists() else None
+    report.write_text(json.dumps({"status": status, "child": child}), encoding="utf-8")
+
+
+@pytest.mark.timeout(150)
+def test_a_child_forked_while_another_thread_held_the_proxies_lock_removes_without_hanging(
+    tmp_path: Path,
+) -> None:
+    directory, report = tmp_path / "run", tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, __file__, str(directory), str(report), "held-lock"],
+        timeout=2 * CHILD_TIMEOUT_S,
+        check=True,
+    )
+    facts = json.loads(report.read_text("utf-8"))
+    assert facts["status"] == 0, "the child's remove_observer hung on a lock held at the fork"
+    assert facts["child"] == {"removed": "None", "restored": True}
+    assert_parent_run_complete(directory, samples=2)
+
+
 if __name__ == "__main__":
     if sys.argv[3:] == ["after-removal"]:
         after_removal_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    elif sys.argv[3:] == ["held-lock"]:
+        held_lock_main(Path(sys.argv[1]), Path(sys.argv[2]))
     else:
         script_main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -221,6 +221,11 @@ class Proxies:
         self._holders: set[object] = set()  # the sampled forwards in flight that installed them
         self._left_in_place: list[str] = []  # layers whose proxy a replacement kept
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a lock of its own, since another thread of the parent may have
+        held this one at the fork (a sampled forward's start or end), and `restore` takes it."""
+        self._lock = threading.Lock()
+
     def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
         """Install the root's proxy, which stays until `restore`."""
         install_proxy(module, wrapper, None, self._token)

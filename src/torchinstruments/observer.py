@@ -582,6 +582,7 @@ class Observer:
         self.forked = True
         self.closed = True
         self.in_flight.samples.clear()  # layer proxies of a forward in progress become inert
+        self.proxies.after_fork_in_child()  # the child's remove_observer takes their lock
         self.gradients.closed = True
 
     def warn_once(self, key: str, message: str) -> None:

@@ -133,3 +133,18 @@ def test_deepcopy_of_observed_model_is_exactly_a_plain_deepcopy(run_dir: Path) -
         assert freed() is None  # no reference cycle through a bound forward
     finally:
         gc.enable()
+
+
+def test_deepcopy_of_an_observed_module_with_its_own_deepcopy_leaves_nothing_of_ours(
+    run_dir: Path,
+) -> None:
+    """torch.fx's GraphModule copies itself without `__setstate__`: its copy is plain too."""
+    traced = torch.fx.symbolic_trace(mlp())
+    inject_observer(traced, output_dir=run_dir)
+    clone = copy.deepcopy(traced)
+    remove_observer(traced)
+    assert "__setstate__" not in clone.__dict__
+    assert not isinstance(clone.__dict__.get("forward"), ForwardProxy)
+    assert torch.equal(
+        pickle.loads(pickle.dumps(clone))(torch.ones(1, 8)), traced(torch.ones(1, 8))
+    )

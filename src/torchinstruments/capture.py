@@ -102,7 +102,10 @@ class ForwardProxy(wrapt.FunctionWrapper):
         # copy.deepcopy registers the new module in `memo` before it copies the module's
         # __dict__, so the copy gets the class's forward bound to itself, and then drops it.
         bound = type(new_module).forward.__get__(new_module)
-        if not new_module.__dict__:  # its state is being copied now, and set right after
+        # Copied by `copy._reconstruct` (no `__deepcopy__` of its class, which may never call
+        # `__setstate__`, e.g. torch.fx's GraphModule), whose state is being copied now, and
+        # set right after: drop the bound method then.
+        if not new_module.__dict__ and getattr(type(new_module), "__deepcopy__", None) is None:
             new_module.__dict__["__setstate__"] = _set_state_without(new_module, bound)
         return bound
 

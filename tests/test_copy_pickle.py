@@ -148,3 +148,15 @@ def test_deepcopy_of_an_observed_module_with_its_own_deepcopy_leaves_nothing_of_
     assert torch.equal(
         pickle.loads(pickle.dumps(clone))(torch.ones(1, 8)), traced(torch.ones(1, 8))
     )
+
+
+def test_shallow_copy_shares_the_observed_forward_as_documented(run_dir: Path) -> None:
+    """The documented limit: `copy.copy` copies `__dict__` as is, proxy included, so the copy's
+    calls are the original's root forwards (use deepcopy for a plain copy)."""
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    shallow = copy.copy(model)
+    assert isinstance(shallow.__dict__["forward"], ForwardProxy)
+    shallow(torch.randn(2, 8))
+    remove_observer(model)
+    assert read_history(run_dir)["forward_index"].unique().to_list() == [0]

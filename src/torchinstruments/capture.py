@@ -27,7 +27,8 @@ the walk over what a forward returned in `outputs`.
 
 Copies: `copy.deepcopy` and `pickle`/`torch.save` of an observed model give a plain, unobserved
 model. The proxy reduces to what was there before injection: the pre-existing instance `forward`,
-or else the class's `forward` bound to the copy. A deep copy then drops that bound method again
+or else the class's `forward` bound to the copy. A deep copy that `copy.deepcopy` reconstructs
+(every module whose class has no `__deepcopy__` of its own) then drops that bound method again
 (a `__setstate__` of the copy's own, set on the copy under construction and gone once its state
 is set), so it is exactly a deep copy of the unobserved model: no `forward` of its own (no
 reference cycle: an EMA copy per step is freed at once), and `torch.save` of it loads with
@@ -35,6 +36,11 @@ reference cycle: an EMA copy per step is freed at once), and `torch.save` of it 
 the class's): the pickle can only name it through `getattr`, which `torch.load(weights_only=True)`
 refuses, so a whole-module `torch.save` of an observed model loads with `weights_only=False`
 (save its `state_dict`, a deep copy, or the model after `remove_observer` otherwise).
+A shallow `copy.copy` copies the module's `__dict__` as it is, without calling anything of the
+proxy: the copy shares the root's proxy, so its calls run the original's forward (on the
+original's attributes) and count in the original's run. That cannot be told apart without
+inspecting the caller's frame on every root forward; make copies with `copy.deepcopy`, or
+before `inject_observer` or after `remove_observer`.
 """
 
 from __future__ import annotations

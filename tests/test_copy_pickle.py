@@ -6,8 +6,10 @@ import copy
 import gc
 import io
 import pickle
+import warnings
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from torchinstruments import EveryNForwardsSampler, has_observer, inject_observe
 from torchinstruments.capture import ForwardProxy
 
 from conftest import mlp, read_history
+
+SPAWN_TIMEOUT_S = 60.0
 
 
 def assert_plain_copy(original: nn.Module, clone: nn.Module) -> None:
@@ -160,3 +164,39 @@ def test_shallow_copy_shares_the_observed_forward_as_documented(run_dir: Path) -
     shallow(torch.randn(2, 8))
     remove_observer(model)
     assert read_history(run_dir)["forward_index"].unique().to_list() == [0]
+
+
+def spawned_child(model: nn.Module, done: Any) -> None:
+    """In a 'spawn' child: run the model it was given, then try to remove its observer."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 8))
+        observed = has_observer(model)
+        remove_observer(model)
+    done.put({"observed": observed, "warnings": [str(w.message) for w in caught]})
+
+
+@pytest.mark.timeout(150)
+def test_a_spawned_child_runs_a_plain_copy_and_its_removal_says_why(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    try:
+        model(torch.randn(2, 8))
+        context = torch.multiprocessing.get_context("spawn")
+        done = context.SimpleQueue()
+        child = context.Process(target=spawned_child, args=(model, done))
+        child.start()
+        child.join(SPAWN_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        assert child.exitcode == 0
+        facts = done.get()
+    finally:
+        remove_observer(model)
+    assert not facts["observed"]
+    [message] = facts["warnings"]
+    assert "has no observer" in message
+    assert "a copy" in message
+    assert "'spawn'" in message
+    assert read_history(run_dir)["forward_index"].unique().to_list() == [0]  # the parent's only

@@ -77,6 +77,12 @@ _COMPILED_FROM_THE_TOP = (
     "torch.compile(model), for unchanged graphs"
 )
 
+# Why a model has no observer: a copy is the likeliest surprise (a model sent to a process started
+# with 'spawn' or 'forkserver' is unpickled there), and it cannot be told from a model never observed.
+_NO_OBSERVER_WHY = (
+    "never injected, already removed, or a copy of an observed model: deepcopy, pickle, torch.load "
+    "and a process started with 'spawn' or 'forkserver' get a plain, unobserved model"
+)
 _OBSERVERS: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
 # Models injected on a rank that attaches nothing: removing them is expected and stays quiet.
 _UNATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -198,7 +204,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     index.md, and closes the directory's TensorBoard events. `model` may be the module given
     to `inject_observer` or a `torch.compile` wrapper of it (or the module a wrapper given to
     `inject_observer` compiles). On a rank that attached nothing it does nothing, quietly; on a
-    model that has no observer (never injected, or already removed) it does nothing and warns,
+    model that has no observer (never injected, already removed, or a copy) it does nothing and warns,
     so a `try/finally` that removes is always safe, and a removal that missed is never silent.
     In a process forked from the observing one it only restores the forwards there (the run
     is the parent's: nothing of it is touched) and returns None.
@@ -218,7 +224,7 @@ def remove_observer(model: nn.Module) -> Path | None:
             return None
         warn(
             f"torchinstruments: remove_observer: this {type(model).__name__} has no observer "
-            "(never injected, or already removed); nothing was done"
+            f"({_NO_OBSERVER_WHY}); nothing was done"
         )
         return None
     observer = _OBSERVERS.pop(key)
@@ -297,7 +303,7 @@ def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
         if model not in _UNATTACHED:
             warn(
                 f"torchinstruments: set_step: this {type(model).__name__} has no observer "
-                "(never injected, or already removed); the step was not recorded"
+                f"({_NO_OBSERVER_WHY}); the step was not recorded"
             )
         return
     _OBSERVERS[key].step = value

@@ -36,6 +36,7 @@ from torchinstruments import (
 )
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.state import Status, read_state
 
 from conftest import sgd_step
@@ -198,6 +199,47 @@ def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_ag
         (0, [0]),
         (1, [1]),
     ]
+    assert read_state(run).status is Status.COMPLETE
+
+
+def test_a_live_run_is_refused_as_live_and_never_with_a_command_that_refuses_again(
+    tmp_path: Path,
+) -> None:
+    """A second process (or a model re-run in a notebook) pointed at a run another process still
+    writes is told so; `resume=True`, which a live run refuses too, is not what it is told."""
+    run, checkpoint = tmp_path / "stats", tmp_path / "ckpt.pt"
+    writer = run_child(run, checkpoint, None)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not list_parts(run):
+            assert writer.poll() is None, writer.stderr.read().decode() if writer.stderr else ""
+            assert time.monotonic() < deadline, "the writer wrote no part"
+            time.sleep(0.01)
+        with pytest.raises(FileExistsError) as refused:
+            inject_observer(nn.Linear(2, 2), output_dir=run)
+        with pytest.raises(RunLockedError, match="live process"):
+            inject_observer(nn.Linear(2, 2), output_dir=run, resume=True)
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+    message = str(refused.value)
+    assert f"live process (pid {writer.pid})" in message
+    assert "new output_dir" in message
+    assert "pass resume=True" not in message
+
+
+def test_a_run_live_in_this_process_is_refused_naming_the_model_not_removed(
+    tmp_path: Path,
+) -> None:
+    """A notebook cell run again: the model it observed before was never removed."""
+    run = tmp_path / "stats"
+    first = nn.Linear(2, 2)
+    inject_observer(first, output_dir=run)
+    try:
+        with pytest.raises(FileExistsError, match="this process: a model observed here was not"):
+            inject_observer(nn.Linear(2, 2), output_dir=run)
+    finally:
+        remove_observer(first)
     assert read_state(run).status is Status.COMPLETE
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,18 +52,21 @@ def _refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) 
     holder = live_writer(directory)
     if holder is None:
         return
+    here = holder == f" (pid {os.getpid()})"  # a model observed here, not removed (a notebook)
+    ended = " (once that run has ended, resume=True continues it there)"
     advice = (
         " If this process is one rank of a torch.distributed job: inject_observer found "
         "neither a process group nor the launcher's RANK and WORLD_SIZE, so every rank took "
         "output_dir for its own. Call inject_observer after init_process_group (or launch with "
         "torchrun), so that rank_policy='all' writes output_dir/rank-NNN/ per rank and 'rank0' "
-        "attaches on rank 0 only; otherwise pass each process its own output_dir."
+        f"attaches on rank 0 only; otherwise pass a new output_dir{ended}."
         if run.rank is None
-        else " Pass each process its own output_dir."
+        else f" Pass each process a new output_dir of its own{ended}."
     )
     raise FileExistsError(
-        f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now: "
-        f"two processes cannot write one run, and resume=True would be refused too.{advice}"
+        f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now"
+        + (" (this process: a model observed here was not removed)" if here else "")
+        + f": two processes cannot write one run, and resume=True would be refused too.{advice}"
     ) from refused
 
 

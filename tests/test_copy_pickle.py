@@ -177,7 +177,7 @@ def spawned_child(model: nn.Module, done: Any) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_spawned_child_runs_a_plain_copy_and_its_removal_says_why(run_dir: Path) -> None:
+def test_a_model_sent_to_a_spawned_child_is_said_to_run_unobserved_there(run_dir: Path) -> None:
     model = mlp()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     try:
@@ -185,7 +185,8 @@ def test_a_spawned_child_runs_a_plain_copy_and_its_removal_says_why(run_dir: Pat
         context = torch.multiprocessing.get_context("spawn")
         done = context.SimpleQueue()
         child = context.Process(target=spawned_child, args=(model, done))
-        child.start()
+        with pytest.warns(RuntimeWarning, match="started with 'spawn' or 'forkserver'") as said:
+            child.start()
         child.join(SPAWN_TIMEOUT_S)
         if child.is_alive():
             child.kill()
@@ -194,6 +195,9 @@ def test_a_spawned_child_runs_a_plain_copy_and_its_removal_says_why(run_dir: Pat
         facts = done.get()
     finally:
         remove_observer(model)
+    [sent] = [str(w.message) for w in said if "torchinstruments" in str(w.message)]
+    assert "runs unobserved" in sent
+    assert "inject_observer in that process" in sent
     assert not facts["observed"]
     [message] = facts["warnings"]
     assert "has no observer" in message

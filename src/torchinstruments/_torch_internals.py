@@ -49,6 +49,7 @@ __all__ = [
     "opaque_to_compilation",
     "optimized_module_original",
     "pause_compilation",
+    "pickled_for_a_new_process",
     "queue_at_backward_end",
     "registered_tensor_slots",
     "resume_compilation",
@@ -86,6 +87,19 @@ def called_through_module_call(depth: int = 2) -> bool:
     while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
         frame = frame.f_back
     return frame is not None and frame.f_code in _MODULE_CALL_CODES
+
+
+def pickled_for_a_new_process() -> bool:
+    """Whether the pickling under way is multiprocessing's, of a process being started with
+    'spawn' or 'forkserver' (its arguments are unpickled in a fresh interpreter).
+
+    Relies on CPython's `multiprocessing.context.get_spawning_popen`, set on this thread while
+    such a start pickles the `Process` (undocumented; torch's own reductions read it too).
+    Checked on CPython 3.11.
+    """
+    from multiprocessing import context  # imported by torch already; not at our import
+
+    return context.get_spawning_popen() is not None
 
 
 def child_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -36,6 +36,9 @@ reference cycle: an EMA copy per step is freed at once), and `torch.save` of it 
 the class's): the pickle can only name it through `getattr`, which `torch.load(weights_only=True)`
 refuses, so a whole-module `torch.save` of an observed model loads with `weights_only=False`
 (save its `state_dict`, a deep copy, or the model after `remove_observer` otherwise).
+Pickled to start a process with 'spawn' or 'forkserver' (`multiprocessing`, a DataLoader worker
+whose dataset holds it, `torch.multiprocessing.spawn`), the proxy warns: the child's copy runs
+unobserved, and only the parent can say so (a fork is `forks`'s case).
 A shallow `copy.copy` copies the module's `__dict__` as it is, without calling anything of the
 proxy: the copy shares the root's proxy, so its calls run the original's forward (on the
 original's attributes) and count in the original's run. That cannot be told apart without
@@ -55,10 +58,16 @@ from typing import Any
 import wrapt
 from torch import nn
 
-from torchinstruments._torch_internals import called_through_module_call, layer_by_layer
+from torchinstruments._torch_internals import (
+    called_through_module_call,
+    layer_by_layer,
+    pickled_for_a_new_process,
+)
+from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo
 
 __all__ = [
+    "SENT_TO_A_NEW_PROCESS",
     "ForwardProxy",
     "FusedPathGuard",
     "LayerCapture",
@@ -71,6 +80,13 @@ __all__ = [
 ]
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+SENT_TO_A_NEW_PROCESS = (
+    "torchinstruments: an observed model is pickled for a process started with 'spawn' or "
+    "'forkserver': there it is a plain copy and runs unobserved (nothing it computes is recorded "
+    "in this run); to observe it, call inject_observer in that process, with an output_dir of "
+    "its own"
+)
 
 
 class ForwardProxy(wrapt.FunctionWrapper):
@@ -119,6 +135,8 @@ class ForwardProxy(wrapt.FunctionWrapper):
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if pickled_for_a_new_process():
+            warn(SENT_TO_A_NEW_PROCESS)  # said here: the child's copy cannot say it was observed
         if self._self_had_instance_forward:
             # The module's own forward is pickled as pickle would pickle it without us: a
             # function by reference (its own __reduce_ex__ would refuse it), any other object

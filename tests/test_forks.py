@@ -361,6 +361,45 @@ def test_a_child_forked_after_a_run_ended_is_refused_at_inject_instead_of_hangin
     assert not (tmp_path / "child-after").exists()
 
 
+def after_refusal_main(directory: Path, report: Path) -> None:
+    """An inject refused before any run opened here (the directory holds a run), then a fork:
+    that child may observe a run of its own, as one forked before any inject may."""
+    torch.set_num_threads(1)
+    directory.mkdir(parents=True)
+    (directory / "index.md").write_text("a run of another job\n", encoding="utf-8")
+    refused = ""
+    try:
+        inject_observer(small_model(), output_dir=directory)
+    except FileExistsError as error:
+        refused = str(error)
+    child_report = report.with_name("after-refusal.json")
+    pid = os.fork()
+    if pid == 0:
+        child_run(directory.with_name("child-after-refusal"), child_report)
+    status = wait_child(pid, CHILD_TIMEOUT_S)
+    child = json.loads(child_report.read_text("utf-8")) if child_report.exists() else None
+    facts = {"refused": refused, "status": status, "child": child}
+    report.write_text(json.dumps(facts), encoding="utf-8")
+
+
+@pytest.mark.timeout(150)
+def test_a_child_forked_after_a_refused_inject_may_observe_a_run_of_its_own(
+    tmp_path: Path,
+) -> None:
+    directory, report = tmp_path / "run", tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, __file__, str(directory), str(report), "after-refusal"],
+        timeout=2 * CHILD_TIMEOUT_S,
+        check=True,
+    )
+    facts = json.loads(report.read_text("utf-8"))
+    assert "already holds a run" in facts["refused"]
+    assert facts["status"] == 0
+    assert facts["child"] == {"refused": ""}
+    index = (tmp_path / "child-after-refusal" / "index.md").read_text("utf-8")
+    assert "**State: complete.**" in index
+
+
 def held_lock_main(directory: Path, report: Path) -> None:
     """Fork while another thread holds the lock under which the layers' proxies go on and off
     (as a concurrent sampled forward's start or end does); the child removes the observer."""
@@ -417,6 +456,8 @@ def test_a_child_forked_while_another_thread_held_the_proxies_lock_removes_witho
 if __name__ == "__main__":
     if sys.argv[3:] == ["after-removal"]:
         after_removal_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    elif sys.argv[3:] == ["after-refusal"]:
+        after_refusal_main(Path(sys.argv[1]), Path(sys.argv[2]))
     elif sys.argv[3:] == ["held-lock"]:
         held_lock_main(Path(sys.argv[1]), Path(sys.argv[2]))
     else:

@@ -494,7 +494,6 @@ def _open_run(
     placement = place_rank(output_dir, config.rank_policy)
     if not placement.attach:
         return None
-    forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
     layers = select_layers(model, config.selector)
     focus = select_focus_layers(layers, config.histogram_selector, config.max_histogram_modules)
     infos = tuple(info for _, info in layers)

@@ -121,6 +121,7 @@ class DirectorySink:
         """
         continuation, previous = None, None
         if resume and holds_run(self.directory):
+            forks.opened_a_run()  # finalizing the earlier attempt uses Polars, which a fork breaks
             continuation, previous = open_continuation(self.directory, run)
         else:
             try:
@@ -128,6 +129,7 @@ class DirectorySink:
             except FileExistsError as refused:
                 _refuse_a_live_run(self.directory, run, refused)
                 raise
+            forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         forks.track(self)

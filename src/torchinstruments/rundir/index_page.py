@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchinstruments import reasons
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -109,12 +110,8 @@ def _section_state(state: RunState) -> list[str]:
         lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
         return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
     lost_bound = _lost_bound(f"flush_seconds={run.history.flush_seconds} s")
-    in_flight = (
-        "remove_observer was called while a sample was in flight: "
-        f"{partial_in_flight(state.removed_in_flight)} (see the note below)"
-        if state.removed_in_flight
-        else None
-    )
+    said = _in_flight(state)
+    in_flight = None if said is None else f"{said} (see the note below)"
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
         lines += [f"- {problem}" for problem in state.problems]
@@ -127,7 +124,7 @@ def _section_state(state: RunState) -> list[str]:
             lines.append(f"- {in_flight}")
         return [*lines, ""]
     also = "" if in_flight is None else f" Also, {in_flight}."
-    killed = killed_before_last(state)
+    killed = _killed_before_last(state)
     if status is Status.INTERRUPTED and killed:
         usual = " as usual" if in_flight is None else ""
         return [
@@ -167,7 +164,15 @@ def partial_in_flight(sample_ids: tuple[int, ...]) -> str:
     return f"sample{'s' * several} {ranges(sample_ids)} {'are' if several else 'is'} partial"
 
 
-def killed_before_last(state: RunState) -> tuple[int, ...]:
+def _in_flight(state: RunState) -> str | None:
+    """The samples in flight at the last removal, as the state line and `show` say them."""
+    if not state.removed_in_flight:
+        return None
+    partial = partial_in_flight(state.removed_in_flight)
+    return f"{reasons.REMOVED_IN_FLIGHT}: {partial}"
+
+
+def _killed_before_last(state: RunState) -> tuple[int, ...]:
     """The attempts that ended without remove_observer when a later attempt was removed; empty
     for a run of one attempt or whose last attempt was killed. index.md's state line and `show`
     name them: "the process" would read as the last attempt's, which was removed."""
@@ -178,20 +183,16 @@ def killed_before_last(state: RunState) -> tuple[int, ...]:
 
 def _who_ended_unremoved(state: RunState) -> str:
     """`attempt(s) 0-1` when earlier attempts ended without remove_observer, else `the process`."""
-    killed = killed_before_last(state)
+    killed = _killed_before_last(state)
     return f"attempt(s) {ranges(killed)}" if killed else "the process"
 
 
 def interrupted_sentence(state: RunState) -> str:
     """`show`'s state of an interrupted run, in the words of index.md's state line: which
     attempts ended without remove_observer, and a sample in flight at the last removal."""
-    also = (
-        f"; remove_observer was called while a sample was in flight: "
-        f"{partial_in_flight(state.removed_in_flight)}"
-        if state.removed_in_flight
-        else ""
-    )
-    killed = killed_before_last(state)
+    in_flight = _in_flight(state)
+    also = "" if in_flight is None else f"; {in_flight}"
+    killed = _killed_before_last(state)
     if killed:
         return (
             f"interrupted in an earlier attempt (attempt(s) {ranges(killed)} ended without "
@@ -376,7 +377,6 @@ __all__ = [
     "bound_count",
     "counts_sentence",
     "interrupted_sentence",
-    "killed_before_last",
     "partial_in_flight",
     "render_index",
     "write_index",

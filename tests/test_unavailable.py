@@ -14,6 +14,7 @@ model still learns.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from torchinstruments import (
     DEFAULT_METRICS,
+    AbsMax,
     EveryNForwardsSampler,
     inject_observer,
     remove_observer,
@@ -341,3 +343,89 @@ def test_nested_output_is_measured_over_its_components_entries(tmp_path: Path) -
     assert got["mean"] == pytest.approx(float(entries.astype(np.float64).mean()))
     assert got["max"] == pytest.approx(float(entries.max()))
     assert rows["shape"].to_list() == [None] * 9
+
+
+class ShapeProbe(nn.Module):
+    """Returns a tensor on the meta device (a shape and a dtype, no values), as a layer that
+    works out an output's shape without computing it does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, device="meta")
+
+
+class WithProbe(nn.Module):
+    """A real model with a meta-device probe beside its real layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(5, 8)
+        self.probe = ShapeProbe()
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x)
+        self.probe(h)
+        return self.act(h)
+
+
+META_REASON = "unsupported device meta"
+
+
+@pytest.mark.parametrize("reducers", [None, [AbsMax()]], ids=["default", "custom"])
+def test_a_meta_output_has_null_rows_and_the_other_tensors_of_its_sample_keep_theirs(
+    tmp_path: Path, reducers: list[AbsMax] | None
+) -> None:
+    model = WithProbe()
+    seen: dict[str, np.ndarray] = {}  # what each real layer returned, as a hook sees it
+
+    def keep(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        seen["hidden" if module is model.hidden else "act"] = output.detach().numpy().copy()
+
+    model.hidden.register_forward_hook(keep)
+    model.act.register_forward_hook(keep)
+    inject_observer(
+        model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1), reducers=reducers
+    )
+    x = torch.randn(4, 5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*failed")  # no "recording a sample failed"
+        model(x).sum().backward()
+    remove_observer(model)
+    history = read_history(tmp_path / "s")
+    probe = history.filter(layer="probe")
+    assert probe.height == 9 + (1 if reducers else 0)
+    assert probe["value"].null_count() == probe.height
+    assert set(probe["unavailable_reason"].to_list()) == {META_REASON}
+    assert probe["shape"].to_list()[0] == [4, 8]
+    assert set(probe["dtype"].to_list()) == {"float32"}
+    for layer, values in seen.items():
+        for signal in ("output", "output_gradient"):
+            rows = history.filter(layer=layer, signal=signal)
+            assert rows.filter(pl.col("metric").is_in(DEFAULT_METRICS)).height == 9
+            if signal == "output":
+                got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
+                assert_matches_numpy(got, values)
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert "recording a sample failed" not in index
+    assert "`unsupported device meta`" in index
+
+
+def test_a_model_run_on_the_meta_device_has_null_rows_for_outputs_and_gradients(
+    tmp_path: Path,
+) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 1))
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*failed")
+        for _ in range(2):
+            model(torch.randn(4, 5, device="meta")).sum().backward()
+    remove_observer(model)
+    history = read_history(tmp_path / "s")
+    assert history.height == 2 * 3 * 2 * 9  # samples x layers x signals x metrics
+    assert history["value"].null_count() == history.height
+    assert set(history["unavailable_reason"].to_list()) == {META_REASON}
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert "recording a sample failed" not in index
+    assert "recording gradients failed" not in index
+    assert "`unsupported device meta`" in index

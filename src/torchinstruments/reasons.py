@@ -17,6 +17,7 @@ __all__ = [
     "BACKWARD_RAISED",
     "CUT_IN_BOOKKEEPING",
     "EMPTY",
+    "META_DEVICE",
     "NON_FINITE_RESULT",
     "NO_FINITE",
     "NO_VALUE",
@@ -64,6 +65,8 @@ EMPTY = "empty tensor"
 NO_FINITE = "no finite entries"
 NON_FINITE_RESULT = "non-finite result"
 NO_VALUE = "reducer returned no value"
+# A tensor on the meta device has a shape and a dtype but no values to read.
+META_DEVICE = "unsupported device meta"
 RECORD_NO_VALUE = "record error: value missing"
 EMPTY_GLOBAL = "empty tensor over every rank"
 NOT_GLOBAL_CUSTOM = (
@@ -93,6 +96,11 @@ REASONS: tuple[Reason, ...] = (
         "unsupported layout <layout>",
         "a sparse or other non-strided tensor too large to densify (over 2**26 entries; "
         "smaller ones are measured as the dense tensor they stand for)",
+    ),
+    Reason(
+        META_DEVICE,
+        "a tensor on the meta device (a model built or run under torch.device('meta')) has a "
+        "shape and a dtype but no values; the other tensors of its sample are measured",
     ),
     Reason(
         "partial sums (DTensor placement <placement>): not the layer's output",

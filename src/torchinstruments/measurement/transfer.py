@@ -66,8 +66,8 @@ def launch_tensor(
     focus: bool,
     reason: str | None = None,
 ) -> PendingTensor:
-    """Launch the device-side reductions of one tensor, or with `reason` none (every metric null
-    with it, nothing to transfer); a failure becomes null + reason.
+    """Launch the device-side reductions of one tensor; with `reason`, or on the meta device (no
+    values to transfer), none: every metric null with it. A failure becomes null + reason.
 
     What is measured is the tensor's `tensors.measured_form` (torch.func wrappers unwrapped, a
     DTensor's local tensor, ...), reduced with torch.func's transforms switched off, so that the
@@ -78,6 +78,7 @@ def launch_tensor(
     try:
         with _outside_torch_func():
             form = tensors.measured_form(tensor)
+            reason = reason or (reasons.META_DEVICE if tensor.is_meta else None)
             if reason is not None or form.values is None:
                 reduction = measurer.unavailable(reason or form.reason or reasons.NO_VALUE)
             elif focus:
@@ -86,8 +87,7 @@ def launch_tensor(
                 reduction = measurer.launch(form.values)
     except Exception as error:
         reduction = measurer.unavailable(reason or reasons.error("measurement", error))
-    if form is None:
-        form = tensors.MeasuredForm(None, tensors.shape_of(tensor))
+    form = form or tensors.MeasuredForm(None, tensors.shape_of(tensor))
     return PendingTensor(
         key,
         form.shape,

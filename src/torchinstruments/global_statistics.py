@@ -65,7 +65,7 @@ from torchinstruments.measurement.numerics import (
     quartile_positions,
 )
 from torchinstruments.measurement.order import sortable_keys
-from torchinstruments.measurement.tensors import dtype_name
+from torchinstruments.measurement.tensors import dtype_name, measured_form
 from torchinstruments.records import OUTPUT, MetricValue
 
 RADIX_BITS = 8
@@ -148,7 +148,7 @@ class GlobalTensor:
     partial: bool
     ranks: tuple[int, ...]
     group: Any
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None  # None: a nested tensor's (no fixed shape)
     dtype: str
     placement: str | None
     coordinate: tuple[int, ...] | None
@@ -179,8 +179,11 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
     """The GlobalTensor for `tensor` if it is measured over a group, else None (local rows).
 
     A DTensor on a 1-D mesh with a Shard or Partial(sum) placement is measured over the mesh's
-    group; with a group named, so is every plain floating tensor. Anything else (Replicate,
-    multi-dimensional meshes, integer tensors) keeps its local rows.
+    group; with a group named, so is every plain floating tensor, in the form its local rows
+    would measure (`measured_form`: a sparse tensor as the dense one it stands for, a nested
+    one's component entries with a null shape). Anything else (Replicate, multi-dimensional
+    meshes, integer tensors, tensor subclasses, meta tensors, which have no values) keeps its
+    local rows, so a tensor that cannot be measured globally never costs the others theirs.
     """
     dtensor = _dtensor_class()
     if dtensor is not None and isinstance(tensor, dtensor):
@@ -200,10 +203,14 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
         label = f"{name}({placement.reduce_op if partial else placement.dim})"
         coordinate = tuple(mesh.get_coordinate() or ())
     elif option.group is not None and isinstance(tensor, torch.Tensor):
-        if type(tensor) is not torch.Tensor:
-            return None
-        group, local, partial, label, coordinate = option.group, tensor, False, None, None
-        shape = tuple(tensor.shape)
+        if type(tensor) is not torch.Tensor or tensor.is_meta:
+            return None  # a meta tensor has no values: its local rows say so
+        # What the local rows measure: a sparse tensor densified, a nested one's entries.
+        form = measured_form(tensor)
+        if form.values is None:
+            return None  # too large to densify: its local rows say so
+        group, local, partial, label, coordinate = option.group, form.values, False, None, None
+        shape = form.shape
     else:
         return None
     if not (local.is_floating_point()):

@@ -1,0 +1,121 @@
+"""global_statistics over outputs of unusual kinds: each tensor's failure stays in its own rows.
+
+Two gloo ranks, each its own batch, the world group named. Beside ordinary layers the model
+has a layer returning a sparse COO tensor, one returning a (strided) nested tensor and one
+returning a tensor on the meta device (a shape probe). The sparse output gets global rows of
+the dense tensor it stands for, the nested one of its components' entries (shape null, as its
+local rows have), both equal to NumPy's statistics of every rank's values gathered by the test
+through plain forward hooks; the meta output, which has no values, keeps its local rows (null,
+"unsupported device meta"); and no other layer's global rows are lost to those tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import run_ranks
+from test_global_statistics import check, global_rows
+from torch import nn
+
+LAYERS = ("hidden", "sparse", "nested", "act")
+
+
+class Sparse(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.relu().to_sparse()
+
+
+class Ragged(nn.Module):
+    """Each row's first `i + 1` entries: a nested tensor of rows of different lengths."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([row[: i + 1] for i, row in enumerate(x)])
+
+
+class Probe(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, device="meta")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(4, 6)
+        self.sparse = Sparse()
+        self.nested = Ragged()
+        self.probe = Probe()
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x)
+        self.sparse(h)
+        self.nested(h)
+        self.probe(h)
+        return self.act(h)
+
+
+def entries(output: torch.Tensor) -> np.ndarray:
+    """What a row describes: a sparse tensor's dense values, a nested one's components'."""
+    if output.is_nested:
+        return np.concatenate([c.detach().numpy().ravel() for c in output.unbind()])
+    return output.detach().to_dense().numpy().ravel()
+
+
+def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        seen: dict[str, np.ndarray] = {}
+        for name in LAYERS:
+            getattr(model, name).register_forward_hook(
+                lambda m, a, out, name=name: seen.__setitem__(name, entries(out))
+            )
+        inject_observer(
+            model,
+            output_dir=output_dir,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        torch.manual_seed(10 + rank)
+        model(torch.randn(3 + rank, 4)).sum().backward()  # uneven batches
+        remove_observer(model)
+        gathered: list[object] = [None] * world_size
+        dist.all_gather_object(gathered, {name: seen[name].tolist() for name in LAYERS})
+        if rank == 0:
+            Path(output_dir, "seen.json").write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_sparse_nested_and_meta_outputs_keep_their_failures_in_their_own_rows(
+    tmp_path: Path,
+) -> None:
+    run_ranks(worker, str(tmp_path))
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    for rank in range(2):
+        directory = tmp_path / f"rank-{rank:03d}"
+        history = pl.read_parquet(directory / "history.parquet")
+        outputs = history.filter(pl.col("signal") == "output")
+        assert outputs.filter(pl.col("unavailable_reason").str.contains("global")).height == 0
+        for layer in LAYERS:
+            whole = np.concatenate([np.array(part[layer], dtype=np.float32) for part in seen])
+            check(global_rows(directory, layer), whole)
+        assert outputs.filter(pl.col("layer") == "nested")["shape"].to_list() == [None] * 9
+        probe = outputs.filter(pl.col("layer") == "probe")
+        assert probe.height == 9
+        assert set(probe["unavailable_reason"].to_list()) == {"unsupported device meta"}
+        assert probe["population"].null_count() == 9

@@ -98,6 +98,22 @@ class Subclass(torch.Tensor):
     """A `__torch_function__` subclass (its ops return the subclass)."""
 
 
+def through(
+    make: Callable[[torch.Tensor], torch.Tensor], back: Callable[[torch.Tensor], torch.Tensor]
+) -> nn.Module:
+    """Linear -> the kind -> `back` (a real dense tensor again), so a gradient flows into it."""
+    return nn.Sequential(nn.Linear(4, 6), Kind(make), Kind(back))
+
+
+def sparse_sum(x: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.sum(x, dim=1).to_dense()
+
+
+def entries(x: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's components' entries, one after the other."""
+    return torch.cat([component.reshape(-1) for component in x.unbind()])
+
+
 def chain(make: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> nn.Module:
     """Linear -> the kind -> Tanh, in `dtype`."""
     return nn.Sequential(nn.Linear(4, 6), Kind(make), nn.Tanh()).to(dtype)
@@ -220,7 +236,12 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Step]]] = {
     "sparse CSR": lambda: (Side(lambda x: x.relu().to_sparse_csr()), train()),
     "nested": lambda: (Side(nested), train()),
     "nested jagged": lambda: (Side(jagged), train()),
-    "complex (FFT)": lambda: (Side(torch.fft.fft), train()),
+    "sparse COO with its gradient": lambda: (
+        through(lambda x: x.relu().to_sparse(), sparse_sum),
+        train(),
+    ),
+    "nested with its gradient": lambda: (through(nested, entries), train()),
+    "complex (FFT) with its gradient": lambda: (through(torch.fft.fft, torch.abs), train()),
     "quantized": lambda: (
         Side(lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)),
         train(),
@@ -242,3 +263,6 @@ def test_each_kind_of_tensor_equals_plain_hooks(
         result = run_both(model, step, run_dir, steps=2, **extra)
     result.assert_conforms()
     assert result.history.height > 0
+    if case.endswith("with its gradient"):  # the kind's own gradient rows are there
+        gradients = result.history.filter(layer="1", signal="output_gradient", metric="mean")
+        assert gradients.height == 2

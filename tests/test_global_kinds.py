@@ -6,7 +6,9 @@ returning a tensor on the meta device (a shape probe). The sparse output gets gl
 the dense tensor it stands for, the nested one of its components' entries (shape null, as its
 local rows have), both equal to NumPy's statistics of every rank's values gathered by the test
 through plain forward hooks; the meta output, which has no values, keeps its local rows (null,
-"unsupported device meta"); and no other layer's global rows are lost to those tensors.
+"unsupported device meta"); and no other layer's global rows are lost to those tensors. Under
+`torch.func.vmap` the outputs are batched wrappers: their global rows are those of what the plain
+model computes on every rank's whole batch, as their local rows would be (unwrapped).
 """
 
 from __future__ import annotations
@@ -92,8 +94,27 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         torch.manual_seed(10 + rank)
         model(torch.randn(3 + rank, 4)).sum().backward()  # uneven batches
         remove_observer(model)
+        # under torch.func.vmap: the layers' outputs are batched wrappers
+        torch.manual_seed(1)
+        chain = nn.Sequential(nn.Linear(4, 6), nn.Tanh())
+        inject_observer(
+            chain,
+            output_dir=str(Path(output_dir) / "vmap"),
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        torch.manual_seed(20 + rank)
+        batch = torch.randn(2 + rank, 4)
+        params = {name: p.detach() for name, p in chain.named_parameters()}
+        call = lambda p, x: torch.func.functional_call(chain, p, (x,))  # noqa: E731
+        torch.func.vmap(call, in_dims=(None, 0))(params, batch)
+        remove_observer(chain)
+        plain = chain(batch).detach()  # what the plain model computes
+        seen["vmap"] = plain.numpy().ravel()
         gathered: list[object] = [None] * world_size
-        dist.all_gather_object(gathered, {name: seen[name].tolist() for name in LAYERS})
+        names = (*LAYERS, "vmap")
+        dist.all_gather_object(gathered, {name: seen[name].tolist() for name in names})
         if rank == 0:
             Path(output_dir, "seen.json").write_text(json.dumps(gathered))
     finally:
@@ -101,7 +122,7 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
-def test_sparse_nested_and_meta_outputs_keep_their_failures_in_their_own_rows(
+def test_sparse_nested_meta_and_vmapped_outputs_keep_their_failures_in_their_own_rows(
     tmp_path: Path,
 ) -> None:
     run_ranks(worker, str(tmp_path))
@@ -119,3 +140,5 @@ def test_sparse_nested_and_meta_outputs_keep_their_failures_in_their_own_rows(
         assert probe.height == 9
         assert set(probe["unavailable_reason"].to_list()) == {"unsupported device meta"}
         assert probe["population"].null_count() == 9
+        whole = np.concatenate([np.array(part["vmap"], dtype=np.float32) for part in seen])
+        check(global_rows(directory.parent / "vmap" / directory.name, "1"), whole, 1e-6)

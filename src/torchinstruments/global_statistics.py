@@ -181,7 +181,8 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
     A DTensor on a 1-D mesh with a Shard or Partial(sum) placement is measured over the mesh's
     group; with a group named, so is every plain floating tensor, in the form its local rows
     would measure (`measured_form`: a sparse tensor as the dense one it stands for, a nested
-    one's component entries with a null shape). Anything else (Replicate, multi-dimensional
+    one's component entries with a null shape, a torch.func wrapper's underlying values: under
+    vmap the whole batch, which vmap's own ops could not reduce). Anything else (Replicate, multi-dimensional
     meshes, integer tensors, tensor subclasses, meta tensors, which have no values) keeps its
     local rows, so a tensor that cannot be measured globally never costs the others theirs.
     """
@@ -205,7 +206,7 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
     elif option.group is not None and isinstance(tensor, torch.Tensor):
         if type(tensor) is not torch.Tensor or tensor.is_meta:
             return None  # a meta tensor has no values: its local rows say so
-        # What the local rows measure: a sparse tensor densified, a nested one's entries.
+        # What the local rows measure: sparse densified, nested entries, torch.func unwrapped.
         form = measured_form(tensor)
         if form.values is None:
             return None  # too large to densify: its local rows say so

@@ -26,6 +26,8 @@ from test_distributed import run_ranks
 from test_global_statistics import check, global_rows
 from torch import nn
 
+from torchinstruments.measurement.tensors import TORCH_FUNC_NOTE
+
 LAYERS = ("hidden", "sparse", "nested", "act")
 
 
@@ -141,4 +143,6 @@ def test_sparse_nested_meta_and_vmapped_outputs_keep_their_failures_in_their_own
         assert set(probe["unavailable_reason"].to_list()) == {"unsupported device meta"}
         assert probe["population"].null_count() == 9
         whole = np.concatenate([np.array(part["vmap"], dtype=np.float32) for part in seen])
-        check(global_rows(directory.parent / "vmap" / directory.name, "1"), whole, 1e-6)
+        vmapped = directory.parent / "vmap" / directory.name
+        check(global_rows(vmapped, "1"), whole, 1e-6)
+        assert TORCH_FUNC_NOTE in (vmapped / "index.md").read_text(encoding="utf-8")

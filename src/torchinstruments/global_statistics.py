@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from torchinstruments import reasons
+from torchinstruments._torch_internals import is_functorch_wrapped
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
@@ -65,7 +66,7 @@ from torchinstruments.measurement.numerics import (
     quartile_positions,
 )
 from torchinstruments.measurement.order import sortable_keys
-from torchinstruments.measurement.tensors import dtype_name, measured_form
+from torchinstruments.measurement.tensors import TORCH_FUNC_NOTE, dtype_name, measured_form
 from torchinstruments.records import OUTPUT, MetricValue
 
 RADIX_BITS = 8
@@ -522,6 +523,12 @@ def keep(
     return claimed is not None
 
 
+def kept_note(tensor: torch.Tensor) -> str | None:
+    """What the run should say about a tensor `keep` took: that a torch.func wrapper's global
+    rows are of its unwrapped values (`TORCH_FUNC_NOTE`), as its local rows would say."""
+    return TORCH_FUNC_NOTE if is_functorch_wrapped(tensor) else None
+
+
 def sample_rows(
     option: GlobalOption | None,
     sample: Any,
@@ -554,6 +561,7 @@ __all__ = [
     "check_same_on_every_rank",
     "claim",
     "keep",
+    "kept_note",
     "measure",
     "sample_rows",
 ]

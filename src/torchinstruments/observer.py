@@ -91,7 +91,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter
 from torchinstruments.distributed import joined_after_inject
-from torchinstruments.global_statistics import keep, sample_rows
+from torchinstruments.global_statistics import keep, kept_note, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.transfer import (
@@ -485,10 +485,11 @@ class Observer:
             )
             key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
             if keep(self.global_option, sample.global_pending, key, tensor, self.failed_once):
-                continue  # measured when the sample ends
-            launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
-            sample.pending += launched
-            note = note_of(launched[0])
+                note = kept_note(tensor)  # measured when the sample ends
+            else:
+                launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
+                sample.pending += launched
+                note = note_of(launched[0])
             if note is not None and note not in self.notes:
                 self.notes.append(note)  # said in index.md at removal, and warned now
                 self.warn_once(note, note)

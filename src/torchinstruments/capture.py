@@ -52,7 +52,7 @@ import copy
 import operator
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import wrapt
@@ -60,6 +60,7 @@ from torch import nn
 
 from torchinstruments._torch_internals import (
     called_through_module_call,
+    has_fused_fast_path,
     layer_by_layer,
     pickled_for_a_new_process,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "Proxies",
     "WarnOnce",
     "Wrapper",
+    "follow_class_forward",
     "install_proxy",
     "left_in_place_note",
     "restore_proxy",
@@ -184,6 +186,17 @@ def install_proxy(
     return proxy
 
 
+def follow_class_forward(proxy: ForwardProxy, module: nn.Module) -> Callable[..., Any]:
+    """Make `proxy`, which wraps `module`'s class's `forward` bound to `module`, wrap the one the
+    class has now, and return it. The root's proxy stays for the whole run, so without this a
+    class `forward` replaced after injection (a torch.fx GraphModule's `recompile()`, which sets
+    it on the module's own class; `type(model).forward = ...`; a new `__class__`) would never
+    run: the model would keep computing the old one until removal."""
+    bound = type(module).forward.__get__(module, type(module))
+    proxy.__wrapped__ = bound
+    return bound
+
+
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:
     """Whether `proxy` wraps `module`'s class's current `forward`, bound to `module`."""
     wrapped = proxy.__wrapped__
@@ -253,10 +266,37 @@ class Proxies:
         held this one at the fork (a sampled forward's start or end), and `restore` takes it."""
         self._lock = threading.Lock()
 
-    def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
-        """Install the root's proxy, which stays until `restore`."""
-        install_proxy(module, wrapper, None, self._token)
+    def register(
+        self,
+        observer: Any,
+        root: nn.Module,
+        layers: Sequence[tuple[nn.Module, LayerInfo]],
+        focus: set[str],
+    ) -> LayerCapture | None:
+        """Register a `LayerCapture` per selected layer (`focus`: the focus layers' names) and a
+        `FusedPathGuard` on every module that could skip selected layers with a fused kernel;
+        `observer` is the observer.Observer. Returns the root's capture where the root is itself
+        a layer: the root's own proxy measures it, so it gets none here."""
+        root_capture = None
+        for module, info in layers:
+            capture = LayerCapture(observer, module, info, info.name in focus)
+            if module is root:
+                root_capture = capture
+            else:
+                self.add_layer(module, info.name, capture.on_call)
+        selected = {id(module) for module, _ in layers}
+        for module in root.modules():
+            if has_fused_fast_path(module) and any(
+                id(inner) in selected for inner in module.modules() if inner is not module
+            ):
+                self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
+        return root_capture
+
+    def install_root(self, module: nn.Module, wrapper: Wrapper) -> ForwardProxy:
+        """Install the root's proxy, which stays until `restore`, and return it."""
+        proxy = install_proxy(module, wrapper, None, self._token)
         self._installed.append(weakref.ref(module))
+        return proxy
 
     def add_layer(self, module: nn.Module, name: str, wrapper: Wrapper) -> None:
         """Register a layer's proxy (`name` "" for a guard); installed by `install_layers`."""

@@ -27,7 +27,8 @@ Coverage: per selected layer the observer counts the sampled forwards in which i
 (`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers
 that never ran in one. A layer `forward` replaced between forwards is still observed (the proxy
 goes on top of the replacement for each sampled forward); one replaced during a sampled forward
-keeps the proxy inside it, and that is warned about when the forward ends.
+keeps the proxy inside it, and that is warned about when the forward ends. The root's class
+`forward` replaced (fx's `recompile()`) is followed at its next call (`_follow_class_forward`).
 
 torch.compile: `on_root_call` is never compiled (compilation.exclude_from_compilation) and decides
 with compilation paused; an unsampled forward then calls the compiled forward as the plain model
@@ -73,13 +74,14 @@ import torch
 from torch import nn
 
 from torchinstruments import forks, reasons
-from torchinstruments._torch_internals import (
-    called_through_module_call,
-    has_fused_fast_path,
-    is_tracing,
-    running,
+from torchinstruments._torch_internals import called_through_module_call, is_tracing, running
+from torchinstruments.capture import (
+    ForwardProxy,
+    LayerCapture,
+    Proxies,
+    follow_class_forward,
+    left_in_place_note,
 )
-from torchinstruments.capture import FusedPathGuard, LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
@@ -94,11 +96,7 @@ from torchinstruments.distributed import joined_after_inject
 from torchinstruments.global_statistics import keep, kept_note, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
-from torchinstruments.measurement.transfer import (
-    build_records,
-    launch,
-    note_of,
-)
+from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
@@ -179,6 +177,8 @@ class Observer:
         self._finalizer: weakref.finalize | None = None
         self._entry = ForwardEntry()
         self._root_layer: LayerCapture | None = None
+        self._root_proxy: ForwardProxy | None = None
+        self._follows_class = False  # the root's proxy wraps its class's forward (bound)
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
         self.layer_names: tuple[str, ...] = ()
@@ -209,21 +209,11 @@ class Observer:
         A model dropped (or a process ending) without `remove` still gets a complete run: the
         observer closes when `root` is garbage collected.
         """
-        for module, info in layers:
-            capture = LayerCapture(self, module, info, info.name in focus)
-            if module is root:
-                self._root_layer = capture
-            else:
-                self.proxies.add_layer(module, info.name, capture.on_call)
-        selected = {id(module) for module, _ in layers}
-        for module in root.modules():
-            if has_fused_fast_path(module) and any(
-                id(inner) in selected for inner in module.modules() if inner is not module
-            ):
-                self.proxies.add_layer(module, "", FusedPathGuard(self, module).on_call)
+        self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
-        self.proxies.install_root(root, self.on_root_call)
+        self._root_proxy = self.proxies.install_root(root, self.on_root_call)
+        self._follows_class = not self._root_proxy._self_had_instance_forward
         self._finalizer = weakref.finalize(root, self.close)
 
     def remove(self) -> tuple[str, ...]:
@@ -247,6 +237,8 @@ class Observer:
         Never compiled (see the end of this module); compilation is paused while it decides, so
         its bookkeeping never ends up in a graph, and resumed for an unsampled forward.
         """
+        if self._follows_class and type(instance).forward is not wrapped.__func__:  # type: ignore
+            wrapped = self._follow_class_forward(instance)
         paused = pause_compilation()
         try:
             sample = self._begin_root_forward()
@@ -276,6 +268,13 @@ class Observer:
             return self._run_sample(sample, wrapped, args, kwargs)  # type: ignore[arg-type]
         finally:
             resume_compilation(paused)
+
+    def _follow_class_forward(self, root: nn.Module) -> Callable[..., Any]:
+        """The root's class `forward` was replaced since the proxy was made (a torch.fx
+        GraphModule's `recompile()`, an assignment to the class): the root runs the new one."""
+        self._entry = ForwardEntry()  # how compiled code enters it is decided again
+        assert self._root_proxy is not None  # `_follows_class` is set with it
+        return follow_class_forward(self._root_proxy, root)
 
     def _begin_root_forward(self) -> Sample | object | None:
         """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""

@@ -149,3 +149,172 @@ def test_a_class_forward_replaced_after_inject_is_what_the_root_runs(run_dir: Pa
     assert_same_outputs(run)
     assert_conforms(run.history, run.recorder)
     assert sorted(run.history.filter(pl.col("layer") == "act")["sample_id"].unique()) == [0, 1]
+
+
+class LoRA(nn.Module):
+    """A Linear wrapped with a low-rank update, as LoRA fine-tuning wraps one."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, 2, bias=False)
+        self.up = nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def the_note(run: Changed) -> str:
+    """The run's one note on modules changed after inject, also warned at removal."""
+    found = [note for note in run.notes if "modules changed after inject_observer" in note]
+    assert len(found) == 1, run.notes
+    assert any("modules changed after inject_observer" in w for w in run.warnings), run.warnings
+    assert found[0] in run.index
+    return found[0]
+
+
+def test_a_head_swapped_after_inject_is_named_as_unobserved_and_the_old_one_as_gone(
+    run_dir: Path,
+) -> None:
+    def swap_head(model: nn.Module) -> None:
+        torch.manual_seed(7)
+        model.fc2 = nn.Linear(8, 3)
+
+    run = run_changed(Net(), swap_head, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)  # hooks, too, stay with the old head
+    note = the_note(run)
+    assert "taken out of the model (no rows once they stopped running): 'fc2' (Linear)" in note
+    assert "not observed (no rows): 'fc2' (Linear)" in note
+
+
+def test_layers_wrapped_lora_style_after_inject_keep_their_names_and_the_adapters_are_named(
+    run_dir: Path,
+) -> None:
+    def wrap(model: nn.Module) -> None:
+        torch.manual_seed(7)
+        model.fc1 = LoRA(model.fc1)  # type: ignore[arg-type]
+        model.fc2 = LoRA(model.fc2)  # type: ignore[arg-type]
+
+    run = run_changed(Net(), wrap, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"fc1", "act", "fc2"}
+    note = the_note(run)
+    assert "'fc1' (Linear) now at 'fc1.base', 'fc2' (Linear) now at 'fc2.base'" in note
+    assert "'fc1.down' (Linear), 'fc1.up' (Linear), 'fc2.down' (Linear)" in note
+    assert "taken out" not in note
+
+
+def test_modules_appended_added_or_deleted_after_inject_are_named(run_dir: Path) -> None:
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+            self.drop = nn.Dropout(0.2)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            if hasattr(self, "drop"):
+                x = self.drop(x)
+            if hasattr(self, "extra"):
+                x = self.get_submodule("extra")(x)
+            return self.head(x)
+
+    def grow(model: nn.Module) -> None:
+        torch.manual_seed(7)
+        model.blocks.append(nn.Linear(4, 4))  # type: ignore[union-attr, operator]
+        model.add_module("extra", nn.Tanh())
+        del model.drop
+
+    run = run_changed(Blocks(), grow, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    note = the_note(run)
+    assert "taken out of the model (no rows once they stopped running): 'drop' (Dropout)" in note
+    assert "not observed (no rows): 'blocks.1' (Linear), 'extra' (Tanh)" in note
+
+
+def test_a_model_left_as_it_was_has_no_changes_note(run_dir: Path) -> None:
+    run = run_changed(Net(), lambda model: None, run_dir)
+    assert not [note for note in run.notes if "modules changed" in note]
+    assert not [w for w in run.warnings if "modules changed" in w]
+
+
+def test_weight_norm_and_pruning_after_inject_keep_every_layer_observed_and_restore_exactly(
+    run_dir: Path,
+) -> None:
+    """`parametrize` gives the module a generated subclass and pruning adds a forward pre-hook
+    and a computed `weight`: the module objects stay, so they stay observed, with no note."""
+
+    def reparametrize(model: nn.Module) -> None:
+        torch.nn.utils.parametrizations.weight_norm(model.fc1)  # type: ignore[arg-type]
+        torch.nn.utils.prune.l1_unstructured(model.fc2, "weight", amount=0.5)  # type: ignore[arg-type]
+
+    run = run_changed(Net(), reparametrize, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert not [note for note in run.notes if "modules changed" in note]
+    assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"fc1", "act", "fc2"}
+
+
+def test_a_root_parametrized_after_inject_then_unparametrized_gets_its_own_class_back(
+    run_dir: Path,
+) -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x @ self.weight)
+
+    class Symmetric(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight.triu() + weight.triu(1).transpose(-1, -2)
+
+    def parametrize_root(model: nn.Module) -> None:
+        torch.nn.utils.parametrize.register_parametrization(model, "weight", Symmetric())
+
+    model = Root()
+    run = run_changed(model, parametrize_root, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert type(model).__name__ == "ParametrizedRoot"
+    assert "forward" not in vars(model)
+    torch.nn.utils.parametrize.remove_parametrizations(model, "weight")
+    assert type(model) is Root
+    assert "forward" not in vars(model)
+
+
+def test_modules_fused_after_inject_are_named_as_moved_taken_out_and_added(run_dir: Path) -> None:
+    class ConvNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 6, 1)
+            self.bn = nn.BatchNorm2d(6)
+            self.relu = nn.ReLU()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.relu(self.bn(self.conv(x[:, :, None, None])))[:, :, 0, 0])
+
+    def fuse(model: nn.Module) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization's
+            torch.ao.quantization.fuse_modules(model, [["conv", "bn", "relu"]], inplace=True)
+
+    run = run_changed(ConvNet().eval(), fuse, run_dir)
+    assert_same_outputs(run)
+    # fuse_modules moves the old modules' hooks onto the fused one, so plain hooks are the
+    # reference up to the fusion only; after it the old ReLU (inside the fused module) and fc run.
+    run.recorder.tensors = {k: v for k, v in run.recorder.tensors.items() if k[0] < 2}
+    assert_conforms(run.history.filter(pl.col("sample_id") < 2), run.recorder)
+    assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"relu", "fc"}
+    note = the_note(run)
+    assert "taken out of the model (no rows once they stopped running): 'conv' (Conv2d), " in note
+    assert "'relu' (ReLU) now at 'conv.1'" in note
+    assert "not observed (no rows): 'conv.0' (Conv2d), 'bn' (Identity), 'relu' (Identity)" in note

@@ -31,6 +31,7 @@ from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
+from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
@@ -231,7 +232,12 @@ def remove_observer(model: nn.Module) -> Path | None:
     if observer.forked:  # a forked child: the run is the parent's (forks.py)
         observer.remove()  # restores the forwards; the observer is closed already
         return None
+    changed = None if observer.at_inject is None else observer.at_inject.changes_note(model)
+    if changed is not None:
+        observer.notes.append(changed)  # before the removal, which writes index.md
     left_in_place = observer.remove()
+    if changed is not None:
+        warn(f"torchinstruments: {changed}")
     never_ran = observer.never_ran()
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
@@ -535,5 +541,6 @@ def _open_run(
         first_eval_index=0 if continuation is None else continuation.first_eval_index,
     )
     observer.install(model, layers, focus)
+    observer.at_inject = ModelAtInject(model, layers, config.selector)
     forks.track(observer)
     return observer

@@ -97,6 +97,7 @@ from torchinstruments.global_statistics import keep, kept_note, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.transfer import build_records, launch, note_of
+from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
@@ -182,6 +183,7 @@ class Observer:
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
         self.layer_names: tuple[str, ...] = ()
+        self.at_inject: ModelAtInject | None = None  # what changed is said at removal (api)
         self._warned: set[str] = set()
         # Failures that leave rows out: warned once each, and said in index.md (`counts`).
         self.failed_once = RecordingFailures(self.warn_once)

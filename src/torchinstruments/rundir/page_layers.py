@@ -105,14 +105,16 @@ def never_ran_runs(layers: Sequence[LayerInfo], never: set[str], budget: int) ->
 
 _ZERO = (
     "A layer with 0 never ran in a sampled forward: it has no rows (a branch not taken, a "
-    "module its parent never calls, a `forward` replaced after injection)."
+    "module its parent never calls, a `forward` replaced or a module taken out of the model "
+    "after injection: the notes name those)."
 )
 # Counts rebuilt after a crash only know what reached the disk: a layer may have run in the
 # samples whose rows died in memory, so 0 is no proof that it never ran.
 _ZERO_RECOVERED = (
     "A layer with 0 has no row on disk: it ran in no sampled forward whose rows reached the "
-    "disk (a branch not taken, a module its parent never calls, a `forward` replaced after "
-    "injection, or only in samples the end of the process lost)."
+    "disk (a branch not taken, a module its parent never calls, a `forward` replaced or a "
+    "module taken out of the model after injection, or only in samples the end of the process "
+    "lost)."
 )
 
 

@@ -318,3 +318,65 @@ def test_modules_fused_after_inject_are_named_as_moved_taken_out_and_added(run_d
     assert "taken out of the model (no rows once they stopped running): 'conv' (Conv2d), " in note
     assert "'relu' (ReLU) now at 'conv.1'" in note
     assert "not observed (no rows): 'conv.0' (Conv2d), 'bn' (Identity), 'relu' (Identity)" in note
+
+
+def gradient_samples(history: pl.DataFrame, layer: str) -> list[int]:
+    """The samples with output_gradient rows of `layer`."""
+    rows = history.filter((pl.col("layer") == layer) & (pl.col("signal") == "output_gradient"))
+    return sorted(rows["sample_id"].unique())
+
+
+def test_a_part_frozen_mid_run_says_why_its_gradient_rows_stop(run_dir: Path) -> None:
+    def freeze_first_layer(model: nn.Module) -> None:
+        model.fc1.requires_grad_(False)  # the input needs no grad: fc1 and act get none now
+
+    run = run_changed(Net(), freeze_first_layer, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert gradient_samples(run.history, "fc1") == gradient_samples(run.history, "act") == [0, 1]
+    assert gradient_samples(run.history, "fc2") == [0, 1, 2, 3]
+    found = [note for note in run.notes if "required no grad in some" in note]
+    assert len(found) == 1, run.notes
+    assert found[0] in run.index
+    assert "'fc1' (2 samples, from 2 to 3), 'act' (2 samples, from 2 to 3)" in found[0]
+    assert "fc2" not in found[0]
+    assert any("requires no grad where its series required grad" in w for w in run.warnings)
+
+
+def test_a_part_unfrozen_mid_run_says_why_its_first_samples_have_no_gradient_rows(
+    run_dir: Path,
+) -> None:
+    model = Net()
+    model.fc1.requires_grad_(False)
+
+    def unfreeze(model: nn.Module) -> None:
+        model.fc1.requires_grad_(True)
+
+    run = run_changed(model, unfreeze, run_dir, steps=5, at=3)
+    assert_conforms(run.history, run.recorder)
+    assert gradient_samples(run.history, "fc1") == [3, 4]
+    found = [note for note in run.notes if "required no grad in some" in note]
+    assert len(found) == 1, run.notes
+    assert "'fc1' (3 samples, from 0 to 2), 'act' (3 samples, from 0 to 2)" in found[0]
+    assert not [note for note in run.notes if "never returned an output" in note]
+
+
+def test_a_detached_output_beside_one_with_grad_is_no_change_of_the_model(run_dir: Path) -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2, x.detach() + 1
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.pair = Pair()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            doubled, shifted = self.pair(self.fc(x))
+            return doubled + shifted
+
+    run = run_changed(Model(), lambda model: None, run_dir)
+    assert_conforms(run.history, run.recorder)
+    assert not [note for note in run.notes if "no grad" in note], run.notes
+    assert not [w for w in run.warnings if "no grad" in w], run.warnings

@@ -99,6 +99,7 @@ from torchinstruments._torch_internals import (
     tensor_hooks,
 )
 from torchinstruments.capture import WarnOnce
+from torchinstruments.gradient_gaps import GradientGaps
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
@@ -281,29 +282,13 @@ class GradientRecorder:
         self._leaf_hooks: list[
             tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
         ] = []
-        # Layers whose sampled outputs (with grad enabled) did or did not require grad: a layer
-        # only ever in the second has no gradient rows, and index.md says why (`no_grad_note`).
-        self.outputs_without_grad: dict[str, None] = {}  # an ordered set, in the order seen
-        self.outputs_with_grad: set[str] = set()
+        # Sampled series whose outputs (with grad enabled) did not require grad: said why.
+        self.gaps = GradientGaps()
         # The latest samples' `_Awaited`, weakly: alive while a hook of the sample is.
         self._awaited: deque[weakref.ref[_Awaited]] = deque(maxlen=MAX_AWAITED)
         self.batched_over_cotangents = False  # a gradient came batched (`BATCHED_GRADIENTS_NOTE`)
         # Samples whose pass raised inside one of their hooks, before its gradient was pending.
         self._cut: list[_Awaited] = []
-
-    def no_grad_note(self) -> str | None:
-        """The sentence naming the layers whose outputs never required grad, or None."""
-        names = [n for n in self.outputs_without_grad if n not in self.outputs_with_grad]
-        if not names:
-            return None
-        shown = ", ".join(repr(name) for name in names[:20]) + (" ..." if len(names) > 20 else "")
-        return (
-            f"{len(names)} selected layer{'' if len(names) == 1 else 's'} never returned an "
-            "output that requires grad, so no gradient can arrive and "
-            f"{'it has' if len(names) == 1 else 'they have'} no output_gradient rows: {shown} "
-            "(nothing before them requires grad: e.g. a layer without parameters fed the input "
-            "data, or a frozen part of the model)."
-        )
 
     def batched_note(self) -> str | None:
         """`BATCHED_GRADIENTS_NOTE` once a gradient came batched over cotangents, else None."""
@@ -316,10 +301,12 @@ class GradientRecorder:
         try:
             if not key.grad_enabled:
                 return key
-            if not tensor.requires_grad:  # no gradient can arrive: said at removal
-                self.outputs_without_grad.setdefault(key.layer.name, None)
+            series = (key.layer.name, key.call_index, key.tensor_path)
+            if not tensor.requires_grad:  # no gradient can arrive: said (gradient_gaps.py)
+                self.gaps.without_grad(series, key.sample_id)
                 return key
-            self.outputs_with_grad.add(key.layer.name)
+            if series not in self.gaps.with_grad:
+                self.gaps.first_with_grad(series)
             # Read first: it refreshes a stale view's node. A leaf has none (None).
             grad_fn = tensor.grad_fn
             node = None if grad_fn is None else id(grad_fn)

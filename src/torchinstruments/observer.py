@@ -532,9 +532,9 @@ class Observer:
 
     def counts(self) -> RunCounts:
         """How many root forwards, samples and backward samples this observer saw."""
-        no_grad, batched = self.gradients.no_grad_note(), self.gradients.batched_note()
+        batched = self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
-        said = (no_grad, batched, self.in_flight.note(), cut)
+        said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         return self.counter.counts(self.gradients.backward_samples, notes)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 import torch.fx
 import torch.nn.utils.prune
@@ -69,11 +70,13 @@ def run_changed(
     steps: int = 4,
     at: int = 2,
     change_copy: bool = True,
+    compiled: bool = False,
 ) -> Changed:
     """Observe `model` for `steps` training steps, calling `change` on it before step `at`, and
     run a deep copy with plain hooks changed alike (`change_copy=False`: a change of a class
-    both share, made once). Removal must leave every module's forward and class as the changed
-    model has them without an observer."""
+    both share, made once; `compiled`: the observed steps call `torch.compile(model)`, made
+    after inject). Removal must leave every module's forward and class as the changed model
+    has them without an observer."""
     reference_model = copy.deepcopy(model)
     recorder = HookRecorder(reference_model, default_layer_names(reference_model))
     observed, reference = [], []
@@ -81,12 +84,13 @@ def run_changed(
         warnings.simplefilter("always")
         directory = inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
         assert directory is not None
+        stepped = torch.compile(model, backend="eager") if compiled else model
         for i in range(steps):
             if i == at:
                 change(model)
                 if change_copy:
                     change(reference_model)
-            for side, outputs in ((model, observed), (reference_model, reference)):
+            for side, outputs in ((stepped, observed), (reference_model, reference)):
                 torch.manual_seed(1000 + i)
                 out = side(torch.randn(5, 4))
                 out.square().sum().backward()
@@ -112,23 +116,27 @@ def assert_same_outputs(run: Changed) -> None:
         assert torch.equal(got, want), f"step {step}"
 
 
-def test_a_graph_module_recompiled_after_inject_runs_its_new_graph_and_rows_follow_it(
-    run_dir: Path,
-) -> None:
-    def drop_relu_and_double(graph_module: nn.Module) -> None:
-        assert isinstance(graph_module, torch.fx.GraphModule)
-        graph = graph_module.graph
-        for node in list(graph.nodes):
-            if node.op == "call_module" and node.target == "act":
-                node.replace_all_uses_with(node.args[0])
-                graph.erase_node(node)
-        output = next(node for node in graph.nodes if node.op == "output")
-        with graph.inserting_before(output):
-            doubled = graph.call_function(torch.mul, (output.args[0], 2.0))
-        output.args = (doubled,)
-        graph_module.recompile()
+def drop_relu_and_double(graph_module: nn.Module) -> None:
+    """Edit a traced `Net`'s graph (no ReLU, the result doubled) and recompile it."""
+    assert isinstance(graph_module, torch.fx.GraphModule)
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "act":
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    output = next(node for node in graph.nodes if node.op == "output")
+    with graph.inserting_before(output):
+        doubled = graph.call_function(torch.mul, (output.args[0], 2.0))
+    output.args = (doubled,)
+    graph_module.recompile()
 
-    run = run_changed(torch.fx.symbolic_trace(Net()), drop_relu_and_double, run_dir)
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-after-inject"])
+def test_a_graph_module_recompiled_after_inject_runs_its_new_graph_and_rows_follow_it(
+    run_dir: Path, compiled: bool
+) -> None:
+    traced = torch.fx.symbolic_trace(Net())
+    run = run_changed(traced, drop_relu_and_double, run_dir, compiled=compiled)
     assert_same_outputs(run)
     assert_conforms(run.history, run.recorder)
     acts = run.history.filter(pl.col("layer") == "act")["sample_id"].unique().sort().to_list()

@@ -239,10 +239,10 @@ class Observer:
         Never compiled (see the end of this module); compilation is paused while it decides, so
         its bookkeeping never ends up in a graph, and resumed for an unsampled forward.
         """
-        if self._follows_class and type(instance).forward is not wrapped.__func__:  # type: ignore
-            wrapped = self._follow_class_forward(instance)
         paused = pause_compilation()
         try:
+            if self._follows_class and type(instance).forward is not wrapped.__func__:  # type: ignore
+                wrapped = self._follow_class_forward(instance)
             sample = self._begin_root_forward()
         except BaseException:
             resume_compilation(paused)

@@ -388,3 +388,30 @@ def test_a_detached_output_beside_one_with_grad_is_no_change_of_the_model(run_di
     assert_conforms(run.history, run.recorder)
     assert not [note for note in run.notes if "no grad" in note], run.notes
     assert not [w for w in run.warnings if "no grad" in w], run.warnings
+
+
+def test_freezing_one_branch_names_only_the_calls_of_a_shared_layer_that_lost_gradients(
+    run_dir: Path,
+) -> None:
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.left = nn.Linear(4, 3)
+            self.right = nn.Linear(4, 3)
+            self.act = nn.Tanh()  # called once per branch: calls 0 and 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.left(x)) + self.act(self.right(x))
+
+    def freeze_left(model: nn.Module) -> None:
+        model.left.requires_grad_(False)
+
+    run = run_changed(Branches(), freeze_left, run_dir)
+    assert_conforms(run.history, run.recorder)
+    found = [note for note in run.notes if "required no grad in some" in note]
+    assert len(found) == 1, run.notes
+    assert found[0].endswith(
+        "the samples without grad, first to last): 'left' (2 samples, from 2 to 3), "
+        "'act' (2 samples, from 2 to 3)."
+    )
+    assert "call 1" not in found[0]

@@ -18,7 +18,9 @@ from torchinstruments.notices import warn
 
 __all__ = ["GradientGaps"]
 
-Series = tuple[str, int, str]  # layer, call_index, tensor_path
+# (layer, call_index, tensor_path); the layer's name alone for call 0's bare tensor (`""`), which
+# is most outputs: a string's hash is cached, a tuple's is computed at every lookup.
+Series = str | tuple[str, int, str]
 
 _SHOWN = 20  # names listed per note (index.md stays bounded on any model)
 
@@ -65,8 +67,9 @@ class GradientGaps:
     def notes(self) -> tuple[str, ...]:
         """index.md's notes: layers whose outputs never required grad, and series that did in
         some samples only."""
-        layers_with = {layer for layer, _, _ in self.with_grad}
-        never = list(dict.fromkeys(s[0] for s in self._without if s[0] not in layers_with))
+        layers_with = {_layer(series) for series in self.with_grad}
+        without = (_layer(series) for series in self._without)
+        never = list(dict.fromkeys(name for name in without if name not in layers_with))
         some = [(s, seen) for s, seen in self._without.items() if s in self.with_grad]
         notes = []
         if never:
@@ -88,13 +91,21 @@ class GradientGaps:
                 f"{len(some)} sampled output{'' if len(some) == 1 else 's'} required no grad in "
                 "some samples and grad in others (a part of the model frozen or unfrozen with "
                 "requires_grad_ mid-run, say), so those samples have no output_gradient rows "
-                f"for them (samples without grad, first to last): {_listed(shown)}."
+                "for them (a layer's first call unless a call or tensor_path is named; the "
+                f"samples without grad, first to last): {_listed(shown)}."
             )
         return tuple(notes)
 
 
+def _layer(series: Series) -> str:
+    """The layer of a series."""
+    return series if isinstance(series, str) else series[0]
+
+
 def _series(series: Series) -> str:
     """A series as a note names it: the layer, then its call and path where not the first."""
+    if isinstance(series, str):
+        return repr(series)
     layer, call_index, path = series
     return (
         repr(layer) + (f" call {call_index}" if call_index else "") + (f" {path}" if path else "")

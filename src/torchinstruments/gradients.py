@@ -301,7 +301,9 @@ class GradientRecorder:
         try:
             if not key.grad_enabled:
                 return key
-            series = (key.layer.name, key.call_index, key.tensor_path)
+            call_index, path = key.call_index, key.tensor_path
+            # Its name alone for a layer's first call's bare tensor, the common case: no tuple.
+            series = (key.layer.name, call_index, path) if call_index or path else key.layer.name
             if not tensor.requires_grad:  # no gradient can arrive: said (gradient_gaps.py)
                 self.gaps.without_grad(series, key.sample_id)
                 return key

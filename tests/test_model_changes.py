@@ -24,7 +24,7 @@ import torch.fx
 import torch.nn.utils.prune
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, model_changes, remove_observer
 
 from hook_reference import HookRecorder, assert_conforms, default_layer_names
 
@@ -71,13 +71,15 @@ def run_changed(
     at: int = 2,
     change_copy: bool = True,
     compiled: bool = False,
+    twin: nn.Module | None = None,
 ) -> Changed:
     """Observe `model` for `steps` training steps, calling `change` on it before step `at`, and
     run a deep copy with plain hooks changed alike (`change_copy=False`: a change of a class
     both share, made once; `compiled`: the observed steps call `torch.compile(model)`, made
-    after inject). Removal must leave every module's forward and class as the changed model
-    has them without an observer."""
-    reference_model = copy.deepcopy(model)
+    after inject; `twin`: the unobserved copy, built apart where a deep copy would share
+    something with `model`). Removal must leave every module's forward and class as the
+    changed model has them without an observer."""
+    reference_model = copy.deepcopy(model) if twin is None else twin
     recorder = HookRecorder(reference_model, default_layer_names(reference_model))
     observed, reference = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -268,6 +270,30 @@ def test_weight_norm_and_pruning_after_inject_keep_every_layer_observed_and_rest
     assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"fc1", "act", "fc2"}
 
 
+def test_layers_parametrized_before_inject_stay_observed_when_a_parametrization_is_removed(
+    run_dir: Path,
+) -> None:
+    def parametrized() -> Net:
+        torch.manual_seed(3)
+        model = Net()
+        torch.nn.utils.parametrizations.weight_norm(model.fc1)  # type: ignore[arg-type]
+        torch.nn.utils.parametrizations.spectral_norm(model.fc2)  # type: ignore[arg-type]
+        return model
+
+    def unparametrize(model: nn.Module) -> None:
+        torch.nn.utils.parametrize.remove_parametrizations(model.fc1, "weight")  # type: ignore[arg-type]
+
+    # A deep copy of a parametrized module shares its generated class, whose `weight` property
+    # the removal deletes: the twin is built apart.
+    model = parametrized()
+    run = run_changed(model, unparametrize, run_dir, twin=parametrized())
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert type(model.fc1) is nn.Linear
+    assert not [note for note in run.notes if "modules changed" in note], run.notes
+    assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"fc1", "act", "fc2"}
+
+
 def test_a_root_parametrized_after_inject_then_unparametrized_gets_its_own_class_back(
     run_dir: Path,
 ) -> None:
@@ -415,3 +441,20 @@ def test_freezing_one_branch_names_only_the_calls_of_a_shared_layer_that_lost_gr
         "'act' (2 samples, from 2 to 3)."
     )
     assert "call 1" not in found[0]
+
+
+def test_a_failure_comparing_the_model_at_removal_is_said_and_the_run_still_ends(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unwalkable(model: nn.Module) -> None:
+        raise RuntimeError("a module that cannot be walked")
+
+    def break_the_walk(model: nn.Module) -> None:
+        monkeypatch.setattr(model_changes, "named_modules_uncompiled", unwalkable)
+
+    run = run_changed(Net(), break_the_walk, run_dir, change_copy=False)
+    assert_conforms(run.history, run.recorder)
+    found = [note for note in run.notes if "comparing the model with the modules" in note]
+    assert len(found) == 1, run.notes
+    assert "a module that cannot be walked" in found[0]
+    assert "**State: complete.**" in run.index

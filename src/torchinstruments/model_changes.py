@@ -53,7 +53,22 @@ class ModelAtInject:
         self._selector = selector
 
     def changes_note(self, root: nn.Module) -> str | None:
-        """index.md's note on the model's modules changed since inject, or None if none did."""
+        """index.md's note on the model's modules changed since inject, or None if none did.
+
+        Runs in `remove_observer`, which must finish the run whatever the model has become: a
+        failure to compare is said instead of raised.
+        """
+        try:
+            return self._changes(root)
+        except Exception as error:
+            return (
+                f"comparing the model with the modules inject_observer saw failed ({error!r}): "
+                "modules added, moved or taken out of the model after inject, if any, are not "
+                "named here"
+            )
+
+    def _changes(self, root: nn.Module) -> str | None:
+        """`changes_note`'s comparison."""
         now = {id(module): (name, module) for name, module in named_modules_uncompiled(root)}
         left, moved = [], []
         for info, module_ref in self._layers:

@@ -214,8 +214,8 @@ class Observer:
         self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
+        self._follows_class = "forward" not in vars(root)  # else it wraps the root's own
         self._root_proxy = self.proxies.install_root(root, self.on_root_call)
-        self._follows_class = not self._root_proxy._self_had_instance_forward
         self._finalizer = weakref.finalize(root, self.close)
 
     def remove(self) -> tuple[str, ...]:

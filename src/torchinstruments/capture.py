@@ -75,7 +75,6 @@ __all__ = [
     "Proxies",
     "WarnOnce",
     "Wrapper",
-    "follow_class_forward",
     "install_proxy",
     "left_in_place_note",
     "restore_proxy",
@@ -186,17 +185,6 @@ def install_proxy(
     return proxy
 
 
-def follow_class_forward(proxy: ForwardProxy, module: nn.Module) -> Callable[..., Any]:
-    """Make `proxy`, which wraps `module`'s class's `forward` bound to `module`, wrap the one the
-    class has now, and return it. The root's proxy stays for the whole run, so without this a
-    class `forward` replaced after injection (a torch.fx GraphModule's `recompile()`, which sets
-    it on the module's own class; `type(model).forward = ...`; a new `__class__`) would never
-    run: the model would keep computing the old one until removal."""
-    bound = type(module).forward.__get__(module, type(module))
-    proxy.__wrapped__ = bound
-    return bound
-
-
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:
     """Whether `proxy` wraps `module`'s class's current `forward`, bound to `module`."""
     wrapped = proxy.__wrapped__
@@ -292,11 +280,28 @@ class Proxies:
                 self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
         return root_capture
 
-    def install_root(self, module: nn.Module, wrapper: Wrapper) -> ForwardProxy:
-        """Install the root's proxy, which stays until `restore`, and return it."""
-        proxy = install_proxy(module, wrapper, None, self._token)
+    def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
+        """Install the root's proxy, which stays until `restore`."""
+        install_proxy(module, wrapper, None, self._token)
         self._installed.append(weakref.ref(module))
-        return proxy
+
+    def follow_class_forward(self, module: nn.Module) -> Callable[..., Any]:
+        """Make our proxy on `module` (the root's, which wraps its class's `forward` bound to it)
+        wrap the one the class has now, and return that. The root's proxy stays for the whole
+        run, so without this a class `forward` replaced after injection (a torch.fx
+        GraphModule's `recompile()`, which sets it on the module's own class;
+        `type(model).forward = ...`; a new `__class__`) would never run: the model would keep
+        computing the old one until removal. The proxy is found from the module, never held:
+        the observer holding it would keep a dropped model alive (`weakref.finalize` holds the
+        observer)."""
+        bound = type(module).forward.__get__(module, type(module))
+        current = module.__dict__.get("forward")
+        while isinstance(current, ForwardProxy):  # ours, or another's (a chain) holding ours
+            if current._self_token is self._token:
+                current.__wrapped__ = bound
+                break
+            current = current.__wrapped__
+        return bound
 
     def add_layer(self, module: nn.Module, name: str, wrapper: Wrapper) -> None:
         """Register a layer's proxy (`name` "" for a guard); installed by `install_layers`."""

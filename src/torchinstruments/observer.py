@@ -75,13 +75,7 @@ from torch import nn
 
 from torchinstruments import forks, reasons
 from torchinstruments._torch_internals import called_through_module_call, is_tracing, running
-from torchinstruments.capture import (
-    ForwardProxy,
-    LayerCapture,
-    Proxies,
-    follow_class_forward,
-    left_in_place_note,
-)
+from torchinstruments.capture import LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
     call_eagerly,
@@ -178,7 +172,6 @@ class Observer:
         self._finalizer: weakref.finalize | None = None
         self._entry = ForwardEntry()
         self._root_layer: LayerCapture | None = None
-        self._root_proxy: ForwardProxy | None = None
         self._follows_class = False  # the root's proxy wraps its class's forward (bound)
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
@@ -215,7 +208,7 @@ class Observer:
         self.layer_names = tuple(info.name for _, info in layers)
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
         self._follows_class = "forward" not in vars(root)  # else it wraps the root's own
-        self._root_proxy = self.proxies.install_root(root, self.on_root_call)
+        self.proxies.install_root(root, self.on_root_call)
         self._finalizer = weakref.finalize(root, self.close)
 
     def remove(self) -> tuple[str, ...]:
@@ -275,8 +268,7 @@ class Observer:
         """The root's class `forward` was replaced since the proxy was made (a torch.fx
         GraphModule's `recompile()`, an assignment to the class): the root runs the new one."""
         self._entry = ForwardEntry()  # how compiled code enters it is decided again
-        assert self._root_proxy is not None  # `_follows_class` is set with it
-        return follow_class_forward(self._root_proxy, root)
+        return self.proxies.follow_class_forward(root)
 
     def _begin_root_forward(self) -> Sample | object | None:
         """Classify a call of the root: pass through, nested, unsampled (None), or a new sample."""

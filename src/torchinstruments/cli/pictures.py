@@ -63,6 +63,7 @@ __all__ = [
     "YSCALES",
     "MatplotlibMissingError",
     "PlotResult",
+    "literal",
     "matplotlib_missing",
     "shorten",
     "trend_figure",
@@ -131,6 +132,13 @@ def shorten(text: str) -> str:
     """`text`, or when longer than MAX_LABEL_CHARS, `...` and its end (a nested layer's name
     differs from its siblings' at the end)."""
     return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3) :]
+
+
+def literal(text: str) -> str:
+    """`text` as matplotlib must be given it to draw it as written: each `$` escaped, since
+    matplotlib reads text between two `$` as a formula (mathtext), which would draw a layer named
+    `cost$5$` as `cost5` and make one named `$\\frac{$` fail the whole command."""
+    return text.replace("$", r"\$")
 
 
 def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
@@ -255,13 +263,13 @@ def trend_figure(
             used = _scale(ax, shown, yscale)
             scales.append(used)
             fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
-            ax.set_title(f"{metric} of {signal}{fallback}", fontsize=9)
+            ax.set_title(literal(f"{metric} of {signal}{fallback}"), fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
     handles = [Line2D([], [], **style) for style in styles]
-    entries = list(legend)
+    entries = [literal(entry) for entry in legend]
     if null_marks:
         handles.append(Line2D([], [], marker=NULL_MARK, linestyle="none", color="black"))
         entries.append("x at the bottom:\nnull value (reason\nin history)")
@@ -270,7 +278,7 @@ def trend_figure(
     title = f"{where}: {title or plural(len(drawn), 'tensor')}"
     if left_out:
         title += f" ({len(left_out)} more left out: choose with --layers or --max-tensors)"
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(literal(title), fontsize=10)
     width, height = figure.get_size_inches()
     result = PlotResult(
         path=Path(),

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from torchinstruments.cli.pictures import matplotlib_missing, shorten
+from torchinstruments.cli.pictures import literal, matplotlib_missing, shorten
 from torchinstruments.cli.reader import RunFacts, layer_order
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
@@ -389,7 +389,7 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
             spine.set_linewidth(0.5)
         picks = column_ticks(n_cols)
         ax.set_xticks([p + 0.5 for p in picks], [str(grid.columns[p]) for p in picks])
-        ax.set_yticks(ticks, labels if s == 0 else [])
+        ax.set_yticks(ticks, [literal(label) for label in labels] if s == 0 else [])
         ax.tick_params(labelsize=FONT_SIZE, length=2)
         ax.set_title(signal, fontsize=FONT_SIZE + 1)
         ax.set_xlabel(X_LABELS[grid.x], fontsize=FONT_SIZE)
@@ -408,7 +408,8 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
         colorbar.set_label(scale_name.split(" ")[0].rstrip(":"), fontsize=FONT_SIZE - 1)
         vmin, vmax = (float(norm.vmin), float(norm.vmax)) if finite.size else (None, None)
         boxes.append(PanelBox(signal, x0, top, cell_w, cell_h, scale_name, vmin, vmax))
-    figure.text(8 / width, 1 - 8 / height, "\n".join(title), fontsize=FONT_SIZE + 1, va="top")
+    title_text = literal("\n".join(title))
+    figure.text(8 / width, 1 - 8 / height, title_text, fontsize=FONT_SIZE + 1, va="top")
     swatches = [
         Patch(facecolor=_unit(c), edgecolor="black", linewidth=0.5, label=text)
         for c, text in (

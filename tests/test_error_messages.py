@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,31 @@ def test_show_on_a_parent_of_runs_lists_the_runs_below(finished: Path) -> None:
     line = cli_error("show", finished.parent.parent)
     assert "holds no run itself but 2 below it (experiment/baseline, experiment/broken)" in line
     assert str(finished) in line
+
+
+def test_a_folder_below_that_cannot_be_read_is_passed_over_when_naming_the_runs_below(
+    finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`show` of a folder that holds no run looks for runs below it; a directory there it may
+    not list (another user's, a `/proc` entry under `show /`) is passed over, not a traceback."""
+    top = tmp_path / "shared"
+    locked = top / "someone_else" / "private"
+    locked.mkdir(parents=True)
+    shutil.copytree(finished, top / "runs" / "baseline")
+    locked.chmod(0)
+    listdir = Path.iterdir
+
+    def as_the_os_does_for_another_user(self: Path) -> Any:
+        if self == locked:  # root may list it anyway: refuse as the OS does for other users
+            raise PermissionError(13, "Permission denied", str(self))
+        return listdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", as_the_os_does_for_another_user)
+    try:
+        line = cli_error("show", top)
+    finally:
+        locked.chmod(0o755)
+    assert "holds no run itself but 1 below it (runs/baseline)" in line
 
 
 # -- One style for every refused argument --------------------------------------------------------

@@ -153,6 +153,7 @@ CLI_COMMANDS = {
 }
 CLI_SHARED = {
     "cli.reader",
+    "cli.run_dirs",
     "cli.selection",
     "cli.text",
     "cli.overview",

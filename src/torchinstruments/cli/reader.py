@@ -31,6 +31,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories, runs_below
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
 from torchinstruments.rundir.index_page import (
@@ -58,7 +59,6 @@ from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summa
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
 _ORDER = "_write_order"
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
 _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -122,13 +122,6 @@ class RunFacts:
         ]
 
 
-def rank_directories(directory: Path) -> list[Path]:
-    """`rank-NNN/` subdirectories of `directory` (a `rank_policy="all"` run), sorted."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
-
-
 def locate(directory: Path) -> RunFiles:
     """List the files that hold `directory`'s history now.
 
@@ -172,20 +165,6 @@ def locate(directory: Path) -> RunFiles:
             f"one of them, e.g. {command_line(below[0])}"
         )
     raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
-
-
-def runs_below(directory: Path, depth: int = 3) -> list[Path]:
-    """Run directories (holding a state file, history or parts) up to `depth` levels below
-    `directory`, sorted: what a user who passed a parent of runs meant."""
-    found: list[Path] = []
-    level = [directory]
-    for _ in range(depth):
-        level = sorted(c for d in level for c in d.iterdir() if c.is_dir() and not c.is_symlink())
-        for child in level:
-            if any((child / name).exists() for name in (HISTORY_FILE, PARTS_DIR, STATE_FILE)):
-                found.append(child)
-        level = [c for c in level if c not in found]
-    return sorted(found)
 
 
 def scan_files(files: RunFiles, *, write_order: bool = True) -> pl.LazyFrame:
@@ -497,7 +476,7 @@ def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]
         ValueError: if a rank asked for has no directory, naming the ranks there are.
     """
     parent = Path(parent).expanduser()
-    found = {int(m.group(1)): d for d in rank_directories(parent) if (m := _RANK_DIR.match(d.name))}
+    found = {int(m.group(1)): d for d in rank_directories(parent) if (m := RANK_DIR.match(d.name))}
     if ranks is None:
         return [RankRun(r, found[r]) for r in sorted(found)]
     missing = [r for r in ranks if r not in found]

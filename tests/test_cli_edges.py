@@ -64,6 +64,22 @@ def test_an_unknown_metric_exits_non_zero_listing_the_metrics(run: Path, command
     )
 
 
+@pytest.mark.parametrize("command", ["show", "compare", "plot", "heatmap"])
+@pytest.mark.parametrize("given", ["", " , "])
+def test_metrics_that_name_no_metric_exit_non_zero_listing_the_metrics(
+    run: Path, command: str, given: str
+) -> None:
+    """`--metrics "$METRICS"` with the variable unset is a mistake, not a selection of nothing."""
+    runs = (run, run) if command == "compare" else (run,)
+    code, out, err = cli(command, *runs, "--metrics", given)
+    assert (code, out) == (1, "")
+    these = "these runs" if command == "compare" else "this run"
+    assert err == (
+        f"torchinstruments {command}: --metrics names no metric (it is empty): name one or "
+        f"more, comma-separated; the metrics of {these}: {METRICS}\n"
+    )
+
+
 def test_a_layer_pattern_that_matches_nothing_exits_non_zero_listing_the_layers(
     run: Path,
 ) -> None:

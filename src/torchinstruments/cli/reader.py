@@ -410,7 +410,12 @@ def check_selection(
     if metrics is not None:
         known = sorted(set(present["metric"].to_list()))
         unknown = [m for m in metrics if m not in known]
-        if unknown:
+        if not metrics:  # `--metrics ""`, e.g. from a shell variable that was not set
+            problems.append(
+                f"--metrics names no metric (it is empty): name one or more, comma-separated; "
+                f"the metrics of {runs}: {', '.join(known)}"
+            )
+        elif unknown:
             problems.append(
                 f"--metrics: {', '.join(repr(m) for m in unknown)} "
                 f"{'is not a metric' if len(unknown) == 1 else 'are not metrics'} of {runs}; "

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_rank_parent_readers import observe_rank
 from torch import nn
 
 from torchinstruments import (
@@ -162,6 +163,39 @@ def test_heatmap_into_a_missing_folder_names_the_option(finished: Path, tmp_path
     line = cli_error("heatmap", finished, "-o", tmp_path / "no" / "such")
     assert "-o/--output-dir" in line
     assert "create it" in line
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of two rank runs, as torchrun's ranks write it with rank_policy="all"."""
+    directory = tmp_path_factory.mktemp("ranks") / "stats"
+    for rank in range(2):
+        observe_rank(directory, rank)
+    return directory
+
+
+@pytest.mark.parametrize("of", ["run", "parent"])
+def test_plot_into_a_missing_folder_or_not_a_png_names_the_option_for_a_run_and_a_parent(
+    finished: Path, parent: Path, of: str, tmp_path: Path
+) -> None:
+    """Checked before drawing, for a parent of rank runs as for a run (a parent's plot used to
+    draw, then end in a traceback at the save)."""
+    directory = finished if of == "run" else parent
+    missing = tmp_path / "missing" / "plot.png"
+    assert cli_error("plot", directory, "-o", missing) == (
+        f"torchinstruments plot: -o {missing}: the folder {missing.parent} does not exist; "
+        "create it, or choose a PNG path in an existing folder"
+    )
+    for name in ("plot.svg", "plot"):  # the file would hold a PNG whatever its name says
+        assert cli_error("plot", directory, "-o", tmp_path / name) == (
+            f"torchinstruments plot: -o {tmp_path / name}: plot writes a PNG image; give a "
+            "file name ending in .png"
+        )
+        assert not (tmp_path / name).exists()
+    assert cli_error("heatmap", directory, "-o", missing.parent) == (
+        f"torchinstruments heatmap: -o/--output-dir {missing.parent} is not an existing "
+        "folder; create it, or choose an existing one"
+    )
 
 
 def test_heatmap_on_an_empty_run_says_it_recorded_no_rows(tmp_path: Path) -> None:

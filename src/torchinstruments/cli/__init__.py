@@ -215,8 +215,8 @@ def add_commands(commands: Subcommands) -> None:
         "--output",
         type=Path,
         metavar="PNG",
-        help="file to write (default: DIR/trends.png; DIR/trends-ranks.png for a directory "
-        "of rank-NNN/ runs)",
+        help="PNG file to write, its name ending in .png, in an existing folder (default: "
+        "DIR/trends.png; DIR/trends-ranks.png for a directory of rank-NNN/ runs)",
     )
     cmd.add_argument(
         "--max-tensors",
@@ -375,15 +375,11 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
         if args.command == "plot":
             from torchinstruments.cli import plot
-            from torchinstruments.cli.pictures import MatplotlibMissingError
+            from torchinstruments.cli.pictures import MatplotlibMissingError, checked_png
 
             output = args.output or Path(args.directory) / "trends.png"
             selection = _selection(args, args.directory)
-            if not output.parent.is_dir():
-                raise ValueError(
-                    f"-o {output}: the folder {output.parent} does not exist; create it, or "
-                    "choose a PNG path in an existing folder"
-                )
+            checked_png(output)
             try:
                 result = plot.plot(
                     args.directory,
@@ -429,15 +425,10 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
         if args.command == "heatmap":
             from torchinstruments.cli import heatmap
-            from torchinstruments.cli.pictures import MatplotlibMissingError
+            from torchinstruments.cli.pictures import MatplotlibMissingError, checked_folder
 
             selection = _selection(args, args.directory)  # a missing run is said first
-            output_dir = args.output_dir or Path(args.directory)
-            if not output_dir.is_dir():
-                raise ValueError(
-                    f"-o/--output-dir {output_dir} is not an existing folder; create it, or "
-                    "choose an existing one"
-                )
+            output_dir = checked_folder(args.output_dir or Path(args.directory))
             try:
                 results = heatmap.heatmap(
                     args.directory,

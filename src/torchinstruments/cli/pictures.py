@@ -63,6 +63,8 @@ __all__ = [
     "YSCALES",
     "MatplotlibMissingError",
     "PlotResult",
+    "checked_folder",
+    "checked_png",
     "literal",
     "matplotlib_missing",
     "shorten",
@@ -132,6 +134,38 @@ def shorten(text: str) -> str:
     """`text`, or when longer than MAX_LABEL_CHARS, `...` and its end (a nested layer's name
     differs from its siblings' at the end)."""
     return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3) :]
+
+
+def checked_png(output: Path) -> Path:
+    """`output`, once it is a path `plot` can write its PNG to (checked before anything is
+    read or drawn, for a run and a parent of rank runs alike).
+
+    Raises:
+        ValueError: naming -o and the fix: a name not ending in .png (the file would be a PNG
+            whatever its name says), or a folder that does not exist.
+    """
+    if output.suffix.lower() != ".png":
+        raise ValueError(f"-o {output}: plot writes a PNG image; give a file name ending in .png")
+    if not output.parent.is_dir():
+        raise ValueError(
+            f"-o {output}: the folder {output.parent} does not exist; create it, or choose a "
+            "PNG path in an existing folder"
+        )
+    return output
+
+
+def checked_folder(output_dir: Path) -> Path:
+    """`output_dir`, once it is an existing folder `heatmap` can write its PNGs into.
+
+    Raises:
+        ValueError: naming -o/--output-dir and the fix.
+    """
+    if not output_dir.is_dir():
+        raise ValueError(
+            f"-o/--output-dir {output_dir} is not an existing folder; create it, or choose an "
+            "existing one"
+        )
+    return output_dir
 
 
 def literal(text: str) -> str:

@@ -138,14 +138,14 @@ def _draw(
 ) -> int:
     """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
     from torchinstruments.cli import ranks_draw
-    from torchinstruments.cli.pictures import MatplotlibMissingError
+    from torchinstruments.cli.pictures import MatplotlibMissingError, checked_folder, checked_png
     from torchinstruments.cli.text import plural
     from torchinstruments.rundir.ranges import ranges
 
     prog = f"torchinstruments {args.command}"
     try:
         if args.command == "plot":
-            output = args.output or Path(parent) / "trends-ranks.png"
+            output = checked_png(args.output or Path(parent) / "trends-ranks.png")
             result, lines = ranks_draw.plot_ranks(
                 parent,
                 output,
@@ -168,9 +168,7 @@ def _draw(
                     file=sys.stderr,
                 )
             return 0
-        output_dir = args.output_dir or Path(parent)
-        if not output_dir.is_dir():
-            raise ValueError(f"--output-dir {output_dir} is not an existing directory")
+        output_dir = checked_folder(args.output_dir or Path(parent))
         results, lines = ranks_draw.heatmap_ranks(
             parent,
             output_dir,

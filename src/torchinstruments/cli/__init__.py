@@ -5,7 +5,7 @@ imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in 
 second and works where torch is not installed. This package is the whole command line:
 `main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
 (`add_commands` puts the reading subcommands on the parser, beside `finalize`), and
-`run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run or nothing to show, 2 bad
+`run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run, nothing to show or an unreadable history file, 2 bad
 usage (argparse's, directories and `--rank` that name no run to compare, or a path starting
 with `~name` for a user that does not exist), 3 matplotlib missing (plot, heatmap), 141
 (`CLOSED_PIPE`) when the reader of standard output went away.

@@ -44,17 +44,15 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.rank_runs import RankRun, ranks_with_history, without_history_line
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     NotARunError,
-    RankRun,
     RunFacts,
     locate,
-    ranks_with_history,
     read_facts,
     scan_files,
     window_of,
-    without_history_line,
 )
 from torchinstruments.cli.selection import (
     SERIES_COLUMNS,

@@ -35,7 +35,7 @@ def add_rank_option(cmd: argparse.ArgumentParser) -> None:
 
 def _resolve(directory: Path, ranks: tuple[int, ...] | None) -> Path:
     """A parent with one rank chosen -> that rank's directory; anything else unchanged."""
-    from torchinstruments.cli.reader import is_parent, rank_runs
+    from torchinstruments.cli.rank_runs import is_parent, rank_runs
 
     if ranks is not None and len(ranks) == 1 and is_parent(directory):
         return rank_runs(directory, ranks)[0].directory
@@ -61,7 +61,7 @@ def run_on_ranks(
         ValueError: bad `--rank`.
     """
     from torchinstruments.cli import ranks as multi
-    from torchinstruments.cli.reader import (
+    from torchinstruments.cli.rank_runs import (
         is_parent,
         parse_ranks,
         ranks_with_history,

@@ -31,14 +31,12 @@ from torchinstruments.cli.pictures import (
     write_trends,
 )
 from torchinstruments.cli.pictures_grid import SCALES, HeatmapResult, build_grid, draw, file_names
+from torchinstruments.cli.rank_runs import RankRun, parent_facts, ranks_with_history
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
-    RankRun,
     RunFacts,
     layer_order,
     metric_order,
-    parent_facts,
-    ranks_with_history,
     read_history,
     select,
 )

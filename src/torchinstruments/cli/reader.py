@@ -23,15 +23,13 @@ only the selected layers, signals and metrics are decoded).
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories, runs_below
+from torchinstruments.cli.run_dirs import rank_directories, runs_below
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
 from torchinstruments.rundir.index_page import (
@@ -50,7 +48,6 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
-from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import RunState, Status
@@ -59,11 +56,14 @@ from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summa
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
 _ORDER = "_write_order"
-_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 class NotARunError(FileNotFoundError):
     """The directory holds no run (neither history.parquet nor completed parts)."""
+
+
+class UnreadableHistoryError(ValueError):
+    """A history file of the run is not a whole Parquet file; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,14 @@ class RunFiles:
         directory: the run directory.
         history: history.parquet, when it exists.
         parts: completed parts not (yet) merged into history.parquet, in write order.
+        unreadable: parts beside history.parquet that Parquet cannot read (`finalize` leaves
+            such a part in place and says so): left out of the reading, and said.
     """
 
     directory: Path
     history: Path | None
     parts: tuple[Path, ...]
+    unreadable: tuple[Path, ...] = ()
 
     @property
     def paths(self) -> list[Path]:
@@ -139,9 +142,16 @@ def locate(directory: Path) -> RunFiles:
     history = directory / HISTORY_FILE
     parts = list_parts(directory)
     if history.is_file():
-        merged = merged_part_numbers(history)
+        try:
+            merged = merged_part_numbers(history)
+        except pl.exceptions.PolarsError:
+            raise UnreadableHistoryError(_damaged_message(directory, history, [history])) from None
         parts = [p for p in parts if part_number(p) not in merged]
-        return RunFiles(directory, history, tuple(parts))
+        # Parts beside history.parquet are rare (a merge cut short, or one `finalize` could
+        # not read and left in place): check those alone, not a live run's every part.
+        unreadable = tuple(p for p in parts if _unreadable(p))
+        readable = tuple(p for p in parts if p not in unreadable)
+        return RunFiles(directory, history, readable, unreadable)
     if parts:
         return RunFiles(directory, None, tuple(parts))
     ranks = rank_directories(directory)
@@ -210,8 +220,38 @@ def read_history(
         except (FileNotFoundError, pl.exceptions.ComputeError):
             # A live run merged (and removed) parts between listing and reading: list again.
             if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):
+                damaged = [p for p in files.paths if _unreadable(p)]
+                if damaged:
+                    message = _damaged_message(files.directory, files.history, damaged)
+                    raise UnreadableHistoryError(message) from None
                 raise
     raise AssertionError("unreachable")
+
+
+def _unreadable(path: Path) -> bool:
+    """Whether Parquet cannot read `path`'s footer (a file cut short: a copy or a power loss)."""
+    try:
+        pl.read_parquet_schema(path)
+    except FileNotFoundError:
+        return False  # gone meanwhile (merged): not damaged
+    except (OSError, pl.exceptions.PolarsError):
+        return True
+    return False
+
+
+def _damaged_message(directory: Path, history: Path | None, damaged: Sequence[Path]) -> str:
+    """What to do about the history files of `directory` that Parquet cannot read."""
+    names = ", ".join(str(p) for p in damaged)
+    if history in damaged:
+        return (
+            f"{names}: the history file is unreadable (not a whole Parquet file: cut short by "
+            "a copy or a crash of the machine); restore it from a copy of the run"
+        )
+    return (
+        f"{names}: unreadable (not a whole Parquet file: cut short by a copy or a crash of the "
+        f"machine); `{tool_command('finalize', directory)}` merges the readable parts and "
+        "leaves this one in place, said in index.md, and the commands then read the rest"
+    )
 
 
 def read_facts(directory: Path) -> RunFacts:
@@ -438,135 +478,21 @@ def parse_list(text: str | None) -> list[str] | None:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-# --- a parent of rank-NNN/ runs (`rank_policy="all"`), read rank by rank ---------------------
-
-
-@dataclass(frozen=True)
-class RankRun:
-    """One rank's run directory under a parent."""
-
-    rank: int
-    directory: Path
-
-
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """`"0,2-4"` -> `(0, 2, 3, 4)`; raises ValueError naming `--rank` on anything else."""
-    ranks: list[int] = []
-    for item in (i.strip() for i in text.split(",")):
-        found = _RANK_ITEM.match(item)
-        if not found:
-            raise ValueError(f"--rank {text!r}: expected ranks like 0 or 0,3 or 0-7")
-        low = int(found.group(1))
-        high = int(found.group(2)) if found.group(2) else low
-        if high < low:
-            raise ValueError(f"--rank {text!r}: the range {item} is empty")
-        ranks += [r for r in range(low, high + 1) if r not in ranks]
-    return tuple(ranks)
-
-
-def is_parent(directory: Path) -> bool:
-    """Whether `directory` holds no run itself but `rank-NNN/` run directories."""
-    directory = Path(directory).expanduser()
-    try:
-        locate(directory)
-    except NotARunError:
-        return bool(rank_directories(directory))
-    return False
-
-
-def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]:
-    """The parent's rank runs, all or those of `ranks` (in rank order).
-
-    Raises:
-        ValueError: if a rank asked for has no directory, naming the ranks there are.
-    """
-    parent = Path(parent).expanduser()
-    found = {int(m.group(1)): d for d in rank_directories(parent) if (m := RANK_DIR.match(d.name))}
-    if ranks is None:
-        return [RankRun(r, found[r]) for r in sorted(found)]
-    missing = [r for r in ranks if r not in found]
-    if missing:
-        raise ValueError(
-            f"--rank: no rank directory for rank {', '.join(map(str, missing))} in {parent}; "
-            f"its ranks: {', '.join(map(str, sorted(found)))}"
-        )
-    return [RankRun(r, found[r]) for r in sorted(set(ranks))]
-
-
-def ranks_with_history(
-    parent: Path, ranks: Sequence[int] | None = None
-) -> tuple[list[RankRun], dict[int, str]]:
-    """The parent's rank runs (all, or those of `ranks`) that have history now, and why each of
-    the others has none (a rank killed before its first part, or still before it): a parent is
-    read with the ranks it can read, and says which it could not.
-
-    Raises:
-        ValueError: a rank asked for has no directory (`rank_runs`).
-        NotARunError: no rank has history, naming each rank and why.
-    """
-    readable, without = [], {}
-    for run in rank_runs(parent, ranks):
-        try:
-            locate(run.directory)
-        except NotARunError:
-            without[run.rank] = _no_history(run.directory)
-            continue
-        readable.append(run)
-    if not readable and without:
-        raise NotARunError(
-            f"{Path(parent).expanduser()}: no rank has any history yet ("
-            f"{without_history_line(without)})"
-        )
-    return readable, without
-
-
-def _no_history(directory: Path) -> str:
-    """Why a rank's directory has no history, in a few words."""
-    try:
-        state = load_state(directory)
-    except (OSError, ValueError):
-        return "no sample written yet (its state is unreadable)"
-    if state is None:
-        return f"no sample written yet (no {STATE_FILE})"
-    if state.status is Status.IN_PROGRESS:
-        return "no sample written yet (in progress, or its process died before its first part)"
-    return f"no sample written yet ({state.status.value})"
-
-
-def without_history_line(without: Mapping[int, str]) -> str:
-    """`rank 1, 3: no sample written yet (...)`: the ranks without history, grouped by why."""
-    by_reason: dict[str, list[int]] = {}
-    for rank in sorted(without):
-        by_reason.setdefault(without[rank], []).append(rank)
-    return "; ".join(f"rank {ranges(rs)}: {why}" for why, rs in by_reason.items())
-
-
-def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
-    """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
-    each = [read_facts(run.directory) for run in runs]
-    return dataclasses.replace(each[0], directory=Path(parent).expanduser()), each
-
-
 __all__ = [
     "SERIES_KEY",
     "TENSOR_KEY",
     "X_COLUMNS",
     "NotARunError",
-    "RankRun",
     "RunFacts",
     "RunFiles",
     "SelectionError",
+    "UnreadableHistoryError",
     "check_selection",
-    "is_parent",
     "layer_order",
     "locate",
     "metric_order",
-    "parent_facts",
     "parse_list",
-    "parse_ranks",
     "rank_directories",
-    "rank_runs",
-    "ranks_with_history",
     "read_facts",
     "read_history",
     "runs_below",
@@ -574,5 +500,4 @@ __all__ = [
     "select",
     "summarize_series",
     "window_of",
-    "without_history_line",
 ]

@@ -16,8 +16,8 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.rank_runs import RankRun
 from torchinstruments.cli.reader import (
-    RankRun,
     RunFacts,
     layer_order,
     locate,
@@ -115,6 +115,7 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "state": facts.state,
         "counts": facts.counts,
         "history_files": [str(p) for p in facts.files.paths],
+        "unreadable_files": [str(p) for p in facts.files.unreadable],
         "window": window,
         "model_class": run.model_class if run else None,
         "library_version": run.library_version if run else None,

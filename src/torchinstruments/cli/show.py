@@ -55,6 +55,12 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
         lines.append(facts.counts)
     lines += facts.marked_lines()
     latest = frame["latest_sample_id"].max() if frame.height else None
+    if files.unreadable:  # beside history.parquet, left in place by finalize
+        names = ", ".join(p.name for p in files.unreadable)
+        source[-1] += (
+            f" (left out: {plural(len(files.unreadable), 'unreadable part')} in history.parts/, "
+            f"its rows missing: {names})"
+        )
     lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
     return lines
 

@@ -1,0 +1,141 @@
+"""A parent of `rank-NNN/` runs (`rank_policy="all"`), read rank by rank: which ranks it holds,
+which of them have history now (and why the others have none), and `--rank`'s syntax.
+
+Design decision: a parent is read with the ranks it can read and says which it could not (a rank
+killed before its first part, or still before it); only a parent where no rank has history is
+refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchinstruments.cli.reader import NotARunError, RunFacts, locate, read_facts
+from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
+from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.recovery import load_state
+from torchinstruments.rundir.state import Status
+
+_RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's run directory under a parent."""
+
+    rank: int
+    directory: Path
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """`"0,2-4"` -> `(0, 2, 3, 4)`; raises ValueError naming `--rank` on anything else."""
+    ranks: list[int] = []
+    for item in (i.strip() for i in text.split(",")):
+        found = _RANK_ITEM.match(item)
+        if not found:
+            raise ValueError(f"--rank {text!r}: expected ranks like 0 or 0,3 or 0-7")
+        low = int(found.group(1))
+        high = int(found.group(2)) if found.group(2) else low
+        if high < low:
+            raise ValueError(f"--rank {text!r}: the range {item} is empty")
+        ranks += [r for r in range(low, high + 1) if r not in ranks]
+    return tuple(ranks)
+
+
+def is_parent(directory: Path) -> bool:
+    """Whether `directory` holds no run itself but `rank-NNN/` run directories."""
+    directory = Path(directory).expanduser()
+    try:
+        locate(directory)
+    except NotARunError:
+        return bool(rank_directories(directory))
+    return False
+
+
+def rank_runs(parent: Path, ranks: Sequence[int] | None = None) -> list[RankRun]:
+    """The parent's rank runs, all or those of `ranks` (in rank order).
+
+    Raises:
+        ValueError: if a rank asked for has no directory, naming the ranks there are.
+    """
+    parent = Path(parent).expanduser()
+    found = {int(m.group(1)): d for d in rank_directories(parent) if (m := RANK_DIR.match(d.name))}
+    if ranks is None:
+        return [RankRun(r, found[r]) for r in sorted(found)]
+    missing = [r for r in ranks if r not in found]
+    if missing:
+        raise ValueError(
+            f"--rank: no rank directory for rank {', '.join(map(str, missing))} in {parent}; "
+            f"its ranks: {', '.join(map(str, sorted(found)))}"
+        )
+    return [RankRun(r, found[r]) for r in sorted(set(ranks))]
+
+
+def ranks_with_history(
+    parent: Path, ranks: Sequence[int] | None = None
+) -> tuple[list[RankRun], dict[int, str]]:
+    """The parent's rank runs (all, or those of `ranks`) that have history now, and why each of
+    the others has none (a rank killed before its first part, or still before it): a parent is
+    read with the ranks it can read, and says which it could not.
+
+    Raises:
+        ValueError: a rank asked for has no directory (`rank_runs`).
+        NotARunError: no rank has history, naming each rank and why.
+    """
+    readable, without = [], {}
+    for run in rank_runs(parent, ranks):
+        try:
+            locate(run.directory)
+        except NotARunError:
+            without[run.rank] = _no_history(run.directory)
+            continue
+        readable.append(run)
+    if not readable and without:
+        raise NotARunError(
+            f"{Path(parent).expanduser()}: no rank has any history yet ("
+            f"{without_history_line(without)})"
+        )
+    return readable, without
+
+
+def _no_history(directory: Path) -> str:
+    """Why a rank's directory has no history, in a few words."""
+    try:
+        state = load_state(directory)
+    except (OSError, ValueError):
+        return "no sample written yet (its state is unreadable)"
+    if state is None:
+        return f"no sample written yet (no {STATE_FILE})"
+    if state.status is Status.IN_PROGRESS:
+        return "no sample written yet (in progress, or its process died before its first part)"
+    return f"no sample written yet ({state.status.value})"
+
+
+def without_history_line(without: Mapping[int, str]) -> str:
+    """`rank 1, 3: no sample written yet (...)`: the ranks without history, grouped by why."""
+    by_reason: dict[str, list[int]] = {}
+    for rank in sorted(without):
+        by_reason.setdefault(without[rank], []).append(rank)
+    return "; ".join(f"rank {ranges(rs)}: {why}" for why, rs in by_reason.items())
+
+
+def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
+    """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
+    each = [read_facts(run.directory) for run in runs]
+    return dataclasses.replace(each[0], directory=Path(parent).expanduser()), each
+
+
+__all__ = [
+    "RankRun",
+    "is_parent",
+    "parent_facts",
+    "parse_ranks",
+    "rank_runs",
+    "ranks_with_history",
+    "without_history_line",
+]

@@ -371,3 +371,28 @@ def test_an_incomplete_continued_run_names_the_attempt_that_ended_without_remova
     assert "**State: INCOMPLETE.**" in text
     assert "- attempt(s) 0 ended without remove_observer." in text
     assert "the process ended without remove_observer" not in text
+
+
+class Piped(nn.Module):
+    """Two Linears in a ModuleDict, the first named `a|b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.ModuleDict({"a|b": nn.Linear(2, 2), "c": nn.Linear(2, 2)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d["c"](self.d["a|b"](x))
+
+
+def test_a_layer_name_with_a_pipe_keeps_the_layers_table_three_cells_wide(tmp_path: Path) -> None:
+    """GitHub's Markdown splits a table row at every `|` not escaped, inside a code span too:
+    the Layers table escapes it, so each row keeps its three cells and shows the name."""
+    model = Piped()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    lines = (tmp_path / "run" / "index.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("| layer | module_type | sampled forwards |")
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines[start + 2 : start + 4]]
+    cells = [[cell.strip().replace("\\|", "|") for cell in row] for row in rows]
+    assert cells == [["`d.a|b`", "Linear", "1"], ["`d.c`", "Linear", "1"]]

@@ -35,6 +35,12 @@ def _name(layer: LayerInfo | str) -> str:
     return code_span(name or "<root>")
 
 
+def _cell(layer: LayerInfo) -> str:
+    """`_name` for a table cell: a `|` in the name escaped, since GitHub's Markdown splits a
+    table row at every unescaped `|`, inside a code span too (and shows `\\|` there as `|`)."""
+    return _name(layer).replace("|", "\\|")
+
+
 def _by_type(layers: Sequence[LayerInfo]) -> dict[str, list[LayerInfo]]:
     """Layers per module type, types in order of first appearance."""
     groups: dict[str, list[LayerInfo]] = {}
@@ -134,7 +140,7 @@ def section_layers(state: RunState) -> list[str]:
         ]
         if len(run.layers) <= LISTED_LAYERS:
             lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
-            lines += [f"| {_name(li)} | {li.module_type} | unknown |" for li in run.layers]
+            lines += [f"| {_cell(li)} | {li.module_type} | unknown |" for li in run.layers]
         return [*lines, ""]
     bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
     zero = _ZERO_RECOVERED if state.counts_recovered else _ZERO
@@ -153,7 +159,7 @@ def section_layers(state: RunState) -> list[str]:
     if len(run.layers) <= LISTED_LAYERS:
         lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
         lines += [
-            f"| {_name(li)} | {li.module_type} | {ran.get(li.name, 0)} |" for li in run.layers
+            f"| {_cell(li)} | {li.module_type} | {ran.get(li.name, 0)} |" for li in run.layers
         ]
     else:
         lines += [
@@ -168,7 +174,7 @@ def section_layers(state: RunState) -> list[str]:
             numbers = [ran.get(li.name, 0) for li in layers]
             lines.append(
                 f"| {module_type} | {len(layers)} | {min(numbers)} .. {max(numbers)} | "
-                f"{_name(layers[0])} | {_name(layers[-1])} |"
+                f"{_cell(layers[0])} | {_cell(layers[-1])} |"
             )
         if len(groups) > LISTED_TYPES:
             rest = sum(len(ls) for _, ls in groups[LISTED_TYPES:])

@@ -107,3 +107,49 @@ def test_counts_of_one_are_singular(tmp_path: Path) -> None:
     page = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
     assert "1 samples" not in page
     assert "1 root forwards" not in page
+
+
+CONTROL_NAMES = ("new\nline", "tab\tx", "back\rz", "esc\x1b[2Jy")
+
+
+class ControlNames(nn.Module):
+    """A Linear per name in CONTROL_NAMES (keys of a ModuleDict, which allows them), chained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.ModuleDict({name: nn.Linear(2, 2) for name in CONTROL_NAMES})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.d.values():
+            x = layer(x)
+        return x
+
+
+def test_control_characters_in_layer_names_are_escaped_in_text_and_kept_in_csv(
+    tmp_path: Path,
+) -> None:
+    """A newline in a name would split its row, a carriage return or an escape rewrite the
+    screen: the text views write them as Python escapes; csv keeps the names as they are."""
+    torch.manual_seed(0)
+    model = ControlNames()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2)).sum().backward()
+    remove_observer(model)
+    lines = show(tmp_path / "run", "--metrics", "mean")
+    assert not any("\x1b" in line or "\r" in line or "\t" in line for line in lines)
+    history = pl.read_parquet(tmp_path / "run" / "history.parquet").filter(
+        pl.col("metric") == "mean", pl.col("signal") == "output"
+    )
+    for name in CONTROL_NAMES:
+        shown = "d." + name.encode("unicode_escape").decode("ascii")
+        (value,) = history.filter(pl.col("layer") == f"d.{name}")["value"].to_list()
+        assert row_of(lines, shown)[:2] == ["Linear", f"{value:.4g}"]
+    for command in ("show", "compare"):
+        out = io.StringIO()
+        runs = [tmp_path / "run"] * (2 if command == "compare" else 1)
+        with contextlib.redirect_stdout(out):
+            assert main([command, *map(str, runs), "--metrics", "mean", "--format", "csv"]) == 0
+        frame = pl.read_csv(
+            io.StringIO(out.getvalue()), schema_overrides={"tensor_path": pl.String}
+        )
+        assert set(frame["layer"]) == {f"d.{name}" for name in CONTROL_NAMES}

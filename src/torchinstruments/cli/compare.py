@@ -50,6 +50,7 @@ from torchinstruments.cli.selection import (
 from torchinstruments.cli.text import (
     number,
     plural,
+    printable,
     render_frame,
     series_name,
     series_table,
@@ -283,7 +284,7 @@ def _absent_notes(c: Comparison) -> list[str]:
         )
         only = by_layer.filter(pl.col("mine") > 0, pl.col("other") == 0)["layer"].to_list()
         if only:
-            names = ", ".join(name or "<root>" for name in only[:20])
+            names = ", ".join(printable(name or "<root>") for name in only[:20])
             more = f" ... ({len(only) - 20} more)" if len(only) > 20 else ""
             out.append(
                 f"only in {tag} ({plural(len(only), 'layer')}, no row in the other run): "

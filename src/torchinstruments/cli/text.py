@@ -23,14 +23,24 @@ NUMBER_WIDTH = 10
 FORMATS = ("text", "csv", "json", "markdown")
 
 
+def printable(text: str) -> str:
+    """`text` with each character a terminal would act on instead of show (a newline, tab,
+    carriage return or escape in a `nn.ModuleDict` key) written as its Python escape (`\\n`,
+    `\\t`, `\\x1b`), so a name stays on its row and cannot rewrite the screen; the machine
+    formats keep names as they are."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def tensor_label(
     layer: str, call_index: int, tensor_path: str, mode: str = "train", *, calls: bool
 ) -> str:
     """How every command names a tensor: `layer` (`<root>` for the root), `layer#call` for
     layers called several times (`calls`), the tensor path, then ` [eval]` for an eval series
-    (a series of its own: never averaged with the train one)."""
+    (a series of its own: never averaged with the train one); `printable`."""
     name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
-    return name + ("" if mode == "train" else f" [{mode}]")
+    return printable(name + ("" if mode == "train" else f" [{mode}]"))
 
 
 def several_calls(frame: pl.DataFrame) -> set[str]:
@@ -195,6 +205,7 @@ __all__ = [
     "markdown",
     "number",
     "plural",
+    "printable",
     "render_frame",
     "series_name",
     "series_table",

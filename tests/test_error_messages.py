@@ -153,6 +153,30 @@ def test_a_mistyped_run_directory_does_not_exist(finished: Path) -> None:
     assert f"{wrong} does not exist" in line
 
 
+def test_a_mistyped_directory_with_rank_or_compared_alone_is_not_called_one_run(
+    finished: Path, tmp_path: Path
+) -> None:
+    """`compare DIR` (its ranks) and `--rank` need a directory of rank runs; a typo or an empty
+    folder is said to be what it is, not "one run"."""
+    wrong = finished.parent / "baselin"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args in (
+        ("compare", wrong),
+        ("compare", wrong, "--rank", "0,1"),
+        ("show", wrong, "--rank", "1"),
+        ("plot", wrong, "--rank", "1"),
+    ):
+        line = cli_error(*args)
+        assert line == (
+            f"torchinstruments {args[0]}: {wrong} does not exist: pass a run's output directory"
+        )
+    line = cli_error("show", empty, "--rank", "1")
+    assert line == (
+        f"torchinstruments show: {empty} holds no run: neither history.parquet nor history.parts/"
+    )
+
+
 def test_heatmap_on_a_missing_run_blames_the_run_not_the_output_folder(finished: Path) -> None:
     line = cli_error("heatmap", finished.parent / "nothing")
     assert "does not exist" in line

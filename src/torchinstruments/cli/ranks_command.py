@@ -67,12 +67,15 @@ def run_on_ranks(
         ranks_with_history,
         without_history_line,
     )
+    from torchinstruments.cli.reader import locate
 
     ranks = parse_ranks(args.rank) if getattr(args, "rank", None) else None
     names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
     given = [getattr(args, n) for n in names if getattr(args, n) is not None]
     parents = [d for d in given if is_parent(d)]
     if not parents:
+        for directory in given:  # a typo or an empty folder is said to be that, not "one run"
+            locate(directory)
         if ranks is not None:
             raise ValueError(
                 f"--rank {args.rank}: {given[0]} holds no rank-NNN/ directories (it is one run)"

@@ -123,3 +123,29 @@ def test_a_ranks_ranks_query_gives_each_ranks_mean_of_every_series(parent: Path)
     got = by_rank.join(expected, on=["rank", *SERIES], suffix="_history")
     assert got.height == by_rank.height == expected.height
     assert got["value"].to_list() == pytest.approx(got["value_history"].to_list(), rel=1e-12)
+
+
+def test_the_parent_queries_keep_reading_after_a_live_rank_finishes(tmp_path: Path) -> None:
+    """The setup reads a live rank's parts as they are; when that rank's removal then merges
+    them (and takes them away), the later blocks still run, on the rows read at setup."""
+    from torchinstruments import remove_observer
+
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0)  # finished: writes the parent's index.md
+    live = observe_rank(parent, 1, remove=False)
+    blocks = re.findall(
+        r"```python\n(.*?)```", (parent / "index.md").read_text(encoding="utf-8"), re.DOTALL
+    )
+    scope: dict[str, object] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(blocks[0], "setup", "exec"), scope)
+    parts = sorted((parent / "rank-001" / "history.parts").glob("part-*.parquet"))
+    at_setup = pl.read_parquet(parts).height
+    assert at_setup > 0
+    remove_observer(live)
+    assert not (parent / "rank-001" / "history.parts").exists()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[1], "per rank", "exec"), scope)
+    rows = dict(pl.read_csv(io.StringIO(out.getvalue())).select("rank", "rows").iter_rows())
+    assert rows == {0: history(parent, 0).height, 1: at_setup}

@@ -148,14 +148,27 @@ import polars as pl
 parent = Path({_q(parent)})
 
 
-def history_files(directory: Path) -> list[Path]:
-    """A rank's history files: {HISTORY_FILE} once finished, its completed parts while live."""
+def rank_history(directory: Path) -> pl.LazyFrame | None:
+    """A rank's rows: {HISTORY_FILE} once finished; while live, its completed parts, read now
+    (its removal takes the parts away once {HISTORY_FILE} holds them); None before its first."""
     merged = directory / {_q(HISTORY_FILE)}
-    return [merged] if merged.exists() else sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
+    for _ in range(5):
+        if merged.exists():
+            return pl.scan_parquet(merged, glob=False)
+        files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
+        if not files:
+            return None
+        try:
+            return pl.read_parquet(files, glob=False).lazy()
+        except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
+            continue
+    raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
 
 
-files = [f for d in sorted(parent.glob("rank-*")) if d.is_dir() for f in history_files(d)]
-ranks = pl.scan_parquet(files, glob=False)  # every rank's rows; the `rank` column tells them apart
+histories = [rank_history(d) for d in sorted(parent.glob("rank-*")) if d.is_dir()]
+if all(h is None for h in histories):
+    raise SystemExit(f"{{parent}}: no rank has written a part yet; run this block again later")
+ranks = pl.concat([h for h in histories if h is not None])  # `rank` tells the ranks apart
 SERIES = ["layer", "call_index", "signal", "tensor_path", "mode", "metric"]  # train, eval apart
 
 

@@ -12,6 +12,10 @@ Design decisions:
   breaking ties, so "latest" means the same as result.json's `latest`.
 - A live run may merge (and delete its parts) between listing and reading; the read is retried
   with a fresh listing (`READ_ATTEMPTS`).
+- A history file that is not a whole Parquet file (a copy cut short, a machine that lost power)
+  stops the command with one line naming it and what to do (`UnreadableHistoryError`), except
+  a part beside history.parquet, which `finalize` leaves in place when it cannot read it: that
+  one is left out (`RunFiles.unreadable`) and `show` names it.
 - Summaries follow result.json's definitions: `latest` is the last observation of a series, and
   the recent window is computed by result.json's own implementation
   (`rundir.windows.window_summaries`: the series' latest `window` sample_ids, the exact mean of

@@ -3,7 +3,9 @@
 Real processes and a real SIGTERM: the child (this file run as a script) injects and removes
 observers many times, in another order than injected (first in, first out) or from other threads
 (`remove_observer` on a worker thread, a dropped model collected by the garbage collector on a
-helper thread), then keeps one run live and waits. The parent sends SIGTERM: the child must end
+helper thread), then keeps one run live and waits. The process's one SIGTERM watcher
+(`rundir.term_watch`) follows the chain: never one per run, ended with the wakeup fd unset once
+no run is live. The parent sends SIGTERM: the child must end
 with SIGTERM's default action (returncode -15), the live run's rows on disk.
 
 A chain that grew by one handler per ended run would need about 1,000 runs to exhaust Python's
@@ -37,6 +39,7 @@ from torchinstruments.sinks.directory import DirectorySink
 CYCLES = 60
 HEADROOM = 40  # frames a SIGTERM may use on top of the waiting child's stack (< CYCLES)
 WAIT_S = 120.0
+WATCHER = "torchinstruments SIGTERM watcher"  # the thread of `rundir.term_watch`
 
 
 def _model() -> nn.Module:
@@ -74,11 +77,24 @@ def _chain_length() -> int:
     return _chain()[0]
 
 
+def _watcher_threads() -> int:
+    """Threads watching for SIGTERMs the main thread cannot handle (`rundir.term_watch`)."""
+    return sum(t.name == WATCHER for t in threading.enumerate())
+
+
+def _wakeup_fd() -> int:
+    """The wakeup fd set now (-1: none), left in place."""
+    current = signal.set_wakeup_fd(-1)
+    if current != -1:
+        signal.set_wakeup_fd(current)
+    return current
+
+
 def child_main(root: Path, mode: str) -> None:
     """Cycle runs (`mode` "fifo" or "threads"), keep one live, report, then wait for SIGTERM."""
     torch.set_num_threads(1)
     before = signal.getsignal(signal.SIGTERM)
-    longest = 0
+    longest = most_watchers = 0
     for i in range(CYCLES):
         a, b = _model(), _model()
         _inject(a, root / f"a{i}")
@@ -95,8 +111,16 @@ def child_main(root: Path, mode: str) -> None:
             del a, b  # their runs end when the collector finds them, on a helper thread
             _on_thread(gc.collect)
         longest = max(longest, _chain_length())
+        most_watchers = max(most_watchers, _watcher_threads())
     gc.collect()
+    if mode == "fifo":  # every run ended on the main thread: each watcher was stopped
+        for thread in threading.enumerate():
+            if thread.name == WATCHER:
+                thread.join(timeout=WAIT_S)
     facts = {
+        "most_watcher_threads": most_watchers,
+        "watcher_threads_after_cycles": _watcher_threads(),
+        "wakeup_fd_after_cycles": _wakeup_fd(),
         "longest_chain": longest,
         "chain_after_cycles": _chain_length(),
         "ends_at_the_handler_before": _chain()[1] == before,
@@ -163,6 +187,8 @@ def test_runs_removed_first_in_first_out_leave_the_chain_and_sigterm_ends_the_pr
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert facts["longest_chain"] <= 2  # the two live runs at most
     assert facts["chain_after_cycles"] == 0  # SIGTERM's handler is the one before, again
+    assert facts["wakeup_fd_after_cycles"] == -1  # the last removal let the wakeup fd go
+    assert facts["watcher_threads_after_cycles"] == 0  # and ended its watcher
     assert facts["ends_at_the_handler_before"]
     assert facts["sinks_alive"] == 0  # no ended run kept alive by a handler
     assert facts["chain_with_one_live_run"] == 1
@@ -179,6 +205,8 @@ def test_runs_ended_on_other_threads_leave_the_chain_and_sigterm_ends_the_proces
     # thread, taken off at the next install or uninstall on the main thread
     assert facts["longest_chain"] <= 3
     assert facts["chain_after_cycles"] <= 1
+    # the inert handler left current keeps the one watcher, which the next run takes over
+    assert facts["most_watcher_threads"] == facts["watcher_threads_after_cycles"] == 1
     assert facts["ends_at_the_handler_before"]
     assert facts["sinks_alive"] == 0
     assert facts["chain_with_one_live_run"] == 1

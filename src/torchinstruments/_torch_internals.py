@@ -18,7 +18,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "hook_without_handle",
     "in_backward_pass",
     "in_compiled_autograd",
+    "innermost_frame",
     "is_functorch_wrapped",
     "is_legacy_batched",
     "is_tracing",
@@ -128,6 +129,17 @@ def running(code: CodeType, owner: object) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def innermost_frame(thread_id: int | None) -> FrameType | None:
+    """The innermost Python frame the thread `thread_id` runs now (None: none, or no thread).
+
+    Why: the SIGTERM watcher (rundir/term_watch.py) tells a main thread that runs Python from
+    one blocked in native code by whether this frame, or its last instruction, moves; relies on
+    CPython's `sys._current_frames` (documented in `sys` as an implementation detail), which
+    returns the same frame object while that frame runs. Checked on CPython 3.11.
+    """
+    return None if thread_id is None else sys._current_frames().get(thread_id)
 
 
 def registered_tensor_slots(module: nn.Module) -> Iterator[str]:

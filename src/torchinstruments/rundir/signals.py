@@ -38,27 +38,64 @@ Design decisions:
   inside one of those locks, the wait times out and the run loses what a SIGKILL would have lost
   (at most one flush interval), never more, and never hangs.
 - A process forked after injection (a DataLoader worker) inherits the handler but not the flush
-  thread, and its copy of the buffer is not its to write: there the handler only chains.
-- Known limit: Python runs a handler only when the main thread next runs Python code. A main
-  thread blocked in native code (a rank waiting in a collective for a rank that died or hangs)
-  never does, so where SIGTERM's default action would end it at once, it now lives on until
-  SIGKILL (torchrun's agent sends it after its grace period). Nothing measured is lost: the
-  flush thread, which needs no main thread, keeps writing parts meanwhile.
+  thread, and its copy of the buffer is not its to write: there the handler only chains, and at
+  the fork the child's SIGTERM handler goes back to the one the chain ends at (the handler the
+  process had before the library's; kept where that is one installed from C), so a child
+  blocked in native code ends at a SIGTERM as it would have without the library.
+- Python runs a handler only when the main thread next runs Python code. A main thread blocked
+  in native code (a rank waiting in a collective for a rank that raised or hangs) never does, so
+  where SIGTERM's default action would end it at once, it would live on until SIGKILL. While a
+  handler of ours is installed, a watcher thread (`rundir.term_watch`, one per process, started
+  at the first install and stopped on the main thread once no run is live) takes such a SIGTERM:
+  every live run writes its buffered rows from that thread (`_on_stuck`), then, where the chain
+  ends at the default action (SIG_DFL, or a handler installed from C, which the chain treats
+  alike), the process ends with it, exit status as without the library. Where it ends at a
+  Python handler (a framework's, installed before ours or over it), that handler could not have
+  run without the library either: the process lives on with its rows on disk, and the handler
+  runs when the main thread next runs Python. SIG_IGN stays ignored. A main thread that runs
+  Python is left to the handler path alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 import os
 import signal
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from torchinstruments.notices import warn
+from torchinstruments.rundir.term_watch import GRACE_S, TermWatcher, end_with_default
+
 FLUSH_TIMEOUT_S = 5.0
 
-# Serialises edits of the chain of `TermFlush` handlers (install, uninstall), on any thread.
-_CHAIN = [threading.RLock()]  # a list, so the fork handler replaces it without `global`
+# The process's SIGTERM disposition is process-wide state, and so is what mirrors it here (lists,
+# so the fork handler replaces them without `global`):
+# serialises edits of the chain of `TermFlush` handlers (install, uninstall), on any thread;
+_CHAIN = [threading.RLock()]
+# the handlers installed and not uninstalled (weak: the chain, not this set, keeps them);
+_LIVE: list[weakref.WeakSet[TermFlush]] = [weakref.WeakSet()]
+# the watcher of SIGTERMs the main thread cannot handle (`rundir.term_watch`), while one runs;
+_WATCH: list[TermWatcher | None] = [None]
+
+
+@dataclasses.dataclass
+class _Handling:
+    """Handlers of ours started so far, running now, and when the last started
+    (`time.monotonic`), noted on the main thread for the watcher (which only reads them)."""
+
+    started: int = 0
+    running: int = 0
+    last_started: float = -math.inf
+
+
+_HANDLING = [_Handling()]
 
 
 def _on_main_thread() -> bool:
@@ -102,6 +139,10 @@ class TermFlush:
             if isinstance(previous, TermFlush):
                 previous._next = self
             self._active = self._installed = True
+            _LIVE[0].add(self)
+            if _WATCH[0] is None:
+                watcher = TermWatcher(_on_stuck, _progress)
+                _WATCH[0] = watcher if watcher.start() else None
         return True
 
     def uninstall(self) -> None:
@@ -114,6 +155,7 @@ class TermFlush:
             if not self._installed:
                 return
             self._installed = False
+            _LIVE[0].discard(self)
             above = self._next
             if above is not None:  # a TermFlush over this one: splice this one out
                 above._previous = self._previous
@@ -122,9 +164,20 @@ class TermFlush:
                 self._next = None
             if _on_main_thread():
                 _settle()
+                _stop_watching_if_idle()
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
         """Flush (once), then do what the previous handler or the default action would do."""
+        handling = _HANDLING[0]  # the watcher leaves this SIGTERM to us (main thread: no lock)
+        handling.started += 1
+        handling.running += 1
+        handling.last_started = time.monotonic()
+        try:
+            return self._handle(signum, frame)
+        finally:
+            handling.running -= 1
+
+    def _handle(self, signum: int, frame: FrameType | None) -> Any:
         flush = self._flush
         if self._active and flush is not None and os.getpid() == self._pid:
             self._active = False
@@ -167,9 +220,93 @@ def _settle() -> None:
         node = below
 
 
+def _stop_watching_if_idle() -> None:
+    """Stop the watcher once no run is live and the SIGTERM handler is not ours (main thread,
+    under the chain's lock): the wakeup fd is unset again if it is still ours."""
+    watcher = _WATCH[0]
+    if watcher is None or _LIVE[0] or isinstance(signal.getsignal(signal.SIGTERM), TermFlush):
+        return
+    _WATCH[0] = None
+    watcher.stop()
+
+
+def _progress() -> tuple[int, int, float]:
+    """Handlers of ours started so far, running now, and when the last started (the watcher)."""
+    handling = _HANDLING[0]
+    return handling.started, handling.running, handling.last_started
+
+
+def _chain_end(handler: Any) -> Any:
+    """The handler the chain from `handler` ends at: the first one that is not ours."""
+    while isinstance(handler, TermFlush):
+        handler = handler._previous
+    return handler
+
+
+def _on_stuck() -> None:
+    """A SIGTERM the main thread cannot handle (it runs no Python; `rundir.term_watch`), on
+    the watcher thread: every live run writes its buffered rows, then SIGTERM does what it would
+    have done without the library (module docstring)."""
+    pid = os.getpid()
+    runs = [h for h in list(_LIVE[0]) if h._pid == pid]
+    late = 0  # runs whose flush did not finish in time (the main thread holds a lock it needs)
+    for handler in runs:
+        flush = handler._flush
+        if flush is not None and not flush(FLUSH_TIMEOUT_S):
+            late += 1
+    locked = _CHAIN[0].acquire(timeout=FLUSH_TIMEOUT_S)  # held only for an edit's instant
+    try:
+        end = _chain_end(signal.getsignal(signal.SIGTERM))
+    finally:
+        if locked:
+            _CHAIN[0].release()
+    if end == signal.SIG_IGN:
+        return
+    written = f"the buffered rows of {len(runs) - late} run(s) were written from another thread"
+    if late:
+        written += (
+            f"; {late} run(s) could not write theirs within {FLUSH_TIMEOUT_S:g} s and lose "
+            "at most their last flush interval, as at a SIGKILL"
+        )
+    blocked = (
+        f"torchinstruments: SIGTERM arrived while the main thread ran no Python for "
+        f"{GRACE_S:g} s (blocked in native code: a collective waiting for another rank, a "
+        f"C call), so no Python signal handler could run there; {written}"
+    )
+    if callable(end):
+        with contextlib.suppress(Exception):  # warnings turned into errors: still nothing raised
+            warn(
+                f"{blocked}. The program's own SIGTERM handler (installed before "
+                "torchinstruments' or over it) runs when the main thread next runs Python, as "
+                "it would without torchinstruments; until then the process goes on"
+            )
+        return
+    with contextlib.suppress(Exception):
+        warn(f"{blocked}. The process now ends with SIGTERM's default action, as without it")
+    if not end_with_default(signal.SIGTERM):
+        with contextlib.suppress(Exception):
+            warn(
+                "torchinstruments: the C library's signal() could not be reached to end the "
+                "process; it ends when the main thread next runs Python, or at SIGKILL"
+            )
+
+
 def _after_fork_in_child() -> None:
-    """A lock another thread held at the fork stays held in the child: start with a new one."""
+    """In a forked child: a new lock (one another thread held at the fork stays held), no
+    watcher (its thread is the parent's; the child's signals must not reach it), no live run,
+    and SIGTERM's handler back to the one the chain ends at, unless a handler installed from C
+    (which Python cannot put back) or one installed over ours holds it."""
     _CHAIN[0] = threading.RLock()
+    _LIVE[0] = weakref.WeakSet()
+    _HANDLING[0] = _Handling()
+    watcher, _WATCH[0] = _WATCH[0], None
+    if watcher is not None:
+        watcher.forget_in_child()
+    with contextlib.suppress(ValueError, OSError):
+        current = signal.getsignal(signal.SIGTERM)
+        end = _chain_end(current)
+        if isinstance(current, TermFlush) and end is not None:
+            signal.signal(signal.SIGTERM, end)
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork

@@ -149,10 +149,51 @@ def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step
     assert callback.directory is not None
     index = " ".join((callback.directory / "index.md").read_text(encoding="utf-8").split())
     assert (
-        "LightningObserver: the first training step never called the observed Tiny, so nothing "
-        "is recorded"
+        "LightningObserver: the first training step never called the observed Tiny, so no "
+        "training forward is recorded"
     ) in index
     assert "pass module='net' (the attribute your step calls)" in index
+
+
+class ValidatedDirect(Tiny):
+    """A `Tiny(direct=True)` whose validation step calls `self(x)`: only evaluation forwards
+    reach the LightningModule."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self(batch[0])
+
+
+def test_a_bypassed_training_step_is_warned_when_only_evaluation_forwards_call_the_module(
+    tmp_path: Path,
+) -> None:
+    """Under record_eval the sanity check's forwards are observed (as eval samples), yet no
+    training forward reached the module: the first step's check still warns, and says so."""
+    model = ValidatedDirect(direct=True)
+    run = tmp_path / "run"
+    callback = LightningObserver(run, sampler=EveryNForwardsSampler(1), record_eval=True)
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    trainer = lightning.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(RuntimeWarning, match=r"the first training step never called the observed"):
+        trainer.fit(model, data, data)
+    history = read_history(run)
+    assert set(history["mode"]) == {"eval"}  # the sanity check and validation: observed
+    assert history["sample_id"].n_unique() == 2
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "the first training step never called the observed ValidatedDirect, so no training "
+        "forward is recorded"
+    ) in index
 
 
 @pytest.mark.parametrize(

@@ -363,17 +363,22 @@ class FitObservation:
             self.phases.leave_training()
 
     def check_first_step(self) -> None:
-        """After the first training step: warn when the observed module was never called."""
+        """After the first training step: warn when no training forward called the observed
+        module. Training forwards, not root forwards: under `record_eval` the sanity check's
+        forwards are root forwards too, and a step that bypasses the module must still be told."""
         if self._checked_first_step or self.observed is None:
             return
         self._checked_first_step = True
         counts = observed_counts(self.observed)
-        if counts is not None and counts.root_forwards == 0:
+        if counts is None:
+            return
+        trained = counts.root_forwards if counts.train_forwards is None else counts.train_forwards
+        if trained == 0:
             said = (
                 f"the first training step never called the observed "
-                f"{type(self.observed).__name__}, so nothing is recorded (a training step that "
-                "calls a submodule directly, e.g. self.net(x), bypasses it); pass module='net' "
-                "(the attribute your step calls) to observe that module instead"
+                f"{type(self.observed).__name__}, so no training forward is recorded (a "
+                "training step that calls a submodule directly, e.g. self.net(x), bypasses it); "
+                "pass module='net' (the attribute your step calls) to observe that module instead"
             )
             warn(f"torchinstruments: {self.owner}: {said}")
             add_run_note(self.observed, f"{self.owner}: {said}.")  # the run's reader sees why

@@ -7,7 +7,8 @@ Hooks, one line each:
 - `on_fit_start`: inject into the LightningModule (or `module=` a part of it), and mark the
   strategy's `training_step` (below). Runs after the strategy moved the model to its device and
   before the sanity check and the first step.
-- `on_train_batch_end`: after the first batch only, warn if the observed module was never called.
+- `on_train_batch_end`: after the first batch only, warn if no training forward called the
+  observed module (whatever the sanity check called).
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
@@ -40,7 +41,7 @@ the checkpoint's run. An explicit `output_dir` always wins. With a
 
 What is observed: the LightningModule's calls are the root forwards, so `training_step` must
 call `self(x)`; a step that calls `self.net(x)` bypasses it. Pass `module="net"` to observe that
-submodule instead (the callback warns after the first step when nothing was called).
+submodule instead (the callback warns after the first step when no training forward called it).
 
 Imports `lightning.pytorch` (or, without it, `pytorch_lightning`) when this module is imported.
 """
@@ -144,7 +145,7 @@ class LightningObserver(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """After the first batch: warn if the observed module was never called."""
+        """After the first batch: warn if no training forward called the observed module."""
         self._fit.check_first_step()
 
     def state_dict(self) -> dict[str, Any]:

@@ -87,6 +87,7 @@ def test_a_lightning_fit_resumed_with_ckpt_path_continues_the_run(tmp_path: Path
     lightning_fit(tmp_path, TOTAL, ckpt)
     assert not (run.parent / "torchinstruments-2").exists()  # continued, not a new run
     check_continued(run, first)
+    assert "were trained again" not in (run / "index.md").read_text(encoding="utf-8")
 
 
 def hf_train(tmp_path: Path, max_steps: int, resume: bool) -> Trainer:
@@ -299,3 +300,72 @@ def test_an_explicit_output_dir_wins_over_the_checkpoints_run(tmp_path: Path) ->
         elsewhere
     )
     assert read_state(run).attempts[-1].attempt == 0  # the checkpoint's run is left as it was
+
+
+RETRAINED = "were trained again, so their samples appear in more than one attempt"
+
+
+def test_a_fit_resumed_behind_the_step_its_run_reached_says_which_steps_repeat(
+    tmp_path: Path,
+) -> None:
+    """Preempted after its last checkpoint: the resumed fit trains global step 2 again, so step 2
+    has samples in both attempts; index.md and a warning say so (the step query would pair both
+    with one logged loss)."""
+    run = tmp_path / "run"
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+
+    def fit(max_steps: int, ckpt: Path | None) -> None:
+        trainer = lightning.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[
+                LightningObserver(run, sampler=EveryNForwardsSampler(1)),
+                ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1),
+            ],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Tiny(), data, ckpt_path=None if ckpt is None else str(ckpt))
+
+    fit(3, None)  # samples at global steps 0, 1, 2; the last checkpoint is at step 2
+    with pytest.warns(RuntimeWarning, match=RETRAINED):
+        fit(4, tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    history = pl.read_parquet(run / "history.parquet")
+    steps = history.group_by("attempt").agg(pl.col("step").unique().sort()).sort("attempt")
+    assert steps.rows() == [(0, [0, 1, 2]), (1, [2, 3])]
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "attempt 1: this fit resumed at global step 2, and earlier attempts had recorded samples "
+        f"up to step 2: steps 2 to 2 {RETRAINED}"
+    ) in index
+
+
+def test_an_hf_train_resumed_behind_the_step_its_run_reached_says_which_steps_repeat(
+    tmp_path: Path,
+) -> None:
+    def train(max_steps: int, resume: str | None) -> None:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            save_strategy="steps",
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), max_histogram_modules=1)
+        trainer = Trainer(
+            model=tiny_bert(), args=args, train_dataset=examples(32), callbacks=[callback]
+        )
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(3, None)  # samples at global steps 0, 1, 2; checkpoint-2 holds step 2
+    with pytest.warns(RuntimeWarning, match=RETRAINED):
+        train(4, str(tmp_path / "out" / "checkpoint-2"))
+    run = tmp_path / "out" / "torchinstruments"
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "attempt 1: this fit resumed at global step 2" in index
+    assert f"up to step 2: steps 2 to 2 {RETRAINED}" in index

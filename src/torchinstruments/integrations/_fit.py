@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 from torch import nn
 
 from torchinstruments.api import (
@@ -44,7 +45,7 @@ from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import check_same_on_every_rank
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
-from torchinstruments.rundir.layout import RUN_MARKERS, resolve_output_dir
+from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_output_dir
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -144,6 +145,16 @@ def fresh_sampler(pristine: object | None, sampler: object) -> object:
         return copy.deepcopy(pristine)
     except Exception:
         return sampler
+
+
+def recorded_step(history: Path) -> int | None:
+    """The largest `step` in `history` (the earlier attempts' rows of a continued run), None
+    without one or when it cannot be read: read once per resumed fit, never per sample."""
+    try:
+        value = pl.scan_parquet(history, glob=False).select(pl.col("step").max()).collect().item()
+    except Exception:  # no history yet, or unreadable: nothing to compare with
+        return None
+    return None if value is None else int(value)
 
 
 def last_run_directory(parent: Path, rank_policy: str) -> Path:
@@ -251,6 +262,7 @@ class FitObservation:
         resuming: bool = False,
         checkpoint_run: Path | None = None,
         checkpoint: str | None = None,
+        resume_step: int | None = None,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -268,6 +280,8 @@ class FitObservation:
                 run there that this process cannot continue is stated in index.md, and the
                 last run under the trainer's directory is continued instead.
             checkpoint: the checkpoint's name, for that note.
+            resume_step: the global step the resumed fit starts at (the checkpoint's), to say
+                in index.md which steps earlier attempts had recorded and this one trains again.
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -301,6 +315,8 @@ class FitObservation:
             )
             if not_continued is not None:
                 self._note_not_continued(checkpoint_run, checkpoint, not_continued)
+            if resume and resume_step is not None:
+                self._note_retrained(resume_step)
             follow_step(self.observed, global_step)
             self.phases = trainer_phases(self.observed)
             if self.phases is not None:
@@ -326,6 +342,24 @@ class FitObservation:
             f"{run} could not be continued ({why}); {self.owner} continued "
             f"{self.run_directory} instead (the last run under the trainer's directory, or a "
             "new one there)"
+        )
+        add_run_note(self.observed, said)
+        warn(f"torchinstruments: {self.owner}: {said}")
+
+    def _note_retrained(self, step: int) -> None:
+        """index.md and a warning when this fit resumed behind the last step earlier attempts
+        recorded (preempted after its last checkpoint): those steps have samples in more than
+        one attempt, which a join of `step` with the trainer's log would pair with one value."""
+        assert self.observed is not None
+        assert self.directory is not None
+        reached = recorded_step(self.directory / HISTORY_FILE)
+        if reached is None or reached < step:
+            return
+        said = (
+            f"this fit resumed at global step {step}, and earlier attempts had recorded samples "
+            f"up to step {reached}: steps {step} to {reached} were trained again, so their "
+            "samples appear in more than one attempt (tell them apart by `attempt`: the latest "
+            "attempt's are the training that went on)"
         )
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")

@@ -128,6 +128,7 @@ class HuggingFaceObserver(TrainerCallback):
             global_step=lambda: state.global_step,
             # train(resume_from_checkpoint=...) loaded the state before on_train_begin
             resuming=state.global_step > 0,
+            resume_step=state.global_step,
         )
         if directory is not None and trainer is not None:
             self._step_guard = TrainingStepMark(

@@ -15,6 +15,8 @@ Hooks, one line each:
 - `state_dict` / `load_state_dict`: a checkpoint keeps the run directory, and a fit resumed from
   it (`fit(ckpt_path=...)`) continues that run (Lightning 2.6 restores callback state before
   `on_fit_start`, except for a strategy that restores after setup: then index.md says so).
+- `on_load_checkpoint`: the checkpoint's global step; a fit resumed behind the last step its
+  run recorded (preempted after its last checkpoint) says in index.md which steps repeat.
 
 Training forwards are the samples, and they are exactly the forwards inside the training step:
 for the fit, the callback wraps `trainer.strategy.training_step` (an instance attribute of the
@@ -111,6 +113,7 @@ class LightningObserver(Callback):
         self._fit = FitObservation("LightningObserver", output_dir, module, options, record_eval)
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
+        self._checkpoint_step: int | None = None  # and its global step
 
     @property
     def directory(self) -> Path | None:
@@ -132,8 +135,10 @@ class LightningObserver(Callback):
             resuming=trainer.ckpt_path is not None,  # fit(ckpt_path=...): continue the run
             checkpoint_run=self._checkpoint_run,
             checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
+            # trainer.global_step is restored from a checkpoint only after this hook
+            resume_step=trainer.global_step if trainer.ckpt_path is None else self._checkpoint_step,
         )
-        self._checkpoint_run = None  # this fit's; a later fit reads its own checkpoint
+        self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
 
@@ -161,6 +166,14 @@ class LightningObserver(Callback):
         if self._checkpoint_run is not None and self._fit.observed is not None:
             self._fit.checkpoint_restored_late(self._checkpoint_run)
             self._checkpoint_run = None
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """The checkpoint's global step, where the resumed fit starts (Lightning restores
+        `trainer.global_step` only after `on_fit_start`)."""
+        step = checkpoint.get("global_step")
+        self._checkpoint_step = step if isinstance(step, int) else None
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Unmark and remove: restores every forward, writes history.parquet, result.json,

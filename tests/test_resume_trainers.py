@@ -369,3 +369,39 @@ def test_an_hf_train_resumed_behind_the_step_its_run_reached_says_which_steps_re
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert "attempt 1: this fit resumed at global step 2" in index
     assert f"up to step 2: steps 2 to 2 {RETRAINED}" in index
+
+
+def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
+    tmp_path: Path,
+) -> None:
+    """Two callbacks (two parts of the model, each its own output_dir) in one Trainer: each has
+    a checkpoint state of its own, so both fit and each resumed fit continues its own run."""
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+
+    def fit(max_steps: int, ckpt: Path | None) -> list[LightningObserver]:
+        observers = [
+            LightningObserver(tmp_path / name, module=name, sampler=EveryNForwardsSampler(1))
+            for name in ("net.0", "net.2")
+        ]
+        trainer = lightning.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[*observers, ModelCheckpoint(tmp_path / "ckpt", save_last=True)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Tiny(), data, ckpt_path=None if ckpt is None else str(ckpt))
+        return observers
+
+    fit(2, None)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    runs = sorted(state["run_directory"] for state in saved.values() if "run_directory" in state)
+    assert runs == [str(tmp_path / "net.0"), str(tmp_path / "net.2")]
+    fit(4, tmp_path / "ckpt" / "last.ckpt")
+    for name in ("net.0", "net.2"):
+        history = pl.read_parquet(tmp_path / name / "history.parquet")
+        assert set(history["layer"]) == {""}  # the observed part itself is the one layer
+        samples = history.group_by("attempt").agg(pl.col("step").unique().sort()).sort("attempt")
+        assert samples.rows() == [(0, [0, 1]), (1, [2, 3])]

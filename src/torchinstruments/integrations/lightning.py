@@ -15,6 +15,8 @@ Hooks, one line each:
 - `state_dict` / `load_state_dict`: a checkpoint keeps the run directory, and a fit resumed from
   it (`fit(ckpt_path=...)`) continues that run (Lightning 2.6 restores callback state before
   `on_fit_start`, except for a strategy that restores after setup: then index.md says so).
+- `state_key`: the class name, with `output_dir` and `module` when given, so several observers
+  (of several parts of the model) share one Trainer.
 - `on_load_checkpoint`: the checkpoint's global step; a fit resumed behind the last step its
   run recorded (preempted after its last checkpoint) says in index.md which steps repeat.
 
@@ -114,6 +116,14 @@ class LightningObserver(Callback):
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
         self._checkpoint_step: int | None = None  # and its global step
+        self._key = _state_key(output_dir, module)
+
+    @property
+    def state_key(self) -> str:
+        """This callback's key in a checkpoint: the class name for the default callback, and
+        with `output_dir` and `module` otherwise, so that several observers (of several parts
+        of the model) share one Trainer, which refuses two stateful callbacks with one key."""
+        return self._key
 
     @property
     def directory(self) -> Path | None:
@@ -193,6 +203,21 @@ class LightningObserver(Callback):
         mark, self._step_mark = self._step_mark, None
         if mark is not None:
             mark.undo()
+
+
+def _state_key(
+    output_dir: str | os.PathLike[str] | None, module: str | Callable[..., Any] | None
+) -> str:
+    """The checkpoint key for these arguments; stable across processes (a restarted job builds
+    the same callback), and the plain class name, as before, when both are defaults."""
+    if output_dir is None and module is None:
+        return LightningObserver.__qualname__
+    if module is None or isinstance(module, str):
+        named = module
+    else:  # a callable: its name (a partial or a callable object: its class's)
+        named = getattr(module, "__qualname__", type(module).__qualname__)
+    where = None if output_dir is None else os.fspath(output_dir)
+    return f"{LightningObserver.__qualname__}{{'output_dir': {where!r}, 'module': {named!r}}}"
 
 
 def _logger_sink(trainer: Trainer) -> Sink | None:

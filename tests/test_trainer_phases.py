@@ -249,6 +249,35 @@ def test_another_callbacks_forwards_are_evaluation_forwards_with_record_eval(
     assert set(probe["shape"].list.first()) == {2}  # the probe's batch of 2
 
 
+def test_two_observers_in_one_fit_each_see_every_training_step_and_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """Each wraps the strategy's training_step over the other's; the fit ends unwrapping them in
+    callback order (the outer one last), and the strategy is left as it was."""
+    observers = [
+        LightningObserver(tmp_path / name, module=name, sampler=EveryNForwardsSampler(1))
+        for name in ("net.0", "net.2")
+    ]
+    model = Recorded()
+    trainer = lightning.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        num_sanity_val_steps=1,
+        callbacks=[*observers],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(TensorDataset(torch.randn(12, 4), torch.randint(0, 2, (12,))), batch_size=4)
+    trainer.fit(model, data, data)
+    assert "training_step" not in vars(trainer.strategy)
+    training = [call for call in model.calls if call[0] == "train"]
+    for name in ("net.0", "net.2"):
+        check_samples(read_history(tmp_path / name), training)  # the sanity check: unobserved
+
+
 class Manual(Recorded):
     """Manual optimization: the step calls the optimizer itself."""
 

@@ -6,7 +6,8 @@ Hooks, one line each:
 
 - `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
   any forward wrapping of mixed precision is already in place and stays inside the proxy).
-- `on_step_end`: after the first optimizer step only, warn if the model was never called.
+- `on_step_end`: after the first optimizer step only, warn if no training forward called the
+  model.
 - `on_train_end`: remove.
 
 Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
@@ -150,7 +151,7 @@ class HuggingFaceObserver(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """After the first step: warn if the model was never called."""
+        """After the first step: warn if no training forward called the model."""
         self._fit.check_first_step()
 
     def on_train_end(

@@ -10,11 +10,29 @@ fine-tuning does): its gradient rows stop, or start late, and a reader must not 
 layer that stopped running. The second is warned once, when first seen, and both are in
 index.md. Kept per series, not per layer: a layer that returns a tensor with grad beside a
 detached one in every sample changed nothing. Bounded: one entry per series.
+
+A third case is per layer: outputs made under `torch.no_grad()` inside sampled forwards whose
+other outputs were made with grad enabled. Reentrant `torch.utils.checkpoint` runs its block so
+in the forward (and again, with grad, during backward: outside any root forward, so unobserved,
+as a plain hook on the forward sees it too), and so does a `torch.no_grad()` block in a model's
+forward. No gradient flows into such an output; a warning says so when a layer holding
+parameters is first seen so (a parameter-free one, a mask or positions computed under no_grad,
+loses no gradient anyone trains on), and index.md names every such layer. A forward wholly under
+no_grad (evaluation) is not this case. A sample counts as "with grad" from its first output made
+with grad enabled, which may come after its no_grad outputs (a checkpointed first block), so the
+no_grad layers of the latest `RECENT` samples wait until then.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Iterable
+
+from torch import nn
+
 from torchinstruments.notices import warn
+from torchinstruments.records import LayerInfo
 
 __all__ = ["GradientGaps"]
 
@@ -23,6 +41,7 @@ __all__ = ["GradientGaps"]
 Series = str | tuple[str, int, str]
 
 _SHOWN = 20  # names listed per note (index.md stays bounded on any model)
+RECENT = 8  # samples whose no_grad outputs may still meet a grad-enabled one (threads overlap)
 
 CHANGED_WARNING = (
     "torchinstruments: a sampled output requires no grad where its series required grad in "
@@ -40,6 +59,49 @@ class GradientGaps:
         # Per series without grad in some sample, in the order seen: [samples, first, last].
         self._without: dict[Series, list[int]] = {}
         self._warned = False
+        # Outputs made under no_grad inside forwards with grad (see the module), per layer.
+        self._lock = threading.Lock()
+        self._under_no_grad: dict[str, None] = {}  # an ordered set, in the order seen
+        self._grad_samples: deque[int] = deque(maxlen=RECENT)
+        self._waiting: dict[int, dict[str, None]] = {}  # sample -> its no_grad layers so far
+        self._weighted: set[str] = set()  # layers holding parameters (`weigh`)
+        self._warned_no_grad = False
+        self.latest_with_grad = -1  # the latest sample with an output made with grad enabled
+
+    def weigh(self, layers: Iterable[tuple[nn.Module, LayerInfo]]) -> None:
+        """Note which selected layers hold parameters: only those warn under no_grad."""
+        self._weighted = {
+            info.name for module, info in layers if next(module.parameters(), None) is not None
+        }
+
+    def output_without_grad_mode(self, sample_id: int, layer: str) -> None:
+        """A sampled output of `layer` made with grad disabled."""
+        with self._lock:
+            if sample_id in self._grad_samples:
+                self._said_under_no_grad(layer)
+            else:
+                self._waiting.setdefault(sample_id, {}).setdefault(layer, None)
+                if len(self._waiting) > RECENT:
+                    del self._waiting[next(iter(self._waiting))]  # the oldest sample's
+
+    def sample_with_grad(self, sample_id: int) -> None:
+        """`sample_id` made an output with grad enabled (callers test `latest_with_grad`)."""
+        with self._lock:
+            self.latest_with_grad = sample_id
+            if sample_id not in self._grad_samples:
+                self._grad_samples.append(sample_id)
+                for name in self._waiting.pop(sample_id, {}):
+                    self._said_under_no_grad(name)
+
+    def _said_under_no_grad(self, layer: str) -> None:
+        """Remember `layer`; warn the first time a layer with parameters is seen so."""
+        self._under_no_grad.setdefault(layer, None)
+        if not self._warned_no_grad and layer in self._weighted:
+            self._warned_no_grad = True
+            warn(
+                f"torchinstruments: layer {layer!r} {_UNDER_NO_GRAD} ({_WHY}); index.md names "
+                "every such layer at removal"
+            )
 
     def without_grad(self, series: Series, sample_id: int) -> None:
         """A sampled output of `series` in `sample_id` that requires no grad."""
@@ -70,6 +132,8 @@ class GradientGaps:
         layers_with = {_layer(series) for series in self.with_grad}
         without = (_layer(series) for series in self._without)
         never = list(dict.fromkeys(name for name in without if name not in layers_with))
+        with self._lock:
+            inside = [name for name in self._under_no_grad if name not in layers_with]
         some = [(s, seen) for s, seen in self._without.items() if s in self.with_grad]
         notes = []
         if never:
@@ -94,7 +158,25 @@ class GradientGaps:
                 "for them (a layer's first call unless a call or tensor_path is named; the "
                 f"samples without grad, first to last): {_listed(shown)}."
             )
+        if inside:
+            notes.append(
+                f"{len(inside)} selected layer{'' if len(inside) == 1 else 's'} {_UNDER_NO_GRAD}"
+                f", so no gradient can arrive and {'it has' if len(inside) == 1 else 'they have'}"
+                " no output_gradient rows (their output rows have grad_enabled false): "
+                f"{_listed([repr(name) for name in inside])} ({_WHY})."
+            )
         return tuple(notes)
+
+
+_UNDER_NO_GRAD = (
+    "ran under torch.no_grad() inside sampled forwards whose other layers ran with grad enabled"
+)
+_WHY = (
+    "reentrant torch.utils.checkpoint (use_reentrant=True) runs its block so in the forward and "
+    "again during backward, outside the forward, where it is not observed; a torch.no_grad() "
+    "block in forward does the same; non-reentrant checkpointing (use_reentrant=False) is "
+    "observed whole"
+)
 
 
 def _layer(series: Series) -> str:

@@ -299,8 +299,11 @@ class GradientRecorder:
         record the output under from now on: the hook where one was made (it is that key too),
         else `key`."""
         try:
-            if not key.grad_enabled:
+            if not key.grad_enabled:  # under no_grad inside a forward with grad: said
+                self.gaps.output_without_grad_mode(key.sample_id, key.layer.name)
                 return key
+            if key.sample_id != self.gaps.latest_with_grad:
+                self.gaps.sample_with_grad(key.sample_id)
             call_index, path = key.call_index, key.tensor_path
             # Its name alone for a layer's first call's bare tensor, the common case: no tuple.
             series = (key.layer.name, call_index, path) if call_index or path else key.layer.name

@@ -206,6 +206,7 @@ class Observer:
         """
         self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
+        self.gradients.gaps.weigh(layers)  # which layers hold parameters
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
         self._follows_class = "forward" not in vars(root)  # else it wraps the root's own
         self.proxies.install_root(root, self.on_root_call)

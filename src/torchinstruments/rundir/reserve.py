@@ -50,8 +50,12 @@ def hold(directory: Path, size: int) -> bool:
 
 
 def release(directory: Path) -> None:
-    """Delete the reserve file (if any), giving its space to the writes that follow."""
-    with contextlib.suppress(FileNotFoundError):
+    """Delete the reserve file (if any), giving its space to the writes that follow.
+
+    A directory that refuses the deletion (made read-only, its permissions taken away) refuses
+    the writes that follow as well, and each of those is reported where it fails; raising here
+    instead would stop the run's close before it says what it could not write."""
+    with contextlib.suppress(OSError):
         (directory / RESERVE_FILE).unlink()
 
 

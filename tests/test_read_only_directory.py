@@ -1,0 +1,125 @@
+"""A run directory made read-only mid-run: memory stays capped and removal still says what is lost.
+
+Permissions are taken away for real (`chmod` of the run directory, so every new file, rename and
+deletion there fails with EACCES, while files already open stay writable), in a child process:
+root ignores permissions, so under root the child runs without the capabilities that let it
+(`setpriv`, skipped where that is missing). Nothing is injected. Removal cannot delete the disk reserve there; it must still write what it can, warn
+about every row it could not write, and release the run's lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.state import Status, read_state
+
+from conftest import rows_in_parts
+
+SAMPLES = 45  # what CHILD takes: 5 before the change, 40 after
+ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
+
+# Under root: the capabilities that let root ignore permissions, dropped for the child.
+WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+CHILD = r"""
+import fcntl, json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+
+run = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+config = HistoryConfig(buffer_rows=18, max_buffered_rows=1800, flush_seconds=3600.0)
+inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+for _ in range(5):  # one part a sample: 18 rows
+    model(x).sum().backward()
+for folder, _, _ in os.walk(run):
+    os.chmod(folder, 0o555)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(40):
+        model(x).sum().backward()
+    remove_observer(model)
+with open(os.path.join(run, ".lock"), "rb") as lock:  # a second open file: its own lock
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        released = True
+    except OSError:
+        released = False
+print(json.dumps({"warnings": [str(w.message) for w in caught], "lock_released": released}))
+"""
+
+
+@pytest.fixture
+def prefix() -> list[str]:
+    """What the child's command starts with: under root, `WITHOUT_OVERRIDE`."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("permissions and flock as on Linux")
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("under root the child needs setpriv to give up ignoring permissions")
+    return WITHOUT_OVERRIDE
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Path]:
+    """The run directory; its permissions are given back afterwards, for the cleanup."""
+    yield tmp_path / "run"
+    for folder, _, _ in os.walk(tmp_path):
+        os.chmod(folder, stat.S_IRWXU)
+
+
+def run_child(prefix: list[str], run: Path) -> dict[str, object]:
+    """Run CHILD on `run`; its JSON report."""
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", CHILD, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_removal_in_a_read_only_directory_counts_every_unwritten_row_and_releases_the_lock(
+    prefix: list[str], run: Path
+) -> None:
+    report = run_child(prefix, run)
+    said = "\n".join(report["warnings"])  # type: ignore[arg-type]
+    assert "is detached" not in said, said  # the run directory finished its close
+    assert ".state.json could not be written" in said, said
+    assert "index.md could not be written" in said, said
+    # every row not in a part before the change is counted, with its samples (18 rows a sample)
+    on_disk = rows_in_parts(run)
+    lost = re.search(r"([\d,]+) rows of samples (\d+)-(\d+) were recorded but not written", said)
+    assert lost is not None, said
+    assert int(lost[1].replace(",", "")) + on_disk == SAMPLES * ROWS_PER_SAMPLE
+    assert (int(lost[2]), int(lost[3])) == (on_disk // ROWS_PER_SAMPLE, SAMPLES - 1)
+    assert report["lock_released"] is True
+
+    # Permissions back: no state on disk says the run ended, so finalize takes it for a killed
+    # one, and the TensorBoard events (their file was open before the change) name the samples
+    # whose rows are missing.
+    for folder, _, _ in os.walk(run):
+        os.chmod(folder, 0o755)
+    finalize(run)
+    assert read_state(run).status is Status.INTERRUPTED
+    index = (run / "index.md").read_text()
+    first, last = int(lost[2]), int(lost[3])
+    missing = f"histograms of {last - first + 1} sampled forward(s) that have no row in history"
+    assert f"{missing}.parquet: forward_index {first}-" in index, index

@@ -36,7 +36,10 @@ training thread about 13 ms (its frame 4, its metadata 1.5, Polars' writing and 
 6.5), once every 27 steps of bench/sampled.py's MLP sampled at every step, or six times a step
 for a 3,000-layer model. Most of that is paid per part, not per row, which is why the default
 part is 65,536 rows (`HistoryConfig`). Only the run's first forward and backward rows are written
-on the training thread (`sinks.directory`). One writer at a time (`_writing`); the buffer's lock
+on the training thread (`sinks.directory`); a step that finds the buffer full waits for that
+thread to make room, at most half a flush interval (`_make_room`): a part write that has not
+returned by then (a stalled network file system) counts as failing, so the step goes on and the
+rows beyond the cap are dropped and counted. One writer at a time (`_writing`); the buffer's lock
 is held while a part's rows become a frame and while they leave the buffer, never while it is
 written, so appends go on meanwhile (after them).
 
@@ -65,11 +68,9 @@ the one end-of-run routine in `rundir.finish`.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import polars as pl
@@ -77,6 +78,7 @@ import polars as pl
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import Measurement, MeasurementBlock
+from torchinstruments.rundir.buffered_records import SPLIT_RECORD_KEY, BufferedRecords
 from torchinstruments.rundir.cap_cuts import CapCuts
 from torchinstruments.rundir.columns import ColumnBuffer
 from torchinstruments.rundir.layout import (
@@ -94,21 +96,6 @@ __all__ = [
     "SPLIT_RECORD_KEY",
     "HistoryWriter",
 ]
-
-SPLIT_RECORD_KEY = "torchinstruments.split_record"
-
-
-class _BufferedRecord:
-    """The rows of one sample and signal, in append order, that are still (partly) buffered."""
-
-    __slots__ = ("left", "rows", "sample_id", "signal", "since")
-
-    def __init__(self, sample_id: int, signal: str, rows: int, since: float) -> None:
-        self.sample_id = sample_id
-        self.signal = signal
-        self.rows = rows  # rows it had in the buffer
-        self.left = rows  # of them, rows not yet in a part
-        self.since = since  # monotonic time its first row was measured: none of it is older
 
 
 class HistoryWriter:
@@ -160,8 +147,11 @@ class HistoryWriter:
         existing = [part_number(p) for p in list_parts(self._directory)]
         self._next_part = max((n for n in existing if n is not None), default=first_part - 1) + 1
         self._buffer = ColumnBuffer()
-        self._records: deque[_BufferedRecord] = deque()
+        self._records = BufferedRecords()  # which samples the buffered rows belong to
         self._lock = threading.Lock()  # the buffer and the counts; never held while writing
+        self._room = threading.Condition(self._lock)  # notified when a part write ends
+        # Wakes the thread that writes full chunks (with `chunks_elsewhere`; its owner sets it).
+        self.wake_writer: Callable[[], None] | None = None
         self._writing = threading.Lock()  # one part writer at a time; taken before `_lock`
         self._rows_produced = 0
         self._rows_written = 0
@@ -246,7 +236,7 @@ class HistoryWriter:
                     start = self._append_measurements(measurements, start)
                 due = len(self._buffer) >= self._retry_at
             if start is not None:  # full while writes work: room first, the whole backlog
-                self.flush()
+                self._make_room()
         if due and not self._chunks_elsewhere:
             with self._writing:
                 self._write_chunks()
@@ -319,16 +309,10 @@ class HistoryWriter:
 
     def _note_rows(self, sample_id: int, signal: str, rows: int, first_us: int) -> None:
         """Count `rows` more buffered rows of this sample and signal, the first measured at
-        wall time `first_us` (for `_split_metadata`, and the age of the oldest buffered row)."""
-        records = self._records
-        last = records[-1] if records else None
-        if last is not None and last.sample_id == sample_id and last.signal == signal:
-            last.rows += rows
-            last.left += rows
-        else:
-            records.append(_BufferedRecord(sample_id, signal, rows, _monotonic_of(first_us)))
-            if self._oldest is None:
-                self._oldest = records[0].since
+        wall time `first_us` (for a part's split record, and the age of the oldest buffered row)."""
+        self._records.note(sample_id, signal, rows, first_us)
+        if self._oldest is None:
+            self._oldest = self._records.oldest()
 
     def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
@@ -377,6 +361,28 @@ class HistoryWriter:
         """Write every row buffered now in as few parts as fit; failures warn, never raise."""
         with self._writing:
             self._write_backlog()
+
+    def _make_room(self) -> None:
+        """`append`'s turn when the buffer is full while writes work: with `chunks_elsewhere`,
+        the flush thread is woken (`wake_writer`) and waited for, never written for, at most
+        half a flush interval. A part write that has not returned by then (a file system that
+        stopped answering: the training thread would block in it too) counts as failing, so
+        the rows beyond the cap are dropped and counted instead of the step waiting on it
+        without end; the write's return (a part written) ends the episode, as any write does.
+        Without `chunks_elsewhere` the appending thread writes the backlog itself."""
+        if not self._chunks_elsewhere:
+            self.flush()
+            return
+        if self.wake_writer is not None:
+            self.wake_writer()
+        seconds = self._config.flush_seconds / 2
+        with self._room:
+            written = self._rows_written
+            if not self._room.wait_for(
+                lambda: self._failing or self._rows_written != written, timeout=seconds
+            ):
+                self._error = f"a part write had not returned after {seconds:g} s"
+                self._failing = True
 
     def write_due(self) -> bool:
         """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush
@@ -508,7 +514,7 @@ class HistoryWriter:
         """Write the first `n` buffered rows to `path`; the buffer keeps them."""
         with self._lock:
             frame = self._buffer.frame(n)
-            split = self._split_metadata(n)
+            split = self._records.split_metadata(n)
         frame = frame.with_columns(self._attempt)
         metadata = order_metadata(frame) | constant_metadata(frame) | split
         write_parquet_atomic(frame, path, metadata=metadata)
@@ -521,12 +527,13 @@ class HistoryWriter:
             self._report(path, exc)
             self._retry_at = len(self._buffer) + self._config.buffer_rows
             self._retry_after = time.monotonic() + self._config.flush_seconds / 2
+            self._room.notify_all()
 
     def _written(self, n: int) -> None:
         """The first `n` buffered rows are in a part: they leave the buffer."""
         with self._lock:
             self._buffer.drop(n)
-            self._consume_records(n)
+            self._records.consume(n)
             self._next_part += 1
             self._rows_written += n
             self._failing = False
@@ -534,38 +541,8 @@ class HistoryWriter:
             self._drop_reason = None
             # The oldest row left, not the oldest before the part: rows appended while it was
             # written would otherwise inherit its age and be due at once, part after tiny part.
-            records = self._records
-            self._oldest = records[0].since if records and len(self._buffer) else None
-
-    def _split_metadata(self, n: int) -> dict[str, str]:
-        """The part's metadata when its last rows are a record whose rest stays buffered."""
-        left = n
-        for record in self._records:
-            if left < record.left:
-                if left == 0:
-                    return {}
-                on_disk = record.rows - record.left + left
-                split = {
-                    "sample_id": record.sample_id,
-                    "signal": record.signal,
-                    "rows_in_parts": on_disk,
-                    "rows": record.rows,
-                }
-                return {SPLIT_RECORD_KEY: json.dumps(split)}
-            left -= record.left
-        return {}
-
-    def _consume_records(self, n: int) -> None:
-        """Forget the records (or the parts of one) that the last part wrote."""
-        records = self._records
-        while n and records:
-            record = records[0]
-            if record.left <= n:
-                n -= record.left
-                records.popleft()
-            else:
-                record.left -= n
-                n = 0
+            self._oldest = self._records.oldest() if len(self._buffer) else None
+            self._room.notify_all()
 
     def _report(self, path: Path, exc: BaseException) -> None:
         """Warn once per writer about a failed part write."""
@@ -590,9 +567,3 @@ def _ours_to_raise(exc: BaseException) -> bool:
     if isinstance(exc, Exception):
         return False
     return threading.current_thread() is threading.main_thread()
-
-
-def _monotonic_of(timestamp_us: int) -> float:
-    """The `time.monotonic()` reading at wall-clock `timestamp_us` (never in the future)."""
-    age = max(0.0, time.time() - timestamp_us / 1e6)
-    return time.monotonic() - age

@@ -174,6 +174,7 @@ class DirectorySink:
         self._timer = FlushTimer(
             history.seconds_until_due, self._flush, name=f"torchinstruments flush {self.directory}"
         )
+        history.wake_writer = self._timer.poke  # a full buffer has it write at once
         self._term = TermFlush(self._timer.flush_now)
         self._term.install()
         return continuation

@@ -16,7 +16,11 @@ __all__ = ["SINK_METHODS", "Sink", "check_sinks"]
 
 @runtime_checkable
 class Sink(Protocol):
-    """Receives what the observer records, in order: start, samples..., close."""
+    """Receives what the observer records, in order: start, samples..., close.
+
+    Each call runs on the thread that runs the step (a sample's records as its forward or
+    backward ends): one that raises is detached, one that blocks blocks the step, so slow work
+    (a network call) belongs on a thread of the sink's own, behind a bounded queue."""
 
     def start(self, run: RunInfo) -> None:
         """Called once at `inject_observer`, before any sample."""

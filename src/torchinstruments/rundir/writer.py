@@ -364,25 +364,34 @@ class HistoryWriter:
 
     def _make_room(self) -> None:
         """`append`'s turn when the buffer is full while writes work: with `chunks_elsewhere`,
-        the flush thread is woken (`wake_writer`) and waited for, never written for, at most
-        half a flush interval. A part write that has not returned by then (a file system that
-        stopped answering: the training thread would block in it too) counts as failing, so
-        the rows beyond the cap are dropped and counted instead of the step waiting on it
-        without end; the write's return (a part written) ends the episode, as any write does.
-        Without `chunks_elsewhere` the appending thread writes the backlog itself."""
-        if not self._chunks_elsewhere:
-            self.flush()
+        the flush thread is woken (`wake_writer`) and waited for at most half a flush interval.
+        If it made no room by then and no part write is in progress (the thread was busy with
+        something else), the backlog is written here, as without it. A part write in progress
+        that has not returned (a file system that stopped answering: this thread would block in
+        it too) counts as failing, so the rows beyond the cap are dropped and counted instead of
+        the step waiting on it without end; its return (a part written) ends the episode, as any
+        write does. Without `chunks_elsewhere` this thread writes the backlog itself."""
+        if self._chunks_elsewhere:
+            if self.wake_writer is not None:
+                self.wake_writer()
+            seconds = self._config.flush_seconds / 2
+            with self._room:
+                written = self._rows_written
+                if self._room.wait_for(
+                    lambda: self._failing or self._rows_written != written, timeout=seconds
+                ):
+                    return
+            if not self._writing.acquire(blocking=False):
+                with self._lock:
+                    self._error = f"a part write had not returned after {seconds:g} s"
+                    self._failing = True
+                return
+            try:  # no part write in progress: written here
+                self._write_backlog()
+            finally:
+                self._writing.release()
             return
-        if self.wake_writer is not None:
-            self.wake_writer()
-        seconds = self._config.flush_seconds / 2
-        with self._room:
-            written = self._rows_written
-            if not self._room.wait_for(
-                lambda: self._failing or self._rows_written != written, timeout=seconds
-            ):
-                self._error = f"a part write had not returned after {seconds:g} s"
-                self._failing = True
+        self.flush()
 
     def write_due(self) -> bool:
         """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush

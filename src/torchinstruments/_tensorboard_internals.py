@@ -15,7 +15,12 @@ from typing import Any
 
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-__all__ = ["replace_byte_queue", "replace_record_framing", "summary_file_writer"]
+__all__ = [
+    "WriterStalledError",
+    "replace_byte_queue",
+    "replace_record_framing",
+    "summary_file_writer",
+]
 
 
 class _ChecksummedRecords(RecordWriter):
@@ -92,19 +97,29 @@ def replace_record_framing(
     return replacement
 
 
+class WriterStalledError(TimeoutError):
+    """TensorBoard's writer thread did not write the events handed to it in time (its file
+    stopped answering: a stalled network file system)."""
+
+
 class _Handoff:
     """The `queue.Queue` methods TensorBoard's async writer and its thread use, over a
     `queue.SimpleQueue`, whose `put` and `get` are single C calls: no Python-level lock a
     KeyboardInterrupt could leave held (see `replace_byte_queue`). Unbounded, as the foreground
-    never waits for room; `join` polls the count of items the thread has finished.
+    never waits for room; `join` polls the count of items the thread has finished, at most
+    `stall_seconds`: TensorBoard's flush and close hold the async writer's lock while they join,
+    and every event the training thread adds takes that lock, so a thread stuck in a write that
+    never returns would hang the step; past the wait `join` raises `WriterStalledError` instead.
 
     Args:
         alive: whether the thread that takes the items still runs (a dead one finishes none).
+        stall_seconds: how long `join` waits for the thread before it raises.
     """
 
-    def __init__(self, alive: Callable[[], bool]) -> None:
+    def __init__(self, alive: Callable[[], bool], stall_seconds: float) -> None:
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._alive = alive
+        self._stall_seconds = stall_seconds
         self._put = 0  # puts are serialised by the async writer's lock
         self._done = 0  # only the writer thread counts these
 
@@ -120,11 +135,17 @@ class _Handoff:
 
     def join(self) -> None:
         target = self._put
+        deadline = time.monotonic() + self._stall_seconds
         while self._done < target and self._alive():
+            if time.monotonic() > deadline:
+                raise WriterStalledError(
+                    f"TensorBoard's writer thread had not written {target - self._done} queued "
+                    f"event(s) after {self._stall_seconds:g} s"
+                )
             time.sleep(0.001)
 
 
-def replace_byte_queue(event_writer: Any) -> bool:
+def replace_byte_queue(event_writer: Any, stall_seconds: float) -> bool:
     """Hand the records of `event_writer`'s writer thread over through a `_Handoff` instead of
     TensorBoard's `queue.Queue`.
 
@@ -152,7 +173,7 @@ def replace_byte_queue(event_writer: Any) -> bool:
     ):
         return False
     worker.stop()
-    handoff = _Handoff(lambda: replacement.is_alive())
+    handoff = _Handoff(lambda: replacement.is_alive(), stall_seconds)
     replacement = type(worker)(handoff, async_writer._writer, worker._flush_secs)
     async_writer._byte_queue = handoff
     async_writer._worker = replacement

@@ -285,7 +285,7 @@ class EventFile:
         # Events reach TensorBoard's writer thread through a queue without a Python-level lock
         # that a KeyboardInterrupt could leave held (`replace_byte_queue`; where TensorBoard's
         # writer has another shape, its own queue stays).
-        replace_byte_queue(self._writer.event_writer)
+        replace_byte_queue(self._writer.event_writer, flush_seconds)
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 
@@ -319,7 +319,9 @@ class EventFile:
 
     def close(self) -> None:
         """Flushes, stops the writer thread and closes the file; raises what the writer thread
-        could not write."""
+        could not write, or, before stopping it, `_tensorboard_internals.WriterStalledError`
+        when it cannot write (TensorBoard's own close would wait for it without end)."""
+        self._writer.flush()
         self._writer.close()
         self._raise_failure()
 

@@ -344,7 +344,10 @@ class DirectorySink:
                 "there, the history goes on"
             )
         events, self._events = self._events, None
-        if events is not None:
+        # A writer thread stuck in a write (`TimeoutError`: events.WriterStalledError) is left as it
+        # is: closing waits for it. Its queue no longer grows, and its daemon thread ends with
+        # the process.
+        if events is not None and not isinstance(error, TimeoutError):
             with contextlib.suppress(Exception):
                 events.close()
 

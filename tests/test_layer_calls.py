@@ -46,10 +46,11 @@ def sampled_forwards(directory: Path) -> dict[str, int]:
 def test_counts_in_result_and_index_and_one_warning_at_removal(run_dir: Path) -> None:
     model = Branchy()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing is warned while layers simply have not run yet
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")  # nothing is warned while layers simply have not run yet
         for step in range(6):  # samples at forward_index 0, 2, 4
             model(torch.randn(2, 4), branch=step == 2)
+    assert not said, [str(w.message) for w in said]
     with pytest.warns(RuntimeWarning) as caught:
         remove_observer(model)
     never = [str(w.message) for w in caught if "never ran" in str(w.message)]
@@ -80,9 +81,10 @@ def test_forward_replaced_between_forwards_is_still_observed(run_dir: Path) -> N
     # would end the layer's gradient rows, which is warned (gradient_gaps.py).
     weight = model.always.weight
     model.always.forward = lambda x: nn.functional.linear(x, weight) * 2  # type: ignore[method-assign]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing of ours was lost: no warning
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")  # nothing of ours was lost: no warning
         model(torch.randn(2, 4))
+    assert not said, [str(w.message) for w in said]
     with pytest.warns(RuntimeWarning, match="never ran"):
         remove_observer(model)
     assert sampled_forwards(run_dir)["always"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -90,6 +91,31 @@ def test_raising_sink_is_warned_once_and_detached_and_others_keep_working(run_di
     assert bad.calls == ["start", "forward"]
     assert good.calls == ["start", "forward", "forward", "forward", "close"]
     assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
+
+
+def test_a_warnings_filter_that_makes_errors_never_breaks_the_step_and_the_warning_is_written(
+    run_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # `-W error` or pytest's `filterwarnings = error`: a library warning raised as an exception
+    # inside a sampled step would cut the sample's end short; it is written to stderr instead.
+    bad, good = Raising(), Recording()
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[bad, good])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    err = capfd.readouterr().err
+    written = [line for line in err.splitlines() if "remote store unavailable" in line]
+    assert len(written) == 1, err
+    assert "detached" in written[0]
+    assert "[written, not raised" in written[0]
+    assert "test_sinks.py" in written[0]  # still at the user's line
+    assert good.calls == ["start", *["forward", "backward"] * 3, "close"]
+    assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
+    state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
+    assert state["status"] == "complete"
 
 
 class Editing(Recording):

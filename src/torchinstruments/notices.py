@@ -49,8 +49,29 @@ def user_stacklevel() -> int:
 
 
 def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """`warnings.warn(message, category)` at the user's line (see the module docstring)."""
-    warnings.warn(message, category, stacklevel=user_stacklevel())
+    """`warnings.warn(message, category)` at the user's line (see the module docstring).
+
+    Never raises: where a filter turns the warning into an exception (`-W error`, pytest's
+    `filterwarnings = error`), it is written to stderr in the warning's own format instead. The
+    library warns from inside its bookkeeping (a gradient hook, a sink, the flush thread), where
+    an exception would end a thread of its own or cut a sample's end short in the user's step:
+    the warning's news (rows lost, a sink given up) would come with more loss than it reports."""
+    level = user_stacklevel()
+    try:
+        warnings.warn(message, category, stacklevel=level)
+    except Warning:
+        said = f"{message} [written, not raised: a warnings filter makes it an error]"
+        sys.stderr.write(warnings.formatwarning(said, category, *_frame_at(level)))
+
+
+def _frame_at(level: int) -> tuple[str, int]:
+    """File and line of the frame `warnings.warn(..., stacklevel=level)` names, from `warn`."""
+    import inspect
+
+    frame = inspect.currentframe()  # this function; `warn` is level 1 of the stack it counts
+    for _ in range(level):
+        frame = None if frame is None else frame.f_back
+    return ("sys", 1) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 # How many kinds of recording failure index.md lists one by one.

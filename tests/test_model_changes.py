@@ -458,3 +458,27 @@ def test_a_failure_comparing_the_model_at_removal_is_said_and_the_run_still_ends
     assert len(found) == 1, run.notes
     assert "a module that cannot be walked" in found[0]
     assert "**State: complete.**" in run.index
+
+
+class Doubling:
+    """A callable object that is not a descriptor: a class `forward` that gets no `self`."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_root_whose_class_forward_is_a_callable_object_runs_it_then_its_replacement(
+    run_dir: Path,
+) -> None:
+    class Model(nn.Module):
+        forward = Doubling()
+
+    model = Model()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    x = torch.randn(2, 3)
+    assert torch.equal(model(x), x * 2)
+    Model.forward = lambda self, x: x * 3  # type: ignore[assignment]
+    assert torch.equal(model(x), x * 3)
+    remove_observer(model)
+    assert "forward" not in model.__dict__
+    assert torch.equal(model(x), x * 3)

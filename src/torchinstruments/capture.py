@@ -177,12 +177,17 @@ def install_proxy(
     if not had_instance_forward and reuse is not None and _wraps_class_forward(reuse, module):
         module.__dict__["forward"] = reuse
         return reuse
-    original = module.__dict__["forward"] if had_instance_forward else type(module).forward
-    if not had_instance_forward:
-        original = original.__get__(module, type(module))
+    original = module.__dict__["forward"] if had_instance_forward else bound_class_forward(module)
     proxy = ForwardProxy(module, original, had_instance_forward, wrapper, enabled, owner)
     module.__dict__["forward"] = proxy
     return proxy
+
+
+def bound_class_forward(module: nn.Module) -> Callable[..., Any]:
+    """`module`'s class `forward` as `module.forward` gives it without an instance one: bound,
+    or, a callable object that is not a descriptor, as it is."""
+    forward = type(module).forward
+    return forward.__get__(module, type(module)) if hasattr(forward, "__get__") else forward
 
 
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:
@@ -294,7 +299,7 @@ class Proxies:
         computing the old one until removal. The proxy is found from the module, never held:
         the observer holding it would keep a dropped model alive (`weakref.finalize` holds the
         observer)."""
-        bound = type(module).forward.__get__(module, type(module))
+        bound = bound_class_forward(module)
         current = module.__dict__.get("forward")
         while isinstance(current, ForwardProxy):  # ours, or another's (a chain) holding ours
             if current._self_token is self._token:

@@ -235,8 +235,12 @@ class Observer:
         """
         paused = pause_compilation()
         try:
-            if self._follows_class and type(instance).forward is not wrapped.__func__:  # type: ignore
-                wrapped = self._follow_class_forward(instance)
+            if self._follows_class:  # a class forward that is a plain callable: no instance
+                root = instance if instance is not None else self._root_ref()
+                if root is not None and type(root).forward is not getattr(
+                    wrapped, "__func__", wrapped
+                ):
+                    wrapped = self._follow_class_forward(root)
             sample = self._begin_root_forward()
         except BaseException:
             resume_compilation(paused)

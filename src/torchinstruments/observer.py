@@ -236,7 +236,8 @@ class Observer:
         paused = pause_compilation()
         try:
             if self._follows_class:  # a class forward that is a plain callable: no instance
-                root = instance if instance is not None else self._root_ref()
+                ref = self._root_ref  # set at install, before the proxy that calls this
+                root = instance if instance is not None or ref is None else ref()
                 if root is not None and type(root).forward is not getattr(
                     wrapped, "__func__", wrapped
                 ):

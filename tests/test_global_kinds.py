@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,13 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
             Path(output_dir, "seen.json").write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+    # Known defect, not this test's subject (docs/multi-rank.md): a process that measured global
+    # statistics under torch.func.vmap aborts (SIGABRT, "terminate called without an active
+    # exception") at interpreter exit in about a third of runs, after every row is written. The
+    # rank's work is done and checked by the parent: it ends here, as the abort would cut it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

@@ -67,7 +67,10 @@ def _observed_steps(directory: Path) -> nn.Module:
 
 
 def _ready(root: Path, name: str) -> None:
-    (root / name).write_text(str(os.getpid()), encoding="utf-8")
+    """`root/name` holding this process's pid, whole when it appears (the parent polls for it)."""
+    partial = root / f".{name}.{os.getpid()}"
+    partial.write_text(str(os.getpid()), encoding="utf-8")
+    partial.rename(root / name)
 
 
 def _block_on_a_future(root: Path) -> None:
@@ -91,7 +94,7 @@ def fork_main(root: Path) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            (root / "forked").write_text(str(os.getpid()), encoding="utf-8")
+            _ready(root, "forked")
             torch.futures.Future().wait()
         finally:
             os._exit(1)

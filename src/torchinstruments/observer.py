@@ -172,7 +172,7 @@ class Observer:
         self._finalizer: weakref.finalize | None = None
         self._entry = ForwardEntry()
         self._root_layer: LayerCapture | None = None
-        self._follows_class = False  # the root's proxy wraps its class's forward (bound)
+        self._class_forward: object = None  # the class forward the root's proxy wraps, if any
         self._root_ref: weakref.ref[nn.Module] | None = None
         self._root_type = ""
         self.layer_names: tuple[str, ...] = ()
@@ -208,7 +208,8 @@ class Observer:
         self.layer_names = tuple(info.name for _, info in layers)
         self.gradients.gaps.weigh(layers)  # which layers hold parameters
         self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
-        self._follows_class = "forward" not in vars(root)  # else it wraps the root's own
+        if "forward" not in vars(root):  # else the proxy wraps the root's own: nothing to follow
+            self._class_forward = type(root).forward
         self.proxies.install_root(root, self.on_root_call)
         self._finalizer = weakref.finalize(root, self.close)
 
@@ -235,12 +236,11 @@ class Observer:
         """
         paused = pause_compilation()
         try:
-            if self._follows_class:  # a class forward that is a plain callable: no instance
-                ref = self._root_ref  # set at install, before the proxy that calls this
-                root = instance if instance is not None or ref is None else ref()
-                if root is not None and type(root).forward is not getattr(
-                    wrapped, "__func__", wrapped
-                ):
+            if self._class_forward is not None:
+                root = instance
+                if root is None and self._root_ref is not None:  # a plain callable as forward
+                    root = self._root_ref()
+                if type(root).forward is not self._class_forward:
                     wrapped = self._follow_class_forward(root)
             sample = self._begin_root_forward()
         except BaseException:
@@ -274,6 +274,7 @@ class Observer:
         """The root's class `forward` was replaced since the proxy was made (a torch.fx
         GraphModule's `recompile()`, an assignment to the class): the root runs the new one."""
         self._entry = ForwardEntry()  # how compiled code enters it is decided again
+        self._class_forward = type(root).forward
         return self.proxies.follow_class_forward(root)
 
     def _begin_root_forward(self) -> Sample | object | None:

@@ -40,8 +40,9 @@ with warnings.catch_warnings(record=True) as caught:
     model(x).sum().backward()
     steps += 1
     (events,) = glob.glob(str(run / "tensorboard" / "events.out.tfevents.*"))
-    os.unlink(events)
-    os.mkfifo(events)  # the writer thread's next open of it blocks for good
+    os.mkfifo(events + ".fifo")
+    # One atomic rename: between an unlink and a mkfifo the writer thread could create the file anew
+    os.replace(events + ".fifo", events)  # the writer thread's next open of it blocks for good
     given_up = lambda: any("could not be flushed" in str(w.message) for w in caught)
     while not given_up() and steps < 100_000:
         model(x).sum().backward()

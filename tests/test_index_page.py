@@ -133,12 +133,17 @@ def test_metrics_section_says_which_metrics_count_every_entry(tmp_path: Path) ->
 
 def test_mode_item_says_test_and_predict_after_the_fit_are_not_counted(tmp_path: Path) -> None:
     """A callback removes the observer when the fit ends, so no note can count the forwards of
-    `trainer.test()` / `predict()` after it; only the fit's evaluation forwards are counted."""
+    `trainer.validate()` / `test()` / `predict()` (or the Hugging Face Trainer's `evaluate()` /
+    `predict()`) after it; only the fit's evaluation forwards are counted, and its setup
+    forwards apart."""
     text = " ".join(render_index(RunState(run_info(tmp_path), RunCounts(1, 1, 1))).split())
     mode = text.split("- mode: ", 1)[1].split(" - step: ", 1)[0]
     assert (
-        "test and predict run after the fit, once the observer is removed: neither observed nor counted"
-        in mode
+        "Lightning's validate, test and predict and the Hugging Face Trainer's evaluate and "
+        "predict run after the fit, once the observer is removed: neither observed nor counted"
+    ) in mode
+    assert "the forwards of the fit's setup (Lightning's model summary of example_input_array)" in (
+        mode
     )
     assert "validation, test and predict forwards take no sample" not in mode
 

@@ -91,8 +91,17 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
     assert "unknown root forwards, unknown samples, unknown samples with a backward" in page
     assert "never called" not in page
     assert " 0 root forwards" not in page
-    removed = RunState(run, RunCounts(0, 0, 0))  # the live run counted: the model never ran
-    assert "the model was never called" in render_index(removed)
+    # The live run counted, passed-through forwards too: the model never ran.
+    counted = RunCounts(0, 0, 0, unobserved_eval_forwards=0, unobserved_setup_forwards=0)
+    assert "the model was never called" in render_index(RunState(run, counted))
+    # A state written before the passed-through forwards were counted: whether a trainer ran
+    # the model unobserved is unknown, so the page never says it was never called.
+    older = render_index(RunState(run, RunCounts(0, 0, 0)))
+    assert "never called" not in older
+    assert (
+        "**No sample was recorded:** no root forward was seen (whether a trainer callback passed "
+        "forwards through unobserved is unknown: the run's state predates that count)"
+    ) in older
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
 from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import LightningObserver
 
-from conftest import read_history, run_status
+from conftest import read_history, run_status, strict_json
 
 STEPS = 3
 
@@ -194,6 +194,54 @@ def test_a_bypassed_training_step_is_warned_when_only_evaluation_forwards_call_t
         "the first training step never called the observed ValidatedDirect, so no training "
         "forward is recorded"
     ) in index
+
+
+def test_a_fit_whose_model_ran_only_in_unobserved_evaluation_is_never_said_never_called(
+    tmp_path: Path,
+) -> None:
+    """Every training step bypasses the LightningModule and only validation calls it, without
+    record_eval: no sample, yet the model was called. index.md, the state and the warning say
+    how many evaluation forwards ran unobserved (counted here by a hook of the test's own)."""
+    model = ValidatedDirect(direct=True)
+    calls: list[bool] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(model.trainer.training))
+    run = tmp_path / "run"
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    trainer = lightning.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        callbacks=[LightningObserver(run, sampler=EveryNForwardsSampler(1))],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data, data)
+    evaluation = len(calls)
+    assert evaluation == 2
+    assert not any(calls)
+    said = [str(w.message) for w in caught if "no sample was recorded" in str(w.message)]
+    assert said == [
+        f"torchinstruments: no sample was recorded (0 root forwards seen, none sampled; "
+        f"{evaluation} evaluation forwards ran unobserved): {run} holds no rows, and its index.md "
+        "says so"
+    ]
+    assert run_status(run) == "complete"
+    counts = strict_json(run / ".state.json")["counts"]
+    assert (counts["root_forwards"], counts["unobserved_eval_forwards"]) == (0, evaluation)
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "the model was never called" not in index
+    assert (
+        "**No sample was recorded:** no training forward called the model, and "
+        f"{evaluation} evaluation forwards ran unobserved, so history.parquet has no rows"
+    ) in index
+    assert f"**Note:** {evaluation} evaluation forwards inside the fit" in index
+    assert f"0 samples with a backward; {evaluation} evaluation forwards ran unobserved" in index
 
 
 @pytest.mark.parametrize(

@@ -120,15 +120,18 @@ def test_an_hf_fit_resumed_from_checkpoint_continues_the_run(tmp_path: Path) -> 
     check_continued(run, first)
 
 
-def record_eval_fit(run: Path, max_steps: int, ckpt: Path | None) -> list[tuple[str, int]]:
+def record_eval_fit(
+    run: Path, max_steps: int, ckpt: Path | None, record_eval: bool = True
+) -> list[tuple[str, int]]:
     """A Lightning fit with validation every 2 batches and a one-batch sanity check, recording
-    evaluation forwards (EveryNForwardsSampler(3) for both schedules) into `run`; saves
-    `run.parent/step{max_steps}.ckpt` and returns the (phase, global step) of every call."""
+    evaluation forwards (EveryNForwardsSampler(3) for both schedules; unless not `record_eval`)
+    into `run`; saves `run.parent/step{max_steps}.ckpt` and returns the (phase, global step) of
+    every call."""
     torch.manual_seed(0)
     model = Recorded()
     train = TensorDataset(torch.randn(48, 4), torch.randint(0, 2, (48,)))
     val = TensorDataset(torch.randn(4, 4), torch.randint(0, 2, (4,)))
-    callback = LightningObserver(run, sampler=EveryNForwardsSampler(3), record_eval=True)
+    callback = LightningObserver(run, sampler=EveryNForwardsSampler(3), record_eval=record_eval)
     trainer = lightning.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -204,6 +207,33 @@ def test_a_state_without_schedule_counts_resumes_by_the_earlier_rule(tmp_path: P
     assert sample_phases(run) == sampled_calls(
         [(first, {"train": 0, "eval": 0}), (second, {"train": len(first), "eval": 0})]
     )
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_continued_run_sums_its_unobserved_evaluation_forwards_or_says_them_unknown(
+    tmp_path: Path, older: bool
+) -> None:
+    """The evaluation forwards each fit passed through unobserved add up across a resume; an
+    earlier attempt whose state predates that count makes the run's total unknown (null in the
+    state), never 0 and never just the last attempt's."""
+    run = tmp_path / "run"
+    first = record_eval_fit(run, 6, None, record_eval=False)
+    if older:
+        state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+        del state["counts"]["unobserved_eval_forwards"]
+        del state["counts"]["unobserved_setup_forwards"]
+        (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")
+    second = record_eval_fit(run, 12, tmp_path / "step6.ckpt", record_eval=False)
+    evaluation = [phase_counts(calls)["eval"] for calls in (first, second)]
+    assert all(evaluation)
+    counts = read_state(run).counts
+    assert counts is not None
+    if older:
+        assert counts.unobserved_eval_forwards is None
+        assert counts.unobserved_setup_forwards is None
+    else:
+        assert counts.unobserved_eval_forwards == sum(evaluation)
+        assert counts.unobserved_setup_forwards == 0
 
 
 def test_notes_of_a_continued_run_name_the_attempt_that_added_them(tmp_path: Path) -> None:

@@ -67,6 +67,8 @@ def test_custom_sink_receives_lifecycle_and_plain_records(run_dir: Path) -> None
         layer_samples={"0": 2, "1": 2},
         train_forwards=4,  # a plain loop's forwards are all on the training schedule
         eval_forwards=0,
+        unobserved_eval_forwards=0,  # and none is passed through: counted, so 0, not unknown
+        unobserved_setup_forwards=0,
     )
     rows = sum(len(m.metrics) for r in sink.records for m in r.measurements)
     assert rows == read_history(run_dir).height

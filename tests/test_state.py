@@ -60,7 +60,16 @@ def run_info(directory: Path, **changes: object) -> RunInfo:
 def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
     state = RunState(
         run_info(tmp_path),
-        RunCounts(7, 5, 4, {"fc": 5}, train_forwards=6, eval_forwards=1),
+        RunCounts(
+            7,
+            5,
+            4,
+            {"fc": 5},
+            train_forwards=6,
+            eval_forwards=1,
+            unobserved_eval_forwards=3,
+            unobserved_setup_forwards=2,
+        ),
         rows_recorded=20,
         problems=("TensorBoard events failed",),
         live_problems=("TensorBoard events failed",),
@@ -79,6 +88,8 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
         "notes": [],
         "train_forwards": 6,
         "eval_forwards": 1,
+        "unobserved_eval_forwards": 3,
+        "unobserved_setup_forwards": 2,
     }
     assert data["losses"] == [
         {"rows": 6, "first_sample_id": 2, "last_sample_id": 3, "reason": "disk full"}

@@ -8,6 +8,8 @@ checked against that record sample by sample.
 
 from __future__ import annotations
 
+import json
+import traceback
 from pathlib import Path
 from typing import Any, cast
 
@@ -355,8 +357,11 @@ class Tested(Recorded):
         return self(batch[0])
 
 
-def test_test_and_predict_after_the_fit_are_neither_observed_nor_counted(tmp_path: Path) -> None:
-    """The run is the fit's: the observer is removed at its end, before test() and predict()."""
+def test_validate_test_and_predict_after_the_fit_are_neither_observed_nor_counted(
+    tmp_path: Path,
+) -> None:
+    """The run is the fit's: the observer is removed at its end, before validate(), test() and
+    predict(); index.md names them as the user calls them."""
     run = tmp_path / "run"
     callback = LightningObserver(run, sampler=EveryNForwardsSampler(1), record_eval=True)
     model = Tested()
@@ -367,26 +372,99 @@ def test_test_and_predict_after_the_fit_are_neither_observed_nor_counted(tmp_pat
         devices=1,
         logger=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[callback],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, data)
+    trainer.fit(model, data)  # no validation loader: the fit runs no validation
     fitted = len(model.calls)
     state = (run / ".state.json").read_text(encoding="utf-8")
+    trainer.validate(model, data, verbose=False)
     trainer.test(model, data, verbose=False)
     trainer.predict(model, data)
-    assert len(model.calls) == fitted + 4  # test and predict did run the model ...
+    assert len(model.calls) == fitted + 6  # validate, test and predict did run the model ...
     assert (run / ".state.json").read_text(encoding="utf-8") == state  # ... unseen by the run
     assert read_history(run)["sample_id"].n_unique() == fitted == 2
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "evaluation forwards inside the fit (sanity check, validation" in index
-    assert "test, predict or evaluate calls after the fit run after the observer was removed" in (
-        index
-    )
+    assert (
+        "trainer.validate(), trainer.test() and trainer.predict() calls after the fit run after "
+        "the observer was removed: not observed, not counted."
+    ) in index
+    [note] = [line for line in index.splitlines() if "after the fit run after the" in line]
+    assert "evaluate()" not in note  # the Hugging Face Trainer's call, not Lightning's
     assert "test, predict:" not in index
+
+
+class Summarized(Recorded):
+    """A `Recorded` with an example input, which Lightning's model summary and the TensorBoard
+    logger's graph run through the model at the fit's start; every call also records whether
+    it came from there (the call stack, independent of the callback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.randn(3, 4)  # a batch size no loader gives
+        self.setup_calls = 0
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        stack = {frame.name for frame in traceback.extract_stack()}
+        if {"_forward_example_input", "log_graph"} & stack:
+            # the graph's trace itself passes through every observer (tracing); its check
+            # runs the model again eagerly
+            self.setup_calls += not torch.jit.is_tracing()
+            return
+        super()._record(module, args)
+
+
+@pytest.mark.parametrize("record_eval", [False, True])
+def test_lightning_setup_forwards_of_an_example_input_are_neither_training_nor_evaluation(
+    tmp_path: Path, record_eval: bool
+) -> None:
+    """The model summary's and the logger graph's forwards of `example_input_array` run at the
+    fit's start, before its first loop: never an evaluation sample (they would join the
+    validation series with another batch size), never told as evaluation forwards, and counted
+    apart in the state and index.md."""
+    run = tmp_path / "run"
+    callback = LightningObserver(run, sampler=EveryNForwardsSampler(1), record_eval=record_eval)
+    model = Summarized()
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    trainer = lightning.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        logger=TensorBoardLogger(save_dir=tmp_path, name="logs", log_graph=True),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=True,
+    )
+    trainer.fit(model, data, data)
+    assert model.setup_calls == 2  # the summary's forward and the graph's eager check
+    evaluation = [call for call in model.calls if call[0] == "eval"]
+    assert len(evaluation) == 2  # the sanity check and the validation at the end
+    history = read_history(run)
+    counts = json.loads((run / ".state.json").read_text(encoding="utf-8"))["counts"]
+    assert counts["unobserved_setup_forwards"] == 2
+    if record_eval:
+        check_samples(history, model.calls)  # the sampled calls are exactly the fit's own
+        assert history.filter(pl.col("mode") == "eval")["sample_id"].n_unique() == 2
+        assert (counts["eval_forwards"], counts["unobserved_eval_forwards"]) == (2, 0)
+    else:
+        assert set(history["mode"]) == {"train"}
+        assert (counts["eval_forwards"], counts["unobserved_eval_forwards"]) == (0, 2)
+    assert set(history.filter(pl.col("signal") == "output")["shape"].list.first()) == {4}
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "**Note:** 2 setup forwards at the fit's start, before its first loop (Lightning's model "
+        "summary and the logger's graph of example_input_array, an on_fit_start hook), were not "
+        "observed, whatever record_eval says"
+    ) in index
+    seen = "2 evaluation forwards were seen" if record_eval else "2 evaluation forwards inside"
+    assert seen in index
+    assert "2 setup forwards (before the fit's first loop) ran unobserved" in index
 
 
 def test_record_eval_is_validated_when_the_callback_is_built() -> None:
@@ -503,3 +581,28 @@ def test_huggingface_record_eval_gives_eval_series_of_their_own(tmp_path: Path) 
     evals = [step for phase, step in calls if phase == "eval"]  # 2, 2, 4, 4
     assert [e.step for e in events.Histograms("eval/" + tag)] == evals
     assert [e.step for e in events.Histograms(tag)] == [s for p, s in calls if p == "train"]
+
+
+def test_huggingface_evaluate_and_predict_after_train_are_neither_observed_nor_counted(
+    tmp_path: Path,
+) -> None:
+    """The run is `train()`'s: `evaluate()` and `predict()` after it run the model unobserved,
+    and index.md names them as the user calls them (not Lightning's validate/test)."""
+    callback = HuggingFaceObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    trainer, calls = hf_train(tmp_path, callback)
+    run = tmp_path / "run"
+    state = (run / ".state.json").read_text(encoding="utf-8")
+    trained = len(calls)
+    trainer.evaluate()
+    trainer.predict(cast(Any, trainer.eval_dataset))
+    assert len(calls) == trained + 4  # 2 batches each: they did run the model ...
+    assert (run / ".state.json").read_text(encoding="utf-8") == state  # ... unseen by the run
+    lines = (run / "index.md").read_text(encoding="utf-8").splitlines()
+    [note] = [line for line in lines if "after the fit run after the observer" in line]
+    assert note.startswith("**Note:** 4 evaluation forwards inside the fit")
+    assert note.endswith(
+        "trainer.evaluate() and trainer.predict() calls after the fit run after the observer was "
+        "removed: not observed, not counted."
+    )
+    assert "validate()" not in note
+    assert "test()" not in note

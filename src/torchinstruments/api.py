@@ -37,6 +37,7 @@ from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.index_page import passed_through
 from torchinstruments.rundir.layout import resolve_output_dir
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
@@ -53,7 +54,6 @@ __all__ = [
     "add_run_note",
     "check_model",
     "compile_notes",
-    "evaluation_counts",
     "follow_step",
     "global_notes",
     "has_observer",
@@ -251,9 +251,11 @@ def remove_observer(model: nn.Module) -> Path | None:
         )
     counts = observer.counts()
     if counts.samples == 0 and observer.layer_names:
+        passed = passed_through(counts)  # a trainer's evaluation: the model was called
         warn(
             f"torchinstruments: no sample was recorded ({counts.root_forwards} root forwards "
-            f"seen, none sampled): {observer.directory} holds no rows, and its index.md says so"
+            f"seen, none sampled{'' if passed is None else '; ' + passed}): "
+            f"{observer.directory} holds no rows, and its index.md says so"
         )
     if left_in_place:
         warn(
@@ -346,16 +348,6 @@ def trainer_phases(model: nn.Module) -> Phases | None:
     """
     key = _registered(model)
     return None if key is None else _OBSERVERS[key].phases
-
-
-def evaluation_counts(model: nn.Module) -> tuple[int, int] | None:
-    """(evaluation forwards on their own schedule, evaluation forwards passed through
-    unobserved) so far, or None without observer; for a trainer callback's index.md note."""
-    key = _registered(model)
-    if key is None:
-        return None
-    counter = _OBSERVERS[key].counter
-    return counter.eval_forwards, counter.unobserved
 
 
 def observed_counts(model: nn.Module) -> RunCounts | None:

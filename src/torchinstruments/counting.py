@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal
-from torchinstruments.phases import TRAIN
+from torchinstruments.phases import SETUP, TRAIN
 from torchinstruments.records import RunCounts
 
 __all__ = ["Counter"]
@@ -34,10 +34,12 @@ class Counter:
         self.root_forwards = 0
         self.samples = 0
         # Per schedule (phases.TRAIN, phases.EVAL): the root forwards it has seen, which is what
-        # its sampler is asked with; and the evaluation forwards passed through unobserved.
+        # its sampler is asked with; and the forwards passed through unobserved: evaluation
+        # forwards (phases.UNOBSERVED) and the fit's setup forwards (phases.SETUP).
         self.train_forwards = 0
         self.eval_forwards = 0
         self.unobserved = 0
+        self.setup = 0
         self._first_forward = first_forward_index
         self._first_sample = first_sample_id
         # Each schedule continues where a continued run's earlier attempts left it
@@ -85,10 +87,14 @@ class Counter:
                     held = NOT_HELD
         return forward_index, sample_id, held
 
-    def count_unobserved(self) -> None:
-        """One evaluation forward passed through unobserved (see phases.py)."""
+    def count_unobserved(self, schedule: str) -> None:
+        """One forward on `schedule` passed through unobserved: an evaluation forward, or one of
+        the fit's setup (phases.SETUP)."""
         with self._lock:
-            self.unobserved += 1
+            if schedule == SETUP:
+                self.setup += 1
+            else:
+                self.unobserved += 1
 
     def count_layers(self, names: Iterable[str]) -> None:
         """One more sampled forward for each of these layers."""
@@ -125,4 +131,6 @@ class Counter:
                 notes,
                 train_forwards=self.train_forwards,
                 eval_forwards=self.eval_forwards,
+                unobserved_eval_forwards=self.unobserved,
+                unobserved_setup_forwards=self.setup,
             )

@@ -94,7 +94,7 @@ from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.outputs import iter_tensors
-from torchinstruments.phases import EVAL, TRAIN, UNOBSERVED, Phases
+from torchinstruments.phases import EVAL, PASSED_THROUGH, TRAIN, Phases
 from torchinstruments.records import (
     OUTPUT,
     LayerInfo,
@@ -297,8 +297,8 @@ class Observer:
                 return _NESTED
             self._heal()  # the end of this thread's last sampled forward was cut
         schedule = self.phases.current
-        if schedule == UNOBSERVED:
-            self.counter.count_unobserved()
+        if schedule in PASSED_THROUGH:
+            self.counter.count_unobserved(schedule)
             return _PASS_THROUGH
         # Before the decision, and back to 0 only once a sampled forward's end is complete: a
         # Ctrl-C that cuts it leaves the depth above 0, which the next root forward reads anyway.

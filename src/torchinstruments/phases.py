@@ -10,7 +10,11 @@ through unobserved (it is not a root forward of the run: forward_index does not 
 never takes a sample; only its number is kept, for index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
 the count of evaluation forwards, so evaluation never moves the training schedule, and its rows
 have mode `eval` whatever the module's training flag (another callback's forward in its batch
-hooks runs in train mode, and must not join the training series).
+hooks runs in train mode, and must not join the training series). A trainer's setup forwards, at
+the fit's start before its first loop (Lightning's model summary and logger graph of
+`example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
+through unobserved whatever `record_eval` says, counted apart, so an example input never joins
+the evaluation series nor is told as the user's evaluation.
 Cost: one attribute read per root forward.
 """
 
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EVAL", "TRAIN", "UNOBSERVED", "Phases"]
+__all__ = ["EVAL", "PASSED_THROUGH", "SETUP", "TRAIN", "UNOBSERVED", "Phases"]
 
 TRAIN = "train"  # the sampler's schedule: every root forward of a plain loop
 EVAL = "eval"  # a trainer's evaluation forwards, with record_eval: the evaluation sampler's
 UNOBSERVED = "unobserved"  # a trainer's evaluation forwards by default: passed through
+SETUP = "setup"  # a trainer's forwards before the fit's first loop: passed through, always
+PASSED_THROUGH = (UNOBSERVED, SETUP)  # the schedules whose forwards are only counted
 
 
 class Phases:
@@ -48,6 +54,15 @@ class Phases:
     def enter_training(self) -> None:
         """A training step starts: its forwards are on the sampler's schedule."""
         self.current = TRAIN
+
+    def enter_setup(self) -> None:
+        """The fit's setup: forwards until `leave_setup` are neither training nor evaluation."""
+        self.current = SETUP
+
+    def leave_setup(self) -> None:
+        """The fit's first loop starts (sanity check or training): evaluation from now on."""
+        if self.current == SETUP:
+            self.leave_training()
 
     def leave_training(self) -> None:
         """A training step ended: what follows is evaluation (or the trainer's own code)."""

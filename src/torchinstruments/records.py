@@ -323,3 +323,8 @@ class RunCounts:
     # with. None: unknown (rebuilt from history, or read from a state written before these).
     train_forwards: int | None = None
     eval_forwards: int | None = None
+    # Root forwards a trainer callback passed through unobserved (phases.py): evaluation forwards
+    # without record_eval, and the fit's setup forwards (before its first loop: Lightning's model
+    # summary of example_input_array). 0 in a plain loop; None: unknown, as above.
+    unobserved_eval_forwards: int | None = None
+    unobserved_setup_forwards: int | None = None

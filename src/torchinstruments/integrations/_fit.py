@@ -12,8 +12,11 @@ Training forwards are the samples (phases.py): the callback marks the trainer's 
 and every other forward of the observed module during the fit (sanity check, validation, the
 evaluation the trainer runs during training, another callback's forwards) is an evaluation
 forward, unobserved unless `record_eval` asks for it; then it is sampled on a schedule of its
-own and its rows (mode `eval`) form their own series. The step column is the trainer's global
-step, read at each sample. The run is the fit's: test, predict or evaluate calls after the fit
+own and its rows (mode `eval`) form their own series. The forwards of the fit's setup, before
+its first loop (Lightning's model summary and logger graph of `example_input_array`), are
+neither: passed through, counted apart and named in index.md, whatever `record_eval` says. The
+step column is the trainer's global step, read at each sample. The run is the fit's: the
+trainer's evaluation, test or predict calls after the fit (each callback names its trainer's)
 run after the observer was removed, so they are neither observed nor counted (a run that went on
 past the fit would have no end a callback is told of).
 """
@@ -32,7 +35,6 @@ from torch import nn
 
 from torchinstruments.api import (
     add_run_note,
-    evaluation_counts,
     follow_step,
     has_observer,
     observed_counts,
@@ -59,10 +61,6 @@ __all__ = [
 ]
 
 RUN_NAME = "torchinstruments"
-_AFTER_THE_FIT = (
-    "test, predict or evaluate calls after the fit run after the observer was removed: not "
-    "observed, not counted"
-)
 
 
 def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, bool]]:
@@ -179,6 +177,8 @@ class FitObservation:
         options: any other `inject_observer` keywords (sampler, selector, reducers, sinks, ...).
         record_eval: False (evaluation forwards are not observed), True (they are sampled by
             a copy of the sampler, on the count of evaluation forwards), or a `Sampler` for them.
+        after_fit: the trainer's calls that run the model after the fit, unobserved, as
+            index.md names them (Lightning's `trainer.validate()`, `test()`, `predict()`).
 
     Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
     sampler) as it was when the callback was built, so every fit starts its schedule afresh;
@@ -195,6 +195,8 @@ class FitObservation:
         module: str | Callable[[nn.Module], nn.Module] | None,
         options: Mapping[str, Any],
         record_eval: object = False,
+        *,
+        after_fit: str = "evaluation, test or predict calls",
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -207,6 +209,7 @@ class FitObservation:
                 f"model -> nn.Module, got {module!r}"
             )
         self.owner = owner
+        self.after_fit = after_fit
         self.module = module
         self.explicit_dir = output_dir is not None
         check_option_names(owner, options)
@@ -325,11 +328,12 @@ class FitObservation:
                 add_run_note(
                     self.observed,
                     "evaluation forwards inside the fit (sanity check, validation, evaluation the "
-                    "trainer runs during training: every forward outside a training step) are "
+                    "trainer runs during training: every forward outside a training step but the "
+                    "fit's setup forwards) are "
                     f"recorded as their own series ({self.owner}, record_eval): sampled by "
                     f"{describe_sampler(self.eval_sampler)} on the count of evaluation forwards, "
                     "so they never move the training schedule; their rows have mode eval. "
-                    f"{_AFTER_THE_FIT}",
+                    f"{self._after_the_fit()}",
                 )
         self._checked_first_step = False
         return self.directory
@@ -386,6 +390,24 @@ class FitObservation:
             "the trainer's global step"
         )
 
+    def _after_the_fit(self) -> str:
+        """index.md's sentence on the trainer's calls after the fit, named as the user makes them."""
+        return (
+            f"{self.after_fit} after the fit run after the observer was removed: not observed, "
+            "not counted."
+        )
+
+    def enter_setup(self) -> None:
+        """The fit's setup (before its first loop): its forwards are neither training nor
+        evaluation forwards (a model summary of an example input), passed through."""
+        if self.phases is not None:
+            self.phases.enter_setup()
+
+    def leave_setup(self) -> None:
+        """The fit's first loop starts (sanity check or training)."""
+        if self.phases is not None:
+            self.phases.leave_setup()
+
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""
         if self.phases is not None:
@@ -437,13 +459,15 @@ class FitObservation:
         return remove_observer(observed)
 
     def _note_evaluation(self, observed: nn.Module) -> None:
-        """index.md: how many evaluation forwards there were, and what became of them."""
-        counts = evaluation_counts(observed)
+        """index.md: how many evaluation and setup forwards there were, and what became of them."""
+        counts = observed_counts(observed)
         if counts is None:
             return
-        recorded, unobserved = counts
+        unobserved, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
         if self.eval_sampler is not None:
-            add_run_note(observed, f"{recorded} evaluation forwards were seen (record_eval).")
+            add_run_note(
+                observed, f"{counts.eval_forwards} evaluation forwards were seen (record_eval)."
+            )
         elif unobserved:
             add_run_note(
                 observed,
@@ -451,7 +475,16 @@ class FitObservation:
                 "evaluation the trainer runs during training: forwards outside a training step) "
                 "were not observed: they take no sample and forward_index does not count them "
                 f"({self.owner}(record_eval=True) records them as their own series). "
-                f"{_AFTER_THE_FIT}",
+                f"{self._after_the_fit()}",
+            )
+        if setup:
+            add_run_note(
+                observed,
+                f"{setup} setup forwards at the fit's start, before its first loop (Lightning's "
+                "model summary and the logger's graph of example_input_array, an on_fit_start "
+                "hook), were not observed, whatever record_eval says: they are neither training "
+                "nor evaluation forwards, take no sample, and neither forward_index nor the "
+                "count of evaluation forwards counts them.",
             )
 
     def _finish_stale(self) -> None:

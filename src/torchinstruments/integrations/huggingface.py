@@ -100,7 +100,14 @@ class HuggingFaceObserver(TrainerCallback):
         record_eval: bool | Sampler = False,
         **options: Any,
     ) -> None:
-        self._fit = FitObservation("HuggingFaceObserver", output_dir, module, options, record_eval)
+        self._fit = FitObservation(
+            "HuggingFaceObserver",
+            output_dir,
+            module,
+            options,
+            record_eval,
+            after_fit="trainer.evaluate() and trainer.predict() calls",
+        )
         self._step_guard: TrainingStepMark | None = None
 
     @property

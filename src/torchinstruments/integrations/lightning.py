@@ -6,7 +6,8 @@ Hooks, one line each:
 
 - `on_fit_start`: inject into the LightningModule (or `module=` a part of it), and mark the
   strategy's `training_step` (below). Runs after the strategy moved the model to its device and
-  before the sanity check and the first step.
+  before the sanity check and the first step. The fit's setup starts here.
+- `on_sanity_check_start`, `on_train_start`: the fit's setup ends at the first of them.
 - `on_train_batch_end`: after the first batch only, warn if no training forward called the
   observed module (whatever the sanity check called).
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
@@ -29,8 +30,12 @@ _call_strategy_hook`, checked on Lightning 2.6.6). Every other forward of the ob
 during the fit (the sanity check, validation, and another callback's forwards in its own batch
 hooks) is an evaluation forward: it never takes a training sample and never enters the training
 series; with `record_eval=True` it is sampled on its own count and forms its own series (mode
-`eval`). `trainer.test()` and `trainer.predict()` run after the fit, after the observer was
-removed: neither observed nor counted.
+`eval`). The forwards of the fit's setup, from `on_fit_start` to the sanity check or the
+first training step (the model summary's and the TensorBoard graph's forward of
+`example_input_array`, the LightningModule's own `on_fit_start`; checked on Lightning 2.6.6),
+are neither training nor evaluation: they pass through unobserved, also under `record_eval`,
+and index.md counts them apart. `trainer.validate()`, `trainer.test()` and `trainer.predict()`
+run after the fit, after the observer was removed: neither observed nor counted.
 With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
 forward, and their samples share one `step` (the trainer's global step, history's `step`).
 
@@ -112,7 +117,14 @@ class LightningObserver(Callback):
         **options: Any,
     ) -> None:
         super().__init__()
-        self._fit = FitObservation("LightningObserver", output_dir, module, options, record_eval)
+        self._fit = FitObservation(
+            "LightningObserver",
+            output_dir,
+            module,
+            options,
+            record_eval,
+            after_fit="trainer.validate(), trainer.test() and trainer.predict() calls",
+        )
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
         self._checkpoint_step: int | None = None  # and its global step
@@ -151,6 +163,15 @@ class LightningObserver(Callback):
         self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
+            self._fit.enter_setup()  # the model summary's example input is not an evaluation
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The fit's setup ends: the sanity check's forwards are evaluation forwards."""
+        self._fit.leave_setup()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The fit's setup ends (without a sanity check): the training loop starts."""
+        self._fit.leave_setup()
 
     def on_train_batch_end(
         self,

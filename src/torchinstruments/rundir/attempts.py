@@ -263,6 +263,12 @@ def job_counts(
         tuple(dict.fromkeys((*previous.notes, *this.notes))),
         train_forwards=_sum_known(previous.train_forwards, this.train_forwards),
         eval_forwards=_sum_known(previous.eval_forwards, this.eval_forwards),
+        unobserved_eval_forwards=_sum_known(
+            previous.unobserved_eval_forwards, this.unobserved_eval_forwards
+        ),
+        unobserved_setup_forwards=_sum_known(
+            previous.unobserved_setup_forwards, this.unobserved_setup_forwards
+        ),
     )
 
 

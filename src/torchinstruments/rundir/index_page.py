@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments import reasons
+from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -61,11 +62,44 @@ def counts_sentence(state: RunState) -> str:
             f"{bound_count(counts.samples, 'sample')}, "
             f"{bound_count(counts.backward_samples, 'sample')} with a backward"
         )
+    passed = passed_through(counts)
     return (
         f"counts: {_count(counts.root_forwards, 'root forward')}, "
         f"{_count(counts.samples, 'sample')}, "
         f"{_count(counts.backward_samples, 'sample')} with a backward"
+        + ("" if passed is None else f"; {passed}")
     )
+
+
+def passed_through(counts: RunCounts) -> str | None:
+    """The forwards a trainer callback passed through unobserved, in the words index.md and
+    remove_observer's warning share (`2 evaluation forwards ran unobserved`); None when none
+    did (a plain loop) or when that is unknown (a state written before these counts)."""
+    evaluation, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
+    said = [
+        *([_count(evaluation, "evaluation forward")] if evaluation else []),
+        *([_count(setup, "setup forward") + " (before the fit's first loop)"] if setup else []),
+    ]
+    return " and ".join(said) + " ran unobserved" if said else None
+
+
+def unsampled_sentence(counts: RunCounts) -> str:
+    """Why a removed run with selected layers holds no sample: what the observer saw, and what
+    a trainer callback passed through unobserved. A model called only outside the training
+    steps was called: it is never said to have been "never called", nor is a model whose
+    passed-through forwards nobody counted."""
+    passed = passed_through(counts)
+    if counts.root_forwards:
+        seen = f"{counts.root_forwards} root forwards were seen and the sampler chose none"
+        return seen if passed is None else f"{seen} ({passed})"
+    if passed is not None:
+        return f"no training forward called the model, and {passed}"
+    if counts.unobserved_eval_forwards is None or counts.unobserved_setup_forwards is None:
+        return (
+            "no root forward was seen (whether a trainer callback passed forwards through "
+            "unobserved is unknown: the run's state predates that count)"
+        )
+    return "the model was never called"
 
 
 def _count(count: int, word: str) -> str:
@@ -222,14 +256,9 @@ def _section_gaps(state: RunState) -> list[str]:
             "with it)."
         )
     elif counts is not None and run.layers and counts.samples == 0:
-        seen = (
-            "the model was never called"
-            if counts.root_forwards == 0
-            else f"{counts.root_forwards} root forwards were seen and the sampler chose none"
-        )
         lines.append(
-            f"**No sample was recorded:** {seen}, so history.parquet has no rows and result.json "
-            "no measurements."
+            f"**No sample was recorded:** {unsampled_sentence(counts)}, so history.parquet has "
+            "no rows and result.json no measurements."
         )
     return [line for pair in zip(lines, [""] * len(lines), strict=True) for line in pair]
 
@@ -378,6 +407,8 @@ __all__ = [
     "counts_sentence",
     "interrupted_sentence",
     "partial_in_flight",
+    "passed_through",
     "render_index",
+    "unsampled_sentence",
     "write_index",
 ]

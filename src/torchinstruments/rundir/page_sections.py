@@ -114,8 +114,10 @@ def section_files(run: RunInfo) -> list[str]:
         "directory while the lock is held.",
         f"- `{STATE_FILE}`: the run's state as JSON: `status`, the run info (`run`), the counts "
         "(`counts`: root_forwards, samples, backward_samples, per layer `layer_samples`, the "
-        "run's `notes`, and `train_forwards` / `eval_forwards`: the forwards the training "
-        "sampler and a trainer callback's record_eval sampler were asked about, null where "
+        "run's `notes`, `train_forwards` / `eval_forwards`: the forwards the training "
+        "sampler and a trainer callback's record_eval sampler were asked about, and "
+        "`unobserved_eval_forwards` / `unobserved_setup_forwards`: the evaluation forwards and "
+        "the fit's setup forwards a trainer callback passed through unobserved; null where "
         "unknown), problems, marked samples, attempts and the loss ledger. This page is "
         "rendered from it; `finalize` and the command line read it; the first query below "
         "prints its status and counts.",
@@ -157,8 +159,10 @@ def section_meanings() -> list[str]:
         "callbacks sample training forwards only: the evaluation forwards inside the fit "
         "(sanity check, validation) take no sample and forward_index does not count them "
         "(index.md's notes say how many there were), unless record_eval=True records them, on "
-        "their own schedule, as eval series; test and predict run after the fit, once the "
-        "observer is removed: neither observed nor counted.",
+        "their own schedule, as eval series; the forwards of the fit's setup (Lightning's model "
+        "summary of example_input_array) are neither, never observed and counted apart; "
+        "Lightning's validate, test and predict and the Hugging Face Trainer's evaluate and "
+        "predict run after the fit, once the observer is removed: neither observed nor counted.",
         "- step: the trainer's global step (optimizer steps so far) in the Lightning and "
         "Hugging Face callbacks, so the samples of one optimizer step under gradient "
         "accumulation share it; in a plain loop the value last given with "

@@ -15,7 +15,8 @@ The file (`SCHEMA_VERSION` 1):
 
     {"schema_version": 1, "status": "complete", "run": {RunInfo fields, HistoryConfig's inline},
      "counts": {"root_forwards", "samples", "backward_samples", "layer_samples": {name: n},
-                "train_forwards", "eval_forwards"} | null,
+                "train_forwards", "eval_forwards", "unobserved_eval_forwards",
+                "unobserved_setup_forwards"} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
      "marks": [{SampleMark fields}], "marks_total": 0, "removed_in_flight": [...],
@@ -23,9 +24,10 @@ The file (`SCHEMA_VERSION` 1):
      "attempts": [{AttemptCounts fields}], "events_without_rows": [...], ...}
 
 `train_forwards` and `eval_forwards` (in `counts` and in each attempt: what each sampler's
-schedule counted) were added without a new schema version: a file written before them has
-none, which reads as null, "unknown" (a continued run then falls back to the rule before them,
-`rundir.attempts`).
+schedule counted), and `unobserved_eval_forwards` / `unobserved_setup_forwards` (in `counts`:
+what a trainer callback passed through unobserved) were added without a new schema version: a
+file written before them has none, which reads as null, "unknown" (a continued run then falls
+back to the rule before them, `rundir.attempts`, and index.md never says "never called").
 
 `status` is written for readers and never read back: it is derived from the other fields
 (`RunState.status`), so the file cannot contradict itself.

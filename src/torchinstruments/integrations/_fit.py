@@ -391,7 +391,7 @@ class FitObservation:
         )
 
     def _after_the_fit(self) -> str:
-        """index.md's sentence on the trainer's calls after the fit, named as the user makes them."""
+        """index.md's sentence on the trainer's calls after the fit, as the user makes them."""
         return (
             f"{self.after_fit} after the fit run after the observer was removed: not observed, "
             "not counted."

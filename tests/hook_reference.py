@@ -18,6 +18,10 @@ What a reference tensor is, where a tensor is not a plain one:
   comma-separated) and `mesh_coordinate` (this rank's coordinate in the mesh); plain tensors
   carry null in both.
 - torch.func: the reference is the plain model run without the transform (see the zoo's cases).
+- wrapper subclass (`__torch_dispatch__` over inner tensors, no storage of its own: TwoTensor):
+  its entries as the subclass itself reads them, one `float()` each (for TwoTensor, whose ops run
+  on both inner tensors and whose scalars are its first's, that first tensor's values); the
+  values a user gets from `out.min().item()` and the like on the plain model's output.
 
 Unused outputs: a backward pass that reaches an autograd node with several outputs (`split`, a
 custom Function) calls the hook of an output the loss never used with None. That is no gradient:
@@ -48,6 +52,7 @@ import numpy as np
 import polars as pl
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
@@ -66,10 +71,14 @@ SHARED_REASON = r"^shared output"
 
 
 def _float64_values(tensor: torch.Tensor) -> np.ndarray:
-    """All entries of a plain or nested tensor as a flat float64 array on the host."""
-    if tensor.is_nested:
+    """All entries of a plain, nested or wrapper-subclass tensor as a flat float64 array on the
+    host (a wrapper subclass's as it reads them itself: `.numpy()` refuses it)."""
+    if tensor.is_nested:  # a jagged one is a wrapper subclass too, read by its components
         parts = [c.detach().to(torch.float64).cpu().numpy().ravel() for c in tensor.unbind()]
         return np.concatenate(parts) if parts else np.zeros(0)
+    if is_traceable_wrapper_subclass(tensor):
+        entries = tensor.detach().reshape(-1).unbind()
+        return np.array([float(entry) for entry in entries], dtype=np.float64)
     return tensor.detach().to(torch.float64).cpu().numpy().ravel()
 
 

@@ -1,22 +1,22 @@
 """Outputs and gradients of unusual dtypes, layouts and tensor kinds equal plain hooks, row by row.
 
-Each case is a small model with one layer (`Kind`) that returns one kind of tensor between
-ordinary layers, run for two steps with a backward where the kind has a gradient: float16 and
-bfloat16 models, values overflowing to inf in float16, float8 dtypes (and their NaN on
-overflow), integer and bool heads, uint64 beyond 2**63, zero strides (`expand`), a negative-bit
+Each case is a small model with one layer (`Kind`) that returns one kind of tensor between ordinary
+layers, run for two steps with a backward where the kind has a gradient: float16 and bfloat16
+models, values overflowing to inf in float16, float8 dtypes (e4m3fn, e5m2 and e8m0fnu, and their NaN
+on overflow), integer and bool heads, uint64 beyond 2**63, zero strides (`expand`), a negative-bit
 view, channels_last and transposed outputs, 0-d and 0-size outputs, float64 near 1e307 and
-subnormal, a Parameter and a `__torch_function__` subclass returned, a layer returning its input
-changed in place afterwards, tensors made in and returned from inference mode, sparse COO/CSR and
-nested outputs, complex (an FFT), quantized and meta outputs; steps under `torch.no_grad()` and
-`torch.inference_mode()`. Each is observed and, on a deep copy, hooked (`hook_reference.run_both`)
-on every CPU path (`test_conformance_compositions.PATHS`), and every row equals the reference
-both ways.
+subnormal, a Parameter, a `__torch_function__` subclass and a wrapper subclass (TwoTensor, whose ops
+run on two inner tensors) returned, a layer returning its input changed in place afterwards, tensors
+made in and returned from inference mode, sparse COO/CSR and nested outputs, complex (an FFT),
+quantized and meta outputs; steps under `torch.no_grad()` and `torch.inference_mode()`. Each is
+observed and, on a deep copy, hooked (`hook_reference.run_both`) on every CPU path
+(`test_conformance_compositions.PATHS`), and every row equals the reference both ways.
 
 Where plain hooks and NumPy cannot read a tensor, `kind_reference` says what its row is, as the
-contract and index.md state it: a sparse tensor is the dense tensor it stands for; a complex or
-quantized tensor is null with "unsupported dtype <dtype>"; a tensor on the meta device (no
-values) is null with "unsupported device meta", and the other tensors of its sample keep their
-rows.
+contract and index.md state it: a sparse tensor is the dense tensor it stands for; a tensor on
+the meta device (no values) is null with "unsupported device meta", and the other tensors of its
+sample keep their rows; a complex or quantized tensor is null with "unsupported dtype <dtype>".
+(Wrapper-subclass tensors are `hook_reference`'s own case.)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import pytest
 import torch
 from test_conformance_compositions import PATHS
 from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
 
 import hook_reference
 from hook_reference import METRICS, ReferenceTensor, run_both
@@ -177,6 +178,12 @@ def uint64(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor([2**64 - 1, 2**63, 5, 0], dtype=torch.uint64)
 
 
+def two_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A TwoTensor whose inner tensors differ everywhere (its second: 10x + 5), so statistics
+    that mixed them would differ from either's."""
+    return TwoTensor(x, x * 10 + 5)
+
+
 def nested(x: torch.Tensor) -> torch.Tensor:
     return torch.nested.as_nested_tensor([row[: i + 2] for i, row in enumerate(x)])
 
@@ -226,6 +233,10 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Step]]] = {
     ),
     "__torch_function__ subclass": lambda: (
         chain(lambda x: x.as_subclass(Subclass), torch.float32),
+        train(),
+    ),
+    "wrapper subclass (TwoTensor) with its gradient": lambda: (
+        chain(two_tensor, torch.float32),
         train(),
     ),
     "input returned, changed in place after": lambda: (nn.Sequential(nn.Identity()), changed_after),

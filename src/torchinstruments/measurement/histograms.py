@@ -103,7 +103,7 @@ def bin_counts(
         index = torch.bucketize(values.contiguous(), limits, right=True)  # else torch warns, copies
         if finite is not None:
             index = torch.where(finite, index, bins)
-        counts = torch.zeros(bins + 1, dtype=torch.float64, device=values.device)
+        counts = values.new_zeros(bins + 1, dtype=torch.float64)
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
     low = float(bounds[0])
     scale, off = guess_scale(limits, low, float(bounds[-1]) - low, bins)

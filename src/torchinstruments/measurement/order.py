@@ -306,7 +306,7 @@ def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -
         top = shift == width - _DIGIT_BITS
         if top:  # the top digit: one histogram for every rank
             digits = (keys >> shift) + _DIGITS // 2
-            counts = torch.zeros(_DIGITS, dtype=torch.int64, device=keys.device)
+            counts = keys.new_zeros(_DIGITS, dtype=torch.int64)
             counts.index_add_(0, digits, torch.ones_like(digits))
             rows = counts.expand(slots, _DIGITS)
         else:  # entries sharing a rank's prefix, counted in that rank's slot
@@ -314,7 +314,7 @@ def on_device(values: torch.Tensor, finite: torch.Tensor, ranks: torch.Tensor) -
             slot = torch.searchsorted(prefix, higher).clamp(max=slots - 1)
             hit = prefix[slot] == higher
             bins = torch.where(hit, slot * _DIGITS + ((keys >> shift) & (_DIGITS - 1)), -1)
-            counts = torch.zeros(slots * _DIGITS + 1, dtype=torch.int64, device=keys.device)
+            counts = keys.new_zeros(slots * _DIGITS + 1, dtype=torch.int64)
             counts.index_add_(0, bins + 1, torch.ones_like(bins))
             rows = counts[1:].view(slots, _DIGITS)[torch.searchsorted(prefix, prefix)]
         cumulative = rows.cumsum(1)

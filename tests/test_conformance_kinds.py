@@ -8,15 +8,16 @@ view, channels_last and transposed outputs, 0-d and 0-size outputs, float64 near
 subnormal, a Parameter, a `__torch_function__` subclass and a wrapper subclass (TwoTensor, whose ops
 run on two inner tensors) returned, a layer returning its input changed in place afterwards, tensors
 made in and returned from inference mode, sparse COO/CSR and nested outputs, complex (an FFT),
-quantized and meta outputs; steps under `torch.no_grad()` and `torch.inference_mode()`. Each is
-observed and, on a deep copy, hooked (`hook_reference.run_both`) on every CPU path
-(`test_conformance_compositions.PATHS`), and every row equals the reference both ways.
+quantized, packed float4 and meta outputs; steps under `torch.no_grad()` and
+`torch.inference_mode()`. Each is observed and, on a deep copy, hooked (`hook_reference.run_both`)
+on every CPU path (`test_conformance_compositions.PATHS`), and every row equals the reference both
+ways.
 
 Where plain hooks and NumPy cannot read a tensor, `kind_reference` says what its row is, as the
 contract and index.md state it: a sparse tensor is the dense tensor it stands for; a tensor on
 the meta device (no values) is null with "unsupported device meta", and the other tensors of its
-sample keep their rows; a complex or quantized tensor is null with "unsupported dtype <dtype>".
-(Wrapper-subclass tensors are `hook_reference`'s own case.)
+sample keep their rows. (Complex, quantized, packed float4 and wrapper-subclass tensors are
+`hook_reference`'s own cases.)
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ def kind_reference(tensor: torch.Tensor) -> ReferenceTensor:
     nulls = dict.fromkeys(METRICS)
     if tensor.is_meta:
         return ReferenceTensor(nulls, r"^unsupported device meta$", shape, dtype)
-    if tensor.is_complex() or tensor.is_quantized:
-        return ReferenceTensor(nulls, rf"^unsupported dtype {dtype}$", shape, dtype)
     if tensor.layout != torch.strided:
         row = _plain_reference(tensor.to_dense())
         row.shape = shape
@@ -184,6 +183,11 @@ def two_tensor(x: torch.Tensor) -> torch.Tensor:
     return TwoTensor(x, x * 10 + 5)
 
 
+def float4(x: torch.Tensor) -> torch.Tensor:
+    """Bytes of `x` as float4_e2m1fn_x2: two 4-bit floats in each."""
+    return (x.abs() * 40).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+
+
 def nested(x: torch.Tensor) -> torch.Tensor:
     return torch.nested.as_nested_tensor([row[: i + 2] for i, row in enumerate(x)])
 
@@ -257,6 +261,7 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Step]]] = {
         Side(lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.quint8)),
         train(),
     ),
+    "packed float4_e2m1fn_x2": lambda: (Side(float4), train()),
     "meta device": lambda: (Side(lambda x: torch.empty(x.shape, device="meta")), train()),
 }
 

@@ -1,12 +1,14 @@
 """global_statistics over outputs of unusual kinds: each tensor's failure stays in its own rows.
 
 Two gloo ranks, each its own batch, the world group named. Beside ordinary layers the model
-has a layer returning a sparse COO tensor, one returning a (strided) nested tensor and one
-returning a tensor on the meta device (a shape probe). The sparse output gets global rows of
+has a layer returning a sparse COO tensor, one returning a (strided) nested tensor, one
+returning a tensor on the meta device (a shape probe) and one returning packed float4 (two 4-bit
+floats in each byte, which torch cannot convert). The sparse output gets global rows of
 the dense tensor it stands for, the nested one of its components' entries (shape null, as its
 local rows have), both equal to NumPy's statistics of every rank's values gathered by the test
 through plain forward hooks; the meta output, which has no values, keeps its local rows (null,
-"unsupported device meta"); and no other layer's global rows are lost to those tensors. Under
+"unsupported device meta"), and so does the packed one (null, "packed dtype ..."); and no other
+layer's global rows are lost to those tensors. Under
 `torch.func.vmap` the outputs are batched wrappers: their global rows are those of what the plain
 model computes on every rank's whole batch, as their local rows would be (unwrapped).
 """
@@ -48,6 +50,11 @@ class Probe(nn.Module):
         return torch.empty(x.shape, device="meta")
 
 
+class Packed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs() * 40).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -55,6 +62,7 @@ class Net(nn.Module):
         self.sparse = Sparse()
         self.nested = Ragged()
         self.probe = Probe()
+        self.packed = Packed()
         self.act = nn.Tanh()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +70,7 @@ class Net(nn.Module):
         self.sparse(h)
         self.nested(h)
         self.probe(h)
+        self.packed(h)
         return self.act(h)
 
 
@@ -133,7 +142,7 @@ def test_ranks_that_measured_globally_under_vmap_exit_cleanly(tmp_path: Path) ->
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
-def test_sparse_nested_meta_and_vmapped_outputs_keep_their_failures_in_their_own_rows(
+def test_sparse_nested_meta_packed_and_vmapped_outputs_keep_their_failures_in_their_own_rows(
     tmp_path: Path,
 ) -> None:
     run_ranks(worker, str(tmp_path))
@@ -151,6 +160,12 @@ def test_sparse_nested_meta_and_vmapped_outputs_keep_their_failures_in_their_own
         assert probe.height == 9
         assert set(probe["unavailable_reason"].to_list()) == {"unsupported device meta"}
         assert probe["population"].null_count() == 9
+        packed = outputs.filter(pl.col("layer") == "packed")
+        assert packed.height == 9
+        assert packed["value"].null_count() == 9
+        (reason,) = set(packed["unavailable_reason"].to_list())
+        assert reason.startswith("packed dtype float4_e2m1fn_x2: each byte holds two 4-bit floats")
+        assert packed["population"].null_count() == 9
         whole = np.concatenate([np.array(part["vmap"], dtype=np.float32) for part in seen])
         vmapped = directory.parent / "vmap" / directory.name
         check(global_rows(vmapped, "1"), whole, 1e-6)

@@ -28,6 +28,7 @@ def every_builder_output() -> list[str]:
     made += [reasons.RECORD_NO_VALUE, reasons.record_value("str")]
     made += [
         reasons.unsupported_dtype("complex64"),
+        reasons.unsupported_dtype("float4_e2m1fn_x2"),
         reasons.unsupported_layout("torch.sparse_coo"),
         reasons.partial_placement("Partial(sum)"),
         reasons.error("reducer", ValueError("bad: input")),

@@ -66,7 +66,12 @@ from torchinstruments.measurement.numerics import (
     quartile_positions,
 )
 from torchinstruments.measurement.order import sortable_keys
-from torchinstruments.measurement.tensors import TORCH_FUNC_NOTE, dtype_name, measured_form
+from torchinstruments.measurement.tensors import (
+    TORCH_FUNC_NOTE,
+    dtype_name,
+    is_real_dtype,
+    measured_form,
+)
 from torchinstruments.records import OUTPUT, MetricValue
 
 RADIX_BITS = 8
@@ -215,8 +220,8 @@ def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor 
         shape = form.shape
     else:
         return None
-    if not (local.is_floating_point()):
-        return None
+    if not (local.is_floating_point() and is_real_dtype(local.dtype)):
+        return None  # integer, bool, or packed float4 (its local rows say why)
     return GlobalTensor(
         key,
         local.detach().clone(),

@@ -88,10 +88,28 @@ BACKWARD_RAISED = (
     "that arrived before it have rows, the others have none"
 )
 
+# Dtypes that hold several values in each element, which torch cannot convert to any other dtype
+# (only view as bytes): what each holds, for its reason.
+PACKED_DTYPES = {
+    "float4_e2m1fn_x2": (
+        "each byte holds two 4-bit floats (e2m1, the elements of a block-scaled format such as "
+        "MX or NVFP4, without their scales), which torch cannot convert to any other dtype"
+    ),
+}
+
 REASONS: tuple[Reason, ...] = (
     Reason(EMPTY, "the tensor has no elements"),
     Reason(NO_FINITE, "every element is NaN or +-inf (nonfinite_fraction is still given)"),
-    Reason("unsupported dtype <dtype>", "e.g. complex or quantized tensors"),
+    Reason(
+        "unsupported dtype <dtype>",
+        "e.g. complex tensors (no order for min, max and percentiles; no part of them, real or "
+        "magnitude, stands for them) or quantized ones",
+    ),
+    Reason(
+        "packed dtype <dtype>: <what it holds>",
+        "a tensor of a dtype with several values in each element (float4_e2m1fn_x2: two 4-bit "
+        "floats in each byte); torch cannot convert it to read its values, so it is not measured",
+    ),
     Reason(
         "unsupported layout <layout>",
         "a sparse or other non-strided tensor too large to densify (over 2**26 entries; "
@@ -247,7 +265,9 @@ REASONS: tuple[Reason, ...] = (
 
 
 def unsupported_dtype(dtype: str) -> str:
-    """The tensor's dtype cannot be measured."""
+    """The tensor's dtype cannot be measured; a packed one's reason says what it holds."""
+    if dtype in PACKED_DTYPES:
+        return f"packed dtype {dtype}: {PACKED_DTYPES[dtype]}"
     return f"unsupported dtype {dtype}"
 
 

@@ -1,8 +1,8 @@
 """Per-tensor rules shared by the statistics, the histograms and the observer, one copy each,
 so a tensor's statistics and histogram never disagree about whether or how it is measured:
 
-- Supported: floating, integer or bool dtypes; complex and quantized ones get null metrics with a
-  reason and no histogram.
+- Supported: floating (not packed float4), integer or bool dtypes; complex, quantized and packed
+  ones get null metrics with a reason and no histogram.
 - What is measured is the `measured_form`: torch.func wrappers unwrapped (`TORCH_FUNC_NOTE`); a
   DTensor's local tensor, no collective (`DTENSOR_NOTE`); a nested tensor's component entries,
   padding excluded, with a null shape (nn.TransformerEncoder returns them in eval under
@@ -38,7 +38,7 @@ __all__ = [
     "working_values",
 ]
 
-_INTEGRAL_DTYPES = frozenset(
+_INTEGRAL = frozenset(
     {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
     | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
@@ -50,8 +50,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def is_real_dtype(dtype: torch.dtype) -> bool:
-    """Floating, integer or bool (not complex, not quantized): a dtype whose values are real."""
-    return dtype.is_floating_point or dtype in _INTEGRAL_DTYPES
+    """Floating (not packed: float4_e2m1fn_x2), integer or bool: a dtype torch reads as reals."""
+    return dtype != torch.float4_e2m1fn_x2 and (dtype.is_floating_point or dtype in _INTEGRAL)
 
 
 def unsupported_reason(tensor: torch.Tensor) -> str | None:

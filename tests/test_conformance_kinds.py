@@ -2,16 +2,16 @@
 
 Each case is a small model with one layer (`Kind`) that returns one kind of tensor between ordinary
 layers, run for two steps with a backward where the kind has a gradient: float16 and bfloat16
-models, values overflowing to inf in float16, float8 dtypes (e4m3fn, e5m2 and e8m0fnu, and their NaN
-on overflow), integer and bool heads, uint64 beyond 2**63, zero strides (`expand`), a negative-bit
-view, channels_last and transposed outputs, 0-d and 0-size outputs, float64 near 1e307 and
-subnormal, a Parameter, a `__torch_function__` subclass and a wrapper subclass (TwoTensor, whose ops
-run on two inner tensors) returned, a layer returning its input changed in place afterwards, tensors
-made in and returned from inference mode, sparse COO/CSR and nested outputs, complex (an FFT),
-quantized, packed float4 and meta outputs; steps under `torch.no_grad()` and
-`torch.inference_mode()`. Each is observed and, on a deep copy, hooked (`hook_reference.run_both`)
-on every CPU path (`test_conformance_compositions.PATHS`), and every row equals the reference both
-ways.
+models, values overflowing to inf in float16, float8 dtypes (e4m3fn, e5m2, their fnuz variants and
+e8m0fnu, and their NaN on overflow), integer and bool heads, uint64 beyond 2**63, zero strides
+(`expand`), a negative-bit view, channels_last and transposed outputs, 0-d and 0-size outputs,
+float64 near 1e307 and subnormal, a Parameter, a `__torch_function__` subclass and a wrapper
+subclass (TwoTensor, whose ops run on two inner tensors) returned, a layer returning its input
+changed in place afterwards, tensors made in and returned from inference mode, sparse COO/CSR and
+nested outputs, complex (an FFT), quantized, packed float4 and meta outputs; steps under
+`torch.no_grad()` and `torch.inference_mode()`. Each is observed and, on a deep copy, hooked
+(`hook_reference.run_both`) on every CPU path (`test_conformance_compositions.PATHS`), and every row
+equals the reference both ways.
 
 Where plain hooks and NumPy cannot read a tensor, `kind_reference` says what its row is, as the
 contract and index.md state it: a sparse tensor is the dense tensor it stands for; a tensor on
@@ -213,6 +213,11 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Step]]] = {
     "float8_e5m2": lambda: (Side(lambda x: x.to(torch.float8_e5m2)), train()),
     "float8_e4m3fn NaN on overflow": lambda: (
         Side(lambda x: (x * 1000).to(torch.float8_e4m3fn)),
+        train(),
+    ),
+    "float8_e4m3fnuz": lambda: (Side(lambda x: x.to(torch.float8_e4m3fnuz)), train()),
+    "float8_e5m2fnuz NaN on overflow": lambda: (
+        Side(lambda x: (x * 1e5).to(torch.float8_e5m2fnuz)),
         train(),
     ),
     "float8_e8m0fnu": lambda: (Side(lambda x: x.abs().to(torch.float8_e8m0fnu)), train()),

@@ -6,6 +6,8 @@ as plain hooks see; a warning and index.md name them and say why, never a silent
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Trainer, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
+from torchinstruments.gradient_gaps import GradientGaps
 from torchinstruments.integrations import HuggingFaceObserver
 
 from conftest import read_history
@@ -142,3 +145,59 @@ def test_a_parameter_free_layer_under_no_grad_is_named_without_a_warning(run_dir
     assert not [w for w in caught if SAID in str(w.message)]
     assert f"1 selected layer {SAID}" in page(run_dir)
     assert "'angles'" in page(run_dir)
+
+
+def test_no_grad_outputs_before_and_after_the_samples_first_output_with_grad_are_all_named() -> (
+    None
+):
+    """A sample's no_grad outputs wait until it makes one with grad, and those after that are
+    named at once; none is lost between (the sample's later no_grad outputs skip the lock)."""
+    gaps = GradientGaps()
+    gaps.output_without_grad_mode(0, "before")
+    gaps.output_without_grad_mode(0, "before too")
+    gaps.sample_with_grad(0)
+    gaps.output_without_grad_mode(0, "after")
+    gaps.output_without_grad_mode(1, "evaluation")  # a sample with no grad anywhere: not named
+    (note,) = gaps.notes()
+    assert f"3 selected layers {SAID}" in note
+    assert "'before', 'before too', 'after'" in note
+
+
+def race(gaps: GradientGaps, adders: int, outputs: int) -> None:
+    """`adders` threads each add `outputs` no_grad outputs of sample 0 while another thread
+    finds that sample made an output with grad, all let go at once."""
+    start = threading.Barrier(adders + 1)
+
+    def add(thread: int) -> None:
+        start.wait()
+        for i in range(outputs):
+            gaps.output_without_grad_mode(0, f"{thread}.{i}")
+
+    def turn() -> None:
+        start.wait()
+        gaps.sample_with_grad(0)
+
+    threads = [threading.Thread(target=add, args=(t,)) for t in range(adders)]
+    threads.append(threading.Thread(target=turn))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_no_grad_outputs_from_threads_sharing_a_sample_are_all_named() -> None:
+    """Threads add a sample's no_grad outputs while another finds the sample made one with grad:
+    every layer is named, whichever came first (threads switched as often as the interpreter
+    can, so they interleave inside each call)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            gaps = GradientGaps()
+            for i in range(100):  # waiting when the race starts
+                gaps.output_without_grad_mode(0, f"first.{i}")
+            race(gaps, adders=4, outputs=200)
+            (note,) = gaps.notes()
+            assert f"900 selected layers {SAID}" in note
+    finally:
+        sys.setswitchinterval(interval)

@@ -64,6 +64,9 @@ class GradientGaps:
         self._under_no_grad: dict[str, None] = {}  # an ordered set, in the order seen
         self._grad_samples: deque[int] = deque(maxlen=RECENT)
         self._waiting: dict[int, dict[str, None]] = {}  # sample -> its no_grad layers so far
+        # The sample last given an entry in `_waiting`, and that entry: its later outputs join it
+        # without the lock (`output_without_grad_mode`).
+        self._open: tuple[int, dict[str, None]] = (-1, {})
         self._weighted: set[str] = set()  # layers holding parameters (`weigh`)
         self._warned_no_grad = False
         self.latest_with_grad = -1  # the latest sample with an output made with grad enabled
@@ -75,12 +78,25 @@ class GradientGaps:
         }
 
     def output_without_grad_mode(self, sample_id: int, layer: str) -> None:
-        """A sampled output of `layer` made with grad disabled."""
+        """A sampled output of `layer` made with grad disabled.
+
+        Every output of an evaluation sample comes here, so the lock is taken once per sample:
+        its later outputs join the sample's waiting layers without it, then check that those
+        are still waiting. Where `sample_with_grad` took them meanwhile (it reads a copy, so a
+        layer joining as it reads is not lost) or they were dropped as too old, the output
+        goes the locked way, as the sample's first did."""
+        opened, waiting = self._open
+        if opened == sample_id:
+            waiting.setdefault(layer, None)
+            if self._waiting.get(sample_id) is waiting:
+                return
         with self._lock:
             if sample_id in self._grad_samples:
                 self._said_under_no_grad(layer)
             else:
-                self._waiting.setdefault(sample_id, {}).setdefault(layer, None)
+                waiting = self._waiting.setdefault(sample_id, {})
+                waiting.setdefault(layer, None)
+                self._open = (sample_id, waiting)
                 if len(self._waiting) > RECENT:
                     del self._waiting[next(iter(self._waiting))]  # the oldest sample's
 
@@ -90,7 +106,7 @@ class GradientGaps:
             self.latest_with_grad = sample_id
             if sample_id not in self._grad_samples:
                 self._grad_samples.append(sample_id)
-                for name in self._waiting.pop(sample_id, {}):
+                for name in list(self._waiting.pop(sample_id, {})):
                     self._said_under_no_grad(name)
 
     def _said_under_no_grad(self, layer: str) -> None:

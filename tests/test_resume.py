@@ -397,6 +397,83 @@ def test_show_names_the_earlier_attempt_that_ended_without_remove_observer(
     assert "the process ended without remove_observer" not in shown
 
 
+def run_attempt(run: Path, sampler: EveryNForwardsSampler | None, forwards: int = 6) -> None:
+    """One attempt of a two-layer run continued in `run` (`resume=True`), `forwards` steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(model, output_dir=run, sampler=sampler, resume=True)
+    for _ in range(forwards):
+        model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+
+
+def test_each_attempts_sampler_is_named_by_index_md_and_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job restarted with another sampler: the run's pages name each attempt's, never only
+    the last one's as if it had chosen every sample."""
+    run = tmp_path / "stats"
+    run_attempt(run, EveryNForwardsSampler(2))
+    run_attempt(run, None)  # the default: TimeIntervalSampler(60)
+    run_attempt(run, EveryNForwardsSampler(5))
+    history = pl.read_parquet(run / "history.parquet")
+    first = history.filter(pl.col("attempt") == 0)["forward_index"].unique().sort().to_list()
+    assert first == [0, 2, 4]  # attempt 0's samples were every second forward's
+    said = (
+        "sampler, per attempt: attempt 0: EveryNForwardsSampler(n=2): forward_index 0, 2, 4, "
+        "...; attempt 1: TimeIntervalSampler(seconds=60)"
+    )
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert f"- {said}" in index
+    assert "attempt 2: EveryNForwardsSampler(n=5)" in index
+    assert cli_main(["show", str(run), "--metrics", "mean"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
+    assert said in shown
+    assert "attempt 2: EveryNForwardsSampler(n=5)" in shown
+    assert cli_main(["show", str(run), "--metrics", "mean", "--format", "json"]) == 0
+    facts = json.loads(capsys.readouterr().out)["run"]
+    assert [s.split(":")[0] for s in facts["attempt_samplers"]] == [
+        "EveryNForwardsSampler(n=2)",
+        "TimeIntervalSampler(seconds=60)",
+        "EveryNForwardsSampler(n=5)",
+    ]
+
+
+def test_attempts_of_one_sampler_name_it_once(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    run_attempt(run, EveryNForwardsSampler(3))
+    run_attempt(run, EveryNForwardsSampler(3))
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "- sampler: EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...\n" in index
+    assert [a.sampler for a in read_state(run).attempts] == [
+        "EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ..."
+    ] * 2
+
+
+def test_a_run_from_before_attempt_samplers_gives_its_last_attempt_the_runs_sampler(
+    tmp_path: Path,
+) -> None:
+    """A state file written before each attempt kept its sampler: the run's sampler was its
+    last attempt's; an attempt before that is unknown, and said to be."""
+    run = tmp_path / "stats"
+    run_attempt(run, EveryNForwardsSampler(2))
+    run_attempt(run, EveryNForwardsSampler(3))
+    state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+    for entry in state["attempts"]:
+        del entry["sampler"]
+    (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")
+    run_attempt(run, None)
+    samplers = [a.sampler for a in read_state(run).attempts]
+    assert samplers == [
+        None,
+        "EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...",
+        "TimeIntervalSampler(seconds=60): the first root forward, then the first root forward "
+        "once 60 s have passed since the last sample",
+    ]
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "attempt 0: unknown (" in index
+
+
 if __name__ == "__main__":
     child_main(
         Path(sys.argv[1]), Path(sys.argv[2]), None if sys.argv[3] == "None" else int(sys.argv[3])

@@ -120,7 +120,11 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "model_class": run.model_class if run else None,
         "library_version": run.library_version if run else None,
         "torch_version": run.torch_version if run else None,
-        "sampler": run.sampler if run else None,
+        "sampler": run.sampler if run else None,  # the last attempt's
+        # each attempt's (a restarted job may pass another sampler); null: unknown
+        "attempt_samplers": [a.sampler for a in facts.run_state.attempts]
+        if facts.run_state
+        else [],
         "started_at": run.started_at if run else None,
         "selected_layers": len(run.layers) if run else None,
         "focus_layers": list(run.focus_layers) if run else None,

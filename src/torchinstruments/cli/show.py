@@ -29,6 +29,7 @@ from torchinstruments.cli.text import (
     tensor_label,
 )
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
+from torchinstruments.rundir.attempts import sampler_line
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -45,7 +46,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
         lines += [
             f"model: {run.model_class}; torchinstruments {run.library_version}, "
             f"torch {run.torch_version}; started {run.started_at}",
-            f"sampler: {run.sampler}",
+            sampler_line(run.sampler, facts.run_state.attempts if facts.run_state else ()),
             f"selected layers: {len(run.layers)}; "
             + (f"rank {run.rank} of {run.world_size}" if run.rank is not None else "no ranks"),
         ]

@@ -68,6 +68,9 @@ class AttemptCounts:
             unknown, as for `train_forwards`.
         ended: `"removed"` (remove_observer), `"killed"` (its process died: counted from the
             rows it left, lower bounds) or `"in progress"`.
+        sampler: the description of the sampler that chose its samples (`RunInfo.sampler` of
+            that process: a restarted job may pass another); None: unknown (a state written
+            before it was kept, `rundir.resume` fills what the run's own line still says).
     """
 
     attempt: int
@@ -80,6 +83,7 @@ class AttemptCounts:
     ended: str = IN_PROGRESS
     train_forwards: int | None = None
     eval_forwards: int | None = None
+    sampler: str | None = None
 
     @property
     def counts_recovered(self) -> bool:
@@ -241,6 +245,23 @@ def _sum_known(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a + b
 
 
+def sampler_line(run_sampler: str, attempts: tuple[AttemptCounts, ...]) -> str:
+    """The run's sampler, as index.md and `show` say it: `sampler: <description>` when one
+    sampler chose every sample, else `sampler, per attempt: attempt 0: ...; attempt 1: ...`.
+
+    Why per attempt: `RunInfo.sampler` is the last attempt's (each attempt writes its own run
+    info), and a job restarted with another sampler has samples the last one never chose.
+    """
+    said = [a.sampler for a in attempts]
+    if said and said[-1] is None:  # a state from before they were kept: the run's is the last's
+        said[-1] = run_sampler
+    if len(said) < 2 or all(s == run_sampler for s in said):
+        return f"sampler: {run_sampler}"
+    unknown = "unknown (the state file of that attempt predates per-attempt samplers)"
+    each = [f"attempt {a.attempt}: {s or unknown}" for a, s in zip(attempts, said, strict=True)]
+    return "sampler, per attempt: " + "; ".join(each)
+
+
 def attempt_notes(attempt: int, notes: Iterable[str]) -> tuple[str, ...]:
     """`notes` labelled with the attempt that added them: `attempt 0: ...`."""
     return tuple(f"attempt {attempt}: {note}" for note in notes)
@@ -283,4 +304,5 @@ __all__ = [
     "close_attempts",
     "job_counts",
     "plan_continuation",
+    "sampler_line",
 ]

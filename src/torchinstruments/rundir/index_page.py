@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchinstruments import reasons
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts
+from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts, sampler_line
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -333,7 +333,7 @@ def _section_run(state: RunState) -> list[str]:
         f"- model class: `{run.model_class}`",
         f"- {layers_line(run)}",
         f"- {focus_line(run)}",
-        f"- sampler: {run.sampler}",
+        f"- {sampler_line(run.sampler, state.attempts)}",
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
         f"- capture_direct_forwards={run.capture_direct_forwards}, "

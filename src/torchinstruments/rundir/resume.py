@@ -11,6 +11,7 @@ selected layers differ from the run's would make one history of two models.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from torchinstruments.records import RunInfo
@@ -102,6 +103,7 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
             eval_forwards=previous.counts.eval_forwards,
         ),
     )
+    attempts = _last_sampler_known(attempts, previous)
     history = directory / HISTORY_FILE
     first_part = max(merged_part_numbers(history), default=-1) + 1 if history.is_file() else 0
     lost = [loss.last_sample_id for loss in previous.losses if loss.last_sample_id is not None]
@@ -113,6 +115,17 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
 
 
 __all__ = ["holds_run", "open_continuation"]
+
+
+def _last_sampler_known(
+    attempts: tuple[AttemptCounts, ...], previous: RunState
+) -> tuple[AttemptCounts, ...]:
+    """`attempts` with the last one's sampler taken from the run's info where a state written
+    before attempts kept their own left it unknown: the run info is the last attempt's."""
+    last = attempts[-1]
+    if last.sampler is not None or previous.run_info_recovered:
+        return attempts
+    return (*attempts[:-1], dataclasses.replace(last, sampler=previous.run.sampler))
 
 
 def _difference(before: list[tuple[str, str]], now: list[tuple[str, str]]) -> str:

@@ -141,6 +141,7 @@ class DirectorySink:
             run.started_at,
             first_sample_id=0 if continuation is None else continuation.first_sample_id,
             first_forward_index=0 if continuation is None else continuation.first_forward_index,
+            sampler=run.sampler,
         )
         if continuation is None or previous is None:
             self._base = state = RunState(run, attempts=(this,))

@@ -11,7 +11,9 @@ every reader assume one set of layers per run, as `resume=True` does), so the ru
 instead: at removal the model is compared with what inject saw (one walk of its modules),
 removal warns, and index.md names each module. A module's class changing in place
 (`torch.nn.utils.parametrize`, which gives the module a generated subclass) is no change here:
-the module is the same object, observed throughout.
+the module is the same object, observed throughout. Nor is a cast (`model.half()`,
+`model.to(torch.bfloat16)`): the same modules run, and each row carries its tensor's dtype;
+index.md and result.json's `dtypes` say which samples had which (`rundir.dtype_spans`).
 """
 
 from __future__ import annotations

@@ -154,13 +154,16 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         except (OSError, pl.exceptions.PolarsError) as error:
             found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
         try:
-            write_result(
+            changes = write_result(
                 directory,
                 state.run.layers,
                 state.run.history.window,
                 counts.layer_samples,
                 # after a kill before any row reached the disk: unknown, never 0
                 samples_unknown=(recovered or state.counts_recovered) and not counts.samples,
+            )
+            state = dataclasses.replace(
+                state, dtype_changes=changes.layers, dtype_changes_total=changes.total
             )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")

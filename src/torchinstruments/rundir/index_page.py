@@ -239,10 +239,27 @@ def interrupted_sentence(state: RunState) -> str:
     )
 
 
+def _dtype_note(state: RunState) -> list[str]:
+    """The layers whose tensors had more than one dtype (`rundir.dtype_spans`), if any."""
+    total = state.dtype_changes_total
+    if not total:
+        return []
+    listed = len(state.dtype_changes)
+    more = "" if listed == total else f"; ... ({total - listed} more)"
+    return [
+        f"dtype changed during the run: {total} layer{'' if total == 1 else 's'} recorded "
+        "tensors of more than one dtype (a model cast mid-run, e.g. `model.half()`, or "
+        "autocast on some samples only). Each row's `dtype` says its own; result.json's "
+        "`dtype` is a tensor's latest and its `dtypes` lists each with its first and last "
+        "sample_id; a window mean may average samples of different dtypes. Each layer's dtypes "
+        f"and their samples: {'; '.join(state.dtype_changes)}{more}"
+    ]
+
+
 def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
-    lines = [f"**Note:** {note}" for note in (*run.notes, *state.notes)]
+    lines = [f"**Note:** {note}" for note in (*run.notes, *state.notes, *_dtype_note(state))]
     if state.run_info_recovered:
         lines.append(
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "

@@ -219,7 +219,9 @@ def section_result(run: RunInfo) -> list[str]:
         "metrics: {name: {valid, first, latest, min, max, previous, recent}}}]}]`, compact: one "
         "layer per line, no indentation. Every selected layer is listed, in traversal order, also "
         "if it never ran (`tensors: []`); tensors are sorted by (call_index, signal, "
-        "tensor_path, mode: train before eval); shape and dtype are the latest seen. A tensor "
+        "tensor_path, mode: train before eval); shape and dtype are the latest seen, and a "
+        "tensor that had more than one dtype over the run (a model cast mid-run) also has "
+        "`dtypes`: each dtype with its first_sample_id and last_sample_id, earliest first. A tensor "
         "sampled in train and in eval mode has one entry per mode: every figure of an entry "
         "(windows, min / max, first / latest) is over that mode's samples only. A DTensor's entry also has its latest "
         "placement and mesh_coordinate.",

@@ -109,6 +109,9 @@ class RunState:
         events_without_rows: after a kill, the first forward_index values (at most 20) the
             run's TensorBoard events hold a sample at but history has no row of (rows that
             died in memory); `events_without_rows_total` counts them all.
+        dtype_changes: the first layers (at most 20) whose tensors had more than one dtype over
+            the run (a model cast mid-run), each with its dtypes' samples
+            (`rundir.dtype_spans`, as of the last finish); `dtype_changes_total` counts them.
     """
 
     run: RunInfo
@@ -128,6 +131,8 @@ class RunState:
     attempts: tuple[AttemptCounts, ...] = ()
     events_without_rows: tuple[int, ...] = ()
     events_without_rows_total: int = 0
+    dtype_changes: tuple[str, ...] = ()
+    dtype_changes_total: int = 0
 
     @property
     def counts_unknown(self) -> bool:

@@ -10,9 +10,10 @@ process died before any row reached the disk it is null (unknown), never 0. At i
 null too (the catalog, before anything ran).
 
 Design decision: one pass in chunks, then one read of the latest samples, then the text in
-Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype) are
-taken per chunk of `SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the
-number of tensor-metrics; the earliest sample at the min/max comes from one Int128 key per row
+Polars. Plain group-by aggregates (counts, first/latest, finite min/max, shape and dtype, each
+tensor's dtypes' sample ranges: `rundir.dtype_spans`) are taken per chunk of
+`SUMMARY_CHUNK_ROWS` rows and combined, in memory proportional to the number of
+tensor-metrics; the earliest sample at the min/max comes from one Int128 key per row
 (`_extreme_keys`), so every aggregate is a plain one (no per-group filter). The windows are
 `rundir.windows.window_summaries`, the one implementation the command line calls too, handed
 the samples and series this pass found (so it reads only the latest samples of an ordinary run,
@@ -59,6 +60,12 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.dtype_spans import (
+    DtypeChanges,
+    DtypeSpans,
+    changed_dtypes,
+    dtype_changes,
+)
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     HISTORY_ROW_GROUP_ROWS,
@@ -209,8 +216,9 @@ def _extreme_samples(stats: pl.DataFrame) -> pl.DataFrame:
     ).drop("low_key", "high_key")
 
 
-def _series_summary(history: Path, window: int) -> pl.DataFrame:
-    """One row per series: `_chunk_stats`' columns, then `previous_*` / `recent_*`.
+def _series_summary(history: Path, window: int) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """One row per series: `_chunk_stats`' columns, then `previous_*` / `recent_*`; and each
+    tensor's dtypes with their first and last sample (`rundir.dtype_spans`).
 
     One pass over history.parquet in chunks of `SUMMARY_CHUNK_ROWS` rows (history order is
     sample order, so a chunk continues the one before it), each chunk's aggregates combined with
@@ -245,8 +253,10 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
     # them all at once, so a history of many chunks and many series is not regrouped per chunk.
     pending: list[pl.DataFrame] = []
     samples: list[pl.DataFrame] = []
+    spans = DtypeSpans()
     for offset in range(0, max(total, 1), SUMMARY_CHUNK_ROWS):
         rows = chunk(offset).collect()
+        spans.add(rows, pending)  # before this chunk's stats join them
         pending.append(_chunk_stats(rows))
         samples.append(rows.group_by("sample_id").agg(rows=pl.len()))
         del rows  # before the next chunk is read
@@ -265,7 +275,7 @@ def _series_summary(history: Path, window: int) -> pl.DataFrame:
         chunk_rows=SUMMARY_CHUNK_ROWS,
     )
     stats = _extreme_samples(stats).with_columns(pl.col(strings).cast(pl.String))
-    return _with_windows(stats, windows)
+    return _with_windows(stats, windows), spans.spans()
 
 
 # --- result.json --------------------------------------------------------------------------------
@@ -407,16 +417,18 @@ def _tensor_text(frame: pl.DataFrame) -> pl.Expr:
         *windows,
         ("metrics", "{" + pl.col("metrics") + "}"),
     )
+    dtypes = pl.when(pl.col("dtypes").is_not_null()).then(',"dtypes":' + pl.col("dtypes"))
     return pl.concat_str(
         head.str.head(-1),
+        dtypes.otherwise(pl.lit("")),
         pl.when(pl.col("t_placement").is_not_null()).then(placement).otherwise(pl.lit("")),
         "," + rest.str.tail(-1),
     )
 
 
-def _layer_texts(frame: pl.DataFrame) -> dict[str, str]:
+def _layer_texts(frame: pl.DataFrame, dtypes: pl.DataFrame | None) -> dict[str, str]:
     """Per layer, the entries of its `tensors` array as JSON text (`frame`: `_with_tensor_facts`,
-    sorted by layer order, tensor key and metric).
+    sorted by layer order, tensor key and metric; `dtypes`: `changed_dtypes`).
 
     Assembled in Polars, column by column: the metrics' JSON (`metric_json`, or
     `_fallback_metric` in Python for the rare series whose sample facts differ from their
@@ -446,6 +458,12 @@ def _layer_texts(frame: pl.DataFrame) -> dict[str, str]:
         .group_by("_order", *TENSOR_KEY, maintain_order=True)
         .agg(pl.col(*heads).first(), metrics=pl.col("metric").str.join(","))
     )
+    if dtypes is None:
+        tensors = tensors.with_columns(dtypes=pl.lit(None, pl.String))
+    else:
+        tensors = tensors.join(
+            dtypes, on=TENSOR_KEY, how="left", nulls_equal=True, maintain_order="left"
+        )
     layers = (
         tensors.with_columns(tensor=_tensor_text(tensors))
         .group_by("layer", maintain_order=True)
@@ -461,9 +479,9 @@ def layer_lines(
     layer_samples: Mapping[str, int] | None = None,
     *,
     samples_unknown: bool = False,
-) -> Iterator[str]:
+) -> tuple[Iterator[str], DtypeChanges]:
     """The records of result.json computed from a history.parquet, as JSON text, one layer at a
-    time.
+    time, and the layers whose dtype changed during the run (for index.md).
 
     Every layer of `layers` is listed in that order (executed or not); layers present in history
     but not in `layers` follow, sorted by name, so no data is hidden.
@@ -477,11 +495,11 @@ def layer_lines(
         samples_unknown: every layer's `sampled_forwards` is null: unknown (the process died
             before any row reached the disk), never 0.
 
-    Yields:
-        One compact JSON object per layer.
+    Returns:
+        One compact JSON object per layer, as they are iterated; the `DtypeChanges`.
     """
     check_window(window)
-    stats = _series_summary(history, window)
+    stats, spans = _series_summary(history, window)
     samples = layer_samples if layer_samples is not None else _output_samples(history)
     module_types = {li.name: li.module_type for li in layers}
     names = list(dict.fromkeys(li.name for li in layers))
@@ -490,27 +508,31 @@ def layer_lines(
         module_types.setdefault(name, module_type)
     names += sorted(set(module_types) - set(names))
     order = pl.DataFrame(
-        {"layer": names, "_order": range(len(names))},
-        schema={"layer": pl.String, "_order": pl.Int64},
+        {"layer": names, "_order": range(len(names)), "module_type": map(module_types.get, names)},
+        schema={"layer": pl.String, "_order": pl.Int64, "module_type": pl.String},
     )
     frame = (
         _with_tensor_facts(stats)
-        .join(order, on="layer", how="left")
+        .join(order.drop("module_type"), on="layer", how="left")
         .sort(
             *("_order", "call_index", "signal", "tensor_path", "mode", "metric"),
             descending=[False, False, False, False, True, False],  # train before eval
         )
     )
     del stats
-    texts = _layer_texts(frame)
+    texts = _layer_texts(frame, changed_dtypes(spans))
     del frame
-    for name in names:
-        head = {
-            "layer": name,
-            "module_type": module_types[name],
-            "sampled_forwards": None if samples_unknown else int(samples.get(name, 0)),
-        }
-        yield _encode(head)[:-1] + ',"tensors":[' + texts.pop(name, "") + "]}"
+
+    def lines() -> Iterator[str]:
+        for name in names:
+            head = {
+                "layer": name,
+                "module_type": module_types[name],
+                "sampled_forwards": None if samples_unknown else int(samples.get(name, 0)),
+            }
+            yield _encode(head)[:-1] + ',"tensors":[' + texts.pop(name, "") + "]}"
+
+    return lines(), dtype_changes(spans, order)
 
 
 def summarize(
@@ -520,7 +542,8 @@ def summarize(
     layer_samples: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """The whole result.json payload as Python objects (see `layer_lines`, which streams it)."""
-    return [json.loads(line) for line in layer_lines(history, layers, window, layer_samples)]
+    lines, _ = layer_lines(history, layers, window, layer_samples)
+    return [json.loads(line) for line in lines]
 
 
 def _output_samples(history: Path) -> dict[str, int]:
@@ -542,8 +565,9 @@ def write_result(
     layer_samples: Mapping[str, int] | None = None,
     *,
     samples_unknown: bool = False,
-) -> None:
-    """Write result.json with per-tensor summaries computed from `directory/history.parquet`.
+) -> DtypeChanges:
+    """Write result.json with per-tensor summaries computed from `directory/history.parquet`;
+    return the layers whose dtype changed during the run (index.md names them).
 
     Args:
         directory: the run's output directory (history.parquet must already be merged).
@@ -561,10 +585,11 @@ def write_result(
             f"`{tool_command('finalize', directory)}` to "
             "merge history.parts/ first"
         )
-    _dump(
-        directory,
-        layer_lines(history, layers, window, layer_samples, samples_unknown=samples_unknown),
+    lines, changes = layer_lines(
+        history, layers, window, layer_samples, samples_unknown=samples_unknown
     )
+    _dump(directory, lines)
+    return changes
 
 
 __all__ = ["layer_lines", "summarize", "write_catalog", "write_result"]

@@ -247,6 +247,108 @@ def test_modules_appended_added_or_deleted_after_inject_are_named(run_dir: Path)
     assert "not observed (no rows): 'blocks.1' (Linear), 'extra' (Tanh)" in note
 
 
+class Blocked(nn.Module):
+    """A container of selected layers (`block`) and a selected leaf (`head`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def layers_at(history: pl.DataFrame, sample_id: int) -> set[str]:
+    return set(history.filter(pl.col("sample_id") == sample_id)["layer"])
+
+
+def test_a_container_of_layers_replaced_by_a_leaf_is_named_and_the_leaf_gets_no_rows(
+    run_dir: Path,
+) -> None:
+    def collapse(model: nn.Module) -> None:
+        torch.manual_seed(7)
+        model.block = nn.Linear(4, 8)
+
+    run = run_changed(Blocked(), collapse, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)  # hooks, too, stay on the old block's layers
+    assert layers_at(run.history, 1) == {"block.0", "block.1", "head"}
+    assert layers_at(run.history, 2) == {"head"}  # the new `block` is not observed
+    note = the_note(run)
+    assert "'block' (Sequential, which held selected layers) is now a Linear (a leaf)" in note
+    assert (
+        "taken out of the model (no rows once they stopped running): 'block.0' (Linear), " in note
+    )
+    assert "not observed (no rows): 'block' (Linear)" in note
+
+
+def test_a_leaf_replaced_by_a_container_is_named_and_its_children_get_no_rows(
+    run_dir: Path,
+) -> None:
+    def expand(model: nn.Module) -> None:
+        torch.manual_seed(7)
+        model.head = nn.Sequential(nn.Linear(8, 3), nn.Tanh())
+
+    run = run_changed(Blocked(), expand, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    assert layers_at(run.history, 2) == {"block.0", "block.1"}
+    note = the_note(run)
+    assert "'head' (Linear, a selected layer) is now a Sequential (a container)" in note
+    assert "taken out of the model (no rows once they stopped running): 'head' (Linear)" in note
+    assert "not observed (no rows): 'head.0' (Linear), 'head.1' (Tanh)" in note
+
+
+def test_a_layer_also_assigned_at_another_name_is_named_there_not_as_moved(
+    run_dir: Path,
+) -> None:
+    """`model.block = model.head`-like sharing: the layer is still at its own name, and its
+    calls from the new one are more calls of the same layer (call_index 1)."""
+
+    class Square(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(x))
+
+    def share(model: nn.Module) -> None:
+        model.block = model.head
+
+    run = run_changed(Square(), share, run_dir)
+    assert_same_outputs(run)
+    assert_conforms(run.history, run.recorder)
+    head = run.history.filter(pl.col("layer") == "head", pl.col("sample_id") == 3)
+    assert sorted(head["call_index"].unique()) == [0, 1]
+    note = the_note(run)
+    assert "now also held at another name" in note
+    assert "'head' (Linear) also at 'block'" in note
+    assert "'block' (Sequential, which held selected layers) is now a Linear (a leaf)" in note
+    assert "moved" not in note
+
+
+def test_a_layer_shared_since_inject_and_left_so_has_no_changes_note(run_dir: Path) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.Tanh()
+            self.fc = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList([nn.Sequential(self.fc, self.act)] * 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    run = run_changed(Tied(), lambda model: None, run_dir)
+    assert_conforms(run.history, run.recorder)
+    assert not [note for note in run.notes if "modules changed" in note]
+    assert not [w for w in run.warnings if "modules changed" in w]
+
+
 def test_a_model_left_as_it_was_has_no_changes_note(run_dir: Path) -> None:
     run = run_changed(Net(), lambda model: None, run_dir)
     assert not [note for note in run.notes if "modules changed" in note]
@@ -446,7 +548,7 @@ def test_freezing_one_branch_names_only_the_calls_of_a_shared_layer_that_lost_gr
 def test_a_failure_comparing_the_model_at_removal_is_said_and_the_run_still_ends(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def unwalkable(model: nn.Module) -> None:
+    def unwalkable(model: nn.Module, **options: object) -> None:
         raise RuntimeError("a module that cannot be walked")
 
     def break_the_walk(model: nn.Module) -> None:

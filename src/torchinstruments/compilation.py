@@ -221,11 +221,15 @@ def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: in
     )
 
 
-def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def named_modules_uncompiled(
+    model: nn.Module, *, every_name: bool = False
+) -> Iterator[tuple[str, nn.Module]]:
     """`named_modules()` as if nothing were compiled.
 
     A `torch.compile(module)` wrapper is looked through and the module it wraps takes its name
     (`blocks.0.fc`, not `blocks.0._orig_mod.fc`), so layer names are those of the eager model.
+    `every_name`: a module held at several places comes under each of its names (as
+    `remove_duplicate=False`), not only its first; a module inside itself is not entered again.
     """
     seen: set[int] = set()
 
@@ -239,5 +243,7 @@ def named_modules_uncompiled(model: nn.Module) -> Iterator[tuple[str, nn.Module]
         yield prefix, module
         for name, child in child_modules(module):
             yield from walk(child, f"{prefix}.{name}" if prefix else name)
+        if every_name:  # `seen` holds the path from the root: only cycles are cut
+            seen.discard(id(module))
 
     yield from walk(model, "")

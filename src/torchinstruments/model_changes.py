@@ -6,11 +6,17 @@ fine-tuning, a Linear wrapped LoRA-style, `torch.ao.quantization.fuse_modules` o
 quantization's `prepare_qat`/`convert`, a block appended to a `ModuleList`) is not observed; a
 selected module taken out of the model (replaced, deleted) has no rows once it stops running;
 one moved under a new name (wrapped by another module) keeps the name it had at inject in its
-rows. Choosing layers again mid-run would change a run's catalog (result.json, index.md and
-every reader assume one set of layers per run, as `resume=True` does), so the run says it
-instead: at removal the model is compared with what inject saw (one walk of its modules),
-removal warns, and index.md names each module. A module's class changing in place
-(`torch.nn.utils.parametrize`, which gives the module a generated subclass) is no change here:
+rows, and one also assigned at a new name (`model.block = model.head`) is one module: its
+calls from there are more calls of the same layer. Choosing layers again mid-run would change
+a run's catalog (result.json, index.md and every reader assume one set of layers per run, as
+`resume=True` does), so the run says it instead: at removal the model is compared with what
+inject saw (one walk of its modules, under every name each has), removal warns, and index.md
+names each module. Where a name that held a selected layer, or a container of them, now holds
+a module of the other kind (`model.block = nn.Linear(...)` in place of a `Sequential` of
+layers, or a layer replaced by a container), the note says so in one clause: the lists of
+layers taken out and modules added would not name the container. A module's class changing
+in place (`torch.nn.utils.parametrize`, which gives the module a generated subclass) is no
+change here:
 the module is the same object, observed throughout. Nor is a cast (`model.half()`,
 `model.to(torch.bfloat16)`): the same modules run, and each row carries its tensor's dtype;
 index.md and result.json's `dtypes` say which samples had which (`rundir.dtype_spans`).
@@ -19,7 +25,7 @@ index.md and result.json's `dtypes` say which samples had which (`rundir.dtype_s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
@@ -48,11 +54,15 @@ class ModelAtInject:
         layers: Sequence[tuple[nn.Module, LayerInfo]],
         selector: Selector | None,
     ) -> None:
-        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet(
-            module for _, module in named_modules_uncompiled(root)
-        )
-        self._layers = [(info, weakref.ref(module)) for module, info in layers]
+        at = dict(named_modules_uncompiled(root, every_name=True))
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet(at.values())
+        names = _names_by_module(at)
+        self._layers = [
+            (info, weakref.ref(module), frozenset(names.get(id(module), (module, [info.name]))[1]))
+            for module, info in layers
+        ]
         self._selector = selector
+        self._holders = _layer_holders(at, {info.name for _, info in layers})
 
     def changes_note(self, root: nn.Module) -> str | None:
         """index.md's note on the model's modules changed since inject, or None if none did.
@@ -71,24 +81,34 @@ class ModelAtInject:
 
     def _changes(self, root: nn.Module) -> str | None:
         """`changes_note`'s comparison."""
-        now = {id(module): (name, module) for name, module in named_modules_uncompiled(root)}
-        left, moved = [], []
-        for info, module_ref in self._layers:
+        at = dict(named_modules_uncompiled(root, every_name=True))
+        now = _names_by_module(at)
+        left, moved, shared = [], [], []
+        for info, module_ref, before in self._layers:
             module = module_ref()
-            found = None if module is None else now.get(id(module))
-            if found is None:
-                left.append(f"{info.name!r} ({info.module_type})")
-            elif found[0] != info.name:
-                moved.append(f"{info.name!r} ({info.module_type}) now at {found[0]!r}")
+            names = [] if module is None else now.get(id(module), (module, []))[1]
+            layer = f"{info.name!r} ({info.module_type})"
+            if not names:
+                left.append(layer)
+            elif info.name not in names:
+                moved.append(f"{layer} now at {_quoted(names)}")
+            elif new := [name for name in names if name not in before]:
+                shared.append(f"{layer} also at {_quoted(new)}")
         chosen = self._chooser(root)
         added = [
-            f"{name!r} ({type(module).__name__})"
-            for name, module in now.values()
-            if module not in self._modules and chosen(name, module)
+            f"{names[0]!r} ({type(module).__name__})"
+            for module, names in now.values()
+            if module not in self._modules and chosen(names[0], module)
         ]
-        if not (left or moved or added):
+        replaced = self._replaced(at)
+        if not (left or moved or shared or added or replaced):
             return None
         parts = []
+        if replaced:
+            parts.append(
+                "names that now hold a module of the other kind (a container where a selected "
+                f"layer was, or a layer where a container of them was): {_listed(replaced)}"
+            )
         if left:
             parts.append(
                 f"selected layers taken out of the model (no rows once they stopped "
@@ -98,6 +118,12 @@ class ModelAtInject:
             parts.append(
                 f"selected layers moved (their rows keep the name they had at inject): "
                 f"{_listed(moved)}"
+            )
+        if shared:
+            parts.append(
+                "selected layers now also held at another name (one module: its rows keep the "
+                "name it had at inject, its calls from there add call_index values): "
+                f"{_listed(shared)}"
             )
         if added:
             parts.append(
@@ -111,6 +137,19 @@ class ModelAtInject:
             + ". To observe the changed model, remove_observer and inject_observer it again, "
             "with a new output_dir"
         )
+
+    def _replaced(self, now: dict[str, nn.Module]) -> list[str]:
+        """The names of selected layers and of their containers at inject that now hold
+        another module (`now`: the model's modules by every name), of the other kind (a
+        container for a leaf, or a leaf for one)."""
+        found = []
+        for name, (module_ref, was, container) in self._holders.items():
+            there = now.get(name)
+            if there is None or there is module_ref() or _is_container(there) == container:
+                continue
+            kind = "a leaf" if container else "a container"
+            found.append(f"{name!r} ({was}) is now a {type(there).__name__} ({kind})")
+        return found
 
     def _chooser(self, root: nn.Module) -> Callable[[str, nn.Module], bool]:
         """Whether the run's selection would choose a module now: the default rule on the
@@ -128,6 +167,44 @@ class ModelAtInject:
                 return False
 
         return chosen
+
+
+def _is_container(module: nn.Module) -> bool:
+    """Whether a module holds child modules."""
+    return next(iter(module.children()), None) is not None
+
+
+def _names_by_module(at: dict[str, nn.Module]) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Each module of `at` (the model's modules by every name), with its names in order."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in at.items():
+        found.setdefault(id(module), (module, []))[1].append(name)
+    return found
+
+
+def _layer_holders(
+    at: dict[str, nn.Module], names: set[str]
+) -> dict[str, tuple[weakref.ref[nn.Module], str, bool]]:
+    """The selected layers and the modules that contain some (the root left out: it is never
+    replaced), by name (`at`: the model's modules by every name): the module (weakly), what it
+    was (`Linear, a selected layer`, `Sequential, which held selected layers`) and whether it is
+    a container."""
+    held = {name.rsplit(".", end)[0] for name in names for end in range(1, name.count(".") + 1)}
+    return {
+        name: (
+            weakref.ref(module),
+            f"{type(module).__name__}, "
+            + ("a selected layer" if name in names else "which held selected layers"),
+            _is_container(module),
+        )
+        for name, module in at.items()
+        if name and (name in names or name in held)
+    }
+
+
+def _quoted(names: Iterable[str]) -> str:
+    """`'a'`, or `'a', 'b'`."""
+    return ", ".join(repr(name) for name in names)
 
 
 def _listed(names: list[str]) -> str:

@@ -8,6 +8,7 @@ import time
 import warnings
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -378,10 +379,10 @@ def test_full_chunks_left_elsewhere_are_written_by_write_due_without_blocking_ap
     writing, release = threading.Event(), threading.Event()
     original = writer_module.write_parquet_atomic
 
-    def held(frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None) -> None:
+    def held(frame: pl.DataFrame, path: Path, **kwargs: Any) -> None:
         writing.set()
         assert release.wait(10)
-        original(frame, path, metadata=metadata)
+        original(frame, path, **kwargs)
 
     monkeypatch.setattr(writer_module, "write_parquet_atomic", held)
     flush_thread = threading.Thread(target=writer.write_due)
@@ -414,9 +415,9 @@ def test_a_sampled_step_leaves_its_full_chunks_to_the_flush_thread(
     writers: list[str] = []
     original = writer_module.write_parquet_atomic
 
-    def named(frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None) -> None:
+    def named(frame: pl.DataFrame, path: Path, **kwargs: Any) -> None:
         writers.append(threading.current_thread().name)
-        original(frame, path, metadata=metadata)
+        original(frame, path, **kwargs)
 
     monkeypatch.setattr(writer_module, "write_parquet_atomic", named)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -73,7 +73,7 @@ class Disk:
         monkeypatch.setattr(writer_module, "write_parquet_atomic", self.write)
 
     def write(
-        self, frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None
+        self, frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None, **kw: Any
     ) -> None:
         self.attempts.append(frame.height)
         if self.full or (self.fits is not None and frame.height > self.fits):
@@ -82,7 +82,7 @@ class Disk:
             if frame.height > self.room:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             self.room -= frame.height
-        self._real(frame, path, metadata)
+        self._real(frame, path, metadata, **kw)
 
 
 def part_samples(directory: Path) -> list[list[int]]:

@@ -78,6 +78,8 @@ def _finalize(directory: Path) -> int:
         print("state: complete")
     for problem in report.problems:
         print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
+    for loss in report.state.losses:  # rows recorded but never written: incomplete too
+        print(f"torchinstruments finalize: incomplete: {loss.describe()}", file=sys.stderr)
     return 0 if report.complete else 1
 
 

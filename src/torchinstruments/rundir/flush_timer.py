@@ -4,6 +4,14 @@ Why a thread, and the time bound it keeps, are `rundir.writer`'s module docstrin
 stops sampling (a long evaluation, a stalled data loader, a hang before a crash) must still
 write its buffered rows within `flush_seconds`. This module is the thread alone: it sleeps until
 the writer says a flush is due or until poked, and nothing raised in a round ends it.
+
+Design decision: the run's last flush (`finish`, at removal) is this thread's too, and the
+removing thread waits for it only while its rounds return: once a round has run `stall_s`
+without returning (a part write to a network file system that stopped answering blocks in the
+kernel, and no Python code can interrupt it), the wait ends and the thread is left to end by
+itself if the write ever returns. A write on the removing thread itself would block it just as
+long, so removal never writes a part there. The cost: the thread, stuck, outlives the run (a
+daemon, it never keeps the process alive).
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ class FlushTimer:
         self._requested = 0  # flush_now requests made and served, under _cond
         self._served = 0
         self._wake_at: float | None = None  # when the waiting thread wakes on its own
+        # monotonic: when the round in progress began (None: none is), when the last one ended
+        self._round_since: float | None = None
+        self._round_ended = time.monotonic()
         self._warned = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -73,12 +84,35 @@ class FlushTimer:
         with self._cond:
             return self._cond.wait_for(lambda: self._served >= ticket, timeout)
 
-    def stop(self) -> None:
-        """End the thread (a flush in progress completes first)."""
+    def finish(self, stall_s: float) -> bool:
+        """Have the thread flush everything one last time, then end it.
+
+        Waits while the thread's rounds return: gives up once a round has run `stall_s` without
+        returning, or none has started `stall_s` after the last one ended or after this call.
+        The thread is then left as it is (stopping: it ends when that round returns).
+
+        Returns:
+            True when the last flush ran and the thread ended; False when the wait was given up.
+        """
+        asked = time.monotonic()
+        with self._cond:
+            self._requested += 1
+            ticket = self._requested
+        self._wake.put(None)
+        with self._cond:
+            while self._served < ticket:
+                since = self._round_since
+                since = max(asked, self._round_ended) if since is None else since
+                left = since + stall_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            served = self._served >= ticket
         self._stopping = True
         self._wake.put(None)
-        if threading.current_thread() is not self._thread:
+        if served and threading.current_thread() is not self._thread:
             self._thread.join()
+        return served
 
     def _run(self) -> None:
         while not self._stopping:
@@ -102,11 +136,14 @@ class FlushTimer:
             requested = self._requested
         due = self._due()
         if requested > self._served or (due is not None and due <= 0):
+            self._round_since = time.monotonic()
             try:
                 self._flush(requested > self._served)
             finally:
                 with self._cond:
                     self._served = requested
+                    self._round_since = None
+                    self._round_ended = time.monotonic()
                     self._cond.notify_all()
             return
         if due is not None:

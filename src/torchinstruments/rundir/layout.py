@@ -432,7 +432,9 @@ def constant_literals(constant: dict[str, object], schema: pl.Schema) -> dict[st
     return literals
 
 
-def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def replace_atomically(
+    path: Path, write: Callable[[Path], None], rename: Callable[[Path, Path], None] = os.replace
+) -> None:
     """Make `path` appear complete or not at all: `write(tmp)`, fsync, `os.replace`, fsync dir.
 
     The one way the library puts a file in place (parts, history.parquet, result.json,
@@ -452,12 +454,14 @@ def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
     Args:
         path: the final path.
         write: writes the complete content to the path it is given.
+        rename: puts the temporary in place (`os.replace`); the history writer's own refuses
+            to once its run gave the write up (`rundir.writer`).
     """
     tmp = temporary_path(path)
     try:
         write(tmp)
         fsync_path(tmp)
-        os.replace(tmp, path)
+        rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -468,10 +472,15 @@ def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def write_parquet_atomic(
-    frame: pl.DataFrame, path: Path, metadata: dict[str, str] | None = None
+    frame: pl.DataFrame,
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    rename: Callable[[Path, Path], None] = os.replace,
 ) -> None:
     """Write `frame` (with Parquet key-value `metadata`) to `path` with `replace_atomically`."""
-    replace_atomically(path, lambda tmp: frame.write_parquet(tmp, metadata=metadata or None))
+    replace_atomically(
+        path, lambda tmp: frame.write_parquet(tmp, metadata=metadata or None), rename
+    )
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -68,6 +68,7 @@ the one end-of-run routine in `rundir.finish`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -91,6 +92,12 @@ from torchinstruments.rundir.layout import (
     write_parquet_atomic,
 )
 from torchinstruments.rundir.ledger import LossLedger, LostRows
+from torchinstruments.rundir.part_write import (
+    INTERRUPTED_TRIES,
+    GivenUpError,
+    PartLanding,
+    ours_to_raise,
+)
 
 __all__ = [
     "SPLIT_RECORD_KEY",
@@ -153,6 +160,8 @@ class HistoryWriter:
         # Wakes the thread that writes full chunks (with `chunks_elsewhere`; its owner sets it).
         self.wake_writer: Callable[[], None] | None = None
         self._writing = threading.Lock()  # one part writer at a time; taken before `_lock`
+        self._landing = PartLanding()  # a part's rename and its rows leaving; before `_lock`
+        self.writing_part: Path | None = None  # the part whose write is in progress (read only)
         self._rows_produced = 0
         self._rows_written = 0
         self._retry_at = config.buffer_rows
@@ -316,10 +325,11 @@ class HistoryWriter:
 
     def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
-        written again (so the run state probably can too), or at once with `now`; else None."""
+        written again (so the run state probably can too), or at once with `now`; else None,
+        always once closed (the run's final state holds them)."""
         with self._lock:
             ledger = self._ledger
-            if ledger.version == self._saved_version:
+            if ledger.version == self._saved_version or self._closed:
                 return None
             if not now and (self._failing or time.monotonic() < self._save_after):
                 return None
@@ -408,28 +418,36 @@ class HistoryWriter:
                 return True
             return not chunks  # nothing buffered was due: the loss ledger's turn
 
-    def close(self) -> bool:
+    def give_up(self, why: str, wait_s: float) -> bool:
+        """Write no part from now on (`why`: one that hangs); `close` counts the rows left as
+        not written, for that reason (`rundir.part_write.PartLanding.give_up`)."""
+        return self._landing.give_up(why, wait_s)
+
+    def close(self, *, write: bool = True) -> bool:
         """Write every buffered row; the writer takes no rows afterwards.
+
+        Args:
+            write: False where the last write ran on another thread (`FlushTimer.finish`) or
+                was given up (`give_up`): one here would block on a stalled file system.
 
         Returns:
             True when every row produced is in a part on disk. False when some could not be
             written (already warned): rows still buffered are then counted in `losses`, and
-            `last_error` says why.
+            `last_error` (or the reason given to `give_up`) says why.
         """
         if self._closed:
             return not len(self._buffer) and not self._ledger.rows
         self._closed = True
-        self.flush()
+        if write and self._landing.given_up is None:  # else `_writing` is held for good
+            self.flush()
         with self._lock:
             ids = self._buffer.sample_range()
             if ids is not None:
+                failed = f"the last attempt to write them failed ({self._error})"
+                why = self._landing.given_up or failed
                 self._ledger.end_episode()
                 self._ledger.add(
-                    len(self._buffer),
-                    ids[0],
-                    ids[1],
-                    f"not written at removal: the last attempt to write them failed "
-                    f"({self._error})",
+                    len(self._buffer), ids[0], ids[1], f"not written at removal: {why}"
                 )
             return not self._ledger.rows
 
@@ -483,53 +501,64 @@ class HistoryWriter:
 
         The caller holds `_writing`. The rows become a frame under `_lock`, the part is written
         without it (the training thread appends meanwhile, after them), and they leave the
-        buffer under it once the part is in place, never before: whatever is raised on the way
-        (BaseException included), the buffer still holds them, and they are written once.
-
-        A KeyboardInterrupt raised here on another thread than the main one is not a Ctrl-C
-        meant for it: Polars raises one in every thread that is inside a Polars call when
-        SIGINT arrives (the main thread gets the user's own). The write is then tried again at
-        once, up to `_INTERRUPTED_TRIES` times. On the main thread it is the user's, and
-        propagates (as does SystemExit), the rows staying buffered. Any other exception counts
-        as a failed write (warned once, retried later), so nothing raised here ends the flush
-        thread or reaches the training step.
+        buffer under it as the part lands (`rundir.part_write`), never before: whatever is
+        raised on the way (BaseException included), the buffer still holds them, and they are
+        written once. A KeyboardInterrupt off the main thread is tried again, one on it (or a
+        SystemExit) propagates (`ours_to_raise`); any other exception counts as a failed write
+        (warned once, retried later), so nothing raised here ends the flush thread or reaches
+        the training step. After `give_up` nothing is written.
         """
-        path = part_path(self._directory, self._next_part)  # only this writer moves it on
+        number = self._next_part  # only this writer moves it on
+        path = part_path(self._directory, number)
+        if self._landing.given_up is not None:
+            return False
+        written = functools.partial(self._written, n, number)
+        rename = functools.partial(self._landing.rename, written=written)
         tries = 0
-        while True:
-            try:
-                self._write_frame(n, path)
-            except (OSError, pl.exceptions.PolarsError) as exc:
-                # Polars reports a full disk as ComputeError ("No space left on device").
-                self._failed(path, exc)
-                return False
-            except BaseException as exc:
-                if path.is_file():  # in place before it was raised: written
-                    self._written(n)
-                    if _ours_to_raise(exc):
+        self.writing_part = path
+        try:
+            while True:
+                try:
+                    self._write_frame(n, path, rename)
+                except GivenUpError:  # returned after removal gave it up: counted lost there
+                    return False
+                except (OSError, pl.exceptions.PolarsError) as exc:
+                    # Polars reports a full disk as ComputeError ("No space left on device").
+                    self._failed(path, exc)
+                    return False
+                except BaseException as exc:
+                    if path.is_file():  # in place before it was raised: written
+                        written()
+                        if ours_to_raise(exc):
+                            raise
+                        return True
+                    if ours_to_raise(exc):
                         raise
-                    return True
-                if _ours_to_raise(exc):
-                    raise
-                tries += 1
-                if isinstance(exc, KeyboardInterrupt) and tries < _INTERRUPTED_TRIES:
-                    continue
-                self._failed(path, exc)
-                return False
-            self._written(n)
-            return True
+                    tries += 1
+                    if isinstance(exc, KeyboardInterrupt) and tries < INTERRUPTED_TRIES:
+                        continue
+                    self._failed(path, exc)
+                    return False
+                written()  # once: a write function that skipped `rename` left it to here
+                return True
+        finally:
+            self.writing_part = None
 
-    def _write_frame(self, n: int, path: Path) -> None:
-        """Write the first `n` buffered rows to `path`; the buffer keeps them."""
+    def _write_frame(self, n: int, path: Path, rename: Callable[[Path, Path], None]) -> None:
+        """Write the first `n` buffered rows to `path` (put in place by `rename`); the buffer
+        keeps them until then."""
         with self._lock:
             frame = self._buffer.frame(n)
             split = self._records.split_metadata(n)
         frame = frame.with_columns(self._attempt)
         metadata = order_metadata(frame) | constant_metadata(frame) | split
-        write_parquet_atomic(frame, path, metadata=metadata)
+        write_parquet_atomic(frame, path, metadata=metadata, rename=rename)
 
     def _failed(self, path: Path, exc: BaseException) -> None:
-        """A part write failed: report once, retry after half a flush interval."""
+        """A part write failed: report once, retry after half a flush interval (none after
+        `give_up`: the run was finished without it)."""
+        if self._landing.given_up is not None:
+            return
         with self._lock:
             self._error = f"{type(exc).__name__}: {exc}"
             self._failing = True
@@ -538,9 +567,11 @@ class HistoryWriter:
             self._retry_after = time.monotonic() + self._config.flush_seconds / 2
             self._room.notify_all()
 
-    def _written(self, n: int) -> None:
-        """The first `n` buffered rows are in a part: they leave the buffer."""
+    def _written(self, n: int, number: int) -> None:
+        """The first `n` buffered rows are in part `number`: they leave the buffer (once)."""
         with self._lock:
+            if number != self._next_part:
+                return  # counted as it landed
             self._buffer.drop(n)
             self._records.consume(n)
             self._next_part += 1
@@ -564,15 +595,3 @@ class HistoryWriter:
             "dropped and counted) and are retried at the next chunk, after half a flush interval "
             "and at removal. Training goes on. (Reported once.)"
         )
-
-
-# How often a part write interrupted by a KeyboardInterrupt off the main thread is tried at once.
-_INTERRUPTED_TRIES = 5
-
-
-def _ours_to_raise(exc: BaseException) -> bool:
-    """Whether `exc` must reach the caller: a KeyboardInterrupt or SystemExit on the main
-    thread (the user's Ctrl-C, or an exit), never one on a library thread."""
-    if isinstance(exc, Exception):
-        return False
-    return threading.current_thread() is threading.main_thread()

@@ -43,6 +43,18 @@ from torchinstruments.rundir.writer import HistoryWriter
 
 __all__ = ["DirectorySink"]
 
+# The least time removal waits for a part write that does not return (module `removal_wait_s`).
+MIN_REMOVAL_WAIT_S = 10.0
+
+
+def removal_wait_s(config: HistoryConfig) -> float:
+    """How long removal waits for the flush thread's last part write before it gives it up: a
+    flush interval, at least `MIN_REMOVAL_WAIT_S`. Removal runs once, so a slow but working
+    disk gets time to finish (a part of the default 65,536 rows takes well under a second on
+    a local one) even where `flush_seconds` is short; one that stopped answering costs that
+    long, not the process (`rundir.flush_timer`)."""
+    return max(config.flush_seconds, MIN_REMOVAL_WAIT_S)
+
 
 def _refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) -> None:
     """Raise a FileExistsError that says a live process writes the run in `directory` (else
@@ -83,7 +95,9 @@ class DirectorySink:
     inject runs in the main thread) has that thread write everything first, then chains.
 
     A failing TensorBoard step (creating, writing, flushing or closing the event file) is warned
-    once and given up; the history goes on, and index.md lists the failure.
+    once and given up; the history goes on, and index.md lists the failure. At removal the
+    flush thread writes the last rows, and a part write that has not returned after
+    `removal_wait_s` is given up (`_give_up_writes`): removal never waits on a stalled disk.
     """
 
     def __init__(self, directory: Path, history_config: HistoryConfig) -> None:
@@ -274,13 +288,17 @@ class DirectorySink:
         into the state file and index.md, then, unless only full chunks were due, flush the
         events (the flush thread's one job): they keep to the time bound, not to each part."""
         aged = True
+        history = self._history
         try:
-            if self._history is not None:
+            if history is not None:
                 if everything:
-                    self._history.flush()
+                    # The small state file first: on a nearly full disk the backlog may take
+                    # the last bytes, and the ledger of the rows already dropped is then on disk.
+                    self._save_losses(history, now=True)
+                    history.flush()
                 else:
-                    aged = self._history.write_due()
-                self._save_losses(self._history)
+                    aged = history.write_due()
+                self._save_losses(history)
         except BaseException as error:  # never let the flush thread die (see FlushTimer)
             if not self._flush_warned:
                 self._flush_warned = True
@@ -361,6 +379,25 @@ class DirectorySink:
             except Exception as error:
                 self._give_up_events("could not be closed", error)
 
+    def _give_up_writes(self, history: HistoryWriter, wait_s: float) -> None:
+        """The flush thread's round has not returned after `wait_s` at removal: no part is put
+        in place any more, and the rows still buffered are counted as not written, saying which
+        part's write hangs (warned here; index.md lists them)."""
+        part = history.writing_part
+        what = (
+            "the run's flush thread" if part is None else f"the write of history part {part.name}"
+        )
+        why = (
+            f"{what} had not returned after {wait_s:g} s (a file system that stopped "
+            "answering?); removal gave it up and wrote no part after it"
+        )
+        history.give_up(why, wait_s)
+        warn(
+            f"torchinstruments: {why}. The run under {self.directory} is finished from the "
+            f"parts already on disk; the {history.rows_buffered:,} rows still in memory are not "
+            "written, and index.md lists them"
+        )
+
     def close(self, counts: RunCounts) -> None:
         """Finish the run with `rundir.finish.finish_run`; each problem is one warning.
 
@@ -369,15 +406,13 @@ class DirectorySink:
         try:
             if self._term is not None:
                 self._term.uninstall()
-            if self._timer is not None:
-                self._timer.stop()
-            history, run = self._history, self._run
+            history, run, timer = self._history, self._run, self._timer
             written = True
-            if history is not None:
-                # The small state file first: on a nearly full disk the backlog may take the
-                # last bytes, and then the ledger of the rows already dropped is still on disk.
-                self._save_losses(history, now=True)
-                written = history.close()  # what it could not write is in its loss ledger
+            if history is not None and timer is not None:  # both or neither (`open_run`)
+                wait_s = removal_wait_s(self._config)
+                if not timer.finish(wait_s):  # the last rows are the flush thread's to write
+                    self._give_up_writes(history, wait_s)
+                written = history.close(write=False)  # the rest is in its loss ledger
             self._close_events()
             if history is not None and run is not None:
                 state = self._final_state(counts, history)

@@ -1,0 +1,171 @@
+"""A part write that never returns does not hang remove_observer: removal gives it up and says so.
+
+The stall is real: the next part's temporary name is a FIFO that no one reads, so the flush
+thread's write of it blocks in `open` for as long as the FIFO has no reader, as a write to a
+stalled network file system blocks. Removal has the flush thread write the last rows and waits
+for it at most `removal_wait_s` (a flush interval, at least 10 s); then it gives the write up:
+a warning names the part, the rows still in memory are counted in the loss ledger with that
+reason (index.md lists them), and the run is finished from the parts on disk, readable by
+`torchinstruments show` and `finalize`. Run in a child process, under a timeout: a removal that
+waits for the write without end fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from torchinstruments.history_config import HistoryConfig
+from torchinstruments.records import Measurement, MetricValue
+from torchinstruments.rundir import writer as writer_module
+from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.state import Status, read_state
+from torchinstruments.rundir.writer import HistoryWriter
+from torchinstruments.sinks.directory import MIN_REMOVAL_WAIT_S
+
+ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
+
+CHILD = r"""
+import json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import list_parts, part_path, temporary_path
+
+from pathlib import Path
+
+run, steps, config = Path(sys.argv[1]), int(sys.argv[2]), HistoryConfig(**json.loads(sys.argv[3]))
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    model(x).sum().backward()  # the first forward's and backward's rows: written at once
+    stalled = part_path(run, len(list_parts(run)))
+    os.mkfifo(temporary_path(stalled))  # the next part's write blocks opening it
+    for _ in range(steps):
+        model(x).sum().backward()
+    remove_observer(model)  # returns although the write never does
+print(json.dumps({"part": stalled.name, "warnings": [str(w.message) for w in caught]}))
+"""
+
+CASES = {
+    # a few samples buffered when removal comes: its own last write is the one that hangs
+    "at removal": (3, {"buffer_rows": 10_000, "flush_seconds": 5.0}),
+    # the flush thread hangs from the first full chunk on; the steps drop rows at the cap
+    "since training": (40, {"buffer_rows": 36, "max_buffered_rows": 72, "flush_seconds": 0.5}),
+}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchinstruments", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
+    tmp_path: Path, case: str
+) -> None:
+    steps, config = CASES[case]
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(run), str(steps), json.dumps(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    wait = max(config["flush_seconds"], MIN_REMOVAL_WAIT_S)
+    gave_up = f"the write of history part {report['part']} had not returned after {wait:g} s"
+    said = "\n".join(report["warnings"])
+    assert gave_up in said, said
+    state = read_state(run)
+    assert state.status is Status.INCOMPLETE
+    history = pl.read_parquet(run / "history.parquet")
+    markers = history.filter(pl.col("metric") == "interrupted").height
+    lost = sum(loss.rows for loss in state.losses)
+    # every row of every sample is in history or counted lost; the removal's loss is last
+    assert history.height - markers + lost == (steps + 1) * ROWS_PER_SAMPLE
+    assert gave_up in state.losses[-1].reason
+    assert state.losses[-1].rows > 0
+    assert history.filter(pl.col("metric") != "interrupted")["sample_id"].unique().to_list() == [0]
+    assert list_parts(run) == []  # no part appeared after the merge
+    index = (run / "index.md").read_text()
+    assert gave_up in index
+    shown = _cli("show", str(run))
+    assert shown.returncode == 0, shown.stderr
+    assert "INCOMPLETE" in shown.stdout
+    finalized = _cli("finalize", str(run))
+    assert finalized.returncode == 1, finalized.stderr  # incomplete: the rows are lost for good
+    assert gave_up in finalized.stderr
+    assert pl.read_parquet(run / "history.parquet").height == history.height
+    assert sum(loss.rows for loss in read_state(run).losses) == lost
+
+
+def _measurement(sample_id: int) -> Measurement:
+    return Measurement(
+        sample_id=sample_id,
+        forward_index=sample_id,
+        timestamp_us=int(time.time() * 1e6),
+        rank=None,
+        layer="l",
+        module_type="Linear",
+        call_index=0,
+        signal="output",
+        tensor_path="",
+        shape=(2,),
+        dtype="float32",
+        mode="train",
+        grad_enabled=True,
+        metrics=("mean",),
+        values=(MetricValue(float(sample_id)),),
+    )
+
+
+def test_a_part_write_that_returns_after_it_was_given_up_puts_no_part_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows of a write given up are counted lost; were its part put in place when the write
+    returned, they would be in the ledger and (after a later finalize) in history both."""
+    writing, release = threading.Event(), threading.Event()
+    real = writer_module.write_parquet_atomic
+
+    def held(frame: pl.DataFrame, path: Path, **kwargs: Any) -> None:
+        writing.set()
+        assert release.wait(60)
+        real(frame, path, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", held)
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=100))
+    writer.append([_measurement(i) for i in range(5)])
+    flush = threading.Thread(target=writer.flush)
+    flush.start()
+    assert writing.wait(60)
+    assert writer.writing_part is not None
+    assert writer.give_up("the write hangs", 60)
+    assert not writer.close(write=False)
+    (loss,) = writer.losses
+    assert (loss.rows, loss.first_sample_id, loss.last_sample_id) == (5, 0, 4)
+    assert "the write hangs" in loss.reason
+    release.set()
+    flush.join(60)
+    assert not flush.is_alive()
+    assert list_parts(tmp_path) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["history.parts"]  # its temporary is gone
+    assert writer.rows_written == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import lightning
@@ -367,8 +368,8 @@ def test_a_fit_resumed_behind_the_step_its_run_reached_says_which_steps_repeat(
     assert steps.rows() == [(0, [0, 1, 2]), (1, [2, 3])]
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert (
-        "attempt 1: this fit resumed at global step 2, and earlier attempts had recorded samples "
-        f"up to step 2: steps 2 to 2 {RETRAINED}"
+        "attempt 1: this fit resumed at global step 2, and earlier attempts had recorded "
+        f"training samples up to step 2: steps 2 to 2 {RETRAINED}"
     ) in index
 
 
@@ -435,3 +436,78 @@ def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
         assert set(history["layer"]) == {""}  # the observed part itself is the one layer
         samples = history.group_by("attempt").agg(pl.col("step").unique().sort()).sort("attempt")
         assert samples.rows() == [(0, [0, 1]), (1, [2, 3])]
+
+
+def hf_train_with_evaluation(out: Path, max_steps: int, resume: str | bool | None) -> None:
+    """A Trainer fit with gradient accumulation, evaluation every 2 steps recorded as its own
+    series (record_eval) and a checkpoint every 2 steps."""
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = HuggingFaceObserver(
+        sampler=EveryNForwardsSampler(1), record_eval=True, max_histogram_modules=1
+    )
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=examples(32),
+        eval_dataset=examples(4),
+        callbacks=[callback],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+
+
+def training_steps(run: Path) -> list[tuple[int, list[int]]]:
+    """Per attempt, the steps of its training samples (those with gradient rows)."""
+    history = pl.read_parquet(run / "history.parquet")
+    grads = history.filter(pl.col("signal") == "output_gradient")
+    return grads.group_by("attempt").agg(pl.col("step").unique().sort()).sort("attempt").rows()
+
+
+def test_an_hf_train_resumed_where_its_checkpoint_left_repeats_no_step_despite_evaluations(
+    tmp_path: Path,
+) -> None:
+    """The evaluation after the last checkpointed step carries that step (the global step then);
+    the resumed fit's first training forwards carry it too, for the next step. Nothing was
+    trained twice, and index.md must not say it was (it said "steps 4 to 4 were trained
+    again", from the evaluation samples)."""
+    out = tmp_path / "out"
+    hf_train_with_evaluation(out, 4, None)  # checkpoint-4 holds step 4; evaluated at 2 and 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_train_with_evaluation(out, 6, True)  # resumes from checkpoint-4
+    run = out / "torchinstruments"
+    assert training_steps(run) == [(0, [0, 1, 2, 3]), (1, [4, 5])]
+    history = pl.read_parquet(run / "history.parquet")
+    evaluated = (
+        history.filter(pl.col("mode") == "eval")
+        .group_by("attempt")
+        .agg(pl.col("step").unique().sort())
+    )
+    assert evaluated.sort("attempt").rows() == [(0, [2, 4]), (1, [6])]
+    assert not [w for w in caught if RETRAINED in str(w.message)]
+    assert RETRAINED not in " ".join((run / "index.md").read_text(encoding="utf-8").split())
+
+
+def test_an_hf_train_resumed_behind_names_the_training_steps_repeated_not_evaluations(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    hf_train_with_evaluation(out, 4, None)
+    with pytest.warns(RuntimeWarning, match=RETRAINED):
+        hf_train_with_evaluation(out, 4, str(out / "checkpoint-2"))
+    run = out / "torchinstruments"
+    assert training_steps(run) == [(0, [0, 1, 2, 3]), (1, [2, 3])]
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert f"training samples up to step 3: steps 2 to 3 {RETRAINED}" in index

@@ -146,10 +146,27 @@ def fresh_sampler(pristine: object | None, sampler: object) -> object:
 
 
 def recorded_step(history: Path) -> int | None:
-    """The largest `step` in `history` (the earlier attempts' rows of a continued run), None
-    without one or when it cannot be read: read once per resumed fit, never per sample."""
+    """The largest `step` of a training sample in `history` (the earlier attempts' rows of a
+    continued run), None without one or when it cannot be read: read once per resumed fit,
+    never per sample.
+
+    Training samples only: an evaluation sample (record_eval) taken after the last step a
+    checkpoint holds carries that step (the trainer's global step, optimizer steps so far),
+    while the resumed fit's first training forwards carry it too, for the next step: counted,
+    it made a fit resumed exactly where its checkpoint left say that step was trained again.
+    A training sample has a row in train mode or a gradient row; an evaluation sample neither.
+    """
+    training = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
     try:
-        value = pl.scan_parquet(history, glob=False).select(pl.col("step").max()).collect().item()
+        value = (
+            pl.scan_parquet(history, glob=False)
+            .group_by("sample_id")
+            .agg(training.any().alias("training"), pl.col("step").max())
+            .filter(pl.col("training"))
+            .select(pl.col("step").max())
+            .collect()
+            .item()
+        )
     except Exception:  # no history yet, or unreadable: nothing to compare with
         return None
     return None if value is None else int(value)
@@ -360,8 +377,8 @@ class FitObservation:
         if reached is None or reached < step:
             return
         said = (
-            f"this fit resumed at global step {step}, and earlier attempts had recorded samples "
-            f"up to step {reached}: steps {step} to {reached} were trained again, so their "
+            f"this fit resumed at global step {step}, and earlier attempts had recorded training "
+            f"samples up to step {reached}: steps {step} to {reached} were trained again, so their "
             "samples appear in more than one attempt (tell them apart by `attempt`: the latest "
             "attempt's are the training that went on)"
         )

@@ -152,7 +152,9 @@ def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged(
     tmp_path: Path,
 ) -> None:
     """The by-step query, with the page's own Hugging Face log expression as `scalars`, joins
-    each training sample with the loss computed by that very forward."""
+    each training sample with the loss computed by that very forward, and with nothing else:
+    an evaluation after each step logs an entry under the same step as that step's loss (the
+    expression keeps the training entries; with them the join doubled every sample's row)."""
     generator = torch.Generator().manual_seed(0)
     data = [
         {"x": torch.randn(4, generator=generator), "labels": torch.tensor(0.0)} for _ in range(8)
@@ -162,13 +164,21 @@ def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged(
         max_steps=STEPS,
         per_device_train_batch_size=2,
         logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
     )
     callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1))
-    trainer = Trainer(model=Spread(), args=args, train_dataset=data, callbacks=[callback])
+    trainer = Trainer(
+        model=Spread(),
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:2],
+        callbacks=[callback],
+    )
     trainer.train()
     trainer.save_state()
     run = tmp_path / "out" / "torchinstruments"
@@ -190,8 +200,9 @@ def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged(
             ),
             namespace,
         )
-    by_step = namespace["by_step"].drop_nulls("loss")  # the log's other entries (train_runtime)
-    assert by_step["step"].to_list() == list(range(STEPS))
+    by_step = namespace["by_step"]
+    assert any("eval_loss" in entry for entry in trainer.state.log_history)
+    assert by_step["step"].to_list() == list(range(STEPS))  # one row per training sample
     assert by_step["loss"].to_list() == pytest.approx([v**2 for v in by_step["value"]], rel=1e-5)
 
 

@@ -36,7 +36,7 @@ OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs
 # state.global_step has counted that step, so its `step` is one more than the samples' step.
 HF_SCALARS = (
     'pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])'
-    '.with_columns(pl.col("step") - 1)'
+    '.filter(pl.col("loss").is_not_null()).with_columns(pl.col("step") - 1)'
 )
 SHOWN_ROWS = 50
 # A series' key in the queries: its mode too, so a train and an eval series are never one.
@@ -225,9 +225,12 @@ show(no_gradient)""",
             "loop. Train samples only (`mode`); several samples can share a step (gradient "
             "accumulation). Set `scalars` to your trainer's log, e.g. Lightning's CSVLogger "
             '`pl.read_csv("lightning_logs/version_0/metrics.csv")` or the Hugging Face Trainer\'s '
-            f"`{HF_SCALARS}` (that Trainer logs what an optimizer step computed under the "
-            "global step after it, one more than the `step` of that step's samples: hence the "
-            "`- 1`); as printed it is an empty table (its columns: null):",
+            f"`{HF_SCALARS}` (`trainer.save_state()` writes that file, and each checkpoint-N/ "
+            "holds one; that Trainer logs what an optimizer step computed under the global "
+            "step after it, one more than the `step` of that step's samples: hence the `- 1`; "
+            "the filter keeps its training entries: an evaluation's, and the summary at the "
+            "end of training, share a step with one and would double its samples' rows); as "
+            "printed it is an empty table (its columns: null):",
             f"""scalars = pl.DataFrame(schema={{"step": pl.Int64, "loss": pl.Float64}})  # <- your log
 by_step = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",

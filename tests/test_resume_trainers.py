@@ -14,6 +14,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning
 import polars as pl
@@ -26,7 +27,7 @@ from test_huggingface_callback import examples, tiny_bert
 from test_lightning_callback import Tiny
 from test_trainer_phases import Recorded
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
@@ -511,3 +512,63 @@ def test_an_hf_train_resumed_behind_names_the_training_steps_repeated_not_evalua
     assert training_steps(run) == [(0, [0, 1, 2, 3]), (1, [2, 3])]
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert f"training samples up to step 3: steps 2 to 3 {RETRAINED}" in index
+
+
+class RaiseAfterStep(TrainerCallback):
+    """Raises at the end of global step `step`: an exception outside the training step, which
+    leaves the observer attached (transformers tells callbacks of no exception)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError("an error outside the training step")
+
+
+def test_a_new_trainer_resumed_after_an_error_outside_the_step_continues_the_run(
+    tmp_path: Path,
+) -> None:
+    """A notebook's way: the first fit dies after its step 3 (checkpoint-2 saved), outside its
+    training step, so its observer stays attached and holds the run; a new Trainer with a new
+    callback resumes from the last checkpoint. Its fit used to raise RunLockedError in
+    on_train_begin; it now finishes the earlier fit's run (a note and a warning say why) and
+    continues it."""
+    out = tmp_path / "out"
+
+    def trainer(max_steps: int, *callbacks: TrainerCallback) -> Trainer:
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_steps=max_steps,
+            per_device_train_batch_size=4,
+            save_strategy="steps",
+            save_steps=2,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        return Trainer(
+            model=tiny_bert(), args=args, train_dataset=examples(32), callbacks=list(callbacks)
+        )
+
+    first = HuggingFaceObserver(sampler=EveryNForwardsSampler(1))
+    with pytest.raises(RuntimeError, match="outside the training step"):
+        trainer(6, first, RaiseAfterStep(3)).train()
+    second = HuggingFaceObserver(sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning, match="removed this fit's observer when it started"):
+        trainer(5, second).train(resume_from_checkpoint=True)  # from checkpoint-2
+    run = out / "torchinstruments"
+    assert first.directory == second.directory == run
+    state = read_state(run)
+    assert state.status is Status.COMPLETE
+    assert [(a.attempt, a.ended, a.samples) for a in state.attempts] == [
+        (0, "removed", 3),
+        (1, "removed", 3),
+    ]
+    assert training_steps(run) == [(0, [0, 1, 2]), (1, [2, 3, 4])]
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "attempt 0: the fit ended without the trainer's end-of-fit callback (an exception "
+        "outside the training step is the likely cause); a later fit that resumed from a "
+        "checkpoint continues this run, and its HuggingFaceObserver removed this fit's observer"
+    ) in index

@@ -350,6 +350,16 @@ def trainer_phases(model: nn.Module) -> Phases | None:
     return None if key is None else _OBSERVERS[key].phases
 
 
+def observer_writing(directory: Path) -> nn.Module | None:
+    """The module whose live observer in this process writes the run in `directory` (absolute,
+    a rank's own where ranks write their own), or None; for a trainer callback whose resumed fit
+    continues a run that an earlier fit's observer, left attached, still holds."""
+    for model, observer in list(_OBSERVERS.items()):
+        if observer.directory == directory and not observer.forked:
+            return model
+    return None
+
+
 def observed_counts(model: nn.Module) -> RunCounts | None:
     """What `model`'s live observer has seen so far, or None without one (for integrations)."""
     key = _registered(model)

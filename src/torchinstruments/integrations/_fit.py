@@ -38,6 +38,7 @@ from torchinstruments.api import (
     follow_step,
     has_observer,
     observed_counts,
+    observer_writing,
     remove_observer,
     start_run,
     trainer_phases,
@@ -316,6 +317,8 @@ class FitObservation:
         if directory is None and not self.explicit_dir:
             pick = last_run_directory if resume else fresh_run_directory
             directory = pick(trainer_directory, config.rank_policy)
+        if resume:
+            self._finish_left_attached(config.directory if directory is None else directory)
         sink = logger_sink()
         target = self.observed_module(model)
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
@@ -464,7 +467,7 @@ class FitObservation:
         self.phases = None
         if observed is None or not has_observer(observed):
             return None
-        self._note_evaluation(observed)
+        _note_evaluation(observed, self.owner, self.eval_sampler is not None, self._after_the_fit())
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
             add_run_note(
@@ -475,34 +478,26 @@ class FitObservation:
             )
         return remove_observer(observed)
 
-    def _note_evaluation(self, observed: nn.Module) -> None:
-        """index.md: how many evaluation and setup forwards there were, and what became of them."""
-        counts = observed_counts(observed)
-        if counts is None:
+    def _finish_left_attached(self, run: Path) -> None:
+        """A resumed fit continues `run`, which an observer of this process still writes: an
+        earlier fit's, left attached when it ended without the end-of-fit callback (an
+        exception outside its training step), whose callback is not this one (a trainer and
+        callback built anew to resume, as in a notebook). It is finished as `_finish_stale`
+        finishes this callback's own; left attached, it held the run's lock, and the resumed
+        fit raised RunLockedError in its first callback."""
+        written = place_rank(resolve_output_dir(run), self.config.rank_policy).directory
+        stale = observer_writing(written)
+        if stale is None:
             return
-        unobserved, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
-        if self.eval_sampler is not None:
-            add_run_note(
-                observed, f"{counts.eval_forwards} evaluation forwards were seen (record_eval)."
-            )
-        elif unobserved:
-            add_run_note(
-                observed,
-                f"{unobserved} evaluation forwards inside the fit (sanity check, validation, "
-                "evaluation the trainer runs during training: forwards outside a training step) "
-                "were not observed: they take no sample and forward_index does not count them "
-                f"({self.owner}(record_eval=True) records them as their own series). "
-                f"{self._after_the_fit()}",
-            )
-        if setup:
-            add_run_note(
-                observed,
-                f"{setup} setup forwards at the fit's start, before its first loop (Lightning's "
-                "model summary and the logger's graph of example_input_array, an on_fit_start "
-                "hook), were not observed, whatever record_eval says: they are neither training "
-                "nor evaluation forwards, take no sample, and neither forward_index nor the "
-                "count of evaluation forwards counts them.",
-            )
+        said = (
+            f"the fit ended without the trainer's end-of-fit callback (an exception outside the "
+            f"training step is the likely cause); a later fit that resumed from a checkpoint "
+            f"continues this run, and its {self.owner} removed this fit's observer when it started"
+        )
+        add_run_note(stale, said)
+        _note_evaluation(stale, self.owner, None, self._after_the_fit())
+        warn(f"torchinstruments: {self.owner}: {written}: {said}")
+        remove_observer(stale)
 
     def _finish_stale(self) -> None:
         """A new fit while the last one's observer is still attached: it ended without a word."""
@@ -516,12 +511,49 @@ class FitObservation:
         warn(
             f"torchinstruments: {self.owner}: the previous fit's observer was still attached "
             f"(its fit ended without an end-of-fit callback); its run {self.directory} is "
-            "finished now and a new one starts"
+            "finished now, before this fit starts"
         )
-        self._note_evaluation(self.observed)
+        _note_evaluation(
+            self.observed, self.owner, self.eval_sampler is not None, self._after_the_fit()
+        )
         remove_observer(self.observed)
         self.observed = None
         self.phases = None
+
+
+def _note_evaluation(
+    observed: nn.Module, owner: str, recording: bool | None, after_the_fit: str
+) -> None:
+    """index.md: how many evaluation and setup forwards there were, and what became of them
+    (`recording`: whether record_eval recorded them; None: as the counts say, for another
+    callback's fit; `after_the_fit`: the sentence on the trainer's calls after the fit)."""
+    counts = observed_counts(observed)
+    if counts is None:
+        return
+    unobserved, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
+    if recording is None:
+        recording = counts.eval_forwards > 0
+    if recording:
+        add_run_note(
+            observed, f"{counts.eval_forwards} evaluation forwards were seen (record_eval)."
+        )
+    elif unobserved:
+        add_run_note(
+            observed,
+            f"{unobserved} evaluation forwards inside the fit (sanity check, validation, "
+            "evaluation the trainer runs during training: forwards outside a training step) "
+            "were not observed: they take no sample and forward_index does not count them "
+            f"({owner}(record_eval=True) records them as their own series). {after_the_fit}",
+        )
+    if setup:
+        add_run_note(
+            observed,
+            f"{setup} setup forwards at the fit's start, before its first loop (Lightning's "
+            "model summary and the logger's graph of example_input_array, an on_fit_start "
+            "hook), were not observed, whatever record_eval says: they are neither training "
+            "nor evaluation forwards, take no sample, and neither forward_index nor the "
+            "count of evaluation forwards counts them.",
+        )
 
 
 class TrainingStepMark:

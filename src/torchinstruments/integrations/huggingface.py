@@ -29,9 +29,10 @@ the Trainer object, never of the model; undone at removal): its forwards are the
 forwards, and an exception raised in a training
 step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
 unchanged. An exception elsewhere (data loading, the optimizer step, evaluation) leaves the
-observer attached; the next `train()` with this callback finishes that run with a note (and a
-warning), and otherwise the end of the process does (the observer's finalizer; no note, since
-nothing then knows how the fit ended). The same Trainer is how the callback
+observer attached; the next `train()` with this callback, or a `train()` resumed from a checkpoint
+that continues that run with another callback (a Trainer built anew), finishes that run with a
+note (and a warning), and otherwise the end of the process does (the observer's finalizer; no
+note, since nothing then knows how the fit ended). The same Trainer is how the callback
 finds its `TensorBoardCallback`'s writer.
 
 Why the frames, the only way: every event (`on_train_begin` included) receives `args`, `state`,

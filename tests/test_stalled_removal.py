@@ -26,6 +26,7 @@ import pytest
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import writer as writer_module
+from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.state import Status, read_state
 from torchinstruments.rundir.writer import HistoryWriter
@@ -169,3 +170,28 @@ def test_a_part_write_that_returns_after_it_was_given_up_puts_no_part_in_place(
     assert list_parts(tmp_path) == []
     assert [p.name for p in tmp_path.iterdir()] == ["history.parts"]  # its temporary is gone
     assert writer.rows_written == 0
+
+
+def test_the_flush_threads_last_round_is_waited_for_only_while_it_returns() -> None:
+    """`FlushTimer.finish`: True once the last flush ran and the thread ended; False, without
+    waiting for it, when that round is still in the flush after `stall_s` (the thread ends by
+    itself when it returns)."""
+    release = threading.Event()
+    rounds: list[bool] = []
+
+    def flush(everything: bool) -> None:
+        rounds.append(everything)
+        assert release.wait(60)
+
+    timer = FlushTimer(lambda: None, flush, "stalled flush")
+    assert not timer.finish(0.1)
+    assert rounds == [True]
+    release.set()
+    timer._thread.join(60)
+    assert not timer._thread.is_alive()
+    assert rounds == [True]
+
+    quick = FlushTimer(lambda: None, rounds.append, "quick flush")
+    assert quick.finish(60)
+    assert not quick._thread.is_alive()
+    assert rounds == [True, True]

@@ -61,6 +61,7 @@ class FlushTimer:
         # monotonic: when the round in progress began (None: none is), when the last one ended
         self._round_since: float | None = None
         self._round_ended = time.monotonic()
+        self._last: int | None = None  # the request after which the thread ends (`finish`)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -97,7 +98,7 @@ class FlushTimer:
         asked = time.monotonic()
         with self._cond:
             self._requested += 1
-            ticket = self._requested
+            ticket = self._last = self._requested  # no round after it: nothing waits on one
         self._wake.put(None)
         with self._cond:
             while self._served < ticket:
@@ -142,6 +143,8 @@ class FlushTimer:
             finally:
                 with self._cond:
                     self._served = requested
+                    if self._last is not None and requested >= self._last:
+                        self._stopping = True  # the last flush ran: no round may follow it
                     self._round_since = None
                     self._round_ended = time.monotonic()
                     self._cond.notify_all()

@@ -498,7 +498,11 @@ def test_an_hf_train_resumed_where_its_checkpoint_left_repeats_no_step_despite_e
     )
     assert evaluated.sort("attempt").rows() == [(0, [2, 4]), (1, [6])]
     assert not [w for w in caught if RETRAINED in str(w.message)]
-    assert RETRAINED not in " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert RETRAINED not in index
+    # both fits ran in this one process: two attempts, not two processes
+    assert "This run was written in 2 attempts" in index
+    assert "processes" not in index.split("## Attempts")[1].split("##")[0]
 
 
 def test_an_hf_train_resumed_behind_names_the_training_steps_repeated_not_evaluations(

@@ -3,8 +3,9 @@
 Design decision: a restarted job (preempted, requeued, resumed from a checkpoint) continues the
 run in the same directory only on request (`inject_observer(..., resume=True)`); without it the
 directory is refused, so two unrelated runs never end up in one history by accident. Each
-process is one *attempt*, numbered from 0, and every history row carries its attempt (the
-`attempt` column). A continued run:
+injection is one *attempt* (a process of a restarted job, or a fit resumed in the same process),
+numbered from 0, and every history row carries its attempt (the `attempt` column). A continued
+run:
 
 - first completes the earlier attempt exactly as `finalize` does (`rundir.finish.finalize`: a
   killed attempt's parts merged, its losses in the ledger, its cut sample marked), so the earlier

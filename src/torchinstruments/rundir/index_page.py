@@ -297,14 +297,16 @@ def _events_line(state: RunState) -> list[str]:
 
 
 def _section_attempts(state: RunState) -> list[str]:
-    """One line per process of a continued run (`resume=True`)."""
+    """One line per attempt of a continued run (`resume=True`): a process of a restarted job,
+    or a fit resumed in the same process (a trainer and callback built anew)."""
     if len(state.attempts) < 2:
         return []
     lines = [
         "## Attempts",
         "",
-        f"This run was written by {len(state.attempts)} processes (a restarted job continued "
-        "with `inject_observer(..., resume=True)`, or a trainer resumed from a checkpoint). "
+        f"This run was written in {len(state.attempts)} attempts, each an "
+        "`inject_observer(..., resume=True)` that continued it (a restarted job, or a trainer "
+        "resumed from a checkpoint, in a new process or the same one). "
         "Each row's `attempt` column says which; sample_id and forward_index continue across "
         "them, and result.json summarizes the whole run. A killed attempt's counts are read "
         "from its rows (lower bounds, unknown where it left none).",

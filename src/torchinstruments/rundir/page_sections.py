@@ -55,9 +55,9 @@ COLUMN_NOTES = {
     "over the named process group), measured exactly, as if gathered in one place. A series "
     "(layer, call, signal, tensor path) has one population for the whole run; never average "
     "rows of different populations",
-    "attempt": "the process (attempt) that recorded the row, from 0: a run continued with "
-    "inject_observer(..., resume=True) counts its restarts up (see Attempts); null in rows of "
-    "versions before it",
+    "attempt": "the attempt that recorded the row, from 0: each inject_observer(..., "
+    "resume=True) that continues the run (a restarted job, a trainer resumed from a "
+    "checkpoint) counts up (see Attempts); null in rows of versions before it",
 }
 
 METRIC_NOTES = (

@@ -304,9 +304,9 @@ def _section_attempts(state: RunState) -> list[str]:
     lines = [
         "## Attempts",
         "",
-        f"This run was written in {len(state.attempts)} attempts, each an "
-        "`inject_observer(..., resume=True)` that continued it (a restarted job, or a trainer "
-        "resumed from a checkpoint, in a new process or the same one). "
+        f"This run was written in {len(state.attempts)} attempts: the first started it, each "
+        "later one continued it with `inject_observer(..., resume=True)` (a restarted job, or a "
+        "trainer resumed from a checkpoint, in a new process or the same one). "
         "Each row's `attempt` column says which; sample_id and forward_index continue across "
         "them, and result.json summarizes the whole run. A killed attempt's counts are read "
         "from its rows (lower bounds, unknown where it left none).",

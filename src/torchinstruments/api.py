@@ -60,6 +60,7 @@ __all__ = [
     "inject_observer",
     "library_version",
     "observed_counts",
+    "observer_writing",
     "remove_observer",
     "set_step",
     "start_run",

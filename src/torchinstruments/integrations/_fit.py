@@ -55,7 +55,6 @@ from torchinstruments.sinks.protocol import Sink
 __all__ = [
     "RUN_NAME",
     "FitObservation",
-    "TrainingStepMark",
     "evaluation_sampler",
     "fresh_run_directory",
     "last_run_directory",
@@ -532,7 +531,7 @@ def _note_evaluation(
         return
     unobserved, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
     if recording is None:
-        recording = counts.eval_forwards > 0
+        recording = bool(counts.eval_forwards)
     if recording:
         add_run_note(
             observed, f"{counts.eval_forwards} evaluation forwards were seen (record_eval)."
@@ -554,65 +553,3 @@ def _note_evaluation(
             "nor evaluation forwards, take no sample, and neither forward_index nor the "
             "count of evaluation forwards counts them.",
         )
-
-
-class TrainingStepMark:
-    """Wraps one object's `training_step` for one fit: the forwards inside it are training
-    forwards, and only those (another callback's forwards around it are evaluation forwards).
-
-    The wrapper is an instance attribute of `owner` (the Hugging Face Trainer, Lightning's
-    strategy), never of the model, and `undo` puts back what the instance had. Several marks
-    (several observers in one fit) wrap one another and are undone in callback order, the
-    inner one first: an inner mark undone while wrapped calls straight through from then on,
-    and the outer one's `undo` puts back what was under both, so nothing of ours is left.
-
-    Args:
-        owner: the object whose `training_step` the trainer calls for every training step.
-        fit: the fit whose phases the wrapper marks.
-        on_exception: called with an exception raised in the step, before it propagates.
-    """
-
-    def __init__(
-        self,
-        owner: object,
-        fit: FitObservation,
-        on_exception: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        self._owner = owner
-        self._had_own = "training_step" in vars(owner)
-        self._own = vars(owner).get("training_step")
-        self.undone = False
-        original = owner.training_step  # type: ignore[attr-defined]
-
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            if self.undone:  # undone while another mark wrapped it: passes through
-                return original(*args, **kwargs)
-            fit.enter_training()
-            try:
-                return original(*args, **kwargs)
-            except BaseException as error:
-                if on_exception is not None:
-                    on_exception(error)
-                raise
-            finally:
-                fit.leave_training()
-
-        training_step.mark = self  # type: ignore[attr-defined]
-        self._wrapper = training_step
-        owner.training_step = training_step  # type: ignore[attr-defined]
-
-    def undo(self) -> None:
-        """Put back what the instance had (nothing, or its own attribute), unless replaced since;
-        marks undone before under this one go too."""
-        self.undone = True
-        if vars(self._owner).get("training_step") is not self._wrapper:
-            return  # wrapped since: the outer mark puts back what is under it
-        had_own, own = self._had_own, self._own
-        inner = getattr(own, "mark", None)
-        while had_own and isinstance(inner, TrainingStepMark) and inner.undone:
-            had_own, own = inner._had_own, inner._own
-            inner = getattr(own, "mark", None)
-        if had_own:
-            self._owner.training_step = own  # type: ignore[attr-defined]
-        else:
-            del self._owner.training_step  # type: ignore[attr-defined]

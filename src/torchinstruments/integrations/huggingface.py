@@ -59,7 +59,8 @@ from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
 from torchinstruments.api import add_run_note
-from torchinstruments.integrations._fit import FitObservation, TrainingStepMark
+from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink

@@ -64,7 +64,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchinstruments.integrations._fit import FitObservation, TrainingStepMark
+from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink

@@ -470,10 +470,12 @@ def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Pa
     ("args", "argument", "value", "allowed"),
     [
         (("show", "--window", "0"), "--window", "got 0", "an int >= 1"),
-        (("show", "--width", "-3"), "--width", "got -3", "an int >= 1"),
+        (("show", "--width", "-3"), "--width", "got '-3'", "an int >= 40"),
+        (("show", "--width", "1"), "--width", "got '1'", "an int >= 40"),
+        (("compare", "--width", "39"), "--width", "got '39'", "an int >= 40"),
         (("compare", "--tolerance", "-0.5"), "--tolerance", "got '-0.5'", "a number >= 0"),
     ],
-    ids=["window", "width", "tolerance"],
+    ids=["window", "width", "width-too-narrow", "compare-width-too-narrow", "tolerance"],
 )
 def test_a_refused_command_line_number_names_the_option_its_value_and_what_is_allowed(
     finished: Path, args: tuple[str, ...], argument: str, value: str, allowed: str

@@ -67,6 +67,26 @@ def _positive(text: str) -> int:
     return value
 
 
+# The narrowest `--width`: a table keeps its number cells (10 characters each) and names of
+# at least 6, so a narrower width draws no narrower table, only splits names and notes into
+# slivers (`--width 1`: a layer name one letter a line).
+MIN_WIDTH = 40
+
+
+def _text_width(text: str) -> int:
+    """argparse type: a text width the tables can be drawn in (an int >= MIN_WIDTH)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(
+            f"must be an int >= {MIN_WIDTH} (narrower is too narrow to draw the tables), "
+            f"got {text!r}"
+        )
+    return value
+
+
 def _tolerance(text: str) -> float:
     """argparse type: a float >= 0."""
     value = float(text)
@@ -127,7 +147,10 @@ def _format_option(cmd: argparse.ArgumentParser) -> None:
         "full precision)",
     )
     cmd.add_argument(
-        "--width", type=_positive, metavar="COLUMNS", help="text width (default: terminal, >= 80)"
+        "--width",
+        type=_text_width,
+        metavar="COLUMNS",
+        help=f"text width, at least {MIN_WIDTH} (default: the terminal's, at least 80)",
     )
 
 

@@ -152,6 +152,7 @@ CLI_COMMANDS = {
     "cli.ranks_draw",
 }
 CLI_SHARED = {
+    "cli.chunked",
     "cli.rank_runs",
     "cli.reader",
     "cli.run_dirs",

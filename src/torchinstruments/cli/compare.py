@@ -32,11 +32,13 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     TENSOR_KEY,
     RunFacts,
-    read_history,
+    read_with,
+    scan_files,
     window_of,
 )
 from torchinstruments.cli.selection import (
@@ -90,23 +92,15 @@ class Comparison:
     frame: pl.DataFrame
 
 
-def _matched_values(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
-    """Series key, x, occurrence number within (series, x), and value."""
-    return read_history(
-        directory,
-        lambda lf: (
-            selection.rows(lf)
-            .sort(x, "_write_order")
-            .with_columns(_occurrence=pl.int_range(pl.len()).over(*SERIES_KEY, x))
-            .select(*SERIES_KEY, x, "_occurrence", "value")
-        ),
+def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
+    """Series key, x, occurrence number within (series, x) in write order, and value, of one
+    range of samples (whole samples, read in write order)."""
+    return (
+        rows.select(*SERIES_KEY, x, "value")
+        .collect()
+        .sort(x, maintain_order=True)
+        .with_columns(_occurrence=pl.int_range(pl.len()).over(*SERIES_KEY, x))
     )
-
-
-def _samples(directory: Path, x: str) -> pl.DataFrame:
-    """Every x the run has a row at (any layer, signal, metric or marker): the run's samples,
-    whatever a selection chooses."""
-    return read_history(directory, lambda lf: lf.select(x).unique(), write_order=False)
 
 
 def first_differences(
@@ -118,7 +112,7 @@ def first_differences(
 ) -> pl.DataFrame:
     """Per series: matched samples, and the first x where A and B differ.
 
-    Only samples both runs have are compared: `samples` holds each run's own (`_samples`, so a
+    Only samples both runs have are compared: `samples` holds each run's own (`chunked.x_counts`, so a
     series' first difference does not depend on what else is selected; None: the x of `a` and
     `b`); there, a row in one run and not the other is a difference, as is a value in one and a
     null in the other.
@@ -162,6 +156,57 @@ def _extent(values: pl.DataFrame, x: str, tag: str) -> pl.DataFrame:
     )
 
 
+def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
+    """`first_differences` of two ranges of x that share no sample, as one: matched samples
+    add up, the first difference (and the values there) is the earlier range's."""
+    if earlier is None:
+        return later
+    at = ("first_difference", "value_a_at_first_difference", "value_b_at_first_difference")
+    return (
+        pl.concat([earlier, later], how="vertical_relaxed")
+        .sort("first_difference", nulls_last=True, maintain_order=True)
+        .group_by(SERIES_KEY, maintain_order=True)
+        .agg(pl.col("matched_samples").sum(), pl.col(*at).first())
+    )
+
+
+def _fold_extent(earlier: pl.DataFrame | None, later: pl.DataFrame, tag: str) -> pl.DataFrame:
+    """`_extent` of two ranges of x that share no sample, as one."""
+    if earlier is None:
+        return later
+    return (
+        pl.concat([earlier, later], how="vertical_relaxed")
+        .group_by(SERIES_KEY)
+        .agg(
+            pl.col(f"samples_{tag}").sum(),
+            pl.col(f"first_{tag}").min(),
+            pl.col(f"last_{tag}").max(),
+        )
+    )
+
+
+def _differences(
+    lf_a: pl.LazyFrame, lf_b: pl.LazyFrame, selection: Selection, x: str, tolerance: float
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """Per series: `first_differences`, and each run's `_extent`, read in ranges of x of about
+    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`)."""
+    counts = (x_counts(lf_a, x), x_counts(lf_b, x))  # also each run's own samples
+    samples = (counts[0].select(x), counts[1].select(x))
+    diffs = extent_a = extent_b = None
+    for bounds in x_ranges(counts, x):
+        a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x)
+        b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x)
+        diffs = _fold_differences(diffs, first_differences(a, b, x, tolerance, samples))
+        extent_a = _fold_extent(extent_a, _extent(a, x, "a"), "a")
+        extent_b = _fold_extent(extent_b, _extent(b, x, "b"), "b")
+        del a, b  # before the next range is read
+    if diffs is None or extent_a is None or extent_b is None:
+        empty = _matched_values(selection.rows(lf_a.clear()), x)
+        diffs = first_differences(empty, empty, x, tolerance, samples)
+        extent_a, extent_b = _extent(empty, x, "a"), _extent(empty, x, "b")
+    return diffs, extent_a, extent_b
+
+
 def compare(
     directory_a: Path,
     directory_b: Path,
@@ -202,14 +247,23 @@ def compare(
     both = side(summary_a, "a").join(
         side(summary_b, "b"), on=SERIES_KEY, how="full", coalesce=True, nulls_equal=True
     )
-    values_a = _matched_values(directory_a, selection, x)
-    values_b = _matched_values(directory_b, selection, x)
-    samples = (_samples(directory_a, x), _samples(directory_b, x))
-    diffs = first_differences(values_a, values_b, x, tolerance, samples)
+    diffs, extent_a, extent_b = read_with(
+        directory_a,
+        lambda files_a: read_with(
+            directory_b,
+            lambda files_b: _differences(
+                scan_files(files_a, write_order=False),
+                scan_files(files_b, write_order=False),
+                selection,
+                x,
+                tolerance,
+            ),
+        ),
+    )
     frame = (
         both.join(diffs, on=SERIES_KEY, how="left", nulls_equal=True)
-        .join(_extent(values_a, x, "a"), on=SERIES_KEY, how="left", nulls_equal=True)
-        .join(_extent(values_b, x, "b"), on=SERIES_KEY, how="left", nulls_equal=True)
+        .join(extent_a, on=SERIES_KEY, how="left", nulls_equal=True)
+        .join(extent_b, on=SERIES_KEY, how="left", nulls_equal=True)
         .with_columns(
             module_type=pl.coalesce("module_type_a", "module_type_b"),
             difference=pl.col("mean_b") - pl.col("mean_a"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import polars as pl
 
@@ -55,11 +56,12 @@ from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import RunState, Status
-from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_summaries
+from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
 
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
 _ORDER = "_write_order"
+T = TypeVar("T")
 
 
 class NotARunError(FileNotFoundError):
@@ -217,10 +219,24 @@ def read_history(
     Raises:
         NotARunError: see `locate`.
     """
+    return read_with(
+        directory, lambda files: query(scan_files(files, write_order=write_order)).collect()
+    )
+
+
+def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
+    """`compute(files)` over the files that hold `directory`'s history now, computed again
+    over a fresh listing when a live run merged (and removed) parts meanwhile (`READ_ATTEMPTS`):
+    for a computation that reads the history in several collects (`cli.chunked`).
+
+    Raises:
+        NotARunError: see `locate`.
+        UnreadableHistoryError: a history file is not a whole Parquet file.
+    """
     for attempt in range(READ_ATTEMPTS):
         files = locate(directory)
         try:
-            return query(scan_files(files, write_order=write_order)).collect()
+            return compute(files)
         except (FileNotFoundError, pl.exceptions.ComputeError):
             # A live run merged (and removed) parts between listing and reading: list again.
             if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):
@@ -338,42 +354,6 @@ def select(
     return lf.filter(*conditions)
 
 
-def summarize_series(lf: pl.LazyFrame, window: int) -> pl.LazyFrame:
-    """Per series (layer, call, signal, tensor_path, metric): latest value and recent window.
-
-    Columns: the series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
-    `window_mean`, `window_samples`, `window_valid`, `window_first_sample_id`,
-    `window_last_sample_id` (result.json's `recent` window, from its one implementation,
-    `rundir.windows.window_summaries`), `observations`.
-    """
-    sid = pl.col("sample_id")
-    value = pl.col("value")
-    latest = (
-        lf.sort("sample_id", _ORDER)
-        .group_by(SERIES_KEY, maintain_order=True)
-        .agg(
-            module_type=pl.col("module_type").last(),
-            latest_value=value.last(),
-            latest_reason=pl.col("unavailable_reason").last(),
-            latest_sample_id=sid.last(),
-            observations=pl.len(),
-        )
-    )
-    recent = (
-        window_summaries(lf, window)
-        .filter(pl.col("which") == 0)
-        .select(
-            *SERIES_KEY,
-            window_mean="mean",
-            window_samples="actual",
-            window_valid="valid",
-            window_first_sample_id="first_sample_id",
-            window_last_sample_id="last_sample_id",
-        )
-    )
-    return latest.join(recent.lazy(), on=SERIES_KEY, how="left", nulls_equal=True).sort(SERIES_KEY)
-
-
 def metric_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
     """Metrics in the run's declared order, then any others, sorted."""
     declared = list(run.metrics) if run is not None else []
@@ -421,7 +401,9 @@ def check_selection(
     """
     present = pl.concat(
         [
-            read_history(d, lambda lf: lf.select("layer", "signal", "metric").unique())
+            read_history(
+                d, lambda lf: lf.select("layer", "signal", "metric").unique(), write_order=False
+            )
             for d in directories
         ]
     ).unique()
@@ -499,9 +481,9 @@ __all__ = [
     "rank_directories",
     "read_facts",
     "read_history",
+    "read_with",
     "runs_below",
     "scan_files",
     "select",
-    "summarize_series",
     "window_of",
 ]

@@ -1,7 +1,7 @@
 """What a command reads of a run, and in which order: the selection, the per-series summary.
 
 Design decision: `show`, `compare`, the multi-rank readers, `plot` and `heatmap` all take a
-`Selection` and read series through `summary` (one `reader.summarize_series`, so their window
+`Selection` and read series through `summary` (one `chunked.summarize_series`, so their window
 means are result.json's), in one display order (`ordered`); this module holds what they share,
 so no command imports another command's module (the rule that two runs, or ranks, were sampled
 differently is here too: `compare` and `compare PARENT` say it alike).
@@ -16,6 +16,7 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli.chunked import summarize_series
 from torchinstruments.cli.rank_runs import RankRun
 from torchinstruments.cli.reader import (
     RunFacts,
@@ -23,10 +24,9 @@ from torchinstruments.cli.reader import (
     locate,
     metric_order,
     read_facts,
-    read_history,
+    read_with,
     scan_files,
     select,
-    summarize_series,
     window_of,
 )
 from torchinstruments.records import SIGNALS
@@ -98,9 +98,11 @@ def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFra
     """The run's facts and its per-series summary (columns `COLUMNS`), in display order."""
     facts = read_facts(directory)
     window = window_of(facts, selection.window)
-    frame = read_history(
+    frame = read_with(
         directory,
-        lambda lf: summarize_series(selection.rows(lf), window),
+        lambda files: summarize_series(
+            scan_files(files, write_order=False), selection.rows, window
+        ),
     )
     marked = pl.col("latest_sample_id").is_in(list(facts.marked), nulls_equal=False)
     frame = frame.with_columns(latest_marked=marked.fill_null(False))

@@ -2,7 +2,7 @@
 `actual` and `valid` counts, `mean` and sample range, in one implementation, `window_summaries`.
 
 result.json (`rundir.summary`) and every command of the command line (`show`, `compare`, the
-`show` of a parent of rank runs, all through `cli.reader.summarize_series`) call it, so they
+`show` of a parent of rank runs, all through `cli.chunked.summarize_series`) call it, so they
 agree to the last bit and a newcomer finds the definition in one place.
 
 Definition: a series' samples are the distinct sample_ids with a row of it (marker rows of

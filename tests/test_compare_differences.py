@@ -22,6 +22,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.__main__ import main
+from torchinstruments.cli import compare
 
 STEPS = 8
 CUT_FROM = 3  # from this step on, the branch of the cut run is detached
@@ -186,3 +187,54 @@ def test_index_comparison_query_prints_every_differing_series(
     side = first.filter(pl.col("layer") == "side", pl.col("signal") == "output_gradient")
     assert set(side["first_sample"]) == {CUT_FROM}
     assert first["first_sample"].is_sorted()
+
+
+def table_rows(text: str) -> list[tuple[str, str, str]]:
+    """(layer, signal, metric) of each row of compare's text table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["layer", "signal"])
+    start += 2  # the header and its rule
+    rows = []
+    for line in lines[start:]:
+        cells = line.split()
+        if len(cells) != 8:
+            break
+        rows.append((cells[0], cells[1], cells[2]))
+    return rows
+
+
+def test_compare_text_of_many_series_prints_the_earliest_to_differ_and_says_how_many_it_left_out(
+    runs: dict[str, Path],
+) -> None:
+    """Five layers are 90 series: the text prints the 60 whose first difference comes earliest
+    (ties in traversal order, series without a difference last), then a line with how many it
+    left out, in how many layers, how many of those differ, and `--all`, which prints all 90."""
+    code, out = cli("compare", runs["baseline"], runs["cut"], "--format", "csv")
+    assert code == 0
+    every = pl.read_csv(io.StringIO(out)).with_row_index("traversal")
+    assert every.height == 90 > compare.TEXT_SERIES
+    earliest = every.sort(pl.col("first_difference").is_null(), "first_difference", "traversal")
+    short = {"output": "out", "output_gradient": "grad"}
+    expected = [
+        (r["layer"], short[r["signal"]], r["metric"]) for r in earliest.iter_rows(named=True)
+    ]
+    assert earliest["first_difference"].null_count() > 0  # some series never differ
+    assert earliest["first_difference"].n_unique() > 2  # the order is not traversal's alone
+
+    wide = ("--width", "200")  # every layer name on its row
+    code, text = cli("compare", runs["baseline"], runs["cut"], *wide)
+    assert code == 0
+    assert table_rows(text) == expected[: compare.TEXT_SERIES]
+    left = earliest.slice(compare.TEXT_SERIES)
+    differ = left["first_difference"].is_not_null().sum()
+    said = " ".join(text.split())
+    assert (
+        f"{left.height} more series not shown, in {left['layer'].n_unique()} layers ({differ} of "
+        "them differ, the others are equal at every matched sample): --all prints every series"
+    ) in said
+
+    code, text = cli("compare", runs["baseline"], runs["cut"], *wide, "--all")
+    assert code == 0
+    traversal = [(r["layer"], short[r["signal"]], r["metric"]) for r in every.iter_rows(named=True)]
+    assert table_rows(text) == traversal
+    assert "more series not shown" not in text

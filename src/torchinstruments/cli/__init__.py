@@ -217,6 +217,13 @@ def add_commands(commands: Subcommands) -> None:
         help="match samples on sample_id (default) or forward_index",
     )
     _format_option(cmd)
+    cmd.add_argument(
+        "--all",
+        action="store_true",
+        dest="every",
+        help="text view: every series even beyond 60 (default there: the 60 that differ "
+        "earliest, and how many more differ; csv/json/markdown always hold every series)",
+    )
 
     cmd = commands.add_parser(
         "plot",
@@ -394,7 +401,8 @@ def _run_single(args: argparse.Namespace) -> int:
                 tolerance=args.tolerance,
                 x=args.x,
             )
-            print(compare.render(comparison, fmt=args.format, width=args.width or _width()))
+            width = args.width or _width()
+            print(compare.render(comparison, fmt=args.format, width=width, every_series=args.every))
             return 0
         if args.command == "plot":
             from torchinstruments.cli import plot

@@ -60,6 +60,11 @@ from torchinstruments.cli.text import (
     signal_short,
 )
 
+# The text view's most series, and most lines of series that stop or start in one run, unless
+# --all: 3,000 layers compared are 54,000 series, a table no one reads at a terminal.
+TEXT_SERIES = 60
+TEXT_NOTES = 20
+
 COLUMNS = (
     *SERIES_COLUMNS,
     "mean_a",
@@ -347,8 +352,40 @@ def _absent_notes(c: Comparison) -> list[str]:
     return out
 
 
-def _text(c: Comparison, width: int) -> str:
-    """The comparison as an 80-column table with a header that says what each column is."""
+def shown_series(c: Comparison, every: bool = False) -> tuple[pl.DataFrame, list[str]]:
+    """The rows the text table prints, and the lines that say what it leaves out.
+
+    Up to TEXT_SERIES series, all in traversal order; beyond, unless `every`, the TEXT_SERIES
+    that differ earliest (by first difference, ties in traversal order; those that differ
+    before those that do not), and a line saying how many series (of how many layers) are not
+    shown, how many of them differ, and how to see them. An ordering by where the runs part,
+    not a score: `B - A` of different metrics is not comparable.
+    """
+    if every or c.frame.height <= TEXT_SERIES:
+        return c.frame, []
+    ranked = (
+        c.frame.with_row_index("_pos")
+        .sort(pl.col("first_difference").is_null(), "first_difference", "_pos")
+        .drop("_pos")
+    )
+    shown, rest = ranked.head(TEXT_SERIES), ranked.slice(TEXT_SERIES)
+    differ = rest.filter(pl.col("first_difference").is_not_null())
+    layers = rest.select(pl.col("layer").n_unique()).item()
+    head = (
+        f"The {TEXT_SERIES} of {plural(c.frame.height, 'series', 'series')} whose first "
+        f"difference comes earliest, earliest first (ties in traversal order):"
+    )
+    tail = (
+        f"{rest.height} more series not shown, in {plural(layers, 'layer')} "
+        f"({differ.height} of them differ, the others are equal at every matched sample): --all prints every series, --layers REGEX or --metrics "
+        "M1,M2 chooses, --format csv holds every row."
+    )
+    return shown, [head, tail]
+
+
+def _text(c: Comparison, width: int, every: bool = False) -> str:
+    """The comparison as an 80-column table with a header that says what each column is
+    (beyond TEXT_SERIES series, unless `every`, the earliest to differ: `shown_series`)."""
     lines: list[str] = []
     marks = [
         f"{tag}: {line}; their values are in the windows below"
@@ -383,7 +420,15 @@ def _text(c: Comparison, width: int) -> str:
             str(r["matched_samples"]),
         ]
 
-    lines += ["", *series_table(c.frame, headers, cells, width=width, wrap_first=True)]
+    shown, limits = shown_series(c, every)
+    lines.append("")
+    if limits:
+        lines += textwrap.wrap(limits[0], width)
+    calls = several_calls(c.frame)
+    table = series_table(shown, headers, cells, width=width, wrap_first=True, calls=calls)
+    lines += table
+    for line in limits[1:]:
+        lines += textwrap.wrap(line, width)
     present = (pl.col("samples_a") > 0) & (pl.col("samples_b") > 0)
     no_finite = c.frame.filter(
         (pl.col("mean_a").is_null() & (pl.col("samples_a") > 0))
@@ -419,18 +464,22 @@ def _text(c: Comparison, width: int) -> str:
             "earliest first; --format csv: first_a, last_a, first_b, last_b):",
             width,
         )
-        lines += [
-            wrapped
-            for line in parted
-            for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")
-        ]
+    if len(parted) > TEXT_NOTES and not every:
+        more = len(parted) - TEXT_NOTES
+        parted = [*parted[:TEXT_NOTES], f"  ... {plural(more, 'more tensor')} (--all: every one)"]
+    lines += [
+        wrapped
+        for line in parted
+        for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")
+    ]
     return "\n".join(lines)
 
 
-def render(c: Comparison, *, fmt: str, width: int) -> str:
-    """The comparison in one of the formats."""
+def render(c: Comparison, *, fmt: str, width: int, every_series: bool = False) -> str:
+    """The comparison in one of the formats (text: at most TEXT_SERIES series unless
+    `every_series`; the machine formats always hold every series)."""
     if fmt == "text":
-        return _text(c, width)
+        return _text(c, width, every_series)
     facts: dict[str, Any] = {
         "a": facts_dict(c.facts_a, c.window),
         "b": facts_dict(c.facts_b, c.window),
@@ -443,10 +492,12 @@ def render(c: Comparison, *, fmt: str, width: int) -> str:
 
 __all__ = [
     "COLUMNS",
+    "TEXT_SERIES",
     "Comparison",
     "compare",
     "extent_notes",
     "first_differences",
     "render",
+    "shown_series",
     "warnings_of",
 ]

@@ -26,12 +26,13 @@ Design decisions:
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli import module_types
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.reader import (
     SERIES_KEY,
@@ -95,6 +96,7 @@ class Comparison:
     x: str
     tolerance: float
     frame: pl.DataFrame
+    mixed: module_types.Mixed = field(default_factory=dict)  # a layer of another type in B
 
 
 def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
@@ -278,14 +280,22 @@ def compare(
         )
         .select(COLUMNS)
     )
-    return Comparison(facts_a, facts_b, window, x, tolerance, ordered(frame, facts_a))
+    kinds = pl.concat(
+        [
+            summary_a.select("layer", "module_type", run=pl.lit("A")),
+            summary_b.select("layer", "module_type", run=pl.lit("B")),
+        ]
+    )
+    mixed = module_types.mixed_types(kinds, "run")
+    return Comparison(facts_a, facts_b, window, x, tolerance, ordered(frame, facts_a), mixed)
 
 
 def warnings_of(c: Comparison) -> list[str]:
-    """`warning: ...` lines for runs that were not sampled alike (said before the table)."""
+    """`warning: ...` lines for runs that were not sampled alike, and for layers of a different
+    module type in each (matched by name; said before the table)."""
     run_a, run_b = c.facts_a.run, c.facts_b.run
     if run_a is None or run_b is None:
-        return []
+        return module_types.run_warnings(c.mixed)
     sampling = sampled_differently([("A", run_a.sampler), ("B", run_b.sampler)], c.x)
     out = [] if sampling is None else [sampling]
     if run_a.history.window != run_b.history.window:
@@ -293,7 +303,7 @@ def warnings_of(c: Comparison) -> list[str]:
             f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "
             f"both means here are over up to {plural(c.window, 'sample')} (--window N)."
         )
-    return out
+    return out + module_types.run_warnings(c.mixed)
 
 
 def _span(first: int | None, last: int | None) -> str:
@@ -486,6 +496,7 @@ def render(c: Comparison, *, fmt: str, width: int, every_series: bool = False) -
         "x": c.x,
         "tolerance": c.tolerance,
         "difference": "mean_b - mean_a",
+        "warnings": warnings_of(c),
     }
     return render_frame(c.frame, fmt, facts)
 

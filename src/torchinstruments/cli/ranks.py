@@ -44,6 +44,7 @@ from typing import Any
 
 import polars as pl
 
+from torchinstruments.cli import module_types as types
 from torchinstruments.cli.rank_runs import RankRun, ranks_with_history, without_history_line
 from torchinstruments.cli.reader import (
     SERIES_KEY,
@@ -69,6 +70,7 @@ from torchinstruments.cli.text import number, plural, render_frame, series_table
 from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 22
+_KEY = (*SERIES_KEY, "module_type")  # a layer of another type on some rank: a series of its own
 TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
 _EPSILON = 2.0**-52
 TEXT_TENSORS = 60
@@ -113,14 +115,15 @@ class Spread:
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
     missing: tuple[int, ...] = ()
     gaps: tuple[str, ...] = ()
+    mixed: types.Mixed = dataclasses.field(default_factory=dict)  # `module_types.mixed_types`
 
 
 def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str, read: int) -> pl.DataFrame:
     """Per series: min, max, median over ranks of `value`, the rank farthest from the median,
     and how many of the `read` ranks have a row whose value is null or nonfinite, or no row."""
-    keys = [*SERIES_KEY, "module_type"]
+    keys = list(_KEY)
     finite = per_rank.filter(pl.col(value).is_finite()).with_columns(
-        _median=pl.col(value).median().over(SERIES_KEY)
+        _median=pl.col(value).median().over(_KEY)
     )
     distance = (pl.col(value) - pl.col("_median")).abs()
     # Distances equal but for the rounding of `value - median` (a few ulps of the larger of the
@@ -128,11 +131,11 @@ def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str, read: i
     slack = TIE_ULPS * _EPSILON * pl.max_horizontal(pl.col(value).abs(), pl.col("_median").abs())
     finite = finite.with_columns(
         _by=pl.col(value) - pl.col("_median"),
-        _far=distance >= distance.max().over(SERIES_KEY) - slack,
+        _far=distance >= distance.max().over(_KEY) - slack,
     )
     stats = (
         finite.sort("rank")
-        .group_by(SERIES_KEY, maintain_order=True)
+        .group_by(_KEY, maintain_order=True)
         .agg(
             ranks=pl.len().cast(pl.Int64),
             min=pl.col(value).min(),
@@ -142,14 +145,13 @@ def _spread_of(per_rank: pl.DataFrame, value: str, sample: str, at: str, read: i
             farthest_by=pl.col("_by").filter("_far").first(),
         )
     )
-    every = per_rank.group_by(SERIES_KEY).agg(
-        module_type=pl.col("module_type").first(),
+    every = per_rank.group_by(_KEY).agg(
         first_sample_id=pl.col(sample).min(),
         last_sample_id=pl.col(sample).max(),
         _present=pl.col("rank").n_unique().cast(pl.Int64),
     )
     return (
-        every.join(stats, on=SERIES_KEY, how="left", nulls_equal=True)
+        every.join(stats, on=_KEY, how="left", nulls_equal=True)
         .with_columns(at=pl.lit(at), ranks=pl.col("ranks").fill_null(0))
         .with_columns(
             ranks_not_finite=pl.col("_present") - pl.col("ranks"),
@@ -196,13 +198,14 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
         without,
         missing,
         _gaps(per_rank, [r.rank for r in runs]),
+        types.mixed_types(per_rank, "rank"),
     )
 
 
 def _gaps(per_rank: pl.DataFrame, read: Sequence[int]) -> tuple[str, ...]:
     """`rank 1: no row in 4 of the 6 series read; latest value null in 1 (<reason>)`: per rank
     read, what it lacks of the series any rank has (ranks with the same lacks share a line)."""
-    series = per_rank.select(SERIES_KEY).unique().height
+    series = per_rank.select(_KEY).unique().height
     lacks: dict[str, list[int]] = {}
     for rank in read:
         mine = per_rank.filter(pl.col("rank") == rank)
@@ -228,10 +231,10 @@ def _gaps(per_rank: pl.DataFrame, read: Sequence[int]) -> tuple[str, ...]:
 
 def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:
     """Series in display order (`show.ordered`), each series' latest row before its window row."""
-    series = ordered(frame.filter(pl.col("at") == "latest"), view).select(SERIES_KEY)
+    series = ordered(frame.filter(pl.col("at") == "latest"), view).select(_KEY)
     series = series.with_row_index("_pos")
     return (
-        frame.join(series, on=SERIES_KEY, how="left", nulls_equal=True)
+        frame.join(series, on=_KEY, how="left", nulls_equal=True)
         .sort("_pos", pl.col("at") != "latest", maintain_order=True)
         .drop("_pos")
     )
@@ -282,7 +285,9 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
     lines: list[str] = []
     for line in [*_header(s.parent, s.runs, s.facts, s.without_history, s.missing), *s.gaps]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
-    frame = s.frame
+    for line in types.rank_lines(s.mixed):
+        lines += textwrap.wrap(line, width, subsequent_indent="  ")
+    frame = types.typed_names(s.frame, list(s.mixed))
     tensors = frame.select("layer", "call_index", "tensor_path").unique(maintain_order=True)
     if not every_tensor and tensors.height > TEXT_TENSORS:
         kept = tensors.head(TEXT_TENSORS)
@@ -342,6 +347,7 @@ class Departures:
     frame: pl.DataFrame
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
     apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id, one sampler)
+    mixed: types.Mixed = dataclasses.field(default_factory=dict)  # from the ranks' layer catalogs
 
 
 def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
@@ -365,7 +371,7 @@ def _x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int
 
 
 # The series key's string columns (every key column but call_index), compared as codes.
-_TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
+_TEXT_KEYS = tuple(k for k in _KEY if k != "call_index")
 
 
 def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
@@ -387,7 +393,7 @@ def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataF
     codes = [f"_{k}" for k in _TEXT_KEYS]
     keys = [*codes, "call_index"]
     frame = batch.select(
-        *(pl.col(k).cast(pl.Categorical) for k in (*_TEXT_KEYS, "module_type")),
+        *(pl.col(k).cast(pl.Categorical) for k in _TEXT_KEYS),
         *(
             pl.col(k).cast(pl.Categorical).to_physical().alias(c)
             for k, c in zip(_TEXT_KEYS, codes, strict=True)
@@ -411,9 +417,7 @@ def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataF
         _above=pl.when(_same_as(at, -1)).then(pl.col("value").shift(-1) - pl.col("value")),
     ).with_columns(nearest_other=pl.min_horizontal("_below", "_above"))
     series = [*_TEXT_KEYS, "call_index"]
-    seen = frame.group_by(series).agg(
-        module_type=pl.col("module_type").last(), ranks=pl.col("rank").n_unique()
-    )
+    seen = frame.group_by(series).agg(ranks=pl.col("rank").n_unique())
     matched = (
         values.filter(pl.col("nearest_other").is_not_null())
         .group_by(series)
@@ -435,7 +439,7 @@ def _batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataF
         )
     )
     return measured.join(at_first, on=series, how="left").with_columns(
-        pl.col(k).cast(pl.String) for k in (*_TEXT_KEYS, "module_type")
+        pl.col(k).cast(pl.String) for k in _TEXT_KEYS
     )
 
 
@@ -475,6 +479,7 @@ def departures(
         ordered(frame, view),
         without,
         apart,
+        types.catalog_mixed([(r.rank, f.run) for r, f in zip(runs, facts, strict=True)]),
     )
 
 
@@ -498,21 +503,18 @@ def _combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
     if not pieces:
         return pl.DataFrame(schema=schema)
     both = pl.concat(pieces, how="vertical_relaxed")
-    matched = both.group_by(SERIES_KEY).agg(
-        pl.col("module_type").last(),
+    matched = both.group_by(_KEY).agg(
         pl.col("matched_samples").sum().cast(pl.Int64),
         pl.col("ranks").max().cast(pl.Int64),
     )
     first = (
         both.filter(pl.col("first_departure").is_not_null())
         .sort("first_departure")
-        .group_by(SERIES_KEY, maintain_order=True)
+        .group_by(_KEY, maintain_order=True)
         .first()
-        .select(
-            *SERIES_KEY, "first_departure", "departing_ranks", "departing_values", "nearest_other"
-        )
+        .select(*_KEY, "first_departure", "departing_ranks", "departing_values", "nearest_other")
     )
-    frame = matched.join(first, on=SERIES_KEY, how="left", nulls_equal=True).with_columns(
+    frame = matched.join(first, on=_KEY, how="left", nulls_equal=True).with_columns(
         pl.col("matched_samples").fill_null(0), pl.col("ranks").fill_null(0).cast(pl.Int64)
     )
     return frame.select(list(schema)).cast(schema)  # type: ignore[arg-type]
@@ -558,6 +560,7 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
     for line in [
         *departure_warnings(d),
         *_header(d.parent, d.runs, d.facts, d.without_history),
+        *types.rank_lines(d.mixed),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
         "the ranks departing there, by: that distance; '-' = none. matched: samples measured "
@@ -577,7 +580,10 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
             str(r["matched_samples"]),
         ]
 
-    lines += ["", *series_table(d.frame, headers, cells, width=width)]
+    lines += [
+        "",
+        *series_table(types.typed_names(d.frame, list(d.mixed)), headers, cells, width=width),
+    ]
     return "\n".join(lines)
 
 

@@ -77,7 +77,7 @@ class Selection:
 
 def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
     """Rows in traversal order of layers, then call, signal, tensor path, mode (train first),
-    declared metric order."""
+    declared metric order, module type (a layer of another type on some rank: its own rows)."""
     if frame.is_empty():
         return frame
     layers = layer_order(frame["layer"].unique().to_list(), facts.run)
@@ -89,7 +89,7 @@ def ordered(frame: pl.DataFrame, facts: RunFacts) -> pl.DataFrame:
             _metric=pl.col("metric").replace_strict(metrics, list(range(len(metrics)))),
             _mode=pl.col("mode") != "train",
         )
-        .sort("_layer", "call_index", "_signal", "tensor_path", "_mode", "_metric")
+        .sort("_layer", "call_index", "_signal", "tensor_path", "_mode", "_metric", "module_type")
         .drop("_layer", "_signal", "_metric", "_mode")
     )
 

@@ -69,7 +69,7 @@ from torchinstruments.cli.selection import (
 from torchinstruments.cli.text import number, plural, render_frame, series_table, several_calls
 from torchinstruments.rundir.ranges import ranges
 
-DEPARTURE_BATCH_ROWS = 1 << 22
+DEPARTURE_BATCH_ROWS = 1 << 20
 _KEY = (*SERIES_KEY, "module_type")  # a layer of another type on some rank: a series of its own
 TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
 _EPSILON = 2.0**-52

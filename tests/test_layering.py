@@ -154,6 +154,7 @@ CLI_COMMANDS = {
 CLI_SHARED = {
     "cli.chunked",
     "cli.module_types",
+    "cli.rank_departures",
     "cli.rank_runs",
     "cli.reader",
     "cli.run_dirs",

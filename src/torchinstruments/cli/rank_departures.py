@@ -1,0 +1,145 @@
+"""`compare PARENT`'s computation: per series, the first x at which one rank's value departs
+from every other rank's, read in ranges of x (`cli.ranks` holds the command; this, the reading).
+
+Design decision: all ranks are read together in ranges of `x` of about a budget of rows (history
+is ordered by sample, so each range reads only the Parquet row groups that hold it); in each
+range, names are compared as integer codes (Categorical) and groups found by comparing
+neighbours in one sort, not by window functions, and the ranges' results are combined per
+series (the earliest departure, matched samples summed). A series is keyed by its module type
+too (`RANK_SERIES_KEY`): a layer name that is another module on some rank (a pipeline split) is
+a series of its own, never compared with the other type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import polars as pl
+
+from torchinstruments.rundir.windows import SERIES_KEY
+
+__all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures", "x_ranges"]
+
+RANK_SERIES_KEY = (*SERIES_KEY, "module_type")
+_KEY = RANK_SERIES_KEY
+
+
+def x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int]]:
+    """Half-open ranges of `x` holding about `budget_rows` rows each (from the x column alone)."""
+    bounds = lf.select(pl.col(x).min().alias("lo"), pl.col(x).max().alias("hi"), pl.len()).collect()
+    lo, hi, rows = bounds.row(0)
+    if lo is None or hi is None:
+        return []
+    per_x = rows / (hi - lo + 1)
+    step = max(1, int(budget_rows / max(per_x, 1e-9)))
+    return [(start, min(start + step, hi + 1)) for start in range(lo, hi + 1, step)]
+
+
+# The series key's string columns (every key column but call_index), compared as codes.
+_TEXT_KEYS = tuple(k for k in _KEY if k != "call_index")
+
+
+def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
+    """Whether the row `shift` rows away holds the same `keys` (rows sorted by them)."""
+    same = pl.lit(True)
+    for k in keys:
+        same = same & (pl.col(k) == pl.col(k).shift(shift)).fill_null(False)
+    return same
+
+
+def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
+    """Per series in one x range: samples measured by >= 2 ranks, and the first x where one
+    rank's value is more than `tolerance` from its nearest other rank's.
+
+    Names are compared as integer codes (Categorical), and groups are found by comparing
+    neighbours in one sort, not by window functions: a range of millions of rows takes two
+    numeric sorts.
+    """
+    codes = [f"_{k}" for k in _TEXT_KEYS]
+    keys = [*codes, "call_index"]
+    frame = batch.select(
+        *(pl.col(k).cast(pl.Categorical) for k in _TEXT_KEYS),
+        *(
+            pl.col(k).cast(pl.Categorical).to_physical().alias(c)
+            for k, c in zip(_TEXT_KEYS, codes, strict=True)
+        ),
+        "call_index",
+        x,
+        "rank",
+        "value",
+    ).collect()
+    # A series measured twice in one sample (two backwards): its occurrences, in write order.
+    per_rank = [*keys, x, "rank"]
+    frame = frame.sort(*per_rank, maintain_order=True).with_columns(_start=~_same_as(per_rank, 1))
+    position = pl.int_range(pl.len())
+    frame = frame.with_columns(
+        _occurrence=position - pl.when("_start").then(position).forward_fill()
+    )
+    at = [*keys, x, "_occurrence"]
+    values = frame.filter(pl.col("value").is_finite()).sort(*at, "value")
+    values = values.with_columns(
+        _below=pl.when(_same_as(at, 1)).then(pl.col("value") - pl.col("value").shift(1)),
+        _above=pl.when(_same_as(at, -1)).then(pl.col("value").shift(-1) - pl.col("value")),
+    ).with_columns(nearest_other=pl.min_horizontal("_below", "_above"))
+    series = [*_TEXT_KEYS, "call_index"]
+    seen = frame.group_by(series).agg(ranks=pl.col("rank").n_unique())
+    matched = (
+        values.filter(pl.col("nearest_other").is_not_null())
+        .group_by(series)
+        .agg(matched_samples=pl.col(x).n_unique())
+    )
+    measured = seen.join(matched, on=series, how="left")
+    departing = values.filter(pl.col("nearest_other") > tolerance)
+    first = departing.group_by(series).agg(first_departure=pl.col(x).min())
+    at_first = (
+        departing.join(first, on=series)
+        .filter(pl.col(x) == pl.col("first_departure"))
+        .sort("rank")
+        .group_by(series)
+        .agg(
+            pl.col("first_departure").first(),
+            departing_ranks=pl.col("rank"),
+            departing_values=pl.col("value"),
+            nearest_other=pl.col("nearest_other").max(),
+        )
+    )
+    return measured.join(at_first, on=series, how="left").with_columns(
+        pl.col(k).cast(pl.String) for k in _TEXT_KEYS
+    )
+
+
+def combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
+    """The batches' results as one row per series: the earliest departure, summed matches."""
+    schema = {
+        "layer": pl.String,
+        "module_type": pl.String,
+        "call_index": pl.Int32,
+        "signal": pl.String,
+        "tensor_path": pl.String,
+        "mode": pl.String,
+        "metric": pl.String,
+        "ranks": pl.Int64,
+        "matched_samples": pl.Int64,
+        "first_departure": pl.Int64,
+        "departing_ranks": pl.List(pl.Int64),
+        "departing_values": pl.List(pl.Float64),
+        "nearest_other": pl.Float64,
+    }
+    if not pieces:
+        return pl.DataFrame(schema=schema)
+    both = pl.concat(pieces, how="vertical_relaxed")
+    matched = both.group_by(_KEY).agg(
+        pl.col("matched_samples").sum().cast(pl.Int64),
+        pl.col("ranks").max().cast(pl.Int64),
+    )
+    first = (
+        both.filter(pl.col("first_departure").is_not_null())
+        .sort("first_departure")
+        .group_by(_KEY, maintain_order=True)
+        .first()
+        .select(*_KEY, "first_departure", "departing_ranks", "departing_values", "nearest_other")
+    )
+    frame = matched.join(first, on=_KEY, how="left", nulls_equal=True).with_columns(
+        pl.col("matched_samples").fill_null(0), pl.col("ranks").fill_null(0).cast(pl.Int64)
+    )
+    return frame.select(list(schema)).cast(schema)  # type: ignore[arg-type]

@@ -384,3 +384,43 @@ def test_compare_parent_does_not_warn_when_only_one_rank_has_steps(tmp_path: Pat
     done = cli_in_process("compare", tmp_path, "--metrics", "mean", "--width", "400")
     assert done.returncode == 0, done.stderr
     assert not done.stdout.startswith("warning")
+
+
+def test_compare_parent_text_of_many_series_prints_the_earliest_to_depart_and_says_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beyond the text's limit (10 here, 60 by default) the table holds the series whose first
+    departure comes earliest (ties in traversal order, none last) and a line says how many
+    series it left out, in how many layers, how many of them depart, and `--all`."""
+    from torchinstruments.cli import ranks
+
+    for rank in (0, 1):
+        observe_rank(tmp_path, rank)
+    monkeypatch.setattr(ranks, "TEXT_SERIES", 10)
+    done = cli_in_process("compare", tmp_path, "--format", "csv")
+    every = pl.read_csv(io.StringIO(done.stdout)).with_row_index("traversal")
+    earliest = every.sort(pl.col("first_departure").is_null(), "first_departure", "traversal")
+    short = {"output": "out", "output_gradient": "grad"}
+    names: list[tuple[str, ...]] = [
+        (str(r["layer"]), short[r["signal"]], r["metric"]) for r in earliest.iter_rows(named=True)
+    ]
+    assert earliest["first_departure"].is_null().any()  # some series never depart
+    assert earliest["traversal"].to_list()[:10] != list(range(10))  # not traversal order
+
+    def rows(text: str) -> list[tuple[str, ...]]:
+        lines = text.splitlines()
+        start = next(i for i, li in enumerate(lines) if li.split()[:2] == ["layer", "signal"]) + 2
+        return [tuple(li.split()[:3]) for li in lines[start:] if len(li.split()) == 7]
+
+    done = cli_in_process("compare", tmp_path, "--width", "200")
+    assert done.returncode == 0, done.stderr
+    assert rows(done.stdout) == names[:10]
+    rest = earliest.slice(10)
+    departing = rest["first_departure"].is_not_null().sum()
+    assert (
+        f"{rest.height} more series not shown, in {rest['layer'].n_unique()} layers "
+        f"({departing} of them with a departure): --all prints every series"
+    ) in " ".join(done.stdout.split())
+    done = cli_in_process("compare", tmp_path, "--width", "200", "--all")
+    assert len(rows(done.stdout)) == every.height
+    assert "more series not shown" not in done.stdout

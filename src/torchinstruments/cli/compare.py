@@ -51,6 +51,8 @@ from torchinstruments.cli.selection import (
     summary,
 )
 from torchinstruments.cli.text import (
+    TEXT_SERIES,
+    earliest,
     number,
     plural,
     printable,
@@ -61,9 +63,8 @@ from torchinstruments.cli.text import (
     signal_short,
 )
 
-# The text view's most series, and most lines of series that stop or start in one run, unless
-# --all: 3,000 layers compared are 54,000 series, a table no one reads at a terminal.
-TEXT_SERIES = 60
+# The text view's most lines of series that stop or start in one run, unless --all (its most
+# series: `text.TEXT_SERIES`).
 TEXT_NOTES = 20
 
 COLUMNS = (
@@ -366,19 +367,13 @@ def shown_series(c: Comparison, every: bool = False) -> tuple[pl.DataFrame, list
     """The rows the text table prints, and the lines that say what it leaves out.
 
     Up to TEXT_SERIES series, all in traversal order; beyond, unless `every`, the TEXT_SERIES
-    that differ earliest (by first difference, ties in traversal order; those that differ
-    before those that do not), and a line saying how many series (of how many layers) are not
-    shown, how many of them differ, and how to see them. An ordering by where the runs part,
-    not a score: `B - A` of different metrics is not comparable.
+    that differ earliest (`text.earliest` by first difference: those that differ before those
+    that do not), and a line saying how many series (of how many layers) are not shown, how
+    many of them differ, and how to see them.
     """
     if every or c.frame.height <= TEXT_SERIES:
         return c.frame, []
-    ranked = (
-        c.frame.with_row_index("_pos")
-        .sort(pl.col("first_difference").is_null(), "first_difference", "_pos")
-        .drop("_pos")
-    )
-    shown, rest = ranked.head(TEXT_SERIES), ranked.slice(TEXT_SERIES)
+    shown, rest = earliest(c.frame, "first_difference", TEXT_SERIES)
     differ = rest.filter(pl.col("first_difference").is_not_null())
     layers = rest.select(pl.col("layer").n_unique()).item()
     head = (
@@ -387,8 +382,9 @@ def shown_series(c: Comparison, every: bool = False) -> tuple[pl.DataFrame, list
     )
     tail = (
         f"{rest.height} more series not shown, in {plural(layers, 'layer')} "
-        f"({differ.height} of them differ, the others are equal at every matched sample): --all prints every series, --layers REGEX or --metrics "
-        "M1,M2 chooses, --format csv holds every row."
+        f"({differ.height} of them differ, the others are equal at every matched sample): --all "
+        "prints every series, --layers REGEX or --metrics M1,M2 chooses, --format csv holds "
+        "every row."
     )
     return shown, [head, tail]
 

@@ -67,7 +67,15 @@ from torchinstruments.cli.selection import (
     sampled_differently,
     summary,
 )
-from torchinstruments.cli.text import number, plural, render_frame, series_table, several_calls
+from torchinstruments.cli.text import (
+    TEXT_SERIES,
+    earliest,
+    number,
+    plural,
+    render_frame,
+    series_table,
+    several_calls,
+)
 from torchinstruments.rundir.ranges import ranges
 
 DEPARTURE_BATCH_ROWS = 1 << 20
@@ -415,9 +423,11 @@ def departure_warnings(d: Departures) -> list[str]:
     return [] if warning is None else [warning]
 
 
-def render_departures(d: Departures, *, fmt: str, width: int) -> str:
+def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool = False) -> str:
     """The departures as an 80-column table, or one row per series (machine formats); a
-    warning first when the ranks were sampled differently."""
+    warning first when the ranks were sampled differently. Beyond TEXT_SERIES series, unless
+    `every_series`, the table holds those whose first departure comes earliest (`earliest`),
+    and says how many it leaves out."""
     if fmt != "text":
         facts = {
             "parent": str(d.parent),
@@ -459,10 +469,26 @@ def render_departures(d: Departures, *, fmt: str, width: int) -> str:
             str(r["matched_samples"]),
         ]
 
-    lines += [
-        "",
-        *series_table(types.typed_names(d.frame, list(d.mixed)), headers, cells, width=width),
-    ]
+    frame, rest = d.frame, d.frame.clear()
+    lines.append("")
+    if not every_series and d.frame.height > TEXT_SERIES:
+        frame, rest = earliest(d.frame, "first_departure", TEXT_SERIES)
+        lines += textwrap.wrap(
+            f"The {TEXT_SERIES} of {d.frame.height} series whose first departure comes "
+            "earliest, earliest first (ties in traversal order):",
+            width,
+        )
+    named = types.typed_names(frame, list(d.mixed))
+    lines += series_table(named, headers, cells, width=width, calls=several_calls(d.frame))
+    if rest.height:
+        departing = rest.filter(pl.col("first_departure").is_not_null()).height
+        layers = rest.select(pl.col("layer").n_unique()).item()
+        more = (
+            f"{rest.height} more series not shown, in {plural(layers, 'layer')} ({departing} of "
+            "them with a departure): --all prints every series, --layers REGEX, --metrics M1,M2 "
+            "or --rank chooses, --format csv holds every row."
+        )
+        lines += textwrap.wrap(more, width)
     return "\n".join(lines)
 
 

@@ -131,7 +131,11 @@ def run_on_ranks(
             tolerance=args.tolerance,
             x=args.x,
         )
-        print(multi.render_departures(found, fmt=args.format, width=args.width or width))
+        every = getattr(args, "every", False)
+        text = multi.render_departures(
+            found, fmt=args.format, width=args.width or width, every_series=every
+        )
+        print(text)
         return 0
     return _draw(args, parent, ranks, chosen)
 

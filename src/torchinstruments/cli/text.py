@@ -20,6 +20,9 @@ import polars as pl
 from torchinstruments.records import OUTPUT
 
 NUMBER_WIDTH = 10
+# A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
+# compared are 54,000 series, a table no one reads at a terminal.
+TEXT_SERIES = 60
 FORMATS = ("text", "csv", "json", "markdown")
 
 
@@ -158,6 +161,16 @@ def table(
     return out
 
 
+def earliest(frame: pl.DataFrame, column: str, limit: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The `limit` rows of `frame` whose `column` is smallest (nulls last, ties in the frame's
+    order), in that order, and the other rows: a long comparison's text table shows where its
+    runs or ranks part first (an order by a measured position, not a score)."""
+    ranked = (
+        frame.with_row_index("_pos").sort(pl.col(column).is_null(), column, "_pos").drop("_pos")
+    )
+    return ranked.head(limit), ranked.slice(limit)
+
+
 def plural(count: int, word: str, many: str | None = None) -> str:
     """`1 sample`, `2 samples` (`many` for an irregular plural)."""
     return f"{count} {word if count == 1 else (many or word + 's')}"
@@ -202,6 +215,8 @@ def render_frame(frame: pl.DataFrame, fmt: str, facts: dict[str, Any] | None = N
 __all__ = [
     "FORMATS",
     "NUMBER_WIDTH",
+    "TEXT_SERIES",
+    "earliest",
     "markdown",
     "number",
     "plural",

@@ -458,14 +458,14 @@ def test_lightning_setup_forwards_of_an_example_input_are_neither_training_nor_e
         assert (counts["eval_forwards"], counts["unobserved_eval_forwards"]) == (0, 2)
     assert set(history.filter(pl.col("signal") == "output")["shape"].list.first()) == {4}
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    forwards, were = ("forward", "was") if setup == 1 else ("forwards", "were")
     assert (
-        f"**Note:** {setup} setup forwards at the fit's start, before its first loop (Lightning's "
-        "model summary and the logger's graph of example_input_array, an on_fit_start hook), were "
+        f"**Note:** {setup} setup {forwards} at the fit's start, before its first loop (Lightning's "
+        f"model summary and the logger's graph of example_input_array, an on_fit_start hook), {were} "
         "not observed, whatever record_eval says"
     ) in index
     seen = "2 evaluation forwards were seen" if record_eval else "2 evaluation forwards inside"
     assert seen in index
-    forwards = "forward" if setup == 1 else "forwards"
     assert f"{setup} setup {forwards} (before the fit's first loop) ran unobserved" in index
 
 

@@ -39,6 +39,7 @@ from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.index_page import passed_through
 from torchinstruments.rundir.layout import resolve_output_dir
+from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
     Selector,
@@ -246,7 +247,8 @@ def remove_observer(model: nn.Module) -> Path | None:
         shown = ", ".join(repr(name) for name in never_ran[:20])
         warn(
             f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
-            f"sampled forward ({observer.counter.samples} samples), so they have no rows: {shown}"
+            f"sampled forward ({plural(observer.counter.samples, 'sample')}), so they have no rows: "
+            f"{shown}"
             + (" ..." if len(never_ran) > 20 else "")
             + " (see the Layers section of index.md)"
         )
@@ -254,7 +256,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     if counts.samples == 0 and observer.layer_names:
         passed = passed_through(counts)  # a trainer's evaluation: the model was called
         warn(
-            f"torchinstruments: no sample was recorded ({counts.root_forwards} root forwards "
+            f"torchinstruments: no sample was recorded ({plural(counts.root_forwards, 'root forward')} "
             f"seen, none sampled{'' if passed is None else '; ' + passed}): "
             f"{observer.directory} holds no rows, and its index.md says so"
         )

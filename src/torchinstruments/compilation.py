@@ -38,6 +38,7 @@ from torchinstruments._torch_internals import (
     resume_compilation,
     set_fullgraph_frame_count,
 )
+from torchinstruments.rundir.ranges import plural, was_were
 
 __all__ = [
     "ForwardEntry",
@@ -208,7 +209,10 @@ def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: in
         return None
     how = []
     if called_compiled:
-        how.append(f"{called_compiled} of the {samples} samples were called through compiled code")
+        how.append(
+            f"{called_compiled} of the {plural(samples, 'sample')} {was_were(called_compiled)} "
+            "called through compiled code"
+        )
     if compiled:
         names = ", ".join("the root" if not n else repr(n) for n in compiled[:10])
         how.append(f"compiled modules: {names}{' ...' if len(compiled) > 10 else ''}")

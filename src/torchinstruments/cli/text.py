@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.records import OUTPUT
+from torchinstruments.rundir.ranges import plural
 
 NUMBER_WIDTH = 10
 # A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
@@ -169,11 +170,6 @@ def earliest(frame: pl.DataFrame, column: str, limit: int) -> tuple[pl.DataFrame
         frame.with_row_index("_pos").sort(pl.col(column).is_null(), column, "_pos").drop("_pos")
     )
     return ranked.head(limit), ranked.slice(limit)
-
-
-def plural(count: int, word: str, many: str | None = None) -> str:
-    """`1 sample`, `2 samples` (`many` for an irregular plural)."""
-    return f"{count} {word if count == 1 else (many or word + 's')}"
 
 
 def _jsonable(value: Any) -> Any:

@@ -49,6 +49,7 @@ from torchinstruments.global_statistics import check_same_on_every_rank
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_output_dir
+from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -533,23 +534,29 @@ def _note_evaluation(
     if recording is None:
         recording = bool(counts.eval_forwards)
     if recording:
+        seen = counts.eval_forwards or 0
         add_run_note(
-            observed, f"{counts.eval_forwards} evaluation forwards were seen (record_eval)."
+            observed,
+            f"{plural(seen, 'evaluation forward')} {was_were(seen)} seen (record_eval).",
         )
     elif unobserved:
+        they, them = ("it takes", "it") if unobserved == 1 else ("they take", "them")
         add_run_note(
             observed,
-            f"{unobserved} evaluation forwards inside the fit (sanity check, validation, "
-            "evaluation the trainer runs during training: forwards outside a training step) "
-            "were not observed: they take no sample and forward_index does not count them "
-            f"({owner}(record_eval=True) records them as their own series). {after_the_fit}",
+            f"{plural(unobserved, 'evaluation forward')} inside the fit (sanity check, "
+            "validation, evaluation the trainer runs during training: forwards outside a "
+            f"training step) {was_were(unobserved)} not observed: {they} no sample and "
+            f"forward_index does not count {them} ({owner}(record_eval=True) records "
+            f"evaluation forwards as their own series). {after_the_fit}",
         )
     if setup:
+        one = setup == 1
         add_run_note(
             observed,
-            f"{setup} setup forwards at the fit's start, before its first loop (Lightning's "
-            "model summary and the logger's graph of example_input_array, an on_fit_start "
-            "hook), were not observed, whatever record_eval says: they are neither training "
-            "nor evaluation forwards, take no sample, and neither forward_index nor the "
-            "count of evaluation forwards counts them.",
+            f"{plural(setup, 'setup forward')} at the fit's start, before its first loop "
+            "(Lightning's model summary and the logger's graph of example_input_array, an "
+            f"on_fit_start hook), {was_were(setup)} not observed, whatever record_eval says: "
+            f"{'it is neither a training nor an evaluation forward, takes' if one else 'they are neither training nor evaluation forwards, take'} "
+            "no sample, and neither forward_index nor the count of evaluation forwards "
+            f"counts {'it' if one else 'them'}.",
         )

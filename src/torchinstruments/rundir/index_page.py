@@ -32,7 +32,7 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
-from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.ranges import plural, ranges, was_were
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import RunState, Status
 
@@ -64,9 +64,9 @@ def counts_sentence(state: RunState) -> str:
         )
     passed = passed_through(counts)
     return (
-        f"counts: {_count(counts.root_forwards, 'root forward')}, "
-        f"{_count(counts.samples, 'sample')}, "
-        f"{_count(counts.backward_samples, 'sample')} with a backward"
+        f"counts: {plural(counts.root_forwards, 'root forward')}, "
+        f"{plural(counts.samples, 'sample')}, "
+        f"{plural(counts.backward_samples, 'sample')} with a backward"
         + ("" if passed is None else f"; {passed}")
     )
 
@@ -77,8 +77,8 @@ def passed_through(counts: RunCounts) -> str | None:
     did (a plain loop) or when that is unknown (a state written before these counts)."""
     evaluation, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
     said = [
-        *([_count(evaluation, "evaluation forward")] if evaluation else []),
-        *([_count(setup, "setup forward") + " (before the fit's first loop)"] if setup else []),
+        *([plural(evaluation, "evaluation forward")] if evaluation else []),
+        *([plural(setup, "setup forward") + " (before the fit's first loop)"] if setup else []),
     ]
     return " and ".join(said) + " ran unobserved" if said else None
 
@@ -90,7 +90,8 @@ def unsampled_sentence(counts: RunCounts) -> str:
     passed-through forwards nobody counted."""
     passed = passed_through(counts)
     if counts.root_forwards:
-        seen = f"{counts.root_forwards} root forwards were seen and the sampler chose none"
+        forwards = counts.root_forwards
+        seen = f"{plural(forwards, 'root forward')} {was_were(forwards)} seen and the sampler chose none"
         return seen if passed is None else f"{seen} ({passed})"
     if passed is not None:
         return f"no training forward called the model, and {passed}"
@@ -102,17 +103,12 @@ def unsampled_sentence(counts: RunCounts) -> str:
     return "the model was never called"
 
 
-def _count(count: int, word: str) -> str:
-    """`1 sample`, `2 samples`."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
 def bound_count(n: int, word: str = "") -> str:
     """A count rebuilt from history: `at least N <word>s`, or `unknown` for 0 (no row says
     anything: a count nobody wrote is unknown, never 0)."""
     if not word:
         return f"at least {n}" if n else "unknown"
-    return f"at least {_count(n, word)}" if n else f"unknown {word}s"
+    return f"at least {plural(n, word)}" if n else f"unknown {word}s"
 
 
 # A killed earlier attempt's flush_seconds is not in the state (the run info is this attempt's,
@@ -176,7 +172,7 @@ def _section_state(state: RunState) -> list[str]:
             f"{lost_bound} Counts are lower bounds.{also}",
             "",
         ]
-    recorded = "" if state.rows_recorded is None else f" ({state.rows_recorded} rows)"
+    recorded = "" if state.rows_recorded is None else f" ({plural(state.rows_recorded, 'row')})"
     if state.removed_in_flight:
         return [
             "**State: complete, removed while a sample was in flight.** history.parquet holds "
@@ -247,7 +243,7 @@ def _dtype_note(state: RunState) -> list[str]:
     listed = len(state.dtype_changes)
     more = "" if listed == total else f"; ... ({total - listed} more)"
     return [
-        f"dtype changed during the run: {total} layer{'' if total == 1 else 's'} recorded "
+        f"dtype changed during the run: {plural(total, 'layer')} recorded "
         "tensors of more than one dtype (a model cast mid-run, e.g. `model.half()`, or "
         "autocast on some samples only). Each row's `dtype` says its own; result.json's "
         "`dtype` is a tensor's latest and its `dtypes` lists each with its first and last "

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from torchinstruments.rundir.ranges import was_were
+
 MAX_ENTRIES = 64
 
 
@@ -44,7 +46,8 @@ class LostRows:
         """`"1,234 rows of samples 10-99 were recorded but not written: <reason>"` (index.md,
         warnings and the command line say it in these words)."""
         where = sample_range(self.first_sample_id, self.last_sample_id)
-        return f"{self.rows:,} rows of {where} were recorded but not written: {self.reason}"
+        rows = f"{self.rows:,} row{'' if self.rows == 1 else 's'}"
+        return f"{rows} of {where} {was_were(self.rows)} recorded but not written: {self.reason}"
 
 
 def sample_range(first: int | None, last: int | None) -> str:

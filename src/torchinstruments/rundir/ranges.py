@@ -1,14 +1,16 @@
-"""Numbers as ranges of text, and back: `[0, 1, 2, 5]` <-> `"0-2, 5"`.
+"""Numbers as text: ranges and back (`[0, 1, 2, 5]` <-> `"0-2, 5"`), and counts with their noun.
 
 One formatter for every list of sample ids, attempts, part numbers and ranks the library prints
-or stores (index.md, history.parquet's merged-parts metadata, the command line's rank lists).
+or stores (index.md, history.parquet's merged-parts metadata, the command line's rank lists),
+and one for every count it prints (`1 sample`, `2 samples`: index.md, the trainer notes, the
+command line), so a count of 1 never reads "1 samples".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["parse_ranges", "ranges"]
+__all__ = ["parse_ranges", "plural", "ranges", "was_were"]
 
 
 def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
@@ -32,3 +34,13 @@ def parse_ranges(text: str) -> set[int]:
         lo, _, hi = item.partition("-")
         numbers.update(range(int(lo), int(hi or lo) + 1))
     return numbers
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 sample`, `2 samples` (`many` for an irregular plural)."""
+    return f"{count} {word if count == 1 else (many or word + 's')}"
+
+
+def was_were(count: int) -> str:
+    """The verb that agrees with `count` things: `was` for 1, else `were`."""
+    return "was" if count == 1 else "were"

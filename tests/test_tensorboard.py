@@ -38,6 +38,7 @@ from torchinstruments import (
 )
 from torchinstruments.events import Crc32c, EventFile
 from torchinstruments.records import histogram_tag
+from torchinstruments.sinks.tensorboard import ONE_PER_STEP
 
 from conftest import read_history
 
@@ -371,12 +372,16 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
         sampler=EveryNForwardsSampler(2),
         sinks=[TensorBoardSink(writer, step=lambda: 40, step_name="the trainer's global_step")],
     )
-    for _ in range(3):
+    for _ in range(2):  # sample 0, then an unsampled forward
+        model(torch.randn(2, 3)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="sample 1 shares step 40 with an earlier sample"):
         model(torch.randn(2, 3)).sum().backward()
     remove_observer(model)
     writer.close()
     run_events = histograms(run_dir / "tensorboard")
     assert [e.step for e in run_events["1/call_0/output_gradient/tensor"]] == [0, 2]
+    # both samples are at step 40 in the caller's logger: the first one only
+    assert [e.step for e in histograms(tmp_path / "caller")["0/call_0/output/tensor"]] == [40]
     assert descriptions(run_dir / "tensorboard")["1/call_0/output_gradient/tensor"] == (
         "Histogram of the gradient flowing back into the output of layer '1' (ReLU), call 0. "
         "Only finite entries are counted: NaN and Inf are left out (the history's "
@@ -390,7 +395,9 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
     assert caller["0/call_0/output/tensor"].startswith(
         "Histogram of the output of layer '0' (Linear), call 0. Only finite entries are counted"
     )
-    assert caller["0/call_0/output/tensor"].endswith("Step: the trainer's global_step.")
+    assert caller["0/call_0/output/tensor"].endswith(
+        f"Step: the trainer's global_step. {ONE_PER_STEP}"
+    )
 
 
 def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(

@@ -52,6 +52,7 @@ from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_ou
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = [
     "RUN_NAME",
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 RUN_NAME = "torchinstruments"
+LOGGER = "the trainer's TensorBoard logger"
 
 
 def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, bool]]:
@@ -249,6 +251,7 @@ class FitObservation:
         # The run directory (before a rank's `rank-NNN/`) of the current or last fit, which a
         # trainer's checkpoint keeps so that a fit resumed from it continues that run.
         self.run_directory: Path | None = None
+        self.logger_sink: Sink | None = None  # the trainer's TensorBoard logger, as a sink
         self._checked_first_step = False
 
     def observed_module(self, model: nn.Module) -> nn.Module:
@@ -319,7 +322,7 @@ class FitObservation:
             directory = pick(trainer_directory, config.rank_policy)
         if resume:
             self._finish_left_attached(config.directory if directory is None else directory)
-        sink = logger_sink()
+        sink = self.logger_sink = logger_sink()
         target = self.observed_module(model)
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
         self.directory = start_run(
@@ -467,7 +470,7 @@ class FitObservation:
         self.phases = None
         if observed is None or not has_observer(observed):
             return None
-        _note_evaluation(observed, self.owner, self.eval_sampler is not None, self._after_the_fit())
+        self._note_fit_end(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
             add_run_note(
@@ -477,6 +480,15 @@ class FitObservation:
                 "removed the observer when the trainer reported the exception).",
             )
         return remove_observer(observed)
+
+    def _note_fit_end(self, observed: nn.Module) -> None:
+        """index.md at the fit's end: its evaluation and setup forwards, and the samples the
+        trainer's TensorBoard logger holds no histogram of (an earlier one had their step)."""
+        _note_evaluation(observed, self.owner, self.eval_sampler is not None, self._after_the_fit())
+        sink = self.logger_sink
+        said = sink.shared_step_note(LOGGER) if isinstance(sink, TensorBoardSink) else None
+        if said is not None:
+            add_run_note(observed, said)
 
     def _finish_left_attached(self, run: Path) -> None:
         """A resumed fit continues `run`, which an observer of this process still writes: an
@@ -513,9 +525,7 @@ class FitObservation:
             f"(its fit ended without an end-of-fit callback); its run {self.directory} is "
             "finished now, before this fit starts"
         )
-        _note_evaluation(
-            self.observed, self.owner, self.eval_sampler is not None, self._after_the_fit()
-        )
+        self._note_fit_end(self.observed)
         remove_observer(self.observed)
         self.observed = None
         self.phases = None

@@ -107,7 +107,10 @@ def section_files(run: RunInfo) -> list[str]:
         "- `index.md`: this page. `tensorboard/`: histograms of the focus layers' finite "
         "entries (NaN and Inf left out), on step forward_index (the root forward the sample "
         "was taken at: the training step when each step is one forward); a trainer callback "
-        "also writes them into the trainer's own TensorBoard logger on its global step. A "
+        "also writes them into the trainer's own TensorBoard logger on its global step, one per "
+        "tag and step: the step's first sample (the micro-batches of gradient accumulation and "
+        "an evaluation's batches share a step, and TensorBoard's default data server keeps "
+        "only the last record at a step; a note below counts the samples left out there). A "
         "focus tensor with no finite entry has no histogram at that step, and a text note "
         "'<tag> (no histogram)' there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run. The file stays after "

@@ -2,6 +2,19 @@
 
 `write_histograms` is shared with nothing else: histograms arrive already reduced (counts), and
 each tag's first event carries its description and the histograms plugin's metadata.
+
+Design decision: on the caller's step (`step=`) several samples can share a step: the
+micro-batches of gradient accumulation, the batches of one evaluation, on a trainer's global
+step. TensorBoard keeps them as several events at one step, and what its readers make of that
+differs: its default data server (RustBoard) keeps one record per tag and step, the last one
+written (a record at a step it has seen preempts those at or after it, its handling of a
+restarted job), while its Python reader (`--load_fast=false`, `EventAccumulator`) keeps them all
+and draws them on top of each other at that step. So this sink writes one per tag and step, the
+step's first sample, the same on every reader: known when it arrives, so nothing waits for the
+step to end, and the same micro-batch of every optimizer step. The later ones are counted
+(`shared_step_samples`), warned about once, and the tag description says where they are: the
+run directory's own events, one step per sample (forward_index), and history. Cost: the trainer's
+TensorBoard shows one micro-batch of each optimizer step.
 """
 
 from __future__ import annotations
@@ -20,9 +33,19 @@ from torchinstruments.events import (
     missing_histograms,
     missing_text,
 )
+from torchinstruments.notices import warn
 from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, SampleRecord
+from torchinstruments.rundir.ranges import plural
 
-__all__ = ["TensorBoardSink", "write_histograms"]
+__all__ = ["ONE_PER_STEP", "TensorBoardSink", "write_histograms"]
+
+ONE_PER_STEP = (
+    "One histogram per tag and step: the first sample taken at that step. Samples that share a "
+    "step (the micro-batches of gradient accumulation, the batches of one evaluation) would be "
+    "several events at one step, of which TensorBoard's default data server keeps only the last "
+    "written, so the later ones are not written here: the run directory's tensorboard/ has every "
+    "sample's histograms on its own step (forward_index), and its history their rows."
+)
 
 
 def write_histograms(
@@ -61,7 +84,10 @@ class TensorBoardSink:
     axis. A `step` that raises or returns no int detaches this sink with one warning (like any
     failing sink); training goes on. Each tag's first event carries a description (layer type,
     signal, finite entries only, the step axis: `step_name`), and a focus tensor without a
-    histogram at a step (no finite entry) gets a text note saying why.
+    histogram at a step (no finite entry) gets a text note saying why. With `step`, a tag gets
+    one histogram (or note) per step, the first sample's at that step (`ONE_PER_STEP`, the
+    module docstring says why): a later sample at that step is counted in
+    `shared_step_samples` and warned about once.
 
     Args:
         logger: a SummaryWriter, or an object whose `.experiment` is one.
@@ -98,6 +124,29 @@ class TensorBoardSink:
         self._module_types: dict[str, str] = {}
         self._focus: frozenset[str] = frozenset()
         self._described: set[str] = set()
+        self._last_steps: dict[str, int] = {}  # tag -> the step it was last written at
+        self._shared: set[int] = set()  # sample_ids left out: an earlier sample had the step
+
+    @property
+    def shared_step_samples(self) -> int:
+        """How many samples had a histogram (or note) left out: an earlier sample had its step."""
+        return len(self._shared)
+
+    def shared_step_note(self, logger: str) -> str | None:
+        """index.md's note on the samples left out of `logger` (e.g. "the trainer's TensorBoard
+        logger"): an earlier sample had their step; None when none was."""
+        n = len(self._shared)
+        if not n:
+            return None
+        return (
+            f"{plural(n, 'sample')} shared a step with an earlier sample (gradient "
+            f"accumulation's micro-batches, an evaluation's batches), so {logger} holds "
+            f"no histogram of {'it' if n == 1 else 'them'}: it gets one histogram per tag and "
+            "step, the step's first sample's (TensorBoard's default data server keeps only the "
+            "last record at a step, its Python reader draws them all on top of each other). "
+            "tensorboard/ here has every sample's histograms on its own step (forward_index), "
+            "and history their rows."
+        )
 
     def _writer(self) -> Any:
         """The SummaryWriter, looked up each time: Lightning creates `.experiment` lazily."""
@@ -121,10 +170,34 @@ class TensorBoardSink:
         if not record.histograms and not missing:
             return
         step = self._current_step(record)
+        histograms = [h for h in record.histograms if self._first_at(h.tag, step)]
+        firsts = [item for item in missing if self._first_at(item.tag, step)]
+        if len(histograms) + len(firsts) < len(record.histograms) + len(missing):
+            self._left_out(record, step)
         writer = self._writer()
-        write_histograms(writer, record.histograms, step, self._describe)
-        for item in missing:
+        write_histograms(writer, histograms, step, self._describe)
+        for item in firsts:
             writer.add_text(item.tag + NO_HISTOGRAM, missing_text(item, step), global_step=step)
+
+    def _first_at(self, tag: str, step: int) -> bool:
+        """Whether `tag` has nothing at `step` yet (always, on forward_index: one sample each)."""
+        if self._step is not None and self._last_steps.get(tag) == step:
+            return False
+        self._last_steps[tag] = step
+        return True
+
+    def _left_out(self, record: SampleRecord, step: int) -> None:
+        """Count a sample whose step an earlier sample had; warn at the first."""
+        if not self._shared:
+            warn(
+                f"torchinstruments: TensorBoardSink: sample {record.sample_id} shares step {step} "
+                "with an earlier sample (gradient accumulation's micro-batches, or an "
+                "evaluation's batches): the logger gets one histogram per tag and step, the "
+                "first sample's, since TensorBoard's default data server keeps only the last "
+                "record at a step; every sample is in the run directory's tensorboard/ on its "
+                "forward_index (said once; index.md counts them under a trainer callback)"
+            )
+        self._shared.add(record.sample_id)
 
     def _describe(self, histogram: HistogramRecord) -> str | None:
         """The tag's description the first time it is written, else None."""
@@ -132,7 +205,8 @@ class TensorBoardSink:
             return None
         self._described.add(histogram.tag)
         module_type = self._module_types.get(histogram.layer, "?")
-        return histogram_description(histogram, module_type, self._step_name)
+        described = histogram_description(histogram, module_type, self._step_name)
+        return described if self._step is None else f"{described} {ONE_PER_STEP}"
 
     def _current_step(self, record: SampleRecord) -> int:
         """The caller's step, or the sample's forward_index without `step`.

@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import polars as pl
 from torch import nn
 
 from torchinstruments.api import (
@@ -46,6 +45,12 @@ from torchinstruments.api import (
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import check_same_on_every_rank
+from torchinstruments.integrations._repeats import (
+    EarlierSteps,
+    EvaluationSteps,
+    earlier_steps,
+    repeated_evaluations,
+)
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_output_dir
@@ -148,33 +153,6 @@ def fresh_sampler(pristine: object | None, sampler: object) -> object:
         return sampler
 
 
-def recorded_step(history: Path) -> int | None:
-    """The largest `step` of a training sample in `history` (the earlier attempts' rows of a
-    continued run), None without one or when it cannot be read: read once per resumed fit,
-    never per sample.
-
-    Training samples only: an evaluation sample (record_eval) taken after the last step a
-    checkpoint holds carries that step (the trainer's global step, optimizer steps so far),
-    while the resumed fit's first training forwards carry it too, for the next step: counted,
-    it made a fit resumed exactly where its checkpoint left say that step was trained again.
-    A training sample has a row in train mode or a gradient row; an evaluation sample neither.
-    """
-    training = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
-    try:
-        value = (
-            pl.scan_parquet(history, glob=False)
-            .group_by("sample_id")
-            .agg(training.any().alias("training"), pl.col("step").max())
-            .filter(pl.col("training"))
-            .select(pl.col("step").max())
-            .collect()
-            .item()
-        )
-    except Exception:  # no history yet, or unreadable: nothing to compare with
-        return None
-    return None if value is None else int(value)
-
-
 def last_run_directory(parent: Path, rank_policy: str) -> Path:
     """The last `parent/torchinstruments[-N]` holding a run (this rank's), which a fit resumed
     from a checkpoint continues; `parent/torchinstruments` when none does."""
@@ -252,6 +230,11 @@ class FitObservation:
         # trainer's checkpoint keeps so that a fit resumed from it continues that run.
         self.run_directory: Path | None = None
         self.logger_sink: Sink | None = None  # the trainer's TensorBoard logger, as a sink
+        # A resumed fit's evaluation samples at steps earlier attempts evaluated at (record_eval),
+        # what those attempts recorded, and the step it resumed at: said at its end.
+        self._evaluations: EvaluationSteps | None = None
+        self._earlier = EarlierSteps()
+        self._resume_step = 0
         self._checked_first_step = False
 
     def observed_module(self, model: nn.Module) -> nn.Module:
@@ -325,12 +308,14 @@ class FitObservation:
         sink = self.logger_sink = logger_sink()
         target = self.observed_module(model)
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
+        repeats = resume and resume_step is not None and self.eval_sampler is not None
+        self._evaluations = EvaluationSteps() if repeats else None
         self.directory = start_run(
             target,
             config,
             directory=directory,
             resume=resume,
-            extra_sinks=() if sink is None else (sink,),
+            extra_sinks=tuple(s for s in (sink, self._evaluations) if s is not None),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),
         )
@@ -342,7 +327,7 @@ class FitObservation:
             if not_continued is not None:
                 self._note_not_continued(checkpoint_run, checkpoint, not_continued)
             if resume and resume_step is not None:
-                self._note_retrained(resume_step)
+                self._note_repeats(resume_step)
             follow_step(self.observed, global_step)
             self.phases = trainer_phases(self.observed)
             if self.phases is not None:
@@ -373,20 +358,29 @@ class FitObservation:
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 
-    def _note_retrained(self, step: int) -> None:
+    def _note_repeats(self, step: int) -> None:
         """index.md and a warning when this fit resumed behind the last step earlier attempts
         recorded (preempted after its last checkpoint): those steps have samples in more than
-        one attempt, which a join of `step` with the trainer's log would pair with one value."""
+        one attempt, which a join of `step` with the trainer's log would pair with one value.
+        The evaluations it repeats are said when it ends (`_repeats`)."""
         assert self.observed is not None
         assert self.directory is not None
-        reached = recorded_step(self.directory / HISTORY_FILE)
+        earlier = self._earlier = earlier_steps(self.directory / HISTORY_FILE)
+        self._resume_step = step
+        if self._evaluations is not None:
+            self._evaluations.watch(frozenset(s for _, s in earlier.evaluated))
+        reached = earlier.trained
         if reached is None or reached < step:
             return
+        which = (
+            f"step {step} was trained again, so its"
+            if reached == step
+            else f"steps {step} to {reached} were trained again, so their"
+        )
         said = (
             f"this fit resumed at global step {step}, and earlier attempts had recorded training "
-            f"samples up to step {reached}: steps {step} to {reached} were trained again, so their "
-            "samples appear in more than one attempt (tell them apart by `attempt`: the latest "
-            "attempt's are the training that went on)"
+            f"samples up to step {reached}: {which} samples appear in more than one attempt "
+            "(tell them apart by `attempt`: the latest attempt's are the training that went on)"
         )
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
@@ -489,6 +483,12 @@ class FitObservation:
         said = sink.shared_step_note(LOGGER) if isinstance(sink, TensorBoardSink) else None
         if said is not None:
             add_run_note(observed, said)
+        evaluations, self._evaluations = self._evaluations, None
+        if evaluations is not None:
+            said = repeated_evaluations(self._earlier, evaluations.counts(), self._resume_step)
+            if said is not None:
+                add_run_note(observed, said)
+                warn(f"torchinstruments: {self.owner}: {said}")
 
     def _finish_left_attached(self, run: Path) -> None:
         """A resumed fit continues `run`, which an observer of this process still writes: an

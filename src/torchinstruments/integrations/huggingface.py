@@ -16,7 +16,8 @@ wrap below), and every other forward of the model during `train()` (evaluation e
 `record_eval=True` those are sampled on their own count and form their own series (mode
 `eval`). `evaluate()` or `predict()` called after `train()` runs after the observer was
 removed: neither observed nor counted. Each micro-batch of gradient accumulation is a training forward; their samples
-share one `step` (`state.global_step`, history's `step`).
+share one `step` (`state.global_step`, history's `step`), and the Trainer's TensorBoard gets the
+step's first one (one histogram per tag and step: `sinks.tensorboard` says why).
 
 Defaults: the run directory is `args.output_dir/torchinstruments` (`-2`, `-3`, ... when taken).
 With `report_to` including `"tensorboard"`, the focus histograms also go into the Trainer's

@@ -37,7 +37,9 @@ are neither training nor evaluation: they pass through unobserved, also under `r
 and index.md counts them apart. `trainer.validate()`, `trainer.test()` and `trainer.predict()`
 run after the fit, after the observer was removed: neither observed nor counted.
 With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
-forward, and their samples share one `step` (the trainer's global step, history's `step`).
+forward, and their samples share one `step` (the trainer's global step, history's `step`); the
+`TensorBoardLogger` gets the step's first one (one histogram per tag and step:
+`sinks.tensorboard` says why).
 
 Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
 directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). A fit

@@ -110,7 +110,7 @@ def section_files(run: RunInfo) -> list[str]:
         "also writes them into the trainer's own TensorBoard logger on its global step, one per "
         "tag and step: the step's first sample (the micro-batches of gradient accumulation and "
         "an evaluation's batches share a step, and TensorBoard's default data server keeps "
-        "only the last record at a step; a note below counts the samples left out there). A "
+        "only the last record at a step; this page's notes count the samples left out there). A "
         "focus tensor with no finite entry has no histogram at that step, and a text note "
         "'<tag> (no histogram)' there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run. The file stays after "

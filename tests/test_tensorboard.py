@@ -398,6 +398,34 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
     assert caller["0/call_0/output/tensor"].endswith(
         f"Step: the trainer's global_step. {ONE_PER_STEP}"
     )
+    index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        "1 sample shared a step with an earlier sample (gradient accumulation's micro-batches, "
+        "an evaluation's batches), so the TensorBoard logger of TensorBoardSink(step=...) holds "
+        "no histogram of it"
+    ) in index
+
+
+def test_samples_left_out_of_the_callers_step_are_each_counted_once_in_index_md(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """A plain loop's TensorBoardSink on a step that never moves: every sample after the first
+    is left out of the caller's logger, counted once (its forward and backward records both
+    arrive), however many there are, and index.md says how many."""
+    writer = SummaryWriter(str(tmp_path / "caller"))
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    sink = TensorBoardSink(writer, step=lambda: 7)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[sink])
+    with pytest.warns(RuntimeWarning, match="sample 1 shares step 7 with an earlier sample"):
+        for _ in range(150):
+            model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    writer.close()
+    assert sink.shared_step_samples == 149
+    assert [e.step for e in histograms(tmp_path / "caller")["0/call_0/output/tensor"]] == [7]
+    index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
+    assert "149 samples shared a step with an earlier sample" in index
+    assert index.count("shared a step with an earlier sample") == 1
 
 
 def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(

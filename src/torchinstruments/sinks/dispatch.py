@@ -16,6 +16,7 @@ from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = ["SinkGroup", "detached_note"]
 
@@ -78,6 +79,11 @@ class SinkGroup:
         self._call("write_backward", record)
 
     def close(self, counts: RunCounts) -> None:
+        """Close every sink, the run directory first, after the notes of the caller's
+        TensorBoard sinks that left samples out (`TensorBoardSink.shared_step_note`)."""
+        for sink in self._sinks:
+            if isinstance(sink, TensorBoardSink) and (note := sink.shared_step_note()):
+                self.add_note(note)
         self._call("close", counts)
         self._sinks.clear()
 

@@ -20,6 +20,7 @@ TensorBoard shows one micro-batch of each optimizer step.
 from __future__ import annotations
 
 import operator
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,12 @@ from torchinstruments.records import HistogramRecord, RunCounts, RunInfo, Sample
 from torchinstruments.rundir.ranges import plural
 
 __all__ = ["ONE_PER_STEP", "TensorBoardSink", "write_histograms"]
+
+# How a note names the logger of a TensorBoardSink the caller built (a callback names its own).
+LOGGER = "the TensorBoard logger of TensorBoardSink(step=...)"
+# A sample's records (forward, then backward) arrive close together: the latest ids left out
+# that are remembered, so that a sample is counted once.
+_RECENT = 64
 
 ONE_PER_STEP = (
     "One histogram per tag and step: the first sample taken at that step. Samples that share a "
@@ -125,19 +132,25 @@ class TensorBoardSink:
         self._focus: frozenset[str] = frozenset()
         self._described: set[str] = set()
         self._last_steps: dict[str, int] = {}  # tag -> the step it was last written at
-        self._shared: set[int] = set()  # sample_ids left out: an earlier sample had the step
+        # The samples left out (an earlier sample had their step): a count, and the latest
+        # few ids, as a sample's forward and backward records both arrive (bounded memory).
+        self._shared = 0
+        self._recent_shared: deque[int] = deque(maxlen=_RECENT)
+        self._noted = False  # the note on them was handed to index.md (`shared_step_note`)
 
     @property
     def shared_step_samples(self) -> int:
         """How many samples had a histogram (or note) left out: an earlier sample had its step."""
-        return len(self._shared)
+        return self._shared
 
-    def shared_step_note(self, logger: str) -> str | None:
+    def shared_step_note(self, logger: str = LOGGER) -> str | None:
         """index.md's note on the samples left out of `logger` (e.g. "the trainer's TensorBoard
-        logger"): an earlier sample had their step; None when none was."""
-        n = len(self._shared)
-        if not n:
+        logger"): an earlier sample had their step; None when none was, or once it was given
+        (a trainer callback gives it at the fit's end, the run's removal otherwise)."""
+        n = self._shared
+        if not n or self._noted:
             return None
+        self._noted = True
         return (
             f"{plural(n, 'sample')} shared a step with an earlier sample (gradient "
             f"accumulation's micro-batches, an evaluation's batches), so {logger} holds "
@@ -188,6 +201,8 @@ class TensorBoardSink:
 
     def _left_out(self, record: SampleRecord, step: int) -> None:
         """Count a sample whose step an earlier sample had; warn at the first."""
+        if record.sample_id in self._recent_shared:
+            return  # its other record (forward or backward), counted already
         if not self._shared:
             warn(
                 f"torchinstruments: TensorBoardSink: sample {record.sample_id} shares step {step} "
@@ -195,9 +210,10 @@ class TensorBoardSink:
                 "evaluation's batches): the logger gets one histogram per tag and step, the "
                 "first sample's, since TensorBoard's default data server keeps only the last "
                 "record at a step; every sample is in the run directory's tensorboard/ on its "
-                "forward_index (said once; index.md counts them under a trainer callback)"
+                "forward_index (said once; index.md counts them)"
             )
-        self._shared.add(record.sample_id)
+        self._shared += 1
+        self._recent_shared.append(record.sample_id)
 
     def _describe(self, histogram: HistogramRecord) -> str | None:
         """The tag's description the first time it is written, else None."""

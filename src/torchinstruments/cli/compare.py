@@ -100,15 +100,40 @@ class Comparison:
     mixed: module_types.Mixed = field(default_factory=dict)  # a layer of another type in B
 
 
+# The series key's string columns, read as integer codes (Categorical) while the ranges are
+# compared: grouping and joining millions of rows by codes, not strings, is most of the speed.
+_TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
+
+
 def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
-    """Series key, x, occurrence number within (series, x) in write order, and value, of one
-    range of samples (whole samples, read in write order)."""
-    return (
-        rows.select(*SERIES_KEY, x, "value")
+    """Series key (its names as Categorical), x, occurrence number within (series, x) in write
+    order, and value, of one range of samples (whole samples, read in write order).
+
+    Most series have one row per sample: only the rows whose (series, x) repeats (a layer
+    called twice under one call_index, two backwards) are numbered by group, the others are
+    occurrence 0, so a range costs a duplicate test, not a group per series and sample.
+    """
+    frame = (
+        rows.select(
+            *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
+            x,
+            "value",
+        )
         .collect()
         .sort(x, maintain_order=True)
-        .with_columns(_occurrence=pl.int_range(pl.len()).over(*SERIES_KEY, x))
+        .with_row_index("_write")
+        .with_columns(_twice=pl.struct(*SERIES_KEY, x).is_duplicated())
     )
+    once = frame.filter(~pl.col("_twice")).with_columns(_occurrence=pl.lit(0, pl.Int64))
+    twice = frame.filter("_twice").with_columns(
+        _occurrence=pl.int_range(pl.len(), dtype=pl.Int64).over(*SERIES_KEY, x)
+    )
+    return pl.concat([once, twice]).sort("_write").drop("_write", "_twice")
+
+
+def _named(frame: pl.DataFrame) -> pl.DataFrame:
+    """`frame` with its key's names as strings again (one row per series: cheap)."""
+    return frame.with_columns(pl.col(k).cast(pl.String) for k in _TEXT_KEYS)
 
 
 def first_differences(
@@ -145,13 +170,29 @@ def first_differences(
     one_missing = pl.col("_in_a") != pl.col("_in_b")
     one_null = pl.col("value_a").is_null() != pl.col("value_b").is_null()
     differ = one_missing | one_null | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
-    first = pl.col(x).filter(differ).min()
-    at_first = differ & (pl.col(x) == first)
-    return joined.group_by(SERIES_KEY).agg(
-        matched_samples=pl.col(x).filter(pl.col("_in_a") & pl.col("_in_b")).n_unique(),
-        first_difference=first,
-        value_a_at_first_difference=pl.col("value_a").filter(at_first).first(),
-        value_b_at_first_difference=pl.col("value_b").filter(at_first).first(),
+    # Each aggregation on rows chosen beforehand, so each is a plain per-group one (a filter
+    # inside an aggregation is evaluated group by group: slow with one group per series).
+    matched = (
+        joined.filter("_in_a", "_in_b")
+        .group_by(SERIES_KEY)
+        .agg(matched_samples=pl.col(x).n_unique())
+    )
+    first = (
+        joined.filter(differ)
+        .sort(x, maintain_order=True)  # the first row at the first x, in joined order
+        .group_by(SERIES_KEY, maintain_order=True)
+        .agg(
+            first_difference=pl.col(x).first(),
+            value_a_at_first_difference=pl.col("value_a").first(),
+            value_b_at_first_difference=pl.col("value_b").first(),
+        )
+    )
+    return (
+        joined.select(SERIES_KEY)
+        .unique()
+        .join(matched, on=SERIES_KEY, how="left", nulls_equal=True)
+        .join(first, on=SERIES_KEY, how="left", nulls_equal=True)
+        .with_columns(pl.col("matched_samples").fill_null(0))
     )
 
 
@@ -212,7 +253,7 @@ def _differences(
         empty = _matched_values(selection.rows(lf_a.clear()), x)
         diffs = first_differences(empty, empty, x, tolerance, samples)
         extent_a, extent_b = _extent(empty, x, "a"), _extent(empty, x, "b")
-    return diffs, extent_a, extent_b
+    return _named(diffs), _named(extent_a), _named(extent_b)
 
 
 def compare(

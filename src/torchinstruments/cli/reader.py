@@ -383,6 +383,31 @@ class SelectionError(ValueError):
     """A `--layers`, `--signal` or `--metrics` choice that matches nothing in the run(s)."""
 
 
+def _has_row(directories: Sequence[Path], condition: pl.Expr) -> bool:
+    """Whether any of the runs holds a row where `condition` holds.
+
+    The filter reaches the Parquet scan (a row group whose statistics rule it out is not
+    decoded) and the read stops at the first such row: a 5.4 M-row history is not decoded
+    whole to learn which names it holds.
+    """
+    return any(
+        read_history(
+            d, lambda lf: lf.filter(condition).head(1).select(pl.len()), write_order=False
+        ).item()
+        > 0
+        for d in directories
+    )
+
+
+def _held(directories: Sequence[Path], column: str) -> list[str]:
+    """The values of one name column in the runs' histories (for a refusal's message only)."""
+    frames = [
+        read_history(d, lambda lf: lf.select(pl.col(column).unique()), write_order=False)
+        for d in directories
+    ]
+    return pl.concat(frames)[column].unique().drop_nulls().to_list()
+
+
 def check_selection(
     directories: Sequence[Path],
     *,
@@ -393,22 +418,16 @@ def check_selection(
     """Refuse a choice that matches nothing, listing what the runs hold.
 
     A typo (`--metrics zero_frac`, `--layers zzz`) would otherwise look like missing data. The
-    names come from the history itself (only its three small string columns are read), so a
-    custom reducer's metric counts like a default one.
+    names come from the history itself, so a custom reducer's metric counts like a default one.
+    Only what the answer needs is read: whether some row matches each choice (`_has_row`: a
+    row group that cannot hold it is skipped, the read stops at the first), and the names a
+    refusal lists.
 
     Raises:
         SelectionError: naming the option, what matched nothing and the available names.
     """
-    present = pl.concat(
-        [
-            read_history(
-                d, lambda lf: lf.select("layer", "signal", "metric").unique(), write_order=False
-            )
-            for d in directories
-        ]
-    ).unique()
     runs = "these runs" if len(directories) > 1 else "this run"
-    if present.is_empty():
+    if not _has_row(directories, pl.lit(True)):
         if any(_counts_unknown(d) for d in directories):
             raise SelectionError(
                 f"{', '.join(map(str, directories))}: no row reached the disk (the process "
@@ -420,32 +439,31 @@ def check_selection(
             "its index.md says why): nothing to show"
         )
     problems = []
-    if layers is not None:
-        names = layer_order(present["layer"].unique().to_list(), None)
-        if present.filter(pl.col("layer").str.contains(layers)).is_empty():
-            problems.append(
-                f"--layers {layers!r} matches no layer with rows in {runs}; its layers with "
-                f"rows: {_names(names)} (a selected layer that never ran in a sampled forward "
-                "has none: index.md's Layers section lists every one)"
-            )
-    held = [s for s in SIGNALS if s in set(present["signal"].to_list())]
-    if not set(signals) & set(held):
+    if layers is not None and not _has_row(directories, pl.col("layer").str.contains(layers)):
+        names = layer_order(_held(directories, "layer"), None)
+        problems.append(
+            f"--layers {layers!r} matches no layer with rows in {runs}; its layers with "
+            f"rows: {_names(names)} (a selected layer that never ran in a sampled forward "
+            "has none: index.md's Layers section lists every one)"
+        )
+    if not _has_row(directories, pl.col("signal").is_in(list(signals))):
+        held = [s for s in SIGNALS if _has_row(directories, pl.col("signal") == s)]
         problems.append(
             f"--signal {'/'.join(signals)}: {runs} recorded only {', '.join(held) or 'nothing'}"
         )
     if metrics is not None:
-        known = sorted(set(present["metric"].to_list()))
-        unknown = [m for m in metrics if m not in known]
+        unknown = [m for m in metrics if not _has_row(directories, pl.col("metric") == m)]
+        known = ", ".join(sorted(_held(directories, "metric"))) if not metrics or unknown else ""
         if not metrics:  # `--metrics ""`, e.g. from a shell variable that was not set
             problems.append(
                 f"--metrics names no metric (it is empty): name one or more, comma-separated; "
-                f"the metrics of {runs}: {', '.join(known)}"
+                f"the metrics of {runs}: {known}"
             )
         elif unknown:
             problems.append(
                 f"--metrics: {', '.join(repr(m) for m in unknown)} "
                 f"{'is not a metric' if len(unknown) == 1 else 'are not metrics'} of {runs}; "
-                f"its metrics: {', '.join(known)}"
+                f"its metrics: {known}"
             )
     if problems:
         raise SelectionError("; ".join(problems))

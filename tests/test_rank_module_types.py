@@ -134,3 +134,33 @@ def test_compare_of_the_two_rank_directories_matches_by_name_and_warns_first(
         "warning: 1 layer of a different module type in A and B, compared by name: "
         "layers.0 (Linear in A; Conv1d in B)."
     )
+
+
+def own_types(parent: Path, layer: str) -> str:
+    """`Linear on rank 0; Conv1d on rank 1`: each rank's module type of `layer`, from its own
+    history."""
+    each = []
+    for rank in (0, 1):
+        rows = pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet")
+        (module_type,) = set(rows.filter(pl.col("layer") == layer)["module_type"].to_list())
+        each.append(f"{module_type} on rank {rank}")
+    return "; ".join(each)
+
+
+def test_plot_and_heatmap_of_the_parent_name_each_module_type_with_its_ranks(
+    parent: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    named = f"tensor layers.0 ({own_types(parent, 'layers.0')})"
+    assert named == "tensor layers.0 (Linear on rank 0; Conv1d on rank 1)"
+    done = cli_in_process("plot", parent, "--output", tmp_path / "trends.png")
+    assert done.returncode == 0, done.stderr
+    assert f"{named}, 2 ranks" in done.stdout
+    done = cli_in_process("heatmap", parent, "--output-dir", tmp_path, "--metrics", "mean")
+    assert done.returncode == 0, done.stderr
+    assert f"mean of {named}, 2 ranks" in done.stdout
+
+    # A layer of one module type on every rank keeps its plain name.
+    done = cli_in_process("plot", parent, "--layers", "layers.1", "--output", tmp_path / "r.png")
+    assert done.returncode == 0, done.stderr
+    assert "tensor layers.1, 2 ranks" in done.stdout

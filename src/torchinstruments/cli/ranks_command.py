@@ -164,7 +164,7 @@ def _draw(
             )
             print(
                 f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
-                f"{plural(len(result.panels), 'panel')}, tensor {_label(lines.tensor)}, "
+                f"{plural(len(result.panels), 'panel')}, tensor {lines.name()}, "
                 f"{lines.describe('line')}, x = {result.x}"
             )
             if lines.left_out:
@@ -187,19 +187,12 @@ def _draw(
         for r in results:
             print(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
-                f"{_label(lines.tensor)}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
+                f"{lines.name()}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
             )
         return 0
     except MatplotlibMissingError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 3
-
-
-def _label(tensor: tuple[str, int, str]) -> str:
-    """The tensor's name as the pictures say it (`0`, `0 call 1`, `0[1]`)."""
-    from torchinstruments.cli.text import tensor_label
-
-    return tensor_label(*tensor, calls=tensor[1] > 0)
 
 
 __all__ = ["UsageError", "add_rank_option", "run_on_ranks"]

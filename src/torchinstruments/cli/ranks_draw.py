@@ -41,7 +41,8 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.selection import Selection
-from torchinstruments.cli.text import plural
+from torchinstruments.cli.text import plural, tensor_label
+from torchinstruments.rundir.ranges import ranges
 
 TensorId = tuple[str, int, str]
 
@@ -130,6 +131,19 @@ class RankLines:
     left_out: tuple[int, ...]
     per_mode: tuple[tuple[str, int], ...]
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    # Each module type of the tensor's layer and the ranks drawn with it, in rank order: more
+    # than one where the layer name is another module on some rank (a pipeline split).
+    types: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def name(self) -> str:
+        """The tensor as the commands print it (`layers.0`, `0 call 1`), with each module type
+        and its ranks where they differ: `layers.0 (Linear on rank 0; Conv1d on rank 1)`, as
+        `show PARENT` and `compare PARENT` name such a layer's series by type."""
+        layer, call_index, path = self.tensor
+        name = tensor_label(layer, call_index, path, calls=call_index > 0)
+        if len(self.types) < 2:
+            return name
+        return f"{name} ({'; '.join(f'{t} on rank {ranges(at)}' for t, at in self.types)})"
 
     def describe(self, what: str) -> str:
         """`2 ranks (2 train lines, 2 eval lines)` for `what` = "line"."""
@@ -147,7 +161,16 @@ def _rank_lines(
     lines = rows.select("rank", "mode").unique()
     modes = sorted(set(lines["mode"].to_list()), key=lambda m: (m != "train", m))
     per_mode = tuple((m, lines.filter(pl.col("mode") == m).height) for m in modes)
-    return rows, RankLines(tensor, tuple(kept), tuple(present[len(kept) :]), per_mode, without)
+    by_type = (
+        rows.select("module_type", "rank")
+        .unique()
+        .group_by("module_type")
+        .agg(pl.col("rank").sort())
+        .sort(pl.col("rank").list.first())
+    )
+    types = tuple((t, tuple(at)) for t, at in by_type.iter_rows())
+    left_out = tuple(present[len(kept) :])
+    return rows, RankLines(tensor, tuple(kept), left_out, per_mode, without, types)
 
 
 def plot_ranks(

@@ -159,6 +159,52 @@ def test_runs_sampled_differently_warn_first(runs: dict[str, Path]) -> None:
     assert "warning" not in same
 
 
+def resumed(directory: Path, *everies: int) -> Path:
+    """One run continued over attempts (`resume=True`), the k-th sampling every `everies[k]`."""
+    for every in everies:
+        torch.manual_seed(0)
+        model = Branches(None)
+        inject_observer(
+            model, output_dir=directory, sampler=EveryNForwardsSampler(every), resume=True
+        )
+        torch.manual_seed(1)
+        for _ in range(STEPS):
+            model(torch.randn(3, 4)).square().sum().backward()
+        remove_observer(model)
+    return directory
+
+
+def attempt_samplers(run: Path) -> list[str]:
+    state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+    return [a["sampler"] for a in state["attempts"]]
+
+
+def compare_warnings(a: Path, b: Path) -> list[str]:
+    code, out = cli("compare", a, b, "--metrics", "mean", "--format", "json")
+    assert code == 0
+    return json.loads(out)["run"]["warnings"]
+
+
+def test_a_run_restarted_with_another_sampler_was_sampled_differently_whatever_its_last(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """B's last attempt samples as A does, its first did not: B's samples 0-3 are every other
+    step, A's every step, and the warning names each attempt's sampler."""
+    (baseline,) = attempt_samplers(runs["baseline"])
+    restarted = resumed(tmp_path / "restarted", 2, 1)
+    first, last = attempt_samplers(restarted)
+    assert last == baseline != first
+    assert compare_warnings(runs["baseline"], restarted)[0] == (
+        f"warning: the runs were sampled differently (A: {baseline}; B, attempt 0: {first}; "
+        f"B, attempt 1: {last}): the same sample_id may be a different step in each "
+        "(--x forward_index matches them by root forward)."
+    )
+    # Restarted with the sampler it had: sampled as A was, no warning.
+    same = resumed(tmp_path / "same", 1, 1)
+    assert attempt_samplers(same) == [baseline, baseline]
+    assert not [w for w in compare_warnings(runs["baseline"], same) if "sampled" in w]
+
+
 def test_index_comparison_query_prints_every_differing_series(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

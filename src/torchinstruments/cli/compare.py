@@ -18,8 +18,8 @@ Design decisions:
   measured differences: no verdicts, scores or thresholds of our own (the default tolerance is 0,
   i.e. any difference).
 - Series in one run only, series that stop or start in one run, and runs sampled differently
-  (sampler or window) are said in words, the latter first: a reader of the table alone would
-  otherwise read "no difference" or a null into them.
+  (the samplers of every attempt, or the window) are said in words, the latter first: a reader
+  of the table alone would otherwise read "no difference" or a null into them.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
 """
 
@@ -48,6 +48,7 @@ from torchinstruments.cli.selection import (
     facts_dict,
     ordered,
     sampled_differently,
+    sampling,
     summary,
 )
 from torchinstruments.cli.text import (
@@ -336,10 +337,11 @@ def warnings_of(c: Comparison) -> list[str]:
     """`warning: ...` lines for runs that were not sampled alike, and for layers of a different
     module type in each (matched by name; said before the table)."""
     run_a, run_b = c.facts_a.run, c.facts_b.run
-    if run_a is None or run_b is None:
+    sampling_a, sampling_b = sampling(c.facts_a), sampling(c.facts_b)
+    if run_a is None or run_b is None or sampling_a is None or sampling_b is None:
         return module_types.run_warnings(c.mixed)
-    sampling = sampled_differently([("A", run_a.sampler), ("B", run_b.sampler)], c.x)
-    out = [] if sampling is None else [sampling]
+    apart = sampled_differently([("A", sampling_a), ("B", sampling_b)], c.x)
+    out = [] if apart is None else [apart]
     if run_a.history.window != run_b.history.window:
         out.append(
             f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "

@@ -59,12 +59,15 @@ from torchinstruments.cli.reader import (
 from torchinstruments.cli.selection import (
     SERIES_COLUMNS,
     SampleApart,
+    Sampling,
     Selection,
     facts_dict,
     first_sample_apart,
     forwards_apart,
     ordered,
     sampled_differently,
+    samplers_in_turn,
+    sampling,
     summary,
 )
 from torchinstruments.cli.text import (
@@ -392,7 +395,8 @@ def departures(
     frame = combine_departures(pieces)
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
     # Read only where the samplers' own warning does not already say it (one sampler).
-    one_sampler = len({f.run.sampler for f in facts if f.run is not None}) < 2
+    turns = {samplers_in_turn(s) for f in facts if (s := sampling(f)) is not None}
+    one_sampler = len(turns) < 2
     apart = first_sample_apart(runs) if x == "sample_id" and one_sampler else None
     return Departures(
         Path(parent).expanduser(),
@@ -412,11 +416,12 @@ def departure_warnings(d: Departures) -> list[str]:
     `selection.sampled_differently`), ranks with the same sampler named together; with one
     sampler, a warning when a sample_id is still a different root forward or step on some
     rank (`Departures.apart`)."""
-    by_sampler: dict[str, list[int]] = {}
+    by_sampler: dict[tuple[str, ...], tuple[Sampling, list[int]]] = {}
     for run, f in zip(d.runs, d.facts, strict=True):
-        if f.run is not None:
-            by_sampler.setdefault(f.run.sampler, []).append(run.rank)
-    labelled = [(f"rank {ranges(ranks)}", sampler) for sampler, ranks in by_sampler.items()]
+        s = sampling(f)
+        if s is not None:
+            by_sampler.setdefault(samplers_in_turn(s), (s, []))[1].append(run.rank)
+    labelled = [(f"rank {ranges(ranks)}", s) for s, ranks in by_sampler.values()]
     warning = sampled_differently(labelled, d.x, "ranks")
     if warning is None and d.apart is not None:
         warning = forwards_apart(d.apart)

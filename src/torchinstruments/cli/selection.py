@@ -30,17 +30,21 @@ from torchinstruments.cli.reader import (
     window_of,
 )
 from torchinstruments.records import SIGNALS
+from torchinstruments.rundir.ranges import ranges
 
 __all__ = [
     "COLUMNS",
     "SERIES_COLUMNS",
     "SampleApart",
+    "Sampling",
     "Selection",
     "facts_dict",
     "first_sample_apart",
     "forwards_apart",
     "ordered",
     "sampled_differently",
+    "samplers_in_turn",
+    "sampling",
     "summary",
 ]
 
@@ -135,15 +139,64 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
     }
 
 
+# Each attempt of a run and its sampler (None: unknown, a state file from before they were kept).
+Sampling = tuple[tuple[int, str | None], ...]
+
+
+def sampling(facts: RunFacts) -> Sampling | None:
+    """The sampler of each of the run's attempts (`.state.json`; without one, the run's own,
+    as attempt 0); None without run info.
+
+    Why every attempt's: the run info's sampler is the last attempt's, and a job restarted
+    with another sampler has samples the last one never chose. The last attempt's, where the
+    state predates per-attempt samplers, is the run's (`rundir.attempts.sampler_line`'s rule).
+    """
+    if facts.run is None:
+        return None
+    attempts = facts.run_state.attempts if facts.run_state is not None else ()
+    said = [(a.attempt, a.sampler) for a in attempts] or [(0, facts.run.sampler)]
+    if said[-1][1] is None:
+        said[-1] = (said[-1][0], facts.run.sampler)
+    return tuple(said)
+
+
+def samplers_in_turn(s: Sampling) -> tuple[str, ...]:
+    """The known samplers of `s` in the order they took over (a repeat of the one before is not
+    a change; an unknown one is left out): two runs sampled alike have the same."""
+    out: list[str] = []
+    for _, sampler in s:
+        if sampler is not None and (not out or out[-1] != sampler):
+            out.append(sampler)
+    return tuple(out)
+
+
+def _said(label: str, s: Sampling) -> str:
+    """`A: <sampler>`, or one `A, attempts 0-1: <sampler>` per run of attempts with one."""
+    groups: list[tuple[list[int], str | None]] = []
+    for attempt, sampler in s:
+        if groups and groups[-1][1] == sampler:
+            groups[-1][0].append(attempt)
+        else:
+            groups.append(([attempt], sampler))
+    if len(groups) == 1:
+        return f"{label}: {groups[0][1] or 'unknown'}"
+    return "; ".join(
+        f"{label}, attempt{'s' if len(at) > 1 else ''} {ranges(at)}: {sampler or 'unknown'}"
+        for at, sampler in groups
+    )
+
+
 def sampled_differently(
-    samplers: Sequence[tuple[str, str]], x: str, runs: str = "runs"
+    samplings: Sequence[tuple[str, Sampling]], x: str, runs: str = "runs"
 ) -> str | None:
-    """The warning said first when runs matched on `x` were not sampled alike (their samplers
-    differ), or None: `samplers` holds each run's (or group of runs') label and sampler."""
-    if len({sampler for _, sampler in samplers}) < 2:
+    """The warning said first when runs matched on `x` were not sampled alike, or None:
+    `samplings` holds each run's (or group of runs') label and `sampling`. Alike means the
+    same samplers in the same turn (`samplers_in_turn`) over all attempts, not only the last
+    attempt's: a run restarted with another sampler has samples its last one never chose."""
+    if len({samplers_in_turn(s) for _, s in samplings}) < 2:
         return None
     hint = " (--x forward_index matches them by root forward)" if x == "sample_id" else ""
-    each = "; ".join(f"{label}: {sampler}" for label, sampler in samplers)
+    each = "; ".join(_said(label, s) for label, s in samplings)
     return (
         f"warning: the {runs} were sampled differently ({each}): the same {x} may be a "
         f"different step in each{hint}."

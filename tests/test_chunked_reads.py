@@ -173,3 +173,146 @@ def test_show_and_compare_never_collect_more_than_one_range_of_rows(
     assert max(f.height for f in collected) < 2 * per_sample
     unused = {"timestamp", "shape", "dtype", "placement", "mesh_coordinate", "grad_enabled"}
     assert not [f.columns for f in collected if unused & set(f.columns)]
+
+
+SCALED_FROM = 4  # from this step on, run B's second call of the shared layer differs from A's
+
+
+class Shared(nn.Module):
+    """One Linear called twice per forward; from `scaled_from` on its second call's input is
+    doubled (the first call, and everything before `scaled_from`, as in every run)."""
+
+    def __init__(self, scaled_from: int | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scaled_from = scaled_from
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        late = self.scaled_from is not None and self.calls >= self.scaled_from
+        self.calls += 1
+        return self.lin(torch.tanh(self.lin(x)) * (2.0 if late else 1.0))
+
+
+def train_twice(directory: Path, scaled_from: int | None) -> Path:
+    """Every step sampled; the shared Linear's two calls then written under one call_index (as
+    a history whose writer did not tell calls apart holds them): each of its series has two
+    rows in every sample, the same key, in write order."""
+    torch.manual_seed(0)
+    model = Shared(scaled_from)
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(window=WINDOW),
+    )
+    x = torch.randn(3, 4)
+    for _ in range(STEPS):
+        model(x).square().mean().backward()
+    remove_observer(model)
+    path = directory / "history.parquet"
+    rows = pl.read_parquet(path)
+    assert set(rows.filter(pl.col("layer") == "lin")["call_index"]) == {0, 1}
+    rows.with_columns(pl.lit(0, pl.Int32).alias("call_index")).write_parquet(path)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("twice")
+    return train_twice(base / "a", None), train_twice(base / "b", SCALED_FROM)
+
+
+def occurrences(directory: Path) -> dict[tuple[Any, ...], dict[tuple[int, int], float | None]]:
+    """Per series: its value at each (sample_id, occurrence), occurrences numbered in write
+    order within the sample, row by row in Python."""
+    out: dict[tuple[Any, ...], dict[tuple[int, int], float | None]] = {}
+    seen: dict[tuple[Any, ...], int] = {}
+    for r in history(directory).sort("sample_id", "order").iter_rows(named=True):
+        key = tuple(r[k] for k in SERIES_KEY)
+        n = seen.get((key, r["sample_id"]), 0)
+        seen[(key, r["sample_id"])] = n + 1
+        out.setdefault(key, {})[(r["sample_id"], n)] = r["value"]
+    return out
+
+
+def expected_comparison(a: Path, b: Path) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Per series: matched samples, first differing sample, and A's and B's values at its first
+    differing occurrence there (tolerance 0; occurrence k of A against occurrence k of B)."""
+    values_a, values_b = occurrences(a), occurrences(b)
+    common = set(history(a)["sample_id"]) & set(history(b)["sample_id"])
+    out = {}
+    for key in values_a.keys() | values_b.keys():
+        mine, theirs = values_a.get(key, {}), values_b.get(key, {})
+        cells = sorted(c for c in mine.keys() | theirs.keys() if c[0] in common)
+        matched = len({c[0] for c in cells if c in mine and c in theirs})
+        differ = [
+            c
+            for c in cells
+            if c not in mine
+            or c not in theirs
+            or (mine[c] is None) != (theirs[c] is None)
+            or (mine[c] is not None and theirs[c] is not None and theirs[c] != mine[c])
+        ]
+        first = differ[0] if differ else None
+        out[key] = (
+            matched,
+            None if first is None else first[0],
+            None if first is None else mine.get(first),
+            None if first is None else theirs.get(first),
+        )
+    return out
+
+
+def test_the_twice_runs_hold_two_rows_of_each_series_per_sample(
+    twice: tuple[Path, Path],
+) -> None:
+    for run in twice:
+        rows = history(run).group_by(*SERIES_KEY, "sample_id").len()
+        assert set(rows["len"]) == {2}
+        assert rows["sample_id"].n_unique() == STEPS
+
+
+@pytest.mark.parametrize("chunk_rows", [1, None])
+def test_a_series_measured_twice_per_sample_is_summarized_and_compared_occurrence_by_occurrence(
+    twice: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, chunk_rows: int | None
+) -> None:
+    """show: both rows count, the latest is the sample's second; compare: occurrence k of A
+    against occurrence k of B, so B's second call's output differs from SCALED_FROM on, and
+    its first call's never does. Read in ranges of one sample (1) and of the default size."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(chunked, "CHUNK_ROWS", chunk_rows)
+    _, frame = summary(twice[0], Selection(window=WINDOW))
+    expected = expected_summary(twice[0])
+    got = {tuple(r[k] for k in SERIES_KEY): r for r in frame.iter_rows(named=True)}
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        assert {k: got[key][k] for k in want} == want, key
+
+    compared = compare.compare(*twice, Selection(), tolerance=0.0).frame
+    columns = (
+        "matched_samples",
+        "first_difference",
+        "value_a_at_first_difference",
+        "value_b_at_first_difference",
+    )
+    got_cmp = {
+        tuple(r[k] for k in SERIES_KEY): tuple(r[c] for c in columns)
+        for r in compared.iter_rows(named=True)
+    }
+    want_cmp = expected_comparison(*twice)
+    assert got_cmp == want_cmp
+    outputs = {v[1:] for k, v in want_cmp.items() if k[2] == "output" and k[5] == "mean"}
+    (at_first,) = outputs  # the second call's output, never the first's (equal in A and B)
+    assert at_first[0] == SCALED_FROM
+    second_a = values_at(twice[0], SCALED_FROM, 1)
+    second_b = values_at(twice[1], SCALED_FROM, 1)
+    assert at_first[1:] == (second_a, second_b) != (values_at(twice[0], SCALED_FROM, 0),) * 2
+
+
+def values_at(run: Path, sample_id: int, occurrence: int) -> float:
+    """The mean of the shared layer's output at `sample_id`, the occurrence-th in write order."""
+    rows = history(run).filter(
+        pl.col("signal") == "output", pl.col("metric") == "mean", pl.col("sample_id") == sample_id
+    )
+    return rows.sort("order")["value"][occurrence]

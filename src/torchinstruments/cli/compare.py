@@ -110,9 +110,9 @@ def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
     """Series key (its names as Categorical), x, occurrence number within (series, x) in write
     order, and value, of one range of samples (whole samples, read in write order).
 
-    Most series have one row per sample: only the rows whose (series, x) repeats (a layer
-    called twice under one call_index, two backwards) are numbered by group, the others are
-    occurrence 0, so a range costs a duplicate test, not a group per series and sample.
+    Most series have one row per sample: only the rows whose (series, x) repeats are numbered
+    by group, the others are occurrence 0, so a range costs a duplicate test, not a group per
+    series and sample.
     """
     frame = (
         rows.select(

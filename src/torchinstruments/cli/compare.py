@@ -163,8 +163,9 @@ def first_differences(
             suffix="_b",
             coalesce=True,
             nulls_equal=True,
+            maintain_order="left_right",  # A's write order: the first occurrence first
         )
-        .join(common, on=x, how="semi")
+        .filter(pl.col(x).is_in(common[x].implode()))  # a filter keeps the order
         .rename({"value": "value_a"})
         .with_columns(pl.col("_in_a", "_in_b").fill_null(False))
     )

@@ -39,7 +39,7 @@ import json, os, sys, warnings
 import torch
 from torch import nn
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-from torchinstruments.rundir.layout import list_parts, part_path, temporary_path
+from torchinstruments.rundir.layout import list_parts, part_path, part_temporary_path
 
 from pathlib import Path
 
@@ -52,7 +52,7 @@ with warnings.catch_warnings(record=True) as caught:
     inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
     model(x).sum().backward()  # the first forward's and backward's rows: written at once
     stalled = part_path(run, len(list_parts(run)))
-    os.mkfifo(temporary_path(stalled))  # the next part's write blocks opening it
+    os.mkfifo(part_temporary_path(stalled, 0))  # the next part's write blocks opening it
     for _ in range(steps):
         model(x).sum().backward()
     remove_observer(model)  # returns although the write never does

@@ -28,7 +28,7 @@ import json, os, sys, threading, warnings
 import torch
 from torch import nn
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-from torchinstruments.rundir.layout import list_parts, part_path, temporary_path
+from torchinstruments.rundir.layout import list_parts, part_path, part_temporary_path
 
 from pathlib import Path
 
@@ -41,7 +41,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
     model(x).sum().backward()  # the first forward's and backward's rows: written at once
-    stalled = temporary_path(part_path(run, len(list_parts(run))))
+    stalled = part_temporary_path(part_path(run, len(list_parts(run))), 0)
     os.mkfifo(stalled)  # the next part's write blocks opening it
     for _ in range(steps):
         model(x).sum().backward()

@@ -58,6 +58,8 @@ __all__ = [
     "order_of",
     "part_number",
     "part_path",
+    "part_tag",
+    "part_temporary_path",
     "replace_atomically",
     "resolve_output_dir",
     "scan_history",
@@ -281,18 +283,37 @@ def empty_history(schema: pl.Schema | None = None) -> pl.DataFrame:
     return pl.DataFrame(schema=HISTORY_SCHEMA if schema is None else schema)
 
 
-def temporary_path(path: Path) -> Path:
+def temporary_path(path: Path, tag: str = "") -> Path:
     """Where `path` is written before it is renamed into place: next to it, except a part's.
 
     A part's temporary is in the run directory, not in `history.parts/`: a live reader of that
     directory (`pl.read_parquet(run / "history.parts")`, which refuses a directory holding files
     of different extensions, or a glob that lists a name the rename just removed) then only ever
     sees completed parts. The same file system, so the rename stays atomic; the name ends in
-    `TMP_SUFFIX`, so `finalize` deletes it after a crash.
+    `TMP_SUFFIX`, so `finalize` deletes it after a crash. `tag` (when given) names the writer,
+    so that two writers of one path never share a temporary (`part_temporary_path`).
     """
+    name = f"{path.name}.{tag}" if tag else path.name
     if path.parent.name == PARTS_DIR and part_number(path) is not None:
-        return path.parent.parent / f"{PARTS_DIR}-{path.name}{TMP_SUFFIX}"
-    return path.with_name(path.name + TMP_SUFFIX)
+        return path.parent.parent / f"{PARTS_DIR}-{name}{TMP_SUFFIX}"
+    return path.with_name(name + TMP_SUFFIX)
+
+
+def part_tag(attempt: int) -> str:
+    """The temporary-name tag of the parts attempt `attempt` writes (`part_temporary_path`)."""
+    return f"attempt-{attempt}"
+
+
+def part_temporary_path(path: Path, attempt: int) -> Path:
+    """Where attempt `attempt` writes part `path` before renaming it into place.
+
+    One name per attempt, not per part: a part write that never returned (a stalled network
+    file system) outlives its attempt once removal gave it up, and a run resumed in the same
+    process right after may write a part of the same number. Were the name shared, the old
+    write, when it returned, would open (truncating) and then delete the new one's temporary,
+    or have its own bytes renamed into place by it.
+    """
+    return temporary_path(path, part_tag(attempt))
 
 
 def is_library_temporary(path: Path) -> bool:
@@ -433,7 +454,10 @@ def constant_literals(constant: dict[str, object], schema: pl.Schema) -> dict[st
 
 
 def replace_atomically(
-    path: Path, write: Callable[[Path], None], rename: Callable[[Path, Path], None] = os.replace
+    path: Path,
+    write: Callable[[Path], None],
+    rename: Callable[[Path, Path], None] = os.replace,
+    tag: str = "",
 ) -> None:
     """Make `path` appear complete or not at all: `write(tmp)`, fsync, `os.replace`, fsync dir.
 
@@ -456,8 +480,9 @@ def replace_atomically(
         write: writes the complete content to the path it is given.
         rename: puts the temporary in place (`os.replace`); the history writer's own refuses
             to once its run gave the write up (`rundir.writer`).
+        tag: names the writer in the temporary's name (`temporary_path`).
     """
-    tmp = temporary_path(path)
+    tmp = temporary_path(path, tag)
     try:
         write(tmp)
         fsync_path(tmp)
@@ -476,10 +501,11 @@ def write_parquet_atomic(
     path: Path,
     metadata: dict[str, str] | None = None,
     rename: Callable[[Path, Path], None] = os.replace,
+    tag: str = "",
 ) -> None:
     """Write `frame` (with Parquet key-value `metadata`) to `path` with `replace_atomically`."""
     replace_atomically(
-        path, lambda tmp: frame.write_parquet(tmp, metadata=metadata or None), rename
+        path, lambda tmp: frame.write_parquet(tmp, metadata=metadata or None), rename, tag
     )
 
 

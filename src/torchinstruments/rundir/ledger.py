@@ -97,6 +97,14 @@ class LossLedger:
         self._open = True
         self.version += 1
 
+    def reword(self, old: str, new: str) -> None:
+        """Give the entries whose reason is `old` (merged entries: begins with it) the reason
+        `new`: what happened to rows after their loss was counted (`rundir.write_notices`)."""
+        for index, entry in enumerate(self._entries):
+            if entry.reason.startswith(old) and old != new:
+                self._entries[index] = replace(entry, reason=new + entry.reason[len(old) :])
+                self.version += 1
+
     def end_episode(self) -> None:
         """A part was written: the next loss opens a new entry."""
         self._open = False

@@ -35,11 +35,12 @@ Design decision: the run directory's writer (`chunks_elsewhere`) has that thread
 training thread about 13 ms (its frame 4, its metadata 1.5, Polars' writing and three fsyncs
 6.5), once every 27 steps of bench/sampled.py's MLP sampled at every step, or six times a step
 for a 3,000-layer model. Most of that is paid per part, not per row, which is why the default
-part is 65,536 rows (`HistoryConfig`). Only the run's first forward and backward rows are written
-on the training thread (`sinks.directory`); a step that finds the buffer full waits for that
-thread to make room, at most half a flush interval (`_make_room`): a part write that has not
-returned by then (a stalled network file system) counts as failing, so the step goes on and the
-rows beyond the cap are dropped and counted. One writer at a time (`_writing`); the buffer's lock
+part is 65,536 rows (`HistoryConfig`). No part is written on the training thread: the run's
+first forward and backward rows, written at once, are handed to that thread too, and waited for
+a bounded time (`sinks.directory`); a step that finds the buffer full waits for that thread to
+make room, at most half a flush interval (`_make_room`): a part write that has not returned by
+then (a stalled network file system) counts as failing, so the step goes on and the rows beyond
+the cap are dropped and counted. One writer at a time (`_writing`); the buffer's lock
 is held while a part's rows become a frame and while they leave the buffer, never while it is
 written, so appends go on meanwhile (after them).
 
@@ -89,6 +90,7 @@ from torchinstruments.rundir.layout import (
     order_metadata,
     part_number,
     part_path,
+    part_tag,
     write_parquet_atomic,
 )
 from torchinstruments.rundir.ledger import LossLedger, LostRows
@@ -97,6 +99,12 @@ from torchinstruments.rundir.part_write import (
     GivenUpError,
     PartLanding,
     ours_to_raise,
+)
+from torchinstruments.rundir.write_notices import (
+    cap_drop_reason,
+    cap_drop_warning,
+    kept_rows_given_up,
+    part_failed_warning,
 )
 
 __all__ = [
@@ -150,6 +158,7 @@ class HistoryWriter:
         self._config = config
         self._chunks_elsewhere = chunks_elsewhere
         self._attempt = pl.lit(attempt, dtype=pl.Int32()).alias("attempt")
+        self._tag = part_tag(attempt)  # its parts' temporary names (`layout.part_temporary_path`)
         (self._directory / PARTS_DIR).mkdir(parents=True, exist_ok=True)
         existing = [part_number(p) for p in list_parts(self._directory)]
         self._next_part = max((n for n in existing if n is not None), default=first_part - 1) + 1
@@ -375,33 +384,31 @@ class HistoryWriter:
     def _make_room(self) -> None:
         """`append`'s turn when the buffer is full while writes work: with `chunks_elsewhere`,
         the flush thread is woken (`wake_writer`) and waited for at most half a flush interval.
-        If it made no room by then and no part write is in progress (the thread was busy with
-        something else), the backlog is written here, as without it. A part write in progress
-        that has not returned (a file system that stopped answering: this thread would block in
-        it too) counts as failing, so the rows beyond the cap are dropped and counted instead of
-        the step waiting on it without end; its return (a part written) ends the episode, as any
-        write does. Without `chunks_elsewhere` this thread writes the backlog itself."""
-        if self._chunks_elsewhere:
-            if self.wake_writer is not None:
-                self.wake_writer()
-            seconds = self._config.flush_seconds / 2
-            with self._room:
-                written = self._rows_written
-                if self._room.wait_for(
-                    lambda: self._failing or self._rows_written != written, timeout=seconds
-                ):
-                    return
-            if not self._writing.acquire(blocking=False):
-                with self._lock:
-                    self._error = f"a part write had not returned after {seconds:g} s"
-                    self._failing = True
-                return
-            try:  # no part write in progress: written here
-                self._write_backlog()
-            finally:
-                self._writing.release()
+        If it made no room by then, writes count as failing, so the rows beyond the cap are
+        dropped and counted instead of the step waiting without end; the next part written
+        ends the episode, as any write does. Never written here: a part write in progress that
+        has not returned (a file system that stopped answering) would block this thread too,
+        and so would one of its own where the flush thread is stuck in another write (the
+        run state, `sinks.directory`). Without `chunks_elsewhere` this thread writes itself."""
+        if not self._chunks_elsewhere:
+            self.flush()
             return
-        self.flush()
+        if self.wake_writer is not None:
+            self.wake_writer()
+        seconds = self._config.flush_seconds / 2
+        with self._room:
+            written = self._rows_written
+            if self._room.wait_for(
+                lambda: self._failing or self._rows_written != written, timeout=seconds
+            ):
+                return
+            busy = self.writing_part is not None
+            self._error = (
+                f"a part write had not returned after {seconds:g} s"
+                if busy
+                else f"the flush thread had written no part after {seconds:g} s"
+            )
+            self._failing = True
 
     def write_due(self) -> bool:
         """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush
@@ -445,6 +452,8 @@ class HistoryWriter:
             if ids is not None:
                 failed = f"the last attempt to write them failed ({self._error})"
                 why = self._landing.given_up or failed
+                if self._drop_reason is not None:  # no longer "kept and retried"
+                    self._ledger.reword(self._drop_reason, kept_rows_given_up(self._drop_reason))
                 self._ledger.end_episode()
                 self._ledger.add(
                     len(self._buffer), ids[0], ids[1], f"not written at removal: {why}"
@@ -453,22 +462,13 @@ class HistoryWriter:
 
     def _drop(self, rows: int, sample_id: int) -> None:
         """Count one measurement's rows as lost at the memory cap (the caller holds the lock)."""
+        cap = self._config.buffered_rows_cap
         if self._drop_reason is None:
-            self._drop_reason = (
-                f"dropped at the memory cap: max_buffered_rows={self._config.buffered_rows_cap} "
-                "rows were already waiting in memory because history parts could not be written "
-                f"({self._error or 'writes had not caught up'}); the newest rows are dropped, the "
-                "buffered ones are kept and retried"
-            )
+            self._drop_reason = cap_drop_reason(cap, self._error)
         self._ledger.add(rows, sample_id, sample_id, self._drop_reason)
         if not self._warned_drop:
             self._warned_drop = True
-            warn(
-                f"torchinstruments: {self._config.buffered_rows_cap} history rows are waiting in "
-                f"memory for a part write that keeps failing ({self._error}); newer rows are "
-                "dropped and counted (sample ranges and reasons in the run state and index.md) "
-                "until a write succeeds. Training goes on. (Reported once.)"
-            )
+            warn(cap_drop_warning(cap, self._error))
 
     def _write_chunks(self) -> None:
         """Write full `buffer_rows` chunks; stop at the first failure (the caller holds
@@ -552,7 +552,7 @@ class HistoryWriter:
             split = self._records.split_metadata(n)
         frame = frame.with_columns(self._attempt)
         metadata = order_metadata(frame) | constant_metadata(frame) | split
-        write_parquet_atomic(frame, path, metadata=metadata, rename=rename)
+        write_parquet_atomic(frame, path, metadata=metadata, rename=rename, tag=self._tag)
 
     def _failed(self, path: Path, exc: BaseException) -> None:
         """A part write failed: report once, retry after half a flush interval (none after
@@ -589,9 +589,4 @@ class HistoryWriter:
         if self._warned:
             return
         self._warned = True
-        warn(
-            f"torchinstruments could not write history part {path} ({exc}); the rows stay in "
-            f"memory (at most max_buffered_rows={self._config.buffered_rows_cap}; newer ones are "
-            "dropped and counted) and are retried at the next chunk, after half a flush interval "
-            "and at removal. Training goes on. (Reported once.)"
-        )
+        warn(part_failed_warning(path, exc, self._config.buffered_rows_cap))

@@ -117,6 +117,7 @@ class DirectorySink:
         self._missing_count = 0
         self._flush_warned = False
         self._first_written: set[str] = set()  # signals whose first record was written at once
+        self._first_stalled = False  # a write of first rows was not waited for to the end
         # A continued run's plan and earlier state (`start` with resume); None for a new run.
         self._continuation: Continuation | None = None
         self._previous: RunState | None = None
@@ -235,11 +236,8 @@ class DirectorySink:
         if self._history is not None:
             self._history.append(record.measurements)
             if record.signal not in self._first_written:
-                # The run's first forward rows (and first backward rows) go to disk at once, on
-                # this thread, so a run killed right after its first sample has its rows; later
-                # ones wait for a part's triggers (buffer_rows, half the flush interval).
                 self._first_written.add(record.signal)
-                self._history.flush()
+                self._write_first_rows(record.signal)
             if self._timer is not None:
                 self._timer.poke()
         events = self._events
@@ -252,6 +250,29 @@ class DirectorySink:
                 self._give_up_events("could not be written", error)
             if missing:
                 self._say_missing(missing, record)
+
+    def _write_first_rows(self, signal: str) -> None:
+        """The run's first forward rows (and first backward rows) go to disk at once, so a run
+        killed right after its first sample has its rows; later ones wait for a part's triggers
+        (buffer_rows, half the flush interval). The flush thread writes them, and this one (the
+        training step) waits at most `removal_wait_s`: a write of its own would block the step
+        for good on a file system that stopped answering. A write that has not returned by then
+        is left to go on (warned once, never waited for again): the rows stay in memory, and
+        those still there at removal are counted as not written, with why, in index.md."""
+        timer = self._timer
+        if timer is None or self._first_stalled:
+            return
+        wait_s = removal_wait_s(self._config)
+        if timer.flush_now(wait_s):
+            return
+        self._first_stalled = True
+        warn(
+            f"torchinstruments: the run's first {signal} rows were not on disk after {wait_s:g} s "
+            f"(a history part write under {self.directory} has not returned: a file system that "
+            "stopped answering?); training goes on without waiting for it, and the rows stay in "
+            "memory until a write succeeds (those still there at removal are counted as not "
+            "written, with why, in index.md)"
+        )
 
     def _say_missing(self, missing: Sequence[MissingHistogram], record: SampleRecord) -> None:
         """Count focus tensors without a histogram; warn at the first (index.md gets the count)."""

@@ -1,0 +1,77 @@
+"""The run's first rows, written at once, never hang the training step on a stalled disk.
+
+The run's first forward rows and first backward rows go to disk at once, so a run killed right
+after its first sample has them. The stall is real: the first part's temporary name is a FIFO
+that no one reads, so a write of it blocks in `open` for as long as the FIFO has no reader, as a
+write to a stalled network file system blocks. The step hands that write to the flush thread and
+waits for it at most `removal_wait_s`; then it goes on, warns once, and the rows stay in memory
+(removal counts them, with why, in the loss ledger and index.md). Run in a child process, under
+a timeout: a step that waits for the write without end fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.rundir.state import Status, read_state
+from torchinstruments.sinks.directory import MIN_REMOVAL_WAIT_S
+
+STEPS = 5  # sampled steps in all
+ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
+
+CHILD = r"""
+import json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import part_path, part_temporary_path
+
+from pathlib import Path
+
+run, steps = Path(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: MIN_REMOVAL_WAIT_S
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    os.mkfifo(part_temporary_path(part_path(run, 0), 0))  # the first part's write blocks
+    for _ in range(steps):
+        model(x).sum().backward()
+    print(json.dumps({"steps": steps}), flush=True)  # the steps returned
+    remove_observer(model)  # gives the write up
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+
+def test_the_first_rows_written_at_once_wait_for_a_stalled_disk_only_so_long(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(run), str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    first = f"the run's first output rows were not on disk after {MIN_REMOVAL_WAIT_S:g} s"
+    assert first in said, said
+    state = read_state(run)
+    assert state.status is Status.INCOMPLETE
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.filter(pl.col("metric") != "interrupted").height == 0  # no part landed
+    # every row of every sample is counted lost, with the stalled write as the reason
+    assert sum(loss.rows for loss in state.losses) == STEPS * ROWS_PER_SAMPLE
+    (loss,) = state.losses
+    assert (loss.first_sample_id, loss.last_sample_id) == (0, STEPS - 1)
+    assert "the write of history part part-000000000.parquet had not returned" in loss.reason
+    assert loss.describe() in (run / "index.md").read_text()

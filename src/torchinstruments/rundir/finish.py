@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -41,6 +42,7 @@ from torchinstruments.rundir.layout import (
     MERGE_TMP_DIR,
     PARTS_DIR,
     PARTS_GONE_DIR,
+    RESULT_FILE,
     STATE_FILE,
     expand_user,
     is_library_temporary,
@@ -102,7 +104,17 @@ class FinishReport:
         return self.state.run_info_recovered
 
 
-def finish_run(directory: Path, state: RunState) -> FinishReport:
+# The files `finish_run` writes, in order: the names its `step` gets (the ranks' page last).
+FINISH_STEPS = (HISTORY_FILE, RESULT_FILE, STATE_FILE, INDEX_FILE, f"the ranks' {INDEX_FILE}")
+
+
+def _no_step(name: str) -> None:
+    """`finish_run`'s `step` when no one follows its steps."""
+
+
+def finish_run(
+    directory: Path, state: RunState, step: Callable[[str], None] = _no_step
+) -> FinishReport:
     """Merge the parts, write result.json, the state file and index.md; never raises for disk
     or Polars errors.
 
@@ -113,12 +125,15 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
             it), `live_problems` the failures already known (listed, and kept by later
             finishes), `interrupted` when the process ended without removal, `losses` the
             loss ledger (rows recorded but not written; kept as they are).
+        step: called with each file's name in `FINISH_STEPS` as its step begins (removal
+            bounds each, `rundir.finishing`).
 
     Returns:
         A `FinishReport`; its `problems` are empty exactly when nothing is known to be missing.
     """
     found: list[str] = list(state.live_problems)
     merge: MergeResult | None = None
+    step(HISTORY_FILE)
     try:
         merge = merge_history(directory)
     except (OSError, pl.exceptions.PolarsError) as error:
@@ -153,6 +168,7 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
             state = dataclasses.replace(state, marks=marks, marks_total=marks_total)
         except (OSError, pl.exceptions.PolarsError) as error:
             found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
+        step(RESULT_FILE)
         try:
             changes = write_result(
                 directory,
@@ -175,10 +191,12 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         counts_recovered=recovered or state.counts_recovered,
         problems=tuple(found),
     )
+    step(STATE_FILE)
     try:
         write_state(directory, final)
     except OSError as error:
         final = _with_problem(final, f"{STATE_FILE} could not be written", error)
+    step(INDEX_FILE)
     try:
         write_index(directory, final)
     except OSError as error:
@@ -186,6 +204,7 @@ def finish_run(directory: Path, state: RunState) -> FinishReport:
         with contextlib.suppress(OSError):
             write_state(directory, final)
     if is_rank_run(directory, final):
+        step(FINISH_STEPS[-1])
         _write_parent_page(directory.parent)
     return FinishReport(directory, merge, final)
 
@@ -360,4 +379,10 @@ def _remove_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-__all__ = ["FinishReport", "finalize", "finish_run", "mark_partly_written_sample"]
+__all__ = [
+    "FINISH_STEPS",
+    "FinishReport",
+    "finalize",
+    "finish_run",
+    "mark_partly_written_sample",
+]

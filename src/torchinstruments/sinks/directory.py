@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from torchinstruments import forks
@@ -30,12 +30,28 @@ from torchinstruments.rundir.attempts import (
     attempt_notes,
     job_counts,
 )
-from torchinstruments.rundir.finish import finish_run, mark_partly_written_sample
+from torchinstruments.rundir.finish import (
+    FINISH_STEPS,
+    FinishReport,
+    finish_run,
+    mark_partly_written_sample,
+)
+from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.index_page import write_index
-from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE, TENSORBOARD_DIR, check_output_dir
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    INDEX_FILE,
+    PARTS_DIR,
+    STATE_FILE,
+    TENSORBOARD_DIR,
+    check_output_dir,
+)
 from torchinstruments.rundir.lock import RunLock, live_writer
+from torchinstruments.rundir.page_ranks import is_rank_run
+from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation
+from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
@@ -45,6 +61,9 @@ __all__ = ["DirectorySink"]
 
 # The least time removal waits for a part write that does not return (module `removal_wait_s`).
 MIN_REMOVAL_WAIT_S = 10.0
+# Rows a second the merge at removal is given on top of `removal_wait_s`: a floor well below
+# what a merge takes on a disk that answers, so only one that stopped answering is given up.
+MERGE_ROWS_PER_S = 50_000
 
 
 def removal_wait_s(config: HistoryConfig) -> float:
@@ -423,7 +442,10 @@ class DirectorySink:
         """Finish the run with `rundir.finish.finish_run`; each problem is one warning.
 
         The history comes first: a failing TensorBoard or result.json step never prevents it.
+        The finish runs on a thread of its own, each step waited for only so long
+        (`_finish_within`); that thread releases the run's lock when it ends.
         """
+        handed_over = False
         try:
             if self._term is not None:
                 self._term.uninstall()
@@ -437,23 +459,68 @@ class DirectorySink:
             self._close_events()
             if history is not None and run is not None:
                 state = self._final_state(counts, history)
-                reserve.release(self.directory)  # room for the final state and index.md
-                if not written:  # the last part may end inside a sample: marked, its own part
-                    state = mark_partly_written_sample(self.directory, state)
-                report = finish_run(self.directory, state)
-                for problem in report.problems:
-                    if problem != self._events_problem:  # that one was warned when it happened
-                        warn(f"torchinstruments: {problem}")
-                for loss in report.state.losses:
-                    warn(f"torchinstruments: {loss.describe()}")
+                handed_over = True  # from here on the lock is the finishing thread's
+                self._finish_within(state, written)
         finally:
             self._events = None
             self._history = None
             self._timer = None
             self._term = None
-            reserve.release(self.directory)
-            self._lock.release()
+            if not handed_over:
+                reserve.release(self.directory)
+                self._lock.release()
             forks.untrack(self)
+
+    def _finish_within(self, state: RunState, written: bool) -> None:
+        """Finish the run from `state` on a thread of its own (`rundir.finishing`): each step
+        waited for `removal_wait_s`, the merge longer by its rows (`MERGE_ROWS_PER_S`). A step
+        that has not returned by then (a file system that stopped answering) is given up: one
+        warning says which files were not written, and the losses are warned from `state`."""
+        directory = self.directory
+
+        def work(step: Callable[[str], None]) -> FinishReport:
+            step(f"{RESERVE_FILE} (deleted)")
+            reserve.release(directory)  # room for the final state and index.md
+            final = state
+            if not written:  # the last part may end inside a sample: marked, its own part
+                step(f"the mark of the sample the last part split, in {PARTS_DIR}/")
+                final = mark_partly_written_sample(directory, state)
+            return finish_run(directory, final, step)
+
+        wait_s = removal_wait_s(self._config)
+        merge_s = wait_s + (state.rows_recorded or 0) / MERGE_ROWS_PER_S
+
+        def bound(step: str) -> float:
+            return merge_s if step == HISTORY_FILE else wait_s
+
+        finishing = Finishing(work, self._lock.release, f"torchinstruments finish {directory}")
+        report = finishing.wait(bound)
+        if report is None:
+            self._gave_up_finish(finishing.step, bound(finishing.step), state)
+            for loss in state.losses:
+                warn(f"torchinstruments: {loss.describe()}")
+            return
+        for problem in report.problems:
+            if problem != self._events_problem:  # that one was warned when it happened
+                warn(f"torchinstruments: {problem}")
+        for loss in report.state.losses:
+            warn(f"torchinstruments: {loss.describe()}")
+
+    def _gave_up_finish(self, step: str, waited_s: float, state: RunState) -> None:
+        """Warn that removal gave up finishing the run from `state` at `step`, naming what was
+        not written."""
+        steps = FINISH_STEPS if is_rank_run(self.directory, state) else FINISH_STEPS[:-1]
+        # the reserve file or the mark come before them all
+        later = steps[steps.index(step) :] if step in steps else (step, *steps)
+        command = tool_command("finalize", self.directory)
+        warn(
+            f"torchinstruments: finishing the run under {self.directory} had not returned after "
+            f"{waited_s:g} s at {step} (a file system that stopped answering?); removal returns "
+            f"without it. Not written: {', '.join(later)} (a merge not done leaves the rows in "
+            f"{PARTS_DIR}/, and readers see the run as the state file last said). This process "
+            f"holds the run's lock until that write returns; `{command}` completes the run "
+            "once it is released (at the latest when this process ends)"
+        )
 
 
 def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:

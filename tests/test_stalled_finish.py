@@ -1,0 +1,136 @@
+"""A run whose finish at removal (the merge, result.json, the state file, index.md) never returns
+does not hang remove_observer: removal gives it up and says which files were not written.
+
+The stall is real: the temporary of one of those files is a FIFO that no one reads, so its
+write blocks in `open` for as long as the FIFO has no reader, as a write to a stalled network
+file system blocks. Removal runs the finish on a thread of its own and waits for each step at
+most `removal_wait_s` (the merge longer by its rows); then it returns, with a warning naming the
+step and every file after it. Readers see the run as its state file last said: the process held
+the lock while the write hung, and once it has ended (and the file system answers again)
+`finalize` completes the run. Run in a child process, under a timeout: a removal that waits for
+the write without end fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from torchinstruments.rundir.finishing import Finishing
+from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, RESULT_FILE, STATE_FILE
+from torchinstruments.rundir.state import Status, read_state
+from torchinstruments.sinks.directory import MIN_REMOVAL_WAIT_S
+
+STEPS = 3
+ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
+
+CHILD = r"""
+import json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import temporary_path
+
+from pathlib import Path
+
+run, steps, stalled = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: MIN_REMOVAL_WAIT_S
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    for _ in range(steps):
+        model(x).sum().backward()
+    os.mkfifo(temporary_path(run / stalled))  # its write at removal blocks
+    remove_observer(model)  # returns although the write never does
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+# the file whose write hangs: the files not written from it on
+CASES = {
+    HISTORY_FILE: (HISTORY_FILE, RESULT_FILE, STATE_FILE, INDEX_FILE),
+    STATE_FILE: (STATE_FILE, INDEX_FILE),
+}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchinstruments", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("stalled", CASES)
+def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_written(
+    tmp_path: Path, stalled: str
+) -> None:
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(run), str(STEPS), stalled],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    wait = MIN_REMOVAL_WAIT_S + STEPS * ROWS_PER_SAMPLE / 50_000 if stalled == HISTORY_FILE else 10
+    gave_up = f"finishing the run under {run} had not returned after {wait:g} s at {stalled}"
+    assert gave_up in said, said
+    assert f"Not written: {', '.join(CASES[stalled])} " in said
+    assert read_state(run).status is Status.IN_PROGRESS  # the state written at injection
+    if stalled == STATE_FILE:  # what came before it was written
+        assert pl.read_parquet(run / HISTORY_FILE).height == STEPS * ROWS_PER_SAMPLE
+        assert (run / RESULT_FILE).is_file()
+    shown = _cli("show", str(run))
+    assert shown.returncode == 0, shown.stderr
+    (run / f"{stalled}.torchinstruments-tmp").unlink()  # the file system answers again
+    finalized = _cli("finalize", str(run))
+    assert finalized.returncode == 0, finalized.stderr
+    assert pl.read_parquet(run / HISTORY_FILE).height == STEPS * ROWS_PER_SAMPLE
+    assert read_state(run).status is Status.INTERRUPTED  # its last rows' count is unknown
+    assert (run / INDEX_FILE).is_file()
+
+
+def test_each_finish_step_is_waited_for_up_to_its_own_bound_and_the_lock_goes_after_it() -> None:
+    """`Finishing.wait`: a step that returns within its bound is waited for, however long the
+    finish takes in all; one that does not is given up, naming it, and the thread runs `after`
+    (the lock's release) only once the work has returned."""
+    slow_done, stuck = threading.Event(), threading.Event()
+    released: list[str] = []
+
+    def work(step: Callable[[str], None]) -> str:
+        step("slow")
+        assert slow_done.wait(60)
+        step("stuck")
+        assert stuck.wait(60)
+        return "finished"
+
+    threading.Timer(0.05, slow_done.set).start()
+    finishing = Finishing(work, lambda: released.append(finishing.step), "finish")
+    assert finishing.wait({"starting": 60.0, "slow": 60.0, "stuck": 0.0}.__getitem__) is None
+    assert finishing.step == "stuck"
+    assert released == []  # the lock stays with the stuck write
+    stuck.set()
+    assert finishing.wait(lambda step: 60.0) == "finished"
+    assert released == ["stuck"]
+
+    def failing(step: Callable[[str], None]) -> None:
+        raise ValueError("not a disk error")
+
+    failed = Finishing(failing, lambda: released.append("after failing"), "finish")
+    with pytest.raises(ValueError, match="not a disk error"):
+        failed.wait(lambda step: 60.0)
+    assert released == ["stuck", "after failing"]

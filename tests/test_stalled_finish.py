@@ -134,3 +134,60 @@ def test_each_finish_step_is_waited_for_up_to_its_own_bound_and_the_lock_goes_af
     with pytest.raises(ValueError, match="not a disk error"):
         failed.wait(lambda step: 60.0)
     assert released == ["stuck", "after failing"]
+
+
+SAVE_CHILD = r"""
+import json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import STATE_FILE, part_path, part_temporary_path, temporary_path
+from torchinstruments.sinks.directory import SAVE_TAG
+
+from pathlib import Path
+
+run, steps = Path(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    config = HistoryConfig(buffer_rows=18, max_buffered_rows=36, flush_seconds=1.0)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    model(x).sum().backward()  # parts 0 and 1: the first forward's and backward's rows
+    os.mkdir(part_temporary_path(part_path(run, 2), 0))  # every later part write fails at once
+    os.mkfifo(temporary_path(run / STATE_FILE, SAVE_TAG))  # the flush thread's save hangs
+    for _ in range(steps - 1):
+        model(x).sum().backward()  # rows beyond the cap are dropped: the ledger has news
+    remove_observer(model)  # the flush thread's last round saves the ledger first: it hangs
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+
+def test_removal_finishes_the_run_beside_a_save_of_the_state_file_that_never_returns(
+    tmp_path: Path,
+) -> None:
+    """The flush thread's saves of the loss ledger into the state file have temporaries of their
+    own: removal gives the stuck save up and writes the final state beside it."""
+    run = tmp_path / "run"
+    steps = 10
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_CHILD, str(run), str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert "the run's flush thread had not returned after 10 s" in said, said
+    assert "finishing the run" not in said, said
+    state = read_state(run)
+    assert state.status is Status.INCOMPLETE
+    history = pl.read_parquet(run / HISTORY_FILE)
+    assert history.filter(pl.col("metric") != "interrupted").height == ROWS_PER_SAMPLE
+    markers = history.filter(pl.col("metric") == "interrupted").height
+    lost = sum(loss.rows for loss in state.losses)
+    assert history.height - markers + lost == steps * ROWS_PER_SAMPLE
+    assert "the run's flush thread had not returned" in state.losses[-1].reason
+    assert state.losses[-1].describe() in (run / INDEX_FILE).read_text()

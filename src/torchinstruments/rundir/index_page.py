@@ -13,6 +13,8 @@ the summary by hand; the tests execute every query in it against a real history.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 from torchinstruments import reasons
@@ -412,9 +414,15 @@ def render_index(state: RunState) -> str:
     return "\n".join(lines)
 
 
-def write_index(directory: Path, state: RunState) -> None:
-    """Write `directory/index.md`, rendered from `state`, atomically."""
-    write_text_atomic(directory / INDEX_FILE, render_index(state))
+def write_index(
+    directory: Path,
+    state: RunState,
+    rename: Callable[[Path, Path], None] = os.replace,
+    tag: str = "",
+) -> None:
+    """Write `directory/index.md`, rendered from `state`, atomically (`replace_atomically`, with
+    its `rename` and temporary-name `tag`)."""
+    write_text_atomic(directory / INDEX_FILE, render_index(state), rename, tag)
 
 
 __all__ = [

@@ -509,11 +509,13 @@ def write_parquet_atomic(
     )
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(
+    path: Path, text: str, rename: Callable[[Path, Path], None] = os.replace, tag: str = ""
+) -> None:
     """Write UTF-8 `text` (with `\\n` line ends) to `path` with `replace_atomically`."""
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
 
-    replace_atomically(path, write)
+    replace_atomically(path, write, rename, tag)

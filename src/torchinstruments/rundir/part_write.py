@@ -8,7 +8,10 @@ would merge them: the run's counts would no longer add up. So a part's rename an
 leaving the buffer happen under one lock, and `give_up` takes that lock to close the door: a
 write that returns afterwards finds it closed and deletes its temporary (`replace_atomically`
 removes it when the rename raises). Exact unless the rename itself is what stalls: `give_up`
-waits for it only so long, and such a part may still appear.
+waits for it only so long, and such a part may still appear. The run directory's flush thread
+saves the loss ledger into the state file and index.md through a door of its own
+(`sinks.directory`), closed at removal, so a save that returns later never replaces the final
+state.
 
 What a part write raises stays in the writer (`rundir.writer`), except a KeyboardInterrupt or
 SystemExit on the main thread (`ours_to_raise`): Polars raises a KeyboardInterrupt in every

@@ -51,6 +51,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -379,9 +380,15 @@ def decode_state(text: str) -> RunState:
     return _decode_fields(RunState, data, "")
 
 
-def write_state(directory: Path, state: RunState) -> None:
-    """Write `directory/.state.json` atomically (`replace_atomically`)."""
-    write_text_atomic(directory / STATE_FILE, encode_state(state))
+def write_state(
+    directory: Path,
+    state: RunState,
+    rename: Callable[[Path, Path], None] = os.replace,
+    tag: str = "",
+) -> None:
+    """Write `directory/.state.json` atomically (`replace_atomically`, with its `rename` and
+    temporary-name `tag`)."""
+    write_text_atomic(directory / STATE_FILE, encode_state(state), rename, tag)
 
 
 def read_state(directory: Path) -> RunState:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.lock import RunLock, live_writer
 from torchinstruments.rundir.page_ranks import is_rank_run
+from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.shell import tool_command
@@ -64,6 +66,8 @@ MIN_REMOVAL_WAIT_S = 10.0
 # Rows a second the merge at removal is given on top of `removal_wait_s`: a floor well below
 # what a merge takes on a disk that answers, so only one that stopped answering is given up.
 MERGE_ROWS_PER_S = 50_000
+# The temporary-name tag of the flush thread's saves of the state file and index.md.
+SAVE_TAG = "flush"
 
 
 def removal_wait_s(config: HistoryConfig) -> float:
@@ -135,6 +139,9 @@ class DirectorySink:
         self._missing_first: tuple[str, int, str] | None = None
         self._missing_count = 0
         self._flush_warned = False
+        # The door between the flush thread's saves of the ledger and the state file: closed at
+        # removal, so a save that returns after it never replaces the final state.
+        self._saves = PartLanding()
         self._first_written: set[str] = set()  # signals whose first record was written at once
         self._first_stalled = False  # a write of first rows was not waited for to the end
         # A continued run's plan and earlier state (`start` with resume); None for a new run.
@@ -364,9 +371,12 @@ class DirectorySink:
             return
         version, losses = pending
         state = dataclasses.replace(base, losses=(*base.losses, *losses))
-        try:
-            write_state(self.directory, state)
-            write_index(self.directory, state)
+        door = functools.partial(self._saves.rename, written=_nothing)
+        try:  # temporaries of their own: removal's finish may write these files beside a stuck save
+            write_state(self.directory, state, door, SAVE_TAG)
+            write_index(self.directory, state, door, SAVE_TAG)
+        except GivenUpError:  # removal finished the run meanwhile: its state stands
+            return
         except OSError:
             history.losses_not_saved()
             return
@@ -456,6 +466,7 @@ class DirectorySink:
                 if not timer.finish(wait_s):  # the last rows are the flush thread's to write
                     self._give_up_writes(history, wait_s)
                 written = history.close(write=False)  # the rest is in its loss ledger
+                self._saves.give_up("removal finishes the run", wait_s)
             self._close_events()
             if history is not None and run is not None:
                 state = self._final_state(counts, history)
@@ -521,6 +532,10 @@ class DirectorySink:
             f"holds the run's lock until that write returns; `{command}` completes the run "
             "once it is released (at the latest when this process ends)"
         )
+
+
+def _nothing() -> None:
+    """A save's `written`: nothing leaves a buffer when the state file is in place."""
 
 
 def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:

@@ -191,3 +191,24 @@ def test_removal_finishes_the_run_beside_a_save_of_the_state_file_that_never_ret
     assert history.height - markers + lost == steps * ROWS_PER_SAMPLE
     assert "the run's flush thread had not returned" in state.losses[-1].reason
     assert state.losses[-1].describe() in (run / INDEX_FILE).read_text()
+
+
+def test_a_finish_where_no_thread_can_start_runs_on_the_removing_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.12 refuses to start a thread in an exit handler (RuntimeError), where a user may
+    remove the observer: the finish then runs where it is asked for, as before."""
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    ran: list[str] = []
+
+    def work(step: Callable[[str], None]) -> str:
+        ran.append(threading.current_thread().name)
+        return "finished"
+
+    finishing = Finishing(work, lambda: ran.append("after"), "finish")
+    assert ran == [threading.current_thread().name, "after"]
+    assert finishing.wait(lambda step: 0.0) == "finished"

@@ -10,7 +10,8 @@ if the write ever returns. The thread keeps the run's lock until then (`after`),
 latest, and a reader is told that a live process holds it. A step's bound is the caller's
 (`sinks.directory`: a flush interval, at least 10 s, more for a merge of many rows), since a
 slow disk that still answers must not be given up. The cost: one short-lived thread per
-removal.
+removal. Where no thread can be started (removal from an exit handler: Python 3.12 refuses new
+threads there), the finish runs on the removing thread, unbounded, as it did before.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class Finishing(Generic[T]):
         self._thread = threading.Thread(
             target=self._run, args=(work, after), name=name, daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:  # no thread can start (an exit handler, Python 3.12): run it here
+            self._run(work, after)
 
     @property
     def step(self) -> str:

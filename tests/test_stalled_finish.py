@@ -14,6 +14,8 @@ the write without end fails the test instead of hanging it.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -212,3 +214,54 @@ def test_a_finish_where_no_thread_can_start_runs_on_the_removing_thread(
     finishing = Finishing(work, lambda: ran.append("after"), "finish")
     assert ran == [threading.current_thread().name, "after"]
     assert finishing.wait(lambda step: 0.0) == "finished"
+
+
+FORK_CHILD = r"""
+import os, sys, time, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import STATE_FILE, temporary_path
+
+from pathlib import Path
+
+run = Path(sys.argv[1])
+model = nn.Linear(4, 2)
+warnings.simplefilter("ignore")
+config = HistoryConfig(flush_seconds=1.0)
+inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+model(torch.randn(3, 4)).sum().backward()
+os.mkfifo(temporary_path(run / STATE_FILE))  # the finish hangs, holding the run's lock
+remove_observer(model)
+pid = os.fork()
+if pid == 0:  # a forked child (a data loader's worker) that outlives this process
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # the test reads this process's output to its end: not the child's
+    os.dup2(null, 2)
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+"""
+
+
+def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(tmp_path: Path) -> None:
+    """The stuck finish holds the run's lock until this process ends; a child forked meanwhile
+    closes its copy of the lock's descriptor, so the lock ends with the process that took it,
+    not with the child, and finalize completes the run while the child lives."""
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_CHILD, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.strip().splitlines()[-1])
+    try:
+        (run / f"{STATE_FILE}.torchinstruments-tmp").unlink()  # the file system answers again
+        finalized = _cli("finalize", str(run))
+        assert finalized.returncode == 0, finalized.stderr
+        assert pl.read_parquet(run / HISTORY_FILE).height == ROWS_PER_SAMPLE
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -144,6 +144,7 @@ class DirectorySink:
         self._saves = PartLanding()
         self._first_written: set[str] = set()  # signals whose first record was written at once
         self._first_stalled = False  # a write of first rows was not waited for to the end
+        self._handed_over = False  # removal's finish (and the lock) went to its own thread
         # A continued run's plan and earlier state (`start` with resume); None for a new run.
         self._continuation: Continuation | None = None
         self._previous: RunState | None = None
@@ -455,7 +456,7 @@ class DirectorySink:
         The finish runs on a thread of its own, each step waited for only so long
         (`_finish_within`); that thread releases the run's lock when it ends.
         """
-        handed_over = False
+        self._handed_over = False
         try:
             if self._term is not None:
                 self._term.uninstall()
@@ -469,18 +470,16 @@ class DirectorySink:
                 self._saves.give_up("removal finishes the run", wait_s)
             self._close_events()
             if history is not None and run is not None:
-                state = self._final_state(counts, history)
-                handed_over = True  # from here on the lock is the finishing thread's
-                self._finish_within(state, written)
+                self._finish_within(self._final_state(counts, history), written)
         finally:
             self._events = None
             self._history = None
             self._timer = None
             self._term = None
-            if not handed_over:
+            if not self._handed_over:  # else the finishing thread's (`_end_of_finish`)
                 reserve.release(self.directory)
                 self._lock.release()
-            forks.untrack(self)
+                forks.untrack(self)
 
     def _finish_within(self, state: RunState, written: bool) -> None:
         """Finish the run from `state` on a thread of its own (`rundir.finishing`): each step
@@ -504,7 +503,8 @@ class DirectorySink:
         def bound(step: str) -> float:
             return merge_s if step == HISTORY_FILE else wait_s
 
-        finishing = Finishing(work, self._lock.release, f"torchinstruments finish {directory}")
+        finishing = Finishing(work, self._end_of_finish, f"torchinstruments finish {directory}")
+        self._handed_over = True  # the lock is the finishing thread's from here on
         report = finishing.wait(bound)
         if report is None:
             self._gave_up_finish(finishing.step, bound(finishing.step), state)
@@ -516,6 +516,15 @@ class DirectorySink:
                 warn(f"torchinstruments: {problem}")
         for loss in report.state.losses:
             warn(f"torchinstruments: {loss.describe()}")
+
+    def _end_of_finish(self) -> None:
+        """The finishing thread's last act: the run's lock goes, and only then may a forked
+        child keep its copy of the lock's descriptor (until then one is closed in the child,
+        `after_fork_in_child`, or the child would hold the lock after this process ended)."""
+        try:
+            self._lock.release()
+        finally:
+            forks.untrack(self)
 
     def _gave_up_finish(self, step: str, waited_s: float, state: RunState) -> None:
         """Warn that removal gave up finishing the run from `state` at `step`, naming what was

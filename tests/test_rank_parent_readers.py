@@ -185,6 +185,56 @@ def test_plot_and_heatmap_of_the_parent_count_ranks_as_ranks_and_keep_each_ranks
     assert drawn == ["rank 000: 0 (Linear)", "rank 000: 0 [eval] (Linear)"]
 
 
+def test_heatmap_of_the_parent_subtitle_says_its_rows_are_one_tensors_ranks_not_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks of one tensor (train and eval rows each) are four rows of one tensor: the
+    subtitle says tensor x ranks, never "4 tensors down in traversal order"."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from conftest import read_heatmap
+
+    texts: list[str] = []
+    figure_text = Figure.text
+
+    def recording(self: Figure, x: float, y: float, s: str, *args: Any, **kwargs: Any) -> Any:
+        texts.append(s)
+        return figure_text(self, x, y, s, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "text", recording)
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank, eval_forwards=True)
+    done = cli_in_process("heatmap", parent, "--metrics", "mean", "-o", tmp_path)
+    assert done.returncode == 0, done.stderr
+    _, description = read_heatmap(tmp_path / "heatmap-ranks-mean.png")
+    assert [row[0] for row in description["rows"]] == [
+        "rank 000: 0",
+        "rank 000: 0",
+        "rank 001: 0",
+        "rank 001: 0",
+    ]
+    (title,) = texts
+    lines = title.split("\n")
+    assert lines[1] == (
+        "tensor 0 x 2 ranks (2 train rows, 2 eval rows) down, in rank order "
+        "(labelled: every row (module type))"
+    )
+    assert "traversal order" not in title
+    assert "4 tensors" not in title
+    texts.clear()
+    done = cli_in_process("heatmap", parent / "rank-000", "--metrics", "mean", "-o", tmp_path)
+    assert done.returncode == 0, done.stderr
+    (title,) = texts
+    assert (
+        title.split("\n")[1]
+        == (
+            "6 tensors down in traversal order (labelled: every tensor (module type))"  # 3 layers x 2 modes
+        )
+    )
+
+
 def test_plot_and_heatmap_of_the_parent_write_the_default_files_their_help_names(
     tmp_path: Path,
 ) -> None:

@@ -274,8 +274,8 @@ def _block_starts(names: list[str], depth: int) -> list[tuple[int, str]]:
     return [(i, key) for i, key in enumerate(keys) if i == 0 or key != keys[i - 1]]
 
 
-def row_ticks(grid: Grid) -> tuple[list[float], list[str], str]:
-    """Y tick positions (in rows), their labels, and what a label names.
+def row_ticks(grid: Grid, noun: str = "tensor") -> tuple[list[float], list[str], str]:
+    """Y tick positions (in rows), their labels, and what a label names (a row is a `noun`).
 
     Up to LABEL_ROWS tensors: every row. Beyond: the deepest dotted prefix of the layer names
     that splits the rows into 2..LABEL_ROWS blocks, each labelled at its first row; when every
@@ -289,7 +289,7 @@ def row_ticks(grid: Grid) -> tuple[list[float], list[str], str]:
         for t, m in zip(grid.tensors, grid.module_types, strict=True)
     ]
     if n <= LABEL_ROWS:
-        return [i + 0.5 for i in range(n)], labels, "every tensor (module type)"
+        return [i + 0.5 for i in range(n)], labels, f"every {noun} (module type)"
     names = [t[0] or "<root>" for t in grid.tensors]
     depths = range(1, max(len(name.split(".")) for name in names) + 1)
     starts = {d: _block_starts(names, d) for d in depths}
@@ -306,7 +306,7 @@ def row_ticks(grid: Grid) -> tuple[list[float], list[str], str]:
         return [float(i) for i, _ in chosen], [k for _, k in chosen], what
     step = math.ceil(n / LABEL_ROWS)
     rows = list(range(0, n, step))
-    return [i + 0.5 for i in rows], [labels[i] for i in rows], f"every {step}th tensor"
+    return [i + 0.5 for i in rows], [labels[i] for i in rows], f"every {step}th {noun}"
 
 
 def column_ticks(columns: int, most: int = 8) -> list[int]:
@@ -327,8 +327,18 @@ def cell_size(rows: int, columns: int) -> tuple[int, int]:
     return width, height
 
 
-def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") -> HeatmapResult:
+def draw(
+    grid: Grid,
+    facts: RunFacts,
+    output: Path,
+    *,
+    scale: str = "linear",
+    rows_are: str | None = None,
+) -> HeatmapResult:
     """Write `grid` as a PNG with its panels side by side.
+
+    `rows_are` says in the subtitle what the rows are when they are not a run's tensors (one
+    tensor's ranks: `heatmap PARENT`); its labels then count rows, not tensors.
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
@@ -348,14 +358,15 @@ def draw(grid: Grid, facts: RunFacts, output: Path, *, scale: str = "linear") ->
     n_rows, n_cols = len(grid.tensors), len(grid.columns)
     cell_w, cell_h = cell_size(n_rows, n_cols)
     panel_w, panel_h = cell_w * n_cols, cell_h * n_rows
-    ticks, labels, label_kind = row_ticks(grid)
+    ticks, labels, label_kind = row_ticks(grid, "tensor" if rows_are is None else "row")
     labels = [shorten(label) for label in labels]
     left = 16 + round(CHAR_WIDTH * max((len(label) for label in labels), default=8))
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
     width = left + stride * len(grid.signals) + 8
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     about = (
-        f"{plural(n_rows, 'tensor')} down in traversal order (labelled: {label_kind})",
+        f"{rows_are or plural(n_rows, 'tensor') + ' down in traversal order'} "
+        f"(labelled: {label_kind})",
         f"{plural(n_cols, 'sample')} across; one colour scale per panel",
     )
     chars = max(40, int((width - 16) / TITLE_CHAR_WIDTH))

@@ -225,6 +225,8 @@ def heatmap_ranks(
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)
+    # The rows are one tensor's ranks (and modes), not tensors of a run: the subtitle says so.
+    about = f"tensor {lines.name()} x {lines.describe('row')} down, in rank order"
     results = []
     names = file_names(metrics, prefix="heatmap-ranks")
     for metric in metrics:
@@ -236,7 +238,9 @@ def heatmap_ranks(
             "value",
         )
         grid = build_grid(cells, plain, metric, x)
-        results.append(draw(grid, facts, Path(output_dir) / names[metric], scale=scale))
+        results.append(
+            draw(grid, facts, Path(output_dir) / names[metric], scale=scale, rows_are=about)
+        )
     return results, lines
 
 

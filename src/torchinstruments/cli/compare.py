@@ -7,8 +7,11 @@ Design decisions:
   `B - A`, and the first sample at which the two runs differ by more than `--tolerance`.
 - Samples are matched on `sample_id` (runs sampled with `EveryNForwardsSampler` on the same
   schedule: sample k is the same step in both) or on `forward_index` (`--x forward_index`, e.g.
-  ranks whose samplers differ). A series measured twice in one sample (two backwards) is matched
-  occurrence by occurrence.
+  ranks whose samplers differ). A series with several rows in one sample is matched occurrence
+  by occurrence (in write order). The library's own runs never hold one (a sample records a
+  tensor's gradient from the first backward only, a layer's calls have distinct call_index,
+  and a resumed run's sample_id and forward_index continue); only hand-edited or concatenated
+  histories do, and they are compared, not refused.
 - "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other, or a row in
   one run and none in the other at a sample both runs have (a series that stops or starts in one
   run: a branch cut off from the loss leaves no null, only rows that are not there). The samples

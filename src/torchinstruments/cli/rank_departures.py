@@ -68,7 +68,8 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
         "rank",
         "value",
     ).collect()
-    # A series measured twice in one sample (two backwards): its occurrences, in write order.
+    # A series with several rows in one sample (never in the library's own runs: only in
+    # hand-edited or concatenated histories): its occurrences, in write order.
     per_rank = [*keys, x, "rank"]
     frame = frame.sort(*per_rank, maintain_order=True).with_columns(_start=~_same_as(per_rank, 1))
     position = pl.int_range(pl.len())

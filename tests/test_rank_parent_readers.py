@@ -474,3 +474,39 @@ def test_compare_parent_text_of_many_series_prints_the_earliest_to_depart_and_sa
     done = cli_in_process("compare", tmp_path, "--width", "200", "--all")
     assert len(rows(done.stdout)) == every.height
     assert "more series not shown" not in done.stdout
+
+
+@pytest.mark.parametrize("x", ["sample_id", "forward_index"])
+def test_compare_parent_is_the_same_read_in_ranges_of_one_row_or_at_once_and_cuts_them_from_x_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, x: str
+) -> None:
+    """Each range's per-series result is folded into the last as it comes: every series'
+    first departure, its ranks and values there, and its matched samples are the same whether
+    the ranks are read in ranges of one sample or all at once. The ranges are cut from each
+    rank's rows per x, every row counted (its x column only, not the selection's names)."""
+    from torchinstruments.cli import ranks
+    from torchinstruments.cli.selection import Selection
+
+    parent = tmp_path / "stats"
+    for rank in (0, 1, 2):
+        observe_rank(parent, rank, world_size=3, forwards=4, eval_forwards=rank == 1)
+    cut_from: list[list[pl.DataFrame]] = []
+    x_ranges = ranks.x_ranges
+
+    def recording(counts: list[pl.DataFrame], *args: Any) -> list[tuple[int, int]]:
+        cut_from.append(counts)
+        return x_ranges(counts, *args)
+
+    monkeypatch.setattr(ranks, "x_ranges", recording)
+    selection = Selection(layers="^2$", metrics=("mean", "max"))
+    one = ranks.departures(parent, selection, x=x, budget_rows=1).frame
+    whole = ranks.departures(parent, selection, x=x, budget_rows=10**9).frame
+    # layer 2: output and gradient x mean and max, and rank 1's eval output x mean and max
+    assert one.height == whole.height == 6
+    assert one.to_dicts() == whole.to_dicts()
+    assert one["first_departure"].null_count() < one.height
+    for counts in cut_from:
+        for rank, per_x in enumerate(counts):
+            assert per_x.columns == [x, "rows"]
+            own = history(parent, rank).group_by(x).agg(rows=pl.len()).sort(x)
+            assert per_x.cast(own.schema).to_dicts() == own.to_dicts()

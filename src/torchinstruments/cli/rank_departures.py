@@ -18,21 +18,10 @@ import polars as pl
 
 from torchinstruments.rundir.windows import SERIES_KEY
 
-__all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures", "x_ranges"]
+__all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures"]
 
 RANK_SERIES_KEY = (*SERIES_KEY, "module_type")
 _KEY = RANK_SERIES_KEY
-
-
-def x_ranges(lf: pl.LazyFrame, x: str, budget_rows: int) -> list[tuple[int, int]]:
-    """Half-open ranges of `x` holding about `budget_rows` rows each (from the x column alone)."""
-    bounds = lf.select(pl.col(x).min().alias("lo"), pl.col(x).max().alias("hi"), pl.len()).collect()
-    lo, hi, rows = bounds.row(0)
-    if lo is None or hi is None:
-        return []
-    per_x = rows / (hi - lo + 1)
-    step = max(1, int(budget_rows / max(per_x, 1e-9)))
-    return [(start, min(start + step, hi + 1)) for start in range(lo, hi + 1, step)]
 
 
 # The series key's string columns (every key column but call_index), compared as codes.
@@ -128,7 +117,7 @@ def combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
     }
     if not pieces:
         return pl.DataFrame(schema=schema)
-    both = pl.concat(pieces, how="vertical_relaxed")
+    both = pl.concat(pieces, how="diagonal_relaxed")  # by name: a combined frame is a piece too
     matched = both.group_by(_KEY).agg(
         pl.col("matched_samples").sum().cast(pl.Int64),
         pl.col("ranks").max().cast(pl.Int64),

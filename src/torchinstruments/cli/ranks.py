@@ -29,8 +29,10 @@ Design decisions:
   the sample).
 - Memory is bounded by streaming: `show` reads one rank at a time (the spread needs two numbers
   per rank and series); `compare` reads all ranks together in ranges of `x` of about
-  `DEPARTURE_BATCH_ROWS` rows (history is ordered by sample, so each range reads only the Parquet
-  row groups that hold it); plot and heatmap read one tensor's rows.
+  `DEPARTURE_BATCH_ROWS` rows of all ranks (history is ordered by sample, so each range reads
+  only the Parquet row groups that hold it), the ranges cut from each rank's x column alone and
+  each range's per-series result folded into one as it comes; plot and heatmap read one
+  tensor's rows.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli import module_types as types
+from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.rank_departures import RANK_SERIES_KEY as _KEY
-from torchinstruments.cli.rank_departures import batch_departures, combine_departures, x_ranges
+from torchinstruments.cli.rank_departures import batch_departures, combine_departures
 from torchinstruments.cli.rank_runs import RankRun, ranks_with_history, without_history_line
 from torchinstruments.cli.reader import (
     NotARunError,
@@ -81,7 +84,9 @@ from torchinstruments.cli.text import (
 )
 from torchinstruments.rundir.ranges import ranges
 
-DEPARTURE_BATCH_ROWS = 1 << 20
+# A range's working frame is a few hundred bytes a row: 2**18 rows (the chunk of `cli.chunked`)
+# keeps it near a hundred MB, where 2**20 took half a GB.
+DEPARTURE_BATCH_ROWS = 1 << 18
 TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
 _EPSILON = 2.0**-52
 TEXT_TENSORS = 60
@@ -370,6 +375,14 @@ def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.Lazy
     return pl.concat(frames, how="vertical")
 
 
+def _x_counts(runs: Sequence[RankRun], x: str) -> list[pl.DataFrame]:
+    """Each rank's rows per `x`, from its x column alone: the ranges are cut from these, so
+    finding them reads one integer column, not the selection's name columns of every row
+    (which held more than the largest range does). Counting every row, not the selected ones,
+    only makes a range smaller than its budget where the selection is narrow."""
+    return [x_counts(scan_files(locate(run.directory), write_order=False), x) for run in runs]
+
+
 def departures(
     parent: Path,
     selection: Selection,
@@ -388,11 +401,11 @@ def departures(
         raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")
     facts = [read_facts(run.directory) for run in runs]
     lf = _rank_scan(runs, selection, x)
-    pieces = []
-    for lo, hi in x_ranges(lf, x, budget_rows):
-        batch = lf.filter(pl.col(x) >= lo, pl.col(x) < hi)
-        pieces.append(batch_departures(batch, x, tolerance))
-    frame = combine_departures(pieces)
+    # Each range's result is folded in as it comes: one frame per series at a time, never one
+    # per range (a range's per-series frame is as large as the whole result).
+    frame = combine_departures([])
+    for bounds in x_ranges(_x_counts(runs, x), x, budget_rows):
+        frame = combine_departures([frame, batch_departures(in_range(lf, x, bounds), x, tolerance)])
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
     # Read only where the samplers' own warning does not already say it (one sampler).
     turns = {samplers_in_turn(s) for f in facts if (s := sampling(f)) is not None}

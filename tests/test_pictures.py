@@ -8,8 +8,10 @@ read with Polars.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -164,3 +166,90 @@ def test_plot_shortens_long_layer_names_in_the_legend_and_keeps_the_panels(
     widths = [ax.get_window_extent().width for ax in figure.axes]
     assert len(widths) == 2
     assert min(widths) > 0.75 * PANEL_WIDTH_IN * DPI  # the legend takes no panel's width
+
+
+def _observe(directory: Path, forwards: int, nan_first: bool = False) -> Path:
+    """A Linear, ReLU, Linear run of `forwards` samples (the first Linear's weight NaN with
+    `nan_first`: its output and the ReLU's are NaN at every sample, their statistics null)."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 8)
+    if nan_first:
+        nn.init.constant_(first.weight, float("nan"))
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(8, 2))
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    with pytest.warns(RuntimeWarning) if nan_first else contextlib.nullcontext():
+        for _ in range(forwards):
+            model(torch.randn(5, 4)).sum().backward()
+    remove_observer(model)
+    return directory
+
+
+def _visible_xticks(ax: Any) -> list[float]:
+    lo, hi = ax.get_xlim()
+    return [float(t) for t in ax.get_xticks() if lo <= t <= hi]
+
+
+def test_plot_ticks_whole_samples_and_a_single_sample_at_its_own_tick(
+    run: Path, tmp_path: Path
+) -> None:
+    """One sample is drawn at sample_id 0 with a tick there alone, not among ticks at
+    -0.04 .. 0.04; six samples get whole-number ticks only (never 0.25 of a sample)."""
+    single = _observe(tmp_path / "single", forwards=1)
+    for directory, samples in ((single, [0.0]), (run, None)):
+        rows = plot_rows(directory, Selection(metrics=("mean",)), "sample_id")
+        figure, _ = trend_figure(rows, read_facts(directory), "sample_id", 8)
+        for ax in figure.axes:
+            ticks = _visible_xticks(ax)
+            assert ticks
+            assert all(t == int(t) for t in ticks), ticks
+            if samples is not None:
+                assert ticks == samples
+
+
+def test_plot_panel_without_a_finite_value_has_no_y_scale_and_says_so(tmp_path: Path) -> None:
+    """The NaN tensors' mean of output is null at every sample: that panel has no y ticks
+    (matplotlib's default -0.05 .. 0.05 would read as values near 0) and says it has no finite
+    value; the gradient panel, with values, keeps its scale and says nothing of the kind."""
+    from torchinstruments.cli.pictures import NO_VALUE
+
+    directory = _observe(tmp_path / "nan", forwards=3, nan_first=True)
+    history = pl.read_parquet(directory / "history.parquet").filter(pl.col("metric") == "mean")
+    out = history.filter(pl.col("signal") == "output", pl.col("layer").is_in(["0", "1"]))
+    assert out["value"].null_count() == out.height == 6
+    rows = plot_rows(directory, Selection(layers="^[01]$", metrics=("mean",)), "sample_id")
+    figure, result = trend_figure(rows, read_facts(directory), "sample_id", 8)
+    assert result.panels == (("mean", "output"), ("mean", "output_gradient"))
+    output, gradient = figure.axes
+    assert list(output.get_yticks()) == []
+    assert [t.get_text() for t in output.texts] == [NO_VALUE]
+    assert len(gradient.get_yticks()) > 0
+    assert len(gradient.texts) == 0
+
+
+def test_heatmap_panel_without_a_finite_value_has_no_colour_scale_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A panel whose every cell is null has a colour bar without ticks (a 0 .. 1 bar would
+    read as values there) and a title that says it has no finite values."""
+    from matplotlib.figure import Figure
+
+    from torchinstruments.cli.pictures_grid import NO_FINITE
+
+    directory = _observe(tmp_path / "nan", forwards=3, nan_first=True)
+    bars: list[Any] = []
+    colorbar = Figure.colorbar
+
+    def recording(self: Figure, *args: Any, **kwargs: Any) -> Any:
+        bars.append(colorbar(self, *args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(Figure, "colorbar", recording)
+    (result,) = heatmap(directory, tmp_path, Selection(layers="^[01]$", metrics=("mean",)))
+    assert [p.signal for p in result.panels] == ["output", "output_gradient"]
+    assert result.panels[0].vmin is None
+    assert result.panels[1].vmin is not None
+    output_bar, gradient_bar = bars
+    assert list(output_bar.ax.get_yticks()) == []
+    assert len(gradient_bar.ax.get_yticks()) > 0
+    titles = [ax.get_title() for ax in output_bar.ax.figure.axes if ax.get_title()]
+    assert titles == [f"output: {NO_FINITE}", "output_gradient"]

@@ -11,7 +11,10 @@ Design decisions of the trend figure:
   `forward_index` or `step`, and its label says which.
 - A null value (unavailable, with a reason in history) is a gap in the line, never a 0, and
   an `x` in the line's colour at the bottom of the panel marks each such sample, so a line that
-  ends at a null does not look like a series that stopped.
+  ends at a null does not look like a series that stopped. A panel with no finite value at all
+  (a tensor that is NaN at every sample) has no y scale, which would read as values near 0, but
+  the words `NO_VALUE`. The x axis ticks whole numbers only (a single sample is at 0, not
+  among fractions of a sample either side).
 - At most `max_tensors` tensors (traversal order) are drawn, so lines stay tellable apart; the
   figure title says how many were left out and how to choose (`--layers REGEX`).
 - Lines that share values stay visible: each tensor has its own hollow marker shape and line
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +212,16 @@ def _scale(ax: Any, values: list[float], yscale: str) -> str:
     return "symlog"
 
 
+NO_VALUE = "no finite value to draw"
+
+
+def _no_value(ax: Any) -> None:
+    """A panel without a finite value (every value null, or no row): no y scale, which would
+    read as values near 0 (matplotlib's default -0.05..0.05), but words saying so."""
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, NO_VALUE, transform=ax.transAxes, ha="center", va="center", fontsize=8)
+
+
 def trend_figure(
     rows: pl.DataFrame,
     facts: RunFacts,
@@ -230,6 +244,7 @@ def trend_figure(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
+        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise matplotlib_missing("plot") from exc
 
@@ -296,12 +311,19 @@ def trend_figure(
                     )
             used = _scale(ax, shown, yscale)
             scales.append(used)
+            if not any(math.isfinite(v) for v in shown):
+                _no_value(ax)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # x counts samples, forwards
             fallback = " (symlog: values <= 0)" if yscale == "log" and used == "symlog" else ""
             ax.set_title(literal(f"{metric} of {signal}{fallback}"), fontsize=9)
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
+    at = rows[x].drop_nulls().unique().to_list()
+    if len(at) == 1:  # one x: its own tick, not a fraction of a sample either side
+        for ax in axes.flat:
+            ax.set_xticks(at)
     handles = [Line2D([], [], **style) for style in styles]
     entries = [literal(entry) for entry in legend]
     if null_marks:

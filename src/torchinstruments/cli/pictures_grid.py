@@ -213,6 +213,9 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
     )
 
 
+NO_FINITE = "no finite values"
+
+
 def _norm(finite: np.ndarray, scale: str) -> tuple[Any, str]:
     """The matplotlib norm of one panel's finite values, and the scale's name as drawn."""
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm
@@ -220,7 +223,7 @@ def _norm(finite: np.ndarray, scale: str) -> tuple[Any, str]:
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if finite.size == 0:
-        return Normalize(0.0, 1.0, clip=True), "no finite values"
+        return Normalize(0.0, 1.0, clip=True), NO_FINITE
     lo, hi = float(finite.min()), float(finite.max())
     if scale == "robust":
         lo, hi = (float(v) for v in np.percentile(finite, ROBUST_PERCENTILES))
@@ -417,6 +420,10 @@ def draw(
         colorbar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
         colorbar.ax.tick_params(which="both", labelsize=FONT_SIZE - 1)
         colorbar.set_label(scale_name.split(" ")[0].rstrip(":"), fontsize=FONT_SIZE - 1)
+        if not finite.size:  # no scale to read: a bar from 0 to 1 would read as values there
+            colorbar.set_ticks([])
+            colorbar.set_label("")
+            ax.set_title(f"{signal}: {NO_FINITE}", fontsize=FONT_SIZE + 1)
         vmin, vmax = (float(norm.vmin), float(norm.vmax)) if finite.size else (None, None)
         boxes.append(PanelBox(signal, x0, top, cell_w, cell_h, scale_name, vmin, vmax))
     title_text = literal("\n".join(title))

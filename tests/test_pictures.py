@@ -253,3 +253,31 @@ def test_heatmap_panel_without_a_finite_value_has_no_colour_scale_and_says_so(
     assert len(gradient_bar.ax.get_yticks()) > 0
     titles = [ax.get_title() for ax in output_bar.ax.figure.axes if ax.get_title()]
     assert titles == [f"output: {NO_FINITE}", "output_gradient"]
+
+
+def test_heatmap_of_one_narrow_panel_keeps_its_whole_legend_inside_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One signal of one sample is a narrow panel: the image is still as wide as the legend of
+    the three cell colours, whose last entry ("no row ...") a narrower image cut off."""
+    from matplotlib.figure import Figure
+
+    directory = _observe(tmp_path / "single", forwards=1)
+    legends: list[Any] = []
+    legend = Figure.legend
+
+    def recording(self: Figure, *args: Any, **kwargs: Any) -> Any:
+        legends.append(legend(self, *args, **kwargs))
+        return legends[-1]
+
+    monkeypatch.setattr(Figure, "legend", recording)
+    selection = Selection(signals=("output",), metrics=("mean",))
+    (result,) = heatmap(directory, tmp_path, selection)
+    assert len(result.panels) == 1
+    (drawn,) = legends
+    assert [t.get_text() for t in drawn.get_texts()][-1].startswith("no row")
+    extent = drawn.get_window_extent()
+    assert extent.x0 >= 0
+    assert extent.x1 <= result.width_px
+    image = Image.open(result.path)
+    assert image.size == (result.width_px, result.height_px)

@@ -215,6 +215,21 @@ def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid
 
 NO_FINITE = "no finite values"
 
+# The legend under the panels: a colour and what a cell of it is.
+SWATCHES = (
+    (NULL_COLOUR, "null (unavailable; reason in history)"),
+    (NONFINITE_COLOUR, "nonfinite value"),
+    (ABSENT_COLOUR, "no row (not measured at that sample)"),
+)
+SWATCH_PX = 52  # a swatch, its gap to its text and the gap to the next entry (10 pt)
+
+
+def legend_width() -> int:
+    """Pixels the swatches' legend takes in one row, with the figure's margins."""
+    return (
+        16 + round(CHAR_WIDTH * sum(len(text) for _, text in SWATCHES)) + SWATCH_PX * len(SWATCHES)
+    )
+
 
 def _norm(finite: np.ndarray, scale: str) -> tuple[Any, str]:
     """The matplotlib norm of one panel's finite values, and the scale's name as drawn."""
@@ -365,7 +380,8 @@ def draw(
     labels = [shorten(label) for label in labels]
     left = 16 + round(CHAR_WIDTH * max((len(label) for label in labels), default=8))
     stride = panel_w + COLORBAR_GAP + COLORBAR_WIDTH + COLORBAR_LABELS
-    width = left + stride * len(grid.signals) + 8
+    # At least as wide as the swatches' legend, which one narrow panel would cut off.
+    width = max(left + stride * len(grid.signals) + 8, legend_width())
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     about = (
         f"{rows_are or plural(n_rows, 'tensor') + ' down in traversal order'} "
@@ -430,11 +446,7 @@ def draw(
     figure.text(8 / width, 1 - 8 / height, title_text, fontsize=FONT_SIZE + 1, va="top")
     swatches = [
         Patch(facecolor=_unit(c), edgecolor="black", linewidth=0.5, label=text)
-        for c, text in (
-            (NULL_COLOUR, "null (unavailable; reason in history)"),
-            (NONFINITE_COLOUR, "nonfinite value"),
-            (ABSENT_COLOUR, "no row (not measured at that sample)"),
-        )
+        for c, text in SWATCHES
     ]
     figure.legend(
         handles=swatches,

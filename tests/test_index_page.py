@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -401,3 +402,33 @@ def test_a_layer_name_with_a_pipe_keeps_the_layers_table_three_cells_wide(tmp_pa
     rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines[start + 2 : start + 4]]
     cells = [[cell.strip().replace("\\|", "|") for cell in row] for row in rows]
     assert cells == [["`d.a|b`", "Linear", "1"], ["`d.c`", "Linear", "1"]]
+
+
+def test_the_attempts_table_splits_forwards_only_where_a_run_has_evaluation_forwards(
+    tmp_path: Path,
+) -> None:
+    """An attempt killed before removal never wrote its schedule counters: unknown, never 0;
+    a run without evaluation forwards keeps the table without those columns."""
+    killed = AttemptCounts(0, "2026-01-01T00:00:00+00:00", samples=3, ended=KILLED)
+    removed = AttemptCounts(
+        1,
+        "2026-01-02T00:00:00+00:00",
+        first_sample_id=3,
+        samples=2,
+        ended=REMOVED,
+        train_forwards=7,
+        eval_forwards=0,
+    )
+    evaluated = dataclasses.replace(removed, eval_forwards=4)
+    rows = {}
+    for last in (removed, evaluated):
+        text = render_index(
+            RunState(run_info(tmp_path), RunCounts(5, 5, 5), attempts=(killed, last))
+        )
+        section = text.split("## Attempts", 1)[1].split("\n## ", 1)[0]
+        rows[last.eval_forwards] = [line for line in section.splitlines() if line.startswith("|")]
+    assert all(len(row.split("|")) == 10 for row in rows[0])
+    header, _, first, second = rows[4]
+    assert header.endswith("| training forwards | evaluation forwards |")
+    assert first.endswith("| unknown | unknown |")
+    assert second.endswith("| 7 | 4 |")

@@ -28,6 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
+from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
 from conftest import kill_when_ready
@@ -131,6 +132,69 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
     assert seen == [this_attempt]  # the killed attempt never reached its end-of-fit note
     assert state.attempts[1].eval_forwards == this_attempt
 
+    # The Attempts table splits each attempt's forwards: every forward was sampled, so the
+    # resumed attempt's training forwards are its training samples (steps 7 to 10, one batch
+    # each); the killed attempt never wrote its counters: unknown, never 0.
+    table = [line for line in index_lines(run) if re.match(r"\| \d+ \|", line)]
+    trained = history.filter(pl.col("attempt") == 1, pl.col("mode") == "train")
+    assert trained["sample_id"].n_unique() == TOTAL - 6
+    assert any(
+        line.endswith("| training forwards | evaluation forwards |") for line in index_lines(run)
+    )
+    assert table[0].endswith("| unknown | unknown |")
+    assert table[1].endswith(f"| {TOTAL - 6} | {this_attempt} |")
+
+
+def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(
+    tmp_path: Path,
+) -> None:
+    """Both attempts are real processes killed with SIGKILL at step 9: the second resumed from
+    checkpoint-6 and evaluated at step 8 again before its kill, so its fit never ended. The
+    repeated evaluation is still said once the run is finalized, with each attempt's evaluation
+    samples there as history holds them."""
+    out = tmp_path / "out"
+    kill_when_ready(__file__, "ready", out)
+    kill_when_ready(__file__, "ready", out, out / "checkpoint-6")
+    run = out / "torchinstruments"
+    finalize(run)
+    history = pl.read_parquet(run / "history.parquet")
+    evaluated = evaluation_samples(history)
+    at_8 = dict(evaluated.filter(pl.col("step") == 8).select("attempt", "len").iter_rows())
+    assert set(at_8) == {0, 1}  # both attempts evaluated at step 8
+    assert [(a.attempt, a.ended) for a in read_state(run).attempts] == [
+        (0, "killed"),
+        (1, "killed"),
+    ]
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        f"attempt 1: evaluated again at step 8, where earlier attempts had recorded evaluation "
+        f"samples too, so the evaluation samples at step 8 appear in more than one attempt "
+        f"({samples(at_8[0])} in attempt 0, at least {samples(at_8[1])} in attempt 1)"
+    ) in index
+    # the steps both attempts trained, from history: resumed at 6, killed after step 9
+    training = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
+    trained = (
+        history.group_by("sample_id")
+        .agg(training.any().alias("training"), pl.col("step").max(), pl.col("attempt").first())
+        .filter(pl.col("training"))
+    )
+    steps = [set(trained.filter(pl.col("attempt") == a)["step"].to_list()) for a in (0, 1)]
+    both = sorted(steps[0] & steps[1])
+    assert both == [6, 7, 8]
+    per_attempt = [
+        trained.filter(pl.col("attempt") == a, pl.col("step").is_in(both)).height for a in (0, 1)
+    ]
+    assert (
+        f"attempt 1: trained again at steps 6-8, where earlier attempts had recorded training "
+        f"samples too, so the training samples at steps 6-8 appear in more than one attempt "
+        f"({samples(per_attempt[0])} in attempt 0, at least {samples(per_attempt[1])} in "
+        "attempt 1)"
+    ) in index
+
+
+def index_lines(run: Path) -> list[str]:
+    return (run / "index.md").read_text(encoding="utf-8").splitlines()
+
 
 def samples(n: int) -> str:
     return "1 sample" if n == 1 else f"{n} samples"
@@ -200,4 +264,5 @@ def test_a_lightning_fit_resumed_behind_names_the_evaluation_steps_both_attempts
 
 if __name__ == "__main__":  # the first attempt, killed at step 9 (kill_when_ready)
     with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs
-        train(Path(sys.argv[1]), None, ReadyAt(KILLED_AT))
+        resume = sys.argv[2] if len(sys.argv) > 2 else None
+        train(Path(sys.argv[1]), resume, ReadyAt(KILLED_AT))

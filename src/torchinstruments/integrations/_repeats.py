@@ -8,8 +8,9 @@ one `step`, which a join with the trainer's logs pairs with one value. What the 
 recorded is read once, from history, when the fit starts; which evaluations this fit repeats is
 known only as they happen (whether a trainer evaluates again at the step it resumed at depends
 on where its checkpoint was saved), so `EvaluationSteps`, a sink, counts this fit's evaluation
-samples at the steps the earlier ones had, and the note is written when the fit ends. Cost: a
-resumed fit killed again says which steps it trained again, not which evaluations it repeated.
+samples at the steps the earlier ones had, and the note is written when the fit ends. Both notes
+live in the process until removal: for a resumed fit killed again (SIGKILL), `finalize` (or the
+next attempt) says both from its rows instead (`rundir.repeats`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ import polars as pl
 
 from torchinstruments.records import MeasurementBlock, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.ranges import plural, ranges
+from torchinstruments.rundir.repeats import sample_steps
 
-__all__ = ["EarlierSteps", "EvaluationSteps", "earlier_steps", "repeated_evaluations"]
+__all__ = [
+    "EarlierSteps",
+    "EvaluationSteps",
+    "earlier_steps",
+    "repeated_evaluations",
+]
 
 
 @dataclass(frozen=True)
@@ -51,26 +58,13 @@ def earlier_steps(history: Path) -> EarlierSteps:
     counted, it made a fit resumed exactly where its checkpoint left say that step was trained
     again.
     """
-    training = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
     try:
-        samples = (
-            pl.scan_parquet(history, glob=False)
-            .group_by("sample_id")
-            .agg(
-                training.any().alias("training"),
-                pl.col("step").max(),
-                pl.col("attempt").first(),
-            )
-            .collect()
-        )
+        steps = sample_steps(history)
     except Exception:  # no history yet, or unreadable: nothing to compare with
         return EarlierSteps()
-    trained = samples.filter(pl.col("training"))["step"].max()
-    evaluated = (
-        samples.filter(~pl.col("training"), pl.col("step").is_not_null())
-        .group_by("attempt", "step")
-        .len()
-    )
+    trained = steps.filter(pl.col("training"))["step"].max()
+    evaluated = steps.filter(~pl.col("training"), pl.col("attempt").is_not_null())
+    evaluated = evaluated.select("attempt", "step", "len")
     return EarlierSteps(
         trained=None if trained is None else int(trained),  # type: ignore[arg-type]
         evaluated={(int(a), int(s)): int(n) for a, s, n in evaluated.iter_rows()},
@@ -136,3 +130,4 @@ def repeated_evaluations(
         f"{where} appear in more than one attempt ({', '.join(counts)}); tell them apart by "
         "`attempt`: the latest attempt's evaluate the training that went on"
     )
+

@@ -313,6 +313,15 @@ def _section_attempts(state: RunState) -> list[str]:
         "| samples | samples with a backward |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    split = any(a.eval_forwards for a in state.attempts)
+    if split:
+        lines[-2] = lines[-2][:-1] + "| training forwards | evaluation forwards |"
+        lines[-1] += " --- | --- |"
+        lines[2] += (
+            " Under a trainer callback's `record_eval`, training forwards (on the training "
+            "sampler's schedule) and evaluation forwards (on their own) are counted apart; an "
+            "attempt killed before its removal never wrote them: unknown."
+        )
     skips = [
         f"{a.first_sample_id + a.samples}-{b.first_sample_id - 1}"
         for a, b in zip(state.attempts, state.attempts[1:], strict=False)
@@ -333,9 +342,18 @@ def _section_attempts(state: RunState) -> list[str]:
         lines.append(
             f"| {a.attempt} | {a.started_at} | {a.ended} | {a.first_sample_id} | "
             f"{a.first_forward_index} | {count(a.root_forwards)} | {count(a.samples)} | "
-            f"{count(a.backward_samples)} |"
+            f"{count(a.backward_samples)} |" + (_schedule_cells(a) if split else "")
         )
     return [*lines, ""]
+
+
+def _schedule_cells(a: AttemptCounts) -> str:
+    """An attempt's training and evaluation forwards, `unknown` where its process died before
+    removal (its counters died with it: no row says how many forwards went unsampled)."""
+    train, evaluation = (
+        "unknown" if n is None else str(n) for n in (a.train_forwards, a.eval_forwards)
+    )
+    return f" {train} | {evaluation} |"
 
 
 def _section_run(state: RunState) -> list[str]:

@@ -1,0 +1,98 @@
+"""Steps that more than one attempt sampled, read from history: what a killed attempt repeated.
+
+Design decision: a trainer callback says at its fit's start which steps a resumed fit trains
+again, and at its end which evaluations it repeated (`integrations._repeats`); both notes live
+in the process until removal, so an attempt killed (SIGKILL) before its removal left neither.
+Its rows say the same: when the run is finalized (`rundir.finish`, by `finalize` or by the next
+attempt), each attempt that ended killed gets both notes from history, the steps where its
+training (or evaluation) samples and an earlier attempt's share a `step`, with each attempt's
+samples there. Its own counts are lower bounds (its last flush interval died with it). Cost:
+one grouped scan of history per finalize that closes a killed attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import polars as pl
+
+from torchinstruments.rundir.ranges import plural, ranges
+
+__all__ = ["killed_repeat_notes", "sample_steps"]
+
+_TRAINING = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
+
+
+def sample_steps(history: Path) -> pl.DataFrame:
+    """Per attempt, step and kind, the samples `history` holds: columns `attempt`, `step`,
+    `training` (a row in train mode or a gradient row; else an evaluation sample) and `len`.
+    Samples without a step are left out; `attempt` is null in rows of versions before it.
+    Raises what reading `history` raises."""
+    return (
+        pl.scan_parquet(history, glob=False)
+        .group_by("sample_id")
+        .agg(_TRAINING.any().alias("training"), pl.col("step").max(), pl.col("attempt").first())
+        .filter(pl.col("step").is_not_null())
+        .group_by("attempt", "step", "training")
+        .len()
+        .collect()
+    )
+
+
+def _repeated(steps: pl.DataFrame, attempt: int, training: bool) -> tuple[list[int], dict]:
+    """The steps where `attempt`'s samples of one kind and an earlier attempt's meet, and each
+    attempt's samples of that kind there."""
+    kind = steps.filter(pl.col("training") == training)
+    own = set(kind.filter(pl.col("attempt") == attempt)["step"].to_list())
+    before = kind.filter(pl.col("attempt") < attempt)
+    shared = sorted(own & set(before["step"].to_list()))
+    counts: dict[int, int] = {}
+    for a, step, n in kind.select("attempt", "step", "len").iter_rows():
+        if a is not None and step in shared and a <= attempt:
+            counts[int(a)] = counts.get(int(a), 0) + int(n)
+    return shared, counts
+
+
+def _where(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {ranges(steps)}"
+
+
+def _each(counts: dict[int, int], attempt: int) -> str:
+    """`2 samples in attempt 0, at least 2 samples in attempt 1` (the killed one's: a bound)."""
+    return ", ".join(
+        f"{'at least ' if a == attempt else ''}{plural(n, 'sample')} in attempt {a}"
+        for a, n in sorted(counts.items())
+    )
+
+
+def killed_repeat_notes(history: Path, attempts: Iterable[int]) -> tuple[str, ...]:
+    """index.md's notes on the steps each of `attempts` (killed: its fit never said them)
+    trained or evaluated again, labelled with the attempt; empty when history is unreadable."""
+    try:
+        steps = sample_steps(history)
+    except (OSError, pl.exceptions.PolarsError):
+        return ()
+    notes = []
+    for attempt in attempts:
+        trained, counts = _repeated(steps, attempt, training=True)
+        if trained:
+            notes.append(
+                f"attempt {attempt}: trained again at {_where(trained)}, where earlier attempts "
+                f"had recorded training samples too, so the training samples at "
+                f"{_where(trained)} appear in more than one attempt ({_each(counts, attempt)}); "
+                "tell them apart by `attempt`: the latest attempt's are the training that went "
+                f"on (read from history when the run was finalized: attempt {attempt} was killed "
+                "before its fit ended)"
+            )
+        evaluated, counts = _repeated(steps, attempt, training=False)
+        if evaluated:
+            notes.append(
+                f"attempt {attempt}: evaluated again at {_where(evaluated)}, where earlier "
+                "attempts had recorded evaluation samples too, so the evaluation samples at "
+                f"{_where(evaluated)} appear in more than one attempt ({_each(counts, attempt)}); "
+                "tell them apart by `attempt`: the latest attempt's evaluate the training that "
+                f"went on (read from history when the run was finalized: attempt {attempt} was "
+                "killed before its fit ended)"
+            )
+    return tuple(notes)

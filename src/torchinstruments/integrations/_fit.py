@@ -49,6 +49,7 @@ from torchinstruments.integrations._repeats import (
     EarlierSteps,
     EvaluationSteps,
     earlier_steps,
+    logger_repeats,
     repeated_evaluations,
 )
 from torchinstruments.notices import warn
@@ -369,6 +370,8 @@ class FitObservation:
         self._resume_step = step
         if self._evaluations is not None:
             self._evaluations.watch(frozenset(s for _, s in earlier.evaluated))
+        if (said := logger_repeats(self.logger_sink, step, LOGGER)) is not None:
+            add_run_note(self.observed, said)
         reached = earlier.trained
         if reached is None or reached < step:
             return

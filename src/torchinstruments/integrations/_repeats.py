@@ -23,13 +23,17 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments.records import MeasurementBlock, RunCounts, RunInfo, SampleRecord
+from torchinstruments.rundir.event_steps import folder_steps
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.repeats import sample_steps
+from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = [
     "EarlierSteps",
     "EvaluationSteps",
     "earlier_steps",
+    "logger_repeats",
     "repeated_evaluations",
 ]
 
@@ -131,3 +135,28 @@ def repeated_evaluations(
         "`attempt`: the latest attempt's evaluate the training that went on"
     )
 
+
+def logger_repeats(sink: Sink | None, resume_step: int, logger: str) -> str | None:
+    """index.md's note when the trainer's TensorBoard logger (`sink`) writes where an earlier
+    attempt's did (a pinned version or logging_dir) and that one has records at steps this fit,
+    resumed at `resume_step`, writes again; None otherwise (a new folder per fit, the default).
+
+    Why: TensorBoard's default data server keeps one record per tag and step, and a record at a
+    step it has seen drops the ones at or after it (its handling of a restarted job), so those
+    earlier records are no longer shown; read before this fit writes anything there.
+    """
+    folder = sink.log_dir() if isinstance(sink, TensorBoardSink) else None
+    steps = sorted(s for s in folder_steps(Path(folder)) if s >= resume_step) if folder else []
+    if not steps:
+        return None
+    where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
+    return (
+        f"{logger} writes to {folder}, where earlier attempts wrote records up to step "
+        f"{steps[-1]}; this fit resumed at global step {resume_step} and writes there again, so "
+        "TensorBoard's default data server (a record at a step it has seen drops the ones at or "
+        f"after it) shows this attempt's histograms from step {resume_step} on and no longer "
+        f"the earlier attempts' at {where} (its Python reader, --load_fast=false, draws both). "
+        "tensorboard/ here keeps every attempt's histograms on their own steps (forward_index "
+        "continues across attempts), and history.parquet every attempt's rows (`attempt` "
+        "tells them apart)"
+    )

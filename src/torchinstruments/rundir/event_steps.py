@@ -23,7 +23,12 @@ _HEADER = struct.Struct("<Q")  # the record's length; then a 4-byte crc of it
 def event_steps(directory: Path) -> set[int]:
     """The steps of every summary in `directory/tensorboard/` (empty when there is none or it
     cannot be read)."""
-    folder = directory / TENSORBOARD_DIR
+    return folder_steps(directory / TENSORBOARD_DIR)
+
+
+def folder_steps(folder: Path) -> set[int]:
+    """The steps of every summary in the event files of `folder` (any TensorBoard run
+    directory, e.g. a trainer's logger's; empty when there is none or it cannot be read)."""
     if not folder.is_dir():
         return set()
     steps: set[int] = set()
@@ -92,4 +97,4 @@ def _summary_step(event: bytes) -> int | None:
     return step if summary else None
 
 
-__all__ = ["event_steps"]
+__all__ = ["event_steps", "folder_steps"]

@@ -307,7 +307,10 @@ def _section_attempts(state: RunState) -> list[str]:
         "trainer resumed from a checkpoint, in a new process or the same one). "
         "Each row's `attempt` column says which; sample_id and forward_index continue across "
         "them, and result.json summarizes the whole run. A killed attempt's counts are read "
-        "from its rows (lower bounds, unknown where it left none).",
+        "from its rows (lower bounds, unknown where it left none). tensorboard/ here holds "
+        "every attempt's histograms on steps of their own (forward_index continues), so none "
+        "hides another's; a trainer's logger that writes where an earlier attempt's did gets "
+        "steps again (a note says which).",
         "",
         "| attempt | started at | ended | first sample_id | first forward_index | root forwards "
         "| samples | samples with a backward |",

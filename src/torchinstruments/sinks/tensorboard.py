@@ -161,6 +161,12 @@ class TensorBoardSink:
             "and history their rows."
         )
 
+    def log_dir(self) -> str | None:
+        """The folder the logger writes its event files to (None: it does not say)."""
+        writer = self._writer()
+        folder = getattr(writer, "log_dir", None) or getattr(writer, "logdir", None)
+        return folder if isinstance(folder, str) else None
+
     def _writer(self) -> Any:
         """The SummaryWriter, looked up each time: Lightning creates `.experiment` lazily."""
         if callable(getattr(self._logger, "add_histogram_raw", None)):

@@ -195,3 +195,33 @@ def test_the_flush_threads_last_round_is_waited_for_only_while_it_returns() -> N
     assert quick.finish(60)
     assert not quick._thread.is_alive()
     assert rounds == [True, True]
+
+
+def test_a_last_round_that_keeps_landing_parts_is_waited_for_however_long_it_runs() -> None:
+    """A round that writes part after part (full chunks arrive while the training thread
+    outpaces the flush thread, under Ctrl-Cs in Polars calls on two shared cores) runs longer
+    than `stall_s` and is no stall: `finish` waits while `progress()` moves, and still gives up
+    a round whose parts stop landing."""
+    landed = [0]
+    stop_landing_after = [12]
+
+    def flush(everything: bool) -> None:
+        while landed[0] < 12:
+            time.sleep(0.05)  # one part written: 12 of them take 0.6 s, stall_s is 0.3
+            if landed[0] < stop_landing_after[0]:
+                landed[0] += 1
+            else:
+                time.sleep(60)  # this part never lands
+
+    busy = FlushTimer(lambda: -1.0, flush, "busy flush")  # a round due at once: in flight
+    while not landed[0]:
+        time.sleep(0.01)
+    assert busy.finish(0.3, lambda: landed[0])
+    assert landed[0] == 12
+
+    landed[0], stop_landing_after[0] = 0, 3
+    stuck = FlushTimer(lambda: -1.0, flush, "stuck flush")
+    while not landed[0]:
+        time.sleep(0.01)
+    assert not stuck.finish(0.3, lambda: landed[0])  # given up: its parts stopped landing
+    assert landed[0] == 3

@@ -28,6 +28,8 @@ __all__ = ["FlushTimer"]
 
 # Seconds the flush thread waits after a round that raised, before the next one.
 _AFTER_ERROR_S = 0.05
+# How often `finish` reads the progress of a round in flight (its parts land without a notice).
+_PROGRESS_POLL_S = 0.25
 
 
 class FlushTimer:
@@ -85,29 +87,36 @@ class FlushTimer:
         with self._cond:
             return self._cond.wait_for(lambda: self._served >= ticket, timeout)
 
-    def finish(self, stall_s: float) -> bool:
+    def finish(self, stall_s: float, progress: Callable[[], object] = lambda: None) -> bool:
         """Have the thread flush everything one last time, then end it.
 
-        Waits while the thread's rounds return: gives up once a round has run `stall_s` without
-        returning, or none has started `stall_s` after the last one ended or after this call.
-        The thread is then left as it is (stopping: it ends when that round returns).
+        Waits while the thread makes progress: gives up once neither a round returned nor
+        `progress()` changed (a part landed) for `stall_s`, or no round has started `stall_s`
+        after the last one ended or after this call. A round that keeps writing is no stall: one
+        round writes full chunks for as long as they arrive, which can be longer than `stall_s`
+        while the training thread outpaces it (a Ctrl-C in a Polars call slows it, two cores
+        shared). The thread is then left as it is (stopping: it ends when that round returns).
 
         Returns:
             True when the last flush ran and the thread ended; False when the wait was given up.
         """
         asked = time.monotonic()
+        seen, moved = progress(), asked
         with self._cond:
             self._requested += 1
             ticket = self._last = self._requested  # no round after it: nothing waits on one
         self._wake.put(None)
         with self._cond:
             while self._served < ticket:
+                now = time.monotonic()
+                if (latest := progress()) != seen:
+                    seen, moved = latest, now
                 since = self._round_since
                 since = max(asked, self._round_ended) if since is None else since
-                left = since + stall_s - time.monotonic()
+                left = max(since, moved) + stall_s - now
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, _PROGRESS_POLL_S))
             served = self._served >= ticket
         self._stopping = True
         self._wake.put(None)

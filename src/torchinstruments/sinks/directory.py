@@ -464,7 +464,8 @@ class DirectorySink:
             written = True
             if history is not None and timer is not None:  # both or neither (`open_run`)
                 wait_s = removal_wait_s(self._config)
-                if not timer.finish(wait_s):  # the last rows are the flush thread's to write
+                # The last rows are the flush thread's to write; each part landing is progress.
+                if not timer.finish(wait_s, lambda: history.rows_written):
                     self._give_up_writes(history, wait_s)
                 written = history.close(write=False)  # the rest is in its loss ledger
                 self._saves.give_up("removal finishes the run", wait_s)

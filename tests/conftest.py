@@ -27,7 +27,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.measurement.reducers import Measurer
-from torchinstruments.records import MetricValue
+from torchinstruments.records import Measurement, MetricValue
 
 
 @pytest.fixture(autouse=True)
@@ -242,6 +242,27 @@ def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+    )
+
+
+def one_mean(sample_id: int) -> Measurement:
+    """One output row of layer 'l' (a Linear): its mean, the sample's id, for writer tests."""
+    return Measurement(
+        sample_id=sample_id,
+        forward_index=sample_id,
+        timestamp_us=int(time.time() * 1e6),
+        rank=None,
+        layer="l",
+        module_type="Linear",
+        call_index=0,
+        signal="output",
+        tensor_path="",
+        shape=(2,),
+        dtype="float32",
+        mode="train",
+        grad_enabled=True,
+        metrics=("mean",),
+        values=(MetricValue(float(sample_id)),),
     )
 
 

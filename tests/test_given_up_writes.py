@@ -5,7 +5,6 @@ and the loss ledger says what became of the rows it kept."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,30 +12,11 @@ import polars as pl
 import pytest
 
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.layout import is_library_temporary, list_parts
 from torchinstruments.rundir.writer import HistoryWriter
 
-
-def _measurement(sample_id: int) -> Measurement:
-    return Measurement(
-        sample_id=sample_id,
-        forward_index=sample_id,
-        timestamp_us=int(time.time() * 1e6),
-        rank=None,
-        layer="l",
-        module_type="Linear",
-        call_index=0,
-        signal="output",
-        tensor_path="",
-        shape=(2,),
-        dtype="float32",
-        mode="train",
-        grad_enabled=True,
-        metrics=("mean",),
-        values=(MetricValue(float(sample_id)),),
-    )
+from conftest import one_mean
 
 
 def test_a_full_buffer_whose_flush_thread_writes_nothing_drops_rows_instead_of_writing_here(
@@ -50,11 +30,11 @@ def test_a_full_buffer_whose_flush_thread_writes_nothing_drops_rows_instead_of_w
     woken: list[bool] = []
     writer.wake_writer = lambda: woken.append(True)  # a flush thread that does not come
     for sample_id in range(4):
-        writer.append([_measurement(sample_id)])
+        writer.append([one_mean(sample_id)])
     assert writer.rows_buffered == 4
     with pytest.warns(RuntimeWarning, match="the flush thread had written no part after"):
-        writer.append([_measurement(4)])  # finds the buffer full
-    writer.append([_measurement(5)])
+        writer.append([one_mean(4)])  # finds the buffer full
+    writer.append([one_mean(5)])
     assert woken  # the flush thread was asked to make room
     assert list_parts(tmp_path) == []
     assert writer.rows_written == 0
@@ -94,7 +74,7 @@ def test_a_given_up_write_that_returns_leaves_the_next_attempts_part_of_that_num
     monkeypatch.setattr(writer_module, "write_parquet_atomic", held)
     config = HistoryConfig(buffer_rows=100)
     old = HistoryWriter(tmp_path, config, attempt=0)
-    old.append([_measurement(i) for i in range(5)])
+    old.append([one_mean(i) for i in range(5)])
     old_flush = threading.Thread(target=old.flush, name="old attempt")
     old_flush.start()
     assert old_writing.wait(60)
@@ -102,7 +82,7 @@ def test_a_given_up_write_that_returns_leaves_the_next_attempts_part_of_that_num
     assert not old.close(write=False)
 
     new = HistoryWriter(tmp_path, config, attempt=1)
-    new.append([_measurement(i) for i in range(5, 8)])
+    new.append([one_mean(i) for i in range(5, 8)])
     new_flush = threading.Thread(target=new.flush)
     new_flush.start()
     assert new_written.wait(60)
@@ -145,11 +125,11 @@ def test_the_cap_drop_reason_says_the_kept_rows_are_retried_only_while_that_is_t
     monkeypatch.setattr(writer_module, "write_parquet_atomic", disk)
     writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=2, max_buffered_rows=4))
     with pytest.warns(RuntimeWarning, match="could not write history part"):
-        writer.append([_measurement(0), _measurement(1)])
-    writer.append([_measurement(2), _measurement(3)])
+        writer.append([one_mean(0), one_mean(1)])
+    writer.append([one_mean(2), one_mean(3)])
     with pytest.warns(RuntimeWarning, match="newer rows are dropped and counted"):
-        writer.append([_measurement(4)])
-    writer.append([_measurement(5)])
+        writer.append([one_mean(4)])
+    writer.append([one_mean(5)])
     (dropped,) = writer.losses
     assert (dropped.first_sample_id, dropped.last_sample_id) == (4, 5)
     assert dropped.reason.endswith("the buffered ones are kept and retried")

@@ -29,6 +29,8 @@ from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, RESULT_FILE, STATE_FILE
 from torchinstruments.rundir.state import Status, read_state
 
+from conftest import run_cli
+
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
 FLOOR_S = 3.0
@@ -69,16 +71,6 @@ CASES = {
 }
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchinstruments", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("stalled", CASES)
 def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_written(
     tmp_path: Path, stalled: str
@@ -101,10 +93,10 @@ def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_writ
     if stalled == STATE_FILE:  # what came before it was written
         assert pl.read_parquet(run / HISTORY_FILE).height == STEPS * ROWS_PER_SAMPLE
         assert (run / RESULT_FILE).is_file()
-    shown = _cli("show", str(run))
+    shown = run_cli("show", str(run))
     assert shown.returncode == 0, shown.stderr
     (run / f"{stalled}.torchinstruments-tmp").unlink()  # the file system answers again
-    finalized = _cli("finalize", str(run))
+    finalized = run_cli("finalize", str(run))
     assert finalized.returncode == 0, finalized.stderr
     assert pl.read_parquet(run / HISTORY_FILE).height == STEPS * ROWS_PER_SAMPLE
     assert read_state(run).status is Status.INTERRUPTED  # its last rows' count is unknown
@@ -269,7 +261,7 @@ def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(tmp_p
     child = int(done.stdout.strip().splitlines()[-1])
     try:
         (run / f"{STATE_FILE}.torchinstruments-tmp").unlink()  # the file system answers again
-        finalized = _cli("finalize", str(run))
+        finalized = run_cli("finalize", str(run))
         assert finalized.returncode == 0, finalized.stderr
         assert pl.read_parquet(run / HISTORY_FILE).height == ROWS_PER_SAMPLE
     finally:

@@ -24,12 +24,13 @@ import polars as pl
 import pytest
 
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.flush_timer import FlushTimer
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.state import Status, read_state
 from torchinstruments.rundir.writer import HistoryWriter
+
+from conftest import one_mean, run_cli
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -72,16 +73,6 @@ CASES = {
 }
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchinstruments", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
     tmp_path: Path, case: str
@@ -114,34 +105,14 @@ def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
     assert list_parts(run) == []  # no part appeared after the merge
     index = (run / "index.md").read_text()
     assert gave_up in index
-    shown = _cli("show", str(run))
+    shown = run_cli("show", str(run))
     assert shown.returncode == 0, shown.stderr
     assert "INCOMPLETE" in shown.stdout
-    finalized = _cli("finalize", str(run))
+    finalized = run_cli("finalize", str(run))
     assert finalized.returncode == 1, finalized.stderr  # incomplete: the rows are lost for good
     assert gave_up in finalized.stderr
     assert pl.read_parquet(run / "history.parquet").height == history.height
     assert sum(loss.rows for loss in read_state(run).losses) == lost
-
-
-def _measurement(sample_id: int) -> Measurement:
-    return Measurement(
-        sample_id=sample_id,
-        forward_index=sample_id,
-        timestamp_us=int(time.time() * 1e6),
-        rank=None,
-        layer="l",
-        module_type="Linear",
-        call_index=0,
-        signal="output",
-        tensor_path="",
-        shape=(2,),
-        dtype="float32",
-        mode="train",
-        grad_enabled=True,
-        metrics=("mean",),
-        values=(MetricValue(float(sample_id)),),
-    )
 
 
 def test_a_part_write_that_returns_after_it_was_given_up_puts_no_part_in_place(
@@ -159,7 +130,7 @@ def test_a_part_write_that_returns_after_it_was_given_up_puts_no_part_in_place(
 
     monkeypatch.setattr(writer_module, "write_parquet_atomic", held)
     writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=100))
-    writer.append([_measurement(i) for i in range(5)])
+    writer.append([one_mean(i) for i in range(5)])
     flush = threading.Thread(target=writer.flush)
     flush.start()
     assert writing.wait(60)

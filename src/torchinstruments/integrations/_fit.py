@@ -58,7 +58,6 @@ from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_ou
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
-from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = [
     "RUN_NAME",
@@ -479,13 +478,9 @@ class FitObservation:
         return remove_observer(observed)
 
     def _note_fit_end(self, observed: nn.Module) -> None:
-        """index.md at the fit's end: its evaluation and setup forwards, and the samples the
-        trainer's TensorBoard logger holds no histogram of (an earlier one had their step)."""
+        """index.md at the fit's end: its evaluation and setup forwards, and the evaluations it
+        repeated (the samples its TensorBoard logger left out are the sink's note at removal)."""
         _note_evaluation(observed, self.owner, self.eval_sampler is not None, self._after_the_fit())
-        sink = self.logger_sink
-        said = sink.shared_step_note(LOGGER) if isinstance(sink, TensorBoardSink) else None
-        if said is not None:
-            add_run_note(observed, said)
         evaluations, self._evaluations = self._evaluations, None
         if evaluations is not None:
             said = repeated_evaluations(self._earlier, evaluations.counts(), self._resume_step)

@@ -60,7 +60,7 @@ from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
 from torchinstruments.api import add_run_note
-from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -206,5 +206,6 @@ def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:
                 writer,
                 step=lambda: state.global_step,
                 step_name="the Trainer's state.global_step (optimizer steps so far)",
+                logger_name=LOGGER,
             )
     return None

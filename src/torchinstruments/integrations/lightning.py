@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchinstruments.integrations._fit import FitObservation
+from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -252,5 +252,6 @@ def _logger_sink(trainer: Trainer) -> Sink | None:
                 logger,
                 step=lambda: trainer.global_step,
                 step_name="the trainer's global_step (optimizer steps so far)",
+                logger_name=LOGGER,
             )
     return None

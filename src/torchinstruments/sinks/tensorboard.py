@@ -101,6 +101,8 @@ class TensorBoardSink:
         step: optional zero-argument callable returning the caller's current step (an int).
         step_name: what the step is, for the tag descriptions (default: forward_index, or "the
             caller's step" with `step`).
+        logger_name: how index.md's note on samples left out names the logger (a trainer
+            callback: "the trainer's TensorBoard logger").
 
     Raises:
         TypeError: if neither `logger` nor `logger.experiment` has `add_histogram_raw`, or if
@@ -111,7 +113,12 @@ class TensorBoardSink:
     """
 
     def __init__(
-        self, logger: Any, step: Callable[[], int] | None = None, step_name: str | None = None
+        self,
+        logger: Any,
+        step: Callable[[], int] | None = None,
+        step_name: str | None = None,
+        *,
+        logger_name: str = LOGGER,
     ) -> None:
         if step is not None and not callable(step):
             raise TypeError(
@@ -128,6 +135,7 @@ class TensorBoardSink:
         if step_name is None:
             step_name = RUN_STEP if step is None else "the caller's step (TensorBoardSink step=)"
         self._step_name = step_name
+        self._logger_name = logger_name
         self._module_types: dict[str, str] = {}
         self._focus: frozenset[str] = frozenset()
         self._described: set[str] = set()
@@ -136,21 +144,19 @@ class TensorBoardSink:
         # few ids, as a sample's forward and backward records both arrive (bounded memory).
         self._shared = 0
         self._recent_shared: deque[int] = deque(maxlen=_RECENT)
-        self._noted = False  # the note on them was handed to index.md (`shared_step_note`)
 
     @property
     def shared_step_samples(self) -> int:
         """How many samples had a histogram (or note) left out: an earlier sample had its step."""
         return self._shared
 
-    def shared_step_note(self, logger: str = LOGGER) -> str | None:
-        """index.md's note on the samples left out of `logger` (e.g. "the trainer's TensorBoard
-        logger"): an earlier sample had their step; None when none was, or once it was given
-        (a trainer callback gives it at the fit's end, the run's removal otherwise)."""
+    def shared_step_note(self) -> str | None:
+        """index.md's note on the samples left out of the logger (an earlier sample had their
+        step), given at the run's removal (`SinkGroup.close`); None when none was."""
         n = self._shared
-        if not n or self._noted:
+        if not n:
             return None
-        self._noted = True
+        logger = self._logger_name
         return (
             f"{plural(n, 'sample')} shared a step with an earlier sample (gradient "
             f"accumulation's micro-batches, an evaluation's batches), so {logger} holds "

@@ -174,6 +174,9 @@ class DirectorySink:
             forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        # First of the run's files: a kill anywhere in the rest of inject leaves a run that
+        # `finalize` completes and resume=True continues, never files that both refuse.
+        (self.directory / PARTS_DIR).mkdir(exist_ok=True)
         forks.track(self)
         self._run = run
         self._focus = frozenset(run.focus_layers)

@@ -148,3 +148,46 @@ def test_relative_dir_survives_chdir_after_inject(
         remove_observer(model)
     assert_complete(start / "rel" / "stats", expected)
     assert list(elsewhere.iterdir()) == []
+
+
+def deep_folder(tmp_path: Path, length: int) -> Path:
+    """An existing folder whose absolute path is at least `length` bytes (200-byte names)."""
+    folder = tmp_path
+    while len(os.fsencode(folder)) < length:
+        folder = folder / ("d" * min(200, length - len(os.fsencode(folder)) + 1))
+    folder.mkdir(parents=True)
+    return folder
+
+
+def test_a_deep_output_dir_with_room_for_the_runs_files_writes_a_complete_run(
+    tmp_path: Path,
+) -> None:
+    directory = deep_folder(tmp_path, 3000)
+    returned, expected = run(directory)
+    assert returned == directory
+    assert_complete(directory, expected)
+
+
+def test_an_output_dir_too_deep_for_the_runs_files_is_refused_at_inject(tmp_path: Path) -> None:
+    """Inject succeeding there would lose every row: no part path fits under PATH_MAX."""
+    directory = deep_folder(tmp_path, os.pathconf("/", "PC_PATH_MAX") - 200)
+    model = nn.Linear(3, 4)
+    with pytest.raises(ValueError, match=r"output_dir is \d+ bytes long.*PATH_MAX"):
+        inject_observer(model, output_dir=directory)
+    assert "forward" not in model.__dict__
+    assert list(directory.iterdir()) == []
+
+
+def test_an_output_dir_below_a_symbolic_link_to_nothing_is_refused_naming_the_link(
+    tmp_path: Path,
+) -> None:
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "missing-volume")
+    for directory in (link, link / "exp"):
+        model = nn.Linear(3, 4)
+        with pytest.raises(
+            FileNotFoundError, match=r"output_dir=.*symbolic link to.*missing-volume"
+        ):
+            inject_observer(model, output_dir=directory)
+        assert "forward" not in model.__dict__
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]

@@ -167,6 +167,8 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
         ValueError: if `output_dir` is empty, or starts with `~name` for a user that does
             not exist.
         FileExistsError: if it names an existing file (not a directory).
+        FileNotFoundError: if it or a folder above it is a symbolic link to nothing.
+        ValueError: if it is too long for the run's files below it (PATH_MAX).
     """
     text = os.fspath(output_dir)
     if isinstance(text, bytes) or not text.strip():
@@ -174,11 +176,45 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             f"output_dir must name a directory, got {output_dir!r}; pass e.g. output_dir='stats'"
         )
     path = expand_user(text, "output_dir").absolute()
+    _check_length(path)  # first: a path over PATH_MAX makes `exists` itself raise
     if path.exists() and not path.is_dir():
         raise FileExistsError(
             f"output_dir={str(path)!r} is an existing file, not a directory; pass a directory path"
         )
+    _check_links(path)
     return path
+
+
+# Room the run's own names take below the run directory: a rank's folder, then a file in a
+# folder (`rank-000/tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>`, the parts'
+# temporaries), bounded by one folder and one name of at most NAME_MAX (255) bytes each.
+_NAMES_BELOW_RUN_BYTES = 2 * (1 + 255)
+
+
+def _check_links(path: Path) -> None:
+    """Refuse a run directory below a symbolic link that points nowhere, which mkdir would
+    refuse at inject with a bare 'File exists' naming neither the argument nor the link."""
+    for folder in (path, *path.parents):
+        if folder.is_symlink() and not folder.exists():
+            raise FileNotFoundError(
+                f"output_dir={str(path)!r}: {str(folder)!r} is a symbolic link to "
+                f"{os.readlink(folder)!r}, which does not exist; create that folder or pass "
+                "another output_dir"
+            )
+
+
+def _check_length(path: Path) -> None:
+    """Refuse a run directory so deep that the run's file paths would exceed the system's
+    PATH_MAX: inject would succeed and then every part write fail (all rows in the ledger)."""
+    limit = os.pathconf(path.anchor, "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+    length = len(os.fsencode(path))
+    if length + _NAMES_BELOW_RUN_BYTES >= limit:
+        raise ValueError(
+            f"output_dir is {length} bytes long: the run's files below it (up to "
+            f"{_NAMES_BELOW_RUN_BYTES} bytes more) would exceed this system's PATH_MAX of "
+            f"{limit} bytes and could not be written; pass a shorter output_dir (it begins "
+            f"{str(path)[:80]!r})"
+        )
 
 
 def check_output_dir(path: Path) -> None:

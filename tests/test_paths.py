@@ -9,6 +9,7 @@ sample's forward rows), so the merge really has parts to find.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -191,3 +192,15 @@ def test_an_output_dir_below_a_symbolic_link_to_nothing_is_refused_naming_the_li
             inject_observer(model, output_dir=directory)
         assert "forward" not in model.__dict__
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+@pytest.mark.skipif(sys.getfilesystemencoding() != "utf-8", reason="names are bytes as UTF-8")
+def test_an_output_dir_whose_name_is_not_utf8_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """A Latin-1 folder name: index.md and the state file are UTF-8, so no run can name it."""
+    model = nn.Linear(3, 4)
+    with pytest.raises(ValueError, match="output_dir holds bytes that are not UTF-8"):
+        inject_observer(model, output_dir=tmp_path / os.fsdecode(b"caf\xe9"))
+    assert "forward" not in model.__dict__
+    assert list(tmp_path.iterdir()) == []

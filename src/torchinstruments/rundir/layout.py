@@ -168,7 +168,8 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             not exist.
         FileExistsError: if it names an existing file (not a directory).
         FileNotFoundError: if it or a folder above it is a symbolic link to nothing.
-        ValueError: if it is too long for the run's files below it (PATH_MAX).
+        ValueError: if it is too long for the run's files below it (PATH_MAX), or not valid
+            UTF-8.
     """
     text = os.fspath(output_dir)
     if isinstance(text, bytes) or not text.strip():
@@ -176,6 +177,7 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             f"output_dir must name a directory, got {output_dir!r}; pass e.g. output_dir='stats'"
         )
     path = expand_user(text, "output_dir").absolute()
+    _check_utf8(path)
     _check_length(path)  # first: a path over PATH_MAX makes `exists` itself raise
     if path.exists() and not path.is_dir():
         raise FileExistsError(
@@ -189,6 +191,21 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
 # folder (`rank-000/tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>`, the parts'
 # temporaries), bounded by one folder and one name of at most NAME_MAX (255) bytes each.
 _NAMES_BELOW_RUN_BYTES = 2 * (1 + 255)
+
+
+def _check_utf8(path: Path) -> None:
+    """Refuse a run directory whose name holds bytes that are not UTF-8 (Python gives them as
+    lone surrogates): the run writes its directory into strict UTF-8 files (the state file,
+    index.md), so inject would fail half-way with a bare UnicodeEncodeError."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError as error:
+        shown = os.fsencode(str(path)[max(0, error.start - 20) : error.end + 20])
+        raise ValueError(
+            f"output_dir holds bytes that are not UTF-8 ({shown!r}, position {error.start}); "
+            "the run names its directory in UTF-8 files (index.md, .state.json): pass a "
+            "directory whose path is valid UTF-8 (a symbolic link of such a name works)"
+        ) from None
 
 
 def _check_links(path: Path) -> None:

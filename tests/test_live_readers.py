@@ -177,6 +177,39 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
     assert pl.read_parquet(run / "history.parquet").height == PARTS * ROWS_PER_PART
 
 
+def test_a_continued_runs_live_attempt_is_read_with_the_earlier_attempts(tmp_path: Path) -> None:
+    """While a continued run's attempt runs, history.parquet holds the earlier attempts and
+    history.parts/ its own rows: index.md's `history_of` reads both, and once the removal's
+    merge put the parts in history.parquet, a part still beside it (a kill before the parts
+    were taken away) is read once, never twice."""
+    run = tmp_path / "stats"
+    model = nn.Linear(4, 4)
+    config = HistoryConfig(buffer_rows=ROWS_PER_PART)
+    sampler = EveryNForwardsSampler(1)
+    inject_observer(model, output_dir=run, sampler=sampler, history_config=config)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    inject_observer(model, output_dir=run, sampler=sampler, history_config=config, resume=True)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    wait_for_rows(run, 2 * ROWS_PER_PART)
+    history_of = history_reader(run)  # the page the continued attempt wrote at its inject
+    live = history_of(run).collect()
+    parts = {p.name: p.read_bytes() for p in list_parts(run)}
+    remove_observer(model)
+    final = pl.read_parquet(run / "history.parquet")
+    assert final.group_by("attempt").agg(pl.col("sample_id").unique().sort()).sort(
+        "attempt"
+    ).rows() == [(0, [0, 1, 2]), (1, [3, 4])]
+    order = ["sample_id", "signal", "metric"]
+    assert live.sort(order).equals(final.sort(order))
+    (run / "history.parts").mkdir()
+    for name, data in parts.items():  # as a kill between the merge and the parts' removal
+        (run / "history.parts" / name).write_bytes(data)
+    assert history_of(run).collect().sort(order).equals(final.sort(order))
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["first"]:
         child_first_sample(Path(sys.argv[1]))

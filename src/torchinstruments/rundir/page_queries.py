@@ -3,7 +3,8 @@
 Design decisions:
 
 - One setup block defines `run`, `history_of(directory)` (a run's history files listed literally:
-  history.parquet once finished, its completed parts while live or after a crash; Polars with
+  history.parquet once finished, its completed parts while live or after a crash, and both for
+  a continued run's live or killed attempt, told apart by `attempt`; Polars with
   `glob=False`, so a name holding `[`, `*` or `?` is read as named), `history` and `show`. Every
   other block runs after it, in the same Python session, as printed; the tests execute them all.
 - Results are printed by `show` as CSV: every row the query means, at full precision, never a
@@ -80,22 +81,45 @@ run = this_run()
 
 def history_of(directory: Path) -> pl.LazyFrame:
     """A run's history: {HISTORY_FILE} once finished; while live (or after a crash), every
-    completed part, read now (removal takes the parts away once {HISTORY_FILE} holds them)."""
+    completed part, read now (removal takes the parts away once {HISTORY_FILE} holds them). A
+    continued run's attempt has both while it runs: {HISTORY_FILE} holds the earlier attempts,
+    the parts its own rows (its removal merges them in; `attempt` tells them apart here)."""
     merged = directory / {_q(HISTORY_FILE)}
     for _ in range(5):
-        if merged.exists():
-            return pl.scan_parquet(merged, glob=False)
         files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
-        if not files and not merged.exists():
+        if not files and merged.exists():
+            return pl.scan_parquet(merged, glob=False)
+        if not files:
             raise SystemExit(
                 f"{{directory}}: no part written yet (the run's first sample writes the first "
                 "part right after it is taken); run this block again later"
             )
         try:
-            return pl.read_parquet(files, glob=False).lazy()
+            parts = readable(files)
         except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
             continue
+        if not merged.exists():
+            return pl.concat(parts).lazy()
+        live = pl.concat(parts) if parts else None
+        if live is None or live["attempt"].min() is None:  # damaged parts, or from before attempts
+            return pl.scan_parquet(merged, glob=False)
+        first = live["attempt"].min()
+        earlier = pl.scan_parquet(merged, glob=False).filter(
+            pl.col("attempt").is_null() | (pl.col("attempt") < first)  # null: before attempts
+        )
+        return pl.concat([earlier, live.lazy()])
     raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
+
+
+def readable(files: list[Path]) -> list[pl.DataFrame]:
+    """The parts' rows, leaving out a damaged part `finalize` left in place (index.md names it)."""
+    frames = []
+    for file in files:
+        try:
+            frames.append(pl.read_parquet(file, glob=False))
+        except pl.exceptions.PolarsError:
+            continue
+    return frames
 
 
 def show(frame: pl.DataFrame, most: int | None = None) -> None:

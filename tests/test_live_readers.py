@@ -32,6 +32,8 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.cli.reader import read_history
+from torchinstruments.rundir import merge
 from torchinstruments.rundir.layout import list_parts
 
 from conftest import wait_for_rows
@@ -208,6 +210,42 @@ def test_a_continued_runs_live_attempt_is_read_with_the_earlier_attempts(tmp_pat
     for name, data in parts.items():  # as a kill between the merge and the parts' removal
         (run / "history.parts" / name).write_bytes(data)
     assert history_of(run).collect().sort(order).equals(final.sort(order))
+
+
+def test_a_reader_overtaken_by_a_continued_runs_merge_reads_each_row_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`show` and the other commands list history.parquet and the parts beside it, then read
+    them. The continued attempt's removal puts a history.parquet that holds those parts in
+    place before it takes the parts away: a reading in between read their rows twice."""
+    run = tmp_path / "stats"
+    model = nn.Linear(4, 4)
+    config = HistoryConfig(buffer_rows=ROWS_PER_PART)
+    sampler = EveryNForwardsSampler(1)
+    inject_observer(model, output_dir=run, sampler=sampler, history_config=config)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    inject_observer(model, output_dir=run, sampler=sampler, history_config=config, resume=True)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    wait_for_rows(run, 2 * ROWS_PER_PART)
+    overtaken: list[bool] = []
+
+    def merged_meanwhile(history: pl.LazyFrame) -> pl.LazyFrame:
+        if not overtaken:  # the removal's merge, up to the parts' removal, after the listing
+            with monkeypatch.context() as patch:
+                patch.setattr(merge, "_take_parts_away", lambda *_: None)
+                merge.merge_history(run)
+            overtaken.append(True)
+        return history
+
+    rows = read_history(run, merged_meanwhile)
+    remove_observer(model)
+    assert overtaken
+    assert rows.height == 5 * ROWS_PER_PART
+    assert rows.select("sample_id", "signal", "metric").is_unique().all()
+    assert sorted(rows["sample_id"].unique()) == [0, 1, 2, 3, 4]
 
 
 if __name__ == "__main__":

@@ -234,9 +234,16 @@ def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
         UnreadableHistoryError: a history file is not a whole Parquet file.
     """
     for attempt in range(READ_ATTEMPTS):
+        merged_before = _identity(Path(directory).expanduser() / HISTORY_FILE)  # before listing
         files = locate(directory)
         try:
-            return compute(files)
+            result = compute(files)
+            # A continued run's removal put history.parquet, now holding the parts read beside
+            # it, in place while they were read: their rows were read twice. List again.
+            if not files.parts or _identity(files.history) == merged_before:
+                return result
+            if attempt == READ_ATTEMPTS - 1:
+                raise FileNotFoundError(f"{files.history} kept changing while it was read")
         except (FileNotFoundError, pl.exceptions.ComputeError):
             # A live run merged (and removed) parts between listing and reading: list again.
             if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):
@@ -246,6 +253,16 @@ def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
                     raise UnreadableHistoryError(message) from None
                 raise
     raise AssertionError("unreachable")
+
+
+def _identity(history: Path | None) -> tuple[int, int] | None:
+    """history.parquet's inode and modification time (None when absent): every write of it
+    replaces the file (`layout.replace_atomically`), so a new one has another identity."""
+    try:
+        found = history.stat() if history is not None else None
+    except FileNotFoundError:
+        return None
+    return None if found is None else (found.st_ino, found.st_mtime_ns)
 
 
 def _unreadable(path: Path) -> bool:

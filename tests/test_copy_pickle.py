@@ -204,3 +204,35 @@ def test_a_model_sent_to_a_spawned_child_is_said_to_run_unobserved_there(run_dir
     assert "a copy" in message
     assert "'spawn'" in message
     assert read_history(run_dir)["forward_index"].unique().to_list() == [0]  # the parent's only
+
+
+def test_a_whole_module_torch_save_loads_with_the_class_forward_bound_as_documented(
+    run_dir: Path,
+) -> None:
+    """What README and docs/guarantees.md say of it: an instance `forward` that is the class's,
+    bound to the loaded model (a cycle: not freed at `del`), which `del loaded.forward` removes."""
+    model = mlp()
+    inject_observer(model, output_dir=run_dir)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    remove_observer(model)
+    for drop_forward in (False, True):
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        bound = loaded.__dict__["forward"]
+        assert bound.__func__ is type(loaded).forward
+        assert bound.__self__ is loaded
+        if drop_forward:
+            del loaded.forward
+            assert "forward" not in loaded.__dict__
+        x = torch.randn(3, 8)
+        assert torch.equal(loaded(x), model(x))
+        gone = weakref.ref(loaded)
+        gc.disable()
+        try:
+            del loaded, bound
+            assert (gone() is None) == drop_forward
+        finally:
+            gc.enable()
+        gc.collect()
+        assert gone() is None

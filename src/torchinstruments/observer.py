@@ -463,7 +463,7 @@ class Observer:
         try:
             mode = sample.mode or layer.mode()
             grad_enabled = torch.is_grad_enabled()
-            tensors = list(iter_tensors(output))
+            tensors = list(iter_tensors(output, layer.info.name, self.failed_once))
         except Exception as error:
             self.failed_once(
                 f"walk:{layer.info.name}",

@@ -3,56 +3,112 @@
 A forward may return a tensor, or tensors nested in tuples, lists, mappings, namedtuples and
 dataclasses; each tensor found is one measured output, named by the path that reaches it
 (`[0]`, `['key']`, `.field`). Anything else is passed over untouched.
+
+Design decision: the walk never looks inside an object of another kind (a Hugging Face `Cache`,
+a `torch.distributions.Distribution`, a NumPy array, a `SimpleNamespace`, a `deque`): reading an
+arbitrary object's attributes or iterating it could run user code, and its tensors have no path
+a user could predict. But an object passed over may hold the very tensors a user wants, so the
+walk says so (design: what is not recorded is said): each object that is not a plain value
+(`None`, a string, a number, an enum member, a dtype or device, a class) is reported with its
+path and type through `passed_over`, which the observer turns into one warning per layer and
+type (the first path seen: a list of a thousand distributions is one warning), and a note in
+index.md. The same goes for an output nested deeper than
+`_MAX_OUTPUT_DEPTH` levels, which the walk does not follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import enum
+import numbers
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["iter_tensors"]
+__all__ = ["iter_tensors", "passed_over_message"]
 
 _MAX_OUTPUT_DEPTH = 16
+# Values that hold no tensor: passed over without a word.
+_PLAIN = (
+    str,
+    bytes,
+    numbers.Number,
+    enum.Enum,
+    type,
+    range,
+    slice,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+PassedOver = Callable[[str, str], None]  # (key, message), as `RecordingFailures` takes them
 
 
-def iter_tensors(output: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    output: Any, layer: str = "", passed_over: PassedOver | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(tensor_path, tensor)` for every tensor inside a forward's output.
 
     Walks tuples and lists (`[0]`), mappings (`['key']`), namedtuples and dataclasses (`.field`);
-    any other object is passed over untouched. Each object is visited once, so cycles and
-    repeated references are safe; a tensor reachable twice is measured at its first path.
+    any other object is passed over untouched, and, unless it is a plain value, reported to
+    `passed_over` as the output of `layer` (see the module docstring). Each object is visited
+    once, so cycles and repeated references are safe; a tensor reachable twice is measured at
+    its first path.
     """
-    yield from _walk(output, "", set(), 0)
+    yield from _walk(output, "", set(), 0, layer, passed_over)
 
 
-def _walk(obj: Any, path: str, seen: set[int], depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+def passed_over_message(layer: str, path: str, what: str) -> str:
+    """What a run says of an object of kind `what` at `path` in `layer`'s output."""
+    where = f"at tensor_path {path!r} (the first place seen)" if path else "as its whole output"
+    return (
+        f"layer {layer!r} returned {what} {where}, which the output walk does not enter (it "
+        "enters tuples, lists, mappings, named tuples and dataclasses, "
+        f"{_MAX_OUTPUT_DEPTH} levels deep): tensors inside it, if any, have no rows"
+    )
+
+
+def _walk(
+    obj: Any, path: str, seen: set[int], depth: int, layer: str, passed_over: PassedOver | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Depth-first walk behind `iter_tensors`."""
-    if id(obj) in seen or depth > _MAX_OUTPUT_DEPTH:
+    if id(obj) in seen or obj is None:
+        return
+    if depth > _MAX_OUTPUT_DEPTH:  # a tensor too: not followed, so not measured
+        if not isinstance(obj, _PLAIN):
+            _report(layer, path, f"an object nested deeper than {_MAX_OUTPUT_DEPTH}", passed_over)
         return
     if isinstance(obj, torch.Tensor):
         seen.add(id(obj))
         yield path, obj
         return
-    if isinstance(obj, str | bytes | int | float | bool) or obj is None:
+    if isinstance(obj, _PLAIN):
         return
+    seen.add(id(obj))
+    walk_deeper = depth + 1
     if isinstance(obj, Mapping):
-        seen.add(id(obj))
         for key, value in obj.items():
-            yield from _walk(value, f"{path}[{key!r}]", seen, depth + 1)
+            yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        seen.add(id(obj))
         for name, value in zip(obj._fields, obj, strict=False):
-            yield from _walk(value, f"{path}.{name}", seen, depth + 1)
+            yield from _walk(value, f"{path}.{name}", seen, walk_deeper, layer, passed_over)
     elif isinstance(obj, tuple | list):
-        seen.add(id(obj))
         for index, value in enumerate(obj):
-            yield from _walk(value, f"{path}[{index}]", seen, depth + 1)
+            yield from _walk(value, f"{path}[{index}]", seen, walk_deeper, layer, passed_over)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        seen.add(id(obj))
         for field in dataclasses.fields(obj):
-            yield from _walk(
-                getattr(obj, field.name, None), f"{path}.{field.name}", seen, depth + 1
-            )
+            value = getattr(obj, field.name, None)
+            yield from _walk(value, f"{path}.{field.name}", seen, walk_deeper, layer, passed_over)
+    else:
+        kind = type(obj)
+        _report(layer, path, f"a {kind.__module__}.{kind.__qualname__}", passed_over)
+
+
+def _report(layer: str, path: str, what: str, passed_over: PassedOver | None) -> None:
+    """Tell `passed_over` (if any) of an object the walk did not enter, once per kind."""
+    if passed_over is not None:
+        key = f"passed over:{layer}:{what}"  # one per layer and type: a list of them says one
+        passed_over(key, passed_over_message(layer, path, what))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import namedtuple
 from pathlib import Path
@@ -338,6 +339,27 @@ def test_tracing_an_observed_model_passes_through_untouched(run_dir: Path) -> No
     assert torch.equal(graph(x), model(x))
     history = read_history(run_dir)
     assert history["forward_index"].unique().to_list() == [0]  # tracing counted no forward
+
+
+def test_export_passes_through_untouched_and_strict_export_is_refused(run_dir: Path) -> None:
+    """torch.export (non-strict, its default) traces an observed model as the plain one and counts
+    no forward. Strict export traces from the top through the root proxy, which dynamo cannot
+    trace, and refuses it, as it refuses a `fullgraph=True` compiled function that calls the
+    model (docs/design-notes.md): export after `remove_observer`, or non-strict."""
+    model = mlp()
+    x = torch.randn(2, 8)
+    plain = torch.export.export(copy.deepcopy(model), (x,))
+    observe(model, run_dir)
+    exported = torch.export.export(model, (x,))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="no traceable __call__"):
+        torch.export.export(model, (x,), strict=True)
+    model(x)
+    remove_observer(model)
+    assert exported.graph_module.code == plain.graph_module.code
+    assert torch.equal(exported.module()(x), model(x))
+    assert torch.equal(torch.export.export(model, (x,), strict=True).module()(x), model(x))
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().to_list() == [0]  # exporting counted no forward
 
 
 def test_forwards_from_several_threads_keep_their_samples_apart(run_dir: Path) -> None:

@@ -18,7 +18,8 @@ References that need a definition:
   of the scalar loss: a plain backward (its cotangent batch has one entry). Shapes are not
   compared there (the library says in shape and index.md which it records).
 - non-reentrant checkpointing: the forward's calls; the recomputation during backward runs
-  outside any root forward and is neither a call nor a row.
+  outside any root forward and is neither a call nor a row. Reentrant checkpointing runs its
+  block under no_grad in the forward: output rows, and no gradient rows (plain hooks have none).
 - torch.compile: sampled forwards run eagerly, so their rows equal the eager copy's; the
   unsampled forward between them runs the compiled graph and has no rows.
 Tensor parallelism and FSDP2 are in test_conformance_distributed.py (two gloo processes).
@@ -27,8 +28,10 @@ Tensor parallelism and FSDP2 are in test_conformance_distributed.py (two gloo pr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import warnings
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -447,6 +450,100 @@ mamba = hugging_face(
 )
 
 
+def checkpointed_llama(reentrant: bool) -> Case:
+    """The Llama case under Hugging Face's own activation checkpointing of every decoder layer
+    (non-reentrant, its default; reentrant: the layers inside run under no_grad in the forward,
+    and plain hooks, as the rows, have no gradient of them)."""
+
+    def case(device: torch.device) -> tuple[nn.Module, Step]:
+        model, step = llama(device)
+        # `gradient_checkpointing_enable` before transformers named it activation checkpointing
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        enable = enable or getattr(model, "gradient_checkpointing_enable")  # noqa: B009
+        enable({"use_reentrant": reentrant})
+        return model, step
+
+    return case
+
+
+Heads = namedtuple("Heads", ["policy", "value"])
+
+
+@dataclasses.dataclass
+class Features:
+    hidden: torch.Tensor
+    extra: dict[Any, Any]
+
+
+class Trunk(nn.Module):
+    """A layer (its own weight) returning a dataclass, with a dict of an int key, a tuple key and
+    a None value inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> Features:
+        hidden = torch.tanh(x @ self.weight)
+        gates = {0: hidden.square(), ("gate", 1): torch.sigmoid(hidden), "unused": None}
+        return Features(hidden, gates)
+
+
+class PolicyValueHead(nn.Module):
+    """A layer returning a named tuple of a dict and a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8) * 0.3)
+
+    def forward(self, features: Features) -> Heads:
+        gated = features.hidden + features.extra[0] * features.extra[("gate", 1)]
+        out = gated @ self.weight.T
+        return Heads({"mean": out[:, :2], "log_std": out[:, :2].clamp(-2.0, 0.0)}, out[:, 2])
+
+
+class StructuredOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = Trunk()
+        self.head = PolicyValueHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.head(self.trunk(x))
+        return heads.policy["mean"] * heads.policy["log_std"].exp() + heads.value[:, None]
+
+
+def structured_outputs(device: torch.device) -> tuple[nn.Module, Step]:
+    """Layers returning a dataclass and a named tuple with dicts inside (paths `.extra[0]`,
+    `.extra[('gate', 1)]`, `.policy['mean']`)."""
+    model = StructuredOutputs().to(device)
+    return model, squares_step(lambda: torch.randn(4, 8, device=device))
+
+
+def transformer_with_masks(device: torch.device) -> tuple[nn.Module, Step]:
+    """nn.Transformer (encoder and decoder) in eval under no_grad, with a padding mask (the
+    encoder's nested-tensor fast path, as it runs when a hook is attached) and a causal mask."""
+    model = nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True).to(device).eval()
+
+    def step(m: nn.Module, i: int) -> Any:
+        padding = torch.zeros(3, 5, dtype=torch.bool, device=device)
+        padding[0, 3:] = True
+        padding[1, 1:] = True
+        causal = nn.Transformer.generate_square_subsequent_mask(4, device=device)
+        source, target = torch.randn(3, 5, 16, device=device), torch.randn(3, 4, 16, device=device)
+        with torch.no_grad():
+            return m(
+                source,
+                target,
+                tgt_mask=causal,
+                tgt_is_causal=True,
+                src_key_padding_mask=padding,
+                memory_key_padding_mask=padding,
+            )
+
+    return model, step
+
+
 CASES: dict[str, Case] = {
     "mlp_inplace_relu": mlp_inplace_relu,
     "resnet18": resnet18,
@@ -473,6 +570,10 @@ CASES: dict[str, Case] = {
     "swin": swin(1),
     "swin_v2": swin(2),
     "mamba": mamba,
+    "llama_activation_checkpointing": checkpointed_llama(reentrant=False),
+    "llama_reentrant_checkpointing": checkpointed_llama(reentrant=True),
+    "structured_outputs": structured_outputs,
+    "transformer_with_masks": transformer_with_masks,
 }
 STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restart per forward
 # Parametrized modules (torch.nn.utils.parametrize) are layers, the modules of their weights not.
@@ -504,6 +605,9 @@ def test_rows_equal_plain_hooks(run_dir: Path, device: torch.device, name: str) 
         assert layer in result.catalog
         assert holder not in result.catalog
         assert layer in result.history["layer"].unique().to_list()
+    if name == "structured_outputs":
+        paths = set(result.history["tensor_path"].to_list())
+        assert {".extra[0]", ".extra[('gate', 1)]", ".policy['mean']", ".value"} <= paths
     if name == "torchscript_submodule":
         assert result.catalog == ["0", "2", "3"]
     if name in PARAMETRIZED:
@@ -518,6 +622,21 @@ def test_inductor_compiled_model(run_dir: Path, device: torch.device) -> None:
     result = run_both(model, step, run_dir, steps=3, every=2, prepare=torch.compile)
     assert sorted(result.history["forward_index"].unique().to_list()) == [0, 2]
     check(result, device, exact=False)  # the unsampled step ran inductor's kernels
+
+
+def test_inductor_compiled_model_across_shape_changes(run_dir: Path, device: torch.device) -> None:
+    """The batch size changes every step: the unsampled steps compile, then recompile with
+    dynamic shapes (torch.compile's automatic dynamic), the sampled ones between them run
+    eagerly; their rows equal the eager copy's."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(device)
+
+    def step(m: nn.Module, i: int) -> Any:
+        return squares_step(lambda: torch.randn(2 + i, 8, device=device))(m, i)
+
+    result = run_both(model, step, run_dir, steps=5, every=2, prepare=torch.compile)
+    assert sorted(result.history["forward_index"].unique().to_list()) == [0, 2, 4]
+    assert sorted({s[0] for s in result.history["shape"].to_list()}) == [2, 4, 6]
+    check(result, device, exact=False)  # the unsampled steps ran inductor's kernels
 
 
 # --- torch.func ---------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ half on one GPU.
 
 References that need a definition:
 - torch.func: the reference is the plain model run without the transform, on the same values.
-  `grad`: a plain forward and `backward()` of the same loss. `vmap` of a per-sample `grad`: the
+  `grad`: a plain forward and `backward()` of the same loss. Forward mode (`jvp`, `jacfwd`):
+  the plain forward; `hessian` (jacfwd of jacrev): a plain forward and backward. `vmap` of a per-sample `grad`: the
   plain model on the whole batch with the sum of the per-sample losses (each layer's output and
   the gradient into it are then the underlying batch, as the model without vmap sees it). `jacrev`
   of the scalar loss: a plain backward (its cotangent batch has one entry). Shapes are not
@@ -702,6 +703,70 @@ def test_torch_func(
     for got, want in zip(result.observed_outputs, result.reference_outputs, strict=True):
         for name, value in want.items():
             torch.testing.assert_close(got[name], value)
+    result.assert_conforms(tolerance=tolerance_for(device), compare_shapes=False)
+
+
+def scalar_of(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().sum()
+
+    return loss
+
+
+def func_jvp_step(device: torch.device) -> Step:
+    def step(m: nn.Module, i: int) -> Any:
+        x = torch.randn(5, 6, device=device)
+        return torch.func.jvp(scalar_of(m), (x,), (torch.ones_like(x),))
+
+    return step
+
+
+def func_jacfwd_step(device: torch.device) -> Step:
+    def step(m: nn.Module, i: int) -> Any:
+        return torch.func.jacfwd(scalar_of(m))(torch.randn(5, 6, device=device))
+
+    return step
+
+
+def func_hessian_step(device: torch.device) -> Step:
+    def step(m: nn.Module, i: int) -> Any:
+        return torch.func.hessian(scalar_of(m))(torch.randn(5, 6, device=device)[:1])
+
+    return step
+
+
+def plain_forward(device: torch.device, batch: int = 5, backward: bool = False) -> Step:
+    """The reference of a forward-mode transform: the plain forward (and, where the transform
+    runs a reverse pass inside, as `hessian`'s jacrev does, a plain backward of the loss)."""
+
+    def step(m: nn.Module, i: int) -> Any:
+        out = m(torch.randn(5, 6, device=device)[:batch])
+        if backward:
+            out.square().sum().backward()
+        return out
+
+    return step
+
+
+FORWARD_MODE = {
+    "jvp": (func_jvp_step, plain_forward),
+    "jacfwd": (func_jacfwd_step, plain_forward),
+    "hessian": (func_hessian_step, lambda device: plain_forward(device, 1, backward=True)),
+}
+
+
+@pytest.mark.parametrize("transform", list(FORWARD_MODE))
+def test_torch_func_forward_mode(run_dir: Path, device: torch.device, transform: str) -> None:
+    """Forward-mode transforms: the rows hold the plain model's values (no gradient flows back
+    into an output under jvp or jacfwd; hessian's jacrev brings the plain backward's)."""
+    model = func_model(device)
+    unobserved = copy.deepcopy(model)
+    step, reference = FORWARD_MODE[transform]
+    result = run_both(model, step(device), run_dir, reference_step=reference(device))
+    torch.manual_seed(1000)
+    expected = list(leaves(step(device)(unobserved, 0)))
+    for got, want in zip(leaves(result.observed_outputs[0]), expected, strict=True):
+        assert torch.equal(got, want)  # the transform computed what it computes unobserved
     result.assert_conforms(tolerance=tolerance_for(device), compare_shapes=False)
 
 

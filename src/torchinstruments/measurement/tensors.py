@@ -65,10 +65,10 @@ def unsupported_reason(tensor: torch.Tensor) -> str | None:
 
 # What index.md (and one warning) says when a run measured wrapped or distributed tensors.
 TORCH_FUNC_NOTE = (
-    "torch.func: layers returned tensors wrapped by grad, jacrev or vmap; they are measured as the "
-    "values the plain model computes (unwrapped): under vmap over the whole underlying batch, and "
-    "their shape is then the vmapped sizes (outermost transform first) followed by the "
-    "per-sample shape"
+    "torch.func: layers returned tensors wrapped by a transform (grad, jacrev, jvp, jacfwd, vmap); "
+    "they are measured as the values the plain model computes (unwrapped): under vmap over the "
+    "whole underlying batch, and their shape is then the vmapped sizes (outermost transform "
+    "first) followed by the per-sample shape"
 )
 DTENSOR_NOTE = (
     "tensor parallel: layers returned DTensors; each DTensor row describes this rank's local "

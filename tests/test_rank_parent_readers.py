@@ -235,6 +235,32 @@ def test_heatmap_of_the_parent_subtitle_says_its_rows_are_one_tensors_ranks_not_
     )
 
 
+def test_plot_of_the_parent_draws_the_metrics_plot_of_one_run_draws_and_names_the_others(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        observe_rank(parent, rank)
+    one = cli_in_process("plot", parent / "rank-000", "-o", tmp_path / "one.png")
+    both = cli_in_process("plot", parent, "-o", tmp_path / "both.png")
+    assert one.returncode == both.returncode == 0, (one.stderr, both.stderr)
+    metrics = set(history(parent, 0).filter(pl.col("metric") != "interrupted")["metric"])
+    drawn = {"mean", "std", "zero_fraction", "nonfinite_fraction"}
+    signals = set(history(parent, 0)["signal"])
+    for done in (one, both):
+        assert f"{len(drawn) * len(signals)} panels" in done.stdout
+        said = next(line for line in done.stderr.splitlines() if "not drawn" in line)
+        left_out = said.split("not drawn without --metrics: ", 1)[1].split(" (")[0]
+        assert set(left_out.split(", ")) == metrics - drawn
+    every = cli_in_process(
+        "plot", parent, "--metrics", ",".join(sorted(metrics)), "-o", tmp_path / "all.png"
+    )
+    assert every.returncode == 0, every.stderr
+    assert f"{len(metrics) * len(signals)} panels" in every.stdout
+    assert "not drawn" not in every.stderr
+
+
 def test_plot_and_heatmap_of_the_parent_write_the_default_files_their_help_names(
     tmp_path: Path,
 ) -> None:

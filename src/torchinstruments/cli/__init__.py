@@ -96,11 +96,12 @@ def _tolerance(text: str) -> float:
 
 
 _ALL_METRICS = "all metrics in the run"
-# plot's own default (cli.plot.DEFAULT_METRICS, written out here so that building the parser
-# imports no command module): a figure that reads on a screen; a rank parent's plot draws all.
+# plot's own default (cli.pictures.DEFAULT_METRICS, written out here so that building the parser
+# imports no command module): a figure that reads on a screen, for a run and a directory of
+# rank-NNN/ runs alike.
 _PLOT_METRICS = (
     "mean, std, zero_fraction and nonfinite_fraction where the run has any of them, the others "
-    "named on stderr; all metrics for a directory of rank-NNN/ runs"
+    "named on stderr; as many for a directory of rank-NNN/ runs"
 )
 
 
@@ -406,7 +407,11 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
         if args.command == "plot":
             from torchinstruments.cli import plot
-            from torchinstruments.cli.pictures import MatplotlibMissingError, checked_png
+            from torchinstruments.cli.pictures import (
+                MatplotlibMissingError,
+                checked_png,
+                metrics_left_out_line,
+            )
 
             output = args.output or Path(args.directory) / "trends.png"
             selection = _selection(args, args.directory)
@@ -428,13 +433,9 @@ def _run_single(args: argparse.Namespace) -> int:
                 f"{plural(len(result.panels), 'panel')}, {plural(len(result.tensors), 'tensor')}, "
                 f"x = {result.x}"
             )
-            if result.metrics_left_out:
-                print(
-                    f"{prog}: drew {', '.join(dict.fromkeys(m for m, _ in result.panels))}; not drawn "
-                    f"without --metrics: {', '.join(result.metrics_left_out)} (--metrics "
-                    "m1,m2 chooses)",
-                    file=sys.stderr,
-                )
+            left_out_line = metrics_left_out_line(prog, result)
+            if left_out_line is not None:
+                print(left_out_line, file=sys.stderr)
             if result.left_out:
                 print(
                     f"{prog}: {plural(len(result.left_out), 'tensor')} left out "

@@ -56,6 +56,7 @@ from torchinstruments.rundir.shell import MATPLOTLIB_INSTALL
 
 __all__ = [
     "DEFAULT_MAX_TENSORS",
+    "DEFAULT_METRICS",
     "DPI",
     "LEGEND_WIDTH_IN",
     "MAX_LABEL_CHARS",
@@ -69,12 +70,18 @@ __all__ = [
     "PlotResult",
     "checked_folder",
     "checked_png",
+    "default_metrics",
     "literal",
     "matplotlib_missing",
+    "metrics_left_out_line",
     "shorten",
     "trend_figure",
     "write_trends",
 ]
+
+# What `plot` draws without --metrics, of one run and of a parent of rank runs alike: a figure
+# that reads on a laptop screen (8 panels), not every metric (18 panels, 2,160 px tall).
+DEFAULT_METRICS = ("mean", "std", "zero_fraction", "nonfinite_fraction")
 
 NO_STEP = (
     "no sample of {directory} that matches the selection has a step (history's step column is "
@@ -132,6 +139,31 @@ class PlotResult:
     metrics_left_out: tuple[str, ...] = ()
     null_marks: int = 0  # samples marked as a null value, over all panels
     legend: tuple[str, ...] = ()  # the tensors' labels as the legend shows them (`shorten`)
+
+
+def default_metrics(
+    rows: pl.DataFrame, facts: RunFacts, chosen: tuple[str, ...] | None
+) -> tuple[pl.DataFrame, tuple[str, ...]]:
+    """`rows` of DEFAULT_METRICS only, and the metrics left out (in the run's order), when no
+    metrics are `chosen` (`--metrics`) and the run has any of them; otherwise `rows` and ()."""
+    if chosen is not None:
+        return rows, ()
+    present = metric_order(rows["metric"].unique().to_list(), facts.run)
+    if not set(present) & set(DEFAULT_METRICS):
+        return rows, ()  # a run of custom metrics only: draw them all
+    left_out = tuple(m for m in present if m not in DEFAULT_METRICS)
+    return rows.filter(pl.col("metric").is_in(DEFAULT_METRICS)), left_out
+
+
+def metrics_left_out_line(prog: str, result: PlotResult) -> str | None:
+    """The stderr line naming the metrics a default plot did not draw (None: none left out)."""
+    if not result.metrics_left_out:
+        return None
+    drawn = ", ".join(dict.fromkeys(m for m, _ in result.panels))
+    return (
+        f"{prog}: drew {drawn}; not drawn without --metrics: "
+        f"{', '.join(result.metrics_left_out)} (--metrics m1,m2 chooses)"
+    )
 
 
 def shorten(text: str) -> str:

@@ -5,8 +5,9 @@ Design decisions (the figure's own are `pictures`'):
 - The x axis is `sample_id`, `forward_index` or `step` (the trainer's global step, or
   set_step's value; samples without one are left out).
 - Without `--metrics`, DEFAULT_METRICS are drawn (8 panels: a figure that reads on a laptop
-  screen, not 18 panels 2,160 px tall); `PlotResult.metrics_left_out` names the others, and the
-  command says so on stderr.
+  screen, not 18 panels 2,160 px tall), on one run and on a parent of rank runs alike
+  (`pictures.default_metrics`, which both call); `PlotResult.metrics_left_out` names the others, and the
+  command says so on stderr (`pictures.metrics_left_out_line`).
 - At most `max_tensors` tensors (traversal order) are drawn; a message on stderr says how many
   were left out and how to choose (`--layers REGEX`).
 """
@@ -20,21 +21,20 @@ import polars as pl
 
 from torchinstruments.cli.pictures import (
     DEFAULT_MAX_TENSORS,
+    DEFAULT_METRICS,
     NO_STEP,
     X_LABELS,
     PlotResult,
+    default_metrics,
     trend_figure,
     write_trends,
 )
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
-    metric_order,
     read_facts,
     read_history,
 )
 from torchinstruments.cli.selection import Selection
-
-DEFAULT_METRICS = ("mean", "std", "zero_fraction", "nonfinite_fraction")
 
 
 def plot_rows(directory: Path, selection: Selection, x: str) -> pl.DataFrame:
@@ -82,12 +82,7 @@ def plot(
         raise ValueError(f"max_tensors must be an int >= 1, got {max_tensors!r}")
     facts = read_facts(directory)
     rows = plot_rows(directory, selection, x)
-    left_out: tuple[str, ...] = ()
-    if selection.metrics is None:  # the default: a figure that reads on a laptop screen
-        present = metric_order(rows["metric"].unique().to_list(), facts.run)
-        if set(present) & set(DEFAULT_METRICS):
-            left_out = tuple(m for m in present if m not in DEFAULT_METRICS)
-            rows = rows.filter(pl.col("metric").is_in(DEFAULT_METRICS))
+    rows, left_out = default_metrics(rows, facts, selection.metrics)
     if rows.is_empty() and x == "step":
         raise ValueError(NO_STEP.format(directory=directory))
     if rows.is_empty():

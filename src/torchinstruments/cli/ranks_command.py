@@ -145,7 +145,12 @@ def _draw(
 ) -> int:
     """`plot` or `heatmap` on a parent: one tensor, rank by rank."""
     from torchinstruments.cli import ranks_draw
-    from torchinstruments.cli.pictures import MatplotlibMissingError, checked_folder, checked_png
+    from torchinstruments.cli.pictures import (
+        MatplotlibMissingError,
+        checked_folder,
+        checked_png,
+        metrics_left_out_line,
+    )
     from torchinstruments.cli.text import plural
     from torchinstruments.rundir.ranges import ranges
 
@@ -167,6 +172,9 @@ def _draw(
                 f"{plural(len(result.panels), 'panel')}, tensor {lines.name()}, "
                 f"{lines.describe('line')}, x = {result.x}"
             )
+            left_out_line = metrics_left_out_line(prog, result)
+            if left_out_line is not None:
+                print(left_out_line, file=sys.stderr)
             if lines.left_out:
                 print(
                     f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "

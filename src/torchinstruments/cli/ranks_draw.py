@@ -5,7 +5,7 @@ that `--layers` matches (the first tensor of the run without it), so an image of
 readable and reads only that tensor's rows from each rank. They draw with the single-run
 drawing code (`pictures`, `pictures_grid`), with ranks where it has tensors: `plot` draws one
 line per rank and mode (labelled `rank N: tensor`, `[eval]` for eval samples) in each metric and
-signal panel, and `--max-tensors N` keeps the N lowest ranks, each with all its modes (ranks are
+signal panel (without `--metrics`, the metrics `plot DIR` draws: `pictures.default_metrics`), and `--max-tensors N` keeps the N lowest ranks, each with all its modes (ranks are
 counted as ranks, lines per mode separately: `RankLines`); `heatmap` draws one image per metric with a
 row per rank and a column per sample (output and output_gradient side by side), the same four
 cell kinds (value, null, nonfinite, no row) as the single-run heatmap. Over `--x step` as on
@@ -26,6 +26,7 @@ from torchinstruments.cli.pictures import (
     DEFAULT_MAX_TENSORS,
     NO_STEP,
     PlotResult,
+    default_metrics,
     matplotlib_missing,
     trend_figure,
     write_trends,
@@ -189,13 +190,15 @@ def plot_ranks(
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
+    rows, left_out = default_metrics(rows, facts, selection.metrics)  # as `plot DIR` draws
     rows, lines = _rank_lines(rows, tensor, without, max_tensors)
     count = sum(n for _, n in lines.per_mode)
     title = lines.describe("line")
     if lines.left_out:
         title += f" ({plural(len(lines.left_out), 'more rank')} left out: --rank or --max-tensors)"
     figure, result = trend_figure(rows, facts, x, count, yscale, title=title)
-    return write_trends(figure, result, output), lines
+    result = write_trends(figure, result, output)
+    return dataclasses.replace(result, metrics_left_out=left_out), lines
 
 
 def heatmap_ranks(

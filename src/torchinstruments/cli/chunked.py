@@ -77,16 +77,14 @@ def in_range(lf: pl.LazyFrame, x: str, bounds: tuple[int, int]) -> pl.LazyFrame:
 def _latest(rows: pl.DataFrame) -> pl.DataFrame:
     """Per series of one range: its last row's type, value, reason and sample (rows stably
     sorted by sample_id keep their write order), and how many rows it has."""
-    return (
-        rows.sort("sample_id", maintain_order=True)
-        .group_by(SERIES_KEY, maintain_order=True)
-        .agg(
-            module_type=pl.col("module_type").last(),
-            latest_value=pl.col("value").last(),
-            latest_reason=pl.col("unavailable_reason").last(),
-            latest_sample_id=pl.col("sample_id").last(),
-            observations=pl.len(),
-        )
+    if not rows.get_column("sample_id").is_sorted():  # a range of a run is, and copies nothing
+        rows = rows.sort("sample_id", maintain_order=True)
+    return rows.group_by(SERIES_KEY, maintain_order=True).agg(
+        module_type=pl.col("module_type").last(),
+        latest_value=pl.col("value").last(),
+        latest_reason=pl.col("unavailable_reason").last(),
+        latest_sample_id=pl.col("sample_id").last(),
+        observations=pl.len(),
     )
 
 

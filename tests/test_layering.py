@@ -153,6 +153,7 @@ CLI_COMMANDS = {
 }
 CLI_SHARED = {
     "cli.chunked",
+    "cli.matching",
     "cli.module_types",
     "cli.rank_departures",
     "cli.rank_runs",

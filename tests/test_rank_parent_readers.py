@@ -261,6 +261,45 @@ def test_plot_of_the_parent_draws_the_metrics_plot_of_one_run_draws_and_names_th
     assert "not drawn" not in every.stderr
 
 
+def expected_matched(parent: Path) -> dict[tuple[Any, ...], int]:
+    """Per series: the samples where rank 0's and rank 1's rows agree on what they hold (a
+    value each, or a null each for the same reason), from the two histories."""
+    a, b = (history(parent, r).filter(pl.col("metric") != "interrupted") for r in (0, 1))
+    both = a.join(b, on=[*SERIES, "sample_id"], suffix="_b", nulls_equal=True)
+    counts: dict[tuple[Any, ...], int] = {key: 0 for key in a.select(SERIES).unique().iter_rows()}
+    for row in both.iter_rows(named=True):
+        values = row["value"] is not None and row["value_b"] is not None
+        nulls = row["value"] is None and row["value_b"] is None
+        if values or (nulls and row["unavailable_reason"] == row["unavailable_reason_b"]):
+            counts[tuple(row[k] for k in SERIES)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("rank_1_last_batch", [0, 5], ids=["null-in-both", "null-in-one"])
+def test_compare_of_two_ranks_and_compare_of_their_parent_count_matched_samples_alike(
+    tmp_path: Path, rank_1_last_batch: int
+) -> None:
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0, last_batch=0)  # the last sample's outputs are empty: null values
+    observe_rank(parent, 1, last_batch=rank_1_last_batch)
+    expected = expected_matched(parent)
+    assert set(expected.values()) == ({3} if rank_1_last_batch == 0 else {2})
+    pair = cli_in_process("compare", parent / "rank-000", parent / "rank-001", "--format", "json")
+    ranks = cli_in_process("compare", parent, "--format", "json")
+    for done in (pair, ranks):
+        assert done.returncode == 0, done.stderr
+        got = {
+            tuple(r[k] for k in SERIES): r["matched_samples"]
+            for r in json.loads(done.stdout)["rows"]
+        }
+        assert got == expected
+    for done in (
+        cli_in_process("compare", parent / "rank-000", parent / "rank-001", "--width", "400"),
+        cli_in_process("compare", parent, "--width", "400"),
+    ):
+        assert "or a null for the same reason" in done.stdout
+
+
 def test_plot_and_heatmap_of_the_parent_write_the_default_files_their_help_names(
     tmp_path: Path,
 ) -> None:

@@ -12,7 +12,8 @@ Design decisions:
   tensor's gradient from the first backward only, a layer's calls have distinct call_index,
   and a resumed run's sample_id and forward_index continue); only hand-edited or concatenated
   histories do, and they are compared, not refused.
-- "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other, or a row in
+- "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other (or nulls
+  for different reasons), or a row in
   one run and none in the other at a sample both runs have (a series that stops or starts in one
   run: a branch cut off from the loss leaves no null, only rows that are not there). The samples
   a run has are all of its own (a row of any series, marker rows too), never only the selected
@@ -23,6 +24,8 @@ Design decisions:
 - Series in one run only, series that stop or start in one run, and runs sampled differently
   (the samplers of every attempt, or the window) are said in words, the latter first: a reader
   of the table alone would otherwise read "no difference" or a null into them.
+- A matched sample is `cli.matching`'s, the same as `compare PARENT`'s: both runs have the row,
+  each with a value, or each a null for the same reason.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
 """
 
@@ -37,6 +40,7 @@ import polars as pl
 
 from torchinstruments.cli import module_types
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
+from torchinstruments.cli.matching import agreement, matched_legend, matched_samples
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     TENSOR_KEY,
@@ -111,7 +115,7 @@ _TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
 
 def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
     """Series key (its names as Categorical), x, occurrence number within (series, x) in write
-    order, and value, of one range of samples (whole samples, read in write order).
+    order, value and unavailable_reason, of one range of samples (whole samples, read in write order).
 
     Most series have one row per sample: only the rows whose (series, x) repeats are numbered
     by group, the others are occurrence 0, so a range costs a duplicate test, not a group per
@@ -122,6 +126,7 @@ def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
             *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
             x,
             "value",
+            pl.col("unavailable_reason").cast(pl.Categorical),
         )
         .collect()
         .sort(x, maintain_order=True)
@@ -152,15 +157,16 @@ def first_differences(
     Only samples both runs have are compared: `samples` holds each run's own (`chunked.x_counts`, so a
     series' first difference does not depend on what else is selected; None: the x of `a` and
     `b`); there, a row in one run and not the other is a difference, as is a value in one and a
-    null in the other.
+    null in the other or nulls for different reasons; matched samples are
+    `matching.matched_samples`'.
     """
     keys = [*SERIES_KEY, x, "_occurrence"]
     own_a, own_b = (a.select(x), b.select(x)) if samples is None else samples
     common = own_a.unique().join(own_b.unique(), on=x)
     joined = (
-        a.with_columns(_in_a=pl.lit(True))
+        a.with_columns(_in_a=pl.lit(True), _agree=agreement())
         .join(
-            b.with_columns(_in_b=pl.lit(True)),
+            b.with_columns(_in_b=pl.lit(True), _agree=agreement()),
             on=keys,
             how="full",
             suffix="_b",
@@ -173,15 +179,13 @@ def first_differences(
         .with_columns(pl.col("_in_a", "_in_b").fill_null(False))
     )
     one_missing = pl.col("_in_a") != pl.col("_in_b")
-    one_null = pl.col("value_a").is_null() != pl.col("value_b").is_null()
-    differ = one_missing | one_null | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
+    # A null against a value, or nulls for different reasons (`matching.agreement`).
+    disagree = pl.col("_agree") != pl.col("_agree_b")
+    differ = one_missing | disagree | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
     # Each aggregation on rows chosen beforehand, so each is a plain per-group one (a filter
     # inside an aggregation is evaluated group by group: slow with one group per series).
-    matched = (
-        joined.filter("_in_a", "_in_b")
-        .group_by(SERIES_KEY)
-        .agg(matched_samples=pl.col(x).n_unique())
-    )
+    in_common = pl.col(x).is_in(common[x].implode())
+    matched = matched_samples(pl.concat([a.filter(in_common), b.filter(in_common)]), SERIES_KEY, x)
     first = (
         joined.filter(differ)
         .sort(x, maintain_order=True)  # the first row at the first x, in joined order
@@ -454,8 +458,9 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
         f"{plural(c.window, 'sample')}.",
         "B - A: their difference (mean B minus mean A).",
         f"first diff: the first {c.x} both runs have where |B - A| > {c.tolerance:g}, only "
-        f"one value is null, or only one run has a row; '-' = none. matched: how many samples "
-        f"were measured in both runs (matched on {c.x}).",
+        "one value is null (or the nulls' reasons differ), or only one run has a row; '-' = "
+        "none.",
+        matched_legend("both runs", c.x),
     ):
         lines += textwrap.wrap(note, width)
     if c.frame.is_empty():

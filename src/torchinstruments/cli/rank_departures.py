@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
+from torchinstruments.cli.matching import matched_samples
 from torchinstruments.rundir.windows import SERIES_KEY
 
 __all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures"]
@@ -37,8 +38,9 @@ def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
 
 
 def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
-    """Per series in one x range: samples measured by >= 2 ranks, and the first x where one
-    rank's value is more than `tolerance` from its nearest other rank's.
+    """Per series in one x range: matched samples (`matching.matched_samples`: at least 2
+    ranks agree on what the row holds), and the first x where one rank's finite value is more
+    than `tolerance` from its nearest other rank's.
 
     Names are compared as integer codes (Categorical), and groups are found by comparing
     neighbours in one sort, not by window functions: a range of millions of rows takes two
@@ -56,6 +58,7 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
         x,
         "rank",
         "value",
+        pl.col("unavailable_reason").cast(pl.Categorical),
     ).collect()
     # A series with several rows in one sample (never in the library's own runs: only in
     # hand-edited or concatenated histories): its occurrences, in write order.
@@ -73,11 +76,7 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
     ).with_columns(nearest_other=pl.min_horizontal("_below", "_above"))
     series = [*_TEXT_KEYS, "call_index"]
     seen = frame.group_by(series).agg(ranks=pl.col("rank").n_unique())
-    matched = (
-        values.filter(pl.col("nearest_other").is_not_null())
-        .group_by(series)
-        .agg(matched_samples=pl.col(x).n_unique())
-    )
+    matched = matched_samples(frame, series, x)  # the two-run comparison's definition
     measured = seen.join(matched, on=series, how="left")
     departing = values.filter(pl.col("nearest_other") > tolerance)
     first = departing.group_by(series).agg(first_departure=pl.col(x).min())

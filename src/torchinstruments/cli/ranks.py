@@ -20,6 +20,8 @@ Design decisions:
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
   tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule). Only finite
   values take part; a series measured twice in a sample is matched occurrence by occurrence.
+  `matched` counts the two-run `compare`'s matched samples (`cli.matching`): at least two
+  ranks with a value each, or a null each for the same reason.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or
   when one sample_id is a different root forward or step on some rank (`first_sample_apart`).
 - A rank without any history yet (killed, or still running, before its first part) is not
@@ -48,6 +50,7 @@ import polars as pl
 
 from torchinstruments.cli import module_types as types
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
+from torchinstruments.cli.matching import matched_legend
 from torchinstruments.cli.rank_departures import RANK_SERIES_KEY as _KEY
 from torchinstruments.cli.rank_departures import batch_departures, combine_departures
 from torchinstruments.cli.rank_runs import RankRun, ranks_with_history, without_history_line
@@ -470,8 +473,9 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         *types.rank_lines(d.mixed),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
-        "the ranks departing there, by: that distance; '-' = none. matched: samples measured "
-        "by at least 2 of the ranks (nulls and nonfinite values take no part).",
+        "the ranks departing there, by: that distance; '-' = none (nulls and nonfinite "
+        "values take no part).",
+        matched_legend("at least 2 of the ranks", d.x),
     ]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
     if d.frame.is_empty():

@@ -406,6 +406,26 @@ def test_show_parent_says_how_many_ranks_each_spread_covers_and_which_ranks_lack
     assert cells[("2", "latest")] == "2/3"
 
 
+def test_every_reader_of_a_parent_says_which_rank_has_no_directory(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    parent = tmp_path / "stats"
+    for rank in (0, 2):  # rank 1 of 3 never attached: no directory
+        observe_rank(parent, rank, world_size=3)
+    said = "missing: no directory for rank 1 "
+    for command, *options in (("show",), ("compare",)):
+        done = cli_in_process(command, parent, *options, "--metrics", "mean", "--width", "400")
+        assert done.returncode == 0, done.stderr
+        assert any(line.startswith(said) for line in done.stdout.splitlines()), command
+        done = cli_in_process(command, parent, "--metrics", "mean", "--format", "json")
+        assert json.loads(done.stdout)["run"]["ranks_missing"] == [1], command
+    for command, output in (("plot", tmp_path / "p.png"), ("heatmap", tmp_path)):
+        done = cli_in_process(command, parent, "--metrics", "mean", "-o", output)
+        assert done.returncode == 0, done.stderr
+        assert f"torchinstruments {command}: {said}" in done.stderr, command
+    done = cli_in_process("compare", parent, "--rank", "0,2", "--metrics", "mean")
+    assert said not in done.stdout  # the ranks asked for are all there
+
+
 def test_compare_parent_warns_first_when_the_ranks_were_sampled_differently(
     tmp_path: Path,
 ) -> None:

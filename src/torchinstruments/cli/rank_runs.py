@@ -116,6 +116,29 @@ def _no_history(directory: Path) -> str:
     return f"no sample written yet ({state.status.value})"
 
 
+def missing_ranks(
+    facts: Sequence[RunFacts],
+    read: Sequence[int],
+    without: Mapping[int, str],
+    ranks: Sequence[int] | None,
+) -> tuple[int, ...]:
+    """The ranks the world size (the largest the read ranks' state files give) expects and no
+    directory holds, when all ranks are asked for (`ranks` None); () otherwise."""
+    if ranks is not None:
+        return ()
+    world = max((f.run.world_size or 0 for f in facts if f.run is not None), default=0)
+    there = set(read) | set(without)
+    return tuple(r for r in range(world) if r not in there)
+
+
+def missing_line(missing: Sequence[int]) -> str:
+    """What every reader of a parent says of `missing_ranks`."""
+    return (
+        f"missing: no directory for rank {ranges(missing)} (it never attached, or wrote "
+        "elsewhere): what it saw is unknown"
+    )
+
+
 def without_history_line(without: Mapping[int, str]) -> str:
     """`rank 1, 3: no sample written yet (...)`: the ranks without history, grouped by why."""
     by_reason: dict[str, list[int]] = {}

@@ -53,7 +53,13 @@ from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.matching import matched_legend
 from torchinstruments.cli.rank_departures import RANK_SERIES_KEY as _KEY
 from torchinstruments.cli.rank_departures import batch_departures, combine_departures
-from torchinstruments.cli.rank_runs import RankRun, ranks_with_history, without_history_line
+from torchinstruments.cli.rank_runs import (
+    RankRun,
+    missing_line,
+    missing_ranks,
+    ranks_with_history,
+    without_history_line,
+)
 from torchinstruments.cli.reader import (
     NotARunError,
     RunFacts,
@@ -203,11 +209,7 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
     recent = _spread_of(per_rank, "window_mean", "window_last_sample_id", "window", len(runs))
     view = dataclasses.replace(first_facts, directory=Path(parent).expanduser())
     frame = _ordered_spread(pl.concat([latest, recent]), view)
-    missing: tuple[int, ...] = ()
-    if ranks is None:  # all ranks asked for: those the world size expects and no directory holds
-        world = max((f.run.world_size or 0 for f in facts if f.run is not None), default=0)
-        there = {r.rank for r in runs} | set(without)
-        missing = tuple(r for r in range(world) if r not in there)
+    missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
     return Spread(
         Path(parent).expanduser(),
         tuple(runs),
@@ -277,10 +279,7 @@ def _header(
     if without_history:
         lines.append(f"not read, no history: {without_history_line(without_history)}")
     if missing:
-        lines.append(
-            f"missing: no directory for rank {ranges(missing)} (it never attached, or wrote "
-            "elsewhere): what it saw is unknown"
-        )
+        lines.append(missing_line(missing))
     for run, f in zip(runs, facts, strict=True):
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
@@ -367,6 +366,7 @@ class Departures:
     without_history: Mapping[int, str] = dataclasses.field(default_factory=dict)
     apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id, one sampler)
     mixed: types.Mixed = dataclasses.field(default_factory=dict)  # from the ranks' layer catalogs
+    missing: tuple[int, ...] = ()  # `rank_runs.missing_ranks`, said as `show PARENT` says them
 
 
 def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
@@ -424,6 +424,7 @@ def departures(
         without,
         apart,
         types.catalog_mixed([(r.rank, f.run) for r, f in zip(runs, facts, strict=True)]),
+        missing_ranks(facts, [r.rank for r in runs], without, ranks),
     )
 
 
@@ -457,6 +458,7 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
             "tolerance": d.tolerance,
             "departs": "the rank's nearest other rank is farther than tolerance",
             "ranks_without_history": {str(r): why for r, why in d.without_history.items()},
+            "ranks_missing": list(d.missing),
             "warnings": departure_warnings(d),
         }
         frame = d.frame
@@ -469,7 +471,7 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
     lines: list[str] = []
     for line in [
         *departure_warnings(d),
-        *_header(d.parent, d.runs, d.facts, d.without_history),
+        *_header(d.parent, d.runs, d.facts, d.without_history, d.missing),
         *types.rank_lines(d.mixed),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "

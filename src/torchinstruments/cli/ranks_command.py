@@ -63,11 +63,13 @@ def run_on_ranks(
     from torchinstruments.cli import ranks as multi
     from torchinstruments.cli.rank_runs import (
         is_parent,
+        missing_line,
+        missing_ranks,
         parse_ranks,
         ranks_with_history,
         without_history_line,
     )
-    from torchinstruments.cli.reader import locate
+    from torchinstruments.cli.reader import locate, read_facts
 
     ranks = parse_ranks(args.rank) if getattr(args, "rank", None) else None
     names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
@@ -114,6 +116,11 @@ def run_on_ranks(
             f"{without_history_line(without)}",
             file=sys.stderr,
         )
+    if args.command in ("plot", "heatmap"):  # show and compare say it in their header, too
+        facts = [read_facts(r.directory) for r in runs]
+        missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
+        if missing:
+            print(f"torchinstruments {args.command}: {missing_line(missing)}", file=sys.stderr)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
         result = multi.spread(parent, chosen, ranks)  # type: ignore[arg-type]

@@ -284,3 +284,59 @@ def test_compare_text_of_many_series_prints_the_earliest_to_differ_and_says_how_
     traversal = [(r["layer"], short[r["signal"]], r["metric"]) for r in every.iter_rows(named=True)]
     assert table_rows(text) == traversal
     assert "more series not shown" not in text
+
+
+def occurrences_of(values: list[tuple[float | None, str | None]]) -> pl.DataFrame:
+    """One series' rows at sample_id 0, 1, ... (one occurrence each): value and reason."""
+    return pl.DataFrame(
+        {
+            "layer": ["fc"] * len(values),
+            "call_index": [0] * len(values),
+            "signal": ["output"] * len(values),
+            "tensor_path": [""] * len(values),
+            "mode": ["train"] * len(values),
+            "metric": ["mean"] * len(values),
+            "sample_id": list(range(len(values))),
+            "value": [v for v, _ in values],
+            "unavailable_reason": [r for _, r in values],
+            "_occurrence": [0] * len(values),
+        },
+        schema_overrides={"call_index": pl.Int32, "value": pl.Float64},
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "first", "matched"),
+    [
+        ((1.0, None), (1.0, None), None, 1),
+        ((float("nan"), None), (1.0, None), 0, 1),  # NaN against a number: a difference
+        ((float("nan"), None), (float("nan"), None), None, 1),
+        ((float("inf"), None), (float("inf"), None), None, 1),
+        ((float("inf"), None), (float("-inf"), None), 0, 1),
+        ((None, "empty tensor"), (None, "empty tensor"), None, 1),
+        ((None, "empty tensor"), (None, "non-finite result"), 0, 0),
+        ((None, "empty tensor"), (1.0, None), 0, 0),
+    ],
+    ids=[
+        "equal",
+        "nan-number",
+        "nan-nan",
+        "inf-inf",
+        "inf-minus-inf",
+        "nulls-same-reason",
+        "nulls-other-reason",
+        "null-value",
+    ],
+)
+def test_a_sample_differs_and_matches_by_what_both_rows_hold(
+    a: tuple[float | None, str | None],
+    b: tuple[float | None, str | None],
+    first: int | None,
+    matched: int,
+) -> None:
+    # sample 1 is equal in both runs: only sample 0 can differ
+    found = compare.first_differences(
+        occurrences_of([a, (2.0, None)]), occurrences_of([b, (2.0, None)]), "sample_id", 0.0
+    )
+    assert found["first_difference"].to_list() == [first]
+    assert found["matched_samples"].to_list() == [matched + 1]

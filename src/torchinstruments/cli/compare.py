@@ -12,8 +12,9 @@ Design decisions:
   tensor's gradient from the first backward only, a layer's calls have distinct call_index,
   and a resumed run's sample_id and forward_index continue); only hand-edited or concatenated
   histories do, and they are compared, not refused.
-- "Differ" means `|B - A| > tolerance`, a value in one run and a null in the other (or nulls
-  for different reasons), or a row in
+- "Differ" means `|B - A| > tolerance` (equal values never differ: two equal infinities, or two
+  NaN, which the library never writes but a hand-edited history may hold, are no difference),
+  a value in one run and a null in the other (or nulls for different reasons), or a row in
   one run and none in the other at a sample both runs have (a series that stops or starts in one
   run: a branch cut off from the loss leaves no null, only rows that are not there). The samples
   a run has are all of its own (a row of any series, marker rows too), never only the selected
@@ -181,7 +182,12 @@ def first_differences(
     one_missing = pl.col("_in_a") != pl.col("_in_b")
     # A null against a value, or nulls for different reasons (`matching.agreement`).
     disagree = pl.col("_agree") != pl.col("_agree_b")
-    differ = one_missing | disagree | ((pl.col("value_b") - pl.col("value_a")).abs() > tolerance)
+    # Equal values never differ: B - A of two equal infinities, or of two NaN, is NaN, which
+    # Polars orders above every number (and so above any tolerance).
+    beyond = (pl.col("value_a") != pl.col("value_b")) & (
+        (pl.col("value_b") - pl.col("value_a")).abs() > tolerance
+    )
+    differ = one_missing | disagree | beyond
     # Each aggregation on rows chosen beforehand, so each is a plain per-group one (a filter
     # inside an aggregation is evaluated group by group: slow with one group per series).
     in_common = pl.col(x).is_in(common[x].implode())

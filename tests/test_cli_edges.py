@@ -184,7 +184,7 @@ def test_compare_prints_metric_names_whole_and_plurals_right_at_80_columns(
     text = " ".join(lines)
     assert "forward_indexs" not in text
     assert "sample_ids measured" not in text
-    assert "matched: how many samples were measured in both runs (matched on sample_id)." in text
+    assert "matched: samples (matched on sample_id) at which both runs have a row" in text
     code, out, _ = cli("compare", other, other, "--window", "1", "--metrics", "mean")
     assert "recent window of up to 1 sample." in " ".join(out.splitlines())
 

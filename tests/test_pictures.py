@@ -281,3 +281,42 @@ def test_heatmap_of_one_narrow_panel_keeps_its_whole_legend_inside_the_image(
     assert extent.x1 <= result.width_px
     image = Image.open(result.path)
     assert image.size == (result.width_px, result.height_px)
+
+
+def test_plot_reads_the_values_of_the_tensors_it_draws_only(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3,000-layer run's plot of 10 tensors must not hold 5.4 M rows: the values read are
+    the drawn tensors, and the names that choose them are read a range of
+    samples at a time (ranges of one sample here)."""
+    from torchinstruments.cli import chunked
+
+    history = pl.read_parquet(run / "history.parquet")
+    per_sample = int(history.group_by("sample_id").len()["len"].max())  # type: ignore[arg-type]
+    monkeypatch.setattr(chunked, "CHUNK_ROWS", per_sample)
+    frames: list[pl.DataFrame] = []
+    collect = pl.LazyFrame.collect
+
+    def recorded(self: pl.LazyFrame, *args: Any, **kwargs: Any) -> Any:
+        frame = collect(self, *args, **kwargs)
+        frames.append(frame)
+        return frame
+
+    monkeypatch.setattr(pl.LazyFrame, "collect", recorded)
+    result = plot(run, tmp_path / "one.png", Selection(), max_tensors=1)
+    monkeypatch.undo()
+    assert result.tensors == ("side (Linear)",)
+    assert result.left_out == ("head (Linear)",)
+    drawn = history.filter(pl.col("layer") == "side", pl.col("metric").is_in(DEFAULT_METRICS))
+    with_values = [f for f in frames if "value" in f.columns]
+    assert [f.height for f in with_values] == [drawn.height]
+    assert set(with_values[0]["layer"]) == {"side"}
+    assert max(f.height for f in frames if "value" not in f.columns) <= per_sample
+    # and the picture is the one drawn from every row
+    every = plot_rows(run, Selection(), "sample_id").filter(pl.col("metric").is_in(DEFAULT_METRICS))
+    _, whole = trend_figure(every, read_facts(run), "sample_id", 1)
+    assert (whole.panels, whole.tensors, whole.left_out) == (
+        result.panels,
+        result.tensors,
+        result.left_out,
+    )

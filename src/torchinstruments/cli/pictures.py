@@ -68,6 +68,7 @@ __all__ = [
     "YSCALES",
     "MatplotlibMissingError",
     "PlotResult",
+    "TensorKey",
     "checked_folder",
     "checked_png",
     "default_metrics",
@@ -75,6 +76,7 @@ __all__ = [
     "matplotlib_missing",
     "metrics_left_out_line",
     "shorten",
+    "tensor_order",
     "trend_figure",
     "write_trends",
 ]
@@ -218,6 +220,20 @@ def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[s
     return [f"{tensor_label(*k, calls=k[0] in calls)} ({types[k[0]]})" for k in keys]
 
 
+TensorKey = tuple[str, int, str, str]  # layer, call_index, tensor_path, mode
+
+
+def tensor_order(catalog: pl.DataFrame, facts: RunFacts) -> list[TensorKey]:
+    """The tensors of `catalog` (rows with the tensor key) in drawing order: the layers'
+    traversal order, then call, tensor path, train before eval."""
+    layers = layer_order(catalog["layer"].unique().to_list(), facts.run)
+    rank = {name: i for i, name in enumerate(layers)}
+    return sorted(
+        {(r[0], r[1], r[3], r[4]) for r in catalog.select(TENSOR_KEY).unique().iter_rows()},
+        key=lambda k: (rank[k[0]], k[1], k[2], k[3] != "train"),
+    )
+
+
 def _style(i: int, count: int) -> dict[str, Any]:
     """The i-th of `count` lines: its own marker and style; earlier lines wider and larger."""
     larger = count - 1 - i
@@ -262,9 +278,13 @@ def trend_figure(
     yscale: str = "linear",
     *,
     title: str | None = None,
+    catalog: pl.DataFrame | None = None,
+    xs: pl.Series | None = None,
 ) -> tuple[Any, PlotResult]:
     """Build the matplotlib Figure and describe it (path left empty); `title` says what the
-    lines are (default: `N tensors`).
+    lines are (default: `N tensors`). `rows` may hold the drawn tensors' rows only when
+    `catalog` (`plot_catalog`: every tensor, module type, signal and metric, which choose the
+    tensors, panels and labels) and `xs` (every x) say what the whole selection holds.
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
@@ -280,17 +300,13 @@ def trend_figure(
     except ImportError as exc:
         raise matplotlib_missing("plot") from exc
 
-    layers = layer_order(rows["layer"].unique().to_list(), facts.run)
-    rank = {name: i for i, name in enumerate(layers)}
-    keys = sorted(
-        {(r[0], r[1], r[3], r[4]) for r in rows.select(TENSOR_KEY).unique().iter_rows()},
-        key=lambda k: (rank[k[0]], k[1], k[2], k[3] != "train"),
-    )
+    catalog = rows if catalog is None else catalog
+    keys = tensor_order(catalog, facts)
     drawn, left_out = keys[:max_tensors], keys[max_tensors:]
-    metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
-    signals = [s for s in SIGNALS if s in set(rows["signal"].to_list())]
+    metrics = metric_order(catalog["metric"].unique().to_list(), facts.run)
+    signals = [s for s in SIGNALS if s in set(catalog["signal"].to_list())]
     ncols, nrows = max(1, len(signals)), max(1, len(metrics))
-    labels = _labels(drawn, rows)
+    labels = _labels(drawn, catalog)
     legend = [shorten(label) for label in labels]
     legend_in = max(LEGEND_WIDTH_IN, LEGEND_CHAR_IN * max(map(len, legend), default=0) + 0.6)
     figure = Figure(
@@ -352,7 +368,7 @@ def trend_figure(
             ax.grid(alpha=0.3)
             if i == nrows - 1:
                 ax.set_xlabel(X_LABELS[x], fontsize=8)
-    at = rows[x].drop_nulls().unique().to_list()
+    at = (rows[x] if xs is None else xs).drop_nulls().unique().to_list()
     if len(at) == 1:  # one x: its own tick, not a fraction of a sample either side
         for ax in axes.flat:
             ax.set_xticks(at)
@@ -375,7 +391,7 @@ def trend_figure(
         x=x,
         panels=tuple(panels),
         tensors=tuple(labels),
-        left_out=tuple(_labels(left_out, rows)),
+        left_out=tuple(_labels(left_out, catalog)),
         yscales=tuple(scales),
         styles=tuple((s["marker"], s["linestyle"]) for s in styles),
         null_marks=null_marks,

@@ -424,6 +424,9 @@ def test_every_reader_of_a_parent_says_which_rank_has_no_directory(tmp_path: Pat
         assert f"torchinstruments {command}: {said}" in done.stderr, command
     done = cli_in_process("compare", parent, "--rank", "0,2", "--metrics", "mean")
     assert said not in done.stdout  # the ranks asked for are all there
+    done = cli_in_process("finalize", parent)
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith(said) for line in done.stdout.splitlines())
 
 
 def test_compare_parent_warns_first_when_the_ranks_were_sampled_differently(

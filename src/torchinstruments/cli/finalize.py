@@ -12,6 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_runs
+from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
@@ -101,4 +103,19 @@ def _finalize_ranks(parent: Path) -> int:
         print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path} ({plural(len(codes), 'rank')})")
+    missing = _missing(parent)
+    if missing:  # as index.md and every reader of the parent say it
+        print(missing_line(missing))
     return max(codes)
+
+
+def _missing(parent: Path) -> tuple[int, ...]:
+    """The ranks the world size expects and no directory holds (`rank_runs.missing_ranks`),
+    from the state files finalize left readable."""
+    runs, facts = rank_runs(parent), []
+    for run in runs:
+        try:
+            facts.append(read_facts(run.directory))
+        except (NotARunError, OSError, ValueError):
+            continue  # a rank finalize could not complete: said above, in its own lines
+    return missing_ranks(facts, [r.rank for r in runs], {}, None)

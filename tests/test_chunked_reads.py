@@ -316,3 +316,22 @@ def values_at(run: Path, sample_id: int, occurrence: int) -> float:
         pl.col("signal") == "output", pl.col("metric") == "mean", pl.col("sample_id") == sample_id
     )
     return rows.sort("order")["value"][occurrence]
+
+
+def test_a_range_out_of_sample_order_still_takes_its_latest_sample(
+    runs: tuple[Path, Path],
+) -> None:
+    """A concatenated history may hold a later sample before an earlier one in a range: the
+    range is sorted before its latest row is taken (a range in order is taken as it is)."""
+    rows = history(runs[0]).filter(pl.col("metric") != "interrupted")
+    backwards = rows.sort("sample_id", descending=True, maintain_order=True)
+    whole = chunked.summarize_series(rows.lazy(), lambda lf: lf, WINDOW)
+    reversed_ = chunked.summarize_series(backwards.lazy(), lambda lf: lf, WINDOW)
+    assert reversed_.equals(whole)
+    last = rows.group_by(SERIES_KEY).agg(pl.col("sample_id").max(), pl.len())
+    got = whole.select(*SERIES_KEY, "latest_sample_id", "observations")
+    expected = last.rename({"sample_id": "latest_sample_id", "len": "observations"})
+    joined = got.join(expected, on=SERIES_KEY, nulls_equal=True, suffix="_expected")
+    assert joined.height == whole.height == expected.height
+    assert (joined["latest_sample_id"] == joined["latest_sample_id_expected"]).all()
+    assert (joined["observations"] == joined["observations_expected"]).all()

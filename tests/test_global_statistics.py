@@ -402,6 +402,57 @@ def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tens
         assert steps_on_rank_0["value"].null_count() == 0  # a step on one rank only: same forward
 
 
+def rank_leaves_early_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """Uneven data without a join: rank 1 runs out of batches after two samples and its
+    process ends; rank 0 trains on alone (its loop needs no collective of its own)."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(rank)
+    model = chain(2)
+    inject_observer(
+        model,
+        output_dir=output_dir,
+        sampler=EveryNForwardsSampler(1),
+        rank_policy="all",
+        global_statistics=dist.group.WORLD,
+    )
+    with pytest.warns(RuntimeWarning) if rank == 0 else contextlib.nullcontext():
+        for _ in range(4 if rank == 0 else 2):
+            model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    if rank == 1:
+        dist.destroy_process_group()  # rank 0's group is broken now: it has nothing to destroy
+
+
+def test_a_rank_that_left_leaves_the_others_global_rows_null_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """Once a rank of the group has gone, the collectives of every later sample fail on the
+    ranks left: each claimed tensor still has its rows in each such sample, null with the
+    error as reason (its local rows are not written, so no row at all would be silent), and
+    the step goes on."""
+    run_ranks(rank_leaves_early_worker, str(tmp_path))
+    history = pl.read_parquet(tmp_path / "rank-000" / "history.parquet").filter(
+        pl.col("signal") == "output"
+    )
+    per_sample = (
+        history.group_by("sample_id").agg(pl.col("layer").unique().sort()).sort("sample_id")
+    )
+    assert per_sample.rows() == [(s, ["0", "1"]) for s in range(4)]
+    assert history["population"].unique().to_list() == ["global:ranks=0,1"]
+    measured = history.filter(pl.col("sample_id") < 2)
+    assert measured["value"].null_count() == 0
+    left = history.filter(pl.col("sample_id") >= 2)
+    assert left.height == 2 * 2 * len(METRICS)
+    assert left["value"].null_count() == left.height
+    assert left["unavailable_reason"].str.starts_with("global statistics error: ").all()
+    index = (tmp_path / "rank-000" / "index.md").read_text("utf-8")
+    assert "global statistics of a sample failed" in index
+
+
 def tensor_parallel_in_data_parallel_worker(
     rank: int, world_size: int, port: int, output_dir: str
 ) -> None:

@@ -440,8 +440,6 @@ def measure(
     """The global rows of one sampled forward (`Measurement`s of its `global_pending`); every
     rank calls it once per sampled forward, raised or not, with whatever it claimed. Ranks at
     different root forwards are warned about once: they stay apart until the run ends."""
-    from torchinstruments.records import Measurement
-
     items: list[GlobalTensor] = sample.global_pending
     header = _header(sample, items)
     headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
@@ -469,6 +467,21 @@ def measure(
                 )
                 rows = [failed] * len(chosen)
             values.update(zip(chosen, rows, strict=True))
+    return rows_of(items, values, reason, metrics=metrics, rank=rank)
+
+
+def rows_of(
+    items: Sequence[GlobalTensor],
+    values: dict[int, tuple[MetricValue, ...]],
+    reason: str | None,
+    *,
+    metrics: tuple[str, ...],
+    rank: int | None,
+) -> list[Any]:
+    """The global rows of a sample's claimed tensors: `values[i]` for the i-th, null with
+    `reason` for any other (each claimed tensor has its rows, measured or null + reason)."""
+    from torchinstruments.records import Measurement
+
     out = []
     for i, item in enumerate(items):
         k = item.key
@@ -543,19 +556,27 @@ def sample_rows(
 ) -> tuple[Any, ...]:
     """`measure` of the sampled forward `sample` (its `global_pending`; `interrupted` when it
     raised), called on every rank once per sampled forward, raised or not, so the collectives
-    meet; a failure is warned once and gives no rows, never an exception in the step. Nothing
+    meet. A failure (the header's collective, once a rank has left the group) is warned once
+    and never raises in the step; every tensor the sample claimed still gets its rows, null
+    with the error as reason, in this sample and in each later one it fails in: the claimed
+    tensors have no local rows, so without them a later failure would be silent. Nothing
     without the option."""
     if option is None:
         return ()
+    metrics = measurer.metrics
     try:
-        return tuple(measure(sample, metrics=measurer.metrics, rank=rank, warn=warn))
+        return tuple(measure(sample, metrics=metrics, rank=rank, warn=warn))
     except Exception as error:
         warn(
             "global",
-            f"global statistics of a sample failed: {error!r}; sample {sample.sample_id} has "
-            "no global rows",
+            f"global statistics of a sample failed: {error!r}; from sample {sample.sample_id} "
+            "on, each sample where they fail has its global rows null with the error as reason",
         )
-        return ()
+        reason = reasons.error("global statistics", error)
+        try:
+            return tuple(rows_of(sample.global_pending, {}, reason, metrics=metrics, rank=rank))
+        except Exception:  # the rows themselves could not be built: the warning said it failed
+            return ()
 
 
 __all__ = [
@@ -568,5 +589,6 @@ __all__ = [
     "keep",
     "kept_note",
     "measure",
+    "rows_of",
     "sample_rows",
 ]

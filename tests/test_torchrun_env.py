@@ -160,3 +160,45 @@ def test_malformed_launcher_environment_is_ignored_with_a_warning(
         returned = inject_observer(model, output_dir=tmp_path / "s", rank_policy="all")
     remove_observer(model)
     assert returned == tmp_path / "s"  # treated as not distributed
+
+
+def test_a_job_restarted_on_fewer_ranks_gives_each_ranks_world_size_in_the_parents_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An elastic restart: a job of 3 ranks, then the same run continued (resume=True) by a
+    job of 2. rank-002 holds only the first job's samples; the parent's index.md gives each
+    rank's world size instead of one world size of 3 that says rank 2 took part throughout."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    parent = tmp_path / "s"
+
+    def job(world_size: int, steps: int) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        for rank in range(world_size):
+            monkeypatch.setenv("RANK", str(rank))
+            model = nn.Linear(2, 2)
+            inject_observer(
+                model,
+                output_dir=parent,
+                rank_policy="all",
+                sampler=EveryNForwardsSampler(1),
+                resume=True,
+            )
+            for _ in range(steps):
+                model(torch.ones(1, 2))
+            remove_observer(model)
+
+    job(3, 2)
+    assert "world size 3." in (parent / "index.md").read_text("utf-8")
+    job(2, 1)
+    index = (parent / "index.md").read_text("utf-8")
+    assert "world size 3" not in index
+    assert "World sizes differ: 2 (rank 0-1); 3 (rank 2)" in index
+    samples = {
+        rank: pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet")["sample_id"]
+        .unique()
+        .sort()
+        .to_list()
+        for rank in range(3)
+    }
+    assert samples == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1]}

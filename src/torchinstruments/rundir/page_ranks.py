@@ -69,14 +69,15 @@ def _read(directory: Path) -> tuple[RunState | None, str | None]:
 def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     """The State section's lines, and the ranks present."""
     ranks = rank_dirs(parent)
-    rows, world_sizes, finished, recovered = [], set(), 0, False
+    rows, finished, recovered = [], 0, False
+    world_sizes: dict[int, list[int]] = {}  # world size -> the ranks whose latest attempt had it
     for rank, directory in ranks:
         state, problem = _read(directory)
         if state is None:
             rows.append(f"| {rank} | `{directory.name}/` | {problem or 'no state file'} | - | - |")
             continue
         if state.run.world_size is not None:
-            world_sizes.add(state.run.world_size)
+            world_sizes.setdefault(state.run.world_size, []).append(rank)
         counts = state.counts
         finished += counts is not None
         recovered = recovered or state.counts_recovered
@@ -92,10 +93,12 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     head = (
         f"**Ranks: {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'}, "
         f"{finished} finished (removed or finalized)"
-        + (f", world size {expected}" if expected else "")
+        + (f", world size {expected}" if len(world_sizes) == 1 else "")
         + ".**"
     )
     lines = [head, ""]
+    if len(world_sizes) > 1:
+        lines += [_world_sizes_line(world_sizes), ""]
     if missing:
         lines += [
             f"Missing: no directory for rank {', '.join(map(str, missing))} (it never attached, "
@@ -122,6 +125,20 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             "",
         ]
     return lines, present
+
+
+def _world_sizes_line(world_sizes: dict[int, list[int]]) -> str:
+    """What the page says where the ranks' runs give different world sizes: a job continued
+    with `resume=True` on another number of ranks (an elastic restart), so a rank directory
+    may hold only an earlier job's samples. One world size for all would hide that."""
+    sizes = "; ".join(
+        f"{size} (rank {ranges(ranks)})" for size, ranks in sorted(world_sizes.items())
+    )
+    return (
+        f"World sizes differ: {sizes}, as each rank's latest attempt ran. The run was "
+        "continued (resume=True) by a job of another size, so some ranks' directories end "
+        "with an earlier job's samples; each rank's index.md lists its attempts."
+    )
 
 
 def _state_cell(state: RunState) -> str:

@@ -8,6 +8,9 @@ with rank null, and race for it.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import multiprocessing
 import os
 import socket
@@ -202,3 +205,33 @@ def test_a_job_restarted_on_fewer_ranks_gives_each_ranks_world_size_in_the_paren
         for rank in range(3)
     }
     assert samples == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1]}
+
+
+def test_show_of_a_parent_whose_ranks_stopped_at_different_samples_says_each_ranks_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uneven data: rank 1 ran out of batches after one sample, rank 0 took three. `show` of
+    the parent spreads each rank's latest value, which is then sample 2 on rank 0 and sample 0
+    on rank 1: its header says so, and says nothing where the ranks' latest samples agree."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+    from torchinstruments.__main__ import main
+
+    def job(parent: Path, steps: dict[int, int]) -> str:
+        monkeypatch.setenv("WORLD_SIZE", str(len(steps)))
+        for rank, count in steps.items():
+            monkeypatch.setenv("RANK", str(rank))
+            model = nn.Linear(2, 2)
+            inject_observer(
+                model, output_dir=parent, rank_policy="all", sampler=EveryNForwardsSampler(1)
+            )
+            for _ in range(count):
+                model(torch.ones(1, 2))
+            remove_observer(model)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["show", str(parent), "--format", "json"]) == 0
+        return json.loads(out.getvalue())["run"]["rank_gaps"]
+
+    assert job(tmp_path / "even", {0: 2, 1: 2}) == []
+    gaps = job(tmp_path / "uneven", {0: 3, 1: 1})
+    assert [g for g in gaps if g.startswith("latest sample differs: 0 on rank 1, 2 on rank 0;")]

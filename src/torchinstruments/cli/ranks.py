@@ -218,7 +218,7 @@ def spread(parent: Path, selection: Selection, ranks: Sequence[int] | None = Non
         frame,
         without,
         missing,
-        _gaps(per_rank, [r.rank for r in runs]),
+        (*_gaps(per_rank, [r.rank for r in runs]), *_latest_samples(per_rank)),
         types.mixed_types(per_rank, "rank"),
     )
 
@@ -248,6 +248,29 @@ def _gaps(per_rank: pl.DataFrame, read: Sequence[int]) -> tuple[str, ...]:
         if said:
             lacks.setdefault("; ".join(said), []).append(rank)
     return tuple(f"rank {ranges(ranks)}: {text}" for text, ranks in lacks.items())
+
+
+def _latest_samples(per_rank: pl.DataFrame) -> tuple[str, ...]:
+    """`latest sample: 4 on rank 0, 1 on rank 1 (...)`, where the ranks read stopped at
+    different samples (uneven data, a rank that left early or was killed): each rank's
+    "latest" value is then of another sample, which the spread's rows alone do not show."""
+    last = (
+        per_rank.filter(pl.col("latest_sample_id").is_not_null())
+        .group_by("rank")
+        .agg(pl.col("latest_sample_id").max())
+    )
+    by_sample: dict[int, list[int]] = {}
+    for rank, sample in last.sort("rank").iter_rows():
+        by_sample.setdefault(sample, []).append(rank)
+    if len(by_sample) < 2:
+        return ()
+    each = ", ".join(
+        f"{sample} on rank {ranges(ranks)}" for sample, ranks in sorted(by_sample.items())
+    )
+    return (
+        f"latest sample differs: {each}; so each rank's 'latest' value is of its own latest "
+        "sample, not one sample of every rank (`compare` of this parent matches them by sample)",
+    )
 
 
 def _ordered_spread(frame: pl.DataFrame, view: RunFacts) -> pl.DataFrame:

@@ -235,3 +235,64 @@ def test_show_of_a_parent_whose_ranks_stopped_at_different_samples_says_each_ran
     assert job(tmp_path / "even", {0: 2, 1: 2}) == []
     gaps = job(tmp_path / "uneven", {0: 3, 1: 1})
     assert [g for g in gaps if g.startswith("latest sample differs: 0 on rank 1, 2 on rank 0;")]
+
+
+def one_job(
+    parent: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    world_size: int,
+    rank_policy: str,
+    resume: bool = False,
+) -> None:
+    """Every rank of a torchrun job, one after the other in this process: inject, one
+    sampled forward, remove."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    for rank in range(world_size):
+        monkeypatch.setenv("RANK", str(rank))
+        model = nn.Linear(2, 2)
+        attached = inject_observer(
+            model,
+            output_dir=parent,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy=rank_policy,
+            resume=resume,
+        )
+        if attached is not None:
+            model(torch.ones(1, 2))
+            remove_observer(model)
+
+
+def test_a_restart_with_rank_policy_all_into_one_processs_run_is_refused_and_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first job wrote `rank_policy="rank0"` (the run is output_dir itself); its restart
+    passes `rank_policy="all"`. Refused at inject, naming rank_policy, instead of starting
+    rank-NNN/ runs afresh inside that run (sample_id from 0 again, `resume=True` or not) and
+    writing their parent page over its index.md."""
+    parent = tmp_path / "stats"
+    one_job(parent, monkeypatch, 2, "rank0")
+    before = (parent / "index.md").read_bytes()
+    for resume in (True, False):
+        with pytest.raises(FileExistsError, match=r"rank_policy='all' cannot put rank-000/"):
+            one_job(parent, monkeypatch, 2, "all", resume)
+    assert not list(parent.glob("rank-*"))
+    assert (parent / "index.md").read_bytes() == before
+
+
+def test_a_restart_that_would_write_a_multi_rank_runs_directory_itself_names_rank_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first job wrote `rank_policy="all"`; its restart passes `rank_policy="rank0"` (or
+    runs without a rank at inject). The refusal names rank_policy='all', where it said the
+    directory held run files without history."""
+    parent = tmp_path / "stats"
+    one_job(parent, monkeypatch, 2, "all")
+    with pytest.raises(FileExistsError, match=r"holds a multi-rank run .*rank_policy='all'"):
+        one_job(parent, monkeypatch, 2, "rank0", resume=True)
+    assert sorted(p.name for p in parent.iterdir() if not p.name.startswith(".")) == [
+        "index.md",
+        "rank-000",
+        "rank-001",
+    ]

@@ -38,7 +38,7 @@ from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.index_page import passed_through
-from torchinstruments.rundir.layout import resolve_output_dir
+from torchinstruments.rundir.layout import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
@@ -516,6 +516,7 @@ def _open_run(
     placement = place_rank(output_dir, config.rank_policy)
     if not placement.attach:
         return None
+    check_rank_layout(output_dir, placement.directory)
     layers = select_layers(model, config.selector)
     focus = select_focus_layers(layers, config.histogram_selector, config.max_histogram_modules)
     infos = tuple(info for _, info in layers)

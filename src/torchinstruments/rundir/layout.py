@@ -47,6 +47,7 @@ __all__ = [
     "TENSORBOARD_DIR",
     "TMP_SUFFIX",
     "check_output_dir",
+    "check_rank_layout",
     "constant_literals",
     "constant_metadata",
     "empty_history",
@@ -262,6 +263,52 @@ def check_output_dir(path: Path) -> None:
             "that run in this directory (a restarted or requeued job), pass resume=True to "
             "inject_observer (a killed run is completed first, then sample_id continues); to "
             "start a new run, pass a new output_dir (or move the old run away)."
+        )
+
+
+_RANK_RUN_DIR = re.compile(r"^rank-\d+$")
+_OWN_RUN_MARKERS = (PARTS_DIR, HISTORY_FILE, STATE_FILE)  # a parent of ranks has none of these
+
+
+def check_rank_layout(output_dir: Path, directory: Path) -> None:
+    """Refuse to write `directory` (this rank's run) where `output_dir` holds a run laid out
+    the other way.
+
+    rank_policy="all" writes `output_dir/rank-NNN/` and a parent page at `output_dir/index.md`;
+    otherwise (rank_policy="rank0", a process without a rank at inject) the run is `output_dir`
+    itself. A job restarted with the other placement found neither a run to continue nor one
+    to refuse: a rank-NNN/ run started afresh inside a single run and wrote the parent page
+    over that run's index.md; the other way, the refusal spoke of a run without history.
+
+    Raises:
+        FileExistsError: naming rank_policy, resume and a new output_dir as the ways on.
+    """
+    if directory != output_dir:
+        found = [name for name in _OWN_RUN_MARKERS if (output_dir / name).exists()]
+        if found:
+            raise FileExistsError(
+                f"output_dir={str(output_dir)!r} holds one process's run ({', '.join(found)}: "
+                "written with rank_policy='rank0', or by a process that had no rank at "
+                f"inject), so rank_policy='all' cannot put {directory.name}/ in it (its "
+                "index.md would overwrite that run's). To continue that run (resume=True), "
+                "inject with the rank_policy it was written with; to start a new run, pass a "
+                "new output_dir."
+            )
+        return
+    ranks = sorted(
+        path.name
+        for path in (output_dir.iterdir() if output_dir.is_dir() else ())
+        if _RANK_RUN_DIR.match(path.name) and path.is_dir()
+    )
+    if ranks:
+        shown = ", ".join(f"{name}/" for name in ranks[:3]) + (", ..." if len(ranks) > 3 else "")
+        raise FileExistsError(
+            f"output_dir={str(output_dir)!r} holds a multi-rank run ({shown}: written with "
+            "rank_policy='all'), and this process would write output_dir itself "
+            "(rank_policy='rank0', or no rank known at inject: neither an initialized process "
+            "group nor torchrun's RANK and WORLD_SIZE). To continue it (resume=True), inject "
+            "with rank_policy='all' on every rank, after init_process_group or under torchrun; "
+            "to start a new run, pass a new output_dir."
         )
 
 

@@ -296,3 +296,21 @@ def test_a_restart_that_would_write_a_multi_rank_runs_directory_itself_names_ran
         "rank-000",
         "rank-001",
     ]
+
+
+def test_a_trainer_callbacks_fresh_run_directory_passes_a_run_laid_out_for_the_other_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer's output directory reused by a job with the other rank_policy: the callbacks'
+    fresh run directory is the next free one, not the one inject would refuse."""
+    from torchinstruments.integrations._fit import fresh_run_directory
+
+    one_job(tmp_path / "single" / "torchinstruments", monkeypatch, 2, "rank0")
+    one_job(tmp_path / "ranks" / "torchinstruments", monkeypatch, 2, "all")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert fresh_run_directory(tmp_path / "single", "all").name == "torchinstruments-2"
+    assert fresh_run_directory(tmp_path / "ranks", "rank0").name == "torchinstruments-2"
+    assert fresh_run_directory(tmp_path / "single", "rank0").name == "torchinstruments-2"
+    assert fresh_run_directory(tmp_path / "ranks", "all").name == "torchinstruments-2"
+    assert fresh_run_directory(tmp_path / "new", "all").name == "torchinstruments"

@@ -54,7 +54,12 @@ from torchinstruments.integrations._repeats import (
 )
 from torchinstruments.notices import warn
 from torchinstruments.phases import Phases
-from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS, resolve_output_dir
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    RUN_MARKERS,
+    check_rank_layout,
+    resolve_output_dir,
+)
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
@@ -77,7 +82,19 @@ def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, boo
     for number in itertools.count(1):
         candidate = parent / (RUN_NAME if number == 1 else f"{RUN_NAME}-{number}")
         written = place_rank(candidate, rank_policy).directory
-        yield candidate, any((written / marker).exists() for marker in RUN_MARKERS)
+        yield candidate, _taken(candidate, written)
+
+
+def _taken(candidate: Path, written: Path) -> bool:
+    """Whether this rank's run directory `written` (in `candidate`) holds a run, or
+    `candidate` holds one laid out for the other rank placement (`check_rank_layout`)."""
+    if any((written / marker).exists() for marker in RUN_MARKERS):
+        return True
+    try:
+        check_rank_layout(candidate, written)
+    except FileExistsError:
+        return True
+    return False
 
 
 def fresh_run_directory(parent: Path, rank_policy: str) -> Path:

@@ -13,8 +13,9 @@ import pytest
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import Measurement, MetricValue
 from torchinstruments.rundir.finish import finalize
-from torchinstruments.rundir.layout import check_output_dir, list_parts
+from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.lock import RunLock, RunLockedError
+from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.writer import HistoryWriter
 
 from conftest import run_cli, strict_json

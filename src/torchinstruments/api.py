@@ -38,7 +38,7 @@ from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.index_page import passed_through
-from torchinstruments.rundir.layout import check_rank_layout, resolve_output_dir
+from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (

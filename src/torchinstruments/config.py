@@ -24,7 +24,7 @@ from torchinstruments.global_statistics import GlobalOption, check_global_statis
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.measurement.reducers import Measurer
-from torchinstruments.rundir.layout import resolve_output_dir
+from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sampler
 from torchinstruments.selection import Selector, check_selector
 from torchinstruments.sinks.protocol import Sink, check_sinks

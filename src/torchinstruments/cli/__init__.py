@@ -516,7 +516,7 @@ _PATH_ARGUMENTS = {
 def _expand_paths(args: argparse.Namespace) -> bool:
     """Expand `~` in the path arguments once; False (said in one line on stderr) when one
     starts with `~name` for a user that does not exist (a usage error, exit 2)."""
-    from torchinstruments.rundir.layout import expand_user
+    from torchinstruments.rundir.output_dir import expand_user
 
     for attribute, shown in _PATH_ARGUMENTS.items():
         value = getattr(args, attribute, None)

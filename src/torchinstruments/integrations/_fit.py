@@ -57,9 +57,8 @@ from torchinstruments.phases import Phases
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     RUN_MARKERS,
-    check_rank_layout,
-    resolve_output_dir,
 )
+from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink

@@ -44,7 +44,6 @@ from torchinstruments.rundir.layout import (
     PARTS_GONE_DIR,
     RESULT_FILE,
     STATE_FILE,
-    expand_user,
     is_library_temporary,
     scan_history,
 )
@@ -52,6 +51,7 @@ from torchinstruments.rundir.ledger import missing_samples, sample_range, uncove
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
+from torchinstruments.rundir.output_dir import expand_user
 from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.repeats import killed_repeat_notes

@@ -46,9 +46,9 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     STATE_FILE,
     TENSORBOARD_DIR,
-    check_output_dir,
 )
 from torchinstruments.rundir.lock import RunLock, live_writer
+from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
 import operator
 import os
@@ -558,6 +559,26 @@ def _open_run(
         first_eval_index=0 if continuation is None else continuation.first_eval_index,
     )
     observer.install(model, layers, focus)
+    directory.follow_notes(functools.partial(_notes_so_far, observer, group))
     observer.at_inject = ModelAtInject(model, layers, config.selector)
     forks.track(observer)
     return observer
+
+
+def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
+    """What the run has said so far, which the flush thread keeps in the run state so that a
+    run killed before removal still says it (`rundir.live_notes`): the observer's notes, the
+    TensorBoard sinks', and the forwards a trainer callback passed through so far (the fit's
+    end says their whole count; a run killed before it has this lower bound)."""
+    counts = observer.counts()
+    # the setup forwards' count is final when the fit's first loop starts, and said then
+    passed = passed_through(dataclasses.replace(counts, unobserved_setup_forwards=0))
+    so_far = (
+        ()
+        if passed is None
+        else (
+            f"up to the run's last save of its state while it went on, {passed} (a lower "
+            "bound where the run ended without removal: the fit's end gives the whole count)",
+        )
+    )
+    return (*counts.notes, *group.shared_step_notes(), *so_far)

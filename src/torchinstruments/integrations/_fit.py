@@ -53,11 +53,8 @@ from torchinstruments.integrations._repeats import (
     repeated_evaluations,
 )
 from torchinstruments.notices import warn
-from torchinstruments.phases import Phases
-from torchinstruments.rundir.layout import (
-    HISTORY_FILE,
-    RUN_MARKERS,
-)
+from torchinstruments.phases import SETUP, Phases
+from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import check_sampler, describe_sampler
@@ -439,9 +436,16 @@ class FitObservation:
             self.phases.enter_setup()
 
     def leave_setup(self) -> None:
-        """The fit's first loop starts (sanity check or training)."""
-        if self.phases is not None:
-            self.phases.leave_setup()
+        """The fit's first loop starts (sanity check or training): the count of its setup
+        forwards is final, and said now (a fit killed later keeps the note, the run state
+        holds it at once; the fit's end says it again, one note)."""
+        if self.phases is None:
+            return
+        setting_up = self.phases.current == SETUP
+        self.phases.leave_setup()
+        counts = observed_counts(self.observed) if setting_up and self.observed else None
+        if counts is not None and self.observed is not None and counts.unobserved_setup_forwards:
+            add_run_note(self.observed, _setup_note(counts.unobserved_setup_forwards))
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""
@@ -574,13 +578,17 @@ def _note_evaluation(
             f"evaluation forwards as their own series). {after_the_fit}",
         )
     if setup:
-        one = setup == 1
-        add_run_note(
-            observed,
-            f"{plural(setup, 'setup forward')} at the fit's start, before its first loop "
-            "(Lightning's model summary and the logger's graph of example_input_array, an "
-            f"on_fit_start hook), {was_were(setup)} not observed, whatever record_eval says: "
-            f"{'it is neither a training nor an evaluation forward, takes' if one else 'they are neither training nor evaluation forwards, take'} "
-            "no sample, and neither forward_index nor the count of evaluation forwards "
-            f"counts {'it' if one else 'them'}.",
-        )
+        add_run_note(observed, _setup_note(setup))
+
+
+def _setup_note(setup: int) -> str:
+    """index.md's note on the fit's `setup` setup forwards (at least one), passed through."""
+    one = setup == 1
+    return (
+        f"{plural(setup, 'setup forward')} at the fit's start, before its first loop "
+        "(Lightning's model summary and the logger's graph of example_input_array, an "
+        f"on_fit_start hook), {was_were(setup)} not observed, whatever record_eval says: "
+        f"{'it is neither a training nor an evaluation forward, takes' if one else 'they are neither training nor evaluation forwards, take'} "
+        "no sample, and neither forward_index nor the count of evaluation forwards "
+        f"counts {'it' if one else 'them'}."
+    )

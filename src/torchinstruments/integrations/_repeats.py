@@ -8,9 +8,11 @@ one `step`, which a join with the trainer's logs pairs with one value. What the 
 recorded is read once, from history, when the fit starts; which evaluations this fit repeats is
 known only as they happen (whether a trainer evaluates again at the step it resumed at depends
 on where its checkpoint was saved), so `EvaluationSteps`, a sink, counts this fit's evaluation
-samples at the steps the earlier ones had, and the note is written when the fit ends. Both notes
-live in the process until removal: for a resumed fit killed again (SIGKILL), `finalize` (or the
-next attempt) says both from its rows instead (`rundir.repeats`).
+samples at the steps the earlier ones had, and the note is written when the fit ends. The first
+note (and the pinned logger's, `logger_repeats`) is in the run state as soon as it is said
+(`rundir.live_notes`); the second lives in the process until the fit's end: for a resumed fit
+killed again (SIGKILL), `finalize` (or the next attempt) says both from its rows too
+(`rundir.repeats`).
 """
 
 from __future__ import annotations

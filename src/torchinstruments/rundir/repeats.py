@@ -1,9 +1,10 @@
 """Steps that more than one attempt sampled, read from history: what a killed attempt repeated.
 
 Design decision: a trainer callback says at its fit's start which steps a resumed fit trains
-again, and at its end which evaluations it repeated (`integrations._repeats`); both notes live
-in the process until removal, so an attempt killed (SIGKILL) before its removal left neither.
-Its rows say the same: when the run is finalized (`rundir.finish`, by `finalize` or by the next
+again, and at its end which evaluations it repeated (`integrations._repeats`); the first is in
+the run state once said (`rundir.live_notes`), the second lives in the process until removal,
+so an attempt killed (SIGKILL) before its removal never said it. Its rows say both, as far as
+the attempt got: when the run is finalized (`rundir.finish`, by `finalize` or by the next
 attempt), each attempt that ended killed gets both notes from history, the steps where its
 training (or evaluation) samples and an earlier attempt's share a `step`, with each attempt's
 samples there. Its own counts are lower bounds (its last flush interval died with it). Cost:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,11 +24,9 @@ from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
 from torchinstruments.rundir.attempts import (
-    REMOVED,
     AttemptCounts,
     Continuation,
     attempt_notes,
-    job_counts,
 )
 from torchinstruments.rundir.finish import (
     FINISH_STEPS,
@@ -47,12 +44,14 @@ from torchinstruments.rundir.layout import (
     STATE_FILE,
     TENSORBOARD_DIR,
 )
-from torchinstruments.rundir.lock import RunLock, live_writer
+from torchinstruments.rundir.ledger import LostRows
+from torchinstruments.rundir.live_notes import LiveNotes
+from torchinstruments.rundir.lock import RunLock, refuse_a_live_run
 from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.resume import holds_run, open_continuation
+from torchinstruments.rundir.resume import earlier_notes, holds_run, job_state, open_continuation
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
@@ -77,32 +76,6 @@ def removal_wait_s(config: HistoryConfig) -> float:
     a local one) even where `flush_seconds` is short; one that stopped answering costs that
     long, not the process (`rundir.flush_timer`)."""
     return max(config.flush_seconds, MIN_REMOVAL_WAIT_S)
-
-
-def _refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) -> None:
-    """Raise a FileExistsError that says a live process writes the run in `directory` (else
-    return): resume=True, which `refused` suggests, would be refused too. A process placed
-    without a rank is most likely one rank of a job that injected before init_process_group,
-    so every rank took `directory` for its own: the message says how to place each rank."""
-    holder = live_writer(directory)
-    if holder is None:
-        return
-    here = holder == f" (pid {os.getpid()})"  # a model observed here, not removed (a notebook)
-    ended = " (once that run has ended, resume=True continues it there)"
-    advice = (
-        " If this process is one rank of a torch.distributed job: inject_observer found "
-        "neither a process group nor the launcher's RANK and WORLD_SIZE, so every rank took "
-        "output_dir for its own. Call inject_observer after init_process_group (or launch with "
-        "torchrun), so that rank_policy='all' writes output_dir/rank-NNN/ per rank and 'rank0' "
-        f"attaches on rank 0 only; otherwise pass a new output_dir{ended}."
-        if run.rank is None
-        else f" Pass each process a new output_dir of its own{ended}."
-    )
-    raise FileExistsError(
-        f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now"
-        + (" (this process: a model observed here was not removed)" if here else "")
-        + f": two processes cannot write one run, and resume=True would be refused too.{advice}"
-    ) from refused
 
 
 class DirectorySink:
@@ -133,7 +106,8 @@ class DirectorySink:
         self._events_problem: str | None = None
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
-        self._notes: list[str] = []
+        # Notes said after injection, kept in the state file as they arise (`rundir.live_notes`).
+        self._notes = LiveNotes(history_config.flush_seconds / 2)
         self._in_flight: list[int] = []  # samples in flight at removal (`removed_in_flight`)
         self._focus: frozenset[str] = frozenset()
         self._missing_first: tuple[str, int, str] | None = None
@@ -142,6 +116,8 @@ class DirectorySink:
         # The door between the flush thread's saves of the ledger and the state file: closed at
         # removal, so a save that returns after it never replaces the final state.
         self._saves = PartLanding()
+        self._saved_losses: tuple[LostRows, ...] = ()  # the ledger and live problems the
+        self._saved_problems: tuple[str, ...] = ()  # state file holds (`_save_state`)
         self._first_written: set[str] = set()  # signals whose first record was written at once
         self._first_stalled = False  # a write of first rows was not waited for to the end
         self._handed_over = False  # removal's finish (and the lock) went to its own thread
@@ -169,7 +145,7 @@ class DirectorySink:
             try:
                 check_output_dir(self.directory)
             except FileExistsError as refused:
-                _refuse_a_live_run(self.directory, run, refused)
+                refuse_a_live_run(self.directory, run.rank, refused)
                 raise
             forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -201,12 +177,13 @@ class DirectorySink:
                 interrupted=previous.interrupted,
                 live_problems=previous.live_problems,
                 losses=previous.losses,
-                notes=_earlier_notes(previous, continuation),
+                notes=earlier_notes(previous, continuation),
                 removed_in_flight=previous.removed_in_flight,
                 attempts=(*continuation.attempts, this),
             )
         write_state(self.directory, state)
         write_index(self.directory, state)
+        self._saved_problems = state.live_problems
         files = (self.directory / STATE_FILE, self.directory / INDEX_FILE)
         reserve.hold(self.directory, reserve.reserve_bytes(*files))
         self._history = history = HistoryWriter(
@@ -218,7 +195,9 @@ class DirectorySink:
         )
         self._events = self._open_events()
         self._timer = FlushTimer(
-            history.seconds_until_due, self._flush, name=f"torchinstruments flush {self.directory}"
+            functools.partial(_earliest, history.seconds_until_due, self._notes.seconds_until_due),
+            self._flush,
+            name=f"torchinstruments flush {self.directory}",
         )
         history.wake_writer = self._timer.poke  # a full buffer has it write at once
         self._term = TermFlush(self._timer.flush_now)
@@ -243,8 +222,17 @@ class DirectorySink:
             return None
 
     def add_note(self, note: str) -> None:
-        """Add a note to the run's state (index.md shows it at removal), e.g. how a fit ended."""
-        self._notes.append(note)
+        """Add a note to the run's state, e.g. how a fit ended: index.md shows it, and the flush
+        thread saves it in the state file at once, so a run killed later keeps it."""
+        timer = self._timer
+        if self._notes.add(note) and timer is not None:
+            timer.poke()
+
+    def follow_notes(self, notes: Callable[[], tuple[str, ...]]) -> None:
+        """The run's notes kept elsewhere (the observer's, other sinks'), as they stand: each
+        round of the flush thread reads them and saves them in the state file when they
+        changed, so a run killed before removal keeps what they said by then."""
+        self._notes.follow(notes)
 
     def removed_in_flight(self, sample_ids: list[int]) -> None:
         """The samples whose forward or backward ran when the run was removed: the run state
@@ -345,11 +333,11 @@ class DirectorySink:
                 if everything:
                     # The small state file first: on a nearly full disk the backlog may take
                     # the last bytes, and the ledger of the rows already dropped is then on disk.
-                    self._save_losses(history, now=True)
+                    self._save_state(history, now=True)
                     history.flush()
                 else:
                     aged = history.write_due()
-                self._save_losses(history)
+                self._save_state(history)
         except BaseException as error:  # never let the flush thread die (see FlushTimer)
             if not self._flush_warned:
                 self._flush_warned = True
@@ -365,16 +353,29 @@ class DirectorySink:
             except BaseException as error:
                 self._give_up_events("could not be flushed", error)
 
-    def _save_losses(self, history: HistoryWriter, *, now: bool = False) -> None:
+    def _save_state(self, history: HistoryWriter, *, now: bool = False) -> None:
         """Write the loss ledger into the state file (and index.md) as soon as parts can be
-        written again (`now`: at once, even while they cannot); a failure is retried after half
-        a flush interval."""
+        written again (`now`: at once, even while they cannot), and the notes said so far and a
+        TensorBoard failure whenever they changed; a failure is retried after half a flush
+        interval. What a killed run said is then in the state `finalize` finishes it from."""
         pending = history.unsaved_losses(now=now)
         base = self._base
-        if pending is None or base is None:
+        notes, own = self._notes.now()
+        notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing_note()))))
+        if base is None:
             return
-        version, losses = pending
-        state = dataclasses.replace(base, losses=(*base.losses, *losses))
+        problems = tuple(p for p in (*base.live_problems, self._events_problem) if p)
+        fresh = self._notes.changed(notes) or problems != self._saved_problems
+        if pending is None and not fresh:
+            self._notes.saved(notes, own)  # a note said again: nothing new to write
+            return
+        version, losses = (None, self._saved_losses) if pending is None else pending
+        state = dataclasses.replace(
+            base,
+            losses=(*base.losses, *losses),
+            notes=(*base.notes, *notes),
+            live_problems=problems,
+        )
         door = functools.partial(self._saves.rename, written=_nothing)
         try:  # temporaries of their own: removal's finish may write these files beside a stuck save
             write_state(self.directory, state, door, SAVE_TAG)
@@ -382,20 +383,30 @@ class DirectorySink:
         except GivenUpError:  # removal finished the run meanwhile: its state stands
             return
         except OSError:
-            history.losses_not_saved()
+            if version is not None:
+                history.losses_not_saved()
+            self._notes.not_saved()
             return
-        history.losses_saved(version)
+        if version is not None:
+            history.losses_saved(version)
+        self._saved_losses, self._saved_problems = losses, problems
+        self._notes.saved(notes, own)
+
+    def _labelled(self, notes: tuple[str, ...]) -> tuple[str, ...]:
+        """`notes` (this attempt's), each naming the attempt when the run has several."""
+        if self._continuation is None:
+            return notes
+        return attempt_notes(self._continuation.attempt, notes)
 
     def _final_state(self, counts: RunCounts, history: HistoryWriter) -> RunState:
         """The state `close` finishes the run with (`counts`: this attempt's)."""
         assert self._base is not None  # started
-        state = _job_state(
+        state = job_state(
             self._base, self._previous, self._continuation, counts, history.rows_produced
         )
         known = (self._events_problem,) if self._events_problem else ()
-        added: tuple[str, ...] = (*counts.notes, *self._notes, *self._missing_note())
-        if self._continuation is not None:  # one of several attempts: its notes say which
-            added = attempt_notes(self._continuation.attempt, added)
+        added = (*counts.notes, *self._notes.own(), *self._missing_note())
+        added = self._labelled(tuple(dict.fromkeys(added)))  # a note said twice is one note
         return dataclasses.replace(
             state,
             live_problems=(*state.live_problems, *known),
@@ -551,44 +562,7 @@ def _nothing() -> None:
     """A save's `written`: nothing leaves a buffer when the state file is in place."""
 
 
-def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:
-    """The earlier attempts' notes, each naming its attempt: those of a first attempt, written
-    while it was the run's only one, get their label now."""
-    if len(continuation.attempts) != 1:
-        return previous.notes
-    return attempt_notes(continuation.attempts[0].attempt, previous.notes)
-
-
-def _job_state(
-    base: RunState,
-    previous: RunState | None,
-    continuation: Continuation | None,
-    counts: RunCounts,
-    rows_produced: int,
-) -> RunState:
-    """The state at removal: this attempt's counts (`counts`) ended in `base.attempts`, the
-    whole run's counts, and rows recorded (unknown when an earlier attempt was killed)."""
-    *earlier, this = base.attempts
-    ended = dataclasses.replace(
-        this,
-        root_forwards=counts.root_forwards,
-        samples=counts.samples,
-        backward_samples=counts.backward_samples,
-        ended=REMOVED,
-        train_forwards=counts.train_forwards,
-        eval_forwards=counts.eval_forwards,
-    )
-    if continuation is None or previous is None or previous.counts is None:
-        return dataclasses.replace(
-            base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
-        )
-    rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
-    # the run's totals are lower bounds when any earlier attempt's counts are
-    bounds = any(a.counts_recovered for a in earlier)
-    return dataclasses.replace(
-        base,
-        counts=job_counts(continuation, previous.counts, counts),
-        counts_recovered=previous.counts_recovered or previous.interrupted or bounds,
-        rows_recorded=rows,
-        attempts=(*earlier, ended),
-    )
+def _earliest(*dues: Callable[[], float | None]) -> float | None:
+    """The flush thread's `due`: the soonest of `dues` (None: none of them is due)."""
+    times = [t for t in (due() for due in dues) if t is not None]
+    return min(times) if times else None

@@ -78,12 +78,19 @@ class SinkGroup:
     def write_backward(self, record: SampleRecord) -> None:
         self._call("write_backward", record)
 
+    def shared_step_notes(self) -> tuple[str, ...]:
+        """The notes of the caller's TensorBoard sinks that left samples out so far
+        (`TensorBoardSink.shared_step_note`): the run directory's flush thread reads them too,
+        so a run killed before removal keeps them."""
+        sinks = list(self._sinks)
+        notes = (s.shared_step_note() for s in sinks if isinstance(s, TensorBoardSink))
+        return tuple(note for note in notes if note)
+
     def close(self, counts: RunCounts) -> None:
         """Close every sink, the run directory first, after the notes of the caller's
         TensorBoard sinks that left samples out (`TensorBoardSink.shared_step_note`)."""
-        for sink in self._sinks:
-            if isinstance(sink, TensorBoardSink) and (note := sink.shared_step_note()):
-                self.add_note(note)
+        for note in self.shared_step_notes():
+            self.add_note(note)
         self._call("close", counts)
         self._sinks.clear()
 

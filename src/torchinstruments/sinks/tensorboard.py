@@ -152,7 +152,8 @@ class TensorBoardSink:
 
     def shared_step_note(self) -> str | None:
         """index.md's note on the samples left out of the logger (an earlier sample had their
-        step), given at the run's removal (`SinkGroup.close`); None when none was."""
+        step), given at the run's removal (`SinkGroup.close`), and read before it by the run
+        directory's flush thread (a killed run keeps it); None when none was."""
         n = self._shared
         if not n:
             return None

@@ -1,0 +1,163 @@
+"""What a trainer callback says about its fit survives a SIGKILL: notes a Lightning fit says
+before its end (the steps a pinned logger gets again on a resumed fit, the fit's setup
+forwards, the evaluation forwards passed through unobserved so far) are in index.md after
+`torchinstruments finalize`.
+
+Each child is a real fit killed with SIGKILL at the end of its first training step, once its
+first sample's rows are on disk (the flush thread writes them at once, and the training thread
+waits for them), so every note said before that sample is on disk by then. The notes' facts
+come from outside the library: TensorBoard's own event loader, the model's own count of its
+calls. The plain-loop cases are `test_kill_notes.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from test_kill_notes import READY, finalized, tag_steps
+from test_trainer_phases import Recorded, Summarized
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchinstruments import EveryNForwardsSampler
+from torchinstruments.integrations import LightningObserver
+
+from conftest import kill_when_ready
+
+TAG = "net.0/call_0/output/tensor"  # the first Linear of `Recorded`
+
+
+class KilledAfterFirstStep(lightning.Callback):
+    """At the end of the fit's first training batch (its first sample's rows are on disk): write
+    the model's own count of its calls so far to `calls` (setup and evaluation calls), say
+    READY on the real stdout and wait for the kill."""
+
+    def __init__(self, calls: Path) -> None:
+        self.calls = calls
+
+    def on_train_batch_end(
+        self, trainer: lightning.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        said = {
+            "setup": getattr(pl_module, "setup_calls", 0),
+            "eval": sum(phase == "eval" for phase, _ in pl_module.calls),
+        }
+        self.calls.write_text(json.dumps(said), encoding="utf-8")
+        print(READY, file=sys.__stdout__, flush=True)
+        time.sleep(120)
+
+
+def lightning_fit(
+    tmp_path: Path,
+    model: Recorded,
+    *,
+    ckpt: Path | None = None,
+    kill_point: lightning.Callback | None = None,
+    sanity: int = 0,
+) -> None:
+    """Up to 7 optimizer steps into `tmp_path/run`, every forward sampled, a checkpoint every 2
+    steps, the TensorBoard logger pinned to `tmp_path/tb/version_0` (a graph of an example input
+    and the model summary where the model has one), a sanity check of `sanity` batches."""
+    data = TensorDataset(torch.randn(48, 4), torch.randint(0, 2, (48,)))
+    trainer = lightning.Trainer(
+        max_steps=7,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(tmp_path, name="tb", version=0, log_graph=True),
+        limit_val_batches=sanity,
+        num_sanity_val_steps=sanity,
+        callbacks=[
+            LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1)),
+            ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1),
+            *([] if kill_point is None else [kill_point]),
+        ],
+        enable_progress_bar=False,
+        enable_model_summary=isinstance(model, Summarized),
+    )
+    loader = DataLoader(data, batch_size=4)
+    trainer.fit(model, loader, loader, ckpt_path=None if ckpt is None else str(ckpt))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_resumed_fit_killed_keeps_the_note_on_the_steps_its_pinned_logger_writes_again(
+    tmp_path: Path,
+) -> None:
+    """The resumed fit says at its start which steps its pinned logger holds from the earlier
+    fit; killed after its first step, the run still says it once finalized."""
+    lightning_fit(tmp_path, Recorded())  # attempt 0: steps 0-6, removed
+    earlier = tag_steps(tmp_path / "tb" / "version_0", TAG)
+    kill_when_ready(__file__, READY, "resumed", tmp_path)
+    index = finalized(tmp_path / "run")
+    again = [step for step in earlier if step >= 4]
+    assert again == [4, 5, 6]
+    assert (
+        f"attempt 1: the trainer's TensorBoard logger writes to {tmp_path / 'tb' / 'version_0'}, "
+        f"where earlier attempts wrote records up to step {again[-1]}; this fit resumed at "
+        f"global step {again[0]} and writes there again"
+    ) in index
+    assert f"no longer the earlier attempts' at steps {again[0]} to {again[-1]}" in index
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_fit_killed_after_its_setup_keeps_the_note_on_its_setup_forwards(
+    tmp_path: Path,
+) -> None:
+    """The model summary's and the logger graph's forwards of example_input_array are counted
+    when the fit's first loop starts; a fit killed after its first step still says how many."""
+    kill_when_ready(__file__, READY, "setup", tmp_path)
+    setup = json.loads((tmp_path / "calls.json").read_text(encoding="utf-8"))["setup"]
+    assert setup >= 1
+    index = finalized(tmp_path / "run")
+    forwards, were = ("forward", "was") if setup == 1 else ("forwards", "were")
+    assert (
+        f"**Note:** {setup} setup {forwards} at the fit's start, before its first loop "
+        "(Lightning's model summary and the logger's graph of example_input_array, an "
+        f"on_fit_start hook), {were} not observed, whatever record_eval says"
+    ) in index
+    assert index.count(f"{setup} setup {forwards} at the fit's start") == 1
+
+
+SANITY = 2  # the sanity check's batches: evaluation forwards before the first training step
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_fit_killed_after_its_sanity_check_says_its_evaluation_forwards_ran_unobserved(
+    tmp_path: Path,
+) -> None:
+    """Without record_eval the sanity check's forwards pass through unobserved; the fit's end
+    counts them, and a fit killed before its end still says how many it had seen by then, as
+    a lower bound."""
+    kill_when_ready(__file__, READY, "sanity", tmp_path)
+    evaluation = json.loads((tmp_path / "calls.json").read_text(encoding="utf-8"))["eval"]
+    assert evaluation == SANITY
+    index = finalized(tmp_path / "run")
+    assert (
+        f"up to the run's last save of its state while it went on, {evaluation} evaluation "
+        "forwards ran unobserved (a lower bound where the run ended without removal"
+    ) in index
+
+
+def child_main(mode: str, tmp_path: Path) -> None:
+    """The killed fit of each test: it prints READY on the real stdout at its kill point."""
+    killed = KilledAfterFirstStep(tmp_path / "calls.json")
+    if mode == "resumed":  # attempt 1 of the run, from the checkpoint of step 4
+        checkpoint = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+        lightning_fit(tmp_path, Recorded(), ckpt=checkpoint, kill_point=killed)
+    elif mode == "setup":
+        lightning_fit(tmp_path, Summarized(), kill_point=killed)
+    else:
+        lightning_fit(tmp_path, Recorded(), kill_point=killed, sanity=SANITY)
+
+
+if __name__ == "__main__":
+    with contextlib.redirect_stdout(sys.stderr):  # Lightning prints its logs
+        child_main(sys.argv[1], Path(sys.argv[2]))

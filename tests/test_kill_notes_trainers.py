@@ -63,6 +63,7 @@ def lightning_fit(
     ckpt: Path | None = None,
     kill_point: lightning.Callback | None = None,
     sanity: int = 0,
+    record_eval: bool = False,
 ) -> None:
     """Up to 7 optimizer steps into `tmp_path/run`, every forward sampled, a checkpoint every 2
     steps, the TensorBoard logger pinned to `tmp_path/tb/version_0` (a graph of an example input
@@ -76,7 +77,9 @@ def lightning_fit(
         limit_val_batches=sanity,
         num_sanity_val_steps=sanity,
         callbacks=[
-            LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1)),
+            LightningObserver(
+                tmp_path / "run", sampler=EveryNForwardsSampler(1), record_eval=record_eval
+            ),
             ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1),
             *([] if kill_point is None else [kill_point]),
         ],
@@ -130,19 +133,21 @@ SANITY = 2  # the sanity check's batches: evaluation forwards before the first t
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_a_fit_killed_after_its_sanity_check_says_its_evaluation_forwards_ran_unobserved(
-    tmp_path: Path,
+@pytest.mark.parametrize("record_eval", [False, True])
+def test_a_fit_killed_after_its_sanity_check_says_how_many_evaluation_forwards_it_had(
+    tmp_path: Path, record_eval: bool
 ) -> None:
-    """Without record_eval the sanity check's forwards pass through unobserved; the fit's end
-    counts them, and a fit killed before its end still says how many it had seen by then, as
-    a lower bound."""
-    kill_when_ready(__file__, READY, "sanity", tmp_path)
+    """The sanity check's forwards pass through unobserved (or, with record_eval, are its own
+    series); the fit's end counts them, and a fit killed before its end still says how many it
+    had by then, as a lower bound."""
+    kill_when_ready(__file__, READY, "sanity-recorded" if record_eval else "sanity", tmp_path)
     evaluation = json.loads((tmp_path / "calls.json").read_text(encoding="utf-8"))["eval"]
     assert evaluation == SANITY
     index = finalized(tmp_path / "run")
+    what = "were seen (record_eval)" if record_eval else "ran unobserved"
     assert (
         f"up to the run's last save of its state while it went on, {evaluation} evaluation "
-        "forwards ran unobserved (a lower bound where the run ended without removal"
+        f"forwards {what} (a lower bound where the run ended without removal"
     ) in index
 
 
@@ -155,7 +160,8 @@ def child_main(mode: str, tmp_path: Path) -> None:
     elif mode == "setup":
         lightning_fit(tmp_path, Summarized(), kill_point=killed)
     else:
-        lightning_fit(tmp_path, Recorded(), kill_point=killed, sanity=SANITY)
+        recorded = mode == "sanity-recorded"
+        lightning_fit(tmp_path, Recorded(), kill_point=killed, sanity=SANITY, record_eval=recorded)
 
 
 if __name__ == "__main__":

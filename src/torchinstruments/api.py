@@ -40,7 +40,7 @@ from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.index_page import passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
-from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
     Selector,
@@ -568,17 +568,18 @@ def _open_run(
 def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
     """What the run has said so far, which the flush thread keeps in the run state so that a
     run killed before removal still says it (`rundir.live_notes`): the observer's notes, the
-    TensorBoard sinks', and the forwards a trainer callback passed through so far (the fit's
-    end says their whole count; a run killed before it has this lower bound)."""
+    TensorBoard sinks', and a trainer callback's evaluation forwards so far, passed through or
+    seen with record_eval (the fit's end says their whole count; a run killed before it has
+    this lower bound)."""
     counts = observer.counts()
     # the setup forwards' count is final when the fit's first loop starts, and said then
     passed = passed_through(dataclasses.replace(counts, unobserved_setup_forwards=0))
+    seen = counts.eval_forwards  # nonzero only under a trainer callback's record_eval
+    said = [] if passed is None else [passed]
+    if seen:
+        said.append(f"{plural(seen, 'evaluation forward')} {was_were(seen)} seen (record_eval)")
     so_far = (
-        ()
-        if passed is None
-        else (
-            f"up to the run's last save of its state while it went on, {passed} (a lower "
-            "bound where the run ended without removal: the fit's end gives the whole count)",
-        )
+        f"up to the run's last save of its state while it went on, {' and '.join(said)} (a "
+        "lower bound where the run ended without removal: the fit's end gives the whole count)"
     )
-    return (*counts.notes, *group.shared_step_notes(), *so_far)
+    return (*counts.notes, *group.shared_step_notes(), *((so_far,) if said else ()))

@@ -128,8 +128,15 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
     assert [a.samples for a in state.attempts] == per_attempt["sample_id"].to_list()
     assert sum(a.samples for a in state.attempts) == history["sample_id"].n_unique()
     seen = [int(n) for n in re.findall(r"(\d+) evaluation forwards? (?:was|were) seen", index)]
-    this_attempt = evaluated.filter(pl.col("attempt") == 1)["len"].sum()
-    assert seen == [this_attempt]  # the killed attempt never reached its end-of-fit note
+    killed, this_attempt = (evaluated.filter(pl.col("attempt") == a)["len"].sum() for a in (0, 1))
+    assert seen == [killed, this_attempt]
+    # the killed attempt never reached its end-of-fit note: its count is as of its last save
+    assert (
+        f"attempt 0: up to the run's last save of its state while it went on, {killed} "
+        "evaluation forwards were seen (record_eval) (a lower bound where the run ended without "
+        "removal"
+    ) in index
+    assert f"attempt 1: {this_attempt} evaluation forwards were seen (record_eval)." in index
     assert state.attempts[1].eval_forwards == this_attempt
 
     # The Attempts table splits each attempt's forwards: every forward was sampled, so the

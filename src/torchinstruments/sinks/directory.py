@@ -358,12 +358,12 @@ class DirectorySink:
         written again (`now`: at once, even while they cannot), and the notes said so far and a
         TensorBoard failure whenever they changed; a failure is retried after half a flush
         interval. What a killed run said is then in the state `finalize` finishes it from."""
-        pending = history.unsaved_losses(now=now)
         base = self._base
-        notes, own = self._notes.now()
-        notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing_note()))))
         if base is None:
             return
+        pending = history.unsaved_losses(now=now)
+        notes, own = self._notes.now()
+        notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing_note()))))
         problems = tuple(p for p in (*base.live_problems, self._events_problem) if p)
         fresh = self._notes.changed(notes) or problems != self._saved_problems
         if pending is None and not fresh:

@@ -160,6 +160,29 @@ def shared_step_child(tmp_path: Path) -> None:
     time.sleep(120)
 
 
+def test_a_compiled_run_killed_after_a_sample_says_it_ran_eagerly(tmp_path: Path) -> None:
+    """A sampled forward called through torch.compile runs eagerly; removal says so, and a
+    run killed after its first sample says it too, as counted by then."""
+    kill_when_ready(__file__, READY, "compiled", tmp_path)
+    index = finalized(tmp_path / "run")
+    samples = pl.read_parquet(tmp_path / "run" / "history.parquet")["sample_id"].n_unique()
+    assert samples == 1
+    assert (
+        "torch.compile: sampled forwards ran eagerly (1 of the 1 sample was called through "
+        "compiled code): torch.compile was off while each ran"
+    ) in index
+
+
+def compiled_child(tmp_path: Path) -> None:
+    """One sampled step through torch.compile (its rows on disk before READY)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    print(READY, file=sys.__stdout__, flush=True)
+    time.sleep(120)
+
+
 def sampler_child(tmp_path: Path) -> None:
     """Forward 0: the sampler raises (not sampled); forward 1: sampled, its rows on disk."""
     model = nn.Linear(4, 2)
@@ -172,6 +195,10 @@ def sampler_child(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     with contextlib.redirect_stdout(sys.stderr):
-        {"events": events_child, "shared": shared_step_child, "sampler": sampler_child}[
-            sys.argv[1]
-        ](Path(sys.argv[2]))
+        children = {
+            "events": events_child,
+            "shared": shared_step_child,
+            "sampler": sampler_child,
+            "compiled": compiled_child,
+        }
+        children[sys.argv[1]](Path(sys.argv[2]))

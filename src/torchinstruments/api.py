@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from torchinstruments import forks
-from torchinstruments.compilation import compile_support, compiled_from_the_top, compiled_original
+from torchinstruments.compilation import (
+    compile_support,
+    compiled_from_the_top,
+    compiled_original,
+    eager_samples_note,
+)
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_statistics import GlobalOption
@@ -568,9 +573,10 @@ def _open_run(
 def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
     """What the run has said so far, which the flush thread keeps in the run state so that a
     run killed before removal still says it (`rundir.live_notes`): the observer's notes, the
-    TensorBoard sinks', and a trainer callback's evaluation forwards so far, passed through or
-    seen with record_eval (the fit's end says their whole count; a run killed before it has
-    this lower bound)."""
+    TensorBoard sinks', the samples called through compiled code (removal names the compiled
+    modules too: walking them here would cost each round the model's size), and a trainer
+    callback's evaluation forwards so far, passed through or seen with record_eval (the fit's
+    end says their whole count; a run killed before it has this lower bound)."""
     counts = observer.counts()
     # the setup forwards' count is final when the fit's first loop starts, and said then
     passed = passed_through(dataclasses.replace(counts, unobserved_setup_forwards=0))
@@ -582,4 +588,6 @@ def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
         f"up to the run's last save of its state while it went on, {' and '.join(said)} (a "
         "lower bound where the run ended without removal: the fit's end gives the whole count)"
     )
-    return (*counts.notes, *group.shared_step_notes(), *((so_far,) if said else ()))
+    eager = eager_samples_note(None, counts.samples, observer.called_compiled)
+    live = (*((eager,) if eager else ()), *((so_far,) if said else ()))
+    return (*counts.notes, *group.shared_step_notes(), *live)

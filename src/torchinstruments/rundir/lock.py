@@ -21,7 +21,7 @@ from types import ModuleType, TracebackType
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 
-__all__ = ["RunLock", "RunLockedError", "live_writer", "refuse_a_live_run"]
+__all__ = ["RunLock", "RunLockedError", "live_writer"]
 
 
 class RunLockedError(RuntimeError):
@@ -180,29 +180,3 @@ def _read_holder(fd: int) -> str:
         pid = int(os.read(fd, 32).decode().strip())
         return f" (pid {pid})"
     return ""
-
-
-def refuse_a_live_run(directory: Path, rank: int | None, refused: FileExistsError) -> None:
-    """Raise a FileExistsError that says a live process writes the run in `directory` (else
-    return): resume=True, which `refused` suggests, would be refused too. A process placed
-    without a rank is most likely one rank of a job that injected before init_process_group,
-    so every rank took `directory` for its own: the message says how to place each rank."""
-    holder = live_writer(directory)
-    if holder is None:
-        return
-    here = holder == f" (pid {os.getpid()})"  # a model observed here, not removed (a notebook)
-    ended = " (once that run has ended, resume=True continues it there)"
-    advice = (
-        " If this process is one rank of a torch.distributed job: inject_observer found "
-        "neither a process group nor the launcher's RANK and WORLD_SIZE, so every rank took "
-        "output_dir for its own. Call inject_observer after init_process_group (or launch with "
-        "torchrun), so that rank_policy='all' writes output_dir/rank-NNN/ per rank and 'rank0' "
-        f"attaches on rank 0 only; otherwise pass a new output_dir{ended}."
-        if rank is None
-        else f" Pass each process a new output_dir of its own{ended}."
-    )
-    raise FileExistsError(
-        f"output_dir={str(directory)!r} holds a run that a live process{holder} is writing now"
-        + (" (this process: a model observed here was not removed)" if here else "")
-        + f": two processes cannot write one run, and resume=True would be refused too.{advice}"
-    ) from refused

@@ -46,7 +46,8 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.live_notes import LiveNotes
-from torchinstruments.rundir.lock import RunLock, refuse_a_live_run
+from torchinstruments.rundir.live_refusal import refuse_a_live_run
+from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
@@ -145,7 +146,7 @@ class DirectorySink:
             try:
                 check_output_dir(self.directory)
             except FileExistsError as refused:
-                refuse_a_live_run(self.directory, run.rank, refused)
+                refuse_a_live_run(self.directory, run, refused)
                 raise
             forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,11 @@ class Finishing(Generic[T]):
         """The step in progress (the name `work` gave it last)."""
         return self._step
 
+    @property
+    def done(self) -> bool:
+        """Whether the work and `after` have ended (the run's lock is released)."""
+        return self._done
+
     def _begin(self, step: str) -> None:
         with self._cond:
             self._step, self._since = step, time.monotonic()

@@ -3,8 +3,10 @@
 A new run in a directory that holds a run is refused (`rundir.layout.check_output_dir`), and
 that refusal suggests resume=True. When a live process still writes the run there (its lock is
 held), resume=True would be refused too, so this refusal says so instead, and names the most
-likely cause: a model observed in this very process and not removed, or ranks of a
-torch.distributed job that injected before init_process_group and took one directory each.
+likely cause: a write this very process gave up that still holds the lock (a removal's finish
+on a file system that stopped answering, `rundir.stuck_writes`), a model observed in this
+process and not removed, or ranks of a torch.distributed job that injected before
+init_process_group and took one directory each.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.lock import live_writer
+from torchinstruments.rundir.stuck_writes import stuck_in
 
 __all__ = ["refuse_a_live_run"]
 
@@ -26,6 +29,12 @@ def refuse_a_live_run(directory: Path, run: RunInfo, refused: FileExistsError) -
     holder = live_writer(directory)
     if holder is None:
         return
+    stuck = stuck_in(directory)
+    if stuck is not None:  # the model was removed: a write its removal gave up holds the lock
+        raise FileExistsError(
+            f"output_dir={str(directory)!r} holds a run whose lock this process still holds: "
+            + stuck.describe(directory)
+        ) from refused
     here = holder == f" (pid {os.getpid()})"  # a model observed here, not removed (a notebook)
     ended = " (once that run has ended, resume=True continues it there)"
     advice = (

@@ -20,6 +20,7 @@ from types import ModuleType, TracebackType
 
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
+from torchinstruments.rundir.stuck_writes import stuck_in
 
 __all__ = ["RunLock", "RunLockedError", "live_writer"]
 
@@ -106,11 +107,7 @@ class RunLock:
                     "the run is live"
                 )
             elif not _try_lock(fd, locker):
-                holder = _read_holder(fd)
-                raise RunLockedError(
-                    f"{self.path.parent} is in use by a live process{holder}: a run is still "
-                    "writing there. Wait for it to end (remove_observer) or stop it first."
-                )
+                raise RunLockedError(_refusal(self.path.parent, _read_holder(fd)))
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             os.write(fd, f"{os.getpid()}\n".encode())
@@ -171,6 +168,18 @@ def live_writer(directory: Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def _refusal(directory: Path, holder: str) -> str:
+    """Why `directory`'s lock is refused: a write this process gave up still holds it
+    (`rundir.stuck_writes`), or a live run, `holder` (its pid), writes there."""
+    stuck = stuck_in(directory)
+    if stuck is not None:
+        return f"{directory} is in use: {stuck.describe(directory)}"
+    return (
+        f"{directory} is in use by a live process{holder}: a run is still writing there. Wait "
+        "for it to end (remove_observer) or stop it first."
+    )
 
 
 def _read_holder(fd: int) -> str:

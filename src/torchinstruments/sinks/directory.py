@@ -22,7 +22,7 @@ from torchinstruments.events import (
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
-from torchinstruments.rundir import reserve
+from torchinstruments.rundir import reserve, stuck_writes
 from torchinstruments.rundir.attempts import (
     AttemptCounts,
     Continuation,
@@ -523,7 +523,7 @@ class DirectorySink:
         self._handed_over = True  # the lock is the finishing thread's from here on
         report = finishing.wait(bound)
         if report is None:
-            self._gave_up_finish(finishing.step, bound(finishing.step), state)
+            self._gave_up_finish(finishing, bound(finishing.step), state)
             for loss in state.losses:
                 warn(f"torchinstruments: {loss.describe()}")
             return
@@ -542,9 +542,11 @@ class DirectorySink:
         finally:
             forks.untrack(self)
 
-    def _gave_up_finish(self, step: str, waited_s: float, state: RunState) -> None:
-        """Warn that removal gave up finishing the run from `state` at `step`, naming what was
-        not written."""
+    def _gave_up_finish(self, finishing: Finishing, waited_s: float, state: RunState) -> None:
+        """Warn that removal gave up finishing the run from `state` at the step `finishing` is
+        at, naming what was not written, and record it for this process's later refusals of
+        the directory while the finish holds its lock (`rundir.stuck_writes`)."""
+        step = finishing.step
         steps = FINISH_STEPS if is_rank_run(self.directory, state) else FINISH_STEPS[:-1]
         # the reserve file or the mark come before them all
         later = steps[steps.index(step) :] if step in steps else (step, *steps)
@@ -556,6 +558,17 @@ class DirectorySink:
             f"{PARTS_DIR}/, and readers see the run as the state file last said). This process "
             f"holds the run's lock until that write returns; `{command}` completes the run "
             "once it is released (at the latest when this process ends)"
+        )
+        stuck_writes.record(
+            self.directory,
+            stuck_writes.StuckWrite(
+                "remove_observer's finish of the run",
+                finishing,
+                waited_s,
+                later,
+                f"once the lock is released (at the latest when this process ends), `{command}` "
+                "completes the run, and resume=True continues it.",
+            ),
         )
 
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.records import RunInfo
 from torchinstruments.rundir.attempts import (
     KILLED,
     REMOVED,
     AttemptCounts,
     Continuation,
-    attempt_notes,
-    job_counts,
     plan_continuation,
 )
 from torchinstruments.rundir.finish import finalize
@@ -116,7 +114,7 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
     )
 
 
-__all__ = ["earlier_notes", "holds_run", "job_state", "open_continuation"]
+__all__ = ["holds_run", "open_continuation"]
 
 
 def _last_sampler_known(
@@ -143,46 +141,3 @@ def _difference(before: list[tuple[str, str]], now: list[tuple[str, str]]) -> st
         return shown + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
     return f"only in the run: {named(there)}; only here: {named(here)}"
-
-
-def earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:
-    """The earlier attempts' notes, each naming its attempt: those of a first attempt, written
-    while it was the run's only one, get their label now."""
-    if len(continuation.attempts) != 1:
-        return previous.notes
-    return attempt_notes(continuation.attempts[0].attempt, previous.notes)
-
-
-def job_state(
-    base: RunState,
-    previous: RunState | None,
-    continuation: Continuation | None,
-    counts: RunCounts,
-    rows_produced: int,
-) -> RunState:
-    """The state at removal: this attempt's counts (`counts`) ended in `base.attempts`, the
-    whole run's counts, and rows recorded (unknown when an earlier attempt was killed)."""
-    *earlier, this = base.attempts
-    ended = dataclasses.replace(
-        this,
-        root_forwards=counts.root_forwards,
-        samples=counts.samples,
-        backward_samples=counts.backward_samples,
-        ended=REMOVED,
-        train_forwards=counts.train_forwards,
-        eval_forwards=counts.eval_forwards,
-    )
-    if continuation is None or previous is None or previous.counts is None:
-        return dataclasses.replace(
-            base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
-        )
-    rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
-    # the run's totals are lower bounds when any earlier attempt's counts are
-    bounds = any(a.counts_recovered for a in earlier)
-    return dataclasses.replace(
-        base,
-        counts=job_counts(continuation, previous.counts, counts),
-        counts_recovered=previous.counts_recovered or previous.interrupted or bounds,
-        rows_recorded=rows,
-        attempts=(*earlier, ended),
-    )

@@ -23,11 +23,8 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve, stuck_writes
-from torchinstruments.rundir.attempts import (
-    AttemptCounts,
-    Continuation,
-    attempt_notes,
-)
+from torchinstruments.rundir.attempt_states import job_state, start_state
+from torchinstruments.rundir.attempts import Continuation, attempt_notes
 from torchinstruments.rundir.finish import (
     FINISH_STEPS,
     FinishReport,
@@ -52,7 +49,7 @@ from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.resume import earlier_notes, holds_run, job_state, open_continuation
+from torchinstruments.rundir.resume import holds_run, open_continuation
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
@@ -158,30 +155,10 @@ class DirectorySink:
         self._run = run
         self._focus = frozenset(run.focus_layers)
         self._continuation, self._previous = continuation, previous
-        this = AttemptCounts(
-            0 if continuation is None else continuation.attempt,
-            run.started_at,
-            first_sample_id=0 if continuation is None else continuation.first_sample_id,
-            first_forward_index=0 if continuation is None else continuation.first_forward_index,
-            sampler=run.sampler,
-        )
+        self._base = state = start_state(run, continuation, previous)
         if continuation is None or previous is None:
-            self._base = state = RunState(run, attempts=(this,))
             write_catalog(self.directory, run.layers)
-        else:  # the earlier attempts' ledger, notes and TensorBoard problems stay the run's
-            # the run started when its first attempt did; each attempt keeps its own start
-            started = (continuation.attempts or (this,))[0].started_at
-            if started == "unknown":
-                started = previous.run.started_at
-            self._base = state = RunState(
-                dataclasses.replace(run, started_at=started),
-                interrupted=previous.interrupted,
-                live_problems=previous.live_problems,
-                losses=previous.losses,
-                notes=earlier_notes(previous, continuation),
-                removed_in_flight=previous.removed_in_flight,
-                attempts=(*continuation.attempts, this),
-            )
+
         write_state(self.directory, state)
         write_index(self.directory, state)
         self._saved_problems = state.live_problems
@@ -190,7 +167,7 @@ class DirectorySink:
         self._history = history = HistoryWriter(
             self.directory,
             self._config,
-            attempt=this.attempt,
+            attempt=state.attempts[-1].attempt,
             first_part=0 if continuation is None else continuation.first_part,
             chunks_elsewhere=True,  # the flush thread writes them: the step never waits for a disk
         )

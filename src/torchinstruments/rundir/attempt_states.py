@@ -1,0 +1,95 @@
+"""The run state an attempt starts from at inject and ends with at removal.
+
+A new run starts from its own run info; a continued one (resume=True) from the state its earlier
+attempts left: their ledger, notes, TensorBoard problems and samples in flight stay the run's,
+the run started when its first attempt did, and each attempt keeps its own start. At removal
+the attempt's counts end its entry, and the run's counts are the whole job's (lower bounds when
+an earlier attempt's were, since it was killed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.attempts import (
+    REMOVED,
+    AttemptCounts,
+    Continuation,
+    attempt_notes,
+    job_counts,
+)
+from torchinstruments.rundir.state import RunState
+
+__all__ = ["job_state", "start_state"]
+
+
+def start_state(
+    run: RunInfo, continuation: Continuation | None, previous: RunState | None
+) -> RunState:
+    """The state written at inject: this attempt's entry last in its attempts."""
+    this = AttemptCounts(
+        0 if continuation is None else continuation.attempt,
+        run.started_at,
+        first_sample_id=0 if continuation is None else continuation.first_sample_id,
+        first_forward_index=0 if continuation is None else continuation.first_forward_index,
+        sampler=run.sampler,
+    )
+    if continuation is None or previous is None:
+        return RunState(run, attempts=(this,))
+    # the run started when its first attempt did; each attempt keeps its own start
+    started = (continuation.attempts or (this,))[0].started_at
+    if started == "unknown":
+        started = previous.run.started_at
+    return RunState(
+        dataclasses.replace(run, started_at=started),
+        interrupted=previous.interrupted,
+        live_problems=previous.live_problems,
+        losses=previous.losses,
+        notes=_earlier_notes(previous, continuation),
+        removed_in_flight=previous.removed_in_flight,
+        attempts=(*continuation.attempts, this),
+    )
+
+
+def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:
+    """The earlier attempts' notes, each naming its attempt: those of a first attempt, written
+    while it was the run's only one, get their label now."""
+    if len(continuation.attempts) != 1:
+        return previous.notes
+    return attempt_notes(continuation.attempts[0].attempt, previous.notes)
+
+
+def job_state(
+    base: RunState,
+    previous: RunState | None,
+    continuation: Continuation | None,
+    counts: RunCounts,
+    rows_produced: int,
+) -> RunState:
+    """The state at removal: this attempt's counts (`counts`) ended in `base.attempts`, the
+    whole run's counts, and rows recorded (unknown when an earlier attempt was killed)."""
+    *earlier, this = base.attempts
+    ended = dataclasses.replace(
+        this,
+        root_forwards=counts.root_forwards,
+        samples=counts.samples,
+        backward_samples=counts.backward_samples,
+        ended=REMOVED,
+        train_forwards=counts.train_forwards,
+        eval_forwards=counts.eval_forwards,
+    )
+    if continuation is None or previous is None or previous.counts is None:
+        return dataclasses.replace(
+            base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
+        )
+    rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
+    # the run's totals are lower bounds when any earlier attempt's counts are
+    bounds = any(a.counts_recovered for a in earlier)
+    return dataclasses.replace(
+        base,
+        counts=job_counts(continuation, previous.counts, counts),
+        counts_recovered=previous.counts_recovered or previous.interrupted or bounds,
+        rows_recorded=rows,
+        attempts=(*earlier, ended),
+    )

@@ -87,7 +87,7 @@ def test_a_directory_held_by_a_given_up_finish_of_this_process_is_refused_naming
     for _, message in refusals.values():
         assert "remove_observer's finish of the run in this process" in message, message
         assert f"after a write had not returned in {FLOOR_S:g} s" in message
-        assert f"still writing {STATE_FILE}" in message
+        assert f"its thread still waits on {STATE_FILE}:" in message
         assert f"Not written: {STATE_FILE}, {INDEX_FILE}." in message
         assert f"check the disk or file system under {run}" in message
         assert "pass another output_dir" in message

@@ -196,6 +196,9 @@ def inject_observer(
         FileExistsError: `output_dir` already holds a run (and `resume` is False), or
             `resume` cannot continue it (the message says why).
         RunLockedError: `resume` and a live process still writes the run.
+        OSError: `output_dir` cannot hold the run: a first write there failed (the same kind,
+            e.g. PermissionError; the message names output_dir), or did not return within a
+            flush interval, at least 10 s (TimeoutError: a file system that stopped answering).
 
     Example:
         >>> inject_observer(model, output_dir="stats", sampler=EveryNForwardsSampler(100))

@@ -68,8 +68,8 @@ class StuckWrite:
         return (
             f"{self.what} in this process (pid {os.getpid()}) was given up at "
             f"{self.given_up_at} UTC, after a write had not returned in {self.waited_s:g} s (a "
-            "file system that stopped answering?), and its thread is still writing "
-            f"{self.progress.step}: it holds the run's lock until that write returns. Not "
+            "file system that stopped answering?), and its thread still waits on "
+            f"{self.progress.step}: it holds the run's lock until that returns. Not "
             f"written: {', '.join(self.not_written)}. Wait for the write to return (check the "
             f"disk or file system under {directory}), or pass another output_dir; "
             f"{self.advice}"

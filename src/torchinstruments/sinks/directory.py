@@ -38,6 +38,7 @@ from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     INDEX_FILE,
     PARTS_DIR,
+    RESULT_FILE,
     STATE_FILE,
     TENSORBOARD_DIR,
 )
@@ -45,6 +46,7 @@ from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.live_notes import LiveNotes
 from torchinstruments.rundir.live_refusal import refuse_a_live_run
 from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.opening import open_within
 from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
@@ -130,7 +132,8 @@ class DirectorySink:
 
     def open_run(self, run: RunInfo, *, resume: bool = False) -> Continuation | None:
         """Refuse a directory that already holds a run (unless `resume`: then finalize its
-        earlier attempt and continue it, `rundir.resume`), then lock it and write the catalog.
+        earlier attempt and continue it, `rundir.resume`), then lock it and write the catalog,
+        each write waited for only so long (`_open_files`).
 
         Returns:
             Where this attempt's ids start when it continues a run, else None.
@@ -139,38 +142,16 @@ class DirectorySink:
         if resume and holds_run(self.directory):
             forks.opened_a_run()  # finalizing the earlier attempt uses Polars, which a fork breaks
             continuation, previous = open_continuation(self.directory, run)
-        else:
-            try:
-                check_output_dir(self.directory)
-            except FileExistsError as refused:
-                refuse_a_live_run(self.directory, run, refused)
-                raise
-            forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock.acquire()
-        # First of the run's files: a kill anywhere in the rest of inject leaves a run that
-        # `finalize` completes and resume=True continues, never files that both refuse.
-        (self.directory / PARTS_DIR).mkdir(exist_ok=True)
-        forks.track(self)
+
         self._run = run
         self._focus = frozenset(run.focus_layers)
         self._continuation, self._previous = continuation, previous
         self._base = state = start_state(run, continuation, previous)
-        if continuation is None or previous is None:
-            write_catalog(self.directory, run.layers)
-
-        write_state(self.directory, state)
-        write_index(self.directory, state)
+        forks.track(self)  # from here until the lock is released
+        self._open_files(run, state, continuation)
         self._saved_problems = state.live_problems
-        files = (self.directory / STATE_FILE, self.directory / INDEX_FILE)
-        reserve.hold(self.directory, reserve.reserve_bytes(*files))
-        self._history = history = HistoryWriter(
-            self.directory,
-            self._config,
-            attempt=state.attempts[-1].attempt,
-            first_part=0 if continuation is None else continuation.first_part,
-            chunks_elsewhere=True,  # the flush thread writes them: the step never waits for a disk
-        )
+        history = self._history
+        assert history is not None  # the opening's first write
         self._events = self._open_events()
         self._timer = FlushTimer(
             functools.partial(_earliest, history.seconds_until_due, self._notes.seconds_until_due),
@@ -181,6 +162,58 @@ class DirectorySink:
         self._term = TermFlush(self._timer.flush_now)
         self._term.install()
         return continuation
+
+    def _open_files(self, run: RunInfo, state: RunState, continuation: Continuation | None) -> None:
+        """Check the directory (a new run's), take its lock, make the history writer (its parts
+        folder, the run's first file), write the catalog (a new run's), the state file, index.md
+        and the reserve, each waited for `removal_wait_s` (`rundir.opening`): a directory that fails
+        or does not answer is refused, naming output_dir, with nothing of this run left there
+        but the lock file."""
+        directory, fresh = self.directory, continuation is None
+
+        def check() -> None:
+            if not fresh:
+                return
+            try:
+                check_output_dir(directory)
+            except FileExistsError as refused:
+                refuse_a_live_run(directory, run, refused)
+                raise
+            forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
+
+        def hold_reserve() -> None:
+            files = (directory / STATE_FILE, directory / INDEX_FILE)
+            reserve.hold(directory, reserve.reserve_bytes(*files))
+
+        # The parts folder first: a kill anywhere in the rest of inject leaves a run that
+        # `finalize` completes and resume=True continues, never files that both refuse.
+        writes: list[tuple[str, Callable[[], None]]] = [
+            (f"{PARTS_DIR}/", functools.partial(self._make_history, state, continuation)),
+            (STATE_FILE, lambda: write_state(directory, state)),
+            (INDEX_FILE, lambda: write_index(directory, state)),
+            (RESERVE_FILE, hold_reserve),
+        ]
+        if fresh:
+            writes.insert(1, (RESULT_FILE, lambda: write_catalog(directory, run.layers)))
+        open_within(
+            directory,
+            self._lock,
+            check,
+            writes,
+            removal_wait_s(self._config),
+            fresh=fresh,
+            released=lambda: forks.untrack(self),
+        )
+
+    def _make_history(self, state: RunState, continuation: Continuation | None) -> None:
+        """This attempt's history writer (it makes the parts folder)."""
+        self._history = HistoryWriter(
+            self.directory,
+            self._config,
+            attempt=state.attempts[-1].attempt,
+            first_part=0 if continuation is None else continuation.first_part,
+            chunks_elsewhere=True,  # the flush thread writes them: the step never waits for a disk
+        )
 
     def after_fork_in_child(self) -> None:
         """In a forked child: drop the child's copy of the lock descriptor; nothing else of this

@@ -1,0 +1,157 @@
+"""inject_observer never hangs on a run directory that does not answer, and never leaves one
+that failed locked or half written: it raises, naming output_dir, before the model changes.
+
+The stall is real: the state file's temporary is a FIFO that no one reads, so inject's write
+of it blocks opening it, as a write to a stalled network file system blocks. inject waits for
+each of its writes at most `removal_wait_s`, then raises a TimeoutError naming output_dir; the
+write goes on in a thread that holds the directory's lock, and a second inject there in the
+same process is told that. Once the FIFO gets a reader (the file system answers again), the
+thread deletes what the inject wrote and releases the lock, and the directory takes a new run.
+Run in a child process, under a timeout: an inject that waits without end fails the test.
+
+A write that fails at once (a folder where result.json's temporary goes) is refused the same
+way, with the lock released and nothing of the run left, so the same process can inject there
+once the cause is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import has_observer, inject_observer, remove_observer
+from torchinstruments.rundir.layout import (
+    INDEX_FILE,
+    LOCK_FILE,
+    RESULT_FILE,
+    STATE_FILE,
+    temporary_path,
+)
+from torchinstruments.rundir.lock import live_writer
+from torchinstruments.rundir.reserve import RESERVE_FILE
+from torchinstruments.rundir.state import Status, read_state
+
+from conftest import observe
+
+# The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
+# by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
+FLOOR_S = 3.0
+
+CHILD = r"""
+import json, os, sys, time, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, has_observer, inject_observer, remove_observer
+import torchinstruments.sinks.directory as directory_sink
+directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
+from torchinstruments.rundir.layout import STATE_FILE, temporary_path
+from torchinstruments.rundir.lock import live_writer
+
+from pathlib import Path
+
+run = Path(sys.argv[1])
+warnings.simplefilter("ignore")
+run.mkdir()
+fifo = temporary_path(run / STATE_FILE)
+os.mkfifo(fifo)  # inject's write of the state file blocks opening it
+model = nn.Linear(4, 2)
+config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
+report = {}
+for attempt in ("first", "again"):
+    try:
+        inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+        report[attempt] = None
+    except Exception as error:
+        report[attempt] = [type(error).__name__, str(error)]
+report["observed"] = has_observer(model) or "forward" in vars(model)
+report["held"] = sorted(p.name for p in run.iterdir())
+# The file system answers again: the FIFO gets a reader (the write's open returns) and a writer
+# (the fsync's open of it for reading returns too; the fsync of a FIFO then fails, so the
+# write ends, as a failed one, and its thread releases the lock).
+reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+deadline = time.monotonic() + 120
+while live_writer(run) is not None and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.close(writer)
+os.close(reader)
+report["released"] = sorted(p.name for p in run.iterdir())
+inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+model(torch.randn(3, 4)).sum().backward()
+remove_observer(model)
+print(json.dumps(report))
+"""
+
+
+def test_an_inject_whose_write_does_not_return_raises_naming_output_dir_and_never_hangs(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    kind, message = report["first"]
+    assert kind == "TimeoutError"
+    assert f"output_dir={str(run)!r} does not answer" in message, message
+    assert f"writing {STATE_FILE} there had not returned after {FLOOR_S:g} s" in message
+    assert "The model is not observed" in message
+    assert report["observed"] is False
+    # the catalog landed before the stall; the stuck write holds the lock
+    assert report["held"] == sorted([LOCK_FILE, RESULT_FILE, temporary_path(run / STATE_FILE).name])
+    kind, message = report["again"]
+    assert kind == "FileExistsError"
+    assert "inject_observer's opening of the run in this process" in message, message
+    assert f"its thread still waits on {STATE_FILE}:" in message
+    assert f"Not written: {STATE_FILE}, {INDEX_FILE}, {RESERVE_FILE}, history.parts/." in message
+    assert "was not removed" not in message
+    # once the write returned, what the inject wrote was deleted and the lock released
+    assert report["released"] == [LOCK_FILE]
+    assert read_state(run).status is Status.COMPLETE
+
+
+def test_an_inject_whose_write_fails_raises_naming_output_dir_and_leaves_nothing_locked(
+    run_dir: Path,
+) -> None:
+    run_dir.mkdir()
+    blocker = temporary_path(run_dir / RESULT_FILE)
+    blocker.mkdir()  # result.json's temporary cannot be opened for writing
+    model = nn.Linear(4, 2)
+    with pytest.raises(IsADirectoryError) as refused:
+        inject_observer(model, output_dir=run_dir)
+    message = str(refused.value)
+    assert f"output_dir={str(run_dir)!r} cannot hold the run: {RESULT_FILE} could not" in message
+    assert "The model is not observed" in message
+    assert not has_observer(model)
+    assert "forward" not in vars(model)
+    assert live_writer(run_dir) is None  # the lock was released
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([LOCK_FILE, blocker.name])
+    blocker.rmdir()
+    observe(model, run_dir)  # the same process, once the cause is gone
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    assert read_state(run_dir).status is Status.COMPLETE
+
+
+def test_an_inject_that_fails_after_its_catalog_deletes_what_it_wrote(run_dir: Path) -> None:
+    """The state file's write fails after result.json landed: the run never started, so
+    result.json goes again, and the directory is not taken for one that holds a run."""
+    run_dir.mkdir()
+    blocker = temporary_path(run_dir / STATE_FILE)
+    blocker.mkdir()
+    model = nn.Linear(4, 2)
+    with pytest.raises(IsADirectoryError, match=f"{STATE_FILE} could not be written"):
+        inject_observer(model, output_dir=run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([LOCK_FILE, blocker.name])
+    assert live_writer(run_dir) is None

@@ -80,3 +80,60 @@ def test_the_first_rows_written_at_once_wait_for_a_stalled_disk_only_so_long(
     assert (loss.first_sample_id, loss.last_sample_id) == (0, STEPS - 1)
     assert "the write of history part part-000000000.parquet had not returned" in loss.reason
     assert loss.describe() in (run / "index.md").read_text()
+
+
+DEFAULT_CHILD = r"""
+import json, os, sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+import torchinstruments.sinks.directory as directory_sink
+directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
+from torchinstruments.rundir.layout import part_path, part_temporary_path
+
+from pathlib import Path
+
+run, steps = Path(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+x = torch.randn(3, 4)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))  # flush_seconds 60
+    fifo = part_temporary_path(part_path(run, 0), 0)
+    os.mkfifo(fifo)  # the first part's write blocks
+    for _ in range(steps):
+        model(x).sum().backward()
+    # The file system answers again: the FIFO gets a reader (the write's open returns) and a
+    # writer (an open of it for reading returns too); the write then fails on the FIFO, its
+    # temporary is deleted, and the rows are written again as a file.
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    remove_observer(model)
+    os.close(writer)
+    os.close(reader)
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+
+def test_the_first_rows_wait_for_a_stalled_disk_the_floor_not_the_default_flush_interval(
+    tmp_path: Path,
+) -> None:
+    """With the default flush_seconds (60), the first sampled step stands still the floor
+    (`MIN_REMOVAL_WAIT_S`), not a whole flush interval: a write not waited for costs only the
+    warning, since its rows land once the disk answers, and every row reaches history."""
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", DEFAULT_CHILD, str(run), str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert f"the run's first output rows were not on disk after {FLOOR_S:g} s" in said, said
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.filter(pl.col("metric") == "interrupted").height == 0
+    assert history.height == STEPS * ROWS_PER_SAMPLE
+    assert read_state(run).status is Status.COMPLETE

@@ -97,8 +97,9 @@ def section_files(run: RunInfo) -> list[str]:
         "counted in the loss ledger (listed at the top of this page), and the backlog is later written in as "
         "few parts as fit (a part may then hold more than buffer_rows rows). A part write that "
         "does not return (a file system that stopped answering) is waited for at most half a "
-        "flush interval by a step, and a flush interval (at least 10 s) by removal, which then "
-        "gives it up: its rows are counted the same way.",
+        "flush interval by a step (the run's first rows: at most 10 s, once), and a flush "
+        "interval (at least 10 s) by removal, which then gives it up: its rows are counted the "
+        "same way.",
         f"- `{HISTORY_FILE}`: the whole history, one row per scalar, ordered by sample_id, "
         "then signal (output before output_gradient), then the order the rows were written in "
         "(a forward's layers in the order they returned, a backward's gradients in the order "

@@ -60,7 +60,8 @@ from torchinstruments.rundir.writer import HistoryWriter
 
 __all__ = ["DirectorySink"]
 
-# The least time removal waits for a part write that does not return (module `removal_wait_s`).
+# The least time removal waits for a part write that does not return (module `removal_wait_s`),
+# and the time a training step waits for the run's first rows (`_write_first_rows`).
 MIN_REMOVAL_WAIT_S = 10.0
 # Rows a second the merge at removal is given on top of `removal_wait_s`: a floor well below
 # what a merge takes on a disk that answers, so only one that stopped answering is given up.
@@ -284,14 +285,18 @@ class DirectorySink:
         """The run's first forward rows (and first backward rows) go to disk at once, so a run
         killed right after its first sample has its rows; later ones wait for a part's triggers
         (buffer_rows, half the flush interval). The flush thread writes them, and this one (the
-        training step) waits at most `removal_wait_s`: a write of its own would block the step
-        for good on a file system that stopped answering. A write that has not returned by then
-        is left to go on (warned once, never waited for again): the rows stay in memory, and
-        those still there at removal are counted as not written, with why, in index.md."""
+        training step) waits at most `MIN_REMOVAL_WAIT_S`: a write of its own would block the
+        step for good on a file system that stopped answering. Not `removal_wait_s`, which
+        grows with `flush_seconds` (60 s by default) because removal runs once and a slow disk
+        must not cost the run its last rows there: here a write not waited for to its end
+        costs nothing but the warning (its rows land when it returns), while each second
+        waited is the user's training step standing still. A write that has not returned by
+        then is left to go on (warned once, never waited for again): the rows stay in memory,
+        and those still there at removal are counted as not written, with why, in index.md."""
         timer = self._timer
         if timer is None or self._first_stalled:
             return
-        wait_s = removal_wait_s(self._config)
+        wait_s = MIN_REMOVAL_WAIT_S
         if timer.flush_now(wait_s):
             return
         self._first_stalled = True

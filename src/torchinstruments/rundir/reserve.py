@@ -9,7 +9,8 @@ deletes it at removal right before the final state file and index.md are written
 disk did meanwhile, those two fit. The cost: that much disk per live run (about 100 KiB for
 ordinary models), written once. The reserve holds random bytes, not zeros, so a compressing
 file system cannot shrink it. Its name ends in `TMP_SUFFIX`: `finalize` deletes it after a crash
-like any other temporary of the library.
+like any other temporary of the library. A disk that refuses the reserve at injection is said
+(a warning, a note in index.md, `sinks.directory`): the promise above is then not kept.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def reserve_bytes(*files: Path) -> int:
     return 2 * total + SLACK_BYTES
 
 
-def hold(directory: Path, size: int) -> bool:
-    """Write the reserve file of `size` bytes; False (and no file) where the disk refuses."""
+def hold(directory: Path, size: int) -> OSError | None:
+    """Write the reserve file of `size` bytes; where the disk refuses, no file, and the error
+    (the caller says so: the final state is then not sure to fit)."""
     path = directory / RESERVE_FILE
     try:
         with open(path, "wb") as f:
@@ -42,11 +44,11 @@ def hold(directory: Path, size: int) -> bool:
                 f.write(os.urandom(min(1 << 16, size - start)))
             f.flush()
             os.fsync(f.fileno())
-    except OSError:
+    except OSError as error:
         with contextlib.suppress(OSError):
             path.unlink()
-        return False
-    return True
+        return error
+    return None
 
 
 def release(directory: Path) -> None:

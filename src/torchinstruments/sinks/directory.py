@@ -182,9 +182,12 @@ class DirectorySink:
                 raise
             forks.opened_a_run()  # from here on the run uses Polars, whose pool a fork breaks
 
+        refused: list[OSError] = []  # said here, on the caller's thread, at the user's line
+
         def hold_reserve() -> None:
             files = (directory / STATE_FILE, directory / INDEX_FILE)
-            reserve.hold(directory, reserve.reserve_bytes(*files))
+            error = reserve.hold(directory, reserve.reserve_bytes(*files))
+            refused.extend(() if error is None else (error,))
 
         # The parts folder first: a kill anywhere in the rest of inject leaves a run that
         # `finalize` completes and resume=True continues, never files that both refuse.
@@ -205,6 +208,15 @@ class DirectorySink:
             fresh=fresh,
             released=lambda: forks.untrack(self),
         )
+        for error in refused:
+            note = (
+                f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
+                f"({type(error).__name__}: {error}): on a disk that fills up during the run, the "
+                f"final {STATE_FILE} and {INDEX_FILE} may not fit, and the rows they would list "
+                "as lost are then said only in warnings"
+            )
+            self._notes.append(note[0].upper() + note[1:] + ".")
+            warn(f"torchinstruments: {note}")
 
     def _make_history(self, state: RunState, continuation: Continuation | None) -> None:
         """This attempt's history writer (it makes the parts folder)."""

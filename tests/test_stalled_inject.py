@@ -27,6 +27,7 @@ from torch import nn
 
 from torchinstruments import has_observer, inject_observer, remove_observer
 from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
     INDEX_FILE,
     LOCK_FILE,
     RESULT_FILE,
@@ -37,7 +38,7 @@ from torchinstruments.rundir.lock import live_writer
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import observe
+from conftest import observe, rows_in_parts
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -155,3 +156,89 @@ def test_an_inject_that_fails_after_its_catalog_deletes_what_it_wrote(run_dir: P
         inject_observer(model, output_dir=run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == sorted([LOCK_FILE, blocker.name])
     assert live_writer(run_dir) is None
+
+
+KILLED_CHILD = r"""
+import os, sys
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, inject_observer
+
+model = nn.Linear(4, 2)
+inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1))
+model(torch.randn(3, 4)).sum().backward()  # its first rows are written at once
+os._exit(0)  # killed: no removal
+"""
+
+RESUME_CHILD = r"""
+import json, os, sys, time, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+import torchinstruments.sinks.directory as directory_sink
+directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
+from torchinstruments.rundir.lock import live_writer
+
+from pathlib import Path
+
+run = Path(sys.argv[1])
+warnings.simplefilter("ignore")
+fifo = run / "tensorboard" / "events.out.tfevents.stalled"
+os.mkfifo(fifo)  # completing the killed attempt reads its events: opening this one blocks
+model = nn.Linear(4, 2)
+config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
+report = {}
+for attempt, resume in (("first", True), ("new run", False), ("again", True)):
+    try:
+        inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config, resume=resume)
+        report[attempt] = None
+    except Exception as error:
+        report[attempt] = [type(error).__name__, str(error)]
+report["observed"] = "forward" in vars(model)
+os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the disk answers again: an empty read
+deadline = time.monotonic() + 120
+while live_writer(run) is not None and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.unlink(fifo)
+inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config, resume=True)
+model(torch.randn(3, 4)).sum().backward()
+remove_observer(model)
+print(json.dumps(report))
+"""
+
+
+def test_resume_whose_earlier_attempt_cannot_be_read_raises_naming_output_dir_and_never_hangs(
+    tmp_path: Path,
+) -> None:
+    """resume=True completes a killed earlier attempt first (`finalize`): a read or write of it
+    that does not return is given up like inject's own, and the retries are told why."""
+    run = tmp_path / "run"
+    rows = 0
+    for child in (KILLED_CHILD, RESUME_CHILD):
+        done = subprocess.run(
+            [sys.executable, "-c", child, str(run)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        rows = rows or rows_in_parts(run)
+    merge_s = FLOOR_S + rows / 50_000  # the merge's bound: the floor, and 50,000 rows a second
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    kind, message = report["first"]
+    assert kind == "TimeoutError"
+    assert f"output_dir={str(run)!r} does not answer" in message, message
+    what = "inject_observer's completion of the run's earlier attempt (resume=True)"
+    assert f"{what}, at {HISTORY_FILE}, had not returned after {merge_s:g} s" in message
+    assert report["observed"] is False
+    for retry, kind in (("new run", "FileExistsError"), ("again", "RunLockedError")):
+        got, message = report[retry]
+        assert got == kind, message
+        assert f"{what} in this process" in message, message
+        assert f"its thread still waits on {HISTORY_FILE}:" in message
+        assert "was not removed" not in message
+        assert "Wait for it to end (remove_observer)" not in message
+    # once the read returned, the earlier attempt was completed and the run continued
+    state = read_state(run)
+    assert [attempt.attempt for attempt in state.attempts] == [0, 1]

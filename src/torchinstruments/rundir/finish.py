@@ -289,7 +289,7 @@ def _with_problem(state: RunState, what: str, error: OSError) -> RunState:
     return dataclasses.replace(state, problems=(*state.problems, problem))
 
 
-def finalize(directory: Path) -> FinishReport:
+def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishReport:
     """Complete an interrupted run directory: merge parts, write result.json, state and index.md.
 
     Safe to run again: parts already in history.parquet are not merged twice, unreadable parts stay
@@ -300,6 +300,7 @@ def finalize(directory: Path) -> FinishReport:
 
     Args:
         directory: the run's output directory.
+        step: called as each step begins (`finish_run`; inject with resume=True bounds each).
 
     Returns:
         A `FinishReport`.
@@ -320,7 +321,7 @@ def finalize(directory: Path) -> FinishReport:
         state = _state_to_finish(directory)
         if state.interrupted or state.losses:
             state = mark_partly_written_sample(directory, state)
-        report = finish_run(directory, state)
+        report = finish_run(directory, state, step)
     return dataclasses.replace(report, removed_temporaries=tuple(removed))
 
 

@@ -90,7 +90,7 @@ class Finishing(Generic[T]):
                 left = self._since + bound(self._step) - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
+                self._cond.wait(min(left, threading.TIMEOUT_MAX))  # a bound may be inf
         if self._error is not None:
             raise self._error
         return self._result

@@ -17,7 +17,10 @@ learns it at once and passes another output_dir. What this inject wrote is delet
 run never started; a continued run's files stay as they were, so resume=True can still continue
 it), and the lock is released. A step given up goes on in its thread, which holds the lock until
 the write returns and then does the same; meanwhile this process's refusals of the directory
-name that write (`rundir.stuck_writes`). The cost: one short-lived thread per inject.
+name that write (`rundir.stuck_writes`). With resume=True, completing the earlier attempt first
+(`rundir.resume`, which runs `finalize`) is bounded the same way (`run_within`), each of its steps
+as removal bounds its own; nothing of it is undone, since it is the earlier attempt's own
+completion. The cost: one short-lived thread per inject (two with resume=True).
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from torchinstruments.rundir import stuck_writes
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.lock import RunLock
 
-__all__ = ["CHECK_STEP", "open_within"]
+__all__ = ["CHECK_STEP", "open_within", "run_within"]
+
+T = TypeVar("T")
 
 # The first step's name: the look for an earlier run (a listing, no write).
 CHECK_STEP = "the listing of output_dir"
@@ -197,6 +203,38 @@ def open_within(
             "that answers, or check this one. That write goes on in a thread of this process, "
             f"which holds the directory's lock until it returns; {_AFTER_GIVE_UP[fresh]}"
         )
+
+
+def run_within(
+    directory: Path,
+    work: Callable[[Callable[[str], None]], T],
+    bound: Callable[[str], float],
+    what: str,
+    advice: str,
+) -> T:
+    """`work(step)` on a thread, each step waited for at most `bound(step)`: its result, or
+    what it raised. For inject's steps that are not its own writes (resume=True completing the
+    earlier attempt with `finalize`), which nothing undoes.
+
+    Raises:
+        TimeoutError: a step had not returned in time (the message names output_dir); the
+            thread goes on, and this process's refusals of the directory name it meanwhile.
+    """
+    finishing = Finishing(work, _nothing, f"torchinstruments open {directory}")
+    done = finishing.wait(bound)
+    if done is not None:
+        return done
+    step = finishing.step
+    stuck_writes.record(
+        directory, stuck_writes.StuckWrite(what, finishing, bound(step), (step,), advice)
+    )
+    raise TimeoutError(
+        f"inject_observer: output_dir={str(directory)!r} does not answer: {what}, at {step}, "
+        f"had not returned after {bound(step):g} s (a file system that stopped answering?). "
+        "The model is not observed (nothing of it was changed); pass an output_dir on a disk "
+        "that answers, or check this one. That step goes on in a thread of this process; "
+        f"{advice}"
+    )
 
 
 _AFTER_GIVE_UP = {

@@ -12,7 +12,11 @@ selected layers differ from the run's would make one history of two models.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from pathlib import Path
+
+import polars as pl
 
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.attempts import (
@@ -27,11 +31,15 @@ from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     PARTS_DIR,
     RUN_MARKERS,
+    STATE_FILE,
     TENSORBOARD_DIR,
     list_parts,
+    scan_history,
 )
 from torchinstruments.rundir.merge import merged_part_numbers
+from torchinstruments.rundir.opening import run_within
 from torchinstruments.rundir.recovery import load_state
+from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import NewerStateError, RunState, Status
 
 
@@ -53,12 +61,16 @@ def _needs_finish(directory: Path) -> bool:
     return state is None or state.status is Status.IN_PROGRESS
 
 
-def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunState]:
+def open_continuation(
+    directory: Path, run: RunInfo, step: Callable[[str], None] = lambda name: None
+) -> tuple[Continuation, RunState]:
     """Finalize the earlier attempt of the run in `directory` and plan the next one.
 
     Args:
         directory: the run directory (it holds a run: `holds_run`).
         run: the new attempt's run info.
+        step: called as each step begins (reading the state, each file `finalize` writes), so
+            that inject can bound each (`rundir.opening.run_within`).
 
     Returns:
         Where the new attempt starts, and the run's state as the earlier attempts left it.
@@ -73,8 +85,10 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
             f"output_dir={str(directory)!r} holds run files but no history (neither {PARTS_DIR}/ "
             f"nor {HISTORY_FILE}), so resume=True has nothing to continue; pass a new output_dir"
         )
+    step(f"reading {STATE_FILE}")
     if _needs_finish(directory):
-        finalize(directory)
+        finalize(directory, step)
+        step(f"reading {STATE_FILE}")
     previous = load_state(directory)
     if previous is None or previous.counts is None:
         raise FileExistsError(
@@ -114,7 +128,7 @@ def open_continuation(directory: Path, run: RunInfo) -> tuple[Continuation, RunS
     )
 
 
-__all__ = ["holds_run", "open_continuation"]
+__all__ = ["holds_run", "open_continuation", "open_continuation_within"]
 
 
 def _last_sampler_known(
@@ -141,3 +155,41 @@ def _difference(before: list[tuple[str, str]], now: list[tuple[str, str]]) -> st
         return shown + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
     return f"only in the run: {named(there)}; only here: {named(here)}"
+
+
+def open_continuation_within(
+    directory: Path, run: RunInfo, wait_s: float, rows_per_s: float
+) -> tuple[Continuation, RunState]:
+    """`open_continuation` (finalize the earlier attempt), each step waited for `wait_s`, as
+    removal waits for its own (`rundir.opening.run_within`): the merge longer by the rows of
+    the parts (`rows_per_s`), as many as their footers say, for as long as it runs where they
+    cannot say.
+
+    Raises:
+        TimeoutError: naming output_dir, when a step does not return in its time.
+    """
+    merge_s: list[float] = [wait_s]
+
+    def work(step: Callable[[str], None]) -> tuple[Continuation, RunState]:
+        step(f"the row counts of {PARTS_DIR}/")
+        merge_s[0] = wait_s + _rows_in_parts(directory) / rows_per_s
+        return open_continuation(directory, run, step)
+
+    command = tool_command("finalize", directory)
+    return run_within(
+        directory,
+        work,
+        lambda step: merge_s[0] if step == HISTORY_FILE else wait_s,
+        "inject_observer's completion of the run's earlier attempt (resume=True)",
+        f"it holds the run's lock until it returns; then `{command}` completes the earlier "
+        "attempt, and resume=True continues the run.",
+    )
+
+
+def _rows_in_parts(directory: Path) -> float:
+    """The rows in the run's parts, as their footers say; infinite where they cannot say."""
+    parts = list_parts(directory)
+    try:
+        return scan_history(parts).select(pl.len()).collect().item() if parts else 0
+    except Exception:  # a damaged part: the merge's time cannot be told beforehand
+        return math.inf

@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from torchinstruments import forks
 from torchinstruments.events import (
-    NO_HISTOGRAM,
     EventFile,
-    MissingHistogram,
     missing_histograms,
 )
 from torchinstruments.history_config import HistoryConfig
@@ -51,12 +49,13 @@ from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.resume import holds_run, open_continuation
+from torchinstruments.rundir.resume import holds_run, open_continuation_within
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import HistoryWriter
+from torchinstruments.sinks.missing import MissingCount
 
 __all__ = ["DirectorySink"]
 
@@ -111,8 +110,7 @@ class DirectorySink:
         self._notes = LiveNotes(history_config.flush_seconds / 2)
         self._in_flight: list[int] = []  # samples in flight at removal (`removed_in_flight`)
         self._focus: frozenset[str] = frozenset()
-        self._missing_first: tuple[str, int, str] | None = None
-        self._missing_count = 0
+        self._missing = MissingCount()  # focus tensors without a histogram
         self._flush_warned = False
         # The door between the flush thread's saves of the ledger and the state file: closed at
         # removal, so a save that returns after it never replaces the final state.
@@ -142,8 +140,10 @@ class DirectorySink:
         continuation, previous = None, None
         if resume and holds_run(self.directory):
             forks.opened_a_run()  # finalizing the earlier attempt uses Polars, which a fork breaks
-            continuation, previous = open_continuation(self.directory, run)
-
+            wait_s = removal_wait_s(self._config)
+            continuation, previous = open_continuation_within(
+                self.directory, run, wait_s, MERGE_ROWS_PER_S
+            )
         self._run = run
         self._focus = frozenset(run.focus_layers)
         self._continuation, self._previous = continuation, previous
@@ -215,7 +215,7 @@ class DirectorySink:
                 f"final {STATE_FILE} and {INDEX_FILE} may not fit, and the rows they would list "
                 "as lost are then said only in warnings"
             )
-            self._notes.append(note[0].upper() + note[1:] + ".")
+            self._notes.add(note[0].upper() + note[1:] + ".")
             warn(f"torchinstruments: {note}")
 
     def _make_history(self, state: RunState, continuation: Continuation | None) -> None:
@@ -291,7 +291,7 @@ class DirectorySink:
             except Exception as error:
                 self._give_up_events("could not be written", error)
             if missing:
-                self._say_missing(missing, record)
+                self._missing.add(missing, record.forward_index)
 
     def _write_first_rows(self, signal: str) -> None:
         """The run's first forward rows (and first backward rows) go to disk at once, so a run
@@ -318,36 +318,6 @@ class DirectorySink:
             "stopped answering?); training goes on without waiting for it, and the rows stay in "
             "memory until a write succeeds (those still there at removal are counted as not "
             "written, with why, in index.md)"
-        )
-
-    def _say_missing(self, missing: Sequence[MissingHistogram], record: SampleRecord) -> None:
-        """Count focus tensors without a histogram; warn at the first (index.md gets the count)."""
-        if self._missing_first is None:
-            first = missing[0]
-            self._missing_first = (first.tag, record.forward_index, first.reason)
-            warn(
-                f"torchinstruments: focus tensor {first.tag} has no histogram at forward_index "
-                f"{record.forward_index}: {first.reason} (histograms count finite entries only). "
-                f"TensorBoard shows a text note '{first.tag}{NO_HISTOGRAM}' at each such step, "
-                "and index.md counts them; the history rows are written as usual"
-            )
-        self._missing_count += len(missing)
-
-    def _missing_note(self) -> tuple[str, ...]:
-        """index.md's note on focus tensors without a histogram: no finite entry to count (empty,
-        all NaN or Inf), or a tensor that could not be measured (e.g. complex); the first says
-        which."""
-        if self._missing_first is None:
-            return ()
-        tag, step, reason = self._missing_first
-        count = self._missing_count
-        return (
-            f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
-            f"{TENSORBOARD_DIR}/ "
-            "because the tensor had no finite entry to count or could not be measured (first: "
-            f"{tag} at forward_index {step}: {reason}); TensorBoard shows a text note "
-            f"'<tag>{NO_HISTOGRAM}' at each such step, and the history holds those samples' "
-            "rows.",
         )
 
     def _flush(self, everything: bool) -> None:
@@ -391,7 +361,7 @@ class DirectorySink:
             return
         pending = history.unsaved_losses(now=now)
         notes, own = self._notes.now()
-        notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing_note()))))
+        notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing.note()))))
         problems = tuple(p for p in (*base.live_problems, self._events_problem) if p)
         fresh = self._notes.changed(notes) or problems != self._saved_problems
         if pending is None and not fresh:
@@ -433,7 +403,7 @@ class DirectorySink:
             self._base, self._previous, self._continuation, counts, history.rows_produced
         )
         known = (self._events_problem,) if self._events_problem else ()
-        added = (*counts.notes, *self._notes.own(), *self._missing_note())
+        added = (*counts.notes, *self._notes.own(), *self._missing.note())
         added = self._labelled(tuple(dict.fromkeys(added)))  # a note said twice is one note
         return dataclasses.replace(
             state,

@@ -30,6 +30,7 @@ from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     INDEX_FILE,
     LOCK_FILE,
+    PARTS_DIR,
     RESULT_FILE,
     STATE_FILE,
     temporary_path,
@@ -109,13 +110,14 @@ def test_an_inject_whose_write_does_not_return_raises_naming_output_dir_and_neve
     assert f"writing {STATE_FILE} there had not returned after {FLOOR_S:g} s" in message
     assert "The model is not observed" in message
     assert report["observed"] is False
-    # the catalog landed before the stall; the stuck write holds the lock
-    assert report["held"] == sorted([LOCK_FILE, RESULT_FILE, temporary_path(run / STATE_FILE).name])
+    # the parts folder and the catalog landed before the stall; the stuck write holds the lock
+    held = [LOCK_FILE, PARTS_DIR, RESULT_FILE, temporary_path(run / STATE_FILE).name]
+    assert report["held"] == sorted(held)
     kind, message = report["again"]
     assert kind == "FileExistsError"
     assert "inject_observer's opening of the run in this process" in message, message
     assert f"its thread still waits on {STATE_FILE}:" in message
-    assert f"Not written: {STATE_FILE}, {INDEX_FILE}, {RESERVE_FILE}, history.parts/." in message
+    assert f"Not written: {STATE_FILE}, {INDEX_FILE}, {RESERVE_FILE}." in message
     assert "was not removed" not in message
     # once the write returned, what the inject wrote was deleted and the lock released
     assert report["released"] == [LOCK_FILE]

@@ -46,7 +46,7 @@ from torchinstruments.cli.reader import (
     SERIES_KEY,
     TENSOR_KEY,
     RunFacts,
-    read_with,
+    read_each_with,
     scan_files,
     window_of,
 )
@@ -311,17 +311,14 @@ def compare(
     both = side(summary_a, "a").join(
         side(summary_b, "b"), on=SERIES_KEY, how="full", coalesce=True, nulls_equal=True
     )
-    diffs, extent_a, extent_b = read_with(
-        directory_a,
-        lambda files_a: read_with(
-            directory_b,
-            lambda files_b: _differences(
-                scan_files(files_a, write_order=False),
-                scan_files(files_b, write_order=False),
-                selection,
-                x,
-                tolerance,
-            ),
+    diffs, extent_a, extent_b = read_each_with(
+        [directory_a, directory_b],
+        lambda files: _differences(
+            scan_files(files[0], write_order=False),
+            scan_files(files[1], write_order=False),
+            selection,
+            x,
+            tolerance,
         ),
     )
     frame = (

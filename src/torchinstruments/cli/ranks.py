@@ -63,7 +63,8 @@ from torchinstruments.cli.rank_runs import (
 from torchinstruments.cli.reader import (
     NotARunError,
     RunFacts,
-    locate,
+    RunFiles,
+    read_each_with,
     read_facts,
     scan_files,
     window_of,
@@ -392,21 +393,23 @@ class Departures:
     missing: tuple[int, ...] = ()  # `rank_runs.missing_ranks`, said as `show PARENT` says them
 
 
-def _rank_scan(runs: Sequence[RankRun], selection: Selection, x: str) -> pl.LazyFrame:
+def _rank_scan(
+    runs: Sequence[RankRun], files: Sequence[RunFiles], selection: Selection
+) -> pl.LazyFrame:
     """Every chosen rank's selected rows (series key, x, occurrence, rank, value), streamed."""
     frames = []
-    for run in runs:
-        lf = selection.rows(scan_files(locate(run.directory), write_order=False))
+    for run, held in zip(runs, files, strict=True):
+        lf = selection.rows(scan_files(held, write_order=False))
         frames.append(lf.with_columns(rank=pl.lit(run.rank, pl.Int64)))
     return pl.concat(frames, how="vertical")
 
 
-def _x_counts(runs: Sequence[RankRun], x: str) -> list[pl.DataFrame]:
+def _x_counts(files: Sequence[RunFiles], x: str) -> list[pl.DataFrame]:
     """Each rank's rows per `x`, from its x column alone: the ranges are cut from these, so
     finding them reads one integer column, not the selection's name columns of every row
     (which held more than the largest range does). Counting every row, not the selected ones,
     only makes a range smaller than its budget where the selection is narrow."""
-    return [x_counts(scan_files(locate(run.directory), write_order=False), x) for run in runs]
+    return [x_counts(scan_files(held, write_order=False), x) for held in files]
 
 
 def departures(
@@ -426,12 +429,18 @@ def departures(
     if len(runs) + len(without) < 2:
         raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")
     facts = [read_facts(run.directory) for run in runs]
-    lf = _rank_scan(runs, selection, x)
-    # Each range's result is folded in as it comes: one frame per series at a time, never one
-    # per range (a range's per-series frame is as large as the whole result).
-    frame = combine_departures([])
-    for bounds in x_ranges(_x_counts(runs, x), x, budget_rows):
-        frame = combine_departures([frame, batch_departures(in_range(lf, x, bounds), x, tolerance)])
+
+    def read(files: list[RunFiles]) -> pl.DataFrame:
+        lf = _rank_scan(runs, files, selection)
+        # Each range's result is folded in as it comes: one frame per series at a time, never
+        # one per range (a range's per-series frame is as large as the whole result).
+        frame = combine_departures([])
+        for bounds in x_ranges(_x_counts(files, x), x, budget_rows):
+            batch = batch_departures(in_range(lf, x, bounds), x, tolerance)
+            frame = combine_departures([frame, batch])
+        return frame
+
+    frame = read_each_with([run.directory for run in runs], read)
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
     # Read only where the samplers' own warning does not already say it (one sampler).
     turns = {samplers_in_turn(s) for f in facts if (s := sampling(f)) is not None}

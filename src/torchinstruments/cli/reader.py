@@ -11,7 +11,8 @@ Design decisions:
   merged file first, then parts in part order) and ordered by sample_id with that write order
   breaking ties, so "latest" means the same as result.json's `latest`.
 - A live run may merge (and delete its parts) between listing and reading; the read is retried
-  with a fresh listing (`READ_ATTEMPTS`).
+  with a fresh listing (`READ_ATTEMPTS`). Every reader lists and reads through `read_with` (one
+  run) or `read_each_with` (several: the ranks of a parent, compare's two runs).
 - A history file that is not a whole Parquet file (a copy cut short, a machine that lost power)
   stops the command with one line naming it and what to do (`UnreadableHistoryError`), except
   a part beside history.parquet, which `finalize` leaves in place when it cannot read it: that
@@ -253,6 +254,23 @@ def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
                     raise UnreadableHistoryError(message) from None
                 raise
     raise AssertionError("unreachable")
+
+
+def read_each_with(directories: Sequence[Path], compute: Callable[[list[RunFiles]], T]) -> T:
+    """`compute` over the files of each of `directories` (in their order), each protected as
+    `read_with` protects one: a computation over several runs (the ranks of a parent, the two
+    runs of `compare`) computes again when any of them merged meanwhile.
+
+    Raises:
+        NotARunError: see `locate`.
+        UnreadableHistoryError: a history file is not a whole Parquet file.
+    """
+    if not directories:
+        return compute([])
+    first, *rest = directories
+    return read_with(
+        first, lambda files: read_each_with(rest, lambda others: compute([files, *others]))
+    )
 
 
 def _identity(history: Path | None) -> tuple[int, int] | None:
@@ -514,6 +532,7 @@ __all__ = [
     "metric_order",
     "parse_list",
     "rank_directories",
+    "read_each_with",
     "read_facts",
     "read_history",
     "read_with",

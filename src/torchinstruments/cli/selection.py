@@ -20,9 +20,10 @@ from torchinstruments.cli.chunked import summarize_series
 from torchinstruments.cli.rank_runs import RankRun
 from torchinstruments.cli.reader import (
     RunFacts,
+    RunFiles,
     layer_order,
-    locate,
     metric_order,
+    read_each_with,
     read_facts,
     read_with,
     scan_files,
@@ -219,14 +220,18 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
     sample_id, ranks then compare different steps, which `compare PARENT` must say. Three
     columns of each rank's history, one row per sample, streamed.
     """
-    frames = [
-        scan_files(locate(run.directory), write_order=False)
-        .select("sample_id", "forward_index", "step")
-        .unique()
-        .with_columns(rank=pl.lit(run.rank, pl.Int64))
-        for run in runs
-    ]
-    samples = pl.concat(frames, how="vertical").collect(engine="streaming")
+
+    def read(files: list[RunFiles]) -> pl.DataFrame:
+        frames = [
+            scan_files(held, write_order=False)
+            .select("sample_id", "forward_index", "step")
+            .unique()
+            .with_columns(rank=pl.lit(run.rank, pl.Int64))
+            for run, held in zip(runs, files, strict=True)
+        ]
+        return pl.concat(frames, how="vertical").collect(engine="streaming")
+
+    samples = read_each_with([run.directory for run in runs], read)
     apart = (
         samples.group_by("sample_id")
         .agg(

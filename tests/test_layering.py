@@ -162,6 +162,7 @@ CLI_SHARED = {
     "cli.selection",
     "cli.text",
     "cli.overview",
+    "cli.rank_overview",
     "cli.pictures",
     "cli.pictures_grid",
 }

@@ -183,7 +183,8 @@ def add_commands(commands: Subcommands) -> None:
         action="store_true",
         dest="every_tensor",
         help="text view: one row per tensor even beyond 60 tensors (default there: one row per "
-        "module type and signal; csv/json/markdown always hold every series)",
+        "module type and signal; of a directory of rank runs, beyond 60 rows per metric: one "
+        "row per module type, signal and at; csv/json/markdown always hold every series)",
     )
 
     cmd = commands.add_parser(

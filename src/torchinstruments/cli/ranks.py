@@ -14,7 +14,8 @@ Design decisions:
   value, `ranks_not_finite`, `ranks_without_row`), and the text says which ranks lack what
   (`rank 1: no row in 4 of the 6 series read`, `latest value null in ...`) and which ranks the
   world size expects but no directory holds; a spread over fewer ranks than were read shows as
-  `1/2` in its `ranks` cell, never like ranks that agree.
+  `1/2` in its `ranks` cell, never like ranks that agree. Beyond `PARENT_ROWS` rows per metric
+  the text is grouped by module type (`rank_overview.py`; `--all`: every series).
   Measured values only, nothing judged.
 - `compare PARENT`: per series, the first sample (matched on `--x`) at which one rank departs
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
@@ -53,6 +54,7 @@ from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.matching import matched_legend
 from torchinstruments.cli.rank_departures import RANK_SERIES_KEY as _KEY
 from torchinstruments.cli.rank_departures import batch_departures, combine_departures
+from torchinstruments.cli.rank_overview import PARENT_ROWS, grouped_spread, spread_rows
 from torchinstruments.cli.rank_runs import (
     RankRun,
     missing_line,
@@ -99,7 +101,6 @@ from torchinstruments.rundir.ranges import ranges
 DEPARTURE_BATCH_ROWS = 1 << 18
 TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
 _EPSILON = 2.0**-52
-TEXT_TENSORS = 60
 
 SPREAD_COLUMNS = (
     *SERIES_COLUMNS,
@@ -329,13 +330,9 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
     for line in types.rank_lines(s.mixed):
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
+    if not every_tensor and spread_rows(s.frame) > PARENT_ROWS:
+        return "\n".join(lines + grouped_spread(s.frame, len(s.runs), width))
     frame = types.typed_names(s.frame, list(s.mixed))
-    tensors = frame.select("layer", "call_index", "tensor_path").unique(maintain_order=True)
-    if not every_tensor and tensors.height > TEXT_TENSORS:
-        kept = tensors.head(TEXT_TENSORS)
-        frame = frame.join(
-            kept, on=["layer", "call_index", "tensor_path"], nulls_equal=True, maintain_order="left"
-        )
     headers = ["layer", "sig", "at", "ranks", "min", "max", "far rank", "by"]
     read = len(s.runs)
 
@@ -363,11 +360,6 @@ def render_spread(s: Spread, *, fmt: str, width: int, every_tensor: bool = False
         "the rank farthest from the cross-rank median, by: its value minus that median. "
         "'-': no rank has a finite value.",
     ]
-    if tensors.height > TEXT_TENSORS and not every_tensor:
-        notes.append(
-            f"{tensors.height - TEXT_TENSORS} more tensors not shown (the first {TEXT_TENSORS} in "
-            "traversal order are): --all, --layers REGEX, --rank N or --format csv."
-        )
     lines.append("")
     for note in notes:
         lines += textwrap.wrap(note, width)

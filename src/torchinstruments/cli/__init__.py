@@ -294,6 +294,16 @@ def add_commands(commands: Subcommands) -> None:
         "percentile) or log (symmetric log when values are not all positive)",
     )
     cmd.add_argument(
+        "--max-tensors",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="draw at most N tensors (rows), in traversal order, the same in every image "
+        "(default 60, each row labelled; the others are counted in the image and named on "
+        "stderr); on a directory of rank-NNN/ runs, at most N ranks (default: all), each with "
+        "all its modes",
+    )
+    cmd.add_argument(
         "-o",
         "--output-dir",
         type=Path,
@@ -469,6 +479,7 @@ def _run_single(args: argparse.Namespace) -> int:
                     selection,
                     x=args.x,
                     scale=args.scale,
+                    max_tensors=args.max_tensors or heatmap.DEFAULT_MAX_TENSORS,
                 )
             except MatplotlibMissingError as exc:
                 print(f"{prog}: {exc}", file=sys.stderr)
@@ -477,6 +488,14 @@ def _run_single(args: argparse.Namespace) -> int:
                 print(
                     f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric}, "
                     f"{plural(r.rows, 'tensor')} x {plural(r.columns, 'sample')}"
+                )
+            left_out = results[0].left_out if results else ()
+            if left_out:
+                print(
+                    f"{prog}: {plural(len(left_out), 'tensor')} left out "
+                    f"({', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}); "
+                    "choose with --layers REGEX or raise --max-tensors",
+                    file=sys.stderr,
                 )
             return 0
     except (NotARunError, ValueError) as exc:

@@ -9,19 +9,28 @@ Design decisions:
   same samples, labelled by the root forward or the step they were taken at; with `step`,
   samples without one are left out and samples that share a step are adjacent columns with the
   same label).
+- At most `max_tensors` tensors are drawn (default `DEFAULT_MAX_TENSORS`, the most rows the
+  image labels one by one, `pictures_grid.LABEL_ROWS`), the first in traversal order, the same
+  in every metric's image: 3,000 tensors drawn whole are a row of about one pixel each with
+  labels no one reads. The image's subtitle and the command (on stderr) say how many were left
+  out; `--layers REGEX` chooses others, `--max-tensors N` draws more (each tensor keeps at least
+  one pixel row, so nothing is averaged away).
 - It reads only the columns it draws (tensor key, signal, x, value), one metric at a time, with
   filters pushed into the Parquet scan, from the CLI's reader: finished, live and crashed runs
-  alike. Measured values only: nothing is ranked or judged.
+  alike; the drawn tensors are chosen from the selection's names, and only their values read.
+  Measured values only: nothing is ranked or judged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.cli.pictures import NO_STEP, matplotlib_missing
+from torchinstruments.cli.pictures import NO_STEP, TensorKey, matplotlib_missing, tensor_order
 from torchinstruments.cli.pictures_grid import (
+    LABEL_ROWS,
     SCALES,
     X_LABELS,
     Grid,
@@ -31,6 +40,7 @@ from torchinstruments.cli.pictures_grid import (
     file_names,
 )
 from torchinstruments.cli.reader import (
+    TENSOR_KEY,
     RunFacts,
     metric_order,
     read_facts,
@@ -38,10 +48,27 @@ from torchinstruments.cli.reader import (
     select,
 )
 from torchinstruments.cli.selection import Selection
+from torchinstruments.cli.text import tensor_label
+
+DEFAULT_MAX_TENSORS = LABEL_ROWS
+_KEY = ("layer", "call_index", "tensor_path", "mode")
+_KEY_SCHEMA = {
+    "layer": pl.String,
+    "call_index": pl.Int32,
+    "tensor_path": pl.String,
+    "mode": pl.String,
+}
 
 
-def grid_rows(directory: Path, metric: str, selection: Selection, x: str) -> pl.DataFrame:
-    """One metric's rows: tensor key, module type, signal, x, value (only these are read).
+def grid_rows(
+    directory: Path,
+    metric: str,
+    selection: Selection,
+    x: str,
+    tensors: Sequence[TensorKey] | None = None,
+) -> pl.DataFrame:
+    """One metric's rows: tensor key, module type, signal, x, value (only these are read), of
+    `tensors` only when given (None: every tensor of the selection).
 
     Names are read as Categorical: the tensor of each of millions of rows is then found by
     integer codes, not by hashing strings.
@@ -51,15 +78,38 @@ def grid_rows(directory: Path, metric: str, selection: Selection, x: str) -> pl.
     names = ("layer", "tensor_path", "module_type", "signal", "mode")
     # With x = step, a column is a sample (several may share a step): its sample_id too.
     xs = ("step", "sample_id") if x == "step" else (x,)
-    return read_history(
+
+    def query(lf: pl.LazyFrame) -> pl.LazyFrame:
+        lf = select(lf, layers=selection.layers, signals=selection.signals, metrics=(metric,))
+        lf = lf.filter(pl.col(x).is_not_null())
+        if tensors is not None:  # a filter the scan takes, then the exact tensors
+            lf = lf.filter(pl.col("layer").is_in(sorted({t[0] for t in tensors})))
+            keys = pl.DataFrame(list(tensors), schema=_KEY_SCHEMA, orient="row").lazy()
+            lf = lf.join(keys, on=list(_KEY), how="semi", nulls_equal=True)
+        return lf.select(
+            *(pl.col(n).cast(pl.Categorical) for n in names), "call_index", *xs, "value"
+        )
+
+    # A cell is one row: no order needed, so the filters reach the scan.
+    return read_history(directory, query, write_order=False)
+
+
+def selected_tensors(
+    directory: Path, facts: RunFacts, selection: Selection, metrics: Sequence[str], x: str
+) -> list[TensorKey]:
+    """Every tensor of the selection with a row of one of `metrics` that has an x, in
+    traversal order (train before eval): the rows the images may draw, from names alone."""
+    names = read_history(
         directory,
         lambda lf: (
-            select(lf, layers=selection.layers, signals=selection.signals, metrics=(metric,))
+            select(lf, layers=selection.layers, signals=selection.signals, metrics=metrics)
             .filter(pl.col(x).is_not_null())
-            .select(*(pl.col(n).cast(pl.Categorical) for n in names), "call_index", *xs, "value")
+            .select(TENSOR_KEY)
+            .unique()
         ),
-        write_order=False,  # a cell is one row: no order needed, so the filters reach the scan
+        write_order=False,
     )
+    return tensor_order(names, facts)
 
 
 def read_grid(
@@ -76,6 +126,7 @@ def heatmap(
     *,
     x: str = "sample_id",
     scale: str = "linear",
+    max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> list[HeatmapResult]:
     """Write one heatmap PNG per selected metric into `output_dir`.
 
@@ -86,9 +137,12 @@ def heatmap(
         x: "sample_id", "forward_index" or "step" (the label and order of the columns; with
             step, samples without one are left out).
         scale: "linear", "robust" or "log", applied to each panel on its own.
+        max_tensors: the most tensors (rows) to draw, the first in traversal order, >= 1; the
+            same tensors in every image.
 
     Returns:
-        One `HeatmapResult` per image, in the run's metric order.
+        One `HeatmapResult` per image, in the run's metric order, each naming the tensors
+        left out (`HeatmapResult.left_out`).
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
@@ -98,6 +152,8 @@ def heatmap(
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if x not in X_LABELS:
         raise ValueError(f"x must be one of {tuple(X_LABELS)}, got {x!r}")
+    if max_tensors < 1:
+        raise ValueError(f"max_tensors must be an int >= 1, got {max_tensors!r}")
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
@@ -121,11 +177,16 @@ def heatmap(
             f"no rows of metric(s) {', '.join(absent)} in {directory} for this selection; "
             f"its metrics: {', '.join(metric_order(present, facts.run))}"
         )
+    tensors = selected_tensors(directory, facts, selection, metrics, x)
+    drawn = tensors[:max_tensors] if len(tensors) > max_tensors else None  # None: all
+    calls = {t[0] for t in tensors if t[1] > 0}  # layers called several times: `name#call`
+    left_out = tuple(tensor_label(*t, calls=t[0] in calls) for t in tensors[max_tensors:])
     results = []
     names = file_names(metrics)
     for metric in metrics:
-        grid = build_grid(grid_rows(directory, metric, selection, x), facts, metric, x)
-        results.append(draw(grid, facts, Path(output_dir) / names[metric], scale=scale))
+        grid = build_grid(grid_rows(directory, metric, selection, x, drawn), facts, metric, x)
+        output = Path(output_dir) / names[metric]
+        results.append(draw(grid, facts, output, scale=scale, left_out=left_out))
     return results
 
 
@@ -144,4 +205,4 @@ def _has_step(directory: Path, selection: Selection) -> bool:
     return found.height > 0
 
 
-__all__ = ["grid_rows", "heatmap", "read_grid"]
+__all__ = ["DEFAULT_MAX_TENSORS", "grid_rows", "heatmap", "read_grid", "selected_tensors"]

@@ -14,7 +14,7 @@ Design decisions:
   it, e.g. series that stop) in ABSENT_COLOUR. A null is never drawn as a value.
 - Cells are whole pixels written into the rendered frame (no resampling): every tensor gets at
   least one pixel row and every sample one pixel column, so nothing is averaged away at 3,000
-  layers. The PNG's text metadata ("Description", JSON) gives each panel's pixel box and cell
+  layers (which `heatmap` draws when asked: `--max-tensors`, 60 by default). The PNG's text metadata ("Description", JSON) gives each panel's pixel box and cell
   size, the rows, the columns and the colours, so a script (or a test) finds a cell's pixels
   without guessing.
 - Labels: up to LABEL_ROWS tensors, every row is labelled; beyond, rows are labelled by block:
@@ -147,6 +147,7 @@ class HeatmapResult:
     rows: int
     columns: int
     panels: tuple[PanelBox, ...]
+    left_out: tuple[str, ...] = ()  # tensors (or ranks) not drawn: `--max-tensors`
 
 
 def build_grid(rows: pl.DataFrame, facts: RunFacts, metric: str, x: str) -> Grid:
@@ -352,11 +353,13 @@ def draw(
     *,
     scale: str = "linear",
     rows_are: str | None = None,
+    left_out: Sequence[str] = (),
 ) -> HeatmapResult:
     """Write `grid` as a PNG with its panels side by side.
 
     `rows_are` says in the subtitle what the rows are when they are not a run's tensors (one
-    tensor's ranks: `heatmap PARENT`); its labels then count rows, not tensors.
+    tensor's ranks: `heatmap PARENT`); its labels then count rows, not tensors. `left_out`:
+    the tensors not drawn (`--max-tensors`), counted in the subtitle.
 
     Raises:
         MatplotlibMissingError: if matplotlib is not installed.
@@ -385,7 +388,8 @@ def draw(
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     about = (
         f"{rows_are or plural(n_rows, 'tensor') + ' down in traversal order'} "
-        f"(labelled: {label_kind})",
+        f"(labelled: {label_kind})"
+        + (f"; {len(left_out)} more left out (--layers or --max-tensors)" if left_out else ""),
         f"{plural(n_cols, 'sample')} across; one colour scale per panel",
     )
     chars = max(40, int((width - 16) / TITLE_CHAR_WIDTH))
@@ -461,6 +465,7 @@ def draw(
         "x": grid.x,
         "columns": list(grid.columns),
         "rows": [list(t) for t in grid.tensors],
+        "left_out": list(left_out),
         "panels": [vars(b) for b in boxes],
         "colours": {
             "null": list(NULL_COLOUR),
@@ -480,7 +485,9 @@ def draw(
     info = PngInfo()
     info.add_text("Description", json.dumps(description))
     Image.fromarray(image).save(output, format="PNG", pnginfo=info, compress_level=PNG_COMPRESSION)
-    return HeatmapResult(Path(output), width, height, grid.metric, n_rows, n_cols, tuple(boxes))
+    return HeatmapResult(
+        Path(output), width, height, grid.metric, n_rows, n_cols, tuple(boxes), tuple(left_out)
+    )
 
 
 def _unit(colour: tuple[int, int, int]) -> tuple[float, float, float]:

@@ -198,11 +198,19 @@ def _draw(
             ranks=ranks,
             x=args.x,
             scale=args.scale,
+            max_ranks=args.max_tensors,
         )
         for r in results:
             print(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
                 f"{lines.name()}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
+            )
+        if lines.left_out:
+            print(
+                f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "
+                f"{ranges(lines.left_out)}; --max-tensors counts ranks here); choose with "
+                "--rank or raise --max-tensors",
+                file=sys.stderr,
             )
         return 0
     except MatplotlibMissingError as exc:

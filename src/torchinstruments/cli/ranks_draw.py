@@ -209,8 +209,10 @@ def heatmap_ranks(
     ranks: Sequence[int] | None = None,
     x: str = "sample_id",
     scale: str = "linear",
+    max_ranks: int | None = None,
 ) -> tuple[list[HeatmapResult], RankLines]:
-    """One PNG per selected metric of one tensor: a row per rank and mode, a column per sample.
+    """One PNG per selected metric of one tensor: a row per rank and mode, a column per sample,
+    for at most `max_ranks` ranks (the lowest, each with all its modes; None: all).
 
     Files are `heatmap-ranks-<metric>.png` in `output_dir`.
     """
@@ -224,12 +226,14 @@ def heatmap_ranks(
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
-    rows, lines = _rank_lines(rows, tensor, without)
+    rows, lines = _rank_lines(rows, tensor, without, max_ranks)
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)
     # The rows are one tensor's ranks (and modes), not tensors of a run: the subtitle says so.
     about = f"tensor {lines.name()} x {lines.describe('row')} down, in rank order"
+    if lines.left_out:
+        about += f"; {plural(len(lines.left_out), 'more rank')} left out (--rank or --max-tensors)"
     results = []
     names = file_names(metrics, prefix="heatmap-ranks")
     for metric in metrics:

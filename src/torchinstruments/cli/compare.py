@@ -47,6 +47,7 @@ from torchinstruments.cli.reader import (
     TENSOR_KEY,
     RunFacts,
     read_each_with,
+    read_history,
     scan_files,
     window_of,
 )
@@ -107,6 +108,7 @@ class Comparison:
     tolerance: float
     frame: pl.DataFrame
     mixed: module_types.Mixed = field(default_factory=dict)  # a layer of another type in B
+    no_samples: tuple[str, ...] = ()  # "A", "B": the runs whose history holds no row at all
 
 
 # The series key's string columns, read as integer codes (Categorical) while the ranges are
@@ -341,7 +343,20 @@ def compare(
         ]
     )
     mixed = module_types.mixed_types(kinds, "run")
-    return Comparison(facts_a, facts_b, window, x, tolerance, ordered(frame, facts_a), mixed)
+    # A run without a single row (no sample taken) is said as such, not as every layer absent.
+    empty = tuple(
+        tag
+        for tag, directory, found in (("A", directory_a, summary_a), ("B", directory_b, summary_b))
+        if found.is_empty() and not _holds_a_row(directory)
+    )
+    frame = ordered(frame, facts_a)
+    return Comparison(facts_a, facts_b, window, x, tolerance, frame, mixed, empty)
+
+
+def _holds_a_row(directory: Path) -> bool:
+    """Whether the run's history holds any row, whatever the selection (its first row only)."""
+    found = read_history(directory, lambda lf: lf.head(1).select(pl.len()), write_order=False)
+    return found.item() > 0
 
 
 def warnings_of(c: Comparison) -> list[str]:
@@ -349,10 +364,15 @@ def warnings_of(c: Comparison) -> list[str]:
     module type in each (matched by name; said before the table)."""
     run_a, run_b = c.facts_a.run, c.facts_b.run
     sampling_a, sampling_b = sampling(c.facts_a), sampling(c.facts_b)
+    out = [
+        f"warning: {tag} recorded no samples (its history holds no rows): nothing of it is "
+        f"compared, and every series is absent in {tag}."
+        for tag in c.no_samples
+    ]
     if run_a is None or run_b is None or sampling_a is None or sampling_b is None:
-        return module_types.run_warnings(c.mixed)
+        return out + module_types.run_warnings(c.mixed)
     apart = sampled_differently([("A", sampling_a), ("B", sampling_b)], c.x)
-    out = [] if apart is None else [apart]
+    out += [] if apart is None else [apart]
     if run_a.history.window != run_b.history.window:
         out.append(
             f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "
@@ -403,6 +423,8 @@ def _absent_notes(c: Comparison) -> list[str]:
     """Which layers have rows in one run only (none of the selected series in the other)."""
     out = []
     for tag, mine, other in (("A", "a", "b"), ("B", "b", "a")):
+        if ("B" if tag == "A" else "A") in c.no_samples:
+            continue  # every layer: said first, as the other run's recording no samples
         by_layer = c.frame.group_by("layer", maintain_order=True).agg(
             mine=pl.col(f"samples_{mine}").max(), other=pl.col(f"samples_{other}").max()
         )

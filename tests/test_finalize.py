@@ -168,3 +168,50 @@ def test_finalize_deletes_only_the_librarys_temporaries(tmp_path: Path) -> None:
     assert not ours.exists()
     for path in users:
         assert path.read_text(encoding="utf-8") == "the user's"
+
+
+def test_finalize_of_only_result_json_and_parts_reads_the_layer_catalog(tmp_path: Path) -> None:
+    """A directory holding only result.json (the catalog inject writes) and history.parts/ (the
+    state file and index.md lost): finalize takes the selected layers from the catalog, in
+    traversal order and with the layer that never ran, not from history, and says so."""
+    import shutil
+
+    import torch
+    from torch import nn
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    from conftest import wait_for_rows
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.never = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.fc(x))
+
+    live, copy = tmp_path / "live", tmp_path / "copy"
+    model = Model()
+    inject_observer(
+        model,
+        output_dir=live,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=1),
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    wait_for_rows(live, 1)
+    copy.mkdir()
+    shutil.copy(live / "result.json", copy / "result.json")
+    shutil.copytree(live / "history.parts", copy / "history.parts")
+    remove_observer(model)
+    assert sorted(p.name for p in copy.iterdir()) == ["history.parts", "result.json"]
+    out = run_cli("finalize", copy)
+    assert "layers were read from result.json's catalog" in out.stdout, out.stdout
+    assert "layers were rebuilt" not in out.stdout
+    order = [name for name, _ in model.named_modules() if name]
+    assert order == ["fc", "act", "never"]
+    assert [d["layer"] for d in strict_json(copy / "result.json")] == order  # type: ignore[union-attr]
+    index = (copy / "index.md").read_text(encoding="utf-8")
+    assert "the layers were read from result.json's catalog" in index
+    assert "`never` (Linear)" in index

@@ -18,6 +18,7 @@ from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
+from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import NewerStateError
 
@@ -70,7 +71,8 @@ def _finalize(directory: Path) -> int:
     for path in report.removed_temporaries:
         print(_removed_line(path))
     if report.run_info_recovered:
-        print("the directory had no readable run info; layers were rebuilt from history")
+        found = recovered_layers(report.state.run)
+        print(f"the directory had no readable run info; layers were {found}")
     if report.complete and report.interrupted:
         print(
             "state: interrupted: the run ended without remove_observer; every row it wrote is in "

@@ -35,6 +35,7 @@ from torchinstruments.rundir.page_sections import (
     section_schema,
 )
 from torchinstruments.rundir.ranges import plural, ranges, was_were
+from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import RunState, Status
 
@@ -261,7 +262,7 @@ def _section_gaps(state: RunState) -> list[str]:
     if state.run_info_recovered:
         lines.append(
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "
-            "rebuilt from history, and settings this page cannot know are `unknown`."
+            f"{recovered_layers(run)}, and settings this page cannot know are `unknown`."
         )
     if counts is not None and run.layers and counts.samples == 0 and state.counts_recovered:
         lines.append(

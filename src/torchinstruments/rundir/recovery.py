@@ -11,8 +11,10 @@ no page parser exists anywhere else. A directory has, in order of preference:
    the prose: the run info, the state marker and the rows-recorded marker. The counts are not
    read from the page; they are rebuilt from history (lower bounds), so `finalize` renders the
    page of such a run with recovered counts;
-3. else nothing: `fallback_run_info` rebuilds what it can from history (`finalize` of a directory
-   whose state file and index.md were deleted).
+3. else nothing: `fallback_run_info` rebuilds what it can: the selected layers from result.json's
+   catalog (written at inject, in traversal order, every selected layer, run or not) when it is
+   readable, else from history (`finalize` of a directory whose state file and index.md were
+   deleted).
 
 After a crash the counts are lower bounds read from history (`recovered_counts`): root_forwards
 = max forward_index + 1, samples = distinct sample_ids, backward_samples = distinct sample_ids
@@ -32,6 +34,7 @@ from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCoun
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     INDEX_FILE,
+    RESULT_FILE,
     STATE_FILE,
     list_parts,
     scan_history,
@@ -137,8 +140,44 @@ def recovered_counts(directory: Path) -> RunCounts:
     )
 
 
+# Where `fallback_run_info` found the layers, as its sampler text says (the state file keeps
+# that text, so a later reader of the state says the same).
+LAYERS_FROM_CATALOG = f"read from {RESULT_FILE}'s catalog"
+LAYERS_FROM_HISTORY = "rebuilt from history"
+
+
+def recovered_layers(run: RunInfo) -> str:
+    """`LAYERS_FROM_CATALOG` or `LAYERS_FROM_HISTORY`: where a recovered run's layers came from."""
+    return LAYERS_FROM_CATALOG if LAYERS_FROM_CATALOG in run.sampler else LAYERS_FROM_HISTORY
+
+
+def _catalog_layers(directory: Path) -> list[LayerInfo] | None:
+    """The selected layers of result.json (the catalog inject writes, or the summaries removal
+    writes; both list every selected layer in traversal order), or None when it is missing,
+    unreadable or lists none."""
+    try:
+        records = json.loads((directory / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(records, list) or not records:
+        return None
+    layers = []
+    for record in records:
+        if not isinstance(record, dict):
+            return None
+        name, module_type = record.get("layer"), record.get("module_type")
+        if not isinstance(name, str) or not isinstance(module_type, str):
+            return None
+        layers.append(LayerInfo(name, module_type))
+    return layers
+
+
 def fallback_run_info(directory: Path) -> RunInfo:
-    """A RunInfo rebuilt from history alone, when the directory says nothing readable of it."""
+    """A RunInfo rebuilt from result.json's catalog and history, when the directory says
+    nothing readable of it otherwise (no state file, no index.md)."""
+    catalog = _catalog_layers(directory)
+    if catalog is not None:
+        return _unknown_run_info(directory, catalog, LAYERS_FROM_CATALOG)
     layers: list[LayerInfo] = []
     history = directory / HISTORY_FILE
     sources = [history] if history.is_file() else list_parts(directory)
@@ -153,6 +192,11 @@ def fallback_run_info(directory: Path) -> RunInfo:
         layers = [LayerInfo(r["layer"], r["module_type"]) for r in frame.iter_rows(named=True)]
     except (OSError, pl.exceptions.PolarsError):
         pass  # no readable history: the page lists no layers, and history says the rest
+    return _unknown_run_info(directory, layers, LAYERS_FROM_HISTORY)
+
+
+def _unknown_run_info(directory: Path, layers: list[LayerInfo], found: str) -> RunInfo:
+    """A RunInfo of `layers` (`found`: where they came from) and every other setting unknown."""
     return RunInfo(
         output_dir=directory,
         library_version="unknown",
@@ -160,7 +204,7 @@ def fallback_run_info(directory: Path) -> RunInfo:
         model_class="unknown",
         layers=tuple(layers),
         focus_layers=(),
-        sampler=f"unknown ({STATE_FILE} and {INDEX_FILE} were missing; layers rebuilt from history)",
+        sampler=f"unknown ({STATE_FILE} and {INDEX_FILE} were missing; layers {found})",
         metrics=(),
         rank=None,
         world_size=None,
@@ -171,4 +215,11 @@ def fallback_run_info(directory: Path) -> RunInfo:
     )
 
 
-__all__ = ["fallback_run_info", "load_state", "recovered_counts"]
+__all__ = [
+    "LAYERS_FROM_CATALOG",
+    "LAYERS_FROM_HISTORY",
+    "fallback_run_info",
+    "load_state",
+    "recovered_counts",
+    "recovered_layers",
+]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import polars as pl
 
+from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.pictures import NO_STEP, TensorKey, matplotlib_missing, tensor_order
 from torchinstruments.cli.pictures_grid import (
     LABEL_ROWS,
@@ -42,9 +43,12 @@ from torchinstruments.cli.pictures_grid import (
 from torchinstruments.cli.reader import (
     TENSOR_KEY,
     RunFacts,
+    RunFiles,
     metric_order,
     read_facts,
     read_history,
+    read_with,
+    scan_files,
     select,
 )
 from torchinstruments.cli.selection import Selection
@@ -98,18 +102,25 @@ def selected_tensors(
     directory: Path, facts: RunFacts, selection: Selection, metrics: Sequence[str], x: str
 ) -> list[TensorKey]:
     """Every tensor of the selection with a row of one of `metrics` that has an x, in
-    traversal order (train before eval): the rows the images may draw, from names alone."""
-    names = read_history(
-        directory,
-        lambda lf: (
-            select(lf, layers=selection.layers, signals=selection.signals, metrics=metrics)
-            .filter(pl.col(x).is_not_null())
-            .select(TENSOR_KEY)
-            .unique()
-        ),
-        write_order=False,
-    )
-    return tensor_order(names, facts)
+    traversal order (train before eval): the rows the images may draw, from names alone, read
+    a range of samples at a time (`cli.chunked`), never the names of millions of rows at once."""
+
+    def read(files: RunFiles) -> pl.DataFrame:
+        lf = select(
+            scan_files(files, write_order=False),
+            layers=selection.layers,
+            signals=selection.signals,
+            metrics=metrics,
+        ).filter(pl.col(x).is_not_null())
+        names = lf.clear().select(TENSOR_KEY).collect()
+        for bounds in x_ranges(
+            [x_counts(scan_files(files, write_order=False), "sample_id")], "sample_id"
+        ):
+            found = in_range(lf, "sample_id", bounds).select(TENSOR_KEY).unique().collect()
+            names = pl.concat([names, found]).unique()
+        return names
+
+    return tensor_order(read_with(directory, read), facts)
 
 
 def read_grid(

@@ -589,6 +589,7 @@ HELD_NOT_CALLED = {  # a module that hands children's weights or settings to a k
         "distilbert.transformer.layer.0.attention",
         "distilbert.transformer.layer.0.attention.dropout",
     ),
+    "gpt2": ("transformer.h.0.attn", "transformer.h.0.attn.attn_dropout"),
     "swin": ("features.1.0.attn", "features.1.0.attn.qkv"),
     "swin_v2": ("features.1.0.attn", "features.1.0.attn.proj"),
     "mamba": ("backbone.layers.0.mixer", "backbone.layers.0.mixer.conv1d"),

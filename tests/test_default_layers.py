@@ -2,8 +2,10 @@
 
 A module whose methods read what a child holds (`self.proj.weight`, a dropout's `self.drop.p`)
 and never call the child computes with it itself: it is the layer, and the child (which never
-runs) is not. A child that is called anywhere, or used in any other way, keeps the leaf rule.
-Real cases (`nn.MultiheadAttention`, torchvision's Swin, Hugging Face's Mamba and BERT
+runs) is not. A child that is called anywhere, or used in any other way, keeps the leaf rule,
+except a tensor-free child (a dropout) whose settings `forward` reads without calling it: a
+helper on another path may call it (GPT-2's attention), but `forward` hands its rate to the
+kernel. Real cases (`nn.MultiheadAttention`, torchvision's Swin, Hugging Face's Mamba and BERT
 attention) are in the conformance zoo.
 """
 
@@ -71,6 +73,39 @@ class CallsTheChildToo(nn.Module):
         return self.proj(x.to(self.proj.weight.dtype))
 
 
+class CallsTheDropoutOnAnotherPath(nn.Module):
+    """`forward` passes `drop`'s rate to a kernel; a helper off by default calls `drop` (as
+    GPT-2's attention does in its upcast-and-reorder path)."""
+
+    def __init__(self, reorder: bool = False) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.reorder = reorder
+
+    def _reordered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reorder:
+            return self._reordered(x)
+        return functional.dropout(x, p=self.drop.p if self.training else 0.0)
+
+
+class ReadsASizeAndCallsTheChildInAHelper(nn.Module):
+    """`forward` reads `proj.in_features` and calls `proj` through a helper: `proj` holds
+    weights and runs, so it stays a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._project(x.reshape(-1, self.proj.in_features))
+
+
 def traced(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -130,6 +165,8 @@ class CallsTheChildsForward(nn.Module):
         (CallsInADecoratedForward, {"block.proj"}),
         (HandsTheChildOut, {"block.proj"}),
         (CallsTheChildsForward, {"block.proj"}),
+        (CallsTheDropoutOnAnotherPath, {"block"}),
+        (ReadsASizeAndCallsTheChildInAHelper, {"block.proj"}),
     ],
     ids=lambda value: value.__name__ if isinstance(value, type) else "",
 )

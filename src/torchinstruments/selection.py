@@ -12,7 +12,11 @@ not (its other children keep the rule). `nn.MultiheadAttention` does this with `
 torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
 and `dt_proj`, and its BERT attention (SDPA, or its eager function) with the dropout whose
 rate it passes: a leaf-only rule would record nothing of them and name as layers children
-that never run. The rule reads the methods' source, once per class; a class without source
+that never run. A child that holds no tensor (a dropout) and whose settings `forward` reads
+without calling it is held too, though another method calls it: Hugging Face's GPT-2
+attention passes `attn_dropout`'s rate to SDPA or its eager function on every call, and calls
+the module only in its upcast-and-reorder path (`reorder_and_upcast_attn`, off by default), so
+as a layer it would never run, and every default run would warn that it never ran. The rule reads the methods' source, once per class; a class without source
 falls back to the leaf rule. A module parametrized with `torch.nn.utils.parametrize`
 (`parametrizations.weight_norm`, as Hugging Face's wav2vec2 convolution is, `spectral_norm`,
 `orthogonal`) is a layer when its parametrizations are its only children, and they are never
@@ -96,28 +100,71 @@ def parameter_holders(module: nn.Module) -> list[str]:
     methods (outside `__init__`) read `self.<child>.<name>` of the child's parameters, buffers
     or plain settings (a dropout's `p`) and nothing else of the child. Such a module hands
     those to a functional kernel (`nn.MultiheadAttention` its `out_proj`'s weights, a Hugging
-    Face BERT attention its dropout's rate), so it is the layer."""
+    Face BERT attention its dropout's rate), so it is the layer. So is a child holding no
+    tensor whose settings the module's `forward` reads without calling it, even where another
+    method calls it on a path `forward` rarely takes (GPT-2's `attn_dropout`): the rate goes to
+    the kernel on every call, and the child, as a layer, would never run in a default run."""
     children = dict(module.named_children())
     if not children:
         return []
     uses = _attribute_uses(type(module), frozenset(children))
+    in_forward = _forward_uses(type(module), frozenset(children))
     return [
         name
         for name, child in children.items()
-        if (read := uses.get(name)) and read <= _held(child)  # None: used otherwise
+        if ((read := uses.get(name)) and read <= _held(child))  # None: used otherwise
+        or (
+            (passed := in_forward.get(name))
+            and passed <= _settings(child)
+            and _holds_no_tensor(child)
+        )
     ]
+
+
+def _holds_no_tensor(module: nn.Module) -> bool:
+    """Whether a module holds no parameter or buffer (a dropout): its settings are all it is."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def _held(module: nn.Module) -> frozenset[str]:
     """What a module holds itself: parameters and buffers (a slot registered as None, such as a
-    bias-free projection's `bias`, included), parametrized tensors, and plain settings (its own
-    attributes that are numbers, strings or None)."""
+    bias-free projection's `bias`, included), parametrized tensors, and plain settings."""
     names = set(registered_tensor_slots(module))
     if parametrize.is_parametrized(module):
         names |= {name for name, _ in module.get_submodule("parametrizations").named_children()}
+    return frozenset(name for name in names if not name.startswith("_")) | _settings(module)
+
+
+def _settings(module: nn.Module) -> frozenset[str]:
+    """A module's plain settings: its own public attributes that are numbers, strings or None
+    (a dropout's `p`)."""
     plain = (bool, int, float, str, type(None))
-    names |= {name for name, value in vars(module).items() if isinstance(value, plain)}
-    return frozenset(name for name in names if not name.startswith("_"))
+    return frozenset(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, plain) and not name.startswith("_")
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_uses(cls: type, names: frozenset[str]) -> dict[str, frozenset[str] | None]:
+    """`_attribute_uses` of the class's `forward` alone (the one `cls` runs): a child whose
+    settings it reads without calling the child has that setting handed to a kernel on every
+    call, whatever other methods do with the child on another path (Hugging Face's GPT-2
+    attention passes its `attn_dropout`'s rate to SDPA or its eager function, and calls it only
+    in its upcast-and-reorder path, off by default). Empty where it cannot be read."""
+    reads: dict[str, set[str] | None] = {}
+    try:
+        forward = inspect.getattr_static(cls, "forward", None)
+        if forward is None or forward is nn.Module.forward:
+            return {}
+        for function in _functions(forward):
+            if names & _code_names(function.__code__):
+                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+                _read_self_attributes(tree, names, reads, init=False)
+    except Exception:  # no source (OSError), unparsable, or unreadable members
+        return {}
+    return {name: None if read is None else frozenset(read) for name, read in reads.items()}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -10,6 +10,7 @@ Gradients that torch.autograd's own, older vmap batches over cotangents
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,3 +139,52 @@ def test_gradients_batched_over_cotangents_are_measured_over_the_batch(tmp_path:
         assert rows["shape"].to_list() == [list(want.shape)] * rows.height
         got = {r["metric"]: MetricValue(r["value"]) for r in rows.rows(named=True)}
         assert_matches_numpy(got, want.numpy())
+
+
+def test_a_vmap_ensemble_warns_once_that_its_layers_have_no_gradient_rows(tmp_path: Path) -> None:
+    """An ensemble of `stack_module_state` + `functional_call` under `vmap`, backward outside
+    vmap: the batched outputs report requires_grad=False and take no hook (as for plain
+    `register_hook`), though gradients reach the values under them. One warning at the forward
+    names the first layer and the transform; index.md names every layer, not as a frozen one."""
+    members = [model() for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)  # type: ignore[arg-type]
+    base = model()
+    inject_observer(base, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+
+    def member(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor) -> object:
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    x = torch.randn(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, x)
+            assert isinstance(out, torch.Tensor)
+            out.square().sum().backward()
+    remove_observer(base)
+    assert params["0.weight"].grad is not None  # gradients did flow, outside vmap
+    said = [str(w.message) for w in caught if "requires_grad=False" in str(w.message)]
+    assert len(said) == 1
+    assert "layer '0'" in said[0]
+    assert "vmap" in said[0]
+    history = read_history(tmp_path / "s")
+    assert set(history["signal"]) == {"output"}
+    index = (tmp_path / "s" / "index.md").read_text()
+    assert "3 selected layers returned outputs wrapped by a torch.func transform" in index
+    assert "'0' (vmap), '1' (vmap), '2' (vmap)" in index
+    assert "never returned an output that requires grad" not in index
+
+
+def test_a_vmapped_frozen_model_is_said_to_need_no_grad_not_to_be_hidden(tmp_path: Path) -> None:
+    """Under vmap, outputs whose values require no grad (a frozen model, input without grad)
+    are the ordinary case: no gradient exists, and index.md says so, with no transform warning."""
+    frozen = model().requires_grad_(False)
+    inject_observer(frozen, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.func.vmap(frozen)(torch.randn(3, 4, 6))
+    remove_observer(frozen)
+    assert not [w for w in caught if "requires_grad=False" in str(w.message)]
+    index = (tmp_path / "s" / "index.md").read_text()
+    assert "3 selected layers never returned an output that requires grad" in index
+    assert "wrapped by a torch.func transform that report" not in index

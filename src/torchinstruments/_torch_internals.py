@@ -49,6 +49,7 @@ __all__ = [
     "layer_by_layer",
     "opaque_to_compilation",
     "optimized_module_original",
+    "outer_transform_hides_grad",
     "pause_compilation",
     "pickled_for_a_new_process",
     "queue_at_backward_end",
@@ -477,6 +478,21 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a torch.func wrapper, or batched by torch.autograd's vmap (see
     `unwrap_functorch`). Checked on 2.15.0."""
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor) or is_legacy_batched(tensor)
+
+
+def outer_transform_hides_grad(tensor: torch.Tensor) -> str | None:
+    """The torch.func transform whose wrapper hides that `tensor`'s value requires grad, or None.
+
+    Under `vmap` (a BatchedTensor) and `jvp`/`jacfwd` the wrapper a layer returns reports
+    `requires_grad=False` and refuses a hook, though the plain value under it requires grad: a
+    backward outside the transform sends gradients into that value, where no hook on the
+    layer's output can see them. Checked on torch 2.15.0."""
+    functorch = torch._C._functorch
+    if tensor.requires_grad or not functorch.is_functorch_wrapped_tensor(tensor):
+        return None
+    if not unwrap_functorch(tensor)[0].requires_grad:
+        return None
+    return "vmap" if functorch.is_batchedtensor(tensor) else "jvp or jacfwd"
 
 
 def is_legacy_batched(tensor: torch.Tensor) -> bool:

@@ -21,6 +21,14 @@ loses no gradient anyone trains on), and index.md names every such layer. A forw
 no_grad (evaluation) is not this case. A sample counts as "with grad" from its first output made
 with grad enabled, which may come after its no_grad outputs (a checkpointed first block), so the
 no_grad layers of the latest `RECENT` samples wait until then.
+
+A fourth is per layer too: outputs a torch.func transform wraps so that they report
+`requires_grad=False` though the value under the wrapper requires grad: `vmap` (an ensemble of
+`stack_module_state` + `functional_call`, backward outside vmap), `jvp`, `jacfwd`. Gradients do
+reach the plain value, through the transform, but the wrapper the layer returned takes no hook
+(nor does it for plain `Tensor.register_hook`), so the layer has no output_gradient rows. That is
+no frozen model: a warning says so when first seen, naming the layer and the transform, and
+index.md names every such layer.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import nn
 
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.ranges import plural
 
 __all__ = ["GradientGaps"]
 
@@ -69,6 +78,7 @@ class GradientGaps:
         self._open: tuple[int, dict[str, None]] = (-1, {})
         self._weighted: set[str] = set()  # layers holding parameters (`weigh`)
         self._warned_no_grad = False
+        self._transformed: dict[str, str] = {}  # layer -> transform (`under_transform`)
         self.latest_with_grad = -1  # the latest sample with an output made with grad enabled
 
     def weigh(self, layers: Iterable[tuple[nn.Module, LayerInfo]]) -> None:
@@ -117,6 +127,20 @@ class GradientGaps:
             warn(
                 f"torchinstruments: layer {layer!r} {_UNDER_NO_GRAD} ({_WHY}); index.md names "
                 "every such layer at removal"
+            )
+
+    def under_transform(self, layer: str, transform: str) -> None:
+        """A sampled output of `layer` that a torch.func `transform` hides the grad of (see the
+        module); warned the first time any layer is seen so."""
+        if layer in self._transformed:
+            return
+        first = not self._transformed
+        self._transformed[layer] = transform
+        if first:
+            warn(
+                f"torchinstruments: layer {layer!r} returned outputs wrapped by torch.func "
+                f"{transform}, which report requires_grad=False though the values under them "
+                f"require grad: {_TRANSFORMED}; index.md names every such layer at removal"
             )
 
     def without_grad(self, series: Series, sample_id: int) -> None:
@@ -181,6 +205,13 @@ class GradientGaps:
                 " no output_gradient rows (their output rows have grad_enabled false): "
                 f"{_listed([repr(name) for name in inside])} ({_WHY})."
             )
+        if self._transformed:
+            shown = [f"{name!r} ({how})" for name, how in self._transformed.items()]
+            notes.append(
+                f"{plural(len(shown), 'selected layer')} returned outputs wrapped by a torch.func "
+                f"transform that report requires_grad=False though the values under them "
+                f"require grad: {_TRANSFORMED}: {_listed(shown)}."
+            )
         return tuple(notes)
 
 
@@ -192,6 +223,14 @@ _WHY = (
     "again during backward, outside the forward, where it is not observed; a torch.no_grad() "
     "block in forward does the same; non-reentrant checkpointing (use_reentrant=False) is "
     "observed whole"
+)
+
+
+_TRANSFORMED = (
+    "a backward outside the transform sends gradients into those values, but the wrapper the "
+    "layer returned takes no hook (nor does plain Tensor.register_hook), so no gradient into "
+    "its outputs is recorded and it has no output_gradient rows (a vmap ensemble built with "
+    "stack_module_state and functional_call, say)"
 )
 
 

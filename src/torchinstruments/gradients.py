@@ -95,6 +95,7 @@ from torchinstruments._torch_internals import (
     in_compiled_autograd,
     is_legacy_batched,
     opaque_to_compilation,
+    outer_transform_hides_grad,
     queue_at_backward_end,
     tensor_hooks,
 )
@@ -307,8 +308,11 @@ class GradientRecorder:
             call_index, path = key.call_index, key.tensor_path
             # Its name alone for a layer's first call's bare tensor, the common case: no tuple.
             series = (key.layer.name, call_index, path) if call_index or path else key.layer.name
-            if not tensor.requires_grad:  # no gradient can arrive: said (gradient_gaps.py)
-                self.gaps.without_grad(series, key.sample_id)
+            if not tensor.requires_grad:  # no gradient can arrive here: said (gradient_gaps.py)
+                if (transform := outer_transform_hides_grad(tensor)) is not None:
+                    self.gaps.under_transform(key.layer.name, transform)
+                else:
+                    self.gaps.without_grad(series, key.sample_id)
                 return key
             if series not in self.gaps.with_grad:
                 self.gaps.first_with_grad(series)

@@ -39,6 +39,7 @@ from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
+from torchinstruments.never_ran import never_ran_warning, tied_note, tied_twins
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
@@ -247,20 +248,17 @@ def remove_observer(model: nn.Module) -> Path | None:
     changed = None if observer.at_inject is None else observer.at_inject.changes_note(model)
     if changed is not None:
         observer.notes.append(changed)  # before the removal, which writes index.md
+    idle = observer.never_ran()
+    twins = tied_twins(model, idle, [name for name in observer.layer_names if name not in idle])
+    if (tied := tied_note(twins)) is not None:
+        observer.notes.append(tied)  # index.md names them; the warning leaves them out
     left_in_place = observer.remove()
     if changed is not None:
         warn(f"torchinstruments: {changed}")
-    never_ran = observer.never_ran()
+    never_ran = [name for name in observer.never_ran() if name not in twins]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
-        shown = ", ".join(repr(name) for name in never_ran[:20])
-        warn(
-            f"torchinstruments: {len(never_ran)} of {total} selected layers never ran in a "
-            f"sampled forward ({plural(observer.counter.samples, 'sample')}), so they have no rows: "
-            f"{shown}"
-            + (" ..." if len(never_ran) > 20 else "")
-            + " (see the Layers section of index.md)"
-        )
+        warn(never_ran_warning(never_ran, total, observer.counter.samples))
     counts = observer.counts()
     if counts.samples == 0 and observer.layer_names:
         passed = passed_through(counts)  # a trainer's evaluation: the model was called

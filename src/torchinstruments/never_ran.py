@@ -1,0 +1,84 @@
+"""What removal says about selected layers that never ran in a sampled forward.
+
+Every such layer is listed in index.md's Layers section. The removal warning names those that
+are news: a branch not taken, a module its parent never calls, a layer that stopped running.
+It leaves out a tied twin: a layer that never ran while another selected layer of the same type,
+holding the very same parameters, ran (Hugging Face's T5 and BART keep a `shared` embedding
+whose weight their encoder's and decoder's `embed_tokens` hold and which their forward never
+calls). The same computation, on the same weights, is recorded at the twin's name, so a warning
+on every run of such a model would say nothing a user can act on, and teach them to ignore the
+warning that does. A note in index.md names each twin. Same type is required: GPT-2's `lm_head`
+holds `wte`'s weight but computes something else, so an `lm_head` that never ran is warned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from torchinstruments.compilation import named_modules_uncompiled
+from torchinstruments.rundir.ranges import plural
+
+__all__ = ["never_ran_warning", "tied_note", "tied_twins"]
+
+_SHOWN = 20  # names a warning or note lists
+
+
+def _related(name: str, other: str) -> bool:
+    """Whether one of two module names holds the other (or they are the same)."""
+    return name == other or other.startswith(f"{name}.") or name.startswith(f"{other}.") or not name
+
+
+def tied_twins(model: nn.Module, never: Sequence[str], ran: Sequence[str]) -> dict[str, list[str]]:
+    """For each layer of `never` that has a tied twin among `ran` (see the module), the twins.
+
+    Twins are distinct modules, neither inside the other, of the same type, and every parameter
+    of the idle layer (it has at least one) is held by one of them."""
+    modules = dict(named_modules_uncompiled(model))
+    found: dict[str, list[str]] = {}
+    for name in never:
+        module = modules.get(name)
+        if module is None:  # taken out of the model after injection: said elsewhere
+            continue
+        params = {id(p) for p in module.parameters()}
+        if not params:
+            continue
+        twins = [
+            other
+            for other in ran
+            if not _related(name, other)
+            and type(modules.get(other)) is type(module)
+            and params & {id(p) for p in modules[other].parameters()}
+        ]
+        held = set().union(*({id(p) for p in modules[t].parameters()} for t in twins))
+        if twins and params <= held:
+            found[name] = twins
+    return found
+
+
+def tied_note(twins: Mapping[str, list[str]]) -> str | None:
+    """index.md's note on the tied twins that never ran (None when there are none)."""
+    if not twins:
+        return None
+    shown = [
+        f"{name!r} (as {', '.join(repr(t) for t in ts)})"
+        for name, ts in list(twins.items())[:_SHOWN]
+    ]
+    more = f" ... ({len(twins) - _SHOWN} more)" if len(twins) > _SHOWN else ""
+    return (
+        f"Tied weights: {plural(len(twins), 'selected layer')} never ran in a sampled forward, "
+        "but a layer of the same type holding the same parameters did, and has the rows of "
+        f"that computation: {', '.join(shown)}{more}. They are not warned about at removal."
+    )
+
+
+def never_ran_warning(never: Sequence[str], total: int, samples: int) -> str:
+    """The removal warning naming the selected layers that never ran (none a tied twin)."""
+    shown = ", ".join(repr(name) for name in never[:_SHOWN])
+    return (
+        f"torchinstruments: {len(never)} of {total} selected layers never ran in a sampled "
+        f"forward ({plural(samples, 'sample')}), so they have no rows: {shown}"
+        + (" ..." if len(never) > _SHOWN else "")
+        + " (see the Layers section of index.md)"
+    )

@@ -34,26 +34,29 @@ def tied_twins(model: nn.Module, never: Sequence[str], ran: Sequence[str]) -> di
     """For each layer of `never` that has a tied twin among `ran` (see the module), the twins.
 
     Twins are distinct modules, neither inside the other, of the same type, and every parameter
-    of the idle layer (it has at least one) is held by one of them."""
+    of the idle layer (it has at least one) is held by one of them. One pass over the layers
+    that ran maps each parameter to its holders, so a model of many layers costs one walk."""
     modules = dict(named_modules_uncompiled(model))
+    holders: dict[int, list[str]] = {}
+    for name in ran:
+        if (module := modules.get(name)) is not None:
+            for param in module.parameters():
+                holders.setdefault(id(param), []).append(name)
     found: dict[str, list[str]] = {}
     for name in never:
         module = modules.get(name)
-        if module is None:  # taken out of the model after injection: said elsewhere
+        params = [] if module is None else [id(p) for p in module.parameters()]
+        if not params:  # None: taken out of the model after injection, said elsewhere
             continue
-        params = {id(p) for p in module.parameters()}
-        if not params:
-            continue
-        twins = [
-            other
-            for other in ran
-            if not _related(name, other)
-            and type(modules.get(other)) is type(module)
-            and params & {id(p) for p in modules[other].parameters()}
-        ]
-        held = set().union(*({id(p) for p in modules[t].parameters()} for t in twins))
-        if twins and params <= held:
-            found[name] = twins
+        twins = {
+            other: None
+            for param in params
+            for other in holders.get(param, ())
+            if type(modules[other]) is type(module) and not _related(name, other)
+        }
+        held = {id(p) for twin in twins for p in modules[twin].parameters()}
+        if twins and held.issuperset(params):
+            found[name] = list(twins)
     return found
 
 

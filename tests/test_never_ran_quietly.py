@@ -155,3 +155,50 @@ def test_twins_that_both_never_ran_are_warned(tmp_path: Path) -> None:
     assert "2 of 3 selected layers never ran" in warned[0]
     assert "'shared', 'embed'" in warned[0]
     assert "Tied weights" not in (tmp_path / "run" / "index.md").read_text()
+
+
+class Residual(nn.Module):
+    """Calls `drop` only `if self.use_res_connect`, as torchvision's MBConv calls its
+    stochastic depth, and `extra` only under a setting that is true."""
+
+    def __init__(self, use_res_connect: bool) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.1)
+        self.extra = nn.Tanh()
+        self.use_res_connect = use_res_connect
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        if self.use_res_connect:
+            out = self.drop(out) + x
+        if self.use_extra and out.shape[0] > 100:  # not a plain setting: a real branch
+            out = self.extra(out)
+        return out
+
+
+def test_a_layer_switched_off_by_its_parents_setting_is_noted_not_warned(tmp_path: Path) -> None:
+    model = nn.Sequential(Residual(use_res_connect=False), Residual(use_res_connect=True))
+    warned = observed_steps(model, tmp_path / "run", sum_backward(torch.randn(3, 4)))
+    assert len(warned) == 1
+    assert "2 of 6 selected layers never ran" in warned[0]
+    assert "'0.extra', '1.extra'" in warned[0]
+    assert "'0.drop'" not in warned[0]
+    index = (tmp_path / "run" / "index.md").read_text()
+    assert "Switched off: 1 selected layer never ran" in index
+    assert "'0.drop' (0.use_res_connect)" in index
+
+
+def test_efficientnet_and_googlenet_in_eval_warn_nothing(tmp_path: Path) -> None:
+    """EfficientNet's first block of each stage has no residual, so its stochastic depth is
+    never called; GoogLeNet calls its auxiliary heads only in training."""
+    torchvision = pytest.importorskip("torchvision")
+    efficientnet = torchvision.models.efficientnet_b0(num_classes=4).eval()
+    googlenet = torchvision.models.googlenet(num_classes=4, init_weights=False).eval()
+    x = torch.randn(1, 3, 64, 64)
+    for index, model in enumerate([efficientnet, googlenet]):
+        assert observed_steps(model, tmp_path / f"run{index}", lambda m: m(x), steps=1) == []
+    index_md = (tmp_path / "run0" / "index.md").read_text()
+    assert "'features.1.0.stochastic_depth' (features.1.0.use_res_connect)" in index_md
+    assert "'aux1.fc1' (training)" in (tmp_path / "run1" / "index.md").read_text()

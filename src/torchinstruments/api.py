@@ -39,7 +39,13 @@ from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
-from torchinstruments.never_ran import never_ran_warning, tied_note, tied_twins
+from torchinstruments.never_ran import (
+    never_ran_warning,
+    switched_off_layers,
+    switched_off_note,
+    tied_note,
+    tied_twins,
+)
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
@@ -250,12 +256,14 @@ def remove_observer(model: nn.Module) -> Path | None:
         observer.notes.append(changed)  # before the removal, which writes index.md
     idle = observer.never_ran()
     twins = tied_twins(model, idle, [name for name in observer.layer_names if name not in idle])
-    if (tied := tied_note(twins)) is not None:
-        observer.notes.append(tied)  # index.md names them; the warning leaves them out
+    off = switched_off_layers(model, [name for name in idle if name not in twins])
+    for note in (tied_note(twins), switched_off_note(off)):
+        if note is not None:
+            observer.notes.append(note)  # index.md names them; the warning leaves them out
     left_in_place = observer.remove()
     if changed is not None:
         warn(f"torchinstruments: {changed}")
-    never_ran = [name for name in observer.never_ran() if name not in twins]
+    never_ran = [name for name in observer.never_ran() if name not in twins and name not in off]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
         warn(never_ran_warning(never_ran, total, observer.counter.samples))

@@ -9,6 +9,13 @@ calls). The same computation, on the same weights, is recorded at the twin's nam
 on every run of such a model would say nothing a user can act on, and teach them to ignore the
 warning that does. A note in index.md names each twin. Same type is required: GPT-2's `lm_head`
 holds `wte`'s weight but computes something else, so an `lm_head` that never ran is warned.
+
+It leaves out, too, a layer switched off: one its parent calls only under a plain bool setting
+of the parent's own that is false at removal (`selection.switched_off`): torchvision's MBConv
+calls its `stochastic_depth` only `if self.use_res_connect`, false in the first block of each
+EfficientNet stage, and Inception calls `AuxLogits` only `if self.training`, so neither can run
+in those blocks or in eval. index.md notes each with its setting. A layer under a setting that
+is true, or called in any other way, is warned as before.
 """
 
 from __future__ import annotations
@@ -19,8 +26,15 @@ from torch import nn
 
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.rundir.ranges import plural
+from torchinstruments.selection import switched_off
 
-__all__ = ["never_ran_warning", "tied_note", "tied_twins"]
+__all__ = [
+    "never_ran_warning",
+    "switched_off_layers",
+    "switched_off_note",
+    "tied_note",
+    "tied_twins",
+]
 
 _SHOWN = 20  # names a warning or note lists
 
@@ -73,6 +87,41 @@ def tied_note(twins: Mapping[str, list[str]]) -> str | None:
         f"Tied weights: {plural(len(twins), 'selected layer')} never ran in a sampled forward, "
         "but a layer of the same type holding the same parameters did, and has the rows of "
         f"that computation: {', '.join(shown)}{more}. They are not warned about at removal."
+    )
+
+
+def switched_off_layers(model: nn.Module, never: Sequence[str]) -> dict[str, str]:
+    """For each layer of `never` that a parent calls only under a false setting (see the
+    module), or that lies inside such a module (GoogLeNet's `aux1.fc1`), that setting, as
+    `parent.setting`."""
+    modules = dict(named_modules_uncompiled(model))
+    found: dict[str, str] = {}
+    offs: dict[str, dict[str, str]] = {}  # per parent, read once
+    for name in never:
+        parts = name.split(".") if name else []
+        for end in range(len(parts), 0, -1):  # the layer, then each module holding it
+            parent, child = ".".join(parts[: end - 1]), parts[end - 1]
+            if (holder := modules.get(parent)) is None:
+                break
+            if parent not in offs:
+                offs[parent] = switched_off(holder)
+            if (setting := offs[parent].get(child)) is not None:
+                found[name] = f"{parent}.{setting}" if parent else setting
+                break
+    return found
+
+
+def switched_off_note(settings: Mapping[str, str]) -> str | None:
+    """index.md's note on the switched-off layers that never ran (None when there are none)."""
+    if not settings:
+        return None
+    shown = [f"{name!r} ({setting})" for name, setting in list(settings.items())[:_SHOWN]]
+    more = f" ... ({len(settings) - _SHOWN} more)" if len(settings) > _SHOWN else ""
+    return (
+        f"Switched off: {plural(len(settings), 'selected layer')} never ran in a sampled "
+        "forward, and cannot as the model stands: the parent calls each only under a setting "
+        f"of its own that is false (named here): {', '.join(shown)}{more}. They are not "
+        "warned about at removal."
     )
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "parameter_holders",
     "select_focus_layers",
     "select_layers",
+    "switched_off",
 ]
 
 Selector = Callable[[str, nn.Module], bool]
@@ -226,6 +227,79 @@ def _read_self_attributes(
                     found.add(node.attr)
         elif isinstance(holder, ast.Name) and holder.id == "self" and id(node) not in inner:
             reads.update(dict.fromkeys({node.attr} & names))  # itself: called, passed, aliased
+
+
+def switched_off(module: nn.Module) -> dict[str, str]:
+    """The children `module` calls only under a setting of its own that is now false: each is
+    named with that setting (`use_res_connect` for torchvision's MBConv `stochastic_depth`,
+    `training` for Inception's `AuxLogits` in eval). Every use of such a child in the class's
+    methods (outside `__init__`) is a call `self.<child>(...)` inside `if self.<setting>:`, or a
+    test `self.<child> is None` / `is not None`; a child used any other way is not named, nor
+    is one under a setting that is not a plain bool. Read from the source, once per class;
+    empty where it cannot be read."""
+    children = frozenset(name for name, _ in module.named_children())
+    if not children:
+        return {}
+    found: dict[str, str] = {}
+    for child, settings in _guarded_calls(type(module), children).items():
+        values = [getattr(module, setting, None) for setting in settings]
+        if settings and all(value is False for value in values):
+            found[child] = settings[0]
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _guarded_calls(cls: type, names: frozenset[str]) -> dict[str, tuple[str, ...]]:
+    """Per child of `names` whose every use in the methods of `cls` is a guarded call (see
+    `switched_off`): the settings guarding its calls; a child used otherwise is left out."""
+    guards: dict[str, set[str] | None] = {}
+    try:
+        for klass in cls.__mro__:
+            if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
+                continue
+            for method, member in vars(klass).items():
+                for function in _functions(member):
+                    if method != "__init__" and names & _code_names(function.__code__):
+                        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+                        _guarded_uses(tree, names, guards)
+    except Exception:  # no source (OSError), unparsable, or unreadable members
+        return {}
+    return {name: tuple(sorted(found)) for name, found in guards.items() if found}
+
+
+def _self_attribute(node: ast.AST) -> str | None:
+    """`x` for a node `self.x`, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.attr if node.value.id == "self" else None
+    return None
+
+
+def _guarded_uses(tree: ast.AST, names: frozenset[str], guards: dict[str, set[str] | None]) -> None:
+    """Adds one method's uses of `self.<name>` to `guards`: the setting of the innermost
+    `if self.<setting>:` around each call, None for any other use (see `switched_off`)."""
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        name = _self_attribute(node)
+        if name not in names or isinstance(getattr(node, "ctx", None), ast.Store):
+            continue
+        parent = parents.get(id(node))
+        if isinstance(parent, ast.Compare) and all(
+            isinstance(op, ast.Is | ast.IsNot) for op in parent.ops
+        ):
+            continue  # `self.<child> is None`: a test, not a use
+        setting = None
+        if isinstance(parent, ast.Call) and parent.func is node:
+            inner: ast.AST = parent
+            while (above := parents.get(id(inner))) is not None:
+                if isinstance(above, ast.If) and any(inner is item for item in above.body):
+                    setting = _self_attribute(above.test)
+                    break
+                inner = above
+        found = guards.setdefault(name, set())
+        if setting is None or found is None:
+            guards[name] = None
+        else:
+            found.add(setting)
 
 
 def _computes(module: nn.Module) -> bool:

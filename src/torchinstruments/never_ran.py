@@ -1,8 +1,7 @@
 """What removal says about selected layers that never ran in a sampled forward.
 
 Every such layer is listed in index.md's Layers section. The removal warning names those that
-are news: a branch not taken, a module its parent never calls, a layer that stopped running.
-It leaves out a tied twin: a layer that never ran while another selected layer of the same type,
+are news: a branch not taken, a module its parent never calls. It leaves out a tied twin: a layer that never ran while another selected layer of the same type,
 holding the very same parameters, ran (Hugging Face's T5 and BART keep a `shared` embedding
 whose weight their encoder's and decoder's `embed_tokens` hold and which their forward never
 calls). The same computation, on the same weights, is recorded at the twin's name, so a warning
@@ -41,7 +40,9 @@ _SHOWN = 20  # names a warning or note lists
 
 def _related(name: str, other: str) -> bool:
     """Whether one of two module names holds the other (or they are the same)."""
-    return name == other or other.startswith(f"{name}.") or name.startswith(f"{other}.") or not name
+    if not name or not other:  # the root holds every module
+        return True
+    return name == other or other.startswith(f"{name}.") or name.startswith(f"{other}.")
 
 
 def tied_twins(model: nn.Module, never: Sequence[str], ran: Sequence[str]) -> dict[str, list[str]]:

@@ -39,13 +39,7 @@ from torchinstruments.global_statistics import GlobalOption
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
-from torchinstruments.never_ran import (
-    never_ran_warning,
-    switched_off_layers,
-    switched_off_note,
-    tied_note,
-    tied_twins,
-)
+from torchinstruments.never_ran import cannot_run, never_ran_warning
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
@@ -255,18 +249,14 @@ def remove_observer(model: nn.Module) -> Path | None:
     if changed is not None:
         observer.notes.append(changed)  # before the removal, which writes index.md
     idle = observer.never_ran()
-    try:  # reading the model must not fail a removal: then every such layer is warned
-        twins = tied_twins(model, idle, [name for name in observer.layer_names if name not in idle])
-        off = switched_off_layers(model, [name for name in idle if name not in twins])
-    except Exception:
-        twins, off = {}, {}
-    for note in (tied_note(twins), switched_off_note(off)):
-        if note is not None:
-            observer.notes.append(note)  # index.md names them; the warning leaves them out
+    quiet, notes = cannot_run(
+        model, idle, [name for name in observer.layer_names if name not in idle]
+    )
+    observer.notes.extend(notes)  # index.md names them; the warning leaves them out
     left_in_place = observer.remove()
     if changed is not None:
         warn(f"torchinstruments: {changed}")
-    never_ran = [name for name in observer.never_ran() if name not in twins and name not in off]
+    never_ran = [name for name in observer.never_ran() if name not in quiet]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
         warn(never_ran_warning(never_ran, total, observer.counter.samples))

@@ -28,6 +28,7 @@ from torchinstruments.rundir.ranges import plural
 from torchinstruments.selection import switched_off
 
 __all__ = [
+    "cannot_run",
     "never_ran_warning",
     "switched_off_layers",
     "switched_off_note",
@@ -135,3 +136,18 @@ def never_ran_warning(never: Sequence[str], total: int, samples: int) -> str:
         + (" ..." if len(never) > _SHOWN else "")
         + " (see the Layers section of index.md)"
     )
+
+
+def cannot_run(
+    model: nn.Module, never: Sequence[str], ran: Sequence[str]
+) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The layers among `never` the model cannot run as it stands (tied twins, layers switched
+    off by a setting), and index.md's notes naming them: the removal's warning leaves them out.
+    Reading the model never fails a removal: where it fails, every such layer is warned."""
+    try:
+        twins = tied_twins(model, never, ran)
+        off = switched_off_layers(model, [name for name in never if name not in twins])
+    except Exception:
+        twins, off = {}, {}
+    notes = tuple(note for note in (tied_note(twins), switched_off_note(off)) if note is not None)
+    return frozenset((*twins, *off)), notes

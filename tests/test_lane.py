@@ -363,7 +363,8 @@ def test_the_copy_keeps_the_values_as_they_were() -> None:
     tensor = torch.arange(6.0).reshape(2, 3).t()
     copy = lane.copy_values(tensor)
     tensor.mul_(0)
-    assert copy.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+    assert copy.shape == (3, 2)
+    assert copy.ravel().tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
 
 
 def chain(depth: int) -> nn.Sequential:
@@ -505,23 +506,32 @@ def test_a_sampled_forward_keeps_few_objects_for_the_collector_per_tensor(
     assert during / 300 < 5.4, during
 
 
-def test_a_lane_copy_waits_for_its_pass_untracked_by_the_collector() -> None:
+def test_a_lane_copy_waits_for_its_pass_as_objects_the_collector_does_not_track() -> None:
     """A lane copy waits in its pass's list from the layer's return (or its gradient's arrival)
-    to the pass's end, through the collections a long forward or backward runs. It holds only
-    untracked objects (its key is the entry before it), so the collector stops tracking it at
-    the first one and a 3,000-layer step promotes a copy fewer per tensor into the oldest
-    generation."""
+    to the pass's end, through the collections a long forward or backward runs. Besides its key
+    (the entry before it) it is its time, its copy (in the tensor's shape) and its focus, none
+    of them tracked by the collector from the start: a 3,000-layer step's collections neither
+    count nor promote an object per tensor for it (a tuple of them was one until the first
+    collection that met it)."""
     key = TensorKey(0, 0, LayerInfo("l", "Linear"), 0, "output", "", "train", True)
     spare = SpareCore()
-    entries = transfer.launch(Measurer(None), key, torch.randn(4, 8), False, spare)
+    tensor = torch.randn(8, 4).t()  # not contiguous: the copy is in C order, in its shape
+    entries = transfer.launch(Measurer(None), key, tensor, False, spare)
     assert entries[0] is key
-    assert type(entries[1]) is tuple
-    gc.collect()
-    assert not gc.is_tracked(entries[1])
+    assert len(entries) == 4
+    assert not any(gc.is_tracked(entry) for entry in entries[1:])
+    copy = entries[2]
+    assert isinstance(copy, np.ndarray)
+    assert copy.shape == (4, 8)
+    assert copy.ravel().tolist() == tensor.reshape(-1).tolist()
     (record,) = transfer.build_records("output", list(entries), DEFAULT_METRICS, None, spare)
     assert isinstance(record.measurements, MeasurementBlock)
     assert record.measurements.layers == ("l",)
     assert record.measurements.shapes == ((4, 8),)
+    got = dict(zip(DEFAULT_METRICS, record.measurements.values, strict=True))
+    values = tensor.double().numpy()
+    assert (got["min"], got["max"]) == (values.min(), values.max())
+    assert got["mean"] == pytest.approx(values.mean(), abs=1e-6)
 
 
 def test_a_block_is_a_sequence_of_the_measurements_it_holds() -> None:

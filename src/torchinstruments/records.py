@@ -20,6 +20,7 @@ __all__ = [
     "OUTPUT",
     "OUTPUT_GRADIENT",
     "SIGNALS",
+    "Columns",
     "HistogramRecord",
     "LayerInfo",
     "Measurement",
@@ -109,6 +110,18 @@ class Measurement:
     population: str | None = None
 
 
+# The tensors of a block before it is made, one list per field: their keys, timestamps_us,
+# shapes, dtypes, placements and mesh coordinates (`MeasurementBlock.of_keys`).
+Columns = tuple[
+    list[TensorKey],
+    list[int],
+    list[tuple[int, ...] | None],
+    list[str],
+    list[str | None],
+    list[tuple[int, ...] | None],
+]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class MeasurementBlock(Sequence[Measurement]):
     """The measurements of one sample and signal, held column by column.
@@ -142,6 +155,42 @@ class MeasurementBlock(Sequence[Measurement]):
     values: tuple[float | None, ...]
     reasons: tuple[str | None, ...]
     step: int | None = None  # the sample's step (see `Measurement.step`)
+
+    @classmethod
+    def of_keys(
+        cls,
+        columns: Columns,
+        values: Sequence[float | None],
+        reasons: Sequence[str | None],
+        signal: str,
+        rank: int | None,
+        metrics: tuple[str, ...],
+    ) -> MeasurementBlock:
+        """The block of one sample's tensors (`columns`, whose keys are all of that sample) and
+        their metrics' `values` and `reasons` (row-major), in tuples: no sink can change what
+        another sink receives."""
+        keys, stamps, shapes, dtypes, placements, meshes = columns
+        return cls(
+            sample_id=keys[0].sample_id,
+            forward_index=keys[0].forward_index,
+            signal=signal,
+            rank=rank,
+            metrics=metrics,
+            timestamps_us=tuple(stamps),
+            layers=tuple([key.layer.name for key in keys]),
+            module_types=tuple([key.layer.module_type for key in keys]),
+            call_indices=tuple([key.call_index for key in keys]),
+            tensor_paths=tuple([key.tensor_path for key in keys]),
+            shapes=tuple(shapes),
+            dtypes=tuple(dtypes),
+            modes=tuple([key.mode for key in keys]),
+            grad_enabled=tuple([key.grad_enabled for key in keys]),
+            placements=tuple(placements),
+            mesh_coordinates=tuple(meshes),
+            values=tuple(values),
+            reasons=tuple(reasons),
+            step=keys[0].step,
+        )
 
     def __len__(self) -> int:
         return len(self.layers)

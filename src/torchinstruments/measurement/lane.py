@@ -53,12 +53,12 @@ def takes(tensor: torch.Tensor) -> bool:
 
 
 def copy_values(tensor: torch.Tensor) -> np.ndarray:
-    """A flat copy of the values as they are now (C order, whatever the tensor's strides).
+    """A copy of the values as they are now, in the tensor's shape (C order whatever its strides).
 
     `numpy(force=True)` detaches a tensor that requires grad; on a plain CPU float32 tensor it
-    is a view (the four dispatcher calls it makes return the tensor itself), `flatten` the copy.
+    is a view (the four dispatcher calls it makes return the tensor itself), `copy` the copy.
     """
-    return tensor.numpy(force=True).flatten()
+    return tensor.numpy(force=True).copy()
 
 
 def measure(

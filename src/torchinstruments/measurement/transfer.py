@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,11 +30,16 @@ from torchinstruments._torch_internals import (
 from torchinstruments.measurement import histograms, lane, numerics, paths, tensors
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
 from torchinstruments.measurement.reducers import Measurer, PendingReduction
-from torchinstruments.records import HistogramRecord, MeasurementBlock, SampleRecord, TensorKey
+from torchinstruments.records import (
+    Columns,
+    HistogramRecord,
+    MeasurementBlock,
+    SampleRecord,
+    TensorKey,
+)
 from torchinstruments.spare_core import Deferred, SpareCore, results
 
 __all__ = [
-    "LaneCopy",
     "Launched",
     "Measured",
     "PendingTensor",
@@ -106,12 +112,6 @@ def _outside_torch_func() -> contextlib.AbstractContextManager[object]:
     return functorch_disabled() if functorch_active() else contextlib.nullcontext()
 
 
-# A tensor the small-tensor lane took (after its key in a pass's list): when it was measured, its
-# values' copy, its focus and its sizes. It holds no object the garbage collector tracks, so the
-# collector stops tracking it at once instead of promoting it with the pass's survivors.
-LaneCopy = tuple[int, np.ndarray, bool, *tuple[int, ...]]
-
-
 @dataclass(frozen=True, slots=True)
 class Measured:
     """A plain CPU tensor measured as it was launched (`numerics.measure_on_cpu`), when the
@@ -127,16 +127,20 @@ class Measured:
     histogram: list[float] | None
 
 
-# The entries `launch` gives for one tensor (a lane copy is two: its key, then its `LaneCopy`);
-# `build_records` takes a pass's list of them.
-Launched = PendingTensor | TensorKey | LaneCopy | Measured | Deferred[Measured | PendingTensor]
+# The entries `launch` gives for one tensor; `build_records` takes a pass's list of them. A
+# tensor the small-tensor lane took is four: its key, when it was measured, its values' copy (in
+# its shape) and its focus. No tuple of them: the three are objects the garbage collector does
+# not track, where a tuple was one more per tensor that counted towards its collections.
+Launched = (
+    PendingTensor | TensorKey | int | np.ndarray | Measured | Deferred[Measured | PendingTensor]
+)
 
 
 def launch(
     measurer: Measurer, key: TensorKey, tensor: torch.Tensor, focus: bool, spare: SpareCore
 ) -> tuple[Launched, ...]:
     """Launch the measurement of one tensor: the small-tensor lane's copy where the lane takes
-    it (`lane`: the key, then a `LaneCopy`), a plain CPU tensor measured now or on the spare
+    it (`lane`: the key, its time, the copy, its focus), a plain CPU tensor measured now or on the spare
     core (`Measured`, `Deferred`), else the general path's reductions (`launch_tensor`). The key
     is the output's, also for its gradient: the signal is the one `build_records` is given."""
     metrics = measurer.default_only
@@ -146,7 +150,7 @@ def launch(
             if path == "lane":
                 copy = lane.copy_values(tensor)
                 if spare.hold(_held_bytes(copy.size)):  # else the lane keeps enough: now
-                    return key, (time.time_ns() // 1000, copy, focus, *tensor.shape)
+                    return key, time.time_ns() // 1000, copy, focus
                 path = "host"
             if path == "host" and _measured_here(tensor):
                 return (spare.run(partial(_measure, measurer, key, focus, time.time_ns()), tensor),)
@@ -196,14 +200,15 @@ def build_records(
     them into one record per sample, in launch order."""
     try:
         ready = results(launched)
-        copies = [item for item in ready if type(item) is tuple]
+        at = [i for i, item in enumerate(ready) if type(item) is np.ndarray]  # the lane's copies
         with spare.buffers() as buffers:
-            focus = [copy[2] for copy in copies]
+            flat = [cast(np.ndarray, ready[i]).reshape(-1) for i in at]
+            focus = [cast(bool, ready[i + 1]) for i in at]
             lane_values, lane_why, lane_vectors = lane.measure(
-                [copy[1] for copy in copies], metrics, focus, DEFAULT_BINS, buffers
+                flat, metrics, focus, DEFAULT_BINS, buffers
             )
     finally:  # the lane's copies are dropped with the pass, however it ends
-        kept = (item[1].size for item in launched if type(item) is tuple)
+        kept = (item.size for item in launched if type(item) is np.ndarray)
         spare.release(sum(_held_bytes(numel) for numel in kept))
     done_values: list[float | None] = []  # the `Measured` tensors' metrics, derived together
     done_why: list[str | None] = []
@@ -215,92 +220,64 @@ def build_records(
     k = len(metrics)
     values: list[float | None] = []
     why: list[str | None] = []
-    entries: list[_Entry] = []
+    # One list per field (`MeasurementBlock.of_keys`), not a tuple per tensor: a 3,000-layer
+    # pass made 3,000 tuples that held a key (tracked by the collector) and 3,000 iterators to
+    # transpose them, promoted into its oldest generation by the collections the pass ran.
+    columns: Columns = ([], [], [], [], [], [])
+    keys, stamps, shapes_of, dtypes, placements, meshes = columns
     counted: dict[int, list[HistogramRecord]] = {}  # by sample, in launch order
     # One tuple per distinct shape: a block waits in the history buffer until a part takes it,
     # and each tuple is an object the garbage collector scans until then.
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     lane_at = done_at = 0
-    lane_keys = [item for item in ready if isinstance(item, TensorKey)]  # each before its copy
-    for item in ready:
-        if isinstance(item, TensorKey):  # a lane copy's, which comes next
-            continue
+    for position, item in enumerate(ready):
         if isinstance(item, PendingTensor):
             resolved, crossed = item.reduction.resolve(next(host)), next(host)
             values += [value.value for value in resolved]
             why += [value.reason for value in resolved]
             vector = crossed if isinstance(item.histogram, torch.Tensor) else item.histogram
-            where = (item.placement, item.mesh_coordinate)
-            entry = (item.key, item.timestamp_us, item.shape, item.dtype, *where)
-        elif isinstance(item, Measured):
-            values += done_values[done_at * k : (done_at + 1) * k]
-            why += done_why[done_at * k : (done_at + 1) * k]
-            done_at, vector, shape = done_at + 1, item.histogram, item.shape
+            key, shape, dtype, stamp = item.key, item.shape, item.dtype, item.timestamp_us
+            placements.append(item.placement)
+            meshes.append(item.mesh_coordinate)
+        elif isinstance(item, Measured | np.ndarray):
+            if isinstance(item, Measured):
+                values += done_values[done_at * k : (done_at + 1) * k]
+                why += done_why[done_at * k : (done_at + 1) * k]
+                done_at, vector, shape, key = done_at + 1, item.histogram, item.shape, item.key
+                dtype, stamp = item.dtype, item.timestamp_us
+            else:  # a lane copy, after its key and time
+                values += lane_values[lane_at * k : (lane_at + 1) * k]
+                why += lane_why[lane_at * k : (lane_at + 1) * k]
+                vector, shape, key = lane_vectors[lane_at], item.shape, ready[position - 2]
+                dtype, stamp, lane_at = "float32", cast(int, ready[position - 1]), lane_at + 1
+                key = cast(TensorKey, key)
             shape = shapes.setdefault(shape, shape)
-            entry = (item.key, item.timestamp_us, shape, item.dtype, None, None)
-        else:
-            values += lane_values[lane_at * k : (lane_at + 1) * k]
-            why += lane_why[lane_at * k : (lane_at + 1) * k]
-            vector, shape, key = lane_vectors[lane_at], item[3:], lane_keys[lane_at]
-            entry = (key, item[0], shapes.setdefault(shape, shape), "float32", None, None)
-            lane_at += 1
-        entries.append(entry)
-        made = None if vector is None else histograms.record(vector, DEFAULT_BINS, entry[0], signal)
+            placements.append(None)
+            meshes.append(None)
+        else:  # a lane copy's key, time or focus
+            continue
+        keys.append(key)
+        stamps.append(stamp)
+        shapes_of.append(shape)
+        dtypes.append(dtype)
+        made = None if vector is None else histograms.record(vector, DEFAULT_BINS, key, signal)
         if made is not None:
             counted.setdefault(made.sample_id, []).append(made)
     by_sample: dict[int, list[int]] = {}
-    for position, entry in enumerate(entries):
-        by_sample.setdefault(entry[0].sample_id, []).append(position)
+    for position, key in enumerate(keys):
+        by_sample.setdefault(key.sample_id, []).append(position)
     records = []
     for sample_id, positions in by_sample.items():
-        if len(positions) == len(entries):  # the usual case: one sample
-            chosen, block_values, block_why = entries, values, why
+        if len(positions) == len(keys):  # the usual case: one sample
+            chosen, block_values, block_why = columns, values, why
         else:
-            chosen = [entries[p] for p in positions]
+            chosen = cast(Columns, tuple([column[p] for p in positions] for column in columns))
             block_values = [v for p in positions for v in values[p * k : (p + 1) * k]]
             block_why = [r for p in positions for r in why[p * k : (p + 1) * k]]
-        block = _block(chosen, block_values, block_why, sample_id, signal, rank, metrics)
+        block = MeasurementBlock.of_keys(chosen, block_values, block_why, signal, rank, metrics)
         made_here = tuple(counted.get(sample_id, ()))
         records.append(SampleRecord(signal, sample_id, block.forward_index, block, made_here))
     return records
-
-
-# (key, timestamp_us, shape, dtype, placement, mesh_coordinate) of one tensor of a block.
-_Entry = tuple[TensorKey, int, tuple[int, ...] | None, str, str | None, tuple[int, ...] | None]
-
-
-def _block(
-    entries: Sequence[_Entry],
-    values: list[float | None],
-    why: list[str | None],
-    sample_id: int,
-    signal: str,
-    rank: int | None,
-    metrics: tuple[str, ...],
-) -> MeasurementBlock:
-    """One sample's block, in tuples: no sink can change what another sink receives."""
-    keys, stamps, shapes, dtypes, placements, meshes = zip(*entries, strict=True)
-    return MeasurementBlock(
-        sample_id=sample_id,
-        forward_index=keys[0].forward_index,
-        signal=signal,
-        rank=rank,
-        metrics=metrics,
-        timestamps_us=stamps,
-        layers=tuple([key.layer.name for key in keys]),
-        module_types=tuple([key.layer.module_type for key in keys]),
-        call_indices=tuple([key.call_index for key in keys]),
-        tensor_paths=tuple([key.tensor_path for key in keys]),
-        shapes=shapes,
-        dtypes=dtypes,
-        modes=tuple([key.mode for key in keys]),
-        grad_enabled=tuple([key.grad_enabled for key in keys]),
-        placements=placements,
-        mesh_coordinates=meshes,
-        values=tuple(values),
-        reasons=tuple(why),
-        step=keys[0].step,
-    )
 
 
 def _to_host(pending: Sequence[PendingTensor]) -> list[list[float]]:

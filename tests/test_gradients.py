@@ -207,3 +207,80 @@ def test_an_outputs_gradient_hook_is_its_key_with_every_field_of_the_key() -> No
     assert isinstance(hook, TensorKey)
     for field in dataclasses.fields(TensorKey):
         assert getattr(hook, field.name) == getattr(key, field.name), field.name
+
+
+def _recorder() -> GradientRecorder:
+    return GradientRecorder(
+        Measurer(None), None, lambda *args: None, lambda *args: None, SpareCore()
+    )
+
+
+def test_a_series_hook_is_armed_again_for_its_next_sample_once_nothing_else_holds_it() -> None:
+    """A 3,000-layer sampled step paid the collector for a new hook per output and sample; a
+    series' hook is armed again for its next sample when nothing but the recorder holds it (its
+    graph is gone), as that sample's key, with every field of it."""
+    recorder = _recorder()
+    layer = LayerInfo("block.0", "Linear")
+    first = id(  # its tensor and graph are gone at once, and the test keeps only its id
+        recorder.hook_output(
+            TensorKey(0, 0, layer, 0, "output", "", "train", True),
+            torch.randn(4, requires_grad=True) * 2,
+            False,
+        )
+    )
+    key = TensorKey(1, 5, layer, 0, "output", "", "eval", True, step=9)
+    output = torch.randn(4, requires_grad=True) * 2
+    again = recorder.hook_output(key, output, True)
+    assert id(again) == first
+    for field in dataclasses.fields(TensorKey):
+        assert getattr(again, field.name) == getattr(key, field.name), field.name
+    held = recorder.hook_output(
+        TensorKey(2, 6, layer, 0, "output", "", "train", True),
+        (torch.randn(4, requires_grad=True) * 2),
+        False,
+    )
+    assert held is not again  # `output`'s graph still holds the first: a hook of its own
+    assert (again.sample_id, again.forward_index) == (1, 5)
+
+
+def test_a_hook_an_earlier_graph_still_holds_is_not_taken_by_the_next_sample(
+    run_dir: Path,
+) -> None:
+    """A backward through an earlier sample's graph, run again after a later sample's forward
+    (retain_graph), must not reach the later sample's rows: that graph's hooks are still held
+    by it, so the later sample has hooks of its own."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    earlier = model(torch.randn(3, 4))
+    earlier.sum().backward(retain_graph=True)
+    later = model(torch.randn(3, 4))
+    (earlier.sum() * 100).backward()  # the earlier sample's second pass: not recorded
+    (later.sum() * 3).backward()
+    remove_observer(model)
+    grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0), pytest.approx(3.0)]
+
+
+def test_a_loop_holding_the_last_loss_records_each_samples_own_gradients(run_dir: Path) -> None:
+    """An ordinary loop holds the last step's loss (and graph) while it runs the next forward:
+    each sample's gradient rows are its own, compared with plain hooks on an unobserved copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    inputs = [torch.randn(11, 5) for _ in range(4)]
+    expected = [reference_output_gradients(model, x) for x in inputs]  # no update between
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    loss = None
+    for x in inputs:
+        loss = (model(x) ** 2).sum()
+        loss.backward()
+    del loss
+    remove_observer(model)
+    history = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
+    for sample_id, grads in enumerate(expected):
+        for index, grad in enumerate(grads):
+            rows = history.filter(pl.col("sample_id") == sample_id, pl.col("layer") == str(index))
+            got = dict(zip(rows["metric"], rows["value"], strict=True))
+            g = grad.double().numpy().ravel()
+            assert got["mean"] == pytest.approx(g.mean(), rel=1e-5, abs=1e-7)
+            assert got["max"] == pytest.approx(g.max(), rel=1e-6)
+            assert rows["forward_index"].unique().to_list() == [sample_id]

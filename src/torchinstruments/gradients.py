@@ -54,7 +54,7 @@ returned under `torch.no_grad()` gets no hook: no gradient can flow back through
 
 Removal inside a backward pass (`remove_observer` from a user's tensor hook or module backward
 hook): gradients that arrived before it are written, marked (`close`); a sample none of whose
-gradients had arrived yet is found through `_Awaited`, one small object per sample that its
+gradients had arrived yet is found through `Awaited`, one small object per sample that its
 hooks hold and the recorder only references weakly, so it is alive exactly while one of the
 sample's hooks is (its graph is). Each sample whose hooks are alive and not all fired is marked
 when the removal runs inside a backward pass. Design decision: which graph the running pass
@@ -101,6 +101,7 @@ from torchinstruments._torch_internals import (
 )
 from torchinstruments.capture import WarnOnce
 from torchinstruments.gradient_gaps import GradientGaps
+from torchinstruments.gradient_hooks import Awaited, GradientHook, HookSlots
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.measurement.transfer import (
@@ -134,34 +135,19 @@ MAX_LEAF_HOOKS = 64
 # retain_graph for over a thousand sampled steps) would be counted twice.
 RECENT_SAMPLES = 1024
 
-# How many samples' `_Awaited` the recorder keeps a weak reference to (the latest ones): the
+# How many samples' `Awaited` the recorder keeps a weak reference to (the latest ones): the
 # samples whose graphs can be alive at once in an ordinary loop are far fewer.
 MAX_AWAITED = 64
 
 Emit = Callable[[SampleRecord], None]
 # The marker row of a sample whose backward was cut: from one of its gradients' measurements,
-# or from its `_Awaited` when none arrived.
+# or from its `Awaited` when none arrived.
 Mark = Callable[[SampleFacts], Measurement]
 
 
 def _not_written(error: Exception) -> str:
     """The failure of handing a backward pass's gradient records to the sinks."""
     return f"recording gradients failed: {error!r}; those gradient rows are not written"
-
-
-class _Awaited:
-    """The gradients one sample awaits: how many of its outputs were hooked, how many of those
-    hooks fired. Held by the sample's hooks, weakly by the recorder (see the module docstring)."""
-
-    __slots__ = ("__weakref__", "fired", "forward_index", "hooked", "mode", "sample_id", "step")
-
-    def __init__(self, key: TensorKey) -> None:
-        self.sample_id = key.sample_id
-        self.forward_index = key.forward_index
-        self.step = key.step
-        self.mode = key.mode
-        self.hooked = 0
-        self.fired = 0
 
 
 # What index.md (and one warning) says when a backward pass batched its gradients over cotangents.
@@ -171,80 +157,6 @@ BATCHED_GRADIENTS_NOTE = (
     "its cotangents; their output_gradient rows describe the whole batch, the count of cotangents "
     "first in `shape`"
 )
-
-
-# Not a dataclass itself, so its own __slots__ are allowed (the checker reads it as one).
-class _GradientHook(TensorKey):  # type: ignore[bad-class-definition]
-    """`Tensor.register_hook` callback: records the first gradient into one sampled output
-    (or, for a tensor several sampled calls returned, a null row per call).
-
-    It is also the key of the first call that returned the tensor (`hook_output` hands it back
-    for the output's own rows): the objects that live from a sampled forward into its backward
-    are promoted to the collector's oldest generation, whose full collections a 3,000-layer
-    step pays for, so one object per hooked output, not a key and a hook. Further calls of a
-    shared output are a list made only then.
-    """
-
-    __slots__ = ("awaited", "fired", "focus", "more", "node", "recorder")
-
-    def __init__(
-        self,
-        recorder: GradientRecorder,
-        key: TensorKey,
-        focus: bool,
-        node: int | None,
-        awaited: _Awaited,
-    ) -> None:
-        super().__init__(
-            key.sample_id,
-            key.forward_index,
-            key.layer,
-            key.call_index,
-            key.signal,
-            key.tensor_path,
-            key.mode,
-            key.grad_enabled,
-            key.step,
-        )
-        self.recorder = recorder
-        self.focus = focus
-        self.more: list[tuple[TensorKey, bool]] | None = None  # later calls, same tensor
-        self.fired = False
-        # The id of the tensor's autograd node when it was hooked (None for a leaf): not the
-        # node itself, which would make a reference cycle through the node's hook dict.
-        self.node = node
-        self.awaited = awaited  # keeps the sample's `_Awaited` alive while this hook lives
-        awaited.hooked += 1
-
-    @property
-    def calls(self) -> list[tuple[TensorKey, bool]]:
-        """Every sampled call that returned the hooked tensor with this node, in order."""
-        return [(self, self.focus), *(self.more or ())]
-
-    def add_call(self, key: TensorKey, focus: bool) -> None:
-        """The same tensor, with the same autograd node, returned by one more sampled call."""
-        if self.more is None:
-            self.more = []
-        self.more.append((key, focus))
-
-    def __call__(self, grad: torch.Tensor | None) -> None:
-        # None: the pass reached the output's autograd node through another of its outputs only
-        # (`split`'s or a custom Function's piece the loss never used): no gradient arrived, so
-        # the hook waits for a pass that brings one.
-        if grad is not None and not self.fired and not self.recorder.closed:
-            self.fired = True
-            try:
-                self.recorder.launch_gradient(self, grad)
-            except Exception as error:  # never break the user's backward
-                self.recorder.warn_once(
-                    "gradient",
-                    f"recording a gradient failed: {error!r}; that gradient of sample "
-                    f"{self.sample_id} has no rows",
-                )
-            except BaseException:  # a Ctrl-C landed here: the pass raises, this sample is cut
-                self.recorder.cut_in_hook(self.awaited)
-                raise
-        return None
 
 
 class GradientRecorder:
@@ -280,16 +192,15 @@ class GradientRecorder:
         self._lock = threading.Lock()
         self._pending: list[Launched] = []  # in launch order
         self._flush_queued = False
-        self._leaf_hooks: list[
-            tuple[weakref.ref[torch.Tensor], RemovableHandle, _GradientHook]
-        ] = []
+        self._leaf_hooks: list[tuple[weakref.ref[torch.Tensor], RemovableHandle, GradientHook]] = []
         # Sampled series whose outputs (with grad enabled) did not require grad: said why.
         self.gaps = GradientGaps()
-        # The latest samples' `_Awaited`, weakly: alive while a hook of the sample is.
-        self._awaited: deque[weakref.ref[_Awaited]] = deque(maxlen=MAX_AWAITED)
+        # The latest samples' `Awaited`, weakly: alive while a hook of the sample is.
+        self._awaited: deque[weakref.ref[Awaited]] = deque(maxlen=MAX_AWAITED)
         self.batched_over_cotangents = False  # a gradient came batched (`BATCHED_GRADIENTS_NOTE`)
         # Samples whose pass raised inside one of their hooks, before its gradient was pending.
-        self._cut: list[_Awaited] = []
+        self._cut: list[Awaited] = []
+        self._hooks = HookSlots(self)  # a series' hooks, armed again for its next samples
 
     def batched_note(self) -> str | None:
         """`BATCHED_GRADIENTS_NOTE` once a gradient came batched over cotangents, else None."""
@@ -325,7 +236,7 @@ class GradientRecorder:
                     hook.add_call(key, focus)  # the same tensor and node, returned again
                     return key
                 # New, or changed in place since (a new autograd node): a hook of its own.
-                hook = _GradientHook(self, key, focus, node, self._awaited_by(key))
+                hook = self._hooks.take(series, key, focus, node, self._awaited_by(key))
                 if hook_without_handle(tensor, hook):  # a non-leaf's: never removed
                     return hook
                 handle = tensor.register_hook(hook)
@@ -340,25 +251,25 @@ class GradientRecorder:
             )
             return key
 
-    def _awaited_by(self, key: TensorKey) -> _Awaited:
-        """The `_Awaited` of `key`'s sample, or a new one for a new sample (the caller holds
+    def _awaited_by(self, key: TensorKey) -> Awaited:
+        """The `Awaited` of `key`'s sample, or a new one for a new sample (the caller holds
         the lock). Looked up from the latest: almost always the first one looked at, and two
         samples hooked on two threads at once still share one each."""
         for ref in reversed(self._awaited):
             known = ref()
             if known is not None and known.sample_id == key.sample_id:
                 return known
-        awaited = _Awaited(key)
+        awaited = Awaited(key)
         self._awaited.append(weakref.ref(awaited))
         return awaited
 
-    def _unfired_hook(self, tensor: torch.Tensor, node: int | None) -> _GradientHook | None:
+    def _unfired_hook(self, tensor: torch.Tensor, node: int | None) -> GradientHook | None:
         """Our unfired hook on `tensor` for this autograd node, if a sampled call already
         returned it (the caller holds the lock). The tensor holds its node, so the id is that
         node's; a new node comes with a new hook dict, so an old node's hook is not found."""
         for hook in tensor_hooks(tensor):
             if (
-                type(hook) is _GradientHook
+                type(hook) is GradientHook
                 and hook.recorder is self
                 and not hook.fired
                 and hook.node == node
@@ -366,7 +277,7 @@ class GradientRecorder:
                 return hook
         return None
 
-    def launch_gradient(self, hook: _GradientHook, grad: torch.Tensor) -> None:
+    def launch_gradient(self, hook: GradientHook, grad: torch.Tensor) -> None:
         """Launch the reductions of one gradient (null rows for a shared output); transferred
         when the backward pass ends."""
         if not self.batched_over_cotangents and is_legacy_batched(grad):
@@ -461,12 +372,13 @@ class GradientRecorder:
     def _all_arrived(self) -> set[int]:
         """The samples whose hooks are alive and have all fired: every gradient they can get
         arrived (the caller holds the lock). A sample not known here is not taken for whole."""
+        self._hooks.let_go()  # a kept hook nothing else holds keeps no sample alive
         live = [a for a in (ref() for ref in self._awaited) if a is not None]
         # a sample hooked on two threads at once can have several: whole only if all are
         waiting = {a.sample_id for a in live if a.fired < a.hooked}
         return {a.sample_id for a in live} - waiting
 
-    def cut_in_hook(self, awaited: _Awaited) -> None:
+    def cut_in_hook(self, awaited: Awaited) -> None:
         """A hook of `awaited`'s sample raised (a Ctrl-C inside it) before its gradient was
         launched: the pass raises with that sample's backward begun, so `heal` marks it even
         when none of its gradients is pending."""
@@ -496,7 +408,7 @@ class GradientRecorder:
         inside that pass (from a tensor hook): the records of their samples still awaiting
         gradients get `mark(...)` (a sample whose gradients all arrived is whole). Called
         inside a backward pass, each sample still awaiting some of its gradients is marked too,
-        with a record of its marker row alone when none of them had arrived (`_Awaited`).
+        with a record of its marker row alone when none of them had arrived (`Awaited`).
         Returns the ids of the samples marked.
         """
         if self.closed:
@@ -506,17 +418,19 @@ class GradientRecorder:
             cut += self._mark_awaited(mark, set(cut))
         self._remove_leaf_hooks(only_fired=False)
         self.closed = True
+        self._hooks.clear()
         return cut
 
     def _mark_awaited(self, mark: Mark, marked: set[int]) -> list[int]:
         """Emit the marker row of each sample whose hooks are alive and not all fired, unless
         in `marked` already; returns their ids."""
         with self._lock:
+            self._hooks.let_go()
             awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
         waiting = [sample for sample in awaited if sample.fired < sample.hooked]
         return self._mark_samples(mark, waiting, marked)
 
-    def _mark_samples(self, mark: Mark, samples: list[_Awaited], marked: set[int]) -> list[int]:
+    def _mark_samples(self, mark: Mark, samples: list[Awaited], marked: set[int]) -> list[int]:
         """Emit a record of its marker row alone for each of `samples` not in `marked` (which
         grows); returns their ids."""
         emitted = []
@@ -542,7 +456,7 @@ class GradientRecorder:
         self.flush(fired_leaf_hooks_first=True)
 
     def _track_leaf_hook(
-        self, tensor: torch.Tensor, handle: RemovableHandle, hook: _GradientHook
+        self, tensor: torch.Tensor, handle: RemovableHandle, hook: GradientHook
     ) -> None:
         """Remember a hook on a leaf; drop entries of dead leaves and keep at most
         `MAX_LEAF_HOOKS` unfired ones (see the module docstring)."""
@@ -580,5 +494,5 @@ class GradientRecorder:
 # inside a compiled function (a whole training step compiled) would otherwise have dynamo compile
 # the statistics and the sinks below them as they run, and compiled autograd would trace the hook
 # into the backward's graph.
-opaque_to_compilation(_GradientHook.__call__)
+opaque_to_compilation(GradientHook.__call__)
 opaque_to_compilation(GradientRecorder._end_backward)

@@ -202,8 +202,8 @@ def build_records(
         ready = results(launched)
         at = [i for i, item in enumerate(ready) if type(item) is np.ndarray]  # the lane's copies
         with spare.buffers() as buffers:
-            flat = [cast(np.ndarray, ready[i]).reshape(-1) for i in at]
-            focus = [cast(bool, ready[i + 1]) for i in at]
+            flat = [ready[i].reshape(-1) for i in at]  # type: ignore[union-attr]
+            focus: list[bool] = [ready[i + 1] for i in at]  # type: ignore[misc]
             lane_values, lane_why, lane_vectors = lane.measure(
                 flat, metrics, focus, DEFAULT_BINS, buffers
             )
@@ -231,7 +231,7 @@ def build_records(
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     lane_at = done_at = 0
     for position, item in enumerate(ready):
-        if isinstance(item, PendingTensor):
+        if type(item) is PendingTensor:  # exact types, as the lists above take them
             resolved, crossed = item.reduction.resolve(next(host)), next(host)
             values += [value.value for value in resolved]
             why += [value.reason for value in resolved]
@@ -239,8 +239,8 @@ def build_records(
             key, shape, dtype, stamp = item.key, item.shape, item.dtype, item.timestamp_us
             placements.append(item.placement)
             meshes.append(item.mesh_coordinate)
-        elif isinstance(item, Measured | np.ndarray):
-            if isinstance(item, Measured):
+        elif type(item) is Measured or type(item) is np.ndarray:
+            if type(item) is Measured:
                 values += done_values[done_at * k : (done_at + 1) * k]
                 why += done_why[done_at * k : (done_at + 1) * k]
                 done_at, vector, shape, key = done_at + 1, item.histogram, item.shape, item.key
@@ -248,9 +248,10 @@ def build_records(
             else:  # a lane copy, after its key and time
                 values += lane_values[lane_at * k : (lane_at + 1) * k]
                 why += lane_why[lane_at * k : (lane_at + 1) * k]
-                vector, shape, key = lane_vectors[lane_at], item.shape, ready[position - 2]
-                dtype, stamp, lane_at = "float32", cast(int, ready[position - 1]), lane_at + 1
-                key = cast(TensorKey, key)
+                vector, shape, lane_at = lane_vectors[lane_at], item.shape, lane_at + 1
+                key: TensorKey = ready[position - 2]  # type: ignore[assignment]
+                stamp: int = ready[position - 1]  # type: ignore[assignment]
+                dtype = "float32"
             shape = shapes.setdefault(shape, shape)
             placements.append(None)
             meshes.append(None)

@@ -31,6 +31,9 @@ from torchinstruments.records import LayerInfo, TensorKey
 __all__ = ["SLOTS_PER_SERIES", "Awaited", "GradientHook", "HookSlots", "Recorder"]
 
 SLOTS_PER_SERIES = 2
+# A free-threaded build counts some references lazily, so a count could say no one holds a hook
+# that a graph does: there, no hook is kept.
+_KEPT = SLOTS_PER_SERIES if getattr(sys, "_is_gil_enabled", lambda: True)() else 0
 
 
 def _references(slots: list[GradientHook], index: int) -> int:
@@ -155,7 +158,7 @@ class HookSlots:
                 slots[index].arm(key, focus, node, awaited)
                 return slots[index]
         hook = GradientHook(self._recorder, key, focus, node, awaited)
-        if len(slots) < SLOTS_PER_SERIES:
+        if len(slots) < _KEPT:
             slots.append(hook)
         return hook
 

@@ -22,18 +22,19 @@ Python's full garbage collections are counted in every timed window (`gc.callbac
 3,000-layer model one scans about 400,000 objects (torch's, its imports' and the model's), about
 160 ms here, and comes once the objects promoted out of the young generations reach a quarter of
 the long-lived ones. A sampled step keeps a few objects per hooked output until its backward
-(torch's hook dict, the `grad_fn`'s and the tensor's Python objects, the observer's hook, which
-is the output's key too) and promotes about seven times as many as a plain one: one full
-collection in about eight sampled steps (five before the twenty-second session), so a window of
-10 steps that starts after a collection meets one, and `--steps 40` gives the fairer rate. The
-lines `full collections` give their count and time per step by variant, and `observed/none
-without full collections` the ratio with their time taken out of both sides: what the step
-costs apart from when the collector happens to run (not a goal figure; the goal counts
-everything). Each variant's untimed step follows a full collection of its own: otherwise a
-window also pays for what was promoted before it (`inject_observer` leaves about 25,000 objects
-on this model, the variant timed before leaves its own), so which variant a collection fell into
-depended on the order and on the process (the `unsampled` step, a root call more than the plain
-one, measured 1.24 to 1.33 times it; docs/benchmarks.md, twenty-first session).
+(torch's hook dict, the `grad_fn`'s and the tensor's Python objects; the observer's hook, the
+output's key too, is made once per series and armed again) and promotes about five times as many as
+a plain one (about 9,700 objects against 1,800): one full collection in about thirteen sampled
+steps (five before the twenty-second session, six to eight before hooks were reused), so a window
+of 10 steps that starts after a collection meets at most one, and `--steps 40` gives the fairer
+rate. The lines `full collections` give their count and time per step by variant, and
+`observed/none without full collections` the ratio with their time taken out of both sides: what
+the step costs apart from when the collector happens to run (not a goal figure; the goal counts
+everything). Each variant's untimed step follows a full collection of its own: otherwise a window
+also pays for what was promoted before it (`inject_observer` leaves about 25,000 objects on this
+model, the variant timed before leaves its own), so which variant a collection fell into depended
+on the order and on the process (the `unsampled` step, a root call more than the plain one,
+measured 1.24 to 1.33 times it; docs/benchmarks.md, twenty-first session).
 
 `--buffer-memory` prints the bytes per row the history buffer holds for the 3,000-layer model's
 samples instead (tracemalloc; no part is written meanwhile).

@@ -53,6 +53,7 @@ __all__ = [
     "pause_compilation",
     "pickled_for_a_new_process",
     "queue_at_backward_end",
+    "references_counted_exactly",
     "registered_tensor_slots",
     "resume_compilation",
     "running",
@@ -141,6 +142,17 @@ def innermost_frame(thread_id: int | None) -> FrameType | None:
     returns the same frame object while that frame runs. Checked on CPython 3.11.
     """
     return None if thread_id is None else sys._current_frames().get(thread_id)
+
+
+def references_counted_exactly() -> bool:
+    """Whether this interpreter counts every reference to an object at once (a GIL build).
+
+    Why: gradient_hooks.py reuses a gradient hook only when `sys.getrefcount` says nothing but
+    its own list holds it; a free-threaded build counts some references lazily, so a count
+    could say no one holds a hook that a graph does. Relies on CPython's
+    `sys._is_gil_enabled` (3.13 and later; earlier interpreters always have the GIL).
+    """
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 
 
 def registered_tensor_slots(module: nn.Module) -> Iterator[str]:

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from torchinstruments._torch_internals import references_counted_exactly
 from torchinstruments.records import LayerInfo, TensorKey
 
 __all__ = ["SLOTS_PER_SERIES", "Awaited", "GradientHook", "HookSlots", "Recorder"]
@@ -33,7 +34,7 @@ __all__ = ["SLOTS_PER_SERIES", "Awaited", "GradientHook", "HookSlots", "Recorder
 SLOTS_PER_SERIES = 2
 # A free-threaded build counts some references lazily, so a count could say no one holds a hook
 # that a graph does: there, no hook is kept.
-_KEPT = SLOTS_PER_SERIES if getattr(sys, "_is_gil_enabled", lambda: True)() else 0
+_KEPT = SLOTS_PER_SERIES if references_counted_exactly() else 0
 
 
 def _references(slots: list[GradientHook], index: int) -> int:

@@ -158,7 +158,8 @@ def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(
     """Both attempts are real processes killed with SIGKILL at step 9: the second resumed from
     checkpoint-6 and evaluated at step 8 again before its kill, so its fit never ended. The
     repeated evaluation is still said once the run is finalized, with each attempt's evaluation
-    samples there as history holds them."""
+    samples there as history holds them; the steps it trained again are said once, by the note
+    read from history (its fit-start note on them, kept live, is superseded)."""
     out = tmp_path / "out"
     kill_when_ready(__file__, "ready", out)
     kill_when_ready(__file__, "ready", out, out / "checkpoint-6")
@@ -197,6 +198,8 @@ def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(
         f"({samples(per_attempt[0])} in attempt 0, at least {samples(per_attempt[1])} in "
         "attempt 1)"
     ) in index
+    assert "attempt 1: this fit resumed at global step 6" not in index
+    assert index.count("trained again") == 1
 
 
 def index_lines(run: Path) -> list[str]:

@@ -57,6 +57,7 @@ from torchinstruments.phases import SETUP, Phases
 from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
+from torchinstruments.rundir.repeats import resumed_training_note
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -387,16 +388,7 @@ class FitObservation:
         reached = earlier.trained
         if reached is None or reached < step:
             return
-        which = (
-            f"step {step} was trained again, so its"
-            if reached == step
-            else f"steps {step} to {reached} were trained again, so their"
-        )
-        said = (
-            f"this fit resumed at global step {step}, and earlier attempts had recorded training "
-            f"samples up to step {reached}: {which} samples appear in more than one attempt "
-            "(tell them apart by `attempt`: the latest attempt's are the training that went on)"
-        )
+        said = resumed_training_note(step, reached)
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 

@@ -54,7 +54,7 @@ from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
 from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
-from torchinstruments.rundir.repeats import killed_repeat_notes
+from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import NewerStateError, RunState, Status, write_state
 from torchinstruments.rundir.summary import write_result
@@ -149,8 +149,8 @@ def finish_run(
     if merge is not None:
         closed = close_attempts(state.attempts, merge.path)
         killed = [a.attempt for a, b in zip(state.attempts, closed, strict=True) if a != b]
-        repeats = killed_repeat_notes(merge.path, [a for a in killed if a > 0])
-        state = dataclasses.replace(state, attempts=closed, notes=(*state.notes, *repeats))
+        notes = with_killed_repeats(state.notes, merge.path, [a for a in killed if a > 0])
+        state = dataclasses.replace(state, attempts=closed, notes=notes)
         if state.interrupted:
             state, counts = _events_without_rows(directory, merge.path, state, counts, recovered)
         found += [

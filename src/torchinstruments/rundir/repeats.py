@@ -9,6 +9,11 @@ attempt), each attempt that ended killed gets both notes from history, the steps
 training (or evaluation) samples and an earlier attempt's share a `step`, with each attempt's
 samples there. Its own counts are lower bounds (its last flush interval died with it). Cost:
 one grouped scan of history per finalize that closes a killed attempt.
+
+The killed attempt's fit-start note on the steps it trains again (`resumed_training_note`, kept
+live) says the same as its rebuilt training note, less well (what it was about to train again,
+not what it did, and no counts): once the rebuilt one is said, the fit-start one is dropped
+(`with_killed_repeats`), so index.md says it once.
 """
 
 from __future__ import annotations
@@ -20,9 +25,30 @@ import polars as pl
 
 from torchinstruments.rundir.ranges import plural, ranges
 
-__all__ = ["killed_repeat_notes", "sample_steps"]
+__all__ = [
+    "killed_repeat_notes",
+    "resumed_training_note",
+    "sample_steps",
+    "with_killed_repeats",
+]
 
 _TRAINING = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
+_RESUMED = "this fit resumed at global step "
+_UP_TO = "and earlier attempts had recorded training samples up to step "
+
+
+def resumed_training_note(step: int, reached: int) -> str:
+    """index.md's note, said at a resumed fit's start, that it resumed at global `step` and
+    earlier attempts had recorded training samples up to step `reached` (>= `step`)."""
+    which = (
+        f"step {step} was trained again, so its"
+        if reached == step
+        else f"steps {step} to {reached} were trained again, so their"
+    )
+    return (
+        f"{_RESUMED}{step}, {_UP_TO}{reached}: {which} samples appear in more than one attempt "
+        "(tell them apart by `attempt`: the latest attempt's are the training that went on)"
+    )
 
 
 def sample_steps(history: Path) -> pl.DataFrame:
@@ -97,3 +123,22 @@ def killed_repeat_notes(history: Path, attempts: Iterable[int]) -> tuple[str, ..
                 "killed before its fit ended)"
             )
     return tuple(notes)
+
+
+def with_killed_repeats(
+    notes: tuple[str, ...], history: Path, attempts: Iterable[int]
+) -> tuple[str, ...]:
+    """`notes` with the repeats of each of `attempts` (killed) read from history
+    (`killed_repeat_notes`); an attempt whose training repeats are said so drops its own
+    fit-start note on them (`resumed_training_note`, labelled `attempt N: `), which says the
+    same without the counts."""
+    rebuilt = killed_repeat_notes(history, attempts)
+    said = {n.partition(": ")[0] for n in rebuilt if ": trained again at " in n}
+    return (*(n for n in notes if not _fit_start_note(n, said)), *rebuilt)
+
+
+def _fit_start_note(note: str, labels: set[str]) -> bool:
+    """Whether `note` is the fit-start note on the steps it trains again of an attempt whose
+    label (`attempt N`) is in `labels`."""
+    label, _, text = note.partition(": ")
+    return label in labels and text.startswith(_RESUMED) and _UP_TO in text

@@ -287,3 +287,22 @@ def test_leaf_hooks_on_kept_tensors_stay_bounded(run_dir: Path) -> None:
     history = pl.read_parquet(run_dir / "history.parquet")
     grads = history.filter(pl.col("signal") == "output_gradient")
     assert grads["sample_id"].unique().to_list() == [2999]
+
+
+def test_a_run_directory_removed_mid_run_is_said_gone_with_what_was_lost(run_dir: Path) -> None:
+    """`rm -rf` of the run directory while the run goes on: removal says the directory is gone
+    and how much the run lost, and never advises finalizing a directory that does not exist."""
+    model = small_run(run_dir)
+    shutil.rmtree(run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    said = [str(w.message) for w in caught]
+    gone = [s for s in said if "no longer exists" in s]
+    assert len(gone) == 1
+    assert f"{run_dir} no longer exists" in gone[0]
+    assert f"5 samples ({5 * ROWS_SMALL} rows) are lost" in gone[0]
+    assert not [s for s in said if "finalize" in s and "Nothing is left to finalize" not in s]
+    assert not run_dir.exists()  # nothing was written back

@@ -31,6 +31,7 @@ from torchinstruments.rundir.finish import (
 )
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.flush_timer import FlushTimer
+from torchinstruments.rundir.gone import gone_warning, is_gone
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -483,7 +484,11 @@ class DirectorySink:
                 self._saves.give_up("removal finishes the run", wait_s)
             self._close_events()
             if history is not None and run is not None:
-                self._finish_within(self._final_state(counts, history), written)
+                state = self._final_state(counts, history)
+                if is_gone(self.directory):  # rm -rf mid-run: nothing to finish, nor finalize
+                    warn(gone_warning(self.directory, state))
+                else:
+                    self._finish_within(state, written)
         finally:
             self._events = None
             self._history = None

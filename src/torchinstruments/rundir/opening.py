@@ -14,8 +14,9 @@ naming output_dir, before the model is changed: a directory that cannot hold the
 at inject like a bad argument, where going on would record a run that cannot be written (its
 every row lost, its state never on disk) behind a warning a long job may never show. The user
 learns it at once and passes another output_dir. What this inject wrote is deleted again (the
-run never started; a continued run's files stay as they were, so resume=True can still continue
-it), and the lock is released. A step given up goes on in its thread, which holds the lock until
+run never started), or for a continued run its state file and index.md are written back as the
+earlier attempts left them (the refused attempt is none of the run's: left listed in progress,
+the next resume=True would count it as killed, with no rows), and the lock is released. A step given up goes on in its thread, which holds the lock until
 the write returns and then does the same; meanwhile this process's refusals of the directory
 name that write (`rundir.stuck_writes`). With resume=True, completing the earlier attempt first
 (`rundir.resume`, which runs `finalize`) is bounded the same way (`run_within`), each of its steps
@@ -60,8 +61,10 @@ class _Opening:
         writes: Sequence[tuple[str, Callable[[], None]]],
         fresh: bool,
         released: Callable[[], None],
+        restore: Callable[[], None] | None,
     ) -> None:
         self._directory = directory
+        self._restore = restore
         self._lock = lock
         self._check = check
         self._writes = writes
@@ -127,7 +130,10 @@ class _Opening:
         return tuple(names[names.index(step) :]) if step in names else (step, *names)
 
     def _undo(self) -> None:
-        """Delete the files this opening wrote (a new run's only), release the lock."""
+        """Delete the files this opening wrote (a new run's), or put back the state the earlier
+        attempts left (a continued run's, `restore`: else the state file this opening wrote
+        would list its attempt in progress, and the next resume=True would count it as killed,
+        an attempt with no rows); release the lock."""
         with self._guard:
             if self._undone:
                 return
@@ -139,6 +145,9 @@ class _Opening:
                     path = self._directory / name
                     with contextlib.suppress(OSError):  # a folder only if it is empty
                         path.rmdir() if path.is_dir() else path.unlink()
+            elif self._lock.held and self._restore is not None and written:
+                with contextlib.suppress(OSError):  # as it fails, the next resume=True says so
+                    self._restore()
         finally:
             self._lock.release()
             self._released()
@@ -153,6 +162,7 @@ def open_within(
     *,
     fresh: bool,
     released: Callable[[], None],
+    restore: Callable[[], None] | None = None,
 ) -> None:
     """Run `check()`, take `lock`, then each of `writes` on a thread, each step waited for at
     most `wait_s`.
@@ -165,13 +175,15 @@ def open_within(
         wait_s: how long each step is waited for.
         fresh: a new run (its files are deleted when the opening fails), not a continued one.
         released: called once the lock is released after a failure (forks stop tracking it).
+        restore: a continued run's: writes back the state file and index.md as the earlier
+            attempts left them, when the opening fails or is given up after writing any.
 
     Raises:
         TimeoutError: a step had not returned after `wait_s` (the message names output_dir).
         OSError: a step failed (the same kind as the failure; the message names output_dir).
         Whatever `check` or the lock raise (FileExistsError, RunLockedError), as they raise it.
     """
-    opening = _Opening(directory, lock, check, writes, fresh, released)
+    opening = _Opening(directory, lock, check, writes, fresh, released, restore)
     finishing = Finishing(opening.work, _nothing, f"torchinstruments open {directory}")
     try:
         done = finishing.wait(lambda step: wait_s)
@@ -240,7 +252,9 @@ def run_within(
 _AFTER_GIVE_UP = {
     True: "once it returns, the files this inject wrote there are deleted, the lock is "
     "released, and the directory takes a new run.",
-    False: "once it returns, the lock is released, and resume=True continues the run there.",
+    False: "once it returns, the run's state file and index.md are put back as the earlier "
+    "attempts left them (this attempt is not one of the run's), the lock is released, and "
+    "resume=True continues the run there.",
 }
 
 

@@ -208,6 +208,9 @@ class DirectorySink:
             removal_wait_s(self._config),
             fresh=fresh,
             released=lambda: forks.untrack(self),
+            restore=None
+            if self._previous is None
+            else functools.partial(_put_back, directory, self._previous),
         )
         for error in refused:
             note = (
@@ -572,6 +575,13 @@ class DirectorySink:
                 "completes the run, and resume=True continues it.",
             ),
         )
+
+
+def _put_back(directory: Path, state: RunState) -> None:
+    """A refused continuation's undo: the state file and index.md as the earlier attempts left
+    them (`state`)."""
+    write_state(directory, state)
+    write_index(directory, state)
 
 
 def _nothing() -> None:

@@ -240,7 +240,8 @@ def test_the_lanes_kept_copies_are_bounded_and_released_at_the_end_of_the_pass(
             for entry in transfer.launch(measurer, key_of(index), tensor, False, spare)
         ]
         kinds = [type(item) for item in launched]
-        assert kinds == [TensorKey, tuple, TensorKey, tuple, transfer.Measured]
+        copy = [TensorKey, int, np.ndarray, bool]  # a lane copy: key, time, values, focus
+        assert kinds == [*copy, *copy, transfer.Measured]
         (record,) = transfer.build_records("output", launched, measurer.metrics, None, spare)
         assert spare.hold(2 * nbytes), "the pass's copies were released"
     block, metrics = record.measurements, measurer.metrics

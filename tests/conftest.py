@@ -234,6 +234,21 @@ def wait_for_rows(directory: Path, rows: int, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+def child_report(script: str, *args: object) -> Any:
+    """Run `script` in a new Python process (`python -c script ARGS`), which must exit 0 within
+    300 s, and return the JSON of the last line it printed: a stall the script sets up (a FIFO
+    that never answers) then stays in the child, and a hang fails the test instead of the run."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """`python -m torchinstruments ARGS` in a new process, as a user runs it."""
     return subprocess.run(

@@ -9,8 +9,6 @@ index.md and the parts of a small model fit, the reserve (64 KiB and more) does 
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,8 @@ import pytest
 
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import Status, read_state
+
+from conftest import child_report
 
 STEPS = 3
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
@@ -49,15 +49,7 @@ def test_a_reserve_the_disk_refuses_at_inject_is_warned_and_noted_in_index(
     tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run), str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    said = child_report(CHILD, run, STEPS)
     (warned,) = [w for w in said if RESERVE_FILE in w]
     assert f"the disk reserve ({RESERVE_FILE}) could not be written at injection" in warned
     assert "File too large" in warned

@@ -39,7 +39,7 @@ from torchinstruments.rundir.lock import live_writer
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import observe, rows_in_parts
+from conftest import child_report, observe, rows_in_parts
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -95,15 +95,7 @@ def test_an_inject_whose_write_does_not_return_raises_naming_output_dir_and_neve
     tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, run)
     kind, message = report["first"]
     assert kind == "TimeoutError"
     assert f"output_dir={str(run)!r} does not answer" in message, message

@@ -11,13 +11,12 @@ releases the lock, and resume=True continues the run. Run in a child process, un
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE
 from torchinstruments.rundir.state import read_state
+
+from conftest import child_report
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -73,15 +72,7 @@ def test_a_directory_held_by_a_given_up_finish_of_this_process_is_refused_naming
     tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    refusals = json.loads(done.stdout.strip().splitlines()[-1])
+    refusals = child_report(CHILD, run)
     kinds = {resume: refusal[0] for resume, refusal in refusals.items()}
     assert kinds == {"False": "FileExistsError", "True": "RunLockedError"}
     for _, message in refusals.values():

@@ -13,8 +13,6 @@ waits for the write without end fails the test instead of hanging it.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.state import Status, read_state
 from torchinstruments.rundir.writer import HistoryWriter
 
-from conftest import one_mean, run_cli
+from conftest import child_report, one_mean, run_cli
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -79,15 +77,7 @@ def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
 ) -> None:
     steps, config = CASES[case]
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run), str(steps), json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = child_report(CHILD, run, steps, json.dumps(config))
     wait = max(config["flush_seconds"], FLOOR_S)
     gave_up = f"the write of history part {report['part']} had not returned after {wait:g} s"
     said = "\n".join(report["warnings"])

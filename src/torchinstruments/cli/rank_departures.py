@@ -8,6 +8,12 @@ neighbours in one sort, not by window functions, and the ranges' results are com
 series (the earliest departure, matched samples summed). A series is keyed by its module type
 too (`RANK_SERIES_KEY`): a layer name that is another module on some rank (a pipeline split) is
 a series of its own, never compared with the other type.
+
+A sample also departs where the ranks' rows disagree on what they hold (`cli.matching`: a null
+against a value, or nulls for different reasons), the two-run `compare`'s difference: the ranks
+named are those whose kind (a value, or a null's reason) is not the one most ranks hold; where
+no kind is held by more ranks than every other (two ranks, one null), every rank there departs,
+as two ranks whose values differ both do.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from torchinstruments.cli.matching import matched_samples
+from torchinstruments.cli.matching import agreement, matched_samples
 from torchinstruments.rundir.windows import SERIES_KEY
 
 __all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures"]
@@ -40,7 +46,8 @@ def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
 def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
     """Per series in one x range: matched samples (`matching.matched_samples`: at least 2
     ranks agree on what the row holds), and the first x where one rank's finite value is more
-    than `tolerance` from its nearest other rank's.
+    than `tolerance` from its nearest other rank's, or where the ranks' rows disagree on what
+    they hold (`_kind_departures`).
 
     Names are compared as integer codes (Categorical), and groups are found by comparing
     neighbours in one sort, not by window functions: a range of millions of rows takes two
@@ -78,7 +85,21 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
     seen = frame.group_by(series).agg(ranks=pl.col("rank").n_unique())
     matched = matched_samples(frame, series, x)  # the two-run comparison's definition
     measured = seen.join(matched, on=series, how="left")
-    departing = values.filter(pl.col("nearest_other") > tolerance)
+    rows = [*_TEXT_KEYS, *at, "rank", "value", "unavailable_reason", "nearest_other"]
+    departing = (
+        pl.concat(
+            [
+                values.filter(pl.col("nearest_other") > tolerance).select(rows),
+                _kind_departures(frame, at).select(rows),
+            ],
+            how="vertical_relaxed",
+        )
+        .group_by(*at, "rank", maintain_order=True)  # a rank departing both ways: once
+        .agg(
+            pl.col(*_TEXT_KEYS, "value", "unavailable_reason").first(),
+            pl.col("nearest_other").max(),
+        )
+    )
     first = departing.group_by(series).agg(first_departure=pl.col(x).min())
     at_first = (
         departing.join(first, on=series)
@@ -89,11 +110,35 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
             pl.col("first_departure").first(),
             departing_ranks=pl.col("rank"),
             departing_values=pl.col("value"),
+            departing_reasons=pl.col("unavailable_reason").cast(pl.String),
             nearest_other=pl.col("nearest_other").max(),
         )
     )
     return measured.join(at_first, on=series, how="left").with_columns(
         pl.col(k).cast(pl.String) for k in _TEXT_KEYS
+    )
+
+
+def _kind_departures(frame: pl.DataFrame, at: Sequence[str]) -> pl.DataFrame:
+    """The rows (one per rank and occurrence, `at`) of samples where the ranks' rows disagree on
+    what they hold (`matching.agreement`), each rank whose kind is not the one held by more
+    ranks than every other kind: all of them where no kind is (`nearest_other` null)."""
+    kinds = frame.with_columns(_agree=agreement())
+    per_kind = kinds.group_by(*at, "_agree").agg(_n=pl.len())
+    split = (
+        per_kind.group_by(at)
+        .agg(
+            _kinds=pl.len(),
+            _most=pl.col("_n").max(),
+            _tied=(pl.col("_n") == pl.col("_n").max()).sum(),
+        )
+        .filter(pl.col("_kinds") > 1)
+    )
+    apart = per_kind.join(split, on=at).filter(
+        (pl.col("_n") < pl.col("_most")) | (pl.col("_tied") > 1)
+    )
+    return kinds.join(apart.select(*at, "_agree"), on=[*at, "_agree"]).with_columns(
+        nearest_other=pl.lit(None, pl.Float64)
     )
 
 
@@ -112,6 +157,7 @@ def combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
         "first_departure": pl.Int64,
         "departing_ranks": pl.List(pl.Int64),
         "departing_values": pl.List(pl.Float64),
+        "departing_reasons": pl.List(pl.String),
         "nearest_other": pl.Float64,
     }
     if not pieces:
@@ -126,7 +172,14 @@ def combine_departures(pieces: list[pl.DataFrame]) -> pl.DataFrame:
         .sort("first_departure")
         .group_by(_KEY, maintain_order=True)
         .first()
-        .select(*_KEY, "first_departure", "departing_ranks", "departing_values", "nearest_other")
+        .select(
+            *_KEY,
+            "first_departure",
+            "departing_ranks",
+            "departing_values",
+            "departing_reasons",
+            "nearest_other",
+        )
     )
     frame = matched.join(first, on=_KEY, how="left", nulls_equal=True).with_columns(
         pl.col("matched_samples").fill_null(0), pl.col("ranks").fill_null(0).cast(pl.Int64)

@@ -19,8 +19,13 @@ Design decisions:
   Measured values only, nothing judged.
 - `compare PARENT`: per series, the first sample (matched on `--x`) at which one rank departs
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
-  tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule). Only finite
-  values take part; a series measured twice in a sample is matched occurrence by occurrence.
+  tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule), or at which
+  the ranks' rows differ in what they hold (a null against a value, or nulls for different
+  reasons: the two-run `compare`'s difference, `cli.matching`). There the ranks whose kind (a
+  value, or a null's reason) is not the one held by more ranks than every other depart, and
+  every rank departs where no kind is (two ranks, one null: both, as two ranks whose values
+  differ both do); `by` is then null. Distances are between finite values only; a series
+  measured twice in a sample is matched occurrence by occurrence.
   `matched` counts the two-run `compare`'s matched samples (`cli.matching`): at least two
   ranks with a value each, or a null each for the same reason.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or
@@ -123,6 +128,7 @@ DEPARTURE_COLUMNS = (
     "first_departure",
     "departing_ranks",
     "departing_values",
+    "departing_reasons",
     "nearest_other",
 )
 
@@ -480,16 +486,22 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
             "ranks": [r.rank for r in d.runs],
             "x": d.x,
             "tolerance": d.tolerance,
-            "departs": "the rank's nearest other rank is farther than tolerance",
+            "departs": (
+                "the rank's nearest other rank is farther than tolerance, or its row holds a "
+                "null (or a null's reason, or a value) that most ranks' rows do not (every rank "
+                "where no kind is held by the most)"
+            ),
             "ranks_without_history": {str(r): why for r, why in d.without_history.items()},
             "ranks_missing": list(d.missing),
             "warnings": departure_warnings(d),
         }
         frame = d.frame
-        if fmt != "json":  # csv and markdown cells hold no lists: `0;1`
+        if fmt != "json":  # csv and markdown cells hold no lists: `0;1` (a null: empty)
             frame = frame.with_columns(
-                pl.col(c).list.eval(pl.element().cast(pl.String)).list.join(";")
-                for c in ("departing_ranks", "departing_values")
+                pl.col(c)
+                .list.eval(pl.element().cast(pl.String).fill_null(""))
+                .list.join(";", ignore_nulls=False)
+                for c in ("departing_ranks", "departing_values", "departing_reasons")
             )
         return render_frame(frame, fmt, facts)
     lines: list[str] = []
@@ -498,9 +510,12 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         *_header(d.parent, d.runs, d.facts, d.without_history, d.missing),
         *types.rank_lines(d.mixed),
         f"first departure: the first {d.x} at which one rank's finite value is more than "
-        f"{d.tolerance:g} from every other rank's (its nearest other rank is farther); ranks: "
-        "the ranks departing there, by: that distance; '-' = none (nulls and nonfinite "
-        "values take no part).",
+        f"{d.tolerance:g} from every other rank's (its nearest other rank is farther), or at "
+        "which the ranks' rows differ in what they hold (a null against a value, or nulls "
+        "for different reasons: the ranks not holding what most ranks hold depart, every "
+        "rank where no one kind is held by the most); ranks: the ranks departing there, by: that "
+        "distance, 'null' where they depart by a null alone; '-' = none (nonfinite values "
+        "take no part in distances).",
         matched_legend("at least 2 of the ranks", d.x),
     ]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")
@@ -509,11 +524,11 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
     headers = ["layer", "signal", "metric", "first dep", "ranks", "by", "matched"]
 
     def cells(r: dict[str, Any]) -> list[str]:
-        first = r["first_departure"]
+        first, by = r["first_departure"], r["nearest_other"]
         return [
             "-" if first is None else str(first),
             "-" if first is None else ranges(r["departing_ranks"]),
-            number(r["nearest_other"]),
+            "null" if first is not None and by is None else number(by),
             str(r["matched_samples"]),
         ]
 

@@ -157,3 +157,17 @@ def test_nulls_for_different_reasons_depart_and_the_majoritys_kind_stays(
         pl.col("layer") == "0", pl.col("signal") == "output", pl.col("metric") == "mean"
     ).row(0, named=True)
     assert mean["departing_reasons"] == [None, "no finite entries"]
+
+
+def test_null_departures_are_the_same_read_in_ranges_of_one_sample_or_all_at_once(
+    tmp_path: Path,
+) -> None:
+    from torchinstruments.cli import ranks
+    from torchinstruments.cli.selection import Selection
+
+    parent = make_parent(tmp_path, ["plain", "empty", "empty", "nan"])
+    selection = Selection()
+    one = ranks.departures(parent, selection, tolerance=1e300, budget_rows=1).frame
+    whole = ranks.departures(parent, selection, tolerance=1e300, budget_rows=10**9).frame
+    assert one.to_dicts() == whole.to_dicts()
+    assert one["first_departure"].drop_nulls().to_list() == [2] * one.height

@@ -124,6 +124,8 @@ def _kind_departures(frame: pl.DataFrame, at: Sequence[str]) -> pl.DataFrame:
     what they hold (`matching.agreement`), each rank whose kind is not the one held by more
     ranks than every other kind: all of them where no kind is (`nearest_other` null)."""
     kinds = frame.with_columns(_agree=agreement())
+    if frame["value"].null_count() == 0:  # every row a value: one kind (most ranges, no sort)
+        return kinds.clear().with_columns(nearest_other=pl.lit(None, pl.Float64))
     per_kind = kinds.group_by(*at, "_agree").agg(_n=pl.len())
     split = (
         per_kind.group_by(at)

@@ -12,15 +12,18 @@ for the whole run, so no summary mixes them.
 The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
 fixed number of collectives whatever the number of layers:
 
-1. one `all_gather` of a 5-integer header over the default group: did a rank's forward raise,
-   which root forward the sample is (forward_index, step), how many tensors, a hash
-   of their names and modes. Any disagreement (a rank that raised mid-forward, ranks that ran
-   different layers, or ranks whose k-th samples are different root forwards because one ran
-   a forward the others did not, an extra evaluation batch say) and every rank skips the rest
-   of this sample: its global rows are null with a reason, never a value combined from
-   different steps. Every rank reaches this point (it runs when the root forward ends, raised
-   or not), so a rank that raises never leaves the others waiting; a rank that takes a sample
-   the others never take does wait (nothing can pair its collectives);
+1. one `all_gather` of a 5-integer header over the default group (`global_agreement`): did a
+   rank's forward raise, which root forward the sample is (forward_index, step), how many
+   tensors, a hash of their names and modes. A rank that raised mid-forward, or ranks whose
+   k-th samples are different root forwards because one ran a forward the others did not (an
+   extra evaluation batch say), and every rank skips the rest of this sample: its global rows
+   are null with a reason, never a value combined from different steps. Ranks that ran
+   different layers (a branch on one rank, a Mixture-of-Experts expert not routed to on every
+   rank) take one more `all_gather`, of their tensors' hashes, and measure the tensors every
+   rank of their group ran; only the others are null, with a reason naming the ranks they ran
+   on. Every rank reaches this point (it runs when the root forward ends, raised or not), so a
+   rank that raises never leaves the others waiting; a rank that takes a sample the others
+   never take does wait (nothing can pair its collectives);
 2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
    tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
    has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
@@ -29,7 +32,8 @@ fixed number of collectives whatever the number of layers:
    bits of each finite value's order-preserving key, 8 bits a pass, for the 6 order statistics
    the quartiles need (each quartile's two neighbours), `6 x 256` counts per tensor per pass.
 
-Bytes sent per rank and sample: 40 per rank of the header, 8 per Partial element,
+Bytes sent per rank and sample: 40 per rank of the header (and where the ranks ran different
+layers 8 per tensor of the rank with the most), 8 per Partial element,
 `64 x world` per tensor of moments, `8 x 12288` per tensor of histograms (8 passes x 6 x 256
 int64); the data itself is never gathered.
 
@@ -47,7 +51,6 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchinstruments import global_agreement as agreement
 from torchinstruments import reasons
 from torchinstruments._torch_internals import is_functorch_wrapped
 from torchinstruments.measurement.numerics import (
@@ -386,88 +390,39 @@ def _group_rows(
     return out
 
 
-# The header's fields that name the root forward a sample is, right after `raised` (`_header`).
-# Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
-# be at the same root forward now.
-_IDENTITY = ("forward_index", "step")
-_NO_STEP = -(1 << 63)  # a sample without a step (no int64 step is this)
-_DIFFERENT_FORWARDS = (
-    "global_statistics: the ranks' samples are different root forwards (a rank ran a root "
-    "forward the others did not, an extra evaluation batch say, or its step differs): such "
-    "samples get null global rows with a reason on every rank. Every rank must run the same "
-    "root forwards in the same order; a rank that takes a sample the others never take waits "
-    "in its collective"
-)
-
-
-def _header(sample: Any, items: Sequence[GlobalTensor]) -> torch.Tensor:
-    """This rank's view of a sample, all-gathered before its collectives: whether its forward
-    raised, which root forward it is, and the tensors it claimed (count, hash of their names)."""
-    structure = zlib.crc32("\n".join(item.name() for item in items).encode())
-    step = _NO_STEP if sample.step is None else sample.step
-    identity = (sample.forward_index, step)
-    raised = sample.interrupted is not None
-    return torch.tensor([int(raised), *identity, len(items), structure], dtype=torch.int64)
-
-
-def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | None:
-    """The first of forward_index and step that differs across the ranks' headers, with
-    each rank's value, or None where every rank's sample is the same root forward. A rank
-    without a step differs from none (a loop may call set_step on rank 0 only)."""
-    for position, field in enumerate(_IDENTITY, start=1):
-        values = [int(h[position]) for h in headers]
-        if len({v for v in values if v != _NO_STEP}) > 1:
-            return field, ["none" if v == _NO_STEP else str(v) for v in values]
-    return None
-
-
-def _skip_reason(headers: list[torch.Tensor], mine: torch.Tensor) -> str | None:
-    """Why every rank skips this sample's collectives though its ranks are at one root forward
-    (the same answer on every rank, read from the same gathered headers), or None to measure
-    it."""
-    raisers = [r for r, h in enumerate(headers) if h[0].item()]
-    if raisers:
-        return reasons.raised_on_ranks(raisers)
-    tensors = 1 + len(_IDENTITY)  # where the claimed tensors' count and hash begin
-    if any(not torch.equal(h[tensors:], mine[tensors:]) for h in headers):
-        return reasons.GLOBAL_MISMATCH
-    return None
-
-
 def measure(
     sample: Any, *, metrics: tuple[str, ...], rank: int | None, warn: Callable[[str, str], None]
 ) -> list[Any]:
     """The global rows of one sampled forward (`Measurement`s of its `global_pending`); every
-    rank calls it once per sampled forward, raised or not, with whatever it claimed. Ranks at
-    different root forwards are warned about once: they stay apart until the run ends."""
+    rank calls it once per sampled forward, raised or not, with whatever it claimed. What the
+    ranks agree to measure (`global_agreement`): the whole sample, none of it, or the tensors
+    every rank of their group claimed, in one order on every rank."""
     items: list[GlobalTensor] = sample.global_pending
-    header = _header(sample, items)
-    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
-    dist.all_gather(headers, header)
-    # Ranks at different root forwards first: their tensors are no one tensor whatever else
-    # agrees, and a value combined from them would carry a different step on each rank.
-    different = _different_forwards(headers)
-    if different is not None:
-        warn("global-forwards", _DIFFERENT_FORWARDS)
-        reason: str | None = reasons.different_forwards(*different)
-    else:
-        reason = _skip_reason(headers, header)
-    values: dict[int, tuple[MetricValue, ...]] = {}
-    if reason is None:
-        by_group: dict[tuple[int, ...], list[int]] = {}
-        for i, item in enumerate(items):
-            by_group.setdefault(item.ranks, []).append(i)
-        for ranks in sorted(by_group):
-            chosen = by_group[ranks]
-            try:
-                rows = _group_rows([items[i] for i in chosen], metrics)
-            except Exception as error:  # a failed collective: null + reason, never the step
-                failed = (MetricValue(None, reasons.error("global statistics", error)),) * len(
-                    metrics
-                )
-                rows = [failed] * len(chosen)
-            values.update(zip(chosen, rows, strict=True))
-    return rows_of(items, values, reason, metrics=metrics, rank=rank)
+    names = [item.name() for item in items]
+    ids = agreement.identities(names, [item.ranks for item in items])
+    mine = agreement.header(sample, names)
+    headers = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, mine)
+    reason = agreement.sample_reason(headers, warn)
+    if reason is not None:
+        return rows_of(items, {}, reason, metrics=metrics, rank=rank)
+    absent = agreement.not_everywhere(headers, ids, [item.ranks for item in items])
+    values: dict[int, tuple[MetricValue, ...]] = {
+        i: (MetricValue(None, why),) * len(metrics) for i, why in absent.items()
+    }
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for i in sorted(range(len(items)), key=ids.__getitem__):
+        if i not in absent:
+            by_group.setdefault(items[i].ranks, []).append(i)
+    for ranks in sorted(by_group):
+        chosen = by_group[ranks]
+        try:
+            rows = _group_rows([items[i] for i in chosen], metrics)
+        except Exception as error:  # a failed collective: null + reason, never the step
+            failed = (MetricValue(None, reasons.error("global statistics", error)),) * len(metrics)
+            rows = [failed] * len(chosen)
+        values.update(zip(chosen, rows, strict=True))
+    return rows_of(items, values, None, metrics=metrics, rank=rank)
 
 
 def rows_of(

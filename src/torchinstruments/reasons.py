@@ -30,6 +30,7 @@ __all__ = [
     "explain",
     "host_values_mismatch",
     "interrupted",
+    "not_on_all_ranks",
     "partial_placement",
     "partly_written",
     "record_value",
@@ -72,10 +73,6 @@ EMPTY_GLOBAL = "empty tensor over every rank"
 NOT_GLOBAL_CUSTOM = (
     "custom reducers are computed on this rank's tensor only; with global_statistics this "
     "tensor's rows describe the whole tensor over its ranks, so this metric is not recorded"
-)
-GLOBAL_MISMATCH = (
-    "the ranks' sampled forwards produced different tensors (layers, outputs or modes differ "
-    "across ranks): no global statistics for this sample"
 )
 
 # Marker rows of samples cut outside their root forward's own code (samples.py).
@@ -155,7 +152,13 @@ REASONS: tuple[Reason, ...] = (
     Reason("statistics error: <Type>: <message>", "computing the default statistics failed"),
     Reason(EMPTY_GLOBAL, "global_statistics: the tensor has no elements on any rank"),
     Reason(NOT_GLOBAL_CUSTOM, "global_statistics: custom reducers are not computed globally"),
-    Reason(GLOBAL_MISMATCH, "global_statistics: the ranks disagreed on what the sample holds"),
+    Reason(
+        "not run on every rank of its group (ran on rank <ranks> of <group>): no global "
+        "statistics for this tensor in this sample; the tensors every rank ran are measured",
+        "global_statistics: the layer ran on some ranks only in this sample (a branch taken on "
+        "one rank, a Mixture-of-Experts expert not routed to on every rank), so there is no "
+        "whole tensor to measure; the sample's other tensors keep their global rows",
+    ),
     Reason(
         "the ranks sampled different root forwards (<field> by rank: <values>): this sample has "
         "no global statistics (every rank skipped its collectives)",
@@ -380,6 +383,16 @@ def different_forwards(field: str, values: list[str]) -> str:
     return (
         f"the ranks sampled different root forwards ({field} by rank: {', '.join(values)}): "
         "this sample has no global statistics (every rank skipped its collectives)"
+    )
+
+
+def not_on_all_ranks(ran: list[int], group: tuple[int, ...]) -> str:
+    """A tensor only some ranks of its group produced in a sample: no whole tensor to measure
+    (the tensors every rank produced are measured all the same)."""
+    return (
+        f"not run on every rank of its group (ran on rank {', '.join(map(str, ran))} of "
+        f"{', '.join(map(str, group))}): no global statistics for this tensor in this sample; "
+        "the tensors every rank ran are measured"
     )
 
 

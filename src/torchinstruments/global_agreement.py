@@ -1,0 +1,123 @@
+"""What the ranks agree on before a sample's global collectives (`global_statistics`).
+
+Every rank must call the same collectives in the same order with the same sizes, or a rank
+waits forever. So before measuring, the ranks all-gather a 5-integer header (did the forward
+raise, which root forward the sample is, how many tensors it claimed, a 64-bit hash of their
+names, order aside). A rank that raised, or ranks at different root forwards, skip the
+whole sample together. Ranks that claimed different tensors (a branch taken on one rank, a
+Mixture-of-Experts expert not routed to on every rank) take one more all-gather, of each
+tensor's 64-bit identity (8 bytes per tensor of the rank with the most), and then measure
+exactly the tensors every rank of their group claimed, in one order (sorted by identity) on
+every rank; each other tensor is null with a reason naming the ranks it ran on. The decision
+to take that extra collective is read from the gathered headers, so it is the same on every
+rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchinstruments import reasons
+
+# The header's fields that name the root forward a sample is, right after `raised` (`header`).
+# Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
+# be at the same root forward now.
+_IDENTITY = ("forward_index", "step")
+_COUNT = 1 + len(_IDENTITY)  # where the claimed tensors' count (then their hash) sits
+_NO_STEP = -(1 << 63)  # a sample without a step (no int64 step is this)
+DIFFERENT_FORWARDS = (
+    "global_statistics: the ranks' samples are different root forwards (a rank ran a root "
+    "forward the others did not, an extra evaluation batch say, or its step differs): such "
+    "samples get null global rows with a reason on every rank. Every rank must run the same "
+    "root forwards in the same order; a rank that takes a sample the others never take waits "
+    "in its collective"
+)
+
+
+def identities(names: Sequence[str], groups: Sequence[tuple[int, ...]]) -> list[str]:
+    """Each claimed tensor's identity: its name (`GlobalTensor.name`), its group's members (a
+    tensor counts as run by a rank of the same group only) and, should a name repeat, which
+    occurrence it is."""
+    seen: dict[str, int] = {}
+    out = []
+    for name, group in zip(names, groups, strict=True):
+        base = f"{name}|{','.join(map(str, group))}"
+        seen[base] = seen.get(base, -1) + 1
+        out.append(f"{base}#{seen[base]}")
+    return out
+
+
+def _hash(text: str) -> int:
+    """A 64-bit hash, the same on every rank and process (unlike `hash`)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def header(sample: Any, names: Sequence[str]) -> torch.Tensor:
+    """This rank's view of a sample, all-gathered before its collectives: whether its forward
+    raised, which root forward it is, and the tensors it claimed (count, hash of their names,
+    order aside). The names leave out the groups' members: on a 2-D mesh each tensor-parallel
+    group has its own, and the headers must agree all the same."""
+    step = _NO_STEP if sample.step is None else sample.step
+    raised = sample.interrupted is not None
+    structure = _hash("\n".join(sorted(names)))
+    return torch.tensor(
+        [int(raised), sample.forward_index, step, len(names), structure], dtype=torch.int64
+    )
+
+
+def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | None:
+    """The first of forward_index and step that differs across the ranks' headers, with
+    each rank's value, or None where every rank's sample is the same root forward. A rank
+    without a step differs from none (a loop may call set_step on rank 0 only)."""
+    for position, field in enumerate(_IDENTITY, start=1):
+        values = [int(h[position]) for h in headers]
+        if len({v for v in values if v != _NO_STEP}) > 1:
+            return field, ["none" if v == _NO_STEP else str(v) for v in values]
+    return None
+
+
+def sample_reason(headers: list[torch.Tensor], warn: Callable[[str, str], None]) -> str | None:
+    """Why every rank skips the whole sample (ranks at different root forwards, warned about
+    once: they stay apart until the run ends; a rank whose forward raised), or None. The same
+    answer on every rank, read from the same gathered headers."""
+    # Ranks at different root forwards first: their tensors are no one tensor whatever else
+    # agrees, and a value combined from them would carry a different step on each rank.
+    different = _different_forwards(headers)
+    if different is not None:
+        warn("global-forwards", DIFFERENT_FORWARDS)
+        return reasons.different_forwards(*different)
+    raisers = [r for r, h in enumerate(headers) if h[0].item()]
+    return reasons.raised_on_ranks(raisers) if raisers else None
+
+
+def not_everywhere(
+    headers: list[torch.Tensor], ids: Sequence[str], groups: Sequence[tuple[int, ...]]
+) -> dict[int, str]:
+    """The claimed tensors (by index) some rank of their group did not claim, each with its
+    reason; empty when every rank claimed the same tensors (then no collective at all).
+
+    Otherwise one all-gather (over the default group, as the headers) of every rank's tensor
+    hashes, padded to the longest list, whose length every rank reads from the headers."""
+    if all(torch.equal(h[_COUNT:], headers[0][_COUNT:]) for h in headers):
+        return {}
+    counts = [int(h[_COUNT]) for h in headers]
+    mine = torch.zeros(max(counts), dtype=torch.int64)
+    mine[: len(ids)] = torch.tensor([_hash(i) for i in ids], dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in headers]
+    dist.all_gather(gathered, mine)
+    claimed = [set(g[:n].tolist()) for g, n in zip(gathered, counts, strict=True)]
+    out = {}
+    for index, (identity, group) in enumerate(zip(ids, groups, strict=True)):
+        ran = [r for r in group if _hash(identity) in claimed[r]]
+        if len(ran) < len(group):
+            out[index] = reasons.not_on_all_ranks(ran, group)
+    return out
+
+
+__all__ = ["DIFFERENT_FORWARDS", "header", "identities", "not_everywhere", "sample_reason"]

@@ -4,7 +4,8 @@ whose experts are not all routed to on every rank), on 2 real gloo processes.
 Only the tensors some rank did not produce are null, with a reason naming the ranks that ran
 them; every layer all ranks ran keeps its global rows, equal to NumPy's statistics of the
 concatenation of both ranks' outputs (recorded by plain forward hooks on each rank). Experts
-run in a different order on each rank are still one tensor each.
+run in a different order on each rank are still one tensor each. Ranks that ran different
+layers take exactly one collective more than ranks that ran the same ones.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import polars as pl
 import torch
 import torch.distributed as dist
 from test_distributed import run_ranks
-from test_global_statistics import METRICS, check
+from test_global_statistics import METRICS, Counting, check
 from torch import nn
 
 # Each step's experts by rank: expert 1 on rank 0 only; one expert each; both everywhere;
@@ -74,10 +75,14 @@ def routed_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
             global_statistics=dist.group.WORLD,
         )
         torch.manual_seed(10 + rank)
+        collectives: list[object] = []
         for step[0], route in enumerate(ROUTES[rank]):
             model.route = route
-            model(torch.randn(3 + rank, 4)).sum().backward()  # uneven batches
+            with Counting() as counting:
+                model(torch.randn(3 + rank, 4)).sum().backward()  # uneven batches
+            collectives.append(counting.calls)
         remove_observer(model)
+        seen["collectives"] = collectives
         Path(output_dir, f"outputs-{rank}.json").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
@@ -85,12 +90,15 @@ def routed_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
 
 def test_only_layers_not_run_on_every_rank_lose_their_global_rows(tmp_path: Path) -> None:
     run_ranks(routed_worker, str(tmp_path))
+    saved = [json.loads((tmp_path / f"outputs-{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        # One more collective (the tensors' hashes) where the ranks ran different sets of
+        # layers (steps 0 and 1), none where they ran the same, in whatever order (steps 2, 3)
+        collectives = saved[rank].pop("collectives")
+        assert [calls - collectives[2] for calls in collectives] == [1, 1, 0, 0]
     outputs = [
-        {
-            key: np.array(values, dtype=np.float32)
-            for key, values in json.loads((tmp_path / f"outputs-{rank}.json").read_text()).items()
-        }
-        for rank in range(2)
+        {key: np.array(values, dtype=np.float32) for key, values in ranks.items()}
+        for ranks in saved
     ]
     for rank in range(2):
         rows = pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(

@@ -288,7 +288,8 @@ def render_parent_index(parent: Path) -> str:
         "carries its `rank`. Its `population` column says which tensor a row describes: null for "
         "this rank's own tensor (a DTensor's local shard), `global:ranks=0,1,...` for the whole "
         "tensor over those ranks (inject_observer's `global_statistics=`: exact, the same rows on "
-        "every rank of the group). A series has one population for the whole run; filter on "
+        "every rank of the group that ran the tensor; one that only some ranks ran in a sample "
+        "is null there, with the reason). A series has one population for the whole run; filter on "
         "`population` before comparing ranks, and never average rows of the two kinds.",
         "",
         "## Reading the ranks together",

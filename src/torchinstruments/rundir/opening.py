@@ -197,7 +197,7 @@ def open_within(
         raise
     if done is None and not opening.abandon():
         step = finishing.step
-        stuck_writes.record(
+        raise _given_up(
             directory,
             stuck_writes.StuckWrite(
                 "inject_observer's opening of the run",
@@ -206,14 +206,9 @@ def open_within(
                 opening.not_written(step),
                 _AFTER_GIVE_UP[fresh],
             ),
-        )
-        doing = step if step == CHECK_STEP else f"writing {step} there"
-        raise TimeoutError(
-            f"inject_observer: output_dir={str(directory)!r} does not answer: {doing} had "
-            f"not returned after {wait_s:g} s (a file system that stopped answering?). The "
-            "model is not observed (nothing of it was changed); pass an output_dir on a disk "
-            "that answers, or check this one. That write goes on in a thread of this process, "
-            f"which holds the directory's lock until it returns; {_AFTER_GIVE_UP[fresh]}"
+            step if step == CHECK_STEP else f"writing {step} there",
+            "That write goes on in a thread of this process, which holds the directory's lock "
+            "until it returns",
         )
 
 
@@ -237,15 +232,25 @@ def run_within(
     if done is not None:
         return done
     step = finishing.step
-    stuck_writes.record(
-        directory, stuck_writes.StuckWrite(what, finishing, bound(step), (step,), advice)
+    raise _given_up(
+        directory,
+        stuck_writes.StuckWrite(what, finishing, bound(step), (step,), advice),
+        f"{what}, at {step},",
+        "That step goes on in a thread of this process",
     )
-    raise TimeoutError(
-        f"inject_observer: output_dir={str(directory)!r} does not answer: {what}, at {step}, "
-        f"had not returned after {bound(step):g} s (a file system that stopped answering?). "
-        "The model is not observed (nothing of it was changed); pass an output_dir on a disk "
-        "that answers, or check this one. That step goes on in a thread of this process; "
-        f"{advice}"
+
+
+def _given_up(
+    directory: Path, stuck: stuck_writes.StuckWrite, doing: str, going_on: str
+) -> TimeoutError:
+    """Record `stuck` (this process's refusals of `directory` name it until its thread ends)
+    and return the error inject_observer raises: `doing` had not returned in time."""
+    stuck_writes.record(directory, stuck)
+    return TimeoutError(
+        f"inject_observer: output_dir={str(directory)!r} does not answer: {doing} had "
+        f"not returned after {stuck.waited_s:g} s (a file system that stopped answering?). The "
+        "model is not observed (nothing of it was changed); pass an output_dir on a disk "
+        f"that answers, or check this one. {going_on}; {stuck.advice}"
     )
 
 

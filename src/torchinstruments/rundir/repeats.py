@@ -93,6 +93,11 @@ def _each(counts: dict[int, int], attempt: int) -> str:
     )
 
 
+# Per kind of sample: whether training, what the attempt did again, the kind's name, and
+# what the latest attempt's samples are to the training that went on.
+_KINDS = ((True, "trained", "training", "are"), (False, "evaluated", "evaluation", "evaluate"))
+
+
 def killed_repeat_notes(history: Path, attempts: Iterable[int]) -> tuple[str, ...]:
     """index.md's notes on the steps each of `attempts` (killed: its fit never said them)
     trained or evaluated again, labelled with the attempt; empty when history is unreadable."""
@@ -102,26 +107,17 @@ def killed_repeat_notes(history: Path, attempts: Iterable[int]) -> tuple[str, ..
         return ()
     notes = []
     for attempt in attempts:
-        trained, counts = _repeated(steps, attempt, training=True)
-        if trained:
-            notes.append(
-                f"attempt {attempt}: trained again at {_where(trained)}, where earlier attempts "
-                f"had recorded training samples too, so the training samples at "
-                f"{_where(trained)} appear in more than one attempt ({_each(counts, attempt)}); "
-                "tell them apart by `attempt`: the latest attempt's are the training that went "
-                f"on (read from history when the run was finalized: attempt {attempt} was killed "
-                "before its fit ended)"
-            )
-        evaluated, counts = _repeated(steps, attempt, training=False)
-        if evaluated:
-            notes.append(
-                f"attempt {attempt}: evaluated again at {_where(evaluated)}, where earlier "
-                "attempts had recorded evaluation samples too, so the evaluation samples at "
-                f"{_where(evaluated)} appear in more than one attempt ({_each(counts, attempt)}); "
-                "tell them apart by `attempt`: the latest attempt's evaluate the training that "
-                f"went on (read from history when the run was finalized: attempt {attempt} was "
-                "killed before its fit ended)"
-            )
+        for training, did, kind, latest in _KINDS:
+            shared, counts = _repeated(steps, attempt, training=training)
+            if shared:
+                notes.append(
+                    f"attempt {attempt}: {did} again at {_where(shared)}, where earlier attempts "
+                    f"had recorded {kind} samples too, so the {kind} samples at "
+                    f"{_where(shared)} appear in more than one attempt "
+                    f"({_each(counts, attempt)}); tell them apart by `attempt`: the latest "
+                    f"attempt's {latest} the training that went on (read from history when the "
+                    f"run was finalized: attempt {attempt} was killed before its fit ended)"
+                )
     return tuple(notes)
 
 

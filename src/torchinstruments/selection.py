@@ -39,7 +39,7 @@ import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -178,17 +178,26 @@ def _attribute_uses(cls: type, names: frozenset[str]) -> dict[str, frozenset[str
     rule applies, and injection never fails on a model for its selection."""
     reads: dict[str, set[str] | None] = {}
     try:
-        for klass in cls.__mro__:
-            if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
-                continue
-            for method, member in vars(klass).items():
-                for function in _functions(member):
-                    if names & _code_names(function.__code__):
-                        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-                        _read_self_attributes(tree, names, reads, init=method == "__init__")
+        for method, tree in _method_trees(cls, names, init=True):
+            _read_self_attributes(tree, names, reads, init=method == "__init__")
     except Exception:  # no source (OSError), unparsable, or unreadable members
         return {}
     return {name: None if read is None else frozenset(read) for name, read in reads.items()}
+
+
+def _method_trees(cls: type, names: frozenset[str], *, init: bool) -> Iterator[tuple[str, ast.AST]]:
+    """Each method of `cls` and its bases (torch.nn Module's and containers' aside) whose
+    bytecode names one of `names`, `__init__` only with `init`: its name and parsed source.
+    Raises what reading or parsing a source raises."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
+            continue
+        for method, member in vars(klass).items():
+            if method == "__init__" and not init:
+                continue
+            for function in _functions(member):
+                if names & _code_names(function.__code__):
+                    yield method, ast.parse(textwrap.dedent(inspect.getsource(function)))
 
 
 def _functions(member: object) -> list[types.FunctionType]:
@@ -254,14 +263,8 @@ def _guarded_calls(cls: type, names: frozenset[str]) -> dict[str, tuple[str, ...
     `switched_off`): the settings guarding its calls; a child used otherwise is left out."""
     guards: dict[str, set[str] | None] = {}
     try:
-        for klass in cls.__mro__:
-            if klass in (nn.Module, object) or klass.__module__ == "torch.nn.modules.container":
-                continue
-            for method, member in vars(klass).items():
-                for function in _functions(member):
-                    if method != "__init__" and names & _code_names(function.__code__):
-                        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-                        _guarded_uses(tree, names, guards)
+        for _, tree in _method_trees(cls, names, init=False):
+            _guarded_uses(tree, names, guards)
     except Exception:  # no source (OSError), unparsable, or unreadable members
         return {}
     return {name: tuple(sorted(found)) for name, found in guards.items() if found}

@@ -13,11 +13,8 @@ the write without end fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +26,7 @@ from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, RESULT_FILE, STATE_FILE
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import run_cli
+from conftest import child_report, run_cli
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -76,15 +73,7 @@ def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_writ
     tmp_path: Path, stalled: str
 ) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run), str(STEPS), stalled],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    said = "\n".join(child_report(CHILD, run, STEPS, stalled))
     wait = FLOOR_S + STEPS * ROWS_PER_SAMPLE / 50_000 if stalled == HISTORY_FILE else FLOOR_S
     gave_up = f"finishing the run under {run} had not returned after {wait:g} s at {stalled}"
     assert gave_up in said, said
@@ -172,15 +161,7 @@ def test_removal_finishes_the_run_beside_a_save_of_the_state_file_that_never_ret
     own: removal gives the stuck save up and writes the final state beside it."""
     run = tmp_path / "run"
     steps = 10
-    done = subprocess.run(
-        [sys.executable, "-c", SAVE_CHILD, str(run), str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    said = "\n".join(child_report(SAVE_CHILD, run, steps))
     assert f"the run's flush thread had not returned after {FLOOR_S:g} s" in said, said
     assert "finishing the run" not in said, said
     state = read_state(run)
@@ -250,15 +231,7 @@ def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(tmp_p
     closes its copy of the lock's descriptor, so the lock ends with the process that took it,
     not with the child, and finalize completes the run while the child lives."""
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", FORK_CHILD, str(run)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    child = int(done.stdout.strip().splitlines()[-1])
+    child = int(child_report(FORK_CHILD, run))
     try:
         (run / f"{STATE_FILE}.torchinstruments-tmp").unlink()  # the file system answers again
         finalized = run_cli("finalize", str(run))

@@ -11,14 +11,13 @@ a timeout: a step that waits for the write without end fails the test instead of
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 
 from torchinstruments.rundir.state import Status, read_state
+
+from conftest import child_report
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
 # by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
@@ -59,15 +58,7 @@ def test_the_first_rows_written_at_once_wait_for_a_stalled_disk_only_so_long(
     tmp_path: Path,
 ) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run), str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    said = "\n".join(child_report(CHILD, run, STEPS))
     first = f"the run's first output rows were not on disk after {FLOOR_S:g} s"
     assert first in said, said
     state = read_state(run)
@@ -123,15 +114,7 @@ def test_the_first_rows_wait_for_a_stalled_disk_the_floor_not_the_default_flush_
     (`MIN_REMOVAL_WAIT_S`), not a whole flush interval: a write not waited for costs only the
     warning, since its rows land once the disk answers, and every row reaches history."""
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", DEFAULT_CHILD, str(run), str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    said = "\n".join(child_report(DEFAULT_CHILD, run, STEPS))
     assert f"the run's first output rows were not on disk after {FLOOR_S:g} s" in said, said
     history = pl.read_parquet(run / "history.parquet")
     assert history.filter(pl.col("metric") == "interrupted").height == 0

@@ -11,14 +11,13 @@ waits for the write without end fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 
 from torchinstruments.rundir.state import read_state
+
+from conftest import child_report
 
 STEPS = 40  # sampled steps while the write stalls
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
@@ -56,15 +55,7 @@ print(json.dumps([str(w.message) for w in caught]))
 
 def test_a_part_write_that_never_returns_costs_rows_not_the_training_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run), str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    said = "\n".join(child_report(CHILD, run, STEPS))
     assert "a part write had not returned after 0.25 s" in said, said
     state = read_state(run)
     history = pl.read_parquet(run / "history.parquet")

@@ -53,6 +53,7 @@ __all__ = [
     "pause_compilation",
     "pickled_for_a_new_process",
     "queue_at_backward_end",
+    "ran_by_a_backward",
     "references_counted_exactly",
     "registered_tensor_slots",
     "resume_compilation",
@@ -261,6 +262,21 @@ def in_backward_pass() -> bool:
     """
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is None or current() != -1
+
+
+# Read once: `ran_by_a_backward` runs at every root forward, sampled or not.
+_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def ran_by_a_backward() -> bool:
+    """Whether the autograd engine runs a backward pass on this thread now, so that a forward
+    called here is called by it (activation checkpointing recomputing what it did not keep).
+
+    The same private `torch._C._current_graph_task_id` as `in_backward_pass` (checked on torch
+    2.15.0). Why: such a call is torch's, not a forward of the user's. Where the name
+    is missing, False: every call is then taken for the user's, as before.
+    """
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -1,5 +1,9 @@
 """How much one observer has seen: root forwards, samples, and each layer's sampled forwards.
 
+A call of the model that the autograd engine makes during a backward pass (activation
+checkpointing of the whole model recomputing its forward) is no root forward: it is counted
+apart (`count_recomputed`), never sampled, and index.md says what that means for gradients.
+
 Every thread that runs the observed model updates these, so they live behind one lock, and the
 sampler is asked under it: forward_index and sample_id are each handed out once, in order.
 """
@@ -53,6 +57,7 @@ class Counter:
         # begun during a sample but returned after it ended.
         self.unattributed_several = 0
         self.unattributed_late = 0
+        self.recomputed = 0  # calls of the model made by a backward pass (module docstring)
 
     def next_forward(
         self, should_sample: Callable[[int, str], bool], schedule: str
@@ -96,6 +101,13 @@ class Counter:
             else:
                 self.unobserved += 1
 
+    def count_recomputed(self) -> str:
+        """One call of the model made during a backward pass; returns what the run says of
+        such calls (`recomputed_note`)."""
+        with self._lock:
+            self.recomputed += 1
+            return recomputed_note(self.recomputed)
+
     def count_layers(self, names: Iterable[str]) -> None:
         """One more sampled forward for each of these layers."""
         with self._lock:
@@ -123,6 +135,8 @@ class Counter:
     def counts(self, backward_samples: int, notes: tuple[str, ...]) -> RunCounts:
         """The run's counts, with what the backward side and the observer add."""
         with self._lock:
+            if self.recomputed:
+                notes = (*notes, recomputed_note(self.recomputed))
             return RunCounts(
                 self.root_forwards,
                 self.samples,
@@ -134,3 +148,17 @@ class Counter:
                 unobserved_eval_forwards=self.unobserved,
                 unobserved_setup_forwards=self.setup,
             )
+
+
+def recomputed_note(calls: int) -> str:
+    """What the run says of the calls of the model made during a backward pass."""
+    times = "once" if calls == 1 else f"{calls} times"
+    return (
+        f"the model was called during a backward pass {times} (activation checkpointing of the "
+        "whole model, `checkpoint(model, ...)`, calls it again there to recompute its "
+        "forward): such a call is torch's recomputation, not a root forward, so it is not "
+        "counted, sampled or observed. With use_reentrant=False the gradients of the sampled "
+        "forwards are recorded as usual; with use_reentrant=True the model's own forward ran "
+        "under torch.no_grad() and its gradients flow only through the recomputation, so those "
+        "samples have output rows and no output_gradient rows"
+    )

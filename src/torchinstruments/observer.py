@@ -54,6 +54,8 @@ the end (`_heal`: the layers' proxies off, the sample ended and written, marked,
 Root forwards: the outermost call of the root's `forward` (via `model(x)` or `model.forward(x)`).
 A call of the root inside its own forward is part of the enclosing root forward: it is not
 counted, not sampled on its own, and (if the root is a selected layer) gets the next call_index.
+A call of the root made during a backward pass (`checkpoint(model, x)` recomputing the forward)
+is torch's, not a root forward: it runs unobserved and is counted apart (counting.py).
 A selected layer called outside any root forward (for instance `self.encoder(x)` in a Lightning
 step when the LightningModule is the root) is not observed: it runs untouched and nothing is
 recorded; inject into the module your loop calls.
@@ -62,7 +64,6 @@ recorded; inject into the module your loop calls.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
 import signal
 import threading
@@ -74,7 +75,12 @@ import torch
 from torch import nn
 
 from torchinstruments import forks, reasons
-from torchinstruments._torch_internals import called_through_module_call, is_tracing, running
+from torchinstruments._torch_internals import (
+    called_through_module_call,
+    is_tracing,
+    ran_by_a_backward,
+    running,
+)
 from torchinstruments.capture import LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     ForwardEntry,
@@ -112,7 +118,7 @@ from torchinstruments.samples import (
     cut_note,
     removed_in_flight_note,
 )
-from torchinstruments.sampling import ask
+from torchinstruments.sampling import ask, read_step
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
 
@@ -296,6 +302,9 @@ class Observer:
             if running(_ROOT_CODE, self):
                 return _NESTED
             self._heal()  # the end of this thread's last sampled forward was cut
+        if ran_by_a_backward():  # checkpointing's recomputation: no root forward (counting.py)
+            self.warn_once("recomputed", self.counter.count_recomputed())
+            return _PASS_THROUGH
         schedule = self.phases.current
         if schedule in PASSED_THROUGH:
             self.counter.count_unobserved(schedule)
@@ -431,22 +440,8 @@ class Observer:
         return self._root_layer.measured_call(sample, wrapped, args, kwargs)
 
     def current_step(self) -> int | None:
-        """The step of a sample taken now: the step source's value, else the step last set.
-
-        A source that raises or gives no integer means a null step (warned once): the sample is
-        still taken, only its step is unknown.
-        """
-        source = self.step_source
-        if source is None:
-            return self.step
-        try:
-            value = source()
-            return None if value is None else operator.index(value)  # type: ignore[arg-type]
-        except Exception as error:
-            self.failed_once(
-                "step", f"reading the step for the step column failed: {error!r}; it is null"
-            )
-            return None
+        """The step of a sample taken now (`sampling.read_step`)."""
+        return read_step(self.step_source, self.step, self.failed_once)
 
     def _should_sample(self, forward_index: int, schedule: str) -> bool:
         """The decision of the schedule's sampler (`forward_index`: the count of root forwards

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +24,7 @@ __all__ = [
     "ask",
     "check_sampler",
     "describe_sampler",
+    "read_step",
 ]
 
 Clock = Callable[[], float]
@@ -180,6 +182,25 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
         )
         return False
     return decision
+
+
+def read_step(
+    source: Callable[[], object] | None, step: int | None, warn_once: Callable[[str, str], None]
+) -> int | None:
+    """The step of a sample taken now: `source()` (a trainer's global step), else `step` (the
+    step a plain loop set last).
+
+    A source that raises or gives no integer means a null step (warned once): the sample is
+    still taken, only its step is unknown.
+    """
+    if source is None:
+        return step
+    try:
+        value = source()
+        return None if value is None else operator.index(value)  # type: ignore[arg-type]
+    except Exception as error:
+        warn_once("step", f"reading the step for the step column failed: {error!r}; it is null")
+        return None
 
 
 def describe_sampler(sampler: object) -> str:

@@ -1,0 +1,89 @@
+"""A whole observed model under activation checkpointing: its recomputation is no root forward.
+
+`checkpoint(model, x)` calls the model once in the forward and, during the backward, once more
+to recompute what it did not keep (non-reentrant checkpointing stops that call as soon as it has
+what the backward needs, with an exception of its own). That second call is torch's, not the
+user's: it is not counted, not sampled and not observed, so a step has one root forward and one
+sample, whose rows equal those of the same model run without checkpointing (plain hooks on a
+deep copy, `hook_reference`). Under reentrant checkpointing the model's forward runs under
+no_grad and its gradients flow only through the recomputation: the sample has output rows and
+no gradient rows, which a warning and index.md say.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hook_reference import run_both
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 2
+
+
+def model() -> nn.Sequential:
+    """Five layers, none random: the checkpointed and the plain runs compute the same values."""
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+
+
+def checkpointed_step(reentrant: bool) -> Any:
+    """A step that checkpoints the whole model, as a training loop would write it."""
+
+    def step(m: nn.Module, i: int) -> torch.Tensor:
+        x = torch.randn(4, 6, requires_grad=True)
+        out = checkpoint(m, x, use_reentrant=reentrant)
+        out.square().sum().backward()
+        return out
+
+    return step
+
+
+def plain_step(m: nn.Module, i: int) -> torch.Tensor:
+    """The same step without checkpointing: the reference."""
+    x = torch.randn(4, 6, requires_grad=True)
+    out = m(x)
+    out.square().sum().backward()
+    return out
+
+
+def counts_line(run_dir: Path) -> str:
+    """index.md's line of counts: root forwards, samples, samples with a backward."""
+    found = re.search(r"- counts: (.*)", (run_dir / "index.md").read_text("utf-8"))
+    assert found is not None, "index.md has no counts line"
+    return found.group(1)
+
+
+def test_a_model_checkpointed_whole_has_the_rows_of_the_plain_model(run_dir: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is said: nothing is missing
+        result = run_both(
+            model(), checkpointed_step(False), run_dir, reference_step=plain_step, steps=STEPS
+        )
+    result.assert_conforms()
+    assert sorted(set(result.history["forward_index"].to_list())) == list(range(STEPS))
+    assert "interrupted" not in result.history["metric"].to_list()
+    assert counts_line(run_dir).startswith(f"{STEPS} root forwards, {STEPS} samples, {STEPS} ")
+
+
+def test_a_model_checkpointed_whole_reentrantly_has_output_rows_and_says_why_no_gradients(
+    run_dir: Path,
+) -> None:
+    with pytest.warns(RuntimeWarning, match="called during a backward pass") as said:
+        result = run_both(
+            model(), checkpointed_step(True), run_dir, reference_step=plain_step, steps=STEPS
+        )
+    assert len([w for w in said if "during a backward pass" in str(w.message)]) == 1
+    gradients = {key: "reentrant" for key in result.recorder.tensors if key[3] != "output"}
+    result.assert_conforms(unrecorded=gradients)
+    assert set(result.history["signal"].to_list()) == {"output"}
+    assert counts_line(run_dir).startswith(f"{STEPS} root forwards, {STEPS} samples, 0 ")
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert f"called during a backward pass {STEPS} times" in index

@@ -71,6 +71,12 @@ PARTIAL_REASON = r"(?i)partial"
 SHARED_REASON = r"^shared output"
 
 
+def during_backward() -> bool:
+    """Whether the autograd engine runs a backward pass on this thread (a module called now is
+    called by it: checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 # --- NumPy statistics --------------------------------------------------------------------------
 
 
@@ -295,6 +301,11 @@ class HookRecorder:
     itself, or the root called inside its own forward) comes after the call that made it, and
     a call that raised keeps its number (and has no rows), even when the model caught the
     exception and called the layer again.
+
+    A call the autograd engine makes during a backward pass (activation checkpointing
+    recomputing a block, or the whole model under `checkpoint(model, x)`) is torch's
+    recomputation of calls already seen: of the model, no root forward (not counted); of a
+    layer, no call, even inside a root forward that runs a backward itself (`autograd.grad`).
     """
 
     def __init__(self, model: nn.Module, names: Iterable[str], every: int = 1) -> None:
@@ -308,6 +319,9 @@ class HookRecorder:
         self.root_forwards = 0
         self._every = every
         self._depth = 0
+        # Per root call begun and not yet ended, innermost last: whether it is a root forward
+        # or part of one (False: a recomputation during a backward pass).
+        self._root_calls: list[bool] = []
         # Unfired gradient hooks by autograd identity: the keys of every call that returned it.
         self._uses: dict[tuple[int, int, int], list[SampleKey]] = {}
         self._alive: list[Any] = []
@@ -338,6 +352,10 @@ class HookRecorder:
         }
 
     def _begin_root(self, module: nn.Module, args: Any) -> None:
+        recomputed = self._depth == 0 and during_backward()
+        self._root_calls.append(not recomputed)
+        if recomputed:
+            return
         self._depth += 1
         if self._depth > 1:
             return  # a root call inside a root forward belongs to it
@@ -347,6 +365,8 @@ class HookRecorder:
         self.calls = {}
 
     def _end_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._root_calls.pop():
+            return
         self._depth -= 1
         if self._depth == 0:
             self.sample_id = None
@@ -356,7 +376,7 @@ class HookRecorder:
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             call_index = None
-            if self.sample_id is not None:
+            if self.sample_id is not None and not during_backward():
                 call_index = self.calls.get(name, 0)
                 self.calls[name] = call_index + 1
             self._open.setdefault((threading.get_ident(), name), []).append(call_index)

@@ -63,6 +63,7 @@ from torchinstruments._torch_internals import (
     has_fused_fast_path,
     layer_by_layer,
     pickled_for_a_new_process,
+    ran_by_a_backward,
 )
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo
@@ -387,7 +388,14 @@ class LayerCapture:
     def on_call(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
     ) -> Any:
-        """Assign the call_index, run the forward, measure what it returned, return it as is."""
+        """Assign the call_index, run the forward, measure what it returned, return it as is.
+
+        A call the autograd engine makes during a backward pass (checkpointing recomputing a
+        block, inside a forward that runs `torch.autograd.grad` itself) is torch's recomputation
+        of a call already measured, not a call of the layer: it runs unobserved.
+        """
+        if ran_by_a_backward():
+            return wrapped(*args, **kwargs)
         observer = self.observer
         sample = observer.current
         if sample is None:  # no sampled forward of this thread: maybe another thread's

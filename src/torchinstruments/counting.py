@@ -19,7 +19,7 @@ from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal
 from torchinstruments.phases import SETUP, TRAIN
 from torchinstruments.records import RunCounts
 
-__all__ = ["Counter"]
+__all__ = ["Counter", "recomputed_note"]
 
 
 class Counter:
@@ -101,12 +101,10 @@ class Counter:
             else:
                 self.unobserved += 1
 
-    def count_recomputed(self) -> str:
-        """One call of the model made during a backward pass; returns what the run says of
-        such calls (`recomputed_note`)."""
+    def count_recomputed(self) -> None:
+        """One call of the model made during a backward pass (`recomputed_note`)."""
         with self._lock:
             self.recomputed += 1
-            return recomputed_note(self.recomputed)
 
     def count_layers(self, names: Iterable[str]) -> None:
         """One more sampled forward for each of these layers."""
@@ -150,11 +148,12 @@ class Counter:
             )
 
 
-def recomputed_note(calls: int) -> str:
-    """What the run says of the calls of the model made during a backward pass."""
-    times = "once" if calls == 1 else f"{calls} times"
+def recomputed_note(calls: int | None = None) -> str:
+    """What the run says of the calls of the model made during a backward pass (the warning at
+    the first, without a count; index.md, with the count of them all)."""
+    times = "" if calls is None else " once" if calls == 1 else f" {calls} times"
     return (
-        f"the model was called during a backward pass {times} (activation checkpointing of the "
+        f"the model was called during a backward pass{times} (activation checkpointing of the "
         "whole model, `checkpoint(model, ...)`, calls it again there to recompute its "
         "forward): such a call is torch's recomputation, not a root forward, so it is not "
         "counted, sampled or observed. With use_reentrant=False the gradients of the sampled "

@@ -91,7 +91,7 @@ from torchinstruments.compilation import (
     resume_compilation,
 )
 from torchinstruments.config import ObserverConfig
-from torchinstruments.counting import Counter
+from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
 from torchinstruments.global_statistics import keep, kept_note, sample_rows
 from torchinstruments.gradients import GradientRecorder
@@ -303,7 +303,8 @@ class Observer:
                 return _NESTED
             self._heal()  # the end of this thread's last sampled forward was cut
         if ran_by_a_backward():  # checkpointing's recomputation: no root forward (counting.py)
-            self.warn_once("recomputed", self.counter.count_recomputed())
+            self.counter.count_recomputed()
+            self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
         schedule = self.phases.current
         if schedule in PASSED_THROUGH:

@@ -1,4 +1,4 @@
-"""A whole observed model under activation checkpointing: its recomputation is no root forward.
+"""Checkpointing's recomputation during a backward pass is no root forward and no call.
 
 `checkpoint(model, x)` calls the model once in the forward and, during the backward, once more
 to recompute what it did not keep (non-reentrant checkpointing stops that call as soon as it has
@@ -8,12 +8,18 @@ sample, whose rows equal those of the same model run without checkpointing (plai
 deep copy, `hook_reference`). Under reentrant checkpointing the model's forward runs under
 no_grad and its gradients flow only through the recomputation: the sample has output rows and
 no gradient rows, which a warning and index.md say.
+
+The same holds for a checkpointed block recomputed inside a sampled forward, by a forward that
+runs `torch.autograd.grad` itself (a physics-informed network's derivative, a potential's
+forces): the recomputed calls are no calls of the layers, so the rows are those of the model
+without checkpointing, each layer's call measured once.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +93,42 @@ def test_a_model_checkpointed_whole_reentrantly_has_output_rows_and_says_why_no_
     assert counts_line(run_dir).startswith(f"{STEPS} root forwards, {STEPS} samples, 0 ")
     index = (run_dir / "index.md").read_text("utf-8")
     assert f"called during a backward pass {STEPS} times" in index
+
+
+class Derivative(nn.Module):
+    """Returns u(x) and du/dx, computed inside its forward with `torch.autograd.grad`; the
+    network is checkpointed (non-reentrant) or not."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.requires_grad_(True)
+        net = partial(checkpoint, self.net, use_reentrant=False) if self.checkpointed else self.net
+        hidden = net(x)
+        u = self.head(hidden)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return u, du
+
+
+def derivative_step(m: nn.Module, i: int) -> torch.Tensor:
+    u, du = m(torch.randn(5, 2))
+    (u.square().sum() + du.square().sum()).backward()
+    return u
+
+
+def unchecked(m: nn.Module, i: int) -> torch.Tensor:
+    """The reference: the same step with the copy's checkpointing switched off."""
+    m.checkpointed = False  # type: ignore[assignment]
+    return derivative_step(m, i)
+
+
+def test_a_block_recomputed_inside_a_sampled_forward_is_no_call(run_dir: Path) -> None:
+    result = run_both(
+        Derivative(checkpointed=True), derivative_step, run_dir, reference_step=unchecked, steps=2
+    )
+    result.assert_conforms()
+    assert set(result.history["call_index"].to_list()) == {0}

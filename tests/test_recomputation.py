@@ -7,7 +7,8 @@ user's: it is not counted, not sampled and not observed, so a step has one root 
 sample, whose rows equal those of the same model run without checkpointing (plain hooks on a
 deep copy, `hook_reference`). Under reentrant checkpointing the model's forward runs under
 no_grad and its gradients flow only through the recomputation: the sample has output rows and
-no gradient rows, which a warning and index.md say.
+no gradient rows. Either way one warning says what such calls are and what they mean for
+gradients, and index.md says it with their count.
 
 The same holds for a checkpointed block recomputed inside a sampled forward, by a forward that
 runs `torch.autograd.grad` itself (a physics-informed network's derivative, a potential's
@@ -18,7 +19,6 @@ without checkpointing, each layer's call measured once.
 from __future__ import annotations
 
 import re
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,16 +67,23 @@ def counts_line(run_dir: Path) -> str:
     return found.group(1)
 
 
+def recomputation_said(said: pytest.WarningsRecorder) -> int:
+    """How many warnings said that the model was called during a backward pass."""
+    return len([w for w in said if "called during a backward pass" in str(w.message)])
+
+
 def test_a_model_checkpointed_whole_has_the_rows_of_the_plain_model(run_dir: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing is said: nothing is missing
+    with pytest.warns(RuntimeWarning, match="called during a backward pass") as said:
         result = run_both(
             model(), checkpointed_step(False), run_dir, reference_step=plain_step, steps=STEPS
         )
+    assert recomputation_said(said) == 1  # once per run, however many steps
     result.assert_conforms()
     assert sorted(set(result.history["forward_index"].to_list())) == list(range(STEPS))
     assert "interrupted" not in result.history["metric"].to_list()
     assert counts_line(run_dir).startswith(f"{STEPS} root forwards, {STEPS} samples, {STEPS} ")
+    index = (run_dir / "index.md").read_text("utf-8")
+    assert f"called during a backward pass {STEPS} times" in index
 
 
 def test_a_model_checkpointed_whole_reentrantly_has_output_rows_and_says_why_no_gradients(
@@ -86,7 +93,7 @@ def test_a_model_checkpointed_whole_reentrantly_has_output_rows_and_says_why_no_
         result = run_both(
             model(), checkpointed_step(True), run_dir, reference_step=plain_step, steps=STEPS
         )
-    assert len([w for w in said if "during a backward pass" in str(w.message)]) == 1
+    assert recomputation_said(said) == 1
     gradients = {key: "reentrant" for key in result.recorder.tensors if key[3] != "output"}
     result.assert_conforms(unrecorded=gradients)
     assert set(result.history["signal"].to_list()) == {"output"}

@@ -183,7 +183,9 @@ def section_meanings() -> list[str]:
         "- root forward: the outermost call of the observed model, via `model(x)` or "
         "`model.forward(x)`. A call of the model inside its own forward belongs to the "
         "enclosing root forward (not counted again; the next call_index if the model is itself "
-        "a selected layer). A selected layer called outside any root forward is not observed.",
+        "a selected layer). A selected layer called outside any root forward is not observed. "
+        "A call made during a backward pass (activation checkpointing recomputing the model or "
+        "a block) is torch's recomputation: neither a root forward nor a call.",
         "- capture_direct_forwards=False: calls that bypass `nn.Module.__call__` "
         "(`module.forward(x)`) are neither root forwards nor measured; the proxy tells them "
         "apart by its caller's frame (`nn.Module._call_impl` or not).",

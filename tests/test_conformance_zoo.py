@@ -18,9 +18,10 @@ References that need a definition:
   the gradient into it are then the underlying batch, as the model without vmap sees it). `jacrev`
   of the scalar loss: a plain backward (its cotangent batch has one entry). Shapes are not
   compared there (the library says in shape and index.md which it records).
-- non-reentrant checkpointing: the forward's calls; the recomputation during backward runs
-  outside any root forward and is neither a call nor a row. Reentrant checkpointing runs its
-  block under no_grad in the forward: output rows, and no gradient rows (plain hooks have none).
+- non-reentrant checkpointing: the forward's calls; the recomputation during backward is
+  neither a root forward nor a call nor a row (`hook_reference` skips what a backward pass
+  calls, also inside a root forward). Reentrant checkpointing runs its block under no_grad in
+  the forward: output rows, and no gradient rows (plain hooks have none).
 - torch.compile: sampled forwards run eagerly, so their rows equal the eager copy's; the
   unsampled forward between them runs the compiled graph and has no rows.
 Tensor parallelism and FSDP2 are in test_conformance_distributed.py (two gloo processes).

@@ -14,6 +14,12 @@ against a value, or nulls for different reasons), the two-run `compare`'s differ
 named are those whose kind (a value, or a null's reason) is not the one most ranks hold; where
 no kind is held by more ranks than every other (two ranks, one null), every rank there departs,
 as two ranks whose values differ both do.
+
+Nonfinite values (hand-edited or concatenated histories only: the library writes a null with a
+reason where a statistic is not finite) take part in distances as the two-run `compare` treats
+them: equal values are 0 apart (two NaN, two infinities of one sign), and a NaN or an infinity
+is infinitely far from any other value, so two ranks compared as a parent depart exactly where
+`compare RANK_A RANK_B` differs.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
 
 def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
     """Per series in one x range: matched samples (`matching.matched_samples`: at least 2
-    ranks agree on what the row holds), and the first x where one rank's finite value is more
-    than `tolerance` from its nearest other rank's, or where the ranks' rows disagree on what
-    they hold (`_kind_departures`).
+    ranks agree on what the row holds), and the first x where one rank's value is more than
+    `tolerance` from its nearest other rank's (`_gap`: NaN and infinities too, as the two-run
+    `compare` differs on them), or where the ranks' rows disagree on what they hold
+    (`_kind_departures`).
 
     Names are compared as integer codes (Categorical), and groups are found by comparing
     neighbours in one sort, not by window functions: a range of millions of rows takes two
@@ -76,10 +83,12 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
         _occurrence=position - pl.when("_start").then(position).forward_fill()
     )
     at = [*keys, x, "_occurrence"]
-    values = frame.filter(pl.col("value").is_finite()).sort(*at, "value")
+    # Sorted, -inf first and NaN last: equal values are neighbours, so a rank's nearest other
+    # value is one of its two neighbours, nonfinite ones too (`_gap`).
+    values = frame.filter(pl.col("value").is_not_null()).sort(*at, "value")
     values = values.with_columns(
-        _below=pl.when(_same_as(at, 1)).then(pl.col("value") - pl.col("value").shift(1)),
-        _above=pl.when(_same_as(at, -1)).then(pl.col("value").shift(-1) - pl.col("value")),
+        _below=pl.when(_same_as(at, 1)).then(_gap(pl.col("value").shift(1))),
+        _above=pl.when(_same_as(at, -1)).then(_gap(pl.col("value").shift(-1))),
     ).with_columns(nearest_other=pl.min_horizontal("_below", "_above"))
     series = [*_TEXT_KEYS, "call_index"]
     seen = frame.group_by(series).agg(ranks=pl.col("rank").n_unique())
@@ -117,6 +126,14 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
     return measured.join(at_first, on=series, how="left").with_columns(
         pl.col(k).cast(pl.String) for k in _TEXT_KEYS
     )
+
+
+def _gap(other: pl.Expr) -> pl.Expr:
+    """How far `value` is from `other`, as the two-run `compare` tells a difference: 0 when
+    they are equal (two NaN, two infinities of one sign too), else |value - other|, infinite
+    where either is NaN or infinite (a rank whose value turned NaN departs from numbers)."""
+    value = pl.col("value")
+    return pl.when(value == other).then(0.0).otherwise((value - other).abs().fill_nan(float("inf")))
 
 
 def _kind_departures(frame: pl.DataFrame, at: Sequence[str]) -> pl.DataFrame:

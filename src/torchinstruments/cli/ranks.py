@@ -24,8 +24,11 @@ Design decisions:
   reasons: the two-run `compare`'s difference, `cli.matching`). There the ranks whose kind (a
   value, or a null's reason) is not the one held by more ranks than every other depart, and
   every rank departs where no kind is (two ranks, one null: both, as two ranks whose values
-  differ both do); `by` is then null. Distances are between finite values only; a series
-  measured twice in a sample is matched occurrence by occurrence.
+  differ both do); `by` is then null. Nonfinite values (hand-edited or concatenated histories
+  only) take part as in the two-run `compare`: equal ones are 0 apart, a NaN or an infinity is
+  infinitely far from any other value (`by` inf), so two ranks depart exactly where the
+  two-run `compare` of their directories differs; a series measured twice in a sample is
+  matched occurrence by occurrence.
   `matched` counts the two-run `compare`'s matched samples (`cli.matching`): at least two
   ranks with a value each, or a null each for the same reason.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or
@@ -509,13 +512,13 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         *departure_warnings(d),
         *_header(d.parent, d.runs, d.facts, d.without_history, d.missing),
         *types.rank_lines(d.mixed),
-        f"first departure: the first {d.x} at which one rank's finite value is more than "
-        f"{d.tolerance:g} from every other rank's (its nearest other rank is farther), or at "
+        f"first departure: the first {d.x} at which one rank's value is more than "
+        f"{d.tolerance:g} from every other rank's (its nearest other rank is farther; a NaN "
+        "or an infinity is infinitely far from any value but an equal one), or at "
         "which the ranks' rows differ in what they hold (a null against a value, or nulls "
         "for different reasons: the ranks not holding what most ranks hold depart, every "
         "rank where no one kind is held by the most); ranks: the ranks departing there, by: that "
-        "distance, 'null' where they depart by a null alone; '-' = none (nonfinite values "
-        "take no part in distances).",
+        "distance, 'null' where they depart by a null alone; '-' = none.",
         matched_legend("at least 2 of the ranks", d.x),
     ]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")

@@ -173,9 +173,12 @@ def earliest(frame: pl.DataFrame, column: str, limit: int) -> tuple[pl.DataFrame
 
 
 def _jsonable(value: Any) -> Any:
-    """Floats that JSON can hold (no NaN or Infinity: they become null)."""
+    """Floats that JSON can hold (no NaN or Infinity: they become null), in lists too (a
+    parent's `departing_values`)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
     return value
 
 

@@ -238,26 +238,49 @@ show(latest, most={SHOWN_ROWS})""",
 show(spread, most={SHOWN_ROWS})""",
         ),
         (
-            "The first sample where one rank departs from the others by more than X (its "
-            "nearest other rank's value is farther than X; for two ranks, |a - b| > X; finite "
-            "values only):",
+            "The first sample where one rank departs from the others, as `compare PARENT` "
+            "finds it: its nearest other rank's value is farther than X (for two ranks, "
+            "|a - b| > X; equal values, two NaN or two like infinities, are 0 apart, a NaN or "
+            "an infinity is infinitely far from any other value), or the ranks' rows differ in "
+            "what they hold (a null against a value, or nulls for different reasons: the ranks "
+            "not holding what most ranks hold depart, every rank where no one kind is held by "
+            "the most):",
             f"""X = 0.0  # <- the departure to look for
 METRIC = "mean"  # <- the metric (one at a time: the sort below holds its rows in memory)
 at = SERIES + ["sample_id"]
+held = pl.when(pl.col("value").is_not_null()).then(pl.lit("a value")).otherwise("unavailable_reason")
+
+
+def gap(other: pl.Expr) -> pl.Expr:
+    value = pl.col("value")
+    return pl.when(value == other).then(0.0).otherwise((value - other).abs().fill_nan(float("inf")))
+
+
 nearest = (
-    ranks.filter(pl.col("metric") == METRIC, pl.col("value").is_finite())
-    .sort(*at, "value")
-    .with_columns(below=pl.col("value").diff().over(at), above=(-pl.col("value").diff(-1)).over(at))
-    .with_columns(nearest_other=pl.min_horizontal("below", "above"))
+    ranks.filter(pl.col("metric") == METRIC)
+    .sort(*at, "value")  # nulls first, -inf ... inf, NaN last: equal values are neighbours
+    .with_columns(
+        below=gap(pl.col("value").shift(1)).over(at),
+        above=gap(pl.col("value").shift(-1)).over(at),
+        held=held,
+    )
+    .with_columns(nearest_other=pl.min_horizontal("below", "above"), n=pl.len().over(*at, "held"))
+    .with_columns(most=pl.col("n").max().over(at))
+    .with_columns(
+        kinds=pl.col("held").n_unique().over(at),
+        tied=pl.col("held").filter(pl.col("n") == pl.col("most")).n_unique().over(at),
+    )
 )
+apart = (pl.col("kinds") > 1) & ((pl.col("n") < pl.col("most")) | (pl.col("tied") > 1))
 first = (
-    nearest.filter(pl.col("nearest_other") > X)
+    nearest.filter((pl.col("nearest_other") > X) | apart)
     .sort("sample_id", "rank")
     .group_by(SERIES, maintain_order=True)
     .agg(
         first_sample=pl.col("sample_id").first(),
         rank=pl.col("rank").first(),
         value=pl.col("value").first(),
+        unavailable_reason=pl.col("unavailable_reason").first(),
         nearest_other=pl.col("nearest_other").first(),
     )
     .sort("first_sample", *SERIES)

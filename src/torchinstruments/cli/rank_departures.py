@@ -13,7 +13,11 @@ A sample also departs where the ranks' rows disagree on what they hold (`cli.mat
 against a value, or nulls for different reasons), the two-run `compare`'s difference: the ranks
 named are those whose kind (a value, or a null's reason) is not the one most ranks hold; where
 no kind is held by more ranks than every other (two ranks, one null), every rank there departs,
-as two ranks whose values differ both do.
+as two ranks whose values differ both do. A rank that has a sample (a row of any series
+there, marker rows too) and the layer among its selected ones, but no row of a series another
+rank has there, holds "no row" (its reason `NO_ROW`): the two-run `compare`'s row in one run
+and none in the other (a branch one rank skipped); a rank without the sample, or without the
+layer (a pipeline stage's layers, a layer of another module type there), holds nothing there.
 
 Nonfinite values (hand-edited or concatenated histories only: the library writes a null with a
 reason where a statistic is not finite) take part in distances as the two-run `compare` treats
@@ -31,9 +35,13 @@ import polars as pl
 from torchinstruments.cli.matching import agreement, matched_samples
 from torchinstruments.rundir.windows import SERIES_KEY
 
-__all__ = ["RANK_SERIES_KEY", "batch_departures", "combine_departures"]
+__all__ = ["NO_ROW", "RANK_SERIES_KEY", "batch_departures", "combine_departures"]
 
 RANK_SERIES_KEY = (*SERIES_KEY, "module_type")
+
+# A departing rank's reason where it has the sample but no row of the series there (a layer it
+# skipped): no reason the library writes reads so.
+NO_ROW = "no row"
 _KEY = RANK_SERIES_KEY
 
 
@@ -49,12 +57,20 @@ def _same_as(keys: Sequence[str], shift: int) -> pl.Expr:
     return same
 
 
-def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFrame:
+def batch_departures(
+    batch: pl.LazyFrame,
+    x: str,
+    tolerance: float,
+    samples: pl.DataFrame | None = None,
+    layers: pl.DataFrame | None = None,
+) -> pl.DataFrame:
     """Per series in one x range: matched samples (`matching.matched_samples`: at least 2
     ranks agree on what the row holds), and the first x where one rank's value is more than
     `tolerance` from its nearest other rank's (`_gap`: NaN and infinities too, as the two-run
     `compare` differs on them), or where the ranks' rows disagree on what they hold
-    (`_kind_departures`).
+    (`_kind_departures`), a rank that has the sample and the layer but no row of the series
+    there among them (`_missing_rows`; `samples`: each rank's own x, `layers`: each rank's
+    selected layers; None: no such row).
 
     Names are compared as integer codes (Categorical), and groups are found by comparing
     neighbours in one sort, not by window functions: a range of millions of rows takes two
@@ -99,7 +115,12 @@ def batch_departures(batch: pl.LazyFrame, x: str, tolerance: float) -> pl.DataFr
         pl.concat(
             [
                 values.filter(pl.col("nearest_other") > tolerance).select(rows),
-                _kind_departures(frame, at).select(rows),
+                _kind_departures(
+                    pl.concat(
+                        [frame, _missing_rows(frame, samples, layers, at, x)], how="diagonal"
+                    ),
+                    at,
+                ).select(rows),
             ],
             how="vertical_relaxed",
         )
@@ -134,6 +155,48 @@ def _gap(other: pl.Expr) -> pl.Expr:
     where either is NaN or infinite (a rank whose value turned NaN departs from numbers)."""
     value = pl.col("value")
     return pl.when(value == other).then(0.0).otherwise((value - other).abs().fill_nan(float("inf")))
+
+
+def _missing_rows(
+    frame: pl.DataFrame,
+    samples: pl.DataFrame | None,
+    layers: pl.DataFrame | None,
+    at: Sequence[str],
+    x: str,
+) -> pl.DataFrame:
+    """A row (value null, reason `NO_ROW`) for each rank that has a sample (`samples`: rank,
+    x) and the layer (`layers`: rank, layer, module_type, its selected layers) but no row of a
+    series (one occurrence, `at`) that another rank has there, as the two-run `compare` differs
+    where one run has a row and the other none. A rank without the sample (it stopped, or
+    sampled elsewhere) or without the layer (a pipeline stage's layers, a layer of another
+    module type there) holds nothing. Most ranges have every row on every rank: one count per
+    series and sample, and no join."""
+    if samples is None or layers is None:
+        return frame.clear()
+    per_x = samples.group_by(x).agg(_ranks=pl.len())
+    held = (
+        frame.group_by(at)
+        .agg(pl.len().alias("_n"), pl.col(*_TEXT_KEYS).first())
+        .join(per_x, on=x)
+        .filter(pl.col("_n") < pl.col("_ranks"))
+    )
+    if held.is_empty():
+        return frame.clear()
+    grid = (
+        held.drop("_n", "_ranks")
+        .join(samples.select(x, "rank"), on=x)
+        .join(
+            layers.select(
+                "rank", pl.col("layer", "module_type").cast(pl.String).cast(pl.Categorical)
+            ),
+            on=["rank", "layer", "module_type"],
+            how="semi",
+        )
+    )
+    return grid.join(frame.select(*at, "rank"), on=[*at, "rank"], how="anti").with_columns(
+        value=pl.lit(None, pl.Float64),
+        unavailable_reason=pl.lit(NO_ROW).cast(pl.Categorical),
+    )
 
 
 def _kind_departures(frame: pl.DataFrame, at: Sequence[str]) -> pl.DataFrame:

@@ -21,9 +21,10 @@ Design decisions:
   from the others by more than `--tolerance`: its nearest other rank's value is farther than the
   tolerance (with two ranks, `|a - b| > tolerance`, the two-run `compare`'s rule), or at which
   the ranks' rows differ in what they hold (a null against a value, or nulls for different
-  reasons: the two-run `compare`'s difference, `cli.matching`). There the ranks whose kind (a
-  value, or a null's reason) is not the one held by more ranks than every other depart, and
-  every rank departs where no kind is (two ranks, one null: both, as two ranks whose values
+  reasons, or no row on a rank that has the sample while another rank has the row: the
+  two-run `compare`'s difference, `cli.matching`; its reason `no row`). There the ranks whose
+  kind (a value, a null's reason, or no row) is not the one held by more ranks than every other
+  depart, and every rank departs where no kind is (two ranks, one null: both, as two ranks whose values
   differ both do); `by` is then null. Nonfinite values (hand-edited or concatenated histories
   only) take part as in the two-run `compare`: equal ones are 0 apart, a NaN or an infinity is
   infinitely far from any other value (`by` inf), so two ranks depart exactly where the
@@ -430,14 +431,32 @@ def departures(
     if len(runs) + len(without) < 2:
         raise ValueError(f"compare across ranks needs at least 2 ranks; {parent} has {len(runs)}")
     facts = [read_facts(run.directory) for run in runs]
+    layers = pl.DataFrame(  # each rank's selected layers (a rank without run info: none)
+        [
+            (run.rank, li.name, li.module_type)
+            for run, f in zip(runs, facts, strict=True)
+            if f.run is not None
+            for li in f.run.layers
+        ],
+        schema={"rank": pl.Int64, "layer": pl.String, "module_type": pl.String},
+        orient="row",
+    )
 
     def read(files: list[RunFiles]) -> pl.DataFrame:
         lf = _rank_scan(runs, files, selection)
         # Each range's result is folded in as it comes: one frame per series at a time, never
         # one per range (a range's per-series frame is as large as the whole result).
         frame = combine_departures([])
-        for bounds in x_ranges(_x_counts(files, x), x, budget_rows):
-            batch = batch_departures(in_range(lf, x, bounds), x, tolerance)
+        counts = _x_counts(files, x)
+        own = pl.concat(  # each rank's own samples: a row of any series, marker rows too
+            [
+                c.select(x, rank=pl.lit(run.rank, pl.Int64))
+                for run, c in zip(runs, counts, strict=True)
+            ]
+        )
+        for bounds in x_ranges(counts, x, budget_rows):
+            mine = own.filter(pl.col(x).is_between(*bounds))
+            batch = batch_departures(in_range(lf, x, bounds), x, tolerance, mine, layers)
             frame = combine_departures([frame, batch])
         return frame
 
@@ -515,10 +534,11 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         f"first departure: the first {d.x} at which one rank's value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther; a NaN "
         "or an infinity is infinitely far from any value but an equal one), or at "
-        "which the ranks' rows differ in what they hold (a null against a value, or nulls "
-        "for different reasons: the ranks not holding what most ranks hold depart, every "
-        "rank where no one kind is held by the most); ranks: the ranks departing there, by: that "
-        "distance, 'null' where they depart by a null alone; '-' = none.",
+        "which the ranks' rows differ in what they hold (a null against a value, nulls "
+        "for different reasons, or no row of the series on a rank that has the sample: the "
+        "ranks not holding what most ranks hold depart, every rank where no one kind is held "
+        "by the most); ranks: the ranks departing there, by: that distance, 'null' where they "
+        "depart by a null or a missing row alone; '-' = none.",
         matched_legend("at least 2 of the ranks", d.x),
     ]:
         lines += textwrap.wrap(line, width, subsequent_indent="  ")

@@ -158,7 +158,8 @@ def _count(state: RunState, count: int) -> str:
 
 
 def _setup(parent: str) -> str:
-    return f'''from pathlib import Path
+    return f'''import json
+from pathlib import Path
 
 import polars as pl
 
@@ -242,9 +243,9 @@ show(spread, most={SHOWN_ROWS})""",
             "finds it: its nearest other rank's value is farther than X (for two ranks, "
             "|a - b| > X; equal values, two NaN or two like infinities, are 0 apart, a NaN or "
             "an infinity is infinitely far from any other value), or the ranks' rows differ in "
-            "what they hold (a null against a value, or nulls for different reasons: the ranks "
-            "not holding what most ranks hold depart, every rank where no one kind is held by "
-            "the most):",
+            "what they hold (a null against a value, nulls for different reasons, or no row on a "
+            "rank that has the sample, its reason `no row`: the ranks not holding what most ranks "
+            "hold depart, every rank where no one kind is held by the most):",
             f"""X = 0.0  # <- the departure to look for
 METRIC = "mean"  # <- the metric (one at a time: the sort below holds its rows in memory)
 at = SERIES + ["sample_id"]
@@ -256,8 +257,27 @@ def gap(other: pl.Expr) -> pl.Expr:
     return pl.when(value == other).then(0.0).otherwise((value - other).abs().fill_nan(float("inf")))
 
 
+rows = ranks.filter(pl.col("metric") == METRIC)
+own = ranks.select("rank", "sample_id").unique()  # each rank's samples: a row of any series
+selected = pl.LazyFrame(  # each rank's selected layers, run or not: its result.json
+    [
+        (int(d.name.removeprefix("rank-")), r["layer"], r["module_type"])
+        for d in sorted(parent.glob("rank-*"))
+        if d.name.removeprefix("rank-").isdigit() and (d / "result.json").is_file()
+        for r in json.loads((d / "result.json").read_text(encoding="utf-8"))
+    ],
+    schema={{"rank": pl.Int64, "layer": pl.String, "module_type": pl.String}},
+    orient="row",
+)
+missing = (  # no row of a series on a rank that has the sample and the layer, another the row
+    rows.select(*at, "module_type").unique()
+    .join(own, on="sample_id")
+    .join(selected, on=["rank", "layer", "module_type"], how="semi")
+    .join(rows.select(*at, "rank"), on=[*at, "rank"], how="anti")
+    .with_columns(value=pl.lit(None, pl.Float64), unavailable_reason=pl.lit("no row"))
+)
 nearest = (
-    ranks.filter(pl.col("metric") == METRIC)
+    pl.concat([rows, missing], how="diagonal_relaxed")
     .sort(*at, "value")  # nulls first, -inf ... inf, NaN last: equal values are neighbours
     .with_columns(
         below=gap(pl.col("value").shift(1)).over(at),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pytest
 import torch
 from torch import nn
 
@@ -122,6 +123,42 @@ def test_the_finalize_command_show_prints_for_an_unfinished_run_runs(tmp_path: P
     result = bash(match.group(1), tmp_path, fresh_shell(tmp_path))
     assert result.returncode == 0, result.stderr
     assert (copy / "history.parquet").is_file()
+
+
+def test_the_finalize_command_names_a_directory_whose_name_starts_with_a_dash_as_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run directory named `-run`, read by its relative name (after `--`): the printed
+    finalize command, pasted into a fresh shell, completes it (`-run` alone would be read as an
+    option, and the command would stop at a missing DIR)."""
+    model = nn.Sequential(nn.Linear(3, 3))
+    live = tmp_path / "live"
+    inject_observer(
+        model,
+        output_dir=live,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=1),
+    )
+    try:
+        model(torch.randn(2, 3))
+        model(torch.randn(2, 3))
+        deadline = 100
+        while not list((live / "history.parts").glob("part-*.parquet")) and deadline:
+            torch.randn(1)  # parts are written by the buffer; wait until one is on disk
+            deadline -= 1
+        shutil.copytree(live, tmp_path / "-run", ignore=shutil.ignore_patterns("*.lock", ".lock"))
+    finally:
+        remove_observer(model)
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["show", "--width", "2000", "--", "-run"]) == 0
+    (state_line,) = [line for line in out.getvalue().splitlines() if line.startswith("state:")]
+    match = re.search(r"`([^`]+ -m torchinstruments finalize [^`]+)`", state_line)
+    assert match is not None, state_line
+    result = bash(match.group(1), tmp_path, fresh_shell(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "-run" / "history.parquet").is_file()
 
 
 def setup_block(run: Path) -> str:

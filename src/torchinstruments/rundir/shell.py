@@ -24,13 +24,23 @@ MATPLOTLIB_INSTALL = (
 
 
 def command_line(*words: str | os.PathLike[str]) -> str:
-    """`words` joined into one POSIX shell command line, each word quoted where it needs it.
+    """`words` joined into one POSIX shell command line, each word quoted where it needs it,
+    and a path (an `os.PathLike` word) that starts with `-` written as `./-...`: the same
+    directory, never read as an option by the command it is given to.
 
     Example:
         >>> command_line("torchinstruments", "show", "runs/exp [lr=0.1]")
         "torchinstruments show 'runs/exp [lr=0.1]'"
+
+    (`Path("-run")` prints as `./-run`.)
     """
-    return shlex.join(os.fspath(word) for word in words)
+    return shlex.join(_word(word) for word in words)
+
+
+def _word(word: str | os.PathLike[str]) -> str:
+    """A word's text; a relative path that starts with `-` behind `./`."""
+    text = os.fspath(word)
+    return os.path.join(".", text) if isinstance(word, os.PathLike) and text[:1] == "-" else text
 
 
 def tool_command(*words: str | os.PathLike[str]) -> str:

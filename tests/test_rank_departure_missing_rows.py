@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 import torch
 from test_rank_departure_nonfinite import _query_departures, key
@@ -151,3 +152,20 @@ def test_ranks_running_different_layers_do_not_depart_on_the_layers_one_lacks(
     assert all(r["first_departure"] is None for r in ranks.values())
     assert all(r["ranks"] == 1 for r in ranks.values())
     assert _query_departures(parent, "0.0", ["mean"]) == {}
+
+
+def test_missing_row_departures_are_the_same_read_in_ranges_of_one_sample_or_all_at_once(
+    tmp_path: Path,
+) -> None:
+    from torchinstruments.cli import ranks
+    from torchinstruments.cli.selection import Selection
+
+    parent = tmp_path / "stats"
+    for rank, skip in ((0, None), (1, 2), (2, 4)):
+        observe(parent, rank, 3, forwards=6 - rank, skip=skip)
+    one = ranks.departures(parent, Selection(), budget_rows=1).frame
+    whole = ranks.departures(parent, Selection(), budget_rows=10**9).frame
+    assert one.to_dicts() == whole.to_dicts()
+    b = whole.filter(pl.col("layer") == "b", pl.col("signal") == "output")
+    assert set(b["first_departure"]) == {2}
+    assert b["departing_ranks"].to_list() == [[1]] * b.height

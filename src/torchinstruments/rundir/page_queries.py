@@ -16,8 +16,9 @@ Design decisions:
   absent in the other as a difference.
 - The two-run comparison query (`other_run`, as printed this run itself, so it runs and finds
   nothing) joins the runs on series and sample and lists each series' first differing sample
-  (presence flags per run, so a row in one run only differs even when its value is null; the
-  same rule as `compare`, which a test checks series by series),
+  (presence flags per run, so a row in one run only differs even when its value is null;
+  nulls for different reasons differ, equal values never do, two NaN included: the same rule
+  as `compare`, which a test checks series by series),
   the earliest first, ties in the order this run wrote its rows (a forward's layers in
   execution order, outputs before gradients).
 - They depend on `RunInfo` only.
@@ -269,8 +270,9 @@ show(by_step, most={SHOWN_ROWS})""",
         ),
         (
             "Compare this run with another one (e.g. a baseline with the same seed and data): "
-            "per series, the first sample where the two differ by more than `tolerance`, or "
-            "where a row or a value exists in one run only (samples both runs have; `row`, "
+            "per series, the first sample where the two differ by more than `tolerance` "
+            "(equal values never do, two NaN included), where a row or a value exists in one "
+            "run only, or where both are null for different reasons (samples both runs have; `row`, "
             "`row_other` say which run has a row, so one there is a difference whatever its "
             "value, a null included; `interrupted` marker rows are no series); the first "
             "row departs first (earliest sample, then this run's write order: a forward's "
@@ -299,7 +301,11 @@ differ = (
     .filter(
         (pl.col("row") != pl.col("row_other"))  # a row in one run only, whatever its value
         | (pl.col("value").is_null() != pl.col("value_other").is_null())
-        | ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
+        | (pl.col("unavailable_reason") != pl.col("reason_other"))  # nulls for other reasons
+        | (  # equal values never differ: two NaN, or two like infinities, included
+            (pl.col("value") != pl.col("value_other"))
+            & ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
+        )
     )
 )
 first = (

@@ -22,8 +22,9 @@ layer (a pipeline stage's layers, a layer of another module type there), holds n
 Nonfinite values (hand-edited or concatenated histories only: the library writes a null with a
 reason where a statistic is not finite) take part in distances as the two-run `compare` treats
 them: equal values are 0 apart (two NaN, two infinities of one sign), and a NaN or an infinity
-is infinitely far from any other value, so two ranks compared as a parent depart exactly where
-`compare RANK_A RANK_B` differs.
+is infinitely far from any other value. So two ranks compared as a parent depart exactly where
+`compare RANK_A RANK_B` differs, but on a layer one of them does not select (which that
+comparison calls absent in one run, and this one compares among the ranks that have it).
 """
 
 from __future__ import annotations

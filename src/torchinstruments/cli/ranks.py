@@ -27,9 +27,10 @@ Design decisions:
   depart, and every rank departs where no kind is (two ranks, one null: both, as two ranks whose values
   differ both do); `by` is then null. Nonfinite values (hand-edited or concatenated histories
   only) take part as in the two-run `compare`: equal ones are 0 apart, a NaN or an infinity is
-  infinitely far from any other value (`by` inf), so two ranks depart exactly where the
-  two-run `compare` of their directories differs; a series measured twice in a sample is
-  matched occurrence by occurrence.
+  infinitely far from any other value (`by` inf). So two ranks depart exactly where the
+  two-run `compare` of their directories differs, but on a layer one of them does not select
+  (absent in one run there; compared here among the ranks that have it); a series measured
+  twice in a sample is matched occurrence by occurrence.
   `matched` counts the two-run `compare`'s matched samples (`cli.matching`): at least two
   ranks with a value each, or a null each for the same reason.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or

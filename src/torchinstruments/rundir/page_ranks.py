@@ -16,7 +16,10 @@ Design decisions:
 - Its ready queries read all ranks at once (every history row carries its `rank`), including
   the first sample at which one rank departs from the others by more than X, as a plain query:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,
-  `|a - b| > X`), the rule `torchinstruments compare PARENT` applies. Every query keys a series
+  `|a - b| > X`; a NaN or an infinity is infinitely far from any value but an equal one), or
+  when the ranks' rows differ in what they hold (a null against a value, nulls for different
+  reasons, no row on a rank that has the sample and selects the layer, from its result.json),
+  the rule `torchinstruments compare PARENT` applies. Every query keys a series
   on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
   never one series.
 """

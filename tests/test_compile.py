@@ -136,6 +136,10 @@ def prepare(
         model.compile(**kwargs)
         attach(model)
         return Prepared(model, model)
+    if setup.how == "forward_compile_before_inject":
+        model.forward = torch.compile(model.forward, **kwargs)
+        attach(model)
+        return Prepared(model, model)
     if setup.how == "model_compile_after_inject":
         attach(model)
         model.compile(**kwargs)
@@ -163,6 +167,7 @@ SETUPS = [
     Setup("inject_on_optimized_module", "eager", sequential=True),
     Setup("inject_on_orig_mod", "aot_eager"),
     Setup("model_compile_before_inject", "eager"),
+    Setup("forward_compile_before_inject", "aot_eager"),
     Setup("model_compile_after_inject", "eager", sequential=True),
     Setup("model_compile_after_inject", "aot_eager", options={"fullgraph": True}),
     Setup("block_compile_after_inject", "inductor"),
@@ -332,6 +337,52 @@ def test_compiled_function_calling_the_observed_model_breaks_the_graph_once(
     assert rows["forward_index"].unique().sort().to_list() == [0, 2, 4]
 
 
+class CountingSampler(EveryNForwardsSampler):
+    """EveryNForwardsSampler(2) that counts how often it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.asked = 0
+
+    def should_sample(self, forward_index: int) -> bool:
+        self.asked += 1
+        return super().should_sample(forward_index)
+
+
+def test_forward_compiled_in_place_after_inject_breaks_the_graph_once(tmp_path: Path) -> None:
+    """`model.forward = torch.compile(model.forward)` after inject_observer compiles a function
+    that calls the root proxy: like a compiled function calling the model, one graph break (the
+    root proxy), after which the model's forward compiles into the same graph. Removal leaves the user's compiled forward in place
+    (the proxy inside it inert, warned about), and later calls never reach the observer."""
+    base = Net(2)
+    batches = inputs(Setup("forward_compile_after_inject", "eager"))
+    plain = copy.deepcopy(base)
+    plain.forward = torch.compile(plain.forward, backend="eager")
+    for x in batches:
+        step(plain, x)
+    plain_graphs, plain_breaks = graphs_and_breaks()
+    torch._dynamo.reset()
+    counters.clear()
+
+    model = copy.deepcopy(base)
+    sampler = CountingSampler()
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=sampler)
+    compiled_forward = torch.compile(model.forward, backend="eager")
+    model.forward = compiled_forward
+    for x in batches:
+        step(model, x)
+    assert graphs_and_breaks() == (plain_graphs, plain_breaks + 1)
+    with pytest.warns(RuntimeWarning, match="replaced or wrapped after inject_observer"):
+        remove_observer(model)
+    assert model.__dict__["forward"] is compiled_forward
+    asked = sampler.asked
+    for x in batches[:2]:
+        step(model, x)
+    assert sampler.asked == asked == len(batches)
+    rows = pl.read_parquet(tmp_path / "stats" / "history.parquet")
+    assert rows["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
 def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A whole training step: the forward and the backward inside one function (one frame, so
     the call to the model breaks its graph once)."""
@@ -457,6 +508,24 @@ def test_index_names_compiled_blocks_that_ran_eagerly_in_sampled_forwards(tmp_pa
     remove_observer(model)
     (note,) = eager_note(tmp_path / "blocks")
     assert "(compiled modules: 'blocks.0', 'blocks.1')" in note
+
+
+@pytest.mark.parametrize(("where", "named"), [("", "the root"), ("blocks.0", "'blocks.0'")])
+def test_index_names_a_module_whose_forward_was_compiled_in_place(
+    where: str, named: str, tmp_path: Path
+) -> None:
+    """`module.forward = torch.compile(module.forward)` before inject_observer (Hugging Face's
+    docs do it for generation): the sampled forwards run it eagerly, which index.md must say."""
+    model = Net(2)
+    module = model.get_submodule(where)
+    module.forward = torch.compile(module.forward, backend="eager")
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    for x in inputs(Setup("forward_compile_before_inject", "eager")):
+        step(model, x)
+    remove_observer(model)
+    (note,) = eager_note(tmp_path / "stats")
+    assert f"(compiled modules: {named})" in note
+    assert graphs_and_breaks() == (1, 0)  # the unsampled forwards ran the compiled forward
 
 
 def test_an_eager_run_says_nothing_about_eager_samples(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "child_modules",
     "compile_support",
     "compiled_call_impl_installed",
+    "compiled_forward_installed",
     "dynamo_imported",
     "dynamo_skips",
     "exclude_from_compilation",
@@ -435,6 +436,21 @@ def compiled_call_impl_installed(model: nn.Module) -> bool:
     Checked on torch 2.15.0.
     """
     return model.__dict__.get("_compiled_call_impl") is not None
+
+
+def compiled_forward_installed(module: nn.Module) -> bool:
+    """Whether `module`'s instance `forward` is a torch.compile'd function
+    (`module.forward = torch.compile(module.forward)`).
+
+    Why: such a forward runs eagerly in a sampled forward, as a compiled module does. A compiled
+    function carries `_torchdynamo_inline` (what dynamo inlines in its place), which
+    `torch.compiler.disable` wrappers lack; read through a proxy wrapping it. Checked on torch
+    2.15.0.
+    """
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "_torchdynamo_inline", None) is not None and not getattr(
+        forward, "_torchdynamo_disable", False
+    )
 
 
 def dynamo_skips(function: Callable[..., Any]) -> bool | None:

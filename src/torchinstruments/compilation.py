@@ -30,6 +30,7 @@ from torchinstruments._torch_internals import (
     child_modules,
     compile_support,
     compiled_call_impl_installed,
+    compiled_forward_installed,
     dynamo_imported,
     dynamo_skips,
     exclude_from_compilation,
@@ -187,11 +188,14 @@ def compiled_from_the_top(model: nn.Module) -> bool:
 
 def compiled_modules(root: nn.Module) -> list[str]:
     """Names of the modules in `root` (itself included, as "") that torch.compile compiles: a
-    `torch.compile(module)` wrapper, or a module `module.compile()` ran on."""
+    `torch.compile(module)` wrapper, a module `module.compile()` ran on, or one whose instance
+    `forward` is a compiled function (`module.forward = torch.compile(module.forward)`)."""
     return [
         name
         for name, module in root.named_modules()
-        if compiled_original(module) is not None or compiled_call_impl_installed(module)
+        if compiled_original(module) is not None
+        or compiled_call_impl_installed(module)
+        or compiled_forward_installed(module)
     ]
 
 

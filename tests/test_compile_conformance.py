@@ -1,0 +1,209 @@
+"""torch.compile in the set-ups a training or evaluation loop runs it in: rows equal plain hooks.
+
+Each case runs the same steps on a model compiled without an observer and, from the same
+weights and seeds, on one compiled after `inject_observer` (hooked eager copy alongside, see
+hook_reference.py). The observed run must compile what the plain one compiles (dynamo's
+graphs, breaks, compiled frames and recompiles), its unsampled steps must give the plain
+compiled outputs bit for bit, and every row must equal the hooks' reference. After removal,
+the compiled model never reaches the observer again, also when it recompiles.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from hook_reference import run_both
+
+WIDTH = 8
+STEPS = 6  # forward_index 0, 2, 4 sampled
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(self.norm(x)))
+
+
+class Net(nn.Module):
+    """Two residual blocks and a head; the blocks optionally under non-reentrant checkpointing."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, 2)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+Step = Callable[[nn.Module, int], torch.Tensor]
+
+
+def train_step(model: nn.Module, i: int) -> torch.Tensor:
+    output = model(torch.randn(4, WIDTH))
+    output.square().mean().backward()
+    return output.detach()
+
+
+def evaluation_step(model: nn.Module, i: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.randn(4, WIDTH))
+
+
+def two_forwards_one_backward(model: nn.Module, i: int) -> torch.Tensor:
+    """Forward i (sampled when even) and i + 1 of one step share a loss: the sampled output's
+    gradient flows back while the unsampled forward's graph (compiled) runs its backward."""
+    first, second = model(torch.randn(4, WIDTH)), model(torch.randn(4, WIDTH))
+    (first.square().mean() + second.abs().mean()).backward()
+    return second.detach()
+
+
+def reset_midway(model: nn.Module, i: int) -> torch.Tensor:
+    """`torch._dynamo.reset()` before step 3: everything compiles again from there."""
+    if i == 3:
+        torch._dynamo.reset()
+    return train_step(model, i)
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Step]] = {
+    "eval_under_no_grad": (lambda: Net().eval(), evaluation_step),
+    "checkpointed_blocks": (lambda: Net(checkpointed=True), train_step),
+    "two_forwards_one_backward": (Net, two_forwards_one_backward),
+    "dynamo_reset_midway": (Net, reset_midway),
+}
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graphs, graph breaks, compiled frames and recompiles so far."""
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "frames": counters["frames"]["total"],
+        "recompiles": sum(counters["recompiles"].values()),
+    }
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    result = torch.compile(model, backend="aot_eager")
+    assert isinstance(result, nn.Module)
+    return result
+
+
+def run_plain(model: nn.Module, step: Step) -> list[torch.Tensor]:
+    """The steps on the plain compiled model, seeded as `run_both` seeds them."""
+    call = compiled(model)
+    outputs = []
+    for i in range(STEPS):
+        torch.manual_seed(1000 + i)
+        outputs.append(step(call, i))
+    return outputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_loop_compiles_as_plain_and_its_rows_equal_plain_hooks(
+    case: str, tmp_path: Path
+) -> None:
+    make, step = CASES[case]
+    torch.manual_seed(0)
+    base = make()
+    plain_outputs = run_plain(copy.deepcopy(base), step)
+    plain = dynamo_counts()
+    assert plain["graphs"] >= 1
+    torch._dynamo.reset()
+    counters.clear()
+
+    result = run_both(base, step, tmp_path / "stats", steps=STEPS, every=2, prepare=compiled)
+    assert dynamo_counts() == plain
+    forwards_per_step = 2 if case == "two_forwards_one_backward" else 1
+    for i in range(STEPS):
+        if forwards_per_step == 2 or i % 2 == 1:  # the output of an unsampled forward
+            assert torch.equal(result.observed_outputs[i], plain_outputs[i])
+    result.assert_conforms()
+    sampled = result.history["forward_index"].unique().sort().to_list()
+    assert sampled == list(range(0, STEPS * forwards_per_step, 2))
+    signals = set(result.history["signal"].unique())
+    assert signals == (
+        {"output"} if case == "eval_under_no_grad" else {"output", "output_gradient"}
+    )
+
+
+class CountingSampler(EveryNForwardsSampler):
+    """EveryNForwardsSampler(2) that counts how often it was asked."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.asked = 0
+
+    def should_sample(self, forward_index: int) -> bool:
+        self.asked += 1
+        return super().should_sample(forward_index)
+
+
+def forward_dicts(model: nn.Module) -> dict[str, object]:
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize(
+    "how", ["torch_compile_after_inject", "inject_on_optimized_module", "model_compile_after"]
+)
+def test_compiled_model_never_reaches_the_observer_after_removal_even_when_it_recompiles(
+    how: str, tmp_path: Path
+) -> None:
+    model = Net()
+    reference = copy.deepcopy(model)  # eager; no step updates the weights
+    sampler = CountingSampler()
+    if how == "inject_on_optimized_module":
+        call = observed = compiled(model)
+        before = forward_dicts(observed)
+        inject_observer(observed, output_dir=tmp_path / "stats", sampler=sampler)
+    else:
+        call = observed = model
+        before = forward_dicts(observed)
+        inject_observer(observed, output_dir=tmp_path / "stats", sampler=sampler)
+        if how == "torch_compile_after_inject":
+            call = compiled(model)
+        else:
+            model.compile(backend="aot_eager")
+    for i in range(4):
+        train_step(call, i)
+    remove_observer(observed)
+    assert forward_dicts(observed) == before
+    assert sampler.asked == 4
+
+    graphs = dynamo_counts()["graphs"]
+    for batch in (4, 7, 9):  # new shapes: recompiles (automatic dynamic)
+        call(torch.randn(batch, WIDTH)).sum().backward()
+    torch._dynamo.reset()  # and everything compiled afresh
+    x = torch.randn(5, WIDTH)
+    torch.testing.assert_close(call(x), reference(x))
+    assert dynamo_counts()["graphs"] > graphs
+    assert sampler.asked == 4

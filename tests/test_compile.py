@@ -528,6 +528,35 @@ def test_index_names_a_module_whose_forward_was_compiled_in_place(
     assert graphs_and_breaks() == (1, 0)  # the unsampled forwards ran the compiled forward
 
 
+def test_index_says_random_draws_of_an_inductor_model_differ_after_an_eager_sample(
+    tmp_path: Path,
+) -> None:
+    """Dropout under inductor: a sampled step runs eagerly and draws its random numbers as
+    eager dropout does, not as inductor's kernels do, so the unsampled steps after it continue
+    another random number stream and are not the plain compiled model's. index.md must say so,
+    not only that eager numerics differ "in the last bits"."""
+    base = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Dropout(0.5), nn.Linear(2 * WIDTH, 2))
+    batches = inputs(Setup("compile_model_after_inject", "inductor"))
+
+    def run(observe: Path | None) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if observe is not None:
+            inject_observer(model, output_dir=observe, sampler=EveryNForwardsSampler(2))
+        compiled = compile_module(model, backend="inductor")
+        torch.manual_seed(5)
+        outputs = [step(compiled, x) for x in batches[:2]]
+        if observe is not None:
+            remove_observer(model)
+        return outputs
+
+    plain, observed = run(None), run(tmp_path / "stats")
+    assert not torch.equal(observed[1], plain[1])  # an unsampled step, after a sampled one
+    (note,) = eager_note(tmp_path / "stats")
+    assert "random number stream" in note
+    assert "dropout masks" in note
+
+
 def test_an_eager_run_says_nothing_about_eager_samples(tmp_path: Path) -> None:
     model = Net(2)
     inject_observer(model, output_dir=tmp_path / "eager", sampler=EveryNForwardsSampler(2))

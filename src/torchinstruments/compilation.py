@@ -204,7 +204,10 @@ def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: in
 
     Said because it changes what the rows describe: a sampled forward runs with torch.compile
     off (`call_eagerly`), so its rows, and the model's outputs and gradients on that step, are
-    those of the eager model. `called_compiled`: samples whose root forward was called from
+    those of the eager model. Eager random ops consume the random number generator otherwise
+    than inductor's kernels (which draw seeds for their own generator), so a model that draws
+    random numbers (dropout) continues, after a sample, another stream than an unobserved run:
+    the later unsampled steps differ too, which the note says. `called_compiled`: samples whose root forward was called from
     compiled code (the root compiled); the modules compiled inside `root` are read now (per-block
     compilation, which `call_eagerly` turns off too).
     """
@@ -225,7 +228,10 @@ def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: in
         "while each ran, nested compiled modules included, so their rows are those of an eager "
         "run of the same steps, and on those steps the model's outputs and gradients are eager "
         "numerics, which can differ from the compiled ones in the last bits; unsampled forwards "
-        "ran the compiled code."
+        "ran the compiled code. Random ops (dropout) draw differently eagerly than in a graph "
+        "inductor compiled: where the model draws random numbers, a sampled step's draws "
+        "(dropout masks) are not the compiled step's, and the later steps continue another "
+        "random number stream than an unobserved run, so their outputs differ from it too."
     )
 
 

@@ -510,6 +510,23 @@ def test_index_names_compiled_blocks_that_ran_eagerly_in_sampled_forwards(tmp_pa
     assert "(compiled modules: 'blocks.0', 'blocks.1')" in note
 
 
+def test_index_names_compiled_modules_by_their_eager_names(tmp_path: Path) -> None:
+    """Inside an observed OptimizedModule, compiled blocks are named as the layers are, without
+    `_orig_mod.`, and a block compiled twice over (a wrapper around a module.compile()'d one)
+    once."""
+    model = Net(2)
+    for block in model.blocks:
+        block.compile(backend="eager")
+    model.blocks[1] = compile_module(model.blocks[1], backend="eager")
+    compiled = compile_module(model, backend="eager")
+    inject_observer(compiled, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    for x in inputs(Setup("inject_on_optimized_module", "eager")):
+        step(compiled, x)
+    remove_observer(compiled)
+    (note,) = eager_note(tmp_path / "stats")
+    assert "(compiled modules: the root, 'blocks.0', 'blocks.1')" in note
+
+
 @pytest.mark.parametrize(("where", "named"), [("", "the root"), ("blocks.0", "'blocks.0'")])
 def test_index_names_a_module_whose_forward_was_compiled_in_place(
     where: str, named: str, tmp_path: Path

@@ -189,14 +189,35 @@ def compiled_from_the_top(model: nn.Module) -> bool:
 def compiled_modules(root: nn.Module) -> list[str]:
     """Names of the modules in `root` (itself included, as "") that torch.compile compiles: a
     `torch.compile(module)` wrapper, a module `module.compile()` ran on, or one whose instance
-    `forward` is a compiled function (`module.forward = torch.compile(module.forward)`)."""
-    return [
-        name
-        for name, module in root.named_modules()
-        if compiled_original(module) is not None
-        or compiled_call_impl_installed(module)
-        or compiled_forward_installed(module)
-    ]
+    `forward` is a compiled function (`module.forward = torch.compile(module.forward)`).
+
+    Named as the layers are (`_eager_name`), each name once: a wrapper and the module it wraps
+    are one module of the eager model.
+    """
+    names: list[str] = []
+    for name, module in root.named_modules():
+        if (
+            compiled_original(module) is not None
+            or compiled_call_impl_installed(module)
+            or compiled_forward_installed(module)
+        ):
+            eager = _eager_name(root, name)
+            if eager not in names:
+                names.append(eager)
+    return names
+
+
+def _eager_name(root: nn.Module, name: str) -> str:
+    """`name` (a path of `root.named_modules()`) without the `_orig_mod` steps of the
+    torch.compile wrappers on it: `_orig_mod.blocks.0` -> `blocks.0`, as
+    `named_modules_uncompiled` names it."""
+    kept: list[str] = []
+    module = root
+    for part in name.split(".") if name else []:
+        if not (part == "_orig_mod" and compiled_original(module) is not None):
+            kept.append(part)
+        module = module._modules[part]  # type: ignore[assignment]
+    return ".".join(kept)
 
 
 def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: int) -> str | None:

@@ -337,6 +337,43 @@ def test_compiled_function_calling_the_observed_model_breaks_the_graph_once(
     assert rows["forward_index"].unique().sort().to_list() == [0, 2, 4]
 
 
+class Outer(nn.Module):
+    """A module that holds the observed model and is compiled as a whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Net(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * 2) * 3
+
+
+def test_compiled_parent_of_the_observed_model_breaks_the_graph_at_the_call(
+    tmp_path: Path,
+) -> None:
+    """inject_observer(outer.inner), then torch.compile(outer): the compiled parent's call of
+    the observed model is a graph break, as a compiled function's is (the root proxy is not
+    traceable): the parent's code before and after it and the model's forward are three
+    graphs. Everything is recorded."""
+    base = Outer()
+    batches = inputs(Setup("compile_parent", "eager"))
+    plain = compile_module(copy.deepcopy(base), backend="eager")
+    for x in batches:
+        step(plain, x)
+    assert graphs_and_breaks() == (1, 0)
+    torch._dynamo.reset()
+    counters.clear()
+
+    outer = copy.deepcopy(base)
+    inject_observer(outer.inner, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    observed = compile_module(outer, backend="eager")
+    for x in batches:
+        step(observed, x)
+    remove_observer(outer.inner)
+    assert graphs_and_breaks() == (3, 1)
+    assert history(tmp_path / "stats")["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
 class CountingSampler(EveryNForwardsSampler):
     """EveryNForwardsSampler(2) that counts how often it was asked."""
 

@@ -9,9 +9,11 @@ from typing import Any, cast
 import lightning
 import pytest
 import torch
+import torch._dynamo
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
@@ -281,3 +283,42 @@ def test_the_callbacks_config_is_built_once_and_is_the_runs(
     run = callback.directory
     assert run is not None
     assert sorted(read_history(run)["forward_index"].unique()) == [0, 2]
+
+
+def test_fit_of_a_compiled_module_costs_one_graph_break_at_the_call_of_the_model(
+    tmp_path: Path,
+) -> None:
+    """`trainer.fit(torch.compile(model))`: Lightning compiles `training_step` in place, and it
+    calls the observed model through the root proxy, which dynamo cannot trace: one graph break
+    there and the model's forward as a graph of its own, as for any compiled function calling
+    the observed model. Everything is recorded, and index.md names the compiled root."""
+
+    def compiled_fit(callback: LightningObserver | None) -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+        trainer = lightning.Trainer(
+            max_steps=STEPS,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            callbacks=[] if callback is None else [callback],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        compiled = torch.compile(Tiny(), backend="eager")
+        trainer.fit(compiled, train_dataloaders=DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+        graphs = counters["stats"]["unique_graphs"]
+        breaks = sum(counters["graph_break"].values())
+        torch._dynamo.reset()
+        return graphs, breaks
+
+    plain_graphs, plain_breaks = compiled_fit(None)
+    callback = LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(2))
+    assert compiled_fit(callback) == (plain_graphs + 1, plain_breaks + 1)
+    assert sorted(read_history(tmp_path / "run")["forward_index"].unique().to_list()) == [0, 2]
+    index = (tmp_path / "run" / "index.md").read_text("utf-8")
+    assert "compiled modules: the root" in index

@@ -26,6 +26,7 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
+import torchinstruments.api
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 WIDTH = 8
@@ -618,3 +619,20 @@ def test_an_eager_run_says_nothing_about_eager_samples(tmp_path: Path) -> None:
         step(model, x)
     remove_observer(model)
     assert eager_note(tmp_path / "eager") == []
+
+
+def test_a_torch_that_cannot_exclude_the_root_wrapper_says_compiled_forwards_are_not_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where torch lacks the per-frame exclusion (compile_support() False), dynamo would trace
+    the root wrapper as a traced call, which passes through uncounted: inject_observer warns
+    and index.md says that forwards run under torch.compile are not recorded."""
+    monkeypatch.setattr(torchinstruments.api, "compile_support", lambda: False)
+    model = Net(1)
+    with pytest.warns(RuntimeWarning, match="not recorded: forwards run under torch.compile"):
+        inject_observer(model, output_dir=tmp_path / "stats")
+    step(model, torch.randn(4, WIDTH))
+    remove_observer(model)
+    index = (tmp_path / "stats" / "index.md").read_text("utf-8")
+    assert "**Note:** not recorded: forwards run under torch.compile" in index
+    assert "neither counted nor sampled" in index

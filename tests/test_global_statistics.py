@@ -430,10 +430,10 @@ def rank_leaves_early_worker(rank: int, world_size: int, port: int, output_dir: 
 def test_a_rank_that_left_leaves_the_others_global_rows_null_with_the_reason(
     tmp_path: Path,
 ) -> None:
-    """Once a rank of the group has gone, the collectives of every later sample fail on the
-    ranks left: each claimed tensor still has its rows in each such sample, null with the
-    error as reason (its local rows are not written, so no row at all would be silent), and
-    the step goes on."""
+    """Once a rank of the group has gone, the next sample's collective fails on the ranks left
+    and global statistics stop there: each claimed tensor still has its rows in that sample and
+    every later one, null with the error as reason (its local rows are not written, so no row
+    at all would be silent), and the step goes on."""
     run_ranks(rank_leaves_early_worker, str(tmp_path))
     history = pl.read_parquet(tmp_path / "rank-000" / "history.parquet").filter(
         pl.col("signal") == "output"
@@ -448,7 +448,11 @@ def test_a_rank_that_left_leaves_the_others_global_rows_null_with_the_reason(
     left = history.filter(pl.col("sample_id") >= 2)
     assert left.height == 2 * 2 * len(METRICS)
     assert left["value"].null_count() == left.height
-    assert left["unavailable_reason"].str.starts_with("global statistics error: ").all()
+    assert (
+        left["unavailable_reason"]
+        .str.starts_with("global statistics stopped at sample 2, for the rest of the run: ")
+        .all()
+    )
     index = (tmp_path / "rank-000" / "index.md").read_text("utf-8")
     assert "global statistics of a sample failed" in index
 

@@ -35,7 +35,7 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
-from torchinstruments.global_statistics import GlobalOption
+from torchinstruments.global_statistics import GlobalOption, close_run
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
@@ -277,6 +277,7 @@ def remove_observer(model: nn.Module) -> Path | None:
         )
     directory = observer.directory
     if observer.global_option is not None:
+        close_run(observer.global_option)  # the library's process groups, made at inject
         # The observer's objects form reference cycles, which the collector frees later, at the
         # latest at the interpreter's end: there, those of a run that measured global statistics
         # of outputs under torch.func.vmap aborted the process (SIGABRT, "terminate called
@@ -423,7 +424,10 @@ def global_notes(option: GlobalOption | None) -> tuple[str, ...]:
         f"global_statistics: {over} are measured as the whole tensor over their ranks (rows with "
         "population 'global:ranks=...', exact); those outputs get no local rows and no "
         "TensorBoard histogram, their output_gradient rows stay this rank's tensor (population "
-        "null); each sampled forward runs a fixed number of packed collectives",
+        "null); each sampled forward runs a fixed number of packed collectives, on process groups "
+        "of the library's own made at inject (never paired with the program's collectives): a "
+        "rank that waits in them longer than a minute for a sample no other rank takes (uneven "
+        "data) stops global statistics for the rest of the run, null rows with the reason",
     )
 
 

@@ -3,14 +3,14 @@
 Every rank must call the same collectives in the same order with the same sizes, or a rank
 waits forever. So before measuring, the ranks all-gather a 5-integer header (did the forward
 raise, which root forward the sample is, how many tensors it claimed, a 64-bit hash of their
-names, order aside). A rank that raised, or ranks at different root forwards, skip the
-whole sample together. Ranks that claimed different tensors (a branch taken on one rank, a
-Mixture-of-Experts expert not routed to on every rank) take one more all-gather, of each
-tensor's 64-bit identity (8 bytes per tensor of the rank with the most), and then measure
-exactly the tensors every rank of their group claimed, in one order (sorted by identity) on
-every rank; each other tensor is null with a reason naming the ranks it ran on. The decision
-to take that extra collective is read from the gathered headers, so it is the same on every
-rank.
+names, order aside), over the library's own group (`global_channel`). A rank that raised,
+or ranks at different root forwards, skip the whole sample together. Ranks that claimed
+different tensors (a branch taken on one rank, a Mixture-of-Experts expert not routed to on
+every rank) take one more all-gather, of each tensor's 64-bit identity (8 bytes per tensor of
+the rank with the most), and then measure exactly the tensors every rank of their group
+claimed, in one order (sorted by identity) on every rank; each other tensor is null with a
+reason naming the ranks it ran on. The decision to take that extra collective is read from
+the gathered headers, so it is the same on every rank.
 """
 
 from __future__ import annotations
@@ -97,12 +97,15 @@ def sample_reason(headers: list[torch.Tensor], warn: Callable[[str, str], None])
 
 
 def not_everywhere(
-    headers: list[torch.Tensor], ids: Sequence[str], groups: Sequence[tuple[int, ...]]
+    headers: list[torch.Tensor],
+    ids: Sequence[str],
+    groups: Sequence[tuple[int, ...]],
+    agreement: Any,
 ) -> dict[int, str]:
     """The claimed tensors (by index) some rank of their group did not claim, each with its
     reason; empty when every rank claimed the same tensors (then no collective at all).
 
-    Otherwise one all-gather (over the default group, as the headers) of every rank's tensor
+    Otherwise one all-gather (over `agreement`, the headers' group) of every rank's tensor
     hashes, padded to the longest list, whose length every rank reads from the headers."""
     if all(torch.equal(h[_COUNT:], headers[0][_COUNT:]) for h in headers):
         return {}
@@ -110,7 +113,7 @@ def not_everywhere(
     mine = torch.zeros(max(counts), dtype=torch.int64)
     mine[: len(ids)] = torch.tensor([_hash(i) for i in ids], dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in headers]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=agreement)
     claimed = [set(g[:n].tolist()) for g, n in zip(gathered, counts, strict=True)]
     out = {}
     for index, (identity, group) in enumerate(zip(ids, groups, strict=True)):

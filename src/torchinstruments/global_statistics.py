@@ -12,7 +12,8 @@ for the whole run, so no summary mixes them.
 The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
 fixed number of collectives whatever the number of layers:
 
-1. one `all_gather` of a 5-integer header over the default group (`global_agreement`): did a
+1. one `all_gather` of a 5-integer header over the library's own group (`global_agreement`,
+   `global_channel`: never paired with the user's collectives, a bounded wait): did a
    rank's forward raise, which root forward the sample is (forward_index, step), how many
    tensors, a hash of their names and modes. A rank that raised mid-forward, or ranks whose
    k-th samples are different root forwards because one ran a forward the others did not (an
@@ -21,9 +22,10 @@ fixed number of collectives whatever the number of layers:
    different layers (a branch on one rank, a Mixture-of-Experts expert not routed to on every
    rank) take one more `all_gather`, of their tensors' hashes, and measure the tensors every
    rank of their group ran; only the others are null, with a reason naming the ranks they ran
-   on. Every rank reaches this point (it runs when the root forward ends, raised or not), so a
-   rank that raises never leaves the others waiting; a rank that takes a sample the others
-   never take does wait (nothing can pair its collectives);
+   on. Every rank reaches this point (it runs when the
+   root forward ends, raised or not), so a rank that raises never leaves the others waiting; a
+   rank that takes a sample the others never take waits at most `global_channel.WAIT`, then
+   global statistics stop for the rest of the run (null rows with the reason, warned);
 2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
    tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
    has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
@@ -62,6 +64,7 @@ import torch.distributed as dist
 from torchinstruments import global_agreement as agreement
 from torchinstruments import reasons
 from torchinstruments._torch_internals import is_functorch_wrapped
+from torchinstruments.global_channel import GlobalRun, close_run, open_run
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
@@ -185,7 +188,7 @@ def _dtensor_class() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def claim(option: GlobalOption, key: Any, tensor: torch.Tensor) -> GlobalTensor | None:
+def claim(option: GlobalRun, key: Any, tensor: torch.Tensor) -> GlobalTensor | None:
     """The GlobalTensor for `tensor` if it is measured over a group, else None (local rows).
 
     A DTensor on a 1-D mesh with a Shard or Partial(sum) placement is measured over the mesh's
@@ -348,10 +351,10 @@ def _select(finite_parts: list[torch.Tensor], targets: torch.Tensor, group: Any)
 
 
 def _group_rows(
-    items: list[GlobalTensor], metrics: tuple[str, ...]
+    items: list[GlobalTensor], metrics: tuple[str, ...], group: Any
 ) -> list[tuple[MetricValue, ...]]:
-    """Every item's metric values over its (shared) group: the packed collectives of one group."""
-    group = items[0].group
+    """Every item's metric values over their (shared) ranks, by the packed collectives over
+    `group` (the library's own over those ranks where it has one)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     parts = [item.values for item in items]
@@ -391,22 +394,29 @@ def _group_rows(
 
 
 def measure(
-    sample: Any, *, metrics: tuple[str, ...], rank: int | None, warn: Callable[[str, str], None]
+    run: GlobalRun,
+    sample: Any,
+    *,
+    metrics: tuple[str, ...],
+    rank: int | None,
+    warn: Callable[[str, str], None],
 ) -> list[Any]:
     """The global rows of one sampled forward (`Measurement`s of its `global_pending`); every
     rank calls it once per sampled forward, raised or not, with whatever it claimed. What the
-    ranks agree to measure (`global_agreement`): the whole sample, none of it, or the tensors
-    every rank of their group claimed, in one order on every rank."""
+    ranks agree to measure (`global_agreement`, over the library's own group): the whole
+    sample, none of it, or the tensors every rank of their group claimed, in one order on every
+    rank. A failed collective stops global statistics (`GlobalRun.stop`): that group's tensors
+    and every later group's are null with the reason, and no further collective is taken."""
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
     mine = agreement.header(sample, names)
-    headers = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(headers, mine)
+    headers = [torch.empty_like(mine) for _ in range(dist.get_world_size(run.agreement))]
+    dist.all_gather(headers, mine, group=run.agreement)
     reason = agreement.sample_reason(headers, warn)
     if reason is not None:
         return rows_of(items, {}, reason, metrics=metrics, rank=rank)
-    absent = agreement.not_everywhere(headers, ids, [item.ranks for item in items])
+    absent = agreement.not_everywhere(headers, ids, [item.ranks for item in items], run.agreement)
     values: dict[int, tuple[MetricValue, ...]] = {
         i: (MetricValue(None, why),) * len(metrics) for i, why in absent.items()
     }
@@ -416,13 +426,32 @@ def measure(
             by_group.setdefault(items[i].ranks, []).append(i)
     for ranks in sorted(by_group):
         chosen = by_group[ranks]
-        try:
-            rows = _group_rows([items[i] for i in chosen], metrics)
-        except Exception as error:  # a failed collective: null + reason, never the step
-            failed = (MetricValue(None, reasons.error("global statistics", error)),) * len(metrics)
-            rows = [failed] * len(chosen)
-        values.update(zip(chosen, rows, strict=True))
+        if run.stopped is None:
+            try:
+                group = run.group_for(ranks, items[chosen[0]].group)
+                rows = _group_rows([items[i] for i in chosen], metrics, group)
+                values.update(zip(chosen, rows, strict=True))
+                continue
+            except Exception as error:  # a failed collective: null + reason, never the step
+                _stopped(run, sample.sample_id, error, warn)
+        values.update((i, (MetricValue(None, run.stopped),) * len(metrics)) for i in chosen)
     return rows_of(items, values, None, metrics=metrics, rank=rank)
+
+
+def _stopped(
+    run: GlobalRun, sample_id: int | None, error: BaseException, warn: Callable[[str, str], None]
+) -> str:
+    """Stop `run`'s global statistics after `error` in sample `sample_id`, warned once."""
+    reason = run.stop(sample_id, error)
+    warn(
+        "global",
+        f"global statistics of a sample failed: {error!r}; they stopped (from sample "
+        f"{sample_id} on, every globally measured tensor's rows are null with the reason, and no "
+        "rank waits in the library's collectives again): a collective of the library failed, "
+        "or no other rank came to it within its wait (a rank whose data ran out, or that met "
+        "its own barrier or collective while this one took a sample)",
+    )
+    return reason
 
 
 def rows_of(
@@ -468,7 +497,7 @@ def rows_of(
 
 
 def keep(
-    option: GlobalOption | None,
+    option: GlobalRun | None,
     pending: list[GlobalTensor],
     key: Any,
     tensor: torch.Tensor,
@@ -503,7 +532,7 @@ def kept_note(tensor: torch.Tensor) -> str | None:
 
 
 def sample_rows(
-    option: GlobalOption | None,
+    run: GlobalRun | None,
     sample: Any,
     measurer: Any,
     rank: int | None,
@@ -511,27 +540,25 @@ def sample_rows(
 ) -> tuple[Any, ...]:
     """`measure` of the sampled forward `sample` (its `global_pending`; `interrupted` when it
     raised), called on every rank once per sampled forward, raised or not, so the collectives
-    meet. A failure (the header's collective, once a rank has left the group) is warned once
-    and never raises in the step; every tensor the sample claimed still gets its rows, null
-    with the error as reason, in this sample and in each later one it fails in: the claimed
-    tensors have no local rows, so without them a later failure would be silent. Nothing
+    meet. A failure (the header's collective timing out, a rank gone) is warned once, never
+    raises in the step, and stops global statistics (`global_channel`); every tensor the sample
+    claimed still gets its rows, null with the reason, in this sample and in each later one:
+    the claimed tensors have no local rows, so without them the stop would be silent. Nothing
     without the option."""
-    if option is None:
+    if run is None:
         return ()
     metrics = measurer.metrics
     try:
-        return tuple(measure(sample, metrics=metrics, rank=rank, warn=warn))
+        if run.stopped is None:
+            return tuple(measure(run, sample, metrics=metrics, rank=rank, warn=warn))
+        reason = run.stopped  # a stop at inject is warned here, at its first sample
+        warn("global", f"{reason}; every globally measured tensor's rows are null with it")
     except Exception as error:
-        warn(
-            "global",
-            f"global statistics of a sample failed: {error!r}; from sample {sample.sample_id} "
-            "on, each sample where they fail has its global rows null with the error as reason",
-        )
-        reason = reasons.error("global statistics", error)
-        try:
-            return tuple(rows_of(sample.global_pending, {}, reason, metrics=metrics, rank=rank))
-        except Exception:  # the rows themselves could not be built: the warning said it failed
-            return ()
+        reason = _stopped(run, sample.sample_id, error, warn)
+    try:
+        return tuple(rows_of(sample.global_pending, {}, reason, metrics=metrics, rank=rank))
+    except Exception:  # the rows themselves could not be built: the warning said it failed
+        return ()
 
 
 __all__ = [
@@ -541,9 +568,11 @@ __all__ = [
     "check_global_statistics",
     "check_same_on_every_rank",
     "claim",
+    "close_run",
     "keep",
     "kept_note",
     "measure",
+    "open_run",
     "rows_of",
     "sample_rows",
 ]

@@ -93,7 +93,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
-from torchinstruments.global_statistics import keep, kept_note, sample_rows
+from torchinstruments.global_statistics import keep, kept_note, open_run, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.transfer import build_records, launch, note_of
@@ -158,7 +158,7 @@ class Observer:
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
         self.rank = run.rank
-        self.global_option = config.global_option
+        self.global_option = open_run(config.global_option)  # the library's groups, made now
         # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
         # Each sampler's schedule continues too (`rundir.attempts.plan_continuation`).
         self.counter = Counter(

@@ -28,6 +28,7 @@ __all__ = [
     "dropped_at_cap",
     "error",
     "explain",
+    "global_stopped",
     "host_values_mismatch",
     "interrupted",
     "not_on_all_ranks",
@@ -171,8 +172,11 @@ REASONS: tuple[Reason, ...] = (
         "global_statistics: a rank's sampled forward raised, so every rank skipped the sample",
     ),
     Reason(
-        "global statistics error: <Type>: <message>",
-        "global_statistics: a collective or its arithmetic failed; training went on",
+        "global statistics stopped at <when>, for the rest of the run: <Type>: <message>",
+        "global_statistics: a collective of the library failed or no other rank came within its "
+        "wait (a rank whose data ran out, or that met the user's own barrier or collective, while "
+        "another took a sample); the ranks are no longer known to be in step, so from then on no "
+        "rank takes the library's collectives and every globally measured tensor is null",
     ),
     Reason(
         "statistics error: expected <n> host values, got <m>",
@@ -285,12 +289,10 @@ def unsupported_layout(layout: object) -> str:
 
 
 def error(source: str, exc: BaseException) -> str:
-    """`<source> error: <Type>: <message>`; source is reducer, statistics, measurement or
-    global statistics."""
-    if source not in ("reducer", "statistics", "measurement", "global statistics"):
-        raise ValueError(
-            f"source must be reducer, statistics, measurement or global statistics, got {source!r}"
-        )
+    """`<source> error: <Type>: <message>`; source is reducer, statistics or measurement (a
+    failure of global statistics stops them: `global_stopped`)."""
+    if source not in ("reducer", "statistics", "measurement"):
+        raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
     return f"{source} error: {type(exc).__name__}: {exc}"
 
 
@@ -393,6 +395,15 @@ def not_on_all_ranks(ran: list[int], group: tuple[int, ...]) -> str:
         f"not run on every rank of its group (ran on rank {', '.join(map(str, ran))} of "
         f"{', '.join(map(str, group))}): no global statistics for this tensor in this sample; "
         "the tensors every rank ran are measured"
+    )
+
+
+def global_stopped(sample_id: int | None, exc: BaseException) -> str:
+    """Global statistics stopped for the rest of the run at `sample_id` (None: at inject, the
+    library's process groups could not be created), after `exc`."""
+    when = "inject" if sample_id is None else f"sample {sample_id}"
+    return (
+        f"global statistics stopped at {when}, for the rest of the run: {type(exc).__name__}: {exc}"
     )
 
 

@@ -1,0 +1,233 @@
+"""global_statistics= when the ranks' data is uneven, on 2 real gloo processes: a rank takes a
+sample while the other has left the loop and waits in the user's own collectives.
+
+The library's collectives run on process groups of its own, so they never pair with the
+user's: the user's all-reduce and barrier on the default group give the right values on every
+rank, and no rank waits longer than the library's wait (`global_channel.WAIT`, shortened here).
+The sample no other rank took, and every later one, has its global rows null with the reason
+on the rank that took it, warned and said in index.md; the samples every rank took keep their
+values. The ranks never pair again after the stop: a later sample on both ranks waits at most
+once more, on the rank that had not stopped, and gives null rows with the reason on both.
+Under DDP's join context, the parameters trained with the observer are those trained without.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import run_ranks
+from test_global_statistics import METRICS, chain, check
+
+LIBRARY_WAIT = datetime.timedelta(seconds=5)
+# The user's own groups' timeout: longer than the library's wait (a 30-minute default in gloo).
+USER_TIMEOUT = datetime.timedelta(seconds=90)
+
+
+def shorten_the_librarys_wait() -> None:
+    """The library waits a minute by default: the test's ranks need not."""
+    from torchinstruments import global_channel
+
+    global_channel.WAIT = LIBRARY_WAIT
+
+
+def user_all_reduce(rank: int) -> list[float]:
+    """The user's own collective on the default group: each rank adds rank + 1."""
+    values = torch.full((5,), float(rank + 1))
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """Rank 0 has three batches, rank 1 two; then both meet in the user's all-reduce and barrier,
+    run one more sampled forward each, and meet again."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
+    shorten_the_librarys_wait()
+    torch.manual_seed(0)
+    model = chain(2)
+    seen: dict[int, list[float]] = {}
+    model[0].register_forward_hook(
+        lambda m, a, out: seen.__setitem__(len(seen), out.detach().reshape(-1).tolist())
+    )
+    inject_observer(
+        model,
+        output_dir=output_dir,
+        sampler=EveryNForwardsSampler(1),
+        rank_policy="all",
+        global_statistics=dist.group.WORLD,
+    )
+    report: dict[str, object] = {}
+    try:
+        torch.manual_seed(10 + rank)
+        for _ in range(3 if rank == 0 else 2):
+            model(torch.randn(2, 4)).sum().backward()
+        report["first"] = user_all_reduce(rank)
+        dist.barrier()
+        model(torch.randn(2, 4)).sum().backward()
+        report["second"] = user_all_reduce(rank)
+    except Exception as error:  # the user's collective failed: the test says so
+        report["error"] = repr(error)
+    remove_observer(model)
+    report["seen"] = seen
+    Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def layer_rows(directory: Path, layer: str = "0") -> pl.DataFrame:
+    return pl.read_parquet(directory / "history.parquet").filter(
+        pl.col("signal") == "output", pl.col("layer") == layer
+    )
+
+
+def test_a_sample_only_one_rank_takes_never_pairs_with_the_users_collectives(
+    tmp_path: Path,
+) -> None:
+    run_ranks(uneven_worker, str(tmp_path))
+    reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert "error" not in report
+        assert report["first"] == [3.0] * 5
+        assert report["second"] == [3.0] * 5
+    for rank, taken, stopped_at in ((0, 4, 2), (1, 3, 2)):
+        directory = tmp_path / f"rank-{rank:03d}"
+        rows = layer_rows(directory)
+        assert sorted(rows["sample_id"].unique().to_list()) == list(range(taken))
+        assert rows["population"].unique().to_list() == ["global:ranks=0,1"]
+        stopped = rows.filter(pl.col("sample_id") >= stopped_at)
+        assert stopped.height == (taken - stopped_at) * len(METRICS)
+        assert stopped["value"].null_count() == stopped.height
+        assert (
+            stopped["unavailable_reason"]
+            .str.starts_with(
+                f"global statistics stopped at sample {stopped_at}, for the rest of the run: "
+            )
+            .all()
+        )
+        index = (directory / "index.md").read_text("utf-8")
+        assert f"they stopped (from sample {stopped_at} on" in index  # the warning, kept
+    # the samples both ranks took: the whole tensor over both ranks, as plain hooks saw it
+    for sample_id in (0, 1):
+        whole = [x for report in reports for x in report["seen"][str(sample_id)]]
+        for rank in range(2):
+            rows = layer_rows(tmp_path / f"rank-{rank:03d}").filter(
+                pl.col("sample_id") == sample_id
+            )
+            got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+            check(got, torch.tensor(whole).numpy())
+
+
+def train_with_join(rank: int, output_dir: str | None) -> list[list[float]]:
+    """DDP under its join context, rank 0 with three batches and rank 1 with two, observed
+    into `output_dir` (None: not observed); the parameters after training."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(chain(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if output_dir is not None:
+        inject_observer(
+            model,
+            output_dir=output_dir,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+    torch.manual_seed(10 + rank)
+    batches = [torch.randn(2, 4) for _ in range(3 if rank == 0 else 2)]
+    with model.join():
+        for x in batches:
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+    if output_dir is not None:
+        remove_observer(model)
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def join_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """The same uneven DDP training observed, then not: each rank's parameters of both."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
+    shorten_the_librarys_wait()
+    report: dict[str, object] = {}
+    try:
+        report["observed"] = train_with_join(rank, output_dir)
+        report["plain"] = train_with_join(rank, None)
+    except Exception as error:  # the user's collective failed: the test says so
+        report["error"] = repr(error)
+    Path(output_dir, f"join-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_ddp_join_trains_the_same_with_the_observer_when_the_data_is_uneven(
+    tmp_path: Path,
+) -> None:
+    """DDP's join context shadows the joined rank's collectives on the default group: the
+    library's never meet them, so every rank's parameters are those of the same training
+    without the observer, and the sample only rank 0 took is null with the reason."""
+    run_ranks(join_worker, str(tmp_path))
+    for rank in range(2):
+        report = json.loads((tmp_path / f"join-{rank}.json").read_text())
+        assert "error" not in report
+        assert report["observed"] == report["plain"]
+    rows = layer_rows(tmp_path / "rank-000", "module.0")  # the layer inside DDP's wrapper
+    assert rows.filter(pl.col("sample_id") < 2)["value"].null_count() == 0
+    extra = rows.filter(pl.col("sample_id") == 2)
+    assert extra.height == len(METRICS)
+    assert (
+        extra["unavailable_reason"].str.starts_with("global statistics stopped at sample 2").all()
+    )
+
+
+def test_groups_that_cannot_be_made_at_inject_leave_null_rows_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One gloo rank whose `dist.new_group` fails: inject goes on, and every globally measured
+    tensor has null rows with the reason, warned and said in index.md."""
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("no group today")
+
+        monkeypatch.setattr(dist, "new_group", refused)
+        model = chain(2)
+        inject_observer(
+            model,
+            output_dir=tmp_path / "run",
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            global_statistics=dist.group.WORLD,
+        )
+        with pytest.warns(RuntimeWarning, match="global statistics stopped at inject"):
+            model(torch.randn(2, 4)).sum().backward()
+        model(torch.randn(2, 4)).sum().backward()
+        remove_observer(model)
+    finally:
+        dist.destroy_process_group()
+    directory = tmp_path / "run" / "rank-000"
+    rows = layer_rows(directory)
+    assert rows["sample_id"].unique().sort().to_list() == [0, 1]
+    assert rows["value"].null_count() == rows.height == 2 * len(METRICS)
+    assert (
+        rows["unavailable_reason"]
+        == "global statistics stopped at inject, for the rest of the run: RuntimeError: no "
+        "group today"
+    ).all()
+    assert "global statistics stopped at inject" in (directory / "index.md").read_text("utf-8")

@@ -49,7 +49,7 @@ def every_builder_output() -> list[str]:
         reasons.dropped_at_cap(65536),
         reasons.removed_during("forward"),
         reasons.removed_during("backward"),
-        reasons.raised_on_ranks([0, 3]),
+        reasons.raised_on_ranks([3], [0, 1, 2], (0, 1, 2, 3)),
         reasons.different_forwards("step", ["2", "none"]),
         reasons.global_stopped(4, RuntimeError("Timed out waiting 60000ms")),
         reasons.global_stopped(None, RuntimeError("connect failed")),

@@ -3,14 +3,17 @@
 Every rank must call the same collectives in the same order with the same sizes, or a rank
 waits forever. So before measuring, the ranks all-gather a 5-integer header (did the forward
 raise, which root forward the sample is, how many tensors it claimed, a 64-bit hash of their
-names, order aside), over the library's own group (`global_channel`). A rank that raised,
-or ranks at different root forwards, skip the whole sample together. Ranks that claimed
-different tensors (a branch taken on one rank, a Mixture-of-Experts expert not routed to on
-every rank) take one more all-gather, of each tensor's 64-bit identity (8 bytes per tensor of
-the rank with the most), and then measure exactly the tensors every rank of their group
-claimed, in one order (sorted by identity) on every rank; each other tensor is null with a
-reason naming the ranks it ran on. The decision to take that extra collective is read from
-the gathered headers, so it is the same on every rank.
+names, order aside), over the library's own group (`global_channel`). Ranks at different
+root forwards skip the whole sample together. Ranks that claimed different tensors (a branch
+taken on one rank, a Mixture-of-Experts expert not routed to on every rank, a rank whose
+forward raised before the others' last layers) take one more all-gather, of each tensor's
+64-bit identity (8 bytes per tensor of the rank with the most), and then measure exactly the
+tensors every rank of their group claimed, in one order (sorted by identity) on every rank;
+each other tensor is null with a reason naming the ranks it ran on (and the ranks that
+raised, when they are why). A raise thus costs only the tensors the raising rank never
+produced: those it produced before the raise are the same tensors as on any other rank. The
+decision to take that extra collective is read from the gathered headers, so it is the same
+on every rank.
 """
 
 from __future__ import annotations
@@ -84,16 +87,17 @@ def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | 
 
 def sample_reason(headers: list[torch.Tensor], warn: Callable[[str, str], None]) -> str | None:
     """Why every rank skips the whole sample (ranks at different root forwards, warned about
-    once: they stay apart until the run ends; a rank whose forward raised), or None. The same
-    answer on every rank, read from the same gathered headers."""
-    # Ranks at different root forwards first: their tensors are no one tensor whatever else
-    # agrees, and a value combined from them would carry a different step on each rank.
+    once: they stay apart until the run ends), or None. The same answer on every rank, read
+    from the same gathered headers. A rank whose forward raised skips nothing here: the
+    tensors every rank produced before the raise are one tensor (`not_everywhere` nulls the
+    others)."""
+    # Ranks at different root forwards: their tensors are no one tensor whatever else agrees,
+    # and a value combined from them would carry a different step on each rank.
     different = _different_forwards(headers)
     if different is not None:
         warn("global-forwards", DIFFERENT_FORWARDS)
         return reasons.different_forwards(*different)
-    raisers = [r for r, h in enumerate(headers) if h[0].item()]
-    return reasons.raised_on_ranks(raisers) if raisers else None
+    return None
 
 
 def not_everywhere(
@@ -115,11 +119,17 @@ def not_everywhere(
     gathered = [torch.empty_like(mine) for _ in headers]
     dist.all_gather(gathered, mine, group=agreement)
     claimed = [set(g[:n].tolist()) for g, n in zip(gathered, counts, strict=True)]
+    raisers = {r for r, h in enumerate(headers) if h[0].item()}
     out = {}
     for index, (identity, group) in enumerate(zip(ids, groups, strict=True)):
         ran = [r for r in group if _hash(identity) in claimed[r]]
         if len(ran) < len(group):
-            out[index] = reasons.not_on_all_ranks(ran, group)
+            raised = sorted(raisers.difference(ran).intersection(group))
+            out[index] = (
+                reasons.raised_on_ranks(raised, ran, group)
+                if raised
+                else reasons.not_on_all_ranks(ran, group)
+            )
     return out
 
 

@@ -15,14 +15,14 @@ fixed number of collectives whatever the number of layers:
 1. one `all_gather` of a 5-integer header over the library's own group (`global_agreement`,
    `global_channel`: never paired with the user's collectives, a bounded wait): did a
    rank's forward raise, which root forward the sample is (forward_index, step), how many
-   tensors, a hash of their names and modes. A rank that raised mid-forward, or ranks whose
-   k-th samples are different root forwards because one ran a forward the others did not (an
-   extra evaluation batch say), and every rank skips the rest of this sample: its global rows
-   are null with a reason, never a value combined from different steps. Ranks that ran
-   different layers (a branch on one rank, a Mixture-of-Experts expert not routed to on every
-   rank) take one more `all_gather`, of their tensors' hashes, and measure the tensors every
-   rank of their group ran; only the others are null, with a reason naming the ranks they ran
-   on. Every rank reaches this point (it runs when the
+   tensors, a hash of their names and modes. Ranks whose k-th samples are different root
+   forwards because one ran a forward the others did not (an extra evaluation batch say) all
+   skip the rest of this sample: its global rows are null with a reason, never a value
+   combined from different steps. Ranks that ran different layers (a branch on one rank, a
+   Mixture-of-Experts expert not routed to on every rank, a rank whose forward raised before
+   the last layers) take one more `all_gather`, of their tensors' hashes, and measure the
+   tensors every rank of their group ran; only the others are null, with a reason naming the
+   ranks they ran on (and those that raised). Every rank reaches this point (it runs when the
    root forward ends, raised or not), so a rank that raises never leaves the others waiting; a
    rank that takes a sample the others never take waits at most `global_channel.WAIT`, then
    global statistics stop for the rest of the run (null rows with the reason, warned);

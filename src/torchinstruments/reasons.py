@@ -167,9 +167,12 @@ REASONS: tuple[Reason, ...] = (
         "forward the others did not, or set another step), so every rank skipped the sample",
     ),
     Reason(
-        "the root forward raised on rank <ranks>: this sample has no global statistics (every "
-        "rank skipped its collectives)",
-        "global_statistics: a rank's sampled forward raised, so every rank skipped the sample",
+        "the root forward raised on rank <ranks>, which did not run this tensor (it ran on rank "
+        "<ranks> of <group>): no global statistics for this tensor in this sample; the tensors "
+        "every rank ran are measured",
+        "global_statistics: a rank's sampled forward raised before it produced this tensor, so "
+        "there is no whole tensor to measure; the tensors every rank produced before the raise "
+        "keep their global rows (the raising rank's sample is marked interrupted)",
     ),
     Reason(
         "global statistics stopped at <when>, for the rest of the run: <Type>: <message>",
@@ -407,11 +410,14 @@ def global_stopped(sample_id: int | None, exc: BaseException) -> str:
     )
 
 
-def raised_on_ranks(ranks: list[int]) -> str:
-    """A rank's sampled forward raised: no rank takes the sample's collectives."""
+def raised_on_ranks(raised: list[int], ran: list[int], group: tuple[int, ...]) -> str:
+    """A tensor the ranks whose sampled forward raised did not produce (the tensors every rank
+    produced before the raise are measured all the same)."""
     return (
-        f"the root forward raised on rank {', '.join(map(str, ranks))}: this sample has no "
-        "global statistics (every rank skipped its collectives)"
+        f"the root forward raised on rank {', '.join(map(str, raised))}, which did not run this "
+        f"tensor (it ran on rank {', '.join(map(str, ran))} of {', '.join(map(str, group))}): "
+        "no global statistics for this tensor in this sample; the tensors every rank ran are "
+        "measured"
     )
 
 

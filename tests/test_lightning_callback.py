@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -10,7 +13,7 @@ import lightning
 import pytest
 import torch
 import torch._dynamo
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from torch import nn
 from torch._dynamo.utils import counters
@@ -19,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
 from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import LightningObserver
+from torchinstruments.rundir.page_queries import LIGHTNING_SCALARS
 
 from conftest import read_history, run_status, strict_json
 
@@ -322,3 +326,72 @@ def test_fit_of_a_compiled_module_costs_one_graph_break_at_the_call_of_the_model
     assert sorted(read_history(tmp_path / "run")["forward_index"].unique().to_list()) == [0, 2]
     index = (tmp_path / "run" / "index.md").read_text("utf-8")
     assert "compiled modules: the root" in index
+
+
+class LossRecorded(Tiny):
+    """Tiny, with the loss each training forward computed, in order, and a validation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
+def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged_in_lightning(
+    tmp_path: Path,
+) -> None:
+    """The by-step query, with the page's own Lightning CSVLogger expression as `scalars`, joins
+    each training sample with the loss its very forward logged, once: Lightning writes a
+    validation's metrics in a row of their own under the step of a training row (here after
+    steps 1 and 3), and with both rows the join doubled those steps' samples."""
+    model = LossRecorded()
+    callback = LightningObserver(sampler=EveryNForwardsSampler(1))
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[callback],
+        log_every_n_steps=1,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(data, batch_size=4)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
+    assert callback.directory is not None
+    csv = Path(cast(str, trainer.log_dir)) / "metrics.csv"
+    text = (callback.directory / "index.md").read_text(encoding="utf-8")
+    assert LIGHTNING_SCALARS in text
+    scalars = LIGHTNING_SCALARS.replace("lightning_logs/version_0/metrics.csv", str(csv))
+    assert scalars != LIGHTNING_SCALARS
+    setup, *blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    (by_step_block,) = [b for b in blocks if "by_step = (" in b]
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "index.md:setup", "exec"), namespace)
+        exec(
+            compile(
+                re.sub(r"(?m)^scalars = .*$", f"scalars = {scalars}", by_step_block),
+                "index.md:by_step",
+                "exec",
+            ),
+            namespace,
+        )
+    by_step = namespace["by_step"]
+    assert by_step["step"].to_list() == list(range(4))  # one row per training sample
+    assert by_step["train_loss"].to_list() == pytest.approx(model.losses)
+    # the validations' metrics are kept, on the step they were logged under
+    assert by_step["val_loss"].is_null().to_list() == [True, False, True, False]

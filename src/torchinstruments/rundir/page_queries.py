@@ -40,6 +40,13 @@ HF_SCALARS = (
     'pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])'
     '.filter(pl.col("loss").is_not_null()).with_columns(pl.col("step") - 1)'
 )
+# Lightning's CSVLogger log as `scalars`, one row per step: it writes each logging call's metrics
+# in a row of their own, so a validation's (and an epoch's) share the step of a training row, and
+# a join with both rows would give that step's samples two rows each.
+LIGHTNING_SCALARS = (
+    'pl.read_csv("lightning_logs/version_0/metrics.csv")'
+    '.group_by("step", maintain_order=True).agg(pl.all().drop_nulls().first())'
+)
 SHOWN_ROWS = 50
 # A series' key in the queries: its mode too, so a train and an eval series are never one.
 _SERIES = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
@@ -249,7 +256,9 @@ show(no_gradient)""",
             "Face callbacks, or what `torchinstruments.set_step(model, step)` gave in a plain "
             "loop. Train samples only (`mode`); several samples can share a step (gradient "
             "accumulation). Set `scalars` to your trainer's log, e.g. Lightning's CSVLogger "
-            '`pl.read_csv("lightning_logs/version_0/metrics.csv")` or the Hugging Face Trainer\'s '
+            f"`{LIGHTNING_SCALARS}` (one row per step: that logger writes a validation's "
+            "metrics, and an epoch's, in rows of their own under the step of a training row, "
+            "which would double its samples' rows) or the Hugging Face Trainer's "
             f"`{HF_SCALARS}` (`trainer.save_state()` writes that file, and each checkpoint-N/ "
             "holds one; that Trainer logs what an optimizer step computed under the global "
             "step after it, one more than the `step` of that step's samples: hence the `- 1`; "
@@ -388,4 +397,4 @@ show(by_rank, most={SHOWN_ROWS})""",
     return [*lines, ""]
 
 
-__all__ = ["HF_SCALARS", "OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]
+__all__ = ["HF_SCALARS", "LIGHTNING_SCALARS", "OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]

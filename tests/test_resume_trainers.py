@@ -585,3 +585,30 @@ def test_a_new_trainer_resumed_after_an_error_outside_the_step_continues_the_run
         "outside the training step is the likely cause); a later fit that resumed from a "
         "checkpoint continues this run, and its HuggingFaceObserver removed this fit's observer"
     ) in index
+
+
+def test_a_resumed_fit_that_takes_no_sample_never_says_its_run_holds_no_rows(
+    tmp_path: Path,
+) -> None:
+    """A fit resumed from the checkpoint of its last step (a finished job requeued) trains no
+    step: its attempt takes no sample, while the run keeps the earlier attempt's. The removal's
+    warning said the directory "holds no rows, and its index.md says so": neither was true."""
+    trainer = lightning_fit(tmp_path, FIRST, None)
+    ckpt = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    run = tmp_path / "logs" / "version_0" / "torchinstruments"
+    first = pl.read_parquet(run / "history.parquet")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lightning_fit(tmp_path, FIRST, ckpt)  # resumed at step FIRST of FIRST: nothing to train
+    assert_frame_equal(pl.read_parquet(run / "history.parquet"), first)  # rows kept as they were
+    said = [str(w.message) for w in caught if "torchinstruments" in str(w.message)]
+    assert not [s for s in said if "holds no rows" in s], said
+    assert [s for s in said if "recorded no sample" in s] == [
+        f"torchinstruments: this attempt recorded no sample (0 root forwards seen, none "
+        f"sampled): {run} holds the earlier attempts' {FIRST} samples (sample_id 0 to "
+        f"{FIRST - 1}) and none of this one's; its index.md's Attempts table says so"
+    ]
+    state = read_state(run)
+    assert [(a.attempt, a.samples) for a in state.attempts] == [(0, FIRST), (1, 0)]
+    assert "No sample was recorded" not in (run / "index.md").read_text(encoding="utf-8")

@@ -44,7 +44,7 @@ from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
-from torchinstruments.rundir.index_page import passed_through
+from torchinstruments.rundir.index_page import no_sample_warning, passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.sampling import describe_sampler
@@ -262,12 +262,7 @@ def remove_observer(model: nn.Module) -> Path | None:
         warn(never_ran_warning(never_ran, total, observer.counter.samples))
     counts = observer.counts()
     if counts.samples == 0 and observer.layer_names:
-        passed = passed_through(counts)  # a trainer's evaluation: the model was called
-        warn(
-            f"torchinstruments: no sample was recorded ({plural(counts.root_forwards, 'root forward')} "
-            f"seen, none sampled{'' if passed is None else '; ' + passed}): "
-            f"{observer.directory} holds no rows, and its index.md says so"
-        )
+        warn(no_sample_warning(counts, observer.directory, observer.counter.earlier_samples))
     if left_in_place:
         warn(
             f"torchinstruments: {len(left_in_place)} module forward(s) were replaced or wrapped "

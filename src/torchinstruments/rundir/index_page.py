@@ -86,6 +86,28 @@ def passed_through(counts: RunCounts) -> str | None:
     return " and ".join(said) + " ran unobserved" if said else None
 
 
+def no_sample_warning(counts: RunCounts, directory: Path, earlier_samples: int) -> str:
+    """remove_observer's warning when its observer took no sample. In a continued run whose
+    earlier attempts took `earlier_samples` samples (a fit resumed from the checkpoint of its
+    last step trains nothing), the directory still holds their rows, and index.md shows this
+    attempt's zero in its Attempts table rather than a page without rows: say that."""
+    passed = passed_through(counts)
+    seen = f"{plural(counts.root_forwards, 'root forward')} seen, none sampled" + (
+        "" if passed is None else f"; {passed}"
+    )
+    if not earlier_samples:
+        return (
+            f"torchinstruments: no sample was recorded ({seen}): {directory} holds no rows, "
+            "and its index.md says so"
+        )
+    ids = "0" if earlier_samples == 1 else f"0 to {earlier_samples - 1}"
+    return (
+        f"torchinstruments: this attempt recorded no sample ({seen}): {directory} holds the "
+        f"earlier attempts' {plural(earlier_samples, 'sample')} (sample_id {ids}) and none of "
+        "this one's; its index.md's Attempts table says so"
+    )
+
+
 def unsampled_sentence(counts: RunCounts) -> str:
     """Why a removed run with selected layers holds no sample: what the observer saw, and what
     a trainer callback passed through unobserved. A model called only outside the training
@@ -451,6 +473,7 @@ __all__ = [
     "bound_count",
     "counts_sentence",
     "interrupted_sentence",
+    "no_sample_warning",
     "partial_in_flight",
     "passed_through",
     "render_index",

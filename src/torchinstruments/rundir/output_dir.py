@@ -146,7 +146,8 @@ def check_output_dir(path: Path) -> None:
         raise FileExistsError(
             f"output_dir={str(path)!r} already holds a run ({', '.join(found)}). To continue "
             "that run in this directory (a restarted or requeued job), pass resume=True to "
-            "inject_observer (a killed run is completed first, then sample_id continues); to "
+            "inject_observer, or to the Lightning or Hugging Face callback (a killed run is "
+            "completed first, then sample_id continues); to "
             "start a new run, pass a new output_dir (or move the old run away)."
         )
 

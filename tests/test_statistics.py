@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -182,6 +183,26 @@ def test_float64_near_overflow_has_mean_and_std(reduction_path: str) -> None:
     assert got["mean"].value == pytest.approx(float(np.mean(scaled)) * 2.0**1000, rel=1e-12)
     assert got["std"].value == pytest.approx(float(np.std(scaled)) * 2.0**1000, rel=1e-12)
     assert got["p50"].value == pytest.approx(float(np.percentile(values, 50)), rel=1e-12)
+
+
+@pytest.mark.parametrize("repeats", [1, 5000])  # 8 and 40,000 entries: sorted and selected
+def test_std_of_entries_at_the_float64_limits_is_the_largest_float_not_a_null(
+    reduction_path: str, repeats: int
+) -> None:
+    top = np.finfo(np.float64).max
+    below = np.nextafter(top, 0.0)
+    values = np.tile([-below, -top, -top, top, top, top, top, -below], repeats)
+    got = measure(torch.from_numpy(values), host_paths=reduction_path == "host")
+    # In exact arithmetic (NumPy overflows) the std is within half an ulp of float64 max.
+    entries = [Fraction(float(v)) for v in values[:8]]
+    mean = sum(entries) / 8
+    variance = sum((entry - mean) ** 2 for entry in entries) / 8
+    half_ulp = (Fraction(float(top)) - Fraction(float(below))) / 2
+    assert (
+        (Fraction(float(top)) - half_ulp) ** 2 < variance < (Fraction(float(top)) + half_ulp) ** 2
+    )
+    assert got["std"] == MetricValue(top)
+    assert got["mean"].value == pytest.approx(float(mean), rel=0, abs=1e-15 * top)
 
 
 def test_subnormal_float64_values_keep_their_std(reduction_path: str) -> None:

@@ -80,11 +80,13 @@ def profile_metrics(
 ) -> tuple[list[float | None], list[str | None]]:
     """The `metrics` of tensors of `numel` entries from their raw profiles (a row each, `RAW`
     columns), row-major, and their reasons: the one derivation of every path. The fractions
-    come from the counts; a non-finite result is null (`reasons.NO_FINITE` where the tensor has
-    no finite entry), -0.0 is 0.0."""
+    come from the counts; a std is capped at the largest magnitude, which bounds the exact one
+    (rounding took entries at +-float64 max to an inf std); a non-finite result is null
+    (`reasons.NO_FINITE` where the tensor has no finite entry), -0.0 is 0.0."""
     profile = np.empty((len(raw), len(PROFILE)))
     profile[:, :7] = raw[:, :7]
     profile[raw[:, 8] == 0, :7] = np.nan  # no finite entry: nothing to order or average
+    np.minimum(profile[:, 1], np.abs(profile[:, 2:4]).max(1), out=profile[:, 1])
     profile[:, 7] = raw[:, 7] / numel
     profile[:, 8] = (numel - raw[:, 8]) / numel
     profile[~np.isfinite(profile)] = np.nan
@@ -106,8 +108,7 @@ def derived(raw: Mapping[str, float], numel: int, metrics: Sequence[str]) -> dic
     """`profile_metrics` of one tensor's raw values (`RAW` names), by name."""
     row = np.array([[raw[name] for name in RAW]], dtype=np.float64)
     values, why = profile_metrics(row, np.array([numel]), metrics)
-    pairs = zip(metrics, values, why, strict=True)
-    return {name: MetricValue(value, reason) for name, value, reason in pairs}
+    return {m: MetricValue(v, r) for m, v, r in zip(metrics, values, why, strict=True)}
 
 
 def metric_value(value: float) -> MetricValue:
@@ -130,8 +131,7 @@ def quartile_positions(last: _Array, q: _Array) -> tuple[_Array, _Array]:
 
 def lerp(a: _Array, b: _Array, t: _Array) -> _Array:
     """Linear interpolation exactly as `numpy.percentile(method="linear")` rounds it, float64."""
-    xp = _xp(a)
-    diff = b - a
+    xp, diff = _xp(a), b - a
     with np.errstate(over="ignore", invalid="ignore"):
         result = xp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
         result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -324,6 +325,23 @@ def test_ready_reducers_match_numpy_on_finite_entries(
     )
     assert got["abs_max"] == MetricValue(float(np.abs(finite).max()))
     assert got["l2_norm"].value == pytest.approx(float(np.linalg.norm(finite)), rel=1e-7)
+
+
+@pytest.mark.parametrize("magnitude", [1e-170, 1e-310, 1e200, 1e308])
+def test_l2_norm_of_float64_entries_whose_squares_leave_float64_is_their_exact_norm(
+    reduction_path: str, magnitude: float
+) -> None:
+    values = [3 * magnitude, -4 * magnitude, 0.0, float("nan")] if magnitude < 1e300 else []
+    values = values or [0.5 * magnitude, -0.5 * magnitude, 0.25 * magnitude]
+    finite = [Fraction(v) for v in values if math.isfinite(v)]
+    squares = sum(v * v for v in finite)  # exact; NumPy's own norm over- or underflows here
+    shift = -1200 if magnitude < 1 else 1200  # into float64's range, by an even power of two
+    exact = math.sqrt(float(squares / Fraction(2) ** shift)) * 2.0 ** (shift // 2)
+    got = measure(
+        torch.tensor(values, dtype=torch.float64),
+        Measurer([ready.L2Norm()], host_paths=reduction_path == "host"),
+    )
+    assert got["l2_norm"].value == pytest.approx(exact, rel=1e-15, abs=2.0**-1074)
 
 
 def test_ready_reducers_give_null_with_a_reason_without_finite_entries(

@@ -75,8 +75,8 @@ class AbsMax:
 class L2Norm:
     """`l2_norm`: the Euclidean norm of the finite entries, sqrt(sum x^2) (null when none).
 
-    The squares of the working values (`float32` or better) are summed in float64, so large
-    tensors of low-precision values do not overflow in their own dtype.
+    The working values (`float32` or better), divided by the largest magnitude, are squared and
+    summed in float64: no square overflows (float64 beyond 1e154) or underflows to 0 (below 1e-154).
     """
 
     metrics: ClassVar[tuple[str, ...]] = ("l2_norm",)
@@ -86,9 +86,9 @@ class L2Norm:
         if values.numel() == 0:
             return {}
         finite = values.isfinite()
-        squares = torch.where(finite, values, 0.0).to(torch.float64).square().sum()
-        # nan when nothing is finite: stored as null with reason "non-finite result".
-        norm = torch.where(finite.any(), squares.sqrt(), float("nan"))
+        wide = torch.where(finite, values, 0.0).to(torch.float64)
+        top = wide.abs().amax().clamp(min=torch.finfo(torch.float64).tiny)  # all zeros: 0 / tiny
+        norm = torch.where(finite.any(), (wide / top).square().sum().sqrt() * top, float("nan"))
         return {"l2_norm": norm}
 
 

@@ -29,10 +29,11 @@ fixed number of collectives whatever the number of layers:
 2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
    tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
    has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
-   moments and counts per tensor (counts, sum, local mean and M2 combined by Chan's formula,
-   min, max), and `RADIX_PASSES` `all_reduce`s of int64 histograms: a radix select on the 64
-   bits of each finite value's order-preserving key, 8 bits a pass, for the 6 order statistics
-   the quartiles need (each quartile's two neighbours), `6 x 256` counts per tensor per pass.
+   moments and counts per tensor (counts, a power-of-two scale, local mean and M2 of the values
+   so scaled, combined by Chan's formula, min, max), and `RADIX_PASSES` `all_reduce`s of int64
+   histograms: a radix select on the 64 bits of each finite value's order-preserving key, 8 bits
+   a pass, for the 6 order statistics the quartiles need (each quartile's two neighbours),
+   `6 x 256` counts per tensor per pass.
 
 Bytes sent per rank and sample: 40 per rank of the header (and where the ranks ran different
 layers 8 per tensor of the rank with the most), 8 per Partial element,
@@ -255,18 +256,21 @@ def _value(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's [numel, finite, zeros, sum, mean, M2, min, max], and its finite values."""
+    """This rank's [numel, finite, zeros, exponent, mean, M2, min, max], and its finite values:
+    the mean and M2 are those of the finite values divided by 2**exponent (`_exponent`)."""
     flat = values.reshape(-1).to(torch.float64)
     finite = flat[torch.isfinite(flat)]
     n = finite.numel()
-    mean = finite.mean() if n else torch.tensor(0.0, dtype=torch.float64)
-    m2 = ((finite - mean) ** 2).sum() if n else torch.tensor(0.0, dtype=torch.float64)
+    exponent = _exponent(finite)
+    scaled = finite * math.ldexp(1.0, -exponent) if exponent else finite  # exact
+    mean = scaled.mean() if n else torch.tensor(0.0, dtype=torch.float64)
+    m2 = ((scaled - mean) ** 2).sum() if n else torch.tensor(0.0, dtype=torch.float64)
     row = torch.stack(
         [
             torch.tensor(float(flat.numel()), dtype=torch.float64),
             torch.tensor(float(n), dtype=torch.float64),
             (flat == 0).sum().to(torch.float64),
-            finite.sum(),
+            torch.tensor(float(exponent), dtype=torch.float64),
             mean,
             m2,
             finite.min() if n else torch.tensor(math.inf, dtype=torch.float64),
@@ -276,29 +280,44 @@ def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row, finite
 
 
+def _exponent(finite: torch.Tensor) -> int:
+    """The power of two a rank's finite float64 values are divided by for their moments, as
+    `numerics.segment_sums` scales them: 0 for ordinary magnitudes, else (beyond 2**+-400) the
+    largest's, within +-1000. Unscaled, squares beyond 1e154 overflow (a null std), below 1e-154
+    underflow (a std of 0, silently wrong), and sums near float64 max overflow (a null mean)."""
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    if top == 0.0 or 2.0**-400 <= top <= 2.0**400:
+        return 0
+    return max(-1000, min(1000, math.frexp(top)[1]))
+
+
 def _combined(rows: list[torch.Tensor]) -> dict[str, float]:
-    """Chan's combination of the ranks' moment rows, in rank order (the same on every rank)."""
+    """Chan's combination of the ranks' moment rows, in rank order (the same on every rank), in
+    units of the largest rank's scale (each rank's mean and M2 rescaled to it by `math.ldexp`)."""
     numel = finite = zeros = 0.0
     mean = m2 = 0.0
     low, high = math.inf, -math.inf
-    for row in rows:
-        r_numel, r_n, r_zeros, _, r_mean, r_m2, r_min, r_max = row.tolist()
+    values = [row.tolist() for row in rows]
+    top = int(max((value[3] for value in values if value[1]), default=0.0))
+    for r_numel, r_n, r_zeros, r_exponent, r_mean, r_m2, r_min, r_max in values:
         numel += r_numel
         zeros += r_zeros
         if r_n:
+            shift = int(r_exponent) - top  # <= 0
+            r_mean, r_m2 = math.ldexp(r_mean, shift), math.ldexp(r_m2, 2 * shift)
             total = finite + r_n
             delta = r_mean - mean
             mean += delta * r_n / total
             m2 += r_m2 + delta * delta * finite * r_n / total
             finite = total
         low, high = min(low, r_min), max(high, r_max)
-    std = math.sqrt(m2 / finite) if finite else math.nan
+    scale = math.ldexp(1.0, top)  # a std rounded up to inf at the float64 limit: `derived` caps it
     return {
         "numel": numel,
         "finite": finite,
         "zeros": zeros,
-        "mean": mean,
-        "std": std,
+        "mean": mean * scale,
+        "std": math.sqrt(m2 / finite) * scale if finite else math.nan,
         "min": low,
         "max": high,
     }

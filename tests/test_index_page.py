@@ -432,3 +432,19 @@ def test_the_attempts_table_splits_forwards_only_where_a_run_has_evaluation_forw
     assert header.endswith("| training forwards | evaluation forwards |")
     assert first.endswith("| unknown | unknown |")
     assert second.endswith("| 7 | 4 |")
+
+
+def test_metrics_section_says_what_the_rows_of_tensors_that_are_not_plain_describe(
+    tmp_path: Path,
+) -> None:
+    text = " ".join(render_index(RunState(run_info(tmp_path), RunCounts(1, 1, 1))).split())
+    metrics = text.split("## Metrics", 1)[1].split("##", 1)[0]
+    for needle in (
+        "a sparse (or other non-strided) tensor as the dense tensor",
+        "a nested tensor over its components' entries, padding excluded (shape null)",
+        "a tensor subclass over its entries as the subclass itself reads them",
+        "beyond 2**53 rounded to the nearest",
+        "Complex, quantized and packed dtypes and tensors on the meta device have null rows",
+    ):
+        assert needle in metrics, needle
+    assert "null for a nested tensor" in text.split("| shape |", 1)[1].split("| dtype |", 1)[0]

@@ -125,8 +125,9 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         NON_FINITE_RESULT,
-        "the statistic overflowed (e.g. std of huge values), or a custom reducer returned NaN or "
-        "+-inf (e.g. AbsMax or L2Norm of a tensor without finite entries)",
+        "the statistic is beyond float64 (e.g. the L2 norm of entries near float64 max), or a "
+        "custom reducer returned NaN or +-inf (e.g. AbsMax or L2Norm of a tensor without finite "
+        "entries)",
     ),
     Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
     Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),

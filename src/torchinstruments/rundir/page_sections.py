@@ -34,7 +34,8 @@ COLUMN_NOTES = {
     "signal": '"output" or "output_gradient"',
     "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',
     "shape": "shape of the measured tensor (under torch.func's vmap: the vmapped sizes first, "
-    "then the per-sample shape; for a DTensor: this rank's local shape)",
+    "then the per-sample shape; for a DTensor: this rank's local shape; null for a nested "
+    "tensor, whose components differ in shape)",
     "dtype": 'torch dtype without the "torch." prefix, e.g. float32',
     "placement": "a DTensor's placements, e.g. Shard(0), Replicate or Partial(sum) (one per mesh "
     "dimension, comma-separated): the row describes this rank's local tensor; null otherwise",
@@ -200,8 +201,15 @@ def section_meanings() -> list[str]:
         "",
         "The default metrics are computed over the finite entries of the tensor, except "
         "zero_fraction and nonfinite_fraction, which count over all of its entries; in float64 "
-        "for integer and bool tensors and in float32 or better for low-precision floats. A "
-        "custom reducer computes what it computes from the copy of the tensor it is given:",
+        "for integer and bool tensors (beyond 2**53 rounded to the nearest) and in float32 or "
+        "better for low-precision floats (float16, bfloat16, float8). A tensor that is not a "
+        "plain one is measured as what it stands for: a sparse (or other non-strided) tensor as "
+        "the dense tensor, with its shape; a nested tensor over its components' entries, "
+        "padding excluded (shape null); a tensor subclass over its entries as the subclass "
+        "itself reads them (a wrapper such as TwoTensor through its own ops). Complex, "
+        "quantized and packed dtypes and tensors on the meta device have null rows with a "
+        "reason (see Unavailable reasons). A custom reducer computes what it computes from the "
+        "copy of the tensor it is given:",
         "",
     ]
     lines += [f"- `{name}`: {meaning}" for name, meaning in METRIC_NOTES]

@@ -47,10 +47,19 @@ def test_without_finite_entries_the_statistics_are_null_whatever_the_raw_values(
 
 
 def test_a_statistic_that_overflowed_is_null_as_a_non_finite_result() -> None:
-    raw = np.array([row(1e308, math.inf, -1e308, 1e308, 0.0, 1e308, 1e308, 1.0, 3.0)])
-    values, why = numerics.profile_metrics(raw, np.array([3]), ("std", "mean", "p25"))
-    assert values == [None, 1e308, 0.0]
+    raw = np.array([row(math.inf, 1.0, -1e308, 1e308, 0.0, 1e308, 1e308, 1.0, 3.0)])
+    values, why = numerics.profile_metrics(raw, np.array([3]), ("mean", "std", "p25"))
+    assert values == [None, 1.0, 0.0]
     assert why == [reasons.NON_FINITE_RESULT, None, None]
+
+
+def test_a_std_rounded_past_the_largest_magnitude_is_that_magnitude() -> None:
+    """A population std never exceeds the largest magnitude of the entries (it is at most half
+    their range): a std that rounding took past it (to inf, at +-float64 max) is capped there."""
+    raw = np.array([row(0.0, math.inf, -1e308, 1e307, 0.0, 0.0, 0.0, 1.0, 3.0)])
+    values, why = numerics.profile_metrics(raw, np.array([3]), ("std",))
+    assert values == [1e308]
+    assert why == [None]
 
 
 def test_negative_zero_is_reported_as_zero() -> None:

@@ -216,7 +216,7 @@ def _eager_name(root: nn.Module, name: str) -> str:
     for part in name.split(".") if name else []:
         if not (part == "_orig_mod" and compiled_original(module) is not None):
             kept.append(part)
-        module = module._modules[part]  # type: ignore[assignment]
+        module = dict(child_modules(module))[part]
     return ".".join(kept)
 
 

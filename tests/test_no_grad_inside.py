@@ -1,7 +1,9 @@
-"""Layers run under torch.no_grad() inside a sampled forward whose other layers run with grad
+"""Layers run under torch.no_grad() inside a sampled forward that otherwise runs with grad
 enabled (reentrant `torch.utils.checkpoint` runs its block so in the forward, a `torch.no_grad()`
-block in a model's forward): no gradient flows into their outputs, so they have no gradient rows,
-as plain hooks see; a warning and index.md name them and say why, never a silent gap.
+block in a model's forward), also when that block holds every selected layer: no gradient flows
+into their outputs, so they have no gradient rows, as plain hooks see; a warning and index.md
+name them and say why, never a silent gap. A forward called under the caller's own no_grad
+(evaluation, a frozen teacher) is no such gap.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torchinstruments.integrations import HuggingFaceObserver
 from conftest import read_history
 from hook_reference import run_both
 
-SAID = "ran under torch.no_grad() inside sampled forwards whose other layers ran with grad enabled"
+SAID = "ran under torch.no_grad() inside sampled forwards that otherwise ran with grad enabled"
 
 
 class Checkpointed(nn.Module):
@@ -201,3 +203,72 @@ def test_no_grad_outputs_from_threads_sharing_a_sample_are_all_named() -> None:
             assert f"900 selected layers {SAID}" in note
     finally:
         sys.setswitchinterval(interval)
+
+
+class CheckpointedWhole(nn.Module):
+    """Every selected layer inside one checkpointed block: under `use_reentrant=True` none of
+    them runs with grad enabled in the forward, though the model is called with it."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def input_step(model: nn.Module, i: int) -> Any:
+    """A step whose input requires grad, as reentrant checkpointing needs for any gradient."""
+    out = model(torch.randn(3, 4, requires_grad=True))
+    out.square().sum().backward()
+    return out
+
+
+def test_a_forward_that_checkpoints_every_layer_reentrantly_names_them_all(run_dir: Path) -> None:
+    """No layer's output is made with grad enabled, yet the forward was called with it and its
+    backward ran: that is no evaluation forward, and the gap is said."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = run_both(CheckpointedWhole(reentrant=True), input_step, run_dir, steps=2)
+    both.assert_conforms()  # plain hooks see no gradient into any of them either
+    assert set(both.history["signal"]) == {"output"}
+    said = [str(w.message) for w in caught if SAID in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "'block.0'" in said[0]
+    index = page(run_dir)
+    assert f"3 selected layers {SAID}" in index
+    assert "'block.0', 'block.1', 'block.2'" in index
+    assert "reentrant torch.utils.checkpoint" in index
+
+
+def test_a_forward_that_checkpoints_every_layer_non_reentrantly_records_their_gradients(
+    run_dir: Path,
+) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = run_both(CheckpointedWhole(reentrant=False), input_step, run_dir, steps=2)
+    both.assert_conforms()
+    gradients = both.history.filter(pl.col("signal") == "output_gradient")
+    assert set(gradients["layer"]) == {"block.0", "block.1", "block.2"}
+    assert not [w for w in caught if SAID in str(w.message)]
+    assert SAID not in page(run_dir)
+
+
+def test_a_frozen_teacher_called_under_no_grad_in_train_mode_is_no_such_gap(run_dir: Path) -> None:
+    """The user's own torch.no_grad() around the whole call of the observed model (a teacher
+    whose outputs a trained student learns from): no gradient was ever meant to reach it."""
+    student = nn.Linear(4, 2)
+
+    def distill(teacher: nn.Module, i: int) -> Any:
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            target = teacher(x)
+        (student(x) - target).square().sum().backward()
+        return target
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_both(Checkpointed(), distill, run_dir, steps=2).assert_conforms()
+    assert not [w for w in caught if SAID in str(w.message)]
+    assert SAID not in page(run_dir)

@@ -11,16 +11,21 @@ layer that stopped running. The second is warned once, when first seen, and both
 index.md. Kept per series, not per layer: a layer that returns a tensor with grad beside a
 detached one in every sample changed nothing. Bounded: one entry per series.
 
-A third case is per layer: outputs made under `torch.no_grad()` inside sampled forwards whose
-other outputs were made with grad enabled. Reentrant `torch.utils.checkpoint` runs its block so
-in the forward (and again, with grad, during backward: outside any root forward, so unobserved,
-as a plain hook on the forward sees it too), and so does a `torch.no_grad()` block in a model's
+A third case is per layer: outputs made under `torch.no_grad()` inside sampled forwards that
+otherwise ran with grad enabled. Reentrant `torch.utils.checkpoint` runs its block so in the
+forward (and again, with grad, during backward: outside any root forward, so unobserved, as a
+plain hook on the forward sees it too), and so does a `torch.no_grad()` block in a model's
 forward. No gradient flows into such an output; a warning says so when a layer holding
 parameters is first seen so (a parameter-free one, a mask or positions computed under no_grad,
-loses no gradient anyone trains on), and index.md names every such layer. A forward wholly under
-no_grad (evaluation) is not this case. A sample counts as "with grad" from its first output made
-with grad enabled, which may come after its no_grad outputs (a checkpointed first block), so the
-no_grad layers of the latest `RECENT` samples wait until then.
+loses no gradient anyone trains on), and index.md names every such layer. A forward called
+under the caller's own no_grad (evaluation, a frozen teacher) is not this case. A sample counts
+as "with grad" from its start when its root forward is called with grad enabled (so a forward
+that checkpoints every selected layer reentrantly, none of whose outputs is made with grad, is
+this case: `GradientRecorder.begin_sample`), else from its first output made with grad enabled
+(an `enable_grad` block inside a forward called under no_grad), which may come after its
+no_grad outputs, so the no_grad layers of the latest `RECENT` samples wait until then. A
+forward that turns grad off itself (`@torch.no_grad()` on its `forward`) is named too: it was
+called with grad enabled, and its layers have no output_gradient rows.
 
 A fourth is per layer too: outputs a torch.func transform wraps so that they report
 `requires_grad=False` though the value under the wrapper requires grad: `vmap` (an ensemble of
@@ -216,7 +221,7 @@ class GradientGaps:
 
 
 _UNDER_NO_GRAD = (
-    "ran under torch.no_grad() inside sampled forwards whose other layers ran with grad enabled"
+    "ran under torch.no_grad() inside sampled forwards that otherwise ran with grad enabled"
 )
 _WHY = (
     "reentrant torch.utils.checkpoint (use_reentrant=True) runs its block so in the forward and "

@@ -385,6 +385,16 @@ class GradientRecorder:
         with self._lock:
             self._cut.append(awaited)
 
+    def begin_sample(self, sample_id: int, mark: Mark) -> None:
+        """A sampled root forward begins: first `heal`; then, where the forward is called with
+        grad enabled, the sample is one with grad from its start (gradient_gaps.py), so that
+        layers it runs under no_grad are named even when none of its outputs is made with grad
+        (a forward that checkpoints every layer reentrantly). Under the caller's own no_grad
+        (evaluation, a frozen teacher) it is not, unless a layer's output is made with grad."""
+        self.heal(mark)
+        if torch.is_grad_enabled() and sample_id != self.gaps.latest_with_grad:
+            self.gaps.sample_with_grad(sample_id)
+
     def heal(self, mark: Mark) -> list[int]:
         """Emit, each record with `mark(record)`, the gradients of a backward pass that raised
         (a Ctrl-C, a hook's or an autograd Function's exception): its end-of-pass callback never

@@ -338,7 +338,7 @@ class Observer:
         """
         held, raised = sample.held, None
         try:
-            self.gradients.heal(self._backward_raised)
+            self.gradients.begin_sample(sample.sample_id, self._backward_raised)
             self.in_flight.begin(sample)
             self.proxies.install_layers(self.in_flight.samples.__len__, sample)
             release(held)

@@ -248,7 +248,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     changed = None if observer.at_inject is None else observer.at_inject.changes_note(model)
     if changed is not None:
         observer.notes.append(changed)  # before the removal, which writes index.md
-    idle = observer.never_ran()
+    idle = observer.counter.never_ran(observer.layer_names)
     quiet, notes = cannot_run(
         model, idle, [name for name in observer.layer_names if name not in idle]
     )
@@ -256,7 +256,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     left_in_place = observer.remove()
     if changed is not None:
         warn(f"torchinstruments: {changed}")
-    never_ran = [name for name in observer.never_ran() if name not in quiet]
+    never_ran = [n for n in observer.counter.never_ran(observer.layer_names) if n not in quiet]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
         warn(never_ran_warning(never_ran, total, observer.counter.samples))

@@ -136,6 +136,12 @@ class Counter:
         with self._lock:
             return dict(self._layer_samples)
 
+    def never_ran(self, names: Iterable[str]) -> list[str]:
+        """Those of the selected layers `names` (root included) not called in any sampled
+        forward so far."""
+        ran = self.layer_samples()
+        return [name for name in names if not ran.get(name)]
+
     def counts(self, backward_samples: int, notes: tuple[str, ...]) -> RunCounts:
         """The run's counts, with what the backward side and the observer add."""
         with self._lock:

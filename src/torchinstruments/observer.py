@@ -533,11 +533,6 @@ class Observer:
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         return self.counter.counts(self.gradients.backward_samples, notes)
 
-    def never_ran(self) -> list[str]:
-        """Selected layers (root included) not called in any sampled forward so far."""
-        ran = self.counter.layer_samples()
-        return [name for name in self.layer_names if not ran.get(name)]
-
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""
         if self.closed:

@@ -34,6 +34,12 @@ reach the plain value, through the transform, but the wrapper the layer returned
 (nor does it for plain `Tensor.register_hook`), so the layer has no output_gradient rows. That is
 no frozen model: a warning says so when first seen, naming the layer and the transform, and
 index.md names every such layer.
+
+A fifth is per layer too: a returned view that a later in-place op (on the view, its base or
+another view of the base: `Flatten` then `ReLU(inplace=True)`) gave a new autograd node. The
+gradient flows into the new node; the one the layer returned leaves the graph, so its hook (and
+a plain one) receives nothing and the layer has no output_gradient rows. gradients.py finds it
+by the view's version; a warning says so when first seen, and index.md names every such layer.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class GradientGaps:
         self._weighted: set[str] = set()  # layers holding parameters (`weigh`)
         self._warned_no_grad = False
         self._transformed: dict[str, str] = {}  # layer -> transform (`under_transform`)
+        self._views_changed: dict[str, None] = {}  # an ordered set (`view_changed`)
         self.latest_with_grad = -1  # the latest sample with an output made with grad enabled
 
     def weigh(self, layers: Iterable[tuple[nn.Module, LayerInfo]]) -> None:
@@ -146,6 +153,19 @@ class GradientGaps:
                 f"torchinstruments: layer {layer!r} returned outputs wrapped by torch.func "
                 f"{transform}, which report requires_grad=False though the values under them "
                 f"require grad: {_TRANSFORMED}; index.md names every such layer at removal"
+            )
+
+    def view_changed(self, layer: str) -> None:
+        """A sampled view `layer` returned was changed in place later (see the module); warned
+        the first time any layer is seen so."""
+        if layer in self._views_changed:
+            return
+        first = not self._views_changed
+        self._views_changed[layer] = None
+        if first:
+            warn(
+                f"torchinstruments: layer {layer!r} {_VIEW_CHANGED}: {_VIEW_WHY}; index.md names "
+                "every such layer at removal"
             )
 
     def without_grad(self, series: Series, sample_id: int) -> None:
@@ -217,6 +237,11 @@ class GradientGaps:
                 f"transform that report requires_grad=False though the values under them "
                 f"require grad: {_TRANSFORMED}: {_listed(shown)}."
             )
+        if self._views_changed:
+            notes.append(
+                f"{plural(len(self._views_changed), 'selected layer')} {_VIEW_CHANGED}: "
+                f"{_VIEW_WHY}: {_listed([repr(name) for name in self._views_changed])}."
+            )
         return tuple(notes)
 
 
@@ -236,6 +261,17 @@ _TRANSFORMED = (
     "layer returned takes no hook (nor does plain Tensor.register_hook), so no gradient into "
     "its outputs is recorded and it has no output_gradient rows (a vmap ensemble built with "
     "stack_module_state and functional_call, say)"
+)
+
+
+_VIEW_CHANGED = "returned a view that a later in-place op gave a new autograd node"
+_VIEW_WHY = (
+    "the op was on the view, its base or another view of the base (Flatten then "
+    "ReLU(inplace=True), say), and the gradient flows into the new node; the node the layer "
+    "returned gets one only through uses of the view before the op (none, as a rule), so no "
+    "gradient into its output is recorded and it has no output_gradient rows, as plain "
+    "Tensor.register_hook on it sees (an output that is no view keeps its gradient when changed "
+    "in place: its node stays in the graph)"
 )
 
 

@@ -32,6 +32,14 @@ exactly as `register_hook` on the ReLU's return value does. An in-place op under
 bumps the tensor's version counter but gives it no new node, so it does not change the key: the
 tensor returned before and after it receives one gradient, the shared-output case below. A view
 whose base was changed in place gets a new node when its `grad_fn` is next read, and so a new key.
+The node a layer returned then leaves the graph (unless something used the view before the
+change), so no gradient reaches its hook, nor a plain hook: the layer is named in a warning and
+index.md (`gradient_gaps.GradientGaps.view_changed`). A hooked view's version is noted when it is
+returned and compared at the end of its sampled forward, the view held until then (a view local
+to the forward dies at its end, though its base lives on); the views not changed by then are
+compared again, while still alive (held weakly), at the first gradient of the next backward
+pass, the next sampled forward or the close (a returned view the loss changes in place). The
+cost: an `_is_view()` per hooked output, and per hooked view an entry until the forward's end.
 A leaf (a Parameter or an input returned as is) has no node: its one gradient sink is the tensor
 itself.
 
@@ -201,6 +209,10 @@ class GradientRecorder:
         # Samples whose pass raised inside one of their hooks, before its gradient was pending.
         self._cut: list[Awaited] = []
         self._hooks = HookSlots(self)  # a series' hooks, armed again for its next samples
+        # Hooked views of the sampled forwards in progress: (view, version when returned, layer),
+        # then, from the forward's end, those not changed yet, held weakly (`end_sample`).
+        self._views: list[tuple[torch.Tensor, int, str]] = []
+        self._returned_views: list[tuple[weakref.ref[torch.Tensor], int, str]] = []
 
     def batched_note(self) -> str | None:
         """`BATCHED_GRADIENTS_NOTE` once a gradient came batched over cotangents, else None."""
@@ -231,6 +243,8 @@ class GradientRecorder:
             grad_fn = tensor.grad_fn
             node = None if grad_fn is None else id(grad_fn)
             with self._lock:
+                if tensor._is_view():  # a later in-place op would replace its node
+                    self._views.append((tensor, tensor._version, key.layer.name))
                 hook = self._unfired_hook(tensor, node)
                 if hook is not None:
                     hook.add_call(key, focus)  # the same tensor and node, returned again
@@ -297,6 +311,8 @@ class GradientRecorder:
             # the tensors': the leaves' fired hooks come off now too (else one more on a leaf each
             # sample, and compiled autograd compiles the backward again for each count).
             self.flush(fired_leaf_hooks_first=in_compiled_autograd())
+        if queue:  # the pass's first gradient: the views it frees later are still alive
+            self._check_views()
 
     def _launch_shared(
         self, calls: list[tuple[TensorKey, bool]], grad: torch.Tensor
@@ -392,6 +408,7 @@ class GradientRecorder:
         (a forward that checkpoints every layer reentrantly). Under the caller's own no_grad
         (evaluation, a frozen teacher) it is not, unless a layer's output is made with grad."""
         self.heal(mark)
+        self._check_views()
         if torch.is_grad_enabled() and sample_id != self.gaps.latest_with_grad:
             self.gaps.sample_with_grad(sample_id)
 
@@ -423,6 +440,8 @@ class GradientRecorder:
         """
         if self.closed:
             return []
+        self.end_sample()  # a forward in progress: what it changed so far
+        self._check_views()
         cut = self.flush(mark)
         if mark is not None and in_backward_pass():
             cut += self._mark_awaited(mark, set(cut))
@@ -458,6 +477,31 @@ class GradientRecorder:
             marked.add(sample.sample_id)
             emitted.append(sample.sample_id)
         return emitted
+
+    def end_sample(self) -> None:
+        """A sampled forward ended: name the layers whose returned view was changed in place
+        since (its version moved: a view's node is replaced at any in-place op on it or on its
+        base), and hold the others weakly only, for `_check_views`."""
+        with self._lock:
+            views, self._views = self._views, []
+        unchanged = []
+        for view, version, layer in views:
+            if view._version != version:
+                self.gaps.view_changed(layer)
+            else:
+                unchanged.append((weakref.ref(view), version, layer))
+        with self._lock:
+            self._returned_views.extend(unchanged)
+
+    def _check_views(self) -> None:
+        """`end_sample`'s check again, of the views still alive that were unchanged at the end
+        of their forward, then forget them: one changed only after this is no such case."""
+        with self._lock:
+            views, self._returned_views = self._returned_views, []
+        for ref, version, layer in views:
+            view = ref()
+            if view is not None and view._version != version:
+                self.gaps.view_changed(layer)
 
     def _end_backward(self) -> None:
         """Autograd-engine callback at the end of a backward pass: no hook is running now.

@@ -360,6 +360,7 @@ class Observer:
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers(sample)
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted
+                self.gradients.end_sample()  # its views changed in place are said now
                 if not self.closed:  # removed during this forward: emitted then (`close`)
                     self._emit_forward(sample)
             self._local.sample = None

@@ -164,3 +164,45 @@ def test_plot_and_heatmap_of_the_parent_name_each_module_type_with_its_ranks(
     done = cli_in_process("plot", parent, "--layers", "layers.1", "--output", tmp_path / "r.png")
     assert done.returncode == 0, done.stderr
     assert "tensor layers.1, 2 ranks" in done.stdout
+
+
+def test_the_parent_pages_queries_keep_module_types_apart_as_compare_parent(
+    parent: Path,
+) -> None:
+    """index.md's departure query keys a series on its module type, as `compare PARENT` does:
+    rank 0's Linear `layers.0` is never compared with rank 1's Conv1d, and the latest-value
+    query gives each type its own row."""
+    from test_rank_parent_queries import csv as query_csv
+    from test_rank_parent_queries import run_blocks
+
+    key = ["layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric"]
+    rows = pl.concat(
+        [pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet") for rank in (0, 1)]
+    ).filter(pl.col("metric") == "mean")
+    # Independently: two ranks depart at the first sample where both have the series (of one
+    # module type) and their values differ.
+    pairs = rows.filter(pl.col("rank") == 0).join(
+        rows.filter(pl.col("rank") == 1), on=[*key, "sample_id"], suffix="_1"
+    )
+    firsts = (
+        pairs.filter(pl.col("value") != pl.col("value_1"))
+        .group_by(key)
+        .agg(pl.col("sample_id").min())
+    )
+    expected = dict(zip(firsts.select(key).rows(), firsts["sample_id"], strict=True))
+    assert not any(k[0] == "layers.0" for k in expected)  # no type is on both ranks
+    assert any(k[0] == "layers.1" for k in expected)  # the ReLUs differ
+
+    outputs = run_blocks(parent / "index.md")
+    found = query_csv(outputs[4])
+    assert dict(zip(found.select(key).rows(), found["first_sample"], strict=True)) == expected
+    assert set(found["layer"]) == {"layers.1"}
+
+    compared = csv("compare", parent).filter(pl.col("first_departure").is_not_null())
+    assert (
+        dict(zip(compared.select(key).rows(), compared["first_departure"], strict=True)) == expected
+    )
+
+    latest = query_csv(outputs[2])
+    first = latest.filter(pl.col("layer") == "layers.0")
+    assert sorted(first["module_type"].to_list()) == ["Conv1d", "Conv1d", "Linear", "Linear"]

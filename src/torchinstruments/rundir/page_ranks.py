@@ -21,7 +21,8 @@ Design decisions:
   reasons, no row on a rank that has the sample and selects the layer, from its result.json),
   the rule `torchinstruments compare PARENT` applies. Every query keys a series
   on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
-  never one series.
+  never one series; and on its module type, as `compare PARENT` and `show PARENT` do: a layer
+  name that is another module on some rank (a pipeline split) is a series of its own there.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ histories = [rank_history(d) for d in sorted(parent.glob("rank-*")) if d.is_dir(
 if all(h is None for h in histories):
     raise SystemExit(f"{{parent}}: no rank has written a part yet; run this block again later")
 ranks = pl.concat([h for h in histories if h is not None])  # `rank` tells the ranks apart
-SERIES = ["layer", "call_index", "signal", "tensor_path", "mode", "metric"]  # train, eval apart
+# train and eval apart; a layer name of another module type on some rank (a pipeline split) too
+SERIES = ["layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric"]
 
 
 def show(frame: pl.DataFrame, most: int | None = None) -> None:
@@ -273,7 +275,7 @@ selected = pl.LazyFrame(  # each rank's selected layers, run or not: its result.
     orient="row",
 )
 missing = (  # no row of a series on a rank that has the sample and the layer, another the row
-    rows.select(*at, "module_type").unique()
+    rows.select(at).unique()
     .join(own, on="sample_id")
     .join(selected, on=["rank", "layer", "module_type"], how="semi")
     .join(rows.select(*at, "rank"), on=[*at, "rank"], how="anti")

@@ -56,6 +56,38 @@ def test_window_means_say_how_many_samples_they_are_over(tmp_path: Path) -> None
     assert count == "4/8"  # the mean is over 4 of the window's 8 samples
 
 
+def test_n_counts_only_the_values_the_window_mean_is_over(tmp_path: Path) -> None:
+    """A NaN or an infinity (only a hand-edited or concatenated history holds one: the library
+    writes a null with a reason) is left out of the window mean, and so out of `n`."""
+    model = nn.Sequential(nn.Identity())
+    run = tmp_path / "run"
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    for step in range(8):
+        model(torch.full((4,), float(step)))
+    remove_observer(model)
+    edited = {1: float("nan"), 4: float("inf")}
+    rows = pl.read_parquet(run / "history.parquet")
+    at = pl.col("metric") == "mean"
+    for sample, value in edited.items():
+        at_sample = at & (pl.col("sample_id") == sample)
+        rows = rows.with_columns(value=pl.when(at_sample).then(value).otherwise("value"))
+    rows.write_parquet(run / "history.parquet")
+    values = rows.filter(at)["value"]
+    finite = values.filter(values.is_finite())
+    assert (values.len(), finite.len()) == (8, 6)
+
+    latest, mean, count = row_of(show(run, "--metrics", "mean"), "0")[1:]
+    assert float(latest) == values[-1] == 7.0
+    assert float(mean) == pytest.approx(finite.mean(), rel=1e-3)
+    assert count == "6/8"  # the mean is over the 6 finite values of the window's 8 samples
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["show", str(run), "--metrics", "mean", "--format", "csv"]) == 0
+    frame = pl.read_csv(io.StringIO(out.getvalue()))
+    assert frame.select("window_finite", "window_valid", "window_samples").row(0) == (6, 8, 8)
+
+
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()

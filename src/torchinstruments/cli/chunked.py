@@ -118,9 +118,12 @@ def summarize_series(
 
     Returns:
         The series key, `module_type`, `latest_value`, `latest_reason`, `latest_sample_id`,
-        `observations`, `window_mean`, `window_samples`, `window_valid`,
-        `window_first_sample_id`, `window_last_sample_id` (result.json's `recent` window,
-        from its one implementation, `rundir.windows.window_summaries`), sorted by the key.
+        `observations`, `window_mean`, `window_samples`, `window_valid` (result.json's
+        `valid`: non-null values), `window_finite` (of them the finite ones, those the mean
+        is over: a NaN or an infinity, which only a hand-edited or concatenated history holds,
+        is left out of both), `window_first_sample_id`,
+        `window_last_sample_id` (result.json's `recent` window, from its one implementation,
+        `rundir.windows.window_summaries`), sorted by the key.
     """
     chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
     latest: pl.DataFrame | None = None
@@ -147,6 +150,7 @@ def summarize_series(
             window_mean="mean",
             window_samples="actual",
             window_valid="valid",
+            window_finite="finite",  # the values the mean is over (NaN and infinities not)
             window_first_sample_id="first_sample_id",
             window_last_sample_id="last_sample_id",
         )

@@ -59,6 +59,7 @@ COLUMNS = (
     "window_mean",
     "window_samples",
     "window_valid",
+    "window_finite",
     "window_first_sample_id",
     "window_last_sample_id",
     "observations",

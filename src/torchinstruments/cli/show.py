@@ -67,7 +67,8 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:
-    """`8` (every sample of the window has a value), `4/8` (4 of 8 have one), `-` (no window)."""
+    """`8` (every sample of the window has a finite value: the mean is over all of them),
+    `4/8` (4 of 8 have one), `-` (no window)."""
     if samples is None:
         return "-"
     return str(samples) if valid == samples else f"{valid or 0}/{samples}"
@@ -113,7 +114,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
                 marked = True
             cells[i] = latest
             cells[i + 1] = number(r["window_mean"], missing="null")
-            cells[i + 2] = _valid_count(r["window_valid"], r["window_samples"])
+            cells[i + 2] = _valid_count(r["window_finite"], r["window_samples"])
         out += [
             "",
             f"{metric}:",
@@ -127,7 +128,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
             else ""
         )
         + "; mean: the mean over its recent window of samples (a mean of per-sample values, "
-        "not of pooled elements); n: the samples that mean is over (those with a value), "
+        "not of pooled elements); n: the samples that mean is over (those with a finite value), "
         "'4/8' when only 4 of the window's 8 have one; '-': not measured."
     ]
     if set(latest_of) != {"train"}:

@@ -70,6 +70,7 @@ _WINDOW_SCHEMA = {
     "which": pl.Int32(),
     "actual": pl.UInt32(),
     "valid": pl.UInt32(),
+    "finite": pl.UInt32(),
     "mean": pl.Float64(),
     "first_sample_id": pl.Int64(),
     "last_sample_id": pl.Int64(),
@@ -243,8 +244,10 @@ def window_summaries(
     implementation behind result.json and every command of the command line.
 
     Columns: the series key (strings), `which`, `actual` (samples in the window), `valid`
-    (non-null values in it), `mean` (`window_mean` of its finite values), `first_sample_id`,
-    `last_sample_id`. A series with fewer than `window + 1` samples has no `previous` row.
+    (non-null values in it), `finite` (its finite values: those `mean` is over; fewer than
+    `valid` only where a hand-edited or concatenated history holds a NaN or an infinity),
+    `mean` (`window_mean` of its finite values), `first_sample_id`, `last_sample_id`. A
+    series with fewer than `window + 1` samples has no `previous` row.
 
     Args:
         lf: history rows (history.parquet, or the parts of a live run); marker rows are left out
@@ -279,6 +282,7 @@ def window_summaries(
         *(pl.col(c).cast(pl.String) if c in _STRINGS else pl.col(c) for c in SERIES_KEY),
         pl.col("which"),
         pl.col("actual", "valid").cast(pl.UInt32),
+        pl.col("finite_values").list.len().cast(pl.UInt32).alias("finite"),
         pl.Series("mean", _means(frame.get_column("finite_values")), dtype=pl.Float64),
         pl.col("first_sample_id", "last_sample_id"),
     )

@@ -149,6 +149,7 @@ CLI_COMMANDS = {
     "cli.heatmap",
     "cli.finalize",
     "cli.ranks",
+    "cli.rank_spread",
     "cli.ranks_draw",
 }
 CLI_SHARED = {

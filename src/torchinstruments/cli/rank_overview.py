@@ -51,7 +51,7 @@ def _groups(frame: pl.DataFrame, read: int) -> pl.DataFrame:
 
 
 def grouped_spread(frame: pl.DataFrame, read: int, width: int) -> list[str]:
-    """The grouped text view of a parent's spread frame (`ranks.Spread.frame`, display order)."""
+    """The grouped text view of a parent's spread frame (`rank_spread.Spread.frame`, display order)."""
     groups = _groups(frame, read)
     types = list(dict.fromkeys(frame["module_type"].to_list()))  # traversal order of first use
     headers = ["type", "sig", "at", "tensors", "partial", "min", "max", "widest", "far rank"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from torchinstruments.cli.reader import NotARunError, RunFacts, locate, read_facts
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.rundir.layout import STATE_FILE
-from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import Status
 
@@ -147,6 +147,32 @@ def without_history_line(without: Mapping[int, str]) -> str:
     return "; ".join(f"rank {ranges(rs)}: {why}" for why, rs in by_reason.items())
 
 
+def header_lines(
+    parent: Path,
+    runs: Sequence[RankRun],
+    facts: Sequence[RunFacts],
+    without_history: Mapping[int, str],
+    missing: Sequence[int] = (),
+) -> list[str]:
+    """The header of `show PARENT` and `compare PARENT`: one line for the parent, one per state
+    of the ranks read, one for ranks not read, one for ranks the world size expects and no
+    directory holds, and each rank's marked samples."""
+    states: dict[str, list[int]] = {}
+    for run, f in zip(runs, facts, strict=True):
+        states.setdefault(f.state.split(" (")[0], []).append(run.rank)
+    lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
+    for state, which in states.items():
+        lines.append(f"rank {ranges(which)}: {state}")
+    if without_history:
+        lines.append(f"not read, no history: {without_history_line(without_history)}")
+    if missing:
+        lines.append(missing_line(missing))
+    for run, f in zip(runs, facts, strict=True):
+        for line in f.marked_lines():
+            lines.append(f"rank {run.rank}: {line}")
+    return lines
+
+
 def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[RunFacts]]:
     """The first rank's facts with the parent as directory (titles, layer order), and each rank's."""
     each = [read_facts(run.directory) for run in runs]
@@ -155,6 +181,7 @@ def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[
 
 __all__ = [
     "RankRun",
+    "header_lines",
     "is_parent",
     "parent_facts",
     "parse_ranks",

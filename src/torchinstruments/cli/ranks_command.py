@@ -4,7 +4,7 @@ Design decision: `run_command` asks `run_on_ranks` first; it answers None when n
 the command is a parent of `rank-NNN/` runs and `--rank` is not given, so single runs take the
 path they always took. On a parent, one rank (`--rank N`) is that rank's directory, read by the
 single-run command; several ranks (or none named: all of them) are read side by side
-(`cli.ranks`, `cli.ranks_draw`). `compare` with two directories compares one rank of each
+(`cli.rank_spread`, `cli.ranks`, `cli.ranks_draw`). `compare` with two directories compares one rank of each
 parent (`--rank N`); with one directory, a parent, it compares its ranks with each other (all,
 or the ranks `--rank` names, at least two). A combination that names no pair of runs (one
 parent and one rank; two directories with a parent and no single `--rank`) is a usage error,
@@ -60,6 +60,7 @@ def run_on_ranks(
         UsageError: a combination of directories and `--rank` that names no run to read.
         ValueError: bad `--rank`.
     """
+    from torchinstruments.cli import rank_spread
     from torchinstruments.cli import ranks as multi
     from torchinstruments.cli.rank_runs import (
         is_parent,
@@ -123,9 +124,9 @@ def run_on_ranks(
             print(f"torchinstruments {args.command}: {missing_line(missing)}", file=sys.stderr)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
-        result = multi.spread(parent, chosen, ranks)  # type: ignore[arg-type]
+        result = rank_spread.spread(parent, chosen, ranks)  # type: ignore[arg-type]
         print(
-            multi.render_spread(
+            rank_spread.render_spread(
                 result, fmt=args.format, width=args.width or width, every_tensor=args.every_tensor
             )
         )

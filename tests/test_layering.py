@@ -157,6 +157,7 @@ CLI_SHARED = {
     "cli.matching",
     "cli.module_types",
     "cli.rank_departures",
+    "cli.differences",
     "cli.rank_runs",
     "cli.reader",
     "cli.run_dirs",

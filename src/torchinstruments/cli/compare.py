@@ -26,7 +26,8 @@ Design decisions:
   (the samplers of every attempt, or the window) are said in words, the latter first: a reader
   of the table alone would otherwise read "no difference" or a null into them.
 - A matched sample is `cli.matching`'s, the same as `compare PARENT`'s: both runs have the row,
-  each with a value, or each a null for the same reason.
+  each with a value, or each a null for the same reason. A live run's latest sample is open
+  (`matching.open_sample`): a gradient row it lacks there is no difference, and is said.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
 """
 
@@ -40,8 +41,8 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli import module_types
-from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
-from torchinstruments.cli.matching import agreement, matched_legend, matched_samples
+from torchinstruments.cli.differences import differences, first_differences
+from torchinstruments.cli.matching import matched_legend, open_line, pending
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     TENSOR_KEY,
@@ -109,168 +110,7 @@ class Comparison:
     frame: pl.DataFrame
     mixed: module_types.Mixed = field(default_factory=dict)  # a layer of another type in B
     no_samples: tuple[str, ...] = ()  # "A", "B": the runs whose history holds no row at all
-
-
-# The series key's string columns, read as integer codes (Categorical) while the ranges are
-# compared: grouping and joining millions of rows by codes, not strings, is most of the speed.
-_TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
-
-
-def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
-    """Series key (its names as Categorical), x, occurrence number within (series, x) in write
-    order, value and unavailable_reason, of one range of samples (whole samples, read in write order).
-
-    Most series have one row per sample: only the rows whose (series, x) repeats are numbered
-    by group, the others are occurrence 0, so a range costs a duplicate test, not a group per
-    series and sample.
-    """
-    frame = (
-        rows.select(
-            *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
-            x,
-            "value",
-            pl.col("unavailable_reason").cast(pl.Categorical),
-        )
-        .collect()
-        .sort(x, maintain_order=True)
-        .with_row_index("_write")
-        .with_columns(_twice=pl.struct(*SERIES_KEY, x).is_duplicated())
-    )
-    once = frame.filter(~pl.col("_twice")).with_columns(_occurrence=pl.lit(0, pl.Int64))
-    twice = frame.filter("_twice").with_columns(
-        _occurrence=pl.int_range(pl.len(), dtype=pl.Int64).over(*SERIES_KEY, x)
-    )
-    return pl.concat([once, twice]).sort("_write").drop("_write", "_twice")
-
-
-def _named(frame: pl.DataFrame) -> pl.DataFrame:
-    """`frame` with its key's names as strings again (one row per series: cheap)."""
-    return frame.with_columns(pl.col(k).cast(pl.String) for k in _TEXT_KEYS)
-
-
-def first_differences(
-    a: pl.DataFrame,
-    b: pl.DataFrame,
-    x: str,
-    tolerance: float,
-    samples: tuple[pl.DataFrame, pl.DataFrame] | None = None,
-) -> pl.DataFrame:
-    """Per series: matched samples, and the first x where A and B differ.
-
-    Only samples both runs have are compared: `samples` holds each run's own (`chunked.x_counts`, so a
-    series' first difference does not depend on what else is selected; None: the x of `a` and
-    `b`); there, a row in one run and not the other is a difference, as is a value in one and a
-    null in the other or nulls for different reasons; matched samples are
-    `matching.matched_samples`'.
-    """
-    keys = [*SERIES_KEY, x, "_occurrence"]
-    own_a, own_b = (a.select(x), b.select(x)) if samples is None else samples
-    common = own_a.unique().join(own_b.unique(), on=x)
-    joined = (
-        a.with_columns(_in_a=pl.lit(True), _agree=agreement())
-        .join(
-            b.with_columns(_in_b=pl.lit(True), _agree=agreement()),
-            on=keys,
-            how="full",
-            suffix="_b",
-            coalesce=True,
-            nulls_equal=True,
-            maintain_order="left_right",  # A's write order: the first occurrence first
-        )
-        .filter(pl.col(x).is_in(common[x].implode()))  # a filter keeps the order
-        .rename({"value": "value_a"})
-        .with_columns(pl.col("_in_a", "_in_b").fill_null(False))
-    )
-    one_missing = pl.col("_in_a") != pl.col("_in_b")
-    # A null against a value, or nulls for different reasons (`matching.agreement`).
-    disagree = pl.col("_agree") != pl.col("_agree_b")
-    # Equal values never differ: B - A of two equal infinities, or of two NaN, is NaN, which
-    # Polars orders above every number (and so above any tolerance).
-    beyond = (pl.col("value_a") != pl.col("value_b")) & (
-        (pl.col("value_b") - pl.col("value_a")).abs() > tolerance
-    )
-    differ = one_missing | disagree | beyond
-    # Each aggregation on rows chosen beforehand, so each is a plain per-group one (a filter
-    # inside an aggregation is evaluated group by group: slow with one group per series).
-    in_common = pl.col(x).is_in(common[x].implode())
-    matched = matched_samples(pl.concat([a.filter(in_common), b.filter(in_common)]), SERIES_KEY, x)
-    first = (
-        joined.filter(differ)
-        .sort(x, maintain_order=True)  # the first row at the first x, in joined order
-        .group_by(SERIES_KEY, maintain_order=True)
-        .agg(
-            first_difference=pl.col(x).first(),
-            value_a_at_first_difference=pl.col("value_a").first(),
-            value_b_at_first_difference=pl.col("value_b").first(),
-        )
-    )
-    return (
-        joined.select(SERIES_KEY)
-        .unique()
-        .join(matched, on=SERIES_KEY, how="left", nulls_equal=True)
-        .join(first, on=SERIES_KEY, how="left", nulls_equal=True)
-        .with_columns(pl.col("matched_samples").fill_null(0))
-    )
-
-
-def _extent(values: pl.DataFrame, x: str, tag: str) -> pl.DataFrame:
-    """Per series: how many samples it has in one run, and its first and last x there."""
-    return values.group_by(SERIES_KEY).agg(
-        pl.col(x).n_unique().alias(f"samples_{tag}"),
-        pl.col(x).min().alias(f"first_{tag}"),
-        pl.col(x).max().alias(f"last_{tag}"),
-    )
-
-
-def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
-    """`first_differences` of two ranges of x that share no sample, as one: matched samples
-    add up, the first difference (and the values there) is the earlier range's."""
-    if earlier is None:
-        return later
-    at = ("first_difference", "value_a_at_first_difference", "value_b_at_first_difference")
-    return (
-        pl.concat([earlier, later], how="vertical_relaxed")
-        .sort("first_difference", nulls_last=True, maintain_order=True)
-        .group_by(SERIES_KEY, maintain_order=True)
-        .agg(pl.col("matched_samples").sum(), pl.col(*at).first())
-    )
-
-
-def _fold_extent(earlier: pl.DataFrame | None, later: pl.DataFrame, tag: str) -> pl.DataFrame:
-    """`_extent` of two ranges of x that share no sample, as one."""
-    if earlier is None:
-        return later
-    return (
-        pl.concat([earlier, later], how="vertical_relaxed")
-        .group_by(SERIES_KEY)
-        .agg(
-            pl.col(f"samples_{tag}").sum(),
-            pl.col(f"first_{tag}").min(),
-            pl.col(f"last_{tag}").max(),
-        )
-    )
-
-
-def _differences(
-    lf_a: pl.LazyFrame, lf_b: pl.LazyFrame, selection: Selection, x: str, tolerance: float
-) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """Per series: `first_differences`, and each run's `_extent`, read in ranges of x of about
-    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`)."""
-    counts = (x_counts(lf_a, x), x_counts(lf_b, x))  # also each run's own samples
-    samples = (counts[0].select(x), counts[1].select(x))
-    diffs = extent_a = extent_b = None
-    for bounds in x_ranges(counts, x):
-        a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x)
-        b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x)
-        diffs = _fold_differences(diffs, first_differences(a, b, x, tolerance, samples))
-        extent_a = _fold_extent(extent_a, _extent(a, x, "a"), "a")
-        extent_b = _fold_extent(extent_b, _extent(b, x, "b"), "b")
-        del a, b  # before the next range is read
-    if diffs is None or extent_a is None or extent_b is None:
-        empty = _matched_values(selection.rows(lf_a.clear()), x)
-        diffs = first_differences(empty, empty, x, tolerance, samples)
-        extent_a, extent_b = _extent(empty, x, "a"), _extent(empty, x, "b")
-    return _named(diffs), _named(extent_a), _named(extent_b)
+    open_samples: tuple[int | None, int | None] = (None, None)  # A's, B's `matching.open_sample`
 
 
 def compare(
@@ -313,14 +153,15 @@ def compare(
     both = side(summary_a, "a").join(
         side(summary_b, "b"), on=SERIES_KEY, how="full", coalesce=True, nulls_equal=True
     )
-    diffs, extent_a, extent_b = read_each_with(
+    diffs, extent_a, extent_b, opens = read_each_with(
         [directory_a, directory_b],
-        lambda files: _differences(
+        lambda files: differences(
             scan_files(files[0], write_order=False),
             scan_files(files[1], write_order=False),
             selection,
             x,
             tolerance,
+            (facts_a, facts_b),
         ),
     )
     frame = (
@@ -350,7 +191,7 @@ def compare(
         if found.is_empty() and not _holds_a_row(directory)
     )
     frame = ordered(frame, facts_a)
-    return Comparison(facts_a, facts_b, window, x, tolerance, frame, mixed, empty)
+    return Comparison(facts_a, facts_b, window, x, tolerance, frame, mixed, empty, opens)
 
 
 def _holds_a_row(directory: Path) -> bool:
@@ -389,6 +230,12 @@ def extent_notes(c: Comparison) -> list[str]:
     """One line per tensor and signal whose samples differ between the runs (both have rows),
     in order of where they part: `side grad: sample_id 0-7 in A, 0-3 in B (B stops after 3)`."""
     both = c.frame.filter(pl.col("samples_a") > 0, pl.col("samples_b") > 0)
+    for mine, other, at in (("a", "b", c.open_samples[0]), ("b", "a", c.open_samples[1])):
+        # It lacks only its open sample's gradient (`first_differences`): no parting.
+        both = both.filter(
+            ~(pending(f"last_{other}", at) & (pl.col("first_a") == pl.col("first_b")))
+            | (pl.col(f"samples_{other}") != pl.col(f"samples_{mine}") + 1)
+        )
     parted = (
         both.filter(
             (pl.col("first_a") != pl.col("first_b")) | (pl.col("last_a") != pl.col("last_b"))
@@ -479,6 +326,11 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
         *marks,
+        *(
+            open_line(t, c.x, at, "difference")
+            for t, at in zip("AB", c.open_samples, strict=True)
+            if at is not None
+        ),
         "mean A, mean B: the mean over each run's recent window of up to "
         f"{plural(c.window, 'sample')}.",
         "B - A: their difference (mean B minus mean A).",
@@ -570,6 +422,9 @@ def render(c: Comparison, *, fmt: str, width: int, every_series: bool = False) -
         "tolerance": c.tolerance,
         "difference": "mean_b - mean_a",
         "warnings": warnings_of(c),
+        "open_samples": {
+            t: at for t, at in zip("ab", c.open_samples, strict=True) if at is not None
+        },
     }
     return render_frame(c.frame, fmt, facts)
 

@@ -8,6 +8,18 @@ compare, and nothing differs). A null in one and a value in the other, or nulls 
 reasons, is a difference, never a match; a row in one run only matches nothing. A series
 measured several times in one sample (hand-edited or concatenated histories only) is matched
 occurrence by occurrence, and the sample counts once.
+
+A live run's latest sample is still open (`open_sample`): its output rows can be on disk while
+its backward has not ended, or its gradient rows have not reached a part yet. A gradient row
+that the live run (or rank) lacks there is no difference and no departure, since it may still
+come; the rows it has there are compared as any others, and once its backward is written the
+sample is an ordinary one. Design decision: only the latest sample, and only the gradient side:
+a run's rows reach the disk in the order it measured them, so an earlier sample's gradients
+written before the latest forward are on disk, and the forward's rows of a sample are
+transferred together, before any of its gradients. (A backward run only after a later
+sampled forward is the exception, and is then a difference, as for a finished run.) A run whose
+process died before removal reads "in progress" too until `finalize`: its latest sample is then
+treated as open as well, as its state line says it may be either.
 """
 
 from __future__ import annotations
@@ -16,7 +28,11 @@ from collections.abc import Sequence
 
 import polars as pl
 
-__all__ = ["agreement", "matched_legend", "matched_samples"]
+from torchinstruments.cli.reader import RunFacts
+from torchinstruments.records import OUTPUT_GRADIENT
+from torchinstruments.rundir.state import Status
+
+__all__ = ["agreement", "matched_legend", "matched_samples", "open_line", "open_sample", "pending"]
 
 # What `agreement` gives a row that holds a value: no reason can be this text.
 _VALUE = "\x00value"
@@ -53,4 +69,31 @@ def matched_legend(between: str, x: str) -> str:
         f"matched: samples (matched on {x}) at which {between} have a row holding a value, or "
         "a null for the same reason (a null against a value, or nulls for different reasons, "
         "is no match)."
+    )
+
+
+def open_sample(facts: RunFacts, own: pl.DataFrame, x: str) -> int | None:
+    """The `x` of a live run's latest sample (`own`: the run's own samples, a row of any series
+    there), whose gradient rows may still come; None for a run that is not in progress."""
+    state = facts.run_state
+    if state is None or state.status is not Status.IN_PROGRESS or own.is_empty():
+        return None
+    latest = own.select(pl.col(x).max()).item()
+    return None if latest is None else int(latest)
+
+
+def pending(x: str, at: int | None) -> pl.Expr:
+    """Whether a row's series and `x` is a gradient at the open sample `at` (None: none)."""
+    if at is None:
+        return pl.lit(False)
+    return (pl.col("signal").cast(pl.String) == OUTPUT_GRADIENT) & (pl.col(x) == at)
+
+
+def open_line(who: str, x: str, at: int, what: str) -> str:
+    """What the output says of a live run's open sample (`what`: "difference", "departure")."""
+    return (
+        f"{who} is in progress: its latest sample ({x} {at}) is still open: a gradient row "
+        f"it lacks there is no {what} (the sample's backward may not have ended, or its rows "
+        "not yet reached the disk; once they have, it is compared as any other; a process "
+        "that died before removal reads the same until `finalize`)."
     )

@@ -17,7 +17,8 @@ as two ranks whose values differ both do. A rank that has a sample (a row of any
 there, marker rows too) and the layer among its selected ones, but no row of a series another
 rank has there, holds "no row" (its reason `NO_ROW`): the two-run `compare`'s row in one run
 and none in the other (a branch one rank skipped); a rank without the sample, or without the
-layer (a pipeline stage's layers, a layer of another module type there), holds nothing there.
+layer (a pipeline stage's layers, a layer of another module type there), holds nothing there;
+nor does a live rank hold "no row" for a gradient at its open sample (`matching.open_sample`).
 
 Nonfinite values (hand-edited or concatenated histories only: the library writes a null with a
 reason where a statistic is not finite) take part in distances as the two-run `compare` treats
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from torchinstruments.cli.matching import agreement, matched_samples
+from torchinstruments.records import OUTPUT_GRADIENT
 from torchinstruments.rundir.windows import SERIES_KEY
 
 __all__ = ["NO_ROW", "RANK_SERIES_KEY", "batch_departures", "combine_departures"]
@@ -64,6 +66,7 @@ def batch_departures(
     tolerance: float,
     samples: pl.DataFrame | None = None,
     layers: pl.DataFrame | None = None,
+    opens: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Per series in one x range: matched samples (`matching.matched_samples`: at least 2
     ranks agree on what the row holds), and the first x where one rank's value is more than
@@ -71,7 +74,8 @@ def batch_departures(
     `compare` differs on them), or where the ranks' rows disagree on what they hold
     (`_kind_departures`), a rank that has the sample and the layer but no row of the series
     there among them (`_missing_rows`; `samples`: each rank's own x, `layers`: each rank's
-    selected layers; None: no such row).
+    selected layers; None: no such row), but a gradient row a live rank lacks at its open
+    sample (`opens`: rank, x; `matching.open_sample`): it may still come.
 
     Names are compared as integer codes (Categorical), and groups are found by comparing
     neighbours in one sort, not by window functions: a range of millions of rows takes two
@@ -118,7 +122,7 @@ def batch_departures(
                 values.filter(pl.col("nearest_other") > tolerance).select(rows),
                 _kind_departures(
                     pl.concat(
-                        [frame, _missing_rows(frame, samples, layers, at, x)], how="diagonal"
+                        [frame, _missing_rows(frame, samples, layers, at, x, opens)], how="diagonal"
                     ),
                     at,
                 ).select(rows),
@@ -164,13 +168,15 @@ def _missing_rows(
     layers: pl.DataFrame | None,
     at: Sequence[str],
     x: str,
+    opens: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """A row (value null, reason `NO_ROW`) for each rank that has a sample (`samples`: rank,
     x) and the layer (`layers`: rank, layer, module_type, its selected layers) but no row of a
     series (one occurrence, `at`) that another rank has there, as the two-run `compare` differs
     where one run has a row and the other none. A rank without the sample (it stopped, or
     sampled elsewhere) or without the layer (a pipeline stage's layers, a layer of another
-    module type there) holds nothing. Most ranges have every row on every rank: one count per
+    module type there) holds nothing, nor does a live rank for a gradient at its open sample
+    (`opens`: rank, x). Most ranges have every row on every rank: one count per
     series and sample, and no join."""
     if samples is None or layers is None:
         return frame.clear()
@@ -194,6 +200,11 @@ def _missing_rows(
             how="semi",
         )
     )
+    if opens is not None and opens.height:
+        still = grid.join(opens, on=["rank", x], how="semi").filter(
+            pl.col("signal").cast(pl.String) == OUTPUT_GRADIENT
+        )
+        grid = grid.join(still.select(*at, "rank"), on=[*at, "rank"], how="anti")
     return grid.join(frame.select(*at, "rank"), on=[*at, "rank"], how="anti").with_columns(
         value=pl.lit(None, pl.Float64),
         unavailable_reason=pl.lit(NO_ROW).cast(pl.Categorical),

@@ -19,7 +19,9 @@ Design decisions:
   infinitely far from any other value (`by` inf). So two ranks depart exactly where the
   two-run `compare` of their directories differs, but on a layer one of them does not select
   (absent in one run there; compared here among the ranks that have it); a series measured
-  twice in a sample is matched occurrence by occurrence.
+  twice in a sample is matched occurrence by occurrence. A live rank's latest sample is open
+  (`matching.open_sample`): a gradient row it lacks there is no departure, as it is no
+  difference in the two-run `compare`, and the header says so.
   `matched` counts the two-run `compare`'s matched samples (`cli.matching`): at least two
   ranks with a value each, or a null each for the same reason.
   Matched on sample_id, it warns first when the ranks' samplers differ (the two-run rule) or
@@ -50,7 +52,7 @@ import polars as pl
 
 from torchinstruments.cli import module_types as types
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
-from torchinstruments.cli.matching import matched_legend
+from torchinstruments.cli.matching import matched_legend, open_line, open_sample
 from torchinstruments.cli.rank_departures import batch_departures, combine_departures
 from torchinstruments.cli.rank_runs import (
     RankRun,
@@ -120,6 +122,7 @@ class Departures:
     apart: SampleApart | None = None  # `selection.first_sample_apart` (x sample_id, one sampler)
     mixed: types.Mixed = dataclasses.field(default_factory=dict)  # from the ranks' layer catalogs
     missing: tuple[int, ...] = ()  # `rank_runs.missing_ranks`, said as `show PARENT` says them
+    open_samples: Mapping[int, int] = dataclasses.field(default_factory=dict)  # rank -> its x
 
 
 def _rank_scan(
@@ -169,7 +172,7 @@ def departures(
         orient="row",
     )
 
-    def read(files: list[RunFiles]) -> pl.DataFrame:
+    def read(files: list[RunFiles]) -> tuple[pl.DataFrame, dict[int, int]]:
         lf = _rank_scan(runs, files, selection)
         # Each range's result is folded in as it comes: one frame per series at a time, never
         # one per range (a range's per-series frame is as large as the whole result).
@@ -181,13 +184,22 @@ def departures(
                 for run, c in zip(runs, counts, strict=True)
             ]
         )
+        opens = {  # each live rank's open sample (`matching.open_sample`)
+            run.rank: at
+            for run, f, c in zip(runs, facts, counts, strict=True)
+            if (at := open_sample(f, c, x)) is not None
+        }
+        pending = pl.DataFrame(
+            list(opens.items()), schema={"rank": pl.Int64, x: pl.Int64}, orient="row"
+        )
         for bounds in x_ranges(counts, x, budget_rows):
             mine = own.filter(pl.col(x).is_between(*bounds))
-            batch = batch_departures(in_range(lf, x, bounds), x, tolerance, mine, layers)
+            lf_range = in_range(lf, x, bounds)
+            batch = batch_departures(lf_range, x, tolerance, mine, layers, pending)
             frame = combine_departures([frame, batch])
-        return frame
+        return frame, opens
 
-    frame = read_each_with([run.directory for run in runs], read)
+    frame, opens = read_each_with([run.directory for run in runs], read)
     view = dataclasses.replace(facts[0], directory=Path(parent).expanduser())
     # Read only where the samplers' own warning does not already say it (one sampler).
     turns = {samplers_in_turn(s) for f in facts if (s := sampling(f)) is not None}
@@ -204,6 +216,7 @@ def departures(
         apart,
         types.catalog_mixed([(r.rank, f.run) for r, f in zip(runs, facts, strict=True)]),
         missing_ranks(facts, [r.rank for r in runs], without, ranks),
+        opens,
     )
 
 
@@ -243,6 +256,7 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
             "ranks_without_history": {str(r): why for r, why in d.without_history.items()},
             "ranks_missing": list(d.missing),
             "warnings": departure_warnings(d),
+            "open_samples": {str(r): at for r, at in d.open_samples.items()},
         }
         frame = d.frame
         if fmt != "json":  # csv and markdown cells hold no lists: `0;1` (a null: empty)
@@ -258,6 +272,7 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         *departure_warnings(d),
         *header_lines(d.parent, d.runs, d.facts, d.without_history, d.missing),
         *types.rank_lines(d.mixed),
+        *(open_line(f"rank {r}", d.x, at, "departure") for r, at in d.open_samples.items()),
         f"first departure: the first {d.x} at which one rank's value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther; a NaN "
         "or an infinity is infinitely far from any value but an equal one), or at "

@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from test_comparison_query_agreement import query_firsts
 from torch import nn
 
 from torchinstruments import (
@@ -104,6 +105,14 @@ def text(*args: str | Path) -> str:
     return " ".join(done.stdout.split())
 
 
+def query_departures(parent: Path) -> dict[tuple[Any, ...], int]:
+    """The parent index.md's departure query (metric mean, as printed): first sample per series."""
+    from test_rank_parent_queries import csv, run_blocks
+
+    found = csv(run_blocks(parent / "index.md")[4])
+    return dict(zip(found.select(SERIES).rows(), found["first_sample"], strict=True))
+
+
 def open_gradients(finished_rows: pl.DataFrame, live_rows: pl.DataFrame) -> pl.DataFrame:
     """The gradient rows the finished run has at sample 2 and the live run has not."""
     at = [*SERIES, "sample_id"]
@@ -133,6 +142,7 @@ def test_compare_does_not_call_the_gradients_a_live_runs_open_sample_lacks_a_dif
         assert series["matched_samples"] == 2
         assert series["last_b"] == 1
     assert facts["open_samples"] == {"b": 2}
+    assert query_firsts(a, tmp_path / "b") == {}  # A's index.md comparison query, as compare
     said = text("compare", a, tmp_path / "b", "--metrics", "mean")
     assert "series that stop or start in one run" not in said
     assert (
@@ -186,6 +196,7 @@ def test_compare_parent_does_not_depart_on_a_live_ranks_open_sample_as_compare(
         "rank 1 is in progress: its latest sample (sample_id 2) is still open: a gradient "
         "row it lacks there is no departure"
     ) in text("compare", parent, "--metrics", "mean")
+    assert query_departures(parent) == {}  # the page's query, as compare PARENT
 
     loss.backward()
     remove_observer(b)

@@ -16,7 +16,8 @@ Design decisions:
   absent in the other as a difference.
 - The two-run comparison query (`other_run`, as printed this run itself, so it runs and finds
   nothing) joins the runs on series and sample and lists each series' first differing sample
-  (presence flags per run, so a row in one run only differs even when its value is null;
+  (presence flags per run, so a row in one run only differs even when its value is null, but
+  a gradient that a run in progress lacks at its open latest sample, from its state file;
   nulls for different reasons differ, equal values never do, two NaN included: the same rule
   as `compare`, which a test checks series by series),
   the earliest first, ties in the order this run wrote its rows (a forward's layers in
@@ -283,7 +284,8 @@ show(by_step, most={SHOWN_ROWS})""",
             "(equal values never do, two NaN included), where a row or a value exists in one "
             "run only, or where both are null for different reasons (samples both runs have; `row`, "
             "`row_other` say which run has a row, so one there is a difference whatever its "
-            "value, a null included; `interrupted` marker rows are no series); the first "
+            "value, a null included, but a gradient a run in progress lacks at its latest sample, "
+            "which may still come; `interrupted` marker rows are no series); the first "
             "row departs first (earliest sample, then this run's write order: a forward's "
             "layers in execution order, outputs before gradients). Set `other_run`; as printed "
             "it is this run, which differs from itself nowhere. "
@@ -296,6 +298,20 @@ common = history.select("sample_id").unique().join(
     other.select("sample_id").unique(), on="sample_id"
 )  # every sample both runs have, whatever rows a filter below keeps
 measured = pl.col("metric") != {_q(INTERRUPTED)}  # marker rows are no series
+
+
+def open_sample(directory: Path, rows: pl.LazyFrame) -> int | None:
+    # A run in progress: its latest sample, still open (its gradients may still come).
+    state = directory / {_q(STATE_FILE)}
+    status = json.loads(state.read_text(encoding="utf-8"))["status"] if state.is_file() else None
+    return rows.select(pl.col("sample_id").max()).collect().item() if status == "in progress" else None
+
+
+open_mine, open_other = open_sample(run, history), open_sample(other_run, other)
+pending = (pl.col("signal") == "output_gradient") & (  # a gradient an open sample lacks
+    (~pl.col("row") & (pl.col("sample_id") == pl.lit(open_mine, pl.Int64)))
+    | (~pl.col("row_other") & (pl.col("sample_id") == pl.lit(open_other, pl.Int64)))
+).fill_null(False)
 mine = history.with_row_index("order").filter(measured).select(
     *series, "sample_id", "order", "value", "unavailable_reason", row=pl.lit(True)
 )
@@ -307,6 +323,7 @@ differ = (
     mine.join(theirs, on=[*series, "sample_id"], how="full", coalesce=True)
     .join(common, on="sample_id", how="semi")
     .with_columns(pl.col("row", "row_other").fill_null(False))
+    .filter(~pending)
     .filter(
         (pl.col("row") != pl.col("row_other"))  # a row in one run only, whatever its value
         | (pl.col("value").is_null() != pl.col("value_other").is_null())

@@ -18,8 +18,9 @@ Design decisions:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,
   `|a - b| > X`; a NaN or an infinity is infinitely far from any value but an equal one), or
   when the ranks' rows differ in what they hold (a null against a value, nulls for different
-  reasons, no row on a rank that has the sample and selects the layer, from its result.json),
-  the rule `torchinstruments compare PARENT` applies. Every query keys a series
+  reasons, no row on a rank that has the sample and selects the layer, from its result.json,
+  but a gradient at the open latest sample of a rank in progress, from its state file), the
+  rule `torchinstruments compare PARENT` applies. Every query keys a series
   on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
   never one series; and on its module type, as `compare PARENT` and `show PARENT` do: a layer
   name that is another module on some rank (a pipeline split) is a series of its own there.
@@ -33,7 +34,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torchinstruments.rundir.index_page import bound_count
-from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, PARTS_DIR, write_text_atomic
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    INDEX_FILE,
+    PARTS_DIR,
+    STATE_FILE,
+    write_text_atomic,
+)
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.recovery import load_state
@@ -249,8 +256,9 @@ show(spread, most={SHOWN_ROWS})""",
             "|a - b| > X; equal values, two NaN or two like infinities, are 0 apart, a NaN or "
             "an infinity is infinitely far from any other value), or the ranks' rows differ in "
             "what they hold (a null against a value, nulls for different reasons, or no row on a "
-            "rank that has the sample, its reason `no row`: the ranks not holding what most ranks "
-            "hold depart, every rank where no one kind is held by the most):",
+            "rank that has the sample, its reason `no row`, but a gradient at the latest sample of "
+            "a rank still in progress, which may still come: the ranks not holding what most "
+            "ranks hold depart, every rank where no one kind is held by the most):",
             f"""X = 0.0  # <- the departure to look for
 METRIC = "mean"  # <- the metric (one at a time: the sort below holds its rows in memory)
 at = SERIES + ["sample_id"]
@@ -274,11 +282,22 @@ selected = pl.LazyFrame(  # each rank's selected layers, run or not: its result.
     schema={{"rank": pl.Int64, "layer": pl.String, "module_type": pl.String}},
     orient="row",
 )
+live = [  # ranks in progress: a gradient of their latest sample may still come (open)
+    int(d.name.removeprefix("rank-"))
+    for d in sorted(parent.glob("rank-*"))
+    if (d / {_q(STATE_FILE)}).is_file()
+    and json.loads((d / {_q(STATE_FILE)}).read_text(encoding="utf-8"))["status"] == "in progress"
+]
+open_at = own.group_by("rank").agg(open=pl.col("sample_id").max()).filter(pl.col("rank").is_in(live))
+still = (pl.col("signal") == "output_gradient") & (pl.col("sample_id") == pl.col("open"))
 missing = (  # no row of a series on a rank that has the sample and the layer, another the row
     rows.select(at).unique()
     .join(own, on="sample_id")
     .join(selected, on=["rank", "layer", "module_type"], how="semi")
     .join(rows.select(*at, "rank"), on=[*at, "rank"], how="anti")
+    .join(open_at, on="rank", how="left")
+    .filter(~still.fill_null(False))  # a live rank's open sample: no "no row" for a gradient
+    .drop("open")
     .with_columns(value=pl.lit(None, pl.Float64), unavailable_reason=pl.lit("no row"))
 )
 nearest = (

@@ -31,8 +31,8 @@ Design decisions:
   text in their header, elsewhere one line on stderr); only a parent where no rank has history
   is refused. `compare` then matches the ranks it read (`matched` 0 where fewer than two have
   the sample).
-- Memory is bounded by streaming: `show` reads one rank at a time (the spread needs two numbers
-  per rank and series); `compare` reads all ranks together in ranges of `x` of about
+- Memory is bounded by streaming (`show`: one rank at a time, `cli.rank_spread`): `compare`
+  reads all ranks together in ranges of `x` of about
   `DEPARTURE_BATCH_ROWS` rows of all ranks (history is ordered by sample, so each range reads
   only the Parquet row groups that hold it), the ranges cut from each rank's x column alone and
   each range's per-series result folded into one as it comes; plot and heatmap read one

@@ -612,3 +612,81 @@ def test_a_resumed_fit_that_takes_no_sample_never_says_its_run_holds_no_rows(
     state = read_state(run)
     assert [(a.attempt, a.samples) for a in state.attempts] == [(0, FIRST), (1, 0)]
     assert "No sample was recorded" not in (run / "index.md").read_text(encoding="utf-8")
+
+
+def hf_fit(
+    out: Path, max_steps: int, save: bool, resume: str | None, **options: Any
+) -> HuggingFaceObserver:
+    """A Trainer fit into `out` with a default-directory observer (every forward sampled),
+    checkpointing every FIRST steps if `save`; returns the callback."""
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        save_strategy="steps" if save else "no",
+        save_steps=FIRST,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        **options,
+    )
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), max_histogram_modules=1)
+    trainer = Trainer(
+        model=tiny_bert(), args=args, train_dataset=examples(32), callbacks=[callback]
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return callback
+
+
+@pytest.mark.parametrize("restore_callback_states", [False, True])
+def test_an_hf_train_resumed_from_an_older_runs_checkpoint_continues_that_run(
+    tmp_path: Path, restore_callback_states: bool
+) -> None:
+    """Two fits into one output_dir (the second a fresh one, torchinstruments-2), then a resume
+    from the first fit's checkpoint: the checkpoint names its run, which the resumed fit
+    continues; the later run is left as it was. With restore_callback_states_from_checkpoint,
+    which rebuilds a callback whose class name the checkpoint keeps from its saved arguments,
+    the user's callback (its sampler samples every forward) is the one that observes."""
+    out = tmp_path / "out"
+    first_run, later_run = out / "torchinstruments", out / "torchinstruments-2"
+    assert hf_fit(out, FIRST, True, None).directory == first_run
+    assert hf_fit(out, 2, False, None).directory == later_run
+    first = pl.read_parquet(first_run / "history.parquet")
+    later = pl.read_parquet(later_run / "history.parquet")
+    resumed = hf_fit(
+        out,
+        TOTAL,
+        False,
+        str(out / f"checkpoint-{FIRST}"),
+        restore_callback_states_from_checkpoint=restore_callback_states,
+    )
+    assert resumed.directory == first_run
+    check_continued(first_run, first)
+    assert_frame_equal(pl.read_parquet(later_run / "history.parquet"), later)
+    assert [a.attempt for a in read_state(later_run).attempts] == [0]
+
+
+def test_an_hf_checkpoint_that_names_no_run_says_which_run_was_continued(tmp_path: Path) -> None:
+    """A checkpoint whose trainer_state.json keeps no run (written before checkpoints kept it):
+    the resumed fit continues the last run under output_dir, and a warning and index.md say that
+    it may not be the run that wrote the checkpoint."""
+    out = tmp_path / "out"
+    hf_fit(out, FIRST, True, None)
+    later_run = out / "torchinstruments-2"
+    assert hf_fit(out, 2, False, None).directory == later_run
+    saved = out / f"checkpoint-{FIRST}" / "trainer_state.json"
+    state = json.loads(saved.read_text(encoding="utf-8"))
+    kept = state["stateful_callbacks"]
+    assert kept.pop("torchinstruments.HuggingFaceObserver") == {
+        "run_directory": str(out / "torchinstruments")
+    }
+    saved.write_text(json.dumps(state), encoding="utf-8")
+    with pytest.warns(RuntimeWarning, match="names no run"):
+        resumed = hf_fit(out, TOTAL, False, str(saved.parent))
+    assert resumed.directory == later_run
+    index = " ".join((later_run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        f"this fit resumed from the checkpoint of global step {FIRST}, which names no run"
+    ) in index
+    assert f"continued {later_run}, the last run under args.output_dir, which may not" in index

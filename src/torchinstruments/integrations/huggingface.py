@@ -5,7 +5,8 @@
 Hooks, one line each:
 
 - `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
-  any forward wrapping of mixed precision is already in place and stays inside the proxy).
+  any forward wrapping of mixed precision is already in place and stays inside the proxy), and
+  put the run directory into the TrainerState (below).
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -20,6 +21,18 @@ share one `step` (`state.global_step`, history's `step`), and the Trainer's Tens
 step's first one (one histogram per tag and step: `sinks.tensorboard` says why).
 
 Defaults: the run directory is `args.output_dir/torchinstruments` (`-2`, `-3`, ... when taken).
+A checkpoint keeps the run directory: `on_train_begin` puts it into `state.stateful_callbacks`
+(a dict the Trainer saves in each checkpoint's trainer_state.json and loads back, before
+`on_train_begin`, in `train(resume_from_checkpoint=...)`; transformers 4.41 and later, checked
+on 5.24.0), so a resumed fit continues the run that wrote its checkpoint, not the last one
+under `output_dir` (a later fresh fit's). Its key is `torchinstruments.HuggingFaceObserver`
+(with `output_dir` and `module` when given: several observers each keep their own), not a
+callback class name and the callback no `ExportableState`: under
+`restore_callback_states_from_checkpoint=True` the Trainer rebuilds such a callback from its
+saved arguments, which would drop the user's options (it only logs that the checkpoint holds
+a state no callback claims). Where the run named is gone or this process cannot write it, or
+a checkpoint names none (written before checkpoints kept it), the last run under `output_dir`
+is continued, and a warning and index.md say so. An explicit `output_dir` always wins.
 With `report_to` including `"tensorboard"`, the focus histograms also go into the Trainer's
 TensorBoard writer on `state.global_step`. With `rank_policy="rank0"` only the world's main
 process attaches (`state.is_world_process_zero`).
@@ -61,6 +74,7 @@ from transformers.integrations import TensorBoardCallback
 from torchinstruments import notices
 from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import LOGGER, FitObservation
+from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -112,6 +126,9 @@ class HuggingFaceObserver(TrainerCallback):
             after_fit="trainer.evaluate() and trainer.predict() calls",
         )
         self._step_guard: TrainingStepMark | None = None
+        # Not the class name: a key that names a callback class is rebuilt from its saved
+        # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
+        self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
 
     @property
     def directory(self) -> Path | None:
@@ -131,16 +148,24 @@ class HuggingFaceObserver(TrainerCallback):
             raise TypeError("HuggingFaceObserver: on_train_begin was called without the model")
         self._undo_guard()  # a guard left by a train() that ended without on_train_end
         trainer = _running_trainer()
+        # train(resume_from_checkpoint=...) loaded the state before on_train_begin
+        resuming = state.global_step > 0
+        saved = _saved_run(state, self._key) if resuming else None
         directory = self._fit.start(
             model,
             Path(args.output_dir or "."),
             main_process=state.is_world_process_zero,
             logger_sink=lambda: _writer_sink(trainer, state),
             global_step=lambda: state.global_step,
-            # train(resume_from_checkpoint=...) loaded the state before on_train_begin
-            resuming=state.global_step > 0,
+            resuming=resuming,
+            checkpoint_run=saved,
+            checkpoint=f"of global step {state.global_step}",
             resume_step=state.global_step,
         )
+        if directory is not None:
+            if resuming and saved is None and not self._fit.explicit_dir:
+                self._note_unnamed_run(state.global_step)
+            _keep_run(state, self._key, self._fit.run_directory)
         if directory is not None and trainer is not None:
             self._step_guard = TrainingStepMark(
                 trainer, self._fit, lambda error: self._on_step_exception(error, state.global_step)
@@ -171,6 +196,19 @@ class HuggingFaceObserver(TrainerCallback):
         self._undo_guard()
         self._fit.finish()
 
+    def _note_unnamed_run(self, step: int) -> None:
+        """index.md and a warning: the checkpoint names no run, so the last one was continued."""
+        said = (
+            f"this fit resumed from the checkpoint of global step {step}, which names no run "
+            "(written without HuggingFaceObserver, or by a torchinstruments release whose "
+            "checkpoints did not keep it); HuggingFaceObserver continued "
+            f"{self._fit.run_directory}, the last run under args.output_dir, which may not be "
+            "the run that wrote the checkpoint"
+        )
+        assert self._fit.observed is not None
+        add_run_note(self._fit.observed, said)
+        notices.warn(f"torchinstruments: HuggingFaceObserver: {said}")
+
     def _on_step_exception(self, error: BaseException, step: int) -> None:
         self._undo_guard()
         self._fit.finish(error, step)
@@ -193,6 +231,22 @@ def _running_trainer() -> Trainer | None:
         return None
     finally:
         del frame  # no reference cycle through the frames
+
+
+def _saved_run(state: TrainerState, key: str) -> Path | None:
+    """The run directory a resumed checkpoint's TrainerState keeps under `key`, else None."""
+    kept = getattr(state, "stateful_callbacks", None)
+    entry = kept.get(key) if isinstance(kept, dict) else None
+    run = entry.get("run_directory") if isinstance(entry, dict) else None
+    return Path(run) if isinstance(run, str) else None
+
+
+def _keep_run(state: TrainerState, key: str, run: Path | None) -> None:
+    """Put the run directory into the TrainerState, which every checkpoint of this fit saves
+    (trainer_state.json's `stateful_callbacks`), so a fit resumed from it continues this run."""
+    kept = getattr(state, "stateful_callbacks", None)
+    if isinstance(kept, dict) and run is not None:
+        kept[key] = {"run_directory": str(run)}
 
 
 def _writer_sink(trainer: Trainer | None, state: TrainerState) -> Sink | None:

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchinstruments.integrations._fit import LOGGER, FitObservation
+from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -131,7 +132,7 @@ class LightningObserver(Callback):
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
         self._checkpoint_step: int | None = None  # and its global step
-        self._key = _state_key(output_dir, module)
+        self._key = state_key(LightningObserver.__qualname__, output_dir, module)
 
     @property
     def state_key(self) -> str:
@@ -227,21 +228,6 @@ class LightningObserver(Callback):
         mark, self._step_mark = self._step_mark, None
         if mark is not None:
             mark.undo()
-
-
-def _state_key(
-    output_dir: str | os.PathLike[str] | None, module: str | Callable[..., Any] | None
-) -> str:
-    """The checkpoint key for these arguments; stable across processes (a restarted job builds
-    the same callback), and the plain class name, as before, when both are defaults."""
-    if output_dir is None and module is None:
-        return LightningObserver.__qualname__
-    if module is None or isinstance(module, str):
-        named = module
-    else:  # a callable: its name (a partial or a callable object: its class's)
-        named = getattr(module, "__qualname__", type(module).__qualname__)
-    where = None if output_dir is None else os.fspath(output_dir)
-    return f"{LightningObserver.__qualname__}{{'output_dir': {where!r}, 'module': {named!r}}}"
 
 
 def _logger_sink(trainer: Trainer) -> Sink | None:

@@ -26,7 +26,7 @@ from transformers import (
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
 from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import HuggingFaceObserver
-from torchinstruments.rundir.page_queries import HF_SCALARS
+from torchinstruments.rundir.page_queries import HF_EVAL_SCALARS, HF_SCALARS
 
 from conftest import read_history, run_status
 
@@ -204,6 +204,67 @@ def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged(
     assert any("eval_loss" in entry for entry in trainer.state.log_history)
     assert by_step["step"].to_list() == list(range(STEPS))  # one row per training sample
     assert by_step["loss"].to_list() == pytest.approx([v**2 for v in by_step["value"]], rel=1e-5)
+
+
+def test_index_md_pairs_each_evaluation_sample_with_the_eval_loss_its_forward_logged(
+    tmp_path: Path,
+) -> None:
+    """The Trainer logs an evaluation under the global step its forwards ran at, the step its
+    record_eval samples carry: index.md's expression for evaluation entries joins each eval
+    sample with the eval_loss its own forward computed (the eval batch is one forward, so
+    eval_loss is that forward's output variance). The evaluation comes after 101 logged
+    training entries, so a log read that infers its schema from the first 100 rows had no
+    eval_loss column."""
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        {"x": torch.randn(4, generator=generator), "labels": torch.tensor(0.0)} for _ in range(8)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=101,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=101,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    callback = HuggingFaceObserver(
+        sampler=EveryNForwardsSampler(50), record_eval=EveryNForwardsSampler(1)
+    )
+    trainer = Trainer(
+        model=Spread(),
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:2],
+        callbacks=[callback],
+    )
+    trainer.train()
+    trainer.save_state()
+    evaluated = [e["step"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert evaluated == [101]
+    run = tmp_path / "out" / "torchinstruments"
+    text = (run / "index.md").read_text(encoding="utf-8")
+    assert HF_EVAL_SCALARS in text
+    scalars = HF_EVAL_SCALARS.replace(
+        "out/trainer_state.json", str(tmp_path / "out" / "trainer_state.json")
+    )
+    setup, *blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    (by_step_block,) = [b for b in blocks if "by_step = (" in b]
+    block = re.sub(r"(?m)^scalars = .*$", f"scalars = {scalars}", by_step_block)
+    block = block.replace('pl.col("mode") == "train"', 'pl.col("mode") == "eval"')
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "index.md:setup", "exec"), namespace)
+        exec(compile(block, "index.md:by_step", "exec"), namespace)
+    by_step = namespace["by_step"]
+    assert by_step["step"].to_list() == evaluated  # one row per evaluation sample
+    assert by_step["eval_loss"].to_list() == pytest.approx(
+        [v**2 for v in by_step["value"]], rel=1e-5
+    )
 
 
 def test_a_second_run_gets_a_directory_of_its_own(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import lightning
+import polars as pl
 import pytest
 import torch
 import torch._dynamo
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
 from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import LightningObserver
-from torchinstruments.rundir.page_queries import LIGHTNING_SCALARS
+from torchinstruments.rundir.page_queries import LIGHTNING_EVAL_SCALARS, LIGHTNING_SCALARS
 
 from conftest import read_history, run_status, strict_json
 
@@ -343,6 +344,78 @@ class LossRecorded(Tiny):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
+class ValidationRecorded(LossRecorded):
+    """LossRecorded, with each validation forward's global step and loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validations: list[tuple[int, float]] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.validations.append((self.trainer.global_step, loss.item()))
+        self.log("val_loss", loss)
+
+
+def by_step_query(index: str, scalars: str, mode: str) -> Any:
+    """index.md's by-step query, run with `scalars` as the log and samples of `mode`."""
+    setup, *blocks = re.findall(r"```python\n(.*?)```", index, re.DOTALL)
+    (block,) = [b for b in blocks if "by_step = (" in b]
+    block = re.sub(r"(?m)^scalars = .*$", f"scalars = {scalars}", block)
+    assert 'pl.col("mode") == "train"' in block
+    block = block.replace('pl.col("mode") == "train"', f'pl.col("mode") == "{mode}"')
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(setup, "index.md:setup", "exec"), namespace)
+        exec(compile(block, "index.md:by_step", "exec"), namespace)
+    return namespace["by_step"]
+
+
+def test_index_md_pairs_each_evaluation_sample_with_the_validation_loss_its_forward_logged(
+    tmp_path: Path,
+) -> None:
+    """Lightning logs a validation's metrics under the global step before the one its forwards
+    ran at (the step its record_eval samples carry): index.md's expression for evaluation
+    samples shifts the log by one, so each eval sample meets the loss its own forward computed.
+    The first validation comes after 101 logged training rows, so a CSV read that infers its
+    schema from the first 100 rows read val_loss as text."""
+    model = ValidationRecorded()
+    callback = LightningObserver(
+        sampler=EveryNForwardsSampler(50), record_eval=EveryNForwardsSampler(1)
+    )
+    data = TensorDataset(torch.randn(412, 4), torch.randint(0, 2, (412,)))
+    trainer = lightning.Trainer(
+        max_steps=103,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[callback],
+        log_every_n_steps=1,
+        val_check_interval=101,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(data, batch_size=4)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
+    assert callback.directory is not None
+    csv = str(Path(cast(str, trainer.log_dir)) / "metrics.csv")
+    logged = pl.read_csv(csv, infer_schema_length=None).drop_nulls("val_loss")
+    assert [step + 1 for step in logged["step"]] == [step for step, _ in model.validations]
+    index = (callback.directory / "index.md").read_text(encoding="utf-8")
+    assert LIGHTNING_EVAL_SCALARS in index
+    scalars = LIGHTNING_EVAL_SCALARS.replace("lightning_logs/version_0/metrics.csv", csv)
+    by_step = by_step_query(index, scalars, "eval")
+    assert model.validations
+    assert by_step.height == len(model.validations)
+    assert by_step["step"].to_list() == [step for step, _ in model.validations]
+    assert by_step["val_loss"].dtype == pl.Float64
+    assert by_step["val_loss"].to_list() == pytest.approx([v for _, v in model.validations])
 
 
 def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged_in_lightning(

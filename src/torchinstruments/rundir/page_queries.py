@@ -35,19 +35,28 @@ from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
 
 OTHER_RUN_LINE = 'other_run = run  # <- the run to compare with, e.g. Path("runs/baseline")'
+# Both logs are read with every row's schema (infer_schema_length=None): Polars infers it from
+# the first 100 rows by default, which left out a metric a longer run logs first later (the
+# Trainer's eval_loss) and read one that is empty there as text (Lightning's val_loss).
 # The Hugging Face Trainer's log as `scalars`: it logs an optimizer step's loss once
 # state.global_step has counted that step, so its `step` is one more than the samples' step.
-HF_SCALARS = (
-    'pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"])'
-    '.filter(pl.col("loss").is_not_null()).with_columns(pl.col("step") - 1)'
+_HF_LOG = (
+    'pl.DataFrame(json.loads(Path("out/trainer_state.json").read_text())["log_history"], '
+    "infer_schema_length=None)"
 )
+HF_SCALARS = f'{_HF_LOG}.filter(pl.col("loss").is_not_null()).with_columns(pl.col("step") - 1)'
+# Its evaluations: logged under the global step their forwards ran at, the eval samples' step.
+HF_EVAL_SCALARS = f'{_HF_LOG}.filter(pl.col("eval_loss").is_not_null())'
 # Lightning's CSVLogger log as `scalars`, one row per step: it writes each logging call's metrics
 # in a row of their own, so a validation's (and an epoch's) share the step of a training row, and
 # a join with both rows would give that step's samples two rows each.
 LIGHTNING_SCALARS = (
-    'pl.read_csv("lightning_logs/version_0/metrics.csv")'
+    'pl.read_csv("lightning_logs/version_0/metrics.csv", infer_schema_length=None)'
     '.group_by("step", maintain_order=True).agg(pl.all().drop_nulls().first())'
 )
+# Its validations: run once the global step has counted the optimizer step before them, logged
+# under the step before that (its count of batches that stepped), one less than the eval samples'.
+LIGHTNING_EVAL_SCALARS = f'{LIGHTNING_SCALARS}.with_columns(pl.col("step") + 1)'
 SHOWN_ROWS = 50
 # A series' key in the queries: its mode too, so a train and an eval series are never one.
 _SERIES = '"layer", "call_index", "signal", "tensor_path", "mode", "metric"'
@@ -264,8 +273,14 @@ show(no_gradient)""",
             "holds one; that Trainer logs what an optimizer step computed under the global "
             "step after it, one more than the `step` of that step's samples: hence the `- 1`; "
             "the filter keeps its training entries: an evaluation's, and the summary at the "
-            "end of training, share a step with one and would double its samples' rows); as "
-            "printed it is an empty table (its columns: null):",
+            "end of training, share a step with one and would double its samples' rows). "
+            'Evaluation samples (`record_eval`): keep `pl.col("mode") == "eval"` and '
+            f"join Lightning's `{LIGHTNING_EVAL_SCALARS}` (Lightning validates once the global "
+            "step has counted the optimizer step before, and logs the validation under the step "
+            "before it, one less than the `step` of its samples: hence the `+ 1`) or the "
+            f"Hugging Face Trainer's evaluations, `{HF_EVAL_SCALARS}` (it logs an evaluation "
+            "under the step its samples carry). As printed it is an empty table (its columns: "
+            "null):",
             f"""scalars = pl.DataFrame(schema={{"step": pl.Int64, "loss": pl.Float64}})  # <- your log
 by_step = (
     history.filter(pl.col("layer") == {_q(layer)}, pl.col("signal") == "output",
@@ -414,4 +429,12 @@ show(by_rank, most={SHOWN_ROWS})""",
     return [*lines, ""]
 
 
-__all__ = ["HF_SCALARS", "LIGHTNING_SCALARS", "OTHER_RUN_LINE", "SHOWN_ROWS", "section_queries"]
+__all__ = [
+    "HF_EVAL_SCALARS",
+    "HF_SCALARS",
+    "LIGHTNING_EVAL_SCALARS",
+    "LIGHTNING_SCALARS",
+    "OTHER_RUN_LINE",
+    "SHOWN_ROWS",
+    "section_queries",
+]

@@ -110,7 +110,8 @@ def section_files(run: RunInfo) -> list[str]:
         "- `index.md`: this page. `tensorboard/`: histograms of the focus layers' finite "
         "entries (NaN and Inf left out), on step forward_index (the root forward the sample "
         "was taken at: the training step when each step is one forward); a trainer callback "
-        "also writes them into the trainer's own TensorBoard logger on its global step, one per "
+        "also writes them into the trainer's own TensorBoard logger on its global step (the "
+        "`step` column: read against the trainer's scalars as it says), one per "
         "tag and step: the step's first sample (the micro-batches of gradient accumulation and "
         "an evaluation's batches share a step, and TensorBoard's default data server keeps "
         "only the last record at a step; this page's notes count the samples left out there). A "
@@ -180,7 +181,11 @@ def section_meanings() -> list[str]:
         "accumulation share it; in a plain loop the value last given with "
         "`torchinstruments.set_step(model, step)`; null otherwise. It joins history with a "
         "trainer's own logs (the query below), and `plot --x step` / `heatmap --x step` draw "
-        "over it.",
+        "over it. The trainers log some metrics under another step than the samples of the "
+        "forwards that computed them carry, in their TensorBoard too: the Hugging Face "
+        "Trainer a training step's loss under the step after it (one more), Lightning a "
+        "validation's metrics under the step before it (one less); Lightning's training "
+        "metrics and the Hugging Face Trainer's evaluations share their samples' step.",
         "- root forward: the outermost call of the observed model, via `model(x)` or "
         "`model.forward(x)`. A call of the model inside its own forward belongs to the "
         "enclosing root forward (not counted again; the next call_index if the model is itself "

@@ -6,7 +6,9 @@ Hooks, one line each:
 
 - `on_fit_start`: inject into the LightningModule (or `module=` a part of it), and mark the
   strategy's `training_step` (below). Runs after the strategy moved the model to its device and
-  before the sanity check and the first step. The fit's setup starts here.
+  before the sanity check and the first step. The fit's setup starts here. A tuner callback
+  (`LearningRateFinder`, `BatchSizeFinder`) has run its trials by then, unobserved: index.md
+  and a warning say so.
 - `on_sanity_check_start`, `on_train_start`: the fit's setup ends at the first of them.
 - `on_train_batch_end`: after the first batch only, warn if no training forward called the
   observed module (whatever the sanity check called).
@@ -66,22 +68,28 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
+from torchinstruments.notices import warn
+from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
     from lightning.pytorch.loggers import TensorBoardLogger
 else:
     try:
         from lightning.pytorch import Callback, LightningModule, Trainer
+        from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
         from lightning.pytorch.loggers import TensorBoardLogger
     except ImportError:  # the standalone package of older releases
         from pytorch_lightning import Callback, LightningModule, Trainer
+        from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder
         from pytorch_lightning.loggers import TensorBoardLogger
 
 __all__ = ["LightningObserver"]
@@ -168,6 +176,9 @@ class LightningObserver(Callback):
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
             self._fit.enter_setup()  # the model summary's example input is not an evaluation
+            if (said := _tuner_note(trainer)) is not None and self._fit.observed is not None:
+                add_run_note(self._fit.observed, said)
+                warn(f"torchinstruments: LightningObserver: {said}")
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The fit's setup ends: the sanity check's forwards are evaluation forwards."""
@@ -228,6 +239,38 @@ class LightningObserver(Callback):
         mark, self._step_mark = self._step_mark, None
         if mark is not None:
             mark.undo()
+
+
+def _tuner_note(trainer: Trainer) -> str | None:
+    """index.md's note on the trials the fit's tuner callbacks ran at its start, before this
+    callback attached (None: none ran).
+
+    Lightning puts tuner callbacks first, so a `LearningRateFinder` or `BatchSizeFinder` whose
+    `on_fit_start` is the tuner's own has run its trials when `on_fit_start` reaches this
+    callback, each a short run of the training loop (its validation too, where the fit
+    validates), after which the trainer restores the model's weights and its global step
+    (checked on Lightning 2.6.6). A subclass that tunes in another hook is not told here.
+    """
+    tuners = []
+    # Trainer.callbacks is set by Lightning's callback connector, undeclared on the class.
+    for callback in getattr(trainer, "callbacks", ()):
+        hook = type(callback).on_fit_start
+        if isinstance(callback, LearningRateFinder) and hook is LearningRateFinder.on_fit_start:
+            found = callback.optimal_lr
+            steps = len(found.results.get("lr", ())) if found is not None else 0
+            tuners.append(f"LearningRateFinder ({plural(steps, 'training step')})")
+        elif isinstance(callback, BatchSizeFinder) and hook is BatchSizeFinder.on_fit_start:
+            chosen = callback.optimal_batch_size
+            tuners.append(f"BatchSizeFinder (trials per batch size tried; it chose {chosen})")
+    if not tuners:
+        return None
+    return (
+        "the fit's tuner callbacks ran their trials (short runs of the training loop) at its "
+        f"start, before LightningObserver attached: {', '.join(tuners)}. Their forwards were "
+        "not observed and no count here includes them (forward_index, the evaluation and "
+        "setup forwards); the trainer then put back the model's weights and its global step, "
+        "so `step` counts the fit's own training steps"
+    )
 
 
 def _logger_sink(trainer: Trainer) -> Sink | None:

@@ -690,3 +690,18 @@ def test_an_hf_checkpoint_that_names_no_run_says_which_run_was_continued(tmp_pat
         f"this fit resumed from the checkpoint of global step {FIRST}, which names no run"
     ) in index
     assert f"continued {later_run}, the last run under args.output_dir, which may not" in index
+
+
+def test_an_hf_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = out / "torchinstruments"
+    assert hf_fit(out, FIRST, True, None).directory == run
+    shutil.rmtree(run)
+    with pytest.warns(RuntimeWarning, match="could not be continued"):
+        resumed = hf_fit(out, TOTAL, False, str(out / f"checkpoint-{FIRST}"))
+    assert resumed.directory == run  # a new run where the gone one was, said in index.md
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        f"this fit resumed from the checkpoint of global step {FIRST}, whose run {run} could "
+        f"not be continued ({run} holds no run)"
+    ) in index

@@ -171,10 +171,9 @@ def host_floats(vector: torch.Tensor) -> list[float]:
 
 
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The tensor's shape as ints, or None when it has no fixed one (nested tensors)."""
-    if tensor.is_nested:
-        return None
+    """The tensor's shape as ints, or None when it has no fixed one (nested tensors) or a
+    subclass refuses to tell it."""
     try:
-        return tuple(int(size) for size in tensor.shape)
+        return None if tensor.is_nested else tuple(int(size) for size in tensor.shape)
     except Exception:  # nested tensors have symbolic ragged sizes
         return None

@@ -80,9 +80,10 @@ def launch_tensor(
     statistics are plain tensors even inside `grad` or `vmap`.
     """
     form: tensors.MeasuredForm | None = None
-    histogram = None
+    histogram, dtype = None, "unknown"  # the dtype of a subclass that refuses to tell it
     try:
         with _outside_torch_func():
+            dtype = tensors.dtype_name(tensor.dtype)
             form = tensors.measured_form(tensor)
             reason = reason or (reasons.META_DEVICE if tensor.is_meta else None)
             if reason is not None or form.values is None:
@@ -97,7 +98,7 @@ def launch_tensor(
     return PendingTensor(
         key,
         form.shape,
-        tensors.dtype_name(tensor.dtype),
+        dtype,
         time.time_ns() // 1000,
         reduction,
         histogram,

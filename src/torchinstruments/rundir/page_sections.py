@@ -35,8 +35,9 @@ COLUMN_NOTES = {
     "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',
     "shape": "shape of the measured tensor (under torch.func's vmap: the vmapped sizes first, "
     "then the per-sample shape; for a DTensor: this rank's local shape; null for a nested "
-    "tensor, whose components differ in shape)",
-    "dtype": 'torch dtype without the "torch." prefix, e.g. float32',
+    "tensor, whose components differ in shape, and for a tensor subclass that raised when asked)",
+    "dtype": 'torch dtype without the "torch." prefix, e.g. float32; "unknown" for a tensor '
+    "subclass that raised when asked (its rows are then null with the error as the reason)",
     "placement": "a DTensor's placements, e.g. Shard(0), Replicate or Partial(sum) (one per mesh "
     "dimension, comma-separated): the row describes this rank's local tensor; null otherwise",
     "mesh_coordinate": "this rank's coordinate in the DTensor's device mesh; null otherwise",

@@ -1,0 +1,131 @@
+"""Tensors that refuse to be read: whatever a layer returns, or whatever gradient flows back into
+it, the user's step runs as it would unobserved, and the tensor that refused is null + reason.
+
+A `torch.Tensor` subclass may raise from `__torch_function__` on any attribute read or op (a
+tracing or checking subclass, a lazy tensor that cannot answer yet). Every read the library makes
+of such a tensor is inside the measurement's guard: its rows are null with a reason that names
+the error, the other tensors of the sample keep theirs, and the step's loss and gradients are
+bit for bit those of the same step without the observer.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    inject_observer,
+    remove_observer,
+)
+
+from conftest import read_history
+
+# Reads of a tensor that the library makes while measuring it; each is refused in turn.
+REFUSED = ("dtype", "is_nested", "shape", "device", "numel", "layout", "detach", "is_meta")
+
+
+def refusing(name: str) -> type[torch.Tensor]:
+    """A subclass whose `__torch_function__` raises on the attribute or method `name` and
+    behaves as a plain tensor otherwise (its results are of the subclass too)."""
+
+    class Refusing(torch.Tensor):
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+        ) -> Any:
+            called = getattr(func, "__name__", "")
+            if called == "__get__":  # an attribute read: the descriptor's name
+                called = getattr(getattr(func, "__self__", None), "__name__", called)
+            if called == name:
+                raise RuntimeError(f"refused {name}")
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return Refusing
+
+
+class RefusingGradient(torch.autograd.Function):
+    """Identity forward; its backward hands the gradient on as a refusing tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kind: type[torch.Tensor]) -> torch.Tensor:
+        ctx.kind = kind
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return grads[0].as_subclass(ctx.kind), None
+
+
+class Net(nn.Module):
+    """`probe` returns a refusing tensor (`where="output"`), or receives a refusing gradient
+    (`where="gradient"`); `hidden` and `head` are plain layers around it."""
+
+    def __init__(self, kind: type[torch.Tensor], where: str) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(5, 8)
+        self.probe = nn.Tanh()
+        self.head = nn.Linear(8, 1)
+        self.kind, self.where = kind, where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x)
+        if self.where == "output":
+            probed = self.probe(h.as_subclass(self.kind))
+            return self.head(h).sum() + torch.Tensor.sum(probed).as_subclass(torch.Tensor)
+        return self.head(RefusingGradient.apply(self.probe(h), self.kind)).sum()
+
+
+def step(model: Net, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward: the loss and every parameter's gradient."""
+    loss = model(x).as_subclass(torch.Tensor)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", ["output", "gradient"])
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_tensor_refusing_a_read_is_null_with_a_reason_and_the_step_is_unchanged(
+    tmp_path: Path, name: str, where: str
+) -> None:
+    model = Net(refusing(name), where)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 5)
+    want_loss, want_grads = step(plain, x)
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got_loss, got_grads = step(model, x)
+        remove_observer(model)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads, strict=True))
+    lost = [str(w.message) for w in said if "failed" in str(w.message)]
+    assert not lost, lost  # no row was lost: the tensor is null + reason
+    history = read_history(tmp_path / "s")
+    signal = "output" if where == "output" else "output_gradient"
+    probe = history.filter(layer="probe", signal=signal)
+    assert sorted(probe["metric"].to_list()) == sorted(DEFAULT_METRICS)
+    if probe["value"].null_count():  # refused where the measurement needed it
+        assert probe["value"].null_count() == probe.height
+        reasons = set(probe["unavailable_reason"].to_list())
+        assert len(reasons) == 1
+        (reason,) = reasons
+        assert reason.endswith(f"error: RuntimeError: refused {name}"), reason
+    if name == "dtype":  # the row says it does not know
+        assert set(probe["dtype"].to_list()) == {"unknown"}
+    if name in ("shape", "is_nested"):
+        assert probe["shape"].null_count() == probe.height
+    for layer in ("hidden", "head"):
+        for other in ("output", "output_gradient"):
+            rows = history.filter(layer=layer, signal=other)
+            assert rows.height == len(DEFAULT_METRICS)
+            assert rows["value"].null_count() == 0, rows
+    assert history.filter(pl.col("layer") == "probe")["signal"].n_unique() == 2

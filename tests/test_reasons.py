@@ -24,7 +24,8 @@ SOURCE = Path(torchinstruments.__file__).parent
 def every_builder_output() -> list[str]:
     """One reason from each constant and builder in `reasons`, with made-up arguments."""
     made = [reasons.EMPTY, reasons.NO_FINITE, reasons.NON_FINITE_RESULT, reasons.NO_VALUE]
-    made += [reasons.META_DEVICE]
+    made += [reasons.META_DEVICE, reasons.FAKE_TENSOR]
+    made += [str(reasons.without_values(meta, not meta)) for meta in (True, False)]
     made += [reasons.RECORD_NO_VALUE, reasons.record_value("str")]
     made += [
         reasons.unsupported_dtype("complex64"),

@@ -129,3 +129,37 @@ def test_a_tensor_refusing_a_read_is_null_with_a_reason_and_the_step_is_unchange
             assert rows.height == len(DEFAULT_METRICS)
             assert rows["value"].null_count() == 0, rows
     assert history.filter(pl.col("layer") == "probe")["signal"].n_unique() == 2
+
+
+FAKE_REASON = "fake tensor: a shape and a dtype, no values (torch's FakeTensorMode)"
+
+
+def test_a_fake_tensor_output_is_null_with_a_reason_that_says_it_is_fake(tmp_path: Path) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.randn(3, 4))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden = nn.Linear(5, 8)
+            self.probe = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.probe(fake)
+            return self.hidden(x)
+
+    model = Net()
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 5)).sum().backward()
+    remove_observer(model)
+    history = read_history(tmp_path / "s")
+    probe = history.filter(layer="probe")
+    assert probe.height == len(DEFAULT_METRICS)
+    assert probe["value"].null_count() == probe.height
+    assert set(probe["unavailable_reason"].to_list()) == {FAKE_REASON}
+    assert probe["shape"].to_list()[0] == [3, 4]
+    assert set(probe["dtype"].to_list()) == {"float32"}
+    assert history.filter(layer="hidden")["value"].null_count() == 0
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert f"`{FAKE_REASON}`" in index

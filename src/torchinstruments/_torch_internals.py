@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import wrapt
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _symbolic_trace
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -44,6 +45,7 @@ __all__ = [
     "in_backward_pass",
     "in_compiled_autograd",
     "innermost_frame",
+    "is_fake",
     "is_functorch_wrapped",
     "is_legacy_batched",
     "is_tracing",
@@ -522,6 +524,12 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a torch.func wrapper, or batched by torch.autograd's vmap (see
     `unwrap_functorch`). Checked on 2.15.0."""
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor) or is_legacy_batched(tensor)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a FakeTensor (FakeTensorMode's: a shape, a dtype and a device, no
+    values; it refuses ops with real tensors, so measuring it fails). Checked on torch 2.15.0."""
+    return type(tensor) is not torch.Tensor and isinstance(tensor, FakeTensor)
 
 
 def outer_transform_hides_grad(tensor: torch.Tensor) -> str | None:

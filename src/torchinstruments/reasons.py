@@ -17,6 +17,7 @@ __all__ = [
     "BACKWARD_RAISED",
     "CUT_IN_BOOKKEEPING",
     "EMPTY",
+    "FAKE_TENSOR",
     "META_DEVICE",
     "NON_FINITE_RESULT",
     "NO_FINITE",
@@ -46,6 +47,7 @@ __all__ = [
     "unsupported_dtype",
     "unsupported_layout",
     "unwritten_at_removal",
+    "without_values",
 ]
 
 
@@ -69,6 +71,7 @@ NON_FINITE_RESULT = "non-finite result"
 NO_VALUE = "reducer returned no value"
 # A tensor on the meta device has a shape and a dtype but no values to read.
 META_DEVICE = "unsupported device meta"
+FAKE_TENSOR = "fake tensor: a shape and a dtype, no values (torch's FakeTensorMode)"
 RECORD_NO_VALUE = "record error: value missing"
 EMPTY_GLOBAL = "empty tensor over every rank"
 NOT_GLOBAL_CUSTOM = (
@@ -117,6 +120,12 @@ REASONS: tuple[Reason, ...] = (
         META_DEVICE,
         "a tensor on the meta device (a model built or run under torch.device('meta')) has a "
         "shape and a dtype but no values; the other tensors of its sample are measured",
+    ),
+    Reason(
+        FAKE_TENSOR,
+        "a FakeTensor (made under FakeTensorMode, as torch's tracing and memory estimates "
+        "do) has a shape, a dtype and a device but no values; the other tensors of its sample are "
+        "measured",
     ),
     Reason(
         "partial sums (DTensor placement <placement>): not the layer's output",
@@ -290,6 +299,11 @@ def partial_placement(placement: str) -> str:
 def unsupported_layout(layout: object) -> str:
     """The tensor's layout cannot be measured."""
     return f"unsupported layout {layout}"
+
+
+def without_values(meta: bool, fake: bool) -> str | None:
+    """Why a tensor has no values to measure (on the meta device, or fake), or None if it has."""
+    return META_DEVICE if meta else FAKE_TENSOR if fake else None
 
 
 def error(source: str, exc: BaseException) -> str:

@@ -171,8 +171,7 @@ def host_floats(vector: torch.Tensor) -> list[float]:
 
 
 def shape_of(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The tensor's shape as ints, or None when it has no fixed one (nested tensors) or a
-    subclass refuses to tell it."""
+    """The shape as ints, or None where there is none to tell (nested; a subclass that raises)."""
     try:
         return None if tensor.is_nested else tuple(int(size) for size in tensor.shape)
     except Exception:  # nested tensors have symbolic ragged sizes

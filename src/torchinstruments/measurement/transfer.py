@@ -25,6 +25,7 @@ from torchinstruments import reasons
 from torchinstruments._torch_internals import (
     functorch_active,
     functorch_disabled,
+    is_fake,
     is_functorch_wrapped,
 )
 from torchinstruments.measurement import histograms, lane, numerics, paths, tensors
@@ -85,7 +86,7 @@ def launch_tensor(
         with _outside_torch_func():
             dtype = tensors.dtype_name(tensor.dtype)
             form = tensors.measured_form(tensor)
-            reason = reason or (reasons.META_DEVICE if tensor.is_meta else None)
+            reason = reason or reasons.without_values(tensor.is_meta, is_fake(tensor))
             if reason is not None or form.values is None:
                 reduction = measurer.unavailable(reason or form.reason or reasons.NO_VALUE)
             elif focus:

@@ -33,9 +33,19 @@ from conftest import read_history
 REFUSED = ("dtype", "is_nested", "shape", "device", "numel", "layout", "detach", "is_meta")
 
 
-def refusing(name: str) -> type[torch.Tensor]:
-    """A subclass whose `__torch_function__` raises on the attribute or method `name` and
-    behaves as a plain tensor otherwise (its results are of the subclass too)."""
+class UnprintableError(Exception):
+    """An error whose message cannot be read: `str` and `repr` raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def refusing(name: str, error: type[Exception] = RuntimeError) -> type[torch.Tensor]:
+    """A subclass whose `__torch_function__` raises `error` on the attribute or method `name`
+    and behaves as a plain tensor otherwise (its results are of the subclass too)."""
 
     class Refusing(torch.Tensor):
         @classmethod
@@ -46,7 +56,7 @@ def refusing(name: str) -> type[torch.Tensor]:
             if called == "__get__":  # an attribute read: the descriptor's name
                 called = getattr(getattr(func, "__self__", None), "__name__", called)
             if called == name:
-                raise RuntimeError(f"refused {name}")
+                raise error(f"refused {name}")
             return super().__torch_function__(func, types, args, kwargs)
 
     return Refusing
@@ -163,3 +173,31 @@ def test_a_fake_tensor_output_is_null_with_a_reason_that_says_it_is_fake(tmp_pat
     assert history.filter(layer="hidden")["value"].null_count() == 0
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     assert f"`{FAKE_REASON}`" in index
+
+
+@pytest.mark.parametrize("where", ["output", "gradient"])
+@pytest.mark.parametrize("name", ["detach", "dtype", "register_hook", "requires_grad"])
+def test_an_error_whose_message_cannot_be_read_still_leaves_the_step_alone(
+    tmp_path: Path, name: str, where: str
+) -> None:
+    model = Net(refusing(name, UnprintableError), where)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 5)
+    want_loss, want_grads = step(plain, x)
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got_loss, got_grads = step(model, x)
+        remove_observer(model)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads, strict=True))
+    history = read_history(tmp_path / "s")
+    probe = history.filter(layer="probe")
+    signal = "output" if where == "output" else "output_gradient"
+    assert probe.filter(signal=signal).height == len(DEFAULT_METRICS)
+    nulls = probe.filter(pl.col("value").is_null())
+    assert set(nulls["unavailable_reason"].to_list()) <= {
+        "measurement error: UnprintableError: (its message could not be read)"
+    }
+    for layer in ("hidden", "head"):
+        assert history.filter(layer=layer)["value"].null_count() == 0

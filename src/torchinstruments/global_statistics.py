@@ -80,6 +80,7 @@ from torchinstruments.measurement.tensors import (
     is_real_dtype,
     measured_form,
 )
+from torchinstruments.notices import shown
 from torchinstruments.records import OUTPUT, MetricValue
 
 RADIX_BITS = 8
@@ -535,7 +536,7 @@ def keep(
     except Exception as error:
         warn(
             "global-claim",
-            f"global statistics of {key.layer.name!r}{key.tensor_path} failed: {error!r}; its "
+            f"global statistics of {key.layer.name!r}{key.tensor_path} failed: {shown(error)}; its "
             "rows of this sample are not written (a local row would mix populations)",
         )
         return True

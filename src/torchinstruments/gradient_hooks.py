@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from torchinstruments._torch_internals import references_counted_exactly
+from torchinstruments.notices import shown
 from torchinstruments.records import LayerInfo, TensorKey
 
 __all__ = ["SLOTS_PER_SERIES", "Awaited", "GradientHook", "HookSlots", "Recorder"]
@@ -128,7 +129,7 @@ class GradientHook(TensorKey):  # type: ignore[bad-class-definition]
             except Exception as error:  # never break the user's backward
                 self.recorder.warn_once(
                     "gradient",
-                    f"recording a gradient failed: {error!r}; that gradient of sample "
+                    f"recording a gradient failed: {shown(error)}; that gradient of sample "
                     f"{self.sample_id} has no rows",
                 )
             except BaseException:  # a Ctrl-C landed here: the pass raises, this sample is cut

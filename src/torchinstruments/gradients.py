@@ -118,6 +118,7 @@ from torchinstruments.measurement.transfer import (
     launch,
     launch_tensor,
 )
+from torchinstruments.notices import shown
 from torchinstruments.records import (
     OUTPUT_GRADIENT,
     Measurement,
@@ -260,8 +261,8 @@ class GradientRecorder:
         except Exception as error:
             self.warn_once(
                 "hook",
-                f"hooking an output's gradient failed: {error!r}; the gradient into that output "
-                f"of sample {key.sample_id} is not recorded",
+                f"hooking an output's gradient failed: {shown(error)}; the gradient into that "
+                f"output of sample {key.sample_id} is not recorded",
             )
             return key
 

@@ -109,4 +109,13 @@ class RecordingFailures:
         return shown
 
 
-__all__ = ["SHOWN_KINDS", "RecordingFailures", "user_stacklevel", "warn"]
+def shown(error: BaseException) -> str:
+    """`repr(error)` for a warning, or its type's name where its own repr raises (an error that
+    a tensor subclass raised): a warning about a failure must not fail in the user's step."""
+    try:
+        return repr(error)
+    except Exception:
+        return f"{type(error).__name__}(its message could not be read)"
+
+
+__all__ = ["SHOWN_KINDS", "RecordingFailures", "shown", "user_stacklevel", "warn"]

@@ -98,7 +98,7 @@ from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.model_changes import ModelAtInject
-from torchinstruments.notices import RecordingFailures, warn
+from torchinstruments.notices import RecordingFailures, shown, warn
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.phases import EVAL, PASSED_THROUGH, TRAIN, Phases
 from torchinstruments.records import (
@@ -464,8 +464,8 @@ class Observer:
         except Exception as error:
             self.failed_once(
                 f"walk:{layer.info.name}",
-                f"reading the output of layer {layer.info.name!r} failed: {error!r}; that call "
-                f"has no rows (sample {sample.sample_id})",
+                f"reading the output of layer {layer.info.name!r} failed: {shown(error)}; that "
+                f"call has no rows (sample {sample.sample_id})",
             )
             return
         for path, tensor in tensors:

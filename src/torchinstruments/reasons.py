@@ -311,7 +311,11 @@ def error(source: str, exc: BaseException) -> str:
     failure of global statistics stops them: `global_stopped`)."""
     if source not in ("reducer", "statistics", "measurement"):
         raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
-    return f"{source} error: {type(exc).__name__}: {exc}"
+    try:
+        message = str(exc)
+    except Exception:  # an error whose own message raises (one a tensor subclass raised)
+        message = "(its message could not be read)"
+    return f"{source} error: {type(exc).__name__}: {message}"
 
 
 def reducer_returned(kind: str) -> str:

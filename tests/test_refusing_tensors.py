@@ -5,12 +5,16 @@ A `torch.Tensor` subclass may raise from `__torch_function__` on any attribute r
 tracing or checking subclass, a lazy tensor that cannot answer yet). Every read the library makes
 of such a tensor is inside the measurement's guard: its rows are null with a reason that names
 the error, the other tensors of the sample keep theirs, and the step's loss and gradients are
-bit for bit those of the same step without the observer.
+bit for bit those of the same step without the observer. The same holds for an error whose own
+message raises, and a FakeTensor (a shape and a dtype, no values) is null with a reason that
+says so. An object in an output that raises when the walk reads it costs only its own tensors,
+and the run says so once.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -201,3 +205,111 @@ def test_an_error_whose_message_cannot_be_read_still_leaves_the_step_alone(
     }
     for layer in ("hidden", "head"):
         assert history.filter(layer=layer)["value"].null_count() == 0
+
+
+class RefusingMapping(dict):
+    """A mapping whose entries cannot be listed."""
+
+    def items(self) -> Any:
+        raise RuntimeError("refused items")
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class RefusingPair(Pair):
+    """A dataclass output one of whose fields raises when read."""
+
+    @property  # type: ignore[override]
+    def second(self) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("refused second")
+
+    @second.setter
+    def second(self, value: torch.Tensor) -> None:
+        pass
+
+
+class ClassRefusing:
+    """An object that raises when asked its class (as `isinstance` does)."""
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        raise RuntimeError("refused __class__")
+
+
+class Heads(nn.Module):
+    """Returns tensors around a container that refuses to be read."""
+
+    def __init__(self, refusing: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 6)
+        self.refusing = refusing
+
+    def forward(self, x: torch.Tensor) -> tuple[Any, ...]:
+        y = self.proj(x)
+        if self.refusing == "mapping":
+            odd: Any = RefusingMapping(hidden=y * 3)
+        elif self.refusing == "dataclass":
+            odd = RefusingPair(y * 3, y * 4)
+        else:
+            odd = ClassRefusing()
+        return y * 2, odd, Pair(y - 1, y + 1)
+
+
+@pytest.mark.parametrize("refusing", ["mapping", "dataclass", "object"])
+def test_an_object_in_an_output_that_raises_when_read_costs_only_its_own_tensors(
+    tmp_path: Path, refusing: str
+) -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = Heads(refusing)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first, _, pair = self.heads(x)
+            return (first + pair.first * pair.second).sum()
+
+    model = Net()
+    x = torch.randn(4, 5)
+    want = copy.deepcopy(model)(x)
+    inject_observer(
+        model,
+        output_dir=tmp_path / "s",
+        sampler=EveryNForwardsSampler(1),
+        selector=lambda name, module: name == "heads",
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = model(x)
+        got.backward()
+        remove_observer(model)
+    assert torch.equal(got, want)
+    history = read_history(tmp_path / "s")
+    found = {
+        (row[0], row[1]): row[2]
+        for row in history.group_by("signal", "tensor_path").len().iter_rows()
+    }
+    kept = {
+        (s, p) for s in ("output", "output_gradient") for p in ("[0]", "[2].first", "[2].second")
+    }
+    if refusing == "dataclass":  # read before the field that raised; no gradient reaches it
+        kept.add(("output", "[1].first"))
+    assert found == dict.fromkeys(kept, len(DEFAULT_METRICS))
+    assert history["value"].null_count() == 0
+    messages = [str(w.message) for w in said if "refused" in str(w.message)]
+    assert len(messages) == 1, messages
+    kind, refused = {
+        "mapping": ("RefusingMapping", "items"),
+        "dataclass": ("RefusingPair", "second"),
+        "object": ("ClassRefusing", "__class__"),
+    }[refusing]
+    said_once = (
+        f"layer 'heads' returned a {__name__}.{kind} at tensor_path '[1]' (the first place "
+        f"seen) that raised when the output walk read it: RuntimeError('refused {refused}')"
+    )
+    assert said_once in messages[0]
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert said_once in index

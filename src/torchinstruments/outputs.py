@@ -13,7 +13,10 @@ walk says so (design: what is not recorded is said): each object that is not a p
 path and type through `passed_over`, which the observer turns into one warning per layer and
 type (the first path seen: a list of a thousand distributions is one warning), and a note in
 index.md. The same goes for an output nested deeper than
-`_MAX_OUTPUT_DEPTH` levels, which the walk does not follow.
+`_MAX_OUTPUT_DEPTH` levels, which the walk does not follow, and for an object that raises when
+read (a dataclass's property, a mapping's `items`, an `isinstance` check): what was read before
+keeps its rows, the walk goes on with the rest of the output, and only that object's unread
+tensors are missing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from torchinstruments.notices import shown
 
 __all__ = ["iter_tensors", "passed_over_message"]
 
@@ -77,34 +82,51 @@ def _walk(
     """Depth-first walk behind `iter_tensors`."""
     if id(obj) in seen or obj is None:
         return
-    if depth > _MAX_OUTPUT_DEPTH:  # a tensor too: not followed, so not measured
-        if not isinstance(obj, _PLAIN):
-            _report(layer, path, f"an object nested deeper than {_MAX_OUTPUT_DEPTH}", passed_over)
-        return
-    if isinstance(obj, torch.Tensor):
+    try:  # free when nothing raises: no frame of its own on the sampled path
+        if depth > _MAX_OUTPUT_DEPTH:  # a tensor too: not followed, so not measured
+            if not isinstance(obj, _PLAIN):
+                what = f"an object nested deeper than {_MAX_OUTPUT_DEPTH}"
+                _report(layer, path, what, passed_over)
+            return
+        if isinstance(obj, torch.Tensor):
+            seen.add(id(obj))
+            yield path, obj
+            return
+        if isinstance(obj, _PLAIN):
+            return
         seen.add(id(obj))
-        yield path, obj
-        return
-    if isinstance(obj, _PLAIN):
-        return
-    seen.add(id(obj))
-    walk_deeper = depth + 1
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for name, value in zip(obj._fields, obj, strict=False):
-            yield from _walk(value, f"{path}.{name}", seen, walk_deeper, layer, passed_over)
-    elif isinstance(obj, tuple | list):
-        for index, value in enumerate(obj):
-            yield from _walk(value, f"{path}[{index}]", seen, walk_deeper, layer, passed_over)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name, None)
-            yield from _walk(value, f"{path}.{field.name}", seen, walk_deeper, layer, passed_over)
-    else:
-        kind = type(obj)
-        _report(layer, path, f"a {kind.__module__}.{kind.__qualname__}", passed_over)
+        walk_deeper = depth + 1
+        if isinstance(obj, Mapping):
+            for key, value in obj.items():
+                yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
+        elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            for name, value in zip(obj._fields, obj, strict=False):
+                yield from _walk(value, f"{path}.{name}", seen, walk_deeper, layer, passed_over)
+        elif isinstance(obj, tuple | list):
+            for index, value in enumerate(obj):
+                yield from _walk(value, f"{path}[{index}]", seen, walk_deeper, layer, passed_over)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for field in dataclasses.fields(obj):
+                value = getattr(obj, field.name, None)
+                deeper = f"{path}.{field.name}"
+                yield from _walk(value, deeper, seen, walk_deeper, layer, passed_over)
+        else:
+            kind = type(obj)
+            _report(layer, path, f"a {kind.__module__}.{kind.__qualname__}", passed_over)
+    except Exception as error:  # what was read before keeps its rows, the rest of the walk goes on
+        if passed_over is not None:
+            what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+            passed_over(f"unreadable:{layer}:{what}", _unreadable(layer, path, what, error))
+
+
+def _unreadable(layer: str, path: str, kind: str, error: Exception) -> str:
+    """What a run says of an object in `layer`'s output whose entries raised when read."""
+    where = f"at tensor_path {path!r} (the first place seen)" if path else "as its whole output"
+    return (
+        f"layer {layer!r} returned a {kind} {where} that raised when the output walk read it: "
+        f"{shown(error)}; tensors inside it not read by then have no rows (the rest of the "
+        "output is recorded)"
+    )
 
 
 def _report(layer: str, path: str, what: str, passed_over: PassedOver | None) -> None:

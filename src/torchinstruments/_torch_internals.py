@@ -49,6 +49,7 @@ __all__ = [
     "is_functorch_wrapped",
     "is_legacy_batched",
     "is_tracing",
+    "is_view",
     "layer_by_layer",
     "opaque_to_compilation",
     "optimized_module_original",
@@ -285,10 +286,17 @@ def ran_by_a_backward() -> bool:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The tensor's in-place version counter (`Tensor._version`).
 
-    Why: tells whether a custom reducer modified the tensor it was given, without comparing
-    values. Checked on torch 2.15.0.
+    Why: tells whether a custom reducer modified the tensor it was given, or a later in-place
+    op a view a layer returned (gradients.py), without comparing values. Checked on torch 2.15.0.
     """
     return tensor._version
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a view of another (`Tensor._is_view`): an in-place op on it or its
+    base gives it a new autograd node, so the node a layer returned leaves the graph
+    (gradients.py). Checked on torch 2.15.0."""
+    return tensor._is_view()
 
 
 def hook_without_handle(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> bool:

@@ -102,10 +102,12 @@ from torchinstruments._torch_internals import (
     in_backward_pass,
     in_compiled_autograd,
     is_legacy_batched,
+    is_view,
     opaque_to_compilation,
     outer_transform_hides_grad,
     queue_at_backward_end,
     tensor_hooks,
+    tensor_version,
 )
 from torchinstruments.capture import WarnOnce
 from torchinstruments.gradient_gaps import GradientGaps
@@ -244,8 +246,8 @@ class GradientRecorder:
             grad_fn = tensor.grad_fn
             node = None if grad_fn is None else id(grad_fn)
             with self._lock:
-                if tensor._is_view():  # a later in-place op would replace its node
-                    self._views.append((tensor, tensor._version, key.layer.name))
+                if is_view(tensor):  # a later in-place op would replace its node
+                    self._views.append((tensor, tensor_version(tensor), key.layer.name))
                 hook = self._unfired_hook(tensor, node)
                 if hook is not None:
                     hook.add_call(key, focus)  # the same tensor and node, returned again
@@ -487,7 +489,7 @@ class GradientRecorder:
             views, self._views = self._views, []
         unchanged = []
         for view, version, layer in views:
-            if view._version != version:
+            if tensor_version(view) != version:
                 self.gaps.view_changed(layer)
             else:
                 unchanged.append((weakref.ref(view), version, layer))
@@ -501,7 +503,7 @@ class GradientRecorder:
             views, self._returned_views = self._returned_views, []
         for ref, version, layer in views:
             view = ref()
-            if view is not None and view._version != version:
+            if view is not None and tensor_version(view) != version:
                 self.gaps.view_changed(layer)
 
     def _end_backward(self) -> None:

@@ -93,6 +93,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
+from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_statistics import keep, kept_note, open_run, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
@@ -186,6 +187,7 @@ class Observer:
         self._warned: set[str] = set()
         # Failures that leave rows out: warned once each, and said in index.md (`counts`).
         self.failed_once = RecordingFailures(self.warn_once)
+        self.failed_measurements = FailedMeasurements(self.warn_once)  # null + reason: said
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         # Sampled forwards called from compiled code: they ran eagerly (index.md says so).
@@ -508,6 +510,7 @@ class Observer:
             ]
             if sample.interrupted is not None:
                 extra = (*extra, sample.interrupted)
+            self.failed_measurements.scan(records, extra)  # before `extra` joins a record
             if extra:  # global rows (global_statistics), then the marker row
                 first = records[0]
                 records[0] = dataclasses.replace(first, measurements=(*first.measurements, *extra))
@@ -523,6 +526,7 @@ class Observer:
 
     def _emit_backward(self, record: SampleRecord) -> None:
         """Hand one sample's gradient record to the sinks."""
+        self.failed_measurements.scan((record,))
         with self._sink_lock:
             self.sinks.write_backward(record)
 
@@ -532,6 +536,7 @@ class Observer:
         cut = cut_note(self.cut_samples) if self.cut_samples else None
         said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
+        notes = (*notes, *self.failed_measurements.notes())
         return self.counter.counts(self.gradients.backward_samples, notes)
 
     def close(self) -> None:

@@ -1,0 +1,160 @@
+"""Tensors whose measurement failed: warned once per layer and kind, and named in index.md.
+
+A failure inside measurement (a custom reducer that raised, the default statistics failing, a
+tensor subclass refusing a read) never breaks the user's step: the tensor's rows are null with
+a reason (`reasons.error`: `reducer error: ...`, `statistics error: ...`, `measurement error:
+...`), and the other tensors keep theirs. Those rows alone said nothing while the run went on,
+and index.md only explained the reason's template: a reducer failing on every sample of one
+layer looked like a run that had recorded it (design: never silent).
+
+Design decision: the measurement code stays as it is (it runs per tensor, and measures many
+tensors on paths that must not warn); the records are read where they are handed to the sinks
+(`Observer._emit_forward`, the gradients' emission), one scan per record. The scan costs one
+C-level count of the record's null reasons, which is all a record without any reason pays; only
+a record holding reasons looks at their distinct texts, and only one holding a failure walks its
+rows. Each (kind, layer) is warned once, with the error, for the first `SHOWN_KINDS` of them
+(then one warning that more follow, in index.md); index.md gets one note per kind of failure
+naming every layer (the first `_SHOWN`), its signals and metrics, and in how many samples. A
+kind is the reason's source and error type (`reducer error: ValueError`), so an error whose
+message changes with each tensor is still one kind; the note quotes the first reason seen.
+Samples are counted per (kind, layer, signal) as changes of sample id, so a sample whose
+gradients came in two backward passes with another sample's between counts twice (rare).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torchinstruments.capture import WarnOnce
+from torchinstruments.notices import SHOWN_KINDS
+from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
+
+__all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
+
+# The reasons of a failure inside measurement (`reasons.error`), as opposed to a tensor that has
+# no value to give (empty, no finite entries): those are the tensor's, and explained in index.md.
+FAILURE_PREFIXES = ("reducer error: ", "statistics error: ", "measurement error: ")
+# How many layers one kind's note names before it says how many more.
+_SHOWN = 20
+
+
+@dataclass(slots=True)
+class _Tally:
+    """One layer's failures of one kind on one signal: its metrics and samples so far."""
+
+    metrics: dict[str, None] = field(default_factory=dict)  # an ordered set
+    samples: int = 0
+    latest: int = -1
+
+
+class FailedMeasurements:
+    """The failures inside measurement that records show, per kind, layer and signal.
+
+    Args:
+        warn_once: warns `(key, message)` once per key (the observer's).
+    """
+
+    def __init__(self, warn_once: WarnOnce) -> None:
+        self._warn_once = warn_once
+        self._lock = threading.Lock()  # `notes` is read by the flush thread
+        self._first: dict[str, str] = {}  # kind -> its first reason, in the order seen
+        self._tallies: dict[tuple[str, str, str], _Tally] = {}  # (kind, layer, signal)
+        self._warned: set[tuple[str, str]] = set()  # (kind, layer)
+
+    def scan(self, records: Iterable[SampleRecord], extra: Sequence[Measurement] = ()) -> None:
+        """Take note of the failures in `records` and in the rows `extra` (a sample's global
+        and marker rows); warn about each (kind, layer) first seen. Never raises."""
+        try:
+            for record in records:
+                rows = record.measurements
+                if type(rows) is MeasurementBlock:
+                    self._scan_block(rows)
+                else:
+                    self._scan_rows(rows)
+            if extra:
+                self._scan_rows(extra)
+        except Exception:  # telling of failures must never add one to the user's step
+            return
+
+    def _scan_block(self, block: MeasurementBlock) -> None:
+        """A block's failures; nothing beyond one count of its null reasons where it has none."""
+        why = block.reasons
+        if why.count(None) == len(why):
+            return
+        failed = {r for r in set(why) if r is not None and r.startswith(FAILURE_PREFIXES)}
+        if not failed:
+            return
+        k = len(block.metrics)
+        for index, reason in enumerate(why):
+            if reason in failed:
+                layer, metric = block.layers[index // k], block.metrics[index % k]
+                self._add(reason, layer, block.signal, metric, block.sample_id)
+
+    def _scan_rows(self, rows: Sequence[Measurement]) -> None:
+        """Rows one by one (a record with marker or global rows, a sink's own sequence)."""
+        for row in rows:
+            for name, value in zip(row.metrics, row.values, strict=True):
+                reason = value.reason
+                if reason is not None and reason.startswith(FAILURE_PREFIXES):
+                    self._add(reason, row.layer, row.signal, name, row.sample_id)
+
+    def _add(self, reason: str, layer: str, signal: str, metric: str, sample_id: int) -> None:
+        """Count one failed metric of one tensor; warn the first time its (kind, layer) fails."""
+        kind = ": ".join(reason.split(": ", 2)[:2])
+        with self._lock:
+            self._first.setdefault(kind, reason)
+            tally = self._tallies.setdefault((kind, layer, signal), _Tally())
+            tally.metrics.setdefault(metric)
+            if tally.latest != sample_id:
+                tally.latest = sample_id
+                tally.samples += 1
+            new = (kind, layer) not in self._warned
+            self._warned.add((kind, layer))
+            count = len(self._warned)
+        if not new or count > SHOWN_KINDS + 1:
+            return
+        if count == SHOWN_KINDS + 1:
+            self._warn_once(
+                "failed_measurements:more",
+                f"more layers than the first {SHOWN_KINDS} warned about could not be measured; "
+                "index.md names them, and their rows are null with the error as the reason",
+            )
+            return
+        self._warn_once(
+            f"failed_measurements:{kind}:{layer}",
+            f"layer {layer or '<root>'!r} could not be measured ({signal} of sample {sample_id}, "
+            f"metric {metric!r}): {reason}; its rows are null with that reason (warned once per "
+            "layer and kind of error; index.md counts them)",
+        )
+
+    def notes(self) -> tuple[str, ...]:
+        """index.md's notes: one per kind of failure, naming its layers, signals, metrics and
+        sample counts."""
+        with self._lock:
+            first = dict(self._first)
+            tallies = [
+                (key, list(tally.metrics), tally.samples) for key, tally in self._tallies.items()
+            ]
+        notes = []
+        for kind, reason in first.items():
+            per_layer: dict[str, list[str]] = {}
+            for (of, layer, signal), metrics, samples in tallies:
+                if of == kind:
+                    said = f"{signal}: {', '.join(metrics)} in {_samples(samples)}"
+                    per_layer.setdefault(layer, []).append(said)
+            shown = [f"{layer or '<root>'!r} ({'; '.join(s)})" for layer, s in per_layer.items()]
+            more = len(shown) - _SHOWN
+            listed = ", ".join(shown[:_SHOWN]) + (f" ... ({more} more)" if more > 0 else "")
+            notes.append(
+                f"Not measured (`{kind}`, first as `{reason}`) in {len(shown)} "
+                f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
+                f"the reason (the other metrics and tensors keep their own rows): {listed}."
+            )
+        return tuple(notes)
+
+
+def _samples(count: int) -> str:
+    """`1 sample`, `3 samples`."""
+    return f"{count} sample{'' if count == 1 else 's'}"

@@ -1,0 +1,103 @@
+"""A tensor whose measurement failed is null with a reason in its rows, and the run says so: one
+warning per layer and kind of failure (with the error), and index.md names the layers, metrics
+and how many samples."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from test_refusing_tensors import Net, refusing, step
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import read_history
+
+
+def boom_on_three(tensor: torch.Tensor) -> torch.Tensor:
+    """A reducer that raises for tensors whose last dimension is 3 (layer `b`'s output and
+    the gradient into it), and measures every other tensor."""
+    if tensor.shape[-1] == 3:
+        raise ValueError("boom")
+    return tensor.abs().amax()
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.b = nn.Linear(4, 3)
+        self.c = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x))).sum()
+
+
+def run(model: nn.Module, directory: Path, samples: int, **options: Any) -> list[str]:
+    """`samples` sampled steps and the removal; the messages of the warnings raised."""
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), **options)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(samples):
+            step(model, torch.randn(4, 5))  # type: ignore[arg-type]
+        remove_observer(model)
+    return [str(w.message) for w in said]
+
+
+def test_a_custom_reducer_failing_on_a_layer_without_histogram_is_warned_once_and_named(
+    tmp_path: Path,
+) -> None:
+    said = run(
+        Chain(),
+        tmp_path / "s",
+        3,
+        reducers={"absmax": boom_on_three},
+        max_histogram_modules=1,  # `a` only: `b` has no histogram
+    )
+    history = read_history(tmp_path / "s")
+    failed = history.filter(unavailable_reason="reducer error: ValueError: boom")
+    assert set(failed["layer"].to_list()) == {"b"}
+    assert set(failed["signal"].to_list()) == {"output", "output_gradient"}
+    assert failed["sample_id"].n_unique() == 3
+    about = [m for m in said if "boom" in m]
+    assert len(about) == 1, about  # once for the layer and kind, not per sample or signal
+    assert "layer 'b'" in about[0]
+    assert "reducer error: ValueError: boom" in about[0]
+    assert not any("'a'" in m or "'c'" in m for m in about)
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "reducer error: ValueError: boom" in line)
+    for said_in_note in ("'b'", "output: absmax in 3 samples", "output_gradient: absmax in 3"):
+        assert said_in_note in note
+    for other in ("'a'", "'c'"):
+        assert other not in note
+
+
+def test_a_measurement_error_of_a_refusing_tensor_is_warned_once_and_named(
+    tmp_path: Path,
+) -> None:
+    said = run(Net(refusing("dtype"), "output"), tmp_path / "s", 2, max_histogram_modules=1)
+    history = read_history(tmp_path / "s")
+    reason = "measurement error: RuntimeError: refused dtype"
+    failed = history.filter(unavailable_reason=reason)
+    assert set(failed["layer"].to_list()) == {"probe"}
+    about = [m for m in said if reason in m]
+    assert len(about) == 1, said
+    assert "layer 'probe'" in about[0]
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if reason in line)
+    assert "'probe' (output: mean, std" in note
+    assert "in 2 samples" in note
+
+
+def absmax(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.abs().amax()
+
+
+def test_a_run_without_failures_says_nothing_about_them(tmp_path: Path) -> None:
+    said = run(Chain(), tmp_path / "s", 2, reducers={"absmax": absmax})
+    assert not [m for m in said if "error:" in m], said
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert "Not measured" not in index

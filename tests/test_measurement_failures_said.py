@@ -1,6 +1,7 @@
 """A tensor whose measurement failed is null with a reason in its rows, and the run says so: one
 warning per layer and kind of failure (with the error), and index.md names the layers, metrics
-and how many samples."""
+and how many samples; a gradient whose hook could not be registered is named, tensor by tensor,
+with why it has no output_gradient rows."""
 
 from __future__ import annotations
 
@@ -101,3 +102,18 @@ def test_a_run_without_failures_says_nothing_about_them(tmp_path: Path) -> None:
     assert not [m for m in said if "error:" in m], said
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     assert "Not measured" not in index
+
+
+def test_a_gradient_whose_hook_was_refused_is_named_with_its_samples_in_index_md(
+    tmp_path: Path,
+) -> None:
+    said = run(Net(refusing("register_hook"), "output"), tmp_path / "s", 3)
+    history = read_history(tmp_path / "s")
+    assert history.filter(layer="probe", signal="output_gradient").height == 0
+    about = [m for m in said if "refused register_hook" in m]
+    assert len(about) == 1, said
+    assert "'probe'" in about[0]
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "refused register_hook" in line)
+    assert "no output_gradient rows" in note
+    assert "'probe' (3 samples, from 0 to 2: RuntimeError('refused register_hook'))" in note

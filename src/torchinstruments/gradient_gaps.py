@@ -40,6 +40,16 @@ another view of the base: `Flatten` then `ReLU(inplace=True)`) gave a new autogr
 gradient flows into the new node; the one the layer returned leaves the graph, so its hook (and
 a plain one) receives nothing and the layer has no output_gradient rows. gradients.py finds it
 by the view's version; a warning says so when first seen, and index.md names every such layer.
+
+A sixth is per series: a sampled output whose gradient hook could not be made (a tensor subclass
+that raises when asked `requires_grad` or `grad_fn`, or refuses `register_hook`). Design
+decision: it gets no output_gradient rows, not null ones. A hook is the only way the library may
+learn that a backward reached a tensor (design: no other hooks), so without one nothing tells a
+sample whose backward reached it from one without a backward, or a tensor the loss never used,
+and both have no gradient rows; a null row would claim a gradient that may not exist (and plain
+`Tensor.register_hook`, the reference, is refused the same way). So the run names it instead,
+exactly: a warning when first seen, and index.md lists every such series with its samples (count,
+first, last) and the error.
 """
 
 from __future__ import annotations
@@ -51,10 +61,10 @@ from collections.abc import Iterable
 from torch import nn
 
 from torchinstruments.notices import warn
-from torchinstruments.records import LayerInfo
+from torchinstruments.records import LayerInfo, TensorKey
 from torchinstruments.rundir.ranges import plural
 
-__all__ = ["GradientGaps"]
+__all__ = ["GradientGaps", "series_of"]
 
 # (layer, call_index, tensor_path); the layer's name alone for call 0's bare tensor (`""`), which
 # is most outputs: a string's hash is cached, a tuple's is computed at every lookup.
@@ -91,6 +101,8 @@ class GradientGaps:
         self._warned_no_grad = False
         self._transformed: dict[str, str] = {}  # layer -> transform (`under_transform`)
         self._views_changed: dict[str, None] = {}  # an ordered set (`view_changed`)
+        # Per series whose hook was refused: [samples, first, last] and the first error.
+        self._refused: dict[Series, tuple[list[int], str]] = {}
         self.latest_with_grad = -1  # the latest sample with an output made with grad enabled
 
     def weigh(self, layers: Iterable[tuple[nn.Module, LayerInfo]]) -> None:
@@ -168,6 +180,21 @@ class GradientGaps:
                 "every such layer at removal"
             )
 
+    def hook_refused(self, series: Series, sample_id: int, error: str) -> None:
+        """The gradient hook of a sampled output of `series` in `sample_id` could not be made
+        (`error`, as a warning shows it); warned the first time any series is."""
+        seen = self._refused.get(series)
+        if seen is None:
+            self._refused[series] = ([1, sample_id, sample_id], error)
+            if len(self._refused) == 1:
+                warn(
+                    f"torchinstruments: the gradient hook of {_series(series)} could not be made "
+                    f"({error}), so {_REFUSED}; index.md names every such tensor at removal"
+                )
+        elif seen[0][2] != sample_id:
+            seen[0][0] += 1
+            seen[0][2] = sample_id
+
     def without_grad(self, series: Series, sample_id: int) -> None:
         """A sampled output of `series` in `sample_id` that requires no grad."""
         seen = self._without.get(series)
@@ -242,6 +269,18 @@ class GradientGaps:
                 f"{plural(len(self._views_changed), 'selected layer')} {_VIEW_CHANGED}: "
                 f"{_VIEW_WHY}: {_listed([repr(name) for name in self._views_changed])}."
             )
+        refused = list(self._refused.items())
+        if refused:
+            shown = [
+                f"{_series(series)} ({count} sample{'' if count == 1 else 's'}, from {first} to "
+                f"{last}: {error})"
+                for series, ((count, first, last), error) in refused
+            ]
+            notes.append(
+                f"{plural(len(refused), 'sampled output')} could not be given a gradient hook, "
+                f"so {_REFUSED} (a layer's first call unless a call or tensor_path is named; the "
+                f"samples, first to last, and the first error): {_listed(shown)}."
+            )
         return tuple(notes)
 
 
@@ -273,6 +312,19 @@ _VIEW_WHY = (
     "Tensor.register_hook on it sees (an output that is no view keeps its gradient when changed "
     "in place: its node stays in the graph)"
 )
+
+
+_REFUSED = (
+    "the gradient into it is not recorded and it has no output_gradient rows in those samples "
+    "(a tensor subclass refused register_hook, requires_grad or grad_fn; without a hook nothing "
+    "tells whether a backward reached it, so no null rows are written for it)"
+)
+
+
+def series_of(key: TensorKey) -> Series:
+    """The series of a sampled output's key (gradients.py builds it inline on its hot path)."""
+    call_index, path = key.call_index, key.tensor_path
+    return (key.layer.name, call_index, path) if call_index or path else key.layer.name
 
 
 def _layer(series: Series) -> str:

@@ -110,7 +110,7 @@ from torchinstruments._torch_internals import (
     tensor_version,
 )
 from torchinstruments.capture import WarnOnce
-from torchinstruments.gradient_gaps import GradientGaps
+from torchinstruments.gradient_gaps import GradientGaps, series_of
 from torchinstruments.gradient_hooks import Awaited, GradientHook, HookSlots
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.measurement.reducers import Measurer
@@ -260,12 +260,8 @@ class GradientRecorder:
             if tensor.grad_fn is None:
                 self._track_leaf_hook(tensor, handle, hook)
             return hook
-        except Exception as error:
-            self.warn_once(
-                "hook",
-                f"hooking an output's gradient failed: {shown(error)}; the gradient into that "
-                f"output of sample {key.sample_id} is not recorded",
-            )
+        except Exception as error:  # named per series in index.md (gradient_gaps.py)
+            self.gaps.hook_refused(series_of(key), key.sample_id, shown(error))
             return key
 
     def _awaited_by(self, key: TensorKey) -> Awaited:

@@ -117,3 +117,27 @@ def test_a_gradient_whose_hook_was_refused_is_named_with_its_samples_in_index_md
     note = next(line for line in index.splitlines() if "refused register_hook" in line)
     assert "no output_gradient rows" in note
     assert "'probe' (3 samples, from 0 to 2: RuntimeError('refused register_hook'))" in note
+
+
+def test_failures_in_many_layers_warn_for_the_first_twenty_and_index_md_counts_the_rest(
+    tmp_path: Path,
+) -> None:
+    model = nn.Sequential(*(nn.Linear(3, 3) for _ in range(25)))
+    inject_observer(
+        model,
+        output_dir=tmp_path / "s",
+        sampler=EveryNForwardsSampler(1),
+        reducers={"absmax": boom_on_three},
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 3))
+        remove_observer(model)
+    messages = [str(w.message) for w in said]
+    per_layer = [m for m in messages if "could not be measured (output" in m]
+    assert len(per_layer) == 20, messages
+    assert len([m for m in messages if "more layers than the first 20" in m]) == 1
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "reducer error: ValueError: boom" in line)
+    assert "in 25 layers" in note
+    assert "'19' (output: absmax in 1 sample) ... (5 more)" in note

@@ -230,7 +230,7 @@ def section_meanings() -> list[str]:
         "",
         "Inputs of layers, parameters and parameter gradients, losses, optimizer updates and "
         "learning rates are not recorded: only layer outputs and the gradients flowing into "
-        "them. Unsampled forwards leave no trace.",
+        "them. Unsampled forwards are only counted.",
         "",
     ]
     return lines

@@ -26,7 +26,13 @@ from torchinstruments.rundir.layout import (
     TENSORBOARD_DIR,
     write_text_atomic,
 )
-from torchinstruments.rundir.page_layers import focus_line, layers_line, section_layers
+from torchinstruments.rundir.page_layers import (
+    NEVER_RAN_CHARS,
+    PAGE_BYTES,
+    focus_line,
+    layers_line,
+    section_layers,
+)
 from torchinstruments.rundir.page_queries import section_queries
 from torchinstruments.rundir.page_sections import (
     section_files,
@@ -426,7 +432,9 @@ def _section_marks(state: RunState) -> list[str]:
 
 
 def render_index(state: RunState) -> str:
-    """The text of index.md for `state`.
+    """The text of index.md for `state`, at most `PAGE_BYTES` for any catalog: where the
+    page would be longer, the list of layers that never ran names fewer of them (the others
+    counted; every layer by name stays in `.state.json`).
 
     Args:
         state: the run's state (what it is, how far it got, what is missing).
@@ -434,6 +442,20 @@ def render_index(state: RunState) -> str:
     Returns:
         Markdown; it holds no machine-readable block (that is the state file).
     """
+    page = _page(state, NEVER_RAN_CHARS)
+    excess = len(page.encode("utf-8")) - PAGE_BYTES
+    if excess > 0:  # the list of layers that never ran gives up what the rest took beyond it
+        page = _page(state, max(0, NEVER_RAN_CHARS - excess - _MARGIN))
+    return page
+
+
+# Characters the list of layers that never ran gives up beyond the page's excess: its runs are
+# cut whole, and the count of the ones left out takes a few characters more.
+_MARGIN = 256
+
+
+def _page(state: RunState, never_ran_chars: int) -> str:
+    """`render_index`'s text with the list of layers that never ran cut at `never_ran_chars`."""
     run = state.run
     lines = [
         "# TorchInstruments run",
@@ -448,7 +470,7 @@ def render_index(state: RunState) -> str:
         "",
         *_section_run(state),
         *_section_attempts(state),
-        *section_layers(state),
+        *section_layers(state, never_ran_chars),
         *section_files(run),
         *section_schema(),
         *section_meanings(),

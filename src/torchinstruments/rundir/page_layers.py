@@ -6,7 +6,8 @@ model would make a 300 KB page that no reader takes in, so the page groups: the 
 counts the layers per module type, the Layers table has one row per module type (layers,
 fewest and most sampled forwards, first and last layer), and the layers that never ran are
 still listed, as runs of consecutive layers in traversal order, up to NEVER_RAN_CHARS
-characters. Every layer by name stays in `.state.json` (`run.layers`, `counts.layer_samples`)
+characters, or fewer where the rest of the page leaves less of `PAGE_BYTES` (index.md's bound,
+whatever the catalog: `index_page.render_index`). Every layer by name stays in `.state.json` (`run.layers`, `counts.layer_samples`)
 and result.json (`sampled_forwards`), and the page says so where it groups. The cost: beyond
 LISTED_LAYERS a single layer's count is one query away instead of on the page.
 """
@@ -24,6 +25,7 @@ LISTED_LAYERS = 200
 LISTED_TYPES = 40
 LISTED_FOCUS = 40
 NEVER_RAN_CHARS = 16_000
+PAGE_BYTES = 64 * 1024  # index.md at most, for any catalog
 WHERE_EVERY_LAYER = (
     f"every layer by name: `{STATE_FILE}` (`run.layers`, and `counts.layer_samples`, where a "
     f"layer that never ran is 0 or absent) and {RESULT_FILE} (`sampled_forwards`)"
@@ -124,8 +126,9 @@ _ZERO_RECOVERED = (
 )
 
 
-def section_layers(state: RunState) -> list[str]:
-    """Per selected layer (or module type), in how many sampled forwards it ran; those that never did."""
+def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> list[str]:
+    """Per selected layer (or module type), in how many sampled forwards it ran; those that
+    never did, named in at most `never_ran_chars` characters (the rest counted)."""
     run, counts = state.run, state.counts
     if counts is None:
         return []
@@ -184,7 +187,7 @@ def section_layers(state: RunState) -> list[str]:
         title = "No row on disk" if state.counts_recovered else "Never ran in a sampled forward"
         lines += [
             "",
-            f"{title} ({len(never)}): " + never_ran_runs(run.layers, never, NEVER_RAN_CHARS),
+            f"{title} ({len(never)}): " + never_ran_runs(run.layers, never, never_ran_chars),
         ]
     return [*lines, ""]
 
@@ -192,6 +195,7 @@ def section_layers(state: RunState) -> list[str]:
 __all__ = [
     "LISTED_LAYERS",
     "NEVER_RAN_CHARS",
+    "PAGE_BYTES",
     "focus_line",
     "layers_line",
     "never_ran_runs",

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
@@ -51,6 +52,7 @@ __all__ = [
     "is_tracing",
     "is_view",
     "layer_by_layer",
+    "on_stack",
     "opaque_to_compilation",
     "optimized_module_original",
     "outer_transform_hides_grad",
@@ -147,6 +149,22 @@ def innermost_frame(thread_id: int | None) -> FrameType | None:
     returns the same frame object while that frame runs. Checked on CPython 3.11.
     """
     return None if thread_id is None else sys._current_frames().get(thread_id)
+
+
+def on_stack(frame: FrameType, thread_id: int) -> bool:
+    """Whether `frame` is still running: on the stack of the thread `thread_id`, now.
+
+    Why: the Hugging Face Trainer tells its callbacks nothing when `train()` raises outside a
+    training step, so the callback tells its fit's end by its training loop's frame having left
+    the stack (integrations/huggingface.py); relies on CPython frames (`sys._getframe`,
+    `sys._current_frames`), which keep one frame object per running frame. Checked on 3.11.
+    """
+    current = sys._getframe(1) if thread_id == threading.get_ident() else innermost_frame(thread_id)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 def references_counted_exactly() -> bool:

@@ -309,6 +309,8 @@ class Observer:
             self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
         schedule = self.phases.current
+        if schedule != TRAIN and self.phases.fit_ended():  # the callback removed the observer
+            return _PASS_THROUGH
         if schedule in PASSED_THROUGH:
             self.counter.count_unobserved(schedule)
             return _PASS_THROUGH

@@ -15,11 +15,13 @@ the fit's start before its first loop (Lightning's model summary and logger grap
 `example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
 through unobserved whatever `record_eval` says, counted apart, so an example input never joins
 the evaluation series nor is told as the user's evaluation.
-Cost: one attribute read per root forward.
+Cost: one attribute read per root forward. A callback whose trainer tells it of no failed end
+(the Hugging Face Trainer) sets `fit_over`, asked at forwards outside a training step only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["EVAL", "PASSED_THROUGH", "SETUP", "TRAIN", "UNOBSERVED", "Phases"]
@@ -34,12 +36,14 @@ PASSED_THROUGH = (UNOBSERVED, SETUP)  # the schedules whose forwards are only co
 class Phases:
     """The schedule the next root forward is on, as a trainer callback sets it."""
 
-    __slots__ = ("current", "eval_sampler", "following")
+    __slots__ = ("current", "eval_sampler", "fit_over", "following")
 
     def __init__(self) -> None:
         self.current = TRAIN
         self.eval_sampler: Any = None  # a Sampler; None: evaluation forwards are unobserved
         self.following = False  # True once a trainer callback says which forwards train
+        # Whether the fit ended unseen (True once the callback that asks it finished the run).
+        self.fit_over: Callable[[str], bool] | None = None
 
     def follow_trainer(self, eval_sampler: Any) -> None:
         """From now on only forwards inside a training step are training forwards.
@@ -68,3 +72,8 @@ class Phases:
         """A training step ended: what follows is evaluation (or the trainer's own code)."""
         if self.following:
             self.current = UNOBSERVED if self.eval_sampler is None else EVAL
+
+    def fit_ended(self, when: str = "at the model's first forward after it") -> bool:
+        """Whether the trainer's fit ended without telling its callback, which then finished the
+        run (a forward asking is not the run's); `when` says in index.md how that was seen."""
+        return self.fit_over is not None and self.fit_over(when)

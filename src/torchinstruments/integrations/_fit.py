@@ -321,6 +321,8 @@ class FitObservation:
             self._finish_left_attached(config.directory if directory is None else directory)
         sink = self.logger_sink = logger_sink()
         target = self.observed_module(model)
+        if (left := trainer_phases(target)) is not None:  # another callback's fit, ended unseen
+            left.fit_ended("when a fit with another callback started")
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
         repeats = resume and resume_step is not None and self.eval_sampler is not None
         self._evaluations = EvaluationSteps() if repeats else None

@@ -38,15 +38,23 @@ TensorBoard writer on `state.global_step`. With `rank_policy="rank0"` only the w
 process attaches (`state.is_world_process_zero`).
 
 An exception: transformers has no exception event for callbacks. So at `on_train_begin` the
-callback finds the running `Trainer` (the caller's frame whose `self` is one) and wraps that instance's `training_step` (an attribute of
-the Trainer object, never of the model; undone at removal): its forwards are the training
-forwards, and an exception raised in a training
-step (forward, loss, backward) removes the observer, with a note in index.md, and propagates
-unchanged. An exception elsewhere (data loading, the optimizer step, evaluation) leaves the
-observer attached; the next `train()` with this callback, or a `train()` resumed from a checkpoint
-that continues that run with another callback (a Trainer built anew), finishes that run with a
-note (and a warning), and otherwise the end of the process does (the observer's finalizer; no
-note, since nothing then knows how the fit ended). The same Trainer is how the callback
+callback finds the running `Trainer` (the caller's frame whose `self` is one) and wraps that
+instance's `training_step` (an attribute of the Trainer object, never of the model; undone at
+removal): its forwards are the training forwards, and an exception raised in a training step
+(forward, loss, backward) removes the observer, with a note in index.md, and propagates
+unchanged. An exception elsewhere (an evaluation's `compute_metrics`, another callback, the
+data collator, the optimizer step) ends `train()` without any event, so the callback keeps that
+Trainer's frame (the training loop that called `on_train_begin`) and, at the next use of the
+model, asks whether it still runs (`_torch_internals.on_stack`): at each forward outside a
+training step (one walk of the stack, for evaluation forwards only), and at the start of the
+next fit with this callback or with another on the same model. Once it has left the stack, the
+run is finished as interrupted (index.md and a warning: the global step reached, why, and how it
+was seen) and the model's forwards are restored before that forward or fit runs, so a later
+`trainer.evaluate()` is neither observed nor counted as evaluation inside the fit, and a next
+`train()` starts as on a fresh callback. A `train()` resumed from a checkpoint that continues
+that run with another callback (a Trainer built anew) finishes it too (`_fit.py`); otherwise the
+end of the process does (the observer's finalizer; no note, since nothing then knows how the
+fit ended). The same Trainer is how the callback
 finds its `TensorBoardCallback`'s writer.
 
 Why the frames, the only way: every event (`on_train_begin` included) receives `args`, `state`,
@@ -63,8 +71,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from torch import nn
@@ -72,7 +82,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
-from torchinstruments.api import add_run_note
+from torchinstruments._torch_internals import on_stack
+from torchinstruments.api import add_run_note, has_observer
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
@@ -85,7 +96,8 @@ __all__ = ["HuggingFaceObserver"]
 
 class HuggingFaceObserver(TrainerCallback):
     """Observe a Hugging Face Trainer run: inject at its start, remove at its end or on an error
-    in a training step (an error elsewhere: see the module docstring).
+    in a training step (an error elsewhere: at the next use of the model, see the module
+    docstring).
 
     Args:
         output_dir: the run directory; default `args.output_dir/torchinstruments`.
@@ -126,6 +138,10 @@ class HuggingFaceObserver(TrainerCallback):
             after_fit="trainer.evaluate() and trainer.predict() calls",
         )
         self._step_guard: TrainingStepMark | None = None
+        # The running fit's training loop (the Trainer's frame that called on_train_begin), its
+        # thread, and its global step: where the fit ended, once that frame left the stack.
+        self._loop: tuple[FrameType, int] | None = None
+        self._step: Callable[[], int] = lambda: 0
         # Not the class name: a key that names a callback class is rebuilt from its saved
         # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
         self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
@@ -146,8 +162,9 @@ class HuggingFaceObserver(TrainerCallback):
         """Inject into the model; histograms also into the Trainer's TensorBoard writer."""
         if model is None:
             raise TypeError("HuggingFaceObserver: on_train_begin was called without the model")
+        self._fit_ended("when its callback's next train() started")
         self._undo_guard()  # a guard left by a train() that ended without on_train_end
-        trainer = _running_trainer()
+        trainer, loop = _running_trainer()
         # train(resume_from_checkpoint=...) loaded the state before on_train_begin
         resuming = state.global_step > 0
         saved = _saved_run(state, self._key) if resuming else None
@@ -170,6 +187,9 @@ class HuggingFaceObserver(TrainerCallback):
             self._step_guard = TrainingStepMark(
                 trainer, self._fit, lambda error: self._on_step_exception(error, state.global_step)
             )
+            if self._fit.phases is not None and loop is not None:
+                self._loop, self._step = (loop, threading.get_ident()), lambda: state.global_step
+                self._fit.phases.fit_over = self._fit_ended
         elif directory is not None:
             self._fit.enter_training()  # training steps cannot be told apart: all forwards
             notices.warn(
@@ -193,6 +213,7 @@ class HuggingFaceObserver(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Remove: restores every forward, writes history.parquet, result.json, index.md."""
+        self._loop = None
         self._undo_guard()
         self._fit.finish()
 
@@ -209,7 +230,32 @@ class HuggingFaceObserver(TrainerCallback):
         add_run_note(self._fit.observed, said)
         notices.warn(f"torchinstruments: HuggingFaceObserver: {said}")
 
+    def _fit_ended(self, when: str) -> bool:
+        """Whether the last train() ended without on_train_end (its training loop left the
+        stack: an exception outside the training step); if so, its run is finished now as
+        interrupted, and index.md and a warning say where it stopped, why, and `when` seen."""
+        loop = self._loop
+        if loop is None or on_stack(*loop):
+            return False
+        self._loop = None
+        self._undo_guard()
+        observed = self._fit.observed
+        if observed is None or not has_observer(observed):
+            return True
+        said = (
+            f"the fit ended at global step {self._step()} without on_train_end: train() raised "
+            "outside the training step (in an evaluation, another callback, the data collator "
+            "or the optimizer step, of which transformers tells callbacks nothing); "
+            f"HuggingFaceObserver saw it {when} and finished the run then. The run holds this "
+            "attempt's samples up to then."
+        )
+        add_run_note(observed, said)
+        notices.warn(f"torchinstruments: HuggingFaceObserver: {self._fit.directory}: {said}")
+        self._fit.finish()
+        return True
+
     def _on_step_exception(self, error: BaseException, step: int) -> None:
+        self._loop = None
         self._undo_guard()
         self._fit.finish(error, step)
 
@@ -219,16 +265,17 @@ class HuggingFaceObserver(TrainerCallback):
             guard.undo()
 
 
-def _running_trainer() -> Trainer | None:
-    """The Trainer whose training loop is calling this callback, found in the caller's frames."""
+def _running_trainer() -> tuple[Trainer | None, FrameType | None]:
+    """The Trainer whose training loop is calling this callback, and that loop's frame (the
+    innermost of the caller's frames whose `self` is a Trainer); (None, None) where none is."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             candidate = frame.f_locals.get("self")
             if isinstance(candidate, Trainer):
-                return candidate
+                return candidate, frame
             frame = frame.f_back
-        return None
+        return None, None
     finally:
         del frame  # no reference cycle through the frames
 

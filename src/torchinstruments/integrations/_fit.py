@@ -483,11 +483,12 @@ class FitObservation:
         self._note_fit_end(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
+            what = type(exception).__name__ + (f": {exception}" if str(exception) else "")
             add_run_note(
                 observed,
-                f"the fit ended with an exception{where}: {type(exception).__name__}: "
-                f"{exception}. The run holds this attempt's samples up to then ({self.owner} "
-                "removed the observer when the trainer reported the exception).",
+                f"the fit ended with an exception{where}: {what}. The run holds this attempt's "
+                f"samples up to then ({self.owner} removed the observer when the trainer "
+                "reported the exception).",
             )
         return remove_observer(observed)
 

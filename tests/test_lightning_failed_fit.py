@@ -1,0 +1,111 @@
+"""A Lightning fit that raised anywhere (a validation step, another callback, Ctrl-C in a training
+step): Lightning calls `on_exception`, so `LightningObserver` finishes the run there, as
+interrupted with the truth in index.md, restores the forwards, and a second fit is a fresh one."""
+
+from __future__ import annotations
+
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchinstruments import EveryNForwardsSampler, has_observer
+from torchinstruments.integrations import LightningObserver
+
+from conftest import read_history, run_status
+
+
+class Failing(lightning.LightningModule):
+    """One Linear layer; raises `error` where `where` says, at global step 2."""
+
+    def __init__(self, where: str | None, error: BaseException) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+        self.where, self.error = where, error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.where == "training_step" and self.global_step == 2:
+            raise self.error
+        return self(batch[0]).sum()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.where == "validation_step" and self.global_step == 2:
+            raise self.error
+        self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RaiseAfterBatch(lightning.Callback):
+    """Another callback that raises after the second training batch."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == 2:
+            raise self.error
+
+
+def fit(tmp_path: Path, model: Failing, callbacks: list[Any]) -> None:
+    def data() -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
+
+    lightning.Trainer(
+        default_root_dir=tmp_path, max_steps=4, val_check_interval=2, num_sanity_val_steps=0,
+        callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    ).fit(model, data(), data())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "said"),
+    [
+        ("validation_step", RuntimeError("boom"), "RuntimeError: boom."),
+        ("callback", RuntimeError("boom"), "RuntimeError: boom."),
+        ("training_step", KeyboardInterrupt(), "KeyboardInterrupt."),  # no message: no colon
+    ],
+)
+def test_a_fit_that_raised_is_finished_where_it_stopped_and_the_next_fit_is_fresh(
+    tmp_path: Path, where: str, error: BaseException, said: str
+) -> None:
+    model = Failing(where, error)
+    observer = LightningObserver(sampler=EveryNForwardsSampler(1))
+    callbacks: list[Any] = [observer, RaiseAfterBatch(error)] if where == "callback" else [observer]
+    sigint = signal.getsignal(signal.SIGINT)
+    try:  # Lightning turns a KeyboardInterrupt into SystemExit(1), ignoring SIGINT from then on
+        with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+            fit(tmp_path, model, callbacks)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert not has_observer(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    run = tmp_path / "torchinstruments"
+    assert observer.directory == run
+    assert run_status(run) == "complete"
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert f"the fit ended with an exception at global step 2: {said} The run holds" in index
+    # Steps 0 and 1 trained; step 2's training step raised before its forward (Ctrl-C), or
+    # never came (the validation at step 2 and the callback after batch 1 raised first).
+    history = read_history(run)
+    assert sorted(history.filter(history["mode"] == "train")["step"].unique()) == [0, 1]
+
+    model.where = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing left of the first fit to say
+        fit(tmp_path, model, [observer])
+    assert observer.directory == tmp_path / "torchinstruments-2"
+    assert run_status(tmp_path / "torchinstruments-2") == "complete"
+    assert not has_observer(model)

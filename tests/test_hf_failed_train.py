@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import polars as pl
 import pytest
 import torch
 from test_huggingface_callback import examples, tiny_bert
@@ -192,3 +193,21 @@ def test_a_direct_forward_after_a_failed_train_is_the_models_own(tmp_path: Path)
     assert "1 evaluation forward inside the fit" not in (run / "index.md").read_text(
         encoding="utf-8"
     )
+
+
+def test_a_later_evaluate_takes_no_sample_into_the_failed_fits_run_with_record_eval(
+    tmp_path: Path,
+) -> None:
+    model = tiny_bert()
+    observer = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), record_eval=True)
+    trainer = failing_trainer(tmp_path, model, "compute_metrics", observer)
+    with pytest.raises(RuntimeError, match="boom in compute_metrics"):
+        trainer.train()
+    trainer.compute_metrics = None
+    with pytest.warns(RuntimeWarning, match=WARNED):
+        trainer.evaluate(eval_dataset=cast(Any, examples(4)))
+    history = read_history(tmp_path / "out" / "torchinstruments")
+    # One training forward, then the fit's one evaluation batch (its compute_metrics raised):
+    # the evaluation after the fit is no sample of its run.
+    samples = history.group_by("forward_index").agg(pl.col("mode").first()).sort("forward_index")
+    assert samples.rows() == [(0, "train"), (1, "eval")]

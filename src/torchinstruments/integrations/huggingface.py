@@ -43,19 +43,18 @@ instance's `training_step` (an attribute of the Trainer object, never of the mod
 removal): its forwards are the training forwards, and an exception raised in a training step
 (forward, loss, backward) removes the observer, with a note in index.md, and propagates
 unchanged. An exception elsewhere (an evaluation's `compute_metrics`, another callback, the
-data collator, the optimizer step) ends `train()` without any event, so the callback keeps that
-Trainer's frame (the training loop that called `on_train_begin`) and, at the next use of the
-model, asks whether it still runs (`_torch_internals.on_stack`): at each forward outside a
-training step (one walk of the stack, for evaluation forwards only), and at the start of the
-next fit with this callback or with another on the same model. Once it has left the stack, the
-run is finished as interrupted (index.md and a warning: the global step reached, why, and how it
-was seen) and the model's forwards are restored before that forward or fit runs, so a later
-`trainer.evaluate()` is neither observed nor counted as evaluation inside the fit, and a next
-`train()` starts as on a fresh callback. A `train()` resumed from a checkpoint that continues
-that run with another callback (a Trainer built anew) finishes it too (`_fit.py`); otherwise the
-end of the process does (the observer's finalizer; no note, since nothing then knows how the
-fit ended). The same Trainer is how the callback
-finds its `TensorBoardCallback`'s writer.
+data collator, the optimizer step) ends `train()` without any event, so the callback keeps the
+frame of that Trainer's `train()` and, at the next use of the model, asks whether it still runs
+(`_torch_internals.on_stack`): at each forward outside a training step (one walk of the stack,
+for evaluation forwards only), and at the start of the next fit with this callback or with
+another on the same model. Once it has left the stack, the run is finished as interrupted
+(index.md and a warning: the global step reached, why, and how it was seen) and the model's
+forwards are restored before that forward or fit runs, so a later `trainer.evaluate()` is
+neither observed nor counted as evaluation inside the fit, and a next `train()` starts as on a
+fresh callback. A `train()` resumed from a checkpoint that continues that run with another
+callback (a Trainer built anew) finishes it too (`_fit.py`); otherwise the end of the process
+does (the observer's finalizer; no note, since nothing then knows how the fit ended). The same
+Trainer is how the callback finds its `TensorBoardCallback`'s writer.
 
 Why the frames, the only way: every event (`on_train_begin` included) receives `args`, `state`,
 `control` and, from `CallbackHandler.call_event`, the model, processing class, optimizer,
@@ -138,8 +137,8 @@ class HuggingFaceObserver(TrainerCallback):
             after_fit="trainer.evaluate() and trainer.predict() calls",
         )
         self._step_guard: TrainingStepMark | None = None
-        # The running fit's training loop (the Trainer's frame that called on_train_begin), its
-        # thread, and its global step: where the fit ended, once that frame left the stack.
+        # The running fit's `train()` frame (`_running_trainer`), its thread, and its global
+        # step: where the fit ended, once that frame has left the stack.
         self._loop: tuple[FrameType, int] | None = None
         self._step: Callable[[], int] = lambda: 0
         # Not the class name: a key that names a callback class is rebuilt from its saved
@@ -266,18 +265,27 @@ class HuggingFaceObserver(TrainerCallback):
 
 
 def _running_trainer() -> tuple[Trainer | None, FrameType | None]:
-    """The Trainer whose training loop is calling this callback, and that loop's frame (the
-    innermost of the caller's frames whose `self` is a Trainer); (None, None) where none is."""
+    """The Trainer whose training loop is calling this callback (the innermost of the caller's
+    frames whose `self` is a Trainer), and the frame of its `train()`, which holds the whole fit
+    (that innermost frame where `train` is overridden without calling `Trainer.train`);
+    (None, None) where no frame holds a Trainer."""
     frame = inspect.currentframe()
+    trainer, loop = None, None
     try:
         while frame is not None:
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer):
-                return candidate, frame
+            if trainer is None and isinstance(candidate, Trainer):
+                trainer, loop = candidate, frame
+            if trainer is not None and candidate is trainer and frame.f_code is _TRAIN:
+                loop = frame
+                break
             frame = frame.f_back
-        return None, None
+        return trainer, loop
     finally:
         del frame  # no reference cycle through the frames
+
+
+_TRAIN = Trainer.train.__code__
 
 
 def _saved_run(state: TrainerState, key: str) -> Path | None:

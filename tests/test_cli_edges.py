@@ -160,13 +160,13 @@ def test_compare_names_both_runs_and_a_missing_signal_is_refused(run: Path, tmp_
 def test_finalize_counts_agree_with_index_md_and_read_as_english(run: Path, tmp_path: Path) -> None:
     code, out, _ = cli("finalize", run)
     assert code == 0
-    assert "; 300 root forwards, 6 samples, 6 with a backward\n" in out
+    assert "; 300 root forwards, 6 samples, 6 with output gradients\n" in out
     assert "at least" not in out
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "300 root forwards" in index
     one = make_run(tmp_path / "one", 1, 1)
     code, out, _ = cli("finalize", one)
-    assert "; 1 root forward, 1 sample, 1 with a backward\n" in out
+    assert "; 1 root forward, 1 sample, 1 with output gradients\n" in out
 
 
 def test_compare_prints_metric_names_whole_and_plurals_right_at_80_columns(

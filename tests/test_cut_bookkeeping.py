@@ -285,7 +285,7 @@ def test_a_pass_that_raised_before_reaching_a_sample_leaves_it_a_sample_without_
     expected = twin(tmp_path, 2)
     assert values(history, 0) == {k: v for k, v in values(expected, 0).items() if k[0] == "output"}
     index = (tmp_path / "run" / "index.md").read_text("utf-8")
-    assert "2 samples, 1 sample with a backward" in index
+    assert "2 samples, 1 sample with output gradients" in index
 
 
 def test_a_backward_that_raised_after_all_of_a_samples_gradients_leaves_it_whole(

@@ -59,9 +59,9 @@ def test_a_default_run_killed_after_its_first_sample_has_its_rows(run_dir: Path)
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     line = counts_sentence(state)
     assert f"- {line}" in index
-    # The truth is 41 root forwards, 1 sample, 1 with a backward: each is said as a bound.
+    # The truth is 41 root forwards, 1 sample, 1 with output gradients: each is said as a bound.
     assert line.endswith(
-        "at least 1 root forward, at least 1 sample, at least 1 sample with a backward"
+        "at least 1 root forward, at least 1 sample, at least 1 sample with output gradients"
     )
     assert "never called" not in index
 
@@ -88,7 +88,7 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
     )
     killed = RunState(run, RunCounts(0, 0, 0), counts_recovered=True, interrupted=True)
     page = render_index(killed)
-    assert "unknown root forwards, unknown samples, unknown samples with a backward" in page
+    assert "unknown root forwards, unknown samples, unknown samples with output gradients" in page
     assert "never called" not in page
     assert " 0 root forwards" not in page
     # The live run counted, passed-through forwards too: the model never ran.

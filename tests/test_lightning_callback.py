@@ -248,7 +248,9 @@ def test_a_fit_whose_model_ran_only_in_unobserved_evaluation_is_never_said_never
         f"{evaluation} evaluation forwards ran unobserved, so history.parquet has no rows"
     ) in index
     assert f"**Note:** {evaluation} evaluation forwards inside the fit" in index
-    assert f"0 samples with a backward; {evaluation} evaluation forwards ran unobserved" in index
+    assert (
+        f"0 samples with output gradients; {evaluation} evaluation forwards ran unobserved" in index
+    )
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def plain_step(m: nn.Module, i: int) -> torch.Tensor:
 
 
 def counts_line(run_dir: Path) -> str:
-    """index.md's line of counts: root forwards, samples, samples with a backward."""
+    """index.md's line of counts: root forwards, samples, samples with output gradients."""
     found = re.search(r"- counts: (.*)", (run_dir / "index.md").read_text("utf-8"))
     assert found is not None, "index.md has no counts line"
     return found.group(1)

@@ -135,7 +135,7 @@ def test_counts_of_one_are_singular(tmp_path: Path) -> None:
     model(torch.randn(1, 2))
     remove_observer(model)
     lines = show(tmp_path / "run")
-    assert "counts: 1 root forward, 1 sample, 0 samples with a backward" in lines
+    assert "counts: 1 root forward, 1 sample, 0 samples with output gradients" in lines
     page = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
     assert "1 samples" not in page
     assert "1 root forwards" not in page

@@ -176,7 +176,7 @@ def test_index_md_is_rendered_from_a_state_file(tmp_path: Path) -> None:
         "**Note:** a later note",
         "counts (rebuilt from history after an interrupted run: what reached the disk, so lower "
         "bounds; unknown where nothing did): at least 9 root forwards, at least 4 samples, at "
-        "least 3 samples with a backward",
+        "least 3 samples with output gradients",
         "| `fc` | Linear | 4 |",
         "| `unused` | ReLU | 0 |",
         "No row on disk (1): `unused`",  # recovered counts: no proof it never ran
@@ -222,12 +222,12 @@ def test_finalize_a_finished_run_whose_index_md_was_deleted(tmp_path: Path) -> N
     assert run_status(directory) == "complete"
     page = (directory / "index.md").read_text(encoding="utf-8")
     # the live run's exact counts (3 sampled + 2 unsampled), not lower bounds from history
-    assert "- counts: 5 root forwards, 3 samples, 3 samples with a backward" in page
+    assert "- counts: 5 root forwards, 3 samples, 3 samples with output gradients" in page
     assert "| `unused` | ReLU | 0 |" in page  # the catalog came from the state, not history
     assert (directory / "result.json").read_bytes() == before
     facts = read_facts(directory)  # the CLI reads the state file too
     assert facts.state == "complete"
-    assert facts.counts == "counts: 5 root forwards, 3 samples, 3 samples with a backward"
+    assert facts.counts == "counts: 5 root forwards, 3 samples, 3 samples with output gradients"
 
 
 def old_page(run: dict[str, object], marker: str, rows_recorded: int | None) -> str:

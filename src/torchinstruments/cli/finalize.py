@@ -56,13 +56,13 @@ def _finalize(directory: Path) -> int:
         if report.state.counts_recovered:  # lower bounds; a 0 there is unknown, never 0
             counts = (
                 f"{bound_count(c.root_forwards, 'root forward')}, "
-                f"{bound_count(c.samples, 'sample')}, {bound_count(c.backward_samples)} with a "
-                "backward (rebuilt from history)"
+                f"{bound_count(c.samples, 'sample')}, {bound_count(c.backward_samples)} with output "
+                "gradients (rebuilt from history)"
             )
         else:
             counts = (
                 f"{plural(c.root_forwards, 'root forward')}, {plural(c.samples, 'sample')}, "
-                f"{c.backward_samples} with a backward"
+                f"{c.backward_samples} with output gradients"
             )
         print(
             f"finalized {report.directory}: {plural(merge.rows, 'row')} in {merge.path} "

@@ -62,7 +62,8 @@ class AttemptCounts:
         first_forward_index: the forward_index its first root forward got.
         root_forwards: root forwards it saw.
         samples: samples it took.
-        backward_samples: its samples with a backward.
+        backward_samples: its samples with output gradients (whose backward reached a selected
+            layer's output).
         train_forwards: its root forwards on the training schedule (the training sampler's
             count); None: unknown (a state written before it was kept, or killed before removal).
         eval_forwards: its evaluation forwards on their own schedule (`record_eval`); None:

@@ -45,6 +45,15 @@ from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import RunState, Status
 
+# What "samples with output gradients" counts: narrower than "samples a backward ran over".
+GRADIENT_COUNT_MEANING = (
+    "samples with output gradients: samples whose backward reached the output of at least one "
+    "selected layer (they have output_gradient rows). A backward that ran but reached no "
+    "selected layer's output is not counted: layers run under torch.no_grad() inside the "
+    "forward (reentrant torch.utils.checkpoint, use_reentrant=True, around them), a backward "
+    "that raised before reaching one, or torch.autograd.grad with inputs= short of them"
+)
+
 
 def counts_sentence(state: RunState) -> str:
     """The page's counts line (also printed by `torchinstruments show`), without the "- "."""
@@ -61,7 +70,7 @@ def counts_sentence(state: RunState) -> str:
             "remove_observer, and their counts were rebuilt from what reached the disk): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{bound_count(counts.backward_samples, 'sample')} with a backward"
+            f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
         )
     if state.counts_recovered:
         return (
@@ -69,13 +78,13 @@ def counts_sentence(state: RunState) -> str:
             "so lower bounds; unknown where nothing did): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{bound_count(counts.backward_samples, 'sample')} with a backward"
+            f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
         )
     passed = passed_through(counts)
     return (
         f"counts: {plural(counts.root_forwards, 'root forward')}, "
         f"{plural(counts.samples, 'sample')}, "
-        f"{plural(counts.backward_samples, 'sample')} with a backward"
+        f"{plural(counts.backward_samples, 'sample')} with output gradients"
         + ("" if passed is None else f"; {passed}")
     )
 
@@ -342,7 +351,7 @@ def _section_attempts(state: RunState) -> list[str]:
         "steps again (a note says which).",
         "",
         "| attempt | started at | ended | first sample_id | first forward_index | root forwards "
-        "| samples | samples with a backward |",
+        "| samples | samples with output gradients |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     split = any(a.eval_forwards for a in state.attempts)
@@ -408,6 +417,8 @@ def _section_run(state: RunState) -> list[str]:
         f"window={history.window}" + ("" if cap is None else f", max_buffered_rows={cap}"),
     ]
     lines.append(f"- {counts_sentence(state)}")
+    if state.counts is not None:
+        lines.append(f"- {GRADIENT_COUNT_MEANING}")
     return [*lines, ""]
 
 

@@ -37,7 +37,7 @@ and the merge at the end rewrites history.parquet with the new parts added (it s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,15 +157,44 @@ def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[
     for entry in attempts:
         if entry.ended == IN_PROGRESS:
             found = attempt_rows(history, entry.attempt) if history.is_file() else None
+            # its root forwards began at its own first forward_index, not at its first sample's
+            last = None if found is None else found.first_forward_index + found.root_forwards
             entry = dataclasses.replace(
                 entry,
-                root_forwards=0 if found is None else found.root_forwards,
+                root_forwards=0 if last is None else last - min(entry.first_forward_index, last),
                 samples=0 if found is None else found.samples,
                 backward_samples=0 if found is None else found.backward_samples,
                 ended=KILLED,
             )
         closed.append(entry)
     return tuple(closed)
+
+
+def raise_to_events(
+    attempts: tuple[AttemptCounts, ...], killed: Collection[int], missing: Iterable[int]
+) -> tuple[AttemptCounts, ...]:
+    """`attempts` with each of the `killed` ones (closed from their rows) raised to the sampled
+    forwards `missing`: those the run's TensorBoard events hold and history has no row of
+    (their rows died with the process). Each is one more sample of the attempt whose
+    forward_index range holds it, and its root forwards reach at least that one, so the
+    attempts add up to the run's counts, which `finalize` raises the same way."""
+    missing = sorted(missing)
+    starts = [a.first_forward_index for a in attempts[1:]]
+    raised = []
+    for entry, end in zip(attempts, [*starts, None], strict=True):
+        mine = [
+            step
+            for step in missing
+            if step >= entry.first_forward_index and (end is None or step < end)
+        ]
+        if entry.attempt in killed and mine:
+            entry = dataclasses.replace(
+                entry,
+                root_forwards=max(entry.root_forwards, mine[-1] - entry.first_forward_index + 1),
+                samples=entry.samples + len(mine),
+            )
+        raised.append(entry)
+    return tuple(raised)
 
 
 def plan_continuation(
@@ -306,5 +335,6 @@ __all__ = [
     "close_attempts",
     "job_counts",
     "plan_continuation",
+    "raise_to_events",
     "sampler_line",
 ]

@@ -33,7 +33,7 @@ import polars as pl
 from torchinstruments import reasons
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempts import close_attempts
+from torchinstruments.rundir.attempts import close_attempts, raise_to_events
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
@@ -152,7 +152,9 @@ def finish_run(
         notes = with_killed_repeats(state.notes, merge.path, [a for a in killed if a > 0])
         state = dataclasses.replace(state, attempts=closed, notes=notes)
         if state.interrupted:
-            state, counts = _events_without_rows(directory, merge.path, state, counts, recovered)
+            state, counts = _events_without_rows(
+                directory, merge.path, state, counts, recovered, killed
+            )
         found += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
             "are not in history.parquet"
@@ -227,10 +229,16 @@ def _write_parent_page(parent: Path) -> None:
 
 
 def _events_without_rows(
-    directory: Path, history: Path, state: RunState, counts: RunCounts, recovered: bool
+    directory: Path,
+    history: Path,
+    state: RunState,
+    counts: RunCounts,
+    recovered: bool,
+    killed: list[int],
 ) -> tuple[RunState, RunCounts]:
     """After a kill: the sampled forwards the run's TensorBoard events hold and history has no
-    row of (their rows died in memory), and counts rebuilt from history raised to them."""
+    row of (their rows died in memory), and counts rebuilt from history raised to them, as are
+    those of the `killed` attempts (closed now from their rows)."""
     steps = event_steps(directory)
     if not steps:
         return state, counts
@@ -245,7 +253,10 @@ def _events_without_rows(
         return state, counts
     missing = sorted(steps - set(present))
     state = dataclasses.replace(
-        state, events_without_rows=tuple(missing[:20]), events_without_rows_total=len(missing)
+        state,
+        events_without_rows=tuple(missing[:20]),
+        events_without_rows_total=len(missing),
+        attempts=raise_to_events(state.attempts, killed, missing),
     )
     if recovered:
         counts = dataclasses.replace(

@@ -1,0 +1,98 @@
+"""A killed attempt's row in the Attempts table counts what the run's counts count for it.
+
+The child takes a sample every second forward (forward_index 0, 2, 4, 6, 8) over ten steps and
+is killed: only the first sample's rows reach history (written right after it), while the
+TensorBoard events of all five are on disk. `finalize` raises the run's counts to what the
+events prove (at least 9 root forwards, 5 samples); the attempt's row must say the same, not
+the 1 and 1 its rows alone give, so that the Attempts table adds up to the run's counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.state import read_state
+
+from conftest import kill_when_ready
+
+STEPS = 10  # samples at forward_index 0, 2, 4, 6, 8
+LATER_STEPS = 4
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def child_main(directory: Path, steps: int, resume: bool) -> None:
+    """An attempt that takes `steps` training steps, then waits to be killed."""
+    net = model()
+    config = HistoryConfig(buffer_rows=100_000, flush_seconds=600.0)  # rows stay in memory
+    inject_observer(
+        net,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(2),
+        history_config=config,
+        resume=resume,
+    )
+    for _ in range(steps):
+        net(torch.randn(2, 3)).sum().backward()
+    print("stepped", flush=True)
+    time.sleep(120)
+
+
+def test_a_killed_attempts_row_counts_the_samples_its_events_prove(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    kill_when_ready(__file__, "stepped", run, str(STEPS), "new")
+    net = model()
+    inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2), resume=True)
+    for _ in range(LATER_STEPS):
+        net(torch.randn(2, 3)).sum().backward()
+    remove_observer(net)
+
+    state = read_state(run)
+    killed, removed = state.attempts
+    assert killed.ended == "killed"
+    assert removed.ended == "removed"
+    # What the first attempt's events prove: forward_index 8 was sampled, 5 samples in all.
+    assert (killed.root_forwards, killed.samples) == (STEPS - 1, STEPS // 2)
+    assert (removed.root_forwards, removed.samples) == (LATER_STEPS, LATER_STEPS // 2)
+    assert state.counts is not None
+    assert state.counts.root_forwards == killed.root_forwards + removed.root_forwards
+    assert state.counts.samples == killed.samples + removed.samples
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "| killed | 0 | 0 | at least 9 | at least 5 |" in index
+
+
+def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 (forward_index 0-2, samples at 0 and 2) is removed; attempt 1 begins at
+    forward_index 3, which is not sampled, samples forward_index 4 and is killed. Its rows begin
+    at its first sample, but its root forwards at its first forward: 2 of them, not 1."""
+    run = tmp_path / "stats"
+    net = model()
+    inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2))
+    for _ in range(3):
+        net(torch.randn(2, 3)).sum().backward()
+    remove_observer(net)
+    kill_when_ready(__file__, "stepped", run, "2", "resume")
+    finalize(run)
+
+    state = read_state(run)
+    removed, killed = state.attempts
+    assert killed.first_forward_index == 3
+    assert (killed.root_forwards, killed.samples) == (2, 1)
+    assert state.counts is not None
+    assert state.counts.root_forwards == 5 == removed.root_forwards + killed.root_forwards
+    assert state.counts.samples == 3 == removed.samples + killed.samples
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "resume")

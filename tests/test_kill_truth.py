@@ -104,6 +104,36 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
     ) in older
 
 
+def test_samples_only_events_prove_leave_every_layer_count_unknown_never_0(tmp_path: Path) -> None:
+    """As a kill leaves it when no part reached the disk but the TensorBoard events of the
+    samples did (here: the parts removed by hand, the state put back to "in progress"): the
+    events prove 3 samples, yet no row says which layers ran in them, so each layer's count is
+    unknown, never 0."""
+    from torchinstruments import EveryNForwardsSampler, remove_observer
+
+    run = tmp_path / "stats"
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(2))
+    for _ in range(6):  # samples at forward_index 0, 2, 4
+        model(torch.randn(2, 3)).sum().backward()
+    live = (run / ".state.json").read_text(encoding="utf-8")
+    remove_observer(model)
+    (run / "history.parquet").unlink()
+    (run / "history.parts").mkdir()
+    (run / ".state.json").write_text(live, encoding="utf-8")
+
+    report = finalize(run)
+    assert report.counts.samples == 3  # what the events prove
+    result = json.loads((run / "result.json").read_text("utf-8"))
+    assert [layer["sampled_forwards"] for layer in result] == [None, None]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    layers = index.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    assert "| `0` | Linear | unknown |" in layers
+    assert "| `1` | Tanh | unknown |" in layers
+    assert "| 0 |" not in layers
+    assert "at least 3 samples" in index
+
+
 if __name__ == "__main__":
     child_main(Path(sys.argv[1]), sys.argv[2:] == ["before"])
 

@@ -132,13 +132,13 @@ def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> l
     run, counts = state.run, state.counts
     if counts is None:
         return []
-    if state.counts_unknown:
+    if state.layer_counts_unknown:
         lines = [
             "## Layers",
             "",
             "Sampled forwards in which each selected layer was called and returned: unknown. "
-            "No row reached the disk before the process ended, so whether and how often each "
-            "layer ran is unknown (result.json's `sampled_forwards` is null), never 0.",
+            "No layer's output row reached the disk before the process ended, so whether and "
+            "how often each layer ran is unknown (result.json's `sampled_forwards` is null), never 0.",
             "",
         ]
         if len(run.layers) <= LISTED_LAYERS:

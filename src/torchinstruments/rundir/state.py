@@ -142,6 +142,13 @@ class RunState:
         return self.counts is not None and self.counts_recovered and self.counts.samples == 0
 
     @property
+    def layer_counts_unknown(self) -> bool:
+        """Whether the per-layer counts say nothing: rebuilt from history after the process
+        died, and no output row of any layer had reached the disk. Samples can still be known
+        then (TensorBoard events prove them), but not which layers ran in them."""
+        return self.counts is not None and self.counts_recovered and not self.counts.layer_samples
+
+    @property
     def status(self) -> Status:
         """In progress without counts; incomplete with a problem or a loss; else interrupted
         when the process died before removal; else complete."""

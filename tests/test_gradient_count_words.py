@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -73,3 +74,38 @@ def test_a_backward_that_reaches_no_layer_output_is_counted_as_no_gradient_not_n
         "samples with output gradients: samples whose backward reached the output of at least one "
         "selected layer (they have output_gradient rows)"
     ) in index
+
+
+class RaisesInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (a user's custom op failing)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError("backward failed")
+
+
+def test_a_backward_that_raised_before_reaching_a_layer_output_is_not_counted(
+    run_dir: Path,
+) -> None:
+    """Sample 1's backward raises before it reaches the layer's output; samples 0 and 2 have
+    ordinary backwards: 2 samples with output gradients, as the definition on the page says."""
+    layer = nn.Linear(3, 2)
+    model = nn.Sequential(layer)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        RaisesInBackward.apply(model(torch.randn(4, 3))).sum().backward()
+    model(torch.randn(4, 3)).sum().backward()
+    remove_observer(model)
+
+    history = read_history(run_dir)
+    with_gradient = history.filter(pl.col("signal") == "output_gradient")["sample_id"].unique()
+    assert sorted(with_gradient.to_list()) == [0, 2]
+    assert strict_json(run_dir / ".state.json")["counts"]["backward_samples"] == 2
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert "- counts: 3 root forwards, 3 samples, 2 samples with output gradients" in index
+    assert "a backward that raised before reaching one" in index

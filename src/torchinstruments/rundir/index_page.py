@@ -51,7 +51,8 @@ GRADIENT_COUNT_MEANING = (
     "selected layer (they have output_gradient rows). A backward that ran but reached no "
     "selected layer's output is not counted: layers run under torch.no_grad() inside the "
     "forward (reentrant torch.utils.checkpoint, use_reentrant=True, around them), a backward "
-    "that raised before reaching one, or torch.autograd.grad with inputs= short of them"
+    "that raised before reaching one, or torch.autograd.grad whose inputs= were computed after "
+    "their outputs (the gradient stops before it reaches them)"
 )
 
 

@@ -578,7 +578,7 @@ def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
     modules too: walking them here would cost each round the model's size), and a trainer
     callback's evaluation forwards so far, passed through or seen with record_eval (the fit's
     end says their whole count; a run killed before it has this lower bound)."""
-    counts = observer.counts()
+    counts = observer.counts(so_far=True)
     # the setup forwards' count is final when the fit's first loop starts, and said then
     passed = passed_through(dataclasses.replace(counts, unobserved_setup_forwards=0))
     seen = counts.eval_forwards  # nonzero only under a trainer callback's record_eval

@@ -142,11 +142,14 @@ class Counter:
         ran = self.layer_samples()
         return [name for name in names if not ran.get(name)]
 
-    def counts(self, backward_samples: int, notes: tuple[str, ...]) -> RunCounts:
-        """The run's counts, with what the backward side and the observer add."""
+    def counts(
+        self, backward_samples: int, notes: tuple[str, ...], so_far: bool = False
+    ) -> RunCounts:
+        """The run's counts, with what the backward side and the observer add; `so_far`: for
+        the state a live run saves, whose note counts are lower bounds if it is killed."""
         with self._lock:
             if self.recomputed:
-                notes = (*notes, recomputed_note(self.recomputed))
+                notes = (*notes, recomputed_note(self.recomputed, so_far))
             return RunCounts(
                 self.root_forwards,
                 self.samples,
@@ -160,10 +163,13 @@ class Counter:
             )
 
 
-def recomputed_note(calls: int | None = None) -> str:
+def recomputed_note(calls: int | None = None, so_far: bool = False) -> str:
     """What the run says of the calls of the model made during a backward pass (the warning at
-    the first, without a count; index.md, with the count of them all)."""
+    the first, without a count; index.md, with the count of them all). `so_far`: the count as
+    of a live run's last save of its state, which a kill leaves as it was: a lower bound."""
     times = "" if calls is None else " once" if calls == 1 else f" {calls} times"
+    if so_far and calls is not None:
+        times = f" at least{times} (up to the run's last save of its state while it went on)"
     return (
         f"the model was called during a backward pass{times} (activation checkpointing of the "
         "whole model, `checkpoint(model, ...)`, calls it again there to recompute its "

@@ -532,14 +532,15 @@ class Observer:
         with self._sink_lock:
             self.sinks.write_backward(record)
 
-    def counts(self) -> RunCounts:
-        """How many root forwards, samples and backward samples this observer saw."""
+    def counts(self, so_far: bool = False) -> RunCounts:
+        """How many root forwards, samples and backward samples this observer saw (`so_far`:
+        for the live state, Counter.counts)."""
         batched = self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
         said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         notes = (*notes, *self.failed_measurements.notes())
-        return self.counter.counts(self.gradients.backward_samples, notes)
+        return self.counter.counts(self.gradients.backward_samples, notes, so_far)
 
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""

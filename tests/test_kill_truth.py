@@ -132,6 +132,10 @@ def test_samples_only_events_prove_leave_every_layer_count_unknown_never_0(tmp_p
     assert "| `1` | Tanh | unknown |" in layers
     assert "| 0 |" not in layers
     assert "at least 3 samples" in index
+    shown = run_cli("show", run)
+    assert shown.returncode == 1
+    assert "no row reached the disk" in shown.stderr
+    assert "no sample was taken" not in shown.stderr
 
 
 if __name__ == "__main__":

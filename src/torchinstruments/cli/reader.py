@@ -405,13 +405,14 @@ def layer_order(present: Sequence[str], run: RunInfo | None) -> list[str]:
 
 
 def _counts_unknown(directory: Path) -> bool:
-    """Whether the run's state says its counts are unknown (killed before any row reached the
-    disk: `RunState.counts_unknown`)."""
+    """Whether the run's state says what its rows held is unknown (killed before any layer's
+    row reached the disk: `RunState.layer_counts_unknown`; its TensorBoard events may still
+    prove samples, so "no sample was taken" would be false)."""
     try:
         state = load_state(Path(directory))
     except (OSError, ValueError):
         return False
-    return state is not None and state.counts_unknown
+    return state is not None and state.layer_counts_unknown
 
 
 class SelectionError(ValueError):
@@ -466,8 +467,8 @@ def check_selection(
         if any(_counts_unknown(d) for d in directories):
             raise SelectionError(
                 f"{', '.join(map(str, directories))}: no row reached the disk (the process "
-                "ended before its first part was written), so how many samples were taken is "
-                "unknown: nothing to show"
+                "ended before its first part was written), so what its samples held is unknown "
+                "(its index.md says how many are known): nothing to show"
             )
         raise SelectionError(
             f"{', '.join(map(str, directories))}: {runs} recorded no rows (no sample was taken; "

@@ -136,12 +136,6 @@ class RunState:
     dtype_changes_total: int = 0
 
     @property
-    def counts_unknown(self) -> bool:
-        """Whether the counts say nothing: rebuilt from history after the process died, and
-        no row had reached the disk (a 0 there is unknown, never 0), per layer too."""
-        return self.counts is not None and self.counts_recovered and self.counts.samples == 0
-
-    @property
     def layer_counts_unknown(self) -> bool:
         """Whether the per-layer counts say nothing: rebuilt from history after the process
         died, and no output row of any layer had reached the disk. Samples can still be known

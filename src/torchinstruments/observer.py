@@ -533,8 +533,7 @@ class Observer:
             self.sinks.write_backward(record)
 
     def counts(self, so_far: bool = False) -> RunCounts:
-        """How many root forwards, samples and backward samples this observer saw (`so_far`:
-        for the live state, Counter.counts)."""
+        """What this observer saw (`so_far`: for the live state's notes, Counter.counts)."""
         batched = self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
         said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)

@@ -1,4 +1,8 @@
-"""Sampled outputs that required no grad: which series have no output_gradient rows, and why.
+"""Sampled outputs no gradient reaches: which series have no output_gradient rows, and why.
+
+The cases: outputs that required no grad (below), layers run under no_grad inside a forward
+called with grad enabled, outputs wrapped by a torch.func transform, gradient hooks a tensor
+refused, and returned views that a later in-place op changed (each said where it is kept).
 
 A sampled output (with grad enabled) that does not require grad gets no hook, since no gradient
 can arrive, exactly as plain `Tensor.register_hook` users skip it; its output_gradient rows are

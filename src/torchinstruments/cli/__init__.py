@@ -1,4 +1,4 @@
-"""Reading a run from the command line: `show`, `compare`, `plot` and `heatmap`.
+"""The command line: `finalize`, and reading a run with `show`, `compare`, `plot` and `heatmap`.
 
 Design decision: these commands read run directories with Polars only; nothing here (nor what it
 imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in a fraction of a

@@ -1,4 +1,4 @@
-"""Reading a run directory without torch: the one reader behind `show`, `compare` and `plot`.
+"""Reading a run directory without torch: the one reader of `show`, `compare`, `plot`, `heatmap`.
 
 Design decisions:
 

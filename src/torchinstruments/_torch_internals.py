@@ -282,11 +282,10 @@ def in_backward_pass() -> bool:
     outside every pass such a callback can no longer come. Where the name is missing, True:
     nothing is taken for ended.
     """
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is None or current() != -1
+    return _GRAPH_TASK_ID is None or _GRAPH_TASK_ID() != -1
 
 
-# Read once: `ran_by_a_backward` runs at every root forward, sampled or not.
+# Read once, for `in_backward_pass` and `ran_by_a_backward` (this one runs at every root forward).
 _GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 

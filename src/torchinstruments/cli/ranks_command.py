@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -160,7 +160,6 @@ def _draw(
         metrics_left_out_line,
     )
     from torchinstruments.cli.text import plural
-    from torchinstruments.rundir.ranges import ranges
 
     prog = f"torchinstruments {args.command}"
     try:
@@ -183,13 +182,7 @@ def _draw(
             left_out_line = metrics_left_out_line(prog, result)
             if left_out_line is not None:
                 print(left_out_line, file=sys.stderr)
-            if lines.left_out:
-                print(
-                    f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "
-                    f"{ranges(lines.left_out)}; --max-tensors counts ranks here); choose with "
-                    "--rank or raise --max-tensors",
-                    file=sys.stderr,
-                )
+            _say_ranks_left_out(prog, lines.left_out)
             return 0
         output_dir = checked_folder(args.output_dir or Path(parent))
         results, lines = ranks_draw.heatmap_ranks(
@@ -206,17 +199,24 @@ def _draw(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
                 f"{lines.name()}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
             )
-        if lines.left_out:
-            print(
-                f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "
-                f"{ranges(lines.left_out)}; --max-tensors counts ranks here); choose with "
-                "--rank or raise --max-tensors",
-                file=sys.stderr,
-            )
+        _say_ranks_left_out(prog, lines.left_out)
         return 0
     except MatplotlibMissingError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 3
+
+
+def _say_ranks_left_out(prog: str, left_out: Sequence[int]) -> None:
+    """On stderr, the ranks a drawing left out (`--max-tensors` counts ranks there), if any."""
+    if left_out:
+        from torchinstruments.cli.text import plural
+        from torchinstruments.rundir.ranges import ranges
+
+        print(
+            f"{prog}: {plural(len(left_out), 'rank')} left out (rank {ranges(left_out)}; "
+            "--max-tensors counts ranks here); choose with --rank or raise --max-tensors",
+            file=sys.stderr,
+        )
 
 
 __all__ = ["UsageError", "add_rank_option", "run_on_ranks"]

@@ -4,6 +4,13 @@ A forward may return a tensor, or tensors nested in tuples, lists, mappings, nam
 dataclasses; each tensor found is one measured output, named by the path that reaches it
 (`[0]`, `['key']`, `.field`). Anything else is passed over untouched.
 
+A tensor, or a container holding tensors, reached again at a second path of the same output
+(Hugging Face's `hidden_states[-1]` is `last_hidden_state`; a forward returning `(y, y)`) is one
+tensor with one gradient: it is measured once, at the first path, and the run says which path
+has no rows of its own and where they are (one warning per layer, and a note in index.md), so
+a query for the second path that finds nothing has its answer. Every object visited is held
+until the walk ends, so the id of one freed on the way cannot be taken for a later one.
+
 Design decision: the walk never looks inside an object of another kind (a Hugging Face `Cache`,
 a `torch.distributions.Distribution`, a NumPy array, a `SimpleNamespace`, a `deque`): reading an
 arbitrary object's attributes or iterating it could run user code, and its tensors have no path
@@ -61,9 +68,9 @@ def iter_tensors(
     any other object is passed over untouched, and, unless it is a plain value, reported to
     `passed_over` as the output of `layer` (see the module docstring). Each object is visited
     once, so cycles and repeated references are safe; a tensor reachable twice is measured at
-    its first path.
+    its first path, and the second path is reported to `passed_over`.
     """
-    yield from _walk(output, "", set(), 0, layer, passed_over)
+    yield from _walk(output, "", _Seen(), 0, layer, passed_over)
 
 
 def passed_over_message(layer: str, path: str, what: str) -> str:
@@ -76,11 +83,36 @@ def passed_over_message(layer: str, path: str, what: str) -> str:
     )
 
 
+class _Visit:
+    """An object the walk reached: held (so its id stays its own), its first path, and whether
+    tensors were found in it (known once its walk ended; a cycle back into it is not an alias)."""
+
+    __slots__ = ("holds_tensors", "obj", "path")
+
+    def __init__(self, obj: Any, path: str, holds_tensors: bool) -> None:
+        self.obj, self.path, self.holds_tensors = obj, path, holds_tensors
+
+
+class _Seen:
+    """The objects the walk reached, by id, and how many tensors it has found so far."""
+
+    __slots__ = ("tensors", "visits")
+
+    def __init__(self) -> None:
+        self.visits: dict[int, _Visit] = {}
+        self.tensors = 0
+
+
 def _walk(
-    obj: Any, path: str, seen: set[int], depth: int, layer: str, passed_over: PassedOver | None
+    obj: Any, path: str, seen: _Seen, depth: int, layer: str, passed_over: PassedOver | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Depth-first walk behind `iter_tensors`."""
-    if id(obj) in seen or obj is None:
+    if obj is None:
+        return
+    visit = seen.visits.get(id(obj))
+    if visit is not None:
+        if visit.holds_tensors:
+            _report_alias(layer, path, visit.path, isinstance(obj, torch.Tensor), passed_over)
         return
     try:  # free when nothing raises: no frame of its own on the sampled path
         if depth > _MAX_OUTPUT_DEPTH:  # a tensor too: not followed, so not measured
@@ -89,13 +121,15 @@ def _walk(
                 _report(layer, path, what, passed_over)
             return
         if isinstance(obj, torch.Tensor):
-            seen.add(id(obj))
+            seen.visits[id(obj)] = _Visit(obj, path, True)
+            seen.tensors += 1
             yield path, obj
             return
         if isinstance(obj, _PLAIN):
             return
-        seen.add(id(obj))
+        visit = seen.visits[id(obj)] = _Visit(obj, path, False)
         walk_deeper = depth + 1
+        found = seen.tensors
         if isinstance(obj, Mapping):
             for key, value in obj.items():
                 yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
@@ -113,10 +147,25 @@ def _walk(
         else:
             kind = type(obj)
             _report(layer, path, f"a {kind.__module__}.{kind.__qualname__}", passed_over)
+        visit.holds_tensors = seen.tensors > found  # reached again elsewhere: an alias
     except Exception as error:  # what was read before keeps its rows, the rest of the walk goes on
         if passed_over is not None:
             what = f"{type(obj).__module__}.{type(obj).__qualname__}"
             passed_over(f"unreadable:{layer}:{what}", _unreadable(layer, path, what, error))
+
+
+def _report_alias(
+    layer: str, path: str, first: str, tensor: bool, passed_over: PassedOver | None
+) -> None:
+    """Tell `passed_over` (if any) of an object reached again at `path`, once per layer."""
+    if passed_over is not None:
+        what = "tensor" if tensor else "object, with its tensors,"
+        passed_over(
+            f"aliased:{layer}",
+            f"layer {layer!r} returned the same {what} at tensor_path {path!r} as at "
+            f"{first!r} (the first such path seen): it is measured once, so the rows of "
+            f"{path!r} are those of {first!r}",
+        )
 
 
 def _unreadable(layer: str, path: str, kind: str, error: Exception) -> str:

@@ -159,9 +159,11 @@ def section_meanings() -> list[str]:
         "recorded when backward reaches it (same sample_id as its forward).",
         '- tensor_path: `""` the output is a bare tensor; `[0]` first element of a tuple or '
         "list; `['logits']` dict key; `.hidden` attribute (dataclass / named tuple / model "
-        "output object); `[1]['k']` nested, 16 levels deep. Values that hold no tensor (None, "
-        "strings, numbers) are skipped; an object of any other kind (a Cache, a distribution, "
-        "a NumPy array) is not entered, so tensors inside it have no rows: a note names each.",
+        "output object); `[1]['k']` nested, 16 levels deep. Values that hold no tensor "
+        "(None, strings, numbers) are skipped; an object of any other kind (a Cache, a "
+        "distribution, a NumPy array) is not entered, so tensors inside it have no rows: a note "
+        "names each. A tensor at two paths of one output (`hidden_states[-1]` is "
+        "`last_hidden_state`) has rows at the first only: a note names the second.",
         "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
         "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
         "- mode: a series is one (layer, call_index, signal, tensor_path, mode, metric). A "

@@ -199,8 +199,10 @@ def output_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
     """Every tensor in a forward's output with its tensor_path, as design.md spells paths.
 
     Tuples and lists `[i]`, mappings `['key']` (a Hugging Face ModelOutput is one), namedtuples
-    and dataclasses `.field`; anything else is opaque (a Cache object, a string). Each object is
-    visited once: a tensor reachable twice is described at its first path.
+    (torch's own too: `torch.return_types`, which PyTorch documents as named tuples, by the
+    fields `__match_args__` lists) and dataclasses `.field`; anything else is opaque (a Cache
+    object, a string). Each object is visited once: a tensor reachable twice is described at its
+    first path.
     """
     found: list[tuple[str, torch.Tensor]] = []
     _collect(output, "", set(), found, 0)
@@ -224,6 +226,9 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
         for name, value in zip(obj._fields, obj, strict=False):
             _collect(value, f"{path}.{name}", seen, found, depth + 1)
+    elif type(obj).__module__ == "torch.return_types":
+        for name in type(obj).__match_args__:
+            _collect(getattr(obj, name), f"{path}.{name}", seen, found, depth + 1)
     elif isinstance(obj, tuple | list):
         for index, value in enumerate(obj):
             _collect(value, f"{path}[{index}]", seen, found, depth + 1)

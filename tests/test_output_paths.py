@@ -2,7 +2,9 @@
 
 The reference is written here without the library: `register_forward_hook` sees the whole
 output object, `Tensor.register_hook` on each tensor in it sees its gradient, and NumPy reduces
-them. A tensor reached at two paths of one output is measured
+them. torch's own named tuples (`torch.return_types`: `torch.max(x, dim)`, `topk`, `sort`,
+`linalg.eigh`) are read by field, as users read them (`out.values`); the indices they hold are
+integer tensors and measured as such. A tensor reached at two paths of one output is measured
 once, at the first, and the run names the second path (warning and index.md). A packed sequence
 is measured by its data, the real time steps only: the padding of the padded batch is not in it.
 """
@@ -25,6 +27,61 @@ from conftest import read_history
 from hook_reference import numpy_profile
 
 
+class Reduce(nn.Module):
+    """One of torch's functions that return a named tuple, as a module of its own."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, y: torch.Tensor) -> Any:
+        if self.kind == "max":
+            return torch.max(y, dim=1)
+        if self.kind == "topk":
+            return torch.topk(y, 2, dim=1)
+        if self.kind == "sort":
+            return torch.sort(y, dim=1, descending=True)
+        return torch.linalg.eigh(y.T @ y)  # symmetric
+
+
+class Head(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.reduce = Reduce(kind)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.reduce(self.linear(x))
+
+
+FIELDS = {
+    "max": ("values", "indices"),
+    "topk": ("values", "indices"),
+    "sort": ("values", "indices"),
+    "eigh": ("eigenvalues", "eigenvectors"),
+}
+
+
+def hooked(model: nn.Module, layer: str) -> dict[str, dict[str, float]]:
+    """Plain hooks on `layer`: each field's profile under `.field`, its gradient under
+    `grad.field`, filled as the forward and the backward run."""
+    seen: dict[str, dict[str, float]] = {}
+
+    def on_output(module: nn.Module, args: Any, output: Any) -> None:
+        for name in type(output).__match_args__:
+            tensor = getattr(output, name)
+            seen[f".{name}"] = numpy_profile(tensor)
+            if tensor.requires_grad:
+                tensor.register_hook(lambda g, key=f"grad.{name}": keep(key, g))
+
+    def keep(key: str, gradient: torch.Tensor | None) -> None:
+        if gradient is not None:  # None: an output of the node that the loss never used
+            seen[key] = numpy_profile(gradient)
+
+    dict(model.named_modules())[layer].register_forward_hook(on_output)
+    return seen
+
+
 def rows_by_path(history: pl.DataFrame, layer: str, signal: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for row in history.filter(layer=layer, signal=signal).iter_rows(named=True):
@@ -34,6 +91,44 @@ def rows_by_path(history: pl.DataFrame, layer: str, signal: str) -> dict[str, di
 
 def close(expected: dict[str, float]) -> dict[str, Any]:
     return {name: pytest.approx(value, rel=1e-6, abs=1e-6) for name, value in expected.items()}
+
+
+@pytest.mark.parametrize("kind", list(FIELDS))
+def test_torch_named_tuples_are_named_by_field_with_the_values_plain_hooks_see(
+    run_dir: Path, kind: str
+) -> None:
+    torch.manual_seed(0)
+    model = Head(kind)
+    reference = hooked(model, "reduce")  # on the model itself, before injection: the same values
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    out = model(torch.randn(3, 4))
+    first = getattr(out, FIELDS[kind][0])
+    first.square().sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir)
+    outputs = rows_by_path(history, "reduce", "output")
+    assert sorted(outputs) == sorted(f".{name}" for name in FIELDS[kind])
+    for path, values in outputs.items():
+        assert values == close(reference[path]), path
+    gradients = rows_by_path(history, "reduce", "output_gradient")
+    assert list(gradients) == [f".{FIELDS[kind][0]}"]
+    assert gradients[f".{FIELDS[kind][0]}"] == close(reference[f"grad.{FIELDS[kind][0]}"])
+    if kind != "eigh":  # the indices: an integer tensor, measured as its integers
+        dtypes = dict(history.select("tensor_path", "dtype").unique().iter_rows())
+        assert dtypes[".indices"] == "int64"
+
+
+def test_a_continued_run_names_the_fields_as_its_first_attempt_did(run_dir: Path) -> None:
+    model = Head("max")
+    for attempt in range(2):
+        inject_observer(
+            model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), resume=attempt > 0
+        )
+        model(torch.randn(3, 4)).values.sum().backward()
+        remove_observer(model)
+    history = read_history(run_dir).filter(layer="reduce")
+    paths = history.group_by("attempt").agg(pl.col("tensor_path").unique().sort())
+    assert sorted(paths.rows()) == [(0, [".indices", ".values"]), (1, [".indices", ".values"])]
 
 
 class Twice(nn.Module):

@@ -2,7 +2,10 @@
 
 A forward may return a tensor, or tensors nested in tuples, lists, mappings, namedtuples and
 dataclasses; each tensor found is one measured output, named by the path that reaches it
-(`[0]`, `['key']`, `.field`). Anything else is passed over untouched.
+(`[0]`, `['key']`, `.field`). Anything else is passed over untouched. The named tuples torch's
+own functions return (`torch.return_types`: `torch.max(x, dim)`, `topk`, `sort`,
+`linalg.eigh`, which PyTorch documents as named tuples, struct sequences underneath) are named
+by field as namedtuples are (`.values`, `.indices`), the accessor users write for them.
 
 A tensor, or a container holding tensors, reached again at a second path of the same output
 (Hugging Face's `hidden_states[-1]` is `last_hidden_state`; a forward returning `(y, y)`) is one
@@ -133,8 +136,8 @@ def _walk(
         if isinstance(obj, Mapping):
             for key, value in obj.items():
                 yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
-        elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            for name, value in zip(obj._fields, obj, strict=False):
+        elif isinstance(obj, tuple) and (names := _field_names(obj)) is not None:
+            for name, value in zip(names, obj, strict=False):
                 yield from _walk(value, f"{path}.{name}", seen, walk_deeper, layer, passed_over)
         elif isinstance(obj, tuple | list):
             for index, value in enumerate(obj):
@@ -152,6 +155,16 @@ def _walk(
         if passed_over is not None:
             what = f"{type(obj).__module__}.{type(obj).__qualname__}"
             passed_over(f"unreadable:{layer}:{what}", _unreadable(layer, path, what, error))
+
+
+def _field_names(obj: tuple) -> tuple[str, ...] | None:
+    """The field names of a named tuple: a namedtuple's `_fields`, or a struct sequence's
+    (`torch.return_types`, which have no `_fields`) `__match_args__`, its visible fields,
+    exactly those iteration yields; None for any other tuple."""
+    names = getattr(obj, "_fields", None)
+    if names is None and hasattr(type(obj), "n_sequence_fields"):
+        names = getattr(type(obj), "__match_args__", None)
+    return names
 
 
 def _report_alias(

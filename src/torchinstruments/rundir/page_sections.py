@@ -159,7 +159,8 @@ def section_meanings() -> list[str]:
         "recorded when backward reaches it (same sample_id as its forward).",
         '- tensor_path: `""` the output is a bare tensor; `[0]` first element of a tuple or '
         "list; `['logits']` dict key; `.hidden` attribute (dataclass / named tuple / model "
-        "output object); `[1]['k']` nested, 16 levels deep. Values that hold no tensor "
+        "output object; torch's own named tuples by field: `.values`, `.indices` of "
+        "`torch.max(x, dim)`); `[1]['k']` nested, 16 levels deep. Values that hold no tensor "
         "(None, strings, numbers) are skipped; an object of any other kind (a Cache, a "
         "distribution, a NumPy array) is not entered, so tensors inside it have no rows: a note "
         "names each. A tensor at two paths of one output (`hidden_states[-1]` is "

@@ -73,6 +73,9 @@ def iter_tensors(
     once, so cycles and repeated references are safe; a tensor reachable twice is measured at
     its first path, and the second path is reported to `passed_over`.
     """
+    if isinstance(output, torch.Tensor):  # most layers: nothing to walk, nothing to alias
+        yield "", output
+        return
     yield from _walk(output, "", _Seen(), 0, layer, passed_over)
 
 
@@ -86,23 +89,16 @@ def passed_over_message(layer: str, path: str, what: str) -> str:
     )
 
 
-class _Visit:
-    """An object the walk reached: held (so its id stays its own), its first path, and whether
-    tensors were found in it (known once its walk ended; a cycle back into it is not an alias)."""
-
-    __slots__ = ("holds_tensors", "obj", "path")
-
-    def __init__(self, obj: Any, path: str, holds_tensors: bool) -> None:
-        self.obj, self.path, self.holds_tensors = obj, path, holds_tensors
-
-
 class _Seen:
-    """The objects the walk reached, by id, and how many tensors it has found so far."""
+    """What the walk reached, by id: each object (held, so its id stays its own) and its first
+    path; the containers found to hold tensors (known once their walk ended: a cycle back into
+    one is not an alias); how many tensors it has found so far."""
 
-    __slots__ = ("tensors", "visits")
+    __slots__ = ("holding", "tensors", "visits")
 
     def __init__(self) -> None:
-        self.visits: dict[int, _Visit] = {}
+        self.visits: dict[int, tuple[Any, str]] = {}
+        self.holding: set[int] = set()
         self.tensors = 0
 
 
@@ -114,8 +110,9 @@ def _walk(
         return
     visit = seen.visits.get(id(obj))
     if visit is not None:
-        if visit.holds_tensors:
-            _report_alias(layer, path, visit.path, isinstance(obj, torch.Tensor), passed_over)
+        tensor = isinstance(obj, torch.Tensor)
+        if tensor or id(obj) in seen.holding:
+            _report_alias(layer, path, visit[1], tensor, passed_over)
         return
     try:  # free when nothing raises: no frame of its own on the sampled path
         if depth > _MAX_OUTPUT_DEPTH:  # a tensor too: not followed, so not measured
@@ -124,13 +121,13 @@ def _walk(
                 _report(layer, path, what, passed_over)
             return
         if isinstance(obj, torch.Tensor):
-            seen.visits[id(obj)] = _Visit(obj, path, True)
+            seen.visits[id(obj)] = (obj, path)
             seen.tensors += 1
             yield path, obj
             return
         if isinstance(obj, _PLAIN):
             return
-        visit = seen.visits[id(obj)] = _Visit(obj, path, False)
+        seen.visits[id(obj)] = (obj, path)
         walk_deeper = depth + 1
         found = seen.tensors
         if isinstance(obj, Mapping):
@@ -150,7 +147,8 @@ def _walk(
         else:
             kind = type(obj)
             _report(layer, path, f"a {kind.__module__}.{kind.__qualname__}", passed_over)
-        visit.holds_tensors = seen.tensors > found  # reached again elsewhere: an alias
+        if seen.tensors > found:  # reached again elsewhere: an alias
+            seen.holding.add(id(obj))
     except Exception as error:  # what was read before keeps its rows, the rest of the walk goes on
         if passed_over is not None:
             what = f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -202,7 +202,8 @@ def output_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
     (torch's own too: `torch.return_types`, which PyTorch documents as named tuples, by the
     fields `__match_args__` lists) and dataclasses `.field`; anything else is opaque (a Cache
     object, a string). Each object is visited once: a tensor reachable twice is described at its
-    first path.
+    first path. A second tensor at a path already given (mapping keys whose repr is the same)
+    gets `#1` appended (`#2`, ...).
     """
     found: list[tuple[str, torch.Tensor]] = []
     _collect(output, "", set(), found, 0)
@@ -215,7 +216,11 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
         return
     if isinstance(obj, torch.Tensor):
         seen.add(id(obj))
-        found.append((path, obj))
+        given = {p for p, _ in found}
+        number = 0
+        while (f"{path}#{number}" if number else path) in given:  # keys alike: `#1`, `#2`
+            number += 1
+        found.append((f"{path}#{number}" if number else path, obj))
         return
     if isinstance(obj, str | bytes | int | float | bool):
         return

@@ -265,3 +265,50 @@ def test_a_packed_sequence_is_measured_over_its_real_steps_without_padding(
     assert rows_by_path(history, "rnn", "output_gradient") == {"[0].data": close(seen["gradient"])}
     batch_sizes = rows_by_path(history, "rnn", "output")["[0].batch_sizes"]
     assert batch_sizes == close(numpy_profile(out[0].batch_sizes))
+
+
+class Key:
+    """A mapping key whose repr is its class's name: two of them read alike."""
+
+    def __repr__(self) -> str:
+        return "Key"
+
+
+def test_two_tensors_under_keys_that_read_alike_keep_series_and_gradients_apart(
+    run_dir: Path,
+) -> None:
+    first, second = Key(), Key()
+
+    class Heads(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[Key, torch.Tensor]:
+            return {first: x * 2, second: x * 3}
+
+    model = nn.Sequential(nn.Linear(3, 3), Heads())
+    seen: dict[str, Any] = {}
+
+    def on_output(module: nn.Module, args: Any, output: Any) -> None:
+        for name, key in (("first", first), ("second", second)):
+            seen[name] = numpy_profile(output[key])
+            output[key].register_hook(lambda g, name=name: seen.update({f"grad {name}": g}))
+
+    model[1].register_forward_hook(on_output)
+
+    def step() -> None:
+        out = model(torch.randn(4, 3))
+        (out[first].sum() + 10 * out[second].square().sum()).backward()
+
+    said = observe_warned(model, run_dir, step)
+    history = read_history(run_dir).filter(pl.col("sample_id") == 1)
+    outputs = rows_by_path(history, "1", "output")
+    assert outputs == {"[Key]": close(seen["first"]), "[Key]#1": close(seen["second"])}
+    gradients = rows_by_path(history, "1", "output_gradient")
+    assert gradients == {
+        "[Key]": close(numpy_profile(seen["grad first"])),
+        "[Key]#1": close(numpy_profile(seen["grad second"])),
+    }
+    message = (
+        "layer '1' returned two different tensors at tensor_path '[Key]' (mapping keys whose repr "
+        "is the same, the first such path seen): the later one's rows are at '[Key]#1'"
+    )
+    assert [m for m in said if message in m], said
+    assert message in (run_dir / "index.md").read_text(encoding="utf-8")

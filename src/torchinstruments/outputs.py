@@ -14,6 +14,11 @@ has no rows of its own and where they are (one warning per layer, and a note in 
 a query for the second path that finds nothing has its answer. Every object visited is held
 until the walk ends, so the id of one freed on the way cannot be taken for a later one.
 
+A mapping key is named by its `repr`, and two different keys may read alike (objects whose
+`repr` is their class's name): their tensors would share one tensor_path, so one series would
+mix two tensors, and a gradient could be read as the other's. A path already given in that
+output gets `#1` (`#2`, ...) appended, and the run says which (once per layer).
+
 Design decision: the walk never looks inside an object of another kind (a Hugging Face `Cache`,
 a `torch.distributions.Distribution`, a NumPy array, a `SimpleNamespace`, a `deque`): reading an
 arbitrary object's attributes or iterating it could run user code, and its tensors have no path
@@ -94,11 +99,12 @@ class _Seen:
     path; the containers found to hold tensors (known once their walk ended: a cycle back into
     one is not an alias); how many tensors it has found so far."""
 
-    __slots__ = ("holding", "tensors", "visits")
+    __slots__ = ("holding", "paths", "tensors", "visits")
 
     def __init__(self) -> None:
         self.visits: dict[int, tuple[Any, str]] = {}
         self.holding: set[int] = set()
+        self.paths: set[str] = set()  # the tensor_paths given so far
         self.tensors = 0
 
 
@@ -121,6 +127,9 @@ def _walk(
                 _report(layer, path, what, passed_over)
             return
         if isinstance(obj, torch.Tensor):
+            if path in seen.paths:
+                path = _another_path(path, seen.paths, layer, passed_over)
+            seen.paths.add(path)
             seen.visits[id(obj)] = (obj, path)
             seen.tensors += 1
             yield path, obj
@@ -163,6 +172,22 @@ def _field_names(obj: tuple) -> tuple[str, ...] | None:
     if names is None and hasattr(type(obj), "n_sequence_fields"):
         names = getattr(type(obj), "__match_args__", None)
     return names
+
+
+def _another_path(path: str, given: set[str], layer: str, passed_over: PassedOver | None) -> str:
+    """A path for a second tensor that reads as `path` (keys alike): the first `path#n` free."""
+    number = 1
+    while f"{path}#{number}" in given:
+        number += 1
+    renamed = f"{path}#{number}"
+    if passed_over is not None:
+        passed_over(
+            f"same path:{layer}",
+            f"layer {layer!r} returned two different tensors at tensor_path {path!r} (mapping "
+            f"keys whose repr is the same, the first such path seen): the later one's rows are "
+            f"at {renamed!r}",
+        )
+    return renamed
 
 
 def _report_alias(

@@ -164,7 +164,8 @@ def section_meanings() -> list[str]:
         "(None, strings, numbers) are skipped; an object of any other kind (a Cache, a "
         "distribution, a NumPy array) is not entered, so tensors inside it have no rows: a note "
         "names each. A tensor at two paths of one output (`hidden_states[-1]` is "
-        "`last_hidden_state`) has rows at the first only: a note names the second.",
+        "`last_hidden_state`) has rows at the first only: a note names the second. A second "
+        "tensor at a path already given (mapping keys whose repr is the same) gets `#1`.",
         "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
         "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
         "- mode: a series is one (layer, call_index, signal, tensor_path, mode, metric). A "

@@ -203,7 +203,7 @@ def output_tensors(output: Any) -> list[tuple[str, torch.Tensor]]:
     fields `__match_args__` lists) and dataclasses `.field`; anything else is opaque (a Cache
     object, a string). Each object is visited once: a tensor reachable twice is described at its
     first path. A second tensor at a path already given (mapping keys whose repr is the same)
-    gets `#1` appended (`#2`, ...).
+    gets `#1` appended (`#2`, ...). A key is named by its repr without any memory address.
     """
     found: list[tuple[str, torch.Tensor]] = []
     _collect(output, "", set(), found, 0)
@@ -227,7 +227,8 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
     seen.add(id(obj))
     if isinstance(obj, Mapping):
         for key, value in obj.items():
-            _collect(value, f"{path}[{key!r}]", seen, found, depth + 1)
+            name = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(key))  # no memory address
+            _collect(value, f"{path}[{name}]", seen, found, depth + 1)
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
         for name, value in zip(obj._fields, obj, strict=False):
             _collect(value, f"{path}.{name}", seen, found, depth + 1)

@@ -307,8 +307,32 @@ def test_two_tensors_under_keys_that_read_alike_keep_series_and_gradients_apart(
         "[Key]#1": close(numpy_profile(seen["grad second"])),
     }
     message = (
-        "layer '1' returned two different tensors at tensor_path '[Key]' (mapping keys whose repr "
-        "is the same, the first such path seen): the later one's rows are at '[Key]#1'"
+        "layer '1' returned two different tensors at tensor_path '[Key]' (mapping keys that "
+        "read alike, the first such path seen): the later one's rows are at '[Key]#1'"
     )
     assert [m for m in said if message in m], said
     assert message in (run_dir / "index.md").read_text(encoding="utf-8")
+
+
+class Plain:
+    """A key with object's own repr, which holds its memory address."""
+
+
+def test_keys_without_a_repr_of_their_own_name_the_same_tensors_the_same_way_every_sample(
+    run_dir: Path,
+) -> None:
+    kept: list[Plain] = []  # every forward's keys stay alive: each has an address of its own
+
+    class Heads(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[Any, torch.Tensor]:
+            first, second = Plain(), Plain()
+            kept.extend((first, second))
+            return {first: x * 2, second: x * 3, torch.tanh: x.tanh()}
+
+    model = nn.Sequential(nn.Linear(3, 3), Heads())
+    observe_warned(model, run_dir, lambda: model(torch.randn(4, 3)))
+    history = read_history(run_dir).filter(layer="1")
+    paths = history.group_by("sample_id").agg(pl.col("tensor_path").unique().sort())
+    name = f"[<{__name__}.Plain object>]"
+    expected = sorted([name, f"{name}#1", "[<built-in method tanh of type object>]"])
+    assert sorted(paths.rows()) == [(0, expected), (1, expected)]

@@ -17,7 +17,10 @@ until the walk ends, so the id of one freed on the way cannot be taken for a lat
 A mapping key is named by its `repr`, and two different keys may read alike (objects whose
 `repr` is their class's name): their tensors would share one tensor_path, so one series would
 mix two tensors, and a gradient could be read as the other's. A path already given in that
-output gets `#1` (`#2`, ...) appended, and the run says which (once per layer).
+output gets `#1` (`#2`, ...) appended, and the run says which (once per layer). A key whose
+`repr` holds a memory address (an object or function without a `repr` of its own) is named
+without it (`[<__main__.Key object>]`): the address changes with every process, and a run
+continued after a restart must name the same tensor the same way.
 
 Design decision: the walk never looks inside an object of another kind (a Hugging Face `Cache`,
 a `torch.distributions.Distribution`, a NumPy array, a `SimpleNamespace`, a `deque`): reading an
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -49,6 +53,7 @@ from torchinstruments.notices import shown
 __all__ = ["iter_tensors", "passed_over_message"]
 
 _MAX_OUTPUT_DEPTH = 16
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in the default repr of objects and functions
 # Values that hold no tensor: passed over without a word.
 _PLAIN = (
     str,
@@ -141,7 +146,8 @@ def _walk(
         found = seen.tensors
         if isinstance(obj, Mapping):
             for key, value in obj.items():
-                yield from _walk(value, f"{path}[{key!r}]", seen, walk_deeper, layer, passed_over)
+                deeper = f"{path}[{_key_name(key)}]"
+                yield from _walk(value, deeper, seen, walk_deeper, layer, passed_over)
         elif isinstance(obj, tuple) and (names := _field_names(obj)) is not None:
             for name, value in zip(names, obj, strict=False):
                 yield from _walk(value, f"{path}.{name}", seen, walk_deeper, layer, passed_over)
@@ -174,6 +180,12 @@ def _field_names(obj: tuple) -> tuple[str, ...] | None:
     return names
 
 
+def _key_name(key: Any) -> str:
+    """A mapping key as a path names it: its `repr`, less any memory address in it."""
+    text = repr(key)
+    return _ADDRESS.sub("", text) if " at 0x" in text else text
+
+
 def _another_path(path: str, given: set[str], layer: str, passed_over: PassedOver | None) -> str:
     """A path for a second tensor that reads as `path` (keys alike): the first `path#n` free."""
     number = 1
@@ -184,7 +196,7 @@ def _another_path(path: str, given: set[str], layer: str, passed_over: PassedOve
         passed_over(
             f"same path:{layer}",
             f"layer {layer!r} returned two different tensors at tensor_path {path!r} (mapping "
-            f"keys whose repr is the same, the first such path seen): the later one's rows are "
+            f"keys that read alike, the first such path seen): the later one's rows are "
             f"at {renamed!r}",
         )
     return renamed

@@ -227,7 +227,9 @@ def _collect(obj: Any, path: str, seen: set[int], found: list, depth: int) -> No
     seen.add(id(obj))
     if isinstance(obj, Mapping):
         for key, value in obj.items():
-            name = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(key))  # no memory address
+            name = repr(key)
+            if not isinstance(key, str | bytes):  # a memory address, not a string's own text
+                name = re.sub(r" at 0x[0-9a-fA-F]+", "", name)
             _collect(value, f"{path}[{name}]", seen, found, depth + 1)
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
         for name, value in zip(obj._fields, obj, strict=False):

@@ -327,12 +327,13 @@ def test_keys_without_a_repr_of_their_own_name_the_same_tensors_the_same_way_eve
         def forward(self, x: torch.Tensor) -> dict[Any, torch.Tensor]:
             first, second = Plain(), Plain()
             kept.extend((first, second))
-            return {first: x * 2, second: x * 3, torch.tanh: x.tanh()}
+            return {first: x * 2, second: x * 3, torch.tanh: x.tanh(), "at 0x1 at 0x2": x - 1}
 
     model = nn.Sequential(nn.Linear(3, 3), Heads())
     observe_warned(model, run_dir, lambda: model(torch.randn(4, 3)))
     history = read_history(run_dir).filter(layer="1")
     paths = history.group_by("sample_id").agg(pl.col("tensor_path").unique().sort())
     name = f"[<{__name__}.Plain object>]"
-    expected = sorted([name, f"{name}#1", "[<built-in method tanh of type object>]"])
+    tanh = "[<built-in method tanh of type object>]"
+    expected = sorted([name, f"{name}#1", tanh, "['at 0x1 at 0x2']"])  # a string's text as is
     assert sorted(paths.rows()) == [(0, expected), (1, expected)]

@@ -181,9 +181,12 @@ def _field_names(obj: tuple) -> tuple[str, ...] | None:
 
 
 def _key_name(key: Any) -> str:
-    """A mapping key as a path names it: its `repr`, less any memory address in it."""
+    """A mapping key as a path names it: its `repr`, less any memory address in it (a string's
+    own text is kept as it is)."""
     text = repr(key)
-    return _ADDRESS.sub("", text) if " at 0x" in text else text
+    if " at 0x" not in text or isinstance(key, str | bytes):
+        return text
+    return _ADDRESS.sub("", text)
 
 
 def _another_path(path: str, given: set[str], layer: str, passed_over: PassedOver | None) -> str:

@@ -5,8 +5,10 @@ output object, `Tensor.register_hook` on each tensor in it sees its gradient, an
 them. torch's own named tuples (`torch.return_types`: `torch.max(x, dim)`, `topk`, `sort`,
 `linalg.eigh`) are read by field, as users read them (`out.values`); the indices they hold are
 integer tensors and measured as such. A tensor reached at two paths of one output is measured
-once, at the first, and the run names the second path (warning and index.md). A packed sequence
-is measured by its data, the real time steps only: the padding of the padded batch is not in it.
+once, at the first, and the run names the second path (warning and index.md). Two tensors under
+mapping keys that read alike keep series of their own (`#1`), and a key's memory address is not
+part of its path. A packed sequence is measured by its data, the real time steps only: the
+padding of the padded batch is not in it.
 """
 
 from __future__ import annotations

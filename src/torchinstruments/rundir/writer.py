@@ -161,7 +161,10 @@ class HistoryWriter:
         self._tag = part_tag(attempt)  # its parts' temporary names (`layout.part_temporary_path`)
         (self._directory / PARTS_DIR).mkdir(parents=True, exist_ok=True)
         existing = [part_number(p) for p in list_parts(self._directory)]
-        self._next_part = max((n for n in existing if n is not None), default=first_part - 1) + 1
+        # after both the parts left here (an unreadable one `finalize` kept) and the merged ones:
+        # a number history.parquet lists as merged would have this part deleted unread
+        after = max((n for n in existing if n is not None), default=-1) + 1
+        self._next_part = max(after, first_part)
         self._buffer = ColumnBuffer()
         self._records = BufferedRecords()  # which samples the buffered rows belong to
         self._lock = threading.Lock()  # the buffer and the counts; never held while writing

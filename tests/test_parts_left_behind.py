@@ -1,0 +1,109 @@
+"""Parts a killed run leaves that this version cannot merge as they are: one cut short (a machine
+that lost power after the rename). `finalize` and a restarted job (`resume=True`) must keep every
+row they can read, leave the rest in place and say so, and never lose a row of the attempt that
+continues the run.
+
+The job is killed for real (SIGKILL) with several parts on disk; the parts are then damaged or
+rewritten with plain Polars, and every expectation is read back from the files with Polars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+from torchinstruments.rundir.layout import list_parts
+
+from conftest import child_report, kill_when_ready, wait_for_rows
+
+SAMPLES = 6
+ROWS_PER_SAMPLE = 2 * 2 * 9  # two Linears, output and gradient, nine metrics
+LATER_STEPS = 3  # the restarted attempt's samples
+SERIES = ["sample_id", "layer", "signal", "metric"]
+
+
+def observe(directory: str, *, resume: bool) -> nn.Module:
+    """The job's model, observed at every forward; each sample's rows end up in parts of
+    their own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=ROWS_PER_SAMPLE // 2),
+        resume=resume,
+    )
+    return model
+
+
+def killed_attempt(directory: str) -> None:
+    """The first attempt: SAMPLES samples, all on disk, then wait to be killed."""
+    model = observe(directory, resume=False)
+    for _ in range(SAMPLES):
+        model(torch.randn(4, 3)).sum().backward()
+    wait_for_rows(Path(directory), SAMPLES * ROWS_PER_SAMPLE)
+    print("ready", flush=True)
+    time.sleep(600)  # killed here
+
+
+RESTART = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import torch
+from torchinstruments import remove_observer
+from test_parts_left_behind import LATER_STEPS, observe
+
+model = observe(sys.argv[1], resume=True)
+for _ in range(LATER_STEPS):
+    model(torch.randn(4, 3)).sum().backward()
+remove_observer(model)
+print(json.dumps("removed"))
+"""
+
+
+def killed_run(tmp_path: Path) -> Path:
+    """A directory whose first attempt was killed with SAMPLES samples in its parts."""
+    directory = tmp_path / "run"
+    kill_when_ready(__file__, "ready", directory)
+    assert len(list_parts(directory)) >= 2 * SAMPLES
+    return directory
+
+
+def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_continues(
+    tmp_path: Path,
+) -> None:
+    directory = killed_run(tmp_path)
+    parts = list_parts(directory)
+    cut = parts[3]
+    readable = pl.concat([pl.read_parquet(p) for p in parts if p != cut])
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+
+    assert child_report(RESTART, directory) == "removed"
+
+    history = pl.read_parquet(directory / "history.parquet")
+    later = history.filter(pl.col("attempt") == 1)
+    # every row the restarted attempt recorded, once: none is deleted for a part number that
+    # history.parquet already lists as merged
+    assert later.height == LATER_STEPS * ROWS_PER_SAMPLE
+    assert later["sample_id"].unique().sort().to_list() == list(
+        range(SAMPLES, SAMPLES + LATER_STEPS)
+    )
+    earlier = history.filter(pl.col("attempt") == 0)
+    assert earlier.sort(SERIES).equals(readable.sort(SERIES))
+    assert history.group_by(SERIES).len()["len"].max() == 1
+    assert cut.exists()  # left in place for the user, as index.md says
+    state = json.loads((directory / ".state.json").read_text())
+    assert state["status"] == "incomplete"
+    assert any(cut.name in p for p in state["problems"]), state["problems"]
+
+
+if __name__ == "__main__":
+    killed_attempt(sys.argv[1])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.layout import list_parts
 
 from conftest import child_report, kill_when_ready, wait_for_rows
@@ -103,6 +104,26 @@ def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_cont
     state = json.loads((directory / ".state.json").read_text())
     assert state["status"] == "incomplete"
     assert any(cut.name in p for p in state["problems"]), state["problems"]
+
+
+def test_samples_whose_every_part_was_cut_are_said_to_be_in_those_parts_not_unwritten(
+    tmp_path: Path,
+) -> None:
+    directory = killed_run(tmp_path)
+    held = {p: pl.read_parquet(p)["sample_id"].unique().to_list() for p in list_parts(directory)}
+    cut = sorted(p for p, ids in held.items() if ids == [2])
+    assert sum(pl.read_parquet(p).height for p in cut) == ROWS_PER_SAMPLE  # all of sample 2
+    for part in cut:
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+
+    report = finalize(directory)
+
+    history = pl.read_parquet(directory / "history.parquet")
+    assert 2 not in history["sample_id"].to_list()
+    (gap,) = [p for p in report.problems if "no row of sample 2 " in p]
+    names = ", ".join(p.name for p in cut)
+    assert f"their rows may be in {names} (unreadable, left in place); else" in gap, gap
+    assert all(p.exists() for p in cut)
 
 
 if __name__ == "__main__":

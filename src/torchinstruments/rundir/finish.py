@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -168,7 +168,8 @@ def finish_run(
                 f"recorded; {rows_recorded - lost - merge.rows} rows are missing{ledger}"
             )
         if state.interrupted:
-            found += _unexplained_gaps(merge.path, state)
+            left = [path.name for path, _ in merge.unreadable_parts]
+            found += _unexplained_gaps(merge.path, state, left)
         try:
             marks, marks_total = read_marks(merge.path)
             state = dataclasses.replace(state, marks=marks, marks_total=marks_total)
@@ -267,8 +268,10 @@ def _events_without_rows(
     return state, counts
 
 
-def _unexplained_gaps(history: Path, state: RunState) -> list[str]:
-    """Sample ranges with no row in history that the loss ledger does not explain.
+def _unexplained_gaps(history: Path, state: RunState, left: Sequence[str]) -> list[str]:
+    """Sample ranges with no row in history that the loss ledger does not explain; where the
+    merge left unreadable parts (`left`, their names), a gap's rows may be in one of them, and
+    the line says so before it says they were never written.
 
     Used after a crash, when the ledger may not have survived (nothing could be written after
     the losses): the gaps in the sample ids on disk are then the only trace of them. Samples
@@ -285,11 +288,17 @@ def _unexplained_gaps(history: Path, state: RunState) -> list[str]:
     # (`rundir.attempts.plan_continuation`), which the Attempts section names
     skipped = {b.first_sample_id for a, b in pairwise(state.attempts) if a.counts_recovered}
     gaps = [(first, last) for first, last in gaps if last + 1 not in skipped]
+    maybe = ""
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        maybe = (
+            f"their rows may be in {', '.join(left[:3])}{more} (unreadable, left in place); else "
+        )
     return [
         f"no row of {sample_range(first, last)} is in {HISTORY_FILE} and no loss ledger entry "
-        "covers them: they were recorded but not written (parts that kept failing, e.g. on a "
-        "full disk, until the process ended), unless those sampled forwards recorded nothing "
-        "(layers that returned no tensor)"
+        f"covers them: {maybe}they were recorded but not written (parts that kept failing, e.g. "
+        "on a full disk, until the process ended), unless those sampled forwards recorded "
+        "nothing (layers that returned no tensor)"
         for first, last in gaps
     ]
 

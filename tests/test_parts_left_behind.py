@@ -1,7 +1,8 @@
 """Parts a killed run leaves that this version cannot merge as they are: one cut short (a machine
-that lost power after the rename). `finalize` and a restarted job (`resume=True`) must keep every
-row they can read, leave the rest in place and say so, and never lose a row of the attempt that
-continues the run.
+that lost power after the rename), one an earlier version wrote (without the columns added since),
+one a newer version wrote (with columns this one does not know). `finalize` and a restarted job
+(`resume=True`) must keep every row they can read, leave the rest in place and say so, and never
+lose a row of the attempt that continues the run.
 
 The job is killed for real (SIGKILL) with several parts on disk; the parts are then damaged or
 rewritten with plain Polars, and every expectation is read back from the files with Polars.
@@ -124,6 +125,55 @@ def test_samples_whose_every_part_was_cut_are_said_to_be_in_those_parts_not_unwr
     names = ", ".join(p.name for p in cut)
     assert f"their rows may be in {names} (unreadable, left in place); else" in gap, gap
     assert all(p.exists() for p in cut)
+
+
+def earlier_version(part: Path) -> None:
+    """Rewrite `part` as a version before the `population` and `attempt` columns wrote it."""
+    pl.read_parquet(part).drop("population", "attempt").write_parquet(part)
+
+
+def test_parts_of_an_earlier_version_are_merged_with_the_later_columns_null(
+    tmp_path: Path,
+) -> None:
+    directory = killed_run(tmp_path)
+    parts = list_parts(directory)
+    written = pl.concat([pl.read_parquet(p) for p in parts])
+    earlier_rows = sum(pl.read_parquet(p).height for p in parts[::2])
+    for part in parts[::2]:
+        earlier_version(part)
+
+    report = finalize(directory)
+
+    assert report.merge is not None
+    assert report.merge.unreadable_parts == ()
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history.height == SAMPLES * ROWS_PER_SAMPLE
+    columns = [c for c in written.columns if c not in ("population", "attempt")]
+    assert history.select(columns).sort(SERIES).equals(written.select(columns).sort(SERIES))
+    assert history["population"].null_count() == history.height
+    assert history["attempt"].null_count() == earlier_rows  # null in the earlier version's rows
+    assert history.filter(pl.col("attempt").is_not_null())["attempt"].unique().to_list() == [0]
+    assert not (directory / "history.parts").exists()
+    assert not any("history.parquet" in p for p in report.problems), report.problems
+
+
+def test_a_part_of_a_newer_version_is_left_in_place_naming_the_columns_it_adds(
+    tmp_path: Path,
+) -> None:
+    directory = killed_run(tmp_path)
+    newer = list_parts(directory)[2]
+    pl.read_parquet(newer).with_columns(pl.lit(1.0).alias("entropy")).write_parquet(newer)
+
+    report = finalize(directory)
+
+    assert report.merge is not None
+    ((left, why),) = report.merge.unreadable_parts
+    assert left == newer
+    assert newer.exists()
+    assert "['entropy']" in why, why
+    assert "newer" in why, why
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history.height == SAMPLES * ROWS_PER_SAMPLE - pl.read_parquet(newer).height
 
 
 if __name__ == "__main__":

@@ -194,7 +194,11 @@ def scan_files(files: RunFiles, *, write_order: bool = True) -> pl.LazyFrame:
         lf = pl.DataFrame(schema=HISTORY_SCHEMA).lazy()
     else:
         lf = pl.scan_parquet(
-            files.paths, schema=HISTORY_SCHEMA, glob=False, hive_partitioning=False
+            files.paths,
+            schema=HISTORY_SCHEMA,
+            glob=False,
+            hive_partitioning=False,
+            missing_columns="insert",  # a file of an earlier version (`layout.LATER_COLUMNS`)
         )
     return lf.with_row_index(_ORDER) if write_order else lf
 

@@ -35,6 +35,7 @@ __all__ = [
     "HISTORY_ROW_GROUP_ROWS",
     "HISTORY_SCHEMA",
     "INDEX_FILE",
+    "LATER_COLUMNS",
     "LOCK_FILE",
     "MERGE_TMP_DIR",
     "ORDER_KEY",
@@ -60,6 +61,7 @@ __all__ = [
     "part_temporary_path",
     "replace_atomically",
     "scan_history",
+    "schema_difference",
     "shared_constants",
     "sink_history",
     "temporary_path",
@@ -115,6 +117,11 @@ RECORDED_SCHEMA = pl.Schema(HISTORY_SCHEMA)
 # The attempt (process) that wrote the row, from 0; a continued run's later processes count up
 # (`rundir.attempts`). Null in rows written by a version before it.
 HISTORY_SCHEMA = pl.Schema({**RECORDED_SCHEMA, "attempt": pl.Int32()})
+# The columns later versions added, each nullable with a meaning in rows that lack it: `attempt`
+# null in rows of versions before it, `population` null for this rank's own tensor (all that
+# versions before it measured). A part or history.parquet of such a version is read with them
+# null (`scan_history`), so `finalize` or a continued run merges a directory it wrote whole.
+LATER_COLUMNS = ("population", "attempt")
 
 # The order of history.parquet: by sample_id, then signal (output before output_gradient), then
 # write order (a forward's tensors in the order its layers returned, a backward's in the order its
@@ -157,8 +164,29 @@ def list_parts(directory: Path) -> list[Path]:
 
 
 def scan_history(paths: Path | list[Path]) -> pl.LazyFrame:
-    """A lazy scan of history files, taken literally (never as glob patterns)."""
-    return pl.scan_parquet(paths, schema=HISTORY_SCHEMA, glob=False)
+    """A lazy scan of history files, taken literally (never as glob patterns); the columns a
+    file of an earlier version lacks (`LATER_COLUMNS`, see `schema_difference`) read as null."""
+    return pl.scan_parquet(paths, schema=HISTORY_SCHEMA, glob=False, missing_columns="insert")
+
+
+def schema_difference(schema: pl.Schema) -> str | None:
+    """None when a file of `schema` reads as history: the history schema, or an earlier
+    version's (without some of `LATER_COLUMNS`); else what differs, column by column."""
+    said = []
+    extra = [name for name in schema if name not in HISTORY_SCHEMA]
+    if extra:
+        said.append(
+            f"columns this version does not know (a newer torchinstruments wrote it?): {extra}"
+        )
+    missing = [n for n in HISTORY_SCHEMA if n not in schema and n not in LATER_COLUMNS]
+    if missing:
+        said.append(f"columns missing: {missing}")
+    said += [
+        f"{name} is {dtype}, not {HISTORY_SCHEMA[name]}"
+        for name, dtype in schema.items()
+        if name in HISTORY_SCHEMA and dtype != HISTORY_SCHEMA[name]
+    ]
+    return "; ".join(said) or None
 
 
 # history.parquet's Parquet layout (`sink_history`). Polars (2.1) compresses each page on its own

@@ -58,6 +58,7 @@ from torchinstruments.rundir.layout import (
     part_number,
     replace_atomically,
     scan_history,
+    schema_difference,
     shared_constants,
     sink_history,
 )
@@ -108,11 +109,11 @@ def merged_part_numbers(history: Path) -> set[int]:
 def _check_part(path: Path, *, full: bool) -> str | None:
     """None if the part is readable with the history schema, else why not."""
     try:
-        schema = pl.scan_parquet(path, glob=False).collect_schema()
-        if schema != HISTORY_SCHEMA:
-            return f"schema differs from the history schema: {dict(schema)}"
+        difference = schema_difference(pl.scan_parquet(path, glob=False).collect_schema())
+        if difference is not None:
+            return f"not the history schema: {difference}"
         if full:
-            pl.read_parquet(path, glob=False)
+            scan_history(path).collect()
     except (OSError, pl.exceptions.PolarsError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -123,7 +124,13 @@ def _part_sources(parts: Sequence[Path]) -> list[_Source]:
     if not parts:
         return []
     stats = (
-        pl.scan_parquet(list(parts), schema=HISTORY_SCHEMA, glob=False, include_file_paths="_path")
+        pl.scan_parquet(
+            list(parts),
+            schema=HISTORY_SCHEMA,
+            glob=False,
+            include_file_paths="_path",
+            missing_columns="insert",  # a part of an earlier version (`layout.LATER_COLUMNS`)
+        )
         .group_by("_path")
         .agg(lo=pl.col("sample_id").min(), hi=pl.col("sample_id").max(), n=pl.len())
         .collect(engine="streaming")

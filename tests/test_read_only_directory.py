@@ -16,15 +16,17 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import rows_in_parts
+from conftest import kill_when_ready, rows_in_parts, wait_for_rows
 
 SAMPLES = 45  # what CHILD takes: 5 before the change, 40 after
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
@@ -123,3 +125,65 @@ def test_removal_in_a_read_only_directory_counts_every_unwritten_row_and_release
     first, last = int(lost[2]), int(lost[3])
     missing = f"histograms of {last - first + 1} sampled forward(s) that have no row in history"
     assert f"{missing}.parquet: forward_index {first}-" in index, index
+
+
+def killed(run: str) -> None:
+    """A run killed with KILLED_SAMPLES samples on disk (this file run as a script)."""
+    import torch
+    from torch import nn
+
+    from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+
+    model = nn.Linear(4, 2)
+    config = HistoryConfig(buffer_rows=ROWS_PER_SAMPLE)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    for _ in range(KILLED_SAMPLES):
+        model(torch.randn(3, 4)).sum().backward()
+    wait_for_rows(Path(run), KILLED_SAMPLES * ROWS_PER_SAMPLE)
+    print("ready", flush=True)
+    time.sleep(600)  # killed here
+
+
+KILLED_SAMPLES = 3
+
+
+def test_finalize_of_a_directory_it_may_not_write_says_each_file_it_could_not_write(
+    prefix: list[str], run: Path
+) -> None:
+    kill_when_ready(__file__, "ready", run)
+    # what a kill during the merge leaves: the merged file's temporary
+    leftover = run / "history.parquet.torchinstruments-tmp"
+    leftover.write_bytes(b"PAR1")
+    for folder, _, _ in os.walk(run):
+        os.chmod(folder, 0o555)
+
+    done = subprocess.run(
+        [*prefix, sys.executable, "-m", "torchinstruments", "finalize", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    said = done.stderr
+    assert f"could not remove temporary {leftover} (PermissionError" in said, said
+    assert "merging history.parts/ into history.parquet failed (PermissionError" in said, said
+    assert ".state.json could not be written (PermissionError" in said, said
+    assert "index.md could not be written (PermissionError" in said, said
+    assert not (run / "history.parquet").exists()
+
+    # permissions back: the same command finishes it, every row written before the kill kept
+    for folder, _, _ in os.walk(run):
+        os.chmod(folder, 0o755)
+    report = finalize(run)
+    assert leftover in report.removed_temporaries
+    assert report.kept_temporaries == ()
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.height == KILLED_SAMPLES * ROWS_PER_SAMPLE
+    assert history["sample_id"].unique().sort().to_list() == list(range(KILLED_SAMPLES))
+
+
+if __name__ == "__main__":
+    killed(sys.argv[1])

@@ -49,6 +49,9 @@ def _finalize(directory: Path) -> int:
     except (FileNotFoundError, NotADirectoryError, NewerStateError) as exc:
         print(f"torchinstruments finalize: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the lock file cannot be opened: a directory it may not write
+        print(f"torchinstruments finalize: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     c = report.counts
     merge = report.merge
     if merge is not None:
@@ -70,6 +73,10 @@ def _finalize(directory: Path) -> int:
         )
     for path in report.removed_temporaries:
         print(_removed_line(path))
+    for path, why in report.kept_temporaries:
+        print(
+            f"torchinstruments finalize: could not remove temporary {path} ({why})", file=sys.stderr
+        )
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")

@@ -69,12 +69,15 @@ class FinishReport:
         merge: the merge's result, or None when the merge failed.
         state: the state written into the state file and index.md.
         removed_temporaries: library temporaries deleted by `finalize`.
+        kept_temporaries: those it could not delete (a directory without write permission),
+            each with why; not a problem of the run (none of its rows is there).
     """
 
     directory: Path
     merge: MergeResult | None
     state: RunState
     removed_temporaries: tuple[Path, ...] = ()
+    kept_temporaries: tuple[tuple[Path, str], ...] = ()
 
     @property
     def counts(self) -> RunCounts:
@@ -316,7 +319,9 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
     in place (and are listed in `problems`). A finished run keeps the exact counts its live
     process wrote into the state file; index.md is rendered again from the state, so a directory
     whose index.md was deleted gets it back. Only files the library created are deleted
-    (temporaries ending in `.torchinstruments-tmp`).
+    (temporaries ending in `.torchinstruments-tmp`). A directory it cannot write (read-only) is
+    no exception: what it could not delete or write is in the report (`kept_temporaries`,
+    `problems`), as at removal.
 
     Args:
         directory: the run's output directory.
@@ -328,6 +333,7 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
     Raises:
         FileNotFoundError: if `directory` holds no run (no history.parts/ nor history.parquet).
         RunLockedError: if a live process holds the run lock.
+        OSError: if the run's lock file cannot be opened (nothing else was touched).
         NewerStateError: if a newer torchinstruments wrote the directory's state file.
     """
     directory = expand_user(directory, "directory").absolute()
@@ -337,12 +343,14 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
             "the output_dir a run wrote"
         )
     with RunLock(directory):
-        removed = _remove_temporaries(directory)
+        removed, kept = _remove_temporaries(directory)
         state = _state_to_finish(directory)
         if state.interrupted or state.losses:
             state = mark_partly_written_sample(directory, state)
         report = finish_run(directory, state, step)
-    return dataclasses.replace(report, removed_temporaries=tuple(removed))
+    return dataclasses.replace(
+        report, removed_temporaries=tuple(removed), kept_temporaries=tuple(kept)
+    )
 
 
 def _state_to_finish(directory: Path) -> RunState:
@@ -387,21 +395,28 @@ def mark_partly_written_sample(directory: Path, state: RunState) -> RunState:
     return state
 
 
-def _remove_temporaries(directory: Path) -> list[Path]:
-    """Delete leftovers of the library's interrupted atomic writes (the caller holds the lock)."""
-    removed = []
+def _remove_temporaries(directory: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Delete leftovers of the library's interrupted atomic writes (the caller holds the lock):
+    those deleted, and those that could not be, with why (never raised: the finish goes on and
+    says what it cannot write either)."""
+    removed: list[Path] = []
+    kept: list[tuple[Path, str]] = []
     candidates = list(directory.iterdir())
     if (directory / PARTS_DIR).is_dir():
         candidates += list((directory / PARTS_DIR).iterdir())
-    for path in candidates:
-        if path.is_file() and is_library_temporary(path):
-            path.unlink()
+    found = [p for p in candidates if p.is_file() and is_library_temporary(p)]
+    found += [directory / n for n in (MERGE_TMP_DIR, PARTS_GONE_DIR) if (directory / n).is_dir()]
+    for path in found:
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as error:
+            kept.append((path, f"{type(error).__name__}: {error}"))
+        else:
             removed.append(path)
-    for name in (MERGE_TMP_DIR, PARTS_GONE_DIR):
-        if (directory / name).is_dir():
-            shutil.rmtree(directory / name)
-            removed.append(directory / name)
-    return removed
+    return removed, kept
 
 
 __all__ = [

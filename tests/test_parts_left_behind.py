@@ -11,6 +11,7 @@ rewritten with plain Polars, and every expectation is read back from the files w
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observ
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.layout import list_parts
 
-from conftest import child_report, kill_when_ready, wait_for_rows
+from conftest import child_report, cli_in_process, kill_when_ready, wait_for_rows
 
 SAMPLES = 6
 ROWS_PER_SAMPLE = 2 * 2 * 9  # two Linears, output and gradient, nine metrics
@@ -174,6 +175,17 @@ def test_a_part_of_a_newer_version_is_left_in_place_naming_the_columns_it_adds(
     assert "newer" in why, why
     history = pl.read_parquet(directory / "history.parquet")
     assert history.height == SAMPLES * ROWS_PER_SAMPLE - pl.read_parquet(newer).height
+
+    # the readers then read history.parquet and leave that part out, as for a cut one
+    shown = cli_in_process("show", directory, "--width", "200")
+    assert shown.returncode == 0, shown.stderr
+    assert f"left out: 1 unreadable part in history.parts/, its rows missing: {newer.name})" in (
+        shown.stdout
+    )
+    setup = re.findall(r"```python\n(.*?)```", (directory / "index.md").read_text(), re.DOTALL)[0]
+    namespace: dict = {}
+    exec(compile(setup, "index.md:setup", "exec"), namespace)
+    assert namespace["history"].collect().sort(SERIES).equals(history.sort(SERIES))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from torchinstruments.rundir.layout import (
     STATE_FILE,
     list_parts,
     part_number,
+    schema_difference,
 )
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
@@ -288,14 +289,15 @@ def _identity(history: Path | None) -> tuple[int, int] | None:
 
 
 def _unreadable(path: Path) -> bool:
-    """Whether Parquet cannot read `path`'s footer (a file cut short: a copy or a power loss)."""
+    """Whether Parquet cannot read `path`'s footer (a file cut short: a copy or a power loss),
+    or its columns are not history's (a part of a newer version `finalize` left in place)."""
     try:
-        pl.read_parquet_schema(path)
+        schema = pl.read_parquet_schema(path)
     except FileNotFoundError:
         return False  # gone meanwhile (merged): not damaged
     except (OSError, pl.exceptions.PolarsError):
         return True
-    return False
+    return schema_difference(pl.Schema(schema)) is not None
 
 
 def _damaged_message(directory: Path, history: Path | None, damaged: Sequence[Path]) -> str:

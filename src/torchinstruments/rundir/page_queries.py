@@ -113,7 +113,7 @@ def history_of(directory: Path) -> pl.LazyFrame:
                 "part right after it is taken); run this block again later"
             )
         try:
-            parts = readable(files)
+            parts = readable(files, merged)
         except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
             continue
         if not merged.exists():
@@ -129,14 +129,18 @@ def history_of(directory: Path) -> pl.LazyFrame:
     raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
 
 
-def readable(files: list[Path]) -> list[pl.DataFrame]:
-    """The parts' rows, leaving out a damaged part `finalize` left in place (index.md names it)."""
+def readable(files: list[Path], merged: Path) -> list[pl.DataFrame]:
+    """The parts' rows, leaving out a part `finalize` left in place (index.md names it):
+    damaged, or of another version (columns other than {HISTORY_FILE}'s)."""
+    columns = list(pl.read_parquet_schema(merged)) if merged.exists() else None
     frames = []
     for file in files:
         try:
-            frames.append(pl.read_parquet(file, glob=False))
+            frame = pl.read_parquet(file, glob=False)
         except pl.exceptions.PolarsError:
             continue
+        if columns is None or frame.columns == columns:
+            frames.append(frame)
     return frames
 
 

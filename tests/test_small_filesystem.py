@@ -23,22 +23,25 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import wait_for_rows
+from conftest import rows_in_parts, wait_for_rows
 
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs mounted under tmp_path (unmounted afterwards), or a skip saying why not."""
+def small_disk(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A tmpfs of 2 MiB (or the size a test passes indirectly) mounted under tmp_path
+    (unmounted afterwards), or a skip saying why not."""
+    size = getattr(request, "param", "2m")
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        pytest.skip("mounting a 2 MiB tmpfs needs Linux and root (CAP_SYS_ADMIN)")
+        pytest.skip("mounting a tmpfs needs Linux and root (CAP_SYS_ADMIN)")
     mount = tmp_path / "disk"
     mount.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
         capture_output=True,
         text=True,
         check=False,
@@ -124,3 +127,54 @@ def test_a_disk_full_through_removal_leaves_a_true_ledger(small_disk: Path) -> N
     assert state.rows_recorded == 320 * ROWS_PER_SAMPLE
     assert history.height == state.rows_recorded - sum(loss.rows for loss in state.losses)
     assert not (run / "history.parts").exists()  # merged
+
+
+DEEP_ROWS_PER_SAMPLE = 8 * 2 * 9  # eight Linears, output and gradient, nine metrics
+DEEP_SAMPLES = 1 + 24 * 32  # the first sample written at once, then chunks of 32 samples
+
+
+@pytest.mark.parametrize("small_disk", ["16m"], indirect=True)
+def test_a_merge_the_full_disk_refuses_keeps_the_parts_and_finalize_completes_it_later(
+    small_disk: Path,
+) -> None:
+    # every row is in parts before the disk fills; history.parquet then needs more than the
+    # reserve gives back (random inputs: values that do not compress away)
+    run = small_disk / "run"
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    inject_observer(
+        model,
+        output_dir=run,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(buffer_rows=32 * DEEP_ROWS_PER_SAMPLE, flush_seconds=600),
+        max_histogram_modules=1,
+    )
+    for _ in range(DEEP_SAMPLES):
+        model(torch.randn(8, 16)).sum().backward()
+    rows = DEEP_SAMPLES * DEEP_ROWS_PER_SAMPLE
+    wait_for_rows(run, rows)
+    written = pl.concat([pl.read_parquet(p) for p in list_parts(run)])
+    filler = fill(small_disk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        remove_observer(model)
+
+    said = "\n".join(str(w.message) for w in caught)
+    assert "merging history.parts/ into history.parquet failed" in said, said
+    assert "No space left on device" in said, said
+    state = read_state(run)
+    assert state.status is Status.INCOMPLETE  # never "complete" without history.parquet
+    assert state.rows_recorded == rows
+    assert not (run / "history.parquet").exists()
+    assert rows_in_parts(run) == rows  # every part kept for finalize
+    index = (run / "index.md").read_text("utf-8")
+    assert "**State: INCOMPLETE.**" in index
+    assert "merging history.parts/ into history.parquet failed" in index
+
+    filler.unlink()  # the space comes back
+    report = finalize(run)
+    assert report.problems == ()
+    assert read_state(run).status is Status.COMPLETE  # the live run's exact count is met
+    history = pl.read_parquet(run / "history.parquet")
+    key = ["sample_id", "layer", "signal", "metric"]
+    assert history.sort(key).equals(written.sort(key))
+    assert not (run / "history.parts").exists()

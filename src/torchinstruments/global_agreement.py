@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchinstruments import reasons
+from torchinstruments.global_channel import gathered
 
 # The header's fields that name the root forward a sample is, right after `raised` (`header`).
 # Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
@@ -116,9 +116,8 @@ def not_everywhere(
     counts = [int(h[_COUNT]) for h in headers]
     mine = torch.zeros(max(counts), dtype=torch.int64)
     mine[: len(ids)] = torch.tensor([_hash(i) for i in ids], dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in headers]
-    dist.all_gather(gathered, mine, group=agreement)
-    claimed = [set(g[:n].tolist()) for g, n in zip(gathered, counts, strict=True)]
+    hashes = gathered(mine, agreement).tolist()
+    claimed = [set(g[:n]) for g, n in zip(hashes, counts, strict=True)]
     raisers = {r for r, h in enumerate(headers) if h[0].item()}
     out = {}
     for index, (identity, group) in enumerate(zip(ids, groups, strict=True)):

@@ -22,6 +22,14 @@ at most `WAIT`; a group that cannot be created stops global statistics from the 
 DTensor outputs on a mesh that spans only part of the ranks (a 2-D mesh's submesh) still take
 their collectives over the mesh's group (its groups do not exist at inject); the agreement over
 the library's group before them ensures every rank of the job is in the same sample.
+
+The library's groups use gloo whatever the job's backend: a gloo collective that outwaits its
+timeout raises (null rows with the reason), where NCCL's watchdog would abort the process, the
+user's job with it. Every collective of the library sends its packet on the device its group's
+backend needs (`group_device`): the CPU for gloo, the current CUDA device for an NCCL-only
+group (a DTensor mesh's), the CPU for a group with both ("cpu:gloo,cuda:nccl"), as torch picks
+for its own object collectives. The statistics themselves are reduced on the tensors' device;
+only their packed counts and moments travel.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from torchinstruments import reasons
@@ -74,16 +83,59 @@ def open_run(option: Any) -> GlobalRun | None:
         return None
     world = tuple(dist.get_process_group_ranks(dist.group.WORLD))
     run = GlobalRun(option, None)
+    backend = "gloo" if dist.is_gloo_available() else None  # a timeout raises, never aborts
     try:
-        run.agreement = dist.new_group(timeout=WAIT)
+        run.agreement = dist.new_group(timeout=WAIT, backend=backend)
         run.private[world] = run.agreement
         if option.group is not None:
             ranks = tuple(dist.get_process_group_ranks(option.group))
             if ranks not in run.private:
-                run.private[ranks] = dist.new_group(list(ranks), timeout=WAIT)
+                run.private[ranks] = dist.new_group(list(ranks), timeout=WAIT, backend=backend)
     except Exception as error:  # never the user's inject: the rows say it, from the first sample
         run.stop(None, error)
     return run
+
+
+def collective_device(backend: str, index: int | None = None) -> torch.device:
+    """The device a collective's tensors must be on for a group of `backend`, as
+    `dist.get_backend` names it ("gloo", "nccl", "cpu:gloo,cuda:nccl"); `index`: the current
+    device's index, for a device other than the CPU. Torch's rule for object collectives: the
+    one device type the backend serves, else the CPU where it is among them (an unknown
+    backend: the CPU), else the first."""
+    types: list[str] = []
+    for part in backend.lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        types += [device] if device else dist.Backend.backend_capability.get(name, ["cpu"])
+    if "cpu" in types:
+        return torch.device("cpu")
+    return torch.device(types[0]) if index is None else torch.device(types[0], index)
+
+
+def group_device(group: Any) -> torch.device:
+    """`collective_device` of `group`'s backend, on this process's current device of its type
+    (NCCL: `torch.cuda.current_device()`, the device the job's own collectives use)."""
+    backend = str(dist.get_backend(group))
+    kind = collective_device(backend).type
+    return collective_device(
+        backend, getattr(torch, kind).current_device() if kind != "cpu" else None
+    )
+
+
+def gathered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on each), stacked in rank order on `tensor`'s
+    device, all-gathered on the device `group` needs (`group_device`)."""
+    sent = tensor.to(group_device(group))
+    out = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, sent, group=group)
+    return torch.stack(out).to(tensor.device)
+
+
+def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum over `group`'s ranks of `tensor`, on `tensor`'s device, all-reduced on the device
+    `group` needs; `tensor` itself may hold the sum afterwards."""
+    sent = tensor.to(group_device(group))
+    dist.all_reduce(sent, group=group)
+    return sent.to(tensor.device)
 
 
 def close_run(run: GlobalRun | None) -> None:
@@ -98,4 +150,13 @@ def close_run(run: GlobalRun | None) -> None:
     run.private.clear()
 
 
-__all__ = ["WAIT", "GlobalRun", "close_run", "open_run"]
+__all__ = [
+    "WAIT",
+    "GlobalRun",
+    "close_run",
+    "collective_device",
+    "gathered",
+    "group_device",
+    "open_run",
+    "summed",
+]

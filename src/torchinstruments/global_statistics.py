@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torchinstruments import global_agreement as agreement
 from torchinstruments import reasons
 from torchinstruments._torch_internals import is_functorch_wrapped
-from torchinstruments.global_channel import GlobalRun, close_run, open_run
+from torchinstruments.global_channel import GlobalRun, close_run, gathered, open_run, summed
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
@@ -264,18 +264,18 @@ def _moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = finite.numel()
     exponent = _exponent(finite)
     scaled = finite * math.ldexp(1.0, -exponent) if exponent else finite  # exact
-    mean = scaled.mean() if n else torch.tensor(0.0, dtype=torch.float64)
-    m2 = ((scaled - mean) ** 2).sum() if n else torch.tensor(0.0, dtype=torch.float64)
+    mean = scaled.mean() if n else flat.new_tensor(0.0)  # every entry on the values' device
+    m2 = ((scaled - mean) ** 2).sum() if n else flat.new_tensor(0.0)
     row = torch.stack(
         [
-            torch.tensor(float(flat.numel()), dtype=torch.float64),
-            torch.tensor(float(n), dtype=torch.float64),
+            flat.new_tensor(float(flat.numel())),
+            flat.new_tensor(float(n)),
             (flat == 0).sum().to(torch.float64),
-            torch.tensor(float(exponent), dtype=torch.float64),
+            flat.new_tensor(float(exponent)),
             mean,
             m2,
-            finite.min() if n else torch.tensor(math.inf, dtype=torch.float64),
-            finite.max() if n else torch.tensor(-math.inf, dtype=torch.float64),
+            finite.min() if n else flat.new_tensor(math.inf),
+            finite.max() if n else flat.new_tensor(-math.inf),
         ]
     )
     return row, finite
@@ -341,25 +341,25 @@ def _select(finite_parts: list[torch.Tensor], targets: torch.Tensor, group: Any)
     One packed all_reduce of `[T, 6, 256]` counts per pass; the same result on every rank.
     """
     keys = [_keys(part) for part in finite_parts]
-    t = len(keys)
-    prefix = torch.zeros((t, _TARGETS), dtype=torch.int64)
+    t, home = len(keys), targets.device  # each tensor counted on its own device
+    prefix = torch.zeros((t, _TARGETS), dtype=torch.int64, device=home)
     remaining = targets.clone()
     offsets = torch.arange(_TARGETS, dtype=torch.int64)[:, None] * _BINS
     for p in range(RADIX_PASSES):
         shift = 64 - RADIX_BITS * (p + 1)
-        counts = torch.zeros((t, _TARGETS * _BINS), dtype=torch.int64)
+        counts = torch.zeros((t, _TARGETS * _BINS), dtype=torch.int64, device=home)
         for i, k in enumerate(keys):
             if not k.numel():
                 continue
             digit = (k >> shift) & (_BINS - 1)
             if p == 0:
-                match = torch.ones((_TARGETS, k.numel()), dtype=torch.bool)
+                match = torch.ones((_TARGETS, k.numel()), dtype=torch.bool, device=k.device)
             else:
                 high = (k >> (shift + RADIX_BITS)) & ((1 << (RADIX_BITS * p)) - 1)
-                match = high[None, :] == prefix[i][:, None]
-            index = (digit[None, :] + offsets).masked_select(match)
-            counts[i] = torch.bincount(index, minlength=_TARGETS * _BINS)
-        dist.all_reduce(counts, group=group)
+                match = high[None, :] == prefix[i].to(k.device)[:, None]
+            index = (digit[None, :] + offsets.to(k.device)).masked_select(match)
+            counts[i] = torch.bincount(index, minlength=_TARGETS * _BINS).to(home)
+        counts = summed(counts, group)
         cum = counts.reshape(t, _TARGETS, _BINS).cumsum(-1)
         chosen = (cum <= remaining[..., None]).sum(-1).clamp(max=_BINS - 1)
         below = torch.where(
@@ -380,18 +380,17 @@ def _group_rows(
     parts = [item.values for item in items]
     partial = [i for i, item in enumerate(items) if item.partial]
     if partial:
-        flat = torch.cat([parts[i].reshape(-1).to(torch.float64) for i in partial])
-        dist.all_reduce(flat, group=group)
-        for i, summed in zip(partial, flat.split([parts[i].numel() for i in partial]), strict=True):
-            whole = summed.to(parts[i].dtype)  # the output's own dtype, rounded once
-            parts[i] = torch.tensor_split(whole, world)[me]
+        home = parts[partial[0]].device
+        flat = torch.cat([parts[i].reshape(-1).to(home, torch.float64) for i in partial])
+        sums = summed(flat, group).split([parts[i].numel() for i in partial])
+        for i, whole in zip(partial, sums, strict=True):  # the output's own dtype, rounded once
+            parts[i] = torch.tensor_split(whole.to(parts[i].device, parts[i].dtype), world)[me]
     rows, finite_parts = zip(*(_moments(part) for part in parts), strict=True)
-    local = torch.stack(list(rows))
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
-    combined = [_combined([g[i] for g in gathered]) for i in range(len(items))]
+    home = parts[0].device  # where the sample's packets are built (one move per collective)
+    every = gathered(torch.stack([row.to(home) for row in rows]), group).cpu()
+    combined = [_combined(list(every[:, i])) for i in range(len(items))]
     targets = torch.tensor([_targets(c["finite"]) for c in combined], dtype=torch.int64)
-    selected = _select(list(finite_parts), targets, group).tolist()
+    selected = _select(list(finite_parts), targets.to(home), group).tolist()
     wanted = tuple(m for m in metrics if m in PROFILE)
     out = []
     for c, picks in zip(combined, selected, strict=True):
@@ -430,9 +429,7 @@ def measure(
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
-    mine = agreement.header(sample, names)
-    headers = [torch.empty_like(mine) for _ in range(dist.get_world_size(run.agreement))]
-    dist.all_gather(headers, mine, group=run.agreement)
+    headers = list(gathered(agreement.header(sample, names), run.agreement))
     reason = agreement.sample_reason(headers, warn)
     if reason is not None:
         return rows_of(items, {}, reason, metrics=metrics, rank=rank)

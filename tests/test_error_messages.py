@@ -350,6 +350,27 @@ MISTAKES: list[tuple[str, Callable[[Path], object], str, str, str]] = [
         "True",
         "init_process_group",
     ),
+    (
+        "global_statistics_timeout type",
+        _inject(global_statistics_timeout="10m"),
+        "global_statistics_timeout",
+        "'10m'",
+        "datetime.timedelta",
+    ),
+    (
+        "global_statistics_timeout zero",
+        _inject(global_statistics_timeout=0),
+        "global_statistics_timeout",
+        "0",
+        "never wait forever",
+    ),
+    (
+        "global_statistics_timeout infinite",
+        _inject(global_statistics_timeout=float("inf")),
+        "global_statistics_timeout",
+        "inf",
+        "pass e.g. 600",
+    ),
     ("output_dir type", _no_output_dir(3), "output_dir", "3", "str or os.PathLike"),
     ("output_dir empty", _no_output_dir(""), "output_dir", "''", "output_dir='stats'"),
     (

@@ -19,7 +19,7 @@ from torchinstruments.global_channel import (
     open_run,
     summed,
 )
-from torchinstruments.global_statistics import GlobalOption
+from torchinstruments.global_option import GlobalOption
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ sample while the other has left the loop and waits in the user's own collectives
 
 The library's collectives run on process groups of its own, so they never pair with the
 user's: the user's all-reduce and barrier on the default group give the right values on every
-rank, and no rank waits longer than the library's wait (`global_channel.WAIT`, shortened here).
+rank, and no rank waits longer than the library's wait (`global_statistics_timeout`, shortened
+here from its 60 s default).
 The sample no other rank took, and every later one, has its global rows null with the reason
 on the rank that took it, warned and said in index.md; the samples every rank took keep their
 values. The ranks never pair again after the stop: a later sample on both ranks waits at most
@@ -30,13 +31,6 @@ LIBRARY_WAIT = datetime.timedelta(seconds=5)
 USER_TIMEOUT = datetime.timedelta(seconds=90)
 
 
-def shorten_the_librarys_wait() -> None:
-    """The library waits a minute by default: the test's ranks need not."""
-    from torchinstruments import global_channel
-
-    global_channel.WAIT = LIBRARY_WAIT
-
-
 def user_all_reduce(rank: int) -> list[float]:
     """The user's own collective on the default group: each rank adds rank + 1."""
     values = torch.full((5,), float(rank + 1))
@@ -52,7 +46,6 @@ def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
-    shorten_the_librarys_wait()
     torch.manual_seed(0)
     model = chain(2)
     seen: dict[int, list[float]] = {}
@@ -65,6 +58,7 @@ def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
         sampler=EveryNForwardsSampler(1),
         rank_policy="all",
         global_statistics=dist.group.WORLD,
+        global_statistics_timeout=LIBRARY_WAIT,
     )
     report: dict[str, object] = {}
     try:
@@ -115,6 +109,7 @@ def test_a_sample_only_one_rank_takes_never_pairs_with_the_users_collectives(
         )
         index = (directory / "index.md").read_text("utf-8")
         assert f"they stopped (from sample {stopped_at} on" in index  # the warning, kept
+        assert "longer than 5 s (global_statistics_timeout)" in index
     # the samples both ranks took: the whole tensor over both ranks, as plain hooks saw it
     for sample_id in (0, 1):
         whole = [x for report in reports for x in report["seen"][str(sample_id)]]
@@ -143,6 +138,7 @@ def train_with_join(rank: int, output_dir: str | None) -> list[list[float]]:
             sampler=EveryNForwardsSampler(1),
             rank_policy="all",
             global_statistics=dist.group.WORLD,
+            global_statistics_timeout=LIBRARY_WAIT,
         )
     torch.manual_seed(10 + rank)
     batches = [torch.randn(2, 4) for _ in range(3 if rank == 0 else 2)]
@@ -161,7 +157,6 @@ def join_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
-    shorten_the_librarys_wait()
     report: dict[str, object] = {}
     try:
         report["observed"] = train_with_join(rank, output_dir)

@@ -35,7 +35,8 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
-from torchinstruments.global_statistics import GlobalOption, close_run
+from torchinstruments.global_option import global_notes
+from torchinstruments.global_statistics import close_run
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
@@ -148,6 +149,7 @@ def inject_observer(
     sinks: Sequence[Sink] = (),
     resume: bool = False,
     global_statistics: Any = False,
+    global_statistics_timeout: Any = None,
 ) -> Path | None:
     """Start observing `model`: sampled root forwards and their backward are measured and written.
 
@@ -187,6 +189,10 @@ def inject_observer(
             Costs a fixed number of packed collectives per sampled forward (see
             `global_statistics.py`); needs `rank_policy="all"` and a sampler that decides the
             same on every rank (`EveryNForwardsSampler`).
+        global_statistics_timeout: how long a rank waits in those collectives for the other
+            ranks (seconds or a `timedelta`, finite, > 0; default None: 60 s); a wait that
+            runs out stops global statistics for the rest of the run (null rows, a reason).
+            Raise it when ranks can be minutes apart at a sampled forward (one rank compiling).
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -403,27 +409,6 @@ def check_model(model: object) -> None:
                 "each module's __dict__, forward included, so they would run the original "
                 "module): use DistributedDataParallel, or observe a model that is not replicated"
             )
-
-
-def global_notes(option: GlobalOption | None) -> tuple[str, ...]:
-    """What `global_statistics=` changes in the rows, said in index.md (empty when off)."""
-    if option is None:
-        return ()
-    over = (
-        "DTensor Shard/Partial outputs (1-D meshes) and, over the named process group, every "
-        "other floating output"
-        if option.group is not None
-        else "DTensor Shard/Partial outputs on 1-D meshes"
-    )
-    return (
-        f"global_statistics: {over} are measured as the whole tensor over their ranks (rows with "
-        "population 'global:ranks=...', exact); those outputs get no local rows and no "
-        "TensorBoard histogram, their output_gradient rows stay this rank's tensor (population "
-        "null); each sampled forward runs a fixed number of packed collectives, on process groups "
-        "of the library's own made at inject (never paired with the program's collectives): a "
-        "rank that waits in them longer than a minute for a sample no other rank takes (uneven "
-        "data) stops global statistics for the rest of the run, null rows with the reason",
-    )
 
 
 def compile_notes(model: nn.Module) -> tuple[str, ...]:

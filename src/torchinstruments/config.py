@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchinstruments.distributed import check_rank_policy
-from torchinstruments.global_statistics import GlobalOption, check_global_statistics
+from torchinstruments.global_option import GlobalOption, check_global_statistics
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.measurement.reducers import Measurer
@@ -57,6 +57,7 @@ class ObserverConfig:
     sinks: Sequence[Sink] = ()
     resume: bool = False
     global_statistics: Any = False
+    global_statistics_timeout: Any = None
     # The compiled reducers; built from `reducers`, never passed.
     measurer: Measurer = field(init=False, repr=False, compare=False)
     # The checked `global_statistics`; None when off.
@@ -100,7 +101,9 @@ class ObserverConfig:
         self._set("measurer", Measurer(self.reducers))
         self._set(
             "global_option",
-            check_global_statistics(self.global_statistics, sampler, self.rank_policy),
+            check_global_statistics(
+                self.global_statistics, sampler, self.rank_policy, self.global_statistics_timeout
+            ),
         )
 
     def _set(self, name: str, value: Any) -> None:

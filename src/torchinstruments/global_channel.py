@@ -7,8 +7,9 @@ user's `dist.barrier()` or `all_reduce`, or DDP's join context, while another ra
 sampling), the library's collective on the user's group would be paired with the user's: the
 user's barrier waits for the group's timeout (30 minutes under gloo by default) and then fails,
 or a user's all-reduce receives the library's header. On groups created for the library at
-inject (`dist.new_group`, with `WAIT` as their timeout), the library's collectives pair only
-with the library's, and a rank waiting for a sample no other rank takes gives up after `WAIT`.
+inject (`dist.new_group`, with the option's wait as their timeout: `global_statistics_timeout`,
+60 s by default), the library's collectives pair only with the library's, and a rank waiting
+for a sample no other rank takes gives up after that wait.
 
 After a failed collective (that wait run out, a rank gone) the ranks are no longer known to
 be in step on those groups: a rank that gave up has moved on, and its next collective would
@@ -18,7 +19,7 @@ no rank waits again. The warning and index.md say so.
 
 The cost: at inject every rank creates the groups together (one over every rank, plus one over
 the named group's ranks when that is not every rank), so inject waits for every rank's inject,
-at most `WAIT`; a group that cannot be created stops global statistics from the first sample.
+at most that wait; a group that cannot be created stops global statistics from the first sample.
 DTensor outputs on a mesh that spans only part of the ranks (a 2-D mesh's submesh) still take
 their collectives over the mesh's group (its groups do not exist at inject); the agreement over
 the library's group before them ensures every rank of the job is in the same sample.
@@ -35,7 +36,6 @@ only their packed counts and moments travel.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +43,6 @@ import torch
 import torch.distributed as dist
 
 from torchinstruments import reasons
-
-# How long a rank waits in a collective of the library for the other ranks: long enough for the
-# ranks' ordinary skew at a sample's end, far under the user's own groups' default timeout, so
-# the user's collective that another rank waits in outlives it.
-WAIT = datetime.timedelta(seconds=60)
 
 
 @dataclass
@@ -85,12 +80,14 @@ def open_run(option: Any) -> GlobalRun | None:
     run = GlobalRun(option, None)
     backend = "gloo" if dist.is_gloo_available() else None  # a timeout raises, never aborts
     try:
-        run.agreement = dist.new_group(timeout=WAIT, backend=backend)
+        run.agreement = dist.new_group(timeout=option.wait, backend=backend)
         run.private[world] = run.agreement
         if option.group is not None:
             ranks = tuple(dist.get_process_group_ranks(option.group))
             if ranks not in run.private:
-                run.private[ranks] = dist.new_group(list(ranks), timeout=WAIT, backend=backend)
+                run.private[ranks] = dist.new_group(
+                    list(ranks), timeout=option.wait, backend=backend
+                )
     except Exception as error:  # never the user's inject: the rows say it, from the first sample
         run.stop(None, error)
     return run
@@ -151,7 +148,6 @@ def close_run(run: GlobalRun | None) -> None:
 
 
 __all__ = [
-    "WAIT",
     "GlobalRun",
     "close_run",
     "collective_device",

@@ -24,8 +24,8 @@ fixed number of collectives whatever the number of layers:
    tensors every rank of their group ran; only the others are null, with a reason naming the
    ranks they ran on (and those that raised). Every rank reaches this point (it runs when the
    root forward ends, raised or not), so a rank that raises never leaves the others waiting; a
-   rank that takes a sample the others never take waits at most `global_channel.WAIT`, then
-   global statistics stop for the rest of the run (null rows with the reason, warned);
+   rank that takes a sample the others never take waits at most `global_statistics_timeout`
+   (60 s by default), then global statistics stop for the rest of the run (null rows with the reason, warned);
 2. per process group in the sample (sorted by ranks; ranks outside it skip it), in one packed
    tensor each: one `all_reduce` of the Partial outputs' values in float64 (only when the sample
    has some; each rank then keeps its 1/W slice of the sums), one `all_gather` of 8 float64
@@ -88,70 +88,6 @@ RADIX_PASSES = 64 // RADIX_BITS
 _BINS = 1 << RADIX_BITS
 _TARGETS = 2 * len(QUARTILES)  # each quartile's lower and upper neighbour
 _SIGN = -(1 << 63)
-
-
-@dataclass(frozen=True)
-class GlobalOption:
-    """The checked `global_statistics=` option: the named group (None: DTensors only)."""
-
-    group: Any
-
-
-def check_global_statistics(
-    value: object, sampler: object, rank_policy: str
-) -> GlobalOption | None:
-    """Validate `global_statistics=` at inject; None when it is off.
-
-    Raises:
-        TypeError: not a bool or a `torch.distributed.ProcessGroup`.
-        ValueError: on without an initialized process group, with `rank_policy="rank0"`, or
-            with a sampler whose decision could differ across ranks.
-    """
-    if value is False or value is None:
-        return None
-    group_class = getattr(dist, "ProcessGroup", None)
-    if value is not True and not (group_class is not None and isinstance(value, group_class)):
-        raise TypeError(
-            f"global_statistics must be False (default), True (DTensor Shard/Partial outputs "
-            f"measured over their mesh) or a torch.distributed.ProcessGroup (also every other "
-            f"output, over that group's ranks), got {value!r}"
-        )
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"global_statistics={value!r} needs an initialized process group at "
-            "inject_observer: call torch.distributed.init_process_group first, or leave "
-            "global_statistics=False"
-        )
-    if rank_policy != "all":
-        raise ValueError(
-            f"global_statistics needs rank_policy='all', got rank_policy={rank_policy!r}: every "
-            "rank must observe and take part in each sample's collectives; pass "
-            "rank_policy='all'"
-        )
-    check_same_on_every_rank(sampler, "sampler")
-    return GlobalOption(None if value is True else value)
-
-
-def check_same_on_every_rank(sampler: object, argument: str) -> None:
-    """Refuse a sampler whose decision could differ across ranks, under global_statistics: every
-    sampler a run asks (the training one, a trainer callback's `record_eval` one) must take the
-    same samples on every rank.
-
-    Raises:
-        ValueError: naming `argument`, the sampler and the samplers allowed.
-    """
-    from torchinstruments.sampling import EveryNForwardsSampler
-
-    if not isinstance(sampler, EveryNForwardsSampler) and not getattr(
-        sampler, "same_on_every_rank", False
-    ):
-        raise ValueError(
-            f"global_statistics refuses {argument}={sampler!r}: its decision could differ "
-            "across ranks (a rank's clock, say), and a sample one rank takes and another does "
-            "not would leave the first waiting in a collective. Use EveryNForwardsSampler(n), "
-            "or a sampler with the attribute `same_on_every_rank = True` whose decision depends "
-            "on the forward index only"
-        )
 
 
 @dataclass
@@ -580,10 +516,7 @@ def sample_rows(
 
 __all__ = [
     "RADIX_PASSES",
-    "GlobalOption",
     "GlobalTensor",
-    "check_global_statistics",
-    "check_same_on_every_rank",
     "claim",
     "close_run",
     "keep",

@@ -44,7 +44,7 @@ from torchinstruments.api import (
 )
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
-from torchinstruments.global_statistics import check_same_on_every_rank
+from torchinstruments.global_option import check_same_on_every_rank
 from torchinstruments.integrations._repeats import (
     EarlierSteps,
     EvaluationSteps,

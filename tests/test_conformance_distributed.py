@@ -20,25 +20,17 @@ References (hook_reference):
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _ranks import joined, run_ranks
 from torch import nn
 
 TIMEOUT_SECONDS = 180
 CASES = ("tp-local", "tp-dtensor", "fsdp2")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TwoLinears(nn.Module):
@@ -135,49 +127,33 @@ def problems_of(result: Any) -> list[str]:
     return problems
 
 
-def worker(rank: int, port: int, output_dir: str) -> None:
+def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     """One rank: every case, each in a run directory of its own; a report per rank."""
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks on the machine's cores, not four contended threads
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     report: dict[str, list[str]] = {}
-    try:
-        for case in CASES:
-            run_dir = Path(output_dir, case)
-            try:
-                if case == "fsdp2":
-                    report[case] = fsdp2_case(run_dir, rank)
-                else:
-                    report[case] = tensor_parallel_case(run_dir, case == "tp-local")
-            except Exception:
-                report[case] = [f"raised: {traceback.format_exc()}"]
-            dist.barrier()
-    finally:
-        Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    with joined(rank, world_size, port):
+        try:
+            for case in CASES:
+                run_dir = Path(output_dir, case)
+                try:
+                    if case == "fsdp2":
+                        report[case] = fsdp2_case(run_dir, rank)
+                    else:
+                        report[case] = tensor_parallel_case(run_dir, case == "tp-local")
+                except Exception:
+                    report[case] = [f"raised: {traceback.format_exc()}"]
+                dist.barrier()
+        finally:
+            Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[str]]]:
     """Both ranks' reports, from one launch of two processes."""
     output_dir = tmp_path_factory.mktemp("distributed-zoo")
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=worker, args=(rank, port, str(output_dir))) for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(TIMEOUT_SECONDS)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
-        assert process.exitcode == 0
+    run_ranks(worker, str(output_dir), timeout_s=TIMEOUT_SECONDS)
     return {rank: json.loads((output_dir / f"report-{rank}.json").read_text()) for rank in range(2)}
 
 

@@ -3,27 +3,16 @@ and what a run says when it was placed before its process had a rank."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-import torch.distributed as dist
+from _ranks import joined, run_ranks
 from torch import nn
 
 from conftest import read_history
-
-TIMEOUT_SECONDS = 120
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) -> None:
@@ -35,10 +24,7 @@ def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) 
         remove_observer,
     )
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
         returned = inject_observer(
@@ -53,27 +39,6 @@ def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) 
         Path(output_dir, f"report-{rank}.txt").write_text(
             f"{attached} {any(dicts)} {returned} {removed}"
         )
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(target: Callable[..., None], *args: object, world_size: int = 2) -> None:
-    """`target(rank, world_size, port, *args)` in one spawned process per rank; all must exit 0."""
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=target, args=(rank, world_size, port, *args))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(TIMEOUT_SECONDS)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
-        assert process.exitcode == 0
 
 
 def run_two_ranks(tmp_path: Path, policy: str) -> Path:
@@ -137,19 +102,14 @@ def late_group_worker(rank: int, world_size: int, port: int, output_dir: str) ->
 
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     own = Path(output_dir, f"process-{rank}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inject_observer(model, output_dir=own, sampler=EveryNForwardsSampler(1), rank_policy="all")
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
+        with joined(rank, world_size, port):
             model(torch.ones(2, 4)).sum().backward()
             remove_observer(model)
-        finally:
-            dist.destroy_process_group()
     Path(output_dir, f"warnings-{rank}.txt").write_text("\n".join(str(w.message) for w in caught))
 
 

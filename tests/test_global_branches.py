@@ -11,14 +11,13 @@ layers take exactly one collective more than ranks that ran the same ones.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from test_global_statistics import METRICS, Counting, check
 from torch import nn
 
@@ -52,10 +51,7 @@ def routed_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     """Each rank its own batch and routes; every layer's local outputs saved per step."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)  # the same weights on both ranks
         model = Routed()
         seen: dict[str, list[object]] = {}
@@ -84,8 +80,6 @@ def routed_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
         remove_observer(model)
         seen["collectives"] = collectives
         Path(output_dir, f"outputs-{rank}.json").write_text(json.dumps(seen))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_only_layers_not_run_on_every_rank_lose_their_global_rows(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ model computes on every rank's whole batch, as their local rows would be (unwrap
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from test_global_statistics import check, global_rows
 from torch import nn
 
@@ -84,10 +83,7 @@ def entries(output: torch.Tensor) -> np.ndarray:
 def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         model = Net()
         seen: dict[str, np.ndarray] = {}
@@ -128,8 +124,6 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         dist.all_gather_object(gathered, {name: seen[name].tolist() for name in names})
         if rank == 0:
             Path(output_dir, "seen.json").write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from torch import nn
 
 FLOAT64_MAX = float(np.finfo(np.float64).max)
@@ -67,10 +66,7 @@ class Net(nn.Module):
 def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         model = Net(rank)
         seen: dict[str, list[float]] = {}
@@ -92,8 +88,6 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         dist.all_gather_object(gathered, seen)
         if rank == 0:
             Path(output_dir, "seen.json").write_text(json.dumps(gathered))
-    finally:
-        dist.destroy_process_group()
 
 
 def exact_mean_and_std(values: list[float]) -> tuple[float, float]:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from test_global_statistics import METRICS, Raises, check
 from torch import nn
 
@@ -29,10 +28,7 @@ def raising_worker(rank: int, world_size: int, port: int, output_dir: str) -> No
     """Three samples, each rank its own inputs; the last rank raises in the second."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)  # the same weights on every rank
         raiser = Raises()
         model = nn.Sequential(nn.Linear(4, 4), raiser, nn.Linear(4, 4))
@@ -54,8 +50,6 @@ def raising_worker(rank: int, world_size: int, port: int, output_dir: str) -> No
                 model(torch.randn(2, 4))
         remove_observer(model)
         Path(output_dir, f"seen-{rank}.json").write_text(json.dumps(seen))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
-import test_distributed
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import join, joined, run_ranks
 from torch import nn
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
@@ -130,11 +128,8 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
 
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     report: dict[str, object] = {}
-    try:
+    with joined(rank, world_size, port):
         mesh = init_device_mesh("cpu", (world_size,))
         every = EveryNForwardsSampler(1)
         torch.manual_seed(0)
@@ -189,8 +184,6 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
         report["collectives"] = {"3": counts[3], "30": counts[30], "off": counting.calls}
         if rank == 0:
             Path(output_dir, "report.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
 
 
 def reference(values: np.ndarray) -> dict[str, float]:
@@ -228,12 +221,9 @@ def check(got: dict[str, float], values: np.ndarray, rel: float = 1e-12) -> None
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_global_rows_equal_the_gathered_tensor(
-    tmp_path: Path, world_size: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_global_rows_equal_the_gathered_tensor(tmp_path: Path, world_size: int) -> None:
     # 4 gloo ranks on CI's 2 cores run several models each: more than the usual 120 s per rank
-    monkeypatch.setattr(test_distributed, "TIMEOUT_SECONDS", 420)
-    run_ranks(worker, str(tmp_path), world_size=world_size)
+    run_ranks(worker, str(tmp_path), world_size=world_size, timeout_s=420)
     report = json.loads((tmp_path / "report.json").read_text())
     for rank in range(world_size):
         for name in ("a", "b"):
@@ -309,10 +299,7 @@ def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: st
     batch, then against its step k - 1)."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         model = chain(2)
         inject_observer(
@@ -347,8 +334,6 @@ def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: st
                 set_step(model, step)
             model(torch.randn(2, 4)).sum().backward()
         remove_observer(model)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tensors(
@@ -382,9 +367,7 @@ def rank_leaves_early_worker(rank: int, world_size: int, port: int, output_dir: 
     process ends; rank 0 trains on alone (its loop needs no collective of its own)."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     torch.manual_seed(rank)
     model = chain(2)
     inject_observer(
@@ -447,10 +430,7 @@ def tensor_parallel_in_data_parallel_worker(
 
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(1)
         model = TwoLayers()
@@ -472,8 +452,6 @@ def tensor_parallel_in_data_parallel_worker(
         remove_observer(model)
         whole = outputs(model, x, {"fc1": -1})["fc1"]
         Path(output_dir, f"fc1-{rank}.json").write_text(json.dumps(whole.tolist()))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_tensor_parallel_group_of_a_2d_mesh_measures_its_own_whole_tensor(

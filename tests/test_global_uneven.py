@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import join, run_ranks
 from test_global_statistics import METRICS, chain, check
 
 LIBRARY_WAIT = datetime.timedelta(seconds=5)
@@ -43,9 +42,7 @@ def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     run one more sampled forward each, and meet again."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
+    join(rank, world_size, port, USER_TIMEOUT)
     torch.manual_seed(0)
     model = chain(2)
     seen: dict[int, list[float]] = {}
@@ -154,9 +151,7 @@ def train_with_join(rank: int, output_dir: str | None) -> list[list[float]]:
 
 def join_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     """The same uneven DDP training observed, then not: each rank's parameters of both."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=USER_TIMEOUT)
+    join(rank, world_size, port, USER_TIMEOUT)
     report: dict[str, object] = {}
     try:
         report["observed"] = train_with_join(rank, output_dir)

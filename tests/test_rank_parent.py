@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from torch import nn
 
 from torchinstruments.__main__ import main
@@ -28,10 +26,7 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     """One rank: a small MLP, rank-specific inputs, every forward sampled."""
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         inject_observer(
@@ -44,8 +39,6 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
             torch.manual_seed(100 * rank + step)
             model(torch.randn(3, 4) * (rank + 1)).sum().backward()
         remove_observer(model)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

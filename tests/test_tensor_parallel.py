@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-import torch.distributed as dist
-from test_distributed import run_ranks
+from _ranks import joined, run_ranks
 from torch import nn
 
 from torchinstruments.records import MetricValue
@@ -60,10 +59,7 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
 
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with joined(rank, world_size, port):
         torch.manual_seed(0)
         plain = TwoLayers()
         model = TwoLayers()
@@ -104,8 +100,6 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
             "fc1_grad_unsharded": hidden.grad[:, shard].tolist(),
         }
         Path(output_dir, f"report-{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
     # Done: end as a forked child ends, without the interpreter's teardown. The profiler's
     # (kineto's) thread can be unwound at exit and abort the process (SIGABRT, "terminate called
     # without an active exception", pytorch/kineto#1051) after everything above succeeded; an

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing
 import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -21,25 +19,19 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import run_ranks
 from torch import nn
 
 from conftest import run_status
 
-TIMEOUT_SECONDS = 120
 WORLD_SIZE = 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker(rank: int, port: int, policy: str, output_dir: str) -> None:
+def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) -> None:
     """One torchrun-like rank: environment first, inject before the process group exists."""
     os.environ.update(
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
+        WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -68,21 +60,7 @@ def worker(rank: int, port: int, policy: str, output_dir: str) -> None:
 def run_two_ranks(tmp_path: Path, policy: str) -> Path:
     output_dir = tmp_path / "stats"
     output_dir.mkdir()
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=worker, args=(rank, port, policy, str(output_dir)))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(TIMEOUT_SECONDS)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"rank process {process.pid} did not finish in {TIMEOUT_SECONDS} s")
-    assert [p.exitcode for p in processes] == [0] * WORLD_SIZE
+    run_ranks(worker, policy, str(output_dir), world_size=WORLD_SIZE)
     return output_dir
 
 

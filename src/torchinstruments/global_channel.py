@@ -119,12 +119,13 @@ def group_device(group: Any) -> torch.device:
 
 
 def gathered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """Every rank's `tensor` (the same shape on each), stacked in rank order on `tensor`'s
-    device, all-gathered on the device `group` needs (`group_device`)."""
+    """Every rank's `tensor` (the same shape on each), stacked in rank order, all-gathered on
+    the device `group` needs (`group_device`) and left there: its reader takes it to the host
+    once (a gloo group's is there already)."""
     sent = tensor.to(group_device(group))
     out = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, sent, group=group)
-    return torch.stack(out).to(tensor.device)
+    return torch.stack(out)
 
 
 def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:

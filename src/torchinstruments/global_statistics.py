@@ -365,7 +365,7 @@ def measure(
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
-    headers = list(gathered(agreement.header(sample, names), run.agreement))
+    headers = list(gathered(agreement.header(sample, names), run.agreement).cpu())
     reason = agreement.sample_reason(headers, warn)
     if reason is not None:
         return rows_of(items, {}, reason, metrics=metrics, rank=rank)

@@ -26,7 +26,7 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-import torchinstruments.api
+import torchinstruments.compilation
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 WIDTH = 8
@@ -627,7 +627,7 @@ def test_a_torch_that_cannot_exclude_the_root_wrapper_says_compiled_forwards_are
     """Where torch lacks the per-frame exclusion (compile_support() False), dynamo would trace
     the root wrapper as a traced call, which passes through uncounted: inject_observer warns
     and index.md says that forwards run under torch.compile are not recorded."""
-    monkeypatch.setattr(torchinstruments.api, "compile_support", lambda: False)
+    monkeypatch.setattr(torchinstruments.compilation, "compile_support", lambda: False)
     model = Net(1)
     with pytest.warns(RuntimeWarning, match="not recorded: forwards run under torch.compile"):
         inject_observer(model, output_dir=tmp_path / "stats")

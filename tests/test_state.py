@@ -15,7 +15,14 @@ import torchinstruments
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.cli.reader import read_facts
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.records import LayerInfo, Measurement, MetricValue, RunCounts, RunInfo
+from torchinstruments.records import (
+    LayerInfo,
+    Measurement,
+    MetricValue,
+    RunCounts,
+    RunInfo,
+    ScaleSpan,
+)
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.state import (
@@ -69,6 +76,7 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
             eval_forwards=1,
             unobserved_eval_forwards=3,
             unobserved_setup_forwards=2,
+            loss_scales=(ScaleSpan(0, 65536.0), ScaleSpan(2, 32768.0), ScaleSpan(5, None)),
         ),
         rows_recorded=20,
         problems=("TensorBoard events failed",),
@@ -90,6 +98,11 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
         "eval_forwards": 1,
         "unobserved_eval_forwards": 3,
         "unobserved_setup_forwards": 2,
+        "loss_scales": [
+            {"first_sample_id": 0, "scale": 65536.0},
+            {"first_sample_id": 2, "scale": 32768.0},
+            {"first_sample_id": 5, "scale": None},
+        ],
     }
     assert data["losses"] == [
         {"rows": 6, "first_sample_id": 2, "last_sample_id": 3, "reason": "disk full"}

@@ -27,17 +27,13 @@ import torch
 from torch import nn
 
 from torchinstruments import forks
-from torchinstruments.compilation import (
-    compile_support,
-    compiled_from_the_top,
-    compiled_original,
-    eager_samples_note,
-)
+from torchinstruments.compilation import compile_notes, compiled_original, eager_samples_note
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_option import global_notes
 from torchinstruments.global_statistics import close_run
 from torchinstruments.history_config import HistoryConfig
+from torchinstruments.loss_scale import describe_scaler, scaler_notes
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.never_ran import cannot_run, never_ran_warning
@@ -62,7 +58,6 @@ from torchinstruments.sinks.protocol import Sink
 __all__ = [
     "add_run_note",
     "check_model",
-    "compile_notes",
     "follow_step",
     "global_notes",
     "has_observer",
@@ -75,19 +70,6 @@ __all__ = [
     "start_run",
     "trainer_phases",
 ]
-
-_NO_COMPILE_SUPPORT = (
-    f"not recorded: forwards run under torch.compile (torch {torch.version.__version__} cannot keep the "
-    "observer's root wrapper out of compiled code, so a compiled model's root forwards are "
-    "neither counted nor sampled; eager forwards are recorded as usual)"
-)
-_COMPILED_FROM_THE_TOP = (
-    "model.compile() ran before inject_observer on a {cls}, whose forward lives in torch: "
-    "torch.compile then traces nn.Module.__call__ from the top and meets the observer's root "
-    "wrapper, so each root forward has one extra graph break (and fullgraph=True fails). "
-    "Everything is still recorded. Call model.compile() after inject_observer, or inject into "
-    "torch.compile(model), for unchanged graphs"
-)
 
 # Why a model has no observer: a copy is the likeliest surprise (a model sent to a process started
 # with 'spawn' or 'forkserver' is unpickled there), and it cannot be told from a model never observed.
@@ -150,6 +132,7 @@ def inject_observer(
     resume: bool = False,
     global_statistics: Any = False,
     global_statistics_timeout: Any = None,
+    grad_scaler: Any = None,
 ) -> Path | None:
     """Start observing `model`: sampled root forwards and their backward are measured and written.
 
@@ -193,6 +176,10 @@ def inject_observer(
             ranks (seconds or a `timedelta`, finite, > 0; default None: 60 s); a wait that
             runs out stops global statistics for the rest of the run (null rows, a reason).
             Raise it when ranks can be minutes apart at a sampled forward (one rank compiling).
+        grad_scaler: the `torch.amp.GradScaler` the loop scales its loss with (float16
+            autocast), or None. Gradient rows stay as plain hooks see them (times the loss
+            scale); the scale of each sample is recorded (`.state.json`, index.md, with a query
+            that divides the rows by it). The trainer callbacks pass their trainer's own.
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -411,15 +398,6 @@ def check_model(model: object) -> None:
             )
 
 
-def compile_notes(model: nn.Module) -> tuple[str, ...]:
-    """What torch.compile changes for this model's run (index.md and a warning at inject)."""
-    if not compile_support():
-        return (_NO_COMPILE_SUPPORT,)
-    if compiled_from_the_top(model):
-        return (_COMPILED_FROM_THE_TOP.format(cls=type(model).__name__),)
-    return ()
-
-
 def start_run(
     model: nn.Module,
     config: ObserverConfig,
@@ -529,7 +507,13 @@ def _open_run(
         # The cap in force, stated in index.md even where the option was left at None.
         history=dataclasses.replace(history, max_buffered_rows=history.buffered_rows_cap),
         started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        notes=compile_notes(model) + torchscript_note(model) + global_notes(config.global_option),
+        notes=(
+            *compile_notes(model),
+            *torchscript_note(model),
+            *global_notes(config.global_option),
+            *scaler_notes(describe_scaler(config.grad_scaler)),
+        ),
+        grad_scaler=describe_scaler(config.grad_scaler),
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.

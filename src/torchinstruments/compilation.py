@@ -44,6 +44,7 @@ from torchinstruments.rundir.ranges import plural, was_were
 __all__ = [
     "ForwardEntry",
     "call_eagerly",
+    "compile_notes",
     "compile_support",
     "compiled_from_the_top",
     "compiled_modules",
@@ -55,6 +56,20 @@ __all__ = [
     "pause_compilation",
     "resume_compilation",
 ]
+
+
+_NO_COMPILE_SUPPORT = (
+    f"not recorded: forwards run under torch.compile (torch {torch.version.__version__} cannot keep the "
+    "observer's root wrapper out of compiled code, so a compiled model's root forwards are "
+    "neither counted nor sampled; eager forwards are recorded as usual)"
+)
+_COMPILED_FROM_THE_TOP = (
+    "model.compile() ran before inject_observer on a {cls}, whose forward lives in torch: "
+    "torch.compile then traces nn.Module.__call__ from the top and meets the observer's root "
+    "wrapper, so each root forward has one extra graph break (and fullgraph=True fails). "
+    "Everything is still recorded. Call model.compile() after inject_observer, or inject into "
+    "torch.compile(model), for unchanged graphs"
+)
 
 
 class _ForceEager:
@@ -282,3 +297,12 @@ def named_modules_uncompiled(
             seen.discard(id(module))
 
     yield from walk(model, "")
+
+
+def compile_notes(model: nn.Module) -> tuple[str, ...]:
+    """What torch.compile changes for this model's run (index.md and a warning at inject)."""
+    if not compile_support():
+        return (_NO_COMPILE_SUPPORT,)
+    if compiled_from_the_top(model):
+        return (_COMPILED_FROM_THE_TOP.format(cls=type(model).__name__),)
+    return ()

@@ -22,6 +22,7 @@ from typing import Any
 from torchinstruments.distributed import check_rank_policy
 from torchinstruments.global_option import GlobalOption, check_global_statistics
 from torchinstruments.history_config import HistoryConfig
+from torchinstruments.loss_scale import check_grad_scaler
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.rundir.output_dir import resolve_output_dir
@@ -58,6 +59,7 @@ class ObserverConfig:
     resume: bool = False
     global_statistics: Any = False
     global_statistics_timeout: Any = None
+    grad_scaler: Any = None
     # The compiled reducers; built from `reducers`, never passed.
     measurer: Measurer = field(init=False, repr=False, compare=False)
     # The checked `global_statistics`; None when off.
@@ -98,6 +100,7 @@ class ObserverConfig:
                 f"resume must be True (continue the run already in output_dir) or False, got "
                 f"{resume!r}"
             )
+        check_grad_scaler(self.grad_scaler)
         self._set("measurer", Measurer(self.reducers))
         self._set(
             "global_option",

@@ -97,6 +97,7 @@ from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_statistics import keep, kept_note, open_run, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
+from torchinstruments.loss_scale import LossScales
 from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, shown, warn
@@ -172,8 +173,7 @@ class Observer:
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
         self._sink_lock = threading.RLock()
-        self.closed = False
-        self.forked = False  # True in a process forked from the one that created it (forks.py)
+        self.closed = self.forked = False  # forked: in a process forked from its maker (forks.py)
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
@@ -188,6 +188,7 @@ class Observer:
         # Failures that leave rows out: warned once each, and said in index.md (`counts`).
         self.failed_once = RecordingFailures(self.warn_once)
         self.failed_measurements = FailedMeasurements(self.warn_once)  # null + reason: said
+        self.loss_scales = LossScales(config.grad_scaler, self.failed_once, self.warn_once)
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         # Sampled forwards called from compiled code: they ran eagerly (index.md says so).
@@ -525,6 +526,7 @@ class Observer:
                 f"recording a sample failed: {error!r}; some or all of sample "
                 f"{sample.sample_id}'s output rows are not written",
             )
+        self.loss_scales.read(sample.sample_id)  # after the transfer has waited (loss_scale.py)
 
     def _emit_backward(self, record: SampleRecord) -> None:
         """Hand one sample's gradient record to the sinks."""
@@ -539,7 +541,8 @@ class Observer:
         said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         notes = (*notes, *self.failed_measurements.notes())
-        return self.counter.counts(self.gradients.backward_samples, notes, so_far)
+        counts = self.counter.counts(self.gradients.backward_samples, notes, so_far)
+        return self.loss_scales.add_to(counts)
 
     def close(self) -> None:
         """Make every proxy inert, emit outstanding gradients, and close the sinks (idempotent)."""
@@ -579,8 +582,7 @@ class Observer:
 
         Takes no lock: another thread of the parent may have held any of them at the fork.
         """
-        self.forked = True
-        self.closed = True
+        self.forked = self.closed = True
         self.in_flight.samples.clear()  # layer proxies of a forward in progress become inert
         self.proxies.after_fork_in_child()  # the child's remove_observer takes their lock
         self.gradients.closed = True

@@ -30,6 +30,7 @@ __all__ = [
     "RunInfo",
     "SampleFacts",
     "SampleRecord",
+    "ScaleSpan",
     "TensorKey",
     "histogram_tag",
     "tag_layer",
@@ -350,6 +351,21 @@ class RunInfo:
     # What this configuration cannot record or changes, one sentence each (warned at inject,
     # stated in index.md).
     notes: tuple[str, ...] = ()
+    # The loss scaler handed over as `grad_scaler` (`loss_scale.describe_scaler`), or None: the
+    # run's output_gradient rows are then of the scaled loss (`RunCounts.loss_scales`).
+    grad_scaler: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleSpan:
+    """The loss scale of the samples from `first_sample_id` on, up to the next span's first.
+
+    `scale` is what `GradScaler.get_scale()` returned in the sampled forward (the factor its
+    backward's gradients carry); None when it could not be read (the note says why).
+    """
+
+    first_sample_id: int
+    scale: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,3 +393,5 @@ class RunCounts:
     # summary of example_input_array). 0 in a plain loop; None: unknown, as above.
     unobserved_eval_forwards: int | None = None
     unobserved_setup_forwards: int | None = None
+    # With a `grad_scaler`: the loss scale of each sample, one span per change (loss_scale.py).
+    loss_scales: tuple[ScaleSpan, ...] = ()

@@ -321,6 +321,9 @@ def job_counts(
         unobserved_setup_forwards=_sum_known(
             previous.unobserved_setup_forwards, this.unobserved_setup_forwards
         ),
+        # each attempt's spans end with an unread one, so a killed attempt's samples between
+        # them (whose spans died with it) have no scale rather than the one before
+        loss_scales=(*previous.loss_scales, *this.loss_scales),
     )
 
 

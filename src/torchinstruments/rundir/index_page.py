@@ -33,6 +33,7 @@ from torchinstruments.rundir.page_layers import (
     layers_line,
     section_layers,
 )
+from torchinstruments.rundir.page_loss_scale import loss_scale_query, section_loss_scale
 from torchinstruments.rundir.page_queries import section_queries
 from torchinstruments.rundir.page_sections import (
     section_files,
@@ -476,6 +477,7 @@ def _page(state: RunState, never_ran_chars: int) -> str:
         *_section_gaps(state),
         *_events_line(state),
         *_section_marks(state),
+        *section_loss_scale(state),
         "Descriptive statistics of the outputs of selected PyTorch modules, and of the "
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
@@ -488,6 +490,7 @@ def _page(state: RunState, never_ran_chars: int) -> str:
         *section_meanings(),
         *section_result(run),
         *section_queries(run),
+        *loss_scale_query(run),
     ]
     return "\n".join(lines)
 

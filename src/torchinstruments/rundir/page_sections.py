@@ -129,7 +129,8 @@ def section_files(run: RunInfo) -> list[str]:
         "sampler and a trainer callback's record_eval sampler were asked about, and "
         "`unobserved_eval_forwards` / `unobserved_setup_forwards`: the evaluation forwards and "
         "the fit's setup forwards a trainer callback passed through unobserved; null where "
-        "unknown), problems, marked samples, attempts (each with its counts and its sampler), "
+        "unknown; with a grad_scaler, `loss_scales`: each sample's loss scale, one span per "
+        "change), problems, marked samples, attempts (each with its counts and its sampler), "
         "layers whose dtype changed during the run, and the loss ledger. This page is "
         "rendered from it; `finalize` and the command line read it; the first query below "
         "prints its status and counts.",

@@ -196,7 +196,8 @@ def _decode_run(value: Any, where: str) -> RunInfo:
 def _encode_counts(counts: RunCounts | None) -> dict[str, Any] | None:
     if counts is None:
         return None
-    return _encode_fields(counts, {"layer_samples": dict})
+    spans = lambda spans: [_encode_fields(span, {}) for span in spans]  # noqa: E731
+    return _encode_fields(counts, {"layer_samples": dict, "loss_scales": spans})
 
 
 # Fields of RunState that are not JSON scalars or tuples of them (decoding needs no table: the

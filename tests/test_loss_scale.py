@@ -1,0 +1,157 @@
+"""Loss scaling: gradient rows stay what plain hooks see, and the run records each sample's scale.
+
+A real float16-autocast loop on CPU with `torch.amp.GradScaler("cpu")`, whose scale overflows,
+halves and grows during the run, is run twice in lockstep: observed (`grad_scaler=`), and on a
+deep copy with plain hooks (`register_forward_hook` + `Tensor.register_hook`, NumPy statistics).
+The scale recorded for each sample is `scaler.get_scale()` at that step, and index.md's query
+divides the gradient rows by it into the plain hooks' gradient statistics divided by that scale.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import inject_observer, remove_observer
+from torchinstruments.rundir.page_loss_scale import SCALED_METRICS
+
+from conftest import mlp, numpy_profile, observe, read_history, strict_json
+
+STEPS = 12
+
+
+def scaled_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+) -> None:
+    """One mixed-precision step as torch's AMP recipe writes it."""
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def hooked(model: nn.Module, grads: dict[str, list[np.ndarray]]) -> None:
+    """Plain hooks: the gradient into each leaf's output, per step, as float64 NumPy."""
+    for name, module in model.named_modules():
+        if name and not list(module.children()):
+
+            def keep(_m: nn.Module, _i: Any, out: torch.Tensor, name: str = name) -> None:
+                out.register_hook(lambda g: grads[name].append(g.detach().double().numpy()))
+
+            module.register_forward_hook(keep)
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+def test_recorded_scale_per_sample_unscales_rows_to_plain_hook_gradients(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = mlp(16, 2)
+    reference = copy.deepcopy(model)
+    grads: dict[str, list[np.ndarray]] = {n: [] for n in ("0", "1", "2", "3")}
+    hooked(reference, grads)
+    # A scale far too large for float16 gradients: the weights' gradients overflow (inf:
+    # skipped step, halved), then it grows again every 2 clean steps, so it changes in the run.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=2)
+    reference_scaler = copy.deepcopy(scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(32, 16)
+    with pytest.warns(RuntimeWarning, match="grad_scaler GradScaler"):
+        directory = observe(model, run_dir, grad_scaler=scaler)
+    scales = []
+    for _ in range(STEPS):
+        scales.append(scaler.get_scale())
+        scaled_step(model, optimizer, scaler, x)
+        scaled_step(reference, reference_optimizer, reference_scaler, x)
+    remove_observer(model)
+
+    assert len(set(scales)) > 2  # the scale halved and grew during the run
+    spans = strict_json(directory / ".state.json")["counts"]["loss_scales"]
+    firsts = [span["first_sample_id"] for span in spans]
+    assert firsts == sorted(firsts)
+    assert spans[-1] == {"first_sample_id": STEPS, "scale": None}  # none after the last sample
+    recorded = [
+        next(span["scale"] for span in reversed(spans) if span["first_sample_id"] <= sample)
+        for sample in range(STEPS)
+    ]
+    assert recorded == scales
+
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert "**Gradient rows are scaled:**" in page
+    blocks = python_blocks(page)
+    (setup,) = [block for block in blocks if "def this_run" in block]
+    (query,) = [block for block in blocks if "join_asof" in block]
+    session: dict[str, Any] = {}
+    exec(compile(setup, "index.md:setup", "exec"), session)
+    exec(compile(query, "index.md:loss-scale", "exec"), session)
+    unscaled: pl.DataFrame = session["unscaled"]
+
+    history = read_history(directory).filter(pl.col("signal") == "output_gradient")
+    rows = history.filter(pl.col("metric").is_in(SCALED_METRICS), pl.col("value").is_not_null())
+    assert unscaled.height == rows.height > 0
+    checked = 0
+    for row in unscaled.iter_rows(named=True):
+        want = numpy_profile(grads[row["layer"]][row["sample_id"]])[row["metric"]]
+        scale = scales[row["sample_id"]]
+        assert row["scale"] == scale
+        if want is None:
+            assert row["value"] is None
+            continue
+        assert row["value"] == pytest.approx(want, rel=1e-6, abs=1e-9 * scale)  # plain hooks
+        assert row["unscaled"] == pytest.approx(want / scale, rel=1e-6, abs=1e-9)
+        checked += 1
+    assert checked > 0
+
+
+def test_grad_scaler_must_be_a_grad_scaler(run_dir: Path) -> None:
+    with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler.*float"):
+        inject_observer(mlp(), output_dir=run_dir, grad_scaler=65536.0)
+    assert not run_dir.exists()
+
+
+def test_float16_autocast_without_grad_scaler_is_said(run_dir: Path) -> None:
+    model = mlp(8, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        directory = observe(model, run_dir)
+    with (
+        pytest.warns(RuntimeWarning, match="no grad_scaler was given"),
+        torch.autocast("cpu", dtype=torch.float16),
+    ):
+        model(torch.randn(4, 8)).float().sum().backward()
+    remove_observer(model)
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert "float16 autocast was on in sampled forwards and no grad_scaler was given" in page
+    assert "## Loss scale" not in page
+
+
+def test_bfloat16_autocast_without_grad_scaler_says_nothing_of_scaling(run_dir: Path) -> None:
+    model = mlp(8, 1)
+    directory = observe(model, run_dir)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error")
+        model(torch.randn(4, 8)).float().sum().backward()
+    remove_observer(model)
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert "## Loss scale" not in page
+    assert "no grad_scaler was given" not in page
+    assert (
+        "loss_scales" not in strict_json(directory / ".state.json")["counts"]
+        or not (strict_json(directory / ".state.json")["counts"]["loss_scales"])
+    )

@@ -407,6 +407,7 @@ def start_run(
     extra_sinks: Sequence[Sink] = (),
     sampler: Any = None,
     sampler_line: str | None = None,
+    grad_scaler: Any = None,
 ) -> Path | None:
     """Observe `model` with `config`: the one way a run starts (`inject_observer`, the callbacks).
 
@@ -427,6 +428,8 @@ def start_run(
             fresh copy of it for each fit, so one fit's sampler state never reaches the next).
         sampler_line: index.md's sampler line instead of the sampler's description (a
             callback's, where the sampler is not asked with forward_index).
+        grad_scaler: the trainer's own loss scaler (a callback's), used where
+            `config.grad_scaler` is None.
 
     Returns:
         The directory this process writes, or None on a rank that attaches nothing.
@@ -461,6 +464,7 @@ def start_run(
         (*config.sinks, *extra_sinks),
         config.sampler if sampler is None else sampler,
         describe_sampler(config.sampler) if sampler_line is None else sampler_line,
+        grad_scaler if config.grad_scaler is None else config.grad_scaler,
     )
     if observer is None:
         _UNATTACHED.add(model)
@@ -477,6 +481,7 @@ def _open_run(
     sinks: Sequence[Sink],
     sampler: Any,
     sampler_line: str,
+    grad_scaler: Any,
 ) -> Observer | None:
     """Place this rank, select layers, open the run directory and install the proxies.
 
@@ -511,9 +516,9 @@ def _open_run(
             *compile_notes(model),
             *torchscript_note(model),
             *global_notes(config.global_option),
-            *scaler_notes(describe_scaler(config.grad_scaler)),
+            *scaler_notes(describe_scaler(grad_scaler)),
         ),
-        grad_scaler=describe_scaler(config.grad_scaler),
+        grad_scaler=describe_scaler(grad_scaler),
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.
@@ -533,6 +538,7 @@ def _open_run(
         first_train_index=None if continuation is None else continuation.first_train_index,
         first_eval_index=0 if continuation is None else continuation.first_eval_index,
     )
+    observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
     observer.install(model, layers, focus)
     directory.follow_notes(functools.partial(_notes_so_far, observer, group))
     observer.at_inject = ModelAtInject(model, layers, config.selector)

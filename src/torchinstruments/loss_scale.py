@@ -43,6 +43,7 @@ __all__ = [
     "check_grad_scaler",
     "describe_scaler",
     "scaler_notes",
+    "trainer_scaler",
 ]
 
 MAX_SPANS = 10_000
@@ -69,6 +70,13 @@ def check_grad_scaler(value: object) -> Any:
         f"grad_scaler must be a torch.amp.GradScaler (the one the loop calls "
         f"scaler.scale(loss) with) or None, got {type(value).__name__} {value!r}"
     )
+
+
+def trainer_scaler(owner: object) -> Any:
+    """The `GradScaler` a trainer's part holds as `scaler` (Lightning's precision plugin,
+    accelerate's Accelerator), or None: bfloat16 and full precision hold none."""
+    scaler = getattr(owner, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
 def describe_scaler(scaler: Any) -> str | None:
@@ -102,7 +110,7 @@ class LossScales:
     """Each sample's loss scale as spans (a span per change), read at each sampled forward's end.
 
     Args:
-        scaler: the run's `grad_scaler`, or None.
+        scaler: the run's `grad_scaler`, or None (`api.start_run` sets a trainer's here).
         failed: `RecordingFailures` (a read that raised: warned once, said in index.md).
         warn_once: the observer's (float16 autocast without a scaler: warned once).
     """
@@ -113,7 +121,7 @@ class LossScales:
         failed: Callable[[str, str], None],
         warn_once: Callable[[str, str], None],
     ) -> None:
-        self._scaler = scaler
+        self.scaler = scaler
         self._failed, self._warn_once = failed, warn_once
         self._spans: list[ScaleSpan] = []
         self._end: int | None = None  # the first sample after the last one read
@@ -123,7 +131,7 @@ class LossScales:
 
     def read(self, sample_id: int) -> None:
         """Keep the scale of sample `sample_id` (its sampled forward has just ended)."""
-        if self._scaler is None:
+        if self.scaler is None:
             if not self._unscaled_fp16 and _fp16_autocast():
                 self._unscaled_fp16 = True
                 self._warn_once("unscaled_fp16", UNSCALED_FP16)
@@ -131,7 +139,7 @@ class LossScales:
         if self._full:
             return
         try:
-            scale: float | None = float(self._scaler.get_scale())
+            scale: float | None = float(self.scaler.get_scale())
         except Exception as error:
             self._failed(
                 "loss_scale",

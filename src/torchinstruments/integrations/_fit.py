@@ -284,6 +284,7 @@ class FitObservation:
         checkpoint_run: Path | None = None,
         checkpoint: str | None = None,
         resume_step: int | None = None,
+        grad_scaler: Any = None,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -303,6 +304,8 @@ class FitObservation:
             checkpoint: the checkpoint's name, for that note.
             resume_step: the global step the resumed fit starts at (the checkpoint's), to say
                 in index.md which steps earlier attempts had recorded and this one trains again.
+            grad_scaler: the trainer's loss scaler, if it scales the loss (float16 mixed
+                precision): its scale of each sample is recorded unless the options name one.
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -334,6 +337,7 @@ class FitObservation:
             extra_sinks=tuple(s for s in (sink, self._evaluations) if s is not None),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),
+            grad_scaler=grad_scaler,
         )
         self.observed = target if self.directory is not None else None
         if self.observed is not None:

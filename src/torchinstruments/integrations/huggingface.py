@@ -6,7 +6,9 @@ Hooks, one line each:
 
 - `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
   any forward wrapping of mixed precision is already in place and stays inside the proxy), and
-  put the run directory into the TrainerState (below).
+  put the run directory into the TrainerState (below). With `fp16=True` on a GPU the
+  Accelerator's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
+  sample's loss scale is recorded (`loss_scale.py`).
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -86,6 +88,7 @@ from torchinstruments.api import add_run_note, has_observer
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
+from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -177,6 +180,7 @@ class HuggingFaceObserver(TrainerCallback):
             checkpoint_run=saved,
             checkpoint=f"of global step {state.global_step}",
             resume_step=state.global_step,
+            grad_scaler=trainer_scaler(getattr(trainer, "accelerator", None)),  # fp16=True
         )
         if directory is not None:
             if resuming and saved is None and not self._fit.explicit_dir:

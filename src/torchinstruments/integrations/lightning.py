@@ -6,7 +6,9 @@ Hooks, one line each:
 
 - `on_fit_start`: inject into the LightningModule (or `module=` a part of it), and mark the
   strategy's `training_step` (below). Runs after the strategy moved the model to its device and
-  before the sanity check and the first step. The fit's setup starts here. A tuner callback
+  before the sanity check and the first step. With `precision="16-mixed"` the precision
+  plugin's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
+  sample's loss scale is recorded (`loss_scale.py`). The fit's setup starts here. A tuner callback
   (`LearningRateFinder`, `BatchSizeFinder`) has run its trials by then, unobserved: index.md
   and a warning say so.
 - `on_sanity_check_start`, `on_train_start`: the fit's setup ends at the first of them.
@@ -72,6 +74,7 @@ from torchinstruments.api import add_run_note
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
+from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.notices import warn
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import Sampler
@@ -171,6 +174,7 @@ class LightningObserver(Callback):
             checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
             # trainer.global_step is restored from a checkpoint only after this hook
             resume_step=trainer.global_step if trainer.ckpt_path is None else self._checkpoint_step,
+            grad_scaler=trainer_scaler(trainer.precision_plugin),  # precision="16-mixed"
         )
         self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
         if directory is not None:

@@ -22,7 +22,11 @@ import torch
 from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
+from torchinstruments.history_config import HistoryConfig
+from torchinstruments.records import LayerInfo, RunCounts, RunInfo, ScaleSpan
+from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.page_loss_scale import SCALED_METRICS
+from torchinstruments.rundir.state import RunState
 
 from conftest import mlp, numpy_profile, observe, read_history, strict_json
 
@@ -155,3 +159,62 @@ def test_bfloat16_autocast_without_grad_scaler_says_nothing_of_scaling(run_dir: 
         "loss_scales" not in strict_json(directory / ".state.json")["counts"]
         or not (strict_json(directory / ".state.json")["counts"]["loss_scales"])
     )
+
+
+def test_a_continued_run_keeps_each_attempts_scales(run_dir: Path) -> None:
+    """The second attempt's spans follow the first's, one span per first sample: the first's
+    closing span (no scale after its last sample, for a killed attempt's samples between them)
+    gives way where the next attempt starts right after it."""
+    scales = []
+    for attempt, init_scale in enumerate((1024.0, 4096.0)):
+        model = mlp(8, 1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            directory = observe(model, run_dir, grad_scaler=scaler, resume=attempt > 0)
+        for _ in range(3):
+            scales.append(scaler.get_scale())
+            scaled_step(model, optimizer, scaler, torch.randn(4, 8))
+        remove_observer(model)
+    spans = strict_json(directory / ".state.json")["counts"]["loss_scales"]
+    assert spans == [
+        *({"first_sample_id": i, "scale": s} for i, s in enumerate(scales[:3])),
+        *({"first_sample_id": i + 3, "scale": s} for i, s in enumerate(scales[3:])),
+        {"first_sample_id": 6, "scale": None},
+    ]
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert f"sample 2: {scales[2]:g}; sample 3: {scales[3]:g}" in page
+
+
+def state_with(tmp_path: Path, counts: RunCounts | None, **changes: Any) -> RunState:
+    run = RunInfo(
+        output_dir=tmp_path,
+        library_version="0.1.0",
+        torch_version="2.15.0",
+        model_class="Net",
+        layers=(LayerInfo("fc", "Linear"),),
+        focus_layers=("fc",),
+        sampler="EveryNForwardsSampler(n=1)",
+        metrics=("mean", "zero_fraction"),
+        rank=None,
+        world_size=None,
+        rank_policy="rank0",
+        capture_direct_forwards=True,
+        history=HistoryConfig(),
+        started_at="2026-01-01T00:00:00+00:00",
+        grad_scaler="GradScaler(enabled=True)",
+    )
+    return RunState(run, counts, **changes)
+
+
+def test_index_says_which_samples_have_no_recorded_scale(tmp_path: Path) -> None:
+    live = render_index(state_with(tmp_path, None))
+    assert "written to .state.json (`counts.loss_scales`) when the run ends" in live
+    killed = render_index(state_with(tmp_path, RunCounts(5, 5, 5), counts_recovered=True))
+    assert "No loss scale is recorded: the process ended before removal" in killed
+    # an earlier attempt was killed (its spans died with it), the next one recorded its own
+    spans = (ScaleSpan(3, 1024.0), ScaleSpan(5, 512.0), ScaleSpan(6, None))
+    page = render_index(state_with(tmp_path, RunCounts(6, 6, 6, loss_scales=spans)))
+    assert "samples 0-2: not recorded; samples 3-4: 1024; samples 5 on: 512." in page
+    assert "SCALED = ['mean']" in page  # a fraction does not scale

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.records import RunCounts
+from torchinstruments.records import RunCounts, ScaleSpan
 from torchinstruments.rundir.event_steps import event_steps
 
 IN_PROGRESS = "in progress"
@@ -321,10 +321,20 @@ def job_counts(
         unobserved_setup_forwards=_sum_known(
             previous.unobserved_setup_forwards, this.unobserved_setup_forwards
         ),
-        # each attempt's spans end with an unread one, so a killed attempt's samples between
-        # them (whose spans died with it) have no scale rather than the one before
-        loss_scales=(*previous.loss_scales, *this.loss_scales),
+        loss_scales=_joined_spans(previous.loss_scales, this.loss_scales),
     )
+
+
+def _joined_spans(
+    previous: tuple[ScaleSpan, ...], this: tuple[ScaleSpan, ...]
+) -> tuple[ScaleSpan, ...]:
+    """The loss scale spans of the earlier attempts, then this one's. Each attempt's spans end
+    with an unread one, so a killed attempt's samples between them (whose spans died with it)
+    have no scale rather than the one before; that span is left out where this attempt's first
+    sample follows the earlier one's last (one span per first sample)."""
+    if previous and this and previous[-1].first_sample_id == this[0].first_sample_id:
+        previous = previous[:-1]
+    return (*previous, *this)
 
 
 __all__ = [

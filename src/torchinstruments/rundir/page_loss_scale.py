@@ -53,6 +53,8 @@ def _spans_line(state: RunState) -> str:
             else "no sample was recorded"
         )
         return f"No loss scale is recorded: {why}."
+    if spans and spans[0].first_sample_id > 0:  # an earlier attempt's, killed: none known
+        spans.insert(0, ScaleSpan(0, None))
     firsts = [span.first_sample_id for span in spans[1:]] + [None]
     texts = [_span_text(span, first) for span, first in zip(spans, firsts, strict=True)]
     more = len(texts) - SHOWN_SPANS

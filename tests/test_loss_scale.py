@@ -98,6 +98,7 @@ def test_recorded_scale_per_sample_unscales_rows_to_plain_hook_gradients(run_dir
 
     page = (directory / "index.md").read_text(encoding="utf-8")
     assert "**Gradient rows are scaled:**" in page
+    assert f"sample 0: {scales[0]:.0f}; " in page  # exact: 4194304, not 4.1943e+06
     blocks = python_blocks(page)
     (setup,) = [block for block in blocks if "def this_run" in block]
     (query,) = [block for block in blocks if "join_asof" in block]
@@ -184,7 +185,7 @@ def test_a_continued_run_keeps_each_attempts_scales(run_dir: Path) -> None:
         {"first_sample_id": 6, "scale": None},
     ]
     page = (directory / "index.md").read_text(encoding="utf-8")
-    assert f"sample 2: {scales[2]:g}; sample 3: {scales[3]:g}" in page
+    assert f"sample 2: {scales[2]:.17g}; sample 3: {scales[3]:.17g}" in page
 
 
 def state_with(tmp_path: Path, counts: RunCounts | None, **changes: Any) -> RunState:

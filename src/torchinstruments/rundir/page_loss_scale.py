@@ -32,7 +32,7 @@ def _span_text(span: ScaleSpan, next_first: int | None) -> str:
         where = f"sample {first}"
     else:
         where = f"samples {first}-{next_first - 1}"
-    return f"{where}: {'not recorded' if span.scale is None else f'{span.scale:g}'}"
+    return f"{where}: {'not recorded' if span.scale is None else f'{span.scale:.17g}'}"
 
 
 def _spans_line(state: RunState) -> str:

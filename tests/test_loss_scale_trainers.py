@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning
 import polars as pl
+import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from test_huggingface_callback import examples, tiny_bert
@@ -129,3 +130,9 @@ def test_hugging_face_trainer_records_the_accelerators_scale_of_each_step(
     assert "**Gradient rows are scaled:**" in (callback.directory / "index.md").read_text("utf-8")
     history = read_history(callback.directory)
     assert history.filter(pl.col("signal") == "output_gradient").height > 0
+
+
+def test_callbacks_refuse_a_grad_scaler_that_is_not_one_when_built() -> None:
+    for callback in (LightningObserver, HuggingFaceObserver):
+        with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
+            callback(grad_scaler="fp16")

@@ -59,6 +59,7 @@ def lightning_fit(tmp_path: Path, precision: Any, scaler: Any = None) -> tuple[P
     callback = LightningObserver(sampler=EveryNForwardsSampler(1))
     seen = ScaleAtStepStart(scaler) if scaler is not None else None
     trainer = lightning.Trainer(
+        default_root_dir=tmp_path,  # the callback's run directory is made under it
         max_steps=STEPS,
         accelerator="cpu",
         devices=1,

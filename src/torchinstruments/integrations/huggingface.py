@@ -55,8 +55,12 @@ forwards are restored before that forward or fit runs, so a later `trainer.evalu
 neither observed nor counted as evaluation inside the fit, and a next `train()` starts as on a
 fresh callback. A `train()` resumed from a checkpoint that continues that run with another
 callback (a Trainer built anew) finishes it too (`_fit.py`); otherwise the end of the process
-does (the observer's finalizer; no note, since nothing then knows how the fit ended). The same
-Trainer is how the callback finds its `TensorBoardCallback`'s writer.
+does, with the same note (an exit handler registered at the first fit, so it runs before the
+observer's finalizer would finish the run without one). The note names the exception where
+Python kept it: the one that ended the script (`sys.last_value`, set before exit handlers run,
+and by IPython for a cell that raised), when its traceback passes through that `train()`
+frame, so an exception of other code is never blamed on the fit. The same Trainer is how the
+callback finds its `TensorBoardCallback`'s writer.
 
 Why the frames, the only way: every event (`on_train_begin` included) receives `args`, `state`,
 `control` and, from `CallbackHandler.call_event`, the model, processing class, optimizer,
@@ -70,9 +74,12 @@ Imports `transformers` when this module is imported.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -144,6 +151,7 @@ class HuggingFaceObserver(TrainerCallback):
         # step: where the fit ended, once that frame has left the stack.
         self._loop: tuple[FrameType, int] | None = None
         self._step: Callable[[], int] = lambda: 0
+        self._exit_handler = False  # registered (once, at the first fit that keeps its frame)
         # Not the class name: a key that names a callback class is rebuilt from its saved
         # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
         self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
@@ -193,6 +201,9 @@ class HuggingFaceObserver(TrainerCallback):
             if self._fit.phases is not None and loop is not None:
                 self._loop, self._step = (loop, threading.get_ident()), lambda: state.global_step
                 self._fit.phases.fit_over = self._fit_ended
+                if not self._exit_handler:  # after inject's finalizer: runs before it at exit
+                    self._exit_handler = True
+                    atexit.register(_finish_at_exit, weakref.ref(self))
         elif directory is not None:
             self._fit.enter_training()  # training steps cannot be told apart: all forwards
             notices.warn(
@@ -245,12 +256,16 @@ class HuggingFaceObserver(TrainerCallback):
         observed = self._fit.observed
         if observed is None or not has_observer(observed):
             return True
+        error = _escaped(loop[0])
+        what = "" if error is None else f": {type(error).__name__}"
+        if error is not None and str(error):
+            what += f": {error}"
         said = (
             f"the fit ended at global step {self._step()} without on_train_end: train() raised "
             "outside the training step (in an evaluation, another callback, the data collator "
-            "or the optimizer step, of which transformers tells callbacks nothing); "
-            f"HuggingFaceObserver saw it {when} and finished the run then. The run holds this "
-            "attempt's samples up to then."
+            "or the optimizer step, of which transformers tells callbacks nothing)"
+            f"{what}; HuggingFaceObserver saw it {when} and finished the run then. The run "
+            "holds this attempt's samples up to then."
         )
         add_run_note(observed, said)
         notices.warn(f"torchinstruments: HuggingFaceObserver: {self._fit.directory}: {said}")
@@ -290,6 +305,24 @@ def _running_trainer() -> tuple[Trainer | None, FrameType | None]:
 
 
 _TRAIN = Trainer.train.__code__
+
+
+def _finish_at_exit(callback: weakref.ref[HuggingFaceObserver]) -> None:
+    """At the process's exit: finish the last fit's run with its note if train() ended unseen."""
+    observer = callback()
+    if observer is not None:
+        observer._fit_ended("at the process's exit")
+
+
+def _escaped(loop: FrameType) -> BaseException | None:
+    """The exception Python kept as the last uncaught one (`sys.last_value`: the one that ended
+    the script, or IPython's cell), when it came out of the fit's `train()` frame `loop`; None
+    where none did (a caught exception, `SystemExit`, or another's)."""
+    error = getattr(sys, "last_value", None)
+    trace = error.__traceback__ if isinstance(error, BaseException) else None
+    while trace is not None and trace.tb_frame is not loop:
+        trace = trace.tb_next
+    return error if trace is not None else None
 
 
 def _saved_run(state: TrainerState, key: str) -> Path | None:

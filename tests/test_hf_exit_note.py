@@ -1,0 +1,114 @@
+"""A Hugging Face script whose `train()` raised outside the training step and then ended (the
+exception uncaught, caught, or `sys.exit` in a callback): the run is finished at the process's
+exit with the note that the fit ended there, naming the exception where Python kept it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import run_status
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from transformers import (
+        BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments,
+    )
+    from torchinstruments import EveryNForwardsSampler
+    from torchinstruments.integrations import HuggingFaceObserver
+
+    output_dir, ending = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, num_labels=2,
+    ))
+    data = [
+        {"input_ids": torch.randint(0, 32, (6,)), "labels": torch.tensor(i % 2)}
+        for i in range(12)
+    ]
+
+    class BoomSGD(torch.optim.SGD):  # the second optimizer step raises: global step 1
+        steps = 0
+
+        def step(self, closure=None):
+            BoomSGD.steps += 1
+            if BoomSGD.steps == 2:
+                raise RuntimeError("boom in the optimizer step")
+            return super().step(closure)
+
+    class ExitAtStepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                sys.exit(3)
+
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=output_dir, max_steps=3, per_device_train_batch_size=4,
+            save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        ),
+        train_dataset=data,
+        callbacks=[HuggingFaceObserver(sampler=EveryNForwardsSampler(1))]
+        + ([ExitAtStepEnd()] if ending == "sys.exit" else []),
+        optimizers=(BoomSGD(model.parameters(), lr=1e-3), None),
+    )
+    if ending == "caught":
+        try:
+            trainer.train()
+        except RuntimeError:
+            pass
+        raise ValueError("after the fit")  # not the fit's: never named as its end
+    trainer.train()
+    """
+)
+
+RAISED = (
+    "the fit ended at global step 1 without on_train_end: train() raised outside the training step"
+)
+
+
+@pytest.mark.parametrize(
+    ("ending", "code", "named"),
+    [
+        ("uncaught", 1, ": RuntimeError: boom in the optimizer step;"),
+        ("caught", 1, None),
+        ("sys.exit", 3, None),
+    ],
+)
+def test_a_script_that_ended_after_train_raised_says_so_at_its_exit(
+    tmp_path: Path, ending: str, code: int, named: str | None
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "out"), ending],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == code, done.stderr
+    run = tmp_path / "out" / "torchinstruments"
+    assert run_status(run) == "complete"  # every row it recorded is in history.parquet
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert RAISED in index
+    assert "HuggingFaceObserver saw it at the process's exit and finished the run then" in index
+    if named is not None:
+        assert RAISED + " (in an evaluation" in index
+        assert named in index
+    else:  # nothing Python kept came out of train(): no exception is named, none is blamed
+        assert "step (in an evaluation, another callback, the data collator or the optimizer " \
+            "step, of which transformers tells callbacks nothing); HuggingFaceObserver" in index  # fmt: skip
+        assert "ValueError" not in index
+    notes = json.loads((run / ".state.json").read_text(encoding="utf-8"))["notes"]
+    assert sum(RAISED in note for note in notes) == 1
+    # the samples before the exception, and no other: steps 0 and 1 (sys.exit: step 0 only)
+    steps = pl.read_parquet(run / "history.parquet")["forward_index"].unique().sort()
+    assert steps.to_list() == ([0] if ending == "sys.exit" else [0, 1])

@@ -318,7 +318,7 @@ def test_live_crashed_and_finalized_runs(
     # live: the observer is attached (the process holds the run lock)
     assert child.poll() is None
     payload = check_show(directory, parts)
-    assert payload["run"]["state"].startswith("in progress")
+    assert payload["run"]["state"].startswith("in progress (a live process holds the run's lock")
     assert payload["run"]["history_files"] == [str(p) for p in parts]
     text = run_cli("show", directory, "--metrics", "mean")
     assert text.returncode == 0, text.stderr
@@ -343,6 +343,8 @@ def test_live_crashed_and_finalized_runs(
     assert list_parts(directory) == parts
     crashed = check_show(directory, parts)
     assert crashed["rows"] == payload["rows"]
+    # before: "in progress, or interrupted", the same as while it lived; nothing holds the lock
+    assert crashed["run"]["state"].startswith("interrupted: not finished, and no process holds")
     heatmaps.append(heatmap_of(directory, tmp_path / "crashed", parts))
 
     # finalized: history.parquet replaces the parts, same numbers

@@ -53,6 +53,7 @@ from torchinstruments.rundir.layout import (
     part_number,
     schema_difference,
 )
+from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
@@ -364,6 +365,15 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
     if status is Status.IN_PROGRESS:
+        ended = writer_ended(directory)
+        if ended is False:
+            return "in progress (a live process holds the run's lock; no final counts yet)"
+        if ended:
+            return (
+                "interrupted: not finished, and no process holds the run's lock (its process "
+                "ended without remove_observer: killed, crashed or os._exit; no final counts); "
+                f"`{finalize_command}` completes it"
+            )
         return (
             "in progress, or interrupted (no final counts yet; if the process is gone, "
             f"`{finalize_command}` completes it)"

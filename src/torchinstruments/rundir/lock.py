@@ -22,7 +22,7 @@ from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.stuck_writes import stuck_in
 
-__all__ = ["RunLock", "RunLockedError", "live_writer"]
+__all__ = ["RunLock", "RunLockedError", "live_writer", "writer_ended"]
 
 
 class RunLockedError(RuntimeError):
@@ -168,6 +168,18 @@ def live_writer(directory: Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def writer_ended(directory: Path) -> bool | None:
+    """Whether the process that writes `directory`'s run has ended: True when no process holds
+    its run lock (as `finalize` tells), False when one does, None where it cannot be told (no
+    lock file, no platform lock, a lock file this process cannot open). Same caveat as
+    `live_writer`: call it only on a directory that already holds a run."""
+    if _platform_locker() is None or not (directory / LOCK_FILE).is_file():
+        return None
+    if not os.access(directory / LOCK_FILE, os.R_OK | os.W_OK):
+        return None
+    return live_writer(directory) is None
 
 
 def _refusal(directory: Path, holder: str) -> str:

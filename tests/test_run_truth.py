@@ -38,7 +38,7 @@ from torchinstruments import (
 )
 from torchinstruments.rundir.writer import HistoryWriter
 
-from conftest import read_result, run_status
+from conftest import read_result, run_cli, run_status
 
 METRICS = len(DEFAULT_METRICS)
 
@@ -228,6 +228,33 @@ def test_failed_merge_is_incomplete_until_finalize_completes_it(run_dir: Path) -
     assert "state: complete" in done.stdout
     assert pl.read_parquet(run_dir / "history.parquet").height == 3 * ROWS_SMALL
     assert run_status(run_dir) == "complete"  # every row the run recorded is there now
+
+
+@pytest.mark.parametrize(
+    "error", [MemoryError("no memory"), pl.exceptions.PanicException("a Polars panic")]
+)
+def test_a_merge_that_raised_otherwise_is_incomplete_too(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """Before: the exception left the finish, the state and index.md stayed "in progress" after
+    remove_observer returned, and `show` then called the run one whose process died."""
+    from torchinstruments.rundir import finish
+
+    model = small_run(run_dir)
+
+    def failing(directory: Path) -> None:
+        raise error
+
+    monkeypatch.setattr(finish, "merge_history", failing)
+    with pytest.warns(RuntimeWarning, match="finalize"):
+        assert remove_observer(model) == run_dir
+    assert run_status(run_dir) == "incomplete"
+    assert f"failed ({type(error).__name__}: {error})" in index_text(run_dir)
+    monkeypatch.undo()
+    done = run_cli("finalize", run_dir)
+    assert done.returncode == 0, done.stderr
+    assert pl.read_parquet(run_dir / "history.parquet").height == 3 * ROWS_SMALL
+    assert run_status(run_dir) == "complete"
 
 
 class PassThrough(nn.Module):

@@ -116,11 +116,16 @@ def _no_step(name: str) -> None:
     """`finish_run`'s `step` when no one follows its steps."""
 
 
+# Whatever a merge raises but a Ctrl-C: a Polars panic (a BaseException), a MemoryError, as well
+# as disk and Polars errors. Let through, it left the state "in progress" after the removal.
+_MERGE_FAILURES = (Exception, pl.exceptions.PanicException)
+
+
 def finish_run(
     directory: Path, state: RunState, step: Callable[[str], None] = _no_step
 ) -> FinishReport:
     """Merge the parts, write result.json, the state file and index.md; never raises for disk
-    or Polars errors.
+    or Polars errors, nor for any failure of the merge (a Polars panic, a MemoryError).
 
     Args:
         directory: the run directory (absolute, used literally).
@@ -140,7 +145,7 @@ def finish_run(
     step(HISTORY_FILE)
     try:
         merge = merge_history(directory)
-    except (OSError, pl.exceptions.PolarsError) as error:
+    except _MERGE_FAILURES as error:
         found.append(
             f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
             "the parts are kept: run "

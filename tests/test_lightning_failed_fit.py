@@ -73,9 +73,22 @@ def fit(tmp_path: Path, model: Failing, callbacks: list[Any]) -> None:
 @pytest.mark.parametrize(
     ("where", "error", "said"),
     [
-        ("validation_step", RuntimeError("boom"), "RuntimeError: boom."),
-        ("callback", RuntimeError("boom"), "RuntimeError: boom."),
-        ("training_step", KeyboardInterrupt(), "KeyboardInterrupt."),  # no message: no colon
+        (
+            "validation_step",
+            RuntimeError("boom"),
+            "ended with an exception at global step 2: RuntimeError: boom.",
+        ),
+        (
+            "callback",
+            RuntimeError("boom"),
+            "ended with an exception at global step 2: RuntimeError: boom.",
+        ),
+        # Ctrl-C, said as such; no message: no colon
+        (
+            "training_step",
+            KeyboardInterrupt(),
+            "was interrupted with an exception at global step 2: KeyboardInterrupt.",
+        ),
     ],
 )
 def test_a_fit_that_raised_is_finished_where_it_stopped_and_the_next_fit_is_fresh(
@@ -96,7 +109,7 @@ def test_a_fit_that_raised_is_finished_where_it_stopped_and_the_next_fit_is_fres
     assert observer.directory == run
     assert run_status(run) == "complete"
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
-    assert f"the fit ended with an exception at global step 2: {said} The run holds" in index
+    assert f"the fit {said} The run holds" in index
     # Steps 0 and 1 trained; step 2's training step raised before its forward (Ctrl-C), or
     # never came (the validation at step 2 and the callback after batch 1 raised first).
     history = read_history(run)

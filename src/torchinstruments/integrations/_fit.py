@@ -488,9 +488,10 @@ class FitObservation:
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
             what = type(exception).__name__ + (f": {exception}" if str(exception) else "")
+            ended = "was interrupted" if isinstance(exception, KeyboardInterrupt) else "ended"
             add_run_note(
                 observed,
-                f"the fit ended with an exception{where}: {what}. The run holds this attempt's "
+                f"the fit {ended} with an exception{where}: {what}. The run holds this attempt's "
                 f"samples up to then ({self.owner} removed the observer when the trainer "
                 "reported the exception).",
             )

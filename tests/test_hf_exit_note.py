@@ -109,6 +109,7 @@ def test_a_script_that_ended_after_train_raised_says_so_at_its_exit(
         assert "ValueError" not in index
     notes = json.loads((run / ".state.json").read_text(encoding="utf-8"))["notes"]
     assert sum(RAISED in note for note in notes) == 1
+    assert not any("remove_observer was not called" in note for note in notes)  # the fit's note
     # the samples before the exception, and no other: steps 0 and 1 (sys.exit: step 0 only)
     steps = pl.read_parquet(run / "history.parquet")["forward_index"].unique().sort()
     assert steps.to_list() == ([0] if ending == "sys.exit" else [0, 1])

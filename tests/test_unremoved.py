@@ -1,18 +1,21 @@
-"""A run whose model never reaches remove_observer still ends complete: nothing written is lost."""
+"""A run whose model never reaches remove_observer still ends complete: nothing written is lost,
+and index.md says how it ended (collected, or the process's exit and the exception that caused it)."""
 
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_result, run_status
 
@@ -52,3 +55,84 @@ def test_process_exiting_without_removal_finalizes_its_run(tmp_path: Path) -> No
     assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
     assert set(history["signal"]) == {"output", "output_gradient"}
     assert run_status(run_dir) == "complete"
+
+
+ENDING = """
+import sys
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, inject_observer
+
+model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1))
+for step in range(5):
+    model(torch.randn(2, 3)).sum().backward()
+    if step == 2:
+        if sys.argv[2] == "raise":
+            raise RuntimeError("boom at step 2")
+        if sys.argv[2] == "ctrl-c":
+            raise KeyboardInterrupt
+        if sys.argv[2] == "caught":
+            try:
+                raise RuntimeError("caught, then the script went on")
+            except RuntimeError:
+                pass
+        if sys.argv[2] == "sys.exit":
+            sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("ending", "said"),
+    [
+        ("raise", "the process ended with an uncaught RuntimeError: boom at step 2, and the run "
+         "was finished then"),
+        ("ctrl-c", "the process ended with an uncaught KeyboardInterrupt (Ctrl-C), and the run "
+         "was finished then"),
+        ("sys.exit", "the run was finished at the process's exit"),
+        ("caught", "the run was finished at the process's exit"),
+    ],
+)  # fmt: skip
+def test_a_script_that_stopped_without_removal_says_how_it_ended(
+    tmp_path: Path, ending: str, said: str
+) -> None:
+    run_dir = tmp_path / "stats"
+    done = subprocess.run(
+        [sys.executable, "-c", ENDING, str(run_dir), ending],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert (done.returncode == 0) == (ending == "caught"), done.stderr
+    assert run_status(run_dir) == "complete"  # every row recorded is in history.parquet
+    stopped = 3 if ending != "caught" else 5
+    history = pl.read_parquet(run_dir / "history.parquet")
+    assert history["sample_id"].unique().sort().to_list() == list(range(stopped))
+    # before: no note at all, and the page read like a loop that ran to its end
+    note = f"remove_observer was not called: {said}; it holds the samples taken until then."
+    state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
+    assert state["notes"] == [note]
+    assert note in " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
+
+
+def test_a_collected_model_says_its_run_was_finished_then(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 3)).sum().backward()
+    del model
+    gc.collect()
+    state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
+    assert state["notes"] == [
+        "remove_observer was not called: the run was finished when the observed model was "
+        "garbage collected; it holds the samples taken until then."
+    ]
+
+
+def test_a_second_remove_observer_changes_nothing(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 3)).sum().backward()
+    assert remove_observer(model) == run_dir
+    page = (run_dir / "index.md").read_bytes()
+    with pytest.warns(RuntimeWarning, match="has no observer .* nothing was done"):
+        assert remove_observer(model) is None
+    assert (run_dir / "index.md").read_bytes() == page
+    assert json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))["notes"] == []

@@ -123,6 +123,7 @@ from torchinstruments.samples import (
 from torchinstruments.sampling import ask, read_step
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
+from torchinstruments.unremoved import finalize_unremoved
 
 __all__ = ["Observer"]
 
@@ -211,7 +212,7 @@ class Observer:
         per sampled forward (`Proxies.install_layers`).
 
         A model dropped (or a process ending) without `remove` still gets a complete run: the
-        observer closes when `root` is garbage collected.
+        observer closes when `root` is garbage collected, with a note (unremoved.py).
         """
         self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
@@ -220,7 +221,7 @@ class Observer:
         if "forward" not in vars(root):  # else the proxy wraps the root's own: nothing to follow
             self._class_forward = type(root).forward
         self.proxies.install_root(root, self.on_root_call)
-        self._finalizer = weakref.finalize(root, self.close)
+        self._finalizer = finalize_unremoved(root, self)  # with a note on why it ended
 
     def remove(self) -> tuple[str, ...]:
         """Undo every proxy and close; returns the forwards whose proxy was left in place

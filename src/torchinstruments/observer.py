@@ -209,11 +209,9 @@ class Observer:
     ) -> None:
         """Install the root's proxy (which delimits root forwards). Layer proxies, and a fused-path
         guard on every module that could skip selected layers with a fused kernel, are installed
-        per sampled forward (`Proxies.install_layers`).
-
-        A model dropped (or a process ending) without `remove` still gets a complete run: the
-        observer closes when `root` is garbage collected, with a note (unremoved.py).
-        """
+        per sampled forward (`Proxies.install_layers`). A model dropped (or a process ending)
+        without `remove` still gets a complete run: it closes when `root` is garbage collected,
+        with a note (unremoved.py)."""
         self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
         self.gradients.gaps.weigh(layers)  # which layers hold parameters

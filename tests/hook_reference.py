@@ -255,6 +255,7 @@ HELD_NOT_CALLED = {
     "transformers.models.bert.modeling_bert.BertSelfAttention": ("dropout",),  # its rate, `p`
     "transformers.models.roberta.modeling_roberta.RobertaSelfAttention": ("dropout",),
     "transformers.models.distilbert.modeling_distilbert.DistilBertSelfAttention": ("dropout",),
+    "transformers.models.albert.modeling_albert.AlbertAttention": ("attention_dropout",),
     # Passes `attn_dropout`'s rate on every forward; calls it only with reorder_and_upcast_attn.
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention": ("attn_dropout",),
 }

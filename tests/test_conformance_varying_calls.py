@@ -10,12 +10,13 @@ whose embedding is also its output projection and whose block runs twice, a recu
 applied until a data-dependent halt, `generate` (a root forward per new token, with a cache),
 and an L-BFGS step (several root forwards and backwards in one optimizer step). Each runs three
 steps (every forward sampled, then every second one), compared both ways against plain hooks
-on a deep copy (`hook_reference.run_both`), and each test also checks that the variation it
-names happened.
+on a deep copy (`hook_reference.run_both`); result.json counts, per layer, the sampled forwards
+plain hooks saw it run in; and each test also checks that the variation it names happened.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -283,6 +284,18 @@ def several_forwards_per_step(result: Conformance) -> None:
     assert "output_gradient" in result.history["signal"].to_list()
 
 
+def sampled_forwards_counted(result: Conformance, run_dir: Path) -> None:
+    """result.json's `sampled_forwards` of each layer is the number of sampled forwards in which
+    plain hooks saw it return (every layer here returns tensors)."""
+    ran: dict[str, set[int]] = {}
+    for sample_id, layer, _, signal, _ in result.recorder.tensors:
+        if signal == "output":
+            ran.setdefault(layer, set()).add(sample_id)
+    catalog = json.loads((run_dir / "result.json").read_text("utf-8"))
+    counted = {entry["layer"]: entry["sampled_forwards"] for entry in catalog}
+    assert counted == {layer: len(ran.get(layer, ())) for layer in counted}
+
+
 CASES: dict[str, tuple[Callable[[], tuple[nn.Module, Step]], Callable[[Conformance], None]]] = {
     "experts_called_on_empty_batches": (lambda: routed(False), idle_expert_had_an_empty_batch),
     "idle_experts_skipped": (lambda: routed(True), idle_expert_was_skipped),
@@ -307,5 +320,6 @@ def test_rows_equal_plain_hooks_when_calls_vary(run_dir: Path, name: str, every:
     for observed, reference in zip(result.observed_outputs, result.reference_outputs, strict=True):
         assert torch.equal(observed, reference)  # the observed model computed what the copy did
     result.assert_conforms()
+    sampled_forwards_counted(result, run_dir)
     if every == 1:
         happened(result)

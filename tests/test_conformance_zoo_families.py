@@ -9,7 +9,11 @@ an encoder-decoder trained on labels (BART), a packed variable-length batch thro
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag` (an empty bag, per-sample weights),
 a channels_last ResNet, a Llama under bfloat16 autocast on the CPU, DenseNet's memory-efficient
 blocks (torchvision's own checkpointing), and quantization-aware training (fake-quantize modules
-that return their input's values). CPU only; every forward sampled, two steps.
+that return their input's values); and decoders whose attention or feed-forward the zoo's Llama
+does not have: Mistral's sliding window, Gemma 2's logit soft-capping and alternating local
+attention, DeepSeek-V3's latent attention and shared-plus-routed experts, Qwen2-MoE's gated
+shared expert, OLMoE, GPT-OSS's attention sinks and clamped experts, Phi-3's fused projections
+and ModernBERT. CPU only; every forward sampled, two steps.
 """
 
 from __future__ import annotations
@@ -271,3 +275,69 @@ def test_rows_of_more_model_families_equal_plain_hooks(run_dir: Path, name: str)
             assert torch.equal(a, b)  # the observed model computed what the copy did
     result.assert_conforms()
     check(result)
+
+
+DECODER = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 16,
+}
+ROUTED = {"num_experts_per_tok": 1, "moe_intermediate_size": 8}
+DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral_sliding_window": ("Mistral", {"sliding_window": 4}),
+    "gemma2": ("Gemma2", {"head_dim": 8, "sliding_window": 4}),
+    "deepseek_v3": (
+        "DeepseekV3",
+        {
+            **ROUTED,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 8,
+            "q_lora_rank": 8,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        {**ROUTED, "num_experts": 8, "shared_expert_intermediate_size": 16},
+    ),
+    "olmoe": ("Olmoe", {"num_experts": 8, "num_experts_per_tok": 1}),
+    "gpt_oss": ("GptOss", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 1}),
+    "phi3": ("Phi3", {"pad_token_id": 0}),
+}
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "modernbert"])
+def test_rows_of_more_decoders_equal_plain_hooks(run_dir: Path, name: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    if name == "modernbert":
+        config = transformers.ModernBertConfig(
+            **{k: v for k, v in DECODER.items() if k != "num_key_value_heads"}, pad_token_id=0
+        )
+        model = transformers.ModernBertForMaskedLM(config)
+    else:
+        family, settings = DECODERS[name]
+        config = getattr(transformers, f"{family}Config")(**DECODER, **settings)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+
+    def step(m: nn.Module, i: int) -> Any:
+        ids = torch.randint(0, 64, (2, 8))
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers that never ran (an unused dropout, say)
+        result = run_both(model.train(), step, run_dir, steps=2)
+    for got, want in zip(result.observed_outputs, result.reference_outputs, strict=True):
+        assert torch.equal(got, want)
+    result.assert_conforms()

@@ -1,6 +1,7 @@
 """nn.TransformerEncoder: inner layers are measured on sampled forwards, fast path kept otherwise.
 
-In eval under no_grad PyTorch runs each TransformerEncoderLayer as one fused kernel
+In eval without gradients (no_grad, inference_mode, or frozen weights and inputs) PyTorch runs
+each TransformerEncoderLayer, the observed model itself included, as one fused kernel
 (`torch._transformer_encoder_layer_fwd`) that calls none of its submodules; it takes the
 layer-by-layer path instead when hooks are attached. A sampled forward takes that same
 layer-by-layer path, so it computes what a model with hooks computes; an unsampled forward keeps
@@ -138,3 +139,64 @@ def test_padded_batch_is_measured_over_real_entries_like_hooks_see_it(run_dir: P
     # inside the encoder the batch is packed (nested): measured over the 13 real positions
     assert history.filter(pl.col("layer") == "layers.0.linear1")["shape"].to_list()[0] is None
     assert_profiles_match(observed_profiles(history, 0), recorder.profiles)
+
+
+def observe_twice(model: nn.Module, run_dir: Path, x: torch.Tensor, context: Any) -> torch.Tensor:
+    """Two forwards under `context`, the first sampled; returns the sampled one's output."""
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    with context():
+        sampled = model(x)
+        model(x)
+    remove_observer(model)
+    return sampled
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize(
+    "context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"]
+)
+def test_encoder_layer_observed_itself_is_measured_like_hooks_in_eval_without_grad(
+    run_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recwarn: pytest.WarningsRecorder,
+    norm_first: bool,
+    context: Any,
+) -> None:
+    model = nn.TransformerEncoderLayer(
+        16, 4, 32, dropout=0.0, batch_first=True, norm_first=norm_first
+    ).eval()
+    plain, reference_model = copy.deepcopy(model), copy.deepcopy(model)
+    recorder = HookRecorder(reference_model, INNER)
+    x = torch.randn(3, 5, 16)
+    fused = count_fused_calls(monkeypatch)
+    with context():
+        expected = plain(x)
+        reference = reference_model(x)  # hooks attached: layer by layer
+    assert fused[0] == 1
+
+    sampled = observe_twice(model, run_dir, x, context)
+
+    assert fused[0] == 2  # the unsampled forward kept the fused kernel
+    assert torch.equal(sampled, reference)
+    assert torch.allclose(sampled, expected, atol=1e-5)
+    history = read_history(run_dir)
+    assert set(history["layer"].unique()) == set(INNER)
+    assert_profiles_match(observed_profiles(history, 0), recorder.profiles)
+    assert [entry["sampled_forwards"] for entry in read_result(run_dir)] == [1] * len(INNER)
+    assert not [w for w in recwarn if "never ran" in str(w.message)]
+
+
+def test_frozen_encoder_layer_with_grad_enabled_is_measured_like_hooks(run_dir: Path) -> None:
+    # Weights that need no gradient and an input that needs none: the fused kernel runs even
+    # with grad enabled (a frozen feature extractor).
+    model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model.eval().requires_grad_(False)
+    reference_model = copy.deepcopy(model)
+    recorder = HookRecorder(reference_model, INNER)
+    x = torch.randn(3, 5, 16)
+    reference = reference_model(x)
+
+    sampled = observe_twice(model, run_dir, x, torch.enable_grad)
+
+    assert torch.equal(sampled, reference)
+    assert_profiles_match(observed_profiles(read_history(run_dir), 0), recorder.profiles)

@@ -48,6 +48,7 @@ before `inject_observer` or after `remove_observer`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import threading
@@ -254,6 +255,7 @@ class Proxies:
         self._lock = threading.Lock()
         self._holders: set[object] = set()  # the sampled forwards in flight that installed them
         self._left_in_place: list[str] = []  # layers whose proxy a replacement kept
+        self._fused_root: weakref.ref[nn.Module] | None = None  # see `root_fused_path`
 
     def after_fork_in_child(self) -> None:
         """In a forked child: a lock of its own, since another thread of the parent may have
@@ -283,8 +285,18 @@ class Proxies:
             if has_fused_fast_path(module) and any(
                 id(inner) in selected for inner in module.modules() if inner is not module
             ):
-                self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
+                if module is root:
+                    self._fused_root = weakref.ref(root)
+                else:
+                    self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
         return root_capture
+
+    def root_fused_path(self) -> contextlib.AbstractContextManager[None]:
+        """Around a sampled root forward: the root's own fused fast path off, where it would skip
+        selected layers (a bare nn.TransformerEncoderLayer observed itself). A guard proxy cannot
+        do that for the root: it would go on top of the root's proxy, once the call is entered."""
+        root = None if self._fused_root is None else self._fused_root()
+        return contextlib.nullcontext() if root is None else layer_by_layer(root)
 
     def install_root(self, module: nn.Module, wrapper: Wrapper) -> None:
         """Install the root's proxy, which stays until `restore`."""

@@ -16,12 +16,12 @@ A value's path: a layer returns -> `LayerCapture.on_call` -> `Observer.record_ou
 root forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
 `MeasurementBlock` per sample) -> sinks -> rows.
 
-Fused fast paths: `nn.TransformerEncoderLayer` in eval under no_grad runs one fused kernel that
-calls none of its submodules. A layer that holds selected layers gets a guard proxy too; in a
-sampled forward (of this thread) it switches that one call to the layer-by-layer path PyTorch
-takes when a hook is attached (`_torch_internals.layer_by_layer`), so the layers inside run and
-are measured, and the result is what a hook user gets. Unsampled forwards never meet the guard
-(it is installed with the layer proxies, per sampled forward): fused, bit-identical.
+Fused fast paths: `nn.TransformerEncoderLayer` in eval, when no gradient is needed (no_grad,
+inference_mode, frozen weights), runs one fused kernel that calls none of its submodules. In a
+sampled forward (of this thread) each one holding selected layers takes the layer-by-layer path
+PyTorch takes when a hook is attached (`_torch_internals.layer_by_layer`; a guard proxy installed
+with the layer proxies, or `Proxies.root_fused_path` for the root), so the layers inside run and
+are measured as a hook user sees them. Unsampled forwards keep the fused kernel: bit-identical.
 
 Coverage: per selected layer the observer counts the sampled forwards in which it was called
 (`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers
@@ -346,7 +346,8 @@ class Observer:
             self.in_flight.begin(sample)
             self.proxies.install_layers(self.in_flight.samples.__len__, sample)
             release(held)
-            return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
+            with self.proxies.root_fused_path():  # a bare encoder layer observed itself
+                return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
         except BaseException as error:
             raised = error  # marked below, with Ctrl-C held
             raise

@@ -153,8 +153,9 @@ def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> l
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
         f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). "
-        f"{zero} In eval under no_grad, an `nn.TransformerEncoderLayer` holding selected "
-        "layers runs layer by layer in sampled forwards (as it does when a hook is attached) "
+        f"{zero} In eval without gradients (no_grad, inference_mode, frozen weights), an "
+        "`nn.TransformerEncoderLayer` holding selected layers (the observed model itself "
+        "included) runs layer by layer in sampled forwards (as it does when a hook is attached) "
         "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
         "kernel.",
         "",

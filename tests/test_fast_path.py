@@ -200,3 +200,30 @@ def test_frozen_encoder_layer_with_grad_enabled_is_measured_like_hooks(run_dir: 
 
     assert torch.equal(sampled, reference)
     assert_profiles_match(observed_profiles(read_history(run_dir), 0), recorder.profiles)
+
+
+class CallsTheClassForward(nn.Module):
+    """Calls its encoder layer past the layer's own forward (what no proxy can see)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.TransformerEncoderLayer.forward(self.block, x)
+
+
+def test_layers_a_fused_kernel_skipped_past_the_layer_forward_are_said_why(run_dir: Path) -> None:
+    model = CallsTheClassForward().eval()
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with torch.no_grad():
+        model(torch.randn(3, 5, 16))
+    with pytest.warns(RuntimeWarning, match="never ran") as caught:
+        remove_observer(model)
+    (warning,) = [str(w.message) for w in caught if "never ran" in str(w.message)]
+    index = (run_dir / "index.md").read_text("utf-8")
+    for text in (warning, index):
+        assert "8 inside nn.TransformerEncoderLayer 'block'" in text
+        assert "fused fast path in eval without grad calls no submodule" in text
+        assert "train mode or with grad enabled" in text
+    assert read_history(run_dir).height == 0

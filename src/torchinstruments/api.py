@@ -242,7 +242,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     if changed is not None:
         observer.notes.append(changed)  # before the removal, which writes index.md
     idle = observer.counter.never_ran(observer.layer_names)
-    quiet, notes = cannot_run(
+    quiet, notes, fused = cannot_run(
         model, idle, [name for name in observer.layer_names if name not in idle]
     )
     observer.notes.extend(notes)  # index.md names them; the warning leaves them out
@@ -252,7 +252,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     never_ran = [n for n in observer.counter.never_ran(observer.layer_names) if n not in quiet]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)
-        warn(never_ran_warning(never_ran, total, observer.counter.samples))
+        warn(never_ran_warning(never_ran, total, observer.counter.samples, fused))
     counts = observer.counts()
     if counts.samples == 0 and observer.layer_names:
         warn(no_sample_warning(counts, observer.directory, observer.counter.earlier_samples))

@@ -15,6 +15,12 @@ calls its `stochastic_depth` only `if self.use_res_connect`, false in the first 
 EfficientNet stage, and Inception calls `AuxLogits` only `if self.training`, so neither can run
 in those blocks or in eval. index.md notes each with its setting. A layer under a setting that
 is true, or called in any other way, is warned as before.
+
+A child of an `nn.TransformerEncoderLayer` is warned with the one cause a user cannot guess: in
+eval without grad that layer's fused fast path calls no submodule. Sampled forwards switch it off
+on calls through the layer's own forward (capture.py), so a child that still never ran was in one
+not called, or called past that forward (`nn.TransformerEncoderLayer.forward(layer, x)`): the
+warning and index.md say both, and how to get rows.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.selection import switched_off
 
 __all__ = [
     "cannot_run",
+    "fused_clause",
     "never_ran_warning",
     "switched_off_layers",
     "switched_off_note",
@@ -127,27 +135,64 @@ def switched_off_note(settings: Mapping[str, str]) -> str | None:
     )
 
 
-def never_ran_warning(never: Sequence[str], total: int, samples: int) -> str:
-    """The removal warning naming the selected layers that never ran (none a tied twin)."""
+def fused_holders(model: nn.Module, never: Sequence[str]) -> dict[str, str]:
+    """For each layer of `never` whose parent has a fused fast path, the parent's name (its
+    children are what the fused kernel skips; a grandchild such as `self_attn.out_proj` is
+    skipped by its own parent)."""
+    modules = dict(named_modules_uncompiled(model))
+    found: dict[str, str] = {}
+    for name in never:
+        parent = name.rpartition(".")[0]
+        if name and parent in modules and has_fused_fast_path(modules[parent]):
+            found[name] = parent
+    return found
+
+
+def fused_clause(holders: Mapping[str, str]) -> str:
+    """What the warning and index.md say of layers that never ran inside an encoder layer."""
+    counts: dict[str, int] = {}
+    for holder in holders.values():
+        counts[holder] = counts.get(holder, 0) + 1
+    shown = ", ".join(f"{n} inside nn.TransformerEncoderLayer {h!r}" for h, n in counts.items())
+    return (
+        f"{shown}: not called, or called past its forward (as `nn.TransformerEncoderLayer."
+        "forward(layer, x)`), where its fused fast path in eval without grad calls no submodule; "
+        "for rows, call it as `layer(x)`, or run it in train mode or with grad enabled"
+    )
+
+
+def never_ran_warning(never: Sequence[str], total: int, samples: int, fused: str = "") -> str:
+    """The removal warning naming the selected layers that never ran (none a tied twin), with
+    `fused_clause` where some lie inside an encoder layer."""
     shown = ", ".join(repr(name) for name in never[:_SHOWN])
     return (
         f"torchinstruments: {len(never)} of {total} selected layers never ran in a sampled "
         f"forward ({plural(samples, 'sample')}), so they have no rows: {shown}"
         + (" ..." if len(never) > _SHOWN else "")
+        + (f" ({fused})" if fused else "")
         + " (see the Layers section of index.md)"
     )
 
 
 def cannot_run(
     model: nn.Module, never: Sequence[str], ran: Sequence[str]
-) -> tuple[frozenset[str], tuple[str, ...]]:
+) -> tuple[frozenset[str], tuple[str, ...], str]:
     """The layers among `never` the model cannot run as it stands (tied twins, layers switched
     off by a setting), and index.md's notes naming them: the removal's warning leaves them out.
-    Reading the model never fails a removal: where it fails, every such layer is warned."""
+    Third, the `fused_clause` of the others inside an encoder layer ("" for none), which the
+    warning and a note say. Reading the model never fails a removal: where it fails, every such
+    layer is warned, without a cause."""
     try:
         twins = tied_twins(model, never, ran)
         off = switched_off_layers(model, [name for name in never if name not in twins])
+        fused = fused_holders(
+            model, [name for name in never if name not in twins and name not in off]
+        )
     except Exception:
-        twins, off = {}, {}
-    notes = tuple(note for note in (tied_note(twins), switched_off_note(off)) if note is not None)
-    return frozenset((*twins, *off)), notes
+        twins, off, fused = {}, {}, {}
+    clause = fused_clause(fused) if fused else ""
+    fused_note = f"Never ran inside an encoder layer: {clause}." if fused else None
+    notes = tuple(
+        note for note in (tied_note(twins), switched_off_note(off), fused_note) if note is not None
+    )
+    return frozenset((*twins, *off)), notes, clause

@@ -186,13 +186,17 @@ def test_encoder_layer_observed_itself_is_measured_like_hooks_in_eval_without_gr
     assert not [w for w in recwarn if "never ran" in str(w.message)]
 
 
-def test_frozen_encoder_layer_with_grad_enabled_is_measured_like_hooks(run_dir: Path) -> None:
+@pytest.mark.parametrize("wrapped", [False, True], ids=["observed_itself", "inside_a_model"])
+def test_frozen_encoder_layer_with_grad_enabled_is_measured_like_hooks(
+    run_dir: Path, wrapped: bool
+) -> None:
     # Weights that need no gradient and an input that needs none: the fused kernel runs even
     # with grad enabled (a frozen feature extractor).
-    model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(layer) if wrapped else layer
     model.eval().requires_grad_(False)
     reference_model = copy.deepcopy(model)
-    recorder = HookRecorder(reference_model, INNER)
+    recorder = HookRecorder(reference_model, [f"0.{n}" for n in INNER] if wrapped else INNER)
     x = torch.randn(3, 5, 16)
     reference = reference_model(x)
 
@@ -227,3 +231,24 @@ def test_layers_a_fused_kernel_skipped_past_the_layer_forward_are_said_why(run_d
         assert "fused fast path in eval without grad calls no submodule" in text
         assert "train mode or with grad enabled" in text
     assert read_history(run_dir).height == 0
+
+
+def test_encoder_layer_observed_itself_keeps_its_fused_kernel_after_a_sampled_forward_raised(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16)
+    fused = count_fused_calls(monkeypatch)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(2))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            model(torch.randn(3, 5, 8))  # sampled: raises on its layer-by-layer path
+        unsampled = model(x)
+        assert fused[0] == 1  # the fused kernel is back for the unsampled forward
+        model(x)  # sampled, layer by layer
+        assert fused[0] == 1
+        assert torch.equal(unsampled, plain(x))
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history.filter(pl.col("sample_id") == 1)["layer"].unique()) == set(INNER)

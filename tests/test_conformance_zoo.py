@@ -546,6 +546,19 @@ def transformer_with_masks(device: torch.device) -> tuple[nn.Module, Step]:
     return model, step
 
 
+def encoder_layer_observed_itself(device: torch.device) -> tuple[nn.Module, Step]:
+    """A bare nn.TransformerEncoderLayer as the model, in eval under inference_mode: its own
+    fused kernel, which plain hooks on its sublayers switch off, as sampled forwards do."""
+    model = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True, norm_first=True)
+    model = model.to(device).eval()
+
+    def step(m: nn.Module, i: int) -> Any:
+        with torch.inference_mode():
+            return m(torch.randn(3, 5, 16, device=device))
+
+    return model, step
+
+
 CASES: dict[str, Case] = {
     "mlp_inplace_relu": mlp_inplace_relu,
     "resnet18": resnet18,
@@ -576,6 +589,7 @@ CASES: dict[str, Case] = {
     "llama_reentrant_checkpointing": checkpointed_llama(reentrant=True),
     "structured_outputs": structured_outputs,
     "transformer_with_masks": transformer_with_masks,
+    "encoder_layer_observed_itself": encoder_layer_observed_itself,
 }
 STEPS = {"lstm": 2, "gru": 2}  # two samples: call indices and sample ids restart per forward
 # Parametrized modules (torch.nn.utils.parametrize) are layers, the modules of their weights not.

@@ -271,8 +271,9 @@ class Proxies:
     ) -> LayerCapture | None:
         """Register a `LayerCapture` per selected layer (`focus`: the focus layers' names) and a
         `FusedPathGuard` on every module that could skip selected layers with a fused kernel
-        (the root, if it is one: `root_fused_path`); `observer` is the observer.Observer. Returns the root's capture where the root is itself
-        a layer: the root's own proxy measures it, so it gets none here."""
+        (the root, if it is one: `root_fused_path`); `observer` is the observer.Observer.
+        Returns the root's capture where the root is itself a layer: the root's own proxy
+        measures it, so it gets none here."""
         root_capture = None
         for module, info in layers:
             capture = LayerCapture(observer, module, info, info.name in focus)

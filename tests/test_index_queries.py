@@ -363,7 +363,8 @@ def run_with_eval_and_interrupt(directory: Path) -> Path:
 
 def test_queries_keep_eval_samples_apart_and_leave_marker_rows_out(tmp_path: Path) -> None:
     """The trend and side-by-side queries carry `mode`, train first; "series that stop" judges
-    a series by the latest sample of its own mode, without the `interrupted` marker rows."""
+    a series by the latest sample of its own mode and signal, without the `interrupted` marker
+    rows."""
     directory = run_with_eval_and_interrupt(tmp_path / "run")
     marker = pl.read_parquet(directory / "history.parquet").filter(
         pl.col("metric") == "interrupted"
@@ -375,15 +376,13 @@ def test_queries_keep_eval_samples_apart_and_leave_marker_rows_out(tmp_path: Pat
     for name in ("trend", "both"):
         rows = found[name].select("mode", "sample_id").rows()
         assert rows == [("train", s) for s in train] + [("eval", s) for s in evaluation], name
-    # train's latest sample is RAISED_AT (fc returned there), eval's is 1: only the train series
-    # of boom and head, whose rows end at the sample before, and fc's gradient (no backward
-    # after the raise) stop; boom's output has 2 observations, its marker row none
+    # train's latest sample is RAISED_AT (fc returned there), eval's is 1: only the train output
+    # series of boom and head, whose rows end at the sample before, stop; no backward followed
+    # the raise, so no gradient series stops (their latest is the last sample a backward
+    # reached); boom's output has 2 observations, its marker row none
     stopped = found["stopped"].select("layer", "signal", "mode", "last_sample", "samples")
     before = RAISED_AT - 1
     assert sorted(stopped.rows()) == [
         ("boom", "output", "train", before, 2),
-        ("boom", "output_gradient", "train", before, 2),
-        ("fc", "output_gradient", "train", before, 2),
         ("head", "output", "train", before, 2),
-        ("head", "output_gradient", "train", before, 2),
     ]

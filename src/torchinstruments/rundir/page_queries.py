@@ -235,13 +235,18 @@ show(both)""",
         (
             "Series that stop: missing rows are evidence. A layer that stops running, or a "
             "branch cut off from the loss (e.g. by `.detach()`), leaves no null value: its "
-            "series simply end before the latest sample of their mode (`stopped`: a train "
-            "series against the latest train sample, an eval one against the latest eval "
-            "sample), or its outputs never get a gradient row at all (`no_gradient`; every "
-            "tensor, in a run without backward). `interrupted` marker rows are no observation:",
+            "series simply end before the latest sample of their mode and signal (`stopped`: a "
+            "train output series against the latest train sample, an output_gradient one "
+            "against the latest train sample a backward reached; eval likewise), or its outputs "
+            "get no gradient row in any sample a backward reached (`no_gradient`). A forward no "
+            "backward follows (an evaluation, each token of `generate()`) expects no gradient "
+            "and is in neither; a run without backward lists none. `interrupted` marker rows "
+            "are no observation:",
             f"""observed = history.filter(pl.col("metric") != {_q(INTERRUPTED)})  # no marker rows
 tensor = ["layer", "call_index", "tensor_path", "mode"]
-latest_of_mode = observed.group_by("mode").agg(mode_latest=pl.col("sample_id").max()).collect()
+latest_of_mode = (
+    observed.group_by("mode", "signal").agg(mode_latest=pl.col("sample_id").max()).collect()
+)
 series = (
     observed.group_by(*tensor, "signal")
     .agg(
@@ -252,13 +257,20 @@ series = (
     .collect()
 )
 stopped = (
-    series.join(latest_of_mode, on="mode")
+    series.join(latest_of_mode, on=["mode", "signal"])
     .filter(pl.col("last_sample") < pl.col("mode_latest"))
     .sort("last_sample", *tensor, "signal")
 )
-print("series whose last sample is before the latest sample of their mode (mode_latest):")
+print("series whose last sample is before the latest of their mode and signal (mode_latest):")
 show(stopped)
-outputs = series.filter(pl.col("signal") == "output").select(tensor)
+reached = observed.filter(pl.col("signal") == "output_gradient").select("sample_id").unique()
+outputs = (  # outputs of the samples a backward reached: no other expects a gradient
+    observed.filter(pl.col("signal") == "output")
+    .join(reached, on="sample_id", how="semi")
+    .select(tensor)
+    .unique()
+    .collect()
+)
 gradients = series.filter(pl.col("signal") == "output_gradient").select(tensor)
 no_gradient = outputs.join(gradients, on=tensor, how="anti").sort(tensor)
 print("tensors with output rows and no output_gradient row:")

@@ -13,7 +13,10 @@ Hooks, one line each:
   and a warning say so.
 - `on_sanity_check_start`, `on_train_start`: the fit's setup ends at the first of them.
 - `on_train_batch_end`: after the first batch only, warn if no training forward called the
-  observed module (whatever the sanity check called).
+  observed module (whatever the sanity check called); in manual optimization, say once (a
+  warning, index.md) when a batch moved the global step by other than one (several
+  optimizers, or a step skipped): `step` then is off the axis of the logger's scalars (below).
+- `on_train_batch_start`: the global step the batch starts at, for that comparison.
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
@@ -43,7 +46,11 @@ run after the fit, after the observer was removed: neither observed nor counted.
 With `accumulate_grad_batches=k`, each of the k batches of an optimizer step is a training
 forward, and their samples share one `step` (the trainer's global step, history's `step`); the
 `TensorBoardLogger` gets the step's first one (one histogram per tag and step:
-`sinks.tensorboard` says why).
+`sinks.tensorboard` says why). In manual optimization `trainer.global_step` counts every
+optimizer's `step()` call (a GAN's two optimizers: two per batch), while Lightning logs the
+scalars of `self.log` once per training batch; the `step` column stays the global step (the
+design's), and the first batch that moves it by other than one is said in index.md and a
+warning, since a join of `step` with the trainer's log then pairs other batches' values.
 
 Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
 directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). A fit
@@ -144,6 +151,8 @@ class LightningObserver(Callback):
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
         self._checkpoint_step: int | None = None  # and its global step
         self._key = state_key(LightningObserver.__qualname__, output_dir, module)
+        self._batch_step = 0  # the global step the current training batch started at
+        self._axes_said = False
 
     @property
     def state_key(self) -> str:
@@ -177,6 +186,7 @@ class LightningObserver(Callback):
             grad_scaler=trainer_scaler(trainer.precision_plugin),  # precision="16-mixed"
         )
         self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
+        self._axes_said = False  # each fit says once that its steps are off the logger's
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
             self._fit.enter_setup()  # the model summary's example input is not an evaluation
@@ -192,6 +202,12 @@ class LightningObserver(Callback):
         """The fit's setup ends (without a sanity check): the training loop starts."""
         self._fit.leave_setup()
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The global step a training batch starts at (its optimizer steps are told at its end)."""
+        self._batch_step = trainer.global_step
+
     def on_train_batch_end(
         self,
         trainer: Trainer,
@@ -200,8 +216,16 @@ class LightningObserver(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """After the first batch: warn if no training forward called the observed module."""
+        """After the first batch: warn if no training forward called the observed module; in
+        manual optimization, say once when a batch did not step the global step by exactly one."""
         self._fit.check_first_step()
+        advance = trainer.global_step - self._batch_step
+        if advance != 1 and not pl_module.automatic_optimization and not self._axes_said:
+            self._axes_said = True
+            if self._fit.observed is not None:
+                said = _step_axes_note(batch_idx, advance)
+                add_run_note(self._fit.observed, said)
+                warn(f"torchinstruments: LightningObserver: {said}")
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in a checkpoint: the run directory, which a fit resumed from it continues."""
@@ -274,6 +298,21 @@ def _tuner_note(trainer: Trainer) -> str | None:
         "not observed and no count here includes them (forward_index, the evaluation and "
         "setup forwards); the trainer then put back the model's weights and its global step, "
         "so `step` counts the fit's own training steps"
+    )
+
+
+def _step_axes_note(batch_idx: int, advance: int) -> str:
+    """index.md's note when a manual optimization batch stepped the global step by `advance`,
+    not one: Lightning counts every optimizer's `step()` in `trainer.global_step` (the `step`
+    column, the histograms' step in its logger), but logs `self.log` scalars once per training
+    batch (its loops' count of batches, checked on Lightning 2.6.6), so the axes part."""
+    return (
+        f"manual optimization: training batch {batch_idx} advanced trainer.global_step by "
+        f"{advance} (it counts every optimizer's step() call), while Lightning logs the "
+        "scalars of self.log once per training batch: the `step` column and the histograms "
+        "in the trainer's TensorBoard logger (on trainer.global_step) are not on the step axis "
+        "of the logger's scalars, so a join of `step` with the trainer's log pairs other "
+        "batches' values (it holds only where every batch takes one optimizer step)"
     )
 
 

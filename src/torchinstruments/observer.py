@@ -321,7 +321,8 @@ class Observer:
         if sample_id is None:
             return None
         try:  # held from the decision on (counting.py): released once the forward is called
-            mode = "eval" if schedule == EVAL else None  # the evaluation schedule: mode eval
+            # A trainer's phase, when one says it (phases.py); None: each layer's own flag.
+            mode = "eval" if schedule == EVAL else self.phases.train_mode
             local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
             local.sample.held = held
         except BaseException:

@@ -10,7 +10,10 @@ through unobserved (it is not a root forward of the run: forward_index does not 
 never takes a sample; only its number is kept, for index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
 the count of evaluation forwards, so evaluation never moves the training schedule, and its rows
 have mode `eval` whatever the module's training flag (another callback's forward in its batch
-hooks runs in train mode, and must not join the training series). A trainer's setup forwards, at
+hooks runs in train mode, and must not join the training series). Likewise a training step's
+rows have mode `train` whatever a module's flag: a part the user froze in eval mode for
+fine-tuning (a backbone's BatchNorm) would otherwise join, as `eval`, the evaluation samples'
+series of that part. A trainer's setup forwards, at
 the fit's start before its first loop (Lightning's model summary and logger graph of
 `example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
 through unobserved whatever `record_eval` says, counted apart, so an example input never joins
@@ -36,12 +39,15 @@ PASSED_THROUGH = (UNOBSERVED, SETUP)  # the schedules whose forwards are only co
 class Phases:
     """The schedule the next root forward is on, as a trainer callback sets it."""
 
-    __slots__ = ("current", "eval_sampler", "fit_over", "following")
+    __slots__ = ("current", "eval_sampler", "fit_over", "following", "train_mode")
 
     def __init__(self) -> None:
         self.current = TRAIN
         self.eval_sampler: Any = None  # a Sampler; None: evaluation forwards are unobserved
         self.following = False  # True once a trainer callback says which forwards train
+        # The mode of a training forward's rows: None, each layer's own flag (a plain loop);
+        # "train" once a trainer says which forwards are training ones.
+        self.train_mode: str | None = None
         # Whether the fit ended unseen (True once the callback that asks it finished the run).
         self.fit_over: Callable[[str], bool] | None = None
 
@@ -53,7 +59,15 @@ class Phases:
         """
         self.eval_sampler = eval_sampler
         self.following = True
+        self.train_mode = TRAIN
         self.leave_training()
+
+    def follow_every_forward(self) -> None:
+        """A trainer whose training steps cannot be told apart: every forward is on the
+        sampler's schedule, and each layer's own flag gives its rows' mode (a plain loop's)."""
+        self.following = False
+        self.train_mode = None
+        self.current = TRAIN
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are on the sampler's schedule."""

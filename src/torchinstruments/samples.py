@@ -81,7 +81,8 @@ class Sample:
         self.forward_index = forward_index
         self.step = step
         # The mode of all its rows, or None for each layer's own training flag (phases.py: a
-        # trainer's evaluation forward is "eval" even when another callback runs it in train mode).
+        # trainer's evaluation forward is "eval" even when another callback runs it in train mode,
+        # and its training forward "train" even through a part frozen in eval mode).
         self.mode = mode
         # Per layer, how many of its calls began, counted under one lock per sample, so a call on
         # another thread never shares a call_index with one of the sample's own thread. Plain

@@ -445,6 +445,12 @@ class FitObservation:
         if counts is not None and self.observed is not None and counts.unobserved_setup_forwards:
             add_run_note(self.observed, _setup_note(counts.unobserved_setup_forwards))
 
+    def follow_every_forward(self) -> None:
+        """The trainer's training steps cannot be told apart: every forward is a training
+        forward, and each layer's own flag gives its rows' mode."""
+        if self.phases is not None:
+            self.phases.follow_every_forward()
+
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""
         if self.phases is not None:

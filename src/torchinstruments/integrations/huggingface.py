@@ -205,7 +205,7 @@ class HuggingFaceObserver(TrainerCallback):
                     self._exit_handler = True
                     atexit.register(_finish_at_exit, weakref.ref(self))
         elif directory is not None:
-            self._fit.enter_training()  # training steps cannot be told apart: all forwards
+            self._fit.follow_every_forward()  # training steps cannot be told apart
             notices.warn(
                 "torchinstruments: HuggingFaceObserver: the running Trainer was not found, so "
                 "training and evaluation forwards cannot be told apart: every forward is on the "

@@ -44,7 +44,9 @@ COLUMN_NOTES = {
     "step": "the trainer's global step in the Lightning and Hugging Face callbacks (optimizer "
     "steps so far), or the value a plain loop gave with torchinstruments.set_step(model, step); "
     "null otherwise",
-    "mode": '"train" or "eval": the layer\'s module.training at that call',
+    "mode": '"train" or "eval": the layer\'s module.training at that call; under a trainer '
+    "callback the forward's phase (a training step's rows are train, an evaluation's eval, "
+    "whatever a module's flag)",
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '
     "raised, whose forward or backward remove_observer cut, or whose rows were only partly "

@@ -66,7 +66,9 @@ def test_a_fit_with_one_evaluation_forward_says_one(tmp_path: Path, record_eval:
     else:
         assert (
             "**Note:** 1 evaluation forward inside the fit (sanity check, validation, evaluation "
-            "the trainer runs during training: forwards outside a training step) was not "
+            "the trainer runs during training: forwards outside a training step, and those "
+            "under no_grad inside a training step, which no backward follows, as generate()'s) "
+            "was not "
             "observed: it takes no sample and forward_index does not count it"
         ) in index
         assert "1 evaluation forward ran unobserved" in index

@@ -309,6 +309,8 @@ class Observer:
             self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
         schedule = self.phases.current
+        if schedule == TRAIN and self.phases.following and not torch.is_grad_enabled():
+            schedule = self.phases.off_step()  # no backward follows it (phases.py)
         if schedule != TRAIN and self.phases.fit_ended():  # the callback removed the observer
             return _PASS_THROUGH
         if schedule in PASSED_THROUGH:
@@ -321,8 +323,7 @@ class Observer:
         if sample_id is None:
             return None
         try:  # held from the decision on (counting.py): released once the forward is called
-            # A trainer's phase, when one says it (phases.py); None: each layer's own flag.
-            mode = "eval" if schedule == EVAL else self.phases.train_mode
+            mode = "eval" if schedule == EVAL else self.phases.train_mode  # phases.py
             local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
             local.sample.held = held
         except BaseException:

@@ -13,7 +13,11 @@ have mode `eval` whatever the module's training flag (another callback's forward
 hooks runs in train mode, and must not join the training series). Likewise a training step's
 rows have mode `train` whatever a module's flag: a part the user froze in eval mode for
 fine-tuning (a backbone's BatchNorm) would otherwise join, as `eval`, the evaluation samples'
-series of that part. A trainer's setup forwards, at
+series of that part. A root forward under no_grad inside a training step (each token of
+`generate()`, as reinforcement-learning trainers run it before their loss) is no training
+forward either: no backward can follow it, and on the sampler's count it would take the samples
+of the forward that trains; it is an evaluation forward (`off_step`, one grad-mode read per
+root forward under a trainer). A trainer's setup forwards, at
 the fit's start before its first loop (Lightning's model summary and logger graph of
 `example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
 through unobserved whatever `record_eval` says, counted apart, so an example input never joins
@@ -68,6 +72,10 @@ class Phases:
         self.following = False
         self.train_mode = None
         self.current = TRAIN
+
+    def off_step(self) -> str:
+        """The schedule of a forward under no_grad inside a training step: evaluation's."""
+        return UNOBSERVED if self.eval_sampler is None else EVAL
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are on the sampler's schedule."""

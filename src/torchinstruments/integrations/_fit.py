@@ -357,7 +357,8 @@ class FitObservation:
                     self.observed,
                     "evaluation forwards inside the fit (sanity check, validation, evaluation the "
                     "trainer runs during training: every forward outside a training step but the "
-                    "fit's setup forwards) are "
+                    "fit's setup forwards, and those under no_grad inside a training step, which "
+                    "no backward follows, as generate()'s) are "
                     f"recorded as their own series ({self.owner}, record_eval): sampled by "
                     f"{describe_sampler(self.eval_sampler)} on the count of evaluation forwards, "
                     "so they never move the training schedule; their rows have mode eval. "
@@ -579,7 +580,8 @@ def _note_evaluation(
             observed,
             f"{plural(unobserved, 'evaluation forward')} inside the fit (sanity check, "
             "validation, evaluation the trainer runs during training: forwards outside a "
-            f"training step) {was_were(unobserved)} not observed: {they} no sample and "
+            "training step, and those under no_grad inside a training step, which no backward "
+            f"follows, as generate()'s) {was_were(unobserved)} not observed: {they} no sample and "
             f"forward_index does not count {them} ({owner}(record_eval=True) records "
             f"evaluation forwards as their own series). {after_the_fit}",
         )

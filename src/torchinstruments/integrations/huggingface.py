@@ -14,7 +14,8 @@ Hooks, one line each:
 - `on_train_end`: remove.
 
 Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
-wrap below), and every other forward of the model during `train()` (evaluation every
+wrap below; a forward in it under no_grad, as `generate()` runs, is evaluation's), and every
+other forward of the model during `train()` (evaluation every
 `eval_steps`, `eval_on_start`) never takes a sample and never enters the training series; with
 `record_eval=True` those are sampled on their own count and form their own series (mode
 `eval`). `evaluate()` or `predict()` called after `train()` runs after the observer was

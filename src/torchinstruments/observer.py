@@ -308,9 +308,7 @@ class Observer:
             self.counter.count_recomputed()
             self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
-        schedule = self.phases.current
-        if schedule == TRAIN and self.phases.following and not torch.is_grad_enabled():
-            schedule = self.phases.off_step()  # no backward follows it (phases.py)
+        schedule = self.phases.of_call()
         if schedule != TRAIN and self.phases.fit_ended():  # the callback removed the observer
             return _PASS_THROUGH
         if schedule in PASSED_THROUGH:

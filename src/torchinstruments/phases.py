@@ -1,35 +1,38 @@
 """Which schedule a root forward is on: a training forward, or a trainer's evaluation forward.
 
 Design decision: in a plain loop every root forward is on one schedule, the sampler's, whatever
-`model.train()` / `model.eval()` say; the `mode` column then keeps eval rows apart in every
-summary. Under a trainer callback the trainer says which forwards are training ones (those
-inside Lightning's strategy `training_step` or the Hugging Face Trainer's `training_step`) and
-only those are on the sampler's schedule. Every other root forward during the fit (sanity
-check, validation, another callback's forwards) is an evaluation forward: by default it passes
-through unobserved (it is not a root forward of the run: forward_index does not count it and it
-never takes a sample; only its number is kept, for index.md); with `record_eval` it is on a schedule of its own, an evaluation sampler asked with
-the count of evaluation forwards, so evaluation never moves the training schedule, and its rows
-have mode `eval` whatever the module's training flag (another callback's forward in its batch
-hooks runs in train mode, and must not join the training series). Likewise a training step's
-rows have mode `train` whatever a module's flag: a part the user froze in eval mode for
-fine-tuning (a backbone's BatchNorm) would otherwise join, as `eval`, the evaluation samples'
+`model.train()` / `model.eval()` say; the `mode` column then keeps eval rows apart in every summary.
+Under a trainer callback the trainer says which forwards are training ones (those inside Lightning's
+strategy `training_step` or the Hugging Face Trainer's `training_step`) and only those are on the
+sampler's schedule. Every other root forward during the fit (sanity check, validation, another
+callback's forwards) is an evaluation forward: by default it passes through unobserved (it is not a
+root forward of the run: forward_index does not count it and it never takes a sample; only its
+number is kept, for index.md); with `record_eval` it is on a schedule of its own, an evaluation
+sampler asked with the count of evaluation forwards, so evaluation never moves the training
+schedule, and its rows have mode `eval` whatever the module's training flag (another callback's
+forward in its batch hooks runs in train mode, and must not join the training series). Likewise a
+training step's rows have mode `train` whatever a module's flag: a part the user froze in eval mode
+for fine-tuning (a backbone's BatchNorm) would otherwise join, as `eval`, the evaluation samples'
 series of that part. A root forward under no_grad inside a training step (each token of
-`generate()`, as reinforcement-learning trainers run it before their loss) is no training
-forward either: no backward can follow it, and on the sampler's count it would take the samples
-of the forward that trains; it is an evaluation forward (`off_step`, one grad-mode read per
-root forward under a trainer). A trainer's setup forwards, at
-the fit's start before its first loop (Lightning's model summary and logger graph of
-`example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
-through unobserved whatever `record_eval` says, counted apart, so an example input never joins
-the evaluation series nor is told as the user's evaluation.
-Cost: one attribute read per root forward. A callback whose trainer tells it of no failed end
-(the Hugging Face Trainer) sets `fit_over`, asked at forwards outside a training step only.
+`generate()`, as reinforcement-learning trainers run it before their loss) is no training forward
+either: no backward can follow it, and on the sampler's count it would take the samples of the
+forward that trains; it is an evaluation forward (`of_call`, one grad-mode read per root forward
+under a trainer). A trainer's setup forwards, at the fit's start before its first loop (Lightning's
+model summary and logger graph of `example_input_array`, an `on_fit_start` hook), are neither
+training nor evaluation: they pass through unobserved whatever `record_eval` says, counted apart, so
+an example input never joins the evaluation series nor is told as the user's evaluation.
+
+Cost: a method call and one grad-mode read per root forward (`of_call`). A callback whose trainer
+tells it of no failed end (the Hugging Face Trainer) sets `fit_over`, asked at forwards outside a
+training step only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 __all__ = ["EVAL", "PASSED_THROUGH", "SETUP", "TRAIN", "UNOBSERVED", "Phases"]
 
@@ -73,9 +76,13 @@ class Phases:
         self.train_mode = None
         self.current = TRAIN
 
-    def off_step(self) -> str:
-        """The schedule of a forward under no_grad inside a training step: evaluation's."""
-        return UNOBSERVED if self.eval_sampler is None else EVAL
+    def of_call(self) -> str:
+        """The schedule of the root forward now starting. Under a trainer, one under no_grad
+        inside a training step is evaluation's: no backward follows it (`generate`, a reward
+        model's forward)."""
+        if self.current == TRAIN and self.following and not torch.is_grad_enabled():
+            return UNOBSERVED if self.eval_sampler is None else EVAL
+        return self.current
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are on the sampler's schedule."""

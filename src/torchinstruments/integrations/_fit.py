@@ -1,24 +1,23 @@
 """One trainer fit observed from a callback: what the Lightning and Hugging Face callbacks share.
 
 Design decision: a callback holds a `FitObservation`, built with the callback, which builds the
-run's `ObserverConfig` then (so every `inject_observer` option is validated in the user's own
-line, not at the start of a fit) and hands that very object to `api.start_run` at each fit;
-the trainer-specific module only says which module to observe, where the trainer writes, whether
-this process is the trainer's main one, and which TensorBoard logger and step it has. A fit that
-raised is removed like a finished one, with a note in index.md saying so and where it stopped,
-so its run directory is complete and never reads like an ordinary fit.
+run's `ObserverConfig` then (so every `inject_observer` option is validated in the user's own line,
+not at the start of a fit) and hands that very object to `api.start_run` at each fit; the trainer-
+specific module only says which module to observe, where the trainer writes, whether this process is
+the trainer's main one, and which TensorBoard logger and step it has. A fit that raised is removed
+like a finished one, with a note in index.md saying so and where it stopped, so its run directory is
+complete and never reads like an ordinary fit.
 
-Training forwards are the samples (phases.py): the callback marks the trainer's training steps,
-and every other forward of the observed module during the fit (sanity check, validation, the
-evaluation the trainer runs during training, another callback's forwards) is an evaluation
-forward, unobserved unless `record_eval` asks for it; then it is sampled on a schedule of its
-own and its rows (mode `eval`) form their own series. The forwards of the fit's setup, before
-its first loop (Lightning's model summary and logger graph of `example_input_array`), are
-neither: passed through, counted apart and named in index.md, whatever `record_eval` says. The
-step column is the trainer's global step, read at each sample. The run is the fit's: the
-trainer's evaluation, test or predict calls after the fit (each callback names its trainer's)
-run after the observer was removed, so they are neither observed nor counted (a run that went on
-past the fit would have no end a callback is told of).
+Training forwards are the samples (phases.py): the callback marks the trainer's training steps, and
+every other forward of the observed module during the fit (sanity check, validation, the evaluation
+the trainer runs during training, another callback's forwards) is an evaluation forward, unobserved
+unless `record_eval` asks for it; then it is sampled on a schedule of its own and its rows (mode
+`eval`) form their own series. The forwards of the fit's setup, before its first loop (Lightning's
+model summary and logger graph of `example_input_array`), are neither: passed through, counted apart
+and named in index.md, whatever `record_eval` says. The step column is the trainer's global step,
+read at each sample. The run is the fit's: the trainer's evaluation, test or predict calls after the
+fit (each callback names its trainer's) run after the observer was removed, so they are neither
+observed nor counted (a run that went on past the fit would have no end a callback is told of).
 """
 
 from __future__ import annotations
@@ -358,10 +357,10 @@ class FitObservation:
                     "evaluation forwards inside the fit (sanity check, validation, evaluation the "
                     "trainer runs during training: every forward outside a training step but the "
                     "fit's setup forwards, and those under no_grad inside a training step, which "
-                    "no backward follows, as generate()'s) are "
-                    f"recorded as their own series ({self.owner}, record_eval): sampled by "
-                    f"{describe_sampler(self.eval_sampler)} on the count of evaluation forwards, "
-                    "so they never move the training schedule; their rows have mode eval. "
+                    f"no backward follows, as generate()'s) are recorded as their own series "
+                    f"({self.owner}, record_eval): sampled by {describe_sampler(self.eval_sampler)} "
+                    "on the count of evaluation forwards, so they never move the training "
+                    "schedule; their rows have mode eval. "
                     f"{self._after_the_fit()}",
                 )
         self._checked_first_step = False
@@ -447,8 +446,7 @@ class FitObservation:
             add_run_note(self.observed, _setup_note(counts.unobserved_setup_forwards))
 
     def follow_every_forward(self) -> None:
-        """The trainer's training steps cannot be told apart: every forward is a training
-        forward, and each layer's own flag gives its rows' mode."""
+        """Training steps cannot be told apart: every forward trains (`Phases`)."""
         if self.phases is not None:
             self.phases.follow_every_forward()
 

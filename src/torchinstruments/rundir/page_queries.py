@@ -31,6 +31,7 @@ from pathlib import Path
 
 from torchinstruments.records import INTERRUPTED, RunInfo
 from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE
+from torchinstruments.rundir.merge import MERGED_PARTS_KEY
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
 
@@ -105,6 +106,8 @@ def history_of(directory: Path) -> pl.LazyFrame:
     merged = directory / {_q(HISTORY_FILE)}
     for _ in range(5):
         files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
+        held = merged_parts(merged)  # read after the listing: removal deletes them after it
+        files = [f for f in files if not (f.stem[5:].isdigit() and int(f.stem[5:]) in held)]
         if not files and merged.exists():
             return pl.scan_parquet(merged, glob=False)
         if not files:
@@ -127,6 +130,19 @@ def history_of(directory: Path) -> pl.LazyFrame:
         )
         return pl.concat([earlier, live.lazy()])
     raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
+
+
+def merged_parts(merged: Path) -> set[int]:
+    """The part numbers {HISTORY_FILE} holds (its metadata lists them, e.g. "0-41,43"): while
+    removal deletes those parts, the ones still there are not read twice."""
+    if not merged.exists():
+        return set()
+    said = pl.read_parquet_metadata(merged).get({_q(MERGED_PARTS_KEY)}, "")
+    numbers = set()
+    for span in filter(None, said.split(",")):
+        first, _, last = span.partition("-")
+        numbers.update(range(int(first), int(last or first) + 1))
+    return numbers
 
 
 def readable(files: list[Path], merged: Path) -> list[pl.DataFrame]:

@@ -48,7 +48,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
 )
 from torchinstruments.rundir.ledger import missing_samples, sample_range, uncovered
-from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.lock import FINALIZE, RunLock
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
@@ -347,7 +347,7 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
             f"{directory} holds no run: neither {PARTS_DIR}/ nor {HISTORY_FILE} exists; pass "
             "the output_dir a run wrote"
         )
-    with RunLock(directory):
+    with RunLock(directory, FINALIZE):
         removed, kept = _remove_temporaries(directory)
         state = _state_to_finish(directory)
         if state.interrupted or state.losses:

@@ -22,7 +22,10 @@ from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.stuck_writes import stuck_in
 
-__all__ = ["RunLock", "RunLockedError", "live_writer", "writer_ended"]
+__all__ = ["FINALIZE", "RunLock", "RunLockedError", "live_writer", "writer_ended"]
+
+# The holder a finalize writes into the lock file after its pid (a live run writes none).
+FINALIZE = "torchinstruments finalize"
 
 
 class RunLockedError(RuntimeError):
@@ -72,14 +75,17 @@ class RunLock:
 
     Args:
         directory: the run's output directory (created by `acquire` if missing).
+        holder: who takes it, written into the lock file after the pid so that a refusal can
+            say who holds it: "" (a live run), or `FINALIZE` (a finalize completing it).
 
     Example:
         >>> with RunLock(Path("stats")):  # doctest: +SKIP
         ...     ...
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, holder: str = "") -> None:
         self.path = directory / LOCK_FILE
+        self._holder = holder
         self._fd: int | None = None
         self._locker: tuple[str, ModuleType] | None = None
 
@@ -110,7 +116,7 @@ class RunLock:
                 raise RunLockedError(_refusal(self.path.parent, _read_holder(fd)))
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            os.write(fd, f"{os.getpid()} {self._holder}".strip().encode() + b"\n")
         except BaseException:
             os.close(fd)
             raise
@@ -188,6 +194,11 @@ def _refusal(directory: Path, holder: str) -> str:
     stuck = stuck_in(directory)
     if stuck is not None:
         return f"{directory} is in use: {stuck.describe(directory)}"
+    if holder.endswith(f", {FINALIZE})"):
+        return (
+            f"{directory} is in use by a live process{holder}: a finalize is completing the run "
+            "there. Wait for it to end."
+        )
     return (
         f"{directory} is in use by a live process{holder}: a run is still writing there. Wait "
         "for it to end (remove_observer) or stop it first."
@@ -195,9 +206,10 @@ def _refusal(directory: Path, holder: str) -> str:
 
 
 def _read_holder(fd: int) -> str:
-    """` (pid N)` from the lock file, or "" if unknown."""
-    with contextlib.suppress(OSError, ValueError):
+    """` (pid N)` from the lock file, ` (pid N, torchinstruments finalize)` when a finalize
+    holds it, or "" if unknown."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
         os.lseek(fd, 0, os.SEEK_SET)
-        pid = int(os.read(fd, 32).decode().strip())
-        return f" (pid {pid})"
+        pid, *who = os.read(fd, 64).decode().split()
+        return f" (pid {int(pid)}{f', {FINALIZE}' if who == FINALIZE.split() else ''})"
     return ""

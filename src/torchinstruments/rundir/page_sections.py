@@ -120,7 +120,8 @@ def section_files(run: RunInfo) -> list[str]:
         "only the last record at a step; this page's notes count the samples left out there). A "
         "focus tensor with no finite entry has no histogram at that step, and a text note "
         "'<tag> (no histogram)' there says why.",
-        f"- `{LOCK_FILE}`: the PID of the process that observed the run. The file stays after "
+        f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
+        "`torchinstruments finalize` when a finalize took it last). The file stays after "
         "the run ends; that process holds an OS lock on it (fcntl.flock, msvcrt.locking on "
         "Windows) only while it lives, so the "
         "file alone does not mean the run is live. `torchinstruments finalize` refuses the "

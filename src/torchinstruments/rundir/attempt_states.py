@@ -78,6 +78,7 @@ def job_state(
         ended=REMOVED,
         train_forwards=counts.train_forwards,
         eval_forwards=counts.eval_forwards,
+        rows=rows_produced,
     )
     if continuation is None or previous is None or previous.counts is None:
         return dataclasses.replace(

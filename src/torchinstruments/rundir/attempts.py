@@ -73,6 +73,9 @@ class AttemptCounts:
         sampler: the description of the sampler that chose its samples (`RunInfo.sampler` of
             that process: a restarted job may pass another); None: unknown (a state written
             before it was kept, `rundir.resume` fills what the run's own line still says).
+        rows: the rows it recorded (written, or counted in the loss ledger); None: unknown
+            (killed, or a state written before it was kept). Every finish checks history's
+            rows of the attempt against it (`rundir.finish`).
     """
 
     attempt: int
@@ -86,6 +89,7 @@ class AttemptCounts:
     train_forwards: int | None = None
     eval_forwards: int | None = None
     sampler: str | None = None
+    rows: int | None = None
 
     @property
     def counts_recovered(self) -> bool:

@@ -169,7 +169,10 @@ def finish_run(
             for path, reason in merge.unreadable_parts
         ]
         lost = sum(loss.rows for loss in state.losses)
-        if rows_recorded is not None and merge.rows < rows_recorded - lost:
+        # each attempt's own rows (known where the job's are not), where each loss is its own
+        if len(state.attempts) > 1 and all(x.first_sample_id is not None for x in state.losses):
+            found += _attempts_short(merge.path, state)
+        elif rows_recorded is not None and merge.rows < rows_recorded - lost:
             ledger = f" ({lost} more are in the loss ledger)" if lost else ""
             found.append(
                 f"{HISTORY_FILE} holds {merge.rows} of the {rows_recorded} rows this run "
@@ -222,6 +225,38 @@ def finish_run(
         step(FINISH_STEPS[-1])
         _write_parent_page(directory.parent)
     return FinishReport(directory, merge, final)
+
+
+def _attempts_short(history: Path, state: RunState) -> list[str]:
+    """Each attempt whose rows in `history` fall short of the rows it recorded, less its loss
+    ledger entries (those of its sample_id range), one line each. A continued run whose earlier
+    attempt was killed does not know the job's rows, but a removed attempt knows its own."""
+    try:
+        held = dict(
+            scan_history(history).group_by("attempt").len().collect(engine="streaming").rows()
+        )
+    except (OSError, pl.exceptions.PolarsError):
+        return []  # the merge just read it; the other checks stand
+    ends = [a.first_sample_id for a in state.attempts[1:]] + [None]
+    found = []
+    for entry, end in zip(state.attempts, ends, strict=True):
+        if entry.rows is None:
+            continue
+        mine = [
+            loss.rows
+            for loss in state.losses
+            if loss.first_sample_id is not None
+            and loss.first_sample_id >= entry.first_sample_id
+            and (end is None or loss.first_sample_id < end)
+        ]
+        lost, rows = sum(mine), held.get(entry.attempt, 0)
+        if rows < entry.rows - lost:
+            ledger = f" ({lost} more are in the loss ledger)" if lost else ""
+            found.append(
+                f"{HISTORY_FILE} holds {rows} of the {entry.rows} rows attempt {entry.attempt} "
+                f"recorded; {entry.rows - lost - rows} rows are missing{ledger}"
+            )
+    return found
 
 
 def _write_parent_page(parent: Path) -> None:

@@ -235,7 +235,7 @@ def test_a_reader_overtaken_by_a_continued_runs_merge_reads_each_row_once(
     def merged_meanwhile(history: pl.LazyFrame) -> pl.LazyFrame:
         if not overtaken:  # the removal's merge, up to the parts' removal, after the listing
             with monkeypatch.context() as patch:
-                patch.setattr(merge, "_take_parts_away", lambda *_: None)
+                patch.setattr(merge, "_take_parts_away", lambda *_: [])
                 merge.merge_history(run)
             overtaken.append(True)
         return history

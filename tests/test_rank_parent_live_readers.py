@@ -76,7 +76,7 @@ def merging_once(
         if not merged and files.directory == rank_dir:
             with monkeypatch.context() as patch:
                 if not take_parts_away:
-                    patch.setattr(merge, "_take_parts_away", lambda *_: None)
+                    patch.setattr(merge, "_take_parts_away", lambda *_: [])
                 merge.merge_history(rank_dir)
             merged.append(True)
         return scan_files(files, *args, **kwargs)

@@ -77,6 +77,8 @@ def _finalize(directory: Path) -> int:
         print(
             f"torchinstruments finalize: could not remove temporary {path} ({why})", file=sys.stderr
         )
+    for line in report.state.left_behind:  # no row is missing: disk space, said once
+        print(f"torchinstruments finalize: {line}", file=sys.stderr)
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")

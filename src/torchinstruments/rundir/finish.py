@@ -163,6 +163,9 @@ def finish_run(
             state, counts = _events_without_rows(
                 directory, merge.path, state, counts, recovered, killed
             )
+        state = dataclasses.replace(state, left_behind=_left_behind(directory, merge))
+        for line in state.left_behind:
+            warn(f"torchinstruments: {line}")
         found += [
             f"history part {path.name} is unreadable and was left in place ({reason}); its rows "
             "are not in history.parquet"
@@ -225,6 +228,24 @@ def finish_run(
         step(FINISH_STEPS[-1])
         _write_parent_page(directory.parent)
     return FinishReport(directory, merge, final)
+
+
+def _left_behind(directory: Path, merge: MergeResult) -> tuple[str, ...]:
+    """What the merge could not delete of the parts history.parquet now holds, said as index.md
+    and the warning at removal say it: never a problem of the run (no row is missing), but a
+    second copy of its rows on disk that nobody would otherwise find."""
+    lines = []
+    for path, why in merge.left_behind:
+        size = ""
+        with contextlib.suppress(OSError):
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            size = f" ({sum(p.stat().st_size for p in files):,} bytes)"
+        lines.append(
+            f"{path} could not be deleted after the merge ({why}): it holds a second copy{size} "
+            f"of rows {HISTORY_FILE} already holds; delete it, or run "
+            f"`{tool_command('finalize', directory)}` once it can be written"
+        )
+    return tuple(lines)
 
 
 def _attempts_short(history: Path, state: RunState) -> list[str]:
@@ -416,6 +437,7 @@ def _state_to_finish(directory: Path) -> RunState:
         counts=None if previous.counts_recovered else previous.counts,
         interrupted=previous.interrupted or previous.status is Status.IN_PROGRESS,
         problems=(),
+        left_behind=(),
     )
 
 

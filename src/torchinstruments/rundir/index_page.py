@@ -298,6 +298,7 @@ def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
     lines = [f"**Note:** {note}" for note in (*run.notes, *state.notes, *_dtype_note(state))]
+    lines += [f"**Disk space:** {line}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "

@@ -78,12 +78,14 @@ MERGE_BATCH_ROWS = 400_000
 
 @dataclass(frozen=True)
 class MergeResult:
-    """What a merge did: the merged file, its rows, and the parts it could not read."""
+    """What a merge did: the merged file, its rows, the parts it could not read, and what of
+    the merged parts it could not delete (a copy of rows history.parquet holds: disk space)."""
 
     path: Path
     rows: int
     merged_parts: tuple[Path, ...]
     unreadable_parts: tuple[tuple[Path, str], ...]
+    left_behind: tuple[tuple[Path, str], ...] = ()  # merged parts it could not delete, and why
 
 
 @dataclass(frozen=True)
@@ -273,25 +275,36 @@ def _sink_history(
     _sink_sorted(sources, target, metadata=metadata, literals=list(literals.values()))
 
 
-def _take_parts_away(directory: Path, parts: Sequence[Path]) -> None:
+def _take_parts_away(directory: Path, parts: Sequence[Path]) -> list[tuple[Path, str]]:
     """Delete the merged `parts` (history.parquet holds them) so that a live reader of
     `history.parts/` sees all of them or none, never some: when the folder holds nothing else,
     it is renamed out of the way in one step (`PARTS_GONE_DIR`; `finalize` deletes a leftover
     one), then deleted. A folder that also holds an unreadable part or a file of the user's
-    keeps it, and only the merged parts are deleted, one by one."""
+    keeps it, and only the merged parts are deleted, one by one. Returns what could not be
+    deleted (a folder without write permission), with why: never raised, since history.parquet
+    is complete, but said, since it holds a second copy of the rows."""
     parts_dir = directory / PARTS_DIR
     if not parts_dir.is_dir():
-        return
+        return []
     done = set(parts)
     if all(entry in done for entry in parts_dir.iterdir()):
         gone = directory / PARTS_GONE_DIR
         shutil.rmtree(gone, ignore_errors=True)
         os.replace(parts_dir, gone)
         fsync_path(directory)
-        shutil.rmtree(gone, ignore_errors=True)
-        return
+        try:
+            shutil.rmtree(gone)
+        except OSError as error:
+            shutil.rmtree(gone, ignore_errors=True)  # what can be deleted is
+            return [(gone, f"{type(error).__name__}: {error}")] if gone.exists() else []
+        return []
+    kept = []
     for p in parts:
-        p.unlink(missing_ok=True)
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as error:
+            kept.append((p, f"{type(error).__name__}: {error}"))
+    return kept
 
 
 def merge_history(directory: Path) -> MergeResult:
@@ -342,6 +355,6 @@ def merge_history(directory: Path) -> MergeResult:
                 raise
             bad.update(newly_bad)
     merged = [p for p in pending if p not in bad]
-    _take_parts_away(directory, already + merged)
+    kept = _take_parts_away(directory, already + merged)
     rows = scan_history(history).select(pl.len()).collect().item()
-    return MergeResult(history, rows, tuple(merged), tuple(bad.items()))
+    return MergeResult(history, rows, tuple(merged), tuple(bad.items()), tuple(kept))

@@ -113,6 +113,9 @@ class RunState:
         dtype_changes: the first layers (at most 20) whose tensors had more than one dtype over
             the run (a model cast mid-run), each with its dtypes' samples
             (`rundir.dtype_spans`, as of the last finish); `dtype_changes_total` counts them.
+        left_behind: what the last finish's merge could not delete of the parts it merged (a
+            folder without write permission), one sentence each: a second copy of rows
+            history.parquet holds, disk space and no missing row (as of the last finish).
     """
 
     run: RunInfo
@@ -134,6 +137,7 @@ class RunState:
     events_without_rows_total: int = 0
     dtype_changes: tuple[str, ...] = ()
     dtype_changes_total: int = 0
+    left_behind: tuple[str, ...] = ()
 
     @property
     def layer_counts_unknown(self) -> bool:

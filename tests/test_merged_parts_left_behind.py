@@ -1,0 +1,105 @@
+"""Merged parts that removal cannot delete are said, with the disk space they hold.
+
+When history.parts/ is read-only at removal (a folder whose permissions were taken away, a
+quota), the merge still writes history.parquet beside it and renames the folder out of the way,
+but cannot delete the parts inside: a second copy of every row stays on disk. The run is
+complete (no row is missing), so this is no problem of the run; but nothing may be silent:
+removal warns, and index.md and the state file say where the copy is and how large it is.
+Permissions are taken away for real, in a child process (under root without the capabilities
+that let it ignore them, as in test_read_only_directory.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from torchinstruments import DEFAULT_METRICS
+
+STEPS = 4
+ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: output and gradient
+GONE = "history.parts.merged.torchinstruments-tmp"
+WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+
+CHILD = r"""
+import json, os, sys, time, warnings
+from pathlib import Path
+import polars as pl
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.rundir.layout import list_parts
+
+run, steps, rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = nn.Linear(4, 2)
+config = HistoryConfig(buffer_rows=rows // steps)
+inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+for _ in range(steps):
+    model(torch.ones(3, 4)).sum().backward()
+deadline = time.monotonic() + 60
+while sum(pl.scan_parquet(p).select(pl.len()).collect().item() for p in list_parts(Path(run))) < rows:  # every row in a part before the folder is locked
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+os.chmod(os.path.join(run, "history.parts"), 0o555)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    remove_observer(model)
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+
+@pytest.fixture
+def prefix() -> list[str]:
+    """What the child's command starts with: under root, `WITHOUT_OVERRIDE`."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("permissions as on Linux")
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("under root the child needs setpriv to give up ignoring permissions")
+    return WITHOUT_OVERRIDE
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Path]:
+    """The run directory; its permissions are given back afterwards, for the cleanup."""
+    yield tmp_path / "run"
+    for folder, _, _ in os.walk(tmp_path):
+        os.chmod(folder, stat.S_IRWXU)
+
+
+def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
+    prefix: list[str], run: Path
+) -> None:
+    rows = STEPS * ROWS_PER_SAMPLE
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    gone = run / GONE
+    copy = sum(p.stat().st_size for p in gone.iterdir())
+    # the copy the merge could not delete: every row again
+    assert pl.scan_parquet(list(gone.iterdir())).select(pl.len()).collect().item() == rows
+    assert pl.read_parquet(run / "history.parquet").height == rows  # the run is whole
+    assert f"{gone} could not be deleted after the merge (PermissionError" in said, said
+    assert f"a second copy ({copy:,} bytes) of rows history.parquet already holds" in said
+    state = json.loads((run / ".state.json").read_text("utf-8"))
+    assert state["status"] == "complete"  # no row is missing
+    assert [f"{gone} could not be deleted" in line for line in state["left_behind"]] == [True]
+    page = (run / "index.md").read_text("utf-8")
+    assert f"**Disk space:** {gone} could not be deleted after the merge" in page
+    assert f"({copy:,} bytes)" in page

@@ -20,7 +20,7 @@ from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.state import NewerStateError
+from torchinstruments.rundir.state import KILLED_IN_REMOVAL, NewerStateError
 
 __all__ = ["finalize_command"]
 
@@ -88,7 +88,8 @@ def _finalize(directory: Path) -> int:
             "history.parquet, rows of its last flush interval may be missing (see index.md)"
         )
     elif report.complete:
-        print("state: complete")
+        killed = [note for note in report.state.notes if KILLED_IN_REMOVAL in note]
+        print("state: complete" + "".join(f" ({note})" for note in killed[-1:]))
     for problem in report.problems:
         print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
     for loss in report.state.losses:  # rows recorded but never written: incomplete too

@@ -58,7 +58,7 @@ from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
-from torchinstruments.rundir.state import RunState, Status
+from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
 
 X_COLUMNS = ("sample_id", "forward_index")
@@ -355,7 +355,8 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
         partial = partial_in_flight(state.removed_in_flight)
         return f"complete, removed while a sample was in flight ({partial} and marked)"
     if status is Status.COMPLETE and not files.parts:
-        return "complete"
+        killed = [note for note in state.notes if KILLED_IN_REMOVAL in note]
+        return "complete" + "".join(f" ({note})" for note in killed[-1:])
     if status is Status.INTERRUPTED and not files.parts:
         return interrupted_sentence(state)
     if status is Status.INCOMPLETE:
@@ -364,6 +365,12 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
             *(loss.describe() for loss in state.losses),
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
+    if status is Status.IN_PROGRESS and state.removal_step is not None:
+        return (
+            f"being removed: remove_observer was {removal_doing(state.removal_step)} (if its "
+            "process is gone, it was killed during removal, or removal gave that write up: "
+            f"`{finalize_command}` completes it)"
+        )
     if status is Status.IN_PROGRESS:
         ended = writer_ended(directory)
         if ended is False:

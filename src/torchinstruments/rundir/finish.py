@@ -56,7 +56,13 @@ from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
-from torchinstruments.rundir.state import NewerStateError, RunState, Status, write_state
+from torchinstruments.rundir.state import (
+    NewerStateError,
+    RunState,
+    Status,
+    killed_in_removal,
+    write_state,
+)
 from torchinstruments.rundir.summary import write_result
 
 
@@ -143,6 +149,7 @@ def finish_run(
     found: list[str] = list(state.live_problems)
     merge: MergeResult | None = None
     step(HISTORY_FILE)
+    state = _removal_at(directory, state, HISTORY_FILE)
     try:
         merge = merge_history(directory)
     except _MERGE_FAILURES as error:
@@ -190,6 +197,7 @@ def finish_run(
         except (OSError, pl.exceptions.PolarsError) as error:
             found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
         step(RESULT_FILE)
+        state = _removal_at(directory, state, RESULT_FILE)
         try:
             changes = write_result(
                 directory,
@@ -211,6 +219,7 @@ def finish_run(
         counts=counts,
         counts_recovered=recovered or state.counts_recovered,
         problems=tuple(found),
+        removal_step=None,
     )
     step(STATE_FILE)
     try:
@@ -278,6 +287,19 @@ def _attempts_short(history: Path, state: RunState) -> list[str]:
                 f"recorded; {entry.rows - lost - rows} rows are missing{ledger}"
             )
     return found
+
+
+def _removal_at(directory: Path, state: RunState, step: str) -> RunState:
+    """`state` at removal's `step` (`RunState.removal_step`), written into the state file, so
+    that a process killed there reads "killed during removal", not "ended without it"; a
+    finish that is no removal's is returned as it is. A failed write is no problem of the run
+    (the final state is written after it)."""
+    if state.removal_step is None:
+        return state
+    state = dataclasses.replace(state, removal_step=step)
+    with contextlib.suppress(OSError):  # a temporary of its own, as the flush thread's saves
+        write_state(directory, state, tag="removal")
+    return state
 
 
 def _write_parent_page(parent: Path) -> None:
@@ -432,11 +454,18 @@ def _state_to_finish(directory: Path) -> RunState:
             notes=unreadable,
             run_info_recovered=True,
         )
+    killed_at = previous.removal_step  # killed during removal: its counts are the live run's
+    notes = previous.notes
+    if killed_at is not None:
+        notes = (*notes, killed_in_removal(killed_at))
     return dataclasses.replace(
         previous,
         counts=None if previous.counts_recovered else previous.counts,
-        interrupted=previous.interrupted or previous.status is Status.IN_PROGRESS,
+        interrupted=previous.interrupted
+        or (previous.status is Status.IN_PROGRESS and killed_at is None),
         problems=(),
+        notes=notes,
+        removal_step=None,
         left_behind=(),
     )
 

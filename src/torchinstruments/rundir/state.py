@@ -62,7 +62,7 @@ from typing import Any
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.attempts import AttemptCounts
-from torchinstruments.rundir.layout import STATE_FILE, write_text_atomic
+from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE, write_text_atomic
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.marks import SampleMark
 
@@ -72,7 +72,7 @@ SCHEMA_VERSION = 1
 class Status(enum.StrEnum):
     """How far a run got; the first thing index.md and `torchinstruments show` say."""
 
-    IN_PROGRESS = "in progress"  # injected, not removed (or its process died before removal)
+    IN_PROGRESS = "in progress"  # injected, not removed (or its process died before removal ended)
     COMPLETE = "complete"  # history.parquet holds every row the run recorded
     INTERRUPTED = "interrupted"  # finalized after its process died: its last flush may be lost
     INCOMPLETE = "incomplete"  # something is missing; `problems` and `losses` say what
@@ -113,6 +113,11 @@ class RunState:
         dtype_changes: the first layers (at most 20) whose tensors had more than one dtype over
             the run (a model cast mid-run), each with its dtypes' samples
             (`rundir.dtype_spans`, as of the last finish); `dtype_changes_total` counts them.
+        removal_step: while remove_observer finishes the run, the file it is writing (a name
+            of `rundir.finish.FINISH_STEPS`), written as each step begins with the counts the
+            live run ends with; None before removal and once it finished. A directory whose
+            process is gone with it set was killed during removal, after every row it recorded
+            had reached history.parts/ or the loss ledger.
         left_behind: what the last finish's merge could not delete of the parts it merged (a
             folder without write permission), one sentence each: a second copy of rows
             history.parquet holds, disk space and no missing row (as of the last finish).
@@ -137,6 +142,7 @@ class RunState:
     events_without_rows_total: int = 0
     dtype_changes: tuple[str, ...] = ()
     dtype_changes_total: int = 0
+    removal_step: str | None = None
     left_behind: tuple[str, ...] = ()
 
     @property
@@ -148,15 +154,39 @@ class RunState:
 
     @property
     def status(self) -> Status:
-        """In progress without counts; incomplete with a problem or a loss; else interrupted
-        when the process died before removal; else complete."""
-        if self.counts is None:
+        """In progress without counts or while removal finishes the run; incomplete with a
+        problem or a loss; else interrupted when the process died before removal; else
+        complete."""
+        if self.counts is None or self.removal_step is not None:
             return Status.IN_PROGRESS
         if self.problems or self.losses:
             return Status.INCOMPLETE
         if self.interrupted:
             return Status.INTERRUPTED
         return Status.COMPLETE
+
+
+def removal_doing(step: str) -> str:
+    """What removal was doing at `step` (a `RunState.removal_step`), in readers' words."""
+    return (
+        f"merging {PARTS_DIR}/ into {HISTORY_FILE}" if step == HISTORY_FILE else f"writing {step}"
+    )
+
+
+# How the note begins that `finalize` adds to a run killed during removal (`killed_in_removal`).
+KILLED_IN_REMOVAL = "remove_observer did not finish the run"
+
+
+def killed_in_removal(step: str) -> str:
+    """The note `finalize` adds to a run whose process died at removal's `step`: its rows and
+    counts were all written before, so the finish completes it, and the note keeps the kill."""
+    return (
+        f"{KILLED_IN_REMOVAL}: its process was killed or crashed while {removal_doing(step)} "
+        "(or removal gave that write up on a file system that stopped answering); every row it "
+        "recorded had reached "
+        f"{PARTS_DIR}/ or the loss ledger before, and `finalize` completed the run from the "
+        "counts removal had written"
+    )
 
 
 # `RunInfo.history`'s fields sit in the run object itself, as they did before RunInfo held the
@@ -413,6 +443,7 @@ def read_state(directory: Path) -> RunState:
 
 
 __all__ = [
+    "KILLED_IN_REMOVAL",
     "SCHEMA_VERSION",
     "LostRows",
     "NewerStateError",
@@ -422,6 +453,8 @@ __all__ = [
     "decode_run_info",
     "decode_state",
     "encode_state",
+    "killed_in_removal",
     "read_state",
+    "removal_doing",
     "write_state",
 ]

@@ -415,6 +415,7 @@ class DirectorySink:
             losses=(*state.losses, *history.losses),
             notes=(*state.notes, *added),
             removed_in_flight=tuple(sorted({*state.removed_in_flight, *self._in_flight})),
+            removal_step=HISTORY_FILE,  # the finish writes it as removal's first step begins
         )
 
     def _give_up_events(self, what: str, error: BaseException) -> None:

@@ -5,7 +5,8 @@
 Hooks, one line each:
 
 - `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
-  any forward wrapping of mixed precision is already in place and stays inside the proxy), and
+  any forward wrapping of mixed precision is already in place and stays inside the proxy; with
+  accelerate's regional compilation, the compiled copy the Trainer calls, `_trained_model`), and
   put the run directory into the TrainerState (below). With `fp16=True` on a GPU the
   Accelerator's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
   sample's loss scale is recorded (`loss_scale.py`).
@@ -180,7 +181,7 @@ class HuggingFaceObserver(TrainerCallback):
         resuming = state.global_step > 0
         saved = _saved_run(state, self._key) if resuming else None
         directory = self._fit.start(
-            model,
+            _trained_model(trainer, model),
             Path(args.output_dir or "."),
             main_process=state.is_world_process_zero,
             logger_sink=lambda: _writer_sink(trainer, state),
@@ -282,6 +283,24 @@ class HuggingFaceObserver(TrainerCallback):
         guard, self._step_guard = self._step_guard, None
         if guard is not None:
             guard.undo()
+
+
+def _trained_model(trainer: Trainer | None, model: nn.Module) -> nn.Module:
+    """The module the Trainer's training steps call: `model`, or accelerate's regionally
+    compiled copy of it.
+
+    With regional compilation (`ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1`, or
+    `TorchDynamoPlugin(use_regional_compilation=True)`), accelerate's `compile_regions` builds a
+    new module of the model's class that shares its blocks, each wrapped in torch.compile, and
+    keeps the model it was built from in its `__dict__` as `_orig_mod`. The Trainer trains that
+    copy (`model_wrapped`) and hands callbacks the model: observing the model would see no
+    training forward. A `torch.compile(model)` wrapper (`_orig_mod` a submodule) calls the
+    model, which is observed as it is.
+    """
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if isinstance(wrapped, nn.Module) and wrapped.__dict__.get("_orig_mod") is model:
+        return wrapped
+    return model
 
 
 def _running_trainer() -> tuple[Trainer | None, FrameType | None]:

@@ -146,6 +146,11 @@ def prepare(
         model.compile(**kwargs)
         return Prepared(model, model)
     assert isinstance(model, Net)
+    if setup.how == "block_compile_before_inject":  # regional compilation, then observed
+        for block in model.blocks:
+            block.compile(**kwargs)
+        attach(model)
+        return Prepared(model, model)
     if setup.how == "block_compile_after_inject":
         attach(model)
         for block in model.blocks:
@@ -171,6 +176,8 @@ SETUPS = [
     Setup("forward_compile_before_inject", "aot_eager"),
     Setup("model_compile_after_inject", "eager", sequential=True),
     Setup("model_compile_after_inject", "aot_eager", options={"fullgraph": True}),
+    Setup("block_compile_before_inject", "aot_eager", options={"dynamic": True}),
+    Setup("block_compile_before_inject", "eager", options={"fullgraph": True}),
     Setup("block_compile_after_inject", "inductor"),
     Setup("block_compile_after_inject", "aot_eager", blocks=12, options={"fullgraph": True}),
     Setup("torch_compile_blocks_before_inject", "eager", blocks=12),

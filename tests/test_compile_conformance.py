@@ -207,3 +207,54 @@ def test_compiled_model_never_reaches_the_observer_after_removal_even_when_it_re
     torch.testing.assert_close(call(x), reference(x))
     assert dynamo_counts()["graphs"] > graphs
     assert sampler.asked == 4
+
+
+def compile_blocks_in_place(model: nn.Module) -> None:
+    """Regional compilation by hand: each block replaced by its `torch.compile` wrapper."""
+    blocks = model.get_submodule("blocks")
+    assert isinstance(blocks, nn.ModuleList)
+    for index, block in enumerate(blocks):
+        blocks[index] = compiled(block)
+
+
+def test_blocks_compiled_into_their_parent_after_inject_compile_as_plain_and_rows_equal_hooks(
+    tmp_path: Path,
+) -> None:
+    """`model.blocks[i] = torch.compile(model.blocks[i])` after inject_observer, before the first
+    step: the layers inside the wrappers keep their eager names and rows equal plain hooks on an
+    eager copy; dynamo compiles what it compiles for the plain model, and after removal the
+    compiled blocks run without a recompile."""
+    torch.manual_seed(0)
+    base = Net()
+    plain = copy.deepcopy(base)
+    compile_blocks_in_place(plain)
+    plain_outputs = []
+    for i in range(STEPS):
+        torch.manual_seed(1000 + i)
+        plain_outputs.append(train_step(plain, i))
+    plain_counts = dynamo_counts()
+    assert plain_counts["graphs"] == 2
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(model: nn.Module, i: int) -> torch.Tensor:
+        if i == 0:
+            compile_blocks_in_place(model)
+        return train_step(model, i)
+
+    model = copy.deepcopy(base)
+    result = run_both(
+        model, step, tmp_path / "stats", reference_step=train_step, steps=STEPS, every=2
+    )
+    assert dynamo_counts() == plain_counts
+    for i in (1, 3, 5):
+        assert torch.equal(result.observed_outputs[i], plain_outputs[i])
+    result.assert_conforms()
+    assert result.history["forward_index"].unique().sort().to_list() == [0, 2, 4]
+    # The only instance forwards left are torch.compile's own, on its wrappers.
+    left = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    assert len(left) == 2
+    assert all(forward.__module__.startswith("torch.") for forward in left)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        torch.manual_seed(1000 + 1)
+        assert torch.equal(train_step(model, 1), plain_outputs[1])

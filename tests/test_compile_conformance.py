@@ -111,7 +111,11 @@ def compiled(model: nn.Module) -> nn.Module:
 
 def run_plain(model: nn.Module, step: Step) -> list[torch.Tensor]:
     """The steps on the plain compiled model, seeded as `run_both` seeds them."""
-    call = compiled(model)
+    return run_plain_with(compiled(model), step)
+
+
+def run_plain_with(call: nn.Module, step: Step = train_step) -> list[torch.Tensor]:
+    """The steps on `call`, already compiled, seeded as `run_both` seeds them."""
     outputs = []
     for i in range(STEPS):
         torch.manual_seed(1000 + i)
@@ -228,10 +232,7 @@ def test_blocks_compiled_into_their_parent_after_inject_compile_as_plain_and_row
     base = Net()
     plain = copy.deepcopy(base)
     compile_blocks_in_place(plain)
-    plain_outputs = []
-    for i in range(STEPS):
-        torch.manual_seed(1000 + i)
-        plain_outputs.append(train_step(plain, i))
+    plain_outputs = run_plain_with(plain)
     plain_counts = dynamo_counts()
     assert plain_counts["graphs"] == 2
     torch._dynamo.reset()
@@ -258,3 +259,29 @@ def test_blocks_compiled_into_their_parent_after_inject_compile_as_plain_and_row
     with torch.compiler.set_stance("fail_on_recompile"):
         torch.manual_seed(1000 + 1)
         assert torch.equal(train_step(model, 1), plain_outputs[1])
+
+
+def test_accelerate_compile_regions_observed_after_it_rows_equal_plain_hooks(
+    tmp_path: Path,
+) -> None:
+    """accelerate's `compile_regions` returns a new module (the blocks shared and compiled, the
+    other leaves compiled one by one), observed as returned: eager layer names, rows equal plain
+    hooks on an eager copy, unsampled steps the plain regional model's outputs."""
+    from accelerate.utils import compile_regions
+
+    def regions(model: nn.Module) -> nn.Module:
+        return compile_regions(model, backend="aot_eager")
+
+    torch.manual_seed(0)
+    base = Net()
+    plain_outputs = run_plain_with(regions(copy.deepcopy(base)))
+    plain = dynamo_counts()
+    torch._dynamo.reset()
+    counters.clear()
+
+    result = run_both(base, train_step, tmp_path / "stats", steps=STEPS, every=2, prepare=regions)
+    assert dynamo_counts() == plain
+    for i in (1, 3, 5):
+        assert torch.equal(result.observed_outputs[i], plain_outputs[i])
+    result.assert_conforms()
+    assert result.history["forward_index"].unique().sort().to_list() == [0, 2, 4]

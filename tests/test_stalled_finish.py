@@ -64,18 +64,16 @@ print(json.dumps([str(w.message) for w in caught]))
 
 def stalled_doing(stalled: str) -> str:
     """What removal was doing when `stalled` hung, as the note `finalize` adds says it (the
-    state file's write is the finish's last step, so its state says result.json)."""
-    return (
-        f"merging history.parts/ into {HISTORY_FILE}"
-        if stalled == HISTORY_FILE
-        else (f"writing {RESULT_FILE}")
-    )
+    state file's write is the finish's last step, after index.md's: its state says index.md)."""
+    if stalled == HISTORY_FILE:
+        return f"merging history.parts/ into {HISTORY_FILE}"
+    return f"writing {INDEX_FILE} and the final {STATE_FILE}"
 
 
 # the file whose write hangs: the files not written from it on
 CASES = {
-    HISTORY_FILE: (HISTORY_FILE, RESULT_FILE, STATE_FILE, INDEX_FILE),
-    STATE_FILE: (STATE_FILE, INDEX_FILE),
+    HISTORY_FILE: (HISTORY_FILE, RESULT_FILE, INDEX_FILE, STATE_FILE),
+    STATE_FILE: (STATE_FILE,),
 }
 
 

@@ -16,7 +16,7 @@ from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_run
 from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.finish import finalize
-from torchinstruments.rundir.index_page import bound_count
+from torchinstruments.rundir.index_page import bound_count, ended_unremoved
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
@@ -82,14 +82,16 @@ def _finalize(directory: Path) -> int:
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")
+    killed = [note for note in report.state.notes if KILLED_IN_REMOVAL in note]
+    said = "".join(f" ({note})" for note in killed[-1:])
     if report.complete and report.interrupted:
         print(
-            "state: interrupted: the run ended without remove_observer; every row it wrote is in "
-            "history.parquet, rows of its last flush interval may be missing (see index.md)"
+            f"state: interrupted: the run {ended_unremoved(report.state)}; every row it wrote is "
+            f"in history.parquet, rows of its last flush interval may be missing (see index.md)"
+            + said
         )
     elif report.complete:
-        killed = [note for note in report.state.notes if KILLED_IN_REMOVAL in note]
-        print("state: complete" + "".join(f" ({note})" for note in killed[-1:]))
+        print("state: complete" + said)
     for problem in report.problems:
         print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
     for loss in report.state.losses:  # rows recorded but never written: incomplete too

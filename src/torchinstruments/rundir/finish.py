@@ -1,12 +1,12 @@
 """The end of a run: one routine for removal and for crash recovery (`finalize`).
 
 Design decision: `finish_run` is the only code that turns a directory of parts into a finished
-run (merge, result.json, the state file, index.md), and both `remove_observer` (through
-`DirectorySink.close`) and `torchinstruments finalize` call it, so recovery is the same code the
-library runs at removal. Its error policy is single: nothing it does raises for a disk or Polars
-failure; each failure becomes a line in the state's `problems`, index.md lists those lines and
-says "complete" only when there are none, and the caller reports them (a warning at removal,
-stderr in the CLI). A failing result.json never prevents history.parquet, and a failing merge
+run (merge, result.json, index.md, then the state file readers trust), and both
+`remove_observer` (through `DirectorySink.close`) and `torchinstruments finalize` call it, so
+recovery is the same code the library runs at removal. Its error policy is single: nothing it
+does raises for a disk or Polars failure; each failure becomes a line in the state's
+`problems`, index.md lists those lines and says "complete" only when there are none, and the
+caller reports them (a warning at removal, stderr in the CLI). A failing result.json never prevents history.parquet, and a failing merge
 leaves the parts in place for a later `finalize`.
 
 "Complete" means history.parquet holds every row the run recorded. The live run knows that
@@ -57,6 +57,7 @@ from torchinstruments.rundir.recovery import fallback_run_info, load_state, reco
 from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import (
+    LAST_PARTS,
     NewerStateError,
     RunState,
     Status,
@@ -115,7 +116,9 @@ class FinishReport:
 
 
 # The files `finish_run` writes, in order: the names its `step` gets (the ranks' page last).
-FINISH_STEPS = (HISTORY_FILE, RESULT_FILE, STATE_FILE, INDEX_FILE, f"the ranks' {INDEX_FILE}")
+# index.md comes before the state file readers trust: a kill between them never leaves a state
+# saying "complete" beside an index.md saying "in progress".
+FINISH_STEPS = (HISTORY_FILE, RESULT_FILE, INDEX_FILE, STATE_FILE, f"the ranks' {INDEX_FILE}")
 
 
 def _no_step(name: str) -> None:
@@ -130,7 +133,7 @@ _MERGE_FAILURES = (Exception, pl.exceptions.PanicException)
 def finish_run(
     directory: Path, state: RunState, step: Callable[[str], None] = _no_step
 ) -> FinishReport:
-    """Merge the parts, write result.json, the state file and index.md; never raises for disk
+    """Merge the parts, write result.json, index.md and the state file; never raises for disk
     or Polars errors, nor for any failure of the merge (a Polars panic, a MemoryError).
 
     Args:
@@ -221,18 +224,22 @@ def finish_run(
         problems=tuple(found),
         removal_step=None,
     )
+    step(INDEX_FILE)
+    _removal_at(directory, state, INDEX_FILE)  # a kill from here on: index.md may be written
+    index_failed = None
+    try:
+        write_index(directory, final)
+    except OSError as error:
+        final = _with_problem(final, f"{INDEX_FILE} could not be written", error)
+        index_failed = error
     step(STATE_FILE)
     try:
         write_state(directory, final)
     except OSError as error:
         final = _with_problem(final, f"{STATE_FILE} could not be written", error)
-    step(INDEX_FILE)
-    try:
-        write_index(directory, final)
-    except OSError as error:
-        final = _with_problem(final, f"{INDEX_FILE} could not be written", error)
-        with contextlib.suppress(OSError):
-            write_state(directory, final)
+        if index_failed is None:  # index.md says what the state file could not
+            with contextlib.suppress(OSError):
+                write_index(directory, final)
     if is_rank_run(directory, final):
         step(FINISH_STEPS[-1])
         _write_parent_page(directory.parent)
@@ -461,8 +468,9 @@ def _state_to_finish(directory: Path) -> RunState:
     return dataclasses.replace(
         previous,
         counts=None if previous.counts_recovered else previous.counts,
+        # killed in removal's last flush: rows still in memory may be lost, as in any kill
         interrupted=previous.interrupted
-        or (previous.status is Status.IN_PROGRESS and killed_at is None),
+        or (previous.status is Status.IN_PROGRESS and killed_at in (None, LAST_PARTS)),
         problems=(),
         notes=notes,
         removal_step=None,

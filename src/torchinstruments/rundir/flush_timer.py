@@ -24,7 +24,7 @@ from queue import Empty, SimpleQueue
 
 from torchinstruments.notices import warn
 
-__all__ = ["FlushTimer"]
+__all__ = ["FlushTimer", "earliest_due"]
 
 # Seconds the flush thread waits after a round that raised, before the next one.
 _AFTER_ERROR_S = 0.05
@@ -177,3 +177,9 @@ class FlushTimer:
             f"{type(error).__name__}: {error}; it goes on, and buffered rows stay in memory "
             "until a part write succeeds. (Reported once.)"
         )
+
+
+def earliest_due(*dues: Callable[[], float | None]) -> float | None:
+    """A flush thread's `due`: the soonest of `dues` (None: none of them is due)."""
+    times = [t for t in (due() for due in dues) if t is not None]
+    return min(times) if times else None

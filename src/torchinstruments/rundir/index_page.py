@@ -44,7 +44,13 @@ from torchinstruments.rundir.page_sections import (
 from torchinstruments.rundir.ranges import plural, ranges, was_were
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
-from torchinstruments.rundir.state import RunState, Status
+from torchinstruments.rundir.state import (
+    LAST_PARTS,
+    RunState,
+    Status,
+    killed_in_removal,
+    removal_doing,
+)
 
 # What "samples with output gradients" counts: narrower than "samples a backward ran over".
 GRADIENT_COUNT_MEANING = (
@@ -189,9 +195,7 @@ def _section_state(state: RunState) -> list[str]:
         lines += [f"- {problem}" for problem in state.problems]
         lines += [f"- {loss.describe()}" for loss in state.losses]
         if state.interrupted:
-            lines.append(
-                f"- {_who_ended_unremoved(state)} ended without remove_observer. {lost_bound}"
-            )
+            lines.append(f"- {_who_ended_unremoved(state)} {ended_unremoved(state)}. {lost_bound}")
         if in_flight:
             lines.append(f"- {in_flight}")
         return [*lines, ""]
@@ -209,8 +213,8 @@ def _section_state(state: RunState) -> list[str]:
         ]
     if status is Status.INTERRUPTED:
         return [
-            "**State: interrupted.** The process ended without remove_observer (killed, crashed "
-            "or preempted); `finalize` merged every row it had written into history.parquet. "
+            f"**State: interrupted.** The process {ended_unremoved(state, ' (killed, crashed or preempted)')}"
+            "; `finalize` merged every row it had written into history.parquet. "
             f"{lost_bound} Counts are lower bounds.{also}",
             "",
         ]
@@ -272,9 +276,17 @@ def interrupted_sentence(state: RunState) -> str:
             f"flush interval may be missing; the last attempt was removed{also}; see index.md)"
         )
     return (
-        "interrupted (finalized after the process ended without remove_observer: rows of its "
-        f"last flush interval may be missing{also}; see index.md)"
+        f"interrupted (finalized after the process {ended_unremoved(state)}: rows of its last flush "
+        f"interval may be missing{also}; see index.md)"
     )
+
+
+def ended_unremoved(state: RunState, how: str = "") -> str:
+    """How the run's process ended unremoved: killed in remove_observer's last flush (the note
+    `finalize` added), else without remove_observer (`how`: by what, where said)."""
+    if any(killed_in_removal(LAST_PARTS) in note for note in state.notes):
+        return f"was killed or crashed during remove_observer, while {removal_doing(LAST_PARTS)}"
+    return f"ended without remove_observer{how}"
 
 
 def _dtype_note(state: RunState) -> list[str]:
@@ -510,6 +522,7 @@ def write_index(
 __all__ = [
     "bound_count",
     "counts_sentence",
+    "ended_unremoved",
     "interrupted_sentence",
     "no_sample_warning",
     "partial_in_flight",

@@ -135,8 +135,9 @@ def section_files(run: RunInfo) -> list[str]:
         "unknown; with a grad_scaler, `loss_scales`: each sample's loss scale, one span per "
         "change), problems, marked samples, attempts (each with its counts, its rows and its "
         "sampler), layers whose dtype changed during the run, the loss ledger, and "
-        "`removal_step`: the file remove_observer was writing, set only while removal finishes "
-        "the run (left set, it was killed during removal). This page is "
+        "`removal_step`: the file remove_observer was writing (`history.parts/`: its last flush), "
+        "set only while removal finishes the run (left set, it was killed during removal). "
+        "This page is written before the state file says the run is finished, and is "
         "rendered from it; `finalize` and the command line read it; the first query below "
         "prints its status and counts.",
         "",

@@ -62,7 +62,13 @@ from typing import Any
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.attempts import AttemptCounts
-from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE, write_text_atomic
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    INDEX_FILE,
+    PARTS_DIR,
+    STATE_FILE,
+    write_text_atomic,
+)
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.marks import SampleMark
 
@@ -115,9 +121,11 @@ class RunState:
             (`rundir.dtype_spans`, as of the last finish); `dtype_changes_total` counts them.
         removal_step: while remove_observer finishes the run, the file it is writing (a name
             of `rundir.finish.FINISH_STEPS`), written as each step begins with the counts the
-            live run ends with; None before removal and once it finished. A directory whose
-            process is gone with it set was killed during removal, after every row it recorded
-            had reached history.parts/ or the loss ledger.
+            live run ends with, or `LAST_PARTS` while its flush thread writes the last rows
+            (before the counts are written; a kill there may lose rows still in memory); None
+            before removal and once it finished. A directory whose process is gone with it set
+            was killed during removal (from the merge on, after every row it recorded had
+            reached history.parts/ or the loss ledger).
         left_behind: what the last finish's merge could not delete of the parts it merged (a
             folder without write permission), one sentence each: a second copy of rows
             history.parquet holds, disk space and no missing row (as of the last finish).
@@ -166,11 +174,21 @@ class RunState:
         return Status.COMPLETE
 
 
+# The removal step before the finish's (`RunState.removal_step`): the flush thread writing the
+# last rows to history.parts/. A kill there may lose rows still in memory, unlike a later one.
+LAST_PARTS = f"{PARTS_DIR}/"
+
+
 def removal_doing(step: str) -> str:
     """What removal was doing at `step` (a `RunState.removal_step`), in readers' words."""
-    return (
-        f"merging {PARTS_DIR}/ into {HISTORY_FILE}" if step == HISTORY_FILE else f"writing {step}"
-    )
+    if step == LAST_PARTS:
+        return f"writing its last rows to {PARTS_DIR}/"
+    if step == HISTORY_FILE:
+        return f"merging {PARTS_DIR}/ into {HISTORY_FILE}"
+    # index.md is written before the state file says the run is finished (`finish_run`)
+    if step == INDEX_FILE:
+        return f"writing {INDEX_FILE} and the final {STATE_FILE}"
+    return f"writing {step}"
 
 
 # How the note begins that `finalize` adds to a run killed during removal (`killed_in_removal`).
@@ -178,14 +196,22 @@ KILLED_IN_REMOVAL = "remove_observer did not finish the run"
 
 
 def killed_in_removal(step: str) -> str:
-    """The note `finalize` adds to a run whose process died at removal's `step`: its rows and
-    counts were all written before, so the finish completes it, and the note keeps the kill."""
-    return (
+    """The note `finalize` adds to a run whose process died at removal's `step`: from the
+    merge on, its rows and counts were all written before, so the finish completes it; during
+    the last flush, rows still in memory may be lost and the counts are rebuilt."""
+    said = (
         f"{KILLED_IN_REMOVAL}: its process was killed or crashed while {removal_doing(step)} "
-        "(or removal gave that write up on a file system that stopped answering); every row it "
-        "recorded had reached "
-        f"{PARTS_DIR}/ or the loss ledger before, and `finalize` completed the run from the "
-        "counts removal had written"
+        "(or removal gave that write up on a file system that stopped answering); "
+    )
+    if step == LAST_PARTS:
+        return said + (
+            "rows it still held in memory may be missing (at most one flush interval's worth), "
+            "and `finalize` merged every row it had written and rebuilt the counts from "
+            "history (lower bounds)"
+        )
+    return said + (
+        f"every row it recorded had reached {PARTS_DIR}/ or the loss ledger before, and "
+        "`finalize` completed the run from the counts removal had written"
     )
 
 
@@ -444,6 +470,7 @@ def read_state(directory: Path) -> RunState:
 
 __all__ = [
     "KILLED_IN_REMOVAL",
+    "LAST_PARTS",
     "SCHEMA_VERSION",
     "LostRows",
     "NewerStateError",

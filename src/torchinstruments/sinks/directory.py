@@ -30,7 +30,7 @@ from torchinstruments.rundir.finish import (
     mark_partly_written_sample,
 )
 from torchinstruments.rundir.finishing import Finishing
-from torchinstruments.rundir.flush_timer import FlushTimer
+from torchinstruments.rundir.flush_timer import FlushTimer, earliest_due
 from torchinstruments.rundir.gone import gone_warning, is_gone
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
@@ -53,7 +53,7 @@ from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
-from torchinstruments.rundir.state import RunState, write_state
+from torchinstruments.rundir.state import LAST_PARTS, RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import HistoryWriter
 from torchinstruments.sinks.missing import MissingCount
@@ -118,6 +118,7 @@ class DirectorySink:
         self._saves = PartLanding()
         self._saved_losses: tuple[LostRows, ...] = ()  # the ledger and live problems the
         self._saved_problems: tuple[str, ...] = ()  # state file holds (`_save_state`)
+        self._saved_step: str | None = None  # and the removal step it holds (`LAST_PARTS`)
         self._first_written: set[str] = set()  # signals whose first record was written at once
         self._first_stalled = False  # a write of first rows was not waited for to the end
         self._handed_over = False  # removal's finish (and the lock) went to its own thread
@@ -156,7 +157,9 @@ class DirectorySink:
         assert history is not None  # the opening's first write
         self._events = self._open_events()
         self._timer = FlushTimer(
-            functools.partial(_earliest, history.seconds_until_due, self._notes.seconds_until_due),
+            functools.partial(
+                earliest_due, history.seconds_until_due, self._notes.seconds_until_due
+            ),
             self._flush,
             name=f"torchinstruments flush {self.directory}",
         )
@@ -367,7 +370,8 @@ class DirectorySink:
         notes, own = self._notes.now()
         notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing.note()))))
         problems = tuple(p for p in (*base.live_problems, self._events_problem) if p)
-        fresh = self._notes.changed(notes) or problems != self._saved_problems
+        saved = (self._saved_problems, self._saved_step)
+        fresh = self._notes.changed(notes) or (problems, base.removal_step) != saved
         if pending is None and not fresh:
             self._notes.saved(notes, own)  # a note said again: nothing new to write
             return
@@ -392,6 +396,7 @@ class DirectorySink:
         if version is not None:
             history.losses_saved(version)
         self._saved_losses, self._saved_problems = losses, problems
+        self._saved_step = base.removal_step
         self._notes.saved(notes, own)
 
     def _labelled(self, notes: tuple[str, ...]) -> tuple[str, ...]:
@@ -481,6 +486,8 @@ class DirectorySink:
             written = True
             if history is not None and timer is not None:  # both or neither (`open_run`)
                 wait_s = removal_wait_s(self._config)
+                if self._base is not None:  # its last save says removal began: a kill is one in it
+                    self._base = dataclasses.replace(self._base, removal_step=LAST_PARTS)
                 # The last rows are the flush thread's to write; each part landing is progress.
                 if not timer.finish(wait_s, lambda: history.rows_written):
                     self._give_up_writes(history, wait_s)
@@ -587,9 +594,3 @@ def _put_back(directory: Path, state: RunState) -> None:
 
 def _nothing() -> None:
     """A save's `written`: nothing leaves a buffer when the state file is in place."""
-
-
-def _earliest(*dues: Callable[[], float | None]) -> float | None:
-    """The flush thread's `due`: the soonest of `dues` (None: none of them is due)."""
-    times = [t for t in (due() for due in dues) if t is not None]
-    return min(times) if times else None

@@ -1,0 +1,152 @@
+"""A process killed at either end of `remove_observer` is said killed during removal, and
+index.md never says less than the state file.
+
+At removal's start the last rows are still the flush thread's to write: a kill there may lose
+them, so `finalize` calls the run "interrupted" (counts rebuilt from history, lower bounds),
+but every reader says remove_observer was called and killed, never "ended without
+remove_observer". At its end index.md is written before the state file says the run is
+finished, so a kill between the two never leaves a state file saying "complete" beside an
+index.md saying "in progress". The child is this file run as a script: it kills itself with
+SIGKILL at the named point, a real kill at a known point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import run_cli
+
+STEPS = 3
+REMOVING: list[bool] = []  # the child's: remove_observer was called
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def child_main(directory: Path, killed_at: str) -> None:
+    """Run STEPS sampled steps into `directory` and remove the observer, SIGKILLed at
+    `killed_at`: "last_part" once removal's final flush wrote the last part, "index" as the
+    finish writes index.md, "final_state" as it writes the finished state file."""
+    from torchinstruments.rundir import finish
+    from torchinstruments.rundir.state import RunState
+    from torchinstruments.rundir.writer import HistoryWriter
+
+    flush, write_state = HistoryWriter.flush, finish.write_state
+
+    def flushed_then_killed(self: HistoryWriter) -> None:  # the first rows flush too
+        flush(self)
+        if REMOVING:
+            _kill()
+
+    def killed_at_final(directory: Path, state: RunState, *args: Any, **kwargs: Any) -> None:
+        if state.removal_step is None:  # the finished state, not a removal step's
+            _kill()
+        write_state(directory, state, *args, **kwargs)
+
+    if killed_at == "last_part":
+        HistoryWriter.flush = flushed_then_killed
+    elif killed_at == "index":
+        finish.write_index = lambda *args, **kwargs: _kill()
+    else:
+        finish.write_state = killed_at_final
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for step in range(STEPS):
+        model(torch.full((2, 3), float(step + 1))).sum().backward()
+    REMOVING.append(True)
+    remove_observer(model)
+
+
+def _killed(directory: Path, killed_at: str) -> dict[str, object]:
+    child = subprocess.run(
+        [sys.executable, __file__, str(directory), killed_at], capture_output=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    return json.loads((directory / ".state.json").read_text("utf-8"))
+
+
+def _said(*args: str | Path) -> str:
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())
+
+
+def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "run"
+    state = _killed(directory, "last_part")
+    assert state["status"] == "in progress"
+    assert state["removal_step"] == "history.parts/"
+    shown = _said("show", directory)
+    assert "being removed: remove_observer was writing its last rows to history.parts/" in shown
+    assert "it was killed during removal" in shown
+
+    finalized = _said("finalize", directory)
+    assert "ended without remove_observer" not in finalized
+    assert (
+        "remove_observer did not finish the run: its process was killed or crashed while "
+        "writing its last rows to history.parts/" in finalized
+    )
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    # rows still in memory at the kill may be lost: not "complete", and counts are lower bounds
+    assert state["status"] == "interrupted"
+    assert state["removal_step"] is None
+    assert state["rows_recorded"] is None
+    history = pl.read_parquet(directory / "history.parquet")
+    assert sorted(history["sample_id"].unique().to_list()) == list(range(STEPS))
+    page = (directory / "index.md").read_text("utf-8")
+    assert "ended without remove_observer" not in page
+    assert "**State: interrupted.** The process was killed or crashed during remove_observer" in (
+        page
+    )
+    shown = _said("show", directory)
+    assert "ended without remove_observer" not in shown
+    assert (
+        "interrupted (finalized after the process was killed or crashed during remove_observer"
+        in (shown)
+    )
+
+
+@pytest.mark.parametrize("killed_at", ["index", "final_state"])
+def test_a_kill_as_removal_writes_index_md_never_leaves_it_behind_the_state(
+    tmp_path: Path, killed_at: str
+) -> None:
+    directory = tmp_path / "run"
+    state = _killed(directory, killed_at)
+    page = (directory / "index.md").read_text("utf-8")
+    # the state file is what readers trust: it says finished only once index.md says so too
+    assert state["status"] == "in progress"
+    assert state["removal_step"] == "index.md"
+    assert ("**State: complete.**" in page) == (killed_at == "final_state")
+    doing = "writing index.md and the final .state.json"
+    shown = _said("show", directory)
+    assert f"being removed: remove_observer was {doing}" in shown
+
+    finalized = _said("finalize", directory)
+    assert f"its process was killed or crashed while {doing}" in finalized
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert state["status"] == "complete"
+    page = (directory / "index.md").read_text("utf-8")
+    assert "**State: complete.**" in page
+    assert f"its process was killed or crashed while {doing}" in page
+    assert "state: complete (remove_observer did not finish the run" in _said("show", directory)
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), sys.argv[2])

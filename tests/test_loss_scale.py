@@ -211,9 +211,15 @@ def state_with(tmp_path: Path, counts: RunCounts | None, **changes: Any) -> RunS
 
 def test_index_says_which_samples_have_no_recorded_scale(tmp_path: Path) -> None:
     live = render_index(state_with(tmp_path, None))
-    assert "written to .state.json (`counts.loss_scales`) when the run ends" in live
+    assert "saved in .state.json (`loss_scales`) as the run's rows are" in live
+    saved = (ScaleSpan(0, 1024.0), ScaleSpan(2, None))  # the live run's save so far
+    live = render_index(state_with(tmp_path, None, loss_scales=saved))
+    assert "(so far: the run goes on) (2 span(s), one per change): samples 0-1: 1024; " in live
+    # killed after its rows of samples 2-4 reached the disk, before it saved their scales
+    killed = state_with(tmp_path, RunCounts(5, 5, 5, loss_scales=saved), counts_recovered=True)
+    assert "samples 0-1: 1024; samples 2 on: not recorded." in render_index(killed)
     killed = render_index(state_with(tmp_path, RunCounts(5, 5, 5), counts_recovered=True))
-    assert "No loss scale is recorded: the process ended before removal" in killed
+    assert "No loss scale is recorded: the process ended before the run saved any" in killed
     # an earlier attempt was killed (its spans died with it), the next one recorded its own
     spans = (ScaleSpan(3, 1024.0), ScaleSpan(5, 512.0), ScaleSpan(6, None))
     page = render_index(state_with(tmp_path, RunCounts(6, 6, 6, loss_scales=spans)))

@@ -541,6 +541,7 @@ def _open_run(
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
     observer.install(model, layers, focus)
     directory.follow_notes(functools.partial(_notes_so_far, observer, group))
+    directory.live_scales.follow(observer.loss_scales.spans)  # rundir.live_scales
     observer.at_inject = ModelAtInject(model, layers, config.selector)
     forks.track(observer)
     return observer

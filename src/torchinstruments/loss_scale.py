@@ -16,7 +16,8 @@ only in `update()`, after the backward. Unsampled forwards never read it.
 
 Where: not a history column (the schema's columns are design.md's). The scale is per sample and
 changes rarely, so the run's counts keep one `ScaleSpan` per change (`RunCounts.loss_scales`, in
-`.state.json`), and index.md lists them with a ready query that divides gradient statistics by
+`.state.json`; the flush thread saves them there as they change while the run lives, so a
+run killed before removal keeps them: `rundir.live_scales`), and index.md lists them with a ready query that divides gradient statistics by
 them (`rundir.page_loss_scale`). Memory: one span per change, at most `MAX_SPANS`; after that the
 scale is no longer read and the samples from then on are said to have none.
 
@@ -160,20 +161,30 @@ class LossScales:
                 return
             self._spans.append(ScaleSpan(sample_id, scale))
 
-    def add_to(self, counts: RunCounts) -> RunCounts:
-        """`counts` with the spans, closed by one without a scale after the last sample read
-        (so samples after it, of a later attempt that was killed, get none), and the notes."""
+    def so_far(self) -> tuple[tuple[ScaleSpan, ...], int | None, bool]:
+        """The spans read so far, closed by one without a scale after the last sample read (so
+        samples after it, never read or of a later attempt that was killed, get none); with
+        that first unread sample and whether `MAX_SPANS` was reached. Any thread may call it
+        (the flush thread saves them while the run lives: `rundir.live_scales`)."""
         with self._lock:
-            spans = tuple(self._spans)
-            end, full = self._end, self._full
+            spans, end, full = tuple(self._spans), self._end, self._full
+        if spans and end is not None:
+            spans += (ScaleSpan(end, None),)
+        return spans, end, full
+
+    def spans(self) -> tuple[ScaleSpan, ...]:
+        """`so_far`'s spans alone."""
+        return self.so_far()[0]
+
+    def add_to(self, counts: RunCounts) -> RunCounts:
+        """`counts` with the spans (`so_far`) and the notes."""
+        spans, end, full = self.so_far()
         notes = (UNSCALED_FP16,) if self._unscaled_fp16 else ()
         if full:
             notes += (
                 f"the loss scale changed more than {MAX_SPANS:,} times; it was no longer read "
                 f"from sample {end} on, whose loss scale is not recorded",
             )
-        if spans and end is not None:
-            spans += (ScaleSpan(end, None),)
         if not spans and not notes:
             return counts
         return dataclasses.replace(counts, loss_scales=spans, notes=(*counts.notes, *notes))

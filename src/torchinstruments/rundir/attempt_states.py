@@ -49,6 +49,7 @@ def start_state(
         notes=_earlier_notes(previous, continuation),
         removed_in_flight=previous.removed_in_flight,
         attempts=(*continuation.attempts, this),
+        loss_scales=previous.counts.loss_scales if previous.counts else previous.loss_scales,
     )
 
 

@@ -325,11 +325,11 @@ def job_counts(
         unobserved_setup_forwards=_sum_known(
             previous.unobserved_setup_forwards, this.unobserved_setup_forwards
         ),
-        loss_scales=_joined_spans(previous.loss_scales, this.loss_scales),
+        loss_scales=joined_spans(previous.loss_scales, this.loss_scales),
     )
 
 
-def _joined_spans(
+def joined_spans(
     previous: tuple[ScaleSpan, ...], this: tuple[ScaleSpan, ...]
 ) -> tuple[ScaleSpan, ...]:
     """The loss scale spans of the earlier attempts, then this one's. Each attempt's spans end
@@ -351,6 +351,7 @@ __all__ = [
     "attempt_rows",
     "close_attempts",
     "job_counts",
+    "joined_spans",
     "plan_continuation",
     "raise_to_events",
     "sampler_line",

@@ -162,7 +162,9 @@ def finish_run(
             f"`{tool_command('finalize', directory)}`"
         )
     recovered = state.counts is None
-    counts = recovered_counts(directory) if state.counts is None else state.counts
+    counts = state.counts
+    if counts is None:  # the scales the live run saved (`rundir.live_scales`) are not in history
+        counts = dataclasses.replace(recovered_counts(directory), loss_scales=state.loss_scales)
     rows_recorded = state.rows_recorded
     if merge is not None:
         closed = close_attempts(state.attempts, merge.path)
@@ -223,6 +225,7 @@ def finish_run(
         counts_recovered=recovered or state.counts_recovered,
         problems=tuple(found),
         removal_step=None,
+        loss_scales=counts.loss_scales,  # a later finish that rebuilds the counts keeps them
     )
     step(INDEX_FILE)
     _removal_at(directory, state, INDEX_FILE)  # a kill from here on: index.md may be written

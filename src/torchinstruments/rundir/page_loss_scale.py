@@ -2,7 +2,8 @@
 
 Design decision: the output_gradient rows of a run whose loop scales its loss are what plain
 hooks see, the gradient times the loss scale (`loss_scale.py`); the run keeps the scale of each
-sample as spans in `.state.json` (`counts.loss_scales`). This section says so where a reader of
+sample as spans in `.state.json` (`counts.loss_scales`; while the run lives, and so after a
+kill, `loss_scales` as last saved: `rundir.live_scales`). This section says so where a reader of
 gradient rows looks, lists the spans (bounded: the first `SHOWN_SPANS`, then a count), and prints
 a query that divides the statistics which scale with the gradient (mean, std, min, max,
 quantiles, and the built-in `abs_max` and `l2_norm`) by their sample's scale. Fractions
@@ -38,17 +39,18 @@ def _span_text(span: ScaleSpan, next_first: int | None) -> str:
 def _spans_line(state: RunState) -> str:
     """The scales, or why none are known."""
     counts = state.counts
-    if counts is None:
+    spans = list(state.loss_scales if counts is None else counts.loss_scales)
+    if counts is None and not spans:
         return (
-            f"The scale of each sample is written to {STATE_FILE} (`counts.loss_scales`) when "
-            "the run ends (removal); a run that ends without removal has none."
+            f"The scale of each sample is saved in {STATE_FILE} (`loss_scales`) as the run's "
+            "rows are, and in `counts.loss_scales` when the run ends; none is saved yet."
         )
-    spans = list(counts.loss_scales)
-    if spans and spans[-1].scale is None:  # the closing span: no sample of this run after it
+    # the closing span, where no sample follows it (a killed run's rows may outlast its save)
+    if spans and spans[-1].scale is None and counts and spans[-1].first_sample_id >= counts.samples:
         spans.pop()
     if not spans:
         why = (
-            "the process ended before removal and the scales died with it"
+            "the process ended before the run saved any"
             if state.counts_recovered or state.interrupted
             else "no sample was recorded"
         )
@@ -61,7 +63,8 @@ def _spans_line(state: RunState) -> str:
     shown = "; ".join(texts[:SHOWN_SPANS])
     if more > 0:
         shown += f"; ... ({more} more in {STATE_FILE})"
-    return f"Loss scale by sample ({len(texts)} span(s), one per change): {shown}."
+    so_far = " (so far: the run goes on)" if counts is None else ""
+    return f"Loss scale by sample{so_far} ({len(texts)} span(s), one per change): {shown}."
 
 
 def section_loss_scale(state: RunState) -> list[str]:
@@ -98,8 +101,8 @@ def loss_scale_query(run: RunInfo) -> list[str]:
         "```python",
         f"""SCALED = {scaled!r}
 KEY = ["sample_id", "step", "layer", "call_index", "tensor_path", "mode", "metric"]
-counts = json.loads((run / {_q(STATE_FILE)}).read_text(encoding="utf-8"))["counts"] or {{}}
-spans = counts.get("loss_scales", [])  # [] while the run is in progress
+state = json.loads((run / {_q(STATE_FILE)}).read_text(encoding="utf-8"))
+spans = (state["counts"] or state).get("loss_scales", [])  # in progress: those saved so far
 scales = pl.LazyFrame(spans, schema={{"first_sample_id": pl.Int64, "scale": pl.Float64}})
 unscaled = (
     history.filter(pl.col("signal") == "output_gradient", pl.col("metric").is_in(SCALED))

@@ -133,7 +133,7 @@ def section_files(run: RunInfo) -> list[str]:
         "`unobserved_eval_forwards` / `unobserved_setup_forwards`: the evaluation forwards and "
         "the fit's setup forwards a trainer callback passed through unobserved; null where "
         "unknown; with a grad_scaler, `loss_scales`: each sample's loss scale, one span per "
-        "change), problems, marked samples, attempts (each with its counts, its rows and its "
+        "change; the top-level `loss_scales` are those saved while the run went on), problems, marked samples, attempts (each with its counts, its rows and its "
         "sampler), layers whose dtype changed during the run, the loss ledger, and "
         "`removal_step`: the file remove_observer was writing (`history.parts/`: its last flush), "
         "set only while removal finishes the run (left set, it was killed during removal). "

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from torchinstruments.history_config import HistoryConfig
-from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.records import RunCounts, RunInfo, ScaleSpan
 from torchinstruments.rundir.attempts import AttemptCounts
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -126,6 +126,10 @@ class RunState:
             before removal and once it finished. A directory whose process is gone with it set
             was killed during removal (from the merge on, after every row it recorded had
             reached history.parts/ or the loss ledger).
+        loss_scales: with a `grad_scaler`, each sample's loss scale (spans, as
+            `RunCounts.loss_scales`) as last saved: by the flush thread while the run lives
+            (`rundir.live_scales`), then by each finish as its counts have them; a finish that
+            rebuilds the counts from history (after a kill) takes them from here.
         left_behind: what the last finish's merge could not delete of the parts it merged (a
             folder without write permission), one sentence each: a second copy of rows
             history.parquet holds, disk space and no missing row (as of the last finish).
@@ -152,6 +156,7 @@ class RunState:
     dtype_changes_total: int = 0
     removal_step: str | None = None
     left_behind: tuple[str, ...] = ()
+    loss_scales: tuple[ScaleSpan, ...] = ()
 
     @property
     def layer_counts_unknown(self) -> bool:
@@ -253,11 +258,14 @@ def _decode_run(value: Any, where: str) -> RunInfo:
     return _decode_fields(RunInfo, own, where, {"history": history})
 
 
+def _encode_spans(spans: tuple[ScaleSpan, ...]) -> list[dict[str, Any]]:
+    return [_encode_fields(span, {}) for span in spans]
+
+
 def _encode_counts(counts: RunCounts | None) -> dict[str, Any] | None:
     if counts is None:
         return None
-    spans = lambda spans: [_encode_fields(span, {}) for span in spans]  # noqa: E731
-    return _encode_fields(counts, {"layer_samples": dict, "loss_scales": spans})
+    return _encode_fields(counts, {"layer_samples": dict, "loss_scales": _encode_spans})
 
 
 # Fields of RunState that are not JSON scalars or tuples of them (decoding needs no table: the
@@ -268,6 +276,7 @@ _ENCODE: dict[str, Callable[[Any], Any]] = {
     "losses": lambda losses: [_encode_fields(loss, {}) for loss in losses],
     "marks": lambda marks: [_encode_fields(mark, {}) for mark in marks],
     "attempts": lambda attempts: [_encode_fields(a, {}) for a in attempts],
+    "loss_scales": _encode_spans,
 }
 
 

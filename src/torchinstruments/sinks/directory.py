@@ -13,10 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchinstruments import forks
-from torchinstruments.events import (
-    EventFile,
-    missing_histograms,
-)
+from torchinstruments.events import EventFile, missing_histograms
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
@@ -44,6 +41,7 @@ from torchinstruments.rundir.layout import (
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.live_notes import LiveNotes
 from torchinstruments.rundir.live_refusal import refuse_a_live_run
+from torchinstruments.rundir.live_scales import LiveScales
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.opening import open_within
 from torchinstruments.rundir.output_dir import check_output_dir
@@ -107,8 +105,10 @@ class DirectorySink:
         self._events_problem: str | None = None
         self._timer: FlushTimer | None = None
         self._term: TermFlush | None = None
-        # Notes said after injection, kept in the state file as they arise (`rundir.live_notes`).
+        # Notes and loss scales, kept in the state file as they arise (`rundir.live_notes`,
+        # `rundir.live_scales`: the run has it follow `LossScales.spans`).
         self._notes = LiveNotes(history_config.flush_seconds / 2)
+        self.live_scales = LiveScales()  # with the earlier attempts' from `open_run` on
         self._in_flight: list[int] = []  # samples in flight at removal (`removed_in_flight`)
         self._focus: frozenset[str] = frozenset()
         self._missing = MissingCount()  # focus tensors without a histogram
@@ -150,6 +150,7 @@ class DirectorySink:
         self._focus = frozenset(run.focus_layers)
         self._continuation, self._previous = continuation, previous
         self._base = state = start_state(run, continuation, previous)
+        self.live_scales = LiveScales(state.loss_scales)
         forks.track(self)  # from here until the lock is released
         self._open_files(run, state, continuation)
         self._saved_problems = state.live_problems
@@ -370,8 +371,9 @@ class DirectorySink:
         notes, own = self._notes.now()
         notes = self._labelled(tuple(dict.fromkeys((*notes, *self._missing.note()))))
         problems = tuple(p for p in (*base.live_problems, self._events_problem) if p)
-        saved = (self._saved_problems, self._saved_step)
+        scales, saved = self.live_scales.now(), (self._saved_problems, self._saved_step)
         fresh = self._notes.changed(notes) or (problems, base.removal_step) != saved
+        fresh = fresh or self.live_scales.changed(scales)
         if pending is None and not fresh:
             self._notes.saved(notes, own)  # a note said again: nothing new to write
             return
@@ -381,6 +383,7 @@ class DirectorySink:
             losses=(*base.losses, *losses),
             notes=(*base.notes, *notes),
             live_problems=problems,
+            loss_scales=scales,
         )
         door = functools.partial(self._saves.rename, written=_nothing)
         try:  # temporaries of their own: removal's finish may write these files beside a stuck save
@@ -398,6 +401,7 @@ class DirectorySink:
         self._saved_losses, self._saved_problems = losses, problems
         self._saved_step = base.removal_step
         self._notes.saved(notes, own)
+        self.live_scales.saved(scales)
 
     def _labelled(self, notes: tuple[str, ...]) -> tuple[str, ...]:
         """`notes` (this attempt's), each naming the attempt when the run has several."""

@@ -1,0 +1,166 @@
+"""Loss scales survive a SIGKILL: the live run saves them as its rows reach the disk.
+
+A real child process trains an MLP under float16 autocast with `torch.amp.GradScaler("cpu")`
+(a scale too large for float16: it overflows, halves and grows again during the run), prints
+each step's scale to a file, waits until every sample's gradient rows are in history parts and
+the run's state file was saved after them, and is killed with SIGKILL. `torchinstruments
+finalize` then writes index.md, whose loss-scale query, run as printed, must divide each
+gradient row by exactly the scale the child reported for its sample. A second attempt
+(resume=True into the same directory) must keep the killed attempt's scales beside its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+from test_loss_scale import python_blocks, scaled_step
+
+from torchinstruments import remove_observer
+from torchinstruments.history_config import HistoryConfig
+from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.page_loss_scale import SCALED_METRICS
+
+from conftest import kill_when_ready, mlp, observe, read_history
+
+STEPS = 10
+READY = "ready"
+WAIT_S = 60.0
+
+
+def gradient_samples(directory: Path) -> int:
+    """How many samples have output_gradient rows in the run's parts."""
+    parts = list_parts(directory)
+    if not parts:
+        return 0
+    frame = pl.scan_parquet(parts, glob=False).filter(pl.col("signal") == "output_gradient")
+    return frame.select(pl.col("sample_id").n_unique()).collect().item()
+
+
+def saved_through(directory: Path) -> int:
+    """The first sample after those whose scale the live state file holds (0: none)."""
+    try:
+        spans = json.loads((directory / ".state.json").read_text("utf-8")).get("loss_scales")
+    except (OSError, ValueError):
+        return 0
+    return spans[-1]["first_sample_id"] if spans else 0
+
+
+def child_main(directory: Path, reported: Path) -> None:
+    """The killed process: STEPS scaled steps, each sample's scale reported, then wait."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = mlp(16, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        observe(
+            model,
+            directory,
+            grad_scaler=scaler,
+            history_config=HistoryConfig(1024, flush_seconds=1.0),
+        )
+    x = torch.randn(32, 16)
+    with reported.open("w", encoding="utf-8") as out:
+        for _ in range(STEPS):
+            out.write(f"{scaler.get_scale()!r}\n")
+            out.flush()
+            scaled_step(model, optimizer, scaler, x)
+    deadline = time.monotonic() + WAIT_S
+    while gradient_samples(directory) < STEPS or saved_through(directory) < STEPS:
+        if time.monotonic() > deadline:
+            print("timeout", flush=True)
+            return
+        time.sleep(0.02)
+    print(READY, flush=True)
+    time.sleep(WAIT_S)
+
+
+def finalize(directory: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "finalize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def unscaled_by_index(directory: Path) -> pl.DataFrame:
+    """index.md's setup and loss-scale query, run as printed."""
+    blocks = python_blocks((directory / "index.md").read_text(encoding="utf-8"))
+    (setup,) = [block for block in blocks if "def this_run" in block]
+    (query,) = [block for block in blocks if "join_asof" in block]
+    session: dict[str, Any] = {}
+    exec(compile(setup, "index.md:setup", "exec"), session)
+    exec(compile(query, "index.md:loss-scale", "exec"), session)
+    return session["unscaled"]
+
+
+def assert_unscaled_by(directory: Path, scales: list[float | None]) -> None:
+    """Every scaled gradient row, divided by exactly its sample's scale (None: unknown)."""
+    unscaled = unscaled_by_index(directory)
+    rows = read_history(directory).filter(
+        pl.col("signal") == "output_gradient", pl.col("metric").is_in(SCALED_METRICS)
+    )
+    assert unscaled.height == rows.height > 0
+    assert set(unscaled["sample_id"]) == set(range(len(scales)))
+    for row in unscaled.iter_rows(named=True):
+        scale = scales[row["sample_id"]]
+        assert row["scale"] == scale, row
+        if scale is None or row["value"] is None:
+            assert row["unscaled"] is None
+        else:
+            assert row["unscaled"] == row["value"] / scale
+
+
+def kill_child(directory: Path, reported: Path) -> list[float | None]:
+    kill_when_ready(__file__, READY, directory, reported)
+    scales: list[float | None] = [float(line) for line in reported.read_text("utf-8").split()]
+    assert len(scales) == STEPS
+    assert len(set(scales)) > 2  # the scale halved and grew
+    return scales
+
+
+def test_loss_scales_of_a_killed_run_unscale_its_rows_after_finalize(tmp_path: Path) -> None:
+    directory = tmp_path / "stats"
+    scales = kill_child(directory, tmp_path / "scales.txt")
+    finalize(directory)
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert state["counts"]["loss_scales"][-1] == {"first_sample_id": STEPS, "scale": None}
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert f"sample 0: {scales[0]:.0f}; " in page
+    assert "No loss scale is recorded" not in page
+    assert_unscaled_by(directory, scales)
+    finalize(directory)  # a second finish rebuilds the counts from history: the scales stay
+    assert_unscaled_by(directory, scales)
+
+
+def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(tmp_path: Path) -> None:
+    directory = tmp_path / "stats"
+    scales = kill_child(directory, tmp_path / "scales.txt")
+    model = mlp(16, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        observe(model, directory, grad_scaler=scaler, resume=True)
+    for _ in range(3):
+        scales.append(scaler.get_scale())
+        scaled_step(model, optimizer, scaler, torch.randn(4, 16))
+    remove_observer(model)
+    assert_unscaled_by(directory, scales)
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -53,21 +53,18 @@ def saved_through(directory: Path) -> int:
     return spans[-1]["first_sample_id"] if spans else 0
 
 
-def child_main(directory: Path, reported: Path) -> None:
-    """The killed process: STEPS scaled steps, each sample's scale reported, then wait."""
+def child_main(directory: Path, reported: Path, attempt: int) -> None:
+    """The killed process: STEPS scaled steps, each sample's scale reported, then wait
+    (`attempt` 1: resume=True, after STEPS samples of a killed attempt 0)."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(attempt)
     model = mlp(16, 2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (22 - attempt), growth_interval=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        observe(
-            model,
-            directory,
-            grad_scaler=scaler,
-            history_config=HistoryConfig(1024, flush_seconds=1.0),
-        )
+        config = HistoryConfig(1024, flush_seconds=1.0)
+        observe(model, directory, grad_scaler=scaler, history_config=config, resume=attempt > 0)
     x = torch.randn(32, 16)
     with reported.open("w", encoding="utf-8") as out:
         for _ in range(STEPS):
@@ -75,7 +72,8 @@ def child_main(directory: Path, reported: Path) -> None:
             out.flush()
             scaled_step(model, optimizer, scaler, x)
     deadline = time.monotonic() + WAIT_S
-    while gradient_samples(directory) < STEPS or saved_through(directory) < STEPS:
+    # a resumed attempt's parts are its own (the earlier ones were merged); its ids go on
+    while gradient_samples(directory) < STEPS or saved_through(directory) < (attempt + 1) * STEPS:
         if time.monotonic() > deadline:
             print("timeout", flush=True)
             return
@@ -123,11 +121,11 @@ def assert_unscaled_by(directory: Path, scales: list[float | None]) -> None:
             assert row["unscaled"] == row["value"] / scale
 
 
-def kill_child(directory: Path, reported: Path) -> list[float | None]:
-    kill_when_ready(__file__, READY, directory, reported)
+def kill_child(directory: Path, reported: Path, attempt: int = 0) -> list[float | None]:
+    kill_when_ready(__file__, READY, directory, reported, str(attempt))
     scales: list[float | None] = [float(line) for line in reported.read_text("utf-8").split()]
     assert len(scales) == STEPS
-    assert len(set(scales)) > 2  # the scale halved and grew
+    assert len(set(scales)) > 1  # the scale changed during the attempt
     return scales
 
 
@@ -162,5 +160,13 @@ def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(tmp_path: P
     assert_unscaled_by(directory, scales)
 
 
+def test_a_resumed_attempt_killed_too_keeps_both_attempts_scales(tmp_path: Path) -> None:
+    directory = tmp_path / "stats"
+    scales = kill_child(directory, tmp_path / "first.txt")
+    scales += kill_child(directory, tmp_path / "second.txt", attempt=1)
+    finalize(directory)
+    assert_unscaled_by(directory, scales)
+
+
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    child_main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))

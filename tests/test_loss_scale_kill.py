@@ -6,7 +6,8 @@ each step's scale to a file, waits until every sample's gradient rows are in his
 the run's state file was saved after them, and is killed with SIGKILL. `torchinstruments
 finalize` then writes index.md, whose loss-scale query, run as printed, must divide each
 gradient row by exactly the scale the child reported for its sample. A second attempt
-(resume=True into the same directory) must keep the killed attempt's scales beside its own.
+(resume=True into the same directory) must keep the killed attempt's scales beside its own,
+and a sample whose scale no save held reads as unknown (null), never as an earlier one's.
 """
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ def test_loss_scales_of_a_killed_run_unscale_its_rows_after_finalize(tmp_path: P
     assert_unscaled_by(directory, scales)
     finalize(directory)  # a second finish rebuilds the counts from history: the scales stay
     assert_unscaled_by(directory, scales)
+
+
+def test_samples_after_the_last_saved_scale_read_as_unknown(tmp_path: Path) -> None:
+    """Killed after rows reached the disk whose scales no save held yet: the state file as an
+    earlier save wrote it (scales of samples 0-3), then finalize."""
+    directory = tmp_path / "stats"
+    scales = kill_child(directory, tmp_path / "scales.txt")
+    state_file = directory / ".state.json"
+    state = json.loads(state_file.read_text("utf-8"))
+    kept = [span for span in state["loss_scales"] if span["first_sample_id"] < 4]
+    state["loss_scales"] = [*kept, {"first_sample_id": 4, "scale": None}]
+    state_file.write_text(json.dumps(state), "utf-8")
+    finalize(directory)
+    assert_unscaled_by(directory, [*scales[:4], *[None] * (STEPS - 4)])
+    page = (directory / "index.md").read_text(encoding="utf-8")
+    assert "samples 4 on: not recorded." in page
 
 
 def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(tmp_path: Path) -> None:

@@ -98,6 +98,7 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
         "eval_forwards": 1,
         "unobserved_eval_forwards": 3,
         "unobserved_setup_forwards": 2,
+        "bypassed_by": None,
         "loss_scales": [
             {"first_sample_id": 0, "scale": 65536.0},
             {"first_sample_id": 2, "scale": 32768.0},

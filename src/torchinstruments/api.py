@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from torchinstruments import forks
+from torchinstruments.bypass import bypassing_copy
 from torchinstruments.compilation import compile_notes, compiled_original, eager_samples_note
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
@@ -246,6 +247,8 @@ def remove_observer(model: nn.Module) -> Path | None:
         model, idle, [name for name in observer.layer_names if name not in idle]
     )
     observer.notes.extend(notes)  # index.md names them; the warning leaves them out
+    if not observer.counter.root_forwards and observer.layer_names:
+        observer.counter.bypassed_by = bypassing_copy(model)  # before the root proxy goes
     left_in_place = observer.remove()
     if changed is not None:
         warn(f"torchinstruments: {changed}")

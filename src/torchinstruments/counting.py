@@ -44,6 +44,7 @@ class Counter:
         self.eval_forwards = 0
         self.unobserved = 0
         self.setup = 0
+        self.bypassed_by: str | None = None  # set at removal (bypass.py)
         self._first_forward = first_forward_index
         self._first_sample = first_sample_id
         # Each schedule continues where a continued run's earlier attempts left it
@@ -160,6 +161,7 @@ class Counter:
                 eval_forwards=self.eval_forwards,
                 unobserved_eval_forwards=self.unobserved,
                 unobserved_setup_forwards=self.setup,
+                bypassed_by=self.bypassed_by,
             )
 
 

@@ -393,5 +393,8 @@ class RunCounts:
     # summary of example_input_array). 0 in a plain loop; None: unknown, as above.
     unobserved_eval_forwards: int | None = None
     unobserved_setup_forwards: int | None = None
+    # With no root forward seen: what built a module that calls the model's layers past the
+    # observer after inject_observer (bypass.py), e.g. "accelerate's compile_regions"; else None.
+    bypassed_by: str | None = None
     # With a `grad_scaler`: the loss scale of each sample, one span per change (loss_scale.py).
     loss_scales: tuple[ScaleSpan, ...] = ()

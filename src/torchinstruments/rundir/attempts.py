@@ -325,6 +325,7 @@ def job_counts(
         unobserved_setup_forwards=_sum_known(
             previous.unobserved_setup_forwards, this.unobserved_setup_forwards
         ),
+        bypassed_by=this.bypassed_by,
         loss_scales=joined_spans(previous.loss_scales, this.loss_scales),
     )
 

@@ -118,6 +118,8 @@ def no_sample_warning(counts: RunCounts, directory: Path, earlier_samples: int) 
     seen = f"{plural(counts.root_forwards, 'root forward')} seen, none sampled" + (
         "" if passed is None else f"; {passed}"
     )
+    if counts.bypassed_by is not None and not counts.root_forwards:
+        seen = f"{seen}; {bypass_clause(counts.bypassed_by)}"
     if not earlier_samples:
         return (
             f"torchinstruments: no sample was recorded ({seen}): {directory} holds no rows, "
@@ -131,12 +133,27 @@ def no_sample_warning(counts: RunCounts, directory: Path, earlier_samples: int) 
     )
 
 
+def bypass_clause(built_by: str) -> str:
+    """Why no root forward was seen while a module built from the model after inject_observer
+    exists (bypass.py), and the fix: the warning and index.md say it in these words."""
+    compiled = "compile_regions" in built_by
+    return (
+        f"the model itself was never called, but {built_by} shares its "
+        "layers and calls them with a forward of its own, so they ran unobserved: call "
+        "inject_observer on that module"
+        + (" (the one compile_regions returns)" if compiled else "")
+        + " and remove_observer on it, not on the model"
+    )
+
+
 def unsampled_sentence(counts: RunCounts) -> str:
     """Why a removed run with selected layers holds no sample: what the observer saw, and what
     a trainer callback passed through unobserved. A model called only outside the training
     steps was called: it is never said to have been "never called", nor is a model whose
     passed-through forwards nobody counted."""
     passed = passed_through(counts)
+    if counts.bypassed_by is not None and not counts.root_forwards:
+        return bypass_clause(counts.bypassed_by)
     if counts.root_forwards:
         forwards = counts.root_forwards
         seen = f"{plural(forwards, 'root forward')} {was_were(forwards)} seen and the sampler chose none"
@@ -521,6 +538,7 @@ def write_index(
 
 __all__ = [
     "bound_count",
+    "bypass_clause",
     "counts_sentence",
     "ended_unremoved",
     "interrupted_sentence",

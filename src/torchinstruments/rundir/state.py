@@ -16,7 +16,7 @@ The file (`SCHEMA_VERSION` 1):
     {"schema_version": 1, "status": "complete", "run": {RunInfo fields, HistoryConfig's inline},
      "counts": {"root_forwards", "samples", "backward_samples", "layer_samples": {name: n},
                 "train_forwards", "eval_forwards", "unobserved_eval_forwards",
-                "unobserved_setup_forwards"} | null,
+                "unobserved_setup_forwards", "bypassed_by"} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
      "marks": [{SampleMark fields}], "marks_total": 0, "removed_in_flight": [...],
@@ -28,6 +28,8 @@ schedule counted), and `unobserved_eval_forwards` / `unobserved_setup_forwards` 
 what a trainer callback passed through unobserved) were added without a new schema version: a
 file written before them has none, which reads as null, "unknown" (a continued run then falls
 back to the rule before them, `rundir.attempts`, and index.md never says "never called").
+`bypassed_by` (in `counts`: what built a module that ran the model's layers past the observer,
+bypass.py) was added the same way: absent reads as null, nothing found.
 
 `status` is written for readers and never read back: it is derived from the other fields
 (`RunState.status`), so the file cannot contradict itself.

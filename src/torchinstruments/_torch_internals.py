@@ -67,6 +67,7 @@ __all__ = [
     "set_fullgraph_frame_count",
     "tensor_hooks",
     "tensor_version",
+    "under_fullgraph",
     "unwrap_functorch",
 ]
 
@@ -434,6 +435,20 @@ def set_fullgraph_frame_count(adjust: Callable[[int], int]) -> None:
     if count_frames is not None:
         count = count_frames(-1)
         count_frames(adjust(count))
+
+
+def under_fullgraph() -> bool:
+    """Whether the running compiled call is a `fullgraph=True` one (dynamo counts its compiled
+    frames, from 0; elsewhere the count is -1). False where this torch lacks the counter.
+
+    Why: a sampled forward runs eagerly, so that call's no-graph-break promise goes unchecked
+    there, which the run says. Checked on 2.15.0."""
+    count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if count_frames is None:
+        return False
+    count = count_frames(-1)
+    count_frames(count)
+    return count >= 0
 
 
 def dynamo_imported() -> bool:

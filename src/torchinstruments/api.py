@@ -28,7 +28,12 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
-from torchinstruments.compilation import compile_notes, compiled_original, eager_samples_note
+from torchinstruments.compilation import (
+    compile_notes,
+    compiled_original,
+    eager_samples_note,
+    fullgraph_unchecked_warning,
+)
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_option import global_notes
@@ -257,6 +262,9 @@ def remove_observer(model: nn.Module) -> Path | None:
         total = len(observer.layer_names)
         warn(never_ran_warning(never_ran, total, observer.counter.samples, fused))
     counts = observer.counts()
+    calls = observer.called_compiled
+    if said := fullgraph_unchecked_warning(calls, counts.root_forwards, counts.samples):
+        warn(said)
     if counts.samples == 0 and observer.layer_names:
         warn(no_sample_warning(counts, observer.directory, observer.counter.earlier_samples))
     if left_in_place:

@@ -38,10 +38,12 @@ from torchinstruments._torch_internals import (
     pause_compilation,
     resume_compilation,
     set_fullgraph_frame_count,
+    under_fullgraph,
 )
 from torchinstruments.rundir.ranges import plural, was_were
 
 __all__ = [
+    "CompiledCalls",
     "ForwardEntry",
     "call_eagerly",
     "compile_notes",
@@ -52,6 +54,7 @@ __all__ = [
     "eager_samples_note",
     "exclude_from_compilation",
     "forward_caller",
+    "fullgraph_unchecked_warning",
     "named_modules_uncompiled",
     "pause_compilation",
     "resume_compilation",
@@ -132,6 +135,48 @@ def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
         return result
     finally:
         resume_compilation(paused)
+
+
+class CompiledCalls:
+    """The sampled forwards called from compiled code (each ran eagerly, `call_eagerly`), and
+    those of them under `fullgraph=True`.
+
+    Why the latter: without the observer a graph break under fullgraph=True raises at the first
+    forward; a sampled one runs eagerly and cannot raise it, so the error comes at the first
+    unsampled forward, or never when every forward is sampled. Checking the contract on a
+    sampled forward would mean compiling it as well as running it eagerly (the model's side
+    effects twice), so the run says it instead: index.md counts them, and removal warns where no
+    forward was left unsampled to check it (`fullgraph_unchecked_warning`). A model that keeps
+    the contract is not warned about on every run where an unsampled forward checked it.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.fullgraph = 0
+
+    def add(self) -> None:
+        """Count one sampled forward called from compiled code (compilation paused)."""
+        self.total += 1
+        if under_fullgraph():
+            self.fullgraph += 1
+
+
+def fullgraph_unchecked_warning(
+    calls: CompiledCalls, root_forwards: int, samples: int
+) -> str | None:
+    """Removal's warning where every root forward was sampled and some ran under
+    torch.compile(fullgraph=True): the promise of one graph was never checked; else None."""
+    if not calls.fullgraph or root_forwards > samples:
+        return None
+    return (
+        f"torchinstruments: every root forward was sampled ({plural(samples, 'sample')}), and "
+        f"{plural(calls.fullgraph, 'sampled forward')} {was_were(calls.fullgraph)} called under "
+        "torch.compile(fullgraph=True): a sampled forward runs eagerly (measuring it turns "
+        "torch.compile off), so fullgraph=True was never checked in this run, and a graph break "
+        "in the model raised nothing. Run the compiled model without the observer, or with a "
+        "sampler that leaves forwards unsampled, to know it compiles as one graph (index.md "
+        "says so)"
+    )
 
 
 def _call_forward(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -235,18 +280,21 @@ def _eager_name(root: nn.Module, name: str) -> str:
     return ".".join(kept)
 
 
-def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: int) -> str | None:
+def eager_samples_note(
+    root: nn.Module | None, samples: int, calls: CompiledCalls | None
+) -> str | None:
     """index.md's note that a compiled model's sampled forwards ran eagerly, or None.
 
     Said because it changes what the rows describe: a sampled forward runs with torch.compile
     off (`call_eagerly`), so its rows, and the model's outputs and gradients on that step, are
-    those of the eager model. Eager random ops consume the random number generator otherwise
+    those of the eager model, and fullgraph=True went unchecked on them (`CompiledCalls`). Eager random ops consume the random number generator otherwise
     than inductor's kernels (which draw seeds for their own generator), so a model that draws
     random numbers (dropout) continues, after a sample, another stream than an unobserved run:
     the later unsampled steps differ too, which the note says. `called_compiled`: samples whose root forward was called from
     compiled code (the root compiled); the modules compiled inside `root` are read now (per-block
     compilation, which `call_eagerly` turns off too).
     """
+    called_compiled = 0 if calls is None else calls.total
     compiled = [] if root is None or samples == 0 else compiled_modules(root)
     if samples == 0 or (called_compiled == 0 and not compiled):
         return None
@@ -268,6 +316,20 @@ def eager_samples_note(root: nn.Module | None, samples: int, called_compiled: in
         "inductor compiled: where the model draws random numbers, a sampled step's draws "
         "(dropout masks) are not the compiled step's, and the later steps continue another "
         "random number stream than an unobserved run, so their outputs differ from it too."
+        + _fullgraph_sentence(0 if calls is None else calls.fullgraph)
+    )
+
+
+def _fullgraph_sentence(unchecked: int) -> str:
+    """What the eager-samples note adds where samples were called under fullgraph=True."""
+    if not unchecked:
+        return ""
+    return (
+        f" {plural(unchecked, 'sampled forward')} {was_were(unchecked)} called under "
+        "torch.compile(fullgraph=True), which is not checked on a forward that runs eagerly: "
+        "a graph break there raises only at the next unsampled forward (the first sample "
+        "takes it one forward later than without the observer), never while every forward "
+        "is sampled."
     )
 
 

@@ -83,6 +83,7 @@ from torchinstruments._torch_internals import (
 )
 from torchinstruments.capture import LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
+    CompiledCalls,
     ForwardEntry,
     call_eagerly,
     eager_samples_note,
@@ -192,8 +193,7 @@ class Observer:
         self.loss_scales = LossScales(config.grad_scaler, self.failed_once, self.warn_once)
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
-        # Sampled forwards called from compiled code: they ran eagerly (index.md says so).
-        self.called_compiled = 0
+        self.called_compiled = CompiledCalls()  # ran eagerly; index.md says so
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         self.gradients = GradientRecorder(
             self.measurer, self.rank, self._emit_backward, self.failed_once, self.spare
@@ -272,7 +272,7 @@ class Observer:
             finally:
                 local.depth = 0
         if paused is not None:  # called from compiled code: this sample runs eagerly
-            self.called_compiled += 1
+            self.called_compiled.add()
         try:
             return self._run_sample(sample, wrapped, args, kwargs)  # type: ignore[arg-type]
         finally:

@@ -29,6 +29,43 @@ from torchinstruments import (
 from torchinstruments.measurement.reducers import Measurer
 from torchinstruments.records import Measurement, MetricValue
 
+_CHECKOUT = Path(__file__).resolve().parents[1]
+_UNTRACKED = pytest.StashKey[set[str] | None]()
+
+
+def _untracked_in_checkout() -> set[str] | None:
+    """What `git status` would offer to add in the checkout (None outside a git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(_CHECKOUT), "status", "--porcelain", "--untracked-files=normal"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line[3:] for line in done.stdout.splitlines() if line.startswith("?? ")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_UNTRACKED] = _untracked_in_checkout()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if its tests left files in the checkout that git would offer to commit.
+
+    Why: a test whose trainer wrote its run directory into the working directory left four run
+    directories that were committed with the change that added it; tests write only under their
+    own temporary folders."""
+    before = session.config.stash.get(_UNTRACKED, None)
+    after = _untracked_in_checkout()
+    if before is None or after is None:
+        return
+    if left := sorted(after - before):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print(f"\ntests left files in the checkout (write under tmp_path): {left}", file=sys.stderr)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import joined, run_ranks
 from torch import nn
+
+from _ranks import joined, run_ranks
 
 TIMEOUT_SECONDS = 180
 CASES = ("tp-local", "tp-dtensor", "fsdp2")

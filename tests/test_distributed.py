@@ -9,9 +9,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from _ranks import joined, run_ranks
 from torch import nn
 
+from _ranks import joined, run_ranks
 from conftest import read_history
 
 

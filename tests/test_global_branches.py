@@ -17,9 +17,10 @@ import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
-from _ranks import joined, run_ranks
 from test_global_statistics import METRICS, Counting, check
 from torch import nn
+
+from _ranks import joined, run_ranks
 
 # Each step's experts by rank: expert 1 on rank 0 only; one expert each; both everywhere;
 # both everywhere, in another order on each rank.

@@ -23,11 +23,12 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import joined, run_ranks
 from test_global_statistics import check, global_rows
 from torch import nn
 
 from torchinstruments.measurement.tensors import TORCH_FUNC_NOTE
+
+from _ranks import joined, run_ranks
 
 LAYERS = ("hidden", "sparse", "nested", "act")
 

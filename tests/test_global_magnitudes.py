@@ -21,8 +21,9 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import joined, run_ranks
 from torch import nn
+
+from _ranks import joined, run_ranks
 
 FLOAT64_MAX = float(np.finfo(np.float64).max)
 LAYERS = ("tiny", "huge", "apart", "limit")

@@ -18,11 +18,12 @@ import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
-from _ranks import joined, run_ranks
 from test_global_statistics import METRICS, check
 from torch import nn
 
 from torchinstruments import reasons
+
+from _ranks import joined, run_ranks
 
 BATCHES = {0: [2, 0, 0], 1: [3, 3, 0]}  # per rank, per sample: rank 0 empty, then both empty
 

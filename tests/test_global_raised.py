@@ -19,9 +19,10 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import joined, run_ranks
 from test_global_statistics import METRICS, Raises, check
 from torch import nn
+
+from _ranks import joined, run_ranks
 
 
 def raising_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:

@@ -28,8 +28,9 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import join, joined, run_ranks
 from torch import nn
+
+from _ranks import join, joined, run_ranks
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 

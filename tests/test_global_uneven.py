@@ -22,8 +22,9 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import join, run_ranks
 from test_global_statistics import METRICS, chain, check
+
+from _ranks import join, run_ranks
 
 LIBRARY_WAIT = datetime.timedelta(seconds=5)
 # The user's own groups' timeout: longer than the library's wait (a 30-minute default in gloo).

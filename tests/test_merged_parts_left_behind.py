@@ -12,23 +12,19 @@ that let it ignore them, as in test_read_only_directory.py).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
-import pytest
 
 from torchinstruments import DEFAULT_METRICS
+
+from _permissions import prefix_fixture, run_fixture  # noqa: F401 (fixtures)
 
 STEPS = 4
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: output and gradient
 GONE = "history.parts.merged.torchinstruments-tmp"
-WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
 
 CHILD = r"""
 import json, os, sys, time, warnings
@@ -55,26 +51,6 @@ with warnings.catch_warnings(record=True) as caught:
     remove_observer(model)
 print(json.dumps([str(w.message) for w in caught]))
 """
-
-
-@pytest.fixture
-def prefix() -> list[str]:
-    """What the child's command starts with: under root, `WITHOUT_OVERRIDE`."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("permissions as on Linux")
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("under root the child needs setpriv to give up ignoring permissions")
-    return WITHOUT_OVERRIDE
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Path]:
-    """The run directory; its permissions are given back afterwards, for the cleanup."""
-    yield tmp_path / "run"
-    for folder, _, _ in os.walk(tmp_path):
-        os.chmod(folder, stat.S_IRWXU)
 
 
 def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(

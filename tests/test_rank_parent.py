@@ -13,10 +13,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from _ranks import joined, run_ranks
 from torch import nn
 
 from torchinstruments.__main__ import main
+
+from _ranks import joined, run_ranks
 
 SERIES = ["layer", "call_index", "signal", "tensor_path", "metric"]
 STEPS = 4

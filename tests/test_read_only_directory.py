@@ -12,27 +12,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
-import pytest
 
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
+from _permissions import prefix_fixture, run_fixture  # noqa: F401 (fixtures)
 from conftest import kill_when_ready, rows_in_parts, wait_for_rows
 
 SAMPLES = 45  # what CHILD takes: 5 before the change, 40 after
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
-
-# Under root: the capabilities that let root ignore permissions, dropped for the child.
-WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
 
 CHILD = r"""
 import fcntl, json, os, sys, warnings
@@ -63,26 +57,6 @@ with open(os.path.join(run, ".lock"), "rb") as lock:  # a second open file: its 
         released = False
 print(json.dumps({"warnings": [str(w.message) for w in caught], "lock_released": released}))
 """
-
-
-@pytest.fixture
-def prefix() -> list[str]:
-    """What the child's command starts with: under root, `WITHOUT_OVERRIDE`."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("permissions and flock as on Linux")
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("under root the child needs setpriv to give up ignoring permissions")
-    return WITHOUT_OVERRIDE
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Path]:
-    """The run directory; its permissions are given back afterwards, for the cleanup."""
-    yield tmp_path / "run"
-    for folder, _, _ in os.walk(tmp_path):
-        os.chmod(folder, stat.S_IRWXU)
 
 
 def run_child(prefix: list[str], run: Path) -> dict[str, object]:

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from _ranks import joined, run_ranks
 from torch import nn
 
 from torchinstruments.records import MetricValue
 
+from _ranks import joined, run_ranks
 from conftest import assert_matches_numpy, read_history
 
 

@@ -19,9 +19,9 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
 from torch import nn
 
+from _ranks import run_ranks
 from conftest import run_status
 
 WORLD_SIZE = 2

@@ -9,11 +9,13 @@ the 1 and 1 its rows alone give, so that the Attempts table adds up to the run's
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
@@ -43,8 +45,25 @@ def child_main(directory: Path, steps: int, resume: bool) -> None:
     )
     for _ in range(steps):
         net(torch.randn(2, 3)).sum().backward()
+    # Killed once TensorBoard's writer thread has put the last sample's events on disk: what
+    # the events prove is the point, and under load that thread may lag the step (`last` is the
+    # last sampled forward_index of a first attempt; a resumed one's are met already).
+    last = steps - 1 - (steps - 1) % 2
+    deadline = time.monotonic() + 60
+    while last not in event_steps(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
     print("stepped", flush=True)
     time.sleep(120)
+
+
+def event_steps(directory: Path) -> set[int]:
+    """The steps of the events on disk in the run's TensorBoard files (a record cut short by a
+    write in progress ends the read of its file)."""
+    found: set[int] = set()
+    for path in (directory / "tensorboard").glob("events.out.tfevents.*"):
+        with contextlib.suppress(Exception):
+            found.update(event.step for event in EventFileLoader(str(path)).Load())
+    return found
 
 
 def test_a_killed_attempts_row_counts_the_samples_its_events_prove(tmp_path: Path) -> None:

@@ -287,12 +287,13 @@ def eager_samples_note(
 
     Said because it changes what the rows describe: a sampled forward runs with torch.compile
     off (`call_eagerly`), so its rows, and the model's outputs and gradients on that step, are
-    those of the eager model, and fullgraph=True went unchecked on them (`CompiledCalls`). Eager random ops consume the random number generator otherwise
-    than inductor's kernels (which draw seeds for their own generator), so a model that draws
-    random numbers (dropout) continues, after a sample, another stream than an unobserved run:
-    the later unsampled steps differ too, which the note says. `called_compiled`: samples whose root forward was called from
-    compiled code (the root compiled); the modules compiled inside `root` are read now (per-block
-    compilation, which `call_eagerly` turns off too).
+    those of the eager model, and fullgraph=True went unchecked on them (`CompiledCalls`).
+    Eager random ops consume the random number generator otherwise than inductor's kernels
+    (which draw seeds for their own generator), so a model that draws random numbers (dropout)
+    continues, after a sample, another stream than an unobserved run: the later unsampled steps
+    differ too, which the note says. `calls`: the samples whose root forward was called from
+    compiled code (the root compiled); the modules compiled inside `root` are read now
+    (per-block compilation, which `call_eagerly` turns off too).
     """
     called_compiled = 0 if calls is None else calls.total
     compiled = [] if root is None or samples == 0 else compiled_modules(root)

@@ -308,7 +308,7 @@ class Observer:
             self.counter.count_recomputed()
             self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
-        schedule = self.phases.of_call()
+        schedule = self.phases.of_call() if self.phases.following else self.phases.current
         if schedule != TRAIN and self.phases.fit_ended():  # the callback removed the observer
             return _PASS_THROUGH
         if schedule in PASSED_THROUGH:

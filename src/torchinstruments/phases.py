@@ -22,9 +22,9 @@ model summary and logger graph of `example_input_array`, an `on_fit_start` hook)
 training nor evaluation: they pass through unobserved whatever `record_eval` says, counted apart, so
 an example input never joins the evaluation series nor is told as the user's evaluation.
 
-Cost: a method call and one grad-mode read per root forward (`of_call`). A callback whose trainer
-tells it of no failed end (the Hugging Face Trainer) sets `fit_over`, asked at forwards outside a
-training step only.
+Cost: two attribute reads per root forward of a plain loop; under a trainer, `of_call` (one
+grad-mode read). A callback whose trainer tells it of no failed end (the Hugging Face Trainer)
+sets `fit_over`, asked at forwards outside a training step only.
 """
 
 from __future__ import annotations

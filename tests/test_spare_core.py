@@ -153,6 +153,41 @@ def test_copies_beyond_the_cap_are_measured_at_once_and_copies_do_not_change() -
     assert results == [1.0 * SMALLEST_COPY, 2.0 * SMALLEST_COPY, 3.0 * SMALLEST_COPY]
 
 
+def test_a_finished_copys_memory_takes_the_next_copy_of_its_size_and_a_failed_ones_does_not() -> (
+    None
+):
+    """A layer's sizes repeat every sample: its next copy is written where the last one was
+    (no fresh pages), with its own values; a job that raised keeps its copy to itself (its
+    traceback may hold it)."""
+    seen: list[tuple[int, float]] = []
+
+    def job(copy: torch.Tensor) -> float:
+        seen.append((copy.data_ptr(), float(copy.double().sum())))
+        if seen[-1][1] < 0:
+            raise ValueError("refused")
+        return seen[-1][1]
+
+    spare = SpareCore()
+    with cores(len(CORES)):
+        done = [results([spare.run(job, torch.full((SMALLEST_COPY,), v))])[0] for v in (1.0, 2.0)]
+        failed = spare.run(job, torch.full((SMALLEST_COPY,), -1.0))
+        with pytest.raises(ValueError, match="refused"):
+            results([failed])
+        after = results([spare.run(job, torch.full((SMALLEST_COPY,), 3.0))])
+        half = results([spare.run(job, torch.full((2 * SMALLEST_COPY,), 4.0, dtype=torch.float16))])
+        spare.close()
+    assert done + after + half == [
+        SMALLEST_COPY * 1.0,
+        SMALLEST_COPY * 2.0,
+        SMALLEST_COPY * 3.0,
+        SMALLEST_COPY * 8.0,
+    ]
+    places = [place for place, _ in seen]
+    assert places[0] == places[1] == places[2], "each copy where the finished one was"
+    assert places[3] != places[2], "not where the failed job's copy is"
+    assert places[4] == places[3], "the same bytes, another dtype"
+
+
 def test_with_torch_on_every_core_nothing_is_copied() -> None:
     spare = SpareCore()
     tensor = torch.ones(SMALLEST_COPY)

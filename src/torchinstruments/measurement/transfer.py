@@ -180,8 +180,8 @@ def _measure(
     try:
         result = numerics.measure_on_cpu(tensor, DEFAULT_BINS if focus else None)
         raw = [result.raw[name] for name in numerics.RAW]
-    except Exception:
-        return launch_tensor(measurer, key, tensor, focus)
+    except Exception:  # a copy of the copy: its memory is reused (`SpareCore.run`)
+        return launch_tensor(measurer, key, tensor.clone(), focus)
     shape, dtype = tuple(tensor.shape), tensors.dtype_name(tensor.dtype)
     return Measured(key, stamp_ns // 1000, shape, dtype, raw, result.histogram)
 

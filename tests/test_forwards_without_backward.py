@@ -77,7 +77,8 @@ def test_generate_and_evaluation_forwards_are_not_series_without_gradients(
     history = read_history(tmp_path / "run")
     backward = set(history.filter(pl.col("signal") == "output_gradient")["sample_id"])
     assert backward == {0, 4}  # the training forwards; 6 tokens and 1 evaluation without one
-    assert set(history.filter(~pl.col("grad_enabled"))["mode"]) == {"train", "eval"}
+    # Called under no_grad: evaluation forwards, eval rows though the tokens ran in train mode.
+    assert set(history.filter(~pl.col("grad_enabled"))["mode"]) == {"eval"}
     found = page_queries(tmp_path / "run")
     no_gradient, stopped = found["no_gradient"], found["stopped"]
     assert isinstance(no_gradient, pl.DataFrame)

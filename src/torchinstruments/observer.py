@@ -103,7 +103,7 @@ from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, shown, warn
 from torchinstruments.outputs import iter_tensors
-from torchinstruments.phases import EVAL, PASSED_THROUGH, TRAIN, Phases
+from torchinstruments.phases import PASSED_THROUGH, TRAIN, Phases
 from torchinstruments.records import (
     OUTPUT,
     LayerInfo,
@@ -321,7 +321,7 @@ class Observer:
         if sample_id is None:
             return None
         try:  # held from the decision on (counting.py): released once the forward is called
-            mode = "eval" if schedule == EVAL else self.phases.train_mode  # phases.py
+            mode = self.phases.mode_of(schedule)  # phases.py
             local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
             local.sample.held = held
         except BaseException:

@@ -2,6 +2,11 @@
 
 Design decision: in a plain loop every root forward is on one schedule, the sampler's, whatever
 `model.train()` / `model.eval()` say; the `mode` column then keeps eval rows apart in every summary.
+A plain loop's root forward called with grad disabled (no_grad, inference_mode: an evaluation, each
+token of `generate()`, which leaves the model in train mode) is an evaluation forward: its rows
+have mode `eval` whatever the modules' flags, so a generated token never joins a training series
+(no backward can follow it, so it expects no gradient either). It stays on the one schedule: a
+plain loop tells the library of no phases, and forward_index is what its sampler is asked with.
 Under a trainer callback the trainer says which forwards are training ones (those inside Lightning's
 strategy `training_step` or the Hugging Face Trainer's `training_step`) and only those are on the
 sampler's schedule. Every other root forward during the fit (sanity check, validation, another
@@ -75,6 +80,13 @@ class Phases:
         self.following = False
         self.train_mode = None
         self.current = TRAIN
+
+    def mode_of(self, schedule: str) -> str | None:
+        """The mode of the rows of a sample taken on `schedule` (None: each layer's own flag).
+        Asked once per sample: a plain loop's forward under no_grad is evaluation's."""
+        if schedule == EVAL or (self.train_mode is None and not torch.is_grad_enabled()):
+            return EVAL
+        return self.train_mode
 
     def of_call(self) -> str:
         """The schedule of the root forward now starting. Under a trainer, one under no_grad

@@ -44,9 +44,9 @@ COLUMN_NOTES = {
     "step": "the trainer's global step in the Lightning and Hugging Face callbacks (optimizer "
     "steps so far), or the value a plain loop gave with torchinstruments.set_step(model, step); "
     "null otherwise",
-    "mode": '"train" or "eval": the layer\'s module.training at that call; under a trainer '
-    "callback the forward's phase (a training step's rows are train, an evaluation's eval, "
-    "whatever a module's flag)",
+    "mode": '"train" or "eval": the layer\'s module.training at that call, and eval for every '
+    "row of a root forward called with grad disabled; under a trainer callback the forward's "
+    "phase (a training step's rows are train, an evaluation's eval, whatever a module's flag)",
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '
     "raised, whose forward or backward remove_observer cut, or whose rows were only partly "
@@ -183,7 +183,13 @@ def section_meanings() -> list[str]:
         "never one with its train samples: result.json has a tensor entry per mode (`mode`), "
         "`show` and `compare` print eval rows as `name [eval]`, `plot` and `heatmap` draw them "
         "as their own line or row, and TensorBoard has their histograms under `eval/<tag>`. "
-        "That holds in a plain loop that calls model.eval() as under a trainer. The trainer "
+        "That holds in a plain loop that calls model.eval() as under a trainer. In a plain "
+        "loop a root forward called with grad disabled (torch.no_grad, inference_mode: an "
+        "evaluation, each token of `generate()`, which leaves the model in train mode) is an "
+        "evaluation forward: all its rows are eval, whatever the modules' flags, and it expects "
+        "no gradient; it is on the sampler's one schedule (forward_index) like every root "
+        "forward of a plain loop, so a generation between training steps takes samples the "
+        "sampler gives it (a sampler that picks training steps counts its tokens too). The trainer "
         "callbacks sample training forwards only: the evaluation forwards inside the fit "
         "(sanity check, validation) take no sample and forward_index does not count them "
         "(index.md's notes say how many there were), unless record_eval=True records them, on "

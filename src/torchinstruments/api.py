@@ -28,6 +28,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
+from torchinstruments.capture import fused_path_modules
 from torchinstruments.compilation import (
     compile_notes,
     compiled_original,
@@ -530,6 +531,7 @@ def _open_run(
             *scaler_notes(describe_scaler(grad_scaler)),
         ),
         grad_scaler=describe_scaler(grad_scaler),
+        fused_paths=tuple(name for name, _ in fused_path_modules(model, layers)),
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.

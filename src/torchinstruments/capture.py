@@ -77,6 +77,7 @@ __all__ = [
     "Proxies",
     "WarnOnce",
     "Wrapper",
+    "fused_path_modules",
     "install_proxy",
     "left_in_place_note",
     "restore_proxy",
@@ -281,15 +282,11 @@ class Proxies:
                 root_capture = capture
             else:
                 self.add_layer(module, info.name, capture.on_call)
-        selected = {id(module) for module, _ in layers}
-        for module in root.modules():
-            if has_fused_fast_path(module) and any(
-                id(inner) in selected for inner in module.modules() if inner is not module
-            ):
-                if module is root:
-                    self._fused_root = weakref.ref(root)
-                else:
-                    self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
+        for _, module in fused_path_modules(root, layers):
+            if module is root:
+                self._fused_root = weakref.ref(root)
+            else:
+                self.add_layer(module, "", FusedPathGuard(observer, module).on_call)
         return root_capture
 
     def root_fused_path(self) -> contextlib.AbstractContextManager[None]:
@@ -489,6 +486,21 @@ class FusedPathGuard:
             return wrapped(*args, **kwargs)
         with layer_by_layer(module):
             return wrapped(*args, **kwargs)
+
+
+def fused_path_modules(
+    root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]]
+) -> list[tuple[str, nn.Module]]:
+    """The modules (qualified name, module; the root is `""`) that could skip selected layers
+    with a fused kernel: sampled forwards run them layer by layer (`FusedPathGuard`), and
+    index.md explains that only for a run that has one (`RunInfo.fused_paths`)."""
+    selected = {id(module) for module, _ in layers}
+    return [
+        (name, module)
+        for name, module in root.named_modules()
+        if has_fused_fast_path(module)
+        and any(id(inner) in selected for inner in module.modules() if inner is not module)
+    ]
 
 
 def left_in_place_note(forwards: tuple[str, ...]) -> str:

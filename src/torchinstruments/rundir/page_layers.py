@@ -31,6 +31,26 @@ WHERE_EVERY_LAYER = (
     f"layer that never ran is 0 or absent) and {RESULT_FILE} (`sampled_forwards`)"
 )
 
+_FUSED_SHOWN = 8  # encoder layers named; the rest counted (index.md stays bounded)
+
+
+def _fused_paths(names: tuple[str, ...]) -> str:
+    """The Layers section's sentence on fused fast paths, for a run with one (else nothing)."""
+    if not names:
+        return ""
+    if names == ("",):
+        which = "(the observed model itself)"
+    else:
+        shown = ", ".join(code_span(n) if n else "the observed model" for n in names[:_FUSED_SHOWN])
+        more = len(names) - _FUSED_SHOWN
+        which = f"({shown}{f' and {more} more' if more > 0 else ''})"
+    return (
+        " In eval without gradients (no_grad, inference_mode, frozen weights), each "
+        f"`nn.TransformerEncoderLayer` holding selected layers {which} runs layer by layer in "
+        "sampled forwards (as it does when a hook is attached) instead of as one fused kernel "
+        "that would skip them; unsampled forwards keep the fused kernel."
+    )
+
 
 def _name(layer: LayerInfo | str) -> str:
     name = layer.name if isinstance(layer, LayerInfo) else layer
@@ -153,11 +173,7 @@ def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> l
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
         f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). "
-        f"{zero} In eval without gradients (no_grad, inference_mode, frozen weights), an "
-        "`nn.TransformerEncoderLayer` holding selected layers (the observed model itself "
-        "included) runs layer by layer in sampled forwards (as it does when a hook is attached) "
-        "instead of as one fused kernel that would skip them; unsampled forwards keep the fused "
-        "kernel.",
+        f"{zero}{_fused_paths(run.fused_paths)}",
         "",
     ]
     if len(run.layers) <= LISTED_LAYERS:

@@ -68,6 +68,14 @@ from torchinstruments._torch_internals import (
 )
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.shell import code_span
+
+# index.md's note on layers whose class changed after injection (`LayerCapture.retype`).
+RETYPED = (
+    "layers whose class changed after injection (a lazy module becomes its concrete class at "
+    "its first call): their rows and result.json give the class when measured: "
+)
+_RETYPED_SHOWN = 20  # layers named in that note (index.md stays bounded)
 
 __all__ = [
     "SENT_TO_A_NEW_PROCESS",
@@ -425,6 +433,9 @@ class LayerCapture:
         """One call of this layer inside `sample`: its call_index, where it raised, what it
         returned. A `borrowed` call (another thread's, `borrowed_call`) is recorded only while
         `sample` is still in flight (`samples.InFlight.record`)."""
+        module = self.module_ref()
+        if module is not None and type(module).__name__ != self.info.module_type:
+            self.retype(type(module).__name__)  # a lazy module materialised: say what it is now
         call_index = sample.next_call_index(self.info.name)
         try:
             output = wrapped(*args, **kwargs)
@@ -453,6 +464,20 @@ class LayerCapture:
         if sample is None:
             return wrapped(*args, **kwargs)
         return self.measured_call(sample, wrapped, args, kwargs, borrowed=True)
+
+    def retype(self, now: str) -> None:
+        """The layer's class changed since injection (`nn.LazyLinear` becomes `nn.Linear` at its
+        first call): its rows give the class it has when measured, and index.md says so once
+        per layer (its Layers table keeps the class at injection)."""
+        before, self.info = self.info.module_type, LayerInfo(self.info.name, now)
+        note = f"{code_span(self.info.name)} ({before} at injection, {now} when measured)"
+        notes = self.observer.notes
+        for i, said in enumerate(notes):
+            if said.startswith(RETYPED):
+                if note not in said and said.count(" when measured)") < _RETYPED_SHOWN:
+                    notes[i] = f"{said}, {note}"
+                return
+        notes.append(f"{RETYPED}{note}")
 
     def mode(self) -> str:
         """`train` or `eval`, read from the module at call time."""

@@ -504,8 +504,8 @@ def layer_lines(
     module_types = {li.name: li.module_type for li in layers}
     names = list(dict.fromkeys(li.name for li in layers))
     seen = stats.group_by("layer").agg(pl.col("module_type").last())
-    for name, module_type in seen.iter_rows():
-        module_types.setdefault(name, module_type)
+    for name, module_type in seen.iter_rows():  # the class when measured (a lazy module's)
+        module_types[name] = module_type
     names += sorted(set(module_types) - set(names))
     order = pl.DataFrame(
         {"layer": names, "_order": range(len(names)), "module_type": map(module_types.get, names)},

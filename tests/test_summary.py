@@ -83,7 +83,7 @@ def make_history(directory: Path) -> None:
                     mode=mode,
                 )
             )
-        batch.append(m(s, "nulls", {"mean": None}))
+        batch.append(m(s, "nulls", {"mean": None}, module_type="ReLU"))
         if s < 2 or s == 39:
             batch.append(m(s, "sparse", {"mean": float(s)}))
         # As if history had lost rows: from sample 30 on, `std` of `partial` has none.
@@ -194,7 +194,11 @@ def reference(history: Path, layers: tuple[LayerInfo, ...], window: int) -> list
         out.append(
             {
                 "layer": layer.name,
-                "module_type": layer.module_type,
+                # the class when last measured (a lazy module's changes), else the catalog's
+                "module_type": next(
+                    (r["module_type"] for r in reversed(rows) if r["layer"] == layer.name),
+                    layer.module_type,
+                ),
                 "sampled_forwards": len(
                     {
                         r["sample_id"]

@@ -58,7 +58,8 @@ A call of the root made during a backward pass (`checkpoint(model, x)` recomputi
 is torch's, not a root forward: it runs unobserved and is counted apart (counting.py).
 A selected layer called outside any root forward (for instance `self.encoder(x)` in a Lightning
 step when the LightningModule is the root) is not observed: it runs untouched and nothing is
-recorded; inject into the module your loop calls.
+recorded; inject into the module your loop calls. An encoder-decoder's generate() runs its encoder
+so, then hands its outputs to each token's root forward: that is said (encoder_outputs.py).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
+from torchinstruments.encoder_outputs import EncoderOutputs
 from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_statistics import keep, kept_note, open_run, sample_rows
 from torchinstruments.gradients import GradientRecorder
@@ -203,6 +205,7 @@ class Observer:
         self.step: int | None = None
         self.step_source: Callable[[], object] | None = None
         self.phases = Phases()  # which schedule a root forward is on (trainer callbacks)
+        self.encoder_outputs = EncoderOutputs(self.warn_once)  # said in index.md
 
     def install(
         self, root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]], focus: set[str]
@@ -344,6 +347,7 @@ class Observer:
         try:
             self.gradients.begin_sample(sample.sample_id, self._backward_raised)
             self.in_flight.begin(sample)
+            self.encoder_outputs.see(sample.sample_id, kwargs)  # an encoder run outside it
             self.proxies.install_layers(self.in_flight.samples.__len__, sample)
             release(held)
             with self.proxies.root_fused_path():  # a bare encoder layer observed itself
@@ -361,7 +365,8 @@ class Observer:
                 if again is not hold_signal:  # else the start's hold was never released
                     held = again
             if raised is not None:
-                self._mark(sample, raised)
+                root = LayerInfo("", self._root_type)
+                sample.mark(raised, root, self._root_mode, self.rank, self.failed_once)
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers(sample)
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted
@@ -371,18 +376,6 @@ class Observer:
             self._local.sample = None
             self._local.depth = 0
             release(held)  # a Ctrl-C held meanwhile is raised here
-
-    def _mark(self, sample: Sample, error: BaseException) -> None:
-        """Mark `sample` as interrupted by `error`, the exception its root forward raised."""
-        try:
-            root = LayerInfo("", self._root_type)
-            sample.interrupted = sample.marker_row(error, root, self._root_mode, self.rank)
-        except Exception as failure:  # the user's exception is what must propagate
-            self.failed_once(
-                "marker",
-                f"marking an interrupted sample failed: {failure!r}; sample {sample.sample_id}'s "
-                "rows are written without their `interrupted` marker",
-            )
 
     def _heal(self) -> None:
         """This thread's last sampled forward left its state behind (its end was cut by a
@@ -539,6 +532,7 @@ class Observer:
         batched = self.gradients.batched_note()
         cut = cut_note(self.cut_samples) if self.cut_samples else None
         said = (*self.gradients.gaps.notes(), batched, self.in_flight.note(), cut)
+        said = (*said, self.encoder_outputs.note())
         notes = (*self.notes, *(n for n in said if n is not None), *self.failed_once.notes())
         notes = (*notes, *self.failed_measurements.notes())
         counts = self.counter.counts(self.gradients.backward_samples, notes, so_far)

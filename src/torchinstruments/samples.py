@@ -122,6 +122,25 @@ class Sample:
             OUTPUT, reason
         )
 
+    def mark(
+        self,
+        error: BaseException,
+        root: LayerInfo,
+        root_mode: Callable[[], str],
+        rank: int | None,
+        failed_once: Callable[[str, str], None],
+    ) -> None:
+        """Mark this sample as interrupted by `error`, the exception its root forward raised
+        (`marker_row`); a failure to make the row is said, never raised over the user's error."""
+        try:
+            self.interrupted = self.marker_row(error, root, root_mode, rank)
+        except Exception as failure:  # the user's exception is what must propagate
+            failed_once(
+                "marker",
+                f"marking an interrupted sample failed: {failure!r}; sample {self.sample_id}'s "
+                "rows are written without their `interrupted` marker",
+            )
+
     def root_marker(self, root: LayerInfo, mode: str, rank: int | None, reason: str) -> Measurement:
         """The row that marks this sample for `reason`, naming `root` (cut inside the library's
         own bookkeeping, or in flight at the run's removal)."""

@@ -64,6 +64,7 @@ from torchinstruments.sinks.protocol import Sink
 
 __all__ = [
     "add_run_note",
+    "also_root",
     "check_model",
     "follow_step",
     "global_notes",
@@ -351,6 +352,16 @@ def follow_step(model: nn.Module, source: Callable[[], object] | None) -> bool:
         return False
     _OBSERVERS[key].step_source = source
     return True
+
+
+def also_root(model: nn.Module, other: nn.Module) -> bool:
+    """Make calls of `other` root forwards of `model`'s run too (until removal); False without
+    observer. For integrations: `other` shares `model`'s layers (the module accelerate's
+    compile_regions built `model` from, which a Trainer evaluates through)."""
+    key = _registered(model)
+    if key is not None:
+        _OBSERVERS[key].proxies.install_root(other, _OBSERVERS[key].on_root_call)
+    return key is not None
 
 
 def trainer_phases(model: nn.Module) -> Phases | None:

@@ -6,7 +6,8 @@ Hooks, one line each:
 
 - `on_train_begin`: inject into the model the Trainer trains (after `accelerator.prepare`, so
   any forward wrapping of mixed precision is already in place and stays inside the proxy; with
-  accelerate's regional compilation, the compiled copy the Trainer calls, `_trained_model`), and
+  accelerate's regional compilation, the compiled copy the Trainer trains, and the model it was
+  built from, which the Trainer evaluates, delimits root forwards too: `_trained_model`), and
   put the run directory into the TrainerState (below). With `fp16=True` on a GPU the
   Accelerator's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
   sample's loss scale is recorded (`loss_scale.py`).
@@ -93,7 +94,7 @@ from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
 from torchinstruments._torch_internals import on_stack
-from torchinstruments.api import add_run_note, has_observer
+from torchinstruments.api import add_run_note, also_root, has_observer
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
@@ -180,8 +181,9 @@ class HuggingFaceObserver(TrainerCallback):
         # train(resume_from_checkpoint=...) loaded the state before on_train_begin
         resuming = state.global_step > 0
         saved = _saved_run(state, self._key) if resuming else None
+        trained = _trained_model(trainer, model)
         directory = self._fit.start(
-            _trained_model(trainer, model),
+            trained,
             Path(args.output_dir or "."),
             main_process=state.is_world_process_zero,
             logger_sink=lambda: _writer_sink(trainer, state),
@@ -192,6 +194,8 @@ class HuggingFaceObserver(TrainerCallback):
             resume_step=state.global_step,
             grad_scaler=trainer_scaler(getattr(trainer, "accelerator", None)),  # fp16=True
         )
+        if directory is not None and trained is not model:  # evaluation calls `model`
+            also_root(trained, model)
         if directory is not None:
             if resuming and saved is None and not self._fit.explicit_dir:
                 self._note_unnamed_run(state.global_step)
@@ -294,7 +298,10 @@ def _trained_model(trainer: Trainer | None, model: nn.Module) -> nn.Module:
     new module of the model's class that shares its blocks, each wrapped in torch.compile, and
     keeps the model it was built from in its `__dict__` as `_orig_mod`. The Trainer trains that
     copy (`model_wrapped`) and hands callbacks the model: observing the model would see no
-    training forward. A `torch.compile(model)` wrapper (`_orig_mod` a submodule) calls the
+    training forward. It evaluates through the model (`trainer.model`), though: the callback
+    makes the model's calls root forwards of the same run (`also_root`; its layers are the
+    copy's), so evaluation inside the fit is counted, and recorded with `record_eval`, as in an
+    uncompiled fit. A `torch.compile(model)` wrapper (`_orig_mod` a submodule) calls the
     model, which is observed as it is.
     """
     wrapped = getattr(trainer, "model_wrapped", None)

@@ -15,8 +15,9 @@ from pathlib import Path
 from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_runs
 from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
+from torchinstruments.rundir.attempt_ends import unremoved_said
 from torchinstruments.rundir.finish import finalize
-from torchinstruments.rundir.index_page import bound_count, ended_unremoved
+from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
@@ -86,7 +87,7 @@ def _finalize(directory: Path) -> int:
     said = "".join(f" ({note})" for note in killed[-1:])
     if report.complete and report.interrupted:
         print(
-            f"state: interrupted: the run {ended_unremoved(report.state)}; every row it wrote is "
+            f"state: interrupted: {unremoved_said(report.state)}; every row it wrote is "
             f"in history.parquet, rows of its last flush interval may be missing (see index.md)"
             + said
         )

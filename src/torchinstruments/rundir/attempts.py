@@ -49,6 +49,13 @@ from torchinstruments.rundir.event_steps import event_steps
 IN_PROGRESS = "in progress"
 REMOVED = "removed"
 KILLED = "killed"
+# remove_observer was called and its process died in the last flush (`rundir.state.LAST_PARTS`):
+# `finalize` opens the attempt as IN_REMOVAL and closes it as KILLED_IN_LAST_FLUSH, so that no
+# reader calls an attempt whose remove_observer ran "ended without remove_observer".
+IN_REMOVAL = "in removal"
+KILLED_IN_LAST_FLUSH = "killed during removal"
+# How each open end is closed once its process is known dead (`close_attempts`).
+_CLOSED_AS = {IN_PROGRESS: KILLED, IN_REMOVAL: KILLED_IN_LAST_FLUSH}
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,11 @@ class AttemptCounts:
             count); None: unknown (a state written before it was kept, or killed before removal).
         eval_forwards: its evaluation forwards on their own schedule (`record_eval`); None:
             unknown, as for `train_forwards`.
-        ended: `"removed"` (remove_observer), `"killed"` (its process died: counted from the
-            rows it left, lower bounds) or `"in progress"`.
+        ended: `"removed"` (remove_observer), `"killed"` (its process died before
+            remove_observer: counted from the rows it left, lower bounds), `"killed during
+            removal"` (it died in remove_observer's last flush: counted as a killed one), or
+            still open: `"in progress"`, `"in removal"` (`finalize` found it killed in that
+            flush and closes it).
         sampler: the description of the sampler that chose its samples (`RunInfo.sampler` of
             that process: a restarted job may pass another); None: unknown (a state written
             before it was kept, `rundir.resume` fills what the run's own line still says).
@@ -155,11 +165,12 @@ def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
 
 
 def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[AttemptCounts, ...]:
-    """`attempts` with each one still "in progress" (its process died) counted from its rows
-    in `history` and marked killed."""
+    """`attempts` with each one still open (its process died) counted from its rows in
+    `history` and marked killed: "in progress" as killed, "in removal" as killed during
+    removal."""
     closed = []
     for entry in attempts:
-        if entry.ended == IN_PROGRESS:
+        if entry.ended in _CLOSED_AS:
             found = attempt_rows(history, entry.attempt) if history.is_file() else None
             # its root forwards began at its own first forward_index, not at its first sample's
             last = None if found is None else found.first_forward_index + found.root_forwards
@@ -168,7 +179,7 @@ def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[
                 root_forwards=0 if last is None else last - min(entry.first_forward_index, last),
                 samples=0 if found is None else found.samples,
                 backward_samples=0 if found is None else found.backward_samples,
-                ended=KILLED,
+                ended=_CLOSED_AS[entry.ended],
             )
         closed.append(entry)
     return tuple(closed)
@@ -344,7 +355,9 @@ def joined_spans(
 
 __all__ = [
     "IN_PROGRESS",
+    "IN_REMOVAL",
     "KILLED",
+    "KILLED_IN_LAST_FLUSH",
     "REMOVED",
     "AttemptCounts",
     "Continuation",

@@ -33,7 +33,14 @@ import polars as pl
 from torchinstruments import reasons
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempts import close_attempts, raise_to_events
+from torchinstruments.rundir.attempts import (
+    IN_PROGRESS,
+    IN_REMOVAL,
+    AttemptCounts,
+    attempt_notes,
+    close_attempts,
+    raise_to_events,
+)
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
@@ -465,11 +472,16 @@ def _state_to_finish(directory: Path) -> RunState:
             run_info_recovered=True,
         )
     killed_at = previous.removal_step  # killed during removal: its counts are the live run's
-    notes = previous.notes
+    notes, attempts = previous.notes, previous.attempts
     if killed_at is not None:
-        notes = (*notes, killed_in_removal(killed_at))
+        notes = (*notes, *_removal_note(attempts, killed_in_removal(killed_at)))
+    if killed_at == LAST_PARTS and attempts and attempts[-1].ended == IN_PROGRESS:
+        # remove_observer ran: its attempt closes as killed during removal, never as one that
+        # ended without it
+        attempts = (*attempts[:-1], dataclasses.replace(attempts[-1], ended=IN_REMOVAL))
     return dataclasses.replace(
         previous,
+        attempts=attempts,
         counts=None if previous.counts_recovered else previous.counts,
         # killed in removal's last flush: rows still in memory may be lost, as in any kill
         interrupted=previous.interrupted
@@ -479,6 +491,14 @@ def _state_to_finish(directory: Path) -> RunState:
         removal_step=None,
         left_behind=(),
     )
+
+
+def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, ...]:
+    """The note of a kill during removal, naming its attempt (the last) once the run has more
+    than one: it speaks of that attempt, not of the whole run (`rundir.attempts`)."""
+    if len(attempts) < 2:
+        return (note,)
+    return attempt_notes(attempts[-1].attempt, (note,))
 
 
 def mark_partly_written_sample(directory: Path, state: RunState) -> RunState:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from torchinstruments import reasons
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts, sampler_line
+from torchinstruments.rundir.attempt_ends import attempt_end, killed_before_last, unremoved_said
+from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, sampler_line
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -45,11 +46,8 @@ from torchinstruments.rundir.ranges import plural, ranges, was_were
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import (
-    LAST_PARTS,
     RunState,
     Status,
-    killed_in_removal,
-    removal_doing,
 )
 
 # What "samples with output gradients" counts: narrower than "samples a backward ran over".
@@ -74,8 +72,8 @@ def counts_sentence(state: RunState) -> str:
     killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
     if state.counts_recovered and killed and state.attempts[-1].ended == REMOVED:
         return (
-            f"counts (lower bounds: attempt(s) {ranges(killed)} of this run ended without "
-            "remove_observer, and their counts were rebuilt from what reached the disk): "
+            f"counts (lower bounds: in this run {unremoved_said(state)}, and their counts were "
+            "rebuilt from what reached the disk): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
             f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
@@ -212,26 +210,25 @@ def _section_state(state: RunState) -> list[str]:
         lines += [f"- {problem}" for problem in state.problems]
         lines += [f"- {loss.describe()}" for loss in state.losses]
         if state.interrupted:
-            lines.append(f"- {_who_ended_unremoved(state)} {ended_unremoved(state)}. {lost_bound}")
+            lines.append(f"- {unremoved_said(state)}. {lost_bound}")
         if in_flight:
             lines.append(f"- {in_flight}")
         return [*lines, ""]
     also = "" if in_flight is None else f" Also, {in_flight}."
-    killed = _killed_before_last(state)
-    if status is Status.INTERRUPTED and killed:
+    if status is Status.INTERRUPTED and killed_before_last(state):
         usual = " as usual" if in_flight is None else ""
+        said = unremoved_said(state, " (killed, crashed or preempted)")
         return [
-            f"**State: interrupted** in an earlier attempt: attempt(s) {ranges(killed)} ended "
-            "without remove_observer (killed, crashed or preempted) and were finalized when the "
+            f"**State: interrupted** in an earlier attempt: {said} and were finalized when the "
             "run was continued; every row they had written is in history.parquet, and the last "
             f"attempt was removed{usual}. {_lost_bound(_EARLIER_FLUSH)} Counts are lower "
             f"bounds.{also}",
             "",
         ]
     if status is Status.INTERRUPTED:
+        said = unremoved_said(state, " (killed, crashed or preempted)")
         return [
-            f"**State: interrupted.** The process {ended_unremoved(state, ' (killed, crashed or preempted)')}"
-            "; `finalize` merged every row it had written into history.parquet. "
+            f"**State: interrupted.** {said[0].upper()}{said[1:]}; `finalize` merged every row it had written into history.parquet. "
             f"{lost_bound} Counts are lower bounds.{also}",
             "",
         ]
@@ -265,45 +262,20 @@ def _in_flight(state: RunState) -> str | None:
     return f"{reasons.REMOVED_IN_FLIGHT}: {partial}"
 
 
-def _killed_before_last(state: RunState) -> tuple[int, ...]:
-    """The attempts that ended without remove_observer when a later attempt was removed; empty
-    for a run of one attempt or whose last attempt was killed. index.md's state line and `show`
-    name them: "the process" would read as the last attempt's, which was removed."""
-    if not state.attempts or state.attempts[-1].ended != REMOVED:
-        return ()
-    return tuple(a.attempt for a in state.attempts if a.ended == KILLED)
-
-
-def _who_ended_unremoved(state: RunState) -> str:
-    """`attempt(s) 0-1` when earlier attempts ended without remove_observer, else `the process`."""
-    killed = _killed_before_last(state)
-    return f"attempt(s) {ranges(killed)}" if killed else "the process"
-
-
 def interrupted_sentence(state: RunState) -> str:
     """`show`'s state of an interrupted run, in the words of index.md's state line: which
     attempts ended without remove_observer, and a sample in flight at the last removal."""
     in_flight = _in_flight(state)
     also = "" if in_flight is None else f"; {in_flight}"
-    killed = _killed_before_last(state)
-    if killed:
+    if killed_before_last(state):
         return (
-            f"interrupted in an earlier attempt (attempt(s) {ranges(killed)} ended without "
-            "remove_observer and were finalized when the run was continued: rows of their last "
+            f"interrupted in an earlier attempt ({unremoved_said(state)} and were finalized when the run was continued: rows of their last "
             f"flush interval may be missing; the last attempt was removed{also}; see index.md)"
         )
     return (
-        f"interrupted (finalized after the process {ended_unremoved(state)}: rows of its last flush "
+        f"interrupted (finalized after {unremoved_said(state)}: rows of its last flush "
         f"interval may be missing{also}; see index.md)"
     )
-
-
-def ended_unremoved(state: RunState, how: str = "") -> str:
-    """How the run's process ended unremoved: killed in remove_observer's last flush (the note
-    `finalize` added), else without remove_observer (`how`: by what, where said)."""
-    if any(killed_in_removal(LAST_PARTS) in note for note in state.notes):
-        return f"was killed or crashed during remove_observer, while {removal_doing(LAST_PARTS)}"
-    return f"ended without remove_observer{how}"
 
 
 def _dtype_note(state: RunState) -> list[str]:
@@ -413,7 +385,7 @@ def _section_attempts(state: RunState) -> list[str]:
             return bound_count(n) if a.counts_recovered else str(n)
 
         lines.append(
-            f"| {a.attempt} | {a.started_at} | {a.ended} | {a.first_sample_id} | "
+            f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | {a.first_sample_id} | "
             f"{a.first_forward_index} | {count(a.root_forwards)} | {count(a.samples)} | "
             f"{count(a.backward_samples)} |" + (_schedule_cells(a) if split else "")
         )
@@ -540,7 +512,6 @@ __all__ = [
     "bound_count",
     "bypass_clause",
     "counts_sentence",
-    "ended_unremoved",
     "interrupted_sentence",
     "no_sample_warning",
     "partial_in_flight",

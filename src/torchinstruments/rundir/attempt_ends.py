@@ -1,0 +1,80 @@
+"""How the attempts of a run ended, in the one set of words every reader uses.
+
+Design decision: index.md's state line, its counts line and Attempts table, `show` and
+`finalize`'s summary all say an attempt's end from here, so that none says other than another.
+An attempt whose process died in remove_observer's last flush (`rundir.state.LAST_PARTS`) had
+remove_observer called: it is "killed during removal" everywhere, never one that "ended without
+remove_observer" in one place and killed during removal in another; a plain kill of another
+attempt of the same run is still said as one. A state written before attempts kept that end
+(its entry says "killed") is read from the note `finalize` added when it closed the attempt.
+"""
+
+from __future__ import annotations
+
+from torchinstruments.rundir.attempts import (
+    IN_PROGRESS,
+    IN_REMOVAL,
+    KILLED,
+    KILLED_IN_LAST_FLUSH,
+    REMOVED,
+    AttemptCounts,
+)
+from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.state import LAST_PARTS, RunState, killed_in_removal, removal_doing
+
+__all__ = ["DURING_LAST_FLUSH", "attempt_end", "killed_before_last", "unremoved_said"]
+
+DURING_LAST_FLUSH = (
+    f"was killed or crashed during remove_observer, while {removal_doing(LAST_PARTS)}"
+)
+
+# Each end of an attempt whose process died, as killed before or during removal (an open one is
+# said as it will be closed: a finish whose merge failed left it open).
+_IN_REMOVAL = {KILLED_IN_LAST_FLUSH, IN_REMOVAL}
+_UNREMOVED = {KILLED, IN_PROGRESS, *_IN_REMOVAL}
+
+
+def attempt_end(state: RunState, entry: AttemptCounts) -> str:
+    """`entry`'s end (`AttemptCounts.ended`); a "killed" one that the state's notes say died in
+    removal's last flush (a state from before that end was kept) is "killed during removal"."""
+    if entry.ended == KILLED and _noted_in_last_flush(state, entry):
+        return KILLED_IN_LAST_FLUSH
+    return entry.ended
+
+
+def _noted_in_last_flush(state: RunState, entry: AttemptCounts) -> bool:
+    """Whether `finalize`'s note of a kill in the last flush is `entry`'s: labelled with its
+    attempt, or unlabelled (written while the attempt was the run's last) and it is the last."""
+    note = killed_in_removal(LAST_PARTS)
+    if f"attempt {entry.attempt}: {note}" in state.notes:
+        return True
+    return note in state.notes and entry.attempt == state.attempts[-1].attempt
+
+
+def killed_before_last(state: RunState) -> tuple[int, ...]:
+    """The attempts whose process died when a later attempt was removed; empty for a run of
+    one attempt or whose last attempt was not removed. The state line names them: "the
+    process" would read as the last attempt's, which was removed."""
+    if not state.attempts or state.attempts[-1].ended != REMOVED:
+        return ()
+    return tuple(a.attempt for a in state.attempts if attempt_end(state, a) in _UNREMOVED)
+
+
+def unremoved_said(state: RunState, how: str = "") -> str:
+    """Who ended unremoved and how, subject first: `the process ended without remove_observer`
+    for a run of one attempt, else each attempt whose process died, grouped by its end
+    (`attempt(s) 0 ended without remove_observer and attempt(s) 1 was killed or crashed during
+    remove_observer, ...`). `how` follows "ended without remove_observer" (by what)."""
+    plain = f"ended without remove_observer{how}"
+    if len(state.attempts) < 2:
+        noted = any(killed_in_removal(LAST_PARTS) in note for note in state.notes)
+        during = noted or any(attempt_end(state, a) in _IN_REMOVAL for a in state.attempts)
+        return f"the process {DURING_LAST_FLUSH if during else plain}"
+    ends = [(a.attempt, attempt_end(state, a)) for a in state.attempts]
+    before = [n for n, end in ends if end in _UNREMOVED and end not in _IN_REMOVAL]
+    during = [n for n, end in ends if end in _IN_REMOVAL]
+    said = [
+        *([f"attempt(s) {ranges(before)} {plain}"] if before else []),
+        *([f"attempt(s) {ranges(during)} {DURING_LAST_FLUSH}"] if during else []),
+    ]
+    return " and ".join(said) or f"the process {plain}"

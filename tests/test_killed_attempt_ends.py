@@ -1,0 +1,151 @@
+"""Every place that states how an attempt of a continued run ended says the same true thing.
+
+An attempt killed during remove_observer's last flush (its flush thread writing the last rows
+to history.parts/) was not an attempt that "ended without remove_observer": remove_observer was
+called and the process died inside it. Once a later attempt continued the run, the state
+file's attempt entry, index.md's state line, counts line and Attempts table, and `show` must
+all say so, and a plain kill of another attempt of the same run is still said as one. The
+children are this file run as a script: real processes, SIGKILLed at a known point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import run_cli
+
+STEPS = 3
+REMOVING: list[bool] = []  # the child's: remove_observer was called
+DURING = (
+    "was killed or crashed during remove_observer, while writing its last rows to history.parts/"
+)
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def child_main(directory: Path, killed_at: str, resume: bool) -> None:
+    """STEPS sampled steps into `directory`, SIGKILLed at `killed_at`: "last_flush" once
+    removal's final flush wrote the last part, "before_removal" before remove_observer."""
+    from torchinstruments.rundir.writer import HistoryWriter
+
+    flush = HistoryWriter.flush
+
+    def flushed_then_killed(self: HistoryWriter) -> None:  # the first rows flush too
+        flush(self)
+        if REMOVING:
+            _kill()
+
+    HistoryWriter.flush = flushed_then_killed
+    model = _model()
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), resume=resume)
+    for step in range(STEPS):
+        model(torch.full((2, 3), float(step + 1))).sum().backward()
+    if killed_at == "before_removal":
+        _kill()
+    REMOVING.append(True)
+    remove_observer(model)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+
+
+def _killed(directory: Path, killed_at: str, resume: bool) -> None:
+    child = subprocess.run(
+        [sys.executable, __file__, str(directory), killed_at, "resume" if resume else "new"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+
+
+def _removed_attempt(directory: Path, steps: int) -> None:
+    model = _model()
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), resume=True)
+    for step in range(steps):
+        model(torch.full((2, 3), float(step + 1))).sum().backward()
+    remove_observer(model)
+
+
+def _said(*args: str | Path) -> str:
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())
+
+
+def _page(directory: Path) -> str:
+    return " ".join((directory / "index.md").read_text("utf-8").split())
+
+
+def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_continued(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "run"
+    _killed(directory, "last_flush", resume=False)
+    _removed_attempt(directory, 2)
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert [a["ended"] for a in state["attempts"]] == ["killed during removal", "removed"]
+    assert state["status"] == "interrupted"
+    history = pl.read_parquet(directory / "history.parquet")
+    by_attempt = history.group_by("attempt").agg(pl.col("sample_id").unique().sort())
+    assert dict(by_attempt.sort("attempt").iter_rows()) == {0: [0, 1, 2], 1: [3, 4]}
+
+    page = _page(directory)
+    shown = _said("show", directory)
+    for text in (page, shown):
+        assert "ended without remove_observer" not in text
+        assert f"attempt(s) 0 {DURING}" in text
+    assert "**State: interrupted** in an earlier attempt: attempt(s) 0 was killed" in page
+    assert "state: interrupted in an earlier attempt (attempt(s) 0 was killed" in shown
+    assert "| 0 | 0 | at least 3 | at least 3 | at least 3 |" in page
+    assert "| killed during removal | 0 | 0 | at least 3 |" in page
+
+
+def test_a_plain_kill_and_a_kill_in_the_last_flush_of_one_run_are_each_said_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 is killed before remove_observer, attempt 1 in its last flush; `finalize`
+    then completes the run. Each is named with its own end, and the note the finalize adds
+    names attempt 1, not the run."""
+    directory = tmp_path / "run"
+    _killed(directory, "before_removal", resume=False)
+    _killed(directory, "last_flush", resume=True)
+    finalized = _said("finalize", directory)
+    assert "attempt 1: remove_observer did not finish the run" in finalized
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert [a["ended"] for a in state["attempts"]] == ["killed", "killed during removal"]
+    notes = [n for n in state["notes"] if "remove_observer did not finish" in n]
+    assert [n.split(":")[0] for n in notes] == ["attempt 1"]
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history.filter(pl.col("attempt") == 1)["sample_id"].unique().len() == STEPS
+
+    page = _page(directory)
+    state_line = page.split("**State: interrupted.** ")[1].split("**Note:**")[0]
+    shown = _said("show", directory).split(" model: ")[0]
+    for said in (state_line.lower(), shown):
+        assert "attempt(s) 0 ended without remove_observer" in said
+        assert f"attempt(s) 1 {DURING}" in said
+        assert "the process ended" not in said
+        assert "the process was killed or crashed during" not in said
+    assert "| killed during removal |" in page
+    assert "| killed | 0 | 0 |" in page
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")

@@ -79,3 +79,61 @@ def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
     page = (run / "index.md").read_text("utf-8")
     assert f"**Disk space:** {gone} could not be deleted after the merge" in page
     assert f"({copy:,} bytes)" in page
+
+
+FINALIZE = r"""
+import sys
+from torchinstruments.cli import main
+sys.exit(main(["finalize", sys.argv[1]]))
+"""
+
+
+def _finalize(prefix: list[str], run: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", FINALIZE, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
+    prefix: list[str], run: Path
+) -> None:
+    """The folder removal could not delete is no temporary of a write that did not finish:
+    every row in it is in history.parquet. `finalize` says what it is, whether it can delete it
+    (permissions given back) or still cannot (then index.md keeps saying where the copy is)."""
+    rows = STEPS * ROWS_PER_SAMPLE
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    gone = run / GONE
+
+    still = _finalize(prefix, run)
+    assert still.returncode == 0, still.stderr
+    assert "incomplete temporary" not in still.stdout + still.stderr
+    assert f"could not delete {gone}, the merged parts" in still.stderr
+    state = json.loads((run / ".state.json").read_text("utf-8"))
+    assert state["status"] == "complete"
+    assert [f"{gone} could not be deleted" in line for line in state["left_behind"]] == [True]
+    assert f"**Disk space:** {gone} could not be deleted" in (run / "index.md").read_text("utf-8")
+
+    gone.chmod(0o755)  # the permissions given back
+    given_back = _finalize(prefix, run)
+    assert given_back.returncode == 0, given_back.stderr
+    assert "incomplete temporary" not in given_back.stdout
+    assert (
+        f"removed {gone}, the merged parts an earlier merge could not delete (a second copy of "
+        "rows history.parquet holds)"
+    ) in given_back.stdout
+    assert not gone.exists()
+    assert pl.read_parquet(run / "history.parquet").height == rows
+    state = json.loads((run / ".state.json").read_text("utf-8"))
+    assert (state["status"], state["left_behind"]) == ("complete", [])
+    assert "**Disk space:**" not in (run / "index.md").read_text("utf-8")

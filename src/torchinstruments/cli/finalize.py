@@ -18,6 +18,7 @@ from torchinstruments.cli.text import plural
 from torchinstruments.rundir.attempt_ends import unremoved_said
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
+from torchinstruments.rundir.layout import PARTS_GONE_DIR
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
@@ -75,9 +76,7 @@ def _finalize(directory: Path) -> int:
     for path in report.removed_temporaries:
         print(_removed_line(path))
     for path, why in report.kept_temporaries:
-        print(
-            f"torchinstruments finalize: could not remove temporary {path} ({why})", file=sys.stderr
-        )
+        print(f"torchinstruments finalize: could not {_kept_line(path, why)}", file=sys.stderr)
     for line in report.state.left_behind:  # no row is missing: disk space, said once
         print(f"torchinstruments finalize: {line}", file=sys.stderr)
     if report.run_info_recovered:
@@ -100,11 +99,29 @@ def _finalize(directory: Path) -> int:
     return 0 if report.complete else 1
 
 
+# The folder of parts a merge renamed away and could not delete (a folder without write
+# permission): no write that did not finish, but a second copy of rows history.parquet holds.
+_MERGED_PARTS = (
+    "the merged parts an earlier merge could not delete (a second copy of rows "
+    "history.parquet holds)"
+)
+
+
 def _removed_line(path: Path) -> str:
-    """What finalize says of a file it deleted: the live run's disk reserve is no torn write."""
+    """What finalize says of a file it deleted: the live run's disk reserve and the merged
+    parts an earlier merge left are no torn writes."""
     if path.name == RESERVE_FILE:
         return f"removed the disk space the live run held for its final state {path}"
+    if path.name == PARTS_GONE_DIR:
+        return f"removed {path}, {_MERGED_PARTS}"
     return f"removed incomplete temporary {path}"
+
+
+def _kept_line(path: Path, why: str) -> str:
+    """What finalize says of a leftover it could not delete, after "could not"."""
+    if path.name == PARTS_GONE_DIR:
+        return f"delete {path}, {_MERGED_PARTS} ({why}); index.md says so until it is deleted"
+    return f"remove temporary {path} ({why})"
 
 
 def _finalize_ranks(parent: Path) -> int:

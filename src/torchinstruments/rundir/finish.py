@@ -259,9 +259,15 @@ def finish_run(
 def _left_behind(directory: Path, merge: MergeResult) -> tuple[str, ...]:
     """What the merge could not delete of the parts history.parquet now holds, said as index.md
     and the warning at removal say it: never a problem of the run (no row is missing), but a
-    second copy of its rows on disk that nobody would otherwise find."""
+    second copy of its rows on disk that nobody would otherwise find. The folder an earlier
+    merge left (`PARTS_GONE_DIR`) is said as long as it is there: a finish that could not
+    delete it either never drops the line."""
     lines = []
-    for path, why in merge.left_behind:
+    left = list(merge.left_behind)
+    gone = directory / PARTS_GONE_DIR  # an earlier merge's, that finalize could not delete
+    if gone.is_dir() and all(path != gone for path, _ in left):
+        left.append((gone, "left by an earlier merge, still there"))
+    for path, why in left:
         size = ""
         with contextlib.suppress(OSError):
             files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]

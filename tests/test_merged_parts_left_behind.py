@@ -137,3 +137,53 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     state = json.loads((run / ".state.json").read_text("utf-8"))
     assert (state["status"], state["left_behind"]) == ("complete", [])
     assert "**Disk space:**" not in (run / "index.md").read_text("utf-8")
+
+
+RESUMED = r"""
+import sys, warnings
+import torch
+from torch import nn
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+model = nn.Linear(4, 2)
+inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1), resume=True)
+for _ in range(int(sys.argv[2])):
+    model(torch.ones(3, 4)).sum().backward()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    remove_observer(model)
+"""
+
+
+def test_a_run_continued_beside_merged_parts_it_cannot_delete_merges_every_row(
+    prefix: list[str], run: Path
+) -> None:
+    """The next attempt's merge finds the folder the last one could not delete where it would
+    rename its own merged parts: history.parquet still gets every row and the run is complete,
+    with both copies said, never a merge said to have failed."""
+    rows = STEPS * ROWS_PER_SAMPLE
+    first = subprocess.run(
+        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert first.returncode == 0, first.stderr
+    later = subprocess.run(
+        [*prefix, sys.executable, "-c", RESUMED, str(run), "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert later.returncode == 0, later.stderr
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.group_by("attempt").len().sort("attempt").rows() == [
+        (0, rows),
+        (1, 2 * ROWS_PER_SAMPLE),
+    ]
+    state = json.loads((run / ".state.json").read_text("utf-8"))
+    assert (state["status"], state["problems"]) == ("complete", [])
+    assert [f"{run / GONE} could not be deleted" in line for line in state["left_behind"]] == [True]
+    assert not list((run / "history.parts").iterdir())

@@ -280,16 +280,19 @@ def _take_parts_away(directory: Path, parts: Sequence[Path]) -> list[tuple[Path,
     `history.parts/` sees all of them or none, never some: when the folder holds nothing else,
     it is renamed out of the way in one step (`PARTS_GONE_DIR`; `finalize` deletes a leftover
     one), then deleted. A folder that also holds an unreadable part or a file of the user's
-    keeps it, and only the merged parts are deleted, one by one. Returns what could not be
+    keeps it, and only the merged parts are deleted, one by one, as they are where an earlier
+    merge's folder could not be deleted (the rename cannot go onto it). Returns what could not be
     deleted (a folder without write permission), with why: never raised, since history.parquet
     is complete, but said, since it holds a second copy of the rows."""
     parts_dir = directory / PARTS_DIR
     if not parts_dir.is_dir():
         return []
     done = set(parts)
-    if all(entry in done for entry in parts_dir.iterdir()):
-        gone = directory / PARTS_GONE_DIR
-        shutil.rmtree(gone, ignore_errors=True)
+    gone = directory / PARTS_GONE_DIR
+    shutil.rmtree(gone, ignore_errors=True)  # an earlier merge's, if it can be deleted now
+    # one an earlier merge could not delete (no write permission) takes no rename onto it: the
+    # parts go one by one, and the finish says the folder that stays (`rundir.finish`)
+    if all(entry in done for entry in parts_dir.iterdir()) and not gone.exists():
         os.replace(parts_dir, gone)
         fsync_path(directory)
         try:

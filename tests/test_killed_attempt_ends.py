@@ -112,6 +112,7 @@ def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_contin
         assert f"attempt(s) 0 {DURING}" in text
     assert "**State: interrupted** in an earlier attempt: attempt(s) 0 was killed" in page
     assert "state: interrupted in an earlier attempt (attempt(s) 0 was killed" in shown
+    assert f"counts (lower bounds: in this run, attempt(s) 0 {DURING}, and their" in page
     assert "| 0 | 0 | at least 3 | at least 3 | at least 3 |" in page
     assert "| killed during removal | 0 | 0 | at least 3 |" in page
 

@@ -72,7 +72,7 @@ def counts_sentence(state: RunState) -> str:
     killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
     if state.counts_recovered and killed and state.attempts[-1].ended == REMOVED:
         return (
-            f"counts (lower bounds: in this run {unremoved_said(state)}, and their counts were "
+            f"counts (lower bounds: in this run, {unremoved_said(state)}, and their counts were "
             "rebuilt from what reached the disk): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "

@@ -118,7 +118,7 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     still = _finalize(prefix, run)
     assert still.returncode == 0, still.stderr
     assert "incomplete temporary" not in still.stdout + still.stderr
-    assert f"could not delete {gone}, the merged parts" in still.stderr
+    assert f"could not delete {gone}, the merged parts an earlier merge left" in still.stderr
     state = json.loads((run / ".state.json").read_text("utf-8"))
     assert state["status"] == "complete"
     assert [f"{gone} could not be deleted" in line for line in state["left_behind"]] == [True]
@@ -129,8 +129,8 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     assert given_back.returncode == 0, given_back.stderr
     assert "incomplete temporary" not in given_back.stdout
     assert (
-        f"removed {gone}, the merged parts an earlier merge could not delete (a second copy of "
-        "rows history.parquet holds)"
+        f"removed {gone}, the merged parts an earlier merge left (a second copy of rows "
+        "history.parquet holds)"
     ) in given_back.stdout
     assert not gone.exists()
     assert pl.read_parquet(run / "history.parquet").height == rows

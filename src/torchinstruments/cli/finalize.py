@@ -99,11 +99,11 @@ def _finalize(directory: Path) -> int:
     return 0 if report.complete else 1
 
 
-# The folder of parts a merge renamed away and could not delete (a folder without write
-# permission): no write that did not finish, but a second copy of rows history.parquet holds.
+# The folder of parts a merge renamed away and did not delete (a folder without write
+# permission, or a kill between the two): no write that did not finish, but a second copy of
+# rows history.parquet holds.
 _MERGED_PARTS = (
-    "the merged parts an earlier merge could not delete (a second copy of rows "
-    "history.parquet holds)"
+    "the merged parts an earlier merge left (a second copy of rows history.parquet holds)"
 )
 
 

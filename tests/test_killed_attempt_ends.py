@@ -38,7 +38,8 @@ def _kill() -> None:
 
 def child_main(directory: Path, killed_at: str, resume: bool) -> None:
     """STEPS sampled steps into `directory`, SIGKILLed at `killed_at`: "last_flush" once
-    removal's final flush wrote the last part, "before_removal" before remove_observer."""
+    removal's final flush wrote the last part, "before_removal" before remove_observer; "exit"
+    ends the script there, never calling remove_observer (the run is finished at the exit)."""
     from torchinstruments.rundir.writer import HistoryWriter
 
     flush = HistoryWriter.flush
@@ -55,6 +56,8 @@ def child_main(directory: Path, killed_at: str, resume: bool) -> None:
         model(torch.full((2, 3), float(step + 1))).sum().backward()
     if killed_at == "before_removal":
         _kill()
+    if killed_at == "exit":  # no kill: the script ends without remove_observer
+        return
     REMOVING.append(True)
     remove_observer(model)
 
@@ -70,7 +73,8 @@ def _killed(directory: Path, killed_at: str, resume: bool) -> None:
         capture_output=True,
         timeout=120,
     )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    ended = 0 if killed_at == "exit" else -signal.SIGKILL
+    assert child.returncode == ended, child.stderr.decode()
 
 
 def _removed_attempt(directory: Path, steps: int) -> None:
@@ -146,6 +150,56 @@ def test_a_plain_kill_and_a_kill_in_the_last_flush_of_one_run_are_each_said_as_t
         assert "the process was killed or crashed during" not in said
     assert "| killed during removal |" in page
     assert "| killed | 0 | 0 |" in page
+
+
+def test_an_attempt_finished_at_its_exit_is_never_said_removed(tmp_path: Path) -> None:
+    """Attempt 0's script ends without remove_observer (its run is finished at the process's
+    exit, with exact counts); attempt 1 is removed. The Attempts table and the state file say
+    attempt 0 was finished without remove_observer, as its note does, not "removed"."""
+    directory = tmp_path / "run"
+    _killed(directory, "exit", resume=False)
+    _removed_attempt(directory, 2)
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    ended = [a["ended"] for a in state["attempts"]]
+    assert ended == ["finished without remove_observer", "removed"]
+    assert [(a["samples"], a["rows"] is not None) for a in state["attempts"]] == [
+        (STEPS, True),
+        (2, True),
+    ]
+    assert (state["status"], state["counts_recovered"]) == ("complete", False)
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history.group_by("attempt").len().sort("attempt")["len"].to_list() == [
+        a["rows"] for a in state["attempts"]
+    ]
+    page = _page(directory)
+    assert "| finished without remove_observer | 0 | 0 | 3 | 3 | 3 |" in page
+    assert "attempt 0: remove_observer was not called: the run was finished at the process's" in (
+        page
+    )
+    assert "**State: complete.**" in page
+    assert "state: complete" in _said("show", directory)
+
+
+def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_removed(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "run"
+    _killed(directory, "before_removal", resume=False)
+    _killed(directory, "exit", resume=True)
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert [a["ended"] for a in state["attempts"]] == ["killed", "finished without remove_observer"]
+    page = _page(directory)
+    shown = _said("show", directory)
+    assert "the last attempt was removed" not in page + shown
+    assert (
+        "**State: interrupted** in an earlier attempt: attempt(s) 0 ended without "
+        "remove_observer (killed, crashed or preempted) and were finalized when the run was "
+        "continued; every row they had written is in history.parquet, and the last attempt was "
+        "finished without remove_observer (see its note)."
+    ) in page
+    assert "the last attempt was finished without remove_observer (see its note)" in shown
 
 
 if __name__ == "__main__":

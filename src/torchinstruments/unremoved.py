@@ -19,6 +19,8 @@ import sys
 import weakref
 from typing import Protocol
 
+from torchinstruments.rundir.attempts import UNREMOVED_NOTE
+
 __all__ = ["finalize_unremoved", "unremoved_note"]
 
 
@@ -62,7 +64,7 @@ def unremoved_note(exiting: bool) -> str:
     """index.md's note on a run finished without `remove_observer` (`exiting`: at the exit)."""
     if not exiting:
         return (
-            "remove_observer was not called: the run was finished when the observed model was "
+            f"{UNREMOVED_NOTE}: the run was finished when the observed model was "
             "garbage collected; it holds the samples taken until then."
         )
     error = _uncaught()
@@ -72,7 +74,7 @@ def unremoved_note(exiting: bool) -> str:
         what = type(error).__name__ + (f": {error}" if str(error) else "")
         how = " (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else ""
         ended = f"the process ended with an uncaught {what}{how}, and the run was finished then"
-    return f"remove_observer was not called: {ended}; it holds the samples taken until then."
+    return f"{UNREMOVED_NOTE}: {ended}; it holds the samples taken until then."
 
 
 def _uncaught() -> BaseException | None:

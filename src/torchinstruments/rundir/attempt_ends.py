@@ -12,17 +12,23 @@ attempt of the same run is still said as one. A state written before attempts ke
 from __future__ import annotations
 
 from torchinstruments.rundir.attempts import (
+    FINISHED_UNREMOVED,
     IN_PROGRESS,
     IN_REMOVAL,
     KILLED,
     KILLED_IN_LAST_FLUSH,
-    REMOVED,
     AttemptCounts,
 )
 from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.state import LAST_PARTS, RunState, killed_in_removal, removal_doing
 
-__all__ = ["DURING_LAST_FLUSH", "attempt_end", "killed_before_last", "unremoved_said"]
+__all__ = [
+    "DURING_LAST_FLUSH",
+    "attempt_end",
+    "killed_before_last",
+    "last_finished",
+    "unremoved_said",
+]
 
 DURING_LAST_FLUSH = (
     f"was killed or crashed during remove_observer, while {removal_doing(LAST_PARTS)}"
@@ -52,12 +58,20 @@ def _noted_in_last_flush(state: RunState, entry: AttemptCounts) -> bool:
 
 
 def killed_before_last(state: RunState) -> tuple[int, ...]:
-    """The attempts whose process died when a later attempt was removed; empty for a run of
-    one attempt or whose last attempt was not removed. The state line names them: "the
-    process" would read as the last attempt's, which was removed."""
-    if not state.attempts or state.attempts[-1].ended != REMOVED:
+    """The attempts whose process died when a later attempt was finished (removed, or at its
+    exit); empty for a run of one attempt or whose last attempt's process died. The state line
+    names them: "the process" would read as the last attempt's, which was finished."""
+    if len(state.attempts) < 2 or state.attempts[-1].counts_recovered:
         return ()
     return tuple(a.attempt for a in state.attempts if attempt_end(state, a) in _UNREMOVED)
+
+
+def last_finished(state: RunState) -> str:
+    """How the last attempt of a run was finished, after "the last attempt was": `removed`, or
+    finished without remove_observer (when its model was collected or at its exit)."""
+    if state.attempts and state.attempts[-1].ended == FINISHED_UNREMOVED:
+        return f"{FINISHED_UNREMOVED} (see its note)"
+    return "removed"
 
 
 def unremoved_said(state: RunState, how: str = "") -> str:

@@ -13,7 +13,9 @@ import dataclasses
 
 from torchinstruments.records import RunCounts, RunInfo
 from torchinstruments.rundir.attempts import (
+    FINISHED_UNREMOVED,
     REMOVED,
+    UNREMOVED_NOTE,
     AttemptCounts,
     Continuation,
     attempt_notes,
@@ -61,6 +63,11 @@ def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str,
     return attempt_notes(continuation.attempts[0].attempt, previous.notes)
 
 
+def _unremoved(counts: RunCounts) -> bool:
+    """Whether this attempt was finished without remove_observer (its counts carry the note)."""
+    return any(note.startswith(UNREMOVED_NOTE) for note in counts.notes)
+
+
 def job_state(
     base: RunState,
     previous: RunState | None,
@@ -76,7 +83,8 @@ def job_state(
         root_forwards=counts.root_forwards,
         samples=counts.samples,
         backward_samples=counts.backward_samples,
-        ended=REMOVED,
+        # finished without remove_observer (collected, or at the exit), its note says
+        ended=FINISHED_UNREMOVED if _unremoved(counts) else REMOVED,
         train_forwards=counts.train_forwards,
         eval_forwards=counts.eval_forwards,
         rows=rows_produced,

@@ -54,6 +54,13 @@ KILLED = "killed"
 # reader calls an attempt whose remove_observer ran "ended without remove_observer".
 IN_REMOVAL = "in removal"
 KILLED_IN_LAST_FLUSH = "killed during removal"
+# remove_observer was never called: the run was finished when the model was collected or at the
+# process's exit (`torchinstruments.unremoved`), with exact counts like a removed attempt's.
+FINISHED_UNREMOVED = "finished without remove_observer"
+# How the note begins that such an attempt's counts carry (`unremoved.unremoved_note`).
+UNREMOVED_NOTE = "remove_observer was not called"
+# The ends whose counts the attempt's own process wrote (exact).
+FINISHED = (REMOVED, FINISHED_UNREMOVED)
 # How each open end is closed once its process is known dead (`close_attempts`).
 _CLOSED_AS = {IN_PROGRESS: KILLED, IN_REMOVAL: KILLED_IN_LAST_FLUSH}
 
@@ -75,7 +82,9 @@ class AttemptCounts:
             count); None: unknown (a state written before it was kept, or killed before removal).
         eval_forwards: its evaluation forwards on their own schedule (`record_eval`); None:
             unknown, as for `train_forwards`.
-        ended: `"removed"` (remove_observer), `"killed"` (its process died before
+        ended: `"removed"` (remove_observer), `"finished without remove_observer"` (finished
+            when the model was collected or at its process's exit: exact counts too),
+            `"killed"` (its process died before
             remove_observer: counted from the rows it left, lower bounds), `"killed during
             removal"` (it died in remove_observer's last flush: counted as a killed one), or
             still open: `"in progress"`, `"in removal"` (`finalize` found it killed in that
@@ -104,7 +113,7 @@ class AttemptCounts:
     @property
     def counts_recovered(self) -> bool:
         """Whether its counts were rebuilt from its rows (its process died)."""
-        return self.ended != REMOVED
+        return self.ended not in FINISHED
 
 
 @dataclass(frozen=True)
@@ -354,11 +363,14 @@ def joined_spans(
 
 
 __all__ = [
+    "FINISHED",
+    "FINISHED_UNREMOVED",
     "IN_PROGRESS",
     "IN_REMOVAL",
     "KILLED",
     "KILLED_IN_LAST_FLUSH",
     "REMOVED",
+    "UNREMOVED_NOTE",
     "AttemptCounts",
     "Continuation",
     "attempt_notes",

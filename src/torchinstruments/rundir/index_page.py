@@ -19,8 +19,13 @@ from pathlib import Path
 
 from torchinstruments import reasons
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempt_ends import attempt_end, killed_before_last, unremoved_said
-from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, sampler_line
+from torchinstruments.rundir.attempt_ends import (
+    attempt_end,
+    killed_before_last,
+    last_finished,
+    unremoved_said,
+)
+from torchinstruments.rundir.attempts import AttemptCounts, sampler_line
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -70,7 +75,7 @@ def counts_sentence(state: RunState) -> str:
             "result.json appear at removal; read history.parts/ meanwhile)"
         )
     killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
-    if state.counts_recovered and killed and state.attempts[-1].ended == REMOVED:
+    if state.counts_recovered and killed and not state.attempts[-1].counts_recovered:
         return (
             f"counts (lower bounds: in this run, {unremoved_said(state)}, and their counts were "
             "rebuilt from what reached the disk): "
@@ -216,12 +221,12 @@ def _section_state(state: RunState) -> list[str]:
         return [*lines, ""]
     also = "" if in_flight is None else f" Also, {in_flight}."
     if status is Status.INTERRUPTED and killed_before_last(state):
-        usual = " as usual" if in_flight is None else ""
+        usual = " as usual" if in_flight is None and last_finished(state) == "removed" else ""
         said = unremoved_said(state, " (killed, crashed or preempted)")
         return [
             f"**State: interrupted** in an earlier attempt: {said} and were finalized when the "
             "run was continued; every row they had written is in history.parquet, and the last "
-            f"attempt was removed{usual}. {_lost_bound(_EARLIER_FLUSH)} Counts are lower "
+            f"attempt was {last_finished(state)}{usual}. {_lost_bound(_EARLIER_FLUSH)} Counts are lower "
             f"bounds.{also}",
             "",
         ]
@@ -270,7 +275,7 @@ def interrupted_sentence(state: RunState) -> str:
     if killed_before_last(state):
         return (
             f"interrupted in an earlier attempt ({unremoved_said(state)} and were finalized when the run was continued: rows of their last "
-            f"flush interval may be missing; the last attempt was removed{also}; see index.md)"
+            f"flush interval may be missing; the last attempt was {last_finished(state)}{also}; see index.md)"
         )
     return (
         f"interrupted (finalized after {unremoved_said(state)}: rows of its last flush "

@@ -202,5 +202,33 @@ def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_rem
     assert "the last attempt was finished without remove_observer (see its note)" in shown
 
 
+def test_finalize_run_again_keeps_the_counts_a_continued_runs_removal_wrote(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 is killed, attempt 1 (every second forward sampled, its last forward not) is
+    removed: the run's counts are lower bounds only for attempt 0's part, and attempt 1's own
+    are exact (8 root forwards in all, though history's last sampled one is forward_index 6).
+    `finalize` run again must keep them, never rebuild them lower from history, so that they
+    still add up to the Attempts table."""
+    directory = tmp_path / "run"
+    _killed(directory, "before_removal", resume=False)
+    model = _model()
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(2), resume=True)
+    for step in range(5):
+        model(torch.full((2, 3), float(step + 1))).sum().backward()
+    remove_observer(model)
+    removed = json.loads((directory / ".state.json").read_text("utf-8"))
+    history = pl.read_parquet(directory / "history.parquet")
+    assert history["forward_index"].max() == 6
+    assert removed["counts"]["root_forwards"] == 8
+    assert sum(a["root_forwards"] for a in removed["attempts"]) == 8
+
+    _said("finalize", directory)
+    again = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert again["counts"] == removed["counts"]
+    assert again["attempts"] == removed["attempts"]
+    assert "at least 8 root forwards" in _page(directory)
+
+
 if __name__ == "__main__":
     child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")

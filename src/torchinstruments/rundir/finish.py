@@ -488,7 +488,7 @@ def _state_to_finish(directory: Path) -> RunState:
     return dataclasses.replace(
         previous,
         attempts=attempts,
-        counts=None if previous.counts_recovered else previous.counts,
+        counts=previous.counts if _counts_written(previous) else None,
         # killed in removal's last flush: rows still in memory may be lost, as in any kill
         interrupted=previous.interrupted
         or (previous.status is Status.IN_PROGRESS and killed_at in (None, LAST_PARTS)),
@@ -497,6 +497,15 @@ def _state_to_finish(directory: Path) -> RunState:
         removal_step=None,
         left_behind=(),
     )
+
+
+def _counts_written(previous: RunState) -> bool:
+    """Whether a finish keeps `previous`'s counts: those its last attempt's process wrote at
+    removal (exact, or lower bounds only for earlier attempts that were killed), not those an
+    earlier finish rebuilt from history after a kill, which are rebuilt again."""
+    if not previous.counts_recovered:
+        return True
+    return bool(previous.attempts) and not previous.attempts[-1].counts_recovered
 
 
 def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, ...]:

@@ -119,6 +119,7 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     assert still.returncode == 0, still.stderr
     assert "incomplete temporary" not in still.stdout + still.stderr
     assert f"could not delete {gone}, the merged parts an earlier merge left" in still.stderr
+    assert still.stderr.count(str(gone)) == 1  # said once, with why
     state = json.loads((run / ".state.json").read_text("utf-8"))
     assert state["status"] == "complete"
     assert [f"{gone} could not be deleted" in line for line in state["left_behind"]] == [True]

@@ -77,8 +77,10 @@ def _finalize(directory: Path) -> int:
         print(_removed_line(path))
     for path, why in report.kept_temporaries:
         print(f"torchinstruments finalize: could not {_kept_line(path, why)}", file=sys.stderr)
+    kept = tuple(str(path) for path, _ in report.kept_temporaries)
     for line in report.state.left_behind:  # no row is missing: disk space, said once
-        print(f"torchinstruments finalize: {line}", file=sys.stderr)
+        if not line.startswith(kept or ("\0",)):  # the line above said it, with why
+            print(f"torchinstruments finalize: {line}", file=sys.stderr)
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")

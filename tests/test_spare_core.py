@@ -188,6 +188,24 @@ def test_a_finished_copys_memory_takes_the_next_copy_of_its_size_and_a_failed_on
     assert places[4] == places[3], "the same bytes, another dtype"
 
 
+def test_the_memory_kept_for_copies_is_bounded_and_keeps_the_sizes_used_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shapes that change every sample leave at most `MAX_BYTES_REUSED` behind: the sizes used
+    longest ago are let go first, the newest stays for the next copy of its size."""
+    monkeypatch.setattr(spare_core, "MAX_BYTES_REUSED", 3 * 4 * SMALLEST_COPY)
+    spare, sizes = SpareCore(), [SMALLEST_COPY + extra for extra in range(6)]
+    with cores(len(CORES)):
+        for size in sizes:
+            results([spare.run(lambda t: t.data_ptr(), torch.zeros(size))])
+        kept = {nbytes // 4: len(buffers) for nbytes, buffers in spare._reused.items()}
+        assert kept == {size: 1 for size in sizes[-2:]}, "two fit under the bound: the newest"
+        place = spare._reused[4 * sizes[-1]][0].ctypes.data
+        assert results([spare.run(lambda t: t.data_ptr(), torch.zeros(sizes[-1]))]) == [place]
+        spare.close()
+    assert not spare._reused, "let go at close"
+
+
 def test_with_torch_on_every_core_nothing_is_copied() -> None:
     spare = SpareCore()
     tensor = torch.ones(SMALLEST_COPY)

@@ -290,6 +290,8 @@ class SpareCore:
                 kept = self._reused.get(nbytes)
                 buffer = kept.pop() if kept else None
                 self._reused_bytes -= nbytes if buffer is not None else 0
+                if kept == []:
+                    del self._reused[nbytes]
             buffer = np.empty(nbytes, np.uint8) if buffer is None else buffer
             # A tensor made now (in the caller's inference mode or not) over kept memory.
             copy = torch.from_numpy(buffer).view(tensor.dtype).view(tensor.shape)
@@ -301,13 +303,18 @@ class SpareCore:
         return self._submit(job, copy, nbytes, buffer)
 
     def _reuse(self, buffer: np.ndarray | None) -> None:
-        """Keep a finished job's copy memory for a later copy of the same size, up to
-        `MAX_BYTES_REUSED` of them (the caller holds the lock)."""
-        if buffer is None or self._closed:
+        """Keep a finished job's copy memory for a later copy of the same size (the caller
+        holds the lock); beyond `MAX_BYTES_REUSED`, the sizes used longest ago are let go
+        first, so shapes that change every sample (a sequence length) hold nothing for long."""
+        if buffer is None or self._closed or buffer.nbytes > MAX_BYTES_REUSED:
             return
-        if self._reused_bytes + buffer.nbytes <= MAX_BYTES_REUSED:
-            self._reused.setdefault(buffer.nbytes, []).append(buffer)
-            self._reused_bytes += buffer.nbytes
+        self._reused[buffer.nbytes] = [*self._reused.pop(buffer.nbytes, ()), buffer]  # newest
+        self._reused_bytes += buffer.nbytes
+        while self._reused_bytes > MAX_BYTES_REUSED:
+            oldest = next(iter(self._reused))
+            self._reused_bytes -= self._reused[oldest].pop().nbytes
+            if not self._reused[oldest]:
+                del self._reused[oldest]
 
     def _submit(
         self, job: Callable[[Any], T], payload: Any, nbytes: int, buffer: np.ndarray

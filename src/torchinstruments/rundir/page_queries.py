@@ -30,8 +30,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.records import INTERRUPTED, RunInfo
-from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR, STATE_FILE
-from torchinstruments.rundir.merge import MERGED_PARTS_KEY
+from torchinstruments.rundir.layout import HISTORY_FILE, STATE_FILE
+from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
 
@@ -98,66 +98,7 @@ def this_run() -> Path:
 run = this_run()
 
 
-def history_of(directory: Path) -> pl.LazyFrame:
-    """A run's history: {HISTORY_FILE} once finished; while live (or after a crash), every
-    completed part, read now (removal takes the parts away once {HISTORY_FILE} holds them). A
-    continued run's attempt has both while it runs: {HISTORY_FILE} holds the earlier attempts,
-    the parts its own rows (its removal merges them in; `attempt` tells them apart here)."""
-    merged = directory / {_q(HISTORY_FILE)}
-    for _ in range(5):
-        files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
-        held = merged_parts(merged)  # read after the listing: removal deletes them after it
-        files = [f for f in files if not (f.stem[5:].isdigit() and int(f.stem[5:]) in held)]
-        if not files and merged.exists():
-            return pl.scan_parquet(merged, glob=False)
-        if not files:
-            raise SystemExit(
-                f"{{directory}}: no part written yet (the run's first sample writes the first "
-                "part right after it is taken); run this block again later"
-            )
-        try:
-            parts = readable(files, merged)
-        except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
-            continue
-        if not merged.exists():
-            return pl.concat(parts).lazy()
-        live = pl.concat(parts) if parts else None
-        if live is None or live["attempt"].min() is None:  # damaged parts, or from before attempts
-            return pl.scan_parquet(merged, glob=False)
-        first = live["attempt"].min()
-        earlier = pl.scan_parquet(merged, glob=False).filter(
-            pl.col("attempt").is_null() | (pl.col("attempt") < first)  # null: before attempts
-        )
-        return pl.concat([earlier, live.lazy()])
-    raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
-
-
-def merged_parts(merged: Path) -> set[int]:
-    """The part numbers {HISTORY_FILE} holds (its metadata lists them, e.g. "0-41,43"): while
-    removal deletes those parts, the ones still there are not read twice."""
-    if not merged.exists():
-        return set()
-    said = pl.read_parquet_metadata(merged).get({_q(MERGED_PARTS_KEY)}, "")
-    numbers = set()
-    for span in filter(None, said.split(",")):
-        first, _, last = span.partition("-")
-        numbers.update(range(int(first), int(last or first) + 1))
-    return numbers
-
-
-def readable(files: list[Path], merged: Path) -> list[pl.DataFrame]:
-    """The parts' rows, leaving out a part `finalize` left in place (index.md names it):
-    damaged, or of another version (columns other than {HISTORY_FILE}'s)."""
-    columns = list(pl.read_parquet_schema(merged)) if merged.exists() else None
-    frames = []
-    for file in files:
-        try:
-            frame = pl.read_parquet(file, glob=False)
-        except pl.exceptions.PolarsError:
-            continue
-        if columns is None or frame.columns == columns:
-            frames.append(frame)
-    return frames
+{history_functions()}
 
 
 def show(frame: pl.DataFrame, most: int | None = None) -> None:

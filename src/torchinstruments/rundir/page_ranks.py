@@ -35,12 +35,11 @@ from pathlib import Path
 
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import (
-    HISTORY_FILE,
     INDEX_FILE,
-    PARTS_DIR,
     STATE_FILE,
     write_text_atomic,
 )
+from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.recovery import load_state
@@ -177,27 +176,40 @@ import polars as pl
 parent = Path({_q(parent)})
 
 
+{history_functions()}
+
+
 def rank_history(directory: Path) -> pl.LazyFrame | None:
-    """A rank's rows: {HISTORY_FILE} once finished; while live, its completed parts, read now
-    (its removal takes the parts away once {HISTORY_FILE} holds them); None before its first."""
-    merged = directory / {_q(HISTORY_FILE)}
-    for _ in range(5):
-        if merged.exists():
-            return pl.scan_parquet(merged, glob=False)
-        files = sorted((directory / {_q(PARTS_DIR)}).glob("part-*.parquet"))
-        if not files:
-            return None
-        try:
-            return pl.read_parquet(files, glob=False).lazy()
-        except FileNotFoundError:  # removal merged them into {HISTORY_FILE} meanwhile
-            continue
-    raise SystemExit(f"{{directory}}: its history kept moving; run this block again")
+    """A rank's rows, as its own index.md reads them; None before its first part."""
+    try:
+        return history_of(directory)
+    except NoPartYet:
+        return None
 
 
-histories = [rank_history(d) for d in sorted(parent.glob("rank-*")) if d.is_dir()]
-if all(h is None for h in histories):
+def status_of(directory: Path) -> str:
+    """A rank's state as its {STATE_FILE} gives it ("in progress" also for one that died)."""
+    state = directory / {_q(STATE_FILE)}
+    if not state.is_file():
+        return "no state file"
+    return json.loads(state.read_text(encoding="utf-8"))["status"]
+
+
+rank_dirs = {{
+    int(d.name.removeprefix("rank-")): d
+    for d in sorted(parent.glob("rank-*"))
+    if d.is_dir() and d.name.removeprefix("rank-").isdigit()
+}}
+histories = {{rank: rank_history(d) for rank, d in rank_dirs.items()}}
+unread = [rank for rank, h in histories.items() if h is None]  # said, never read as no rows
+if unread:
+    print(
+        f"left out: rank {{', '.join(map(str, unread))}} wrote no part yet (in progress "
+        "before its first sample, or its process died before it); run this block again later"
+    )
+if len(unread) == len(histories):
     raise SystemExit(f"{{parent}}: no rank has written a part yet; run this block again later")
-ranks = pl.concat([h for h in histories if h is not None])  # `rank` tells the ranks apart
+ranks = pl.concat([h for h in histories.values() if h is not None])  # `rank` tells them apart
 # train and eval apart; a layer name of another module type on some rank (a pipeline split) too
 SERIES = ["layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric"]
 
@@ -213,10 +225,22 @@ def show(frame: pl.DataFrame, most: int | None = None) -> None:
 def _blocks(layer: str) -> list[tuple[str, str]]:
     return [
         (
-            "Samples and rows per rank (a rank that sampled less, or stopped, shows here):",
-            """per_rank = (
-    ranks.group_by("rank")
-    .agg(samples=pl.col("sample_id").n_unique(), last_sample=pl.col("sample_id").max(), rows=pl.len())
+            "Samples and rows per rank, as read at setup (a rank that sampled less, or stopped, "
+            "shows here; a rank with no part yet has 0 rows read; `state` is its state file's: "
+            '"in progress" also for a rank whose process died):',
+            """states = pl.LazyFrame(
+    {"rank": list(rank_dirs), "state": [status_of(d) for d in rank_dirs.values()]},
+    schema={"rank": pl.Int32, "state": pl.String},
+)
+per_rank = (
+    states.join(
+        ranks.group_by("rank").agg(
+            samples=pl.col("sample_id").n_unique(), last_sample=pl.col("sample_id").max(), rows=pl.len()
+        ),
+        on="rank",
+        how="left",
+    )
+    .with_columns(pl.col("samples", "rows").fill_null(0))  # no part yet: none of its rows read
     .sort("rank")
     .collect()
 )

@@ -1,0 +1,84 @@
+"""The ready queries of a parent's index.md run while a rank is live: a rank's continued attempt
+in progress is read with its earlier attempts (its parts beside its history.parquet), and a
+rank that has written no part yet is named as left out and listed with its state, never
+dropped from the per-rank summary as if it did not exist. Real observers (the launcher's RANK
+and WORLD_SIZE); what the queries print is checked against the files read with Polars."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import polars as pl
+from test_rank_parent_live_readers import ROWS_PER_PART, observe
+
+from torchinstruments import remove_observer
+
+from conftest import wait_for_rows
+
+
+def page_blocks(parent: Path) -> list[str]:
+    return re.findall(
+        r"```python\n(.*?)```", (parent / "index.md").read_text(encoding="utf-8"), re.DOTALL
+    )
+
+
+def setup_and_per_rank(parent: Path) -> tuple[str, pl.DataFrame]:
+    """The setup block's output and the per-rank block's table, run as printed."""
+    setup, per_rank = page_blocks(parent)[:2]
+    scope: dict[str, object] = {}
+    said, table = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(said):
+        exec(compile(setup, "setup", "exec"), scope)
+    with contextlib.redirect_stdout(table):
+        exec(compile(per_rank, "per rank", "exec"), scope)
+    return said.getvalue(), pl.read_csv(io.StringIO(table.getvalue()))
+
+
+def test_the_parent_queries_read_a_continued_ranks_live_attempt_with_its_earlier_ones(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "stats"
+    remove_observer(observe(parent, 0, forwards=3))  # finished: writes the parent's index.md
+    remove_observer(observe(parent, 1, forwards=3))
+    live = observe(parent, 1, resume=True, forwards=2)  # samples 3-4, in parts while live
+    try:
+        rank_dir = parent / "rank-001"
+        wait_for_rows(rank_dir, 2 * ROWS_PER_PART)
+        # Independently: the earlier attempt in history.parquet, this one in its parts.
+        earlier = pl.read_parquet(rank_dir / "history.parquet")
+        parts = pl.read_parquet(sorted((rank_dir / "history.parts").glob("part-*.parquet")))
+        assert earlier.height == parts.height + ROWS_PER_PART == 3 * ROWS_PER_PART
+        _, per_rank = setup_and_per_rank(parent)
+        assert per_rank.rows(named=True) == [
+            {"rank": 0, "state": "complete", "samples": 3, "last_sample": 2, "rows": 54},
+            {"rank": 1, "state": "in progress", "samples": 5, "last_sample": 4, "rows": 90},
+        ]
+        assert sorted(parts["sample_id"].unique()) == [3, 4]
+    finally:
+        remove_observer(live)
+
+
+def test_the_parent_queries_name_a_rank_without_a_part_and_list_it_with_its_state(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "stats"
+    remove_observer(observe(parent, 0, forwards=3))
+    waiting = observe(parent, 1, forwards=0)  # injected, no sample taken yet
+    try:
+        assert not (parent / "rank-001" / "history.parts").exists() or not list(
+            (parent / "rank-001" / "history.parts").iterdir()
+        )
+        said, per_rank = setup_and_per_rank(parent)
+        assert said == (
+            "left out: rank 1 wrote no part yet (in progress before its first sample, or its "
+            "process died before it); run this block again later\n"
+        )
+        assert per_rank.rows(named=True) == [
+            {"rank": 0, "state": "complete", "samples": 3, "last_sample": 2, "rows": 54},
+            {"rank": 1, "state": "in progress", "samples": 0, "last_sample": None, "rows": 0},
+        ]
+    finally:
+        remove_observer(waiting)

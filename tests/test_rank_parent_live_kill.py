@@ -1,0 +1,153 @@
+"""Readers of a directory of rank runs while its ranks write, on a real gloo group of 3 ranks on
+127.0.0.1: rank 0 has finished (the parent's index.md is written), rank 1 goes on writing a part
+per sample, and rank 2 was killed with SIGKILL after its third sample reached the disk. Every
+reader, read again and again while rank 1 writes (index.md's blocks run as printed, `show`,
+`compare`, a plain scan of the parts' glob), answers without failing, and each says where a
+rank stands: finished, in progress, or interrupted (the per-rank query: its state file's
+"in progress", with the 3 samples it wrote)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+)
+
+from _ranks import TIMEOUT_SECONDS, free_port, joined
+from conftest import cli_in_process, wait_for_rows
+
+ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its output gradient
+WORLD = 3
+READS = 8
+
+
+def rank_main(rank: int, world_size: int, port: int, parent: str, signals: str) -> None:
+    """Rank 0: 3 samples, then removal. Rank 2: 3 samples on disk, then SIGKILL. Rank 1: 3
+    samples, says so, then a sample every few milliseconds until the test says stop."""
+    with joined(rank, world_size, port):
+        torch.manual_seed(rank)
+        model = nn.Linear(4, 4)
+        inject_observer(
+            model,
+            output_dir=parent,
+            sampler=EveryNForwardsSampler(1),
+            history_config=HistoryConfig(buffer_rows=ROWS_PER_SAMPLE),
+            rank_policy="all",
+        )
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+        wait_for_rows(Path(parent) / f"rank-{rank:03d}", 3 * ROWS_PER_SAMPLE)
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1:
+            (Path(signals) / "writing").touch()
+            deadline = time.monotonic() + TIMEOUT_SECONDS
+            while not (Path(signals) / "stop").exists() and time.monotonic() < deadline:
+                model(torch.randn(2, 4)).sum().backward()
+                time.sleep(0.005)
+        remove_observer(model)
+
+
+def run_page(parent: Path) -> tuple[str, pl.DataFrame]:
+    """Every block of the parent's index.md, as printed: the setup's output, the per-rank table."""
+    text = (parent / "index.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    scope: dict[str, object] = {}
+    outputs = []
+    for block in blocks:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(block, "index.md", "exec"), scope)
+        outputs.append(out.getvalue())
+    return outputs[0], pl.read_csv(io.StringIO(outputs[1]))
+
+
+def wait_until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while not done():
+        assert time.monotonic() < deadline, f"{what} not within {TIMEOUT_SECONDS} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_rank_stands(
+    tmp_path: Path,
+) -> None:
+    parent, signals = tmp_path / "stats", tmp_path / "signals"
+    signals.mkdir()
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=rank_main, args=(rank, WORLD, port, str(parent), str(signals)))
+        for rank in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        wait_until(lambda: not processes[0].is_alive() and not processes[2].is_alive(), "0, 2")
+        wait_until(lambda: (signals / "writing").exists(), "rank 1 writing")
+        assert [processes[0].exitcode, processes[2].exitcode] == [0, -signal.SIGKILL]
+        seen_rows: list[int] = []
+        for _ in range(READS):
+            said, per_rank = run_page(parent)
+            assert said == ""
+            assert per_rank.select("rank", "state").rows() == [
+                (0, "complete"),
+                (1, "in progress"),
+                (2, "in progress"),  # its state file's: its process died
+            ]
+            assert per_rank.filter(pl.col("rank") != 1)["samples"].to_list() == [3, 3]
+            assert per_rank.filter(pl.col("rank") != 1)["rows"].to_list() == [54, 54]
+            live = per_rank.row(1, named=True)
+            assert live["samples"] >= 3
+            assert live["last_sample"] == live["samples"] - 1
+            shown = cli_in_process("show", parent, "--width", "200")
+            assert shown.returncode == 0, shown.stderr
+            assert "rank 0: complete" in shown.stdout
+            assert "rank 1: in progress" in shown.stdout
+            assert "rank 2: interrupted: not finished, and no process holds" in shown.stdout
+            compared = cli_in_process("compare", parent, "--width", "200")
+            assert compared.returncode == 0, compared.stderr
+            assert "rank 2: interrupted: not finished" in compared.stdout
+            parts = sorted(parent.glob("rank-*/history.parts/*.parquet"))
+            rows = pl.scan_parquet(parts, glob=False).select(pl.len()).collect().item()
+            assert not seen_rows or rows >= seen_rows[-1]  # parts only ever added
+            seen_rows.append(rows)
+        (signals / "stop").touch()
+        processes[1].join(TIMEOUT_SECONDS)
+        assert processes[1].exitcode == 0
+    finally:
+        (signals / "stop").touch()
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    # The page rank 1's removal wrote: rank 1 finished, rank 2 still as its state file says.
+    said, per_rank = run_page(parent)
+    assert said == ""
+    own = pl.read_parquet(parent / "rank-001" / "history.parquet")
+    assert per_rank.select("rank", "state", "samples").rows() == [
+        (0, "complete", 3),
+        (1, "complete", own["sample_id"].n_unique()),
+        (2, "in progress", 3),
+    ]
+    assert "| 2 | `rank-002/` | in progress | - | - |" in (parent / "index.md").read_text()

@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 
 import polars as pl
+import pytest
 from test_rank_parent_live_readers import ROWS_PER_PART, observe
+from torch import nn
 
-from torchinstruments import remove_observer
+from torchinstruments import inject_observer, remove_observer
 
 from conftest import wait_for_rows
 
@@ -81,4 +83,42 @@ def test_the_parent_queries_name_a_rank_without_a_part_and_list_it_with_its_stat
             {"rank": 1, "state": "in progress", "samples": 0, "last_sample": None, "rows": 0},
         ]
     finally:
+        remove_observer(waiting)
+
+
+def test_a_ranks_ranks_query_reads_a_live_continued_rank_and_names_a_rank_without_a_part(
+    tmp_path: Path,
+) -> None:
+    """The "Ranks" query of a rank's own index.md reads every rank as `history_of` does: a
+    continued rank's live attempt with its earlier ones (not its history.parquet alone), and a
+    rank with no part yet named as left out."""
+    parent = tmp_path / "stats"
+    remove_observer(observe(parent, 0, forwards=3))
+    remove_observer(observe(parent, 1, forwards=3))
+    live = observe(parent, 1, resume=True, forwards=2)
+    waiting = nn.Linear(4, 4)
+    with pytest.MonkeyPatch.context() as env:  # a third rank, injected, no sample taken yet
+        env.setenv("RANK", "2")
+        env.setenv("WORLD_SIZE", "3")
+        inject_observer(waiting, output_dir=parent, rank_policy="all")
+    try:
+        wait_for_rows(parent / "rank-001", 2 * ROWS_PER_PART)
+        page = parent / "rank-000" / "index.md"
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
+        scope: dict[str, object] = {}
+        said = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(blocks[0], str(page), "exec"), scope)
+        with contextlib.redirect_stdout(said):
+            exec(compile(next(b for b in blocks if "rank-*" in b), str(page), "exec"), scope)
+        assert said.getvalue().splitlines()[0] == (
+            "left out: rank-002 wrote no part yet (in progress before its first sample, or its "
+            "process died before it)"
+        )
+        by_rank = scope["by_rank"]
+        assert isinstance(by_rank, pl.DataFrame)
+        samples = dict(by_rank.group_by("rank").agg(pl.col("samples").max()).iter_rows())
+        assert samples == {0: 3, 1: 5}
+    finally:
+        remove_observer(live)
         remove_observer(waiting)

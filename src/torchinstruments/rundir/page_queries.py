@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.records import INTERRUPTED, RunInfo
-from torchinstruments.rundir.layout import HISTORY_FILE, STATE_FILE
+from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
@@ -376,12 +376,25 @@ def section_queries(run: RunInfo) -> list[str]:
     if run.rank is not None and run.rank_policy == "all":
         parent = Path(run.output_dir).parent.as_posix()
         lines += [
-            "Compare the ranks that have finished (every row carries its rank; after setup): "
+            "Compare the ranks (every row carries its rank; after setup; each read as "
+            "`history_of` reads a run, a live one as far as it has written, and one with no "
+            "part yet named as left out): "
             "each rank's mean over its samples of every series (layer, call, signal, tensor "
             "path, mode, metric; a train and an eval series apart), ranks side by side:",
             "",
             "```python",
-            f"""ranks = pl.scan_parquet(sorted(Path({_q(parent)}).glob("rank-*/{HISTORY_FILE}")), glob=False)
+            f"""rank_histories, left_out = [], []
+for directory in sorted(d for d in Path({_q(parent)}).glob("rank-*") if d.is_dir()):
+    try:
+        rank_histories.append(history_of(directory))  # a live rank: what it has written
+    except NoPartYet:  # said, never read as a rank without rows
+        left_out.append(directory.name)
+if left_out:
+    print(
+        f"left out: {{', '.join(left_out)}} wrote no part yet (in progress before its first "
+        "sample, or its process died before it)"
+    )
+ranks = pl.concat(rank_histories)
 series = [{series}]
 by_rank = (
     ranks.group_by("rank", *series)

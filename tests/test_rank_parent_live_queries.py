@@ -13,6 +13,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 from test_rank_parent_live_readers import ROWS_PER_PART, observe
 from torch import nn
 
@@ -122,3 +123,29 @@ def test_a_ranks_ranks_query_reads_a_live_continued_rank_and_names_a_rank_withou
     finally:
         remove_observer(live)
         remove_observer(waiting)
+
+
+def test_the_parent_queries_list_a_rank_the_world_size_expects_but_no_directory_holds(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 of 3 never attached: the setup names it, and the per-rank query lists it with
+    counts unknown (null), not as 0 samples, nor leaves it out."""
+    parent = tmp_path / "stats"
+    for rank in (0, 1):
+        model = nn.Linear(4, 4)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RANK", str(rank))
+            env.setenv("WORLD_SIZE", "3")
+            inject_observer(model, output_dir=parent, rank_policy="all")
+        model(torch.randn(2, 4)).sum().backward()
+        remove_observer(model)
+    said, per_rank = setup_and_per_rank(parent)
+    assert said == (
+        "missing: no directory for rank 2 (it never attached, or wrote elsewhere): what it saw "
+        "is unknown\n"
+    )
+    assert per_rank.rows(named=True) == [
+        {"rank": 0, "state": "complete", "samples": 1, "last_sample": 0, "rows": 18},
+        {"rank": 1, "state": "complete", "samples": 1, "last_sample": 0, "rows": 18},
+        {"rank": 2, "state": "no directory", "samples": None, "last_sample": None, "rows": None},
+    ]

@@ -24,6 +24,11 @@ Design decisions:
   on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
   never one series; and on its module type, as `compare PARENT` and `show PARENT` do: a layer
   name that is another module on some rank (a pipeline split) is a series of its own there.
+- Its setup block reads each rank with the functions of a rank's own page (`page_history`), so
+  a live rank, a continued rank's live attempt or one whose removal is merging its parts is
+  read as its own page reads it; a rank with no part yet is named as left out, a rank the world
+  size expects but no directory holds as missing, and the per-rank query lists both (0 rows
+  read; counts unknown): a live reader is never shown fewer ranks than there are, silently.
 """
 
 from __future__ import annotations
@@ -187,12 +192,11 @@ def rank_history(directory: Path) -> pl.LazyFrame | None:
         return None
 
 
-def status_of(directory: Path) -> str:
-    """A rank's state as its {STATE_FILE} gives it ("in progress" also for one that died)."""
+def state_of(directory: Path) -> dict | None:
+    """A rank's {STATE_FILE} (None before it has one): its status ("in progress" also for a
+    rank whose process died) and its run's world size."""
     state = directory / {_q(STATE_FILE)}
-    if not state.is_file():
-        return "no state file"
-    return json.loads(state.read_text(encoding="utf-8"))["status"]
+    return json.loads(state.read_text(encoding="utf-8")) if state.is_file() else None
 
 
 rank_dirs = {{
@@ -200,6 +204,14 @@ rank_dirs = {{
     for d in sorted(parent.glob("rank-*"))
     if d.is_dir() and d.name.removeprefix("rank-").isdigit()
 }}
+rank_states = {{rank: state_of(d) for rank, d in rank_dirs.items()}}
+world_size = max((s["run"].get("world_size") or 0 for s in rank_states.values() if s), default=0)
+no_directory = [rank for rank in range(world_size) if rank not in rank_dirs]
+if no_directory:
+    print(
+        f"missing: no directory for rank {{', '.join(map(str, no_directory))}} (it never "
+        "attached, or wrote elsewhere): what it saw is unknown"
+    )
 histories = {{rank: rank_history(d) for rank, d in rank_dirs.items()}}
 unread = [rank for rank, h in histories.items() if h is None]  # said, never read as no rows
 if unread:
@@ -226,10 +238,15 @@ def _blocks(layer: str) -> list[tuple[str, str]]:
     return [
         (
             "Samples and rows per rank, as read at setup (a rank that sampled less, or stopped, "
-            "shows here; a rank with no part yet has 0 rows read; `state` is its state file's: "
+            "shows here; a rank with no part yet has 0 rows read, one the world size expects but no "
+            "directory holds is listed, its counts unknown; `state` is its state file's: "
             '"in progress" also for a rank whose process died):',
             """states = pl.LazyFrame(
-    {"rank": list(rank_dirs), "state": [status_of(d) for d in rank_dirs.values()]},
+    {
+        "rank": [*rank_dirs, *no_directory],
+        "state": [s["status"] if s else "no state file" for s in rank_states.values()]
+        + ["no directory"] * len(no_directory),
+    },
     schema={"rank": pl.Int32, "state": pl.String},
 )
 per_rank = (
@@ -240,7 +257,9 @@ per_rank = (
         on="rank",
         how="left",
     )
-    .with_columns(pl.col("samples", "rows").fill_null(0))  # no part yet: none of its rows read
+    .with_columns(  # no part yet: none of its rows read; no directory: unknown (null)
+        pl.col("samples", "rows").fill_null(pl.when(pl.col("state") != "no directory").then(0))
+    )
     .sort("rank")
     .collect()
 )

@@ -1,8 +1,10 @@
 """The ready queries of a parent's index.md run while a rank is live: a rank's continued attempt
 in progress is read with its earlier attempts (its parts beside its history.parquet), and a
 rank that has written no part yet is named as left out and listed with its state, never
-dropped from the per-rank summary as if it did not exist. Real observers (the launcher's RANK
-and WORLD_SIZE); what the queries print is checked against the files read with Polars."""
+dropped from the per-rank summary as if it did not exist; a rank the world size expects but no
+directory holds is listed with counts unknown. A rank's own "Ranks" query reads the ranks the
+same way. Real observers (the launcher's RANK and WORLD_SIZE); what the queries print is
+checked against the files read with Polars."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ and a sample whose scale no save held reads as unknown (null), never as an earli
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pytest
 import torch
 from test_loss_scale import python_blocks, scaled_step
 
@@ -130,9 +132,32 @@ def kill_child(directory: Path, reported: Path, attempt: int = 0) -> list[float 
     return scales
 
 
-def test_loss_scales_of_a_killed_run_unscale_its_rows_after_finalize(tmp_path: Path) -> None:
-    directory = tmp_path / "stats"
-    scales = kill_child(directory, tmp_path / "scales.txt")
+@pytest.fixture(scope="module")
+def killed_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float | None]]:
+    """One first attempt killed with SIGKILL: a pristine copy of its run directory, and the
+    scales its child reported. The tests differ only in what they do after the kill, and a
+    child (a fresh interpreter importing torch) is the slow part."""
+    root = tmp_path_factory.mktemp("killed")
+    scales = kill_child(root / "stats", root / "scales.txt")
+    shutil.copytree(root / "stats", root / "pristine", symlinks=True)
+    return root, scales
+
+
+@pytest.fixture
+def killed_run(killed_once: tuple[Path, list[float | None]]) -> tuple[Path, list[float | None]]:
+    """The killed run directory as the kill left it, at the path it was killed in (its state
+    file and index.md name that path, and the loss-scale query reads it), and its scales."""
+    root, scales = killed_once
+    directory = root / "stats"
+    shutil.rmtree(directory)
+    shutil.copytree(root / "pristine", directory, symlinks=True)
+    return directory, list(scales)
+
+
+def test_loss_scales_of_a_killed_run_unscale_its_rows_after_finalize(
+    killed_run: tuple[Path, list[float | None]],
+) -> None:
+    directory, scales = killed_run
     finalize(directory)
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
@@ -145,11 +170,12 @@ def test_loss_scales_of_a_killed_run_unscale_its_rows_after_finalize(tmp_path: P
     assert_unscaled_by(directory, scales)
 
 
-def test_samples_after_the_last_saved_scale_read_as_unknown(tmp_path: Path) -> None:
+def test_samples_after_the_last_saved_scale_read_as_unknown(
+    killed_run: tuple[Path, list[float | None]],
+) -> None:
     """Killed after rows reached the disk whose scales no save held yet: the state file as an
     earlier save wrote it (scales of samples 0-3), then finalize."""
-    directory = tmp_path / "stats"
-    scales = kill_child(directory, tmp_path / "scales.txt")
+    directory, scales = killed_run
     state_file = directory / ".state.json"
     state = json.loads(state_file.read_text("utf-8"))
     kept = [span for span in state["loss_scales"] if span["first_sample_id"] < 4]
@@ -161,9 +187,10 @@ def test_samples_after_the_last_saved_scale_read_as_unknown(tmp_path: Path) -> N
     assert "samples 4 on: not recorded." in page
 
 
-def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(tmp_path: Path) -> None:
-    directory = tmp_path / "stats"
-    scales = kill_child(directory, tmp_path / "scales.txt")
+def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(
+    killed_run: tuple[Path, list[float | None]],
+) -> None:
+    directory, scales = killed_run
     model = mlp(16, 2)
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -177,9 +204,10 @@ def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(tmp_path: P
     assert_unscaled_by(directory, scales)
 
 
-def test_a_resumed_attempt_killed_too_keeps_both_attempts_scales(tmp_path: Path) -> None:
-    directory = tmp_path / "stats"
-    scales = kill_child(directory, tmp_path / "first.txt")
+def test_a_resumed_attempt_killed_too_keeps_both_attempts_scales(
+    killed_run: tuple[Path, list[float | None]], tmp_path: Path
+) -> None:
+    directory, scales = killed_run
     scales += kill_child(directory, tmp_path / "second.txt", attempt=1)
     finalize(directory)
     assert_unscaled_by(directory, scales)

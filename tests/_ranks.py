@@ -1,5 +1,6 @@
 """Real gloo ranks on 127.0.0.1 for the tests that need a process group: one spawned process
-per rank (`run_ranks`), each joined to the group for the test's work (`joined`).
+per rank (`run_ranks`), each joined to the group for the test's work (`joined`); several
+scenarios of a file may share one process per rank (`run_ranks_in_sequence`).
 
 A spawned process imports the test's module afresh, so a rank's function is a module-level
 function; it reports by writing files (JSON, run directories) the test reads back after every
@@ -71,3 +72,29 @@ def run_ranks(
             process.kill()
             pytest.fail(f"rank process {process.pid} did not finish in {timeout_s} s")
         assert process.exitcode == 0, f"rank process {process.pid} exited {process.exitcode}"
+
+
+Scenario = tuple[Callable[..., None], tuple[object, ...]]
+
+
+def _in_sequence(rank: int, world_size: int, port: int, plan: list[tuple[Scenario, int]]) -> None:
+    """Each scenario's `target(rank, world_size, its_port, *args)`, in order (`port`, the one
+    `run_ranks` chose, is not used)."""
+    for (target, args), own_port in plan:
+        target(rank, world_size, own_port, *args)
+
+
+def run_ranks_in_sequence(
+    scenarios: list[Scenario], *, world_size: int = 2, timeout_s: float = TIMEOUT_SECONDS
+) -> None:
+    """`run_ranks` for each `(target, args)` of `scenarios`, all in one spawned process per
+    rank, one after the other, each joined on a port of its own. Why: a spawned rank is a fresh
+    interpreter that imports torch, seconds per process, while a scenario that destroys its
+    group and removes its observer leaves nothing the next one meets."""
+    with contextlib.ExitStack() as held:  # held open together: the ports differ
+        sockets = [held.enter_context(socket.socket()) for _ in scenarios]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in sockets]
+    plan = list(zip(scenarios, ports, strict=True))
+    run_ranks(_in_sequence, plan, world_size=world_size, timeout_s=timeout_s * len(scenarios))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from _ranks import joined, run_ranks
+from _ranks import joined, run_ranks_in_sequence
 from conftest import read_history
 
 
@@ -41,15 +41,28 @@ def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) 
         )
 
 
-def run_two_ranks(tmp_path: Path, policy: str) -> Path:
-    output_dir = tmp_path / "stats"
-    output_dir.mkdir()
-    run_ranks(worker, policy, str(output_dir))
-    return output_dir
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One pair of ranks for the file's scenarios, one after the other, each in a group of its
+    own (a pair of spawned ranks takes seconds): first `late_group_worker` (in processes that
+    never had a group before it) into `root/late`, then `worker` under each rank policy into
+    `root/<policy>/stats`."""
+    root = tmp_path_factory.mktemp("pair")
+    (root / "late").mkdir()
+    for policy in ("rank0", "all"):
+        (root / policy / "stats").mkdir(parents=True)
+    run_ranks_in_sequence(
+        [
+            (late_group_worker, (str(root / "late"),)),
+            (worker, ("rank0", str(root / "rank0" / "stats"))),
+            (worker, ("all", str(root / "all" / "stats"))),
+        ]
+    )
+    return root
 
 
-def test_rank0_policy_attaches_nothing_on_rank1(tmp_path: Path) -> None:
-    output_dir = run_two_ranks(tmp_path, "rank0")
+def test_rank0_policy_attaches_nothing_on_rank1(pair: Path) -> None:
+    output_dir = pair / "rank0" / "stats"
     assert (output_dir / "report-1.txt").read_text() == "False False None None"
     assert (output_dir / "report-0.txt").read_text() == f"True True {output_dir} {output_dir}"
     assert not any(output_dir.glob("rank-*"))
@@ -58,8 +71,8 @@ def test_rank0_policy_attaches_nothing_on_rank1(tmp_path: Path) -> None:
     assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
 
 
-def test_all_policy_writes_one_complete_directory_per_rank(tmp_path: Path) -> None:
-    output_dir = run_two_ranks(tmp_path, "all")
+def test_all_policy_writes_one_complete_directory_per_rank(pair: Path) -> None:
+    output_dir = pair / "all" / "stats"
     for rank in range(2):
         directory = output_dir / f"rank-{rank:03d}"
         for artifact in ("history.parquet", "result.json", "index.md", "tensorboard"):
@@ -113,11 +126,11 @@ def late_group_worker(rank: int, world_size: int, port: int, output_dir: str) ->
     Path(output_dir, f"warnings-{rank}.txt").write_text("\n".join(str(w.message) for w in caught))
 
 
-def test_a_run_placed_before_the_process_group_existed_says_so(tmp_path: Path) -> None:
+def test_a_run_placed_before_the_process_group_existed_says_so(pair: Path) -> None:
     """Injected before init_process_group and without the launcher's environment, a process
     cannot know its rank: its run is a single process's (rank null, output_dir itself). Once
     it is rank r of a group, the run says so at removal (a warning and index.md), with the fix."""
-    run_ranks(late_group_worker, str(tmp_path))
+    tmp_path = pair / "late"
     for rank in range(2):
         directory = tmp_path / f"process-{rank}"
         assert not any(directory.glob("rank-*"))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ranks import join, joined, run_ranks
+from _ranks import join, joined, run_ranks, run_ranks_in_sequence
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 
@@ -337,13 +337,30 @@ def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: st
         remove_observer(model)
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One pair of ranks for two scenarios, one after the other, each in a group of its own (a
+    pair of spawned ranks takes seconds): `uneven_forwards_worker` into `root/uneven`, then
+    `tensor_parallel_in_data_parallel_worker` into `root/mesh`."""
+    root = tmp_path_factory.mktemp("pair")
+    for name in ("uneven", "mesh"):
+        (root / name).mkdir()
+    run_ranks_in_sequence(
+        [
+            (uneven_forwards_worker, (str(root / "uneven"),)),
+            (tensor_parallel_in_data_parallel_worker, (str(root / "mesh"),)),
+        ]
+    )
+    return root
+
+
 def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tensors(
-    tmp_path: Path,
+    pair: Path,
 ) -> None:
     """A global row stands for one root forward on every rank: where the ranks' samples differ
     (a step or a mode apart), every rank skips the sample (null with a reason), never a value
     combined from rank 0's train step and rank 1's evaluation batch or earlier step."""
-    run_ranks(uneven_forwards_worker, str(tmp_path))
+    tmp_path = pair / "uneven"
     rows = {
         rank: pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
             pl.col("layer") == "0", pl.col("signal") == "output", pl.col("metric") == "mean"
@@ -456,13 +473,13 @@ def tensor_parallel_in_data_parallel_worker(
 
 
 def test_each_tensor_parallel_group_of_a_2d_mesh_measures_its_own_whole_tensor(
-    tmp_path: Path,
+    pair: Path,
 ) -> None:
     """Tensor parallel inside data parallel (a 2 x 1 mesh: two tensor-parallel groups, {0} and
     {1}, with a batch each; a 2 x 2 mesh's {0, 1} and {2, 3} alike). Every rank's sample holds
     the same layers over groups of the same size, so the sample is measured: each group's rows
     are its whole fc1 output, not nulls as if the ranks disagreed."""
-    run_ranks(tensor_parallel_in_data_parallel_worker, str(tmp_path))
+    tmp_path = pair / "mesh"
     for rank in range(2):
         rows = pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
             pl.col("layer") == "fc1", pl.col("signal") == "output"

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from test_global_statistics import METRICS, chain, check
 
-from _ranks import join, run_ranks
+from _ranks import join, run_ranks_in_sequence
 
 LIBRARY_WAIT = datetime.timedelta(seconds=5)
 # The user's own groups' timeout: longer than the library's wait (a 30-minute default in gloo).
@@ -75,6 +75,20 @@ def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One pair of ranks for the file's two scenarios, one after the other, each in a group of
+    its own (a pair of spawned ranks takes seconds): `join_worker` into `root/join`, then
+    `uneven_worker` into `root/uneven`."""
+    root = tmp_path_factory.mktemp("pair")
+    for name in ("join", "uneven"):
+        (root / name).mkdir()
+    run_ranks_in_sequence(
+        [(join_worker, (str(root / "join"),)), (uneven_worker, (str(root / "uneven"),))]
+    )
+    return root
+
+
 def layer_rows(directory: Path, layer: str = "0") -> pl.DataFrame:
     return pl.read_parquet(directory / "history.parquet").filter(
         pl.col("signal") == "output", pl.col("layer") == layer
@@ -82,9 +96,9 @@ def layer_rows(directory: Path, layer: str = "0") -> pl.DataFrame:
 
 
 def test_a_sample_only_one_rank_takes_never_pairs_with_the_users_collectives(
-    tmp_path: Path,
+    pair: Path,
 ) -> None:
-    run_ranks(uneven_worker, str(tmp_path))
+    tmp_path = pair / "uneven"
     reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert "error" not in report
@@ -164,12 +178,12 @@ def join_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
 
 
 def test_ddp_join_trains_the_same_with_the_observer_when_the_data_is_uneven(
-    tmp_path: Path,
+    pair: Path,
 ) -> None:
     """DDP's join context shadows the joined rank's collectives on the default group: the
     library's never meet them, so every rank's parameters are those of the same training
     without the observer, and the sample only rank 0 took is null with the reason."""
-    run_ranks(join_worker, str(tmp_path))
+    tmp_path = pair / "join"
     for rank in range(2):
         report = json.loads((tmp_path / f"join-{rank}.json").read_text())
         assert "error" not in report

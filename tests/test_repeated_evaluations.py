@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -96,11 +97,31 @@ def evaluation_samples(history: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+@pytest.fixture(scope="module")
+def first_attempt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first attempt, a real process killed with SIGKILL at step 9, once for the file: a
+    pristine copy of its output folder beside it (`killed_out` restores it for each test; an
+    attempt is a fresh interpreter importing transformers, the slow part)."""
+    root = tmp_path_factory.mktemp("first")
+    kill_when_ready(__file__, "ready", root / "out")
+    shutil.copytree(root / "out", root / "pristine", symlinks=True)
+    return root
+
+
+@pytest.fixture
+def killed_out(first_attempt: Path) -> Path:
+    """The first attempt's output folder as the kill left it, at the path it ran in (its run
+    directory's state and pages, and its checkpoints, name that path)."""
+    out = first_attempt / "out"
+    shutil.rmtree(out)
+    shutil.copytree(first_attempt / "pristine", out, symlinks=True)
+    return out
+
+
 def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_repeats(
-    tmp_path: Path,
+    killed_out: Path,
 ) -> None:
-    out = tmp_path / "out"
-    kill_when_ready(__file__, "ready", out)
+    out = killed_out
     assert not (out / f"checkpoint-{KILLED_AT}").exists()
     with pytest.warns(RuntimeWarning, match=REPEATED):
         train(out, str(out / "checkpoint-6"))
@@ -153,15 +174,14 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
 
 
 def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(
-    tmp_path: Path,
+    killed_out: Path,
 ) -> None:
     """Both attempts are real processes killed with SIGKILL at step 9: the second resumed from
     checkpoint-6 and evaluated at step 8 again before its kill, so its fit never ended. The
     repeated evaluation is still said once the run is finalized, with each attempt's evaluation
     samples there as history holds them; the steps it trained again are said once, by the note
     read from history (its fit-start note on them, kept live, is superseded)."""
-    out = tmp_path / "out"
-    kill_when_ready(__file__, "ready", out)
+    out = killed_out
     kill_when_ready(__file__, "ready", out, out / "checkpoint-6")
     run = out / "torchinstruments"
     finalize(run)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 from torch import nn
 
@@ -72,18 +74,32 @@ print(json.dumps("removed"))
 """
 
 
-def killed_run(tmp_path: Path) -> Path:
-    """A directory whose first attempt was killed with SAMPLES samples in its parts."""
-    directory = tmp_path / "run"
-    kill_when_ready(__file__, "ready", directory)
+@pytest.fixture(scope="module")
+def first_attempt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first attempt, killed once for the file: `root/run` and a pristine copy beside it
+    (`killed_run` restores it for each test; the killed child, a fresh interpreter importing
+    torch, is the slow part)."""
+    root = tmp_path_factory.mktemp("first")
+    kill_when_ready(__file__, "ready", root / "run")
+    shutil.copytree(root / "run", root / "pristine", symlinks=True)
+    return root
+
+
+@pytest.fixture
+def killed_run(first_attempt: Path) -> Path:
+    """A directory whose first attempt was killed with SAMPLES samples in its parts, as the
+    kill left it, at the path it ran in (its state and index.md name that path)."""
+    directory = first_attempt / "run"
+    shutil.rmtree(directory)
+    shutil.copytree(first_attempt / "pristine", directory, symlinks=True)
     assert len(list_parts(directory)) >= 2 * SAMPLES
     return directory
 
 
 def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_continues(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
-    directory = killed_run(tmp_path)
+    directory = killed_run
     parts = list_parts(directory)
     cut = parts[3]
     readable = pl.concat([pl.read_parquet(p) for p in parts if p != cut])
@@ -109,9 +125,9 @@ def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_cont
 
 
 def test_samples_whose_every_part_was_cut_are_said_to_be_in_those_parts_not_unwritten(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
-    directory = killed_run(tmp_path)
+    directory = killed_run
     held = {p: pl.read_parquet(p)["sample_id"].unique().to_list() for p in list_parts(directory)}
     cut = sorted(p for p, ids in held.items() if ids == [2])
     assert sum(pl.read_parquet(p).height for p in cut) == ROWS_PER_SAMPLE  # all of sample 2
@@ -134,9 +150,9 @@ def earlier_version(part: Path) -> None:
 
 
 def test_parts_of_an_earlier_version_are_merged_with_the_later_columns_null(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
-    directory = killed_run(tmp_path)
+    directory = killed_run
     parts = list_parts(directory)
     written = pl.concat([pl.read_parquet(p) for p in parts])
     earlier_rows = sum(pl.read_parquet(p).height for p in parts[::2])
@@ -159,9 +175,9 @@ def test_parts_of_an_earlier_version_are_merged_with_the_later_columns_null(
 
 
 def test_a_part_of_a_newer_version_is_left_in_place_naming_the_columns_it_adds(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
-    directory = killed_run(tmp_path)
+    directory = killed_run
     newer = list_parts(directory)[2]
     pl.read_parquet(newer).with_columns(pl.lit(1.0).alias("entropy")).write_parquet(newer)
 

@@ -36,12 +36,13 @@ def gone_warning(directory: Path, state: RunState) -> str:
     (`state`: the run's as removal would have finished it)."""
     counts = state.counts
     bound = "at least " if state.counts_recovered else ""
-    what = (
-        f"{bound}{plural(counts.samples, 'sample')}"
-        if counts is not None
-        else "every sample it recorded"
-    )
-    if state.rows_recorded is not None:
+    if counts is None:
+        what = "every sample it recorded"
+    elif state.counts_recovered and not counts.samples:  # a bound of 0: nobody counted them
+        what = "samples (how many is unknown: no attempt's count of them is known)"
+    else:
+        what = f"{bound}{plural(counts.samples, 'sample')}"
+    if state.rows_recorded is not None and (state.rows_recorded or not state.counts_recovered):
         what += f" ({bound}{plural(state.rows_recorded, 'row')})"
     attempts = f" over {len(state.attempts)} attempts" if len(state.attempts) > 1 else ""
     return (

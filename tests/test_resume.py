@@ -347,7 +347,7 @@ def test_a_killed_attempts_loss_bound_is_not_quoted_from_the_attempt_that_contin
     tmp_path: Path,
 ) -> None:
     """index.md's flush_seconds is the last attempt's; a killed earlier attempt may have run with
-    another, so its loss bound must not quote the last attempt's number."""
+    another, so its loss bound quotes its own number, never the last attempt's."""
     run = tmp_path / "stats"
     model = nn.Linear(3, 3)
     inject_observer(
@@ -368,7 +368,7 @@ def test_a_killed_attempts_loss_bound_is_not_quoted_from_the_attempt_that_contin
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "flush_seconds=60.0" in index  # the Run section: this attempt's settings
     assert "last flush_seconds=60.0 s when the process was killed" not in index
-    assert "last flush_seconds that attempt ran with" in index
+    assert "last flush_seconds=5.0 s for attempt 0 when the process was killed" in index
 
 
 def test_show_names_the_earlier_attempt_that_ended_without_remove_observer(

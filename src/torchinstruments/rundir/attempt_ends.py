@@ -26,6 +26,7 @@ __all__ = [
     "DURING_LAST_FLUSH",
     "attempt_end",
     "killed_before_last",
+    "killed_flush",
     "last_finished",
     "unremoved_said",
 ]
@@ -92,3 +93,33 @@ def unremoved_said(state: RunState, how: str = "") -> str:
         *([f"attempt(s) {ranges(during)} {DURING_LAST_FLUSH}"] if during else []),
     ]
     return " and ".join(said) or f"the process {plain}"
+
+
+def killed_flush(state: RunState) -> str:
+    """The flush interval that bounds what the attempts whose process died may have lost, each
+    attempt's own (a restarted job may pass another HistoryConfig): `flush_seconds=60.0 s` for a
+    run of one attempt, `flush_seconds=20.0 s for attempt 0, 30.0 s for attempt 1` for several.
+    An earlier attempt of a state written before attempts kept theirs is named, not quoted (the
+    run's settings are its last attempt's)."""
+    last = state.run.history.flush_seconds
+    if len(state.attempts) < 2:
+        return f"flush_seconds={last} s"
+    known: list[str] = []
+    unknown: list[int] = []
+    for entry in state.attempts:
+        if attempt_end(state, entry) not in _UNREMOVED:
+            continue
+        seconds = entry.flush_seconds
+        if seconds is None and entry is state.attempts[-1]:
+            seconds = last
+        if seconds is None:
+            unknown.append(entry.attempt)
+        else:
+            known.append(f"{seconds} s for attempt {entry.attempt}")
+    said = [f"flush_seconds={', '.join(known)}"] if known else []
+    if unknown:
+        said.append(
+            f"flush_seconds attempt(s) {ranges(unknown)} ran with (their own HistoryConfig's, "
+            "not kept by the version that wrote them, nor this page's)"
+        )
+    return " and ".join(said) or f"flush_seconds={last} s"

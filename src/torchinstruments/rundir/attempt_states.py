@@ -36,6 +36,7 @@ def start_state(
         first_sample_id=0 if continuation is None else continuation.first_sample_id,
         first_forward_index=0 if continuation is None else continuation.first_forward_index,
         sampler=run.sampler,
+        flush_seconds=run.history.flush_seconds,
     )
     if continuation is None or previous is None:
         return RunState(run, attempts=(this,))

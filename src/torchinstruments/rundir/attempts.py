@@ -95,6 +95,9 @@ class AttemptCounts:
         rows: the rows it recorded (written, or counted in the loss ledger); None: unknown
             (killed, or a state written before it was kept). Every finish checks history's
             rows of the attempt against it (`rundir.finish`).
+        flush_seconds: the flush interval its process ran with (its own HistoryConfig's): what
+            it may have lost when killed is bounded by its own, not by a later attempt's; None:
+            unknown (a state written before it was kept).
     """
 
     attempt: int
@@ -109,6 +112,7 @@ class AttemptCounts:
     eval_forwards: int | None = None
     sampler: str | None = None
     rows: int | None = None
+    flush_seconds: float | None = None
 
     @property
     def counts_recovered(self) -> bool:

@@ -22,6 +22,7 @@ from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempt_ends import (
     attempt_end,
     killed_before_last,
+    killed_flush,
     last_finished,
     unremoved_said,
 )
@@ -179,11 +180,6 @@ def bound_count(n: int, word: str = "") -> str:
     return f"at least {plural(n, word)}" if n else f"unknown {word}s"
 
 
-# A killed earlier attempt's flush_seconds is not in the state (the run info is this attempt's,
-# which may set another), so its loss bound is named, not quoted.
-_EARLIER_FLUSH = "flush_seconds that attempt ran with (its own HistoryConfig, not this page's)"
-
-
 def _lost_bound(flush: str) -> str:
     """What a process that ended without removal may have lost, with its flush interval `flush`."""
     return (
@@ -201,13 +197,13 @@ def _section_state(state: RunState) -> list[str]:
     else is missing); after a crash the number of rows the run held in memory is unknown, so a
     finalized crashed run is "interrupted", with the bound on what it may have lost.
     """
-    status, run = state.status, state.run
+    status = state.status
     if status is Status.IN_PROGRESS:
         if not state.losses:
             return ["**State: in progress.**", ""]
         lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
         return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
-    lost_bound = _lost_bound(f"flush_seconds={run.history.flush_seconds} s")
+    lost_bound = _lost_bound(killed_flush(state))
     said = _in_flight(state)
     in_flight = None if said is None else f"{said} (see the note below)"
     if status is Status.INCOMPLETE:
@@ -226,7 +222,7 @@ def _section_state(state: RunState) -> list[str]:
         return [
             f"**State: interrupted** in an earlier attempt: {said} and were finalized when the "
             "run was continued; every row they had written is in history.parquet, and the last "
-            f"attempt was {last_finished(state)}{usual}. {_lost_bound(_EARLIER_FLUSH)} Counts are lower "
+            f"attempt was {last_finished(state)}{usual}. {lost_bound} Counts are lower "
             f"bounds.{also}",
             "",
         ]

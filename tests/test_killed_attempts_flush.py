@@ -1,0 +1,54 @@
+"""Each killed attempt's loss bound quotes the flush interval that attempt ran with.
+
+A run continued after a kill and killed again has two attempts whose last flush interval may
+be lost, each with its own HistoryConfig. index.md's state line bounds what each may have lost
+by its own flush_seconds, never the last attempt's for both.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+from torchinstruments.rundir.finish import finalize
+from torchinstruments.rundir.state import read_state
+
+from conftest import kill_when_ready
+
+
+def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
+    """An attempt with its own flush interval that takes two steps, then waits to be killed."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(
+        net,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        history_config=HistoryConfig(flush_seconds=flush_seconds),
+        resume=resume,
+    )
+    for _ in range(2):
+        net(torch.randn(2, 3)).sum().backward()
+    print("stepped", flush=True)
+    time.sleep(120)
+
+
+def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    kill_when_ready(__file__, "stepped", run, "20", "new")
+    kill_when_ready(__file__, "stepped", run, "30", "resume")
+    finalize(run)
+
+    assert [a.ended for a in read_state(run).attempts] == ["killed", "killed"]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    state_line = next(line for line in index.splitlines() if line.startswith("**State:"))
+    assert "flush_seconds=20.0 s for attempt 0, 30.0 s for attempt 1" in state_line
+    assert "flush_seconds=30.0 s when" not in state_line
+
+
+if __name__ == "__main__":
+    child_main(Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "resume")

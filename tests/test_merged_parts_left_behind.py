@@ -21,6 +21,7 @@ import polars as pl
 from torchinstruments import DEFAULT_METRICS
 
 from _permissions import prefix_fixture, run_fixture  # noqa: F401 (fixtures)
+from conftest import run_cli
 
 STEPS = 4
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: output and gradient
@@ -79,6 +80,38 @@ def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
     page = (run / "index.md").read_text("utf-8")
     assert f"**Disk space:** {gone} could not be deleted after the merge" in page
     assert f"({copy:,} bytes)" in page
+
+
+def test_show_says_the_copy_of_rows_an_earlier_merge_left_on_disk(
+    prefix: list[str], run: Path
+) -> None:
+    """`show` says index.md's "Disk space" line too: a second copy of rows history.parquet
+    holds, left by the merge, is disk the reader may want back, whichever view they read."""
+    rows = STEPS * ROWS_PER_SAMPLE
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    gone = run / GONE
+    copy = sum(p.stat().st_size for p in gone.iterdir())
+
+    shown = run_cli("show", run)
+    assert shown.returncode == 0, shown.stderr
+
+    def unwrapped(text: str) -> str:  # long lines are wrapped, paths too: compare without spaces
+        return "".join(text.split())
+
+    text = unwrapped(shown.stdout)
+    assert text.count("diskspace:") == 1, shown.stdout
+    said = text.split("diskspace:")[1]
+    assert said.startswith(unwrapped(f"{gone} could not be deleted after the merge"))
+    assert (
+        unwrapped(f"a second copy ({copy:,} bytes) of rows history.parquet already holds") in said
+    )
 
 
 FINALIZE = r"""

@@ -55,6 +55,9 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     if facts.counts:
         lines.append(facts.counts)
     lines += facts.marked_lines()
+    # index.md's "Disk space" line: a second copy of rows an earlier merge left (no row missing)
+    left = facts.run_state.left_behind if facts.run_state else ()
+    lines += [f"disk space: {line}" for line in left]
     latest = frame["latest_sample_id"].max() if frame.height else None
     if files.unreadable:  # beside history.parquet, left in place by finalize
         names = ", ".join(p.name for p in files.unreadable)

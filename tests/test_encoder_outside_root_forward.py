@@ -9,6 +9,7 @@ ran outside the root forwards, and the root forwards of the tokens did not run i
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 
@@ -73,3 +74,34 @@ def test_a_model_called_without_encoder_outputs_says_nothing_of_them(tmp_path: P
     model(torch.randn(3, 4))
     remove_observer(model)
     assert "encoder_outputs" not in (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+
+
+def test_encoder_outputs_handed_positionally_are_said_as_when_handed_by_keyword(
+    tmp_path: Path,
+) -> None:
+    """A decoder step called with the encoder's outputs as a positional argument (where the
+    forward's signature puts `encoder_outputs`) is the same case as the keyword: said."""
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=20, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, pad_token_id=0
+    )
+    model = T5ForConditionalGeneration(config)
+    ids = torch.randint(2, 20, (2, 6))
+    names = list(inspect.signature(model.forward).parameters)
+    at = names.index("encoder_outputs")
+    run = tmp_path / "run"
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        encoded = model.get_encoder()(input_ids=ids)  # outside any root forward
+        args: list[object] = [None] * (at + 1)
+        args[at] = encoded
+        args[names.index("decoder_input_ids")] = torch.zeros(2, 1, dtype=torch.long)
+        model(*args)
+        remove_observer(model)
+    history = read_history(run)
+    assert not history.filter(pl.col("layer").str.starts_with("encoder.")).height
+    said = [str(w.message) for w in warned if "encoder_outputs" in str(w.message)]
+    assert len(said) == 1
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "1 sampled root forward (sample_id 0 .. 0) was called with" in index

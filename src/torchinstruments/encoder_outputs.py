@@ -8,17 +8,21 @@ it runs untouched and has no rows; the tokens' samples have rows for the decoder
 only. Design decision: say it rather than observe it. Observing it would need a proxy on the
 encoder for the whole run, so that every call of it, sampled or not, paid for one (design: an
 unsampled forward costs nothing per layer), and a sample of its own that is no call of the
-model. So a sampled root forward called with a non-None `encoder_outputs` keyword is counted,
-warned about once, and named in index.md (count and sample range). A forward that computes its
-encoder itself (training, a plain `model(input_ids=..., labels=...)`) is not this case.
+model. So a sampled root forward called with a non-None `encoder_outputs`, as a keyword or as
+the positional argument the forward's signature puts it at, is counted, warned about once, and
+named in index.md (count and sample range). A forward that computes its encoder itself
+(training, a plain `model(input_ids=..., labels=...)`) is not this case.
 
-Cost: one dict lookup per sampled root forward; nothing on unsampled ones.
+Cost: a dict lookup or two per sampled root forward (the signature is read once per forward
+function); nothing on unsampled ones.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from torchinstruments.rundir.ranges import plural, was_were
 
@@ -41,16 +45,30 @@ class EncoderOutputs:
         self.samples = 0
         self.first: int | None = None
         self.last: int | None = None
+        self._positions: dict[object, int | None] = {}  # forward function -> its position
 
-    def see(self, sample_id: int, kwargs: dict) -> None:
-        """Count sample `sample_id` if its root forward was called with `encoder_outputs`."""
-        if kwargs.get("encoder_outputs") is None:
+    def see(self, sample_id: int, forward: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Count sample `sample_id` if its root forward (`forward`, called with `args` and
+        `kwargs`) was handed `encoder_outputs`, by keyword or by position."""
+        handed = kwargs.get("encoder_outputs")
+        if handed is None and args:
+            at = self._position(forward)
+            handed = args[at] if at is not None and at < len(args) else None
+        if handed is None:
             return
         with self._lock:
             self.samples += 1
             self.first = sample_id if self.first is None else min(self.first, sample_id)
             self.last = sample_id if self.last is None else max(self.last, sample_id)
         self._warn_once("encoder_outputs", WARNING)
+
+    def _position(self, forward: Callable[..., Any]) -> int | None:
+        """Where `forward` (a bound method: self excluded) takes `encoder_outputs` positionally,
+        read once per function; None where it takes no such argument by position."""
+        key = getattr(forward, "__func__", forward)
+        if key not in self._positions:
+            self._positions[key] = _positional_index(forward, "encoder_outputs")
+        return self._positions[key]
 
     def note(self) -> str | None:
         """index.md's note, or None where no sampled forward was handed encoder outputs."""
@@ -65,3 +83,20 @@ class EncoderOutputs:
             "call is not recorded. Samples whose forward ran the encoder (training, a call "
             "with input_ids) have its rows"
         )
+
+
+def _positional_index(forward: Callable[..., Any], name: str) -> int | None:
+    """The index in a call's positional arguments that binds parameter `name` of `forward`, or
+    None: no such parameter, keyword-only, after a `*args`, or a signature that cannot be read
+    (a C function, a callable object that hides it)."""
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for index, parameter in enumerate(parameters):
+        if parameter.kind not in positional:
+            return None  # `*args` or keyword-only from here on: no fixed position
+        if parameter.name == name:
+            return index
+    return None

@@ -347,7 +347,9 @@ class Observer:
         try:
             self.gradients.begin_sample(sample.sample_id, self._backward_raised)
             self.in_flight.begin(sample)
-            self.encoder_outputs.see(sample.sample_id, kwargs)  # an encoder run outside it
+            self.encoder_outputs.see(
+                sample.sample_id, wrapped, args, kwargs
+            )  # an encoder run outside it
             self.proxies.install_layers(self.in_flight.samples.__len__, sample)
             release(held)
             with self.proxies.root_fused_path():  # a bare encoder layer observed itself

@@ -18,7 +18,7 @@ from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observ
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
-from conftest import kill_when_ready
+from conftest import kill_when_ready, run_cli
 
 
 def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
@@ -37,10 +37,15 @@ def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
     time.sleep(120)
 
 
-def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> None:
-    run = tmp_path / "stats"
+def killed_twice(run: Path) -> None:
+    """Attempt 0 (flush_seconds=20) killed, then attempt 1 (flush_seconds=30) killed."""
     kill_when_ready(__file__, "stepped", run, "20", "new")
     kill_when_ready(__file__, "stepped", run, "30", "resume")
+
+
+def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> None:
+    run = tmp_path / "stats"
+    killed_twice(run)
     finalize(run)
 
     assert [a.ended for a in read_state(run).attempts] == ["killed", "killed"]
@@ -48,6 +53,20 @@ def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> Non
     state_line = next(line for line in index.splitlines() if line.startswith("**State:"))
     assert "flush_seconds=20.0 s for attempt 0, 30.0 s for attempt 1" in state_line
     assert "flush_seconds=30.0 s when" not in state_line
+
+
+def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(tmp_path: Path) -> None:
+    """finalize's summary names both killed attempts, so what it says of their rows is theirs,
+    not "it"."""
+    run = tmp_path / "stats"
+    killed_twice(run)
+    done = run_cli("finalize", run)
+    assert done.returncode == 0, done.stderr
+    line = next(s for s in done.stdout.splitlines() if s.startswith("state: interrupted"))
+    assert "attempt(s) 0-1 ended without remove_observer" in line
+    assert "every row they wrote is in history.parquet" in line
+    assert "rows of their last flush intervals may be missing" in line
+    assert " it wrote " not in line
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_runs
 from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
-from torchinstruments.rundir.attempt_ends import unremoved_said
+from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_said
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import PARTS_GONE_DIR
@@ -87,10 +87,12 @@ def _finalize(directory: Path) -> int:
     killed = [note for note in report.state.notes if KILLED_IN_REMOVAL in note]
     said = "".join(f" ({note})" for note in killed[-1:])
     if report.complete and report.interrupted:
+        several = len(unremoved_attempts(report.state)) > 1  # named together: their rows
+        it, its = ("they", "their") if several else ("it", "its")
         print(
-            f"state: interrupted: {unremoved_said(report.state)}; every row it wrote is "
-            f"in history.parquet, rows of its last flush interval may be missing (see index.md)"
-            + said
+            f"state: interrupted: {unremoved_said(report.state)}; every row {it} wrote is "
+            f"in history.parquet, rows of {its} last flush interval{'s' * several} may be "
+            "missing (see index.md)" + said
         )
     elif report.complete:
         print("state: complete" + said)

@@ -28,6 +28,7 @@ __all__ = [
     "killed_before_last",
     "killed_flush",
     "last_finished",
+    "unremoved_attempts",
     "unremoved_said",
 ]
 
@@ -106,9 +107,7 @@ def killed_flush(state: RunState) -> str:
         return f"flush_seconds={last} s"
     known: list[str] = []
     unknown: list[int] = []
-    for entry in state.attempts:
-        if attempt_end(state, entry) not in _UNREMOVED:
-            continue
+    for entry in unremoved_attempts(state):
         seconds = entry.flush_seconds
         if seconds is None and entry is state.attempts[-1]:
             seconds = last
@@ -123,3 +122,9 @@ def killed_flush(state: RunState) -> str:
             "not kept by the version that wrote them, nor this page's)"
         )
     return " and ".join(said) or f"flush_seconds={last} s"
+
+
+def unremoved_attempts(state: RunState) -> tuple[AttemptCounts, ...]:
+    """The attempts whose process died (`unremoved_said` names them): how many decides whether
+    what is said of their rows is "its" or "their"."""
+    return tuple(a for a in state.attempts if attempt_end(state, a) in _UNREMOVED)

@@ -55,6 +55,7 @@ __all__ = [
     "histogram_description",
     "histogram_summary",
     "histogram_value",
+    "measured_types",
     "missing_histograms",
     "missing_text",
 ]
@@ -264,6 +265,15 @@ def histogram_value(histogram: HistogramRecord, description: str | None = None) 
     return value
 
 
+def measured_types(measurements: Sequence[Measurement]) -> dict[str, str]:
+    """Each layer's class as a sample's rows give it: a lazy module (`nn.LazyLinear`) has
+    become another class (`nn.Linear`) by its first measured call, so a tag's description,
+    written at its first sample, names the class its rows say, not the one at injection."""
+    if isinstance(measurements, MeasurementBlock):  # without building a Measurement each
+        return dict(zip(measurements.layers, measurements.module_types, strict=True))
+    return {m.layer: m.module_type for m in measurements}
+
+
 class EventFile:
     """The run directory's event file: one event per record, checksummed by `Crc32c`.
 
@@ -289,10 +299,18 @@ class EventFile:
         self._module_types = dict(module_types or {})
         self._described: set[str] = set()
 
-    def add_histograms(self, histograms: Sequence[HistogramRecord], step: int) -> None:
-        """One event at `step` (the sample's forward_index), holding each histogram under its tag."""
+    def add_histograms(
+        self,
+        histograms: Sequence[HistogramRecord],
+        step: int,
+        measured: Sequence[Measurement] = (),
+    ) -> None:
+        """One event at `step` (the sample's forward_index), holding each histogram under its
+        tag; a tag's first names its layer's class as `measured` (the sample's rows) gives it."""
         if not histograms:
             return
+        if measured and any(h.tag not in self._described for h in histograms):
+            self._module_types.update(measured_types(measured))
         values = []
         for histogram in histograms:
             description = None

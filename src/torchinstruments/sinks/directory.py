@@ -294,7 +294,7 @@ class DirectorySink:
         if events is not None:
             missing = missing_histograms(record, self._focus)
             try:
-                events.add_histograms(record.histograms, record.forward_index)
+                events.add_histograms(record.histograms, record.forward_index, record.measurements)
                 events.add_missing(missing, record.forward_index)
             except Exception as error:
                 self._give_up_events("could not be written", error)

@@ -31,6 +31,7 @@ from torchinstruments.events import (
     histogram_arguments,
     histogram_description,
     histogram_summary,
+    measured_types,
     missing_histograms,
     missing_text,
 )
@@ -200,6 +201,8 @@ class TensorBoardSink:
         firsts = [item for item in missing if self._first_at(item.tag, step)]
         if len(histograms) + len(firsts) < len(record.histograms) + len(missing):
             self._left_out(record, step)
+        if any(h.tag not in self._described for h in histograms):  # a tag's first: its class
+            self._module_types.update(measured_types(record.measurements))
         writer = self._writer()
         write_histograms(writer, histograms, step, self._describe)
         for item in firsts:

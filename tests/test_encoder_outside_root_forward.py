@@ -105,3 +105,27 @@ def test_encoder_outputs_handed_positionally_are_said_as_when_handed_by_keyword(
     assert len(said) == 1
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "1 sampled root forward (sample_id 0 .. 0) was called with" in index
+
+
+class Concatenating(nn.Module):
+    """A forward of `*inputs`: no argument has a fixed position, whatever its name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat(inputs))
+
+
+def test_positional_inputs_of_a_forward_without_an_encoder_outputs_parameter_say_nothing(
+    tmp_path: Path,
+) -> None:
+    model = Concatenating()
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        model(torch.randn(3, 4), torch.randn(2, 4))
+        remove_observer(model)
+    assert not [w for w in warned if "encoder_outputs" in str(w.message)]
+    assert "encoder_outputs" not in (tmp_path / "run" / "index.md").read_text(encoding="utf-8")

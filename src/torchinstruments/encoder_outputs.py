@@ -66,9 +66,12 @@ class EncoderOutputs:
         """Where `forward` (a bound method: self excluded) takes `encoder_outputs` positionally,
         read once per function; None where it takes no such argument by position."""
         key = getattr(forward, "__func__", forward)
-        if key not in self._positions:
-            self._positions[key] = _positional_index(forward, "encoder_outputs")
-        return self._positions[key]
+        try:
+            if key not in self._positions:
+                self._positions[key] = _positional_index(forward, "encoder_outputs")
+            return self._positions[key]
+        except TypeError:  # an unhashable callable as forward: read each time, never cached
+            return _positional_index(forward, "encoder_outputs")
 
     def note(self) -> str | None:
         """index.md's note, or None where no sampled forward was handed encoder outputs."""
@@ -91,7 +94,7 @@ def _positional_index(forward: Callable[..., Any], name: str) -> int | None:
     (a C function, a callable object that hides it)."""
     try:
         parameters = inspect.signature(forward).parameters.values()
-    except (TypeError, ValueError):
+    except Exception:  # a signature that cannot be read never fails the forward
         return None
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     for index, parameter in enumerate(parameters):

@@ -9,19 +9,18 @@ the 1 and 1 its rows alone give, so that the Attempts table adds up to the run's
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
+from _events import event_steps
 from conftest import kill_when_ready
 
 STEPS = 10  # samples at forward_index 0, 2, 4, 6, 8
@@ -54,16 +53,6 @@ def child_main(directory: Path, steps: int, resume: bool) -> None:
         time.sleep(0.05)
     print("stepped", flush=True)
     time.sleep(120)
-
-
-def event_steps(directory: Path) -> set[int]:
-    """The steps of the events on disk in the run's TensorBoard files (a record cut short by a
-    write in progress ends the read of its file)."""
-    found: set[int] = set()
-    for path in (directory / "tensorboard").glob("events.out.tfevents.*"):
-        with contextlib.suppress(Exception):
-            found.update(event.step for event in EventFileLoader(str(path)).Load())
-    return found
 
 
 def test_a_killed_attempts_row_counts_the_samples_its_events_prove(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -23,6 +24,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
+from _events import event_steps
 from conftest import run_cli
 
 STEPS = 3
@@ -55,6 +57,12 @@ def child_main(directory: Path, killed_at: str, resume: bool) -> None:
     for step in range(STEPS):
         model(torch.full((2, 3), float(step + 1))).sum().backward()
     if killed_at == "before_removal":
+        # Killed once TensorBoard's writer thread has put the last sample's events on disk:
+        # they are what proves the attempt's root forwards, and under load that thread may
+        # lag the step.
+        deadline = time.monotonic() + 60
+        while STEPS - 1 not in event_steps(directory) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _kill()
     if killed_at == "exit":  # no kill: the script ends without remove_observer
         return

@@ -58,6 +58,7 @@ from typing import Any
 
 import wrapt
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchinstruments._torch_internals import (
     called_through_module_call,
@@ -395,13 +396,14 @@ class LayerCapture:
     and a sample is a samples.Sample; neither is imported here, both live above this module.
     """
 
-    __slots__ = ("focus", "info", "module_ref", "observer")
+    __slots__ = ("focus", "info", "lazy", "module_ref", "observer")
 
     def __init__(self, observer: Any, module: nn.Module, info: LayerInfo, focus: bool) -> None:
         self.observer = observer
         self.module_ref = weakref.ref(module)
         self.info = info
         self.focus = focus
+        self.lazy = isinstance(module, LazyModuleMixin)  # its class may change: read per call
 
     def on_call(
         self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
@@ -433,9 +435,10 @@ class LayerCapture:
         """One call of this layer inside `sample`: its call_index, where it raised, what it
         returned. A `borrowed` call (another thread's, `borrowed_call`) is recorded only while
         `sample` is still in flight (`samples.InFlight.record`)."""
-        module = self.module_ref()
-        if module is not None and type(module).__name__ != self.info.module_type:
-            self.retype(type(module).__name__)  # a lazy module materialised: say what it is now
+        if self.lazy and (module := self.module_ref()) is not None:
+            if type(module).__name__ != self.info.module_type:  # materialised: what it is now
+                self.retype(type(module).__name__)
+            self.lazy = isinstance(module, LazyModuleMixin)
         call_index = sample.next_call_index(self.info.name)
         try:
             output = wrapped(*args, **kwargs)

@@ -54,10 +54,10 @@ print(json.dumps([str(w.message) for w in caught]))
 """
 
 
-def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
-    prefix: list[str], run: Path
-) -> None:
-    rows = STEPS * ROWS_PER_SAMPLE
+def _removed_unwritable(
+    prefix: list[str], run: Path, rows: int
+) -> subprocess.CompletedProcess[str]:
+    """The child's run, removed while its merged parts cannot be deleted (it succeeded)."""
     done = subprocess.run(
         [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
         capture_output=True,
@@ -66,6 +66,14 @@ def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
+    prefix: list[str], run: Path
+) -> None:
+    rows = STEPS * ROWS_PER_SAMPLE
+    done = _removed_unwritable(prefix, run, rows)
     said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
     gone = run / GONE
     copy = sum(p.stat().st_size for p in gone.iterdir())
@@ -88,14 +96,7 @@ def test_show_says_the_copy_of_rows_an_earlier_merge_left_on_disk(
     """`show` says index.md's "Disk space" line too: a second copy of rows history.parquet
     holds, left by the merge, is disk the reader may want back, whichever view they read."""
     rows = STEPS * ROWS_PER_SAMPLE
-    done = subprocess.run(
-        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    _removed_unwritable(prefix, run, rows)
     gone = run / GONE
     copy = sum(p.stat().st_size for p in gone.iterdir())
 
@@ -138,14 +139,7 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     every row in it is in history.parquet. `finalize` says what it is, whether it can delete it
     (permissions given back) or still cannot (then index.md keeps saying where the copy is)."""
     rows = STEPS * ROWS_PER_SAMPLE
-    done = subprocess.run(
-        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    _removed_unwritable(prefix, run, rows)
     gone = run / GONE
 
     still = _finalize(prefix, run)
@@ -196,14 +190,7 @@ def test_a_run_continued_beside_merged_parts_it_cannot_delete_merges_every_row(
     rename its own merged parts: history.parquet still gets every row and the run is complete,
     with both copies said, never a merge said to have failed."""
     rows = STEPS * ROWS_PER_SAMPLE
-    first = subprocess.run(
-        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert first.returncode == 0, first.stderr
+    _removed_unwritable(prefix, run, rows)
     later = subprocess.run(
         [*prefix, sys.executable, "-c", RESUMED, str(run), "2"],
         capture_output=True,

@@ -516,3 +516,17 @@ class Wrapped(torch.Tensor):
 
         kwargs = {key: unwrap(value) for key, value in (kwargs or {}).items()}
         return wrap(func(*unwrap(args), **kwargs))
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """No compiled code, counter or stance leaks from one test into another (torch.compile's
+    tests: `pytestmark = pytest.mark.usefixtures("fresh_dynamo")`)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()

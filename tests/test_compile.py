@@ -212,14 +212,7 @@ def history(directory: Path) -> pl.DataFrame:
     return pl.read_parquet(directory / "history.parquet").sort(KEY_COLUMNS)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
-    """No compiled code, counter or stance leaks from one test into another."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=str)

@@ -121,13 +121,7 @@ def run_steps(call: nn.Module, keywords: bool) -> list[torch.Tensor]:
     return outputs
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 CASES = [

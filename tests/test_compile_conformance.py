@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -123,13 +122,7 @@ def run_plain_with(call: nn.Module, step: Step = train_step) -> list[torch.Tenso
     return outputs
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 @pytest.mark.parametrize("case", list(CASES))

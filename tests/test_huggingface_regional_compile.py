@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch._dynamo
@@ -29,13 +28,7 @@ from conftest import read_history, run_status
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 def train(tmp_path: Path, compiled: bool) -> tuple[Trainer, nn.Module]:

@@ -9,14 +9,12 @@ The reference is an uncompiled fit of the same steps."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pytest
 import torch._dynamo
 from test_huggingface_callback import examples, tiny_bert
 from torch import nn
-from torch._dynamo.utils import counters
 from transformers import Trainer, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler, has_observer
@@ -28,13 +26,7 @@ STEPS = 4
 EVAL_BATCHES = 2  # 8 evaluation examples, 4 a batch
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Any:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 def fit(tmp_path: Path, compiled: bool) -> tuple[pl.DataFrame, Trainer, nn.Module]:

@@ -185,6 +185,10 @@ def test_an_attempt_finished_at_its_exit_is_never_said_removed(tmp_path: Path) -
     assert "attempt 0: remove_observer was not called: the run was finished at the process's" in (
         page
     )
+    # the state file's counts name each note's attempt, as its notes and index.md do
+    unremoved = [n for n in state["notes"] if "remove_observer was not called" in n]
+    assert [n.split(": ")[0] for n in unremoved] == ["attempt 0"]
+    assert state["counts"]["notes"] == unremoved
     assert "**State: complete.**" in page
     assert "state: complete" in _said("show", directory)
 
@@ -198,6 +202,8 @@ def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_rem
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
     assert [a["ended"] for a in state["attempts"]] == ["killed", "finished without remove_observer"]
+    assert [n.split(": ")[0] for n in state["counts"]["notes"]] == ["attempt 1"]
+    assert set(state["counts"]["notes"]) <= set(state["notes"])
     page = _page(directory)
     shown = _said("show", directory)
     assert "the last attempt was removed" not in page + shown

@@ -49,19 +49,19 @@ def start_state(
         interrupted=previous.interrupted,
         live_problems=previous.live_problems,
         losses=previous.losses,
-        notes=_earlier_notes(previous, continuation),
+        notes=_earlier_notes(previous.notes, continuation),
         removed_in_flight=previous.removed_in_flight,
         attempts=(*continuation.attempts, this),
         loss_scales=previous.counts.loss_scales if previous.counts else previous.loss_scales,
     )
 
 
-def _earlier_notes(previous: RunState, continuation: Continuation) -> tuple[str, ...]:
-    """The earlier attempts' notes, each naming its attempt: those of a first attempt, written
-    while it was the run's only one, get their label now."""
+def _earlier_notes(notes: tuple[str, ...], continuation: Continuation) -> tuple[str, ...]:
+    """The earlier attempts' notes (the state's, or its counts'), each naming its attempt:
+    those of a first attempt, written while it was the run's only one, get their label now."""
     if len(continuation.attempts) != 1:
-        return previous.notes
-    return attempt_notes(continuation.attempts[0].attempt, previous.notes)
+        return notes
+    return attempt_notes(continuation.attempts[0].attempt, notes)
 
 
 def _unremoved(counts: RunCounts) -> bool:
@@ -90,16 +90,25 @@ def job_state(
         eval_forwards=counts.eval_forwards,
         rows=rows_produced,
     )
-    if continuation is None or previous is None or previous.counts is None:
+    if continuation is None:
         return dataclasses.replace(
             base, counts=counts, rows_recorded=rows_produced, attempts=(*earlier, ended)
+        )
+    # the state file's counts.notes name their attempt as its notes (and index.md) do
+    labelled = dataclasses.replace(counts, notes=attempt_notes(this.attempt, counts.notes))
+    if previous is None or previous.counts is None:
+        return dataclasses.replace(
+            base, counts=labelled, rows_recorded=rows_produced, attempts=(*earlier, ended)
         )
     rows = None if previous.rows_recorded is None else previous.rows_recorded + rows_produced
     # the run's totals are lower bounds when any earlier attempt's counts are
     bounds = any(a.counts_recovered for a in earlier)
+    earlier_counts = dataclasses.replace(
+        previous.counts, notes=_earlier_notes(previous.counts.notes, continuation)
+    )
     return dataclasses.replace(
         base,
-        counts=job_counts(continuation, previous.counts, counts),
+        counts=job_counts(continuation, earlier_counts, labelled),
         counts_recovered=previous.counts_recovered or previous.interrupted or bounds,
         rows_recorded=rows,
         attempts=(*earlier, ended),

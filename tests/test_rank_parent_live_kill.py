@@ -4,7 +4,8 @@ per sample, and rank 2 was killed with SIGKILL after its third sample reached th
 reader, read again and again while rank 1 writes (index.md's blocks run as printed, `show`,
 `compare`, a plain scan of the parts' glob), answers without failing, and each says where a
 rank stands: finished, in progress, or interrupted (the per-rank query: its state file's
-"in progress", with the 3 samples it wrote)."""
+"in progress", with the 3 samples it wrote; the page's table: its process ended, as its run
+lock tells, while rank 1's is held)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,18 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.rundir.page_ranks import render_parent_index
 
 from _ranks import TIMEOUT_SECONDS, free_port, joined
 from conftest import cli_in_process, wait_for_rows
 
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its output gradient
+# rank 2's state on the parent's page once its process died: told by its run lock, as
+# `finalize` tells it, on a page written while rank 1 still writes and on the last one
+ENDED = (
+    "not finished: its process ended without closing the run (killed or crashed; no process "
+    "holds its lock); finalize completes it"
+)
 WORLD = 3
 READS = 8
 
@@ -125,6 +133,9 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             assert "rank 0: complete" in shown.stdout
             assert "rank 1: in progress" in shown.stdout
             assert "rank 2: interrupted: not finished, and no process holds" in shown.stdout
+            rows = state_cells(render_parent_index(parent))  # the page a rank writes now
+            assert rows[1] == "in progress (its process holds the run's lock; no final counts yet)"
+            assert rows[2] == ENDED
             compared = cli_in_process("compare", parent, "--width", "200")
             assert compared.returncode == 0, compared.stderr
             assert "rank 2: interrupted: not finished" in compared.stdout
@@ -150,4 +161,10 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
         (1, "complete", own["sample_id"].n_unique()),
         (2, "in progress", 3),
     ]
-    assert "| 2 | `rank-002/` | in progress | - | - |" in (parent / "index.md").read_text()
+    assert state_cells((parent / "index.md").read_text())[2] == ENDED
+
+
+def state_cells(page: str) -> dict[int, str]:
+    """The state cell of each rank in a parent page's table."""
+    rows = [line.split(" | ") for line in page.splitlines() if line.startswith("| ")]
+    return {int(row[0][2:]): row[2] for row in rows if row[0][2:].isdigit()}

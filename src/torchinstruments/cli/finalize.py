@@ -19,8 +19,9 @@ from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_s
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import PARTS_GONE_DIR
+from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import RunLockedError
-from torchinstruments.rundir.recovery import recovered_layers
+from torchinstruments.rundir.recovery import load_state, recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, NewerStateError
 
@@ -39,8 +40,9 @@ def finalize_command(directory: Path) -> int:
     return _finalize(directory)
 
 
-def _finalize(directory: Path) -> int:
-    """Run finalize and print what it did; returns the exit code."""
+def _finalize(directory: Path, rank: str = "") -> int:
+    """Run finalize and print what it did; returns the exit code. `rank` (`"rank 1: "`, when
+    finalizing a parent's ranks) names the rank in each line of what is missing."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -97,9 +99,9 @@ def _finalize(directory: Path) -> int:
     elif report.complete:
         print("state: complete" + said)
     for problem in report.problems:
-        print(f"torchinstruments finalize: incomplete: {problem}", file=sys.stderr)
+        print(f"torchinstruments finalize: {rank}incomplete: {problem}", file=sys.stderr)
     for loss in report.state.losses:  # rows recorded but never written: incomplete too
-        print(f"torchinstruments finalize: incomplete: {loss.describe()}", file=sys.stderr)
+        print(f"torchinstruments finalize: {rank}incomplete: {loss.describe()}", file=sys.stderr)
     return 0 if report.complete else 1
 
 
@@ -132,17 +134,30 @@ def _finalize_ranks(parent: Path) -> int:
     """`finalize PARENT`: finalize every rank directory, then write the parent's index.md."""
     from torchinstruments.rundir.page_ranks import rank_dirs, write_parent_index
 
-    codes = [_finalize(directory) for _, directory in rank_dirs(parent)]
+    codes = [_finalize(directory, f"rank {rank}: ") for rank, directory in rank_dirs(parent)]
     try:
         path = write_parent_index(parent)
     except OSError as exc:
         print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {path} ({plural(len(codes), 'rank')})")
+    for rank, directory in rank_dirs(parent):  # as the parent's index.md says them
+        parts = left_out_parts(directory)
+        if parts:
+            print(f"rank {rank}: {left_out_said(parts, _recovered(directory))}")
     missing = _missing(parent)
     if missing:  # as index.md and every reader of the parent say it
         print(missing_line(missing))
     return max(codes)
+
+
+def _recovered(directory: Path) -> bool | None:
+    """Whether the rank's counts were rebuilt from its history (None: its state is unreadable)."""
+    try:
+        state = load_state(directory)
+    except (OSError, ValueError):
+        return None
+    return None if state is None else state.counts_recovered
 
 
 def _missing(parent: Path) -> tuple[int, ...]:

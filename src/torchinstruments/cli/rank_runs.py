@@ -17,6 +17,7 @@ from pathlib import Path
 from torchinstruments.cli.reader import NotARunError, RunFacts, locate, read_facts
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.left_parts import left_out_said
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import Status
@@ -168,6 +169,9 @@ def header_lines(
     if missing:
         lines.append(missing_line(missing))
     for run, f in zip(runs, facts, strict=True):
+        if f.files.unreadable:  # beside history.parquet: read by no reader, named here
+            recovered = f.run_state.counts_recovered if f.run_state else None
+            lines.append(f"rank {run.rank}: {left_out_said(f.files.unreadable, recovered)}")
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
     return lines

@@ -51,8 +51,8 @@ from torchinstruments.rundir.layout import (
     STATE_FILE,
     list_parts,
     part_number,
-    schema_difference,
 )
+from torchinstruments.rundir.left_parts import part_unreadable
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.merge import merged_part_numbers
@@ -292,13 +292,7 @@ def _identity(history: Path | None) -> tuple[int, int] | None:
 def _unreadable(path: Path) -> bool:
     """Whether Parquet cannot read `path`'s footer (a file cut short: a copy or a power loss),
     or its columns are not history's (a part of a newer version `finalize` left in place)."""
-    try:
-        schema = pl.read_parquet_schema(path)
-    except FileNotFoundError:
-        return False  # gone meanwhile (merged): not damaged
-    except (OSError, pl.exceptions.PolarsError):
-        return True
-    return schema_difference(pl.Schema(schema)) is not None
+    return part_unreadable(path)
 
 
 def _damaged_message(directory: Path, history: Path | None, damaged: Sequence[Path]) -> str:

@@ -6,9 +6,10 @@ parent's page gets exactly the rows its own page reads: history.parquet once fin
 live or after a crash, its completed parts; while a continued run's attempt runs (or after it
 was killed), history.parquet for the earlier attempts and the parts for this one (`attempt`
 tells them apart); parts history.parquet already holds (its metadata lists them) never twice;
-a part `finalize` left in place left out. Before a run's first part, `history_of` raises
-`NoPartYet`, a SystemExit (the run's own page stops saying so), which the parent's page catches
-to name that rank as left out rather than read it as no rows.
+a part `finalize` left in place left out, and named as the block runs (never silently). Before
+a run's first part, `history_of` raises `NoPartYet`, a SystemExit (the run's own page stops
+saying so), which the parent's page catches to name that rank as left out rather than read it
+as no rows.
 """
 
 from __future__ import annotations
@@ -75,15 +76,18 @@ def merged_parts(merged: Path) -> set[int]:
 
 
 def readable(files: list[Path], merged: Path) -> list[pl.DataFrame]:
-    """The parts' rows, leaving out a part `finalize` left in place (index.md names it):
-    damaged, or of another version (columns other than {HISTORY_FILE}'s)."""
+    """The parts' rows, leaving out, and naming, a part `finalize` left in place (index.md
+    names it too): damaged, or of another version (columns other than {HISTORY_FILE}'s)."""
     columns = list(pl.read_parquet_schema(merged)) if merged.exists() else None
     frames = []
     for file in files:
         try:
             frame = pl.read_parquet(file, glob=False)
-        except pl.exceptions.PolarsError:
+        except pl.exceptions.PolarsError as error:
+            print(f"left out: {{file}}: unreadable ({{type(error).__name__}}); its rows are not read")
             continue
         if columns is None or frame.columns == columns:
             frames.append(frame)
+        else:
+            print(f"left out: {{file}}: not {HISTORY_FILE}'s columns; its rows are not read")
     return frames'''

@@ -34,6 +34,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,12 +45,14 @@ from torchinstruments.rundir.layout import (
     STATE_FILE,
     write_text_atomic,
 )
+from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
+from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
-from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
-from torchinstruments.rundir.state import RunState
+from torchinstruments.rundir.state import RunState, Status
 
 PARENT_LOCK = ".index.lock"
 SHOWN_ROWS = 50
@@ -84,11 +87,13 @@ def _read(directory: Path) -> tuple[RunState | None, str | None]:
 def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     """The State section's lines, and the ranks present."""
     ranks = rank_dirs(parent)
-    rows, finished, recovered = [], 0, False
+    rows, finished, recovered, open_ranks = [], 0, False, 0
+    left_out: list[str] = []
     world_sizes: dict[int, list[int]] = {}  # world size -> the ranks whose latest attempt had it
     for rank, directory in ranks:
         state, problem = _read(directory)
         if state is None:
+            open_ranks += 1
             rows.append(f"| {rank} | `{directory.name}/` | {problem or 'no state file'} | - | - |")
             continue
         if state.run.world_size is not None:
@@ -96,20 +101,28 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         counts = state.counts
         finished += counts is not None
         recovered = recovered or state.counts_recovered
+        parts = left_out_parts(directory) if counts is not None else ()
+        if parts:
+            said = left_out_said(parts, state.counts_recovered)
+            left_out.append(f"**Rank {rank} ({directory.name}/):** {said}.")
+        if counts is None:
+            open_ranks += 1
+        partial = " (partial)" if parts and state.counts_recovered else ""
         rows.append(
-            f"| {rank} | `{directory.name}/` | {_state_cell(state)} | "
-            f"{'-' if counts is None else _count(state, counts.samples)} | "
-            f"{'-' if counts is None else _count(state, counts.root_forwards)} |"
+            f"| {rank} | `{directory.name}/` | {_state_cell(state, directory, parts)} | "
+            f"{'-' if counts is None else _count(state, counts.samples) + partial} | "
+            f"{'-' if counts is None else _count(state, counts.root_forwards) + partial} |"
         )
     present = [r for r, _ in ranks]
     expected = max(world_sizes) if world_sizes else None
     missing = [r for r in range(expected)] if expected else []
     missing = [r for r in missing if r not in present]
+    written = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     head = (
         f"**Ranks: {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'}, "
         f"{finished} finished (removed or finalized)"
         + (f", world size {expected}" if len(world_sizes) == 1 else "")
-        + ".**"
+        + f"; as this page was written, at {written}.**"
     )
     lines = [head, ""]
     if len(world_sizes) > 1:
@@ -120,10 +133,13 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             "or wrote elsewhere): what it saw is unknown.",
             "",
         ]
-    if finished < len(ranks):
+    if open_ranks:
         lines += [
-            "A rank not finished is in progress or its process died; this page is rewritten "
-            "whenever a rank finishes, and by " + tool_span("finalize", parent) + ".",
+            "A rank not finished has no final counts; its state says, as this page was written, "
+            "whether its process held the rank's run lock (in progress) or had ended without "
+            "closing the run (killed or crashed: "
+            + tool_span("finalize", parent)
+            + " completes it). This page is rewritten whenever a rank finishes, and by finalize.",
             "",
         ]
     lines += [
@@ -132,6 +148,8 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         *rows,
         "",
     ]
+    for line in left_out:
+        lines += [line, ""]
     if recovered:
         lines += [
             "at least N, unknown: that rank's counts were rebuilt from its history after it was "
@@ -156,15 +174,32 @@ def _world_sizes_line(world_sizes: dict[int, list[int]]) -> str:
     )
 
 
-def _state_cell(state: RunState) -> str:
-    """A rank's state as its own index.md's state line gives it, with its marked samples: a
-    rank with partial samples never reads as plainly complete here."""
+def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) -> str:
+    """A rank's state as its own index.md's state line gives it, with its marked samples and
+    parts left out: a rank with partial samples never reads as plainly complete here. A rank
+    not finished is told by its run lock, as `finalize` tells it (`lock.writer_ended`)."""
+    if state.counts is None and state.status is Status.IN_PROGRESS:
+        return _open_cell(writer_ended(directory))
     cell = state.status.value
+    if parts:
+        cell += f", {plural(len(parts), 'part')} left out (see below)"
     if state.removed_in_flight:
         cell += f", removed while a sample was in flight (sample {ranges(state.removed_in_flight)})"
     if state.marks_total:
         cell += f"; {state.marks_total} marked sample{'s' * (state.marks_total > 1)}"
     return cell
+
+
+def _open_cell(ended: bool | None) -> str:
+    """An unfinished rank's state: whether a process held its run lock as the page was written."""
+    if ended is False:
+        return "in progress (its process holds the run's lock; no final counts yet)"
+    if ended:
+        return (
+            "not finished: its process ended without closing the run (killed or crashed; no "
+            "process holds its lock); finalize completes it"
+        )
+    return "in progress, or its process died (its run lock cannot be read here)"
 
 
 def _count(state: RunState, count: int) -> str:

@@ -110,6 +110,10 @@ def test_of_three_ranks_the_one_that_skipped_a_layer_departs_alone(tmp_path: Pat
     for series, (sample, rank) in found.items():
         assert sample == departed[series][0], series
         assert rank in departed[series][1], series
+    # a rank's result.json lost: its state file still names its layers, for compare and the query
+    (parent / "rank-001" / "result.json").unlink()
+    assert rows_of(cli_in_process("compare", parent, "--format", "json")) == ranks
+    assert _query_departures(parent, "0.0", ["mean", "std"]) == found
 
 
 def test_a_rank_that_stopped_earlier_does_not_depart_after_its_last_sample(

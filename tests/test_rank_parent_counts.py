@@ -22,9 +22,16 @@ from conftest import cli_in_process, kill_when_ready, wait_for_rows
 ROWS_PER_SAMPLE = 3 * 9 * 2  # Linear, ReLU, Linear; the default metrics; output and gradient
 
 
-def child_main(parent: Path, rank: int, samples: int) -> None:
-    """Rank `rank` of 4 takes `samples` samples, waits until their rows are on disk, says so."""
-    from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+def child_main(parent: Path, rank: int, samples: int, removing: bool) -> None:
+    """Rank `rank` of 4 takes `samples` samples, waits until their rows are on disk, says so;
+    `removing`: calls remove_observer and says so once removal begins merging its parts."""
+    import torchinstruments.rundir.finish as finish
+    from torchinstruments import (
+        EveryNForwardsSampler,
+        HistoryConfig,
+        inject_observer,
+        remove_observer,
+    )
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="4")
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -38,6 +45,13 @@ def child_main(parent: Path, rank: int, samples: int) -> None:
     for _ in range(samples):
         model(torch.randn(5, 4)).sum().backward()
     wait_for_rows(parent / f"rank-{rank:03d}", samples * ROWS_PER_SAMPLE)
+    if removing:
+        finish.merge_history = lambda directory: say_ready()  # killed there
+        remove_observer(model)
+    say_ready()
+
+
+def say_ready() -> None:
     print("ready", flush=True)
     time.sleep(120)
 
@@ -53,71 +67,86 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
     observe_rank(parent, 0, world_size=4)
     kill_when_ready(__file__, "ready", parent, "1", "3")
     kill_when_ready(__file__, "ready", parent, "2", "0")
-    kill_when_ready(__file__, "ready", parent, "3", "3")
-    damaged = sorted((parent / "rank-003" / "history.parts").glob("part-*.parquet"))[-1]
-    whole = damaged.read_bytes()
-    damaged.write_bytes(whole[: len(whole) // 2])  # cut short, as by a copy or a crash
+    kill_when_ready(__file__, "ready", parent, "3", "3", "removing")  # killed merging its parts
+    cut = [  # rank 1's first part and rank 3's last, cut short as by a copy or a crash
+        sorted((parent / f"rank-00{rank}" / "history.parts").glob("part-*.parquet"))[at]
+        for rank, at in ((1, 0), (3, -1))
+    ]
+    for part in cut:
+        whole = part.read_bytes()
+        part.write_bytes(whole[: len(whole) // 2])
 
     # finalize of one rank rewrites the parent's page: the killed ranks it did not finalize
-    # hold no lock, so they read as ended without closing the run, never as in progress
-    done = cli_in_process("finalize", parent / "rank-003")
-    assert done.returncode == 1  # incomplete: the part is left out
+    # hold no lock, so they read as ended without closing the run, never as in progress (nor
+    # as finished, rank 3's counts written as its removal began)
+    done = cli_in_process("finalize", parent / "rank-001")
+    assert done.returncode == 1, done.stderr  # incomplete: its first part is left out
     page = (parent / "index.md").read_text(encoding="utf-8").splitlines()
     rows = {line.split(" | ")[0]: line for line in page if line.startswith("| ")}
-    ended = (
-        "not finished: its process ended without closing the run (killed or crashed; no "
-        "process holds its lock); finalize completes it"
-    )
-    for rank in (1, 2):
-        assert rows[f"| {rank}"] == f"| {rank} | `rank-00{rank}/` | {ended} | - | - |"
+    ended = "not finished: its process ended {} (killed or crashed; no process holds its lock); "
+    ended += "finalize completes it"
+    assert rows["| 2"] == f"| 2 | `rank-002/` | {ended.format('without closing the run')} | - | - |"
+    during = "during remove_observer, while merging history.parts/ into history.parquet"
+    assert rows["| 3"] == f"| 3 | `rank-003/` | {ended.format(during)} | - | - |"
+    assert any(line.startswith("**Ranks: 4 rank directories, 2 finished ") for line in page)
     assert not any("in progress" in line for line in page if line.startswith("| "))
 
     done = cli_in_process("finalize", parent)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 1, done.stderr  # incomplete: ranks 1 and 3 have a part left out
     page = (parent / "index.md").read_text(encoding="utf-8").splitlines()
     rows = {line.split(" | ")[0]: line for line in page if line.startswith("| ")}
-    for rank, samples, root_forwards in (
-        (1, "at least 3", "at least 3"),
-        (2, "unknown", "unknown"),
-    ):
-        state = read_state(parent / f"rank-{rank:03d}")
-        assert state.counts_recovered
-        own = counts_sentence(state)
-        assert f"{root_forwards} root forward" in own  # the rank's own page says the same
-        assert rows[f"| {rank}"] == (
-            f"| {rank} | `rank-{rank:03d}/` | interrupted | {samples} | {root_forwards} |"
-        )
+    state = read_state(parent / "rank-002")
+    assert state.counts_recovered
+    assert "unknown root forwards" in counts_sentence(state)  # its own page says the same
+    assert rows["| 2"] == "| 2 | `rank-002/` | interrupted | unknown | unknown |"
     assert rows["| 0"] == "| 0 | `rank-000/` | complete | 3 | 3 |"
     assert any(line.startswith("at least N, unknown: ") for line in page)
 
-    # rank 3: the part finalize left in place, named with its rank wherever the ranks are read
-    assert damaged.exists()
-    kept = pl.read_parquet(parent / "rank-003" / "history.parquet")
-    assert 0 < kept.height < 3 * ROWS_PER_SAMPLE
-    counts = read_state(parent / "rank-003").counts
-    assert counts is not None
-    assert counts.samples >= kept["sample_id"].n_unique()
-    assert rows["| 3"] == (
-        f"| 3 | `rank-003/` | incomplete, 1 part left out (see below) | at least "
-        f"{counts.samples} (partial) | at least {counts.root_forwards} (partial) |"
+    # each part finalize left in place is named with its rank wherever the ranks are read; rank
+    # 1's counts, rebuilt after its kill, are partial; rank 3's are its live run's (removal had
+    # begun), which counted that part's samples
+    left = "1 part left out (see below)"
+    recovered = read_state(parent / "rank-001").counts
+    assert recovered is not None
+    assert rows["| 1"] == (
+        f"| 1 | `rank-001/` | incomplete, {left} | at least {recovered.samples} (partial) | "
+        f"at least {recovered.root_forwards} (partial) |"
     )
-    said = (
-        f"1 history part left out, unreadable (cut short, or of another version), left in "
-        f"place: history.parts/{damaged.name}; its rows are in neither its history.parquet nor "
-        "any query or command; its counts, rebuilt after its process died, are lower bounds "
-        "that may leave them out (partial)"
-    )
-    assert f"**Rank 3 (rank-003/):** {said}." in page
-    assert f"rank 3: {said}" in done.stdout.splitlines()
-    assert f"torchinstruments finalize: rank 3: incomplete: history part {damaged.name}" in (
-        done.stderr
-    )
+    assert rows["| 3"] == f"| 3 | `rank-003/` | incomplete, {left} | 3 | 3 |"
+    said = {
+        rank: (
+            f"1 history part left out, unreadable (cut short, or of another version), left in "
+            f"place: history.parts/{part.name}; its rows are in neither its history.parquet nor "
+            f"any query or command; its counts, {counts}"
+        )
+        for rank, part, counts in (
+            (
+                1,
+                cut[0],
+                "rebuilt after its process died, are lower bounds that may leave them "
+                "out (partial)",
+            ),
+            (3, cut[1], "its live run's, include those samples"),
+        )
+    }
+    for rank, part in ((1, cut[0]), (3, cut[1])):
+        assert part.exists()
+        assert f"**Rank {rank} (rank-00{rank}/):** {said[rank]}." in page
+        assert f"rank {rank}: {said[rank]}" in done.stdout.splitlines()
+        assert f"finalize: rank {rank}: incomplete: history part {part.name} is unreadable" in (
+            done.stderr
+        )
     shown = cli_in_process("show", parent, "--width", "400")
     assert shown.returncode == 0, shown.stderr
-    assert f"rank 3: {said}" in shown.stdout.splitlines()
+    assert {f"rank {rank}: {said[rank]}" for rank in (1, 3)} <= set(shown.stdout.splitlines())
     setup_said, per_rank = run_page(parent)
-    assert f"left out: {damaged}: unreadable (ComputeError); its rows are not read\n" == setup_said
-    assert per_rank.filter(pl.col("rank") == 3)["rows"].to_list() == [kept.height]
+    assert setup_said.splitlines() == [
+        f"left out: {part}: unreadable (ComputeError); its rows are not read" for part in cut
+    ]
+    for rank in (1, 3):
+        kept = pl.read_parquet(parent / f"rank-00{rank}" / "history.parquet")
+        assert 0 < kept.height < 3 * ROWS_PER_SAMPLE
+        assert per_rank.filter(pl.col("rank") == rank)["rows"].to_list() == [kept.height]
 
 
 def test_the_parent_page_says_a_ranks_marked_samples_and_removal_in_flight(
@@ -151,4 +180,4 @@ def test_the_parent_page_says_a_ranks_marked_samples_and_removal_in_flight(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    child_main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["removing"])

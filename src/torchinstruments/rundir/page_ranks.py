@@ -18,7 +18,8 @@ Design decisions:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,
   `|a - b| > X`; a NaN or an infinity is infinitely far from any value but an equal one), or
   when the ranks' rows differ in what they hold (a null against a value, nulls for different
-  reasons, no row on a rank that has the sample and selects the layer, from its result.json,
+  reasons, no row on a rank that has the sample and selects the layer, from its state file's
+  run info as `compare PARENT` reads it (a rank without one is named),
   but a gradient at the open latest sample of a rank in progress, from its state file), the
   rule `torchinstruments compare PARENT` applies. Every query keys a series
   on its mode too, as each rank's own queries do: a train and an eval sample of one tensor are
@@ -52,7 +53,7 @@ from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
-from torchinstruments.rundir.state import RunState, Status
+from torchinstruments.rundir.state import RunState, Status, removal_doing
 
 PARENT_LOCK = ".index.lock"
 SHOWN_ROWS = 50
@@ -98,7 +99,9 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             continue
         if state.run.world_size is not None:
             world_sizes.setdefault(state.run.world_size, []).append(rank)
-        counts = state.counts
+        # final counts once finished: removal writes them into the state as it begins, so a rank
+        # being removed (or killed there) has counts but is not finished
+        counts = None if state.status is Status.IN_PROGRESS else state.counts
         finished += counts is not None
         recovered = recovered or state.counts_recovered
         parts = left_out_parts(directory) if counts is not None else ()
@@ -122,9 +125,14 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         f"**Ranks: {len(ranks)} rank director{'y' if len(ranks) == 1 else 'ies'}, "
         f"{finished} finished (removed or finalized)"
         + (f", world size {expected}" if len(world_sizes) == 1 else "")
-        + f"; as this page was written, at {written}.**"
+        + ".**"
     )
-    lines = [head, ""]
+    lines = [
+        head,
+        "",
+        f"Each rank's state below is as it was when this page was written, at {written}.",
+        "",
+    ]
     if len(world_sizes) > 1:
         lines += [_world_sizes_line(world_sizes), ""]
     if missing:
@@ -178,8 +186,8 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     """A rank's state as its own index.md's state line gives it, with its marked samples and
     parts left out: a rank with partial samples never reads as plainly complete here. A rank
     not finished is told by its run lock, as `finalize` tells it (`lock.writer_ended`)."""
-    if state.counts is None and state.status is Status.IN_PROGRESS:
-        return _open_cell(writer_ended(directory))
+    if state.status is Status.IN_PROGRESS:
+        return _open_cell(writer_ended(directory), state.removal_step)
     cell = state.status.value
     if parts:
         cell += f", {plural(len(parts), 'part')} left out (see below)"
@@ -190,10 +198,17 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     return cell
 
 
-def _open_cell(ended: bool | None) -> str:
-    """An unfinished rank's state: whether a process held its run lock as the page was written."""
+def _open_cell(ended: bool | None, removal_step: str | None) -> str:
+    """An unfinished rank's state: whether a process held its run lock as the page was written,
+    and, for one that ended in remove_observer (`removal_step`), that it was removing."""
     if ended is False:
         return "in progress (its process holds the run's lock; no final counts yet)"
+    if ended and removal_step is not None:
+        return (
+            "not finished: its process ended during remove_observer, while "
+            f"{removal_doing(removal_step)} (killed or crashed; no process holds its lock); "
+            "finalize completes it"
+        )
     if ended:
         return (
             "not finished: its process ended without closing the run (killed or crashed; no "
@@ -350,16 +365,21 @@ def gap(other: pl.Expr) -> pl.Expr:
 
 rows = ranks.filter(pl.col("metric") == METRIC)
 own = ranks.select("rank", "sample_id").unique()  # each rank's samples: a row of any series
-selected = pl.LazyFrame(  # each rank's selected layers, run or not: its result.json
+selected = pl.LazyFrame(  # each rank's selected layers, run or not: its state file's run info
     [
-        (int(d.name.removeprefix("rank-")), r["layer"], r["module_type"])
-        for d in sorted(parent.glob("rank-*"))
-        if d.name.removeprefix("rank-").isdigit() and (d / "result.json").is_file()
-        for r in json.loads((d / "result.json").read_text(encoding="utf-8"))
+        (rank, layer["name"], layer["module_type"])
+        for rank, state in rank_states.items()
+        if state
+        for layer in state["run"]["layers"]
     ],
     schema={{"rank": pl.Int64, "layer": pl.String, "module_type": pl.String}},
     orient="row",
 )
+if any(not state for state in rank_states.values()):
+    print(
+        f"rank {{', '.join(str(r) for r, s in rank_states.items() if not s)}}: no state file, "
+        "so its selected layers are unknown: a row it lacks is not looked for"
+    )
 live = [  # ranks in progress: a gradient of their latest sample may still come (open)
     int(d.name.removeprefix("rank-"))
     for d in sorted(parent.glob("rank-*"))

@@ -34,6 +34,7 @@ import polars as pl
 from torchinstruments import reasons
 from torchinstruments.records import INTERRUPTED
 from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
     HISTORY_SCHEMA,
     constant_metadata,
     list_parts,
@@ -42,6 +43,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
     write_parquet_atomic,
 )
+from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.writer import SPLIT_RECORD_KEY
 
 # index.md lists at most this many marks (the first ones); the state counts every marked sample.
@@ -96,6 +98,16 @@ def read_marks(history: Path) -> tuple[tuple[SampleMark, ...], int]:
     return marks, total
 
 
+def _merged_after(directory: Path, last: Path) -> bool:
+    """Whether history.parquet holds a part written after `last`: then `last` is one an earlier
+    merge left in place (unreadable), not the run's last, which that merge's finish checked."""
+    history = directory / HISTORY_FILE
+    if not history.is_file():
+        return False
+    number = part_number(last)
+    return number is not None and any(n > number for n in merged_part_numbers(history))
+
+
 def mark_partly_written(
     directory: Path, why: Callable[[str, int, int], str] = reasons.partly_written
 ) -> int | None:
@@ -112,7 +124,7 @@ def mark_partly_written(
         OSError, polars.exceptions.PolarsError: if the last part or the new one fails.
     """
     parts = list_parts(directory)
-    if not parts:
+    if not parts or _merged_after(directory, parts[-1]):
         return None
     last = parts[-1]
     entry = pl.read_parquet_metadata(last).get(SPLIT_RECORD_KEY)

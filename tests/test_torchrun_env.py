@@ -183,6 +183,22 @@ def test_a_job_restarted_on_fewer_ranks_gives_each_ranks_world_size_in_the_paren
         for rank in range(3)
     }
     assert samples == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1]}
+    assert "Attempts differ across ranks: 1 (rank 2); 2 (rank 0-1)." in index
+    # grown again to 4 ranks: one world size, but rank 2 missed the second job and rank 3 both
+    # earlier ones, so sample 2 is the third job's on rank 2 and the second's on ranks 0-1
+    job(4, 1)
+    index = (parent / "index.md").read_text("utf-8")
+    assert "world size 4." in index
+    assert "Attempts differ across ranks: 1 (rank 3); 2 (rank 2); 3 (rank 0-1)." in index
+    at_2 = {
+        rank: pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet").filter(
+            pl.col("sample_id") == 2
+        )
+        for rank in range(3)
+    }
+    jobs = {rank: frame["attempt"].unique().to_list() for rank, frame in at_2.items()}
+    assert jobs == {0: [1], 1: [1], 2: [1]}  # each rank's second attempt, but other jobs:
+    assert at_2[2]["timestamp"].min() > at_2[1]["timestamp"].max()  # rank 2's ran later
 
 
 def test_show_of_a_parent_whose_ranks_stopped_at_different_samples_says_each_ranks_latest(

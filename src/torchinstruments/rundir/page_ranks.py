@@ -91,6 +91,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     rows, finished, recovered, open_ranks = [], 0, False, 0
     left_out: list[str] = []
     world_sizes: dict[int, list[int]] = {}  # world size -> the ranks whose latest attempt had it
+    attempts: dict[int, list[int]] = {}  # attempts in the rank's directory -> those ranks
     for rank, directory in ranks:
         state, problem = _read(directory)
         if state is None:
@@ -99,6 +100,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             continue
         if state.run.world_size is not None:
             world_sizes.setdefault(state.run.world_size, []).append(rank)
+        attempts.setdefault(max(len(state.attempts), 1), []).append(rank)
         # final counts once finished: removal writes them into the state as it begins, so a rank
         # being removed (or killed there) has counts but is not finished
         counts = None if state.status is Status.IN_PROGRESS else state.counts
@@ -135,6 +137,8 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     ]
     if len(world_sizes) > 1:
         lines += [_world_sizes_line(world_sizes), ""]
+    if len(attempts) > 1:
+        lines += [_attempts_line(attempts), ""]
     if missing:
         lines += [
             f"Missing: no directory for rank {', '.join(map(str, missing))} (it never attached, "
@@ -179,6 +183,21 @@ def _world_sizes_line(world_sizes: dict[int, list[int]]) -> str:
         f"World sizes differ: {sizes}, as each rank's latest attempt ran. The run was "
         "continued (resume=True) by a job of another size, so some ranks' directories end "
         "with an earlier job's samples; each rank's index.md lists its attempts."
+    )
+
+
+def _attempts_line(attempts: dict[int, list[int]]) -> str:
+    """What the page says where the ranks' directories hold different numbers of attempts: the
+    run was continued by jobs of other sizes (grown or shrunk), and as `sample_id` continues in
+    each rank's own directory, one id can be another job's step on another rank."""
+    said = "; ".join(f"{n} (rank {ranges(ranks)})" for n, ranks in sorted(attempts.items()))
+    return (
+        f"Attempts differ across ranks: {said}. The run was continued (resume=True) by jobs "
+        "of other sizes, so a rank with fewer attempts lacks the samples of the jobs it had no "
+        "part in; `sample_id` and `forward_index` continue in each rank's own directory, so "
+        "one sample_id (and one `attempt` number) can be another job's on another rank: match "
+        "ranks by `step` where the loop gives one, or by each attempt's start, which each "
+        "rank's index.md lists."
     )
 
 

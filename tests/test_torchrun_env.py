@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _ranks import run_ranks
-from conftest import run_status
+from conftest import cli_in_process, run_status
 
 WORLD_SIZE = 2
 
@@ -189,7 +189,12 @@ def test_a_job_restarted_on_fewer_ranks_gives_each_ranks_world_size_in_the_paren
     job(4, 1)
     index = (parent / "index.md").read_text("utf-8")
     assert "world size 4." in index
-    assert "Attempts differ across ranks: 1 (rank 3); 2 (rank 2); 3 (rank 0-1)." in index
+    said = "Attempts differ across ranks: 1 (rank 3); 2 (rank 2); 3 (rank 0-1)."
+    assert said in index
+    for command in ("show", "compare"):  # their headers say it too
+        done = cli_in_process(command, parent, "--width", "1000")
+        assert done.returncode == 0, done.stderr
+        assert any(line.startswith(said) for line in done.stdout.splitlines()), command
     at_2 = {
         rank: pl.read_parquet(parent / f"rank-{rank:03d}" / "history.parquet").filter(
             pl.col("sample_id") == 2

@@ -18,6 +18,7 @@ from torchinstruments.cli.reader import NotARunError, RunFacts, locate, read_fac
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
+from torchinstruments.rundir.page_ranks import attempts_line
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import Status
@@ -168,6 +169,12 @@ def header_lines(
         lines.append(f"not read, no history: {without_history_line(without_history)}")
     if missing:
         lines.append(missing_line(missing))
+    attempts: dict[int, list[int]] = {}  # as the parent's index.md says it
+    for run, f in zip(runs, facts, strict=True):
+        if f.run_state is not None:
+            attempts.setdefault(max(len(f.run_state.attempts), 1), []).append(run.rank)
+    if len(attempts) > 1:
+        lines.append(attempts_line(attempts))
     for run, f in zip(runs, facts, strict=True):
         if f.files.unreadable:  # beside history.parquet: read by no reader, named here
             recovered = f.run_state.counts_recovered if f.run_state else None

@@ -138,7 +138,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     if len(world_sizes) > 1:
         lines += [_world_sizes_line(world_sizes), ""]
     if len(attempts) > 1:
-        lines += [_attempts_line(attempts), ""]
+        lines += [attempts_line(attempts), ""]
     if missing:
         lines += [
             f"Missing: no directory for rank {', '.join(map(str, missing))} (it never attached, "
@@ -186,7 +186,7 @@ def _world_sizes_line(world_sizes: dict[int, list[int]]) -> str:
     )
 
 
-def _attempts_line(attempts: dict[int, list[int]]) -> str:
+def attempts_line(attempts: dict[int, list[int]]) -> str:
     """What the page says where the ranks' directories hold different numbers of attempts: the
     run was continued by jobs of other sizes (grown or shrunk), and as `sample_id` continues in
     each rank's own directory, one id can be another job's step on another rank."""
@@ -532,6 +532,7 @@ def write_parent_index(parent: Path) -> Path:
 
 __all__ = [
     "PARENT_LOCK",
+    "attempts_line",
     "is_rank_run",
     "rank_dirs",
     "render_parent_index",

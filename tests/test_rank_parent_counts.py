@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import polars as pl
 import pytest
@@ -46,7 +47,7 @@ def child_main(parent: Path, rank: int, samples: int, removing: bool) -> None:
         model(torch.randn(5, 4)).sum().backward()
     wait_for_rows(parent / f"rank-{rank:03d}", samples * ROWS_PER_SAMPLE)
     if removing:
-        finish.merge_history = lambda directory: say_ready()  # killed there
+        finish.merge_history = killed_while_merging
         remove_observer(model)
     say_ready()
 
@@ -54,6 +55,12 @@ def child_main(parent: Path, rank: int, samples: int, removing: bool) -> None:
 def say_ready() -> None:
     print("ready", flush=True)
     time.sleep(120)
+
+
+def killed_while_merging(directory: Path) -> NoReturn:
+    """Removal's merge of the parts, where the test kills the child."""
+    say_ready()
+    raise AssertionError(f"{directory}: not killed while merging")
 
 
 def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ lock tells, while rank 1's is held)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import multiprocessing
 import os
@@ -96,9 +97,9 @@ def wait_until(done: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL, fcntl")
 def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_rank_stands(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parent, signals = tmp_path / "stats", tmp_path / "signals"
     signals.mkdir()
@@ -143,6 +144,13 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             rows = pl.scan_parquet(parts, glob=False).select(pl.len()).collect().item()
             assert not seen_rows or rows >= seen_rows[-1]  # parts only ever added
             seen_rows.append(rows)
+        import fcntl
+
+        with monkeypatch.context() as no_locks:  # a file system without locks (NFS: ENOLCK)
+            no_locks.setattr(fcntl, "flock", refuse_lock)
+            rows = state_cells(render_parent_index(parent))
+        unknown = "in progress, or its process died (its run lock cannot be read here)"
+        assert (rows[1], rows[2]) == (unknown, unknown)  # never "ended" for the live rank 1
         (signals / "stop").touch()
         processes[1].join(TIMEOUT_SECONDS)
         assert processes[1].exitcode == 0
@@ -162,6 +170,10 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
         (2, "in progress", 3),
     ]
     assert state_cells((parent / "index.md").read_text())[2] == ENDED
+
+
+def refuse_lock(fd: int, operation: int) -> None:
+    raise OSError(errno.ENOLCK, "No locks available")
 
 
 def state_cells(page: str) -> dict[int, str]:

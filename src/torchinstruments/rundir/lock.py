@@ -179,13 +179,26 @@ def live_writer(directory: Path) -> str | None:
 def writer_ended(directory: Path) -> bool | None:
     """Whether the process that writes `directory`'s run has ended: True when no process holds
     its run lock (as `finalize` tells), False when one does, None where it cannot be told (no
-    lock file, no platform lock, a lock file this process cannot open). Same caveat as
+    lock file, no platform lock, a lock file this process cannot open, a lock call that fails:
+    a file system without locks answers ENOLCK, which says nothing of the writer). Same caveat as
     `live_writer`: call it only on a directory that already holds a run."""
-    if _platform_locker() is None or not (directory / LOCK_FILE).is_file():
+    locker = _platform_locker()
+    path = directory / LOCK_FILE
+    if locker is None or not path.is_file() or not os.access(path, os.R_OK | os.W_OK):
         return None
-    if not os.access(directory / LOCK_FILE, os.R_OK | os.W_OK):
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
         return None
-    return live_writer(directory) is None
+    try:  # a probe that fails (a file system without locks: ENOLCK) tells nothing, never "ended"
+        if not _try_lock(fd, locker):
+            return False
+        _unlock(fd, locker)
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _refusal(directory: Path, holder: str) -> str:

@@ -90,8 +90,7 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
     assert done.returncode == 1, done.stderr  # incomplete: its first part is left out
     page = (parent / "index.md").read_text(encoding="utf-8").splitlines()
     rows = {line.split(" | ")[0]: line for line in page if line.startswith("| ")}
-    ended = "not finished: its process ended {} (killed or crashed; no process holds its lock); "
-    ended += "finalize completes it"
+    ended = "not finished: its process ended {} (killed or crashed)"
     assert rows["| 2"] == f"| 2 | `rank-002/` | {ended.format('without closing the run')} | - | - |"
     during = "during remove_observer, while merging history.parts/ into history.parquet"
     assert rows["| 3"] == f"| 3 | `rank-003/` | {ended.format(during)} | - | - |"

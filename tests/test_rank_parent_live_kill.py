@@ -41,10 +41,7 @@ from conftest import cli_in_process, wait_for_rows
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its output gradient
 # rank 2's state on the parent's page once its process died: told by its run lock, as
 # `finalize` tells it, on a page written while rank 1 still writes and on the last one
-ENDED = (
-    "not finished: its process ended without closing the run (killed or crashed; no process "
-    "holds its lock); finalize completes it"
-)
+ENDED = "not finished: its process ended without closing the run (killed or crashed)"
 WORLD = 3
 READS = 8
 
@@ -135,7 +132,7 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             assert "rank 1: in progress" in shown.stdout
             assert "rank 2: interrupted: not finished, and no process holds" in shown.stdout
             rows = state_cells(render_parent_index(parent))  # the page a rank writes now
-            assert rows[1] == "in progress (its process holds the run's lock; no final counts yet)"
+            assert rows[1] == "in progress (its process holds its lock)"
             assert rows[2] == ENDED
             compared = cli_in_process("compare", parent, "--width", "200")
             assert compared.returncode == 0, compared.stderr
@@ -149,7 +146,7 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
         with monkeypatch.context() as no_locks:  # a file system without locks (NFS: ENOLCK)
             no_locks.setattr(fcntl, "flock", refuse_lock)
             rows = state_cells(render_parent_index(parent))
-        unknown = "in progress, or its process died (its run lock cannot be read here)"
+        unknown = "in progress, or its process died (its lock cannot be read here)"
         assert (rows[1], rows[2]) == (unknown, unknown)  # never "ended" for the live rank 1
         (signals / "stop").touch()
         processes[1].join(TIMEOUT_SECONDS)

@@ -147,11 +147,11 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         ]
     if open_ranks:
         lines += [
-            "A rank not finished has no final counts; its state says, as this page was written, "
-            "whether its process held the rank's run lock (in progress) or had ended without "
-            "closing the run (killed or crashed: "
+            "A rank not finished has no final counts. Its state is what its run lock told as "
+            "this page was written, as finalize tells it: held, its process is in progress; "
+            "free, its process ended without closing the run (killed or crashed) and "
             + tool_span("finalize", parent)
-            + " completes it). This page is rewritten whenever a rank finishes, and by finalize.",
+            + " completes it. This page is rewritten whenever a rank finishes, and by finalize.",
             "",
         ]
     lines += [
@@ -221,19 +221,15 @@ def _open_cell(ended: bool | None, removal_step: str | None) -> str:
     """An unfinished rank's state: whether a process held its run lock as the page was written,
     and, for one that ended in remove_observer (`removal_step`), that it was removing."""
     if ended is False:
-        return "in progress (its process holds the run's lock; no final counts yet)"
+        return "in progress (its process holds its lock)"
     if ended and removal_step is not None:
         return (
             "not finished: its process ended during remove_observer, while "
-            f"{removal_doing(removal_step)} (killed or crashed; no process holds its lock); "
-            "finalize completes it"
+            f"{removal_doing(removal_step)} (killed or crashed)"
         )
     if ended:
-        return (
-            "not finished: its process ended without closing the run (killed or crashed; no "
-            "process holds its lock); finalize completes it"
-        )
-    return "in progress, or its process died (its run lock cannot be read here)"
+        return "not finished: its process ended without closing the run (killed or crashed)"
+    return "in progress, or its process died (its lock cannot be read here)"
 
 
 def _count(state: RunState, count: int) -> str:

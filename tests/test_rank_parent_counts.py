@@ -7,6 +7,7 @@ page, its queries, `show` and `finalize`, and that rank's counts are said to be 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -147,6 +148,11 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
     shown = cli_in_process("show", parent, "--width", "400")
     assert shown.returncode == 0, shown.stderr
     assert {f"rank {rank}: {said[rank]}" for rank in (1, 3)} <= set(shown.stdout.splitlines())
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra
+        drawn = cli_in_process("heatmap", parent, "--metrics", "mean", "-o", tmp_path)
+        assert drawn.returncode == 0, drawn.stderr
+        lines = drawn.stderr.splitlines()
+        assert {f"torchinstruments heatmap: rank {r}: {said[r]}" for r in (1, 3)} <= set(lines)
     setup_said, per_rank = run_page(parent)
     assert setup_said.splitlines() == [
         f"left out: {part}: unreadable (ComputeError); its rows are not read" for part in cut

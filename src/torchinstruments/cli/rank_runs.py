@@ -169,7 +169,18 @@ def header_lines(
         lines.append(f"not read, no history: {without_history_line(without_history)}")
     if missing:
         lines.append(missing_line(missing))
-    attempts: dict[int, list[int]] = {}  # as the parent's index.md says it
+    lines += rank_notes(runs, facts)
+    for run, f in zip(runs, facts, strict=True):
+        for line in f.marked_lines():
+            lines.append(f"rank {run.rank}: {line}")
+    return lines
+
+
+def rank_notes(runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
+    """What every reader of a parent says as its index.md does: that the ranks' directories
+    hold different numbers of attempts, and each rank's parts left out, unreadable."""
+    lines: list[str] = []
+    attempts: dict[int, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         if f.run_state is not None:
             attempts.setdefault(max(len(f.run_state.attempts), 1), []).append(run.rank)
@@ -179,8 +190,6 @@ def header_lines(
         if f.files.unreadable:  # beside history.parquet: read by no reader, named here
             recovered = f.run_state.counts_recovered if f.run_state else None
             lines.append(f"rank {run.rank}: {left_out_said(f.files.unreadable, recovered)}")
-        for line in f.marked_lines():
-            lines.append(f"rank {run.rank}: {line}")
     return lines
 
 
@@ -196,6 +205,7 @@ __all__ = [
     "is_parent",
     "parent_facts",
     "parse_ranks",
+    "rank_notes",
     "rank_runs",
     "ranks_with_history",
     "without_history_line",

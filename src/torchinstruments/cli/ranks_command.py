@@ -67,6 +67,7 @@ def run_on_ranks(
         missing_line,
         missing_ranks,
         parse_ranks,
+        rank_notes,
         ranks_with_history,
         without_history_line,
     )
@@ -122,6 +123,8 @@ def run_on_ranks(
         missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
         if missing:
             print(f"torchinstruments {args.command}: {missing_line(missing)}", file=sys.stderr)
+        for line in rank_notes(runs, facts):
+            print(f"torchinstruments {args.command}: {line}", file=sys.stderr)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
         result = rank_spread.spread(parent, chosen, ranks)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@ in progress is read with its earlier attempts (its parts beside its history.parq
 rank that has written no part yet is named as left out and listed with its state, never
 dropped from the per-rank summary as if it did not exist; a rank the world size expects but no
 directory holds is listed with counts unknown. A rank's own "Ranks" query reads the ranks the
-same way. Real observers (the launcher's RANK and WORLD_SIZE); what the queries print is
+same way, and names that missing rank too. Real observers (the launcher's RANK and WORLD_SIZE); what the queries print is
 checked against the files read with Polars."""
 
 from __future__ import annotations
@@ -151,3 +151,13 @@ def test_the_parent_queries_list_a_rank_the_world_size_expects_but_no_directory_
         {"rank": 1, "state": "complete", "samples": 1, "last_sample": 0, "rows": 18},
         {"rank": 2, "state": "no directory", "samples": None, "last_sample": None, "rows": None},
     ]
+    # a rank's own "Ranks" query names it too, never reading two ranks as all there are
+    page = parent / "rank-000" / "index.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
+    scope: dict[str, object] = {}
+    own = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(blocks[0], str(page), "exec"), scope)
+    with contextlib.redirect_stdout(own):
+        exec(compile(next(b for b in blocks if "rank-*" in b), str(page), "exec"), scope)
+    assert own.getvalue().splitlines()[0] == said.strip()

@@ -378,7 +378,8 @@ def section_queries(run: RunInfo) -> list[str]:
         lines += [
             "Compare the ranks (every row carries its rank; after setup; each read as "
             "`history_of` reads a run, a live one as far as it has written, and one with no "
-            "part yet named as left out): "
+            "part yet named as left out, as is one this rank's world size expects but no "
+            "directory holds): "
             "each rank's mean over its samples of every series (layer, call, signal, tensor "
             "path, mode, metric; a train and an eval series apart), ranks side by side:",
             "",
@@ -393,6 +394,14 @@ if left_out:
     print(
         f"left out: {{', '.join(left_out)}} wrote no part yet (in progress before its first "
         "sample, or its process died before it)"
+    )
+no_directory = [  # of this rank's world size
+    r for r in range({run.world_size or 0}) if not (Path({_q(parent)}) / f"rank-{{r:03d}}").is_dir()
+]
+if no_directory:
+    print(
+        f"missing: no directory for rank {{', '.join(map(str, no_directory))}} (it never "
+        "attached, or wrote elsewhere): what it saw is unknown"
     )
 ranks = pl.concat(rank_histories)
 series = [{series}]

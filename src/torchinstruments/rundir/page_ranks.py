@@ -11,8 +11,15 @@ Design decisions:
   (that would be a collective, and a rank that died would hang the rest): each rewrite reads all
   ranks' states under an exclusive lock on `PARENT/.index.lock`, so the page written last has
   seen the state of every rank that finished before it; the last rank to finish writes a page
-  that calls every rank finished. A rank still running is "in progress" there, and a rank its
-  world size expects but that has no directory is listed as missing.
+  that calls every rank finished. A rank not finished (no final counts, or killed in removal,
+  whose state holds the counts removal began with) is told by its run lock at that moment, as
+  `finalize` tells a live run from a dead one: "in progress" while its process holds the lock,
+  else its process ended without closing the run (killed or crashed), never "in progress"
+  for a job that ended; the page gives the time it was written. A rank its world size expects
+  but that has no directory is listed as missing; ranks whose directories hold different numbers
+  of attempts are said to (`sample_id` then is not one job's step on all of them); a finished
+  rank's history part a merge left in place, unreadable (`rundir.left_parts`), is named with
+  its rank, and its rebuilt counts called partial.
 - Its ready queries read all ranks at once (every history row carries its `rank`), including
   the first sample at which one rank departs from the others by more than X, as a plain query:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,

@@ -94,8 +94,11 @@ def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
     assert state["status"] == "in progress"
     assert state["removal_step"] == "history.parts/"
     shown = _said("show", directory)
-    assert "being removed: remove_observer was writing its last rows to history.parts/" in shown
-    assert "it was killed during removal" in shown
+    # no process holds its lock: said as what is known, as finalize tells it
+    assert (
+        "interrupted during remove_observer, while writing its last rows to history.parts/: no "
+        "process holds the run's lock (killed or crashed)"
+    ) in shown
 
     finalized = _said("finalize", directory)
     assert "ended without remove_observer" not in finalized
@@ -136,7 +139,7 @@ def test_a_kill_as_removal_writes_index_md_never_leaves_it_behind_the_state(
     assert ("**State: complete.**" in page) == (killed_at == "final_state")
     doing = "writing index.md and the final .state.json"
     shown = _said("show", directory)
-    assert f"being removed: remove_observer was {doing}" in shown
+    assert f"interrupted during remove_observer, while {doing}: no process holds" in shown
 
     finalized = _said("finalize", directory)
     assert f"its process was killed or crashed while {doing}" in finalized

@@ -3,7 +3,7 @@ without remove_observer".
 
 Removal flushes every row to history.parts/ (or the loss ledger) before it merges, so a kill
 during the merge or result.json loses no row and the live run's counts are exact: the state file
-says removal began, `show` says the run is being removed (or was killed during removal), and
+says removal began, `show` says it was interrupted there (no process holds its lock), and
 `finalize` completes the run from the counts removal wrote, "complete" with the kill noted. The
 child is this file run as a script: it kills itself with SIGKILL as the named step of the
 finish begins, a real kill at a known point.
@@ -76,8 +76,8 @@ def test_a_process_killed_during_removal_is_said_killed_during_removal(
     shown = run_cli("show", directory)
     assert shown.returncode == 0, shown.stderr
     said = " ".join(shown.stdout.split())
-    assert f"being removed: remove_observer was {doing}" in said
-    assert "it was killed during removal" in said
+    assert f"interrupted during remove_observer, while {doing}: no process holds" in said
+    assert "(killed or crashed)" in said
 
     finalized = run_cli("finalize", directory)
     assert finalized.returncode == 0, finalized.stderr

@@ -76,6 +76,12 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
     kill_when_ready(__file__, "ready", parent, "1", "3")
     kill_when_ready(__file__, "ready", parent, "2", "0")
     kill_when_ready(__file__, "ready", parent, "3", "3", "removing")  # killed merging its parts
+    shown = cli_in_process("show", parent, "--width", "400")
+    assert shown.returncode == 0, shown.stderr
+    assert (  # as finalize tells it: no process holds its lock
+        "rank 3: interrupted during remove_observer, while merging history.parts/ into "
+        "history.parquet: no process holds the run's lock"
+    ) in shown.stdout.splitlines()
     cut = [  # rank 1's first part and rank 3's last, cut short as by a copy or a crash
         sorted((parent / f"rank-00{rank}" / "history.parts").glob("part-*.parquet"))[at]
         for rank, at in ((1, 0), (3, -1))

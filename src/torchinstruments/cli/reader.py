@@ -360,6 +360,12 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
     if status is Status.IN_PROGRESS and state.removal_step is not None:
+        if writer_ended(directory):  # as finalize tells it: no process holds the run's lock
+            return (
+                f"interrupted during remove_observer, while {removal_doing(state.removal_step)}: "
+                "no process holds the run's lock (killed or crashed); "
+                f"`{finalize_command}` completes it"
+            )
         return (
             f"being removed: remove_observer was {removal_doing(state.removal_step)} (if its "
             "process is gone, it was killed during removal, or removal gave that write up: "

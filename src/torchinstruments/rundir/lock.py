@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import time
 from pathlib import Path
 from types import ModuleType, TracebackType
 
@@ -57,6 +58,23 @@ def _try_lock(fd: int, locker: tuple[str, ModuleType]) -> bool:
             return False
         raise error
     return True
+
+
+# A reader that tells a live run from a dead one (`writer_ended`: `show`, a parent's index.md)
+# holds the lock between two system calls; a run or finalize taking it at that moment tries
+# again this many times, PROBE_WAIT seconds apart, before it calls the directory in use.
+PROBE_TRIES = 5
+PROBE_WAIT = 0.02
+
+
+def _taken(fd: int, locker: tuple[str, ModuleType]) -> bool:
+    """`_try_lock`, tried again briefly: a reader's probe never makes a run refuse itself."""
+    for attempt in range(PROBE_TRIES):
+        if _try_lock(fd, locker):
+            return True
+        if attempt + 1 < PROBE_TRIES:
+            time.sleep(PROBE_WAIT)
+    return False
 
 
 def _unlock(fd: int, locker: tuple[str, ModuleType]) -> None:
@@ -112,7 +130,7 @@ class RunLock:
                     f"directory {self.path.parent} is not locked; do not run finalize on it while "
                     "the run is live"
                 )
-            elif not _try_lock(fd, locker):
+            elif not _taken(fd, locker):
                 raise RunLockedError(_refusal(self.path.parent, _read_holder(fd)))
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)

@@ -3,9 +3,11 @@
 Design decision: a live run holds an exclusive, non-blocking OS lock on `<dir>/.lock` for its
 whole life (`fcntl.flock` on POSIX, `msvcrt.locking` on Windows). The kernel drops the lock when
 the process dies, even on SIGKILL, so "lock free" means exactly "no live writer": no PID files, no
-staleness heuristics. The cost: advisory locks are unreliable on some network file systems, and the
-`.lock` file stays in the directory (deleting a lock file races with a process that just opened
-it). The platform module is imported when a lock is taken, not when the package is imported, so
+staleness heuristics. Readers tell a live run from a dead one by taking the lock and dropping it
+at once (`writer_ended`), so a run taking its lock retries for a moment (`PROBE_TRIES`) before it
+calls the directory in use. The cost: advisory locks are unreliable on some network file
+systems, and the `.lock` file stays in the directory (deleting a lock file races with a process
+that just opened it). The platform module is imported when a lock is taken, not when the package is imported, so
 `import torchinstruments` works everywhere; where neither exists, the run is not locked and a
 warning says so.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -47,7 +48,7 @@ def child(directory: str) -> None:
         model(torch.randn(4, 3)).sum().backward()
     wait_for_rows(Path(directory), SAMPLES * ROWS_PER_SAMPLE)
     print("ready", flush=True)
-    input()
+    time.sleep(120)  # killed here (stdin may be closed: input() would end the child first)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,22 @@ from torchinstruments.records import Measurement, MetricValue
 
 _CHECKOUT = Path(__file__).resolve().parents[1]
 _UNTRACKED = pytest.StashKey[set[str] | None]()
+# `-n auto` starts one worker per core up to this many: each imports torch, transformers and
+# Lightning, and many tests start ranks or children of their own.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for `-n auto`: the cores this process may run on, at least two, at most
+    `MAX_WORKERS`. Why at least two: the CI machine has two cores, and while one worker's test
+    waits on its children or ranks the other core has work."""
+    return max(2, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller checks the checkout)."""
+    return hasattr(config, "workerinput")
 
 
 def _untracked_in_checkout() -> set[str] | None:
@@ -49,6 +66,8 @@ def _untracked_in_checkout() -> set[str] | None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if _is_worker(session.config):
+        return
     session.config.stash[_UNTRACKED] = _untracked_in_checkout()
 
 
@@ -58,6 +77,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Why: a test whose trainer wrote its run directory into the working directory left four run
     directories that were committed with the change that added it; tests write only under their
     own temporary folders."""
+    if _is_worker(session.config):
+        return
     before = session.config.stash.get(_UNTRACKED, None)
     after = _untracked_in_checkout()
     if before is None or after is None:

@@ -8,6 +8,8 @@ import contextlib
 import io
 import json
 import re
+import shutil
+import threading
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +18,8 @@ import torch
 from torch import nn
 
 from torchinstruments.__main__ import main
+from torchinstruments.rundir import parent_rewrite
+from torchinstruments.rundir.page_ranks import render_parent_index
 
 from _ranks import joined, run_ranks
 
@@ -161,3 +165,89 @@ def test_finalize_parent_rewrites_its_index(parent: Path) -> None:
     assert code == 0
     assert "wrote" in text
     assert "2 finished" in (parent / "index.md").read_text()
+
+
+def _copy(parent: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "stats"
+    shutil.copytree(parent, copy)
+    return copy
+
+
+def _table(page: str) -> list[str]:
+    return [line for line in page.splitlines() if re.match(r"\| \d", line)]
+
+
+def test_a_parent_of_hundreds_of_ranks_gives_like_ranks_one_row_and_does_not_grow_with_them(
+    parent: Path, tmp_path: Path
+) -> None:
+    copy = _copy(parent, tmp_path)
+    zero, one = (row.split(" | ", 2)[2] for row in _table(render_parent_index(copy)))
+    assert zero == one  # the two ranks of the job finished alike
+    for rank in range(2, 300):  # rank 1's state, as a job of 300 alike ranks would leave them
+        (copy / f"rank-{rank:03d}").mkdir()
+        shutil.copy(copy / "rank-001" / ".state.json", copy / f"rank-{rank:03d}")
+    (copy / "rank-150" / ".state.json").unlink()  # one rank unlike the others
+    page = render_parent_index(copy)
+
+    assert _table(page) == [
+        f"| 0-149 | `rank-000/` to `rank-149/` | {one}",
+        "| 150 | `rank-150/` | no state file | - | - |",
+        f"| 151-299 | `rank-151/` to `rank-299/` | {one}",
+    ]
+    assert "consecutive ranks whose state and counts are the same share a row" in page
+    for rank in range(200, 300):
+        shutil.rmtree(copy / f"rank-{rank:03d}")
+    assert len(render_parent_index(copy)) == len(page)  # 100 ranks fewer, not a byte shorter
+
+
+def test_a_rank_finishing_while_another_writes_the_page_returns_and_the_writer_renders_it(
+    parent: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = _copy(parent, tmp_path)
+    state = copy / "rank-001" / ".state.json"
+    finished = state.read_bytes()
+    state.unlink()  # rank 1 has not finished yet
+    rendering, go_on, renders = threading.Event(), threading.Event(), []
+
+    def render(*args: object) -> str:
+        page = render_parent_index(*args)  # type: ignore[arg-type]
+        renders.append(page)
+        if len(renders) == 1:  # the first writer holds the lock after reading the states
+            rendering.set()
+            go_on.wait(timeout=120)
+        return page
+
+    monkeypatch.setattr(parent_rewrite, "render_parent_index", render)
+    first = threading.Thread(target=parent_rewrite.write_parent_index, args=(copy,))
+    first.start()
+    assert rendering.wait(timeout=120)
+    state.write_bytes(finished)  # rank 1 finishes while rank 0's page is being written
+    second = threading.Thread(target=parent_rewrite.write_parent_index, args=(copy,))
+    second.start()
+    second.join(timeout=120)
+    assert not second.is_alive()
+    assert len(renders) == 1
+    go_on.set()
+    first.join(timeout=120)
+
+    assert not first.is_alive()
+    assert len(renders) == 2
+    assert "no state file" in _table(renders[0])[1]
+    written = _table((copy / "index.md").read_text())
+    assert "no state file" not in written[1]
+    assert written == _table(render_parent_index(copy))
+
+
+def test_finalize_parent_renders_its_page_once_not_once_a_rank(
+    parent: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = _copy(parent, tmp_path)
+    renders: list[Path] = []
+
+    def render(directory: Path, *args: object) -> str:
+        renders.append(directory)
+        return render_parent_index(directory, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parent_rewrite, "render_parent_index", render)
+    assert run_cli("finalize", str(copy))[0] == 0
+    assert renders == [copy]

@@ -42,11 +42,12 @@ def finalize_command(directory: Path) -> int:
 
 def _finalize(directory: Path, rank: str = "") -> int:
     """Run finalize and print what it did; returns the exit code. `rank` (`"rank 1: "`, when
-    finalizing a parent's ranks) names the rank in each line of what is missing."""
+    finalizing a parent's ranks, which writes the parent's page once after them all) names the
+    rank in each line of what is missing."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            report = finalize(directory)
+            report = finalize(directory, parent_page=not rank)
     except RunLockedError as exc:
         print(f"torchinstruments finalize: refused: {exc}", file=sys.stderr)
         return 2
@@ -132,11 +133,12 @@ def _kept_line(path: Path, why: str) -> str:
 
 def _finalize_ranks(parent: Path) -> int:
     """`finalize PARENT`: finalize every rank directory, then write the parent's index.md."""
-    from torchinstruments.rundir.page_ranks import rank_dirs, write_parent_index
+    from torchinstruments.rundir.page_ranks import rank_dirs
+    from torchinstruments.rundir.parent_rewrite import write_parent_index
 
     codes = [_finalize(directory, f"rank {rank}: ") for rank, directory in rank_dirs(parent)]
     try:
-        path = write_parent_index(parent)
+        path = write_parent_index(parent, wait=True)
     except OSError as exc:
         print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
         return 1

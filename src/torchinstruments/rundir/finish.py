@@ -59,7 +59,8 @@ from torchinstruments.rundir.lock import FINALIZE, RunLock
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
-from torchinstruments.rundir.page_ranks import is_rank_run, write_parent_index
+from torchinstruments.rundir.page_ranks import is_rank_run
+from torchinstruments.rundir.parent_rewrite import write_parent_index
 from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
 from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
@@ -138,7 +139,10 @@ _MERGE_FAILURES = (Exception, pl.exceptions.PanicException)
 
 
 def finish_run(
-    directory: Path, state: RunState, step: Callable[[str], None] = _no_step
+    directory: Path,
+    state: RunState,
+    step: Callable[[str], None] = _no_step,
+    parent_page: bool = True,
 ) -> FinishReport:
     """Merge the parts, write result.json, index.md and the state file; never raises for disk
     or Polars errors, nor for any failure of the merge (a Polars panic, a MemoryError).
@@ -152,6 +156,8 @@ def finish_run(
             loss ledger (rows recorded but not written; kept as they are).
         step: called with each file's name in `FINISH_STEPS` as its step begins (removal
             bounds each, `rundir.finishing`).
+        parent_page: whether a rank run's parent page is rewritten after it
+            (`rundir.parent_rewrite`).
 
     Returns:
         A `FinishReport`; its `problems` are empty exactly when nothing is known to be missing.
@@ -250,7 +256,7 @@ def finish_run(
         if index_failed is None:  # index.md says what the state file could not
             with contextlib.suppress(OSError):
                 write_index(directory, final)
-    if is_rank_run(directory, final):
+    if parent_page and is_rank_run(directory, final):
         step(FINISH_STEPS[-1])
         _write_parent_page(directory.parent)
     return FinishReport(directory, merge, final)
@@ -418,7 +424,9 @@ def _with_problem(state: RunState, what: str, error: OSError) -> RunState:
     return dataclasses.replace(state, problems=(*state.problems, problem))
 
 
-def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishReport:
+def finalize(
+    directory: Path, step: Callable[[str], None] = _no_step, parent_page: bool = True
+) -> FinishReport:
     """Complete an interrupted run directory: merge parts, write result.json, state and index.md.
 
     Safe to run again: parts already in history.parquet are not merged twice, unreadable parts stay
@@ -432,6 +440,8 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
     Args:
         directory: the run's output directory.
         step: called as each step begins (`finish_run`; inject with resume=True bounds each).
+        parent_page: whether a rank run's parent page is rewritten (`finalize PARENT` writes
+            it once, after all its ranks, instead of once a rank).
 
     Returns:
         A `FinishReport`.
@@ -453,7 +463,7 @@ def finalize(directory: Path, step: Callable[[str], None] = _no_step) -> FinishR
         state = _state_to_finish(directory)
         if state.interrupted or state.losses:
             state = mark_partly_written_sample(directory, state)
-        report = finish_run(directory, state, step)
+        report = finish_run(directory, state, step, parent_page)
     return dataclasses.replace(
         report, removed_temporaries=tuple(removed), kept_temporaries=tuple(kept)
     )

@@ -7,11 +7,10 @@ Design decisions:
   directory (read with `rundir.recovery.load_state`), never from the data, in constant time per
   rank. The parent has no state file of its own: its state is its ranks' states.
 - Who writes it: every rank, at the end of its own finish (`remove_observer` or `finalize` of
-  that rank's directory), and `torchinstruments finalize PARENT`. No rank waits for the others
-  (that would be a collective, and a rank that died would hang the rest): each rewrite reads all
-  ranks' states under an exclusive lock on `PARENT/.index.lock`, so the page written last has
-  seen the state of every rank that finished before it; the last rank to finish writes a page
-  that calls every rank finished. A rank not finished (no final counts, or killed in removal,
+  that rank's directory), and `torchinstruments finalize PARENT`, as `rundir.parent_rewrite`
+  has it: no rank waits for the others (that would be a collective, and a rank that died would
+  hang the rest), and the page written last has seen the state of every rank that finished
+  before it; the last rank to finish has a page written that calls every rank finished. A rank not finished (no final counts, or killed in removal,
   whose state holds the counts removal began with) is told by its run lock at that moment, as
   `finalize` tells a live run from a dead one: "in progress" while its process holds the lock,
   else its process ended without closing the run (killed or crashed), never "in progress"
@@ -41,17 +40,13 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import (
-    INDEX_FILE,
     STATE_FILE,
-    write_text_atomic,
 )
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import writer_ended
@@ -62,8 +57,9 @@ from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 
-PARENT_LOCK = ".index.lock"
 SHOWN_ROWS = 50
+# The table has a row per rank up to this many ranks; above, runs of like ranks share a row.
+ROW_PER_RANK_UP_TO = 64
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
 
@@ -92,18 +88,43 @@ def _read(directory: Path) -> tuple[RunState | None, str | None]:
         return None, f"state unreadable ({type(error).__name__}: {error})"
 
 
-def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
+class StateCache:
+    """Rank states, read again only where the state file changed (`rundir.parent_rewrite`
+    renders once per wave of finishing ranks, and a 3,000-layer model's state file is about
+    200 KB of JSON, about 0.1 s to read). A state file is replaced whole (a rename: a new
+    inode), so its inode, size and mtime tell a new one; without one, `_read` says why."""
+
+    def __init__(self) -> None:
+        self._read: dict[Path, tuple[tuple[int, int, int], RunState | None, str | None]] = {}
+
+    def read(self, directory: Path) -> tuple[RunState | None, str | None]:
+        """`directory`'s state, or None and what is wrong with it."""
+        try:
+            stat = (directory / STATE_FILE).stat()
+        except OSError:
+            return _read(directory)
+        key = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        seen = self._read.get(directory)
+        if seen is not None and seen[0] == key:
+            return seen[1], seen[2]
+        state, problem = _read(directory)
+        self._read[directory] = (key, state, problem)
+        return state, problem
+
+
+def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
     """The State section's lines, and the ranks present."""
     ranks = rank_dirs(parent)
-    rows, finished, recovered, open_ranks = [], 0, False, 0
+    rows: list[tuple[int, str, tuple[str, str, str]]] = []  # rank, directory, cells
+    finished, recovered, open_ranks = 0, False, 0
     left_out: list[str] = []
     world_sizes: dict[int, list[int]] = {}  # world size -> the ranks whose latest attempt had it
     attempts: dict[int, list[int]] = {}  # attempts in the rank's directory -> those ranks
     for rank, directory in ranks:
-        state, problem = _read(directory)
+        state, problem = cache.read(directory)
         if state is None:
             open_ranks += 1
-            rows.append(f"| {rank} | `{directory.name}/` | {problem or 'no state file'} | - | - |")
+            rows.append((rank, directory.name, (problem or "no state file", "-", "-")))
             continue
         if state.run.world_size is not None:
             world_sizes.setdefault(state.run.world_size, []).append(rank)
@@ -121,9 +142,15 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             open_ranks += 1
         partial = " (partial)" if parts and state.counts_recovered else ""
         rows.append(
-            f"| {rank} | `{directory.name}/` | {_state_cell(state, directory, parts)} | "
-            f"{'-' if counts is None else _count(state, counts.samples) + partial} | "
-            f"{'-' if counts is None else _count(state, counts.root_forwards) + partial} |"
+            (
+                rank,
+                directory.name,
+                (
+                    _state_cell(state, directory, parts),
+                    "-" if counts is None else _count(state, counts.samples) + partial,
+                    "-" if counts is None else _count(state, counts.root_forwards) + partial,
+                ),
+            )
         )
     present = [r for r, _ in ranks]
     expected = max(world_sizes) if world_sizes else None
@@ -148,7 +175,7 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
         lines += [attempts_line(attempts), ""]
     if missing:
         lines += [
-            f"Missing: no directory for rank {', '.join(map(str, missing))} (it never attached, "
+            f"Missing: no directory for rank {ranges(missing)} (it never attached, "
             "or wrote elsewhere): what it saw is unknown.",
             "",
         ]
@@ -164,9 +191,16 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
     lines += [
         "| rank | directory | state | samples | root forwards |",
         "| --- | --- | --- | --- | --- |",
-        *rows,
+        *_table_rows(rows),
         "",
     ]
+    if len(rows) > ROW_PER_RANK_UP_TO:
+        lines += [
+            f"Above {ROW_PER_RANK_UP_TO} ranks, consecutive ranks whose state and counts are "
+            "the same share a row; each rank's own index.md (and the per-rank query below) "
+            "gives its own.",
+            "",
+        ]
     for line in left_out:
         lines += [line, ""]
     if recovered:
@@ -177,6 +211,33 @@ def _rank_lines(parent: Path) -> tuple[list[str], list[int]]:
             "",
         ]
     return lines, present
+
+
+def _table_rows(rows: list[tuple[int, str, tuple[str, str, str]]]) -> list[str]:
+    """The table's rows: one per rank up to `ROW_PER_RANK_UP_TO` ranks; above, one per run of
+    consecutive ranks whose cells are the same, so that a job of thousands of ranks reads (and
+    stays within index.md's size) as the few states its ranks are in."""
+    runs: list[list[tuple[int, str, tuple[str, str, str]]]] = []
+    for row in rows:
+        last = runs[-1][-1] if runs else None
+        grouped = len(rows) > ROW_PER_RANK_UP_TO
+        if grouped and last is not None and last[0] + 1 == row[0] and last[2] == row[2]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    out = []
+    for run in runs:
+        (first, name, cells), (last, last_name, _) = run[0], run[-1]
+        ranks, where = (
+            (str(first), f"`{name}/`")
+            if first == last
+            else (
+                f"{first}-{last}",
+                f"`{name}/` to `{last_name}/`",
+            )
+        )
+        out.append(f"| {ranks} | {where} | {' | '.join(cells)} |")
+    return out
 
 
 def _world_sizes_line(world_sizes: dict[int, list[int]]) -> str:
@@ -456,13 +517,14 @@ show(first, most={SHOWN_ROWS})""",
     ]
 
 
-def render_parent_index(parent: Path) -> str:
-    """The text of the parent's index.md, from its ranks' states."""
+def render_parent_index(parent: Path, cache: StateCache | None = None) -> str:
+    """The text of the parent's index.md, from its ranks' states (read through `cache`)."""
     parent = Path(parent)
-    state_lines, present = _rank_lines(parent)
+    cache = StateCache() if cache is None else cache
+    state_lines, present = _rank_lines(parent, cache)
     layer = ""
     for _, directory in rank_dirs(parent)[:1]:
-        state, _ = _read(directory)
+        state, _ = cache.read(directory)
         if state is not None and state.run.layers:
             layer = state.run.layers[0].name
     root = parent.as_posix()
@@ -508,36 +570,10 @@ def render_parent_index(parent: Path) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _exclusive(parent: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `parent/.index.lock` (no lock where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: rewrites race; the last writer's page may be a little old
-        yield
-        return
-    with open(parent / PARENT_LOCK, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def write_parent_index(parent: Path) -> Path:
-    """Render the parent's index.md from every rank's state, under the parent's lock."""
-    parent = Path(parent)
-    with _exclusive(parent):
-        path = parent / INDEX_FILE
-        write_text_atomic(path, render_parent_index(parent))
-    return path
-
-
 __all__ = [
-    "PARENT_LOCK",
+    "StateCache",
     "attempts_line",
     "is_rank_run",
     "rank_dirs",
     "render_parent_index",
-    "write_parent_index",
 ]

@@ -123,7 +123,7 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
 ) -> None:
     out = killed_out
     assert not (out / f"checkpoint-{KILLED_AT}").exists()
-    with pytest.warns(RuntimeWarning, match=REPEATED):
+    with pytest.warns(RuntimeWarning, match=REPEATED) as said:
         train(out, str(out / "checkpoint-6"))
     run = out / "torchinstruments"
     history = pl.read_parquet(run / "history.parquet")
@@ -171,6 +171,17 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
     )
     assert table[0].endswith("| unknown | unknown |")
     assert table[1].endswith(f"| {TOTAL - 6} | {this_attempt} |")
+    # Those unknown counts are where the samplers would have continued: the fallback (training
+    # from the run's root forwards, evaluation forwards included; evaluation from 0) is said.
+    first = state.attempts[1].first_forward_index
+    assert (
+        "attempt 1: attempt 0 ended without removal (killed) before it wrote how many training "
+        "and how many evaluation forwards its samplers were asked about (record_eval), so this "
+        f"attempt's samplers cannot continue where it left them: the training sampler is asked "
+        f"from {first} on (the run's root forwards so far as its rows and TensorBoard events "
+        "show, evaluation forwards included) and the evaluation sampler from 0 on"
+    ) in index
+    assert any("cannot continue where it left them" in str(w.message) for w in said)
 
 
 def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(

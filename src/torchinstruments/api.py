@@ -48,6 +48,7 @@ from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.attempts import schedule_fallback_note
 from torchinstruments.rundir.index_page import no_sample_warning, passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
@@ -563,6 +564,9 @@ def _open_run(
         first_eval_index=0 if continuation is None else continuation.first_eval_index,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
+    if continuation is not None and (said := schedule_fallback_note(continuation)):
+        observer.sinks.add_note(said)
+        warn(f"torchinstruments: {said}")
     observer.install(model, layers, focus)
     directory.follow_notes(functools.partial(_notes_so_far, observer, group))
     directory.live_scales.follow(observer.loss_scales.spans)  # rundir.live_scales

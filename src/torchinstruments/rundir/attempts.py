@@ -20,7 +20,10 @@ run:
   Each attempt's state records both counts at removal. Where an earlier attempt's count is
   unknown (a state written before these counts were kept, or an attempt whose process died
   before removal), that schedule falls back to the rule before them: the training schedule
-  continues from forward_index, the evaluation schedule starts at 0;
+  continues from forward_index, the evaluation schedule starts at 0. Where the attempt whose
+  counts are unknown kept two schedules (`record_eval`: its forward_index counted evaluation
+  forwards too), that fallback moves both schedules, so the new attempt says so in index.md and
+  a warning (`schedule_fallback_note`), never silently;
 - continues the part numbers after those already merged (merge.py deletes a part whose number
   history.parquet says it holds);
 - keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's
@@ -286,6 +289,42 @@ def plan_continuation(
         attempts=attempts,
         first_train_index=next_forward if train is None else train,
         first_eval_index=0 if evaluation is None else evaluation,
+    )
+
+
+# What a trainer callback's sampler line says under `record_eval` (integrations._fit): the
+# attempt kept a training and an evaluation schedule apart.
+TWO_SCHEDULES = "asked with the count of evaluation forwards (record_eval)"
+
+
+def schedule_fallback_note(continuation: Continuation) -> str | None:
+    """index.md's note when the new attempt's samplers could not continue where an earlier
+    attempt with two schedules (`record_eval`) left them, since it died before writing its
+    training and evaluation counts: where each sampler continues instead; None otherwise."""
+    unknown = [
+        a.attempt
+        for a in continuation.attempts
+        if (a.train_forwards is None or a.eval_forwards is None)
+        and TWO_SCHEDULES in (a.sampler or "")
+    ]
+    if not unknown:
+        return None
+    which = ", ".join(map(str, unknown))
+    evaluation = continuation.first_eval_index
+    return (
+        f"attempt {which} ended without removal (killed) before it wrote how many training and "
+        "how many evaluation forwards its samplers were asked about (record_eval), so this "
+        "attempt's samplers cannot continue where it left them: the training sampler is asked "
+        f"from {continuation.first_train_index} on (the run's root forwards so far as its rows "
+        "and TensorBoard events show, evaluation forwards included) and the evaluation sampler "
+        + (
+            "from 0 on (its count restarts)"
+            if evaluation == 0
+            else f"from {evaluation} on (the earlier attempts' known evaluation forwards)"
+        )
+        + "; an uninterrupted job's samplers would be asked with other counts, so this "
+        "attempt's samples can be other forwards of a step or an evaluation than the earlier "
+        "attempts' were"
     )
 
 

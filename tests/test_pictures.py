@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 from torchinstruments.__main__ import main
 from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.pictures import DPI, MAX_LABEL_CHARS, PANEL_WIDTH_IN, trend_figure
@@ -320,3 +321,34 @@ def test_plot_reads_the_values_of_the_tensors_it_draws_only(
         result.tensors,
         result.left_out,
     )
+
+
+def test_plot_over_step_draws_each_attempt_of_a_resumed_job_as_its_own_stretch(
+    tmp_path: Path,
+) -> None:
+    """A job trains steps 0-3, is restarted from a checkpoint of step 2 and trains steps 2-4
+    again (resume=True): over `step`, each attempt's samples are drawn in their order with a
+    gap where the step goes back, never one line alternating between the attempts at steps 2
+    and 3 (which would draw a trend neither attempt had)."""
+    directory = tmp_path / "job"
+    torch.manual_seed(0)
+    for steps in (range(4), range(2, 5)):
+        model = nn.Linear(3, 2)
+        inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), resume=True)
+        for step in steps:
+            set_step(model, step)
+            model(torch.randn(4, 3)).sum().backward()
+        remove_observer(model)
+    history = pl.read_parquet(directory / "history.parquet").filter(
+        pl.col("metric") == "mean", pl.col("signal") == "output"
+    )
+    rows = plot_rows(directory, Selection(metrics=("mean",)), "step")
+    figure, _ = trend_figure(rows, read_facts(directory), "step", 8)
+    (line,) = figure.axes[0].get_lines()
+    xs = [float(x) for x in line.get_xdata()]
+    ys = [float(y) for y in line.get_ydata()]
+    gap = next(i for i, y in enumerate(ys) if math.isnan(y))
+    assert xs[:gap] == [0, 1, 2, 3]
+    assert xs[gap + 1 :] == [2, 3, 4]
+    expected = history.sort("sample_id")["value"].to_list()
+    assert ys[:gap] + ys[gap + 1 :] == expected

@@ -270,6 +270,22 @@ def _no_value(ax: Any) -> None:
     ax.text(0.5, 0.5, NO_VALUE, transform=ax.transAxes, ha="center", va="center", fontsize=8)
 
 
+def _runs_on(xs: list[Any], ys: list[float]) -> tuple[list[Any], list[float]]:
+    """`xs`, `ys` with a gap (a NaN point) wherever x steps back: over `step`, a fit resumed
+    from a checkpoint behind the last step an earlier attempt recorded starts again at a lower
+    step, and a line joining the earlier attempt's last point to it would draw a trend running
+    backwards; each stretch is drawn on its own, in the tensor's style."""
+    gapped_x: list[Any] = []
+    gapped_y: list[float] = []
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        if i and x is not None and xs[i - 1] is not None and x < xs[i - 1]:
+            gapped_x.append(xs[i - 1])
+            gapped_y.append(float("nan"))
+        gapped_x.append(x)
+        gapped_y.append(y)
+    return gapped_x, gapped_y
+
+
 def trend_figure(
     rows: pl.DataFrame,
     facts: RunFacts,
@@ -339,8 +355,7 @@ def trend_figure(
                     continue
                 shown += line["value"].drop_nulls().to_list()
                 ax.plot(
-                    line[x].to_list(),
-                    line["value"].fill_null(float("nan")).to_list(),
+                    *_runs_on(line[x].to_list(), line["value"].fill_null(float("nan")).to_list()),
                     label=label,
                     **style,
                 )

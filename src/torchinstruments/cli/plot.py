@@ -85,8 +85,13 @@ def plot_rows(
     tensors: Sequence[TensorKey] | None = None,
     metrics: Sequence[str] | None = None,
 ) -> pl.DataFrame:
-    """The rows to draw: tensor key, module type, metric, x and value, in x then write order;
-    of `tensors` and `metrics` only when given (None: all the selection's)."""
+    """The rows to draw: tensor key, module type, metric, x and value, in sample then write
+    order; of `tensors` and `metrics` only when given (None: all the selection's).
+
+    Sample order, not x order: over `step`, a fit resumed behind the last step an earlier
+    attempt recorded has two attempts' samples at those steps, and an x order would join them
+    into one line that zigzags between the attempts; in sample order each attempt's stretch
+    is a line of its own (`pictures.trend_figure` breaks it where x steps back)."""
     chosen = _chosen(selection, x)
 
     def query(lf: pl.LazyFrame) -> pl.LazyFrame:
@@ -95,9 +100,10 @@ def plot_rows(
             lf = lf.filter(pl.col("layer").is_in([t[0] for t in tensors]))
         if metrics is not None:
             lf = lf.filter(pl.col("metric").is_in(list(metrics)))
-        return lf.select(*TENSOR_KEY, "module_type", "metric", x, "value")
+        order = () if x == "sample_id" else ("sample_id",)
+        return lf.select(*TENSOR_KEY, "module_type", "metric", x, "value", *order)
 
-    rows = read_history(directory, query, write_order=False).sort(x, maintain_order=True)
+    rows = read_history(directory, query, write_order=False).sort("sample_id", maintain_order=True)
     if tensors is None:
         return rows
     keys = pl.DataFrame(

@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 import torch
@@ -171,14 +172,25 @@ def test_a_compiled_run_killed_after_a_sample_says_it_ran_eagerly(tmp_path: Path
         "torch.compile: sampled forwards ran eagerly (1 of the 1 sample was called through "
         "compiled code): torch.compile was off while each ran"
     ) in index
+    # Observed through its compiled wrapper (`inject_observer(torch.compile(model))`), the root
+    # is compiled itself: the killed run says its samples ran eagerly as removal would.
+    wrapped = finalized(tmp_path / "wrapped")
+    assert (
+        "torch.compile: sampled forwards ran eagerly (compiled modules: the root): "
+        "torch.compile was off while each ran"
+    ) in wrapped
 
 
 def compiled_child(tmp_path: Path) -> None:
-    """One sampled step through torch.compile (its rows on disk before READY)."""
+    """One sampled step through torch.compile (its rows on disk before READY), in a run of
+    the model compiled after inject and in one of a model observed through its wrapper."""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
     compiled = torch.compile(model, backend="eager")
     compiled(torch.randn(3, 4)).sum().backward()
+    wrapper = cast(nn.Module, torch.compile(nn.Sequential(nn.Linear(4, 2)), backend="eager"))
+    inject_observer(wrapper, output_dir=tmp_path / "wrapped", sampler=EveryNForwardsSampler(1))
+    wrapper(torch.randn(3, 4)).sum().backward()
     print(READY, file=sys.__stdout__, flush=True)
     time.sleep(120)
 

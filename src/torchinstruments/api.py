@@ -31,6 +31,7 @@ from torchinstruments.bypass import bypassing_copy
 from torchinstruments.capture import fused_path_modules
 from torchinstruments.compilation import (
     compile_notes,
+    compiled_modules,
     compiled_original,
     eager_samples_note,
     fullgraph_unchecked_warning,
@@ -568,18 +569,19 @@ def _open_run(
         observer.sinks.add_note(said)
         warn(f"torchinstruments: {said}")
     observer.install(model, layers, focus)
-    directory.follow_notes(functools.partial(_notes_so_far, observer, group))
+    compiled = compiled_modules(model)  # once: a live note's, never a walk per flush round
+    directory.follow_notes(functools.partial(_notes_so_far, observer, group, compiled))
     directory.live_scales.follow(observer.loss_scales.spans)  # rundir.live_scales
     observer.at_inject = ModelAtInject(model, layers, config.selector)
     forks.track(observer)
     return observer
 
 
-def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
+def _notes_so_far(observer: Observer, group: SinkGroup, compiled: list[str]) -> tuple[str, ...]:
     """What the run has said so far, which the flush thread keeps in the run state so that a
     run killed before removal still says it (`rundir.live_notes`): the observer's notes, the
-    TensorBoard sinks', the samples called through compiled code (removal names the compiled
-    modules too: walking them here would cost each round the model's size), and a trainer
+    TensorBoard sinks', the samples called through compiled code and the `compiled` modules
+    of inject (removal walks the model again: here that would cost each round), and a trainer
     callback's evaluation forwards so far, passed through or seen with record_eval (the fit's
     end says their whole count; a run killed before it has this lower bound)."""
     counts = observer.counts(so_far=True)
@@ -593,6 +595,6 @@ def _notes_so_far(observer: Observer, group: SinkGroup) -> tuple[str, ...]:
         f"up to the run's last save of its state while it went on, {' and '.join(said)} (a "
         "lower bound where the run ended without removal: the fit's end gives the whole count)"
     )
-    eager = eager_samples_note(None, counts.samples, observer.called_compiled)
+    eager = eager_samples_note(None, counts.samples, observer.called_compiled, compiled)
     live = (*((eager,) if eager else ()), *((so_far,) if said else ()))
     return (*counts.notes, *group.shared_step_notes(), *live)

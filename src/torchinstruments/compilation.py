@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -281,7 +281,10 @@ def _eager_name(root: nn.Module, name: str) -> str:
 
 
 def eager_samples_note(
-    root: nn.Module | None, samples: int, calls: CompiledCalls | None
+    root: nn.Module | None,
+    samples: int,
+    calls: CompiledCalls | None,
+    compiled_at_inject: Sequence[str] = (),
 ) -> str | None:
     """index.md's note that a compiled model's sampled forwards ran eagerly, or None.
 
@@ -293,10 +296,16 @@ def eager_samples_note(
     continues, after a sample, another stream than an unobserved run: the later unsampled steps
     differ too, which the note says. `calls`: the samples whose root forward was called from
     compiled code (the root compiled); the modules compiled inside `root` are read now
-    (per-block compilation, which `call_eagerly` turns off too).
+    (per-block compilation, which `call_eagerly` turns off too); without `root` (a live run's
+    note, read each flush round, where walking the model would cost its size each time), the
+    modules `compiled_at_inject` names (the root observed through its torch.compile wrapper
+    runs no sample through compiled code, so `calls` alone would leave the note out).
     """
     called_compiled = 0 if calls is None else calls.total
-    compiled = [] if root is None or samples == 0 else compiled_modules(root)
+    if samples == 0:
+        compiled: list[str] = []
+    else:
+        compiled = list(compiled_at_inject) if root is None else compiled_modules(root)
     if samples == 0 or (called_compiled == 0 and not compiled):
         return None
     how = []

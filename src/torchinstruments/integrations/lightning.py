@@ -12,6 +12,8 @@ Hooks, one line each:
   (`LearningRateFinder`, `BatchSizeFinder`) has run its trials by then, unobserved: index.md
   and a warning say so.
 - `on_sanity_check_start`, `on_train_start`: the fit's setup ends at the first of them.
+- `on_sanity_check_end`: with `record_eval`, say in index.md which evaluation samples are the
+  sanity check's (`_sanity_note`): the model before training, a validation of a few batches.
 - `on_train_batch_end`: after the first batch only, warn if no training forward called the
   observed module (whatever the sanity check called); in manual optimization, say once (a
   warning, index.md) when a batch moved the global step by other than one (several
@@ -78,12 +80,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchinstruments.api import add_run_note
+from torchinstruments.api import add_run_note, observed_counts
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.notices import warn
+from torchinstruments.records import RunCounts
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -154,6 +157,7 @@ class LightningObserver(Callback):
         self._key = state_key(LightningObserver.__qualname__, output_dir, module)
         self._batch_step = 0  # the global step the current training batch started at
         self._axes_said = False
+        self._before_sanity: RunCounts | None = None  # the counts as the sanity check began
 
     @property
     def state_key(self) -> str:
@@ -198,6 +202,19 @@ class LightningObserver(Callback):
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The fit's setup ends: the sanity check's forwards are evaluation forwards."""
         self._fit.leave_setup()
+        observed = self._fit.observed
+        self._before_sanity = None if observed is None else observed_counts(observed)
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With record_eval, index.md says which evaluation samples the sanity check took."""
+        observed, before = self._fit.observed, self._before_sanity
+        after = None if observed is None else observed_counts(observed)
+        if observed is None or before is None or after is None or self._fit.eval_sampler is None:
+            return
+        forwards = (after.eval_forwards or 0) - (before.eval_forwards or 0)
+        samples = after.samples - before.samples
+        if samples:
+            add_run_note(observed, _sanity_note(forwards, samples, trainer.global_step))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The fit's setup ends (without a sanity check): the training loop starts."""
@@ -299,6 +316,24 @@ def _tuner_note(trainer: Trainer) -> str | None:
         "not observed and no count here includes them (forward_index, the evaluation and "
         "setup forwards); the trainer then put back the model's weights and its global step, "
         "so `step` counts the fit's own training steps"
+    )
+
+
+def _sanity_note(forwards: int, samples: int, step: int) -> str:
+    """index.md's note on the sanity check's evaluation samples under `record_eval`: they are
+    in the evaluation series as a validation's are, but of the model before training (the
+    checkpoint's, in a resumed fit) over `num_sanity_val_steps` batches, which a reader of the
+    validations may want to leave out; history has no column that marks them, so say where
+    they are: the attempt's evaluation samples before its first training sample."""
+    one = samples == 1
+    return (
+        f"the sanity check ran {plural(forwards, 'evaluation forward')} before the first "
+        f"training step (num_sanity_val_steps), and record_eval took "
+        f"{plural(samples, 'sample')} of them into the evaluation series, as a validation's: "
+        f"{'it is' if one else 'they are'} this attempt's first evaluation "
+        f"{'sample' if one else 'samples'} (step {step}, before its first training sample), "
+        "a check of the model before training, not a validation of the fit's: leave "
+        f"{'it' if one else 'them'} out to read the validations alone"
     )
 
 

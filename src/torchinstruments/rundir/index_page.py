@@ -26,7 +26,7 @@ from torchinstruments.rundir.attempt_ends import (
     last_finished,
     unremoved_said,
 )
-from torchinstruments.rundir.attempts import AttemptCounts, sampler_line
+from torchinstruments.rundir.attempts import TWO_SCHEDULES, AttemptCounts, sampler_line
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -91,6 +91,7 @@ def counts_sentence(state: RunState) -> str:
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
             f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
+            + _schedules_unknown(state)
         )
     passed = passed_through(counts)
     return (
@@ -99,6 +100,17 @@ def counts_sentence(state: RunState) -> str:
         f"{plural(counts.backward_samples, 'sample')} with output gradients"
         + ("" if passed is None else f"; {passed}")
     )
+
+
+def _schedules_unknown(state: RunState) -> str:
+    """What the counts line adds for a killed run that kept training and evaluation forwards
+    apart (a trainer callback's record_eval): the process died before it wrote how many of
+    each, which history cannot tell (an unsampled forward leaves no row), so they are unknown,
+    never left unsaid; the notes keep the evaluation forwards seen by its last save."""
+    counts = state.counts
+    if counts is None or counts.eval_forwards is not None or TWO_SCHEDULES not in state.run.sampler:
+        return ""
+    return "; training and evaluation forwards (record_eval, counted apart): unknown"
 
 
 def passed_through(counts: RunCounts) -> str | None:

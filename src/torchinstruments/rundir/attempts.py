@@ -310,21 +310,15 @@ def schedule_fallback_note(continuation: Continuation) -> str | None:
     if not unknown:
         return None
     which = ", ".join(map(str, unknown))
-    evaluation = continuation.first_eval_index
     return (
         f"attempt {which} ended without removal (killed) before it wrote how many training and "
         "how many evaluation forwards its samplers were asked about (record_eval), so this "
         "attempt's samplers cannot continue where it left them: the training sampler is asked "
         f"from {continuation.first_train_index} on (the run's root forwards so far as its rows "
         "and TensorBoard events show, evaluation forwards included) and the evaluation sampler "
-        + (
-            "from 0 on (its count restarts)"
-            if evaluation == 0
-            else f"from {evaluation} on (the earlier attempts' known evaluation forwards)"
-        )
-        + "; an uninterrupted job's samplers would be asked with other counts, so this "
-        "attempt's samples can be other forwards of a step or an evaluation than the earlier "
-        "attempts' were"
+        f"from {continuation.first_eval_index} on; an uninterrupted job's samplers would be "
+        "asked with other counts, so this attempt's samples can be other forwards of a step or "
+        "an evaluation than the earlier attempts' were"
     )
 
 

@@ -53,6 +53,7 @@ from torchinstruments.integrations._repeats import (
 )
 from torchinstruments.notices import warn
 from torchinstruments.phases import SETUP, Phases
+from torchinstruments.rundir.attempts import TWO_SCHEDULES
 from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
@@ -414,10 +415,9 @@ class FitObservation:
             return None
         return (
             f"{describe_sampler(self.config.sampler)}, asked with the count of training "
-            f"forwards; evaluation forwards: {describe_sampler(self.eval_sampler)}, asked with "
-            "the count of evaluation forwards (record_eval). forward_index counts both, so "
-            "the values named here are not the samples' forward_index; the `step` column is "
-            "the trainer's global step"
+            f"forwards; evaluation forwards: {describe_sampler(self.eval_sampler)}, "
+            f"{TWO_SCHEDULES}. forward_index counts both, so the values named here are not the "
+            "samples' forward_index; the `step` column is the trainer's global step"
         )
 
     def _after_the_fit(self) -> str:

@@ -17,6 +17,10 @@ about 150 MiB for Polars alone, see `show one rank`):
   rank), `finalize`'s parent index.md (rendered from the 64 states), the parent index.md's
   "first sample where one rank departs" query (as printed, for one metric), and `show` of one
   rank for scale.
+* `ranks finishing together`: every rank's removal rewrites the parent index.md as it ends
+  (`rundir.parent_rewrite`); `--ranks` processes forked from this one ask at once, as the ranks
+  of a job ending together do. Reported: the median and the longest time one waited (what the
+  slowest rank's `remove_observer` pays for the page).
 
 Run: `uv run bench/ranks.py [--ranks 64 --layers 300 --samples 1000] [--dir DIR] [--only NAMES]`
 (`--dir` keeps the generated directories, and reuses them when they are already there).
@@ -26,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -56,8 +62,8 @@ with contextlib.redirect_stdout(out):
         code = main(argv)
     elif what == "page":
         from pathlib import Path
-        from torchinstruments.rundir.page_ranks import write_parent_index
-        write_parent_index(Path(argv[0]))
+        from torchinstruments.rundir.parent_rewrite import write_parent_index
+        write_parent_index(Path(argv[0]), wait=True)
         code = 0
     else:
         import re
@@ -176,6 +182,32 @@ def measure(kind: str, argv: list[str]) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _finish(parent: str, start: Any, waited: Any) -> None:
+    """One rank's end: wait for the others, then ask for the parent page, as its finish does."""
+    from torchinstruments.rundir.parent_rewrite import write_parent_index
+
+    start.wait()
+    began = time.perf_counter()
+    write_parent_index(Path(parent))
+    waited.put(time.perf_counter() - began)
+
+
+def finishing_together(parent: Path, ranks: int) -> list[float]:
+    """The seconds each rank waited for its page request, sorted."""
+    context = multiprocessing.get_context("fork")
+    start, waited = context.Barrier(ranks + 1), context.Queue()
+    children = [
+        context.Process(target=_finish, args=(str(parent), start, waited)) for _ in range(ranks)
+    ]
+    for child in children:
+        child.start()
+    start.wait()
+    waits = sorted(waited.get(timeout=3600) for _ in children)
+    for child in children:
+        child.join()
+    return waits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
@@ -215,6 +247,12 @@ def main() -> None:
             continue
         r = measure(kind, argv)
         print(f"{name:28} {r['wall_s']:8.1f} {r['cpu_s']:8.1f} {r['peak_mib']:9.0f}", flush=True)
+    if only is None or "ranks finishing together" in only:
+        waits = finishing_together(parent, args.ranks)
+        print(
+            f"ranks finishing together: {args.ranks} ranks asked for the parent index.md at once; "
+            f"each waited {waits[len(waits) // 2]:.2f} s (median), {waits[-1]:.2f} s at most"
+        )
 
 
 if __name__ == "__main__":

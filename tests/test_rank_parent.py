@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
 import threading
@@ -251,3 +252,31 @@ def test_finalize_parent_renders_its_page_once_not_once_a_rank(
     monkeypatch.setattr(parent_rewrite, "render_parent_index", render)
     assert run_cli("finalize", str(copy))[0] == 0
     assert renders == [copy]
+
+
+def test_ranks_asking_for_the_page_at_once_all_return_and_the_page_is_whole(
+    parent: Path, tmp_path: Path
+) -> None:
+    copy = _copy(parent, tmp_path)
+    (copy / "index.md").unlink()
+    start, go = os.pipe()
+    children = []
+    for _ in range(8):  # ranks finishing together, each asking for the page
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(go)
+                os.read(start, 1)
+                parent_rewrite.write_parent_index(copy)
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    os.close(start)
+    os.write(go, b"x" * len(children))
+    os.close(go)
+
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children] == [0] * 8
+    assert _table((copy / "index.md").read_text()) == _table(render_parent_index(copy))
+    assert not list(copy.glob("*torchinstruments-tmp"))

@@ -63,8 +63,10 @@ def write_parent_index(parent: Path, *, wait: bool = False) -> Path:
 
 
 def _ask(parent: Path) -> None:
-    """A fresh token in `PARENT_AGAIN`: a render that begins after this sees the asking rank."""
-    write_text_atomic(parent / PARENT_AGAIN, secrets.token_hex(8))
+    """A fresh token in `PARENT_AGAIN`: a render that begins after this sees the asking rank.
+    Its temporary is named by the token: ranks ask at once."""
+    token = secrets.token_hex(8)
+    write_text_atomic(parent / PARENT_AGAIN, token, tag=token)
 
 
 def _token(parent: Path) -> str | None:

@@ -10,8 +10,9 @@ with SIGTERM's default action (returncode -15), the live run's rows on disk.
 
 A chain that grew by one handler per ended run would need about 1,000 runs to exhaust Python's
 recursion limit when SIGTERM walks it. To keep the test short, the child lowers the limit to its
-current stack depth plus `HEADROOM` frames before waiting, with more cycles than that: a chain
-of ended runs then ends in a RecursionError (exit status 1) as 1,000 runs would at the default.
+current stack depth plus `HEADROOM` frames before waiting, with more ended runs than that (two
+a cycle): a chain of ended runs then ends in a RecursionError (exit status 1) as 1,000 runs
+would at the default. (The exact chain counts below catch a kept handler after any cycle.)
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observ
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.sinks.directory import DirectorySink
 
-CYCLES = 60
-HEADROOM = 40  # frames a SIGTERM may use on top of the waiting child's stack (< CYCLES)
+CYCLES = 24  # two ended runs a cycle: 48, more than HEADROOM
+HEADROOM = 40  # frames a SIGTERM may use on top of the waiting child's stack (< 2 * CYCLES)
 WAIT_S = 120.0
 WATCHER = "torchinstruments SIGTERM watcher"  # the thread of `rundir.term_watch`
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
 from torch import nn
 
@@ -85,6 +87,27 @@ def _killed(directory: Path, killed_at: str, resume: bool) -> None:
     assert child.returncode == ended, child.stderr.decode()
 
 
+@pytest.fixture(scope="module")
+def killed_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One first attempt SIGKILLed before remove_observer, and a pristine copy beside it: three
+    tests continue that same attempt, and the child (a fresh interpreter importing torch) is
+    the slow part."""
+    root = tmp_path_factory.mktemp("killed")
+    _killed(root / "run", "before_removal", resume=False)
+    shutil.copytree(root / "run", root / "pristine", symlinks=True)
+    return root
+
+
+@pytest.fixture
+def killed_run(killed_once: Path) -> Path:
+    """The run whose attempt 0 was killed before removal, as the kill left it, at the path it
+    ran in (its state file and index.md name that path)."""
+    directory = killed_once / "run"
+    shutil.rmtree(directory)
+    shutil.copytree(killed_once / "pristine", directory, symlinks=True)
+    return directory
+
+
 def _removed_attempt(directory: Path, steps: int) -> None:
     model = _model()
     inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), resume=True)
@@ -130,13 +153,12 @@ def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_contin
 
 
 def test_a_plain_kill_and_a_kill_in_the_last_flush_of_one_run_are_each_said_as_they_were(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
     """Attempt 0 is killed before remove_observer, attempt 1 in its last flush; `finalize`
     then completes the run. Each is named with its own end, and the note the finalize adds
     names attempt 1, not the run."""
-    directory = tmp_path / "run"
-    _killed(directory, "before_removal", resume=False)
+    directory = killed_run
     _killed(directory, "last_flush", resume=True)
     finalized = _said("finalize", directory)
     assert "attempt 1: remove_observer did not finish the run" in finalized
@@ -194,10 +216,9 @@ def test_an_attempt_finished_at_its_exit_is_never_said_removed(tmp_path: Path) -
 
 
 def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_removed(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
-    directory = tmp_path / "run"
-    _killed(directory, "before_removal", resume=False)
+    directory = killed_run
     _killed(directory, "exit", resume=True)
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
@@ -217,15 +238,14 @@ def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_rem
 
 
 def test_finalize_run_again_keeps_the_counts_a_continued_runs_removal_wrote(
-    tmp_path: Path,
+    killed_run: Path,
 ) -> None:
     """Attempt 0 is killed, attempt 1 (every second forward sampled, its last forward not) is
     removed: the run's counts are lower bounds only for attempt 0's part, and attempt 1's own
     are exact (8 root forwards in all, though history's last sampled one is forward_index 6).
     `finalize` run again must keep them, never rebuild them lower from history, so that they
     still add up to the Attempts table."""
-    directory = tmp_path / "run"
-    _killed(directory, "before_removal", resume=False)
+    directory = killed_run
     model = _model()
     inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(2), resume=True)
     for step in range(5):

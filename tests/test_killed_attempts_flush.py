@@ -7,10 +7,12 @@ by its own flush_seconds, never the last attempt's for both.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -43,9 +45,27 @@ def killed_twice(run: Path) -> None:
     kill_when_ready(__file__, "stepped", run, "30", "resume")
 
 
-def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> None:
-    run = tmp_path / "stats"
-    killed_twice(run)
+@pytest.fixture(scope="module")
+def killed_twice_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`killed_twice` once for the file, with a pristine copy beside the run: both tests
+    finalize the same two killed attempts, and each child is a fresh interpreter importing
+    torch."""
+    root = tmp_path_factory.mktemp("killed")
+    killed_twice(root / "stats")
+    shutil.copytree(root / "stats", root / "pristine", symlinks=True)
+    return root
+
+
+@pytest.fixture
+def run(killed_twice_once: Path) -> Path:
+    """The run killed twice, as the second kill left it, at the path it ran in."""
+    directory = killed_twice_once / "stats"
+    shutil.rmtree(directory)
+    shutil.copytree(killed_twice_once / "pristine", directory, symlinks=True)
+    return directory
+
+
+def test_each_killed_attempt_quotes_its_own_flush_seconds(run: Path) -> None:
     finalize(run)
 
     assert [a.ended for a in read_state(run).attempts] == ["killed", "killed"]
@@ -55,11 +75,9 @@ def test_each_killed_attempt_quotes_its_own_flush_seconds(tmp_path: Path) -> Non
     assert "flush_seconds=30.0 s when" not in state_line
 
 
-def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(tmp_path: Path) -> None:
+def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(run: Path) -> None:
     """finalize's summary names both killed attempts, so what it says of their rows is theirs,
     not "it"."""
-    run = tmp_path / "stats"
-    killed_twice(run)
     done = run_cli("finalize", run)
     assert done.returncode == 0, done.stderr
     line = next(s for s in done.stdout.splitlines() if s.startswith("state: interrupted"))

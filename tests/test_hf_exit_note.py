@@ -1,6 +1,10 @@
 """A Hugging Face script whose `train()` raised outside the training step and then ended (the
 exception uncaught, caught, or `sys.exit` in a callback): the run is finished at the process's
-exit with the note that the fit ended there, naming the exception where Python kept it."""
+exit with the note that the fit ended there, naming the exception where Python kept it.
+
+Importing transformers' Trainer takes seconds, so one interpreter imports it and then forks one
+child per ending, one after the other: the child runs the rest of the script (the model, the
+fit, its end) as its own and ends as that script would, through the interpreter's exit."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from conftest import run_status
 
 SCRIPT = textwrap.dedent(
     """
+    import json
+    import os
     import sys
     import torch
     from transformers import (
@@ -25,7 +31,25 @@ SCRIPT = textwrap.dedent(
     from torchinstruments import EveryNForwardsSampler
     from torchinstruments.integrations import HuggingFaceObserver
 
-    output_dir, ending = sys.argv[1], sys.argv[2]
+    def forked_ending(root):
+        # Each ending in a child forked from here, in turn, its stderr in a file: the child
+        # returns its ending; this process writes each child's exit status and exits.
+        codes = {}
+        for ending in sys.argv[2:]:
+            os.makedirs(os.path.join(root, ending))
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                err = os.open(os.path.join(root, ending, "stderr"), os.O_WRONLY | os.O_CREAT)
+                os.dup2(err, 2)
+                return ending
+            codes[ending] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with open(os.path.join(root, "codes.json"), "w") as out:
+            json.dump(codes, out)
+        sys.exit(0)
+
+    ending = forked_ending(sys.argv[1])
+    output_dir = os.path.join(sys.argv[1], ending, "out")
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(
         vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -76,26 +100,36 @@ RAISED = (
 )
 
 
-@pytest.mark.parametrize(
-    ("ending", "code", "named"),
-    [
-        ("uncaught", 1, ": RuntimeError: boom in the optimizer step;"),
-        ("caught", 1, None),
-        ("sys.exit", 3, None),
-    ],
-)
-def test_a_script_that_ended_after_train_raised_says_so_at_its_exit(
-    tmp_path: Path, ending: str, code: int, named: str | None
-) -> None:
+ENDINGS = [
+    ("uncaught", 1, ": RuntimeError: boom in the optimizer step;"),
+    ("caught", 1, None),
+    ("sys.exit", 3, None),
+]
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Every ending's script run once, each in `root/<ending>`; their exit statuses."""
+    root = tmp_path_factory.mktemp("endings")
+    endings = [ending for ending, _, _ in ENDINGS]
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "out"), ending],
+        [sys.executable, "-c", SCRIPT, str(root), *endings],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
-    assert done.returncode == code, done.stderr
-    run = tmp_path / "out" / "torchinstruments"
+    assert done.returncode == 0, done.stderr
+    return root, json.loads((root / "codes.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(("ending", "code", "named"), ENDINGS)
+def test_a_script_that_ended_after_train_raised_says_so_at_its_exit(
+    ended: tuple[Path, dict[str, int]], ending: str, code: int, named: str | None
+) -> None:
+    root, codes = ended
+    assert codes[ending] == code, (root / ending / "stderr").read_text(encoding="utf-8")
+    run = root / ending / "out" / "torchinstruments"
     assert run_status(run) == "complete"  # every row it recorded is in history.parquet
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert RAISED in index

@@ -8,14 +8,22 @@ first sample's rows are on disk (the flush thread writes them at once, and the t
 waits for them), so every note said before that sample is on disk by then. The notes' facts
 come from outside the library: TensorBoard's own event loader, the model's own count of its
 calls. The plain-loop cases are `test_kill_notes.py`.
+
+Importing Lightning takes seconds, so one process (this file run as a script) imports it and
+forks each killed fit from there, one after the other, killing each at its kill point; the
+tests read the four killed runs of that one module fixture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +38,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import LightningObserver
-
-from conftest import kill_when_ready
 
 TAG = "net.0/call_0/output/tensor"  # the first Linear of `Recorded`
 
@@ -90,15 +96,37 @@ def lightning_fit(
     trainer.fit(model, loader, loader, ckpt_path=None if ckpt is None else str(ckpt))
 
 
+MODES = ("resumed", "setup", "sanity", "sanity-recorded")
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """Each mode's fit killed at its kill point, into `root/<mode>`; and the steps the pinned
+    logger held after attempt 0 of "resumed" (run here: steps 0-6, removed)."""
+    root = tmp_path_factory.mktemp("killed")
+    with warnings.catch_warnings():  # as the tests' filterwarnings mark: Lightning's warnings
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lightning_fit(root / "resumed", Recorded())
+    earlier = tag_steps(root / "resumed" / "tb" / "version_0", TAG)
+    done = subprocess.run(
+        [sys.executable, __file__, str(root), *MODES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    return root, earlier
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_a_resumed_fit_killed_keeps_the_note_on_the_steps_its_pinned_logger_writes_again(
-    tmp_path: Path,
+    killed: tuple[Path, list[int]],
 ) -> None:
     """The resumed fit says at its start which steps its pinned logger holds from the earlier
     fit; killed after its first step, the run still says it once finalized."""
-    lightning_fit(tmp_path, Recorded())  # attempt 0: steps 0-6, removed
-    earlier = tag_steps(tmp_path / "tb" / "version_0", TAG)
-    kill_when_ready(__file__, READY, "resumed", tmp_path)
+    root, earlier = killed
+    tmp_path = root / "resumed"
     index = finalized(tmp_path / "run")
     again = [step for step in earlier if step >= 4]
     assert again == [4, 5, 6]
@@ -112,11 +140,11 @@ def test_a_resumed_fit_killed_keeps_the_note_on_the_steps_its_pinned_logger_writ
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_a_fit_killed_after_its_setup_keeps_the_note_on_its_setup_forwards(
-    tmp_path: Path,
+    killed: tuple[Path, list[int]],
 ) -> None:
     """The model summary's and the logger graph's forwards of example_input_array are counted
     when the fit's first loop starts; a fit killed after its first step still says how many."""
-    kill_when_ready(__file__, READY, "setup", tmp_path)
+    tmp_path = killed[0] / "setup"
     setup = json.loads((tmp_path / "calls.json").read_text(encoding="utf-8"))["setup"]
     assert setup >= 1
     index = finalized(tmp_path / "run")
@@ -135,12 +163,12 @@ SANITY = 2  # the sanity check's batches: evaluation forwards before the first t
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("record_eval", [False, True])
 def test_a_fit_killed_after_its_sanity_check_says_how_many_evaluation_forwards_it_had(
-    tmp_path: Path, record_eval: bool
+    killed: tuple[Path, list[int]], record_eval: bool
 ) -> None:
     """The sanity check's forwards pass through unobserved (or, with record_eval, are its own
     series); the fit's end counts them, and a fit killed before its end still says how many it
     had by then, as a lower bound."""
-    kill_when_ready(__file__, READY, "sanity-recorded" if record_eval else "sanity", tmp_path)
+    tmp_path = killed[0] / ("sanity-recorded" if record_eval else "sanity")
     evaluation = json.loads((tmp_path / "calls.json").read_text(encoding="utf-8"))["eval"]
     assert evaluation == SANITY
     index = finalized(tmp_path / "run")
@@ -167,6 +195,28 @@ def child_main(mode: str, tmp_path: Path) -> None:
         lightning_fit(tmp_path, Recorded(), kill_point=killed, sanity=SANITY, record_eval=recorded)
 
 
+def killed_forks(root: Path, modes: list[str]) -> None:
+    """Each mode's killed fit (`child_main`) in a child forked from this process, one after the
+    other: SIGKILLed once it says READY on its stdout (a pipe to this process)."""
+    for mode in modes:
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.dup2(write, 1)  # the real stdout, where READY is said
+            with contextlib.redirect_stdout(sys.stderr):  # Lightning prints its logs
+                child_main(mode, root / mode)
+            os._exit(1)  # never reached: killed at READY
+        os.close(write)
+        with os.fdopen(read) as said:
+            ready = said.readline().strip()
+        os.kill(pid, signal.SIGKILL)
+        status = os.waitpid(pid, 0)[1]
+        assert ready == READY, f"{mode}: the fit never reached its kill point"
+        assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, mode
+
+
 if __name__ == "__main__":
-    with contextlib.redirect_stdout(sys.stderr):  # Lightning prints its logs
-        child_main(sys.argv[1], Path(sys.argv[2]))
+    killed_forks(Path(sys.argv[1]), sys.argv[2:])

@@ -3,15 +3,18 @@ attempt evaluated at: index.md names those steps, with each attempt's evaluation
 and every per-attempt count adds up to the run's.
 
 The first attempt is a real process: it evaluates at global step 8 and is killed with SIGKILL at
-step 9, before its checkpoint of step 9; the second resumes from checkpoint-6 in this process
-and evaluates at step 8 again. Counts are checked against history, never against the note.
+step 9, before its checkpoint of step 9; the second resumes from checkpoint-6 (in this process,
+or in a process killed at step 9 too) and evaluates at step 8 again. Counts are checked against history, never against the note.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +34,6 @@ from torchinstruments import EveryNForwardsSampler, HistoryConfig
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
-
-from conftest import kill_when_ready
 
 EVAL_STEPS, SAVE_STEPS, KILLED_AT, TOTAL = 4, 3, 9, 10
 REPEATED = "evaluated again at"
@@ -99,23 +100,38 @@ def evaluation_samples(history: pl.DataFrame) -> pl.DataFrame:
 
 @pytest.fixture(scope="module")
 def first_attempt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first attempt, a real process killed with SIGKILL at step 9, once for the file: a
-    pristine copy of its output folder beside it (`killed_out` restores it for each test; an
-    attempt is a fresh interpreter importing transformers, the slow part)."""
+    """The first attempt, killed with SIGKILL at step 9, once for the file, and the second,
+    resumed from its checkpoint-6 and killed at step 9 too: pristine copies of the output
+    folder after each kill beside it (`killed_out` and `killed_twice_out` restore them for each
+    test). An attempt importing transformers is the slow part, so both are children forked one
+    after the other from one process that imported it (`killed_attempts`)."""
     root = tmp_path_factory.mktemp("first")
-    kill_when_ready(__file__, "ready", root / "out")
-    shutil.copytree(root / "out", root / "pristine", symlinks=True)
+    done = subprocess.run(
+        [sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
     return root
+
+
+def restored(root: Path, pristine: str) -> Path:
+    """The output folder as a kill left it (`root/<pristine>`), at the path it ran in (its run
+    directory's state and pages, and its checkpoints, name that path)."""
+    out = root / "out"
+    shutil.rmtree(out)
+    shutil.copytree(root / pristine, out, symlinks=True)
+    return out
 
 
 @pytest.fixture
 def killed_out(first_attempt: Path) -> Path:
-    """The first attempt's output folder as the kill left it, at the path it ran in (its run
-    directory's state and pages, and its checkpoints, name that path)."""
-    out = first_attempt / "out"
-    shutil.rmtree(out)
-    shutil.copytree(first_attempt / "pristine", out, symlinks=True)
-    return out
+    """The output folder after the first attempt's kill."""
+    return restored(first_attempt, "pristine")
+
+
+@pytest.fixture
+def killed_twice_out(first_attempt: Path) -> Path:
+    """The output folder after the second attempt's kill."""
+    return restored(first_attempt, "pristine-twice")
 
 
 def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_repeats(
@@ -185,16 +201,14 @@ def test_a_train_resumed_behind_its_last_evaluation_names_the_evaluations_it_rep
 
 
 def test_a_resumed_fit_killed_after_repeating_an_evaluation_still_names_it(
-    killed_out: Path,
+    killed_twice_out: Path,
 ) -> None:
     """Both attempts are real processes killed with SIGKILL at step 9: the second resumed from
     checkpoint-6 and evaluated at step 8 again before its kill, so its fit never ended. The
     repeated evaluation is still said once the run is finalized, with each attempt's evaluation
     samples there as history holds them; the steps it trained again are said once, by the note
     read from history (its fit-start note on them, kept live, is superseded)."""
-    out = killed_out
-    kill_when_ready(__file__, "ready", out, out / "checkpoint-6")
-    run = out / "torchinstruments"
+    run = killed_twice_out / "torchinstruments"
     finalize(run)
     history = pl.read_parquet(run / "history.parquet")
     evaluated = evaluation_samples(history)
@@ -303,7 +317,35 @@ def test_a_lightning_fit_resumed_behind_names_the_evaluation_steps_both_attempts
     ) in index
 
 
-if __name__ == "__main__":  # the first attempt, killed at step 9 (kill_when_ready)
-    with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs
-        resume = sys.argv[2] if len(sys.argv) > 2 else None
-        train(Path(sys.argv[1]), resume, ReadyAt(KILLED_AT))
+def killed_attempt(out: Path, resume: str | None) -> None:
+    """One attempt in a child forked from this process, SIGKILLed once it says ready."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)  # the real stdout, where "ready" is said
+        with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs
+            train(out, resume, ReadyAt(KILLED_AT))
+        os._exit(1)  # never reached: killed at step 9
+    os.close(write)
+    with os.fdopen(read) as said:
+        ready = said.readline().strip()
+    os.kill(pid, signal.SIGKILL)
+    status = os.waitpid(pid, 0)[1]
+    assert ready == "ready", f"the attempt resumed from {resume} never reached step {KILLED_AT}"
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+
+
+def killed_attempts(root: Path) -> None:
+    """Both killed attempts into `root/out`, a pristine copy after each."""
+    out = root / "out"
+    killed_attempt(out, None)
+    shutil.copytree(out, root / "pristine", symlinks=True)
+    killed_attempt(out, str(out / "checkpoint-6"))
+    shutil.copytree(out, root / "pristine-twice", symlinks=True)
+
+
+if __name__ == "__main__":
+    killed_attempts(Path(sys.argv[1]))

@@ -23,7 +23,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 
-SECONDS = 6.0
+SECONDS = 3.5
 
 
 def child_main(run: Path) -> None:
@@ -78,7 +78,7 @@ def test_sigints_during_training_leave_the_flush_thread_and_every_row(tmp_path: 
         end = time.monotonic() + SECONDS - 1.0
         sent = 0
         while time.monotonic() < end and child.poll() is None:
-            time.sleep(0.02)
+            time.sleep(0.01)
             child.send_signal(signal.SIGINT)
             sent += 1
         out, err = child.communicate(timeout=120)

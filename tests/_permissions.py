@@ -20,6 +20,11 @@ WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
 @pytest.fixture(name="prefix")
 def prefix_fixture() -> list[str]:
     """What the child's command starts with: under root, `WITHOUT_OVERRIDE`."""
+    return child_prefix()
+
+
+def child_prefix() -> list[str]:
+    """`prefix`, for a fixture of wider scope; skips where the platform cannot test this."""
     if not sys.platform.startswith("linux"):
         pytest.skip("permissions and flock as on Linux")
     if os.geteuid() != 0:
@@ -33,5 +38,10 @@ def prefix_fixture() -> list[str]:
 def run_fixture(tmp_path: Path) -> Iterator[Path]:
     """The run directory; its permissions are given back afterwards, for the cleanup."""
     yield tmp_path / "run"
-    for folder, _, _ in os.walk(tmp_path):
+    give_back(tmp_path)
+
+
+def give_back(top: Path) -> None:
+    """Every folder under `top` (itself included) writable again, so it can be deleted."""
+    for folder, _, _ in os.walk(top):
         os.chmod(folder, stat.S_IRWXU)

@@ -6,21 +6,25 @@ but cannot delete the parts inside: a second copy of every row stays on disk. Th
 complete (no row is missing), so this is no problem of the run; but nothing may be silent:
 removal warns, and index.md and the state file say where the copy is and how large it is.
 Permissions are taken away for real, in a child process (under root without the capabilities
-that let it ignore them, as in test_read_only_directory.py).
+that let it ignore them, as in test_read_only_directory.py). That removal is run once for the
+file (a child imports torch) and restored, as it left the run, for each test.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from torchinstruments import DEFAULT_METRICS
 
-from _permissions import prefix_fixture, run_fixture  # noqa: F401 (fixtures)
+from _permissions import child_prefix, give_back, prefix_fixture  # noqa: F401 (a fixture)
 from conftest import run_cli
 
 STEPS = 4
@@ -69,12 +73,34 @@ def _removed_unwritable(
     return done
 
 
+@pytest.fixture(scope="module")
+def removed_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """The child's run removed with its parts read-only, once for the file: `root/run`, a
+    pristine copy beside it, and the child's stdout (the warnings removal gave)."""
+    root = tmp_path_factory.mktemp("removed")
+    done = _removed_unwritable(child_prefix(), root / "run", STEPS * ROWS_PER_SAMPLE)
+    shutil.copytree(root / "run", root / "pristine", symlinks=True)
+    yield root, done.stdout
+    give_back(root)
+
+
+@pytest.fixture
+def removed(removed_once: tuple[Path, str]) -> tuple[Path, str]:
+    """The run as that removal left it (read-only parts included), at the path it ran in (its
+    state file and index.md name that path); and the child's stdout."""
+    root, stdout = removed_once
+    give_back(root / "run")
+    shutil.rmtree(root / "run")
+    shutil.copytree(root / "pristine", root / "run", symlinks=True)
+    return root / "run", stdout
+
+
 def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
-    prefix: list[str], run: Path
+    removed: tuple[Path, str],
 ) -> None:
     rows = STEPS * ROWS_PER_SAMPLE
-    done = _removed_unwritable(prefix, run, rows)
-    said = "\n".join(json.loads(done.stdout.strip().splitlines()[-1]))
+    run, stdout = removed
+    said = "\n".join(json.loads(stdout.strip().splitlines()[-1]))
     gone = run / GONE
     copy = sum(p.stat().st_size for p in gone.iterdir())
     # the copy the merge could not delete: every row again
@@ -91,12 +117,11 @@ def test_merged_parts_removal_cannot_delete_are_warned_and_named_in_index_md(
 
 
 def test_show_says_the_copy_of_rows_an_earlier_merge_left_on_disk(
-    prefix: list[str], run: Path
+    removed: tuple[Path, str],
 ) -> None:
     """`show` says index.md's "Disk space" line too: a second copy of rows history.parquet
     holds, left by the merge, is disk the reader may want back, whichever view they read."""
-    rows = STEPS * ROWS_PER_SAMPLE
-    _removed_unwritable(prefix, run, rows)
+    run = removed[0]
     gone = run / GONE
     copy = sum(p.stat().st_size for p in gone.iterdir())
 
@@ -133,13 +158,13 @@ def _finalize(prefix: list[str], run: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
-    prefix: list[str], run: Path
+    prefix: list[str], removed: tuple[Path, str]
 ) -> None:
     """The folder removal could not delete is no temporary of a write that did not finish:
     every row in it is in history.parquet. `finalize` says what it is, whether it can delete it
     (permissions given back) or still cannot (then index.md keeps saying where the copy is)."""
     rows = STEPS * ROWS_PER_SAMPLE
-    _removed_unwritable(prefix, run, rows)
+    run = removed[0]
     gone = run / GONE
 
     still = _finalize(prefix, run)
@@ -184,13 +209,13 @@ with warnings.catch_warnings():
 
 
 def test_a_run_continued_beside_merged_parts_it_cannot_delete_merges_every_row(
-    prefix: list[str], run: Path
+    prefix: list[str], removed: tuple[Path, str]
 ) -> None:
     """The next attempt's merge finds the folder the last one could not delete where it would
     rename its own merged parts: history.parquet still gets every row and the run is complete,
     with both copies said, never a merge said to have failed."""
     rows = STEPS * ROWS_PER_SAMPLE
-    _removed_unwritable(prefix, run, rows)
+    run = removed[0]
     later = subprocess.run(
         [*prefix, sys.executable, "-c", RESUMED, str(run), "2"],
         capture_output=True,

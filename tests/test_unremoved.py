@@ -57,12 +57,34 @@ def test_process_exiting_without_removal_finalizes_its_run(tmp_path: Path) -> No
     assert run_status(run_dir) == "complete"
 
 
+# One interpreter imports torch, then forks a child per ending, one after the other; the child
+# runs the rest of the script as its own and ends as the script would, through the
+# interpreter's exit. The parent writes each child's exit status.
 ENDING = """
-import sys
+import json, os, sys
 import torch
 from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer
 
+
+def forked_ending(root):
+    codes = {}
+    for ending in sys.argv[2:]:
+        os.makedirs(os.path.join(root, ending))
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            err = os.open(os.path.join(root, ending, "stderr"), os.O_WRONLY | os.O_CREAT)
+            os.dup2(err, 2)
+            sys.argv[1:] = [os.path.join(root, ending, "stats"), ending]
+            return
+        codes[ending] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with open(os.path.join(root, "codes.json"), "w") as out:
+        json.dump(codes, out)
+    sys.exit(0)
+
+
+forked_ending(sys.argv[1])
 model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
 inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1))
 for step in range(5):
@@ -82,26 +104,36 @@ for step in range(5):
 """
 
 
-@pytest.mark.parametrize(
-    ("ending", "said"),
-    [
-        ("raise", "the process ended with an uncaught RuntimeError: boom at step 2, and the run "
-         "was finished then"),
-        ("ctrl-c", "the process ended with an uncaught KeyboardInterrupt (Ctrl-C), and the run "
-         "was finished then"),
-        ("sys.exit", "the run was finished at the process's exit"),
-        ("caught", "the run was finished at the process's exit"),
-    ],
-)  # fmt: skip
-def test_a_script_that_stopped_without_removal_says_how_it_ended(
-    tmp_path: Path, ending: str, said: str
-) -> None:
-    run_dir = tmp_path / "stats"
+ENDINGS = [
+    ("raise", "the process ended with an uncaught RuntimeError: boom at step 2, and the run "
+     "was finished then"),
+    ("ctrl-c", "the process ended with an uncaught KeyboardInterrupt (Ctrl-C), and the run "
+     "was finished then"),
+    ("sys.exit", "the run was finished at the process's exit"),
+    ("caught", "the run was finished at the process's exit"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Every ending's script run once, each into `root/<ending>/stats`; their exit statuses."""
+    root = tmp_path_factory.mktemp("endings")
     done = subprocess.run(
-        [sys.executable, "-c", ENDING, str(run_dir), ending],
-        capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", ENDING, str(root), *(ending for ending, _ in ENDINGS)],
+        capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert (done.returncode == 0) == (ending == "caught"), done.stderr
+    assert done.returncode == 0, done.stderr
+    return root, json.loads((root / "codes.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(("ending", "said"), ENDINGS)
+def test_a_script_that_stopped_without_removal_says_how_it_ended(
+    ended: tuple[Path, dict[str, int]], ending: str, said: str
+) -> None:
+    root, codes = ended
+    run_dir = root / ending / "stats"
+    stderr = (root / ending / "stderr").read_text(encoding="utf-8")
+    assert (codes[ending] == 0) == (ending == "caught"), stderr
     assert run_status(run_dir) == "complete"  # every row recorded is in history.parquet
     stopped = 3 if ending != "caught" else 5
     history = pl.read_parquet(run_dir / "history.parquet")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ranks import run_ranks
+from _ranks import run_ranks_in_sequence
 from conftest import cli_in_process, run_status
 
 WORLD_SIZE = 2
@@ -57,15 +57,25 @@ def worker(rank: int, world_size: int, port: int, policy: str, output_dir: str) 
         dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, policy: str) -> Path:
-    output_dir = tmp_path / "stats"
-    output_dir.mkdir()
-    run_ranks(worker, policy, str(output_dir), world_size=WORLD_SIZE)
-    return output_dir
+POLICIES = ("rank0", "all")
 
 
-def test_rank0_policy_before_init_attaches_only_rank0(tmp_path: Path) -> None:
-    output_dir = run_two_ranks(tmp_path, "rank0")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One pair of ranks runs `worker` for each policy, one after the other, each in a group of
+    its own into `root/<policy>` (a pair of spawned ranks takes seconds; each scenario destroys
+    its group and removes its observer before the next)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    for policy in POLICIES:
+        (root / policy).mkdir()
+    run_ranks_in_sequence(
+        [(worker, (policy, str(root / policy))) for policy in POLICIES], world_size=WORLD_SIZE
+    )
+    return root
+
+
+def test_rank0_policy_before_init_attaches_only_rank0(two_ranks: Path) -> None:
+    output_dir = two_ranks / "rank0"
     assert (output_dir / "report-0.txt").read_text() == f"False {output_dir} {output_dir}"
     assert (output_dir / "report-1.txt").read_text() == "False None None"
     assert not any(p.name.startswith("rank-") for p in output_dir.iterdir())
@@ -76,8 +86,8 @@ def test_rank0_policy_before_init_attaches_only_rank0(tmp_path: Path) -> None:
     assert "rank 0 of 2" in index
 
 
-def test_all_policy_before_init_writes_one_directory_per_rank(tmp_path: Path) -> None:
-    output_dir = run_two_ranks(tmp_path, "all")
+def test_all_policy_before_init_writes_one_directory_per_rank(two_ranks: Path) -> None:
+    output_dir = two_ranks / "all"
     for rank in range(WORLD_SIZE):
         directory = output_dir / f"rank-{rank:03d}"
         assert (output_dir / f"report-{rank}.txt").read_text() == (f"False {directory} {directory}")

@@ -5,20 +5,21 @@ the run's first files (result.json's catalog, the state file, index.md). Whateve
 the disk, `finalize` must complete the directory and a restart with `resume=True` must continue
 it; a directory that both refuse would make every restart of the job fail at inject. The child
 is this file run as a script: it kills itself with SIGKILL right after the named file is written,
-a real kill at a known point.
+a real kill at a known point (each point's child forked from one process that imported torch,
+`_forked`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import (
@@ -56,15 +57,24 @@ def child_main(directory: Path, written: str) -> None:
     inject_observer(model(), output_dir=directory, sampler=EveryNForwardsSampler(1))
 
 
-@pytest.mark.parametrize("written", ["write_catalog", "write_state", "write_index"])
+WRITTEN = ["write_catalog", "write_state", "write_index"]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each kill point's child, forked from one process (`_forked`), into `root/<written>/run`;
+    their exit statuses."""
+    root = tmp_path_factory.mktemp("killed")
+    return root, run_forked(__file__, root, WRITTEN)
+
+
+@pytest.mark.parametrize("written", WRITTEN)
 def test_a_job_killed_inside_inject_is_finalized_and_continued_with_resume(
-    tmp_path: Path, written: str
+    killed_runs: tuple[Path, dict[str, int]], written: str
 ) -> None:
-    directory = tmp_path / "run"
-    child = subprocess.run(
-        [sys.executable, __file__, str(directory), written], capture_output=True, timeout=120
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    root, codes = killed_runs
+    directory = root / written / "run"
+    assert codes[written] == -signal.SIGKILL, stderr_of(root, written)
     finalized = run_cli("finalize", directory)
     assert finalized.returncode == 0, finalized.stderr
     restarted = model()
@@ -101,4 +111,6 @@ def test_a_job_killed_inside_inject_is_finalized_and_continued_with_resume(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2])
+    written = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if written is not None:
+        child_main(Path(sys.argv[1]) / written / "run", written)

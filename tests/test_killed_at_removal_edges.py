@@ -7,7 +7,8 @@ but every reader says remove_observer was called and killed, never "ended withou
 remove_observer". At its end index.md is written before the state file says the run is
 finished, so a kill between the two never leaves a state file saying "complete" beside an
 index.md saying "in progress". The child is this file run as a script: it kills itself with
-SIGKILL at the named point, a real kill at a known point.
+SIGKILL at the named point, a real kill at a known point (each point's child forked from one
+process that imported torch, `_forked`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -72,12 +73,23 @@ def child_main(directory: Path, killed_at: str) -> None:
     remove_observer(model)
 
 
-def _killed(directory: Path, killed_at: str) -> dict[str, object]:
-    child = subprocess.run(
-        [sys.executable, __file__, str(directory), killed_at], capture_output=True, timeout=120
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
-    return json.loads((directory / ".state.json").read_text("utf-8"))
+KILL_POINTS = ["last_part", "index", "final_state"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each kill point's child, forked from one process (`_forked`), into `root/<point>/run`;
+    their exit statuses."""
+    root = tmp_path_factory.mktemp("killed")
+    return root, run_forked(__file__, root, KILL_POINTS)
+
+
+def _killed(killed: tuple[Path, dict[str, int]], killed_at: str) -> tuple[Path, dict[str, object]]:
+    """The run directory of `killed_at`'s child, killed there, and its state file."""
+    root, codes = killed
+    assert codes[killed_at] == -signal.SIGKILL, stderr_of(root, killed_at)
+    directory = root / killed_at / "run"
+    return directory, json.loads((directory / ".state.json").read_text("utf-8"))
 
 
 def _said(*args: str | Path) -> str:
@@ -87,10 +99,9 @@ def _said(*args: str | Path) -> str:
 
 
 def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
-    tmp_path: Path,
+    killed: tuple[Path, dict[str, int]],
 ) -> None:
-    directory = tmp_path / "run"
-    state = _killed(directory, "last_part")
+    directory, state = _killed(killed, "last_part")
     assert state["status"] == "in progress"
     assert state["removal_step"] == "history.parts/"
     shown = _said("show", directory)
@@ -128,10 +139,9 @@ def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
 
 @pytest.mark.parametrize("killed_at", ["index", "final_state"])
 def test_a_kill_as_removal_writes_index_md_never_leaves_it_behind_the_state(
-    tmp_path: Path, killed_at: str
+    killed: tuple[Path, dict[str, int]], killed_at: str
 ) -> None:
-    directory = tmp_path / "run"
-    state = _killed(directory, killed_at)
+    directory, state = _killed(killed, killed_at)
     page = (directory / "index.md").read_text("utf-8")
     # the state file is what readers trust: it says finished only once index.md says so too
     assert state["status"] == "in progress"
@@ -152,4 +162,6 @@ def test_a_kill_as_removal_writes_index_md_never_leaves_it_behind_the_state(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2])
+    killed_at = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if killed_at is not None:
+        child_main(Path(sys.argv[1]) / killed_at / "run", killed_at)

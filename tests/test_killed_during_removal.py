@@ -6,7 +6,8 @@ during the merge or result.json loses no row and the live run's counts are exact
 says removal began, `show` says it was interrupted there (no process holds its lock), and
 `finalize` completes the run from the counts removal wrote, "complete" with the kill noted. The
 child is this file run as a script: it kills itself with SIGKILL as the named step of the
-finish begins, a real kill at a known point.
+finish begins, a real kill at a known point (each point's child forked from one process that
+imported torch, `_forked`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import (
@@ -53,21 +54,27 @@ def child_main(directory: Path, killed_at: str) -> None:
     remove_observer(model)
 
 
-@pytest.mark.parametrize(
-    ("killed_at", "doing"),
-    [
-        ("merge_history", "merging history.parts/ into history.parquet"),
-        ("write_result", "writing result.json"),
-    ],
-)
+KILLS = [
+    ("merge_history", "merging history.parts/ into history.parquet"),
+    ("write_result", "writing result.json"),
+]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each kill point's child, forked from one process (`_forked`), into `root/<point>/run`;
+    their exit statuses."""
+    root = tmp_path_factory.mktemp("killed")
+    return root, run_forked(__file__, root, [killed_at for killed_at, _ in KILLS])
+
+
+@pytest.mark.parametrize(("killed_at", "doing"), KILLS)
 def test_a_process_killed_during_removal_is_said_killed_during_removal(
-    tmp_path: Path, killed_at: str, doing: str
+    killed: tuple[Path, dict[str, int]], killed_at: str, doing: str
 ) -> None:
-    directory = tmp_path / "run"
-    child = subprocess.run(
-        [sys.executable, __file__, str(directory), killed_at], capture_output=True, timeout=120
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    root, codes = killed
+    directory = root / killed_at / "run"
+    assert codes[killed_at] == -signal.SIGKILL, stderr_of(root, killed_at)
     state = json.loads((directory / ".state.json").read_text("utf-8"))
     assert state["status"] == "in progress"
     assert state["removal_step"] == (
@@ -109,4 +116,6 @@ def test_a_process_killed_during_removal_is_said_killed_during_removal(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2])
+    killed_at = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if killed_at is not None:
+        child_main(Path(sys.argv[1]) / killed_at / "run", killed_at)

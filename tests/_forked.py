@@ -1,8 +1,9 @@
 """Scenarios that each need a process of their own, forked from one interpreter: a test file run
 as a script imports torch once, then forks a child per scenario, one after the other
 (`fork_each`); the child runs the rest of the script as its own and ends as that script would
-(killed at a known point, or through the interpreter's exit). The test runs that script once
-per module fixture (`run_forked`) and reads each scenario's folder.
+(killed at a known point, or through the interpreter's exit); or this process kills each child
+once it says it is ready (`kill_each_when_ready`). The test runs that script once per module
+fixture (`run_forked`) and reads each scenario's folder.
 
 Why: a fresh interpreter importing torch takes seconds of CPU, most of such a child's time.
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 CODES = "codes.json"
@@ -56,3 +58,45 @@ def run_forked(script: str, root: Path, names: Sequence[str]) -> dict[str, int]:
 def stderr_of(root: Path, name: str) -> str:
     """What the child of `name` wrote to its stderr."""
     return (root / name / "stderr").read_text(encoding="utf-8", errors="replace")
+
+
+def killed_when_ready(ready: str, main: Callable[[], object]) -> int:
+    """`main()` in a child forked from here, its real stdout a pipe to this process: SIGKILLed
+    once it says the line `ready` there, as `conftest.kill_when_ready` kills a script; its exit
+    status (-SIGKILL, or how it ended first)."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.dup2(write, 1)
+        os.close(write)
+        main()
+        os._exit(0)  # it returned instead of waiting for the kill: the test says so
+    os.close(write)
+    with os.fdopen(read) as said:
+        if said.readline().strip() == ready:
+            os.kill(pid, signal.SIGKILL)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def kill_each_when_ready(
+    root: Path, ready: str, children: Mapping[str, Callable[[Path], object]], names: Sequence[str]
+) -> None:
+    """In a script: `children[name](root / name)` for each name, in turn, by `killed_when_ready`,
+    each with its stderr in `root/<name>/stderr`; their exit statuses to `root/codes.json`."""
+    codes: dict[str, int] = {}
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        err = os.open(root / name / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        saved = os.dup(2)
+        os.dup2(err, 2)
+        os.close(err)
+        try:
+            codes[name] = killed_when_ready(ready, lambda name=name: children[name](root / name))
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+    (root / CODES).write_text(json.dumps(codes), encoding="utf-8")

@@ -2,7 +2,8 @@
 after `torchinstruments finalize`, not only in a run that reached `remove_observer`.
 
 Each child is a real process killed with SIGKILL at a known point, after the rows of the
-samples it took are on disk; the flush thread saves the state after the rows of a round, and
+samples it took are on disk (the children are forked in turn from one process that imported
+torch, `_forked`); the flush thread saves the state after the rows of a round, and
 its rounds run one after another, so a note said before a round's rows is in the state once
 the next round's rows are on disk (the first sample's rows are a round the training thread
 waits for). The notes' facts come from outside the library: TensorBoard's own event loader,
@@ -13,20 +14,23 @@ history, the sampler's own failure. The trainer callbacks' cases are
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import cast
 
 import polars as pl
+import pytest
 import torch
+from _forked import kill_each_when_ready, run_forked, stderr_of
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
 from torchinstruments import DEFAULT_METRICS, EveryNForwardsSampler, inject_observer, set_step
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import kill_when_ready, run_cli
+from conftest import run_cli
 
 READY = "ready"
 
@@ -65,10 +69,21 @@ class FailsFirst:
         return "FailsFirst()"
 
 
-def test_a_run_killed_after_a_recording_failure_keeps_its_note(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each mode's child killed at READY, into `root/<mode>`: one process imports torch and
+    forks them in turn (`_forked`), each a real process SIGKILLed at its known point."""
+    root = tmp_path_factory.mktemp("killed")
+    codes = run_forked(__file__, root, ["sampler", "shared", "events", "compiled"])
+    for mode, code in codes.items():
+        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    return root
+
+
+def test_a_run_killed_after_a_recording_failure_keeps_its_note(killed: Path) -> None:
     """The observer's notes (here: a sampler that raised, so forward 0 was not sampled) are
     kept in the state by the flush thread; a run killed later still says what it missed."""
-    kill_when_ready(__file__, READY, "sampler", tmp_path)
+    tmp_path = killed / "sampler"
     index = finalized(tmp_path / "run")
     assert (
         "sampler FailsFirst() raised RuntimeError('no schedule yet') for forward_index 0; a "
@@ -77,12 +92,12 @@ def test_a_run_killed_after_a_recording_failure_keeps_its_note(tmp_path: Path) -
 
 
 def test_a_run_killed_after_a_sample_left_out_of_its_logger_keeps_the_note(
-    tmp_path: Path,
+    killed: Path,
 ) -> None:
     """A TensorBoardSink gets one histogram per step: a second sample at a step is left out of
     its logger. The sink counts it; the flush thread's next round keeps the note in the state,
     and a run killed after that round still says it."""
-    kill_when_ready(__file__, READY, "shared", tmp_path)
+    tmp_path = killed / "shared"
     index = finalized(tmp_path / "run")
     history = pl.read_parquet(tmp_path / "run" / "history.parquet")
     per_step = history.group_by("step").agg(pl.col("sample_id").n_unique()).sort("step").rows()
@@ -95,11 +110,11 @@ def test_a_run_killed_after_a_sample_left_out_of_its_logger_keeps_the_note(
     ) in index
 
 
-def test_a_run_killed_after_its_tensorboard_events_failed_still_says_so(tmp_path: Path) -> None:
+def test_a_run_killed_after_its_tensorboard_events_failed_still_says_so(killed: Path) -> None:
     """The run's own event file could not be created (the history goes on): the failure is a
     problem of the run, kept in the state by the flush thread, so a killed run is incomplete
     and says why, not merely interrupted."""
-    kill_when_ready(__file__, READY, "events", tmp_path)
+    tmp_path = killed / "events"
     done = run_cli("finalize", tmp_path / "run")
     problem = (
         "TensorBoard events under tensorboard/ could not be created (OSError: no event file "
@@ -161,10 +176,10 @@ def shared_step_child(tmp_path: Path) -> None:
     time.sleep(120)
 
 
-def test_a_compiled_run_killed_after_a_sample_says_it_ran_eagerly(tmp_path: Path) -> None:
+def test_a_compiled_run_killed_after_a_sample_says_it_ran_eagerly(killed: Path) -> None:
     """A sampled forward called through torch.compile runs eagerly; removal says so, and a
     run killed after its first sample says it too, as counted by then."""
-    kill_when_ready(__file__, READY, "compiled", tmp_path)
+    tmp_path = killed / "compiled"
     index = finalized(tmp_path / "run")
     samples = pl.read_parquet(tmp_path / "run" / "history.parquet")["sample_id"].n_unique()
     assert samples == 1
@@ -213,4 +228,4 @@ if __name__ == "__main__":
             "sampler": sampler_child,
             "compiled": compiled_child,
         }
-        children[sys.argv[1]](Path(sys.argv[2]))
+        kill_each_when_ready(Path(sys.argv[1]), READY, children, sys.argv[2:])

@@ -3,7 +3,8 @@ rows, and index.md's counts after `finalize` are true or marked unknown.
 
 The child injects with every default (one sample a minute, a 60 s flush interval), takes its
 first sample (forward and backward), runs unsampled steps, says so, and is killed with SIGKILL
-long before any flush interval. The first sample's rows are written right after it, on the
+long before any flush interval (the children are forked in turn from one process that imported
+torch, `_forked`). The first sample's rows are written right after it, on the
 training thread, so they are on disk when the child says it is done; the later rows of the run
 (none here: nothing else is sampled) would wait for the flush interval.
 """
@@ -11,12 +12,15 @@ training thread, so they are on disk when the child says it is done; the later r
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 import torch
+from _forked import kill_each_when_ready, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import DEFAULT_METRICS, inject_observer
@@ -24,7 +28,7 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import counts_sentence, render_index
 from torchinstruments.rundir.state import RunState, Status, read_state
 
-from conftest import kill_when_ready, run_cli
+from conftest import run_cli
 
 STEPS = 40
 LAYERS = 3  # Linear, Tanh, Linear
@@ -41,8 +45,24 @@ def child_main(directory: Path, before: bool) -> None:
     time.sleep(120)
 
 
-def test_a_default_run_killed_after_its_first_sample_has_its_rows(run_dir: Path) -> None:
-    kill_when_ready(__file__, "stepped", run_dir)
+CHILDREN = {
+    "first": lambda directory: child_main(directory / "stats", False),
+    "before": lambda directory: child_main(directory / "stats", True),
+}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both children killed once they said "stepped", into `root/<mode>/stats`: one process
+    imports torch and forks them in turn (`_forked`), each a real process SIGKILLed there."""
+    root = tmp_path_factory.mktemp("killed")
+    for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
+        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    return root
+
+
+def test_a_default_run_killed_after_its_first_sample_has_its_rows(killed: Path) -> None:
+    run_dir = killed / "first" / "stats"
     finalize(run_dir)
     history = pl.read_parquet(run_dir / "history.parquet")
     rows = LAYERS * len(DEFAULT_METRICS)
@@ -139,7 +159,7 @@ def test_samples_only_events_prove_leave_every_layer_count_unknown_never_0(tmp_p
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2:] == ["before"])
+    kill_each_when_ready(Path(sys.argv[1]), "stepped", CHILDREN, sys.argv[2:])
 
 
 def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path) -> None:
@@ -180,9 +200,8 @@ def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path
     assert report.counts.root_forwards == 11
 
 
-def test_a_kill_before_any_row_leaves_every_layer_count_unknown_never_0(tmp_path: Path) -> None:
-    run = tmp_path / "stats"
-    kill_when_ready(__file__, "stepped", run, "before")
+def test_a_kill_before_any_row_leaves_every_layer_count_unknown_never_0(killed: Path) -> None:
+    run = killed / "before" / "stats"
     finalize(run)
     index = (run / "index.md").read_text(encoding="utf-8")
     layers = index.split("## Layers", 1)[1].split("\n## ", 1)[0]

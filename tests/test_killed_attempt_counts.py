@@ -5,15 +5,19 @@ is killed: only the first sample's rows reach history (written right after it), 
 TensorBoard events of all five are on disk. `finalize` raises the run's counts to what the
 events prove (at least 9 root forwards, 5 samples); the attempt's row must say the same, not
 the 1 and 1 its rows alone give, so that the Attempts table adds up to the run's counts.
+The killed children are forked in turn from one process that imported torch (`_forked`).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+from _forked import kill_each_when_ready, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
@@ -21,7 +25,6 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
 from _events import event_steps
-from conftest import kill_when_ready
 
 STEPS = 10  # samples at forward_index 0, 2, 4, 6, 8
 LATER_STEPS = 4
@@ -55,9 +58,30 @@ def child_main(directory: Path, steps: int, resume: bool) -> None:
     time.sleep(120)
 
 
-def test_a_killed_attempts_row_counts_the_samples_its_events_prove(tmp_path: Path) -> None:
-    run = tmp_path / "stats"
-    kill_when_ready(__file__, "stepped", run, str(STEPS), "new")
+CHILDREN = {
+    "new": lambda directory: child_main(directory / "stats", STEPS, False),
+    "resume": lambda directory: child_main(directory / "stats", 2, True),
+}
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both attempts killed once they said "stepped", into `root/<mode>/stats` ("resume" after
+    attempt 0, removed, here): one process imports torch and forks them in turn (`_forked`),
+    each a real process SIGKILLed there."""
+    root = tmp_path_factory.mktemp("killed")
+    net = model()  # attempt 0 of "resume": forward_index 0-2, samples at 0 and 2, removed
+    inject_observer(net, output_dir=root / "resume" / "stats", sampler=EveryNForwardsSampler(2))
+    for _ in range(3):
+        net(torch.randn(2, 3)).sum().backward()
+    remove_observer(net)
+    for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
+        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    return root
+
+
+def test_a_killed_attempts_row_counts_the_samples_its_events_prove(killed_runs: Path) -> None:
+    run = killed_runs / "new" / "stats"
     net = model()
     inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2), resume=True)
     for _ in range(LATER_STEPS):
@@ -79,18 +103,12 @@ def test_a_killed_attempts_row_counts_the_samples_its_events_prove(tmp_path: Pat
 
 
 def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
-    tmp_path: Path,
+    killed_runs: Path,
 ) -> None:
     """Attempt 0 (forward_index 0-2, samples at 0 and 2) is removed; attempt 1 begins at
     forward_index 3, which is not sampled, samples forward_index 4 and is killed. Its rows begin
     at its first sample, but its root forwards at its first forward: 2 of them, not 1."""
-    run = tmp_path / "stats"
-    net = model()
-    inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2))
-    for _ in range(3):
-        net(torch.randn(2, 3)).sum().backward()
-    remove_observer(net)
-    kill_when_ready(__file__, "stepped", run, "2", "resume")
+    run = killed_runs / "resume" / "stats"
     finalize(run)
 
     state = read_state(run)
@@ -103,4 +121,4 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "resume")
+    kill_each_when_ready(Path(sys.argv[1]), "stepped", CHILDREN, sys.argv[2:])

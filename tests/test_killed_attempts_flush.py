@@ -8,19 +8,21 @@ by its own flush_seconds, never the last attempt's for both.
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _forked import kill_each_when_ready, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
-from conftest import kill_when_ready, run_cli
+from conftest import run_cli
 
 
 def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
@@ -39,19 +41,22 @@ def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
     time.sleep(120)
 
 
-def killed_twice(run: Path) -> None:
-    """Attempt 0 (flush_seconds=20) killed, then attempt 1 (flush_seconds=30) killed."""
-    kill_when_ready(__file__, "stepped", run, "20", "new")
-    kill_when_ready(__file__, "stepped", run, "30", "resume")
+# Attempt 0 (flush_seconds=20) killed, then attempt 1 (flush_seconds=30) killed, both into the
+# run `stats` beside their own folders (`_forked.kill_each_when_ready` gives each `root/<name>`).
+ATTEMPTS = {
+    "attempt-0": lambda directory: child_main(directory.parent / "stats", 20.0, False),
+    "attempt-1": lambda directory: child_main(directory.parent / "stats", 30.0, True),
+}
 
 
 @pytest.fixture(scope="module")
 def killed_twice_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`killed_twice` once for the file, with a pristine copy beside the run: both tests
-    finalize the same two killed attempts, and each child is a fresh interpreter importing
-    torch."""
+    """The run killed twice (`ATTEMPTS`, each a child forked from one process that imported
+    torch), once for the file, with a pristine copy beside it: both tests finalize the same
+    two killed attempts."""
     root = tmp_path_factory.mktemp("killed")
-    killed_twice(root / "stats")
+    for attempt, code in run_forked(__file__, root, list(ATTEMPTS)).items():
+        assert code == -signal.SIGKILL, stderr_of(root, attempt)
     shutil.copytree(root / "stats", root / "pristine", symlinks=True)
     return root
 
@@ -88,4 +93,4 @@ def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(run: Pa
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "resume")
+    kill_each_when_ready(Path(sys.argv[1]), "stepped", ATTEMPTS, sys.argv[2:])

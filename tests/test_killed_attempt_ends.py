@@ -22,6 +22,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -87,24 +88,29 @@ def _killed(directory: Path, killed_at: str, resume: bool) -> None:
     assert child.returncode == ended, child.stderr.decode()
 
 
+FIRST_ATTEMPTS = ["before_removal", "last_flush", "exit"]
+
+
 @pytest.fixture(scope="module")
-def killed_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One first attempt SIGKILLed before remove_observer, and a pristine copy beside it: three
-    tests continue that same attempt, and the child (a fresh interpreter importing torch) is
-    the slow part."""
+def first_attempts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each first attempt's child (`child_main` of a new run) into `root/<killed_at>/run`,
+    forked in turn from one process that imported torch (`_forked`), and a pristine copy of the
+    one killed before remove_observer beside them: three tests continue that same attempt."""
     root = tmp_path_factory.mktemp("killed")
-    _killed(root / "run", "before_removal", resume=False)
-    shutil.copytree(root / "run", root / "pristine", symlinks=True)
+    for killed_at, code in run_forked(__file__, root, FIRST_ATTEMPTS).items():
+        ended = 0 if killed_at == "exit" else -signal.SIGKILL
+        assert code == ended, stderr_of(root, killed_at)
+    shutil.copytree(root / "before_removal" / "run", root / "pristine", symlinks=True)
     return root
 
 
 @pytest.fixture
-def killed_run(killed_once: Path) -> Path:
+def killed_run(first_attempts: Path) -> Path:
     """The run whose attempt 0 was killed before removal, as the kill left it, at the path it
     ran in (its state file and index.md name that path)."""
-    directory = killed_once / "run"
+    directory = first_attempts / "before_removal" / "run"
     shutil.rmtree(directory)
-    shutil.copytree(killed_once / "pristine", directory, symlinks=True)
+    shutil.copytree(first_attempts / "pristine", directory, symlinks=True)
     return directory
 
 
@@ -127,10 +133,9 @@ def _page(directory: Path) -> str:
 
 
 def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_continued(
-    tmp_path: Path,
+    first_attempts: Path,
 ) -> None:
-    directory = tmp_path / "run"
-    _killed(directory, "last_flush", resume=False)
+    directory = first_attempts / "last_flush" / "run"
     _removed_attempt(directory, 2)
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
@@ -182,12 +187,11 @@ def test_a_plain_kill_and_a_kill_in_the_last_flush_of_one_run_are_each_said_as_t
     assert "| killed | 0 | 0 |" in page
 
 
-def test_an_attempt_finished_at_its_exit_is_never_said_removed(tmp_path: Path) -> None:
+def test_an_attempt_finished_at_its_exit_is_never_said_removed(first_attempts: Path) -> None:
     """Attempt 0's script ends without remove_observer (its run is finished at the process's
     exit, with exact counts); attempt 1 is removed. The Attempts table and the state file say
     attempt 0 was finished without remove_observer, as its note does, not "removed"."""
-    directory = tmp_path / "run"
-    _killed(directory, "exit", resume=False)
+    directory = first_attempts / "exit" / "run"
     _removed_attempt(directory, 2)
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
@@ -265,4 +269,7 @@ def test_finalize_run_again_keeps_the_counts_a_continued_runs_removal_wrote(
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")
+    if sys.argv[-1] in ("new", "resume"):  # one attempt (`_killed`)
+        child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")
+    elif (killed_at := fork_each(Path(sys.argv[1]), sys.argv[2:])) is not None:
+        child_main(Path(sys.argv[1]) / killed_at / "run", killed_at, resume=False)

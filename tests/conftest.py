@@ -42,7 +42,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """Workers for `-n auto`: the cores this process may run on, at least two, at most
     `MAX_WORKERS`. Why at least two: the CI machine has two cores, and while one worker's test
     waits on its children or ranks the other core has work."""
-    return max(2, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may use
+        cores = len(os.sched_getaffinity(0))
+    else:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(2, min(cores, MAX_WORKERS))
 
 
 def _is_worker(config: pytest.Config) -> bool:

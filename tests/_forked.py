@@ -10,6 +10,7 @@ Why: a fresh interpreter importing torch takes seconds of CPU, most of such a ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,10 +61,12 @@ def stderr_of(root: Path, name: str) -> str:
     return (root / name / "stderr").read_text(encoding="utf-8", errors="replace")
 
 
-def killed_when_ready(ready: str, main: Callable[[], object]) -> int:
+def killed_when_ready(ready: str, main: Callable[[], object], quiet: bool = False) -> int:
     """`main()` in a child forked from here, its real stdout a pipe to this process: SIGKILLed
-    once it says the line `ready` there, as `conftest.kill_when_ready` kills a script; its exit
-    status (-SIGKILL, or how it ended first)."""
+    once it says the line `ready` there (`print(ready, file=sys.__stdout__)`), as
+    `conftest.kill_when_ready` kills a script; its exit status (-SIGKILL, or how it ended
+    first). `quiet`: what `main` prints to `sys.stdout` (a trainer's logs) goes to stderr, so
+    the pipe carries the ready line alone."""
     read, write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -72,7 +75,8 @@ def killed_when_ready(ready: str, main: Callable[[], object]) -> int:
         os.close(read)
         os.dup2(write, 1)
         os.close(write)
-        main()
+        with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+            main()
         os._exit(0)  # it returned instead of waiting for the kill: the test says so
     os.close(write)
     with os.fdopen(read) as said:

@@ -16,9 +16,8 @@ tests read the four killed runs of that one module fixture.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import lightning
 import pytest
 import torch
+from _forked import killed_when_ready
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from test_kill_notes import READY, finalized, tag_steps
@@ -199,23 +199,9 @@ def killed_forks(root: Path, modes: list[str]) -> None:
     """Each mode's killed fit (`child_main`) in a child forked from this process, one after the
     other: SIGKILLed once it says READY on its stdout (a pipe to this process)."""
     for mode in modes:
-        read, write = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            os.dup2(write, 1)  # the real stdout, where READY is said
-            with contextlib.redirect_stdout(sys.stderr):  # Lightning prints its logs
-                child_main(mode, root / mode)
-            os._exit(1)  # never reached: killed at READY
-        os.close(write)
-        with os.fdopen(read) as said:
-            ready = said.readline().strip()
-        os.kill(pid, signal.SIGKILL)
-        status = os.waitpid(pid, 0)[1]
-        assert ready == READY, f"{mode}: the fit never reached its kill point"
-        assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, mode
+        fit = functools.partial(child_main, mode, root / mode)
+        status = killed_when_ready(READY, fit, quiet=True)  # Lightning prints its logs
+        assert status == -signal.SIGKILL, f"{mode}: the fit never reached its kill point"
 
 
 if __name__ == "__main__":

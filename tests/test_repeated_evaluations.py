@@ -9,8 +9,7 @@ or in a process killed at step 9 too) and evaluates at step 8 again. Counts are 
 
 from __future__ import annotations
 
-import contextlib
-import os
+import functools
 import re
 import shutil
 import signal
@@ -24,6 +23,7 @@ import lightning
 import polars as pl
 import pytest
 import torch
+from _forked import killed_when_ready
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_huggingface_callback import examples, tiny_bert
 from test_trainer_phases import Recorded
@@ -319,23 +319,11 @@ def test_a_lightning_fit_resumed_behind_names_the_evaluation_steps_both_attempts
 
 def killed_attempt(out: Path, resume: str | None) -> None:
     """One attempt in a child forked from this process, SIGKILLed once it says ready."""
-    read, write = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.dup2(write, 1)  # the real stdout, where "ready" is said
-        with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs
-            train(out, resume, ReadyAt(KILLED_AT))
-        os._exit(1)  # never reached: killed at step 9
-    os.close(write)
-    with os.fdopen(read) as said:
-        ready = said.readline().strip()
-    os.kill(pid, signal.SIGKILL)
-    status = os.waitpid(pid, 0)[1]
-    assert ready == "ready", f"the attempt resumed from {resume} never reached step {KILLED_AT}"
-    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+    attempt = functools.partial(train, out, resume, ReadyAt(KILLED_AT))
+    status = killed_when_ready("ready", attempt, quiet=True)  # the Trainer prints its logs
+    assert status == -signal.SIGKILL, (
+        f"the attempt resumed from {resume} never reached step {KILLED_AT}"
+    )
 
 
 def killed_attempts(root: Path) -> None:

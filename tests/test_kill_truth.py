@@ -34,11 +34,16 @@ STEPS = 40
 LAYERS = 3  # Linear, Tanh, Linear
 
 
-def child_main(directory: Path, before: bool) -> None:
+def child_main(directory: Path, before: bool, evaluation: bool = False) -> None:
     """A default-config run: the first forward is sampled, the next STEPS are not (`before`:
-    ready before the first forward, so no row can reach the disk)."""
+    ready before the first forward, so no row can reach the disk; `evaluation`: the sampled
+    one is an evaluation forward under torch.no_grad, the training steps follow it)."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     inject_observer(model, output_dir=directory)
+    if evaluation:
+        with torch.no_grad():
+            model.eval()(torch.randn(2, 4))
+        model.train()
     for _ in range(0 if before else 1 + STEPS):
         model(torch.randn(2, 4)).sum().backward()
     print("stepped", flush=True)
@@ -48,12 +53,13 @@ def child_main(directory: Path, before: bool) -> None:
 CHILDREN = {
     "first": lambda directory: child_main(directory / "stats", False),
     "before": lambda directory: child_main(directory / "stats", True),
+    "evaluation": lambda directory: child_main(directory / "stats", False, True),
 }
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both children killed once they said "stepped", into `root/<mode>/stats`: one process
+    """The children killed once they said "stepped", into `root/<mode>/stats`: one process
     imports torch and forks them in turn (`_forked`), each a real process SIGKILLed there."""
     root = tmp_path_factory.mktemp("killed")
     for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
@@ -109,6 +115,25 @@ def test_counts_nobody_wrote_are_unknown_never_zero(tmp_path: Path) -> None:
     killed = RunState(run, RunCounts(0, 0, 0), counts_recovered=True, interrupted=True)
     page = render_index(killed)
     assert "unknown root forwards, unknown samples, unknown samples with output gradients" in page
+    # 2 samples on disk, 1 of them under grad: its gradient rows may have died with the process
+    one_grad = RunCounts(3, 2, 0, no_grad_samples=1)
+    again = render_index(RunState(run, one_grad, counts_recovered=True, interrupted=True))
+    assert "at least 2 samples, unknown samples with output gradients" in again
+    # A continued run: attempt 0 killed after one sample under no_grad, attempt 1 removed after
+    # one without a backward: each count of samples with output gradients is a known 0.
+    from torchinstruments.rundir.attempts import AttemptCounts
+
+    attempts = (
+        AttemptCounts(0, "t", root_forwards=1, samples=1, ended="killed", no_grad_samples=1),
+        AttemptCounts(1, "t", 1, 1, root_forwards=2, samples=1, ended="removed"),
+    )
+    continued = RunState(
+        run, RunCounts(3, 2, 0), counts_recovered=True, interrupted=True, attempts=attempts
+    )
+    page = render_index(continued)
+    assert "at least 3 root forwards, at least 2 samples, 0 samples with output gradients" in page
+    assert "| killed | 0 | 0 | at least 1 | at least 1 | 0 |" in page
+    assert "| removed | 1 | 1 | 2 | 1 | 0 |" in page
     assert "never called" not in page
     assert " 0 root forwards" not in page
     # The live run counted, passed-through forwards too: the model never ran.
@@ -156,6 +181,26 @@ def test_samples_only_events_prove_leave_every_layer_count_unknown_never_0(tmp_p
     assert shown.returncode == 1
     assert "no row reached the disk" in shown.stderr
     assert "no sample was taken" not in shown.stderr
+
+
+def test_a_killed_run_whose_samples_ran_without_grad_knows_none_had_gradients(
+    killed: Path,
+) -> None:
+    """Its only sample ran under torch.no_grad (the history's grad_enabled says so), so no
+    gradient could reach it: 0 samples with output gradients is known, never "unknown"."""
+    run_dir = killed / "evaluation" / "stats"
+    assert (
+        run_cli("finalize", run_dir)
+        .stdout.splitlines()[0]
+        .endswith("at least 1 sample, 0 samples with output gradients (rebuilt from history)")
+    )
+    state = read_state(run_dir)
+    assert state.counts is not None
+    assert (state.counts.samples, state.counts.no_grad_samples) == (1, 1)
+    line = counts_sentence(state)
+    assert line.endswith("at least 1 sample, 0 samples with output gradients")
+    assert f"- {line}" in (run_dir / "index.md").read_text(encoding="utf-8")
+    assert "unknown samples with output gradients" not in run_cli("show", run_dir).stdout
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ def test_state_round_trips_through_strict_json(tmp_path: Path) -> None:
             {"first_sample_id": 2, "scale": 32768.0},
             {"first_sample_id": 5, "scale": None},
         ],
+        "no_grad_samples": None,
     }
     assert data["losses"] == [
         {"rows": 6, "first_sample_id": 2, "last_sample_id": 3, "reason": "disk full"}

@@ -401,3 +401,8 @@ class RunCounts:
     bypassed_by: str | None = None
     # With a `grad_scaler`: the loss scale of each sample, one span per change (loss_scale.py).
     loss_scales: tuple[ScaleSpan, ...] = ()
+    # Counts rebuilt from history after a kill: the samples on disk whose every output row ran
+    # with grad disabled (an evaluation under torch.no_grad), which no gradient can reach, so a
+    # rebuilt `backward_samples` of 0 is known, not unknown, when they are all the samples.
+    # None: not counted (the live run's counts are exact; an older state).
+    no_grad_samples: int | None = None

@@ -17,7 +17,8 @@ from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_said
 from torchinstruments.rundir.finish import finalize
-from torchinstruments.rundir.index_page import bound_count
+from torchinstruments.rundir.gradient_counts import gradient_count
+from torchinstruments.rundir.index_page import bound_count, gradient_zero_known_of
 from torchinstruments.rundir.layout import PARTS_GONE_DIR
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import RunLockedError
@@ -62,10 +63,13 @@ def _finalize(directory: Path, rank: str = "") -> int:
     if merge is not None:
         # Counts rebuilt from history are lower bounds (as index.md says); kept ones are exact.
         if report.state.counts_recovered:  # lower bounds; a 0 there is unknown, never 0
+            known = gradient_zero_known_of(
+                report.state
+            )  # unless no sample could have had a gradient
             counts = (
                 f"{bound_count(c.root_forwards, 'root forward')}, "
-                f"{bound_count(c.samples, 'sample')}, {bound_count(c.backward_samples)} with output "
-                "gradients (rebuilt from history)"
+                f"{bound_count(c.samples, 'sample')}, {gradient_count(c.backward_samples, known)} "
+                "with output gradients (rebuilt from history)"
             )
         else:
             counts = (

@@ -48,6 +48,7 @@ import polars as pl
 
 from torchinstruments.records import RunCounts, ScaleSpan
 from torchinstruments.rundir.event_steps import event_steps
+from torchinstruments.rundir.gradient_counts import no_grad_samples
 
 IN_PROGRESS = "in progress"
 REMOVED = "removed"
@@ -101,6 +102,9 @@ class AttemptCounts:
         flush_seconds: the flush interval its process ran with (its own HistoryConfig's): what
             it may have lost when killed is bounded by its own, not by a later attempt's; None:
             unknown (a state written before it was kept).
+        no_grad_samples: killed: its samples on disk whose forward ran with grad disabled
+            (`rundir.gradient_counts`: a 0 of `backward_samples` is known when they are all its
+            samples); None: not counted (a finished attempt's counts are exact).
     """
 
     attempt: int
@@ -116,6 +120,7 @@ class AttemptCounts:
     sampler: str | None = None
     rows: int | None = None
     flush_seconds: float | None = None
+    no_grad_samples: int | None = None
 
     @property
     def counts_recovered(self) -> bool:
@@ -160,6 +165,7 @@ def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
                 backward=pl.col("sample_id")
                 .filter(pl.col("signal") == "output_gradient")
                 .n_unique(),
+                no_grad=no_grad_samples(),
                 rows=pl.len(),
             )
             .collect()
@@ -177,6 +183,7 @@ def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
         root_forwards=int(row["last_forward"]) - int(row["first_forward"]) + 1,
         samples=int(row["samples"]),
         backward_samples=int(row["backward"]),
+        no_grad_samples=int(row["no_grad"]),
     )
 
 
@@ -195,6 +202,7 @@ def close_attempts(attempts: tuple[AttemptCounts, ...], history: Path) -> tuple[
                 root_forwards=0 if last is None else last - min(entry.first_forward_index, last),
                 samples=0 if found is None else found.samples,
                 backward_samples=0 if found is None else found.backward_samples,
+                no_grad_samples=None if found is None else found.no_grad_samples,
                 ended=_CLOSED_AS[entry.ended],
             )
         closed.append(entry)

@@ -27,6 +27,7 @@ from torchinstruments.rundir.attempt_ends import (
     unremoved_said,
 )
 from torchinstruments.rundir.attempts import TWO_SCHEDULES, AttemptCounts, sampler_line
+from torchinstruments.rundir.gradient_counts import gradient_count, gradient_zero_known
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
     STATE_FILE,
@@ -82,7 +83,8 @@ def counts_sentence(state: RunState) -> str:
             "rebuilt from what reached the disk): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
+            f"{gradient_count(counts.backward_samples, _killed_zero_known(state))} with output "
+            "gradients"
         )
     if state.counts_recovered:
         return (
@@ -90,8 +92,8 @@ def counts_sentence(state: RunState) -> str:
             "so lower bounds; unknown where nothing did): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{bound_count(counts.backward_samples, 'sample')} with output gradients"
-            + _schedules_unknown(state)
+            f"{gradient_count(counts.backward_samples, _rebuilt_zero_known(counts))} with "
+            "output gradients" + _schedules_unknown(state)
         )
     passed = passed_through(counts)
     return (
@@ -100,6 +102,36 @@ def counts_sentence(state: RunState) -> str:
         f"{plural(counts.backward_samples, 'sample')} with output gradients"
         + ("" if passed is None else f"; {passed}")
     )
+
+
+def gradient_zero_known_of(state: RunState) -> bool:
+    """Whether the rebuilt counts of `state` know their 0 samples with output gradients (the
+    counts line's rule, which `finalize`'s summary follows)."""
+    killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
+    if state.counts is None:
+        return False
+    if state.counts_recovered and killed and not state.attempts[-1].counts_recovered:
+        return _killed_zero_known(state)
+    return _rebuilt_zero_known(state.counts)
+
+
+def _rebuilt_zero_known(counts: RunCounts) -> bool:
+    """Whether the run's rebuilt 0 samples with output gradients is known: every sample it
+    counts ran with grad disabled (`rundir.gradient_counts`)."""
+    return gradient_zero_known(counts.backward_samples, counts.samples, counts.no_grad_samples)
+
+
+def _killed_zero_known(state: RunState) -> bool:
+    """The same for a continued run whose earlier attempts were killed and whose last was
+    finished: the finished attempts' counts are exact, so the run's 0 is known when each
+    killed attempt's is."""
+    recovered = [a for a in state.attempts if a.counts_recovered]
+    return bool(recovered) and all(_attempt_zero_known(a) for a in recovered)
+
+
+def _attempt_zero_known(a: AttemptCounts) -> bool:
+    """Whether a killed attempt's rebuilt 0 samples with output gradients is known."""
+    return gradient_zero_known(a.backward_samples, a.samples, a.no_grad_samples)
 
 
 def _schedules_unknown(state: RunState) -> str:
@@ -397,10 +429,13 @@ def _section_attempts(state: RunState) -> list[str]:
         def count(n: int, a: AttemptCounts = a) -> str:
             return bound_count(n) if a.counts_recovered else str(n)
 
+        backward = str(a.backward_samples)
+        if a.counts_recovered:  # 0 is known where each of its samples ran with grad disabled
+            backward = gradient_count(a.backward_samples, _attempt_zero_known(a), word=False)
         lines.append(
             f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | {a.first_sample_id} | "
             f"{a.first_forward_index} | {count(a.root_forwards)} | {count(a.samples)} | "
-            f"{count(a.backward_samples)} |" + (_schedule_cells(a) if split else "")
+            f"{backward} |" + (_schedule_cells(a) if split else "")
         )
     return [*lines, ""]
 
@@ -525,6 +560,7 @@ __all__ = [
     "bound_count",
     "bypass_clause",
     "counts_sentence",
+    "gradient_zero_known_of",
     "interrupted_sentence",
     "no_sample_warning",
     "partial_in_flight",

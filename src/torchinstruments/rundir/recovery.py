@@ -18,7 +18,8 @@ no page parser exists anywhere else. A directory has, in order of preference:
 
 After a crash the counts are lower bounds read from history (`recovered_counts`): root_forwards
 = max forward_index + 1, samples = distinct sample_ids, backward_samples = distinct sample_ids
-with an output_gradient, and per layer the distinct sample_ids with an output row (a call whose
+with an output_gradient (and those whose forward ran with grad disabled, which tell a 0 of them
+known: `rundir.gradient_counts`), and per layer the distinct sample_ids with an output row (a call whose
 output held no tensor leaves no row, so only the live observer counts it).
 """
 
@@ -31,6 +32,7 @@ import polars as pl
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
+from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
     INDEX_FILE,
@@ -122,6 +124,7 @@ def recovered_counts(directory: Path) -> RunCounts:
                 backward_samples=pl.col("sample_id")
                 .filter(pl.col("signal") == OUTPUT_GRADIENT)
                 .n_unique(),
+                no_grad_samples=no_grad_samples(),
             )
             .collect(engine="streaming")
         )
@@ -134,9 +137,13 @@ def recovered_counts(directory: Path) -> RunCounts:
         )
     except (OSError, pl.exceptions.PolarsError):
         return RunCounts(0, 0, 0)
+    root_forwards, samples, backward_samples, no_grad = (int(v) for v in row.row(0))
     return RunCounts(
-        *(int(row[name].item()) for name in row.columns),
+        root_forwards,
+        samples,
+        backward_samples,
         layer_samples={r["layer"]: int(r["samples"]) for r in per_layer.iter_rows(named=True)},
+        no_grad_samples=no_grad,
     )
 
 

@@ -16,7 +16,7 @@ The file (`SCHEMA_VERSION` 1):
     {"schema_version": 1, "status": "complete", "run": {RunInfo fields, HistoryConfig's inline},
      "counts": {"root_forwards", "samples", "backward_samples", "layer_samples": {name: n},
                 "train_forwards", "eval_forwards", "unobserved_eval_forwards",
-                "unobserved_setup_forwards", "bypassed_by"} | null,
+                "unobserved_setup_forwards", "bypassed_by", "no_grad_samples"} | null,
      "counts_recovered": false, "interrupted": false, "rows_recorded": 1234 | null,
      "problems": [...], "live_problems": [...], "losses": [{LostRows fields}], "notes": [...],
      "marks": [{SampleMark fields}], "marks_total": 0, "removed_in_flight": [...],

@@ -71,9 +71,14 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     each a real process SIGKILLed there."""
     root = tmp_path_factory.mktemp("killed")
     net = model()  # attempt 0 of "resume": forward_index 0-2, samples at 0 and 2, removed
-    inject_observer(net, output_dir=root / "resume" / "stats", sampler=EveryNForwardsSampler(2))
-    for _ in range(3):
-        net(torch.randn(2, 3)).sum().backward()
+    inject_observer(
+        net,
+        output_dir=root / "resume" / "stats",
+        sampler=EveryNForwardsSampler(2),
+        reducers={"bad": _bad},  # fails on every tensor: a note in attempt 0's counts
+    )
+    with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
+        _steps(net, 3)
     remove_observer(net)
     for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
         assert code == -signal.SIGKILL, stderr_of(root, mode)
@@ -107,7 +112,9 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
 ) -> None:
     """Attempt 0 (forward_index 0-2, samples at 0 and 2) is removed; attempt 1 begins at
     forward_index 3, which is not sampled, samples forward_index 4 and is killed. Its rows begin
-    at its first sample, but its root forwards at its first forward: 2 of them, not 1."""
+    at its first sample, but its root forwards at its first forward: 2 of them, not 1.
+    Attempt 0's custom reducer fails, which its counts' notes say: they survive the rebuild of
+    the counts after attempt 1's kill, labelled with their attempt as the state's notes are."""
     run = killed_runs / "resume" / "stats"
     finalize(run)
 
@@ -118,6 +125,20 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
     assert state.counts is not None
     assert state.counts.root_forwards == 5 == removed.root_forwards + killed.root_forwards
     assert state.counts.samples == 3 == removed.samples + killed.samples
+    [note] = state.notes
+    assert state.counts.notes == state.notes
+    assert note.startswith("attempt 0: ")
+    assert "ZeroDivisionError" in note
+
+
+def _steps(net: nn.Module, steps: int) -> None:
+    for _ in range(steps):
+        net(torch.randn(2, 3)).sum().backward()
+
+
+def _bad(tensor: torch.Tensor) -> float:
+    """A custom reducer that fails on every tensor."""
+    return 1 / 0
 
 
 if __name__ == "__main__":

@@ -230,6 +230,13 @@ def finish_run(
             )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
             found.append(f"result.json could not be written ({type(error).__name__}: {error})")
+    if recovered:
+        # Rebuilt counts keep the run's notes as its state keeps them, each labelled with its
+        # attempt there (an earlier attempt's counts' notes, which its removal wrote there too,
+        # and those the live run saved as it went): the counts the dead process would have
+        # written died with it, their notes did not, and `counts.notes` never says less than
+        # the state's `notes` (a second finalize rebuilds the same).
+        counts = dataclasses.replace(counts, notes=state.notes)
     # counts that were lower bounds stay lower bounds (a continued run whose earlier attempt
     # was killed keeps its live attempt's exact counts on top of them)
     final = dataclasses.replace(

@@ -2,19 +2,30 @@
 which of them have history now (and why the others have none), and `--rank`'s syntax.
 
 Design decision: a parent is read with the ranks it can read and says which it could not (a rank
-killed before its first part, or still before it); only a parent where no rank has history is
-refused.
+killed before its first part, or still before it; a rank whose history file is not a whole
+Parquet file, named with what to do); only a parent where no rank can be read is refused. A
+damaged part of a rank not yet finalized is found when a reading meets it, not by a check of
+every part beforehand (a live rank's parts are many): the command then reads the parent again
+inside `leaving_out`, which every reader of the parent in it (`ranks_with_history`) obeys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchinstruments.cli.reader import NotARunError, RunFacts, locate, read_facts
+from torchinstruments.cli.reader import (
+    NotARunError,
+    RunFacts,
+    UnreadableHistoryError,
+    locate,
+    read_facts,
+)
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
@@ -24,6 +35,31 @@ from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import Status
 
 _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+# How the reason of a rank left out for a history file it cannot read begins.
+UNREADABLE = "damaged history"
+
+# The ranks one command's reading of a parent leaves out (rank -> why), set by `leaving_out`.
+_LEFT_OUT: ContextVar[Mapping[int, str] | None] = ContextVar("left_out", default=None)
+
+
+@contextlib.contextmanager
+def leaving_out(unreadable: Mapping[int, str]) -> Iterator[None]:
+    """Within it, every `ranks_with_history` leaves out the ranks of `unreadable` (rank -> the
+    message of the file it could not read), with that reason; reset on leaving."""
+    token = _LEFT_OUT.set(dict(unreadable))
+    try:
+        yield
+    finally:
+        _LEFT_OUT.reset(token)
+
+
+def unreadable_rank(parent: Path, error: UnreadableHistoryError) -> int | None:
+    """The rank of `parent` whose directory holds the file `error` names, or None."""
+    for run in rank_runs(parent):
+        if run.directory.resolve() == Path(error.directory).expanduser().resolve():
+            return run.rank
+    return None
 
 
 @dataclass(frozen=True)
@@ -82,27 +118,51 @@ def ranks_with_history(
     parent: Path, ranks: Sequence[int] | None = None
 ) -> tuple[list[RankRun], dict[int, str]]:
     """The parent's rank runs (all, or those of `ranks`) that have history now, and why each of
-    the others has none (a rank killed before its first part, or still before it): a parent is
-    read with the ranks it can read, and says which it could not.
+    the others is not read (a rank killed before its first part, or still before it; a rank
+    whose history file is not a whole Parquet file, `UNREADABLE`, here or in `leaving_out`): a
+    parent is read with the ranks it can read, and says which it could not.
 
     Raises:
         ValueError: a rank asked for has no directory (`rank_runs`).
-        NotARunError: no rank has history, naming each rank and why.
+        NotARunError: no rank can be read, naming each rank and why.
     """
     readable, without = [], {}
+    left_out = _LEFT_OUT.get() or {}
     for run in rank_runs(parent, ranks):
+        if run.rank in left_out:
+            without[run.rank] = f"{UNREADABLE}: {left_out[run.rank]}"
+            continue
         try:
             locate(run.directory)
         except NotARunError:
             without[run.rank] = _no_history(run.directory)
             continue
+        except UnreadableHistoryError as error:  # its history.parquet
+            without[run.rank] = f"{UNREADABLE}: {error}"
+            continue
         readable.append(run)
     if not readable and without:
+        some = "can be read" if unreadable_ranks(without) else "has any history yet"
         raise NotARunError(
-            f"{Path(parent).expanduser()}: no rank has any history yet ("
-            f"{without_history_line(without)})"
+            f"{Path(parent).expanduser()}: no rank {some} ({without_history_line(without)})"
         )
     return readable, without
+
+
+def unreadable_ranks(without: Mapping[int, str]) -> dict[int, str]:
+    """The ranks of `without` left out for a history file they cannot read (`UNREADABLE`)."""
+    return {rank: why for rank, why in without.items() if why.startswith(UNREADABLE)}
+
+
+def not_read_lines(without: Mapping[int, str]) -> list[str]:
+    """What every reader of a parent says of the ranks it did not read: those without history,
+    then those whose history file it cannot read (each with what to run)."""
+    damaged = unreadable_ranks(without)
+    empty = {rank: why for rank, why in without.items() if rank not in damaged}
+    lines = [f"not read, no history: {without_history_line(empty)}"] if empty else []
+    for rank in sorted(damaged):
+        lines.append(f"not read, rank {rank}: {damaged[rank]}")
+    return lines
 
 
 def _no_history(directory: Path) -> str:
@@ -165,8 +225,7 @@ def header_lines(
     lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
     for state, which in states.items():
         lines.append(f"rank {ranges(which)}: {state}")
-    if without_history:
-        lines.append(f"not read, no history: {without_history_line(without_history)}")
+    lines += not_read_lines(without_history)
     if missing:
         lines.append(missing_line(missing))
     lines += rank_notes(runs, facts)
@@ -200,13 +259,18 @@ def parent_facts(parent: Path, runs: Sequence[RankRun]) -> tuple[RunFacts, list[
 
 
 __all__ = [
+    "UNREADABLE",
     "RankRun",
     "header_lines",
     "is_parent",
+    "leaving_out",
+    "not_read_lines",
     "parent_facts",
     "parse_ranks",
     "rank_notes",
     "rank_runs",
     "ranks_with_history",
+    "unreadable_rank",
+    "unreadable_ranks",
     "without_history_line",
 ]

@@ -60,18 +60,13 @@ def run_on_ranks(
         UsageError: a combination of directories and `--rank` that names no run to read.
         ValueError: bad `--rank`.
     """
-    from torchinstruments.cli import rank_spread
-    from torchinstruments.cli import ranks as multi
     from torchinstruments.cli.rank_runs import (
         is_parent,
-        missing_line,
-        missing_ranks,
+        leaving_out,
         parse_ranks,
-        rank_notes,
-        ranks_with_history,
-        without_history_line,
+        unreadable_rank,
     )
-    from torchinstruments.cli.reader import locate, read_facts
+    from torchinstruments.cli.reader import UnreadableHistoryError, locate
 
     ranks = parse_ranks(args.rank) if getattr(args, "rank", None) else None
     names = ("directory_a", "directory_b") if args.command == "compare" else ("directory",)
@@ -110,21 +105,57 @@ def run_on_ranks(
         setattr(args, names[0], _resolve(given[0], ranks))
         return run_single(args)
     parent = given[0]
+    unreadable: dict[int, str] = {}  # ranks whose history file a reading could not read
+    said: set[str] = set()  # stderr lines said already: a reading again says only new ones
+    while True:
+        with leaving_out(unreadable):
+            try:
+                return _on_parent(args, parent, ranks, selection, width, said)
+            except UnreadableHistoryError as error:
+                rank = unreadable_rank(parent, error)
+                if rank is None or rank in unreadable:
+                    raise
+                unreadable[rank] = str(error)  # read again without it, and say why
+
+
+def _on_parent(
+    args: argparse.Namespace,
+    parent: Path,
+    ranks: tuple[int, ...] | None,
+    selection: Callable[..., object],
+    width: int,
+    said: set[str],
+) -> int:
+    """Run `args.command` on the ranks of `parent` side by side (`said`: the stderr lines said
+    so far, which a reading again does not repeat)."""
+    from torchinstruments.cli import rank_spread
+    from torchinstruments.cli import ranks as multi
+    from torchinstruments.cli.rank_runs import (
+        missing_line,
+        missing_ranks,
+        not_read_lines,
+        rank_notes,
+        ranks_with_history,
+    )
+    from torchinstruments.cli.reader import read_facts
+
+    def say(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            print(f"torchinstruments {args.command}: {line}", file=sys.stderr)
+
     runs, without = ranks_with_history(parent, ranks)
     if without and (args.command in ("plot", "heatmap") or args.format != "text"):
-        # The text of show and compare says it in its header; elsewhere, one line on stderr.
-        print(
-            f"torchinstruments {args.command}: not read, no history: "
-            f"{without_history_line(without)}",
-            file=sys.stderr,
-        )
+        # The text of show and compare says it in its header; elsewhere, lines on stderr.
+        for line in not_read_lines(without):
+            say(line)
     if args.command in ("plot", "heatmap"):  # show and compare say it in their header, too
         facts = [read_facts(r.directory) for r in runs]
         missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
         if missing:
-            print(f"torchinstruments {args.command}: {missing_line(missing)}", file=sys.stderr)
+            say(missing_line(missing))
         for line in rank_notes(runs, facts):
-            print(f"torchinstruments {args.command}: {line}", file=sys.stderr)
+            say(line)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":
         result = rank_spread.spread(parent, chosen, ranks)  # type: ignore[arg-type]

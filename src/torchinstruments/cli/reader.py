@@ -72,7 +72,16 @@ class NotARunError(FileNotFoundError):
 
 
 class UnreadableHistoryError(ValueError):
-    """A history file of the run is not a whole Parquet file; the message says what to do."""
+    """A history file of the run is not a whole Parquet file; the message says what to do.
+
+    Attributes:
+        directory: the run directory whose file it is (a reader of a parent of rank runs
+            leaves that rank out and reads the others).
+    """
+
+    def __init__(self, message: str, directory: Path) -> None:
+        super().__init__(message)
+        self.directory = directory
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,8 @@ def locate(directory: Path) -> RunFiles:
         try:
             merged = merged_part_numbers(history)
         except pl.exceptions.PolarsError:
-            raise UnreadableHistoryError(_damaged_message(directory, history, [history])) from None
+            message = _damaged_message(directory, history, [history])
+            raise UnreadableHistoryError(message, directory) from None
         parts = [p for p in parts if part_number(p) not in merged]
         # Parts beside history.parquet are rare (a merge cut short, or one `finalize` could
         # not read and left in place): check those alone, not a live run's every part.
@@ -257,7 +267,7 @@ def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
                 damaged = [p for p in files.paths if _unreadable(p)]
                 if damaged:
                     message = _damaged_message(files.directory, files.history, damaged)
-                    raise UnreadableHistoryError(message) from None
+                    raise UnreadableHistoryError(message, files.directory) from None
                 raise
     raise AssertionError("unreachable")
 

@@ -10,6 +10,7 @@ The killed children are forked in turn from one process that imported torch (`_f
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -129,6 +130,12 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
     assert state.counts.notes == state.notes
     assert note.startswith("attempt 0: ")
     assert "ZeroDivisionError" in note
+    # `show` says the note index.md holds, and its beginning; its JSON holds it in full.
+    shown = cli_in_process("show", run, "--width", "2000").stdout.splitlines()
+    assert "notes: 1, in full at the top of index.md:" in shown
+    assert f"- {state.notes[0][:147].rstrip()}..." in shown
+    facts = json.loads(cli_in_process("show", run, "--format", "json").stdout)["run"]
+    assert facts["notes"] == list(state.notes)
 
 
 def _steps(net: nn.Module, steps: int) -> None:

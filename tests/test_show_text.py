@@ -185,3 +185,20 @@ def test_control_characters_in_layer_names_are_escaped_in_text_and_kept_in_csv(
             io.StringIO(out.getvalue()), schema_overrides={"tensor_path": pl.String}
         )
         assert set(frame["layer"]) == {f"d.{name}" for name in CONTROL_NAMES}
+
+
+def test_notes_are_counted_and_each_begun_never_printed_whole_past_a_few_lines() -> None:
+    from torchinstruments.cli.show import notes_lines
+
+    assert notes_lines(()) == []
+    long = "a long note " * 20
+    notes = ["short one", long, *(f"note {i}" for i in range(5))]
+    assert notes_lines(notes) == [
+        "notes: 7, in full at the top of index.md:",
+        "- short one",
+        f"- {long[:147].rstrip()}...",
+        "- note 0",
+        "- note 1",
+        "- note 2",
+        "- ... (2 more)",
+    ]

@@ -31,6 +31,7 @@ from torchinstruments.cli.reader import (
     window_of,
 )
 from torchinstruments.records import SIGNALS
+from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.ranges import ranges
 
 __all__ = [
@@ -138,6 +139,8 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "focus_layers": list(run.focus_layers) if run else None,
         "rank": run.rank if run else None,
         "marked_samples": {str(k): v for k, v in sorted(facts.marked.items())},
+        # index.md's notes, in full (the text view begins each)
+        "notes": list(page_notes(facts.run_state)) if facts.run_state else [],
     }
 
 

@@ -11,6 +11,7 @@ path, metric) with full precision and the window bounds, for scripts.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 
 import polars as pl
 
@@ -30,6 +31,8 @@ from torchinstruments.cli.text import (
 )
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 from torchinstruments.rundir.attempts import sampler_line
+from torchinstruments.rundir.index_page import page_notes
+from torchinstruments.rundir.layout import INDEX_FILE
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -55,6 +58,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     if facts.counts:
         lines.append(facts.counts)
     lines += facts.marked_lines()
+    lines += notes_lines(page_notes(facts.run_state) if facts.run_state else ())
     # index.md's "Disk space" line: a second copy of rows an earlier merge left (no row missing)
     left = facts.run_state.left_behind if facts.run_state else ()
     lines += [f"disk space: {line}" for line in left]
@@ -66,6 +70,26 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
             f"its rows missing: {names})"
         )
     lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
+    return lines
+
+
+# `show` begins at most this many of the notes, each cut to NOTE_CHARS characters.
+NOTES_SHOWN = 5
+NOTE_CHARS = 150
+
+
+def notes_lines(notes: Sequence[str]) -> list[str]:
+    """The run's notes as `show` says them: how many index.md holds and where, then the
+    beginning of each of the first `NOTES_SHOWN` (a note is a paragraph; the summary stays
+    short, and a note cut says so with `...`)."""
+    if not notes:
+        return []
+    lines = [f"notes: {len(notes)}, in full at the top of {INDEX_FILE}:"]
+    for note in notes[:NOTES_SHOWN]:
+        cut = note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
+        lines.append(f"- {cut}")
+    if len(notes) > NOTES_SHOWN:
+        lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
     return lines
 
 

@@ -340,10 +340,16 @@ def _dtype_note(state: RunState) -> list[str]:
     ]
 
 
+def page_notes(state: RunState) -> tuple[str, ...]:
+    """The notes at the top of the page (each a "**Note:**"), which `show` counts and begins:
+    the configuration's, those the run said after injection, a dtype that changed."""
+    return (*state.run.notes, *state.notes, *_dtype_note(state))
+
+
 def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
-    lines = [f"**Note:** {note}" for note in (*run.notes, *state.notes, *_dtype_note(state))]
+    lines = [f"**Note:** {note}" for note in page_notes(state)]
     lines += [f"**Disk space:** {line}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(
@@ -563,6 +569,7 @@ __all__ = [
     "gradient_zero_known_of",
     "interrupted_sentence",
     "no_sample_warning",
+    "page_notes",
     "partial_in_flight",
     "passed_through",
     "render_index",

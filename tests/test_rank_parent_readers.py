@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -328,9 +329,7 @@ def test_a_parent_is_read_with_the_ranks_that_have_history_and_says_which_have_n
     waiting = observe_rank(parent, 1, forwards=0, remove=False)  # no sample written yet
     try:
         assert not (parent / "rank-001" / "history.parquet").exists()
-        said = (
-            "rank 1: no sample written yet (in progress, or its process died before its first part)"
-        )
+        said = "rank 1: no sample written yet (in progress: a live process holds its lock)"
         done = cli_in_process("show", parent, "--width", "200")
         assert done.returncode == 0, done.stderr
         assert f"not read, no history: {said}" in done.stdout
@@ -354,6 +353,16 @@ def test_a_parent_is_read_with_the_ranks_that_have_history_and_says_which_have_n
             assert done.returncode == 0, done.stderr
             assert done.stderr == f"torchinstruments {command}: not read, no history: {said}\n"
             assert "1 rank (1 train" in done.stdout
+        # A copy of the parent is as a kill leaves it: rank 1 still in progress, and no process
+        # holds its lock, so it is said to have ended, never "in progress, or ...".
+        copy = tmp_path / "copy"
+        shutil.copytree(parent, copy)
+        done = cli_in_process("show", copy, "--width", "200")
+        assert done.returncode == 0, done.stderr
+        assert (
+            "not read, no history: rank 1: no sample written yet (its process ended before its "
+            "first part, killed or crashed: no process holds its lock)"
+        ) in done.stdout
     finally:
         remove_observer(waiting)
 

@@ -29,6 +29,7 @@ from torchinstruments.cli.reader import (
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
+from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_ranks import attempts_line
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.recovery import load_state
@@ -173,7 +174,15 @@ def _no_history(directory: Path) -> str:
         return "no sample written yet (its state is unreadable)"
     if state is None:
         return f"no sample written yet (no {STATE_FILE})"
-    if state.status is Status.IN_PROGRESS:
+    if state.status is Status.IN_PROGRESS:  # its lock tells which, as `show` of the rank says
+        ended = writer_ended(directory)
+        if ended is False:
+            return "no sample written yet (in progress: a live process holds its lock)"
+        if ended:
+            return (
+                "no sample written yet (its process ended before its first part, killed or "
+                "crashed: no process holds its lock)"
+            )
         return "no sample written yet (in progress, or its process died before its first part)"
     return f"no sample written yet ({state.status.value})"
 

@@ -128,6 +128,9 @@ if counts is None:  # in progress: no layer is known never to run before the run
     print("counts and the layers that never ran: known once the run ends")
 else:
     print({{k: v for k, v in counts.items() if k != "layer_samples"}})
+    if state.get("counts_recovered"):  # a 0 there is what no row said, not a count of none
+        print("counts rebuilt from history after the process died: lower bounds, and a 0 is "
+              "unknown unless this page's counts line says it is known")
     ran = counts.get("layer_samples", {{}})
     never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
     if state.get("counts_recovered"):  # rebuilt after a crash: only what reached the disk

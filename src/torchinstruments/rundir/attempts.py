@@ -102,9 +102,9 @@ class AttemptCounts:
         flush_seconds: the flush interval its process ran with (its own HistoryConfig's): what
             it may have lost when killed is bounded by its own, not by a later attempt's; None:
             unknown (a state written before it was kept).
-        no_grad_samples: killed: its samples on disk whose forward ran with grad disabled
-            (`rundir.gradient_counts`: a 0 of `backward_samples` is known when they are all its
-            samples); None: not counted (a finished attempt's counts are exact).
+        no_grad_samples: of a killed attempt, its samples on disk whose forward ran with grad
+            disabled (`rundir.gradient_counts`: a 0 of `backward_samples` is known when they are
+            all its samples); None: not counted (a finished attempt's counts are exact).
     """
 
     attempt: int

@@ -18,9 +18,10 @@ no page parser exists anywhere else. A directory has, in order of preference:
 
 After a crash the counts are lower bounds read from history (`recovered_counts`): root_forwards
 = max forward_index + 1, samples = distinct sample_ids, backward_samples = distinct sample_ids
-with an output_gradient (and those whose forward ran with grad disabled, which tell a 0 of them
-known: `rundir.gradient_counts`), and per layer the distinct sample_ids with an output row (a call whose
-output held no tensor leaves no row, so only the live observer counts it).
+with an output_gradient (and no_grad_samples those whose forward ran with grad disabled, which
+tell a 0 of them known: `rundir.gradient_counts`), and per layer the distinct sample_ids with an
+output row (a call whose output held no tensor leaves no row, so only the live observer counts
+it).
 """
 
 from __future__ import annotations

@@ -63,9 +63,8 @@ def _finalize(directory: Path, rank: str = "") -> int:
     if merge is not None:
         # Counts rebuilt from history are lower bounds (as index.md says); kept ones are exact.
         if report.state.counts_recovered:  # lower bounds; a 0 there is unknown, never 0
-            known = gradient_zero_known_of(
-                report.state
-            )  # unless no sample could have had a gradient
+            # unless no sample could have had a gradient (each ran with grad disabled)
+            known = gradient_zero_known_of(report.state)
             counts = (
                 f"{bound_count(c.root_forwards, 'root forward')}, "
                 f"{bound_count(c.samples, 'sample')}, {gradient_count(c.backward_samples, known)} "

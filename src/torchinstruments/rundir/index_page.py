@@ -83,8 +83,8 @@ def counts_sentence(state: RunState) -> str:
             "rebuilt from what reached the disk): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{gradient_count(counts.backward_samples, _killed_zero_known(state))} with output "
-            "gradients"
+            f"{gradient_count(counts.backward_samples, gradient_zero_known_of(state))} with "
+            "output gradients"
         )
     if state.counts_recovered:
         return (
@@ -92,7 +92,7 @@ def counts_sentence(state: RunState) -> str:
             "so lower bounds; unknown where nothing did): "
             f"{bound_count(counts.root_forwards, 'root forward')}, "
             f"{bound_count(counts.samples, 'sample')}, "
-            f"{gradient_count(counts.backward_samples, _rebuilt_zero_known(counts))} with "
+            f"{gradient_count(counts.backward_samples, gradient_zero_known_of(state))} with "
             "output gradients" + _schedules_unknown(state)
         )
     passed = passed_through(counts)
@@ -107,11 +107,11 @@ def counts_sentence(state: RunState) -> str:
 def gradient_zero_known_of(state: RunState) -> bool:
     """Whether the rebuilt counts of `state` know their 0 samples with output gradients (the
     counts line's rule, which `finalize`'s summary follows)."""
-    killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
     if state.counts is None:
         return False
+    killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
     if state.counts_recovered and killed and not state.attempts[-1].counts_recovered:
-        return _killed_zero_known(state)
+        return _killed_zero_known(state)  # the counts line's first case: the last's are exact
     return _rebuilt_zero_known(state.counts)
 
 

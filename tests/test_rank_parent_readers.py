@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -353,53 +352,8 @@ def test_a_parent_is_read_with_the_ranks_that_have_history_and_says_which_have_n
             assert done.returncode == 0, done.stderr
             assert done.stderr == f"torchinstruments {command}: not read, no history: {said}\n"
             assert "1 rank (1 train" in done.stdout
-        # A copy of the parent is as a kill leaves it: rank 1 still in progress, and no process
-        # holds its lock, so it is said to have ended, never "in progress, or ...".
-        copy = tmp_path / "copy"
-        shutil.copytree(parent, copy)
-        done = cli_in_process("show", copy, "--width", "200")
-        assert done.returncode == 0, done.stderr
-        assert (
-            "not read, no history: rank 1: no sample written yet (its process ended before its "
-            "first part, killed or crashed: no process holds its lock)"
-        ) in done.stdout
     finally:
         remove_observer(waiting)
-
-
-def test_a_parent_reads_every_rank_but_one_whose_part_is_damaged_and_names_what_to_run(
-    tmp_path: Path,
-) -> None:
-    """Before `finalize`, a rank's part cut short (a copy, a power loss) leaves that rank
-    unread, named with its file and the finalize of that rank to run; the others are read."""
-    import warnings
-
-    from torchinstruments import remove_observer
-    from torchinstruments.rundir.layout import list_parts
-
-    parent = tmp_path / "stats"
-    observe_rank(parent, 0, world_size=3)
-    observe_rank(parent, 2, world_size=3)
-    live = observe_rank(parent, 1, world_size=3, forwards=1, remove=False)  # its part at once
-    rank = parent / "rank-001"
-    cut = list_parts(rank)[0]
-    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
-    said = f"not read, rank 1: damaged history: {cut}: unreadable (not a whole Parquet file"
-    try:
-        for command in ("show", "compare"):
-            done = cli_in_process(command, parent, "--width", "2000")
-            assert done.returncode == 0, done.stderr
-            assert said in done.stdout
-            assert f"torchinstruments finalize {rank}` merges the readable parts" in done.stdout
-            assert f"ranks: {parent} (2 ranks: 0, 2)" in done.stdout
-        done = cli_in_process("show", parent, "--format", "json")
-        assert done.returncode == 0, done.stderr
-        assert done.stderr.startswith(f"torchinstruments show: {said}")
-        assert json.loads(done.stdout)["run"]["ranks"] == [0, 2]
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            remove_observer(live)
 
 
 def test_a_parent_where_no_rank_has_history_is_refused_naming_each_rank(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
 from _events import event_steps
+from conftest import cli_in_process
 
 STEPS = 10  # samples at forward_index 0, 2, 4, 6, 8
 LATER_STEPS = 4

@@ -312,7 +312,7 @@ def test_a_trainer_callbacks_fresh_run_directory_passes_a_run_laid_out_for_the_o
 ) -> None:
     """A trainer's output directory reused by a job with the other rank_policy: the callbacks'
     fresh run directory is the next free one, not the one inject would refuse."""
-    from torchinstruments.integrations._fit import fresh_run_directory
+    from torchinstruments.integrations._run_dirs import fresh_run_directory
 
     one_job(tmp_path / "single" / "torchinstruments", monkeypatch, 2, "rank0")
     one_job(tmp_path / "ranks" / "torchinstruments", monkeypatch, 2, "all")

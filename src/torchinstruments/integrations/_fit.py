@@ -23,9 +23,8 @@ observed nor counted (a run that went on past the fit would have no end a callba
 from __future__ import annotations
 
 import copy
-import itertools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,58 +50,24 @@ from torchinstruments.integrations._repeats import (
     logger_repeats,
     repeated_evaluations,
 )
+from torchinstruments.integrations._run_dirs import (
+    fresh_run_directory,
+    last_run_directory,
+    why_not_continued,
+)
 from torchinstruments.notices import warn
 from torchinstruments.phases import SETUP, Phases
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
-from torchinstruments.rundir.layout import HISTORY_FILE, RUN_MARKERS
-from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
+from torchinstruments.rundir.layout import HISTORY_FILE
+from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
 from torchinstruments.sampling import check_sampler, describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
-__all__ = [
-    "RUN_NAME",
-    "FitObservation",
-    "evaluation_sampler",
-    "fresh_run_directory",
-    "last_run_directory",
-]
+__all__ = ["FitObservation", "evaluation_sampler"]
 
-RUN_NAME = "torchinstruments"
 LOGGER = "the trainer's TensorBoard logger"
-
-
-def _run_directories(parent: Path, rank_policy: str) -> Iterator[tuple[Path, bool]]:
-    """`parent/torchinstruments`, `-2`, `-3`, ... in order, each with whether it holds a run
-    (this rank's); endless, so a caller stops at the first free one."""
-    for number in itertools.count(1):
-        candidate = parent / (RUN_NAME if number == 1 else f"{RUN_NAME}-{number}")
-        written = place_rank(candidate, rank_policy).directory
-        yield candidate, _taken(candidate, written)
-
-
-def _taken(candidate: Path, written: Path) -> bool:
-    """Whether this rank's run directory `written` (in `candidate`) holds a run, or
-    `candidate` holds one laid out for the other rank placement (`check_rank_layout`)."""
-    if any((written / marker).exists() for marker in RUN_MARKERS):
-        return True
-    try:
-        check_rank_layout(candidate, written)
-    except FileExistsError:
-        return True
-    return False
-
-
-def fresh_run_directory(parent: Path, rank_policy: str) -> Path:
-    """`parent/torchinstruments`, or `-2`, `-3`, ... : the first whose run (this rank's) is free.
-
-    A trainer's log directory is often reused (no logger version, `overwrite_output_dir`), and
-    a run needs a directory of its own.
-    """
-    return next(
-        candidate for candidate, taken in _run_directories(parent, rank_policy) if not taken
-    )
 
 
 def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> object:
@@ -133,17 +98,6 @@ def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> obje
     return record_eval
 
 
-def why_not_continued(run: Path, rank_policy: str) -> str | None:
-    """Why this process cannot continue the run in `run` (None: it can): it holds no run (this
-    rank's), or this process cannot write there."""
-    written = place_rank(run, rank_policy).directory
-    if not any((written / marker).exists() for marker in RUN_MARKERS):
-        return f"{written} holds no run"
-    if not os.access(written, os.W_OK | os.X_OK):
-        return f"this process cannot write {written}"
-    return None
-
-
 def pristine_copy(sampler: object) -> object | None:
     """A deep copy of `sampler` as it is now, kept to hand each fit a fresh one; None when it
     cannot be deep-copied (then the object itself is used, and its state carries over)."""
@@ -165,17 +119,6 @@ def fresh_sampler(pristine: object | None, sampler: object) -> object:
         return copy.deepcopy(pristine)
     except Exception:
         return sampler
-
-
-def last_run_directory(parent: Path, rank_policy: str) -> Path:
-    """The last `parent/torchinstruments[-N]` holding a run (this rank's), which a fit resumed
-    from a checkpoint continues; `parent/torchinstruments` when none does."""
-    found = parent / RUN_NAME
-    for candidate, taken in _run_directories(parent, rank_policy):
-        if not taken:
-            break
-        found = candidate
-    return found
 
 
 class FitObservation:

@@ -17,15 +17,9 @@ from torchinstruments.events import EventFile, missing_histograms
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
-from torchinstruments.rundir import reserve, stuck_writes
+from torchinstruments.rundir import reserve
 from torchinstruments.rundir.attempt_states import job_state, start_state
 from torchinstruments.rundir.attempts import Continuation, attempt_notes
-from torchinstruments.rundir.finish import (
-    FINISH_STEPS,
-    FinishReport,
-    finish_run,
-    mark_partly_written_sample,
-)
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.flush_timer import FlushTimer, earliest_due
 from torchinstruments.rundir.gone import gone_warning, is_gone
@@ -45,15 +39,20 @@ from torchinstruments.rundir.live_scales import LiveScales
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.opening import open_within
 from torchinstruments.rundir.output_dir import check_output_dir
-from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
-from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import LAST_PARTS, RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
 from torchinstruments.rundir.writer import HistoryWriter
+from torchinstruments.sinks.given_up import (
+    MERGE_ROWS_PER_S,
+    finish_bound,
+    finish_work,
+    give_up_writes,
+    said_of_finish,
+)
 from torchinstruments.sinks.missing import MissingCount
 
 __all__ = ["DirectorySink"]
@@ -61,9 +60,6 @@ __all__ = ["DirectorySink"]
 # The least time removal waits for a part write that does not return (module `removal_wait_s`),
 # and the time a training step waits for the run's first rows (`_write_first_rows`).
 MIN_REMOVAL_WAIT_S = 10.0
-# Rows a second the merge at removal is given on top of `removal_wait_s`: a floor well below
-# what a merge takes on a disk that answers, so only one that stopped answering is given up.
-MERGE_ROWS_PER_S = 50_000
 # The temporary-name tag of the flush thread's saves of the state file and index.md.
 SAVE_TAG = "flush"
 
@@ -92,7 +88,7 @@ class DirectorySink:
     A failing TensorBoard step (creating, writing, flushing or closing the event file) is warned
     once and given up; the history goes on, and index.md lists the failure. At removal the
     flush thread writes the last rows, and a part write that has not returned after
-    `removal_wait_s` is given up (`_give_up_writes`): removal never waits on a stalled disk.
+    `removal_wait_s` is given up (`sinks.given_up`): removal never waits on a stalled disk.
     """
 
     def __init__(self, directory: Path, history_config: HistoryConfig) -> None:
@@ -456,25 +452,6 @@ class DirectorySink:
             except Exception as error:
                 self._give_up_events("could not be closed", error)
 
-    def _give_up_writes(self, history: HistoryWriter, wait_s: float) -> None:
-        """The flush thread's round has not returned after `wait_s` at removal: no part is put
-        in place any more, and the rows still buffered are counted as not written, saying which
-        part's write hangs (warned here; index.md lists them)."""
-        part = history.writing_part
-        what = (
-            "the run's flush thread" if part is None else f"the write of history part {part.name}"
-        )
-        why = (
-            f"{what} had not returned after {wait_s:g} s (a file system that stopped "
-            "answering?); removal gave it up and wrote no part after it"
-        )
-        history.give_up(why, wait_s)
-        warn(
-            f"torchinstruments: {why}. The run under {self.directory} is finished from the "
-            f"parts already on disk; the {history.rows_buffered:,} rows still in memory are not "
-            "written, and index.md lists them"
-        )
-
     def close(self, counts: RunCounts) -> None:
         """Finish the run with `rundir.finish.finish_run`; each problem is one warning.
 
@@ -494,7 +471,7 @@ class DirectorySink:
                     self._base = dataclasses.replace(self._base, removal_step=LAST_PARTS)
                 # The last rows are the flush thread's to write; each part landing is progress.
                 if not timer.finish(wait_s, lambda: history.rows_written):
-                    self._give_up_writes(history, wait_s)
+                    give_up_writes(self.directory, history, wait_s)
                 written = history.close(write=False)  # the rest is in its loss ledger
                 self._saves.give_up("removal finishes the run", wait_s)
             self._close_events()
@@ -515,40 +492,15 @@ class DirectorySink:
                 forks.untrack(self)
 
     def _finish_within(self, state: RunState, written: bool) -> None:
-        """Finish the run from `state` on a thread of its own (`rundir.finishing`): each step
-        waited for `removal_wait_s`, the merge longer by its rows (`MERGE_ROWS_PER_S`). A step
-        that has not returned by then (a file system that stopped answering) is given up: one
-        warning says which files were not written, and the losses are warned from `state`."""
-        directory = self.directory
-
-        def work(step: Callable[[str], None]) -> FinishReport:
-            step(f"{RESERVE_FILE} (deleted)")
-            reserve.release(directory)  # room for the final state and index.md
-            final = state
-            if not written:  # the last part may end inside a sample: marked, its own part
-                step(f"the mark of the sample the last part split, in {PARTS_DIR}/")
-                final = mark_partly_written_sample(directory, state)
-            return finish_run(directory, final, step)
-
-        wait_s = removal_wait_s(self._config)
-        merge_s = wait_s + (state.rows_recorded or 0) / MERGE_ROWS_PER_S
-
-        def bound(step: str) -> float:
-            return merge_s if step == HISTORY_FILE else wait_s
-
-        finishing = Finishing(work, self._end_of_finish, f"torchinstruments finish {directory}")
+        """Finish the run from `state` on a thread of its own (`rundir.finishing`), each step
+        waited for only so long; a step given up is said (`sinks.given_up`)."""
+        bound = finish_bound(removal_wait_s(self._config), state.rows_recorded)
+        work = finish_work(self.directory, state, written)
+        name = f"torchinstruments finish {self.directory}"
+        finishing = Finishing(work, self._end_of_finish, name)
         self._handed_over = True  # the lock is the finishing thread's from here on
         report = finishing.wait(bound)
-        if report is None:
-            self._gave_up_finish(finishing, bound(finishing.step), state)
-            for loss in state.losses:
-                warn(f"torchinstruments: {loss.describe()}")
-            return
-        for problem in report.problems:
-            if problem != self._events_problem:  # that one was warned when it happened
-                warn(f"torchinstruments: {problem}")
-        for loss in report.state.losses:
-            warn(f"torchinstruments: {loss.describe()}")
+        said_of_finish(self.directory, finishing, report, bound, state, self._events_problem)
 
     def _end_of_finish(self) -> None:
         """The finishing thread's last act: the run's lock goes, and only then may a forked
@@ -558,35 +510,6 @@ class DirectorySink:
             self._lock.release()
         finally:
             forks.untrack(self)
-
-    def _gave_up_finish(self, finishing: Finishing, waited_s: float, state: RunState) -> None:
-        """Warn that removal gave up finishing the run from `state` at the step `finishing` is
-        at, naming what was not written, and record it for this process's later refusals of
-        the directory while the finish holds its lock (`rundir.stuck_writes`)."""
-        step = finishing.step
-        steps = FINISH_STEPS if is_rank_run(self.directory, state) else FINISH_STEPS[:-1]
-        # the reserve file or the mark come before them all
-        later = steps[steps.index(step) :] if step in steps else (step, *steps)
-        command = tool_command("finalize", self.directory)
-        warn(
-            f"torchinstruments: finishing the run under {self.directory} had not returned after "
-            f"{waited_s:g} s at {step} (a file system that stopped answering?); removal returns "
-            f"without it. Not written: {', '.join(later)} (a merge not done leaves the rows in "
-            f"{PARTS_DIR}/, and readers see the run as the state file last said). This process "
-            f"holds the run's lock until that write returns; `{command}` completes the run "
-            "once it is released (at the latest when this process ends)"
-        )
-        stuck_writes.record(
-            self.directory,
-            stuck_writes.StuckWrite(
-                "remove_observer's finish of the run",
-                finishing,
-                waited_s,
-                later,
-                f"once the lock is released (at the latest when this process ends), `{command}` "
-                "completes the run, and resume=True continues it.",
-            ),
-        )
 
 
 def _put_back(directory: Path, state: RunState) -> None:

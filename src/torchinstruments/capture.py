@@ -392,8 +392,9 @@ class Proxies:
 class LayerCapture:
     """The wrapper behind one selected layer's proxy; runs only during sampled forwards.
 
-    `observer` is the observer.Observer (its `record_output` measures what the layer returned),
-    and a sample is a samples.Sample; neither is imported here, both live above this module.
+    `observer` is the observer.Observer (its `record_output`, recording.py's, measures what the
+    layer returned), and a sample is a samples.Sample; neither is imported here, both live above
+    this module.
     """
 
     __slots__ = ("focus", "info", "lazy", "module_ref", "observer")

@@ -9,7 +9,7 @@ layer looked like a run that had recorded it (design: never silent).
 
 Design decision: the measurement code stays as it is (it runs per tensor, and measures many
 tensors on paths that must not warn); the records are read where they are handed to the sinks
-(`Observer._emit_forward`, the gradients' emission), one scan per record. The scan costs one
+(`recording.Recording`'s emissions, forward and backward), one scan per record. The scan costs one
 C-level count of the record's null reasons, which is all a record without any reason pays; only
 a record holding reasons looks at their distinct texts, and only one holding a failure walks its
 rows. Each (kind, layer) is warned once, with the error, for the first `SHOWN_KINDS` of them

@@ -9,7 +9,7 @@ NaN, and the scaler skips that optimizer step on purpose), grown after `growth_i
 without one. The rows stay what plain hooks see (the contract); the run records the scale beside
 them, so a reader can divide by it, and says so loudly (a warning at inject, index.md).
 
-When: once per sampled forward, at its end (`Observer._emit_forward`), after the sample's one
+When: once per sampled forward, at its end (`Recording.emit_forward`), after the sample's one
 host transfer: `get_scale()` then copies one scalar whose last update the transfer has already
 waited for. The scale read there is the one the sample's backward carries: the scaler changes it
 only in `update()`, after the backward. Unsampled forwards never read it.

@@ -1,4 +1,4 @@
-"""The running observer: root forwards, samples, call indices, and recording layer outputs.
+"""The running observer: root forwards, samples, call indices; recording.py records the values.
 
 One `Observer` serves one model. Its state lives here, outside the model: the proxies hold the
 observer, the observer holds the model's modules only through weak references, so a model that
@@ -11,10 +11,7 @@ Timing of work, by design:
   core's copy, host statistics, or device reductions crossing in one transfer at the end);
 - backward: `gradients.GradientRecorder` (the hooks on sampled outputs, one transfer per pass).
 
-A value's path: a layer returns -> `LayerCapture.on_call` -> `Observer.record_output` ->
-`transfer.launch` (the lane's copy, host statistics, or device reductions) -> at the end of the
-root forward `Observer._emit_forward` -> `transfer.build_records` (one host transfer, one
-`MeasurementBlock` per sample) -> sinks -> rows.
+A value's path, from a layer's return to the sinks' rows, is recording.py's.
 
 Fused fast paths: `nn.TransformerEncoderLayer` in eval, when no gradient is needed (no_grad,
 inference_mode, frozen weights), runs one fused kernel that calls none of its submodules. In a
@@ -64,7 +61,6 @@ so, then hands its outputs to each token's root forward: that is said (encoder_o
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -72,7 +68,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from torchinstruments import forks, reasons
@@ -97,24 +92,19 @@ from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
 from torchinstruments.encoder_outputs import EncoderOutputs
 from torchinstruments.failed_measurements import FailedMeasurements
-from torchinstruments.global_statistics import keep, kept_note, open_run, sample_rows
-from torchinstruments.gradients import GradientRecorder
+from torchinstruments.global_statistics import open_run
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
 from torchinstruments.loss_scale import LossScales
-from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.model_changes import ModelAtInject
-from torchinstruments.notices import RecordingFailures, shown, warn
-from torchinstruments.outputs import iter_tensors
+from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.phases import PASSED_THROUGH, TRAIN, Phases
+from torchinstruments.recording import Recording
 from torchinstruments.records import (
-    OUTPUT,
     LayerInfo,
     Measurement,
     RunCounts,
     RunInfo,
     SampleFacts,
-    SampleRecord,
-    TensorKey,
 )
 from torchinstruments.samples import (
     InFlight,
@@ -176,7 +166,6 @@ class Observer:
         # Root depth and the open sample are per thread: a model run from several threads keeps
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
-        self._sink_lock = threading.RLock()
         self.closed = self.forked = False  # forked: in a process forked from its maker (forks.py)
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
@@ -197,9 +186,24 @@ class Observer:
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         self.called_compiled = CompiledCalls()  # ran eagerly; index.md says so
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
-        self.gradients = GradientRecorder(
-            self.measurer, self.rank, self._emit_backward, self.failed_once, self.spare
+        # A sample's values to the sinks (recording.py); bound once, so a layer call and a
+        # sample's end cost no lookup more than they did as this class's methods.
+        self.recording = Recording(
+            measurer=self.measurer,
+            rank=self.rank,
+            sinks=sinks,
+            global_option=self.global_option,
+            spare=self.spare,
+            counter=self.counter,
+            failed_once=self.failed_once,
+            failed_measurements=self.failed_measurements,
+            loss_scales=self.loss_scales,
+            notes=self.notes,
+            warn_once=self.warn_once,
         )
+        self.record_output = self.recording.record_output  # capture.LayerCapture calls it
+        self._emit_forward = self.recording.emit_forward
+        self.gradients = self.recording.gradients
         # The `step` column: a value a plain loop sets (`set_step`), or a trainer's step read at
         # each sampled forward (`follow_step`, for the callbacks); None for neither.
         self.step: int | None = None
@@ -451,83 +455,10 @@ class Observer:
         sampler = self.sampler if schedule == TRAIN else self.phases.eval_sampler
         return ask(sampler, forward_index, self.failed_once)
 
-    # -- recording outputs --------------------------------------------------------------------
-
-    def record_output(
-        self, sample: Sample, layer: LayerCapture, call_index: int, output: Any
-    ) -> None:
-        """Launch the reductions of every tensor in `output` and hook their gradients."""
-        try:
-            mode = sample.mode or layer.mode()
-            grad_enabled = torch.is_grad_enabled()
-            tensors = list(iter_tensors(output, layer.info.name, self.failed_once))
-        except Exception as error:
-            self.failed_once(
-                f"walk:{layer.info.name}",
-                f"reading the output of layer {layer.info.name!r} failed: {shown(error)}; that "
-                f"call has no rows (sample {sample.sample_id})",
-            )
-            return
-        for path, tensor in tensors:
-            key = TensorKey(
-                sample.sample_id,
-                sample.forward_index,
-                layer.info,
-                call_index,
-                OUTPUT,
-                path,
-                mode,
-                grad_enabled,
-                sample.step,
-            )
-            key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
-            if keep(self.global_option, sample.global_pending, key, tensor, self.failed_once):
-                note = kept_note(tensor)  # measured when the sample ends
-            else:
-                launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
-                sample.pending += launched
-                note = note_of(launched[0])
-            if note is not None and note not in self.notes:
-                self.notes.append(note)  # said in index.md at removal, and warned now
-                self.warn_once(note, note)
-
     def _root_mode(self) -> str:
         """`train` or `eval` of the root module."""
         root = self._root_ref() if self._root_ref is not None else None
         return "train" if root is None or root.training else "eval"
-
-    def _emit_forward(self, sample: Sample) -> None:
-        """One host transfer for the whole sampled forward, then one record to the sinks."""
-        sample.emitted = True
-        self.counter.count_layers(sample.returned)  # a layer whose every call raised: not counted
-        extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.failed_once)
-        metrics = self.measurer.metrics
-        try:
-            records = build_records(OUTPUT, sample.pending, metrics, self.rank, self.spare) or [
-                SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())
-            ]
-            if sample.interrupted is not None:
-                extra = (*extra, sample.interrupted)
-            self.failed_measurements.scan(records, extra)  # before `extra` joins a record
-            if extra:  # global rows (global_statistics), then the marker row
-                first = records[0]
-                records[0] = dataclasses.replace(first, measurements=(*first.measurements, *extra))
-            with self._sink_lock:
-                for record in records:
-                    self.sinks.write_forward(record)
-        except Exception as error:
-            self.failed_once(
-                "emit_forward",
-                f"recording a sample failed: {error!r}; some or all of sample "
-                f"{sample.sample_id}'s output rows are not written",
-            )
-        self.loss_scales.read(sample.sample_id)  # after the transfer has waited (loss_scale.py)
-
-    def _emit_backward(self, record: SampleRecord) -> None:
-        """Hand one sample's gradient record to the sinks."""
-        self.failed_measurements.scan((record,))
-        with self._sink_lock:
-            self.sinks.write_backward(record)
 
     def counts(self, so_far: bool = False) -> RunCounts:
         """What this observer saw (`so_far`: for the live state's notes, Counter.counts)."""
@@ -570,7 +501,7 @@ class Observer:
         self.spare.close()
         self.closed = True
         forks.untrack(self)
-        with self._sink_lock:
+        with self.recording.sink_lock:
             self.sinks.close(self.counts())
 
     def after_fork_in_child(self) -> None:

@@ -3,6 +3,7 @@ were", in the trainer notes and everywhere index.md counts."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning
@@ -14,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import LightningObserver
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.index_page import unsampled_sentence
+from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, Continuation
+from torchinstruments.rundir.index_page import no_sample_warning, unsampled_sentence
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.ranges import plural, was_were
 
@@ -29,6 +31,24 @@ def test_plural_names_one_thing_in_the_singular() -> None:
 def test_index_md_says_one_root_forward_was_seen() -> None:
     counts = RunCounts(root_forwards=1, samples=0, backward_samples=0)
     assert unsampled_sentence(counts) == "1 root forward was seen and the sampler chose none"
+
+
+def test_an_attempt_without_a_sample_counts_the_earlier_samples_whose_rows_history_holds() -> None:
+    """A removed attempt took samples 0 to 2, and sample 2's rows were never written (the loss
+    ledger's): the next attempt, sampling nothing, says history holds rows of 2 of them."""
+    earlier = AttemptCounts(0, "2026-01-01T00:00:00+00:00", samples=3, ended=REMOVED)
+    continued = Continuation(1, 3, 6, 1, (earlier,), samples_held=2)
+    counts = RunCounts(root_forwards=0, samples=0, backward_samples=0)
+    assert no_sample_warning(counts, Path("/runs/a"), continued) == (
+        "torchinstruments: this attempt recorded no sample (0 root forwards seen, none "
+        "sampled): /runs/a holds none of its rows, and rows of 2 of the 3 samples the earlier "
+        "attempts took (sample_id 0 to 2; the rest were recorded but not written, as index.md "
+        "says); its index.md's Attempts table says so"
+    )
+    every = dataclasses.replace(continued, samples_held=3)  # all of them: the count is exact
+    assert "holds the earlier attempts' 3 samples (sample_id 0 to 2)" in no_sample_warning(
+        counts, Path("/runs/a"), every
+    )
 
 
 def test_the_loss_ledger_says_one_row_was_not_written() -> None:

@@ -11,11 +11,14 @@ The killed children are forked in turn from one process that imported torch (`_f
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 from _forked import kill_each_when_ready, run_forked, stderr_of
@@ -84,6 +87,7 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     remove_observer(net)
     for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
         assert code == -signal.SIGKILL, stderr_of(root, mode)
+    shutil.copytree(root / "new", root / "idle")  # continued by an attempt without a sample
     return root
 
 
@@ -105,6 +109,30 @@ def test_a_killed_attempts_row_counts_the_samples_its_events_prove(killed_runs: 
     assert state.counts is not None
     assert state.counts.root_forwards == killed.root_forwards + removed.root_forwards
     assert state.counts.samples == killed.samples + removed.samples
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "| killed | 0 | 0 | at least 9 | at least 5 |" in index
+
+
+def test_an_attempt_without_a_sample_after_a_kill_says_how_many_samples_history_holds(
+    killed_runs: Path,
+) -> None:
+    """The killed attempt took sample_id 0 to 4 (its events prove them), but only sample 0's
+    rows reached history. An attempt that continues it and samples nothing says so in its
+    warning: rows of 1 of at least 5 samples, never "holds the earlier attempts' 5 samples"."""
+    run = killed_runs / "idle" / "stats"
+    net = model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inject_observer(net, output_dir=run, resume=True)
+        remove_observer(net)
+    said = [str(w.message) for w in caught if "recorded no sample" in str(w.message)]
+    assert said == [
+        f"torchinstruments: this attempt recorded no sample (0 root forwards seen, none "
+        f"sampled): {run} holds none of its rows, and rows of 1 of the at least 5 samples the "
+        "earlier attempts took (sample_id 0 to 4 and perhaps more; a killed attempt's last "
+        "rows died with it); its index.md's Attempts table says so"
+    ]
+    assert pl.read_parquet(run / "history.parquet")["sample_id"].unique().to_list() == [0]
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "| killed | 0 | 0 | at least 9 | at least 5 |" in index
 

@@ -270,7 +270,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     if said := fullgraph_unchecked_warning(calls, counts.root_forwards, counts.samples):
         warn(said)
     if counts.samples == 0 and observer.layer_names:
-        warn(no_sample_warning(counts, observer.directory, observer.counter.earlier_samples))
+        warn(no_sample_warning(counts, observer.directory, observer.continued))
     if left_in_place:
         warn(
             f"torchinstruments: {len(left_in_place)} module forward(s) were replaced or wrapped "
@@ -559,10 +559,7 @@ def _open_run(
         run=run,
         sinks=group,
         sampler=sampler,
-        first_forward_index=0 if continuation is None else continuation.first_forward_index,
-        first_sample_id=0 if continuation is None else continuation.first_sample_id,
-        first_train_index=None if continuation is None else continuation.first_train_index,
-        first_eval_index=0 if continuation is None else continuation.first_eval_index,
+        continuation=continuation,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
     if continuation is not None and (said := schedule_fallback_note(continuation)):

@@ -126,12 +126,6 @@ class Counter:
         with self._lock:
             return self.unattributed_several, self.unattributed_late
 
-    @property
-    def earlier_samples(self) -> int:
-        """The samples a continued run's earlier attempts took (the sample_ids before this
-        observer's); 0 in a new run."""
-        return self._first_sample
-
     def layer_samples(self) -> dict[str, int]:
         """A copy of the per-layer counts (a layer missing from it never ran in a sample)."""
         with self._lock:

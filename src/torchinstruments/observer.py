@@ -106,6 +106,7 @@ from torchinstruments.records import (
     RunInfo,
     SampleFacts,
 )
+from torchinstruments.rundir.attempts import Continuation
 from torchinstruments.samples import (
     InFlight,
     Sample,
@@ -133,6 +134,7 @@ class Observer:
         run: the run this observer records (its directory, and the rank written into records).
         sinks: the run directory first, then the caller's sinks.
         sampler: the sampler to ask instead of `config.sampler` (None: `config.sampler`).
+        continuation: where a continued run's attempt starts (None: a new run).
     """
 
     def __init__(
@@ -142,10 +144,7 @@ class Observer:
         run: RunInfo,
         sinks: SinkGroup,
         sampler: Any = None,
-        first_forward_index: int = 0,
-        first_sample_id: int = 0,
-        first_train_index: int | None = None,
-        first_eval_index: int = 0,
+        continuation: Continuation | None = None,
     ) -> None:
         self.config, self.directory = config, run.output_dir
         # any object with should_sample (checked by config); a callback's fresh copy of it
@@ -157,8 +156,13 @@ class Observer:
         self.global_option = open_run(config.global_option)  # the library's groups, made now
         # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
         # Each sampler's schedule continues too (`rundir.attempts.plan_continuation`).
+        self.continued = continuation  # what removal says of the earlier attempts' samples
+        c = continuation
         self.counter = Counter(
-            first_forward_index, first_sample_id, first_train_index, first_eval_index
+            0 if c is None else c.first_forward_index,
+            0 if c is None else c.first_sample_id,
+            None if c is None else c.first_train_index,
+            0 if c is None else c.first_eval_index,
         )
         # The sampled root forwards in flight (samples.py); `in_flight.samples.__len__` is every
         # layer proxy's `enabled` test, evaluated in wrapt's C code.

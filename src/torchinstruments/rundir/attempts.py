@@ -140,6 +140,8 @@ class Continuation:
         attempts: the earlier attempts (each ended).
         first_train_index: what its training sampler is first asked with.
         first_eval_index: what its evaluation sampler is first asked with.
+        samples_held: the earlier attempts' samples with a row in history: after a kill, or
+            rows lost, fewer than `first_sample_id` (the ids they took); None: not counted.
     """
 
     attempt: int
@@ -149,6 +151,13 @@ class Continuation:
     attempts: tuple[AttemptCounts, ...]
     first_train_index: int = 0
     first_eval_index: int = 0
+    samples_held: int | None = None
+
+    @property
+    def after_a_kill(self) -> bool:
+        """Whether an earlier attempt's counts were rebuilt (its process died): the samples
+        it took are known only as a lower bound."""
+        return any(a.counts_recovered for a in self.attempts)
 
 
 def attempt_rows(history: Path, attempt: int) -> AttemptCounts | None:
@@ -263,14 +272,18 @@ def plan_continuation(
     next_sample = max((a.first_sample_id + a.samples for a in attempts), default=0)
     next_sample = max(next_sample, samples_taken)
     next_forward = max((a.first_forward_index + a.root_forwards for a in attempts), default=0)
-    last_sample, last_forward = None, None
+    last_sample, last_forward, held = None, None, 0
     if history.is_file():
         frame = (
             pl.scan_parquet(history, glob=False)
-            .select(pl.col("sample_id").max(), pl.col("forward_index").max())
+            .select(
+                pl.col("sample_id").max(),
+                pl.col("forward_index").max(),
+                held=pl.col("sample_id").n_unique(),
+            )
             .collect()
         )
-        last_sample, last_forward = frame.row(0)
+        last_sample, last_forward, held = frame.row(0)
         if last_sample is not None:
             next_sample = max(next_sample, int(last_sample) + 1)
         if last_forward is not None:
@@ -297,6 +310,7 @@ def plan_continuation(
         attempts=attempts,
         first_train_index=next_forward if train is None else train,
         first_eval_index=0 if evaluation is None else evaluation,
+        samples_held=int(held),
     )
 
 

@@ -26,7 +26,12 @@ from torchinstruments.rundir.attempt_ends import (
     last_finished,
     unremoved_said,
 )
-from torchinstruments.rundir.attempts import TWO_SCHEDULES, AttemptCounts, sampler_line
+from torchinstruments.rundir.attempts import (
+    TWO_SCHEDULES,
+    AttemptCounts,
+    Continuation,
+    sampler_line,
+)
 from torchinstruments.rundir.gradient_counts import gradient_count, gradient_zero_known
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -157,27 +162,41 @@ def passed_through(counts: RunCounts) -> str | None:
     return " and ".join(said) + " ran unobserved" if said else None
 
 
-def no_sample_warning(counts: RunCounts, directory: Path, earlier_samples: int) -> str:
-    """remove_observer's warning when its observer took no sample. In a continued run whose
-    earlier attempts took `earlier_samples` samples (a fit resumed from the checkpoint of its
-    last step trains nothing), the directory still holds their rows, and index.md shows this
-    attempt's zero in its Attempts table rather than a page without rows: say that."""
+def no_sample_warning(counts: RunCounts, directory: Path, earlier: Continuation | None) -> str:
+    """remove_observer's warning when its observer took no sample. In a continued run (a fit
+    resumed from the checkpoint of its last step trains nothing) the directory still holds the
+    earlier attempts' rows, and index.md shows this attempt's zero in its Attempts table: say
+    that, as much as is known. The ids they took count samples whose rows never reached
+    history (a killed attempt's last flush interval, the loss ledger's), at least as many after
+    a kill (index.md's "at least"), so the samples history holds are counted apart."""
     passed = passed_through(counts)
     seen = f"{plural(counts.root_forwards, 'root forward')} seen, none sampled" + (
         "" if passed is None else f"; {passed}"
     )
     if counts.bypassed_by is not None and not counts.root_forwards:
         seen = f"{seen}; {bypass_clause(counts.bypassed_by)}"
-    if not earlier_samples:
+    if earlier is None or not earlier.first_sample_id:
         return (
             f"torchinstruments: no sample was recorded ({seen}): {directory} holds no rows, "
             "and its index.md says so"
         )
-    ids = "0" if earlier_samples == 1 else f"0 to {earlier_samples - 1}"
+    said = f"torchinstruments: this attempt recorded no sample ({seen}): {directory} holds"
+    taken, held, killed = earlier.first_sample_id, earlier.samples_held, earlier.after_a_kill
+    ids = "0" if taken == 1 else f"0 to {taken - 1}"
+    if held == taken and not killed:
+        return (
+            f"{said} the earlier attempts' {plural(taken, 'sample')} (sample_id {ids}) and "
+            "none of this one's; its index.md's Attempts table says so"
+        )
+    more, why = (
+        (" and perhaps more", "a killed attempt's last rows died with it")
+        if killed
+        else ("", "the rest were recorded but not written, as index.md says")
+    )
     return (
-        f"torchinstruments: this attempt recorded no sample ({seen}): {directory} holds the "
-        f"earlier attempts' {plural(earlier_samples, 'sample')} (sample_id {ids}) and none of "
-        "this one's; its index.md's Attempts table says so"
+        f"{said} none of its rows, and rows of {'an unknown number' if held is None else held} "
+        f"of the {'at least ' if killed else ''}{plural(taken, 'sample')} the earlier attempts took "
+        f"(sample_id {ids}{more}; {why}); its index.md's Attempts table says so"
     )
 
 

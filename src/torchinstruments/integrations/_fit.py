@@ -22,7 +22,6 @@ observed nor counted (a run that went on past the fit would have no end a callba
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,6 +54,11 @@ from torchinstruments.integrations._run_dirs import (
     last_run_directory,
     why_not_continued,
 )
+from torchinstruments.integrations._samplers import (
+    evaluation_sampler,
+    fresh_sampler,
+    pristine_copy,
+)
 from torchinstruments.notices import warn
 from torchinstruments.phases import SETUP, Phases
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
@@ -62,63 +66,12 @@ from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
-from torchinstruments.sampling import check_sampler, describe_sampler
+from torchinstruments.sampling import describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
-__all__ = ["FitObservation", "evaluation_sampler"]
+__all__ = ["FitObservation"]
 
 LOGGER = "the trainer's TensorBoard logger"
-
-
-def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> object:
-    """The evaluation forwards' sampler for `record_eval` (None: not observed).
-
-    Raises:
-        TypeError: `record_eval` is neither a bool nor a Sampler, or True with a sampler that
-            cannot be copied.
-    """
-    if record_eval is False:
-        return None
-    if record_eval is True:
-        try:
-            return copy.deepcopy(sampler)  # its own state: evaluation never moves training's
-        except Exception as error:
-            raise TypeError(
-                f"{owner}: record_eval=True samples evaluation forwards with a copy of the "
-                f"sampler, and {sampler!r} cannot be copied ({error!r}); pass "
-                "record_eval=<a Sampler for evaluation forwards> instead"
-            ) from None
-    try:
-        check_sampler(record_eval)
-    except TypeError:
-        raise TypeError(
-            f"{owner}: record_eval must be False, True or a Sampler (should_sample(forward_index)"
-            f" -> bool), got {record_eval!r}"
-        ) from None
-    return record_eval
-
-
-def pristine_copy(sampler: object) -> object | None:
-    """A deep copy of `sampler` as it is now, kept to hand each fit a fresh one; None when it
-    cannot be deep-copied (then the object itself is used, and its state carries over)."""
-    try:
-        return copy.deepcopy(sampler)
-    except Exception:
-        return None
-
-
-def fresh_sampler(pristine: object | None, sampler: object) -> object:
-    """A fresh copy of `pristine` for one fit, or `sampler` itself where there is no copy.
-
-    Why: a sampler keeps state (`TimeIntervalSampler` its last sample time), so one object asked
-    by two fits would let the first fit's state decide the second's samples.
-    """
-    if pristine is None:
-        return sampler
-    try:
-        return copy.deepcopy(pristine)
-    except Exception:
-        return sampler
 
 
 class FitObservation:

@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, recording, remove_observer
 from torchinstruments import gradients as gradients_module
-from torchinstruments import observer as observer_module
 from torchinstruments.notices import SHOWN_KINDS, RecordingFailures
 
 from conftest import read_history
@@ -92,7 +91,7 @@ def test_a_sample_that_could_not_be_handed_to_the_sinks_is_said_in_index(
     def build_records(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("host buffer")
 
-    monkeypatch.setattr(observer_module, "build_records", build_records)
+    monkeypatch.setattr(recording, "build_records", build_records)
     model = nn.Sequential(nn.Linear(3, 3))
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     with warnings.catch_warnings():

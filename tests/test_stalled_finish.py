@@ -7,59 +7,85 @@ file system blocks. Removal runs the finish on a thread of its own and waits for
 most `removal_wait_s` (the merge longer by its rows); then it returns, with a warning naming the
 step and every file after it. Readers see the run as its state file last said: the process held
 the lock while the write hung, and once it has ended (and the file system answers again)
-`finalize` completes the run. Run in a child process, under a timeout: a removal that waits for
-the write without end fails the test instead of hanging it.
+`finalize` completes the run. Each run is a child process forked from one interpreter that
+imported torch (`_forked`), under a timeout: a removal that waits for the write without end fails
+the test instead of hanging it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
+from _forked import fork_each, run_forked, stderr_of
+from torch import nn
 
+import torchinstruments.sinks.directory as directory_sink
+from torchinstruments import (
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+)
 from torchinstruments.rundir.finishing import Finishing
-from torchinstruments.rundir.layout import HISTORY_FILE, INDEX_FILE, RESULT_FILE, STATE_FILE
+from torchinstruments.rundir.layout import (
+    HISTORY_FILE,
+    INDEX_FILE,
+    RESULT_FILE,
+    STATE_FILE,
+    part_path,
+    part_temporary_path,
+    temporary_path,
+)
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import child_report, run_cli
+from conftest import run_cli
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
-# by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
+# in the process they fork from to keep the suite short: the stalls are real FIFOs either way.
 FLOOR_S = 3.0
 
 STEPS = 3
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
 
-CHILD = r"""
-import json, os, sys, warnings
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-import torchinstruments.sinks.directory as directory_sink
-directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
-from torchinstruments.rundir.layout import temporary_path
 
-from pathlib import Path
+def _said(root: Path, caught: list[warnings.WarningMessage]) -> None:
+    """The child's warnings, for the test to read (`said`)."""
+    (root / "said.json").write_text(json.dumps([str(w.message) for w in caught]), "utf-8")
 
-run, steps, stalled = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-torch.manual_seed(0)
-model = nn.Linear(4, 2)
-x = torch.randn(3, 4)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
-    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
-    for _ in range(steps):
-        model(x).sum().backward()
-    os.mkfifo(temporary_path(run / stalled))  # its write at removal blocks
-    remove_observer(model)  # returns although the write never does
-print(json.dumps([str(w.message) for w in caught]))
-"""
+
+def said_by(root: Path) -> str:
+    """What a child warned, one warning a line."""
+    return "\n".join(json.loads((root / "said.json").read_text("utf-8")))
+
+
+def stalled_child(root: Path, stalled: str) -> None:
+    """STEPS sampled steps, then a removal whose write of `stalled` blocks."""
+    run = root / "run"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
+        inject_observer(
+            model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config
+        )
+        for _ in range(STEPS):
+            model(x).sum().backward()
+        os.mkfifo(temporary_path(run / stalled))  # its write at removal blocks
+        remove_observer(model)  # returns although the write never does
+    _said(root, caught)
 
 
 def stalled_doing(stalled: str) -> str:
@@ -76,13 +102,24 @@ CASES = {
     STATE_FILE: (STATE_FILE,),
 }
 
+SCENARIOS = [*CASES, "save", "fork"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each scenario's child, forked from one process (`_forked`), into `root/<scenario>/run`;
+    their exit statuses."""
+    root = tmp_path_factory.mktemp("stalled")
+    return root, run_forked(__file__, root, SCENARIOS)
+
 
 @pytest.mark.parametrize("stalled", CASES)
 def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_written(
-    tmp_path: Path, stalled: str
+    finished: tuple[Path, dict[str, int]], stalled: str
 ) -> None:
-    run = tmp_path / "run"
-    said = "\n".join(child_report(CHILD, run, STEPS, stalled))
+    root, codes = finished
+    assert codes[stalled] == 0, stderr_of(root, stalled)
+    run, said = root / stalled / "run", said_by(root / stalled)
     wait = FLOOR_S + STEPS * ROWS_PER_SAMPLE / 50_000 if stalled == HISTORY_FILE else FLOOR_S
     gave_up = f"finishing the run under {run} had not returned after {wait:g} s at {stalled}"
     assert gave_up in said, said
@@ -137,44 +174,40 @@ def test_each_finish_step_is_waited_for_up_to_its_own_bound_and_the_lock_goes_af
     assert released == ["stuck", "after failing"]
 
 
-SAVE_CHILD = r"""
-import json, os, sys, warnings
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-import torchinstruments.sinks.directory as directory_sink
-directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
-from torchinstruments.rundir.layout import STATE_FILE, part_path, part_temporary_path, temporary_path
-from torchinstruments.sinks.directory import SAVE_TAG
+SAVE_STEPS = 10
 
-from pathlib import Path
 
-run, steps = Path(sys.argv[1]), int(sys.argv[2])
-torch.manual_seed(0)
-model = nn.Linear(4, 2)
-x = torch.randn(3, 4)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    config = HistoryConfig(buffer_rows=18, max_buffered_rows=36, flush_seconds=1.0)
-    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
-    model(x).sum().backward()  # parts 0 and 1: the first forward's and backward's rows
-    os.mkdir(part_temporary_path(part_path(run, 2), 0))  # every later part write fails at once
-    os.mkfifo(temporary_path(run / STATE_FILE, SAVE_TAG))  # the flush thread's save hangs
-    for _ in range(steps - 1):
-        model(x).sum().backward()  # rows beyond the cap are dropped: the ledger has news
-    remove_observer(model)  # the flush thread's last round saves the ledger first: it hangs
-print(json.dumps([str(w.message) for w in caught]))
-"""
+def save_child(root: Path) -> None:
+    """A save of the loss ledger by the flush thread hangs; removal finishes beside it."""
+    run = root / "run"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = HistoryConfig(buffer_rows=18, max_buffered_rows=36, flush_seconds=1.0)
+        inject_observer(
+            model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config
+        )
+        model(x).sum().backward()  # parts 0 and 1: the first forward's and backward's rows
+        os.mkdir(part_temporary_path(part_path(run, 2), 0))  # every later part write fails
+        os.mkfifo(
+            temporary_path(run / STATE_FILE, directory_sink.SAVE_TAG)
+        )  # the flush thread's save hangs
+        for _ in range(SAVE_STEPS - 1):
+            model(x).sum().backward()  # rows beyond the cap are dropped: the ledger has news
+        remove_observer(model)  # the flush thread's last round saves the ledger first: it hangs
+    _said(root, caught)
 
 
 def test_removal_finishes_the_run_beside_a_save_of_the_state_file_that_never_returns(
-    tmp_path: Path,
+    finished: tuple[Path, dict[str, int]],
 ) -> None:
     """The flush thread's saves of the loss ledger into the state file have temporaries of their
     own: removal gives the stuck save up and writes the final state beside it."""
-    run = tmp_path / "run"
-    steps = 10
-    said = "\n".join(child_report(SAVE_CHILD, run, steps))
+    root, codes = finished
+    assert codes["save"] == 0, stderr_of(root, "save")
+    run, steps, said = root / "save" / "run", SAVE_STEPS, said_by(root / "save")
     assert f"the run's flush thread had not returned after {FLOOR_S:g} s" in said, said
     assert "finishing the run" not in said, said
     state = read_state(run)
@@ -209,42 +242,35 @@ def test_a_finish_where_no_thread_can_start_runs_on_the_removing_thread(
     assert finishing.wait(lambda step: 0.0) == "finished"
 
 
-FORK_CHILD = r"""
-import os, sys, time, warnings
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-import torchinstruments.sinks.directory as directory_sink
-directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
-from torchinstruments.rundir.layout import STATE_FILE, temporary_path
-
-from pathlib import Path
-
-run = Path(sys.argv[1])
-model = nn.Linear(4, 2)
-warnings.simplefilter("ignore")
-config = HistoryConfig(flush_seconds=1.0)
-inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
-model(torch.randn(3, 4)).sum().backward()
-os.mkfifo(temporary_path(run / STATE_FILE))  # the finish hangs, holding the run's lock
-remove_observer(model)
-pid = os.fork()
-if pid == 0:  # a forked child (a data loader's worker) that outlives this process
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)  # the test reads this process's output to its end: not the child's
-    os.dup2(null, 2)
-    time.sleep(120)
-    os._exit(0)
-print(pid, flush=True)
-"""
+def fork_child(root: Path) -> None:
+    """The finish hangs holding the run's lock; then this process forks a child that outlives it."""
+    run = root / "run"
+    model = nn.Linear(4, 2)
+    warnings.simplefilter("ignore")
+    config = HistoryConfig(flush_seconds=1.0)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    model(torch.randn(3, 4)).sum().backward()
+    os.mkfifo(temporary_path(run / STATE_FILE))  # the finish hangs, holding the run's lock
+    remove_observer(model)
+    pid = os.fork()
+    if pid == 0:  # a forked child (a data loader's worker) that outlives this process
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)  # the test reads this process's output to its end: not the child's
+        os.dup2(null, 2)
+        time.sleep(120)
+        os._exit(0)
+    (root / "pid").write_text(str(pid), "utf-8")
 
 
-def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(tmp_path: Path) -> None:
+def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(
+    finished: tuple[Path, dict[str, int]],
+) -> None:
     """The stuck finish holds the run's lock until this process ends; a child forked meanwhile
     closes its copy of the lock's descriptor, so the lock ends with the process that took it,
     not with the child, and finalize completes the run while the child lives."""
-    run = tmp_path / "run"
-    child = int(child_report(FORK_CHILD, run))
+    root, codes = finished
+    assert codes["fork"] == 0, stderr_of(root, "fork")
+    run, child = root / "fork" / "run", int((root / "fork" / "pid").read_text("utf-8"))
     try:
         (run / f"{STATE_FILE}.torchinstruments-tmp").unlink()  # the file system answers again
         finalized = run_cli("finalize", str(run))
@@ -252,3 +278,14 @@ def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(tmp_p
         assert pl.read_parquet(run / HISTORY_FILE).height == ROWS_PER_SAMPLE
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    directory_sink.MIN_REMOVAL_WAIT_S = FLOOR_S  # in every child forked below
+    scenario = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if scenario == "save":
+        save_child(Path(sys.argv[1]) / scenario)
+    elif scenario == "fork":
+        fork_child(Path(sys.argv[1]) / scenario)
+    elif scenario is not None:
+        stalled_child(Path(sys.argv[1]) / scenario, scenario)

@@ -13,7 +13,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -311,10 +311,17 @@ float_arrays = hnp.arrays(
 )
 
 
+# 60 drawn arrays a path (each costs the sync-free path tens of ms on the CPU), with the edges
+# hypothesis shrinks to given outright; test_measurement_paths draws 60 more a path.
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(values=float_arrays)
+@example(values=np.zeros((0, 3), dtype=np.float32))  # empty
+@example(values=np.array(np.nan, dtype=np.float16))  # 0-d, not finite
+@example(values=np.array([-0.0, 0.0, 5e-324, np.inf]))  # signed zeros, a subnormal, inf
+@example(values=np.array([1.7e308, -1.7e308, 1.7e308]))  # NumPy's std overflows
+@example(values=np.full((2, 2), 65504.0, dtype=np.float16))  # float16's largest, constant
 def test_arbitrary_arrays_match_numpy(reduction_path: str, values: np.ndarray) -> None:
     tensor = torch.from_numpy(np.array(values))
     got = measure(tensor, host_paths=reduction_path == "host")

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -152,8 +152,11 @@ def test_counting_never_syncs(counting_path: str) -> None:
     assert record.num == 4.0
 
 
+# 40 drawn arrays a path (each costs the sync-free path tens of ms on the CPU), with the edges
+# hypothesis shrinks to given outright; test_measurement_paths draws 60 more a path, with
+# histograms, against numpy.histogram on every reduction path.
 @settings(
-    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     values=hnp.arrays(
@@ -163,6 +166,10 @@ def test_counting_never_syncs(counting_path: str) -> None:
     ),
     bins=st.integers(1, 70),
 )
+@example(values=np.array([np.nan, np.inf, -np.inf]), bins=3)  # no finite entry: no record
+@example(values=np.array([0.0], dtype=np.float32), bins=1)  # one entry, one bin
+@example(values=np.array([-0.0, 0.0, 5e-324, np.nan]), bins=70)  # signed zeros, a subnormal
+@example(values=np.array([1e308, -1e308, 1.0]), bins=2)  # sums that overflow float64
 def test_arbitrary_arrays_match_numpy(counting_path: str, values: np.ndarray, bins: int) -> None:
     record = histogram(torch.from_numpy(values), counting_path, bins)
     finite = values[np.isfinite(values)]

@@ -1,7 +1,8 @@
 """A process forked from an observing one runs the model unobserved and leaves the run alone.
 
-Real processes, each bounded by a timeout: `os.fork` in a script (the child ends through the
-normal interpreter exit, atexit handlers included), a 'fork' Hogwild pair training one shared
+Real processes, each bounded by a timeout: `os.fork` in a script (each script a process forked
+in turn from one interpreter that imported torch and never observed, `_forked`; the child ends
+through the normal interpreter exit, atexit handlers included), a 'fork' Hogwild pair training one shared
 model with torch.multiprocessing, and DataLoader workers started with 'fork'. Every forward is
 sampled and `buffer_rows` is tiny, so a child that still recorded would write (or hang writing)
 a part at its first sampled step. The parent's run must be complete afterwards, with exactly the
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +24,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -170,13 +171,11 @@ def assert_parent_run_complete(directory: Path, samples: int) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_os_fork_child_runs_unobserved_and_never_touches_the_parents_run(tmp_path: Path) -> None:
+def test_os_fork_child_runs_unobserved_and_never_touches_the_parents_run(
+    scripts: tuple[Path, dict[str, int]],
+) -> None:
+    tmp_path = ran(scripts, "plain")
     directory, report = tmp_path / "run", tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, __file__, str(directory), str(report)],
-        timeout=2 * CHILD_TIMEOUT_S,
-        check=True,
-    )
     facts = json.loads(report.read_text("utf-8"))
     assert facts["child_status"] == 0, "the forked child hung or failed"
     assert facts["untouched"], "the child changed a file of the parent's run directory"
@@ -338,14 +337,10 @@ def after_removal_main(directory: Path, report: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_child_forked_after_a_run_ended_is_refused_at_inject_instead_of_hanging(
-    tmp_path: Path,
+    scripts: tuple[Path, dict[str, int]],
 ) -> None:
-    directory, report = tmp_path / "run", tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, __file__, str(directory), str(report), "after-removal"],
-        timeout=2 * CHILD_TIMEOUT_S,
-        check=True,
-    )
+    tmp_path = ran(scripts, "after-removal")
+    report = tmp_path / "report.json"
     facts = json.loads(report.read_text("utf-8"))
     # forked before the parent's first inject: free to observe, and its run completes
     assert facts["before_status"] == 0
@@ -384,14 +379,10 @@ def after_refusal_main(directory: Path, report: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_child_forked_after_a_refused_inject_may_observe_a_run_of_its_own(
-    tmp_path: Path,
+    scripts: tuple[Path, dict[str, int]],
 ) -> None:
-    directory, report = tmp_path / "run", tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, __file__, str(directory), str(report), "after-refusal"],
-        timeout=2 * CHILD_TIMEOUT_S,
-        check=True,
-    )
+    tmp_path = ran(scripts, "after-refusal")
+    report = tmp_path / "report.json"
     facts = json.loads(report.read_text("utf-8"))
     assert "already holds a run" in facts["refused"]
     assert facts["status"] == 0
@@ -439,26 +430,43 @@ def held_lock_main(directory: Path, report: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_a_child_forked_while_another_thread_held_the_proxies_lock_removes_without_hanging(
-    tmp_path: Path,
+    scripts: tuple[Path, dict[str, int]],
 ) -> None:
+    tmp_path = ran(scripts, "held-lock")
     directory, report = tmp_path / "run", tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, __file__, str(directory), str(report), "held-lock"],
-        timeout=2 * CHILD_TIMEOUT_S,
-        check=True,
-    )
     facts = json.loads(report.read_text("utf-8"))
     assert facts["status"] == 0, "the child's remove_observer hung on a lock held at the fork"
     assert facts["child"] == {"removed": "None", "restored": True}
     assert_parent_run_complete(directory, samples=2)
 
 
+SCRIPTS = {
+    "plain": script_main,
+    "after-removal": after_removal_main,
+    "after-refusal": after_refusal_main,
+    "held-lock": held_lock_main,
+}
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each script's process, forked in turn from one interpreter that imported torch and never
+    observed (`_forked`), into `root/<script>/run` and `root/<script>/report.json`; their exit
+    statuses."""
+    root = tmp_path_factory.mktemp("scripts")
+    return root, run_forked(__file__, root, list(SCRIPTS))
+
+
+def ran(scripts: tuple[Path, dict[str, int]], name: str) -> Path:
+    """The folder of script `name`, which must have ended with status 0."""
+    root, codes = scripts
+    assert codes[name] == 0, stderr_of(root, name)
+    return root / name
+
+
 if __name__ == "__main__":
-    if sys.argv[3:] == ["after-removal"]:
-        after_removal_main(Path(sys.argv[1]), Path(sys.argv[2]))
-    elif sys.argv[3:] == ["after-refusal"]:
-        after_refusal_main(Path(sys.argv[1]), Path(sys.argv[2]))
-    elif sys.argv[3:] == ["held-lock"]:
-        held_lock_main(Path(sys.argv[1]), Path(sys.argv[2]))
-    else:
-        script_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    script = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if script is not None:  # one script's process: it ends through the interpreter's exit
+        SCRIPTS[script](
+            Path(sys.argv[1]) / script / "run", Path(sys.argv[1]) / script / "report.json"
+        )

@@ -106,7 +106,7 @@ SCENARIOS = [*CASES, "save", "fork"]
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+def stalled_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
     """Each scenario's child, forked from one process (`_forked`), into `root/<scenario>/run`;
     their exit statuses."""
     root = tmp_path_factory.mktemp("stalled")
@@ -115,9 +115,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
 
 @pytest.mark.parametrize("stalled", CASES)
 def test_removal_gives_up_a_finish_that_never_returns_and_says_what_was_not_written(
-    finished: tuple[Path, dict[str, int]], stalled: str
+    stalled_runs: tuple[Path, dict[str, int]], stalled: str
 ) -> None:
-    root, codes = finished
+    root, codes = stalled_runs
     assert codes[stalled] == 0, stderr_of(root, stalled)
     run, said = root / stalled / "run", said_by(root / stalled)
     wait = FLOOR_S + STEPS * ROWS_PER_SAMPLE / 50_000 if stalled == HISTORY_FILE else FLOOR_S
@@ -201,11 +201,11 @@ def save_child(root: Path) -> None:
 
 
 def test_removal_finishes_the_run_beside_a_save_of_the_state_file_that_never_returns(
-    finished: tuple[Path, dict[str, int]],
+    stalled_runs: tuple[Path, dict[str, int]],
 ) -> None:
     """The flush thread's saves of the loss ledger into the state file have temporaries of their
     own: removal gives the stuck save up and writes the final state beside it."""
-    root, codes = finished
+    root, codes = stalled_runs
     assert codes["save"] == 0, stderr_of(root, "save")
     run, steps, said = root / "save" / "run", SAVE_STEPS, said_by(root / "save")
     assert f"the run's flush thread had not returned after {FLOOR_S:g} s" in said, said
@@ -263,12 +263,12 @@ def fork_child(root: Path) -> None:
 
 
 def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(
-    finished: tuple[Path, dict[str, int]],
+    stalled_runs: tuple[Path, dict[str, int]],
 ) -> None:
     """The stuck finish holds the run's lock until this process ends; a child forked meanwhile
     closes its copy of the lock's descriptor, so the lock ends with the process that took it,
     not with the child, and finalize completes the run while the child lives."""
-    root, codes = finished
+    root, codes = stalled_runs
     assert codes["fork"] == 0, stderr_of(root, "fork")
     run, child = root / "fork" / "run", int((root / "fork" / "pid").read_text("utf-8"))
     try:

@@ -13,6 +13,7 @@ thread traceback.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -91,6 +92,10 @@ def child_main(run: Path, seconds: float, twin: Path) -> None:
 
     end = 0.0
     steps()  # before the storm: every lazy import is done
+    # The twin's objects are freed before the storm, as they were when the twin ran in a process
+    # of its own: a Ctrl-C that lands in a weakref callback the collector runs (a WeakSet's
+    # `_remove`) is printed by Python as "Exception ignored", whoever owns the set.
+    gc.collect()
     print("ready", flush=True)
     end = time.monotonic() + seconds
     # A loop's back edge outside its `try` is where a Ctrl-C would end the child: each level's

@@ -50,12 +50,10 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     STATE_FILE,
     list_parts,
-    part_number,
 )
-from torchinstruments.rundir.left_parts import part_unreadable
+from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
-from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
@@ -158,20 +156,18 @@ def locate(directory: Path) -> RunFiles:
         what = "is a file, not a run directory" if directory.exists() else "does not exist"
         raise NotARunError(f"{directory} {what}: pass a run's output directory")
     history = directory / HISTORY_FILE
-    parts = list_parts(directory)
     if history.is_file():
         try:
-            merged = merged_part_numbers(history)
+            parts = parts_beside(directory, history)
         except pl.exceptions.PolarsError:
             message = _damaged_message(directory, history, [history])
             raise UnreadableHistoryError(message, directory) from None
-        parts = [p for p in parts if part_number(p) not in merged]
         # Parts beside history.parquet are rare (a merge cut short, or one `finalize` could
         # not read and left in place): check those alone, not a live run's every part.
-        unreadable = tuple(p for p in parts if _unreadable(p))
+        unreadable = tuple(p for p in parts if part_unreadable(p))
         readable = tuple(p for p in parts if p not in unreadable)
         return RunFiles(directory, history, readable, unreadable)
-    if parts:
+    if parts := list_parts(directory):
         return RunFiles(directory, None, tuple(parts))
     ranks = rank_directories(directory)
     if ranks:
@@ -264,7 +260,7 @@ def read_with(directory: Path, compute: Callable[[RunFiles], T]) -> T:
         except (FileNotFoundError, pl.exceptions.ComputeError):
             # A live run merged (and removed) parts between listing and reading: list again.
             if attempt == READ_ATTEMPTS - 1 or all(p.exists() for p in files.paths):
-                damaged = [p for p in files.paths if _unreadable(p)]
+                damaged = [p for p in files.paths if part_unreadable(p)]
                 if damaged:
                     message = _damaged_message(files.directory, files.history, damaged)
                     raise UnreadableHistoryError(message, files.directory) from None
@@ -297,12 +293,6 @@ def _identity(history: Path | None) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return None if found is None else (found.st_ino, found.st_mtime_ns)
-
-
-def _unreadable(path: Path) -> bool:
-    """Whether Parquet cannot read `path`'s footer (a file cut short: a copy or a power loss),
-    or its columns are not history's (a part of a newer version `finalize` left in place)."""
-    return part_unreadable(path)
 
 
 def _damaged_message(directory: Path, history: Path | None, damaged: Sequence[Path]) -> str:

@@ -23,7 +23,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.merge import merged_part_numbers
 
-__all__ = ["left_out_parts", "left_out_said", "part_unreadable"]
+__all__ = ["left_out_parts", "left_out_said", "part_unreadable", "parts_beside"]
 
 
 def part_unreadable(path: Path) -> bool:
@@ -38,6 +38,16 @@ def part_unreadable(path: Path) -> bool:
     return schema_difference(pl.Schema(schema)) is not None
 
 
+def parts_beside(directory: Path, history: Path) -> list[Path]:
+    """The parts in `directory` that its `history` (history.parquet) does not hold.
+
+    Raises:
+        OSError, polars.exceptions.PolarsError: `history`'s metadata cannot be read.
+    """
+    merged = merged_part_numbers(history)
+    return [p for p in list_parts(Path(directory)) if part_number(p) not in merged]
+
+
 def left_out_parts(directory: Path) -> tuple[Path, ...]:
     """The parts beside `directory`'s history.parquet that it does not hold and no reader can
     read: their rows are in no history, count or query. Empty without a history.parquet (a live
@@ -46,10 +56,9 @@ def left_out_parts(directory: Path) -> tuple[Path, ...]:
     if not history.is_file():
         return ()
     try:
-        merged = merged_part_numbers(history)
+        beside = parts_beside(directory, history)
     except (OSError, pl.exceptions.PolarsError):
         return ()
-    beside = [p for p in list_parts(Path(directory)) if part_number(p) not in merged]
     return tuple(p for p in beside if part_unreadable(p))
 
 

@@ -171,11 +171,11 @@ class RunLock:
         self.release()
 
 
-def live_writer(directory: Path) -> str | None:
-    """` (pid N)` (or "" when unknown) if a live process holds `directory`'s run lock, else None.
-
-    It takes the lock and drops it at once, so call it only on a directory that already holds a
-    run: its writer took the lock before writing anything, so the probe cannot race its start.
+def _probe(directory: Path) -> str | bool | None:
+    """Take `directory`'s run lock and drop it at once: False when it was free, the holder
+    (`_read_holder`: " (pid N)" or "") when a live process holds it, None where it cannot be
+    told (no lock file, no platform lock, a lock file this process cannot open, a lock call
+    that fails: a file system without locks answers ENOLCK, which says nothing of the writer).
     """
     path = directory / LOCK_FILE
     locker = _platform_locker()
@@ -188,7 +188,7 @@ def live_writer(directory: Path) -> str | None:
     try:
         if _try_lock(fd, locker):
             _unlock(fd, locker)
-            return None
+            return False
         return _read_holder(fd)
     except OSError:
         return None
@@ -196,29 +196,23 @@ def live_writer(directory: Path) -> str | None:
         os.close(fd)
 
 
+def live_writer(directory: Path) -> str | None:
+    """` (pid N)` (or "" when unknown) if a live process holds `directory`'s run lock, else None.
+
+    It takes the lock and drops it at once, so call it only on a directory that already holds a
+    run: its writer took the lock before writing anything, so the probe cannot race its start.
+    """
+    held = _probe(directory)
+    return held if isinstance(held, str) else None
+
+
 def writer_ended(directory: Path) -> bool | None:
     """Whether the process that writes `directory`'s run has ended: True when no process holds
-    its run lock (as `finalize` tells), False when one does, None where it cannot be told (no
-    lock file, no platform lock, a lock file this process cannot open, a lock call that fails:
-    a file system without locks answers ENOLCK, which says nothing of the writer). Same caveat as
-    `live_writer`: call it only on a directory that already holds a run."""
-    locker = _platform_locker()
-    path = directory / LOCK_FILE
-    if locker is None or not path.is_file() or not os.access(path, os.R_OK | os.W_OK):
-        return None
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:  # a probe that fails (a file system without locks: ENOLCK) tells nothing, never "ended"
-        if not _try_lock(fd, locker):
-            return False
-        _unlock(fd, locker)
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    its run lock (as `finalize` tells), False when one does, None where it cannot be told
+    (`_probe`). Same caveat as `live_writer`: call it only on a directory that already holds a
+    run."""
+    held = _probe(directory)
+    return None if held is None else held is False
 
 
 def _refusal(directory: Path, holder: str) -> str:

@@ -18,10 +18,11 @@ from torchinstruments.cli.text import plural
 from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_said
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.gradient_counts import gradient_count
-from torchinstruments.rundir.index_page import bound_count, gradient_zero_known_of
+from torchinstruments.rundir.index_page import gradient_zero_known_of
 from torchinstruments.rundir.layout import PARTS_GONE_DIR
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import RunLockedError
+from torchinstruments.rundir.ranges import bound_count
 from torchinstruments.rundir.recovery import load_state, recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, NewerStateError

@@ -18,7 +18,7 @@ import polars as pl
 
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.marks import is_mark
-from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.ranges import bound_count
 
 __all__ = ["gradient_count", "gradient_zero_known", "no_grad_samples"]
 
@@ -45,8 +45,6 @@ def gradient_count(backward: int, known_zero: bool, word: bool = True) -> str:
     """A rebuilt count of samples with output gradients, before "with output gradients": `at
     least N samples`, `0 samples` (each ran with grad disabled: `known_zero`), or `unknown
     samples` (no row says anything); without `word`, the number alone (a table cell)."""
-    if backward:
-        return f"at least {plural(backward, 'sample')}" if word else f"at least {backward}"
-    if known_zero:
+    if known_zero and not backward:
         return "0 samples" if word else "0"
-    return "unknown samples" if word else "unknown"
+    return bound_count(backward, "sample" if word else "")

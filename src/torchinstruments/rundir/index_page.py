@@ -54,7 +54,7 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
-from torchinstruments.rundir.ranges import plural, ranges, was_were
+from torchinstruments.rundir.ranges import bound_count, plural, ranges, was_were
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import (
@@ -233,14 +233,6 @@ def unsampled_sentence(counts: RunCounts) -> str:
             "unobserved is unknown: the run's state predates that count)"
         )
     return "the model was never called"
-
-
-def bound_count(n: int, word: str = "") -> str:
-    """A count rebuilt from history: `at least N <word>s`, or `unknown` for 0 (no row says
-    anything: a count nobody wrote is unknown, never 0)."""
-    if not word:
-        return f"at least {n}" if n else "unknown"
-    return f"at least {plural(n, word)}" if n else f"unknown {word}s"
 
 
 def _lost_bound(flush: str) -> str:
@@ -582,7 +574,6 @@ def write_index(
 
 
 __all__ = [
-    "bound_count",
     "bypass_clause",
     "counts_sentence",
     "gradient_zero_known_of",

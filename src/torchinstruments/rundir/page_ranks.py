@@ -3,7 +3,7 @@
 Design decisions:
 
 - Rendered from state, like each rank's page (a rank's counts as its own page gives them:
-  exact, or, rebuilt after a kill, "at least N" and "unknown", by `index_page.bound_count`): from the `.state.json` of every `rank-NNN/`
+  exact, or, rebuilt after a kill, "at least N" and "unknown", by `ranges.bound_count`): from the `.state.json` of every `rank-NNN/`
   directory (read with `rundir.recovery.load_state`), never from the data, in constant time per
   rank. The parent has no state file of its own: its state is its ranks' states.
 - Who writes it: every rank, at the end of its own finish (`remove_observer` or `finalize` of
@@ -44,7 +44,6 @@ import datetime
 import re
 from pathlib import Path
 
-from torchinstruments.rundir.index_page import bound_count
 from torchinstruments.rundir.layout import (
     STATE_FILE,
 )
@@ -52,7 +51,7 @@ from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
-from torchinstruments.rundir.ranges import plural, ranges
+from torchinstruments.rundir.ranges import bound_count, plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
 from torchinstruments.rundir.state import RunState, Status, removal_doing

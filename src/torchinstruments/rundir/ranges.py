@@ -3,14 +3,15 @@
 One formatter for every list of sample ids, attempts, part numbers and ranks the library prints
 or stores (index.md, history.parquet's merged-parts metadata, the command line's rank lists),
 and one for every count it prints (`1 sample`, `2 samples`: index.md, the trainer notes, the
-command line), so a count of 1 never reads "1 samples".
+command line), so a count of 1 never reads "1 samples", or rebuilt after a kill (`at least 2
+samples`, `unknown samples`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["parse_ranges", "plural", "ranges", "was_were"]
+__all__ = ["bound_count", "parse_ranges", "plural", "ranges", "was_were"]
 
 
 def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
@@ -44,3 +45,11 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 def was_were(count: int) -> str:
     """The verb that agrees with `count` things: `was` for 1, else `were`."""
     return "was" if count == 1 else "were"
+
+
+def bound_count(n: int, word: str = "") -> str:
+    """A count rebuilt from history: `at least N <word>s`, or `unknown` for 0 (no row says
+    anything: a count nobody wrote is unknown, never 0)."""
+    if not word:
+        return f"at least {n}" if n else "unknown"
+    return f"at least {plural(n, word)}" if n else f"unknown {word}s"

@@ -217,9 +217,9 @@ def _table_rows(rows: list[tuple[int, str, tuple[str, str, str]]]) -> list[str]:
     consecutive ranks whose cells are the same, so that a job of thousands of ranks reads (and
     stays within index.md's size) as the few states its ranks are in."""
     runs: list[list[tuple[int, str, tuple[str, str, str]]]] = []
+    grouped = len(rows) > ROW_PER_RANK_UP_TO
     for row in rows:
         last = runs[-1][-1] if runs else None
-        grouped = len(rows) > ROW_PER_RANK_UP_TO
         if grouped and last is not None and last[0] + 1 == row[0] and last[2] == row[2]:
             runs[-1].append(row)
         else:

@@ -120,6 +120,27 @@ def test_select_gives_the_sorted_entries_at_any_ranks(
         assert got.tobytes() == (np.sort(drawn)[ranks].astype(np.float64) + 0.0).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [7, order._NARROW_UP_TO, order._NARROW_UP_TO + 1])
+def test_the_device_selection_gives_the_sorted_entries_with_either_digit_width(
+    dtype: torch.dtype, size: int
+) -> None:
+    """`order.on_device` counts 8 bits a pass on a CPU tensor of at most `_NARROW_UP_TO` entries
+    and 16 above: both give `np.sort`'s entries, on ties, signed zeros, subnormals, extremes and
+    non-finite entries left out by the mask."""
+    rng = np.random.default_rng(size)
+    pool = np.array([0.0, -0.0, 1e-45, -1e-45, 1.5, -2.5, 3.4e38, -3.4e38, np.nan, np.inf])
+    values = torch.from_numpy(rng.choice(pool, size)).to(dtype)
+    values[: size // 2] += torch.randn(size // 2, dtype=dtype)
+    finite = torch.isfinite(values)
+    kept = np.sort(values[finite].numpy()).astype(np.float64) + 0.0
+    ranks = torch.from_numpy(rng.integers(0, kept.size, 9))
+    ranks[:2] = torch.tensor([0, kept.size - 1])
+    got = order.on_device(values, finite, ranks).double().numpy() + 0.0
+    assert got.tobytes() == kept[ranks.numpy()].tobytes()
+    assert order._digit_bits(values) == (8 if size <= order._NARROW_UP_TO else 16)
+
+
 def test_quartiles_equal_numpy_percentile_at_2e7() -> None:
     rng = np.random.default_rng(7)
     values = rng.standard_normal(20_000_000, dtype=np.float32)

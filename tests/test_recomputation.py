@@ -23,11 +23,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
+from torchinstruments import EveryNForwardsSampler
+from torchinstruments.integrations import LightningObserver
+
+from conftest import read_history
 from hook_reference import run_both
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,6 +103,9 @@ def test_a_model_checkpointed_whole_reentrantly_has_output_rows_and_says_why_no_
     gradients = {key: "reentrant" for key in result.recorder.tensors if key[3] != "output"}
     result.assert_conforms(unrecorded=gradients)
     assert set(result.history["signal"].to_list()) == {"output"}
+    # Grad was disabled by torch's checkpointing, not by the loop: training rows, not eval's.
+    assert set(result.history["mode"].to_list()) == {"train"}
+    assert set(result.history["grad_enabled"].to_list()) == {False}
     assert counts_line(run_dir).startswith(f"{STEPS} root forwards, {STEPS} samples, 0 ")
     index = (run_dir / "index.md").read_text("utf-8")
     assert f"called during a backward pass {STEPS} times" in index
@@ -139,3 +148,55 @@ def test_a_block_recomputed_inside_a_sampled_forward_is_no_call(run_dir: Path) -
     )
     result.assert_conforms()
     assert set(result.history["call_index"].to_list()) == {0}
+
+
+class CheckpointingStep(lightning.LightningModule):
+    """A training step that checkpoints the observed part reentrantly, `checkpoint(self.net, x)`;
+    every call of `net` records whether grad was enabled (the test's own record)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+        self.calls: list[bool] = []
+        self.net.register_forward_pre_hook(lambda *_: self.calls.append(torch.is_grad_enabled()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return checkpoint(self.net, x.requires_grad_(True), use_reentrant=True).square().sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_training_step_that_checkpoints_reentrantly_is_sampled_as_training(
+    tmp_path: Path,
+) -> None:
+    """Reentrant checkpointing runs the module under no_grad, as generate() would, but a backward
+    follows through its recomputation: its forwards are the training forwards, never evaluation
+    forwards nor a step that "never called the observed module"."""
+    module = CheckpointingStep()
+    trainer = lightning.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            LightningObserver(tmp_path / "run", module="net", sampler=EveryNForwardsSampler(1))
+        ],
+    )
+    with pytest.warns(RuntimeWarning, match="called during a backward pass"):
+        trainer.fit(module, DataLoader(TensorDataset(torch.randn(8, 6)), batch_size=4))
+    assert module.calls == [False, True] * STEPS  # the forward, then torch's recomputation
+    history = read_history(tmp_path / "run")
+    per_sample = history.group_by("sample_id", "step", "mode", "grad_enabled", "signal").len()
+    assert sorted(per_sample.drop("len").rows()) == [
+        (i, i, "train", False, "output") for i in range(STEPS)
+    ]
+    index = (tmp_path / "run" / "index.md").read_text("utf-8")
+    assert (
+        counts_line(tmp_path / "run")
+        == f"{STEPS} root forwards, {STEPS} samples, 0 samples with output gradients"
+    )
+    assert "never called the observed" not in index

@@ -173,5 +173,8 @@ def recomputed_note(calls: int | None = None, so_far: bool = False) -> str:
         "counted, sampled or observed. With use_reentrant=False the gradients of the sampled "
         "forwards are recorded as usual; with use_reentrant=True the model's own forward ran "
         "under torch.no_grad() and its gradients flow only through the recomputation, so those "
-        "samples have output rows and no output_gradient rows"
+        "samples have output rows (grad_enabled false) and no output_gradient rows; they are "
+        "no evaluation forwards, as a forward under the caller's torch.no_grad() is: their mode "
+        "is the layers' own flag, and inside a trainer's training step they are its training "
+        "forwards"
     )

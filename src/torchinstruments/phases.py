@@ -22,22 +22,31 @@ series of that part. A root forward under no_grad inside a training step (each t
 `generate()`, as reinforcement-learning trainers run it before their loss) is no training forward
 either: no backward can follow it, and on the sampler's count it would take the samples of the
 forward that trains; it is an evaluation forward (`of_call`, one grad-mode read per root forward
-under a trainer). A trainer's setup forwards, at the fit's start before its first loop (Lightning's
+under a trainer). Not so a root forward that reentrant activation checkpointing runs
+(`checkpoint(model, x, use_reentrant=True)`, in a plain loop or a training step): torch disables
+grad there itself, and the backward that follows flows through its recomputation, so it is a
+training forward like any other, its rows of mode `train` (a plain loop: the module's flag) with
+grad_enabled false and, as counting.py's note says, no output_gradient rows (`_no_grad_by_user`:
+a walk of the stack, at root forwards under no_grad only). A trainer's setup forwards, at the fit's start before its first loop (Lightning's
 model summary and logger graph of `example_input_array`, an `on_fit_start` hook), are neither
 training nor evaluation: they pass through unobserved whatever `record_eval` says, counted apart, so
 an example input never joins the evaluation series nor is told as the user's evaluation.
 
 Cost: two attribute reads per root forward of a plain loop; under a trainer, `of_call` (one
-grad-mode read). A callback whose trainer tells it of no failed end (the Hugging Face Trainer)
-sets `fit_over`, asked at forwards outside a training step only.
+grad-mode read; under no_grad, a walk of the stack). A callback whose trainer tells it of no
+failed end (the Hugging Face Trainer) sets `fit_over`, asked at forwards outside a training step
+only.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["EVAL", "PASSED_THROUGH", "SETUP", "TRAIN", "UNOBSERVED", "Phases"]
 
@@ -84,7 +93,7 @@ class Phases:
     def mode_of(self, schedule: str) -> str | None:
         """The mode of the rows of a sample taken on `schedule` (None: each layer's own flag).
         Asked once per sample: a plain loop's forward under no_grad is evaluation's."""
-        if schedule == EVAL or (self.train_mode is None and not torch.is_grad_enabled()):
+        if schedule == EVAL or (self.train_mode is None and _no_grad_by_user()):
             return EVAL
         return self.train_mode
 
@@ -92,7 +101,7 @@ class Phases:
         """The schedule of the root forward now starting. Under a trainer, one under no_grad
         inside a training step is evaluation's: no backward follows it (`generate`, a reward
         model's forward)."""
-        if self.current == TRAIN and self.following and not torch.is_grad_enabled():
+        if self.current == TRAIN and self.following and _no_grad_by_user():
             return UNOBSERVED if self.eval_sampler is None else EVAL
         return self.current
 
@@ -118,3 +127,25 @@ class Phases:
         """Whether the trainer's fit ended without telling its callback, which then finished the
         run (a forward asking is not the run's); `when` says in index.md how that was seen."""
         return self.fit_over is not None and self.fit_over(when)
+
+
+# Reentrant checkpointing's forward (`torch.utils.checkpoint.CheckpointFunction`, in that module's
+# __all__): it runs the checkpointed function under torch.no_grad(). Checked on torch 2.15.0.
+_REENTRANT_CHECKPOINT: CodeType | None = getattr(
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None),
+    "__code__",
+    None,
+)
+
+
+def _no_grad_by_user() -> bool:
+    """Whether grad is disabled now by the caller (no_grad, inference_mode), not by reentrant
+    checkpointing, whose forward on this thread's stack disabled it (CPython frames)."""
+    if torch.is_grad_enabled():
+        return False
+    frame: FrameType | None = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _REENTRANT_CHECKPOINT:
+            return False
+        frame = frame.f_back
+    return True

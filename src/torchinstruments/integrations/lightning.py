@@ -31,7 +31,8 @@ Hooks, one line each:
   run recorded (preempted after its last checkpoint) says in index.md which steps repeat.
 
 Training forwards are the samples, and they are exactly the forwards inside the training step
-(those with grad enabled: one under no_grad, which no backward follows, is evaluation's):
+(those with grad enabled: one under no_grad, which no backward follows, is evaluation's, but
+not one reentrant checkpointing runs so, `phases.py`):
 for the fit, the callback wraps `trainer.strategy.training_step` (an instance attribute of the
 strategy, set at fit start and removed at its end or on an exception), which Lightning calls for
 every training step, in automatic and manual optimization alike, through

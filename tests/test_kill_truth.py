@@ -240,6 +240,11 @@ def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "holds histograms of 3 sampled forward(s) that have no row in history.parquet: " in index
     assert "forward_index 6, 8, 10." in index
+    # Only the counts the events prove are raised: a layer's count, and the gradient one, are
+    # its rows' (3 samples), and the line says so rather than that every count includes them.
+    assert "the counts of root forwards and samples include them, those read from rows" in index
+    assert report.counts.backward_samples == 3
+    assert report.counts.layer_samples == {"": 3}
     # The counts are raised to what the events prove: 6 samples, 11 root forwards at least.
     assert report.counts.samples == 6
     assert report.counts.root_forwards == 11

@@ -393,7 +393,9 @@ def _events_line(state: RunState) -> list[str]:
     return [
         f"**Lost in the kill:** {TENSORBOARD_DIR}/ holds histograms of {total} sampled "
         f"forward(s) that have no row in history.parquet: forward_index {shown}{more}. Their "
-        "rows were still in memory when the process died; the counts include them.",
+        "rows were still in memory when the process died; the counts of root forwards and "
+        "samples include them, those read from rows only (samples with output gradients, each "
+        "layer's sampled forwards) do not.",
         "",
     ]
 

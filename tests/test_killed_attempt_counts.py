@@ -144,7 +144,8 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
     forward_index 3, which is not sampled, samples forward_index 4 and is killed. Its rows begin
     at its first sample, but its root forwards at its first forward: 2 of them, not 1.
     Attempt 0's custom reducer fails, which its counts' notes say: they survive the rebuild of
-    the counts after attempt 1's kill, labelled with their attempt as the state's notes are."""
+    the counts after attempt 1's kill, labelled with their attempt as the state's notes are,
+    as does attempt 1's own, that it measures no `bad`."""
     run = killed_runs / "resume" / "stats"
     finalize(run)
 
@@ -155,13 +156,16 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
     assert state.counts is not None
     assert state.counts.root_forwards == 5 == removed.root_forwards + killed.root_forwards
     assert state.counts.samples == 3 == removed.samples + killed.samples
-    [note] = state.notes
+    note, dropped = state.notes
     assert state.counts.notes == state.notes
     assert note.startswith("attempt 0: ")
     assert "ZeroDivisionError" in note
-    # `show` says the note index.md holds, and its beginning; its JSON holds it in full.
+    # Attempt 1 measures no `bad`: said at its inject, so its kill keeps it too.
+    assert dropped.startswith("attempt 1: this attempt measures other metrics than attempt 0")
+    assert "(only there: bad; only here: none)" in dropped
+    # `show` says the notes index.md holds, and their beginning; its JSON holds them in full.
     shown = cli_in_process("show", run, "--width", "2000").stdout.splitlines()
-    assert "notes: 1, in full at the top of index.md:" in shown
+    assert "notes: 2, in full at the top of index.md:" in shown
     assert f"- {state.notes[0][:147].rstrip()}..." in shown
     facts = json.loads(cli_in_process("show", run, "--format", "json").stdout)["run"]
     assert facts["notes"] == list(state.notes)

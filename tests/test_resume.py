@@ -400,11 +400,13 @@ def test_show_names_the_earlier_attempt_that_ended_without_remove_observer(
     assert "the process ended without remove_observer" not in shown
 
 
-def run_attempt(run: Path, sampler: EveryNForwardsSampler | None, forwards: int = 6) -> None:
+def run_attempt(
+    run: Path, sampler: EveryNForwardsSampler | None, forwards: int = 6, **options: Any
+) -> None:
     """One attempt of a two-layer run continued in `run` (`resume=True`), `forwards` steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
-    inject_observer(model, output_dir=run, sampler=sampler, resume=True)
+    inject_observer(model, output_dir=run, sampler=sampler, resume=True, **options)
     for _ in range(forwards):
         model(torch.randn(2, 3)).sum().backward()
     remove_observer(model)
@@ -442,12 +444,40 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
     ]
 
 
+def l2(tensor: torch.Tensor) -> float:
+    """A custom metric one attempt measures and the next does not."""
+    return float(tensor.double().norm())
+
+
+def test_an_attempt_that_measures_other_metrics_says_so_beside_the_last_attempts_line(
+    tmp_path: Path,
+) -> None:
+    """index.md's metrics line is the last attempt's: a restart that drops (or adds) a reducer
+    says which metrics only some attempts measured, never leaving rows no page names."""
+    run = tmp_path / "stats"
+    run_attempt(run, EveryNForwardsSampler(3), reducers=[l2])
+    with pytest.warns(RuntimeWarning, match="other metrics than attempt 0 did") as said:
+        run_attempt(run, EveryNForwardsSampler(3))
+    assert len([w for w in said if "other metrics" in str(w.message)]) == 1
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.filter(pl.col("metric") == "l2")["attempt"].unique().to_list() == [0]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "- metrics: mean, std, min, max, p25, p50, p75, zero_fraction, nonfinite_fraction\n" in (
+        index
+    )
+    assert (
+        "attempt 1: this attempt measures other metrics than attempt 0 did (only there: l2; "
+        "only here: none)"
+    ) in index
+
+
 def test_attempts_of_one_sampler_name_it_once(tmp_path: Path) -> None:
     run = tmp_path / "stats"
     run_attempt(run, EveryNForwardsSampler(3))
     run_attempt(run, EveryNForwardsSampler(3))
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "- sampler: EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...\n" in index
+    assert "other metrics" not in index  # the same metrics in both attempts
     assert [a.sampler for a in read_state(run).attempts] == [
         "EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ..."
     ] * 2

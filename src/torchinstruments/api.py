@@ -49,7 +49,7 @@ from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
 from torchinstruments.phases import Phases
 from torchinstruments.records import RunCounts, RunInfo
-from torchinstruments.rundir.attempts import schedule_fallback_note
+from torchinstruments.rundir.attempts import continuation_notes
 from torchinstruments.rundir.index_page import no_sample_warning, passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
@@ -562,7 +562,7 @@ def _open_run(
         continuation=continuation,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
-    if continuation is not None and (said := schedule_fallback_note(continuation)):
+    for said in continuation_notes(continuation, run.metrics) if continuation else ():
         observer.sinks.add_note(said)
         warn(f"torchinstruments: {said}")
     observer.install(model, layers, focus)

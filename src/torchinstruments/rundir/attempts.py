@@ -142,6 +142,8 @@ class Continuation:
         first_eval_index: what its evaluation sampler is first asked with.
         samples_held: the earlier attempts' samples with a row in history: after a kill, or
             rows lost, fewer than `first_sample_id` (the ids they took); None: not counted.
+        earlier_metrics: the metrics the attempt before it measured (its run info's); None:
+            unknown (its run info was rebuilt after a kill).
     """
 
     attempt: int
@@ -152,6 +154,7 @@ class Continuation:
     first_train_index: int = 0
     first_eval_index: int = 0
     samples_held: int | None = None
+    earlier_metrics: tuple[str, ...] | None = None
 
     @property
     def after_a_kill(self) -> bool:
@@ -319,6 +322,30 @@ def plan_continuation(
 TWO_SCHEDULES = "asked with the count of evaluation forwards (record_eval)"
 
 
+def continuation_notes(continuation: Continuation, metrics: tuple[str, ...]) -> tuple[str, ...]:
+    """What index.md and a warning say when a new attempt cannot simply go on where the earlier
+    ones left: samplers that lost their counts, and metrics other than the attempt before's."""
+    notes = (schedule_fallback_note(continuation), metrics_change_note(continuation, metrics))
+    return tuple(note for note in notes if note)
+
+
+def metrics_change_note(continuation: Continuation, metrics: tuple[str, ...]) -> str | None:
+    """The note when this attempt measures other metrics (`reducers=`) than the attempt before
+    it: index.md's metrics line is the last attempt's, so without it a metric the earlier
+    attempt measured, or one it did not, would look like the whole run's. None otherwise."""
+    before = continuation.earlier_metrics
+    if before is None or set(before) == set(metrics):
+        return None
+    gone = [m for m in before if m not in metrics]
+    new = [m for m in metrics if m not in before]
+    return (
+        f"this attempt measures other metrics than attempt {continuation.attempt - 1} did "
+        f"(only there: {', '.join(gone) or 'none'}; only here: {', '.join(new) or 'none'}), so "
+        "history has each of them only for the samples of the attempts that measured it, and "
+        "index.md's metrics line is the last attempt's"
+    )
+
+
 def schedule_fallback_note(continuation: Continuation) -> str | None:
     """index.md's note when the new attempt's samplers could not continue where an earlier
     attempt with two schedules (`record_eval`) left them, since it died before writing its
@@ -435,6 +462,7 @@ __all__ = [
     "attempt_notes",
     "attempt_rows",
     "close_attempts",
+    "continuation_notes",
     "job_counts",
     "joined_spans",
     "plan_continuation",

@@ -122,10 +122,9 @@ def open_continuation(
     first_part = max(merged_part_numbers(history), default=-1) + 1 if history.is_file() else 0
     lost = [loss.last_sample_id for loss in previous.losses if loss.last_sample_id is not None]
     taken = max(lost, default=-1) + 1
-    return (
-        plan_continuation(directory, attempts, history, first_part, samples_taken=taken),
-        previous,
-    )
+    plan = plan_continuation(directory, attempts, history, first_part, samples_taken=taken)
+    metrics = None if previous.run_info_recovered else previous.run.metrics
+    return dataclasses.replace(plan, earlier_metrics=metrics), previous
 
 
 __all__ = ["holds_run", "open_continuation", "open_continuation_within"]

@@ -16,12 +16,13 @@ from typing import Any
 
 import polars as pl
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from conftest import read_history, strict_json
+from conftest import cli_in_process, read_history, strict_json
 
 TOKENS = 3
 STEPS = 3
@@ -95,3 +96,15 @@ def test_generated_tokens_are_evaluation_samples_of_their_own_series(tmp_path: P
     assert not [text for text in said if "gradient" in text], said
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
     assert "a root forward called with grad disabled" in index
+    # Where a reader meets `eval`, it never says module.training was False alone: here it was
+    # True, and the forward's no_grad made its rows eval.
+    shown = " ".join(cli_in_process("show", tmp_path / "run", "--metrics", "mean").stdout.split())
+    assert "[eval]: the tensor's samples taken in eval mode (module.training False, a root " in (
+        shown
+    )
+    assert "forward called under no_grad or inference_mode, or a trainer's evaluation)" in shown
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tag = next(t for t in events.Tags()["histograms"] if t.startswith("eval/"))
+    described = events.SummaryMetadata(tag).summary_description
+    assert "module.training False, in a root forward called under no_grad" in described

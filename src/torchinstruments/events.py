@@ -141,8 +141,9 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
     what = "output" if histogram.signal == OUTPUT else "gradient flowing back into the output"
     path = f", tensor {histogram.tensor_path}" if histogram.tensor_path else ""
     mode = (
-        f", in {histogram.mode} mode (samples taken with module.training False: a series of "
-        "their own, never mixed with the train tag)"
+        f", in {histogram.mode} mode (samples taken with module.training False, in a root "
+        "forward called under no_grad or inference_mode, or in a trainer's evaluation: a "
+        "series of their own, never mixed with the train tag)"
         if histogram.mode != "train"
         else ""
     )

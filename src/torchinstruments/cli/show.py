@@ -160,8 +160,9 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
     ]
     if set(latest_of) != {"train"}:
         notes.append(
-            "[eval]: the tensor's samples taken in eval mode (module.training False), a series "
-            "of their own: never averaged or compared with its train samples."
+            "[eval]: the tensor's samples taken in eval mode (module.training False, a root "
+            "forward called under no_grad or inference_mode, or a trainer's evaluation), a "
+            "series of their own: never averaged or compared with its train samples."
         )
     if marked:
         notes.append(

@@ -45,7 +45,8 @@ COLUMN_NOTES = {
     "steps so far), or the value a plain loop gave with torchinstruments.set_step(model, step); "
     "null otherwise",
     "mode": '"train" or "eval": the layer\'s module.training at that call, and eval for every '
-    "row of a root forward called with grad disabled; under a trainer callback the forward's "
+    "row of a root forward called with grad disabled (by the caller: reentrant checkpointing's "
+    "no_grad is torch's); under a trainer callback the forward's "
     "phase (a training step's rows are train, an evaluation's eval, whatever a module's flag)",
     "grad_enabled": "torch.is_grad_enabled() during the forward",
     "metric": 'metric name (see Metrics); `"interrupted"` marks a sample whose root forward '
@@ -183,7 +184,8 @@ def section_meanings() -> list[str]:
         "- call_index: the n-th invocation (from 0) of a shared layer inside one sampled root "
         "forward; a layer called 3 times per forward has call_index 0, 1, 2.",
         "- mode: a series is one (layer, call_index, signal, tensor_path, mode, metric). A "
-        "tensor's samples taken in eval mode (module.training False) are a series of their own, "
+        "tensor's samples taken in eval mode (module.training False; below, the other ways) "
+        "are a series of their own, "
         "never one with its train samples: result.json has a tensor entry per mode (`mode`), "
         "`show` and `compare` print eval rows as `name [eval]`, `plot` and `heatmap` draw them "
         "as their own line or row, and TensorBoard has their histograms under `eval/<tag>`. "

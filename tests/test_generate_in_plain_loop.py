@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 import torch
@@ -105,6 +105,7 @@ def test_generated_tokens_are_evaluation_samples_of_their_own_series(tmp_path: P
     assert "forward called under no_grad or inference_mode, or a trainer's evaluation)" in shown
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
-    tag = next(t for t in events.Tags()["histograms"] if t.startswith("eval/"))
+    tags = cast(dict[str, list[str]], events.Tags())["histograms"]
+    tag = next(t for t in tags if t.startswith("eval/"))
     described = events.SummaryMetadata(tag).summary_description
     assert "module.training False, in a root forward called under no_grad" in described

@@ -452,10 +452,11 @@ def l2(tensor: torch.Tensor) -> float:
 def test_an_attempt_that_measures_other_metrics_says_so_beside_the_last_attempts_line(
     tmp_path: Path,
 ) -> None:
-    """index.md's metrics line is the last attempt's: a restart that drops (or adds) a reducer
-    says which metrics only some attempts measured, never leaving rows no page names."""
+    """index.md's metrics and focus lines are the last attempt's: a restart that drops (or
+    adds) a reducer, or histograms of a layer, says which only some attempts had, never
+    leaving rows or histograms no page names."""
     run = tmp_path / "stats"
-    run_attempt(run, EveryNForwardsSampler(3), reducers=[l2])
+    run_attempt(run, EveryNForwardsSampler(3), reducers=[l2], max_histogram_modules=1)
     with pytest.warns(RuntimeWarning, match="other metrics than attempt 0 did") as said:
         run_attempt(run, EveryNForwardsSampler(3))
     assert len([w for w in said if "other metrics" in str(w.message)]) == 1
@@ -469,6 +470,11 @@ def test_an_attempt_that_measures_other_metrics_says_so_beside_the_last_attempts
         "attempt 1: this attempt measures other metrics than attempt 0 did (only there: l2; "
         "only here: none)"
     ) in index
+    assert "- focus layers (TensorBoard histograms): `0`, `1`\n" in index
+    assert (
+        "attempt 1: this attempt's focus layers are not attempt 0's (only there: none; only "
+        "here: 1)"
+    ) in index
 
 
 def test_attempts_of_one_sampler_name_it_once(tmp_path: Path) -> None:
@@ -477,7 +483,8 @@ def test_attempts_of_one_sampler_name_it_once(tmp_path: Path) -> None:
     run_attempt(run, EveryNForwardsSampler(3))
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "- sampler: EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...\n" in index
-    assert "other metrics" not in index  # the same metrics in both attempts
+    assert "other metrics" not in index  # the same metrics and focus layers in both attempts
+    assert "focus layers are not" not in index
     assert [a.sampler for a in read_state(run).attempts] == [
         "EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ..."
     ] * 2

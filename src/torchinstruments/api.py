@@ -562,7 +562,9 @@ def _open_run(
         continuation=continuation,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
-    for said in continuation_notes(continuation, run.metrics) if continuation else ():
+    for said in (
+        continuation_notes(continuation, run.metrics, run.focus_layers) if continuation else ()
+    ):
         observer.sinks.add_note(said)
         warn(f"torchinstruments: {said}")
     observer.install(model, layers, focus)

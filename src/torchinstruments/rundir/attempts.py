@@ -144,6 +144,7 @@ class Continuation:
             rows lost, fewer than `first_sample_id` (the ids they took); None: not counted.
         earlier_metrics: the metrics the attempt before it measured (its run info's); None:
             unknown (its run info was rebuilt after a kill).
+        earlier_focus: the focus layers of the attempt before it, likewise.
     """
 
     attempt: int
@@ -155,6 +156,7 @@ class Continuation:
     first_eval_index: int = 0
     samples_held: int | None = None
     earlier_metrics: tuple[str, ...] | None = None
+    earlier_focus: tuple[str, ...] | None = None
 
     @property
     def after_a_kill(self) -> bool:
@@ -322,10 +324,17 @@ def plan_continuation(
 TWO_SCHEDULES = "asked with the count of evaluation forwards (record_eval)"
 
 
-def continuation_notes(continuation: Continuation, metrics: tuple[str, ...]) -> tuple[str, ...]:
+def continuation_notes(
+    continuation: Continuation, metrics: tuple[str, ...], focus: tuple[str, ...]
+) -> tuple[str, ...]:
     """What index.md and a warning say when a new attempt cannot simply go on where the earlier
-    ones left: samplers that lost their counts, and metrics other than the attempt before's."""
-    notes = (schedule_fallback_note(continuation), metrics_change_note(continuation, metrics))
+    ones left: samplers that lost their counts, metrics or focus layers other than the attempt
+    before's (index.md's lines of both are the last attempt's)."""
+    notes = (
+        schedule_fallback_note(continuation),
+        metrics_change_note(continuation, metrics),
+        focus_change_note(continuation, focus),
+    )
     return tuple(note for note in notes if note)
 
 
@@ -336,14 +345,38 @@ def metrics_change_note(continuation: Continuation, metrics: tuple[str, ...]) ->
     before = continuation.earlier_metrics
     if before is None or set(before) == set(metrics):
         return None
-    gone = [m for m in before if m not in metrics]
-    new = [m for m in metrics if m not in before]
     return (
         f"this attempt measures other metrics than attempt {continuation.attempt - 1} did "
-        f"(only there: {', '.join(gone) or 'none'}; only here: {', '.join(new) or 'none'}), so "
-        "history has each of them only for the samples of the attempts that measured it, and "
-        "index.md's metrics line is the last attempt's"
+        f"({_only(before, metrics)}), so history has each of them only for the samples of the "
+        "attempts that measured it, and index.md's metrics line is the last attempt's"
     )
+
+
+def focus_change_note(continuation: Continuation, focus: tuple[str, ...]) -> str | None:
+    """The note when this attempt's focus layers (`histogram_selector=`,
+    `max_histogram_modules=`) are not the attempt before's: tensorboard/ then holds histograms
+    of layers index.md's focus line (the last attempt's) does not name, or lacks some it names,
+    over the earlier attempts' steps. None otherwise."""
+    before = continuation.earlier_focus
+    if before is None or set(before) == set(focus):
+        return None
+    return (
+        f"this attempt's focus layers are not attempt {continuation.attempt - 1}'s "
+        f"({_only(before, focus)}), so tensorboard/ has each one's histograms only on the steps "
+        "of the attempts that had it as a focus layer, and index.md's focus line is the last "
+        "attempt's"
+    )
+
+
+def _only(before: tuple[str, ...], now: tuple[str, ...], most: int = 8) -> str:
+    """`only there: a, b; only here: c`, at most `most` names each (then how many more)."""
+
+    def named(names: list[str]) -> str:
+        shown = ", ".join(names[:most]) or "none"
+        return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
+
+    there = named([n for n in before if n not in now])
+    return f"only there: {there}; only here: {named([n for n in now if n not in before])}"
 
 
 def schedule_fallback_note(continuation: Continuation) -> str | None:

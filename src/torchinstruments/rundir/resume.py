@@ -123,8 +123,13 @@ def open_continuation(
     lost = [loss.last_sample_id for loss in previous.losses if loss.last_sample_id is not None]
     taken = max(lost, default=-1) + 1
     plan = plan_continuation(directory, attempts, history, first_part, samples_taken=taken)
-    metrics = None if previous.run_info_recovered else previous.run.metrics
-    return dataclasses.replace(plan, earlier_metrics=metrics), previous
+    if previous.run_info_recovered:  # rebuilt after a kill: what it measured is unknown
+        return plan, previous
+    earlier = previous.run
+    plan = dataclasses.replace(
+        plan, earlier_metrics=earlier.metrics, earlier_focus=earlier.focus_layers
+    )
+    return plan, previous
 
 
 __all__ = ["holds_run", "open_continuation", "open_continuation_within"]

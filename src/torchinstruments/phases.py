@@ -27,10 +27,11 @@ under a trainer). Not so a root forward that reentrant activation checkpointing 
 grad there itself, and the backward that follows flows through its recomputation, so it is a
 training forward like any other, its rows of mode `train` (a plain loop: the module's flag) with
 grad_enabled false and, as counting.py's note says, no output_gradient rows (`_no_grad_by_user`:
-a walk of the stack, at root forwards under no_grad only). A trainer's setup forwards, at the fit's start before its first loop (Lightning's
-model summary and logger graph of `example_input_array`, an `on_fit_start` hook), are neither
-training nor evaluation: they pass through unobserved whatever `record_eval` says, counted apart, so
-an example input never joins the evaluation series nor is told as the user's evaluation.
+a walk of the stack, at root forwards under no_grad only). A trainer's setup forwards, at the
+fit's start before its first loop (Lightning's model summary and logger graph of
+`example_input_array`, an `on_fit_start` hook), are neither training nor evaluation: they pass
+through unobserved whatever `record_eval` says, counted apart, so an example input never joins
+the evaluation series nor is told as the user's evaluation.
 
 Cost: two attribute reads per root forward of a plain loop; under a trainer, `of_call` (one
 grad-mode read; under no_grad, a walk of the stack). A callback whose trainer tells it of no

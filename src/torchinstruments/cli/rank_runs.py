@@ -27,7 +27,8 @@ from torchinstruments.cli.reader import (
     read_facts,
 )
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
-from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.index_page import page_notes
+from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_ranks import attempts_line
@@ -238,9 +239,35 @@ def header_lines(
     if missing:
         lines.append(missing_line(missing))
     lines += rank_notes(runs, facts)
+    lines += notes_of_ranks(runs, facts)
     for run, f in zip(runs, facts, strict=True):
         for line in f.marked_lines():
             lines.append(f"rank {run.rank}: {line}")
+    return lines
+
+
+def notes_of_ranks(runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
+    """The ranks' notes (each rank's index.md's, as `show` of one rank begins them), said once
+    for all the ranks that hold the same note (a job's ranks mostly note alike), the first
+    `show.NOTES_SHOWN` of them begun: bounded however many ranks there are."""
+    from torchinstruments.cli.show import NOTES_SHOWN, cut_note
+
+    held: dict[str, list[int]] = {}  # note -> the ranks whose index.md holds it
+    for run, f in zip(runs, facts, strict=True):
+        for note in dict.fromkeys(page_notes(f.run_state) if f.run_state else ()):
+            held.setdefault(note, []).append(run.rank)
+    if not held:
+        return []
+    ranks = sorted({rank for which in held.values() for rank in which})
+    lines = [
+        f"notes: {plural(len(held), 'note')} on rank {ranges(ranks)}, in full at the top of "
+        f"each rank's {INDEX_FILE}:"
+    ]
+    for note, which in list(held.items())[:NOTES_SHOWN]:
+        lines.append(f"- rank {ranges(which)}: {cut_note(note)}")
+    if len(held) > NOTES_SHOWN:
+        rest = sorted({rank for which in list(held.values())[NOTES_SHOWN:] for rank in which})
+        lines.append(f"- ... ({len(held) - NOTES_SHOWN} more, on rank {ranges(rest)})")
     return lines
 
 
@@ -274,6 +301,7 @@ __all__ = [
     "is_parent",
     "leaving_out",
     "not_read_lines",
+    "notes_of_ranks",
     "parent_facts",
     "parse_ranks",
     "rank_notes",

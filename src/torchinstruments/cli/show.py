@@ -86,11 +86,15 @@ def notes_lines(notes: Sequence[str]) -> list[str]:
         return []
     lines = [f"notes: {len(notes)}, in full at the top of {INDEX_FILE}:"]
     for note in notes[:NOTES_SHOWN]:
-        cut = note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
-        lines.append(f"- {cut}")
+        lines.append(f"- {cut_note(note)}")
     if len(notes) > NOTES_SHOWN:
         lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
     return lines
+
+
+def cut_note(note: str) -> str:
+    """A note's beginning, at most `NOTE_CHARS` characters (`...` where it was cut)."""
+    return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:
@@ -207,4 +211,4 @@ def render(
     return render_frame(frame, fmt, facts_dict(facts, window))
 
 
-__all__ = ["render"]
+__all__ = ["NOTES_SHOWN", "cut_note", "notes_lines", "render"]

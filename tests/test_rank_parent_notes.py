@@ -1,0 +1,52 @@
+"""`show PARENT` and `compare PARENT` say the ranks' notes, as `show` of one rank does: each note
+once with the ranks whose index.md holds it, its beginning, and at most `NOTES_SHOWN` of them
+(real observers, the launcher's RANK and WORLD_SIZE; notes added as a trainer callback adds
+them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_rank_parent_readers import observe_rank
+
+from torchinstruments import remove_observer
+from torchinstruments.api import add_run_note
+from torchinstruments.cli.show import NOTE_CHARS, NOTES_SHOWN
+from torchinstruments.rundir.index_page import page_notes
+from torchinstruments.rundir.recovery import load_state
+
+from conftest import cli_in_process
+
+SHARED = "the fit raised RuntimeError: CUDA out of memory (every rank)"
+LONG = "rank 2 alone: " + "a long note " * 30
+
+
+def noted(parent: Path, rank: int, *notes: str) -> None:
+    model = observe_rank(parent, rank, world_size=3, remove=False)
+    for note in notes:
+        assert add_run_note(model, note)
+    remove_observer(model)
+
+
+def test_show_and_compare_of_a_parent_say_each_ranks_notes_once_per_note_and_bounded(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "stats"
+    noted(parent, 0, SHARED)
+    noted(parent, 1, SHARED)
+    noted(parent, 2, SHARED, LONG, *(f"extra note {i}" for i in range(NOTES_SHOWN)))
+    assert SHARED in page_notes(load_state(parent / "rank-001"))
+    for command in ("show", "compare"):
+        done = cli_in_process(command, parent, "--width", "1000")
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        start = lines.index(
+            f"notes: {NOTES_SHOWN + 2} notes on rank 0-2, in full at the top of each rank's "
+            "index.md:"
+        )
+        assert lines[start + 1 : start + NOTES_SHOWN + 2] == [
+            f"- rank 0-2: {SHARED}",
+            f"- rank 2: {LONG[: NOTE_CHARS - 3].rstrip()}...",
+            *(f"- rank 2: extra note {i}" for i in range(NOTES_SHOWN - 2)),
+            "- ... (2 more, on rank 2)",
+        ]

@@ -5,11 +5,14 @@ each rank's values checked against that rank's own history.parquet."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
 import re
 import shutil
+import signal as signals
+import sys
 import threading
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from torchinstruments.__main__ import main
-from torchinstruments.rundir import parent_rewrite
+from torchinstruments.rundir import layout, parent_rewrite
 from torchinstruments.rundir.page_ranks import render_parent_index
 
 from _ranks import joined, run_ranks
@@ -280,3 +283,61 @@ def test_ranks_asking_for_the_page_at_once_all_return_and_the_page_is_whole(
     assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children] == [0] * 8
     assert _table((copy / "index.md").read_text()) == _table(render_parent_index(copy))
     assert not list(copy.glob("*torchinstruments-tmp"))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL, fork, fcntl")
+def test_a_rank_killed_while_asking_for_the_page_leaves_no_temporary_once_it_is_written_again(
+    parent: Path, tmp_path: Path
+) -> None:
+    copy = _copy(parent, tmp_path)
+    pid = os.fork()
+    if pid == 0:  # a rank asking for the page, killed as its first file write is made durable
+        try:
+            layout.fsync_path = lambda path: os.kill(os.getpid(), signals.SIGKILL)
+            parent_rewrite.write_parent_index(copy)
+        finally:
+            os._exit(1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == -signals.SIGKILL
+    # and one an earlier version of the library left, killed between its write and its rename
+    (copy / f"{parent_rewrite.PARENT_AGAIN}.0123456789abcdef{layout.TMP_SUFFIX}").write_text("x")
+
+    parent_rewrite.write_parent_index(copy)  # the next rank to finish
+
+    assert not list(copy.glob(f"*{layout.TMP_SUFFIX}"))
+    assert _table((copy / "index.md").read_text()) == _table(render_parent_index(copy))
+
+
+def test_a_page_write_that_fails_while_a_rank_asks_is_made_again_with_that_rank(
+    parent: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = _copy(parent, tmp_path)
+    (copy / "index.md").unlink()
+    state = copy / "rank-001" / ".state.json"
+    finished = state.read_bytes()
+    state.unlink()  # rank 1 has not finished yet
+    rendering, go_on, writes = threading.Event(), threading.Event(), []
+
+    def write(path: Path, text: str, *args: object, **kwargs: object) -> None:
+        if path.name != "index.md":
+            layout.write_text_atomic(path, text, *args, **kwargs)  # type: ignore[arg-type]
+            return
+        writes.append(text)
+        if len(writes) == 1:  # rank 0's first write fails (a full disk, for a moment)
+            rendering.set()
+            go_on.wait(timeout=120)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        layout.write_text_atomic(path, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parent_rewrite, "write_text_atomic", write)
+    first = threading.Thread(target=parent_rewrite.write_parent_index, args=(copy,))
+    first.start()
+    assert rendering.wait(timeout=120)
+    state.write_bytes(finished)  # rank 1 finishes, asks, and returns: rank 0 holds the lock
+    parent_rewrite.write_parent_index(copy)
+    go_on.set()
+    first.join(timeout=120)
+
+    assert not first.is_alive()
+    assert len(writes) == 2
+    assert _table((copy / "index.md").read_text()) == _table(render_parent_index(copy))
+    assert "no state file" not in _table((copy / "index.md").read_text())[1]

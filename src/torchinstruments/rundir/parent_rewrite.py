@@ -6,31 +6,46 @@ quadratic: on a job of N ranks finishing together, the last rank's `remove_obser
 N renders of N states each (about 2 s a render at 1,024 small ranks, 0.1 s a rank for a
 3,000-layer model's state file: tens of minutes). Instead a rank asks for a rewrite and returns:
 
-- It writes a fresh token into `PARENT/.index.again` (after its own final state is written),
+- It appends a fresh token to `PARENT/.index.again` (after its own final state is written),
   then tries the lock on `PARENT/.index.lock` without blocking. Held: the holder renders again
   for it, and this rank returns at once.
-- The holder reads the token, renders and writes the page, releases the lock, and reads the
-  token again. Changed: a rank asked after the render began, so it takes the lock again
-  (without blocking) and renders again; if another process took it first, that one read the
-  token after the ask, so its render includes the asking rank.
+- The holder empties the token file, reads it, renders and writes the page, releases the
+  lock, and reads the token file again. Changed: a rank asked after the render began, so it
+  takes the lock again (without blocking) and renders again; if another process took it
+  first, that one emptied and read the file after the ask, so its render includes the asking
+  rank. Emptying it under the lock loses no ask: a token it erases was appended before the
+  render that follows reads any state.
+- A render whose write fails (a full disk for a moment) is made again when a rank asked
+  meanwhile, as any render: that rank returned counting on it. The error is raised only when
+  the last render failed too.
+
+The ask is one append, never a temporary renamed into place: a rank killed while asking (ranks
+are killed, and restarted into the same directory) leaves nothing behind, where a temporary named
+by its token (several ranks ask at once) stayed in the parent for good. The holder deletes such
+temporaries that earlier versions left (`_leftovers`): no process writes one now, so none is a
+live writer's.
 
 So the page written last has seen the final state of every rank that finished before it, no
 rank waits on another's render, and a holder renders once per wave of finishes, reading again
 only the states that changed (`page_ranks.StateCache`). No clock is compared (ranks on several
-hosts share the directory), only tokens. `finalize PARENT` waits for the lock instead, so the
-page it names is written when it returns. Where `fcntl` is missing (Windows), every rewrite
-renders, unlocked: the last writer's page may be a little old.
+hosts share the directory), only the tokens. What no token can save is a holder that dies with
+the lock (killed, or its process ending while its removal gave the write up): the ranks that
+asked it meanwhile returned, so the page can be older than their own; the page says so wherever
+it shows a rank not finished, and `finalize PARENT` rewrites it. `finalize PARENT` waits for the
+lock instead, so the page it names is written when it returns. Where `fcntl` is missing
+(Windows), every rewrite renders, unlocked: the last writer's page may be a little old.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from torchinstruments.rundir.layout import INDEX_FILE, write_text_atomic
+from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
 
 __all__ = ["PARENT_AGAIN", "PARENT_LOCK", "write_parent_index"]
@@ -41,7 +56,11 @@ PARENT_AGAIN = ".index.again"
 
 def write_parent_index(parent: Path, *, wait: bool = False) -> Path:
     """Have the parent's index.md rewritten from every rank's state (see the module): by this
-    process, or, when another holds the parent's lock and `wait` is false, by that one."""
+    process, or, when another holds the parent's lock and `wait` is false, by that one.
+
+    Raises:
+        OSError: the page could not be written (by the last render this process made).
+    """
     parent = Path(parent)
     path = parent / INDEX_FILE
     fcntl = _fcntl()
@@ -50,27 +69,59 @@ def write_parent_index(parent: Path, *, wait: bool = False) -> Path:
         return path
     _ask(parent)
     cache = StateCache()
+    failed: OSError | None = None
     while True:
         with _locked(parent, fcntl, wait) as taken:
             if not taken:
-                return path  # its holder reads the token after its render, and renders again
-            asked = _token(parent)
-            write_text_atomic(path, render_parent_index(parent, cache))
+                return path  # its holder read the tokens after the ask, and renders again
+            asked = _taken_asks(parent)
+            try:
+                write_text_atomic(path, render_parent_index(parent, cache))
+                failed = None
+            except OSError as error:  # made again below if a rank asked meanwhile
+                failed = error
         again = _token(parent)
         if again is None or again == asked:
+            if failed is not None:
+                raise failed
             return path
         wait = False  # asked again during the render: once more, unless another took it
 
 
 def _ask(parent: Path) -> None:
-    """A fresh token in `PARENT_AGAIN`: a render that begins after this sees the asking rank.
-    Its temporary is named by the token: ranks ask at once."""
-    token = secrets.token_hex(8)
-    write_text_atomic(parent / PARENT_AGAIN, token, tag=token)
+    """A fresh token appended to `PARENT_AGAIN`: a render that begins after this sees the
+    asking rank. One write of a few bytes, no temporary: nothing is left if the rank is killed."""
+    token = f"{secrets.token_hex(8)}\n".encode("ascii")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(parent / PARENT_AGAIN, flags, 0o644)
+    try:
+        os.write(fd, token)
+    finally:
+        os.close(fd)
+
+
+def _taken_asks(parent: Path) -> str | None:
+    """Under the lock, before a render: the leftovers removed, the asks so far erased (the
+    render that follows sees every rank that made them), and what the file holds then."""
+    _leftovers(parent)
+    with contextlib.suppress(OSError):  # unwritable: the file only grows, compared as before
+        os.truncate(parent / PARENT_AGAIN, 0)
+    return _token(parent)
+
+
+def _leftovers(parent: Path) -> None:
+    """Delete the ask temporaries earlier versions of the library renamed into `PARENT_AGAIN`,
+    left by ranks killed between the write and the rename: no process writes one now."""
+    prefix = f"{PARENT_AGAIN}."
+    with contextlib.suppress(OSError):
+        for path in parent.iterdir():
+            if path.name.startswith(prefix) and is_library_temporary(path):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
 
 def _token(parent: Path) -> str | None:
-    """The latest token; None if unreadable (an I/O error): no more rounds are told apart."""
+    """The asks the file holds; None if unreadable (an I/O error): no more rounds are told apart."""
     try:
         return (parent / PARENT_AGAIN).read_text(encoding="utf-8")
     except OSError:

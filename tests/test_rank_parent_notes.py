@@ -11,7 +11,7 @@ from test_rank_parent_readers import observe_rank
 
 from torchinstruments import remove_observer
 from torchinstruments.api import add_run_note
-from torchinstruments.cli.show import NOTE_CHARS, NOTES_SHOWN
+from torchinstruments.cli.text import NOTE_CHARS, NOTES_SHOWN
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.recovery import load_state
 

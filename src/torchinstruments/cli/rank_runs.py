@@ -27,6 +27,7 @@ from torchinstruments.cli.reader import (
     read_facts,
 )
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
+from torchinstruments.cli.text import NOTES_SHOWN, cut_note
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
@@ -249,9 +250,7 @@ def header_lines(
 def notes_of_ranks(runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
     """The ranks' notes (each rank's index.md's, as `show` of one rank begins them), said once
     for all the ranks that hold the same note (a job's ranks mostly note alike), the first
-    `show.NOTES_SHOWN` of them begun: bounded however many ranks there are."""
-    from torchinstruments.cli.show import NOTES_SHOWN, cut_note
-
+    `text.NOTES_SHOWN` of them begun: bounded however many ranks there are."""
     held: dict[str, list[int]] = {}  # note -> the ranks whose index.md holds it
     for run, f in zip(runs, facts, strict=True):
         for note in dict.fromkeys(page_notes(f.run_state) if f.run_state else ()):

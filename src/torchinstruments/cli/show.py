@@ -22,6 +22,8 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.cli.selection import facts_dict
 from torchinstruments.cli.text import (
+    NOTES_SHOWN,
+    cut_note,
     number,
     plural,
     render_frame,
@@ -73,11 +75,6 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     return lines
 
 
-# `show` begins at most this many of the notes, each cut to NOTE_CHARS characters.
-NOTES_SHOWN = 5
-NOTE_CHARS = 150
-
-
 def notes_lines(notes: Sequence[str]) -> list[str]:
     """The run's notes as `show` says them: how many index.md holds and where, then the
     beginning of each of the first `NOTES_SHOWN` (a note is a paragraph; the summary stays
@@ -90,11 +87,6 @@ def notes_lines(notes: Sequence[str]) -> list[str]:
     if len(notes) > NOTES_SHOWN:
         lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
     return lines
-
-
-def cut_note(note: str) -> str:
-    """A note's beginning, at most `NOTE_CHARS` characters (`...` where it was cut)."""
-    return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:
@@ -211,4 +203,4 @@ def render(
     return render_frame(frame, fmt, facts_dict(facts, window))
 
 
-__all__ = ["NOTES_SHOWN", "cut_note", "notes_lines", "render"]
+__all__ = ["notes_lines", "render"]

@@ -27,6 +27,17 @@ TEXT_SERIES = 60
 FORMATS = ("text", "csv", "json", "markdown")
 
 
+# `show` (of a run, and of a parent's ranks) begins at most this many of the notes, each cut to
+# NOTE_CHARS characters.
+NOTES_SHOWN = 5
+NOTE_CHARS = 150
+
+
+def cut_note(note: str) -> str:
+    """A note's beginning, at most `NOTE_CHARS` characters (`...` where it was cut)."""
+    return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
+
+
 def printable(text: str) -> str:
     """`text` with each character a terminal would act on instead of show (a newline, tab,
     carriage return or escape in a `nn.ModuleDict` key) written as its Python escape (`\\n`,
@@ -213,8 +224,11 @@ def render_frame(frame: pl.DataFrame, fmt: str, facts: dict[str, Any] | None = N
 
 __all__ = [
     "FORMATS",
+    "NOTES_SHOWN",
+    "NOTE_CHARS",
     "NUMBER_WIDTH",
     "TEXT_SERIES",
+    "cut_note",
     "earliest",
     "markdown",
     "number",

@@ -44,19 +44,15 @@ import datetime
 import re
 from pathlib import Path
 
-from torchinstruments.rundir.layout import (
-    STATE_FILE,
-)
+from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import writer_ended
-from torchinstruments.rundir.page_history import history_functions
-from torchinstruments.rundir.page_sections import quoted as _q
+from torchinstruments.rundir.page_rank_queries import parent_blocks, parent_setup
 from torchinstruments.rundir.ranges import bound_count, plural, ranges
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_span
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 
-SHOWN_ROWS = 50
 # The table has a row per rank up to this many ranks; above, runs of like ranks share a row.
 ROW_PER_RANK_UP_TO = 64
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
@@ -184,7 +180,11 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
             "this page was written, as finalize tells it: held, its process is in progress; "
             "free, its process ended without closing the run (killed or crashed) and "
             + tool_span("finalize", parent)
-            + " completes it. This page is rewritten whenever a rank finishes, and by finalize.",
+            + " completes it. This page is rewritten whenever a rank finishes, and by finalize; "
+            "a rank whose rewrite died with the rank writing the page (killed, or its write "
+            "given up or failed, which its warning says) is not seen here: a rank said here not "
+            "to be finished may have finished since (its own index.md says), and finalize "
+            "rewrites this page.",
             "",
         ]
     lines += [
@@ -304,218 +304,6 @@ def _count(state: RunState, count: int) -> str:
     return bound_count(count) if state.counts_recovered else str(count)
 
 
-def _setup(parent: str) -> str:
-    return f'''import json
-from pathlib import Path
-
-import polars as pl
-
-parent = Path({_q(parent)})
-
-
-{history_functions()}
-
-
-def rank_history(directory: Path) -> pl.LazyFrame | None:
-    """A rank's rows, as its own index.md reads them; None before its first part."""
-    try:
-        return history_of(directory)
-    except NoPartYet:
-        return None
-
-
-def state_of(directory: Path) -> dict | None:
-    """A rank's {STATE_FILE} (None before it has one): its status ("in progress" also for a
-    rank whose process died) and its run's world size."""
-    state = directory / {_q(STATE_FILE)}
-    return json.loads(state.read_text(encoding="utf-8")) if state.is_file() else None
-
-
-rank_dirs = {{
-    int(d.name.removeprefix("rank-")): d
-    for d in sorted(parent.glob("rank-*"))
-    if d.is_dir() and d.name.removeprefix("rank-").isdigit()
-}}
-rank_states = {{rank: state_of(d) for rank, d in rank_dirs.items()}}
-world_size = max((s["run"].get("world_size") or 0 for s in rank_states.values() if s), default=0)
-no_directory = [rank for rank in range(world_size) if rank not in rank_dirs]
-if no_directory:
-    print(
-        f"missing: no directory for rank {{', '.join(map(str, no_directory))}} (it never "
-        "attached, or wrote elsewhere): what it saw is unknown"
-    )
-histories = {{rank: rank_history(d) for rank, d in rank_dirs.items()}}
-unread = [rank for rank, h in histories.items() if h is None]  # said, never read as no rows
-if unread:
-    print(
-        f"left out: rank {{', '.join(map(str, unread))}} wrote no part yet (in progress "
-        "before its first sample, or its process died before it); run this block again later"
-    )
-if len(unread) == len(histories):
-    raise SystemExit(f"{{parent}}: no rank has written a part yet; run this block again later")
-ranks = pl.concat([h for h in histories.values() if h is not None])  # `rank` tells them apart
-# train and eval apart; a layer name of another module type on some rank (a pipeline split) too
-SERIES = ["layer", "module_type", "call_index", "signal", "tensor_path", "mode", "metric"]
-
-
-def show(frame: pl.DataFrame, most: int | None = None) -> None:
-    """Print the rows as CSV (full precision, none hidden), or say how many and print `most`."""
-    if most is not None and frame.height > most:
-        print(f"{{frame.height}} rows, the first {{most}}:")
-        frame = frame.head(most)
-    print(frame.write_csv(), end="")'''
-
-
-def _blocks(layer: str) -> list[tuple[str, str]]:
-    return [
-        (
-            "Samples and rows per rank, as read at setup (a rank that sampled less, or stopped, "
-            "shows here; a rank with no part yet has 0 rows read, one the world size expects but no "
-            "directory holds is listed, its counts unknown; `state` is its state file's: "
-            '"in progress" also for a rank whose process died):',
-            """states = pl.LazyFrame(
-    {
-        "rank": [*rank_dirs, *no_directory],
-        "state": [s["status"] if s else "no state file" for s in rank_states.values()]
-        + ["no directory"] * len(no_directory),
-    },
-    schema={"rank": pl.Int32, "state": pl.String},
-)
-per_rank = (
-    states.join(
-        ranks.group_by("rank").agg(
-            samples=pl.col("sample_id").n_unique(), last_sample=pl.col("sample_id").max(), rows=pl.len()
-        ),
-        on="rank",
-        how="left",
-    )
-    .with_columns(  # no part yet: none of its rows read; no directory: unknown (null)
-        pl.col("samples", "rows").fill_null(pl.when(pl.col("state") != "no directory").then(0))
-    )
-    .sort("rank")
-    .collect()
-)
-show(per_rank)""",
-        ),
-        (
-            "Each rank's latest value of every series of one metric, ranks side by side:",
-            f"""latest = (
-    ranks.filter(pl.col("metric") == "mean")
-    .group_by("rank", *SERIES)
-    .agg(pl.col("value").sort_by("sample_id").last())
-    .collect()
-    .pivot("rank", index=SERIES, values="value", sort_columns=True)
-    .sort(SERIES)
-)
-show(latest, most={SHOWN_ROWS})""",
-        ),
-        (
-            "The spread across ranks at every sample of one layer (min, max, median, ranks):",
-            f"""spread = (
-    ranks.filter(pl.col("layer") == {_q(layer)}, pl.col("value").is_finite())
-    .group_by(*SERIES, "sample_id")
-    .agg(
-        ranks=pl.len(),
-        min=pl.col("value").min(),
-        max=pl.col("value").max(),
-        median=pl.col("value").median(),
-    )
-    .sort(SERIES + ["sample_id"])
-    .collect()
-)
-show(spread, most={SHOWN_ROWS})""",
-        ),
-        (
-            "The first sample where one rank departs from the others, as `compare PARENT` "
-            "finds it: its nearest other rank's value is farther than X (for two ranks, "
-            "|a - b| > X; equal values, two NaN or two like infinities, are 0 apart, a NaN or "
-            "an infinity is infinitely far from any other value), or the ranks' rows differ in "
-            "what they hold (a null against a value, nulls for different reasons, or no row on a "
-            "rank that has the sample, its reason `no row`, but a gradient at the latest sample of "
-            "a rank still in progress, which may still come: the ranks not holding what most "
-            "ranks hold depart, every rank where no one kind is held by the most):",
-            f"""X = 0.0  # <- the departure to look for
-METRIC = "mean"  # <- the metric (one at a time: the sort below holds its rows in memory)
-at = SERIES + ["sample_id"]
-held = pl.when(pl.col("value").is_not_null()).then(pl.lit("a value")).otherwise("unavailable_reason")
-
-
-def gap(other: pl.Expr) -> pl.Expr:
-    value = pl.col("value")
-    return pl.when(value == other).then(0.0).otherwise((value - other).abs().fill_nan(float("inf")))
-
-
-rows = ranks.filter(pl.col("metric") == METRIC)
-own = ranks.select("rank", "sample_id").unique()  # each rank's samples: a row of any series
-selected = pl.LazyFrame(  # each rank's selected layers, run or not: its state file's run info
-    [
-        (rank, layer["name"], layer["module_type"])
-        for rank, state in rank_states.items()
-        if state
-        for layer in state["run"]["layers"]
-    ],
-    schema={{"rank": pl.Int64, "layer": pl.String, "module_type": pl.String}},
-    orient="row",
-)
-if any(not state for state in rank_states.values()):
-    print(
-        f"rank {{', '.join(str(r) for r, s in rank_states.items() if not s)}}: no state file, "
-        "so its selected layers are unknown: a row it lacks is not looked for"
-    )
-live = [  # ranks in progress: a gradient of their latest sample may still come (open)
-    int(d.name.removeprefix("rank-"))
-    for d in sorted(parent.glob("rank-*"))
-    if (d / {_q(STATE_FILE)}).is_file()
-    and json.loads((d / {_q(STATE_FILE)}).read_text(encoding="utf-8"))["status"] == "in progress"
-]
-open_at = own.group_by("rank").agg(open=pl.col("sample_id").max()).filter(pl.col("rank").is_in(live))
-still = (pl.col("signal") == "output_gradient") & (pl.col("sample_id") == pl.col("open"))
-missing = (  # no row of a series on a rank that has the sample and the layer, another the row
-    rows.select(at).unique()
-    .join(own, on="sample_id")
-    .join(selected, on=["rank", "layer", "module_type"], how="semi")
-    .join(rows.select(*at, "rank"), on=[*at, "rank"], how="anti")
-    .join(open_at, on="rank", how="left")
-    .filter(~still.fill_null(False))  # a live rank's open sample: no "no row" for a gradient
-    .drop("open")
-    .with_columns(value=pl.lit(None, pl.Float64), unavailable_reason=pl.lit("no row"))
-)
-nearest = (
-    pl.concat([rows, missing], how="diagonal_relaxed")
-    .sort(*at, "value")  # nulls first, -inf ... inf, NaN last: equal values are neighbours
-    .with_columns(
-        below=gap(pl.col("value").shift(1)).over(at),
-        above=gap(pl.col("value").shift(-1)).over(at),
-        held=held,
-    )
-    .with_columns(nearest_other=pl.min_horizontal("below", "above"), n=pl.len().over(*at, "held"))
-    .with_columns(most=pl.col("n").max().over(at))
-    .with_columns(
-        kinds=pl.col("held").n_unique().over(at),
-        tied=pl.col("held").filter(pl.col("n") == pl.col("most")).n_unique().over(at),
-    )
-)
-apart = (pl.col("kinds") > 1) & ((pl.col("n") < pl.col("most")) | (pl.col("tied") > 1))
-first = (
-    nearest.filter((pl.col("nearest_other") > X) | apart)
-    .sort("sample_id", "rank")
-    .group_by(SERIES, maintain_order=True)
-    .agg(
-        first_sample=pl.col("sample_id").first(),
-        rank=pl.col("rank").first(),
-        value=pl.col("value").first(),
-        unavailable_reason=pl.col("unavailable_reason").first(),
-        nearest_other=pl.col("nearest_other").first(),
-    )
-    .sort("first_sample", *SERIES)
-    .collect()
-)
-print(f"{{first.height}} series of {{METRIC}} where a rank departs by more than {{X}}")
-show(first, most={SHOWN_ROWS})""",
-        ),
-    ]
-
-
 def render_parent_index(parent: Path, cache: StateCache | None = None) -> str:
     """The text of the parent's index.md, from its ranks' states (read through `cache`)."""
     parent = Path(parent)
@@ -558,11 +346,11 @@ def render_parent_index(parent: Path, cache: StateCache | None = None) -> str:
         "Run the setup block first, then any other block in the same Python session.",
         "",
         "```python",
-        _setup(root),
+        parent_setup(root),
         "```",
         "",
     ]
-    for title, code in _blocks(layer):
+    for title, code in parent_blocks(layer):
         lines += [title, "", "```python", code, "```", ""]
     if not present:
         lines.append("(no rank directory yet)")

@@ -3,15 +3,18 @@
 per sample, and rank 2 was killed with SIGKILL after its third sample reached the disk. Every
 reader, read again and again while rank 1 writes (index.md's blocks run as printed, `show`,
 `compare`, a plain scan of the parts' glob), answers without failing, and each says where a
-rank stands: finished, in progress, or interrupted (the per-rank query: its state file's
-"in progress", with the 3 samples it wrote; the page's table: its process ended, as its run
-lock tells, while rank 1's is held)."""
+rank stands: finished, in progress, or interrupted (the per-rank query and the page's table
+alike: its process ended, as its run lock tells, while rank 1's is held). Rank 2 was killed
+after a fourth forward whose backward never ran: its latest sample is not open (no gradient can
+still come), so `compare PARENT` calls the gradients it lacks there a departure, and the page
+written after it says a rank not finished may have finished since it was written."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import io
+import json
 import multiprocessing
 import os
 import re
@@ -42,12 +45,14 @@ ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its out
 # rank 2's state on the parent's page once its process died: told by its run lock, as
 # `finalize` tells it, on a page written while rank 1 still writes and on the last one
 ENDED = "not finished: its process ended without closing the run (killed or crashed)"
+ROWS_KILLED = 3 * ROWS_PER_SAMPLE + len(DEFAULT_METRICS)  # rank 2: and sample 3's outputs
 WORLD = 3
 READS = 8
 
 
 def rank_main(rank: int, world_size: int, port: int, parent: str, signals: str) -> None:
-    """Rank 0: 3 samples, then removal. Rank 2: 3 samples on disk, then SIGKILL. Rank 1: 3
+    """Rank 0: 3 samples, then removal. Rank 2: 3 samples and a fourth forward on disk (its
+    backward never runs), then SIGKILL. Rank 1: 3
     samples, says so, then a sample every few milliseconds until the test says stop."""
     with joined(rank, world_size, port):
         torch.manual_seed(rank)
@@ -56,13 +61,16 @@ def rank_main(rank: int, world_size: int, port: int, parent: str, signals: str) 
             model,
             output_dir=parent,
             sampler=EveryNForwardsSampler(1),
-            history_config=HistoryConfig(buffer_rows=ROWS_PER_SAMPLE),
+            # rank 2: a part per signal, so that its last forward's rows reach the disk
+            history_config=HistoryConfig(buffer_rows=ROWS_PER_SAMPLE // (2 if rank == 2 else 1)),
             rank_policy="all",
         )
         for _ in range(3):
             model(torch.randn(2, 4)).sum().backward()
         wait_for_rows(Path(parent) / f"rank-{rank:03d}", 3 * ROWS_PER_SAMPLE)
         if rank == 2:
+            model(torch.randn(2, 4))
+            wait_for_rows(Path(parent) / "rank-002", ROWS_KILLED)
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 1:
             (Path(signals) / "writing").touch()
@@ -119,10 +127,10 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             assert per_rank.select("rank", "state").rows() == [
                 (0, "complete"),
                 (1, "in progress"),
-                (2, "in progress"),  # its state file's: its process died
+                (2, ENDED),  # as the table tells it: its run lock is free
             ]
-            assert per_rank.filter(pl.col("rank") != 1)["samples"].to_list() == [3, 3]
-            assert per_rank.filter(pl.col("rank") != 1)["rows"].to_list() == [54, 54]
+            assert per_rank.filter(pl.col("rank") != 1)["samples"].to_list() == [3, 4]
+            assert per_rank.filter(pl.col("rank") != 1)["rows"].to_list() == [54, ROWS_KILLED]
             live = per_rank.row(1, named=True)
             assert live["samples"] >= 3
             assert live["last_sample"] == live["samples"] - 1
@@ -141,6 +149,14 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             rows = pl.scan_parquet(parts, glob=False).select(pl.len()).collect().item()
             assert not seen_rows or rows >= seen_rows[-1]  # parts only ever added
             seen_rows.append(rows)
+        # no departure of values (--tolerance): only what the ranks hold; rank 2's gradient
+        # at its latest sample is no row, never a row that may still come
+        found = cli_in_process("compare", parent, "--tolerance", "1e9", "--format", "json")
+        assert found.returncode == 0, found.stderr
+        departed = json.loads(found.stdout)
+        assert list(departed["run"]["open_samples"]) == ["1"]  # rank 1's, never rank 2's
+        firsts = {(r["signal"], r["first_departure"]) for r in departed["rows"]}
+        assert firsts == {("output", None), ("output_gradient", 3)}
         import fcntl
 
         with monkeypatch.context() as no_locks:  # a file system without locks (NFS: ENOLCK)
@@ -164,9 +180,11 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
     assert per_rank.select("rank", "state", "samples").rows() == [
         (0, "complete", 3),
         (1, "complete", own["sample_id"].n_unique()),
-        (2, "in progress", 3),
+        (2, ENDED, 4),
     ]
-    assert state_cells((parent / "index.md").read_text())[2] == ENDED
+    page = (parent / "index.md").read_text()
+    assert state_cells(page)[2] == ENDED
+    assert "a rank said here not to be finished may have finished since" in page
 
 
 def refuse_lock(fd: int, operation: int) -> None:

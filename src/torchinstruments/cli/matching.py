@@ -18,8 +18,10 @@ a run's rows reach the disk in the order it measured them, so an earlier sample'
 written before the latest forward are on disk, and the forward's rows of a sample are
 transferred together, before any of its gradients. (A backward run only after a later
 sampled forward is the exception, and is then a difference, as for a finished run.) A run whose
-process died before removal reads "in progress" too until `finalize`: its latest sample is then
-treated as open as well, as its state line says it may be either.
+process died before removal reads "in progress" in its state file until `finalize`, but no
+process holds its run lock (`lock.writer_ended`, as its state line and the parent page tell it):
+its latest sample is not open, since nothing can still come; what it lacks there is a
+difference, as after `finalize`. Only where the lock cannot be told is it treated as open.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import polars as pl
 
 from torchinstruments.cli.reader import RunFacts
 from torchinstruments.records import OUTPUT_GRADIENT
+from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.state import Status
 
 __all__ = ["agreement", "matched_legend", "matched_samples", "open_line", "open_sample", "pending"]
@@ -74,9 +77,12 @@ def matched_legend(between: str, x: str) -> str:
 
 def open_sample(facts: RunFacts, own: pl.DataFrame, x: str) -> int | None:
     """The `x` of a live run's latest sample (`own`: the run's own samples, a row of any series
-    there), whose gradient rows may still come; None for a run that is not in progress."""
+    there), whose gradient rows may still come; None for a run that is not in progress, or
+    whose process ended (no process holds its run lock)."""
     state = facts.run_state
     if state is None or state.status is not Status.IN_PROGRESS or own.is_empty():
+        return None
+    if writer_ended(facts.directory):  # killed or crashed: none of its rows can still come
         return None
     latest = own.select(pl.col(x).max()).item()
     return None if latest is None else int(latest)
@@ -94,6 +100,5 @@ def open_line(who: str, x: str, at: int, what: str) -> str:
     return (
         f"{who} is in progress: its latest sample ({x} {at}) is still open: a gradient row "
         f"it lacks there is no {what} (the sample's backward may not have ended, or its rows "
-        "not yet reached the disk; once they have, it is compared as any other; a process "
-        "that died before removal reads the same until `finalize`)."
+        "not yet reached the disk; once they have, it is compared as any other)."
     )

@@ -10,7 +10,7 @@ and ended in the other.
 
 from __future__ import annotations
 
-from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.layout import LOCK_FILE, STATE_FILE
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 
@@ -43,7 +43,7 @@ def rank_history(directory: Path) -> pl.LazyFrame | None:
 
 def state_of(directory: Path) -> dict | None:
     """A rank's {STATE_FILE} (None before it has one): its status ("in progress" also for a
-    rank whose process died) and its run's world size."""
+    rank whose process died: `rank_state` tells) and its run's world size."""
     state = directory / {_q(STATE_FILE)}
     return json.loads(state.read_text(encoding="utf-8")) if state.is_file() else None
 
@@ -54,6 +54,44 @@ rank_dirs = {{
     if d.is_dir() and d.name.removeprefix("rank-").isdigit()
 }}
 rank_states = {{rank: state_of(d) for rank, d in rank_dirs.items()}}
+
+
+def writer_ended(directory: Path) -> bool | None:
+    """Whether the process writing a rank's run has ended, as finalize tells it: True when no
+    process holds its run lock (taken and dropped at once), False when one does, None where it
+    cannot be told (no fcntl, no lock file, a file system without locks)."""
+    try:
+        import fcntl
+
+        with open(directory / {_q(LOCK_FILE)}, "r+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return False
+    except (ImportError, OSError):
+        return None
+    return True
+
+
+def rank_state(directory: Path, state: dict | None) -> str:
+    """A rank's state as the page's table tells it: its state file's status, a rank not
+    finished told by its run lock now (its state file says "in progress" also once its
+    process died)."""
+    if state is None:
+        return "no state file"
+    if state["status"] != "in progress":
+        return state["status"]
+    ended = writer_ended(directory)
+    if ended is None:
+        return "in progress, or its process died (its lock cannot be read here)"
+    if not ended:
+        return "in progress"
+    if state.get("removal_step"):
+        return "not finished: its process ended during remove_observer (killed or crashed)"
+    return "not finished: its process ended without closing the run (killed or crashed)"
+
+
+rank_status = {{rank: rank_state(d, rank_states[rank]) for rank, d in rank_dirs.items()}}
 world_size = max((s["run"].get("world_size") or 0 for s in rank_states.values() if s), default=0)
 no_directory = [rank for rank in range(world_size) if rank not in rank_dirs]
 if no_directory:
@@ -89,12 +127,13 @@ def parent_blocks(layer: str) -> list[tuple[str, str]]:
         (
             "Samples and rows per rank, as read at setup (a rank that sampled less, or stopped, "
             "shows here; a rank with no part yet has 0 rows read, one the world size expects but no "
-            "directory holds is listed, its counts unknown; `state` is its state file's: "
-            '"in progress" also for a rank whose process died):',
+            "directory holds is listed, its counts unknown; `state` is as the table above tells "
+            'it: a rank not finished is "in progress" while its process holds its run lock, '
+            '"not finished: its process ended ..." once none does):',
             """states = pl.LazyFrame(
     {
         "rank": [*rank_dirs, *no_directory],
-        "state": [s["status"] if s else "no state file" for s in rank_states.values()]
+        "state": list(rank_status.values())
         + ["no directory"] * len(no_directory),
     },
     schema={"rank": pl.Int32, "state": pl.String},
@@ -181,10 +220,9 @@ if any(not state for state in rank_states.values()):
         "so its selected layers are unknown: a row it lacks is not looked for"
     )
 live = [  # ranks in progress: a gradient of their latest sample may still come (open)
-    int(d.name.removeprefix("rank-"))
-    for d in sorted(parent.glob("rank-*"))
-    if (d / {_q(STATE_FILE)}).is_file()
-    and json.loads((d / {_q(STATE_FILE)}).read_text(encoding="utf-8"))["status"] == "in progress"
+    rank
+    for rank, d in rank_dirs.items()
+    if rank_state(d, state_of(d)).startswith("in progress")  # its lock, told now
 ]
 open_at = own.group_by("rank").agg(open=pl.col("sample_id").max()).filter(pl.col("rank").is_in(live))
 still = (pl.col("signal") == "output_gradient") & (pl.col("sample_id") == pl.col("open"))

@@ -27,6 +27,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from test_comparison_query_agreement import KEY
+from test_index_queries import execute
 from torch import nn
 
 from torchinstruments import (
@@ -36,6 +38,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.rundir.page_queries import OTHER_RUN_LINE
 from torchinstruments.rundir.page_ranks import render_parent_index
 
 from _ranks import TIMEOUT_SECONDS, free_port, joined
@@ -185,6 +188,32 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
     page = (parent / "index.md").read_text()
     assert state_cells(page)[2] == ENDED
     assert "a rank said here not to be finished may have finished since" in page
+    # rank 1's own comparison query with rank 2 agrees with compare of the two directories:
+    # rank 2's latest sample is not open, so the gradients it lacks there differ
+    found = cli_in_process(
+        "compare",
+        parent / "rank-001",
+        parent / "rank-002",
+        "--tolerance",
+        "1e9",
+        "--format",
+        "json",
+    )
+    assert found.returncode == 0, found.stderr
+    firsts = {
+        tuple(r[k] for k in KEY): r["first_difference"]
+        for r in json.loads(found.stdout)["rows"]
+        if r["first_difference"] is not None
+    }
+    assert set(firsts.values()) == {3}
+    assert {series[2] for series in firsts} == {"output_gradient"}
+    other = f"other_run = Path({json.dumps(str(parent / 'rank-002'))})"
+    queried, _ = execute(
+        (parent / "rank-001" / "index.md").read_text(encoding="utf-8"),
+        {OTHER_RUN_LINE: other, "tolerance = 0.0": "tolerance = 1e9"},
+    )
+    query = queried["first"].select(*KEY, "first_sample").rows()
+    assert {row[:-1]: row[-1] for row in query} == firsts
 
 
 def refuse_lock(fd: int, operation: int) -> None:

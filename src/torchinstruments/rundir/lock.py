@@ -25,7 +25,14 @@ from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.stuck_writes import stuck_in
 
-__all__ = ["FINALIZE", "RunLock", "RunLockedError", "live_writer", "writer_ended"]
+__all__ = [
+    "FINALIZE",
+    "RunLock",
+    "RunLockedError",
+    "live_writer",
+    "writer_ended",
+    "writer_ended_text",
+]
 
 # The holder a finalize writes into the lock file after its pid (a live run writes none).
 FINALIZE = "torchinstruments finalize"
@@ -213,6 +220,28 @@ def writer_ended(directory: Path) -> bool | None:
     run."""
     held = _probe(directory)
     return None if held is None else held is False
+
+
+def writer_ended_text() -> str:
+    """`writer_ended` as plain Python, for index.md's queries (which run without the library;
+    `Path` imported): the same probe, so a query tells a dead run's writer as every reader
+    does, never "in progress" for a process that died. Where `fcntl` is missing it answers
+    None, as `_probe` does without a platform lock."""
+    return f'''def writer_ended(directory: Path) -> bool | None:
+    """Whether the process writing a run has ended, as finalize tells it: True when no process
+    holds its run lock (taken and dropped at once), False when one does, None where it cannot
+    be told (no fcntl, no lock file, a file system without locks)."""
+    try:
+        import fcntl
+
+        with open(directory / "{LOCK_FILE}", "r+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return False
+    except (ImportError, OSError):
+        return None
+    return True'''
 
 
 def _refusal(directory: Path, holder: str) -> str:

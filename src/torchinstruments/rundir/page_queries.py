@@ -17,7 +17,8 @@ Design decisions:
 - The two-run comparison query (`other_run`, as printed this run itself, so it runs and finds
   nothing) joins the runs on series and sample and lists each series' first differing sample
   (presence flags per run, so a row in one run only differs even when its value is null, but
-  a gradient that a run in progress lacks at its open latest sample, from its state file;
+  a gradient that a run in progress lacks at its open latest sample, from its state file
+  and its run lock (a process that ended has none open);
   nulls for different reasons differ, equal values never do, two NaN included: the same rule
   as `compare`, which a test checks series by series),
   the earliest first, ties in the order this run wrote its rows (a forward's layers in
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from torchinstruments.records import INTERRUPTED, RunInfo
 from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.lock import writer_ended_text
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 from torchinstruments.rundir.shell import tool_span
@@ -291,11 +293,17 @@ common = history.select("sample_id").unique().join(
 measured = pl.col("metric") != {_q(INTERRUPTED)}  # marker rows are no series
 
 
+{writer_ended_text()}
+
+
 def open_sample(directory: Path, rows: pl.LazyFrame) -> int | None:
-    # A run in progress: its latest sample, still open (its gradients may still come).
+    # A run in progress: its latest sample, still open (its gradients may still come), but
+    # not once its process ended (killed: no process holds its lock; nothing can still come).
     state = directory / {_q(STATE_FILE)}
     status = json.loads(state.read_text(encoding="utf-8"))["status"] if state.is_file() else None
-    return rows.select(pl.col("sample_id").max()).collect().item() if status == "in progress" else None
+    if status != "in progress" or writer_ended(directory):
+        return None
+    return rows.select(pl.col("sample_id").max()).collect().item()
 
 
 open_mine, open_other = open_sample(run, history), open_sample(other_run, other)

@@ -10,7 +10,8 @@ and ended in the other.
 
 from __future__ import annotations
 
-from torchinstruments.rundir.layout import LOCK_FILE, STATE_FILE
+from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.lock import writer_ended_text
 from torchinstruments.rundir.page_history import history_functions
 from torchinstruments.rundir.page_sections import quoted as _q
 
@@ -56,21 +57,7 @@ rank_dirs = {{
 rank_states = {{rank: state_of(d) for rank, d in rank_dirs.items()}}
 
 
-def writer_ended(directory: Path) -> bool | None:
-    """Whether the process writing a rank's run has ended, as finalize tells it: True when no
-    process holds its run lock (taken and dropped at once), False when one does, None where it
-    cannot be told (no fcntl, no lock file, a file system without locks)."""
-    try:
-        import fcntl
-
-        with open(directory / {_q(LOCK_FILE)}, "r+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    except BlockingIOError:
-        return False
-    except (ImportError, OSError):
-        return None
-    return True
+{writer_ended_text()}
 
 
 def rank_state(directory: Path, state: dict | None) -> str:

@@ -153,6 +153,7 @@ CLI_COMMANDS = {
     "cli.ranks_draw",
 }
 CLI_SHARED = {
+    "cli.attempts_apart",
     "cli.chunked",
     "cli.matching",
     "cli.module_types",

@@ -23,7 +23,8 @@ Design decisions:
   measured differences: no verdicts, scores or thresholds of our own (the default tolerance is 0,
   i.e. any difference).
 - Series in one run only, series that stop or start in one run, and runs sampled differently
-  (the samplers of every attempt, or the window) are said in words, the latter first: a reader
+  (the samplers of every attempt, or the window, or attempts that begin at different samples:
+  `cli.attempts_apart`) are said in words, the latter first: a reader
   of the table alone would otherwise read "no difference" or a null into them.
 - A matched sample is `cli.matching`'s, the same as `compare PARENT`'s: both runs have the row,
   each with a value, or each a null for the same reason. A live run's latest sample is open
@@ -41,6 +42,7 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli import module_types
+from torchinstruments.cli.attempts_apart import attempts_apart
 from torchinstruments.cli.differences import differences, first_differences
 from torchinstruments.cli.matching import matched_legend, open_line, pending
 from torchinstruments.cli.reader import (
@@ -214,6 +216,8 @@ def warnings_of(c: Comparison) -> list[str]:
         return out + module_types.run_warnings(c.mixed)
     apart = sampled_differently([("A", sampling_a), ("B", sampling_b)], c.x)
     out += [] if apart is None else [apart]
+    restarted = attempts_apart([("A", c.facts_a), ("B", c.facts_b)], c.x, "runs")
+    out += [] if restarted is None else [restarted]
     if run_a.history.window != run_b.history.window:
         out.append(
             f"warning: the runs' own windows differ (A: {run_a.history.window}, B: {run_b.history.window}); "

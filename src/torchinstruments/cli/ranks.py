@@ -51,6 +51,7 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.cli import module_types as types
+from torchinstruments.cli.attempts_apart import attempts_apart
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
 from torchinstruments.cli.matching import matched_legend, open_line, open_sample
 from torchinstruments.cli.rank_departures import batch_departures, combine_departures
@@ -224,7 +225,8 @@ def departure_warnings(d: Departures) -> list[str]:
     """The two-run `compare`'s warning when the ranks were sampled differently (the same rule,
     `selection.sampled_differently`), ranks with the same sampler named together; with one
     sampler, a warning when a sample_id is still a different root forward or step on some
-    rank (`Departures.apart`)."""
+    rank (`Departures.apart`); and where the ranks' attempts begin at different samples
+    (`cli.attempts_apart`)."""
     by_sampler: dict[tuple[str, ...], tuple[Sampling, list[int]]] = {}
     for run, f in zip(d.runs, d.facts, strict=True):
         s = sampling(f)
@@ -234,7 +236,9 @@ def departure_warnings(d: Departures) -> list[str]:
     warning = sampled_differently(labelled, d.x, "ranks")
     if warning is None and d.apart is not None:
         warning = forwards_apart(d.apart)
-    return [] if warning is None else [warning]
+    labels = [(f"rank {run.rank}", f) for run, f in zip(d.runs, d.facts, strict=True)]
+    restarted = attempts_apart(labels, d.x, "ranks")
+    return [w for w in (warning, restarted) if w is not None]
 
 
 def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool = False) -> str:

@@ -71,6 +71,11 @@ def test_compare_says_where_one_sample_id_is_another_attempt_in_each_run_or_rank
         "job is restarted into it, so from there on the same sample_id may be another job's "
         "step in each run (each run's index.md lists its attempts)."
     ]
+    page = (parent / "index.md").read_text(encoding="utf-8")  # the parent's, as compare says
+    assert (
+        "Attempts begin at different samples across ranks: sample_id 2 is attempt 0 on rank 0; "
+        "attempt 1 on rank 1."
+    ) in page
     # the same restart in both runs: the attempts begin together, nothing to say
     alike = cli_in_process("compare", zero, zero, "--format", "json")
     assert json.loads(alike.stdout)["run"]["warnings"] == []

@@ -44,6 +44,7 @@ import datetime
 import re
 from pathlib import Path
 
+from torchinstruments.rundir.attempt_starts import first_attempt_apart
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import writer_ended
@@ -115,12 +116,14 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
     left_out: list[str] = []
     world_sizes: dict[int, list[int]] = {}  # world size -> the ranks whose latest attempt had it
     attempts: dict[int, list[int]] = {}  # attempts in the rank's directory -> those ranks
+    read: list[tuple[str, RunState | None]] = []  # each rank's state, labelled by its rank
     for rank, directory in ranks:
         state, problem = cache.read(directory)
         if state is None:
             open_ranks += 1
             rows.append((rank, directory.name, (problem or "no state file", "-", "-")))
             continue
+        read.append((str(rank), state))
         if state.run.world_size is not None:
             world_sizes.setdefault(state.run.world_size, []).append(rank)
         attempts.setdefault(max(len(state.attempts), 1), []).append(rank)
@@ -168,6 +171,9 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
         lines += [_world_sizes_line(world_sizes), ""]
     if len(attempts) > 1:
         lines += [attempts_line(attempts), ""]
+    apart = first_attempt_apart(read, "sample_id")
+    if apart is not None:
+        lines += [_starts_line(*apart), ""]
     if missing:
         lines += [
             f"Missing: no directory for rank {ranges(missing)} (it never attached, "
@@ -265,6 +271,22 @@ def attempts_line(attempts: dict[int, list[int]]) -> str:
         "one sample_id (and one `attempt` number) can be another job's on another rank: match "
         "ranks by `step` where the loop gives one, or by each attempt's start, which each "
         "rank's index.md lists."
+    )
+
+
+def _starts_line(at: int, by_attempt: dict[int, list[str]]) -> str:
+    """What the page says where the ranks' attempts begin at different samples
+    (`attempt_starts`): the queries match ranks on sample_id, which is then another job's step
+    on some rank."""
+    each = "; ".join(
+        f"attempt {a} on rank {ranges(int(r) for r in ranks)}" for a, ranks in by_attempt.items()
+    )
+    return (
+        f"Attempts begin at different samples across ranks: sample_id {at} is {each}. Each "
+        "rank's directory continues `sample_id` from the rows it holds when a job is restarted "
+        "into it (a rank that sampled less, or whose last rows a kill lost, begins lower), so "
+        "from there on one sample_id can be another job's step on another rank, in the queries "
+        "below as in `compare`: match ranks by `step` where the loop gives one."
     )
 
 

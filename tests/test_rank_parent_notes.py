@@ -35,7 +35,9 @@ def test_show_and_compare_of_a_parent_say_each_ranks_notes_once_per_note_and_bou
     noted(parent, 0, SHARED)
     noted(parent, 1, SHARED)
     noted(parent, 2, SHARED, LONG, *(f"extra note {i}" for i in range(NOTES_SHOWN)))
-    assert SHARED in page_notes(load_state(parent / "rank-001"))
+    state = load_state(parent / "rank-001")
+    assert state is not None
+    assert SHARED in page_notes(state)
     for command in ("show", "compare"):
         done = cli_in_process(command, parent, "--width", "1000")
         assert done.returncode == 0, done.stderr

@@ -19,7 +19,8 @@ Design decisions:
   of attempts are said to (`sample_id` then is not one job's step on all of them); a finished
   rank's history part a merge left in place, unreadable (`rundir.left_parts`), is named with
   its rank, and its rebuilt counts called partial.
-- Its ready queries read all ranks at once (every history row carries its `rank`), including
+- Its ready queries (printed by `page_rank_queries`) read all ranks at once (every history
+  row carries its `rank`; a rank not finished told by its run lock, as the table tells it), including
   the first sample at which one rank departs from the others by more than X, as a plain query:
   a rank departs when its nearest other rank's value is farther than X (for two ranks,
   `|a - b| > X`; a NaN or an infinity is infinitely far from any value but an equal one), or

@@ -7,7 +7,7 @@ rank stands: finished, in progress, or interrupted (the per-rank query and the p
 alike: its process ended, as its run lock tells, while rank 1's is held). Rank 2 was killed
 after a fourth forward whose backward never ran: its latest sample is not open (no gradient can
 still come), so `compare PARENT` calls the gradients it lacks there a departure, and the page
-written after it says a rank not finished may have finished since it was written."""
+written after it says a rank may be further on than it says."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
     ]
     page = (parent / "index.md").read_text()
     assert state_cells(page)[2] == ENDED
-    assert "a rank said here not to be finished may have finished since" in page
+    assert "may be further on than said here" in page
     # rank 1's own comparison query with rank 2 agrees with compare of the two directories:
     # rank 2's latest sample is not open, so the gradients it lacks there differ
     found = cli_in_process(

@@ -165,7 +165,12 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
     lines = [
         head,
         "",
-        f"Each rank's state below is as it was when this page was written, at {written}.",
+        f"Each rank's state below is as it was when this page was written, at {written}. "
+        "This page is rewritten whenever a rank finishes, and by finalize: a rank restarted "
+        "since (resume=True), or whose rewrite died with the rank writing this page (killed, "
+        "or its write given up or failed, which that rank's warning says), may be further on "
+        "than said here; its own index.md, and `show` of this directory, tell it as it is now, "
+        "and finalize rewrites this page.",
         "",
     ]
     if len(world_sizes) > 1:
@@ -187,11 +192,7 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
             "this page was written, as finalize tells it: held, its process is in progress; "
             "free, its process ended without closing the run (killed or crashed) and "
             + tool_span("finalize", parent)
-            + " completes it. This page is rewritten whenever a rank finishes, and by finalize; "
-            "a rank whose rewrite died with the rank writing the page (killed, or its write "
-            "given up or failed, which its warning says) is not seen here: a rank said here not "
-            "to be finished may have finished since (its own index.md says), and finalize "
-            "rewrites this page.",
+            + " completes it.",
             "",
         ]
     lines += [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -340,3 +341,37 @@ def test_sampled_forwards_in_several_threads_leave_torch_compile_on(tmp_path: Pa
     compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
     compiled(torch.ones(3))
     assert graphs_and_breaks()[0] == 1
+
+
+@pytest.mark.parametrize("how", ["torch_compile", "block_compile"])
+def test_a_model_compiled_and_run_before_inject_is_measured_whole_without_a_recompile(
+    how: str, tmp_path: Path
+) -> None:
+    """Compiled and warm before inject_observer: its cached graphs guard on the module's
+    `forward` (none in the instance dict), and the root proxy's frame is kept out of compiled
+    code, so the warm graphs serve the unsampled forwards unchanged (no recompile), while the
+    sampled ones reach the proxy and run eagerly: every layer is measured, nothing is warned."""
+    model = Net(2)
+    call: Callable[[torch.Tensor], torch.Tensor] = model
+    if how == "torch_compile":
+        call = compile_module(model, backend="eager")
+    else:
+        for block in model.blocks:
+            block.compile(backend="eager")
+    batches = inputs(Setup(how, "eager"))
+    step(call, batches[0])
+    warm = graphs_and_breaks()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for x in batches[:4]:
+                step(call, x)
+        remove_observer(model)
+    assert [str(w.message) for w in said if "torchinstruments" in str(w.message)] == []
+    assert graphs_and_breaks() == warm
+    rows = history(tmp_path / "stats")
+    assert rows["forward_index"].unique().sort().to_list() == [0, 2]
+    assert rows["layer"].n_unique() == 4 * 2 + 1
+    assert set(rows["signal"].unique()) == {"output", "output_gradient"}
+    assert rows["unavailable_reason"].null_count() == rows.height

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-from torchinstruments.api import _OBSERVERS
 from torchinstruments.gradients import RECENT_SAMPLES
+from torchinstruments.registry import OBSERVERS
 
 from conftest import read_history, strict_json
 
@@ -17,7 +17,7 @@ from conftest import read_history, strict_json
 def test_a_sample_with_two_backwards_counts_once_and_no_id_set_grows(run_dir: Path) -> None:
     model = nn.Linear(3, 2)
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    recorder = _OBSERVERS[model].gradients
+    recorder = OBSERVERS[model].gradients
     out = model(torch.randn(4, 3))  # sample 0: two backward passes through it
     out.sum().backward(retain_graph=True)
     out.sum().backward()

@@ -36,7 +36,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
-from torchinstruments.api import _OBSERVERS
+from torchinstruments.registry import OBSERVERS
 
 from conftest import sgd_step, wait_for_rows
 
@@ -401,7 +401,7 @@ def held_lock_main(directory: Path, report: Path) -> None:
         model, output_dir=directory, sampler=EveryNForwardsSampler(1), history_config=CONFIG
     )
     sgd_step(model, x, y, 0.01)
-    lock = _OBSERVERS[model].proxies._lock
+    lock = OBSERVERS[model].proxies._lock
     taken, release = threading.Event(), threading.Event()
 
     def hold() -> None:

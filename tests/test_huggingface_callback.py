@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
-from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import HuggingFaceObserver
+from torchinstruments.registry import OBSERVERS
 from torchinstruments.rundir.page_queries import HF_EVAL_SCALARS, HF_SCALARS
 
 from conftest import read_history, run_status
@@ -299,7 +299,7 @@ class SpyTrainer(Trainer):
     seen: list[ObserverConfig]
 
     def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        self.seen.append(_OBSERVERS[model].config)
+        self.seen.append(OBSERVERS[model].config)
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 

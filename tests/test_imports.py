@@ -58,9 +58,9 @@ def test_finalize_cli_runs_without_torch_or_tensorboard(tmp_path: Path) -> None:
 
     model(torch.randn(2, 8)).sum().backward()
     # A crash: the observer never finishes; flush what it holds the way a part boundary would.
-    from torchinstruments.api import _OBSERVERS
+    from torchinstruments.registry import OBSERVERS
 
-    observer = _OBSERVERS.pop(model)
+    observer = OBSERVERS.pop(model)
     directory_sink = observer.sinks._sinks[0]
     directory_sink._history.flush()  # type: ignore[attr-defined]
     directory_sink._lock.release()  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main as cli_main
-from torchinstruments.api import add_run_note
+from torchinstruments.registry import add_run_note
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state

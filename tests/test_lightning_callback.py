@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchinstruments import EveryNForwardsSampler, ObserverConfig, has_observer
-from torchinstruments.api import _OBSERVERS
 from torchinstruments.integrations import LightningObserver
+from torchinstruments.registry import OBSERVERS
 from torchinstruments.rundir.page_queries import LIGHTNING_EVAL_SCALARS, LIGHTNING_SCALARS
 
 from conftest import read_history, run_status, strict_json
@@ -277,7 +277,7 @@ def test_the_callbacks_config_is_built_once_and_is_the_runs(
 
     class Spy(Tiny):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            seen.append(_OBSERVERS[self].config)
+            seen.append(OBSERVERS[self].config)
             return super().training_step(batch, batch_idx)
 
     callback = LightningObserver(sampler=EveryNForwardsSampler(2))

@@ -202,14 +202,14 @@ def test_the_readme_options_table_names_every_option_once() -> None:
 def test_inject_observer_builds_one_config_and_the_run_keeps_it(
     run_dir: Path, config_builds: list[ObserverConfig]
 ) -> None:
-    from torchinstruments.api import _OBSERVERS
+    from torchinstruments.registry import OBSERVERS
 
     model = mlp()
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(3))
     try:
         model(torch.randn(2, 8))
         assert len(config_builds) == 1
-        assert _OBSERVERS[model].config is config_builds[0]
-        assert _OBSERVERS[model].sampler is config_builds[0].sampler
+        assert OBSERVERS[model].config is config_builds[0]
+        assert OBSERVERS[model].sampler is config_builds[0].sampler
     finally:
         remove_observer(model)

@@ -4,9 +4,8 @@ Injection is two steps: `ObserverConfig` (config.py) checks every option, then `
 the model, opens the run directory and installs the proxies; a mistake fails at injection with a
 message naming the argument, before anything touches the model or the disk, never in the middle
 of training. `start_run` is the one way a run starts: `inject_observer` builds the config from its
-keywords, and a trainer callback hands over the config it built when it was built. The
-registry of observed models is a `weakref.WeakKeyDictionary`: it stores nothing on the model and
-lets an observed model be garbage collected (its run is then finalized; see observer.py).
+keywords, and a trainer callback hands over the config it built when it was built. Which models
+are observed, and how a model is found through torch.compile wrappers, is registry.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import functools
 import gc
 import operator
 import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -47,8 +45,8 @@ from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.never_ran import cannot_run, never_ran_warning
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
-from torchinstruments.phases import Phases
-from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.records import RunInfo
+from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
 from torchinstruments.rundir.attempts import continuation_notes
 from torchinstruments.rundir.index_page import no_sample_warning, passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
@@ -65,20 +63,14 @@ from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.sinks.protocol import Sink
 
 __all__ = [
-    "add_run_note",
-    "also_root",
     "check_model",
-    "follow_step",
     "global_notes",
     "has_observer",
     "inject_observer",
     "library_version",
-    "observed_counts",
-    "observer_writing",
     "remove_observer",
     "set_step",
     "start_run",
-    "trainer_phases",
 ]
 
 # Why a model has no observer: a copy is the likeliest surprise (a model sent to a process started
@@ -87,35 +79,6 @@ _NO_OBSERVER_WHY = (
     "never injected, already removed, or a copy of an observed model: deepcopy, pickle, torch.load "
     "and a process started with 'spawn' or 'forkserver' get a plain, unobserved model"
 )
-_OBSERVERS: weakref.WeakKeyDictionary[nn.Module, Observer] = weakref.WeakKeyDictionary()
-# Models injected on a rank that attaches nothing: removing them is expected and stays quiet.
-_UNATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _compile_chain(model: nn.Module) -> list[nn.Module]:
-    """`model` and the modules its torch.compile wrappers compile (OptimizedModule._orig_mod)."""
-    chain = [model]
-    inner = compiled_original(model)
-    while inner is not None and inner not in chain:
-        chain.append(inner)
-        inner = compiled_original(inner)
-    return chain
-
-
-def _registered(model: nn.Module) -> nn.Module | None:
-    """The observed module `model` stands for, seeing through torch.compile wrappers both ways.
-
-    `inject_observer(model); compiled = torch.compile(model)` then `remove_observer(compiled)`
-    finds `model`; `inject_observer(torch.compile(model))` then `remove_observer(model)` finds
-    the wrapper.
-    """
-    for candidate in _compile_chain(model):
-        if candidate in _OBSERVERS:
-            return candidate
-    for key in list(_OBSERVERS):
-        if model in _compile_chain(key):
-            return key
-    return None
 
 
 def library_version() -> str:
@@ -234,17 +197,17 @@ def remove_observer(model: nn.Module) -> Path | None:
             f"remove_observer(model): model must be the nn.Module given to inject_observer "
             f"(or its torch.compile wrapper), got {type(model).__name__} {model!r}"
         )
-    key = _registered(model)
+    key = registered(model)
     if key is None:
-        if model in _UNATTACHED:
-            _UNATTACHED.discard(model)
+        if model in UNATTACHED:
+            UNATTACHED.discard(model)
             return None
         warn(
             f"torchinstruments: remove_observer: this {type(model).__name__} has no observer "
             f"({_NO_OBSERVER_WHY}); nothing was done"
         )
         return None
-    observer = _OBSERVERS.pop(key)
+    observer = OBSERVERS.pop(key)
     if observer.forked:  # a forked child: the run is the parent's (forks.py)
         observer.remove()  # restores the forwards; the observer is closed already
         return None
@@ -298,7 +261,7 @@ def has_observer(model: nn.Module) -> bool:
     Sees through torch.compile wrappers like `remove_observer`: `has_observer(torch.compile(m))`
     is True while `m` is observed, and the other way round.
     """
-    return _registered(model) is not None
+    return registered(model) is not None
 
 
 def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
@@ -332,76 +295,15 @@ def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
             raise TypeError(
                 f"set_step: step must be an integer or None, got {step!r} ({type(step).__name__})"
             ) from None
-    key = _registered(model)
+    key = registered(model)
     if key is None:
-        if model not in _UNATTACHED:
+        if model not in UNATTACHED:
             warn(
                 f"torchinstruments: set_step: this {type(model).__name__} has no observer "
                 f"({_NO_OBSERVER_WHY}); the step was not recorded"
             )
         return
-    _OBSERVERS[key].step = value
-
-
-def follow_step(model: nn.Module, source: Callable[[], object] | None) -> bool:
-    """Read each sample's step from `source()` (a trainer's global step); False without observer.
-
-    For integrations: the step is read when the sample is taken, so a trainer's own counter
-    is the one source of truth (no per-batch bookkeeping in the callback).
-    """
-    key = _registered(model)
-    if key is None:
-        return False
-    _OBSERVERS[key].step_source = source
-    return True
-
-
-def also_root(model: nn.Module, other: nn.Module) -> bool:
-    """Make calls of `other` root forwards of `model`'s run too (until removal); False without
-    observer. For integrations: `other` shares `model`'s layers (the module accelerate's
-    compile_regions built `model` from, which a Trainer evaluates through)."""
-    key = _registered(model)
-    if key is not None:
-        _OBSERVERS[key].proxies.install_root(other, _OBSERVERS[key].on_root_call)
-    return key is not None
-
-
-def trainer_phases(model: nn.Module) -> Phases | None:
-    """The observer's `Phases` (which forwards are training ones), or None without observer.
-
-    For integrations: a trainer callback marks its training steps there (phases.py).
-    """
-    key = _registered(model)
-    return None if key is None else _OBSERVERS[key].phases
-
-
-def observer_writing(directory: Path) -> nn.Module | None:
-    """The module whose live observer in this process writes the run in `directory` (absolute,
-    a rank's own where ranks write their own), or None; for a trainer callback whose resumed fit
-    continues a run that an earlier fit's observer, left attached, still holds."""
-    for model, observer in list(_OBSERVERS.items()):
-        if observer.directory == directory and not observer.forked:
-            return model
-    return None
-
-
-def observed_counts(model: nn.Module) -> RunCounts | None:
-    """What `model`'s live observer has seen so far, or None without one (for integrations)."""
-    key = _registered(model)
-    return None if key is None else _OBSERVERS[key].counts()
-
-
-def add_run_note(model: nn.Module, note: str) -> bool:
-    """Add `note` to the run's index.md (written at removal); False when `model` has no observer.
-
-    For integrations: a trainer callback states there how the fit ended (e.g. that it raised),
-    so a run removed on an exception never reads like an ordinary one.
-    """
-    key = _registered(model)
-    if key is None:
-        return False
-    _OBSERVERS[key].sinks.add_note(note)
-    return True
+    OBSERVERS[key].step = value
 
 
 def check_model(model: object) -> None:
@@ -476,7 +378,7 @@ def start_run(
             "(torch.multiprocessing.set_start_method('spawn')) and inject in it, or fork before "
             "the parent's first inject_observer"
         )
-    if _registered(model) is not None:
+    if registered(model) is not None:
         raise RuntimeError(
             "model already has an observer (directly or through a torch.compile wrapper); call "
             "remove_observer(model) before injecting again"
@@ -492,9 +394,9 @@ def start_run(
         grad_scaler if config.grad_scaler is None else config.grad_scaler,
     )
     if observer is None:
-        _UNATTACHED.add(model)
+        UNATTACHED.add(model)
         return None
-    _OBSERVERS[model] = observer
+    OBSERVERS[model] = observer
     return observer.directory
 
 

@@ -29,16 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from torchinstruments.api import (
-    add_run_note,
-    follow_step,
-    has_observer,
-    observed_counts,
-    observer_writing,
-    remove_observer,
-    start_run,
-    trainer_phases,
-)
+from torchinstruments.api import has_observer, remove_observer, start_run
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_option import check_same_on_every_rank
@@ -61,6 +52,13 @@ from torchinstruments.integrations._samplers import (
 )
 from torchinstruments.notices import warn
 from torchinstruments.phases import SETUP, Phases
+from torchinstruments.registry import (
+    add_run_note,
+    follow_step,
+    observed_counts,
+    observer_writing,
+    trainer_phases,
+)
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
 from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir

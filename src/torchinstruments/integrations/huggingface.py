@@ -94,11 +94,12 @@ from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
 from torchinstruments._torch_internals import on_stack
-from torchinstruments.api import add_run_note, also_root, has_observer
+from torchinstruments.api import has_observer
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
+from torchinstruments.registry import add_run_note, also_root
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink

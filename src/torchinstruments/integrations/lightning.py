@@ -81,13 +81,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from torchinstruments.api import add_run_note, observed_counts
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
+from torchinstruments.registry import add_run_note, observed_counts
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink

@@ -16,9 +16,9 @@ from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import LightningObserver
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, Continuation
-from torchinstruments.rundir.index_page import no_sample_warning, unsampled_sentence
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.ranges import plural, was_were
+from torchinstruments.rundir.unsampled import no_sample_warning, unsampled_sentence
 
 
 def test_plural_names_one_thing_in_the_singular() -> None:

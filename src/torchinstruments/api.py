@@ -48,9 +48,9 @@ from torchinstruments.observer import Observer
 from torchinstruments.records import RunInfo
 from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
 from torchinstruments.rundir.attempts import continuation_notes
-from torchinstruments.rundir.index_page import no_sample_warning, passed_through
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
+from torchinstruments.rundir.unsampled import no_sample_warning, passed_through
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
     Selector,

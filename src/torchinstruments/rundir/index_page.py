@@ -4,7 +4,8 @@ Design decision: the page is rendered from a `RunState` (`rundir.state`) only, n
 data, so it can be written at injection, before any sample exists, and rewritten at removal and
 at `finalize` in constant time. It is never read back: the state file is the machine-readable
 record, and this page is written right after it, from the same object. This module holds the
-sections that depend on how far the run got (state, gaps, run) and assembles the page; the
+sections that depend on how far the run got (state, gaps, run) and assembles the page; why a
+run holds no sample is said in `rundir.unsampled`'s words (shared with removal's warning), the
 lists of layers, bounded whatever the model size, are in `rundir.page_layers`, the sections
 that follow from `RunInfo` alone in `rundir.page_sections`, and the ready Polars queries in
 `rundir.page_queries`. The cost: the page must be kept in step with the schema and
@@ -29,7 +30,6 @@ from torchinstruments.rundir.attempt_ends import (
 from torchinstruments.rundir.attempts import (
     TWO_SCHEDULES,
     AttemptCounts,
-    Continuation,
     sampler_line,
 )
 from torchinstruments.rundir.gradient_counts import gradient_count, gradient_zero_known
@@ -54,13 +54,14 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
-from torchinstruments.rundir.ranges import bound_count, plural, ranges, was_were
+from torchinstruments.rundir.ranges import bound_count, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import (
     RunState,
     Status,
 )
+from torchinstruments.rundir.unsampled import passed_through, unsampled_sentence
 
 # What "samples with output gradients" counts: narrower than "samples a backward ran over".
 GRADIENT_COUNT_MEANING = (
@@ -148,91 +149,6 @@ def _schedules_unknown(state: RunState) -> str:
     if counts is None or counts.eval_forwards is not None or TWO_SCHEDULES not in state.run.sampler:
         return ""
     return "; training and evaluation forwards (record_eval, counted apart): unknown"
-
-
-def passed_through(counts: RunCounts) -> str | None:
-    """The forwards a trainer callback passed through unobserved, in the words index.md and
-    remove_observer's warning share (`2 evaluation forwards ran unobserved`); None when none
-    did (a plain loop) or when that is unknown (a state written before these counts)."""
-    evaluation, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
-    said = [
-        *([plural(evaluation, "evaluation forward")] if evaluation else []),
-        *([plural(setup, "setup forward") + " (before the fit's first loop)"] if setup else []),
-    ]
-    return " and ".join(said) + " ran unobserved" if said else None
-
-
-def no_sample_warning(counts: RunCounts, directory: Path, earlier: Continuation | None) -> str:
-    """remove_observer's warning when its observer took no sample. In a continued run (a fit
-    resumed from the checkpoint of its last step trains nothing) the directory still holds the
-    earlier attempts' rows, and index.md shows this attempt's zero in its Attempts table: say
-    that, as much as is known. The ids they took count samples whose rows never reached
-    history (a killed attempt's last flush interval, the loss ledger's), at least as many after
-    a kill (index.md's "at least"), so the samples history holds are counted apart."""
-    passed = passed_through(counts)
-    seen = f"{plural(counts.root_forwards, 'root forward')} seen, none sampled" + (
-        "" if passed is None else f"; {passed}"
-    )
-    if counts.bypassed_by is not None and not counts.root_forwards:
-        seen = f"{seen}; {bypass_clause(counts.bypassed_by)}"
-    if earlier is None or not earlier.first_sample_id:
-        return (
-            f"torchinstruments: no sample was recorded ({seen}): {directory} holds no rows, "
-            "and its index.md says so"
-        )
-    said = f"torchinstruments: this attempt recorded no sample ({seen}): {directory} holds"
-    taken, held, killed = earlier.first_sample_id, earlier.samples_held, earlier.after_a_kill
-    ids = "0" if taken == 1 else f"0 to {taken - 1}"
-    if held == taken and not killed:
-        return (
-            f"{said} the earlier attempts' {plural(taken, 'sample')} (sample_id {ids}) and "
-            "none of this one's; its index.md's Attempts table says so"
-        )
-    more, why = (
-        (" and perhaps more", "a killed attempt's last rows died with it")
-        if killed
-        else ("", "the rest were recorded but not written, as index.md says")
-    )
-    return (
-        f"{said} none of its rows, and rows of {'an unknown number' if held is None else held} "
-        f"of the {'at least ' if killed else ''}{plural(taken, 'sample')} the earlier attempts took "
-        f"(sample_id {ids}{more}; {why}); its index.md's Attempts table says so"
-    )
-
-
-def bypass_clause(built_by: str) -> str:
-    """Why no root forward was seen while a module built from the model after inject_observer
-    exists (bypass.py), and the fix: the warning and index.md say it in these words."""
-    compiled = "compile_regions" in built_by
-    return (
-        f"the model itself was never called, but {built_by} shares its "
-        "layers and calls them with a forward of its own, so they ran unobserved: call "
-        "inject_observer on that module"
-        + (" (the one compile_regions returns)" if compiled else "")
-        + " and remove_observer on it, not on the model"
-    )
-
-
-def unsampled_sentence(counts: RunCounts) -> str:
-    """Why a removed run with selected layers holds no sample: what the observer saw, and what
-    a trainer callback passed through unobserved. A model called only outside the training
-    steps was called: it is never said to have been "never called", nor is a model whose
-    passed-through forwards nobody counted."""
-    passed = passed_through(counts)
-    if counts.bypassed_by is not None and not counts.root_forwards:
-        return bypass_clause(counts.bypassed_by)
-    if counts.root_forwards:
-        forwards = counts.root_forwards
-        seen = f"{plural(forwards, 'root forward')} {was_were(forwards)} seen and the sampler chose none"
-        return seen if passed is None else f"{seen} ({passed})"
-    if passed is not None:
-        return f"no training forward called the model, and {passed}"
-    if counts.unobserved_eval_forwards is None or counts.unobserved_setup_forwards is None:
-        return (
-            "no root forward was seen (whether a trainer callback passed forwards through "
-            "unobserved is unknown: the run's state predates that count)"
-        )
-    return "the model was never called"
 
 
 def _lost_bound(flush: str) -> str:
@@ -576,15 +492,11 @@ def write_index(
 
 
 __all__ = [
-    "bypass_clause",
     "counts_sentence",
     "gradient_zero_known_of",
     "interrupted_sentence",
-    "no_sample_warning",
     "page_notes",
     "partial_in_flight",
-    "passed_through",
     "render_index",
-    "unsampled_sentence",
     "write_index",
 ]

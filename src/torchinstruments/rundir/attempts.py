@@ -138,10 +138,11 @@ class Continuation:
         first_forward_index: its first forward_index.
         first_part: the number of its first history part.
         attempts: the earlier attempts (each ended).
+        samples_held: the earlier attempts' samples with a row in history (its distinct
+            sample ids, always counted): after a kill, or rows lost, fewer than
+            `first_sample_id` (the ids they took).
         first_train_index: what its training sampler is first asked with.
         first_eval_index: what its evaluation sampler is first asked with.
-        samples_held: the earlier attempts' samples with a row in history: after a kill, or
-            rows lost, fewer than `first_sample_id` (the ids they took); None: not counted.
         earlier_metrics: the metrics the attempt before it measured (its run info's); None:
             unknown (its run info was rebuilt after a kill).
         earlier_focus: the focus layers of the attempt before it, likewise.
@@ -152,9 +153,9 @@ class Continuation:
     first_forward_index: int
     first_part: int
     attempts: tuple[AttemptCounts, ...]
+    samples_held: int
     first_train_index: int = 0
     first_eval_index: int = 0
-    samples_held: int | None = None
     earlier_metrics: tuple[str, ...] | None = None
     earlier_focus: tuple[str, ...] | None = None
 

@@ -64,7 +64,7 @@ def no_sample_warning(counts: RunCounts, directory: Path, earlier: Continuation 
         else ("", "the rest were recorded but not written, as index.md says")
     )
     return (
-        f"{said} none of its rows, and rows of {'an unknown number' if held is None else held} "
+        f"{said} none of its rows, and rows of {held} "
         f"of the {'at least ' if killed else ''}{plural(taken, 'sample')} the earlier attempts took "
         f"(sample_id {ids}{more}; {why}); its index.md's Attempts table says so"
     )

@@ -59,18 +59,20 @@ def run(factory: ModelFactory, x: torch.Tensor, observe: bool, seed: int) -> tup
     torch.manual_seed(seed)
     model = factory()
     model(x)  # materialise lazy modules before injection, identically in both runs
-    directory = Path(tempfile.mkdtemp()) / "stats"
-    if observe:
-        inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
     outputs, grads = [], []
-    for _ in range(2):
-        model.zero_grad()
-        out = model(x)
-        (out.float() ** 2).mean().backward()
-        outputs.append(out.detach().clone())
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-    if observe:
-        remove_observer(model)
+    # Hypothesis calls the test many times per tmp_path: each run's directory is its own,
+    # removed once the run is finished.
+    with tempfile.TemporaryDirectory() as directory:
+        if observe:
+            inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+        for _ in range(2):
+            model.zero_grad()
+            out = model(x)
+            (out.float() ** 2).mean().backward()
+            outputs.append(out.detach().clone())
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        if observe:
+            remove_observer(model)
     outputs.append(model(x).detach().clone())  # after removal: the plain model again
     return outputs, grads, torch.get_rng_state()
 
@@ -122,12 +124,12 @@ def test_recurrent_outputs_and_gradients_are_bit_identical(
     assert_bit_identical(run(factory, x, True, seed), run(factory, x, False, seed))
 
 
-def test_output_after_removal_equals_output_before_injection() -> None:
+def test_output_after_removal_equals_output_before_injection(tmp_path: Path) -> None:
     torch.manual_seed(3)
     model = make_mlp([4, 6, 2], "tanh")().eval()
     x = torch.randn(5, 4)
     before = model(x)
-    inject_observer(model, output_dir=Path(tempfile.mkdtemp()) / "s")
+    inject_observer(model, output_dir=tmp_path / "s")
     during = model(x)
     remove_observer(model)
     assert torch.equal(before, during)

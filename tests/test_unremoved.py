@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from _forked import fork_each, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -35,73 +34,26 @@ def test_collected_model_finalizes_its_run(run_dir: Path) -> None:
     assert [len(layer["tensors"]) for layer in read_result(run_dir)] == [2, 2]
 
 
-def test_process_exiting_without_removal_finalizes_its_run(tmp_path: Path) -> None:
-    run_dir = tmp_path / "stats"
-    script = textwrap.dedent(
-        f"""
-        import torch
-        from torch import nn
-        from torchinstruments import EveryNForwardsSampler, inject_observer
-
-        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-        inject_observer(model, output_dir={str(run_dir)!r}, sampler=EveryNForwardsSampler(1))
-        for _ in range(3):
-            model(torch.randn(2, 3)).sum().backward()
-        # no remove_observer: the interpreter exits with the model still observed
-        """
-    )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    history = pl.read_parquet(run_dir / "history.parquet")
-    assert history["sample_id"].unique().sort().to_list() == [0, 1, 2]
-    assert set(history["signal"]) == {"output", "output_gradient"}
-    assert run_status(run_dir) == "complete"
-
-
-# One interpreter imports torch, then forks a child per ending, one after the other; the child
-# runs the rest of the script as its own and ends as the script would, through the
-# interpreter's exit. The parent writes each child's exit status.
-ENDING = """
-import json, os, sys
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, inject_observer
-
-
-def forked_ending(root):
-    codes = {}
-    for ending in sys.argv[2:]:
-        os.makedirs(os.path.join(root, ending))
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            err = os.open(os.path.join(root, ending, "stderr"), os.O_WRONLY | os.O_CREAT)
-            os.dup2(err, 2)
-            sys.argv[1:] = [os.path.join(root, ending, "stats"), ending]
-            return
-        codes[ending] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    with open(os.path.join(root, "codes.json"), "w") as out:
-        json.dump(codes, out)
-    sys.exit(0)
-
-
-forked_ending(sys.argv[1])
-model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1))
-for step in range(5):
-    model(torch.randn(2, 3)).sum().backward()
-    if step == 2:
-        if sys.argv[2] == "raise":
-            raise RuntimeError("boom at step 2")
-        if sys.argv[2] == "ctrl-c":
-            raise KeyboardInterrupt
-        if sys.argv[2] == "caught":
-            try:
-                raise RuntimeError("caught, then the script went on")
-            except RuntimeError:
-                pass
-        if sys.argv[2] == "sys.exit":
-            sys.exit(3)
-"""
+def end_as(ending: str, directory: Path) -> None:
+    """A script's run that never reaches remove_observer: five steps, unless at step 2 it
+    raises, is interrupted (Ctrl-C), or calls sys.exit; "caught" raises and catches, then goes
+    on to the script's end."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    for step in range(5):
+        model(torch.randn(2, 3)).sum().backward()
+        if step == 2:
+            if ending == "raise":
+                raise RuntimeError("boom at step 2")
+            if ending == "ctrl-c":
+                raise KeyboardInterrupt
+            if ending == "caught":
+                try:
+                    raise RuntimeError("caught, then the script went on")
+                except RuntimeError:
+                    pass
+            if ending == "sys.exit":
+                sys.exit(3)
 
 
 ENDINGS = [
@@ -116,14 +68,12 @@ ENDINGS = [
 
 @pytest.fixture(scope="module")
 def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
-    """Every ending's script run once, each into `root/<ending>/stats`; their exit statuses."""
+    """Every ending's script run once, each into `root/<ending>/stats`; their exit statuses.
+    This file is the script: one interpreter imports torch, then forks a child per ending, one
+    after the other (`_forked.fork_each`); the child runs `end_as` and ends as that script
+    would, through the interpreter's exit."""
     root = tmp_path_factory.mktemp("endings")
-    done = subprocess.run(
-        [sys.executable, "-c", ENDING, str(root), *(ending for ending, _ in ENDINGS)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return root, json.loads((root / "codes.json").read_text(encoding="utf-8"))
+    return root, run_forked(__file__, root, [ending for ending, _ in ENDINGS])
 
 
 @pytest.mark.parametrize(("ending", "said"), ENDINGS)
@@ -132,12 +82,12 @@ def test_a_script_that_stopped_without_removal_says_how_it_ended(
 ) -> None:
     root, codes = ended
     run_dir = root / ending / "stats"
-    stderr = (root / ending / "stderr").read_text(encoding="utf-8")
-    assert (codes[ending] == 0) == (ending == "caught"), stderr
+    assert (codes[ending] == 0) == (ending == "caught"), stderr_of(root, ending)
     assert run_status(run_dir) == "complete"  # every row recorded is in history.parquet
     stopped = 3 if ending != "caught" else 5
     history = pl.read_parquet(run_dir / "history.parquet")
     assert history["sample_id"].unique().sort().to_list() == list(range(stopped))
+    assert set(history["signal"]) == {"output", "output_gradient"}
     # before: no note at all, and the page read like a loop that ran to its end
     note = f"remove_observer was not called: {said}; it holds the samples taken until then."
     state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
@@ -168,3 +118,9 @@ def test_a_second_remove_observer_changes_nothing(run_dir: Path) -> None:
         assert remove_observer(model) is None
     assert (run_dir / "index.md").read_bytes() == page
     assert json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))["notes"] == []
+
+
+if __name__ == "__main__":
+    ending = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    if ending is not None:
+        end_as(ending, Path(sys.argv[1]) / ending / "stats")

@@ -10,8 +10,8 @@ from pathlib import Path
 from test_rank_parent_readers import observe_rank
 
 from torchinstruments import remove_observer
-from torchinstruments.api import add_run_note
 from torchinstruments.cli.text import NOTE_CHARS, NOTES_SHOWN
+from torchinstruments.registry import add_run_note
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.recovery import load_state
 

@@ -418,7 +418,7 @@ def test_direct_forward_detection_works_without_wrapts_c_extension(tmp_path: Pat
     assert set(history["layer"]) == {"0", "1"}
 
 
-# --- the private torch internals, one test each (_torch_internals.py keeps them) -----------
+# --- the private torch internals, one test each (the _torch_internals package keeps them) ---
 
 
 def test_called_through_module_call_tells_module_call_from_direct_forward() -> None:

@@ -13,7 +13,7 @@ never sees a proxy, so it has the graphs, breaks and guards of the plain model.
 Compiled-module naming: a `torch.compile(module)` wrapper is looked through, so layer names and
 the model class are those of the eager model (`named_modules_uncompiled`, `compiled_original`).
 
-The dynamo switches themselves are private torch internals and live in `_torch_internals`.
+The dynamo switches themselves are private torch internals and live in `_torch_internals.dynamo`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchinstruments._torch_internals import (
-    child_modules,
+from torchinstruments._torch_internals import child_modules
+from torchinstruments._torch_internals.dynamo import (
     compile_support,
     compiled_call_impl_installed,
     compiled_forward_installed,

@@ -9,8 +9,8 @@ hook of a backward pass queues one autograd-engine callback
 the pass ends. Outside a running backward pass (a hook fired by
 `torch.autograd.grad` on a finished engine, say), the results are transferred at once, and so
 they are under compiled autograd, which never runs such a callback. The hook and the callback
-run as plain Python under torch.compile (`_torch_internals.opaque_to_compilation`): dynamo never
-compiles the statistics, and compiled autograd calls the hook instead of tracing it.
+run as plain Python under torch.compile (`_torch_internals.dynamo.opaque_to_compilation`):
+dynamo never compiles the statistics, and compiled autograd calls the hook instead of tracing it.
 
 A hook on a non-leaf output dies with the graph. A leaf output (a parameter or an input returned
 as is) outlives it, so hooks on leaves are tracked: at most one unfired hook of ours stays on a
@@ -103,12 +103,12 @@ from torchinstruments._torch_internals import (
     in_compiled_autograd,
     is_legacy_batched,
     is_view,
-    opaque_to_compilation,
     outer_transform_hides_grad,
     queue_at_backward_end,
     tensor_hooks,
     tensor_version,
 )
+from torchinstruments._torch_internals.dynamo import opaque_to_compilation
 from torchinstruments.capture import WarnOnce
 from torchinstruments.gradient_gaps import GradientGaps, series_of
 from torchinstruments.gradient_hooks import Awaited, GradientHook, HookSlots

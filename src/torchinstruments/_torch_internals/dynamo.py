@@ -1,0 +1,179 @@
+"""torch.compile's private side: dynamo's frame-evaluation switches (from torch._C, without
+importing torch._dynamo, which takes seconds), and what dynamo's own modules say once loaded.
+
+Split from the package's other internals because compilation.py and the root wrapper are its
+only users, and every name here moves with dynamo rather than with nn.Module or autograd. The
+same rule holds: one adapter each, with why and the torch version it was checked on.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "compile_support",
+    "compiled_call_impl_installed",
+    "compiled_forward_installed",
+    "dynamo_imported",
+    "dynamo_skips",
+    "exclude_from_compilation",
+    "opaque_to_compilation",
+    "optimized_module_original",
+    "pause_compilation",
+    "resume_compilation",
+    "set_fullgraph_frame_count",
+    "under_fullgraph",
+]
+
+try:
+    from torch._C._dynamo import eval_frame as _eval_frame
+except ImportError:  # pragma: no cover - a torch built without dynamo
+    _eval_frame = None
+
+
+def compile_support() -> bool:
+    """Whether this torch can exclude one frame from compilation while compiling its callees.
+
+    Checked on torch 2.15.0 (`torch._C._dynamo.eval_frame.set_code_exec_strategy`).
+    """
+    return _eval_frame is not None and hasattr(_eval_frame, "set_code_exec_strategy")
+
+
+def exclude_from_compilation(function: Callable[..., Any]) -> None:
+    """Make dynamo run `function`'s frames as plain Python and still compile what they call.
+
+    Marks the code object (`set_code_exec_strategy(SKIP, DEFAULT)`, what
+    `torch.compiler.disable(recursive=False)` does for the frame it wraps) without importing
+    torch._dynamo, which takes seconds; a no-op where this torch lacks it (see compile_support).
+    """
+    if compile_support():
+        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+            _eval_frame._FrameAction.DEFAULT,  # type: ignore[union-attr]
+        )
+        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+
+
+def opaque_to_compilation(function: Callable[..., Any]) -> None:
+    """Make dynamo run `function` and everything it calls as plain Python, also where it would
+    inline `function` into a graph it traces: compiled autograd traces the tensor hooks of a
+    backward pass into the backward's graph.
+
+    Marks the code object (`set_code_exec_strategy(SKIP, SKIP)`: the frame and the frames it
+    calls are never compiled) and the function as `torch.compiler.disable` marks the functions
+    it wraps (`_torchdynamo_disable`, which dynamo reads where it would inline one: it breaks the
+    graph there and calls the function), without a wrapper (which costs every call) and without
+    importing torch._dynamo; a no-op where this torch lacks it (see compile_support). Checked on
+    torch 2.15.0.
+    """
+    if compile_support():
+        strategy = _eval_frame._FrameExecStrategy(  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+            _eval_frame._FrameAction.SKIP,  # type: ignore[union-attr]
+        )
+        _eval_frame.set_code_exec_strategy(function.__code__, strategy)  # type: ignore[union-attr]
+        function._torchdynamo_disable = True  # type: ignore[attr-defined]
+
+
+def _no_callback(*_: Any) -> None:
+    return None
+
+
+# C callables on purpose: a Python helper called by the root wrapper before compilation is paused
+# would be a frame for dynamo to compile. `pause_compilation()` stops dynamo from compiling the
+# frames this thread enters and returns its callback; `resume_compilation(callback)` puts it back.
+# Checked on torch 2.15.0 (`torch._C._dynamo.eval_frame.set_eval_frame`).
+pause_compilation: Callable[[], Any] = (
+    functools.partial(_eval_frame.set_eval_frame, None) if _eval_frame is not None else _no_callback
+)
+resume_compilation: Callable[[Any], Any] = (
+    _eval_frame.set_eval_frame if _eval_frame is not None else _no_callback
+)
+
+
+def set_fullgraph_frame_count(adjust: Callable[[int], int]) -> None:
+    """Replace dynamo's count of compiled frames under `fullgraph=True` by `adjust(count)`.
+
+    Why: an eager call inside a `fullgraph=True` caller must count as a compiled frame, or dynamo
+    reports "no compiled frames". A no-op where this torch lacks the counter. Checked on 2.15.0.
+    """
+    count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if count_frames is not None:
+        count = count_frames(-1)
+        count_frames(adjust(count))
+
+
+def under_fullgraph() -> bool:
+    """Whether the running compiled call is a `fullgraph=True` one (dynamo counts its compiled
+    frames, from 0; elsewhere the count is -1). False where this torch lacks the counter.
+
+    Why: a sampled forward runs eagerly, so that call's no-graph-break promise goes unchecked
+    there, which the run says. Checked on 2.15.0."""
+    count_frames = getattr(_eval_frame, "set_fullgraph_compiled_frame_count", None)
+    if count_frames is None:
+        return False
+    count = count_frames(-1)
+    count_frames(count)
+    return count >= 0
+
+
+def dynamo_imported() -> bool:
+    """Whether torch._dynamo was imported (nothing can have been compiled before that).
+
+    Why: importing it takes seconds, so the library only ever looks it up. Checked on 2.15.0.
+    """
+    return "torch._dynamo" in sys.modules
+
+
+def optimized_module_original(module: nn.Module) -> nn.Module | None:
+    """The module a `torch.compile(module)` wrapper (OptimizedModule) compiles, else None.
+
+    Why: layer names and the model class are those of the eager model. Reads
+    `torch._dynamo.eval_frame.OptimizedModule` and its `_orig_mod`; checked on torch 2.15.0.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return module._orig_mod
+    return None
+
+
+def compiled_call_impl_installed(model: nn.Module) -> bool:
+    """Whether `model.compile()` ran on `model` (it sets the instance's `_compiled_call_impl`).
+
+    Checked on torch 2.15.0.
+    """
+    return model.__dict__.get("_compiled_call_impl") is not None
+
+
+def compiled_forward_installed(module: nn.Module) -> bool:
+    """Whether `module`'s instance `forward` is a torch.compile'd function
+    (`module.forward = torch.compile(module.forward)`).
+
+    Why: such a forward runs eagerly in a sampled forward, as a compiled module does. A compiled
+    function carries `_torchdynamo_inline` (what dynamo inlines in its place), which
+    `torch.compiler.disable` wrappers lack; read through a proxy wrapping it. Checked on torch
+    2.15.0.
+    """
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "_torchdynamo_inline", None) is not None and not getattr(
+        forward, "_torchdynamo_disable", False
+    )
+
+
+def dynamo_skips(function: Callable[..., Any]) -> bool | None:
+    """Whether dynamo's trace rules skip `function` (dynamo never starts compiling there).
+
+    None when `torch._dynamo.trace_rules` is not loaded (it is whenever something was compiled).
+    Checked on torch 2.15.0 (`trace_rules.check`).
+    """
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    check = getattr(trace_rules, "check", None)
+    if check is None:
+        return None
+    return bool(check(function))

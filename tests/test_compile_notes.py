@@ -3,12 +3,14 @@
 A compiled model's sampled forwards run eagerly, which index.md's note says, naming the compiled
 modules by their eager names and warning about random draws under inductor; an eager run says
 nothing of it. A run without a sample, and a torch that cannot keep the root wrapper out of
-compiled code, say so at removal and in index.md.
+compiled code, say so at removal and in index.md. So does a torch container compiled before
+inject_observer was given the module itself, whose compiled forwards each pay one graph break.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -175,3 +177,32 @@ def test_a_torch_that_cannot_exclude_the_root_wrapper_says_compiled_forwards_are
     index = (tmp_path / "stats" / "index.md").read_text("utf-8")
     assert "**Note:** not recorded: forwards run under torch.compile" in index
     assert "neither counted nor sampled" in index
+
+
+def test_a_torch_container_compiled_before_inject_says_its_extra_graph_break_once(
+    tmp_path: Path,
+) -> None:
+    """`compiled = torch.compile(seq); inject_observer(seq)`: nn.Sequential.forward lives in
+    torch, so the compiled wrapper traces `seq(...)` from the top and meets the root proxy, one
+    graph break per compiled forward. Nothing on `seq` shows it at inject; the first compiled
+    call does, and the run says it once (a warning naming the fix, and index.md)."""
+    setup = Setup("inject_on_orig_mod", "eager", sequential=True)
+    model = setup.model()
+    compiled = compile_module(model, backend="eager")
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for x in inputs(setup)[:4]:
+            step(compiled, x)
+    ours = [str(w.message) for w in said if str(w.message).startswith("torchinstruments")]
+    assert len(ours) == 1, ours
+    assert "torch.compile ran on this Sequential before inject_observer" in ours[0]
+    assert "one extra graph break" in ours[0]
+    assert "call inject_observer before torch.compile" in ours[0]
+    assert graphs_and_breaks() == (1, 1)  # the break the warning names, once per compiled code
+    remove_observer(model)
+    index = (tmp_path / "stats" / "index.md").read_text("utf-8")
+    assert "**Note:** torch.compile ran on this Sequential before inject_observer" in index
+    assert pl.read_parquet(tmp_path / "stats" / "history.parquet")[
+        "forward_index"
+    ].unique().sort().to_list() == [0, 2]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
+from types import CodeType
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torchinstruments._torch_internals.dynamo import (
     compiled_forward_installed,
     dynamo_imported,
     dynamo_skips,
+    entered_through_wrap_inline,
     exclude_from_compilation,
     optimized_module_original,
     pause_compilation,
@@ -58,6 +60,7 @@ __all__ = [
     "named_modules_uncompiled",
     "pause_compilation",
     "resume_compilation",
+    "wrapped_before_inject_note",
 ]
 
 
@@ -72,6 +75,14 @@ _COMPILED_FROM_THE_TOP = (
     "wrapper, so each root forward has one extra graph break (and fullgraph=True fails). "
     "Everything is still recorded. Call model.compile() after inject_observer, or inject into "
     "torch.compile(model), for unchanged graphs"
+)
+_WRAPPED_BEFORE_INJECT = (
+    "torch.compile ran on this {cls} before inject_observer, and its compiled wrapper calls the "
+    "{cls}, whose forward lives in torch: torch.compile then traces the {cls}'s call from the "
+    "top and meets the observer's root wrapper, so each compiled root forward has one extra "
+    "graph break (and fullgraph=True fails). Everything is still recorded. For unchanged "
+    "graphs, call inject_observer before torch.compile (or compile the observed module again "
+    "after inject_observer and call that), or inject into the compiled wrapper itself"
 )
 
 
@@ -244,6 +255,21 @@ def compiled_from_the_top(model: nn.Module) -> bool:
     if not compiled_call_impl_installed(model):
         return False
     return bool(dynamo_skips(type(model).forward))
+
+
+def wrapped_before_inject_note(root: nn.Module | None, root_call: CodeType) -> str | None:
+    """index.md's note (and a warning) that the compiled wrapper calling the root costs a graph
+    break at every compiled root forward, or None; asked once per observer, at the first root
+    forward called from compiled code (`root_call`: the root wrapper's code, on the stack).
+
+    `torch.compile(seq)` before `inject_observer(seq)`, for a module whose forward lives in torch:
+    the wrapper then traces `seq(...)` from the top (dynamo's `wrap_inline` frame) into the root
+    proxy. Nothing on `seq` points to its wrapper, so inject cannot tell; the call's frames
+    can. `model.compile()` before inject is said at inject already (`compiled_from_the_top`).
+    """
+    if root is None or compiled_from_the_top(root) or not entered_through_wrap_inline(root_call):
+        return None
+    return _WRAPPED_BEFORE_INJECT.format(cls=type(root).__name__)
 
 
 def compiled_modules(root: nn.Module) -> list[str]:

@@ -86,6 +86,7 @@ from torchinstruments.compilation import (
     exclude_from_compilation,
     pause_compilation,
     resume_compilation,
+    wrapped_before_inject_note,
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
@@ -175,6 +176,7 @@ class Observer:
         self.proxies = Proxies(self.warn_once)
         self._finalizer: weakref.finalize | None = None
         self._entry = ForwardEntry()
+        self._entry_checked = False  # how compiled code calls the root: read once (`_check_entry`)
         self._root_layer: LayerCapture | None = None
         self._class_forward: object = None  # the class forward the root's proxy wraps, if any
         self._root_ref: weakref.ref[nn.Module] | None = None
@@ -261,6 +263,8 @@ class Observer:
                     root = self._root_ref()
                 if type(root).forward is not self._class_forward:
                     wrapped = self._follow_class_forward(root)
+            if paused is not None and not self._entry_checked:
+                self._check_entry()
             sample = self._begin_root_forward()
         except BaseException:
             resume_compilation(paused)
@@ -288,6 +292,19 @@ class Observer:
             return self._run_sample(sample, wrapped, args, kwargs)  # type: ignore[arg-type]
         finally:
             resume_compilation(paused)
+
+    def _check_entry(self) -> None:
+        """At the first root forward called from compiled code: a compiled wrapper made before
+        inject that breaks the graph at the root is said, once (`wrapped_before_inject_note`)."""
+        self._entry_checked = True
+        root = self._root_ref() if self._root_ref is not None else None
+        try:
+            note = wrapped_before_inject_note(root, _ROOT_CODE)
+        except Exception:  # a torch whose frames differ: nothing is said, the step goes on
+            return
+        if note is not None:
+            self.notes.append(note)  # index.md, live and at removal
+            warn(f"torchinstruments: {note}")
 
     def _follow_class_forward(self, root: nn.Module) -> Callable[..., Any]:
         """The root's class `forward` was replaced since the proxy was made (a torch.fx

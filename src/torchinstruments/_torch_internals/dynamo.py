@@ -9,10 +9,13 @@ same rule holds: one adapter each, with why and the torch version it was checked
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
+import wrapt
 from torch import nn
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "compiled_forward_installed",
     "dynamo_imported",
     "dynamo_skips",
+    "entered_through_wrap_inline",
     "exclude_from_compilation",
     "opaque_to_compilation",
     "optimized_module_original",
@@ -177,3 +181,52 @@ def dynamo_skips(function: Callable[..., Any]) -> bool | None:
     if check is None:
         return None
     return bool(check(function))
+
+
+# The frames between a module's caller and its instance `forward`: nn.Module.__call__'s own, and
+# wrapt's where its pure-Python fallback runs (no C extension).
+_MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
+    {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+)
+_WRAPT_DIRECTORY = os.path.dirname(wrapt.__file__)
+
+
+def entered_through_wrap_inline(below: CodeType) -> bool:
+    """Whether the innermost frame running `below` was called, through nn.Module.__call__, by a
+    frame of dynamo's `wrap_inline` helper (`torch._dynamo.external_utils`, its `inner`): a
+    compiled wrapper of the module itself, not a compiled function calling `below` directly
+    (`module.forward = torch.compile(module.forward)`: the break of any compiled caller).
+
+    Why: `torch.compile(module)` on a module whose forward lives in torch (nn.Sequential) compiles
+    that extra frame, which traces `module(...)` from the top; a root proxy installed on the
+    module after that is met inside the traced call, a graph break at every compiled forward.
+    Nothing on the module points to the wrapper, so only the call shows it. Dynamo runs the frame
+    with a code object of its own, so `inner` is matched by file, name and first line, not by
+    identity; False where `external_utils` is not loaded (nothing was compiled). Checked on torch
+    2.15.0 (`external_utils.wrap_inline`, used by `OptimizedModule._initialize`).
+    """
+    external_utils = sys.modules.get("torch._dynamo.external_utils")
+    wrap_inline = getattr(external_utils, "wrap_inline", None)
+    if wrap_inline is None:
+        return False
+    inner = wrap_inline(_no_callback).__code__
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not below:
+        frame = frame.f_back
+    frame = frame.f_back if frame is not None else None
+    through_module_call = False
+    while frame is not None and (
+        frame.f_code in _MODULE_CALL_CODES or frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY)
+    ):
+        through_module_call = through_module_call or frame.f_code in _MODULE_CALL_CODES
+        frame = frame.f_back
+    return through_module_call and frame is not None and _same_code(frame.f_code, inner)
+
+
+def _same_code(running: CodeType, original: CodeType) -> bool:
+    """Whether `running` (dynamo's transformed copy, or the code itself) is `original`'s."""
+    return (running.co_filename, running.co_name, running.co_firstlineno) == (
+        original.co_filename,
+        original.co_name,
+        original.co_firstlineno,
+    )

@@ -27,7 +27,7 @@ from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.state import RunState, write_state
 from torchinstruments.rundir.writer import HistoryWriter
 
-from conftest import rows_in_parts, wait_for_rows
+from conftest import cli_in_process, rows_in_parts, wait_for_rows
 
 
 def run_info(directory: Path, rank: int | None = None) -> RunInfo:
@@ -301,6 +301,44 @@ def test_status_query_names_no_layer_never_run_while_the_run_is_live(tmp_path: P
     assert not any("never ran in a sampled forward:" in line for line in live), live
     finished = status_lines(directory)
     assert finished[-1] == "layers that never ran in a sampled forward: 1 ['unused']"
+
+
+def test_a_run_whose_process_ended_unfinished_is_not_in_progress_in_its_page_or_show(
+    tmp_path: Path,
+) -> None:
+    """A killed run's state file keeps "in progress", and so does the page its live process
+    wrote; its run lock tells that no process writes it any more. The page's status query
+    tells it by that lock, as `show`, `compare` and a parent's page do, and the page's State
+    line says it was true as written and how a reader tells it now."""
+    model = WithEmpty()
+    directory = tmp_path / "stats"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        left = {name: (directory / name).read_text("utf-8") for name in (".state.json", "index.md")}
+        live = status_lines(directory)
+    finally:
+        remove_observer(model)
+    for name, text in left.items():  # the state file and the page as a kill leaves them
+        (directory / name).write_text(text, encoding="utf-8")
+    ended = status_lines(directory)
+    assert live[:2] == [
+        "status: in progress",
+        "counts and the layers that never ran: known once the run ends",
+    ]
+    assert ended[:2] == [
+        "status: interrupted: not finished, and no process holds the run's lock (its process "
+        "ended without remove_observer: killed, crashed or os._exit); finalize completes it",
+        "counts and the layers that never ran: known once finalize completes the run",
+    ]
+    page = left["index.md"]
+    assert (
+        "**State: in progress.** As this page was written, its process held the run's lock" in page
+    )
+    shown = cli_in_process("show", directory)
+    assert "state: interrupted: not finished, and no process holds the run's lock" in " ".join(
+        shown.stdout.split()
+    )
 
 
 def test_result_section_describes_min_and_max_of_a_metric_without_a_valid_value(

@@ -35,6 +35,7 @@ from torchinstruments.rundir.attempts import (
 from torchinstruments.rundir.gradient_counts import gradient_count, gradient_zero_known
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
+    LOCK_FILE,
     STATE_FILE,
     TENSORBOARD_DIR,
     write_text_atomic,
@@ -161,6 +162,16 @@ def _lost_bound(flush: str) -> str:
     )
 
 
+# A live run's State line holds while its process lives; a killed process leaves it as it was,
+# so the line says how a reader tells (the run lock, as show, compare and a parent's page do).
+_WHILE_LIVE = (
+    f"As this page was written, its process held the run's lock (`{LOCK_FILE}`); a process "
+    "that ended without remove_observer (killed, crashed) leaves this line as it was: "
+    "`torchinstruments show` and the status query below tell from the lock whether it still "
+    "runs, and `torchinstruments finalize` completes a run whose process ended."
+)
+
+
 def _section_state(state: RunState) -> list[str]:
     """The visible state: in progress, complete, interrupted, incomplete (and why).
 
@@ -171,9 +182,9 @@ def _section_state(state: RunState) -> list[str]:
     status = state.status
     if status is Status.IN_PROGRESS:
         if not state.losses:
-            return ["**State: in progress.**", ""]
-        lines = ["**State: in progress**, with rows lost so far (the loss ledger):", ""]
-        return [*lines, *(f"- {loss.describe()}" for loss in state.losses), ""]
+            return [f"**State: in progress.** {_WHILE_LIVE}", ""]
+        lines = [f"**State: in progress**, with rows lost so far (the loss ledger). {_WHILE_LIVE}"]
+        return [*lines, "", *(f"- {loss.describe()}" for loss in state.losses), ""]
     lost_bound = _lost_bound(killed_flush(state))
     said = _in_flight(state)
     in_flight = None if said is None else f"{said} (see the note below)"

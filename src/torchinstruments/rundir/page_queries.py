@@ -5,8 +5,11 @@ Design decisions:
 - One setup block defines `run`, `history_of(directory)` (a run's history files listed literally:
   history.parquet once finished, its completed parts while live or after a crash, and both for
   a continued run's live or killed attempt, told apart by `attempt`; Polars with
-  `glob=False`, so a name holding `[`, `*` or `?` is read as named), `history` and `show`. Every
-  other block runs after it, in the same Python session, as printed; the tests execute them all.
+  `glob=False`, so a name holding `[`, `*` or `?` is read as named), `history`, `show` and
+  `writer_ended(directory)` (the run lock probe, `lock.writer_ended_text`: the status and
+  comparison queries tell a run whose process died from a live one by it, never trusting the
+  state file's "in progress"). Every other block runs after it, in the same Python session, as
+  printed; the tests execute them all.
 - Results are printed by `show` as CSV: every row the query means, at full precision, never a
   10-row table with the middle hidden. Where a query can mean thousands of rows it says how many
   and prints the first ones, saying so.
@@ -100,6 +103,9 @@ def this_run() -> Path:
 run = this_run()
 
 
+{writer_ended_text()}
+
+
 {history_functions()}
 
 
@@ -122,11 +128,24 @@ def _blocks(layer: str) -> list[tuple[str, str]]:
             f"Status and counts, from `{STATE_FILE}`, and the layers that never ran in a "
             "sampled forward (counts are null while the run is in progress: both are known "
             "once it ends, at removal or `finalize`; meanwhile the next query counts the "
-            "layers with rows so far):",
+            "layers with rows so far; a run the state file says is in progress whose process "
+            "ended, as its run lock tells, is said interrupted, as `show` says it):",
             f"""state = json.loads((run / {_q(STATE_FILE)}).read_text(encoding="utf-8"))
 counts = state["counts"]
-print("status:", state["status"])
-if counts is None:  # in progress: no layer is known never to run before the run ends
+status = state["status"]  # "in progress" also once its process died: its run lock tells
+ended = writer_ended(run) if status == "in progress" else False
+if ended and state.get("removal_step"):
+    status = ("interrupted during remove_observer: no process holds the run's lock (killed or "
+              "crashed); finalize completes it")
+elif ended:
+    status = ("interrupted: not finished, and no process holds the run's lock (its process "
+              "ended without remove_observer: killed, crashed or os._exit); finalize completes it")
+elif ended is None:
+    status = "in progress, or interrupted (its lock cannot be read here; finalize completes it)"
+print("status:", status)
+if counts is None and ended is not False:  # nothing counts any more; finalize rebuilds them
+    print("counts and the layers that never ran: known once finalize completes the run")
+elif counts is None:  # in progress: no layer is known never to run before the run ends
     print("counts and the layers that never ran: known once the run ends")
 else:
     print({{k: v for k, v in counts.items() if k != "layer_samples"}})
@@ -291,9 +310,6 @@ common = history.select("sample_id").unique().join(
     other.select("sample_id").unique(), on="sample_id"
 )  # every sample both runs have, whatever rows a filter below keeps
 measured = pl.col("metric") != {_q(INTERRUPTED)}  # marker rows are no series
-
-
-{writer_ended_text()}
 
 
 def open_sample(directory: Path, rows: pl.LazyFrame) -> int | None:

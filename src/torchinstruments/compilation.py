@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
-from types import CodeType
 from typing import Any
 
 import torch
@@ -257,7 +256,7 @@ def compiled_from_the_top(model: nn.Module) -> bool:
     return bool(dynamo_skips(type(model).forward))
 
 
-def wrapped_before_inject_note(root: nn.Module | None, root_call: CodeType) -> str | None:
+def wrapped_before_inject_note(root: nn.Module | None, root_call: types.CodeType) -> str | None:
     """index.md's note (and a warning) that the compiled wrapper calling the root costs a graph
     break at every compiled root forward, or None; asked once per observer, at the first root
     forward called from compiled code (`root_call`: the root wrapper's code, on the stack).

@@ -297,7 +297,7 @@ class Observer:
         """At the first root forward called from compiled code: a compiled wrapper made before
         inject that breaks the graph at the root is said, once (`wrapped_before_inject_note`)."""
         self._entry_checked = True
-        root = self._root_ref() if self._root_ref is not None else None
+        root = self._root_ref() if self._root_ref is not None and not self.closed else None
         try:
             note = wrapped_before_inject_note(root, _ROOT_CODE)
         except Exception:  # a torch whose frames differ: nothing is said, the step goes on

@@ -1,7 +1,8 @@
-"""`show PARENT` and `compare PARENT` say the ranks' notes, as `show` of one rank does: each note
-once with the ranks whose index.md holds it, its beginning, and at most `NOTES_SHOWN` of them
-(real observers, the launcher's RANK and WORLD_SIZE; notes added as a trainer callback adds
-them)."""
+"""Every reader of a parent says the ranks' notes, as `show` of one rank does: each note once
+with the ranks whose index.md holds it, its beginning, and at most `NOTES_SHOWN` of them (in
+the text of `show PARENT` and `compare PARENT`, on stderr beside `plot PARENT` and `heatmap
+PARENT`'s pictures; real observers, the launcher's RANK and WORLD_SIZE; notes added as a trainer
+callback adds them)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def noted(parent: Path, rank: int, *notes: str) -> None:
     remove_observer(model)
 
 
-def test_show_and_compare_of_a_parent_say_each_ranks_notes_once_per_note_and_bounded(
+def test_every_reader_of_a_parent_says_each_ranks_notes_once_per_note_and_bounded(
     tmp_path: Path,
 ) -> None:
     parent = tmp_path / "stats"
@@ -38,17 +39,28 @@ def test_show_and_compare_of_a_parent_say_each_ranks_notes_once_per_note_and_bou
     state = load_state(parent / "rank-001")
     assert state is not None
     assert SHARED in page_notes(state)
+    said = [
+        f"notes: {NOTES_SHOWN + 2} notes on rank 0-2, in full at the top of each rank's index.md:",
+        f"- rank 0-2: {SHARED}",
+        f"- rank 2: {LONG[: NOTE_CHARS - 3].rstrip()}...",
+        *(f"- rank 2: extra note {i}" for i in range(NOTES_SHOWN - 2)),
+        "- ... (2 more, on rank 2)",
+    ]
     for command in ("show", "compare"):
         done = cli_in_process(command, parent, "--width", "1000")
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
-        start = lines.index(
-            f"notes: {NOTES_SHOWN + 2} notes on rank 0-2, in full at the top of each rank's "
-            "index.md:"
-        )
-        assert lines[start + 1 : start + NOTES_SHOWN + 2] == [
-            f"- rank 0-2: {SHARED}",
-            f"- rank 2: {LONG[: NOTE_CHARS - 3].rstrip()}...",
-            *(f"- rank 2: extra note {i}" for i in range(NOTES_SHOWN - 2)),
-            "- ... (2 more, on rank 2)",
-        ]
+        start = lines.index(said[0])
+        assert lines[start : start + NOTES_SHOWN + 2] == said
+    pictures = (
+        ("plot", "--output", tmp_path / "trends.png"),
+        ("heatmap", "--output-dir", tmp_path),
+    )
+    for command, option, output in pictures:
+        done = cli_in_process(command, parent, "--metrics", "mean", option, output)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("wrote ")  # stdout names the pictures only
+        lines = done.stderr.splitlines()
+        prefix = f"torchinstruments {command}: "
+        start = lines.index(prefix + said[0])
+        assert lines[start : start + NOTES_SHOWN + 2] == [prefix + line for line in said]

@@ -134,6 +134,7 @@ def _on_parent(
         missing_line,
         missing_ranks,
         not_read_lines,
+        notes_of_ranks,
         rank_notes,
         ranks_with_history,
     )
@@ -154,7 +155,8 @@ def _on_parent(
         missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
         if missing:
             say(missing_line(missing))
-        for line in rank_notes(runs, facts):
+        # the ranks' notes too, as show and compare of a parent begin them (one function)
+        for line in (*rank_notes(runs, facts), *notes_of_ranks(runs, facts)):
             say(line)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":

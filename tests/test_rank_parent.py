@@ -260,8 +260,19 @@ def test_finalize_parent_renders_its_page_once_not_once_a_rank(
         return render_parent_index(directory, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(parent_rewrite, "render_parent_index", render)
-    assert run_cli("finalize", str(copy))[0] == 0
+    # asks that an earlier version of the library left, from ranks killed while asking
+    left = [f"{parent_rewrite.PARENT_AGAIN}.{token}{layout.TMP_SUFFIX}" for token in "ab"]
+    for name in left:
+        (copy / name).write_text("x")
+    code, text = run_cli("finalize", str(copy))
+    assert code == 0
     assert renders == [copy]
+    assert not list(copy.glob(f"*{layout.TMP_SUFFIX}"))
+    said = [line for line in text.splitlines() if parent_rewrite.PARENT_AGAIN in line]
+    assert said == [  # one line for them all, in the parent
+        f"removed 2 temporaries an earlier version left in {copy} ({left[0]}, {left[1]}): "
+        "asks of ranks killed while asking for its index.md to be rewritten"
+    ]
 
 
 def test_ranks_asking_for_the_page_at_once_all_return_and_the_page_is_whole(

@@ -138,9 +138,16 @@ def _kept_line(path: Path, why: str) -> str:
 def _finalize_ranks(parent: Path) -> int:
     """`finalize PARENT`: finalize every rank directory, then write the parent's index.md."""
     from torchinstruments.rundir.page_ranks import rank_dirs
-    from torchinstruments.rundir.parent_rewrite import write_parent_index
+    from torchinstruments.rundir.parent_rewrite import remove_ask_leftovers, write_parent_index
 
     codes = [_finalize(directory, f"rank {rank}: ") for rank, directory in rank_dirs(parent)]
+    removed = remove_ask_leftovers(parent)
+    if removed:  # said as a run's removed temporaries are, in one line however many
+        print(
+            f"removed {plural(len(removed), 'temporary', 'temporaries')} an earlier version left "
+            f"in {parent} ({_names(removed)}): asks of ranks killed while asking for its "
+            "index.md to be rewritten"
+        )
     try:
         path = write_parent_index(parent, wait=True)
     except OSError as exc:
@@ -155,6 +162,12 @@ def _finalize_ranks(parent: Path) -> int:
     if missing:  # as index.md and every reader of the parent say it
         print(missing_line(missing))
     return max(codes)
+
+
+def _names(paths: list[Path], most: int = 3) -> str:
+    """The first `most` file names of `paths`, then how many more."""
+    shown = ", ".join(p.name for p in paths[:most])
+    return shown if len(paths) <= most else f"{shown} and {len(paths) - most} more"
 
 
 def _recovered(directory: Path) -> bool | None:

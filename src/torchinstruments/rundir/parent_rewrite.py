@@ -22,8 +22,8 @@ N renders of N states each (about 2 s a render at 1,024 small ranks, 0.1 s a ran
 The ask is one append, never a temporary renamed into place: a rank killed while asking (ranks
 are killed, and restarted into the same directory) leaves nothing behind, where a temporary named
 by its token (several ranks ask at once) stayed in the parent for good. The holder deletes such
-temporaries that earlier versions left (`_leftovers`): no process writes one now, so none is a
-live writer's.
+temporaries that earlier versions left (`remove_ask_leftovers`): no process writes one now, so
+none is a live writer's; `finalize PARENT` deletes them first and says which.
 
 So the page written last has seen the final state of every rank that finished before it, no
 rank waits on another's render, and a holder renders once per wave of finishes, reading again
@@ -48,7 +48,7 @@ from types import ModuleType
 from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
 
-__all__ = ["PARENT_AGAIN", "PARENT_LOCK", "write_parent_index"]
+__all__ = ["PARENT_AGAIN", "PARENT_LOCK", "remove_ask_leftovers", "write_parent_index"]
 
 PARENT_LOCK = ".index.lock"
 PARENT_AGAIN = ".index.again"
@@ -103,21 +103,25 @@ def _ask(parent: Path) -> None:
 def _taken_asks(parent: Path) -> str | None:
     """Under the lock, before a render: the leftovers removed, the asks so far erased (the
     render that follows sees every rank that made them), and what the file holds then."""
-    _leftovers(parent)
+    remove_ask_leftovers(parent)
     with contextlib.suppress(OSError):  # unwritable: the file only grows, compared as before
         os.truncate(parent / PARENT_AGAIN, 0)
     return _token(parent)
 
 
-def _leftovers(parent: Path) -> None:
+def remove_ask_leftovers(parent: Path) -> list[Path]:
     """Delete the ask temporaries earlier versions of the library renamed into `PARENT_AGAIN`,
-    left by ranks killed between the write and the rename: no process writes one now."""
+    left by ranks killed between the write and the rename (no process writes one now); those
+    deleted, for `finalize PARENT` to say (one it cannot delete is tried again at each render)."""
     prefix = f"{PARENT_AGAIN}."
+    removed: list[Path] = []
     with contextlib.suppress(OSError):
-        for path in parent.iterdir():
+        for path in sorted(parent.iterdir()):
             if path.name.startswith(prefix) and is_library_temporary(path):
                 with contextlib.suppress(OSError):
                     path.unlink()
+                    removed.append(path)
+    return removed
 
 
 def _token(parent: Path) -> str | None:

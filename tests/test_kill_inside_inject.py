@@ -98,7 +98,11 @@ def test_a_job_killed_inside_inject_is_finalized_and_continued_with_resume(
     killed = next(line for line in attempts.splitlines() if line.startswith("| 0 |"))
     cells = [cell.strip() for cell in killed.strip("|").split("|")]
     assert cells[2] == "killed"
+    # it took no sample and saw no root forward that anything shows: a dash, never the ids the
+    # attempt that continued it then took (0 and 0 both times would read as one start)
+    assert cells[3:5] == ["-", "-"]
     assert cells[5:] == ["unknown", "unknown", "unknown"]  # nobody wrote its counts: never 0
+    assert "`-`: the attempt has no sample" in " ".join(attempts.split())
     continued = next(line for line in attempts.splitlines() if line.startswith("| 1 |"))
     assert [cell.strip() for cell in continued.strip("|").split("|")][2:] == [
         "removed",

@@ -370,6 +370,11 @@ def _section_attempts(state: RunState) -> list[str]:
             f"{TENSORBOARD_DIR}/ events, the loss ledger), so the ids of samples whose rows "
             "died with it are never used twice."
         )
+    if any(not (a.samples and a.root_forwards) for a in state.attempts):
+        lines[2] += (
+            " A `-`: the attempt has no sample (first sample_id) or no root forward (first "
+            "forward_index); of a killed attempt, none that its rows or events show."
+        )
     for a in state.attempts:
 
         def count(n: int, a: AttemptCounts = a) -> str:
@@ -379,8 +384,10 @@ def _section_attempts(state: RunState) -> list[str]:
         if a.counts_recovered:  # 0 is known where each of its samples ran with grad disabled
             backward = gradient_count(a.backward_samples, _attempt_zero_known(a), word=False)
         lines.append(
-            f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | {a.first_sample_id} | "
-            f"{a.first_forward_index} | {count(a.root_forwards)} | {count(a.samples)} | "
+            f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | "
+            f"{a.first_sample_id if a.samples else '-'} | "
+            f"{a.first_forward_index if a.root_forwards else '-'} | "
+            f"{count(a.root_forwards)} | {count(a.samples)} | "
             f"{backward} |" + (_schedule_cells(a) if split else "")
         )
     return [*lines, ""]

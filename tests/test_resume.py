@@ -431,6 +431,12 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert f"- {said}" in index
     assert "attempt 2: EveryNForwardsSampler(n=5)" in index
+    # the default sampler starts anew in each attempt: its first root forward is a sample
+    start = read_state(run).attempts[1].first_forward_index
+    second = history.filter(pl.col("attempt") == 1)["forward_index"].unique().to_list()
+    assert start == 6  # attempt 0 saw 6 forwards
+    assert second == [start]
+    assert RESTART_SAMPLES in index
     assert cli_main(["show", str(run), "--metrics", "mean"]) == 0
     shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
     assert said in shown
@@ -442,6 +448,13 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
         "TimeIntervalSampler(seconds=60)",
         "EveryNForwardsSampler(n=5)",
     ]
+
+
+# What index.md's Attempts section says where an attempt ran the default sampler.
+RESTART_SAMPLES = (
+    "TimeIntervalSampler (the default) starts anew in each attempt: it samples the attempt's "
+    "first root forward too"
+)
 
 
 def l2(tensor: torch.Tensor) -> float:
@@ -483,6 +496,7 @@ def test_attempts_of_one_sampler_name_it_once(tmp_path: Path) -> None:
     run_attempt(run, EveryNForwardsSampler(3))
     index = (run / "index.md").read_text(encoding="utf-8")
     assert "- sampler: EveryNForwardsSampler(n=3): forward_index 0, 3, 6, ...\n" in index
+    assert RESTART_SAMPLES not in " ".join(index.split())  # said only of the default sampler
     assert "other metrics" not in index  # the same metrics and focus layers in both attempts
     assert "focus layers are not" not in index
     assert [a.sampler for a in read_state(run).attempts] == [

@@ -375,6 +375,7 @@ def _section_attempts(state: RunState) -> list[str]:
             " A `-`: the attempt has no sample (first sample_id) or no root forward (first "
             "forward_index); of a killed attempt, none that its rows or events show."
         )
+    lines[2] += _restart_sample_sentence(state)
     for a in state.attempts:
 
         def count(n: int, a: AttemptCounts = a) -> str:
@@ -391,6 +392,23 @@ def _section_attempts(state: RunState) -> list[str]:
             f"{backward} |" + (_schedule_cells(a) if split else "")
         )
     return [*lines, ""]
+
+
+def _restart_sample_sentence(state: RunState) -> str:
+    """Where an attempt ran a TimeIntervalSampler: that it samples each attempt's first root
+    forward, which its description (compared as text across runs, so left as it is) says of one
+    process only; "" otherwise."""
+    said = [a.sampler or "" for a in state.attempts]
+    said[-1] = said[-1] or state.run.sampler  # a state from before they were kept: the last's
+    if not any(s.startswith("TimeIntervalSampler(") for s in said):
+        return ""
+    return (
+        " TimeIntervalSampler (the default) starts anew in each attempt: it samples the "
+        "attempt's first root forward too, then the first one once its interval has passed "
+        "since that attempt's last sample, so a restart adds a sample at its start however soon "
+        "after the earlier attempt's last one (one instance passed again to an attempt in the "
+        "same process keeps its own clock instead)."
+    )
 
 
 def _schedule_cells(a: AttemptCounts) -> str:

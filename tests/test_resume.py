@@ -398,6 +398,10 @@ def test_show_names_the_earlier_attempt_that_ended_without_remove_observer(
     ) in shown
     assert "the last attempt was removed" in shown
     assert "the process ended without remove_observer" not in shown
+    assert (  # how many attempts and how each ended, as index.md's Attempts table says
+        "attempts: 2, continued with resume=True (killed: attempt 0; removed: attempt 1); "
+        "each one's counts in index.md's Attempts table"
+    ) in shown
 
 
 def run_attempt(
@@ -441,8 +445,10 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
     shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
     assert said in shown
     assert "attempt 2: EveryNForwardsSampler(n=5)" in shown
+    assert "attempts: 3, continued with resume=True (removed: attempt 0-2);" in shown
     assert cli_main(["show", str(run), "--metrics", "mean", "--format", "json"]) == 0
     facts = json.loads(capsys.readouterr().out)["run"]
+    assert facts["attempt_ends"] == ["removed"] * 3  # the text's attempts line, per attempt
     assert [s.split(":")[0] for s in facts["attempt_samplers"]] == [
         "EveryNForwardsSampler(n=2)",
         "TimeIntervalSampler(seconds=60)",

@@ -32,9 +32,11 @@ from torchinstruments.cli.text import (
     tensor_label,
 )
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
+from torchinstruments.rundir.attempt_ends import attempt_end
 from torchinstruments.rundir.attempts import sampler_line
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE
+from torchinstruments.rundir.ranges import ranges
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -52,6 +54,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
             f"model: {run.model_class}; torchinstruments {run.library_version}, "
             f"torch {run.torch_version}; started {run.started_at}",
             sampler_line(run.sampler, facts.run_state.attempts if facts.run_state else ()),
+            *attempts_lines(facts),
             f"selected layers: {len(run.layers)}; "
             + (f"rank {run.rank} of {run.world_size}" if run.rank is not None else "no ranks"),
         ]
@@ -73,6 +76,23 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
         )
     lines.append(f"read: {' + '.join(source)}; latest sample_id {latest}; window {window}")
     return lines
+
+
+def attempts_lines(facts: RunFacts) -> list[str]:
+    """A continued run's attempts (`resume=True`): how many, and which ended how, as index.md's
+    Attempts table counts them; without it the counts line, the whole job's, read as one
+    process's. Nothing for a run of one attempt."""
+    state = facts.run_state
+    if state is None or len(state.attempts) < 2:
+        return []
+    ends: dict[str, list[int]] = {}
+    for entry in state.attempts:
+        ends.setdefault(attempt_end(state, entry), []).append(entry.attempt)
+    said = "; ".join(f"{end}: attempt {ranges(which)}" for end, which in ends.items())
+    return [
+        f"attempts: {len(state.attempts)}, continued with resume=True ({said}); each one's "
+        f"counts in {INDEX_FILE}'s Attempts table"
+    ]
 
 
 def notes_lines(notes: Sequence[str]) -> list[str]:

@@ -171,6 +171,34 @@ def test_a_killed_attempt_counts_its_root_forwards_from_its_own_first_one(
     assert facts["notes"] == list(state.notes)
 
 
+def test_a_run_whose_last_attempt_died_before_any_row_keeps_the_counts_its_removed_one_wrote(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 is removed after 2 forwards (a sample at forward_index 0 only: its last forward
+    is not sampled); attempt 1 dies before writing anything. The run's counts,
+    rebuilt from history at `finalize`, are lower bounds, never lower than attempt 0's exact
+    ones: at least 2 root forwards, not the 1 that history's last forward_index gives."""
+    run = tmp_path / "stats"
+    net = model()
+    inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2))
+    _steps(net, 2)  # forward_index 0 (sampled) and 1
+    remove_observer(net)
+    net = model()
+    inject_observer(net, output_dir=run, sampler=EveryNForwardsSampler(2), resume=True)
+    live = (run / ".state.json").read_bytes()  # as a kill leaves it: attempt 1 in progress
+    with pytest.warns(RuntimeWarning, match="recorded no sample"):
+        remove_observer(net)
+    (run / ".state.json").write_bytes(live)
+
+    done = cli_in_process("finalize", run)
+    state = read_state(run)
+    removed, killed = state.attempts
+    assert (removed.root_forwards, removed.samples, killed.ended) == (2, 1, "killed")
+    assert state.counts is not None
+    assert (state.counts.root_forwards, state.counts.samples) == (2, 1)
+    assert "at least 2 root forwards, at least 1 sample," in done.stdout
+
+
 def _steps(net: nn.Module, steps: int) -> None:
     for _ in range(steps):
         net(torch.randn(2, 3)).sum().backward()

@@ -27,7 +27,9 @@ run:
 - continues the part numbers after those already merged (merge.py deletes a part whose number
   history.parquet says it holds);
 - keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's
-  counts and summaries (result.json) cover the whole job;
+  counts and summaries (result.json) cover the whole job; where the last attempt was killed,
+  the run's counts are rebuilt from history and raised to what the attempts' own counts say
+  together (`at_least_attempts`), so a removed attempt's exact counts are never undercut;
 - names the attempt in each note once the run has more than one (`attempt_notes`): a note speaks
   of the attempt that added it ("attempt 0: the fit ended with an exception ..."), never of the
   whole run, which went on. The first attempt's notes, written while it was the only one, get
@@ -437,6 +439,22 @@ def sampler_line(run_sampler: str, attempts: tuple[AttemptCounts, ...]) -> str:
     return "sampler, per attempt: " + "; ".join(each)
 
 
+def at_least_attempts(counts: RunCounts, attempts: tuple[AttemptCounts, ...]) -> RunCounts:
+    """`counts` rebuilt from history after a kill, raised to what the attempts' own counts say
+    together (a removed attempt's are exact, a killed one's lower bounds): history's last
+    forward_index and its sample ids forget an earlier attempt's unsampled last forwards, and
+    its samples whose rows a write failure lost, which that attempt's removal counted."""
+    if len(attempts) < 2:
+        return counts
+    forwards = max(a.first_forward_index + a.root_forwards for a in attempts)
+    return dataclasses.replace(
+        counts,
+        root_forwards=max(counts.root_forwards, forwards, sum(a.root_forwards for a in attempts)),
+        samples=max(counts.samples, sum(a.samples for a in attempts)),
+        backward_samples=max(counts.backward_samples, sum(a.backward_samples for a in attempts)),
+    )
+
+
 def attempt_notes(attempt: int, notes: Iterable[str]) -> tuple[str, ...]:
     """`notes` labelled with the attempt that added them: `attempt 0: ...`."""
     return tuple(f"attempt {attempt}: {note}" for note in notes)
@@ -493,6 +511,7 @@ __all__ = [
     "UNREMOVED_NOTE",
     "AttemptCounts",
     "Continuation",
+    "at_least_attempts",
     "attempt_notes",
     "attempt_rows",
     "close_attempts",

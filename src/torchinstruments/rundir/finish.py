@@ -37,6 +37,7 @@ from torchinstruments.rundir.attempts import (
     IN_PROGRESS,
     IN_REMOVAL,
     AttemptCounts,
+    at_least_attempts,
     attempt_notes,
     close_attempts,
     raise_to_events,
@@ -188,6 +189,8 @@ def finish_run(
             state, counts = _events_without_rows(
                 directory, merge.path, state, counts, recovered, killed
             )
+        if recovered:  # never below what the attempts' own counts say together
+            counts = at_least_attempts(counts, state.attempts)
         state = dataclasses.replace(state, left_behind=_left_behind(directory, merge))
         for line in state.left_behind:
             warn(f"torchinstruments: {line}")

@@ -189,6 +189,15 @@ def test_a_run_whose_last_attempt_died_before_any_row_keeps_the_counts_its_remov
     with pytest.warns(RuntimeWarning, match="recorded no sample"):
         remove_observer(net)
     (run / ".state.json").write_bytes(live)
+    # before finalize: attempt 1 is open in the state, and no process holds the run's lock
+    shown = cli_in_process("show", run, "--width", "2000").stdout.splitlines()
+    assert (
+        "attempts: 2, continued with resume=True (removed: attempt 0; ended without "
+        "remove_observer, not finalized: attempt 1); each one's counts in index.md's Attempts "
+        "table"
+    ) in shown
+    facts = json.loads(cli_in_process("show", run, "--format", "json").stdout)["run"]
+    assert facts["attempt_ends"] == ["removed", "ended without remove_observer, not finalized"]
 
     done = cli_in_process("finalize", run)
     state = read_state(run)

@@ -31,7 +31,7 @@ from torchinstruments.cli.reader import (
     window_of,
 )
 from torchinstruments.records import SIGNALS
-from torchinstruments.rundir.attempt_ends import attempt_end
+from torchinstruments.rundir.attempt_ends import attempt_ends_now
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.ranges import ranges
 
@@ -135,8 +135,8 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "attempt_samplers": [a.sampler for a in facts.run_state.attempts]
         if facts.run_state
         else [],
-        # how each ended, as index.md's Attempts table says it
-        "attempt_ends": [attempt_end(facts.run_state, a) for a in facts.run_state.attempts]
+        # how each ended, as show's attempts line says it
+        "attempt_ends": attempt_ends_now(facts.run_state, facts.directory)
         if facts.run_state
         else [],
         "started_at": run.started_at if run else None,

@@ -32,7 +32,7 @@ from torchinstruments.cli.text import (
     tensor_label,
 )
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
-from torchinstruments.rundir.attempt_ends import attempt_end
+from torchinstruments.rundir.attempt_ends import attempt_ends_now
 from torchinstruments.rundir.attempts import sampler_line
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE
@@ -86,8 +86,9 @@ def attempts_lines(facts: RunFacts) -> list[str]:
     if state is None or len(state.attempts) < 2:
         return []
     ends: dict[str, list[int]] = {}
-    for entry in state.attempts:
-        ends.setdefault(attempt_end(state, entry), []).append(entry.attempt)
+    now = attempt_ends_now(state, facts.directory)
+    for entry, end in zip(state.attempts, now, strict=True):
+        ends.setdefault(end, []).append(entry.attempt)
     said = "; ".join(f"{end}: attempt {ranges(which)}" for end, which in ends.items())
     return [
         f"attempts: {len(state.attempts)}, continued with resume=True ({said}); each one's "

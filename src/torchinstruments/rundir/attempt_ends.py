@@ -11,6 +11,8 @@ attempt of the same run is still said as one. A state written before attempts ke
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torchinstruments.rundir.attempts import (
     FINISHED_UNREMOVED,
     IN_PROGRESS,
@@ -19,12 +21,14 @@ from torchinstruments.rundir.attempts import (
     KILLED_IN_LAST_FLUSH,
     AttemptCounts,
 )
+from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.state import LAST_PARTS, RunState, killed_in_removal, removal_doing
 
 __all__ = [
     "DURING_LAST_FLUSH",
     "attempt_end",
+    "attempt_ends_now",
     "killed_before_last",
     "killed_flush",
     "last_finished",
@@ -48,6 +52,22 @@ def attempt_end(state: RunState, entry: AttemptCounts) -> str:
     if entry.ended == KILLED and _noted_in_last_flush(state, entry):
         return KILLED_IN_LAST_FLUSH
     return entry.ended
+
+
+def attempt_ends_now(state: RunState, directory: Path) -> list[str]:
+    """Each attempt's end as a reader says it now (`show`'s attempts line, its JSON): one still
+    open in the state (`in progress`, `in removal`) is said as the run's lock tells its process
+    (`rundir.lock.writer_ended`, asked only then), never "in progress" for one whose process
+    died before `finalize` closed it."""
+    ends = [attempt_end(state, entry) for entry in state.attempts]
+    if not any(end in (IN_PROGRESS, IN_REMOVAL) for end in ends):
+        return ends
+    ended = writer_ended(directory)
+    if ended is None:
+        still = "in progress, or ended without remove_observer"
+    else:
+        still = "ended without remove_observer, not finalized" if ended else IN_PROGRESS
+    return [still if end in (IN_PROGRESS, IN_REMOVAL) else end for end in ends]
 
 
 def _noted_in_last_flush(state: RunState, entry: AttemptCounts) -> bool:

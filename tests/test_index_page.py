@@ -477,6 +477,29 @@ def test_the_attempts_table_splits_forwards_only_where_a_run_has_evaluation_forw
     assert second.endswith("| 7 | 4 |")
 
 
+def test_the_attempts_section_says_a_time_interval_sampler_samples_each_attempts_first_forward(
+    tmp_path: Path,
+) -> None:
+    """Said wherever an attempt ran one, its evaluation sampler under `record_eval` too (its
+    line then begins with the training sampler's); never where none did. A killed attempt whose
+    events prove samples has a first forward_index even where its rows gave no root forward."""
+    every = "EveryNForwardsSampler(n=2): forward_index 0, 2, 4, ..."
+    timed = "TimeIntervalSampler(seconds=60): the first root forward, then ..."
+    both = f"{every}, asked with the count of training forwards; evaluation forwards: {timed}"
+    said = {}
+    for sampler in (every, timed, both):
+        attempts = (
+            AttemptCounts(0, "2026-01-01T00:00:00+00:00", samples=3, ended=KILLED, sampler=every),
+            AttemptCounts(1, "2026-01-02T00:00:00+00:00", first_sample_id=3, sampler=sampler),
+        )
+        state = RunState(run_info(tmp_path), RunCounts(5, 5, 5), attempts=attempts)
+        section = render_index(state).split("## Attempts", 1)[1].split("\n## ", 1)[0]
+        said[sampler] = "starts anew in each attempt" in section
+        rows = [line for line in section.splitlines() if line.startswith("| 0 |")]
+        assert rows[0].split("|")[4:6] == [" 0 ", " 0 "]  # its samples prove a first forward
+    assert said == {every: False, timed: True, both: True}
+
+
 def test_metrics_section_says_what_the_rows_of_tensors_that_are_not_plain_describe(
     tmp_path: Path,
 ) -> None:

@@ -370,7 +370,7 @@ def _section_attempts(state: RunState) -> list[str]:
             f"{TENSORBOARD_DIR}/ events, the loss ledger), so the ids of samples whose rows "
             "died with it are never used twice."
         )
-    if any(not (a.samples and a.root_forwards) for a in state.attempts):
+    if any(not a.samples for a in state.attempts):
         lines[2] += (
             " A `-`: the attempt has no sample (first sample_id) or no root forward (first "
             "forward_index); of a killed attempt, none that its rows or events show."
@@ -387,7 +387,7 @@ def _section_attempts(state: RunState) -> list[str]:
         lines.append(
             f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | "
             f"{a.first_sample_id if a.samples else '-'} | "
-            f"{a.first_forward_index if a.root_forwards else '-'} | "
+            f"{a.first_forward_index if a.root_forwards or a.samples else '-'} | "
             f"{count(a.root_forwards)} | {count(a.samples)} | "
             f"{backward} |" + (_schedule_cells(a) if split else "")
         )
@@ -400,7 +400,7 @@ def _restart_sample_sentence(state: RunState) -> str:
     process only; "" otherwise."""
     said = [a.sampler or "" for a in state.attempts]
     said[-1] = said[-1] or state.run.sampler  # a state from before they were kept: the last's
-    if not any(s.startswith("TimeIntervalSampler(") for s in said):
+    if not any("TimeIntervalSampler(" in s for s in said):  # record_eval's line names two
         return ""
     return (
         " TimeIntervalSampler (the default) starts anew in each attempt: it samples the "

@@ -555,3 +555,23 @@ def fresh_dynamo() -> Iterator[None]:
     yield
     torch._dynamo.reset()
     counters.clear()
+
+
+def grouped_rows(lines: list[str], start: int) -> list[list[str]]:
+    """The rows of the grouped table below `lines[start]` (its header two lines down) as split
+    cells, up to the blank line after it, each with its module type: a type is printed on its
+    group's first row only, or whole on a line of its own above it."""
+    rows: list[list[str]] = []
+    current = ""
+    for line in lines[start + 3 :]:
+        if not line.strip():
+            break
+        cells = line.split()
+        if line.startswith(" "):
+            cells = [current, *cells]
+        elif len(cells) == 1:
+            current = cells[0]
+            continue
+        current = cells[0]
+        rows.append(cells)
+    return rows

@@ -26,6 +26,7 @@ from torchinstruments import (
 from torchinstruments.cli.text import number
 
 from conftest import cli_in_process as cli
+from conftest import grouped_rows
 
 PAIRS = 35  # 35 x (Linear, Tanh) + `late`: 71 tensors, 284 rows per metric
 RANKS = 3
@@ -99,7 +100,8 @@ def test_show_parent_of_a_big_model_has_one_row_per_module_type_signal_and_at(
     latest = latest_values(parent)
     for metric in DEFAULT_METRICS:
         start = lines.index(f"{metric}:")
-        rows = [line.split() for line in lines[start + 3 : start + 11]]
+        rows = grouped_rows(lines, start)
+        assert len(rows) == 8
         table = {tuple(row[:3]): row[3:] for row in rows}
         assert set(table) == {
             (t, s, at)

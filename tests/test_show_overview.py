@@ -26,6 +26,7 @@ from torchinstruments.cli.overview import OVERVIEW_TENSORS
 from torchinstruments.cli.text import number
 
 from conftest import cli_in_process as cli
+from conftest import grouped_rows
 
 PAIRS = 35  # 35 x (Linear, Tanh) = 70 tensors, more than OVERVIEW_TENSORS
 STEPS = 3
@@ -74,7 +75,9 @@ def test_default_text_has_one_row_per_module_type_and_signal(deep: Path) -> None
     )
     for metric in DEFAULT_METRICS:
         start = lines.index(f"{metric}:")
-        table = {tuple(line.split()[:2]): line.split()[2:] for line in lines[start + 3 : start + 7]}
+        rows = grouped_rows(lines, start)
+        assert len(rows) == 4
+        table = {tuple(row[:2]): row[2:] for row in rows}
         assert set(table) == {
             ("Linear", "out"),
             ("Linear", "grad"),
@@ -100,8 +103,8 @@ def test_default_text_has_one_row_per_module_type_and_signal(deep: Path) -> None
                 ]
                 assert table[module_type, short] == want, (metric, module_type, signal)
     # `late` ran in samples 0 and 1 only: its output and gradient series stopped
-    std = lines[lines.index("std:") + 3 : lines.index("std:") + 7]
-    assert [line.split()[4] for line in std] == ["1", "1", "0", "0"]
+    std = grouped_rows(lines, lines.index("std:"))
+    assert [row[4] for row in std] == ["1", "1", "0", "0"]
 
 
 def test_all_and_csv_give_every_tensor(deep: Path) -> None:
@@ -135,8 +138,9 @@ def test_eval_samples_are_rows_of_their_own(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     start = lines.index("mean:")
     table = {}
-    for line in lines[start + 3 : start + 9]:
-        words = line.split()
+    rows = grouped_rows(lines, start)
+    assert len(rows) == 6
+    for words in rows:
         eval_row = words[2] == "[eval]"
         table[words[0], words[1] + (" [eval]" if eval_row else "")] = words[3 if eval_row else 2 :]
     history = pl.read_parquet(directory / "history.parquet")

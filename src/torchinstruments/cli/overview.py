@@ -54,6 +54,17 @@ def group_rows(frame: pl.DataFrame, latest_all: int) -> pl.DataFrame:
     )
 
 
+def type_table(
+    headers: list[str], rows: list[list[str]], numeric: list[bool], width: int
+) -> list[str]:
+    """A grouped table whose first column is the module type: a type too long for its column
+    goes whole on a line of its own above its rows, never cut (`LayerNorm`, `GroupNorm` and
+    `RMSNorm` cut to their ends would all read `...orm`), and the signal column is never cut
+    either (`out [eval]`)."""
+    whole = [False, True] + [False] * (len(headers) - 2)
+    return table(headers, rows, numeric=numeric, width=width, whole=whole, wrap_first=True)
+
+
 def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]:
     """The grouped text view: one table per metric, rows = (module type, signal)."""
     latest_all = frame.select(pl.col("latest_sample_id").max()).item()
@@ -72,13 +83,14 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
         by_key = {(r["module_type"], r["signal"], r["mode"]): r for r in part.iter_rows(named=True)}
         rows = []
         for module_type in types:
+            named = False  # a type is named on its first row only (wrapped whole, never cut)
             for signal, mode in ((s, m) for s in SIGNALS for m in ("train", "eval")):
                 r = by_key.get((module_type, signal, mode))
                 if r is None:
                     continue
                 rows.append(
                     [
-                        module_type,
+                        "" if named else module_type,
                         _SHORT[signal] + ("" if mode == "train" else f" [{mode}]"),
                         str(r["tensors"]),
                         str(r["null"]),
@@ -88,7 +100,8 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
                         number(r["high"]),
                     ]
                 )
-        out += ["", f"{metric}:", *table(headers, rows, numeric=numeric, width=width)]
+                named = True
+        out += ["", f"{metric}:", *type_table(headers, rows, numeric, width)]
     note = (
         "min / median / max: over the tensors of a row, of each tensor's latest value (finite "
         "values only; '-': none). null: tensors whose latest value is null (the reason is in "
@@ -101,4 +114,4 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
     return [*out, "", *textwrap.wrap(note, width)]
 
 
-__all__ = ["OVERVIEW_TENSORS", "group_rows", "overview_tables", "tensor_count"]
+__all__ = ["OVERVIEW_TENSORS", "group_rows", "overview_tables", "tensor_count", "type_table"]

@@ -17,8 +17,8 @@ from itertools import product
 
 import polars as pl
 
-from torchinstruments.cli.overview import OVERVIEW_TENSORS
-from torchinstruments.cli.text import number, plural, signal_short, table
+from torchinstruments.cli.overview import OVERVIEW_TENSORS, type_table
+from torchinstruments.cli.text import number, plural, signal_short
 from torchinstruments.records import SIGNALS
 
 __all__ = ["PARENT_ROWS", "grouped_spread", "spread_rows"]
@@ -69,13 +69,14 @@ def grouped_spread(frame: pl.DataFrame, read: int, width: int) -> list[str]:
             for r in part.iter_rows(named=True)
         }
         rows = []
+        named: set[str] = set()  # a type is named on its first row only (wrapped, never cut)
         for module_type, signal, mode, at in product(types, SIGNALS, _MODES, ("latest", "window")):
             r = by_key.get((module_type, signal, mode, at))
             if r is None:
                 continue
             rows.append(
                 [
-                    module_type,
+                    "" if module_type in named else module_type,
                     signal_short(signal) + ("" if mode == "train" else f" [{mode}]"),
                     at,
                     str(r["tensors"]),
@@ -86,7 +87,8 @@ def grouped_spread(frame: pl.DataFrame, read: int, width: int) -> list[str]:
                     "-" if r["far"] is None else str(r["far"]),
                 ]
             )
-        out += ["", f"{metric}:", *table(headers, rows, numeric=numeric, width=width)]
+            named.add(module_type)
+        out += ["", f"{metric}:", *type_table(headers, rows, numeric, width)]
     note = (
         f"Across {plural(read, 'rank')}, per row's tensors: latest = each rank's value at its "
         "latest sample, window = each rank's recent-window mean. partial: tensors whose spread "

@@ -137,14 +137,17 @@ def table(
         headers: column titles.
         rows: cell strings.
         numeric: per column, whether it is right-aligned (numbers) and never shortened.
-        width: the widest a line may be (exceeded only when the `whole` columns need it).
+        width: the widest a line may be (exceeded only when the numbers and `whole` columns
+            need it). Where the text columns shrunk to their floors are still too wide, columns
+            are one space apart instead of two, and then a `wrap_first` column shrinks further.
         whole: per column, a text column that is never shortened either (metric names: a cut
             `..._fraction` could be either fraction); default none.
         wrap_first: the first column's cells that do not fit go whole on a line of their own
             (split at `width` when longer), above the row, whose first cell is then blank.
     """
     sizes = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    excess = sum(sizes) + 2 * (len(sizes) - 1) - width
+    gap = 2
+    excess = sum(sizes) + gap * (len(sizes) - 1) - width
     keep = whole if whole is not None else [False] * len(headers)
     shrinkable = [i for i, is_num in enumerate(numeric) if not is_num and not keep[i]]
     while excess > 0 and shrinkable:
@@ -156,13 +159,24 @@ def table(
         cut = min(excess, sizes[widest] - floor)
         sizes[widest] -= cut
         excess -= cut
+    if excess > 0:  # the columns that are never cut need the width: one space between columns
+        gap = 1
+        excess -= len(sizes) - 1
+    # Still too wide: a first column that wraps gives up its width, down to its header's, or
+    # else all of it (each of its cells then goes on a line of its own above its row, and the
+    # column and its gap are left out), so no line is wider than `width` where the others fit.
+    first_out = False
+    if excess > 0 and wrap_first and not numeric[0]:
+        left = sizes[0] - excess
+        sizes[0] = left if left >= len(headers[0]) else 0
+        first_out = sizes[0] == 0
 
     def line(cells: Sequence[str]) -> str:
         out = []
         for cell, size, is_num in zip(cells, sizes, numeric, strict=True):
             cell = shorten(cell, size)
             out.append(cell.rjust(size) if is_num else cell.ljust(size))
-        return "  ".join(out).rstrip()
+        return (" " * gap).join(out[1:] if first_out else out).rstrip()
 
     out = [line(headers), line(["-" * s for s in sizes])]
     for r in rows:

@@ -299,7 +299,10 @@ show(by_step, most={SHOWN_ROWS})""",
             "value, a null included, but a gradient a run in progress lacks at its latest sample, "
             "which may still come; `interrupted` marker rows are no series); the first "
             "row departs first (earliest sample, then this run's write order: a forward's "
-            "layers in execution order, outputs before gradients). Set `other_run`; as printed "
+            "layers in execution order, outputs before gradients; a row of the other run only, by "
+            "name). It joins the runs a range of samples at a time (about `CHUNK_ROWS` of this "
+            "run's rows), so its memory is bounded by a range, not by the runs' length. Set "
+            "`other_run`; as printed "
             "it is this run, which differs from itself nowhere. "
             "`compare` (above) prints the same per series, with window means:",
             f"""{OTHER_RUN_LINE}
@@ -308,7 +311,7 @@ series = [{series}]
 other = history_of(other_run)
 common = history.select("sample_id").unique().join(
     other.select("sample_id").unique(), on="sample_id"
-)  # every sample both runs have, whatever rows a filter below keeps
+).collect().lazy()  # every sample both runs have, whatever rows a filter below keeps
 measured = pl.col("metric") != {_q(INTERRUPTED)}  # marker rows are no series
 
 
@@ -327,37 +330,59 @@ pending = (pl.col("signal") == "output_gradient") & (  # a gradient an open samp
     (~pl.col("row") & (pl.col("sample_id") == pl.lit(open_mine, pl.Int64)))
     | (~pl.col("row_other") & (pl.col("sample_id") == pl.lit(open_other, pl.Int64)))
 ).fill_null(False)
-mine = history.with_row_index("order").filter(measured).select(
-    *series, "sample_id", "order", "value", "unavailable_reason", row=pl.lit(True)
+ranges, low, held = [], None, 0  # ranges of common samples, about CHUNK_ROWS of this run's rows
+CHUNK_ROWS = 500_000  # each range is joined on its own: memory bounded by a range, not the run
+per_sample = (
+    history.group_by("sample_id").agg(rows=pl.len())
+    .join(common, on="sample_id", how="semi").sort("sample_id").collect()
 )
-theirs = other.filter(measured).select(
-    *series, "sample_id", value_other="value", reason_other="unavailable_reason",
-    row_other=pl.lit(True)
-)
-differ = (
-    mine.join(theirs, on=[*series, "sample_id"], how="full", coalesce=True)
-    .join(common, on="sample_id", how="semi")
-    .with_columns(pl.col("row", "row_other").fill_null(False))
-    .filter(~pending)
-    .filter(
-        (pl.col("row") != pl.col("row_other"))  # a row in one run only, whatever its value
-        | (pl.col("value").is_null() != pl.col("value_other").is_null())
-        | (pl.col("unavailable_reason") != pl.col("reason_other"))  # nulls for other reasons
-        | (  # equal values never differ: two NaN, or two like infinities, included
-            (pl.col("value") != pl.col("value_other"))
-            & ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
+for sample, rows in per_sample.iter_rows():
+    low, held = sample if low is None else low, held + rows
+    if held >= CHUNK_ROWS:
+        ranges.append((low, sample))
+        low, held = None, 0
+if low is not None:
+    ranges.append((low, sample))
+
+
+def first_in(low: int, high: int) -> pl.DataFrame:
+    # Each series' first differing row among the samples from low to high.
+    span = pl.col("sample_id").is_between(low, high)  # reaches the scans: only the range is read
+    mine = history.filter(span).with_row_index("order").filter(measured).select(
+        *series, "sample_id", "order", "value", "unavailable_reason", row=pl.lit(True)
+    )  # order: write order within a sample, as this run holds its rows
+    theirs = other.filter(span, measured).select(
+        *series, "sample_id", value_other="value", reason_other="unavailable_reason",
+        row_other=pl.lit(True)
+    )
+    differ = (
+        mine.join(theirs, on=[*series, "sample_id"], how="full", coalesce=True)
+        .join(common, on="sample_id", how="semi")
+        .with_columns(pl.col("row", "row_other").fill_null(False))
+        .filter(~pending)
+        .filter(
+            (pl.col("row") != pl.col("row_other"))  # a row in one run only, whatever its value
+            | (pl.col("value").is_null() != pl.col("value_other").is_null())
+            | (pl.col("unavailable_reason") != pl.col("reason_other"))  # nulls, other reasons
+            | (  # equal values never differ: two NaN, or two like infinities, included
+                (pl.col("value") != pl.col("value_other"))
+                & ((pl.col("value") - pl.col("value_other")).abs() > tolerance)
+            )
         )
     )
-)
+    earliest = differ.sort("sample_id", "order", *series, nulls_last=True)  # series: ties
+    return earliest.group_by(series, maintain_order=True).first().collect()
+
+
+found = [first_in(low, high) for low, high in ranges] or [first_in(0, -1)]
 first = (
-    differ.sort("sample_id", "order", nulls_last=True)
+    pl.concat(found)  # the ranges in sample order: a series' first range holds its first row
     .group_by(series, maintain_order=True)
     .first()
-    .sort("sample_id", "order", nulls_last=True)
+    .sort("sample_id", "order", *series, nulls_last=True)  # rows of the other run only: by name
     .select(*series, first_sample="sample_id", row="row", row_other="row_other",
             value="value", value_other="value_other", reason="unavailable_reason",
             reason_other="reason_other")
-    .collect()
 )
 print(f"{{first.height}} series differ (row, row_other: whether that run has a row there)")
 show(first)  # every differing series, the earliest first""",

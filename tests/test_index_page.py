@@ -341,6 +341,23 @@ def test_a_run_whose_process_ended_unfinished_is_not_in_progress_in_its_page_or_
     )
 
 
+def test_status_query_says_when_it_lists_only_the_first_layers_that_never_ran(
+    tmp_path: Path,
+) -> None:
+    """A big model's list of layers that never ran is cut, and the line says so."""
+    model = WithEmpty()
+    model.unused = nn.ModuleList(nn.Linear(1, 1) for _ in range(51))  # selected, never called
+    directory = tmp_path / "stats"
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    head, listed = status_lines(directory)[-1].split(" [")
+    assert (
+        head == "layers that never ran in a sampled forward: 51 (the first 50: `never` holds all)"
+    )
+    assert listed.count("'unused.") == 50
+
+
 def test_result_section_describes_min_and_max_of_a_metric_without_a_valid_value(
     tmp_path: Path,
 ) -> None:

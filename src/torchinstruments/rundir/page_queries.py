@@ -154,10 +154,12 @@ else:
               "unknown unless this page's counts line says it is known")
     ran = counts.get("layer_samples", {{}})
     never = [layer["name"] for layer in state["run"]["layers"] if not ran.get(layer["name"])]
+    cut = f" (the first {SHOWN_ROWS}: `never` holds all)" if len(never) > {SHOWN_ROWS} else ""
     if state.get("counts_recovered"):  # rebuilt after a crash: only what reached the disk
-        print(f"layers with no row on disk: {{len(never)}}", never[:{SHOWN_ROWS}])
+        print(f"layers with no row on disk: {{len(never)}}{{cut}}", never[:{SHOWN_ROWS}])
     else:
-        print(f"layers that never ran in a sampled forward: {{len(never)}}", never[:{SHOWN_ROWS}])""",
+        print(f"layers that never ran in a sampled forward: {{len(never)}}{{cut}}",
+              never[:{SHOWN_ROWS}])""",
         ),
         (
             "What has been written so far (rows, samples, latest sample, layers with rows):",

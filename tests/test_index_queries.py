@@ -179,6 +179,23 @@ def test_index_stays_bounded_for_any_catalog(tmp_path: Path) -> None:
     assert "| (20 more types) | 4000 | | | |" in text
 
 
+def test_index_of_200_long_layer_names_is_bounded_by_grouping_them(tmp_path: Path) -> None:
+    """Up to 200 layers are each named twice (Run, Layers); names of 80 characters took the
+    page to 87 KB, so it groups them by module type, and says why."""
+    long = "transformer_encoder_stack_layers.{}.self_attention_query_projection_with_rotary"
+    layers = tuple(LayerInfo(long.format(i), "Linear") for i in range(200))
+    state = RunState(run_info(tmp_path, layers), RunCounts(5, 5, 5, {li.name: 5 for li in layers}))
+    write_index(tmp_path, state)
+    text = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) <= LIMIT
+    assert long.format(57) not in text  # no layer in the middle is named
+    assert "200 layers, one row per module type (every layer by name would take this page " in text
+    assert f"| Linear | 200 | 5 .. 5 | `{long.format(0)}` | `{long.format(199)}` |" in text
+    short = tuple(LayerInfo(f"blocks.{i}", "Linear") for i in range(200))
+    write_index(tmp_path, RunState(run_info(tmp_path, short), RunCounts(5, 5, 5, {})))
+    assert "| `blocks.57` | Linear | 0 |" in (tmp_path / "index.md").read_text(encoding="utf-8")
+
+
 class Branchy(nn.Module):
     """A trunk and a side branch; `detached` cuts the side branch off the loss."""
 

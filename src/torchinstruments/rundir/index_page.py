@@ -420,7 +420,7 @@ def _schedule_cells(a: AttemptCounts) -> str:
     return f" {train} | {evaluation} |"
 
 
-def _section_run(state: RunState) -> list[str]:
+def _section_run(state: RunState, too_long: bool = False) -> list[str]:
     run = state.run
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
     history, cap = run.history, run.history.max_buffered_rows
@@ -430,7 +430,7 @@ def _section_run(state: RunState) -> list[str]:
         f"- output_dir: {code_span(Path(run.output_dir).as_posix())}; started at {run.started_at}",
         f"- torchinstruments {run.library_version}, torch {run.torch_version}",
         f"- model class: `{run.model_class}`",
-        f"- {layers_line(run)}",
+        f"- {layers_line(run, too_long)}",
         f"- {focus_line(run)}",
         f"- {sampler_line(run.sampler, state.attempts)}",
         f"- metrics: {', '.join(run.metrics)}",
@@ -468,7 +468,9 @@ def _section_marks(state: RunState) -> list[str]:
 def render_index(state: RunState) -> str:
     """The text of index.md for `state`, at most `PAGE_BYTES` for any catalog: where the
     page would be longer, the list of layers that never ran names fewer of them (the others
-    counted; every layer by name stays in `.state.json`).
+    counted), and where that is not enough (up to LISTED_LAYERS layers with long names), the
+    layers are grouped by module type as beyond LISTED_LAYERS (every layer by name stays in
+    `.state.json`).
 
     Args:
         state: the run's state (what it is, how far it got, what is missing).
@@ -476,10 +478,13 @@ def render_index(state: RunState) -> str:
     Returns:
         Markdown; it holds no machine-readable block (that is the state file).
     """
-    page = _page(state, NEVER_RAN_CHARS)
-    excess = len(page.encode("utf-8")) - PAGE_BYTES
-    if excess > 0:  # the list of layers that never ran gives up what the rest took beyond it
-        page = _page(state, max(0, NEVER_RAN_CHARS - excess - _MARGIN))
+    for too_long in (False, True):  # then every name too long for the page: grouped by type
+        page = _page(state, NEVER_RAN_CHARS, too_long)
+        excess = len(page.encode("utf-8")) - PAGE_BYTES
+        if excess > 0:  # the list of layers that never ran gives up what the rest took beyond
+            page = _page(state, max(0, NEVER_RAN_CHARS - excess - _MARGIN), too_long)
+        if len(page.encode("utf-8")) <= PAGE_BYTES:
+            break
     return page
 
 
@@ -488,8 +493,9 @@ def render_index(state: RunState) -> str:
 _MARGIN = 256
 
 
-def _page(state: RunState, never_ran_chars: int) -> str:
-    """`render_index`'s text with the list of layers that never ran cut at `never_ran_chars`."""
+def _page(state: RunState, never_ran_chars: int, too_long: bool = False) -> str:
+    """`render_index`'s text with the list of layers that never ran cut at `never_ran_chars`,
+    and the layers grouped by module type where `too_long` (`page_layers.grouped`)."""
     run = state.run
     lines = [
         "# TorchInstruments run",
@@ -503,9 +509,9 @@ def _page(state: RunState, never_ran_chars: int) -> str:
         "gradients flowing into those outputs, for sampled root forwards (calls of the observed "
         "model). No scores or verdicts: only measurements.",
         "",
-        *_section_run(state),
+        *_section_run(state, too_long),
         *_section_attempts(state),
-        *section_layers(state, never_ran_chars),
+        *section_layers(state, never_ran_chars, too_long),
         *section_files(run),
         *section_schema(),
         *section_meanings(),

@@ -1,7 +1,9 @@
 """index.md's lists of layers, bounded whatever the model size.
 
 Design decision: up to LISTED_LAYERS selected layers, index.md names every one (in the Run
-section, and in the Layers table with the sampled forwards each ran in). Beyond, a 3,000-layer
+section, and in the Layers table with the sampled forwards each ran in), unless their names are
+so long that the page would pass PAGE_BYTES (200 names of 80 characters: 87 KB), which groups
+them as below. Beyond, a 3,000-layer
 model would make a 300 KB page that no reader takes in, so the page groups: the Run section
 counts the layers per module type, the Layers table has one row per module type (layers,
 fewest and most sampled forwards, first and last layer), and the layers that never ran are
@@ -71,10 +73,24 @@ def _by_type(layers: Sequence[LayerInfo]) -> dict[str, list[LayerInfo]]:
     return groups
 
 
-def layers_line(run: RunInfo) -> str:
-    """The Run section's "selected layers" item: every name, or counts per module type."""
+def grouped(run: RunInfo, too_long: bool) -> bool:
+    """Whether the page groups the layers by module type: beyond LISTED_LAYERS, or where
+    every name would take the page past PAGE_BYTES (`too_long`: long names)."""
+    return too_long or len(run.layers) > LISTED_LAYERS
+
+
+def _why_grouped(run: RunInfo) -> str:
+    """Why the Layers table has a row per module type, not per layer."""
+    if len(run.layers) > LISTED_LAYERS:
+        return f"more than {LISTED_LAYERS} layers"
+    return f"every layer by name would take this page past {PAGE_BYTES // 1024} KiB"
+
+
+def layers_line(run: RunInfo, too_long: bool = False) -> str:
+    """The Run section's "selected layers" item: every name, or counts per module type
+    (`grouped`)."""
     n = len(run.layers)
-    if n <= LISTED_LAYERS:
+    if not grouped(run, too_long):
         names = ", ".join(f"{_name(li)} ({li.module_type})" for li in run.layers)
         return f"selected layers ({n}, traversal order): {names or 'none'}"
     groups = list(_by_type(run.layers).items())
@@ -146,9 +162,11 @@ _ZERO_RECOVERED = (
 )
 
 
-def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> list[str]:
-    """Per selected layer (or module type), in how many sampled forwards it ran; those that
-    never did, named in at most `never_ran_chars` characters (the rest counted)."""
+def section_layers(
+    state: RunState, never_ran_chars: int = NEVER_RAN_CHARS, too_long: bool = False
+) -> list[str]:
+    """Per selected layer (or module type: `grouped`), in how many sampled forwards it ran;
+    those that never did, named in at most `never_ran_chars` characters (the rest counted)."""
     run, counts = state.run, state.counts
     if counts is None:
         return []
@@ -161,7 +179,7 @@ def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> l
             "how often each layer ran is unknown (result.json's `sampled_forwards` is null), never 0.",
             "",
         ]
-        if len(run.layers) <= LISTED_LAYERS:
+        if not grouped(run, too_long):
             lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
             lines += [f"| {_cell(li)} | {li.module_type} | unknown |" for li in run.layers]
         return [*lines, ""]
@@ -176,15 +194,15 @@ def section_layers(state: RunState, never_ran_chars: int = NEVER_RAN_CHARS) -> l
         f"{zero}{_fused_paths(run.fused_paths)}",
         "",
     ]
-    if len(run.layers) <= LISTED_LAYERS:
+    if not grouped(run, too_long):
         lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
         lines += [
             f"| {_cell(li)} | {li.module_type} | {ran.get(li.name, 0)} |" for li in run.layers
         ]
     else:
         lines += [
-            f"{len(run.layers)} layers, one row per module type (more than {LISTED_LAYERS} "
-            f"layers); {WHERE_EVERY_LAYER}.",
+            f"{len(run.layers)} layers, one row per module type ({_why_grouped(run)}); "
+            f"{WHERE_EVERY_LAYER}.",
             "",
             "| module_type | layers | sampled forwards (fewest .. most) | first layer | last layer |",
             "| --- | --- | --- | --- | --- |",
@@ -214,6 +232,7 @@ __all__ = [
     "NEVER_RAN_CHARS",
     "PAGE_BYTES",
     "focus_line",
+    "grouped",
     "layers_line",
     "never_ran_runs",
     "section_layers",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,6 +187,13 @@ def run_status(directory: Path) -> str:
     page = (directory / "index.md").read_text(encoding="utf-8")
     assert [s for s, line in STATE_LINES.items() if line in page] == [status], page[:400]
     return status
+
+
+def page_prose(directory: Path) -> str:
+    """A run's index.md without its code blocks (the ready queries, whose status query prints
+    every status a run can have), whitespace collapsed: what the page says of this run."""
+    text = (directory / "index.md").read_text("utf-8")
+    return " ".join(re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL).split())
 
 
 def read_result(directory: Path) -> list[dict[str, Any]]:

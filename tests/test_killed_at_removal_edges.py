@@ -28,7 +28,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from conftest import run_cli
+from conftest import page_prose, run_cli
 
 STEPS = 3
 REMOVING: list[bool] = []  # the child's: remove_observer was called
@@ -125,7 +125,7 @@ def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
     history = pl.read_parquet(directory / "history.parquet")
     assert sorted(history["sample_id"].unique().to_list()) == list(range(STEPS))
     page = (directory / "index.md").read_text("utf-8")
-    assert "ended without remove_observer" not in page
+    assert "ended without remove_observer" not in page_prose(directory)
     assert "**State: interrupted.** The process was killed or crashed during remove_observer" in (
         page
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from _events import event_steps
-from conftest import run_cli
+from conftest import page_prose, run_cli
 
 STEPS = 3
 REMOVING: list[bool] = []  # the child's: remove_observer was called
@@ -130,11 +129,7 @@ def _said(*args: str | Path) -> str:
 
 
 def _page(directory: Path) -> str:
-    """index.md's prose, whitespace collapsed: its code blocks (the ready queries, which print
-    every status a run can have) left out."""
-    text = (directory / "index.md").read_text("utf-8")
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
-    return " ".join(prose.split())
+    return page_prose(directory)
 
 
 def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_continued(

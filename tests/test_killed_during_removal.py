@@ -31,7 +31,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import run_cli
+from conftest import page_prose, run_cli
 
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS) * 2  # Linear, ReLU; output and gradient
 STEPS = 3
@@ -106,7 +106,7 @@ def test_a_process_killed_during_removal_is_said_killed_during_removal(
     assert state["interrupted"] is False
     assert state["rows_recorded"] == STEPS * ROWS_PER_SAMPLE
     page = (directory / "index.md").read_text("utf-8")
-    assert "ended without remove_observer" not in page
+    assert "ended without remove_observer" not in page_prose(directory)
     assert "**State: complete.**" in page
     assert f"its process was killed or crashed while {doing}" in page
     shown = " ".join(run_cli("show", directory).stdout.split())

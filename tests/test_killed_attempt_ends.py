@@ -4,8 +4,10 @@ An attempt killed during remove_observer's last flush (its flush thread writing 
 to history.parts/) was not an attempt that "ended without remove_observer": remove_observer was
 called and the process died inside it. Once a later attempt continued the run, the state
 file's attempt entry, index.md's state line, counts line and Attempts table, and `show` must
-all say so, and a plain kill of another attempt of the same run is still said as one. The
-children are this file run as a script: real processes, SIGKILLed at a known point.
+all say so, and a plain kill of another attempt of the same run is still said as one. A sample
+the kill cut before anything of it reached the disk keeps its ids: the next attempt never uses
+them again. The children are this file run as a script: real processes, SIGKILLed at a known
+point.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def _kill() -> None:
 
 def child_main(directory: Path, killed_at: str, resume: bool) -> None:
     """STEPS sampled steps into `directory`, SIGKILLed at `killed_at`: "last_flush" once
-    removal's final flush wrote the last part, "before_removal" before remove_observer; "exit"
-    ends the script there, never calling remove_observer (the run is finished at the exit)."""
+    removal's final flush wrote the last part, "before_removal" before remove_observer,
+    "in_forward" inside the next sampled forward (nothing of that sample reaches the disk);
+    "exit" ends the script there, never calling remove_observer (the run is finished at the
+    exit)."""
     from torchinstruments.rundir.writer import HistoryWriter
 
     flush = HistoryWriter.flush
@@ -67,6 +71,9 @@ def child_main(directory: Path, killed_at: str, resume: bool) -> None:
         while STEPS - 1 not in event_steps(directory) and time.monotonic() < deadline:
             time.sleep(0.05)
         _kill()
+    if killed_at == "in_forward":  # sample STEPS began (its ids taken), then the process died
+        nn.ReLU.forward = lambda self, x: _kill()  # type: ignore[method-assign]
+        model(torch.ones(2, 3))
     if killed_at == "exit":  # no kill: the script ends without remove_observer
         return
     REMOVING.append(True)
@@ -88,7 +95,7 @@ def _killed(directory: Path, killed_at: str, resume: bool) -> None:
     assert child.returncode == ended, child.stderr.decode()
 
 
-FIRST_ATTEMPTS = ["before_removal", "last_flush", "exit"]
+FIRST_ATTEMPTS = ["before_removal", "last_flush", "exit", "in_forward"]
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +280,27 @@ if __name__ == "__main__":
         child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")
     elif (killed_at := fork_each(Path(sys.argv[1]), sys.argv[2:])) is not None:
         child_main(Path(sys.argv[1]) / killed_at / "run", killed_at, resume=False)
+
+
+def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attempt(
+    first_attempts: Path,
+) -> None:
+    """Attempt 0 is killed inside its fourth sampled forward (sample 3, forward_index 3): no
+    row, no TensorBoard event and no ledger entry of it exists, yet it took its ids (the
+    run's id mark), so attempt 1 starts at sample_id 4 and forward_index 4."""
+    directory = first_attempts / "in_forward" / "run"
+    assert STEPS not in event_steps(directory)
+    _removed_attempt(directory, 2)
+
+    history = pl.read_parquet(directory / "history.parquet")
+    first = history.filter(pl.col("attempt") == 0)
+    assert first["sample_id"].max() <= STEPS - 1  # type: ignore[operator]
+    later = history.filter(pl.col("attempt") == 1)
+    assert later["sample_id"].unique().sort().to_list() == [STEPS + 1, STEPS + 2]
+    assert later["forward_index"].unique().sort().to_list() == [STEPS + 1, STEPS + 2]
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert [(a["ended"], a["first_sample_id"]) for a in state["attempts"]] == [
+        ("killed", 0),
+        ("removed", STEPS + 1),
+    ]
+    assert "(the id mark in .lock)" in _page(directory)

@@ -464,6 +464,7 @@ def _open_run(
         continuation=continuation,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
+    observer.counter.taken = directory.ids_taken  # each sample's ids marked as it is taken
     for said in (
         continuation_notes(continuation, run.metrics, run.focus_layers) if continuation else ()
     ):

@@ -59,6 +59,10 @@ class Counter:
         self.unattributed_several = 0
         self.unattributed_late = 0
         self.recomputed = 0  # calls of the model made by a backward pass (module docstring)
+        # Called with (next sample_id, next forward_index) as each sample is taken, under the
+        # lock, so its calls come in the order the ids were handed out: the run's id mark
+        # (`rundir.id_mark`). Never per unsampled forward; it must not raise.
+        self.taken: Callable[[int, int], None] | None = None
 
     def next_forward(
         self, should_sample: Callable[[int, str], bool], schedule: str
@@ -91,6 +95,8 @@ class Counter:
                     hold_signal(SIGINT, None)
                 except ValueError:  # not the main thread: no SIGINT arrives here
                     held = NOT_HELD
+                if self.taken is not None:
+                    self.taken(sample_id + 1, forward_index + 1)
         return forward_index, sample_id, held
 
     def count_unobserved(self, schedule: str) -> None:

@@ -11,7 +11,9 @@ run:
   killed attempt's parts merged, its losses in the ledger, its cut sample marked), so the earlier
   rows stay as they are: history.parquet is only ever extended, never rewritten row by row;
 - continues `sample_id` and `forward_index` after everything the earlier attempts left, in
-  history and in the run's own TensorBoard events (`rundir.event_steps`), so no id and no
+  history, in the run's own TensorBoard events (`rundir.event_steps`) and in the run's id mark
+  (`rundir.id_mark`: the ids after every sample any attempt began, written as it was taken,
+  so a sample of which nothing reached the disk before a kill still counts), so no id and no
   TensorBoard step is used twice; a killed attempt's counts are lower bounds (its last flush
   interval died with it), so the ids may skip a few, never repeat;
 - continues each sampler's schedule: the training sampler is asked after the earlier attempts'
@@ -51,6 +53,7 @@ import polars as pl
 from torchinstruments.records import RunCounts, ScaleSpan
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.gradient_counts import no_grad_samples
+from torchinstruments.rundir.id_mark import read_mark
 
 IN_PROGRESS = "in progress"
 REMOVED = "removed"
@@ -267,7 +270,10 @@ def plan_continuation(
     The evidence, each a lower bound of its own: the attempts' own counts (from their first
     ids), history's last sample_id and forward_index, the run's TensorBoard events (a killed
     attempt's last samples can be there with no row: each step after the last row's
-    forward_index is one more sample, `rundir.event_steps`), and `samples_taken`.
+    forward_index is one more sample, `rundir.event_steps`), `samples_taken`, and the run's id
+    mark (`rundir.id_mark`: the ids after the last sample any attempt began, which covers a
+    sample killed before anything of it reached the disk; none in a run of a version before
+    it, or after a power loss that lost it: then the rest decides).
 
     Args:
         directory: the run directory (finalized: no parts left, history.parquet in place).
@@ -308,6 +314,9 @@ def plan_continuation(
             if later:  # steps of later attempts are theirs
                 beyond -= sum(1 for step in steps if step >= min(later))
             next_sample = max(next_sample, a.first_sample_id + beyond)
+    mark = read_mark(directory)
+    if mark is not None:
+        next_sample, next_forward = max(next_sample, mark[0]), max(next_forward, mark[1])
     train = _schedule_total(a.train_forwards for a in attempts)
     evaluation = _schedule_total(a.eval_forwards for a in attempts)
     return Continuation(

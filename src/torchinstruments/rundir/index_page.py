@@ -367,8 +367,9 @@ def _section_attempts(state: RunState) -> list[str]:
         lines[2] += (
             f" Between attempts sample_id may skip ({', '.join(skips)} at most): after a killed "
             "attempt the next one starts after every sample it left anywhere (rows, "
-            f"{TENSORBOARD_DIR}/ events, the loss ledger), so the ids of samples whose rows "
-            "died with it are never used twice."
+            f"{TENSORBOARD_DIR}/ events, the loss ledger) and after every sample it began (the "
+            f"id mark in {LOCK_FILE}), so the ids of samples whose rows died with it are never "
+            "used twice."
         )
     if any(not a.samples for a in state.attempts):
         lines[2] += (

@@ -5,9 +5,10 @@ whole life (`fcntl.flock` on POSIX, `msvcrt.locking` on Windows). The kernel dro
 the process dies, even on SIGKILL, so "lock free" means exactly "no live writer": no PID files, no
 staleness heuristics. Readers tell a live run from a dead one by taking the lock and dropping it
 at once (`writer_ended`), so a run taking its lock retries for a moment (`PROBE_TRIES`) before it
-calls the directory in use. The cost: advisory locks are unreliable on some network file
-systems, and the `.lock` file stays in the directory (deleting a lock file races with a process
-that just opened it). The platform module is imported when a lock is taken, not when the package is imported, so
+calls the directory in use. The lock file also carries the run's id mark after its holder
+line (`rundir.id_mark`), so taking the lock pads that line and keeps the rest. The cost:
+advisory locks are unreliable on some network file systems, and the `.lock` file stays in the
+directory (deleting a lock file races with a process that just opened it). The platform module is imported when a lock is taken, not when the package is imported, so
 `import torchinstruments` works everywhere; where neither exists, the run is not locked and a
 warning says so.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 
 from torchinstruments.notices import warn
+from torchinstruments.rundir.id_mark import MARK_OFFSET
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.stuck_writes import stuck_in
 
@@ -141,9 +143,10 @@ class RunLock:
                 )
             elif not _taken(fd, locker):
                 raise RunLockedError(_refusal(self.path.parent, _read_holder(fd)))
-            os.ftruncate(fd, 0)
+            # Padded, never truncated: the run's id mark follows it (`rundir.id_mark`).
+            line = f"{os.getpid()} {self._holder}".strip().encode()
             os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, f"{os.getpid()} {self._holder}".strip().encode() + b"\n")
+            os.write(fd, line.ljust(MARK_OFFSET - 1)[: MARK_OFFSET - 1] + b"\n")
         except BaseException:
             os.close(fd)
             raise

@@ -122,7 +122,10 @@ def section_files(run: RunInfo) -> list[str]:
         "focus tensor with no finite entry has no histogram at that step, and a text note "
         "'<tag> (no histogram)' there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
-        "`torchinstruments finalize` when a finalize took it last). The file stays after "
+        "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "
+        "run's id mark: the sample_id and forward_index after every sample begun, written "
+        "as each sample starts (no fsync: it survives a killed process, not a power loss), "
+        "so that resume=True never uses an id again. The file stays after "
         "the run ends; that process holds an OS lock on it (fcntl.flock, msvcrt.locking on "
         "Windows) only while it lives, so the "
         "file alone does not mean the run is live. `torchinstruments finalize` refuses the "

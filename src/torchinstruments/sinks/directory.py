@@ -23,6 +23,7 @@ from torchinstruments.rundir.attempts import Continuation, attempt_notes
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.flush_timer import FlushTimer, earliest_due
 from torchinstruments.rundir.gone import gone_warning, is_gone
+from torchinstruments.rundir.id_mark import IdMark
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -95,6 +96,10 @@ class DirectorySink:
         self.directory = directory
         self._config = history_config
         self._lock = RunLock(directory)
+        # The ids after every sample taken, in the lock file (`rundir.id_mark`): the observer's
+        # counter advances it (`ids_taken`), so a resume=True after a kill never reuses them.
+        self._ids = IdMark(self._say_problem)
+        self.ids_taken = self._ids.advance
         self._run: RunInfo | None = None
         self._history: HistoryWriter | None = None
         self._events: EventFile | None = None
@@ -149,6 +154,12 @@ class DirectorySink:
         self.live_scales = LiveScales(state.loss_scales)
         forks.track(self)  # from here until the lock is released
         self._open_files(run, state, continuation)
+        c = continuation
+        self._ids.open(
+            self.directory,
+            0 if c is None else c.first_sample_id,
+            0 if c is None else c.first_forward_index,
+        )
         self._saved_problems = state.live_problems
         history = self._history
         assert history is not None  # the opening's first write
@@ -213,14 +224,18 @@ class DirectorySink:
             else functools.partial(_put_back, directory, self._previous),
         )
         for error in refused:
-            note = (
+            self._say_problem(
                 f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
                 f"({type(error).__name__}: {error}): on a disk that fills up during the run, the "
                 f"final {STATE_FILE} and {INDEX_FILE} may not fit, and the rows they would list "
                 "as lost are then said only in warnings"
             )
-            self._notes.add(note[0].upper() + note[1:] + ".")
-            warn(f"torchinstruments: {note}")
+
+    def _say_problem(self, note: str) -> None:
+        """A problem of the run itself, said once by its caller: a note in index.md (saved by
+        the flush thread as it arises) and a warning."""
+        self.add_note(note[0].upper() + note[1:] + ".")
+        warn(f"torchinstruments: {note}")
 
     def _make_history(self, state: RunState, continuation: Continuation | None) -> None:
         """This attempt's history writer (it makes the parts folder)."""
@@ -235,6 +250,7 @@ class DirectorySink:
     def after_fork_in_child(self) -> None:
         """In a forked child: drop the child's copy of the lock descriptor; nothing else of this
         sink is used there (its threads do not exist in the child; see forks.py)."""
+        self._ids.forget()
         self._lock.forget()
 
     def _open_events(self) -> EventFile | None:
@@ -460,6 +476,7 @@ class DirectorySink:
         (`_finish_within`); that thread releases the run's lock when it ends.
         """
         self._handed_over = False
+        self._ids.close()  # no sample is taken from here on
         try:
             if self._term is not None:
                 self._term.uninstall()

@@ -287,7 +287,8 @@ def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attem
 ) -> None:
     """Attempt 0 is killed inside its fourth sampled forward (sample 3, forward_index 3): no
     row, no TensorBoard event and no ledger entry of it exists, yet it took its ids (the
-    run's id mark), so attempt 1 starts at sample_id 4 and forward_index 4."""
+    run's id mark), so attempt 1 starts at sample_id 4 and forward_index 4, and attempt 0's
+    counts (lower bounds from its rows) reach that sample."""
     directory = first_attempts / "in_forward" / "run"
     assert STEPS not in event_steps(directory)
     _removed_attempt(directory, 2)
@@ -299,8 +300,10 @@ def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attem
     assert later["sample_id"].unique().sort().to_list() == [STEPS + 1, STEPS + 2]
     assert later["forward_index"].unique().sort().to_list() == [STEPS + 1, STEPS + 2]
     state = json.loads((directory / ".state.json").read_text("utf-8"))
-    assert [(a["ended"], a["first_sample_id"]) for a in state["attempts"]] == [
-        ("killed", 0),
-        ("removed", STEPS + 1),
+    counted = [
+        (a["ended"], a["first_sample_id"], a["samples"], a["root_forwards"])
+        for a in state["attempts"]
     ]
-    assert "(the id mark in .lock)" in _page(directory)
+    assert counted == [("killed", 0, STEPS + 1, STEPS + 1), ("removed", STEPS + 1, 2, 2)]
+    assert state["counts"]["samples"] == STEPS + 3
+    assert "| killed | 0 | 0 | at least 4 | at least 4 |" in _page(directory)

@@ -35,6 +35,7 @@ from torchinstruments import (
     set_step,
 )
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments.rundir.id_mark import read_mark
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.state import Status, read_state
@@ -125,6 +126,9 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     saved = int(torch.load(checkpoint)["step"])  # the step the second attempt goes on after
     # the samples only TensorBoard's events hold (their rows died with the process)
     without_rows = event_steps_after(run, int(before["forward_index"].max()))  # type: ignore[arg-type]
+    # the ids after every sample it began: a kill inside a sample's step leaves one more
+    mark = read_mark(run)
+    assert mark is not None
 
     second = run_child(run, checkpoint, SECOND_STEPS)
     _, err = second.communicate(timeout=120)
@@ -137,8 +141,10 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     ids = later["sample_id"].unique().sort().to_list()
     last_first = before["sample_id"].max()
     assert isinstance(last_first, int)
-    # after the last row, and after the samples only the events hold: each took an id
-    start = last_first + 1 + len(without_rows)
+    # after the last row, the samples only the events hold, and one the kill cut before
+    # anything of it reached the disk (the id mark): each took an id
+    start = mark[0]
+    assert start >= last_first + 1 + len(without_rows)
     assert ids == list(range(start, start + SECOND_STEPS))
     assert int(later["forward_index"].min()) > int(before["forward_index"].max())  # type: ignore[arg-type]
     # The step column: each attempt's steps in order and without a gap, the second going on
@@ -163,8 +169,9 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     state = read_state(run)
     assert state.status is Status.INTERRUPTED  # the first attempt's last rows may be missing
     assert [(a.attempt, a.ended) for a in state.attempts] == [(0, "killed"), (1, "removed")]
-    # its rows' samples and those only its events hold: the attempts add up to the run's count
-    assert state.attempts[0].samples == first_samples + len(without_rows) == start
+    # its rows' samples, those only its events hold, and one its id mark alone proves: the
+    # attempts add up to the run's count
+    assert state.attempts[0].samples == start >= first_samples + len(without_rows)
     assert state.attempts[1].samples == SECOND_STEPS
     assert state.attempts[1].first_sample_id == start
     assert state.counts is not None

@@ -13,9 +13,10 @@ run:
 - continues `sample_id` and `forward_index` after everything the earlier attempts left, in
   history, in the run's own TensorBoard events (`rundir.event_steps`) and in the run's id mark
   (`rundir.id_mark`: the ids after every sample any attempt began, written as it was taken,
-  so a sample of which nothing reached the disk before a kill still counts), so no id and no
-  TensorBoard step is used twice; a killed attempt's counts are lower bounds (its last flush
-  interval died with it), so the ids may skip a few, never repeat;
+  so a sample of which nothing reached the disk before a kill still counts, in the killed
+  attempt's counts too: `raise_to_mark`), so no id and no TensorBoard step is used twice; a
+  killed attempt's counts are lower bounds (its last flush interval died with it), so the ids
+  may skip a few, never repeat;
 - continues each sampler's schedule: the training sampler is asked after the earlier attempts'
   training forwards, the evaluation sampler (a trainer callback's `record_eval`) after their
   evaluation forwards, so evaluation forwards never move the training schedule across a restart.
@@ -317,6 +318,7 @@ def plan_continuation(
     mark = read_mark(directory)
     if mark is not None:
         next_sample, next_forward = max(next_sample, mark[0]), max(next_forward, mark[1])
+        attempts = raise_to_mark(attempts, mark)
     train = _schedule_total(a.train_forwards for a in attempts)
     evaluation = _schedule_total(a.eval_forwards for a in attempts)
     return Continuation(
@@ -329,6 +331,27 @@ def plan_continuation(
         first_eval_index=0 if evaluation is None else evaluation,
         samples_held=int(held),
     )
+
+
+def raise_to_mark(
+    attempts: tuple[AttemptCounts, ...], mark: tuple[int, int]
+) -> tuple[AttemptCounts, ...]:
+    """`attempts` with the last one, where it was killed, raised to the run's id `mark` (next
+    sample_id, next forward_index): each attempt's start writes its first ids there, so a mark
+    past the last attempt's counts is that attempt's own samples, begun and killed before
+    anything of them reached the disk. Its samples and root forwards then reach the mark, so
+    the attempts add up to the run's count, as `raise_to_events` keeps them."""
+    if not attempts or not attempts[-1].counts_recovered:
+        return attempts
+    last = attempts[-1]
+    if mark[0] <= last.first_sample_id + last.samples:
+        return attempts
+    raised = dataclasses.replace(
+        last,
+        samples=mark[0] - last.first_sample_id,
+        root_forwards=max(last.root_forwards, mark[1] - last.first_forward_index),
+    )
+    return (*attempts[:-1], raised)
 
 
 # What a trainer callback's sampler line says under `record_eval` (integrations._fit): the
@@ -529,5 +552,6 @@ __all__ = [
     "joined_spans",
     "plan_continuation",
     "raise_to_events",
+    "raise_to_mark",
     "sampler_line",
 ]

@@ -340,7 +340,8 @@ def _section_attempts(state: RunState) -> list[str]:
         "trainer resumed from a checkpoint, in a new process or the same one). "
         "Each row's `attempt` column says which; sample_id and forward_index continue across "
         "them, and result.json summarizes the whole run. A killed attempt's counts are read "
-        "from its rows (lower bounds, unknown where it left none). tensorboard/ here holds "
+        f"from its rows, its {TENSORBOARD_DIR}/ events and the run's id mark in {LOCK_FILE} "
+        "(lower bounds, unknown where it left none). tensorboard/ here holds "
         "every attempt's histograms on steps of their own (forward_index continues), so none "
         "hides another's; a trainer's logger that writes where an earlier attempt's did gets "
         "steps again (a note says which).",

@@ -29,6 +29,7 @@ __all__ = [
     "CHUNK_ROWS",
     "in_range",
     "summarize_series",
+    "with_windows",
     "x_counts",
     "x_ranges",
 ]
@@ -133,14 +134,39 @@ def summarize_series(
         samples.append(rows.group_by("sample_id").agg(rows=pl.len()))
         latest = _fold_latest(latest, _latest(rows))
         del rows  # before the next range is read
+    sample_rows = pl.concat(samples) if samples else None
+    return with_windows(lf, choose, window, latest, sample_rows, chunk_rows=chunk_rows)
+
+
+def with_windows(
+    lf: pl.LazyFrame,
+    choose: Choose,
+    window: int,
+    latest: pl.DataFrame | None,
+    sample_rows: pl.DataFrame | None,
+    *,
+    chunk_rows: int | None = None,
+) -> pl.DataFrame:
+    """`summarize_series` of a run whose latest rows were read already (`compare` reads them
+    with the differences, in one read of each range).
+
+    Args:
+        lf: the run's history, `choose` and `window`: as `summarize_series`'.
+        latest: per series of `choose(lf)`, the columns of `_latest` (strings), or None where
+            `choose(lf)` has no row.
+        sample_rows: `sample_id` and `rows` (rows of `choose(lf)` per sample), or None.
+        chunk_rows: as `summarize_series`'.
+    """
+    chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
     if latest is None:
         latest = _latest(choose(lf.clear()).select(_SUMMARY_COLUMNS).collect())
-    sample_rows = pl.concat(samples) if samples else pl.DataFrame(schema=_SAMPLE_ROWS)
+    if sample_rows is None:
+        sample_rows = pl.DataFrame(schema=_SAMPLE_ROWS)
     recent = (
         window_summaries(
             choose(lf),
             window,
-            samples=sample_rows,  # `windows.sample_rows` of the chosen rows, read above
+            samples=sample_rows,  # `windows.sample_rows` of the chosen rows, read before
             series=latest.select(SERIES_KEY),
             chunk_rows=chunk_rows,
         )

@@ -30,6 +30,10 @@ Design decisions:
   each with a value, or each a null for the same reason. A live run's latest sample is open
   (`matching.open_sample`): a gradient row it lacks there is no difference, and is said.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
+- Matched on sample_id, both runs' summaries (the means, as `show` reads them) come from the
+  differences' read of each range (`cli.differences`), so each run is read once, plus its
+  windows' latest samples; matched on forward_index, the summaries are read by sample as
+  `show` reads them, and the differences by forward_index.
 """
 
 from __future__ import annotations
@@ -43,13 +47,16 @@ import polars as pl
 
 from torchinstruments.cli import module_types
 from torchinstruments.cli.attempts_apart import attempts_apart
-from torchinstruments.cli.differences import differences, first_differences
+from torchinstruments.cli.chunked import with_windows
+from torchinstruments.cli.differences import Differences, differences, first_differences
 from torchinstruments.cli.matching import matched_legend, open_line, pending
 from torchinstruments.cli.reader import (
     SERIES_KEY,
     TENSOR_KEY,
     RunFacts,
+    RunFiles,
     read_each_with,
+    read_facts,
     read_history,
     scan_files,
     window_of,
@@ -61,6 +68,7 @@ from torchinstruments.cli.selection import (
     ordered,
     sampled_differently,
     sampling,
+    summarized,
     summary,
 )
 from torchinstruments.cli.text import (
@@ -137,10 +145,31 @@ def compare(
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
-    facts_a, summary_a = summary(directory_a, selection)
-    window = window_of(facts_a, selection.window)
-    selection = Selection(selection.layers, selection.signals, selection.metrics, window)
-    facts_b, summary_b = summary(directory_b, selection)
+    if x == "sample_id":
+        facts_a, facts_b = read_facts(directory_a), read_facts(directory_b)
+        window = window_of(facts_a, selection.window)
+        selection = Selection(selection.layers, selection.signals, selection.metrics, window)
+        summary_a, summary_b, found = read_each_with(
+            [directory_a, directory_b],
+            lambda files: _read_together(files, selection, tolerance, (facts_a, facts_b)),
+        )
+        summary_a, summary_b = summarized(facts_a, summary_a), summarized(facts_b, summary_b)
+    else:
+        facts_a, summary_a = summary(directory_a, selection)
+        window = window_of(facts_a, selection.window)
+        selection = Selection(selection.layers, selection.signals, selection.metrics, window)
+        facts_b, summary_b = summary(directory_b, selection)
+        found = read_each_with(
+            [directory_a, directory_b],
+            lambda files: differences(
+                scan_files(files[0], write_order=False),
+                scan_files(files[1], write_order=False),
+                selection,
+                x,
+                tolerance,
+                (facts_a, facts_b),
+            ),
+        )
 
     def side(frame: pl.DataFrame, tag: str) -> pl.DataFrame:
         return frame.select(
@@ -155,19 +184,9 @@ def compare(
     both = side(summary_a, "a").join(
         side(summary_b, "b"), on=SERIES_KEY, how="full", coalesce=True, nulls_equal=True
     )
-    diffs, extent_a, extent_b, opens = read_each_with(
-        [directory_a, directory_b],
-        lambda files: differences(
-            scan_files(files[0], write_order=False),
-            scan_files(files[1], write_order=False),
-            selection,
-            x,
-            tolerance,
-            (facts_a, facts_b),
-        ),
-    )
+    extent_a, extent_b = found.extents
     frame = (
-        both.join(diffs, on=SERIES_KEY, how="left", nulls_equal=True)
+        both.join(found.diffs, on=SERIES_KEY, how="left", nulls_equal=True)
         .join(extent_a, on=SERIES_KEY, how="left", nulls_equal=True)
         .join(extent_b, on=SERIES_KEY, how="left", nulls_equal=True)
         .with_columns(
@@ -193,7 +212,24 @@ def compare(
         if found.is_empty() and not _holds_a_row(directory)
     )
     frame = ordered(frame, facts_a)
-    return Comparison(facts_a, facts_b, window, x, tolerance, frame, mixed, empty, opens)
+    return Comparison(facts_a, facts_b, window, x, tolerance, frame, mixed, empty, found.opens)
+
+
+def _read_together(
+    files: list[RunFiles], selection: Selection, tolerance: float, facts: tuple[RunFacts, RunFacts]
+) -> tuple[pl.DataFrame, pl.DataFrame, Differences]:
+    """Both runs' `chunked.summarize_series` frames and their `differences` on sample_id, from
+    one read of each range of samples (the summaries' latest rows come with the differences;
+    only the windows' latest samples are read again, by `chunked.with_windows`)."""
+    lf_a, lf_b = (scan_files(f, write_order=False) for f in files)
+    found = differences(lf_a, lf_b, selection, "sample_id", tolerance, facts)
+    window = selection.window
+    assert window is not None  # set by `compare` from run A's
+    summary_a, summary_b = (
+        with_windows(lf, selection.rows, window, latest, rows)
+        for lf, latest, rows in zip((lf_a, lf_b), found.latest, found.sample_rows, strict=True)
+    )
+    return summary_a, summary_b, found
 
 
 def _holds_a_row(directory: Path) -> bool:

@@ -6,28 +6,36 @@ Design decision: both runs are read together in ranges of `x` of about `chunked.
 rows of both (history is ordered by sample, so each range reads only the Parquet row groups
 that hold it), names compared as integer codes (Categorical), and each range's per-series
 result folded into one as it comes: memory is one range and one row per series, whatever the
-runs' length. What differs and what a matched sample is: `cli.compare`'s docstring and
-`cli.matching`.
+runs' length. Matched on sample_id, the same read of a range also gives each run's summary its
+latest rows and rows per sample (`chunked.with_windows` adds the windows): each range is read
+once, not once for the summaries and again for the differences. What differs and what a
+matched sample is: `cli.compare`'s docstring and `cli.matching`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
-from torchinstruments.cli.matching import agreement, matched_samples, open_sample, pending
+from torchinstruments.cli.matching import agreement, matched_in_join, open_sample, pending
 from torchinstruments.cli.reader import SERIES_KEY, RunFacts
 from torchinstruments.cli.selection import Selection
 
-__all__ = ["differences", "first_differences"]
+__all__ = ["Differences", "differences", "first_differences"]
 
 # The series key's string columns, read as integer codes (Categorical) while the ranges are
 # compared: grouping and joining millions of rows by codes, not strings, is most of the speed.
 _TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
 
+# `chunked.summarize_series`' latest row of a series, as `_extent` reads it with the differences.
+_LATEST = ("module_type", "latest_value", "latest_reason", "latest_sample_id")
+_LATEST_READ = (*_LATEST, "observations")
+
 
 def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
-    """Series key (its names as Categorical), x, occurrence number within (series, x) in write
+    """Series key (its names as Categorical), module_type, x, occurrence number within (series, x) in write
     order, value and unavailable_reason, of one range of samples (whole samples, read in write order).
 
     Most series have one row per sample: only the rows whose (series, x) repeats are numbered
@@ -37,6 +45,7 @@ def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
     frame = (
         rows.select(
             *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
+            pl.col("module_type").cast(pl.Categorical),  # for the summary's latest row
             x,
             "value",
             pl.col("unavailable_reason").cast(pl.Categorical),
@@ -54,8 +63,9 @@ def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
 
 
 def _named(frame: pl.DataFrame) -> pl.DataFrame:
-    """`frame` with its key's names as strings again (one row per series: cheap)."""
-    return frame.with_columns(pl.col(k).cast(pl.String) for k in _TEXT_KEYS)
+    """`frame` with its names as strings again (one row per series: cheap)."""
+    names = [*_TEXT_KEYS, *(c for c in ("module_type", "latest_reason") if c in frame.columns)]
+    return frame.with_columns(pl.col(k).cast(pl.String) for k in names)
 
 
 def first_differences(
@@ -73,7 +83,7 @@ def first_differences(
     `b`); there, a row in one run and not the other is a difference (but a gradient row a live
     run lacks at its open sample, `open_at`: A's and B's x or None), as is a value in one and a
     null in the other or nulls for different reasons; matched samples are
-    `matching.matched_samples`'.
+    `matching.matched_samples`' (counted on the joined rows: `matching.matched_in_join`).
     """
     keys = [*SERIES_KEY, x, "_occurrence"]
     own_a, own_b = (a.select(x), b.select(x)) if samples is None else samples
@@ -106,8 +116,7 @@ def first_differences(
     differ = one_missing | disagree | beyond
     # Each aggregation on rows chosen beforehand, so each is a plain per-group one (a filter
     # inside an aggregation is evaluated group by group: slow with one group per series).
-    in_common = pl.col(x).is_in(common[x].implode())
-    matched = matched_samples(pl.concat([a.filter(in_common), b.filter(in_common)]), SERIES_KEY, x)
+    matched = matched_in_join(joined, SERIES_KEY, x)  # `joined` holds the samples in common
     first = (
         joined.filter(differ)
         .sort(x, maintain_order=True)  # the first row at the first x, in joined order
@@ -127,13 +136,24 @@ def first_differences(
     )
 
 
-def _extent(values: pl.DataFrame, x: str, tag: str) -> pl.DataFrame:
-    """Per series: how many samples it has in one run, and its first and last x there."""
-    return values.group_by(SERIES_KEY).agg(
+def _extent(values: pl.DataFrame, x: str, tag: str, latest: bool = False) -> pl.DataFrame:
+    """Per series: how many samples it has in one run, and its first and last x there; with
+    `latest` (x is sample_id), also the columns of `chunked.summarize_series`' latest row
+    (`_LATEST`: a range's rows are in sample_id and write order) and its `observations`."""
+    aggs = [
         pl.col(x).n_unique().alias(f"samples_{tag}"),
         pl.col(x).min().alias(f"first_{tag}"),
         pl.col(x).max().alias(f"last_{tag}"),
-    )
+    ]
+    if latest:
+        aggs += [
+            pl.col("module_type").last(),
+            pl.col("value").last().alias("latest_value"),
+            pl.col("unavailable_reason").last().alias("latest_reason"),
+            pl.col("sample_id").last().alias("latest_sample_id"),
+            pl.len().alias("observations"),
+        ]
+    return values.group_by(SERIES_KEY).agg(aggs)
 
 
 def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
@@ -151,18 +171,46 @@ def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.D
 
 
 def _fold_extent(earlier: pl.DataFrame | None, later: pl.DataFrame, tag: str) -> pl.DataFrame:
-    """`_extent` of two ranges of x that share no sample, as one."""
+    """`_extent` of two ranges of x that share no sample, as one (the latest row: the later
+    range's)."""
     if earlier is None:
         return later
-    return (
-        pl.concat([earlier, later], how="vertical_relaxed")
-        .group_by(SERIES_KEY)
-        .agg(
-            pl.col(f"samples_{tag}").sum(),
-            pl.col(f"first_{tag}").min(),
-            pl.col(f"last_{tag}").max(),
-        )
-    )
+    aggs = [
+        pl.col(f"samples_{tag}").sum(),
+        pl.col(f"first_{tag}").min(),
+        pl.col(f"last_{tag}").max(),
+    ]
+    if "observations" in later.columns:
+        aggs += [pl.col(*_LATEST).last(), pl.col("observations").sum()]
+    return pl.concat([earlier, later], how="vertical_relaxed").group_by(SERIES_KEY).agg(aggs)
+
+
+@dataclass(frozen=True)
+class Differences:
+    """What `differences` read of two runs.
+
+    Attributes:
+        diffs: per series, `first_differences` (names as strings).
+        extents: A's and B's `_extent` (samples_a, first_a, last_a; and b's).
+        opens: A's and B's open sample (`matching.open_sample`).
+        latest: with x sample_id, per run its series' latest row and observations (the columns
+            of `chunked.summarize_series` before its windows; None where the run has no
+            selected row), and `sample_rows`: its selected rows per sample_id, for
+            `chunked.with_windows`; else (None, None) each.
+    """
+
+    diffs: pl.DataFrame
+    extents: tuple[pl.DataFrame, pl.DataFrame]
+    opens: tuple[int | None, int | None]
+    latest: tuple[pl.DataFrame | None, pl.DataFrame | None] = (None, None)
+    sample_rows: tuple[pl.DataFrame | None, pl.DataFrame | None] = (None, None)
+
+
+def _latest_of(extent: pl.DataFrame) -> pl.DataFrame | None:
+    """The summary's columns of a run's `_extent` with `latest` (strings), None if empty."""
+    if extent.is_empty() or "observations" not in extent.columns:
+        return None
+    return _named(extent.select(*SERIES_KEY, *_LATEST, "observations"))
 
 
 def differences(
@@ -172,22 +220,32 @@ def differences(
     x: str,
     tolerance: float,
     facts: tuple[RunFacts, RunFacts],
-) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, tuple[int | None, int | None]]:
+) -> Differences:
     """Per series: `first_differences`, and each run's `_extent`, read in ranges of x of about
-    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`); and each run's open sample."""
+    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`); each run's open sample; and, with
+    x sample_id, each run's latest rows for its summary: one read of each range serves both."""
+    latest = x == "sample_id"
     counts = (x_counts(lf_a, x), x_counts(lf_b, x))  # also each run's own samples
     samples = (counts[0].select(x), counts[1].select(x))
     opens = (open_sample(facts[0], counts[0], x), open_sample(facts[1], counts[1], x))
     diffs = extent_a = extent_b = None
+    rows_a: list[pl.DataFrame] = []
+    rows_b: list[pl.DataFrame] = []
     for bounds in x_ranges(counts, x):
         a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x)
         b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x)
         diffs = _fold_differences(diffs, first_differences(a, b, x, tolerance, samples, opens))
-        extent_a = _fold_extent(extent_a, _extent(a, x, "a"), "a")
-        extent_b = _fold_extent(extent_b, _extent(b, x, "b"), "b")
+        extent_a = _fold_extent(extent_a, _extent(a, x, "a", latest), "a")
+        extent_b = _fold_extent(extent_b, _extent(b, x, "b", latest), "b")
+        if latest:
+            rows_a.append(a.group_by(x).agg(rows=pl.len()))
+            rows_b.append(b.group_by(x).agg(rows=pl.len()))
         del a, b  # before the next range is read
     if diffs is None or extent_a is None or extent_b is None:
         empty = _matched_values(selection.rows(lf_a.clear()), x)
         diffs = first_differences(empty, empty, x, tolerance, samples)
         extent_a, extent_b = _extent(empty, x, "a"), _extent(empty, x, "b")
-    return _named(diffs), _named(extent_a), _named(extent_b), opens
+    kept = (_latest_of(extent_a), _latest_of(extent_b))
+    found = (pl.concat(rows_a) if rows_a else None, pl.concat(rows_b) if rows_b else None)
+    extents = (extent_a.drop(_LATEST_READ, strict=False), extent_b.drop(_LATEST_READ, strict=False))
+    return Differences(_named(diffs), (_named(extents[0]), _named(extents[1])), opens, kept, found)

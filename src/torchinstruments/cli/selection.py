@@ -48,6 +48,7 @@ __all__ = [
     "sampled_differently",
     "samplers_in_turn",
     "sampling",
+    "summarized",
     "summary",
 ]
 
@@ -112,9 +113,15 @@ def summary(directory: Path, selection: Selection) -> tuple[RunFacts, pl.DataFra
             scan_files(files, write_order=False), selection.rows, window
         ),
     )
+    return facts, summarized(facts, frame)
+
+
+def summarized(facts: RunFacts, frame: pl.DataFrame) -> pl.DataFrame:
+    """A run's `chunked.summarize_series` frame as `summary` gives it (columns `COLUMNS`,
+    display order): for `compare`, which reads it with its differences."""
     marked = pl.col("latest_sample_id").is_in(list(facts.marked), nulls_equal=False)
     frame = frame.with_columns(latest_marked=marked.fill_null(False))
-    return facts, ordered(frame.select(COLUMNS), facts)
+    return ordered(frame.select(COLUMNS), facts)
 
 
 def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:

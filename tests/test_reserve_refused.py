@@ -2,9 +2,10 @@
 
 The reserve (`rundir.reserve`) is what lets the final state file and index.md land on a disk
 that fills up during the run; a run that could not write it has no such promise. The refusal is
-real: the child process may write no file larger than 48 KiB (RLIMIT_FSIZE, with SIGXFSZ
+real: the child process may write no file larger than 96 KiB (RLIMIT_FSIZE, with SIGXFSZ
 ignored, so the write fails with EFBIG as a full disk fails with ENOSPC): the state file,
-index.md and the parts of a small model fit, the reserve (64 KiB and more) does not.
+index.md (at most 64 KiB) and the parts of a small model fit, the reserve (twice the state file
+and index.md, plus 64 KiB) does not.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 
 run, steps = sys.argv[1], int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-resource.setrlimit(resource.RLIMIT_FSIZE, (48 * 1024, 48 * 1024))
+resource.setrlimit(resource.RLIMIT_FSIZE, (96 * 1024, 96 * 1024))
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
 with warnings.catch_warnings(record=True) as caught:

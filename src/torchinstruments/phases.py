@@ -41,13 +41,12 @@ only.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from types import CodeType, FrameType
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
+
+from torchinstruments._torch_internals import in_reentrant_checkpoint
 
 __all__ = ["EVAL", "PASSED_THROUGH", "SETUP", "TRAIN", "UNOBSERVED", "Phases"]
 
@@ -130,23 +129,7 @@ class Phases:
         return self.fit_over is not None and self.fit_over(when)
 
 
-# Reentrant checkpointing's forward (`torch.utils.checkpoint.CheckpointFunction`, in that module's
-# __all__): it runs the checkpointed function under torch.no_grad(). Checked on torch 2.15.0.
-_REENTRANT_CHECKPOINT: CodeType | None = getattr(
-    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None),
-    "__code__",
-    None,
-)
-
-
 def _no_grad_by_user() -> bool:
     """Whether grad is disabled now by the caller (no_grad, inference_mode), not by reentrant
-    checkpointing, whose forward on this thread's stack disabled it (CPython frames)."""
-    if torch.is_grad_enabled():
-        return False
-    frame: FrameType | None = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is _REENTRANT_CHECKPOINT:
-            return False
-        frame = frame.f_back
-    return True
+    checkpointing, whose forward on this thread's stack disabled it."""
+    return not torch.is_grad_enabled() and not in_reentrant_checkpoint()

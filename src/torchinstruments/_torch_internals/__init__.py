@@ -24,6 +24,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import wrapt
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -40,6 +41,7 @@ __all__ = [
     "hook_without_handle",
     "in_backward_pass",
     "in_compiled_autograd",
+    "in_reentrant_checkpoint",
     "innermost_frame",
     "is_fake",
     "is_functorch_wrapped",
@@ -288,6 +290,32 @@ def ran_by_a_backward() -> bool:
     is missing, False: every call is then taken for the user's, as before.
     """
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+# Reentrant checkpointing's forward (`torch.utils.checkpoint.CheckpointFunction`, in that
+# module's __all__), read once for `in_reentrant_checkpoint`.
+_REENTRANT_CHECKPOINT: CodeType | None = getattr(
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None),
+    "__code__",
+    None,
+)
+
+
+def in_reentrant_checkpoint() -> bool:
+    """Whether reentrant activation checkpointing's forward (`checkpoint(..., use_reentrant=True)`)
+    is on this thread's stack: it runs the checkpointed function under torch.no_grad().
+
+    Why: a root forward it runs is a training forward whose backward flows through the
+    recomputation, not an evaluation forward under the caller's no_grad (phases.py). Relies on
+    CPython frames (`sys._getframe`) and on `CheckpointFunction.forward`'s code object; checked
+    on torch 2.15.0. Where that is missing, False: every no_grad is then taken for the caller's.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_CHECKPOINT:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

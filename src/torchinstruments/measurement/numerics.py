@@ -87,21 +87,27 @@ def profile_metrics(
     profile[:, :7] = raw[:, :7]
     profile[raw[:, 8] == 0, :7] = np.nan  # no finite entry: nothing to order or average
     np.minimum(profile[:, 1], np.abs(profile[:, 2:4]).max(1), out=profile[:, 1])
-    profile[:, 7] = raw[:, 7] / numel
-    profile[:, 8] = (numel - raw[:, 8]) / numel
-    profile[~np.isfinite(profile)] = np.nan
+    np.divide(raw[:, 7], numel, out=profile[:, 7])
+    np.divide(numel - raw[:, 8], numel, out=profile[:, 8])
+    np.copyto(profile, np.nan, where=~np.isfinite(profile))
     profile += 0.0  # -0.0 becomes 0.0, as metric_value does
-    columns = [PROFILE.index(name) for name in metrics]
-    chosen = profile[:, columns] if columns != list(range(len(PROFILE))) else profile
-    flat = chosen.reshape(-1)
+    columns = _columns(tuple(metrics))
+    flat = (profile if columns is None else profile[:, columns]).reshape(-1)
     out: list[float | None] = flat.tolist()
     why: list[str | None] = [None] * flat.size
     for position in np.flatnonzero(np.isnan(flat)).tolist():  # the nulls only
-        row, column = divmod(position, len(columns))
+        row, column = divmod(position, len(metrics))
         out[position] = None
-        no_finite = raw[row, 8] == 0 and columns[column] < 7  # a metric of the finite entries
+        no_finite = raw[row, 8] == 0 and PROFILE.index(metrics[column]) < 7  # of finite entries
         why[position] = reasons.NO_FINITE if no_finite else reasons.NON_FINITE_RESULT
     return out, why
+
+
+@functools.lru_cache(maxsize=16)
+def _columns(metrics: tuple[str, ...]) -> list[int] | None:
+    """The `PROFILE` columns of `metrics`, None when they are all of them in order."""
+    columns = [PROFILE.index(name) for name in metrics]
+    return None if columns == list(range(len(PROFILE))) else columns
 
 
 def derived(raw: Mapping[str, float], numel: int, metrics: Sequence[str]) -> dict[str, MetricValue]:

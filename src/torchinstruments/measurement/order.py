@@ -231,37 +231,51 @@ def select(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
 
 
 def _select_keys(keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """`select` of int32/int64 `keys` (at least one), as keys."""
+    """`select` of int32/int64 `keys` (at least one), as keys: the wanted ranks' buckets of
+    `_SELECT_BITS` bits between the extremes counted, the smallest ones' entries sorted together
+    in one copy of at most `SORTED_UP_TO`, each other one read further alone (a bucket of zeros
+    alone ends)."""
     if keys.size <= SORTED_UP_TO:
         return np.sort(keys).take(ranks)
     low, high = keys.min(), keys.max()
     out = np.where(ranks == 0, low, high)  # the extremes, read
-    inner = (ranks > 0) & (ranks < keys.size - 1)
-    if low == high or not inner.any():
+    last = keys.size - 1
+    inner = [(index, rank) for index, rank in enumerate(ranks.tolist()) if 0 < rank < last]
+    if low == high or not inner:
         return out
     unsigned = np.uint32 if keys.itemsize == 4 else np.uint64
-    shift = unsigned(max((int(high) - int(low)).bit_length() - _SELECT_BITS, 0))
-    digits = ((keys - low).view(unsigned) >> shift).astype(np.intp)  # wrapped, read unsigned
+    shift = max((int(high) - int(low)).bit_length() - _SELECT_BITS, 0)
+    digits = ((keys - low).view(unsigned) >> unsigned(shift)).astype(np.intp)  # wrapped, unsigned
     ends = np.bincount(digits).cumsum()
-    at = ends.searchsorted(ranks[inner], side="right")  # each inner rank's bucket
-    before = np.where(at > 0, ends[at - 1], 0)  # entries in the buckets below it
-    wanted, first = np.unique(at, return_index=True)
-    sizes = ends[wanted] - before[first]
-    if sizes.sum() > SORTED_UP_TO:  # a bucket at a time, each read further
-        local, where = ranks[inner] - before, np.flatnonzero(inner)
-        zero = -int(low) >> int(shift) if low <= 0 <= high else -1  # the bucket of 0.0's key
-        for digit, size in zip(wanted.tolist(), sizes.tolist(), strict=True):
-            mine = at == digit
-            if digit == zero and np.count_nonzero(keys == 0) == size:  # zeros only: read no more
-                out[where[mine]] = 0
-            else:
-                out[where[mine]] = _select_keys(_where_true(keys, digits == digit), local[mine])
-        return out
-    mask = digits == wanted[0]  # the usual case: those buckets' keys sorted together
-    for digit in wanted[1:].tolist():
-        mask |= digits == digit
-    below = (np.cumsum(sizes) - sizes)[wanted.searchsorted(at)]  # in the wanted buckets
-    out[inner] = np.sort(keys.take(np.flatnonzero(mask))).take(ranks[inner] - before + below)
+    buckets = ends.searchsorted([rank for _, rank in inner], side="right").tolist()
+    starts = {digit: int(ends[digit - 1]) if digit else 0 for digit in buckets}
+    sizes = {digit: int(ends[digit]) - start for digit, start in starts.items()}
+    zero = -int(low) >> shift if low <= 0 <= high else -1  # the bucket of 0.0's key
+    if zero in sizes and sizes[zero] > SORTED_UP_TO and np.count_nonzero(keys == 0) == sizes[zero]:
+        zeros = [index for (index, _), digit in zip(inner, buckets, strict=True) if digit == zero]
+        out[zeros] = 0  # a bucket of zeros alone (a ReLU's): read no more
+        del sizes[zero]
+    together, kept_size = [], 0  # buckets sorted in one copy, at most `SORTED_UP_TO` entries
+    for digit in sorted(sizes, key=sizes.__getitem__):
+        if kept_size + sizes[digit] <= SORTED_UP_TO:
+            together.append(digit)
+            kept_size += sizes[digit]
+    together.sort()
+    if together:
+        table = np.zeros(ends.size, dtype=bool)
+        table[together] = True
+        kept = np.sort(keys[table.take(digits)])
+        offsets, below = {}, 0
+        for digit in together:  # where each bucket's entries begin among the kept ones
+            offsets[digit], below = below - starts[digit], below + sizes[digit]
+        mine = [
+            (i, r + offsets[d]) for (i, r), d in zip(inner, buckets, strict=True) if d in offsets
+        ]
+        out[[index for index, _ in mine]] = kept.take([position for _, position in mine])
+    for digit in (digit for digit in sizes if digit not in together):  # each read further
+        mine = [(i, r - starts[d]) for (i, r), d in zip(inner, buckets, strict=True) if d == digit]
+        local = np.array([rank for _, rank in mine])
+        out[[index for index, _ in mine]] = _select_keys(_where_true(keys, digits == digit), local)
     return out
 
 

@@ -83,8 +83,11 @@ class _Part:
         """Resolves the raw values and turns them into metric values."""
         raw = dict(self.host)
         raw.update({key: float(host_values[index]) for key, index in self.refs.items()})
-        known = {name: numerics.metric_value(value) for name, value in raw.items()}
-        known |= (self.derive(raw) if self.derive is not None else {}) | self.fixed
+        if self.derive is not None:  # the default profile: every metric derived from `raw`
+            known = self.derive(raw) | self.fixed
+        else:
+            known = {name: numerics.metric_value(value) for name, value in raw.items()}
+            known |= self.fixed
         return tuple(known.get(name, _NO_VALUE) for name in self.metrics)
 
 

@@ -41,7 +41,6 @@ HistogramVector = torch.Tensor | list[float]
 _HEAD = 5
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 _CHUNK = 1 << 16  # entries counted at a time on the host: bounds the temporaries
-_PAIRED_MAX = 1 << 16  # up to this many counters ((bins + 1)**2), `bin_counts` counts in pairs
 _MAX_OFF = 3  # a guess that can miss by more bins is not corrected: each entry bisected instead
 
 
@@ -107,15 +106,12 @@ def bin_counts(
         return counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float64))[:bins]
     low = float(bounds[0])
     scale, off = guess_scale(limits, low, float(bounds[-1]) - low, bins)
-    around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)  # bin i: from
-    width = bins + 1  # around[i] to around[i + 1]; bin `bins`: the max's, added to the last
-    # NumPy's unbuffered add.at costs per increment (about 1.5 ns), so with few bins two entries
-    # add to one counter of a width x width grid, an entry's bin its row or column (1.1 ns).
-    grid = np.zeros(width * width if width * width <= _PAIRED_MAX else 0, dtype=np.int64)
-    counts = np.zeros(width, dtype=np.int64)  # the entries not paired
+    # Bin i holds the entries from around[i] to around[i + 1]; bin `bins` the max's, added to the
+    # last. Counted by np.bincount: about 1.1 ns an entry here, NumPy's unbuffered add.at 1.5.
+    around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)
+    counts = np.zeros(bins + 1, dtype=np.int64)
     size = min(_CHUNK, values.size)
     buffer, indices = np.empty(size), np.empty(size, np.int32)  # int32: half int64's casts
-    pairs = np.empty(size // 2, np.int32)
     for begin in range(0, values.size, _CHUNK):
         piece = values[begin : begin + _CHUNK]
         index = indices[: piece.size]
@@ -132,15 +128,7 @@ def bin_counts(
             for _ in range(off):  # each step takes every entry a bin nearer its own
                 index -= piece < around.take(index)
                 index += piece >= around.take(index + 1)
-        if grid.size:  # all but an odd chunk's last entry in pairs
-            even = index.size - index.size % 2
-            pair = np.multiply(index[:even:2], width, out=pairs[: even // 2])
-            np.add.at(grid, np.add(pair, index[1:even:2], out=pair), 1)
-            index = index[even:]
-        np.add.at(counts, index, 1)
-    if grid.size:
-        square = grid.reshape(width, width)
-        counts += square.sum(axis=0) + square.sum(axis=1)
+        counts += np.bincount(index, minlength=bins + 1)
     totals = counts.astype(np.float64)
     totals[bins - 1] += totals[bins]
     return totals[:bins]

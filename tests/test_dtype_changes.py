@@ -21,7 +21,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.__main__ import main as cli_main
-from torchinstruments.rundir import summary
+from torchinstruments.rundir import series_stats, summary
 from torchinstruments.rundir.state import read_state
 
 LAYERS = ("0", "1", "2")  # Linear, Tanh, Linear
@@ -129,7 +129,7 @@ def test_dtypes_are_the_same_however_history_is_cut_into_chunks(
     for i in range(6):
         step(net, torch.float32, autocast=i in (3, 5))
     remove_observer(net)
-    monkeypatch.setattr(summary, "SUMMARY_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(series_stats, "SUMMARY_CHUNK_ROWS", chunk_rows)
     state = read_state(run_dir)
     changes = summary.write_result(run_dir, state.run.layers, state.run.history.window)
 

@@ -19,7 +19,7 @@ import pytest
 from torchinstruments.__main__ import main
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import INTERRUPTED, LayerInfo, Measurement, MetricValue
-from torchinstruments.rundir import summary as summary_module
+from torchinstruments.rundir import series_stats
 from torchinstruments.rundir import windows as windows_module
 from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import write_catalog, write_result
@@ -262,7 +262,7 @@ def test_chunked_summary_equals_one_chunk(
     shutil.copy(directory / "history.parquet", tmp_path / "history.parquet")
     # 7 rows at a time: aggregates combined across chunks, windows read back from the end
     # (the sparse layer's reach sample 0), samples split between chunks.
-    monkeypatch.setattr(summary_module, "SUMMARY_CHUNK_ROWS", 7)
+    monkeypatch.setattr(series_stats, "SUMMARY_CHUNK_ROWS", 7)
     write_result(tmp_path, LAYERS, WINDOW)
     chunked = (tmp_path / "result.json").read_text(encoding="utf-8")
     assert chunked == (directory / "result.json").read_text(encoding="utf-8")
@@ -414,7 +414,7 @@ def test_min_and_max_are_the_earliest_sample_holding_them(
 ) -> None:
     """0.0 and -0.0 are equal values; infinities and NaN are not finite and never the min or
     max; chunks of 7 rows split the ties between chunks."""
-    monkeypatch.setattr(summary_module, "SUMMARY_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(series_stats, "SUMMARY_CHUNK_ROWS", chunk_rows)
     rng = random.Random(11)
     names = [f"m{k}" for k in range(12)]
     observed: dict[str, list[tuple[int, float | None]]] = defaultdict(list)

@@ -59,7 +59,7 @@ TENSOR_KEY = ("layer", "call_index", "signal", "tensor_path", "mode")
 SERIES_KEY = (*TENSOR_KEY, "metric")
 
 # Rows read at a time, by default (the command line): 2**18, two fifths of a row group of
-# history.parquet. `rundir.summary` passes its own `chunk_rows`, a fifth, to bound removal's peak.
+# history.parquet. `rundir.series_stats` passes its own `chunk_rows`, a fifth, to bound removal's peak.
 WINDOW_CHUNK_ROWS = 2**18
 
 # Grouped as categoricals: grouping on their integer codes is about twice as fast, and a range

@@ -16,6 +16,9 @@ and calls the directory "interrupted", never "complete". `finalize` reads the di
 through `rundir.recovery.load_state` (older directories included) and keeps what only the live
 run knew: its exact counts, the rows it recorded, the problems no later finalize can check again
 (`RunState.live_problems`), the loss ledger and the notes.
+
+What the merged history is checked against (rows short, gaps, events without rows) is
+`rundir.history_checks`; the state `finalize` starts from, `rundir.recovery.state_to_finish`.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import polars as pl
@@ -34,15 +36,14 @@ from torchinstruments import reasons
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import (
-    IN_PROGRESS,
-    IN_REMOVAL,
-    AttemptCounts,
     at_least_attempts,
-    attempt_notes,
     close_attempts,
-    raise_to_events,
 )
-from torchinstruments.rundir.event_steps import event_steps
+from torchinstruments.rundir.history_checks import (
+    attempts_short,
+    events_without_rows,
+    unexplained_gaps,
+)
 from torchinstruments.rundir.index_page import write_index
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -53,24 +54,19 @@ from torchinstruments.rundir.layout import (
     RESULT_FILE,
     STATE_FILE,
     is_library_temporary,
-    scan_history,
 )
-from torchinstruments.rundir.ledger import missing_samples, sample_range, uncovered
 from torchinstruments.rundir.lock import FINALIZE, RunLock
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.parent_rewrite import write_parent_index
-from torchinstruments.rundir.recovery import fallback_run_info, load_state, recovered_counts
+from torchinstruments.rundir.recovery import recovered_counts, state_to_finish
 from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import (
-    LAST_PARTS,
-    NewerStateError,
     RunState,
     Status,
-    killed_in_removal,
     write_state,
 )
 from torchinstruments.rundir.summary import write_result
@@ -186,7 +182,7 @@ def finish_run(
         notes = with_killed_repeats(state.notes, merge.path, [a for a in killed if a > 0])
         state = dataclasses.replace(state, attempts=closed, notes=notes)
         if state.interrupted:
-            state, counts = _events_without_rows(
+            state, counts = events_without_rows(
                 directory, merge.path, state, counts, recovered, killed
             )
         if recovered:  # never below what the attempts' own counts say together
@@ -202,7 +198,7 @@ def finish_run(
         lost = sum(loss.rows for loss in state.losses)
         # each attempt's own rows (known where the job's are not), where each loss is its own
         if len(state.attempts) > 1 and all(x.first_sample_id is not None for x in state.losses):
-            found += _attempts_short(merge.path, state)
+            found += attempts_short(merge.path, state)
         elif rows_recorded is not None and merge.rows < rows_recorded - lost:
             ledger = f" ({lost} more are in the loss ledger)" if lost else ""
             found.append(
@@ -211,7 +207,7 @@ def finish_run(
             )
         if state.interrupted:
             left = [path.name for path, _ in merge.unreadable_parts]
-            found += _unexplained_gaps(merge.path, state, left)
+            found += unexplained_gaps(merge.path, state, left)
         try:
             marks, marks_total = read_marks(merge.path)
             state = dataclasses.replace(state, marks=marks, marks_total=marks_total)
@@ -296,38 +292,6 @@ def _left_behind(directory: Path, merge: MergeResult) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _attempts_short(history: Path, state: RunState) -> list[str]:
-    """Each attempt whose rows in `history` fall short of the rows it recorded, less its loss
-    ledger entries (those of its sample_id range), one line each. A continued run whose earlier
-    attempt was killed does not know the job's rows, but a removed attempt knows its own."""
-    try:
-        held = dict(
-            scan_history(history).group_by("attempt").len().collect(engine="streaming").rows()
-        )
-    except (OSError, pl.exceptions.PolarsError):
-        return []  # the merge just read it; the other checks stand
-    ends = [a.first_sample_id for a in state.attempts[1:]] + [None]
-    found = []
-    for entry, end in zip(state.attempts, ends, strict=True):
-        if entry.rows is None:
-            continue
-        mine = [
-            loss.rows
-            for loss in state.losses
-            if loss.first_sample_id is not None
-            and loss.first_sample_id >= entry.first_sample_id
-            and (end is None or loss.first_sample_id < end)
-        ]
-        lost, rows = sum(mine), held.get(entry.attempt, 0)
-        if rows < entry.rows - lost:
-            ledger = f" ({lost} more are in the loss ledger)" if lost else ""
-            found.append(
-                f"{HISTORY_FILE} holds {rows} of the {entry.rows} rows attempt {entry.attempt} "
-                f"recorded; {entry.rows - lost - rows} rows are missing{ledger}"
-            )
-    return found
-
-
 def _removal_at(directory: Path, state: RunState, step: str) -> RunState:
     """`state` at removal's `step` (`RunState.removal_step`), written into the state file, so
     that a process killed there reads "killed during removal", not "ended without it"; a
@@ -352,80 +316,6 @@ def _write_parent_page(parent: Path) -> None:
             f"({type(error).__name__}: {error}); "
             f"`{tool_command('finalize', parent)}` writes it again"
         )
-
-
-def _events_without_rows(
-    directory: Path,
-    history: Path,
-    state: RunState,
-    counts: RunCounts,
-    recovered: bool,
-    killed: list[int],
-) -> tuple[RunState, RunCounts]:
-    """After a kill: the sampled forwards the run's TensorBoard events hold and history has no
-    row of (their rows died in memory), and counts rebuilt from history raised to them, as are
-    those of the `killed` attempts (closed now from their rows)."""
-    steps = event_steps(directory)
-    if not steps:
-        return state, counts
-    try:
-        present = (
-            scan_history(history)
-            .select(pl.col("forward_index").unique())
-            .collect(engine="streaming")["forward_index"]
-            .to_list()
-        )
-    except (OSError, pl.exceptions.PolarsError):
-        return state, counts
-    missing = sorted(steps - set(present))
-    state = dataclasses.replace(
-        state,
-        events_without_rows=tuple(missing[:20]),
-        events_without_rows_total=len(missing),
-        attempts=raise_to_events(state.attempts, killed, missing),
-    )
-    if recovered:
-        counts = dataclasses.replace(
-            counts,
-            root_forwards=max(counts.root_forwards, max(steps) + 1),
-            samples=counts.samples + len(missing),
-        )
-    return state, counts
-
-
-def _unexplained_gaps(history: Path, state: RunState, left: Sequence[str]) -> list[str]:
-    """Sample ranges with no row in history that the loss ledger does not explain; where the
-    merge left unreadable parts (`left`, their names), a gap's rows may be in one of them, and
-    the line says so before it says they were never written.
-
-    Used after a crash, when the ledger may not have survived (nothing could be written after
-    the losses): the gaps in the sample ids on disk are then the only trace of them. Samples
-    after the last one on disk cannot be told from the rows; the interrupted line says so.
-    """
-    try:
-        present = (
-            scan_history(history).select(pl.col("sample_id").unique()).collect(engine="streaming")
-        )
-    except (OSError, pl.exceptions.PolarsError):
-        return []  # the merge just read it; a failure here leaves the other checks standing
-    gaps = uncovered(missing_samples(present["sample_id"].to_list(), None), state.losses)
-    # ids a continued run skipped after a killed attempt: its samples whose rows died with it
-    # (`rundir.attempts.plan_continuation`), which the Attempts section names
-    skipped = {b.first_sample_id for a, b in pairwise(state.attempts) if a.counts_recovered}
-    gaps = [(first, last) for first, last in gaps if last + 1 not in skipped]
-    maybe = ""
-    if left:
-        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
-        maybe = (
-            f"their rows may be in {', '.join(left[:3])}{more} (unreadable, left in place); else "
-        )
-    return [
-        f"no row of {sample_range(first, last)} is in {HISTORY_FILE} and no loss ledger entry "
-        f"covers them: {maybe}they were recorded but not written (parts that kept failing, e.g. "
-        "on a full disk, until the process ended), unless those sampled forwards recorded "
-        "nothing (layers that returned no tensor)"
-        for first, last in gaps
-    ]
 
 
 def _with_problem(state: RunState, what: str, error: OSError) -> RunState:
@@ -470,70 +360,13 @@ def finalize(
         )
     with RunLock(directory, FINALIZE):
         removed, kept = _remove_temporaries(directory)
-        state = _state_to_finish(directory)
+        state = state_to_finish(directory)
         if state.interrupted or state.losses:
             state = mark_partly_written_sample(directory, state)
         report = finish_run(directory, state, step, parent_page)
     return dataclasses.replace(
         report, removed_temporaries=tuple(removed), kept_temporaries=tuple(kept)
     )
-
-
-def _state_to_finish(directory: Path) -> RunState:
-    """What `finalize` starts from: the directory's state, with what a later finish recomputes
-    cleared (problems; counts that were already lower bounds), or one rebuilt from history."""
-    unreadable: tuple[str, ...] = ()
-    try:
-        previous = load_state(directory)
-    except NewerStateError:
-        raise
-    except (OSError, ValueError) as error:
-        previous = None
-        unreadable = (f"the run's state could not be read ({type(error).__name__}: {error})",)
-    if previous is None:
-        return RunState(
-            fallback_run_info(directory),
-            interrupted=True,
-            notes=unreadable,
-            run_info_recovered=True,
-        )
-    killed_at = previous.removal_step  # killed during removal: its counts are the live run's
-    notes, attempts = previous.notes, previous.attempts
-    if killed_at is not None:
-        notes = (*notes, *_removal_note(attempts, killed_in_removal(killed_at)))
-    if killed_at == LAST_PARTS and attempts and attempts[-1].ended == IN_PROGRESS:
-        # remove_observer ran: its attempt closes as killed during removal, never as one that
-        # ended without it
-        attempts = (*attempts[:-1], dataclasses.replace(attempts[-1], ended=IN_REMOVAL))
-    return dataclasses.replace(
-        previous,
-        attempts=attempts,
-        counts=previous.counts if _counts_written(previous) else None,
-        # killed in removal's last flush: rows still in memory may be lost, as in any kill
-        interrupted=previous.interrupted
-        or (previous.status is Status.IN_PROGRESS and killed_at in (None, LAST_PARTS)),
-        problems=(),
-        notes=notes,
-        removal_step=None,
-        left_behind=(),
-    )
-
-
-def _counts_written(previous: RunState) -> bool:
-    """Whether a finish keeps `previous`'s counts: those its last attempt's process wrote at
-    removal (exact, or lower bounds only for earlier attempts that were killed), not those an
-    earlier finish rebuilt from history after a kill, which are rebuilt again."""
-    if not previous.counts_recovered:
-        return True
-    return bool(previous.attempts) and not previous.attempts[-1].counts_recovered
-
-
-def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, ...]:
-    """The note of a kill during removal, naming its attempt (the last) once the run has more
-    than one: it speaks of that attempt, not of the whole run (`rundir.attempts`)."""
-    if len(attempts) < 2:
-        return (note,)
-    return attempt_notes(attempts[-1].attempt, (note,))
 
 
 def mark_partly_written_sample(directory: Path, state: RunState) -> RunState:

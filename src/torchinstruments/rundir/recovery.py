@@ -22,10 +22,15 @@ with an output_gradient (and no_grad_samples those whose forward ran with grad d
 tell a 0 of them known: `rundir.gradient_counts`), and per layer the distinct sample_ids with an
 output row (a call whose output held no tensor leaves no row, so only the live observer counts
 it).
+
+`state_to_finish` is what `finalize` starts from: the directory's state as `load_state` reads it,
+with what a finish recomputes cleared (its problems; counts an earlier finish rebuilt), and a
+kill during removal said in its notes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -33,6 +38,7 @@ import polars as pl
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
+from torchinstruments.rundir.attempts import IN_PROGRESS, IN_REMOVAL, AttemptCounts, attempt_notes
 from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -43,7 +49,15 @@ from torchinstruments.rundir.layout import (
     scan_history,
 )
 from torchinstruments.rundir.marks import is_mark
-from torchinstruments.rundir.state import RunState, decode_run_info, read_state
+from torchinstruments.rundir.state import (
+    LAST_PARTS,
+    NewerStateError,
+    RunState,
+    Status,
+    decode_run_info,
+    killed_in_removal,
+    read_state,
+)
 
 # The machine-written markers of index.md before the state file (version 0.1.0 and earlier).
 _OLD_RUN_INFO_BEGIN = "<!-- torchinstruments:run-info:begin -->"
@@ -223,6 +237,63 @@ def _unknown_run_info(directory: Path, layers: list[LayerInfo], found: str) -> R
     )
 
 
+def state_to_finish(directory: Path) -> RunState:
+    """What `finalize` starts from: the directory's state, with what a later finish recomputes
+    cleared (problems; counts that were already lower bounds), or one rebuilt from history."""
+    unreadable: tuple[str, ...] = ()
+    try:
+        previous = load_state(directory)
+    except NewerStateError:
+        raise
+    except (OSError, ValueError) as error:
+        previous = None
+        unreadable = (f"the run's state could not be read ({type(error).__name__}: {error})",)
+    if previous is None:
+        return RunState(
+            fallback_run_info(directory),
+            interrupted=True,
+            notes=unreadable,
+            run_info_recovered=True,
+        )
+    killed_at = previous.removal_step  # killed during removal: its counts are the live run's
+    notes, attempts = previous.notes, previous.attempts
+    if killed_at is not None:
+        notes = (*notes, *_removal_note(attempts, killed_in_removal(killed_at)))
+    if killed_at == LAST_PARTS and attempts and attempts[-1].ended == IN_PROGRESS:
+        # remove_observer ran: its attempt closes as killed during removal, never as one that
+        # ended without it
+        attempts = (*attempts[:-1], dataclasses.replace(attempts[-1], ended=IN_REMOVAL))
+    return dataclasses.replace(
+        previous,
+        attempts=attempts,
+        counts=previous.counts if _counts_written(previous) else None,
+        # killed in removal's last flush: rows still in memory may be lost, as in any kill
+        interrupted=previous.interrupted
+        or (previous.status is Status.IN_PROGRESS and killed_at in (None, LAST_PARTS)),
+        problems=(),
+        notes=notes,
+        removal_step=None,
+        left_behind=(),
+    )
+
+
+def _counts_written(previous: RunState) -> bool:
+    """Whether a finish keeps `previous`'s counts: those its last attempt's process wrote at
+    removal (exact, or lower bounds only for earlier attempts that were killed), not those an
+    earlier finish rebuilt from history after a kill, which are rebuilt again."""
+    if not previous.counts_recovered:
+        return True
+    return bool(previous.attempts) and not previous.attempts[-1].counts_recovered
+
+
+def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, ...]:
+    """The note of a kill during removal, naming its attempt (the last) once the run has more
+    than one: it speaks of that attempt, not of the whole run (`rundir.attempts`)."""
+    if len(attempts) < 2:
+        return (note,)
+    return attempt_notes(attempts[-1].attempt, (note,))
+
+
 __all__ = [
     "LAYERS_FROM_CATALOG",
     "LAYERS_FROM_HISTORY",
@@ -230,4 +301,5 @@ __all__ = [
     "load_state",
     "recovered_counts",
     "recovered_layers",
+    "state_to_finish",
 ]

@@ -169,7 +169,7 @@ CLI_SHARED = {
     "cli.pictures",
     "cli.pictures_grid",
 }
-CLI_ENTRY = {"cli", "cli.ranks_command"}
+CLI_ENTRY = {"cli", "cli.arguments", "cli.ranks_command"}
 
 
 def test_no_command_module_imports_another_commands_module() -> None:

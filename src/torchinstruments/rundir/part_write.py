@@ -26,7 +26,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["INTERRUPTED_TRIES", "GivenUpError", "PartLanding", "ours_to_raise"]
+import polars as pl
+
+__all__ = [
+    "INTERRUPTED_TRIES",
+    "GivenUpError",
+    "PartLanding",
+    "ours_to_raise",
+    "write_until_it_ends",
+]
 
 # How often a part write interrupted by a KeyboardInterrupt off the main thread is tried at once.
 INTERRUPTED_TRIES = 5
@@ -76,3 +84,47 @@ def ours_to_raise(exc: BaseException) -> bool:
     if isinstance(exc, Exception):
         return False
     return threading.current_thread() is threading.main_thread()
+
+
+def write_until_it_ends(
+    path: Path,
+    write: Callable[[], None],
+    written: Callable[[], None],
+    failed: Callable[[BaseException], None],
+) -> bool:
+    """Run `write` (a part's write to `path`, whose rename calls `written`) until it ends.
+
+    Returns:
+        True when the part is in place (`written` called, here where the write skipped it);
+        False when it was given up (counted lost at removal) or failed (`failed` told).
+
+    Raises:
+        KeyboardInterrupt, SystemExit: on the main thread (`ours_to_raise`), after `written`
+            where the part was already in place. One off the main thread is tried again, up to
+            `INTERRUPTED_TRIES` times; any other exception is a failed write.
+    """
+    tries = 0
+    while True:
+        try:
+            write()
+        except GivenUpError:  # returned after removal gave it up: counted lost there
+            return False
+        except (OSError, pl.exceptions.PolarsError) as exc:
+            # Polars reports a full disk as ComputeError ("No space left on device").
+            failed(exc)
+            return False
+        except BaseException as exc:
+            if path.is_file():  # in place before it was raised: written
+                written()
+                if ours_to_raise(exc):
+                    raise
+                return True
+            if ours_to_raise(exc):
+                raise
+            tries += 1
+            if isinstance(exc, KeyboardInterrupt) and tries < INTERRUPTED_TRIES:
+                continue
+            failed(exc)
+            return False
+        written()  # once: a write function that skipped `rename` left it to here
+        return True

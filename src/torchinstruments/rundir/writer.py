@@ -45,17 +45,10 @@ is held while a part's rows become a frame and while they leave the buffer, neve
 written, so appends go on meanwhile (after them).
 
 Bounded memory when writes fail: rows that could not be written stay buffered and are retried
-(at the next chunk boundary, after half a flush interval, at removal), but at most
-`max_buffered_rows` of them (about 57 bytes a row as the observer records them, `uv run
-bench/many_layers.py --buffer-memory`; at most ~175 for other measurements: ~7 to 22 MiB at the
-default). Beyond the cap the *newest* rows are dropped, each counted in the loss ledger (`rundir.ledger`) with its sample and
-why. Newest, not oldest: the buffered rows are the oldest unwritten ones, contiguous with what
-is already on disk, so the history keeps one gap per failure episode whose first sample is
-known; dropping costs nothing on the training thread (no list is shifted), and when the disk
-frees, everything still buffered lands. A sample that keeps some rows and loses others is
-marked (`rundir.cap_cuts`). A retry writes the whole backlog in as few parts as fit
-(one part, or halves of it when one part does not fit), not in `buffer_rows` pieces: one large
-part compresses better, so a nearly full disk takes more rows.
+(at the next chunk boundary, after half a flush interval, at removal), up to the cap that
+`rundir.held_rows` keeps (beyond it the newest rows are dropped and counted). A retry writes the
+whole backlog in as few parts as fit (one part, or halves of it when one part does not fit), not
+in `buffer_rows` pieces: one large part compresses better, so a nearly full disk takes more rows.
 
 A sample's rows can straddle a part boundary. Each part records in its Parquet metadata
 (`SPLIT_RECORD_KEY`) the record its last rows belong to when the rest of that record is still in
@@ -80,9 +73,8 @@ import polars as pl
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
 from torchinstruments.records import Measurement, MeasurementBlock
-from torchinstruments.rundir.buffered_records import SPLIT_RECORD_KEY, BufferedRecords
-from torchinstruments.rundir.cap_cuts import CapCuts
-from torchinstruments.rundir.columns import ColumnBuffer
+from torchinstruments.rundir.buffered_records import SPLIT_RECORD_KEY
+from torchinstruments.rundir.held_rows import HeldRows
 from torchinstruments.rundir.layout import (
     PARTS_DIR,
     constant_metadata,
@@ -93,16 +85,9 @@ from torchinstruments.rundir.layout import (
     part_tag,
     write_parquet_atomic,
 )
-from torchinstruments.rundir.ledger import LossLedger, LostRows
-from torchinstruments.rundir.part_write import (
-    INTERRUPTED_TRIES,
-    GivenUpError,
-    PartLanding,
-    ours_to_raise,
-)
+from torchinstruments.rundir.ledger import LostRows
+from torchinstruments.rundir.part_write import PartLanding, write_until_it_ends
 from torchinstruments.rundir.write_notices import (
-    cap_drop_reason,
-    cap_drop_warning,
     kept_rows_given_up,
     part_failed_warning,
 )
@@ -165,8 +150,7 @@ class HistoryWriter:
         # a number history.parquet lists as merged would have this part deleted unread
         after = max((n for n in existing if n is not None), default=-1) + 1
         self._next_part = max(after, first_part)
-        self._buffer = ColumnBuffer()
-        self._records = BufferedRecords()  # which samples the buffered rows belong to
+        self._held = HeldRows(config.buffered_rows_cap)  # the buffer, its samples, the ledger
         self._lock = threading.Lock()  # the buffer and the counts; never held while writing
         self._room = threading.Condition(self._lock)  # notified when a part write ends
         # Wakes the thread that writes full chunks (with `chunks_elsewhere`; its owner sets it).
@@ -174,23 +158,15 @@ class HistoryWriter:
         self._writing = threading.Lock()  # one part writer at a time; taken before `_lock`
         self._landing = PartLanding()  # a part's rename and its rows leaving; before `_lock`
         self.writing_part: Path | None = None  # the part whose write is in progress (read only)
-        self._rows_produced = 0
         self._rows_written = 0
         self._retry_at = config.buffer_rows
-        # monotonic time at which the oldest buffered row was measured (its record's `since`);
-        # None when empty
-        self._oldest: float | None = None
         self._retry_after = 0.0  # monotonic; no timed retry before it after a failed write
         self._error: str | None = None
         self._failing = False  # between a failed part write and the next successful one
-        self._ledger = LossLedger()
-        self._drop_reason: str | None = None  # the current episode's, fixed at its first drop
         self._saved_version = 0  # the ledger version last written into the run state
         self._save_after = 0.0  # monotonic; no new attempt to save the ledger before it
         self._warned = False
-        self._warned_drop = False
         self._closed = False
-        self._cuts = CapCuts(config.buffered_rows_cap)  # samples cut at the cap, to mark
 
     @property
     def directory(self) -> Path:
@@ -200,7 +176,7 @@ class HistoryWriter:
     @property
     def rows_produced(self) -> int:
         """Rows recorded so far (one per metric of each measurement), dropped ones included."""
-        return self._rows_produced
+        return self._held.rows_produced
 
     @property
     def rows_written(self) -> int:
@@ -210,20 +186,20 @@ class HistoryWriter:
     @property
     def rows_buffered(self) -> int:
         """Rows in memory, not yet in a part."""
-        return len(self._buffer)
+        return len(self._held.buffer)
 
     @property
     def losses(self) -> tuple[LostRows, ...]:
         """The loss ledger: rows recorded but not written (dropped at the cap, or unwritable at
         `close`), as sample ranges with their reasons."""
         with self._lock:
-            return self._ledger.entries
+            return self._held.ledger.entries
 
     @property
     def rows_lost(self) -> int:
         """Rows in `losses`."""
         with self._lock:
-            return self._ledger.rows
+            return self._held.ledger.rows
 
     @property
     def last_error(self) -> str | None:
@@ -234,7 +210,7 @@ class HistoryWriter:
         """Buffer one row per metric of each measurement; write full chunks as parts.
 
         Beyond `max_buffered_rows` buffered rows a measurement's rows are dropped and counted in
-        `losses` (see the module docstring).
+        `losses` (`rundir.held_rows`).
 
         Args:
             measurements: the measurements of one sample (a `MeasurementBlock`, as the observer
@@ -252,95 +228,26 @@ class HistoryWriter:
         while start is not None:
             with self._lock:
                 if isinstance(measurements, MeasurementBlock):
-                    start = self._append_block(measurements, start)
+                    start = self._held.add_block(
+                        measurements, start, failing=self._failing, error=self._error
+                    )
                 else:
-                    start = self._append_measurements(measurements, start)
-                due = len(self._buffer) >= self._retry_at
+                    start = self._held.add_measurements(
+                        measurements, start, failing=self._failing, error=self._error
+                    )
+                due = len(self._held.buffer) >= self._retry_at
             if start is not None:  # full while writes work: room first, the whole backlog
                 self._make_room()
         if due and not self._chunks_elsewhere:
             with self._writing:
                 self._write_chunks()
 
-    def _append_block(self, block: MeasurementBlock, start: int) -> int | None:
-        """`append` of a block's tensors from `start`: in as few chunks as the cap allows; where
-        the buffer is full while writes work, the tensor to go on from once there is room, else
-        None (the caller holds the lock)."""
-        cap = self._config.buffered_rows_cap
-        k = len(block.metrics)
-        total = len(block)
-        while start < total:
-            size = len(self._buffer)
-            fit = min(total - start, (cap - size) // k) if k else total - start
-            if fit <= 0 and size and not self._failing:  # only a very large sample got here
-                return start
-            if fit <= 0:
-                self._rows_produced += (total - start) * k
-                self._drop((total - start) * k, block.sample_id)
-                self._mark_cut(self._cuts.noted(block.sample_id, block.signal, False, block, start))
-                return None
-            rows = self._buffer.add_block(block, start, start + fit)
-            self._rows_produced += rows
-            self._note_rows(block.sample_id, block.signal, rows, block.timestamps_us[start])
-            self._mark_cut(self._cuts.noted(block.sample_id, block.signal, True, block, start))
-            start += fit
-        return None
-
-    def _append_measurements(self, measurements: Sequence[Measurement], start: int) -> int | None:
-        """`append` of plain measurements from `start`, one by one against the cap; the
-        accepted ones become one chunk. Where the buffer is full while writes work, the
-        measurement to go on from once there is room, else None (the caller holds the lock).
-
-        The chunk is built (a Polars call, where a KeyboardInterrupt can land) before anything
-        is counted, so an interrupted append leaves the buffer and its counts as they were."""
-        cap = self._config.buffered_rows_cap
-        size = len(self._buffer)  # kept by hand, with the accepted rows not yet in a chunk
-        accepted: list[Measurement] = []
-        dropped: list[Measurement] = []
-        going_on: int | None = None
-        for index in range(start, len(measurements)):
-            m = measurements[index]
-            k = len(m.metrics)
-            if size + k > cap and size and not self._failing:  # only a very large sample
-                going_on = index
-                break
-            if size + k > cap:
-                dropped.append(m)
-                continue
-            accepted.append(m)
-            size += k
-        self._buffer.add_measurements(accepted)
-        for m in accepted:
-            self._rows_produced += len(m.metrics)
-            self._note_rows(m.sample_id, m.signal, len(m.metrics), m.timestamp_us)
-            self._mark_cut(self._cuts.noted(m.sample_id, m.signal, True, (m,), 0))
-        for m in dropped:
-            self._rows_produced += len(m.metrics)
-            self._drop(len(m.metrics), m.sample_id)
-            self._mark_cut(self._cuts.noted(m.sample_id, m.signal, False, (m,), 0))
-        return going_on
-
-    def _mark_cut(self, marker: Measurement | None) -> None:
-        """Buffer the marker row of a sample cut at the cap (`rundir.cap_cuts`), beyond the
-        cap. The caller holds the lock."""
-        if marker is not None:
-            self._buffer.add_measurements([marker])
-            self._rows_produced += 1
-            self._note_rows(marker.sample_id, marker.signal, 1, marker.timestamp_us)
-
-    def _note_rows(self, sample_id: int, signal: str, rows: int, first_us: int) -> None:
-        """Count `rows` more buffered rows of this sample and signal, the first measured at
-        wall time `first_us` (for a part's split record, and the age of the oldest buffered row)."""
-        self._records.note(sample_id, signal, rows, first_us)
-        if self._oldest is None:
-            self._oldest = self._records.oldest()
-
     def unsaved_losses(self, *, now: bool = False) -> tuple[int, tuple[LostRows, ...]] | None:
         """`(version, losses)` when the ledger changed since it was last saved and parts can be
         written again (so the run state probably can too), or at once with `now`; else None,
         always once closed (the run's final state holds them)."""
         with self._lock:
-            ledger = self._ledger
+            ledger = self._held.ledger
             if ledger.version == self._saved_version or self._closed:
                 return None
             if not now and (self._failing or time.monotonic() < self._save_after):
@@ -362,9 +269,9 @@ class HistoryWriter:
         now); None when there is nothing to do."""
         now = time.monotonic()
         save = None
-        if self._ledger.version != self._saved_version and not self._failing:
+        if self._held.ledger.version != self._saved_version and not self._failing:
             save = self._save_after - now
-        if self._chunks_elsewhere and len(self._buffer) >= self._retry_at:
+        if self._chunks_elsewhere and len(self._held.buffer) >= self._retry_at:
             return 0.0  # a full chunk waits (`write_due`)
         due = self._aged_in(now)
         if due is None:
@@ -374,7 +281,7 @@ class HistoryWriter:
     def _aged_in(self, now: float) -> float | None:
         """Seconds from `now` until the buffered rows are due by age (<= 0: due), None when
         nothing is buffered: the oldest half a flush interval old, not before a retry is."""
-        oldest = self._oldest
+        oldest = self._held.oldest
         if oldest is None:
             return None
         return max(oldest + self._config.flush_seconds / 2, self._retry_after) - now
@@ -419,7 +326,7 @@ class HistoryWriter:
         oldest is half a flush interval old. Whether more than full chunks was due (the time
         bound's turn). Failures warn, never raise."""
         with self._writing:
-            chunks = len(self._buffer) >= self._retry_at
+            chunks = len(self._held.buffer) >= self._retry_at
             if chunks:
                 self._write_chunks()
             due = self._aged_in(time.monotonic())
@@ -446,38 +353,30 @@ class HistoryWriter:
             `last_error` (or the reason given to `give_up`) says why.
         """
         if self._closed:
-            return not len(self._buffer) and not self._ledger.rows
+            return not len(self._held.buffer) and not self._held.ledger.rows
         self._closed = True
         if write and self._landing.given_up is None:  # else `_writing` is held for good
             self.flush()
         with self._lock:
-            ids = self._buffer.sample_range()
+            ids = self._held.buffer.sample_range()
             if ids is not None:
                 failed = f"the last attempt to write them failed ({self._error})"
                 why = self._landing.given_up or failed
-                if self._drop_reason is not None:  # no longer "kept and retried"
-                    self._ledger.reword(self._drop_reason, kept_rows_given_up(self._drop_reason))
-                self._ledger.end_episode()
-                self._ledger.add(
-                    len(self._buffer), ids[0], ids[1], f"not written at removal: {why}"
+                if self._held.drop_reason is not None:  # no longer "kept and retried"
+                    self._held.ledger.reword(
+                        self._held.drop_reason, kept_rows_given_up(self._held.drop_reason)
+                    )
+                self._held.ledger.end_episode()
+                self._held.ledger.add(
+                    len(self._held.buffer), ids[0], ids[1], f"not written at removal: {why}"
                 )
-            return not self._ledger.rows
-
-    def _drop(self, rows: int, sample_id: int) -> None:
-        """Count one measurement's rows as lost at the memory cap (the caller holds the lock)."""
-        cap = self._config.buffered_rows_cap
-        if self._drop_reason is None:
-            self._drop_reason = cap_drop_reason(cap, self._error)
-        self._ledger.add(rows, sample_id, sample_id, self._drop_reason)
-        if not self._warned_drop:
-            self._warned_drop = True
-            warn(cap_drop_warning(cap, self._error))
+            return not self._held.ledger.rows
 
     def _write_chunks(self) -> None:
         """Write full `buffer_rows` chunks; stop at the first failure (the caller holds
         `_writing`)."""
         size = self._config.buffer_rows
-        while len(self._buffer) >= size:
+        while len(self._held.buffer) >= size:
             if not self._write_part(size):
                 return
         self._retry_at = size
@@ -486,7 +385,7 @@ class HistoryWriter:
         """Write the rows buffered now (those appended meanwhile wait) in as few parts as fit:
         all at once, else halves (down to 1/64 of them); stop at the first size that fails. The
         caller holds `_writing`."""
-        left = rows = len(self._buffer)
+        left = rows = len(self._held.buffer)
         smallest = max(1, rows // 64)
         while left:
             rows = min(rows, left)
@@ -506,10 +405,10 @@ class HistoryWriter:
         without it (the training thread appends meanwhile, after them), and they leave the
         buffer under it as the part lands (`rundir.part_write`), never before: whatever is
         raised on the way (BaseException included), the buffer still holds them, and they are
-        written once. A KeyboardInterrupt off the main thread is tried again, one on it (or a
-        SystemExit) propagates (`ours_to_raise`); any other exception counts as a failed write
-        (warned once, retried later), so nothing raised here ends the flush thread or reaches
-        the training step. After `give_up` nothing is written.
+        written once. What is raised, and what is tried again, is `write_until_it_ends`'s: any
+        exception but the user's Ctrl-C counts as a failed write (warned once, retried later),
+        so nothing raised here ends the flush thread or reaches the training step. After
+        `give_up` nothing is written.
         """
         number = self._next_part  # only this writer moves it on
         path = part_path(self._directory, number)
@@ -517,33 +416,14 @@ class HistoryWriter:
             return False
         written = functools.partial(self._written, n, number)
         rename = functools.partial(self._landing.rename, written=written)
-        tries = 0
         self.writing_part = path
         try:
-            while True:
-                try:
-                    self._write_frame(n, path, rename)
-                except GivenUpError:  # returned after removal gave it up: counted lost there
-                    return False
-                except (OSError, pl.exceptions.PolarsError) as exc:
-                    # Polars reports a full disk as ComputeError ("No space left on device").
-                    self._failed(path, exc)
-                    return False
-                except BaseException as exc:
-                    if path.is_file():  # in place before it was raised: written
-                        written()
-                        if ours_to_raise(exc):
-                            raise
-                        return True
-                    if ours_to_raise(exc):
-                        raise
-                    tries += 1
-                    if isinstance(exc, KeyboardInterrupt) and tries < INTERRUPTED_TRIES:
-                        continue
-                    self._failed(path, exc)
-                    return False
-                written()  # once: a write function that skipped `rename` left it to here
-                return True
+            return write_until_it_ends(
+                path,
+                functools.partial(self._write_frame, n, path, rename),
+                written,
+                functools.partial(self._failed, path),
+            )
         finally:
             self.writing_part = None
 
@@ -551,8 +431,8 @@ class HistoryWriter:
         """Write the first `n` buffered rows to `path` (put in place by `rename`); the buffer
         keeps them until then."""
         with self._lock:
-            frame = self._buffer.frame(n)
-            split = self._records.split_metadata(n)
+            frame = self._held.buffer.frame(n)
+            split = self._held.records.split_metadata(n)
         frame = frame.with_columns(self._attempt)
         metadata = order_metadata(frame) | constant_metadata(frame) | split
         write_parquet_atomic(frame, path, metadata=metadata, rename=rename, tag=self._tag)
@@ -566,7 +446,7 @@ class HistoryWriter:
             self._error = f"{type(exc).__name__}: {exc}"
             self._failing = True
             self._report(path, exc)
-            self._retry_at = len(self._buffer) + self._config.buffer_rows
+            self._retry_at = len(self._held.buffer) + self._config.buffer_rows
             self._retry_after = time.monotonic() + self._config.flush_seconds / 2
             self._room.notify_all()
 
@@ -575,16 +455,16 @@ class HistoryWriter:
         with self._lock:
             if number != self._next_part:
                 return  # counted as it landed
-            self._buffer.drop(n)
-            self._records.consume(n)
+            self._held.buffer.drop(n)
+            self._held.records.consume(n)
             self._next_part += 1
             self._rows_written += n
             self._failing = False
-            self._ledger.end_episode()
-            self._drop_reason = None
+            self._held.ledger.end_episode()
+            self._held.drop_reason = None
             # The oldest row left, not the oldest before the part: rows appended while it was
             # written would otherwise inherit its age and be due at once, part after tiny part.
-            self._oldest = self._records.oldest() if len(self._buffer) else None
+            self._held.oldest = self._held.records.oldest() if len(self._held.buffer) else None
             self._room.notify_all()
 
     def _report(self, path: Path, exc: BaseException) -> None:

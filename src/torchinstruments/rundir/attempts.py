@@ -365,42 +365,41 @@ def continuation_notes(
     """What index.md and a warning say when a new attempt cannot simply go on where the earlier
     ones left: samplers that lost their counts, metrics or focus layers other than the attempt
     before's (index.md's lines of both are the last attempt's)."""
+    earlier = continuation.attempt - 1
     notes = (
         schedule_fallback_note(continuation),
-        metrics_change_note(continuation, metrics),
-        focus_change_note(continuation, focus),
+        # index.md's metrics line is the last attempt's, so without it a metric the earlier
+        # attempt measured, or one it did not, would look like the whole run's
+        setting_change_note(
+            continuation.earlier_metrics,
+            metrics,
+            f"this attempt measures other metrics than attempt {earlier} did",
+            "history has each of them only for the samples of the attempts that measured it, "
+            "and index.md's metrics line is the last attempt's",
+        ),
+        # tensorboard/ then holds histograms of layers index.md's focus line (the last
+        # attempt's) does not name, or lacks some it names, over the earlier attempts' steps
+        setting_change_note(
+            continuation.earlier_focus,
+            focus,
+            f"this attempt's focus layers are not attempt {earlier}'s",
+            "tensorboard/ has each one's histograms only on the steps of the attempts that had "
+            "it as a focus layer, and index.md's focus line is the last attempt's",
+        ),
     )
     return tuple(note for note in notes if note)
 
 
-def metrics_change_note(continuation: Continuation, metrics: tuple[str, ...]) -> str | None:
-    """The note when this attempt measures other metrics (`reducers=`) than the attempt before
-    it: index.md's metrics line is the last attempt's, so without it a metric the earlier
-    attempt measured, or one it did not, would look like the whole run's. None otherwise."""
-    before = continuation.earlier_metrics
-    if before is None or set(before) == set(metrics):
+def setting_change_note(
+    before: tuple[str, ...] | None, now: tuple[str, ...], differs: str, so: str
+) -> str | None:
+    """The note when this attempt's names of a setting (its metrics, `reducers=`; its focus
+    layers, `histogram_selector=` and `max_histogram_modules=`) are not the attempt before's:
+    `differs (only there: ...; only here: ...), so ...`. None when they are the same set, or
+    the attempt before left none (`before` None)."""
+    if before is None or set(before) == set(now):
         return None
-    return (
-        f"this attempt measures other metrics than attempt {continuation.attempt - 1} did "
-        f"({_only(before, metrics)}), so history has each of them only for the samples of the "
-        "attempts that measured it, and index.md's metrics line is the last attempt's"
-    )
-
-
-def focus_change_note(continuation: Continuation, focus: tuple[str, ...]) -> str | None:
-    """The note when this attempt's focus layers (`histogram_selector=`,
-    `max_histogram_modules=`) are not the attempt before's: tensorboard/ then holds histograms
-    of layers index.md's focus line (the last attempt's) does not name, or lacks some it names,
-    over the earlier attempts' steps. None otherwise."""
-    before = continuation.earlier_focus
-    if before is None or set(before) == set(focus):
-        return None
-    return (
-        f"this attempt's focus layers are not attempt {continuation.attempt - 1}'s "
-        f"({_only(before, focus)}), so tensorboard/ has each one's histograms only on the steps "
-        "of the attempts that had it as a focus layer, and index.md's focus line is the last "
-        "attempt's"
-    )
+    return f"{differs} ({_only(before, now)}), so {so}"
 
 
 def _only(before: tuple[str, ...], now: tuple[str, ...], most: int = 8) -> str:

@@ -101,18 +101,15 @@ class IdMark:
             except Exception as error:
                 self._fail(f"{type(error).__name__}: {error}")
 
-    def close(self) -> None:
-        """Close the descriptor (removal: no sample is taken after it)."""
-        with self._guard:
+    def close(self, *, in_child: bool = False) -> None:
+        """Close the descriptor: at removal (no sample is taken after it) under the guard, so
+        no write overlaps it; in a forked child (`in_child`), the child's copy, without the
+        guard (a parent's thread may have held it at the fork, and none releases it there)."""
+        if in_child:
             fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def forget(self) -> None:
-        """In a forked child: close the child's copy of the descriptor, without the guard (a
-        parent's thread may have held it at the fork)."""
-        fd, self._fd = self._fd, None
+        else:
+            with self._guard:
+                fd, self._fd = self._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)

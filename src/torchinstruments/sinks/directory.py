@@ -250,7 +250,7 @@ class DirectorySink:
     def after_fork_in_child(self) -> None:
         """In a forked child: drop the child's copy of the lock descriptor; nothing else of this
         sink is used there (its threads do not exist in the child; see forks.py)."""
-        self._ids.forget()
+        self._ids.close(in_child=True)
         self._lock.forget()
 
     def _open_events(self) -> EventFile | None:

@@ -119,12 +119,12 @@ def gradient_zero_known_of(state: RunState) -> bool:
     killed = [a.attempt for a in state.attempts[:-1] if a.counts_recovered]
     if state.counts_recovered and killed and not state.attempts[-1].counts_recovered:
         return _killed_zero_known(state)  # the counts line's first case: the last's are exact
-    return _rebuilt_zero_known(state.counts)
+    return _zero_known(state.counts)
 
 
-def _rebuilt_zero_known(counts: RunCounts) -> bool:
-    """Whether the run's rebuilt 0 samples with output gradients is known: every sample it
-    counts ran with grad disabled (`rundir.gradient_counts`)."""
+def _zero_known(counts: RunCounts | AttemptCounts) -> bool:
+    """Whether rebuilt counts (the run's, or a killed attempt's) know their 0 samples with
+    output gradients: every sample they count ran with grad disabled (`rundir.gradient_counts`)."""
     return gradient_zero_known(counts.backward_samples, counts.samples, counts.no_grad_samples)
 
 
@@ -133,12 +133,7 @@ def _killed_zero_known(state: RunState) -> bool:
     finished: the finished attempts' counts are exact, so the run's 0 is known when each
     killed attempt's is."""
     recovered = [a for a in state.attempts if a.counts_recovered]
-    return bool(recovered) and all(_attempt_zero_known(a) for a in recovered)
-
-
-def _attempt_zero_known(a: AttemptCounts) -> bool:
-    """Whether a killed attempt's rebuilt 0 samples with output gradients is known."""
-    return gradient_zero_known(a.backward_samples, a.samples, a.no_grad_samples)
+    return bool(recovered) and all(_zero_known(a) for a in recovered)
 
 
 def _schedules_unknown(state: RunState) -> str:
@@ -385,7 +380,7 @@ def _section_attempts(state: RunState) -> list[str]:
 
         backward = str(a.backward_samples)
         if a.counts_recovered:  # 0 is known where each of its samples ran with grad disabled
-            backward = gradient_count(a.backward_samples, _attempt_zero_known(a), word=False)
+            backward = gradient_count(a.backward_samples, _zero_known(a), word=False)
         lines.append(
             f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | "
             f"{a.first_sample_id if a.samples else '-'} | "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from torchinstruments.capture import WarnOnce
 from torchinstruments.notices import SHOWN_KINDS
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
+from torchinstruments.rundir.ranges import listed
 
 __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
@@ -145,12 +146,11 @@ class FailedMeasurements:
                     said = f"{signal}: {', '.join(metrics)} in {_samples(samples)}"
                     per_layer.setdefault(layer, []).append(said)
             shown = [f"{layer or '<root>'!r} ({'; '.join(s)})" for layer, s in per_layer.items()]
-            more = len(shown) - _SHOWN
-            listed = ", ".join(shown[:_SHOWN]) + (f" ... ({more} more)" if more > 0 else "")
             notes.append(
                 f"Not measured (`{kind}`, first as `{reason}`) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
-                f"the reason (the other metrics and tensors keep their own rows): {listed}."
+                f"the reason (the other metrics and tensors keep their own rows): "
+                f"{listed(shown, _SHOWN)}."
             )
         return tuple(notes)
 

@@ -66,7 +66,7 @@ from torch import nn
 
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo, TensorKey
-from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.ranges import listed, plural
 
 __all__ = ["GradientGaps", "series_of"]
 
@@ -237,7 +237,7 @@ class GradientGaps:
                 f"{len(never)} selected layer{'' if len(never) == 1 else 's'} never returned an "
                 "output that requires grad, so no gradient can arrive and "
                 f"{'it has' if len(never) == 1 else 'they have'} no output_gradient rows: "
-                f"{_listed([repr(name) for name in never])} (nothing before them requires "
+                f"{listed([repr(name) for name in never], _SHOWN)} (nothing before them requires "
                 "grad: e.g. a layer without parameters fed the input data, or a frozen part of "
                 "the model)."
             )
@@ -252,26 +252,26 @@ class GradientGaps:
                 "some samples and grad in others (a part of the model frozen or unfrozen with "
                 "requires_grad_ mid-run, say), so those samples have no output_gradient rows "
                 "for them (a layer's first call unless a call or tensor_path is named; the "
-                f"samples without grad, first to last): {_listed(shown)}."
+                f"samples without grad, first to last): {listed(shown, _SHOWN)}."
             )
         if inside:
             notes.append(
                 f"{len(inside)} selected layer{'' if len(inside) == 1 else 's'} {_UNDER_NO_GRAD}"
                 f", so no gradient can arrive and {'it has' if len(inside) == 1 else 'they have'}"
                 " no output_gradient rows (their output rows have grad_enabled false): "
-                f"{_listed([repr(name) for name in inside])} ({_WHY})."
+                f"{listed([repr(name) for name in inside], _SHOWN)} ({_WHY})."
             )
         if self._transformed:
             shown = [f"{name!r} ({how})" for name, how in self._transformed.items()]
             notes.append(
                 f"{plural(len(shown), 'selected layer')} returned outputs wrapped by a torch.func "
                 f"transform that report requires_grad=False though the values under them "
-                f"require grad: {_TRANSFORMED}: {_listed(shown)}."
+                f"require grad: {_TRANSFORMED}: {listed(shown, _SHOWN)}."
             )
         if self._views_changed:
             notes.append(
                 f"{plural(len(self._views_changed), 'selected layer')} {_VIEW_CHANGED}: "
-                f"{_VIEW_WHY}: {_listed([repr(name) for name in self._views_changed])}."
+                f"{_VIEW_WHY}: {listed([repr(name) for name in self._views_changed], _SHOWN)}."
             )
         refused = list(self._refused.items())
         if refused:
@@ -283,7 +283,7 @@ class GradientGaps:
             notes.append(
                 f"{plural(len(refused), 'sampled output')} could not be given a gradient hook, "
                 f"so {_REFUSED} (a layer's first call unless a call or tensor_path is named; the "
-                f"samples, first to last, and the first error): {_listed(shown)}."
+                f"samples, first to last, and the first error): {listed(shown, _SHOWN)}."
             )
         return tuple(notes)
 
@@ -344,9 +344,3 @@ def _series(series: Series) -> str:
     return (
         repr(layer) + (f" call {call_index}" if call_index else "") + (f" {path}" if path else "")
     )
-
-
-def _listed(names: list[str]) -> str:
-    """The first `_SHOWN` names, then how many more."""
-    more = f" ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
-    return ", ".join(names[:_SHOWN]) + more

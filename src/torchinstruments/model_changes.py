@@ -31,6 +31,7 @@ from torch import nn
 
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.ranges import listed
 from torchinstruments.sampling import as_decision
 from torchinstruments.selection import Selector, default_layers
 
@@ -107,28 +108,28 @@ class ModelAtInject:
         if replaced:
             parts.append(
                 "names that now hold a module of the other kind (a container where a selected "
-                f"layer was, or a layer where a container of them was): {_listed(replaced)}"
+                f"layer was, or a layer where a container of them was): {listed(replaced, _SHOWN)}"
             )
         if left:
             parts.append(
                 f"selected layers taken out of the model (no rows once they stopped "
-                f"running): {_listed(left)}"
+                f"running): {listed(left, _SHOWN)}"
             )
         if moved:
             parts.append(
                 f"selected layers moved (their rows keep the name they had at inject): "
-                f"{_listed(moved)}"
+                f"{listed(moved, _SHOWN)}"
             )
         if shared:
             parts.append(
                 "selected layers now also held at another name (one module: its rows keep the "
                 "name it had at inject, its calls from there add call_index values): "
-                f"{_listed(shared)}"
+                f"{listed(shared, _SHOWN)}"
             )
         if added:
             parts.append(
                 f"modules added that the selection would choose now, not observed (no "
-                f"rows): {_listed(added)}"
+                f"rows): {listed(added, _SHOWN)}"
             )
         return (
             "the model's modules changed after inject_observer; layers are chosen at inject and "
@@ -205,9 +206,3 @@ def _layer_holders(
 def _quoted(names: Iterable[str]) -> str:
     """`'a'`, or `'a', 'b'`."""
     return ", ".join(repr(name) for name in names)
-
-
-def _listed(names: list[str]) -> str:
-    """The first `_SHOWN` names, then how many more."""
-    more = f" ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
-    return ", ".join(names[:_SHOWN]) + more

@@ -31,7 +31,7 @@ from torch import nn
 
 from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
-from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.ranges import listed, plural
 from torchinstruments.selection import switched_off
 
 __all__ = [
@@ -88,15 +88,11 @@ def tied_note(twins: Mapping[str, list[str]]) -> str | None:
     """index.md's note on the tied twins that never ran (None when there are none)."""
     if not twins:
         return None
-    shown = [
-        f"{name!r} (as {', '.join(repr(t) for t in ts)})"
-        for name, ts in list(twins.items())[:_SHOWN]
-    ]
-    more = f" ... ({len(twins) - _SHOWN} more)" if len(twins) > _SHOWN else ""
+    each = [f"{name!r} (as {', '.join(repr(t) for t in ts)})" for name, ts in twins.items()]
     return (
         f"Tied weights: {plural(len(twins), 'selected layer')} never ran in a sampled forward, "
         "but a layer of the same type holding the same parameters did, and has the rows of "
-        f"that computation: {', '.join(shown)}{more}. They are not warned about at removal."
+        f"that computation: {listed(each, _SHOWN)}. They are not warned about at removal."
     )
 
 
@@ -125,12 +121,11 @@ def switched_off_note(settings: Mapping[str, str]) -> str | None:
     """index.md's note on the switched-off layers that never ran (None when there are none)."""
     if not settings:
         return None
-    shown = [f"{name!r} ({setting})" for name, setting in list(settings.items())[:_SHOWN]]
-    more = f" ... ({len(settings) - _SHOWN} more)" if len(settings) > _SHOWN else ""
+    each = [f"{name!r} ({setting})" for name, setting in settings.items()]
     return (
         f"Switched off: {plural(len(settings), 'selected layer')} never ran in a sampled "
         "forward, and cannot as the model stands: the parent calls each only under a setting "
-        f"of its own that is false (named here): {', '.join(shown)}{more}. They are not "
+        f"of its own that is false (named here): {listed(each, _SHOWN)}. They are not "
         "warned about at removal."
     )
 

@@ -48,6 +48,7 @@ from torch.nn.utils import parametrize
 from torchinstruments._torch_internals import registered_tensor_slots
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo
+from torchinstruments.rundir.ranges import listed
 from torchinstruments.sampling import as_decision
 
 __all__ = [
@@ -336,7 +337,7 @@ def torchscript_note(model: nn.Module) -> tuple[str, ...]:
     return (
         f"TorchScript: {count} TorchScript (torch.jit.script or trace), whose forward cannot be "
         f"replaced, so neither {'they' if len(names) > 1 else 'it'} nor the modules inside have "
-        f"rows: {_listed(names)}; observe the eager modules to record them",
+        f"rows: {listed(names, quote=True)}; observe the eager modules to record them",
     )
 
 
@@ -380,7 +381,7 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
         which = "selector matched" if selector is not None else "the default selection found"
         raise ValueError(
             f"{which} no module of the model, so nothing would be observed: pass a selector "
-            f"that accepts some of its modules: {_listed(offered)} (TorchScript modules are "
+            f"that accepts some of its modules: {listed(offered, quote=True)} (TorchScript modules are "
             "never layers)"
         )
     return layers
@@ -411,12 +412,6 @@ def _ask(argument: str, selector: Selector, name: str, module: nn.Module) -> boo
     return decision
 
 
-def _listed(names: Sequence[str], limit: int = 20) -> str:
-    """Names for an error message: the first `limit`, quoted, then how many more."""
-    shown = ", ".join(repr(name) for name in names[:limit])
-    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def select_focus_layers(
     layers: Sequence[tuple[nn.Module, LayerInfo]],
     histogram_selector: Selector | None,
@@ -433,6 +428,6 @@ def select_focus_layers(
         raise ValueError(
             "histogram_selector matched no observed layer: pass one that accepts some of the "
             "observed layers (or None, for the first ones): "
-            + _listed([info.name for _, info in layers])
+            + listed([info.name for _, info in layers], quote=True)
         )
     return set(candidates[:max_histogram_modules])

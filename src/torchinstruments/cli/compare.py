@@ -83,6 +83,7 @@ from torchinstruments.cli.text import (
     several_calls,
     signal_short,
 )
+from torchinstruments.rundir.ranges import listed
 
 # The text view's most lines of series that stop or start in one run, unless --all (its most
 # series: `text.TEXT_SERIES`).
@@ -317,11 +318,9 @@ def _absent_notes(c: Comparison) -> list[str]:
         )
         only = by_layer.filter(pl.col("mine") > 0, pl.col("other") == 0)["layer"].to_list()
         if only:
-            names = ", ".join(printable(name or "<root>") for name in only[:20])
-            more = f" ... ({len(only) - 20} more)" if len(only) > 20 else ""
+            names = listed([printable(name or "<root>") for name in only])
             out.append(
-                f"only in {tag} ({plural(len(only), 'layer')}, no row in the other run): "
-                f"{names}{more}."
+                f"only in {tag} ({plural(len(only), 'layer')}, no row in the other run): {names}."
             )
     return out
 

@@ -17,7 +17,7 @@ import polars as pl
 
 from torchinstruments.cli.text import printable
 from torchinstruments.records import RunInfo
-from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.ranges import listed, ranges
 
 __all__ = [
     "LISTED",
@@ -57,10 +57,9 @@ def said(mixed: Mixed, place: Callable[[Sequence[object]], str]) -> str:
         f"{printable(layer or '<root>')} ("
         + "; ".join(f"{t} {place(at)}" for t, at in mixed[layer].items())
         + ")"
-        for layer in names[:LISTED]
+        for layer in names
     ]
-    more = f" ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
-    return ", ".join(each) + more
+    return listed(each, LISTED)
 
 
 def typed_names(frame: pl.DataFrame, layers: Sequence[str]) -> pl.DataFrame:

@@ -54,6 +54,7 @@ from torchinstruments.rundir.layout import (
 from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
+from torchinstruments.rundir.ranges import listed
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
@@ -183,10 +184,9 @@ def locate(directory: Path) -> RunFiles:
         )
     below = runs_below(directory)
     if below:
-        names = ", ".join(str(p.relative_to(directory)) for p in below[:20])
-        more = f" ... ({len(below) - 20} more)" if len(below) > 20 else ""
+        names = listed([str(p.relative_to(directory)) for p in below])
         raise NotARunError(
-            f"{directory} holds no run itself but {len(below)} below it ({names}{more}): pass "
+            f"{directory} holds no run itself but {len(below)} below it ({names}): pass "
             f"one of them, e.g. {command_line(below[0])}"
         )
     raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
@@ -502,7 +502,7 @@ def check_selection(
         names = layer_order(_held(directories, "layer"), None)
         problems.append(
             f"--layers {layers!r} matches no layer with rows in {runs}; its layers with "
-            f"rows: {_names(names)} (a selected layer that never ran in a sampled forward "
+            f"rows: {listed(names, quote=True)} (a selected layer that never ran in a sampled forward "
             "has none: index.md's Layers section lists every one)"
         )
     if not _has_row(directories, pl.col("signal").is_in(list(signals))):
@@ -526,12 +526,6 @@ def check_selection(
             )
     if problems:
         raise SelectionError("; ".join(problems))
-
-
-def _names(names: Sequence[str], limit: int = 20) -> str:
-    """Layer names for a message: the first `limit`, quoted, then how many more."""
-    shown = ", ".join(repr(name) for name in names[:limit])
-    return shown + (f" ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def parse_list(text: str | None) -> list[str] | None:

@@ -1,17 +1,19 @@
-"""Numbers as text: ranges and back (`[0, 1, 2, 5]` <-> `"0-2, 5"`), and counts with their noun.
+"""Numbers as text: ranges and back (`[0, 1, 2, 5]` <-> `"0-2, 5"`), counts with their noun, and
+names listed up to a limit.
 
 One formatter for every list of sample ids, attempts, part numbers and ranks the library prints
 or stores (index.md, history.parquet's merged-parts metadata, the command line's rank lists),
 and one for every count it prints (`1 sample`, `2 samples`: index.md, the trainer notes, the
 command line), so a count of 1 never reads "1 samples", or rebuilt after a kill (`at least 2
-samples`, `unknown samples`).
+samples`, `unknown samples`). A list of names in a message (an error, a warning, a note in
+index.md) shows the first 20 and counts the rest (`listed`), so it stays bounded on any model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["bound_count", "parse_ranges", "plural", "ranges", "was_were"]
+__all__ = ["bound_count", "listed", "parse_ranges", "plural", "ranges", "was_were"]
 
 
 def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
@@ -53,3 +55,11 @@ def bound_count(n: int, word: str = "") -> str:
     if not word:
         return f"at least {n}" if n else "unknown"
     return f"at least {plural(n, word)}" if n else f"unknown {word}s"
+
+
+def listed(names: Sequence[str], limit: int = 20, *, quote: bool = False) -> str:
+    """`a, b ... (3 more)`: the first `limit` names (each `repr`-quoted with `quote`), then how
+    many more."""
+    shown = [repr(name) for name in names[:limit]] if quote else names[:limit]
+    more = f" ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(shown) + more

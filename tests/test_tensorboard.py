@@ -3,67 +3,28 @@
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
-import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _tensorboard_runs import Reversed, descriptions, histograms
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     EventAccumulator,
-)
-from tensorboard.backend.event_processing.plugin_event_accumulator import (
-    EventAccumulator as PluginEventAccumulator,
-)
-from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[attr-defined]
-from tensorboard.compat.tensorflow_stub import errors
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import (
-    PyRecordReader_New,
-    masked_crc32c,
 )
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from torchinstruments import (
-    DefaultStatistics,
     EveryNForwardsSampler,
     TensorBoardSink,
     has_observer,
     inject_observer,
     remove_observer,
 )
-from torchinstruments.events import Crc32c, EventFile
 from torchinstruments.records import histogram_tag
 from torchinstruments.sinks.tensorboard import ONE_PER_STEP
-
-from conftest import read_history
-
-CHECKSUM = Crc32c()  # built once: its table takes a few milliseconds
-
-
-def histograms(log_dir: Path) -> dict[str, list]:
-    """Every histogram tag in `log_dir` with its events, as TensorBoard reads them."""
-    accumulator = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0})
-    accumulator.Reload()
-    tags: dict[str, Any] = accumulator.Tags()
-    return {tag: accumulator.Histograms(tag) for tag in tags["histograms"]}
-
-
-class Reversed(nn.Module):
-    """Ten leaves, executed in the reverse of their traversal order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in reversed(self.blocks):
-            x = torch.tanh(block(x))
-        return x
 
 
 def test_default_focus_is_first_eight_layers_in_traversal_order(run_dir: Path) -> None:
@@ -169,50 +130,6 @@ def test_histogram_selector_matching_nothing_raises_and_leaves_model_untouched(
     assert not run_dir.exists()
 
 
-def test_tensorboard_sink_writes_into_the_callers_writer_and_leaves_it_open(
-    run_dir: Path, tmp_path: Path
-) -> None:
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
-    inject_observer(
-        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(writer)]
-    )
-    model(torch.randn(2, 3)).sum().backward()
-    remove_observer(model)
-    writer.add_scalar("caller/after_removal", 1.0, 0)
-    writer.close()
-    caller = histograms(tmp_path / "caller")
-    assert "0/call_0/output/tensor" in caller
-    assert "1/call_0/output_gradient/tensor" in caller
-    scalars = EventAccumulator(str(tmp_path / "caller"))
-    scalars.Reload()
-    tags: dict[str, Any] = scalars.Tags()
-    assert "caller/after_removal" in tags["scalars"]
-    assert set(histograms(run_dir / "tensorboard")) == set(caller)
-    assert read_history(run_dir).height > 0
-    assert (run_dir / "result.json").exists()
-    assert (run_dir / "index.md").exists()
-
-
-def test_tensorboard_sink_accepts_a_lightning_logger(run_dir: Path, tmp_path: Path) -> None:
-    loggers = pytest.importorskip("lightning.pytorch.loggers")
-    logger = loggers.TensorBoardLogger(save_dir=str(tmp_path), name="lightning", version=0)
-    model = nn.Sequential(nn.Linear(3, 3))
-    inject_observer(
-        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(logger)]
-    )
-    model(torch.randn(2, 3))
-    remove_observer(model)
-    logger.experiment.add_scalar("still/usable", 2.0, 0)
-    logger.finalize("success")
-    assert "0/call_0/output/tensor" in histograms(Path(logger.log_dir))
-
-
-def test_tensorboard_sink_rejects_objects_that_are_not_writers() -> None:
-    with pytest.raises(TypeError, match="SummaryWriter"):
-        TensorBoardSink(object())
-
-
 def test_events_are_readable_while_the_run_is_live(run_dir: Path) -> None:
     """An interrupted run keeps readable events: they reach the file long before removal."""
     model = nn.Sequential(nn.Linear(3, 3))
@@ -227,138 +144,6 @@ def test_events_are_readable_while_the_run_is_live(run_dir: Path) -> None:
         assert "0/call_0/output/tensor" in found
     finally:
         remove_observer(model)
-
-
-def test_tensorboard_sink_puts_histograms_on_the_callers_step(
-    run_dir: Path, tmp_path: Path
-) -> None:
-    """`step=` replaces forward_index: forward and backward histograms land on the caller's step."""
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    trainer_step = [0]
-    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
-    inject_observer(
-        model,
-        output_dir=run_dir,
-        sampler=EveryNForwardsSampler(3),
-        sinks=[TensorBoardSink(writer, step=lambda: trainer_step[0])],
-    )
-    for step in range(7):  # sampled: steps 0, 3, 6 (sample_ids 0, 1, 2)
-        trainer_step[0] = 100 + step
-        model(torch.randn(2, 3)).sum().backward()
-    remove_observer(model)
-    writer.close()
-    caller = histograms(tmp_path / "caller")
-    for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
-        assert [event.step for event in caller[tag]] == [100, 103, 106], tag
-        # the run directory's own events are on forward_index
-        assert [event.step for event in histograms(run_dir / "tensorboard")[tag]] == [0, 3, 6]
-
-
-@pytest.mark.parametrize(
-    "make_step", [np.int64, lambda n: torch.tensor(n)], ids=["numpy int", "0-d int tensor"]
-)
-def test_tensorboard_sink_takes_the_integers_set_step_takes(
-    make_step: Any, run_dir: Path, tmp_path: Path
-) -> None:
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    trainer_step = [0]
-    model = nn.Sequential(nn.Linear(3, 3))
-    inject_observer(
-        model,
-        output_dir=run_dir,
-        sampler=EveryNForwardsSampler(2),
-        sinks=[TensorBoardSink(writer, step=lambda: make_step(trainer_step[0]))],
-    )
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")  # the sink is never detached
-        for step in range(4):
-            trainer_step[0] = 50 + step
-            model(torch.randn(2, 3)).sum().backward()
-    assert not said, [str(w.message) for w in said]
-    remove_observer(model)
-    writer.close()
-    caller = histograms(tmp_path / "caller")
-    for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
-        assert [event.step for event in caller[tag]] == [50, 52], tag
-
-
-def test_tensorboard_sink_step_must_be_callable_and_return_an_int(
-    run_dir: Path, tmp_path: Path
-) -> None:
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    with pytest.raises(TypeError, match="step must be a zero-argument callable"):
-        TensorBoardSink(writer, step=5)  # type: ignore[arg-type]
-    model = nn.Sequential(nn.Linear(3, 3))
-    inject_observer(
-        model,
-        output_dir=run_dir,
-        sampler=EveryNForwardsSampler(1),
-        sinks=[TensorBoardSink(writer, step=lambda: "7")],  # type: ignore[arg-type, return-value]
-    )
-    with pytest.warns(RuntimeWarning, match=r"step\(\) returned '7' \(str\), expected an integer"):
-        model(torch.randn(2, 3))
-    model(torch.randn(2, 3))  # the sink is detached; training and the run go on
-    remove_observer(model)
-    writer.close()
-    assert histograms(tmp_path / "caller") == {}
-    assert read_history(run_dir)["sample_id"].unique().to_list() == [0, 1]
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=3000))
-def test_checksum_equals_tensorboards_own(data: bytes) -> None:
-    assert CHECKSUM.masked(data) == masked_crc32c(data)
-
-
-@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 1020, 1023, 1024, 1025, 1027, 1028, 2048, 4099])
-def test_checksum_equals_tensorboards_own_around_block_ends(size: int) -> None:
-    data = bytes((index * 131 + 7) % 256 for index in range(size))
-    assert CHECKSUM.masked(data) == masked_crc32c(data)
-
-
-def records(path: Path) -> list[Event]:
-    """Every record of one event file, each checked against its checksums by TensorBoard."""
-    reader = PyRecordReader_New(str(path).encode())
-    out = []
-    while True:
-        try:
-            reader.GetNext()  # raises DataLossError on a checksum mismatch
-        except errors.OutOfRangeError:
-            return out
-        out.append(Event.FromString(reader.record()))
-
-
-def test_run_events_pass_tensorboards_checksums_one_event_per_record(run_dir: Path) -> None:
-    model = Reversed()
-    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    for _ in range(3):
-        model(torch.randn(5, 4)).sum().backward()
-    remove_observer(model)
-    (path,) = (run_dir / "tensorboard").iterdir()
-    events = [event for event in records(path) if event.HasField("summary")]
-    # per step, one event for the forward and one for the backward, 8 focus layers each
-    assert [event.step for event in events] == [0, 0, 1, 1, 2, 2]
-    for event in events:
-        assert len(event.summary.value) == 8
-        assert all(value.HasField("histo") for value in event.summary.value)
-
-
-def test_event_file_takes_over_tensorboards_checksum(tmp_path: Path) -> None:
-    """Pins the hand-over (private TensorBoard names): a TensorBoard upgrade that breaks it fails
-    here instead of silently going back to the slow pure-Python checksum."""
-    events = EventFile(str(tmp_path), flush_seconds=1.0)
-    events.close()
-    assert events.fast_checksum
-    (path,) = tmp_path.iterdir()
-    assert records(path)[0].file_version == "brain.Event:2"
-
-
-def descriptions(log_dir: Path) -> dict[str, str]:
-    """Each tag's description as TensorBoard's UI reads it (the plugin accumulator)."""
-    accumulator = PluginEventAccumulator(str(log_dir))
-    accumulator.Reload()
-    tags = cast(dict[str, Any], accumulator.Tags())["tensors"]
-    return {tag: accumulator.SummaryMetadata(tag).summary_description for tag in tags}
 
 
 def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
@@ -403,124 +188,6 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
         "1 sample shared a step with an earlier sample (gradient accumulation's micro-batches, "
         "an evaluation's batches), so the TensorBoard logger of TensorBoardSink(step=...) holds "
         "no histogram of it"
-    ) in index
-
-
-def test_samples_left_out_of_the_callers_step_are_each_counted_once_in_index_md(
-    run_dir: Path, tmp_path: Path
-) -> None:
-    """A plain loop's TensorBoardSink on a step that never moves: every sample after the first
-    is left out of the caller's logger, counted once (its forward and backward records both
-    arrive), however many there are, and index.md says how many."""
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
-    sink = TensorBoardSink(writer, step=lambda: 7)
-    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[sink])
-    model(torch.randn(2, 3)).sum().backward()  # sample 0: the step's first
-    with pytest.warns(RuntimeWarning, match="sample 1 shares step 7 with an earlier sample"):
-        model(torch.randn(2, 3)).sum().backward()
-    for _ in range(148):  # said once: no more warnings
-        model(torch.randn(2, 3)).sum().backward()
-    remove_observer(model)
-    writer.close()
-    assert sink.shared_step_samples == 149
-    assert [e.step for e in histograms(tmp_path / "caller")["0/call_0/output/tensor"]] == [7]
-    index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
-    assert "149 samples shared a step with an earlier sample" in index
-    assert index.count("shared a step with an earlier sample") == 1
-
-
-def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
-    run_dir: Path, tmp_path: Path
-) -> None:
-    class Poisoned(nn.Module):
-        """All NaN from the second call on."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            return x * float("nan") if self.calls > 1 else x * 1.0
-
-    writer = SummaryWriter(str(tmp_path / "caller"))
-    model = nn.Sequential(nn.Linear(3, 3), Poisoned())
-    inject_observer(
-        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(writer)]
-    )
-    model(torch.randn(2, 3))
-    with pytest.warns(RuntimeWarning, match=r"focus tensor 1/call_0/output/tensor has no histog"):
-        model(torch.randn(2, 3))
-    model(torch.randn(2, 3))  # warned once: the later steps are counted in index.md
-    remove_observer(model)
-    writer.close()
-    tag = "1/call_0/output/tensor"
-    assert [e.step for e in histograms(run_dir / "tensorboard")[tag]] == [0]
-    for log_dir in (run_dir / "tensorboard", tmp_path / "caller"):
-        accumulator = PluginEventAccumulator(str(log_dir))
-        accumulator.Reload()
-        notes = accumulator.Tensors(f"{tag} (no histogram)/text_summary")
-        assert [n.step for n in notes] == [1, 2]
-        assert notes[0].tensor_proto.string_val[0].decode() == (
-            "No histogram at step 1: every entry is NaN or Inf (nonfinite_fraction 1). The "
-            "history holds this sample's rows."
-        )
-    index = (run_dir / "index.md").read_text(encoding="utf-8")
-    assert (
-        "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
-        f"finite entry to count or could not be measured (first: {tag} at forward_index 1: "
-        "every entry is NaN or Inf"
-    ) in index
-
-
-def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
-    run_dir: Path,
-) -> None:
-    """With custom reducers only, a NaN tensor's rows hold only the reducers' reasons; those say
-    what went wrong with a reducer, not why the tensor has no histogram."""
-
-    def zeroes(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.mul_(0).sum()  # in place: null, with a reason naming this reducer
-
-    model = nn.Sequential(nn.Identity())
-    inject_observer(
-        model,
-        output_dir=run_dir,
-        sampler=EveryNForwardsSampler(1),
-        reducers=[DefaultStatistics(()), zeroes],
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(torch.full((2, 3), float("nan")))
-    remove_observer(model)
-    (said,) = [str(w.message) for w in caught if "has no histogram" in str(w.message)]
-    assert "reducer zeroes" not in said
-    assert "it has no finite entry to count, or measuring it failed" in said
-    index = (run_dir / "index.md").read_text(encoding="utf-8")
-    assert "0/call_0/output/tensor at forward_index 0: it has no finite entry" in index
-
-
-def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:
-    """A complex output has finite entries but cannot be measured: index.md's note on missing
-    histograms must not give "no finite entry" as the only cause."""
-
-    class Complex(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.complex(x, x)
-
-    model = nn.Sequential(Complex())
-    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    with pytest.warns(RuntimeWarning, match="unsupported dtype complex64"):
-        model(torch.randn(2, 3))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the layer's missing gradient rows are warned too
-        remove_observer(model)
-    index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
-    assert "because the tensor had no finite entry to count (first:" not in index
-    assert (
-        "because the tensor had no finite entry to count or could not be measured (first: "
-        "0/call_0/output/tensor at forward_index 0: unsupported dtype complex64)"
     ) in index
 
 

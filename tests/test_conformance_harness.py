@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from hook_reference import HookRecorder, compare, observed_tensors, reference_tensor, run_both
+from hook_reference import HookRecorder, compare, observed_tensors, run_both
+from reference_values import reference_tensor
 
 
 def observed_run(run_dir: Path) -> tuple[pl.DataFrame, HookRecorder]:

@@ -34,14 +34,16 @@ from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
 import hook_reference
-from hook_reference import METRICS, ReferenceTensor, run_both
+from hook_reference import run_both
+from reference_values import METRICS, ReferenceTensor, reference_tensor
 
 Step = Callable[[nn.Module, int], Any]
-_plain_reference = hook_reference.reference_tensor
+_plain_reference = reference_tensor
 
 
 def kind_reference(tensor: torch.Tensor) -> ReferenceTensor:
-    """`hook_reference.reference_tensor`, with what plain hooks and NumPy cannot read said."""
+    """`reference_values.reference_tensor` (patched in as `hook_reference`'s), with what plain
+    hooks and NumPy cannot read said."""
     if tensor.is_nested:
         return _plain_reference(tensor)
     dtype = str(tensor.dtype).removeprefix("torch.")

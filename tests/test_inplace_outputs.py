@@ -19,7 +19,8 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_history
-from hook_reference import numpy_profile, run_both
+from hook_reference import run_both
+from reference_values import numpy_profile
 
 
 def gradient_profile(history: pl.DataFrame, layer: str, call_index: int = 0) -> dict[str, float]:

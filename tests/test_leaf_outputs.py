@@ -19,7 +19,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_history
-from hook_reference import numpy_profile
+from reference_values import numpy_profile
 
 
 class Table(nn.Module):

@@ -26,7 +26,8 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, model_changes, remove_observer
 
-from hook_reference import HookRecorder, assert_conforms, default_layer_names
+from hook_reference import HookRecorder, assert_conforms
+from reference_values import default_layer_names
 
 Change = Callable[[nn.Module], None]
 

@@ -26,7 +26,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from conftest import read_history
-from hook_reference import numpy_profile
+from reference_values import numpy_profile
 
 
 class Reduce(nn.Module):

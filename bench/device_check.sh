@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issue 18, item 6), on one CUDA device, in under 8 minutes:
-#   1. the conformance zoo on CUDA (tests/test_conformance_zoo.py, the [cuda-*] cases): every row
+#   1. the conformance zoo on CUDA (tests/test_conformance_zoo.py and
+#      tests/test_conformance_torch_func.py, the [cuda-*] cases): every row
 #      against plain hooks on a deep copy; unsampled steps under
 #      torch.cuda.set_sync_debug_mode("error"), host syncs counted on sampled steps
 #      (test_cuda_host_syncs);
@@ -46,7 +47,7 @@ print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 status=0
 echo "== conformance zoo and host syncs on CUDA"
 timeout 330 "${PY[@]}" -m pytest -q -p no:cacheprovider -rA --durations=15 \
-  tests/test_conformance_zoo.py -k cuda || status=1
+  tests/test_conformance_zoo.py tests/test_conformance_torch_func.py -k cuda || status=1
 
 echo "== bench/sampled.py on CUDA"
 timeout 120 "${PY[@]}" bench/sampled.py --device cuda --rounds 5 || status=1

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tensorboard_runs import Reversed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[attr-defined]
@@ -23,6 +22,8 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.events import Crc32c, EventFile
+
+from _tensorboard_runs import Reversed
 
 CHECKSUM = Crc32c()  # built once: its table takes a few milliseconds
 

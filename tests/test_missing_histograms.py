@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tensorboard_runs import histograms
 from tensorboard.backend.event_processing.plugin_event_accumulator import (
     EventAccumulator as PluginEventAccumulator,
 )
@@ -22,6 +21,8 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+
+from _tensorboard_runs import histograms
 
 
 def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(

@@ -10,7 +10,6 @@ import lightning
 import polars as pl
 import pytest
 import torch
-from _resumed_fits import training_steps
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_huggingface_callback import examples, tiny_bert
 from test_lightning_callback import Tiny
@@ -19,6 +18,8 @@ from transformers import Trainer, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
+
+from _resumed_fits import training_steps
 
 RETRAINED = "trained again, so (its|their) samples appear in more than one attempt"
 

@@ -13,7 +13,6 @@ import lightning
 import polars as pl
 import pytest
 import torch
-from _resumed_fits import FIRST, TOTAL, check_continued
 from lightning.pytorch.loggers import TensorBoardLogger
 from polars.testing import assert_frame_equal
 from test_huggingface_callback import examples, tiny_bert
@@ -24,6 +23,8 @@ from transformers import Trainer, TrainingArguments
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.state import read_state
+
+from _resumed_fits import FIRST, TOTAL, check_continued
 
 
 def versioned_fit(tmp_path: Path, max_steps: int, ckpt: Path | None, **options: object) -> Path:

@@ -18,7 +18,6 @@ import lightning
 import polars as pl
 import pytest
 import torch
-from _resumed_fits import FIRST, TOTAL, check_continued, lightning_fit, training_steps
 from lightning.pytorch.callbacks import ModelCheckpoint
 from polars.testing import assert_frame_equal
 from test_huggingface_callback import examples, tiny_bert
@@ -29,6 +28,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.state import Status, read_state
+
+from _resumed_fits import FIRST, TOTAL, check_continued, lightning_fit, training_steps
 
 
 def test_a_lightning_fit_resumed_with_ckpt_path_continues_the_run(tmp_path: Path) -> None:

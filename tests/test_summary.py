@@ -11,7 +11,6 @@ from typing import Any
 
 import polars as pl
 import pytest
-from _summary_rows import WINDOW, m
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo
@@ -20,6 +19,7 @@ from torchinstruments.rundir.merge import merge_history
 from torchinstruments.rundir.summary import write_catalog, write_result
 from torchinstruments.rundir.writer import HistoryWriter
 
+from _summary_rows import WINDOW, m
 from conftest import strict_loads
 
 LAYERS = (

@@ -16,7 +16,6 @@ from typing import Any
 
 import polars as pl
 import pytest
-from _summary_rows import WINDOW, m
 
 from torchinstruments.__main__ import main
 from torchinstruments.history_config import HistoryConfig
@@ -27,6 +26,7 @@ from torchinstruments.rundir.summary import write_result
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, window_mean
 from torchinstruments.rundir.writer import HistoryWriter
 
+from _summary_rows import WINDOW, m
 from conftest import strict_loads
 
 # Per sample, two rows of one series; summed left to right, 1e16 + 1.0 is 1e16 (the 1.0 is lost).

@@ -8,7 +8,6 @@ from typing import cast
 
 import pytest
 import torch
-from _tensorboard_runs import Reversed, descriptions, histograms
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     EventAccumulator,
@@ -25,6 +24,8 @@ from torchinstruments import (
 )
 from torchinstruments.records import histogram_tag
 from torchinstruments.sinks.tensorboard import ONE_PER_STEP
+
+from _tensorboard_runs import Reversed, descriptions, histograms
 
 
 def test_default_focus_is_first_eight_layers_in_traversal_order(run_dir: Path) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _tensorboard_runs import histograms
 from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
@@ -24,6 +23,7 @@ from torchinstruments import (
     remove_observer,
 )
 
+from _tensorboard_runs import histograms
 from conftest import read_history
 
 

@@ -3,7 +3,7 @@
 Under `grad` and `jacrev` a layer returns wrapper tensors without storage, under `vmap` a batched
 tensor whose per-sample view hides the batch: the rows describe the unwrapped values (for `vmap`
 the whole underlying batch, with the vmapped sizes first in `shape`), and index.md says so.
-(Both directions against plain hooks on every transform: `tests/test_conformance_zoo.py`.)
+(Both directions against plain hooks on every transform: `tests/test_conformance_torch_func.py`.)
 Gradients that torch.autograd's own, older vmap batches over cotangents
 (`is_grads_batched=True`) are measured over their whole batch the same way.
 """

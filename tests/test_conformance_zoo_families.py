@@ -27,22 +27,10 @@ import pytest
 import torch
 from torch import nn
 
+from _zoo import Step, squares_step
 from hook_reference import Conformance, leaves, run_both
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-Step = Callable[[nn.Module, int], Any]
-
-
-def squares(inputs: Callable[[], torch.Tensor]) -> Step:
-    """Forward on fresh inputs, backward of the sum of squares of the first output."""
-
-    def step(m: nn.Module, i: int) -> Any:
-        out = m(inputs())
-        next(iter(leaves(out))).float().square().sum().backward()
-        return out
-
-    return step
 
 
 def detector() -> tuple[nn.Module, Step]:
@@ -169,7 +157,9 @@ def embedding_bags() -> tuple[nn.Module, Step]:
 def channels_last_resnet() -> tuple[nn.Module, Step]:
     models = pytest.importorskip("torchvision.models")
     model = models.resnet18(weights=None, num_classes=4).to(memory_format=torch.channels_last)
-    return model, squares(lambda: torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last))
+    return model, squares_step(
+        lambda: torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    )
 
 
 def llama_bfloat16_autocast() -> tuple[nn.Module, Step]:
@@ -204,7 +194,7 @@ def memory_efficient_densenet() -> tuple[nn.Module, Step]:
         memory_efficient=True,
         num_classes=3,
     )
-    return model, squares(lambda: torch.randn(2, 3, 32, 32))
+    return model, squares_step(lambda: torch.randn(2, 3, 32, 32))
 
 
 class Quantizable(nn.Module):
@@ -226,7 +216,7 @@ def quantization_aware() -> tuple[nn.Module, Step]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation note
         prepared = quantization.prepare_qat(model)
-    return prepared, squares(lambda: torch.randn(3, 8))
+    return prepared, squares_step(lambda: torch.randn(3, 8))
 
 
 def has_int64_batch_sizes(result: Conformance) -> None:

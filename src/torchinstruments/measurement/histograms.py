@@ -41,6 +41,7 @@ HistogramVector = torch.Tensor | list[float]
 _HEAD = 5
 _Array = Any  # a NumPy array or a torch tensor: what the generic functions take
 _CHUNK = 1 << 16  # entries counted at a time on the host: bounds the temporaries
+_COUNTERS = 4  # copies of the counters `bin_counts` counts into
 _MAX_OFF = 3  # a guess that can miss by more bins is not corrected: each entry bisected instead
 
 
@@ -107,9 +108,14 @@ def bin_counts(
     low = float(bounds[0])
     scale, off = guess_scale(limits, low, float(bounds[-1]) - low, bins)
     # Bin i holds the entries from around[i] to around[i + 1]; bin `bins` the max's, added to the
-    # last. Counted by np.bincount: about 1.1 ns an entry here, NumPy's unbuffered add.at 1.5.
+    # last. Counted by np.bincount into `_COUNTERS` copies of the counters, entry j into copy
+    # j % _COUNTERS: one counter hit by a run of entries (a ReLU's zeros) waits for each increment
+    # before the next, four copies do not (16,384 float32 entries here: 22 us whatever the
+    # values; one copy 18 us, 27 with a ReLU's zeros; NumPy's add.at over pairs of bins 24).
     around = np.concatenate([[-np.inf], limits, [np.inf]]).astype(limits.dtype)
-    counts = np.zeros(bins + 1, dtype=np.int64)
+    width = bins + 1
+    counts = np.zeros(width, dtype=np.int64)
+    offsets = _counter_offsets(width)
     size = min(_CHUNK, values.size)
     buffer, indices = np.empty(size), np.empty(size, np.int32)  # int32: half int64's casts
     for begin in range(0, values.size, _CHUNK):
@@ -128,10 +134,20 @@ def bin_counts(
             for _ in range(off):  # each step takes every entry a bin nearer its own
                 index -= piece < around.take(index)
                 index += piece >= around.take(index + 1)
-        counts += np.bincount(index, minlength=bins + 1)
+        np.add(index, offsets[: index.size], out=index)
+        copies = np.bincount(index, minlength=_COUNTERS * width)
+        counts += copies.reshape(_COUNTERS, width).sum(axis=0)
     totals = counts.astype(np.float64)
     totals[bins - 1] += totals[bins]
     return totals[:bins]
+
+
+@functools.lru_cache(maxsize=8)
+def _counter_offsets(width: int) -> np.ndarray:
+    """Per entry of a chunk, where its copy of `width` counters starts (int32, read-only)."""
+    offsets = np.tile(np.arange(_COUNTERS, dtype=np.int32) * width, _CHUNK // _COUNTERS)
+    offsets.flags.writeable = False
+    return offsets
 
 
 def guess_scale(limits: np.ndarray, low: float, span: float, bins: int) -> tuple[float, int]:

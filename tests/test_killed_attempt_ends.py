@@ -30,7 +30,7 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from _events import event_steps
-from conftest import page_prose, run_cli
+from conftest import cli_in_process, page_prose, run_cli
 
 STEPS = 3
 REMOVING: list[bool] = []  # the child's: remove_observer was called
@@ -288,9 +288,23 @@ def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attem
     """Attempt 0 is killed inside its fourth sampled forward (sample 3, forward_index 3): no
     row, no TensorBoard event and no ledger entry of it exists, yet it took its ids (the
     run's id mark), so attempt 1 starts at sample_id 4 and forward_index 4, and attempt 0's
-    counts (lower bounds from its rows) reach that sample."""
+    counts (lower bounds from its rows) reach that sample. `finalize` run alone first counts
+    it too, from the same mark: the counts it states are those the continued run keeps."""
     directory = first_attempts / "in_forward" / "run"
     assert STEPS not in event_steps(directory)
+    held = pl.read_parquet(directory / "history.parts")["sample_id"].unique().to_list()
+    assert 0 in held  # the first sample's rows, and maybe more
+    assert max(held) < STEPS
+    finalized = cli_in_process("finalize", directory)
+    assert finalized.returncode == 0, finalized.stderr
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert [(a["ended"], a["samples"], a["root_forwards"]) for a in state["attempts"]] == [
+        ("killed", STEPS + 1, STEPS + 1)
+    ]
+    counts = state["counts"]
+    assert (counts["samples"], counts["root_forwards"]) == (STEPS + 1, STEPS + 1)
+    page = _page(directory)
+    assert "at least 4 root forwards, at least 4 samples, at least " in page
     _removed_attempt(directory, 2)
 
     history = pl.read_parquet(directory / "history.parquet")

@@ -56,6 +56,7 @@ from torchinstruments.rundir.layout import (
     is_library_temporary,
 )
 from torchinstruments.rundir.lock import FINALIZE, RunLock
+from torchinstruments.rundir.mark_counts import raised_to_mark
 from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
@@ -185,6 +186,7 @@ def finish_run(
             state, counts = events_without_rows(
                 directory, merge.path, state, counts, recovered, killed
             )
+            state, counts = raised_to_mark(directory, state, counts, recovered)
         if recovered:  # never below what the attempts' own counts say together
             counts = at_least_attempts(counts, state.attempts)
         state = dataclasses.replace(state, left_behind=_left_behind(directory, merge))

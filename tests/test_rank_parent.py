@@ -138,12 +138,11 @@ def test_plot_and_heatmap_of_the_parent(parent: Path, tmp_path: Path) -> None:
 def test_parent_index_queries_read_every_rank(parent: Path) -> None:
     text = (parent / "index.md").read_text()
     assert "2 rank directories, 2 finished" in text
-    # every rank finished, yet a job restarted into it (resume=True) writes no page until a
-    # rank finishes: the page says what it may not have seen, whatever the states it shows
+    # every rank finished, yet a rank whose rewrite died with it is not on the page as it is
+    # now: the page says what it may not have seen, whatever the states it shows
     assert (
-        "a rank restarted since (resume=True), or whose rewrite died with the rank writing this "
-        "page (killed, or its write given up or failed, which that rank's warning says), may "
-        "be further on than said here"
+        "a rank whose rewrite died with the rank writing this page (killed, or its write given "
+        "up or failed, which that rank's warning says) may be further on than said here"
     ) in " ".join(text.split())
     blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
     scope: dict[str, object] = {}

@@ -61,7 +61,7 @@ from torchinstruments.rundir.marks import mark_partly_written, read_marks
 from torchinstruments.rundir.merge import MergeResult, merge_history
 from torchinstruments.rundir.output_dir import expand_user
 from torchinstruments.rundir.page_ranks import is_rank_run
-from torchinstruments.rundir.parent_rewrite import write_parent_index
+from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
 from torchinstruments.rundir.recovery import recovered_counts, state_to_finish
 from torchinstruments.rundir.repeats import with_killed_repeats
 from torchinstruments.rundir.shell import tool_command
@@ -266,7 +266,7 @@ def finish_run(
                 write_index(directory, final)
     if parent_page and is_rank_run(directory, final):
         step(FINISH_STEPS[-1])
-        _write_parent_page(directory.parent)
+        rewrite_parent_index(directory.parent)
     return FinishReport(directory, merge, final)
 
 
@@ -305,19 +305,6 @@ def _removal_at(directory: Path, state: RunState, step: str) -> RunState:
     with contextlib.suppress(OSError):  # a temporary of its own, as the flush thread's saves
         write_state(directory, state, tag="removal")
     return state
-
-
-def _write_parent_page(parent: Path) -> None:
-    """Rewrite the rank runs' parent index.md (`rundir.page_ranks`); a failure is warned, since
-    this rank's own directory is complete without it."""
-    try:
-        write_parent_index(parent)
-    except OSError as error:
-        warn(
-            f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
-            f"({type(error).__name__}: {error}); "
-            f"`{tool_command('finalize', parent)}` writes it again"
-        )
 
 
 def _with_problem(state: RunState, what: str, error: OSError) -> RunState:

@@ -7,7 +7,9 @@ Design decisions:
   directory (read with `rundir.recovery.load_state`), never from the data, in constant time per
   rank. The parent has no state file of its own: its state is its ranks' states.
 - Who writes it: every rank, at the end of its own finish (`remove_observer` or `finalize` of
-  that rank's directory), and `torchinstruments finalize PARENT`, as `rundir.parent_rewrite`
+  that rank's directory) and at the start of its run where the page is already written (a job
+  restarted into the directory: else the page would call a rank that runs again finished until
+  it finishes), and `torchinstruments finalize PARENT`, as `rundir.parent_rewrite`
   has it: no rank waits for the others (that would be a collective, and a rank that died would
   hang the rest), and the page written last has seen the state of every rank that finished
   before it; the last rank to finish has a page written that calls every rank finished. A rank not finished (no final counts, or killed in removal,
@@ -166,11 +168,12 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
         head,
         "",
         f"Each rank's state below is as it was when this page was written, at {written}. "
-        "This page is rewritten whenever a rank finishes, and by finalize: a rank restarted "
-        "since (resume=True), or whose rewrite died with the rank writing this page (killed, "
-        "or its write given up or failed, which that rank's warning says), may be further on "
-        "than said here; its own index.md, and `show` of this directory, tell it as it is now, "
-        "and finalize rewrites this page.",
+        "This page is rewritten whenever a rank finishes, when a rank's run opens where this "
+        "page is already written (a job restarted into this directory, resume=True), and by "
+        "finalize: a rank whose rewrite died with the rank writing this page (killed, or its "
+        "write given up or failed, which that rank's warning says) may be further on than said "
+        "here; its own index.md, and `show` of this directory, tell it as it is now, and "
+        "finalize rewrites this page.",
         "",
     ]
     if len(world_sizes) > 1:

@@ -1,7 +1,8 @@
 """Who rewrites the parent page of rank runs, and when, without a rank waiting on the others.
 
-Design decision: every rank rewrites the parent's index.md at the end of its own finish
-(`rundir.page_ranks`), reading every rank's state. Taking the parent's lock in turn made that
+Design decision: every rank rewrites the parent's index.md at the end of its own finish, and at
+the start of its run where the page is already written (a restart; `rundir.page_ranks`), reading
+every rank's state. Taking the parent's lock in turn made that
 quadratic: on a job of N ranks finishing together, the last rank's `remove_observer` waited for
 N renders of N states each (about 2 s a render at 1,024 small ranks, 0.1 s a rank for a
 3,000-layer model's state file: tens of minutes). Instead a rank asks for a rewrite and returns:
@@ -45,10 +46,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
+from torchinstruments.rundir.shell import tool_command
 
-__all__ = ["PARENT_AGAIN", "PARENT_LOCK", "remove_ask_leftovers", "write_parent_index"]
+__all__ = [
+    "PARENT_AGAIN",
+    "PARENT_LOCK",
+    "remove_ask_leftovers",
+    "rewrite_parent_index",
+    "write_parent_index",
+]
 
 PARENT_LOCK = ".index.lock"
 PARENT_AGAIN = ".index.again"
@@ -86,6 +95,19 @@ def write_parent_index(parent: Path, *, wait: bool = False) -> Path:
                 raise failed
             return path
         wait = False  # asked again during the render: once more, unless another took it
+
+
+def rewrite_parent_index(parent: Path) -> None:
+    """`write_parent_index` for a rank (at its finish, or its restart into its directory); a
+    failure is warned, since this rank's own directory is complete without it."""
+    try:
+        write_parent_index(parent)
+    except OSError as error:
+        warn(
+            f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
+            f"({type(error).__name__}: {error}); "
+            f"`{tool_command('finalize', parent)}` writes it again"
+        )
 
 
 def _ask(parent: Path) -> None:

@@ -40,6 +40,8 @@ from torchinstruments.rundir.live_scales import LiveScales
 from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.opening import open_within
 from torchinstruments.rundir.output_dir import check_output_dir
+from torchinstruments.rundir.page_ranks import is_rank_run
+from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
@@ -211,6 +213,8 @@ class DirectorySink:
         ]
         if fresh:
             writes.insert(1, (RESULT_FILE, lambda: write_catalog(directory, run.layers)))
+        if is_rank_run(directory, state):
+            writes.append((f"the ranks' {INDEX_FILE}", lambda: _parent_page_again(directory)))
         open_within(
             directory,
             self._lock,
@@ -527,6 +531,17 @@ class DirectorySink:
             self._lock.release()
         finally:
             forks.untrack(self)
+
+
+def _parent_page_again(directory: Path) -> None:
+    """A rank's run opened where its parent already has a page (a job restarted into the
+    directory, or a rank that attaches after another finished): the page is rewritten now, or
+    until this rank finishes it would tell the job before this one (a rank "complete" that runs
+    again). A first job's ranks write none at their start: no page is there to be wrong, and the
+    first rank to finish writes it. The cost: one render of every rank's state per wave of
+    ranks that open (`rundir.parent_rewrite`: no rank waits on another's render)."""
+    if (directory.parent / INDEX_FILE).is_file():
+        rewrite_parent_index(directory.parent)
 
 
 def _put_back(directory: Path, state: RunState) -> None:

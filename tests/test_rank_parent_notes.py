@@ -2,7 +2,8 @@
 with the ranks whose index.md holds it, its beginning, and at most `NOTES_SHOWN` of them (in
 the text of `show PARENT` and `compare PARENT`, on stderr beside `plot PARENT` and `heatmap
 PARENT`'s pictures; real observers, the launcher's RANK and WORLD_SIZE; notes added as a trainer
-callback adds them)."""
+callback adds them). So does every reader of one run (one rank's directory): `compare DIR_A
+DIR_B` in its text under each run's tag, `plot DIR` and `heatmap DIR` on stderr."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def noted(parent: Path, rank: int, *notes: str) -> None:
     remove_observer(model)
 
 
-def test_every_reader_of_a_parent_says_each_ranks_notes_once_per_note_and_bounded(
+def test_every_reader_says_the_notes_of_a_parents_ranks_once_per_note_and_of_one_run_as_show(
     tmp_path: Path,
 ) -> None:
     parent = tmp_path / "stats"
@@ -64,3 +65,24 @@ def test_every_reader_of_a_parent_says_each_ranks_notes_once_per_note_and_bounde
         prefix = f"torchinstruments {command}: "
         start = lines.index(prefix + said[0])
         assert lines[start : start + NOTES_SHOWN + 2] == [prefix + line for line in said]
+    one = parent / "rank-002"
+    own = [
+        f"notes: {NOTES_SHOWN + 2}, in full at the top of index.md:",
+        f"- {SHARED}",
+        f"- {LONG[: NOTE_CHARS - 3].rstrip()}...",
+        *(f"- extra note {i}" for i in range(NOTES_SHOWN - 2)),
+        "- ... (2 more)",
+    ]
+    shown = cli_in_process("show", one, "--width", "1000").stdout.splitlines()
+    assert shown[shown.index(own[0]) :][: len(own)] == own
+    for command, option, output in pictures:
+        done = cli_in_process(command, one, "--metrics", "mean", option, output)
+        assert done.returncode == 0, done.stderr
+        prefix = f"torchinstruments {command}: "
+        lines = done.stderr.splitlines()
+        assert lines[lines.index(prefix + own[0]) :][: len(own)] == [prefix + x for x in own]
+    done = cli_in_process("compare", parent / "rank-001", one, "--width", "1000")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[lines.index("A notes: 1, in full at the top of index.md:") + 1] == f"- {SHARED}"
+    assert lines[lines.index("B " + own[0]) :][: len(own)] == ["B " + own[0], *own[1:]]

@@ -58,20 +58,27 @@ def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
     return selection
 
 
-def _say_unreadable_state(prog: str, *directories: Path) -> None:
+def _say_states(prog: str, *directories: Path, notes: bool) -> None:
     """One stderr line per run whose state file cannot be read (a newer schema, a bad value):
-    the drawing and comparing commands go on with the history, and say so."""
+    the drawing and comparing commands go on with the history, and say so. With `notes`, the
+    run's notes too, as `show` begins them (what it did not record, and why): a picture is
+    never drawn past them silently."""
+    from torchinstruments.cli.text import notes_lines
+    from torchinstruments.rundir.index_page import page_notes
     from torchinstruments.rundir.recovery import load_state
 
     for directory in directories:
         try:
-            load_state(Path(directory).expanduser())
+            state = load_state(Path(directory).expanduser())
         except (OSError, ValueError) as error:
             print(
                 f"{prog}: {directory}: the run's state is unreadable ({error}); its history is "
                 "read as it is (layer order and settings unknown)",
                 file=sys.stderr,
             )
+            continue
+        for line in notes_lines(page_notes(state)) if notes and state is not None else ():
+            print(f"{prog}: {line}", file=sys.stderr)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -119,13 +126,14 @@ def _run_single(args: argparse.Namespace) -> int:
             print(text)
             return 0
         if args.command in ("compare", "plot", "heatmap"):
-            _say_unreadable_state(
+            _say_states(
                 prog,
                 *(
                     [args.directory_a, args.directory_b]
                     if args.command == "compare"
                     else [args.directory]
                 ),
+                notes=args.command != "compare",  # compare's text says them in its header
             )
         if args.command == "compare":
             from torchinstruments.cli import compare

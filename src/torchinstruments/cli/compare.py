@@ -74,6 +74,7 @@ from torchinstruments.cli.selection import (
 from torchinstruments.cli.text import (
     TEXT_SERIES,
     earliest,
+    notes_lines,
     number,
     plural,
     printable,
@@ -351,6 +352,16 @@ def shown_series(c: Comparison, every: bool = False) -> tuple[pl.DataFrame, list
     return shown, [head, tail]
 
 
+def _notes_said(c: Comparison) -> list[str]:
+    """Each run's notes, as `show` begins them (what it did not record, and why), under its
+    tag: a comparison never reads past them silently."""
+    lines = []
+    for tag, facts in (("A", c.facts_a), ("B", c.facts_b)):
+        head, *rest = notes_lines(facts.notes) or [""]
+        lines += [f"{tag} {head}", *rest] if head else []
+    return lines
+
+
 def _text(c: Comparison, width: int, every: bool = False) -> str:
     """The comparison as an 80-column table with a header that says what each column is
     (beyond TEXT_SERIES series, unless `every`, the earliest to differ: `shown_series`)."""
@@ -365,6 +376,7 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
         f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
         *marks,
+        *_notes_said(c),
         *(
             open_line(t, c.x, at, "difference")
             for t, at in zip("AB", c.open_samples, strict=True)

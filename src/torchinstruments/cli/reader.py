@@ -41,6 +41,7 @@ from torchinstruments.records import SIGNALS, RunInfo
 from torchinstruments.rundir.index_page import (
     counts_sentence,
     interrupted_sentence,
+    page_notes,
     partial_in_flight,
 )
 from torchinstruments.rundir.layout import (
@@ -129,6 +130,12 @@ class RunFacts:
     files: RunFiles
     run_state: RunState | None = None
     marked: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The notes at the top of the run's index.md (`index_page.page_notes`): what the run
+        did not record, and why; none without a state."""
+        return page_notes(self.run_state) if self.run_state is not None else ()
 
     def marked_lines(self, limit: int = 3) -> list[str]:
         """`marked samples: N (sample 3: <reason>; ...)`, or nothing when none is marked."""

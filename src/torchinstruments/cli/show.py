@@ -11,7 +11,6 @@ path, metric) with full precision and the window bounds, for scripts.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
 
 import polars as pl
 
@@ -22,8 +21,7 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.cli.selection import facts_dict
 from torchinstruments.cli.text import (
-    NOTES_SHOWN,
-    cut_note,
+    notes_lines,
     number,
     plural,
     render_frame,
@@ -34,7 +32,6 @@ from torchinstruments.cli.text import (
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 from torchinstruments.rundir.attempt_ends import attempt_ends_now
 from torchinstruments.rundir.attempts import sampler_line
-from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import ranges
 
@@ -63,7 +60,7 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     if facts.counts:
         lines.append(facts.counts)
     lines += facts.marked_lines()
-    lines += notes_lines(page_notes(facts.run_state) if facts.run_state else ())
+    lines += notes_lines(facts.notes)
     # index.md's "Disk space" line: a second copy of rows an earlier merge left (no row missing)
     left = facts.run_state.left_behind if facts.run_state else ()
     lines += [f"disk space: {line}" for line in left]
@@ -94,20 +91,6 @@ def attempts_lines(facts: RunFacts) -> list[str]:
         f"attempts: {len(state.attempts)}, continued with resume=True ({said}); each one's "
         f"counts in {INDEX_FILE}'s Attempts table"
     ]
-
-
-def notes_lines(notes: Sequence[str]) -> list[str]:
-    """The run's notes as `show` says them: how many index.md holds and where, then the
-    beginning of each of the first `NOTES_SHOWN` (a note is a paragraph; the summary stays
-    short, and a note cut says so with `...`)."""
-    if not notes:
-        return []
-    lines = [f"notes: {len(notes)}, in full at the top of {INDEX_FILE}:"]
-    for note in notes[:NOTES_SHOWN]:
-        lines.append(f"- {cut_note(note)}")
-    if len(notes) > NOTES_SHOWN:
-        lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
-    return lines
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:

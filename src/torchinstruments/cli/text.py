@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.records import OUTPUT
+from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
 
 NUMBER_WIDTH = 10
@@ -36,6 +37,21 @@ NOTE_CHARS = 150
 def cut_note(note: str) -> str:
     """A note's beginning, at most `NOTE_CHARS` characters (`...` where it was cut)."""
     return note if len(note) <= NOTE_CHARS else note[: NOTE_CHARS - 3].rstrip() + "..."
+
+
+def notes_lines(notes: Sequence[str]) -> list[str]:
+    """A run's notes as `show` says them (and `compare`, `plot` and `heatmap`, which never draw
+    or compare a run silently past what it did not record): how many index.md holds and where,
+    then the beginning of each of the first `NOTES_SHOWN` (a note is a paragraph; the summary
+    stays short, and a note cut says so with `...`)."""
+    if not notes:
+        return []
+    lines = [f"notes: {len(notes)}, in full at the top of {INDEX_FILE}:"]
+    for note in notes[:NOTES_SHOWN]:
+        lines.append(f"- {cut_note(note)}")
+    if len(notes) > NOTES_SHOWN:
+        lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
+    return lines
 
 
 def printable(text: str) -> str:
@@ -245,6 +261,7 @@ __all__ = [
     "cut_note",
     "earliest",
     "markdown",
+    "notes_lines",
     "number",
     "plural",
     "printable",

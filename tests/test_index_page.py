@@ -396,6 +396,11 @@ def test_after_a_crash_a_layer_without_rows_is_not_said_to_have_never_run(tmp_pa
     index = (directory / "index.md").read_text(encoding="utf-8")
     assert "Never ran in a sampled forward" not in index
     assert "No row on disk (1): `unused`" in index
+    # each count as what reached the disk, and the one nobody wrote unknown, never 0
+    rows = [line for line in index.splitlines() if line.startswith("| `")]
+    assert [row.split(" | ")[-1] for row in rows] == ["at least 1 |"] * 3 + ["unknown |"]
+    result = json.loads((directory / "result.json").read_text(encoding="utf-8"))
+    assert [layer["sampled_forwards"] for layer in result] == [1, 1, 1, None]
     lines = status_lines(directory)
     assert lines[-1] == "layers with no row on disk: 1 ['unused']"
     assert lines[-2] == (  # the 0s of rebuilt counts are not said to be counts of none

@@ -137,7 +137,7 @@ def test_counts_are_rebuilt_by_finalize_after_a_crash(run_dir: Path) -> None:
     )
     assert sampled_forwards(run_dir) == {"0": 2, "1": 2, "2": 2}
     index = (run_dir / "index.md").read_text("utf-8")
-    assert "| `0` | Linear | 2 |" in index
+    assert "| `0` | Linear | at least 2 |" in index  # rebuilt: what reached the disk
 
 
 def test_transformer_run_index_lists_every_layer_with_its_count(run_dir: Path) -> None:

@@ -223,8 +223,8 @@ def finish_run(
                 state.run.layers,
                 state.run.history.window,
                 counts.layer_samples,
-                # after a kill before any layer's row reached the disk: unknown, never 0
-                samples_unknown=(recovered or state.counts_recovered) and not counts.layer_samples,
+                # rebuilt after a kill: a layer without an output row on disk is unknown, never 0
+                lower_bounds=recovered or state.counts_recovered,
             )
             state = dataclasses.replace(
                 state, dtype_changes=changes.layers, dtype_changes_total=changes.total

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.layout import RESULT_FILE, STATE_FILE
+from torchinstruments.rundir.ranges import bound_count
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import RunState
 
@@ -155,8 +156,9 @@ _ZERO = (
 # Counts rebuilt after a crash only know what reached the disk: a layer may have run in the
 # samples whose rows died in memory, so 0 is no proof that it never ran.
 _ZERO_RECOVERED = (
-    "A layer with 0 has no row on disk: it ran in no sampled forward whose rows reached the "
-    "disk (a branch not taken, a module its parent never calls, a `forward` replaced or a "
+    "Each count is what reached the disk (at least N), as the run's counts are; a layer "
+    "counted unknown has no output row on disk (result.json's `sampled_forwards` is null, "
+    "never 0): it ran in no sampled forward whose rows reached the disk (a branch not taken, a module its parent never calls, a `forward` replaced or a "
     "module taken out of the model after injection, or only in samples the end of the process "
     "lost)."
 )
@@ -186,6 +188,7 @@ def section_layers(
     bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
     zero = _ZERO_RECOVERED if state.counts_recovered else _ZERO
     ran = counts.layer_samples
+    said = bound_count if state.counts_recovered else str  # a count nobody wrote: unknown
     lines = [
         "## Layers",
         "",
@@ -197,7 +200,7 @@ def section_layers(
     if not grouped(run, too_long):
         lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
         lines += [
-            f"| {_cell(li)} | {li.module_type} | {ran.get(li.name, 0)} |" for li in run.layers
+            f"| {_cell(li)} | {li.module_type} | {said(ran.get(li.name, 0))} |" for li in run.layers
         ]
     else:
         lines += [
@@ -211,7 +214,7 @@ def section_layers(
         for module_type, layers in groups[:LISTED_TYPES]:
             numbers = [ran.get(li.name, 0) for li in layers]
             lines.append(
-                f"| {module_type} | {len(layers)} | {min(numbers)} .. {max(numbers)} | "
+                f"| {module_type} | {len(layers)} | {said(min(numbers))} .. {said(max(numbers))} | "
                 f"{_cell(layers[0])} | {_cell(layers[-1])} |"
             )
         if len(groups) > LISTED_TYPES:

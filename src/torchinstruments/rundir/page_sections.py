@@ -285,8 +285,9 @@ def section_result(run: RunInfo) -> list[str]:
         "- sampled_forwards: in how many sampled forwards the layer was called (0: it never ran "
         "in one; null in the catalog written at injection). After an interrupted run it is "
         "rebuilt from history: the sampled forwards with an output row of the layer (a lower "
-        "bound); null (unknown, never 0) when the process ended before any layer's output row "
-        "reached the disk, even where TensorBoard events prove samples.",
+        "bound); null (unknown, never 0) for a layer with no output row on disk, which may have "
+        "run in samples the end of the process lost (every layer when no output row reached "
+        "the disk, even where TensorBoard events prove samples).",
         "- Which samples (per tensor, since every metric of a tensor is measured in the same "
         "samples): observations (history rows of each of its metrics), first_sample_id / "
         "latest_sample_id (its earliest / latest observation), and for each window `actual` "

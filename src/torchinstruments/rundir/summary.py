@@ -5,9 +5,9 @@ queries on the streaming engine, never from state kept during training, so resul
 function of history.parquet and `finalize` can rebuild it after a crash. The one exception is each
 layer's `sampled_forwards` (in how many sampled forwards it was called), which at removal comes
 from the observer's `RunCounts`: a call whose output holds no tensor leaves no history row. After
-a crash it is rebuilt from history (sampled forwards with an output row), a lower bound; when the
-process died before any row reached the disk it is null (unknown), never 0. At injection it is
-null too (the catalog, before anything ran).
+a crash it is rebuilt from history (sampled forwards with an output row), a lower bound; a layer
+with no output row on disk is null then (unknown: it may have run in samples the crash lost),
+never 0. At injection it is null too (the catalog, before anything ran).
 
 Design decision: one pass in chunks (`rundir.series_stats`: one row per series, with its
 windows), then the text in Polars (`rundir.result_text`), written one layer at a time; Python
@@ -98,7 +98,7 @@ def layer_lines(
     window: int,
     layer_samples: Mapping[str, int] | None = None,
     *,
-    samples_unknown: bool = False,
+    lower_bounds: bool = False,
 ) -> tuple[Iterator[str], DtypeChanges]:
     """The records of result.json computed from a history.parquet, as JSON text, one layer at a
     time, and the layers whose dtype changed during the run (for index.md).
@@ -112,8 +112,8 @@ def layer_lines(
         window: samples per window.
         layer_samples: sampled forwards in which each layer was called (`RunCounts`); a layer
             not in it gets 0. None counts, from history, the sampled forwards with an output row.
-        samples_unknown: every layer's `sampled_forwards` is null: unknown (the process died
-            before any row reached the disk), never 0.
+        lower_bounds: the counts were rebuilt after a crash: a layer counted 0 (no output row
+            on disk) has `sampled_forwards` null, unknown, never 0.
 
     Returns:
         One compact JSON object per layer, as they are iterated; the `DtypeChanges`.
@@ -148,7 +148,9 @@ def layer_lines(
             head = {
                 "layer": name,
                 "module_type": module_types[name],
-                "sampled_forwards": None if samples_unknown else int(samples.get(name, 0)),
+                "sampled_forwards": None
+                if lower_bounds and not samples.get(name)
+                else int(samples.get(name, 0)),
             }
             yield encode(head)[:-1] + ',"tensors":[' + texts.pop(name, "") + "]}"
 
@@ -184,7 +186,7 @@ def write_result(
     window: int,
     layer_samples: Mapping[str, int] | None = None,
     *,
-    samples_unknown: bool = False,
+    lower_bounds: bool = False,
 ) -> DtypeChanges:
     """Write result.json with per-tensor summaries computed from `directory/history.parquet`;
     return the layers whose dtype changed during the run (index.md names them).
@@ -205,9 +207,7 @@ def write_result(
             f"`{tool_command('finalize', directory)}` to "
             "merge history.parts/ first"
         )
-    lines, changes = layer_lines(
-        history, layers, window, layer_samples, samples_unknown=samples_unknown
-    )
+    lines, changes = layer_lines(history, layers, window, layer_samples, lower_bounds=lower_bounds)
     _dump(directory, lines)
     return changes
 

@@ -214,6 +214,45 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
     )
     query = queried["first"].select(*KEY, "first_sample").rows()
     assert {row[:-1]: row[-1] for row in query} == firsts
+    restarted_rank_2(parent, monkeypatch)
+
+
+def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The killed rank 2 restarted into its directory (resume=True, the launcher's RANK and
+    WORLD_SIZE): from its start the parent's page calls it in progress, and `show PARENT` says
+    how each of its attempts ended, as `show` of its own directory does (its state line
+    names only the earlier attempt's end)."""
+    with monkeypatch.context() as env:
+        env.setenv("RANK", "2")
+        env.setenv("WORLD_SIZE", str(WORLD))
+        model = nn.Linear(4, 4)
+        inject_observer(
+            model,
+            output_dir=parent,
+            sampler=EveryNForwardsSampler(1),
+            rank_policy="all",
+            resume=True,
+        )
+    model(torch.randn(2, 4)).sum().backward()
+    page = (parent / "index.md").read_text(encoding="utf-8")
+    assert state_cells(page)[2] == "in progress (its process holds its lock)"
+    assert "**Ranks: 3 rank directories, 2 finished (removed or finalized)" in page
+    live = "rank 2: attempts: 2, continued with resume=True (killed: attempt 0; in progress: "
+    shown = cli_in_process("show", parent, "--width", "1000")
+    assert shown.returncode == 0, shown.stderr
+    assert live + "attempt 1)" in shown.stdout.splitlines()
+    remove_observer(model)
+    shown = cli_in_process("show", parent, "--width", "1000").stdout.splitlines()
+    assert "rank 2: interrupted in an earlier attempt" in shown
+    ended = (
+        "rank 2: attempts: 2, continued with resume=True (killed: attempt 0; removed: attempt 1)"
+    )
+    assert ended in shown
+    own = cli_in_process("show", parent / "rank-002", "--width", "1000").stdout
+    assert ended.removeprefix("rank 2: ") in own
+    assert state_cells((parent / "index.md").read_text(encoding="utf-8"))[2].startswith(
+        "interrupted"
+    )
 
 
 def refuse_lock(fd: int, operation: int) -> None:

@@ -28,6 +28,7 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.cli.text import NOTES_SHOWN, cut_note
+from torchinstruments.rundir.attempt_ends import attempts_said
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
@@ -228,14 +229,22 @@ def header_lines(
     missing: Sequence[int] = (),
 ) -> list[str]:
     """The header of `show PARENT` and `compare PARENT`: one line for the parent, one per state
-    of the ranks read, one for ranks not read, one for ranks the world size expects and no
-    directory holds, and each rank's marked samples."""
+    of the ranks read, one per way the attempts of continued ranks ended (as `show` of one
+    rank says them: its state names only the earlier attempts' end), one for ranks not read,
+    one for ranks the world size expects and no directory holds, and each rank's marked
+    samples."""
     states: dict[str, list[int]] = {}
+    ended: dict[str, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         states.setdefault(f.state.split(" (")[0], []).append(run.rank)
+        said = attempts_said(f.run_state, f.directory) if f.run_state else ""
+        if said:
+            ended.setdefault(said, []).append(run.rank)
     lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
     for state, which in states.items():
         lines.append(f"rank {ranges(which)}: {state}")
+    for said, which in ended.items():
+        lines.append(f"rank {ranges(which)}: attempts: {said}")
     lines += not_read_lines(without_history)
     if missing:
         lines.append(missing_line(missing))

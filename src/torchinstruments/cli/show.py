@@ -30,10 +30,9 @@ from torchinstruments.cli.text import (
     tensor_label,
 )
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
-from torchinstruments.rundir.attempt_ends import attempt_ends_now
+from torchinstruments.rundir.attempt_ends import attempts_said
 from torchinstruments.rundir.attempts import sampler_line
 from torchinstruments.rundir.layout import INDEX_FILE
-from torchinstruments.rundir.ranges import ranges
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -79,18 +78,8 @@ def attempts_lines(facts: RunFacts) -> list[str]:
     """A continued run's attempts (`resume=True`): how many, and which ended how, as index.md's
     Attempts table counts them; without it the counts line, the whole job's, read as one
     process's. Nothing for a run of one attempt."""
-    state = facts.run_state
-    if state is None or len(state.attempts) < 2:
-        return []
-    ends: dict[str, list[int]] = {}
-    now = attempt_ends_now(state, facts.directory)
-    for entry, end in zip(state.attempts, now, strict=True):
-        ends.setdefault(end, []).append(entry.attempt)
-    said = "; ".join(f"{end}: attempt {ranges(which)}" for end, which in ends.items())
-    return [
-        f"attempts: {len(state.attempts)}, continued with resume=True ({said}); each one's "
-        f"counts in {INDEX_FILE}'s Attempts table"
-    ]
+    said = attempts_said(facts.run_state, facts.directory) if facts.run_state else ""
+    return [f"attempts: {said}; each one's counts in {INDEX_FILE}'s Attempts table"] if said else []
 
 
 def _valid_count(valid: int | None, samples: int | None) -> str:

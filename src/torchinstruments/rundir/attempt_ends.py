@@ -29,6 +29,7 @@ __all__ = [
     "DURING_LAST_FLUSH",
     "attempt_end",
     "attempt_ends_now",
+    "attempts_said",
     "killed_before_last",
     "killed_flush",
     "last_finished",
@@ -68,6 +69,19 @@ def attempt_ends_now(state: RunState, directory: Path) -> list[str]:
     else:
         still = "ended without remove_observer, not finalized" if ended else IN_PROGRESS
     return [still if end in (IN_PROGRESS, IN_REMOVAL) else end for end in ends]
+
+
+def attempts_said(state: RunState, directory: Path) -> str:
+    """A continued run's attempts as `show` says them (`attempt_ends_now`): how many, and
+    which ended how, `2, continued with resume=True (killed: attempt 0; removed: attempt 1)`;
+    "" for a run of one attempt (its state says how it ended)."""
+    if len(state.attempts) < 2:
+        return ""
+    ends: dict[str, list[int]] = {}
+    for entry, end in zip(state.attempts, attempt_ends_now(state, directory), strict=True):
+        ends.setdefault(end, []).append(entry.attempt)
+    said = "; ".join(f"{end}: attempt {ranges(which)}" for end, which in ends.items())
+    return f"{len(state.attempts)}, continued with resume=True ({said})"
 
 
 def _noted_in_last_flush(state: RunState, entry: AttemptCounts) -> bool:

@@ -305,6 +305,10 @@ def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attem
     assert (counts["samples"], counts["root_forwards"]) == (STEPS + 1, STEPS + 1)
     page = _page(directory)
     assert "at least 4 root forwards, at least 4 samples, at least " in page
+    assert (
+        "**Begun, nothing on disk:** the run's id mark (.lock) shows 1 sample begun (up to "
+        "sample_id 3) of which no row and no TensorBoard event reached the disk"
+    ) in page
     _removed_attempt(directory, 2)
 
     history = pl.read_parquet(directory / "history.parquet")

@@ -305,10 +305,11 @@ def _section_gaps(state: RunState) -> list[str]:
 
 
 def _events_line(state: RunState) -> list[str]:
-    """After a kill: the samples TensorBoard holds whose history rows were lost."""
+    """After a kill: the samples TensorBoard holds whose history rows were lost, and those
+    only the run's id mark knows (`rundir.mark_counts`)."""
     total = state.events_without_rows_total
     if not total:
-        return []
+        return _mark_line(state)
     shown = ranges(list(state.events_without_rows))
     listed = len(state.events_without_rows)
     more = "" if total == listed else f" (the first {listed} of {total})"
@@ -318,6 +319,23 @@ def _events_line(state: RunState) -> list[str]:
         "rows were still in memory when the process died; the counts of root forwards and "
         "samples include them, those read from rows only (samples with output gradients, each "
         "layer's sampled forwards) do not.",
+        "",
+        *_mark_line(state),
+    ]
+
+
+def _mark_line(state: RunState) -> list[str]:
+    """After a kill: the samples begun of which nothing reached the disk, which the counts
+    include from the run's id mark in `.lock`."""
+    if not state.mark_samples or not state.attempts:
+        return []
+    last = state.attempts[-1].first_sample_id + state.attempts[-1].samples - 1
+    return [
+        f"**Begun, nothing on disk:** the run's id mark ({LOCK_FILE}) shows "
+        f"{plural(state.mark_samples, 'sample')} begun (up to sample_id {last}) of which no "
+        "row and no TensorBoard event reached the disk: the process died first. The counts of "
+        "root forwards and samples include them, those read from rows only (samples with "
+        "output gradients, each layer's sampled forwards) do not.",
         "",
     ]
 

@@ -30,16 +30,18 @@ def raised_to_mark(
 ) -> tuple[RunState, RunCounts]:
     """`state`'s last attempt, killed, raised to the run's id mark (`raise_to_mark`), and, for
     counts rebuilt from history (`recovered`), the run's root forwards and samples too: at
-    least the mark's next forward_index, and at least what the attempts say together."""
+    least the mark's next forward_index, and at least what the attempts say together; the
+    samples that adds are the state's `mark_samples` (index.md says them)."""
     mark = read_mark(directory)
     if mark is None:
         return state, counts
     attempts = raise_to_mark(state.attempts, mark)
-    state = dataclasses.replace(state, attempts=attempts)
+    raised = attempts[-1].samples - state.attempts[-1].samples if attempts else 0
+    state = dataclasses.replace(state, attempts=attempts, mark_samples=0)
     if recovered:
+        samples = max(counts.samples, sum(a.samples for a in attempts))
+        state = dataclasses.replace(state, mark_samples=min(raised, samples - counts.samples))
         counts = dataclasses.replace(
-            counts,
-            root_forwards=max(counts.root_forwards, mark[1]),
-            samples=max(counts.samples, sum(a.samples for a in attempts)),
+            counts, root_forwards=max(counts.root_forwards, mark[1]), samples=samples
         )
     return state, counts

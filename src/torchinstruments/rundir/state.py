@@ -119,6 +119,9 @@ class RunState:
         events_without_rows: after a kill, the first forward_index values (at most 20) the
             run's TensorBoard events hold a sample at but history has no row of (rows that
             died in memory); `events_without_rows_total` counts them all.
+        mark_samples: after a kill, the samples the run's id mark (`rundir.id_mark`) counts
+            beyond those its rows and events show: begun, and the process died before anything
+            of them reached the disk (`rundir.mark_counts`); the counts include them.
         dtype_changes: the first layers (at most 20) whose tensors had more than one dtype over
             the run (a model cast mid-run), each with its dtypes' samples
             (`rundir.dtype_spans`, as of the last finish); `dtype_changes_total` counts them.
@@ -155,6 +158,7 @@ class RunState:
     attempts: tuple[AttemptCounts, ...] = ()
     events_without_rows: tuple[int, ...] = ()
     events_without_rows_total: int = 0
+    mark_samples: int = 0
     dtype_changes: tuple[str, ...] = ()
     dtype_changes_total: int = 0
     removal_step: str | None = None

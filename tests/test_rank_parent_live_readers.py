@@ -127,12 +127,16 @@ def test_a_rank_restarted_into_its_directory_rewrites_the_parent_page_as_it_star
 ) -> None:
     """Rank 1 finished, then its job was restarted into the same directory (resume=True): from
     its start, before it finishes, the parent's index.md calls it in progress, never finished
-    as the page its earlier attempt wrote did, and its query per rank agrees."""
+    as the page its earlier attempt wrote did, and how each of its attempts ended."""
     parent, _ = live_parent
     text = (parent / "index.md").read_text(encoding="utf-8")
     assert "**Ranks: 2 rank directories, 1 finished (removed or finalized), world size 2.**" in text
     cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 |")]
-    assert cells == [["| 1", "`rank-001/`", "in progress (its process holds its lock)", "-", "- |"]]
+    state = (
+        "in progress (its process holds its lock); attempts: 2, continued with resume=True "
+        "(removed: attempt 0; in progress: attempt 1)"
+    )
+    assert cells == [["| 1", "`rank-001/`", state, "-", "- |"]]
     assert [line for line in text.splitlines() if line.startswith("| 0 |")] == [
         "| 0 | `rank-000/` | complete | 3 | 3 |"
     ]

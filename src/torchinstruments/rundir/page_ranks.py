@@ -47,6 +47,7 @@ import datetime
 import re
 from pathlib import Path
 
+from torchinstruments.rundir.attempt_ends import attempts_said
 from torchinstruments.rundir.attempt_starts import first_attempt_apart
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
@@ -298,10 +299,14 @@ def _starts_line(at: int, by_attempt: dict[int, list[str]]) -> str:
 def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) -> str:
     """A rank's state as its own index.md's state line gives it, with its marked samples and
     parts left out: a rank with partial samples never reads as plainly complete here. A rank
-    not finished is told by its run lock, as `finalize` tells it (`lock.writer_ended`)."""
+    not finished is told by its run lock, as `finalize` tells it (`lock.writer_ended`). A rank
+    restarted into its directory says how each attempt ended, as `show` does (`attempts_said`):
+    its state alone names only how the earlier ones did."""
+    attempts = attempts_said(state, directory)
+    attempts = f"; attempts: {attempts}" if attempts else ""
     if state.status is Status.IN_PROGRESS:
-        return _open_cell(writer_ended(directory), state.removal_step)
-    cell = state.status.value
+        return _open_cell(writer_ended(directory), state.removal_step) + attempts
+    cell = state.status.value + attempts
     if parts:
         cell += f", {plural(len(parts), 'part')} left out (see below)"
     if state.removed_in_flight:

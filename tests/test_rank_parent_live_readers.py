@@ -6,6 +6,7 @@ run do (`reader.read_with`)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -140,3 +141,34 @@ def test_a_rank_restarted_into_its_directory_rewrites_the_parent_page_as_it_star
     assert [line for line in text.splitlines() if line.startswith("| 0 |")] == [
         "| 0 | `rank-000/` | complete | 3 | 3 |"
     ]
+
+
+def test_a_parent_page_slow_to_render_never_holds_a_restarted_ranks_inject_nor_loses_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page a restarted rank rewrites at its start reads every rank's state, long on a big
+    job: inject waits for it only so long (`PAGE_WAIT_S`) and is never refused for it; the
+    rank's removal waits for that render, then writes the page with its own end."""
+    from torchinstruments.rundir import parent_rewrite
+    from torchinstruments.sinks import directory
+
+    parent = tmp_path / "stats"
+    remove_observer(observe(parent, 0, forwards=1))
+    remove_observer(observe(parent, 1, forwards=1))
+    render, go_on, renders = parent_rewrite.render_parent_index, threading.Event(), []
+
+    def slow(*args: Any) -> str:
+        renders.append(True)
+        go_on.wait(timeout=120)
+        return render(*args)
+
+    monkeypatch.setattr(parent_rewrite, "render_parent_index", slow)
+    monkeypatch.setattr(directory, "PAGE_WAIT_S", 0.01)
+    model = observe(parent, 1, resume=True, forwards=1)  # returns while the render waits
+    assert renders == [True]
+    assert "| 1 | `rank-001/` | complete | 1 | 1 |" in (parent / "index.md").read_text()
+    go_on.set()
+    remove_observer(model)
+    assert len(renders) == 2  # the start's, then the removal's own
+    ended = "complete; attempts: 2, continued with resume=True (removed: attempt 0-1)"
+    assert f"| 1 | `rank-001/` | {ended} | 2 | 2 |" in (parent / "index.md").read_text()

@@ -65,6 +65,9 @@ __all__ = ["DirectorySink"]
 MIN_REMOVAL_WAIT_S = 10.0
 # The temporary-name tag of the flush thread's saves of the state file and index.md.
 SAVE_TAG = "flush"
+# How long inject waits for the parent page a rank's run rewrites at its start
+# (`_parent_page_again`): as long as a training step waits for the run's first rows.
+PAGE_WAIT_S = MIN_REMOVAL_WAIT_S
 
 
 def removal_wait_s(config: HistoryConfig) -> float:
@@ -129,6 +132,7 @@ class DirectorySink:
         self._continuation: Continuation | None = None
         self._previous: RunState | None = None
         self._base: RunState | None = None  # the state written at start; finishes build on it
+        self._page: Finishing[None] | None = None  # a rank's parent page rewritten at its start
 
     def start(self, run: RunInfo) -> None:
         """The Sink call: `open_run` for a new run."""
@@ -213,8 +217,6 @@ class DirectorySink:
         ]
         if fresh:
             writes.insert(1, (RESULT_FILE, lambda: write_catalog(directory, run.layers)))
-        if is_rank_run(directory, state):
-            writes.append((f"the ranks' {INDEX_FILE}", lambda: _parent_page_again(directory)))
         open_within(
             directory,
             self._lock,
@@ -227,6 +229,8 @@ class DirectorySink:
             if self._previous is None
             else functools.partial(_put_back, directory, self._previous),
         )
+        if is_rank_run(directory, state):
+            self._page = _parent_page_again(directory)
         for error in refused:
             self._say_problem(
                 f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
@@ -501,6 +505,7 @@ class DirectorySink:
                 if is_gone(self.directory):  # rm -rf mid-run: nothing to finish, nor finalize
                     warn(gone_warning(self.directory, state))
                 else:
+                    self._page_rendered()
                     self._finish_within(state, written)
         finally:
             self._events = None
@@ -511,6 +516,15 @@ class DirectorySink:
                 reserve.release(self.directory)
                 self._lock.release()
                 forks.untrack(self)
+
+    def _page_rendered(self) -> None:
+        """Wait (a flush interval at most) for the parent page's render this rank began at its
+        start, should it still run: the finish's own ask would find its lock held and count on
+        that thread to render again, which the process's exit may end first."""
+        page, self._page = self._page, None
+        if page is not None and not page.done:
+            with contextlib.suppress(Exception):  # said at its start
+                page.wait(lambda step: removal_wait_s(self._config))
 
     def _finish_within(self, state: RunState, written: bool) -> None:
         """Finish the run from `state` on a thread of its own (`rundir.finishing`), each step
@@ -533,15 +547,31 @@ class DirectorySink:
             forks.untrack(self)
 
 
-def _parent_page_again(directory: Path) -> None:
+def _parent_page_again(directory: Path) -> Finishing[None]:
     """A rank's run opened where its parent already has a page (a job restarted into the
     directory, or a rank that attaches after another finished): the page is rewritten now, or
     until this rank finishes it would tell the job before this one (a rank "complete" that runs
     again). A first job's ranks write none at their start: no page is there to be wrong, and the
-    first rank to finish writes it. The cost: one render of every rank's state per wave of
-    ranks that open (`rundir.parent_rewrite`: no rank waits on another's render)."""
-    if (directory.parent / INDEX_FILE).is_file():
-        rewrite_parent_index(directory.parent)
+    first rank to finish writes it. The render reads every rank's state (`rundir.parent_rewrite`:
+    no rank waits on another's render, one render per wave of asks), which on a job of
+    thousands of ranks of a big model takes long: it runs on a thread of its own, waited for
+    `PAGE_WAIT_S` at most (as the run's first rows are), then left to end by itself, so
+    inject is never refused for it nor holds the training step long; this rank's finish waits
+    for it before its own (`DirectorySink._page_rendered`). Returns the render's thread."""
+
+    def work(step: Callable[[str], None]) -> None:
+        if (directory.parent / INDEX_FILE).is_file():
+            rewrite_parent_index(directory.parent)
+
+    page = Finishing(work, _nothing, f"torchinstruments ranks' page {directory.parent}")
+    try:
+        page.wait(lambda step: PAGE_WAIT_S)
+    except Exception as error:  # a render that raised: this rank's own run is whole without it
+        warn(
+            f"torchinstruments: the index.md of {directory.parent} (all ranks) could not be "
+            f"rewritten ({type(error).__name__}: {error})"
+        )
+    return page
 
 
 def _put_back(directory: Path, state: RunState) -> None:

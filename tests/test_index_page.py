@@ -397,6 +397,7 @@ def test_after_a_crash_a_layer_without_rows_is_not_said_to_have_never_run(tmp_pa
     assert "Never ran in a sampled forward" not in index
     assert "No row on disk (1): `unused`" in index
     # each count as what reached the disk, and the one nobody wrote unknown, never 0
+    assert "called and returned (lower bounds, rebuilt from history), out of at least 1 (" in index
     rows = [line for line in index.splitlines() if line.startswith("| `")]
     assert [row.split(" | ")[-1] for row in rows] == ["at least 1 |"] * 3 + ["unknown |"]
     result = json.loads((directory / "result.json").read_text(encoding="utf-8"))

@@ -193,7 +193,7 @@ def section_layers(
         "## Layers",
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
-        f"of {counts.samples} (a call that raised is not counted; such samples are listed near the top of this page). "
+        f"of {said(counts.samples)} (a call that raised is not counted; such samples are listed near the top of this page). "
         f"{zero}{_fused_paths(run.fused_paths)}",
         "",
     ]

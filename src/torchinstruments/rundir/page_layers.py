@@ -31,7 +31,8 @@ NEVER_RAN_CHARS = 16_000
 PAGE_BYTES = 64 * 1024  # index.md at most, for any catalog
 WHERE_EVERY_LAYER = (
     f"every layer by name: `{STATE_FILE}` (`run.layers`, and `counts.layer_samples`, where a "
-    f"layer that never ran is 0 or absent) and {RESULT_FILE} (`sampled_forwards`)"
+    f"layer that never ran is 0 or absent, but after a kill absent is unknown) and "
+    f"{RESULT_FILE} (`sampled_forwards`, null where unknown)"
 )
 
 _FUSED_SHOWN = 8  # encoder layers named; the rest counted (index.md stays bounded)

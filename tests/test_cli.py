@@ -138,9 +138,19 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 def cli_json(*args: str | Path) -> dict[str, Any]:
+    """The `--format json` payload, checked compact: `{"run":...,"rows":[`, then each row
+    alone on its line with no indentation, then `]}` (what `jq` and line tools read)."""
     result = cli(*args, "--format", "json")
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    payload = json.loads(result.stdout)
+    lines = result.stdout.rstrip("\n").split("\n")
+    compact = {"separators": (",", ":"), "ensure_ascii": False}
+    assert lines[0] == '{"run":' + json.dumps(payload["run"], **compact) + ',"rows":['
+    assert lines[1:-1] == [json.dumps(row, **compact) + "," for row in payload["rows"][:-1]] + [
+        json.dumps(row, **compact) for row in payload["rows"][-1:]
+    ]
+    assert lines[-1] == "]}"
+    return payload
 
 
 def expected_summary(files: list[Path], window: int) -> dict[tuple, dict[str, Any]]:

@@ -350,3 +350,38 @@ def test_a_sample_differs_and_matches_by_what_both_rows_hold(
     )
     assert found["first_difference"].to_list() == [first]
     assert found["matched_samples"].to_list() == [matched + 1]
+
+
+def test_compare_by_forward_index_gives_each_run_the_summary_show_gives(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Matched on forward_index, each run's means and module types are `show`'s, whether its
+    forward_index goes up with its sample_id (read with the differences) or not (a hand-edited
+    history whose forward_index runs backwards, and whose `head` is of another type in its
+    latest sample: read by sample, its latest is that sample's, not its last forward's)."""
+    history = pl.read_parquet(runs["cut"] / "history.parquet")
+    backwards = tmp_path / "backwards"
+    backwards.mkdir()
+    renamed = (pl.col("layer") == "head") & (pl.col("sample_id") == STEPS - 1)
+    history.with_columns(
+        forward_index=STEPS - 1 - pl.col("forward_index"),
+        module_type=pl.when(renamed).then(pl.lit("Renamed")).otherwise("module_type"),
+    ).write_parquet(backwards / "history.parquet")
+    key = ("layer", "call_index", "signal", "tensor_path", "mode", "metric")
+
+    def shown(run: Path, column: str) -> dict[tuple[Any, ...], Any]:
+        code, out = cli("show", run, "--format", "json")
+        assert code == 0
+        return {tuple(r[k] for k in key): r[column] for r in json.loads(out)["rows"]}
+
+    for a in (runs["baseline"], backwards):
+        code, out = cli("compare", a, runs["cut"], "--x", "forward_index", "--format", "json")
+        assert code == 0
+        rows = json.loads(out)["rows"]
+        assert {tuple(r[k] for k in key): r["mean_a"] for r in rows} == shown(a, "window_mean")
+        assert {tuple(r[k] for k in key): r["mean_b"] for r in rows} == shown(
+            runs["cut"], "window_mean"
+        )
+        types = {tuple(r[k] for k in key): r["module_type"] for r in rows}
+        assert types == shown(a, "module_type")
+    assert set(types.values()) > {"Renamed", "Linear"}

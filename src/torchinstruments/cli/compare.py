@@ -30,10 +30,11 @@ Design decisions:
   each with a value, or each a null for the same reason. A live run's latest sample is open
   (`matching.open_sample`): a gradient row it lacks there is no difference, and is said.
 - Rank directories (`stats/rank-000`, `stats/rank-001`) are two runs like any others.
-- Matched on sample_id, both runs' summaries (the means, as `show` reads them) come from the
-  differences' read of each range (`cli.differences`), so each run is read once, plus its
-  windows' latest samples; matched on forward_index, the summaries are read by sample as
-  `show` reads them, and the differences by forward_index.
+- Both runs' summaries (the means, as `show` reads them) come from the differences' read of
+  each range (`cli.differences`), so each run is read once, plus its windows' latest samples;
+  matched on forward_index, that holds where each run's forward_index goes up with its
+  sample_id (every run the library writes); where one's does not (a hand-edited or
+  concatenated history), the summaries are read by sample as `show` reads them.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import polars as pl
 
 from torchinstruments.cli import module_types
 from torchinstruments.cli.attempts_apart import attempts_apart
-from torchinstruments.cli.chunked import with_windows
+from torchinstruments.cli.chunked import summarize_series, with_windows
 from torchinstruments.cli.differences import Differences, differences, first_differences
 from torchinstruments.cli.matching import matched_legend, open_line, pending
 from torchinstruments.cli.reader import (
@@ -69,7 +70,6 @@ from torchinstruments.cli.selection import (
     sampled_differently,
     sampling,
     summarized,
-    summary,
 )
 from torchinstruments.cli.text import (
     TEXT_SERIES,
@@ -147,31 +147,14 @@ def compare(
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
-    if x == "sample_id":
-        facts_a, facts_b = read_facts(directory_a), read_facts(directory_b)
-        window = window_of(facts_a, selection.window)
-        selection = Selection(selection.layers, selection.signals, selection.metrics, window)
-        summary_a, summary_b, found = read_each_with(
-            [directory_a, directory_b],
-            lambda files: _read_together(files, selection, tolerance, (facts_a, facts_b)),
-        )
-        summary_a, summary_b = summarized(facts_a, summary_a), summarized(facts_b, summary_b)
-    else:
-        facts_a, summary_a = summary(directory_a, selection)
-        window = window_of(facts_a, selection.window)
-        selection = Selection(selection.layers, selection.signals, selection.metrics, window)
-        facts_b, summary_b = summary(directory_b, selection)
-        found = read_each_with(
-            [directory_a, directory_b],
-            lambda files: differences(
-                scan_files(files[0], write_order=False),
-                scan_files(files[1], write_order=False),
-                selection,
-                x,
-                tolerance,
-                (facts_a, facts_b),
-            ),
-        )
+    facts_a, facts_b = read_facts(directory_a), read_facts(directory_b)
+    window = window_of(facts_a, selection.window)
+    selection = Selection(selection.layers, selection.signals, selection.metrics, window)
+    summary_a, summary_b, found = read_each_with(
+        [directory_a, directory_b],
+        lambda files: _read_together(files, selection, tolerance, (facts_a, facts_b), x),
+    )
+    summary_a, summary_b = summarized(facts_a, summary_a), summarized(facts_b, summary_b)
 
     def side(frame: pl.DataFrame, tag: str) -> pl.DataFrame:
         return frame.select(
@@ -218,15 +201,23 @@ def compare(
 
 
 def _read_together(
-    files: list[RunFiles], selection: Selection, tolerance: float, facts: tuple[RunFacts, RunFacts]
+    files: list[RunFiles],
+    selection: Selection,
+    tolerance: float,
+    facts: tuple[RunFacts, RunFacts],
+    x: str,
 ) -> tuple[pl.DataFrame, pl.DataFrame, Differences]:
-    """Both runs' `chunked.summarize_series` frames and their `differences` on sample_id, from
-    one read of each range of samples (the summaries' latest rows come with the differences;
-    only the windows' latest samples are read again, by `chunked.with_windows`)."""
+    """Both runs' `chunked.summarize_series` frames and their `differences` on `x`, from one
+    read of each range (the summaries' latest rows come with the differences; only the
+    windows' latest samples are read again, by `chunked.with_windows`), or, where a range of x
+    is not a range of samples (`Differences.in_order`), the summaries read by sample."""
     lf_a, lf_b = (scan_files(f, write_order=False) for f in files)
-    found = differences(lf_a, lf_b, selection, "sample_id", tolerance, facts)
+    found = differences(lf_a, lf_b, selection, x, tolerance, facts)
     window = selection.window
     assert window is not None  # set by `compare` from run A's
+    if not found.in_order:
+        summary_a, summary_b = (summarize_series(lf, selection.rows, window) for lf in (lf_a, lf_b))
+        return summary_a, summary_b, found
     summary_a, summary_b = (
         with_windows(lf, selection.rows, window, latest, rows)
         for lf, latest, rows in zip((lf_a, lf_b), found.latest, found.sample_rows, strict=True)

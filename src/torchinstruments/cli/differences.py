@@ -6,10 +6,14 @@ Design decision: both runs are read together in ranges of `x` of about `chunked.
 rows of both (history is ordered by sample, so each range reads only the Parquet row groups
 that hold it), names compared as integer codes (Categorical), and each range's per-series
 result folded into one as it comes: memory is one range and one row per series, whatever the
-runs' length. Matched on sample_id, the same read of a range also gives each run's summary its
-latest rows and rows per sample (`chunked.with_windows` adds the windows): each range is read
-once, not once for the summaries and again for the differences. What differs and what a
-matched sample is: `cli.compare`'s docstring and `cli.matching`.
+runs' length. The same read of a range also gives each run's summary its latest rows and rows
+per sample (`chunked.with_windows` adds the windows): each range is read once, not once for the
+summaries and again for the differences. Matched on forward_index, that holds where each run's
+forward_index goes up with its sample_id, one root forward per sample (every run the library
+writes, resumed ones too: both continue): a range of forward_index is then a range of whole
+samples in sample order. Where a run's does not (a hand-edited or concatenated history), its
+summary is read by sample, as `show` reads it (`Differences.latest` is None). What differs and
+what a matched sample is: `cli.compare`'s docstring and `cli.matching`.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ _LATEST = ("module_type", "latest_value", "latest_reason", "latest_sample_id")
 _LATEST_READ = (*_LATEST, "observations")
 
 
-def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
+def _matched_values(rows: pl.LazyFrame, x: str, latest: bool = False) -> pl.DataFrame:
     """Series key (its names as Categorical), module_type, x, occurrence number within (series, x) in write
-    order, value and unavailable_reason, of one range of samples (whole samples, read in write order).
+    order, value and unavailable_reason, of one range of samples (whole samples, read in write order);
+    with `latest` and x forward_index, sample_id too (the summary's latest row and rows per sample).
 
     Most series have one row per sample: only the rows whose (series, x) repeats are numbered
     by group, the others are occurrence 0, so a range costs a duplicate test, not a group per
@@ -47,6 +52,7 @@ def _matched_values(rows: pl.LazyFrame, x: str) -> pl.DataFrame:
             *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
             pl.col("module_type").cast(pl.Categorical),  # for the summary's latest row
             x,
+            *(["sample_id"] if latest and x != "sample_id" else []),
             "value",
             pl.col("unavailable_reason").cast(pl.Categorical),
         )
@@ -193,7 +199,9 @@ class Differences:
         diffs: per series, `first_differences` (names as strings).
         extents: A's and B's `_extent` (samples_a, first_a, last_a; and b's).
         opens: A's and B's open sample (`matching.open_sample`).
-        latest: with x sample_id, per run its series' latest row and observations (the columns
+        in_order: whether a range of x was a range of samples in both runs (`_in_sample_order`),
+            so that `latest` and `sample_rows` were read with the differences.
+        latest: with `in_order`, per run its series' latest row and observations (the columns
             of `chunked.summarize_series` before its windows; None where the run has no
             selected row), and `sample_rows`: its selected rows per sample_id, for
             `chunked.with_windows`; else (None, None) each.
@@ -202,6 +210,7 @@ class Differences:
     diffs: pl.DataFrame
     extents: tuple[pl.DataFrame, pl.DataFrame]
     opens: tuple[int | None, int | None]
+    in_order: bool = True
     latest: tuple[pl.DataFrame | None, pl.DataFrame | None] = (None, None)
     sample_rows: tuple[pl.DataFrame | None, pl.DataFrame | None] = (None, None)
 
@@ -213,6 +222,30 @@ def _latest_of(extent: pl.DataFrame) -> pl.DataFrame | None:
     return _named(extent.select(*SERIES_KEY, *_LATEST, "observations"))
 
 
+def _x_counts(lf: pl.LazyFrame, x: str) -> pl.DataFrame:
+    """`chunked.x_counts`, with x forward_index also each x's least and greatest sample_id
+    (`_lo`, `_hi`), for `_in_sample_order`: the same one read of the run's x."""
+    if x == "sample_id":
+        return x_counts(lf, x)
+    bounds = (pl.col("sample_id").min().alias("_lo"), pl.col("sample_id").max().alias("_hi"))
+    return lf.group_by(x).agg(pl.len().alias("rows"), *bounds).sort(x).collect()
+
+
+def _in_sample_order(counts: pl.DataFrame, x: str) -> bool:
+    """Whether ranges of the run's `x` are ranges of whole samples in sample order: x is
+    sample_id, or each forward_index is one sample and sample_id goes up with it."""
+    if x == "sample_id" or counts.is_empty():
+        return True
+    lo = counts.get_column("_lo")
+    return (
+        counts.get_column(x).null_count() == 0
+        and lo.null_count() == 0
+        and lo.equals(counts.get_column("_hi"))
+        and lo.is_sorted()
+        and lo.n_unique() == lo.len()
+    )
+
+
 def differences(
     lf_a: pl.LazyFrame,
     lf_b: pl.LazyFrame,
@@ -222,30 +255,32 @@ def differences(
     facts: tuple[RunFacts, RunFacts],
 ) -> Differences:
     """Per series: `first_differences`, and each run's `_extent`, read in ranges of x of about
-    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`); each run's open sample; and, with
-    x sample_id, each run's latest rows for its summary: one read of each range serves both."""
-    latest = x == "sample_id"
-    counts = (x_counts(lf_a, x), x_counts(lf_b, x))  # also each run's own samples
+    `chunked.CHUNK_ROWS` rows of both runs (`cli.chunked`); each run's open sample; and, where
+    a range of x is a range of samples in both runs (`_in_sample_order`), each run's latest rows
+    for its summary: one read of each range serves both."""
+    counts = (_x_counts(lf_a, x), _x_counts(lf_b, x))  # also each run's own samples
+    latest = all(_in_sample_order(c, x) for c in counts)
     samples = (counts[0].select(x), counts[1].select(x))
     opens = (open_sample(facts[0], counts[0], x), open_sample(facts[1], counts[1], x))
     diffs = extent_a = extent_b = None
     rows_a: list[pl.DataFrame] = []
     rows_b: list[pl.DataFrame] = []
     for bounds in x_ranges(counts, x):
-        a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x)
-        b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x)
+        a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x, latest)
+        b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x, latest)
         diffs = _fold_differences(diffs, first_differences(a, b, x, tolerance, samples, opens))
         extent_a = _fold_extent(extent_a, _extent(a, x, "a", latest), "a")
         extent_b = _fold_extent(extent_b, _extent(b, x, "b", latest), "b")
-        if latest:
-            rows_a.append(a.group_by(x).agg(rows=pl.len()))
-            rows_b.append(b.group_by(x).agg(rows=pl.len()))
+        if latest:  # a sample lies in one range: its rows are counted once
+            rows_a.append(a.group_by("sample_id").agg(rows=pl.len()))
+            rows_b.append(b.group_by("sample_id").agg(rows=pl.len()))
         del a, b  # before the next range is read
     if diffs is None or extent_a is None or extent_b is None:
-        empty = _matched_values(selection.rows(lf_a.clear()), x)
+        empty = _matched_values(selection.rows(lf_a.clear()), x, latest)
         diffs = first_differences(empty, empty, x, tolerance, samples)
         extent_a, extent_b = _extent(empty, x, "a"), _extent(empty, x, "b")
     kept = (_latest_of(extent_a), _latest_of(extent_b))
     found = (pl.concat(rows_a) if rows_a else None, pl.concat(rows_b) if rows_b else None)
     extents = (extent_a.drop(_LATEST_READ, strict=False), extent_b.drop(_LATEST_READ, strict=False))
-    return Differences(_named(diffs), (_named(extents[0]), _named(extents[1])), opens, kept, found)
+    named = (_named(extents[0]), _named(extents[1]))
+    return Differences(_named(diffs), named, opens, latest, kept, found)

@@ -169,6 +169,7 @@ def with_windows(
             samples=sample_rows,  # `windows.sample_rows` of the chosen rows, read before
             series=latest.select(SERIES_KEY),
             chunk_rows=chunk_rows,
+            previous=False,  # the commands show the recent window alone
         )
         .filter(pl.col("which") == 0)
         .select(

@@ -25,7 +25,10 @@ memory stays near one range plus `series x 2 * window` rows whatever the history
    samples kept, and a series set aside once it has that many (older ranges cannot change it),
    until none is left or the start is reached.
 
-The same reads serve history.parquet at removal and a live run's parts in the command line.
+The same reads serve history.parquet at removal and a live run's parts in the command line,
+which shows the `recent` window only (`previous=False`): a series' recent window is its latest
+`window` samples whether `window` or `2 * window` are looked for, so read 1 reads the run's
+latest `window` samples and read 2 keeps `window` per series, half of each.
 Means are summed exactly on the host (`math.fsum`), so they do not depend on the order the
 engine hands the values over in.
 """
@@ -171,7 +174,8 @@ def _in_every_latest(
     lf: pl.LazyFrame, latest: pl.DataFrame, window: int, chunk_rows: int
 ) -> pl.DataFrame:
     """Read 1: `_aggregate` of the series observed in each of the `latest` samples (the run's
-    latest `2 * window`, newest first), ranked by the run's sample order."""
+    latest `2 * window`, or `window` for the recent window alone, newest first), ranked by the
+    run's sample order."""
     ranks = latest.with_columns(rank=pl.int_range(1, pl.len() + 1, dtype=pl.UInt32))
     pieces = []
     for part in _ranges(ranks, chunk_rows):
@@ -198,11 +202,16 @@ def _latest_samples(rows: pl.DataFrame, depth: int) -> pl.DataFrame:
 
 
 def _each_its_own(
-    lf: pl.LazyFrame, samples: pl.DataFrame, pending: pl.DataFrame, window: int, chunk_rows: int
+    lf: pl.LazyFrame,
+    samples: pl.DataFrame,
+    pending: pl.DataFrame,
+    window: int,
+    chunk_rows: int,
+    depth: int,
 ) -> pl.DataFrame:
     """Read 2: `_aggregate` of the `pending` series, each ranked by its own samples, read back
-    from the newest of `samples` until each has `2 * window` or the start is reached."""
-    depth = 2 * window
+    from the newest of `samples` until each has `depth` (`2 * window`, or `window` for the
+    recent window alone) or the start is reached."""
     done: list[pl.DataFrame] = []
     kept: pl.DataFrame | None = None
     for part in _ranges(samples, chunk_rows):
@@ -239,6 +248,7 @@ def window_summaries(
     samples: pl.DataFrame | None = None,
     series: pl.DataFrame | None = None,
     chunk_rows: int = WINDOW_CHUNK_ROWS,
+    previous: bool = True,
 ) -> pl.DataFrame:
     """Per series, its `recent` (`which` 0) and `previous` (`which` 1) windows: the one
     implementation behind result.json and every command of the command line.
@@ -256,6 +266,8 @@ def window_summaries(
         samples: `sample_rows(lf)`, when the caller has it already (None: read here).
         series: the series key of every series of `lf`, when the caller has it (None: read here).
         chunk_rows: about how many rows are read at a time.
+        previous: whether the `previous` windows are wanted (False: `recent` rows only, read
+            from half the samples; the command line's).
     """
     check_window(window)
     rows = _series_rows(lf)
@@ -267,12 +279,13 @@ def window_summaries(
         pl.col(c).cast(pl.Categorical) if c in _STRINGS else c for c in SERIES_KEY
     )
     newest = samples.select("sample_id", "rows").sort("sample_id", descending=True)
-    found = [_in_every_latest(rows, newest.head(2 * window), window, chunk_rows)]
+    depth = 2 * window if previous else window  # samples looked for per series
+    found = [_in_every_latest(rows, newest.head(depth), window, chunk_rows)]
     pending = series
     if found[0].height:
         pending = series.join(found[0], on=SERIES_KEY, how="anti", nulls_equal=True)
     if pending.height:
-        found.append(_each_its_own(rows, newest, pending, window, chunk_rows))
+        found.append(_each_its_own(rows, newest, pending, window, chunk_rows, depth))
     found = [f for f in found if f.height]
     if not found:
         schema = {name: HISTORY_SCHEMA[name] for name in SERIES_KEY}

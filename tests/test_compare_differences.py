@@ -22,7 +22,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.__main__ import main
-from torchinstruments.cli import compare
+from torchinstruments.cli import compare, differences
 
 STEPS = 8
 CUT_FROM = 3  # from this step on, the branch of the cut run is detached
@@ -306,6 +306,7 @@ def occurrences_of(values: list[tuple[float | None, str | None]]) -> pl.DataFram
             "tensor_path": [""] * len(values),
             "mode": ["train"] * len(values),
             "metric": ["mean"] * len(values),
+            "module_type": ["Linear"] * len(values),
             "sample_id": list(range(len(values))),
             "value": [v for v, _ in values],
             "unavailable_reason": [r for _, r in values],
@@ -345,11 +346,13 @@ def test_a_sample_differs_and_matches_by_what_both_rows_hold(
     matched: int,
 ) -> None:
     # sample 1 is equal in both runs: only sample 0 can differ
-    found = compare.first_differences(
-        occurrences_of([a, (2.0, None)]), occurrences_of([b, (2.0, None)]), "sample_id", 0.0
-    )
-    assert found["first_difference"].to_list() == [first]
-    assert found["matched_samples"].to_list() == [matched + 1]
+    rows = occurrences_of([a, (2.0, None)]), occurrences_of([b, (2.0, None)])
+    joined = compare.first_differences(*rows, "sample_id", 0.0)
+    # the same rows in the same order, as runs of one model hold them: read side by side
+    side_by_side, _, _ = differences._side_by_side(*rows, "sample_id", 0.0, latest=False)
+    for found in (joined, side_by_side):
+        assert found["first_difference"].to_list() == [first]
+        assert found["matched_samples"].to_list() == [matched + 1]
 
 
 def test_compare_by_forward_index_gives_each_run_the_summary_show_gives(

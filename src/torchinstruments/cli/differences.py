@@ -33,6 +33,14 @@ __all__ = ["Differences", "differences", "first_differences"]
 # compared: grouping and joining millions of rows by codes, not strings, is most of the speed.
 _TEXT_KEYS = tuple(k for k in SERIES_KEY if k != "call_index")
 
+# `first_differences`' columns after the series key.
+_AT_FIRST = (
+    "matched_samples",
+    "first_difference",
+    "value_a_at_first_difference",
+    "value_b_at_first_difference",
+)
+
 # `chunked.summarize_series`' latest row of a series, as `_extent` reads it with the differences.
 _LATEST = ("module_type", "latest_value", "latest_reason", "latest_sample_id")
 _LATEST_READ = (*_LATEST, "observations")
@@ -162,6 +170,71 @@ def _extent(values: pl.DataFrame, x: str, tag: str, latest: bool = False) -> pl.
     return values.group_by(SERIES_KEY).agg(aggs)
 
 
+def _alike(a: pl.DataFrame, b: pl.DataFrame, x: str) -> bool:
+    """Whether A's and B's rows of a range are the same series at the same x in the same order
+    (runs of one model and sampler, range after range): row i of A is then the row of B that
+    `first_differences`' join pairs it with, and every row's x is a sample both runs have."""
+    keys = [*SERIES_KEY, x, "_occurrence"]
+    return a.height == b.height and a.select(keys).equals(b.select(keys))
+
+
+def _side_by_side(
+    a: pl.DataFrame, b: pl.DataFrame, x: str, tolerance: float, latest: bool
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """`first_differences` and A's and B's `_extent` of a range whose rows are `_alike`, from
+    one grouping of the rows side by side: no join, and no row is missing in either run (so
+    no open sample's row either); the same frames, row for row, as the general path's."""
+    own_b = "sample_id" if x == "sample_id" else "sample_id_b"
+    right = b.select(
+        value_b="value",
+        _agree_b=agreement(),
+        module_type_b="module_type",
+        unavailable_reason_b="unavailable_reason",
+        **({own_b: "sample_id"} if latest and x != "sample_id" else {}),
+    )
+    rows = pl.concat([a.with_columns(_agree=agreement()), right], how="horizontal")
+    agree = pl.col("_agree") == pl.col("_agree_b")
+    beyond = (pl.col("value") != pl.col("value_b")) & (
+        (pl.col("value_b") - pl.col("value")).abs() > tolerance
+    )
+    differ = ~agree | beyond  # as `first_differences`' (a row missing in one run: none here)
+    aggs = [
+        pl.col(x).filter(agree).n_unique().alias("matched_samples"),
+        pl.col(x).filter(differ).first().alias("first_difference"),  # rows are in x order
+        pl.col("value").filter(differ).first().alias("value_a_at_first_difference"),
+        pl.col("value_b").filter(differ).first().alias("value_b_at_first_difference"),
+        pl.col(x).n_unique().alias("_samples"),
+        pl.col(x).min().alias("_first"),
+        pl.col(x).max().alias("_last"),
+    ]
+    latest_of = {}
+    for tag, suffix, sample in (("a", "", "sample_id"), ("b", "_b", own_b)):
+        latest_of[tag] = [
+            pl.col(f"module_type{suffix}").last().alias(f"module_type_{tag}"),
+            pl.col(f"value{suffix}").last().alias(f"latest_value_{tag}"),
+            pl.col(f"unavailable_reason{suffix}").last().alias(f"latest_reason_{tag}"),
+            pl.col(sample).last().alias(f"latest_sample_id_{tag}"),
+        ]
+    if latest:
+        aggs += [*latest_of["a"], *latest_of["b"], pl.len().alias("observations")]
+    grouped = rows.group_by(SERIES_KEY).agg(aggs)
+    diffs = grouped.select(*SERIES_KEY, *_AT_FIRST)
+    extents = []
+    for tag in ("a", "b"):
+        columns = [
+            pl.col("_samples").alias(f"samples_{tag}"),
+            pl.col("_first").alias(f"first_{tag}"),
+            pl.col("_last").alias(f"last_{tag}"),
+        ]
+        if latest:
+            columns += [
+                pl.col(f"{name}_{tag}").alias(name) for name in ("module_type", *_LATEST[1:])
+            ]
+            columns.append(pl.col("observations"))
+        extents.append(grouped.select(*SERIES_KEY, *columns))
+    return diffs, extents[0], extents[1]
+
+
 def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
     """`first_differences` of two ranges of x that share no sample, as one: matched samples
     add up, the first difference (and the values there) is the earlier range's."""
@@ -268,9 +341,14 @@ def differences(
     for bounds in x_ranges(counts, x):
         a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x, latest)
         b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x, latest)
-        diffs = _fold_differences(diffs, first_differences(a, b, x, tolerance, samples, opens))
-        extent_a = _fold_extent(extent_a, _extent(a, x, "a", latest), "a")
-        extent_b = _fold_extent(extent_b, _extent(b, x, "b", latest), "b")
+        if _alike(a, b, x):
+            found_ab, found_a, found_b = _side_by_side(a, b, x, tolerance, latest)
+        else:
+            found_ab = first_differences(a, b, x, tolerance, samples, opens)
+            found_a, found_b = _extent(a, x, "a", latest), _extent(b, x, "b", latest)
+        diffs = _fold_differences(diffs, found_ab)
+        extent_a = _fold_extent(extent_a, found_a, "a")
+        extent_b = _fold_extent(extent_b, found_b, "b")
         if latest:  # a sample lies in one range: its rows are counted once
             rows_a.append(a.group_by("sample_id").agg(rows=pl.len()))
             rows_b.append(b.group_by("sample_id").agg(rows=pl.len()))

@@ -133,11 +133,14 @@ def test_compare_read_in_ranges_is_the_comparison_read_whole(
     runs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ranges of one sample and one range of the whole history give the same table: matched
-    samples add up, the first difference is the earliest range's."""
+    samples add up, the first difference is the earliest range's (on forward_index too)."""
     whole = compare.compare(*runs, Selection(), tolerance=1e-3).frame
+    by_forward = compare.compare(*runs, Selection(), tolerance=1e-3, x="forward_index").frame
     monkeypatch.setattr(chunked, "CHUNK_ROWS", 1)
     ranged = compare.compare(*runs, Selection(), tolerance=1e-3).frame
     assert ranged.equals(whole)
+    ranged = compare.compare(*runs, Selection(), tolerance=1e-3, x="forward_index").frame
+    assert ranged.equals(by_forward)
     side = whole.filter(pl.col("layer") == "side")
     assert set(side["matched_samples"].to_list()) == {STOP_AFTER}
     assert whole.filter(pl.col("first_difference").is_not_null()).height > 0

@@ -143,9 +143,9 @@ def first_differences(
     )
     return (
         joined.select(SERIES_KEY)
-        .unique()
-        .join(matched, on=SERIES_KEY, how="left", nulls_equal=True)
-        .join(first, on=SERIES_KEY, how="left", nulls_equal=True)
+        .unique(maintain_order=True)  # (`_aligned`)
+        .join(matched, on=SERIES_KEY, how="left", nulls_equal=True, maintain_order="left")
+        .join(first, on=SERIES_KEY, how="left", nulls_equal=True, maintain_order="left")
         .with_columns(pl.col("matched_samples").fill_null(0))
     )
 
@@ -167,7 +167,7 @@ def _extent(values: pl.DataFrame, x: str, tag: str, latest: bool = False) -> pl.
             pl.col("sample_id").last().alias("latest_sample_id"),
             pl.len().alias("observations"),
         ]
-    return values.group_by(SERIES_KEY).agg(aggs)
+    return values.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`_aligned`)
 
 
 def _alike(a: pl.DataFrame, b: pl.DataFrame, x: str) -> bool:
@@ -217,7 +217,7 @@ def _side_by_side(
         ]
     if latest:
         aggs += [*latest_of["a"], *latest_of["b"], pl.len().alias("observations")]
-    grouped = rows.group_by(SERIES_KEY).agg(aggs)
+    grouped = rows.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`_aligned`)
     diffs = grouped.select(*SERIES_KEY, *_AT_FIRST)
     extents = []
     for tag in ("a", "b"):
@@ -235,12 +235,32 @@ def _side_by_side(
     return diffs, extents[0], extents[1]
 
 
+def _aligned(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame | None:
+    """`earlier` and `later` side by side (later's columns suffixed `_later`) where both hold
+    the same series in the same order (consecutive ranges of runs of one model, each grouped
+    in order of first appearance): a fold is then row by row, with no grouping; else None."""
+    if earlier.height != later.height:
+        return None
+    if not earlier.select(SERIES_KEY).equals(later.select(SERIES_KEY)):
+        return None
+    others = later.drop(SERIES_KEY).rename(lambda name: f"{name}_later")
+    return pl.concat([earlier, others], how="horizontal")
+
+
 def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
     """`first_differences` of two ranges of x that share no sample, as one: matched samples
     add up, the first difference (and the values there) is the earlier range's."""
     if earlier is None:
         return later
-    at = ("first_difference", "value_a_at_first_difference", "value_b_at_first_difference")
+    at = _AT_FIRST[1:]
+    both = _aligned(earlier, later)
+    if both is not None:
+        found = pl.col("first_difference").is_not_null()  # the earlier range's
+        return both.select(
+            *SERIES_KEY,
+            pl.col("matched_samples") + pl.col("matched_samples_later"),
+            *(pl.when(found).then(pl.col(c)).otherwise(pl.col(f"{c}_later")).alias(c) for c in at),
+        )
     return (
         pl.concat([earlier, later], how="vertical_relaxed")
         .sort("first_difference", nulls_last=True, maintain_order=True)
@@ -254,14 +274,25 @@ def _fold_extent(earlier: pl.DataFrame | None, later: pl.DataFrame, tag: str) ->
     range's)."""
     if earlier is None:
         return later
-    aggs = [
-        pl.col(f"samples_{tag}").sum(),
-        pl.col(f"first_{tag}").min(),
-        pl.col(f"last_{tag}").max(),
-    ]
-    if "observations" in later.columns:
+    samples, first, last = f"samples_{tag}", f"first_{tag}", f"last_{tag}"
+    latest = "observations" in later.columns
+    both = _aligned(earlier, later)
+    if both is not None:
+        columns = [
+            pl.col(samples) + pl.col(f"{samples}_later"),
+            pl.min_horizontal(first, f"{first}_later").alias(first),
+            pl.max_horizontal(last, f"{last}_later").alias(last),
+        ]
+        if latest:
+            columns += [pl.col(f"{c}_later").alias(c) for c in _LATEST]
+            columns.append(pl.col("observations") + pl.col("observations_later"))
+        return both.select(*SERIES_KEY, *columns)
+    aggs = [pl.col(samples).sum(), pl.col(first).min(), pl.col(last).max()]
+    if latest:
         aggs += [pl.col(*_LATEST).last(), pl.col("observations").sum()]
-    return pl.concat([earlier, later], how="vertical_relaxed").group_by(SERIES_KEY).agg(aggs)
+    # In order of first appearance, so that the next range's fold can be row by row.
+    both = pl.concat([earlier, later], how="vertical_relaxed")
+    return both.group_by(SERIES_KEY, maintain_order=True).agg(aggs)
 
 
 @dataclass(frozen=True)

@@ -46,34 +46,47 @@ _LATEST = ("module_type", "latest_value", "latest_reason", "latest_sample_id")
 _LATEST_READ = (*_LATEST, "observations")
 
 
-def _matched_values(rows: pl.LazyFrame, x: str, latest: bool = False) -> pl.DataFrame:
-    """Series key (its names as Categorical), module_type, x, occurrence number within (series, x) in write
-    order, value and unavailable_reason, of one range of samples (whole samples, read in write order);
-    with `latest` and x forward_index, sample_id too (the summary's latest row and rows per sample).
+def _range_rows(rows: pl.LazyFrame, x: str, latest: bool = False) -> pl.DataFrame:
+    """Series key (its names as Categorical), module_type, x, value and unavailable_reason of
+    one range of samples (whole samples), in x then write order; with `latest` and x
+    forward_index, sample_id too (the summary's latest row and rows per sample)."""
+    frame = rows.select(
+        *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
+        pl.col("module_type").cast(pl.Categorical),  # for the summary's latest row
+        x,
+        *(["sample_id"] if latest and x != "sample_id" else []),
+        "value",
+        pl.col("unavailable_reason").cast(pl.Categorical),
+    ).collect()
+    order = frame.get_column(x)
+    if order.null_count() or not order.is_sorted():  # a range of a run is: nothing to copy
+        frame = frame.sort(x, maintain_order=True)
+    return frame
+
+
+def _numbered(frame: pl.DataFrame, x: str) -> pl.DataFrame:
+    """`frame` (`_range_rows`) with each row's occurrence number within (series, x) in write
+    order (`_occurrence`), which `first_differences` joins on.
 
     Most series have one row per sample: only the rows whose (series, x) repeats are numbered
     by group, the others are occurrence 0, so a range costs a duplicate test, not a group per
     series and sample.
     """
-    frame = (
-        rows.select(
-            *(pl.col(k).cast(pl.Categorical) if k in _TEXT_KEYS else pl.col(k) for k in SERIES_KEY),
-            pl.col("module_type").cast(pl.Categorical),  # for the summary's latest row
-            x,
-            *(["sample_id"] if latest and x != "sample_id" else []),
-            "value",
-            pl.col("unavailable_reason").cast(pl.Categorical),
-        )
-        .collect()
-        .sort(x, maintain_order=True)
-        .with_row_index("_write")
-        .with_columns(_twice=pl.struct(*SERIES_KEY, x).is_duplicated())
+    frame = frame.with_row_index("_write").with_columns(
+        _twice=pl.struct(*SERIES_KEY, x).is_duplicated()
     )
     once = frame.filter(~pl.col("_twice")).with_columns(_occurrence=pl.lit(0, pl.Int64))
     twice = frame.filter("_twice").with_columns(
         _occurrence=pl.int_range(pl.len(), dtype=pl.Int64).over(*SERIES_KEY, x)
     )
+    if twice.is_empty():
+        return once.drop("_write", "_twice")
     return pl.concat([once, twice]).sort("_write").drop("_write", "_twice")
+
+
+def _matched_values(rows: pl.LazyFrame, x: str, latest: bool = False) -> pl.DataFrame:
+    """`_range_rows` of one range, `_numbered`."""
+    return _numbered(_range_rows(rows, x, latest), x)
 
 
 def _named(frame: pl.DataFrame) -> pl.DataFrame:
@@ -171,10 +184,11 @@ def _extent(values: pl.DataFrame, x: str, tag: str, latest: bool = False) -> pl.
 
 
 def _alike(a: pl.DataFrame, b: pl.DataFrame, x: str) -> bool:
-    """Whether A's and B's rows of a range are the same series at the same x in the same order
-    (runs of one model and sampler, range after range): row i of A is then the row of B that
-    `first_differences`' join pairs it with, and every row's x is a sample both runs have."""
-    keys = [*SERIES_KEY, x, "_occurrence"]
+    """Whether A's and B's rows of a range (`_range_rows`) are the same series at the same x
+    in the same order (runs of one model and sampler, range after range): row i of A is then
+    the row of B that `first_differences`' join pairs it with (their occurrence numbers are
+    the same: `_numbered` of the same sequence), and every row's x is a sample both runs have."""
+    keys = [*SERIES_KEY, x]
     return a.height == b.height and a.select(keys).equals(b.select(keys))
 
 
@@ -370,12 +384,13 @@ def differences(
     rows_a: list[pl.DataFrame] = []
     rows_b: list[pl.DataFrame] = []
     for bounds in x_ranges(counts, x):
-        a = _matched_values(selection.rows(in_range(lf_a, x, bounds)), x, latest)
-        b = _matched_values(selection.rows(in_range(lf_b, x, bounds)), x, latest)
+        a = _range_rows(selection.rows(in_range(lf_a, x, bounds)), x, latest)
+        b = _range_rows(selection.rows(in_range(lf_b, x, bounds)), x, latest)
         if _alike(a, b, x):
             found_ab, found_a, found_b = _side_by_side(a, b, x, tolerance, latest)
         else:
-            found_ab = first_differences(a, b, x, tolerance, samples, opens)
+            numbered = (_numbered(a, x), _numbered(b, x))
+            found_ab = first_differences(*numbered, x, tolerance, samples, opens)
             found_a, found_b = _extent(a, x, "a", latest), _extent(b, x, "b", latest)
         diffs = _fold_differences(diffs, found_ab)
         extent_a = _fold_extent(extent_a, found_a, "a")

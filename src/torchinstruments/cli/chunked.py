@@ -27,6 +27,7 @@ from torchinstruments.rundir.windows import SERIES_KEY, WINDOW_CHUNK_ROWS, windo
 
 __all__ = [
     "CHUNK_ROWS",
+    "aligned",
     "in_range",
     "summarize_series",
     "with_windows",
@@ -89,10 +90,28 @@ def _latest(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def aligned(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame | None:
+    """`earlier` and `later` side by side (later's columns suffixed `_later`) where both hold
+    the same series in the same order (two ranges of a run, or of runs, of one model, each
+    grouped in order of first appearance): two ranges' results are then folded row by row,
+    with no grouping; else None."""
+    if earlier.height != later.height:
+        return None
+    if not earlier.select(SERIES_KEY).equals(later.select(SERIES_KEY)):
+        return None
+    others = later.drop(SERIES_KEY).rename(lambda name: f"{name}_later")
+    return pl.concat([earlier, others], how="horizontal")
+
+
 def _fold_latest(newer: pl.DataFrame | None, older: pl.DataFrame) -> pl.DataFrame:
     """Two ranges' `_latest` as one: the newer range's latest row, the sum of observations."""
     if newer is None:
         return older
+    both = aligned(newer, older)
+    if both is not None:
+        return both.select(
+            *SERIES_KEY, *_LATEST, pl.col("observations") + pl.col("observations_later")
+        )
     return (
         pl.concat([newer, older])
         .group_by(SERIES_KEY, maintain_order=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
+from torchinstruments.cli.chunked import aligned, in_range, x_counts, x_ranges
 from torchinstruments.cli.matching import agreement, matched_in_join, open_sample, pending
 from torchinstruments.cli.reader import SERIES_KEY, RunFacts
 from torchinstruments.cli.selection import Selection
@@ -156,7 +156,7 @@ def first_differences(
     )
     return (
         joined.select(SERIES_KEY)
-        .unique(maintain_order=True)  # (`_aligned`)
+        .unique(maintain_order=True)  # (`chunked.aligned`)
         .join(matched, on=SERIES_KEY, how="left", nulls_equal=True, maintain_order="left")
         .join(first, on=SERIES_KEY, how="left", nulls_equal=True, maintain_order="left")
         .with_columns(pl.col("matched_samples").fill_null(0))
@@ -180,7 +180,7 @@ def _extent(values: pl.DataFrame, x: str, tag: str, latest: bool = False) -> pl.
             pl.col("sample_id").last().alias("latest_sample_id"),
             pl.len().alias("observations"),
         ]
-    return values.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`_aligned`)
+    return values.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`chunked.aligned`)
 
 
 def _alike(a: pl.DataFrame, b: pl.DataFrame, x: str) -> bool:
@@ -231,7 +231,7 @@ def _side_by_side(
         ]
     if latest:
         aggs += [*latest_of["a"], *latest_of["b"], pl.len().alias("observations")]
-    grouped = rows.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`_aligned`)
+    grouped = rows.group_by(SERIES_KEY, maintain_order=True).agg(aggs)  # (`chunked.aligned`)
     diffs = grouped.select(*SERIES_KEY, *_AT_FIRST)
     extents = []
     for tag in ("a", "b"):
@@ -249,25 +249,13 @@ def _side_by_side(
     return diffs, extents[0], extents[1]
 
 
-def _aligned(earlier: pl.DataFrame, later: pl.DataFrame) -> pl.DataFrame | None:
-    """`earlier` and `later` side by side (later's columns suffixed `_later`) where both hold
-    the same series in the same order (consecutive ranges of runs of one model, each grouped
-    in order of first appearance): a fold is then row by row, with no grouping; else None."""
-    if earlier.height != later.height:
-        return None
-    if not earlier.select(SERIES_KEY).equals(later.select(SERIES_KEY)):
-        return None
-    others = later.drop(SERIES_KEY).rename(lambda name: f"{name}_later")
-    return pl.concat([earlier, others], how="horizontal")
-
-
 def _fold_differences(earlier: pl.DataFrame | None, later: pl.DataFrame) -> pl.DataFrame:
     """`first_differences` of two ranges of x that share no sample, as one: matched samples
     add up, the first difference (and the values there) is the earlier range's."""
     if earlier is None:
         return later
     at = _AT_FIRST[1:]
-    both = _aligned(earlier, later)
+    both = aligned(earlier, later)
     if both is not None:
         found = pl.col("first_difference").is_not_null()  # the earlier range's
         return both.select(
@@ -290,7 +278,7 @@ def _fold_extent(earlier: pl.DataFrame | None, later: pl.DataFrame, tag: str) ->
         return later
     samples, first, last = f"samples_{tag}", f"first_{tag}", f"last_{tag}"
     latest = "observations" in later.columns
-    both = _aligned(earlier, later)
+    both = aligned(earlier, later)
     if both is not None:
         columns = [
             pl.col(samples) + pl.col(f"{samples}_later"),

@@ -15,9 +15,10 @@ Design decisions:
   labels no one reads. The image's subtitle and the command (on stderr) say how many were left
   out; `--layers REGEX` chooses others, `--max-tensors N` draws more (each tensor keeps at least
   one pixel row, so nothing is averaged away).
-- It reads only the columns it draws (tensor key, signal, x, value), one metric at a time, with
-  filters pushed into the Parquet scan, from the CLI's reader: finished, live and crashed runs
-  alike; the drawn tensors are chosen from the selection's names, and only their values read.
+- It reads only the columns it draws (tensor key, signal, x, value), with filters pushed into
+  the Parquet scan, from the CLI's reader: finished, live and crashed runs alike; the drawn
+  tensors are chosen from the selection's names, and only their values read, every metric's in
+  one read where `max_tensors` leaves some out (their rows are then few), else a metric at a time.
   Measured values only: nothing is ranked or judged.
 """
 
@@ -77,6 +78,33 @@ def grid_rows(
     Names are read as Categorical: the tensor of each of millions of rows is then found by
     integer codes, not by hashing strings.
     """
+    return _metrics_rows(directory, (metric,), selection, x, tensors).drop("metric")
+
+
+def drawn_rows(
+    directory: Path,
+    metrics: Sequence[str],
+    selection: Selection,
+    x: str,
+    tensors: Sequence[TensorKey],
+) -> dict[str, pl.DataFrame]:
+    """`grid_rows` of each of `metrics`, of the drawn `tensors`, from one read of the history:
+    at most `max_tensors` tensors, whose rows of every metric together are few (a read per
+    metric decoded the names of every row of the history once per metric)."""
+    frame = _metrics_rows(directory, tuple(metrics), selection, x, tensors)
+    parts = frame.partition_by("metric", as_dict=True, include_key=False)
+    empty = frame.clear().drop("metric")
+    return {metric: parts.get((metric,), empty) for metric in metrics}
+
+
+def _metrics_rows(
+    directory: Path,
+    metrics: tuple[str, ...],
+    selection: Selection,
+    x: str,
+    tensors: Sequence[TensorKey] | None,
+) -> pl.DataFrame:
+    """`grid_rows` of `metrics` together, with their `metric`."""
     if x not in X_LABELS:
         raise ValueError(f"x must be one of {tuple(X_LABELS)}, got {x!r}")
     names = ("layer", "tensor_path", "module_type", "signal", "mode")
@@ -84,14 +112,14 @@ def grid_rows(
     xs = ("step", "sample_id") if x == "step" else (x,)
 
     def query(lf: pl.LazyFrame) -> pl.LazyFrame:
-        lf = select(lf, layers=selection.layers, signals=selection.signals, metrics=(metric,))
+        lf = select(lf, layers=selection.layers, signals=selection.signals, metrics=metrics)
         lf = lf.filter(pl.col(x).is_not_null())
         if tensors is not None:  # a filter the scan takes, then the exact tensors
             lf = lf.filter(pl.col("layer").is_in(sorted({t[0] for t in tensors})))
             keys = pl.DataFrame(list(tensors), schema=_KEY_SCHEMA, orient="row").lazy()
             lf = lf.join(keys, on=list(_KEY), how="semi", nulls_equal=True)
         return lf.select(
-            *(pl.col(n).cast(pl.Categorical) for n in names), "call_index", *xs, "value"
+            *(pl.col(n).cast(pl.Categorical) for n in names), "call_index", *xs, "value", "metric"
         )
 
     # A cell is one row: no order needed, so the filters reach the scan.
@@ -194,8 +222,11 @@ def heatmap(
     left_out = tuple(tensor_label(*t, calls=t[0] in calls) for t in tensors[max_tensors:])
     results = []
     names = file_names(metrics)
+    # The drawn tensors' rows of every metric in one read; every tensor's, a metric at a time.
+    together = None if drawn is None else drawn_rows(directory, metrics, selection, x, drawn)
     for metric in metrics:
-        grid = build_grid(grid_rows(directory, metric, selection, x, drawn), facts, metric, x)
+        rows = grid_rows(directory, metric, selection, x) if together is None else together[metric]
+        grid = build_grid(rows, facts, metric, x)
         output = Path(output_dir) / names[metric]
         results.append(draw(grid, facts, output, scale=scale, left_out=left_out))
     return results
@@ -216,4 +247,11 @@ def _has_step(directory: Path, selection: Selection) -> bool:
     return found.height > 0
 
 
-__all__ = ["DEFAULT_MAX_TENSORS", "grid_rows", "heatmap", "read_grid", "selected_tensors"]
+__all__ = [
+    "DEFAULT_MAX_TENSORS",
+    "drawn_rows",
+    "grid_rows",
+    "heatmap",
+    "read_grid",
+    "selected_tensors",
+]

@@ -11,7 +11,9 @@ reaches the Parquet scan and decodes only the row groups that hold it), and each
 with only the columns the result needs and folded into one row per series before the next
 range is read. Memory stays near one range plus a row per series whatever the history's length.
 
-What is computed is what the whole-table reads computed: a series' latest row is its last in
+Folding a range's rows per series into those of the ranges before is row by row where both
+hold the same series in the same order (`aligned`: every range of an ordinary run), a grouping
+of the two otherwise. What is computed is what the whole-table reads computed: a series' latest row is its last in
 (sample_id, write order) (a range holds whole samples, in write order), `observations` and
 sample counts add up over ranges that share no sample, and a first difference is the earliest
 range's.

@@ -14,6 +14,13 @@ writes, resumed ones too: both continue): a range of forward_index is then a ran
 samples in sample order. Where a run's does not (a hand-edited or concatenated history), its
 summary is read by sample, as `show` reads it (`Differences.latest` is None). What differs and
 what a matched sample is: `cli.compare`'s docstring and `cli.matching`.
+
+Two runs of one model and sampler hold, range after range, the same series at the same samples
+in the same order. Such a range (`_alike`: one comparison of the key columns) is compared side
+by side, row i of A against row i of B, in one grouping (`_side_by_side`), and its result
+folded row by row (`chunked.aligned`); any other range takes the general path (a full join on
+the series, x and occurrence, then a grouping each), which gives the same frames. On two
+3,000-layer runs of 100 samples the general path alone cost about twice the CPU.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ history, the sampler's own failure. The trainer callbacks' cases are
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import time
@@ -30,7 +31,7 @@ from torch import nn
 from torchinstruments import DEFAULT_METRICS, EveryNForwardsSampler, inject_observer, set_step
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import run_cli
+from conftest import cli_in_process, run_cli
 
 READY = "ready"
 
@@ -89,6 +90,35 @@ def test_a_run_killed_after_a_recording_failure_keeps_its_note(killed: Path) -> 
         "sampler FailsFirst() raised RuntimeError('no schedule yet') for forward_index 0; a "
         "forward whose sampler raises is not sampled"
     ) in index
+
+
+def test_a_killed_runs_state_and_notes_go_to_stderr_beside_csv_markdown_and_pictures(
+    killed: Path,
+) -> None:
+    """A csv or markdown table and a picture carry no header of their own: the readers say a
+    killed run's state and its notes on stderr (text and json say them in their output), so a
+    table or picture is never made past them silently; stdout stays the bare table."""
+    run = killed / "sampler" / "run"
+    finalized(run)
+    note = "sampler FailsFirst() raised RuntimeError('no schedule yet')"
+    outputs = [
+        cli_in_process("show", run, "--format", "csv"),
+        cli_in_process("show", run, "--format", "markdown"),
+        cli_in_process("compare", run, run, "--format", "csv"),
+        cli_in_process("plot", run, "--metrics", "mean", "-o", killed / "sampler" / "t.png"),
+    ]
+    for done in outputs:
+        assert done.returncode == 0, done.stderr
+        said = [line for line in done.stderr.splitlines() if f"{run}: state: " in line]
+        assert said, done.stderr
+        assert all("state: interrupted" in line for line in said), said
+        assert note in done.stderr
+    assert outputs[0].stdout.startswith("layer,")  # the bare csv
+    states = [[line for line in done.stderr.splitlines() if "state: " in line] for done in outputs]
+    assert [len(lines) for lines in states] == [1, 1, 2, 1]  # once per run (compare: both)
+    json_run = cli_in_process("show", run, "--format", "json")
+    assert json_run.stderr == ""
+    assert "interrupted" in json.loads(json_run.stdout)["run"]["state"]
 
 
 def test_a_run_killed_after_a_sample_left_out_of_its_logger_keeps_the_note(

@@ -61,8 +61,10 @@ def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
 def _say_states(prog: str, *directories: Path, notes: bool) -> None:
     """One stderr line per run whose state file cannot be read (a newer schema, a bad value):
     the drawing and comparing commands go on with the history, and say so. With `notes`, the
-    run's notes too, as `show` begins them (what it did not record, and why): a picture is
-    never drawn past them silently."""
+    run's state when it is not complete (interrupted, in progress, incomplete) and its notes,
+    as `show` begins them (what it did not record, and why): a picture, a csv or a markdown
+    table is never made past them silently."""
+    from torchinstruments.cli.reader import state_sentence
     from torchinstruments.cli.text import notes_lines
     from torchinstruments.rundir.index_page import page_notes
     from torchinstruments.rundir.recovery import load_state
@@ -77,7 +79,12 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
                 file=sys.stderr,
             )
             continue
-        for line in notes_lines(page_notes(state)) if notes and state is not None else ():
+        if not notes or state is None:
+            continue
+        sentence = state_sentence(Path(directory).expanduser(), state)
+        if sentence != "complete":
+            print(f"{prog}: {directory}: state: {sentence}", file=sys.stderr)
+        for line in notes_lines(page_notes(state)):
             print(f"{prog}: {line}", file=sys.stderr)
 
 
@@ -111,6 +118,8 @@ def _run_single(args: argparse.Namespace) -> int:
             from torchinstruments.cli import show
             from torchinstruments.cli.selection import summary
 
+            if args.format in ("csv", "markdown"):  # text and json say them in the output
+                _say_states(prog, args.directory, notes=True)
             selection = _selection(args, args.directory)
             facts, frame = summary(args.directory, selection)
             from torchinstruments.cli.reader import window_of
@@ -133,7 +142,8 @@ def _run_single(args: argparse.Namespace) -> int:
                     if args.command == "compare"
                     else [args.directory]
                 ),
-                notes=args.command != "compare",  # compare's text says them in its header
+                # compare's text and json say them in the output
+                notes=args.command != "compare" or args.format in ("csv", "markdown"),
             )
         if args.command == "compare":
             from torchinstruments.cli import compare

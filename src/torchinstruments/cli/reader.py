@@ -348,6 +348,11 @@ def read_marked(directory: Path) -> dict[int, str]:
     return {int(r["sample_id"]): r["unavailable_reason"] or "" for r in frame.iter_rows(named=True)}
 
 
+def state_sentence(directory: Path, state: RunState) -> str:
+    """`directory`'s state as `show` prints it ("complete", "interrupted ...", ...)."""
+    return _state_sentence(state, locate(directory), directory)
+
+
 def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     """The state as `show` prints it; parts not yet merged make a finished run incomplete."""
     status = state.status
@@ -564,5 +569,6 @@ __all__ = [
     "runs_below",
     "scan_files",
     "select",
+    "state_sentence",
     "window_of",
 ]

@@ -278,6 +278,34 @@ def test_sigterm_handler_chains_in_process_and_is_restored(tmp_path: Path) -> No
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_handler_installed_over_ours_that_calls_ours_decides_what_sigterm_does(
+    tmp_path: Path,
+) -> None:
+    """Lightning's pattern: a handler installed after inject calls the one it found (ours) and
+    ends the program its own way. Ours flushes and returns: it never re-raises the default
+    action, which without the library that handler would have found and not called."""
+    calls: list[int] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        model = in_process_run(tmp_path / "run")
+        ours = signal.getsignal(signal.SIGTERM)
+        assert callable(ours)
+
+        def framework(signum: int, frame: Any) -> None:
+            calls.append(signum)
+            ours(signum, frame)
+
+        signal.signal(signal.SIGTERM, framework)
+        os.kill(os.getpid(), signal.SIGTERM)  # the test process lives on
+        assert calls == [signal.SIGTERM]
+        assert read_parts(tmp_path / "run").height == 3 * ROWS_PER_SAMPLE  # flushed first
+        signal.signal(signal.SIGTERM, ours)
+        remove_observer(model)
+        assert run_status(tmp_path / "run") == "complete"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

@@ -1,9 +1,11 @@
 """A Lightning fit that raised anywhere (a validation step, another callback, Ctrl-C in a training
-step): Lightning calls `on_exception`, so `LightningObserver` finishes the run there, as
-interrupted with the truth in index.md, restores the forwards, and a second fit is a fresh one."""
+step, a SIGTERM that Lightning turns into `SIGTERMException`): Lightning calls `on_exception`, so
+`LightningObserver` finishes the run there, as interrupted with the truth in index.md, restores
+the forwards, and a second fit is a fresh one."""
 
 from __future__ import annotations
 
+import os
 import signal
 import warnings
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import lightning
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -122,3 +125,37 @@ def test_a_fit_that_raised_is_finished_where_it_stopped_and_the_next_fit_is_fres
     assert observer.directory == tmp_path / "torchinstruments-2"
     assert run_status(tmp_path / "torchinstruments-2") == "complete"
     assert not has_observer(model)
+
+
+class TerminateAfterBatch(lightning.Callback):
+    """The job is preempted: SIGTERM to this process after the second training batch."""
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == 2 and not trainer.received_sigterm:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_ends_the_fit_the_way_lightning_ends_it_and_the_run_says_so(
+    tmp_path: Path,
+) -> None:
+    """Lightning installs its SIGTERM handler after `on_fit_start` (over the observer's, which
+    it calls) and ends the fit with `SIGTERMException`, a SystemExit its loggers and callbacks
+    see. The observer's handler writes the rows and returns: the process is not killed in
+    Lightning's place (exit status 143, the run left unfinished)."""
+    model = Failing(None, RuntimeError())
+    observer = LightningObserver(sampler=EveryNForwardsSampler(1))
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SIGTERMException):
+            fit(tmp_path, model, [observer, TerminateAfterBatch()])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert not has_observer(model)
+    run = tmp_path / "torchinstruments"
+    assert run_status(run) == "complete"
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "the fit ended with an exception at global step 2: SIGTERMException. The run" in index
+    history = read_history(run)
+    assert sorted(history.filter(history["mode"] == "train")["step"].unique()) == [0, 1]

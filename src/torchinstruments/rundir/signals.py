@@ -12,6 +12,14 @@ Design decisions:
   action (or a handler installed from C, reported as None) is re-raised: the handler is reset to
   SIG_DFL and the signal sent again, so the process ends as killed by SIGTERM, with the exit
   status its launcher expects.
+- A handler installed over ours that calls ours (Lightning's, installed after the observer
+  attached at `on_fit_start`, calls the Python handler it found and ends the fit itself with
+  `SIGTERMException`) decides what SIGTERM does: ours then flushes and returns, never re-raising
+  the default action. Without the library that handler would have found the default action,
+  which is not callable and so never called, and the fit would have ended Lightning's way; a
+  re-raise from ours would kill the process in its place (exit status 143, the run left
+  unfinished). The default action is re-raised only where the signal reached ours through
+  handlers of ours alone.
 - The chain holds only live runs, whatever the order runs end in. Each handler links to the one
   it chains to (`_previous`) and to the `TermFlush` installed over it (`_next`). A run that ends
   while its handler is the current one restores the previous handler; one that ends under
@@ -190,11 +198,21 @@ class TermFlush:
         previous = self._previous
         if callable(previous):
             return previous(signum, frame)
-        if previous == signal.SIG_IGN:
-            return None
+        if previous == signal.SIG_IGN or not self._reached_through_ours():
+            return None  # ignored; or a handler over ours called us and decides (docstring)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return None
+
+    def _reached_through_ours(self) -> bool:
+        """Whether the process's SIGTERM handler leads to this one through handlers of ours
+        only (False: a handler installed over ours, a framework's, called this one)."""
+        node = signal.getsignal(signal.SIGTERM)
+        while isinstance(node, TermFlush):
+            if node is self:
+                return True
+            node = node._previous
+        return False
 
 
 def _settle() -> None:

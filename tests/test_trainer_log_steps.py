@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import lightning
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import (
@@ -62,6 +63,41 @@ def test_lightning_logs_training_metrics_on_the_histograms_step_and_validations_
     validated = [step for step, _ in model.validations]
     assert steps(events, f"eval/{tag}", HISTOGRAMS) == validated == [2, 4]
     assert steps(events, "val_loss", SCALARS) == [step - 1 for step in validated]
+
+
+def test_a_lightning_validation_between_accumulated_micro_batches_is_logged_on_its_own_step(
+    tmp_path: Path,
+) -> None:
+    """accumulate_grad_batches=2, val_check_interval=3: the validation after batch 3 runs
+    before the optimizer step of batches 3-4, and Lightning logs it on the step its samples
+    carry, not one lower as the one after batch 6; index.md and a warning say so, once."""
+    model = ValidationRecorded()
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(tmp_path, name="logs", version=0),
+        callbacks=[LightningObserver(sampler=EveryNForwardsSampler(1), record_eval=True)],
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(RuntimeWarning, match="validation at global step 1 ran between the micro"):
+        trainer.fit(model, data, data)
+    events = EventAccumulator(str(tmp_path / "logs" / "version_0"), {HISTOGRAMS: 0, SCALARS: 0})
+    events.Reload()
+    validated = [step for step, _ in model.validations]
+    assert steps(events, "eval/net.0/call_0/output/tensor", HISTOGRAMS) == validated == [1, 3]
+    assert steps(events, "val_loss", SCALARS) == [1, 2]  # its own step, then one lower
+    index = " ".join((tmp_path / "logs/version_0/torchinstruments/index.md").read_text().split())
+    assert index.count("**Note:** the validation at global step 1 ran between the micro") == 1
+    assert "global step 3 ran between" not in index
 
 
 def test_the_hf_trainer_logs_a_steps_loss_one_step_later_and_evaluations_on_their_step(

@@ -19,6 +19,8 @@ Hooks, one line each:
   warning, index.md) when a batch moved the global step by other than one (several
   optimizers, or a step skipped): `step` then is off the axis of the logger's scalars (below).
 - `on_train_batch_start`: the global step the batch starts at, for that comparison.
+- `on_validation_start`: with `record_eval`, say once (a warning, index.md) when a validation
+  of the fit runs between the micro-batches of an accumulated step (`_mid_step_note`).
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
@@ -157,7 +159,9 @@ class LightningObserver(Callback):
         self._checkpoint_step: int | None = None  # and its global step
         self._key = state_key(LightningObserver.__qualname__, output_dir, module)
         self._batch_step = 0  # the global step the current training batch started at
+        self._batch_stepped = True  # whether the last training batch stepped the global step
         self._axes_said = False
+        self._mid_step_said = False
         self._before_sanity: RunCounts | None = None  # the counts as the sanity check began
 
     @property
@@ -193,6 +197,7 @@ class LightningObserver(Callback):
         )
         self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
         self._axes_said = False  # each fit says once that its steps are off the logger's
+        self._mid_step_said, self._batch_stepped = False, True
         if directory is not None:
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
             self._fit.enter_setup()  # the model summary's example input is not an evaluation
@@ -239,12 +244,31 @@ class LightningObserver(Callback):
         manual optimization, say once when a batch did not step the global step by exactly one."""
         self._fit.check_first_step()
         advance = trainer.global_step - self._batch_step
+        self._batch_stepped = advance != 0
         if advance != 1 and not pl_module.automatic_optimization and not self._axes_said:
             self._axes_said = True
             if self._fit.observed is not None:
                 said = _step_axes_note(batch_idx, advance)
                 add_run_note(self._fit.observed, said)
                 warn(f"torchinstruments: LightningObserver: {said}")
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With record_eval, say once when a validation of the fit starts between the
+        micro-batches of an accumulated step: Lightning logs it under its samples' own step."""
+        observed = self._fit.observed
+        if (
+            observed is None
+            or self._fit.eval_sampler is None
+            or self._mid_step_said
+            or self._batch_stepped
+            or trainer.sanity_checking
+            or not pl_module.automatic_optimization
+        ):
+            return
+        self._mid_step_said = True
+        said = _mid_step_note(trainer.global_step)
+        add_run_note(observed, said)
+        warn(f"torchinstruments: LightningObserver: {said}")
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in a checkpoint: the run directory, which a fit resumed from it continues."""
@@ -350,6 +374,26 @@ def _step_axes_note(batch_idx: int, advance: int) -> str:
         "in the trainer's TensorBoard logger (on trainer.global_step) are not on the step axis "
         "of the logger's scalars, so a join of `step` with the trainer's log pairs other "
         "batches' values (it holds only where every batch takes one optimizer step)"
+    )
+
+
+def _mid_step_note(step: int) -> str:
+    """index.md's note when a validation ran between the micro-batches of an accumulated step.
+
+    Lightning logs a validation's metrics under its count of batches that stepped the optimizer
+    (checked on Lightning 2.6.6), which it raises only after the validation that follows such a
+    batch: one less than `trainer.global_step` after a batch that stepped, equal to it after
+    one that did not (`val_check_interval` not a multiple of `accumulate_grad_batches`). Such a
+    validation's metrics are then on its samples' own step, not on the step below."""
+    return (
+        f"the validation at global step {step} ran between the micro-batches of an "
+        "accumulated step (a training batch that did not step the optimizer came before it: "
+        "val_check_interval is not a multiple of accumulate_grad_batches), and so may others "
+        "of the fit: Lightning logs such a validation's metrics under the step its evaluation "
+        "samples carry, not one lower as after a batch that stepped, so the `+ 1` of the "
+        "evaluation query below pairs these samples with another validation's metrics, or "
+        "none; the eval/ histograms in its TensorBoardLogger are on that same step as its "
+        "scalars"
     )
 
 

@@ -276,7 +276,9 @@ show(no_gradient)""",
             'Evaluation samples (`record_eval`): keep `pl.col("mode") == "eval"` and '
             f"join Lightning's `{LIGHTNING_EVAL_SCALARS}` (Lightning validates once the global "
             "step has counted the optimizer step before, and logs the validation under the step "
-            "before it, one less than the `step` of its samples: hence the `+ 1`) or the "
+            "before it, one less than the `step` of its samples: hence the `+ 1`; not so "
+            "for a validation between the micro-batches of an accumulated step, which it logs "
+            "under its samples' own step: a note above names the first) or the "
             f"Hugging Face Trainer's evaluations, `{HF_EVAL_SCALARS}` (it logs an evaluation "
             "under the step its samples carry). As printed it is an empty table (its columns: "
             "null):",

@@ -214,8 +214,9 @@ def section_meanings() -> list[str]:
         "over it. The trainers log some metrics under another step than the samples of the "
         "forwards that computed them carry, in their TensorBoard too: the Hugging Face "
         "Trainer a training step's loss under the step after it (one more), Lightning a "
-        "validation's metrics under the step before it (one less); Lightning's training "
-        "metrics and the Hugging Face Trainer's evaluations share their samples' step.",
+        "validation's metrics under the step before it (one less; the same step for one "
+        "between the micro-batches of an accumulated step, which a note names); Lightning's "
+        "training metrics and the Hugging Face Trainer's evaluations share their samples' step.",
         "- root forward: the outermost call of the observed model, via `model(x)` or "
         "`model.forward(x)`. A call of the model inside its own forward belongs to the "
         "enclosing root forward (not counted again; the next call_index if the model is itself "

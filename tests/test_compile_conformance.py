@@ -218,11 +218,14 @@ def test_blocks_compiled_into_their_parent_after_inject_compile_as_plain_and_row
     tmp_path: Path,
 ) -> None:
     """`model.blocks[i] = torch.compile(model.blocks[i])` after inject_observer, before the first
-    step: the layers inside the wrappers keep their eager names and rows equal plain hooks on an
-    eager copy; dynamo compiles what it compiles for the plain model, and after removal the
-    compiled blocks run without a recompile."""
+    step, each block under non-reentrant checkpointing: the layers inside the wrappers keep their
+    eager names and rows equal plain hooks on an eager copy; dynamo compiles what it compiles for
+    the plain model, and after removal the compiled blocks run without a recompile. A sampled
+    step's backward recomputes the blocks eagerly, as its forward ran them (eager_backward.py):
+    compiled, the recomputation would save other tensors than the forward and checkpointing's
+    check would fail the backward with a CheckpointError."""
     torch.manual_seed(0)
-    base = Net()
+    base = Net(checkpointed=True)
     plain = copy.deepcopy(base)
     compile_blocks_in_place(plain)
     plain_outputs = run_plain_with(plain)
@@ -278,3 +281,40 @@ def test_accelerate_compile_regions_observed_after_it_rows_equal_plain_hooks(
         assert torch.equal(result.observed_outputs[i], plain_outputs[i])
     result.assert_conforms()
     assert result.history["forward_index"].unique().sort().to_list() == [0, 2, 4]
+
+
+def test_a_sampled_backward_that_raised_leaves_torch_compile_off_only_until_the_next_forward(
+    tmp_path: Path,
+) -> None:
+    """The backward pass of a sampled forward runs with torch.compile off, and its end turns it
+    on again; one that raised never reaches its end, so the next root forward does."""
+
+    @torch.compile(backend="eager")
+    def compiled_now(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if torch.compiler.is_compiling() else x - 1
+
+    def compiling() -> bool:
+        return compiled_now(torch.zeros(())).item() == 1
+
+    def failing_hook(grad: torch.Tensor) -> None:
+        seen.append(compiling())
+        raise RuntimeError("the user's hook")
+
+    seen: list[bool] = []
+    model = nn.Linear(WIDTH, 1)
+    inject_observer(model, output_dir=tmp_path / "stats", sampler=EveryNForwardsSampler(2))
+    try:
+        assert compiling()
+        output = model(torch.randn(4, WIDTH))  # sampled
+        assert compiling()
+        output.register_hook(failing_hook)
+        with pytest.raises(RuntimeError, match="the user's hook"):
+            output.sum().backward()
+        assert seen == [False]  # off in the backward pass ...
+        assert not compiling()  # ... and left off by its exception ...
+        model(torch.randn(4, WIDTH)).sum().backward()  # ... until the next root forward
+        assert compiling()
+        model(torch.randn(4, WIDTH)).sum().backward()  # sampled, and a backward that ends
+        assert compiling()
+    finally:
+        remove_observer(model)

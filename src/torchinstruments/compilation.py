@@ -41,6 +41,7 @@ from torchinstruments._torch_internals.dynamo import (
     set_fullgraph_frame_count,
     under_fullgraph,
 )
+from torchinstruments.eager_backward import hold_eager_for_backward
 from torchinstruments.rundir.ranges import plural, was_were
 
 __all__ = [
@@ -123,8 +124,28 @@ def _one_more_frame(count: int) -> int:
     return count + 1 if count >= 0 else count
 
 
+def _force_eager_paused() -> None:
+    """`_FORCE_EAGER.enter` from anywhere: a backward pass inside a compiled function runs its
+    hooks while dynamo's frame callback is set, where torch refuses to change the stance."""
+    paused = pause_compilation()
+    try:
+        _FORCE_EAGER.enter()
+    finally:
+        resume_compilation(paused)
+
+
+def _force_eager_ended() -> None:
+    """`_FORCE_EAGER.exit` from anywhere (see `_force_eager_paused`)."""
+    paused = pause_compilation()
+    try:
+        _FORCE_EAGER.exit()
+    finally:
+        resume_compilation(paused)
+
+
 def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call `function` with torch.compile off, compiled modules nested inside included.
+    """Call `function` with torch.compile off, compiled modules nested inside included, and
+    the backward pass through what it returned (`eager_backward`).
 
     `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
     process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
@@ -142,6 +163,8 @@ def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
         finally:
             _FORCE_EAGER.exit()
         set_fullgraph_frame_count(_one_more_frame)
+        # Its backward pass too: checkpointing recomputes regions of it there (eager_backward.py).
+        hold_eager_for_backward(result, _force_eager_paused, _force_eager_ended)
         return result
     finally:
         resume_compilation(paused)

@@ -91,6 +91,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
 from torchinstruments.distributed import joined_after_inject
+from torchinstruments.eager_backward import release_held_backwards
 from torchinstruments.encoder_outputs import EncoderOutputs
 from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_statistics import open_run
@@ -336,6 +337,7 @@ class Observer:
             self.counter.count_recomputed()
             self.warn_once("recomputed", recomputed_note())
             return _PASS_THROUGH
+        release_held_backwards()  # a sampled backward that raised left torch.compile off
         schedule = self.phases.of_call() if self.phases.following else self.phases.current
         if schedule != TRAIN and self.phases.fit_ended():  # the callback removed the observer
             return _PASS_THROUGH

@@ -252,6 +252,22 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert ended.removeprefix("rank 2: ") in own
     page = (parent / "index.md").read_text(encoding="utf-8")
     assert state_cells(page)[2] == "interrupted; " + ended.removeprefix("rank 2: ")
+    # a table without a header (csv, markdown) and a picture say it on stderr, as for one run,
+    # never the complete ranks' state: rank 2's line is drawn like the others'
+    pictures = parent.parent / "pictures"
+    pictures.mkdir()
+    for command, *options in (
+        ("show", "--format", "csv"),
+        ("compare", "--format", "markdown"),
+        ("plot", "--metrics", "mean", "--output", pictures / "trends.png"),
+    ):
+        done = cli_in_process(command, parent, *options)
+        assert done.returncode == 0, done.stderr
+        said = done.stderr.splitlines()
+        prefix = f"torchinstruments {command}: "
+        assert prefix + "rank 2: interrupted in an earlier attempt" in said
+        assert prefix + ended in said
+        assert not [line for line in said if line.endswith(": complete")]
 
 
 def refuse_lock(fd: int, operation: int) -> None:

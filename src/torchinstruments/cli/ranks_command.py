@@ -131,11 +131,9 @@ def _on_parent(
     from torchinstruments.cli import rank_spread
     from torchinstruments.cli import ranks as multi
     from torchinstruments.cli.rank_runs import (
-        missing_line,
+        header_lines,
         missing_ranks,
         not_read_lines,
-        notes_of_ranks,
-        rank_notes,
         ranks_with_history,
     )
     from torchinstruments.cli.reader import read_facts
@@ -146,17 +144,16 @@ def _on_parent(
             print(f"torchinstruments {args.command}: {line}", file=sys.stderr)
 
     runs, without = ranks_with_history(parent, ranks)
-    if without and (args.command in ("plot", "heatmap") or args.format != "text"):
-        # The text of show and compare says it in its header; elsewhere, lines on stderr.
-        for line in not_read_lines(without):
-            say(line)
-    if args.command in ("plot", "heatmap"):  # show and compare say it in their header, too
+    if args.command in ("plot", "heatmap") or args.format in ("csv", "markdown"):
+        # What the text of show and compare says in its header, but the ranks found complete
+        # (as one run's state is said only when it is not): a picture or a table of a parent
+        # whose rank was killed never looks like one of a finished job.
         facts = [read_facts(r.directory) for r in runs]
         missing = missing_ranks(facts, [r.rank for r in runs], without, ranks)
-        if missing:
-            say(missing_line(missing))
-        # the ranks' notes too, as show and compare of a parent begin them (one function)
-        for line in (*rank_notes(runs, facts), *notes_of_ranks(runs, facts)):
+        for line in header_lines(parent, runs, facts, without, missing, complete_said=False)[1:]:
+            say(line)
+    elif without and args.format != "text":  # json: its rank facts hold the rest
+        for line in not_read_lines(without):
             say(line)
     chosen = selection(args, *(r.directory for r in runs))
     if args.command == "show":

@@ -2,7 +2,7 @@
 in progress is read with its earlier attempts (its parts beside its history.parquet), and a
 rank that has written no part yet is named as left out and listed with its state, never
 dropped from the per-rank summary as if it did not exist; a rank the world size expects but no
-directory holds is listed with counts unknown. A rank's own "Ranks" query reads the ranks the
+directory holds is listed with counts unknown, as is a rank killed before its first part. A rank's own "Ranks" query reads the ranks the
 same way, and names that missing rank too. Real observers (the launcher's RANK and WORLD_SIZE); what the queries print is
 checked against the files read with Polars."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -20,8 +21,9 @@ from test_rank_parent_live_readers import ROWS_PER_PART, observe
 from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
+from torchinstruments.rundir.page_ranks import render_parent_index
 
-from conftest import wait_for_rows
+from conftest import cli_in_process, wait_for_rows
 
 
 def page_blocks(parent: Path) -> list[str]:
@@ -85,8 +87,20 @@ def test_the_parent_queries_name_a_rank_without_a_part_and_list_it_with_its_stat
             {"rank": 0, "state": "complete", "samples": 3, "last_sample": 2, "rows": 54},
             {"rank": 1, "state": "in progress", "samples": 0, "last_sample": None, "rows": 0},
         ]
+        # A copy is as a kill leaves it: no process holds rank 1's lock. What it took before
+        # the kill is unknown, never 0 samples, on the page a rank writes now and after finalize
+        killed = tmp_path / "killed"
+        shutil.copytree(parent, killed)
     finally:
         remove_observer(waiting)
+    (killed / "index.md").write_text(render_parent_index(killed), encoding="utf-8")
+    ended = "not finished: its process ended without closing the run (killed or crashed)"
+    for state in (ended, "interrupted"):
+        if state == "interrupted":
+            assert cli_in_process("finalize", killed).returncode == 0  # rewrites the page
+        _, per_rank = setup_and_per_rank(killed)
+        unknown = {"samples": None, "last_sample": None, "rows": None}
+        assert per_rank.row(1, named=True) == {"rank": 1, "state": state, **unknown}
 
 
 def test_a_ranks_ranks_query_reads_a_live_continued_rank_and_names_a_rank_without_a_part(

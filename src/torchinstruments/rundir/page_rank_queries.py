@@ -113,8 +113,10 @@ def parent_blocks(layer: str) -> list[tuple[str, str]]:
     return [
         (
             "Samples and rows per rank, as read at setup (a rank that sampled less, or stopped, "
-            "shows here; a rank with no part yet has 0 rows read, one the world size expects but no "
-            "directory holds is listed, its counts unknown; `state` is as the table above tells "
+            "shows here; a rank with no row read has 0 samples and rows where it is known to "
+            "hold none, finished or still before its first part, and unknown counts (null) where "
+            "its process ended before a row reached the disk, as has one the world size expects "
+            "but no directory holds; `state` is as the table above tells "
             'it: a rank not finished is "in progress" while its process holds its run lock, '
             '"not finished: its process ended ..." once none does):',
             """states = pl.LazyFrame(
@@ -133,8 +135,10 @@ per_rank = (
         on="rank",
         how="left",
     )
-    .with_columns(  # no part yet: none of its rows read; no directory: unknown (null)
-        pl.col("samples", "rows").fill_null(pl.when(pl.col("state") != "no directory").then(0))
+    .with_columns(  # no row read: 0 where it holds none (finished, or live); else unknown (null)
+        pl.col("samples", "rows").fill_null(
+            pl.when(pl.col("state").is_in(["complete", "in progress"])).then(0)
+        )
     )
     .sort("rank")
     .collect()

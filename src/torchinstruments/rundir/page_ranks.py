@@ -38,7 +38,9 @@ Design decisions:
   a live rank, a continued rank's live attempt or one whose removal is merging its parts is
   read as its own page reads it; a rank with no part yet is named as left out, a rank the world
   size expects but no directory holds as missing, and the per-rank query lists both (0 rows
-  read; counts unknown): a live reader is never shown fewer ranks than there are, silently.
+  read while its process lives, or once finished without a row; counts unknown once its process
+  ended before a row reached the disk, and without a directory): a live reader is never shown
+  fewer ranks than there are, silently, nor 0 samples of a rank killed before its first part.
 """
 
 from __future__ import annotations

@@ -101,6 +101,16 @@ def test_the_parent_queries_name_a_rank_without_a_part_and_list_it_with_its_stat
         _, per_rank = setup_and_per_rank(killed)
         unknown = {"samples": None, "last_sample": None, "rows": None}
         assert per_rank.row(1, named=True) == {"rank": 1, "state": state, **unknown}
+    # finalized, rank 1 is read, without a row: a picture of the ranks says it is not drawn
+    drawn = cli_in_process("heatmap", killed, "--metrics", "mean", "--output-dir", tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert ", 1 rank (1 train row) x 3 samples" in drawn.stdout
+    said = drawn.stderr.splitlines()
+    assert "torchinstruments heatmap: rank 1: interrupted" in said
+    assert (
+        "torchinstruments heatmap: rank 1: not drawn, no row of tensor <root> that the selection reads"
+        in said
+    )
 
 
 def test_a_ranks_ranks_query_reads_a_live_continued_rank_and_names_a_rank_without_a_part(

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchinstruments.cli.ranks_draw import RankLines
 
 
 class UsageError(ValueError):
@@ -215,7 +219,7 @@ def _draw(
             left_out_line = metrics_left_out_line(prog, result)
             if left_out_line is not None:
                 print(left_out_line, file=sys.stderr)
-            _say_ranks_left_out(prog, lines.left_out)
+            _say_ranks_left_out(prog, lines)
             return 0
         output_dir = checked_folder(args.output_dir or Path(parent))
         results, lines = ranks_draw.heatmap_ranks(
@@ -232,22 +236,31 @@ def _draw(
                 f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
                 f"{lines.name()}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
             )
-        _say_ranks_left_out(prog, lines.left_out)
+        _say_ranks_left_out(prog, lines)
         return 0
     except MatplotlibMissingError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 3
 
 
-def _say_ranks_left_out(prog: str, left_out: Sequence[int]) -> None:
-    """On stderr, the ranks a drawing left out (`--max-tensors` counts ranks there), if any."""
-    if left_out:
-        from torchinstruments.cli.text import plural
-        from torchinstruments.rundir.ranges import ranges
+def _say_ranks_left_out(prog: str, lines: RankLines) -> None:
+    """On stderr, the ranks a drawing left out (`--max-tensors` counts ranks there), and the
+    ranks read that hold no row of its tensor, if any: a picture never has fewer ranks than
+    were read without saying which and why."""
+    from torchinstruments.cli.text import plural
+    from torchinstruments.rundir.ranges import ranges
 
+    if lines.left_out:
         print(
-            f"{prog}: {plural(len(left_out), 'rank')} left out (rank {ranges(left_out)}; "
-            "--max-tensors counts ranks here); choose with --rank or raise --max-tensors",
+            f"{prog}: {plural(len(lines.left_out), 'rank')} left out (rank "
+            f"{ranges(lines.left_out)}; --max-tensors counts ranks here); choose with --rank or "
+            "raise --max-tensors",
+            file=sys.stderr,
+        )
+    if lines.without_rows:
+        print(
+            f"{prog}: rank {ranges(lines.without_rows)}: not drawn, no row of tensor "
+            f"{lines.name()} that the selection reads",
             file=sys.stderr,
         )
 

@@ -135,6 +135,9 @@ class RankLines:
     # Each module type of the tensor's layer and the ranks drawn with it, in rank order: more
     # than one where the layer name is another module on some rank (a pipeline split).
     types: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # The ranks read that hold no row of the tensor the selection reads (a rank killed before
+    # a row of it reached the disk, a pipeline stage without the layer): in no line or row.
+    without_rows: tuple[int, ...] = ()
 
     def name(self) -> str:
         """The tensor as the commands print it (`layers.0`, `0 call 1`), with each module type
@@ -153,10 +156,16 @@ class RankLines:
 
 
 def _rank_lines(
-    rows: pl.DataFrame, tensor: TensorId, without: Mapping[int, str], most: int | None = None
+    rows: pl.DataFrame,
+    tensor: TensorId,
+    without: Mapping[int, str],
+    read: Sequence[RankRun],
+    most: int | None = None,
 ) -> tuple[pl.DataFrame, RankLines]:
-    """`rows` of the first `most` ranks (all of them: None), each with all its modes."""
+    """`rows` of the first `most` ranks (all of them: None), each with all its modes; the
+    ranks of `read` with no row are named in `without_rows`."""
     present = sorted(set(rows["rank"].to_list()))
+    empty = tuple(run.rank for run in read if run.rank not in present)
     kept = present if most is None else present[:most]
     rows = rows.filter(pl.col("rank").is_in(kept))
     lines = rows.select("rank", "mode").unique()
@@ -171,7 +180,7 @@ def _rank_lines(
     )
     types = tuple((t, tuple(at)) for t, at in by_type.iter_rows())
     left_out = tuple(present[len(kept) :])
-    return rows, RankLines(tensor, tuple(kept), left_out, per_mode, without, types)
+    return rows, RankLines(tensor, tuple(kept), left_out, per_mode, without, types, empty)
 
 
 def plot_ranks(
@@ -191,7 +200,7 @@ def plot_ranks(
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
     rows, left_out = default_metrics(rows, facts, selection.metrics)  # as `plot DIR` draws
-    rows, lines = _rank_lines(rows, tensor, without, max_tensors)
+    rows, lines = _rank_lines(rows, tensor, without, runs, max_tensors)
     count = sum(n for _, n in lines.per_mode)
     title = lines.describe("line")
     if lines.left_out:
@@ -226,7 +235,7 @@ def heatmap_ranks(
     facts, _ = parent_facts(parent, runs[:1])
     tensor = chosen_tensor(runs, facts, selection)
     rows = _tensor_rows(parent, runs, selection, tensor, x, metrics=True)
-    rows, lines = _rank_lines(rows, tensor, without, max_ranks)
+    rows, lines = _rank_lines(rows, tensor, without, runs, max_ranks)
     metrics = metric_order(rows["metric"].unique().to_list(), facts.run)
     # Rank names sort in rank order (zero-padded), which is the order the grid's rows take.
     plain = dataclasses.replace(facts, run=None)

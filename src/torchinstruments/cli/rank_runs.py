@@ -234,15 +234,16 @@ def header_lines(
     of the ranks read, one per way the attempts of continued ranks ended (as `show` of one
     rank says them: its state names only the earlier attempts' end), one for ranks not read,
     one for ranks the world size expects and no directory holds, and each rank's marked
-    samples. Without `complete_said`, the ranks whose state is complete get no line: what a
+    samples. Without `complete_said`, the ranks whose state is complete get neither line: what a
     picture, a csv or a markdown table says on stderr, as for one run, which says its state
     only when it is not complete."""
     states: dict[str, list[int]] = {}
     ended: dict[str, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         state = f.state.split(" (")[0]
-        if complete_said or state != "complete":
-            states.setdefault(state, []).append(run.rank)
+        if not complete_said and state == "complete":
+            continue  # neither its state nor how its attempts ended (every one removed)
+        states.setdefault(state, []).append(run.rank)
         said = attempts_said(f.run_state, f.directory) if f.run_state else ""
         if said:
             ended.setdefault(said, []).append(run.rank)

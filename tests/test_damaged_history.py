@@ -64,10 +64,12 @@ def damaged(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def one_line(result: subprocess.CompletedProcess[str], code: int) -> str:
-    """The one stderr line of a command that exits with `code`, without a traceback."""
+    """The one error line of a command that exits with `code`, without a traceback: stderr's
+    only line, after the killed run's state where the command says it first (plot, heatmap)."""
     assert result.returncode == code, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
-    (line,) = result.stderr.splitlines()
+    *state, line = result.stderr.splitlines()
+    assert [": state: interrupted" in said for said in state] == [True] * len(state), state
     return line
 
 

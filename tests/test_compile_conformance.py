@@ -287,7 +287,8 @@ def test_a_sampled_backward_that_raised_leaves_torch_compile_off_only_until_the_
     tmp_path: Path,
 ) -> None:
     """The backward pass of a sampled forward runs with torch.compile off, and its end turns it
-    on again; one that raised never reaches its end, so the next root forward does."""
+    on again; one that raised never reaches its end, so the next root forward does, or removal
+    (else every model in the process would run eagerly from then on)."""
 
     @torch.compile(backend="eager")
     def compiled_now(x: torch.Tensor) -> torch.Tensor:
@@ -316,5 +317,12 @@ def test_a_sampled_backward_that_raised_leaves_torch_compile_off_only_until_the_
         assert compiling()
         model(torch.randn(4, WIDTH)).sum().backward()  # sampled, and a backward that ends
         assert compiling()
+        model(torch.randn(4, WIDTH)).sum().backward()  # not sampled
+        output = model(torch.randn(4, WIDTH))  # sampled
+        output.register_hook(failing_hook)
+        with pytest.raises(RuntimeError, match="the user's hook"):
+            output.sum().backward()
+        assert not compiling()
     finally:
-        remove_observer(model)
+        remove_observer(model)  # as a trainer's callback does after a fit that raised
+    assert compiling()  # removal ends the hold too: no later forward of this model needed

@@ -17,7 +17,8 @@ sampled forward (`compilation.force_eager`), when the backward pass first reache
 outputs: before any node inside the model runs, and so before any recomputation. The engine's
 end-of-pass callback turns it back on. Where no callback can be queued (compiled autograd,
 which traces the hooks into its graph), nothing is changed. A backward pass that raised never
-runs its callback: the next root forward, sampled or not, turns the stance back on, so a run
+runs its callback: the next root forward, sampled or not, or the observer's removal (a
+trainer's callback removes it after a fit that raised) turns the stance back on, so a process
 never stays eager past that. A gradient that enters the model other than through its outputs (a
 loss kept on a module attribute) is not seen here; its recomputation stays compiled, as before.
 """
@@ -30,9 +31,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from torchinstruments._torch_internals import in_compiled_autograd, queue_at_backward_end
+from torchinstruments._torch_internals import (
+    WeakIdKeyDictionary,
+    in_compiled_autograd,
+    queue_at_backward_end,
+)
 from torchinstruments.outputs import iter_tensors
 
 __all__ = ["hold_eager_for_backward", "release_held_backwards"]
@@ -97,7 +101,7 @@ def hold_eager_for_backward(
 
 
 def release_held_backwards() -> None:
-    """At a root forward: end every hold left by a backward pass that raised."""
+    """At a root forward and at removal: end every hold left by a backward pass that raised."""
     if not _HOLDING:
         return
     with _HOLDING_LOCK:

@@ -521,6 +521,7 @@ class Observer:
         eager = eager_samples_note(root_module, self.counter.samples, self.called_compiled)
         if eager is not None:  # read at close: a model may be compiled after inject
             self.notes.append(eager)
+        release_held_backwards()  # a sampled backward that raised: torch.compile on again
         self.spare.close()
         self.closed = True
         forks.untrack(self)

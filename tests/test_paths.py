@@ -179,6 +179,19 @@ def test_an_output_dir_too_deep_for_the_runs_files_is_refused_at_inject(tmp_path
     assert list(directory.iterdir()) == []
 
 
+def test_an_output_dir_with_a_folder_name_over_name_max_is_refused_naming_the_argument(
+    tmp_path: Path,
+) -> None:
+    """`Path.exists` raised a bare `OSError: File name too long` from inject, naming neither."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    for directory in (tmp_path / ("x" * (limit + 1)), tmp_path / ("x" * (limit + 1)) / "run"):
+        model = nn.Linear(3, 4)
+        with pytest.raises(ValueError, match=rf"^output_dir has a folder name of {limit + 1} "):
+            inject_observer(model, output_dir=directory)
+        assert "forward" not in model.__dict__
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_output_dir_below_a_symbolic_link_to_nothing_is_refused_naming_the_link(
     tmp_path: Path,
 ) -> None:

@@ -1,6 +1,6 @@
 """Which directories a run may be written to: `output_dir` expanded and made absolute once, and
 refused at inject, naming the argument, where the run could never be written (an empty or
-non-UTF-8 name, one too deep for PATH_MAX, one below a symbolic link to nothing, an existing
+non-UTF-8 name, one too deep for PATH_MAX, a folder name over NAME_MAX, one below a symbolic link to nothing, an existing
 file), where it already holds a run, or where it is laid out for the other rank placement.
 
 Design decision: every refusal happens before anything is written, so a refused inject leaves
@@ -54,8 +54,8 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             not exist.
         FileExistsError: if it names an existing file (not a directory).
         FileNotFoundError: if it or a folder above it is a symbolic link to nothing.
-        ValueError: if it is too long for the run's files below it (PATH_MAX), or not valid
-            UTF-8.
+        ValueError: if it is too long for the run's files below it (PATH_MAX), one of its
+            folder names is too long for its file system (NAME_MAX), or it is not valid UTF-8.
     """
     text = os.fspath(output_dir)
     if isinstance(text, bytes) or not text.strip():
@@ -65,6 +65,7 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
     path = expand_user(text, "output_dir").absolute()
     _check_utf8(path)
     _check_length(path)  # first: a path over PATH_MAX makes `exists` itself raise
+    _check_names(path)  # so does a folder name over NAME_MAX
     if path.exists() and not path.is_dir():
         raise FileExistsError(
             f"output_dir={str(path)!r} is an existing file, not a directory; pass a directory path"
@@ -118,6 +119,46 @@ def _check_length(path: Path) -> None:
             f"{limit} bytes and could not be written; pass a shorter output_dir (it begins "
             f"{str(path)[:80]!r})"
         )
+
+
+def _check_names(path: Path) -> None:
+    """Refuse a run directory with a folder name longer than its file system allows (NAME_MAX,
+    255 bytes on most): `Path.exists` itself raised a bare `OSError: File name too long`,
+    naming neither the argument nor the folder. Each name is checked against the limit of the
+    deepest existing folder above it, before anything reads a path holding it."""
+    folder, inside = Path(path.anchor), True
+    limit = _name_max(folder)
+    for name in path.parts[1:]:
+        length = len(os.fsencode(name))
+        if length > limit:
+            raise ValueError(
+                f"output_dir has a folder name of {length} bytes, over this file system's "
+                f"NAME_MAX of {limit} bytes, so the run could not be created there; pass an "
+                f"output_dir with shorter folder names (the long one begins {name[:40]!r})"
+            )
+        if inside and _is_dir(folder / name):
+            folder = folder / name
+            limit = _name_max(folder)
+        else:
+            inside = False
+
+
+def _is_dir(path: Path) -> bool:
+    """`path.is_dir()`, False where it cannot be read (a folder above without search
+    permission): the checks after this one say what is wrong there."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name, in bytes, that `folder`'s file system allows (255 where it does
+    not say)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    except (OSError, ValueError):
+        return 255
 
 
 def check_output_dir(path: Path) -> None:

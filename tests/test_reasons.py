@@ -18,6 +18,8 @@ from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.state import RunState
 
+from conftest import page_prose, run_status
+
 SOURCE = Path(torchinstruments.__file__).parent
 
 
@@ -65,10 +67,16 @@ def test_every_builder_is_exercised_here() -> None:
     builders = {
         name
         for name, value in vars(reasons).items()
-        if inspect.isfunction(value) and value.__module__ == reasons.__name__
+        if inspect.isfunction(value)
+        and value.__module__ == reasons.__name__
+        and not name.startswith("_")  # a private helper of builders builds no reason
     }
     source = inspect.getsource(every_builder_output)
-    assert {name for name in builders if f"reasons.{name}(" not in source} == {"explain"}
+    # explain reads a reason; utf8_text makes any text (a reason, a note) fit UTF-8 files
+    assert {name for name in builders if f"reasons.{name}(" not in source} == {
+        "explain",
+        "utf8_text",
+    }
 
 
 @pytest.mark.parametrize("reason", every_builder_output())
@@ -127,3 +135,63 @@ def test_measurement_code_writes_no_reason_literal() -> None:
 def test_explain_refuses_foreign_text() -> None:
     assert reasons.explain("something the library never says") is None
     assert reasons.explain("empty tensor") == reasons.REASONS[0]
+
+
+def test_error_messages_holding_bytes_that_are_not_utf8_keep_the_run_complete(
+    tmp_path: Path,
+) -> None:
+    """An error about an undecodable file name carries a lone surrogate (`surrogateescape`):
+    a reason holding it failed the run directory's write, which was detached, and the run
+    stayed in progress without a row. The reasons and notes that quote a message escape it."""
+    undecodable = b"data-\xff.bin".decode("utf-8", "surrogateescape")
+
+    class Uploads:
+        """A sink whose upload fails on the undecodable name (it is detached, with a note)."""
+
+        def start(self, run: RunInfo) -> None:
+            pass
+
+        def write_forward(self, record: object) -> None:
+            raise OSError(f"cannot upload {undecodable}")
+
+        def write_backward(self, record: object) -> None:
+            pass
+
+        def close(self, counts: object) -> None:
+            pass
+
+    def opened(tensor: torch.Tensor) -> float:
+        raise FileNotFoundError(f"no such file: {undecodable}")
+
+    class Loads(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                raise FileNotFoundError(f"no such file: {undecodable}")
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(2, 2), Loads())
+    inject_observer(
+        model,
+        output_dir=tmp_path,
+        sampler=EveryNForwardsSampler(1),
+        reducers=[opened],
+        sinks=[Uploads()],
+    )
+    with (
+        pytest.warns(RuntimeWarning, match=r"reducer error: FileNotFoundError"),
+        pytest.warns(RuntimeWarning, match=r"raised OSError: cannot upload"),
+    ):
+        model(torch.ones(1, 2))
+    with torch.no_grad(), pytest.raises(FileNotFoundError) as raised:
+        model(torch.ones(1, 2))
+    assert undecodable in str(raised.value)  # the user's exception, unchanged
+    remove_observer(model)
+    assert run_status(tmp_path) == "complete"
+    history = pl.read_parquet(tmp_path / "history.parquet")
+    failed = history.filter(pl.col("metric") == "opened")["unavailable_reason"].unique()
+    assert failed.to_list() == ["reducer error: FileNotFoundError: no such file: data-\\udcff.bin"]
+    (mark,) = history.filter(pl.col("metric") == "interrupted")["unavailable_reason"].to_list()
+    assert "raised FileNotFoundError: no such file: data-\\udcff.bin in layer '1'" in mark
+    assert "raised OSError: cannot upload data-\\udcff.bin in write_forward()" in page_prose(
+        tmp_path
+    )

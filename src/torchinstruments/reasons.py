@@ -47,6 +47,7 @@ __all__ = [
     "unsupported_dtype",
     "unsupported_layout",
     "unwritten_at_removal",
+    "utf8_text",
     "without_values",
 ]
 
@@ -306,16 +307,30 @@ def without_values(meta: bool, fake: bool) -> str | None:
     return META_DEVICE if meta else FAKE_TENSOR if fake else None
 
 
+def utf8_text(text: str) -> str:
+    """`text` with its lone surrogates written as `\\udcff` escapes, so UTF-8 files hold it.
+
+    Why: an error's message may carry lone surrogates (bytes that were not UTF-8, decoded with
+    `surrogateescape`: a file name, a subprocess's output), which Polars and UTF-8 text files
+    refuse; a reason or note holding one failed the run directory's write, which detached it
+    and left the run in progress with none of its rows."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _message(exc: BaseException) -> str:
+    """`str(exc)` as text every file of the run can hold, or a stand-in where it raises."""
+    try:
+        return utf8_text(str(exc))
+    except Exception:  # an error whose own message raises (one a tensor subclass raised)
+        return "(its message could not be read)"
+
+
 def error(source: str, exc: BaseException) -> str:
     """`<source> error: <Type>: <message>`; source is reducer, statistics or measurement (a
     failure of global statistics stops them: `global_stopped`)."""
     if source not in ("reducer", "statistics", "measurement"):
         raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
-    try:
-        message = str(exc)
-    except Exception:  # an error whose own message raises (one a tensor subclass raised)
-        message = "(its message could not be read)"
-    return f"{source} error: {type(exc).__name__}: {message}"
+    return f"{source} error: {type(exc).__name__}: {_message(exc)}"
 
 
 def reducer_returned(kind: str) -> str:
@@ -374,10 +389,7 @@ _MESSAGE_CHARS = 200
 
 def interrupted(error: BaseException, layer: str | None, call_index: int) -> str:
     """A sampled root forward raised `error`, in `layer` (None: outside the selected layers)."""
-    try:
-        message = " ".join(str(error).split()) or "(no message)"
-    except Exception:  # an exception whose __str__ raises still gets its mark
-        message = "(its message could not be read)"
+    message = " ".join(_message(error).split()) or "(no message)"
     if len(message) > _MESSAGE_CHARS:
         message = message[: _MESSAGE_CHARS - 3] + "..."
     where = (
@@ -425,7 +437,8 @@ def global_stopped(sample_id: int | None, exc: BaseException) -> str:
     library's process groups could not be created), after `exc`."""
     when = "inject" if sample_id is None else f"sample {sample_id}"
     return (
-        f"global statistics stopped at {when}, for the rest of the run: {type(exc).__name__}: {exc}"
+        f"global statistics stopped at {when}, for the rest of the run: {type(exc).__name__}: "
+        f"{_message(exc)}"
     )
 
 

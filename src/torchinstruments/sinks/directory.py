@@ -16,6 +16,7 @@ from torchinstruments import forks
 from torchinstruments.events import EventFile, missing_histograms
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.notices import warn
+from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
 from torchinstruments.rundir.attempt_states import job_state, start_state
@@ -424,7 +425,9 @@ class DirectorySink:
         self.live_scales.saved(scales)
 
     def _labelled(self, notes: tuple[str, ...]) -> tuple[str, ...]:
-        """`notes` (this attempt's), each naming the attempt when the run has several."""
+        """`notes` (this attempt's), each naming the attempt when the run has several, and
+        each as UTF-8 files hold it (a note quoting an error may carry lone surrogates)."""
+        notes = tuple(utf8_text(note) for note in notes)
         if self._continuation is None:
             return notes
         return attempt_notes(self._continuation.attempt, notes)

@@ -19,6 +19,8 @@ from torch import nn
 import torchinstruments
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 
+from conftest import run_status
+
 
 def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -51,15 +53,25 @@ def test_step_is_what_the_loop_gave_and_null_before(run_dir: Path) -> None:
     assert {signal for _, signal in got} == {"output", "output_gradient"}
 
 
-def test_set_step_is_public_and_refuses_a_non_integer(run_dir: Path) -> None:
+def test_set_step_is_public_and_refuses_a_non_integer_or_one_beyond_int64(run_dir: Path) -> None:
     assert "set_step" in torchinstruments.__all__
     model = small_model()
-    inject_observer(model, output_dir=run_dir)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     for bad in (1.5, True, "3"):
         with pytest.raises(TypeError, match="set_step: step must be an integer"):
             set_step(model, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="set_step: step must be an integer"):
+        set_step(model, torch.tensor(4, device="meta"))  # no value to read
+    for beyond in (2**63, np.uint64(2**64 - 1), -(2**63) - 1):
+        # accepted, such a step failed the write of every part holding it (their rows lost)
+        with pytest.raises(ValueError, match="set_step: step must fit the history's Int64"):
+            set_step(model, beyond)
     set_step(model, torch.tensor(4))  # a 0-d integer tensor is an integer
+    set_step(model, 2**63 - 1)
+    model(torch.ones(1, 4))
     remove_observer(model)
+    assert run_status(run_dir) == "complete"
+    assert pl.read_parquet(run_dir / "history.parquet")["step"].unique().to_list() == [2**63 - 1]
 
 
 def test_set_step_without_an_observer_warns_and_the_loop_goes_on() -> None:

@@ -264,6 +264,30 @@ def has_observer(model: nn.Module) -> bool:
     return registered(model) is not None
 
 
+# The history's `step` column is Int64: a step beyond it could not be written.
+_STEP_RANGE = range(-(2**63), 2**63)
+
+
+def _step_value(step: SupportsIndex) -> int:
+    """`step` as a Python int, refused here when it is not one (naming `set_step`), or beyond
+    Int64: such a step was accepted, and every history part holding one then failed to write,
+    losing the rows of every sample in it."""
+    if isinstance(step, bool):
+        raise TypeError(f"set_step: step must be an integer or None, got {step!r}")
+    try:
+        value = operator.index(step)
+    except Exception:  # a float, a str; a tensor that cannot be read (on the meta device)
+        raise TypeError(
+            f"set_step: step must be an integer or None, got {step!r} ({type(step).__name__})"
+        ) from None
+    if value not in _STEP_RANGE:
+        raise ValueError(
+            f"set_step: step must fit the history's Int64 step column (-2**63 to 2**63 - 1), "
+            f"got {value}"
+        )
+    return value
+
+
 def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
     """Give the step of the samples taken from now on: history's `step` column.
 
@@ -279,22 +303,14 @@ def set_step(model: nn.Module, step: SupportsIndex | None) -> None:
     Raises:
         TypeError: `step` is not an integer (a bool or a float is refused). A model without an
             observer (never injected, or removed) is warned about, not refused: the loop goes on.
+        ValueError: `step` is beyond the history's Int64 `step` column.
 
     Example:
         >>> for step, (x, y) in enumerate(loader):
         ...     set_step(model, step)
         ...     loss_fn(model(x), y).backward()
     """
-    value: int | None = None
-    if step is not None:
-        if isinstance(step, bool):
-            raise TypeError(f"set_step: step must be an integer or None, got {step!r}")
-        try:
-            value = operator.index(step)
-        except TypeError:
-            raise TypeError(
-                f"set_step: step must be an integer or None, got {step!r} ({type(step).__name__})"
-            ) from None
+    value = None if step is None else _step_value(step)
     key = registered(model)
     if key is None:
         if model not in UNATTACHED:

@@ -249,7 +249,8 @@ def _computes_nothing(module: nn.Module) -> bool:
 def default_layer_names(model: nn.Module) -> list[str]:
     """The layers design.md's default rule selects, computed here independently: every leaf
     module but those that compute nothing (no forward of their own class, or an empty
-    nn.Sequential); the modules of `HELD_NOT_CALLED` as one layer each, without the children they
+    nn.Sequential), where children in which nothing computes (an nn.ParameterList) do not
+    count; the modules of `HELD_NOT_CALLED` as one layer each, without the children they
     never call; a module parametrized by torch.nn.utils.parametrize as one layer (its
     `parametrizations`, which compute its weights, are not layers); and no TorchScript module,
     nor any module inside one."""
@@ -261,7 +262,14 @@ def default_layer_names(model: nn.Module) -> list[str]:
         if isinstance(module, torch.jit.ScriptModule):  # compiled: no forward to replace
             skipped.append(name)
             continue
-        children = dict(module.named_children())
+        children = {
+            child: sub
+            for child, sub in module.named_children()
+            if any(  # a child in which nothing computes (a ParameterList) does not count
+                isinstance(inner, torch.jit.ScriptModule) or not _computes_nothing(inner)
+                for inner in sub.modules()
+            )
+        }
         if torch.nn.utils.parametrize.is_parametrized(module):
             del children["parametrizations"]
             skipped.append(f"{name}.parametrizations" if name else "parametrizations")

@@ -289,3 +289,74 @@ def test_bias_free_swin_attention_is_selected_as_with_biases(
     bias_free = attention(16, [2, 2], [1, 1], 2, qkv_bias=qkv_bias, proj_bias=proj_bias)
     assert default_layers(bias_free) == default_layers(attention(16, [2, 2], [1, 1], 2))
     assert "" in default_layers(bias_free)
+
+
+class IndexesAParameterList(nn.Module):
+    """Computes with the weights a ParameterList holds (indexed, so no child is read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(4, 4))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weights[0]
+
+
+class KeysAParameterDict(nn.Module):
+    """Computes with a weight a ParameterDict holds (by key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterDict({"w": nn.Parameter(torch.randn(4, 4))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weights["w"]
+
+
+class IteratesHolders(nn.Module):
+    """Computes with the parameters of holders (no forward) kept in a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        holders = [nn.Module() for _ in range(2)]
+        for holder in holders:
+            holder.register_parameter("weight", nn.Parameter(torch.randn(4, 4)))
+        self.holders = nn.ModuleList(holders)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for holder in self.holders:
+            x = x @ cast(torch.Tensor, holder.weight)
+        return x
+
+
+def test_a_module_whose_children_compute_nothing_is_a_layer(run_dir: Path) -> None:
+    """Such a module computes with what its children hold; nothing else of it ever runs, so
+    a custom layer keeping its weights in a ParameterList or ParameterDict had no rows and
+    nothing said so. (A dynamically quantized LSTM keeps its packed weights this way too.)"""
+    model = nn.Sequential()
+    for name, module in {
+        "listed": IndexesAParameterList(),
+        "iterated": IteratesHolders(),
+        "keyed": KeysAParameterDict(),
+        "head": nn.Linear(4, 2),
+    }.items():
+        model.add_module(name, module)
+    assert default_layers(model) == {"listed", "iterated", "keyed", "head"}
+    outputs: dict[str, torch.Tensor] = {}
+    for name in ("listed", "iterated"):
+        hook = functools.partial(
+            lambda name, m, args, out: outputs.update({name: out.detach()}), name
+        )
+        model.get_submodule(name).register_forward_hook(hook)
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    history = read_history(run_dir)
+    assert set(history.select("layer", "signal").unique().rows()) == {
+        (layer, signal)
+        for layer in ("listed", "iterated", "keyed", "head")
+        for signal in ("output", "output_gradient")
+    }
+    for name, output in outputs.items():
+        mean = history.filter(layer=name, signal="output", metric="mean")["value"].item()
+        assert mean == pytest.approx(output.double().mean().item(), rel=1e-9)

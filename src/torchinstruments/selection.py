@@ -3,7 +3,8 @@
 The default rule, meant to be predicted by reading it: the modules that compute, in
 `named_modules()` traversal order. That is every leaf module (a module with no children; one
 without a forward, such as an empty `ModuleList`, or an empty `nn.Sequential`, computes
-nothing and is not one), plus each module that uses some of its children only through what
+nothing and is not one; children in which nothing computes, such as an `nn.ParameterList`
+the module indexes, do not count), plus each module that uses some of its children only through what
 they hold, never calling them (its methods outside `__init__` read `self.<child>.weight`,
 `self.<child>.p` and the like, a parameter slot registered as None such as a bias-free
 projection's `bias` included, and nothing else of the child: `parameter_holders`): it hands
@@ -315,6 +316,16 @@ def _computes(module: nn.Module) -> bool:
     return "forward" in vars(module) or forward not in (nn.Module.forward, nn.Sequential.forward)
 
 
+def _computes_within(module: nn.Module) -> bool:
+    """Whether `module` or a module inside it computes (`_computes`; TorchScript does). A
+    module in which none does holds tensors only (`nn.ParameterList`, `nn.ParameterDict`, a
+    `ModuleList` of parameter holders): its parent, which indexes or iterates it and computes
+    with what it holds, is then a leaf for the rule, as a parent of no children is."""
+    return any(
+        isinstance(inner, torch.jit.ScriptModule) or _computes(inner) for inner in module.modules()
+    )
+
+
 def torchscript_modules(model: nn.Module) -> list[str]:
     """The outermost TorchScript submodules of `model` (a part of it given to `torch.jit.script`
     or `torch.jit.trace`), in traversal order: they and the modules inside them are never
@@ -352,7 +363,9 @@ def default_layers(model: nn.Module) -> set[str]:
         if isinstance(module, torch.jit.ScriptModule):  # never a layer, nor what it holds
             skipped.add(name)
             continue
-        children = [child for child, _ in module.named_children()]
+        # A child in which nothing computes (a ParameterList, a ModuleList of parameter
+        # holders without a forward) only holds what the module computes with.
+        children = [child for child, sub in module.named_children() if _computes_within(sub)]
         if parametrize.is_parametrized(module):  # its parametrizations compute its weights
             children.remove("parametrizations")
             skipped.add(f"{name}.parametrizations" if name else "parametrizations")

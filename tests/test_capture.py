@@ -178,6 +178,45 @@ def test_root_that_is_a_leaf_is_measured_as_layer_root(run_dir: Path) -> None:
     ]
 
 
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+class StaticForward(nn.Module):
+    """A class `forward` that takes no `self`: a staticmethod of a Python function."""
+
+    forward = staticmethod(tanh)
+
+
+class ClassForward(nn.Module):
+    """A class `forward` bound to the class: a classmethod."""
+
+    @classmethod
+    def forward(cls, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["layers", "root"])
+def test_staticmethod_and_classmethod_forwards_run_as_unobserved_and_are_measured(
+    run_dir: Path, root: bool
+) -> None:
+    """The proxy took the class's forward as `type(module).forward`, a staticmethod's bare
+    function, and bound it to the module: every sampled call raised TypeError in the step."""
+    model: nn.Module = StaticForward() if root else nn.Sequential(StaticForward(), ClassForward())
+    x = torch.randn(5, 3)
+    expected = model(x)
+    observe(model, run_dir)
+    assert torch.equal(model(x), expected)
+    remove_observer(model)
+    assert [m for m in model.modules() if "forward" in m.__dict__] == []
+    history = read_history(run_dir)
+    assert set(history["layer"]) == ({""} if root else {"0", "1"})
+    assert values(history, metric="max", signal="output") == [
+        pytest.approx(output.max().item(), rel=1e-6)
+        for output in ([expected] if root else [torch.tanh(x), expected])
+    ]
+
+
 def test_no_grad_and_inference_mode_are_measured_without_gradients(run_dir: Path) -> None:
     model = mlp()
     observe(model, run_dir)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import operator
 import threading
 import weakref
@@ -136,7 +137,7 @@ class ForwardProxy(wrapt.FunctionWrapper):
             return copy.deepcopy(self.__wrapped__, memo)
         # copy.deepcopy registers the new module in `memo` before it copies the module's
         # __dict__, so the copy gets the class's forward bound to itself, and then drops it.
-        bound = type(new_module).forward.__get__(new_module)
+        bound = bound_class_forward(new_module)
         # Copied by `copy._reconstruct` (no `__deepcopy__` of its class, which may never call
         # `__setstate__`, e.g. torch.fx's GraphModule), whose state is being copied now, and
         # set right after: drop the bound method then.
@@ -196,10 +197,14 @@ def install_proxy(
 
 
 def bound_class_forward(module: nn.Module) -> Callable[..., Any]:
-    """`module`'s class `forward` as `module.forward` gives it without an instance one: bound,
-    or, a callable object that is not a descriptor, as it is."""
-    forward = type(module).forward
-    return forward.__get__(module, type(module)) if hasattr(forward, "__get__") else forward
+    """`module`'s class `forward` as `module.forward` gives it without an instance one: the
+    class's attribute as stored, through its descriptor (a function bound, a staticmethod's
+    function as it is, a classmethod bound to the class), or, a callable object that is not a
+    descriptor, as it is. Read through the class (`type(module).forward`), a staticmethod
+    gave its function, which was then bound to the module: every call passed the module as
+    an extra first argument and raised TypeError in the user's step."""
+    forward = inspect.getattr_static(type(module), "forward")
+    return forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
 
 
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:

@@ -192,3 +192,40 @@ def test_a_call_on_another_thread_that_returns_after_its_sampled_forward_is_coun
     assert set(read_history(run_dir)["layer"]) == {"head"}
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     assert "1 call that began during a sampled forward and returned after it had ended" in index
+
+
+class Gate(nn.Module):
+    """Returns its input once `opened` is set, after setting `inside`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.opened = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inside.set()
+        assert self.opened.wait(timeout=60)
+        return x
+
+
+def test_a_layer_two_observed_models_share_keeps_each_models_calls_on_its_thread(
+    tmp_path: Path,
+) -> None:
+    """Model b's forward on the main thread calls the shared layer while model a's sampled
+    forward is in flight on another: that call is b's, and a's sample had it as a second call."""
+    shared, gate = nn.Linear(4, 4), Gate()
+    a, b = nn.Sequential(shared, gate), nn.Sequential(shared, nn.Tanh())
+    for name, model in (("a", a), ("b", b)):
+        inject_observer(model, output_dir=tmp_path / name, sampler=EveryNForwardsSampler(1))
+    x_a, x_b = torch.randn(3, 4), torch.randn(3, 4) + 5
+    thread = threading.Thread(target=a, args=(x_a,))
+    thread.start()
+    assert gate.inside.wait(timeout=60)
+    b(x_b)
+    gate.opened.set()
+    thread.join(timeout=60)
+    remove_observer(a)
+    remove_observer(b)
+    for name, x in (("a", x_a), ("b", x_b)):
+        rows = read_history(tmp_path / name).filter(layer="0", signal="output", metric="max")
+        assert rows.select("sample_id", "call_index").rows() == [(0, 0)]
+        assert rows["value"].item() == pytest.approx(shared(x).max().item(), rel=1e-6)

@@ -37,7 +37,8 @@ proxy in it, so alternating sampled and unsampled steps never recompiles.
 Threads: the open sample and the root depth are per thread, so a model run from several threads
 keeps each thread's forwards apart; a selected layer called on a thread without a root forward
 of its own (a thread pool inside the forward) belongs to the one sampled forward in flight, and
-calls no sample can take are counted and said (`samples.py` explains the decision).
+calls no sample can take are counted and said (`samples.py` explains the decision). A call on a
+thread in a root forward of another observed model (a layer both models share) is that model's.
 
 Ctrl-C: a sampled forward's start and end, and a backward pass's end, run with SIGINT held
 (interrupts.py), so a Ctrl-C reaches the user's handler right after them and never cuts a sample
@@ -172,6 +173,7 @@ class Observer:
         # Root depth and the open sample are per thread: a model run from several threads keeps
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
+        _OPEN.add(self)
         self.closed = self.forked = False  # forked: in a process forked from its maker (forks.py)
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
@@ -448,8 +450,10 @@ class Observer:
 
     def sample_in_flight(self, count: bool) -> Sample | None:
         """For a thread without a sampled forward of its own: the one in flight (samples.py);
-        None in a root forward of its own (its calls are its own), or with none or several."""
-        if getattr(self._local, "depth", 0):
+        None in a root forward of its own (its calls are its own), in a root forward of another
+        observer's model (a layer two observed models share: the call is that model's), or with
+        none or several in flight."""
+        if getattr(self._local, "depth", 0) or _in_another_root_forward(self):
             return None
         return self.in_flight.only(count)
 
@@ -524,6 +528,7 @@ class Observer:
         release_held_backwards()  # a sampled backward that raised: torch.compile on again
         self.spare.close()
         self.closed = True
+        _OPEN.discard(self)
         forks.untrack(self)
         with self.recording.sink_lock:
             self.sinks.close(self.counts())
@@ -549,3 +554,16 @@ class Observer:
 exclude_from_compilation(Observer.on_root_call)
 # A frame running it, for this observer, is a root forward in progress (`interrupts.running`).
 _ROOT_CODE = Observer.on_root_call.__code__
+
+
+# The observers not yet closed, for `_in_another_root_forward` (weak: a dropped one goes).
+_OPEN: weakref.WeakSet[Observer] = weakref.WeakSet()
+
+
+def _in_another_root_forward(observer: Observer) -> bool:
+    """Whether this thread is in a root forward of an observer other than `observer`. Read only
+    for a call `observer` could borrow (a layer called on a thread without a root forward of its
+    own): a layer two observed models share, called by the other model's forward on another
+    thread, was measured into this model's sample in flight, whose rows then held the other
+    model's calls."""
+    return any(other is not observer and getattr(other._local, "depth", 0) for other in list(_OPEN))

@@ -18,7 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, inject_observer, reasons, remove_observer
+from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.records import MetricValue
 
 from conftest import mlp, read_history, sgd_step
 
@@ -118,3 +120,28 @@ def test_each_modifying_function_is_named_in_its_reason_and_warned_about_once(
     assert rows.height == 2 * 2 * 2 * 2  # samples x layers x signals x metrics
     for metric, reason in rows.select("metric", "unavailable_reason").iter_rows():
         assert reason.startswith(f"reducer {metric} modified its argument in place")
+
+
+def test_a_custom_value_that_is_no_float_is_that_reducers_null_not_the_statistics() -> None:
+    """A reducer's value that cannot become a float64 (an int beyond it, a meta tensor) is
+    null in that metric's rows with the reducer's reason (no finite value, or the reducer's
+    error), never a failure of the default statistics, which stay measured."""
+    measurer = Measurer(
+        {
+            "big": lambda t: 10**400,
+            "meta": lambda t: torch.tensor(1.0, device="meta"),
+            "fine": lambda t: 2.0,
+        }
+    )
+    x = torch.randn(10)
+    pending = measurer.launch(x)
+    vector = pending.device_vector
+    values = pending.resolve([] if vector is None else vector.tolist())
+    got = dict(zip(measurer.metrics, values, strict=True))
+    assert got["big"] == MetricValue(None, reasons.NON_FINITE_RESULT)
+    assert got["meta"].value is None
+    assert got["meta"].reason is not None
+    assert got["meta"].reason.startswith("reducer error: RuntimeError: ")
+    assert got["fine"] == MetricValue(2.0)
+    assert got["mean"].value == pytest.approx(float(x.double().mean()))
+    assert got["max"] == MetricValue(float(x.max()))

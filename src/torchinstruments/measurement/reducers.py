@@ -268,25 +268,43 @@ def _reduce_custom(
     for name in metrics:
         if name not in result:
             continue  # resolved as null with reasons.NO_VALUE
-        value = result[name]
-        if isinstance(value, torch.Tensor):
-            problem = _scalar_tensor_problem(value)
-            if problem is not None:
-                part.fixed[name] = MetricValue(None, problem)
-            elif (
-                value.device == tensor.device
-                and not (host_paths and tensors.host_sync_is_free(value.device))
-                and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
-            ):
-                part.refs[name] = offset + len(device_values)
-                device_values.append(value.detach().reshape(()).to(torch.float64))
-            else:
-                part.host[name] = float(value.detach().reshape(()).to(torch.float64))
-        elif isinstance(value, numbers.Real):
-            part.host[name] = float(value)
-        else:
-            part.fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
+        try:
+            _take_value(part, device_values, name, result[name], tensor, offset, host_paths)
+        except OverflowError:  # an int beyond float64 (10**400): no finite value
+            part.fixed[name] = MetricValue(None, reasons.NON_FINITE_RESULT)
+        except Exception as error:  # the reducer's value, not the default statistics, failed
+            part.fixed[name] = MetricValue(None, reasons.error("reducer", error))
     return part, torch.stack(device_values) if device_values else None
+
+
+def _take_value(
+    part: _Part,
+    device_values: list[torch.Tensor],
+    name: str,
+    value: object,
+    tensor: torch.Tensor,
+    offset: int,
+    host_paths: bool,
+) -> None:
+    """One custom metric's `value` into `part`: a device scalar waiting for the transfer, a
+    host float, or null with the reason it cannot be a metric."""
+    if isinstance(value, torch.Tensor):
+        problem = _scalar_tensor_problem(value)
+        if problem is not None:
+            part.fixed[name] = MetricValue(None, problem)
+        elif (
+            value.device == tensor.device
+            and not (host_paths and tensors.host_sync_is_free(value.device))
+            and tensors.is_plain(value)  # a subclass's value is read now (see host_floats)
+        ):
+            part.refs[name] = offset + len(device_values)
+            device_values.append(value.detach().reshape(()).to(torch.float64))
+        else:
+            part.host[name] = float(value.detach().reshape(()).to(torch.float64))
+    elif isinstance(value, numbers.Real):
+        part.host[name] = float(value)
+    else:
+        part.fixed[name] = MetricValue(None, reasons.reducer_value(type(value).__name__, name))
 
 
 def _scalar_tensor_problem(value: torch.Tensor) -> str | None:

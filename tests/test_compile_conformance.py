@@ -11,6 +11,7 @@ the compiled model never reaches the observer again, also when it recompiles.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -312,6 +313,8 @@ def test_a_sampled_backward_that_raised_leaves_torch_compile_off_only_until_the_
         with pytest.raises(RuntimeError, match="the user's hook"):
             output.sum().backward()
         assert seen == [False]  # off in the backward pass ...
+        del output  # the pass's tensors and hooks freed: the hold must outlive them
+        gc.collect()
         assert not compiling()  # ... and left off by its exception ...
         model(torch.randn(4, WIDTH)).sum().backward()  # ... until the next root forward
         assert compiling()

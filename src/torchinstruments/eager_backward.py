@@ -26,7 +26,6 @@ loss kept on a module attribute) is not seen here; its recomputation stays compi
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +41,10 @@ from torchinstruments.outputs import iter_tensors
 __all__ = ["hold_eager_for_backward", "release_held_backwards"]
 
 # The one piece of process-wide state here: the hooks holding the eager stance now, so that the
-# next root forward ends a hold whose backward raised (the engine then runs no callback).
-_HOLDING: weakref.WeakSet[_EagerBackward] = weakref.WeakSet()
+# next root forward (or removal) ends a hold whose backward raised (the engine then runs no
+# callback). Held strongly: a weak set lost a hook whose tensors were freed after the failed pass,
+# and with it the only way to end its hold, leaving the whole process eager.
+_HOLDING: set[_EagerBackward] = set()
 _HOLDING_LOCK = threading.Lock()
 # Tensors hooked so far: one a model returns again (a cached tensor) is hooked once, not once per
 # sampled forward (any hook here does the same for every forward).

@@ -36,25 +36,31 @@ def steps(events: EventAccumulator, tag: str, kind: str) -> list[int]:
     return [record.step for record in records]
 
 
-def test_lightning_logs_training_metrics_on_the_histograms_step_and_validations_one_lower(
-    tmp_path: Path,
-) -> None:
-    model = ValidationRecorded()
-    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
-    trainer = lightning.Trainer(
+def logging_each_step(tmp_path: Path, **options: int) -> lightning.Trainer:
+    """Four steps logged each to TensorBoard under `tmp_path/logs/version_0`, one validation
+    batch per validation, evaluation forwards recorded: `options` set when they run."""
+    return lightning.Trainer(
         max_steps=4,
         accelerator="cpu",
         devices=1,
         logger=TensorBoardLogger(tmp_path, name="logs", version=0),
         callbacks=[LightningObserver(sampler=EveryNForwardsSampler(1), record_eval=True)],
         log_every_n_steps=1,
-        val_check_interval=2,
         limit_val_batches=1,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
+
+
+def test_lightning_logs_training_metrics_on_the_histograms_step_and_validations_one_lower(
+    tmp_path: Path,
+) -> None:
+    model = ValidationRecorded()
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+    trainer = logging_each_step(tmp_path, val_check_interval=2)
     trainer.fit(model, data, data)
     sizes = {HISTOGRAMS: 0, SCALARS: 0}
     events = EventAccumulator(str(tmp_path / "logs" / "version_0"), sizes).Reload()
@@ -73,21 +79,7 @@ def test_a_lightning_validation_between_accumulated_micro_batches_is_logged_on_i
     carry, not one lower as the one after batch 6; index.md and a warning say so, once."""
     model = ValidationRecorded()
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
-    trainer = lightning.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        devices=1,
-        logger=TensorBoardLogger(tmp_path, name="logs", version=0),
-        callbacks=[LightningObserver(sampler=EveryNForwardsSampler(1), record_eval=True)],
-        log_every_n_steps=1,
-        accumulate_grad_batches=2,
-        val_check_interval=3,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = logging_each_step(tmp_path, accumulate_grad_batches=2, val_check_interval=3)
     with pytest.warns(RuntimeWarning, match="validation at global step 1 ran between the micro"):
         trainer.fit(model, data, data)
     events = EventAccumulator(str(tmp_path / "logs" / "version_0"), {HISTOGRAMS: 0, SCALARS: 0})

@@ -36,9 +36,11 @@ def steps(events: EventAccumulator, tag: str, kind: str) -> list[int]:
     return [record.step for record in records]
 
 
-def logging_each_step(tmp_path: Path, **options: int) -> lightning.Trainer:
+def logging_each_step(
+    tmp_path: Path, val_check_interval: int, accumulate_grad_batches: int = 1
+) -> lightning.Trainer:
     """Four steps logged each to TensorBoard under `tmp_path/logs/version_0`, one validation
-    batch per validation, evaluation forwards recorded: `options` set when they run."""
+    batch per validation, evaluation forwards recorded."""
     return lightning.Trainer(
         max_steps=4,
         accelerator="cpu",
@@ -51,7 +53,8 @@ def logging_each_step(tmp_path: Path, **options: int) -> lightning.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **options,
+        val_check_interval=val_check_interval,
+        accumulate_grad_batches=accumulate_grad_batches,
     )
 
 

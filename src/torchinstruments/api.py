@@ -413,6 +413,7 @@ def start_run(
         UNATTACHED.add(model)
         return None
     OBSERVERS[model] = observer
+    observer.attached = lambda: list(OBSERVERS.values())
     return observer.directory
 
 

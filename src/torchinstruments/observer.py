@@ -66,7 +66,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -173,7 +173,9 @@ class Observer:
         # Root depth and the open sample are per thread: a model run from several threads keeps
         # each thread's forwards apart. Counts and the sampler are shared, under one lock.
         self._local = threading.local()
-        _OPEN.add(self)
+        # Every attached observer of the process (`registry.OBSERVERS`, set at inject by api.py):
+        # a layer two observed models share is measured for the model whose forward called it.
+        self.attached: Callable[[], Iterable[Observer]] = tuple
         self.closed = self.forked = False  # forked: in a process forked from its maker (forks.py)
         self._parent_pid = os.getpid()
         self.proxies = Proxies(self.warn_once)
@@ -448,12 +450,22 @@ class Observer:
         """The sampled root forward running in this thread, if any."""
         return getattr(self._local, "sample", None)
 
+    def _in_another_root_forward(self) -> bool:
+        """Whether this thread is in a root forward of another attached observer. Read only for
+        a call this observer could borrow (a layer called on a thread without a root forward of
+        its own): a layer two observed models share, called by the other model's forward on
+        another thread, was measured into this model's sample in flight, whose rows then held
+        the other model's calls."""
+        return any(
+            other is not self and getattr(other._local, "depth", 0) for other in self.attached()
+        )
+
     def sample_in_flight(self, count: bool) -> Sample | None:
         """For a thread without a sampled forward of its own: the one in flight (samples.py);
         None in a root forward of its own (its calls are its own), in a root forward of another
         observer's model (a layer two observed models share: the call is that model's), or with
         none or several in flight."""
-        if getattr(self._local, "depth", 0) or _in_another_root_forward(self):
+        if getattr(self._local, "depth", 0) or self._in_another_root_forward():
             return None
         return self.in_flight.only(count)
 
@@ -528,7 +540,6 @@ class Observer:
         release_held_backwards()  # a sampled backward that raised: torch.compile on again
         self.spare.close()
         self.closed = True
-        _OPEN.discard(self)
         forks.untrack(self)
         with self.recording.sink_lock:
             self.sinks.close(self.counts())
@@ -554,16 +565,3 @@ class Observer:
 exclude_from_compilation(Observer.on_root_call)
 # A frame running it, for this observer, is a root forward in progress (`interrupts.running`).
 _ROOT_CODE = Observer.on_root_call.__code__
-
-
-# The observers not yet closed, for `_in_another_root_forward` (weak: a dropped one goes).
-_OPEN: weakref.WeakSet[Observer] = weakref.WeakSet()
-
-
-def _in_another_root_forward(observer: Observer) -> bool:
-    """Whether this thread is in a root forward of an observer other than `observer`. Read only
-    for a call `observer` could borrow (a layer called on a thread without a root forward of its
-    own): a layer two observed models share, called by the other model's forward on another
-    thread, was measured into this model's sample in flight, whose rows then held the other
-    model's calls."""
-    return any(other is not observer and getattr(other._local, "depth", 0) for other in list(_OPEN))

@@ -44,15 +44,24 @@ def check_continued(run: Path, first: pl.DataFrame) -> None:
     ]
 
 
-def lightning_fit(tmp_path: Path, max_steps: int, ckpt: Path | None) -> lightning.Trainer:
+def lightning_fit(
+    tmp_path: Path,
+    max_steps: int,
+    ckpt: Path | None,
+    callback: LightningObserver | None = None,
+    version: int | None = 0,
+) -> lightning.Trainer:
+    """A fit of `Tiny` for `max_steps` (from `ckpt`), every forward sampled by `callback`
+    (default: a fresh LightningObserver), logged to `tmp_path/logs/version_<version>` (None: the
+    logger's next version)."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     trainer = lightning.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
         devices=1,
-        logger=TensorBoardLogger(save_dir=tmp_path, name="logs", version=0),
-        callbacks=[LightningObserver(sampler=EveryNForwardsSampler(1))],
+        logger=TensorBoardLogger(save_dir=tmp_path, name="logs", version=version),
+        callbacks=[callback or LightningObserver(sampler=EveryNForwardsSampler(1))],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -9,45 +9,25 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import lightning
 import polars as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from polars.testing import assert_frame_equal
 from test_huggingface_callback import examples, tiny_bert
-from test_lightning_callback import Tiny
-from torch.utils.data import DataLoader, TensorDataset
 from transformers import Trainer, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.state import read_state
 
-from _resumed_fits import FIRST, TOTAL, check_continued
+from _resumed_fits import FIRST, TOTAL, check_continued, lightning_fit
 
 
 def versioned_fit(tmp_path: Path, max_steps: int, ckpt: Path | None, **options: object) -> Path:
     """`lightning_fit` with the default auto-versioned TensorBoardLogger (each trainer writes a
     new `logs/version_N`); returns the callback's run directory."""
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     callback = LightningObserver(sampler=EveryNForwardsSampler(1), **options)  # type: ignore[arg-type]
-    trainer = lightning.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=TensorBoardLogger(save_dir=tmp_path, name="logs"),
-        callbacks=[callback],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(
-        Tiny(),
-        train_dataloaders=DataLoader(data, batch_size=4),
-        ckpt_path=None if ckpt is None else str(ckpt),
-    )
+    trainer = lightning_fit(tmp_path, max_steps, ckpt, callback, version=None)
     if ckpt is None:
         trainer.save_checkpoint(tmp_path / "step3.ckpt")
     assert callback.directory is not None

@@ -109,7 +109,11 @@ def fsdp2_case(run_dir: Path, rank: int) -> list[str]:
 
     torch.manual_seed(0)
     result = run_both(TwoLinears(), step, run_dir, prepare_both=shard, rank_policy="all", steps=2)
-    return problems_of(result)
+    # fully_shard gives each module a class of its own (FSDPLinear): rows list the user's class.
+    plain = {name: type(module).__name__ for name, module in TwoLinears().named_modules()}
+    listed = result.history.select("layer", "module_type").unique().iter_rows()
+    retyped = [f"{layer!r} listed as {kind}" for layer, kind in listed if kind != plain[layer]]
+    return problems_of(result) + retyped
 
 
 def problems_of(result: Any) -> list[str]:

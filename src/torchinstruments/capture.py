@@ -69,7 +69,7 @@ from torchinstruments._torch_internals import (
     ran_by_a_backward,
 )
 from torchinstruments.notices import warn
-from torchinstruments.records import LayerInfo
+from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.shell import code_span
 
 # index.md's note on layers whose class changed after injection (`LayerCapture.retype`).
@@ -442,8 +442,8 @@ class LayerCapture:
         returned. A `borrowed` call (another thread's, `borrowed_call`) is recorded only while
         `sample` is still in flight (`samples.InFlight.record`)."""
         if self.lazy and (module := self.module_ref()) is not None:
-            if type(module).__name__ != self.info.module_type:  # materialised: what it is now
-                self.retype(type(module).__name__)
+            if (now := module_type(module)) != self.info.module_type:  # materialised
+                self.retype(now)
             self.lazy = isinstance(module, LazyModuleMixin)
         call_index = sample.next_call_index(self.info.name)
         try:

@@ -108,6 +108,7 @@ from torchinstruments.records import (
     RunCounts,
     RunInfo,
     SampleFacts,
+    module_type,
 )
 from torchinstruments.rundir.attempts import Continuation
 from torchinstruments.samples import (
@@ -233,7 +234,7 @@ class Observer:
         self._root_layer = self.proxies.register(self, root, layers, focus)
         self.layer_names = tuple(info.name for _, info in layers)
         self.gradients.gaps.weigh(layers)  # which layers hold parameters
-        self._root_ref, self._root_type = weakref.ref(root), type(root).__name__
+        self._root_ref, self._root_type = weakref.ref(root), module_type(root)
         if "forward" not in vars(root):  # else the proxy wraps the root's own: nothing to follow
             self._class_forward = type(root).forward
         self.proxies.install_root(root, self.on_root_call)

@@ -33,6 +33,7 @@ __all__ = [
     "ScaleSpan",
     "TensorKey",
     "histogram_tag",
+    "module_type",
     "tag_layer",
 ]
 
@@ -46,10 +47,27 @@ INTERRUPTED = "interrupted"
 
 @dataclass(frozen=True, slots=True)
 class LayerInfo:
-    """A selected module: its qualified name (root = "") and class name."""
+    """A selected module: its qualified name (root = "") and class name (`module_type`)."""
 
     name: str
     module_type: str
+
+
+def module_type(module: object) -> str:
+    """The class name a layer is listed under: the user's class, also where FSDP2's
+    `fully_shard` (or `replicate`) gave the module a class of its own, `FSDP<Name>` made from
+    the wrapper and `<Name>`. Why: a run sharded and one not (a restart into the same directory
+    on more ranks, `compare` of the two) must list the same layers; resume refuses other ones."""
+    cls = type(module)
+    bases = cls.__bases__
+    if (
+        len(bases) == 2
+        and cls.__module__.startswith("torch.distributed.")
+        and bases[0].__module__.startswith("torch.distributed.")
+        and cls.__name__.endswith(bases[1].__name__)
+    ):
+        return bases[1].__name__
+    return cls.__name__
 
 
 @dataclass(slots=True, eq=False)

@@ -48,7 +48,7 @@ from torch.nn.utils import parametrize
 
 from torchinstruments._torch_internals import registered_tensor_slots
 from torchinstruments.compilation import named_modules_uncompiled
-from torchinstruments.records import LayerInfo
+from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.sampling import as_decision
 
@@ -388,7 +388,7 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
             _ask("selector", selector, name, module) if selector is not None else name in default
         )
         if chosen and not isinstance(module, torch.jit.ScriptModule):
-            layers.append((module, LayerInfo(name, type(module).__name__)))
+            layers.append((module, LayerInfo(name, module_type(module))))
     if not layers:
         # A run that observes nothing would end "complete (0 rows)": refuse it at injection.
         which = "selector matched" if selector is not None else "the default selection found"

@@ -29,7 +29,7 @@ COLUMN_NOTES = {
     "timestamp": "UTC time at which the tensor was measured",
     "rank": "torch.distributed rank; null outside torch.distributed",
     "layer": 'qualified module name from named_modules() (root = "")',
-    "module_type": "class name of the module",
+    "module_type": "class name of the module (the model's own under FSDP2's fully_shard)",
     "call_index": "n-th call (from 0) of this layer inside one sampled root forward",
     "signal": '"output" or "output_gradient"',
     "tensor_path": 'where the tensor sits in the output, in Python accessor syntax ("" = bare tensor)',

@@ -91,6 +91,8 @@ def test_index_page_explains_every_template() -> None:
         None, None, "rank0", True, HistoryConfig(buffer_rows=10, window=3), "now",
     )  # fmt: skip
     page = render_index(RunState(run))
+    assert reasons.MESSAGE_BOUND in page  # how long a quoted message can be
+    assert "at most its first 1,000 characters" in reasons.MESSAGE_BOUND
     for entry in reasons.REASONS:
         assert f"- `{entry.template}`: {entry.meaning}" in page
 
@@ -130,6 +132,21 @@ def test_measurement_code_writes_no_reason_literal() -> None:
             ):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_huge_error_message_is_cut_to_its_beginning_with_the_count_of_what_was_cut() -> None:
+    """A reason is copied into every row it explains: a 10 MB message put 10 MB in each."""
+    kept = "x" * reasons.MESSAGE_KEPT
+    huge = ValueError(kept + "y" * 10_000_000)
+    assert reasons.error("reducer", huge) == (
+        f"reducer error: ValueError: {kept} ... (10,000,000 more characters cut)"
+    )
+    stopped = reasons.global_stopped(3, RuntimeError(kept + "z"))
+    assert stopped.endswith(f"RuntimeError: {kept} ... (1 more character cut)")
+    assert reasons.error("statistics", ValueError(kept)) == f"statistics error: ValueError: {kept}"
+    assert reasons.explain(reasons.error("reducer", huge)) is reasons.explain(
+        reasons.error("reducer", ValueError("short"))
+    )
 
 
 def test_explain_refuses_foreign_text() -> None:

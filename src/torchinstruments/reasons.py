@@ -18,6 +18,8 @@ __all__ = [
     "CUT_IN_BOOKKEEPING",
     "EMPTY",
     "FAKE_TENSOR",
+    "MESSAGE_BOUND",
+    "MESSAGE_KEPT",
     "META_DEVICE",
     "NON_FINITE_RESULT",
     "NO_FINITE",
@@ -317,10 +319,32 @@ def utf8_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# An error's message in a reason: its first MESSAGE_KEPT characters. A reason is copied into
+# every row it explains (each metric of each tensor the failure touched), so a reducer raising
+# with a 10 MB message (a tensor's repr, a dump) put 10 MB in every one of those rows.
+MESSAGE_KEPT = 1000
+_MESSAGE_CHARS = 200  # in an `interrupted` marker, which is one row per sample
+MESSAGE_BOUND = (
+    f"A `<message>` is the exception's message, at most its first {MESSAGE_KEPT:,} characters "
+    "(a longer one ends `... (<n> more characters cut)`; in an `interrupted` marker, its first "
+    f"{_MESSAGE_CHARS} with whitespace collapsed, ending `...` where cut), with lone surrogates written "
+    "as `\\udcff` escapes."
+)
+
+
+def _cut(text: str, kept: int = MESSAGE_KEPT) -> str:
+    """`text`'s first `kept` characters, saying how many more were cut, if any."""
+    if len(text) <= kept:
+        return text
+    cut = len(text) - kept
+    return f"{text[:kept]} ... ({cut:,} more character{'s' if cut > 1 else ''} cut)"
+
+
 def _message(exc: BaseException) -> str:
-    """`str(exc)` as text every file of the run can hold, or a stand-in where it raises."""
+    """`str(exc)` as text every file of the run can hold (`MESSAGE_BOUND`), or a stand-in
+    where it raises."""
     try:
-        return utf8_text(str(exc))
+        return utf8_text(_cut(str(exc)))
     except Exception:  # an error whose own message raises (one a tensor subclass raised)
         return "(its message could not be read)"
 
@@ -382,9 +406,6 @@ def record_value(kind: str) -> str:
 def host_values_mismatch(expected: int, got: int) -> str:
     """The host transfer did not return the launched number of values."""
     return f"statistics error: expected {expected} host values, got {got}"
-
-
-_MESSAGE_CHARS = 200
 
 
 def interrupted(error: BaseException, layer: str | None, call_index: int) -> str:

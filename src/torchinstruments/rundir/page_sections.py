@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from torchinstruments.reasons import REASONS
+from torchinstruments.reasons import MESSAGE_BOUND, REASONS
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -228,6 +228,8 @@ def section_meanings() -> list[str]:
         "apart by its caller's frame (`nn.Module._call_impl` or not).",
         "",
         "## Unavailable reasons (value is null)",
+        "",
+        MESSAGE_BOUND,
         "",
     ]
     lines += [f"- `{reason.template}`: {reason.meaning}" for reason in REASONS]

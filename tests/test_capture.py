@@ -196,22 +196,30 @@ class ClassForward(nn.Module):
         return x * 3
 
 
-@pytest.mark.parametrize("root", [False, True], ids=["layers", "root"])
+@pytest.mark.parametrize(
+    "root", [None, StaticForward, ClassForward], ids=["layers", "static", "class"]
+)
 def test_staticmethod_and_classmethod_forwards_run_as_unobserved_and_are_measured(
-    run_dir: Path, root: bool
+    run_dir: Path, root: type[nn.Module] | None
 ) -> None:
     """The proxy took the class's forward as `type(module).forward`, a staticmethod's bare
-    function, and bound it to the module: every sampled call raised TypeError in the step."""
-    model: nn.Module = StaticForward() if root else nn.Sequential(StaticForward(), ClassForward())
+    function, and bound it to the module: every sampled call raised TypeError in the step. A
+    root with a classmethod forward raised AttributeError at every call (its proxy's instance
+    is the class), and read a changed class forward in each new bound method it looked up."""
+    model = root() if root else nn.Sequential(StaticForward(), ClassForward())
     x = torch.randn(5, 3)
     expected = model(x)
     observe(model, run_dir)
+    wrapped = model.__dict__["forward"].__wrapped__ if root else None
     assert torch.equal(model(x), expected)
+    assert torch.equal(model(x), expected)
+    if root:  # the class's forward is the one wrapped at inject: not followed again
+        assert model.__dict__["forward"].__wrapped__ is wrapped
     remove_observer(model)
     assert [m for m in model.modules() if "forward" in m.__dict__] == []
     history = read_history(run_dir)
     assert set(history["layer"]) == ({""} if root else {"0", "1"})
-    assert values(history, metric="max", signal="output") == [
+    assert values(history, metric="max", signal="output", sample_id=0) == [
         pytest.approx(output.max().item(), rel=1e-6)
         for output in ([expected] if root else [torch.tanh(x), expected])
     ]

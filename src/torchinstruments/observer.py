@@ -265,9 +265,14 @@ class Observer:
         try:
             if self._class_forward is not None:
                 root = instance
-                if root is None and self._root_ref is not None:  # a plain callable as forward
+                # A staticmethod or plain callable as forward gives no instance, a classmethod
+                # its class: the root is then the one the proxy was installed on.
+                if not isinstance(root, nn.Module) and self._root_ref is not None:
                     root = self._root_ref()
-                if type(root).forward is not self._class_forward:
+                now = type(root).forward
+                # `!=` after `is not`: a classmethod gives a new bound method at each lookup,
+                # equal to the last while the class's forward is the same one.
+                if now is not self._class_forward and now != self._class_forward:
                     wrapped = self._follow_class_forward(root)
             if paused is not None and not self._entry_checked:
                 self._check_entry()

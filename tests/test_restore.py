@@ -20,7 +20,7 @@ from torchinstruments import (
     remove_observer,
 )
 
-from conftest import mlp, read_history
+from conftest import mlp, page_prose, read_history
 
 
 def snapshot(model: nn.Module) -> dict[str, object]:
@@ -294,3 +294,37 @@ def test_nested_observers_are_removed_in_either_order_without_a_trace(
     assert read_history(tmp_path / ("parent" if child_first else "child"))[
         "sample_id"
     ].unique().sort().to_list() == [0, 1]
+
+
+class PropertyForward(nn.Module):
+    """A module whose class `forward` is a property returning the callable that computes: a
+    data descriptor, which Python reads before any instance `forward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 3)
+
+    @property
+    def forward(self) -> nn.Module:
+        return self.inner
+
+
+def test_a_forward_property_is_said_never_a_layer_and_left_exactly_as_it_was(
+    run_dir: Path,
+) -> None:
+    """The proxy went into the instance `__dict__`, which the property shadows: the layer ran
+    unseen and removal reported it as never run; a root with one was never called at all."""
+    model = nn.Sequential(PropertyForward(), nn.Tanh())
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="PropertyForward defines forward as a property"):
+        inject_observer(model[0], output_dir=run_dir / "refused")
+    assert not (run_dir / "refused").exists()
+    with pytest.warns(RuntimeWarning, match=r"forward as a property: .* '0';"):
+        inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer is said to have never run
+        model(torch.ones(2, 3)).sum().backward()
+        remove_observer(model)
+    assert snapshot(model) == before
+    assert set(read_history(run_dir)["layer"]) == {"0.inner", "1"}
+    assert "cannot have their calls observed, so they are never layers" in page_prose(run_dir)

@@ -26,7 +26,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
-from torchinstruments.capture import fused_path_modules
+from torchinstruments.capture import forward_is_property, fused_path_modules
 from torchinstruments.compilation import (
     compile_notes,
     compiled_modules,
@@ -54,6 +54,7 @@ from torchinstruments.rundir.unsampled import no_sample_warning, passed_through
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
     Selector,
+    property_note,
     select_focus_layers,
     select_layers,
     torchscript_note,
@@ -331,6 +332,13 @@ def check_model(model: object) -> None:
             f"model must be an eager nn.Module, got a TorchScript {type(model).__name__}: "
             "TorchScript modules cannot be observed; observe the eager model"
         )
+    if forward_is_property(model):
+        raise TypeError(
+            f"model's class {type(model).__name__} defines forward as a property, which Python "
+            "reads before the instance forward the observer installs, so its calls could not be "
+            "observed: define forward as a method (it may call what the property returns), or "
+            "observe a module that calls this one"
+        )
     for name, module in model.named_modules():
         if isinstance(module, nn.DataParallel):
             where = "model" if not name else f"model.{name}"
@@ -459,6 +467,7 @@ def _open_run(
         notes=(
             *compile_notes(model),
             *torchscript_note(model),
+            *property_note(model),
             *global_notes(config.global_option),
             *scaler_notes(describe_scaler(grad_scaler)),
         ),

@@ -87,6 +87,7 @@ __all__ = [
     "Proxies",
     "WarnOnce",
     "Wrapper",
+    "forward_is_property",
     "fused_path_modules",
     "install_proxy",
     "left_in_place_note",
@@ -205,6 +206,14 @@ def bound_class_forward(module: nn.Module) -> Callable[..., Any]:
     an extra first argument and raised TypeError in the user's step."""
     forward = inspect.getattr_static(type(module), "forward")
     return forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
+
+
+def forward_is_property(module: nn.Module) -> bool:
+    """Whether `module`'s class holds `forward` as a data descriptor (a `property`, anything
+    with `__set__` or `__delete__`): Python reads that before the instance `__dict__`, so a
+    proxy installed there is never called, and the module's calls cannot be observed."""
+    kind = type(inspect.getattr_static(type(module), "forward", None))
+    return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
 
 
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:

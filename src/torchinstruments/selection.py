@@ -25,7 +25,10 @@ layers: they compute its weights, not activations, and a leaf-only rule would re
 weights as outputs and nothing of the module. TorchScript
 modules are never layers, nor the modules inside them (their `forward` cannot be replaced): a
 model that holds some is observed around them, and the run names them (`torchscript_note`, in
-index.md and a warning). `selector=` overrides the rule;
+index.md and a warning). Nor is a module whose class defines `forward` as a property: a
+data descriptor is read before the instance `forward` the observer would install, so its calls
+cannot be seen (the modules inside it are layers as usual; `property_note`). `selector=`
+overrides the rule;
 focus layers are the first `max_histogram_modules` layers that `histogram_selector` accepts
 (default: all). A `torch.compile(module)` wrapper (OptimizedModule) is looked through: the
 module it compiles is offered in its place, under the name it has in the eager model
@@ -47,6 +50,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from torchinstruments._torch_internals import registered_tensor_slots
+from torchinstruments.capture import forward_is_property
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.ranges import listed
@@ -57,6 +61,7 @@ __all__ = [
     "check_selector",
     "default_layers",
     "parameter_holders",
+    "property_note",
     "select_focus_layers",
     "select_layers",
     "switched_off",
@@ -352,6 +357,24 @@ def torchscript_note(model: nn.Module) -> tuple[str, ...]:
     )
 
 
+def property_note(model: nn.Module) -> tuple[str, ...]:
+    """What a run of `model` says about its modules whose class defines `forward` as a property
+    (index.md and a warning at inject), empty when it has none: they compute (the modules
+    inside them are observed as any others) without their own outputs being recorded."""
+    names = [
+        name for name, module in named_modules_uncompiled(model) if forward_is_property(module)
+    ]
+    if not names:
+        return ()
+    return (
+        "forward as a property: modules whose class defines `forward` as a property (a data "
+        "descriptor, which Python reads before the instance `forward` the observer installs) "
+        "cannot have their calls observed, so they are never layers (the modules inside them "
+        f"are): {listed(names, quote=True)}; define `forward` as a method (it may call what the "
+        "property returns) to record them",
+    )
+
+
 def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
@@ -387,15 +410,20 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
         chosen = (
             _ask("selector", selector, name, module) if selector is not None else name in default
         )
-        if chosen and not isinstance(module, torch.jit.ScriptModule):
+        # Never a layer: TorchScript, and a forward property, whose calls cannot be seen.
+        if (
+            chosen
+            and not isinstance(module, torch.jit.ScriptModule)
+            and not forward_is_property(module)
+        ):
             layers.append((module, LayerInfo(name, module_type(module))))
     if not layers:
         # A run that observes nothing would end "complete (0 rows)": refuse it at injection.
         which = "selector matched" if selector is not None else "the default selection found"
         raise ValueError(
             f"{which} no module of the model, so nothing would be observed: pass a selector "
-            f"that accepts some of its modules: {listed(offered, quote=True)} (TorchScript modules are "
-            "never layers)"
+            f"that accepts some of its modules: {listed(offered, quote=True)} (TorchScript modules, "
+            "and modules whose forward is a property, are never layers)"
         )
     return layers
 

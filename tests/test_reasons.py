@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -212,3 +213,40 @@ def test_error_messages_holding_bytes_that_are_not_utf8_keep_the_run_complete(
     assert "raised OSError: cannot upload data-\\udcff.bin in write_forward()" in page_prose(
         tmp_path
     )
+
+
+def test_names_from_the_model_that_utf8_cannot_encode_are_recorded_escaped(
+    tmp_path: Path,
+) -> None:
+    """A layer name with a lone surrogate (and a sampler's description, a reducer's own name)
+    failed inject_observer's first write of the run with a bare UnicodeEncodeError.
+    They come from the user's objects, not from an argument to check: each is recorded with
+    its surrogates written as escapes, as error messages are, and the run completes."""
+
+    class Described(EveryNForwardsSampler):
+        def describe(self) -> str:
+            return "every forward, Z\udcfc"
+
+    def doubling(tensor: torch.Tensor) -> float:
+        tensor.mul_(2)  # in place: the reason names the reducer by its own name
+        return 0.0
+
+    doubling.__name__ = "doubling\udcff"
+    model = nn.Sequential()
+    model.add_module("lin\udc80", nn.Linear(2, 2))
+    inject_observer(model, output_dir=tmp_path, sampler=Described(1), reducers={"d": doubling})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model(torch.ones(1, 2)).sum().backward()
+        remove_observer(model)
+    # nothing else: no layer said to have moved, or never to have run
+    assert ["modified its argument" in str(w.message) for w in said] == [True]
+    assert run_status(tmp_path) == "complete"
+    history = pl.read_parquet(tmp_path / "history.parquet")
+    assert history["layer"].unique().to_list() == ["lin\\udc80"]
+    assert history.filter(pl.col("metric") == "d")["unavailable_reason"].unique().to_list() == [
+        reasons.reducer_modified_input("doubling\\udcff of metric 'd'")
+    ]
+    prose = page_prose(tmp_path)
+    assert "every forward, Z\\udcfc" in prose
+    assert "| `lin\\udc80` | Linear | 1 |" in prose

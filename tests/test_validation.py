@@ -26,10 +26,11 @@ from conftest import mlp, read_history
 
 
 class Clashing:
-    metrics = ("mean",)
+    def __init__(self, metrics: tuple[str, ...] = ("mean",)) -> None:
+        self.metrics = metrics
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, float]:
-        return {"mean": 0.0}
+        return dict.fromkeys(self.metrics, 0.0)
 
 
 # Options that are wrong whatever the model: ObserverConfig refuses them on its own.
@@ -49,6 +50,9 @@ BAD_OPTIONS = [
     ({"reducers": [object()]}, TypeError, "reducers"),
     ({"reducers": [AbsMax]}, TypeError, r"reducers\[0\] is the class AbsMax.*instantiate"),
     ({"reducers": [lambda t: t.mean()]}, TypeError, r"reducers\[0\] is a lambda"),
+    # A name UTF-8 cannot encode failed inside inject with a bare UnicodeEncodeError.
+    ({"reducers": {"r\udc80": torch.mean}}, ValueError, r"metric name 'r\\udc80' is not UTF-8"),
+    ({"reducers": [Clashing(("x\udcff",))]}, ValueError, r"reducers: metric name 'x\\udcff'"),
 ]
 # Options that are wrong for this model (selectors that select nothing of it).
 BAD_FOR_THE_MODEL = [

@@ -45,6 +45,7 @@ from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.never_ran import cannot_run, never_ran_warning
 from torchinstruments.notices import warn
 from torchinstruments.observer import Observer
+from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunInfo
 from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
 from torchinstruments.rundir.attempts import continuation_notes
@@ -472,7 +473,7 @@ def _open_run(
             *scaler_notes(describe_scaler(grad_scaler)),
         ),
         grad_scaler=describe_scaler(grad_scaler),
-        fused_paths=tuple(name for name, _ in fused_path_modules(model, layers)),
+        fused_paths=tuple(utf8_text(name) for name, _ in fused_path_modules(model, layers)),
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.

@@ -25,6 +25,7 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.loss_scale import check_grad_scaler
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.measurement.reducers import Measurer
+from torchinstruments.reasons import utf8_text
 from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.sampling import Sampler, TimeIntervalSampler, check_sampler
 from torchinstruments.selection import Selector, check_selector
@@ -101,7 +102,9 @@ class ObserverConfig:
                 f"{resume!r}"
             )
         check_grad_scaler(self.grad_scaler)
-        self._set("measurer", Measurer(self.reducers))
+        measurer = Measurer(self.reducers)
+        _check_text_metrics(measurer.metrics)
+        self._set("measurer", measurer)
         self._set(
             "global_option",
             check_global_statistics(
@@ -127,6 +130,21 @@ class ObserverConfig:
     def options(self) -> dict[str, Any]:
         """The options as `inject_observer` keywords: `inject_observer(model, **config.options())`."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
+
+
+def _check_text_metrics(metrics: Sequence[str]) -> None:
+    """Refuse a metric name UTF-8 cannot encode (a lone surrogate, as `surrogateescape` decodes
+    bytes that are not UTF-8): it failed the first write of the run's state, inside
+    inject_observer, with a bare UnicodeEncodeError; the history's `metric` column and the
+    run's files are UTF-8."""
+    for name in metrics:
+        if utf8_text(name) != name:
+            raise ValueError(
+                f"reducers: metric name {name!r} is not UTF-8 text (it holds a lone surrogate, "
+                "as bytes decoded with 'surrogateescape' give), which the history's metric "
+                "column and the run's files cannot hold: name the metric with UTF-8 text, e.g. "
+                f"{utf8_text(name)!r}"
+            )
 
 
 # The options' names, in the order of the fields: what `inject_observer` takes besides the model.

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from torch import nn
 
 from torchinstruments.compilation import named_modules_uncompiled
+from torchinstruments.reasons import utf8_text
 from torchinstruments.records import LayerInfo
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.sampling import as_decision
@@ -63,7 +64,8 @@ class ModelAtInject:
             for module, info in layers
         ]
         self._selector = selector
-        self._holders = _layer_holders(at, {info.name for _, info in layers})
+        recorded = {info.name for _, info in layers}  # `utf8_text` of the module's names
+        self._holders = _layer_holders(at, {name for name in at if utf8_text(name) in recorded})
 
     def changes_note(self, root: nn.Module) -> str | None:
         """index.md's note on the model's modules changed since inject, or None if none did.
@@ -91,7 +93,7 @@ class ModelAtInject:
             layer = f"{info.name!r} ({info.module_type})"
             if not names:
                 left.append(layer)
-            elif info.name not in names:
+            elif info.name not in map(utf8_text, names):  # as the layer's name was recorded
                 moved.append(f"{layer} now at {_quoted(names)}")
             elif new := [name for name in names if name not in before]:
                 shared.append(f"{layer} also at {_quoted(new)}")

@@ -31,6 +31,7 @@ from torch import nn
 
 from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
+from torchinstruments.reasons import utf8_text
 from torchinstruments.rundir.ranges import listed, plural
 from torchinstruments.selection import switched_off
 
@@ -47,6 +48,11 @@ __all__ = [
 _SHOWN = 20  # names a warning or note lists
 
 
+def _modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's modules by name as the run records layer names (`utf8_text`)."""
+    return {utf8_text(name): module for name, module in named_modules_uncompiled(model)}
+
+
 def _related(name: str, other: str) -> bool:
     """Whether one of two module names holds the other (or they are the same)."""
     if not name or not other:  # the root holds every module
@@ -60,7 +66,7 @@ def tied_twins(model: nn.Module, never: Sequence[str], ran: Sequence[str]) -> di
     Twins are distinct modules, neither inside the other, of the same type, and every parameter
     of the idle layer (it has at least one) is held by one of them. One pass over the layers
     that ran maps each parameter to its holders, so a model of many layers costs one walk."""
-    modules = dict(named_modules_uncompiled(model))
+    modules = _modules(model)
     holders: dict[int, list[str]] = {}
     for name in ran:
         if (module := modules.get(name)) is not None:
@@ -100,7 +106,7 @@ def switched_off_layers(model: nn.Module, never: Sequence[str]) -> dict[str, str
     """For each layer of `never` that a parent calls only under a false setting (see the
     module), or that lies inside such a module (GoogLeNet's `aux1.fc1`), that setting, as
     `parent.setting`."""
-    modules = dict(named_modules_uncompiled(model))
+    modules = _modules(model)
     found: dict[str, str] = {}
     offs: dict[str, dict[str, str]] = {}  # per parent, read once
     for name in never:
@@ -134,7 +140,7 @@ def fused_holders(model: nn.Module, never: Sequence[str]) -> dict[str, str]:
     """For each layer of `never` whose parent has a fused fast path, the parent's name (its
     children are what the fused kernel skips; a grandchild such as `self_attn.out_proj` is
     skipped by its own parent)."""
-    modules = dict(named_modules_uncompiled(model))
+    modules = _modules(model)
     found: dict[str, str] = {}
     for name in never:
         parent = name.rpartition(".")[0]

@@ -383,9 +383,10 @@ def reducer_tensor_shape(shape: tuple[int, ...]) -> str:
 
 
 def reducer_modified_input(name: str) -> str:
-    """A custom reducer modified the tensor it was given."""
+    """A custom reducer modified the tensor it was given (`name`, the reducer's own, as text
+    UTF-8 files hold)."""
     return (
-        f"reducer {name} modified its argument in place (it was given a copy: training is "
+        f"reducer {utf8_text(name)} modified its argument in place (it was given a copy: training is "
         "unaffected)"
     )
 

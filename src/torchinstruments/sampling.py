@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from torchinstruments.reasons import utf8_text
+
 __all__ = [
     "Clock",
     "EveryNForwardsSampler",
@@ -204,11 +206,13 @@ def read_step(
 
 
 def describe_sampler(sampler: object) -> str:
-    """A sampler's one-line description, falling back to its repr for user samplers."""
+    """A sampler's one-line description, falling back to its repr for user samplers; as text
+    the run's UTF-8 files hold (`utf8_text`: a lone surrogate in a user's text failed the
+    first write of the run's state, inside inject_observer)."""
     describe = getattr(sampler, "describe", None)
     if callable(describe):
         try:
-            return str(describe())
+            return utf8_text(str(describe()))
         except Exception as error:  # a user's describe() must not stop injection
-            return f"{type(sampler).__name__} (describe() failed: {error})"
-    return repr(sampler)
+            return utf8_text(f"{type(sampler).__name__} (describe() failed: {error})")
+    return utf8_text(repr(sampler))

@@ -52,6 +52,7 @@ from torch.nn.utils import parametrize
 from torchinstruments._torch_internals import registered_tensor_slots
 from torchinstruments.capture import forward_is_property
 from torchinstruments.compilation import named_modules_uncompiled
+from torchinstruments.reasons import utf8_text
 from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.sampling import as_decision
@@ -416,7 +417,7 @@ def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.
             and not isinstance(module, torch.jit.ScriptModule)
             and not forward_is_property(module)
         ):
-            layers.append((module, LayerInfo(name, module_type(module))))
+            layers.append((module, LayerInfo(utf8_text(name), module_type(module))))
     if not layers:
         # A run that observes nothing would end "complete (0 rows)": refuse it at injection.
         which = "selector matched" if selector is not None else "the default selection found"

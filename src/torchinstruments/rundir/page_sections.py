@@ -28,7 +28,8 @@ COLUMN_NOTES = {
     "taken (under a trainer callback: the forwards it observes; see mode below)",
     "timestamp": "UTC time at which the tensor was measured",
     "rank": "torch.distributed rank; null outside torch.distributed",
-    "layer": 'qualified module name from named_modules() (root = "")',
+    "layer": 'qualified module name from named_modules() (root = ""); a lone surrogate in it, '
+    "which UTF-8 cannot encode, written as a `\\udcff` escape",
     "module_type": "class name of the module (the model's own under FSDP2's fully_shard)",
     "call_index": "n-th call (from 0) of this layer inside one sampled root forward",
     "signal": '"output" or "output_gradient"',

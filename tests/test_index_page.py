@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import io
@@ -445,29 +446,58 @@ def test_an_incomplete_continued_run_names_the_attempt_that_ended_without_remova
     assert "the process ended without remove_observer" not in text
 
 
+# Layer names that break or blur a Markdown table row as they are: a pipe, a line break, and
+# a name that reads as the Python literal of the one with the line break.
+ODD_NAMES = ("a|b", "e\nf", "'e\\nf'", "c")
+
+
 class Piped(nn.Module):
-    """Two Linears in a ModuleDict, the first named `a|b`."""
+    """A Linear named after each of `ODD_NAMES`, called in that order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.d = nn.ModuleDict({"a|b": nn.Linear(2, 2), "c": nn.Linear(2, 2)})
+        for name in ODD_NAMES:
+            self.add_module(name, nn.Linear(2, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.d["c"](self.d["a|b"](x))
+        for layer in self.children():
+            x = layer(x)
+        return x
 
 
-def test_a_layer_name_with_a_pipe_keeps_the_layers_table_three_cells_wide(tmp_path: Path) -> None:
-    """GitHub's Markdown splits a table row at every `|` not escaped, inside a code span too:
-    the Layers table escapes it, so each row keeps its three cells and shows the name."""
+def table_rows(lines: list[str], header: str, count: int) -> list[list[str]]:
+    """The cells of the `count` rows under `header`, each `\\|` read back as `|`."""
+    start = lines.index(header)
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines[start + 2 : start + 2 + count]]
+    return [[cell.strip().replace("\\|", "|") for cell in row] for row in rows]
+
+
+def test_odd_layer_names_keep_each_table_row_one_line_and_read_back_apart(
+    tmp_path: Path,
+) -> None:
+    """GitHub's Markdown splits a table row at every `|` not escaped, inside a code span too,
+    and a line break ended the row (index.md's Layers table, and `show --format markdown`):
+    a `|` is escaped, and a name with a line break (or that begins with a quote) is written
+    as its Python literal, so each name reads back as itself."""
     model = Piped()
     inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
     model(torch.randn(1, 2))
     remove_observer(model)
-    lines = (tmp_path / "run" / "index.md").read_text(encoding="utf-8").splitlines()
-    start = lines.index("| layer | module_type | sampled forwards |")
-    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines[start + 2 : start + 4]]
-    cells = [[cell.strip().replace("\\|", "|") for cell in row] for row in rows]
-    assert cells == [["`d.a|b`", "Linear", "1"], ["`d.c`", "Linear", "1"]]
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    header = "| layer | module_type | sampled forwards |"
+    rows = table_rows(index.splitlines(), header, len(ODD_NAMES) + 1)
+    assert rows[:-1] == [
+        ["`a|b`", "Linear", "1"],
+        ["`'e\\nf'`", "Linear", "1"],
+        ["`\"'e\\\\nf'\"`", "Linear", "1"],  # it begins with a quote: a literal too
+        ["`c`", "Linear", "1"],
+    ]
+    assert rows[-1] == []  # the table ends there
+    assert "written on this page as its Python string literal" in index
+    shown = cli_in_process("show", tmp_path / "run", "--metrics", "mean", "--format", "markdown")
+    lines = shown.stdout.splitlines()
+    layers = [row[0] for row in table_rows(lines, lines[0], len(lines) - 2)]
+    assert [ast.literal_eval(n) if n[0] in "'\"" else n for n in layers] == list(ODD_NAMES)
 
 
 def test_the_attempts_table_splits_forwards_only_where_a_run_has_evaluation_forwards(

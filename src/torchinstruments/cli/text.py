@@ -27,6 +27,7 @@ import polars as pl
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.shell import table_cell
 
 NUMBER_WIDTH = 10
 # A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
@@ -260,12 +261,14 @@ def json_document(frame: pl.DataFrame, facts: dict[str, Any]) -> str:
 
 
 def markdown(frame: pl.DataFrame) -> str:
-    """A GitHub pipe table of `frame` (floats with full repr precision)."""
+    """A GitHub pipe table of `frame` (floats with full repr precision), one line per row: a
+    text holding a line break (a layer name, an error's message in a reason) is written as
+    its Python string literal and a `|` as `\\|` (`rundir.shell.table_cell`)."""
 
     def cell(value: Any) -> str:
         if value is None:
             return ""
-        return str(value).replace("|", "\\|")
+        return table_cell(value) if isinstance(value, str) else str(value).replace("|", "\\|")
 
     lines = [
         "| " + " | ".join(frame.columns) + " |",

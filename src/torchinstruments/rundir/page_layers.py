@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.layout import RESULT_FILE, STATE_FILE
 from torchinstruments.rundir.ranges import bound_count
-from torchinstruments.rundir.shell import code_span
+from torchinstruments.rundir.shell import code_span, literal_if_unclear, table_cell
 from torchinstruments.rundir.state import RunState
 
 LISTED_LAYERS = 200
@@ -45,7 +45,7 @@ def _fused_paths(names: tuple[str, ...]) -> str:
     if names == ("",):
         which = "(the observed model itself)"
     else:
-        shown = ", ".join(code_span(n) if n else "the observed model" for n in names[:_FUSED_SHOWN])
+        shown = ", ".join(_name(n) if n else "the observed model" for n in names[:_FUSED_SHOWN])
         more = len(names) - _FUSED_SHOWN
         which = f"({shown}{f' and {more} more' if more > 0 else ''})"
     return (
@@ -57,14 +57,29 @@ def _fused_paths(names: tuple[str, ...]) -> str:
 
 
 def _name(layer: LayerInfo | str) -> str:
+    """A layer's name as index.md writes it: a code span of `literal_if_unclear` (`<root>`)."""
     name = layer.name if isinstance(layer, LayerInfo) else layer
-    return code_span(name or "<root>")
+    return code_span(literal_if_unclear(name) or "<root>")
 
 
 def _cell(layer: LayerInfo) -> str:
     """`_name` for a table cell: a `|` in the name escaped, since GitHub's Markdown splits a
     table row at every unescaped `|`, inside a code span too (and shows `\\|` there as `|`)."""
     return _name(layer).replace("|", "\\|")
+
+
+# Said in the Layers section of a run with a name `literal_if_unclear` or `table_cell` changes.
+_WRITTEN_AS_LITERALS = (
+    " A layer name or module type that holds a line break or another character that is not "
+    "printable, or begins with a quote, is written on this page as its Python string literal "
+    "(`'a\\nb'`); in a table, each `|` of a name is written `\\|`."
+)
+
+
+def _written_as_literals(run: RunInfo) -> str:
+    """`_WRITTEN_AS_LITERALS` where some layer's name or module type is so written, else ""."""
+    texts = (text for li in run.layers for text in (li.name, li.module_type))
+    return _WRITTEN_AS_LITERALS if any(table_cell(t) != t for t in texts) else ""
 
 
 def _by_type(layers: Sequence[LayerInfo]) -> dict[str, list[LayerInfo]]:
@@ -93,10 +108,12 @@ def layers_line(run: RunInfo, too_long: bool = False) -> str:
     (`grouped`)."""
     n = len(run.layers)
     if not grouped(run, too_long):
-        names = ", ".join(f"{_name(li)} ({li.module_type})" for li in run.layers)
+        names = ", ".join(
+            f"{_name(li)} ({literal_if_unclear(li.module_type)})" for li in run.layers
+        )
         return f"selected layers ({n}, traversal order): {names or 'none'}"
     groups = list(_by_type(run.layers).items())
-    types = ", ".join(f"{t} {len(ls)}" for t, ls in groups[:LISTED_TYPES])
+    types = ", ".join(f"{literal_if_unclear(t)} {len(ls)}" for t, ls in groups[:LISTED_TYPES])
     if len(groups) > LISTED_TYPES:
         types += f", and {len(groups) - LISTED_TYPES} more module types"
     return (
@@ -179,12 +196,15 @@ def section_layers(
             "",
             "Sampled forwards in which each selected layer was called and returned: unknown. "
             "No layer's output row reached the disk before the process ended, so whether and "
-            "how often each layer ran is unknown (result.json's `sampled_forwards` is null), never 0.",
+            "how often each layer ran is unknown (result.json's `sampled_forwards` is null), "
+            f"never 0.{_written_as_literals(run)}",
             "",
         ]
         if not grouped(run, too_long):
             lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
-            lines += [f"| {_cell(li)} | {li.module_type} | unknown |" for li in run.layers]
+            lines += [
+                f"| {_cell(li)} | {table_cell(li.module_type)} | unknown |" for li in run.layers
+            ]
         return [*lines, ""]
     bound = " (lower bounds, rebuilt from history)" if state.counts_recovered else ""
     zero = _ZERO_RECOVERED if state.counts_recovered else _ZERO
@@ -195,13 +215,14 @@ def section_layers(
         "",
         f"Sampled forwards in which each selected layer was called and returned{bound}, out "
         f"of {said(counts.samples)} (a call that raised is not counted; such samples are listed near the top of this page). "
-        f"{zero}{_fused_paths(run.fused_paths)}",
+        f"{zero}{_fused_paths(run.fused_paths)}{_written_as_literals(run)}",
         "",
     ]
     if not grouped(run, too_long):
         lines += ["| layer | module_type | sampled forwards |", "| --- | --- | --- |"]
         lines += [
-            f"| {_cell(li)} | {li.module_type} | {said(ran.get(li.name, 0))} |" for li in run.layers
+            f"| {_cell(li)} | {table_cell(li.module_type)} | {said(ran.get(li.name, 0))} |"
+            for li in run.layers
         ]
     else:
         lines += [
@@ -215,7 +236,7 @@ def section_layers(
         for module_type, layers in groups[:LISTED_TYPES]:
             numbers = [ran.get(li.name, 0) for li in layers]
             lines.append(
-                f"| {module_type} | {len(layers)} | {said(min(numbers))} .. {said(max(numbers))} | "
+                f"| {table_cell(module_type)} | {len(layers)} | {said(min(numbers))} .. {said(max(numbers))} | "
                 f"{_cell(layers[0])} | {_cell(layers[-1])} |"
             )
         if len(groups) > LISTED_TYPES:

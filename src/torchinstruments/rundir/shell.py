@@ -69,6 +69,25 @@ def code_span(text: str) -> str:
     return f"{fence}{text}{fence}"
 
 
+def literal_if_unclear(text: str) -> str:
+    """`text` as it is, or its Python string literal (`repr`: `'a\\nb'`) where it holds a
+    character that is not printable (a line break, a tab, another control character) or
+    begins with a quote. A line break ended a Markdown table row (a layer named with one split
+    index.md's Layers table), and an escape without the quotes (`a\\nb`) would read alike for
+    a name holding a backslash and an `n`: a text that begins with a quote is a literal, any
+    other is the name itself."""
+    if text.isprintable() and not text.startswith(("'", '"')):
+        return text
+    return repr(text)
+
+
+def table_cell(text: str) -> str:
+    """`text` for a GitHub Markdown table cell: `literal_if_unclear`, with each `|` as `\\|`
+    (GitHub splits a row at every unescaped `|`, inside a code span too, and shows `\\|`
+    there as `|`; reading a cell back, drop the backslash before each `|`)."""
+    return literal_if_unclear(text).replace("|", "\\|")
+
+
 def command_span(*words: str | os.PathLike[str]) -> str:
     """`command_line(*words)` as a Markdown code span (for index.md)."""
     return code_span(command_line(*words))
@@ -79,6 +98,8 @@ __all__ = [
     "code_span",
     "command_line",
     "command_span",
+    "literal_if_unclear",
+    "table_cell",
     "tool_command",
     "tool_span",
 ]

@@ -215,13 +215,35 @@ def test_error_messages_holding_bytes_that_are_not_utf8_keep_the_run_complete(
     )
 
 
+class Key:
+    """A mapping key whose `repr` holds a lone surrogate: a tensor_path is made of it."""
+
+    def __repr__(self) -> str:
+        return "key\udcfe"
+
+
+KEY = Key()
+
+
+class Keyed(nn.Module):
+    """A Linear whose output is returned in a dict, under `KEY`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[Key, torch.Tensor]:
+        return {KEY: self.linear(x)}
+
+
 def test_names_from_the_model_that_utf8_cannot_encode_are_recorded_escaped(
     tmp_path: Path,
 ) -> None:
     """A layer name with a lone surrogate (and a sampler's description, a reducer's own name)
-    failed inject_observer's first write of the run with a bare UnicodeEncodeError.
-    They come from the user's objects, not from an argument to check: each is recorded with
-    its surrogates written as escapes, as error messages are, and the run completes."""
+    failed inject_observer's first write of the run with a bare UnicodeEncodeError, and a
+    mapping key whose repr holds one (a tensor_path) failed every history part holding its
+    rows. They come from the user's objects, not from an argument to check: each is recorded
+    with its surrogates written as escapes, as error messages are, and the run completes."""
 
     class Described(EveryNForwardsSampler):
         def describe(self) -> str:
@@ -233,20 +255,28 @@ def test_names_from_the_model_that_utf8_cannot_encode_are_recorded_escaped(
 
     doubling.__name__ = "doubling\udcff"
     model = nn.Sequential()
-    model.add_module("lin\udc80", nn.Linear(2, 2))
-    inject_observer(model, output_dir=tmp_path, sampler=Described(1), reducers={"d": doubling})
+    model.add_module("lin\udc80", Keyed())
+    inject_observer(
+        model,
+        output_dir=tmp_path,
+        sampler=Described(1),
+        selector=lambda name, module: isinstance(module, Keyed),
+        reducers={"d": doubling},
+    )
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        model(torch.ones(1, 2)).sum().backward()
+        model(torch.ones(1, 2))[KEY].sum().backward()
         remove_observer(model)
     # nothing else: no layer said to have moved, or never to have run
     assert ["modified its argument" in str(w.message) for w in said] == [True]
     assert run_status(tmp_path) == "complete"
     history = pl.read_parquet(tmp_path / "history.parquet")
     assert history["layer"].unique().to_list() == ["lin\\udc80"]
+    assert history["tensor_path"].unique().to_list() == ["[key\\udcfe]"]
+    assert set(history["signal"]) == {"output", "output_gradient"}
     assert history.filter(pl.col("metric") == "d")["unavailable_reason"].unique().to_list() == [
         reasons.reducer_modified_input("doubling\\udcff of metric 'd'")
     ]
     prose = page_prose(tmp_path)
     assert "every forward, Z\\udcfc" in prose
-    assert "| `lin\\udc80` | Linear | 1 |" in prose
+    assert "| `lin\\udc80` | Keyed | 1 |" in prose

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from torchinstruments.notices import shown
+from torchinstruments.reasons import utf8_text
 
 __all__ = ["iter_tensors", "passed_over_message"]
 
@@ -182,8 +183,9 @@ def _field_names(obj: tuple) -> tuple[str, ...] | None:
 
 def _key_name(key: Any) -> str:
     """A mapping key as a path names it: its `repr`, less any memory address in it (a string's
-    own text is kept as it is)."""
-    text = repr(key)
+    own text is kept as it is), as text UTF-8 files hold (a user's `__repr__` may return lone
+    surrogates: every row of the tensor failed its history part, and TensorBoard's events)."""
+    text = utf8_text(repr(key))
     if " at 0x" not in text or isinstance(key, str | bytes):
         return text
     return _ADDRESS.sub("", text)

@@ -305,7 +305,7 @@ class PropertyForward(nn.Module):
         self.inner = nn.Linear(3, 3)
 
     @property
-    def forward(self) -> nn.Module:
+    def forward(self) -> nn.Module:  # pyrefly: ignore[bad-override]
         return self.inner
 
 

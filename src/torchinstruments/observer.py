@@ -264,16 +264,17 @@ class Observer:
         paused = pause_compilation()
         try:
             if self._class_forward is not None:
-                root = instance
                 # A staticmethod or plain callable as forward gives no instance, a classmethod
                 # its class: the root is then the one the proxy was installed on.
-                if not isinstance(root, nn.Module) and self._root_ref is not None:
+                root = instance if isinstance(instance, nn.Module) else None
+                if root is None and self._root_ref is not None:
                     root = self._root_ref()
-                now = type(root).forward
-                # `!=` after `is not`: a classmethod gives a new bound method at each lookup,
-                # equal to the last while the class's forward is the same one.
-                if now is not self._class_forward and now != self._class_forward:
-                    wrapped = self._follow_class_forward(root)
+                if root is not None:  # None: the model was collected, nothing to follow
+                    now = type(root).forward
+                    # `!=` after `is not`: a classmethod gives a new bound method at each
+                    # lookup, equal to the last while the class's forward is the same one.
+                    if now is not self._class_forward and now != self._class_forward:
+                        wrapped = self._follow_class_forward(root)
             if paused is not None and not self._entry_checked:
                 self._check_entry()
             sample = self._begin_root_forward()

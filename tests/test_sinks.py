@@ -213,8 +213,12 @@ class RaisingAtSecond(Recording):
 
 
 class RaisingAtStart(Recording):
+    def __init__(self, message: str = "no credentials") -> None:
+        super().__init__()
+        self.message = message
+
     def start(self, run: RunInfo) -> None:
-        raise ValueError("no credentials")
+        raise ValueError(self.message)
 
     def __repr__(self) -> str:
         return "RaisingAtStart()"
@@ -243,7 +247,10 @@ def test_a_detached_sink_is_named_in_index_with_the_sample_it_failed_on_and_why(
 
 
 def test_a_sink_that_raised_at_start_is_named_in_index(run_dir: Path) -> None:
+    """A message of any length: its note (a paragraph of index.md) keeps its first 1,000
+    characters; a 10 MB message was copied whole, and index.md was 10 MB."""
     good = Recording()
+    huge = RaisingAtStart("x" * 1000 + "y" * 10_000_000)
     model = nn.Sequential(nn.Linear(3, 3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -251,7 +258,7 @@ def test_a_sink_that_raised_at_start_is_named_in_index(run_dir: Path) -> None:
             model,
             output_dir=run_dir,
             sampler=EveryNForwardsSampler(1),
-            sinks=[RaisingAtStart(), good],
+            sinks=[RaisingAtStart(), huge, good],
         )
         model(torch.randn(2, 3))
         remove_observer(model)
@@ -261,3 +268,6 @@ def test_a_sink_that_raised_at_start_is_named_in_index(run_dir: Path) -> None:
         "sink RaisingAtStart() raised ValueError: no credentials in start() at the start of the "
         "run, before any sample; it was detached and received no later record"
     ) in index
+    cut = "x" * 1000 + " ... (10,000,000 more characters cut) in start()"
+    assert f"sink RaisingAtStart() raised ValueError: {cut}" in index
+    assert len(index.encode("utf-8")) <= 64 * 1024

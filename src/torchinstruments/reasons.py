@@ -28,6 +28,7 @@ __all__ = [
     "RECORD_NO_VALUE",
     "REMOVED_IN_FLIGHT",
     "Reason",
+    "cut_message",
     "dropped_at_cap",
     "error",
     "explain",
@@ -332,8 +333,10 @@ MESSAGE_BOUND = (
 )
 
 
-def _cut(text: str, kept: int = MESSAGE_KEPT) -> str:
-    """`text`'s first `kept` characters, saying how many more were cut, if any."""
+def cut_message(text: str, kept: int = MESSAGE_KEPT) -> str:
+    """`text`'s first `kept` characters, saying how many more were cut, if any: an error's
+    message as a reason or a note quotes it (a note is a paragraph of index.md, which stays
+    within 64 KiB)."""
     if len(text) <= kept:
         return text
     cut = len(text) - kept
@@ -344,7 +347,7 @@ def _message(exc: BaseException) -> str:
     """`str(exc)` as text every file of the run can hold (`MESSAGE_BOUND`), or a stand-in
     where it raises."""
     try:
-        return utf8_text(_cut(str(exc)))
+        return utf8_text(cut_message(str(exc)))
     except Exception:  # an error whose own message raises (one a tensor subclass raised)
         return "(its message could not be read)"
 

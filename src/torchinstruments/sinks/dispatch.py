@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchinstruments.notices import warn
+from torchinstruments.reasons import cut_message
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import Sink
@@ -48,8 +49,9 @@ class SinkGroup:
             except Exception as error:
                 self._sinks.remove(sink)
                 warn(
-                    f"torchinstruments: sink {sink!r} raised {type(error).__name__}: {error} in "
-                    f"{method}(); it is detached and the other sinks go on"
+                    f"torchinstruments: sink {sink!r} raised {type(error).__name__}: "
+                    f"{cut_message(str(error))} in {method}(); it is detached and the other "
+                    "sinks go on"
                 )
                 if method != "close":  # see the module docstring
                     self.add_note(detached_note(sink, method, argument, error))
@@ -111,7 +113,8 @@ def detached_note(sink: Sink, method: str, argument: object, error: Exception) -
         )
     else:
         when = "at the start of the run, before any sample"
-    said = " ".join(str(error).split())  # one line: a note is one line of index.md
+    # One line (a note is one line of index.md), of a bounded length (the page too).
+    said = cut_message(" ".join(str(error).split()))
     return (
         f"sink {shown} raised {type(error).__name__}: {said} in {method}() {when}; it was "
         "detached and received no later record (the run directory and the other sinks "

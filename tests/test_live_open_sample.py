@@ -105,6 +105,14 @@ def text(*args: str | Path) -> str:
     return " ".join(done.stdout.split())
 
 
+def csv_said(*args: str | Path) -> str:
+    """What `--format csv` says on stderr beside its rows (one line each, as printed)."""
+    done = cli_in_process(*args, "--format", "csv")
+    assert done.returncode == 0, done.stderr
+    assert "still open" not in done.stdout  # the rows alone: a note is no csv row
+    return done.stderr
+
+
 def query_departures(parent: Path) -> dict[tuple[Any, ...], int]:
     """The parent index.md's departure query (metric mean, as printed): first sample per series."""
     from test_rank_parent_queries import csv, run_blocks
@@ -145,10 +153,12 @@ def test_compare_does_not_call_the_gradients_a_live_runs_open_sample_lacks_a_dif
     assert query_firsts(a, tmp_path / "b") == {}  # A's index.md comparison query, as compare
     said = text("compare", a, tmp_path / "b", "--metrics", "mean")
     assert "series that stop or start in one run" not in said
-    assert (
+    open_b = (
         "B is in progress: its latest sample (sample_id 2) is still open: a gradient row "
         "it lacks there is no difference"
-    ) in said
+    )
+    assert open_b in said
+    assert f"torchinstruments compare: {open_b}" in csv_said("compare", a, tmp_path / "b")
 
     loss.backward()
     remove_observer(b)
@@ -192,10 +202,12 @@ def test_compare_parent_does_not_depart_on_a_live_ranks_open_sample_as_compare(
         assert r["first_departure"] == runs[series]["first_difference"], series
         assert r["matched_samples"] == runs[series]["matched_samples"], series
     assert facts["open_samples"] == {"1": 2}
-    assert (
+    open_1 = (
         "rank 1 is in progress: its latest sample (sample_id 2) is still open: a gradient "
         "row it lacks there is no departure"
-    ) in text("compare", parent, "--metrics", "mean")
+    )
+    assert open_1 in text("compare", parent, "--metrics", "mean")
+    assert f"torchinstruments compare: {open_1}" in csv_said("compare", parent)
     assert query_departures(parent) == {}  # the page's query, as compare PARENT
 
     loss.backward()
@@ -204,3 +216,4 @@ def test_compare_parent_does_not_depart_on_a_live_ranks_open_sample_as_compare(
     assert all(r["first_departure"] is None for r in ranks.values())
     assert all(r["matched_samples"] == 3 for r in ranks.values())
     assert facts["open_samples"] == {}
+    assert "still open" not in csv_said("compare", parent)

@@ -156,6 +156,9 @@ def _run_single(args: argparse.Namespace) -> int:
                 x=args.x,
             )
             width = args.width or _width()
+            if args.format in ("csv", "markdown"):  # text and json say them in the output
+                for line in compare.open_lines(comparison):
+                    print(f"{prog}: {line}", file=sys.stderr)
             print(compare.render(comparison, fmt=args.format, width=width, every_series=args.every))
             return 0
         if args.command == "plot":

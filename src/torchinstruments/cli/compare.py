@@ -368,11 +368,7 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
         f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
         *marks,
         *_notes_said(c),
-        *(
-            open_line(t, c.x, at, "difference")
-            for t, at in zip("AB", c.open_samples, strict=True)
-            if at is not None
-        ),
+        *open_lines(c),
         "mean A, mean B: the mean over each run's recent window of up to "
         f"{plural(c.window, 'sample')}.",
         "B - A: their difference (mean B minus mean A).",
@@ -452,6 +448,16 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
     return "\n".join(lines)
 
 
+def open_lines(c: Comparison) -> list[str]:
+    """What the comparison says of each live run's open sample (`matching.open_line`): in the
+    text's header, and on stderr beside csv and markdown, whose rows cannot hold it."""
+    return [
+        open_line(t, c.x, at, "difference")
+        for t, at in zip("AB", c.open_samples, strict=True)
+        if at is not None
+    ]
+
+
 def render(c: Comparison, *, fmt: str, width: int, every_series: bool = False) -> str:
     """The comparison in one of the formats (text: at most TEXT_SERIES series unless
     `every_series`; the machine formats always hold every series)."""
@@ -478,6 +484,7 @@ __all__ = [
     "compare",
     "extent_notes",
     "first_differences",
+    "open_lines",
     "render",
     "shown_series",
     "warnings_of",

@@ -241,6 +241,12 @@ def departure_warnings(d: Departures) -> list[str]:
     return [w for w in (warning, restarted) if w is not None]
 
 
+def open_lines(d: Departures) -> list[str]:
+    """What the departures say of each live rank's open sample (`matching.open_line`): in the
+    text's header, and on stderr beside csv and markdown, whose rows cannot hold it."""
+    return [open_line(f"rank {r}", d.x, at, "departure") for r, at in d.open_samples.items()]
+
+
 def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool = False) -> str:
     """The departures as an 80-column table, or one row per series (machine formats); a
     warning first when the ranks were sampled differently. Beyond TEXT_SERIES series, unless
@@ -276,7 +282,7 @@ def render_departures(d: Departures, *, fmt: str, width: int, every_series: bool
         *departure_warnings(d),
         *header_lines(d.parent, d.runs, d.facts, d.without_history, d.missing),
         *types.rank_lines(d.mixed),
-        *(open_line(f"rank {r}", d.x, at, "departure") for r, at in d.open_samples.items()),
+        *open_lines(d),
         f"first departure: the first {d.x} at which one rank's value is more than "
         f"{d.tolerance:g} from every other rank's (its nearest other rank is farther; a NaN "
         "or an infinity is infinitely far from any value but an equal one), or at "
@@ -329,5 +335,6 @@ __all__ = [
     "Departures",
     "departure_warnings",
     "departures",
+    "open_lines",
     "render_departures",
 ]

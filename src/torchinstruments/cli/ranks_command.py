@@ -177,6 +177,9 @@ def _on_parent(
             x=args.x,
         )
         every = getattr(args, "every", False)
+        if args.format in ("csv", "markdown"):  # as the ranks' states above: text and json say them
+            for line in multi.open_lines(found):
+                say(line)
         text = multi.render_departures(
             found, fmt=args.format, width=args.width or width, every_series=every
         )

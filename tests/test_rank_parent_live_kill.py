@@ -221,7 +221,17 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The killed rank 2 restarted into its directory (resume=True, the launcher's RANK and
     WORLD_SIZE): from its start the parent's page calls it in progress, and `show PARENT` says
     how each of its attempts ended, as `show` of its own directory does (its state line
-    names only the earlier attempt's end)."""
+    names only the earlier attempt's end). The page is rendered once as it starts (the
+    finalize of its killed attempt leaves it to that render) and once as it ends."""
+    from torchinstruments.rundir import parent_rewrite
+
+    render, renders = parent_rewrite.render_parent_index, []
+
+    def counted(*args: object) -> str:
+        renders.append(True)
+        return render(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parent_rewrite, "render_parent_index", counted)
     with monkeypatch.context() as env:
         env.setenv("RANK", "2")
         env.setenv("WORLD_SIZE", str(WORLD))
@@ -233,6 +243,7 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             rank_policy="all",
             resume=True,
         )
+    assert len(renders) == 1  # the start's, after the earlier attempt was finalized
     model(torch.randn(2, 4)).sum().backward()
     live = "attempts: 2, continued with resume=True (killed: attempt 0; in progress: attempt 1)"
     page = (parent / "index.md").read_text(encoding="utf-8")
@@ -242,6 +253,7 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert shown.returncode == 0, shown.stderr
     assert f"rank 2: {live}" in shown.stdout.splitlines()
     remove_observer(model)
+    assert len(renders) == 2  # and the removal's own
     shown = cli_in_process("show", parent, "--width", "1000").stdout.splitlines()
     assert "rank 2: interrupted in an earlier attempt" in shown
     ended = (

@@ -38,6 +38,8 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.merge import merged_part_numbers
 from torchinstruments.rundir.opening import run_within
+from torchinstruments.rundir.page_ranks import is_rank_run
+from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
 from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import tool_command
 from torchinstruments.rundir.state import NewerStateError, RunState, Status
@@ -86,9 +88,22 @@ def open_continuation(
             f"nor {HISTORY_FILE}), so resume=True has nothing to continue; pass a new output_dir"
         )
     step(f"reading {STATE_FILE}")
-    if _needs_finish(directory):
-        finalize(directory, step)
-        step(f"reading {STATE_FILE}")
+    if not _needs_finish(directory):
+        return _planned(directory, run)
+    # Without its parent page: a rank's new attempt rewrites it as it starts (with the rank in
+    # progress), and a page rendered here (the rank interrupted) would be rendered again at once.
+    finished = finalize(directory, step, parent_page=False).state
+    step(f"reading {STATE_FILE}")
+    try:
+        return _planned(directory, run)
+    except FileExistsError:  # no attempt starts: the page says the one finalized here
+        if is_rank_run(directory, finished):
+            rewrite_parent_index(directory.parent)
+        raise
+
+
+def _planned(directory: Path, run: RunInfo) -> tuple[Continuation, RunState]:
+    """`open_continuation`'s plan from the earlier attempts' state (finalized by then)."""
     previous = load_state(directory)
     if previous is None or previous.counts is None:
         raise FileExistsError(

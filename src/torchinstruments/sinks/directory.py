@@ -231,7 +231,7 @@ class DirectorySink:
             else functools.partial(_put_back, directory, self._previous),
         )
         if is_rank_run(directory, state):
-            self._page = _parent_page_again(directory)
+            self._page = _parent_page_again(directory, continued=not fresh)
         for error in refused:
             self._say_problem(
                 f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
@@ -550,12 +550,14 @@ class DirectorySink:
             forks.untrack(self)
 
 
-def _parent_page_again(directory: Path) -> Finishing[None]:
+def _parent_page_again(directory: Path, *, continued: bool) -> Finishing[None]:
     """A rank's run opened where its parent already has a page (a job restarted into the
     directory, or a rank that attaches after another finished): the page is rewritten now, or
     until this rank finishes it would tell the job before this one (a rank "complete" that runs
     again). A first job's ranks write none at their start: no page is there to be wrong, and the
-    first rank to finish writes it. The render reads every rank's state (`rundir.parent_rewrite`:
+    first rank to finish writes it. A `continued` rank (resume=True) writes it even where there
+    is none: the finalize of its killed attempt at this start leaves the page to this render
+    (`rundir.resume`), so a restarted rank renders it once, not twice. The render reads every rank's state (`rundir.parent_rewrite`:
     no rank waits on another's render, one render per wave of asks), which on a job of
     thousands of ranks of a big model takes long: it runs on a thread of its own, waited for
     `PAGE_WAIT_S` at most (as the run's first rows are), then left to end by itself, so
@@ -563,7 +565,7 @@ def _parent_page_again(directory: Path) -> Finishing[None]:
     for it before its own (`DirectorySink._page_rendered`). Returns the render's thread."""
 
     def work(step: Callable[[str], None]) -> None:
-        if (directory.parent / INDEX_FILE).is_file():
+        if continued or (directory.parent / INDEX_FILE).is_file():
             rewrite_parent_index(directory.parent)
 
     page = Finishing(work, _nothing, f"torchinstruments ranks' page {directory.parent}")

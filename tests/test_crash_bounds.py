@@ -62,8 +62,14 @@ TAGS = [
 def child_main(directory: Path, mode: str) -> None:
     """Train until killed. mode "plain": no SIGTERM handler of its own; "chained": the
     program installs its own SIGTERM handler first (as frameworks do), which writes a marker
-    and exits with status 143."""
+    and exits with status 143; "one_row_parts": rank 1 of 2 (the launcher's environment,
+    `rank_policy="all"`) with the smallest parts, `buffer_rows=1`, many more than its flush
+    thread writes in a flush interval."""
     torch.set_num_threads(1)
+    ranked = mode == "one_row_parts"
+    rows = {"buffer_rows": 1} if ranked else {}
+    if ranked:
+        os.environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
     if mode == "chained":
 
         def on_term(signum: int, frame: Any) -> None:
@@ -78,7 +84,8 @@ def child_main(directory: Path, mode: str) -> None:
         model,
         output_dir=directory,
         sampler=EveryNForwardsSampler(1),
-        history_config=HistoryConfig(flush_seconds=FLUSH_SECONDS),
+        history_config=HistoryConfig(flush_seconds=FLUSH_SECONDS, **rows),
+        rank_policy="all" if ranked else "rank0",
     )
     deadline = time.monotonic() + CHILD_LIFETIME_S
     step = 0
@@ -125,11 +132,11 @@ def event_steps(directory: Path) -> dict[str, set[int]]:
 
 
 def run_and_kill(
-    tmp_path: Path, mode: str, signum: int, returncode: int
+    tmp_path: Path, mode: str, signum: int, returncode: int, old_steps: int = OLD_STEPS_BEFORE_KILL
 ) -> tuple[Path, dict[int, float], float]:
-    """Start the child, wait until OLD_STEPS_BEFORE_KILL steps are older than one flush
-    interval, send `signum`, check the child's exit status; returns the run directory, the
-    printed steps and the kill time."""
+    """Start the child, wait until `old_steps` steps are older than one flush interval, send
+    `signum`, check the child's exit status; returns the run directory, the printed steps and
+    the kill time."""
     directory = tmp_path / RUN_NAME
     log = tmp_path / "child.log"
     with log.open("w", encoding="utf-8") as out:
@@ -141,12 +148,12 @@ def run_and_kill(
             while True:
                 steps = printed_steps(log)
                 old = [s for s, t in steps.items() if t < time.time() - 2 * FLUSH_SECONDS]
-                if len(old) >= OLD_STEPS_BEFORE_KILL:
+                if len(old) >= old_steps:
                     break
                 if child.poll() is not None:
                     pytest.fail(f"training child exited early:\n{log.read_text('utf-8')}")
                 if time.monotonic() > deadline:
-                    pytest.fail(f"fewer than {OLD_STEPS_BEFORE_KILL} steps after {WAIT_S} s")
+                    pytest.fail(f"fewer than {old_steps} steps after {WAIT_S} s")
                 time.sleep(0.05)
             killed_at = time.time()
             os.kill(child.pid, signum)
@@ -160,17 +167,20 @@ def run_and_kill(
     return directory, steps, killed_at
 
 
-def assert_bound(directory: Path, steps: dict[int, float], killed_at: float) -> set[int]:
+def assert_bound(
+    directory: Path, steps: dict[int, float], killed_at: float, *, by_time: bool = True
+) -> set[int]:
     """Every step printed one flush interval before the kill is complete in the parts and in the
-    TensorBoard events; returns the sample ids in the parts."""
+    TensorBoard events; returns the sample ids in the parts (`by_time`: every part was written
+    by the time bound, none by the row bound)."""
     old = {s for s, t in steps.items() if t < killed_at - FLUSH_SECONDS}
-    assert len(old) >= OLD_STEPS_BEFORE_KILL
+    assert len(old) >= (OLD_STEPS_BEFORE_KILL if by_time else 1)
     rows = read_parts(directory)
     per_sample = dict(rows.group_by("sample_id").len().iter_rows())
     missing = sorted(s for s in old if per_sample.get(s) != ROWS_PER_SAMPLE)
     assert not missing, f"samples older than {FLUSH_SECONDS} s not (fully) in the parts: {missing}"
     # no part is larger than the rows of the run so far: the row bound never triggered
-    assert rows.height < HistoryConfig().buffer_rows
+    assert rows.height < HistoryConfig().buffer_rows or not by_time
     events = event_steps(directory)
     assert set(events) == set(TAGS)
     for tag in TAGS:
@@ -219,6 +229,22 @@ def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_pat
     )
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["run"]["state"].startswith("interrupted")
+
+
+def test_sigkill_of_a_rank_writing_one_row_parts_loses_at_most_one_flush_interval(
+    tmp_path: Path,
+) -> None:
+    """With `buffer_rows=1` its flush thread writes a part a row, far fewer rows a second than
+    a sample a step records: once the oldest is due, every buffered row goes at once, so the
+    time bound holds (before, the rows waited behind the one-row parts, seconds old)."""
+    directory, steps, killed_at = run_and_kill(
+        tmp_path, "one_row_parts", signal.SIGKILL, -signal.SIGKILL, old_steps=10
+    )
+    rank = directory / "rank-001"
+    assert_bound(rank, steps, killed_at, by_time=False)
+    sizes = [pl.read_parquet(p, glob=False).height for p in part_files(rank)]
+    assert max(sizes) > 1  # the time bound's parts: more than buffer_rows rows
+    assert sizes.count(1) > 0  # and the row bound's
 
 
 def test_sigterm_flushes_everything_then_ends_with_the_default_action(tmp_path: Path) -> None:

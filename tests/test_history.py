@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import time
@@ -373,7 +374,7 @@ def test_full_chunks_left_elsewhere_are_written_by_write_due_without_blocking_ap
     import threading
 
     writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=4), chunks_elsewhere=True)
-    writer.append([measurement(0, f"l{i}") for i in range(10)])  # 30 rows
+    writer.append([measured_now(0, f"l{i}") for i in range(10)])  # 30 rows
     assert list_parts(tmp_path) == []
     assert writer.seconds_until_due() == 0.0
     writing, release = threading.Event(), threading.Event()
@@ -388,16 +389,33 @@ def test_full_chunks_left_elsewhere_are_written_by_write_due_without_blocking_ap
     flush_thread = threading.Thread(target=writer.write_due)
     flush_thread.start()
     assert writing.wait(10)
-    writer.append([measurement(1, "late")])  # returns while the part's write waits
+    writer.append([measured_now(1, "late")])  # returns while the part's write waits
     assert writer.rows_buffered == 33
     release.set()
     flush_thread.join(10)
     sizes = [pl.read_parquet(p).height for p in list_parts(tmp_path)]
-    # the late rows made the eighth chunk; the last row, as old as these test rows are, is due
-    assert sizes == [4] * 8 + [1]
-    assert writer.rows_buffered == 0
+    assert sizes == [4] * 8  # the late rows made the eighth chunk; the last row is not due
+    assert writer.rows_buffered == 1
     assert writer.close()
     assert writer.rows_written == 33
+
+
+def measured_now(sample: int, layer: str) -> Measurement:
+    """`measurement`, measured now: not due by age for a flush interval."""
+    return dataclasses.replace(measurement(sample, layer), timestamp_us=time.time_ns() // 1000)
+
+
+def test_rows_due_by_age_go_at_once_with_the_full_chunks_before_them(tmp_path: Path) -> None:
+    """Once the oldest buffered row is half a flush interval old, `write_due` writes every
+    buffered row in one part, the full chunks waiting before it included: written chunk by
+    chunk, a small buffer_rows fell behind rows recorded faster than parts are written, and
+    a crash lost rows far older than flush_seconds."""
+    writer = HistoryWriter(tmp_path, HistoryConfig(buffer_rows=1), chunks_elsewhere=True)
+    writer.append([measurement(0, f"l{i}") for i in range(10)])  # 30 rows, as old as 2023
+    assert writer.write_due()  # the time bound's turn
+    assert [pl.read_parquet(p).height for p in list_parts(tmp_path)] == [30]
+    assert writer.rows_buffered == 0
+    assert writer.close()
 
 
 def test_a_sampled_step_leaves_its_full_chunks_to_the_flush_thread(

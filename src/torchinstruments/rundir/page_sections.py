@@ -91,7 +91,8 @@ def section_files(run: RunInfo) -> list[str]:
         f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
         "(a temporary in the run directory, then renamed into the folder) while the run is "
         "live, when the buffer holds buffer_rows rows or its oldest row is flush_seconds / 2 "
-        f'old. `pl.read_parquet("{PARTS_DIR}")` works from the first part (the first sample '
+        "old (then every buffered row at once: a part may hold more than buffer_rows rows "
+        f'where chunks wait, so the time bound holds). `pl.read_parquet("{PARTS_DIR}")` works from the first part (the first sample '
         "writes it right after it is taken; before it the folder is empty and the read fails) "
         f"until removal, which merges the parts into {HISTORY_FILE} and then takes the folder "
         "away in one rename: a reader gets every part or an error, never some of them. The "

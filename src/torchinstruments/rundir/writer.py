@@ -16,7 +16,10 @@ its first row was measured, and after a part the oldest record left sets the age
 while a part was written are therefore due half an interval after they were measured, not at
 once: with the age of the rows the part took, a run sampled continuously wrote tiny parts back
 to back (hundreds in seconds) after its first time-triggered part, instead of one per half
-interval. A row-count trigger
+interval. The time bound comes before the row bound: once the oldest row is due, every
+buffered row goes in as few parts as fit, full chunks still waiting included (a part may then
+hold more than `buffer_rows` rows), so a small `buffer_rows` writing part after part behind
+the rows still keeps to `flush_seconds`. A row-count trigger
 alone bounds nothing in time: at the default sampling of one sample per minute, 8,192 rows (the
 default before 65,536) were about 90 minutes of history held only in memory.
 
@@ -323,17 +326,24 @@ class HistoryWriter:
     def write_due(self) -> bool:
         """Write what is due, on the thread that calls it (with `chunks_elsewhere`, the flush
         thread): full `buffer_rows` chunks once they wait, then every buffered row once the
-        oldest is half a flush interval old. Whether more than full chunks was due (the time
-        bound's turn). Failures warn, never raise."""
+        oldest is half a flush interval old. Once it is, the chunks still waiting go with it,
+        in as few parts as fit: chunk after chunk, a small `buffer_rows` (1) fell behind rows
+        recorded faster than parts are written (a fixed cost each), and the oldest waited
+        without bound, lost to a SIGKILL long after `flush_seconds`. Whether more than full
+        chunks was due (the time bound's turn). Failures warn, never raise."""
         with self._writing:
             chunks = len(self._held.buffer) >= self._retry_at
             if chunks:
-                self._write_chunks()
-            due = self._aged_in(time.monotonic())
-            if due is not None and due <= 0:
+                self._write_chunks(stop=self._aged)
+            if self._aged():
                 self._write_backlog()
                 return True
             return not chunks  # nothing buffered was due: the loss ledger's turn
+
+    def _aged(self) -> bool:
+        """Whether the buffered rows are due by age (`_aged_in`)."""
+        due = self._aged_in(time.monotonic())
+        return due is not None and due <= 0
 
     def give_up(self, why: str, wait_s: float) -> bool:
         """Write no part from now on (`why`: one that hangs); `close` counts the rows left as
@@ -372,12 +382,13 @@ class HistoryWriter:
                 )
             return not self._held.ledger.rows
 
-    def _write_chunks(self) -> None:
-        """Write full `buffer_rows` chunks; stop at the first failure (the caller holds
-        `_writing`)."""
+    def _write_chunks(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Write full `buffer_rows` chunks; stop at the first failure, or once `stop` says
+        (`write_due`: the rows are due by age, and the whole backlog goes at once). The caller
+        holds `_writing`."""
         size = self._config.buffer_rows
         while len(self._held.buffer) >= size:
-            if not self._write_part(size):
+            if stop() or not self._write_part(size):
                 return
         self._retry_at = size
 

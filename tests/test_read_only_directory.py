@@ -23,16 +23,20 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
 from _permissions import prefix_fixture, run_fixture  # noqa: F401 (fixtures)
-from conftest import kill_when_ready, rows_in_parts, wait_for_rows
+from conftest import cli_in_process, kill_when_ready, rows_in_parts, wait_for_rows
 
 SAMPLES = 45  # what CHILD takes: 5 before the change, 40 after
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
 
 CHILD = r"""
-import fcntl, json, os, sys, warnings
+import fcntl, json, os, sys, time, warnings
+from pathlib import Path
 import torch
 from torch import nn
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.cli.reader import state_sentence
+from torchinstruments.rundir.state import read_state
+from torchinstruments.rundir.write_trouble import read_trouble
 
 run = sys.argv[1]
 torch.manual_seed(0)
@@ -48,6 +52,10 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for _ in range(40):
         model(x).sum().backward()
+    deadline = time.monotonic() + 60  # the flush thread's first failed part write says it
+    while read_trouble(Path(run)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live = state_sentence(Path(run), read_state(Path(run)))  # as show and compare say it
     remove_observer(model)
 with open(os.path.join(run, ".lock"), "rb") as lock:  # a second open file: its own lock
     try:
@@ -55,7 +63,8 @@ with open(os.path.join(run, ".lock"), "rb") as lock:  # a second open file: its 
         released = True
     except OSError:
         released = False
-print(json.dumps({"warnings": [str(w.message) for w in caught], "lock_released": released}))
+said = [str(w.message) for w in caught]
+print(json.dumps({"warnings": said, "lock_released": released, "live": live}))
 """
 
 
@@ -87,6 +96,21 @@ def test_removal_in_a_read_only_directory_counts_every_unwritten_row_and_release
     assert int(lost[1].replace(",", "")) + on_disk == SAMPLES * ROWS_PER_SAMPLE
     assert (int(lost[2]), int(lost[3])) == (on_disk // ROWS_PER_SAMPLE, SAMPLES - 1)
     assert report["lock_released"] is True
+    # Readers never call it a run going on as before: while it lived, the state file (written
+    # before the change) said "in progress", and its lock file why nothing reached the disk;
+    # after its removal, that it is not live, and why its state file still says so.
+    assert str(report["live"]).startswith(
+        "in progress, but recording nothing to its directory since "
+    ), report["live"]
+    assert "no history.parts/ part could be written (PermissionError" in str(report["live"])
+    shown = cli_in_process("show", run, "--format", "json")
+    assert shown.returncode == 0, shown.stderr
+    state = json.loads(shown.stdout)["run"]["state"]
+    assert state.startswith("interrupted: its writes failed since "), state
+    assert "remove_observer ended the run, but its .state.json could not be written" in state
+    assert "no process holds the run's lock" in state
+    compared = cli_in_process("compare", run, run, "--format", "csv")
+    assert f"{run}: state: {state}" in compared.stderr
 
     # Permissions back: no state on disk says the run ended, so finalize takes it for a killed
     # one, and the TensorBoard events (their file was open before the change) name the samples

@@ -60,6 +60,7 @@ from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
+from torchinstruments.rundir.write_trouble import read_trouble
 
 X_COLUMNS = ("sample_id", "forward_index")
 READ_ATTEMPTS = 5
@@ -371,6 +372,9 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
             *(loss.describe() for loss in state.losses),
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
+    trouble = read_trouble(directory) if status is Status.IN_PROGRESS else None
+    if trouble is not None:  # its writes failed: the state file could not say so
+        return _trouble_sentence(trouble, writer_ended(directory), finalize_command)
     if status is Status.IN_PROGRESS and state.removal_step is not None:
         if writer_ended(directory):  # as finalize tells it: no process holds the run's lock
             return (
@@ -398,6 +402,21 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
             f"`{finalize_command}` completes it)"
         )
     return f"incomplete (parts not merged yet; `{finalize_command}`)"
+
+
+def _trouble_sentence(trouble: str, ended: bool | None, finalize_command: str) -> str:
+    """The state of a run whose writer said, in its lock file, why nothing reached its
+    directory (`rundir.write_trouble`), its process live or `ended` (None: unknown)."""
+    if ended is False:
+        return (
+            f"in progress, but recording nothing to its directory {trouble} (a live process "
+            "holds the run's lock; its state file was last written before that)"
+        )
+    return (
+        f"interrupted: its writes failed {trouble}; {'no' if ended else 'if no'} process holds "
+        f"the run's lock (its state file was last written before that); `{finalize_command}` "
+        "completes it once the directory takes writes"
+    )
 
 
 def window_of(facts: RunFacts, window: int | None) -> int:

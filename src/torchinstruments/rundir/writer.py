@@ -205,6 +205,11 @@ class HistoryWriter:
             return self._held.ledger.rows
 
     @property
+    def failing_error(self) -> str | None:
+        """Why part writes fail now (`Type: message`), None while they work."""
+        return self._error if self._failing else None
+
+    @property
     def last_error(self) -> str | None:
         """The last part-write failure (`Type: message`), or None if every write succeeded."""
         return self._error

@@ -49,6 +49,7 @@ from torchinstruments.rundir.resume import holds_run, open_continuation_within
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import LAST_PARTS, RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
+from torchinstruments.rundir.write_trouble import WriteTrouble, finish_trouble, parts_trouble
 from torchinstruments.rundir.writer import HistoryWriter
 from torchinstruments.sinks.given_up import (
     MERGE_ROWS_PER_S,
@@ -106,6 +107,7 @@ class DirectorySink:
         # counter advances it (`ids_taken`), so a resume=True after a kill never reuses them.
         self._ids = IdMark(self._say_problem)
         self.ids_taken = self._ids.advance
+        self._trouble = WriteTrouble()  # why nothing reaches the directory, told in `.lock`
         self._run: RunInfo | None = None
         self._history: HistoryWriter | None = None
         self._events: EventFile | None = None
@@ -167,6 +169,7 @@ class DirectorySink:
             0 if c is None else c.first_sample_id,
             0 if c is None else c.first_forward_index,
         )
+        self._trouble.open(self.directory)
         self._saved_problems = state.live_problems
         history = self._history
         assert history is not None  # the opening's first write
@@ -260,6 +263,7 @@ class DirectorySink:
         """In a forked child: drop the child's copy of the lock descriptor; nothing else of this
         sink is used there (its threads do not exist in the child; see forks.py)."""
         self._ids.close(in_child=True)
+        self._trouble.close(in_child=True)
         self._lock.forget()
 
     def _open_events(self) -> EventFile | None:
@@ -365,6 +369,7 @@ class DirectorySink:
                 else:
                     aged = history.write_due()
                 self._save_state(history)
+                self._trouble.update(parts_trouble(history, self._config))
         except BaseException as error:  # never let the flush thread die (see FlushTimer)
             if not self._flush_warned:
                 self._flush_warned = True
@@ -501,6 +506,7 @@ class DirectorySink:
                 if not timer.finish(wait_s, lambda: history.rows_written):
                     give_up_writes(self.directory, history, wait_s)
                 written = history.close(write=False)  # the rest is in its loss ledger
+                self._trouble.update(parts_trouble(history, self._config))
                 self._saves.give_up("removal finishes the run", wait_s)
             self._close_events()
             if history is not None and run is not None:
@@ -515,6 +521,7 @@ class DirectorySink:
             self._history = None
             self._timer = None
             self._term = None
+            self._trouble.close()
             if not self._handed_over:  # else the finishing thread's (`_end_of_finish`)
                 reserve.release(self.directory)
                 self._lock.release()
@@ -538,6 +545,8 @@ class DirectorySink:
         finishing = Finishing(work, self._end_of_finish, name)
         self._handed_over = True  # the lock is the finishing thread's from here on
         report = finishing.wait(bound)
+        if report is not None and (trouble := finish_trouble(report.state.problems)):
+            self._trouble.update(trouble)  # readers see "in progress": its lock file says why
         said_of_finish(self.directory, finishing, report, bound, state, self._events_problem)
 
     def _end_of_finish(self) -> None:

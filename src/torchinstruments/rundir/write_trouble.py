@@ -101,7 +101,10 @@ class WriteTrouble:
 
     def open(self, directory: Path) -> None:
         """Open the lock file (the run holds its lock) and blank the line, so its bytes exist
-        before any trouble; a failure leaves the run without it (never raised)."""
+        before any trouble; a failure leaves the run without it (never raised), as does a
+        platform without `os.pwrite` (Windows), where the id mark is missing too."""
+        if not hasattr(os, "pwrite"):
+            return
         with contextlib.suppress(OSError):
             self._fd = os.open(directory / LOCK_FILE, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             os.pwrite(self._fd, _BLANK, TROUBLE_OFFSET)

@@ -222,7 +222,8 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     WORLD_SIZE): from its start the parent's page calls it in progress, and `show PARENT` says
     how each of its attempts ended, as `show` of its own directory does (its state line
     names only the earlier attempt's end). The page is rendered once as it starts (the
-    finalize of its killed attempt leaves it to that render) and once as it ends."""
+    finalize of its killed attempt leaves it to that render, or renders it itself where the
+    continuation is refused) and once as it ends."""
     from torchinstruments.rundir import parent_rewrite
 
     render, renders = parent_rewrite.render_parent_index, []
@@ -235,6 +236,15 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as env:
         env.setenv("RANK", "2")
         env.setenv("WORLD_SIZE", str(WORLD))
+        # first a model of other layers: refused after the killed attempt was finalized, so
+        # no attempt starts, and the page says the finalized one instead of the killed one
+        other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        with pytest.raises(FileExistsError, match="observed other layers"):
+            inject_observer(other, output_dir=parent, rank_policy="all", resume=True)
+        assert len(renders) == 1
+        finalized = state_cells((parent / "index.md").read_text(encoding="utf-8"))[2]
+        assert finalized.startswith("interrupted"), finalized
+        renders.clear()
         model = nn.Linear(4, 4)
         inject_observer(
             model,
@@ -243,7 +253,7 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             rank_policy="all",
             resume=True,
         )
-    assert len(renders) == 1  # the start's, after the earlier attempt was finalized
+    assert len(renders) == 1  # the start's
     model(torch.randn(2, 4)).sum().backward()
     live = "attempts: 2, continued with resume=True (killed: attempt 0; in progress: attempt 1)"
     page = (parent / "index.md").read_text(encoding="utf-8")

@@ -566,12 +566,13 @@ def _parent_page_again(directory: Path, *, continued: bool) -> Finishing[None]:
     again). A first job's ranks write none at their start: no page is there to be wrong, and the
     first rank to finish writes it. A `continued` rank (resume=True) writes it even where there
     is none: the finalize of its killed attempt at this start leaves the page to this render
-    (`rundir.resume`), so a restarted rank renders it once, not twice. The render reads every rank's state (`rundir.parent_rewrite`:
-    no rank waits on another's render, one render per wave of asks), which on a job of
-    thousands of ranks of a big model takes long: it runs on a thread of its own, waited for
-    `PAGE_WAIT_S` at most (as the run's first rows are), then left to end by itself, so
-    inject is never refused for it nor holds the training step long; this rank's finish waits
-    for it before its own (`DirectorySink._page_rendered`). Returns the render's thread."""
+    (`rundir.resume`), so a restarted rank renders it once, not twice. The render reads every
+    rank's state (`rundir.parent_rewrite`: no rank waits on another's render, one render per
+    wave of asks), which on a job of thousands of ranks of a big model takes long: it runs on
+    a thread of its own, waited for `PAGE_WAIT_S` at most (as the run's first rows are), then
+    left to end by itself, so inject is never refused for it nor holds the training step long;
+    this rank's finish waits for it before its own (`DirectorySink._page_rendered`). Returns
+    the render's thread."""
 
     def work(step: Callable[[str], None]) -> None:
         if continued or (directory.parent / INDEX_FILE).is_file():

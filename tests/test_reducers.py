@@ -381,3 +381,21 @@ def test_ready_reducers_of_a_complex_tensor_are_null_with_the_unsupported_dtype_
         got = measure(values, measurer)
     assert got["abs_max"] == MetricValue(None, "unsupported dtype complex64")
     assert got["l2_norm"] == MetricValue(None, "unsupported dtype complex64")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="measurement/reducers.py: the custom reducers' copy (`detached.clone()`) is made "
+    "inside the user's inference_mode, so it is an inference tensor, and reading its version "
+    "counter raises: every custom metric of an inference_mode forward is null with 'statistics "
+    "error: RuntimeError: Inference tensors do not track version counter.'",
+)
+def test_ready_reducers_of_a_tensor_made_under_inference_mode_equal_numpy(
+    reduction_path: str,
+) -> None:
+    measurer = Measurer([ready.AbsMax(), ready.L2Norm()], host_paths=reduction_path == "host")
+    with torch.inference_mode():  # an evaluation forward under inference_mode measures here
+        values = torch.tensor([1.0, -7.5, 3.0])
+        got = measure(values, measurer)
+    assert got["abs_max"] == MetricValue(7.5)
+    assert got["l2_norm"].value == pytest.approx(float(np.linalg.norm([1.0, -7.5, 3.0])), rel=1e-7)

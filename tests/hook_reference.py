@@ -38,9 +38,11 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from reference_values import (
+    EMPTY_REASON,
     FRACTIONS,
     METRICS,
     MOMENTS,
+    NO_FINITE_REASON,
     ReferenceTensor,
     default_layer_names,
     output_tensors,
@@ -339,7 +341,29 @@ def compare(
                 math.isfinite(value) and tolerance.close(metric, value, expected, want.scale)
             ):
                 problems.append(f"{key} {metric}: {value!r} != {expected!r} (NumPy)")
+        problems += _abs_max_problems(key, got, want, tolerance)
     return problems
+
+
+def _abs_max_problems(
+    key: SampleKey, got: ObservedTensor, want: ReferenceTensor, tolerance: Tolerance
+) -> list[str]:
+    """The ready `AbsMax` reducer's row, where the run has one (the custom path runs it beside
+    the default profile): the largest finite magnitude, NumPy's `want.scale`; where the default
+    profile has no max, null, and for a tensor that cannot be measured at all (its dtype, its
+    device, partial sums) with the profile's own reason."""
+    if "abs_max" not in got.values:
+        return []
+    value, reason = got.values["abs_max"], got.reasons.get("abs_max")
+    if want.values["max"] is None:
+        if value is not None or reason is None:
+            return [f"{key} abs_max: {value} ({reason}), expected null + reason"]
+        if want.reason in (EMPTY_REASON, NO_FINITE_REASON, None) or re.search(want.reason, reason):
+            return []
+        return [f"{key} abs_max: reason {reason!r} !~ {want.reason!r}"]
+    if value is None or not tolerance.close("max", value, want.scale, want.scale):
+        return [f"{key} abs_max: {value!r} ({reason}) != {want.scale!r} (NumPy)"]
+    return []
 
 
 def assert_conforms(

@@ -55,6 +55,12 @@ PARTIAL_REASON = r"(?i)partial"
 SHARED_REASON = r"^shared output"
 
 
+EMPTY_REASON = r"^empty tensor$"
+
+
+NO_FINITE_REASON = r"^no finite entries$"
+
+
 # --- NumPy statistics --------------------------------------------------------------------------
 
 
@@ -73,7 +79,7 @@ def _float64_values(tensor: torch.Tensor) -> np.ndarray:
 def profile_of_values(values: np.ndarray) -> tuple[dict[str, float | None], str | None]:
     """The default profile of flat float64 `values`, and the reason for its nulls (if any)."""
     if values.size == 0:
-        return dict.fromkeys(METRICS), r"^empty tensor$"
+        return dict.fromkeys(METRICS), EMPTY_REASON
     finite = values[np.isfinite(values)]
     out: dict[str, float | None] = {
         "zero_fraction": float(np.count_nonzero(values == 0)) / values.size,
@@ -81,7 +87,7 @@ def profile_of_values(values: np.ndarray) -> tuple[dict[str, float | None], str 
     }
     if finite.size == 0:
         out.update(dict.fromkeys(FINITE_ONLY))
-        return out, r"^no finite entries$"
+        return out, NO_FINITE_REASON
     p25, p50, p75 = np.percentile(finite, [25, 50, 75], method="linear")
     out.update(
         mean=float(np.mean(finite)),

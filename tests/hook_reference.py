@@ -16,7 +16,9 @@ backward receives the sum of the gradients of all its uses; that sum belongs to 
 so each of those rows is null with a reason saying "shared output".
 
 `assert_conforms` compares in both directions: every reference tensor has a row (or a stated
-reason for its absence, `unrecorded`), and every row has a reference tensor.
+reason for its absence, `unrecorded`), and every row has a reference tensor. Where a run has the
+ready `AbsMax` reducer beside the default profile, its `abs_max` rows are compared too: NumPy's
+largest finite magnitude, or null (with the profile's reason where the tensor cannot be measured).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ every row equals the reference both ways, and the model computes what it compute
 
 Paths (`PATHS`): the small-tensor lane; the host path alone (the lane declining every tensor);
 the host paths where selection is quicker than the CPU's sort; a custom reducer beside the
-default profile (no lane: `reducers.Measurer`'s host path); the sync-free general path a GPU
+default profile (no lane: `reducers.Measurer`'s host path; its abs_max rows compared too); the sync-free general path a GPU
 runs, here on the CPU.
 """
 

@@ -273,33 +273,15 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Step]]] = {
 }
 
 
-# On the "custom" path the ready AbsMax's rows are compared too (`hook_reference`): the kinds
-# whose abs_max measurement/ gets wrong today, and how.
-ABS_MAX_DEFECTS = {
-    "inference_mode step": "the reducers' copy is an inference tensor, whose version counter "
-    "cannot be read: null with 'statistics error: ... Inference tensors do not track version "
-    "counter.'",
-    "complex (FFT) with its gradient": "AbsMax reads the real part of a complex tensor: max |Re z| "
-    "as a number, not null with 'unsupported dtype complex64'",
-    "quantized": "null with 'reducer error: RuntimeError: Creation of quantized tensor ...', not "
-    "the profile's 'unsupported dtype quint8'",
-    "packed float4_e2m1fn_x2": "null with 'reducer error: NotImplementedError: \"copy_kernel\" ...', "
-    "not the profile's 'packed dtype float4_e2m1fn_x2: ...'",
-}
-
-
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_kind_of_tensor_equals_plain_hooks(
     run_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
     one_thread: None,
     case: str,
     path: str,
 ) -> None:
-    if path == "custom" and case in ABS_MAX_DEFECTS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ABS_MAX_DEFECTS[case]))
     monkeypatch.setattr(hook_reference, "reference_tensor", kind_reference)
     model, step = CASES[case]()
     extra = PATHS[path](monkeypatch)

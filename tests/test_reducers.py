@@ -363,13 +363,6 @@ def test_ready_reducers_are_exported() -> None:
     assert torchinstruments.L2Norm is ready.L2Norm
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measurement/custom.py: AbsMax and L2Norm read tensors.working_values, which casts a "
-    "complex tensor to its real part (torch warns 'Casting complex values to real discards the "
-    "imaginary part'), so they give max |Re z| and ||Re z|| as numbers instead of the default "
-    "profile's null with 'unsupported dtype complex64'",
-)
 def test_ready_reducers_of_a_complex_tensor_are_null_with_the_unsupported_dtype_reason(
     reduction_path: str,
 ) -> None:
@@ -383,13 +376,6 @@ def test_ready_reducers_of_a_complex_tensor_are_null_with_the_unsupported_dtype_
     assert got["l2_norm"] == MetricValue(None, "unsupported dtype complex64")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measurement/reducers.py: the custom reducers' copy (`detached.clone()`) is made "
-    "inside the user's inference_mode, so it is an inference tensor, and reading its version "
-    "counter raises: every custom metric of an inference_mode forward is null with 'statistics "
-    "error: RuntimeError: Inference tensors do not track version counter.'",
-)
 def test_ready_reducers_of_a_tensor_made_under_inference_mode_equal_numpy(
     reduction_path: str,
 ) -> None:

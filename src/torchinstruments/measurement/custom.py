@@ -17,7 +17,7 @@ import torch
 from torchinstruments.measurement import tensors
 from torchinstruments.records import INTERRUPTED
 
-__all__ = ["AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
+__all__ = ["READY", "AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
 
 
 @runtime_checkable
@@ -90,6 +90,12 @@ class L2Norm:
         top = wide.abs().amax().clamp(min=torch.finfo(torch.float64).tiny)  # all zeros: 0 / tiny
         norm = torch.where(finite.any(), (wide / top).square().sum().sqrt() * top, float("nan"))
         return {"l2_norm": norm}
+
+
+# The library's own reducers. They describe real values, as the default profile does: a tensor
+# the profile cannot measure (complex, quantized, packed, sparse) is null with the profile's
+# reason for them too (`Measurer`), not a number read from a cast (a complex tensor's real part).
+READY = (AbsMax, L2Norm)
 
 
 class _FunctionReducer:

@@ -192,9 +192,13 @@ class Measurer:
                             detached, metrics, offset, bins, self.host_paths
                         )
                         histogram = counted if histogram is None else histogram
+                    elif isinstance(reducer, custom.READY) and (
+                        unsupported := tensors.unsupported_reason(detached)
+                    ):
+                        part, block = _Part.null(metrics, unsupported), None
                     else:
                         if copy is None:
-                            copy = detached.clone()
+                            copy = _reducers_copy(detached)
                         version = tensor_version(copy)
                         part, block = _reduce_custom(
                             reducer, metrics, copy, offset, self.host_paths
@@ -216,6 +220,16 @@ class Measurer:
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
         return PendingReduction(None, [_Part.null(self.metrics, reason)])
+
+
+def _reducers_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The custom reducers' copy of `tensor`, a normal tensor also under `torch.inference_mode`:
+    there a clone is an inference tensor, whose version (`tensor_version`, which shows that a
+    reducer wrote into its copy) cannot be read: every custom metric was null."""
+    if not torch.is_inference_mode_enabled():
+        return tensor.clone()
+    with torch.inference_mode(False):
+        return tensor.clone()
 
 
 def _reduce_default(

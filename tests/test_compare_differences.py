@@ -23,6 +23,8 @@ from torch import nn
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.__main__ import main
 from torchinstruments.cli import compare, differences
+from torchinstruments.rundir import recovery
+from torchinstruments.rundir.state import RunState
 
 STEPS = 8
 CUT_FROM = 3  # from this step on, the branch of the cut run is detached
@@ -109,6 +111,26 @@ def test_a_series_that_stops_in_one_run_is_a_difference_from_the_sample_it_stops
     )
     line = next(li for li in text.splitlines() if re.match(r"side\s+grad\s+std", li))
     assert line.split()[-2:] == [str(CUT_FROM), str(CUT_FROM)]  # first diff, matched
+
+
+def test_compare_decodes_each_run_state_once(
+    runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command says each run's state, checks the selection and reads each run's facts, and
+    still decodes each state file once (a 3,000-layer run's takes about 70 ms)."""
+    decoded: list[Path] = []
+    real = recovery.read_state
+
+    def counting(directory: Path) -> RunState:
+        decoded.append(Path(directory))
+        return real(directory)
+
+    monkeypatch.setattr(recovery, "read_state", counting)
+    for fmt in ("text", "csv"):  # csv says the states on stderr too
+        decoded.clear()
+        code, _ = cli("compare", runs["baseline"], runs["cut"], "--format", fmt)
+        assert code == 0
+        assert sorted(decoded) == sorted([runs["baseline"], runs["cut"]]), fmt
 
 
 def test_a_series_first_difference_is_the_same_whatever_selects_it(

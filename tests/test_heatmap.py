@@ -35,6 +35,8 @@ from torchinstruments.cli.pictures_grid import (
     Grid,
     row_ticks,
 )
+from torchinstruments.rundir import recovery
+from torchinstruments.rundir.state import RunState
 
 from conftest import check_heatmap, heatmap_cell, read_heatmap, sgd_step
 from conftest import cli_in_process as cli
@@ -119,6 +121,26 @@ def test_a_dead_layer_is_the_top_colour_from_its_sample_and_nulls_are_grey(
         assert tuple(pixels[heatmap_cell(gradient, empty, column)]) == ABSENT_COLOUR  # no gradient
         stopped = tuple(pixels[heatmap_cell(gradient, side, column)]) == ABSENT_COLOUR
         assert stopped == (column >= FAULT_AT), column  # the detached branch's series stops
+
+
+def test_drawing_commands_decode_the_run_state_once(
+    faulty: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`heatmap` and `plot` say the run's state and read its facts from one decode of it."""
+    decoded: list[Path] = []
+    real = recovery.read_state
+
+    def counting(directory: Path) -> RunState:
+        decoded.append(Path(directory))
+        return real(directory)
+
+    monkeypatch.setattr(recovery, "read_state", counting)
+    for args in (("heatmap", "--metrics", "std", "-o", tmp_path),
+                 ("plot", "--metrics", "std", "-o", tmp_path / "p.png")):  # fmt: skip
+        decoded.clear()
+        result = cli(args[0], faulty, *args[1:])
+        assert result.returncode == 0, result.stderr
+        assert decoded == [faulty], args[0]
 
 
 def test_layers_regex_forward_index_and_scales(faulty: Path, tmp_path: Path) -> None:

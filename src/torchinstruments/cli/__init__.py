@@ -65,13 +65,13 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
     as `show` begins them (what it did not record, and why): a picture, a csv or a markdown
     table is never made past them silently."""
     from torchinstruments.cli.reader import state_sentence
+    from torchinstruments.cli.states import run_state
     from torchinstruments.cli.text import notes_lines
     from torchinstruments.rundir.index_page import page_notes
-    from torchinstruments.rundir.recovery import load_state
 
     for directory in directories:
         try:
-            state = load_state(Path(directory).expanduser())
+            state = run_state(Path(directory).expanduser())
         except (OSError, ValueError) as error:
             print(
                 f"{prog}: {directory}: the run's state is unreadable ({error}); its history is "
@@ -91,20 +91,23 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Run `show`, `compare`, `plot` or `heatmap` from parsed arguments; returns the exit code.
 
-    A directory of `rank-NNN/` runs (and `--rank`) goes to `cli.ranks_command` first.
+    A directory of `rank-NNN/` runs (and `--rank`) goes to `cli.ranks_command` first. Each
+    run's state file is decoded once for the whole command (`cli.states`).
     """
     from torchinstruments.cli.ranks_command import UsageError, run_on_ranks
     from torchinstruments.cli.reader import NotARunError
+    from torchinstruments.cli.states import decoded_once
 
-    try:
-        done = run_on_ranks(args, _run_single, _selection, _width())
-    except UsageError as exc:
-        print(f"torchinstruments {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (NotARunError, ValueError) as exc:
-        print(f"torchinstruments {args.command}: {exc}", file=sys.stderr)
-        return 1
-    return _run_single(args) if done is None else done
+    with decoded_once():
+        try:
+            done = run_on_ranks(args, _run_single, _selection, _width())
+        except UsageError as exc:
+            print(f"torchinstruments {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except (NotARunError, ValueError) as exc:
+            print(f"torchinstruments {args.command}: {exc}", file=sys.stderr)
+            return 1
+        return _run_single(args) if done is None else done
 
 
 def _run_single(args: argparse.Namespace) -> int:

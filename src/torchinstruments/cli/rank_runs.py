@@ -27,6 +27,7 @@ from torchinstruments.cli.reader import (
     read_facts,
 )
 from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
+from torchinstruments.cli.states import run_state
 from torchinstruments.cli.text import NOTES_SHOWN, cut_note
 from torchinstruments.rundir.attempt_ends import attempts_said
 from torchinstruments.rundir.index_page import page_notes
@@ -35,7 +36,6 @@ from torchinstruments.rundir.left_parts import left_out_said
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_ranks import attempts_line
 from torchinstruments.rundir.ranges import plural, ranges
-from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.state import Status
 
 _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -172,7 +172,7 @@ def not_read_lines(without: Mapping[int, str]) -> list[str]:
 def _no_history(directory: Path) -> str:
     """Why a rank's directory has no history, in a few words."""
     try:
-        state = load_state(directory)
+        state = run_state(directory)
     except (OSError, ValueError):
         return "no sample written yet (its state is unreadable)"
     if state is None:

@@ -36,6 +36,7 @@ from typing import TypeVar
 import polars as pl
 
 from torchinstruments.cli.run_dirs import rank_directories, runs_below
+from torchinstruments.cli.states import run_state
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
 from torchinstruments.rundir.index_page import (
@@ -56,7 +57,6 @@ from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.recovery import load_state
 from torchinstruments.rundir.shell import command_line, tool_command
 from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
@@ -118,7 +118,7 @@ class RunFacts:
         state: "complete", "in progress", or a sentence saying what is missing.
         counts: the counts line of index.md (without the leading "- "), when the run has counts.
         files: the files the history was read from.
-        run_state: the state read (`rundir.recovery.load_state`), or None.
+        run_state: the state read (`cli.states.run_state`), or None.
         marked: the marked samples in the history files now (`rundir.marks`: a root forward
             that raised, or a sample only partly written), sample_id -> the reason of its first
             marker row. Their values are partial: `show` and `compare` say so.
@@ -323,7 +323,7 @@ def read_facts(directory: Path) -> RunFacts:
     directory = Path(directory).expanduser()
     files = locate(directory)
     try:
-        state = load_state(directory)
+        state = run_state(directory)
     except (OSError, ValueError) as error:
         why = f"the run's state is unreadable ({type(error).__name__}: {error})"
         return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
@@ -463,7 +463,7 @@ def _counts_unknown(directory: Path) -> bool:
     row reached the disk: `RunState.layer_counts_unknown`; its TensorBoard events may still
     prove samples, so "no sample was taken" would be false)."""
     try:
-        state = load_state(Path(directory))
+        state = run_state(Path(directory))
     except (OSError, ValueError):
         return False
     return state is not None and state.layer_counts_unknown

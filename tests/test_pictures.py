@@ -26,7 +26,7 @@ from torchinstruments.__main__ import main
 from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.pictures import DPI, MAX_LABEL_CHARS, PANEL_WIDTH_IN, trend_figure
 from torchinstruments.cli.pictures_grid import FRAME_COLOUR
-from torchinstruments.cli.plot import DEFAULT_METRICS, plot, plot_rows
+from torchinstruments.cli.plot import DEFAULT_METRICS, plot, plot_catalog, plot_rows
 from torchinstruments.cli.reader import read_facts
 from torchinstruments.cli.selection import Selection
 
@@ -289,7 +289,7 @@ def test_plot_reads_the_values_of_the_tensors_it_draws_only(
 ) -> None:
     """A 3,000-layer run's plot of 10 tensors must not hold 5.4 M rows: the values read are
     the drawn tensors, and the names that choose them are read a range of
-    samples at a time (ranges of one sample here)."""
+    samples at a time (ranges of one or two samples here)."""
     from torchinstruments.cli import chunked
 
     history = pl.read_parquet(run / "history.parquet")
@@ -312,7 +312,8 @@ def test_plot_reads_the_values_of_the_tensors_it_draws_only(
     with_values = [f for f in frames if "value" in f.columns]
     assert [f.height for f in with_values] == [drawn.height]
     assert set(with_values[0]["layer"]) == {"side"}
-    assert max(f.height for f in frames if "value" not in f.columns) <= per_sample
+    # a range's rows at most: fewer than CHUNK_ROWS before its last sample's
+    assert max(f.height for f in frames if "value" not in f.columns) < 2 * per_sample
     # and the picture is the one drawn from every row
     every = plot_rows(run, Selection(), "sample_id").filter(pl.col("metric").is_in(DEFAULT_METRICS))
     _, whole = trend_figure(every, read_facts(run), "sample_id", 1)
@@ -321,6 +322,29 @@ def test_plot_reads_the_values_of_the_tensors_it_draws_only(
         result.tensors,
         result.left_out,
     )
+
+
+@pytest.mark.parametrize("samples_per_range", [1, 2, 6])
+def test_plot_catalog_is_every_name_the_selection_holds_whether_samples_differ_or_not(
+    run: Path, monkeypatch: pytest.MonkeyPatch, samples_per_range: int
+) -> None:
+    """Where a range's samples hold the same names, only its first sample's are hashed (its
+    outputs here); where they differ (side's gradient rows stop after two samples), every
+    row's: the catalog is the selection's distinct names either way."""
+    from torchinstruments.cli import chunked
+
+    history = pl.read_parquet(run / "history.parquet")
+    per_sample = int(history.group_by("sample_id").len()["len"].min())  # type: ignore[arg-type]
+    monkeypatch.setattr(chunked, "CHUNK_ROWS", per_sample * samples_per_range)
+    names = ["layer", "call_index", "signal", "tensor_path", "mode", "module_type", "metric"]
+    for selection in (Selection(), Selection(signals=("output",)), Selection(layers="^si")):
+        chosen = history.filter(
+            pl.col("signal").is_in(list(selection.signals)),
+            pl.col("layer").str.contains(selection.layers or ""),
+        )
+        catalog, xs = plot_catalog(run, selection, "forward_index")
+        assert catalog.sort(names).equals(chosen.select(names).unique().sort(names))
+        assert sorted(xs.to_list()) == sorted(chosen["forward_index"].unique().to_list())
 
 
 def test_plot_over_step_draws_each_attempt_of_a_resumed_job_as_its_own_stretch(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
+from torchinstruments.cli.chunked import distinct, in_range, x_counts, x_ranges
 from torchinstruments.cli.pictures import (
     DEFAULT_MAX_TENSORS,
     DEFAULT_METRICS,
@@ -59,23 +59,36 @@ def _chosen(selection: Selection, x: str) -> Callable[[pl.LazyFrame], pl.LazyFra
 
 def plot_catalog(directory: Path, selection: Selection, x: str) -> tuple[pl.DataFrame, pl.Series]:
     """What the selection holds, without its values: one row per tensor key, module type and
-    metric, and every x (the drawing chooses its tensors, panels and labels from these)."""
+    metric, and every x (the drawing chooses its tensors, panels and labels from these), from
+    one read of each range of samples (`chunked.distinct`: a range whose samples hold the same
+    names hashes its first sample's only)."""
     chosen = _chosen(selection, x)
 
     def read(files: RunFiles) -> tuple[pl.DataFrame, pl.Series]:
         lf = scan_files(files, write_order=False)
         counts = x_counts(lf, "sample_id")
-        catalog = None
+        catalog = chosen(lf.clear()).select(*_NAMES).collect()
+        last = catalog
+        xs = []
         # In ranges of whole samples (`cli.chunked`): one range's names at a time, never the
-        # names of millions of rows together.
+        # names of millions of rows together; its x from the same read.
         for bounds in x_ranges([counts], "sample_id"):
-            names = chosen(in_range(lf, "sample_id", bounds)).select(*_NAMES).unique().collect()
-            catalog = names if catalog is None else pl.concat([catalog, names]).unique()
-        if catalog is None:
-            catalog = chosen(lf.clear()).select(*_NAMES).collect()
-        return catalog, chosen(lf).select(pl.col(x).unique()).collect()[x]
+            rows = chosen(in_range(lf, "sample_id", bounds)).select(_read_columns(x))
+            rows = rows.collect()
+            xs.append(rows.get_column(x).unique())
+            names = distinct(rows, _NAMES)
+            if not names.equals(last):  # the range before's names (every range's, usually)
+                catalog = pl.concat([catalog, names]).unique()
+                last = names
+        found = pl.concat(xs).unique() if xs else chosen(lf.clear()).select(x).collect()[x]
+        return catalog, found
 
     return read_with(directory, read)
+
+
+def _read_columns(x: str) -> list[str]:
+    """The names, sample_id (for `chunked.distinct`) and x (once, where x is sample_id)."""
+    return list(dict.fromkeys((*_NAMES, "sample_id", x)))
 
 
 def plot_rows(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import polars as pl
 
-from torchinstruments.cli.chunked import in_range, x_counts, x_ranges
+from torchinstruments.cli.chunked import distinct, in_range, x_counts, x_ranges
 from torchinstruments.cli.pictures import NO_STEP, TensorKey, matplotlib_missing, tensor_order
 from torchinstruments.cli.pictures_grid import (
     LABEL_ROWS,
@@ -140,12 +140,14 @@ def selected_tensors(
             signals=selection.signals,
             metrics=metrics,
         ).filter(pl.col(x).is_not_null())
-        names = lf.clear().select(TENSOR_KEY).collect()
+        names = last = lf.clear().select(TENSOR_KEY).collect()
         for bounds in x_ranges(
             [x_counts(scan_files(files, write_order=False), "sample_id")], "sample_id"
         ):
-            found = in_range(lf, "sample_id", bounds).select(TENSOR_KEY).unique().collect()
-            names = pl.concat([names, found]).unique()
+            rows = in_range(lf, "sample_id", bounds).select(*TENSOR_KEY, "sample_id").collect()
+            found = distinct(rows, TENSOR_KEY)  # one sample's keys hashed, where they repeat
+            if not found.equals(last):  # the range before's (every range's, usually)
+                names, last = pl.concat([names, found]).unique(), found
         return names
 
     return tensor_order(read_with(directory, read), facts)

@@ -162,6 +162,7 @@ CLI_SHARED = {
     "cli.rank_runs",
     "cli.reader",
     "cli.run_dirs",
+    "cli.states",
     "cli.selection",
     "cli.text",
     "cli.overview",

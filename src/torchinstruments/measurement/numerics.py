@@ -143,7 +143,8 @@ def lerp(a: _Array, b: _Array, t: _Array) -> _Array:
     xp, diff = _xp(a), b - a
     with np.errstate(over="ignore", invalid="ignore"):
         result = xp.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
-        result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed
+        if xp is not np or not np.isfinite(result).all():  # on a device: no sync to ask
+            result = xp.where(xp.isfinite(result), result, a * (1 - t) + b * t)  # b - a overflowed
     return xp.where(a == b, a, result)
 
 
@@ -166,10 +167,13 @@ def finish_moments(
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         mean = shift + residual / counts
         variance = (squares - residual * residual / counts) / counts  # rounding's negatives: 0
-        std = xp.sqrt(variance.clip(min=0.0))
+        std = xp.sqrt(np.maximum(0.0, variance) if xp is np else variance.clip(min=0.0))
         # sum(x**2) = sum(d**2) + 2 shift sum(d) + count shift**2, with d = x - shift
-        sum_squares = (squares + 2.0 * shift * residual + counts * shift * shift) * scale * scale
-        return mean * scale, std * scale, (shift * counts + residual) * scale, sum_squares
+        sum_squares = squares + 2.0 * shift * residual + counts * shift * shift
+        total = shift * counts + residual
+        if isinstance(scale, float) and scale == 1.0:  # the common case: x * 1.0 is x, bit for bit
+            return mean, std, total, sum_squares
+        return mean * scale, std * scale, total * scale, sum_squares * scale * scale
 
 
 _FIRST = np.zeros(1, dtype=np.intp)  # reduceat's start of a chunk's only segment
@@ -292,8 +296,14 @@ class CpuResult:
 def measure_on_cpu(tensor: torch.Tensor, bins: int | None, select: bool | None = None) -> CpuResult:
     """Default-profile raw values of a plain CPU tensor and, if `bins`, its histogram vector
     (`measure_array`); never written."""
-    flat = tensor.reshape(-1).to(tensors.working_dtype(tensor.dtype))  # float32/64: no copy
-    return measure_array(flat.numpy(), bins, select)
+    if tensor.dtype in _IN_PLACE:  # read as it is: one torch call (each costs about 8 us
+        flat = tensor.numpy().reshape(-1)  # between NumPy's passes, its code out of the caches)
+    else:
+        flat = tensor.reshape(-1).to(tensors.working_dtype(tensor.dtype)).numpy()
+    return measure_array(flat, bins, select)
+
+
+_IN_PLACE = (torch.float32, torch.float64)  # the working dtypes (`tensors.working_dtype`)
 
 
 def measure_array(array: np.ndarray, bins: int | None, select: bool | None = None) -> CpuResult:

@@ -183,7 +183,7 @@ class Measurer:
         histogram: HistogramVector | None = None
         copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
         try:
-            detached = tensor.detach()
+            detached = tensor.detach() if tensor.requires_grad else tensor  # a call saved
             for reducer, metrics in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:

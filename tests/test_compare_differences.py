@@ -18,13 +18,12 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from _state_decodes import count_state_decodes
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.__main__ import main
 from torchinstruments.cli import compare, differences
-from torchinstruments.rundir import recovery
-from torchinstruments.rundir.state import RunState
 
 STEPS = 8
 CUT_FROM = 3  # from this step on, the branch of the cut run is detached
@@ -118,14 +117,7 @@ def test_compare_decodes_each_run_state_once(
 ) -> None:
     """The command says each run's state, checks the selection and reads each run's facts, and
     still decodes each state file once (a 3,000-layer run's takes about 70 ms)."""
-    decoded: list[Path] = []
-    real = recovery.read_state
-
-    def counting(directory: Path) -> RunState:
-        decoded.append(Path(directory))
-        return real(directory)
-
-    monkeypatch.setattr(recovery, "read_state", counting)
+    decoded = count_state_decodes(monkeypatch)
     for fmt in ("text", "csv"):  # csv says the states on stderr too
         decoded.clear()
         code, _ = cli("compare", runs["baseline"], runs["cut"], "--format", fmt)

@@ -23,6 +23,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from _state_decodes import count_state_decodes
 from matplotlib import colormaps
 from matplotlib.colors import LogNorm
 from torch import nn
@@ -35,8 +36,6 @@ from torchinstruments.cli.pictures_grid import (
     Grid,
     row_ticks,
 )
-from torchinstruments.rundir import recovery
-from torchinstruments.rundir.state import RunState
 
 from conftest import check_heatmap, heatmap_cell, read_heatmap, sgd_step
 from conftest import cli_in_process as cli
@@ -127,14 +126,7 @@ def test_drawing_commands_decode_the_run_state_once(
     faulty: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`heatmap` and `plot` say the run's state and read its facts from one decode of it."""
-    decoded: list[Path] = []
-    real = recovery.read_state
-
-    def counting(directory: Path) -> RunState:
-        decoded.append(Path(directory))
-        return real(directory)
-
-    monkeypatch.setattr(recovery, "read_state", counting)
+    decoded = count_state_decodes(monkeypatch)
     for args in (("heatmap", "--metrics", "std", "-o", tmp_path),
                  ("plot", "--metrics", "std", "-o", tmp_path / "p.png")):  # fmt: skip
         decoded.clear()

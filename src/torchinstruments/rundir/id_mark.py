@@ -6,7 +6,8 @@ attempts left (`rundir.attempts.plan_continuation`), but a sample whose process 
 leaves no trace there, and its ids would be handed out again. So as each sample is taken, the
 observer writes the ids after it into the run's lock file, which the run holds anyway: one
 `os.pwrite` of `MARK_BYTES` at `MARK_OFFSET` (after the holder line, which `rundir.lock` pads to
-that length and never truncates) on a descriptor opened once per run, no fsync. The write is in
+that length and never truncates) on a descriptor opened once per run, no fsync
+(`rundir.lock_line`). The write is in
 the page cache before the sample's forward runs, and the page cache outlives a killed process,
 so after any kill of the process the mark covers every sample it began. A power loss or a
 kernel crash can lose unsynced pages: that is out of scope (the mark is then older, and the
@@ -24,12 +25,11 @@ no mark is kept, and the run says so.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from torchinstruments.rundir.layout import LOCK_FILE
+from torchinstruments.rundir.lock_line import LockLine, read_line
 
 __all__ = ["MARK_BYTES", "MARK_OFFSET", "IdMark", "read_mark"]
 
@@ -47,14 +47,11 @@ def _line(next_sample: int, next_forward: int) -> bytes:
 def read_mark(directory: Path) -> tuple[int, int] | None:
     """The mark in `directory`'s lock file: (next sample_id, next forward_index), the ids after
     every sample the run began; None where there is none (or it cannot be read)."""
-    try:
-        with open(directory / LOCK_FILE, "rb") as lock:
-            lock.seek(MARK_OFFSET)
-            data = lock.read(MARK_BYTES)
-    except OSError:
+    data = read_line(directory, MARK_OFFSET, MARK_BYTES)
+    if data is None or len(data) != MARK_BYTES:
         return None
     fields = data.split()
-    if len(data) != MARK_BYTES or len(fields) != 2 or not all(f.isdigit() for f in fields):
+    if len(fields) != 2 or not all(f.isdigit() for f in fields):
         return None
     return int(fields[0]), int(fields[1])
 
@@ -69,21 +66,15 @@ class IdMark:
 
     def __init__(self, said: Callable[[str], None]) -> None:
         self._said = said
-        self._fd: int | None = None
+        self._line = LockLine(MARK_OFFSET)
         self._failed = False
-        # Writes and the close never overlap: a sample taken on another thread while removal
-        # closes the descriptor never writes into a file that reused its number.
-        self._guard = threading.Lock()
 
     def open(self, directory: Path, next_sample: int, next_forward: int) -> None:
         """Open the lock file (the run holds its lock) and write the mark the run starts from,
         so the mark's bytes exist before the first sample (a sample's write never grows the
         file); a failure is said (`said`), never raised."""
-        if not hasattr(os, "pwrite"):
-            self._fail("os.pwrite does not exist on this platform")
-            return
         try:
-            self._fd = os.open(directory / LOCK_FILE, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            self._line.open(directory)
         except OSError as error:
             self._fail(f"{type(error).__name__}: {error}")
             return
@@ -92,27 +83,15 @@ class IdMark:
     def advance(self, next_sample: int, next_forward: int) -> None:
         """Write the ids after the sample just taken (called under the counter's lock, so marks
         land in the order the ids were handed out). Never raises."""
-        with self._guard:
-            fd = self._fd
-            if fd is None:
-                return
-            try:
-                os.pwrite(fd, _line(next_sample, next_forward), MARK_OFFSET)
-            except Exception as error:
-                self._fail(f"{type(error).__name__}: {error}")
+        try:
+            self._line.write(_line(next_sample, next_forward))
+        except Exception as error:
+            self._fail(f"{type(error).__name__}: {error}")
 
     def close(self, *, in_child: bool = False) -> None:
-        """Close the descriptor: at removal (no sample is taken after it) under the guard, so
-        no write overlaps it; in a forked child (`in_child`), the child's copy, without the
-        guard (a parent's thread may have held it at the fork, and none releases it there)."""
-        if in_child:
-            fd, self._fd = self._fd, None
-        else:
-            with self._guard:
-                fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the descriptor: at removal (no sample is taken after it), or in a forked child
+        its copy (`LockLine.close`)."""
+        self._line.close(in_child=in_child)
 
     def _fail(self, why: str) -> None:
         """Say once that the mark could not be written."""

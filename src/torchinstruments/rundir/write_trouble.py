@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torchinstruments.rundir.id_mark import MARK_BYTES, MARK_OFFSET
-from torchinstruments.rundir.layout import LOCK_FILE, PARTS_DIR, STATE_FILE
+from torchinstruments.rundir.layout import PARTS_DIR, STATE_FILE
+from torchinstruments.rundir.lock_line import LockLine, read_line
 
 if TYPE_CHECKING:
     from torchinstruments.history_config import HistoryConfig
@@ -80,13 +80,8 @@ def finish_trouble(problems: tuple[str, ...]) -> str | None:
 def read_trouble(directory: Path) -> str | None:
     """The write trouble in `directory`'s lock file, as its writer last said it; None where
     there is none (or it cannot be read)."""
-    try:
-        with open(directory / LOCK_FILE, "rb") as lock:
-            lock.seek(TROUBLE_OFFSET)
-            data = lock.read(TROUBLE_BYTES)
-    except OSError:
-        return None
-    text = data.decode("ascii", "replace").strip()
+    data = read_line(directory, TROUBLE_OFFSET, TROUBLE_BYTES)
+    text = "" if data is None else data.decode("ascii", "replace").strip()
     return text or None
 
 
@@ -94,7 +89,7 @@ class WriteTrouble:
     """The line a live run keeps in its lock file while its directory takes no writes."""
 
     def __init__(self) -> None:
-        self._fd: int | None = None
+        self._line = LockLine(TROUBLE_OFFSET)
         self._said: str | None = None  # what the line holds now (None: blank)
         self._since: str | None = None  # when the trouble began (UTC, seconds)
         self._guard = threading.Lock()  # the flush thread's saves and removal's close
@@ -103,11 +98,9 @@ class WriteTrouble:
         """Open the lock file (the run holds its lock) and blank the line, so its bytes exist
         before any trouble; a failure leaves the run without it (never raised), as does a
         platform without `os.pwrite` (Windows), where the id mark is missing too."""
-        if not hasattr(os, "pwrite"):
-            return
         with contextlib.suppress(OSError):
-            self._fd = os.open(directory / LOCK_FILE, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-            os.pwrite(self._fd, _BLANK, TROUBLE_OFFSET)
+            self._line.open(directory)
+            self._line.write(_BLANK)
 
     def update(self, why: str | None) -> None:
         """Say `why` the run records nothing to disk (the first time with when that began), or
@@ -119,20 +112,12 @@ class WriteTrouble:
                 now = datetime.datetime.now(datetime.UTC)
                 self._since = now.isoformat(timespec="seconds")
             text = None if why is None else f"since {self._since}: {why}"
-            if text == self._said or self._fd is None:
+            if text == self._said:
                 return
             with contextlib.suppress(OSError):
-                os.pwrite(self._fd, _BLANK if text is None else _line(text), TROUBLE_OFFSET)
-                self._said = text
+                if self._line.write(_BLANK if text is None else _line(text)):
+                    self._said = text
 
     def close(self, *, in_child: bool = False) -> None:
-        """Close the descriptor (the line stays as it is); in a forked child, its copy, without
-        the guard (as `IdMark.close`)."""
-        if in_child:
-            fd, self._fd = self._fd, None
-        else:
-            with self._guard:
-                fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the descriptor (the line stays as it is; `LockLine.close`)."""
+        self._line.close(in_child=in_child)

@@ -69,6 +69,13 @@ from torchinstruments._torch_internals import (
     ran_by_a_backward,
 )
 from torchinstruments.notices import warn
+from torchinstruments.rebuilt_forwards import (
+    Owner,
+    rebound_plainly,
+    rebuilt_from,
+    release,
+    through_proxy,
+)
 from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.shell import code_span
 
@@ -131,6 +138,17 @@ class ForwardProxy(wrapt.FunctionWrapper):
         self._self_module = module
         self._self_had_instance_forward = had_instance_forward
         self._self_token = token
+        self._self_through: Callable[..., Any] | None = None  # `__func__`, made once read
+
+    # wrapt would hand out the wrapped method's function, and a forward rebuilt from it
+    # (accelerate's mixed precision) would skip the proxy: ours calls it (rebuilt_forwards.py).
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        if self._self_through is None:  # AttributeError where what it wraps has no __func__
+            function = self.__wrapped__.__func__
+            owner = self._self_token
+            self._self_through = through_proxy(self, function, self._self_module, owner)
+        return self._self_through
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         new_module = memo.get(id(self._self_module))
@@ -268,7 +286,7 @@ class Proxies:
 
     def __init__(self, warn_once: WarnOnce) -> None:
         self._warn_once = warn_once
-        self._token = object()  # marks our proxies among other observers' ones
+        self._token = Owner()  # marks our proxies among other observers' ones
         self._installed: list[weakref.ref[nn.Module]] = []
         # (module, layer name or "" for a fused-path guard, wrapper), installed per sampled forward;
         # the proxy each had last, reused while it wraps the same forward: building 3,000 proxies
@@ -393,14 +411,30 @@ class Proxies:
             if self._holders:
                 self._holders.clear()
                 self._take_layers_off()
+        released = release(self._token)  # forwards rebuilt from a proxy's `__func__` skip it
         left_in_place: list[str] = []
         for module_ref in reversed(self._installed):
             module = module_ref()
-            if module is not None and not restore_proxy(module, self._token):
+            if module is None:
+                continue
+            _let_go(module, self._token)
+            if not restore_proxy(module, self._token) and not rebuilt_from(
+                module.__dict__.get("forward"), released
+            ):
                 left_in_place.append(f"the root ({type(module).__name__})")
+            rebound_plainly(module, released)
         self._installed.clear()
         self._last = [None] * len(self._last)  # the layers' modules are not held after removal
         return (*left_in_place, *dict.fromkeys(self._left_in_place))
+
+
+def _let_go(module: nn.Module, owner: object) -> None:
+    """Put what our proxy wraps wherever `module`'s own attributes other than `forward` hold the
+    proxy: accelerate keeps the forward it rebuilds from as `_original_forward`, and would have
+    kept the model's own forward there without the observer."""
+    for key, value in list(module.__dict__.items()):
+        if key != "forward" and isinstance(value, ForwardProxy) and value._self_token is owner:
+            module.__dict__[key] = value.__wrapped__
 
 
 class LayerCapture:

@@ -216,6 +216,9 @@ class GradientRecorder:
         # then, from the forward's end, those not changed yet, held weakly (`end_sample`).
         self._views: list[tuple[torch.Tensor, int, str]] = []
         self._returned_views: list[tuple[weakref.ref[torch.Tensor], int, str]] = []
+        # At a close outside a backward pass: samples no gradient had reached whose hooked
+        # outputs were alive (`unreached_at_close`), said in index.md by the observer.
+        self.unreached: list[int] = []
 
     def batched_note(self) -> str | None:
         """`BATCHED_GRADIENTS_NOTE` once a gradient came batched over cotangents, else None."""
@@ -442,9 +445,12 @@ class GradientRecorder:
         self.end_sample()  # a forward in progress: what it changed so far
         self._check_views()
         cut = self.flush(mark)
-        if mark is not None and in_backward_pass():
+        inside = in_backward_pass()
+        if mark is not None and inside:
             cut += self._mark_awaited(mark, set(cut))
         self._remove_leaf_hooks(only_fired=False)
+        if not inside:
+            self.unreached = self._unreached_at_close()
         self.closed = True
         self._hooks.clear()
         return cut
@@ -457,6 +463,16 @@ class GradientRecorder:
             awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
         waiting = [sample for sample in awaited if sample.fired < sample.hooked]
         return self._mark_samples(mark, waiting, marked)
+
+    def _unreached_at_close(self) -> list[int]:
+        """The samples whose hooked outputs are alive (their hooks are, so their autograd graph
+        is) and none of whose hooks fired: a backward run after the removal, which the closed
+        recorder ignores, or one never run; either way they have no output_gradient rows. A
+        sample whose outputs were dropped without a backward holds no hook any more: not one."""
+        with self._lock:
+            self._hooks.let_go()
+            awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
+        return [sample.sample_id for sample in awaited if sample.hooked and not sample.fired]
 
     def _mark_samples(self, mark: Mark, samples: list[Awaited], marked: set[int]) -> list[int]:
         """Emit a record of its marker row alone for each of `samples` not in `marked` (which

@@ -116,6 +116,7 @@ from torchinstruments.samples import (
     Sample,
     backward_marker,
     cut_note,
+    no_backward_before_removal_note,
     removed_in_flight_note,
 )
 from torchinstruments.sampling import ask, read_step
@@ -540,6 +541,9 @@ class Observer:
             note = removed_in_flight_note([s.sample_id for s in forwards], backwards)
             self.notes.append(note)
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
+        cut_forwards = {s.sample_id for s in forwards}
+        if waiting := [i for i in self.gradients.unreached if i not in cut_forwards]:
+            self.notes.append(no_backward_before_removal_note(waiting))  # index.md
         root_module = self._root_ref() if self._root_ref is not None else None
         eager = eager_samples_note(root_module, self.counter.samples, self.called_compiled)
         if eager is not None:  # read at close: a model may be compiled after inject

@@ -51,6 +51,7 @@ __all__ = [
     "backward_marker",
     "cut_note",
     "marker",
+    "no_backward_before_removal_note",
     "removed_in_flight_note",
 ]
 
@@ -225,6 +226,21 @@ def _listed(sample_ids: list[int], word: str) -> str:
         return f"{word}s {', '.join(map(str, sample_ids))}"
     shown = ", ".join(map(str, sample_ids[:MAX_LISTED_IDS]))
     return f"{len(sample_ids)} {word}s ({shown} and {len(sample_ids) - MAX_LISTED_IDS} more)"
+
+
+def no_backward_before_removal_note(sample_ids: list[int]) -> str:
+    """index.md's note on the samples whose backward had not reached any output at removal,
+    while their outputs could still get one (`GradientRecorder.unreached`)."""
+    their = "its" if len(sample_ids) == 1 else "their"
+    return (
+        f"{_listed(sample_ids, 'sample')}: no gradient had reached {their} outputs when "
+        "remove_observer was called, "
+        "and they could still receive one (their autograd graph was alive). A backward pass "
+        "run after the removal is not observed: such a sample has output rows and no "
+        "output_gradient rows, with nothing else to mark it (a forward whose outputs are "
+        "kept but never backpropagated reads the same). Remove the observer after the last "
+        "backward to record it"
+    )
 
 
 def removed_in_flight_note(forwards: list[int], backwards: list[int]) -> str:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -206,3 +207,33 @@ def test_save_state_and_load_state_into_a_continued_run(
     attempts = history.group_by("attempt").agg(pl.col("sample_id").unique().sort()).sort("attempt")
     assert attempts["sample_id"].to_list() == [[0, 1], [2, 3]]
     assert not holds_a_proxy(restarted.__dict__["forward"])
+
+
+def test_compiled_by_prepare_after_inject_is_recorded_and_its_extra_graph_break_said(
+    tmp_path: Path, accelerator: Accelerator
+) -> None:
+    """`prepare` with a dynamo plugin after inject_observer: torch.compile traces accelerate's
+    rebuilt forward into the proxy, one graph break per compiled root forward; every sample is
+    still recorded, and a warning and index.md say so, naming the order without it."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    plugin = TorchDynamoPlugin(backend=DynamoBackend.EAGER)
+    compiling = Accelerator(mixed_precision="bf16", cpu=True, dynamo_plugin=plugin)
+    model = net()
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(2))
+    compiled = compiling.prepare(model)
+    assert compiled is not model  # torch.compile's wrapper
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                compiling.backward(compiled(torch.randn(2, 6)).sum())
+            remove_observer(model)
+    finally:
+        torch._dynamo.reset()  # no compiled code of this test left for the worker's next one
+    said = [str(w.message) for w in caught if "traces that rebuilt forward" in str(w.message)]
+    assert len(said) == 1
+    history = pl.read_parquet(tmp_path / "s" / "history.parquet")
+    assert history["forward_index"].unique().sort().to_list() == [0, 2]
+    assert set(history["signal"]) == {"output", "output_gradient"}
+    index = (tmp_path / "s" / "index.md").read_text("utf-8")
+    assert "call inject_observer after accelerator.prepare, on the module it returns" in index

@@ -145,7 +145,7 @@ class ForwardProxy(wrapt.FunctionWrapper):
     @property
     def __func__(self) -> Callable[..., Any]:
         if self._self_through is None:  # AttributeError where what it wraps has no __func__
-            function = self.__wrapped__.__func__
+            function = self.__wrapped__.__func__  # type: ignore[attr-defined]
             owner = self._self_token
             self._self_through = through_proxy(self, function, self._self_module, owner)
         return self._self_through

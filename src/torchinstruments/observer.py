@@ -78,6 +78,7 @@ from torchinstruments._torch_internals import (
     ran_by_a_backward,
     running,
 )
+from torchinstruments._torch_internals.dynamo import called_within
 from torchinstruments.capture import LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     CompiledCalls,
@@ -101,6 +102,7 @@ from torchinstruments.loss_scale import LossScales
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, warn
 from torchinstruments.phases import PASSED_THROUGH, TRAIN, Phases
+from torchinstruments.rebuilt_forwards import THROUGH_CODE, compiled_through_note
 from torchinstruments.recording import Recording
 from torchinstruments.records import (
     LayerInfo,
@@ -313,6 +315,8 @@ class Observer:
         root = self._root_ref() if self._root_ref is not None and not self.closed else None
         try:
             note = wrapped_before_inject_note(root, _ROOT_CODE)
+            if note is None and root is not None and called_within(THROUGH_CODE, 4):
+                note = compiled_through_note(type(root).__name__)  # rebuilt_forwards.py
         except Exception:  # a torch whose frames differ: nothing is said, the step goes on
             return
         if note is not None:

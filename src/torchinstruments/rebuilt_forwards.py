@@ -32,7 +32,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Owner", "rebound_plainly", "rebuilt_from", "release", "through_proxy"]
+__all__ = [
+    "THROUGH_CODE",
+    "Owner",
+    "compiled_through_note",
+    "rebound_plainly",
+    "rebuilt_from",
+    "release",
+    "through_proxy",
+]
 
 _COPIED = ("__module__", "__name__", "__qualname__", "__doc__")
 
@@ -128,3 +136,25 @@ def rebound_plainly(module: Any, released: tuple[Callable[..., Any], ...]) -> No
     ):
         function = forward.__func__.__wrapped__  # type: ignore[attr-defined]  # set by `release`
         module.__dict__["forward"] = types.MethodType(function, module)
+
+
+# The code of every function `through_proxy` hands out (observer.py looks for it on the stack).
+THROUGH_CODE: types.CodeType = next(
+    const
+    for const in through_proxy.__code__.co_consts
+    if isinstance(const, types.CodeType) and const.co_name == "through"
+)
+
+
+def compiled_through_note(cls: str) -> str:
+    """index.md's note (and a warning) on a root forward rebuilt from the proxy's `__func__`
+    and called from compiled code: torch.compile traced the rebuilt forward down to the proxy."""
+    return (
+        f"the {cls}'s forward was rebuilt after inject_observer from the observer's proxy "
+        "(accelerate's prepare with mixed precision: autocast and a float32 conversion of the "
+        "outputs around it), and torch.compile traces that rebuilt forward into the proxy: each "
+        "compiled root forward has one extra graph break (the wrapper's autocast and conversion "
+        "compile apart from the model's forward, which compiles as without the observer; "
+        "fullgraph=True fails). Everything is still recorded. For unchanged graphs, call "
+        "inject_observer after accelerator.prepare, on the module it returns"
+    )

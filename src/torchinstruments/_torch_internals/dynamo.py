@@ -19,6 +19,7 @@ import wrapt
 from torch import nn
 
 __all__ = [
+    "called_within",
     "compile_support",
     "compiled_call_impl_installed",
     "compiled_forward_installed",
@@ -221,6 +222,26 @@ def entered_through_wrap_inline(below: CodeType) -> bool:
         through_module_call = through_module_call or frame.f_code in _MODULE_CALL_CODES
         frame = frame.f_back
     return through_module_call and frame is not None and _same_code(frame.f_code, inner)
+
+
+def called_within(code: CodeType, frames: int) -> bool:
+    """Whether one of the `frames` frames above the caller runs `code` (or dynamo's transformed
+    copy of it).
+
+    Why: observer.py tells a compiled root forward that reached the root proxy through a forward
+    rebuilt from the proxy's `__func__` (rebuilt_forwards.py: accelerate's mixed precision): dynamo
+    traced that forward and broke its graph at the proxy. Relies on CPython frames
+    (`sys._getframe`); dynamo runs a frame it compiled with a code object of its own, so the code
+    is matched by file, name and first line. Checked on torch 2.15.0, CPython 3.11.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return False
+        if _same_code(frame.f_code, code):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _same_code(running: CodeType, original: CodeType) -> bool:

@@ -10,6 +10,7 @@ accelerate's wrapper in place with no proxy in it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,3 +238,28 @@ def test_compiled_by_prepare_after_inject_is_recorded_and_its_extra_graph_break_
     assert set(history["signal"]) == {"output", "output_gradient"}
     index = (tmp_path / "s" / "index.md").read_text("utf-8")
     assert "call inject_observer after accelerator.prepare, on the module it returns" in index
+
+
+class ReadsItsFunction(nn.Linear):
+    """Records, at each call, the function its `forward` hands out as `__func__`."""
+
+    seen: list[object]
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.forward.__func__)
+        return super().forward(input)
+
+
+def test_only_the_root_proxy_hands_out_a_function_that_calls_it(tmp_path: Path) -> None:
+    """A layer's proxy lives for one sampled forward: its `__func__` is the layer's function, so
+    a forward rebuilt from it during a sampled forward is never measured twice later."""
+    layer = ReadsItsFunction(6, 6)
+    layer.seen = []
+    model = nn.Sequential(layer, nn.ReLU())
+    inject_observer(model, output_dir=tmp_path / "s", sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 6))
+    root_function = model.forward.__func__
+    remove_observer(model)
+    assert layer.seen == [ReadsItsFunction.forward]  # under its proxy, in the sampled forward
+    assert root_function is not nn.Sequential.forward
+    assert inspect.unwrap(root_function) is nn.Sequential.forward  # released at removal

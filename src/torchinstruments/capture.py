@@ -139,13 +139,18 @@ class ForwardProxy(wrapt.FunctionWrapper):
         self._self_had_instance_forward = had_instance_forward
         self._self_token = token
         self._self_through: Callable[..., Any] | None = None  # `__func__`, made once read
+        self._self_root = enabled is None  # the root's proxy, the only one always enabled
 
     # wrapt would hand out the wrapped method's function, and a forward rebuilt from it
-    # (accelerate's mixed precision) would skip the proxy: ours calls it (rebuilt_forwards.py).
+    # (accelerate's mixed precision) would skip the proxy: the root's calls it
+    # (rebuilt_forwards.py). A layer's proxy lives for one sampled forward: a forward rebuilt
+    # through it would still call it in the next one, under that one's own proxy (twice measured).
     @property
     def __func__(self) -> Callable[..., Any]:
-        if self._self_through is None:  # AttributeError where what it wraps has no __func__
-            function = self.__wrapped__.__func__  # type: ignore[attr-defined]
+        function = self.__wrapped__.__func__  # type: ignore[attr-defined]  # AttributeError: none
+        if not self._self_root:
+            return function
+        if self._self_through is None:
             owner = self._self_token
             self._self_through = through_proxy(self, function, self._self_module, owner)
         return self._self_through

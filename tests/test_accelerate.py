@@ -263,3 +263,23 @@ def test_only_the_root_proxy_hands_out_a_function_that_calls_it(tmp_path: Path) 
     assert layer.seen == [ReadsItsFunction.forward]  # under its proxy, in the sampled forward
     assert root_function is not nn.Sequential.forward
     assert inspect.unwrap(root_function) is nn.Sequential.forward  # released at removal
+
+
+def test_without_direct_forwards_a_prepared_model_call_is_observed_and_a_direct_one_is_not(
+    tmp_path: Path, accelerator: Accelerator
+) -> None:
+    """capture_direct_forwards=False after a mixed-precision `prepare`: the proxy's caller is
+    accelerate's wrapper, so the rebuilt forward's own caller decides: `model(x)` is a root
+    forward, `model.forward(x)` passes through uncounted."""
+    model = net()
+    run = tmp_path / "s"
+    sampler = EveryNForwardsSampler(1)
+    inject_observer(model, output_dir=run, sampler=sampler, capture_direct_forwards=False)
+    accelerator.prepare(model)
+    model(torch.randn(2, 6))
+    model.forward(torch.randn(2, 6))
+    model(torch.randn(2, 6))
+    remove_observer(model)
+    history = pl.read_parquet(run / "history.parquet")
+    assert history["forward_index"].unique().sort().to_list() == [0, 1]
+    assert history["sample_id"].unique().sort().to_list() == [0, 1]

@@ -74,6 +74,7 @@ from torch import nn
 from torchinstruments import forks, reasons
 from torchinstruments._torch_internals import (
     called_through_module_call,
+    caller_of_code_is_module_call,
     is_tracing,
     ran_by_a_backward,
     running,
@@ -338,11 +339,7 @@ class Observer:
                     "forked", forks.forked_child_message(self._parent_pid, self.directory)
                 )
             return _PASS_THROUGH
-        if (
-            is_tracing()
-            # on_root_call, the proxy, and the proxy's caller: depth 3 from here.
-            or (not self.capture_direct_forwards and not called_through_module_call(3))
-        ):
+        if is_tracing() or (not self.capture_direct_forwards and not self._by_module_call()):
             return _PASS_THROUGH
         local = self._local
         if getattr(local, "depth", 0) > 0:
@@ -374,6 +371,19 @@ class Observer:
             release(held)
             raise
         return local.sample
+
+    def _by_module_call(self) -> bool:
+        """Whether this root forward came through `nn.Module.__call__` (for
+        capture_direct_forwards=False): the proxy's caller, or, where a forward rebuilt from the
+        proxy's `__func__` called it (rebuilt_forwards.py), that forward's own caller."""
+        # _begin_root_forward, on_root_call, the proxy, and the proxy's caller: depth 4 here.
+        if called_through_module_call(4):
+            return True
+        root = self._root_ref() if self._root_ref is not None else None
+        if root is None or not called_within(THROUGH_CODE, 4):
+            return False
+        code = getattr(getattr(root.__dict__.get("forward"), "__func__", None), "__code__", None)
+        return code is not None and caller_of_code_is_module_call(code)
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict

@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "WeakIdKeyDictionary",
     "called_through_module_call",
+    "caller_of_code_is_module_call",
     "child_modules",
     "functorch_active",
     "functorch_disabled",
@@ -86,6 +87,25 @@ def called_through_module_call(depth: int = 2) -> bool:
     and `_slow_forward`, read from torch at import. Checked on torch 2.15.0.
     """
     frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
+        frame = frame.f_back
+    return frame is not None and frame.f_code in _MODULE_CALL_CODES
+
+
+def caller_of_code_is_module_call(code: CodeType) -> bool:
+    """Whether the innermost frame of this thread running `code` was called by
+    `nn.Module.__call__` (wrapt's frames skipped); False where none runs it.
+
+    Why: with capture_direct_forwards=False, a root forward that reached the proxy through a
+    forward rebuilt from its `__func__` (rebuilt_forwards.py: accelerate's mixed precision) has
+    that forward's wrappers, not `nn.Module.__call__`, as the proxy's caller; `code` is the
+    rebuilt forward's own, whose caller tells `model(x)` from `model.forward(x)`. Relies on
+    CPython frames (`sys._getframe`), as `called_through_module_call`; checked on torch 2.15.0.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    frame = frame.f_back if frame is not None else None
     while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIRECTORY):
         frame = frame.f_back
     return frame is not None and frame.f_code in _MODULE_CALL_CODES

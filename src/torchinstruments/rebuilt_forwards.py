@@ -21,6 +21,13 @@ removal (`release`) it lets go of the proxy, calls the function for every module
 `__wrapped__`: the model keeps the rebuilder's wrapper, holding no proxy, and unwrapping reaches
 the model's own function as it does without the observer. Cost: one Python call more per root
 forward through a rebuilt forward; nothing for a model whose forward nobody rebuilt.
+
+Only the root's proxy hands one out (capture.ForwardProxy): a layer's proxy lives for one
+sampled forward, and a forward rebuilt through it would still call it in the next one, under
+that forward's own proxy. The observer finds `THROUGH_CODE` on the stack for two things: a
+compiled root forward that traced the rebuilt forward into the proxy (a graph break, said once:
+`compiled_through_note`), and, with capture_direct_forwards=False, whether the rebuilt forward
+itself was called by `nn.Module.__call__`.
 """
 
 from __future__ import annotations

@@ -42,11 +42,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 from torchinstruments.notices import warn
+from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
 from torchinstruments.rundir.shell import tool_command
@@ -56,6 +57,7 @@ __all__ = [
     "PARENT_LOCK",
     "remove_ask_leftovers",
     "rewrite_parent_index",
+    "rewrite_parent_soon",
     "write_parent_index",
 ]
 
@@ -176,3 +178,32 @@ def _fcntl() -> ModuleType | None:
     except ImportError:
         return None
     return fcntl
+
+
+def rewrite_parent_soon(directory: Path, *, continued: bool, wait_s: float) -> Finishing[None]:
+    """A rank's run opened where its parent already has a page (a job restarted into the
+    directory, or a rank that attaches after another finished): the page is rewritten now, or
+    until this rank finishes it would tell the job before this one (a rank "complete" that runs
+    again). A first job's ranks write none at their start: no page is there to be wrong, and the
+    first rank to finish writes it. A `continued` rank (resume=True) writes it even where there
+    is none: the finalize of its killed attempt at this start leaves the page to this render
+    (`rundir.resume`), so a restarted rank renders it once, not twice. The render reads every
+    rank's state (no rank waits on another's render, one render per wave of asks), which on a
+    job of thousands of ranks of a big model takes long: it runs on a thread of its own, waited
+    for `wait_s` at most (as the run's first rows are), then left to end by itself, so inject is
+    never refused for it nor holds the training step long; the rank's finish waits for it before
+    its own (`sinks.directory.DirectorySink._page_rendered`). Returns the render's thread."""
+
+    def work(step: Callable[[str], None]) -> None:
+        if continued or (directory.parent / INDEX_FILE).is_file():
+            rewrite_parent_index(directory.parent)
+
+    page = Finishing(work, lambda: None, f"torchinstruments ranks' page {directory.parent}")
+    try:
+        page.wait(lambda step: wait_s)
+    except Exception as error:  # a render that raised: this rank's own run is whole without it
+        warn(
+            f"torchinstruments: the index.md of {directory.parent} (all ranks) could not be "
+            f"rewritten ({type(error).__name__}: {error})"
+        )
+    return page

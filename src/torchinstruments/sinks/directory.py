@@ -42,7 +42,7 @@ from torchinstruments.rundir.lock import RunLock
 from torchinstruments.rundir.opening import open_within
 from torchinstruments.rundir.output_dir import check_output_dir
 from torchinstruments.rundir.page_ranks import is_rank_run
-from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
+from torchinstruments.rundir.parent_rewrite import rewrite_parent_soon
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
@@ -68,7 +68,7 @@ MIN_REMOVAL_WAIT_S = 10.0
 # The temporary-name tag of the flush thread's saves of the state file and index.md.
 SAVE_TAG = "flush"
 # How long inject waits for the parent page a rank's run rewrites at its start
-# (`_parent_page_again`): as long as a training step waits for the run's first rows.
+# (`parent_rewrite.rewrite_parent_soon`): as long as a training step waits for the run's first rows.
 PAGE_WAIT_S = MIN_REMOVAL_WAIT_S
 
 
@@ -234,7 +234,7 @@ class DirectorySink:
             else functools.partial(_put_back, directory, self._previous),
         )
         if is_rank_run(directory, state):
-            self._page = _parent_page_again(directory, continued=not fresh)
+            self._page = rewrite_parent_soon(directory, continued=not fresh, wait_s=PAGE_WAIT_S)
         for error in refused:
             self._say_problem(
                 f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
@@ -557,36 +557,6 @@ class DirectorySink:
             self._lock.release()
         finally:
             forks.untrack(self)
-
-
-def _parent_page_again(directory: Path, *, continued: bool) -> Finishing[None]:
-    """A rank's run opened where its parent already has a page (a job restarted into the
-    directory, or a rank that attaches after another finished): the page is rewritten now, or
-    until this rank finishes it would tell the job before this one (a rank "complete" that runs
-    again). A first job's ranks write none at their start: no page is there to be wrong, and the
-    first rank to finish writes it. A `continued` rank (resume=True) writes it even where there
-    is none: the finalize of its killed attempt at this start leaves the page to this render
-    (`rundir.resume`), so a restarted rank renders it once, not twice. The render reads every
-    rank's state (`rundir.parent_rewrite`: no rank waits on another's render, one render per
-    wave of asks), which on a job of thousands of ranks of a big model takes long: it runs on
-    a thread of its own, waited for `PAGE_WAIT_S` at most (as the run's first rows are), then
-    left to end by itself, so inject is never refused for it nor holds the training step long;
-    this rank's finish waits for it before its own (`DirectorySink._page_rendered`). Returns
-    the render's thread."""
-
-    def work(step: Callable[[str], None]) -> None:
-        if continued or (directory.parent / INDEX_FILE).is_file():
-            rewrite_parent_index(directory.parent)
-
-    page = Finishing(work, _nothing, f"torchinstruments ranks' page {directory.parent}")
-    try:
-        page.wait(lambda step: PAGE_WAIT_S)
-    except Exception as error:  # a render that raised: this rank's own run is whole without it
-        warn(
-            f"torchinstruments: the index.md of {directory.parent} (all ranks) could not be "
-            f"rewritten ({type(error).__name__}: {error})"
-        )
-    return page
 
 
 def _put_back(directory: Path, state: RunState) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning
 import polars as pl
@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from polars.testing import assert_frame_equal
 from test_huggingface_callback import examples, tiny_bert
 from test_lightning_callback import Tiny
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -111,38 +112,58 @@ def test_notes_of_a_continued_run_name_the_attempt_that_added_them(tmp_path: Pat
     assert [a.ended for a in read_state(run).attempts] == ["removed", "removed"]
 
 
-def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
-    tmp_path: Path,
-) -> None:
-    """Two callbacks (two parts of the model, each its own output_dir) in one Trainer: each has
-    a checkpoint state of its own, so both fit and each resumed fit continues its own run."""
-    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
-
-    def fit(max_steps: int, ckpt: Path | None) -> list[LightningObserver]:
-        observers = [
-            LightningObserver(tmp_path / name, module=name, sampler=EveryNForwardsSampler(1))
+def _part_observers(tmp_path: Path, chosen_by: str) -> list[LightningObserver]:
+    """Observers of `net.0` and `net.2`: by attribute path, each with its own output_dir, or
+    by lambdas in the trainer's default directory (a GAN's `lambda m: m.generator` and
+    `lambda m: m.discriminator`, told apart by what they read)."""
+    every = EveryNForwardsSampler(1)
+    if chosen_by == "paths":
+        return [
+            LightningObserver(tmp_path / name, module=name, sampler=every)
             for name in ("net.0", "net.2")
         ]
+    return [
+        LightningObserver(module=lambda m: cast(nn.Sequential, m.net)[0], sampler=every),
+        LightningObserver(module=lambda m: cast(nn.Sequential, m.net)[2], sampler=every),
+    ]
+
+
+@pytest.mark.parametrize("chosen_by", ["paths", "lambdas"])
+def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
+    tmp_path: Path, chosen_by: str
+) -> None:
+    """Two callbacks (two parts of the model) in one Trainer: each has a checkpoint state of its
+    own, so both fit and each resumed fit continues its own run; two lambdas too (they had one
+    key, and Lightning refused the Trainer: "more than one stateful callback")."""
+    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+
+    def fit(max_steps: int, ckpt: Path | None) -> list[Path | None]:
+        observers = _part_observers(tmp_path, chosen_by)
         trainer = lightning.Trainer(
             max_steps=max_steps,
             accelerator="cpu",
             devices=1,
             logger=False,
+            default_root_dir=tmp_path,
             callbacks=[*observers, ModelCheckpoint(tmp_path / "ckpt", save_last=True)],
             enable_progress_bar=False,
             enable_model_summary=False,
         )
         trainer.fit(Tiny(), data, ckpt_path=None if ckpt is None else str(ckpt))
-        return observers
+        return [observer.directory for observer in observers]
 
-    fit(2, None)
+    runs = fit(2, None)
+    assert None not in runs
+    assert len(set(runs)) == 2
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
-    runs = sorted(state["run_directory"] for state in saved.values() if "run_directory" in state)
-    assert runs == [str(tmp_path / "net.0"), str(tmp_path / "net.2")]
-    fit(4, tmp_path / "ckpt" / "last.ckpt")
-    for name in ("net.0", "net.2"):
-        history = pl.read_parquet(tmp_path / name / "history.parquet")
+    kept = sorted(state["run_directory"] for state in saved.values() if "run_directory" in state)
+    assert kept == sorted(str(run) for run in runs)
+    assert fit(4, tmp_path / "ckpt" / "last.ckpt") == runs  # each continues its own run
+    for run, width in zip(runs, (8, 2), strict=True):
+        assert run is not None
+        history = pl.read_parquet(run / "history.parquet")
         assert set(history["layer"]) == {""}  # the observed part itself is the one layer
+        assert set(history["shape"].list.last()) == {width}  # net.0's 8 features, net.2's 2
         samples = history.group_by("attempt").agg(pl.col("step").unique().sort()).sort("attempt")
         assert samples.rows() == [(0, [0, 1]), (1, [2, 3])]
 
@@ -232,3 +253,37 @@ def test_a_resumed_fit_that_takes_no_sample_never_says_its_run_holds_no_rows(
     state = read_state(run)
     assert [(a.attempt, a.samples) for a in state.attempts] == [(0, FIRST), (1, 0)]
     assert "No sample was recorded" not in (run / "index.md").read_text(encoding="utf-8")
+
+
+def test_two_hf_observers_of_parts_chosen_by_lambdas_each_keep_their_own_run(
+    tmp_path: Path,
+) -> None:
+    """Two lambdas choosing two parts: each observer's run has a key of its own in the
+    TrainerState a checkpoint saves (one key, they kept one run for both, and a resumed train
+    continued the other's)."""
+    every = EveryNForwardsSampler(1)
+    observers = [
+        HuggingFaceObserver(module=lambda m: m.get_submodule("bert.pooler"), sampler=every),
+        HuggingFaceObserver(module=lambda m: m.get_submodule("classifier"), sampler=every),
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=tiny_bert(), args=args, train_dataset=examples(4), callbacks=[*observers]
+    )
+    trainer.train()
+    kept = trainer.state.stateful_callbacks
+    assert isinstance(kept, dict)
+    runs = {entry["run_directory"] for key, entry in kept.items() if "Observer" in key}
+    assert runs == {str(observer.directory) for observer in observers}
+    assert len(runs) == 2
+    for observer, layers in zip(observers, ({"dense", "activation"}, {""}), strict=True):
+        assert observer.directory is not None
+        assert set(pl.read_parquet(observer.directory / "history.parquet")["layer"]) == layers

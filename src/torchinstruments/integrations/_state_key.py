@@ -4,12 +4,22 @@ Design decision: the key is built from the callback's own arguments (`output_dir
 never from the objects of one process, so a restarted job, which builds the same callbacks,
 finds each observer's run again; two observers of one trainer (two parts of the model) get two
 keys, and the default callback keeps the plain class name, as checkpoints always had it.
+
+A lambda or a function defined inside another has no name of its own to tell it by: a GAN's
+`module=lambda m: m.generator` and `module=lambda m: m.discriminator` are both `<lambda>`, so
+their observers had one key (Lightning refused the Trainer, "more than one stateful callback";
+the Hugging Face Trainer kept one run for both, and a resumed fit continued the other's run).
+Such a callable is named by its qualified name and what its source reads, which a restarted
+process gives again: the names its code uses (`generator`), and its literal constants, defaults
+and closure values (`m.blocks[1]`'s 1). Two that read the same are the same selection. A
+function defined at a module's top level keeps its qualified name alone, as checkpoints had it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import CodeType
 from typing import Any
 
 __all__ = ["state_key"]
@@ -21,13 +31,55 @@ def state_key(
     """`owner` for the defaults, else `owner{'output_dir': ..., 'module': ...}`.
 
     A callable `module` is named by its `__qualname__` (a partial or a callable object: its
-    class's), which a restarted process gives again, unlike its id.
+    class's), which a restarted process gives again, unlike its id; a lambda or a nested
+    function also by what it reads (`callable_name`).
     """
     if output_dir is None and module is None:
         return owner
-    if module is None or isinstance(module, str):
-        named = module
-    else:
-        named = getattr(module, "__qualname__", type(module).__qualname__)
+    named = module if module is None or isinstance(module, str) else callable_name(module)
     where = None if output_dir is None else os.fspath(output_dir)
     return f"{owner}{{'output_dir': {where!r}, 'module': {named!r}}}"
+
+
+def callable_name(module: Callable[..., Any]) -> str:
+    """A callable's name for the key: `<lambda>[generator]` for `lambda m: m.generator`."""
+    name = getattr(module, "__qualname__", None)
+    if not isinstance(name, str):
+        return type(module).__qualname__
+    code = getattr(module, "__code__", None)
+    if code is None or "<" not in name:  # a top-level function: its name tells it apart
+        return name
+    cells = getattr(module, "__closure__", None) or ()
+    read = [
+        *_code_reads(code),
+        *_literals(getattr(module, "__defaults__", None) or ()),
+        *_literals(_cell_contents(cells)),
+    ]
+    return f"{name}[{', '.join(read)}]"
+
+
+def _code_reads(code: CodeType) -> list[str]:
+    """The names and literals a code object reads, with those of the code inside it (a
+    comprehension's, a nested lambda's)."""
+    read = [*code.co_names, *_literals(code.co_consts)]
+    for inner in code.co_consts:
+        if isinstance(inner, CodeType):
+            read.extend(_code_reads(inner))
+    return read
+
+
+def _literals(values: Iterable[object]) -> list[str]:
+    """The reprs of the strings and numbers among `values` (None and code objects say nothing
+    of the selection, and None comes and goes between Python versions)."""
+    return [repr(v) for v in values if isinstance(v, str | int | float)]
+
+
+def _cell_contents(cells: Iterable[Any]) -> list[object]:
+    """What a closure's cells hold (an empty cell: nothing)."""
+    held = []
+    for cell in cells:
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            continue
+    return held

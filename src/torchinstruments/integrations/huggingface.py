@@ -31,7 +31,8 @@ A checkpoint keeps the run directory: `on_train_begin` puts it into `state.state
 `on_train_begin`, in `train(resume_from_checkpoint=...)`; transformers 4.41 and later, checked
 on 5.24.0), so a resumed fit continues the run that wrote its checkpoint, not the last one
 under `output_dir` (a later fresh fit's). Its key is `torchinstruments.HuggingFaceObserver`
-(with `output_dir` and `module` when given: several observers each keep their own), not a
+(with `output_dir` and `module` when given, a lambda `module` named by what it reads,
+`_state_key.py`: several observers each keep their own), not a
 callback class name and the callback no `ExportableState`: under
 `restore_callback_states_from_checkpoint=True` the Trainer rebuilds such a callback from its
 saved arguments, which would drop the user's options (it only logs that the checkpoint holds

@@ -27,8 +27,9 @@ Hooks, one line each:
 - `state_dict` / `load_state_dict`: a checkpoint keeps the run directory, and a fit resumed from
   it (`fit(ckpt_path=...)`) continues that run (Lightning 2.6 restores callback state before
   `on_fit_start`, except for a strategy that restores after setup: then index.md says so).
-- `state_key`: the class name, with `output_dir` and `module` when given, so several observers
-  (of several parts of the model) share one Trainer.
+- `state_key`: the class name, with `output_dir` and `module` when given (a lambda `module`
+  named by what it reads: `_state_key.py`), so several observers (of several parts of the
+  model, a GAN's generator and discriminator) share one Trainer.
 - `on_load_checkpoint`: the checkpoint's global step; a fit resumed behind the last step its
   run recorded (preempted after its last checkpoint) says in index.md which steps repeat.
 

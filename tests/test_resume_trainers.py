@@ -11,6 +11,8 @@ value with history.parquet as the first fit left it), sample_id continues, the s
 from __future__ import annotations
 
 import warnings
+from functools import partial
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, cast
 
@@ -113,14 +115,21 @@ def test_notes_of_a_continued_run_name_the_attempt_that_added_them(tmp_path: Pat
 
 
 def _part_observers(tmp_path: Path, chosen_by: str) -> list[LightningObserver]:
-    """Observers of `net.0` and `net.2`: by attribute path, each with its own output_dir, or
-    by lambdas in the trainer's default directory (a GAN's `lambda m: m.generator` and
-    `lambda m: m.discriminator`, told apart by what they read)."""
+    """Observers of `net.0` and `net.2`: by attribute path, each with its own output_dir, or,
+    in the trainer's default directory, by lambdas (a GAN's `lambda m: m.generator` and
+    `lambda m: m.discriminator`, told apart by what they read) or by `operator.attrgetter` and
+    `functools.partial` (told apart by their arguments)."""
     every = EveryNForwardsSampler(1)
     if chosen_by == "paths":
         return [
             LightningObserver(tmp_path / name, module=name, sampler=every)
             for name in ("net.0", "net.2")
+        ]
+    if chosen_by == "attrgetters":
+        return [LightningObserver(module=attrgetter(f"net.{i}"), sampler=every) for i in (0, 2)]
+    if chosen_by == "partials":
+        return [
+            LightningObserver(module=partial(_net_layer, index=i), sampler=every) for i in (0, 2)
         ]
     return [
         LightningObserver(module=lambda m: cast(nn.Sequential, m.net)[0], sampler=every),
@@ -128,13 +137,18 @@ def _part_observers(tmp_path: Path, chosen_by: str) -> list[LightningObserver]:
     ]
 
 
-@pytest.mark.parametrize("chosen_by", ["paths", "lambdas"])
+def _net_layer(model: nn.Module, index: int) -> nn.Module:
+    return cast(nn.Sequential, model.get_submodule("net"))[index]
+
+
+@pytest.mark.parametrize("chosen_by", ["paths", "lambdas", "attrgetters", "partials"])
 def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
     tmp_path: Path, chosen_by: str
 ) -> None:
     """Two callbacks (two parts of the model) in one Trainer: each has a checkpoint state of its
-    own, so both fit and each resumed fit continues its own run; two lambdas too (they had one
-    key, and Lightning refused the Trainer: "more than one stateful callback")."""
+    own, so both fit and each resumed fit continues its own run; two lambdas, attrgetters or
+    partials too (each pair had one key, and Lightning refused the Trainer: "more than one
+    stateful callback")."""
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
 
     def fit(max_steps: int, ckpt: Path | None) -> list[Path | None]:

@@ -11,14 +11,18 @@ their observers had one key (Lightning refused the Trainer, "more than one state
 the Hugging Face Trainer kept one run for both, and a resumed fit continued the other's run).
 Such a callable is named by its qualified name and what its source reads, which a restarted
 process gives again: the names its code uses (`generator`), and its literal constants, defaults
-and closure values (`m.blocks[1]`'s 1). Two that read the same are the same selection. A
-function defined at a module's top level keeps its qualified name alone, as checkpoints had it.
+and closure values (`m.blocks[1]`'s 1). Two that read the same are the same selection. So are
+`operator.attrgetter('generator')` (its repr) and a `functools.partial` (its function's name and
+its literal arguments: its repr holds an address). A function defined at a module's top level
+keeps its qualified name alone, as checkpoints had it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from functools import partial
+from operator import attrgetter, itemgetter, methodcaller
 from types import CodeType
 from typing import Any
 
@@ -43,6 +47,12 @@ def state_key(
 
 def callable_name(module: Callable[..., Any]) -> str:
     """A callable's name for the key: `<lambda>[generator]` for `lambda m: m.generator`."""
+    if isinstance(module, partial):  # its repr names the function by its address
+        keywords = [f"{k}={v}" for k, w in module.keywords.items() for v in _literals([w])]
+        read = [callable_name(module.func), *_literals(module.args), *keywords]
+        return f"partial[{', '.join(read)}]"
+    if isinstance(module, attrgetter | itemgetter | methodcaller):
+        return repr(module)  # operator.attrgetter('generator'): what it reads, as written
     name = getattr(module, "__qualname__", None)
     if not isinstance(name, str):
         return type(module).__qualname__

@@ -1,9 +1,11 @@
 """Under a trainer callback a row's mode is its forward's phase: a training step's rows are
 `train` also for a part the user froze in eval mode (a fine-tuned backbone's BatchNorm), so
-they never join the evaluation samples' series of that part.
+they never join the evaluation samples' series of that part. The training samples of
+StochasticWeightAveraging's batch-norm epoch, which runs training batches forward only, are said
+in index.md for what they are.
 
 The reference is a forward pre-hook of the test's own that records, at each call of the model,
-whether the trainer was in a training batch."""
+whether the trainer was in a training batch (or its epoch and global step)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import lightning
 import polars as pl
 import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,3 +88,72 @@ def test_a_frozen_part_in_eval_mode_keeps_training_and_evaluation_series_apart(
         if layer["layer"].startswith("backbone"):
             entries = {t["mode"]: t["observations"] for t in layer["tensors"]}
             assert entries == {"train": 4, "eval": 4}, layer["layer"]
+
+
+class WithBatchNorm(lightning.LightningModule):
+    """A BatchNorm between two Linear layers; records at each call the epoch, the global step
+    and whether a backward can follow (the reference for the samples of each epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        self.calls: list[tuple[int, int]] = []
+        self.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        self.calls.append((self.trainer.current_epoch, self.trainer.global_step))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_stochastic_weight_averagings_batch_norm_epoch_is_said_and_has_no_gradient_rows(
+    tmp_path: Path,
+) -> None:
+    """With batch norm in the model, StochasticWeightAveraging adds an epoch that runs each
+    training batch forward only, on the averaged weights: its samples have output rows alone,
+    share one step, and index.md says which epoch and step they are (they read as gradient
+    accumulation's micro-batches otherwise)."""
+    model = WithBatchNorm()
+    trainer = lightning.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[
+            LightningObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1)),
+            StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
+        ],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    assert model.calls == [(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 4)]  # epoch 2: SWA's
+
+    history = read_history(tmp_path / "run")
+    signals = history.group_by("sample_id").agg(pl.col("signal").unique().sort(), pl.col("step"))
+    rows = [
+        (s, sorted(set(steps)))
+        for s, steps in signals.sort("sample_id").select("signal", "step").rows()
+    ]
+    both = ["output", "output_gradient"]
+    assert rows == [
+        (both, [0]),
+        (both, [1]),
+        (both, [2]),
+        (both, [3]),
+        (["output"], [4]),
+        (["output"], [4]),
+    ]
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "epoch 2 is StochasticWeightAveraging's batch-norm update" in index
+    assert "(step 4, from here to the fit's end) have output rows and no output_gradient" in index

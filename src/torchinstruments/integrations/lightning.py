@@ -19,6 +19,8 @@ Hooks, one line each:
   warning, index.md) when a batch moved the global step by other than one (several
   optimizers, or a step skipped): `step` then is off the axis of the logger's scalars (below).
 - `on_train_batch_start`: the global step the batch starts at, for that comparison.
+- `on_train_epoch_start`: say in index.md when the epoch is `StochasticWeightAveraging`'s
+  batch-norm update, whose training samples have no gradients and share one step (`_swa_note`).
 - `on_validation_start`: with `record_eval`, say once (a warning, index.md) when a validation
   of the fit runs between the micro-batches of an accumulated step (`_mid_step_note`).
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
@@ -98,16 +100,28 @@ from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, LightningModule, Trainer
-    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+    from lightning.pytorch.callbacks import (
+        BatchSizeFinder,
+        LearningRateFinder,
+        StochasticWeightAveraging,
+    )
     from lightning.pytorch.loggers import TensorBoardLogger
 else:
     try:
         from lightning.pytorch import Callback, LightningModule, Trainer
-        from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+        from lightning.pytorch.callbacks import (
+            BatchSizeFinder,
+            LearningRateFinder,
+            StochasticWeightAveraging,
+        )
         from lightning.pytorch.loggers import TensorBoardLogger
     except ImportError:  # the standalone package of older releases
         from pytorch_lightning import Callback, LightningModule, Trainer
-        from pytorch_lightning.callbacks import BatchSizeFinder, LearningRateFinder
+        from pytorch_lightning.callbacks import (
+            BatchSizeFinder,
+            LearningRateFinder,
+            StochasticWeightAveraging,
+        )
         from pytorch_lightning.loggers import TensorBoardLogger
 
 __all__ = ["LightningObserver"]
@@ -227,6 +241,19 @@ class LightningObserver(Callback):
         """The fit's setup ends (without a sanity check): the training loop starts."""
         self._fit.leave_setup()
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Say in index.md when the epoch is StochasticWeightAveraging's batch-norm update."""
+        observed = self._fit.observed
+        if observed is None:
+            return
+        # Trainer.callbacks is set by Lightning's callback connector, undeclared on the class.
+        for callback in getattr(trainer, "callbacks", ()):
+            if (
+                isinstance(callback, StochasticWeightAveraging)
+                and trainer.current_epoch == callback.swa_end + 1
+            ):
+                add_run_note(observed, _swa_note(trainer.current_epoch, trainer.global_step))
+
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -342,6 +369,23 @@ def _tuner_note(trainer: Trainer) -> str | None:
         "not observed and no count here includes them (forward_index, the evaluation and "
         "setup forwards); the trainer then put back the model's weights and its global step, "
         "so `step` counts the fit's own training steps"
+    )
+
+
+def _swa_note(epoch: int, step: int) -> str:
+    """index.md's note on StochasticWeightAveraging's batch-norm update: with batch norm in the
+    model, it adds an epoch after the last (`swa_end + 1`) that copies the averaged weights into
+    the model and runs every training batch through `training_step` with the backward skipped
+    and one optimizer step at its end (checked on Lightning 2.6.6), to recompute the running
+    statistics. Its forwards are training forwards, sampled as such, but no gradient reaches
+    them and they share one step: without a word they read as accumulation's micro-batches."""
+    return (
+        f"epoch {epoch} is StochasticWeightAveraging's batch-norm update (an epoch it adds "
+        "after the last): the model holds the averaged weights and each training batch runs "
+        "forward only, with no backward, to recompute the batch-norm running statistics. Its "
+        f"training samples (step {step}, from here to the fit's end) have output rows and no "
+        "output_gradient rows, and share that step: they describe the averaged model, not a "
+        "training step"
     )
 
 

@@ -64,6 +64,8 @@ def test_only_the_first_backward_through_a_sampled_output_is_recorded(run_dir: P
     remove_observer(model)
     grads = read_history(run_dir).filter(pl.col("signal") == "output_gradient")
     assert values(grads, layer="1", metric="mean") == [pytest.approx(1.0)]
+    index = (run_dir / "index.md").read_text(encoding="utf-8")  # and the reader is told so
+    assert "A later backward pass through the same output is not recorded" in index
 
 
 def test_accumulated_forwards_are_matched_to_their_own_sample(run_dir: Path) -> None:

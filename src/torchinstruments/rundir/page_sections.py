@@ -176,7 +176,11 @@ def section_meanings() -> list[str]:
         "",
         '- signal `"output"`: a tensor returned by the layer\'s forward. '
         '`"output_gradient"`: the gradient of the loss with respect to that output tensor, '
-        "recorded when backward reaches it (same sample_id as its forward).",
+        "recorded when the first backward pass reaches it (same sample_id as its forward). A "
+        "later backward pass through the same output is not recorded: a graph kept with "
+        "retain_graph=True, or a second loss through one output (a GAN's discriminator and "
+        "generator losses through one generated batch, not detached), has the first pass's "
+        "gradient only, where a plain tensor hook would see each pass's.",
         '- tensor_path: `""` the output is a bare tensor; `[0]` first element of a tuple or '
         "list; `['logits']` dict key; `.hidden` attribute (dataclass / named tuple / model "
         "output object; torch's own named tuples by field: `.values`, `.indices` of "

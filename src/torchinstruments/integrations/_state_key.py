@@ -8,10 +8,10 @@ keys, and the default callback keeps the plain class name, as checkpoints always
 A lambda or a function defined inside another has no name of its own to tell it by: a GAN's
 `module=lambda m: m.generator` and `module=lambda m: m.discriminator` are both `<lambda>`, so
 their observers had one key (Lightning refused the Trainer, "more than one stateful callback";
-the Hugging Face Trainer kept one run for both, and a resumed fit continued the other's run).
+the Hugging Face Trainer kept one run for both, which a resumed train() gave both to continue).
 Such a callable is named by its qualified name and what its source reads, which a restarted
-process gives again: the names its code uses (`generator`), and its literal constants, defaults
-and closure values (`m.blocks[1]`'s 1). Two that read the same are the same selection. So are
+process gives again: the names its code loads (`generator`), and its literals, defaults and
+closure values (`m.blocks[1]`'s 1), read from its instructions (`dis`). Two that read the same are the same selection. So are
 `operator.attrgetter('generator')` (its repr) and a `functools.partial` (its function's name and
 its literal arguments: its repr holds an address). A function defined at a module's top level
 keeps its qualified name alone, as checkpoints had it.
@@ -19,6 +19,7 @@ keeps its qualified name alone, as checkpoints had it.
 
 from __future__ import annotations
 
+import dis
 import os
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -69,12 +70,20 @@ def callable_name(module: Callable[..., Any]) -> str:
 
 
 def _code_reads(code: CodeType) -> list[str]:
-    """The names and literals a code object reads, with those of the code inside it (a
-    comprehension's, a nested lambda's)."""
-    read = [*code.co_names, *_literals(code.co_consts)]
-    for inner in code.co_consts:
-        if isinstance(inner, CodeType):
-            read.extend(_code_reads(inner))
+    """The names and literals a code object loads, in order, with those of the code inside it
+    (a comprehension's, a nested lambda's). Read from its instructions, not `co_consts`: from
+    Python 3.14 a small int (`m.blocks[1]`'s 1) is an instruction's argument, not a constant.
+    Its parameters' names (`LOAD_FAST`) say nothing of what it selects."""
+    read: list[str] = []
+    for instruction in dis.get_instructions(code):
+        loaded, name = instruction.argval, instruction.opname
+        if isinstance(loaded, CodeType):
+            read.extend(_code_reads(loaded))
+        elif name.startswith("LOAD") and not name.startswith("LOAD_FAST"):
+            if name in ("LOAD_CONST", "LOAD_SMALL_INT"):
+                read.extend(_literals([loaded]))
+            elif isinstance(loaded, str):
+                read.append(loaded)
     return read
 
 

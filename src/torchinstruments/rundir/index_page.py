@@ -40,6 +40,7 @@ from torchinstruments.rundir.layout import (
     TENSORBOARD_DIR,
     write_text_atomic,
 )
+from torchinstruments.rundir.page_bounds import attempt_rows, loss_lines, notes_shown
 from torchinstruments.rundir.page_layers import (
     NEVER_RAN_CHARS,
     PAGE_BYTES,
@@ -179,14 +180,14 @@ def _section_state(state: RunState) -> list[str]:
         if not state.losses:
             return [f"**State: in progress.** {_WHILE_LIVE}", ""]
         lines = [f"**State: in progress**, with rows lost so far (the loss ledger). {_WHILE_LIVE}"]
-        return [*lines, "", *(f"- {loss.describe()}" for loss in state.losses), ""]
+        return [*lines, "", *loss_lines(state.losses), ""]
     lost_bound = _lost_bound(killed_flush(state))
     said = _in_flight(state)
     in_flight = None if said is None else f"{said} (see the note below)"
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
         lines += [f"- {problem}" for problem in state.problems]
-        lines += [f"- {loss.describe()}" for loss in state.losses]
+        lines += loss_lines(state.losses)
         if state.interrupted:
             lines.append(f"- {unremoved_said(state)}. {lost_bound}")
         if in_flight:
@@ -282,7 +283,7 @@ def page_notes(state: RunState) -> tuple[str, ...]:
 def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
-    lines = [f"**Note:** {note}" for note in page_notes(state)]
+    lines = [f"**Note:** {note}" for note in notes_shown(page_notes(state))]
     lines += [f"**Disk space:** {line}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(
@@ -391,6 +392,7 @@ def _section_attempts(state: RunState) -> list[str]:
             "forward_index); of a killed attempt, none that its rows or events show."
         )
     lines[2] += _restart_sample_sentence(state)
+    rows: list[str] = []
     for a in state.attempts:
 
         def count(n: int, a: AttemptCounts = a) -> str:
@@ -399,14 +401,14 @@ def _section_attempts(state: RunState) -> list[str]:
         backward = str(a.backward_samples)
         if a.counts_recovered:  # 0 is known where each of its samples ran with grad disabled
             backward = gradient_count(a.backward_samples, _zero_known(a), word=False)
-        lines.append(
+        rows.append(
             f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | "
             f"{a.first_sample_id if a.samples else '-'} | "
             f"{a.first_forward_index if a.root_forwards or a.samples else '-'} | "
             f"{count(a.root_forwards)} | {count(a.samples)} | "
             f"{backward} |" + (_schedule_cells(a) if split else "")
         )
-    return [*lines, ""]
+    return [*lines, *attempt_rows(rows, 10 if split else 8), ""]
 
 
 def _restart_sample_sentence(state: RunState) -> str:

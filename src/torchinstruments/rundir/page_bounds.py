@@ -1,0 +1,91 @@
+"""What index.md shows of the lists that grow with a run's life: notes, losses, attempts.
+
+Design decision: each attempt of a continued run (`resume=True`) adds its own notes (labelled
+`attempt N:`, so the same sentence said by two attempts is two notes), its loss-ledger entries
+(up to `ledger.MAX_ENTRIES` each) and a row of the Attempts table. A job restarted often
+(preemptible machines, a nightly restart) made index.md grow with the number of restarts, past
+its bound (`page_layers.PAGE_BYTES`): 80 attempts of a small model with a few notes each made an
+89 KB page. Here each list keeps its first and its last entries within a fixed budget, and one
+line in their place counts the others and says where every one is (`.state.json`, which keeps
+them all). The cost: a middle attempt's note, loss or counts are one file away, not on the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.ledger import LostRows, sample_range
+from torchinstruments.rundir.ranges import was_were
+
+__all__ = ["NOTES_BYTES", "SHOWN_ATTEMPTS", "SHOWN_LOSSES", "attempt_rows", "notes_shown"]
+
+NOTES_BYTES = 4 * 1024  # the notes at the top of the page, at most (one long note aside)
+SHOWN_LOSSES = 8  # loss-ledger entries listed: the first half and the last half
+SHOWN_ATTEMPTS = 12  # rows of the Attempts table: the first half and the last half
+
+T = TypeVar("T")
+
+
+def ends(items: Sequence[T], shown: int) -> tuple[Sequence[T], int, Sequence[T]]:
+    """The first `shown // 2` items, how many are left out, and the last ones (all, when they
+    are at most `shown`)."""
+    if len(items) <= shown:
+        return items, 0, ()
+    head = shown // 2
+    tail = shown - head
+    return items[:head], len(items) - shown, items[len(items) - tail :]
+
+
+def notes_shown(notes: Sequence[str]) -> tuple[str, ...]:
+    """`notes` as the page shows them: the first ones within half of `NOTES_BYTES` (the first
+    always), the last ones within the other half, and between them a note counting the rest."""
+    sizes = [len(note.encode("utf-8")) for note in notes]
+    first, used = 0, 0
+    while first < len(notes) and (first == 0 or used + sizes[first] <= NOTES_BYTES // 2):
+        used += sizes[first]
+        first += 1
+    last, used = len(notes), 0
+    while last > first and used + sizes[last - 1] <= NOTES_BYTES // 2:
+        last -= 1
+        used += sizes[last]
+    if last == first:
+        return tuple(notes)
+    hidden = last - first
+    counted = (
+        f"{hidden} more note{'s' if hidden > 1 else ''} (said between the one above and the one "
+        f"below) {'are' if hidden > 1 else 'is'} not shown, so that this page stays within its "
+        f"size bound: `{STATE_FILE}` (`notes`) holds every one, in order."
+    )
+    return (*notes[:first], counted, *notes[last:])
+
+
+def loss_lines(losses: Sequence[LostRows]) -> list[str]:
+    """The loss ledger as list items: the first and last entries (`SHOWN_LOSSES` in all), and
+    one item between them with the others' rows and samples, so the total stays on the page."""
+    head, hidden, tail = ends(losses, SHOWN_LOSSES)
+    lines = [f"- {loss.describe()}" for loss in head]
+    if hidden:
+        middle = losses[len(head) : len(losses) - len(tail)]
+        rows = sum(loss.rows for loss in middle)
+        firsts = [loss.first_sample_id for loss in middle if loss.first_sample_id is not None]
+        lasts = [loss.last_sample_id for loss in middle if loss.last_sample_id is not None]
+        where = sample_range(min(firsts, default=None), max(lasts, default=None))
+        lines.append(
+            f"- {rows:,} row{'' if rows == 1 else 's'} of {where} (within) {was_were(rows)} "
+            f"recorded but not written, in {hidden} more entries of the ledger not listed here "
+            f"(this page's size bound): `{STATE_FILE}` (`losses`) lists each with its reason."
+        )
+    return [*lines, *(f"- {loss.describe()}" for loss in tail)]
+
+
+def attempt_rows(rows: Sequence[str], columns: int) -> list[str]:
+    """The Attempts table's rows (one per attempt, in order), the first and last
+    `SHOWN_ATTEMPTS` in all, with one row between them counting the others."""
+    head, hidden, tail = ends(rows, SHOWN_ATTEMPTS)
+    if not hidden:
+        return list(rows)
+    counted = f"{hidden} more attempts, listed in `{STATE_FILE}` (`attempts`)"
+    middle = "| ... | " + " | ".join([counted, *("..." for _ in range(columns - 2))]) + " |"
+    return [*head, middle, *tail]

@@ -12,7 +12,10 @@ needs no TensorBoard, and a torn last record (the kill) ends the file quietly. T
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from torchinstruments.rundir.layout import TENSORBOARD_DIR
@@ -33,24 +36,34 @@ def folder_steps(folder: Path) -> set[int]:
         return set()
     steps: set[int] = set()
     for path in sorted(folder.glob("events.out.tfevents.*")):
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        offset = 0
-        while offset + 12 <= len(data):
-            (length,) = _HEADER.unpack_from(data, offset)
-            start, end = offset + 12, offset + 12 + length
-            if end + 4 > len(data):
-                break  # a torn last record
-            try:
-                step = _summary_step(data[start:end])
-            except (IndexError, ValueError):
-                break
-            if step is not None:
-                steps.add(step)
-            offset = end + 4
+        with contextlib.suppress(OSError):
+            steps.update(_file_steps(path))
     return steps
+
+
+def _file_steps(path: Path) -> Iterator[int]:
+    """The steps of the summaries in one event file, read a record at a time: the file grows
+    with every sample (about 9 KB a sample for a model of 4 focus layers), and a file read whole
+    held it all in memory at each `finalize` and continued run (256 MB for 30,000 samples); one
+    record at a time holds one record. A torn last record (the kill) ends it quietly."""
+    with path.open("rb") as file:
+        left = os.fstat(file.fileno()).st_size
+        while left >= 12:
+            header = file.read(12)
+            if len(header) < 12:
+                return  # the file was cut shorter as it was read
+            (length,) = _HEADER.unpack_from(header)
+            if 12 + length + 4 > left:
+                return  # a torn last record
+            event = file.read(length)
+            file.read(4)
+            left -= 12 + length + 4
+            try:
+                step = _summary_step(event)
+            except (IndexError, ValueError):
+                return
+            if step is not None:
+                yield step
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

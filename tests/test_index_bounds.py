@@ -74,12 +74,14 @@ def ended(attempt: AttemptCounts) -> AttemptCounts:
         attempt.samples,
         attempt.backward_samples,
         ended=REMOVED,
+        sampler=f"EveryNForwardsSampler(every={1 + attempt.attempt % 2})",  # a change each time
     )
 
 
 def test_a_run_continued_twice_as_often_has_a_page_of_the_same_size(tmp_path: Path) -> None:
-    """30 and 60 attempts (each with notes and a full loss ledger) make pages with as many
-    notes, ledger lines and table rows, within the bound; 80 attempts of a small model with a
+    """30 and 60 attempts (each with notes, a full loss ledger and another sampler than the
+    last) make pages with as many notes, ledger lines, table rows and samplers, within the
+    bound; 80 attempts of a small model with a
     few notes each made an 89 KB page before."""
     pages = [render_index(continued(tmp_path, n)) for n in (30, 60)]
     shapes = [
@@ -87,6 +89,7 @@ def test_a_run_continued_twice_as_often_has_a_page_of_the_same_size(tmp_path: Pa
             sum(line.startswith("**Note:**") for line in page.splitlines()),
             sum("recorded but not written" in line for line in page.splitlines()),
             page.split("## Attempts", 1)[1].split("\n## ", 1)[0].count("\n| "),
+            next(line for line in page.splitlines() if "sampler, per attempt" in line).count(";"),
         )
         for page in pages
     ]

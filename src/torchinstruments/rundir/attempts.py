@@ -55,6 +55,8 @@ from torchinstruments.records import RunCounts, ScaleSpan
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.id_mark import read_mark
+from torchinstruments.rundir.layout import STATE_FILE
+from torchinstruments.rundir.page_bounds import SHOWN_SAMPLER_RUNS, ends
 
 IN_PROGRESS = "in progress"
 REMOVED = "removed"
@@ -466,8 +468,23 @@ def sampler_line(run_sampler: str, attempts: tuple[AttemptCounts, ...]) -> str:
     if len(said) < 2 or all(s == run_sampler for s in said):
         return f"sampler: {run_sampler}"
     unknown = "unknown (the state file of that attempt predates per-attempt samplers)"
-    each = [f"attempt {a.attempt}: {s or unknown}" for a, s in zip(attempts, said, strict=True)]
+    runs: list[tuple[int, int, str]] = []  # consecutive attempts of one sampler: first, last
+    for a, s in zip(attempts, said, strict=True):
+        if runs and runs[-1][2] == (s or unknown):
+            runs[-1] = (runs[-1][0], a.attempt, runs[-1][2])
+        else:
+            runs.append((a.attempt, a.attempt, s or unknown))
+    head, hidden, tail = ends(runs, SHOWN_SAMPLER_RUNS)  # the line stays bounded (index.md)
+    each = [_attempts_said(first, last) + f": {s}" for first, last, s in head]
+    more = f"... ({hidden} more runs of attempts, each sampler in `{STATE_FILE}`'s `attempts`)"
+    each += [more] if hidden else []
+    each += [_attempts_said(first, last) + f": {s}" for first, last, s in tail]
     return "sampler, per attempt: " + "; ".join(each)
+
+
+def _attempts_said(first: int, last: int) -> str:
+    """`attempt 3` or `attempts 3-7`."""
+    return f"attempt {first}" if first == last else f"attempts {first}-{last}"
 
 
 def at_least_attempts(counts: RunCounts, attempts: tuple[AttemptCounts, ...]) -> RunCounts:

@@ -1,5 +1,7 @@
 """What index.md shows of the lists that grow with a run's life: notes, losses, attempts.
 
+The sampler line of the Run section (`attempts.sampler_line`) keeps its ends the same way.
+
 Design decision: each attempt of a continued run (`resume=True`) adds its own notes (labelled
 `attempt N:`, so the same sentence said by two attempts is two notes), its loss-ledger entries
 (up to `ledger.MAX_ENTRIES` each) and a row of the Attempts table. A job restarted often
@@ -19,11 +21,21 @@ from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.ledger import LostRows, sample_range
 from torchinstruments.rundir.ranges import was_were
 
-__all__ = ["NOTES_BYTES", "SHOWN_ATTEMPTS", "SHOWN_LOSSES", "attempt_rows", "notes_shown"]
+__all__ = [
+    "NOTES_BYTES",
+    "SHOWN_ATTEMPTS",
+    "SHOWN_LOSSES",
+    "SHOWN_SAMPLER_RUNS",
+    "attempt_rows",
+    "ends",
+    "loss_lines",
+    "notes_shown",
+]
 
 NOTES_BYTES = 4 * 1024  # the notes at the top of the page, at most (one long note aside)
 SHOWN_LOSSES = 8  # loss-ledger entries listed: the first half and the last half
 SHOWN_ATTEMPTS = 12  # rows of the Attempts table: the first half and the last half
+SHOWN_SAMPLER_RUNS = 6  # runs of attempts of one sampler in the Run section's sampler line
 
 T = TypeVar("T")
 

@@ -4,11 +4,12 @@ entries and counts the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import LayerInfo, RunCounts, RunInfo
-from torchinstruments.rundir.attempts import REMOVED, AttemptCounts, attempt_notes
+from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts, attempt_notes
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.ledger import MAX_ENTRIES, LostRows
 from torchinstruments.rundir.page_bounds import SHOWN_ATTEMPTS, SHOWN_LOSSES
@@ -152,3 +153,34 @@ def test_a_short_run_lists_every_note_loss_and_attempt(tmp_path: Path) -> None:
     assert "more attempts" not in page
     assert sum(line.startswith("**Note:** attempt ") for line in page.splitlines()) == 4
     assert sum("recorded but not written: writing" in line for line in page.splitlines()) == 3
+
+
+def killed(state: RunState) -> RunState:
+    """`state` with every attempt but the last killed, each losing its last 3 sample ids (so
+    sample_id skips after it), with its own flush interval (one of 7), and a sample in flight
+    at each removal."""
+    last = len(state.attempts) - 1
+    attempts = tuple(
+        a
+        if a.attempt == last
+        else dataclasses.replace(
+            a, ended=KILLED, samples=a.samples - 3, flush_seconds=float(a.attempt % 7 + 1)
+        )
+        for a in state.attempts
+    )
+    in_flight = tuple(a.first_sample_id for a in state.attempts)
+    return dataclasses.replace(
+        state, attempts=attempts, interrupted=True, removed_in_flight=in_flight
+    )
+
+
+def test_a_job_killed_at_every_restart_has_lines_of_the_same_length(tmp_path: Path) -> None:
+    """100 and 200 preempted attempts: the lines that named each killed attempt (its flush
+    interval, its sample_id skip, its sample in flight) name the first and last few and count
+    the rest, so the longest line grows by digits only (it was 23 KB at 1,000 attempts)."""
+    longest = []
+    for attempts in (100, 200):
+        page = render_index(killed(continued(tmp_path, attempts)))
+        assert len(page.encode("utf-8")) <= PAGE_BOUND
+        longest.append(max(len(line) for line in page.splitlines()))
+    assert longest[1] - longest[0] <= 16

@@ -22,7 +22,7 @@ from torchinstruments.rundir.attempts import (
     AttemptCounts,
 )
 from torchinstruments.rundir.lock import writer_ended
-from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.ranges import few_ranges
 from torchinstruments.rundir.state import LAST_PARTS, RunState, killed_in_removal, removal_doing
 
 __all__ = [
@@ -80,7 +80,7 @@ def attempts_said(state: RunState, directory: Path) -> str:
     ends: dict[str, list[int]] = {}
     for entry, end in zip(state.attempts, attempt_ends_now(state, directory), strict=True):
         ends.setdefault(end, []).append(entry.attempt)
-    said = "; ".join(f"{end}: attempt {ranges(which)}" for end, which in ends.items())
+    said = "; ".join(f"{end}: attempt {few_ranges(which)}" for end, which in ends.items())
     return f"{len(state.attempts)}, continued with resume=True ({said})"
 
 
@@ -124,8 +124,8 @@ def unremoved_said(state: RunState, how: str = "") -> str:
     before = [n for n, end in ends if end in _UNREMOVED and end not in _IN_REMOVAL]
     during = [n for n, end in ends if end in _IN_REMOVAL]
     said = [
-        *([f"attempt(s) {ranges(before)} {plain}"] if before else []),
-        *([f"attempt(s) {ranges(during)} {DURING_LAST_FLUSH}"] if during else []),
+        *([f"attempt(s) {few_ranges(before)} {plain}"] if before else []),
+        *([f"attempt(s) {few_ranges(during)} {DURING_LAST_FLUSH}"] if during else []),
     ]
     return " and ".join(said) or f"the process {plain}"
 
@@ -139,7 +139,7 @@ def killed_flush(state: RunState) -> str:
     last = state.run.history.flush_seconds
     if len(state.attempts) < 2:
         return f"flush_seconds={last} s"
-    known: list[str] = []
+    known: dict[float, list[int]] = {}  # seconds -> its attempts (one entry per value: bounded)
     unknown: list[int] = []
     for entry in unremoved_attempts(state):
         seconds = entry.flush_seconds
@@ -148,11 +148,12 @@ def killed_flush(state: RunState) -> str:
         if seconds is None:
             unknown.append(entry.attempt)
         else:
-            known.append(f"{seconds} s for attempt {entry.attempt}")
-    said = [f"flush_seconds={', '.join(known)}"] if known else []
+            known.setdefault(seconds, []).append(entry.attempt)
+    each = [f"{s} s for attempt{'s' * (len(a) > 1)} {few_ranges(a)}" for s, a in known.items()]
+    said = [f"flush_seconds={', '.join(each)}"] if known else []
     if unknown:
         said.append(
-            f"flush_seconds attempt(s) {ranges(unknown)} ran with (their own HistoryConfig's, "
+            f"flush_seconds attempt(s) {few_ranges(unknown)} ran with (their own HistoryConfig's, "
             "not kept by the version that wrote them, nor this page's)"
         )
     return " and ".join(said) or f"flush_seconds={last} s"

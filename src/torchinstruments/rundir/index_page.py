@@ -40,7 +40,7 @@ from torchinstruments.rundir.layout import (
     TENSORBOARD_DIR,
     write_text_atomic,
 )
-from torchinstruments.rundir.page_bounds import attempt_rows, loss_lines, notes_shown
+from torchinstruments.rundir.page_bounds import attempt_rows, ends_said, loss_lines, notes_shown
 from torchinstruments.rundir.page_layers import (
     NEVER_RAN_CHARS,
     PAGE_BYTES,
@@ -56,7 +56,7 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
-from torchinstruments.rundir.ranges import bound_count, plural, ranges
+from torchinstruments.rundir.ranges import bound_count, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import (
@@ -230,7 +230,7 @@ def partial_in_flight(sample_ids: tuple[int, ...]) -> str:
     """`sample 3 is partial`, `samples 3-4 are partial`: the samples in flight at a removal
     (index.md's state line, and `show`'s)."""
     several = len(sample_ids) > 1
-    return f"sample{'s' * several} {ranges(sample_ids)} {'are' if several else 'is'} partial"
+    return f"sample{'s' * several} {few_ranges(sample_ids)} {'are' if several else 'is'} partial"
 
 
 def _in_flight(state: RunState) -> str | None:
@@ -380,7 +380,7 @@ def _section_attempts(state: RunState) -> list[str]:
     ]
     if skips:
         lines[2] += (
-            f" Between attempts sample_id may skip ({', '.join(skips)} at most): after a killed "
+            f" Between attempts sample_id may skip ({ends_said(skips)} at most): after a killed "
             "attempt the next one starts after every sample it left anywhere (rows, "
             f"{TENSORBOARD_DIR}/ events, the loss ledger) and after every sample it began (the "
             f"id mark in {LOCK_FILE}), so the ids of samples whose rows died with it are never "

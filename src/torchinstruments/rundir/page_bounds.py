@@ -28,6 +28,7 @@ __all__ = [
     "SHOWN_SAMPLER_RUNS",
     "attempt_rows",
     "ends",
+    "ends_said",
     "loss_lines",
     "notes_shown",
 ]
@@ -48,6 +49,12 @@ def ends(items: Sequence[T], shown: int) -> tuple[Sequence[T], int, Sequence[T]]
     head = shown // 2
     tail = shown - head
     return items[:head], len(items) - shown, items[len(items) - tail :]
+
+
+def ends_said(items: Sequence[str], shown: int = 10) -> str:
+    """`items` joined with commas, the first and last `shown` in all, the others counted."""
+    head, hidden, tail = ends(items, shown)
+    return ", ".join([*head, *([f"... ({hidden} more)"] if hidden else []), *tail])
 
 
 def notes_shown(notes: Sequence[str]) -> tuple[str, ...]:

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["bound_count", "listed", "parse_ranges", "plural", "ranges", "was_were"]
+__all__ = [
+    "bound_count",
+    "few_ranges",
+    "listed",
+    "parse_ranges",
+    "plural",
+    "ranges",
+    "was_were",
+]
 
 
 def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
@@ -28,6 +36,18 @@ def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
         spans.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
     return separator.join(spans)
+
+
+def few_ranges(numbers: Iterable[int], spans: int = 10) -> str:
+    """`ranges` for a page (never read back): the first and last `spans` spans in all, the
+    others counted between them (`"0-2, 5, ... (40 more), 97, 99"`), so a list that grows with
+    a run's attempts or samples stays bounded."""
+    said = ranges(numbers).split(", ")
+    if len(said) <= spans:
+        return ", ".join(said)
+    head = spans // 2
+    tail = spans - head
+    return ", ".join([*said[:head], f"... ({len(said) - spans} more)", *said[-tail:]])
 
 
 def parse_ranges(text: str) -> set[int]:

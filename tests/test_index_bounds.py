@@ -184,3 +184,12 @@ def test_a_job_killed_at_every_restart_has_lines_of_the_same_length(tmp_path: Pa
         assert len(page.encode("utf-8")) <= PAGE_BOUND
         longest.append(max(len(line) for line in page.splitlines()))
     assert longest[1] - longest[0] <= 16
+
+
+def test_a_run_of_one_attempt_shows_every_note(tmp_path: Path) -> None:
+    """Only earlier attempts' notes are cut: a note of the run's own attempt may say what it
+    could not observe, so 12 long ones are all on the page."""
+    notes = tuple(f"note {k}: " + "words " * 70 for k in range(12))
+    page = render_index(RunState(run_info(tmp_path), RunCounts(1, 1, 1), notes=notes))
+    assert sum(line.startswith("**Note:** note ") for line in page.splitlines()) == 12
+    assert "more note" not in page

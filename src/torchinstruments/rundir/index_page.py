@@ -283,7 +283,8 @@ def page_notes(state: RunState) -> tuple[str, ...]:
 def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
-    lines = [f"**Note:** {note}" for note in notes_shown(page_notes(state))]
+    last = state.attempts[-1].attempt if len(state.attempts) > 1 else None
+    lines = [f"**Note:** {note}" for note in notes_shown(page_notes(state), last)]
     lines += [f"**Disk space:** {line}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(

@@ -57,15 +57,25 @@ def ends_said(items: Sequence[str], shown: int = 10) -> str:
     return ", ".join([*head, *([f"... ({hidden} more)"] if hidden else []), *tail])
 
 
-def notes_shown(notes: Sequence[str]) -> tuple[str, ...]:
-    """`notes` as the page shows them: the first ones within half of `NOTES_BYTES` (the first
-    always), the last ones within the other half, and between them a note counting the rest."""
-    sizes = [len(note.encode("utf-8")) for note in notes]
+def notes_shown(notes: Sequence[str], last_attempt: int | None) -> tuple[str, ...]:
+    """`notes` as the page shows them. The notes of attempts before `last_attempt` (labelled
+    `attempt N: `) keep the first ones within half of `NOTES_BYTES` (the first always) and the
+    last ones within the other half, with a note counting the others where they were; every
+    other note (the configuration's, the last attempt's, a run of one attempt's: None) is shown
+    as it is, since each may say what the run could not observe."""
+    if last_attempt is None:
+        return tuple(notes)
+    earlier = [
+        i
+        for i, note in enumerate(notes)
+        if note.startswith("attempt ") and not note.startswith(f"attempt {last_attempt}: ")
+    ]
+    sizes = [len(notes[i].encode("utf-8")) for i in earlier]
     first, used = 0, 0
-    while first < len(notes) and (first == 0 or used + sizes[first] <= NOTES_BYTES // 2):
+    while first < len(earlier) and (first == 0 or used + sizes[first] <= NOTES_BYTES // 2):
         used += sizes[first]
         first += 1
-    last, used = len(notes), 0
+    last, used = len(earlier), 0
     while last > first and used + sizes[last - 1] <= NOTES_BYTES // 2:
         last -= 1
         used += sizes[last]
@@ -73,11 +83,14 @@ def notes_shown(notes: Sequence[str]) -> tuple[str, ...]:
         return tuple(notes)
     hidden = last - first
     counted = (
-        f"{hidden} more note{'s' if hidden > 1 else ''} (said between the one above and the one "
-        f"below) {'are' if hidden > 1 else 'is'} not shown, so that this page stays within its "
-        f"size bound: `{STATE_FILE}` (`notes`) holds every one, in order."
+        f"{hidden} more note{'s' if hidden > 1 else ''} of earlier attempts (said between the "
+        f"one above and the one below) {'are' if hidden > 1 else 'is'} not shown, so that this "
+        f"page stays within its size bound: `{STATE_FILE}` (`notes`) holds every one, in order."
     )
-    return (*notes[:first], counted, *notes[last:])
+    left_out = set(earlier[first:last])
+    shown = [note for i, note in enumerate(notes) if i not in left_out]
+    shown.insert(earlier[first], counted)
+    return tuple(shown)
 
 
 def loss_lines(losses: Sequence[LostRows]) -> list[str]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from torchinstruments.history_config import HistoryConfig
-from torchinstruments.records import LayerInfo, RunCounts, RunInfo
+from test_index_page import run_info
+
+from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts, attempt_notes
 from torchinstruments.rundir.index_page import render_index
 from torchinstruments.rundir.ledger import MAX_ENTRIES, LostRows
@@ -17,25 +18,6 @@ from torchinstruments.rundir.state import RunState
 
 PAGE_BOUND = 64 * 1024
 SAMPLES = 100  # per attempt
-
-
-def run_info(directory: Path) -> RunInfo:
-    return RunInfo(
-        output_dir=directory,
-        library_version="0.1.0",
-        torch_version="2.15.0",
-        model_class="tests.Net",
-        layers=(LayerInfo("encoder.0", "Linear"), LayerInfo("head", "Linear")),
-        focus_layers=("encoder.0",),
-        sampler="EveryNForwardsSampler(every=1)",
-        metrics=("mean", "std"),
-        rank=None,
-        world_size=None,
-        rank_policy="rank0",
-        capture_direct_forwards=True,
-        history=HistoryConfig(buffer_rows=8192, window=10, flush_seconds=60.0),
-        started_at="2026-01-01T00:00:00+00:00",
-    )
 
 
 def continued(directory: Path, attempts: int) -> RunState:

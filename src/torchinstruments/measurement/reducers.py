@@ -183,7 +183,10 @@ class Measurer:
         histogram: HistogramVector | None = None
         copy: torch.Tensor | None = None  # custom reducers' own copy, made once per tensor
         try:
-            detached = tensor.detach() if tensor.requires_grad else tensor  # a call saved
+            # A plain tensor that needs no grad is read as it is (a torch call saved); any
+            # other is detached first, as a subclass's attributes may raise when read.
+            plain = type(tensor) is torch.Tensor and not tensor.requires_grad
+            detached = tensor if plain else tensor.detach()
             for reducer, metrics in self._reducers:
                 offset = sum(int(block.numel()) for block in blocks)
                 try:

@@ -56,7 +56,8 @@ from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.id_mark import read_mark
 from torchinstruments.rundir.layout import STATE_FILE
-from torchinstruments.rundir.page_bounds import SHOWN_SAMPLER_RUNS, ends
+from torchinstruments.rundir.page_bounds import SHOWN_SAMPLER_RUNS
+from torchinstruments.rundir.ranges import ends
 
 IN_PROGRESS = "in progress"
 REMOVED = "removed"

@@ -40,7 +40,7 @@ from torchinstruments.rundir.layout import (
     TENSORBOARD_DIR,
     write_text_atomic,
 )
-from torchinstruments.rundir.page_bounds import attempt_rows, ends_said, loss_lines, notes_shown
+from torchinstruments.rundir.page_bounds import attempt_rows, loss_lines, notes_shown
 from torchinstruments.rundir.page_layers import (
     NEVER_RAN_CHARS,
     PAGE_BYTES,
@@ -56,7 +56,7 @@ from torchinstruments.rundir.page_sections import (
     section_result,
     section_schema,
 )
-from torchinstruments.rundir.ranges import bound_count, few_ranges, plural, ranges
+from torchinstruments.rundir.ranges import bound_count, ends_said, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
 from torchinstruments.rundir.state import (

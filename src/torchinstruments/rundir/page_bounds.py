@@ -15,11 +15,10 @@ them all). The cost: a middle attempt's note, loss or counts are one file away, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
 
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.ledger import LostRows, sample_range
-from torchinstruments.rundir.ranges import was_were
+from torchinstruments.rundir.ranges import ends, was_were
 
 __all__ = [
     "NOTES_BYTES",
@@ -27,8 +26,6 @@ __all__ = [
     "SHOWN_LOSSES",
     "SHOWN_SAMPLER_RUNS",
     "attempt_rows",
-    "ends",
-    "ends_said",
     "loss_lines",
     "notes_shown",
 ]
@@ -37,24 +34,6 @@ NOTES_BYTES = 4 * 1024  # the notes at the top of the page, at most (one long no
 SHOWN_LOSSES = 8  # loss-ledger entries listed: the first half and the last half
 SHOWN_ATTEMPTS = 12  # rows of the Attempts table: the first half and the last half
 SHOWN_SAMPLER_RUNS = 6  # runs of attempts of one sampler in the Run section's sampler line
-
-T = TypeVar("T")
-
-
-def ends(items: Sequence[T], shown: int) -> tuple[Sequence[T], int, Sequence[T]]:
-    """The first `shown // 2` items, how many are left out, and the last ones (all, when they
-    are at most `shown`)."""
-    if len(items) <= shown:
-        return items, 0, ()
-    head = shown // 2
-    tail = shown - head
-    return items[:head], len(items) - shown, items[len(items) - tail :]
-
-
-def ends_said(items: Sequence[str], shown: int = 10) -> str:
-    """`items` joined with commas, the first and last `shown` in all, the others counted."""
-    head, hidden, tail = ends(items, shown)
-    return ", ".join([*head, *([f"... ({hidden} more)"] if hidden else []), *tail])
 
 
 def notes_shown(notes: Sequence[str], last_attempt: int | None) -> tuple[str, ...]:

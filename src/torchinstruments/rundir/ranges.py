@@ -12,9 +12,12 @@ index.md) shows the first 20 and counts the rest (`listed`), so it stays bounded
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 __all__ = [
     "bound_count",
+    "ends",
+    "ends_said",
     "few_ranges",
     "listed",
     "parse_ranges",
@@ -22,6 +25,8 @@ __all__ = [
     "ranges",
     "was_were",
 ]
+
+T = TypeVar("T")
 
 
 def ranges(numbers: Iterable[int], separator: str = ", ") -> str:
@@ -42,12 +47,23 @@ def few_ranges(numbers: Iterable[int], spans: int = 10) -> str:
     """`ranges` for a page (never read back): the first and last `spans` spans in all, the
     others counted between them (`"0-2, 5, ... (40 more), 97, 99"`), so a list that grows with
     a run's attempts or samples stays bounded."""
-    said = ranges(numbers).split(", ")
-    if len(said) <= spans:
-        return ", ".join(said)
-    head = spans // 2
-    tail = spans - head
-    return ", ".join([*said[:head], f"... ({len(said) - spans} more)", *said[-tail:]])
+    return ends_said(ranges(numbers).split(", "), spans)
+
+
+def ends(items: Sequence[T], shown: int) -> tuple[Sequence[T], int, Sequence[T]]:
+    """The first `shown // 2` items, how many are left out, and the last ones (all, when they
+    are at most `shown`)."""
+    if len(items) <= shown:
+        return items, 0, ()
+    head = shown // 2
+    tail = shown - head
+    return items[:head], len(items) - shown, items[len(items) - tail :]
+
+
+def ends_said(items: Sequence[str], shown: int = 10) -> str:
+    """`items` joined with commas, the first and last `shown` in all, the others counted."""
+    head, hidden, tail = ends(items, shown)
+    return ", ".join([*head, *([f"... ({hidden} more)"] if hidden else []), *tail])
 
 
 def parse_ranges(text: str) -> set[int]:

@@ -38,13 +38,15 @@ run:
   whole run, which went on. The first attempt's notes, written while it was the only one, get
   their label when the second attempt starts.
 
-The cost: a continued run re-reads the earlier history's sample and forward ids once at start,
-and the merge at the end rewrites history.parquet with the new parts added (it streams).
+The cost: a continued run re-reads the earlier history's sample and forward ids once at start
+(and the TensorBoard events only after a kill), and the merge at the end rewrites
+history.parquet with the new parts added (it streams).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,7 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments.records import RunCounts, ScaleSpan
-from torchinstruments.rundir.event_steps import event_steps
+from torchinstruments.rundir.event_steps import event_steps, steps_between
 from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.id_mark import read_mark
 from torchinstruments.rundir.layout import STATE_FILE
@@ -306,18 +308,17 @@ def plan_continuation(
             next_sample = max(next_sample, int(last_sample) + 1)
         if last_forward is not None:
             next_forward = max(next_forward, int(last_forward) + 1)
-    steps = event_steps(directory)
+    steps = _steps_that_count(directory, attempts)
     if steps:
-        next_forward = max(next_forward, max(steps) + 1)
+        next_forward = max(next_forward, steps[-1] + 1)
         if last_sample is not None and last_forward is not None:
-            beyond = sum(1 for step in steps if step > last_forward)
+            beyond = len(steps) - bisect_right(steps, last_forward)
             next_sample = max(next_sample, int(last_sample) + 1 + beyond)
-        for a in attempts:  # one without rows: its samples are its steps
-            beyond = sum(1 for step in steps if step >= a.first_forward_index)
-            later = [b.first_forward_index for b in attempts if b.attempt > a.attempt]
-            if later:  # steps of later attempts are theirs
-                beyond -= sum(1 for step in steps if step >= min(later))
-            next_sample = max(next_sample, a.first_sample_id + beyond)
+        for a, end in zip(attempts, _later_starts(attempts), strict=True):
+            # one without rows: its samples are its steps (those of later attempts are theirs)
+            next_sample = max(
+                next_sample, a.first_sample_id + steps_between(steps, a.first_forward_index, end)
+            )
     mark = read_mark(directory)
     if mark is not None:
         next_sample, next_forward = max(next_sample, mark[0]), max(next_forward, mark[1])
@@ -334,6 +335,27 @@ def plan_continuation(
         first_eval_index=0 if evaluation is None else evaluation,
         samples_held=int(held),
     )
+
+
+def _steps_that_count(directory: Path, attempts: tuple[AttemptCounts, ...]) -> list[int]:
+    """The run's TensorBoard steps, sorted, where they can tell more than the attempts' counts.
+
+    A finished attempt's counts are exact and cover its steps, so while every attempt finished
+    the events (every record of the job: seconds for tens of thousands of samples) are not
+    read at each restart for nothing; they are where an attempt's counts are lower bounds (its
+    process died) or no attempt is known (a state from before attempts were kept)."""
+    if attempts and not any(a.counts_recovered for a in attempts):
+        return []
+    return sorted(event_steps(directory))
+
+
+def _later_starts(attempts: tuple[AttemptCounts, ...]) -> list[int | None]:
+    """Per attempt, the first forward_index of any later one (None for the last), in one pass."""
+    starts: list[int | None] = [None]
+    for a in reversed(attempts[1:]):
+        later = starts[-1]
+        starts.append(a.first_forward_index if later is None else min(later, a.first_forward_index))
+    return starts[::-1]
 
 
 def raise_to_mark(

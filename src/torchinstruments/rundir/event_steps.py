@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+from bisect import bisect_left
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def folder_steps(folder: Path) -> set[int]:
         with contextlib.suppress(OSError):
             steps.update(_file_steps(path))
     return steps
+
+
+def steps_between(steps: list[int], first: int, end: int | None) -> int:
+    """How many sorted `steps` are in [first, end) (`end` None: no end), 0 for an empty one:
+    two bisections, so counting each attempt's steps costs no pass over the job's."""
+    stop = len(steps) if end is None else bisect_left(steps, end)
+    return max(0, stop - bisect_left(steps, first))
 
 
 def _file_steps(path: Path) -> Iterator[int]:
@@ -110,4 +118,4 @@ def _summary_step(event: bytes) -> int | None:
     return step if summary else None
 
 
-__all__ = ["event_steps", "folder_steps"]
+__all__ = ["event_steps", "folder_steps", "steps_between"]

@@ -1,5 +1,6 @@
 """A job restarted many times: where its next attempt starts is planned from the attempts'
-counts, and the job's TensorBoard events are read only where those counts are lower bounds."""
+counts, and the job's TensorBoard events are read only from the first attempt whose counts
+are lower bounds (killed) on."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from torchinstruments.rundir import attempts as attempts_module
 from torchinstruments.rundir.attempts import KILLED, REMOVED, AttemptCounts, plan_continuation
+from torchinstruments.rundir.event_steps import event_steps
 
-ATTEMPTS = 200
+ATTEMPTS = 50
 SAMPLES = 3  # each attempt's, at its first three forwards
 FORWARDS = 5  # each attempt's root forwards
 
@@ -34,10 +36,10 @@ def finished_attempts() -> list[AttemptCounts]:
 
 
 def write_sampled_steps(directory: Path) -> None:
-    """A scalar at each attempt's sampled forwards, in the run's tensorboard/ (TensorBoard's
-    own writer), as the run's focus layers' histograms are."""
-    with SummaryWriter(str(directory / "tensorboard")) as writer:
-        for n in range(ATTEMPTS):
+    """A scalar at each attempt's sampled forwards, in an event file of its own in the run's
+    tensorboard/ (TensorBoard's own writer), as the run's focus layers' histograms are."""
+    for n in range(ATTEMPTS):
+        with SummaryWriter(str(directory / "tensorboard")) as writer:
             for k in range(SAMPLES):
                 writer.add_scalar("x", 1.0, n * FORWARDS + k)
 
@@ -47,9 +49,9 @@ def reads_counted(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     reads: list[Path] = []
     real = attempts_module.event_steps
 
-    def counted(directory: Path) -> set[int]:
+    def counted(directory: Path, since: int = 0) -> set[int]:
         reads.append(directory)
-        return real(directory)
+        return real(directory, since)
 
     monkeypatch.setattr(attempts_module, "event_steps", counted)
     return reads
@@ -93,7 +95,26 @@ def test_a_killed_last_attempt_is_raised_to_its_own_steps_among_many_attempts(
         tmp_path, (*earlier, killed), tmp_path / "history.parquet", first_part=0
     )
     assert (plan.first_sample_id, plan.first_forward_index) == (
-        ATTEMPTS * SAMPLES,  # 597 + its 3 steps
-        (ATTEMPTS - 1) * FORWARDS + SAMPLES,  # after its last sampled forward, 997
+        ATTEMPTS * SAMPLES,  # its first sample_id + its 3 steps
+        (ATTEMPTS - 1) * FORWARDS + SAMPLES,  # after its last sampled forward
     )
     assert reads == [tmp_path]
+
+
+def test_the_events_are_read_from_the_first_killed_attempts_file_on(tmp_path: Path) -> None:
+    """Asked from a step on, each file whose first summary is before it (an earlier attempt's)
+    is left after that record: a step written there later is not seen, which no run writes
+    (the next attempt's steps follow), and here shows the rest of the file went unread."""
+    write_sampled_steps(tmp_path)
+    first, *_ = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    with SummaryWriter(str(tmp_path / "extra")) as appended:
+        appended.add_scalar("x", 1.0, ATTEMPTS * FORWARDS + 7)
+    extra = next((tmp_path / "extra").glob("events.out.tfevents.*"))
+    with first.open("ab") as file:  # attempt 0's file, a step past every attempt's at its end
+        file.write(extra.read_bytes())
+    since = 40 * FORWARDS
+    every = event_steps(tmp_path)
+    assert ATTEMPTS * FORWARDS + 7 in every
+    assert event_steps(tmp_path, since=since) == {s for s in every if s >= since} - {
+        ATTEMPTS * FORWARDS + 7
+    }

@@ -340,13 +340,14 @@ def plan_continuation(
 def _steps_that_count(directory: Path, attempts: tuple[AttemptCounts, ...]) -> list[int]:
     """The run's TensorBoard steps, sorted, where they can tell more than the attempts' counts.
 
-    A finished attempt's counts are exact and cover its steps, so while every attempt finished
-    the events (every record of the job: seconds for tens of thousands of samples) are not
-    read at each restart for nothing; they are where an attempt's counts are lower bounds (its
-    process died) or no attempt is known (a state from before attempts were kept)."""
-    if attempts and not any(a.counts_recovered for a in attempts):
+    A finished attempt's counts are exact and cover its steps, so the events (every record of
+    the job: seconds for tens of thousands of samples) are read at a restart only from the
+    first attempt whose counts are lower bounds (its process died) on, or all of them where no
+    attempt is known (a state from before attempts were kept)."""
+    killed = [a.first_forward_index for a in attempts if a.counts_recovered]
+    if attempts and not killed:
         return []
-    return sorted(event_steps(directory))
+    return sorted(event_steps(directory, since=min(killed, default=0)))
 
 
 def _later_starts(attempts: tuple[AttemptCounts, ...]) -> list[int | None]:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import struct
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from torchinstruments.rundir.layout import TENSORBOARD_DIR
@@ -24,10 +24,26 @@ from torchinstruments.rundir.layout import TENSORBOARD_DIR
 _HEADER = struct.Struct("<Q")  # the record's length; then a 4-byte crc of it
 
 
-def event_steps(directory: Path) -> set[int]:
-    """The steps of every summary in `directory/tensorboard/` (empty when there is none or it
-    cannot be read)."""
-    return folder_steps(directory / TENSORBOARD_DIR)
+def event_steps(directory: Path, since: int = 0) -> set[int]:
+    """The steps from `since` on of every summary in `directory/tensorboard/` (empty when there
+    is none or it cannot be read).
+
+    Each attempt of a run writes event files of its own, at steps from its first forward_index
+    on, and the next attempt starts after them (the run's steps never repeat), so a file whose
+    first summary is before `since` is an earlier attempt's and the rest of it is not read: a
+    continued run asks only from its earliest killed attempt on, not for the whole job's.
+    """
+    folder = directory / TENSORBOARD_DIR
+    if not since:
+        return folder_steps(folder)
+    steps: set[int] = set()
+    for path in sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else ():
+        with contextlib.suppress(OSError), contextlib.closing(_file_steps(path)) as read:
+            first = next(read, None)
+            if first is not None and first >= since:  # else an earlier attempt's file
+                steps.add(first)
+                steps.update(step for step in read if step >= since)
+    return steps
 
 
 def folder_steps(folder: Path) -> set[int]:
@@ -49,7 +65,7 @@ def steps_between(steps: list[int], first: int, end: int | None) -> int:
     return max(0, stop - bisect_left(steps, first))
 
 
-def _file_steps(path: Path) -> Iterator[int]:
+def _file_steps(path: Path) -> Generator[int]:
     """The steps of the summaries in one event file, read a record at a time: the file grows
     with every sample (about 9 KB a sample for a model of 4 focus layers), and a file read whole
     held it all in memory at each `finalize` and continued run (256 MB for 30,000 samples); one

@@ -207,9 +207,13 @@ if __name__ == "__main__":
     kill_each_when_ready(Path(sys.argv[1]), "stepped", CHILDREN, sys.argv[2:])
 
 
-def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path) -> None:
+def test_samples_tensorboard_holds_without_history_rows_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """As a kill leaves it: the events of the last samples reached the disk, their rows did not
-    (here: cut from the parts by hand, with the state put back to "in progress")."""
+    (here: cut from the parts by hand, with the state put back to "in progress"). An attempt
+    continued after it still names them at its removal, which does not read the job's events
+    again: the finish that closed the kill found them."""
     import json
 
     from torchinstruments import EveryNForwardsSampler, HistoryConfig, remove_observer
@@ -248,6 +252,19 @@ def test_samples_tensorboard_holds_without_history_rows_are_named(tmp_path: Path
     # The counts are raised to what the events prove: 6 samples, 11 root forwards at least.
     assert report.counts.samples == 6
     assert report.counts.root_forwards == 11
+
+    from torchinstruments.rundir import history_checks
+
+    reads: list[Path] = []
+    monkeypatch.setattr(history_checks, "event_steps", lambda d: reads.append(d) or set())
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(2), resume=True)
+    model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    assert reads == []
+    state = read_state(run)
+    assert (state.events_without_rows, state.events_without_rows_total) == ((6, 8, 10), 3)
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "holds histograms of 3 sampled forward(s) that have no row in history.parquet: " in index
 
 
 def test_a_kill_before_any_row_leaves_every_layer_count_unknown_never_0(killed: Path) -> None:

@@ -51,6 +51,9 @@ def start_state(
         losses=previous.losses,
         notes=_earlier_notes(previous.notes, continuation),
         removed_in_flight=previous.removed_in_flight,
+        # what the finish of a kill found in the events, which no later finish reads again
+        events_without_rows=previous.events_without_rows,
+        events_without_rows_total=previous.events_without_rows_total,
         attempts=(*continuation.attempts, this),
         loss_scales=previous.counts.loss_scales if previous.counts else previous.loss_scales,
     )

@@ -182,10 +182,13 @@ def finish_run(
         killed = [a.attempt for a, b in zip(state.attempts, closed, strict=True) if a != b]
         notes = with_killed_repeats(state.notes, merge.path, [a for a in killed if a > 0])
         state = dataclasses.replace(state, attempts=closed, notes=notes)
-        if state.interrupted:
+        if state.interrupted and (killed or recovered or not state.attempts):
+            # once per kill: the finish that closes it reads the job's events (every sample's),
+            # and the next attempts keep what it found (`attempt_states.start_state`)
             state, counts = events_without_rows(
                 directory, merge.path, state, counts, recovered, killed
             )
+        if state.interrupted:
             state, counts = raised_to_mark(directory, state, counts, recovered)
         if recovered:  # never below what the attempts' own counts say together
             counts = at_least_attempts(counts, state.attempts)

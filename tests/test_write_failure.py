@@ -287,6 +287,34 @@ def test_finalize_names_the_sample_gaps_no_ledger_explains(tmp_path: Path) -> No
     assert gap in index_text(tmp_path)
 
 
+def test_the_sample_gaps_of_a_long_job_are_found_without_its_ids_in_python(
+    tmp_path: Path,
+) -> None:
+    """Every finish of a run once killed looks for sample gaps: over 200,000 sample ids (two
+    gaps, one a loss ledger entry explains) it holds no list of them (tracemalloc sees Python
+    objects, where the ids alone would be over 5 MB)."""
+    import tracemalloc
+
+    from test_index_page import run_info
+
+    from torchinstruments.rundir.history_checks import unexplained_gaps
+    from torchinstruments.rundir.state import RunState
+
+    ids = [i for i in range(200_000) if not 1_000 <= i < 1_005 and i != 150_000]
+    pl.DataFrame({"sample_id": ids}, schema={"sample_id": pl.Int64}).write_parquet(
+        tmp_path / "history.parquet"
+    )
+    state = RunState(run_info(tmp_path), losses=(LostRows(1, 150_000, 150_000, "disk full"),))
+    tracemalloc.start()
+    try:
+        (gap,) = unexplained_gaps(tmp_path / "history.parquet", state, [])
+        held = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert gap.startswith("no row of samples 1000-1004 is in history.parquet")
+    assert held < 1_000_000, held
+
+
 @pytest.mark.usefixtures("quiet")
 def test_a_sample_cut_short_at_the_memory_cap_is_marked_and_said_in_index(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch

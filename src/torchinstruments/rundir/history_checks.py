@@ -22,7 +22,7 @@ from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import raise_to_events
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.layout import HISTORY_FILE, scan_history
-from torchinstruments.rundir.ledger import missing_samples, sample_range, uncovered
+from torchinstruments.rundir.ledger import sample_range, uncovered
 from torchinstruments.rundir.state import RunState
 
 
@@ -107,12 +107,9 @@ def unexplained_gaps(history: Path, state: RunState, left: Sequence[str]) -> lis
     after the last one on disk cannot be told from the rows; the interrupted line says so.
     """
     try:
-        present = (
-            scan_history(history).select(pl.col("sample_id").unique()).collect(engine="streaming")
-        )
+        gaps = uncovered(_sample_gaps(history), state.losses)
     except (OSError, pl.exceptions.PolarsError):
         return []  # the merge just read it; a failure here leaves the other checks standing
-    gaps = uncovered(missing_samples(present["sample_id"].to_list(), None), state.losses)
     # ids a continued run skipped after a killed attempt: its samples whose rows died with it
     # (`rundir.attempts.plan_continuation`), which the Attempts section names
     skipped = {b.first_sample_id for a, b in pairwise(state.attempts) if a.counts_recovered}
@@ -130,6 +127,21 @@ def unexplained_gaps(history: Path, state: RunState, left: Sequence[str]) -> lis
         "nothing (layers that returned no tensor)"
         for first, last in gaps
     ]
+
+
+def _sample_gaps(history: Path) -> list[tuple[int, int]]:
+    """Ranges `(first, last)` of sample ids below the last one in `history` with no row, as
+    `ledger.missing_samples` finds them, found by Polars: every finish of a run once killed
+    checks them, and the whole job's ids as Python ints cost memory and time in its samples."""
+    sample = pl.col("sample_id")
+    return (
+        scan_history(history)
+        .select(sample.drop_nulls().unique().sort())
+        .select(first=sample.shift(1, fill_value=-1) + 1, last=sample - 1)
+        .filter(pl.col("first") <= pl.col("last"))
+        .collect(engine="streaming")
+        .rows()
+    )
 
 
 __all__ = ["attempts_short", "events_without_rows", "unexplained_gaps"]

@@ -10,11 +10,19 @@ selected, as timed once per process; `--order-statistics selected` shows on any 
 whose sort is slow (a Zen 4 AMD EPYC's) runs, without slowing NumPy's other loops as switching
 its SIMD dispatch off would. The CPU's family and model and the sort's measured speed are
 printed too: a virtual machine's CPU name does not tell a Zen 4 EPYC from a Zen 5.
+
+A figure also depends on what else the machine ran meanwhile: on a shared host (a CI runner, a
+virtual machine whose neighbours take its cores) the same step can take half again as long. So
+each bench says at its end how busy the machine was with other work during the run
+(`print_contention`, from Linux's `/proc/stat`: every process's CPU time and the time the
+hypervisor gave the virtual cores to others, less this process's own): a figure measured while
+others held a core is not a figure of this machine alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import math
 import os
@@ -96,7 +104,11 @@ def describe() -> str:
 
 def print_machine(order_statistics: str | None = None) -> None:
     """Prints `describe()`, with `order_statistics` (`--order-statistics`) how the host paths
-    find order statistics (`use_order_statistics`), and a blank line."""
+    find order statistics (`use_order_statistics`), and a blank line; at the process's exit, how
+    busy the machine was with other work meanwhile (`print_contention`)."""
+    start = _cpu_snapshot()
+    if start is not None:
+        atexit.register(print_contention, start)
     print(describe(), flush=True)
     if order_statistics is not None:
         use_order_statistics(order_statistics)
@@ -124,3 +136,44 @@ def use_order_statistics(choice: str) -> None:
     chosen = "selected" if order.selection_is_quicker() else "sorted"
     how = "timed on this CPU" if choice == "auto" else "--order-statistics"
     print(f"host order statistics: {chosen} ({how})", flush=True)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc/stat's unit per second
+
+
+def _cpu_snapshot() -> tuple[float, float, float, float] | None:
+    """(wall seconds, the machine's busy seconds over all cores, of which stolen by the
+    hypervisor, this process's CPU seconds and its children's) now; None where `/proc/stat` cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    busy = (user + nice + system + irq + softirq + steal) / _TICK
+    times = os.times()
+    own = times.user + times.system + times.children_user + times.children_system
+    return time.monotonic(), busy, steal / _TICK, own
+
+
+def print_contention(start: tuple[float, float, float, float]) -> None:
+    """How many cores other work held, on average, since `start` (`_cpu_snapshot`)."""
+    end = _cpu_snapshot()
+    if end is None or end[0] <= start[0]:
+        return
+    others, steal = contention(start, end)
+    print(
+        f"\nother work during this run: {others:.2f} of {cores()} cores on average "
+        f"(of which {steal:.2f} taken by the hypervisor); above about 0.1, the figures are "
+        "this machine's while shared",
+        flush=True,
+    )
+
+
+def contention(
+    start: tuple[float, float, float, float], end: tuple[float, float, float, float]
+) -> tuple[float, float]:
+    """Cores held on average between two `_cpu_snapshot`s by other work (other processes' CPU
+    time and the hypervisor's steal, not this process's), and by the steal alone."""
+    wall = end[0] - start[0]
+    others = max(0.0, (end[1] - start[1]) - (end[3] - start[3])) / wall
+    return others, (end[2] - start[2]) / wall

@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,3 +82,23 @@ def test_the_machine_lines_say_what_numpy_show_runtime_reports(machine: object) 
     speed = re.fullmatch(r"NumPy sort of 2\*\*20 float32: (\d+\.\d) ns per entry", third)
     assert speed is not None, third
     assert float(speed.group(1)) > 0
+
+
+def test_a_bench_says_how_many_cores_other_work_held_while_it_ran(machine: object) -> None:
+    # 10 s of wall time, 9 s of the machine's CPU of which 4 this process's and 1 stolen
+    others, steal = machine.contention((0.0, 100.0, 2.0, 1.0), (10.0, 109.0, 3.0, 5.0))  # type: ignore[attr-defined]
+    assert (others, steal) == (0.5, 0.1)
+    script = (
+        f"import sys; sys.path.insert(0, {str(BENCH)!r}); import _machine; _machine.print_machine()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    if Path("/proc/stat").exists():
+        said = re.search(
+            r"other work during this run: (\d+\.\d\d) of (\d+) cores on average \(of which (\d+\.\d\d)",
+            done.stdout,
+        )
+        assert said is not None, done.stdout
+        assert int(said.group(2)) == len(os.sched_getaffinity(0))
+        assert float(said.group(3)) <= float(said.group(1))

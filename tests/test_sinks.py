@@ -271,3 +271,40 @@ def test_a_sink_that_raised_at_start_is_named_in_index(run_dir: Path) -> None:
     cut = "x" * 1000 + " ... (10,000,000 more characters cut) in start()"
     assert f"sink RaisingAtStart() raised ValueError: {cut}" in index
     assert len(index.encode("utf-8")) <= 64 * 1024
+
+
+class UnprintableError(Exception):
+    """An error whose message raises when read (one a tensor subclass or a proxy raised)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+class RaisingUnprintable(Recording):
+    def write_forward(self, record: SampleRecord) -> None:
+        super().write_forward(record)
+        raise UnprintableError()
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_a_sink_whose_error_message_and_repr_raise_is_still_detached_and_named_by_type(
+    run_dir: Path,
+) -> None:
+    bad, good = RaisingUnprintable(), Recording()
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[bad, good])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            model(torch.randn(2, 3))
+        remove_observer(model)
+    assert bad.calls == ["start", "forward"]
+    assert good.calls == ["start", "forward", "forward", "close"]
+    index = (run_dir / "index.md").read_text()
+    assert (
+        "sink <RaisingUnprintable (its repr raised)> raised UnprintableError: (its message could not "
+        "be read) in write_forward() on the output record of sample 0 (forward_index 0)"
+    ) in index
+    assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1]

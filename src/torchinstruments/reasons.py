@@ -31,6 +31,7 @@ __all__ = [
     "cut_message",
     "dropped_at_cap",
     "error",
+    "error_message",
     "explain",
     "global_stopped",
     "host_values_mismatch",
@@ -343,9 +344,10 @@ def cut_message(text: str, kept: int = MESSAGE_KEPT) -> str:
     return f"{text[:kept]} ... ({cut:,} more character{'s' if cut > 1 else ''} cut)"
 
 
-def _message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
     """`str(exc)` as text every file of the run can hold (`MESSAGE_BOUND`), or a stand-in
-    where it raises."""
+    where it raises: a user's error (a sink's, a reducer's) quoted in the user's step must not
+    raise there itself."""
     try:
         return utf8_text(cut_message(str(exc)))
     except Exception:  # an error whose own message raises (one a tensor subclass raised)
@@ -357,7 +359,7 @@ def error(source: str, exc: BaseException) -> str:
     failure of global statistics stops them: `global_stopped`)."""
     if source not in ("reducer", "statistics", "measurement"):
         raise ValueError(f"source must be reducer, statistics or measurement, got {source!r}")
-    return f"{source} error: {type(exc).__name__}: {_message(exc)}"
+    return f"{source} error: {type(exc).__name__}: {error_message(exc)}"
 
 
 def reducer_returned(kind: str) -> str:
@@ -414,7 +416,7 @@ def host_values_mismatch(expected: int, got: int) -> str:
 
 def interrupted(error: BaseException, layer: str | None, call_index: int) -> str:
     """A sampled root forward raised `error`, in `layer` (None: outside the selected layers)."""
-    message = " ".join(_message(error).split()) or "(no message)"
+    message = " ".join(error_message(error).split()) or "(no message)"
     if len(message) > _MESSAGE_CHARS:
         message = message[: _MESSAGE_CHARS - 3] + "..."
     where = (
@@ -463,7 +465,7 @@ def global_stopped(sample_id: int | None, exc: BaseException) -> str:
     when = "inject" if sample_id is None else f"sample {sample_id}"
     return (
         f"global statistics stopped at {when}, for the rest of the run: {type(exc).__name__}: "
-        f"{_message(exc)}"
+        f"{error_message(exc)}"
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchinstruments.notices import warn
-from torchinstruments.reasons import cut_message
+from torchinstruments.reasons import error_message
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import Sink
@@ -49,8 +49,8 @@ class SinkGroup:
             except Exception as error:
                 self._sinks.remove(sink)
                 warn(
-                    f"torchinstruments: sink {sink!r} raised {type(error).__name__}: "
-                    f"{cut_message(str(error))} in {method}(); it is detached and the other "
+                    f"torchinstruments: sink {sink_repr(sink)} raised {type(error).__name__}: "
+                    f"{error_message(error)} in {method}(); it is detached and the other "
                     "sinks go on"
                 )
                 if method != "close":  # see the module docstring
@@ -97,13 +97,22 @@ class SinkGroup:
         self._sinks.clear()
 
 
+def sink_repr(sink: Sink) -> str:
+    """`repr(sink)`, or its type's name where that raises: a failing sink is named in the
+    user's step, where naming it must not raise."""
+    try:
+        return repr(sink)
+    except Exception:
+        return f"<{type(sink).__name__} (its repr raised)>"
+
+
 def detached_note(sink: Sink, method: str, argument: object, error: Exception) -> str:
     """index.md's note on a sink detached after it raised: which sink, at which record, why.
 
     `argument` is what `method` was called with: a record names its sample and forward_index,
     the run's start comes before any sample.
     """
-    shown = repr(sink)
+    shown = sink_repr(sink)
     if len(shown) > _REPR_CHARS:
         shown = shown[: _REPR_CHARS - 3] + "..."
     if isinstance(argument, SampleRecord):
@@ -114,7 +123,7 @@ def detached_note(sink: Sink, method: str, argument: object, error: Exception) -
     else:
         when = "at the start of the run, before any sample"
     # One line (a note is one line of index.md), of a bounded length (the page too).
-    said = cut_message(" ".join(str(error).split()))
+    said = " ".join(error_message(error).split())
     return (
         f"sink {shown} raised {type(error).__name__}: {said} in {method}() {when}; it was "
         "detached and received no later record (the run directory and the other sinks "

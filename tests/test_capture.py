@@ -209,12 +209,20 @@ def test_staticmethod_and_classmethod_forwards_run_as_unobserved_and_are_measure
     model = root() if root else nn.Sequential(StaticForward(), ClassForward())
     x = torch.randn(5, 3)
     expected = model(x)
+    proxies: list[list[object]] = []  # the layers' proxies in each sampled forward
+    if not root:
+        list(model.children())[-1].register_forward_pre_hook(
+            lambda module, args: proxies.append([m.__dict__.get("forward") for m in model])
+        )
     observe(model, run_dir)
     wrapped = model.__dict__["forward"].__wrapped__ if root else None
     assert torch.equal(model(x), expected)
     assert torch.equal(model(x), expected)
     if root:  # the class's forward is the one wrapped at inject: not followed again
         assert model.__dict__["forward"].__wrapped__ is wrapped
+    else:  # each layer's proxy is made once and put back on in each sample, not made anew
+        assert None not in proxies[0]
+        assert [a is b for a, b in zip(*proxies, strict=True)] == [True, True]
     remove_observer(model)
     assert [m for m in model.modules() if "forward" in m.__dict__] == []
     history = read_history(run_dir)

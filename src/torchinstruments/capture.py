@@ -55,6 +55,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import MethodType
 from typing import Any
 
 import wrapt
@@ -240,13 +241,16 @@ def forward_is_property(module: nn.Module) -> bool:
 
 
 def _wraps_class_forward(proxy: ForwardProxy, module: nn.Module) -> bool:
-    """Whether `proxy` wraps `module`'s class's current `forward`, bound to `module`."""
+    """Whether `proxy` wraps `module`'s class's current `forward` as `bound_class_forward`
+    gives it: a method bound to `module` cheaply, else (a staticmethod, a classmethod, whose
+    bound methods are new at each lookup but equal, a callable object) by comparison."""
+    if proxy._self_had_instance_forward:
+        return False
     wrapped = proxy.__wrapped__
-    return (
-        not proxy._self_had_instance_forward
-        and getattr(wrapped, "__self__", None) is module
-        and getattr(wrapped, "__func__", None) is type(module).forward
-    )
+    if getattr(wrapped, "__self__", None) is module:
+        return getattr(wrapped, "__func__", None) is type(module).forward
+    now = bound_class_forward(module)
+    return now is wrapped or (isinstance(now, MethodType) and now == wrapped)
 
 
 def restore_proxy(module: nn.Module, owner: object) -> bool:

@@ -264,6 +264,7 @@ def test_names_from_the_model_that_utf8_cannot_encode_are_recorded_escaped(
         output_dir=tmp_path,
         sampler=Described(1),
         selector=lambda name, module: isinstance(module, Keyed),
+        histogram_selector=lambda name, module: name == "lin\udc80",  # the module's own name
         reducers={"d": doubling},
     )
     with warnings.catch_warnings(record=True) as said:
@@ -283,3 +284,4 @@ def test_names_from_the_model_that_utf8_cannot_encode_are_recorded_escaped(
     prose = page_prose(tmp_path)
     assert "every forward, Z\\udcfc" in prose
     assert "| `lin\\udc80` | Keyed | 1 |" in prose
+    assert "focus layers (TensorBoard histograms): `lin\\udc80`" in prose

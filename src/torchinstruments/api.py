@@ -446,7 +446,9 @@ def _open_run(
         return None
     check_rank_layout(output_dir, placement.directory)
     layers = select_layers(model, config.selector)
-    focus = select_focus_layers(layers, config.histogram_selector, config.max_histogram_modules)
+    focus = select_focus_layers(
+        model, layers, config.histogram_selector, config.max_histogram_modules
+    )
     infos = tuple(info for _, info in layers)
     history = config.history
     run = RunInfo(

@@ -455,16 +455,22 @@ def _ask(argument: str, selector: Selector, name: str, module: nn.Module) -> boo
 
 
 def select_focus_layers(
+    model: nn.Module,
     layers: Sequence[tuple[nn.Module, LayerInfo]],
     histogram_selector: Selector | None,
     max_histogram_modules: int,
 ) -> set[str]:
-    """Focus layers: the first `max_histogram_modules` observed layers the selector accepts."""
+    """Focus layers: the first `max_histogram_modules` observed layers the selector accepts.
+
+    The selector is asked with each module's own name, as `selector` is, not with the name as
+    the run writes it (`utf8_text`: a lone surrogate escaped), which a selector written with
+    the module's name did not match."""
+    names = {id(module): name for name, module in named_modules_uncompiled(model)}
     candidates = [
         info.name
         for module, info in layers
         if histogram_selector is None
-        or _ask("histogram_selector", histogram_selector, info.name, module)
+        or _ask("histogram_selector", histogram_selector, names.get(id(module), info.name), module)
     ]
     if histogram_selector is not None and not candidates:
         raise ValueError(

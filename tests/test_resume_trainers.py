@@ -131,6 +131,8 @@ def _part_observers(tmp_path: Path, chosen_by: str) -> list[LightningObserver]:
         return [
             LightningObserver(module=partial(_net_layer, index=i), sampler=every) for i in (0, 2)
         ]
+    if chosen_by == "objects":
+        return [LightningObserver(module=NetLayer(i), sampler=every) for i in (0, 2)]
     return [
         LightningObserver(module=lambda m: cast(nn.Sequential, m.net)[0], sampler=every),
         LightningObserver(module=lambda m: cast(nn.Sequential, m.net)[2], sampler=every),
@@ -141,14 +143,24 @@ def _net_layer(model: nn.Module, index: int) -> nn.Module:
     return cast(nn.Sequential, model.get_submodule("net"))[index]
 
 
-@pytest.mark.parametrize("chosen_by", ["paths", "lambdas", "attrgetters", "partials"])
+class NetLayer:
+    """A callable object choosing `net[index]`: one class, told apart by its attributes."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        return _net_layer(model, self.index)
+
+
+@pytest.mark.parametrize("chosen_by", ["paths", "lambdas", "attrgetters", "partials", "objects"])
 def test_two_observers_in_one_trainer_each_keep_and_continue_their_own_run(
     tmp_path: Path, chosen_by: str
 ) -> None:
     """Two callbacks (two parts of the model) in one Trainer: each has a checkpoint state of its
     own, so both fit and each resumed fit continues its own run; two lambdas, attrgetters or
     partials too (each pair had one key, and Lightning refused the Trainer: "more than one
-    stateful callback")."""
+    stateful callback"), as did two callable objects of one class)."""
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
 
     def fit(max_steps: int, ckpt: Path | None) -> list[Path | None]:

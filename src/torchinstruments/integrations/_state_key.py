@@ -13,8 +13,9 @@ Such a callable is named by its qualified name and what its source reads, which 
 process gives again: the names its code loads (`generator`), and its literals, defaults and
 closure values (`m.blocks[1]`'s 1), read from its instructions (`dis`). Two that read the same are the same selection. So are
 `operator.attrgetter('generator')` (its repr) and a `functools.partial` (its function's name and
-its literal arguments: its repr holds an address). A function defined at a module's top level
-keeps its qualified name alone, as checkpoints had it.
+its literal arguments: its repr holds an address), and a callable object (its class's name and
+its literal attributes: two objects of one class choosing two parts had one key). A function
+defined at a module's top level keeps its qualified name alone, as checkpoints had it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def state_key(
 
     A callable `module` is named by its `__qualname__` (a partial or a callable object: its
     class's), which a restarted process gives again, unlike its id; a lambda or a nested
-    function also by what it reads (`callable_name`).
+    function also by what it reads, a partial or a callable object by its literal arguments
+    or attributes (`callable_name`).
     """
     if output_dir is None and module is None:
         return owner
@@ -55,8 +57,8 @@ def callable_name(module: Callable[..., Any]) -> str:
     if isinstance(module, attrgetter | itemgetter | methodcaller):
         return repr(module)  # operator.attrgetter('generator'): what it reads, as written
     name = getattr(module, "__qualname__", None)
-    if not isinstance(name, str):
-        return type(module).__qualname__
+    if not isinstance(name, str):  # a callable object: its class, and what it holds
+        return _object_name(module)
     code = getattr(module, "__code__", None)
     if code is None or "<" not in name:  # a top-level function: its name tells it apart
         return name
@@ -67,6 +69,17 @@ def callable_name(module: Callable[..., Any]) -> str:
         *_literals(_cell_contents(cells)),
     ]
     return f"{name}[{', '.join(read)}]"
+
+
+def _object_name(module: object) -> str:
+    """A callable object's name for the key: its class's, with its literal attributes
+    (`NetLayer[index=0]`); one without any (or without a `__dict__`) keeps its class's name."""
+    held = getattr(module, "__dict__", None)
+    kind = type(module).__qualname__
+    if not isinstance(held, dict):
+        return kind
+    read = [f"{k}={v}" for k, w in held.items() if isinstance(k, str) for v in _literals([w])]
+    return f"{kind}[{', '.join(read)}]" if read else kind
 
 
 def _code_reads(code: CodeType) -> list[str]:

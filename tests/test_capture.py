@@ -212,7 +212,9 @@ def test_staticmethod_and_classmethod_forwards_run_as_unobserved_and_are_measure
     proxies: list[list[object]] = []  # the layers' proxies in each sampled forward
     if not root:
         list(model.children())[-1].register_forward_pre_hook(
-            lambda module, args: proxies.append([m.__dict__.get("forward") for m in model])
+            lambda module, args: proxies.append(
+                [m.__dict__.get("forward") for m in model.children()]
+            )
         )
     observe(model, run_dir)
     wrapped = model.__dict__["forward"].__wrapped__ if root else None

@@ -36,6 +36,7 @@ from torchinstruments._torch_internals import (
     in_compiled_autograd,
     queue_at_backward_end,
 )
+from torchinstruments.ambient import apart
 from torchinstruments.outputs import iter_tensors
 
 __all__ = ["hold_eager_for_backward", "release_held_backwards"]
@@ -94,11 +95,12 @@ def hold_eager_for_backward(
     """Hook the tensors of a sampled forward's `output` that require grad (module docstring);
     `enter` / `exit_` turn torch.compile off and on again."""
     hook: _EagerBackward | None = None
-    for _, tensor in iter_tensors(output):
-        if tensor.requires_grad and tensor.grad_fn is not None and tensor not in _HOOKED:
-            hook = hook or _EagerBackward(enter, exit_)
-            tensor.register_hook(hook)
-            _HOOKED[tensor] = None
+    with apart():  # the user's autocast and modes set aside (ambient.py)
+        for _, tensor in iter_tensors(output):
+            if tensor.requires_grad and tensor.grad_fn is not None and tensor not in _HOOKED:
+                hook = hook or _EagerBackward(enter, exit_)
+                tensor.register_hook(hook)
+                _HOOKED[tensor] = None
 
 
 def release_held_backwards() -> None:

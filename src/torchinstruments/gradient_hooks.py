@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from torchinstruments._torch_internals import references_counted_exactly
+from torchinstruments.ambient import apart
 from torchinstruments.notices import shown
 from torchinstruments.records import LayerInfo, TensorKey
 
@@ -125,7 +126,8 @@ class GradientHook(TensorKey):  # type: ignore[bad-class-definition]
         if grad is not None and not self.fired and not self.recorder.closed:
             self.fired = True
             try:
-                self.recorder.launch_gradient(self, grad)
+                with apart():  # the user's autocast and modes set aside (ambient.py)
+                    self.recorder.launch_gradient(self, grad)
             except Exception as error:  # never break the user's backward
                 self.recorder.warn_once(
                     "gradient",

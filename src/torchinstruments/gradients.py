@@ -109,6 +109,7 @@ from torchinstruments._torch_internals import (
     tensor_version,
 )
 from torchinstruments._torch_internals.dynamo import opaque_to_compilation
+from torchinstruments.ambient import apart
 from torchinstruments.capture import WarnOnce
 from torchinstruments.gradient_gaps import GradientGaps, series_of
 from torchinstruments.gradient_hooks import Awaited, GradientHook, HookSlots
@@ -356,7 +357,8 @@ class GradientRecorder:
         try:
             if fired_leaf_hooks_first:
                 self._remove_leaf_hooks(only_fired=True)
-            return self._flush(mark)
+            with apart():  # the user's autocast and modes set aside (ambient.py)
+                return self._flush(mark)
         finally:
             release(held)
 

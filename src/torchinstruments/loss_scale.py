@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torchinstruments.ambient import apart
 from torchinstruments.notices import shown
 from torchinstruments.records import RunCounts, ScaleSpan
 
@@ -140,7 +141,8 @@ class LossScales:
         if self._full:
             return
         try:
-            scale: float | None = float(self.scaler.get_scale())
+            with apart():  # the library's read, not the step's (ambient.py)
+                scale: float | None = float(self.scaler.get_scale())
         except Exception as error:
             self._failed(
                 "loss_scale",

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchinstruments.ambient import apart
 from torchinstruments.capture import LayerCapture
 from torchinstruments.counting import Counter
 from torchinstruments.failed_measurements import FailedMeasurements
@@ -83,66 +84,75 @@ class Recording:
         self, sample: Sample, layer: LayerCapture, call_index: int, output: Any
     ) -> None:
         """Launch the reductions of every tensor in `output` and hook their gradients."""
-        try:
-            mode = sample.mode or layer.mode()
-            grad_enabled = torch.is_grad_enabled()
-            tensors = list(iter_tensors(output, layer.info.name, self.failed_once))
-        except Exception as error:
-            self.failed_once(
-                f"walk:{layer.info.name}",
-                f"reading the output of layer {layer.info.name!r} failed: {shown(error)}; that "
-                f"call has no rows (sample {sample.sample_id})",
-            )
-            return
-        for path, tensor in tensors:
-            key = TensorKey(
-                sample.sample_id,
-                sample.forward_index,
-                layer.info,
-                call_index,
-                OUTPUT,
-                path,
-                mode,
-                grad_enabled,
-                sample.step,
-            )
-            key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
-            if keep(self.global_option, sample.global_pending, key, tensor, self.failed_once):
-                note = kept_note(tensor)  # measured when the sample ends
-            else:
-                launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
-                sample.pending += launched
-                note = note_of(launched[0])
-            if note is not None and note not in self.notes:
-                self.notes.append(note)  # said in index.md at removal, and warned now
-                self.warn_once(note, note)
+        with apart():  # the user's autocast and modes set aside (ambient.py)
+            try:
+                mode = sample.mode or layer.mode()
+                grad_enabled = torch.is_grad_enabled()
+                tensors = list(iter_tensors(output, layer.info.name, self.failed_once))
+            except Exception as error:
+                self.failed_once(
+                    f"walk:{layer.info.name}",
+                    f"reading the output of layer {layer.info.name!r} failed: {shown(error)}; that "
+                    f"call has no rows (sample {sample.sample_id})",
+                )
+                return
+            for path, tensor in tensors:
+                key = TensorKey(
+                    sample.sample_id,
+                    sample.forward_index,
+                    layer.info,
+                    call_index,
+                    OUTPUT,
+                    path,
+                    mode,
+                    grad_enabled,
+                    sample.step,
+                )
+                key = self.gradients.hook_output(key, tensor, layer.focus)  # the hook, if made
+                if keep(self.global_option, sample.global_pending, key, tensor, self.failed_once):
+                    note = kept_note(tensor)  # measured when the sample ends
+                else:
+                    launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
+                    sample.pending += launched
+                    note = note_of(launched[0])
+                if note is not None and note not in self.notes:
+                    self.notes.append(note)  # said in index.md at removal, and warned now
+                    self.warn_once(note, note)
 
     def emit_forward(self, sample: Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
-        sample.emitted = True
-        self.counter.count_layers(sample.returned)  # a layer whose every call raised: not counted
-        extra = sample_rows(self.global_option, sample, self.measurer, self.rank, self.failed_once)
-        metrics = self.measurer.metrics
-        try:
-            records = build_records(OUTPUT, sample.pending, metrics, self.rank, self.spare) or [
-                SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())
-            ]
-            if sample.interrupted is not None:
-                extra = (*extra, sample.interrupted)
-            self.failed_measurements.scan(records, extra)  # before `extra` joins a record
-            if extra:  # global rows (global_statistics), then the marker row
-                first = records[0]
-                records[0] = dataclasses.replace(first, measurements=(*first.measurements, *extra))
-            with self.sink_lock:
-                for record in records:
-                    self.sinks.write_forward(record)
-        except Exception as error:
-            self.failed_once(
-                "emit_forward",
-                f"recording a sample failed: {error!r}; some or all of sample "
-                f"{sample.sample_id}'s output rows are not written",
+        with apart():  # the user's autocast and modes set aside (ambient.py)
+            sample.emitted = True
+            self.counter.count_layers(
+                sample.returned
+            )  # a layer whose every call raised: not counted
+            extra = sample_rows(
+                self.global_option, sample, self.measurer, self.rank, self.failed_once
             )
-        self.loss_scales.read(sample.sample_id)  # after the transfer has waited (loss_scale.py)
+            metrics = self.measurer.metrics
+            try:
+                records = build_records(OUTPUT, sample.pending, metrics, self.rank, self.spare) or [
+                    SampleRecord(OUTPUT, sample.sample_id, sample.forward_index, ())
+                ]
+                if sample.interrupted is not None:
+                    extra = (*extra, sample.interrupted)
+                self.failed_measurements.scan(records, extra)  # before `extra` joins a record
+                if extra:  # global rows (global_statistics), then the marker row
+                    first = records[0]
+                    records[0] = dataclasses.replace(
+                        first, measurements=(*first.measurements, *extra)
+                    )
+                with self.sink_lock:
+                    for record in records:
+                        self.sinks.write_forward(record)
+            except Exception as error:
+                self.failed_once(
+                    "emit_forward",
+                    f"recording a sample failed: {error!r}; some or all of sample "
+                    f"{sample.sample_id}'s output rows are not written",
+                )
+        # After the transfer has waited (loss_scale.py); outside `apart`, which hides autocast.
+        self.loss_scales.read(sample.sample_id)
 
     def emit_backward(self, record: SampleRecord) -> None:
         """Hand one sample's gradient record to the sinks."""

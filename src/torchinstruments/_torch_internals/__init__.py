@@ -32,7 +32,9 @@ from torch.fx import _symbolic_trace
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "UserModesSuspended",
     "WeakIdKeyDictionary",
+    "ambient_state_on",
     "called_through_module_call",
     "caller_of_code_is_module_call",
     "child_modules",
@@ -484,3 +486,58 @@ def functorch_disabled() -> contextlib.AbstractContextManager[Any]:
     so the statistics of an unwrapped value are plain tensors (not wrapped again at the current
     level) that NumPy and `.tolist()` can read. Checked on torch 2.15.0 (`torch._C`)."""
     return torch._C._DisableFuncTorch()
+
+
+# --- the user's torch function and dispatch modes, set aside while the library measures --------
+
+
+_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
+_FUNCTION_MODES = torch._C._len_torch_function_stack
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
+
+
+def ambient_state_on() -> bool:
+    """Whether autocast is on for any device type, or a torch function or Python dispatch mode
+    (infra ones too) is on this thread's stacks: three flag reads per sampled layer call, where
+    `torch.is_autocast_enabled` per device type took longer than the whole of this. Checked on
+    torch 2.15.0 (`torch._C`)."""
+    return bool(_ANY_AUTOCAST() or _FUNCTION_MODES() or _DISPATCH_MODES())
+
+
+class UserModesSuspended:
+    """Every torch function mode and every user Python dispatch mode taken off this thread's
+    stacks for the block, and put back as they were at its end.
+
+    Why: the library's reads of a sampled tensor (its hook, its statistics, the host transfer)
+    are not the model's ops; a user's mode that counts, logs or refuses ops (a FLOP counter,
+    selective checkpointing's cache) saw them, or made them fail. torch has no public way to
+    step outside the active modes. Dispatch modes torch marks as infrastructure (fake, proxy and
+    functional tensors' modes) stay: tensors made under them cannot be read without them. The
+    stacks are popped top first and pushed back in the reverse order, as `torch.overrides.
+    _pop_mode_temporarily` and `torch.utils._python_dispatch._disable_current_modes` do (the
+    user stack pops before the infra slots). Never raises: where a mode cannot be taken off,
+    every one is left on. Checked on torch 2.15.0."""
+
+    def __enter__(self) -> None:
+        self._functions: list[Any] = []
+        self._dispatch: list[Any] = []
+        try:
+            for _ in range(torch._C._len_torch_function_stack()):
+                self._functions.append(torch._C._pop_torch_function_stack())
+            stack = torch._C._len_torch_dispatch_stack()
+            at = torch._C._get_dispatch_stack_at
+            for _ in range(sum(not at(i).is_infra_mode() for i in range(stack))):
+                mode = torch._C._pop_torch_dispatch_stack(None)
+                if mode.is_infra_mode():  # not a user's: back where it was, nothing further
+                    torch._C._push_on_torch_dispatch_stack(mode)
+                    break
+                self._dispatch.append(mode)
+        except Exception:  # what was taken off goes back, and the block runs under the modes
+            self.__exit__()
+            self._functions, self._dispatch = [], []
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._dispatch):
+            torch._C._push_on_torch_dispatch_stack(mode)
+        for mode in reversed(self._functions):
+            torch._C._push_on_torch_function_stack(mode)

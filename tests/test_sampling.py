@@ -81,3 +81,34 @@ def test_raising_sampler_means_not_sampled_and_training_goes_on(run_dir: Path) -
     model(torch.randn(2, 8))
     remove_observer(model)
     assert read_history(run_dir).height == 0
+
+
+class Unshowable:
+    """An object whose repr raises (a proxy of something gone, a tensor subclass)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class UnshowableSampler(Unshowable):
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    def should_sample(self, forward_index: int) -> object:
+        if self.answer is None:
+            raise ValueError(Unshowable())  # its message is the repr of what it holds
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [None, Unshowable()], ids=["raises", "answers-no-bool"])
+def test_a_sampler_that_cannot_be_shown_in_its_warning_still_leaves_the_step_unsampled(
+    run_dir: Path, answer: object
+) -> None:
+    """The warning quoted the sampler, its error and its answer by their reprs: one that
+    raised broke the user's step (the root forward raised the repr's RuntimeError)."""
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=UnshowableSampler(answer))
+    with pytest.warns(RuntimeWarning, match=r"sampler <UnshowableSampler \(its repr raised\)>"):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    assert read_history(run_dir).height == 0

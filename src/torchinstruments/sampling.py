@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from torchinstruments.reasons import utf8_text
+from torchinstruments.notices import shown
+from torchinstruments.reasons import error_message, utf8_text
 
 __all__ = [
     "Clock",
@@ -170,15 +171,15 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     except Exception as error:
         warn_once(
             "sampler",
-            f"sampler {sampler!r} raised {error!r} for forward_index {forward_index}; a forward "
-            "whose sampler raises is not sampled",
+            f"sampler {_shown(sampler)} raised {shown(error)} for forward_index {forward_index}; "
+            "a forward whose sampler raises is not sampled",
         )
         return False
     decision = as_decision(answer)
     if decision is None:
         warn_once(
             "sampler-answer",
-            f"sampler {sampler!r} returned {answer!r} ({type(answer).__name__}) for "
+            f"sampler {_shown(sampler)} returned {_shown(answer)} ({type(answer).__name__}) for "
             f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
             "such forwards are not sampled",
         )
@@ -214,5 +215,16 @@ def describe_sampler(sampler: object) -> str:
         try:
             return utf8_text(str(describe()))
         except Exception as error:  # a user's describe() must not stop injection
-            return utf8_text(f"{type(sampler).__name__} (describe() failed: {error})")
-    return utf8_text(repr(sampler))
+            return utf8_text(
+                f"{type(sampler).__name__} (describe() failed: {error_message(error)})"
+            )
+    return utf8_text(_shown(sampler))
+
+
+def _shown(value: object) -> str:
+    """`repr(value)`, or its type's name where that raises: a sampler, or its answer, quoted
+    in a warning or in index.md must not raise in the user's step or at inject."""
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__} (its repr raised)>"

@@ -4,13 +4,13 @@ Design decision: what the library measures must not depend on the state the user
 in, nor be seen by it. Under `torch.autocast` a custom reducer's matmul or norm ran in lower
 precision (the default profile reduces in float64, which autocast never casts, so only custom
 reducers read differently); a user's torch function or dispatch mode (one that counts FLOPs,
-logs ops, caches them for selective checkpointing, or refuses some) saw every op of the
-measurement, or made it fail. So each of the library's tensor sections in a sampled step (a
-layer's outputs hooked and launched, the sample's host transfer, a gradient launched and
-flushed) runs inside `apart()`: autocast off on every device type it is on, and the user's
-modes taken off their stacks (`_torch_internals.UserModesSuspended`; infra modes stay). The
-cost: a few flag reads per section where nothing is on, a context where something is.
-torch.func's transforms are set aside where a tensor is measured (`measurement.transfer`).
+logs ops or refuses some) saw every op of the measurement, or made it fail. So each of the
+library's tensor sections in a sampled step (a layer's outputs hooked and launched, the
+sample's host transfer, a gradient launched and flushed, the loss scale read) runs inside
+`apart()`: autocast off for the CPU and this machine's accelerator, and the user's modes taken
+off their stacks (`_torch_internals.UserModesSuspended`; infra modes stay). The cost: three
+flag reads per section where nothing is on, a context where something is. torch.func's
+transforms are set aside where a tensor is measured (`measurement.transfer`).
 """
 
 from __future__ import annotations

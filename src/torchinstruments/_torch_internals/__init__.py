@@ -509,10 +509,10 @@ class UserModesSuspended:
     stacks for the block, and put back as they were at its end.
 
     Why: the library's reads of a sampled tensor (its hook, its statistics, the host transfer)
-    are not the model's ops; a user's mode that counts, logs or refuses ops (a FLOP counter,
-    selective checkpointing's cache) saw them, or made them fail. torch has no public way to
-    step outside the active modes. Dispatch modes torch marks as infrastructure (fake, proxy and
-    functional tensors' modes) stay: tensors made under them cannot be read without them. The
+    are not the model's ops; a user's mode that counts, logs or refuses ops saw them, or made
+    them fail. torch has no public way to step outside the active modes. Dispatch modes torch
+    marks as infrastructure (fake, proxy and functional tensors' modes) stay: tensors made under
+    them cannot be read without them. The
     stacks are popped top first and pushed back in the reverse order, as `torch.overrides.
     _pop_mode_temporarily` and `torch.utils._python_dispatch._disable_current_modes` do (the
     user stack pops before the infra slots). Never raises: where a mode cannot be taken off,

@@ -7,12 +7,16 @@ way (`hook_reference`) see none. A layer that returns one ran and recorded nothi
 run names the layer, the object's type and the first path it was seen at: one warning per layer
 and type (a list of a thousand distributions is one), and a note in index.md. Plain values (None, strings, numbers, enum members, dtypes, devices) hold no
 tensor and pass without a word.
+
+A model whose forward is a generator returns before any layer runs; its layers run as the caller
+consumes it, outside the root forward, unobserved as plain hooks see them: said the same way.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +60,13 @@ def agent_step(model: nn.Module, i: int) -> torch.Tensor:
     return loss.detach()
 
 
-def observe_warned(model: nn.Module, run_dir: Path, steps: int) -> tuple[Conformance, list[str]]:
+def observe_warned(
+    model: nn.Module, run_dir: Path, steps: int, step: Any = agent_step
+) -> tuple[Conformance, list[str]]:
     """Run `model` observed and hooked; the library's warnings."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run_both(model, agent_step, run_dir, steps=steps)
+        result = run_both(model, step, run_dir, steps=steps)
     said = [str(w.message) for w in caught if str(w.message).startswith("torchinstruments")]
     return result, said
 
@@ -172,3 +178,37 @@ def test_an_output_nested_deeper_than_the_walk_follows_is_said(run_dir: Path) ->
     passed = [str(w.message) for w in caught if "does not enter" in str(w.message)]
     assert len(passed) == 1
     assert "layer '0' returned an object nested deeper than 16" in passed[0]
+
+
+class Streaming(nn.Module):
+    """A streaming model whose forward is a generator: one output per chunk, as it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, chunks: torch.Tensor) -> Iterator[torch.Tensor]:
+        for chunk in chunks:
+            yield self.act(self.encode(chunk))
+
+
+def streaming_step(model: nn.Module, i: int) -> torch.Tensor:
+    outputs = torch.stack(list(model(torch.randn(3, 2, 4))))
+    outputs.square().sum().backward()
+    return outputs.detach()
+
+
+def test_a_generator_forward_is_said_to_run_its_layers_after_the_root_forward(
+    run_dir: Path,
+) -> None:
+    result, said = observe_warned(Streaming(), run_dir, steps=2, step=streaming_step)
+    # Calling the model returns the generator before any layer runs: plain hooks on the root
+    # see the root forward end first, so no layer call falls inside one there either.
+    result.assert_conforms()
+    assert result.history.height == 0
+    assert all(map(torch.equal, result.observed_outputs, result.reference_outputs))
+    deferred = [message for message in said if "returned a generator" in message]
+    assert len(deferred) == 1, said
+    assert "forward returned a generator (first in sample 0)" in deferred[0]
+    assert "returned a generator" in (run_dir / "index.md").read_text("utf-8")

@@ -93,6 +93,7 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import ObserverConfig
 from torchinstruments.counting import Counter, recomputed_note
+from torchinstruments.deferred_forwards import say_deferred
 from torchinstruments.distributed import joined_after_inject
 from torchinstruments.eager_backward import release_held_backwards
 from torchinstruments.encoder_outputs import EncoderOutputs
@@ -406,7 +407,9 @@ class Observer:
             self.proxies.install_layers(self.in_flight.samples.__len__, sample)
             release(held)
             with self.proxies.root_fused_path():  # a bare encoder layer observed itself
-                return call_eagerly(self._call_root_layer, wrapped, args, kwargs)
+                output = call_eagerly(self._call_root_layer, wrapped, args, kwargs)
+            say_deferred(output, sample.sample_id, self.notes, self.warn_once)  # a generator
+            return output
         except BaseException as error:
             raised = error  # marked below, with Ctrl-C held
             raise

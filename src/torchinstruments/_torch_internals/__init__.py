@@ -70,11 +70,23 @@ __all__ = [
 
 # --- nn.Module.__call__: which frames call `self.forward` ---------------------------------------
 
+
+def _nested_codes(code: CodeType) -> Iterator[CodeType]:
+    """`code` and the code of every function defined inside it, at any depth."""
+    yield code
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            yield from _nested_codes(constant)
+
+
 # Frames of nn.Module.__call__ that call `self.forward`; a proxy whose caller is not one of these
 # was called directly (`module.forward(x)`). Read from torch, not from a global registry.
-# Why: tells `model(x)` from `model.forward(x)`. Checked on torch 2.15.0.
+# Why: tells `model(x)` from `model.forward(x)`. `_call_impl` calls it itself on its fast path
+# (no hooks), and from a function nested in it (`inner`) where the module or the process has
+# hooks (a forward or backward hook, pruning's pre-hook): both frames are `__call__`'s. Checked
+# on torch 2.15.0.
 _MODULE_CALL_CODES: frozenset[CodeType] = frozenset(
-    {nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__}
+    {*_nested_codes(nn.Module._call_impl.__code__), nn.Module._slow_forward.__code__}
 )
 
 # wrapt's pure-Python fallback (no C extension) adds frames of its own between caller and wrapper.

@@ -25,6 +25,7 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 from torchinstruments.selection import default_layers
 
 from conftest import read_history
+from hook_reference import run_both
 
 
 class PassesWeights(nn.Module):
@@ -230,6 +231,46 @@ def test_the_module_that_passes_weights_is_measured_and_its_child_has_no_rows(
     assert set(history["layer"]) == {"0", "0.act", "1"}
     mean = history.filter(layer="0", signal="output", metric="mean")["value"].item()
     assert mean == pytest.approx(outputs[0].double().mean().item(), rel=1e-12)
+
+
+class TiedHead(nn.Module):
+    """An output projection tied to an embedding: it holds the embedding module for its weight
+    and never calls it."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.linear(x, self.embedding.weight)
+
+
+class HeadFirst(nn.Module):
+    """The tied head registered before the embedding it holds, which the model calls under its
+    other name: `named_modules()` names the embedding after the head (`head.embedding`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        embedding = nn.Embedding(20, 4)
+        self.head = TiedHead(embedding)
+        self.embed = embedding
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def test_a_held_child_that_another_parent_calls_is_a_layer_under_its_first_name(
+    run_dir: Path, one_thread: None
+) -> None:
+    def step(model: nn.Module, i: int) -> torch.Tensor:
+        out = model(torch.randint(0, 20, (2, 5)))
+        out.square().sum().backward()
+        return out.detach()
+
+    layers = ["head", "head.embedding", "mix"]  # the head computes; the embedding is called
+    assert default_layers(HeadFirst()) == set(layers)
+    run_both(HeadFirst(), step, run_dir, steps=2, names=layers).assert_conforms()
 
 
 class Doubles(nn.Sequential):

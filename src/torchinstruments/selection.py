@@ -9,7 +9,9 @@ they hold, never calling them (its methods outside `__init__` read `self.<child>
 `self.<child>.p` and the like, a parameter slot registered as None such as a bias-free
 projection's `bias` included, and nothing else of the child: `parameter_holders`): it hands
 their weights or settings to a functional kernel, so it is the layer and those children are
-not (its other children keep the rule). `nn.MultiheadAttention` does this with `out_proj`,
+not (its other children keep the rule; so does a held child another module registers too and
+may call, as a model calls the embedding a tied output head holds for its weight, under the name
+`named_modules()` gives it). `nn.MultiheadAttention` does this with `out_proj`,
 torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
 and `dt_proj`, and its BERT attention (SDPA, or its eager function) with the dropout whose
 rate it passes: a leaf-only rule would record nothing of them and name as layers children
@@ -49,7 +51,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from torchinstruments._torch_internals import registered_tensor_slots
+from torchinstruments._torch_internals import child_modules, registered_tensor_slots
 from torchinstruments.capture import forward_is_property
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.reasons import utf8_text
@@ -380,6 +382,7 @@ def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
     skipped: set[str] = set()  # subtrees of no layers: uncalled children, parametrizations
+    registrations = _registrations(model)
     for name, module in named_modules_uncompiled(model):
         parts = name.split(".")
         if any(".".join(parts[:end]) in skipped for end in range(1, len(parts) + 1)):
@@ -394,11 +397,38 @@ def default_layers(model: nn.Module) -> set[str]:
             children.remove("parametrizations")
             skipped.add(f"{name}.parametrizations" if name else "parametrizations")
         if held := parameter_holders(module):  # it computes with their weights: the layer
-            skipped.update(f"{name}.{child}" if name else child for child in held)
+            children_by_name = dict(child_modules(module))
+            skipped.update(
+                f"{name}.{child}" if name else child
+                for child in held
+                if not _called_elsewhere(children_by_name[child], module, registrations)
+            )
             chosen.add(name)
         elif not children and _computes(module):
             chosen.add(name)
     return chosen
+
+
+def _registrations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every place each module of `model` is registered as a child, `(parent, attribute)`, by
+    the child's id: a module shared by two parents has two."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, parent in named_modules_uncompiled(model):
+        for attribute, child in child_modules(parent):
+            found.setdefault(id(child), []).append((parent, attribute))
+    return found
+
+
+def _called_elsewhere(
+    child: nn.Module, holder: nn.Module, registrations: dict[int, list[tuple[nn.Module, str]]]
+) -> bool:
+    """Whether `child`, which `holder` uses only through what it holds, is also the child of
+    another module that does not hold it so and may call it (an embedding a tied output head
+    holds for its weight, which the model calls under its own name): it keeps the leaf rule."""
+    return any(
+        parent is not holder and attribute not in parameter_holders(parent)
+        for parent, attribute in registrations.get(id(child), ())
+    )
 
 
 def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.Module, LayerInfo]]:

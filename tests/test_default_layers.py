@@ -260,17 +260,51 @@ class HeadFirst(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(ids))))
 
 
-def test_a_held_child_that_another_parent_calls_is_a_layer_under_its_first_name(
-    run_dir: Path, one_thread: None
+class ReadsItsDtype(nn.Module):
+    """An encoder that reads its embedding's weight (for a dtype) and never calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 4)
+        self.mix = nn.Linear(4, 4)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x.to(self.dtype))
+
+
+class CallsTheEmbeddingOfItsEncoder(nn.Module):
+    """The model embeds the ids itself, through its encoder's embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = ReadsItsDtype()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.encoder.embed(ids))
+
+
+@pytest.mark.parametrize(
+    ("model", "layers"),
+    [
+        (HeadFirst, ["head", "head.embedding", "mix"]),  # the head computes with its weight
+        (CallsTheEmbeddingOfItsEncoder, ["encoder", "encoder.embed", "encoder.mix"]),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else "",
+)
+def test_a_held_child_that_another_module_calls_is_a_layer(
+    run_dir: Path, one_thread: None, model: type[nn.Module], layers: list[str]
 ) -> None:
-    def step(model: nn.Module, i: int) -> torch.Tensor:
-        out = model(torch.randint(0, 20, (2, 5)))
+    def step(observed: nn.Module, i: int) -> torch.Tensor:
+        out = observed(torch.randint(0, 20, (2, 5)))
         out.square().sum().backward()
         return out.detach()
 
-    layers = ["head", "head.embedding", "mix"]  # the head computes; the embedding is called
-    assert default_layers(HeadFirst()) == set(layers)
-    run_both(HeadFirst(), step, run_dir, steps=2, names=layers).assert_conforms()
+    assert default_layers(model()) == set(layers)
+    run_both(model(), step, run_dir, steps=2, names=layers).assert_conforms()
 
 
 class Doubles(nn.Sequential):

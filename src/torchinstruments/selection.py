@@ -11,7 +11,8 @@ projection's `bias` included, and nothing else of the child: `parameter_holders`
 their weights or settings to a functional kernel, so it is the layer and those children are
 not (its other children keep the rule; so does a held child another module registers too and
 may call, as a model calls the embedding a tied output head holds for its weight, under the name
-`named_modules()` gives it). `nn.MultiheadAttention` does this with `out_proj`,
+`named_modules()` gives it, and one a module above its holder uses itself, as the model's
+`self.encoder.embed(ids)` where the encoder only reads `self.embed.weight`). `nn.MultiheadAttention` does this with `out_proj`,
 torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
 and `dt_proj`, and its BERT attention (SDPA, or its eager function) with the dropout whose
 rate it passes: a leaf-only rule would record nothing of them and name as layers children
@@ -45,7 +46,7 @@ import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -171,7 +172,7 @@ def _forward_uses(cls: type, names: frozenset[str]) -> dict[str, frozenset[str] 
             return {}
         for function in _functions(forward):
             if names & _code_names(function.__code__):
-                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+                tree = _parsed(function)
                 _read_self_attributes(tree, names, reads, init=False)
     except Exception:  # no source (OSError), unparsable, or unreadable members
         return {}
@@ -207,7 +208,14 @@ def _method_trees(cls: type, names: frozenset[str], *, init: bool) -> Iterator[t
                 continue
             for function in _functions(member):
                 if names & _code_names(function.__code__):
-                    yield method, ast.parse(textwrap.dedent(inspect.getsource(function)))
+                    yield method, _parsed(function)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(function: types.FunctionType) -> ast.AST:
+    """A function's parsed source, once (the rules below read a method several times); raises
+    what reading or parsing it raises. The trees are only read, never changed."""
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
 
 
 def _functions(member: object) -> list[types.FunctionType]:
@@ -382,8 +390,9 @@ def default_layers(model: nn.Module) -> set[str]:
     """Names of the modules the default rule selects (see the module docstring)."""
     chosen: set[str] = set()
     skipped: set[str] = set()  # subtrees of no layers: uncalled children, parametrizations
-    registrations = _registrations(model)
-    for name, module in named_modules_uncompiled(model):
+    modules = dict(named_modules_uncompiled(model))  # one walk, in traversal order
+    registrations = _registrations(modules.values())
+    for name, module in modules.items():
         parts = name.split(".")
         if any(".".join(parts[:end]) in skipped for end in range(1, len(parts) + 1)):
             continue  # inside a skipped subtree (a lookup per ancestor, not per subtree)
@@ -399,9 +408,10 @@ def default_layers(model: nn.Module) -> set[str]:
         if held := parameter_holders(module):  # it computes with their weights: the layer
             children_by_name = dict(child_modules(module))
             skipped.update(
-                f"{name}.{child}" if name else child
+                path
                 for child in held
                 if not _called_elsewhere(children_by_name[child], module, registrations)
+                and not _used_from_above(path := f"{name}.{child}" if name else child, modules)
             )
             chosen.add(name)
         elif not children and _computes(module):
@@ -409,11 +419,11 @@ def default_layers(model: nn.Module) -> set[str]:
     return chosen
 
 
-def _registrations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Every place each module of `model` is registered as a child, `(parent, attribute)`, by
-    the child's id: a module shared by two parents has two."""
+def _registrations(modules: Iterable[nn.Module]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every place each module is registered as a child of one of `modules` (a model's),
+    `(parent, attribute)`, by the child's id: a module shared by two parents has two."""
     found: dict[int, list[tuple[nn.Module, str]]] = {}
-    for _, parent in named_modules_uncompiled(model):
+    for parent in modules:
         for attribute, child in child_modules(parent):
             found.setdefault(id(child), []).append((parent, attribute))
     return found
@@ -429,6 +439,60 @@ def _called_elsewhere(
         parent is not holder and attribute not in parameter_holders(parent)
         for parent, attribute in registrations.get(id(child), ())
     )
+
+
+def _used_from_above(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether a module above the holder of the child `name` uses that child itself through a
+    chain of attributes (the model's `self.encoder.embed(ids)`, where the encoder only reads
+    `self.embed.weight`): called there, it keeps the leaf rule."""
+    parts = tuple(name.split("."))
+    for end in range(len(parts) - 1):  # the root down to the holder's parent
+        chain = parts[end:]
+        if not all(part.isidentifier() for part in chain):
+            continue  # through a container's index (`layers.0`): no attribute chain reaches it
+        ancestor = modules.get(".".join(parts[:end]))
+        if ancestor is not None and _uses_chain(type(ancestor), chain):
+            return True
+    return False
+
+
+def _uses_chain(cls: type, chain: tuple[str, ...]) -> bool:
+    """Whether a method of `cls` (outside `__init__`) uses `self.<chain>` itself (calls it,
+    passes it on), not only an attribute of it; False where the source cannot be read."""
+    return chain in _chains_used(cls, chain[-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def _chains_used(cls: type, last: str) -> frozenset[tuple[str, ...]]:
+    """The chains `self.a....<last>` the methods of `cls` (outside `__init__`) use themselves,
+    read from the source once per class and name; empty where it cannot be read."""
+    found: set[tuple[str, ...]] = set()
+    try:
+        for _, tree in _method_trees(cls, frozenset((last,)), init=False):
+            inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == last
+                    and id(node) not in inner
+                    and not isinstance(node.ctx, ast.Store)
+                    and (chain := _chain_of(node)) is not None
+                ):
+                    found.add(chain)
+    except Exception:  # no source (OSError), unparsable, or unreadable members
+        return frozenset()
+    return frozenset(found)
+
+
+def _chain_of(node: ast.Attribute) -> tuple[str, ...] | None:
+    """`("a", "b")` for a node `self.a.b`, else None."""
+    names: list[str] = []
+    current: ast.AST = node
+    while isinstance(current, ast.Attribute):
+        names.append(current.attr)
+        current = current.value
+    is_self = isinstance(current, ast.Name) and current.id == "self"
+    return tuple(reversed(names)) if is_self else None
 
 
 def select_layers(model: nn.Module, selector: Selector | None) -> list[tuple[nn.Module, LayerInfo]]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
-from torchinstruments.capture import forward_is_property, fused_path_modules
+from torchinstruments.capture import forward_is_property
 from torchinstruments.compilation import (
     compile_notes,
     compiled_modules,
@@ -36,6 +36,7 @@ from torchinstruments.compilation import (
 )
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
+from torchinstruments.fused_paths import fused_path_modules
 from torchinstruments.global_option import global_notes
 from torchinstruments.global_statistics import close_run
 from torchinstruments.history_config import HistoryConfig

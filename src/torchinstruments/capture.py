@@ -64,11 +64,11 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchinstruments._torch_internals import (
     called_through_module_call,
-    has_fused_fast_path,
     layer_by_layer,
     pickled_for_a_new_process,
     ran_by_a_backward,
 )
+from torchinstruments.fused_paths import FusedPathGuard, fused_path_modules
 from torchinstruments.notices import warn
 from torchinstruments.rebuilt_forwards import (
     Owner,
@@ -90,13 +90,11 @@ _RETYPED_SHOWN = 20  # layers named in that note (index.md stays bounded)
 __all__ = [
     "SENT_TO_A_NEW_PROCESS",
     "ForwardProxy",
-    "FusedPathGuard",
     "LayerCapture",
     "Proxies",
     "WarnOnce",
     "Wrapper",
     "forward_is_property",
-    "fused_path_modules",
     "install_proxy",
     "left_in_place_note",
     "restore_proxy",
@@ -544,49 +542,6 @@ class LayerCapture:
         """`train` or `eval`, read from the module at call time."""
         module = self.module_ref()
         return "train" if module is None or module.training else "eval"
-
-
-class FusedPathGuard:
-    """The wrapper behind the proxy of a module with a fused fast path that contains layers.
-
-    In a sampled forward (of this thread, or the one in flight for a thread without a forward of
-    its own: see samples.py) the module runs layer by layer, so its selected submodules
-    are called and measured; otherwise it is called as is. `observer` is the observer.Observer.
-    """
-
-    __slots__ = ("module_ref", "observer")
-
-    def __init__(self, observer: Any, module: nn.Module) -> None:
-        self.observer = observer
-        self.module_ref = weakref.ref(module)
-
-    def on_call(
-        self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict
-    ) -> Any:
-        """Call the forward, on its layer-by-layer path during a sampled forward."""
-        module = self.module_ref()
-        observer = self.observer
-        if module is None or (
-            observer.current is None and observer.sample_in_flight(count=False) is None
-        ):
-            return wrapped(*args, **kwargs)
-        with layer_by_layer(module):
-            return wrapped(*args, **kwargs)
-
-
-def fused_path_modules(
-    root: nn.Module, layers: Sequence[tuple[nn.Module, LayerInfo]]
-) -> list[tuple[str, nn.Module]]:
-    """The modules (qualified name, module; the root is `""`) that could skip selected layers
-    with a fused kernel: sampled forwards run them layer by layer (`FusedPathGuard`), and
-    index.md explains that only for a run that has one (`RunInfo.fused_paths`)."""
-    selected = {id(module) for module, _ in layers}
-    return [
-        (name, module)
-        for name, module in root.named_modules()
-        if has_fused_fast_path(module)
-        and any(id(inner) in selected for inner in module.modules() if inner is not module)
-    ]
 
 
 def left_in_place_note(forwards: tuple[str, ...]) -> str:

@@ -372,7 +372,7 @@ class RunInfo:
     # The loss scaler handed over as `grad_scaler` (`loss_scale.describe_scaler`), or None: the
     # run's output_gradient rows are then of the scaled loss (`RunCounts.loss_scales`).
     grad_scaler: str | None = None
-    # The modules with a fused fast path that holds selected layers (`capture.fused_path_modules`;
+    # The modules with a fused fast path that holds selected layers (`fused_paths.fused_path_modules`;
     # "" for the observed model itself): index.md says how sampled forwards run them.
     fused_paths: tuple[str, ...] = ()
 

@@ -88,7 +88,8 @@ def section_files(run: RunInfo) -> list[str]:
     return [
         "## Files",
         "",
-        f"- `{PARTS_DIR}/`: Parquet chunks of <= buffer_rows rows, each written atomically "
+        f"- `{PARTS_DIR}/`: Parquet chunks (of buffer_rows rows or fewer, but where said below), each "
+        "written atomically "
         "(a temporary in the run directory, then renamed into the folder) while the run is "
         "live, when the buffer holds buffer_rows rows or its oldest row is flush_seconds / 2 "
         "old (then every buffered row at once: a part may hold more than buffer_rows rows "

@@ -158,7 +158,9 @@ def section_files(run: RunInfo) -> list[str]:
         "If the process died, "
         + tool_span("finalize", run.output_dir)
         + " merges the completed parts and writes result.json "
-        "and index.md; counts are then lower bounds (root forwards = max forward_index + 1).",
+        "and index.md; counts are then lower bounds (root forwards: at least history's max "
+        "forward_index + 1, more where tensorboard/ or the id mark in `.lock` shows later "
+        "samples).",
         "",
     ]
 

@@ -13,12 +13,9 @@ Timing of work, by design:
 
 A value's path, from a layer's return to the sinks' rows, is recording.py's.
 
-Fused fast paths: `nn.TransformerEncoderLayer` in eval, when no gradient is needed (no_grad,
-inference_mode, frozen weights), runs one fused kernel that calls none of its submodules. In a
-sampled forward (of this thread) each one holding selected layers takes the layer-by-layer path
-PyTorch takes when a hook is attached (`_torch_internals.layer_by_layer`; a guard proxy installed
-with the layer proxies, or `Proxies.root_fused_path` for the root), so the layers inside run and
-are measured as a hook user sees them. Unsampled forwards keep the fused kernel: bit-identical.
+Fused fast paths (an `nn.TransformerEncoderLayer` in eval running one kernel that calls none of
+its submodules): a sampled forward runs them layer by layer (fused_paths.py); unsampled forwards
+keep the fused kernel, bit-identical.
 
 Coverage: per selected layer the observer counts the sampled forwards in which it was called
 (`RunCounts.layer_samples`, shown in index.md and result.json); removal warns once about layers

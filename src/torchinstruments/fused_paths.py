@@ -1,15 +1,15 @@
 """Modules with a fused fast path that holds selected layers: run layer by layer when sampled.
 
 Design decision: an `nn.TransformerEncoderLayer` in eval, when no gradient is needed (no_grad,
-inference_mode, frozen weights), computes the whole block in one fused kernel, skipping the submodules a run
-selected as layers (`_torch_internals.has_fused_fast_path`): their outputs would never be
-returned, so never measured. Each such module that holds a selected layer gets a proxy of its
-own (`FusedPathGuard`, installed with the layers' proxies by `capture.Proxies.register`; the
-root itself, by `capture.Proxies.root_fused_path`): in a sampled forward its fast path is
-switched off for that call (`_torch_internals.layer_by_layer`: the path PyTorch takes when a
-hook is attached), so its layers run and are measured as a hook user sees them; every other
-forward keeps the fused kernel, bit-identical. index.md
-explains this only for a run that has such a module (`RunInfo.fused_paths`).
+inference_mode, frozen weights), computes the whole block in one fused kernel, skipping the
+submodules a run selected as layers (`_torch_internals.has_fused_fast_path`): their outputs
+would never be returned, so never measured. Each such module that holds a selected layer gets a
+proxy of its own (`FusedPathGuard`, installed with the layers' proxies by
+`capture.Proxies.register`; the root itself, by `capture.Proxies.root_fused_path`): in a sampled
+forward its fast path is switched off for that call (`_torch_internals.layer_by_layer`: the path
+PyTorch takes when a hook is attached), so its layers run and are measured as a hook user sees
+them; every other forward keeps the fused kernel, bit-identical. index.md explains this only for
+a run that has such a module (`RunInfo.fused_paths`).
 """
 
 from __future__ import annotations

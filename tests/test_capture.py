@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -130,6 +132,28 @@ def test_capture_direct_forwards_false_ignores_calls_that_bypass_module_call(
     history = read_history(run_dir)
     assert history["forward_index"].unique().to_list() == [0]
     assert set(history["layer"]) == {"a"}
+
+
+def test_a_root_forward_wrapped_after_inject_is_told_from_a_direct_call(run_dir: Path) -> None:
+    """capture_direct_forwards=False with the root's forward wrapped after inject: the proxy's
+    caller is the wrapper, whose own caller tells `model(x)` from `model.forward(x)` (every call
+    was taken as direct: a run of no rows)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    observe(model, run_dir, capture_direct_forwards=False)
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return inner(*args, **kwargs)
+
+    model.forward = logged
+    model(torch.randn(2, 4))  # through nn.Module.__call__: a root forward
+    model.forward(torch.randn(2, 4))  # direct: passed through
+    with pytest.warns(RuntimeWarning, match="replaced or wrapped after inject_observer"):
+        remove_observer(model)
+    history = read_history(run_dir)
+    assert history["forward_index"].unique().to_list() == [0]
+    assert set(history["layer"]) == {"0", "1"}
 
 
 def test_child_called_outside_a_root_forward_is_not_observed(run_dir: Path) -> None:

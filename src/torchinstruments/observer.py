@@ -64,6 +64,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from types import CodeType
 from typing import Any
 
 from torch import nn
@@ -77,7 +78,7 @@ from torchinstruments._torch_internals import (
     running,
 )
 from torchinstruments._torch_internals.dynamo import called_within
-from torchinstruments.capture import LayerCapture, Proxies, left_in_place_note
+from torchinstruments.capture import ForwardProxy, LayerCapture, Proxies, left_in_place_note
 from torchinstruments.compilation import (
     CompiledCalls,
     ForwardEntry,
@@ -372,16 +373,18 @@ class Observer:
 
     def _by_module_call(self) -> bool:
         """Whether this root forward came through `nn.Module.__call__` (for
-        capture_direct_forwards=False): the proxy's caller, or, where a forward rebuilt from the
-        proxy's `__func__` called it (rebuilt_forwards.py), that forward's own caller."""
+        capture_direct_forwards=False): the proxy's caller, or, where the root's `forward` is
+        no longer the proxy but calls it (one rebuilt from the proxy's `__func__`,
+        rebuilt_forwards.py; a wrapper the user set after inject), that forward's own caller."""
         # _begin_root_forward, on_root_call, the proxy, and the proxy's caller: depth 4 here.
         if called_through_module_call(4):
             return True
         root = self._root_ref() if self._root_ref is not None else None
-        if root is None or not called_within(THROUGH_CODE, 4):
+        forward = None if root is None else root.__dict__.get("forward")
+        if forward is None or type(forward) is ForwardProxy:  # the proxy: called directly
             return False
-        code = getattr(getattr(root.__dict__.get("forward"), "__func__", None), "__code__", None)
-        return code is not None and caller_of_code_is_module_call(code)
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        return isinstance(code, CodeType) and caller_of_code_is_module_call(code)
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict

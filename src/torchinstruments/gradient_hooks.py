@@ -53,7 +53,9 @@ class Awaited:
     """The gradients one sample awaits: how many of its outputs were hooked, how many of those
     hooks fired. Held by the sample's hooks, weakly by the recorder (gradients.py)."""
 
-    __slots__ = ("__weakref__", "fired", "forward_index", "hooked", "mode", "sample_id", "step")
+    __slots__ = (
+        "__weakref__", "fired", "forward_index", "hooked", "mode", "raised", "sample_id", "step",
+    )  # fmt: skip
 
     def __init__(self, key: TensorKey) -> None:
         self.sample_id = key.sample_id
@@ -62,6 +64,7 @@ class Awaited:
         self.mode = key.mode
         self.hooked = 0
         self.fired = 0
+        self.raised = False  # its root forward raised: marked, and no loss awaits its outputs
 
 
 # What a kept hook holds once it let go of its sample's `Awaited` (no sample's).

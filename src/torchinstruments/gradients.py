@@ -466,6 +466,18 @@ class GradientRecorder:
         waiting = [sample for sample in awaited if sample.fired < sample.hooked]
         return self._mark_samples(mark, waiting, marked)
 
+    def forward_raised(self, sample_id: int) -> None:
+        """The sampled forward `sample_id` raised: it is marked `interrupted` already and no
+        loss was made of its outputs, so it is not a sample whose backward may come after the
+        removal, even where the traceback keeps its outputs alive (a trainer's exception
+        callback removes the run while the exception is handled: `_unreached_at_close`)."""
+        with self._lock:
+            for ref in reversed(self._awaited):
+                known = ref()
+                if known is not None and known.sample_id == sample_id:
+                    known.raised = True
+                    return
+
     def _unreached_at_close(self) -> list[int]:
         """The samples whose hooked outputs are alive (their hooks are, so their autograd graph
         is) and none of whose hooks fired: a backward run after the removal, which the closed
@@ -474,7 +486,11 @@ class GradientRecorder:
         with self._lock:
             self._hooks.let_go()
             awaited = [a for a in (ref() for ref in self._awaited) if a is not None]
-        return [sample.sample_id for sample in awaited if sample.hooked and not sample.fired]
+        return [
+            sample.sample_id
+            for sample in awaited
+            if sample.hooked and not sample.fired and not sample.raised
+        ]
 
     def _mark_samples(self, mark: Mark, samples: list[Awaited], marked: set[int]) -> list[int]:
         """Emit a record of its marker row alone for each of `samples` not in `marked` (which

@@ -425,6 +425,7 @@ class Observer:
             if raised is not None:
                 root = LayerInfo("", self._root_type)
                 sample.mark(raised, root, self._root_mode, self.rank, self.failed_once)
+                self.gradients.forward_raised(sample.sample_id)
             if not self.forked:  # forked during this forward: the child records nothing
                 self.proxies.restore_layers(sample)
                 self.in_flight.end(sample)  # calls of other threads land before, or are counted

@@ -41,7 +41,10 @@ class Failing(lightning.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.where == "training_step" and self.global_step == 2:
             raise self.error
-        return self(batch[0]).sum()
+        loss = self(batch[0]).sum()
+        if self.where == "loss" and self.global_step == 2:
+            raise self.error  # after the forward, before the backward
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if self.where == "validation_step" and self.global_step == 2:
@@ -90,6 +93,11 @@ def fit(tmp_path: Path, model: Failing, callbacks: list[Any]) -> None:
             "ended with an exception at global step 2: RuntimeError: boom.",
         ),
         (
+            "loss",
+            RuntimeError("boom"),
+            "ended with an exception at global step 2: RuntimeError: boom.",
+        ),
+        (
             "callback",
             RuntimeError("boom"),
             "ended with an exception at global step 2: RuntimeError: boom.",
@@ -123,14 +131,22 @@ def test_a_fit_that_raised_is_finished_where_it_stopped_and_the_next_fit_is_fres
     assert f"the fit {said} The run holds" in index
     # Steps 0 and 1 trained; step 2's training step raised before its forward (Ctrl-C), or
     # never came (the validation at step 2 and the callback after batch 1 raised first), or
-    # its forward raised: a sample marked `interrupted`, whose outputs the traceback Lightning
-    # holds keeps alive at removal, never said to await a backward run after it.
+    # its forward raised: a sample marked `interrupted`, or its loss did: a sample with output
+    # rows only. The traceback Lightning holds keeps their outputs alive at removal; neither is
+    # said to await a backward run after it, the second is said to be cut by the exception.
     history = read_history(run)
     trained = sorted(history.filter(history["mode"] == "train")["step"].unique())
-    assert trained == ([0, 1, 2] if where == "forward" else [0, 1])
+    assert trained == ([0, 1, 2] if where in ("forward", "loss") else [0, 1])
     marked = history.filter(history["metric"] == "interrupted")
     assert marked["step"].to_list() == ([2] if where == "forward" else [])
-    assert "no gradient had reached" not in index
+    assert "when remove_observer was called" not in index
+    cut = (
+        "**Note:** sample 2: no gradient had reached its outputs when the fit ended with "
+        "RuntimeError at global step 2: the exception came after its forward and before its "
+        "backward (the training step raised in its loss or its backward), so it has output "
+        "rows and no output_gradient rows"
+    )
+    assert (cut in index) == (where == "loss")
 
     model.where = None
     with warnings.catch_warnings():

@@ -198,6 +198,7 @@ class Observer:
         self.failed_measurements = FailedMeasurements(self.warn_once)  # null + reason: said
         self.loss_scales = LossScales(config.grad_scaler, self.failed_once, self.warn_once)
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
+        self.removed_after: str | None = None  # the exception a trainer's fit ended with
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         self.called_compiled = CompiledCalls()  # ran eagerly; index.md says so
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
@@ -561,7 +562,8 @@ class Observer:
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
         cut_forwards = {s.sample_id for s in forwards}
         if waiting := [i for i in self.gradients.unreached if i not in cut_forwards]:
-            self.notes.append(no_backward_before_removal_note(waiting))  # index.md
+            said = no_backward_before_removal_note(waiting, self.removed_after)
+            self.notes.append(said)  # index.md
         root_module = self._root_ref() if self._root_ref is not None else None
         eager = eager_samples_note(root_module, self.counter.samples, self.called_compiled)
         if eager is not None:  # read at close: a model may be compiled after inject

@@ -87,6 +87,17 @@ def also_root(model: nn.Module, other: nn.Module) -> bool:
     return key is not None
 
 
+def removed_after_exception(model: nn.Module, exception: str) -> bool:
+    """Say that `model`'s run is removed because its fit raised `exception` (as index.md names
+    it, with the step); False without observer. For integrations: a sample whose backward never
+    came is then one the exception cut between its forward and its backward, not one whose
+    backward may come after the removal (`samples.no_backward_before_removal_note`)."""
+    key = registered(model)
+    if key is not None:
+        OBSERVERS[key].removed_after = exception
+    return key is not None
+
+
 def trainer_phases(model: nn.Module) -> Phases | None:
     """The observer's `Phases` (which forwards are training ones), or None without observer.
 

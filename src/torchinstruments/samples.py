@@ -228,12 +228,23 @@ def _listed(sample_ids: list[int], word: str) -> str:
     return f"{len(sample_ids)} {word}s ({shown} and {len(sample_ids) - MAX_LISTED_IDS} more)"
 
 
-def no_backward_before_removal_note(sample_ids: list[int]) -> str:
+def no_backward_before_removal_note(sample_ids: list[int], exception: str | None = None) -> str:
     """index.md's note on the samples whose backward had not reached any output at removal,
-    while their outputs could still get one (`GradientRecorder.unreached`)."""
+    while their outputs could still get one (`GradientRecorder.unreached`); `exception`: the
+    run is removed because a trainer's fit raised it (the traceback keeps such outputs alive,
+    but the backward will never come: the exception cut the step between forward and backward)."""
     their = "its" if len(sample_ids) == 1 else "their"
+    listed = _listed(sample_ids, "sample")
+    if exception is not None:
+        return (
+            f"{listed}: no gradient had reached {their} outputs when the fit ended with "
+            f"{exception}: the exception came after {their} forward and before {their} "
+            f"backward (the training step raised in its loss or its backward), so "
+            f"{'it has' if len(sample_ids) == 1 else 'they have'} output rows and no "
+            "output_gradient rows: a step that did not complete"
+        )
     return (
-        f"{_listed(sample_ids, 'sample')}: no gradient had reached {their} outputs when "
+        f"{listed}: no gradient had reached {their} outputs when "
         "remove_observer was called, "
         "and they could still receive one (their autograd graph was alive). A backward pass "
         "run after the removal is not observed: such a sample has output rows and no "

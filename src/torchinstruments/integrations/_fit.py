@@ -57,6 +57,7 @@ from torchinstruments.registry import (
     follow_step,
     observed_counts,
     observer_writing,
+    removed_after_exception,
     trainer_phases,
 )
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
@@ -387,6 +388,7 @@ class FitObservation:
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
             what = type(exception).__name__ + (f": {exception}" if str(exception) else "")
+            removed_after_exception(observed, f"{type(exception).__name__}{where}")
             ended = "was interrupted" if isinstance(exception, KeyboardInterrupt) else "ended"
             add_run_note(
                 observed,

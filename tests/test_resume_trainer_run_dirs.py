@@ -57,6 +57,32 @@ def test_a_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path) -> 
     assert str(tmp_path / "step3.ckpt") in index
 
 
+def test_a_lightning_checkpoint_that_names_no_run_says_the_run_starts_at_its_step(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint saved without the callback: the resumed fit's logger version holds no run
+    to continue, so a new one starts there at the checkpoint's step, and a warning and index.md
+    say so (before, it read as a fresh fit whose first step happened to be 3)."""
+    versioned_fit(tmp_path, FIRST, None)
+    saved = torch.load(tmp_path / "step3.ckpt", weights_only=False)
+    assert set(saved["callbacks"]) == {"LightningObserver"}
+    del saved["callbacks"]["LightningObserver"]
+    torch.save(saved, tmp_path / "plain.ckpt")
+    with pytest.warns(RuntimeWarning, match="names no run"):
+        later = versioned_fit(tmp_path, TOTAL, tmp_path / "plain.ckpt")
+    assert later == tmp_path / "logs" / "version_1" / "torchinstruments"
+    history = pl.read_parquet(later / "history.parquet")
+    assert sorted(history["step"].unique()) == list(range(FIRST, TOTAL))
+    index = " ".join((later / "index.md").read_text(encoding="utf-8").split())
+    assert (
+        f"this fit resumed from the checkpoint {tmp_path / 'plain.ckpt'}, which names no run "
+        f"(written without LightningObserver, or by a torchinstruments release whose "
+        f"checkpoints did not keep it); LightningObserver started {later}, a new run, since "
+        f"trainer.log_dir holds no run to continue: its first samples are at the checkpoint's "
+        f"step (global step {FIRST})"
+    ) in index
+
+
 def test_an_explicit_output_dir_wins_over_the_checkpoints_run(tmp_path: Path) -> None:
     run = versioned_fit(tmp_path, FIRST, None)
     elsewhere = tmp_path / "elsewhere"

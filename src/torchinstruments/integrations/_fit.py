@@ -86,6 +86,7 @@ class FitObservation:
             a copy of the sampler, on the count of evaluation forwards), or a `Sampler` for them.
         after_fit: the trainer's calls that run the model after the fit, unobserved, as
             index.md names them (Lightning's `trainer.validate()`, `test()`, `predict()`).
+        directory_name: the trainer's directory, as index.md names it (`trainer.log_dir`).
 
     Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
     sampler) as it was when the callback was built, so every fit starts its schedule afresh;
@@ -104,6 +105,7 @@ class FitObservation:
         record_eval: object = False,
         *,
         after_fit: str = "evaluation, test or predict calls",
+        directory_name: str = "the trainer's directory",
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -117,6 +119,7 @@ class FitObservation:
             )
         self.owner = owner
         self.after_fit = after_fit
+        self.directory_name = directory_name
         self.module = module
         self.explicit_dir = output_dir is not None
         check_option_names(owner, options)
@@ -194,8 +197,9 @@ class FitObservation:
                 the output_dir given, else in `checkpoint_run`, else in the last run under the
                 trainer's directory.
             checkpoint_run: the run directory the checkpoint names (None: it names none); a
-                run there that this process cannot continue is stated in index.md, and the
-                last run under the trainer's directory is continued instead.
+                run there that this process cannot continue, or none named, is stated in
+                index.md and a warning, and the last run under the trainer's directory is
+                continued instead (or a new one started there).
             checkpoint: the checkpoint's name, for that note.
             resume_step: the global step the resumed fit starts at (the checkpoint's), to say
                 in index.md which steps earlier attempts had recorded and this one trains again.
@@ -215,6 +219,10 @@ class FitObservation:
         if directory is None and not self.explicit_dir:
             pick = last_run_directory if resume else fresh_run_directory
             directory = pick(trainer_directory, config.rank_policy)
+        # A checkpoint that names no run: the last run is continued, or a new one started.
+        unnamed = resuming and checkpoint_run is None and not self.explicit_dir
+        held = unnamed and directory is not None
+        held = held and why_not_continued(directory, config.rank_policy) is None
         if resume:
             self._finish_left_attached(config.directory if directory is None else directory)
         sink = self.logger_sink = logger_sink()
@@ -241,6 +249,8 @@ class FitObservation:
             )
             if not_continued is not None:
                 self._note_not_continued(checkpoint_run, checkpoint, not_continued)
+            if unnamed:
+                self._note_unnamed_run(checkpoint, resume_step, held)
             if resume and resume_step is not None:
                 self._note_repeats(resume_step)
             follow_step(self.observed, global_step)
@@ -291,6 +301,32 @@ class FitObservation:
         if reached is None or reached < step:
             return
         said = resumed_training_note(step, reached)
+        add_run_note(self.observed, said)
+        warn(f"torchinstruments: {self.owner}: {said}")
+
+    def _note_unnamed_run(self, checkpoint: str | None, step: int | None, held: bool) -> None:
+        """index.md and a warning: the checkpoint names no run (written without this callback,
+        or by a release whose checkpoints did not keep it), so the last run under the trainer's
+        directory was continued (`held`), which may not be the one that wrote the checkpoint,
+        or a new run started there, whose first step is the checkpoint's and not 0."""
+        assert self.observed is not None
+        said = (
+            f"this fit resumed from the checkpoint {checkpoint or '(unnamed)'}, which names no "
+            f"run (written without {self.owner}, or by a torchinstruments release whose "
+            f"checkpoints did not keep it); {self.owner} "
+        )
+        if held:
+            said += (
+                f"continued {self.run_directory}, the last run under {self.directory_name}, "
+                "which may not be the run that wrote the checkpoint"
+            )
+        else:
+            at = "" if step is None else f" (global step {step})"
+            said += (
+                f"started {self.run_directory}, a new run, since {self.directory_name} holds no "
+                f"run to continue: its first samples are at the checkpoint's step{at}, and the "
+                "steps trained before the checkpoint are in no attempt of it"
+            )
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 

@@ -150,6 +150,7 @@ class HuggingFaceObserver(TrainerCallback):
             options,
             record_eval,
             after_fit="trainer.evaluate() and trainer.predict() calls",
+            directory_name="args.output_dir",
         )
         self._step_guard: TrainingStepMark | None = None
         # The running fit's `train()` frame (`_running_trainer`), its thread, and its global
@@ -199,8 +200,6 @@ class HuggingFaceObserver(TrainerCallback):
         if directory is not None and trained is not model:  # evaluation calls `model`
             also_root(trained, model)
         if directory is not None:
-            if resuming and saved is None and not self._fit.explicit_dir:
-                self._note_unnamed_run(state.global_step)
             _keep_run(state, self._key, self._fit.run_directory)
         if directory is not None and trainer is not None:
             self._step_guard = TrainingStepMark(
@@ -238,19 +237,6 @@ class HuggingFaceObserver(TrainerCallback):
         self._loop = None
         self._undo_guard()
         self._fit.finish()
-
-    def _note_unnamed_run(self, step: int) -> None:
-        """index.md and a warning: the checkpoint names no run, so the last one was continued."""
-        said = (
-            f"this fit resumed from the checkpoint of global step {step}, which names no run "
-            "(written without HuggingFaceObserver, or by a torchinstruments release whose "
-            "checkpoints did not keep it); HuggingFaceObserver continued "
-            f"{self._fit.run_directory}, the last run under args.output_dir, which may not be "
-            "the run that wrote the checkpoint"
-        )
-        assert self._fit.observed is not None
-        add_run_note(self._fit.observed, said)
-        notices.warn(f"torchinstruments: HuggingFaceObserver: {said}")
 
     def _fit_ended(self, when: str) -> bool:
         """Whether the last train() ended without on_train_end (its training loop left the

@@ -64,9 +64,9 @@ warning, since a join of `step` with the trainer's log then pairs other batches'
 Defaults: the run directory is `trainer.log_dir/torchinstruments` (the logger's version
 directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... when taken). A fit
 resumed from a checkpoint continues the run the checkpoint names, even where the logger moved
-on to a new version directory; where that run is gone or this process cannot write it, the last
-run under `trainer.log_dir` is continued (or one started there), and index.md and a warning name
-the checkpoint's run. An explicit `output_dir` always wins. With a
+on to a new version directory; where that run is gone or this process cannot write it, or the
+checkpoint names none (saved without this callback), the last run under `trainer.log_dir` is
+continued (or one started there), and index.md and a warning name the checkpoint and its run. An explicit `output_dir` always wins. With a
 `TensorBoardLogger`, the focus histograms also go into it on `trainer.global_step`. With
 `rank_policy="rank0"` only the global-zero process attaches (`trainer.is_global_zero`).
 
@@ -168,6 +168,7 @@ class LightningObserver(Callback):
             options,
             record_eval,
             after_fit="trainer.validate(), trainer.test() and trainer.predict() calls",
+            directory_name="trainer.log_dir",
         )
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -335,11 +336,12 @@ class Tested(Recorded):
         return self(batch[0])
 
 
-def test_validate_test_and_predict_after_the_fit_are_neither_observed_nor_counted(
+def test_validate_test_and_predict_outside_the_fit_are_neither_observed_nor_counted(
     tmp_path: Path,
 ) -> None:
     """The run is the fit's: the observer is removed at its end, before validate(), test() and
-    predict(); index.md names them as the user calls them."""
+    predict(); index.md names them as the user calls them. Before any fit no run exists to say
+    so: a warning does, once."""
     run = tmp_path / "run"
     callback = LightningObserver(run, sampler=EveryNForwardsSampler(1), record_eval=True)
     model = Tested()
@@ -355,12 +357,31 @@ def test_validate_test_and_predict_after_the_fit_are_neither_observed_nor_counte
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    with warnings.catch_warnings(
+        record=True
+    ) as before:  # before any fit: said once, no run written
+        warnings.simplefilter("always")
+        trainer.test(model, data, verbose=False)
+        trainer.predict(model, data)
+    said = [str(w.message) for w in before if "torchinstruments" in str(w.message)]
+    assert said == [
+        "torchinstruments: LightningObserver: trainer.test() ran before any trainer.fit() with "
+        "this callback and was not observed: LightningObserver observes trainer.fit() (its "
+        "training steps, and the evaluation inside it with record_eval), so no run directory "
+        "was written for it; call inject_observer(model, ...) and remove_observer(model) "
+        "around it to record it"
+    ]
+    assert not run.exists()
+    del model.calls[:]
     trainer.fit(model, data)  # no validation loader: the fit runs no validation
     fitted = len(model.calls)
     state = (run / ".state.json").read_text(encoding="utf-8")
-    trainer.validate(model, data, verbose=False)
-    trainer.test(model, data, verbose=False)
-    trainer.predict(model, data)
+    with warnings.catch_warnings(record=True) as after:  # index.md says these
+        warnings.simplefilter("always")
+        trainer.validate(model, data, verbose=False)
+        trainer.test(model, data, verbose=False)
+        trainer.predict(model, data)
+    assert not [w for w in after if "torchinstruments" in str(w.message)]
     assert len(model.calls) == fitted + 6  # validate, test and predict did run the model ...
     assert (run / ".state.json").read_text(encoding="utf-8") == state  # ... unseen by the run
     assert read_history(run)["sample_id"].n_unique() == fitted == 2

@@ -8,6 +8,8 @@ is checked against that record sample by sample.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,9 +41,13 @@ class RecordingTrainer(Trainer):
             self.in_training = False
 
 
-def hf_train(tmp_path: Path, callback: HuggingFaceObserver) -> tuple[Trainer, list]:
+def hf_train(
+    tmp_path: Path,
+    callback: HuggingFaceObserver,
+    before: Callable[[Trainer], object] | None = None,
+) -> tuple[Trainer, list]:
     """4 optimizer steps of 2 micro-batches (gradient accumulation), evaluation every 2 steps
-    (2 batches each)."""
+    (2 batches each); `before(trainer)` first, if given (its forwards are not in the calls)."""
     config = BertConfig(
         vocab_size=32,
         hidden_size=8,
@@ -85,6 +91,8 @@ def hf_train(tmp_path: Path, callback: HuggingFaceObserver) -> tuple[Trainer, li
         eval_dataset=examples(4),
         callbacks=[callback],
     )
+    if before is not None:
+        before(trainer)
     calls: list[tuple[str, int]] = []
 
     def record(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -136,14 +144,34 @@ def test_huggingface_evaluate_and_predict_after_train_are_neither_observed_nor_c
     tmp_path: Path,
 ) -> None:
     """The run is `train()`'s: `evaluate()` and `predict()` after it run the model unobserved,
-    and index.md names them as the user calls them (not Lightning's validate/test)."""
+    and index.md names them as the user calls them (not Lightning's validate/test). Before any
+    `train()` no run exists to say so: a warning does, once."""
     callback = HuggingFaceObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
-    trainer, calls = hf_train(tmp_path, callback)
     run = tmp_path / "run"
+
+    def evaluate_first(trainer: Trainer) -> None:
+        with warnings.catch_warnings(record=True) as before:
+            warnings.simplefilter("always")
+            trainer.evaluate()
+            trainer.predict(cast(Any, trainer.eval_dataset))
+        said = [str(w.message) for w in before if "torchinstruments" in str(w.message)]
+        assert said == [
+            "torchinstruments: HuggingFaceObserver: trainer.evaluate() ran before any "
+            "trainer.train() with this callback and was not observed: HuggingFaceObserver "
+            "observes trainer.train() (its training steps, and the evaluation inside it with "
+            "record_eval), so no run directory was written for it; call inject_observer(model, "
+            "...) and remove_observer(model) around it to record it"
+        ]
+        assert not run.exists()
+
+    trainer, calls = hf_train(tmp_path, callback, evaluate_first)
     state = (run / ".state.json").read_text(encoding="utf-8")
     trained = len(calls)
-    trainer.evaluate()
-    trainer.predict(cast(Any, trainer.eval_dataset))
+    with warnings.catch_warnings(record=True) as after:  # index.md says these
+        warnings.simplefilter("always")
+        trainer.evaluate()
+        trainer.predict(cast(Any, trainer.eval_dataset))
+    assert not [w for w in after if "torchinstruments" in str(w.message)]
     assert len(calls) == trained + 4  # 2 batches each: they did run the model ...
     assert (run / ".state.json").read_text(encoding="utf-8") == state  # ... unseen by the run
     lines = (run / "index.md").read_text(encoding="utf-8").splitlines()

@@ -148,6 +148,8 @@ class FitObservation:
         self._earlier = EarlierSteps()
         self._resume_step = 0
         self._checked_first_step = False
+        self._fits_started = 0  # fits this callback was told of (attached or not)
+        self._outside_said = False
 
     def observed_module(self, model: nn.Module) -> nn.Module:
         """The module to inject into: the trainer's model, or the part `module` names."""
@@ -208,6 +210,7 @@ class FitObservation:
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
+        self._fits_started += 1
         config = self.config
         if config.rank_policy == "rank0" and not main_process:
             return None
@@ -356,6 +359,20 @@ class FitObservation:
         return (
             f"{self.after_fit} after the fit run after the observer was removed: not observed, "
             "not counted."
+        )
+
+    def ran_outside_a_fit(self, call: str, fit: str, main_process: bool) -> None:
+        """The trainer's `call` (an evaluation, test or predict call) ran the model before any
+        `fit` of this callback: warn once, since nothing else would say so (no run exists; after a
+        fit, its index.md names such calls). The run is the fit's: they are not observed."""
+        if self._fits_started or self._outside_said or not main_process:
+            return
+        self._outside_said = True
+        warn(
+            f"torchinstruments: {self.owner}: {call} ran before any {fit} with this callback "
+            f"and was not observed: {self.owner} observes {fit} (its training steps, and the "
+            "evaluation inside it with record_eval), so no run directory was written for it; "
+            "call inject_observer(model, ...) and remove_observer(model) around it to record it"
         )
 
     def enter_setup(self) -> None:

@@ -14,6 +14,8 @@ Hooks, one line each:
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
+- `on_evaluate`, `on_predict`: an `evaluate()` or `predict()` before any `train()` with this
+  callback is not observed: a warning says so, once.
 
 Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
 wrap below; a forward in it under no_grad, as `generate()` runs, is evaluation's), and every
@@ -229,6 +231,27 @@ class HuggingFaceObserver(TrainerCallback):
     ) -> None:
         """After the first step: warn if no training forward called the model."""
         self._fit.check_first_step()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Before any train(): warn once that `trainer.evaluate()` ran unobserved."""
+        self._fit.ran_outside_a_fit(
+            "trainer.evaluate()", "trainer.train()", state.is_world_process_zero
+        )
+
+    def on_predict(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Before any train(): warn once that `trainer.predict()` ran unobserved."""
+        self._fit.ran_outside_a_fit(
+            "trainer.predict()", "trainer.train()", state.is_world_process_zero
+        )
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

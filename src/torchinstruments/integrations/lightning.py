@@ -23,6 +23,8 @@ Hooks, one line each:
   batch-norm update, whose training samples have no gradients and share one step (`_swa_note`).
 - `on_validation_start`: with `record_eval`, say once (a warning, index.md) when a validation
   of the fit runs between the micro-batches of an accumulated step (`_mid_step_note`).
+- `on_validation_start`, `on_test_start`, `on_predict_start`: a `trainer.validate()`, `test()`
+  or `predict()` before any fit with this callback is not observed: a warning says so, once.
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
@@ -284,6 +286,7 @@ class LightningObserver(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """With record_eval, say once when a validation of the fit starts between the
         micro-batches of an accumulated step: Lightning logs it under its samples' own step."""
+        self._outside_fit(trainer)
         observed = self._fit.observed
         if (
             observed is None
@@ -298,6 +301,22 @@ class LightningObserver(Callback):
         said = _mid_step_note(trainer.global_step)
         add_run_note(observed, said)
         warn(f"torchinstruments: LightningObserver: {said}")
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before any fit: warn once that `trainer.test()` runs unobserved."""
+        self._outside_fit(trainer)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before any fit: warn once that `trainer.predict()` runs unobserved."""
+        self._outside_fit(trainer)
+
+    def _outside_fit(self, trainer: Trainer) -> None:
+        """`trainer.validate()`, `test()` or `predict()` before any fit: said once."""
+        call = trainer.state.fn
+        if call is not None and call != "fit":
+            self._fit.ran_outside_a_fit(
+                f"trainer.{call.value}()", "trainer.fit()", trainer.is_global_zero
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in a checkpoint: the run directory, which a fit resumed from it continues."""

@@ -68,9 +68,10 @@ directory, e.g. `lightning_logs/version_0/torchinstruments`; `-2`, `-3`, ... whe
 resumed from a checkpoint continues the run the checkpoint names, even where the logger moved
 on to a new version directory; where that run is gone or this process cannot write it, or the
 checkpoint names none (saved without this callback), the last run under `trainer.log_dir` is
-continued (or one started there), and index.md and a warning name the checkpoint and its run. An explicit `output_dir` always wins. With a
-`TensorBoardLogger`, the focus histograms also go into it on `trainer.global_step`. With
-`rank_policy="rank0"` only the global-zero process attaches (`trainer.is_global_zero`).
+continued (or one started there), and index.md and a warning name the checkpoint and its run.
+An explicit `output_dir` always wins. With a `TensorBoardLogger`, the focus histograms also go
+into it on `trainer.global_step`. With `rank_policy="rank0"` only the global-zero process
+attaches (`trainer.is_global_zero`).
 
 What is observed: the LightningModule's calls are the root forwards, so `training_step` must
 call `self(x)`; a step that calls `self.net(x)` bypasses it. Pass `module="net"` to observe that

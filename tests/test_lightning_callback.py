@@ -159,7 +159,13 @@ def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step
         "LightningObserver: the first training step never called the observed Tiny, so no "
         "training forward is recorded"
     ) in index
-    assert "pass module='net' (the attribute your step calls)" in index
+    assert "pass module='net' (the attribute your step calls; its submodules: 'net')" in index
+    # The training steps ran, through the module's own part: never "the model was never called".
+    assert "the model was never called" not in index
+    assert (
+        "**No sample was recorded:** the trainer's training steps ran without calling the "
+        "model (the note above says which module to observe), so history.parquet has no rows"
+    ) in index
 
 
 class ValidatedDirect(Tiny):

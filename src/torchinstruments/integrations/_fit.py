@@ -65,6 +65,7 @@ from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
+from torchinstruments.rundir.unsampled import STEP_BYPASSED
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -420,11 +421,15 @@ class FitObservation:
             return
         trained = counts.root_forwards if counts.train_forwards is None else counts.train_forwards
         if trained == 0:
+            children = [repr(name) for name, _ in self.observed.named_children()]
+            shown = ", ".join(children[:8]) + (", ..." if len(children) > 8 else "")
+            its = f"; its submodules: {shown}" if children else ""
             said = (
-                f"the first training step never called the observed "
+                f"{STEP_BYPASSED} "
                 f"{type(self.observed).__name__}, so no training forward is recorded (a "
                 "training step that calls a submodule directly, e.g. self.net(x), bypasses it); "
-                "pass module='net' (the attribute your step calls) to observe that module instead"
+                f"pass module='net' (the attribute your step calls{its}) to observe that module "
+                "instead"
             )
             warn(f"torchinstruments: {self.owner}: {said}")
             add_run_note(self.observed, f"{self.owner}: {said}.")  # the run's reader sees why

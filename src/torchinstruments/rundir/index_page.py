@@ -300,8 +300,8 @@ def _section_gaps(state: RunState) -> list[str]:
         )
     elif counts is not None and run.layers and counts.samples == 0:
         lines.append(
-            f"**No sample was recorded:** {unsampled_sentence(counts)}, so history.parquet has "
-            "no rows and result.json no measurements."
+            f"**No sample was recorded:** {unsampled_sentence(counts, page_notes(state))}, so "
+            "history.parquet has no rows and result.json no measurements."
         )
     return [line for pair in zip(lines, [""] * len(lines), strict=True) for line in pair]
 

@@ -17,7 +17,18 @@ from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import Continuation
 from torchinstruments.rundir.ranges import plural, was_were
 
-__all__ = ["bypass_clause", "no_sample_warning", "passed_through", "unsampled_sentence"]
+__all__ = [
+    "STEP_BYPASSED",
+    "bypass_clause",
+    "no_sample_warning",
+    "passed_through",
+    "unsampled_sentence",
+]
+
+# The opening of a trainer callback's note that its training steps never called the observed
+# module (integrations/_fit.py): the counts then cannot tell the fit from a loop that never
+# called the model, the note can, and it is kept in the run's state with the counts.
+STEP_BYPASSED = "the first training step never called the observed"
 
 
 def passed_through(counts: RunCounts) -> str | None:
@@ -83,11 +94,12 @@ def bypass_clause(built_by: str) -> str:
     )
 
 
-def unsampled_sentence(counts: RunCounts) -> str:
+def unsampled_sentence(counts: RunCounts, notes: tuple[str, ...] = ()) -> str:
     """Why a removed run with selected layers holds no sample: what the observer saw, and what
     a trainer callback passed through unobserved. A model called only outside the training
     steps was called: it is never said to have been "never called", nor is a model whose
-    passed-through forwards nobody counted."""
+    passed-through forwards nobody counted, nor one whose fit's training steps bypassed it
+    (`STEP_BYPASSED`, in `notes`, the run's notes beside its counts': they ran its parts)."""
     passed = passed_through(counts)
     if counts.bypassed_by is not None and not counts.root_forwards:
         return bypass_clause(counts.bypassed_by)
@@ -97,6 +109,11 @@ def unsampled_sentence(counts: RunCounts) -> str:
         return seen if passed is None else f"{seen} ({passed})"
     if passed is not None:
         return f"no training forward called the model, and {passed}"
+    if any(STEP_BYPASSED in note for note in (*counts.notes, *notes)):
+        return (
+            "the trainer's training steps ran without calling the model (the note above says "
+            "which module to observe)"
+        )
     if counts.unobserved_eval_forwards is None or counts.unobserved_setup_forwards is None:
         return (
             "no root forward was seen (whether a trainer callback passed forwards through "

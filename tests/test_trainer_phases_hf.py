@@ -112,8 +112,13 @@ def test_huggingface_samples_training_forwards_only_on_the_global_step(tmp_path:
     history = read_history(tmp_path / "run")
     check_samples(history, training)
     assert set(history["mode"]) == {"train"}
-    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
-    assert "4 evaluation forwards inside the fit (sanity check, validation" in index
+    lines = (tmp_path / "run" / "index.md").read_text(encoding="utf-8").splitlines()
+    [note] = [line for line in lines if "4 evaluation forwards inside the fit" in line]
+    assert note.startswith(  # the Trainer's own words: no Lightning sanity check or validation
+        "**Note:** 4 evaluation forwards inside the fit (the evaluation the Trainer runs during "
+        "training: eval_strategy, eval_on_start: forwards outside a training step"
+    )
+    assert "sanity check" not in note
 
 
 def test_huggingface_record_eval_gives_eval_series_of_their_own(tmp_path: Path) -> None:

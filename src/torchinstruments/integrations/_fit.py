@@ -88,6 +88,7 @@ class FitObservation:
         after_fit: the trainer's calls that run the model after the fit, unobserved, as
             index.md names them (Lightning's `trainer.validate()`, `test()`, `predict()`).
         directory_name: the trainer's directory, as index.md names it (`trainer.log_dir`).
+        evaluations: the trainer's evaluations inside a fit, as index.md names them.
 
     Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
     sampler) as it was when the callback was built, so every fit starts its schedule afresh;
@@ -107,6 +108,7 @@ class FitObservation:
         *,
         after_fit: str = "evaluation, test or predict calls",
         directory_name: str = "the trainer's directory",
+        evaluations: str = "sanity check, validation, evaluation the trainer runs during training",
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -121,6 +123,7 @@ class FitObservation:
         self.owner = owner
         self.after_fit = after_fit
         self.directory_name = directory_name
+        self.evaluations = evaluations
         self.module = module
         self.explicit_dir = output_dir is not None
         check_option_names(owner, options)
@@ -264,9 +267,8 @@ class FitObservation:
             if self.eval_sampler is not None:
                 add_run_note(
                     self.observed,
-                    "evaluation forwards inside the fit (sanity check, validation, evaluation the "
-                    "trainer runs during training: every forward outside a training step but the "
-                    "fit's setup forwards, and those under no_grad inside a training step, which "
+                    f"evaluation forwards inside the fit ({self.evaluations}: every forward "
+                    "outside a training step but the fit's setup forwards, and those under no_grad inside a training step, which "
                     f"no backward follows, as generate()'s) are recorded as their own series "
                     f"({self.owner}, record_eval): sampled by {describe_sampler(self.eval_sampler)} "
                     "on the count of evaluation forwards, so they never move the training "
@@ -459,7 +461,7 @@ class FitObservation:
     def _note_fit_end(self, observed: nn.Module) -> None:
         """index.md at the fit's end: its evaluation and setup forwards, and the evaluations it
         repeated (the samples its TensorBoard logger left out are the sink's note at removal)."""
-        _note_evaluation(observed, self.owner, self.eval_sampler is not None, self._after_the_fit())
+        _note_evaluation(observed, self, self.eval_sampler is not None, self._after_the_fit())
         evaluations, self._evaluations = self._evaluations, None
         if evaluations is not None:
             said = repeated_evaluations(self._earlier, evaluations.counts(), self._resume_step)
@@ -484,7 +486,7 @@ class FitObservation:
             f"continues this run, and its {self.owner} removed this fit's observer when it started"
         )
         add_run_note(stale, said)
-        _note_evaluation(stale, self.owner, None, self._after_the_fit())
+        _note_evaluation(stale, self, None, self._after_the_fit())
         warn(f"torchinstruments: {self.owner}: {written}: {said}")
         remove_observer(stale)
 
@@ -509,11 +511,12 @@ class FitObservation:
 
 
 def _note_evaluation(
-    observed: nn.Module, owner: str, recording: bool | None, after_the_fit: str
+    observed: nn.Module, fit: FitObservation, recording: bool | None, after_the_fit: str
 ) -> None:
     """index.md: how many evaluation and setup forwards there were, and what became of them
-    (`recording`: whether record_eval recorded them; None: as the counts say, for another
-    callback's fit; `after_the_fit`: the sentence on the trainer's calls after the fit)."""
+    (`fit`: the callback's, for its name and its trainer's evaluations; `recording`: whether
+    record_eval recorded them; None: as the counts say, for another callback's fit;
+    `after_the_fit`: the sentence on the trainer's calls after the fit)."""
     counts = observed_counts(observed)
     if counts is None:
         return
@@ -530,11 +533,11 @@ def _note_evaluation(
         they, them = ("it takes", "it") if unobserved == 1 else ("they take", "them")
         add_run_note(
             observed,
-            f"{plural(unobserved, 'evaluation forward')} inside the fit (sanity check, "
-            "validation, evaluation the trainer runs during training: forwards outside a "
-            "training step, and those under no_grad inside a training step, which no backward "
-            f"follows, as generate()'s) {was_were(unobserved)} not observed: {they} no sample and "
-            f"forward_index does not count {them} ({owner}(record_eval=True) records "
+            f"{plural(unobserved, 'evaluation forward')} inside the fit ({fit.evaluations}: "
+            "forwards outside a training step, and those under no_grad inside a training step, "
+            f"which no backward follows, as generate()'s) {was_were(unobserved)} not observed: "
+            f"{they} no sample and forward_index does not count {them} "
+            f"({fit.owner}(record_eval=True) records "
             f"evaluation forwards as their own series). {after_the_fit}",
         )
     if setup:

@@ -153,6 +153,8 @@ class HuggingFaceObserver(TrainerCallback):
             record_eval,
             after_fit="trainer.evaluate() and trainer.predict() calls",
             directory_name="args.output_dir",
+            evaluations="the evaluation the Trainer runs during training: eval_strategy, "
+            "eval_on_start",
         )
         self._step_guard: TrainingStepMark | None = None
         # The running fit's `train()` frame (`_running_trainer`), its thread, and its global

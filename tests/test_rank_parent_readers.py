@@ -507,8 +507,9 @@ def test_compare_parent_warns_when_a_rank_ran_a_forward_the_others_did_not(
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == (
         "warning: the ranks sampled different root forwards: sample_id 1 is rank 0: "
-        "forward_index 1, step 10; rank 1: forward_index 1, step 0; from there on the same "
-        "sample_id may be a different step in each."
+        "forward_index 1, step 10, a training forward (a module in train mode, or grad enabled); "
+        "rank 1: forward_index 1, step 0, an evaluation forward (eval mode, grad disabled); "
+        "from there on the same sample_id may be a different step in each."
     )
 
 

@@ -221,27 +221,36 @@ def sampled_differently(
 
 
 # A sample_id that is a different root forward or step on some rank, and each rank's
-# (rank, forward_index, step) there.
-SampleApart = tuple[int, tuple[tuple[int, int, int | None], ...]]
+# (rank, forward_index, step, evaluation) there.
+SampleApart = tuple[int, tuple[tuple[int, int, int | None, bool], ...]]
 
 
 def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
     """The first sample_id whose forward_index or step differs across the ranks that have it
-    (a rank without a step differs from none), with each rank's values there; None where every
-    shared sample_id agrees.
+    (a rank without a step differs from none), or that is an evaluation forward on some ranks
+    and not on others, with each rank's values there; None where every shared sample_id agrees.
 
     Samplers that read the same on every rank can still sample different root forwards: the
     default clock-based one decides on each rank's own clock, and a rank that ran a forward
     the others did not (an extra evaluation batch) is a step apart from then on. Matched on
-    sample_id, ranks then compare different steps, which `compare PARENT` must say. Three
+    sample_id, ranks then compare different steps, which `compare PARENT` must say. Without
+    steps, a sampler on forward_index (`EveryNForwardsSampler`) takes the same forward_index
+    on every rank, so where a rank's extra forward was an evaluation only the rows tell it: a
+    sample is an evaluation forward where every row is eval mode with grad disabled (a
+    `torch.no_grad()` evaluation, a trainer's validation), never where a rank only froze some
+    modules (eval mode, grad on), so a pipeline stage of frozen layers is no evaluation. Five
     columns of each rank's history, one row per sample, streamed.
     """
 
     def read(files: list[RunFiles]) -> pl.DataFrame:
         frames = [
             scan_files(held, write_order=False)
-            .select("sample_id", "forward_index", "step")
-            .unique()
+            .group_by("sample_id")
+            .agg(
+                pl.col("forward_index").first(),
+                pl.col("step").first(),
+                ((pl.col("mode") == "eval") & ~pl.col("grad_enabled")).all().alias("evaluation"),
+            )
             .with_columns(rank=pl.lit(run.rank, pl.Int64))
             for run, held in zip(runs, files, strict=True)
         ]
@@ -254,26 +263,41 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
             pl.col("rank").n_unique().alias("ranks"),
             pl.col("forward_index").n_unique().alias("forwards"),
             pl.col("step").drop_nulls().n_unique().alias("steps"),  # set_step on rank 0 alone
+            pl.col("evaluation").n_unique().alias("kinds"),
         )
-        .filter(pl.col("ranks") > 1, (pl.col("forwards") > 1) | (pl.col("steps") > 1))
+        .filter(
+            pl.col("ranks") > 1,
+            (pl.col("forwards") > 1) | (pl.col("steps") > 1) | (pl.col("kinds") > 1),
+        )
     )
     if apart.is_empty():
         return None
     first: int = apart.select(pl.col("sample_id").min()).item()
     there = samples.filter(pl.col("sample_id") == first).sort("rank")
-    return first, tuple(there.select("rank", "forward_index", "step").iter_rows())
+    return first, tuple(there.select("rank", "forward_index", "step", "evaluation").iter_rows())
 
 
 def forwards_apart(apart: SampleApart) -> str:
     """The warning said first when one sampler took different root forwards on the ranks."""
     sample_id, there = apart
+    by_kind = len({evaluation for *_, evaluation in there}) > 1
     each = "; ".join(
         f"rank {rank}: forward_index {index}, step {'none' if step is None else step}"
-        for rank, index, step in there
+        + (_kind(evaluation) if by_kind else "")
+        for rank, index, step, evaluation in there
     )
-    by_forward = len({index for _, index, _ in there}) > 1
+    by_forward = len({index for _, index, _, _ in there}) > 1
     hint = " (--x forward_index matches them by root forward)" if by_forward else ""
     return (
         f"warning: the ranks sampled different root forwards: sample_id {sample_id} is {each}; "
         f"from there on the same sample_id may be a different step in each{hint}."
+    )
+
+
+def _kind(evaluation: bool) -> str:
+    """What a rank's sample was, where the ranks' samples differ in it."""
+    return (
+        ", an evaluation forward (eval mode, grad disabled)"
+        if evaluation
+        else ", a training forward (a module in train mode, or grad enabled)"
     )

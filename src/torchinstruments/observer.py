@@ -112,7 +112,7 @@ from torchinstruments.records import (
     SampleFacts,
     module_type,
 )
-from torchinstruments.rundir.attempts import Continuation
+from torchinstruments.rundir.attempts import UNREMOVED_NOTE, Continuation
 from torchinstruments.samples import (
     InFlight,
     Sample,
@@ -562,7 +562,8 @@ class Observer:
             self.sinks.removed_in_flight([*(s.sample_id for s in forwards), *backwards])
         cut_forwards = {s.sample_id for s in forwards}
         if waiting := [i for i in self.gradients.unreached if i not in cut_forwards]:
-            said = no_backward_before_removal_note(waiting, self.removed_after)
+            removed = not any(n.startswith(UNREMOVED_NOTE) for n in self.notes)
+            said = no_backward_before_removal_note(waiting, self.removed_after, removed=removed)
             self.notes.append(said)  # index.md
         root_module = self._root_ref() if self._root_ref is not None else None
         eager = eager_samples_note(root_module, self.counter.samples, self.called_compiled)

@@ -228,11 +228,16 @@ def _listed(sample_ids: list[int], word: str) -> str:
     return f"{len(sample_ids)} {word}s ({shown} and {len(sample_ids) - MAX_LISTED_IDS} more)"
 
 
-def no_backward_before_removal_note(sample_ids: list[int], exception: str | None = None) -> str:
+def no_backward_before_removal_note(
+    sample_ids: list[int], exception: str | None = None, *, removed: bool = True
+) -> str:
     """index.md's note on the samples whose backward had not reached any output at removal,
     while their outputs could still get one (`GradientRecorder.unreached`); `exception`: the
     run is removed because a trainer's fit raised it (the traceback keeps such outputs alive,
-    but the backward will never come: the exception cut the step between forward and backward)."""
+    but the backward will never come: the exception cut the step between forward and backward).
+    A run finished without remove_observer (`removed` False: at an exit an exception caused, a
+    rank whose step raised between its forward and its backward) was never removed, so the note
+    neither says it was nor advises removing later."""
     their = "its" if len(sample_ids) == 1 else "their"
     listed = _listed(sample_ids, "sample")
     if exception is not None:
@@ -242,6 +247,15 @@ def no_backward_before_removal_note(sample_ids: list[int], exception: str | None
             f"backward (the training step raised in its loss or its backward), so "
             f"{'it has' if len(sample_ids) == 1 else 'they have'} output rows and no "
             "output_gradient rows: a step that did not complete"
+        )
+    if not removed:
+        it, them = ("it has", "it") if len(sample_ids) == 1 else ("they have", "them")
+        return (
+            f"{listed}: no gradient had reached {their} outputs when "
+            "the run was finished without remove_observer, and they could still receive one "
+            f"(their autograd graph was alive): {it} output rows and no output_gradient rows, "
+            f"with nothing else to mark {them} (a forward whose outputs are kept but never "
+            "backpropagated reads the same)"
         )
     return (
         f"{listed}: no gradient had reached {their} outputs when "

@@ -7,6 +7,7 @@ DIR_B` in its text under each run's tag, `plot DIR` and `heatmap DIR` on stderr.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 from test_rank_parent_readers import observe_rank
@@ -86,3 +87,24 @@ def test_every_reader_says_the_notes_of_a_parents_ranks_once_per_note_and_of_one
     lines = done.stdout.splitlines()
     assert lines[lines.index("A notes: 1, in full at the top of index.md:") + 1] == f"- {SHARED}"
     assert lines[lines.index("B " + own[0]) :][: len(own)] == ["B " + own[0], *own[1:]]
+
+
+def test_the_parents_page_says_a_rank_finished_without_remove_observer(tmp_path: Path) -> None:
+    """A rank whose run was finished without remove_observer (its step raised and the run was
+    finished at its exit, or here its model was collected) is complete, as its own index.md
+    says, and the parent's page says how it was finished: "complete" alone read as a rank
+    that ran to its end, with nothing on the page to tell it from one."""
+    parent = tmp_path / "stats"
+    observe_rank(parent, 0)
+    model = observe_rank(parent, 1, remove=False)
+    del model
+    gc.collect()  # the finalizer finishes rank 1's run, with its note
+    assert "the run was finished when the observed model was" in (
+        parent / "rank-001" / "index.md"
+    ).read_text(encoding="utf-8")
+    page = (parent / "index.md").read_text(encoding="utf-8")
+    rows = [line for line in page.splitlines() if line.startswith(("| 0 ", "| 1 "))]
+    assert rows == [
+        "| 0 | `rank-000/` | complete | 3 | 3 |",
+        "| 1 | `rank-001/` | complete; finished without remove_observer (see its note) | 3 | 3 |",
+    ]

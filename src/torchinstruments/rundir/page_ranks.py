@@ -49,7 +49,7 @@ import datetime
 import re
 from pathlib import Path
 
-from torchinstruments.rundir.attempt_ends import attempts_said
+from torchinstruments.rundir.attempt_ends import attempts_said, last_finished
 from torchinstruments.rundir.attempt_starts import first_attempt_apart
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
@@ -303,9 +303,13 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     parts left out: a rank with partial samples never reads as plainly complete here. A rank
     not finished is told by its run lock, as `finalize` tells it (`lock.writer_ended`). A rank
     restarted into its directory says how each attempt ended, as `show` does (`attempts_said`):
-    its state alone names only how the earlier ones did."""
+    its state alone names only how the earlier ones did. A rank of one attempt finished without
+    remove_observer (its step raised, and the run was finished at its process's exit) says so,
+    as its own index.md's note does: "complete" alone read as a job that ran to its end."""
     attempts = attempts_said(state, directory)
     attempts = f"; attempts: {attempts}" if attempts else ""
+    if len(state.attempts) == 1 and last_finished(state) != "removed":
+        attempts = f"; {last_finished(state)}"
     if state.status is Status.IN_PROGRESS:
         return _open_cell(writer_ended(directory), state.removal_step) + attempts
     cell = state.status.value + attempts

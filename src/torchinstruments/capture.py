@@ -55,7 +55,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from types import MethodType
+from types import CodeType, MethodType
 from typing import Any
 
 import wrapt
@@ -64,6 +64,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchinstruments._torch_internals import (
     called_through_module_call,
+    caller_of_code_is_module_call,
     layer_by_layer,
     pickled_for_a_new_process,
     ran_by_a_backward,
@@ -94,6 +95,7 @@ __all__ = [
     "Proxies",
     "WarnOnce",
     "Wrapper",
+    "by_module_call",
     "forward_is_property",
     "install_proxy",
     "left_in_place_note",
@@ -542,6 +544,24 @@ class LayerCapture:
         """`train` or `eval`, read from the module at call time."""
         module = self.module_ref()
         return "train" if module is None or module.training else "eval"
+
+
+def by_module_call(root_ref: Callable[[], nn.Module | None] | None) -> bool:
+    """Whether the root forward now starting came through `nn.Module.__call__` (for
+    capture_direct_forwards=False; `root_ref`: the root's weak reference): the root proxy's
+    caller, or, where the root's `forward` is no longer the proxy but calls it (one rebuilt from
+    the proxy's `__func__`, rebuilt_forwards.py; a wrapper the user set after inject), that
+    forward's own caller. Called by the observer's classification of a root call."""
+    # called_through_module_call, by_module_call, _begin_root_forward, on_root_call: the
+    # proxy's caller is at depth 4 (wrapt's frames, where it has any, skipped).
+    if called_through_module_call(4):
+        return True
+    root = root_ref() if root_ref is not None else None
+    forward = None if root is None else root.__dict__.get("forward")
+    if forward is None or type(forward) is ForwardProxy:  # the proxy: called directly
+        return False
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return isinstance(code, CodeType) and caller_of_code_is_module_call(code)
 
 
 def left_in_place_note(forwards: tuple[str, ...]) -> str:

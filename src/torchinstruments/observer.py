@@ -64,21 +64,18 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from types import CodeType
 from typing import Any
 
 from torch import nn
 
 from torchinstruments import forks, reasons
 from torchinstruments._torch_internals import (
-    called_through_module_call,
-    caller_of_code_is_module_call,
     is_tracing,
     ran_by_a_backward,
     running,
 )
 from torchinstruments._torch_internals.dynamo import called_within
-from torchinstruments.capture import ForwardProxy, LayerCapture, Proxies, left_in_place_note
+from torchinstruments.capture import LayerCapture, Proxies, by_module_call, left_in_place_note
 from torchinstruments.compilation import (
     CompiledCalls,
     ForwardEntry,
@@ -339,7 +336,8 @@ class Observer:
                     "forked", forks.forked_child_message(self._parent_pid, self.directory)
                 )
             return _PASS_THROUGH
-        if is_tracing() or (not self.capture_direct_forwards and not self._by_module_call()):
+        direct = not self.capture_direct_forwards and not by_module_call(self._root_ref)
+        if is_tracing() or direct:
             return _PASS_THROUGH
         local = self._local
         if getattr(local, "depth", 0) > 0:
@@ -371,21 +369,6 @@ class Observer:
             release(held)
             raise
         return local.sample
-
-    def _by_module_call(self) -> bool:
-        """Whether this root forward came through `nn.Module.__call__` (for
-        capture_direct_forwards=False): the proxy's caller, or, where the root's `forward` is
-        no longer the proxy but calls it (one rebuilt from the proxy's `__func__`,
-        rebuilt_forwards.py; a wrapper the user set after inject), that forward's own caller."""
-        # _begin_root_forward, on_root_call, the proxy, and the proxy's caller: depth 4 here.
-        if called_through_module_call(4):
-            return True
-        root = self._root_ref() if self._root_ref is not None else None
-        forward = None if root is None else root.__dict__.get("forward")
-        if forward is None or type(forward) is ForwardProxy:  # the proxy: called directly
-            return False
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-        return isinstance(code, CodeType) and caller_of_code_is_module_call(code)
 
     def _run_sample(
         self, sample: Sample, wrapped: Callable[..., Any], args: tuple, kwargs: dict

@@ -13,6 +13,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.sampling import read_step
 
 from conftest import mlp, read_history
 
@@ -112,3 +113,19 @@ def test_a_sampler_that_cannot_be_shown_in_its_warning_still_leaves_the_step_uns
         model(torch.randn(2, 8))
     remove_observer(model)
     assert read_history(run_dir).height == 0
+
+
+def test_a_step_source_whose_error_cannot_be_shown_gives_a_null_step_and_a_warning() -> None:
+    """A trainer's step source that raises an error whose repr raises: the sample's step is
+    null and the warning names the error by its type (quoting it raised in the user's step)."""
+
+    def source() -> int:
+        raise ValueError(Unshowable())
+
+    said: list[str] = []
+    step = read_step(source, 7, lambda key, message: said.append(message))
+    assert step is None
+    assert said == [
+        "reading the step for the step column failed: ValueError(its message could not be read)"
+        "; it is null"
+    ]

@@ -398,7 +398,7 @@ def _stopped(
     reason = run.stop(sample_id, error)
     warn(
         "global",
-        f"global statistics of a sample failed: {error!r}; they stopped (from sample "
+        f"global statistics of a sample failed: {shown(error)}; they stopped (from sample "
         f"{sample_id} on, every globally measured tensor's rows are null with the reason, and no "
         "rank waits in the library's collectives again): a collective of the library failed, "
         "or no other rank came to it within its wait (a rank whose data ran out, or that met "

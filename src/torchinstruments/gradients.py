@@ -159,7 +159,7 @@ Mark = Callable[[SampleFacts], Measurement]
 
 def _not_written(error: Exception) -> str:
     """The failure of handing a backward pass's gradient records to the sinks."""
-    return f"recording gradients failed: {error!r}; those gradient rows are not written"
+    return f"recording gradients failed: {shown(error)}; those gradient rows are not written"
 
 
 # What index.md (and one warning) says when a backward pass batched its gradients over cotangents.

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from torch import nn
 
 from torchinstruments.compilation import named_modules_uncompiled
+from torchinstruments.notices import shown
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import LayerInfo
 from torchinstruments.rundir.ranges import listed
@@ -77,7 +78,7 @@ class ModelAtInject:
             return self._changes(root)
         except Exception as error:
             return (
-                f"comparing the model with the modules inject_observer saw failed ({error!r}): "
+                f"comparing the model with the modules inject_observer saw failed ({shown(error)}): "
                 "modules added, moved or taken out of the model after inject, if any, are not "
                 "named here"
             )

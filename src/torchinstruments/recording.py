@@ -148,7 +148,7 @@ class Recording:
             except Exception as error:
                 self.failed_once(
                     "emit_forward",
-                    f"recording a sample failed: {error!r}; some or all of sample "
+                    f"recording a sample failed: {shown(error)}; some or all of sample "
                     f"{sample.sample_id}'s output rows are not written",
                 )
         # After the transfer has waited (loss_scale.py); outside `apart`, which hides autocast.

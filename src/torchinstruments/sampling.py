@@ -202,7 +202,9 @@ def read_step(
         value = source()
         return None if value is None else operator.index(value)  # type: ignore[arg-type]
     except Exception as error:
-        warn_once("step", f"reading the step for the step column failed: {error!r}; it is null")
+        warn_once(
+            "step", f"reading the step for the step column failed: {shown(error)}; it is null"
+        )
         return None
 
 

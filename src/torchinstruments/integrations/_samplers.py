@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+from torchinstruments.notices import shown
 from torchinstruments.sampling import check_sampler
 
 __all__ = ["evaluation_sampler", "fresh_sampler", "pristine_copy"]
@@ -33,7 +34,7 @@ def evaluation_sampler(owner: str, record_eval: object, sampler: object) -> obje
         except Exception as error:
             raise TypeError(
                 f"{owner}: record_eval=True samples evaluation forwards with a copy of the "
-                f"sampler, and {sampler!r} cannot be copied ({error!r}); pass "
+                f"sampler, and {sampler!r} cannot be copied ({shown(error)}); pass "
                 "record_eval=<a Sampler for evaluation forwards> instead"
             ) from None
     try:

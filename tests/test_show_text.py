@@ -161,7 +161,8 @@ def test_control_characters_in_layer_names_are_escaped_in_text_and_kept_in_csv(
     tmp_path: Path,
 ) -> None:
     """A newline in a name would split its row, a carriage return or an escape rewrite the
-    screen: the text views write them as Python escapes; csv keeps the names as they are."""
+    screen: the text views write such a name as its Python string literal; csv keeps the names
+    as they are."""
     torch.manual_seed(0)
     model = ControlNames()
     inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
@@ -173,7 +174,7 @@ def test_control_characters_in_layer_names_are_escaped_in_text_and_kept_in_csv(
         pl.col("metric") == "mean", pl.col("signal") == "output"
     )
     for name in CONTROL_NAMES:
-        shown = "d." + name.encode("unicode_escape").decode("ascii")
+        shown = repr(f"d.{name}")  # its Python literal, as index.md writes it
         (value,) = history.filter(pl.col("layer") == f"d.{name}")["value"].to_list()
         assert row_of(lines, shown)[:2] == ["Linear", f"{value:.4g}"]
     for command in ("show", "compare"):

@@ -77,7 +77,6 @@ from torchinstruments.cli.text import (
     notes_lines,
     number,
     plural,
-    printable,
     render_frame,
     series_name,
     series_table,
@@ -85,6 +84,7 @@ from torchinstruments.cli.text import (
     signal_short,
 )
 from torchinstruments.rundir.ranges import listed
+from torchinstruments.rundir.shell import literal_if_unclear
 
 # The text view's most lines of series that stop or start in one run, unless --all (its most
 # series: `text.TEXT_SERIES`).
@@ -310,7 +310,7 @@ def _absent_notes(c: Comparison) -> list[str]:
         )
         only = by_layer.filter(pl.col("mine") > 0, pl.col("other") == 0)["layer"].to_list()
         if only:
-            names = listed([printable(name or "<root>") for name in only])
+            names = listed([literal_if_unclear(name) or "<root>" for name in only])
             out.append(
                 f"only in {tag} ({plural(len(only), 'layer')}, no row in the other run): {names}."
             )

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import polars as pl
 
-from torchinstruments.cli.text import printable
 from torchinstruments.records import RunInfo
 from torchinstruments.rundir.ranges import listed, ranges
+from torchinstruments.rundir.shell import literal_if_unclear
 
 __all__ = [
     "LISTED",
@@ -54,8 +54,8 @@ def said(mixed: Mixed, place: Callable[[Sequence[object]], str]) -> str:
     `mixed` with each type and where it is (`place` words the ranks or runs)."""
     names = list(mixed)
     each = [
-        f"{printable(layer or '<root>')} ("
-        + "; ".join(f"{t} {place(at)}" for t, at in mixed[layer].items())
+        f"{literal_if_unclear(layer) or '<root>'} ("
+        + "; ".join(f"{literal_if_unclear(t)} {place(at)}" for t, at in mixed[layer].items())
         + ")"
         for layer in names
     ]

@@ -18,6 +18,7 @@ import polars as pl
 from torchinstruments.cli.reader import RunFacts, metric_order
 from torchinstruments.cli.text import number, table
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
+from torchinstruments.rundir.shell import literal_if_unclear
 
 OVERVIEW_TENSORS = 60
 _SHORT = {OUTPUT: "out", OUTPUT_GRADIENT: "grad"}
@@ -90,7 +91,7 @@ def overview_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[st
                     continue
                 rows.append(
                     [
-                        "" if named else module_type,
+                        "" if named else literal_if_unclear(module_type),
                         _SHORT[signal] + ("" if mode == "train" else f" [{mode}]"),
                         str(r["tensors"]),
                         str(r["null"]),

@@ -52,7 +52,7 @@ import polars as pl
 from torchinstruments.cli.reader import TENSOR_KEY, RunFacts, layer_order, metric_order
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
-from torchinstruments.rundir.shell import MATPLOTLIB_INSTALL
+from torchinstruments.rundir.shell import MATPLOTLIB_INSTALL, literal_if_unclear
 
 __all__ = [
     "DEFAULT_MAX_TENSORS",
@@ -214,10 +214,13 @@ def literal(text: str) -> str:
 
 
 def _labels(keys: list[tuple[str, int, str, str]], rows: pl.DataFrame) -> list[str]:
-    """Legend labels: the tensor and its module type, e.g. `3[0] (LSTM)`."""
+    """Legend labels: the tensor and its module type, e.g. `3[0] (LSTM)` (each written as
+    `tensor_label` writes a name)."""
     calls = set(rows.filter(pl.col("call_index") > 0)["layer"].to_list())
     types = dict(rows.select("layer", "module_type").unique("layer").iter_rows())
-    return [f"{tensor_label(*k, calls=k[0] in calls)} ({types[k[0]]})" for k in keys]
+    return [
+        f"{tensor_label(*k, calls=k[0] in calls)} ({literal_if_unclear(types[k[0]])})" for k in keys
+    ]
 
 
 TensorKey = tuple[str, int, str, str]  # layer, call_index, tensor_path, mode

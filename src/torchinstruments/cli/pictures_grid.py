@@ -42,6 +42,7 @@ from torchinstruments.cli.pictures import literal, matplotlib_missing, shorten
 from torchinstruments.cli.reader import RunFacts, layer_order
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.records import SIGNALS
+from torchinstruments.rundir.shell import literal_if_unclear
 
 __all__ = [
     "ABSENT_COLOUR",
@@ -304,7 +305,7 @@ def row_ticks(grid: Grid, noun: str = "tensor") -> tuple[list[float], list[str],
     n = len(grid.tensors)
     calls = {t[0] for t in grid.tensors if t[1] > 0}
     labels = [
-        f"{tensor_label(*t, calls=t[0] in calls)} ({m})"
+        f"{tensor_label(*t, calls=t[0] in calls)} ({literal_if_unclear(m)})"
         for t, m in zip(grid.tensors, grid.module_types, strict=True)
     ]
     if n <= LABEL_ROWS:

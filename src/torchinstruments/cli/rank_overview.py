@@ -20,6 +20,7 @@ import polars as pl
 from torchinstruments.cli.overview import OVERVIEW_TENSORS, type_table
 from torchinstruments.cli.text import number, plural, signal_short
 from torchinstruments.records import SIGNALS
+from torchinstruments.rundir.shell import literal_if_unclear
 
 __all__ = ["PARENT_ROWS", "grouped_spread", "spread_rows"]
 
@@ -76,7 +77,7 @@ def grouped_spread(frame: pl.DataFrame, read: int, width: int) -> list[str]:
                 continue
             rows.append(
                 [
-                    "" if module_type in named else module_type,
+                    "" if module_type in named else literal_if_unclear(module_type),
                     signal_short(signal) + ("" if mode == "train" else f" [{mode}]"),
                     at,
                     str(r["tensors"]),

@@ -33,6 +33,7 @@ from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, SIGNALS
 from torchinstruments.rundir.attempt_ends import attempts_said
 from torchinstruments.rundir.attempts import sampler_line
 from torchinstruments.rundir.layout import INDEX_FILE
+from torchinstruments.rundir.shell import literal_if_unclear
 
 
 def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
@@ -116,7 +117,7 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
                 key,
                 [
                     tensor_label(*key, calls=r["layer"] in calls),
-                    r["module_type"],
+                    literal_if_unclear(r["module_type"]),
                     *(["-"] * (3 * len(signals))),
                 ],
             )

@@ -27,7 +27,7 @@ import polars as pl
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
-from torchinstruments.rundir.shell import table_cell
+from torchinstruments.rundir.shell import literal_if_unclear, table_cell
 
 NUMBER_WIDTH = 10
 # A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
@@ -62,24 +62,20 @@ def notes_lines(notes: Sequence[str]) -> list[str]:
     return lines
 
 
-def printable(text: str) -> str:
-    """`text` with each character a terminal would act on instead of show (a newline, tab,
-    carriage return or escape in a `nn.ModuleDict` key) written as its Python escape (`\\n`,
-    `\\t`, `\\x1b`), so a name stays on its row and cannot rewrite the screen; the machine
-    formats keep names as they are."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def tensor_label(
     layer: str, call_index: int, tensor_path: str, mode: str = "train", *, calls: bool
 ) -> str:
     """How every command names a tensor: `layer` (`<root>` for the root), `layer#call` for
     layers called several times (`calls`), the tensor path, then ` [eval]` for an eval series
-    (a series of its own: never averaged with the train one); `printable`."""
+    (a series of its own: never averaged with the train one).
+
+    The name before ` [eval]` is written as index.md writes a layer's (`literal_if_unclear`):
+    its Python string literal where it holds a character that is not printable (a line break
+    would split its row, a carriage return or an escape rewrite the screen) or begins with a
+    quote, so that `'a\\nb'` (a line break) and `a\\nb` (a backslash and an `n`) never read
+    alike; the machine formats keep names as they are."""
     name = (layer or "<root>") + (f"#{call_index}" if calls else "") + tensor_path
-    return printable(name + ("" if mode == "train" else f" [{mode}]"))
+    return literal_if_unclear(name) + ("" if mode == "train" else f" [{mode}]")
 
 
 def several_calls(frame: pl.DataFrame) -> set[str]:
@@ -302,7 +298,6 @@ __all__ = [
     "notes_lines",
     "number",
     "plural",
-    "printable",
     "render_frame",
     "series_name",
     "series_table",

@@ -1,0 +1,167 @@
+"""Layer names, tensor paths and module types that hold a line break, a tab, a carriage return,
+an escape, a `|` or a leading quote, in every output format of `show` and `compare`.
+
+Why: modules can be named anything (`add_module("a\\nb", ...)`), a tensor path holds a dict key,
+a class any name. csv and json must give the exact texts back to a script; the text view and
+markdown must keep each tensor on one row and write such a name so that it reads as one name
+only: index.md's rule (`rundir.shell.literal_if_unclear`), its Python string literal where it
+holds a character that is not printable or begins with a quote, so that a name holding a line
+break (`'a\\nb'`) never reads as one holding a backslash and an `n` (`a\\nb`). The expected
+texts are written out here, not computed by the library.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from conftest import cli_in_process
+
+# Layer name -> how the text views write it (markdown: the same, each `|` as `\|`).
+SHOWN = {
+    "new\nline": r"'new\nline'",
+    "back\\nslash": r"back\nslash",  # a backslash and an n: the name as it is
+    "tab\tx": r"'tab\tx'",
+    "cr\rx": r"'cr\rx'",
+    "esc\x1b[2J": r"'esc\x1b[2J'",
+    "bar|x": "bar|x",
+    "'quoted": '"\'quoted"',
+    "plain": "plain",
+}
+GONE = "only\nA"  # a layer run A has and run B lacks
+# The dict-output layer's tensors: a string key is written by its repr in the tensor path
+# (`['k\\nx']`), and the tensor's name, holding the layer's line break, as its literal.
+DICT_SHOWN = [r'''"dict\nout['k\\nx']"''', r'''"dict\nout['k|y']"''']
+ODD_TYPE = type("Odd\nType", (nn.Linear,), {})  # a class can be named anything too
+
+
+class DictOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"k\nx": x * 2, "k|y": x + 1}
+
+
+class OddNames(nn.Module):
+    """A layer per name of SHOWN (and GONE), chained, one of type ODD_TYPE, then DictOut."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.names = names
+        for name in names:
+            self.add_module(name, ODD_TYPE(2, 2) if name == "plain" else nn.Linear(2, 2))
+        self.add_module("dict\nout", DictOut())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.names:
+            x = self._modules[name](x)  # type: ignore[misc]
+        return sum(v.sum() for v in self._modules["dict\nout"](x).values())  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Run A (every name and GONE) and run B (every name), two samples each."""
+    made = []
+    for tag, names in (("a", [*SHOWN, GONE]), ("b", list(SHOWN))):
+        torch.manual_seed(0)
+        model = OddNames(names)
+        directory = tmp_path_factory.mktemp("odd") / tag
+        inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+        for _ in range(2):
+            model(torch.randn(1, 2)).backward()
+        remove_observer(model)
+        made.append(directory)
+    return made[0], made[1]
+
+
+def command(name: str, runs: tuple[Path, Path], *options: str) -> str:
+    """`show A` or `compare A B` with the mean of outputs, its stdout."""
+    dirs = runs[:1] if name == "show" else runs
+    done = cli_in_process(name, *dirs, "--metrics", "mean", "--signal", "output", *options)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def tensors(run: Path) -> set[tuple[str, str, str]]:
+    """(layer, tensor_path, module_type) of every output mean in `run`'s history."""
+    history = pl.read_parquet(run / "history.parquet").filter(
+        pl.col("metric") == "mean", pl.col("signal") == "output"
+    )
+    return set(history.select("layer", "tensor_path", "module_type").iter_rows())
+
+
+@pytest.mark.parametrize("name", ["show", "compare"])
+def test_csv_and_json_give_back_every_name_exactly(name: str, runs: tuple[Path, Path]) -> None:
+    want = tensors(runs[0])  # compare: B's, and GONE's, absent in B
+    text = command(name, runs, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    got = {(r["layer"], r["tensor_path"], r["module_type"]) for r in rows}
+    assert got == want
+    assert len(rows) == len(got)
+    rows = json.loads(command(name, runs, "--format", "json"))["rows"]
+    got = {(r["layer"], r["tensor_path"], r["module_type"]) for r in rows}
+    assert got == want
+    assert len(rows) == len(got)
+
+
+def read_cell(cell: str) -> str:
+    """A markdown cell read back: each `\\|` a `|`, then a text that begins with a quote is a
+    Python string literal."""
+    text = cell.replace("\\|", "|")
+    return ast.literal_eval(text) if text.startswith(("'", '"')) else text
+
+
+@pytest.mark.parametrize("name", ["show", "compare"])
+def test_markdown_keeps_a_row_per_tensor_and_its_names_read_back(
+    name: str, runs: tuple[Path, Path]
+) -> None:
+    lines = command(name, runs, "--format", "markdown").splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c[1:-1] for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+    assert all(len(cells) == len(header) for cells in rows), lines
+    got = [
+        tuple(read_cell(cells[header.index(c)]) for c in ("layer", "tensor_path", "module_type"))
+        for cells in rows
+    ]
+    assert len(set(got)) == len(got)
+    assert set(got) == tensors(runs[0])
+    for layer, shown in SHOWN.items():
+        assert sum(cells[0] == shown.replace("|", "\\|") for cells in rows) == 1, layer
+
+
+def first_cells(text: str) -> list[str]:
+    """The first cell of each row of the text view's tables: the lines under a `---` line, up
+    to a blank one, whose cells are two spaces apart (not the notes below a table)."""
+    cells, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("---"):
+            inside = True
+        elif not line.strip():
+            inside = False
+        elif inside and len(row := re.split(r"\s{2,}", line)) > 2:
+            cells.append(row[0])
+    return cells
+
+
+@pytest.mark.parametrize("name", ["show", "compare"])
+def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
+    name: str, runs: tuple[Path, Path]
+) -> None:
+    text = command(name, runs, "--width", "200")
+    assert not re.search(r"[\t\r\x1b]", text)
+    want = [*SHOWN.values(), *DICT_SHOWN, r"'only\nA'"]  # compare: A's series, B absent
+    assert sorted(first_cells(text)) == sorted(want)
+    if name == "show":  # the module type's column, on plain's row
+        (row,) = [line for line in text.splitlines() if line.startswith("plain ")]
+        assert row.split()[1] == r"'Odd\nType'"
+    else:  # the layer only one run has
+        assert r"only in A (1 layer, no row in the other run): 'only\nA'." in text

@@ -12,11 +12,15 @@ imported torch, `_forked`).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -39,25 +43,39 @@ STEPS = 3
 
 def child_main(directory: Path, killed_at: str) -> None:
     """Run STEPS sampled steps into `directory` and remove the observer, SIGKILLed as the
-    finish calls `killed_at` (a function `rundir.finish` calls)."""
+    finish calls `killed_at` (a function `rundir.finish` calls). A point named `AT_EXIT`:
+    rank 1 of 2 of a torchrun job (rank_policy="all") that never calls remove_observer; the
+    run's finish at the process's exit is cut by a SIGTERM, as torchrun stops the ranks left
+    when one dies."""
     from torchinstruments.rundir import finish
 
-    def killed(*args: object, **kwargs: object) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+    at_exit = killed_at == AT_EXIT
+    sent = signal.SIGTERM if at_exit else signal.SIGKILL
 
-    setattr(finish, killed_at, killed)
+    def killed(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), sent)
+
+    setattr(finish, "merge_history" if at_exit else killed_at, killed)
+    os.environ.update({"RANK": "1", "WORLD_SIZE": "2"} if at_exit else {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
-    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampler=EveryNForwardsSampler(1),
+        rank_policy="all" if at_exit else "rank0",
+    )
     for step in range(STEPS):
         model(torch.full((2, 3), float(step + 1))).sum().backward()
-    remove_observer(model)
+    if not at_exit:
+        remove_observer(model)
 
 
 KILLS = [
     ("merge_history", "merging history.parts/ into history.parquet"),
     ("write_result", "writing result.json"),
 ]
+AT_EXIT = "merge_history_at_exit"  # the finish at the exit without remove_observer, cut
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +83,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, in
     """Each kill point's child, forked from one process (`_forked`), into `root/<point>/run`;
     their exit statuses."""
     root = tmp_path_factory.mktemp("killed")
-    return root, run_forked(__file__, root, [killed_at for killed_at, _ in KILLS])
+    return root, run_forked(__file__, root, [*(killed_at for killed_at, _ in KILLS), AT_EXIT])
 
 
 @pytest.mark.parametrize(("killed_at", "doing"), KILLS)
@@ -113,6 +131,88 @@ def test_a_process_killed_during_removal_is_said_killed_during_removal(
     assert (
         "state: complete (remove_observer did not finish the run: its process was killed" in shown
     )
+
+
+def test_a_finish_at_exit_without_remove_observer_cut_by_sigterm_is_said_so_everywhere(
+    killed: tuple[Path, dict[str, int]],
+) -> None:
+    from test_rank_parent_readers import observe_rank
+
+    root, codes = killed
+    parent = root / AT_EXIT / "run"
+    directory = parent / "rank-001"
+    assert codes[AT_EXIT] == -signal.SIGTERM, stderr_of(root, AT_EXIT)
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert (state["status"], state["removal_step"]) == ("in progress", "history.parquet")
+    finishing = "the run's finish at the process's exit (without remove_observer)"
+    doing = "merging history.parts/ into history.parquet"
+    # the rank's own page, written as the finish began (its last flush), and its status query
+    assert (
+        f"**State: in progress.** Being finished: as this page was written, {finishing} was "
+        "writing its last rows to history.parts/"
+    ) in page_prose(directory)
+    assert _status_query(directory) == (
+        f"status: interrupted during {finishing}: no process holds the run's lock (killed or "
+        "crashed); finalize completes it"
+    )
+    said = " ".join(run_cli("show", directory).stdout.split())
+    assert f"state: interrupted during {finishing}, while {doing}: no process holds" in said
+    # the parent's page, rewritten as rank 0 finishes, and its rank query
+    observe_rank(parent, 0)
+    page = (parent / "index.md").read_text("utf-8").splitlines()
+    assert (
+        f"| 1 | `rank-001/` | not finished: its process ended during {finishing}, while {doing} "
+        "(killed or crashed) | - | - |"
+    ) in page
+    blocks = re.findall(r"^```python\n(.*?)^```", "\n".join(page) + "\n", re.M | re.S)
+    scope: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(blocks[0], scope)
+    assert scope["rank_state"](directory, scope["state_of"](directory)) == (
+        f"not finished: its process ended during {finishing} (killed or crashed)"
+    )
+    everywhere = " ".join([said, *page, run_cli("show", parent).stdout])
+    assert "during remove_observer" not in everywhere
+
+    finalized = run_cli("finalize", directory)
+    assert finalized.returncode == 0, finalized.stderr
+    # one note, in place of "the run was finished at the process's exit": never beside it
+    note = (
+        "remove_observer was not called: the run was being finished at the process's exit; that "
+        f"finish did not complete: its process was killed or crashed while {doing} (or that "
+        "finish gave the write up on a file system that stopped answering); every row it "
+        "recorded had reached history.parts/ or the loss ledger before, and `finalize` "
+        "completed the run from the counts that finish had written"
+    )
+    assert f"state: complete ({note})" in " ".join(finalized.stdout.split())
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    assert (state["status"], state["notes"], state["counts"]["notes"]) == (
+        "complete",
+        [note],
+        [note],
+    )
+    assert f"{STEPS} root forwards, {STEPS} samples, {STEPS} with output gradients" in (
+        finalized.stdout
+    )
+    prose = page_prose(directory)
+    assert "**State: complete.**" in prose
+    assert f"**Note:** {note}" in prose
+    assert "remove_observer did not finish" not in prose
+    assert "the run was finished" not in prose
+    shown = " ".join(run_cli("show", directory).stdout.split())
+    assert "state: complete (remove_observer was not called: the run was being finished" in shown
+
+
+def _status_query(directory: Path) -> str:
+    """What index.md's status query prints (its setup block, then the status block)."""
+    page = (directory / "index.md").read_text("utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.M | re.S)
+    scope: dict[str, Any] = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(blocks[0], scope)
+        exec(next(b for b in blocks if 'print("status:"' in b), scope)
+    return printed.getvalue().splitlines()[0]
 
 
 if __name__ == "__main__":

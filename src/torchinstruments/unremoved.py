@@ -20,6 +20,7 @@ import weakref
 from typing import Protocol
 
 from torchinstruments.rundir.attempts import UNREMOVED_NOTE
+from torchinstruments.rundir.cut_finish import AT_EXIT, COLLECTED
 
 __all__ = ["finalize_unremoved", "unremoved_note"]
 
@@ -64,12 +65,12 @@ def unremoved_note(exiting: bool) -> str:
     """index.md's note on a run finished without `remove_observer` (`exiting`: at the exit)."""
     if not exiting:
         return (
-            f"{UNREMOVED_NOTE}: the run was finished when the observed model was "
-            "garbage collected; it holds the samples taken until then."
+            f"{UNREMOVED_NOTE}: the run was finished {COLLECTED}; it holds the samples taken "
+            "until then."
         )
     error = _uncaught()
     if error is None:
-        ended = "the run was finished at the process's exit"
+        ended = f"the run was finished {AT_EXIT}"
     else:
         what = type(error).__name__ + (f": {error}" if str(error) else "")
         how = " (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else ""

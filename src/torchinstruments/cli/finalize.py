@@ -16,6 +16,7 @@ from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_run
 from torchinstruments.cli.reader import NotARunError, read_facts
 from torchinstruments.cli.text import plural
 from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_said
+from torchinstruments.rundir.cut_finish import killed_in_finish
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.gradient_counts import gradient_count
 from torchinstruments.rundir.index_page import gradient_zero_known_of
@@ -25,7 +26,7 @@ from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.ranges import bound_count
 from torchinstruments.rundir.recovery import load_state, recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.state import KILLED_IN_REMOVAL, NewerStateError
+from torchinstruments.rundir.state import NewerStateError
 
 __all__ = ["finalize_command"]
 
@@ -91,7 +92,7 @@ def _finalize(directory: Path, rank: str = "") -> int:
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")
-    killed = [note for note in report.state.notes if KILLED_IN_REMOVAL in note]
+    killed = [note for note in report.state.notes if killed_in_finish(note)]
     said = "".join(f" ({note})" for note in killed[-1:])
     if report.complete and report.interrupted:
         several = len(unremoved_attempts(report.state)) > 1  # named together: their rows

@@ -39,6 +39,7 @@ from torchinstruments.cli.run_dirs import rank_directories, runs_below
 from torchinstruments.cli.states import run_state
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import SIGNALS, RunInfo
+from torchinstruments.rundir.cut_finish import finishing_said, killed_in_finish
 from torchinstruments.rundir.index_page import (
     counts_sentence,
     interrupted_sentence,
@@ -58,7 +59,7 @@ from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.rundir.shell import command_line, tool_command
-from torchinstruments.rundir.state import KILLED_IN_REMOVAL, RunState, Status, removal_doing
+from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
 from torchinstruments.rundir.write_trouble import read_trouble
 
@@ -362,7 +363,7 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
         partial = partial_in_flight(state.removed_in_flight)
         return f"complete, removed while a sample was in flight ({partial} and marked)"
     if status is Status.COMPLETE and not files.parts:
-        killed = [note for note in state.notes if KILLED_IN_REMOVAL in note]
+        killed = [note for note in state.notes if killed_in_finish(note)]
         return "complete" + "".join(f" ({note})" for note in killed[-1:])
     if status is Status.INTERRUPTED and not files.parts:
         return interrupted_sentence(state)
@@ -376,17 +377,7 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
     if trouble is not None:  # its writes failed: the state file could not say so
         return _trouble_sentence(trouble, writer_ended(directory), finalize_command)
     if status is Status.IN_PROGRESS and state.removal_step is not None:
-        if writer_ended(directory):  # as finalize tells it: no process holds the run's lock
-            return (
-                f"interrupted during remove_observer, while {removal_doing(state.removal_step)}: "
-                "no process holds the run's lock (killed or crashed); "
-                f"`{finalize_command}` completes it"
-            )
-        return (
-            f"being removed: remove_observer was {removal_doing(state.removal_step)} (if its "
-            "process is gone, it was killed during removal, or removal gave that write up: "
-            f"`{finalize_command}` completes it)"
-        )
+        return finishing_said(state, writer_ended(directory), finalize_command)
     if status is Status.IN_PROGRESS:
         ended = writer_ended(directory)
         if ended is False:

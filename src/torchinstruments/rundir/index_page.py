@@ -32,6 +32,7 @@ from torchinstruments.rundir.attempts import (
     AttemptCounts,
     sampler_line,
 )
+from torchinstruments.rundir.cut_finish import finisher
 from torchinstruments.rundir.gradient_counts import gradient_count, gradient_zero_known
 from torchinstruments.rundir.layout import (
     INDEX_FILE,
@@ -59,10 +60,7 @@ from torchinstruments.rundir.page_sections import (
 from torchinstruments.rundir.ranges import bound_count, ends_said, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
 from torchinstruments.rundir.shell import code_span
-from torchinstruments.rundir.state import (
-    RunState,
-    Status,
-)
+from torchinstruments.rundir.state import RunState, Status, removal_doing
 from torchinstruments.rundir.unsampled import passed_through, unsampled_sentence
 
 # What "samples with output gradients" counts: narrower than "samples a backward ran over".
@@ -168,6 +166,21 @@ _WHILE_LIVE = (
 )
 
 
+def _being_finished(state: RunState) -> str:
+    """The State line of a page written as the run's finish began (its last flush's save):
+    who was finishing it (`cut_finish.finisher`: remove_observer, or the finish at the
+    process's exit without it) and what it was doing, so a kill there never leaves a page
+    saying only "in progress", nor naming remove_observer where it never ran."""
+    doing = removal_doing(state.removal_step or "")
+    return (
+        f"**State: in progress.** Being finished: as this page was written, {finisher(state)} "
+        f"was {doing}, and its process held the run's lock (`{LOCK_FILE}`); a process killed "
+        "in that finish leaves this line as it was: `torchinstruments show` and the status "
+        "query below tell from the lock whether it still runs, and `torchinstruments finalize` "
+        "completes a run whose process ended."
+    )
+
+
 def _section_state(state: RunState) -> list[str]:
     """The visible state: in progress, complete, interrupted, incomplete (and why).
 
@@ -176,6 +189,9 @@ def _section_state(state: RunState) -> list[str]:
     finalized crashed run is "interrupted", with the bound on what it may have lost.
     """
     status = state.status
+    if status is Status.IN_PROGRESS and state.removal_step is not None:
+        lost = [*loss_lines(state.losses), ""] if state.losses else []
+        return [_being_finished(state), "", *lost]
     if status is Status.IN_PROGRESS:
         if not state.losses:
             return [f"**State: in progress.** {_WHILE_LIVE}", ""]

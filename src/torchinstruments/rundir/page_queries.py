@@ -34,6 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchinstruments.records import INTERRUPTED, RunInfo
+from torchinstruments.rundir.cut_finish import finisher_text
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.lock import writer_ended_text
 from torchinstruments.rundir.page_history import history_functions
@@ -106,6 +107,9 @@ run = this_run()
 {writer_ended_text()}
 
 
+{finisher_text()}
+
+
 {history_functions()}
 
 
@@ -135,8 +139,8 @@ counts = state["counts"]
 status = state["status"]  # "in progress" also once its process died: its run lock tells
 ended = writer_ended(run) if status == "in progress" else False
 if ended and state.get("removal_step"):
-    status = ("interrupted during remove_observer: no process holds the run's lock (killed or "
-              "crashed); finalize completes it")
+    status = (f"interrupted during {{finisher(state)}}: no process holds the run's lock "
+              "(killed or crashed); finalize completes it")
 elif ended:
     status = ("interrupted: not finished, and no process holds the run's lock (its process "
               "ended without remove_observer: killed, crashed or os._exit); finalize completes it")

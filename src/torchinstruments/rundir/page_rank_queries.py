@@ -10,6 +10,7 @@ and ended in the other.
 
 from __future__ import annotations
 
+from torchinstruments.rundir.cut_finish import finisher_text
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.lock import writer_ended_text
 from torchinstruments.rundir.page_history import history_functions
@@ -60,6 +61,9 @@ rank_states = {{rank: state_of(d) for rank, d in rank_dirs.items()}}
 {writer_ended_text()}
 
 
+{finisher_text()}
+
+
 def rank_state(directory: Path, state: dict | None) -> str:
     """A rank's state as the page's table tells it: its state file's status, a rank not
     finished told by its run lock now (its state file says "in progress" also once its
@@ -74,7 +78,7 @@ def rank_state(directory: Path, state: dict | None) -> str:
     if not ended:
         return "in progress"
     if state.get("removal_step"):
-        return "not finished: its process ended during remove_observer (killed or crashed)"
+        return f"not finished: its process ended during {{finisher(state)}} (killed or crashed)"
     return "not finished: its process ended without closing the run (killed or crashed)"
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from torchinstruments.rundir.attempt_ends import attempts_said, last_finished
 from torchinstruments.rundir.attempt_starts import first_attempt_apart
+from torchinstruments.rundir.cut_finish import finisher
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
 from torchinstruments.rundir.lock import writer_ended
@@ -308,10 +309,10 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     as its own index.md's note does: "complete" alone read as a job that ran to its end."""
     attempts = attempts_said(state, directory)
     attempts = f"; attempts: {attempts}" if attempts else ""
+    if state.status is Status.IN_PROGRESS:  # its finish, cut, is said as such: never finished
+        return _open_cell(writer_ended(directory), state) + attempts
     if len(state.attempts) == 1 and last_finished(state) != "removed":
         attempts = f"; {last_finished(state)}"
-    if state.status is Status.IN_PROGRESS:
-        return _open_cell(writer_ended(directory), state.removal_step) + attempts
     cell = state.status.value + attempts
     if parts:
         cell += f", {plural(len(parts), 'part')} left out (see below)"
@@ -322,15 +323,16 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     return cell
 
 
-def _open_cell(ended: bool | None, removal_step: str | None) -> str:
+def _open_cell(ended: bool | None, state: RunState) -> str:
     """An unfinished rank's state: whether a process held its run lock as the page was written,
-    and, for one that ended in remove_observer (`removal_step`), that it was removing."""
+    and, for one that ended in a finish (`removal_step`), who was finishing it
+    (`cut_finish.finisher`: remove_observer, or the finish at its exit without it) and where."""
     if ended is False:
         return "in progress (its process holds its lock)"
-    if ended and removal_step is not None:
+    if ended and state.removal_step is not None:
         return (
-            "not finished: its process ended during remove_observer, while "
-            f"{removal_doing(removal_step)} (killed or crashed)"
+            f"not finished: its process ended during {finisher(state)}, while "
+            f"{removal_doing(state.removal_step)} (killed or crashed)"
         )
     if ended:
         return "not finished: its process ended without closing the run (killed or crashed)"

@@ -39,6 +39,7 @@ import polars as pl
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.records import OUTPUT, OUTPUT_GRADIENT, LayerInfo, RunCounts, RunInfo
 from torchinstruments.rundir.attempts import IN_PROGRESS, IN_REMOVAL, AttemptCounts, attempt_notes
+from torchinstruments.rundir.cut_finish import cut_unremoved_note, unremoved_note
 from torchinstruments.rundir.gradient_counts import no_grad_samples
 from torchinstruments.rundir.layout import (
     HISTORY_FILE,
@@ -257,16 +258,25 @@ def state_to_finish(directory: Path) -> RunState:
         )
     killed_at = previous.removal_step  # killed during removal: its counts are the live run's
     notes, attempts = previous.notes, previous.attempts
-    if killed_at is not None:
+    counts = previous.counts if _counts_written(previous) else None
+    unremoved = None if killed_at is None else unremoved_note(notes, attempts)
+    if unremoved is not None and killed_at is not None:  # no remove_observer: its note says so
+        notes = _cut_note(notes, unremoved, killed_at)
+        if counts is not None:
+            counts = dataclasses.replace(
+                counts, notes=_cut_note(counts.notes, unremoved, killed_at)
+            )
+    elif killed_at is not None:
         notes = (*notes, *_removal_note(attempts, killed_in_removal(killed_at)))
-    if killed_at == LAST_PARTS and attempts and attempts[-1].ended == IN_PROGRESS:
+    removing = unremoved is None and killed_at == LAST_PARTS
+    if removing and attempts and attempts[-1].ended == IN_PROGRESS:
         # remove_observer ran: its attempt closes as killed during removal, never as one that
         # ended without it
         attempts = (*attempts[:-1], dataclasses.replace(attempts[-1], ended=IN_REMOVAL))
     return dataclasses.replace(
         previous,
         attempts=attempts,
-        counts=previous.counts if _counts_written(previous) else None,
+        counts=counts,
         # killed in removal's last flush: rows still in memory may be lost, as in any kill
         interrupted=previous.interrupted
         or (previous.status is Status.IN_PROGRESS and killed_at in (None, LAST_PARTS)),
@@ -284,6 +294,13 @@ def _counts_written(previous: RunState) -> bool:
     if not previous.counts_recovered:
         return True
     return bool(previous.attempts) and not previous.attempts[-1].counts_recovered
+
+
+def _cut_note(notes: tuple[str, ...], unremoved: str, step: str) -> tuple[str, ...]:
+    """`notes` with the note of a finish without remove_observer (`unremoved`) said as one that
+    a kill cut at removal's `step` (`rundir.cut_finish`): never "finished" beside "cut"."""
+    cut = cut_unremoved_note(unremoved, step)
+    return tuple(cut if note == unremoved else note for note in notes)
 
 
 def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, ...]:

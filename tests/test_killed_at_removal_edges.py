@@ -6,13 +6,16 @@ them, so `finalize` calls the run "interrupted" (counts rebuilt from history, lo
 but every reader says remove_observer was called and killed, never "ended without
 remove_observer". At its end index.md is written before the state file says the run is
 finished, so a kill between the two never leaves a state file saying "complete" beside an
-index.md saying "in progress". The child is this file run as a script: it kills itself with
-SIGKILL at the named point, a real kill at a known point (each point's child forked from one
-process that imported torch, `_forked`).
+index.md saying "in progress". A run never removed, whose finish at the process's exit a
+SIGTERM cuts in that last flush, is said as that finish cut: ended without remove_observer,
+never killed during it. The child is this file run as a script: it kills itself with SIGKILL
+(SIGTERM at the exit) at the named point, a real kill at a known point (each point's child
+forked from one process that imported torch, `_forked`).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,17 +34,19 @@ from torchinstruments import EveryNForwardsSampler, inject_observer, remove_obse
 from conftest import page_prose, run_cli
 
 STEPS = 3
-REMOVING: list[bool] = []  # the child's: remove_observer was called
+REMOVING: list[bool] = []  # the child's: remove_observer was called (or the exit began)
+SENT_TERM: list[bool] = []  # the child's: it ends with a SIGTERM, not a SIGKILL
 
 
 def _kill() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGTERM if SENT_TERM else signal.SIGKILL)
 
 
 def child_main(directory: Path, killed_at: str) -> None:
     """Run STEPS sampled steps into `directory` and remove the observer, SIGKILLed at
     `killed_at`: "last_part" once removal's final flush wrote the last part, "index" as the
-    finish writes index.md, "final_state" as it writes the finished state file."""
+    finish writes index.md, "final_state" as it writes the finished state file; `AT_EXIT`:
+    no remove_observer, SIGTERMed once the last flush of the run's finish at the exit wrote."""
     from torchinstruments.rundir import finish
     from torchinstruments.rundir.state import RunState
     from torchinstruments.rundir.writer import HistoryWriter
@@ -58,7 +63,8 @@ def child_main(directory: Path, killed_at: str) -> None:
             _kill()
         write_state(directory, state, *args, **kwargs)
 
-    if killed_at == "last_part":
+    SENT_TERM.extend([True] * (killed_at == AT_EXIT))
+    if killed_at in ("last_part", AT_EXIT):
         HistoryWriter.flush = flushed_then_killed
     elif killed_at == "index":
         finish.write_index = lambda *args, **kwargs: _kill()
@@ -67,13 +73,19 @@ def child_main(directory: Path, killed_at: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
     inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    if killed_at == AT_EXIT:  # run before the run's finish at the exit (exit handlers: LIFO)
+        atexit.register(REMOVING.append, True)
     for step in range(STEPS):
         model(torch.full((2, 3), float(step + 1))).sum().backward()
-    REMOVING.append(True)
-    remove_observer(model)
+    if killed_at != AT_EXIT:
+        REMOVING.append(True)
+        remove_observer(model)
 
 
-KILL_POINTS = ["last_part", "index", "final_state"]
+# The last flush of the run's finish at the process's exit, without remove_observer: a SIGTERM
+# there (as torchrun stops the ranks left when one dies).
+AT_EXIT = "last_part_at_exit"
+KILL_POINTS = ["last_part", "index", "final_state", AT_EXIT]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +99,8 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, in
 def _killed(killed: tuple[Path, dict[str, int]], killed_at: str) -> tuple[Path, dict[str, object]]:
     """The run directory of `killed_at`'s child, killed there, and its state file."""
     root, codes = killed
-    assert codes[killed_at] == -signal.SIGKILL, stderr_of(root, killed_at)
+    sent = signal.SIGTERM if killed_at == AT_EXIT else signal.SIGKILL
+    assert codes[killed_at] == -sent, stderr_of(root, killed_at)
     directory = root / killed_at / "run"
     return directory, json.loads((directory / ".state.json").read_text("utf-8"))
 
@@ -135,6 +148,43 @@ def test_a_process_killed_in_removals_last_flush_is_said_killed_during_removal(
         "interrupted (finalized after the process was killed or crashed during remove_observer"
         in (shown)
     )
+
+
+def test_a_sigterm_in_the_last_flush_of_a_finish_at_exit_is_said_as_that_finish_cut(
+    killed: tuple[Path, dict[str, int]],
+) -> None:
+    directory, state = _killed(killed, AT_EXIT)
+    assert (state["status"], state["removal_step"]) == ("in progress", "history.parts/")
+    assert (
+        "interrupted during the run's finish at the process's exit (without remove_observer), "
+        "while writing its last rows to history.parts/: no process holds the run's lock"
+    ) in _said("show", directory)
+
+    finalized = _said("finalize", directory)
+    note = (
+        "remove_observer was not called: the run was being finished at the process's exit; that "
+        "finish did not complete: its process was killed or crashed while writing its last rows "
+        "to history.parts/ (or that finish gave the write up on a file system that stopped "
+        "answering); rows it still held in memory may be missing (at most one flush interval's "
+        "worth), and `finalize` merged every row it had written and rebuilt the counts from "
+        "history (lower bounds)"
+    )
+    assert "state: interrupted: the process ended without remove_observer; " in finalized
+    assert f"({note})" in finalized
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    # remove_observer never ran: its attempt is killed, never "killed during removal"
+    assert (state["status"], state["notes"], state["attempts"][-1]["ended"]) == (
+        "interrupted",
+        [note],
+        "killed",
+    )
+    prose = page_prose(directory)
+    assert "**State: interrupted.** The process ended without remove_observer (killed" in prose
+    shown = _said("show", directory)
+    assert "interrupted (finalized after the process ended without remove_observer:" in shown
+    for said in (finalized, prose, shown):
+        assert "during remove_observer" not in said
+        assert "the run was finished" not in said
 
 
 @pytest.mark.parametrize("killed_at", ["index", "final_state"])

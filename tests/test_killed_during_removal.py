@@ -7,7 +7,9 @@ says removal began, `show` says it was interrupted there (no process holds its l
 `finalize` completes the run from the counts removal wrote, "complete" with the kill noted. The
 child is this file run as a script: it kills itself with SIGKILL as the named step of the
 finish begins, a real kill at a known point (each point's child forked from one process that
-imported torch, `_forked`).
+imported torch, `_forked`). A rank that never called remove_observer, whose finish at the
+process's exit a SIGTERM cuts, is said as that finish cut wherever it is read, and `finalize`
+leaves one note saying so, never "finished" beside "cut".
 """
 
 from __future__ import annotations

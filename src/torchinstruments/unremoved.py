@@ -9,7 +9,10 @@ registers its own at its first use, so this one runs before any run is finished 
 exception is `sys.last_value`, which Python sets before exit handlers run, taken only when its
 traceback unwound the whole stack (its outermost frame has no caller): the script's own end,
 not an exception an interactive shell showed and went on from. `sys.exit()` leaves none: the
-note then says only that the run was finished at the exit.
+note then says only that the run was finished at the exit. A kill that cuts that finish (the
+SIGTERM torchrun sends the ranks left when one dies) is named as that finish cut, never as
+remove_observer's, by every reader, and `finalize` says it in place of this note
+(`rundir.cut_finish`).
 """
 
 from __future__ import annotations

@@ -149,8 +149,9 @@ def section_files(run: RunInfo) -> list[str]:
         "removed, finished without remove_observer (at its process's exit or when its model was "
         "collected: exact counts, its note says which), killed, or killed during removal: in "
         "remove_observer's last flush), layers whose dtype changed during the run, the loss ledger, and "
-        "`removal_step`: the file remove_observer was writing (`history.parts/`: its last flush), "
-        "set only while removal finishes the run (left set, it was killed during removal). "
+        "`removal_step`: the file remove_observer (or the run's finish without it, at the "
+        "process's exit or at collection: its note says so) was writing (`history.parts/`: its "
+        "last flush), set only while that finish runs (left set, it was killed during it). "
         "This page is written before the state file says the run is finished, and is "
         "rendered from it; `finalize` and the command line read it; the first query below "
         "prints its status and counts.",

@@ -3,6 +3,7 @@ and index.md says how it ended (collected, or the process's exit and the excepti
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import sys
@@ -16,7 +17,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from conftest import read_result, run_status
+from conftest import cli_in_process, read_result, run_status
 
 
 def test_collected_model_finalizes_its_run(run_dir: Path) -> None:
@@ -115,6 +116,30 @@ def test_a_collected_model_says_its_run_was_finished_then(run_dir: Path) -> None
         "remove_observer was not called: the run was finished when the observed model was "
         "garbage collected; it holds the samples taken until then."
     ]
+
+
+def test_a_finish_at_collection_that_a_kill_cut_is_named_as_that_finish(run_dir: Path) -> None:
+    from torchinstruments.rundir.state import read_state, write_state
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(2, 3)).sum().backward()
+    del model
+    gc.collect()
+    # the state file as that finish leaves it when killed writing result.json (`finish._removal_at`)
+    write_state(run_dir, dataclasses.replace(read_state(run_dir), removal_step="result.json"))
+    finishing = "the run's finish when the observed model was garbage collected"
+    shown = " ".join(cli_in_process("show", run_dir).stdout.split())
+    assert f"interrupted during {finishing} (without remove_observer), while writing" in shown
+    finalized = cli_in_process("finalize", run_dir)
+    assert finalized.returncode == 0, finalized.stderr
+    state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
+    assert (state["status"], len(state["notes"])) == ("complete", 1)
+    assert state["notes"][0].startswith(
+        "remove_observer was not called: the run was being finished when the observed model was "
+        "garbage collected; that finish did not complete: its process was killed or crashed "
+        "while writing result.json"
+    )
 
 
 def test_a_second_remove_observer_changes_nothing(run_dir: Path) -> None:

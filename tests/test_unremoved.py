@@ -122,8 +122,11 @@ def test_a_finish_at_collection_that_a_kill_cut_is_named_as_that_finish(run_dir:
     from torchinstruments.rundir.state import read_state, write_state
 
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
-    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
-    model(torch.randn(2, 3)).sum().backward()
+    for attempt in range(2):  # a job restarted into its run: the second attempt is collected
+        inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), resume=True)
+        model(torch.randn(2, 3)).sum().backward()
+        if attempt == 0:
+            remove_observer(model)
     del model
     gc.collect()
     # the state file as that finish leaves it when killed writing result.json (`finish._removal_at`)
@@ -133,10 +136,14 @@ def test_a_finish_at_collection_that_a_kill_cut_is_named_as_that_finish(run_dir:
     assert f"interrupted during {finishing} (without remove_observer), while writing" in shown
     finalized = cli_in_process("finalize", run_dir)
     assert finalized.returncode == 0, finalized.stderr
+    # a continued run's attempts line: that attempt is not finished before finalize finishes it
+    assert "(removed: attempt 0; ended without remove_observer, not finalized: attempt 1)" in (
+        shown
+    )
     state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
     assert (state["status"], len(state["notes"])) == ("complete", 1)
     assert state["notes"][0].startswith(
-        "remove_observer was not called: the run was being finished when the observed model was "
+        "attempt 1: remove_observer was not called: the run was being finished when the observed model was "
         "garbage collected; that finish did not complete: its process was killed or crashed "
         "while writing result.json"
     )

@@ -59,8 +59,11 @@ def attempt_ends_now(state: RunState, directory: Path) -> list[str]:
     """Each attempt's end as a reader says it now (`show`'s attempts line, its JSON): one still
     open in the state (`in progress`, `in removal`) is said as the run's lock tells its process
     (`rundir.lock.writer_ended`, asked only then), never "in progress" for one whose process
-    died before `finalize` closed it."""
+    died before `finalize` closed it; nor "finished" for the last one while the state says its
+    finish without remove_observer (at the exit, or at collection) began and never ended."""
     ends = [attempt_end(state, entry) for entry in state.attempts]
+    if state.removal_step is not None and ends and ends[-1] == FINISHED_UNREMOVED:
+        ends[-1] = IN_REMOVAL  # its finish at the exit began: finished once that finish ended
     if not any(end in (IN_PROGRESS, IN_REMOVAL) for end in ends):
         return ends
     ended = writer_ended(directory)

@@ -1,14 +1,16 @@
 """Under a trainer callback a row's mode is its forward's phase: a training step's rows are
 `train` also for a part the user froze in eval mode (a fine-tuned backbone's BatchNorm), so
 they never join the evaluation samples' series of that part. The training samples of
-StochasticWeightAveraging's batch-norm epoch, which runs training batches forward only, are said
-in index.md for what they are.
+StochasticWeightAveraging's batch-norm epoch, which runs training batches forward only, and those
+of a batch whose training_step returned None (Lightning then runs no backward for it) are said in
+index.md for what they are.
 
 The reference is a forward pre-hook of the test's own that records, at each call of the model,
 whether the trainer was in a training batch (or its epoch and global step)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +93,15 @@ def test_a_frozen_part_in_eval_mode_keeps_training_and_evaluation_series_apart(
 
 
 class WithBatchNorm(lightning.LightningModule):
-    """A BatchNorm between two Linear layers; records at each call the epoch, the global step
-    and whether a backward can follow (the reference for the samples of each epoch)."""
+    """A BatchNorm between two Linear layers; records at each call the epoch and the global step
+    (the reference for the samples of each epoch). Its training_step returns None (skips the
+    batch) at the global steps in `skip`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
         self.calls: list[tuple[int, int]] = []
+        self.skip: set[int] = set()
         self.register_forward_pre_hook(self._record)
 
     def _record(self, module: nn.Module, args: Any) -> None:
@@ -106,22 +110,26 @@ class WithBatchNorm(lightning.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
+        loss = nn.functional.cross_entropy(self(x), y)
+        return None if self.trainer.global_step in self.skip else loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_stochastic_weight_averagings_batch_norm_epoch_is_said_and_has_no_gradient_rows(
+def test_training_samples_without_a_backward_are_said_swa_epoch_and_steps_returning_none(
     tmp_path: Path,
 ) -> None:
     """With batch norm in the model, StochasticWeightAveraging adds an epoch that runs each
     training batch forward only, on the averaged weights: its samples have output rows alone,
     share one step, and index.md says which epoch and step they are (they read as gradient
-    accumulation's micro-batches otherwise)."""
+    accumulation's micro-batches otherwise). A training_step that returns None (step 1 here)
+    gets no backward from Lightning: its sample is named, once in a warning and in index.md,
+    and SWA's forward-only samples are not taken for such steps."""
     model = WithBatchNorm()
+    model.skip = {1}
     trainer = lightning.Trainer(
         max_epochs=2,
         accelerator="cpu",
@@ -136,7 +144,9 @@ def test_stochastic_weight_averagings_batch_norm_epoch_is_said_and_has_no_gradie
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    trainer.fit(model, DataLoader(data, batch_size=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=4))
     assert model.calls == [(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 4)]  # epoch 2: SWA's
 
     history = read_history(tmp_path / "run")
@@ -148,7 +158,7 @@ def test_stochastic_weight_averagings_batch_norm_epoch_is_said_and_has_no_gradie
     both = ["output", "output_gradient"]
     assert rows == [
         (both, [0]),
-        (both, [1]),
+        (["output"], [1]),  # training_step returned None: no backward
         (both, [2]),
         (both, [3]),
         (["output"], [4]),
@@ -157,3 +167,10 @@ def test_stochastic_weight_averagings_batch_norm_epoch_is_said_and_has_no_gradie
     index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
     assert "epoch 2 is StochasticWeightAveraging's batch-norm update" in index
     assert "(step 4, from here to the fit's end) have output rows and no output_gradient" in index
+    skipped = "training_step returned None for 1 training batch (global step 1)"
+    assert skipped in index
+    assert "sample 1 of that batch has output rows and no output_gradient rows" in index
+    said = [str(w.message) for w in caught if "LightningObserver: training_step" in str(w.message)]
+    assert len(said) == 1
+    assert "training batch 1 (global step 1)" in said[0]
+    assert "sample 1 of that batch" in said[0]

@@ -189,6 +189,7 @@ class FitObservation:
         checkpoint: str | None = None,
         resume_step: int | None = None,
         grad_scaler: Any = None,
+        sinks: tuple[Sink, ...] = (),
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -211,6 +212,7 @@ class FitObservation:
                 in index.md which steps earlier attempts had recorded and this one trains again.
             grad_scaler: the trainer's loss scaler, if it scales the loss (float16 mixed
                 precision): its scale of each sample is recorded unless the options name one.
+            sinks: the callback's own sinks for this fit (what it learns from the samples).
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -244,7 +246,7 @@ class FitObservation:
             config,
             directory=directory,
             resume=resume,
-            extra_sinks=tuple(s for s in (sink, self._evaluations) if s is not None),
+            extra_sinks=(*(s for s in (sink, self._evaluations) if s is not None), *sinks),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),
             grad_scaler=grad_scaler,

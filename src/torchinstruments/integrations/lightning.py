@@ -19,6 +19,10 @@ Hooks, one line each:
   warning, index.md) when a batch moved the global step by other than one (several
   optimizers, or a step skipped): `step` then is off the axis of the logger's scalars (below).
 - `on_train_batch_start`: the global step the batch starts at, for that comparison.
+- `on_train_batch_end`, too: in automatic optimization, an empty `outputs` means the batch's
+  `training_step` returned None and Lightning ran no backward for it: its training samples have
+  no gradient rows, which a warning (the first time) and index.md (at the fit's end) say
+  (`_skipped_backwards.py`).
 - `on_train_epoch_start`: say in index.md when the epoch is `StochasticWeightAveraging`'s
   batch-norm update, whose training samples have no gradients and share one step (`_swa_note`).
 - `on_validation_start`: with `record_eval`, say once (a warning, index.md) when a validation
@@ -90,6 +94,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchinstruments.integrations._fit import LOGGER, FitObservation
+from torchinstruments.integrations._skipped_backwards import SkippedBackwards
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
@@ -182,6 +187,7 @@ class LightningObserver(Callback):
         self._axes_said = False
         self._mid_step_said = False
         self._before_sanity: RunCounts | None = None  # the counts as the sanity check began
+        self._skipped: SkippedBackwards | None = None  # batches whose backward was skipped
 
     @property
     def state_key(self) -> str:
@@ -201,6 +207,8 @@ class LightningObserver(Callback):
         self._unmark()  # a mark left by a fit that ended without on_fit_end or on_exception
         # trainer.log_dir broadcasts from rank 0 under DDP: every rank reads it, attached or not.
         log_dir = trainer.log_dir or trainer.default_root_dir
+        # Only automatic optimization skips a backward for a step that returned None.
+        self._skipped = SkippedBackwards() if pl_module.automatic_optimization else None
         directory = self._fit.start(
             pl_module,
             Path(log_dir),
@@ -213,6 +221,7 @@ class LightningObserver(Callback):
             # trainer.global_step is restored from a checkpoint only after this hook
             resume_step=trainer.global_step if trainer.ckpt_path is None else self._checkpoint_step,
             grad_scaler=trainer_scaler(trainer.precision_plugin),  # precision="16-mixed"
+            sinks=() if self._skipped is None else (self._skipped,),
         )
         self._checkpoint_run = self._checkpoint_step = None  # a later fit reads its own
         self._axes_said = False  # each fit says once that its steps are off the logger's
@@ -263,6 +272,8 @@ class LightningObserver(Callback):
     ) -> None:
         """The global step a training batch starts at (its optimizer steps are told at its end)."""
         self._batch_step = trainer.global_step
+        if self._skipped is not None:
+            self._skipped.batch_start()
 
     def on_train_batch_end(
         self,
@@ -273,8 +284,14 @@ class LightningObserver(Callback):
         batch_idx: int,
     ) -> None:
         """After the first batch: warn if no training forward called the observed module; in
-        manual optimization, say once when a batch did not step the global step by exactly one."""
+        manual optimization, say once when a batch did not step the global step by exactly one;
+        in automatic optimization, tell a batch whose training_step returned None."""
         self._fit.check_first_step()
+        # Automatic optimization's outputs: {"loss": ...}, or {} when training_step returned None.
+        if self._skipped is not None and (outputs is None or outputs == {}):
+            said = self._skipped.skipped(batch_idx, self._batch_step)
+            if said is not None:
+                warn(f"torchinstruments: LightningObserver: {said}")
         advance = trainer.global_step - self._batch_step
         self._batch_stepped = advance != 0
         if advance != 1 and not pl_module.automatic_optimization and not self._axes_said:
@@ -345,6 +362,7 @@ class LightningObserver(Callback):
         """Unmark and remove: restores every forward, writes history.parquet, result.json,
         index.md."""
         self._unmark()
+        self._say_skipped()
         self._fit.finish()
 
     def on_exception(
@@ -352,7 +370,15 @@ class LightningObserver(Callback):
     ) -> None:
         """Unmark and remove, with a note in index.md that the fit raised, and at which step."""
         self._unmark()
+        self._say_skipped()
         self._fit.finish(exception, trainer.global_step)
+
+    def _say_skipped(self) -> None:
+        """index.md: the fit's training samples whose backward Lightning skipped."""
+        skipped, self._skipped = self._skipped, None
+        said = None if skipped is None else skipped.note()
+        if said is not None and self._fit.observed is not None:
+            add_run_note(self._fit.observed, said)
 
     def _unmark(self) -> None:
         """Put back the strategy's own `training_step`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -98,6 +99,47 @@ def test_fit_is_observed_into_the_log_dir_with_histograms_on_the_global_step(
     assert "train_loss" in tags["scalars"]
     for tag in ("net.0/call_0/output/tensor", "net.2/call_0/output_gradient/tensor"):
         assert [e.step for e in events.Histograms(tag)] == list(range(STEPS)), tag
+
+
+def test_a_fast_dev_run_is_observed_into_a_temporary_directory_it_names_not_the_working_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fast_dev_run suppresses Lightning's logging and checkpoints (trainer.log_dir is None):
+    the fit is observed, but its run goes to a fresh temporary directory, which a warning and
+    index.md name, not into the working directory the default would fall back to."""
+    work, temporary = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    temporary.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    callback = LightningObserver(sampler=EveryNForwardsSampler(1))
+    trainer = lightning.Trainer(
+        fast_dev_run=True,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Tiny(), train_dataloaders=DataLoader(data, batch_size=4))
+
+    assert list(work.iterdir()) == []  # nothing of Lightning's, nothing of ours
+    [made] = temporary.iterdir()
+    assert made.name.startswith("torchinstruments-fast_dev_run-")
+    run = made / "torchinstruments"
+    assert callback.directory == run
+    assert read_history(run)["forward_index"].unique().to_list() == [0]  # the one batch
+    assert run_status(run) == "complete"
+    said = [
+        str(w.message) for w in caught if "LightningObserver: this fit ran under" in str(w.message)
+    ]
+    assert len(said) == 1
+    assert f"writes its run to a temporary directory, {run}, not under" in said[0]
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "this fit ran under Lightning's fast_dev_run, which suppresses" in index
 
 
 def test_fit_that_raises_removes_the_observer_and_says_so_in_index_md(tmp_path: Path) -> None:

@@ -73,9 +73,12 @@ resumed from a checkpoint continues the run the checkpoint names, even where the
 on to a new version directory; where that run is gone or this process cannot write it, or the
 checkpoint names none (saved without this callback), the last run under `trainer.log_dir` is
 continued (or one started there), and index.md and a warning name the checkpoint and its run.
-An explicit `output_dir` always wins. With a `TensorBoardLogger`, the focus histograms also go
-into it on `trainer.global_step`. With `rank_policy="rank0"` only the global-zero process
-attaches (`trainer.is_global_zero`).
+An explicit `output_dir` always wins. Under `fast_dev_run`, which suppresses Lightning's logging
+and checkpoints (`trainer.log_dir` is None), the fit is observed as any other, but its run is a
+fresh one in a temporary directory (`torchinstruments-fast_dev_run-*`), never a checkpoint's
+continued, and a warning and index.md say where (`_dev_run_note`). With a `TensorBoardLogger`,
+the focus histograms also go into it on `trainer.global_step`. With `rank_policy="rank0"` only
+the global-zero process attaches (`trainer.is_global_zero`).
 
 What is observed: the LightningModule's calls are the root forwards, so `training_step` must
 call `self(x)`; a step that calls `self.net(x)` bypasses it. Pass `module="net"` to observe that
@@ -87,6 +90,7 @@ Imports `lightning.pytorch` (or, without it, `pytorch_lightning`) when this modu
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,6 +211,12 @@ class LightningObserver(Callback):
         self._unmark()  # a mark left by a fit that ended without on_fit_end or on_exception
         # trainer.log_dir broadcasts from rank 0 under DDP: every rank reads it, attached or not.
         log_dir = trainer.log_dir or trainer.default_root_dir
+        # fast_dev_run suppresses Lightning's logging and checkpoints: a run of its own elsewhere.
+        dev_run = None
+        # Trainer.fast_dev_run is set by Lightning's debugging flags, undeclared on the class.
+        if getattr(trainer, "fast_dev_run", False) and not self._fit.explicit_dir:
+            dev_run = log_dir = _dev_run_directory(trainer)
+        resuming = trainer.ckpt_path is not None and dev_run is None
         # Only automatic optimization skips a backward for a step that returned None.
         self._skipped = SkippedBackwards() if pl_module.automatic_optimization else None
         directory = self._fit.start(
@@ -215,8 +225,8 @@ class LightningObserver(Callback):
             main_process=trainer.is_global_zero,
             logger_sink=lambda: _logger_sink(trainer),
             global_step=lambda: trainer.global_step,
-            resuming=trainer.ckpt_path is not None,  # fit(ckpt_path=...): continue the run
-            checkpoint_run=self._checkpoint_run,
+            resuming=resuming,  # fit(ckpt_path=...): continue the run
+            checkpoint_run=self._checkpoint_run if resuming else None,
             checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
             # trainer.global_step is restored from a checkpoint only after this hook
             resume_step=trainer.global_step if trainer.ckpt_path is None else self._checkpoint_step,
@@ -230,6 +240,10 @@ class LightningObserver(Callback):
             self._step_mark = TrainingStepMark(trainer.strategy, self._fit)
             self._fit.enter_setup()  # the model summary's example input is not an evaluation
             if (said := _tuner_note(trainer)) is not None and self._fit.observed is not None:
+                add_run_note(self._fit.observed, said)
+                warn(f"torchinstruments: LightningObserver: {said}")
+            if dev_run is not None and self._fit.observed is not None:
+                said = _dev_run_note(directory)
                 add_run_note(self._fit.observed, said)
                 warn(f"torchinstruments: LightningObserver: {said}")
 
@@ -385,6 +399,37 @@ class LightningObserver(Callback):
         mark, self._step_mark = self._step_mark, None
         if mark is not None:
             mark.undo()
+
+
+def _dev_run_directory(trainer: Trainer) -> Path:
+    """A fresh temporary directory for a `fast_dev_run` fit's run, made by the global-zero
+    process and broadcast, so that every rank writing its own run (`rank_policy="all"`) writes
+    into the same one, as it would under `trainer.log_dir` (itself broadcast from rank 0)."""
+    made = ""  # another rank's: replaced by rank 0's
+    if trainer.is_global_zero:
+        made = tempfile.mkdtemp(prefix="torchinstruments-fast_dev_run-")
+    return Path(trainer.strategy.broadcast(made))
+
+
+def _dev_run_note(directory: Path) -> str:
+    """index.md's note (and the warning) on a fit under `fast_dev_run`.
+
+    Lightning's `fast_dev_run` is a smoke test of the loops (a batch or a few of each, checked
+    on Lightning 2.6.6): it replaces the loggers with a `DummyLogger`, so `trainer.log_dir` is
+    None, and saves no checkpoint. Observing it still runs everything the callback does (a
+    misconfigured `module=` is warned after the first step), but writing the run into the
+    working directory, which the default otherwise falls back to, would leave one more
+    `torchinstruments-N` there at every smoke test, and continuing a checkpoint's run would add
+    the smoke test to the real run as an attempt; so it is a fresh run in a temporary
+    directory, said where, and `output_dir=` (which always wins) keeps it where the user wants.
+    """
+    return (
+        "this fit ran under Lightning's fast_dev_run, which suppresses the trainer's logging "
+        f"and checkpointing, so LightningObserver writes its run to a temporary directory, "
+        f"{directory}, not under the trainer's log directory or the working directory, as a "
+        "fresh run (a checkpoint's run is not continued, and the trainer's TensorBoard logger "
+        "gets no histograms); pass LightningObserver(output_dir=...) to write it elsewhere"
+    )
 
 
 def _tuner_note(trainer: Trainer) -> str | None:

@@ -18,6 +18,8 @@ from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import LightningObserver
 from torchinstruments.rundir.state import Status, read_state
 
+from conftest import cli_in_process
+
 FIRST, TOTAL = 3, 6
 
 
@@ -42,6 +44,14 @@ def check_continued(run: Path, first: pl.DataFrame) -> None:
         (0, "removed", FIRST),
         (1, "removed", TOTAL - FIRST),
     ]
+    # The callback passed resume for the fit resumed from a checkpoint: the user never wrote
+    # resume=True, and the state and `show` say what happened.
+    assert [a.continued_by for a in state.attempts] == [None, "checkpoint"]
+    shown = cli_in_process("show", run, "--metrics", "mean")
+    assert shown.returncode == 0, shown.stderr
+    said = "attempts: 2, continued by a fit resumed from a checkpoint (removed: attempt 0-1);"
+    assert said in " ".join(shown.stdout.split())  # `show` wraps long lines
+    assert "resume=True" not in shown.stdout
 
 
 def lightning_fit(

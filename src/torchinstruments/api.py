@@ -49,6 +49,7 @@ from torchinstruments.observer import Observer
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunInfo
 from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
+from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME
 from torchinstruments.rundir.attempts import continuation_notes
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
@@ -357,6 +358,7 @@ def start_run(
     *,
     directory: Path | None = None,
     resume: bool = False,
+    from_checkpoint: bool = False,
     extra_sinks: Sequence[Sink] = (),
     sampler: Any = None,
     sampler_line: str | None = None,
@@ -376,6 +378,8 @@ def start_run(
             under the trainer's own directory).
         resume: continue a run already there even if `config.resume` is False (a fit resumed
             from a checkpoint).
+        from_checkpoint: `resume` is a trainer callback's, for a fit resumed from a checkpoint
+            (the run's state records it, and `show` says so rather than "resume=True").
         extra_sinks: sinks after `config.sinks` (a trainer's TensorBoard logger).
         sampler: the sampler this run asks instead of `config.sampler` (a trainer callback's
             fresh copy of it for each fit, so one fit's sampler state never reaches the next).
@@ -413,7 +417,7 @@ def start_run(
         model,
         config,
         config.directory if directory is None else resolve_output_dir(directory),
-        resume or config.resume,
+        (BY_CHECKPOINT if from_checkpoint else BY_RESUME) if resume or config.resume else None,
         (*config.sinks, *extra_sinks),
         config.sampler if sampler is None else sampler,
         describe_sampler(config.sampler) if sampler_line is None else sampler_line,
@@ -431,13 +435,14 @@ def _open_run(
     model: nn.Module,
     config: ObserverConfig,
     output_dir: Path,
-    resume: bool,
+    resume: str | None,
     sinks: Sequence[Sink],
     sampler: Any,
     sampler_line: str,
     grad_scaler: Any,
 ) -> Observer | None:
-    """Place this rank, select layers, open the run directory and install the proxies.
+    """Place this rank, select layers, open the run directory and install the proxies
+    (`resume`: continue a run there, and how it was asked for, `rundir.attempt_states`).
 
     Returns:
         The running observer, or None on a rank that attaches nothing.
@@ -480,7 +485,9 @@ def _open_run(
     )
     directory = DirectorySink(run.output_dir, history)
     # Refuses a directory that already holds a run, or (resume) continues it.
-    continuation = directory.open_run(run, resume=resume)
+    continuation = directory.open_run(
+        run, resume=resume is not None, continued_by=resume or BY_RESUME
+    )
     for note in run.notes:
         warn(f"torchinstruments: {note}")
     group = SinkGroup(sinks)

@@ -246,6 +246,7 @@ class FitObservation:
             config,
             directory=directory,
             resume=resume,
+            from_checkpoint=resuming,
             extra_sinks=(*(s for s in (sink, self._evaluations) if s is not None), *sinks),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),

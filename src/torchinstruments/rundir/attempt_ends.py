@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME
 from torchinstruments.rundir.attempts import (
     FINISHED_UNREMOVED,
     IN_PROGRESS,
@@ -30,6 +31,7 @@ __all__ = [
     "attempt_end",
     "attempt_ends_now",
     "attempts_said",
+    "continued_said",
     "killed_before_last",
     "killed_flush",
     "last_finished",
@@ -75,16 +77,41 @@ def attempt_ends_now(state: RunState, directory: Path) -> list[str]:
 
 
 def attempts_said(state: RunState, directory: Path) -> str:
-    """A continued run's attempts as `show` says them (`attempt_ends_now`): how many, and
-    which ended how, `2, continued with resume=True (killed: attempt 0; removed: attempt 1)`;
-    "" for a run of one attempt (its state says how it ended)."""
+    """A continued run's attempts as `show` says them (`attempt_ends_now`): how many, how they
+    continued the run (`continued_said`), and which ended how, `2, continued with resume=True
+    (killed: attempt 0; removed: attempt 1)`; "" for a run of one attempt (its state says how it
+    ended)."""
     if len(state.attempts) < 2:
         return ""
     ends: dict[str, list[int]] = {}
     for entry, end in zip(state.attempts, attempt_ends_now(state, directory), strict=True):
         ends.setdefault(end, []).append(entry.attempt)
     said = "; ".join(f"{end}: attempt {few_ranges(which)}" for end, which in ends.items())
-    return f"{len(state.attempts)}, continued with resume=True ({said})"
+    return f"{len(state.attempts)}, {continued_said(state.attempts[1:])} ({said})"
+
+
+def continued_said(later: tuple[AttemptCounts, ...]) -> str:
+    """How the `later` attempts (all but the first) continued the run: `continued with
+    resume=True` (the caller's option), `continued by a fit resumed from a checkpoint` (a trainer
+    callback passed resume for it, the user did not), both with their attempts where they differ,
+    or `continued` alone where a state written before this was kept does not say."""
+    how: dict[str | None, list[int]] = {}
+    for entry in later:
+        how.setdefault(entry.continued_by, []).append(entry.attempt)
+    words: dict[str | None, str] = {
+        BY_RESUME: "with resume=True",
+        BY_CHECKPOINT: "by fits resumed from checkpoints"
+        if len(how.get(BY_CHECKPOINT, ())) > 1
+        else "by a fit resumed from a checkpoint",
+    }
+    if len(how) == 1:
+        [by] = how
+        return f"continued {words[by]}" if by in words else "continued"
+    each = [
+        f"{words.get(by, 'in a way not recorded')} (attempt {few_ranges(which)})"
+        for by, which in how.items()
+    ]
+    return "continued " + " and ".join(each)
 
 
 def _noted_in_last_flush(state: RunState, entry: AttemptCounts) -> bool:

@@ -23,13 +23,23 @@ from torchinstruments.rundir.attempts import (
 )
 from torchinstruments.rundir.state import RunState
 
-__all__ = ["job_state", "start_state"]
+__all__ = ["BY_CHECKPOINT", "BY_RESUME", "job_state", "start_state"]
+
+# How an attempt continued its run (`AttemptCounts.continued_by`): the caller passed resume=True,
+# or a trainer callback did, for a fit resumed from a checkpoint (`ckpt_path=`,
+# `resume_from_checkpoint=`), where the user never wrote resume=True; `show` says which.
+BY_RESUME = "resume=True"
+BY_CHECKPOINT = "checkpoint"
 
 
 def start_state(
-    run: RunInfo, continuation: Continuation | None, previous: RunState | None
+    run: RunInfo,
+    continuation: Continuation | None,
+    previous: RunState | None,
+    continued_by: str = BY_RESUME,
 ) -> RunState:
-    """The state written at inject: this attempt's entry last in its attempts."""
+    """The state written at inject: this attempt's entry last in its attempts (`continued_by`:
+    how it continues the run, where it does)."""
     this = AttemptCounts(
         0 if continuation is None else continuation.attempt,
         run.started_at,
@@ -37,6 +47,7 @@ def start_state(
         first_forward_index=0 if continuation is None else continuation.first_forward_index,
         sampler=run.sampler,
         flush_seconds=run.history.flush_seconds,
+        continued_by=None if continuation is None else continued_by,
     )
     if continuation is None or previous is None:
         return RunState(run, attempts=(this,))

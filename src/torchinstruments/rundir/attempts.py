@@ -116,6 +116,8 @@ class AttemptCounts:
         no_grad_samples: of a killed attempt, its samples on disk whose forward ran with grad
             disabled (`rundir.gradient_counts`: a 0 of `backward_samples` is known when they are
             all its samples); None: not counted (a finished attempt's counts are exact).
+        continued_by: how it continued the run (`rundir.attempt_states.BY_RESUME`, `BY_CHECKPOINT`);
+            None: the first attempt, or unknown (a state written before it was kept).
     """
 
     attempt: int
@@ -132,6 +134,7 @@ class AttemptCounts:
     rows: int | None = None
     flush_seconds: float | None = None
     no_grad_samples: int | None = None
+    continued_by: str | None = None
 
     @property
     def counts_recovered(self) -> bool:

@@ -29,7 +29,9 @@ what a trainer callback passed through unobserved) were added without a new sche
 file written before them has none, which reads as null, "unknown" (a continued run then falls
 back to the rule before them, `rundir.attempts`, and index.md never says "never called").
 `bypassed_by` (in `counts`: what built a module that ran the model's layers past the observer,
-bypass.py) was added the same way: absent reads as null, nothing found.
+bypass.py) was added the same way: absent reads as null, nothing found; so was `continued_by`
+(in each attempt: how it continued the run, `rundir.attempt_states`): absent reads as null,
+unknown, which `show` says as "continued" alone.
 
 `status` is written for readers and never read back: it is derived from the other fields
 (`RunState.status`), so the file cannot contradict itself.

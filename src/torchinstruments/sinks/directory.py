@@ -19,7 +19,7 @@ from torchinstruments.notices import warn
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir import reserve
-from torchinstruments.rundir.attempt_states import job_state, start_state
+from torchinstruments.rundir.attempt_states import BY_RESUME, job_state, start_state
 from torchinstruments.rundir.attempts import Continuation, attempt_notes
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.flush_timer import FlushTimer, earliest_due
@@ -141,10 +141,13 @@ class DirectorySink:
         """The Sink call: `open_run` for a new run."""
         self.open_run(run)
 
-    def open_run(self, run: RunInfo, *, resume: bool = False) -> Continuation | None:
+    def open_run(
+        self, run: RunInfo, *, resume: bool = False, continued_by: str = BY_RESUME
+    ) -> Continuation | None:
         """Refuse a directory that already holds a run (unless `resume`: then finalize its
-        earlier attempt and continue it, `rundir.resume`), then lock it and write the catalog,
-        each write waited for only so long (`_open_files`).
+        earlier attempt and continue it, `rundir.resume`; the state records `continued_by`,
+        who asked), then lock it and write the catalog, each write waited for only so long
+        (`_open_files`).
 
         Returns:
             Where this attempt's ids start when it continues a run, else None.
@@ -159,7 +162,7 @@ class DirectorySink:
         self._run = run
         self._focus = frozenset(run.focus_layers)
         self._continuation, self._previous = continuation, previous
-        self._base = state = start_state(run, continuation, previous)
+        self._base = state = start_state(run, continuation, previous, continued_by)
         self.live_scales = LiveScales(state.loss_scales)
         forks.track(self)  # from here until the lock is released
         self._open_files(run, state, continuation)

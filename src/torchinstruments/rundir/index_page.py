@@ -367,8 +367,10 @@ def _section_attempts(state: RunState) -> list[str]:
         "## Attempts",
         "",
         f"This run was written in {len(state.attempts)} attempts: the first started it, each "
-        "later one continued it with `inject_observer(..., resume=True)` (a restarted job, or a "
-        "trainer resumed from a checkpoint, in a new process or the same one). "
+        "later one continued it: `inject_observer(..., resume=True)` (a restarted job), or a "
+        "trainer callback's fit resumed from a checkpoint, which passes it for the user (in a "
+        f"new process or the same one; each attempt's `continued_by` in {STATE_FILE} says "
+        "which). "
         "Each row's `attempt` column says which; sample_id and forward_index continue across "
         "them, and result.json summarizes the whole run. A killed attempt's counts are read "
         f"from its rows, its {TENSORBOARD_DIR}/ events and the run's id mark in {LOCK_FILE} "

@@ -209,6 +209,7 @@ class LightningObserver(Callback):
         """Inject into the LightningModule (or `module`), histograms into a TensorBoardLogger;
         mark the strategy's training step."""
         self._unmark()  # a mark left by a fit that ended without on_fit_end or on_exception
+        self._say_skipped()  # that fit's, into its run (finished by `start` below)
         # trainer.log_dir broadcasts from rank 0 under DDP: every rank reads it, attached or not.
         log_dir = trainer.log_dir or trainer.default_root_dir
         # fast_dev_run suppresses Lightning's logging and checkpoints: a run of its own elsewhere.

@@ -63,13 +63,15 @@ def child_main(directory: Path, killed_at: str, resume: bool) -> None:
     inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1), resume=resume)
     for step in range(STEPS):
         model(torch.full((2, 3), float(step + 1))).sum().backward()
-    if killed_at == "before_removal":
+    if killed_at in ("before_removal", "in_forward"):
         # Killed once TensorBoard's writer thread has put the last sample's events on disk:
         # they are what proves the attempt's root forwards, and under load that thread may
-        # lag the step.
+        # lag the step (a lagging one left sample STEPS - 1 with no row and no event, so the
+        # id mark counted two samples begun with nothing on disk, not one).
         deadline = time.monotonic() + 60
         while STEPS - 1 not in event_steps(directory) and time.monotonic() < deadline:
             time.sleep(0.05)
+    if killed_at == "before_removal":
         _kill()
     if killed_at == "in_forward":  # sample STEPS began (its ids taken), then the process died
         nn.ReLU.forward = lambda self, x: _kill()  # type: ignore[method-assign]

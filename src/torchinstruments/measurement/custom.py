@@ -27,7 +27,9 @@ class Reducer(Protocol):
     `metrics` names every metric the reducer returns; it is read once when the observer is
     injected, so name clashes fail early. The call receives a copy of the tensor, detached and
     under `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor,
-    which stays on the device until the sample's single host transfer, or a Python number.
+    which stays on the device until the sample's single host transfer, or a Python number. It
+    runs outside the user's `torch.autocast` and torch function/dispatch modes (ambient.py), so
+    its result does not depend on the precision or the modes the training step runs under.
 
     A reducer can never change the training values it reads: the custom reducers of one tensor
     share one copy of it (the default profile reads the live tensor, and never writes). A reducer

@@ -123,9 +123,8 @@ class Recording:
         """One host transfer for the whole sampled forward, then one record to the sinks."""
         with apart():  # the user's autocast and modes set aside (ambient.py)
             sample.emitted = True
-            self.counter.count_layers(
-                sample.returned
-            )  # a layer whose every call raised: not counted
+            # a layer whose every call raised: not counted
+            self.counter.count_layers(sample.returned)
             extra = sample_rows(
                 self.global_option, sample, self.measurer, self.rank, self.failed_once
             )

@@ -112,15 +112,18 @@ def test_a_sample_only_one_rank_takes_never_pairs_with_the_users_collectives(
         stopped = rows.filter(pl.col("sample_id") >= stopped_at)
         assert stopped.height == (taken - stopped_at) * len(METRICS)
         assert stopped["value"].null_count() == stopped.height
-        assert (
-            stopped["unavailable_reason"]
-            .str.starts_with(
-                f"global statistics stopped at sample {stopped_at}, for the rest of the run: "
-            )
-            .all()
+        # the reason names the sample and root forward the ranks parted at, and why they part
+        apart = (
+            f"global statistics stopped at sample {stopped_at}, for the rest of the run: "
+            "RanksApartError: no other rank came within 5 s (global_statistics_timeout) to the "
+            f"agreement on this rank's sample {stopped_at} (forward_index {stopped_at}), or a "
+            "rank left it: a sampled forward ran on some ranks only (an evaluation or "
+            "validation batch one rank ran alone: "
         )
+        assert stopped["unavailable_reason"].str.starts_with(apart).all()
         index = (directory / "index.md").read_text("utf-8")
         assert f"they stopped (from sample {stopped_at} on" in index  # the warning, kept
+        assert f"this rank's sample {stopped_at} (forward_index {stopped_at}), or a" in index
         assert "longer than 5 s (global_statistics_timeout)" in index
     # the samples both ranks took: the whole tensor over both ranks, as plain hooks saw it
     for sample_id in (0, 1):

@@ -13,11 +13,15 @@ each other tensor is null with a reason naming the ranks it ran on (and the rank
 raised, when they are why). A raise thus costs only the tensors the raising rank never
 produced: those it produced before the raise are the same tensors as on any other rank. The
 decision to take that extra collective is read from the gathered headers, so it is the same
-on every rank.
+on every rank. A header exchange that fails (no other rank came within the wait: a sampled
+forward some ranks ran alone, an evaluation batch on rank 0 only, whose extra sample the others,
+held in the program's own collectives such as DDP's, never reach) raises `RanksApartError`, which
+names this rank's sample and forward_index, so the stop's reason says where the ranks parted.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +30,7 @@ import torch
 
 from torchinstruments import reasons
 from torchinstruments.global_channel import gathered
+from torchinstruments.notices import shown
 
 # The header's fields that name the root forward a sample is, right after `raised` (`header`).
 # Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
@@ -71,6 +76,27 @@ def header(sample: Any, names: Sequence[str]) -> torch.Tensor:
     structure = _hash("\n".join(sorted(names)))
     return torch.tensor(
         [int(raised), sample.forward_index, step, len(names), structure], dtype=torch.int64
+    )
+
+
+class RanksApartError(RuntimeError):
+    """The ranks' agreement on a sample failed: no other rank came to it within the wait, or a
+    rank left it. Its message names this rank's sample and root forward, and what makes ranks
+    part (a sampled forward some ranks ran alone): the bare collective error (gloo's "Timed
+    out waiting 60000ms") names neither, and the rows and index.md carry this message."""
+
+
+def apart(sample: Any, wait: datetime.timedelta, error: BaseException) -> RanksApartError:
+    """The `RanksApartError` of `sample`, whose header exchange failed with `error` after waiting at
+    most `wait` (`global_statistics_timeout`)."""
+    step = "" if sample.step is None else f", step {sample.step}"
+    return RanksApartError(
+        f"no other rank came within {wait.total_seconds():g} s (global_statistics_timeout) to "
+        f"the agreement on this rank's sample {sample.sample_id} (forward_index "
+        f"{sample.forward_index}{step}), or a rank left it: a sampled forward ran on some ranks "
+        "only (an evaluation or validation batch one rank ran alone: every rank must run the same "
+        "root forwards, and the program's own collectives, DDP's say, then hold the others), a "
+        f"rank's data ran out, or a rank was later than that or gone ({shown(error)})"
     )
 
 
@@ -132,4 +158,12 @@ def not_everywhere(
     return out
 
 
-__all__ = ["DIFFERENT_FORWARDS", "header", "identities", "not_everywhere", "sample_reason"]
+__all__ = [
+    "DIFFERENT_FORWARDS",
+    "RanksApartError",
+    "apart",
+    "header",
+    "identities",
+    "not_everywhere",
+    "sample_reason",
+]

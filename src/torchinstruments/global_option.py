@@ -133,7 +133,8 @@ def global_notes(option: GlobalOption | None) -> tuple[str, ...]:
         "null); each sampled forward runs a fixed number of packed collectives, on process groups "
         "of the library's own made at inject (never paired with the program's collectives): a "
         f"rank that waits in them longer than {_seconds(option.wait)} "
-        "(global_statistics_timeout) for a sample no other rank takes (uneven data) stops global "
+        "(global_statistics_timeout) for a sample no other rank takes (uneven data, or an "
+        "evaluation batch one rank runs alone) stops global "
         "statistics for the rest of the run, null rows with the reason",
     )
 

@@ -365,7 +365,11 @@ def measure(
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
-    headers = list(gathered(agreement.header(sample, names), run.agreement).cpu())
+    mine = agreement.header(sample, names)
+    try:
+        headers = list(gathered(mine, run.agreement).cpu())
+    except Exception as error:  # the ranks are apart: say at which sample, and why they part
+        raise agreement.apart(sample, run.option.wait, error) from error
     reason = agreement.sample_reason(headers, warn)
     if reason is not None:
         return rows_of(items, {}, reason, metrics=metrics, rank=rank)
@@ -402,7 +406,8 @@ def _stopped(
         f"{sample_id} on, every globally measured tensor's rows are null with the reason, and no "
         "rank waits in the library's collectives again): a collective of the library failed, "
         "or no other rank came to it within its wait (a rank whose data ran out, or that met "
-        "its own barrier or collective while this one took a sample)",
+        "its own barrier or collective while this one took a sample, or a sampled forward that "
+        "ran on some ranks only, an evaluation batch one rank ran alone)",
     )
     return reason
 

@@ -193,8 +193,10 @@ REASONS: tuple[Reason, ...] = (
         "global statistics stopped at <when>, for the rest of the run: <Type>: <message>",
         "global_statistics: a collective of the library failed or no other rank came within its "
         "wait (a rank whose data ran out, or that met the user's own barrier or collective, while "
-        "another took a sample); the ranks are no longer known to be in step, so from then on no "
-        "rank takes the library's collectives and every globally measured tensor is null",
+        "another took a sample, or a sampled forward ran on some ranks only, an evaluation batch "
+        "one rank ran alone: RanksApartError names the sample and forward_index); the ranks are "
+        "no longer known to be in step, so from then on no rank takes the library's collectives "
+        "and every globally measured tensor is null",
     ),
     Reason(
         "statistics error: expected <n> host values, got <m>",

@@ -50,7 +50,7 @@ from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunInfo
 from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
 from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME
-from torchinstruments.rundir.attempts import continuation_notes
+from torchinstruments.rundir.continuation_notes import continuation_notes
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.unsampled import no_sample_warning, passed_through

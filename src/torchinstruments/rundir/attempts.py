@@ -26,7 +26,7 @@ run:
   continues from forward_index, the evaluation schedule starts at 0. Where the attempt whose
   counts are unknown kept two schedules (`record_eval`: its forward_index counted evaluation
   forwards too), that fallback moves both schedules, so the new attempt says so in index.md and
-  a warning (`schedule_fallback_note`), never silently;
+  a warning (`continuation_notes.schedule_fallback_note`), never silently;
 - continues the part numbers after those already merged (merge.py deletes a part whose number
   history.parquet says it holds);
 - keeps one `AttemptCounts` per attempt in the state file (index.md lists them), and the run's

@@ -6,13 +6,17 @@ a class any name. csv and json must give the exact texts back to a script; the t
 markdown must keep each tensor on one row and write such a name so that it reads as one name
 only: index.md's rule (`rundir.shell.literal_if_unclear`), its Python string literal where it
 holds a character that is not printable or begins with a quote, so that a name holding a line
-break (`'a\\nb'`) never reads as one holding a backslash and an `n` (`a\\nb`). The expected
-texts are written out here, not computed by the library.
+break (`'a\\nb'`) never reads as one holding a backslash and an `n` (`a\\nb`). The same rule
+writes the other texts the commands print from the model or the run's files: the model's class
+name, the run's directory, each note's beginning and a module type in a rank picture's label, so
+that an escape (`\\x1b[2J` clears the screen) or a carriage return never reaches the terminal.
+The expected texts are written out here, not computed by the library.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import io
 import json
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.cli.ranks_draw import RankLines
 
 from conftest import cli_in_process
 
@@ -44,6 +49,7 @@ GONE = "only\nA"  # a layer run A has and run B lacks
 # (`['k\\nx']`), and the tensor's name, holding the layer's line break, as its literal.
 DICT_SHOWN = [r'''"dict\nout['k\\nx']"''', r'''"dict\nout['k|y']"''']
 ODD_TYPE = type("Odd\nType", (nn.Linear,), {})  # a class can be named anything too
+RUN_A = "a\x1b[2J"  # run A's directory: a directory can be named anything too
 
 
 class DictOut(nn.Module):
@@ -67,15 +73,36 @@ class OddNames(nn.Module):
         return sum(v.sum() for v in self._modules["dict\nout"](x).values())  # type: ignore[misc]
 
 
+OddModel = type("Odd\x1b[2JNet", (OddNames,), {})  # the model's class name, in show's header
+
+
+class FailingSink:
+    """A sink whose start raises with an escape in its message: run A's note quotes it."""
+
+    def start(self, run: object) -> None:
+        raise ValueError("boom\x1b[2J")
+
+    def write_forward(self, record: object) -> None: ...
+
+    def write_backward(self, record: object) -> None: ...
+
+    def close(self, counts: object) -> None: ...
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Run A (every name and GONE) and run B (every name), two samples each."""
+    """Run A (every name and GONE, a sink that fails) and run B (every name), two samples
+    each, of a model class named with an escape."""
     made = []
-    for tag, names in (("a", [*SHOWN, GONE]), ("b", list(SHOWN))):
+    for tag, names in ((RUN_A, [*SHOWN, GONE]), ("b", list(SHOWN))):
         torch.manual_seed(0)
-        model = OddNames(names)
+        model = OddModel(names)
         directory = tmp_path_factory.mktemp("odd") / tag
-        inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+        sinks = [FailingSink()] if tag == RUN_A else []
+        with pytest.warns(RuntimeWarning, match="boom") if sinks else contextlib.nullcontext():
+            inject_observer(
+                model, output_dir=directory, sampler=EveryNForwardsSampler(1), sinks=sinks
+            )
         for _ in range(2):
             model(torch.randn(1, 2)).backward()
         remove_observer(model)
@@ -88,12 +115,13 @@ def command(name: str, runs: tuple[Path, Path], *options: str) -> str:
     dirs = runs[:1] if name == "show" else runs
     done = cli_in_process(name, *dirs, "--metrics", "mean", "--signal", "output", *options)
     assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stderr  # csv and markdown say the notes there
     return done.stdout
 
 
 def tensors(run: Path) -> set[tuple[str, str, str]]:
     """(layer, tensor_path, module_type) of every output mean in `run`'s history."""
-    history = pl.read_parquet(run / "history.parquet").filter(
+    history = pl.read_parquet(run / "history.parquet", glob=False).filter(
         pl.col("metric") == "mean", pl.col("signal") == "output"
     )
     return set(history.select("layer", "tensor_path", "module_type").iter_rows())
@@ -160,8 +188,27 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
     assert not re.search(r"[\t\r\x1b]", text)
     want = [*SHOWN.values(), *DICT_SHOWN, r"'only\nA'"]  # compare: A's series, B absent
     assert sorted(first_cells(text)) == sorted(want)
+    lines = text.splitlines()
+    note = r"- 'sink <test_cli_odd_names.FailingSink object at "
+    (said,) = [line for line in lines if line.startswith(note)]
+    assert r"raised ValueError: boom\x1b[2J in start() at the start of the run" in said
     if name == "show":  # the module type's column, on plain's row
-        (row,) = [line for line in text.splitlines() if line.startswith("plain ")]
+        (row,) = [line for line in lines if line.startswith("plain ")]
         assert row.split()[1] == r"'Odd\nType'"
+        assert lines[0] == f"run: '{runs[0]}'".replace("\x1b", r"\x1b")
+        assert lines[2].startswith(r"model: 'Odd\x1b[2JNet'; torchinstruments ")
     else:  # the layer only one run has
         assert r"only in A (1 layer, no row in the other run): 'only\nA'." in text
+        assert f"A: '{runs[0]}' (complete)".replace("\x1b", r"\x1b") in lines
+        assert f"B: {runs[1]} (complete)" in lines
+
+
+def test_a_rank_picture_names_each_module_type_of_its_tensor_by_the_same_rule() -> None:
+    lines = RankLines(
+        ("new\nline", 0, ""),
+        ranks=(0, 1),
+        left_out=(),
+        per_mode=(("train", 2),),
+        types=(("Odd\x1b[2JType", (0,)), ("Linear", (1,))),
+    )
+    assert lines.name() == r"'new\nline' ('Odd\x1b[2JType' on rank 0; Linear on rank 1)"

@@ -26,6 +26,8 @@ Design decisions:
   (the samplers of every attempt, or the window, or attempts that begin at different samples:
   `cli.attempts_apart`) are said in words, the latter first: a reader
   of the table alone would otherwise read "no difference" or a null into them.
+- The header's run directories, like the tensor names, are written by index.md's rule
+  (`literal_if_unclear`): a directory named with an escape must not rewrite the terminal.
 - A matched sample is `cli.matching`'s, the same as `compare PARENT`'s: both runs have the row,
   each with a value, or each a null for the same reason. A live run's latest sample is open
   (`matching.open_sample`): a gradient row it lacks there is no difference, and is said.
@@ -364,8 +366,8 @@ def _text(c: Comparison, width: int, every: bool = False) -> str:
     ]
     for note in (
         *warnings_of(c),
-        f"A: {c.facts_a.directory} ({c.facts_a.state.split(' (')[0]})",
-        f"B: {c.facts_b.directory} ({c.facts_b.state.split(' (')[0]})",
+        f"A: {literal_if_unclear(str(c.facts_a.directory))} ({c.facts_a.state.split(' (')[0]})",
+        f"B: {literal_if_unclear(str(c.facts_b.directory))} ({c.facts_b.state.split(' (')[0]})",
         *marks,
         *_notes_said(c),
         *open_lines(c),

@@ -10,7 +10,9 @@ counted as ranks, lines per mode separately: `RankLines`); `heatmap` draws one i
 row per rank and a column per sample (output and output_gradient side by side), the same four
 cell kinds (value, null, nonfinite, no row) as the single-run heatmap. Over `--x step` as on
 one run: samples without a step are left out, and where no rank has one the command refuses
-with the single run's message (exit 1), never an empty picture.
+with the single run's message (exit 1), never an empty picture. Each module type in a label is
+written by index.md's rule (`literal_if_unclear`), as the tensor's name is: a class named with an
+escape or a line break must not rewrite or split the line that names the picture.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from torchinstruments.cli.reader import (
 from torchinstruments.cli.selection import Selection
 from torchinstruments.cli.text import plural, tensor_label
 from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.shell import literal_if_unclear
 
 TensorId = tuple[str, int, str]
 
@@ -147,7 +150,7 @@ class RankLines:
         name = tensor_label(layer, call_index, path, calls=call_index > 0)
         if len(self.types) < 2:
             return name
-        return f"{name} ({'; '.join(f'{t} on rank {ranges(at)}' for t, at in self.types)})"
+        return f"{name} ({'; '.join(f'{literal_if_unclear(t)} on rank {ranges(at)}' for t, at in self.types)})"
 
     def describe(self, what: str) -> str:
         """`2 ranks (2 train lines, 2 eval lines)` for `what` = "line"."""

@@ -5,7 +5,10 @@ tensor path) and the output and output_gradient columns side by side, so it stay
 columns whatever the number of metrics; `--metrics` and `--layers` make it shorter. Beyond
 OVERVIEW_TENSORS tensors it is grouped by module type (`overview.py`; `--all`: every row). The
 machine formats (`--format csv|json|markdown`) hold one row per series (layer, call, signal, tensor
-path, metric) with full precision and the window bounds, for scripts.
+path, metric) with full precision and the window bounds, for scripts. The header's texts that
+come from the user (the run's directory, the model's class name; each note: `notes_lines`) are
+written by index.md's rule (`literal_if_unclear`), the rest of each line as it is: an escape or
+a carriage return in a class name must not rewrite the terminal.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
         source.append(files.history.name)
     if files.parts:
         source.append(f"{plural(len(files.parts), 'part')} in history.parts/")
-    lines = [f"run: {facts.directory}", f"state: {facts.state}"]
+    lines = [f"run: {literal_if_unclear(str(facts.directory))}", f"state: {facts.state}"]
     if run is not None:
         lines += [
-            f"model: {run.model_class}; torchinstruments {run.library_version}, "
+            f"model: {literal_if_unclear(run.model_class)}; torchinstruments {run.library_version}, "
             f"torch {run.torch_version}; started {run.started_at}",
             sampler_line(run.sampler, facts.run_state.attempts if facts.run_state else ()),
             *attempts_lines(facts),

@@ -51,12 +51,15 @@ def notes_lines(notes: Sequence[str]) -> list[str]:
     """A run's notes as `show` says them (and `compare`, `plot` and `heatmap`, which never draw
     or compare a run silently past what it did not record): how many index.md holds and where,
     then the beginning of each of the first `NOTES_SHOWN` (a note is a paragraph; the summary
-    stays short, and a note cut says so with `...`)."""
+    stays short, and a note cut says so with `...`). A note quotes users' texts (a sink's error
+    message, a class name) inside a sentence it cannot take apart here: the whole beginning is
+    written by index.md's rule (`literal_if_unclear`), so an escape or a carriage return in it
+    is shown as `\\x1b`, `\\r` in a quoted literal and never rewrites the terminal."""
     if not notes:
         return []
     lines = [f"notes: {len(notes)}, in full at the top of {INDEX_FILE}:"]
     for note in notes[:NOTES_SHOWN]:
-        lines.append(f"- {cut_note(note)}")
+        lines.append(f"- {literal_if_unclear(cut_note(note))}")
     if len(notes) > NOTES_SHOWN:
         lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
     return lines

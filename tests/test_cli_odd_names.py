@@ -89,6 +89,11 @@ class FailingSink:
     def close(self, counts: object) -> None: ...
 
 
+def boom(tensor: torch.Tensor) -> float:
+    """A reducer that fails with an escape in its message: run A's nulls give it as reason."""
+    raise ValueError("bad\x1b[2J")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Run A (every name and GONE, a sink that fails) and run B (every name), two samples
@@ -98,10 +103,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         torch.manual_seed(0)
         model = OddModel(names)
         directory = tmp_path_factory.mktemp("odd") / tag
-        sinks = [FailingSink()] if tag == RUN_A else []
+        sinks, reducers = ([FailingSink()], [boom]) if tag == RUN_A else ([], [])
         with pytest.warns(RuntimeWarning, match="boom") if sinks else contextlib.nullcontext():
             inject_observer(
-                model, output_dir=directory, sampler=EveryNForwardsSampler(1), sinks=sinks
+                model,
+                output_dir=directory,
+                sampler=EveryNForwardsSampler(1),
+                sinks=sinks,
+                reducers=reducers,
             )
         for _ in range(2):
             model(torch.randn(1, 2)).backward()
@@ -197,6 +206,9 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
         assert row.split()[1] == r"'Odd\nType'"
         assert lines[0] == f"run: '{runs[0]}'".replace("\x1b", r"\x1b")
         assert lines[2].startswith(r"model: 'Odd\x1b[2JNet'; torchinstruments ")
+        nulls = command(name, runs, "--metrics", "boom", "--width", "200")
+        assert not re.search(r"[\t\r\x1b]", nulls)
+        assert r"unavailable: 'reducer error: ValueError: bad\x1b[2J'" in nulls
     else:  # the layer only one run has
         assert r"only in A (1 layer, no row in the other run): 'only\nA'." in text
         assert f"A: '{runs[0]}' (complete)".replace("\x1b", r"\x1b") in lines

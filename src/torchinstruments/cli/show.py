@@ -6,7 +6,8 @@ columns whatever the number of metrics; `--metrics` and `--layers` make it short
 OVERVIEW_TENSORS tensors it is grouped by module type (`overview.py`; `--all`: every row). The
 machine formats (`--format csv|json|markdown`) hold one row per series (layer, call, signal, tensor
 path, metric) with full precision and the window bounds, for scripts. The header's texts that
-come from the user (the run's directory, the model's class name; each note: `notes_lines`) are
+come from the user (the run's directory, the model's class name, each null's reason; each note:
+`notes_lines`) are
 written by index.md's rule (`literal_if_unclear`), the rest of each line as it is: an escape or
 a carriage return in a class name must not rewrite the terminal.
 """
@@ -164,7 +165,8 @@ def metric_tables(frame: pl.DataFrame, facts: RunFacts, width: int) -> list[str]
         )
     nulls = frame.filter(pl.col("latest_value").is_null())
     if nulls.height:
-        reasons = sorted(set(nulls["latest_reason"].drop_nulls().to_list()))
+        # A reason quotes an error's message (a user's reducer's): written by index.md's rule.
+        reasons = sorted({literal_if_unclear(r) for r in nulls["latest_reason"].drop_nulls()})
         notes.append(
             f"null: {plural(nulls.height, 'latest value')} unavailable: {'; '.join(reasons)}"
         )

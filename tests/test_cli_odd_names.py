@@ -21,6 +21,7 @@ import csv
 import io
 import json
 import re
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -224,3 +225,42 @@ def test_a_rank_picture_names_each_module_type_of_its_tensor_by_the_same_rule() 
         types=(("Odd\x1b[2JType", (0,)), ("Linear", (1,))),
     )
     assert lines.name() == r"'new\nline' ('Odd\x1b[2JType' on rank 0; Linear on rank 1)"
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A parent of two ranks named with an escape; rank 1's reducer fails (a note, and nulls)."""
+    parent = tmp_path_factory.mktemp("odd") / "p\x1b[2J"
+    for rank in (0, 1):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RANK", str(rank))
+            env.setenv("WORLD_SIZE", "2")
+            model = nn.Sequential(nn.Linear(2, 2))
+            inject_observer(
+                model,
+                output_dir=parent,
+                sampler=EveryNForwardsSampler(1),
+                rank_policy="all",
+                reducers=[boom] if rank else [],
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reducer's failure
+            model(torch.randn(1, 2)).sum().backward()
+        remove_observer(model)
+    return parent
+
+
+def test_show_parent_writes_its_directory_notes_and_reasons_by_the_same_rule(
+    parent: Path,
+) -> None:
+    done = cli_in_process("show", parent, "--metrics", "boom", "--width", "200")
+    assert done.returncode == 0, done.stderr
+    assert not re.search(r"[\t\r\x1b]", done.stdout)
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"ranks: '{parent}' (2 ranks: 0-1)".replace("\x1b", r"\x1b")
+    (note,) = [line for line in lines if line.startswith("- rank 1: ")]
+    assert note.startswith("- rank 1: 'Not measured (")
+    assert r"bad\x1b[2J" in note
+    assert r"rank 1: latest value null in 2 series ('reducer error: ValueError: bad\x1b[2J')" in (
+        lines
+    )

@@ -7,6 +7,8 @@ Parquet file, named with what to do); only a parent where no rank can be read is
 damaged part of a rank not yet finalized is found when a reading meets it, not by a check of
 every part beforehand (a live rank's parts are many): the command then reads the parent again
 inside `leaving_out`, which every reader of the parent in it (`ranks_with_history`) obeys.
+The parent's directory and each note's beginning are printed by index.md's rule
+(`literal_if_unclear`, as `show DIR` prints them): an escape in them never reaches the terminal.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torchinstruments.rundir.left_parts import left_out_said
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_ranks import attempts_line
 from torchinstruments.rundir.ranges import plural, ranges
+from torchinstruments.rundir.shell import literal_if_unclear
 from torchinstruments.rundir.state import Status
 
 _RANK_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -247,7 +250,9 @@ def header_lines(
         said = attempts_said(f.run_state, f.directory) if f.run_state else ""
         if said:
             ended.setdefault(said, []).append(run.rank)
-    lines = [f"ranks: {parent} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"]
+    lines = [
+        f"ranks: {literal_if_unclear(str(parent))} ({plural(len(runs), 'rank')}: {ranges(r.rank for r in runs)})"
+    ]
     for state, which in states.items():
         lines.append(f"rank {ranges(which)}: {state}")
     for said, which in ended.items():
@@ -279,7 +284,7 @@ def notes_of_ranks(runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[s
         f"each rank's {INDEX_FILE}:"
     ]
     for note, which in list(held.items())[:NOTES_SHOWN]:
-        lines.append(f"- rank {ranges(which)}: {cut_note(note)}")
+        lines.append(f"- rank {ranges(which)}: {literal_if_unclear(cut_note(note))}")
     if len(held) > NOTES_SHOWN:
         rest = sorted({rank for which in list(held.values())[NOTES_SHOWN:] for rank in which})
         lines.append(f"- ... ({len(held) - NOTES_SHOWN} more, on rank {ranges(rest)})")

@@ -10,7 +10,8 @@ Design decisions:
   values compared, since rounding alone separates them: the lower rank). Ranks whose value is
   null or nonfinite are left out of the spread and counted (`ranks` = ranks with a finite
   value, `ranks_not_finite`, `ranks_without_row`), and the text says which ranks lack what
-  (`rank 1: no row in 4 of the 6 series read`, `latest value null in ...`) and which ranks the
+  (`rank 1: no row in 4 of the 6 series read`, `latest value null in ...`, with its reason
+  by index.md's rule, `literal_if_unclear`, as it quotes a user's error) and which ranks the
   world size expects but no directory holds; a spread over fewer ranks than were read shows as
   `1/2` in its `ranks` cell, never like ranks that agree. Beyond `PARENT_ROWS` rows per metric
   the text is grouped by module type (`rank_overview.py`; `--all`: every series).
@@ -44,6 +45,7 @@ from torchinstruments.cli.reader import NotARunError, RunFacts, read_facts, wind
 from torchinstruments.cli.selection import SERIES_COLUMNS, Selection, facts_dict, ordered, summary
 from torchinstruments.cli.text import number, plural, render_frame, series_table, several_calls
 from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.shell import literal_if_unclear
 
 TIE_ULPS = 4  # farthest-rank distances this many ulps apart (of the values compared) are a tie
 _EPSILON = 2.0**-52
@@ -176,7 +178,7 @@ def _gaps(per_rank: pl.DataFrame, read: Sequence[int]) -> tuple[str, ...]:
             reason = null["latest_reason"].drop_nulls().first()
             said.append(
                 f"latest value null in {plural(null.height, 'series', 'series')}"
-                + (f" ({reason})" if reason else "")
+                + (f" ({literal_if_unclear(str(reason))})" if reason else "")  # a user's error
             )
         nonfinite = mine.filter(~pl.col("latest_value").is_finite())
         if nonfinite.height:

@@ -216,6 +216,13 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
         assert f"B: {runs[1]} (complete)" in lines
 
 
+def test_a_directory_above_a_run_names_it_by_the_same_rule(runs: tuple[Path, Path]) -> None:
+    done = cli_in_process("show", runs[0].parent)
+    assert done.returncode != 0
+    assert "\x1b" not in done.stderr.split(", e.g. ")[0]  # the example is a shell word
+    assert r"holds no run itself but 1 below it ('a\x1b[2J'): pass" in done.stderr
+
+
 def test_a_rank_picture_names_each_module_type_of_its_tensor_by_the_same_rule() -> None:
     lines = RankLines(
         ("new\nline", 0, ""),

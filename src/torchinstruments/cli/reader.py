@@ -16,7 +16,8 @@ Design decisions:
 - A history file that is not a whole Parquet file (a copy cut short, a machine that lost power)
   stops the command with one line naming it and what to do (`UnreadableHistoryError`), except
   a part beside history.parquet, which `finalize` leaves in place when it cannot read it: that
-  one is left out (`RunFiles.unreadable`) and `show` names it.
+  one is left out (`RunFiles.unreadable`) and `show` names it. The runs found below a directory
+  that holds none are named by index.md's rule (`literal_if_unclear`): a name read from disk.
 - Summaries follow result.json's definitions: `latest` is the last observation of a series, and
   the recent window is computed by result.json's own implementation
   (`rundir.windows.window_summaries`: the series' latest `window` sample_ids, the exact mean of
@@ -58,7 +59,7 @@ from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.shell import command_line, tool_command
+from torchinstruments.rundir.shell import command_line, literal_if_unclear, tool_command
 from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
 from torchinstruments.rundir.write_trouble import read_trouble
@@ -193,7 +194,7 @@ def locate(directory: Path) -> RunFiles:
         )
     below = runs_below(directory)
     if below:
-        names = listed([str(p.relative_to(directory)) for p in below])
+        names = listed([literal_if_unclear(str(p.relative_to(directory))) for p in below])
         raise NotARunError(
             f"{directory} holds no run itself but {len(below)} below it ({names}): pass "
             f"one of them, e.g. {command_line(below[0])}"

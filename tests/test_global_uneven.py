@@ -10,6 +10,9 @@ on the rank that took it, warned and said in index.md; the samples every rank to
 values. The ranks never pair again after the stop: a later sample on both ranks waits at most
 once more, on the rank that had not stopped, and gives null rows with the reason on both.
 Under DDP's join context, the parameters trained with the observer are those trained without.
+With `global_statistics=True` on a model that holds no DTensor, no sample takes a collective: a
+forward rank 0 runs alone (a validation batch under DDP) waits for no one, and a DTensor a
+forward returns anyway keeps its local rows.
 """
 
 from __future__ import annotations
@@ -75,16 +78,66 @@ def uneven_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     dist.destroy_process_group()
 
 
+class FromLocal(torch.nn.Module):
+    """A layer that returns a DTensor built in its forward, over a mesh it holds (no DTensor
+    parameter or buffer)."""
+
+    def __init__(self, mesh: object) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(x * 1.0, self.mesh, [Shard(0)])  # type: ignore[arg-type]
+
+
+def without_dtensor_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
+    """global_statistics=True on models without a DTensor at inject: DDP where rank 0 runs a
+    no_grad forward alone after its first step (into `ddp`), then a layer returning
+    `DTensor.from_local` of each rank's own values (into `from-local`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+    join(rank, world_size, port, USER_TIMEOUT)
+    options = {
+        "sampler": EveryNForwardsSampler(1),
+        "rank_policy": "all",
+        "global_statistics": True,
+        "global_statistics_timeout": LIBRARY_WAIT,
+    }
+    torch.manual_seed(0)
+    model = DistributedDataParallel(chain(2))
+    inject_observer(model, output_dir=Path(output_dir, "ddp"), **options)
+    for step in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        if step == 0 and rank == 0:
+            with torch.no_grad():
+                model(torch.randn(2, 4))  # the validation batch rank 1 never runs
+    remove_observer(model)
+    sharded = torch.nn.Sequential(FromLocal(init_device_mesh("cpu", (world_size,))))
+    inject_observer(sharded, output_dir=Path(output_dir, "from-local"), **options)
+    sharded(torch.full((2, 3), float(rank + 1)))
+    remove_observer(sharded)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One pair of ranks for the file's two scenarios, one after the other, each in a group of
     its own (a pair of spawned ranks takes seconds): `join_worker` into `root/join`, then
-    `uneven_worker` into `root/uneven`."""
+    `uneven_worker` into `root/uneven`, then `without_dtensor_worker` into `root/alone`."""
     root = tmp_path_factory.mktemp("pair")
-    for name in ("join", "uneven"):
+    for name in ("join", "uneven", "alone"):
         (root / name).mkdir()
     run_ranks_in_sequence(
-        [(join_worker, (str(root / "join"),)), (uneven_worker, (str(root / "uneven"),))]
+        [
+            (join_worker, (str(root / "join"),)),
+            (uneven_worker, (str(root / "uneven"),)),
+            (without_dtensor_worker, (str(root / "alone"),)),
+        ]
     )
     return root
 
@@ -239,3 +292,45 @@ def test_groups_that_cannot_be_made_at_inject_leave_null_rows_with_the_reason(
         "group today"
     ).all()
     assert "global statistics stopped at inject" in (directory / "index.md").read_text("utf-8")
+
+
+def test_a_forward_one_rank_runs_alone_waits_for_no_one_without_a_dtensor_in_the_model(
+    pair: Path,
+) -> None:
+    """global_statistics=True under DDP, the model holding no DTensor: there is nothing to
+    measure over ranks, so no sample exchanges anything. Rank 0's validation batch, which rank 1
+    never runs, stops nothing (before, its next sample waited for rank 1, held in DDP's
+    all-reduce, and global statistics stopped with RanksApartError): every sample has this
+    rank's own rows, measured, and index.md says why no collective is taken."""
+    for rank, samples in ((0, 4), (1, 3)):
+        directory = pair / "alone" / "ddp" / f"rank-{rank:03d}"
+        index = (directory / "index.md").read_text("utf-8")
+        assert "no other rank came within 5 s" not in index  # RanksApartError, stopped
+        assert "global statistics of a sample failed" not in index
+        assert "no sample takes a collective" in index
+        rows = layer_rows(directory, "module.0")
+        assert sorted(rows["sample_id"].unique().to_list()) == list(range(samples))
+        assert rows.height == samples * len(METRICS)
+        assert rows["value"].null_count() == 0
+        assert rows["population"].null_count() == rows.height  # this rank's tensor
+        assert rows.filter(~pl.col("grad_enabled"))["sample_id"].to_list() == (
+            [1] * len(METRICS) if rank == 0 else []
+        )
+
+
+def test_a_dtensor_a_model_without_one_returns_keeps_its_local_rows_and_says_so(
+    pair: Path,
+) -> None:
+    """A layer returning `DTensor.from_local` in a model that held no DTensor at inject: its
+    rows are this rank's shard (the mean of rank r's values, r + 1; over both ranks it would be
+    1.5), with its placement and a null population, warned and said in index.md."""
+    for rank in range(2):
+        directory = pair / "alone" / "from-local" / f"rank-{rank:03d}"
+        rows = layer_rows(directory)
+        assert rows["population"].null_count() == rows.height == len(METRICS)
+        assert rows["placement"].unique().to_list() == ["Shard(0)"]
+        got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+        assert got["mean"] == got["min"] == got["max"] == float(rank + 1)
+        assert got["std"] == 0.0
+        index = (directory / "index.md").read_text("utf-8")
+        assert "a layer returned a DTensor although the model held no DTensor" in index

@@ -37,7 +37,7 @@ from torchinstruments.compilation import (
 from torchinstruments.config import OPTION_NAMES, ObserverConfig
 from torchinstruments.distributed import place_rank
 from torchinstruments.fused_paths import fused_path_modules
-from torchinstruments.global_option import global_notes
+from torchinstruments.global_option import global_notes, holds_no_dtensor
 from torchinstruments.global_statistics import close_run
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.loss_scale import describe_scaler, scaler_notes
@@ -143,7 +143,8 @@ def inject_observer(
             directory is refused.
         global_statistics: False (default: no collective ever); True: DTensor outputs with a
             Shard or Partial placement (1-D mesh) are measured as the whole tensor they stand
-            for, exactly, over the mesh's ranks; a `torch.distributed.ProcessGroup`: also
+            for, exactly, over the mesh's ranks (a model holding no DTensor parameter or buffer
+            at inject: no collective at all, its DTensors local); a `ProcessGroup`: also
             every other floating output, as the union of that group's ranks' tensors (e.g.
             the data-parallel global batch). Rows then say `population="global:ranks=..."`.
             Costs a fixed number of packed collectives per sampled forward (see
@@ -457,6 +458,7 @@ def _open_run(
     )
     infos = tuple(info for _, info in layers)
     history = config.history
+    no_dtensor = holds_no_dtensor(config.global_option, model)  # alike on every rank
     run = RunInfo(
         output_dir=placement.directory,
         library_version=library_version(),
@@ -477,7 +479,7 @@ def _open_run(
             *compile_notes(model),
             *torchscript_note(model),
             *property_note(model),
-            *global_notes(config.global_option),
+            *global_notes(config.global_option, no_dtensor),
             *scaler_notes(describe_scaler(grad_scaler)),
         ),
         grad_scaler=describe_scaler(grad_scaler),
@@ -499,6 +501,7 @@ def _open_run(
         sinks=group,
         sampler=sampler,
         continuation=continuation,
+        no_dtensor=no_dtensor,
     )
     observer.loss_scales.scaler = grad_scaler  # the config's, or the trainer's
     observer.counter.taken = directory.ids_taken  # each sample's ids marked as it is taken

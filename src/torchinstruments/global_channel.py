@@ -54,6 +54,9 @@ class GlobalRun:
     agreement: Any  # the library's group over every rank: the header, and world-wide tensors
     private: dict[tuple[int, ...], Any] = field(default_factory=dict)  # ranks -> its group
     stopped: str | None = None
+    # `global_statistics=True` on a model that held no DTensor at inject: no output is measured
+    # over ranks, so no sample takes a collective (`open_run`)
+    local: bool = False
 
     @property
     def group(self) -> Any:
@@ -71,11 +74,19 @@ class GlobalRun:
         return self.stopped
 
 
-def open_run(option: Any) -> GlobalRun | None:
+def open_run(option: Any, no_dtensor: bool = False) -> GlobalRun | None:
     """The library's groups for `option` (None when global statistics are off). Every rank
-    calls it at inject, in the same order: group creation pairs the ranks."""
+    calls it at inject, in the same order: group creation pairs the ranks.
+
+    `no_dtensor`: the model held no DTensor parameter or buffer at inject
+    (`global_option.holds_no_dtensor`). With no group named there is then nothing to measure
+    over ranks: the run is `local`, makes no group and takes no collective, not even a sample's
+    header, so a forward one rank runs alone (an evaluation batch on rank 0 under DDP) waits for
+    no one. Every rank holds the same model, so every rank decides this alike, alone."""
     if option is None:
         return None
+    if no_dtensor and option.group is None:
+        return GlobalRun(option, None, local=True)
     world = tuple(dist.get_process_group_ranks(dist.group.WORLD))
     run = GlobalRun(option, None)
     backend = "gloo" if dist.is_gloo_available() else None  # a timeout raises, never aborts

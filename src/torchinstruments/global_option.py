@@ -12,11 +12,14 @@ checkpoint loaded by rank 0 alone) needs more. It is always finite: a rank never
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 DEFAULT_WAIT = datetime.timedelta(seconds=60)
 
@@ -116,10 +119,44 @@ def check_same_on_every_rank(sampler: object, argument: str) -> None:
         )
 
 
-def global_notes(option: GlobalOption | None) -> tuple[str, ...]:
-    """What `global_statistics=` changes in the rows, said in index.md (empty when off)."""
+def holds_no_dtensor(option: GlobalOption | None, model: nn.Module) -> bool:
+    """Whether `global_statistics=True` (no group named) meets a model that holds no DTensor
+    parameter or buffer at inject: then nothing is measured over ranks and no sample takes a
+    collective (`global_channel.open_run`). Read from the model alone, so every rank (each
+    holds the same model) answers alike without a collective. False when the option is off or
+    names a group (every floating output is measured over it then)."""
+    if option is None or option.group is not None:
+        return False
+    # No DTensor exists unless `torch.distributed.tensor` was imported (not imported here).
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
+
+
+LOCAL_DTENSOR = (
+    "global_statistics=True: a layer returned a DTensor although the model held no DTensor "
+    "parameter or buffer at inject, so this run takes no collective: such DTensors are "
+    "measured as this rank's local tensor (population null, as without global_statistics), "
+    "not over their mesh. To measure them over it, inject after the model is parallelized "
+    "(a DTensor parameter)"
+)
+
+
+def global_notes(option: GlobalOption | None, no_dtensor: bool = False) -> tuple[str, ...]:
+    """What `global_statistics=` changes in the rows, said in index.md (empty when off);
+    `no_dtensor`: `holds_no_dtensor` of the model."""
     if option is None:
         return ()
+    if no_dtensor:
+        return (
+            "global_statistics=True: the model held no DTensor parameter or buffer at inject, "
+            "so no output is measured over ranks and no sample takes a collective (every rank "
+            "decides this alike from its model, alone: a forward one rank runs alone, an "
+            "evaluation batch on rank 0 under DDP, waits for no one); a DTensor a layer returns "
+            "anyway (DTensor.from_local in a forward) gets this rank's local rows, warned when "
+            "first met. Name a process group (global_statistics=group) to measure every "
+            "floating output over its ranks",
+        )
     over = (
         "DTensor Shard/Partial outputs (1-D meshes) and, over the named process group, every "
         "other floating output"
@@ -146,9 +183,11 @@ def _seconds(wait: datetime.timedelta) -> str:
 
 __all__ = [
     "DEFAULT_WAIT",
+    "LOCAL_DTENSOR",
     "GlobalOption",
     "check_global_statistics",
     "check_same_on_every_rank",
     "check_wait",
     "global_notes",
+    "holds_no_dtensor",
 ]

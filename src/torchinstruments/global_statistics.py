@@ -9,8 +9,9 @@ and interpolate as the measurement folder does), labelled
 `population = "global:ranks=..."`. Its local rows are not written: a series has one population
 for the whole run, so no summary mixes them.
 
-The cost, per sampled forward (never on unsampled ones, nothing at all without the option), a
-fixed number of collectives whatever the number of layers:
+The cost, per sampled forward (never on unsampled ones, nothing at all without the option, nor
+with `True` on a model that held no DTensor at inject: `global_channel.open_run`), a fixed
+number of collectives whatever the number of layers:
 
 1. one `all_gather` of a 5-integer header over the library's own group (`global_agreement`,
    `global_channel`: never paired with the user's collectives, a bounded wait): did a
@@ -66,6 +67,7 @@ from torchinstruments import global_agreement as agreement
 from torchinstruments import reasons
 from torchinstruments._torch_internals import is_functorch_wrapped
 from torchinstruments.global_channel import GlobalRun, close_run, gathered, open_run, summed
+from torchinstruments.global_option import LOCAL_DTENSOR
 from torchinstruments.measurement.numerics import (
     PROFILE,
     QUARTILES,
@@ -465,9 +467,15 @@ def keep(
     without the option).
 
     A failure here writes no row for this tensor in this sample (warned once): a local row would
-    put two populations into one series.
+    put two populations into one series. A `local` run (no DTensor in the model at inject)
+    keeps none: a DTensor met there keeps its local rows, warned once and said in index.md.
     """
     if option is None:
+        return False
+    if option.local:
+        dtensor = _dtensor_class()
+        if dtensor is not None and isinstance(tensor, dtensor):
+            warn("global-local", LOCAL_DTENSOR)
         return False
     try:
         claimed = claim(option, key, tensor)
@@ -502,8 +510,8 @@ def sample_rows(
     raises in the step, and stops global statistics (`global_channel`); every tensor the sample
     claimed still gets its rows, null with the reason, in this sample and in each later one:
     the claimed tensors have no local rows, so without them the stop would be silent. Nothing
-    without the option."""
-    if run is None:
+    without the option, nor in a `local` run (no collective: it claims no tensor)."""
+    if run is None or run.local:
         return ()
     metrics = measurer.metrics
     try:

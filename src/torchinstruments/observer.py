@@ -139,6 +139,7 @@ class Observer:
         sinks: the run directory first, then the caller's sinks.
         sampler: the sampler to ask instead of `config.sampler` (None: `config.sampler`).
         continuation: where a continued run's attempt starts (None: a new run).
+        no_dtensor: `global_option.holds_no_dtensor` of the model (True: no global collective).
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class Observer:
         sinks: SinkGroup,
         sampler: Any = None,
         continuation: Continuation | None = None,
+        no_dtensor: bool = False,
     ) -> None:
         self.config, self.directory = config, run.output_dir
         # any object with should_sample (checked by config); a callback's fresh copy of it
@@ -157,7 +159,7 @@ class Observer:
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
         self.rank = run.rank
-        self.global_option = open_run(config.global_option)  # the library's groups, made now
+        self.global_option = open_run(config.global_option, no_dtensor)  # its groups, made now
         # A continued run (resume=True) numbers its forwards and samples after the earlier ones.
         # Each sampler's schedule continues too (`rundir.attempts.plan_continuation`).
         self.continued = continuation  # what removal says of the earlier attempts' samples

@@ -8,8 +8,9 @@ only: index.md's rule (`rundir.shell.literal_if_unclear`), its Python string lit
 holds a character that is not printable or begins with a quote, so that a name holding a line
 break (`'a\\nb'`) never reads as one holding a backslash and an `n` (`a\\nb`). The same rule
 writes the other texts the commands print from the model or the run's files: the model's class
-name, the run's directory, each note's beginning and a module type in a rank picture's label, so
-that an escape (`\\x1b[2J` clears the screen) or a carriage return never reaches the terminal.
+name, the run's directory (in the header, an error, a state line on stderr, finalize's lines),
+each note's beginning and a module type in a rank picture's label, so that an escape (`\\x1b[2J`
+clears the screen) or a carriage return never reaches the terminal.
 The expected texts are written out here, not computed by the library.
 """
 
@@ -21,6 +22,7 @@ import csv
 import io
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -30,7 +32,10 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.cli.heatmap import heatmap
+from torchinstruments.cli.plot import plot
 from torchinstruments.cli.ranks_draw import RankLines
+from torchinstruments.cli.selection import Selection
 
 from conftest import cli_in_process
 
@@ -97,8 +102,8 @@ def boom(tensor: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Run A (every name and GONE, a sink that fails) and run B (every name), two samples
-    each, of a model class named with an escape."""
+    """Run A (every name and GONE, a sink that fails) and run B (every name),
+    two samples each, of a model class named with an escape."""
     made = []
     for tag, names in ((RUN_A, [*SHOWN, GONE]), ("b", list(SHOWN))):
         torch.manual_seed(0)
@@ -223,6 +228,61 @@ def test_a_directory_above_a_run_names_it_by_the_same_rule(runs: tuple[Path, Pat
     assert r"holds no run itself but 1 below it ('a\x1b[2J'): pass" in done.stderr
 
 
+def shown(path: Path) -> str:
+    """How the commands write a path holding an escape (and no quote): its string literal."""
+    return f"'{path}'".replace("\x1b", r"\x1b")
+
+
+def test_a_path_in_an_error_is_written_by_the_same_rule(runs: tuple[Path, Path]) -> None:
+    gone = runs[0].parent / "gone\x1b[2J"
+    done = cli_in_process("show", gone)
+    assert (
+        done.stderr
+        == f"torchinstruments show: {shown(gone)} does not exist: pass a run's output directory\n"
+    )
+    done = cli_in_process("finalize", gone)
+    assert done.stderr.startswith(f"torchinstruments finalize: {shown(gone)} holds no run: ")
+    for name in ("plot", "heatmap"):  # refused before matplotlib is needed
+        done = cli_in_process(name, runs[0], "--x", "step")
+        assert done.returncode == 1
+        last = done.stderr.splitlines()[-1]  # after run A's notes
+        assert last.startswith(f"torchinstruments {name}: no sample of {shown(runs[0])} ")
+    nothing = Selection(layers="nothing")  # the command refuses it first (check_selection)
+    for draw in (
+        lambda: plot(runs[0], runs[0].parent / "x.png", nothing),
+        lambda: heatmap(runs[0], runs[0].parent, nothing),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"no history rows in {shown(runs[0])} ")):
+            draw()
+
+
+def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A copy of run A made to read as interrupted (its process ended without removal),
+    finalized (with a temporary to remove), then emptied of rows, then with a state file that
+    cannot be read."""
+    run = tmp_path / "c\x1b[2J"
+    shutil.copytree(runs[0], run)
+    state = json.loads((run / ".state.json").read_text())
+    (run / ".state.json").write_text(json.dumps({**state, "interrupted": True}))
+    done = cli_in_process("show", run, "--format", "csv")
+    assert f"torchinstruments show: {shown(run)}: state: interrupted (" in done.stderr
+    (run / "x.torchinstruments-tmp").write_bytes(b"")  # an atomic write cut short
+    done = cli_in_process("finalize", run)
+    assert done.returncode == 0, done.stderr
+    assert f"removed incomplete temporary {shown(run / 'x.torchinstruments-tmp')}" in done.stdout
+    assert done.stdout.startswith(f"finalized {shown(run)}: ")
+    assert f" in {shown(run / 'history.parquet')} (0 parts merged)" in done.stdout
+    history = run / "history.parquet"
+    pl.read_parquet(history, glob=False).head(0).write_parquet(history)
+    done = cli_in_process("show", run)
+    assert done.stderr.startswith(f"torchinstruments show: {shown(run)}: this run recorded no rows")
+    (run / ".state.json").write_text("{")
+    done = cli_in_process("plot", run)
+    assert f"torchinstruments plot: {shown(run)}: the run's state is unreadable" in done.stderr
+
+
 def test_a_rank_picture_names_each_module_type_of_its_tensor_by_the_same_rule() -> None:
     lines = RankLines(
         ("new\nline", 0, ""),
@@ -258,7 +318,7 @@ def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_show_parent_writes_its_directory_notes_and_reasons_by_the_same_rule(
-    parent: Path,
+    parent: Path, tmp_path: Path
 ) -> None:
     done = cli_in_process("show", parent, "--metrics", "boom", "--width", "200")
     assert done.returncode == 0, done.stderr
@@ -271,3 +331,13 @@ def test_show_parent_writes_its_directory_notes_and_reasons_by_the_same_rule(
     assert r"rank 1: latest value null in 2 series ('reducer error: ValueError: bad\x1b[2J')" in (
         lines
     )
+    done = cli_in_process("plot", parent, "--x", "step")  # refused before matplotlib is needed
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith(
+        f"torchinstruments plot: no sample of {shown(parent)} "
+    )
+    copy = tmp_path / parent.name  # finalize rewrites the parent's index.md: a copy's
+    shutil.copytree(parent, copy)
+    done = cli_in_process("finalize", copy)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {shown(copy / 'index.md')} (2 ranks)" in done.stdout.splitlines()

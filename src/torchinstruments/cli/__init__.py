@@ -68,13 +68,15 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
     from torchinstruments.cli.states import run_state
     from torchinstruments.cli.text import notes_lines
     from torchinstruments.rundir.index_page import page_notes
+    from torchinstruments.rundir.shell import literal_if_unclear
 
     for directory in directories:
+        shown = literal_if_unclear(str(directory))  # a path the user typed: index.md's rule
         try:
             state = run_state(Path(directory).expanduser())
         except (OSError, ValueError) as error:
             print(
-                f"{prog}: {directory}: the run's state is unreadable ({error}); its history is "
+                f"{prog}: {shown}: the run's state is unreadable ({error}); its history is "
                 "read as it is (layer order and settings unknown)",
                 file=sys.stderr,
             )
@@ -83,7 +85,7 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
             continue
         sentence = state_sentence(Path(directory).expanduser(), state)
         if sentence != "complete":
-            print(f"{prog}: {directory}: state: {sentence}", file=sys.stderr)
+            print(f"{prog}: {shown}: state: {sentence}", file=sys.stderr)
         for line in notes_lines(page_notes(state)):
             print(f"{prog}: {line}", file=sys.stderr)
 

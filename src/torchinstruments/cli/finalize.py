@@ -26,6 +26,7 @@ from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.ranges import bound_count
 from torchinstruments.rundir.recovery import load_state, recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
+from torchinstruments.rundir.shell import literal_if_unclear
 from torchinstruments.rundir.state import NewerStateError
 
 __all__ = ["finalize_command"]
@@ -78,7 +79,8 @@ def _finalize(directory: Path, rank: str = "") -> int:
                 f"{c.backward_samples} with output gradients"
             )
         print(
-            f"finalized {report.directory}: {plural(merge.rows, 'row')} in {merge.path} "
+            f"finalized {_shown(report.directory)}: {plural(merge.rows, 'row')} in "
+            f"{_shown(merge.path)} "
             f"({plural(len(merge.merged_parts), 'part')} merged); {counts}"
         )
     for path in report.removed_temporaries:
@@ -119,21 +121,29 @@ _MERGED_PARTS = (
 )
 
 
+def _shown(path: Path) -> str:
+    """A path in a line finalize prints, by index.md's rule (`literal_if_unclear`): a run
+    directory named with an escape or a line break must not rewrite the terminal."""
+    return literal_if_unclear(str(path))
+
+
 def _removed_line(path: Path) -> str:
     """What finalize says of a file it deleted: the live run's disk reserve and the merged
     parts an earlier merge left are no torn writes."""
     if path.name == RESERVE_FILE:
-        return f"removed the disk space the live run held for its final state {path}"
+        return f"removed the disk space the live run held for its final state {_shown(path)}"
     if path.name == PARTS_GONE_DIR:
-        return f"removed {path}, {_MERGED_PARTS}"
-    return f"removed incomplete temporary {path}"
+        return f"removed {_shown(path)}, {_MERGED_PARTS}"
+    return f"removed incomplete temporary {_shown(path)}"
 
 
 def _kept_line(path: Path, why: str) -> str:
     """What finalize says of a leftover it could not delete, after "could not"."""
     if path.name == PARTS_GONE_DIR:
-        return f"delete {path}, {_MERGED_PARTS} ({why}); index.md says so until it is deleted"
-    return f"remove temporary {path} ({why})"
+        return (
+            f"delete {_shown(path)}, {_MERGED_PARTS} ({why}); index.md says so until it is deleted"
+        )
+    return f"remove temporary {_shown(path)} ({why})"
 
 
 def _finalize_ranks(parent: Path) -> int:
@@ -146,15 +156,15 @@ def _finalize_ranks(parent: Path) -> int:
     if removed:  # said as a run's removed temporaries are, in one line however many
         print(
             f"removed {plural(len(removed), 'temporary', 'temporaries')} an earlier version left "
-            f"in {parent} ({_names(removed)}): asks of ranks killed while asking for its "
+            f"in {_shown(parent)} ({_names(removed)}): asks of ranks killed while asking for its "
             "index.md to be rewritten"
         )
     try:
         path = write_parent_index(parent, wait=True)
     except OSError as exc:
-        print(f"torchinstruments finalize: {parent}/index.md: {exc}", file=sys.stderr)
+        print(f"torchinstruments finalize: {_shown(parent / 'index.md')}: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {path} ({plural(len(codes), 'rank')})")
+    print(f"wrote {_shown(path)} ({plural(len(codes), 'rank')})")
     for rank, directory in rank_dirs(parent):  # as the parent's index.md says them
         parts = left_out_parts(directory)
         if parts:

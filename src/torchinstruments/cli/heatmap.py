@@ -54,6 +54,7 @@ from torchinstruments.cli.reader import (
 )
 from torchinstruments.cli.selection import Selection
 from torchinstruments.cli.text import tensor_label
+from torchinstruments.rundir.shell import literal_if_unclear
 
 DEFAULT_MAX_TENSORS = LABEL_ROWS
 _KEY = ("layer", "call_index", "tensor_path", "mode")
@@ -208,9 +209,11 @@ def heatmap(
         write_order=False,
     )["metric"].to_list()
     if not present:
-        raise ValueError(f"no history rows in {directory} match the selection")
+        raise ValueError(
+            f"no history rows in {literal_if_unclear(str(directory))} match the selection"
+        )
     if x == "step" and not _has_step(directory, selection):
-        raise ValueError(NO_STEP.format(directory=directory))
+        raise ValueError(NO_STEP.format(directory=literal_if_unclear(str(directory))))
     metrics = selection.metrics or tuple(metric_order(present, facts.run))
     absent = [m for m in metrics if m not in present]
     if absent:

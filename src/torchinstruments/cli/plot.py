@@ -46,6 +46,7 @@ from torchinstruments.cli.reader import (
     scan_files,
 )
 from torchinstruments.cli.selection import Selection
+from torchinstruments.rundir.shell import literal_if_unclear
 
 _NAMES = (*TENSOR_KEY, "module_type", "metric")
 
@@ -167,9 +168,11 @@ def plot(
     catalog, xs = plot_catalog(directory, selection, x)
     catalog, left_out = default_metrics(catalog, facts, selection.metrics)
     if catalog.is_empty() and x == "step":
-        raise ValueError(NO_STEP.format(directory=directory))
+        raise ValueError(NO_STEP.format(directory=literal_if_unclear(str(directory))))
     if catalog.is_empty():
-        raise ValueError(f"no history rows in {directory} match the selection")
+        raise ValueError(
+            f"no history rows in {literal_if_unclear(str(directory))} match the selection"
+        )
     drawn = tensor_order(catalog, facts)[:max_tensors]
     metrics = catalog["metric"].unique().to_list()
     rows = plot_rows(directory, selection, x, drawn, metrics)

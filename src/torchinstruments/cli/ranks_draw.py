@@ -70,7 +70,9 @@ def chosen_tensor(runs: Sequence[RankRun], facts: RunFacts, selection: Selection
         ]
     ).unique()
     if found.is_empty():
-        raise ValueError(f"no history rows in {facts.directory} match the selection")
+        raise ValueError(
+            f"no history rows in {literal_if_unclear(str(facts.directory))} match the selection"
+        )
     order = {name: i for i, name in enumerate(layer_order(found["layer"].to_list(), facts.run))}
     return min(found.iter_rows(), key=lambda k: (order[k[0]], k[1], k[2]))
 
@@ -120,7 +122,7 @@ def _tensor_rows(
         )
     rows = pl.concat(frames)
     if rows.is_empty() and x == "step":
-        raise ValueError(NO_STEP.format(directory=parent))
+        raise ValueError(NO_STEP.format(directory=literal_if_unclear(str(parent))))
     return rows
 
 

@@ -163,9 +163,10 @@ def locate(directory: Path) -> RunFiles:
             its `rank-NNN/` subdirectories when it has some.
     """
     directory = Path(directory).expanduser()
+    shown = literal_if_unclear(str(directory))  # a path the user typed: index.md's rule
     if not directory.is_dir():
         what = "is a file, not a run directory" if directory.exists() else "does not exist"
-        raise NotARunError(f"{directory} {what}: pass a run's output directory")
+        raise NotARunError(f"{shown} {what}: pass a run's output directory")
     history = directory / HISTORY_FILE
     if history.is_file():
         try:
@@ -184,22 +185,22 @@ def locate(directory: Path) -> RunFiles:
     if ranks:
         names = ", ".join(p.name for p in ranks)
         raise NotARunError(
-            f"{directory} holds no run itself but rank directories ({names}): pass one of "
+            f"{shown} holds no run itself but rank directories ({names}): pass one of "
             f"them, e.g. {command_line(ranks[0])}"
         )
     if any((directory / name).exists() for name in (PARTS_DIR, STATE_FILE, INDEX_FILE)):
         raise NotARunError(
-            f"{directory} is a run without any history yet: no sample has been written "
+            f"{shown} is a run without any history yet: no sample has been written "
             f"({PARTS_DIR}/ has no completed part and {HISTORY_FILE} does not exist)"
         )
     below = runs_below(directory)
     if below:
         names = listed([literal_if_unclear(str(p.relative_to(directory))) for p in below])
         raise NotARunError(
-            f"{directory} holds no run itself but {len(below)} below it ({names}): pass "
+            f"{shown} holds no run itself but {len(below)} below it ({names}): pass "
             f"one of them, e.g. {command_line(below[0])}"
         )
-    raise NotARunError(f"{directory} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
+    raise NotARunError(f"{shown} holds no run: neither {HISTORY_FILE} nor {PARTS_DIR}/")
 
 
 def scan_files(files: RunFiles, *, write_order: bool = True) -> pl.LazyFrame:
@@ -509,15 +510,16 @@ def check_selection(
         SelectionError: naming the option, what matched nothing and the available names.
     """
     runs = "these runs" if len(directories) > 1 else "this run"
+    shown = ", ".join(literal_if_unclear(str(d)) for d in directories)  # index.md's rule
     if not _has_row(directories, pl.lit(True)):
         if any(_counts_unknown(d) for d in directories):
             raise SelectionError(
-                f"{', '.join(map(str, directories))}: no row reached the disk (the process "
+                f"{shown}: no row reached the disk (the process "
                 "ended before its first part was written), so what its samples held is unknown "
                 "(its index.md says how many are known): nothing to show"
             )
         raise SelectionError(
-            f"{', '.join(map(str, directories))}: {runs} recorded no rows (no sample was taken; "
+            f"{shown}: {runs} recorded no rows (no sample was taken; "
             "its index.md says why): nothing to show"
         )
     problems = []

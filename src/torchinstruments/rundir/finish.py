@@ -64,7 +64,7 @@ from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
 from torchinstruments.rundir.recovery import recovered_counts, state_to_finish
 from torchinstruments.rundir.repeats import with_killed_repeats
-from torchinstruments.rundir.shell import tool_command
+from torchinstruments.rundir.shell import literal_if_unclear, tool_command
 from torchinstruments.rundir.state import (
     RunState,
     Status,
@@ -347,7 +347,8 @@ def finalize(
     directory = expand_user(directory, "directory").absolute()
     if not (directory / PARTS_DIR).is_dir() and not (directory / HISTORY_FILE).is_file():
         raise FileNotFoundError(
-            f"{directory} holds no run: neither {PARTS_DIR}/ nor {HISTORY_FILE} exists; pass "
+            f"{literal_if_unclear(str(directory))} holds no run: neither {PARTS_DIR}/ nor "
+            f"{HISTORY_FILE} exists; pass "
             "the output_dir a run wrote"
         )
     with RunLock(directory, FINALIZE):

@@ -9,7 +9,8 @@ holds a character that is not printable or begins with a quote, so that a name h
 break (`'a\\nb'`) never reads as one holding a backslash and an `n` (`a\\nb`). The same rule
 writes the other texts the commands print from the model or the run's files: the model's class
 name, the run's directory (in the header, an error, a state line on stderr, finalize's lines),
-each note's beginning and a module type in a rank picture's label, so that an escape (`\\x1b[2J`
+the sampler's description (show's sampler line, compare's "sampled differently" warning), each
+note's beginning and a module type in a rank picture's label, so that an escape (`\\x1b[2J`
 clears the screen) or a carriage return never reaches the terminal.
 The expected texts are written out here, not computed by the library.
 """
@@ -95,6 +96,14 @@ class FailingSink:
     def close(self, counts: object) -> None: ...
 
 
+class OddSampler(EveryNForwardsSampler):
+    """Run A's sampler: every forward, as run B's, described with an escape (a user's
+    describe()): show's sampler line and compare's "sampled differently" warning quote it."""
+
+    def describe(self) -> str:
+        return "every\x1b[2Jforward"
+
+
 def boom(tensor: torch.Tensor) -> float:
     """A reducer that fails with an escape in its message: run A's nulls give it as reason."""
     raise ValueError("bad\x1b[2J")
@@ -102,7 +111,7 @@ def boom(tensor: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Run A (every name and GONE, a sink that fails) and run B (every name),
+    """Run A (every name and GONE, a sink that fails, OddSampler) and run B (every name),
     two samples each, of a model class named with an escape."""
     made = []
     for tag, names in ((RUN_A, [*SHOWN, GONE]), ("b", list(SHOWN))):
@@ -114,7 +123,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             inject_observer(
                 model,
                 output_dir=directory,
-                sampler=EveryNForwardsSampler(1),
+                sampler=OddSampler(1) if sinks else EveryNForwardsSampler(1),
                 sinks=sinks,
                 reducers=reducers,
             )
@@ -212,6 +221,7 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
         assert row.split()[1] == r"'Odd\nType'"
         assert lines[0] == f"run: '{runs[0]}'".replace("\x1b", r"\x1b")
         assert lines[2].startswith(r"model: 'Odd\x1b[2JNet'; torchinstruments ")
+        assert lines[3] == r"sampler: 'every\x1b[2Jforward'"
         nulls = command(name, runs, "--metrics", "boom", "--width", "200")
         assert not re.search(r"[\t\r\x1b]", nulls)
         assert r"unavailable: 'reducer error: ValueError: bad\x1b[2J'" in nulls
@@ -219,6 +229,10 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
         assert r"only in A (1 layer, no row in the other run): 'only\nA'." in text
         assert f"A: '{runs[0]}' (complete)".replace("\x1b", r"\x1b") in lines
         assert f"B: {runs[1]} (complete)" in lines
+        (warning,) = [line for line in lines if line.startswith("warning: the runs were sampled")]
+        assert warning.startswith(
+            r"warning: the runs were sampled differently (A: 'every\x1b[2Jforward'; B: Every"
+        )
 
 
 def test_a_directory_above_a_run_names_it_by_the_same_rule(runs: tuple[Path, Path]) -> None:

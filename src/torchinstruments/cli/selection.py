@@ -34,6 +34,7 @@ from torchinstruments.records import SIGNALS
 from torchinstruments.rundir.attempt_ends import attempt_ends_now
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.ranges import ranges
+from torchinstruments.rundir.shell import literal_if_unclear
 
 __all__ = [
     "COLUMNS",
@@ -196,11 +197,17 @@ def _said(label: str, s: Sampling) -> str:
         else:
             groups.append(([attempt], sampler))
     if len(groups) == 1:
-        return f"{label}: {groups[0][1] or 'unknown'}"
+        return f"{label}: {_shown(groups[0][1])}"
     return "; ".join(
-        f"{label}, attempt{'s' if len(at) > 1 else ''} {ranges(at)}: {sampler or 'unknown'}"
+        f"{label}, attempt{'s' if len(at) > 1 else ''} {ranges(at)}: {_shown(sampler)}"
         for at, sampler in groups
     )
+
+
+def _shown(sampler: str | None) -> str:
+    """A sampler's description by index.md's rule (`literal_if_unclear`: a user's `describe()`
+    holding an escape must not rewrite the terminal), or `unknown`."""
+    return literal_if_unclear(sampler) if sampler else "unknown"
 
 
 def sampled_differently(

@@ -60,6 +60,7 @@ from torchinstruments.rundir.id_mark import read_mark
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.page_bounds import SHOWN_SAMPLER_RUNS
 from torchinstruments.rundir.ranges import ends
+from torchinstruments.rundir.shell import literal_if_unclear
 
 IN_PROGRESS = "in progress"
 REMOVED = "removed"
@@ -409,12 +410,16 @@ def sampler_line(run_sampler: str, attempts: tuple[AttemptCounts, ...]) -> str:
 
     Why per attempt: `RunInfo.sampler` is the last attempt's (each attempt writes its own run
     info), and a job restarted with another sampler has samples the last one never chose.
+    Each description is written by index.md's rule (`literal_if_unclear`): a user's sampler
+    whose `describe()` or repr holds an escape or a line break must not rewrite the terminal
+    (`show`) nor break the page's list item.
     """
     said = [a.sampler for a in attempts]
     if said and said[-1] is None:  # a state from before they were kept: the run's is the last's
         said[-1] = run_sampler
     if len(said) < 2 or all(s == run_sampler for s in said):
-        return f"sampler: {run_sampler}"
+        return f"sampler: {literal_if_unclear(run_sampler)}"
+    said = [None if s is None else literal_if_unclear(s) for s in said]
     unknown = "unknown (the state file of that attempt predates per-attempt samplers)"
     runs: list[tuple[int, int, str]] = []  # consecutive attempts of one sampler: first, last
     for a, s in zip(attempts, said, strict=True):

@@ -164,7 +164,7 @@ def test_a_sigterm_in_the_last_flush_of_a_finish_at_exit_is_said_as_that_finish_
     note = (
         "remove_observer was not called: the run was being finished at the process's exit; that "
         "finish did not complete: its process was killed or crashed while writing its last rows "
-        "to history.parts/ (or that finish gave the write up on a file system that stopped "
+        "to history.parts/ (or that finish gave that write up on a file system that stopped "
         "answering); rows it still held in memory may be missing (at most one flush interval's "
         "worth), and `finalize` merged every row it had written and rebuilt the counts from "
         "history (lower bounds)"

@@ -182,7 +182,7 @@ def test_a_finish_at_exit_without_remove_observer_cut_by_sigterm_is_said_so_ever
     note = (
         "remove_observer was not called: the run was being finished at the process's exit; that "
         f"finish did not complete: its process was killed or crashed while {doing} (or that "
-        "finish gave the write up on a file system that stopped answering); every row it "
+        "finish gave that write up on a file system that stopped answering); every row it "
         "recorded had reached history.parts/ or the loss ledger before, and `finalize` "
         "completed the run from the counts that finish had written"
     )

@@ -17,8 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torchinstruments.rundir.attempts import UNREMOVED_NOTE, AttemptCounts, attempt_notes
-from torchinstruments.rundir.layout import PARTS_DIR
-from torchinstruments.rundir.state import KILLED_IN_REMOVAL, LAST_PARTS, RunState, removal_doing
+from torchinstruments.rundir.state import (
+    KILLED_IN_REMOVAL,
+    RunState,
+    kill_cost,
+    removal_doing,
+)
 
 __all__ = [
     "AT_EXIT",
@@ -100,20 +104,7 @@ def cut_unremoved_note(note: str, step: str) -> str:
     kill may have cost (as `state.killed_in_removal` says it for remove_observer)."""
     head = note.removesuffix(".").split("; it holds the samples taken until then")[0]
     head = head.replace(_FINISHED, "the run was being finished", 1)
-    said = (
-        f"{head}; {FINISH_CUT}: its process was killed or crashed while {removal_doing(step)} "
-        "(or that finish gave the write up on a file system that stopped answering); "
-    )
-    if step == LAST_PARTS:
-        return said + (
-            "rows it still held in memory may be missing (at most one flush interval's worth), "
-            "and `finalize` merged every row it had written and rebuilt the counts from "
-            "history (lower bounds)"
-        )
-    return said + (
-        f"every row it recorded had reached {PARTS_DIR}/ or the loss ledger before, and "
-        "`finalize` completed the run from the counts that finish had written"
-    )
+    return f"{head}; {FINISH_CUT}: {kill_cost(step, 'that finish')}"
 
 
 def killed_in_finish(note: str) -> bool:

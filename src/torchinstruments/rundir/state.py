@@ -213,9 +213,15 @@ def killed_in_removal(step: str) -> str:
     """The note `finalize` adds to a run whose process died at removal's `step`: from the
     merge on, its rows and counts were all written before, so the finish completes it; during
     the last flush, rows still in memory may be lost and the counts are rebuilt."""
+    return f"{KILLED_IN_REMOVAL}: {kill_cost(step, 'removal')}"
+
+
+def kill_cost(step: str, finisher: str) -> str:
+    """What a kill during a finish's `step` did and may have cost, `finisher` naming that finish
+    ("removal", or "that finish" for one at the process's exit: `cut_finish`)."""
     said = (
-        f"{KILLED_IN_REMOVAL}: its process was killed or crashed while {removal_doing(step)} "
-        "(or removal gave that write up on a file system that stopped answering); "
+        f"its process was killed or crashed while {removal_doing(step)} (or {finisher} gave "
+        "that write up on a file system that stopped answering); "
     )
     if step == LAST_PARTS:
         return said + (
@@ -225,7 +231,7 @@ def killed_in_removal(step: str) -> str:
         )
     return said + (
         f"every row it recorded had reached {PARTS_DIR}/ or the loss ledger before, and "
-        "`finalize` completed the run from the counts removal had written"
+        f"`finalize` completed the run from the counts {finisher} had written"
     )
 
 
@@ -507,6 +513,7 @@ __all__ = [
     "decode_run_info",
     "decode_state",
     "encode_state",
+    "kill_cost",
     "killed_in_removal",
     "read_state",
     "removal_doing",

@@ -14,12 +14,13 @@ from __future__ import annotations
 import datetime
 import itertools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+
+from torchinstruments.measurement.tensors import dtensor_class
 
 DEFAULT_WAIT = datetime.timedelta(seconds=60)
 
@@ -127,8 +128,7 @@ def holds_no_dtensor(option: GlobalOption | None, model: nn.Module) -> bool:
     names a group (every floating output is measured over it then)."""
     if option is None or option.group is not None:
         return False
-    # No DTensor exists unless `torch.distributed.tensor` was imported (not imported here).
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = dtensor_class()
     tensors = itertools.chain(model.parameters(), model.buffers())
     return dtensor is None or not any(isinstance(t, dtensor) for t in tensors)
 

@@ -78,6 +78,7 @@ from torchinstruments.measurement.numerics import (
 from torchinstruments.measurement.order import sortable_keys
 from torchinstruments.measurement.tensors import (
     TORCH_FUNC_NOTE,
+    dtensor_class,
     dtype_name,
     is_real_dtype,
     measured_form,
@@ -121,13 +122,6 @@ class GlobalTensor:
         return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{k.mode}|{self.partial}|{group}"
 
 
-def _dtensor_class() -> type | None:
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def claim(option: GlobalRun, key: Any, tensor: torch.Tensor) -> GlobalTensor | None:
     """The GlobalTensor for `tensor` if it is measured over a group, else None (local rows).
 
@@ -139,7 +133,7 @@ def claim(option: GlobalRun, key: Any, tensor: torch.Tensor) -> GlobalTensor | N
     meshes, integer tensors, tensor subclasses, meta tensors, which have no values) keeps its
     local rows, so a tensor that cannot be measured globally never costs the others theirs.
     """
-    dtensor = _dtensor_class()
+    dtensor = dtensor_class()
     if dtensor is not None and isinstance(tensor, dtensor):
         mesh = tensor.device_mesh
         if mesh.ndim != 1:
@@ -473,7 +467,7 @@ def keep(
     if option is None:
         return False
     if option.local:
-        dtensor = _dtensor_class()
+        dtensor = dtensor_class()
         if dtensor is not None and isinstance(tensor, dtensor):
             warn("global-local", LOCAL_DTENSOR)
         return False

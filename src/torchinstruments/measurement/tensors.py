@@ -26,6 +26,7 @@ __all__ = [
     "DENSE_MAX",
     "TORCH_FUNC_NOTE",
     "MeasuredForm",
+    "dtensor_class",
     "dtype_name",
     "host_floats",
     "host_sync_is_free",
@@ -42,6 +43,12 @@ _INTEGRAL = frozenset(
     {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
     | {torch.int8, torch.int16, torch.int32, torch.int64}
 )
+
+
+def dtensor_class() -> type | None:
+    """torch's DTensor class, or None where `torch.distributed.tensor` was never imported: then
+    no DTensor exists, and importing it here would cost seconds at the first measurement."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -105,9 +112,7 @@ def measured_form(tensor: torch.Tensor) -> MeasuredForm:
         note = TORCH_FUNC_NOTE if plain is not tensor else None
         plain = plain.detach()
         placement = coordinate = None
-        # No DTensor exists unless `torch.distributed.tensor` was imported (importing it here
-        # would cost seconds at the first measurement).
-        dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        dtensor = dtensor_class()
         if dtensor is not None and isinstance(plain, dtensor):
             note = DTENSOR_NOTE
             placement = ", ".join(_placement_name(p) for p in plain.placements)

@@ -109,6 +109,15 @@ class RecordingFailures:
         return shown
 
 
+def repr_of(value: object) -> str:
+    """`repr(value)`, or its type's name where that raises: a sampler, its answer or a sink
+    quoted in a warning or in index.md must not raise in the user's step or at inject."""
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__} (its repr raised)>"
+
+
 def shown(error: BaseException) -> str:
     """`repr(error)` for a warning, or its type's name where its own repr raises (an error that
     a tensor subclass raised): a warning about a failure must not fail in the user's step."""
@@ -118,4 +127,4 @@ def shown(error: BaseException) -> str:
         return f"{type(error).__name__}(its message could not be read)"
 
 
-__all__ = ["SHOWN_KINDS", "RecordingFailures", "shown", "user_stacklevel", "warn"]
+__all__ = ["SHOWN_KINDS", "RecordingFailures", "repr_of", "shown", "user_stacklevel", "warn"]

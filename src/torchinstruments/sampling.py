@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from torchinstruments.notices import shown
+from torchinstruments.notices import repr_of, shown
 from torchinstruments.reasons import error_message, utf8_text
 
 __all__ = [
@@ -171,7 +171,7 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     except Exception as error:
         warn_once(
             "sampler",
-            f"sampler {_shown(sampler)} raised {shown(error)} for forward_index {forward_index}; "
+            f"sampler {repr_of(sampler)} raised {shown(error)} for forward_index {forward_index}; "
             "a forward whose sampler raises is not sampled",
         )
         return False
@@ -179,7 +179,7 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     if decision is None:
         warn_once(
             "sampler-answer",
-            f"sampler {_shown(sampler)} returned {_shown(answer)} ({type(answer).__name__}) for "
+            f"sampler {repr_of(sampler)} returned {repr_of(answer)} ({type(answer).__name__}) for "
             f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
             "such forwards are not sampled",
         )
@@ -220,13 +220,4 @@ def describe_sampler(sampler: object) -> str:
             return utf8_text(
                 f"{type(sampler).__name__} (describe() failed: {error_message(error)})"
             )
-    return utf8_text(_shown(sampler))
-
-
-def _shown(value: object) -> str:
-    """`repr(value)`, or its type's name where that raises: a sampler, or its answer, quoted
-    in a warning or in index.md must not raise in the user's step or at inject."""
-    try:
-        return repr(value)
-    except Exception:
-        return f"<{type(value).__name__} (its repr raised)>"
+    return utf8_text(repr_of(sampler))

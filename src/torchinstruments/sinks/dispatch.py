@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torchinstruments.notices import warn
+from torchinstruments.notices import repr_of, warn
 from torchinstruments.reasons import error_message
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.sinks.directory import DirectorySink
@@ -49,7 +49,7 @@ class SinkGroup:
             except Exception as error:
                 self._sinks.remove(sink)
                 warn(
-                    f"torchinstruments: sink {sink_repr(sink)} raised {type(error).__name__}: "
+                    f"torchinstruments: sink {repr_of(sink)} raised {type(error).__name__}: "
                     f"{error_message(error)} in {method}(); it is detached and the other "
                     "sinks go on"
                 )
@@ -97,22 +97,13 @@ class SinkGroup:
         self._sinks.clear()
 
 
-def sink_repr(sink: Sink) -> str:
-    """`repr(sink)`, or its type's name where that raises: a failing sink is named in the
-    user's step, where naming it must not raise."""
-    try:
-        return repr(sink)
-    except Exception:
-        return f"<{type(sink).__name__} (its repr raised)>"
-
-
 def detached_note(sink: Sink, method: str, argument: object, error: Exception) -> str:
     """index.md's note on a sink detached after it raised: which sink, at which record, why.
 
     `argument` is what `method` was called with: a record names its sample and forward_index,
     the run's start comes before any sample.
     """
-    shown = sink_repr(sink)
+    shown = repr_of(sink)
     if len(shown) > _REPR_CHARS:
         shown = shown[: _REPR_CHARS - 3] + "..."
     if isinstance(argument, SampleRecord):

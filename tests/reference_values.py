@@ -242,6 +242,9 @@ HELD_NOT_CALLED = {
     "transformers.models.albert.modeling_albert.AlbertAttention": ("attention_dropout",),
     # Passes `attn_dropout`'s rate on every forward; calls it only with reorder_and_upcast_attn.
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention": ("attn_dropout",),
+    # torch's quantized Linear (dynamic and static) hands its packed weights to its kernel.
+    "torch.ao.nn.quantized.dynamic.modules.linear.Linear": ("_packed_params",),
+    "torch.ao.nn.quantized.modules.linear.Linear": ("_packed_params",),
 }
 
 

@@ -8,8 +8,9 @@ an encoder-decoder trained on labels (BART), a packed variable-length batch thro
 (it returns a PackedSequence, a named tuple whose `batch_sizes` is an int64 tensor),
 `nn.Embedding(sparse=True)` and `nn.EmbeddingBag` (an empty bag, per-sample weights),
 a channels_last ResNet, a Llama under bfloat16 autocast on the CPU, DenseNet's memory-efficient
-blocks (torchvision's own checkpointing), and quantization-aware training (fake-quantize modules
-that return their input's values); and decoders whose attention or feed-forward the zoo's Llama
+blocks (torchvision's own checkpointing), quantization-aware training (fake-quantize modules
+that return their input's values) and inference after quantization (dynamic, or the trained
+model converted: quantized Linears whose weights a child holds packed); and decoders whose attention or feed-forward the zoo's Llama
 does not have: Mistral's sliding window, Gemma 2's logit soft-capping and alternating local
 attention, DeepSeek-V3's latent attention and shared-plus-routed experts, Qwen2-MoE's gated
 shared expert, OLMoE, GPT-OSS's attention sinks and clamped experts, Phi-3's fused projections
@@ -219,6 +220,40 @@ def quantization_aware() -> tuple[nn.Module, Step]:
     return prepared, squares_step(lambda: torch.randn(3, 8))
 
 
+def quantized(how: str) -> Callable[[], tuple[nn.Module, Step]]:
+    """CPU inference after quantization: `quantize_dynamic` of the Linears (and an LSTM), or
+    the quantization-aware model `convert`ed (static quantized Linears). Each quantized Linear
+    keeps its packed weights in a `_packed_params` child it never calls."""
+
+    def build() -> tuple[nn.Module, Step]:
+        quantization = torch.ao.quantization
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notes
+            if how == "dynamic":
+                model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+                model.append(nn.LSTM(4, 4, batch_first=True))
+                model = quantization.quantize_dynamic(model, {nn.Linear, nn.LSTM})
+            else:
+                prepared, _ = quantization_aware()
+                prepared(torch.randn(3, 8))  # its observers see values before convert
+                model = quantization.convert(prepared.eval())
+
+        def step(m: nn.Module, i: int) -> Any:
+            with torch.no_grad():
+                return m(torch.randn(2, 3, 8))
+
+        return model.eval(), step
+
+    return build
+
+
+def quantized_linears_are_layers(result: Conformance) -> None:
+    """Each quantized Linear has rows; its packed-weights holder is no layer."""
+    assert not [layer for layer in result.catalog if "_packed_params" in layer]
+    linears = {"0", "2"} if "3" in result.catalog else {"fc1", "fc2"}
+    assert linears <= set(result.history["layer"].to_list())
+
+
 def has_int64_batch_sizes(result: Conformance) -> None:
     rows = result.history.filter(result.history["layer"] == "lstm")
     assert {"[0].batch_sizes", "[0].data"} <= set(rows["tensor_path"].to_list())
@@ -250,6 +285,8 @@ CASES: dict[str, tuple[Callable[[], tuple[nn.Module, Step]], Callable[[Conforman
     "llama_bfloat16_autocast": (llama_bfloat16_autocast, lambda result: None),
     "densenet_memory_efficient": (memory_efficient_densenet, lambda result: None),
     "quantization_aware_training": (quantization_aware, lambda result: None),
+    "dynamic_quantization": (quantized("dynamic"), quantized_linears_are_layers),
+    "static_quantization": (quantized("static"), quantized_linears_are_layers),
 }
 
 

@@ -14,7 +14,9 @@ may call, as a model calls the embedding a tied output head holds for its weight
 `named_modules()` gives it, and one a module above its holder uses itself, as the model's
 `self.encoder.embed(ids)` where the encoder only reads `self.embed.weight`). `nn.MultiheadAttention` does this with `out_proj`,
 torchvision's Swin attention with `qkv` and `proj`, Hugging Face's Mamba mixer with `conv1d`
-and `dt_proj`, and its BERT attention (SDPA, or its eager function) with the dropout whose
+and `dt_proj`, torch's quantized Linear (dynamic or static) and Embedding with the
+`_packed_params` holding their packed weights (what such a holder holds includes its own
+methods, through which they are read: `_packed`), and its BERT attention (SDPA, or its eager function) with the dropout whose
 rate it passes: a leaf-only rule would record nothing of them and name as layers children
 that never run. A child that holds no tensor (a dropout) and whose settings `forward` reads
 without calling it is held too, though another method calls it: Hugging Face's GPT-2
@@ -72,6 +74,7 @@ __all__ = [
 ]
 
 Selector = Callable[[str, nn.Module], bool]
+_MODULE_STATE = frozenset(vars(nn.Module()))  # what every module holds for torch itself
 
 
 def check_selector(name: str, selector: object) -> None:
@@ -144,7 +147,21 @@ def _held(module: nn.Module) -> frozenset[str]:
     names = set(registered_tensor_slots(module))
     if parametrize.is_parametrized(module):
         names |= {name for name, _ in module.get_submodule("parametrizations").named_children()}
-    return frozenset(name for name in names if not name.startswith("_")) | _settings(module)
+    held = frozenset(name for name in names if not name.startswith("_")) | _settings(module)
+    return held | _packed(module)
+
+
+def _packed(module: nn.Module) -> frozenset[str]:
+    """What a holder of packed weights holds: torch's quantized Linear keeps its weights in a
+    `_packed_params` child (a `torch.ScriptObject` in it, and a forward that returns its input)
+    whose packed object, dtype and own methods (`_weight_bias`, `set_weight_bias`) the Linear
+    reads to hand the weights to its kernel. Empty for a module holding no packed object."""
+    state = vars(module)
+    if not any(isinstance(value, torch.ScriptObject) for value in state.values()):
+        return frozenset()
+    classes = [klass for klass in type(module).__mro__ if klass not in (nn.Module, object)]
+    own = {name for klass in classes for name in vars(klass)} - {"forward"}
+    return frozenset(own | {name for name in state if name not in _MODULE_STATE})
 
 
 def _settings(module: nn.Module) -> frozenset[str]:

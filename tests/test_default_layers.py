@@ -12,6 +12,7 @@ attention) are in the conformance zoo.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -178,6 +179,43 @@ def test_a_child_used_only_through_its_parameters_is_not_a_layer_its_user_is(
     model.add_module("block", block())
     model.add_module("head", nn.Linear(4, 2))
     assert default_layers(model) == expected | {"head"}
+
+
+class Features(nn.Module):
+    """A backbone whose parent runs it through a method of its own, as `forward_features`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class CallsAMethodOfTheChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = Features(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone.forward_features(x))
+
+
+def test_quantized_modules_are_layers_and_the_holders_of_their_packed_weights_are_not() -> None:
+    """torch's quantized Linear and Embedding read their `_packed_params` child's packed object
+    through its methods, never calling it; a child's methods count so only where it holds
+    packed weights (a parent calling a backbone's `forward_features` keeps the leaf rule)."""
+    quantized = torch.ao.nn.quantized
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notes
+        model = nn.Sequential(
+            quantized.Linear(4, 4),
+            quantized.dynamic.Linear(4, 4),
+            quantized.Embedding(8, 4),
+            quantized.EmbeddingBag(8, 4),
+        )
+    assert default_layers(model) == {"0", "1", "2", "3"}
+    assert default_layers(CallsAMethodOfTheChild()) == {"backbone.proj", "head"}
 
 
 def test_a_class_without_source_keeps_the_leaf_rule() -> None:

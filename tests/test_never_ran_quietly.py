@@ -190,15 +190,22 @@ def test_a_layer_switched_off_by_its_parents_setting_is_noted_not_warned(tmp_pat
     assert "'0.drop' (0.use_res_connect)" in index
 
 
-def test_efficientnet_and_googlenet_in_eval_warn_nothing(tmp_path: Path) -> None:
+def test_efficientnet_googlenet_and_quantizable_mobilenet_in_eval_warn_nothing(
+    tmp_path: Path,
+) -> None:
     """EfficientNet's first block of each stage has no residual, so its stochastic depth is
-    never called; GoogLeNet calls its auxiliary heads only in training."""
+    never called; GoogLeNet calls its auxiliary heads only in training; the quantizable
+    MobileNetV2 adds its residual through a method of its `skip_add` (`skip_add.add(x, y)`,
+    which runs the `activation_post_process` inside) only `if self.use_res_connect`."""
     torchvision = pytest.importorskip("torchvision")
     efficientnet = torchvision.models.efficientnet_b0(num_classes=4).eval()
     googlenet = torchvision.models.googlenet(num_classes=4, init_weights=False).eval()
+    quantizable = torchvision.models.quantization.mobilenet_v2(num_classes=4).eval()
     x = torch.randn(1, 3, 64, 64)
-    for index, model in enumerate([efficientnet, googlenet]):
+    for index, model in enumerate([efficientnet, googlenet, quantizable]):
         assert observed_steps(model, tmp_path / f"run{index}", lambda m: m(x), steps=1) == []
     index_md = (tmp_path / "run0" / "index.md").read_text()
     assert "'features.1.0.stochastic_depth' (features.1.0.use_res_connect)" in index_md
     assert "'aux1.fc1' (training)" in (tmp_path / "run1" / "index.md").read_text()
+    skip = "'features.1.skip_add.activation_post_process' (features.1.use_res_connect)"
+    assert skip in (tmp_path / "run2" / "index.md").read_text()

@@ -13,7 +13,9 @@ It leaves out, too, a layer switched off: one its parent calls only under a plai
 of the parent's own that is false at removal (`selection.switched_off`): torchvision's MBConv
 calls its `stochastic_depth` only `if self.use_res_connect`, false in the first block of each
 EfficientNet stage, and Inception calls `AuxLogits` only `if self.training`, so neither can run
-in those blocks or in eval. index.md notes each with its setting. A layer under a setting that
+in those blocks or in eval (nor, inside the quantizable MobileNetV2's `skip_add`, what its
+`self.skip_add.add(x, y)` under `if self.use_res_connect` runs). index.md notes each with its
+setting. A layer under a setting that
 is true, or called in any other way, is warned as before.
 
 A child of an `nn.TransformerEncoderLayer` is warned with the one cause a user cannot guess: in

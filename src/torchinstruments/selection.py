@@ -277,7 +277,8 @@ def switched_off(module: nn.Module) -> dict[str, str]:
     """The children `module` calls only under a setting of its own that is now false: each is
     named with that setting (`use_res_connect` for torchvision's MBConv `stochastic_depth`,
     `training` for Inception's `AuxLogits` in eval). Every use of such a child in the class's
-    methods (outside `__init__`) is a call `self.<child>(...)` inside `if self.<setting>:`, or a
+    methods (outside `__init__`) is a call `self.<child>(...)`, or of its method (the
+    quantizable MobileNetV2's `self.skip_add.add(x, y)`), inside `if self.<setting>:`, or a
     test `self.<child> is None` / `is not None`; a child used any other way is not named, nor
     is one under a setting that is not a plain bool. Read from the source, once per class;
     empty where it cannot be read."""
@@ -326,6 +327,8 @@ def _guarded_uses(tree: ast.AST, names: frozenset[str], guards: dict[str, set[st
         ):
             continue  # `self.<child> is None`: a test, not a use
         setting = None
+        if isinstance(parent, ast.Attribute):  # `self.<child>.<method>(...)`: a call too
+            node, parent = parent, parents.get(id(parent))
         if isinstance(parent, ast.Call) and parent.func is node:
             inner: ast.AST = parent
             while (above := parents.get(id(inner))) is not None:

@@ -155,9 +155,10 @@ def _packed(module: nn.Module) -> frozenset[str]:
     """What a holder of packed weights holds: torch's quantized Linear keeps its weights in a
     `_packed_params` child (a `torch.ScriptObject` in it, and a forward that returns its input)
     whose packed object, dtype and own methods (`_weight_bias`, `set_weight_bias`) the Linear
-    reads to hand the weights to its kernel. Empty for a module holding no packed object."""
+    reads to hand the weights to its kernel. Empty for a module holding no packed object (a
+    TorchScript module's own `_c` is a `torch.ScriptModule`, not one)."""
     state = vars(module)
-    if not any(isinstance(value, torch.ScriptObject) for value in state.values()):
+    if not any(type(value) is torch.ScriptObject for value in state.values()):
         return frozenset()
     classes = [klass for klass in type(module).__mro__ if klass not in (nn.Module, object)]
     own = {name for klass in classes for name in vars(klass)} - {"forward"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -94,7 +95,8 @@ class FromLocal(torch.nn.Module):
 
 def without_dtensor_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
     """global_statistics=True on models without a DTensor at inject: DDP where rank 0 runs a
-    no_grad forward alone after its first step (into `ddp`), then a layer returning
+    no_grad forward alone after its first step (into `ddp`; the same with the world group named,
+    into `named`), then a layer returning
     `DTensor.from_local` of each rank's own values (into `from-local`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
@@ -102,21 +104,26 @@ def without_dtensor_worker(rank: int, world_size: int, port: int, output_dir: st
     from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
     join(rank, world_size, port, USER_TIMEOUT)
-    options = {
+    options: dict[str, Any] = {
         "sampler": EveryNForwardsSampler(1),
         "rank_policy": "all",
         "global_statistics": True,
         "global_statistics_timeout": LIBRARY_WAIT,
     }
-    torch.manual_seed(0)
-    model = DistributedDataParallel(chain(2))
-    inject_observer(model, output_dir=Path(output_dir, "ddp"), **options)
-    for step in range(3):
-        model(torch.randn(2, 4)).sum().backward()
-        if step == 0 and rank == 0:
-            with torch.no_grad():
-                model(torch.randn(2, 4))  # the validation batch rank 1 never runs
-    remove_observer(model)
+    for name, option in (("ddp", True), ("named", dist.group.WORLD)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(chain(2))
+        options["global_statistics"] = option
+        inject_observer(model, output_dir=Path(output_dir, name), **options)
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            # the validation batch rank 1 never runs; named: after DDP's second step, whose
+            # forward broadcasts its buckets' order (a collective of its own on rank 1)
+            if step == (0 if name == "ddp" else 1) and rank == 0:
+                with torch.no_grad():
+                    model(torch.randn(2, 4))
+        remove_observer(model)
+    options["global_statistics"] = True
     sharded = torch.nn.Sequential(FromLocal(init_device_mesh("cpu", (world_size,))))
     inject_observer(sharded, output_dir=Path(output_dir, "from-local"), **options)
     sharded(torch.full((2, 3), float(rank + 1)))
@@ -316,6 +323,37 @@ def test_a_forward_one_rank_runs_alone_waits_for_no_one_without_a_dtensor_in_the
         assert rows.filter(~pl.col("grad_enabled"))["sample_id"].to_list() == (
             [1] * len(METRICS) if rank == 0 else []
         )
+
+
+def test_a_validation_batch_one_rank_runs_alone_stops_global_statistics_on_every_rank_at_once(
+    pair: Path,
+) -> None:
+    """The same DDP loop with the world group named, the validation batch after step 1: rank 0's
+    no_grad batch (model in train mode) pairs with rank 1's next training sample, at the same
+    forward_index. The headers tell the kinds of forward apart, so neither rank combines a
+    validation batch with a training batch (before, sample 2's rows were one value of both), and both stop global
+    statistics there together: every later sample is null with the reason on both ranks, and
+    no rank waited for the library's wait (before, rank 0's next sample waited for rank 1, held
+    in DDP's all-reduce, until RanksApartError)."""
+    kinds = "kind of forward by rank: eval/grad disabled, train/grad enabled"
+    for rank, samples in ((0, 4), (1, 3)):
+        directory = pair / "alone" / "named" / f"rank-{rank:03d}"
+        rows = layer_rows(directory, "module.0")
+        assert sorted(rows["sample_id"].unique().to_list()) == list(range(samples))
+        assert rows["population"].unique().to_list() == ["global:ranks=0,1"]
+        assert rows.filter(pl.col("sample_id") < 2)["value"].null_count() == 0
+        later = rows.filter(pl.col("sample_id") >= 2)
+        assert later["value"].null_count() == later.height == (samples - 2) * len(METRICS)
+        assert (
+            later["unavailable_reason"]
+            == "global statistics stopped at sample 2, for the rest of the run: "
+            f"RanksApartError: the ranks sampled different root forwards ({kinds}): every rank "
+            "stopped global statistics here, together (from here on a sample is another root "
+            "forward on some rank, and a rank ahead would wait for one no other rank takes)"
+        ).all()
+        index = (directory / "index.md").read_text("utf-8")
+        assert "no other rank came within 5 s" not in index  # no wait ran out
+        assert "stopped there on every rank together" in index  # the warning, kept
 
 
 def test_a_dtensor_a_model_without_one_returns_keeps_its_local_rows_and_says_so(

@@ -1,10 +1,18 @@
 """What the ranks agree on before a sample's global collectives (`global_statistics`).
 
 Every rank must call the same collectives in the same order with the same sizes, or a rank
-waits forever. So before measuring, the ranks all-gather a 5-integer header (did the forward
-raise, which root forward the sample is, how many tensors it claimed, a 64-bit hash of their
-names, order aside), over the library's own group (`global_channel`). Ranks at different
-root forwards skip the whole sample together. Ranks that claimed different tensors (a branch
+waits forever. So before measuring, the ranks all-gather a 6-integer header (did the forward
+raise, which root forward the sample is, which kinds of forward its tensors came from (mode
+and grad mode), how many tensors it claimed, a 64-bit hash of their names, order aside), over
+the library's own group (`global_channel`). Ranks whose samples are different root forwards
+(forward_index or step), or different kinds of forward (a training forward on one rank, an
+evaluation forward under no_grad or in eval mode on another: a validation batch one rank ran
+alone, paired with the others' next sample), are apart: a value combined from them would mix
+two populations, and the ranks stay apart from there on (each later sample is another root
+forward on some rank; where the program's own collectives, DDP's say, hold the others, the
+rank ahead would wait in its next header). So every rank stops global statistics there,
+together, read from the same gathered headers: null rows with the reason, and no rank waits in
+the library's collectives again. Ranks that claimed different tensors (a branch
 taken on one rank, a Mixture-of-Experts expert not routed to on every rank, a rank whose
 forward raised before the others' last layers) take one more all-gather, of each tensor's
 64-bit identity (8 bytes per tensor of the rank with the most), and then measure exactly the
@@ -36,14 +44,15 @@ from torchinstruments.notices import shown
 # Not sample_id: ranks whose earlier samples differ (a resumed run's recovered counts) may still
 # be at the same root forward now.
 _IDENTITY = ("forward_index", "step")
-_COUNT = 1 + len(_IDENTITY)  # where the claimed tensors' count (then their hash) sits
+_KINDS = 1 + len(_IDENTITY)  # where the kinds of forward the claimed tensors came from sit
+_COUNT = _KINDS + 1  # where the claimed tensors' count (then their hash) sits
 _NO_STEP = -(1 << 63)  # a sample without a step (no int64 step is this)
 DIFFERENT_FORWARDS = (
     "global_statistics: the ranks' samples are different root forwards (a rank ran a root "
-    "forward the others did not, an extra evaluation batch say, or its step differs): such "
-    "samples get null global rows with a reason on every rank. Every rank must run the same "
-    "root forwards in the same order; a rank that takes a sample the others never take waits "
-    "in its collective"
+    "forward the others did not, an extra evaluation batch say, or its step or kind of forward "
+    "differs): global statistics stopped there on every rank together, for the rest of the run "
+    "(null global rows with the reason; no rank waits in the library's collectives again). "
+    "Every rank must run the same root forwards in the same order"
 )
 
 
@@ -66,16 +75,23 @@ def _hash(text: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def header(sample: Any, names: Sequence[str]) -> torch.Tensor:
+def kind_bit(mode: str, grad_enabled: bool) -> int:
+    """The header's bit for a tensor of a forward in `mode` with grad `grad_enabled`."""
+    return 1 << (2 * (mode == "eval") + (not grad_enabled))
+
+
+def header(sample: Any, names: Sequence[str], kinds: int = 0) -> torch.Tensor:
     """This rank's view of a sample, all-gathered before its collectives: whether its forward
-    raised, which root forward it is, and the tensors it claimed (count, hash of their names,
-    order aside). The names leave out the groups' members: on a 2-D mesh each tensor-parallel
-    group has its own, and the headers must agree all the same."""
+    raised, which root forward it is, the kinds of forward its claimed tensors came from
+    (`kinds`: their `kind_bit`s or-ed), and the tensors it claimed (count, hash of their
+    names, order aside). The names leave out the groups' members: on a 2-D mesh each
+    tensor-parallel group has its own, and the headers must agree all the same."""
     step = _NO_STEP if sample.step is None else sample.step
     raised = sample.interrupted is not None
     structure = _hash("\n".join(sorted(names)))
     return torch.tensor(
-        [int(raised), sample.forward_index, step, len(names), structure], dtype=torch.int64
+        [int(raised), sample.forward_index, step, kinds, len(names), structure],
+        dtype=torch.int64,
     )
 
 
@@ -111,19 +127,44 @@ def _different_forwards(headers: list[torch.Tensor]) -> tuple[str, list[str]] | 
     return None
 
 
-def sample_reason(headers: list[torch.Tensor], warn: Callable[[str, str], None]) -> str | None:
-    """Why every rank skips the whole sample (ranks at different root forwards, warned about
-    once: they stay apart until the run ends), or None. The same answer on every rank, read
-    from the same gathered headers. A rank whose forward raised skips nothing here: the
-    tensors every rank produced before the raise are one tensor (`not_everywhere` nulls the
-    others)."""
-    # Ranks at different root forwards: their tensors are no one tensor whatever else agrees,
-    # and a value combined from them would carry a different step on each rank.
+_KIND_WORDS = (
+    "train/grad enabled",
+    "train/grad disabled",
+    "eval/grad enabled",
+    "eval/grad disabled",
+)
+
+
+def _kinds_said(kinds: int) -> str:
+    """The kinds of forward of a header's `kinds` bits, as a row's reason names them."""
+    return " and ".join(word for bit, word in enumerate(_KIND_WORDS) if kinds >> bit & 1)
+
+
+def _different_kinds(headers: list[torch.Tensor]) -> list[str] | None:
+    """Each rank's kinds of forward, where they differ across the ranks that claimed tensors
+    (a rank that claimed none has no kind: `not_everywhere` tells its tensors), else None."""
+    kinds = [int(h[_KINDS]) for h in headers]
+    if len({k for k in kinds if k}) < 2:
+        return None
+    return [_kinds_said(k) if k else "none claimed" for k in kinds]
+
+
+def apart_reason(headers: list[torch.Tensor], warn: Callable[[str, str], None]) -> str | None:
+    """Why the ranks are apart at this sample (different root forwards, or different kinds of
+    forward), warned about once, or None. The same answer on every rank, read from the same
+    gathered headers: each then stops global statistics, together (they stay apart until the
+    run ends). A rank whose forward raised is not apart here: the tensors every rank produced
+    before the raise are one tensor (`not_everywhere` nulls the others)."""
+    # Ranks at different root forwards, or kinds of forward: their tensors are no one tensor
+    # whatever else agrees (a training batch and a validation batch are two populations).
     different = _different_forwards(headers)
+    kinds = _different_kinds(headers)
+    if different is None and kinds is None:
+        return None
+    warn("global-forwards", DIFFERENT_FORWARDS)
     if different is not None:
-        warn("global-forwards", DIFFERENT_FORWARDS)
         return reasons.different_forwards(*different)
-    return None
+    return reasons.different_forwards("kind of forward", kinds or [])
 
 
 def not_everywhere(
@@ -162,8 +203,9 @@ __all__ = [
     "DIFFERENT_FORWARDS",
     "RanksApartError",
     "apart",
+    "apart_reason",
     "header",
     "identities",
+    "kind_bit",
     "not_everywhere",
-    "sample_reason",
 ]

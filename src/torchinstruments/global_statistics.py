@@ -13,13 +13,15 @@ The cost, per sampled forward (never on unsampled ones, nothing at all without t
 with `True` on a model that held no DTensor at inject: `global_channel.open_run`), a fixed
 number of collectives whatever the number of layers:
 
-1. one `all_gather` of a 5-integer header over the library's own group (`global_agreement`,
+1. one `all_gather` of a 6-integer header over the library's own group (`global_agreement`,
    `global_channel`: never paired with the user's collectives, a bounded wait): did a
-   rank's forward raise, which root forward the sample is (forward_index, step), how many
-   tensors, a hash of their names and modes. Ranks whose k-th samples are different root
-   forwards because one ran a forward the others did not (an extra evaluation batch say) all
-   skip the rest of this sample: its global rows are null with a reason, never a value
-   combined from different steps. Ranks that ran different layers (a branch on one rank, a
+   rank's forward raise, which root forward the sample is (forward_index, step), which kinds
+   of forward its tensors came from (mode and grad mode), how many tensors, a hash of their
+   names, modes and grad modes. Ranks whose k-th samples are different root forwards, or
+   different kinds (one ran a forward the others did not, an extra evaluation batch say,
+   paired with the others' next sample), all stop global statistics there together: its
+   global rows and every later sample's are null with the reason, never a value combined
+   from different steps or from a training and an evaluation batch, and no rank waits again. Ranks that ran different layers (a branch on one rank, a
    Mixture-of-Experts expert not routed to on every rank, a rank whose forward raised before
    the last layers) take one more `all_gather`, of their tensors' hashes, and measure the
    tensors every rank of their group ran; only the others are null, with a reason naming the
@@ -36,7 +38,7 @@ number of collectives whatever the number of layers:
    a pass, for the 6 order statistics the quartiles need (each quartile's two neighbours),
    `6 x 256` counts per tensor per pass.
 
-Bytes sent per rank and sample: 40 per rank of the header (and where the ranks ran different
+Bytes sent per rank and sample: 48 per rank of the header (and where the ranks ran different
 layers 8 per tensor of the rank with the most), 8 per Partial element,
 `64 x world` per tensor of moments, `8 x 12288` per tensor of histograms (8 passes x 6 x 256
 int64); the data itself is never gathered.
@@ -119,7 +121,8 @@ class GlobalTensor:
         named, has its own), only the group's size."""
         k = self.key
         group = len(self.ranks)
-        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{k.mode}|{self.partial}|{group}"
+        kind = f"{k.mode}|{k.grad_enabled}"
+        return f"{k.layer.name}|{k.call_index}|{k.tensor_path}|{kind}|{self.partial}|{group}"
 
 
 def claim(option: GlobalRun, key: Any, tensor: torch.Tensor) -> GlobalTensor | None:
@@ -361,14 +364,18 @@ def measure(
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
-    mine = agreement.header(sample, names)
+    kinds = 0
+    for item in items:
+        kinds |= agreement.kind_bit(item.key.mode, item.key.grad_enabled)
+    mine = agreement.header(sample, names, kinds)
     try:
         headers = list(gathered(mine, run.agreement).cpu())
     except Exception as error:  # the ranks are apart: say at which sample, and why they part
         raise agreement.apart(sample, run.option.wait, error) from error
-    reason = agreement.sample_reason(headers, warn)
-    if reason is not None:
-        return rows_of(items, {}, reason, metrics=metrics, rank=rank)
+    apart = agreement.apart_reason(headers, warn)
+    if apart is not None:  # every rank stops here, together: no rank waits again
+        stopped = run.stop(sample.sample_id, agreement.RanksApartError(apart))
+        return rows_of(items, {}, stopped, metrics=metrics, rank=rank)
     absent = agreement.not_everywhere(headers, ids, [item.ranks for item in items], run.agreement)
     values: dict[int, tuple[MetricValue, ...]] = {
         i: (MetricValue(None, why),) * len(metrics) for i, why in absent.items()

@@ -176,10 +176,14 @@ REASONS: tuple[Reason, ...] = (
         "whole tensor to measure; the sample's other tensors keep their global rows",
     ),
     Reason(
-        "the ranks sampled different root forwards (<field> by rank: <values>): this sample has "
-        "no global statistics (every rank skipped its collectives)",
-        "global_statistics: the ranks' samples were not the same root forward (a rank ran a "
-        "forward the others did not, or set another step), so every rank skipped the sample",
+        "the ranks sampled different root forwards (<field> by rank: <values>): every rank "
+        "stopped global statistics here, together (from here on a sample is another root "
+        "forward on some rank, and a rank ahead would wait for one no other rank takes)",
+        "global_statistics, after `RanksApartError:` in the stop's reason: the ranks' samples "
+        "were not the same root forward (a rank ran a forward the others did not, set another "
+        "step, or ran another kind of forward, by mode or grad mode: a validation batch one "
+        "rank ran alone), so every rank stopped global statistics there together, never "
+        "combining two populations nor waiting again",
     ),
     Reason(
         "the root forward raised on rank <ranks>, which did not run this tensor (it ran on rank "
@@ -447,7 +451,8 @@ def different_forwards(field: str, values: list[str]) -> str:
     """The ranks' k-th samples are different root forwards: `field` has `values` by rank."""
     return (
         f"the ranks sampled different root forwards ({field} by rank: {', '.join(values)}): "
-        "this sample has no global statistics (every rank skipped its collectives)"
+        "every rank stopped global statistics here, together (from here on a sample is another "
+        "root forward on some rank, and a rank ahead would wait for one no other rank takes)"
     )
 
 

@@ -228,25 +228,33 @@ def sampled_differently(
 
 
 # A sample_id that is a different root forward or step on some rank, and each rank's
-# (rank, forward_index, step, evaluation) there.
-SampleApart = tuple[int, tuple[tuple[int, int, int | None, bool], ...]]
+# (rank, forward_index, step, kind of forward: `EVALUATION`, `TRAINING` or `UNREACHED`) there.
+SampleApart = tuple[int, tuple[tuple[int, int, int | None, str], ...]]
+
+EVALUATION, TRAINING, UNREACHED = "evaluation", "training", "unreached"
 
 
 def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
     """The first sample_id whose forward_index or step differs across the ranks that have it
-    (a rank without a step differs from none), or that is an evaluation forward on some ranks
-    and not on others, with each rank's values there; None where every shared sample_id agrees.
+    (a rank without a step differs from none), or that is another kind of forward on some
+    ranks than on others, with each rank's values there; None where every shared sample_id
+    agrees.
 
     Samplers that read the same on every rank can still sample different root forwards: the
     default clock-based one decides on each rank's own clock, and a rank that ran a forward
     the others did not (an extra evaluation batch) is a step apart from then on. Matched on
     sample_id, ranks then compare different steps, which `compare PARENT` must say. Without
     steps, a sampler on forward_index (`EveryNForwardsSampler`) takes the same forward_index
-    on every rank, so where a rank's extra forward was an evaluation only the rows tell it: a
-    sample is an evaluation forward where every row is eval mode with grad disabled (a
+    on every rank, so where a rank's extra forward was of another kind only the rows tell it:
+    a sample is an evaluation forward where every row is eval mode with grad disabled (a
     `torch.no_grad()` evaluation, a trainer's validation), never where a rank only froze some
-    modules (eval mode, grad on), so a pipeline stage of frozen layers is no evaluation. Five
-    columns of each rank's history, one row per sample, streamed.
+    modules (eval mode, grad on), so a pipeline stage of frozen layers is no evaluation; and a
+    training forward no backward reached where it has no gradient row although a later sample
+    of that rank has one (an extra training forward, its loss never backpropagated, no
+    optimizer step taken): a sample after the last one with a gradient row on disk may still
+    get its backward, or have it in a buffer not yet written, so it is never called that.
+    An extra training forward whose backward ran leaves rows like any step's: nothing tells it.
+    Six columns of each rank's history, one row per sample, streamed.
     """
 
     def read(files: list[RunFiles]) -> pl.DataFrame:
@@ -257,6 +265,7 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
                 pl.col("forward_index").first(),
                 pl.col("step").first(),
                 ((pl.col("mode") == "eval") & ~pl.col("grad_enabled")).all().alias("evaluation"),
+                (pl.col("signal") == "output_gradient").any().alias("backward"),
             )
             .with_columns(rank=pl.lit(run.rank, pl.Int64))
             for run, held in zip(runs, files, strict=True)
@@ -264,13 +273,24 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
         return pl.concat(frames, how="vertical").collect(engine="streaming")
 
     samples = read_each_with([run.directory for run in runs], read)
+    # rows reach the disk in the order they were written, so a gradient row of a later sample
+    # on disk means this sample's backward, had it run, would be there too (a live rank's
+    # latest samples, whose rows are still buffered, are never called unreached)
+    reached = pl.col("sample_id").filter(pl.col("backward")).max().over("rank")
+    samples = samples.with_columns(
+        kind=pl.when("evaluation")
+        .then(pl.lit(EVALUATION))
+        .when(pl.col("backward") | ~(pl.col("sample_id") < reached).fill_null(False))
+        .then(pl.lit(TRAINING))
+        .otherwise(pl.lit(UNREACHED))
+    )
     apart = (
         samples.group_by("sample_id")
         .agg(
             pl.col("rank").n_unique().alias("ranks"),
             pl.col("forward_index").n_unique().alias("forwards"),
             pl.col("step").drop_nulls().n_unique().alias("steps"),  # set_step on rank 0 alone
-            pl.col("evaluation").n_unique().alias("kinds"),
+            pl.col("kind").n_unique().alias("kinds"),
         )
         .filter(
             pl.col("ranks") > 1,
@@ -281,17 +301,17 @@ def first_sample_apart(runs: Sequence[RankRun]) -> SampleApart | None:
         return None
     first: int = apart.select(pl.col("sample_id").min()).item()
     there = samples.filter(pl.col("sample_id") == first).sort("rank")
-    return first, tuple(there.select("rank", "forward_index", "step", "evaluation").iter_rows())
+    return first, tuple(there.select("rank", "forward_index", "step", "kind").iter_rows())
 
 
 def forwards_apart(apart: SampleApart) -> str:
     """The warning said first when one sampler took different root forwards on the ranks."""
     sample_id, there = apart
-    by_kind = len({evaluation for *_, evaluation in there}) > 1
+    by_kind = len({kind for *_, kind in there}) > 1
     each = "; ".join(
         f"rank {rank}: forward_index {index}, step {'none' if step is None else step}"
-        + (_kind(evaluation) if by_kind else "")
-        for rank, index, step, evaluation in there
+        + (_kind(kind) if by_kind else "")
+        for rank, index, step, kind in there
     )
     by_forward = len({index for _, index, _, _ in there}) > 1
     hint = " (--x forward_index matches them by root forward)" if by_forward else ""
@@ -301,10 +321,13 @@ def forwards_apart(apart: SampleApart) -> str:
     )
 
 
-def _kind(evaluation: bool) -> str:
+def _kind(kind: str) -> str:
     """What a rank's sample was, where the ranks' samples differ in it."""
-    return (
-        ", an evaluation forward (eval mode, grad disabled)"
-        if evaluation
-        else ", a training forward (a module in train mode, or grad enabled)"
-    )
+    if kind == EVALUATION:
+        return ", an evaluation forward (eval mode, grad disabled)"
+    if kind == UNREACHED:
+        return (
+            ", a training forward no backward reached (no gradient row, where a later sample "
+            "has one: a forward the others did not run, say)"
+        )
+    return ", a training forward (a module in train mode, or grad enabled)"

@@ -50,6 +50,12 @@ ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: its output and its out
 ENDED = "not finished: its process ended without closing the run (killed or crashed)"
 ROWS_KILLED = 3 * ROWS_PER_SAMPLE + len(DEFAULT_METRICS)  # rank 2: and sample 3's outputs
 WORLD = 3
+# a rank whose process held its lock as the page was written: said in the past, since a kill
+# after the page's last rewrite cannot rewrite it
+IN_PROGRESS_CELL = (
+    "in progress when this page was written (its process held its lock; a kill since is not "
+    "said here)"
+)
 READS = 8
 
 
@@ -143,7 +149,7 @@ def test_readers_of_live_ranks_and_a_killed_one_never_fail_and_say_where_each_ra
             assert "rank 1: in progress" in shown.stdout
             assert "rank 2: interrupted: not finished, and no process holds" in shown.stdout
             rows = state_cells(render_parent_index(parent))  # the page a rank writes now
-            assert rows[1] == "in progress (its process holds its lock)"
+            assert rows[1] == IN_PROGRESS_CELL
             assert rows[2] == ENDED
             compared = cli_in_process("compare", parent, "--width", "200")
             assert compared.returncode == 0, compared.stderr
@@ -257,7 +263,7 @@ def restarted_rank_2(parent: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model(torch.randn(2, 4)).sum().backward()
     live = "attempts: 2, continued with resume=True (killed: attempt 0; in progress: attempt 1)"
     page = (parent / "index.md").read_text(encoding="utf-8")
-    assert state_cells(page)[2] == f"in progress (its process holds its lock); {live}"
+    assert state_cells(page)[2] == f"{IN_PROGRESS_CELL}; {live}"
     assert "**Ranks: 3 rank directories, 2 finished (removed or finalized)" in page
     shown = cli_in_process("show", parent, "--width", "1000")
     assert shown.returncode == 0, shown.stderr

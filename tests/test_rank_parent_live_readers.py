@@ -134,7 +134,8 @@ def test_a_rank_restarted_into_its_directory_rewrites_the_parent_page_as_it_star
     assert "**Ranks: 2 rank directories, 1 finished (removed or finalized), world size 2.**" in text
     cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 |")]
     state = (
-        "in progress (its process holds its lock); attempts: 2, continued with resume=True "
+        "in progress when this page was written (its process held its lock; a kill since is "
+        "not said here); attempts: 2, continued with resume=True "
         "(removed: attempt 0; in progress: attempt 1)"
     )
     assert cells == [["| 1", "`rank-001/`", state, "-", "- |"]]

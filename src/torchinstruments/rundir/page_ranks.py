@@ -323,12 +323,21 @@ def _state_cell(state: RunState, directory: Path, parts: tuple[Path, ...] = ()) 
     return cell
 
 
+# An unfinished rank whose process held its run lock as the page was written. Said in the past:
+# the page is rewritten when a rank finishes, never when one is killed, so after the last
+# rewrite a rank SIGKILLed would read "in progress" for good (`show` of the parent tells it now).
+IN_PROGRESS_CELL = (
+    "in progress when this page was written (its process held its lock; a kill since is not "
+    "said here)"
+)
+
+
 def _open_cell(ended: bool | None, state: RunState) -> str:
     """An unfinished rank's state: whether a process held its run lock as the page was written,
     and, for one that ended in a finish (`removal_step`), who was finishing it
     (`cut_finish.finisher`: remove_observer, or the finish at its exit without it) and where."""
-    if ended is False:
-        return "in progress (its process holds its lock)"
+    if ended is False:  # as of the page's time only: a rank killed later cannot rewrite it
+        return IN_PROGRESS_CELL
     if ended and state.removal_step is not None:
         return (
             f"not finished: its process ended during {finisher(state)}, while "

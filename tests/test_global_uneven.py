@@ -354,6 +354,7 @@ def test_a_validation_batch_one_rank_runs_alone_stops_global_statistics_on_every
         index = (directory / "index.md").read_text("utf-8")
         assert "no other rank came within 5 s" not in index  # no wait ran out
         assert "stopped there on every rank together" in index  # the warning, kept
+        assert "or kinds of forward (train or eval mode, grad enabled or not)" in index  # the note
 
 
 def test_a_dtensor_a_model_without_one_returns_keeps_its_local_rows_and_says_so(

@@ -172,7 +172,9 @@ def global_notes(option: GlobalOption | None, no_dtensor: bool = False) -> tuple
         f"rank that waits in them longer than {_seconds(option.wait)} "
         "(global_statistics_timeout) for a sample no other rank takes (uneven data, or an "
         "evaluation batch one rank runs alone) stops global "
-        "statistics for the rest of the run, null rows with the reason",
+        "statistics for the rest of the run, null rows with the reason; so do ranks whose "
+        "samples are different root forwards (forward_index, step) or kinds of forward (train "
+        "or eval mode, grad enabled or not), on every rank together, without a wait",
     )
 
 

@@ -5,7 +5,9 @@ Only the tensors some rank did not produce are null, with a reason naming the ra
 them; every layer all ranks ran keeps its global rows, equal to NumPy's statistics of the
 concatenation of both ranks' outputs (recorded by plain forward hooks on each rank). Experts
 run in a different order on each rank are still one tensor each. Ranks that ran different
-layers take exactly one collective more than ranks that ran the same ones.
+layers take exactly one collective more than ranks that ran the same ones. An expert frozen
+in eval mode that one rank alone runs is that one missing tensor, never ranks apart (the kind
+of forward the ranks compare is the root's call, a training forward on both).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def routed_worker(rank: int, world_size: int, port: int, output_dir: str) -> Non
     with joined(rank, world_size, port):
         torch.manual_seed(0)  # the same weights on both ranks
         model = Routed()
+        # a frozen expert (eval mode) in a training forward: the forward is still a training
+        # one on every rank, so where one rank alone runs it only its tensor is null
+        model.experts[1].eval()
         seen: dict[str, list[object]] = {}
         step = [0]
         for name, module in model.named_modules():

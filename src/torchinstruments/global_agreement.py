@@ -2,8 +2,8 @@
 
 Every rank must call the same collectives in the same order with the same sizes, or a rank
 waits forever. So before measuring, the ranks all-gather a 6-integer header (did the forward
-raise, which root forward the sample is, which kinds of forward its tensors came from (mode
-and grad mode), how many tensors it claimed, a 64-bit hash of their names, order aside), over
+raise, which root forward the sample is, which kind of forward its root's call was (mode and
+grad mode), how many tensors it claimed, a 64-bit hash of their names, order aside), over
 the library's own group (`global_channel`). Ranks whose samples are different root forwards
 (forward_index or step), or different kinds of forward (a training forward on one rank, an
 evaluation forward under no_grad or in eval mode on another: a validation batch one rank ran
@@ -80,12 +80,23 @@ def kind_bit(mode: str, grad_enabled: bool) -> int:
     return 1 << (2 * (mode == "eval") + (not grad_enabled))
 
 
+def kind_of(sample: Any, items: Sequence[Any]) -> int:
+    """The header's kind of `sample`: the `kind_bit` of its root forward (`Sample.kind`: the
+    root's mode and grad mode as it began), 0 where it claimed no tensor (nothing to pair).
+    The root's, not its tensors': a branch frozen in eval mode, or run under no_grad, that ran
+    on some ranks only is one missing tensor (`not_everywhere`), never ranks apart."""
+    kind = getattr(sample, "kind", None)
+    if not items or kind is None:
+        return 0
+    return kind_bit(*kind)
+
+
 def header(sample: Any, names: Sequence[str], kinds: int = 0) -> torch.Tensor:
     """This rank's view of a sample, all-gathered before its collectives: whether its forward
-    raised, which root forward it is, the kinds of forward its claimed tensors came from
-    (`kinds`: their `kind_bit`s or-ed), and the tensors it claimed (count, hash of their
-    names, order aside). The names leave out the groups' members: on a 2-D mesh each
-    tensor-parallel group has its own, and the headers must agree all the same."""
+    raised, which root forward it is, the kind of forward it is (`kinds`: `kind_of`), and the
+    tensors it claimed (count, hash of their names, order aside). The names leave out the
+    groups' members: on a 2-D mesh each tensor-parallel group has its own, and the headers
+    must agree all the same."""
     step = _NO_STEP if sample.step is None else sample.step
     raised = sample.interrupted is not None
     structure = _hash("\n".join(sorted(names)))
@@ -136,12 +147,12 @@ _KIND_WORDS = (
 
 
 def _kinds_said(kinds: int) -> str:
-    """The kinds of forward of a header's `kinds` bits, as a row's reason names them."""
+    """The kind of forward of a header's `kinds` bit, as a row's reason names it."""
     return " and ".join(word for bit, word in enumerate(_KIND_WORDS) if kinds >> bit & 1)
 
 
 def _different_kinds(headers: list[torch.Tensor]) -> list[str] | None:
-    """Each rank's kinds of forward, where they differ across the ranks that claimed tensors
+    """Each rank's kind of forward, where they differ across the ranks that claimed tensors
     (a rank that claimed none has no kind: `not_everywhere` tells its tensors), else None."""
     kinds = [int(h[_KINDS]) for h in headers]
     if len({k for k in kinds if k}) < 2:
@@ -207,5 +218,6 @@ __all__ = [
     "header",
     "identities",
     "kind_bit",
+    "kind_of",
     "not_everywhere",
 ]

@@ -15,8 +15,8 @@ number of collectives whatever the number of layers:
 
 1. one `all_gather` of a 6-integer header over the library's own group (`global_agreement`,
    `global_channel`: never paired with the user's collectives, a bounded wait): did a
-   rank's forward raise, which root forward the sample is (forward_index, step), which kinds
-   of forward its tensors came from (mode and grad mode), how many tensors, a hash of their
+   rank's forward raise, which root forward the sample is (forward_index, step), which kind
+   of forward the root's call was (mode and grad mode), how many tensors, a hash of their
    names, modes and grad modes. Ranks whose k-th samples are different root forwards, or
    different kinds (one ran a forward the others did not, an extra evaluation batch say,
    paired with the others' next sample), all stop global statistics there together: its
@@ -364,10 +364,7 @@ def measure(
     items: list[GlobalTensor] = sample.global_pending
     names = [item.name() for item in items]
     ids = agreement.identities(names, [item.ranks for item in items])
-    kinds = 0
-    for item in items:
-        kinds |= agreement.kind_bit(item.key.mode, item.key.grad_enabled)
-    mine = agreement.header(sample, names, kinds)
+    mine = agreement.header(sample, names, agreement.kind_of(sample, items))
     try:
         headers = list(gathered(mine, run.agreement).cpu())
     except Exception as error:  # the ranks are apart: say at which sample, and why they part

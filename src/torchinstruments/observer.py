@@ -66,6 +66,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchinstruments import forks, reasons
@@ -367,6 +368,9 @@ class Observer:
             mode = self.phases.mode_of(schedule)  # phases.py
             local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
             local.sample.held = held
+            root = self._root_ref() if self._root_ref is not None else None
+            training = root is None or root.training
+            local.sample.kind = (mode or ("train" if training else "eval"), torch.is_grad_enabled())
         except BaseException:
             release(held)
             raise

@@ -67,6 +67,7 @@ class Sample:
         "global_pending",
         "held",
         "interrupted",
+        "kind",
         "mode",
         "pending",
         "raised",
@@ -85,6 +86,10 @@ class Sample:
         # trainer's evaluation forward is "eval" even when another callback runs it in train mode,
         # and its training forward "train" even through a part frozen in eval mode).
         self.mode = mode
+        # The kind of forward the root's call is: its mode (`mode`, else the root's own training
+        # flag) and grad mode, as it began; set by the observer (global_statistics: ranks whose
+        # samples are different kinds of forward are apart, global_agreement.py).
+        self.kind: tuple[str, bool] | None = None
         # Per layer, how many of its calls began, counted under one lock per sample, so a call on
         # another thread never shares a call_index with one of the sample's own thread. Plain
         # ints, not a counter object per layer: every object made per layer lives until the

@@ -7,7 +7,9 @@ One worker per rank runs every case (2 and 4 ranks on 127.0.0.1):
   global rows equal to NumPy's statistics of the whole tensor (gathered by the test itself after
   removal, through plain forward hooks);
 - data parallel, `global_statistics=<the world group>`: every layer's rows are those of the
-  global batch (every rank's outputs concatenated);
+  global batch (every rank's outputs concatenated); on 4 ranks, data parallel in halves, each
+  rank naming its own group ({0, 1} or {2, 3}): its half's batch (every rank creates the
+  library's group of each half, in one order);
 - the collectives the library adds per sample, counted by wrapping torch.distributed's
   functions: the same with 3 layers and with 30, and none without the option;
 - a rank whose forward raises mid-sample: `test_global_raised.py`;
@@ -174,6 +176,23 @@ def worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
             if layers == 3:
                 names = {str(i): 0 for i in range(layers)}
                 report["dp"] = {k: v.tolist() for k, v in outputs(model, xs, names).items()}
+        if world_size == 4:  # data parallel in halves, {0, 1} and {2, 3}: each rank names its own
+            halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            torch.manual_seed(2)
+            model = chain(1)
+            inject_observer(
+                model,
+                output_dir=str(Path(output_dir) / "halves"),
+                sampler=every,
+                rank_policy="all",
+                global_statistics=halves[rank // 2],
+            )
+            torch.manual_seed(10 + rank)
+            xs = torch.randn(3 + rank, 4)
+            model(xs)
+            remove_observer(model)
+            local = outputs(model, xs, {"0": -2})["0"].tolist()
+            Path(output_dir, f"halves-{rank}.json").write_text(json.dumps(local))
         torch.manual_seed(2)
         model = chain(3)
         inject_observer(
@@ -252,6 +271,15 @@ def test_global_rows_equal_the_gathered_tensor(
     counts = report["collectives"]
     assert counts["3"] == counts["30"] > 0
     assert counts["off"] == 0
+    if world_size == 4:  # each rank named its own half: its rows are its half's whole batch
+        for rank in range(world_size):
+            half = [2 * (rank // 2), 2 * (rank // 2) + 1]
+            seen = [json.loads((tmp_path / f"halves-{r}.json").read_text()) for r in half]
+            rows = pl.read_parquet(tmp_path / "halves" / f"rank-{rank:03d}" / "history.parquet")
+            rows = rows.filter(pl.col("signal") == "output")
+            assert rows["population"].unique().to_list() == [f"global:ranks={half[0]},{half[1]}"]
+            got = dict(zip(rows["metric"].to_list(), rows["value"].to_list(), strict=True))
+            check(got, np.concatenate([np.array(v, dtype=np.float32) for v in seen]))
 
 
 def test_refused_at_inject_without_a_rank_consistent_sampler() -> None:

@@ -17,9 +17,11 @@ pair with another rank's previous one. So global statistics stop for the rest of
 later sample's globally measured tensors get null rows with the reason, with no collective, so
 no rank waits again. The warning and index.md say so.
 
-The cost: at inject every rank creates the groups together (one over every rank, plus one over
-the named group's ranks when that is not every rank), so inject waits for every rank's inject,
-at most that wait; a group that cannot be created stops global statistics from the first sample.
+The cost: at inject every rank creates the groups together (one over every rank, plus, with a
+group named, one all-gather of each rank's named group's ranks and one group over each group
+so named that is not every rank: a 2-D job's data-parallel groups, each rank naming its own),
+so inject waits for every rank's inject, at most that wait; a group that cannot be created
+stops global statistics from the first sample.
 DTensor outputs on a mesh that spans only part of the ranks (a 2-D mesh's submesh) still take
 their collectives over the mesh's group (its groups do not exist at inject); the agreement over
 the library's group before them ensures every rank of the job is in the same sample.
@@ -94,14 +96,31 @@ def open_run(option: Any, no_dtensor: bool = False) -> GlobalRun | None:
         run.agreement = dist.new_group(timeout=option.wait, backend=backend)
         run.private[world] = run.agreement
         if option.group is not None:
-            ranks = tuple(dist.get_process_group_ranks(option.group))
-            if ranks not in run.private:
-                run.private[ranks] = dist.new_group(
-                    list(ranks), timeout=option.wait, backend=backend
-                )
+            _named_groups(run, backend)
     except Exception as error:  # never the user's inject: the rows say it, from the first sample
         run.stop(None, error)
     return run
+
+
+def _named_groups(run: GlobalRun, backend: str | None) -> None:
+    """The library's own group over the named group's ranks, where that is not every rank.
+
+    Each rank may name another group (a 2-D job's data-parallel groups: {0, 1} on ranks 0 and
+    1, {2, 3} on ranks 2 and 3), but `dist.new_group` must be called by every rank of the job
+    with the same ranks, in the same order: a rank creating {0, 1} while another creates
+    {2, 3} pairs two groups into one, whose collectives then time out or join ranks of
+    different groups. So the ranks first all-gather each one's named group (one object
+    collective at inject, over the library's world group), then every rank creates every
+    distinct group in one sorted order, keeping its own."""
+    mine = tuple(dist.get_process_group_ranks(run.option.group))
+    named: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(named, mine, group=run.agreement)
+    for ranks in sorted({tuple(r) for r in named}):
+        if ranks in run.private:  # every rank: the world's group, made above
+            continue
+        group = dist.new_group(list(ranks), timeout=run.option.wait, backend=backend)
+        if ranks == mine:
+            run.private[ranks] = group
 
 
 def collective_device(backend: str, index: int | None = None) -> torch.device:

@@ -289,6 +289,13 @@ def test_refused_at_inject_without_a_rank_consistent_sampler() -> None:
         inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics=True)
     with pytest.raises(TypeError, match="global_statistics must be"):
         inject_observer(nn.Linear(2, 2), output_dir="unused", global_statistics="yes")
+    # a rank outside the group it names: `dist.new_group` gave it torch's non-member value
+    with pytest.raises(ValueError, match="this rank is not a member of the process group"):
+        inject_observer(
+            nn.Linear(2, 2),
+            output_dir="unused",
+            global_statistics=dist.GroupMember.NON_GROUP_MEMBER,
+        )
 
 
 def test_refused_at_inject_with_a_sampler_that_could_disagree_or_one_rank_observing(

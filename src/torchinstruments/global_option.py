@@ -69,13 +69,23 @@ def check_global_statistics(
 
     Raises:
         TypeError: not a bool or a `torch.distributed.ProcessGroup`; a bad `timeout`.
-        ValueError: on without an initialized process group, with `rank_policy="rank0"`, or
-            with a sampler whose decision could differ across ranks; a bad `timeout`.
+        ValueError: torch's value for a group this rank is not in (`NON_GROUP_MEMBER`); on
+            without an initialized process group, with `rank_policy="rank0"`, or with a
+            sampler whose decision could differ across ranks; a bad `timeout`.
     """
     wait = check_wait(timeout)
     if value is False or value is None:
         return None
     group_class = getattr(dist, "ProcessGroup", None)
+    outside = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    if value is not True and type(value) is type(outside) and value == outside:
+        raise ValueError(
+            f"global_statistics={value!r}: this rank is not a member of the process group "
+            "passed (torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER, "
+            f"{outside!r}, on the ranks outside the group). Every rank names a group it belongs "
+            "to: its own data-parallel group, say (every rank creates each group with "
+            "dist.new_group, and passes the one it is in), or True"
+        )
     if value is not True and not (group_class is not None and isinstance(value, group_class)):
         raise TypeError(
             f"global_statistics must be False (default), True (DTensor Shard/Partial outputs "

@@ -372,4 +372,6 @@ def test_a_dtensor_a_model_without_one_returns_keeps_its_local_rows_and_says_so(
         assert got["mean"] == got["min"] == got["max"] == float(rank + 1)
         assert got["std"] == 0.0
         index = (directory / "index.md").read_text("utf-8")
-        assert "a layer returned a DTensor although the model held no DTensor" in index
+        said = [line for line in index.splitlines() if "returned a DTensor although" in line]
+        assert len(said) == 1  # a note of what the rows are, not a recording failure's
+        assert "failures of this kind" not in said[0]

@@ -466,14 +466,9 @@ def keep(
 
     A failure here writes no row for this tensor in this sample (warned once): a local row would
     put two populations into one series. A `local` run (no DTensor in the model at inject)
-    keeps none: a DTensor met there keeps its local rows, warned once and said in index.md.
+    keeps none: a DTensor met there keeps its local rows (`kept_note` says so).
     """
-    if option is None:
-        return False
-    if option.local:
-        dtensor = dtensor_class()
-        if dtensor is not None and isinstance(tensor, dtensor):
-            warn("global-local", LOCAL_DTENSOR)
+    if option is None or option.local:
         return False
     try:
         claimed = claim(option, key, tensor)
@@ -493,6 +488,16 @@ def kept_note(tensor: torch.Tensor) -> str | None:
     """What the run should say about a tensor `keep` took: that a torch.func wrapper's global
     rows are of its unwrapped values (`TORCH_FUNC_NOTE`), as its local rows would say."""
     return TORCH_FUNC_NOTE if is_functorch_wrapped(tensor) else None
+
+
+def local_note(option: GlobalRun | None, tensor: torch.Tensor) -> str | None:
+    """What the run should say about a tensor `keep` left to the local path: in a `local` run, a
+    DTensor's rows are this rank's own (`LOCAL_DTENSOR`). A note of what the run records, not a
+    failure: index.md says it once, as it is."""
+    if option is None or not option.local:
+        return None
+    dtensor = dtensor_class()
+    return LOCAL_DTENSOR if dtensor is not None and isinstance(tensor, dtensor) else None
 
 
 def sample_rows(

@@ -26,7 +26,7 @@ from torchinstruments.capture import LayerCapture
 from torchinstruments.counting import Counter
 from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_channel import GlobalRun
-from torchinstruments.global_statistics import keep, kept_note, sample_rows
+from torchinstruments.global_statistics import keep, kept_note, local_note, sample_rows
 from torchinstruments.gradients import GradientRecorder
 from torchinstruments.loss_scale import LossScales
 from torchinstruments.measurement.reducers import Measurer
@@ -115,9 +115,16 @@ class Recording:
                     launched = launch(self.measurer, key, tensor, layer.focus, self.spare)
                     sample.pending += launched
                     note = note_of(launched[0])
-                if note is not None and note not in self.notes:
-                    self.notes.append(note)  # said in index.md at removal, and warned now
-                    self.warn_once(note, note)
+                    if self.global_option is not None:
+                        self._say(local_note(self.global_option, tensor))
+                if note is not None:
+                    self._say(note)
+
+    def _say(self, note: str | None) -> None:
+        """Said in index.md at removal, and warned now: once each."""
+        if note is not None and note not in self.notes:
+            self.notes.append(note)
+            self.warn_once(note, note)
 
     def emit_forward(self, sample: Sample) -> None:
         """One host transfer for the whole sampled forward, then one record to the sinks."""

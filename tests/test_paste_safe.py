@@ -1,9 +1,10 @@
 """Every shell command the library prints names its run directory as one quoted word.
 
-index.md is rendered for directories whose names hold spaces, brackets, quotes, `;`, backticks
-and `$(...)`; each command line in it is run with `bash -c` against stand-in `torchinstruments`
-and `python` executables that record their arguments, so the test sees exactly what a pasted
-line would run and checks that nothing else ran (no file created, nothing printed).
+index.md is rendered for directories whose names hold spaces, brackets, quotes, `;`, backticks,
+`$(...)`, a line break, an escape and a tab; each command line in it is run with `bash -c`
+against stand-in `torchinstruments` and `python` executables that record their arguments, so
+the test sees exactly what a pasted line would run and checks that nothing else ran (no file
+created, nothing printed), and that the line itself holds no raw line break or escape.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.cli.reader import NotARunError, locate
-from torchinstruments.rundir.shell import code_span, command_line, tool_command
+from torchinstruments.rundir.shell import code_span, command_line, literal_if_unclear, tool_command
 
 HOSTILE_NAMES = [
     "runs/exp [lr=0.1]",
@@ -30,6 +31,7 @@ HOSTILE_NAMES = [
     "a;b & c | d",
     'run"; print("INJECTED"); x = ("\'$(touch PWNED)',
     "back`echo INJECTED`tick $(touch PWNED) ${HOME}",
+    "new\nline\x1b[2J'tab\t",  # written as $'...': no raw line break or escape is printed
 ]
 
 _RECORDER = '#!/bin/sh\nprintf "%s\\0" "$0" "$@" > "$ARGV_FILE"\n'
@@ -105,8 +107,11 @@ def test_index_md_shell_lines_address_the_run_directory_and_run_nothing_else(
         assert argv == ["python", "-m", "torchinstruments", command, *expected[command]], line
         assert printed == "", (line, printed)
         assert list(sandbox.iterdir()) == [], line  # no $(touch PWNED), no redirection
-    # The output_dir line is a code span holding the literal path, backticks and all.
-    assert f"- output_dir: {code_span(directory.as_posix())};" in index
+    # The output_dir line is a code span holding the literal path, backticks and all (its
+    # Python string literal where it holds a line break or an escape, as a layer name's).
+    assert f"- output_dir: {code_span(literal_if_unclear(directory.as_posix()))};" in index
+    assert "\x1b" not in index
+    assert all(c.isprintable() for c in named)
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
@@ -125,3 +130,4 @@ def test_messages_that_name_a_command_quote_the_directory(tmp_path: Path, name: 
     argv, printed = run_pasted(finalize, sandbox)
     assert argv == ["python", "-m", "torchinstruments", "finalize", str(directory)]
     assert (printed, list(sandbox.iterdir())) == ("", [])
+    assert finalize.isprintable()

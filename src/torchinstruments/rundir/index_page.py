@@ -59,7 +59,7 @@ from torchinstruments.rundir.page_sections import (
 )
 from torchinstruments.rundir.ranges import bound_count, ends_said, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
-from torchinstruments.rundir.shell import code_span
+from torchinstruments.rundir.shell import code_span, literal_if_unclear
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 from torchinstruments.rundir.unsampled import passed_through, unsampled_sentence
 
@@ -456,6 +456,12 @@ def _schedule_cells(a: AttemptCounts) -> str:
     return f" {train} | {evaluation} |"
 
 
+def _literal_span(text: str) -> str:
+    """A code span of `text` by the layers' rule (`literal_if_unclear`): a directory or a class
+    named with a line break showed it as a space (another name) and split the list item."""
+    return code_span(literal_if_unclear(text))
+
+
 def _section_run(state: RunState, too_long: bool = False) -> list[str]:
     run = state.run
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
@@ -463,9 +469,10 @@ def _section_run(state: RunState, too_long: bool = False) -> list[str]:
     lines = [
         "## Run",
         "",
-        f"- output_dir: {code_span(Path(run.output_dir).as_posix())}; started at {run.started_at}",
+        f"- output_dir: {_literal_span(Path(run.output_dir).as_posix())}; "
+        f"started at {run.started_at}",
         f"- torchinstruments {run.library_version}, torch {run.torch_version}",
-        f"- model class: `{run.model_class}`",
+        f"- model class: {_literal_span(run.model_class)}",
         f"- {layers_line(run, too_long)}",
         f"- {focus_line(run)}",
         f"- {sampler_line(run.sampler, state.attempts)}",

@@ -6,6 +6,13 @@ that names exactly that directory and nothing in it runs. In Markdown the comman
 code span whose backtick fence is longer than any backtick run inside it (CommonMark), so a
 backtick in a path cannot end the span early. POSIX shells only (bash, zsh, sh); the cost is
 that plain paths with a space now print with quotes around them.
+
+A word holding a character that is not printable (a line break, a tab, an escape, a byte that
+is not UTF-8) is written in ANSI-C quotes instead, `$'new\\nline'`, each such character as its
+escape: `shlex.quote` keeps it raw between single quotes, where a terminal acts on an escape
+(`\\x1b[2J` clears the screen), a line break splits the printed command in two and a Markdown
+code span shows it as a space, so the command copied from index.md names another directory.
+`$'...'` is read by bash, zsh and ksh (and POSIX.1-2024's sh); a plain name needs none of it.
 """
 
 from __future__ import annotations
@@ -32,9 +39,34 @@ def command_line(*words: str | os.PathLike[str]) -> str:
         >>> command_line("torchinstruments", "show", "runs/exp [lr=0.1]")
         "torchinstruments show 'runs/exp [lr=0.1]'"
 
-    (`Path("-run")` prints as `./-run`.)
+    (`Path("-run")` prints as `./-run`; a word with a line break or an escape in it as
+    `$'a\\nb'`: see the module docstring.)
     """
-    return shlex.join(_word(word) for word in words)
+    return " ".join(_quoted(_word(word)) for word in words)
+
+
+# What a character is written as inside `$'...'` where it is not itself (see the module
+# docstring); any other character that is not printable is written by its bytes, `\\xHH`.
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _quoted(word: str) -> str:
+    """`word` as one shell word: `shlex.quote`, or ANSI-C quotes where it holds a character
+    that is not printable (a lone surrogate is a byte that was not UTF-8: that byte)."""
+    if word.isprintable():
+        return shlex.quote(word)
+    return "$'" + "".join(_ansi_c(char) for char in word) + "'"
+
+
+def _ansi_c(char: str) -> str:
+    """One character of a `$'...'` word (`_quoted`)."""
+    if char in _ANSI_C:
+        return _ANSI_C[char]
+    if char.isprintable():
+        return char
+    if "\udc80" <= char <= "\udcff":  # os.fsdecode's stand-in for the byte 0x80-0xff
+        return f"\\x{ord(char) - 0xDC00:02x}"
+    return "".join(f"\\x{byte:02x}" for byte in char.encode("utf-8", "surrogatepass"))
 
 
 def _word(word: str | os.PathLike[str]) -> str:

@@ -270,6 +270,14 @@ def test_a_path_in_an_error_is_written_by_the_same_rule(runs: tuple[Path, Path])
             draw()
 
 
+def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
+    runs: tuple[Path, Path],
+) -> None:
+    index = (runs[0] / "index.md").read_text(encoding="utf-8")
+    assert f"- output_dir: `{shown(runs[0])}`; started at " in index
+    assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
+
+
 def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
     runs: tuple[Path, Path], tmp_path: Path
 ) -> None:

@@ -18,7 +18,6 @@ The expected texts are written out here, not computed by the library.
 from __future__ import annotations
 
 import ast
-import contextlib
 import csv
 import io
 import json
@@ -37,6 +36,7 @@ from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.plot import plot
 from torchinstruments.cli.ranks_draw import RankLines
 from torchinstruments.cli.selection import Selection
+from torchinstruments.rundir.shell import error_said
 
 from conftest import cli_in_process
 
@@ -57,6 +57,7 @@ GONE = "only\nA"  # a layer run A has and run B lacks
 DICT_SHOWN = [r'''"dict\nout['k\\nx']"''', r'''"dict\nout['k|y']"''']
 ODD_TYPE = type("Odd\nType", (nn.Linear,), {})  # a class can be named anything too
 RUN_A = "a\x1b[2J"  # run A's directory: a directory can be named anything too
+WARNED: list[str] = []  # the warnings run A gave
 
 
 class DictOut(nn.Module):
@@ -119,7 +120,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         model = OddModel(names)
         directory = tmp_path_factory.mktemp("odd") / tag
         sinks, reducers = ([FailingSink()], [boom]) if tag == RUN_A else ([], [])
-        with pytest.warns(RuntimeWarning, match="boom") if sinks else contextlib.nullcontext():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             inject_observer(
                 model,
                 output_dir=directory,
@@ -127,9 +129,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                 sinks=sinks,
                 reducers=reducers,
             )
-        for _ in range(2):
-            model(torch.randn(1, 2)).backward()
-        remove_observer(model)
+            for _ in range(2):
+                model(torch.randn(1, 2)).backward()
+            remove_observer(model)
+        if tag == RUN_A:
+            WARNED.extend(str(w.message) for w in caught)
         made.append(directory)
     return made[0], made[1]
 
@@ -213,9 +217,9 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
     want = [*SHOWN.values(), *DICT_SHOWN, r"'only\nA'"]  # compare: A's series, B absent
     assert sorted(first_cells(text)) == sorted(want)
     lines = text.splitlines()
-    note = r"- 'sink <test_cli_odd_names.FailingSink object at "
+    note = "- sink <test_cli_odd_names.FailingSink object at "
     (said,) = [line for line in lines if line.startswith(note)]
-    assert r"raised ValueError: boom\x1b[2J in start() at the start of the run" in said
+    assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in said
     if name == "show":  # the module type's column, on plain's row
         (row,) = [line for line in lines if line.startswith("plain ")]
         assert row.split()[1] == r"'Odd\nType'"
@@ -276,6 +280,12 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     index = (runs[0] / "index.md").read_text(encoding="utf-8")
     assert f"- output_dir: `{shown(runs[0])}`; started at " in index
     assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
+    # The user's errors a note quotes (a sink's, a reducer's), and so their warnings.
+    assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in index
+    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 10 layers" in index
+    assert "\x1b" not in index
+    assert [w for w in WARNED if "boom" in w or "bad" in w]
+    assert not [w for w in WARNED if "\x1b" in w]
 
 
 def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
@@ -348,7 +358,7 @@ def test_show_parent_writes_its_directory_notes_and_reasons_by_the_same_rule(
     lines = done.stdout.splitlines()
     assert lines[0] == f"ranks: '{parent}' (2 ranks: 0-1)".replace("\x1b", r"\x1b")
     (note,) = [line for line in lines if line.startswith("- rank 1: ")]
-    assert note.startswith("- rank 1: 'Not measured (")
+    assert note.startswith("- rank 1: Not measured (")
     assert r"bad\x1b[2J" in note
     assert r"rank 1: latest value null in 2 series ('reducer error: ValueError: bad\x1b[2J')" in (
         lines
@@ -363,3 +373,16 @@ def test_show_parent_writes_its_directory_notes_and_reasons_by_the_same_rule(
     done = cli_in_process("finalize", copy)
     assert done.returncode == 0, done.stderr
     assert f"wrote {shown(copy / 'index.md')} (2 ranks)" in done.stdout.splitlines()
+
+
+class UnreadableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def test_an_error_a_warning_or_note_quotes_is_written_by_the_same_rule() -> None:
+    """`error_said` (sinks, reducers, selectors, a fit's or a script's uncaught exception)."""
+    assert error_said(KeyError("k")) == "KeyError: 'k'"
+    assert error_said(ValueError("")) == "ValueError"
+    assert error_said(ValueError("a\nb\x1b[2J")) == r"'ValueError: a\nb\x1b[2J'"
+    assert error_said(UnreadableError()) == "UnreadableError: (its message could not be read)"

@@ -31,6 +31,7 @@ from torchinstruments.capture import WarnOnce
 from torchinstruments.notices import SHOWN_KINDS
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
+from torchinstruments.rundir.shell import code_span, literal_if_unclear
 
 __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
@@ -126,8 +127,8 @@ class FailedMeasurements:
         self._warn_once(
             f"failed_measurements:{kind}:{layer}",
             f"layer {layer or '<root>'!r} could not be measured ({signal} of sample {sample_id}, "
-            f"metric {metric!r}): {reason}; its rows are null with that reason (warned once per "
-            "layer and kind of error; index.md counts them)",
+            f"metric {metric!r}): {literal_if_unclear(reason)}; its rows are null with that "
+            "reason (warned once per layer and kind of error; index.md counts them)",
         )
 
     def notes(self) -> tuple[str, ...]:
@@ -147,12 +148,18 @@ class FailedMeasurements:
                     per_layer.setdefault(layer, []).append(said)
             shown = [f"{layer or '<root>'!r} ({'; '.join(s)})" for layer, s in per_layer.items()]
             notes.append(
-                f"Not measured (`{kind}`, first as `{reason}`) in {len(shown)} "
+                f"Not measured ({_span(kind)}, first as {_span(reason)}) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
                 f"the reason (the other metrics and tensors keep their own rows): "
                 f"{listed(shown, _SHOWN)}."
             )
         return tuple(notes)
+
+
+def _span(text: str) -> str:
+    """A kind or a reason in a note: a code span of its literal where it is unclear (the
+    error's message is the user's: a line break, an escape or a backtick in it)."""
+    return code_span(literal_if_unclear(text))
 
 
 def _samples(count: int) -> str:

@@ -60,6 +60,7 @@ from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import LayerInfo, module_type
 from torchinstruments.rundir.ranges import listed
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.sampling import as_decision
 
 __all__ = [
@@ -557,7 +558,7 @@ def _ask(argument: str, selector: Selector, name: str, module: nn.Module) -> boo
         answer = selector(name, module)
     except Exception as error:
         raise ValueError(
-            f"{argument} raised {type(error).__name__}: {error} when asked about {where}: it is "
+            f"{argument} raised {error_said(error)} when asked about {where}: it is "
             f"called with every module's name and module and must return a bool for each"
         ) from error
     decision = as_decision(answer)

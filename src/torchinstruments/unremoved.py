@@ -24,6 +24,7 @@ from typing import Protocol
 
 from torchinstruments.rundir.attempts import UNREMOVED_NOTE
 from torchinstruments.rundir.cut_finish import AT_EXIT, COLLECTED
+from torchinstruments.rundir.shell import error_said
 
 __all__ = ["finalize_unremoved", "unremoved_note"]
 
@@ -75,7 +76,7 @@ def unremoved_note(exiting: bool) -> str:
     if error is None:
         ended = f"the run was finished {AT_EXIT}"
     else:
-        what = type(error).__name__ + (f": {error}" if str(error) else "")
+        what = error_said(error)
         how = " (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else ""
         ended = f"the process ended with an uncaught {what}{how}, and the run was finished then"
     return f"{UNREMOVED_NOTE}: {ended}; it holds the samples taken until then."

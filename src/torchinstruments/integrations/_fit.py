@@ -65,6 +65,7 @@ from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.rundir.unsampled import STEP_BYPASSED
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.sinks.protocol import Sink
@@ -450,7 +451,7 @@ class FitObservation:
         self._note_fit_end(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
-            what = type(exception).__name__ + (f": {exception}" if str(exception) else "")
+            what = error_said(exception)
             removed_after_exception(observed, f"{type(exception).__name__}{where}")
             ended = "was interrupted" if isinstance(exception, KeyboardInterrupt) else "ended"
             add_run_note(

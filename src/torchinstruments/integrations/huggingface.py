@@ -103,6 +103,7 @@ from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.registry import add_run_note, also_root
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -276,9 +277,7 @@ class HuggingFaceObserver(TrainerCallback):
         if observed is None or not has_observer(observed):
             return True
         error = _escaped(loop[0])
-        what = "" if error is None else f": {type(error).__name__}"
-        if error is not None and str(error):
-            what += f": {error}"
+        what = "" if error is None else f": {error_said(error)}"
         said = (
             f"the fit ended at global step {self._step()} without on_train_end: train() raised "
             "outside the training step (in an evaluation, another callback, the data collator "

@@ -22,6 +22,8 @@ import re
 import shlex
 import sys
 
+from torchinstruments.reasons import error_message
+
 # How to get matplotlib (plot, heatmap): never `pip install torchinstruments[plot]`, since the
 # package index's torchinstruments is an unrelated project (README, Install).
 MATPLOTLIB_INSTALL = (
@@ -113,6 +115,19 @@ def literal_if_unclear(text: str) -> str:
     return repr(text)
 
 
+def error_said(error: BaseException) -> str:
+    """`Type: message` for a warning or a note that quotes an error from outside the library
+    (a user's sink, reducer, selector or training step; `Type` alone for an empty message),
+    the message as a reason holds it (`reasons.error_message`: cut, a stand-in where reading
+    it raises), the whole by `literal_if_unclear`, as `show` writes a null's reason
+    (`'ValueError: a\\nb'`; a KeyError's `KeyError: 'k'` stays as it is). Raw, a line break
+    in the message forged a line of the terminal or a log after `RuntimeWarning:` and started
+    a heading or a list in index.md's note, and an escape (`\\x1b[2J`) cleared the screen of
+    whoever read the warning or `cat index.md`."""
+    message = error_message(error)
+    return literal_if_unclear(type(error).__name__ + (f": {message}" if message else ""))
+
+
 def table_cell(text: str) -> str:
     """`text` for a GitHub Markdown table cell: `literal_if_unclear`, with each `|` as `\\|`
     (GitHub splits a row at every unescaped `|`, inside a code span too, and shows `\\|`
@@ -130,6 +145,7 @@ __all__ = [
     "code_span",
     "command_line",
     "command_span",
+    "error_said",
     "literal_if_unclear",
     "table_cell",
     "tool_command",

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchinstruments.notices import repr_of, warn
-from torchinstruments.reasons import error_message
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -49,9 +49,8 @@ class SinkGroup:
             except Exception as error:
                 self._sinks.remove(sink)
                 warn(
-                    f"torchinstruments: sink {repr_of(sink)} raised {type(error).__name__}: "
-                    f"{error_message(error)} in {method}(); it is detached and the other "
-                    "sinks go on"
+                    f"torchinstruments: sink {repr_of(sink)} raised {error_said(error)} in "
+                    f"{method}(); it is detached and the other sinks go on"
                 )
                 if method != "close":  # see the module docstring
                     self.add_note(detached_note(sink, method, argument, error))
@@ -114,9 +113,8 @@ def detached_note(sink: Sink, method: str, argument: object, error: Exception) -
     else:
         when = "at the start of the run, before any sample"
     # One line (a note is one line of index.md), of a bounded length (the page too).
-    said = " ".join(error_message(error).split())
     return (
-        f"sink {shown} raised {type(error).__name__}: {said} in {method}() {when}; it was "
+        f"sink {shown} raised {error_said(error)} in {method}() {when}; it was "
         "detached and received no later record (the run directory and the other sinks "
         "are not affected)."
     )

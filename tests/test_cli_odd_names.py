@@ -306,6 +306,16 @@ def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
     assert f"removed incomplete temporary {shown(run / 'x.torchinstruments-tmp')}" in done.stdout
     assert done.stdout.startswith(f"finalized {shown(run)}: ")
     assert f" in {shown(run / 'history.parquet')} (0 parts merged)" in done.stdout
+    state = json.loads((run / ".state.json").read_text())  # a loss whose reason quotes a path
+    loss = {"rows": 9, "first_sample_id": 0, "last_sample_id": 0, "reason": "at x\x1b[2J"}
+    (run / ".state.json").write_text(json.dumps({**state, "losses": [loss]}))
+    done = cli_in_process("finalize", run)
+    assert done.returncode == 1
+    assert r"incomplete: '9 rows of sample 0 were recorded but not written: at x\x1b[2J'" in (
+        done.stderr
+    )
+    assert "\x1b" not in done.stdout + done.stderr
+    (run / ".state.json").write_text(json.dumps(state))
     history = run / "history.parquet"
     pl.read_parquet(history, glob=False).head(0).write_parquet(history)
     done = cli_in_process("show", run)

@@ -194,6 +194,35 @@ SAMPLES_FAILING = 1_000  # ten times the cap of 100 samples: 900 samples dropped
 ROWS_PER_SAMPLE = 9  # one Linear, forward only, default metrics
 
 
+def test_a_write_error_and_a_run_directory_holding_an_escape_are_written_as_literals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warning and the loss reason quote the error by index.md's rule: a write error that
+    quotes a path raw (as Polars' do), in a run directory named with an escape and a line
+    break, left both in the warning and in every later loss reason, index.md's included."""
+    directory = tmp_path / "run\x1b[2J\nx"
+    directory.mkdir()
+
+    def failing(frame: pl.DataFrame, path: Path, *args: Any, **kw: Any) -> None:
+        raise pl.exceptions.ComputeError(f"cannot write {path}")
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", failing)
+    writer = HistoryWriter(directory, HistoryConfig(buffer_rows=3, max_buffered_rows=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sample in range(3):
+            writer.append([measurement(sample)])
+        writer.close()
+    said = [str(w.message) for w in caught]
+    assert said[0].startswith("torchinstruments could not write history part '")
+    assert "('ComputeError: cannot write " in said[0]
+    loss = writer.losses[0]
+    assert "because history parts could not be written ('ComputeError: cannot write " in (
+        loss.reason
+    )
+    assert all(text.isprintable() for text in [*said, *(lost.reason for lost in writer.losses)])
+
+
 def test_writes_failing_for_ten_times_the_cap_keep_memory_under_the_cap_and_count_every_row(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,7 @@ from torchinstruments.rundir.lock import RunLockedError
 from torchinstruments.rundir.ranges import bound_count
 from torchinstruments.rundir.recovery import load_state, recovered_layers
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.shell import literal_if_unclear
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.rundir.state import NewerStateError
 
 __all__ = ["finalize_command"]
@@ -59,7 +59,7 @@ def _finalize(directory: Path, rank: str = "") -> int:
         print(f"torchinstruments finalize: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the lock file cannot be opened: a directory it may not write
-        print(f"torchinstruments finalize: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"torchinstruments finalize: {error_said(exc)}", file=sys.stderr)
         return 1
     c = report.counts
     merge = report.merge
@@ -87,15 +87,15 @@ def _finalize(directory: Path, rank: str = "") -> int:
         print(_removed_line(path))
     for path, why in report.kept_temporaries:
         print(f"torchinstruments finalize: could not {_kept_line(path, why)}", file=sys.stderr)
-    kept = tuple(str(path) for path, _ in report.kept_temporaries)
+    kept = tuple(_shown(path) for path, _ in report.kept_temporaries)  # as the lines say it
     for line in report.state.left_behind:  # no row is missing: disk space, said once
         if not line.startswith(kept or ("\0",)):  # the line above said it, with why
-            print(f"torchinstruments finalize: {line}", file=sys.stderr)
+            print(f"torchinstruments finalize: {_text(line)}", file=sys.stderr)
     if report.run_info_recovered:
         found = recovered_layers(report.state.run)
         print(f"the directory had no readable run info; layers were {found}")
     killed = [note for note in report.state.notes if killed_in_finish(note)]
-    said = "".join(f" ({note})" for note in killed[-1:])
+    said = "".join(f" ({_text(note)})" for note in killed[-1:])
     if report.complete and report.interrupted:
         several = len(unremoved_attempts(report.state)) > 1  # named together: their rows
         it, its = ("they", "their") if several else ("it", "its")
@@ -107,9 +107,12 @@ def _finalize(directory: Path, rank: str = "") -> int:
     elif report.complete:
         print("state: complete" + said)
     for problem in report.problems:
-        print(f"torchinstruments finalize: {rank}incomplete: {problem}", file=sys.stderr)
+        print(f"torchinstruments finalize: {rank}incomplete: {_text(problem)}", file=sys.stderr)
     for loss in report.state.losses:  # rows recorded but never written: incomplete too
-        print(f"torchinstruments finalize: {rank}incomplete: {loss.describe()}", file=sys.stderr)
+        print(
+            f"torchinstruments finalize: {rank}incomplete: {_text(loss.describe())}",
+            file=sys.stderr,
+        )
     return 0 if report.complete else 1
 
 
@@ -119,6 +122,13 @@ def _finalize(directory: Path, rank: str = "") -> int:
 _MERGED_PARTS = (
     "the merged parts an earlier merge left (a second copy of rows history.parquet holds)"
 )
+
+
+def _text(line: str) -> str:
+    """A line of the state file's text (a problem, a loss's reason, a note) by index.md's rule
+    (`literal_if_unclear`): such text quotes errors and paths, and a state file written by
+    another version or by hand may hold anything; an escape in it must not reach the terminal."""
+    return literal_if_unclear(line)
 
 
 def _shown(path: Path) -> str:

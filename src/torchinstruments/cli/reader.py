@@ -59,7 +59,7 @@ from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.shell import command_line, literal_if_unclear, tool_command
+from torchinstruments.rundir.shell import command_line, error_said, literal_if_unclear, tool_command
 from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
 from torchinstruments.rundir.write_trouble import read_trouble
@@ -328,7 +328,7 @@ def read_facts(directory: Path) -> RunFacts:
     try:
         state = run_state(directory)
     except (OSError, ValueError) as error:
-        why = f"the run's state is unreadable ({type(error).__name__}: {error})"
+        why = f"the run's state is unreadable ({error_said(error)})"
         return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
     if state is None:
         why = f"{STATE_FILE} and {INDEX_FILE} missing (settings and layer order unknown)"

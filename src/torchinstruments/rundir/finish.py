@@ -64,7 +64,7 @@ from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.parent_rewrite import rewrite_parent_index
 from torchinstruments.rundir.recovery import recovered_counts, state_to_finish
 from torchinstruments.rundir.repeats import with_killed_repeats
-from torchinstruments.rundir.shell import literal_if_unclear, tool_command
+from torchinstruments.rundir.shell import error_said, literal_if_unclear, tool_command, tool_span
 from torchinstruments.rundir.state import (
     RunState,
     Status,
@@ -168,7 +168,7 @@ def finish_run(
         merge = merge_history(directory)
     except _MERGE_FAILURES as error:
         found.append(
-            f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({type(error).__name__}: {error}); "
+            f"merging {PARTS_DIR}/ into {HISTORY_FILE} failed ({error_said(error)}); "
             "the parts are kept: run "
             f"`{tool_command('finalize', directory)}`"
         )
@@ -217,7 +217,7 @@ def finish_run(
             marks, marks_total = read_marks(merge.path)
             state = dataclasses.replace(state, marks=marks, marks_total=marks_total)
         except (OSError, pl.exceptions.PolarsError) as error:
-            found.append(f"marked samples could not be read ({type(error).__name__}: {error})")
+            found.append(f"marked samples could not be read ({error_said(error)})")
         step(RESULT_FILE)
         state = _removal_at(directory, state, RESULT_FILE)
         try:
@@ -233,7 +233,7 @@ def finish_run(
                 state, dtype_changes=changes.layers, dtype_changes_total=changes.total
             )
         except (OSError, pl.exceptions.PolarsError, ValueError) as error:
-            found.append(f"result.json could not be written ({type(error).__name__}: {error})")
+            found.append(f"result.json could not be written ({error_said(error)})")
     if recovered:
         # Rebuilt counts keep the run's notes as its state keeps them, each labelled with its
         # attempt there (an earlier attempt's counts' notes, which its removal wrote there too,
@@ -290,9 +290,9 @@ def _left_behind(directory: Path, merge: MergeResult) -> tuple[str, ...]:
             files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
             size = f" ({sum(p.stat().st_size for p in files):,} bytes)"
         lines.append(
-            f"{path} could not be deleted after the merge ({why}): it holds a second copy{size} "
-            f"of rows {HISTORY_FILE} already holds; delete it, or run "
-            f"`{tool_command('finalize', directory)}` once it can be written"
+            f"{literal_if_unclear(str(path))} could not be deleted after the merge ({why}): it "
+            f"holds a second copy{size} of rows {HISTORY_FILE} already holds; delete it, or run "
+            f"{tool_span('finalize', directory)} once it can be written"
         )
     return tuple(lines)
 
@@ -312,7 +312,7 @@ def _removal_at(directory: Path, state: RunState, step: str) -> RunState:
 
 def _with_problem(state: RunState, what: str, error: OSError) -> RunState:
     """`state` with one more problem: `what (Type: message)`."""
-    problem = f"{what} ({type(error).__name__}: {error})"
+    problem = f"{what} ({error_said(error)})"
     return dataclasses.replace(state, problems=(*state.problems, problem))
 
 
@@ -372,7 +372,7 @@ def mark_partly_written_sample(directory: Path, state: RunState) -> RunState:
     except (OSError, pl.exceptions.PolarsError, ValueError, KeyError) as error:
         problem = (
             "the last history part could not be checked for a sample it split, or that sample "
-            f"could not be marked as partly written ({type(error).__name__}: {error})"
+            f"could not be marked as partly written ({error_said(error)})"
         )
         return dataclasses.replace(state, live_problems=(*state.live_problems, problem))
     return state
@@ -396,7 +396,7 @@ def _remove_temporaries(directory: Path) -> tuple[list[Path], list[tuple[Path, s
             else:
                 path.unlink()
         except OSError as error:
-            kept.append((path, f"{type(error).__name__}: {error}"))
+            kept.append((path, error_said(error)))
         else:
             removed.append(path)
     return removed, kept

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from queue import Empty, SimpleQueue
 
 from torchinstruments.notices import warn
+from torchinstruments.rundir.shell import error_said
 
 __all__ = ["FlushTimer", "earliest_due"]
 
@@ -174,7 +175,7 @@ class FlushTimer:
         self._warned = True
         warn(
             f"torchinstruments: the history flush thread ({self._thread.name}) caught "
-            f"{type(error).__name__}: {error}; it goes on, and buffered rows stay in memory "
+            f"{error_said(error)}; it goes on, and buffered rows stay in memory "
             "until a part write succeeds. (Reported once.)"
         )
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.lock_line import LockLine, read_line
+from torchinstruments.rundir.shell import error_said
 
 __all__ = ["MARK_BYTES", "MARK_OFFSET", "IdMark", "read_mark"]
 
@@ -76,7 +77,7 @@ class IdMark:
         try:
             self._line.open(directory)
         except OSError as error:
-            self._fail(f"{type(error).__name__}: {error}")
+            self._fail(error_said(error))
             return
         self.advance(next_sample, next_forward)
 
@@ -86,7 +87,7 @@ class IdMark:
         try:
             self._line.write(_line(next_sample, next_forward))
         except Exception as error:
-            self._fail(f"{type(error).__name__}: {error}")
+            self._fail(error_said(error))
 
     def close(self, *, in_child: bool = False) -> None:
         """Close the descriptor: at removal (no sample is taken after it), or in a forked child

@@ -63,6 +63,7 @@ from torchinstruments.rundir.layout import (
     sink_history,
 )
 from torchinstruments.rundir.ranges import parse_ranges, ranges
+from torchinstruments.rundir.shell import error_said
 
 __all__ = [
     "MERGED_PARTS_KEY",
@@ -117,7 +118,7 @@ def _check_part(path: Path, *, full: bool) -> str | None:
         if full:
             scan_history(path).collect()
     except (OSError, pl.exceptions.PolarsError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return error_said(exc)
     return None
 
 
@@ -299,14 +300,14 @@ def _take_parts_away(directory: Path, parts: Sequence[Path]) -> list[tuple[Path,
             shutil.rmtree(gone)
         except OSError as error:
             shutil.rmtree(gone, ignore_errors=True)  # what can be deleted is
-            return [(gone, f"{type(error).__name__}: {error}")] if gone.exists() else []
+            return [(gone, error_said(error))] if gone.exists() else []
         return []
     kept = []
     for p in parts:
         try:
             p.unlink(missing_ok=True)
         except OSError as error:
-            kept.append((p, f"{type(error).__name__}: {error}"))
+            kept.append((p, error_said(error)))
     return kept
 
 

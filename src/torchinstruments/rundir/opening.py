@@ -36,6 +36,7 @@ from torchinstruments.rundir import stuck_writes
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import LOCK_FILE
 from torchinstruments.rundir.lock import RunLock
+from torchinstruments.rundir.shell import error_said
 
 __all__ = ["CHECK_STEP", "open_within", "run_within"]
 
@@ -269,7 +270,7 @@ def _failed(directory: Path, step: str, error: OSError, fresh: bool) -> OSError:
     undone = " and what this inject wrote there was deleted" if fresh else ""
     message = (
         f"inject_observer: output_dir={str(directory)!r} cannot hold the run: {step} could not "
-        f"be written there ({type(error).__name__}: {error}). The model is not observed "
+        f"be written there ({error_said(error)}). The model is not observed "
         f"(nothing of it was changed){undone}; pass an output_dir this process can write "
         "(its permissions, free space)."
     )

@@ -58,7 +58,7 @@ from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.page_rank_queries import parent_blocks, parent_setup
 from torchinstruments.rundir.ranges import bound_count, plural, ranges
 from torchinstruments.rundir.recovery import load_state
-from torchinstruments.rundir.shell import tool_span
+from torchinstruments.rundir.shell import error_said, tool_span
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 
 # The table has a row per rank up to this many ranks; above, runs of like ranks share a row.
@@ -88,7 +88,7 @@ def _read(directory: Path) -> tuple[RunState | None, str | None]:
     try:
         return load_state(directory), None
     except (OSError, ValueError) as error:
-        return None, f"state unreadable ({type(error).__name__}: {error})"
+        return None, f"state unreadable ({error_said(error)})"
 
 
 class StateCache:

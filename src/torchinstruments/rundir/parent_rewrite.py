@@ -50,7 +50,7 @@ from torchinstruments.notices import warn
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
-from torchinstruments.rundir.shell import tool_command
+from torchinstruments.rundir.shell import error_said, tool_command
 
 __all__ = [
     "PARENT_AGAIN",
@@ -107,7 +107,7 @@ def rewrite_parent_index(parent: Path) -> None:
     except OSError as error:
         warn(
             f"torchinstruments: the index.md of {parent} (all ranks) could not be written "
-            f"({type(error).__name__}: {error}); "
+            f"({error_said(error)}); "
             f"`{tool_command('finalize', parent)}` writes it again"
         )
 
@@ -204,6 +204,6 @@ def rewrite_parent_soon(directory: Path, *, continued: bool, wait_s: float) -> F
     except Exception as error:  # a render that raised: this rank's own run is whole without it
         warn(
             f"torchinstruments: the index.md of {directory.parent} (all ranks) could not be "
-            f"rewritten ({type(error).__name__}: {error})"
+            f"rewritten ({error_said(error)})"
         )
     return page

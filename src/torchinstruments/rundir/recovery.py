@@ -50,6 +50,7 @@ from torchinstruments.rundir.layout import (
     scan_history,
 )
 from torchinstruments.rundir.marks import is_mark
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.rundir.state import (
     LAST_PARTS,
     NewerStateError,
@@ -248,7 +249,7 @@ def state_to_finish(directory: Path) -> RunState:
         raise
     except (OSError, ValueError) as error:
         previous = None
-        unreadable = (f"the run's state could not be read ({type(error).__name__}: {error})",)
+        unreadable = (f"the run's state could not be read ({error_said(error)})",)
     if previous is None:
         return RunState(
             fallback_run_info(directory),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
+
 __all__ = [
     "cap_drop_reason",
     "cap_drop_warning",
@@ -52,9 +54,12 @@ def cap_drop_warning(cap: int, error: str | None) -> str:
 
 
 def part_failed_warning(path: Path, exc: BaseException, cap: int) -> str:
-    """The warning (once per writer) at the first part write that failed."""
+    """The warning (once per writer) at the first part write that failed: the path and the
+    error by index.md's rule (`literal_if_unclear`; a run directory named with an escape, an
+    error that quotes it raw)."""
     return (
-        f"torchinstruments could not write history part {path} ({exc}); the rows stay in "
+        f"torchinstruments could not write history part {literal_if_unclear(str(path))} "
+        f"({error_said(exc)}); the rows stay in "
         f"memory (at most max_buffered_rows={cap}; newer ones are dropped and counted) and are "
         "retried at the next chunk, after half a flush interval and at removal. Training goes "
         "on. (Reported once.)"

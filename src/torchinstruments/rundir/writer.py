@@ -90,6 +90,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.part_write import PartLanding, write_until_it_ends
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.rundir.write_notices import (
     kept_rows_given_up,
     part_failed_warning,
@@ -459,7 +460,7 @@ class HistoryWriter:
         if self._landing.given_up is not None:
             return
         with self._lock:
-            self._error = f"{type(exc).__name__}: {exc}"
+            self._error = error_said(exc)  # a loss reason and a warning quote it
             self._failing = True
             self._report(path, exc)
             self._retry_at = len(self._held.buffer) + self._config.buffer_rows

@@ -46,6 +46,7 @@ from torchinstruments.rundir.parent_rewrite import rewrite_parent_soon
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
+from torchinstruments.rundir.shell import error_said
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import LAST_PARTS, RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
@@ -241,7 +242,7 @@ class DirectorySink:
         for error in refused:
             self._say_problem(
                 f"the disk reserve ({RESERVE_FILE}) could not be written at injection "
-                f"({type(error).__name__}: {error}): on a disk that fills up during the run, the "
+                f"({error_said(error)}): on a disk that fills up during the run, the "
                 f"final {STATE_FILE} and {INDEX_FILE} may not fit, and the rows they would list "
                 "as lost are then said only in warnings"
             )
@@ -378,7 +379,7 @@ class DirectorySink:
                 self._flush_warned = True
                 warn(
                     f"torchinstruments: flushing history under {self.directory} failed "
-                    f"({type(error).__name__}: {error}); buffered rows stay in memory and are "
+                    f"({error_said(error)}); buffered rows stay in memory and are "
                     "retried. (Reported once.)"
                 )
         events = self._events
@@ -467,7 +468,7 @@ class DirectorySink:
             )
             warn(
                 f"torchinstruments: TensorBoard events under {self.directory / TENSORBOARD_DIR} "
-                f"{what} ({type(error).__name__}: {error}); histograms are no longer written "
+                f"{what} ({error_said(error)}); histograms are no longer written "
                 "there, the history goes on"
             )
         events, self._events = self._events, None

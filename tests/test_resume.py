@@ -35,6 +35,7 @@ from torchinstruments import (
     set_step,
 )
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments.rundir.attempt_states import BY_CHECKPOINT
 from torchinstruments.rundir.id_mark import read_mark
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.lock import RunLockedError
@@ -453,6 +454,14 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
     assert said in shown
     assert "attempt 2: EveryNForwardsSampler(n=5)" in shown
     assert "attempts: 3, continued with resume=True (removed: attempt 0-2);" in shown
+    state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
+    state["attempts"][2]["continued_by"] = BY_CHECKPOINT  # as a trainer callback's resumed fit
+    (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")
+    assert cli_main(["show", str(run), "--metrics", "mean"]) == 0
+    assert (  # each way with its attempts, then the ends: no two parentheses in a row
+        "attempts: 3, continued with resume=True in attempt 1 and by a fit resumed from a "
+        "checkpoint in attempt 2 (removed: attempt 0-2);"
+    ) in " ".join(capsys.readouterr().out.split())
     assert cli_main(["show", str(run), "--metrics", "mean", "--format", "json"]) == 0
     facts = json.loads(capsys.readouterr().out)["run"]
     assert facts["attempt_ends"] == ["removed"] * 3  # the text's attempts line, per attempt

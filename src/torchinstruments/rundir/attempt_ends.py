@@ -93,8 +93,10 @@ def attempts_said(state: RunState, directory: Path) -> str:
 def continued_said(later: tuple[AttemptCounts, ...]) -> str:
     """How the `later` attempts (all but the first) continued the run: `continued with
     resume=True` (the caller's option), `continued by a fit resumed from a checkpoint` (a trainer
-    callback passed resume for it, the user did not), both with their attempts where they differ,
-    or `continued` alone where a state written before this was kept does not say."""
+    callback passed resume for it, the user did not), both with their attempts where they differ
+    (`continued with resume=True in attempt 1 and by a fit resumed from a checkpoint in attempt
+    2`: in words, not in parentheses, as `attempts_said` puts the ends in parentheses right
+    after it), or `continued` alone where a state written before this was kept does not say."""
     how: dict[str | None, list[int]] = {}
     for entry in later:
         how.setdefault(entry.continued_by, []).append(entry.attempt)
@@ -108,7 +110,7 @@ def continued_said(later: tuple[AttemptCounts, ...]) -> str:
         [by] = how
         return f"continued {words[by]}" if by in words else "continued"
     each = [
-        f"{words.get(by, 'in a way not recorded')} (attempt {few_ranges(which)})"
+        f"{words.get(by, 'in a way not recorded')} in attempt {few_ranges(which)}"
         for by, which in how.items()
     ]
     return "continued " + " and ".join(each)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.__main__ import main
 from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.plot import plot
 from torchinstruments.cli.ranks_draw import RankLines
@@ -286,6 +287,22 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     assert "\x1b" not in index
     assert [w for w in WARNED if "boom" in w or "bad" in w]
     assert not [w for w in WARNED if "\x1b" in w]
+
+
+def test_a_run_directory_whose_path_is_not_utf8_is_refused_and_read_through_a_link(
+    runs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Polars reads only UTF-8 paths: each command raised a bare TypeError with a traceback."""
+    run = tmp_path / "b\udcff"  # the byte 0xff, as os.fsdecode gives it
+    shutil.copytree(runs[1], run)
+    for name in ("show", "finalize"):
+        with pytest.raises(SystemExit) as refused:
+            main([name, str(run)])
+        assert refused.value.code == 2
+        said = f"argument DIR: '{run}' is not UTF-8".replace("\udcff", r"\udcff")
+        assert said in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(run)
+    assert cli_in_process("show", tmp_path / "link").returncode == 0
 
 
 def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(

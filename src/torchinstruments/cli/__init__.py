@@ -6,8 +6,8 @@ second and works where torch is not installed. This package is the whole command
 `main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
 (`cli.arguments`: the parser, with the reading subcommands beside `finalize`), and
 `run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run, nothing to show or an unreadable history file, 2 bad
-usage (argparse's, directories and `--rank` that name no run to compare, or a path starting
-with `~name` for a user that does not exist), 3 matplotlib missing (plot, heatmap), 141
+usage (argparse's, directories and `--rank` that name no run to compare, a path starting
+with `~name` for a user that does not exist, or a run directory whose path is not UTF-8), 3 matplotlib missing (plot, heatmap), 141
 (`CLOSED_PIPE`) when the reader of standard output went away.
 """
 

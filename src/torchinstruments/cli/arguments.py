@@ -38,6 +38,23 @@ def _regex(text: str) -> str:
     return text
 
 
+def _run_directory(text: str) -> Path:
+    """argparse type: a run directory's path, refused where it is not UTF-8 (a byte of another
+    encoding, which Python gives as a lone surrogate): Polars, which reads the run, takes paths
+    as UTF-8 text only, and raised a bare TypeError ('Object does not have a .read() method')
+    with a traceback; inject refuses such a path for the same reason (a link works)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        from torchinstruments.rundir.shell import literal_if_unclear
+
+        raise argparse.ArgumentTypeError(
+            f"{literal_if_unclear(text)} is not UTF-8, and Polars reads only UTF-8 paths: pass "
+            "a symbolic link of a UTF-8 name to it (`ln -s`), or rename it"
+        ) from None
+    return Path(text)
+
+
 def _positive(text: str) -> int:
     """argparse type: an int >= 1."""
     value = int(text)
@@ -154,7 +171,9 @@ def add_commands(commands: Subcommands) -> None:
         "the latest value and the recent window mean of each chosen metric. Works on finished "
         "runs (history.parquet), live or crashed ones (history.parts/).",
     )
-    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    cmd.add_argument(
+        "directory", type=_run_directory, metavar="DIR", help="a run's output directory"
+    )
     _selection_options(cmd)
     _format_option(cmd)
     cmd.add_argument(
@@ -176,10 +195,10 @@ def add_commands(commands: Subcommands) -> None:
         "(DIR_A, no DIR_B) is compared rank by rank (--rank 0,3 or 0-7 picks the ranks); two "
         "such directories with --rank N compare rank N of each.",
     )
-    cmd.add_argument("directory_a", type=Path, metavar="DIR_A", help="run A")
+    cmd.add_argument("directory_a", type=_run_directory, metavar="DIR_A", help="run A")
     cmd.add_argument(
         "directory_b",
-        type=Path,
+        type=_run_directory,
         metavar="DIR_B",
         nargs="?",
         help="run B (omitted: DIR_A is a directory of rank-NNN/ runs, compared rank by rank)",
@@ -212,7 +231,9 @@ def add_commands(commands: Subcommands) -> None:
         description="Draw one panel per metric and signal, one line per tensor, over sample_id, "
         f"forward_index or step (--x), into a PNG. Needs matplotlib: {MATPLOTLIB_INSTALL}.",
     )
-    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    cmd.add_argument(
+        "directory", type=_run_directory, metavar="DIR", help="a run's output directory"
+    )
     _selection_options(cmd, window=False, metrics_default=_PLOT_METRICS)
     cmd.add_argument(
         "--x",
@@ -256,7 +277,9 @@ def add_commands(commands: Subcommands) -> None:
         "entries) is grey, and a tensor without a row at a sample is white. Needs "
         f"matplotlib: {MATPLOTLIB_INSTALL}.",
     )
-    cmd.add_argument("directory", type=Path, metavar="DIR", help="a run's output directory")
+    cmd.add_argument(
+        "directory", type=_run_directory, metavar="DIR", help="a run's output directory"
+    )
     _selection_options(cmd, window=False)
     cmd.add_argument(
         "--x",
@@ -305,7 +328,9 @@ def parser() -> argparse.ArgumentParser:
         "index.md. Refuses a directory locked by a live run; unreadable parts are left in place. "
         "On a directory of rank-NNN/ runs: finalizes each rank, then writes its index.md.",
     )
-    cmd.add_argument("directory", type=Path, metavar="DIR", help="the run's output directory")
+    cmd.add_argument(
+        "directory", type=_run_directory, metavar="DIR", help="the run's output directory"
+    )
     add_commands(commands)
     return parser
 

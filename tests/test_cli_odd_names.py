@@ -305,6 +305,22 @@ def test_a_run_directory_whose_path_is_not_utf8_is_refused_and_read_through_a_li
     assert cli_in_process("show", tmp_path / "link").returncode == 0
 
 
+def test_heatmap_names_the_files_it_wrote_by_the_same_rule(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "o\x1b[2J"
+    done = cli_in_process("heatmap", runs[1], "-o", out)
+    assert done.stderr == (
+        f"torchinstruments heatmap: -o/--output-dir {shown(out)} is not an existing folder; "
+        "create it, or choose an existing one\n"
+    )
+    out.mkdir()
+    done = cli_in_process("heatmap", runs[1], "--metrics", "mean", "--signal", "output", "-o", out)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {shown(out / 'heatmap-mean.png')} (")
+    assert "\x1b" not in done.stdout
+
+
 def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
     runs: tuple[Path, Path], tmp_path: Path
 ) -> None:

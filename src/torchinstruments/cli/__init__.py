@@ -38,6 +38,14 @@ def _width() -> int:
     return max(80, shutil.get_terminal_size((80, 24)).columns)
 
 
+def _path(path: Path) -> str:
+    """A file the command wrote, by index.md's rule (`literal_if_unclear`): heatmap writes into
+    the run directory, whose name (or `-o`'s) may hold an escape that rewrote the terminal."""
+    from torchinstruments.rundir.shell import literal_if_unclear
+
+    return literal_if_unclear(str(path))
+
+
 def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
     """The selection the options ask for, refused (SelectionError) where it matches nothing."""
     from torchinstruments.cli.reader import check_selection, parse_list
@@ -190,7 +198,7 @@ def _run_single(args: argparse.Namespace) -> int:
                 print(f"{prog}: {exc}", file=sys.stderr)
                 return 3
             print(
-                f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
+                f"wrote {_path(result.path)} ({result.width_px}x{result.height_px} px): "
                 f"{plural(len(result.panels), 'panel')}, {plural(len(result.tensors), 'tensor')}, "
                 f"x = {result.x}"
             )
@@ -236,7 +244,7 @@ def _run_single(args: argparse.Namespace) -> int:
                 return 3
             for r in results:
                 print(
-                    f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric}, "
+                    f"wrote {_path(r.path)} ({r.width_px}x{r.height_px} px): {r.metric}, "
                     f"{plural(r.rows, 'tensor')} x {plural(r.columns, 'sample')}"
                 )
             left_out = results[0].left_out if results else ()

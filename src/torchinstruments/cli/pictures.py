@@ -174,6 +174,11 @@ def shorten(text: str) -> str:
     return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3) :]
 
 
+def _said(path: Path) -> str:
+    """A path the user gave, in an error, by index.md's rule (`literal_if_unclear`)."""
+    return literal_if_unclear(str(path))
+
+
 def checked_png(output: Path) -> Path:
     """`output`, once it is a path `plot` can write its PNG to (checked before anything is
     read or drawn, for a run and a parent of rank runs alike).
@@ -183,11 +188,13 @@ def checked_png(output: Path) -> Path:
             whatever its name says), or a folder that does not exist.
     """
     if output.suffix.lower() != ".png":
-        raise ValueError(f"-o {output}: plot writes a PNG image; give a file name ending in .png")
+        raise ValueError(
+            f"-o {_said(output)}: plot writes a PNG image; give a file name ending in .png"
+        )
     if not output.parent.is_dir():
         raise ValueError(
-            f"-o {output}: the folder {output.parent} does not exist; create it, or choose a "
-            "PNG path in an existing folder"
+            f"-o {_said(output)}: the folder {_said(output.parent)} does not exist; create it, "
+            "or choose a PNG path in an existing folder"
         )
     return output
 
@@ -200,8 +207,8 @@ def checked_folder(output_dir: Path) -> Path:
     """
     if not output_dir.is_dir():
         raise ValueError(
-            f"-o/--output-dir {output_dir} is not an existing folder; create it, or choose an "
-            "existing one"
+            f"-o/--output-dir {_said(output_dir)} is not an existing folder; create it, or "
+            "choose an existing one"
         )
     return output_dir
 

@@ -200,6 +200,7 @@ def _draw(
         metrics_left_out_line,
     )
     from torchinstruments.cli.text import plural
+    from torchinstruments.rundir.shell import literal_if_unclear
 
     prog = f"torchinstruments {args.command}"
     try:
@@ -215,7 +216,8 @@ def _draw(
                 yscale=args.yscale,
             )
             print(
-                f"wrote {result.path} ({result.width_px}x{result.height_px} px): "
+                f"wrote {literal_if_unclear(str(result.path))} "
+                f"({result.width_px}x{result.height_px} px): "
                 f"{plural(len(result.panels), 'panel')}, tensor {lines.name()}, "
                 f"{lines.describe('line')}, x = {result.x}"
             )
@@ -236,7 +238,8 @@ def _draw(
         )
         for r in results:
             print(
-                f"wrote {r.path} ({r.width_px}x{r.height_px} px): {r.metric} of tensor "
+                f"wrote {literal_if_unclear(str(r.path))} ({r.width_px}x{r.height_px} px): "
+                f"{r.metric} of tensor "
                 f"{lines.name()}, {lines.describe('row')} x {plural(r.columns, 'sample')}"
             )
         _say_ranks_left_out(prog, lines)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments.notices import warn
+from torchinstruments.registry import add_run_note
 
 
 def next_line() -> int:
@@ -71,3 +73,21 @@ def test_a_warning_from_a_gradient_hook_points_at_the_backward(tmp_path: Path) -
     ours = caught_ours(caught)
     assert "output_gradient/tensor has no histogram" in str(ours[0].message)
     assert [w.lineno for w in ours] == [backward_line]
+
+
+def test_a_warning_and_a_note_write_each_character_that_is_not_printable_as_its_escape(
+    tmp_path: Path,
+) -> None:
+    """Whatever a warning or an index.md note quotes raw (a run directory in a trainer
+    callback's warning, a note an integration adds) never reaches a terminal or the page as a
+    line break or an escape."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    inject_observer(model, output_dir=tmp_path / "run", sampler=EveryNForwardsSampler(1))
+    assert add_run_note(model, "a note \x1b[2J\nx")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn("torchinstruments: a\nb\x1b[2J")
+    remove_observer(model)
+    assert [str(w.message) for w in caught] == [r"torchinstruments: a\nb\x1b[2J"]
+    index = (tmp_path / "run" / "index.md").read_text(encoding="utf-8")
+    assert "**Note:** a note \\x1b[2J\\nx\n" in index

@@ -55,7 +55,11 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     `filterwarnings = error`), it is written to stderr in the warning's own format instead. The
     library warns from inside its bookkeeping (a gradient hook, a sink, the flush thread), where
     an exception would end a thread of its own or cut a sample's end short in the user's step:
-    the warning's news (rows lost, a sink given up) would come with more loss than it reports."""
+    the warning's news (rows lost, a sink given up) would come with more loss than it reports.
+
+    The message is written by `printable`: whatever a warning quotes (a path, a name, an
+    error's message) never reaches a terminal or a log as a line break or an escape."""
+    message = printable(message)
     level = user_stacklevel()
     try:
         warnings.warn(message, category, stacklevel=level)
@@ -109,6 +113,17 @@ class RecordingFailures:
         return shown
 
 
+def printable(text: str) -> str:
+    """`text` with each character that is not printable written as its escape (`\\n`,
+    `\\x1b`, `\\udcff`), the others as they are: the last guard of every warning and of
+    index.md's notes, whatever they quote. Where a text from outside is quoted on purpose, it is
+    written unambiguously first (`rundir.shell.literal_if_unclear`); this makes sure that a
+    text quoted raw by any other path cannot forge a line or rewrite the screen."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 def repr_of(value: object) -> str:
     """`repr(value)`, or its type's name where that raises: a sampler, its answer or a sink
     quoted in a warning or in index.md must not raise in the user's step or at inject."""
@@ -127,4 +142,12 @@ def shown(error: BaseException) -> str:
         return f"{type(error).__name__}(its message could not be read)"
 
 
-__all__ = ["SHOWN_KINDS", "RecordingFailures", "repr_of", "shown", "user_stacklevel", "warn"]
+__all__ = [
+    "SHOWN_KINDS",
+    "RecordingFailures",
+    "printable",
+    "repr_of",
+    "shown",
+    "user_stacklevel",
+    "warn",
+]

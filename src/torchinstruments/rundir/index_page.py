@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchinstruments import reasons
+from torchinstruments.notices import printable
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempt_ends import (
     attempt_end,
@@ -300,8 +301,8 @@ def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
     last = state.attempts[-1].attempt if len(state.attempts) > 1 else None
-    lines = [f"**Note:** {note}" for note in notes_shown(page_notes(state), last)]
-    lines += [f"**Disk space:** {line}" for line in state.left_behind]
+    lines = [f"**Note:** {printable(note)}" for note in notes_shown(page_notes(state), last)]
+    lines += [f"**Disk space:** {printable(line)}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "

@@ -341,7 +341,11 @@ def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
     assert f" in {shown(run / 'history.parquet')} (0 parts merged)" in done.stdout
     state = json.loads((run / ".state.json").read_text())  # a loss whose reason quotes a path
     loss = {"rows": 9, "first_sample_id": 0, "last_sample_id": 0, "reason": "at x\x1b[2J"}
-    (run / ".state.json").write_text(json.dumps({**state, "losses": [loss]}))
+    left = "x\x1b[2J could not be deleted"  # a state's text that show says as it is
+    (run / ".state.json").write_text(json.dumps({**state, "losses": [loss], "left_behind": [left]}))
+    done = cli_in_process("show", run)
+    assert r"disk space: 'x\x1b[2J could not be deleted'" in done.stdout.splitlines()
+    assert "\x1b" not in done.stdout
     done = cli_in_process("finalize", run)
     assert done.returncode == 1
     assert r"incomplete: '9 rows of sample 0 were recorded but not written: at x\x1b[2J'" in (

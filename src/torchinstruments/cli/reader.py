@@ -366,18 +366,19 @@ def _state_sentence(state: RunState, files: RunFiles, directory: Path) -> str:
         return f"complete, removed while a sample was in flight ({partial} and marked)"
     if status is Status.COMPLETE and not files.parts:
         killed = [note for note in state.notes if killed_in_finish(note)]
-        return "complete" + "".join(f" ({note})" for note in killed[-1:])
+        return "complete" + "".join(f" ({literal_if_unclear(note)})" for note in killed[-1:])
     if status is Status.INTERRUPTED and not files.parts:
         return interrupted_sentence(state)
     if status is Status.INCOMPLETE:
-        missing = [
-            *state.problems,
-            *(loss.describe() for loss in state.losses),
+        missing = [  # the state's text (errors, paths), by index.md's rule
+            *(literal_if_unclear(problem) for problem in state.problems),
+            *(literal_if_unclear(loss.describe()) for loss in state.losses),
         ]
         return "INCOMPLETE: " + "; ".join(missing) + " (see the top of index.md)"
     trouble = read_trouble(directory) if status is Status.IN_PROGRESS else None
     if trouble is not None:  # its writes failed: the state file could not say so
-        return _trouble_sentence(trouble, writer_ended(directory), finalize_command)
+        said = literal_if_unclear(trouble)  # read from the lock file
+        return _trouble_sentence(said, writer_ended(directory), finalize_command)
     if status is Status.IN_PROGRESS and state.removal_step is not None:
         return finishing_said(state, writer_ended(directory), finalize_command)
     if status is Status.IN_PROGRESS:

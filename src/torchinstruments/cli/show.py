@@ -67,10 +67,10 @@ def facts_lines(facts: RunFacts, frame: pl.DataFrame, window: int) -> list[str]:
     lines += notes_lines(facts.notes)
     # index.md's "Disk space" line: a second copy of rows an earlier merge left (no row missing)
     left = facts.run_state.left_behind if facts.run_state else ()
-    lines += [f"disk space: {line}" for line in left]
+    lines += [f"disk space: {literal_if_unclear(line)}" for line in left]  # the state's text
     latest = frame["latest_sample_id"].max() if frame.height else None
     if files.unreadable:  # beside history.parquet, left in place by finalize
-        names = ", ".join(p.name for p in files.unreadable)
+        names = ", ".join(literal_if_unclear(p.name) for p in files.unreadable)
         source[-1] += (
             f" (left out: {plural(len(files.unreadable), 'unreadable part')} in history.parts/, "
             f"its rows missing: {names})"

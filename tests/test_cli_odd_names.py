@@ -352,6 +352,9 @@ def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
         done.stderr
     )
     assert "\x1b" not in done.stdout + done.stderr
+    index = (run / "index.md").read_text(encoding="utf-8")  # rewritten by that finalize
+    assert "- 9 rows of sample 0 were recorded but not written: at x\\x1b[2J\n" in index
+    assert "\x1b" not in index
     (run / ".state.json").write_text(json.dumps(state))
     history = run / "history.parquet"
     pl.read_parquet(history, glob=False).head(0).write_parquet(history)

@@ -203,7 +203,7 @@ def _section_state(state: RunState) -> list[str]:
     in_flight = None if said is None else f"{said} (see the note below)"
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
-        lines += [f"- {problem}" for problem in state.problems]
+        lines += [f"- {printable(problem)}" for problem in state.problems]
         lines += loss_lines(state.losses)
         if state.interrupted:
             lines.append(f"- {unremoved_said(state)}. {lost_bound}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torchinstruments.notices import printable
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.ledger import LostRows, sample_range
 from torchinstruments.rundir.ranges import ends, was_were
@@ -74,9 +75,10 @@ def notes_shown(notes: Sequence[str], last_attempt: int | None) -> tuple[str, ..
 
 def loss_lines(losses: Sequence[LostRows]) -> list[str]:
     """The loss ledger as list items: the first and last entries (`SHOWN_LOSSES` in all), and
-    one item between them with the others' rows and samples, so the total stays on the page."""
+    one item between them with the others' rows and samples, so the total stays on the page.
+    A reason quotes a write error, which may quote a path raw: `notices.printable`."""
     head, hidden, tail = ends(losses, SHOWN_LOSSES)
-    lines = [f"- {loss.describe()}" for loss in head]
+    lines = [f"- {printable(loss.describe())}" for loss in head]
     if hidden:
         middle = losses[len(head) : len(losses) - len(tail)]
         rows = sum(loss.rows for loss in middle)
@@ -88,7 +90,7 @@ def loss_lines(losses: Sequence[LostRows]) -> list[str]:
             f"recorded but not written, in {hidden} more entries of the ledger not listed here "
             f"(this page's size bound): `{STATE_FILE}` (`losses`) lists each with its reason."
         )
-    return [*lines, *(f"- {loss.describe()}" for loss in tail)]
+    return [*lines, *(f"- {printable(loss.describe())}" for loss in tail)]
 
 
 def attempt_rows(rows: Sequence[str], columns: int) -> list[str]:

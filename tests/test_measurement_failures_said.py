@@ -5,6 +5,7 @@ with why it has no output_gradient rows."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def test_a_custom_reducer_failing_on_a_layer_without_histogram_is_warned_once_an
     assert not any("'a'" in m or "'c'" in m for m in about)
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if "reducer error: ValueError: boom" in line)
-    for said_in_note in ("'b'", "output: absmax in 3 samples", "output_gradient: absmax in 3"):
+    for said_in_note in ("`b`", "output: absmax in 3 samples", "output_gradient: absmax in 3"):
         assert said_in_note in note
     for other in ("'a'", "'c'"):
         assert other not in note
@@ -89,7 +90,7 @@ def test_a_measurement_error_of_a_refusing_tensor_is_warned_once_and_named(
     assert "layer 'probe'" in about[0]
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if reason in line)
-    assert "'probe' (output: mean, std" in note
+    assert "`probe` (output: mean, std" in note
     assert "in 2 samples" in note
 
 
@@ -140,4 +141,37 @@ def test_failures_in_many_layers_warn_for_the_first_twenty_and_index_md_counts_t
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if "reducer error: ValueError: boom" in line)
     assert "in 25 layers" in note
-    assert "'19' (output: absmax in 1 sample) ... (5 more)" in note
+    assert "`19` (output: absmax in 1 sample) ... (5 more)" in note
+
+
+def outside_code(markdown: str) -> str:
+    """`markdown` without its fenced blocks and inline code spans (any fence length)."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    return re.sub(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)", "", text, flags=re.DOTALL)
+
+
+def test_the_note_names_the_root_and_each_layer_as_the_layers_section_does(
+    tmp_path: Path,
+) -> None:
+    """`'<root>'` outside a code span is an HTML tag, which GitHub drops from the page, and a
+    name holding `*` turned into emphasis: a note names each layer in a code span, as index.md's
+    Layers section does; nothing of the page outside code reads as HTML."""
+    model = nn.Sequential()
+    model.add_module("*b*", nn.Linear(3, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inject_observer(
+            model,
+            output_dir=tmp_path / "s",
+            sampler=EveryNForwardsSampler(1),
+            selector=lambda name, module: True,  # the root too
+            reducers=[boom_on_three],
+        )
+        model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "Not measured (" in line)
+    assert "in 2 layers" in note
+    assert "`<root>` (output: " in note
+    assert "`*b*` (output: " in note
+    assert re.findall(r"<[A-Za-z/!]", outside_code(index)) == []

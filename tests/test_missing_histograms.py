@@ -64,8 +64,8 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     assert (
         "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
-        f"finite entry to count or could not be measured (first: {tag} at forward_index 1: "
-        "every entry is NaN or Inf"
+        f"finite entry to count or could not be measured (first: `{tag}` at forward_index 1: "
+        "`every entry is NaN or Inf"
     ) in index
 
 
@@ -93,7 +93,7 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     assert "reducer zeroes" not in said
     assert "it has no finite entry to count, or measuring it failed" in said
     index = (run_dir / "index.md").read_text(encoding="utf-8")
-    assert "0/call_0/output/tensor at forward_index 0: it has no finite entry" in index
+    assert "`0/call_0/output/tensor` at forward_index 0: `it has no finite entry" in index
 
 
 def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:
@@ -115,5 +115,5 @@ def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path
     assert "because the tensor had no finite entry to count (first:" not in index
     assert (
         "because the tensor had no finite entry to count or could not be measured (first: "
-        "0/call_0/output/tensor at forward_index 0: unsupported dtype complex64)"
+        "`0/call_0/output/tensor` at forward_index 0: `unsupported dtype complex64`)"
     ) in index

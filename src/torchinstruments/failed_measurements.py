@@ -146,7 +146,7 @@ class FailedMeasurements:
                 if of == kind:
                     said = f"{signal}: {', '.join(metrics)} in {_samples(samples)}"
                     per_layer.setdefault(layer, []).append(said)
-            shown = [f"{layer or '<root>'!r} ({'; '.join(s)})" for layer, s in per_layer.items()]
+            shown = [f"{_layer(layer)} ({'; '.join(s)})" for layer, s in per_layer.items()]
             notes.append(
                 f"Not measured ({_span(kind)}, first as {_span(reason)}) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
@@ -154,6 +154,13 @@ class FailedMeasurements:
                 f"{listed(shown, _SHOWN)}."
             )
         return tuple(notes)
+
+
+def _layer(name: str) -> str:
+    """A layer in a note as index.md's Layers section writes it (a code span of its literal,
+    `<root>`): `'<root>'` outside a span was an HTML tag, which GitHub drops, and a name
+    holding `*` or `_` turned into emphasis."""
+    return code_span(literal_if_unclear(name) or "<root>")
 
 
 def _span(text: str) -> str:

@@ -419,7 +419,7 @@ def section_queries(run: RunInfo) -> list[str]:
         + tool_span("plot", ".")
         + " (writes trends.png here; `-o FILE` elsewhere), "
         + tool_span("heatmap", ".")
-        + " (one image per metric, every tensor by every sample: heatmap-<metric>.png here; "
+        + " (one image per metric, every tensor by every sample: `heatmap-<metric>.png` here; "
         "`-o DIR` elsewhere).",
         "",
         "Setup:",

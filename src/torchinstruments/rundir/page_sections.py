@@ -123,7 +123,7 @@ def section_files(run: RunInfo) -> list[str]:
         "an evaluation's batches share a step, and TensorBoard's default data server keeps "
         "only the last record at a step; this page's notes count the samples left out there). A "
         "focus tensor with no finite entry has no histogram at that step, and a text note "
-        "'<tag> (no histogram)' there says why.",
+        "`<tag> (no histogram)` there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
         "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "
         "run's id mark: the sample_id and forward_index after every sample begun, written "

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torchinstruments.events import NO_HISTOGRAM, MissingHistogram
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import TENSORBOARD_DIR
+from torchinstruments.rundir.shell import code_span, literal_if_unclear
 
 __all__ = ["MissingCount"]
 
@@ -48,7 +49,8 @@ class MissingCount:
             f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
             f"{TENSORBOARD_DIR}/ "
             "because the tensor had no finite entry to count or could not be measured (first: "
-            f"{tag} at forward_index {step}: {reason}); TensorBoard shows a text note "
-            f"'<tag>{NO_HISTOGRAM}' at each such step, and the history holds those samples' "
+            f"{code_span(tag)} at forward_index {step}: {code_span(literal_if_unclear(reason))}"
+            f"); TensorBoard shows a text note {code_span(f'<tag>{NO_HISTOGRAM}')} at each "
+            "such step, and the history holds those samples' "
             "rows.",
         )

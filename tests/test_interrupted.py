@@ -38,7 +38,7 @@ from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import kill_when_ready, sgd_step, wait_for_rows
+from conftest import cli_in_process, kill_when_ready, sgd_step, wait_for_rows
 
 MARK = pl.col("metric") == "interrupted"
 
@@ -60,7 +60,7 @@ class Boom(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
-            raise ValueError("bad input")
+            raise ValueError("bad <b>input\x1b[2J")
         return torch.tanh(x)
 
 
@@ -101,7 +101,7 @@ def test_a_layer_raising_marks_the_sample_and_later_samples_are_exact(
     for step in range(7):
         if step == 3:
             boom.armed = True
-            with pytest.raises(ValueError, match="bad input"):
+            with pytest.raises(ValueError, match="bad <b>input"):
                 sgd_step(model, x, y, 0.1)
             boom.armed = False
             assert "forward" not in boom.__dict__  # the layer proxies are gone again
@@ -117,7 +117,7 @@ def test_a_layer_raising_marks_the_sample_and_later_samples_are_exact(
     ]
     assert marks["value"].to_list() == [None]
     assert marks["unavailable_reason"].to_list() == [
-        reasons.interrupted(ValueError("bad input"), "1", 0)
+        reasons.interrupted(ValueError("bad <b>input\x1b[2J"), "1", 0)
     ]
     partial = history(a).filter(pl.col("sample_id") == 3, ~MARK)
     assert set(partial.select("layer", "signal").unique().rows()) == {("0", "output")}
@@ -143,7 +143,12 @@ def test_a_layer_raising_marks_the_sample_and_later_samples_are_exact(
     assert state.marks_total == 1
     index = (a / "index.md").read_text("utf-8")
     assert "## Interrupted samples" in index
-    assert f"- sample 3: {marks['unavailable_reason'][0]}" in index
+    # the reason (the user's message, `'1'`) as code, by its literal: no tag, no escape
+    assert f"- sample 3: `{marks['unavailable_reason'][0]!r}`\n" in index
+    assert "\x1b" not in index
+    shown = cli_in_process("show", a, "--width", "400").stdout
+    assert 'marked samples: 1, partial, not ordinary ones (sample 3: "interrupted: the' in shown
+    assert "\x1b" not in shown
 
 
 class Stoppable(nn.Module):
@@ -240,7 +245,7 @@ def test_after_sigkill_finalize_marks_the_partly_written_sample(
     assert state.status is Status.INTERRUPTED
     assert state.marks_total == 1
     index = (run_dir / "index.md").read_text("utf-8")
-    assert f"- sample 4: {partly}" in index
+    assert f"- sample 4: `{partly}`" in index
     finalize(run_dir)  # again: nothing new to mark
     assert history(run_dir).filter(MARK).height == 1
     assert cli_main(["show", str(run_dir), "--metrics", "mean"]) == 0
@@ -428,7 +433,7 @@ def test_more_than_20_marked_samples_are_all_counted_and_a_removal_among_them_is
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     boom.armed = True
     for _ in range(25):  # samples 0-24 raise
-        with pytest.raises(ValueError, match="bad input"):
+        with pytest.raises(ValueError, match="bad <b>input"):
             model(torch.randn(2, 4))
     boom.armed = False
     inner.armed = True

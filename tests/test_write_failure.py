@@ -379,7 +379,7 @@ def test_a_sample_cut_short_at_the_memory_cap_is_marked_and_said_in_index(
     assert state.marks_total == 1
     index = index_text(run_dir)
     assert "## Interrupted samples" in index
-    assert f"- sample 0: {reason}" in index
+    assert f"- sample 0: `{reason}`" in index
 
 
 @pytest.mark.usefixtures("quiet")
@@ -437,7 +437,7 @@ def test_a_sample_marked_twice_is_counted_once(
     assert state.removed_in_flight == (0,)
     index = index_text(run_dir)
     assert "1 sample(s) are marked:" in index
-    assert index.count("\n- sample 0: interrupted: ") == 2
+    assert index.count("\n- sample 0: `interrupted: ") == 2
 
 
 @pytest.mark.usefixtures("quiet")
@@ -467,7 +467,7 @@ def test_a_sample_only_partly_written_at_removal_is_marked_and_said_in_index(
     state = read_state(run_dir)
     assert state.status is Status.INCOMPLETE
     assert state.marks_total == 1
-    assert f"- sample 2: {marks['unavailable_reason'][0]}" in index_text(run_dir)
+    assert f"- sample 2: `{marks['unavailable_reason'][0]}`" in index_text(run_dir)
     disk.room = None
     finalize(run_dir)  # the space is back: the mark is there once
     again = pl.read_parquet(run_dir / "history.parquet").filter(pl.col("metric") == "interrupted")

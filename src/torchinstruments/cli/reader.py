@@ -144,7 +144,9 @@ class RunFacts:
         """`marked samples: N (sample 3: <reason>; ...)`, or nothing when none is marked."""
         if not self.marked:
             return []
-        shown = [f"sample {s}: {self.marked[s]}" for s in sorted(self.marked)[:limit]]
+        shown = [  # a reason quotes the user's exception: index.md's rule
+            f"sample {s}: {literal_if_unclear(self.marked[s])}" for s in sorted(self.marked)[:limit]
+        ]
         more = "; ..." if len(self.marked) > limit else ""
         return [
             f"marked samples: {len(self.marked)}, partial, not ordinary ones "

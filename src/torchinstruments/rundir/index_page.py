@@ -505,7 +505,8 @@ def _section_marks(state: RunState) -> list[str]:
         '`history.filter(pl.col("metric") == "interrupted")`.',
         "",
     ]
-    lines += [f"- {mark.describe()}" for mark in state.marks]
+    # A reason quotes the user's exception and the layer (`'<root>'`, a tag outside code).
+    lines += [f"- sample {m.sample_id}: {_literal_span(m.reason)}" for m in state.marks]
     return [*lines, ""]
 
 

@@ -1,7 +1,7 @@
 """What a trainer callback says about its fit survives a SIGKILL: notes a Lightning fit says
 before its end (the steps a pinned logger gets again on a resumed fit, the fit's setup
-forwards, the evaluation forwards passed through unobserved so far) are in index.md after
-`torchinstruments finalize`.
+forwards, the evaluation forwards passed through unobserved so far, the training batches whose
+training_step returned None) are in index.md after `torchinstruments finalize`.
 
 Each child is a real fit killed with SIGKILL at the end of its first training step, once its
 first sample's rows are on disk (the flush thread writes them at once, and the training thread
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning
+import polars as pl
 import pytest
 import torch
 from _forked import killed_when_ready
@@ -96,7 +97,15 @@ def lightning_fit(
     trainer.fit(model, loader, loader, ckpt_path=None if ckpt is None else str(ckpt))
 
 
-MODES = ("resumed", "setup", "sanity", "sanity-recorded")
+class SkipsFirstBatch(Recorded):
+    """Its training_step returns None at global step 0: Lightning runs no backward there."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:  # a loss, or None at step 0
+        loss = super().training_step(batch, batch_idx)
+        return None if self.trainer.global_step == 0 else loss
+
+
+MODES = ("resumed", "setup", "sanity", "sanity-recorded", "skipped")
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +191,27 @@ def test_a_fit_killed_after_its_sanity_check_says_how_many_evaluation_forwards_i
     assert (unknown in index) is record_eval
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_fit_killed_after_a_batch_without_backward_keeps_the_note_naming_its_sample(
+    killed: tuple[Path, list[int]],
+) -> None:
+    """A training_step that returned None (Lightning runs no backward for its batch) leaves
+    its samples with output rows only; the run says so as soon as the batch ends, so a fit
+    killed before its end keeps the note, which names the sample, as a lower bound."""
+    run = killed[0] / "skipped" / "run"
+    index = finalized(run)
+    assert (
+        "up to the run's last save of its state while it went on (a lower bound where the run "
+        "ended without removal: the fit's end names every such batch), training_step returned "
+        "None for 1 training batch (global step 0), and Lightning runs no backward for such a "
+        "batch"
+    ) in index
+    assert "sample 0 of that batch has output rows and no output_gradient rows" in index
+    assert index.count("training_step returned None") == 1
+    history = pl.read_parquet(run / "history.parquet")
+    assert history.filter(pl.col("sample_id") == 0)["signal"].unique().to_list() == ["output"]
+
+
 def child_main(mode: str, tmp_path: Path) -> None:
     """The killed fit of each test: it prints READY on the real stdout at its kill point."""
     killed = KilledAfterFirstStep(tmp_path / "calls.json")
@@ -190,6 +220,8 @@ def child_main(mode: str, tmp_path: Path) -> None:
         lightning_fit(tmp_path, Recorded(), ckpt=checkpoint, kill_point=killed)
     elif mode == "setup":
         lightning_fit(tmp_path, Summarized(), kill_point=killed)
+    elif mode == "skipped":
+        lightning_fit(tmp_path, SkipsFirstBatch(), kill_point=killed)
     else:
         recorded = mode == "sanity-recorded"
         lightning_fit(tmp_path, Recorded(), kill_point=killed, sanity=SANITY, record_eval=recorded)

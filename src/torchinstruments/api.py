@@ -522,10 +522,11 @@ def _open_run(
 def _notes_so_far(observer: Observer, group: SinkGroup, compiled: list[str]) -> tuple[str, ...]:
     """What the run has said so far, which the flush thread keeps in the run state so that a
     run killed before removal still says it (`rundir.live_notes`): the observer's notes, the
-    TensorBoard sinks', the samples called through compiled code and the `compiled` modules
-    of inject (removal walks the model again: here that would cost each round), and a trainer
-    callback's evaluation forwards so far, passed through or seen with record_eval (the fit's
-    end says their whole count; a run killed before it has this lower bound)."""
+    sinks' (the TensorBoard sinks', a trainer callback's: `SinkGroup.live_notes`), the samples
+    called through compiled code and the `compiled` modules of inject (removal walks the model
+    again: here that would cost each round), and a trainer callback's evaluation forwards so
+    far, passed through or seen with record_eval (the fit's end says their whole count; a run
+    killed before it has this lower bound)."""
     counts = observer.counts(so_far=True)
     # the setup forwards' count is final when the fit's first loop starts, and said then
     passed = passed_through(dataclasses.replace(counts, unobserved_setup_forwards=0))
@@ -539,4 +540,4 @@ def _notes_so_far(observer: Observer, group: SinkGroup, compiled: list[str]) -> 
     )
     eager = eager_samples_note(None, counts.samples, observer.called_compiled, compiled)
     live = (*((eager,) if eager else ()), *((so_far,) if said else ()))
-    return (*counts.notes, *group.shared_step_notes(), *live)
+    return (*counts.notes, *group.live_notes(), *live)

@@ -30,6 +30,7 @@ __all__ = [
     "observed_counts",
     "observer_writing",
     "registered",
+    "save_run_now",
     "trainer_phases",
 ]
 
@@ -115,6 +116,15 @@ def observer_writing(directory: Path) -> nn.Module | None:
         if observer.directory == directory and not observer.forked:
             return model
     return None
+
+
+def save_run_now(model: nn.Module) -> bool:
+    """Have `model`'s run write its rows and the notes said so far now (waiting a bounded
+    time), False without observer or when it did not. For integrations: a note a callback's
+    sink keeps (`sinks.protocol.NoteKeeper`) reaches the run state when it is first known, not
+    at the flush thread's next round, so a run killed right after keeps it."""
+    key = registered(model)
+    return key is not None and OBSERVERS[key].sinks.save_now()
 
 
 def observed_counts(model: nn.Module) -> RunCounts | None:

@@ -6,7 +6,10 @@ Design decision: in automatic optimization, Lightning runs no backward for a bat
 returned a loss gives `{"loss": ...}`); the optimizer still steps where the batch ends an
 optimizer step, with no gradient from it. Such a batch's training samples then have output rows
 and no output_gradient rows, which reads like any other missing gradient (a frozen part, a lost
-hook), so the run names them: a warning at the first such batch, and index.md at the fit's end.
+hook), so the run names them: a warning at the first such batch, and index.md. The note is kept
+in the run state from that first batch on (`note_so_far`, which the run directory's flush thread
+reads at each round, and the callback has the run saved at once then), so a fit killed before
+its end still names them, as a lower bound; the fit's end gives the whole note.
 
 Which samples a batch took is told by a sink (`SkippedBackwards`), which costs one call per
 sample record and nothing per layer: it keeps the sample ids of the current batch's training
@@ -25,6 +28,10 @@ from torchinstruments.rundir.ranges import plural, ranges
 __all__ = ["SkippedBackwards"]
 
 SHOWN = 20  # sample ids (and steps) a note lists; beyond them it counts the rest
+SO_FAR = (
+    "up to the run's last save of its state while it went on (a lower bound where the run ended "
+    "without removal: the fit's end names every such batch), "
+)
 
 
 class SkippedBackwards:
@@ -63,8 +70,14 @@ class SkippedBackwards:
             f"training_step returned None for training batch {batch_idx} (global step {step}), "
             f"so Lightning ran no backward for it: {_samples(len(taken), taken)} of that batch "
             f"{'has' if len(taken) == 1 else 'have'} output rows and no output_gradient rows; "
-            "index.md names every such sample at the fit's end"
+            "index.md names every such sample"
         )
+
+    def note_so_far(self) -> str | None:
+        """The note as the run state keeps it while the fit goes on (`NoteKeeper`): a lower
+        bound, should the fit be killed before its end (None: no such batch yet)."""
+        said = self.note()
+        return None if said is None else f"{SO_FAR}{said}"
 
     def note(self) -> str | None:
         """index.md's note on the fit's batches whose backward was skipped (None: none)."""

@@ -21,8 +21,8 @@ Hooks, one line each:
 - `on_train_batch_start`: the global step the batch starts at, for that comparison.
 - `on_train_batch_end`, too: in automatic optimization, an empty `outputs` means the batch's
   `training_step` returned None and Lightning ran no backward for it: its training samples have
-  no gradient rows, which a warning (the first time) and index.md (at the fit's end) say
-  (`_skipped_backwards.py`).
+  no gradient rows, which a warning (the first time) and index.md say, the run state keeping
+  the note from that first batch on, so a fit killed later keeps it (`_skipped_backwards.py`).
 - `on_train_epoch_start`: say in index.md when the epoch is `StochasticWeightAveraging`'s
   batch-norm update, whose training samples have no gradients and share one step (`_swa_note`).
 - `on_validation_start`: with `record_eval`, say once (a warning, index.md) when a validation
@@ -104,7 +104,7 @@ from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.notices import warn
 from torchinstruments.records import RunCounts
-from torchinstruments.registry import add_run_note, observed_counts
+from torchinstruments.registry import add_run_note, observed_counts, save_run_now
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
@@ -307,6 +307,8 @@ class LightningObserver(Callback):
             said = self._skipped.skipped(batch_idx, self._batch_step)
             if said is not None:
                 warn(f"torchinstruments: LightningObserver: {said}")
+                if self._fit.observed is not None:  # the note on disk now: a kill keeps it
+                    save_run_now(self._fit.observed)
         advance = trainer.global_step - self._batch_step
         self._batch_stepped = advance != 0
         if advance != 1 and not pl_module.automatic_optimization and not self._axes_said:

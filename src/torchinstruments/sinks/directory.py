@@ -289,6 +289,12 @@ class DirectorySink:
         if self._notes.add(note) and timer is not None:
             timer.poke()
 
+    def save_now(self) -> bool:
+        """Have the flush thread write the buffered rows and the notes said so far now (a note
+        first known mid-run, as a trainer callback's on a batch whose backward was skipped),
+        waited for as the first rows are (`_flush_waited`); True when it was done."""
+        return self._flush_waited("rows and notes")
+
     def follow_notes(self, notes: Callable[[], tuple[str, ...]]) -> None:
         """The run's notes kept elsewhere (the observer's, other sinks'), as they stand: each
         round of the flush thread reads them and saves them in the state file when they
@@ -342,20 +348,30 @@ class DirectorySink:
         waited is the user's training step standing still. A write that has not returned by
         then is left to go on (warned once, never waited for again): the rows stay in memory,
         and those still there at removal are counted as not written, with why, in index.md."""
+        self._flush_waited(f"first {signal} rows")
+
+    def _flush_waited(self, what: str) -> bool:
+        """Have the flush thread write everything now and wait for it at most
+        `MIN_REMOVAL_WAIT_S` (`_write_first_rows` says why no longer); True when it was done.
+        After one such write stalled, the thread is only woken: the step never waits twice."""
         timer = self._timer
-        if timer is None or self._first_stalled:
-            return
+        if timer is None:
+            return False
+        if self._first_stalled:
+            timer.poke()
+            return False
         wait_s = MIN_REMOVAL_WAIT_S
         if timer.flush_now(wait_s):
-            return
+            return True
         self._first_stalled = True
         warn(
-            f"torchinstruments: the run's first {signal} rows were not on disk after {wait_s:g} s "
+            f"torchinstruments: the run's {what} were not on disk after {wait_s:g} s "
             f"(a history part write under {self.directory} has not returned: a file system that "
             "stopped answering?); training goes on without waiting for it, and the rows stay in "
             "memory until a write succeeds (those still there at removal are counted as not "
             "written, with why, in index.md)"
         )
+        return False
 
     def _flush(self, everything: bool) -> None:
         """Write the buffered rows that are due (`everything`: all of them), then new losses

@@ -16,7 +16,7 @@ from torchinstruments.notices import repr_of, warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.shell import error_said
 from torchinstruments.sinks.directory import DirectorySink
-from torchinstruments.sinks.protocol import Sink
+from torchinstruments.sinks.protocol import NoteKeeper, Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
 
 __all__ = ["SinkGroup", "detached_note"]
@@ -86,6 +86,20 @@ class SinkGroup:
         sinks = list(self._sinks)
         notes = (s.shared_step_note() for s in sinks if isinstance(s, TensorBoardSink))
         return tuple(note for note in notes if note)
+
+    def live_notes(self) -> tuple[str, ...]:
+        """What the caller's sinks said of the run so far, read by the run directory's flush
+        thread for the run state (`rundir.live_notes`): the TensorBoard sinks' notes on the
+        samples they left out, and each `NoteKeeper`'s note."""
+        sinks = list(self._sinks)
+        kept = (s.note_so_far() for s in sinks if isinstance(s, NoteKeeper))
+        return (*self.shared_step_notes(), *(note for note in kept if note))
+
+    def save_now(self) -> bool:
+        """Have the run directory write its rows and the notes said so far now (a note first
+        known mid-run); False when it did not within its wait (`DirectorySink.save_now`)."""
+        sinks = list(self._sinks)
+        return all(s.save_now() for s in sinks if isinstance(s, DirectorySink))
 
     def close(self, counts: RunCounts) -> None:
         """Close every sink, the run directory first, after the notes of the caller's

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 
-__all__ = ["SINK_METHODS", "Sink", "check_sinks"]
+__all__ = ["SINK_METHODS", "NoteKeeper", "Sink", "check_sinks"]
 
 
 @runtime_checkable
@@ -36,6 +36,18 @@ class Sink(Protocol):
 
     def close(self, counts: RunCounts) -> None:
         """Called once at `remove_observer`; the last call a sink receives."""
+        ...
+
+
+@runtime_checkable
+class NoteKeeper(Protocol):
+    """A sink that says something of the run while it goes on (a trainer callback's sink, on
+    what it learns from the samples): the run directory's flush thread reads the note at each
+    of its rounds and keeps it in the run state, so a run killed before removal still says it
+    (`rundir.live_notes`). Its final word, if any, is the owner's to give at removal."""
+
+    def note_so_far(self) -> str | None:
+        """The note as of now, or None while there is nothing to say; must not block."""
         ...
 
 

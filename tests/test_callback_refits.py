@@ -3,15 +3,19 @@
 A sampler keeps state (the default `TimeIntervalSampler` its last sample time), so each fit's run
 is sampled by a fresh copy of the sampler as the callback was built with it. Real trainers, the
 default sampler: every fit's first training forward is a sample, well inside its 60 s interval.
+A fit of a trainer that had finished trains nothing: its run says so, and why.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
+import torch
 from test_huggingface_callback import tiny_bert, train
-from test_lightning_callback import Tiny, fit
+from test_lightning_callback import STEPS, Tiny, fit
+from torch.utils.data import DataLoader, TensorDataset
 
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 
@@ -64,3 +68,31 @@ def test_a_sampler_that_cannot_be_copied_is_used_as_it_is_across_fits(tmp_path: 
     first, second = (tmp_path / "logs" / f"version_{n}" / "torchinstruments" for n in (0, 1))
     assert read_history(first)["forward_index"].unique().to_list() == [0]
     assert read_history(second).is_empty()  # its state carried over: no first sample
+
+
+def test_a_second_fit_of_a_finished_trainer_says_it_ran_no_training_step(tmp_path: Path) -> None:
+    """A trainer whose max_steps was reached trains nothing in a second fit(): that fit's run
+    is empty, and index.md and a warning say why, with the step it ended at (never that the
+    model was never called)."""
+    callback = LightningObserver()
+    model = Tiny()
+    trainer = fit(tmp_path, model, callback)
+    data = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=4))
+    run = tmp_path / "logs" / "version_0" / "torchinstruments-2"
+    assert callback.directory == run
+    assert read_history(run).is_empty()
+    said = (
+        f"the fit ran no training step: it ended at global step {STEPS} without one (max_steps "
+        "or max_epochs was reached already: a second trainer.fit() of a trainer that had "
+        "finished, or a fit resumed from a checkpoint saved at the end of training"
+    )
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert f"**Note:** {said}" in index
+    assert (
+        "**No sample was recorded:** the fit ran no training step (the note above says why), "
+        "so history.parquet has no rows"
+    ) in index
+    assert len([w for w in caught if said in str(w.message)]) == 1

@@ -66,7 +66,7 @@ from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
 from torchinstruments.rundir.shell import error_said
-from torchinstruments.rundir.unsampled import STEP_BYPASSED
+from torchinstruments.rundir.unsampled import NO_TRAINING_STEP, STEP_BYPASSED
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.sinks.protocol import Sink
 
@@ -90,6 +90,8 @@ class FitObservation:
             index.md names them (Lightning's `trainer.validate()`, `test()`, `predict()`).
         directory_name: the trainer's directory, as index.md names it (`trainer.log_dir`).
         evaluations: the trainer's evaluations inside a fit, as index.md names them.
+        no_steps: why a fit of this trainer may end before its first training step, as
+            index.md says it when one did.
 
     Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
     sampler) as it was when the callback was built, so every fit starts its schedule afresh;
@@ -110,6 +112,7 @@ class FitObservation:
         after_fit: str = "evaluation, test or predict calls",
         directory_name: str = "the trainer's directory",
         evaluations: str = "sanity check, validation, evaluation the trainer runs during training",
+        no_steps: str = "its step limit was reached already",
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -125,6 +128,7 @@ class FitObservation:
         self.after_fit = after_fit
         self.directory_name = directory_name
         self.evaluations = evaluations
+        self.no_steps = no_steps
         self.module = module
         self.explicit_dir = output_dir is not None
         check_option_names(owner, options)
@@ -154,6 +158,9 @@ class FitObservation:
         self._resume_step = 0
         self._checked_first_step = False
         self._fits_started = 0  # fits this callback was told of (attached or not)
+        # The fit's training steps so far (None: they cannot be told apart), and its step.
+        self._training_steps: int | None = 0
+        self._global_step: Callable[[], int] = lambda: 0
         self._outside_said = False
 
     def observed_module(self, model: nn.Module) -> nn.Module:
@@ -280,6 +287,7 @@ class FitObservation:
                     f"{self._after_the_fit()}",
                 )
         self._checked_first_step = False
+        self._training_steps, self._global_step = 0, global_step
         return self.directory
 
     def _note_not_continued(self, run: Path | None, checkpoint: str | None, why: str) -> None:
@@ -402,11 +410,14 @@ class FitObservation:
 
     def follow_every_forward(self) -> None:
         """Training steps cannot be told apart: every forward trains (`Phases`)."""
+        self._training_steps = None
         if self.phases is not None:
             self.phases.follow_every_forward()
 
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""
+        if self._training_steps is not None:
+            self._training_steps += 1
         if self.phases is not None:
             self.phases.enter_training()
 
@@ -448,6 +459,13 @@ class FitObservation:
         self.phases = None
         if observed is None or not has_observer(observed):
             return None
+        if exception is None and self._training_steps == 0:
+            said = (
+                f"{NO_TRAINING_STEP}: it ended at global step {self._global_step()} without one "
+                f"({self.no_steps}), so none of its forwards could be a training sample"
+            )
+            add_run_note(observed, said)
+            warn(f"torchinstruments: {self.owner}: {said}")
         self._note_fit_end(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""

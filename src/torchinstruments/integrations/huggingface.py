@@ -156,6 +156,8 @@ class HuggingFaceObserver(TrainerCallback):
             directory_name="args.output_dir",
             evaluations="the evaluation the Trainer runs during training: eval_strategy, "
             "eval_on_start",
+            no_steps="max_steps or num_train_epochs was reached already: a train() resumed "
+            "from the checkpoint of its last step",
         )
         self._step_guard: TrainingStepMark | None = None
         # The running fit's `train()` frame (`_running_trainer`), its thread, and its global

@@ -181,6 +181,9 @@ class LightningObserver(Callback):
             record_eval,
             after_fit="trainer.validate(), trainer.test() and trainer.predict() calls",
             directory_name="trainer.log_dir",
+            no_steps="max_steps or max_epochs was reached already: a second trainer.fit() of "
+            "a trainer that had finished, or a fit resumed from a checkpoint saved at the end "
+            "of training; or limit_train_batches=0, or an empty training dataloader",
         )
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names

@@ -18,6 +18,7 @@ from torchinstruments.rundir.attempts import Continuation
 from torchinstruments.rundir.ranges import plural, was_were
 
 __all__ = [
+    "NO_TRAINING_STEP",
     "STEP_BYPASSED",
     "bypass_clause",
     "no_sample_warning",
@@ -29,6 +30,9 @@ __all__ = [
 # module (integrations/_fit.py): the counts then cannot tell the fit from a loop that never
 # called the model, the note can, and it is kept in the run's state with the counts.
 STEP_BYPASSED = "the first training step never called the observed"
+# The opening of a trainer callback's note that its fit ended before any training step (its
+# step limit reached already: a fit resumed from the checkpoint of its last step), which says why.
+NO_TRAINING_STEP = "the fit ran no training step"
 
 
 def passed_through(counts: RunCounts) -> str | None:
@@ -99,7 +103,8 @@ def unsampled_sentence(counts: RunCounts, notes: tuple[str, ...] = ()) -> str:
     a trainer callback passed through unobserved. A model called only outside the training
     steps was called: it is never said to have been "never called", nor is a model whose
     passed-through forwards nobody counted, nor one whose fit's training steps bypassed it
-    (`STEP_BYPASSED`, in `notes`, the run's notes beside its counts': they ran its parts)."""
+    (`STEP_BYPASSED`, in `notes`, the run's notes beside its counts': they ran its parts), nor
+    one whose fit ran no training step at all (`NO_TRAINING_STEP`: the note says why)."""
     passed = passed_through(counts)
     if counts.bypassed_by is not None and not counts.root_forwards:
         return bypass_clause(counts.bypassed_by)
@@ -107,6 +112,9 @@ def unsampled_sentence(counts: RunCounts, notes: tuple[str, ...] = ()) -> str:
         forwards = counts.root_forwards
         seen = f"{plural(forwards, 'root forward')} {was_were(forwards)} seen and the sampler chose none"
         return seen if passed is None else f"{seen} ({passed})"
+    if any(NO_TRAINING_STEP in note for note in (*counts.notes, *notes)):
+        said = f"{NO_TRAINING_STEP} (the note above says why)"
+        return said if passed is None else f"{said}, and {passed}"
     if passed is not None:
         return f"no training forward called the model, and {passed}"
     if any(STEP_BYPASSED in note for note in (*counts.notes, *notes)):

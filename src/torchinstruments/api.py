@@ -49,7 +49,7 @@ from torchinstruments.observer import Observer
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunInfo
 from torchinstruments.registry import OBSERVERS, UNATTACHED, registered
-from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME
+from torchinstruments.rundir.attempt_states import BY_RESUME
 from torchinstruments.rundir.continuation_notes import continuation_notes
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
@@ -359,7 +359,7 @@ def start_run(
     *,
     directory: Path | None = None,
     resume: bool = False,
-    from_checkpoint: bool = False,
+    continued_by: str | None = None,
     extra_sinks: Sequence[Sink] = (),
     sampler: Any = None,
     sampler_line: str | None = None,
@@ -379,8 +379,10 @@ def start_run(
             under the trainer's own directory).
         resume: continue a run already there even if `config.resume` is False (a fit resumed
             from a checkpoint).
-        from_checkpoint: `resume` is a trainer callback's, for a fit resumed from a checkpoint
-            (the run's state records it, and `show` says so rather than "resume=True").
+        continued_by: `resume` is a trainer callback's, and why (`rundir.attempt_states`:
+            `BY_CHECKPOINT` for a fit resumed from a checkpoint, `BY_RETRY` for a trainer's
+            retry of its training loop); the run's state records it, and `show` says so rather
+            than "resume=True". None: the caller's own resume.
         extra_sinks: sinks after `config.sinks` (a trainer's TensorBoard logger).
         sampler: the sampler this run asks instead of `config.sampler` (a trainer callback's
             fresh copy of it for each fit, so one fit's sampler state never reaches the next).
@@ -418,7 +420,7 @@ def start_run(
         model,
         config,
         config.directory if directory is None else resolve_output_dir(directory),
-        (BY_CHECKPOINT if from_checkpoint else BY_RESUME) if resume or config.resume else None,
+        (continued_by or BY_RESUME) if resume or config.resume else None,
         (*config.sinks, *extra_sinks),
         config.sampler if sampler is None else sampler,
         describe_sampler(config.sampler) if sampler_line is None else sampler_line,

@@ -60,6 +60,7 @@ from torchinstruments.registry import (
     removed_after_exception,
     trainer_phases,
 )
+from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RETRY
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
 from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
@@ -198,6 +199,7 @@ class FitObservation:
         resume_step: int | None = None,
         grad_scaler: Any = None,
         sinks: tuple[Sink, ...] = (),
+        retry: Path | None = None,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -221,6 +223,9 @@ class FitObservation:
             grad_scaler: the trainer's loss scaler, if it scales the loss (float16 mixed
                 precision): its scale of each sample is recorded unless the options name one.
             sinks: the callback's own sinks for this fit (what it learns from the samples).
+            retry: the trainer runs its training loop again inside the same call (after the
+                last loop's training step raised: auto_find_batch_size): continue that loop's
+                run, `retry` (or the output_dir given), as a new attempt.
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -228,8 +233,8 @@ class FitObservation:
         config = self.config
         if config.rank_policy == "rank0" and not main_process:
             return None
-        resume = resuming or config.resume
-        directory, not_continued = None, None
+        resume = resuming or config.resume or retry is not None
+        directory, not_continued = None if self.explicit_dir else retry, None
         if resuming and checkpoint_run is not None and not self.explicit_dir:
             not_continued = why_not_continued(checkpoint_run, config.rank_policy)
             directory = checkpoint_run if not_continued is None else None
@@ -254,7 +259,7 @@ class FitObservation:
             config,
             directory=directory,
             resume=resume,
-            from_checkpoint=resuming,
+            continued_by=BY_CHECKPOINT if resuming else BY_RETRY if retry else None,
             extra_sinks=(*(s for s in (sink, self._evaluations) if s is not None), *sinks),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),

@@ -10,7 +10,9 @@ Hooks, one line each:
   built from, which the Trainer evaluates, delimits root forwards too: `_trained_model`), and
   put the run directory into the TrainerState (below). With `fp16=True` on a GPU the
   Accelerator's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
-  sample's loss scale is recorded (`loss_scale.py`).
+  sample's loss scale is recorded (`loss_scale.py`). A second `on_train_begin` inside the same
+  `train()` after a training step raised is the Trainer's retry of its training loop
+  (`auto_find_batch_size`): it continues that run as a new attempt (`_retry_note`).
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -165,6 +167,9 @@ class HuggingFaceObserver(TrainerCallback):
         self._loop: tuple[FrameType, int] | None = None
         self._step: Callable[[], int] = lambda: 0
         self._exit_handler = False  # registered (once, at the first fit that keeps its frame)
+        # A fit whose training step raised: its train() frame, its run and the exception's
+        # name, which a retry of the training loop inside that very train() continues.
+        self._failed: tuple[FrameType, Path, str] | None = None
         # Not the class name: a key that names a callback class is rebuilt from its saved
         # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
         self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
@@ -188,6 +193,8 @@ class HuggingFaceObserver(TrainerCallback):
         self._fit_ended("when its callback's next train() started")
         self._undo_guard()  # a guard left by a train() that ended without on_train_end
         trainer, loop = _running_trainer()
+        failed, self._failed = self._failed, None
+        retry = failed if failed is not None and loop is failed[0] else None
         # train(resume_from_checkpoint=...) loaded the state before on_train_begin
         resuming = state.global_step > 0
         saved = _saved_run(state, self._key) if resuming else None
@@ -203,7 +210,12 @@ class HuggingFaceObserver(TrainerCallback):
             checkpoint=f"of global step {state.global_step}",
             resume_step=state.global_step,
             grad_scaler=trainer_scaler(getattr(trainer, "accelerator", None)),  # fp16=True
+            retry=None if retry is None else retry[1],
         )
+        if directory is not None and retry is not None:
+            said = _retry_note(retry[2], state.train_batch_size)
+            add_run_note(self._fit.observed or model, said)
+            notices.warn(f"torchinstruments: HuggingFaceObserver: {said}")
         if directory is not None and trained is not model:  # evaluation calls `model`
             also_root(trained, model)
         if directory is not None:
@@ -293,7 +305,10 @@ class HuggingFaceObserver(TrainerCallback):
         return True
 
     def _on_step_exception(self, error: BaseException, step: int) -> None:
+        loop, run = self._loop, self._fit.run_directory
         self._loop = None
+        if loop is not None and run is not None:  # the Trainer may run its loop again
+            self._failed = (loop[0], run, type(error).__name__)
         self._undo_guard()
         self._fit.finish(error, step)
 
@@ -301,6 +316,26 @@ class HuggingFaceObserver(TrainerCallback):
         guard, self._step_guard = self._step_guard, None
         if guard is not None:
             guard.undo()
+
+
+def _retry_note(error: str, batch_size: int | None) -> str:
+    """index.md's note (and the warning) on an attempt that is the Trainer's retry of its
+    training loop inside one `train()` call.
+
+    With `auto_find_batch_size=True`, `train()` runs its training loop under accelerate's
+    `find_executable_batch_size`: an exception it takes for running out of memory (checked on
+    transformers 5.24.0: a RuntimeError naming CUDA, cuDNN or the CPU allocator running out) ends
+    the loop, and the loop runs again with a smaller batch (nine tenths of it), with a fresh
+    TrainerState from global step 0 and `on_train_begin` again. The callback finished the run at
+    the exception (its training step raised); the retry continues that run as a new attempt,
+    rather than a run of its own beside it, or, with an explicit output_dir, refusing the
+    directory that run holds (which raised out of the user's train())."""
+    size = "" if batch_size is None else f", with a train batch size of {batch_size}"
+    return (
+        "this attempt is the Trainer's retry of its training loop inside the same train() call"
+        f"{size} (auto_find_batch_size: the previous attempt's training step raised {error}, "
+        "which the Trainer took for running out of memory): its global steps start again from 0"
+    )
 
 
 def _trained_model(trainer: Trainer | None, model: nn.Module) -> nn.Module:

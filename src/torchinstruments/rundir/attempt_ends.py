@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME
+from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RESUME, BY_RETRY
 from torchinstruments.rundir.attempts import (
     FINISHED_UNREMOVED,
     IN_PROGRESS,
@@ -93,7 +93,8 @@ def attempts_said(state: RunState, directory: Path) -> str:
 def continued_said(later: tuple[AttemptCounts, ...]) -> str:
     """How the `later` attempts (all but the first) continued the run: `continued with
     resume=True` (the caller's option), `continued by a fit resumed from a checkpoint` (a trainer
-    callback passed resume for it, the user did not), both with their attempts where they differ
+    callback passed resume for it, the user did not), `continued by the trainer's retry of its
+    training loop` (auto_find_batch_size), each with their attempts where they differ
     (`continued with resume=True in attempt 1 and by a fit resumed from a checkpoint in attempt
     2`: in words, not in parentheses, as `attempts_said` puts the ends in parentheses right
     after it), or `continued` alone where a state written before this was kept does not say."""
@@ -105,6 +106,9 @@ def continued_said(later: tuple[AttemptCounts, ...]) -> str:
         BY_CHECKPOINT: "by fits resumed from checkpoints"
         if len(how.get(BY_CHECKPOINT, ())) > 1
         else "by a fit resumed from a checkpoint",
+        BY_RETRY: "by the trainer's retries of its training loop in one train() call"
+        if len(how.get(BY_RETRY, ())) > 1
+        else "by the trainer's retry of its training loop in one train() call",
     }
     if len(how) == 1:
         [by] = how

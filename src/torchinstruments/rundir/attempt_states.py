@@ -23,13 +23,16 @@ from torchinstruments.rundir.attempts import (
 )
 from torchinstruments.rundir.state import RunState
 
-__all__ = ["BY_CHECKPOINT", "BY_RESUME", "job_state", "start_state"]
+__all__ = ["BY_CHECKPOINT", "BY_RESUME", "BY_RETRY", "job_state", "start_state"]
 
 # How an attempt continued its run (`AttemptCounts.continued_by`): the caller passed resume=True,
 # or a trainer callback did, for a fit resumed from a checkpoint (`ckpt_path=`,
-# `resume_from_checkpoint=`), where the user never wrote resume=True; `show` says which.
+# `resume_from_checkpoint=`), where the user never wrote resume=True, or for the Hugging Face
+# Trainer's retry of its training loop inside one train() call (auto_find_batch_size, after it
+# ran out of memory); `show` says which.
 BY_RESUME = "resume=True"
 BY_CHECKPOINT = "checkpoint"
+BY_RETRY = "retry"
 
 
 def start_state(

@@ -117,8 +117,8 @@ class AttemptCounts:
         no_grad_samples: of a killed attempt, its samples on disk whose forward ran with grad
             disabled (`rundir.gradient_counts`: a 0 of `backward_samples` is known when they are
             all its samples); None: not counted (a finished attempt's counts are exact).
-        continued_by: how it continued the run (`rundir.attempt_states.BY_RESUME`, `BY_CHECKPOINT`);
-            None: the first attempt, or unknown (a state written before it was kept).
+        continued_by: how it continued the run (`rundir.attempt_states.BY_RESUME`, `BY_CHECKPOINT`,
+            `BY_RETRY`); None: the first attempt, or unknown (a state written before it was kept).
     """
 
     attempt: int

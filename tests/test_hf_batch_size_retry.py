@@ -5,8 +5,9 @@ own per retry, never a refused directory that raises out of `train()`), and inde
 attempt is a retry, with its batch size.
 
 Running out of memory is the exception accelerate takes for it (a RuntimeError naming the CPU
-allocator), raised by the test's own loss after the model's forward while the batch is larger
-than 2: per_device_train_batch_size=3 fails once, and the retry trains with 2.
+allocator), raised while the batch is larger than 2 by the test's own loss after the model's
+forward (inside the training step), or before the optimizer step (outside it, where callbacks
+hear of no exception): per_device_train_batch_size=3 fails once, and the retry trains with 2.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import polars as pl
 import pytest
 from test_huggingface_callback import examples, tiny_bert
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver
@@ -41,10 +42,22 @@ class OutOfMemoryAbove2(Trainer):
         return loss
 
 
-@pytest.mark.parametrize("explicit", [False, True])
+class OutOfMemoryBeforeTheOptimizerStep(TrainerCallback):
+    """Raises accelerate's out-of-memory error before the optimizer step, for batches over 2."""
+
+    def on_pre_optimizer_step(
+        self, args: Any, state: TrainerState, control: Any, **kwargs: Any
+    ) -> None:
+        if state.train_batch_size is not None and state.train_batch_size > 2:
+            raise RuntimeError(OOM)
+
+
+@pytest.mark.parametrize(("explicit", "in_step"), [(False, True), (True, True), (True, False)])
 def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
-    tmp_path: Path, explicit: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, explicit: bool, in_step: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`in_step`: the loss runs out of memory (inside the training step), else the optimizer
+    step does (outside it); `explicit`: the callback's output_dir, else its default."""
     # accelerate empties the device cache around each try with a full gc.collect(), seconds
     # in a test process holding a whole suite's objects: skipped, nothing here depends on it
     monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda **_: None)
@@ -57,8 +70,11 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
         auto_find_batch_size=True, save_strategy="no", report_to=[], use_cpu=True,
         disable_tqdm=True,
     )  # fmt: skip
-    trainer = OutOfMemoryAbove2(
-        model=tiny_bert(), args=args, train_dataset=examples(), callbacks=[callback]
+    trainer = (OutOfMemoryAbove2 if in_step else Trainer)(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=examples(),
+        callbacks=[callback, *(() if in_step else (OutOfMemoryBeforeTheOptimizerStep(),))],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -85,14 +101,18 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
     state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
     assert [a.get("continued_by") for a in state["attempts"]] == [None, "retry"]
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    raised = "training step raised RuntimeError" if in_step else "raised outside its training step"
     said = (
         "this attempt is the Trainer's retry of its training loop inside the same train() call, "
-        "with a train batch size of 2 (auto_find_batch_size: the previous attempt's training "
-        "step raised RuntimeError, which the Trainer took for running out of memory): its "
-        "global steps start again from 0"
+        f"with a train batch size of 2 (auto_find_batch_size: the previous attempt's {raised}, "
+        "which the Trainer took for running out of memory): its global steps start again from 0"
     )
     assert f"attempt 1: {said}" in index
-    assert (
-        f"attempt 0: the fit ended with an exception at global step 0: RuntimeError: {OOM}" in index
+    ended = (
+        f"the fit ended with an exception at global step 0: RuntimeError: {OOM}"
+        if in_step
+        else "the fit's training loop ended at global step 0 without on_train_end, and the "
+        "Trainer ran it again inside the same train() call (auto_find_batch_size)"
     )
+    assert f"attempt 0: {ended}" in index
     assert len([w for w in caught if said in str(w.message)]) == 1

@@ -11,8 +11,9 @@ Hooks, one line each:
   put the run directory into the TrainerState (below). With `fp16=True` on a GPU the
   Accelerator's `GradScaler` is the run's `grad_scaler` (unless the options name one): each
   sample's loss scale is recorded (`loss_scale.py`). A second `on_train_begin` inside the same
-  `train()` after a training step raised is the Trainer's retry of its training loop
-  (`auto_find_batch_size`): it continues that run as a new attempt (`_retry_note`).
+  `train()` after its training loop raised (in a training step, or outside it while that
+  `train()` still runs) is the Trainer's retry of the loop (`auto_find_batch_size`): it
+  continues that run as a new attempt (`_retry_note`).
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -167,9 +168,10 @@ class HuggingFaceObserver(TrainerCallback):
         self._loop: tuple[FrameType, int] | None = None
         self._step: Callable[[], int] = lambda: 0
         self._exit_handler = False  # registered (once, at the first fit that keeps its frame)
-        # A fit whose training step raised: its train() frame, its run and the exception's
-        # name, which a retry of the training loop inside that very train() continues.
-        self._failed: tuple[FrameType, Path, str] | None = None
+        # A fit whose training loop raised: its train() frame, its run and the exception's
+        # name (None: outside the training step), which a retry of the loop inside that very
+        # train() continues.
+        self._failed: tuple[FrameType, Path, str | None] | None = None
         # Not the class name: a key that names a callback class is rebuilt from its saved
         # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
         self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
@@ -190,9 +192,10 @@ class HuggingFaceObserver(TrainerCallback):
         """Inject into the model; histograms also into the Trainer's TensorBoard writer."""
         if model is None:
             raise TypeError("HuggingFaceObserver: on_train_begin was called without the model")
+        trainer, loop = _running_trainer()
+        self._loop_retried(loop)
         self._fit_ended("when its callback's next train() started")
         self._undo_guard()  # a guard left by a train() that ended without on_train_end
-        trainer, loop = _running_trainer()
         failed, self._failed = self._failed, None
         retry = failed if failed is not None and loop is failed[0] else None
         # train(resume_from_checkpoint=...) loaded the state before on_train_begin
@@ -304,6 +307,31 @@ class HuggingFaceObserver(TrainerCallback):
         self._fit.finish()
         return True
 
+    def _loop_retried(self, loop: FrameType | None) -> None:
+        """The training loop starts again inside the `train()` (frame `loop`) whose fit is still
+        observed: the Trainer caught an exception outside the training step, of which callbacks
+        hear nothing, and retries (auto_find_batch_size). That fit's run is finished as ended
+        there, and the retry continues it (`_failed`)."""
+        kept = self._loop
+        if kept is None or loop is None or loop is not kept[0]:
+            return
+        self._loop = None
+        self._undo_guard()
+        observed, run = self._fit.observed, self._fit.run_directory
+        if observed is None or not has_observer(observed) or run is None:
+            return
+        add_run_note(
+            observed,
+            f"the fit's training loop ended at global step {self._step()} without "
+            "on_train_end, and the Trainer ran it again inside the same train() call "
+            "(auto_find_batch_size): an exception outside the training step (the optimizer "
+            "step, an evaluation, another callback; transformers tells callbacks nothing of it) "
+            "that the Trainer took for running out of memory. The run holds this attempt's "
+            "samples up to then.",
+        )
+        self._fit.finish()
+        self._failed = (kept[0], run, None)
+
     def _on_step_exception(self, error: BaseException, step: int) -> None:
         loop, run = self._loop, self._fit.run_directory
         self._loop = None
@@ -318,7 +346,7 @@ class HuggingFaceObserver(TrainerCallback):
             guard.undo()
 
 
-def _retry_note(error: str, batch_size: int | None) -> str:
+def _retry_note(error: str | None, batch_size: int | None) -> str:
     """index.md's note (and the warning) on an attempt that is the Trainer's retry of its
     training loop inside one `train()` call.
 
@@ -327,14 +355,18 @@ def _retry_note(error: str, batch_size: int | None) -> str:
     transformers 5.24.0: a RuntimeError naming CUDA, cuDNN or the CPU allocator running out) ends
     the loop, and the loop runs again with a smaller batch (nine tenths of it), with a fresh
     TrainerState from global step 0 and `on_train_begin` again. The callback finished the run at
-    the exception (its training step raised); the retry continues that run as a new attempt,
+    the exception where its training step raised (one outside it, when the retry began: the
+    fit's `train()` frame still runs); the retry continues that run as a new attempt,
     rather than a run of its own beside it, or, with an explicit output_dir, refusing the
     directory that run holds (which raised out of the user's train())."""
     size = "" if batch_size is None else f", with a train batch size of {batch_size}"
+    raised = (
+        "raised outside its training step" if error is None else f"training step raised {error}"
+    )
     return (
         "this attempt is the Trainer's retry of its training loop inside the same train() call"
-        f"{size} (auto_find_batch_size: the previous attempt's training step raised {error}, "
-        "which the Trainer took for running out of memory): its global steps start again from 0"
+        f"{size} (auto_find_batch_size: the previous attempt's {raised}, which the Trainer "
+        "took for running out of memory): its global steps start again from 0"
     )
 
 

@@ -6,8 +6,9 @@ attempt is a retry, with its batch size.
 
 Running out of memory is the exception accelerate takes for it (a RuntimeError naming the CPU
 allocator), raised while the batch is larger than 2 by the test's own loss after the model's
-forward (inside the training step), or before the optimizer step (outside it, where callbacks
-hear of no exception): per_device_train_batch_size=3 fails once, and the retry trains with 2.
+forward (inside the training step), or in a callback at the step's start, before its first
+forward (outside the training step, where callbacks hear of no exception, as of one in the
+optimizer step): per_device_train_batch_size=3 fails once, and the retry trains with 2.
 """
 
 from __future__ import annotations
@@ -42,12 +43,10 @@ class OutOfMemoryAbove2(Trainer):
         return loss
 
 
-class OutOfMemoryBeforeTheOptimizerStep(TrainerCallback):
-    """Raises accelerate's out-of-memory error before the optimizer step, for batches over 2."""
+class OutOfMemoryAtTheStepStart(TrainerCallback):
+    """Raises accelerate's out-of-memory error as a step begins, for batches over 2."""
 
-    def on_pre_optimizer_step(
-        self, args: Any, state: TrainerState, control: Any, **kwargs: Any
-    ) -> None:
+    def on_step_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
         if state.train_batch_size is not None and state.train_batch_size > 2:
             raise RuntimeError(OOM)
 
@@ -56,8 +55,9 @@ class OutOfMemoryBeforeTheOptimizerStep(TrainerCallback):
 def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
     tmp_path: Path, explicit: bool, in_step: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`in_step`: the loss runs out of memory (inside the training step), else the optimizer
-    step does (outside it); `explicit`: the callback's output_dir, else its default."""
+    """`in_step`: the loss runs out of memory (inside the training step), else a callback at
+    the step's start (outside it, before any training step); `explicit`: the callback's
+    output_dir, else its default."""
     # accelerate empties the device cache around each try with a full gc.collect(), seconds
     # in a test process holding a whole suite's objects: skipped, nothing here depends on it
     monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda **_: None)
@@ -74,7 +74,7 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
         model=tiny_bert(),
         args=args,
         train_dataset=examples(),
-        callbacks=[callback, *(() if in_step else (OutOfMemoryBeforeTheOptimizerStep(),))],
+        callbacks=[callback, *(() if in_step else (OutOfMemoryAtTheStepStart(),))],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -94,7 +94,7 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
     assert [
         (a, s, shape[0]) for a, s, shape in samples.select("attempt", "step", "shape").rows()
     ] == [
-        (0, 0, 3),  # the step that ran out of memory: its forward's rows
+        *([(0, 0, 3)] if in_step else []),  # the step that ran out of memory: its forward's rows
         (1, 0, 2),  # the retry, from global step 0 again, with batches of 2
         (1, 1, 2),
     ]
@@ -115,4 +115,5 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
         "Trainer ran it again inside the same train() call (auto_find_batch_size)"
     )
     assert f"attempt 0: {ended}" in index
+    assert "the fit ran no training step" not in index  # it was not its step limit
     assert len([w for w in caught if said in str(w.message)]) == 1

@@ -457,14 +457,20 @@ class FitObservation:
             add_run_note(self.observed, f"{self.owner}: {said}.")  # the run's reader sees why
 
     def finish(
-        self, exception: BaseException | None = None, step: int | None = None
+        self,
+        exception: BaseException | None = None,
+        step: int | None = None,
+        *,
+        completed: bool = False,
     ) -> Path | None:
-        """Remove the observer; with `exception`, index.md first says the fit raised there."""
+        """Remove the observer; with `exception`, index.md first says the fit raised there.
+        `completed`: the trainer's end-of-fit event ended it (a fit that ran no training step
+        is then said to have reached its step limit; one ended otherwise says why itself)."""
         observed, self.observed = self.observed, None
         self.phases = None
         if observed is None or not has_observer(observed):
             return None
-        if exception is None and self._training_steps == 0:
+        if completed and self._training_steps == 0:
             said = (
                 f"{NO_TRAINING_STEP}: it ended at global step {self._global_step()} without one "
                 f"({self.no_steps}), so none of its forwards could be a training sample"

@@ -279,7 +279,7 @@ class HuggingFaceObserver(TrainerCallback):
         """Remove: restores every forward, writes history.parquet, result.json, index.md."""
         self._loop = None
         self._undo_guard()
-        self._fit.finish()
+        self._fit.finish(completed=True)
 
     def _fit_ended(self, when: str) -> bool:
         """Whether the last train() ended without on_train_end (its training loop left the

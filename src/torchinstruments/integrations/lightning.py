@@ -383,7 +383,7 @@ class LightningObserver(Callback):
         index.md."""
         self._unmark()
         self._say_skipped()
-        self._fit.finish()
+        self._fit.finish(completed=True)
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException

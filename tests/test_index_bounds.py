@@ -113,7 +113,7 @@ def test_the_first_and_last_entries_are_listed_and_the_rest_counted(tmp_path: Pa
     assert rows_shown[1].startswith("| 0 |")
     assert rows_shown[-1].startswith("| 39 |")
     middle = (
-        f"| ... | {attempts - SHOWN_ATTEMPTS} more attempts, listed in `.state.json` (`attempts`)"
+        f"| ... | {attempts - SHOWN_ATTEMPTS} more attempts, counted in `.state.json` (`attempts`)"
     )
     assert sum(line.startswith(middle) for line in rows_shown) == 1
     assert len(rows_shown) == 1 + SHOWN_ATTEMPTS + 1  # the header, the ends, the count

@@ -32,6 +32,7 @@ from torchinstruments.cli.run_dirs import RANK_DIR, rank_directories
 from torchinstruments.cli.states import run_state
 from torchinstruments.cli.text import NOTES_SHOWN, cut_note
 from torchinstruments.rundir.attempt_ends import attempts_said
+from torchinstruments.rundir.attempts import attempt_total
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.layout import INDEX_FILE, STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_said
@@ -298,7 +299,7 @@ def rank_notes(runs: Sequence[RankRun], facts: Sequence[RunFacts]) -> list[str]:
     attempts: dict[int, list[int]] = {}
     for run, f in zip(runs, facts, strict=True):
         if f.run_state is not None:
-            attempts.setdefault(max(len(f.run_state.attempts), 1), []).append(run.rank)
+            attempts.setdefault(max(attempt_total(f.run_state.attempts), 1), []).append(run.rank)
     if len(attempts) > 1:
         lines.append(attempts_line(attempts))
     for run, f in zip(runs, facts, strict=True):

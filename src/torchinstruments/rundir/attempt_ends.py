@@ -21,6 +21,7 @@ from torchinstruments.rundir.attempts import (
     KILLED,
     KILLED_IN_LAST_FLUSH,
     AttemptCounts,
+    attempt_total,
 )
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.ranges import few_ranges
@@ -85,9 +86,9 @@ def attempts_said(state: RunState, directory: Path) -> str:
         return ""
     ends: dict[str, list[int]] = {}
     for entry, end in zip(state.attempts, attempt_ends_now(state, directory), strict=True):
-        ends.setdefault(end, []).append(entry.attempt)
+        ends.setdefault(end, []).extend(entry.numbers)  # a folded entry: each of its attempts
     said = "; ".join(f"{end}: attempt {few_ranges(which)}" for end, which in ends.items())
-    return f"{len(state.attempts)}, {continued_said(state.attempts[1:])} ({said})"
+    return f"{attempt_total(state.attempts)}, {continued_said(state.attempts[1:])} ({said})"
 
 
 def continued_said(later: tuple[AttemptCounts, ...]) -> str:
@@ -100,7 +101,7 @@ def continued_said(later: tuple[AttemptCounts, ...]) -> str:
     after it), or `continued` alone where a state written before this was kept does not say."""
     how: dict[str | None, list[int]] = {}
     for entry in later:
-        how.setdefault(entry.continued_by, []).append(entry.attempt)
+        how.setdefault(entry.continued_by, []).extend(entry.numbers)
     words: dict[str | None, str] = {
         BY_RESUME: "with resume=True",
         BY_CHECKPOINT: "by fits resumed from checkpoints"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from torchinstruments.records import RunCounts, RunInfo
+from torchinstruments.rundir.attempt_folds import fold_attempts
 from torchinstruments.rundir.attempts import (
     FINISHED_UNREMOVED,
     REMOVED,
@@ -68,7 +69,8 @@ def start_state(
         # what the finish of a kill found in the events, which no later finish reads again
         events_without_rows=previous.events_without_rows,
         events_without_rows_total=previous.events_without_rows_total,
-        attempts=(*continuation.attempts, this),
+        # a job restarted thousands of times keeps a bounded state (`rundir.attempt_folds`)
+        attempts=fold_attempts((*continuation.attempts, this)),
         loss_scales=previous.counts.loss_scales if previous.counts else previous.loss_scales,
     )
 

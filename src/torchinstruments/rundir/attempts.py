@@ -119,6 +119,10 @@ class AttemptCounts:
             all its samples); None: not counted (a finished attempt's counts are exact).
         continued_by: how it continued the run (`rundir.attempt_states.BY_RESUME`, `BY_CHECKPOINT`,
             `BY_RETRY`); None: the first attempt, or unknown (a state written before it was kept).
+        last_attempt: where the entry stands for a run of attempts folded into one
+            (`rundir.attempt_folds`: finished ones, alike in end, sampler and how they
+            continued), the last of them (`attempt` is the first) and its counts are theirs
+            summed; None: the entry is one attempt's.
     """
 
     attempt: int
@@ -136,6 +140,14 @@ class AttemptCounts:
     flush_seconds: float | None = None
     no_grad_samples: int | None = None
     continued_by: str | None = None
+    last_attempt: int | None = None
+
+    @property
+    def numbers(self) -> range:
+        """The attempts the entry stands for: its own, or the run folded into it."""
+        return range(
+            self.attempt, (self.attempt if self.last_attempt is None else self.last_attempt) + 1
+        )
 
     @property
     def counts_recovered(self) -> bool:
@@ -424,15 +436,20 @@ def sampler_line(run_sampler: str, attempts: tuple[AttemptCounts, ...]) -> str:
     runs: list[tuple[int, int, str]] = []  # consecutive attempts of one sampler: first, last
     for a, s in zip(attempts, said, strict=True):
         if runs and runs[-1][2] == (s or unknown):
-            runs[-1] = (runs[-1][0], a.attempt, runs[-1][2])
+            runs[-1] = (runs[-1][0], a.numbers[-1], runs[-1][2])
         else:
-            runs.append((a.attempt, a.attempt, s or unknown))
+            runs.append((a.attempt, a.numbers[-1], s or unknown))
     head, hidden, tail = ends(runs, SHOWN_SAMPLER_RUNS)  # the line stays bounded (index.md)
     each = [_attempts_said(first, last) + f": {s}" for first, last, s in head]
     more = f"... ({hidden} more runs of attempts, each sampler in `{STATE_FILE}`'s `attempts`)"
     each += [more] if hidden else []
     each += [_attempts_said(first, last) + f": {s}" for first, last, s in tail]
     return "sampler, per attempt: " + "; ".join(each)
+
+
+def attempt_total(attempts: Iterable[AttemptCounts]) -> int:
+    """How many attempts `attempts` stand for (an entry may be a folded run of them)."""
+    return sum(len(a.numbers) for a in attempts)
 
 
 def _attempts_said(first: int, last: int) -> str:
@@ -515,6 +532,7 @@ __all__ = [
     "at_least_attempts",
     "attempt_notes",
     "attempt_rows",
+    "attempt_total",
     "close_attempts",
     "job_counts",
     "joined_spans",

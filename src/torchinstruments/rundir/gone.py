@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchinstruments.rundir.attempts import attempt_total
 from torchinstruments.rundir.ranges import plural
 from torchinstruments.rundir.state import RunState
 
@@ -44,7 +45,8 @@ def gone_warning(directory: Path, state: RunState) -> str:
         what = f"{bound}{plural(counts.samples, 'sample')}"
     if state.rows_recorded is not None and (state.rows_recorded or not state.counts_recovered):
         what += f" ({bound}{plural(state.rows_recorded, 'row')})"
-    attempts = f" over {len(state.attempts)} attempts" if len(state.attempts) > 1 else ""
+    total = attempt_total(state.attempts)
+    attempts = f" over {total} attempts" if total > 1 else ""
     return (
         f"torchinstruments: the run directory {directory} no longer exists: it was removed while "
         "the run went on (by hand or by a cleanup job?). Everything the run had written there "

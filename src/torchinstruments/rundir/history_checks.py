@@ -19,7 +19,7 @@ from pathlib import Path
 import polars as pl
 
 from torchinstruments.records import RunCounts
-from torchinstruments.rundir.attempts import raise_to_events
+from torchinstruments.rundir.attempts import AttemptCounts, raise_to_events
 from torchinstruments.rundir.event_steps import event_steps
 from torchinstruments.rundir.layout import HISTORY_FILE, scan_history
 from torchinstruments.rundir.ledger import sample_range, uncovered
@@ -48,14 +48,21 @@ def attempts_short(history: Path, state: RunState) -> list[str]:
             and loss.first_sample_id >= entry.first_sample_id
             and (end is None or loss.first_sample_id < end)
         ]
-        lost, rows = sum(mine), held.get(entry.attempt, 0)
+        # a folded entry's rows are its attempts' together (`rundir.attempt_folds`)
+        lost, rows = sum(mine), sum(held.get(n, 0) for n in entry.numbers)
         if rows < entry.rows - lost:
             ledger = f" ({lost} more are in the loss ledger)" if lost else ""
             found.append(
-                f"{HISTORY_FILE} holds {rows} of the {entry.rows} rows attempt {entry.attempt} "
+                f"{HISTORY_FILE} holds {rows} of the {entry.rows} rows {_attempts(entry)} "
                 f"recorded; {entry.rows - lost - rows} rows are missing{ledger}"
             )
     return found
+
+
+def _attempts(entry: AttemptCounts) -> str:
+    """`attempt 3`, or `attempts 3-9` for a folded entry."""
+    first, last = entry.numbers[0], entry.numbers[-1]
+    return f"attempt {first}" if first == last else f"attempts {first}-{last}"
 
 
 def events_without_rows(

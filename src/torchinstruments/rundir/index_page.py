@@ -31,6 +31,7 @@ from torchinstruments.rundir.attempt_ends import (
 from torchinstruments.rundir.attempts import (
     TWO_SCHEDULES,
     AttemptCounts,
+    attempt_total,
     sampler_line,
 )
 from torchinstruments.rundir.cut_finish import finisher
@@ -367,7 +368,7 @@ def _section_attempts(state: RunState) -> list[str]:
     lines = [
         "## Attempts",
         "",
-        f"This run was written in {len(state.attempts)} attempts: the first started it, each "
+        f"This run was written in {attempt_total(state.attempts)} attempts: the first started it, each "
         "later one continued it: `inject_observer(..., resume=True)` (a restarted job), or a "
         "trainer callback's fit resumed from a checkpoint, which passes it for the user (in a "
         "new process or the same one), or the Hugging Face Trainer's retry of its training "
@@ -423,13 +424,21 @@ def _section_attempts(state: RunState) -> list[str]:
         if a.counts_recovered:  # 0 is known where each of its samples ran with grad disabled
             backward = gradient_count(a.backward_samples, _zero_known(a), word=False)
         rows.append(
-            f"| {a.attempt} | {a.started_at} | {attempt_end(state, a)} | "
+            f"| {_numbers_said(a)} | {a.started_at} | {attempt_end(state, a)} | "
             f"{a.first_sample_id if a.samples else '-'} | "
             f"{a.first_forward_index if a.root_forwards or a.samples else '-'} | "
             f"{count(a.root_forwards)} | {count(a.samples)} | "
             f"{backward} |" + (_schedule_cells(a) if split else "")
         )
-    return [*lines, *attempt_rows(rows, 10 if split else 8), ""]
+    spans = [len(a.numbers) for a in state.attempts]
+    return [*lines, *attempt_rows(rows, 10 if split else 8, spans), ""]
+
+
+def _numbers_said(entry: AttemptCounts) -> str:
+    """An Attempts table row's attempt: `3`, or `3-9 (folded)` for a run of finished attempts
+    that the state keeps as one entry with their counts summed (`rundir.attempt_folds`)."""
+    first, last = entry.numbers[0], entry.numbers[-1]
+    return str(first) if first == last else f"{first}-{last} (folded: counts summed)"
 
 
 def _restart_sample_sentence(state: RunState) -> str:

@@ -93,12 +93,16 @@ def loss_lines(losses: Sequence[LostRows]) -> list[str]:
     return [*lines, *(f"- {printable(loss.describe())}" for loss in tail)]
 
 
-def attempt_rows(rows: Sequence[str], columns: int) -> list[str]:
-    """The Attempts table's rows (one per attempt, in order), the first and last
-    `SHOWN_ATTEMPTS` in all, with one row between them counting the others."""
+def attempt_rows(rows: Sequence[str], columns: int, spans: Sequence[int] = ()) -> list[str]:
+    """The Attempts table's rows (one per entry of the state's attempts, in order), the first
+    and last `SHOWN_ATTEMPTS` in all, with one row between them counting the attempts of the
+    others (`spans`: how many attempts each row stands for, 1 each where not given: a folded
+    entry stands for several, `rundir.attempt_folds`)."""
     head, hidden, tail = ends(rows, SHOWN_ATTEMPTS)
     if not hidden:
         return list(rows)
-    counted = f"{hidden} more attempts, listed in `{STATE_FILE}` (`attempts`)"
+    if spans:
+        hidden = sum(spans[len(head) : len(rows) - len(tail)])
+    counted = f"{hidden} more attempts, counted in `{STATE_FILE}` (`attempts`)"
     middle = "| ... | " + " | ".join([counted, *("..." for _ in range(columns - 2))]) + " |"
     return [*head, middle, *tail]

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from torchinstruments.rundir.attempt_ends import attempts_said, last_finished
 from torchinstruments.rundir.attempt_starts import first_attempt_apart
+from torchinstruments.rundir.attempts import attempt_total
 from torchinstruments.rundir.cut_finish import finisher
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.left_parts import left_out_parts, left_out_said
@@ -133,7 +134,7 @@ def _rank_lines(parent: Path, cache: StateCache) -> tuple[list[str], list[int]]:
         read.append((str(rank), state))
         if state.run.world_size is not None:
             world_sizes.setdefault(state.run.world_size, []).append(rank)
-        attempts.setdefault(max(len(state.attempts), 1), []).append(rank)
+        attempts.setdefault(max(attempt_total(state.attempts), 1), []).append(rank)
         # final counts once finished: removal writes them into the state as it begins, so a rank
         # being removed (or killed there) has counts but is not finished
         counts = None if state.status is Status.IN_PROGRESS else state.counts

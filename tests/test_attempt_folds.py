@@ -14,7 +14,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.rundir.attempt_folds import KEPT_FIRST, KEPT_LAST
-from torchinstruments.rundir.attempts import REMOVED
+from torchinstruments.rundir.attempts import KILLED, REMOVED
 from torchinstruments.rundir.state import read_state, write_state
 
 from conftest import cli_in_process
@@ -31,13 +31,15 @@ def _attempt(directory: Path) -> None:
     remove_observer(model)
 
 
-def _restarted_often(directory: Path) -> None:
-    """Attempt 0 took one sample; attempts 1 to EARLIER - 1 each started and were removed
-    before their first root forward (a job preempted at once, again and again), as their
-    removals would have written them into the state."""
+def _restarted_often(directory: Path, ended: str = REMOVED) -> None:
+    """Attempt 0 took one sample; attempts 1 to EARLIER - 1 each started and ended before
+    their first root forward (a job preempted at once, again and again), as their removals
+    (`ended` "removed"), or the finish of their kill ("killed", counted from rows: none),
+    would have written them into the state."""
     _attempt(directory)
     state = read_state(directory)
     [first] = state.attempts
+    killed = ended == KILLED
     empty = [
         dataclasses.replace(
             first,
@@ -47,12 +49,17 @@ def _restarted_often(directory: Path) -> None:
             root_forwards=0,
             samples=0,
             backward_samples=0,
-            train_forwards=0,
-            rows=0,
+            train_forwards=None if killed else 0,
+            eval_forwards=None if killed else 0,
+            rows=None if killed else 0,
+            no_grad_samples=None,
+            ended=ended,
             continued_by="resume=True",
         )
         for n in range(1, EARLIER)
     ]
+    if killed:
+        state = dataclasses.replace(state, interrupted=True, counts_recovered=True)
     write_state(directory, dataclasses.replace(state, attempts=(first, *empty)))
 
 
@@ -108,3 +115,29 @@ def test_a_job_restarted_often_folds_its_finished_attempts_and_counts_each(
     assert len(again) == len(entries)
     assert again[KEPT_FIRST]["last_attempt"] == EARLIER - KEPT_LAST + 1
     assert sum(e["samples"] for e in again) == 3  # the entries still add up to the run's samples
+
+
+def test_a_job_preempted_often_folds_its_killed_attempts_and_names_each(tmp_path: Path) -> None:
+    """A preempted job's attempts end killed (SIGTERM writes their rows, then ends the process):
+    those between the first and last ones fold too, into one killed entry, while the state
+    line and `show` still name each killed attempt, as ranges, and no id they may have skipped
+    reads as rows missing."""
+    directory = tmp_path / "job"
+    _restarted_often(directory, KILLED)
+    _attempt(directory)
+
+    state = json.loads((directory / ".state.json").read_text("utf-8"))
+    entries = state["attempts"]
+    assert len(entries) == KEPT_FIRST + 1 + KEPT_LAST
+    folded = entries[KEPT_FIRST]
+    assert (folded["attempt"], folded["last_attempt"], folded["ended"]) == (
+        KEPT_FIRST,
+        EARLIER - KEPT_LAST,
+        KILLED,
+    )
+    assert (state["status"], state["problems"]) == ("interrupted", [])
+    page = " ".join((directory / "index.md").read_text("utf-8").split())
+    assert f"attempt(s) 1-{EARLIER - 1} ended without remove_observer" in page
+    shown = cli_in_process("show", directory)
+    said = " ".join(shown.stdout.split())
+    assert f"(removed: attempt 0, {EARLIER}; killed: attempt 1-{EARLIER - 1})" in said

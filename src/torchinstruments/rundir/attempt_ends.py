@@ -136,7 +136,9 @@ def killed_before_last(state: RunState) -> tuple[int, ...]:
     names them: "the process" would read as the last attempt's, which was finished."""
     if len(state.attempts) < 2 or state.attempts[-1].counts_recovered:
         return ()
-    return tuple(a.attempt for a in state.attempts if attempt_end(state, a) in _UNREMOVED)
+    return tuple(
+        n for a in state.attempts if attempt_end(state, a) in _UNREMOVED for n in a.numbers
+    )
 
 
 def last_finished(state: RunState) -> str:
@@ -157,7 +159,7 @@ def unremoved_said(state: RunState, how: str = "") -> str:
         noted = any(killed_in_removal(LAST_PARTS) in note for note in state.notes)
         during = noted or any(attempt_end(state, a) in _IN_REMOVAL for a in state.attempts)
         return f"the process {DURING_LAST_FLUSH if during else plain}"
-    ends = [(a.attempt, attempt_end(state, a)) for a in state.attempts]
+    ends = [(n, attempt_end(state, a)) for a in state.attempts for n in a.numbers]
     before = [n for n, end in ends if end in _UNREMOVED and end not in _IN_REMOVAL]
     during = [n for n, end in ends if end in _IN_REMOVAL]
     said = [
@@ -183,9 +185,9 @@ def killed_flush(state: RunState) -> str:
         if seconds is None and entry is state.attempts[-1]:
             seconds = last
         if seconds is None:
-            unknown.append(entry.attempt)
+            unknown.extend(entry.numbers)
         else:
-            known.setdefault(seconds, []).append(entry.attempt)
+            known.setdefault(seconds, []).extend(entry.numbers)
     each = [f"{s} s for attempt{'s' * (len(a) > 1)} {few_ranges(a)}" for s, a in known.items()]
     said = [f"flush_seconds={', '.join(each)}"] if known else []
     if unknown:

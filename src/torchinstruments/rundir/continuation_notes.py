@@ -12,6 +12,7 @@ continued one starts.
 from __future__ import annotations
 
 from torchinstruments.rundir.attempts import TWO_SCHEDULES, Continuation
+from torchinstruments.rundir.ranges import few_ranges
 
 __all__ = ["continuation_notes", "schedule_fallback_note", "setting_change_note"]
 
@@ -75,14 +76,15 @@ def schedule_fallback_note(continuation: Continuation) -> str | None:
     attempt with two schedules (`record_eval`) left them, since it died before writing its
     training and evaluation counts: where each sampler continues instead; None otherwise."""
     unknown = [
-        a.attempt
+        n
         for a in continuation.attempts
         if (a.train_forwards is None or a.eval_forwards is None)
         and TWO_SCHEDULES in (a.sampler or "")
+        for n in a.numbers  # a folded entry: each of its attempts
     ]
     if not unknown:
         return None
-    which = ", ".join(map(str, unknown))
+    which = few_ranges(unknown)  # bounded, however many attempts were killed
     return (
         f"attempt {which} ended without removal (killed) before it wrote how many training and "
         "how many evaluation forwards its samplers were asked about (record_eval), so this "

@@ -120,7 +120,18 @@ def unexplained_gaps(history: Path, state: RunState, left: Sequence[str]) -> lis
     # ids a continued run skipped after a killed attempt: its samples whose rows died with it
     # (`rundir.attempts.plan_continuation`), which the Attempts section names
     skipped = {b.first_sample_id for a, b in pairwise(state.attempts) if a.counts_recovered}
-    gaps = [(first, last) for first, last in gaps if last + 1 not in skipped]
+    # inside a folded run of killed attempts (`rundir.attempt_folds`) each of them may have
+    # skipped ids before the next one's first, which the fold no longer names one by one
+    folded = [
+        (a.first_sample_id, b.first_sample_id)
+        for a, b in pairwise(state.attempts)
+        if a.counts_recovered and len(a.numbers) > 1
+    ]
+    gaps = [
+        (first, last)
+        for first, last in gaps
+        if last + 1 not in skipped and not any(lo <= first and last < hi for lo, hi in folded)
+    ]
     maybe = ""
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""

@@ -120,9 +120,9 @@ class AttemptCounts:
         continued_by: how it continued the run (`rundir.attempt_states.BY_RESUME`, `BY_CHECKPOINT`,
             `BY_RETRY`); None: the first attempt, or unknown (a state written before it was kept).
         last_attempt: where the entry stands for a run of attempts folded into one
-            (`rundir.attempt_folds`: finished ones, alike in end, sampler and how they
-            continued), the last of them (`attempt` is the first) and its counts are theirs
-            summed; None: the entry is one attempt's.
+            (`rundir.attempt_folds`: ones that ended alike, removed or killed, with one sampler
+            and way of continuing), the last of them (`attempt` is the first) and its counts
+            are theirs summed; None: the entry is one attempt's.
     """
 
     attempt: int

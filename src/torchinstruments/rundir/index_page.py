@@ -435,8 +435,8 @@ def _section_attempts(state: RunState) -> list[str]:
 
 
 def _numbers_said(entry: AttemptCounts) -> str:
-    """An Attempts table row's attempt: `3`, or `3-9 (folded)` for a run of finished attempts
-    that the state keeps as one entry with their counts summed (`rundir.attempt_folds`)."""
+    """An Attempts table row's attempt: `3`, or `3-9 (folded: counts summed)` for a run of
+    attempts that ended alike, which the state keeps as one entry (`rundir.attempt_folds`)."""
     first, last = entry.numbers[0], entry.numbers[-1]
     return str(first) if first == last else f"{first}-{last} (folded: counts summed)"
 

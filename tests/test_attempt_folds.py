@@ -141,3 +141,6 @@ def test_a_job_preempted_often_folds_its_killed_attempts_and_names_each(tmp_path
     shown = cli_in_process("show", directory)
     said = " ".join(shown.stdout.split())
     assert f"(removed: attempt 0, {EARLIER}; killed: attempt 1-{EARLIER - 1})" in said
+    facts = json.loads(cli_in_process("show", directory, "--format", "json").stdout)["run"]
+    ends = ["removed", *["killed"] * (EARLIER - 1), "removed"]  # one per attempt, folded or not
+    assert (facts["attempt_ends"], len(facts["attempt_samplers"])) == (ends, EARLIER + 1)

@@ -35,6 +35,7 @@ from torchinstruments.rundir.attempt_ends import attempt_ends_now
 from torchinstruments.rundir.index_page import page_notes
 from torchinstruments.rundir.ranges import ranges
 from torchinstruments.rundir.shell import literal_if_unclear
+from torchinstruments.rundir.state import RunState
 
 __all__ = [
     "COLUMNS",
@@ -139,12 +140,15 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         "library_version": run.library_version if run else None,
         "torch_version": run.torch_version if run else None,
         "sampler": run.sampler if run else None,  # the last attempt's
-        # each attempt's (a restarted job may pass another sampler); null: unknown
-        "attempt_samplers": [a.sampler for a in facts.run_state.attempts]
+        # each attempt's (a restarted job may pass another sampler); null: unknown. One per
+        # attempt, a folded entry's for each of its attempts (`rundir.attempt_folds`)
+        "attempt_samplers": [a.sampler for a in facts.run_state.attempts for _ in a.numbers]
         if facts.run_state
         else [],
         # how each ended, as show's attempts line says it
-        "attempt_ends": attempt_ends_now(facts.run_state, facts.directory)
+        "attempt_ends": _each_attempt(
+            facts.run_state, attempt_ends_now(facts.run_state, facts.directory)
+        )
         if facts.run_state
         else [],
         "started_at": run.started_at if run else None,
@@ -155,6 +159,12 @@ def facts_dict(facts: RunFacts, window: int) -> dict[str, Any]:
         # index.md's notes, in full (the text view begins each)
         "notes": list(page_notes(facts.run_state)) if facts.run_state else [],
     }
+
+
+def _each_attempt(state: RunState, per_entry: list[str]) -> list[str]:
+    """`per_entry` (one value per entry of the state's attempts) as one value per attempt: a
+    folded entry's for each attempt it stands for (`rundir.attempt_folds`)."""
+    return [v for a, v in zip(state.attempts, per_entry, strict=True) for _ in a.numbers]
 
 
 # Each attempt of a run and its sampler (None: unknown, a state file from before they were kept).

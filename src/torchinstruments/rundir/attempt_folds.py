@@ -20,7 +20,10 @@ attempts after it started (the `attempt` column of history still says which rows
 wrote): the ids a folded killed attempt may have skipped are said for the fold as a whole, a
 gap in history's sample ids inside it is not called rows missing, and `compare` of runs
 restarted at different samples finds where their attempts part only among the entries kept one
-by one. The cost: one pass over the entries per attempt start.
+by one. The bound is in the changes, not the attempts: a job whose attempts alternate how
+they end (removed, then killed, then removed) keeps one entry per change between them, since
+an entry says one end for each of its attempts. The cost: one pass over the entries per
+attempt start.
 """
 
 from __future__ import annotations

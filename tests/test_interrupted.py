@@ -16,8 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
@@ -43,20 +41,10 @@ from conftest import cli_in_process, kill_when_ready, sgd_step, wait_for_rows
 MARK = pl.col("metric") == "interrupted"
 
 
-@pytest.fixture
-def quiet_writes() -> Iterator[None]:
-    """Failing part writes are warned about; these tests expect it."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
 class Boom(nn.Module):
     """tanh, or a ValueError while armed."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
+    armed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
@@ -510,7 +498,7 @@ def test_a_removal_in_flight_after_a_killed_attempt_is_said_in_the_state_line(
     ) in index
 
 
-@pytest.mark.usefixtures("quiet_writes")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # failing part writes warn: expected
 def test_an_incomplete_run_removed_in_flight_lists_the_partial_sample_too(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -547,8 +535,7 @@ def test_an_ordinary_removal_is_plainly_complete(run_dir: Path) -> None:
 
 
 class Gate(nn.Module):
-    """Doubles its input; while `gating`, the two threads' calls meet here, then thread "a"
-    goes on first."""
+    """Doubles its input; while `gating`, the two threads' calls meet here, "a" goes on first."""
 
     def __init__(self) -> None:
         super().__init__()

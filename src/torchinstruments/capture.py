@@ -9,9 +9,11 @@ while an instance `forward` keeps it on it.
 Between root forwards only the root carries a proxy; the selected layers get theirs when a
 sampled root forward starts and lose them when it ends (observer.py), so an unsampled forward
 costs one Python call at the root and nothing per layer, and compiled code never meets a layer
-proxy (compilation.py). During a sampled forward the layer proxies are built with
-`enabled=<list>.__len__`: another thread's unsampled forward passing through them stays in
-wrapt's C code (about 20 ns per call here; see bench/overhead.py).
+proxy (compilation.py) but where a higher-order op (`torch.cond`) compiles its body inside a
+sampled forward: dynamo then traces the proxy as the layer's own forward (`LayerProxy`). During
+a sampled forward the layer proxies are built with `enabled=<list>.__len__`: another thread's
+unsampled forward passing through them stays in wrapt's C code (about 20 ns per call here; see
+bench/overhead.py).
 
 A sampled forward's end may be cut by a KeyboardInterrupt (observer.py heals it at the thread's
 next root forward): taking the layers' proxies off is keyed by the sample that put them on, so
@@ -69,6 +71,7 @@ from torchinstruments._torch_internals import (
     pickled_for_a_new_process,
     ran_by_a_backward,
 )
+from torchinstruments._torch_internals.dynamo import trace_through
 from torchinstruments.fused_paths import FusedPathGuard, fused_path_modules
 from torchinstruments.notices import warn
 from torchinstruments.rebuilt_forwards import (
@@ -186,6 +189,22 @@ class ForwardProxy(wrapt.FunctionWrapper):
         return (getattr, (self._self_module, "forward"))
 
 
+class LayerProxy(ForwardProxy):
+    """A selected layer's proxy (one sampled forward), which dynamo traces as the layer's forward:
+    a higher-order op compiles its body in eager mode (`torch.cond`, `torch.while_loop`), and
+    dynamo cannot trace wrapt's C `__call__` (an error in the user's step). Traced, the call runs
+    unmeasured, which the run says (`LayerCapture.traced`); run, it is wrapt's call, unchanged."""
+
+
+def _traced(proxy: LayerProxy) -> None:
+    """Dynamo traces a call of `proxy` (`trace_through`): its layer is said."""
+    if isinstance(capture := getattr(proxy._self_wrapper, "__self__", None), LayerCapture):
+        capture.traced()
+
+
+trace_through(LayerProxy, _traced)
+
+
 def _set_state_without(module: nn.Module, bound: Any) -> Callable[[dict[str, Any]], None]:
     """An instance `__setstate__` that `copy.deepcopy` calls on the copy under construction
     (instance attributes come before the class's): it removes itself, sets the state as the
@@ -216,7 +235,8 @@ def install_proxy(
         module.__dict__["forward"] = reuse
         return reuse
     original = module.__dict__["forward"] if had_instance_forward else bound_class_forward(module)
-    proxy = ForwardProxy(module, original, had_instance_forward, wrapper, enabled, owner)
+    kind = ForwardProxy if enabled is None else LayerProxy  # the root's: enabled is None
+    proxy = kind(module, original, had_instance_forward, wrapper, enabled, owner)
     module.__dict__["forward"] = proxy
     return proxy
 
@@ -525,6 +545,11 @@ class LayerCapture:
         if sample is None:
             return wrapped(*args, **kwargs)
         return self.measured_call(sample, wrapped, args, kwargs, borrowed=True)
+
+    def traced(self) -> None:
+        """Dynamo traced a call of this layer into a graph (a higher-order op's body): that call
+        runs unmeasured, and the run says so (`compilation.TracedLayers`)."""
+        self.observer.traced.add(self.info.name)
 
     def retype(self, now: str) -> None:
         """The layer's class changed since injection (`nn.LazyLinear` becomes `nn.Linear` at its

@@ -33,6 +33,7 @@ from torchinstruments._torch_internals.dynamo import (
     compiled_forward_installed,
     dynamo_imported,
     dynamo_skips,
+    eager_nested_compiles,
     entered_through_wrap_inline,
     exclude_from_compilation,
     optimized_module_original,
@@ -47,6 +48,7 @@ from torchinstruments.rundir.ranges import plural, was_were
 __all__ = [
     "CompiledCalls",
     "ForwardEntry",
+    "TracedLayers",
     "call_eagerly",
     "compile_notes",
     "compile_support",
@@ -148,7 +150,14 @@ def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     the backward pass through what it returned (`eager_backward`).
 
     `set_stance("force_eager")` reaches compiled callables inside (per-block compilation); it is
-    process-wide while the call lasts (see `_ForceEager`). A `fullgraph=True` caller counts this
+    process-wide while the call lasts (see `_ForceEager`), and the backward pass uses it too. It
+    also runs a higher-order op's body eagerly (`torch.cond`, `torch.while_loop`), so its layers
+    are measured, but under autograd torch cannot run such a body so (FakeTensorMode meets the
+    layers' real parameters: an error in the user's step, observer or not). With grad enabled the
+    call therefore runs under `eager_nested_compiles` instead: compiled callables on this thread
+    run eagerly, and a higher-order op still compiles its body, tracing the layers' proxies
+    through to their own forwards (capture.LayerProxy): unmeasured, and said. A
+    `fullgraph=True` caller counts this
     call as a compiled frame, so that skipping compilation on purpose is not reported as "no
     compiled frames". Before dynamo (torch's compiler) is imported nothing can be compiled, and
     the call is a plain one.
@@ -157,11 +166,16 @@ def call_eagerly(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     try:
         if not dynamo_imported():
             return function(*args, **kwargs)
-        _FORCE_EAGER.enter()
-        try:
-            result = function(*args, **kwargs)
-        finally:
-            _FORCE_EAGER.exit()
+        eager = eager_nested_compiles() if torch.is_grad_enabled() else None
+        if eager is not None:
+            with eager:
+                result = function(*args, **kwargs)
+        else:
+            _FORCE_EAGER.enter()
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                _FORCE_EAGER.exit()
         set_fullgraph_frame_count(_one_more_frame)
         # Its backward pass too: checkpointing recomputes regions of it there (eager_backward.py).
         hold_eager_for_backward(result, _force_eager_paused, _force_eager_ended)
@@ -192,6 +206,52 @@ class CompiledCalls:
         self.total += 1
         if under_fullgraph():
             self.fullgraph += 1
+
+
+_TRACED_NOTE = "layers called inside a higher-order op (torch.cond, torch.while_loop), unmeasured: "
+_TRACED_SHOWN = 20  # layers named in that note (index.md stays bounded)
+
+
+class TracedLayers:
+    """The selected layers whose calls dynamo traced into a graph during sampled forwards
+    (capture.LayerProxy, `LayerCapture.traced`).
+
+    Why: a higher-order op compiles its body in eager mode whatever the sampled forward does
+    (`torch.cond`, `torch.while_loop` call `torch.compile(fullgraph=True)`), so the layers it
+    calls run inside that graph, where no proxy can measure them. The forward goes on and the run
+    says it at the end of the sampled forward: a warning at the first, and one index.md note kept
+    up to date. Tracing is seen, not each run of the graph (compiled once, it runs again in later
+    sampled forwards without being traced), so layers are named, not calls counted.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[str, None] = {}  # in the order traced
+        self._said = 0
+
+    def add(self, name: str) -> None:
+        """A call of layer `name` was traced (called while dynamo traces: never raises)."""
+        self.names[name] = None
+
+    def say(self, notes: list[str], warn_once: Callable[[str, str], None]) -> None:
+        """Say the layers traced since last said (`notes`: the observer's index.md notes)."""
+        if len(self.names) == self._said:
+            return
+        self._said = len(self.names)
+        names = list(self.names)
+        shown = ", ".join(f"`{name}`" for name in names[:_TRACED_SHOWN])
+        more = f" and {len(names) - _TRACED_SHOWN} more" if len(names) > _TRACED_SHOWN else ""
+        note = (
+            f"{_TRACED_NOTE}{shown}{more}. The op compiles its body even in eager mode, and "
+            "dynamo traced these layers' calls into that graph, where they run without rows in "
+            "every sampled forward that makes them (a layer called only there shows 0 sampled "
+            "forwards in the Layers table). Call them outside the op to measure them"
+        )
+        for index, said in enumerate(notes):
+            if said.startswith(_TRACED_NOTE):
+                notes[index] = note
+                return
+        notes.append(note)
+        warn_once("traced", note)
 
 
 def fullgraph_unchecked_warning(

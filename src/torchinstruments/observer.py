@@ -29,7 +29,9 @@ with compilation paused; an unsampled forward then calls the compiled forward as
 would, so it runs the same graphs with the same guards (no layer proxy is installed then). A
 sampled forward runs eagerly (compilation.call_eagerly): the same rows as an eager run, at the cost
 of one eager step, and its outputs are eager numerics. Compiled code is never traced with a
-proxy in it, so alternating sampled and unsampled steps never recompiles.
+proxy in it, so alternating sampled and unsampled steps never recompiles; the one exception is
+a higher-order op compiling its body in a sampled forward (`torch.cond`), whose layers then run
+unmeasured, which the run says (compilation.TracedLayers).
 
 Threads: the open sample and the root depth are per thread, so a model run from several threads
 keeps each thread's forwards apart; a selected layer called on a thread without a root forward
@@ -80,6 +82,7 @@ from torchinstruments.capture import LayerCapture, Proxies, by_module_call, left
 from torchinstruments.compilation import (
     CompiledCalls,
     ForwardEntry,
+    TracedLayers,
     call_eagerly,
     eager_samples_note,
     exclude_from_compilation,
@@ -201,6 +204,7 @@ class Observer:
         self.removed_after: str | None = None  # the exception a trainer's fit ended with
         self.cut_samples: list[int] = []  # samples whose end an interrupt cut (`_heal`)
         self.called_compiled = CompiledCalls()  # ran eagerly; index.md says so
+        self.traced = TracedLayers()  # layers a torch.cond compiled: said
         self.spare = SpareCore()  # plain CPU tensors measured on a core torch leaves idle
         # A sample's values to the sinks (recording.py); bound once, so a layer call and a
         # sample's end cost no lookup more than they did as this class's methods.
@@ -398,6 +402,7 @@ class Observer:
             release(held)
             with self.proxies.root_fused_path():  # a bare encoder layer observed itself
                 output = call_eagerly(self._call_root_layer, wrapped, args, kwargs)
+            self.traced.say(self.notes, self.warn_once)  # a torch.cond's layers, unmeasured
             say_deferred(output, sample.sample_id, self.notes, self.warn_once)  # a generator
             return output
         except BaseException as error:

@@ -8,6 +8,7 @@ same rule holds: one adapter each, with why and the torch version it was checked
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -25,6 +26,7 @@ __all__ = [
     "compiled_forward_installed",
     "dynamo_imported",
     "dynamo_skips",
+    "eager_nested_compiles",
     "entered_through_wrap_inline",
     "exclude_from_compilation",
     "opaque_to_compilation",
@@ -32,6 +34,7 @@ __all__ = [
     "pause_compilation",
     "resume_compilation",
     "set_fullgraph_frame_count",
+    "trace_through",
     "under_fullgraph",
 ]
 
@@ -133,6 +136,21 @@ def dynamo_imported() -> bool:
     Why: importing it takes seconds, so the library only ever looks it up. Checked on 2.15.0.
     """
     return "torch._dynamo" in sys.modules
+
+
+def eager_nested_compiles() -> contextlib.AbstractContextManager[Any] | None:
+    """A context in which this thread's torch.compile'd callables run their function eagerly,
+    except the compilations of higher-order ops (dynamo's `_use_eager_on_nested_compile`); None
+    where this torch lacks it (or dynamo is not loaded).
+
+    Why not `set_stance("force_eager")` for a sampled forward: the stance turns off the
+    compilation that `torch.cond` (and `torch.while_loop`) need in eager mode, and their branches
+    then fail under autograd (FakeTensorMode meets the layers' real parameters), even without the
+    observer. Checked on torch 2.15.0 (`torch._dynamo.eval_frame`, read at its `compile_wrapper`).
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    eager = getattr(eval_frame, "_use_eager_on_nested_compile", None)
+    return None if eager is None else eager()
 
 
 def optimized_module_original(module: nn.Module) -> nn.Module | None:
@@ -251,3 +269,24 @@ def _same_code(running: CodeType, original: CodeType) -> bool:
         original.co_name,
         original.co_firstlineno,
     )
+
+
+def trace_through(proxy_type: type, traced: Callable[[Any], None]) -> None:
+    """Make dynamo trace a call of a `proxy_type` instance as a call of what it wraps
+    (`__wrapped__`), and call `traced(proxy)` while it traces one (never raising into it).
+
+    Why: a higher-order op compiles its body in eager mode (`torch.cond`), and dynamo cannot
+    trace a wrapt proxy's C `__call__` (an error in the user's step); this way the layers it calls
+    run inside that graph as their own forwards, unmeasured, and the run can say so. It costs a
+    proxy's call nothing outside dynamo. Dynamo traces the attribute `__original_fn` of an object
+    marked `__script_if_tracing_wrapper` (what `torch.jit._script_if_tracing` sets), reading it
+    for real (several times) while it traces. Checked on torch 2.15.0 (`variables/builder.py`).
+    """
+
+    def original(proxy: Any) -> Any:
+        with contextlib.suppress(Exception):  # saying it must not break the trace
+            traced(proxy)
+        return proxy.__wrapped__
+
+    setattr(proxy_type, "__script_if_tracing_wrapper", True)
+    setattr(proxy_type, "__original_fn", property(original))

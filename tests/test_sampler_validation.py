@@ -84,8 +84,23 @@ class Returns:
         return "Returns()"
 
 
+class NoModule:
+    """An answer whose class has no module name (as `type()` may make one)."""
+
+    __module__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "NoModule()"
+
+
+# A 0-d bool tensor on the meta device has no value to read: it raised in the user's step.
+_UNREADABLE = [torch.tensor(True, device="meta"), NoModule()]
+
+
 @pytest.mark.parametrize(
-    "value", [None, "no", math.nan, 2, 1, 0, torch.tensor([True]), 1.0], ids=repr
+    "value",
+    [None, "no", math.nan, 2, 1, 0, torch.tensor([True]), 1.0, *_UNREADABLE],
+    ids=repr,
 )
 def test_non_bool_decision_is_reported_once_and_not_sampled(run_dir: Path, value: Any) -> None:
     model = mlp()
@@ -114,3 +129,13 @@ def test_bool_like_decisions_are_accepted(run_dir: Path, value: Any, sampled: bo
     assert not said, [str(w.message) for w in said]
     remove_observer(model)
     assert (read_history(run_dir).height > 0) == sampled
+
+
+@pytest.mark.parametrize("value", _UNREADABLE, ids=repr)
+def test_a_selector_answer_that_cannot_be_read_is_refused_naming_the_selector(
+    run_dir: Path, value: Any
+) -> None:
+    model = mlp()
+    with pytest.raises(TypeError, match=r"^selector returned .* for module '' \(Sequential\)"):
+        inject_observer(model, output_dir=run_dir, selector=lambda name, module: value)
+    assert not run_dir.exists()

@@ -143,22 +143,32 @@ def check_sampler(sampler: object) -> None:
 def as_decision(value: object) -> bool | None:
     """`should_sample`'s answer as a bool, or None when it is not a bool.
 
-    Accepted: Python bool, NumPy bool, and a 0-d bool tensor. Anything else (None, 0/1, 2, NaN,
-    strings) is refused rather than guessed with `bool(...)`: a sampler that returns the wrong
-    type is a bug the user must hear about, not a silent "always" or "never".
+    Accepted: Python bool, NumPy bool, and a 0-d bool tensor whose value can be read. Anything
+    else (None, 0/1, 2, NaN, strings) is refused rather than guessed with `bool(...)`: a sampler
+    that returns the wrong type is a bug the user must hear about, not a silent "always" or
+    "never". Never raises: a 0-d bool tensor on the meta device (whose value cannot be read), or
+    an answer whose class has no module name, raised here, in the user's step (a sampler's
+    answer) or at inject with torch's message (a selector's); both are refused like any other
+    answer that is not a bool.
     """
     if isinstance(value, bool):
         return value
     kind = type(value)
-    if kind.__module__ == "numpy" and kind.__name__ in {"bool_", "bool"}:
-        return bool(value)  # type: ignore[arg-type]
-    if (
-        kind.__module__.startswith("torch")
-        and getattr(value, "dtype", None) is not None
-        and str(getattr(value, "dtype", "")) == "torch.bool"
-        and getattr(value, "ndim", None) == 0
-    ):
-        return bool(value)  # type: ignore[arg-type]
+    module = getattr(kind, "__module__", None)
+    if not isinstance(module, str):
+        return None
+    try:
+        if module == "numpy" and kind.__name__ in {"bool_", "bool"}:
+            return bool(value)  # type: ignore[arg-type]
+        if (
+            module.startswith("torch")
+            and getattr(value, "dtype", None) is not None
+            and str(getattr(value, "dtype", "")) == "torch.bool"
+            and getattr(value, "ndim", None) == 0
+        ):
+            return bool(value)  # type: ignore[arg-type]
+    except Exception:  # a tensor whose value cannot be read (meta, a failing subclass)
+        return None
     return None
 
 
@@ -180,8 +190,8 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
         warn_once(
             "sampler-answer",
             f"sampler {repr_of(sampler)} returned {repr_of(answer)} ({type(answer).__name__}) for "
-            f"forward_index {forward_index}, expected a bool (Python, NumPy or 0-d tensor); "
-            "such forwards are not sampled",
+            f"forward_index {forward_index}, expected a bool (Python, NumPy or a readable 0-d "
+            "tensor); such forwards are not sampled",
         )
         return False
     return decision

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -118,6 +119,41 @@ def test_a_warnings_filter_that_makes_errors_never_breaks_the_step_and_the_warni
     assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1, 2]
     state = json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))
     assert state["status"] == "complete"
+
+
+class _RaisingHandler(logging.Handler):
+    """A caller's logging handler that fails (a log shipper whose connection dropped)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        raise ConnectionError("log shipper down")
+
+
+def test_a_logging_handler_that_raises_on_warnings_never_breaks_the_step_or_the_removal(
+    run_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Under logging.captureWarnings(True) a library warning goes through the caller's handlers:
+    # one that raised broke the sampled step (a sink detached) and remove_observer, unfinished.
+    handler = _RaisingHandler()
+    logger = logging.getLogger("py.warnings")
+    bad, good = Raising(), Recording()
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[bad, good])
+    logging.captureWarnings(True)
+    logger.addHandler(handler)
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    finally:
+        logger.removeHandler(handler)
+        logging.captureWarnings(False)
+    err = capfd.readouterr().err
+    written = [line for line in err.splitlines() if "remote store unavailable" in line]
+    assert len(written) == 1, err
+    assert "showing the warning raised ConnectionError('log shipper down')" in written[0]
+    assert good.calls == ["start", "forward", "backward", "forward", "backward", "close"]
+    assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1]
+    assert "remote store unavailable" in (run_dir / "index.md").read_text()
 
 
 class Editing(Recording):

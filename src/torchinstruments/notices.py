@@ -13,6 +13,7 @@ the library line it came from. The cost is one frame walk per warning, and warni
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -52,10 +53,14 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """`warnings.warn(message, category)` at the user's line (see the module docstring).
 
     Never raises: where a filter turns the warning into an exception (`-W error`, pytest's
-    `filterwarnings = error`), it is written to stderr in the warning's own format instead. The
-    library warns from inside its bookkeeping (a gradient hook, a sink, the flush thread), where
-    an exception would end a thread of its own or cut a sample's end short in the user's step:
-    the warning's news (rows lost, a sink given up) would come with more loss than it reports.
+    `filterwarnings = error`), or the caller's way of showing warnings raises (a
+    `warnings.showwarning` hook, or, under `logging.captureWarnings(True)`, a handler or filter
+    of the caller's `py.warnings` logger), it is written to stderr in the warning's own format
+    instead. The library warns from inside its bookkeeping (a gradient hook, a sink, the flush
+    thread), where an exception would end a thread of its own or cut a sample's end short in the
+    user's step: the warning's news (rows lost, a sink given up) would come with more loss than
+    it reports. A raising handler broke the user's step and left `remove_observer` half done
+    (the run never finished).
 
     The message is written by `printable`: whatever a warning quotes (a path, a name, an
     error's message) never reaches a terminal or a log as a line break or an escape."""
@@ -64,8 +69,19 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     try:
         warnings.warn(message, category, stacklevel=level)
     except Warning:
-        said = f"{message} [written, not raised: a warnings filter makes it an error]"
-        sys.stderr.write(warnings.formatwarning(said, category, *_frame_at(level)))
+        _write(
+            f"{message} [written, not raised: a warnings filter makes it an error]", category, level
+        )
+    except Exception as error:  # the caller's showwarning hook or logging handler raised
+        said = f"{message} [written here: showing the warning raised {printable(shown(error))}]"
+        _write(said, category, level)
+
+
+def _write(said: str, category: type[Warning], level: int) -> None:
+    """`said` to stderr in a warning's format, at the frame `warn` names; quietly nothing where
+    stderr cannot take it (closed, or None under pythonw)."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(warnings.formatwarning(said, category, *_frame_at(level + 1)))
 
 
 def _frame_at(level: int) -> tuple[str, int]:

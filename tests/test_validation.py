@@ -128,6 +128,42 @@ def test_empty_output_dir_is_refused_naming_it(empty: str, tmp_path: Path) -> No
     assert "forward" not in model.__dict__
 
 
+class _FsPath:
+    """A path object whose `__fspath__` gives `value`, or raises it when it is an exception."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __fspath__(self) -> object:
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+    def __repr__(self) -> str:
+        return "_FsPath()"
+
+
+@pytest.mark.parametrize(
+    ("output_dir", "error", "said"),
+    [
+        ("stats\x00old", ValueError, r"output_dir='stats\\x00old' holds a NUL character"),
+        (_FsPath(b"stats"), TypeError, r"output_dir=_FsPath\(\) gives a bytes path"),
+        (_FsPath(5), TypeError, r"output_dir=_FsPath\(\): os.fspath\(\) of it raised TypeError"),
+        (_FsPath(OSError("mount gone")), TypeError, r"raised OSError: mount gone"),
+    ],
+    ids=["nul", "bytes", "int", "raises"],
+)
+def test_an_output_dir_no_path_can_be_made_of_is_refused_naming_it(
+    output_dir: object, error: type[Exception], said: str, tmp_path: Path
+) -> None:
+    # A NUL character failed in Path.exists with a bare "embedded null byte"; a path object
+    # giving bytes was called an empty name, and one that raised raised its own error.
+    model = nn.Linear(2, 2)
+    with pytest.raises(error, match=said):
+        inject_observer(model, output_dir=output_dir)  # type: ignore[arg-type]
+    assert "forward" not in model.__dict__
+
+
 def test_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path) -> None:
     existing = tmp_path / "notes.txt"
     existing.write_text("mine", encoding="utf-8")

@@ -55,12 +55,19 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
         FileExistsError: if it names an existing file (not a directory).
         FileNotFoundError: if it or a folder above it is a symbolic link to nothing.
         ValueError: if it is too long for the run's files below it (PATH_MAX), one of its
-            folder names is too long for its file system (NAME_MAX), or it is not valid UTF-8.
+            folder names is too long for its file system (NAME_MAX), it is not valid UTF-8, or
+            it holds a NUL character.
+        TypeError: if it is a path object whose `__fspath__` raises or gives no str.
     """
-    text = os.fspath(output_dir)
-    if isinstance(text, bytes) or not text.strip():
+    text = _path_text(output_dir)
+    if not text.strip():
         raise ValueError(
             f"output_dir must name a directory, got {output_dir!r}; pass e.g. output_dir='stats'"
+        )
+    if "\x00" in text:  # `Path.exists` raised a bare "embedded null byte", naming nothing
+        raise ValueError(
+            f"output_dir={text!r} holds a NUL character (\\x00), which no file system path can "
+            "hold; pass a directory path without it"
         )
     path = expand_user(text, "output_dir").absolute()
     _check_utf8(path)
@@ -72,6 +79,26 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
         )
     _check_links(path)
     return path
+
+
+def _path_text(output_dir: str | os.PathLike[str]) -> str:
+    """`os.fspath(output_dir)` as a str, refused naming output_dir where it is not one: a path
+    object whose `__fspath__` gives bytes, gives neither str nor bytes, or raises (its bare
+    error named neither the argument nor the object)."""
+    try:
+        text = os.fspath(output_dir)
+    except Exception as error:
+        raise TypeError(
+            f"output_dir={output_dir!r}: os.fspath() of it raised {type(error).__name__}: "
+            f"{error}; pass a str or a pathlib.Path"
+        ) from error
+    if not isinstance(text, str):
+        raise TypeError(
+            f"output_dir={output_dir!r} gives a {type(text).__name__} path ({text!r}), not a "
+            "str: the run names its directory in UTF-8 text; pass a str or a pathlib.Path "
+            "(os.fsdecode(path) decodes bytes)"
+        )
+    return text
 
 
 # Room the run's own names take below the run directory: a rank's folder, then a file in a

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import torch
 from test_refusing_tensors import Net, refusing, step
 from torch import nn
@@ -175,3 +176,28 @@ def test_the_note_names_the_root_and_each_layer_as_the_layers_section_does(
     assert "`<root>` (output: " in note
     assert "`*b*` (output: " in note
     assert re.findall(r"<[A-Za-z/!]", outside_code(index)) == []
+
+
+def whole_tensor_on_three(tensor: torch.Tensor) -> torch.Tensor:
+    """A reducer that returns the whole tensor, not a scalar, for layer `b`'s tensors (a
+    forgotten `.mean()`), and a scalar for every other tensor."""
+    return tensor if tensor.shape[-1] == 3 else tensor.abs().amax()
+
+
+def test_a_custom_reducer_returning_what_cannot_be_a_metric_is_warned_once_and_named(
+    tmp_path: Path,
+) -> None:
+    # Its rows were null with 'reducer returned a tensor of shape ...', said nowhere else.
+    said = run(Chain(), tmp_path / "s", 2, reducers={"absmax": whole_tensor_on_three})
+    history = read_history(tmp_path / "s")
+    failed = history.filter(pl.col("metric") == "absmax", pl.col("value").is_null())
+    assert set(failed["layer"].to_list()) == {"b"}
+    assert set(failed["unavailable_reason"].to_list()) == {
+        "reducer returned a tensor of shape (4, 3), expected a scalar"
+    }
+    about = [m for m in said if "expected a scalar" in m]
+    assert len(about) == 1, about  # one kind, whatever the shape
+    assert about[0].startswith("torchinstruments: layer 'b' could not be measured")
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "cannot be a metric" in line)
+    assert "`b` (output: absmax in 2 samples; output_gradient: absmax in 2 samples)" in note

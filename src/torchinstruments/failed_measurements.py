@@ -26,9 +26,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from torchinstruments.capture import WarnOnce
 from torchinstruments.notices import SHOWN_KINDS
+from torchinstruments.reasons import NO_VALUE
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.rundir.shell import code_span, literal_if_unclear
@@ -37,7 +39,32 @@ __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
 # The reasons of a failure inside measurement (`reasons.error`), as opposed to a tensor that has
 # no value to give (empty, no finite entries): those are the tensor's, and explained in index.md.
-FAILURE_PREFIXES = ("reducer error: ", "statistics error: ", "measurement error: ")
+# A custom reducer that returned what cannot be a metric (`reasons.reducer_returned`,
+# `reducer_value`, `reducer_tensor_*`: a string, the whole tensor) failed too: its null rows
+# were said nowhere else. Not `reasons.NO_VALUE`: the built-in reducers give no value for an
+# empty tensor, which is the tensor's.
+FAILURE_PREFIXES = (
+    "reducer error: ",
+    "statistics error: ",
+    "measurement error: ",
+    _UNUSABLE := "reducer returned ",
+)
+# The kind of those (their texts name a metric, a type or a shape that differ per tensor).
+_UNUSABLE_KIND = "reducer returned a value that cannot be a metric"
+
+
+def _is_failure(reason: str | None) -> TypeGuard[str]:
+    """Whether a null row's `reason` is a failure inside measurement (see FAILURE_PREFIXES)."""
+    return reason is not None and reason.startswith(FAILURE_PREFIXES) and reason != NO_VALUE
+
+
+def _kind(reason: str) -> str:
+    """A failure's kind: its source and error type (`reducer error: ValueError`)."""
+    if reason.startswith(_UNUSABLE):
+        return _UNUSABLE_KIND
+    return ": ".join(reason.split(": ", 2)[:2])
+
+
 # How many layers one kind's note names before it says how many more.
 _SHOWN = 20
 
@@ -85,12 +112,12 @@ class FailedMeasurements:
         why = block.reasons
         if why.count(None) == len(why):
             return
-        failed = {r for r in set(why) if r is not None and r.startswith(FAILURE_PREFIXES)}
+        failed = {r for r in set(why) if _is_failure(r)}
         if not failed:
             return
         k = len(block.metrics)
         for index, reason in enumerate(why):
-            if reason in failed:
+            if reason is not None and reason in failed:
                 layer, metric = block.layers[index // k], block.metrics[index % k]
                 self._add(reason, layer, block.signal, metric, block.sample_id)
 
@@ -99,12 +126,12 @@ class FailedMeasurements:
         for row in rows:
             for name, value in zip(row.metrics, row.values, strict=True):
                 reason = value.reason
-                if reason is not None and reason.startswith(FAILURE_PREFIXES):
+                if _is_failure(reason):
                     self._add(reason, row.layer, row.signal, name, row.sample_id)
 
     def _add(self, reason: str, layer: str, signal: str, metric: str, sample_id: int) -> None:
         """Count one failed metric of one tensor; warn the first time its (kind, layer) fails."""
-        kind = ": ".join(reason.split(": ", 2)[:2])
+        kind = _kind(reason)
         with self._lock:
             self._first.setdefault(kind, reason)
             tally = self._tallies.setdefault((kind, layer, signal), _Tally())

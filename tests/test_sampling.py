@@ -129,3 +129,25 @@ def test_a_step_source_whose_error_cannot_be_shown_gives_a_null_step_and_a_warni
         "reading the step for the step column failed: ValueError(its message could not be read)"
         "; it is null"
     ]
+
+
+class LongRepr:
+    """A sampler whose repr prints its whole schedule."""
+
+    def should_sample(self, forward_index: int) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "LongRepr(" + "1," * 100_000 + ")"
+
+
+def test_a_sampler_with_a_huge_repr_is_described_in_a_bounded_line(run_dir: Path) -> None:
+    # Its 200,000-character repr was index.md's sampler line: a 250 KB page (bound: 64 KiB).
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=LongRepr())
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert len(index.encode()) <= 64 * 1024
+    line = next(line for line in index.splitlines() if line.startswith("- sampler: "))
+    assert line == f"- sampler: {'LongRepr(' + '1,' * 245 + '1'} ... (199,510 more characters cut)"

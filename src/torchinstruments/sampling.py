@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from torchinstruments.notices import repr_of, shown
-from torchinstruments.reasons import error_message, utf8_text
+from torchinstruments.reasons import cut_message, error_message, utf8_text
 
 __all__ = [
     "Clock",
@@ -218,16 +218,22 @@ def read_step(
         return None
 
 
+# A sampler's description is cut to this many characters (index.md stays within 64 KiB).
+DESCRIPTION_KEPT = 500
+
+
 def describe_sampler(sampler: object) -> str:
     """A sampler's one-line description, falling back to its repr for user samplers; as text
     the run's UTF-8 files hold (`utf8_text`: a lone surrogate in a user's text failed the
-    first write of the run's state, inside inject_observer)."""
+    first write of the run's state, inside inject_observer), and at most `DESCRIPTION_KEPT`
+    characters, saying how many more were cut: a user's sampler whose repr printed its whole
+    schedule (200,000 characters) made index.md 250 KB, past its 64 KiB bound."""
     describe = getattr(sampler, "describe", None)
     if callable(describe):
         try:
-            return utf8_text(str(describe()))
+            said = str(describe())
         except Exception as error:  # a user's describe() must not stop injection
-            return utf8_text(
-                f"{type(sampler).__name__} (describe() failed: {error_message(error)})"
-            )
-    return utf8_text(repr_of(sampler))
+            said = f"{type(sampler).__name__} (describe() failed: {error_message(error)})"
+    else:
+        said = repr_of(sampler)
+    return utf8_text(cut_message(said, DESCRIPTION_KEPT))

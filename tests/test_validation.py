@@ -53,6 +53,8 @@ BAD_OPTIONS = [
     # A name UTF-8 cannot encode failed inside inject with a bare UnicodeEncodeError.
     ({"reducers": {"r\udc80": torch.mean}}, ValueError, r"metric name 'r\\udc80' is not UTF-8"),
     ({"reducers": [Clashing(("x\udcff",))]}, ValueError, r"reducers: metric name 'x\\udcff'"),
+    # A 100,000-character name made index.md 150 KB (its bound: 64 KiB).
+    ({"reducers": {"m" * 100_000: torch.mean}}, ValueError, r"is 100,000 characters long"),
 ]
 # Options that are wrong for this model (selectors that select nothing of it).
 BAD_FOR_THE_MODEL = [

@@ -132,12 +132,24 @@ class ObserverConfig:
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
+# The longest metric name: each is a TensorBoard tag's last part and a word of index.md.
+METRIC_NAME_CHARS = 200
+
+
 def _check_text_metrics(metrics: Sequence[str]) -> None:
     """Refuse a metric name UTF-8 cannot encode (a lone surrogate, as `surrogateescape` decodes
     bytes that are not UTF-8): it failed the first write of the run's state, inside
     inject_observer, with a bare UnicodeEncodeError; the history's `metric` column and the
-    run's files are UTF-8."""
+    run's files are UTF-8. Refuse one longer than `METRIC_NAME_CHARS`: index.md lists the
+    metrics, and one name of 100,000 characters (a generated key) made it 150 KB, past its
+    64 KiB bound."""
     for name in metrics:
+        if len(name) > METRIC_NAME_CHARS:
+            raise ValueError(
+                f"reducers: metric name {name[:40]!r}... is {len(name):,} characters long, over "
+                f"the {METRIC_NAME_CHARS} a metric name may have (it names a TensorBoard tag and "
+                "is listed in index.md): give the metric a short name"
+            )
         if utf8_text(name) != name:
             raise ValueError(
                 f"reducers: metric name {name!r} is not UTF-8 text (it holds a lone surrogate, "

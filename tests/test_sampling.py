@@ -151,3 +151,31 @@ def test_a_sampler_with_a_huge_repr_is_described_in_a_bounded_line(run_dir: Path
     assert len(index.encode()) <= 64 * 1024
     line = next(line for line in index.splitlines() if line.startswith("- sampler: "))
     assert line == f"- sampler: {'LongRepr(' + '1,' * 245 + '1'} ... (199,510 more characters cut)"
+
+
+class LongFailure:
+    """A sampler that raises with, or answers, a 200,000-character text."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises = raises
+
+    def should_sample(self, forward_index: int) -> bool:
+        if self.raises:
+            raise ValueError("e" * 200_000)
+        return "n" * 200_000  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["raises", "answers"])
+def test_a_sampler_failing_with_a_huge_text_is_quoted_in_a_bounded_note(
+    run_dir: Path, raises: bool
+) -> None:
+    # Its error or its answer was quoted whole in the warning and index.md's note: a 250 KB page.
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=LongFailure(raises))
+    with pytest.warns(RuntimeWarning, match=r"more characters cut\)"):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert len(index.encode()) <= 64 * 1024
+    cut = "(199,514 more characters cut)" if raises else "(199,502 more characters cut)"
+    assert cut in index

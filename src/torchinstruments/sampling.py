@@ -32,6 +32,10 @@ __all__ = [
 
 Clock = Callable[[], float]
 
+# A sampler's description, and what a warning quotes of it, its error or its answer, is cut to
+# this many characters (index.md stays within 64 KiB).
+DESCRIPTION_KEPT = 500
+
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -175,26 +179,33 @@ def as_decision(value: object) -> bool | None:
 def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None]) -> bool:
     """`sampler.should_sample(forward_index)` as a bool; a raising sampler, or an answer that is
     not a bool, means "not sampled" (warned once: a wrong answer is a bug to report, not a value
-    to guess)."""
+    to guess). The warning, which index.md keeps as a note, quotes the sampler, its error and
+    its answer cut to `DESCRIPTION_KEPT` characters each: an error message or an answer of
+    200,000 characters made index.md 250 KB, past its 64 KiB bound."""
     try:
         answer = sampler.should_sample(forward_index)
     except Exception as error:
         warn_once(
             "sampler",
-            f"sampler {repr_of(sampler)} raised {shown(error)} for forward_index {forward_index}; "
-            "a forward whose sampler raises is not sampled",
+            f"sampler {_cut(repr_of(sampler))} raised {_cut(shown(error))} for forward_index "
+            f"{forward_index}; a forward whose sampler raises is not sampled",
         )
         return False
     decision = as_decision(answer)
     if decision is None:
         warn_once(
             "sampler-answer",
-            f"sampler {repr_of(sampler)} returned {repr_of(answer)} ({type(answer).__name__}) for "
-            f"forward_index {forward_index}, expected a bool (Python, NumPy or a readable 0-d "
-            "tensor); such forwards are not sampled",
+            f"sampler {_cut(repr_of(sampler))} returned {_cut(repr_of(answer))} "
+            f"({type(answer).__name__}) for forward_index {forward_index}, expected a bool "
+            "(Python, NumPy or a readable 0-d tensor); such forwards are not sampled",
         )
         return False
     return decision
+
+
+def _cut(text: str) -> str:
+    """`text` cut to `DESCRIPTION_KEPT` characters, saying how many more (see `ask`)."""
+    return cut_message(text, DESCRIPTION_KEPT)
 
 
 def read_step(
@@ -218,10 +229,6 @@ def read_step(
         return None
 
 
-# A sampler's description is cut to this many characters (index.md stays within 64 KiB).
-DESCRIPTION_KEPT = 500
-
-
 def describe_sampler(sampler: object) -> str:
     """A sampler's one-line description, falling back to its repr for user samplers; as text
     the run's UTF-8 files hold (`utf8_text`: a lone surrogate in a user's text failed the
@@ -236,4 +243,4 @@ def describe_sampler(sampler: object) -> str:
             said = f"{type(sampler).__name__} (describe() failed: {error_message(error)})"
     else:
         said = repr_of(sampler)
-    return utf8_text(cut_message(said, DESCRIPTION_KEPT))
+    return utf8_text(_cut(said))

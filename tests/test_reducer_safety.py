@@ -145,3 +145,38 @@ def test_a_custom_value_that_is_no_float_is_that_reducers_null_not_the_statistic
     assert got["fine"] == MetricValue(2.0)
     assert got["mean"].value == pytest.approx(float(x.double().mean()))
     assert got["max"] == MetricValue(float(x.max()))
+
+
+def random_subsample_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """A reducer estimating the mean from a random subsample (it draws from torch's RNG)."""
+    flat = tensor.flatten()
+    return flat[torch.randint(flat.numel(), (4,))].mean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a custom reducer that draws from torch's global RNG (torch.randint, a random "
+        "subsample) moves the training's RNG: the observed run's later draws (dropout masks, "
+        "data shuffling) differ from the unobserved run's; measurement/reducers.py calls the "
+        "reducer without forking the RNG of the tensor's device (torch.random.fork_rng)"
+    ),
+)
+def test_a_reducer_drawing_random_numbers_leaves_the_training_rng_as_it_was(
+    run_dir: Path,
+) -> None:
+    model = mlp()
+    inject_observer(
+        model,
+        output_dir=run_dir,
+        sampler=EveryNForwardsSampler(1),
+        reducers=[random_subsample_mean],
+    )
+    x = torch.randn(2, 8)
+    torch.manual_seed(0)
+    model(x)
+    observed = torch.rand(3)
+    remove_observer(model)
+    torch.manual_seed(0)
+    model(x)
+    assert torch.equal(torch.rand(3), observed)

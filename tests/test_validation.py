@@ -33,6 +33,15 @@ class Clashing:
         return dict.fromkeys(self.metrics, 0.0)
 
 
+class QuietSink:
+    """A sink that receives and keeps nothing."""
+
+    def start(self, run: object) -> None: ...
+    def write_forward(self, record: object) -> None: ...
+    def write_backward(self, record: object) -> None: ...
+    def close(self, counts: object) -> None: ...
+
+
 # Options that are wrong whatever the model: ObserverConfig refuses them on its own.
 BAD_OPTIONS = [
     ({"output_dir": 3}, TypeError, "output_dir"),
@@ -46,6 +55,9 @@ BAD_OPTIONS = [
     ({"rank_policy": "rank1"}, ValueError, "rank_policy"),
     ({"capture_direct_forwards": "yes"}, TypeError, "capture_direct_forwards"),
     ({"sinks": "tensorboard"}, TypeError, "sinks"),
+    # A class passed the check (its methods are callable) and was detached at the run's start.
+    ({"sinks": [QuietSink]}, TypeError, r"sinks\[0\] is the class QuietSink.*QuietSink\(\.\.\.\)"),
+    ({"sinks": QuietSink()}, TypeError, r"pass one sink in a list, sinks=\[sink\]"),
     ({"reducers": [Clashing()]}, ValueError, "mean"),
     ({"reducers": [object()]}, TypeError, "reducers"),
     ({"reducers": [AbsMax]}, TypeError, r"reducers\[0\] is the class AbsMax.*instantiate"),

@@ -55,10 +55,23 @@ SINK_METHODS = ("start", "write_forward", "write_backward", "close")
 
 
 def check_sinks(sinks: object) -> tuple[Sink, ...]:
-    """Check `sinks` at inject time: a sequence of objects with the four Sink methods."""
+    """Check `sinks` at inject time: a sequence of objects with the four Sink methods.
+
+    A class is refused, as `sampler=` and `reducers=` refuse one: its methods are callable
+    too, so `sinks=[MySink]` passed this check and was detached with a warning at the run's
+    start (`start()` missing its argument), a run without the sink the user asked for. One
+    sink not in a sequence is refused saying to put it in a list."""
     if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
-        raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}")
-    for sink in sinks:
+        hint = ""
+        if all(callable(getattr(sinks, name, None)) for name in SINK_METHODS):
+            hint = ": pass one sink in a list, sinks=[sink]"
+        raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}{hint}")
+    for index, sink in enumerate(sinks):
+        if isinstance(sink, type):
+            raise TypeError(
+                f"sinks[{index}] is the class {sink.__name__}, not a Sink: instantiate it, e.g. "
+                f"sinks=[{sink.__name__}(...)]"
+            )
         missing = [name for name in SINK_METHODS if not callable(getattr(sink, name, None))]
         if missing:
             raise TypeError(

@@ -42,6 +42,8 @@ class QuietSink:
     def close(self, counts: object) -> None: ...
 
 
+TWICE = QuietSink()  # listed twice, it received each record twice
+
 # Options that are wrong whatever the model: ObserverConfig refuses them on its own.
 BAD_OPTIONS = [
     ({"output_dir": 3}, TypeError, "output_dir"),
@@ -58,6 +60,7 @@ BAD_OPTIONS = [
     # A class passed the check (its methods are callable) and was detached at the run's start.
     ({"sinks": [QuietSink]}, TypeError, r"sinks\[0\] is the class QuietSink.*QuietSink\(\.\.\.\)"),
     ({"sinks": QuietSink()}, TypeError, r"pass one sink in a list, sinks=\[sink\]"),
+    ({"sinks": [QuietSink(), TWICE, TWICE]}, TypeError, r"sinks\[2\] is sinks\[1\] again"),
     ({"reducers": [Clashing()]}, ValueError, "mean"),
     ({"reducers": [object()]}, TypeError, "reducers"),
     ({"reducers": [AbsMax]}, TypeError, r"reducers\[0\] is the class AbsMax.*instantiate"),

@@ -60,13 +60,20 @@ def check_sinks(sinks: object) -> tuple[Sink, ...]:
     A class is refused, as `sampler=` and `reducers=` refuse one: its methods are callable
     too, so `sinks=[MySink]` passed this check and was detached with a warning at the run's
     start (`start()` missing its argument), a run without the sink the user asked for. One
-    sink not in a sequence is refused saying to put it in a list."""
+    sink not in a sequence is refused saying to put it in a list, and one listed twice (it
+    received every record, its start and its close twice) is refused naming both places."""
     if isinstance(sinks, str | bytes) or not isinstance(sinks, Sequence):
         hint = ""
         if all(callable(getattr(sinks, name, None)) for name in SINK_METHODS):
             hint = ": pass one sink in a list, sinks=[sink]"
         raise TypeError(f"sinks must be a sequence of Sink objects, got {sinks!r}{hint}")
     for index, sink in enumerate(sinks):
+        first = next(i for i, other in enumerate(sinks) if other is sink)
+        if first != index:  # it would receive each record twice, and start and close twice
+            raise TypeError(
+                f"sinks[{index}] is sinks[{first}] again ({sink!r}): a sink listed twice would "
+                "receive every record twice; list each sink once"
+            )
         if isinstance(sink, type):
             raise TypeError(
                 f"sinks[{index}] is the class {sink.__name__}, not a Sink: instantiate it, e.g. "

@@ -180,3 +180,37 @@ def test_a_reducer_drawing_random_numbers_leaves_the_training_rng_as_it_was(
     torch.manual_seed(0)
     model(x)
     assert torch.equal(torch.rand(3), observed)
+
+
+class UnshowableReducer:
+    """A correct reducer whose repr raises (a proxy of something gone)."""
+
+    metrics = ("unshowable_mean",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        return {"unshowable_mean": tensor.mean()}
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason=(
+        "inject_observer raises the reducer's own RuntimeError('no repr'): "
+        "measurement/custom.py formats repr(reducer) eagerly while checking a correct "
+        "reducer (_as_reducers' label, check_unique's owners), where samplers and sinks are "
+        "quoted with notices.repr_of"
+    ),
+)
+def test_a_correct_reducer_whose_repr_raises_is_accepted_and_measures(run_dir: Path) -> None:
+    model = mlp()
+    inject_observer(
+        model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), reducers=[UnshowableReducer()]
+    )
+    model(torch.randn(2, 8))
+    remove_observer(model)
+    values = read_history(run_dir).filter(pl.col("metric") == "unshowable_mean")["value"]
+    assert values.len() > 0
+    assert values.null_count() == 0

@@ -70,6 +70,9 @@ BAD_OPTIONS = [
     ({"reducers": [Clashing(("x\udcff",))]}, ValueError, r"reducers: metric name 'x\\udcff'"),
     # A 100,000-character name made index.md 150 KB (its bound: 64 KiB).
     ({"reducers": {"m" * 100_000: torch.mean}}, ValueError, r"is 100,000 characters long"),
+    # A line break split index.md's metrics line; an escape reached the terminal through show.
+    ({"reducers": {"a\nb": torch.mean}}, ValueError, r"'a\\nb' holds the control character"),
+    ({"reducers": [Clashing(("c\x1b[2J",))]}, ValueError, r"control character '\\x1b'"),
 ]
 # Options that are wrong for this model (selectors that select nothing of it).
 BAD_FOR_THE_MODEL = [

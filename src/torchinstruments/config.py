@@ -14,6 +14,7 @@ the disk.
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -132,6 +133,9 @@ class ObserverConfig:
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
+# Unicode categories a metric name may not hold: control characters (line breaks, tabs, terminal
+# escapes) and line or paragraph separators.
+_CONTROL = frozenset({"Cc", "Zl", "Zp"})
 # The longest metric name: each is a TensorBoard tag's last part and a word of index.md.
 METRIC_NAME_CHARS = 200
 
@@ -140,10 +144,18 @@ def _check_text_metrics(metrics: Sequence[str]) -> None:
     """Refuse a metric name UTF-8 cannot encode (a lone surrogate, as `surrogateescape` decodes
     bytes that are not UTF-8): it failed the first write of the run's state, inside
     inject_observer, with a bare UnicodeEncodeError; the history's `metric` column and the
-    run's files are UTF-8. Refuse one longer than `METRIC_NAME_CHARS`: index.md lists the
+    run's files are UTF-8. Refuse a control character (a line break, an escape), which broke
+    index.md's list of metrics and reached the terminal through `show`. Refuse one longer than `METRIC_NAME_CHARS`: index.md lists the
     metrics, and one name of 100,000 characters (a generated key) made it 150 KB, past its
     64 KiB bound."""
     for name in metrics:
+        control = next((c for c in name if unicodedata.category(c) in _CONTROL), None)
+        if control is not None:
+            raise ValueError(
+                f"reducers: metric name {name[:80]!r} holds the control character {control!r}: "
+                "a line break split index.md's list of metrics, and an escape was printed raw "
+                "to the terminal by `torchinstruments show`; name the metric with printable text"
+            )
         if len(name) > METRIC_NAME_CHARS:
             raise ValueError(
                 f"reducers: metric name {name[:40]!r}... is {len(name):,} characters long, over "

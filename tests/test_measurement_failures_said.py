@@ -201,3 +201,23 @@ def test_a_custom_reducer_returning_what_cannot_be_a_metric_is_warned_once_and_n
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if "cannot be a metric" in line)
     assert "`b` (output: absmax in 2 samples; output_gradient: absmax in 2 samples)" in note
+
+
+def unclear_on_three(tensor: torch.Tensor) -> torch.Tensor:
+    """A reducer raising, for layer `b`'s tensors, an error with a line break and an escape."""
+    if tensor.shape[-1] == 3:
+        raise ValueError("bad \x1b[31mvalue\nsee log")
+    return tensor.abs().amax()
+
+
+def test_a_reducer_error_with_unclear_text_is_quoted_in_index_md_as_a_literal(
+    tmp_path: Path,
+) -> None:
+    # Its line break split the note's paragraph, and the escape was written raw to index.md.
+    run(Chain(), tmp_path / "s", 1, reducers={"absmax": unclear_on_three})
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    assert "\x1b" not in index
+    note = next(line for line in index.splitlines() if "Not measured" in line)
+    assert (
+        "first as `'reducer error: ValueError: bad \\x1b[31mvalue\\nsee log'`) in 1 layer" in note
+    )

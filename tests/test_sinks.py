@@ -344,3 +344,30 @@ def test_a_sink_whose_error_message_and_repr_raise_is_still_detached_and_named_b
         "be read) in write_forward() on the output record of sample 0 (forward_index 0)"
     ) in index
     assert read_history(run_dir)["sample_id"].unique().sort().to_list() == [0, 1]
+
+
+class Unclear(Recording):
+    """A sink whose repr and error hold a line break and a terminal escape."""
+
+    def write_forward(self, record: SampleRecord) -> None:
+        raise ValueError("store \x1b[31mdown\nretry")
+
+    def __repr__(self) -> str:
+        return "Unclear(\x1b[2J\nx)"
+
+
+def test_a_detached_sink_with_unclear_text_is_named_on_one_line_without_raw_escapes(
+    run_dir: Path,
+) -> None:
+    # Its repr's line break split index.md's note, and the escapes were written raw to it.
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[Unclear()])
+    with pytest.warns(RuntimeWarning, match="detached"):
+        model(torch.randn(2, 3))
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert "\x1b" not in index
+    note = next(line for line in index.splitlines() if "in write_forward()" in line)
+    assert note.startswith(
+        "**Note:** sink 'Unclear(\\x1b[2J\\nx)' raised 'ValueError: store \\x1b[31mdown\\nretry' in "
+    )

@@ -14,7 +14,7 @@ from typing import Any
 
 from torchinstruments.notices import repr_of, warn
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.sinks.directory import DirectorySink
 from torchinstruments.sinks.protocol import NoteKeeper, Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -119,6 +119,7 @@ def detached_note(sink: Sink, method: str, argument: object, error: Exception) -
     shown = repr_of(sink)
     if len(shown) > _REPR_CHARS:
         shown = shown[: _REPR_CHARS - 3] + "..."
+    shown = literal_if_unclear(shown)  # a line break or an escape in the repr: its literal
     if isinstance(argument, SampleRecord):
         when = (
             f"on the {argument.signal} record of sample {argument.sample_id} (forward_index "

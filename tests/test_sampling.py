@@ -179,3 +179,29 @@ def test_a_sampler_failing_with_a_huge_text_is_quoted_in_a_bounded_note(
     assert len(index.encode()) <= 64 * 1024
     cut = "(199,514 more characters cut)" if raises else "(199,502 more characters cut)"
     assert cut in index
+
+
+class UnclearSampler:
+    """A sampler whose repr and answer hold a line break and a terminal escape."""
+
+    def should_sample(self, forward_index: int) -> object:
+        return UnclearSampler()
+
+    def __repr__(self) -> str:
+        return "Unclear(\x1b[2J\nx)"
+
+
+def test_a_sampler_answer_with_unclear_text_is_quoted_on_one_line_in_index_md(
+    run_dir: Path,
+) -> None:
+    # Its repr's line break split index.md's note, and the escape was written raw to it.
+    model = mlp()
+    inject_observer(model, output_dir=run_dir, sampler=UnclearSampler())
+    with pytest.warns(RuntimeWarning, match="expected a bool"):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    index = (run_dir / "index.md").read_text(encoding="utf-8")
+    assert "\x1b" not in index
+    note = next(line for line in index.splitlines() if "expected a bool" in line)
+    said = r"'Unclear(\x1b[2J\nx)'"
+    assert note.startswith(f"**Note:** sampler {said} returned {said} (UnclearSampler) for ")

@@ -180,14 +180,14 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     """`sampler.should_sample(forward_index)` as a bool; a raising sampler, or an answer that is
     not a bool, means "not sampled" (warned once: a wrong answer is a bug to report, not a value
     to guess). The warning, which index.md keeps as a note, quotes the sampler, its error and
-    its answer cut to `DESCRIPTION_KEPT` characters each: an error message or an answer of
+    its answer by `_quoted`, cut to `DESCRIPTION_KEPT` characters each: an error message or an answer of
     200,000 characters made index.md 250 KB, past its 64 KiB bound."""
     try:
         answer = sampler.should_sample(forward_index)
     except Exception as error:
         warn_once(
             "sampler",
-            f"sampler {_cut(repr_of(sampler))} raised {_cut(shown(error))} for forward_index "
+            f"sampler {_quoted(repr_of(sampler))} raised {_quoted(shown(error))} for forward_index "
             f"{forward_index}; a forward whose sampler raises is not sampled",
         )
         return False
@@ -195,7 +195,7 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
     if decision is None:
         warn_once(
             "sampler-answer",
-            f"sampler {_cut(repr_of(sampler))} returned {_cut(repr_of(answer))} "
+            f"sampler {_quoted(repr_of(sampler))} returned {_quoted(repr_of(answer))} "
             f"({type(answer).__name__}) for forward_index {forward_index}, expected a bool "
             "(Python, NumPy or a readable 0-d tensor); such forwards are not sampled",
         )
@@ -206,6 +206,16 @@ def ask(sampler: Any, forward_index: int, warn_once: Callable[[str, str], None])
 def _cut(text: str) -> str:
     """`text` cut to `DESCRIPTION_KEPT` characters, saying how many more (see `ask`)."""
     return cut_message(text, DESCRIPTION_KEPT)
+
+
+def _quoted(text: str) -> str:
+    """A repr as `ask`'s warning and index.md's note quote it: cut (`_cut`), and as its Python
+    literal where it is not printable (index.md's rule, `literal_if_unclear`, less its quoting
+    of a text that begins with a quote: a repr of a str is one already): a repr holding a line
+    break split the note's paragraph, and one holding a terminal escape put it raw into
+    index.md."""
+    text = _cut(text)
+    return text if text.isprintable() else repr(text)
 
 
 def read_step(

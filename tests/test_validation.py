@@ -273,3 +273,19 @@ def test_inject_observer_builds_one_config_and_the_run_keeps_it(
         assert OBSERVERS[model].sampler is config_builds[0].sampler
     finally:
         remove_observer(model)
+
+
+@pytest.mark.parametrize("folder", ["history.parts", "tensorboard"])
+def test_an_output_dir_inside_another_runs_folder_is_refused_naming_it(
+    tmp_path: Path, folder: str
+) -> None:
+    # It was accepted: its files mixed with the live run's, and that run's removal left it there.
+    first, second = mlp(), mlp()
+    inject_observer(first, output_dir=tmp_path / "a")
+    try:
+        with pytest.raises(ValueError, match=rf"is inside .*the {folder}/ folder of the run in "):
+            inject_observer(second, output_dir=tmp_path / "a" / folder / "b")
+    finally:
+        remove_observer(first)
+    assert not (tmp_path / "a" / folder / "b").exists()
+    assert "forward" not in second.__dict__

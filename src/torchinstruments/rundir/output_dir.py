@@ -58,6 +58,7 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             folder names is too long for its file system (NAME_MAX), it is not valid UTF-8, or
             it holds a NUL character.
         TypeError: if it is a path object whose `__fspath__` raises or gives no str.
+        ValueError: if it is inside another run's history.parts/ or tensorboard/ folder.
     """
     text = _path_text(output_dir)
     if not text.strip():
@@ -78,7 +79,24 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             f"output_dir={str(path)!r} is an existing file, not a directory; pass a directory path"
         )
     _check_links(path)
+    _check_not_in_run_folder(path)
     return path
+
+
+def _check_not_in_run_folder(path: Path) -> None:
+    """Refuse a run directory inside another run's `history.parts/` or `tensorboard/` folder:
+    its files mixed with that run's (a live reader of the parts read the nested run's parts
+    as its own, TensorBoard showed its events as the other run's), and the other run's
+    removal, which takes its parts folder away, left it there, with this run in it."""
+    for folder in path.parents:
+        if folder.name in (PARTS_DIR, TENSORBOARD_DIR) and any(
+            (folder.parent / marker).exists() for marker in _OWN_RUN_MARKERS
+        ):
+            raise ValueError(
+                f"output_dir={str(path)!r} is inside {str(folder)!r}, the {folder.name}/ folder "
+                f"of the run in {str(folder.parent)!r}, whose files it would mix with: pass an "
+                "output_dir outside that run's folders"
+            )
 
 
 def _path_text(output_dir: str | os.PathLike[str]) -> str:

@@ -289,3 +289,17 @@ def test_an_output_dir_inside_another_runs_folder_is_refused_naming_it(
         remove_observer(first)
     assert not (tmp_path / "a" / folder / "b").exists()
     assert "forward" not in second.__dict__
+
+
+def test_a_relative_output_dir_in_a_deleted_current_directory_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Path.absolute raised a bare FileNotFoundError, naming neither the argument nor a path.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    model = nn.Linear(2, 2)
+    with pytest.raises(FileNotFoundError, match=r"output_dir='stats' is relative, and the curr"):
+        inject_observer(model, output_dir="stats")
+    assert "forward" not in model.__dict__

@@ -53,7 +53,8 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
         ValueError: if `output_dir` is empty, or starts with `~name` for a user that does
             not exist.
         FileExistsError: if it names an existing file (not a directory).
-        FileNotFoundError: if it or a folder above it is a symbolic link to nothing.
+        FileNotFoundError: if it or a folder above it is a symbolic link to nothing, or it is
+            relative and the current directory was deleted.
         ValueError: if it is too long for the run's files below it (PATH_MAX), one of its
             folder names is too long for its file system (NAME_MAX), it is not valid UTF-8, or
             it holds a NUL character.
@@ -70,7 +71,7 @@ def resolve_output_dir(output_dir: str | os.PathLike[str]) -> Path:
             f"output_dir={text!r} holds a NUL character (\\x00), which no file system path can "
             "hold; pass a directory path without it"
         )
-    path = expand_user(text, "output_dir").absolute()
+    path = _absolute(expand_user(text, "output_dir"))
     _check_utf8(path)
     _check_length(path)  # first: a path over PATH_MAX makes `exists` itself raise
     _check_names(path)  # so does a folder name over NAME_MAX
@@ -97,6 +98,20 @@ def _check_not_in_run_folder(path: Path) -> None:
                 f"of the run in {str(folder.parent)!r}, whose files it would mix with: pass an "
                 "output_dir outside that run's folders"
             )
+
+
+def _absolute(path: Path) -> Path:
+    """`path` made absolute, refused naming output_dir where a relative one cannot be: the
+    current directory was deleted (a cleanup job removed the folder the process runs in), and
+    `Path.absolute` raised a bare FileNotFoundError naming no path."""
+    try:
+        return path.absolute()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"output_dir={str(path)!r} is relative, and the current directory it is relative "
+            "to no longer exists (deleted after the process entered it): pass an absolute "
+            "output_dir, or os.chdir to a directory that exists"
+        ) from None
 
 
 def _path_text(output_dir: str | os.PathLike[str]) -> str:

@@ -205,3 +205,15 @@ def test_a_sampler_answer_with_unclear_text_is_quoted_on_one_line_in_index_md(
     note = next(line for line in index.splitlines() if "expected a bool" in line)
     said = r"'Unclear(\x1b[2J\nx)'"
     assert note.startswith(f"**Note:** sampler {said} returned {said} (UnclearSampler) for ")
+
+
+def test_a_clock_giving_nan_is_a_sampler_error_said_in_index_md(run_dir: Path) -> None:
+    # Compared with NaN no interval ever passed: one sample, then none, and nothing said.
+    model = mlp()
+    sampler = TimeIntervalSampler(30, clock=lambda: float("nan"))
+    inject_observer(model, output_dir=run_dir, sampler=sampler)
+    with pytest.warns(RuntimeWarning, match=r"clock\(\) returned nan, not a finite time"):
+        model(torch.randn(2, 8))
+    remove_observer(model)
+    assert read_history(run_dir).height == 0
+    assert "clock() returned nan" in (run_dir / "index.md").read_text(encoding="utf-8")

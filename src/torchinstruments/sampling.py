@@ -76,7 +76,12 @@ class TimeIntervalSampler:
         self._last: float | None = None
 
     def should_sample(self, forward_index: int) -> bool:
+        """Raises ValueError where the clock gives a time that is not a finite number (NaN):
+        compared with NaN, no interval ever passed, so the first sample was the last, unsaid;
+        raised, each forward is left unsampled and the run warns and notes it (`ask`)."""
         now = self._clock()
+        if isinstance(now, int | float) and not math.isfinite(now):
+            raise ValueError(f"TimeIntervalSampler: clock() returned {now!r}, not a finite time")
         if self._last is None or now - self._last >= self.seconds:
             self._last = now
             return True

@@ -82,12 +82,12 @@ def test_a_model_cast_mid_run_lists_each_dtype_with_its_samples(
     index = index_text(run_dir)
     assert "**Note:** dtype changed during the run: 3 layers recorded tensors of more than" in index
     for layer, kind in zip(LAYERS, ("Linear", "Tanh", "Linear"), strict=True):
-        assert f"'{layer}' ({kind}): float32 samples 0-2, {name} samples 3-4" in index
+        assert f"`{layer}` ({kind}): float32 samples 0-2, {name} samples 3-4" in index
 
     # finalize renders index.md again from the state and recomputes the same
     (run_dir / "index.md").unlink()
     assert cli_main(["finalize", str(run_dir)]) == 0
-    assert f"'2' (Linear): float32 samples 0-2, {name} samples 3-4" in index_text(run_dir)
+    assert f"`2` (Linear): float32 samples 0-2, {name} samples 3-4" in index_text(run_dir)
 
 
 def test_autocast_on_some_steps_gives_overlapping_ranges_per_dtype(run_dir: Path) -> None:
@@ -104,7 +104,7 @@ def test_autocast_on_some_steps_gives_overlapping_ranges_per_dtype(run_dir: Path
         {"dtype": "float32", "first_sample_id": 0, "last_sample_id": 4},
         {"dtype": "bfloat16", "first_sample_id": 1, "last_sample_id": 3},
     ]
-    assert "'0' (Linear): float32 samples 0-4, bfloat16 samples 1-3" in index_text(run_dir)
+    assert "`0` (Linear): float32 samples 0-4, bfloat16 samples 1-3" in index_text(run_dir)
 
 
 def test_a_run_of_one_dtype_has_no_dtypes_list_and_no_dtype_note(run_dir: Path) -> None:
@@ -145,4 +145,4 @@ def test_dtypes_are_the_same_however_history_is_cut_into_chunks(
         ]
         assert tensor["dtypes"] == expected, key
     assert changes.total == 3
-    assert changes.layers[0] == "'0' (Linear): float32 samples 0-4, bfloat16 samples 3-5"
+    assert changes.layers[0] == "`0` (Linear): float32 samples 0-4, bfloat16 samples 3-5"

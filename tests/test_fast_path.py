@@ -226,8 +226,8 @@ def test_layers_a_fused_kernel_skipped_past_the_layer_forward_are_said_why(run_d
         remove_observer(model)
     (warning,) = [str(w.message) for w in caught if "never ran" in str(w.message)]
     index = (run_dir / "index.md").read_text("utf-8")
-    for text in (warning, index):
-        assert "8 inside nn.TransformerEncoderLayer 'block'" in text
+    for text, block in ((warning, "'block'"), (index, "`block`")):  # index.md: as code
+        assert f"8 inside nn.TransformerEncoderLayer {block}" in text
         assert "fused fast path in eval without grad calls no submodule" in text
         assert "train mode or with grad enabled" in text
     assert read_history(run_dir).height == 0

@@ -118,7 +118,7 @@ def test_a_gradient_whose_hook_was_refused_is_named_with_its_samples_in_index_md
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if "refused register_hook" in line)
     assert "no output_gradient rows" in note
-    assert "'probe' (3 samples, from 0 to 2: RuntimeError('refused register_hook'))" in note
+    assert "`probe` (3 samples, from 0 to 2: RuntimeError('refused register_hook'))" in note
 
 
 def test_failures_in_many_layers_warn_for_the_first_twenty_and_index_md_counts_the_rest(

@@ -179,7 +179,8 @@ def the_note(run: Changed) -> str:
     """The run's one note on modules changed after inject, also warned at removal."""
     found = [note for note in run.notes if "modules changed after inject_observer" in note]
     assert len(found) == 1, run.notes
-    assert any("modules changed after inject_observer" in w for w in run.warnings), run.warnings
+    # the warning names each module as warnings do (repr), index.md as its Layers section does
+    assert any(found[0].replace("`", "'") in w for w in run.warnings), run.warnings
     assert found[0] in run.index
     return found[0]
 
@@ -195,8 +196,8 @@ def test_a_head_swapped_after_inject_is_named_as_unobserved_and_the_old_one_as_g
     assert_same_outputs(run)
     assert_conforms(run.history, run.recorder)  # hooks, too, stay with the old head
     note = the_note(run)
-    assert "taken out of the model (no rows once they stopped running): 'fc2' (Linear)" in note
-    assert "not observed (no rows): 'fc2' (Linear)" in note
+    assert "taken out of the model (no rows once they stopped running): `fc2` (Linear)" in note
+    assert "not observed (no rows): `fc2` (Linear)" in note
 
 
 def test_layers_wrapped_lora_style_after_inject_keep_their_names_and_the_adapters_are_named(
@@ -212,8 +213,8 @@ def test_layers_wrapped_lora_style_after_inject_keep_their_names_and_the_adapter
     assert_conforms(run.history, run.recorder)
     assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"fc1", "act", "fc2"}
     note = the_note(run)
-    assert "'fc1' (Linear) now at 'fc1.base', 'fc2' (Linear) now at 'fc2.base'" in note
-    assert "'fc1.down' (Linear), 'fc1.up' (Linear), 'fc2.down' (Linear)" in note
+    assert "`fc1` (Linear) now at `fc1.base`, `fc2` (Linear) now at `fc2.base`" in note
+    assert "`fc1.down` (Linear), `fc1.up` (Linear), `fc2.down` (Linear)" in note
     assert "taken out" not in note
 
 
@@ -244,8 +245,8 @@ def test_modules_appended_added_or_deleted_after_inject_are_named(run_dir: Path)
     assert_same_outputs(run)
     assert_conforms(run.history, run.recorder)
     note = the_note(run)
-    assert "taken out of the model (no rows once they stopped running): 'drop' (Dropout)" in note
-    assert "not observed (no rows): 'blocks.1' (Linear), 'extra' (Tanh)" in note
+    assert "taken out of the model (no rows once they stopped running): `drop` (Dropout)" in note
+    assert "not observed (no rows): `blocks.1` (Linear), `extra` (Tanh)" in note
 
 
 class Blocked(nn.Module):
@@ -277,11 +278,11 @@ def test_a_container_of_layers_replaced_by_a_leaf_is_named_and_the_leaf_gets_no_
     assert layers_at(run.history, 1) == {"block.0", "block.1", "head"}
     assert layers_at(run.history, 2) == {"head"}  # the new `block` is not observed
     note = the_note(run)
-    assert "'block' (Sequential, which held selected layers) is now a Linear (a leaf)" in note
+    assert "`block` (Sequential, which held selected layers) is now a Linear (a leaf)" in note
     assert (
-        "taken out of the model (no rows once they stopped running): 'block.0' (Linear), " in note
+        "taken out of the model (no rows once they stopped running): `block.0` (Linear), " in note
     )
-    assert "not observed (no rows): 'block' (Linear)" in note
+    assert "not observed (no rows): `block` (Linear)" in note
 
 
 def test_a_leaf_replaced_by_a_container_is_named_and_its_children_get_no_rows(
@@ -296,9 +297,9 @@ def test_a_leaf_replaced_by_a_container_is_named_and_its_children_get_no_rows(
     assert_conforms(run.history, run.recorder)
     assert layers_at(run.history, 2) == {"block.0", "block.1"}
     note = the_note(run)
-    assert "'head' (Linear, a selected layer) is now a Sequential (a container)" in note
-    assert "taken out of the model (no rows once they stopped running): 'head' (Linear)" in note
-    assert "not observed (no rows): 'head.0' (Linear), 'head.1' (Tanh)" in note
+    assert "`head` (Linear, a selected layer) is now a Sequential (a container)" in note
+    assert "taken out of the model (no rows once they stopped running): `head` (Linear)" in note
+    assert "not observed (no rows): `head.0` (Linear), `head.1` (Tanh)" in note
 
 
 def test_a_layer_also_assigned_at_another_name_is_named_there_not_as_moved(
@@ -326,8 +327,8 @@ def test_a_layer_also_assigned_at_another_name_is_named_there_not_as_moved(
     assert sorted(head["call_index"].unique()) == [0, 1]
     note = the_note(run)
     assert "now also held at another name" in note
-    assert "'head' (Linear) also at 'block'" in note
-    assert "'block' (Sequential, which held selected layers) is now a Linear (a leaf)" in note
+    assert "`head` (Linear) also at `block`" in note
+    assert "`block` (Sequential, which held selected layers) is now a Linear (a leaf)" in note
     assert "moved" not in note
 
 
@@ -452,9 +453,9 @@ def test_modules_fused_after_inject_are_named_as_moved_taken_out_and_added(run_d
     assert_conforms(run.history.filter(pl.col("sample_id") < 2), run.recorder)
     assert set(run.history.filter(pl.col("sample_id") == 3)["layer"]) == {"relu", "fc"}
     note = the_note(run)
-    assert "taken out of the model (no rows once they stopped running): 'conv' (Conv2d), " in note
-    assert "'relu' (ReLU) now at 'conv.1'" in note
-    assert "not observed (no rows): 'conv.0' (Conv2d), 'bn' (Identity), 'relu' (Identity)" in note
+    assert "taken out of the model (no rows once they stopped running): `conv` (Conv2d), " in note
+    assert "`relu` (ReLU) now at `conv.1`" in note
+    assert "not observed (no rows): `conv.0` (Conv2d), `bn` (Identity), `relu` (Identity)" in note
 
 
 def gradient_samples(history: pl.DataFrame, layer: str) -> list[int]:
@@ -475,7 +476,7 @@ def test_a_part_frozen_mid_run_says_why_its_gradient_rows_stop(run_dir: Path) ->
     found = [note for note in run.notes if "required no grad in some" in note]
     assert len(found) == 1, run.notes
     assert found[0] in run.index
-    assert "'fc1' (2 samples, from 2 to 3), 'act' (2 samples, from 2 to 3)" in found[0]
+    assert "`fc1` (2 samples, from 2 to 3), `act` (2 samples, from 2 to 3)" in found[0]
     assert "fc2" not in found[0]
     assert any("requires no grad where its series required grad" in w for w in run.warnings)
 
@@ -494,7 +495,7 @@ def test_a_part_unfrozen_mid_run_says_why_its_first_samples_have_no_gradient_row
     assert gradient_samples(run.history, "fc1") == [3, 4]
     found = [note for note in run.notes if "required no grad in some" in note]
     assert len(found) == 1, run.notes
-    assert "'fc1' (3 samples, from 0 to 2), 'act' (3 samples, from 0 to 2)" in found[0]
+    assert "`fc1` (3 samples, from 0 to 2), `act` (3 samples, from 0 to 2)" in found[0]
     assert not [note for note in run.notes if "never returned an output" in note]
 
 
@@ -540,8 +541,8 @@ def test_freezing_one_branch_names_only_the_calls_of_a_shared_layer_that_lost_gr
     found = [note for note in run.notes if "required no grad in some" in note]
     assert len(found) == 1, run.notes
     assert found[0].endswith(
-        "the samples without grad, first to last): 'left' (2 samples, from 2 to 3), "
-        "'act' (2 samples, from 2 to 3)."
+        "the samples without grad, first to last): `left` (2 samples, from 2 to 3), "
+        "`act` (2 samples, from 2 to 3)."
     )
     assert "call 1" not in found[0]
 

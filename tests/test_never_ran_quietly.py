@@ -85,7 +85,7 @@ def test_t5_shared_embedding_is_noted_as_a_tied_twin_not_warned(tmp_path: Path) 
 
     assert observed_steps(model, tmp_path / "run", step) == []
     index = (tmp_path / "run" / "index.md").read_text()
-    assert "'shared' (as 'encoder.embed_tokens', 'decoder.embed_tokens')" in index
+    assert "`shared` (as `encoder.embed_tokens`, `decoder.embed_tokens`)" in index
 
 
 class TiedTwins(nn.Module):
@@ -121,7 +121,7 @@ def test_a_tied_twin_is_noted_while_a_branch_not_taken_is_warned(tmp_path: Path)
     assert "'shared'" not in warned[0]
     index = (tmp_path / "run" / "index.md").read_text()
     assert "Tied weights: 1 selected layer never ran" in index
-    assert "'shared' (as 'embed')" in index
+    assert "`shared` (as `embed`)" in index
 
 
 def test_a_tied_layer_of_another_type_that_never_ran_is_warned(tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ def test_a_layer_switched_off_by_its_parents_setting_is_noted_not_warned(tmp_pat
     assert "'0.drop'" not in warned[0]
     index = (tmp_path / "run" / "index.md").read_text()
     assert "Switched off: 1 selected layer never ran" in index
-    assert "'0.drop' (0.use_res_connect)" in index
+    assert "`0.drop` (`0.use_res_connect`)" in index
 
 
 def test_efficientnet_googlenet_and_quantizable_mobilenet_in_eval_warn_nothing(
@@ -205,7 +205,7 @@ def test_efficientnet_googlenet_and_quantizable_mobilenet_in_eval_warn_nothing(
     for index, model in enumerate([efficientnet, googlenet, quantizable]):
         assert observed_steps(model, tmp_path / f"run{index}", lambda m: m(x), steps=1) == []
     index_md = (tmp_path / "run0" / "index.md").read_text()
-    assert "'features.1.0.stochastic_depth' (features.1.0.use_res_connect)" in index_md
-    assert "'aux1.fc1' (training)" in (tmp_path / "run1" / "index.md").read_text()
-    skip = "'features.1.skip_add.activation_post_process' (features.1.use_res_connect)"
+    assert "`features.1.0.stochastic_depth` (`features.1.0.use_res_connect`)" in index_md
+    assert "`aux1.fc1` (`training`)" in (tmp_path / "run1" / "index.md").read_text()
+    skip = "`features.1.skip_add.activation_post_process` (`features.1.use_res_connect`)"
     assert skip in (tmp_path / "run2" / "index.md").read_text()

@@ -68,7 +68,7 @@ def test_layers_under_reentrant_checkpointing_are_named_as_having_no_gradient_ro
     assert len(said) == 1, [str(w.message) for w in caught]
     index = page(run_dir)
     assert f"2 selected layers {SAID}" in index
-    assert "'inside.0', 'inside.1'" in index
+    assert "`inside.0`, `inside.1`" in index
     assert "reentrant torch.utils.checkpoint" in index
     assert "never returned an output that requires grad" not in index
 
@@ -116,7 +116,7 @@ def test_hf_gradient_checkpointing_with_use_reentrant_names_the_layers_without_g
     assert not inside & set(history.filter(pl.col("signal") == "output_gradient")["layer"])
     index = page(run)
     assert f"{len(inside)} selected layers {SAID}" in index
-    assert all(repr(name) in index for name in sorted(inside)[:20])
+    assert all(f"`{name}`" in index for name in sorted(inside)[:20])
 
 
 class Masked(nn.Module):
@@ -146,7 +146,7 @@ def test_a_parameter_free_layer_under_no_grad_is_named_without_a_warning(run_dir
         run_both(Masked(), train_step, run_dir, steps=2).assert_conforms()
     assert not [w for w in caught if SAID in str(w.message)]
     assert f"1 selected layer {SAID}" in page(run_dir)
-    assert "'angles'" in page(run_dir)
+    assert "`angles`" in page(run_dir)
 
 
 def test_no_grad_outputs_before_and_after_the_samples_first_output_with_grad_are_all_named() -> (
@@ -162,7 +162,7 @@ def test_no_grad_outputs_before_and_after_the_samples_first_output_with_grad_are
     gaps.output_without_grad_mode(1, "evaluation")  # a sample with no grad anywhere: not named
     (note,) = gaps.notes()
     assert f"3 selected layers {SAID}" in note
-    assert "'before', 'before too', 'after'" in note
+    assert "`before`, `before too`, `after`" in note
 
 
 def race(gaps: GradientGaps, adders: int, outputs: int) -> None:
@@ -238,7 +238,7 @@ def test_a_forward_that_checkpoints_every_layer_reentrantly_names_them_all(run_d
     assert "'block.0'" in said[0]
     index = page(run_dir)
     assert f"3 selected layers {SAID}" in index
-    assert "'block.0', 'block.1', 'block.2'" in index
+    assert "`block.0`, `block.1`, `block.2`" in index
     assert "reentrant torch.utils.checkpoint" in index
 
 

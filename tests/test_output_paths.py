@@ -174,7 +174,7 @@ def test_a_tensor_returned_twice_has_one_row_and_the_second_path_is_named(run_di
         "(the first such path seen): it is measured once, so the rows of '[1]' are those of '[0]'"
     ]
     page = (run_dir / "index.md").read_text(encoding="utf-8")
-    assert "layer '1' returned the same tensor at tensor_path '[1]' as at '[0]'" in page
+    assert "layer `1` returned the same tensor at tensor_path `[1]` as at `[0]`" in page
 
 
 def test_hugging_face_last_hidden_state_listed_again_in_hidden_states_is_named(
@@ -208,7 +208,11 @@ def test_hugging_face_last_hidden_state_listed_again_in_hidden_states_is_named(
         "\"['last_hidden_state']\""
     )
     assert [m for m in said if message in m], said
-    assert message in (run_dir / "index.md").read_text(encoding="utf-8")
+    noted = (  # index.md names them as code
+        "layer `<root>` returned the same tensor at tensor_path `['hidden_states'][1]` as at "
+        "`['last_hidden_state']`"
+    )
+    assert noted in (run_dir / "index.md").read_text(encoding="utf-8")
 
 
 def test_a_container_returned_twice_is_named_once_and_constants_are_not(run_dir: Path) -> None:
@@ -313,7 +317,8 @@ def test_two_tensors_under_keys_that_read_alike_keep_series_and_gradients_apart(
         "read alike, the first such path seen): the later one's rows are at '[Key]#1'"
     )
     assert [m for m in said if message in m], said
-    assert message in (run_dir / "index.md").read_text(encoding="utf-8")
+    noted = message.replace("'1'", "`1`").replace("'[Key]", "`[Key]").replace("]'", "]`")
+    assert noted.replace("#1'", "#1`") in (run_dir / "index.md").read_text(encoding="utf-8")
 
 
 class Plain:

@@ -216,7 +216,7 @@ def test_index_md_says_why_a_layer_has_no_gradient_rows(tmp_path: Path) -> None:
     page = (run / "index.md").read_text(encoding="utf-8")
     assert (
         "1 selected layer never returned an output that requires grad, so no gradient can "
-        "arrive and it has no output_gradient rows: '0'"
+        "arrive and it has no output_gradient rows: `0`"
     ) in page
 
 

@@ -171,7 +171,7 @@ def test_a_vmap_ensemble_warns_once_that_its_layers_have_no_gradient_rows(tmp_pa
     assert set(history["signal"]) == {"output"}
     index = (tmp_path / "s" / "index.md").read_text()
     assert "3 selected layers returned outputs wrapped by a torch.func transform" in index
-    assert "'0' (vmap), '1' (vmap), '2' (vmap)" in index
+    assert "`0` (vmap), `1` (vmap), `2` (vmap)" in index
     assert "never returned an output that requires grad" not in index
 
 

@@ -67,7 +67,7 @@ def test_a_view_an_inplace_layer_changes_next_is_named_as_having_no_gradient_row
     assert len(said) == 1
     assert "layer '1'" in said[0]
     assert f"1 selected layer {SAID}" in page
-    assert "'1'" in page.split(SAID, 1)[1]
+    assert "`1`" in page.split(SAID, 1)[1]
 
 
 def test_a_view_whose_base_the_forward_changes_in_place_is_named(run_dir: Path) -> None:
@@ -76,7 +76,7 @@ def test_a_view_whose_base_the_forward_changes_in_place_is_named(run_dir: Path) 
     assert len(said) == 1
     assert "layer 'heads'" in said[0]
     assert f"1 selected layer {SAID}" in page
-    assert "'heads'" in page.split(SAID, 1)[1]
+    assert "`heads`" in page.split(SAID, 1)[1]
 
 
 def test_a_plain_output_changed_in_place_keeps_its_gradient_and_is_no_such_gap(

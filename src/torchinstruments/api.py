@@ -53,6 +53,7 @@ from torchinstruments.rundir.attempt_states import BY_RESUME
 from torchinstruments.rundir.continuation_notes import continuation_notes
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
+from torchinstruments.rundir.shell import layer_span
 from torchinstruments.rundir.unsampled import no_sample_warning, passed_through
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
@@ -218,7 +219,7 @@ def remove_observer(model: nn.Module) -> Path | None:
         return None
     changed = None if observer.at_inject is None else observer.at_inject.changes_note(model)
     if changed is not None:
-        observer.notes.append(changed)  # before the removal, which writes index.md
+        observer.notes.append(changed(layer_span))  # before the removal, which writes index.md
     idle = observer.counter.never_ran(observer.layer_names)
     quiet, notes, fused = cannot_run(
         model, idle, [name for name in observer.layer_names if name not in idle]
@@ -228,7 +229,7 @@ def remove_observer(model: nn.Module) -> Path | None:
         observer.counter.bypassed_by = bypassing_copy(model)  # before the root proxy goes
     left_in_place = observer.remove()
     if changed is not None:
-        warn(f"torchinstruments: {changed}")
+        warn(f"torchinstruments: {changed(repr)}")
     never_ran = [n for n in observer.counter.never_ran(observer.layer_names) if n not in quiet]
     if observer.counter.samples and never_ran:
         total = len(observer.layer_names)

@@ -82,7 +82,7 @@ from torchinstruments.rebuilt_forwards import (
     through_proxy,
 )
 from torchinstruments.records import LayerInfo, module_type
-from torchinstruments.rundir.shell import code_span
+from torchinstruments.rundir.shell import layer_span
 
 # index.md's note on layers whose class changed after injection (`LayerCapture.retype`).
 RETYPED = (
@@ -556,7 +556,7 @@ class LayerCapture:
         first call): its rows give the class it has when measured, and index.md says so once
         per layer (its Layers table keeps the class at injection)."""
         before, self.info = self.info.module_type, LayerInfo(self.info.name, now)
-        note = f"{code_span(self.info.name)} ({before} at injection, {now} when measured)"
+        note = f"{layer_span(self.info.name)} ({before} at injection, {now} when measured)"
         notes = self.observer.notes
         for i, said in enumerate(notes):
             if said.startswith(RETYPED):

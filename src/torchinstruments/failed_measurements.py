@@ -33,7 +33,7 @@ from torchinstruments.notices import SHOWN_KINDS
 from torchinstruments.reasons import NO_VALUE
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.shell import code_span, literal_if_unclear
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 
 __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
@@ -173,7 +173,7 @@ class FailedMeasurements:
                 if of == kind:
                     said = f"{signal}: {', '.join(metrics)} in {_samples(samples)}"
                     per_layer.setdefault(layer, []).append(said)
-            shown = [f"{_layer(layer)} ({'; '.join(s)})" for layer, s in per_layer.items()]
+            shown = [f"{layer_span(layer)} ({'; '.join(s)})" for layer, s in per_layer.items()]
             notes.append(
                 f"Not measured ({_span(kind)}, first as {_span(reason)}) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
@@ -181,13 +181,6 @@ class FailedMeasurements:
                 f"{listed(shown, _SHOWN)}."
             )
         return tuple(notes)
-
-
-def _layer(name: str) -> str:
-    """A layer in a note as index.md's Layers section writes it (a code span of its literal,
-    `<root>`): `'<root>'` outside a span was an HTML tag, which GitHub drops, and a name
-    holding `*` or `_` turned into emphasis."""
-    return code_span(literal_if_unclear(name) or "<root>")
 
 
 def _span(text: str) -> str:

@@ -87,6 +87,7 @@ from torchinstruments.measurement.tensors import (
 )
 from torchinstruments.notices import shown
 from torchinstruments.records import OUTPUT, MetricValue
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 
 RADIX_BITS = 8
 RADIX_PASSES = 64 // RADIX_BITS
@@ -459,7 +460,7 @@ def keep(
     pending: list[GlobalTensor],
     key: Any,
     tensor: torch.Tensor,
-    warn: Callable[[str, str], None],
+    warn: Callable[[str, str, str], None],
 ) -> bool:
     """Append `tensor` to the sample's `pending` if it is measured over its ranks (never
     without the option).
@@ -475,8 +476,11 @@ def keep(
     except Exception as error:
         warn(
             "global-claim",
-            f"global statistics of {key.layer.name!r}{key.tensor_path} failed: {shown(error)}; its "
-            "rows of this sample are not written (a local row would mix populations)",
+            *(
+                f"global statistics of {_tensor_named(key, note)} failed: {shown(error)}; its "
+                "rows of this sample are not written (a local row would mix populations)"
+                for note in (False, True)
+            ),
         )
         return True
     if claimed is not None:
@@ -542,3 +546,12 @@ __all__ = [
     "rows_of",
     "sample_rows",
 ]
+
+
+def _tensor_named(key: Any, note: bool) -> str:
+    """A tensor as a warning names it (`'layer'.path`) or index.md's note (a code span of the
+    layer's literal, then one of its path): Markdown in a name renders outside code."""
+    if not note:
+        return f"{key.layer.name!r}{key.tensor_path}"
+    path = key.tensor_path
+    return layer_span(key.layer.name) + (code_span(literal_if_unclear(path)) if path else "")

@@ -67,6 +67,7 @@ from torch import nn
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo, TensorKey
 from torchinstruments.rundir.ranges import listed, plural
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 
 __all__ = ["GradientGaps", "series_of"]
 
@@ -192,7 +193,7 @@ class GradientGaps:
             self._refused[series] = ([1, sample_id, sample_id], error)
             if len(self._refused) == 1:
                 warn(
-                    f"torchinstruments: the gradient hook of {_series(series)} could not be made "
+                    f"torchinstruments: the gradient hook of {_series(series, warned=True)} could not be made "
                     f"({error}), so {_REFUSED}; index.md names every such tensor at removal"
                 )
         elif seen[0][2] != sample_id:
@@ -237,7 +238,7 @@ class GradientGaps:
                 f"{len(never)} selected layer{'' if len(never) == 1 else 's'} never returned an "
                 "output that requires grad, so no gradient can arrive and "
                 f"{'it has' if len(never) == 1 else 'they have'} no output_gradient rows: "
-                f"{listed([repr(name) for name in never], _SHOWN)} (nothing before them requires "
+                f"{listed([layer_span(name) for name in never], _SHOWN)} (nothing before them requires "
                 "grad: e.g. a layer without parameters fed the input data, or a frozen part of "
                 "the model)."
             )
@@ -259,10 +260,10 @@ class GradientGaps:
                 f"{len(inside)} selected layer{'' if len(inside) == 1 else 's'} {_UNDER_NO_GRAD}"
                 f", so no gradient can arrive and {'it has' if len(inside) == 1 else 'they have'}"
                 " no output_gradient rows (their output rows have grad_enabled false): "
-                f"{listed([repr(name) for name in inside], _SHOWN)} ({_WHY})."
+                f"{listed([layer_span(name) for name in inside], _SHOWN)} ({_WHY})."
             )
         if self._transformed:
-            shown = [f"{name!r} ({how})" for name, how in self._transformed.items()]
+            shown = [f"{layer_span(name)} ({how})" for name, how in self._transformed.items()]
             notes.append(
                 f"{plural(len(shown), 'selected layer')} returned outputs wrapped by a torch.func "
                 f"transform that report requires_grad=False though the values under them "
@@ -271,7 +272,7 @@ class GradientGaps:
         if self._views_changed:
             notes.append(
                 f"{plural(len(self._views_changed), 'selected layer')} {_VIEW_CHANGED}: "
-                f"{_VIEW_WHY}: {listed([repr(name) for name in self._views_changed], _SHOWN)}."
+                f"{_VIEW_WHY}: {listed([layer_span(name) for name in self._views_changed], _SHOWN)}."
             )
         refused = list(self._refused.items())
         if refused:
@@ -336,11 +337,14 @@ def _layer(series: Series) -> str:
     return series if isinstance(series, str) else series[0]
 
 
-def _series(series: Series) -> str:
-    """A series as a note names it: the layer, then its call and path where not the first."""
+def _series(series: Series, warned: bool = False) -> str:
+    """A series as a note names it: the layer (`layer_span`; `repr` in a warning), then its
+    call and path (a code span of its literal in a note) where not the first."""
+    named = repr if warned else layer_span
     if isinstance(series, str):
-        return repr(series)
+        return named(series)
     layer, call_index, path = series
+    shown = path if warned or not path else code_span(literal_if_unclear(path))
     return (
-        repr(layer) + (f" call {call_index}" if call_index else "") + (f" {path}" if path else "")
+        named(layer) + (f" call {call_index}" if call_index else "") + (f" {shown}" if path else "")
     )

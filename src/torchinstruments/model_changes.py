@@ -25,7 +25,7 @@ index.md and result.json's `dtypes` say which samples had which (`rundir.dtype_s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -68,8 +68,9 @@ class ModelAtInject:
         recorded = {info.name for _, info in layers}  # `utf8_text` of the module's names
         self._holders = _layer_holders(at, {name for name in at if utf8_text(name) in recorded})
 
-    def changes_note(self, root: nn.Module) -> str | None:
-        """index.md's note on the model's modules changed since inject, or None if none did.
+    def changes_note(self, root: nn.Module) -> Changes | None:
+        """The note on the model's modules changed since inject, or None if none did: given how
+        to name a module (`layer_span` for index.md, `repr` for the removal's warning), its text.
 
         Runs in `remove_observer`, which must finish the run whatever the model has become: a
         failure to compare is said instead of raised.
@@ -77,72 +78,42 @@ class ModelAtInject:
         try:
             return self._changes(root)
         except Exception as error:
-            return (
+            failed = (
                 f"comparing the model with the modules inject_observer saw failed ({shown(error)}): "
                 "modules added, moved or taken out of the model after inject, if any, are not "
                 "named here"
             )
+            return lambda named: failed
 
-    def _changes(self, root: nn.Module) -> str | None:
+    def _changes(self, root: nn.Module) -> Changes | None:
         """`changes_note`'s comparison."""
         at = dict(named_modules_uncompiled(root, every_name=True))
         now = _names_by_module(at)
-        left, moved, shared = [], [], []
+        left: list[_Layer] = []
+        moved: list[_Layer] = []
+        shared: list[_Layer] = []
         for info, module_ref, before in self._layers:
             module = module_ref()
             names = [] if module is None else now.get(id(module), (module, []))[1]
-            layer = f"{info.name!r} ({info.module_type})"
+            layer = (info.name, info.module_type)
             if not names:
-                left.append(layer)
+                left.append((layer, []))
             elif info.name not in map(utf8_text, names):  # as the layer's name was recorded
-                moved.append(f"{layer} now at {_quoted(names)}")
+                moved.append((layer, names))
             elif new := [name for name in names if name not in before]:
-                shared.append(f"{layer} also at {_quoted(new)}")
+                shared.append((layer, new))
         chosen = self._chooser(root)
         added = [
-            f"{names[0]!r} ({type(module).__name__})"
+            (names[0], type(module).__name__)
             for module, names in now.values()
             if module not in self._modules and chosen(names[0], module)
         ]
         replaced = self._replaced(at)
         if not (left or moved or shared or added or replaced):
             return None
-        parts = []
-        if replaced:
-            parts.append(
-                "names that now hold a module of the other kind (a container where a selected "
-                f"layer was, or a layer where a container of them was): {listed(replaced, _SHOWN)}"
-            )
-        if left:
-            parts.append(
-                f"selected layers taken out of the model (no rows once they stopped "
-                f"running): {listed(left, _SHOWN)}"
-            )
-        if moved:
-            parts.append(
-                f"selected layers moved (their rows keep the name they had at inject): "
-                f"{listed(moved, _SHOWN)}"
-            )
-        if shared:
-            parts.append(
-                "selected layers now also held at another name (one module: its rows keep the "
-                "name it had at inject, its calls from there add call_index values): "
-                f"{listed(shared, _SHOWN)}"
-            )
-        if added:
-            parts.append(
-                f"modules added that the selection would choose now, not observed (no "
-                f"rows): {listed(added, _SHOWN)}"
-            )
-        return (
-            "the model's modules changed after inject_observer; layers are chosen at inject and "
-            "followed as those module objects (as hooks registered then would be): "
-            + "; ".join(parts)
-            + ". To observe the changed model, remove_observer and inject_observer it again, "
-            "with a new output_dir"
-        )
+        return lambda named: _note(named, left, moved, shared, added, replaced)
 
-    def _replaced(self, now: dict[str, nn.Module]) -> list[str]:
+    def _replaced(self, now: dict[str, nn.Module]) -> list[tuple[str, str, str, str]]:
         """The names of selected layers and of their containers at inject that now hold
         another module (`now`: the model's modules by every name), of the other kind (a
         container for a leaf, or a leaf for one)."""
@@ -152,7 +123,7 @@ class ModelAtInject:
             if there is None or there is module_ref() or _is_container(there) == container:
                 continue
             kind = "a leaf" if container else "a container"
-            found.append(f"{name!r} ({was}) is now a {type(there).__name__} ({kind})")
+            found.append((name, was, type(there).__name__, kind))
         return found
 
     def _chooser(self, root: nn.Module) -> Callable[[str, nn.Module], bool]:
@@ -206,6 +177,63 @@ def _layer_holders(
     }
 
 
-def _quoted(names: Iterable[str]) -> str:
-    """`'a'`, or `'a', 'b'`."""
-    return ", ".join(repr(name) for name in names)
+Named = Callable[[str], str]  # how a module's name is written: `layer_span` or `repr`
+Changes = Callable[[Named], str]  # a note on the changes, given how to name a module
+_Layer = tuple[tuple[str, str], list[str]]  # (name, type at inject), names it is now also at
+
+
+def _note(
+    named: Named,
+    left: list[_Layer],
+    moved: list[_Layer],
+    shared: list[_Layer],
+    added: list[tuple[str, str]],
+    replaced: list[tuple[str, str, str, str]],
+) -> str:
+    """`ModelAtInject.changes_note`'s text, each module `named`."""
+
+    def at(layers: list[_Layer], how: str) -> list[str]:
+        return [
+            f"{named(name)} ({kind})" + (f" {how} {', '.join(map(named, names))}" if how else "")
+            for (name, kind), names in layers
+        ]
+
+    left_, moved_, shared_ = at(left, ""), at(moved, "now at"), at(shared, "also at")
+    added_ = [f"{named(name)} ({kind})" for name, kind in added]
+    replaced_ = [
+        f"{named(name)} ({was}) is now a {now} ({kind})" for name, was, now, kind in replaced
+    ]
+    parts = []
+    if replaced_:
+        parts.append(
+            "names that now hold a module of the other kind (a container where a selected "
+            f"layer was, or a layer where a container of them was): {listed(replaced_, _SHOWN)}"
+        )
+    if left_:
+        parts.append(
+            f"selected layers taken out of the model (no rows once they stopped "
+            f"running): {listed(left_, _SHOWN)}"
+        )
+    if moved_:
+        parts.append(
+            f"selected layers moved (their rows keep the name they had at inject): "
+            f"{listed(moved_, _SHOWN)}"
+        )
+    if shared_:
+        parts.append(
+            "selected layers now also held at another name (one module: its rows keep the "
+            "name it had at inject, its calls from there add call_index values): "
+            f"{listed(shared_, _SHOWN)}"
+        )
+    if added_:
+        parts.append(
+            f"modules added that the selection would choose now, not observed (no "
+            f"rows): {listed(added_, _SHOWN)}"
+        )
+    return (
+        "the model's modules changed after inject_observer; layers are chosen at inject and "
+        "followed as those module objects (as hooks registered then would be): "
+        + "; ".join(parts)
+        + ". To observe the changed model, remove_observer and inject_observer it again, "
+        "with a new output_dir"
+    )

@@ -27,7 +27,7 @@ warning and index.md say both, and how to get rows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -35,6 +35,7 @@ from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.reasons import utf8_text
 from torchinstruments.rundir.ranges import listed, plural
+from torchinstruments.rundir.shell import code_span, layer_span
 from torchinstruments.selection import switched_off
 
 __all__ = [
@@ -96,7 +97,7 @@ def tied_note(twins: Mapping[str, list[str]]) -> str | None:
     """index.md's note on the tied twins that never ran (None when there are none)."""
     if not twins:
         return None
-    each = [f"{name!r} (as {', '.join(repr(t) for t in ts)})" for name, ts in twins.items()]
+    each = [f"{layer_span(n)} (as {', '.join(map(layer_span, ts))})" for n, ts in twins.items()]
     return (
         f"Tied weights: {plural(len(twins), 'selected layer')} never ran in a sampled forward, "
         "but a layer of the same type holding the same parameters did, and has the rows of "
@@ -129,7 +130,7 @@ def switched_off_note(settings: Mapping[str, str]) -> str | None:
     """index.md's note on the switched-off layers that never ran (None when there are none)."""
     if not settings:
         return None
-    each = [f"{name!r} ({setting})" for name, setting in settings.items()]
+    each = [f"{layer_span(name)} ({code_span(setting)})" for name, setting in settings.items()]
     return (
         f"Switched off: {plural(len(settings), 'selected layer')} never ran in a sampled "
         "forward, and cannot as the model stands: the parent calls each only under a setting "
@@ -151,12 +152,15 @@ def fused_holders(model: nn.Module, never: Sequence[str]) -> dict[str, str]:
     return found
 
 
-def fused_clause(holders: Mapping[str, str]) -> str:
-    """What the warning and index.md say of layers that never ran inside an encoder layer."""
+def fused_clause(holders: Mapping[str, str], named: Callable[[str], str] = repr) -> str:
+    """What the warning and index.md say of layers that never ran inside an encoder layer,
+    each holder `named` as the warning (`repr`) or index.md (`layer_span`) names layers."""
     counts: dict[str, int] = {}
     for holder in holders.values():
         counts[holder] = counts.get(holder, 0) + 1
-    shown = ", ".join(f"{n} inside nn.TransformerEncoderLayer {h!r}" for h, n in counts.items())
+    shown = ", ".join(
+        f"{n} inside nn.TransformerEncoderLayer {named(h)}" for h, n in counts.items()
+    )
     return (
         f"{shown}: not called, or called past its forward (as `nn.TransformerEncoderLayer."
         "forward(layer, x)`), where its fused fast path in eval without grad calls no submodule; "
@@ -194,7 +198,9 @@ def cannot_run(
     except Exception:
         twins, off, fused = {}, {}, {}
     clause = fused_clause(fused) if fused else ""
-    fused_note = f"Never ran inside an encoder layer: {clause}." if fused else None
+    fused_note = (
+        f"Never ran inside an encoder layer: {fused_clause(fused, layer_span)}." if fused else None
+    )
     notes = tuple(
         note for note in (tied_note(twins), switched_off_note(off), fused_note) if note is not None
     )

@@ -103,16 +103,17 @@ class RecordingFailures:
     a sampler that raised), each kind warned once and kept for index.md's notes: a warning alone
     scrolls away, and the run must say what it did not record (design: never an empty or
     partial run that looks complete). Called as `warn_once(key, message)` is, in its place;
-    `message` says what failed and what is missing because of it.
+    `message` says what failed and what is missing because of it; `note`, where given, says the
+    same for index.md (layers named as its Layers section names them, warnings by `repr`).
     """
 
     def __init__(self, warn_once: Callable[[str, str], None]) -> None:
         self._warn_once = warn_once
         self._said: dict[str, str] = {}  # the first message of each kind, in the order seen
 
-    def __call__(self, key: str, message: str) -> None:
+    def __call__(self, key: str, message: str, note: str | None = None) -> None:
         self._warn_once(key, message)
-        self._said.setdefault(key, message)
+        self._said.setdefault(key, message if note is None else note)
 
     def notes(self) -> tuple[str, ...]:
         """index.md's notes: each kind's first message (later ones of a kind are not counted),

@@ -50,6 +50,7 @@ import torch
 
 from torchinstruments.notices import shown
 from torchinstruments.reasons import utf8_text
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 
 __all__ = ["iter_tensors", "passed_over_message"]
 
@@ -70,7 +71,16 @@ _PLAIN = (
     torch.memory_format,
 )
 
-PassedOver = Callable[[str, str], None]  # (key, message), as `RecordingFailures` takes them
+PassedOver = Callable[[str, str, str], None]  # (key, warning, note): `RecordingFailures`
+
+
+def _names(note: bool) -> tuple[Callable[[str], str], Callable[[str], str]]:
+    """How a message names a layer and a tensor path: `repr` in a warning, in index.md's note
+    a code span of its literal (`layer_span`): `*`, `_` or `<x>` in a name (a `ModuleDict`'s
+    key, a dict output's key) rendered as Markdown there."""
+    if note:
+        return layer_span, lambda path: code_span(literal_if_unclear(path))
+    return repr, repr
 
 
 def iter_tensors(
@@ -90,11 +100,13 @@ def iter_tensors(
     yield from _walk(output, "", _Seen(), 0, layer, passed_over)
 
 
-def passed_over_message(layer: str, path: str, what: str) -> str:
-    """What a run says of an object of kind `what` at `path` in `layer`'s output."""
-    where = f"at tensor_path {path!r} (the first place seen)" if path else "as its whole output"
+def passed_over_message(layer: str, path: str, what: str, note: bool = False) -> str:
+    """What a run says of an object of kind `what` at `path` in `layer`'s output (its warning,
+    or index.md's `note`)."""
+    lay, pat = _names(note)
+    where = f"at tensor_path {pat(path)} (the first place seen)" if path else "as its whole output"
     return (
-        f"layer {layer!r} returned {what} {where}, which the output walk does not enter (it "
+        f"layer {lay(layer)} returned {what} {where}, which the output walk does not enter (it "
         "enters tuples, lists, mappings, named tuples and dataclasses, "
         f"{_MAX_OUTPUT_DEPTH} levels deep): tensors inside it, if any, have no rows"
     )
@@ -168,7 +180,10 @@ def _walk(
     except Exception as error:  # what was read before keeps its rows, the rest of the walk goes on
         if passed_over is not None:
             what = f"{type(obj).__module__}.{type(obj).__qualname__}"
-            passed_over(f"unreadable:{layer}:{what}", _unreadable(layer, path, what, error))
+            passed_over(
+                f"unreadable:{layer}:{what}",
+                *(_unreadable(layer, path, what, error, note) for note in (False, True)),
+            )
 
 
 def _field_names(obj: tuple) -> tuple[str, ...] | None:
@@ -198,12 +213,13 @@ def _another_path(path: str, given: set[str], layer: str, passed_over: PassedOve
         number += 1
     renamed = f"{path}#{number}"
     if passed_over is not None:
-        passed_over(
-            f"same path:{layer}",
-            f"layer {layer!r} returned two different tensors at tensor_path {path!r} (mapping "
-            f"keys that read alike, the first such path seen): the later one's rows are "
-            f"at {renamed!r}",
-        )
+        said = [
+            f"layer {lay(layer)} returned two different tensors at tensor_path {pat(path)} "
+            f"(mapping keys that read alike, the first such path seen): the later one's rows "
+            f"are at {pat(renamed)}"
+            for lay, pat in map(_names, (False, True))
+        ]
+        passed_over(f"same path:{layer}", *said)
     return renamed
 
 
@@ -213,19 +229,22 @@ def _report_alias(
     """Tell `passed_over` (if any) of an object reached again at `path`, once per layer."""
     if passed_over is not None:
         what = "tensor" if tensor else "object, with its tensors,"
-        passed_over(
-            f"aliased:{layer}",
-            f"layer {layer!r} returned the same {what} at tensor_path {path!r} as at "
-            f"{first!r} (the first such path seen): it is measured once, so the rows of "
-            f"{path!r} are those of {first!r}",
-        )
+        said = [
+            f"layer {lay(layer)} returned the same {what} at tensor_path {pat(path)} as at "
+            f"{pat(first)} (the first such path seen): it is measured once, so the rows of "
+            f"{pat(path)} are those of {pat(first)}"
+            for lay, pat in map(_names, (False, True))
+        ]
+        passed_over(f"aliased:{layer}", *said)
 
 
-def _unreadable(layer: str, path: str, kind: str, error: Exception) -> str:
-    """What a run says of an object in `layer`'s output whose entries raised when read."""
-    where = f"at tensor_path {path!r} (the first place seen)" if path else "as its whole output"
+def _unreadable(layer: str, path: str, kind: str, error: Exception, note: bool) -> str:
+    """What a run says of an object in `layer`'s output whose entries raised when read (its
+    warning, or index.md's `note`)."""
+    lay, pat = _names(note)
+    where = f"at tensor_path {pat(path)} (the first place seen)" if path else "as its whole output"
     return (
-        f"layer {layer!r} returned a {kind} {where} that raised when the output walk read it: "
+        f"layer {lay(layer)} returned a {kind} {where} that raised when the output walk read it: "
         f"{shown(error)}; tensors inside it not read by then have no rows (the rest of the "
         "output is recorded)"
     )
@@ -235,4 +254,4 @@ def _report(layer: str, path: str, what: str, passed_over: PassedOver | None) ->
     """Tell `passed_over` (if any) of an object the walk did not enter, once per kind."""
     if passed_over is not None:
         key = f"passed over:{layer}:{what}"  # one per layer and type: a list of them says one
-        passed_over(key, passed_over_message(layer, path, what))
+        passed_over(key, *(passed_over_message(layer, path, what, note) for note in (False, True)))

@@ -34,6 +34,7 @@ from torchinstruments.measurement.transfer import build_records, launch, note_of
 from torchinstruments.notices import RecordingFailures, shown
 from torchinstruments.outputs import iter_tensors
 from torchinstruments.records import OUTPUT, SampleRecord, TensorKey
+from torchinstruments.rundir.shell import layer_span
 from torchinstruments.samples import Sample
 from torchinstruments.sinks.dispatch import SinkGroup
 from torchinstruments.spare_core import SpareCore
@@ -92,8 +93,11 @@ class Recording:
             except Exception as error:
                 self.failed_once(
                     f"walk:{layer.info.name}",
-                    f"reading the output of layer {layer.info.name!r} failed: {shown(error)}; that "
-                    f"call has no rows (sample {sample.sample_id})",
+                    *(
+                        f"reading the output of layer {named(layer.info.name)} failed: "
+                        f"{shown(error)}; that call has no rows (sample {sample.sample_id})"
+                        for named in (repr, layer_span)
+                    ),
                 )
                 return
             for path, tensor in tensors:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from torchinstruments.rundir.shell import layer_span, literal_if_unclear
 from torchinstruments.rundir.windows import TENSOR_KEY
 
 __all__ = ["DtypeChanges", "DtypeSpans", "changed_dtypes", "dtype_changes"]
@@ -134,7 +135,7 @@ def dtype_changes(spans: pl.DataFrame | None, order: pl.DataFrame) -> DtypeChang
         each = ", ".join(
             f"{d} {_samples(f, la)}" for d, f, la in zip(dtypes, firsts, lasts, strict=True)
         )
-        lines.append(f"{layer!r} ({module_type}): {each}")
+        lines.append(f"{layer_span(layer)} ({literal_if_unclear(module_type)}): {each}")
     return DtypeChanges(tuple(lines), layers.height)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.layout import RESULT_FILE, STATE_FILE
 from torchinstruments.rundir.ranges import bound_count
-from torchinstruments.rundir.shell import code_span, literal_if_unclear, table_cell
+from torchinstruments.rundir.shell import layer_span, literal_if_unclear, table_cell
 from torchinstruments.rundir.state import RunState
 
 LISTED_LAYERS = 200
@@ -59,7 +59,7 @@ def _fused_paths(names: tuple[str, ...]) -> str:
 def _name(layer: LayerInfo | str) -> str:
     """A layer's name as index.md writes it: a code span of `literal_if_unclear` (`<root>`)."""
     name = layer.name if isinstance(layer, LayerInfo) else layer
-    return code_span(literal_if_unclear(name) or "<root>")
+    return layer_span(name)
 
 
 def _cell(layer: LayerInfo) -> str:

@@ -115,6 +115,14 @@ def literal_if_unclear(text: str) -> str:
     return repr(text)
 
 
+def layer_span(name: str) -> str:
+    """A layer's name as index.md writes it anywhere (the Layers section, every note): a code
+    span of `literal_if_unclear`, `<root>` for the root. Outside code, a name holding `*`, `_`
+    or `<x>` (an `nn.ModuleDict` key can be any string) renders as emphasis or an HTML tag,
+    which GitHub drops; warnings name layers by `repr` instead, as plain text."""
+    return code_span(literal_if_unclear(name) or "<root>")
+
+
 def error_said(error: BaseException) -> str:
     """`Type: message` for a warning or a note that quotes an error from outside the library
     (a user's sink, reducer, selector or training step; `Type` alone for an empty message),
@@ -146,6 +154,7 @@ __all__ = [
     "command_line",
     "command_span",
     "error_said",
+    "layer_span",
     "literal_if_unclear",
     "table_cell",
     "tool_command",

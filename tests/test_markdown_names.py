@@ -1,0 +1,78 @@
+"""index.md's notes name layers as its Layers section does: a code span of the name's literal.
+
+Why: an `nn.ModuleDict` key can be any string, and a name holding `*`, `_` or `<x>` written
+outside code (`'layers.*a*'`) renders on GitHub as emphasis or as an HTML tag, which it drops.
+The warnings that say the same things name layers by `repr`, as every library warning does.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+
+class Pair(nn.Module):
+    """Returns one tensor twice: the second place is an alias of the first."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y, y
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # `<b>` is fed the input (no grad), `*a*` is swapped after inject, `_c_` aliases.
+        self.layers = nn.ModuleDict({"<b>": nn.ReLU(), "*a*": nn.Linear(3, 3), "_c_": Pair()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers["*a*"](self.layers["<b>"](x))
+        return sum(self.layers["_c_"](y)).sum()
+
+
+def outside_code(markdown: str) -> str:
+    """`markdown` without its fenced blocks and inline code spans (any fence length)."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    return re.sub(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)", "", text, flags=re.DOTALL)
+
+
+def test_every_note_names_a_layer_holding_markdown_as_code_and_its_warning_by_repr(
+    tmp_path: Path,
+) -> None:
+    model = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inject_observer(
+            model,
+            output_dir=tmp_path / "s",
+            sampler=EveryNForwardsSampler(1),
+            selector=lambda name, module: name.startswith("layers."),
+        )
+        model(torch.randn(2, 3)).backward()
+        model.double()  # the same layers, another dtype: index.md's dtype note names them
+        model(torch.randn(2, 3, dtype=torch.float64)).backward()
+        model.layers["*a*"] = nn.Linear(3, 3)  # taken out, and one added in its place
+        remove_observer(model)
+    said = [str(w.message) for w in caught]
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    for note in (
+        "no output_gradient rows: `layers.<b>` (nothing before",
+        "layer `layers._c_` returned the same tensor at tensor_path `[1]` as at `[0]`",
+        "taken out of the model (no rows once they stopped running): `layers.*a*` (Linear)",
+        "not observed (no rows): `layers.*a*` (Linear)",
+        "`layers.*a*` (Linear): float32 sample 0, float64 sample 1",
+    ):
+        assert note in index, note
+    rest = outside_code(index)
+    assert [name for name in ("<b>", "*a*", "_c_") if name in rest] == []
+    for warning in (
+        "layer 'layers._c_' returned the same tensor at tensor_path '[1]' as at '[0]'",
+        "taken out of the model (no rows once they stopped running): 'layers.*a*' (Linear)",
+    ):
+        assert any(warning in w for w in said), (warning, said)

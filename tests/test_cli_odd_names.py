@@ -41,7 +41,7 @@ from torchinstruments.rundir.shell import error_said
 
 from conftest import cli_in_process
 
-# Layer name -> how the text views write it (markdown: the same, each `|` as `\|`).
+# Layer name -> how the text views write it (markdown: the same, markup behind backslashes).
 SHOWN = {
     "new\nline": r"'new\nline'",
     "back\\nslash": r"back\nslash",  # a backslash and an n: the name as it is
@@ -51,7 +51,10 @@ SHOWN = {
     "bar|x": "bar|x",
     "'quoted": '"\'quoted"',
     "plain": "plain",
+    "<b>*x*_y_`z`": "<b>*x*_y_`z`",  # printable: as it is, but Markdown in a markdown table
 }
+# How `--format markdown` writes that name: each character of markup behind a backslash.
+MARKDOWN_CELL = {"<b>*x*_y_`z`": r"\<b\>\*x\*\_y\_\`z\`"}
 GONE = "only\nA"  # a layer run A has and run B lacks
 # The dict-output layer's tensors: a string key is written by its repr in the tensor path
 # (`['k\\nx']`), and the tensor's name, holding the layer's line break, as its literal.
@@ -170,10 +173,15 @@ def test_csv_and_json_give_back_every_name_exactly(name: str, runs: tuple[Path, 
     assert len(rows) == len(got)
 
 
+def unescaped(cell: str) -> str:
+    """A markdown cell's text: CommonMark's backslash escapes (before ASCII punctuation) read."""
+    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", cell)
+
+
 def read_cell(cell: str) -> str:
-    """A markdown cell read back: each `\\|` a `|`, then a text that begins with a quote is a
+    """A markdown cell read back: its escapes read, then a text that begins with a quote is a
     Python string literal."""
-    text = cell.replace("\\|", "|")
+    text = unescaped(cell)
     return ast.literal_eval(text) if text.startswith(("'", '"')) else text
 
 
@@ -192,7 +200,9 @@ def test_markdown_keeps_a_row_per_tensor_and_its_names_read_back(
     assert len(set(got)) == len(got)
     assert set(got) == tensors(runs[0])
     for layer, shown in SHOWN.items():
-        assert sum(cells[0] == shown.replace("|", "\\|") for cells in rows) == 1, layer
+        assert sum(unescaped(cells[0]) == shown for cells in rows) == 1, layer
+    for layer, cell in MARKDOWN_CELL.items():  # renders as itself: no tag, emphasis or code
+        assert sum(cells[0] == cell for cells in rows) == 1, layer
 
 
 def first_cells(text: str) -> list[str]:
@@ -283,7 +293,7 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
     # The user's errors a note quotes (a sink's, a reducer's), and so their warnings.
     assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in index
-    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 10 layers" in index
+    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 11 layers" in index
     assert "\x1b" not in index
     assert [w for w in WARNED if "boom" in w or "bad" in w]
     assert not [w for w in WARNED if "\x1b" in w]

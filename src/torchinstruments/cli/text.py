@@ -27,7 +27,7 @@ import polars as pl
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
-from torchinstruments.rundir.shell import literal_if_unclear, table_cell
+from torchinstruments.rundir.shell import literal_if_unclear, markdown_text, table_cell
 
 NUMBER_WIDTH = 10
 # A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
@@ -262,12 +262,13 @@ def json_document(frame: pl.DataFrame, facts: dict[str, Any]) -> str:
 def markdown(frame: pl.DataFrame) -> str:
     """A GitHub pipe table of `frame` (floats with full repr precision), one line per row: a
     text holding a line break (a layer name, an error's message in a reason) is written as
-    its Python string literal and a `|` as `\\|` (`rundir.shell.table_cell`)."""
+    its Python string literal, and each character Markdown reads as markup (`|`, `*`, `<`, a
+    backtick...) behind a backslash (`rundir.shell.table_cell`), so a name renders as itself."""
 
     def cell(value: Any) -> str:
         if value is None:
             return ""
-        return table_cell(value) if isinstance(value, str) else str(value).replace("|", "\\|")
+        return table_cell(value) if isinstance(value, str) else markdown_text(str(value))
 
     lines = [
         "| " + " | ".join(frame.columns) + " |",

@@ -68,7 +68,7 @@ def _cell(layer: LayerInfo) -> str:
     return _name(layer).replace("|", "\\|")
 
 
-# Said in the Layers section of a run with a name `literal_if_unclear` or `table_cell` changes.
+# Said in the Layers section of a run with a name `literal_if_unclear` changes or holding `|`.
 _WRITTEN_AS_LITERALS = (
     " A layer name or module type that holds a line break or another character that is not "
     "printable, or begins with a quote, is written on this page as its Python string literal "
@@ -79,7 +79,8 @@ _WRITTEN_AS_LITERALS = (
 def _written_as_literals(run: RunInfo) -> str:
     """`_WRITTEN_AS_LITERALS` where some layer's name or module type is so written, else ""."""
     texts = (text for li in run.layers for text in (li.name, li.module_type))
-    return _WRITTEN_AS_LITERALS if any(table_cell(t) != t for t in texts) else ""
+    unclear = any(literal_if_unclear(t) != t or "|" in t for t in texts)
+    return _WRITTEN_AS_LITERALS if unclear else ""
 
 
 def _by_type(layers: Sequence[LayerInfo]) -> dict[str, list[LayerInfo]]:

@@ -137,10 +137,31 @@ def error_said(error: BaseException) -> str:
 
 
 def table_cell(text: str) -> str:
-    """`text` for a GitHub Markdown table cell: `literal_if_unclear`, with each `|` as `\\|`
-    (GitHub splits a row at every unescaped `|`, inside a code span too, and shows `\\|`
-    there as `|`; reading a cell back, drop the backslash before each `|`)."""
-    return literal_if_unclear(text).replace("|", "\\|")
+    """`text` for a GitHub Markdown table cell outside code: `literal_if_unclear`, then each
+    character Markdown would read as markup behind a backslash (`markdown_text`), a `|` too
+    (GitHub splits a row at every unescaped `|`). Reading a cell back, drop the backslash
+    before each ASCII punctuation character (CommonMark's backslash escape)."""
+    return markdown_text(literal_if_unclear(text))
+
+
+# Read as markup anywhere in a line (a code span, emphasis, strikethrough, a link, an HTML tag or
+# entity), and `|`, which ends a table cell: written behind a backslash by `markdown_text`.
+_MARKUP = frozenset("\\`*~[]<>&|")
+
+
+def markdown_text(text: str) -> str:
+    """`text` as Markdown that renders as itself inside a line: each character that would
+    start markup (`_MARKUP`, and an `_` not between two letters or digits: `self_attn` stays,
+    `_c_` would be emphasis) behind a backslash. A layer name is any string (a `ModuleDict`
+    key), and `<b>` in a cell was an HTML tag GitHub drops, `*a*` emphasis."""
+    last = len(text) - 1
+    return "".join(
+        "\\" + char
+        if char in _MARKUP
+        or (char == "_" and not (0 < i < last and text[i - 1].isalnum() and text[i + 1].isalnum()))
+        else char
+        for i, char in enumerate(text)
+    )
 
 
 def command_span(*words: str | os.PathLike[str]) -> str:
@@ -156,6 +177,7 @@ __all__ = [
     "error_said",
     "layer_span",
     "literal_if_unclear",
+    "markdown_text",
     "table_cell",
     "tool_command",
     "tool_span",

@@ -37,6 +37,7 @@ from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.plot import plot
 from torchinstruments.cli.ranks_draw import RankLines
 from torchinstruments.cli.selection import Selection
+from torchinstruments.rundir.lock import RunLock, RunLockedError
 from torchinstruments.rundir.shell import error_said
 
 from conftest import cli_in_process
@@ -446,3 +447,15 @@ def test_an_error_a_warning_or_note_quotes_is_written_by_the_same_rule() -> None
     assert error_said(ValueError("")) == "ValueError"
     assert error_said(ValueError("a\nb\x1b[2J")) == r"'ValueError: a\nb\x1b[2J'"
     assert error_said(UnreadableError()) == "UnreadableError: (its message could not be read)"
+
+
+def test_a_locked_run_directory_is_refused_by_its_literal(tmp_path: Path) -> None:
+    """The refusal reaches the user's traceback (inject with resume=True, finalize): a line
+    break in the directory's name forged a line there, an escape rewrote the terminal."""
+    directory = tmp_path / "held\x1b[2J\nrun"
+    with RunLock(directory), pytest.raises(RunLockedError) as refused:
+        RunLock(directory).acquire()
+    said = str(refused.value)
+    assert said.startswith(repr(str(directory)) + " is in use by a live process (pid "), said
+    assert "\x1b" not in said
+    assert "\n" not in said

@@ -25,6 +25,7 @@ from types import ModuleType, TracebackType
 from torchinstruments.notices import warn
 from torchinstruments.rundir.id_mark import MARK_OFFSET
 from torchinstruments.rundir.layout import LOCK_FILE
+from torchinstruments.rundir.shell import literal_if_unclear
 from torchinstruments.rundir.stuck_writes import stuck_in
 
 __all__ = [
@@ -138,7 +139,7 @@ class RunLock:
             if locker is None:
                 warn(
                     "torchinstruments: this platform has neither fcntl nor msvcrt, so the run "
-                    f"directory {self.path.parent} is not locked; do not run finalize on it while "
+                    f"directory {literal_if_unclear(str(self.path.parent))} is not locked; do not run finalize on it while "
                     "the run is live"
                 )
             elif not _taken(fd, locker):
@@ -249,17 +250,19 @@ def writer_ended_text() -> str:
 
 def _refusal(directory: Path, holder: str) -> str:
     """Why `directory`'s lock is refused: a write this process gave up still holds it
-    (`rundir.stuck_writes`), or a live run, `holder` (its pid), writes there."""
-    stuck = stuck_in(directory)
+    (`rundir.stuck_writes`), or a live run, `holder` (its pid), writes there. The directory
+    by index.md's rule (`literal_if_unclear`): the refusal reaches the user's traceback, where
+    a line break in the name forged a line and an escape rewrote the terminal."""
+    stuck, named = stuck_in(directory), literal_if_unclear(str(directory))
     if stuck is not None:
-        return f"{directory} is in use: {stuck.describe(directory)}"
+        return f"{named} is in use: {stuck.describe(directory)}"
     if holder.endswith(f", {FINALIZE})"):
         return (
-            f"{directory} is in use by a live process{holder}: a finalize is completing the run "
+            f"{named} is in use by a live process{holder}: a finalize is completing the run "
             "there. Wait for it to end."
         )
     return (
-        f"{directory} is in use by a live process{holder}: a run is still writing there. Wait "
+        f"{named} is in use by a live process{holder}: a run is still writing there. Wait "
         "for it to end (remove_observer) or stop it first."
     )
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from torchinstruments.rundir.shell import literal_if_unclear
+
 __all__ = ["Progress", "StuckWrite", "record", "stuck_in"]
 
 
@@ -71,7 +73,8 @@ class StuckWrite:
             "file system that stopped answering?), and its thread still waits on "
             f"{self.progress.step}: it holds the run's lock until that returns. Not "
             f"written: {', '.join(self.not_written)}. Wait for the write to return (check the "
-            f"disk or file system under {directory}), or pass another output_dir; "
+            f"disk or file system under {literal_if_unclear(str(directory))}), or pass another "
+            "output_dir; "
             f"{self.advice}"
         )
 

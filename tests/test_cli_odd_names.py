@@ -37,6 +37,7 @@ from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.plot import plot
 from torchinstruments.cli.ranks_draw import RankLines
 from torchinstruments.cli.selection import Selection
+from torchinstruments.cli.text import error_lines
 from torchinstruments.rundir.lock import RunLock, RunLockedError
 from torchinstruments.rundir.shell import error_said
 
@@ -459,3 +460,19 @@ def test_a_locked_run_directory_is_refused_by_its_literal(tmp_path: Path) -> Non
     assert said.startswith(repr(str(directory)) + " is in use by a live process (pid "), said
     assert "\x1b" not in said
     assert "\n" not in said
+
+
+def test_an_error_of_several_lines_keeps_them_each_behind_the_program() -> None:
+    """Polars' errors are lines (a caret under a regex, the expression it failed in): printed
+    raw, the second line stood on stderr as if the program or the shell had said it; each
+    line now begins with the program, and an escape is written as one."""
+    with pytest.raises(pl.exceptions.PolarsError) as raised:
+        pl.DataFrame({"a": ["x"]}).filter(pl.col("a").str.contains("("))
+    lines = error_lines("torchinstruments show", raised.value).split("\n")
+    assert lines[0] == "torchinstruments show: regex error: regex parse error:"
+    assert len(lines) > 3
+    assert all(line.startswith("torchinstruments show:") for line in lines), lines
+    assert "\t" not in "".join(lines)
+    assert lines[-1].strip() != "torchinstruments show:"
+    said = error_lines("p", ValueError("a\x1b[2J\r\nb\n"), "error: ")
+    assert said == "p: error: a\\x1b[2J\np: b"

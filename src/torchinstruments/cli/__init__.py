@@ -107,15 +107,16 @@ def run_command(args: argparse.Namespace) -> int:
     from torchinstruments.cli.ranks_command import UsageError, run_on_ranks
     from torchinstruments.cli.reader import NotARunError
     from torchinstruments.cli.states import decoded_once
+    from torchinstruments.cli.text import error_lines
 
     with decoded_once():
         try:
             done = run_on_ranks(args, _run_single, _selection, _width())
         except UsageError as exc:
-            print(f"torchinstruments {args.command}: error: {exc}", file=sys.stderr)
+            print(error_lines(f"torchinstruments {args.command}", exc, "error: "), file=sys.stderr)
             return 2
         except (NotARunError, ValueError) as exc:
-            print(f"torchinstruments {args.command}: {exc}", file=sys.stderr)
+            print(error_lines(f"torchinstruments {args.command}", exc), file=sys.stderr)
             return 1
         return _run_single(args) if done is None else done
 
@@ -123,7 +124,7 @@ def run_command(args: argparse.Namespace) -> int:
 def _run_single(args: argparse.Namespace) -> int:
     """Run a command whose directories are single runs; returns the exit code."""
     from torchinstruments.cli.reader import NotARunError
-    from torchinstruments.cli.text import plural
+    from torchinstruments.cli.text import error_lines, plural
 
     prog = f"torchinstruments {args.command}"
     try:
@@ -195,7 +196,7 @@ def _run_single(args: argparse.Namespace) -> int:
                     yscale=args.yscale,
                 )
             except MatplotlibMissingError as exc:
-                print(f"{prog}: {exc}", file=sys.stderr)
+                print(error_lines(prog, exc), file=sys.stderr)
                 return 3
             print(
                 f"wrote {_path(result.path)} ({result.width_px}x{result.height_px} px): "
@@ -240,7 +241,7 @@ def _run_single(args: argparse.Namespace) -> int:
                     max_tensors=args.max_tensors or heatmap.DEFAULT_MAX_TENSORS,
                 )
             except MatplotlibMissingError as exc:
-                print(f"{prog}: {exc}", file=sys.stderr)
+                print(error_lines(prog, exc), file=sys.stderr)
                 return 3
             for r in results:
                 print(
@@ -257,7 +258,7 @@ def _run_single(args: argparse.Namespace) -> int:
                 )
             return 0
     except (NotARunError, ValueError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(error_lines(prog, exc), file=sys.stderr)
         return 1
     raise ValueError(f"unknown command {args.command!r}")
 
@@ -277,6 +278,7 @@ _PATH_ARGUMENTS = {
 def _expand_paths(args: argparse.Namespace) -> bool:
     """Expand `~` in the path arguments once; False (said in one line on stderr) when one
     starts with `~name` for a user that does not exist (a usage error, exit 2)."""
+    from torchinstruments.cli.text import error_lines
     from torchinstruments.rundir.output_dir import expand_user
 
     for attribute, shown in _PATH_ARGUMENTS.items():
@@ -286,7 +288,7 @@ def _expand_paths(args: argparse.Namespace) -> bool:
         try:
             setattr(args, attribute, expand_user(value, shown))
         except ValueError as error:
-            print(f"torchinstruments {args.command}: {error}", file=sys.stderr)
+            print(error_lines(f"torchinstruments {args.command}", error), file=sys.stderr)
             return False
     return True
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torchinstruments.cli.rank_runs import missing_line, missing_ranks, rank_runs
 from torchinstruments.cli.reader import NotARunError, read_facts
-from torchinstruments.cli.text import plural
+from torchinstruments.cli.text import error_lines, plural
 from torchinstruments.rundir.attempt_ends import unremoved_attempts, unremoved_said
 from torchinstruments.rundir.cut_finish import killed_in_finish
 from torchinstruments.rundir.finish import finalize
@@ -53,10 +53,10 @@ def _finalize(directory: Path, rank: str = "") -> int:
             warnings.simplefilter("ignore", RuntimeWarning)
             report = finalize(directory, parent_page=not rank)
     except RunLockedError as exc:
-        print(f"torchinstruments finalize: refused: {exc}", file=sys.stderr)
+        print(error_lines("torchinstruments finalize", exc, "refused: "), file=sys.stderr)
         return 2
     except (FileNotFoundError, NotADirectoryError, NewerStateError) as exc:
-        print(f"torchinstruments finalize: {exc}", file=sys.stderr)
+        print(error_lines("torchinstruments finalize", exc), file=sys.stderr)
         return 1
     except OSError as exc:  # the lock file cannot be opened: a directory it may not write
         print(f"torchinstruments finalize: {error_said(exc)}", file=sys.stderr)

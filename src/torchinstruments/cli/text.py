@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import polars as pl
 
+from torchinstruments.notices import printable
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
@@ -63,6 +65,23 @@ def notes_lines(notes: Sequence[str]) -> list[str]:
     if len(notes) > NOTES_SHOWN:
         lines.append(f"- ... ({len(notes) - NOTES_SHOWN} more)")
     return lines
+
+
+def error_lines(prog: str, error: BaseException, kind: str = "") -> str:
+    """An error for stderr: `prog: KIND message`, a message of several lines kept as lines,
+    each behind `prog: `, each written by `notices.printable` (tabs as spaces).
+
+    Why lines, not one literal: Polars' errors (a damaged file, a regex it refuses) are meant
+    to be read as lines (a caret under the pattern, the expression it failed in); one
+    `'...\\n...'` literal hid that. Raw, a line of the message stood unprefixed on stderr,
+    where it read as the program's own next line (or a shell's), and an escape in a quoted
+    path rewrote the terminal; prefixed, every line says whose it is and `grep prog:` keeps
+    the whole message."""
+    lines = [printable(line.expandtabs(4)) for line in re.split(r"\r\n|\n", str(error))]
+    while len(lines) > 1 and not lines[-1].strip():
+        lines.pop()
+    first, *rest = lines
+    return "\n".join([f"{prog}: {kind}{first}", *(f"{prog}: {line}".rstrip() for line in rest)])
 
 
 def tensor_label(
@@ -297,6 +316,7 @@ __all__ = [
     "TEXT_SERIES",
     "cut_note",
     "earliest",
+    "error_lines",
     "json_document",
     "markdown",
     "notes_lines",

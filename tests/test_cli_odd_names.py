@@ -23,6 +23,7 @@ import io
 import json
 import re
 import shutil
+import unicodedata
 import warnings
 from pathlib import Path
 
@@ -54,6 +55,8 @@ SHOWN = {
     "'quoted": '"\'quoted"',
     "plain": "plain",
     "<b>*x*_y_`z`": "<b>*x*_y_`z`",  # printable: as it is, but Markdown in a markdown table
+    "層一": "層一",  # two wide characters: four terminal columns
+    "e\u0301x": "e\u0301x",  # a combining accent: two columns
 }
 # How `--format markdown` writes that name: each character of markup behind a backslash.
 MARKDOWN_CELL = {"<b>*x*_y_`z`": r"\<b\>\*x\*\_y\_\`z\`"}
@@ -233,6 +236,21 @@ def test_the_text_view_writes_each_name_on_its_row_as_index_md_does(
     note = "- sink <test_cli_odd_names.FailingSink object at "
     (said,) = [line for line in lines if line.startswith(note)]
     assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in said
+    if name == "show":  # each row ends in the same terminal column (its numbers right-aligned)
+        table = lines[lines.index(next(li for li in lines if li.startswith("---"))) - 1 :]
+        table = table[: table.index("")] if "" in table else table
+        widths = {
+            sum(
+                0
+                if unicodedata.combining(c)
+                else 2
+                if unicodedata.east_asian_width(c) == "W"
+                else 1
+                for c in line
+            )
+            for line in table
+        }
+        assert len(widths) == 1, table
     if name == "show":  # the module type's column, on plain's row
         (row,) = [line for line in lines if line.startswith("plain ")]
         assert row.split()[1] == r"'Odd\nType'"
@@ -295,7 +313,7 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
     # The user's errors a note quotes (a sink's, a reducer's), and so their warnings.
     assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in index
-    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 11 layers" in index
+    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 13 layers" in index
     assert "\x1b" not in index
     assert [w for w in WARNED if "boom" in w or "bad" in w]
     assert not [w for w in WARNED if "\x1b" in w]

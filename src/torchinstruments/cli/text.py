@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,11 +133,55 @@ def number(value: float | None, *, missing: str = "-") -> str:
     return text if len(text) <= NUMBER_WIDTH else f"{value:.2e}"
 
 
+def columns(text: str) -> int:
+    """The terminal columns `text` takes: 2 for a wide character (CJK: East Asian Wide or
+    Fullwidth), 0 for a combining mark (it sits on the character before), 1 for the others.
+    `len` counted characters, and a layer named in Chinese, or with an accent written as a
+    combining mark, pushed the columns after it out of line."""
+    return sum(_char_columns(char) for char in text)
+
+
+def _char_columns(char: str) -> int:
+    """`columns` of one character."""
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _tail(text: str, width: int) -> str:
+    """The longest end of `text` that takes at most `width` columns."""
+    taken, start = 0, len(text)
+    while start > 0 and taken + _char_columns(text[start - 1]) <= width:
+        start -= 1
+        taken += _char_columns(text[start])
+    return text[start:]
+
+
+def _head(text: str, width: int) -> str:
+    """The longest beginning of `text` that takes at most `width` columns."""
+    taken, end = 0, 0
+    while end < len(text) and taken + _char_columns(text[end]) <= width:
+        taken += _char_columns(text[end])
+        end += 1
+    return text[:end]
+
+
 def shorten(text: str, width: int) -> str:
-    """`text` cut to `width` characters, keeping its end (the distinctive part of a layer name)."""
-    if len(text) <= width:
+    """`text` cut to `width` columns (`columns`), keeping its end (the distinctive part of a
+    layer name)."""
+    if columns(text) <= width:
         return text
-    return "..." + text[len(text) - width + 3 :] if width > 3 else text[:width]
+    return "..." + _tail(text, width - 3) if width > 3 else _head(text, width)
+
+
+def _pieces(text: str, width: int) -> list[str]:
+    """`text` split into lines of at most `width` columns (a wide character never halved)."""
+    pieces = []
+    while text:
+        piece = _head(text, width) or text[0]
+        pieces.append(piece)
+        text = text[len(piece) :]
+    return pieces
 
 
 def series_table(
@@ -187,14 +232,14 @@ def table(
         wrap_first: the first column's cells that do not fit go whole on a line of their own
             (split at `width` when longer), above the row, whose first cell is then blank.
     """
-    sizes = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    sizes = [max([columns(h), *(columns(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     gap = 2
     excess = sum(sizes) + gap * (len(sizes) - 1) - width
     keep = whole if whole is not None else [False] * len(headers)
     shrinkable = [i for i, is_num in enumerate(numeric) if not is_num and not keep[i]]
     while excess > 0 and shrinkable:
         widest = max(shrinkable, key=lambda i: sizes[i])
-        floor = max(6, len(headers[widest]))
+        floor = max(6, columns(headers[widest]))
         if sizes[widest] <= floor:
             shrinkable.remove(widest)
             continue
@@ -210,20 +255,21 @@ def table(
     first_out = False
     if excess > 0 and wrap_first and not numeric[0]:
         left = sizes[0] - excess
-        sizes[0] = left if left >= len(headers[0]) else 0
+        sizes[0] = left if left >= columns(headers[0]) else 0
         first_out = sizes[0] == 0
 
     def line(cells: Sequence[str]) -> str:
         out = []
         for cell, size, is_num in zip(cells, sizes, numeric, strict=True):
             cell = shorten(cell, size)
-            out.append(cell.rjust(size) if is_num else cell.ljust(size))
+            pad = " " * (size - columns(cell))  # by columns: `ljust` counts characters
+            out.append(pad + cell if is_num else cell + pad)
         return (" " * gap).join(out[1:] if first_out else out).rstrip()
 
     out = [line(headers), line(["-" * s for s in sizes])]
     for r in rows:
-        if wrap_first and len(r[0]) > sizes[0]:
-            out += [r[0][i : i + width] for i in range(0, len(r[0]), width)]
+        if wrap_first and columns(r[0]) > sizes[0]:
+            out += _pieces(r[0], width)
             r = ["", *r[1:]]
         out.append(line(r))
     return out

@@ -57,6 +57,8 @@ SHOWN = {
     "<b>*x*_y_`z`": "<b>*x*_y_`z`",  # printable: as it is, but Markdown in a markdown table
     "層一": "層一",  # two wide characters: four terminal columns
     "e\u0301x": "e\u0301x",  # a combining accent: two columns
+    "ls\u2028x": r"'ls\u2028x'",  # line breaks to str.splitlines, not to JSON
+    "nel\x85x": r"'nel\x85x'",
 }
 # How `--format markdown` writes that name: each character of markup behind a backslash.
 MARKDOWN_CELL = {"<b>*x*_y_`z`": r"\<b\>\*x\*\_y\_\`z\`"}
@@ -181,6 +183,24 @@ def test_csv_and_json_give_back_every_name_exactly(name: str, runs: tuple[Path, 
 def unescaped(cell: str) -> str:
     """A markdown cell's text: CommonMark's backslash escapes (before ASCII punctuation) read."""
     return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", cell)
+
+
+def test_each_file_and_json_row_keeps_a_name_on_its_line_for_splitlines(
+    runs: tuple[Path, Path],
+) -> None:
+    """result.json holds one layer per line and `show --format json` one row per line: a
+    reader splitting them with `str.splitlines` (which splits at U+2028 and U+0085, as JSON
+    does not) gets one line per layer or row; index.md and the state file hold none raw."""
+    layers = len(SHOWN) + 2  # GONE and the dict output's layer
+    lines = (runs[0] / "result.json").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == layers + 2  # `[` and `]`
+    assert {json.loads(line.rstrip(","))["layer"] for line in lines[1:-1]} >= set(SHOWN)
+    rows = json.loads(command("show", runs, "--format", "json"))["rows"]
+    shown = command("show", runs, "--format", "json").splitlines()
+    assert len(shown) == len(rows) + 2  # `{"run":...,"rows":[` and `]}`
+    for name in ("index.md", ".state.json"):
+        text = (runs[0] / name).read_text(encoding="utf-8")
+        assert [c for c in ("\u2028", "\x85") if c in text] == [], name
 
 
 def read_cell(cell: str) -> str:
@@ -313,7 +333,7 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
     # The user's errors a note quotes (a sink's, a reducer's), and so their warnings.
     assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in index
-    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 13 layers" in index
+    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 15 layers" in index
     assert "\x1b" not in index
     assert [w for w in WARNED if "boom" in w or "bad" in w]
     assert not [w for w in WARNED if "\x1b" in w]

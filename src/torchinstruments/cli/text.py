@@ -30,7 +30,12 @@ from torchinstruments.notices import printable
 from torchinstruments.records import OUTPUT
 from torchinstruments.rundir.layout import INDEX_FILE
 from torchinstruments.rundir.ranges import plural
-from torchinstruments.rundir.shell import literal_if_unclear, markdown_text, table_cell
+from torchinstruments.rundir.shell import (
+    json_on_one_line,
+    literal_if_unclear,
+    markdown_text,
+    table_cell,
+)
 
 NUMBER_WIDTH = 10
 # A comparison's text view's most series unless --all (`earliest` chooses them): 3,000 layers
@@ -309,7 +314,8 @@ def _finite_floats(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
 
 def _json(value: Any) -> str:
     """One compact JSON value: strict (no NaN or Infinity), UTF-8 text as it is."""
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return json_on_one_line(text)  # one row per line, whatever a name holds
 
 
 def json_document(frame: pl.DataFrame, facts: dict[str, Any]) -> str:

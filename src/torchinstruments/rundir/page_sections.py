@@ -20,7 +20,7 @@ from torchinstruments.rundir.layout import (
     PARTS_DIR,
     STATE_FILE,
 )
-from torchinstruments.rundir.shell import tool_span
+from torchinstruments.rundir.shell import json_on_one_line, tool_span
 
 COLUMN_NOTES = {
     "sample_id": "0-based count of sampled root forwards; the x-axis of every trend",
@@ -81,7 +81,7 @@ METRIC_NOTES = (
 
 def quoted(text: str) -> str:
     """A Python string literal (double-quoted) for `text`."""
-    return json.dumps(text, ensure_ascii=False)
+    return json_on_one_line(json.dumps(text, ensure_ascii=False))  # "\u2028": Python reads it too
 
 
 def section_files(run: RunInfo) -> list[str]:

@@ -23,12 +23,14 @@ from typing import Any
 import polars as pl
 
 from torchinstruments.rundir.series_stats import WINDOW_NAMES
+from torchinstruments.rundir.shell import json_on_one_line
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY, finite_or_none
 
 
 def encode(value: object) -> str:
     """One record (or string) as compact strict JSON (no NaN or Infinity)."""
-    return json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    return json_on_one_line(text)  # one layer per line, whatever its name holds
 
 
 # The facts about which samples a series was observed in; equal for every metric of a tensor.

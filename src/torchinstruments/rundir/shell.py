@@ -164,6 +164,22 @@ def markdown_text(text: str) -> str:
     )
 
 
+# Line breaks to `str.splitlines` that JSON writes raw (it escapes those below U+0020 only).
+_JSON_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def json_on_one_line(text: str) -> str:
+    """JSON text (`json.dumps(..., ensure_ascii=False)`) with NEL, LINE SEPARATOR and
+    PARAGRAPH SEPARATOR written as `\\uXXXX` escapes (the same string to every JSON reader):
+    raw, a layer named with one split its line of result.json (one layer per line) or of
+    `show --format json` (one row per line) for a reader that splits with `str.splitlines`,
+    and a Python literal in index.md's queries. They occur only inside JSON strings, so the
+    replacement never touches the JSON's structure."""
+    if not any(char in text for char in _JSON_BREAKS):
+        return text
+    return "".join(_JSON_BREAKS.get(char, char) for char in text)
+
+
 def command_span(*words: str | os.PathLike[str]) -> str:
     """`command_line(*words)` as a Markdown code span (for index.md)."""
     return code_span(command_line(*words))
@@ -175,6 +191,7 @@ __all__ = [
     "command_line",
     "command_span",
     "error_said",
+    "json_on_one_line",
     "layer_span",
     "literal_if_unclear",
     "markdown_text",

@@ -76,6 +76,7 @@ from torchinstruments.rundir.layout import (
 )
 from torchinstruments.rundir.ledger import LostRows
 from torchinstruments.rundir.marks import SampleMark
+from torchinstruments.rundir.shell import json_on_one_line
 
 SCHEMA_VERSION = 1
 
@@ -445,7 +446,7 @@ def encode_state(state: RunState) -> str:
     """The state file's text: strict JSON (no NaN), UTF-8, one key per line."""
     data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "status": state.status.value}
     data.update(_encode_fields(state, _ENCODE))
-    return json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    return json_on_one_line(json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False)) + "\n"
 
 
 class NewerStateError(ValueError):

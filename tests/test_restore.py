@@ -133,7 +133,7 @@ def test_a_layer_forward_replaced_during_a_sampled_forward_is_named_in_index(
     with pytest.warns(RuntimeWarning, match=r"\(layer '0'\)"):
         remove_observer(model)
     index = (run_dir / "index.md").read_text()
-    assert "replaced or wrapped after inject_observer, the forward of: layer '0'. " in index
+    assert "replaced or wrapped after inject_observer, the forward of: layer `0`. " in index
 
 
 def test_layer_forward_replaced_between_forwards_is_kept_and_still_observed(

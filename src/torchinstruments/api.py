@@ -26,7 +26,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
-from torchinstruments.capture import forward_is_property
+from torchinstruments.capture import forward_is_property, forwards_said
 from torchinstruments.compilation import (
     compile_notes,
     compiled_modules,
@@ -243,7 +243,7 @@ def remove_observer(model: nn.Module) -> Path | None:
     if left_in_place:
         warn(
             f"torchinstruments: {len(left_in_place)} module forward(s) were replaced or wrapped "
-            f"after inject_observer ({', '.join(left_in_place)}); they were left in place and the "
+            f"after inject_observer ({forwards_said(left_in_place)}); they were left in place and the "
             "proxies inside them are now inert; calls through a replacement that skipped the "
             "proxy were not observed (index.md says so)"
         )

@@ -93,6 +93,7 @@ _RETYPED_SHOWN = 20  # layers named in that note (index.md stays bounded)
 
 __all__ = [
     "SENT_TO_A_NEW_PROCESS",
+    "Forward",
     "ForwardProxy",
     "LayerCapture",
     "Proxies",
@@ -100,6 +101,7 @@ __all__ = [
     "Wrapper",
     "by_module_call",
     "forward_is_property",
+    "forwards_said",
     "install_proxy",
     "left_in_place_note",
     "restore_proxy",
@@ -325,7 +327,7 @@ class Proxies:
         self._last: list[ForwardProxy | None] = []
         self._lock = threading.Lock()
         self._holders: set[object] = set()  # the sampled forwards in flight that installed them
-        self._left_in_place: list[str] = []  # layers whose proxy a replacement kept
+        self._left_in_place: list[Forward] = []  # layers whose proxy a replacement kept
         self._fused_root: weakref.ref[nn.Module] | None = None  # see `root_fused_path`
 
     def after_fork_in_child(self) -> None:
@@ -424,7 +426,7 @@ class Proxies:
             module = module_ref()
             if module is not None and not restore_proxy(module, self._token):
                 # Replaced or wrapped during the forward: left in place, inert once closed.
-                self._left_in_place.append(f"layer {name!r}" if name else type(module).__name__)
+                self._left_in_place.append(("layer", name) if name else ("", type(module).__name__))
                 self._warn_once(
                     f"replaced:{name}",
                     f"the forward of {name or type(module).__name__!r} was replaced during a "
@@ -432,7 +434,7 @@ class Proxies:
                     "inside it (inert after removal)",
                 )
 
-    def restore(self) -> tuple[str, ...]:
+    def restore(self) -> tuple[Forward, ...]:
         """Undo the root's proxy, and the layers' where a sampled forward left them on (removed
         during it, or its end cut by an interrupt); returns the forwards whose proxy was left in
         place, because someone replaced or wrapped it (see `left_in_place_note`)."""
@@ -441,7 +443,7 @@ class Proxies:
                 self._holders.clear()
                 self._take_layers_off()
         released = release(self._token)  # forwards rebuilt from a proxy's `__func__` skip it
-        left_in_place: list[str] = []
+        left_in_place: list[Forward] = []
         for module_ref in reversed(self._installed):
             module = module_ref()
             if module is None:
@@ -450,7 +452,7 @@ class Proxies:
             if not restore_proxy(module, self._token) and not rebuilt_from(
                 module.__dict__.get("forward"), released
             ):
-                left_in_place.append(f"the root ({type(module).__name__})")
+                left_in_place.append(("root", type(module).__name__))
             rebound_plainly(module, released)
         self._installed.clear()
         self._last = [None] * len(self._last)  # the layers' modules are not held after removal
@@ -589,10 +591,24 @@ def by_module_call(root_ref: Callable[[], nn.Module | None] | None) -> bool:
     return isinstance(code, CodeType) and caller_of_code_is_module_call(code)
 
 
-def left_in_place_note(forwards: tuple[str, ...]) -> str:
+# A forward left in place: ("layer", its name), ("root", its class) or ("", a module's class).
+Forward = tuple[str, str]
+
+
+def forwards_said(forwards: tuple[Forward, ...], named: Callable[[str], str] = repr) -> str:
+    """`forwards` for the removal's warning (a layer `named` by `repr`) or index.md's note
+    (`layer_span`: a name holding `*` or `<x>` rendered as Markdown outside code)."""
+    return ", ".join(
+        f"layer {named(text)}" if kind == "layer" else f"the root ({text})" if kind else text
+        for kind, text in forwards
+    )
+
+
+def left_in_place_note(forwards: tuple[Forward, ...]) -> str:
     """index.md's note on forwards replaced or wrapped after injection (`Proxies.restore`)."""
     return (
-        f"replaced or wrapped after inject_observer, the forward of: {', '.join(forwards)}. "
+        "replaced or wrapped after inject_observer, the forward of: "
+        f"{forwards_said(forwards, layer_span)}. "
         "Removal left each replacement in place (an observer proxy it still calls is inert now). "
         "Calls that went through a replacement without reaching that proxy were not observed: a "
         "root forward made so was neither counted nor sampled, and a layer call made so has no rows"

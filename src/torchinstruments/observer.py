@@ -78,7 +78,13 @@ from torchinstruments._torch_internals import (
     running,
 )
 from torchinstruments._torch_internals.dynamo import called_within
-from torchinstruments.capture import LayerCapture, Proxies, by_module_call, left_in_place_note
+from torchinstruments.capture import (
+    Forward,
+    LayerCapture,
+    Proxies,
+    by_module_call,
+    left_in_place_note,
+)
 from torchinstruments.compilation import (
     CompiledCalls,
     ForwardEntry,
@@ -248,7 +254,7 @@ class Observer:
         self.proxies.install_root(root, self.on_root_call)
         self._finalizer = finalize_unremoved(root, self)  # with a note on why it ended
 
-    def remove(self) -> tuple[str, ...]:
+    def remove(self) -> tuple[Forward, ...]:
         """Undo every proxy and close; returns the forwards whose proxy was left in place
         (replaced or wrapped by someone else), which index.md names too."""
         if self._finalizer is not None:

@@ -105,6 +105,12 @@ def test_training_is_observed_into_the_output_dir_with_histograms_on_the_global_
     assert {"bert.embeddings.word_embeddings", "classifier"} <= layers
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
     assert run_status(run) == "complete"
+    # No evaluation in the fit: the calls after it, which the run never sees, are still said.
+    notes = (run / "index.md").read_text(encoding="utf-8").splitlines()
+    assert (
+        "**Note:** trainer.evaluate() and trainer.predict() calls after the fit run after the "
+        "observer was removed: not observed, not counted."
+    ) in notes
 
     # The Trainer's own TensorBoard writer holds its scalars and the focus histograms.
     logs = [p.parent for p in (tmp_path / "out" / "runs").rglob("events.out.tfevents.*")]

@@ -93,6 +93,12 @@ def test_fit_is_observed_into_the_log_dir_with_histograms_on_the_global_step(
     assert set(history["layer"].unique()) == {"net.0", "net.1", "net.2"}
     assert set(history["signal"].unique()) == {"output", "output_gradient"}
     assert run_status(run) == "complete"
+    # No evaluation in the fit: the calls after it, which the run never sees, are still said.
+    notes = (run / "index.md").read_text(encoding="utf-8").splitlines()
+    assert (
+        "**Note:** trainer.validate(), trainer.test() and trainer.predict() calls after the fit "
+        "run after the observer was removed: not observed, not counted."
+    ) in notes
 
     events = EventAccumulator(str(log_dir), size_guidance={HISTOGRAMS: 0}).Reload()
     tags = cast(dict[str, list[str]], events.Tags())

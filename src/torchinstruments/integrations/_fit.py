@@ -549,7 +549,9 @@ def _note_evaluation(
     """index.md: how many evaluation and setup forwards there were, and what became of them
     (`fit`: the callback's, for its name and its trainer's evaluations; `recording`: whether
     record_eval recorded them; None: as the counts say, for another callback's fit;
-    `after_the_fit`: the sentence on the trainer's calls after the fit)."""
+    `after_the_fit`: the sentence on the trainer's calls after the fit, said in every run: in
+    the evaluation note where there is one (record_eval's is said at the fit's start), else
+    alone, so a fit without evaluation still says what it did not record)."""
     counts = observed_counts(observed)
     if counts is None:
         return
@@ -573,6 +575,8 @@ def _note_evaluation(
             f"({fit.owner}(record_eval=True) records "
             f"evaluation forwards as their own series). {after_the_fit}",
         )
+    else:  # no evaluation note carries it: the trainer's calls after the fit are said alone
+        add_run_note(observed, after_the_fit)
     if setup:
         add_run_note(observed, _setup_note(setup))
 

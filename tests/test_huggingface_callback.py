@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import gc
 import re
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -128,8 +130,11 @@ def test_training_that_raises_removes_the_observer_and_says_so_in_index_md(
 ) -> None:
     model = tiny_bert()
     callback = HuggingFaceObserver(tmp_path / "run", sampler=EveryNForwardsSampler(1))
-    with pytest.raises(ValueError, match="boom in compute_loss"):
-        train(tmp_path, model, callback, RaisingTrainer)
+    held = raise_in_train(tmp_path, model, callback)
+    gc.collect()
+    # A step the Trainer does not retry: nothing of the failed train() is kept (its frame
+    # would keep its callers' locals, such as this tensor, until the next train()).
+    assert held() is None
 
     assert not has_observer(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -141,6 +146,16 @@ def test_training_that_raises_removes_the_observer_and_says_so_in_index_md(
         "the fit ended with an exception at global step 2: ValueError: boom in compute_loss."
         in index
     )
+
+
+def raise_in_train(tmp_path: Path, model: nn.Module, callback: HuggingFaceObserver) -> Any:
+    """A `RaisingTrainer` fit, raised and handled: a weak reference to a tensor that was a local
+    of the frame calling `train()`, alive as long as anything keeps that frame."""
+    local = torch.ones(8)
+    held = weakref.ref(local)
+    with pytest.raises(ValueError, match="boom in compute_loss"):
+        train(tmp_path, model, callback, RaisingTrainer)
+    return held
 
 
 class Spread(nn.Module):

@@ -13,7 +13,8 @@ Hooks, one line each:
   sample's loss scale is recorded (`loss_scale.py`). A second `on_train_begin` inside the same
   `train()` after its training loop raised (in a training step, or outside it while that
   `train()` still runs) is the Trainer's retry of the loop (`auto_find_batch_size`): it
-  continues that run as a new attempt (`_retry_note`).
+  continues that run as a new attempt (`_retry_note`). Only a step exception the Trainer
+  retries (`_retried`) keeps the `train()` frame until then: any other lets it go at once.
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -94,6 +95,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from accelerate.utils.memory import should_reduce_batch_size
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
@@ -225,7 +227,11 @@ class HuggingFaceObserver(TrainerCallback):
             _keep_run(state, self._key, self._fit.run_directory)
         if directory is not None and trainer is not None:
             self._step_guard = TrainingStepMark(
-                trainer, self._fit, lambda error: self._on_step_exception(error, state.global_step)
+                trainer,
+                self._fit,
+                lambda error: self._on_step_exception(
+                    error, state.global_step, _retried(args, state.train_batch_size, error)
+                ),
             )
             if self._fit.phases is not None and loop is not None:
                 self._loop, self._step = (loop, threading.get_ident()), lambda: state.global_step
@@ -332,10 +338,14 @@ class HuggingFaceObserver(TrainerCallback):
         self._fit.finish()
         self._failed = (kept[0], run, None)
 
-    def _on_step_exception(self, error: BaseException, step: int) -> None:
+    def _on_step_exception(self, error: BaseException, step: int, retried: bool) -> None:
+        """A training step raised `error` at global `step`: finish the run. The fit's `train()`
+        frame is kept only where the Trainer runs its loop again (`retried`), whose
+        `on_train_begin` takes it: kept otherwise, it would hold that frame's locals and its
+        callers' (batches, tensors) until the next train() or the process's end."""
         loop, run = self._loop, self._fit.run_directory
         self._loop = None
-        if loop is not None and run is not None:  # the Trainer may run its loop again
+        if retried and loop is not None and run is not None:  # the Trainer runs its loop again
             self._failed = (loop[0], run, type(error).__name__)
         self._undo_guard()
         self._fit.finish(error, step)
@@ -344,6 +354,16 @@ class HuggingFaceObserver(TrainerCallback):
         guard, self._step_guard = self._step_guard, None
         if guard is not None:
             guard.undo()
+
+
+def _retried(args: TrainingArguments, batch_size: int | None, error: BaseException) -> bool:
+    """Whether the Trainer runs its training loop again after a training step raised `error`
+    with batches of `batch_size`: under `auto_find_batch_size` only, where accelerate takes the
+    error for running out of memory and nine tenths of the batch size is still a batch (checked
+    on transformers 5.24.0 and accelerate 1.15.0; at zero it raises instead)."""
+    if not args.auto_find_batch_size or not isinstance(error, Exception):
+        return False
+    return should_reduce_batch_size(error) and (batch_size is None or int(batch_size * 0.9) > 0)
 
 
 def _retry_note(error: str | None, batch_size: int | None) -> str:

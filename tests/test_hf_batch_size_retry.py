@@ -108,6 +108,13 @@ def test_a_retry_with_a_smaller_batch_continues_the_run_as_an_attempt(
         "which the Trainer took for running out of memory): its global steps start again from 0"
     )
     assert f"attempt 1: {said}" in index
+    # The retry repeats the failed step 0, and is said as a retry: it resumed nothing.
+    repeated = (
+        "attempt 1: this attempt, the trainer's retry of its training loop, started again at "
+        "global step 0, and earlier attempts had recorded training samples up to step 0"
+    )
+    assert (repeated in index) is in_step  # outside the step, attempt 0 trained no step
+    assert "resumed at global step" not in index
     ended = (
         f"the fit ended with an exception at global step 0: RuntimeError: {OOM}"
         if in_step

@@ -157,6 +157,7 @@ class FitObservation:
         self._evaluations: EvaluationSteps | None = None
         self._earlier = EarlierSteps()
         self._resume_step = 0
+        self._retried = False  # whether this fit is the trainer's retry of its loop (`start`)
         self._checked_first_step = False
         self._fits_started = 0  # fits this callback was told of (attached or not)
         # The fit's training steps so far (None: they cannot be told apart), and its step.
@@ -254,6 +255,7 @@ class FitObservation:
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
         repeats = resume and resume_step is not None and self.eval_sampler is not None
         self._evaluations = EvaluationSteps() if repeats else None
+        self._retried = retry is not None
         self.directory = start_run(
             target,
             config,
@@ -309,7 +311,8 @@ class FitObservation:
 
     def _note_repeats(self, step: int) -> None:
         """index.md and a warning when this fit resumed behind the last step earlier attempts
-        recorded (preempted after its last checkpoint): those steps have samples in more than
+        recorded (preempted after its last checkpoint; or the trainer's retry of its loop, from
+        step 0 again, worded as such: `resumed_at`): those steps have samples in more than
         one attempt, which a join of `step` with the trainer's log would pair with one value.
         The evaluations it repeats are said when it ends (`_repeats`)."""
         assert self.observed is not None
@@ -318,12 +321,12 @@ class FitObservation:
         self._resume_step = step
         if self._evaluations is not None:
             self._evaluations.watch(frozenset(s for _, s in earlier.evaluated))
-        if (said := logger_repeats(self.logger_sink, step, LOGGER)) is not None:
+        if (said := logger_repeats(self.logger_sink, step, LOGGER, self._retried)) is not None:
             add_run_note(self.observed, said)
         reached = earlier.trained
         if reached is None or reached < step:
             return
-        said = resumed_training_note(step, reached)
+        said = resumed_training_note(step, reached, self._retried)
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 
@@ -497,7 +500,9 @@ class FitObservation:
         _note_evaluation(observed, self, self.eval_sampler is not None, self._after_the_fit())
         evaluations, self._evaluations = self._evaluations, None
         if evaluations is not None:
-            said = repeated_evaluations(self._earlier, evaluations.counts(), self._resume_step)
+            said = repeated_evaluations(
+                self._earlier, evaluations.counts(), self._resume_step, self._retried
+            )
             if said is not None:
                 add_run_note(observed, said)
                 warn(f"torchinstruments: {self.owner}: {said}")

@@ -27,7 +27,7 @@ import polars as pl
 from torchinstruments.records import MeasurementBlock, RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.event_steps import folder_steps
 from torchinstruments.rundir.ranges import plural, ranges
-from torchinstruments.rundir.repeats import sample_steps
+from torchinstruments.rundir.repeats import resumed_at, sample_steps
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
 
@@ -116,10 +116,11 @@ class EvaluationSteps:
 
 
 def repeated_evaluations(
-    earlier: EarlierSteps, this_fit: Counter[int], resume_step: int
+    earlier: EarlierSteps, this_fit: Counter[int], resume_step: int, retried: bool = False
 ) -> str | None:
     """index.md's note on the evaluation steps this fit and an earlier attempt both sampled,
-    with each attempt's evaluation samples there; None when there are none."""
+    with each attempt's evaluation samples there; None when there are none (`retried`: the
+    fit is the trainer's retry of its loop, not a resumed one: `resumed_at`)."""
     repeated = sorted(set(this_fit) & {step for _, step in earlier.evaluated})
     if not repeated:
         return None
@@ -131,17 +132,20 @@ def repeated_evaluations(
     counts.append(f"{plural(sum(this_fit[s] for s in repeated), 'sample')} in this one")
     where = f"step {repeated[0]}" if len(repeated) == 1 else f"steps {ranges(repeated)}"
     return (
-        f"this fit resumed at global step {resume_step} and evaluated again at {where}, where "
+        f"{resumed_at(resume_step, retried)} and evaluated again at {where}, where "
         f"earlier attempts had recorded evaluation samples too, so the evaluation samples at "
         f"{where} appear in more than one attempt ({', '.join(counts)}); tell them apart by "
         "`attempt`: the latest attempt's evaluate the training that went on"
     )
 
 
-def logger_repeats(sink: Sink | None, resume_step: int, logger: str) -> str | None:
+def logger_repeats(
+    sink: Sink | None, resume_step: int, logger: str, retried: bool = False
+) -> str | None:
     """index.md's note when the trainer's TensorBoard logger (`sink`) writes where an earlier
     attempt's did (a pinned version or logging_dir) and that one has records at steps this fit,
-    resumed at `resume_step`, writes again; None otherwise (a new folder per fit, the default).
+    resumed at `resume_step` (or, `retried`, the trainer's retry of its loop started again at
+    it), writes again; None otherwise (a new folder per fit, the default).
 
     Why: TensorBoard's default data server keeps one record per tag and step, and a record at a
     step it has seen drops the ones at or after it (its handling of a restarted job), so those
@@ -154,7 +158,7 @@ def logger_repeats(sink: Sink | None, resume_step: int, logger: str) -> str | No
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
     return (
         f"{logger} writes to {folder}, where earlier attempts wrote records up to step "
-        f"{steps[-1]}; this fit resumed at global step {resume_step} and writes there again, so "
+        f"{steps[-1]}; {resumed_at(resume_step, retried)} and writes there again, so "
         "TensorBoard's default data server (a record at a step it has seen drops the ones at or "
         f"after it) shows this attempt's histograms from step {resume_step} on and no longer "
         f"the earlier attempts' at {where} (its Python reader, --load_fast=false, draws both). "

@@ -27,6 +27,7 @@ from torchinstruments.rundir.ranges import plural, ranges
 
 __all__ = [
     "killed_repeat_notes",
+    "resumed_at",
     "resumed_training_note",
     "sample_steps",
     "with_killed_repeats",
@@ -34,19 +35,28 @@ __all__ = [
 
 _TRAINING = (pl.col("mode") == "train") | (pl.col("signal") == "output_gradient")
 _RESUMED = "this fit resumed at global step "
+_RETRIED = "this attempt, the trainer's retry of its training loop, started again at global step "
 _UP_TO = "and earlier attempts had recorded training samples up to step "
 
 
-def resumed_training_note(step: int, reached: int) -> str:
-    """index.md's note, said at a resumed fit's start, that it resumed at global `step` and
-    earlier attempts had recorded training samples up to step `reached` (>= `step`)."""
+def resumed_at(step: int, retried: bool = False) -> str:
+    """How index.md says where an attempt that repeats steps began: a fit resumed from a
+    checkpoint at `step`, or (`retried`) the trainer's retry of its training loop inside the
+    same call (auto_find_batch_size), which starts again from `step` and resumed nothing."""
+    return f"{_RETRIED if retried else _RESUMED}{step}"
+
+
+def resumed_training_note(step: int, reached: int, retried: bool = False) -> str:
+    """index.md's note, said at a resumed fit's start, that it resumed at global `step` (or,
+    `retried`, that the trainer's retry of its loop started again there) and earlier attempts
+    had recorded training samples up to step `reached` (>= `step`)."""
     which = (
         f"step {step} was trained again, so its"
         if reached == step
         else f"steps {step} to {reached} were trained again, so their"
     )
     return (
-        f"{_RESUMED}{step}, {_UP_TO}{reached}: {which} samples appear in more than one attempt "
+        f"{resumed_at(step, retried)}, {_UP_TO}{reached}: {which} samples appear in more than one attempt "
         "(tell them apart by `attempt`: the latest attempt's are the training that went on)"
     )
 
@@ -137,4 +147,4 @@ def _fit_start_note(note: str, labels: set[str]) -> bool:
     """Whether `note` is the fit-start note on the steps it trains again of an attempt whose
     label (`attempt N`) is in `labels`."""
     label, _, text = note.partition(": ")
-    return label in labels and text.startswith(_RESUMED) and _UP_TO in text
+    return label in labels and text.startswith((_RESUMED, _RETRIED)) and _UP_TO in text

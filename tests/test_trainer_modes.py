@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import LightningObserver
+from torchinstruments.registry import OBSERVERS
 
 from conftest import read_history, read_result
 
@@ -175,3 +176,64 @@ def test_training_samples_without_a_backward_are_said_swa_epoch_and_steps_return
     assert len(said) == 1
     assert "training batch 1 (global step 1)" in said[0]
     assert "sample 1 of that batch" in said[0]
+
+
+class StopsWithoutEndingTheFit(lightning.Callback):
+    """Raises at the end of global step 2, and again in its own on_exception: the callbacks
+    after it (the observer) hear neither on_fit_end nor on_exception."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == 2:
+            raise RuntimeError("stop")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        raise RuntimeError("stopped again") from exception
+
+
+def fit_ended_unseen(run: Path) -> nn.Module:
+    """A fit whose step 0 returned None, ended unseen by the observer: its model, whose run
+    is never removed (the observer's finalizer finishes it, at the exit or the collection)."""
+    model = WithBatchNorm()
+    model.skip = {0}
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[
+            StopsWithoutEndingTheFit(),
+            LightningObserver(run, sampler=EveryNForwardsSampler(1)),
+        ],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit(model, DataLoader(data, batch_size=4))
+        except RuntimeError as error:
+            assert str(error) == "stopped again"
+    return model
+
+
+def test_a_fit_ended_unseen_keeps_the_note_on_steps_returning_none_when_its_run_is_finalized(
+    tmp_path: Path,
+) -> None:
+    """A fit ended with neither on_fit_end nor on_exception (another callback's on_exception
+    raised first): the run is finished without removal, by its finalizer, and its index.md
+    still names the batch whose training_step returned None, as the run state did live."""
+    run = tmp_path / "run"
+    model = fit_ended_unseen(run)
+    finalizer = OBSERVERS[model]._finalizer
+    assert finalizer is not None
+    finalizer()  # as at the process's exit, which the model outlives here
+    index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
+    assert "remove_observer was not called: the run was finished" in index
+    assert (
+        "training_step returned None for 1 training batch (global step 0), and Lightning runs no "
+        "backward for such a batch"
+    ) in index
+    assert "sample 0 of that batch has output rows and no output_gradient rows" in index
+    assert index.count("training_step returned None") == 1

@@ -45,6 +45,7 @@ class SkippedBackwards:
         self._ids: list[int] = []  # the first SHOWN of those samples
         self._steps: list[int] = []  # the first SHOWN distinct steps of those batches
         self._more_steps = False  # whether there were more
+        self._said = False  # whether the owner gave the final note (`final_note`)
 
     def batch_start(self) -> None:
         """A training batch starts: its samples are the ones recorded from now on."""
@@ -76,8 +77,14 @@ class SkippedBackwards:
     def note_so_far(self) -> str | None:
         """The note as the run state keeps it while the fit goes on (`NoteKeeper`): a lower
         bound, should the fit be killed before its end (None: no such batch yet)."""
-        said = self.note()
+        said = None if self._said else self.note()
         return None if said is None else f"{SO_FAR}{said}"
+
+    def final_note(self) -> str | None:
+        """The fit's end: the whole note (None: none), which replaces the live one from now on
+        (a run closed without it keeps the live one: `NoteKeeper`)."""
+        self._said = True
+        return self.note()
 
     def note(self) -> str | None:
         """index.md's note on the fit's batches whose backward was skipped (None: none)."""

@@ -396,7 +396,7 @@ class LightningObserver(Callback):
     def _say_skipped(self) -> None:
         """index.md: the fit's training samples whose backward Lightning skipped."""
         skipped, self._skipped = self._skipped, None
-        said = None if skipped is None else skipped.note()
+        said = None if skipped is None else skipped.final_note()
         if said is not None and self._fit.observed is not None:
             add_run_note(self._fit.observed, said)
 

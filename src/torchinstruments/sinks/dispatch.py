@@ -103,8 +103,11 @@ class SinkGroup:
 
     def close(self, counts: RunCounts) -> None:
         """Close every sink, the run directory first, after the notes of the caller's
-        TensorBoard sinks that left samples out (`TensorBoardSink.shared_step_note`)."""
-        for note in self.shared_step_notes():
+        TensorBoard sinks that left samples out (`TensorBoardSink.shared_step_note`) and those
+        of its `NoteKeeper`s whose owner gave no final word (a run finished without its
+        owner's end: what the run state said live is not dropped from the final one)."""
+        kept = (s.note_so_far() for s in list(self._sinks) if isinstance(s, NoteKeeper))
+        for note in (*self.shared_step_notes(), *(note for note in kept if note)):
             self.add_note(note)
         self._call("close", counts)
         self._sinks.clear()

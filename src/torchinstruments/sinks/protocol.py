@@ -44,10 +44,13 @@ class NoteKeeper(Protocol):
     """A sink that says something of the run while it goes on (a trainer callback's sink, on
     what it learns from the samples): the run directory's flush thread reads the note at each
     of its rounds and keeps it in the run state, so a run killed before removal still says it
-    (`rundir.live_notes`). Its final word, if any, is the owner's to give at removal."""
+    (`rundir.live_notes`). Its final word, if any, is the owner's to give at removal; a run
+    closed without it (a fit that ended unseen by its callback, finished by the observer's
+    finalizer) keeps the note as of its close (`SinkGroup.close`)."""
 
     def note_so_far(self) -> str | None:
-        """The note as of now, or None while there is nothing to say; must not block."""
+        """The note as of now, or None while there is nothing to say, or once the owner gave
+        its final word; must not block."""
         ...
 
 

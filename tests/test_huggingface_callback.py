@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import gc
+import io
 import re
 import warnings
 import weakref

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning
 import polars as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import nn
@@ -182,7 +183,9 @@ class StopsWithoutEndingTheFit(lightning.Callback):
     """Raises at the end of global step 2, and again in its own on_exception: the callbacks
     after it (the observer) hear neither on_fit_end nor on_exception."""
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == 2:
             raise RuntimeError("stop")
 
@@ -211,10 +214,8 @@ def fit_ended_unseen(run: Path) -> nn.Module:
     data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
+        with pytest.raises(RuntimeError, match=r"^stopped again$"):
             trainer.fit(model, DataLoader(data, batch_size=4))
-        except RuntimeError as error:
-            assert str(error) == "stopped again"
     return model
 
 

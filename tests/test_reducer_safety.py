@@ -153,15 +153,6 @@ def random_subsample_mean(tensor: torch.Tensor) -> torch.Tensor:
     return flat[torch.randint(flat.numel(), (4,))].mean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a custom reducer that draws from torch's global RNG (torch.randint, a random "
-        "subsample) moves the training's RNG: the observed run's later draws (dropout masks, "
-        "data shuffling) differ from the unobserved run's; measurement/reducers.py calls the "
-        "reducer without forking the RNG of the tensor's device (torch.random.fork_rng)"
-    ),
-)
 def test_a_reducer_drawing_random_numbers_leaves_the_training_rng_as_it_was(
     run_dir: Path,
 ) -> None:
@@ -194,16 +185,6 @@ class UnshowableReducer:
         raise RuntimeError("no repr")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason=(
-        "inject_observer raises the reducer's own RuntimeError('no repr'): "
-        "measurement/custom.py formats repr(reducer) eagerly while checking a correct "
-        "reducer (_as_reducers' label, check_unique's owners), where samplers and sinks are "
-        "quoted with notices.repr_of"
-    ),
-)
 def test_a_correct_reducer_whose_repr_raises_is_accepted_and_measures(run_dir: Path) -> None:
     model = mlp()
     inject_observer(

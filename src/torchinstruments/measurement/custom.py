@@ -15,6 +15,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from torchinstruments.measurement import tensors
+from torchinstruments.notices import repr_of
 from torchinstruments.records import INTERRUPTED
 
 __all__ = ["READY", "AbsMax", "L2Norm", "Reducer", "ReducerSpec"]
@@ -118,7 +119,7 @@ class _FunctionReducer:
 
     def __repr__(self) -> str:
         function = getattr(self._function, "__qualname__", self._function)
-        return f"{{{self.metrics[0]!r}: {function!r}}}"
+        return f"{{{self.metrics[0]!r}: {repr_of(function)}}}"
 
 
 ReducerSpec = Reducer | Mapping[str, Callable[[torch.Tensor], object]] | Callable[..., object]
@@ -156,7 +157,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
         for name, function in item.items():
             if not callable(function):
                 raise TypeError(
-                    f"{label}[{name!r}] must be a function tensor -> scalar, got {function!r}"
+                    f"{label}[{name!r}] must be a function tensor -> scalar, got {repr_of(function)}"
                 )
         return [_FunctionReducer(name, function) for name, function in item.items()]
     if isinstance(item, type):  # callable, and has `metrics` when it is a Reducer class
@@ -167,10 +168,10 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
     if not callable(item):
         raise TypeError(
             f"{label} must be a Reducer (callable with `metrics`), a {{metric_name: fn}} "
-            f"mapping, or a named function tensor -> scalar; got {item!r}"
+            f"mapping, or a named function tensor -> scalar; got {repr_of(item)}"
         )
     if hasattr(item, "metrics"):
-        check_names(f"{label} ({item!r}).metrics", item.metrics)
+        check_names(f"{label} ({repr_of(item)}).metrics", item.metrics)
         return [item]  # type: ignore[list-item]
     name = getattr(item, "__name__", None)
     if name == "<lambda>":
@@ -180,7 +181,7 @@ def _as_reducers(label: str, item: object) -> list[Reducer]:
         )
     if not isinstance(name, str) or not name.isidentifier():
         raise TypeError(
-            f"{label} ({item!r}) has no `metrics` and no function name to name its metric: "
+            f"{label} ({repr_of(item)}) has no `metrics` and no function name to name its metric: "
             "give it a `metrics` tuple (a Reducer), or pass `{metric_name: fn}`"
         )
     check_names(label, [name])
@@ -207,7 +208,7 @@ def check_unique(reducers: Sequence[Reducer]) -> None:
     owners: dict[str, list[str]] = {}
     for reducer in reducers:
         for name in reducer.metrics:
-            owners.setdefault(name, []).append(repr(reducer))
+            owners.setdefault(name, []).append(repr_of(reducer))
     clashes = {name: who for name, who in owners.items() if len(who) > 1}
     if clashes:
         described = "; ".join(f"{name!r} from {' and '.join(who)}" for name, who in clashes.items())

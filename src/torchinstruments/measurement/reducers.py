@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -266,6 +266,25 @@ def _reduce_default(
     return _Part(metrics, refs=refs, derive=derive), block, histogram
 
 
+@contextlib.contextmanager
+def _rng_kept(device: torch.device) -> Iterator[None]:
+    """The random state of the CPU and of `device` as it was before a custom reducer drew from
+    it (a random subsample): observing must not change the training's later draws (dropout
+    masks, shuffling). A device whose generator cannot be read keeps the CPU's alone."""
+    cpu = torch.get_rng_state()
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    state = None
+    with contextlib.suppress(Exception):
+        state = None if module is None else module.get_rng_state(device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if state is not None:
+            with contextlib.suppress(Exception):
+                module.set_rng_state(state, device)  # type: ignore[union-attr]
+
+
 def _reduce_custom(
     reducer: Reducer,
     metrics: tuple[str, ...],
@@ -275,7 +294,8 @@ def _reduce_custom(
 ) -> tuple[_Part, torch.Tensor | None]:
     """One custom reducer's `metrics`: plain device scalars wait for the sample's transfer."""
     try:
-        result = reducer(tensor)
+        with _rng_kept(tensor.device):
+            result = reducer(tensor)
     except Exception as error:
         return _Part.null(metrics, reasons.error("reducer", error)), None
     if not isinstance(result, Mapping):

@@ -26,7 +26,7 @@ from torch import nn
 
 from torchinstruments import forks
 from torchinstruments.bypass import bypassing_copy
-from torchinstruments.capture import forward_is_property, forwards_said
+from torchinstruments.capture import forward_is_property
 from torchinstruments.compilation import (
     compile_notes,
     compiled_modules,
@@ -40,6 +40,7 @@ from torchinstruments.fused_paths import fused_path_modules
 from torchinstruments.global_option import global_notes, holds_no_dtensor
 from torchinstruments.global_statistics import close_run
 from torchinstruments.history_config import HistoryConfig
+from torchinstruments.left_in_place import forwards_said
 from torchinstruments.loss_scale import describe_scaler, scaler_notes
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject

@@ -73,6 +73,7 @@ from torchinstruments._torch_internals import (
 )
 from torchinstruments._torch_internals.dynamo import trace_through
 from torchinstruments.fused_paths import FusedPathGuard, fused_path_modules
+from torchinstruments.left_in_place import Forward
 from torchinstruments.notices import warn
 from torchinstruments.rebuilt_forwards import (
     Owner,
@@ -93,7 +94,6 @@ _RETYPED_SHOWN = 20  # layers named in that note (index.md stays bounded)
 
 __all__ = [
     "SENT_TO_A_NEW_PROCESS",
-    "Forward",
     "ForwardProxy",
     "LayerCapture",
     "Proxies",
@@ -101,9 +101,7 @@ __all__ = [
     "Wrapper",
     "by_module_call",
     "forward_is_property",
-    "forwards_said",
     "install_proxy",
-    "left_in_place_note",
     "restore_proxy",
 ]
 
@@ -197,10 +195,14 @@ class LayerProxy(ForwardProxy):
     dynamo cannot trace wrapt's C `__call__` (an error in the user's step). Traced, the call runs
     unmeasured, which the run says (`LayerCapture.traced`); run, it is wrapt's call, unchanged."""
 
+    def __init__(self, module: nn.Module, original: Callable[..., Any], *rest: Any) -> None:
+        super().__init__(module, original, *rest)  # had_instance_forward, wrapper, enabled, token
+        self._self_capture = getattr(rest[1], "__self__", None)  # the wrapper's LayerCapture
+
 
 def _traced(proxy: LayerProxy) -> None:
     """Dynamo traces a call of `proxy` (`trace_through`): its layer is said."""
-    if isinstance(capture := getattr(proxy._self_wrapper, "__self__", None), LayerCapture):
+    if isinstance(capture := proxy._self_capture, LayerCapture):
         capture.traced()
 
 
@@ -589,27 +591,3 @@ def by_module_call(root_ref: Callable[[], nn.Module | None] | None) -> bool:
         return False
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     return isinstance(code, CodeType) and caller_of_code_is_module_call(code)
-
-
-# A forward left in place: ("layer", its name), ("root", its class) or ("", a module's class).
-Forward = tuple[str, str]
-
-
-def forwards_said(forwards: tuple[Forward, ...], named: Callable[[str], str] = repr) -> str:
-    """`forwards` for the removal's warning (a layer `named` by `repr`) or index.md's note
-    (`layer_span`: a name holding `*` or `<x>` rendered as Markdown outside code)."""
-    return ", ".join(
-        f"layer {named(text)}" if kind == "layer" else f"the root ({text})" if kind else text
-        for kind, text in forwards
-    )
-
-
-def left_in_place_note(forwards: tuple[Forward, ...]) -> str:
-    """index.md's note on forwards replaced or wrapped after injection (`Proxies.restore`)."""
-    return (
-        "replaced or wrapped after inject_observer, the forward of: "
-        f"{forwards_said(forwards, layer_span)}. "
-        "Removal left each replacement in place (an observer proxy it still calls is inert now). "
-        "Calls that went through a replacement without reaching that proxy were not observed: a "
-        "root forward made so was neither counted nor sampled, and a layer call made so has no rows"
-    )

@@ -78,13 +78,7 @@ from torchinstruments._torch_internals import (
     running,
 )
 from torchinstruments._torch_internals.dynamo import called_within
-from torchinstruments.capture import (
-    Forward,
-    LayerCapture,
-    Proxies,
-    by_module_call,
-    left_in_place_note,
-)
+from torchinstruments.capture import LayerCapture, Proxies, by_module_call
 from torchinstruments.compilation import (
     CompiledCalls,
     ForwardEntry,
@@ -105,6 +99,7 @@ from torchinstruments.encoder_outputs import EncoderOutputs
 from torchinstruments.failed_measurements import FailedMeasurements
 from torchinstruments.global_statistics import open_run
 from torchinstruments.interrupts import NOT_HELD, SIGINT, hold_signal, release
+from torchinstruments.left_in_place import Forward, left_in_place_note
 from torchinstruments.loss_scale import LossScales
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.notices import RecordingFailures, warn

@@ -221,3 +221,37 @@ def test_a_reducer_error_with_unclear_text_is_quoted_in_index_md_as_a_literal(
     assert (
         "first as `'reducer error: ValueError: bad \\x1b[31mvalue\\nsee log'`) in 1 layer" in note
     )
+
+
+class LeavesOutOnThree:
+    """Declares `peak` and `spread`; leaves `spread` out for layer `b`'s tensors, and always
+    returns a key it does not declare (`count`)."""
+
+    metrics = ("peak", "spread")
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor | int]:
+        out: dict[str, torch.Tensor | int] = {"peak": tensor.amax(), "count": tensor.numel()}
+        if tensor.shape[-1] != 3:
+            out["spread"] = tensor.amax() - tensor.amin()
+        return out
+
+
+def test_a_reducer_leaving_out_a_metric_is_warned_and_named_in_index_md(
+    tmp_path: Path,
+) -> None:
+    # The left-out metric was null with the reason the built-in reducers give an empty tensor,
+    # and the extra key was dropped: neither was warned nor named in index.md.
+    said = run(Chain(), tmp_path / "s", 2, reducers=[LeavesOutOnThree()])
+    history = read_history(tmp_path / "s")
+    left_out = "reducer left out 'spread', which its metrics name: its mapping had no entry for it"
+    failed = history.filter(unavailable_reason=left_out)
+    assert set(failed["layer"].to_list()) == {"b"}
+    assert set(failed["metric"].to_list()) == {"spread"}
+    assert history.filter(pl.col("metric") == "peak", pl.col("value").is_null()).height == 0
+    assert "count" not in set(history["metric"].to_list())
+    about = [m for m in said if left_out in m]
+    assert len(about) == 1, said
+    assert about[0].startswith("torchinstruments: layer 'b' could not be measured")
+    index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
+    note = next(line for line in index.splitlines() if "reducer left out a metric" in line)
+    assert "`b` (output: spread in 2 samples; output_gradient: spread in 2 samples)" in note

@@ -40,6 +40,7 @@ def every_builder_output() -> list[str]:
         reasons.error("measurement", TypeError("y")),
         reasons.reducer_returned("list"),
         reasons.reducer_value("str", "abs_max"),
+        reasons.reducer_left_out("gone"),
         reasons.reducer_tensor_layout("torch.sparse_coo"),
         reasons.reducer_tensor_dtype("complex64"),
         reasons.reducer_tensor_shape((2, 3)),

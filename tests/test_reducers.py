@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 
 import numpy as np
@@ -161,7 +162,11 @@ def test_raising_reducer_gives_null_with_reason_and_others_survive(reduction_pat
     assert got["max"] == MetricValue(1.0)
 
 
-def test_missing_metric_gives_null_with_reason(reduction_path: str) -> None:
+def test_a_metric_the_reducer_left_out_is_null_with_a_reason_naming_the_reducers_failure(
+    reduction_path: str,
+) -> None:
+    # It was "reducer returned no value", the reason AbsMax gives an empty tensor: the failure
+    # check could not tell the reducer's failure from the tensor's, and said nothing.
     class Partial:
         metrics = ("here", "gone")
 
@@ -170,7 +175,51 @@ def test_missing_metric_gives_null_with_reason(reduction_path: str) -> None:
 
     got = measure(torch.ones(2), Measurer([Partial()], host_paths=reduction_path == "host"))
     assert got["here"] == MetricValue(1.0)
-    assert got["gone"] == MetricValue(None, "reducer returned no value")
+    assert got["gone"] == MetricValue(
+        None, "reducer left out 'gone', which its metrics name: its mapping had no entry for it"
+    )
+
+
+class LazyMapping(Mapping[str, float]):
+    """A mapping whose lookup runs code that raises (a lazily computed result)."""
+
+    def __init__(self, on: str) -> None:
+        self.on = on
+
+    def __getitem__(self, key: str) -> float:
+        if self.on == "getitem":
+            raise RuntimeError("lazy value failed")
+        return 1.0
+
+    def __contains__(self, key: object) -> bool:
+        if self.on == "contains":
+            raise RuntimeError("lazy lookup failed")
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["lazy"])
+
+    def __len__(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("on", ["contains", "getitem"])
+def test_a_mapping_whose_lookup_raises_is_that_reducers_error_not_the_statistics(
+    on: str,
+) -> None:
+    # `name in result` raising blamed the default statistics ("statistics error: ...").
+    class Lazy:
+        metrics = ("lazy",)
+
+        def __call__(self, tensor: torch.Tensor) -> Mapping[str, float]:
+            return LazyMapping(on)
+
+    got = measure(torch.ones(2), Measurer([Lazy()]))
+    failed = "reducer error: RuntimeError: lazy lookup failed"
+    if on == "getitem":
+        failed = "reducer error: RuntimeError: lazy value failed"
+    assert got["lazy"] == MetricValue(None, failed)
+    assert got["max"] == MetricValue(1.0)
 
 
 def test_invalid_values_give_null_with_reason(reduction_path: str) -> None:

@@ -41,16 +41,19 @@ __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 # no value to give (empty, no finite entries): those are the tensor's, and explained in index.md.
 # A custom reducer that returned what cannot be a metric (`reasons.reducer_returned`,
 # `reducer_value`, `reducer_tensor_*`: a string, the whole tensor) failed too: its null rows
-# were said nowhere else. Not `reasons.NO_VALUE`: the built-in reducers give no value for an
-# empty tensor, which is the tensor's.
+# were said nowhere else; so did one that left out a metric its `metrics` names
+# (`reasons.reducer_left_out`). Not `reasons.NO_VALUE`: the built-in reducers give no value for
+# an empty tensor, which is the tensor's.
 FAILURE_PREFIXES = (
     "reducer error: ",
     "statistics error: ",
     "measurement error: ",
     _UNUSABLE := "reducer returned ",
+    _LEFT_OUT := "reducer left out ",
 )
-# The kind of those (their texts name a metric, a type or a shape that differ per tensor).
+# The kinds of those (their texts name a metric, a type or a shape that differ per tensor).
 _UNUSABLE_KIND = "reducer returned a value that cannot be a metric"
+_LEFT_OUT_KIND = "reducer left out a metric its metrics name"
 
 
 def _is_failure(reason: str | None) -> TypeGuard[str]:
@@ -62,6 +65,8 @@ def _kind(reason: str) -> str:
     """A failure's kind: its source and error type (`reducer error: ValueError`)."""
     if reason.startswith(_UNUSABLE):
         return _UNUSABLE_KIND
+    if reason.startswith(_LEFT_OUT):
+        return _LEFT_OUT_KIND
     return ": ".join(reason.split(": ", 2)[:2])
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "partial_placement",
     "partly_written",
     "record_value",
+    "reducer_left_out",
     "reducer_modified_input",
     "reducer_returned",
     "reducer_tensor_dtype",
@@ -144,7 +145,15 @@ REASONS: tuple[Reason, ...] = (
         "entries)",
     ),
     Reason("reducer error: <Type>: <message>", "a custom reducer raised; training went on"),
-    Reason(NO_VALUE, "a custom reducer's mapping had no entry for this metric"),
+    Reason(
+        NO_VALUE,
+        "AbsMax or L2Norm of an empty tensor (the library's reducers give no value there)",
+    ),
+    Reason(
+        "reducer left out <metric>, which its metrics name: its mapping had no entry for it",
+        "a custom reducer's mapping had no entry for a metric its `metrics` names (warned once "
+        "per layer and named in index.md, as a reducer that raised)",
+    ),
     Reason(
         "reducer returned <type>, expected a mapping of metric names to scalars",
         "a custom reducer returned something other than a mapping",
@@ -376,6 +385,12 @@ def reducer_returned(kind: str) -> str:
 def reducer_value(kind: str, metric: str) -> str:
     """A custom reducer's value is neither a tensor nor a real number."""
     return f"reducer returned {kind} for {metric!r}, expected a scalar tensor or a real number"
+
+
+def reducer_left_out(metric: str) -> str:
+    """A custom reducer's mapping had no entry for `metric`, which its `metrics` names: its
+    failure, not the tensor's (the library's own reducers give `NO_VALUE` for an empty tensor)."""
+    return f"reducer left out {metric!r}, which its metrics name: its mapping had no entry for it"
 
 
 def reducer_tensor_layout(layout: object) -> str:

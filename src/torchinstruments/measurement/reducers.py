@@ -303,15 +303,30 @@ def _reduce_custom(
     part = _Part(metrics)
     device_values: list[torch.Tensor] = []
     for name in metrics:
-        if name not in result:
-            continue  # resolved as null with reasons.NO_VALUE
+        try:  # a lazy mapping's lookup runs the reducer's code: its error is the reducer's
+            present = name in result
+            value = result[name] if present else None
+        except Exception as error:
+            part.fixed[name] = MetricValue(None, reasons.error("reducer", error))
+            continue
+        if not present:
+            part.fixed[name] = _left_out(reducer, name)
+            continue
         try:
-            _take_value(part, device_values, name, result[name], tensor, offset, host_paths)
+            _take_value(part, device_values, name, value, tensor, offset, host_paths)
         except OverflowError:  # an int beyond float64 (10**400): no finite value
             part.fixed[name] = MetricValue(None, reasons.NON_FINITE_RESULT)
         except Exception as error:  # the reducer's value, not the default statistics, failed
             part.fixed[name] = MetricValue(None, reasons.error("reducer", error))
     return part, torch.stack(device_values) if device_values else None
+
+
+def _left_out(reducer: Reducer, name: str) -> MetricValue:
+    """A metric the reducer's mapping had no entry for: the library's own reducers give none for
+    an empty tensor (the tensor's reason), any other reducer failed to give what it declared."""
+    if isinstance(reducer, custom.READY):
+        return _NO_VALUE
+    return MetricValue(None, reasons.reducer_left_out(name))
 
 
 def _take_value(

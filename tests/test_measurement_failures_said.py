@@ -236,7 +236,7 @@ class LeavesOutOnThree:
         return out
 
 
-def test_a_reducer_leaving_out_a_metric_is_warned_and_named_in_index_md(
+def test_a_reducer_leaving_out_a_metric_or_returning_more_is_warned_and_named_in_index_md(
     tmp_path: Path,
 ) -> None:
     # The left-out metric was null with the reason the built-in reducers give an empty tensor,
@@ -252,6 +252,14 @@ def test_a_reducer_leaving_out_a_metric_is_warned_and_named_in_index_md(
     about = [m for m in said if left_out in m]
     assert len(about) == 1, said
     assert about[0].startswith("torchinstruments: layer 'b' could not be measured")
+    extra = [m for m in said if "beyond its metrics" in m]
+    assert extra == [
+        "torchinstruments: reducer LeavesOutOnThree returned 'count' beyond its metrics "
+        "('peak', 'spread'); those are not recorded (name them in its `metrics` to record them; "
+        "warned once per reducer, and index.md says so)"
+    ]
     index = (tmp_path / "s" / "index.md").read_text(encoding="utf-8")
     note = next(line for line in index.splitlines() if "reducer left out a metric" in line)
     assert "`b` (output: spread in 2 samples; output_gradient: spread in 2 samples)" in note
+    note = next(line for line in index.splitlines() if "Not recorded: 1 custom reducer" in line)
+    assert "`LeavesOutOnThree` returned `'count'` beyond its metrics `peak`, `spread`" in note

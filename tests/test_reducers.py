@@ -180,6 +180,32 @@ def test_a_metric_the_reducer_left_out_is_null_with_a_reason_naming_the_reducers
     )
 
 
+def test_keys_beyond_the_metrics_are_not_recorded_and_warned_about_once_per_reducer(
+    reduction_path: str,
+) -> None:
+    # They were dropped without a word.
+    class Chatty:
+        metrics = ("kept",)
+
+        def __call__(self, tensor: torch.Tensor) -> dict[object, float]:
+            return {"kept": 1.0, "extra": 2.0, 3: 4.0}
+
+    measurer = Measurer([Chatty()], host_paths=reduction_path == "host")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        first = measure(torch.ones(2), measurer)
+        measure(torch.ones(3), measurer)
+    assert first["kept"] == MetricValue(1.0)
+    assert "extra" not in measurer.metrics
+    messages = [str(w.message) for w in said]
+    assert messages == [
+        "torchinstruments: reducer Chatty returned 'extra', 3 beyond its metrics ('kept',); "
+        "those are not recorded (name them in its `metrics` to record them; warned once per "
+        "reducer, and index.md says so)"
+    ]
+    assert measurer.extra_keys == {"Chatty": (("kept",), ("'extra'", "3"))}
+
+
 class LazyMapping(Mapping[str, float]):
     """A mapping whose lookup runs code that raises (a lazily computed result)."""
 
@@ -337,7 +363,8 @@ def test_metrics_are_read_once_so_a_later_change_never_shifts_values_to_other_na
     measurer = Measurer([growing, seven], host_paths=reduction_path == "host")
     growing.metrics.append("added_later")
     assert measurer.metrics == (*DEFAULT_METRICS, "first_metric", "seven")
-    got = measure(torch.tensor([2.0, -1.0]), measurer)
+    with pytest.warns(RuntimeWarning, match=r"returned 'added_later' beyond its metrics"):
+        got = measure(torch.tensor([2.0, -1.0]), measurer)
     assert got["first_metric"] == MetricValue(1.0)
     assert got["seven"] == MetricValue(7.0)
 

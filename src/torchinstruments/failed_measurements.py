@@ -24,7 +24,7 @@ gradients came in two backward passes with another sample's between counts twice
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -88,10 +88,18 @@ class FailedMeasurements:
 
     Args:
         warn_once: warns `(key, message)` once per key (the observer's).
+        extra_keys: the reducers that returned keys beyond their metrics, which are not
+            recorded (`Measurer.extra_keys`, live: name -> (metrics, quoted keys)); index.md
+            names them in one note.
     """
 
-    def __init__(self, warn_once: WarnOnce) -> None:
+    def __init__(
+        self,
+        warn_once: WarnOnce,
+        extra_keys: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None,
+    ) -> None:
         self._warn_once = warn_once
+        self._extra_keys = extra_keys if extra_keys is not None else {}
         self._lock = threading.Lock()  # `notes` is read by the flush thread
         self._first: dict[str, str] = {}  # kind -> its first reason, in the order seen
         self._tallies: dict[tuple[str, str, str], _Tally] = {}  # (kind, layer, signal)
@@ -185,13 +193,41 @@ class FailedMeasurements:
                 f"the reason (the other metrics and tensors keep their own rows): "
                 f"{listed(shown, _SHOWN)}."
             )
-        return tuple(notes)
+        extra = _extra_keys_note(dict(self._extra_keys))
+        return tuple(notes) if extra is None else (*notes, extra)
+
+
+def _extra_keys_note(
+    extra_keys: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]],
+) -> str | None:
+    """index.md's note on the reducers that returned keys beyond their metrics, or None."""
+    if not extra_keys:
+        return None
+    said = [
+        f"{_span(name)} returned {', '.join(map(_key_span, keys))} beyond its metrics "
+        f"{', '.join(_span(metric) for metric in metrics)}"
+        for name, (metrics, keys) in extra_keys.items()
+    ]
+    return (
+        f"Not recorded: {len(said)} custom reducer{'' if len(said) == 1 else 's'} returned keys "
+        f"beyond {'its' if len(said) == 1 else 'their'} `metrics`, which only names what is "
+        f"recorded (name a key there to record it): {listed(said, _SHOWN)}."
+    )
 
 
 def _span(text: str) -> str:
     """A kind or a reason in a note: a code span of its literal where it is unclear (the
     error's message is the user's: a line break, an escape or a backtick in it)."""
     return code_span(literal_if_unclear(text))
+
+
+def _key_span(key: str) -> str:
+    """A key a reducer returned, quoted already (`repr`), in a code span; a repr that is not
+    printable text (an object's own, with a line break) as its literal. The `... (n more)` that
+    ends a long list stays prose."""
+    if key.startswith("... (") and key.endswith(" more)"):
+        return key
+    return code_span(key if key.isprintable() else repr(key))
 
 
 def _samples(count: int) -> str:

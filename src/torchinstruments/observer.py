@@ -197,9 +197,9 @@ class Observer:
         self.layer_names: tuple[str, ...] = ()
         self.at_inject: ModelAtInject | None = None  # what changed is said at removal (api)
         self._warned: set[str] = set()
-        # Failures that leave rows out: warned once each, and said in index.md (`counts`).
+        # Failures that leave rows out, or null + reason: warned once, said in index.md (`counts`).
         self.failed_once = RecordingFailures(self.warn_once)
-        self.failed_measurements = FailedMeasurements(self.warn_once)  # null + reason: said
+        self.failed_measurements = FailedMeasurements(self.warn_once, self.measurer.extra_keys)
         self.loss_scales = LossScales(config.grad_scaler, self.failed_once, self.warn_once)
         self.notes: list[str] = []  # `tensors.TORCH_FUNC_NOTE` and the like, in the order seen
         self.removed_after: str | None = None  # the exception a trainer's fit ended with

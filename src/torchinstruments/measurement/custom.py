@@ -26,7 +26,9 @@ class Reducer(Protocol):
     """A custom scalar reducer: the extension point for metrics beyond the default profile.
 
     `metrics` names every metric the reducer returns; it is read once when the observer is
-    injected, so name clashes fail early. The call receives a copy of the tensor, detached and
+    injected, so name clashes fail early. A metric it names but leaves out of its mapping is
+    null with a reason saying so (warned, named in index.md); a key beyond it is not recorded
+    (warned once per reducer, named in index.md). The call receives a copy of the tensor, detached and
     under `torch.no_grad()`, and returns one scalar per metric: a 0-d (or one-element) tensor,
     which stays on the device until the sample's single host transfer, or a Python number. It
     runs outside the user's `torch.autocast` and torch function/dispatch modes (ambient.py), so

@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from torchinstruments._torch_internals import tensor_version
 from torchinstruments.measurement import custom, numerics, paths, tensors
 from torchinstruments.measurement.custom import Reducer, ReducerSpec
 from torchinstruments.measurement.histograms import DEFAULT_BINS, HistogramVector
-from torchinstruments.notices import warn
+from torchinstruments.notices import repr_of, warn
 from torchinstruments.records import MetricValue
 
 __all__ = ["DEFAULT_METRICS", "DefaultStatistics", "Measurer", "PendingReduction"]
@@ -146,6 +147,9 @@ class Measurer:
         )
         self.host_paths = host_paths
         self._warned: set[int] = set()  # ids of the reducers warned about
+        self._extra_said: set[int] = set()  # ids of the reducers warned about extra keys
+        # Each reducer that returned keys beyond its metrics: its name -> (metrics, those keys).
+        self.extra_keys: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self.metrics: tuple[str, ...] = tuple(
             name for _, metrics in self._reducers for name in metrics
         )
@@ -158,12 +162,29 @@ class Measurer:
 
     def _modified_input(self, reducer: Reducer, metrics: tuple[str, ...]) -> _Part:
         """Null metrics for a reducer that modified its argument; warned once per reducer."""
-        name = str(getattr(reducer, "__name__", None) or type(reducer).__name__)
-        reason = reasons.reducer_modified_input(name)
+        reason = reasons.reducer_modified_input(_name_of(reducer))
         if id(reducer) not in self._warned:  # the reducers live as long as this Measurer
             self._warned.add(id(reducer))
             warn(f"torchinstruments: {reason}; its metrics are null")
         return _Part.null(metrics, reason)
+
+    def _extra_keys_said(
+        self, reducer: Reducer, metrics: tuple[str, ...], result: Mapping[Any, object]
+    ) -> None:
+        """Warns once per reducer whose `result` had keys beyond its `metrics`, which are not
+        recorded, and keeps them for index.md (`extra_keys`): dropped without a word, a metric
+        the user meant to record was missing with nothing saying why."""
+        self._extra_said.add(id(reducer))
+        extra = _extra_keys(result, metrics)
+        if not extra:  # its keys could not be read
+            return
+        name = _name_of(reducer)
+        self.extra_keys[name] = (metrics, extra)
+        warn(
+            f"torchinstruments: reducer {name} returned {', '.join(extra)} beyond its metrics "
+            f"{metrics!r}; those are not recorded (name them in its `metrics` to record them; "
+            "warned once per reducer, and index.md says so)"
+        )
 
     def launch(self, tensor: torch.Tensor) -> PendingReduction:
         """Starts measuring `tensor` (detached, never modified); never raises and, off the CPU,
@@ -203,9 +224,11 @@ class Measurer:
                         if copy is None:
                             copy = _reducers_copy(detached)
                         version = tensor_version(copy)
-                        part, block = _reduce_custom(
+                        part, block, extra = _reduce_custom(
                             reducer, metrics, copy, offset, self.host_paths
                         )
+                        if extra is not None and id(reducer) not in self._extra_said:
+                            self._extra_keys_said(reducer, metrics, extra)
                         if tensor_version(copy) != version:
                             part, block = self._modified_input(reducer, metrics), None
                             copy = None  # the next reducer gets a fresh copy
@@ -223,6 +246,15 @@ class Measurer:
     def unavailable(self, reason: str) -> PendingReduction:
         """A reduction whose every metric is null with `reason` (nothing to transfer)."""
         return PendingReduction(None, [_Part.null(self.metrics, reason)])
+
+
+def _name_of(reducer: Reducer) -> str:
+    """What a warning or a reason calls a custom reducer: its `__name__`, or its type's name
+    (also where reading `__name__` raises)."""
+    try:
+        return str(getattr(reducer, "__name__", None) or type(reducer).__name__)
+    except Exception:
+        return type(reducer).__name__
 
 
 def _reducers_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,17 +323,20 @@ def _reduce_custom(
     tensor: torch.Tensor,
     offset: int,
     host_paths: bool,
-) -> tuple[_Part, torch.Tensor | None]:
-    """One custom reducer's `metrics`: plain device scalars wait for the sample's transfer."""
+) -> tuple[_Part, torch.Tensor | None, Mapping[Any, object] | None]:
+    """One custom reducer's `metrics`: plain device scalars wait for the sample's transfer. The
+    third value: its result where that has keys beyond `metrics` (not recorded: the caller says
+    so), else None."""
     try:
         with _rng_kept(tensor.device):
             result = reducer(tensor)
     except Exception as error:
-        return _Part.null(metrics, reasons.error("reducer", error)), None
+        return _Part.null(metrics, reasons.error("reducer", error)), None, None
     if not isinstance(result, Mapping):
-        return _Part.null(metrics, reasons.reducer_returned(type(result).__name__)), None
+        return _Part.null(metrics, reasons.reducer_returned(type(result).__name__)), None, None
     part = _Part(metrics)
     device_values: list[torch.Tensor] = []
+    found = 0
     for name in metrics:
         try:  # a lazy mapping's lookup runs the reducer's code: its error is the reducer's
             present = name in result
@@ -312,13 +347,15 @@ def _reduce_custom(
         if not present:
             part.fixed[name] = _left_out(reducer, name)
             continue
+        found += 1
         try:
             _take_value(part, device_values, name, value, tensor, offset, host_paths)
         except OverflowError:  # an int beyond float64 (10**400): no finite value
             part.fixed[name] = MetricValue(None, reasons.NON_FINITE_RESULT)
         except Exception as error:  # the reducer's value, not the default statistics, failed
             part.fixed[name] = MetricValue(None, reasons.error("reducer", error))
-    return part, torch.stack(device_values) if device_values else None
+    block = torch.stack(device_values) if device_values else None
+    return part, block, _beyond(result, found)
 
 
 def _left_out(reducer: Reducer, name: str) -> MetricValue:
@@ -327,6 +364,30 @@ def _left_out(reducer: Reducer, name: str) -> MetricValue:
     if isinstance(reducer, custom.READY):
         return _NO_VALUE
     return MetricValue(None, reasons.reducer_left_out(name))
+
+
+def _beyond(result: Mapping[Any, object], found: int) -> Mapping[Any, object] | None:
+    """`result` where it has more keys than the `found` metrics (keys beyond `metrics`), else
+    None, as None where its length cannot be read (its values were taken already)."""
+    try:
+        return result if len(result) > found else None
+    except Exception:
+        return None
+
+
+def _extra_keys(result: Mapping[Any, object], metrics: tuple[str, ...]) -> tuple[str, ...]:
+    """The first `_KEYS_SHOWN` keys of `result` beyond `metrics`, quoted (at most 100
+    characters each), then `... (n more)`; () where its keys cannot be read."""
+    try:
+        extra = [key for key in result if key not in metrics]
+    except Exception:
+        return ()
+    shown = [reasons.cut_message(repr_of(key), 100) for key in extra[:_KEYS_SHOWN]]
+    more = len(extra) - len(shown)
+    return (*shown, f"... ({more} more)") if more else tuple(shown)
+
+
+_KEYS_SHOWN = 10
 
 
 def _take_value(

@@ -77,4 +77,4 @@ def test_a_materialised_lazy_layers_tensorboard_tags_name_the_class_its_rows_giv
     for log_dir in (tmp_path / "run" / "tensorboard", tmp_path / "caller"):
         said = _descriptions(log_dir)
         for tag in ("0/call_0/output/tensor", "0/call_0/output_gradient/tensor"):
-            assert " of layer '0' (Linear), call 0." in said[tag], (log_dir, said[tag])
+            assert " of layer `0` (Linear), call 0." in said[tag], (log_dir, said[tag])

@@ -3,6 +3,7 @@
 Why: an `nn.ModuleDict` key can be any string, and a name holding `*`, `_` or `<x>` written
 outside code (`'layers.*a*'`) renders on GitHub as emphasis or as an HTML tag, which it drops.
 The warnings that say the same things name layers by `repr`, as every library warning does.
+TensorBoard renders a histogram tag's description as Markdown, so it names them as code too.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import warnings
 from pathlib import Path
 
 import torch
+from tensorboard.plugin_util import markdown_to_safe_html
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+
+from _tensorboard_runs import descriptions
 
 
 class Pair(nn.Module):
@@ -77,3 +81,11 @@ def test_every_note_names_a_layer_holding_markdown_as_code_and_its_warning_by_re
         "taken out of the model (no rows once they stopped running): 'layers.*a*' (Linear)",
     ):
         assert any(warning in w for w in said), (warning, said)
+    # TensorBoard renders a tag's description as Markdown: the names are code there too.
+    described = descriptions(tmp_path / "s" / "tensorboard")
+    shown = markdown_to_safe_html(described["layers.<b>/call_0/output/tensor"])
+    assert "of layer <code>layers.&lt;b&gt;</code> (ReLU)" in shown
+    assert "the text tag <code>layers.&lt;b&gt;/call_0/output/tensor (no histogram)</code>" in shown
+    shown = markdown_to_safe_html(described["layers._c_/call_0/output/[0]"])
+    assert "of layer <code>layers._c_</code> (Pair), call 0, tensor <code>[0]</code>" in shown
+    assert "<em>" not in " ".join(markdown_to_safe_html(text) for text in described.values())

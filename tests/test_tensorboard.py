@@ -169,17 +169,17 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
     # both samples are at step 40 in the caller's logger: the first one only
     assert [e.step for e in histograms(tmp_path / "caller")["0/call_0/output/tensor"]] == [40]
     assert descriptions(run_dir / "tensorboard")["1/call_0/output_gradient/tensor"] == (
-        "Histogram of the gradient flowing back into the output of layer '1' (ReLU), call 0. "
+        "Histogram of the gradient flowing back into the output of layer `1` (ReLU), call 0. "
         "Only finite entries are counted: NaN and Inf are left out (the history's "
         "nonfinite_fraction counts them), and at a sample where the tensor has no finite entry "
-        "there is no histogram; the text tag '1/call_0/output_gradient/tensor (no histogram)' "
+        "there is no histogram; the text tag `1/call_0/output_gradient/tensor (no histogram)` "
         "says so at that step. Step: forward_index, the root forward the sample was taken at "
         "(0 at inject_observer; the training step when each step is one root forward)."
     )
     caller = descriptions(tmp_path / "caller")
     assert set(caller) == set(run_events)
     assert caller["0/call_0/output/tensor"].startswith(
-        "Histogram of the output of layer '0' (Linear), call 0. Only finite entries are counted"
+        "Histogram of the output of layer `0` (Linear), call 0. Only finite entries are counted"
     )
     assert caller["0/call_0/output/tensor"].endswith(
         f"Step: the trainer's global_step. {ONE_PER_STEP}"
@@ -248,8 +248,8 @@ def test_a_layer_name_with_a_slash_never_shares_a_tag(run_dir: Path) -> None:
     said = descriptions(run_dir / "tensorboard")
     for signal in ("output", "output_gradient"):
         for tag, layer in (
-            (f"eval/a/call_0/{signal}/tensor", "'a'"),
-            (f"eval%2Fa/call_0/{signal}/tensor", "'eval/a'"),
+            (f"eval/a/call_0/{signal}/tensor", "`a`"),
+            (f"eval%2Fa/call_0/{signal}/tensor", "`eval/a`"),
         ):
             assert [e.step for e in found[tag]] == [0, 1, 2], tag
             assert f"layer {layer} (Linear)" in said[tag]

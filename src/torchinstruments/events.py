@@ -44,6 +44,7 @@ from torchinstruments.records import (
     SampleRecord,
     histogram_tag,
 )
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 
 __all__ = [
     "NO_HISTOGRAM",
@@ -139,7 +140,7 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
         step: what the step axis is, e.g. `RUN_STEP`.
     """
     what = "output" if histogram.signal == OUTPUT else "gradient flowing back into the output"
-    path = f", tensor {histogram.tensor_path}" if histogram.tensor_path else ""
+    path = f", tensor {_literal_span(histogram.tensor_path)}" if histogram.tensor_path else ""
     mode = (
         f", in {histogram.mode} mode (samples taken with module.training False, in a root "
         "forward called under no_grad or inference_mode, or in a trainer's evaluation: a "
@@ -148,12 +149,20 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
         else ""
     )
     return (
-        f"Histogram of the {what} of layer {histogram.layer or '<root>'!r} ({module_type}), call "
+        f"Histogram of the {what} of layer {layer_span(histogram.layer)} ({module_type}), call "
         f"{histogram.call_index}{path}{mode}. Only finite entries are counted: NaN and Inf are left "
         "out (the history's nonfinite_fraction counts them), and at a sample where the tensor "
-        f"has no finite entry there is no histogram; the text tag '{histogram.tag}{NO_HISTOGRAM}' "
-        f"says so at that step. Step: {step}."
+        "has no finite entry there is no histogram; the text tag "
+        f"{_literal_span(histogram.tag + NO_HISTOGRAM)} says so at that step. Step: {step}."
     )
+
+
+def _literal_span(text: str) -> str:
+    """A name from outside (a tag, a tensor path) in a tag's description as index.md writes it:
+    a code span of `literal_if_unclear`. TensorBoard renders a description as Markdown (its
+    `plugin_util.markdown_to_safe_html`), so a layer or dictionary key holding `*`, `_` or `<img>`
+    written raw was emphasis or an HTML tag there."""
+    return code_span(literal_if_unclear(text))
 
 
 NO_HISTOGRAM = " (no histogram)"

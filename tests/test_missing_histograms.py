@@ -4,6 +4,7 @@ with a reason that is not why (a custom reducer's failure, a complex tensor)."""
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,13 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     run_dir: Path,
 ) -> None:
     """With custom reducers only, a NaN tensor's rows hold only the reducers' reasons; those say
-    what went wrong with a reducer, not why the tensor has no histogram."""
+    what went wrong with a reducer, not why the tensor has no histogram. The layer's name holds a
+    line break: the tag is quoted as its literal, never as a backslash and an `n`."""
 
     def zeroes(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.mul_(0).sum()  # in place: null, with a reason naming this reducer
 
-    model = nn.Sequential(nn.Identity())
+    model = nn.Sequential(OrderedDict([("a\nb", nn.Identity())]))
     inject_observer(
         model,
         output_dir=run_dir,
@@ -92,8 +94,10 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     (said,) = [str(w.message) for w in caught if "has no histogram" in str(w.message)]
     assert "reducer zeroes" not in said
     assert "it has no finite entry to count, or measuring it failed" in said
+    assert said.startswith("torchinstruments: focus tensor 'a\\nb/call_0/output/tensor' has no")
+    assert "a text note 'a\\nb/call_0/output/tensor (no histogram)' at each" in said
     index = (run_dir / "index.md").read_text(encoding="utf-8")
-    assert "`0/call_0/output/tensor` at forward_index 0: `it has no finite entry" in index
+    assert "`'a\\nb/call_0/output/tensor'` at forward_index 0: `it has no finite entry" in index
 
 
 def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:

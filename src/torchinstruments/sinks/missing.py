@@ -32,9 +32,10 @@ class MissingCount:
             first = missing[0]
             self._first = (first.tag, forward_index, first.reason)
             warn(
-                f"torchinstruments: focus tensor {first.tag} has no histogram at forward_index "
-                f"{forward_index}: {first.reason} (histograms count finite entries only). "
-                f"TensorBoard shows a text note '{first.tag}{NO_HISTOGRAM}' at each such step, "
+                f"torchinstruments: focus tensor {literal_if_unclear(first.tag)} has no "
+                f"histogram at forward_index {forward_index}: {first.reason} (histograms count "
+                "finite entries only). TensorBoard shows a text note "
+                f"{first.tag + NO_HISTOGRAM!r} at each such step, "
                 "and index.md counts them; the history rows are written as usual"
             )
         self._count += len(missing)
@@ -49,7 +50,8 @@ class MissingCount:
             f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
             f"{TENSORBOARD_DIR}/ "
             "because the tensor had no finite entry to count or could not be measured (first: "
-            f"{code_span(tag)} at forward_index {step}: {code_span(literal_if_unclear(reason))}"
+            f"{code_span(literal_if_unclear(tag))} at forward_index {step}: "
+            f"{code_span(literal_if_unclear(reason))}"
             f"); TensorBoard shows a text note {code_span(f'<tag>{NO_HISTOGRAM}')} at each "
             "such step, and the history holds those samples' "
             "rows.",

@@ -514,3 +514,23 @@ def test_an_error_of_several_lines_keeps_them_each_behind_the_program() -> None:
     assert lines[-1].strip() != "torchinstruments show:"
     said = error_lines("p", ValueError("a\x1b[2J\r\nb\n"), "error: ")
     assert said == "p: error: a\\x1b[2J\np: b"
+
+
+def test_the_warnings_on_a_run_directory_name_it_by_its_literal(tmp_path: Path) -> None:
+    """A run that sampled nothing, and one whose directory was removed while it went on: their
+    warnings name the directory by index.md's rule, so a line break in its name is told apart
+    from a backslash and an `n` (`printable` alone wrote both as `\\n`)."""
+    unsampled, gone = tmp_path / "none\nsampled", tmp_path / "gone\nrun"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for directory in (unsampled, gone):
+            model = nn.Sequential(nn.Linear(2, 2))
+            inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+            if directory == gone:
+                model(torch.randn(1, 2))
+                while gone.exists():  # as `rm -rf`: the writer threads may add a file meanwhile
+                    shutil.rmtree(gone, ignore_errors=True)
+            remove_observer(model)
+    said = [str(w.message) for w in caught]
+    assert any(f"{str(unsampled)!r} holds no rows" in s for s in said), said
+    assert any(f"the run directory {str(gone)!r} no longer exists" in s for s in said), said

@@ -66,7 +66,7 @@ from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.rundir.unsampled import NO_TRAINING_STEP, STEP_BYPASSED
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.sinks.protocol import Sink
@@ -539,8 +539,8 @@ class FitObservation:
         )
         warn(
             f"torchinstruments: {self.owner}: the previous fit's observer was still attached "
-            f"(its fit ended without an end-of-fit callback); its run {self.directory} is "
-            "finished now, before this fit starts"
+            "(its fit ended without an end-of-fit callback); its run "
+            f"{literal_if_unclear(str(self.directory))} is finished now, before this fit starts"
         )
         self._note_fit_end(self.observed)
         remove_observer(self.observed)

@@ -108,7 +108,7 @@ from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
 from torchinstruments.loss_scale import trainer_scaler
 from torchinstruments.registry import add_run_note, also_root
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.sampling import Sampler
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
@@ -309,7 +309,10 @@ class HuggingFaceObserver(TrainerCallback):
             "holds this attempt's samples up to then."
         )
         add_run_note(observed, said)
-        notices.warn(f"torchinstruments: HuggingFaceObserver: {self._fit.directory}: {said}")
+        notices.warn(
+            "torchinstruments: HuggingFaceObserver: "
+            f"{literal_if_unclear(str(self._fit.directory))}: {said}"
+        )
         self._fit.finish()
         return True
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torchinstruments.rundir.attempts import attempt_total
 from torchinstruments.rundir.ranges import plural
+from torchinstruments.rundir.shell import literal_if_unclear
 from torchinstruments.rundir.state import RunState
 
 __all__ = ["gone_warning", "is_gone"]
@@ -48,7 +49,8 @@ def gone_warning(directory: Path, state: RunState) -> str:
     total = attempt_total(state.attempts)
     attempts = f" over {total} attempts" if total > 1 else ""
     return (
-        f"torchinstruments: the run directory {directory} no longer exists: it was removed while "
+        f"torchinstruments: the run directory {literal_if_unclear(str(directory))} no longer "
+        "exists: it was removed while "
         "the run went on (by hand or by a cleanup job?). Everything the run had written there "
         "went with it (history parts, TensorBoard events, its state file and index.md), and "
         f"what it recorded after could not be written: the run's {what}{attempts} are lost. "

@@ -50,7 +50,7 @@ from torchinstruments.notices import warn
 from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import INDEX_FILE, is_library_temporary, write_text_atomic
 from torchinstruments.rundir.page_ranks import StateCache, render_parent_index
-from torchinstruments.rundir.shell import error_said, tool_command
+from torchinstruments.rundir.shell import error_said, literal_if_unclear, tool_command
 
 __all__ = [
     "PARENT_AGAIN",
@@ -203,7 +203,8 @@ def rewrite_parent_soon(directory: Path, *, continued: bool, wait_s: float) -> F
         page.wait(lambda step: wait_s)
     except Exception as error:  # a render that raised: this rank's own run is whole without it
         warn(
-            f"torchinstruments: the index.md of {directory.parent} (all ranks) could not be "
+            "torchinstruments: the index.md of "
+            f"{literal_if_unclear(str(directory.parent))} (all ranks) could not be "
             f"rewritten ({error_said(error)})"
         )
     return page

@@ -16,6 +16,7 @@ from pathlib import Path
 from torchinstruments.records import RunCounts
 from torchinstruments.rundir.attempts import Continuation
 from torchinstruments.rundir.ranges import plural, was_were
+from torchinstruments.rundir.shell import literal_if_unclear
 
 __all__ = [
     "NO_TRAINING_STEP",
@@ -62,10 +63,12 @@ def no_sample_warning(counts: RunCounts, directory: Path, earlier: Continuation 
         seen = f"{seen}; {bypass_clause(counts.bypassed_by)}"
     if earlier is None or not earlier.first_sample_id:
         return (
-            f"torchinstruments: no sample was recorded ({seen}): {directory} holds no rows, "
+            f"torchinstruments: no sample was recorded ({seen}): "
+            f"{literal_if_unclear(str(directory))} holds no rows, "
             "and its index.md says so"
         )
-    said = f"torchinstruments: this attempt recorded no sample ({seen}): {directory} holds"
+    said = f"torchinstruments: this attempt recorded no sample ({seen}): "
+    said += f"{literal_if_unclear(str(directory))} holds"
     taken, held, killed = earlier.first_sample_id, earlier.samples_held, earlier.after_a_kill
     ids = "0" if taken == 1 else f"0 to {taken - 1}"
     if held == taken and not killed:

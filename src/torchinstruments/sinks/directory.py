@@ -46,7 +46,7 @@ from torchinstruments.rundir.parent_rewrite import rewrite_parent_soon
 from torchinstruments.rundir.part_write import GivenUpError, PartLanding
 from torchinstruments.rundir.reserve import RESERVE_FILE
 from torchinstruments.rundir.resume import holds_run, open_continuation_within
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.rundir.signals import TermFlush
 from torchinstruments.rundir.state import LAST_PARTS, RunState, write_state
 from torchinstruments.rundir.summary import write_catalog
@@ -366,7 +366,8 @@ class DirectorySink:
         self._first_stalled = True
         warn(
             f"torchinstruments: the run's {what} were not on disk after {wait_s:g} s "
-            f"(a history part write under {self.directory} has not returned: a file system that "
+            "(a history part write under "
+            f"{literal_if_unclear(str(self.directory))} has not returned: a file system that "
             "stopped answering?); training goes on without waiting for it, and the rows stay in "
             "memory until a write succeeds (those still there at removal are counted as not "
             "written, with why, in index.md)"
@@ -394,7 +395,8 @@ class DirectorySink:
             if not self._flush_warned:
                 self._flush_warned = True
                 warn(
-                    f"torchinstruments: flushing history under {self.directory} failed "
+                    "torchinstruments: flushing history under "
+                    f"{literal_if_unclear(str(self.directory))} failed "
                     f"({error_said(error)}); buffered rows stay in memory and are "
                     "retried. (Reported once.)"
                 )
@@ -483,7 +485,8 @@ class DirectorySink:
                 f"{error}); histograms after that point are missing (the history is not affected)"
             )
             warn(
-                f"torchinstruments: TensorBoard events under {self.directory / TENSORBOARD_DIR} "
+                f"torchinstruments: TensorBoard events under "
+                f"{literal_if_unclear(str(self.directory / TENSORBOARD_DIR))} "
                 f"{what} ({error_said(error)}); histograms are no longer written "
                 "there, the history goes on"
             )

@@ -26,7 +26,7 @@ from torchinstruments.rundir.finishing import Finishing
 from torchinstruments.rundir.layout import HISTORY_FILE, PARTS_DIR
 from torchinstruments.rundir.page_ranks import is_rank_run
 from torchinstruments.rundir.reserve import RESERVE_FILE
-from torchinstruments.rundir.shell import tool_command
+from torchinstruments.rundir.shell import literal_if_unclear, tool_command
 from torchinstruments.rundir.state import RunState
 from torchinstruments.rundir.writer import HistoryWriter
 
@@ -55,7 +55,8 @@ def give_up_writes(directory: Path, history: HistoryWriter, wait_s: float) -> No
     )
     history.give_up(why, wait_s)
     warn(
-        f"torchinstruments: {why}. The run under {directory} is finished from the "
+        f"torchinstruments: {why}. The run under {literal_if_unclear(str(directory))} is "
+        "finished from the "
         f"parts already on disk; the {history.rows_buffered:,} rows still in memory are not "
         "written, and index.md lists them"
     )
@@ -124,7 +125,8 @@ def _gave_up_finish(
     later = steps[steps.index(step) :] if step in steps else (step, *steps)
     command = tool_command("finalize", directory)
     warn(
-        f"torchinstruments: finishing the run under {directory} had not returned after "
+        "torchinstruments: finishing the run under "
+        f"{literal_if_unclear(str(directory))} had not returned after "
         f"{waited_s:g} s at {step} (a file system that stopped answering?); removal returns "
         f"without it. Not written: {', '.join(later)} (a merge not done leaves the rows in "
         f"{PARTS_DIR}/, and readers see the run as the state file last said). This process "

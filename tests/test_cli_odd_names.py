@@ -412,7 +412,10 @@ def test_finalize_and_the_state_lines_write_the_directory_by_the_same_rule(
     assert done.stderr.startswith(f"torchinstruments show: {shown(run)}: this run recorded no rows")
     (run / ".state.json").write_text("{")
     done = cli_in_process("plot", run)
-    assert f"torchinstruments plot: {shown(run)}: the run's state is unreadable" in done.stderr
+    assert (  # as show says it: the error's type, the whole by index.md's rule (error_said)
+        f"torchinstruments plot: {shown(run)}: the run's state is unreadable (ValueError: "
+        ".state.json is not JSON (Expecting property name"
+    ) in done.stderr
 
 
 def test_a_rank_picture_names_each_module_type_of_its_tensor_by_the_same_rule() -> None:

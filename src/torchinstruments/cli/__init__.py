@@ -76,7 +76,7 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
     from torchinstruments.cli.states import run_state
     from torchinstruments.cli.text import notes_lines
     from torchinstruments.rundir.index_page import page_notes
-    from torchinstruments.rundir.shell import literal_if_unclear
+    from torchinstruments.rundir.shell import error_said, literal_if_unclear
 
     for directory in directories:
         shown = literal_if_unclear(str(directory))  # a path the user typed: index.md's rule
@@ -84,8 +84,8 @@ def _say_states(prog: str, *directories: Path, notes: bool) -> None:
             state = run_state(Path(directory).expanduser())
         except (OSError, ValueError) as error:
             print(
-                f"{prog}: {shown}: the run's state is unreadable ({error}); its history is "
-                "read as it is (layer order and settings unknown)",
+                f"{prog}: {shown}: the run's state is unreadable ({error_said(error)}); its "
+                "history is read as it is (layer order and settings unknown)",
                 file=sys.stderr,
             )
             continue

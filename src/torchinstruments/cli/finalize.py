@@ -172,7 +172,8 @@ def _finalize_ranks(parent: Path) -> int:
     try:
         path = write_parent_index(parent, wait=True)
     except OSError as exc:
-        print(f"torchinstruments finalize: {_shown(parent / 'index.md')}: {exc}", file=sys.stderr)
+        named = f"{_shown(parent / 'index.md')}: "
+        print(error_lines("torchinstruments finalize", exc, named), file=sys.stderr)
         return 1
     print(f"wrote {_shown(path)} ({plural(len(codes), 'rank')})")
     for rank, directory in rank_dirs(parent):  # as the parent's index.md says them

@@ -199,7 +199,7 @@ def _draw(
         checked_png,
         metrics_left_out_line,
     )
-    from torchinstruments.cli.text import plural
+    from torchinstruments.cli.text import error_lines, plural
     from torchinstruments.rundir.shell import literal_if_unclear
 
     prog = f"torchinstruments {args.command}"
@@ -245,7 +245,7 @@ def _draw(
         _say_ranks_left_out(prog, lines)
         return 0
     except MatplotlibMissingError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(error_lines(prog, exc), file=sys.stderr)
         return 3
 
 

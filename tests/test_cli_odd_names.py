@@ -40,7 +40,7 @@ from torchinstruments.cli.ranks_draw import RankLines
 from torchinstruments.cli.selection import Selection
 from torchinstruments.cli.text import error_lines
 from torchinstruments.rundir.lock import RunLock, RunLockedError
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, table_cell
 
 from conftest import cli_in_process
 
@@ -55,13 +55,14 @@ SHOWN = {
     "'quoted": '"\'quoted"',
     "plain": "plain",
     "<b>*x*_y_`z`": "<b>*x*_y_`z`",  # printable: as it is, but Markdown in a markdown table
+    "http://x": "http://x",  # a bare URL GitHub links (GFM's extended autolinks)
     "層一": "層一",  # two wide characters: four terminal columns
     "e\u0301x": "e\u0301x",  # a combining accent: two columns
     "ls\u2028x": r"'ls\u2028x'",  # line breaks to str.splitlines, not to JSON
     "nel\x85x": r"'nel\x85x'",
 }
 # How `--format markdown` writes that name: each character of markup behind a backslash.
-MARKDOWN_CELL = {"<b>*x*_y_`z`": r"\<b\>\*x\*\_y\_\`z\`"}
+MARKDOWN_CELL = {"<b>*x*_y_`z`": r"\<b\>\*x\*\_y\_\`z\`", "http://x": r"http\://x"}
 GONE = "only\nA"  # a layer run A has and run B lacks
 # The dict-output layer's tensors: a string key is written by its repr in the tensor path
 # (`['k\\nx']`), and the tensor's name, holding the layer's line break, as its literal.
@@ -230,6 +231,22 @@ def test_markdown_keeps_a_row_per_tensor_and_its_names_read_back(
         assert sum(cells[0] == cell for cells in rows) == 1, layer
 
 
+def test_a_markdown_cell_leaves_github_no_bare_url_to_link() -> None:
+    """GFM links `www.` and a domain (a nested module's name) and a scheme's `://` (a
+    `ModuleDict` key) outside code: the `.` and the `:` that start them are escaped, so the
+    cell renders as the name, read back by CommonMark's escapes. An e-mail address stays as it
+    is: GitHub links it after reading the escapes (see `markdown_text`)."""
+    for name, cell in (
+        ("www.example.com", r"www\.example.com"),
+        ("layers.https://x.y", r"layers.https\://x.y"),
+        ("(WWW.a.b", r"(WWW\.a.b"),
+        ("a@b.c", "a@b.c"),
+        ("wwwx.y:z/", "wwwx.y:z/"),
+    ):
+        assert table_cell(name) == cell, name
+        assert unescaped(cell) == name
+
+
 def first_cells(text: str) -> list[str]:
     """The first cell of each row of the text view's tables: the lines under a `---` line, up
     to a blank one, whose cells are two spaces apart (not the notes below a table)."""
@@ -333,7 +350,7 @@ def test_index_md_names_the_run_directory_and_model_class_by_the_same_rule(
     assert "- model class: `'Odd\\x1b[2JNet'`\n" in index
     # The user's errors a note quotes (a sink's, a reducer's), and so their warnings.
     assert r"raised 'ValueError: boom\x1b[2J' in start() at the start of the run" in index
-    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 15 layers" in index
+    assert r"first as `'reducer error: ValueError: bad\x1b[2J'`) in 16 layers" in index
     assert "\x1b" not in index
     assert [w for w in WARNED if "boom" in w or "bad" in w]
     assert not [w for w in WARNED if "\x1b" in w]

@@ -153,12 +153,21 @@ def markdown_text(text: str) -> str:
     """`text` as Markdown that renders as itself inside a line: each character that would
     start markup (`_MARKUP`, and an `_` not between two letters or digits: `self_attn` stays,
     `_c_` would be emphasis) behind a backslash. A layer name is any string (a `ModuleDict`
-    key), and `<b>` in a cell was an HTML tag GitHub drops, `*a*` emphasis."""
+    key), and `<b>` in a cell was an HTML tag GitHub drops, `*a*` emphasis.
+
+    GitHub also links a bare URL (GFM's extended autolinks): `www.` and a domain, a scheme's
+    `://` (`http://localhost`, a `ModuleDict` key; `www.a.b`, nested modules). The `.` after
+    `www` and the `:` before `//` are written behind a backslash too (`www\\.a.b`,
+    `http\\://a`), which GitHub renders as the name without a link. An e-mail address
+    (`a@b.c`) is left linked: GitHub finds it after reading the escapes, so no backslash stops
+    it, and the link's text is the name as it is."""
     last = len(text) - 1
     return "".join(
         "\\" + char
         if char in _MARKUP
         or (char == "_" and not (0 < i < last and text[i - 1].isalnum() and text[i + 1].isalnum()))
+        or (char == "." and text[max(i - 3, 0) : i].lower() == "www")
+        or (char == ":" and text[i + 1 : i + 3] == "//")
         else char
         for i, char in enumerate(text)
     )

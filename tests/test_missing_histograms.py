@@ -4,7 +4,6 @@ with a reason that is not why (a custom reducer's failure, a complex tensor)."""
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,8 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     def zeroes(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.mul_(0).sum()  # in place: null, with a reason naming this reducer
 
-    model = nn.Sequential(OrderedDict([("a\nb", nn.Identity())]))
+    model = nn.Sequential()
+    model.add_module("a\nb", nn.Identity())
     inject_observer(
         model,
         output_dir=run_dir,

@@ -147,8 +147,8 @@ def test_a_run_killed_after_its_tensorboard_events_failed_still_says_so(killed: 
     tmp_path = killed / "events"
     done = run_cli("finalize", tmp_path / "run")
     problem = (
-        "TensorBoard events under tensorboard/ could not be created (OSError: no event file "
-        "here); histograms after that point are missing (the history is not affected)"
+        "TensorBoard events under tensorboard/ could not be created ('OSError: no event file\\n"
+        "here'); histograms after that point are missing (the history is not affected)"
     )
     assert done.returncode == 1  # finalize's answer for an incomplete run
     assert f"incomplete: {problem}" in done.stderr
@@ -160,7 +160,7 @@ class NoEventFile:
     """An event file that cannot be created (a failing disk, as the run directory sees it)."""
 
     def __init__(self, *args: object) -> None:
-        raise OSError("no event file here")
+        raise OSError("no event file\nhere")  # a line break: quoted by error_said
 
 
 def events_child(tmp_path: Path) -> None:

@@ -481,8 +481,8 @@ class DirectorySink:
         """Warn once, remember the failure for index.md, and close the event writer."""
         if self._events_problem is None:
             self._events_problem = (
-                f"TensorBoard events under {TENSORBOARD_DIR}/ {what} ({type(error).__name__}: "
-                f"{error}); histograms after that point are missing (the history is not affected)"
+                f"TensorBoard events under {TENSORBOARD_DIR}/ {what} ({error_said(error)}); "
+                "histograms after that point are missing (the history is not affected)"
             )
             warn(
                 f"torchinstruments: TensorBoard events under "

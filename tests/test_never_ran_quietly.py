@@ -179,15 +179,19 @@ class Residual(nn.Module):
 
 
 def test_a_layer_switched_off_by_its_parents_setting_is_noted_not_warned(tmp_path: Path) -> None:
-    model = nn.Sequential(Residual(use_res_connect=False), Residual(use_res_connect=True))
+    """The setting is named as the layer is, by its literal: the parent's name holds a line
+    break."""
+    model = nn.Sequential()
+    model.add_module("a\nb", Residual(use_res_connect=False))
+    model.add_module("1", Residual(use_res_connect=True))
     warned = observed_steps(model, tmp_path / "run", sum_backward(torch.randn(3, 4)))
     assert len(warned) == 1
     assert "2 of 6 selected layers never ran" in warned[0]
-    assert "'0.extra', '1.extra'" in warned[0]
-    assert "'0.drop'" not in warned[0]
+    assert "'a\\nb.extra', '1.extra'" in warned[0]
+    assert "'a\\nb.drop'" not in warned[0]
     index = (tmp_path / "run" / "index.md").read_text()
     assert "Switched off: 1 selected layer never ran" in index
-    assert "`0.drop` (`0.use_res_connect`)" in index
+    assert "`'a\\nb.drop'` (`'a\\nb.use_res_connect'`)" in index
 
 
 def test_efficientnet_googlenet_and_quantizable_mobilenet_in_eval_warn_nothing(

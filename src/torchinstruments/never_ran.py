@@ -35,7 +35,7 @@ from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.reasons import utf8_text
 from torchinstruments.rundir.ranges import listed, plural
-from torchinstruments.rundir.shell import code_span, layer_span
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
 from torchinstruments.selection import switched_off
 
 __all__ = [
@@ -130,7 +130,10 @@ def switched_off_note(settings: Mapping[str, str]) -> str | None:
     """index.md's note on the switched-off layers that never ran (None when there are none)."""
     if not settings:
         return None
-    each = [f"{layer_span(name)} ({code_span(setting)})" for name, setting in settings.items()]
+    each = [
+        f"{layer_span(name)} ({code_span(literal_if_unclear(setting))})"  # a parent's name in it
+        for name, setting in settings.items()
+    ]
     return (
         f"Switched off: {plural(len(settings), 'selected layer')} never ran in a sampled "
         "forward, and cannot as the model stands: the parent calls each only under a setting "

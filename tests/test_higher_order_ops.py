@@ -1,9 +1,11 @@
-"""Control flow operators in an eager model: `torch.cond` whose branches call layers.
+"""Control flow operators in an eager model: `torch.cond` whose branches call layers, or call
+another observed model.
 
 In eager mode `torch.cond` compiles its branches with dynamo (`fullgraph=True`) under any compile
 stance but force_eager, so in a sampled forward dynamo meets a layer's forward proxy inside them. There the
 layers in the branches run unmeasured (dynamo traces them into the op's graph), and the run says
-so; the layers outside it are compared with plain hooks on a deep copy (`hook_reference`).
+so; the layers outside it are compared with plain hooks on a deep copy (`hook_reference`). An
+observed model called in such a branch runs there unobserved (its root wrapper too), said.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+
+from torchinstruments import inject_observer, remove_observer
 
 from _zoo import squares_step
 from hook_reference import assert_conforms, run_both
@@ -52,3 +56,43 @@ def test_layers_called_in_torch_cond_branches_run_unmeasured_and_are_said(
         "inside a higher-order op (torch.cond, torch.while_loop), unmeasured: `then`, `other`."
         in index
     )
+
+
+class CallsInCond(nn.Module):
+    """`torch.cond` whose branches call `inner`, a model observed by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return torch.cond(x.sum() > 0, lambda t: self.inner(t), lambda t: -self.inner(t), (x,))
+
+
+def test_observed_model_called_in_another_models_torch_cond_runs_unobserved_and_is_said(
+    tmp_path: Path,
+) -> None:
+    """The branches trace the observed model's forward through its root wrapper into their
+    graph: each step (with grad and backward, then under no_grad, which compiles the branches
+    again) returns the plain model's output, with the plain gradients; those root forwards are
+    neither counted nor sampled, and the warning and index.md say why (the run has no rows)."""
+    plain = CallsInCond()
+    outer = CallsInCond()
+    outer.load_state_dict(plain.state_dict())
+    inject_observer(outer.inner, output_dir=tmp_path / "stats")
+    x = torch.tensor([[1.0, -2.0, 3.0, 0.5], [-1.0, 2.0, -0.5, 4.0]])
+    with pytest.warns(RuntimeWarning, match="traced the model's own forward into that graph"):
+        observed = outer(x)
+    observed.square().sum().backward()
+    expected = plain(x)
+    expected.square().sum().backward()
+    assert torch.equal(observed, expected)
+    for mine, theirs in zip(outer.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    with torch.no_grad():
+        assert torch.equal(outer(-x), plain(-x))
+    with pytest.warns(RuntimeWarning, match="no sample was recorded"):
+        remove_observer(outer.inner)
+    index = (tmp_path / "stats" / "index.md").read_text("utf-8")
+    assert "the observed model was called inside code that torch.compile traced as one" in index
+    assert "those root forwards were neither counted nor sampled" in index

@@ -10,10 +10,10 @@ Between root forwards only the root carries a proxy; the selected layers get the
 sampled root forward starts and lose them when it ends (observer.py), so an unsampled forward
 costs one Python call at the root and nothing per layer, and compiled code never meets a layer
 proxy (compilation.py) but where a higher-order op (`torch.cond`) compiles its body inside a
-sampled forward: dynamo then traces the proxy as the layer's own forward (`LayerProxy`). During
-a sampled forward the layer proxies are built with `enabled=<list>.__len__`: another thread's
-unsampled forward passing through them stays in wrapt's C code (about 20 ns per call here; see
-bench/overhead.py).
+sampled forward: dynamo then traces the proxy as the layer's own forward (`LayerProxy`), as it
+does the root's where it cannot break the graph at it (`RootProxy`). During a sampled forward
+the layer proxies are built with `enabled=<list>.__len__`: another thread's unsampled forward
+passing through them stays in wrapt's C code (about 20 ns per call; bench/overhead.py).
 
 A sampled forward's end may be cut by a KeyboardInterrupt (observer.py heals it at the thread's
 next root forward): taking the layers' proxies off is keyed by the sample that put them on, so
@@ -144,6 +144,7 @@ class ForwardProxy(wrapt.FunctionWrapper):
         self._self_token = token
         self._self_through: Callable[..., Any] | None = None  # `__func__`, made once read
         self._self_root = enabled is None  # the root's proxy, the only one always enabled
+        self._self_wrapper_owner: Any = getattr(wrapper, "__self__", None)  # capture/observer
 
     # wrapt would hand out the wrapped method's function, and a forward rebuilt from it
     # (accelerate's mixed precision) would skip the proxy: the root's calls it
@@ -195,18 +196,24 @@ class LayerProxy(ForwardProxy):
     dynamo cannot trace wrapt's C `__call__` (an error in the user's step). Traced, the call runs
     unmeasured, which the run says (`LayerCapture.traced`); run, it is wrapt's call, unchanged."""
 
-    def __init__(self, module: nn.Module, original: Callable[..., Any], *rest: Any) -> None:
-        super().__init__(module, original, *rest)  # had_instance_forward, wrapper, enabled, token
-        self._self_capture = getattr(rest[1], "__self__", None)  # the wrapper's LayerCapture
+
+class RootProxy(ForwardProxy):
+    """The root's proxy; dynamo traces it as the root's forward only where it cannot break the
+    graph at it (another model's `torch.cond` body, `fullgraph=True`): root forwards neither
+    counted nor sampled, said (`TracedLayers.root_traced`); elsewhere it breaks there."""
 
 
-def _traced(proxy: LayerProxy) -> None:
-    """Dynamo traces a call of `proxy` (`trace_through`): its layer is said."""
-    if isinstance(capture := proxy._self_capture, LayerCapture):
-        capture.traced()
+def _traced(proxy: ForwardProxy) -> None:
+    """Dynamo traces a call of `proxy` (`trace_through`): its layer, or the root, is said."""
+    owner = proxy._self_wrapper_owner  # a LayerCapture, or the observer
+    if isinstance(owner, LayerCapture):
+        owner.traced()
+    elif isinstance(proxy, RootProxy) and owner is not None and not owner.closed:
+        owner.traced.root_traced(owner.notes, owner.warn_once)
 
 
 trace_through(LayerProxy, _traced)
+trace_through(RootProxy, _traced, where_unbreakable=True)
 
 
 def _set_state_without(module: nn.Module, bound: Any) -> Callable[[dict[str, Any]], None]:
@@ -239,7 +246,7 @@ def install_proxy(
         module.__dict__["forward"] = reuse
         return reuse
     original = module.__dict__["forward"] if had_instance_forward else bound_class_forward(module)
-    kind = ForwardProxy if enabled is None else LayerProxy  # the root's: enabled is None
+    kind = RootProxy if enabled is None else LayerProxy  # the root's: enabled is None
     proxy = kind(module, original, had_instance_forward, wrapper, enabled, owner)
     module.__dict__["forward"] = proxy
     return proxy
@@ -587,7 +594,7 @@ def by_module_call(root_ref: Callable[[], nn.Module | None] | None) -> bool:
         return True
     root = root_ref() if root_ref is not None else None
     forward = None if root is None else root.__dict__.get("forward")
-    if forward is None or type(forward) is ForwardProxy:  # the proxy: called directly
+    if forward is None or isinstance(forward, ForwardProxy):  # the proxy: called directly
         return False
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     return isinstance(code, CodeType) and caller_of_code_is_module_call(code)

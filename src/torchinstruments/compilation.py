@@ -227,6 +227,7 @@ class TracedLayers:
     def __init__(self) -> None:
         self.names: dict[str, None] = {}  # in the order traced
         self._said = 0
+        self._root_said = False
 
     def add(self, name: str) -> None:
         """A call of layer `name` was traced (called while dynamo traces: never raises)."""
@@ -252,6 +253,30 @@ class TracedLayers:
                 return
         notes.append(note)
         warn_once("traced", note)
+
+    def root_traced(self, notes: list[str], warn_once: Callable[[str, str], None]) -> None:
+        """Dynamo traced a call of the root into a graph of another model's code, where a graph
+        break would raise (capture.RootProxy): said once, as dynamo traces it (no sampled
+        forward ends to say it then). Such root forwards run inside the graph at each of its
+        calls, not counted, not sampled, unseen by the observer: that they exist is all it knows.
+        """
+        if self._root_said:
+            return
+        self._root_said = True
+        notes.append(_ROOT_TRACED)
+        warn_once("root traced", _ROOT_TRACED)
+
+
+_ROOT_TRACED = (
+    "the observed model was called inside code that torch.compile traced as one graph (the "
+    "body of another model's higher-order op, torch.cond or torch.while_loop, which compiles "
+    "its body even in eager mode; a caller compiled with fullgraph=True; strict torch.export), "
+    "where the "
+    "observer's root wrapper cannot run: dynamo traced the model's own forward into that "
+    "graph, so those root forwards were neither counted nor sampled, and they have no rows. "
+    "Call the model outside the op (or without fullgraph=True) to observe it, or inject the "
+    "observer into the model that calls it"
+)
 
 
 def fullgraph_unchecked_warning(

@@ -29,6 +29,7 @@ __all__ = [
     "eager_nested_compiles",
     "entered_through_wrap_inline",
     "exclude_from_compilation",
+    "graph_break_allowed",
     "opaque_to_compilation",
     "optimized_module_original",
     "pause_compilation",
@@ -271,22 +272,79 @@ def _same_code(running: CodeType, original: CodeType) -> bool:
     )
 
 
-def trace_through(proxy_type: type, traced: Callable[[Any], None]) -> None:
+def trace_through(
+    proxy_type: type, traced: Callable[[Any], None], where_unbreakable: bool = False
+) -> None:
     """Make dynamo trace a call of a `proxy_type` instance as a call of what it wraps
     (`__wrapped__`), and call `traced(proxy)` while it traces one (never raising into it).
+    `where_unbreakable`: only where a graph break would raise (`graph_break_allowed` False);
+    where dynamo may break the graph it breaks it at the proxy, as it did without this, and the
+    proxy runs as Python.
 
     Why: a higher-order op compiles its body in eager mode (`torch.cond`), and dynamo cannot
     trace a wrapt proxy's C `__call__` (an error in the user's step); this way the layers it calls
     run inside that graph as their own forwards, unmeasured, and the run can say so. It costs a
     proxy's call nothing outside dynamo. Dynamo traces the attribute `__original_fn` of an object
     marked `__script_if_tracing_wrapper` (what `torch.jit._script_if_tracing` sets), reading it
-    for real (several times) while it traces. Checked on torch 2.15.0 (`variables/builder.py`).
+    for real (several times) while it traces, and again, untraced, in the guards of the graph
+    (each call of it): there it is `__wrapped__`, as traced. Checked on torch 2.15.0
+    (`variables/builder.py`, `variables/functions.py` `WrapperUserFunctionVariable`).
     """
 
     def original(proxy: Any) -> Any:
-        with contextlib.suppress(Exception):  # saying it must not break the trace
-            traced(proxy)
+        allowed = graph_break_allowed() if where_unbreakable else False
+        if allowed:
+            _break_graph(type(proxy).__name__)
+        if allowed is False:
+            with contextlib.suppress(Exception):  # saying it must not break the trace
+                traced(proxy)
         return proxy.__wrapped__
 
     setattr(proxy_type, "__script_if_tracing_wrapper", True)
     setattr(proxy_type, "__original_fn", property(original))
+
+
+def graph_break_allowed() -> bool | None:
+    """Whether dynamo, tracing on this thread, may break the graph where it is now (None: it is
+    not tracing): not under `fullgraph=True` or `error_on_graph_break`, nor inside the body of a
+    higher-order op that refuses a break in it (`torch.cond`, `torch.while_loop`, which compile
+    their bodies with fullgraph=True even in eager mode; torch.utils.checkpoint's op falls
+    back to eager instead). False where this torch's tracer cannot be read (a break would raise).
+
+    Checked on torch 2.15.0 (`symbolic_convert.tls.current_tx`, its `one_graph`,
+    `error_on_graph_break` and `output.current_tracer`, whose `parent` chain is the bodies being
+    traced, each with its op as `source_target`; `higher_order_ops._hop_name_to_variable_class`
+    and their `_ALLOW_FALLBACK_TO_EAGER`).
+    """
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    tx = getattr(getattr(convert, "tls", None), "current_tx", None)
+    if tx is None:
+        return None
+    try:
+        if tx.one_graph or tx.error_on_graph_break:
+            return False
+        hops = sys.modules["torch._dynamo.variables.higher_order_ops"]
+        variables = hops._hop_name_to_variable_class
+        tracer = tx.output.current_tracer
+        while tracer.parent is not None:
+            variable = variables.get(getattr(tracer.source_target, "__name__", None))
+            if not getattr(variable, "_ALLOW_FALLBACK_TO_EAGER", False):
+                return False
+            tracer = tracer.parent
+    except Exception:  # another torch: as if the break would raise
+        return False
+    return True
+
+
+def _break_graph(kind: str) -> None:
+    """Raise dynamo's graph break (`torch._dynamo.exc.unimplemented`) while it traces a call of
+    an object of class `kind`. Checked on torch 2.15.0."""
+    from torch._dynamo.exc import unimplemented  # loaded: dynamo is tracing
+
+    unimplemented(
+        gb_type="call to an observer's root proxy",
+        context=kind,
+        explanation="torchinstruments' root wrapper runs as Python: it counts and samples the "
+        "observed model's root forwards",
+        hints=[],
+    )

@@ -74,16 +74,18 @@ _NO_COMPILE_SUPPORT = (
 _COMPILED_FROM_THE_TOP = (
     "model.compile() ran before inject_observer on a {cls}, whose forward lives in torch: "
     "torch.compile then traces nn.Module.__call__ from the top and meets the observer's root "
-    "wrapper, so each root forward has one extra graph break (and fullgraph=True fails). "
-    "Everything is still recorded. Call model.compile() after inject_observer, or inject into "
-    "torch.compile(model), for unchanged graphs"
+    "wrapper, so each root forward has one extra graph break (fullgraph=True traces the "
+    "model's forward through it instead, unobserved). Otherwise everything is still recorded. "
+    "Call model.compile() after inject_observer, or inject into torch.compile(model), for "
+    "unchanged graphs"
 )
 _WRAPPED_BEFORE_INJECT = (
     "torch.compile ran on this {cls} before inject_observer, and its compiled wrapper calls the "
     "{cls}, whose forward lives in torch: torch.compile then traces the {cls}'s call from the "
     "top and meets the observer's root wrapper, so each compiled root forward has one extra "
-    "graph break (and fullgraph=True fails). Everything is still recorded. For unchanged "
-    "graphs, call inject_observer before torch.compile (or compile the observed module again "
+    "graph break (fullgraph=True traces the model's forward through it instead, unobserved). "
+    "Otherwise everything is still recorded. For unchanged graphs, call inject_observer "
+    "before torch.compile (or compile the observed module again "
     "after inject_observer and call that), or inject into the compiled wrapper itself"
 )
 

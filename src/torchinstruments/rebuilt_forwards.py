@@ -162,6 +162,7 @@ def compiled_through_note(cls: str) -> str:
         "outputs around it), and torch.compile traces that rebuilt forward into the proxy: each "
         "compiled root forward has one extra graph break (the wrapper's autocast and conversion "
         "compile apart from the model's forward, which compiles as without the observer; "
-        "fullgraph=True fails). Everything is still recorded. For unchanged graphs, call "
+        "fullgraph=True traces the model's forward through the proxy instead, unobserved). "
+        "Otherwise everything is still recorded. For unchanged graphs, call "
         "inject_observer after accelerator.prepare, on the module it returns"
     )

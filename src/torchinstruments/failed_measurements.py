@@ -33,7 +33,7 @@ from torchinstruments.notices import SHOWN_KINDS
 from torchinstruments.reasons import NO_VALUE
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear, repr_if_unclear
 
 __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
@@ -227,7 +227,7 @@ def _key_span(key: str) -> str:
     ends a long list stays prose."""
     if key.startswith("... (") and key.endswith(" more)"):
         return key
-    return code_span(key if key.isprintable() else repr(key))
+    return code_span(repr_if_unclear(key))
 
 
 def _samples(count: int) -> str:

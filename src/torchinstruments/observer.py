@@ -373,9 +373,10 @@ class Observer:
             mode = self.phases.mode_of(schedule)  # phases.py
             local.sample = Sample(sample_id, forward_index, self.current_step(), mode)
             local.sample.held = held
-            root = self._root_ref() if self._root_ref is not None else None
-            training = root is None or root.training
-            local.sample.kind = (mode or ("train" if training else "eval"), torch.is_grad_enabled())
+            if self.global_option is not None:  # only its header reads the kind of forward
+                root = self._root_ref() if self._root_ref is not None else None
+                training = "train" if root is None or root.training else "eval"
+                local.sample.kind = (mode or training, torch.is_grad_enabled())
         except BaseException:
             release(held)
             raise

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torchinstruments.notices import repr_of, shown
 from torchinstruments.reasons import cut_message, error_message, utf8_text
+from torchinstruments.rundir.shell import repr_if_unclear
 
 __all__ = [
     "Clock",
@@ -215,12 +216,9 @@ def _cut(text: str) -> str:
 
 def _quoted(text: str) -> str:
     """A repr as `ask`'s warning and index.md's note quote it: cut (`_cut`), and as its Python
-    literal where it is not printable (index.md's rule, `literal_if_unclear`, less its quoting
-    of a text that begins with a quote: a repr of a str is one already): a repr holding a line
-    break split the note's paragraph, and one holding a terminal escape put it raw into
-    index.md."""
-    text = _cut(text)
-    return text if text.isprintable() else repr(text)
+    literal where it is not printable (`repr_if_unclear`): a repr holding a line break split the
+    note's paragraph, and one holding a terminal escape put it raw into index.md."""
+    return repr_if_unclear(_cut(text))
 
 
 def read_step(

@@ -115,6 +115,13 @@ def literal_if_unclear(text: str) -> str:
     return repr(text)
 
 
+def repr_if_unclear(text: str) -> str:
+    """A text quoted already (a `repr`, which begins with a quote) as it is, or its own literal
+    where it is not printable (an object's repr holding a line break or an escape):
+    `literal_if_unclear` for a repr, which a leading quote does not make unclear."""
+    return text if text.isprintable() else repr(text)
+
+
 def layer_span(name: str) -> str:
     """A layer's name as index.md writes it anywhere (the Layers section, every note): a code
     span of `literal_if_unclear`, `<root>` for the root. Outside code, a name holding `*`, `_`
@@ -204,6 +211,7 @@ __all__ = [
     "layer_span",
     "literal_if_unclear",
     "markdown_text",
+    "repr_if_unclear",
     "table_cell",
     "tool_command",
     "tool_span",

@@ -44,7 +44,7 @@ from torchinstruments.records import (
     SampleRecord,
     histogram_tag,
 )
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import layer_span, literal_span
 
 __all__ = [
     "NO_HISTOGRAM",
@@ -140,7 +140,9 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
         step: what the step axis is, e.g. `RUN_STEP`.
     """
     what = "output" if histogram.signal == OUTPUT else "gradient flowing back into the output"
-    path = f", tensor {_literal_span(histogram.tensor_path)}" if histogram.tensor_path else ""
+    # TensorBoard renders a description as Markdown (`plugin_util.markdown_to_safe_html`): names
+    # from outside as index.md writes them, so `*`, `_` or `<img>` in a key is not markup there.
+    path = f", tensor {literal_span(histogram.tensor_path)}" if histogram.tensor_path else ""
     mode = (
         f", in {histogram.mode} mode (samples taken with module.training False, in a root "
         "forward called under no_grad or inference_mode, or in a trainer's evaluation: a "
@@ -153,16 +155,8 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
         f"{histogram.call_index}{path}{mode}. Only finite entries are counted: NaN and Inf are left "
         "out (the history's nonfinite_fraction counts them), and at a sample where the tensor "
         "has no finite entry there is no histogram; the text tag "
-        f"{_literal_span(histogram.tag + NO_HISTOGRAM)} says so at that step. Step: {step}."
+        f"{literal_span(histogram.tag + NO_HISTOGRAM)} says so at that step. Step: {step}."
     )
-
-
-def _literal_span(text: str) -> str:
-    """A name from outside (a tag, a tensor path) in a tag's description as index.md writes it:
-    a code span of `literal_if_unclear`. TensorBoard renders a description as Markdown (its
-    `plugin_util.markdown_to_safe_html`), so a layer or dictionary key holding `*`, `_` or `<img>`
-    written raw was emphasis or an HTML tag there."""
-    return code_span(literal_if_unclear(text))
 
 
 NO_HISTOGRAM = " (no histogram)"

@@ -33,7 +33,13 @@ from torchinstruments.notices import SHOWN_KINDS
 from torchinstruments.reasons import NO_VALUE
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear, repr_if_unclear
+from torchinstruments.rundir.shell import (
+    code_span,
+    layer_span,
+    literal_if_unclear,
+    literal_span,
+    repr_if_unclear,
+)
 
 __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 
@@ -188,7 +194,7 @@ class FailedMeasurements:
                     per_layer.setdefault(layer, []).append(said)
             shown = [f"{layer_span(layer)} ({'; '.join(s)})" for layer, s in per_layer.items()]
             notes.append(
-                f"Not measured ({_span(kind)}, first as {_span(reason)}) in {len(shown)} "
+                f"Not measured ({literal_span(kind)}, first as {literal_span(reason)}) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
                 f"the reason (the other metrics and tensors keep their own rows): "
                 f"{listed(shown, _SHOWN)}."
@@ -204,8 +210,8 @@ def _extra_keys_note(
     if not extra_keys:
         return None
     said = [
-        f"{_span(name)} returned {', '.join(map(_key_span, keys))} beyond its metrics "
-        f"{', '.join(_span(metric) for metric in metrics)}"
+        f"{literal_span(name)} returned {', '.join(map(_key_span, keys))} beyond its metrics "
+        f"{', '.join(literal_span(metric) for metric in metrics)}"
         for name, (metrics, keys) in extra_keys.items()
     ]
     return (
@@ -213,12 +219,6 @@ def _extra_keys_note(
         f"beyond {'its' if len(said) == 1 else 'their'} `metrics`, which only names what is "
         f"recorded (name a key there to record it): {listed(said, _SHOWN)}."
     )
-
-
-def _span(text: str) -> str:
-    """A kind or a reason in a note: a code span of its literal where it is unclear (the
-    error's message is the user's: a line break, an escape or a backtick in it)."""
-    return code_span(literal_if_unclear(text))
 
 
 def _key_span(key: str) -> str:

@@ -87,7 +87,7 @@ from torchinstruments.measurement.tensors import (
 )
 from torchinstruments.notices import shown
 from torchinstruments.records import OUTPUT, MetricValue
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import layer_span, literal_span
 
 RADIX_BITS = 8
 RADIX_PASSES = 64 // RADIX_BITS
@@ -554,4 +554,4 @@ def _tensor_named(key: Any, note: bool) -> str:
     if not note:
         return f"{key.layer.name!r}{key.tensor_path}"
     path = key.tensor_path
-    return layer_span(key.layer.name) + (code_span(literal_if_unclear(path)) if path else "")
+    return layer_span(key.layer.name) + (literal_span(path) if path else "")

@@ -67,7 +67,7 @@ from torch import nn
 from torchinstruments.notices import warn
 from torchinstruments.records import LayerInfo, TensorKey
 from torchinstruments.rundir.ranges import listed, plural
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import layer_span, literal_span
 
 __all__ = ["GradientGaps", "series_of"]
 
@@ -344,7 +344,7 @@ def _series(series: Series, warned: bool = False) -> str:
     if isinstance(series, str):
         return named(series)
     layer, call_index, path = series
-    shown = path if warned or not path else code_span(literal_if_unclear(path))
+    shown = path if warned or not path else literal_span(path)
     return (
         named(layer) + (f" call {call_index}" if call_index else "") + (f" {shown}" if path else "")
     )

@@ -35,7 +35,7 @@ from torchinstruments._torch_internals import has_fused_fast_path
 from torchinstruments.compilation import named_modules_uncompiled
 from torchinstruments.reasons import utf8_text
 from torchinstruments.rundir.ranges import listed, plural
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import layer_span, literal_span
 from torchinstruments.selection import switched_off
 
 __all__ = [
@@ -131,7 +131,7 @@ def switched_off_note(settings: Mapping[str, str]) -> str | None:
     if not settings:
         return None
     each = [
-        f"{layer_span(name)} ({code_span(literal_if_unclear(setting))})"  # a parent's name in it
+        f"{layer_span(name)} ({literal_span(setting)})"  # a parent's name in it
         for name, setting in settings.items()
     ]
     return (

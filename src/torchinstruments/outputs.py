@@ -50,7 +50,7 @@ import torch
 
 from torchinstruments.notices import shown
 from torchinstruments.reasons import utf8_text
-from torchinstruments.rundir.shell import code_span, layer_span, literal_if_unclear
+from torchinstruments.rundir.shell import layer_span, literal_span
 
 __all__ = ["iter_tensors", "passed_over_message"]
 
@@ -79,7 +79,7 @@ def _names(note: bool) -> tuple[Callable[[str], str], Callable[[str], str]]:
     a code span of its literal (`layer_span`): `*`, `_` or `<x>` in a name (a `ModuleDict`'s
     key, a dict output's key) rendered as Markdown there."""
     if note:
-        return layer_span, lambda path: code_span(literal_if_unclear(path))
+        return layer_span, literal_span
     return repr, repr
 
 

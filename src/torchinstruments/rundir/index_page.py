@@ -61,7 +61,7 @@ from torchinstruments.rundir.page_sections import (
 )
 from torchinstruments.rundir.ranges import bound_count, ends_said, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
-from torchinstruments.rundir.shell import code_span, literal_if_unclear
+from torchinstruments.rundir.shell import literal_span
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 from torchinstruments.rundir.unsampled import passed_through, unsampled_sentence
 
@@ -467,12 +467,6 @@ def _schedule_cells(a: AttemptCounts) -> str:
     return f" {train} | {evaluation} |"
 
 
-def _literal_span(text: str) -> str:
-    """A code span of `text` by the layers' rule (`literal_if_unclear`): a directory or a class
-    named with a line break showed it as a space (another name) and split the list item."""
-    return code_span(literal_if_unclear(text))
-
-
 def _section_run(state: RunState, too_long: bool = False) -> list[str]:
     run = state.run
     rank = "not distributed" if run.rank is None else f"rank {run.rank} of {run.world_size}"
@@ -480,10 +474,10 @@ def _section_run(state: RunState, too_long: bool = False) -> list[str]:
     lines = [
         "## Run",
         "",
-        f"- output_dir: {_literal_span(Path(run.output_dir).as_posix())}; "
+        f"- output_dir: {literal_span(Path(run.output_dir).as_posix())}; "
         f"started at {run.started_at}",
         f"- torchinstruments {run.library_version}, torch {run.torch_version}",
-        f"- model class: {_literal_span(run.model_class)}",
+        f"- model class: {literal_span(run.model_class)}",
         f"- {layers_line(run, too_long)}",
         f"- {focus_line(run)}",
         f"- {sampler_line(run.sampler, state.attempts)}",
@@ -516,7 +510,7 @@ def _section_marks(state: RunState) -> list[str]:
         "",
     ]
     # A reason quotes the user's exception and the layer (`'<root>'`, a tag outside code).
-    lines += [f"- sample {m.sample_id}: {_literal_span(m.reason)}" for m in state.marks]
+    lines += [f"- sample {m.sample_id}: {literal_span(m.reason)}" for m in state.marks]
     return [*lines, ""]
 
 

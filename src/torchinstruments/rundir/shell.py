@@ -122,6 +122,13 @@ def repr_if_unclear(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def literal_span(text: str) -> str:
+    """A text from outside (a tag, a tensor path, a directory, a reason) as index.md writes it
+    in a line: a code span of `literal_if_unclear` (outside code, `*`, `_` or `<x>` renders as
+    Markdown; raw, a line break splits the line and shows as a space)."""
+    return code_span(literal_if_unclear(text))
+
+
 def layer_span(name: str) -> str:
     """A layer's name as index.md writes it anywhere (the Layers section, every note): a code
     span of `literal_if_unclear`, `<root>` for the root. Outside code, a name holding `*`, `_`
@@ -210,6 +217,7 @@ __all__ = [
     "json_on_one_line",
     "layer_span",
     "literal_if_unclear",
+    "literal_span",
     "markdown_text",
     "repr_if_unclear",
     "table_cell",

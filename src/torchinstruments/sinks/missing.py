@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from torchinstruments.events import NO_HISTOGRAM, MissingHistogram
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import TENSORBOARD_DIR
-from torchinstruments.rundir.shell import code_span, literal_if_unclear
+from torchinstruments.rundir.shell import code_span, literal_if_unclear, literal_span
 
 __all__ = ["MissingCount"]
 
@@ -50,8 +50,8 @@ class MissingCount:
             f"{count} focus-tensor histogram{' is' if count == 1 else 's are'} missing from "
             f"{TENSORBOARD_DIR}/ "
             "because the tensor had no finite entry to count or could not be measured (first: "
-            f"{code_span(literal_if_unclear(tag))} at forward_index {step}: "
-            f"{code_span(literal_if_unclear(reason))}"
+            f"{literal_span(tag)} at forward_index {step}: "
+            f"{literal_span(reason)}"
             f"); TensorBoard shows a text note {code_span(f'<tag>{NO_HISTOGRAM}')} at each "
             "such step, and the history holds those samples' "
             "rows.",

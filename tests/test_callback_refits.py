@@ -3,7 +3,9 @@
 A sampler keeps state (the default `TimeIntervalSampler` its last sample time), so each fit's run
 is sampled by a fresh copy of the sampler as the callback was built with it. Real trainers, the
 default sampler: every fit's first training forward is a sample, well inside its 60 s interval.
-A fit of a trainer that had finished trains nothing: its run says so, and why.
+A fit of a trainer that had finished trains nothing: its run says so, and why. What a custom
+reducer did wrong is warned and said by each fit's run, as by the first (the callback's reducers
+serve every fit).
 """
 
 from __future__ import annotations
@@ -22,16 +24,50 @@ from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from conftest import read_history
 
 
-def test_a_second_lightning_fit_samples_its_first_forward_like_the_first(tmp_path: Path) -> None:
-    callback = LightningObserver()  # TimeIntervalSampler(60): the first forward, then 60 s on
-    runs = []
+class Careless:
+    """A reducer that writes into its argument and returns a key beyond its metrics."""
+
+    metrics = ("peak",)
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        peak = tensor.amax()
+        tensor.zero_()
+        return {"peak": peak, "spare": peak}
+
+
+def test_a_second_lightning_fit_samples_and_says_like_the_first(tmp_path: Path) -> None:
+    # TimeIntervalSampler(60): the first forward, then 60 s on
+    callback = LightningObserver(reducers=[Careless()])
+    runs, said = [], []
     for _ in range(2):
-        fit(tmp_path, Tiny(), callback)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(tmp_path, Tiny(), callback)
         runs.append(callback.directory)
+        said.append([str(w.message) for w in caught if "reducer Careless" in str(w.message)])
     assert runs == [tmp_path / "logs" / f"version_{n}" / "torchinstruments" for n in (0, 1)]
-    for run in runs:
+    for run, messages in zip(runs, said, strict=True):
         assert run is not None
-        assert read_history(run)["forward_index"].unique().to_list() == [0], run
+        history = read_history(run)
+        assert history["forward_index"].unique().to_list() == [0], run
+        peak = history.filter(metric="peak")
+        assert peak["value"].null_count() == peak.height > 0
+        assert set(peak["unavailable_reason"]) == {
+            "reducer Careless modified its argument in place (it was given a copy: training is "
+            "unaffected)"
+        }
+        # Shared across fits, the second fit warned nothing and its index.md named nothing.
+        assert [m.split(";")[0] for m in messages] == [
+            "torchinstruments: reducer Careless returned 'spare' beyond its metrics ('peak',)",
+            "torchinstruments: reducer Careless modified its argument in place (it was given a copy: "
+            "training is unaffected)",
+        ], run
+        index = (run / "index.md").read_text(encoding="utf-8")
+        assert "`Careless` returned `'spare'` beyond its metrics `peak`" in index, run
+        modified = "reducer Careless modified its argument in place (it was given a copy: "
+        note = next(line for line in index.splitlines() if modified in line)
+        assert note.startswith(f"**Note:** Not measured (`{modified}training is unaffected)`) in 3")
+        assert "`net.0` (output: peak in 1 sample; output_gradient: peak in 1 sample)" in note
 
 
 def test_a_second_hf_train_samples_its_first_forward_like_the_first(tmp_path: Path) -> None:

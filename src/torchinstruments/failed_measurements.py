@@ -30,7 +30,7 @@ from typing import TypeGuard
 
 from torchinstruments.capture import WarnOnce
 from torchinstruments.notices import SHOWN_KINDS
-from torchinstruments.reasons import NO_VALUE
+from torchinstruments.reasons import MODIFIED_INPUT_END, NO_VALUE
 from torchinstruments.records import Measurement, MeasurementBlock, SampleRecord
 from torchinstruments.rundir.ranges import listed
 from torchinstruments.rundir.shell import (
@@ -48,8 +48,10 @@ __all__ = ["FAILURE_PREFIXES", "FailedMeasurements"]
 # A custom reducer that returned what cannot be a metric (`reasons.reducer_returned`,
 # `reducer_value`, `reducer_tensor_*`: a string, the whole tensor) failed too: its null rows
 # were said nowhere else; so did one that left out a metric its `metrics` names
-# (`reasons.reducer_left_out`). Not `reasons.NO_VALUE`: the built-in reducers give no value for
-# an empty tensor, which is the tensor's.
+# (`reasons.reducer_left_out`), and one that wrote into its argument (`reasons.MODIFIED_INPUT_END`:
+# its kind is its whole reason, which names it; the measurer warned once per reducer, so its layers
+# are named in index.md, not warned again). Not `reasons.NO_VALUE`: the built-in reducers give no
+# value for an empty tensor, which is the tensor's.
 FAILURE_PREFIXES = (
     "reducer error: ",
     "statistics error: ",
@@ -64,7 +66,9 @@ _LEFT_OUT_KIND = "reducer left out a metric its metrics name"
 
 def _is_failure(reason: str | None) -> TypeGuard[str]:
     """Whether a null row's `reason` is a failure inside measurement (see FAILURE_PREFIXES)."""
-    return reason is not None and reason.startswith(FAILURE_PREFIXES) and reason != NO_VALUE
+    if reason is None or reason == NO_VALUE:
+        return False
+    return reason.startswith(FAILURE_PREFIXES) or reason.endswith(MODIFIED_INPUT_END)
 
 
 def _kind(reason: str) -> str:
@@ -73,6 +77,8 @@ def _kind(reason: str) -> str:
         return _UNUSABLE_KIND
     if reason.startswith(_LEFT_OUT):
         return _LEFT_OUT_KIND
+    if reason.endswith(MODIFIED_INPUT_END):
+        return reason
     return ": ".join(reason.split(": ", 2)[:2])
 
 
@@ -158,6 +164,8 @@ class FailedMeasurements:
             if tally.latest != sample_id:
                 tally.latest = sample_id
                 tally.samples += 1
+            if reason.endswith(MODIFIED_INPUT_END):  # warned by the measurer, once per reducer
+                return
             new = (kind, layer) not in self._warned
             self._warned.add((kind, layer))
             count = len(self._warned)
@@ -193,8 +201,11 @@ class FailedMeasurements:
                     said = f"{signal}: {', '.join(metrics)} in {_samples(samples)}"
                     per_layer.setdefault(layer, []).append(said)
             shown = [f"{layer_span(layer)} ({'; '.join(s)})" for layer, s in per_layer.items()]
+            why = literal_span(kind) + (
+                "" if kind == reason else f", first as {literal_span(reason)}"
+            )
             notes.append(
-                f"Not measured ({literal_span(kind)}, first as {literal_span(reason)}) in {len(shown)} "
+                f"Not measured ({why}) in {len(shown)} "
                 f"layer{'' if len(shown) == 1 else 's'}: those metrics are null with the error as "
                 f"the reason (the other metrics and tensors keep their own rows): "
                 f"{listed(shown, _SHOWN)}."

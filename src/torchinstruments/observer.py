@@ -160,7 +160,7 @@ class Observer:
         self.config, self.directory = config, run.output_dir
         # any object with should_sample (checked by config); a callback's fresh copy of it
         self.sampler: Any = config.sampler if sampler is None else sampler
-        self.measurer = config.measurer
+        self.measurer = config.measurer.for_run()  # its warnings and keys this run's own
         self.capture_direct_forwards = config.capture_direct_forwards
         self.sinks = sinks
         self.rank = run.rank

@@ -21,6 +21,7 @@ __all__ = [
     "MESSAGE_BOUND",
     "MESSAGE_KEPT",
     "META_DEVICE",
+    "MODIFIED_INPUT_END",
     "NON_FINITE_RESULT",
     "NO_FINITE",
     "NO_VALUE",
@@ -408,13 +409,14 @@ def reducer_tensor_shape(shape: tuple[int, ...]) -> str:
     return f"reducer returned a tensor of shape {shape}, expected a scalar"
 
 
+# How `reducer_modified_input` ends, after the reducer's name: how failed_measurements knows it.
+MODIFIED_INPUT_END = " modified its argument in place (it was given a copy: training is unaffected)"
+
+
 def reducer_modified_input(name: str) -> str:
     """A custom reducer modified the tensor it was given (`name`, the reducer's own, as text
     UTF-8 files hold)."""
-    return (
-        f"reducer {utf8_text(name)} modified its argument in place (it was given a copy: training is "
-        "unaffected)"
-    )
+    return f"reducer {utf8_text(name)}{MODIFIED_INPUT_END}"
 
 
 def shared_output(calls: int) -> str:

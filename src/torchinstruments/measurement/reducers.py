@@ -9,6 +9,7 @@ moves one sampled forward's vectors with ONE transfer and calls `PendingReductio
 from __future__ import annotations
 
 import contextlib
+import copy
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,14 @@ class Measurer:
         self.default_only: tuple[str, ...] | None = (
             self.metrics if only_default and self.metrics else None
         )
+
+    def for_run(self) -> Measurer:
+        """These reducers with nothing warned or kept yet, for one run: a trainer callback's
+        config serves every fit, and each fit's run warns and says in its own index.md what its
+        reducers did (shared, a second fit warned nothing and named the first one's keys)."""
+        fresh = copy.copy(self)
+        fresh._warned, fresh._extra_said, fresh.extra_keys = set(), set(), {}
+        return fresh
 
     def _modified_input(self, reducer: Reducer, metrics: tuple[str, ...]) -> _Part:
         """Null metrics for a reducer that modified its argument; warned once per reducer."""

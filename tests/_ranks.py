@@ -1,6 +1,7 @@
 """Real gloo ranks on 127.0.0.1 for the tests that need a process group: one spawned process
 per rank (`run_ranks`), each joined to the group for the test's work (`joined`); several
-scenarios of a file may share one process per rank (`run_ranks_in_sequence`).
+scenarios of a file may share one process per rank (`run_ranks_in_sequence`), and groups of
+different sizes one spawn of processes (`run_groups`).
 
 A spawned process imports the test's module afresh, so a rank's function is a module-level
 function; it reports by writing files (JSON, run directories) the test reads back after every
@@ -14,7 +15,7 @@ import datetime
 import multiprocessing
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch.distributed as dist
@@ -58,11 +59,14 @@ def run_ranks(
     """`target(rank, world_size, port, *args)` in one spawned process per rank; every rank must
     exit 0 within `timeout_s` (a rank still running is killed and the test fails)."""
     port = free_port()
+    _spawn([(target, (rank, world_size, port, *args)) for rank in range(world_size)], timeout_s)
+
+
+def _spawn(calls: list[tuple[Callable[..., None], tuple[object, ...]]], timeout_s: float) -> None:
+    """`target(*args)` of each of `calls` in a spawned process of its own; every process must
+    exit 0 within `timeout_s` (one still running is killed and the test fails)."""
     context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(target=target, args=(rank, world_size, port, *args))
-        for rank in range(world_size)
-    ]
+    processes = [context.Process(target=target, args=args) for target, args in calls]
     for process in processes:
         process.start()
     for process in processes:
@@ -75,26 +79,46 @@ def run_ranks(
 
 
 Scenario = tuple[Callable[..., None], tuple[object, ...]]
+# a scenario and the spawned processes that run it, as its ranks 0, 1, ... in that order
+Group = tuple[Callable[..., None], tuple[object, ...], Sequence[int]]
+Step = tuple[Callable[..., None], int, int, int, tuple[object, ...]]
 
 
-def _in_sequence(rank: int, world_size: int, port: int, plan: list[tuple[Scenario, int]]) -> None:
-    """Each scenario's `target(rank, world_size, its_port, *args)`, in order (`port`, the one
-    `run_ranks` chose, is not used)."""
-    for (target, args), own_port in plan:
-        target(rank, world_size, own_port, *args)
+def _in_sequence(plan: list[Step]) -> None:
+    """Each `target(rank, world_size, port, *args)` of `plan`, in order."""
+    for target, rank, world_size, port, args in plan:
+        target(rank, world_size, port, *args)
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` different ports free on 127.0.0.1 now (held open together while chosen)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def run_groups(groups: list[Group], *, processes: int, timeout_s: float = TIMEOUT_SECONDS) -> None:
+    """Each `(target, args, members)` of `groups` as a group of its own over the spawned
+    processes `members` (of `processes`), on a port of its own: each process runs the groups
+    it is a member of one after the other, in the listed order (so none waits in a cycle), and
+    groups of other processes at the same time. Why: a spawned rank is a fresh interpreter that
+    imports torch, seconds per process, while a scenario that destroys its group and removes
+    its observer leaves nothing the next one meets; so one spawn of 4 processes runs a 4-rank
+    scenario and then 2-rank ones, two pairs side by side. Every process must exit 0 within
+    `timeout_s` in all."""
+    plans: list[list[Step]] = [[] for _ in range(processes)]
+    for (target, args, members), port in zip(groups, _free_ports(len(groups)), strict=True):
+        for rank, process in enumerate(members):
+            plans[process].append((target, rank, len(members), port, args))
+    _spawn([(_in_sequence, (plan,)) for plan in plans], timeout_s)
 
 
 def run_ranks_in_sequence(
     scenarios: list[Scenario], *, world_size: int = 2, timeout_s: float = TIMEOUT_SECONDS
 ) -> None:
     """`run_ranks` for each `(target, args)` of `scenarios`, all in one spawned process per
-    rank, one after the other, each joined on a port of its own. Why: a spawned rank is a fresh
-    interpreter that imports torch, seconds per process, while a scenario that destroys its
-    group and removes its observer leaves nothing the next one meets."""
-    with contextlib.ExitStack() as held:  # held open together: the ports differ
-        sockets = [held.enter_context(socket.socket()) for _ in scenarios]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        ports = [sock.getsockname()[1] for sock in sockets]
-    plan = list(zip(scenarios, ports, strict=True))
-    run_ranks(_in_sequence, plan, world_size=world_size, timeout_s=timeout_s * len(scenarios))
+    rank, one after the other, each joined on a port of its own (`run_groups`)."""
+    groups: list[Group] = [(target, args, range(world_size)) for target, args in scenarios]
+    run_groups(groups, processes=world_size, timeout_s=timeout_s * len(scenarios))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from test_global_statistics import METRICS, Raises, check
 from torch import nn
 
-from _ranks import joined, run_ranks
+from _ranks import joined, run_groups
 
 
 def raising_worker(rank: int, world_size: int, port: int, output_dir: str) -> None:
@@ -53,11 +53,28 @@ def raising_worker(rank: int, world_size: int, port: int, output_dir: str) -> No
         Path(output_dir, f"seen-{rank}.json").write_text(json.dumps(seen))
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One spawn of 4 processes for both world sizes: `raising_worker` on all 4 into `root/4`,
+    then on the first 2 into `root/2` (a spawned rank imports torch: seconds per process)."""
+    root = tmp_path_factory.mktemp("raised")
+    for world_size in (2, 4):
+        (root / str(world_size)).mkdir()
+    run_groups(
+        [
+            (raising_worker, (str(root / "4"),), range(4)),
+            (raising_worker, (str(root / "2"),), range(2)),
+        ],
+        processes=4,
+    )
+    return root
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_raise_on_one_rank_nulls_only_the_tensors_it_did_not_run(
-    tmp_path: Path, world_size: int
+    runs: Path, world_size: int
 ) -> None:
-    run_ranks(raising_worker, str(tmp_path), world_size=world_size)
+    tmp_path = runs / str(world_size)
     seen = [json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in range(world_size)]
     raiser = world_size - 1
     ranks = ", ".join(map(str, range(world_size)))

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _ranks import join, joined, run_ranks, run_ranks_in_sequence
+from _ranks import join, joined, run_groups
 
 METRICS = ("mean", "std", "min", "max", "p25", "p50", "p75", "zero_fraction", "nonfinite_fraction")
 
@@ -241,13 +241,8 @@ def check(got: dict[str, float], values: np.ndarray, rel: float = 1e-12) -> None
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_global_rows_equal_the_gathered_tensor(
-    request: pytest.FixtureRequest, tmp_path: Path, world_size: int
-) -> None:
-    if world_size == 2:  # the file's pair of ranks ran `worker` too
-        tmp_path = request.getfixturevalue("pair") / "gathered"
-    else:  # 4 gloo ranks on CI's 2 cores run several models each: more than 120 s per rank
-        run_ranks(worker, str(tmp_path), world_size=world_size, timeout_s=420)
+def test_global_rows_equal_the_gathered_tensor(ranks: Path, world_size: int) -> None:
+    tmp_path = ranks / f"gathered-{world_size}"
     report = json.loads((tmp_path / "report.json").read_text())
     for rank in range(world_size):
         for name in ("a", "b"):
@@ -377,32 +372,38 @@ def uneven_forwards_worker(rank: int, world_size: int, port: int, output_dir: st
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One pair of ranks for three scenarios, one after the other, each in a group of its own
-    (a pair of spawned ranks takes seconds): `uneven_forwards_worker` into `root/uneven`,
-    `tensor_parallel_in_data_parallel_worker` into `root/mesh`, then `worker` (2 ranks) into
-    `root/gathered`."""
-    root = tmp_path_factory.mktemp("pair")
-    for name in ("uneven", "mesh", "gathered"):
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One spawn of 4 processes for every scenario of the file, each in a group of its own (a
+    spawned rank imports torch: seconds per process): `worker` on all 4 into
+    `root/gathered-4`; then, two pairs side by side, `uneven_forwards_worker` into
+    `root/uneven` and `tensor_parallel_in_data_parallel_worker` into `root/mesh` on the first
+    two, `worker` into `root/gathered-2` and last `rank_leaves_early_worker` into `root/left`
+    (its rank 1's process ends there) on the other two."""
+    root = tmp_path_factory.mktemp("ranks")
+    for name in ("gathered-4", "uneven", "mesh", "gathered-2", "left"):
         (root / name).mkdir()
-    run_ranks_in_sequence(
+    run_groups(
         [
-            (uneven_forwards_worker, (str(root / "uneven"),)),
-            (tensor_parallel_in_data_parallel_worker, (str(root / "mesh"),)),
-            (worker, (str(root / "gathered"),)),
+            (worker, (str(root / "gathered-4"),), range(4)),
+            (uneven_forwards_worker, (str(root / "uneven"),), (0, 1)),
+            (tensor_parallel_in_data_parallel_worker, (str(root / "mesh"),), (0, 1)),
+            (worker, (str(root / "gathered-2"),), (2, 3)),
+            (rank_leaves_early_worker, (str(root / "left"),), (2, 3)),
         ],
-        timeout_s=420 / 3,  # `worker` runs several models: 420 s for the three in all
+        processes=4,
+        # 4 gloo ranks on CI's 2 cores run several models each: more than 120 s per rank
+        timeout_s=420,
     )
     return root
 
 
 def test_ranks_at_different_root_forwards_get_no_global_rows_of_each_others_tensors(
-    pair: Path,
+    ranks: Path,
 ) -> None:
     """A global row stands for one root forward on every rank: where the ranks' samples differ
     (a step or a mode apart), every rank skips the sample (null with a reason), never a value
     combined from rank 0's train step and rank 1's evaluation batch or earlier step."""
-    tmp_path = pair / "uneven"
+    tmp_path = ranks / "uneven"
     rows = {
         rank: pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
             pl.col("layer") == "0", pl.col("signal") == "output", pl.col("metric") == "mean"
@@ -446,13 +447,13 @@ def rank_leaves_early_worker(rank: int, world_size: int, port: int, output_dir: 
 
 
 def test_a_rank_that_left_leaves_the_others_global_rows_null_with_the_reason(
-    tmp_path: Path,
+    ranks: Path,
 ) -> None:
     """Once a rank of the group has gone, the next sample's collective fails on the ranks left
     and global statistics stop there: each claimed tensor still has its rows in that sample and
     every later one, null with the error as reason (its local rows are not written, so no row
     at all would be silent), and the step goes on."""
-    run_ranks(rank_leaves_early_worker, str(tmp_path))
+    tmp_path = ranks / "left"
     history = pl.read_parquet(tmp_path / "rank-000" / "history.parquet").filter(
         pl.col("signal") == "output"
     )
@@ -515,13 +516,13 @@ def tensor_parallel_in_data_parallel_worker(
 
 
 def test_each_tensor_parallel_group_of_a_2d_mesh_measures_its_own_whole_tensor(
-    pair: Path,
+    ranks: Path,
 ) -> None:
     """Tensor parallel inside data parallel (a 2 x 1 mesh: two tensor-parallel groups, {0} and
     {1}, with a batch each; a 2 x 2 mesh's {0, 1} and {2, 3} alike). Every rank's sample holds
     the same layers over groups of the same size, so the sample is measured: each group's rows
     are its whole fc1 output, not nulls as if the ranks disagreed."""
-    tmp_path = pair / "mesh"
+    tmp_path = ranks / "mesh"
     for rank in range(2):
         rows = pl.read_parquet(tmp_path / f"rank-{rank:03d}" / "history.parquet").filter(
             pl.col("layer") == "fc1", pl.col("signal") == "output"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import cli_in_process, kill_when_ready, wait_for_rows
+from conftest import cli_in_process, wait_for_rows
 
 ROWS_PER_SAMPLE = 3 * 9 * 2  # Linear, ReLU, Linear; the default metrics; output and gradient
 
@@ -64,6 +66,29 @@ def killed_while_merging(directory: Path) -> NoReturn:
     raise AssertionError(f"{directory}: not killed while merging")
 
 
+def kill_each_when_ready(*children: tuple[str | Path, ...]) -> None:
+    """`conftest.kill_when_ready` of this file's child mode for each of `children` (its
+    arguments), all started at once (each imports torch: seconds an interpreter, one after the
+    other): each is SIGKILLed once it printed "ready", at its own known point."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, __file__, *map(str, args)], stdout=subprocess.PIPE, text=True
+        )
+        for args in children
+    ]
+    try:
+        for child in started:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == "ready"
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=60)
+    finally:
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_path: Path) -> None:
     from test_rank_parent_live_kill import run_page
     from test_rank_parent_readers import observe_rank
@@ -73,9 +98,8 @@ def test_the_parent_page_gives_killed_ranks_counts_as_their_own_pages_do(tmp_pat
 
     parent = tmp_path / "stats"
     observe_rank(parent, 0, world_size=4)
-    kill_when_ready(__file__, "ready", parent, "1", "3")
-    kill_when_ready(__file__, "ready", parent, "2", "0")
-    kill_when_ready(__file__, "ready", parent, "3", "3", "removing")  # killed merging its parts
+    # rank 3 killed merging its parts
+    kill_each_when_ready((parent, "1", "3"), (parent, "2", "0"), (parent, "3", "3", "removing"))
     shown = cli_in_process("show", parent, "--width", "400")
     assert shown.returncode == 0, shown.stderr
     assert (  # as finalize tells it: no process holds its lock

@@ -61,8 +61,9 @@ READS = 8
 
 def rank_main(rank: int, world_size: int, port: int, parent: str, signals: str) -> None:
     """Rank 0: 3 samples, then removal. Rank 2: 3 samples and a fourth forward on disk (its
-    backward never runs), then SIGKILL. Rank 1: 3
-    samples, says so, then a sample every few milliseconds until the test says stop."""
+    backward never runs), then SIGKILL. Rank 1: 3 samples, says so, then a sample (a part)
+    every 50 ms until the test says stop: several parts added during each read, not the
+    thousands of parts that every reader, and its removal's merge, would have to go through."""
     with joined(rank, world_size, port):
         torch.manual_seed(rank)
         model = nn.Linear(4, 4)
@@ -86,7 +87,7 @@ def rank_main(rank: int, world_size: int, port: int, parent: str, signals: str) 
             deadline = time.monotonic() + TIMEOUT_SECONDS
             while not (Path(signals) / "stop").exists() and time.monotonic() < deadline:
                 model(torch.randn(2, 4)).sum().backward()
-                time.sleep(0.005)
+                time.sleep(0.05)
         remove_observer(model)
 
 

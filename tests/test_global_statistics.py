@@ -376,9 +376,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One spawn of 4 processes for every scenario of the file, each in a group of its own (a
     spawned rank imports torch: seconds per process): `worker` on all 4 into
     `root/gathered-4`; then, two pairs side by side, `uneven_forwards_worker` into
-    `root/uneven` and `tensor_parallel_in_data_parallel_worker` into `root/mesh` on the first
-    two, `worker` into `root/gathered-2` and last `rank_leaves_early_worker` into `root/left`
-    (its rank 1's process ends there) on the other two."""
+    `root/uneven`, `tensor_parallel_in_data_parallel_worker` into `root/mesh` and last
+    `rank_leaves_early_worker` into `root/left` (its rank 1's process ends there) on the first
+    two, `worker` into `root/gathered-2` on the other two (about as long)."""
     root = tmp_path_factory.mktemp("ranks")
     for name in ("gathered-4", "uneven", "mesh", "gathered-2", "left"):
         (root / name).mkdir()
@@ -387,8 +387,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (worker, (str(root / "gathered-4"),), range(4)),
             (uneven_forwards_worker, (str(root / "uneven"),), (0, 1)),
             (tensor_parallel_in_data_parallel_worker, (str(root / "mesh"),), (0, 1)),
+            (rank_leaves_early_worker, (str(root / "left"),), (0, 1)),
             (worker, (str(root / "gathered-2"),), (2, 3)),
-            (rank_leaves_early_worker, (str(root / "left"),), (2, 3)),
         ],
         processes=4,
         # 4 gloo ranks on CI's 2 cores run several models each: more than 120 s per rank

@@ -160,3 +160,45 @@ def test_torch_func_forward_mode(run_dir: Path, device: torch.device, transform:
     for got, want in zip(leaves(result.observed_outputs[0]), expected, strict=True):
         assert torch.equal(got, want)  # the transform computed what it computes unobserved
     result.assert_conforms(tolerance=tolerance_for(device), compare_shapes=False)
+
+
+def compiled_transform_step(transform: Step, backend: str) -> Step:
+    """`transform`'s step inside a function compiled with `backend`: dynamo inlines the
+    transform, meets the observed model's root wrapper inside it where it may not break the
+    graph, and so runs the transform eagerly; the frames it enters there are compiled by the
+    "eager" backend alone, under the transform (the others run them as Python)."""
+    compiled = torch.compile(transform, backend=backend)
+
+    def step(m: nn.Module, i: int) -> Any:
+        return compiled(m, i)
+
+    return step
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_torch_func_inside_a_step_compiled_with_the_eager_backend(run_dir: Path) -> None:
+    """A step compiled with backend="eager" calling `vmap` of `grad` over the observed model:
+    each step returns the plain backward's gradients, sampled (forward 0, 2) or not (1, where
+    the model's forward is compiled under the transforms), and the rows equal plain hooks. The
+    step raised an AssertionError: the root wrapper's graph break in a frame compiled under the
+    transforms, and a frame compiled from the library's gradient hook there, made dynamo fake
+    the transforms' wrapped tensors. (Other backends run those frames as Python.) Dynamo runs
+    the transforms as Python to break the graph at the root wrapper: warned and said."""
+    device = torch.device("cpu")
+    model = func_model(device)
+    step = compiled_transform_step(func_vmap_step(device), "eager")
+    backward = plain_backward(device)
+
+    def reference(m: nn.Module, i: int) -> Any:
+        m.zero_grad(set_to_none=True)  # each step's gradients, not their running sum
+        return backward(m, i)
+
+    with pytest.warns(RuntimeWarning, match="ran the whole transform as Python at each call"):
+        result = run_both(model, step, run_dir, reference_step=reference, steps=3, every=2)
+    for got, want in zip(result.observed_outputs, result.reference_outputs, strict=True):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value)
+    result.assert_conforms(compare_shapes=False)
+    assert result.history["forward_index"].unique().sort().to_list() == [0, 2]
+    index = " ".join((run_dir / "index.md").read_text("utf-8").split())
+    assert "so dynamo broke the graph at the transform's call instead and ran the whole" in index

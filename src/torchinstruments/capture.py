@@ -203,13 +203,13 @@ class RootProxy(ForwardProxy):
     counted nor sampled, said (`TracedLayers.root_traced`); elsewhere it breaks there."""
 
 
-def _traced(proxy: ForwardProxy) -> None:
-    """Dynamo traces a call of `proxy` (`trace_through`): its layer, or the root, is said."""
+def _traced(proxy: ForwardProxy, how: str) -> None:
+    """Dynamo traces a call of `proxy` (`trace_through`, `how`): its layer, or the root, said."""
     owner = proxy._self_wrapper_owner  # a LayerCapture, or the observer
     if isinstance(owner, LayerCapture):
         owner.traced()
     elif isinstance(proxy, RootProxy) and owner is not None and not owner.closed:
-        owner.traced.root_traced(owner.notes, owner.warn_once)
+        owner.traced.root_traced(owner.notes, owner.warn_once, how)
 
 
 trace_through(LayerProxy, _traced)

@@ -229,7 +229,7 @@ class TracedLayers:
     def __init__(self) -> None:
         self.names: dict[str, None] = {}  # in the order traced
         self._said = 0
-        self._root_said = False
+        self._said_once: set[str] = set()  # `root_traced`'s notes said
 
     def add(self, name: str) -> None:
         """A call of layer `name` was traced (called while dynamo traces: never raises)."""
@@ -256,17 +256,22 @@ class TracedLayers:
         notes.append(note)
         warn_once("traced", note)
 
-    def root_traced(self, notes: list[str], warn_once: Callable[[str, str], None]) -> None:
+    def root_traced(
+        self, notes: list[str], warn_once: Callable[[str, str], None], how: str = "traced"
+    ) -> None:
         """Dynamo traced a call of the root into a graph of another model's code, where a graph
         break would raise (capture.RootProxy): said once, as dynamo traces it (no sampled
         forward ends to say it then). Such root forwards run inside the graph at each of its
         calls, not counted, not sampled, unseen by the observer: that they exist is all it knows.
+        `how` "transform": dynamo met the root inside a torch.func transform it traced and ran
+        that transform as Python instead (`_torch_internals.dynamo.trace_through`), said once.
         """
-        if self._root_said:
+        note = _IN_A_TRANSFORM if how == "transform" else _ROOT_TRACED
+        if note in self._said_once:
             return
-        self._root_said = True
-        notes.append(_ROOT_TRACED)
-        warn_once("root traced", _ROOT_TRACED)
+        self._said_once.add(note)
+        notes.append(note)
+        warn_once(f"root {how}", note)
 
 
 _ROOT_TRACED = (
@@ -278,6 +283,17 @@ _ROOT_TRACED = (
     "graph, so those root forwards were neither counted nor sampled, and they have no rows. "
     "Call the model outside the op (or without fullgraph=True) to observe it, or inject the "
     "observer into the model that calls it"
+)
+
+
+_IN_A_TRANSFORM = (
+    "torch.compile met the observed model inside a torch.func transform (grad, vmap, jacrev, "
+    "...) of the compiled code: dynamo cannot break a graph inside a transform, and the "
+    "observer's root wrapper must run as Python, so dynamo broke the graph at the transform's "
+    "call instead and ran the whole transform as Python at each call, sampled or not (without "
+    "the observer it compiles into the caller's graph). The model's forwards in it are "
+    "counted, sampled and measured as usual; unsampled, they run compiled only under the "
+    '"eager" backend (the other backends run code inside a transform as Python)'
 )
 
 

@@ -36,6 +36,7 @@ from torchinstruments._torch_internals import (
     in_compiled_autograd,
     queue_at_backward_end,
 )
+from torchinstruments._torch_internals.dynamo import opaque_to_compilation
 from torchinstruments.ambient import apart
 from torchinstruments.outputs import iter_tensors
 
@@ -111,3 +112,11 @@ def release_held_backwards() -> None:
         held = list(_HOLDING)
     for hook in held:
         hook.release()
+
+
+# Called by the autograd engine, also while a compiled function's backward runs outside its
+# graph (a torch.func transform that runs eagerly inside a compiled step): dynamo would compile
+# the hook's frame there, with the transform's wrapped gradient as an input it cannot fake
+# (an AssertionError in the user's backward), and its end would be a graph of its own.
+opaque_to_compilation(_EagerBackward.__call__)
+opaque_to_compilation(_EagerBackward.release)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+import torch
 import wrapt
 from torch import nn
 
@@ -273,13 +274,16 @@ def _same_code(running: CodeType, original: CodeType) -> bool:
 
 
 def trace_through(
-    proxy_type: type, traced: Callable[[Any], None], where_unbreakable: bool = False
+    proxy_type: type, traced: Callable[[Any, str], None], where_unbreakable: bool = False
 ) -> None:
     """Make dynamo trace a call of a `proxy_type` instance as a call of what it wraps
-    (`__wrapped__`), and call `traced(proxy)` while it traces one (never raising into it).
-    `where_unbreakable`: only where a graph break would raise (`graph_break_allowed` False);
-    where dynamo may break the graph it breaks it at the proxy, as it did without this, and the
-    proxy runs as Python.
+    (`__wrapped__`), and call `traced(proxy, "traced")` while it traces one (never raising into
+    it). `where_unbreakable`: only where a graph break would raise (`graph_break_allowed`
+    False); where dynamo may break the graph it breaks it at the proxy, as it did without this,
+    and the proxy runs as Python; inside a torch.func transform it inlines (`grad`, `vmap`) the
+    break moves out to the transform's call, which then runs as Python, said with
+    `traced(proxy, "transform")`; in a frame entered inside a transform running so, the whole
+    frame runs as Python (`_transform_levels`).
 
     Why: a higher-order op compiles its body in eager mode (`torch.cond`), and dynamo cannot
     trace a wrapt proxy's C `__call__` (an error in the user's step); this way the layers it calls
@@ -294,14 +298,41 @@ def trace_through(
     def original(proxy: Any) -> Any:
         allowed = graph_break_allowed() if where_unbreakable else False
         if allowed:
-            _break_graph(type(proxy).__name__)
+            began_in, now_in = _transform_levels()
+            if now_in > began_in:
+                with contextlib.suppress(Exception):  # saying it must not break the trace
+                    traced(proxy, "transform")
+            _break_graph(type(proxy).__name__, whole_frame=began_in > 0)
         if allowed is False:
             with contextlib.suppress(Exception):  # saying it must not break the trace
-                traced(proxy)
+                traced(proxy, "traced")
         return proxy.__wrapped__
 
     setattr(proxy_type, "__script_if_tracing_wrapper", True)
     setattr(proxy_type, "__original_fn", property(original))
+
+
+def _transform_levels() -> tuple[int, int]:
+    """The torch.func transforms (`grad`, `vmap`, `jacrev` levels) around the frame dynamo
+    compiles now: running when it entered the frame (its output graph keeps them,
+    `functorch_layers`), and now, with those dynamo inlines into the frame up to here (it
+    enters their levels as it traces them); (0, 0) where this torch's tracer cannot be read.
+
+    Why: dynamo cannot break a graph inside a transform it inlines; it breaks at the
+    transform's call instead and runs the transform as Python, the model's forward in it
+    compiled only by the "eager" backend (the others run a frame entered inside a transform as
+    Python). A graph break in a frame entered so makes a resume function whose inputs are the
+    transform's wrapped tensors, which dynamo cannot turn into fake ones (an AssertionError in
+    the user's step): that frame is run as Python instead. Checked on torch 2.15.0
+    (`OutputGraph.functorch_layers`, `torch._C._functorch.get_interpreter_stack`).
+    """
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    tx = getattr(getattr(convert, "tls", None), "current_tx", None)
+    try:
+        began = len(tx.output.functorch_layers)  # type: ignore[union-attr]
+        return began, len(torch._C._functorch.get_interpreter_stack() or ())
+    except Exception:  # another torch: a graph break at the proxy, as before
+        return 0, 0
 
 
 def graph_break_allowed() -> bool | None:
@@ -336,9 +367,11 @@ def graph_break_allowed() -> bool | None:
     return True
 
 
-def _break_graph(kind: str) -> None:
+def _break_graph(kind: str, whole_frame: bool = False) -> None:
     """Raise dynamo's graph break (`torch._dynamo.exc.unimplemented`) while it traces a call of
-    an object of class `kind`. Checked on torch 2.15.0."""
+    an object of class `kind`; `whole_frame`: not a break but the frame run as Python, every
+    time (its code marked so: `skip_frame` kept through the inlined calls up to it). Checked on
+    torch 2.15.0."""
     from torch._dynamo.exc import unimplemented  # loaded: dynamo is tracing
 
     unimplemented(
@@ -347,4 +380,6 @@ def _break_graph(kind: str) -> None:
         explanation="torchinstruments' root wrapper runs as Python: it counts and samples the "
         "observed model's root forwards",
         hints=[],
+        skip_frame=whole_frame,
+        preserve_skip_frame_after_inline=whole_frame,
     )

@@ -101,14 +101,19 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
 
 
 def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:
-    """A complex output has finite entries but cannot be measured: index.md's note on missing
-    histograms must not give "no finite entry" as the only cause."""
+    """A complex output, and a quantized one (a static quantized layer's `quint8`), has finite
+    entries but cannot be measured: index.md's note on missing histograms must not give "no
+    finite entry" as the only cause, nor its description of tensorboard/."""
 
     class Complex(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.complex(x, x)
 
-    model = nn.Sequential(Complex())
+    class Quantized(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.quantize_per_tensor(x.real, 0.1, 10, torch.quint8)
+
+    model = nn.Sequential(Complex(), Quantized())
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     with pytest.warns(RuntimeWarning, match="unsupported dtype complex64"):
         model(torch.randn(2, 3))
@@ -118,6 +123,11 @@ def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path
     index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
     assert "because the tensor had no finite entry to count (first:" not in index
     assert (
-        "because the tensor had no finite entry to count or could not be measured (first: "
+        "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
+        "finite entry to count or could not be measured (first: "
         "`0/call_0/output/tensor` at forward_index 0: `unsupported dtype complex64`)"
+    ) in index
+    assert (
+        "A focus tensor with no finite entry, or one that cannot be measured (a complex or "
+        "quantized dtype, such as a static quantized layer's `quint8` output"
     ) in index

@@ -122,7 +122,9 @@ def section_files(run: RunInfo) -> list[str]:
         "tag and step: the step's first sample (the micro-batches of gradient accumulation and "
         "an evaluation's batches share a step, and TensorBoard's default data server keeps "
         "only the last record at a step; this page's notes count the samples left out there). A "
-        "focus tensor with no finite entry has no histogram at that step, and a text note "
+        "focus tensor with no finite entry, or one that cannot be measured (a complex or "
+        "quantized dtype, such as a static quantized layer's `quint8` output: its rows are null "
+        "with the reason), has no histogram at that step, and a text note "
         "`<tag> (no histogram)` there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
         "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "

@@ -370,8 +370,10 @@ def graph_break_allowed() -> bool | None:
 def _break_graph(kind: str, whole_frame: bool = False) -> None:
     """Raise dynamo's graph break (`torch._dynamo.exc.unimplemented`) while it traces a call of
     an object of class `kind`; `whole_frame`: not a break but the frame run as Python, every
-    time (its code marked so: `skip_frame` kept through the inlined calls up to it). Checked on
-    torch 2.15.0."""
+    time (its code marked so: `skip_frame` kept through the inlined calls up to it), as dynamo
+    marks a frame entered inside a transform under any other backend than "eager" (marked once,
+    not traced again at each call; the mark outlives the observer, as dynamo's does). Checked
+    on torch 2.15.0."""
     from torch._dynamo.exc import unimplemented  # loaded: dynamo is tracing
 
     unimplemented(

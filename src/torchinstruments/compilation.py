@@ -288,12 +288,13 @@ _ROOT_TRACED = (
 
 _IN_A_TRANSFORM = (
     "torch.compile met the observed model inside a torch.func transform (grad, vmap, jacrev, "
-    "...) of the compiled code: dynamo cannot break a graph inside a transform, and the "
-    "observer's root wrapper must run as Python, so dynamo broke the graph at the transform's "
-    "call instead and ran the whole transform as Python at each call, sampled or not (without "
-    "the observer it compiles into the caller's graph). The model's forwards in it are "
-    "counted, sampled and measured as usual; unsampled, they run compiled only under the "
-    '"eager" backend (the other backends run code inside a transform as Python)'
+    "...): dynamo cannot break a graph inside a transform, and the observer's root wrapper "
+    "must run as Python, so the compiled code around the model in the transform ran as Python "
+    "at each call, sampled or not (a transform in the compiled code: dynamo broke the graph at "
+    "the transform's call and ran the whole transform so; a compiled function called inside "
+    "a transform: that function). Without the observer it compiles. The model's forwards "
+    "there are counted, sampled and measured as usual; unsampled, they run compiled only "
+    'under the "eager" backend (the other backends run code inside a transform as Python)'
 )
 
 

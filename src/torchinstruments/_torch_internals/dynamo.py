@@ -281,9 +281,9 @@ def trace_through(
     it). `where_unbreakable`: only where a graph break would raise (`graph_break_allowed`
     False); where dynamo may break the graph it breaks it at the proxy, as it did without this,
     and the proxy runs as Python; inside a torch.func transform it inlines (`grad`, `vmap`) the
-    break moves out to the transform's call, which then runs as Python, said with
-    `traced(proxy, "transform")`; in a frame entered inside a transform running so, the whole
-    frame runs as Python (`_transform_levels`).
+    break moves out to the transform's call, which then runs as Python, and in a frame entered
+    inside a transform running so the whole frame runs as Python (`_transform_levels`): either
+    is said with `traced(proxy, "transform")`.
 
     Why: a higher-order op compiles its body in eager mode (`torch.cond`), and dynamo cannot
     trace a wrapt proxy's C `__call__` (an error in the user's step); this way the layers it calls
@@ -299,7 +299,7 @@ def trace_through(
         allowed = graph_break_allowed() if where_unbreakable else False
         if allowed:
             began_in, now_in = _transform_levels()
-            if now_in > began_in:
+            if now_in:
                 with contextlib.suppress(Exception):  # saying it must not break the trace
                     traced(proxy, "transform")
             _break_graph(type(proxy).__name__, whole_frame=began_in > 0)

@@ -5,11 +5,14 @@ In eager mode `torch.cond` compiles its branches with dynamo (`fullgraph=True`) 
 stance but force_eager, so in a sampled forward dynamo meets a layer's forward proxy inside them. There the
 layers in the branches run unmeasured (dynamo traces them into the op's graph), and the run says
 so; the layers outside it are compared with plain hooks on a deep copy (`hook_reference`). An
-observed model called in such a branch runs there unobserved (its root wrapper too), said.
+observed model called in such a branch runs there unobserved (its root wrapper too), said. A
+custom autograd.Function, whose forward a compiled caller traces as a body of its own, falls
+back to eager where it breaks: the model called there is measured.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +99,49 @@ def test_observed_model_called_in_another_models_torch_cond_runs_unobserved_and_
     index = (tmp_path / "stats" / "index.md").read_text("utf-8")
     assert "the observed model was called inside code that torch.compile traced as one" in index
     assert "those root forwards were neither counted nor sampled" in index
+
+
+class Doubled(torch.autograd.Function):
+    """A custom autograd.Function whose forward calls the observed model (`model`); its backward
+    doubles the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        return model(x)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return grads[0].sum(-1, keepdim=True).expand(-1, 4) * 2, None
+
+
+def through_function(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    output = Doubled.apply(x.requires_grad_(), model)
+    output.sum().backward()
+    return output.detach()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_observed_model_called_in_a_compiled_autograd_function_forward_is_measured(
+    run_dir: Path,
+) -> None:
+    """A compiled step calling the observed model inside a custom autograd.Function's forward:
+    dynamo may break the graph there (it runs the Function eagerly at its `apply`), so the model
+    is observed there as in eager mode, and its rows equal plain hooks. Dynamo names that body
+    by a string, not an op, and the model ran in its graph unobserved ("neither counted nor
+    sampled"), as in a torch.cond branch, where a break would raise."""
+    step = torch.compile(through_function, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_both(
+            nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+            lambda m, i: step(m, torch.randn(3, 4)),
+            run_dir,
+            reference_step=lambda m, i: through_function(m, torch.randn(3, 4)),
+            steps=3,
+            every=2,
+        )
+    for observed, reference in zip(result.observed_outputs, result.reference_outputs, strict=True):
+        assert torch.equal(observed, reference)
+    result.assert_conforms()
+    assert result.history["forward_index"].unique().sort().to_list() == [0, 2]
+    assert not [w for w in caught if "torchinstruments" in str(w.message)]  # nothing unobserved

@@ -339,8 +339,9 @@ def graph_break_allowed() -> bool | None:
     """Whether dynamo, tracing on this thread, may break the graph where it is now (None: it is
     not tracing): not under `fullgraph=True` or `error_on_graph_break`, nor inside the body of a
     higher-order op that refuses a break in it (`torch.cond`, `torch.while_loop`, which compile
-    their bodies with fullgraph=True even in eager mode; torch.utils.checkpoint's op falls
-    back to eager instead). False where this torch's tracer cannot be read (a break would raise).
+    their bodies with fullgraph=True even in eager mode; torch.utils.checkpoint's op and a
+    custom autograd.Function fall back to eager instead). False where this torch's tracer
+    cannot be read (a break would raise).
 
     Checked on torch 2.15.0 (`symbolic_convert.tls.current_tx`, its `one_graph`,
     `error_on_graph_break` and `output.current_tracer`, whose `parent` chain is the bodies being
@@ -358,13 +359,29 @@ def graph_break_allowed() -> bool | None:
         variables = hops._hop_name_to_variable_class
         tracer = tx.output.current_tracer
         while tracer.parent is not None:
-            variable = variables.get(getattr(tracer.source_target, "__name__", None))
+            target = tracer.source_target
+            if isinstance(target, str):  # an op dynamo traces by a variable of its own
+                variable = _hop_variable_named(hops, target)
+            else:
+                variable = variables.get(getattr(target, "__name__", None))
             if not getattr(variable, "_ALLOW_FALLBACK_TO_EAGER", False):
                 return False
             tracer = tracer.parent
     except Exception:  # another torch: as if the break would raise
         return False
     return True
+
+
+def _hop_variable_named(hops: Any, name: str) -> type | None:
+    """The variable class of `higher_order_ops` whose `_HOP_NAME` is `name`, or None: a custom
+    `torch.autograd.Function`'s forward is traced with the name itself as the body's
+    `source_target` ("autograd.Function", `AutogradFunctionApplyVariable`), and a break in it
+    falls back to eager at the `apply` call, where the observed model is then measured.
+    Checked on torch 2.15.0."""
+    for value in vars(hops).values():
+        if isinstance(value, type) and getattr(value, "_HOP_NAME", None) == name:
+            return value
+    return None
 
 
 def _break_graph(kind: str, whole_frame: bool = False) -> None:

@@ -7,11 +7,13 @@ layers in the branches run unmeasured (dynamo traces them into the op's graph), 
 so; the layers outside it are compared with plain hooks on a deep copy (`hook_reference`). An
 observed model called in such a branch runs there unobserved (its root wrapper too), said. A
 custom autograd.Function, whose forward a compiled caller traces as a body of its own, falls
-back to eager where it breaks: the model called there is measured.
+back to eager where it breaks: the model called there is measured. A function marked
+`torch.compiler.nested_compile_region` is traced as one graph: the model runs there unobserved.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -145,3 +147,40 @@ def test_observed_model_called_in_a_compiled_autograd_function_forward_is_measur
     result.assert_conforms()
     assert result.history["forward_index"].unique().sort().to_list() == [0, 2]
     assert not [w for w in caught if "torchinstruments" in str(w.message)]  # nothing unobserved
+
+
+@torch.compiler.nested_compile_region
+def region(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def through_region(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    output = region(model, x) * 2
+    output.sum().backward()
+    return output.detach()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_observed_model_called_in_a_nested_compile_region_runs_unobserved_and_is_said(
+    tmp_path: Path,
+) -> None:
+    """A compiled step calling the observed model in a `torch.compiler.nested_compile_region`
+    function, which dynamo traces as one graph: the model's forward is traced into it, each
+    step returns the plain model's output and gradients, and the run says its forwards were
+    neither counted nor sampled. The step raised an InternalTorchDynamoError: dynamo read the
+    root wrapper again for the region's reuse guards outside the region's body, where the
+    wrapper took the read for a call and broke the graph inside it."""
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    observed = copy.deepcopy(plain)
+    inject_observer(observed, output_dir=tmp_path / "stats")
+    step = torch.compile(through_region, backend="eager")
+    x = torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match="a function marked torch.compiler.nested_compile"):
+        assert torch.equal(step(observed, x), through_region(plain, x))
+    assert torch.equal(step(observed, x), through_region(plain, x))  # the graph, reused
+    for mine, theirs in zip(observed.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)  # type: ignore[arg-type]
+    with pytest.warns(RuntimeWarning, match="no sample was recorded"):
+        remove_observer(observed)
+    index = (tmp_path / "stats" / "index.md").read_text("utf-8")
+    assert "those root forwards were neither counted nor sampled" in index

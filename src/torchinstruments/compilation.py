@@ -277,7 +277,9 @@ class TracedLayers:
 _ROOT_TRACED = (
     "the observed model was called inside code that torch.compile traced as one graph (the "
     "body of another model's higher-order op, torch.cond or torch.while_loop, which compiles "
-    "its body even in eager mode; a caller compiled with fullgraph=True; strict torch.export), "
+    "its body even in eager mode; a function marked torch.compiler.nested_compile_region, "
+    "which compiled code traces as one graph; a caller compiled with fullgraph=True; strict "
+    "torch.export), "
     "where the "
     "observer's root wrapper cannot run: dynamo traced the model's own forward into that "
     "graph, so those root forwards were neither counted nor sampled, and they have no rows. "

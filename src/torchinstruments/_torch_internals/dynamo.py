@@ -291,11 +291,14 @@ def trace_through(
     proxy's call nothing outside dynamo. Dynamo traces the attribute `__original_fn` of an object
     marked `__script_if_tracing_wrapper` (what `torch.jit._script_if_tracing` sets), reading it
     for real (several times) while it traces, and again, untraced, in the guards of the graph
-    (each call of it): there it is `__wrapped__`, as traced. Checked on torch 2.15.0
+    (each call of it), or to build a guard (`_read_for_a_guard`): there it is `__wrapped__`,
+    as traced. Checked on torch 2.15.0
     (`variables/builder.py`, `variables/functions.py` `WrapperUserFunctionVariable`).
     """
 
     def original(proxy: Any) -> Any:
+        if _read_for_a_guard():
+            return proxy.__wrapped__
         allowed = graph_break_allowed() if where_unbreakable else False
         if allowed:
             began_in, now_in = _transform_levels()
@@ -310,6 +313,30 @@ def trace_through(
 
     setattr(proxy_type, "__script_if_tracing_wrapper", True)
     setattr(proxy_type, "__original_fn", property(original))
+
+
+# Where dynamo's sources read a value (`Source.get_value`: an attribute read, or an `eval` of
+# the source's name).
+_SOURCE_FILES = (os.path.join("_dynamo", "source.py"), os.path.join("torch", "_guards.py"))
+
+
+def _read_for_a_guard() -> bool:
+    """Whether dynamo reads the attribute to find the value a guard of its graph checks
+    (`Source.get_value`, directly or through the `eval` of the source's name), not to trace a
+    call: `torch.compiler.nested_compile_region` reads it so, once the region is traced, in
+    the caller's context, where a graph break would be allowed and raised from inside that
+    read (an InternalTorchDynamoError in the user's step). The value is what was traced:
+    `__wrapped__`. Checked on torch 2.15.0 (`torch/_dynamo/source.py`, `torch/_guards.py`,
+    `OutputGraph.resolve_source_value`, `variables/invoke_subgraph.py`)."""
+    frame: FrameType | None = sys._getframe(2)  # above this helper and `original`
+    for _ in range(2):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "get_value" and code.co_filename.endswith(_SOURCE_FILES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _transform_levels() -> tuple[int, int]:

@@ -297,10 +297,8 @@ def trace_through(
     """
 
     def original(proxy: Any) -> Any:
-        if _read_for_a_guard():
-            return proxy.__wrapped__
         allowed = graph_break_allowed() if where_unbreakable else False
-        if allowed:
+        if allowed and not _read_for_a_guard():
             began_in, now_in = _transform_levels()
             if now_in:
                 with contextlib.suppress(Exception):  # saying it must not break the trace

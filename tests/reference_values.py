@@ -18,8 +18,9 @@ What a reference tensor is, where a tensor is not a plain one:
   its entries as the subclass itself reads them, one `float()` each (for TwoTensor, whose ops run
   on both inner tensors and whose scalars are its first's, that first tensor's values); the
   values a user gets from `out.min().item()` and the like on the plain model's output.
-- complex and quantized tensors: null with "unsupported dtype <dtype>" (complex values have no
-  order for min, max and percentiles; the statistics are not taken of a part of them).
+- complex tensors: null with "unsupported dtype <dtype>" (complex values have no order for min,
+  max and percentiles; the statistics are not taken of a part of them).
+- quantized tensors: the reals they stand for, as `out.dequantize()` gives them.
 - float4_e2m1fn_x2 (two 4-bit floats packed in each byte, which torch cannot convert to any other
   dtype): null with a reason that says "packed dtype".
 """
@@ -163,8 +164,10 @@ def reference_tensor(tensor: torch.Tensor) -> ReferenceTensor:
         return row
     shape = None if tensor.is_nested else tuple(int(s) for s in tensor.shape)
     nulls = dict.fromkeys(METRICS)
-    if tensor.is_complex() or tensor.is_quantized:
+    if tensor.is_complex():
         return ReferenceTensor(nulls, rf"^unsupported dtype {dtype}$", shape, dtype)
+    if tensor.is_quantized:
+        tensor = tensor.dequantize()
     if tensor.dtype == torch.float4_e2m1fn_x2:
         return ReferenceTensor(nulls, rf"^packed dtype {dtype}: ", shape, dtype)
     values = _float64_values(tensor)

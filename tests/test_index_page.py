@@ -564,7 +564,9 @@ def test_metrics_section_says_what_the_rows_of_tensors_that_are_not_plain_descri
         "a nested tensor over its components' entries, padding excluded (shape null)",
         "a tensor subclass over its entries as the subclass itself reads them",
         "beyond 2**53 rounded to the nearest",
-        "Complex, quantized and packed dtypes and tensors on the meta device have null rows",
+        "a quantized tensor (a static quantized layer's `quint8` output) as its dequantized "
+        "values, its `dtype` the quantized one",
+        "Complex and packed dtypes and tensors on the meta device have null rows",
     ):
         assert needle in metrics, needle
     assert "null for a nested tensor" in text.split("| shape |", 1)[1].split("| dtype |", 1)[0]

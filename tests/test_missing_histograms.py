@@ -6,6 +6,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import numpy as np
+import polars as pl
 import pytest
 import torch
 from tensorboard.backend.event_processing.plugin_event_accumulator import (
@@ -100,10 +102,13 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     assert "`'a\\nb/call_0/output/tensor'` at forward_index 0: `it has no finite entry" in index
 
 
-def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path) -> None:
-    """A complex output, and a quantized one (a static quantized layer's `quint8`), has finite
-    entries but cannot be measured: index.md's note on missing histograms must not give "no
-    finite entry" as the only cause, nor its description of tensorboard/."""
+def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries_and_a_quantized_one_is_measured(
+    run_dir: Path,
+) -> None:
+    """A complex output has finite entries but cannot be measured: index.md's note on missing
+    histograms must not give "no finite entry" as the only cause, nor its description of
+    tensorboard/. A quantized one (a static quantized layer's `quint8`) is measured as the reals
+    it stands for (`dequantize()`), its histogram too."""
 
     class Complex(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,8 @@ def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path
             return torch.quantize_per_tensor(x.real, 0.1, 10, torch.quint8)
 
     model = nn.Sequential(Complex(), Quantized())
+    seen: list[np.ndarray] = []
+    model[1].register_forward_hook(lambda m, a, out: seen.append(out.dequantize().numpy()))
     inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1))
     with pytest.warns(RuntimeWarning, match="unsupported dtype complex64"):
         model(torch.randn(2, 3))
@@ -123,11 +130,25 @@ def test_a_complex_focus_tensor_is_not_said_to_lack_finite_entries(run_dir: Path
     index = " ".join((run_dir / "index.md").read_text(encoding="utf-8").split())
     assert "because the tensor had no finite entry to count (first:" not in index
     assert (
-        "2 focus-tensor histograms are missing from tensorboard/ because the tensor had no "
+        "1 focus-tensor histogram is missing from tensorboard/ because the tensor had no "
         "finite entry to count or could not be measured (first: "
         "`0/call_0/output/tensor` at forward_index 0: `unsupported dtype complex64`)"
     ) in index
     assert (
-        "A focus tensor with no finite entry, or one that cannot be measured (a complex or "
-        "quantized dtype, such as a static quantized layer's `quint8` output"
+        "A focus tensor with no finite entry, or one that cannot be measured (a complex dtype"
     ) in index
+    rows = pl.read_parquet(run_dir / "history.parquet").filter(layer="1", signal="output")
+    values = seen[0].astype(np.float64).reshape(-1)
+    assert rows["dtype"].unique().to_list() == ["quint8"]
+    assert dict(zip(rows["metric"], rows["value"], strict=True)) == {
+        "mean": pytest.approx(values.mean(), rel=1e-12),
+        "std": pytest.approx(values.std(), rel=1e-12),
+        "min": values.min(),
+        "max": values.max(),
+        "p25": pytest.approx(np.percentile(values, 25), rel=1e-12),
+        "p50": pytest.approx(np.percentile(values, 50), rel=1e-12),
+        "p75": pytest.approx(np.percentile(values, 75), rel=1e-12),
+        "zero_fraction": float((values == 0).mean()),
+        "nonfinite_fraction": 0.0,
+    }
+    assert list(histograms(run_dir / "tensorboard")) == ["1/call_0/output/tensor"]

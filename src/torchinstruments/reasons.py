@@ -111,7 +111,7 @@ REASONS: tuple[Reason, ...] = (
     Reason(
         "unsupported dtype <dtype>",
         "e.g. complex tensors (no order for min, max and percentiles; no part of them, real or "
-        "magnitude, stands for them) or quantized ones",
+        "magnitude, stands for them)",
     ),
     Reason(
         "packed dtype <dtype>: <what it holds>",

@@ -98,7 +98,7 @@ class L2Norm:
 
 
 # The library's own reducers. They describe real values, as the default profile does: a tensor
-# the profile cannot measure (complex, quantized, packed, sparse) is null with the profile's
+# the profile cannot measure (complex, packed) is null with the profile's
 # reason for them too (`Measurer`), not a number read from a cast (a complex tensor's real part).
 READY = (AbsMax, L2Norm)
 

@@ -1,12 +1,14 @@
 """Per-tensor rules shared by the statistics, the histograms and the observer, one copy each,
 so a tensor's statistics and histogram never disagree about whether or how it is measured:
 
-- Supported: floating (not packed float4), integer or bool dtypes; complex, quantized and packed
-  ones get null metrics with a reason and no histogram.
+- Supported: floating (not packed float4), integer or bool dtypes, and quantized ones as the
+  reals they stand for; complex and packed ones get null metrics with a reason and no histogram.
 - What is measured is the `measured_form`: torch.func wrappers unwrapped (`TORCH_FUNC_NOTE`); a
   DTensor's local tensor, no collective (`DTENSOR_NOTE`); a nested tensor's component entries,
   padding excluded, with a null shape (nn.TransformerEncoder returns them in eval under
-  no_grad); a sparse or other non-strided tensor densified, refused above `DENSE_MAX` entries.
+  no_grad); a sparse or other non-strided tensor densified, refused above `DENSE_MAX` entries; a
+  quantized tensor (a static quantized layer's quint8 output) dequantized, as a user's own hook
+  reads it (`out.dequantize()`): its dtype column stays the quantized one.
 - Working dtype: float64 stays float64, other floats are read as float32, integers and bools as
   float64 (beyond 2**53 rounded to the nearest).
 - Host syncs are free on the CPU only, so only the CPU paths read values back mid-reduction.
@@ -105,8 +107,8 @@ class MeasuredForm:
 def measured_form(tensor: torch.Tensor) -> MeasuredForm:
     """The form of `tensor` that is measured (see the module docstring); a copy only for nested
     and non-strided tensors. Never runs a collective."""
-    if is_plain(tensor) and not is_functorch_wrapped(tensor):  # the common case, kept cheap
-        return MeasuredForm(tensor, shape_of(tensor))
+    if is_plain(tensor) and not tensor.is_quantized and not is_functorch_wrapped(tensor):
+        return MeasuredForm(tensor, shape_of(tensor))  # the common case, kept cheap
     with torch.no_grad():
         plain, batch = unwrap_functorch(tensor)
         note = TORCH_FUNC_NOTE if plain is not tensor else None
@@ -135,6 +137,8 @@ def measured_form(tensor: torch.Tensor) -> MeasuredForm:
                 reason = reasons.unsupported_layout(plain.layout)
                 return MeasuredForm(None, shape, placement, coordinate, reason, note)
             plain = plain.to_dense()
+        if plain.is_quantized:
+            plain = plain.dequantize()
         return MeasuredForm(plain, shape, placement, coordinate, note=note)
 
 

@@ -122,9 +122,8 @@ def section_files(run: RunInfo) -> list[str]:
         "tag and step: the step's first sample (the micro-batches of gradient accumulation and "
         "an evaluation's batches share a step, and TensorBoard's default data server keeps "
         "only the last record at a step; this page's notes count the samples left out there). A "
-        "focus tensor with no finite entry, or one that cannot be measured (a complex or "
-        "quantized dtype, such as a static quantized layer's `quint8` output: its rows are null "
-        "with the reason), has no histogram at that step, and a text note "
+        "focus tensor with no finite entry, or one that cannot be measured (a complex dtype: its "
+        "rows are null with the reason), has no histogram at that step, and a text note "
         "`<tag> (no histogram)` there says why.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
         "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "
@@ -259,8 +258,9 @@ def section_meanings() -> list[str]:
         "plain one is measured as what it stands for: a sparse (or other non-strided) tensor as "
         "the dense tensor, with its shape; a nested tensor over its components' entries, "
         "padding excluded (shape null); a tensor subclass over its entries as the subclass "
-        "itself reads them (a wrapper such as TwoTensor through its own ops). Complex, "
-        "quantized and packed dtypes and tensors on the meta device have null rows with a "
+        "itself reads them (a wrapper such as TwoTensor through its own ops); a quantized tensor "
+        "(a static quantized layer's `quint8` output) as its dequantized values, its `dtype` "
+        "the quantized one. Complex and packed dtypes and tensors on the meta device have null rows with a "
         "reason (see Unavailable reasons). A custom reducer computes what it computes from the "
         "copy of the tensor it is given:",
         "",

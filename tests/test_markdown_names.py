@@ -85,7 +85,10 @@ def test_every_note_names_a_layer_holding_markdown_as_code_and_its_warning_by_re
     described = descriptions(tmp_path / "s" / "tensorboard")
     shown = markdown_to_safe_html(described["layers.<b>/call_0/output/tensor"])
     assert "of layer <code>layers.&lt;b&gt;</code> (ReLU)" in shown
-    assert "the text tag <code>layers.&lt;b&gt;/call_0/output/tensor (no histogram)</code>" in shown
+    assert (
+        "the text tag <code>layers.&lt;b&gt;/call_0/output/tensor (no histogram)/text_summary</code>"
+        in shown
+    )
     shown = markdown_to_safe_html(described["layers._c_/call_0/output/[0]"])
     assert "of layer <code>layers._c_</code> (Pair), call 0, tensor <code>[0]</code>" in shown
     assert "<em>" not in " ".join(markdown_to_safe_html(text) for text in described.values())

@@ -47,7 +47,9 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
         model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[TensorBoardSink(writer)]
     )
     model(torch.randn(2, 3))
-    with pytest.warns(RuntimeWarning, match=r"focus tensor 1/call_0/output/tensor has no histog"):
+    with pytest.warns(
+        RuntimeWarning, match=r"focus tensor 1/call_0/output/tensor has no histog"
+    ) as w:
         model(torch.randn(2, 3))
     model(torch.randn(2, 3))  # warned once: the later steps are counted in index.md
     remove_observer(model)
@@ -57,7 +59,11 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
     for log_dir in (run_dir / "tensorboard", tmp_path / "caller"):
         accumulator = PluginEventAccumulator(str(log_dir))
         accumulator.Reload()
-        notes = accumulator.Tensors(f"{tag} (no histogram)/text_summary")
+        note_tag = f"{tag} (no histogram)/text_summary"  # the text plugin adds /text_summary
+        tags = accumulator.Tags()["tensors"]
+        assert isinstance(tags, list)
+        assert [t for t in tags if "no histogram" in t] == [note_tag]
+        notes = accumulator.Tensors(note_tag)
         assert [n.step for n in notes] == [1, 2]
         assert notes[0].tensor_proto.string_val[0].decode() == (
             "No histogram at step 1: every entry is NaN or Inf (nonfinite_fraction 1). The "
@@ -69,6 +75,13 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
         f"finite entry to count or could not be measured (first: `{tag}` at forward_index 1: "
         "`every entry is NaN or Inf"
     ) in index
+    # every text that sends a reader to the note names the tag the event file holds
+    assert "shows a text note `<tag> (no histogram)/text_summary` at each such step" in index
+    assert "a text note `<tag> (no histogram)/text_summary` there says why" in " ".join(
+        index.split()
+    )
+    said = " ".join(str(x.message) for x in w)
+    assert f"a text note '{tag} (no histogram)/text_summary' at each such step" in said
 
 
 def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
@@ -97,7 +110,7 @@ def test_a_custom_reducers_failure_is_never_given_as_why_a_histogram_is_missing(
     assert "reducer zeroes" not in said
     assert "it has no finite entry to count, or measuring it failed" in said
     assert said.startswith("torchinstruments: focus tensor 'a\\nb/call_0/output/tensor' has no")
-    assert "a text note 'a\\nb/call_0/output/tensor (no histogram)' at each" in said
+    assert "a text note 'a\\nb/call_0/output/tensor (no histogram)/text_summary' at each" in said
     index = (run_dir / "index.md").read_text(encoding="utf-8")
     assert "`'a\\nb/call_0/output/tensor'` at forward_index 0: `it has no finite entry" in index
 

@@ -172,8 +172,8 @@ def test_each_tag_says_what_it_shows_and_the_step_axis_is_forward_index(
         "Histogram of the gradient flowing back into the output of layer `1` (ReLU), call 0. "
         "Only finite entries are counted: NaN and Inf are left out (the history's "
         "nonfinite_fraction counts them), and at a sample where the tensor has no finite entry "
-        "there is no histogram; the text tag `1/call_0/output_gradient/tensor (no histogram)` "
-        "says so at that step. Step: forward_index, the root forward the sample was taken at "
+        "there is no histogram; the text tag "
+        "`1/call_0/output_gradient/tensor (no histogram)/text_summary` says so at that step. Step: forward_index, the root forward the sample was taken at "
         "(0 at inject_observer; the training step when each step is one root forward)."
     )
     caller = descriptions(tmp_path / "caller")

@@ -49,6 +49,7 @@ from torchinstruments.rundir.shell import layer_span, literal_span
 __all__ = [
     "NO_HISTOGRAM",
     "RUN_STEP",
+    "TEXT_SUFFIX",
     "Crc32c",
     "EventFile",
     "MissingHistogram",
@@ -59,6 +60,7 @@ __all__ = [
     "measured_types",
     "missing_histograms",
     "missing_text",
+    "no_histogram_tag",
 ]
 
 _POLYNOMIAL = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
@@ -155,11 +157,22 @@ def histogram_description(histogram: HistogramRecord, module_type: str, step: st
         f"{histogram.call_index}{path}{mode}. Only finite entries are counted: NaN and Inf are left "
         "out (the history's nonfinite_fraction counts them), and at a sample where the tensor "
         "has no finite entry there is no histogram; the text tag "
-        f"{literal_span(histogram.tag + NO_HISTOGRAM)} says so at that step. Step: {step}."
+        f"{literal_span(no_histogram_tag(histogram.tag))} says so at that step. Step: {step}."
     )
 
 
 NO_HISTOGRAM = " (no histogram)"
+
+# What TensorBoard's text summary (`summary.text`, `SummaryWriter.add_text`) appends to the tag it
+# is given: the event file, and TensorBoard's Text tab, name the note `<tag> (no histogram)`
+# followed by it, so every text that tells a reader where to look names that whole tag.
+TEXT_SUFFIX = "/text_summary"
+
+
+def no_histogram_tag(tag: str) -> str:
+    """The tag a reader finds a tensor's no-histogram note under (TensorBoard's Text tab,
+    `EventAccumulator.Tensors`): `tag`, `NO_HISTOGRAM`, then `TEXT_SUFFIX`."""
+    return tag + NO_HISTOGRAM + TEXT_SUFFIX
 
 
 @dataclass(frozen=True, slots=True)

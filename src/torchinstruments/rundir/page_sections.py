@@ -124,7 +124,8 @@ def section_files(run: RunInfo) -> list[str]:
         "only the last record at a step; this page's notes count the samples left out there). A "
         "focus tensor with no finite entry, or one that cannot be measured (a complex dtype: its "
         "rows are null with the reason), has no histogram at that step, and a text note "
-        "`<tag> (no histogram)` there says why.",
+        "`<tag> (no histogram)/text_summary` there says why (TensorBoard's text plugin adds "
+        "`/text_summary` to a text note's tag).",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
         "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "
         "run's id mark: the sample_id and forward_index after every sample begun, written "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torchinstruments.events import NO_HISTOGRAM, MissingHistogram
+from torchinstruments.events import MissingHistogram, no_histogram_tag
 from torchinstruments.notices import warn
 from torchinstruments.rundir.layout import TENSORBOARD_DIR
 from torchinstruments.rundir.shell import code_span, literal_if_unclear, literal_span
@@ -35,7 +35,7 @@ class MissingCount:
                 f"torchinstruments: focus tensor {literal_if_unclear(first.tag)} has no "
                 f"histogram at forward_index {forward_index}: {first.reason} (histograms count "
                 "finite entries only). TensorBoard shows a text note "
-                f"{first.tag + NO_HISTOGRAM!r} at each such step, "
+                f"{no_histogram_tag(first.tag)!r} at each such step, "
                 "and index.md counts them; the history rows are written as usual"
             )
         self._count += len(missing)
@@ -52,7 +52,7 @@ class MissingCount:
             "because the tensor had no finite entry to count or could not be measured (first: "
             f"{literal_span(tag)} at forward_index {step}: "
             f"{literal_span(reason)}"
-            f"); TensorBoard shows a text note {code_span(f'<tag>{NO_HISTOGRAM}')} at each "
+            f"); TensorBoard shows a text note {code_span(no_histogram_tag('<tag>'))} at each "
             "such step, and the history holds those samples' "
             "rows.",
         )

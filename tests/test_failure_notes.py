@@ -28,12 +28,16 @@ def notes(run_dir: Path) -> list[str]:
     return [line for line in index.splitlines() if line.startswith("**Note:**")]
 
 
+# Text a bare link is made of on GitHub (GFM's extended autolinks), in an error's message.
+SEE = "see https://ex.org/s or <ops@ex.org>, www.ex.org"
+
+
 class RaisesAtOne:
     """Samples every forward but forward_index 1, where it raises."""
 
     def should_sample(self, forward_index: int) -> bool:
         if forward_index == 1:
-            raise ValueError("schedule file missing")
+            raise ValueError(f"schedule file missing: {SEE}")
         return True
 
     def __repr__(self) -> str:
@@ -46,14 +50,18 @@ def test_a_sampler_that_raised_is_said_in_index_with_the_forward_it_did_not_samp
     model = nn.Sequential(nn.Linear(3, 3))
     inject_observer(model, output_dir=run_dir, sampler=RaisesAtOne())
     model(torch.randn(2, 3))
-    with pytest.warns(RuntimeWarning, match="schedule file missing"):
+    with pytest.warns(RuntimeWarning, match="schedule file missing") as caught:
         model(torch.randn(2, 3))
+    assert any(SEE in str(w.message) for w in caught)
     model(torch.randn(2, 3))
     remove_observer(model)
     assert read_history(run_dir)["forward_index"].unique().sort().to_list() == [0, 2]
     (note,) = [n for n in notes(run_dir) if "RaisesAtOne()" in n]
+    # the message as recorded: no bare link (a `.` or `:` behind a backslash, the address as
+    # code, which GitHub never links), where the warning quotes it as it is
     assert (
-        "sampler RaisesAtOne() raised ValueError('schedule file missing') for forward_index 1; "
+        "sampler RaisesAtOne() raised ValueError('schedule file missing: see https\\://ex.org/s "
+        "or <`ops@ex.org`>, www\\.ex.org') for forward_index 1; "
         "a forward whose sampler raises is not sampled (warned when it first happened; later "
         "failures of this kind are not counted)."
     ) in note

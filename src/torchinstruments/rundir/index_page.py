@@ -61,7 +61,7 @@ from torchinstruments.rundir.page_sections import (
 )
 from torchinstruments.rundir.ranges import bound_count, ends_said, few_ranges, plural, ranges
 from torchinstruments.rundir.recovery import recovered_layers
-from torchinstruments.rundir.shell import literal_span
+from torchinstruments.rundir.shell import literal_span, unlinked
 from torchinstruments.rundir.state import RunState, Status, removal_doing
 from torchinstruments.rundir.unsampled import passed_through, unsampled_sentence
 
@@ -204,7 +204,7 @@ def _section_state(state: RunState) -> list[str]:
     in_flight = None if said is None else f"{said} (see the note below)"
     if status is Status.INCOMPLETE:
         lines = ["**State: INCOMPLETE.** What is missing and why:", ""]
-        lines += [f"- {printable(problem)}" for problem in state.problems]
+        lines += [f"- {unlinked(printable(problem))}" for problem in state.problems]
         lines += loss_lines(state.losses)
         if state.interrupted:
             lines.append(f"- {unremoved_said(state)}. {lost_bound}")
@@ -302,8 +302,10 @@ def _section_gaps(state: RunState) -> list[str]:
     """What the run does not hold although layers were selected: said before anything else."""
     run, counts = state.run, state.counts
     last = state.attempts[-1].attempt if len(state.attempts) > 1 else None
-    lines = [f"**Note:** {printable(note)}" for note in notes_shown(page_notes(state), last)]
-    lines += [f"**Disk space:** {printable(line)}" for line in state.left_behind]
+    lines = [
+        f"**Note:** {unlinked(printable(note))}" for note in notes_shown(page_notes(state), last)
+    ]
+    lines += [f"**Disk space:** {unlinked(printable(line))}" for line in state.left_behind]
     if state.run_info_recovered:
         lines.append(
             f"**Note:** the run's {STATE_FILE} was missing or unreadable: the layers were "
@@ -318,7 +320,7 @@ def _section_gaps(state: RunState) -> list[str]:
         )
     elif counts is not None and run.layers and counts.samples == 0:
         lines.append(
-            f"**No sample was recorded:** {unsampled_sentence(counts, page_notes(state))}, so "
+            f"**No sample was recorded:** {unlinked(unsampled_sentence(counts, page_notes(state)))}, so "
             "history.parquet has no rows and result.json no measurements."
         )
     return [line for pair in zip(lines, [""] * len(lines), strict=True) for line in pair]
@@ -480,7 +482,7 @@ def _section_run(state: RunState, too_long: bool = False) -> list[str]:
         f"- model class: {literal_span(run.model_class)}",
         f"- {layers_line(run, too_long)}",
         f"- {focus_line(run)}",
-        f"- {sampler_line(run.sampler, state.attempts)}",
+        f"- {unlinked(sampler_line(run.sampler, state.attempts))}",  # a user's describe()
         f"- metrics: {', '.join(run.metrics)}",
         f"- {rank}; rank_policy={run.rank_policy!r}",
         f"- capture_direct_forwards={run.capture_direct_forwards}, "

@@ -20,6 +20,7 @@ from torchinstruments.notices import printable
 from torchinstruments.rundir.layout import STATE_FILE
 from torchinstruments.rundir.ledger import LostRows, sample_range
 from torchinstruments.rundir.ranges import ends, was_were
+from torchinstruments.rundir.shell import unlinked
 
 __all__ = [
     "NOTES_BYTES",
@@ -78,7 +79,7 @@ def loss_lines(losses: Sequence[LostRows]) -> list[str]:
     one item between them with the others' rows and samples, so the total stays on the page.
     A reason quotes a write error, which may quote a path raw: `notices.printable`."""
     head, hidden, tail = ends(losses, SHOWN_LOSSES)
-    lines = [f"- {printable(loss.describe())}" for loss in head]
+    lines = [f"- {unlinked(printable(loss.describe()))}" for loss in head]
     if hidden:
         middle = losses[len(head) : len(losses) - len(tail)]
         rows = sum(loss.rows for loss in middle)
@@ -90,7 +91,7 @@ def loss_lines(losses: Sequence[LostRows]) -> list[str]:
             f"recorded but not written, in {hidden} more entries of the ledger not listed here "
             f"(this page's size bound): `{STATE_FILE}` (`losses`) lists each with its reason."
         )
-    return [*lines, *(f"- {printable(loss.describe())}" for loss in tail)]
+    return [*lines, *(f"- {unlinked(printable(loss.describe()))}" for loss in tail)]
 
 
 def attempt_rows(rows: Sequence[str], columns: int, spans: Sequence[int] = ()) -> list[str]:

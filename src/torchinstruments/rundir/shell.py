@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 
 from torchinstruments.reasons import error_message
 
@@ -173,18 +174,102 @@ def markdown_text(text: str) -> str:
     `://` (`http://localhost`, a `ModuleDict` key; `www.a.b`, nested modules). The `.` after
     `www` and the `:` before `//` are written behind a backslash too (`www\\.a.b`,
     `http\\://a`), which GitHub renders as the name without a link. An e-mail address
-    (`a@b.c`) is left linked: GitHub finds it after reading the escapes, so no backslash stops
-    it, and the link's text is the name as it is."""
+    (`a@b.c`) is written as a code span of itself (`unlinked`): GitHub finds one in the text
+    after reading the escapes, so no backslash stops it, and a code span is never linked."""
+    return _unlinked(text, _escaped)
+
+
+def _escaped(text: str) -> str:
+    """`text` with every character that starts markup or a bare link behind a backslash (see
+    `markdown_text`); `text` holds no e-mail address."""
     last = len(text) - 1
     return "".join(
         "\\" + char
         if char in _MARKUP
         or (char == "_" and not (0 < i < last and text[i - 1].isalnum() and text[i + 1].isalnum()))
-        or (char == "." and text[max(i - 3, 0) : i].lower() == "www")
-        or (char == ":" and text[i + 1 : i + 3] == "//")
+        or _starts_link(text, i)
         else char
         for i, char in enumerate(text)
     )
+
+
+def _starts_link(text: str, i: int) -> bool:
+    """Whether the character at `i` is the `.` of `www.` or the `:` of `://` (GFM's extended
+    www and URL autolinks start there); behind a backslash, GitHub links neither."""
+    char = text[i]
+    return (char == "." and text[max(i - 3, 0) : i].lower() == "www") or (
+        char == ":" and text[i + 1 : i + 3] == "//"
+    )
+
+
+# An e-mail address as GFM's extended e-mail autolink finds it, wider rather than narrower
+# (ASCII letters and digits, `.+-_` before the `@`, a domain with a `.` after it): written as a
+# code span, whose characters all stand for themselves there (no escape is read inside one).
+_EMAIL = re.compile(r"[A-Za-z0-9.+_-]*[A-Za-z0-9]@[A-Za-z0-9._-]*[A-Za-z0-9]")
+
+
+def _unlinked(text: str, escape: Callable[[str], str]) -> str:
+    """`text` with each e-mail address in it a code span of itself (GitHub links one outside
+    code whatever is escaped in it) and the text between them written by `escape`."""
+    out, at = [], 0
+    for match in _EMAIL.finditer(text):
+        if "." not in match.group().partition("@")[2]:
+            continue  # no domain with a dot: GitHub links none
+        out += [escape(text[at : match.start()]), code_span(match.group())]
+        at = match.end()
+    return "".join(out) + escape(text[at:])
+
+
+def unlinked(text: str) -> str:
+    """A line of Markdown (an index.md note) whose code spans stay as they are, and whose text
+    outside them (which quotes an error's message, a path, a name: text from outside) leaves
+    GitHub no bare link to make: the `.` of `www.` and the `:` of `://` behind a backslash, an
+    e-mail address a code span of itself (`markdown_text` says why). Raw, a message holding
+    `https://host/x` or `<a@b.c>` rendered as a link, which is not what was recorded."""
+    out, at = [], 0
+    for start, end in _code_spans(text):
+        out += [_unlinked(text[at:start], _link_escaped), text[start:end]]
+        at = end
+    return "".join(out) + _unlinked(text[at:], _link_escaped)
+
+
+def _link_escaped(text: str) -> str:
+    """`text` (outside code) with the characters that start a bare link behind a backslash,
+    and each backtick not escaped already (a literal one, outside code: an e-mail's code span
+    beside it must not grow its fence), a backslash escape kept as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            out.append(text[i : i + 2])
+            i += 2
+            continue
+        out.append("\\" + text[i] if text[i] == "`" or _starts_link(text, i) else text[i])
+        i += 1
+    return "".join(out)
+
+
+def _code_spans(text: str) -> list[tuple[int, int]]:
+    """Where `text`'s code spans are, as CommonMark reads them: a run of backticks up to the
+    next run of the same length (a backslash before a backtick outside one escapes it)."""
+    spans, i = [], 0
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] != "`":
+            i += 1
+            continue
+        end = i
+        while end < len(text) and text[end] == "`":
+            end += 1
+        fence = text[i:end]
+        close = re.compile(f"(?<!`){fence}(?!`)").search(text, i + len(fence))
+        if close is None:
+            i += len(fence)
+            continue
+        spans.append((i, close.end()))
+        i = close.end()
+    return spans
 
 
 # Line breaks to `str.splitlines` that JSON writes raw (it escapes those below U+0020 only).
@@ -223,4 +308,5 @@ __all__ = [
     "table_cell",
     "tool_command",
     "tool_span",
+    "unlinked",
 ]

@@ -495,8 +495,21 @@ def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Pa
         (("show", "--width", "1"), "--width", "got '1'", "an int >= 40"),
         (("compare", "--width", "39"), "--width", "got '39'", "an int >= 40"),
         (("compare", "--tolerance", "-0.5"), "--tolerance", "got '-0.5'", "a number >= 0"),
+        # not a number at all: the same words (argparse's own named a private function)
+        (("show", "--window", "x"), "--window", "got 'x'", "an int >= 1"),
+        (("plot", "--max-tensors", "2.5"), "--max-tensors", "got '2.5'", "an int >= 1"),
+        (("compare", "--tolerance", "abc"), "--tolerance", "got 'abc'", "a number >= 0"),
     ],
-    ids=["window", "width", "width-too-narrow", "compare-width-too-narrow", "tolerance"],
+    ids=[
+        "window",
+        "width",
+        "width-too-narrow",
+        "compare-width-too-narrow",
+        "tolerance",
+        "window-not-a-number",
+        "max-tensors-not-an-int",
+        "tolerance-not-a-number",
+    ],
 )
 def test_a_refused_command_line_number_names_the_option_its_value_and_what_is_allowed(
     finished: Path, args: tuple[str, ...], argument: str, value: str, allowed: str

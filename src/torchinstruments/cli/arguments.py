@@ -56,8 +56,12 @@ def _run_directory(text: str) -> Path:
 
 
 def _positive(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = int(text)
+    """argparse type: an int >= 1. A text that is no int is refused in the same words:
+    argparse's own message named this function (`invalid _positive value: 'x'`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
     return value
@@ -84,8 +88,12 @@ def _text_width(text: str) -> int:
 
 
 def _tolerance(text: str) -> float:
-    """argparse type: a float >= 0."""
-    value = float(text)
+    """argparse type: a float >= 0 (a text that is no number refused in the same words, as
+    `_positive` says why)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value

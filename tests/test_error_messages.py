@@ -546,3 +546,25 @@ def test_a_command_on_a_user_that_does_not_exist_says_it_in_one_line(command: st
     assert lines[0].startswith(f"torchinstruments {command}: ")
     assert "~torchinstruments-no-such-user" in lines[0]
     assert "./~torchinstruments-no-such-user" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("show", "-run"), ("compare", "-run", "b"), ("finalize", "-run")],
+    ids=["show", "compare", "finalize"],
+)
+def test_a_directory_whose_name_starts_with_a_dash_is_named_with_how_to_pass_it(
+    args: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse reads `-run` as an unknown option and said only that DIR is required (or that
+    `-run` is not recognized): the last line names the directory and how to pass it."""
+    (tmp_path / "-run").mkdir()
+    monkeypatch.chdir(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(list(args))
+    assert exited.value.code == 2  # still argparse's usage error
+    assert err.getvalue().splitlines()[-1] == (
+        f"torchinstruments {args[0]}: error: -run is read as an option, but it is a path here: "
+        "pass it as ./-run (or after --)"
+    )

@@ -302,7 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit code.
     """
-    args = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser().parse_args(words)
+    except SystemExit as exited:
+        if exited.code == 2:  # a usage error, said by argparse: a path it read as an option?
+            _say_dashed_paths(words)
+        raise
     if not _expand_paths(args):
         return 2
     try:
@@ -315,6 +321,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_went_away()
     return 2  # unreachable: argparse requires a known command
+
+
+def _say_dashed_paths(words: Sequence[str]) -> None:
+    """After argparse refused the command line: one line per word that starts with `-`, is
+    no option, and names an existing path (a run directory called `-run`). argparse reads such
+    a word as an unknown option, and said `the following arguments are required: DIR` without
+    naming it; the line names it and how to pass it (`./-run`, or after `--`). An option's
+    own name that is also a path (a file called `-o`) gets the line too: it only adds a hint."""
+    from torchinstruments.rundir.shell import command_line
+
+    command = next((word for word in words if not word.startswith("-")), None)
+    prog = "torchinstruments" + ("" if command is None else f" {command}")
+    for word in words:
+        if word == "--":
+            break
+        if word[:1] != "-" or not os.path.lexists(word):
+            continue
+        print(
+            f"{prog}: error: {command_line(word)} is read as an option, but it is a path "
+            f"here: pass it as {command_line(Path(word))} (or after --)",
+            file=sys.stderr,
+        )
 
 
 def _reader_went_away() -> int:

@@ -149,7 +149,7 @@ def test_compare_names_both_runs_and_a_missing_signal_is_refused(run: Path, tmp_
     forward_only = make_run(tmp_path / "forward-only", 4, 1, backward=False)
     code, _, err = cli("compare", run, forward_only, "--metrics", "p99")
     assert code == 1
-    assert "--metrics: 'p99' is not a metric of these runs; its metrics: max," in err
+    assert "--metrics: 'p99' is not a metric of these runs; their metrics: max," in err
     code, _, err = cli("show", forward_only, "--signal", "output_gradient")
     assert (code, err) == (
         1,

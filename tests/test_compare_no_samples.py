@@ -63,3 +63,20 @@ def test_compare_of_two_sampled_runs_or_a_narrow_selection_says_no_such_thing(
     result = cli("compare", sampled, other, "--layers", "^0$")
     assert result.returncode == 0, result.stderr
     assert "recorded no samples" not in result.stdout
+
+
+def test_compare_of_two_runs_without_samples_or_a_choice_they_lack_speaks_of_both(
+    runs: tuple[Path, Path],
+) -> None:
+    """Two runs are "these runs", and their pages and layers "their": the messages said "its
+    index.md says why" and "its layers" of two runs."""
+    sampled, unsampled = runs
+    result = cli("compare", unsampled, unsampled)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(
+        "these runs recorded no rows (no sample was taken; their index.md files say why): "
+        "nothing to show"
+    )
+    result = cli("compare", sampled, sampled, "--layers", "zzz")
+    assert result.returncode == 1
+    assert "matches no layer with rows in these runs; their layers with rows: '0'" in result.stderr

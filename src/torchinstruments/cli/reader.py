@@ -513,6 +513,7 @@ def check_selection(
         SelectionError: naming the option, what matched nothing and the available names.
     """
     runs = "these runs" if len(directories) > 1 else "this run"
+    its = "their" if len(directories) > 1 else "its"  # compare's two runs are theirs
     shown = ", ".join(literal_if_unclear(str(d)) for d in directories)  # index.md's rule
     if not _has_row(directories, pl.lit(True)):
         if any(_counts_unknown(d) for d in directories):
@@ -523,13 +524,14 @@ def check_selection(
             )
         raise SelectionError(
             f"{shown}: {runs} recorded no rows (no sample was taken; "
-            "its index.md says why): nothing to show"
+            f"{its} index.md {'files say' if len(directories) > 1 else 'says'} why): nothing to "
+            "show"
         )
     problems = []
     if layers is not None and not _has_row(directories, pl.col("layer").str.contains(layers)):
         names = layer_order(_held(directories, "layer"), None)
         problems.append(
-            f"--layers {layers!r} matches no layer with rows in {runs}; its layers with "
+            f"--layers {layers!r} matches no layer with rows in {runs}; {its} layers with "
             f"rows: {listed(names, quote=True)} (a selected layer that never ran in a sampled forward "
             "has none: index.md's Layers section lists every one)"
         )
@@ -550,7 +552,7 @@ def check_selection(
             problems.append(
                 f"--metrics: {', '.join(repr(m) for m in unknown)} "
                 f"{'is not a metric' if len(unknown) == 1 else 'are not metrics'} of {runs}; "
-                f"its metrics: {known}"
+                f"{its} metrics: {known}"
             )
     if problems:
         raise SelectionError("; ".join(problems))

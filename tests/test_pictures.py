@@ -23,6 +23,7 @@ from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer, set_step
 from torchinstruments.__main__ import main
+from torchinstruments.cli import pictures
 from torchinstruments.cli.heatmap import heatmap
 from torchinstruments.cli.pictures import DPI, MAX_LABEL_CHARS, PANEL_WIDTH_IN, trend_figure
 from torchinstruments.cli.pictures_grid import FRAME_COLOUR
@@ -167,6 +168,37 @@ def test_plot_shortens_long_layer_names_in_the_legend_and_keeps_the_panels(
     widths = [ax.get_window_extent().width for ax in figure.axes]
     assert len(widths) == 2
     assert min(widths) > 0.75 * PANEL_WIDTH_IN * DPI  # the legend takes no panel's width
+
+
+def test_a_plot_of_many_tensors_keeps_its_lines_and_legend_readable_inside_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--max-tensors 12`: every line as wide as the widest of a 10-tensor plot (the first of
+    3,000 was 1,000 points wide), and a legend of `LEGEND_TENSORS` entries (5 here), the last
+    counting the others, inside the image it sizes (one entry per line ran off the image)."""
+    monkeypatch.setattr(pictures, "LEGEND_TENSORS", 5)
+    directory = tmp_path / "many"
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
+    inject_observer(model, output_dir=directory, sampler=EveryNForwardsSampler(1))
+    model(torch.randn(1, 2))
+    remove_observer(model)
+    rows = plot_rows(directory, Selection(metrics=("mean",)), "sample_id")
+    figure, result = trend_figure(rows, read_facts(directory), "sample_id", 12)
+    figure.canvas.draw()
+    assert len(result.legend) == 12  # the PNG's Description names each
+    (legend,) = figure.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == [
+        *(f"{i} (Linear)" for i in range(4)),
+        "and 8 more\n(the PNG's Description\nnames each)",
+    ]
+    extent = legend.get_window_extent()
+    assert extent.y0 >= 0
+    assert extent.y1 <= figure.bbox.height
+    lines = [line for ax in figure.axes for line in ax.get_lines()]
+    assert len(lines) == 12
+    assert max(line.get_linewidth() for line in lines) == pytest.approx(1 + 0.35 * 9)
+    assert max(line.get_markersize() for line in lines) == pytest.approx(4 + 1.5 * 9)
 
 
 def _observe(directory: Path, forwards: int, nan_first: bool = False) -> Path:

@@ -123,6 +123,11 @@ YSCALES = ("linear", "log", "symlog")
 # tensors past that repeats them with another colour).
 MARKERS = ("o", "s", "^", "D", "v", "p", "h", "<", ">", "8")
 LINE_STYLES = ("-", "--", "-.", ":")
+# The most tensors the legend names one by one: past it, its last entry counts the others (the
+# PNG's Description metadata names every one). With `--max-tensors 3000` the legend had an
+# entry per line, ran off the image and covered the panels.
+LEGEND_TENSORS = 30
+LEGEND_ROW_IN = 0.25  # the height of a legend entry, its largest marker included
 
 
 @dataclass(frozen=True)
@@ -245,8 +250,10 @@ def tensor_order(catalog: pl.DataFrame, facts: RunFacts) -> list[TensorKey]:
 
 
 def _style(i: int, count: int) -> dict[str, Any]:
-    """The i-th of `count` lines: its own marker and style; earlier lines wider and larger."""
-    larger = count - 1 - i
+    """The i-th of `count` lines: its own marker and style; earlier lines wider and larger (so
+    a line drawn over another leaves it visible), the first `len(MARKERS)` only: grown with
+    `count`, the first of 3,000 lines was 1,000 points wide and filled the panel."""
+    larger = max(0, min(count, len(MARKERS)) - 1 - i)
     return {
         "marker": MARKERS[i % len(MARKERS)],
         "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
@@ -397,12 +404,14 @@ def trend_figure(
     if len(at) == 1:  # one x: its own tick, not a fraction of a sample either side
         for ax in axes.flat:
             ax.set_xticks(at)
-    handles = [Line2D([], [], **style) for style in styles]
-    entries = [literal(entry) for entry in legend]
+    handles, entries = _legend_entries(styles, legend, Line2D)
     if null_marks:
         handles.append(Line2D([], [], marker=NULL_MARK, linestyle="none", color="black"))
         entries.append("x at the bottom:\nnull value (reason\nin history)")
     figure.legend(handles, entries, loc="outside right upper", fontsize=9, title="tensor")
+    lines_in = sum(entry.count("\n") + 1 for entry in entries) + 1  # and the legend's title
+    panels_in = PANEL_HEIGHT_IN * nrows + 0.9
+    figure.set_size_inches(figure.get_size_inches()[0], max(panels_in, LEGEND_ROW_IN * lines_in))
     where = "/".join(facts.directory.parts[-2:]) or str(facts.directory)
     title = f"{where}: {title or plural(len(drawn), 'tensor')}"
     if left_out:
@@ -423,6 +432,20 @@ def trend_figure(
         legend=tuple(legend),
     )
     return figure, result
+
+
+def _legend_entries(
+    styles: list[dict[str, Any]], legend: list[str], line: Any
+) -> tuple[list[Any], list[str]]:
+    """The legend's handles and texts: a line per tensor up to `LEGEND_TENSORS`, past it the
+    first `LEGEND_TENSORS - 1` and an entry that counts the others."""
+    shown = len(styles) if len(styles) <= LEGEND_TENSORS else LEGEND_TENSORS - 1
+    handles = [line([], [], **style) for style in styles[:shown]]
+    entries = [literal(entry) for entry in legend[:shown]]
+    if shown < len(styles):
+        handles.append(line([], [], linestyle="none"))
+        entries.append(f"and {len(styles) - shown} more\n(the PNG's Description\nnames each)")
+    return handles, entries
 
 
 def write_trends(figure: Any, result: PlotResult, output: Path) -> PlotResult:

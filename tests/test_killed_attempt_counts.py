@@ -25,6 +25,7 @@ from _forked import kill_each_when_ready, run_forked, stderr_of
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.cli.reader import read_facts
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
@@ -88,6 +89,7 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
         assert code == -signal.SIGKILL, stderr_of(root, mode)
     shutil.copytree(root / "new", root / "idle")  # continued by an attempt without a sample
+    shutil.copytree(root / "new", root / "killed")  # as killed: the other tests resume "new"
     return root
 
 
@@ -216,6 +218,35 @@ def _steps(net: nn.Module, steps: int) -> None:
 def _bad(tensor: torch.Tensor) -> float:
     """A custom reducer that fails on every tensor."""
     return 1 / 0
+
+
+@pytest.mark.parametrize("state_file", ["deleted", "unreadable"])
+def test_a_killed_run_without_its_state_file_is_finalized_from_its_events_and_rows(
+    killed_runs: Path, state_file: str
+) -> None:
+    """The state file deleted or not JSON: `finalize` rebuilds a state without attempts, and
+    raising them to the samples the events prove raised a bare ValueError (zip of no attempt
+    with one end). It finishes, with the counts the events and rows prove."""
+    run = killed_runs / f"stateless-{state_file}"
+    shutil.copytree(killed_runs / "killed" / "stats", run)
+    if state_file == "deleted":
+        (run / ".state.json").unlink()
+        # `show`'s state line: index.md is there (rendered, never read back), not "missing"
+        assert read_facts(run).state == (
+            ".state.json missing or unreadable, and no index.md of an older version to read "
+            "the settings from (settings and layer order unknown)"
+        )
+    else:
+        (run / ".state.json").write_text("{not json", encoding="utf-8")
+    finalize(run)
+    state = read_state(run)
+    assert state.attempts == ()
+    assert state.counts is not None
+    assert (state.counts.root_forwards, state.counts.samples) == (STEPS - 1, STEPS // 2)
+    assert state.run.sampler == (
+        "unknown (.state.json missing or unreadable, and no index.md of an older version to "
+        "read the settings from; layers read from result.json's catalog)"
+    )
 
 
 if __name__ == "__main__":

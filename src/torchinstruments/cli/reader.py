@@ -59,6 +59,7 @@ from torchinstruments.rundir.left_parts import part_unreadable, parts_beside
 from torchinstruments.rundir.lock import writer_ended
 from torchinstruments.rundir.marks import is_mark
 from torchinstruments.rundir.ranges import listed
+from torchinstruments.rundir.recovery import NO_SETTINGS
 from torchinstruments.rundir.shell import command_line, error_said, literal_if_unclear, tool_command
 from torchinstruments.rundir.state import RunState, Status
 from torchinstruments.rundir.windows import SERIES_KEY, TENSOR_KEY
@@ -333,7 +334,7 @@ def read_facts(directory: Path) -> RunFacts:
         why = f"the run's state is unreadable ({error_said(error)})"
         return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
     if state is None:
-        why = f"{STATE_FILE} and {INDEX_FILE} missing (settings and layer order unknown)"
+        why = f"{NO_SETTINGS} (settings and layer order unknown)"
         return RunFacts(directory, None, why, None, files, marked=read_marked(directory))
     counts = None if state.counts is None else counts_sentence(state)
     sentence = _state_sentence(state, files, directory)

@@ -258,11 +258,12 @@ def raise_to_events(
     forwards `missing`: those the run's TensorBoard events hold and history has no row of
     (their rows died with the process). Each is one more sample of the attempt whose
     forward_index range holds it, and its root forwards reach at least that one, so the
-    attempts add up to the run's counts, which `finalize` raises the same way."""
+    attempts add up to the run's counts, which `finalize` raises the same way. A state rebuilt
+    without its file (deleted, unreadable) has no attempts: none to raise."""
     missing = sorted(missing)
-    starts = [a.first_forward_index for a in attempts[1:]]
+    ends: list[int | None] = [a.first_forward_index for a in attempts[1:]]
     raised = []
-    for entry, end in zip(attempts, [*starts, None], strict=True):
+    for entry, end in zip(attempts, [*ends, None][: len(attempts)], strict=True):
         mine = [
             step
             for step in missing

@@ -196,6 +196,15 @@ def _catalog_layers(directory: Path) -> list[LayerInfo] | None:
     return layers
 
 
+# Why a run's settings are unknown: its state file gone or unreadable, and no index.md of a
+# version before the state file (which held them) in its place. A current index.md is there
+# but is rendered from the state, never read back: "index.md missing" was untrue beside it.
+NO_SETTINGS = (
+    f"{STATE_FILE} missing or unreadable, and no {INDEX_FILE} of an older version to read the "
+    "settings from"
+)
+
+
 def fallback_run_info(directory: Path) -> RunInfo:
     """A RunInfo rebuilt from result.json's catalog and history, when the directory says
     nothing readable of it otherwise (no state file, no index.md)."""
@@ -228,7 +237,7 @@ def _unknown_run_info(directory: Path, layers: list[LayerInfo], found: str) -> R
         model_class="unknown",
         layers=tuple(layers),
         focus_layers=(),
-        sampler=f"unknown ({STATE_FILE} and {INDEX_FILE} were missing; layers {found})",
+        sampler=f"unknown ({NO_SETTINGS}; layers {found})",
         metrics=(),
         rank=None,
         world_size=None,
@@ -315,6 +324,7 @@ def _removal_note(attempts: tuple[AttemptCounts, ...], note: str) -> tuple[str, 
 __all__ = [
     "LAYERS_FROM_CATALOG",
     "LAYERS_FROM_HISTORY",
+    "NO_SETTINGS",
     "fallback_run_info",
     "load_state",
     "recovered_counts",

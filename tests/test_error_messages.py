@@ -216,6 +216,12 @@ def test_plot_into_a_missing_folder_or_not_a_png_names_the_option_for_a_run_and_
             "file name ending in .png"
         )
         assert not (tmp_path / name).exists()
+    folder = tmp_path / "plot.png"  # a folder's name ending in .png: the save raised
+    folder.mkdir(exist_ok=True)
+    assert cli_error("plot", directory, "-o", folder) == (
+        f"torchinstruments plot: -o {folder} is a folder; give the PNG file's path in it, such as "
+        f"{folder / 'trends.png'}"
+    )
     assert cli_error("heatmap", directory, "-o", missing.parent) == (
         f"torchinstruments heatmap: -o/--output-dir {missing.parent} is not an existing "
         "folder; create it, or choose an existing one"

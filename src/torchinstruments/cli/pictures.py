@@ -190,8 +190,14 @@ def checked_png(output: Path) -> Path:
 
     Raises:
         ValueError: naming -o and the fix: a name not ending in .png (the file would be a PNG
-            whatever its name says), or a folder that does not exist.
+            whatever its name says), a folder that does not exist, or a folder's own name (a
+            folder `x.png`: the save ended in a traceback, IsADirectoryError).
     """
+    if output.is_dir():
+        raise ValueError(
+            f"-o {_said(output)} is a folder; give the PNG file's path in it, such as "
+            f"{_said(output / 'trends.png')}"
+        )
     if output.suffix.lower() != ".png":
         raise ValueError(
             f"-o {_said(output)}: plot writes a PNG image; give a file name ending in .png"

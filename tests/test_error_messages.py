@@ -505,6 +505,7 @@ def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Pa
         (("show", "--window", "x"), "--window", "got 'x'", "an int >= 1"),
         (("plot", "--max-tensors", "2.5"), "--max-tensors", "got '2.5'", "an int >= 1"),
         (("compare", "--tolerance", "abc"), "--tolerance", "got 'abc'", "a number >= 0"),
+        (("show", "--window", str(2**63)), "--window", f"got {2**63}", f"an int <= {2**63 - 1}"),
     ],
     ids=[
         "window",
@@ -515,6 +516,7 @@ def test_finalize_on_a_directory_without_a_run_names_it_and_the_fix(tmp_path: Pa
         "window-not-a-number",
         "max-tensors-not-an-int",
         "tolerance-not-a-number",
+        "window-past-int64",
     ],
 )
 def test_a_refused_command_line_number_names_the_option_its_value_and_what_is_allowed(
@@ -573,4 +575,18 @@ def test_a_directory_whose_name_starts_with_a_dash_is_named_with_how_to_pass_it(
     assert err.getvalue().splitlines()[-1] == (
         f"torchinstruments {args[0]}: error: -run is read as an option, but it is a path here: "
         "pass it as ./-run (or after --)"
+    )
+
+
+@pytest.mark.parametrize(("of", "name"), [("run", "mean"), ("parent", "ranks-mean")])
+def test_a_picture_that_cannot_be_written_is_one_line_naming_it(
+    finished: Path, parent: Path, of: str, name: str, tmp_path: Path
+) -> None:
+    """A folder where heatmap writes `heatmap-mean.png`: the write's error in one line that
+    names the file, exit 1 (it ended in an IsADirectoryError traceback)."""
+    (tmp_path / f"heatmap-{name}.png").mkdir()
+    directory = finished if of == "run" else parent
+    assert cli_error("heatmap", directory, "--metrics", "mean", "-o", tmp_path) == (
+        "torchinstruments heatmap: IsADirectoryError: [Errno 21] Is a directory: "
+        f"'{tmp_path / f'heatmap-{name}.png'}'"
     )

@@ -5,7 +5,8 @@ imports) imports torch or tensorboard, so `torchinstruments show DIR` starts in 
 second and works where torch is not installed. This package is the whole command line:
 `main` (the `torchinstruments` script and `python -m torchinstruments`) parses the arguments
 (`cli.arguments`: the parser, with the reading subcommands beside `finalize`), and
-`run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run, nothing to show or an unreadable history file, 2 bad
+`run_command` runs one; each command imports its module only when it runs. Exit codes: 0 done, 1 not a run, nothing to show, an unreadable history file or a picture that
+could not be written, 2 bad
 usage (argparse's, directories and `--rank` that name no run to compare, a path starting
 with `~name` for a user that does not exist, or a run directory whose path is not UTF-8), 3 matplotlib missing (plot, heatmap), 141
 (`CLOSED_PIPE`) when the reader of standard output went away.
@@ -44,6 +45,13 @@ def _path(path: Path) -> str:
     from torchinstruments.rundir.shell import literal_if_unclear
 
     return literal_if_unclear(str(path))
+
+
+def _error_said(error: OSError) -> str:
+    """An error writing a picture, in one line (`rundir.shell.error_said`)."""
+    from torchinstruments.rundir.shell import error_said
+
+    return error_said(error)
 
 
 def _selection(args: argparse.Namespace, *directories: Path) -> Selection:
@@ -117,6 +125,11 @@ def run_command(args: argparse.Namespace) -> int:
             return 2
         except (NotARunError, ValueError) as exc:
             print(error_lines(f"torchinstruments {args.command}", exc), file=sys.stderr)
+            return 1
+        except BrokenPipeError:
+            raise  # the reader of stdout went away: `main` ends quietly (CLOSED_PIPE)
+        except OSError as exc:  # a parent's picture that cannot be written, as `_run_single`
+            print(f"torchinstruments {args.command}: {_error_said(exc)}", file=sys.stderr)
             return 1
         return _run_single(args) if done is None else done
 
@@ -259,6 +272,11 @@ def _run_single(args: argparse.Namespace) -> int:
             return 0
     except (NotARunError, ValueError) as exc:
         print(error_lines(prog, exc), file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: `main` ends quietly (CLOSED_PIPE)
+    except OSError as exc:  # a picture that cannot be written (a folder in its place, no space)
+        print(f"{prog}: {_error_said(exc)}", file=sys.stderr)
         return 1
     raise ValueError(f"unknown command {args.command!r}")
 

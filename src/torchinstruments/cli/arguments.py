@@ -55,15 +55,22 @@ def _run_directory(text: str) -> Path:
     return Path(text)
 
 
+# The largest count an option takes: Polars' own (Int64), which raised OverflowError with a
+# traceback for `--window 100000000000000000000000`.
+MAX_COUNT = 2**63 - 1
+
+
 def _positive(text: str) -> int:
-    """argparse type: an int >= 1. A text that is no int is refused in the same words:
-    argparse's own message named this function (`invalid _positive value: 'x'`)."""
+    """argparse type: an int from 1 to MAX_COUNT. A text that is no int is refused in the same
+    words: argparse's own message named this function (`invalid _positive value: 'x'`)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value!r}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be an int <= {MAX_COUNT}, got {value!r}")
     return value
 
 
@@ -343,4 +350,4 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-__all__ = ["MIN_WIDTH", "Subcommands", "add_commands", "parser"]
+__all__ = ["MAX_COUNT", "MIN_WIDTH", "Subcommands", "add_commands", "parser"]

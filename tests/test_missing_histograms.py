@@ -75,7 +75,11 @@ def test_a_tensor_without_finite_entries_is_said_to_have_no_histogram(
         f"finite entry to count or could not be measured (first: `{tag}` at forward_index 1: "
         "`every entry is NaN or Inf"
     ) in index
-    # every text that sends a reader to the note names the tag the event file holds
+    # every text that sends a reader to the note names the tag the event file holds, and the
+    # page says how a tensor's tag is made
+    page = " ".join(index.split())
+    assert "A tensor's `<tag>` is `layer/call_N/signal/tensor_path` (e.g." in page
+    assert "a bare tensor's empty path is written `tensor`" in page
     assert "shows a text note `<tag> (no histogram)/text_summary` at each such step" in index
     assert "a text note `<tag> (no histogram)/text_summary` there says why" in " ".join(
         index.split()

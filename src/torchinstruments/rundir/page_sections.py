@@ -125,7 +125,10 @@ def section_files(run: RunInfo) -> list[str]:
         "focus tensor with no finite entry, or one that cannot be measured (a complex dtype: its "
         "rows are null with the reason), has no histogram at that step, and a text note "
         "`<tag> (no histogram)/text_summary` there says why (TensorBoard's text plugin adds "
-        "`/text_summary` to a text note's tag).",
+        "`/text_summary` to a text note's tag). A tensor's `<tag>` is "
+        "`layer/call_N/signal/tensor_path` (e.g. `fc1/call_0/output/tensor`): a bare tensor's "
+        "empty path is written `tensor`, the root's empty name `<root>`, a `%` or `/` in a "
+        "layer's name `%25` or `%2F`, and an eval sample's tag begins with `eval/`.",
         f"- `{LOCK_FILE}`: the PID of the process that observed the run (followed by "
         "`torchinstruments finalize` when a finalize took it last), then from byte 64 the "
         "run's id mark: the sample_id and forward_index after every sample begun, written "

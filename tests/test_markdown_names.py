@@ -16,7 +16,9 @@ import torch
 from tensorboard.plugin_util import markdown_to_safe_html
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments.records import LayerInfo, RunInfo
+from torchinstruments.rundir.page_layers import layers_line
 
 from _tensorboard_runs import descriptions
 
@@ -92,3 +94,29 @@ def test_every_note_names_a_layer_holding_markdown_as_code_and_its_warning_by_re
     shown = markdown_to_safe_html(described["layers._c_/call_0/output/[0]"])
     assert "of layer <code>layers._c_</code> (Pair), call 0, tensor <code>[0]</code>" in shown
     assert "<em>" not in " ".join(markdown_to_safe_html(text) for text in described.values())
+
+
+def test_the_layers_line_leaves_github_no_bare_link_in_a_module_type() -> None:
+    """A class can be named anything (`type("a@b.co", ...)`): the Run section's list of layers
+    writes its module type outside code, where GitHub linked an e-mail address or a URL."""
+    layers = (LayerInfo("0", "a@b.co"), LayerInfo("1", "see https://x.y"))
+    run = RunInfo(
+        output_dir=Path("stats"),
+        library_version="0",
+        torch_version="0",
+        model_class="Net",
+        layers=layers,
+        focus_layers=(),
+        sampler="s",
+        metrics=(),
+        rank=None,
+        world_size=None,
+        rank_policy="rank0",
+        capture_direct_forwards=True,
+        history=HistoryConfig(),
+        started_at="0",
+    )
+    assert layers_line(run) == (
+        "selected layers (2, traversal order): `0` (`a@b.co`), `1` (see https\\://x.y)"
+    )
+    assert "by module type: `a@b.co` 1, see https\\://x.y 1;" in layers_line(run, too_long=True)

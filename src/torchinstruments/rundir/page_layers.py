@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from torchinstruments.records import LayerInfo, RunInfo
 from torchinstruments.rundir.layout import RESULT_FILE, STATE_FILE
 from torchinstruments.rundir.ranges import bound_count
-from torchinstruments.rundir.shell import layer_span, literal_if_unclear, table_cell
+from torchinstruments.rundir.shell import layer_span, literal_if_unclear, table_cell, unlinked
 from torchinstruments.rundir.state import RunState
 
 LISTED_LAYERS = 200
@@ -60,6 +60,12 @@ def _name(layer: LayerInfo | str) -> str:
     """A layer's name as index.md writes it: a code span of `literal_if_unclear` (`<root>`)."""
     name = layer.name if isinstance(layer, LayerInfo) else layer
     return layer_span(name)
+
+
+def _type_said(module_type: str) -> str:
+    """A module type in a line of the page (`literal_if_unclear`), leaving GitHub no bare link
+    to make of it (`unlinked`: a class can be named anything, `a@b.co` too)."""
+    return unlinked(literal_if_unclear(module_type))
 
 
 def _cell(layer: LayerInfo) -> str:
@@ -109,12 +115,10 @@ def layers_line(run: RunInfo, too_long: bool = False) -> str:
     (`grouped`)."""
     n = len(run.layers)
     if not grouped(run, too_long):
-        names = ", ".join(
-            f"{_name(li)} ({literal_if_unclear(li.module_type)})" for li in run.layers
-        )
+        names = ", ".join(f"{_name(li)} ({_type_said(li.module_type)})" for li in run.layers)
         return f"selected layers ({n}, traversal order): {names or 'none'}"
     groups = list(_by_type(run.layers).items())
-    types = ", ".join(f"{literal_if_unclear(t)} {len(ls)}" for t, ls in groups[:LISTED_TYPES])
+    types = ", ".join(f"{_type_said(t)} {len(ls)}" for t, ls in groups[:LISTED_TYPES])
     if len(groups) > LISTED_TYPES:
         types += f", and {len(groups) - LISTED_TYPES} more module types"
     return (

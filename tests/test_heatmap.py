@@ -34,6 +34,7 @@ from torchinstruments.cli.pictures_grid import (
     LABEL_ROWS,
     NULL_COLOUR,
     Grid,
+    ordinal,
     row_ticks,
 )
 
@@ -163,6 +164,8 @@ def test_layers_regex_forward_index_and_scales(faulty: Path, tmp_path: Path) -> 
         pixels, meta = read_heatmap(tmp_path / "heatmap-std.png")
         output = meta["panels"][0]
         assert output["scale"].startswith(name)
+        if scale == "robust":
+            assert output["scale"] == "robust: 2nd to 98th percentile"  # it said "2th"
         empty = LAYERS.index("empty")
         assert {tuple(pixels[heatmap_cell(output, empty, c)]) for c in range(STEPS)} == {
             NULL_COLOUR
@@ -205,6 +208,15 @@ def test_row_labels_every_tensor_then_blocks() -> None:
     assert labels == [str(b) for b in range(0, 1000, 17)]
     assert ticks == [3.0 * b for b in range(0, 1000, 17)]
     assert "every 17th block" in what
+
+    names = [str(b) for b in range(100)]  # a flat Sequential of 100 layers: every 2nd
+    ticks, labels, what = row_ticks(_grid(names))
+    assert labels == [str(b) for b in range(0, 100, 2)]
+    assert what == "the first row of every 2nd block"
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st",
+        "111th", "112th",
+    ]  # fmt: skip
 
 
 def test_heatmap_without_matplotlib_says_how_to_install(faulty: Path, tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "build_grid",
     "draw",
     "file_names",
+    "ordinal",
     "row_ticks",
     "top_colour",
 ]
@@ -244,7 +245,8 @@ def _norm(finite: np.ndarray, scale: str) -> tuple[Any, str]:
     lo, hi = float(finite.min()), float(finite.max())
     if scale == "robust":
         lo, hi = (float(v) for v in np.percentile(finite, ROBUST_PERCENTILES))
-        name = f"robust: {ROBUST_PERCENTILES[0]:g}th to {ROBUST_PERCENTILES[1]:g}th percentile"
+        low, high = (ordinal(round(p)) for p in ROBUST_PERCENTILES)
+        name = f"robust: {low} to {high} percentile"
         if lo == hi:
             lo, hi = float(finite.min()), float(finite.max())
     elif scale == "log":
@@ -322,11 +324,17 @@ def row_ticks(grid: Grid, noun: str = "tensor") -> tuple[list[float], list[str],
         blocks = starts[min(many)]
         step = math.ceil(len(blocks) / LABEL_ROWS)
         chosen = blocks[::step]
-        what = f"the first row of every {step}th block"
+        what = f"the first row of every {ordinal(step)} block"
         return [float(i) for i, _ in chosen], [k for _, k in chosen], what
     step = math.ceil(n / LABEL_ROWS)
     rows = list(range(0, n, step))
-    return [i + 0.5 for i in rows], [labels[i] for i in rows], f"every {step}th {noun}"
+    return [i + 0.5 for i in rows], [labels[i] for i in rows], f"every {ordinal(step)} {noun}"
+
+
+def ordinal(n: int) -> str:
+    """`2nd`, `3rd`, `11th`, `21st`: the picture's words for every n-th row (`2th` was said)."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def column_ticks(columns: int, most: int = 8) -> list[int]:

@@ -49,7 +49,7 @@ def check_continued(run: Path, first: pl.DataFrame) -> None:
     assert [a.continued_by for a in state.attempts] == [None, "checkpoint"]
     shown = cli_in_process("show", run, "--metrics", "mean")
     assert shown.returncode == 0, shown.stderr
-    said = "attempts: 2, continued by a fit resumed from a checkpoint (removed: attempt 0-1);"
+    said = "attempts: 2, continued by a fit resumed from a checkpoint (removed: attempts 0-1);"
     assert said in " ".join(shown.stdout.split())  # `show` wraps long lines
     assert "resume=True" not in shown.stdout
 

@@ -106,7 +106,7 @@ def test_a_job_restarted_often_folds_its_finished_attempts_and_counts_each(
     assert shown.returncode == 0, shown.stderr
     said = " ".join(shown.stdout.split())
     assert (
-        f"attempts: {EARLIER + 1}, continued with resume=True (removed: attempt 0-{EARLIER})"
+        f"attempts: {EARLIER + 1}, continued with resume=True (removed: attempts 0-{EARLIER})"
         in said
     )
 
@@ -140,7 +140,7 @@ def test_a_job_preempted_often_folds_its_killed_attempts_and_names_each(tmp_path
     assert f"attempt(s) 1-{EARLIER - 1} ended without remove_observer" in page
     shown = cli_in_process("show", directory)
     said = " ".join(shown.stdout.split())
-    assert f"(removed: attempt 0, {EARLIER}; killed: attempt 1-{EARLIER - 1})" in said
+    assert f"(removed: attempts 0, {EARLIER}; killed: attempts 1-{EARLIER - 1})" in said
     facts = json.loads(cli_in_process("show", directory, "--format", "json").stdout)["run"]
     ends = ["removed", *["killed"] * (EARLIER - 1), "removed"]  # one per attempt, folded or not
     assert (facts["attempt_ends"], len(facts["attempt_samplers"])) == (ends, EARLIER + 1)

@@ -171,5 +171,5 @@ def test_a_parent_page_slow_to_render_never_holds_a_restarted_ranks_inject_nor_l
     go_on.set()
     remove_observer(model)
     assert len(renders) == 2  # the start's, then the removal's own
-    ended = "complete; attempts: 2, continued with resume=True (removed: attempt 0-1)"
+    ended = "complete; attempts: 2, continued with resume=True (removed: attempts 0-1)"
     assert f"| 1 | `rank-001/` | {ended} | 2 | 2 |" in (parent / "index.md").read_text()

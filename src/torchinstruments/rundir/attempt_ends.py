@@ -87,7 +87,10 @@ def attempts_said(state: RunState, directory: Path) -> str:
     ends: dict[str, list[int]] = {}
     for entry, end in zip(state.attempts, attempt_ends_now(state, directory), strict=True):
         ends.setdefault(end, []).extend(entry.numbers)  # a folded entry: each of its attempts
-    said = "; ".join(f"{end}: attempt {few_ranges(which)}" for end, which in ends.items())
+    said = "; ".join(
+        f"{end}: attempt{'s' if len(which) > 1 else ''} {few_ranges(which)}"  # not "attempt 0-2"
+        for end, which in ends.items()
+    )
     return f"{attempt_total(state.attempts)}, {continued_said(state.attempts[1:])} ({said})"
 
 

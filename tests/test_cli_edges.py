@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+import torchinstruments.cli as command_line
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.__main__ import main
 from torchinstruments.cli import CLOSED_PIPE
@@ -252,3 +253,17 @@ def test_a_reader_that_closes_the_pipe_first_stops_the_command_without_a_traceba
     err = child.stderr.read().decode()
     assert child.wait(timeout=120) == CLOSED_PIPE
     assert err == ""
+
+
+def test_ctrl_c_stops_a_command_with_one_line_and_the_shells_status(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in a long heatmap (or show, finalize) printed a KeyboardInterrupt traceback: one
+    line on stderr instead, exit 130 (128 + SIGINT), as a shell reports it."""
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command_line, "run_command", interrupted)
+    assert main(["heatmap", str(run)]) == 130
+    assert capsys.readouterr().err == "torchinstruments heatmap: interrupted\n"

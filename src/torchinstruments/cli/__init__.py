@@ -9,7 +9,7 @@ second and works where torch is not installed. This package is the whole command
 could not be written, 2 bad
 usage (argparse's, directories and `--rank` that name no run to compare, a path starting
 with `~name` for a user that does not exist, or a run directory whose path is not UTF-8), 3 matplotlib missing (plot, heatmap), 141
-(`CLOSED_PIPE`) when the reader of standard output went away.
+(`CLOSED_PIPE`) when the reader of standard output went away, 130 (`INTERRUPTED`) after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ COMMANDS = ("show", "compare", "plot", "heatmap")
 # The exit code when standard output's reader went away before the command finished (`show DIR |
 # head`): what the shell reports for a process that SIGPIPE ended, 128 + 13.
 CLOSED_PIPE = 141
+# The exit code after Ctrl-C (SIGINT) stopped a command: what a shell reports for it, 128 + 2.
+# finalize's files are each written atomically: finalize again completes the run.
+INTERRUPTED = 130
 
 
 def _width() -> int:
@@ -338,6 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_command(args)
     except BrokenPipeError:
         return _reader_went_away()
+    except KeyboardInterrupt:  # Ctrl-C in a long heatmap or finalize: a line, not a traceback
+        print(f"torchinstruments {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 2  # unreachable: argparse requires a known command
 
 

@@ -18,6 +18,7 @@ and named in index.md, whatever `record_eval` says. The step column is the train
 read at each sample. The run is the fit's: the trainer's evaluation, test or predict calls after the
 fit (each callback names its trainer's) run after the observer was removed, so they are neither
 observed nor counted (a run that went on past the fit would have no end a callback is told of).
+The words of each note are `_fit_notes`'; this module decides when each is said.
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ from torchinstruments.api import has_observer, remove_observer, start_run
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_option import check_same_on_every_rank
+from torchinstruments.integrations._fit_notes import (
+    after_the_fit,
+    bypassed_note,
+    exception_note,
+    left_attached_note,
+    no_training_step_note,
+    not_continued_note,
+    note_evaluation,
+    outside_a_fit_warning,
+    record_eval_note,
+    sampler_line,
+    setup_note,
+    stale_note,
+    unnamed_run_note,
+)
 from torchinstruments.integrations._repeats import (
     EarlierSteps,
     EvaluationSteps,
@@ -61,14 +77,10 @@ from torchinstruments.registry import (
     trainer_phases,
 )
 from torchinstruments.rundir.attempt_states import BY_CHECKPOINT, BY_RETRY
-from torchinstruments.rundir.attempts import TWO_SCHEDULES
 from torchinstruments.rundir.layout import HISTORY_FILE
 from torchinstruments.rundir.output_dir import resolve_output_dir
-from torchinstruments.rundir.ranges import plural, was_were
 from torchinstruments.rundir.repeats import resumed_training_note
-from torchinstruments.rundir.shell import error_said, literal_if_unclear
-from torchinstruments.rundir.unsampled import NO_TRAINING_STEP, STEP_BYPASSED
-from torchinstruments.sampling import describe_sampler
+from torchinstruments.rundir.shell import literal_if_unclear
 from torchinstruments.sinks.protocol import Sink
 
 __all__ = ["FitObservation"]
@@ -285,13 +297,9 @@ class FitObservation:
             if self.eval_sampler is not None:
                 add_run_note(
                     self.observed,
-                    f"evaluation forwards inside the fit ({self.evaluations}: every forward "
-                    "outside a training step but the fit's setup forwards, and those under no_grad inside a training step, which "
-                    f"no backward follows, as generate()'s) are recorded as their own series "
-                    f"({self.owner}, record_eval): sampled by {describe_sampler(self.eval_sampler)} "
-                    "on the count of evaluation forwards, so they never move the training "
-                    "schedule; their rows have mode eval. "
-                    f"{self._after_the_fit()}",
+                    record_eval_note(
+                        self.owner, self.evaluations, self.eval_sampler, self._after_the_fit()
+                    ),
                 )
         self._checked_first_step = False
         self._training_steps, self._global_step = 0, global_step
@@ -300,12 +308,7 @@ class FitObservation:
     def _note_not_continued(self, run: Path | None, checkpoint: str | None, why: str) -> None:
         """index.md and a warning: the checkpoint's run could not be continued, this one was."""
         assert self.observed is not None
-        said = (
-            f"this fit resumed from the checkpoint {checkpoint or '(unnamed)'}, whose run "
-            f"{run} could not be continued ({why}); {self.owner} continued "
-            f"{self.run_directory} instead (the last run under the trainer's directory, or a "
-            "new one there)"
-        )
+        said = not_continued_note(self.owner, checkpoint, run, why, self.run_directory)
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 
@@ -331,28 +334,12 @@ class FitObservation:
         warn(f"torchinstruments: {self.owner}: {said}")
 
     def _note_unnamed_run(self, checkpoint: str | None, step: int | None, held: bool) -> None:
-        """index.md and a warning: the checkpoint names no run (written without this callback,
-        or by a release whose checkpoints did not keep it), so the last run under the trainer's
-        directory was continued (`held`), which may not be the one that wrote the checkpoint,
-        or a new run started there, whose first step is the checkpoint's and not 0."""
+        """index.md and a warning: the checkpoint names no run, so the last run under the
+        trainer's directory was continued (`held`) or a new one started (`unnamed_run_note`)."""
         assert self.observed is not None
-        said = (
-            f"this fit resumed from the checkpoint {checkpoint or '(unnamed)'}, which names no "
-            f"run (written without {self.owner}, or by a torchinstruments release whose "
-            f"checkpoints did not keep it); {self.owner} "
+        said = unnamed_run_note(
+            self.owner, checkpoint, self.run_directory, self.directory_name, held, step
         )
-        if held:
-            said += (
-                f"continued {self.run_directory}, the last run under {self.directory_name}, "
-                "which may not be the run that wrote the checkpoint"
-            )
-        else:
-            at = "" if step is None else f" (global step {step})"
-            said += (
-                f"started {self.run_directory}, a new run, since {self.directory_name} holds no "
-                f"run to continue: its first samples are at the checkpoint's step{at}, and the "
-                "steps trained before the checkpoint are in no attempt of it"
-            )
         add_run_note(self.observed, said)
         warn(f"torchinstruments: {self.owner}: {said}")
 
@@ -366,23 +353,14 @@ class FitObservation:
         )
 
     def _sampler_line(self) -> str | None:
-        """index.md's sampler line under `record_eval`: what each sampler is asked with, since
-        forward_index then counts evaluation forwards too (None: the sampler's own line)."""
+        """index.md's sampler line under `record_eval` (None: the sampler's own line)."""
         if self.eval_sampler is None:
             return None
-        return (
-            f"{describe_sampler(self.config.sampler)}, asked with the count of training "
-            f"forwards; evaluation forwards: {describe_sampler(self.eval_sampler)}, "
-            f"{TWO_SCHEDULES}. forward_index counts both, so the values named here are not the "
-            "samples' forward_index; the `step` column is the trainer's global step"
-        )
+        return sampler_line(self.config.sampler, self.eval_sampler)
 
     def _after_the_fit(self) -> str:
         """index.md's sentence on the trainer's calls after the fit, as the user makes them."""
-        return (
-            f"{self.after_fit} after the fit run after the observer was removed: not observed, "
-            "not counted."
-        )
+        return after_the_fit(self.after_fit)
 
     def ran_outside_a_fit(self, call: str, fit: str, main_process: bool) -> None:
         """The trainer's `call` (an evaluation, test or predict call) ran the model before any
@@ -391,12 +369,7 @@ class FitObservation:
         if self._fits_started or self._outside_said or not main_process:
             return
         self._outside_said = True
-        warn(
-            f"torchinstruments: {self.owner}: {call} ran before any {fit} with this callback "
-            f"and was not observed: {self.owner} observes {fit} (its training steps, and the "
-            "evaluation inside it with record_eval), so no run directory was written for it; "
-            "call inject_observer(model, ...) and remove_observer(model) around it to record it"
-        )
+        warn(outside_a_fit_warning(self.owner, call, fit))
 
     def enter_setup(self) -> None:
         """The fit's setup (before its first loop): its forwards are neither training nor
@@ -414,7 +387,7 @@ class FitObservation:
         self.phases.leave_setup()
         counts = observed_counts(self.observed) if setting_up and self.observed else None
         if counts is not None and self.observed is not None and counts.unobserved_setup_forwards:
-            add_run_note(self.observed, _setup_note(counts.unobserved_setup_forwards))
+            add_run_note(self.observed, setup_note(counts.unobserved_setup_forwards))
 
     def follow_every_forward(self) -> None:
         """Training steps cannot be told apart: every forward trains (`Phases`)."""
@@ -446,16 +419,7 @@ class FitObservation:
             return
         trained = counts.root_forwards if counts.train_forwards is None else counts.train_forwards
         if trained == 0:
-            children = [repr(name) for name, _ in self.observed.named_children()]
-            shown = ", ".join(children[:8]) + (", ..." if len(children) > 8 else "")
-            its = f"; its submodules: {shown}" if children else ""
-            said = (
-                f"{STEP_BYPASSED} "
-                f"{type(self.observed).__name__}, so no training forward is recorded (a "
-                "training step that calls a submodule directly, e.g. self.net(x), bypasses it); "
-                f"pass module='net' (the attribute your step calls{its}) to observe that module "
-                "instead"
-            )
+            said = bypassed_note(self.observed)
             warn(f"torchinstruments: {self.owner}: {said}")
             add_run_note(self.observed, f"{self.owner}: {said}.")  # the run's reader sees why
 
@@ -474,30 +438,21 @@ class FitObservation:
         if observed is None or not has_observer(observed):
             return None
         if completed and self._training_steps == 0:
-            said = (
-                f"{NO_TRAINING_STEP}: it ended at global step {self._global_step()} without one "
-                f"({self.no_steps}), so none of its forwards could be a training sample"
-            )
+            said = no_training_step_note(self._global_step(), self.no_steps)
             add_run_note(observed, said)
             warn(f"torchinstruments: {self.owner}: {said}")
         self._note_fit_end(observed)
         if exception is not None:
             where = f" at global step {step}" if step is not None else ""
-            what = error_said(exception)
             removed_after_exception(observed, f"{type(exception).__name__}{where}")
-            ended = "was interrupted" if isinstance(exception, KeyboardInterrupt) else "ended"
-            add_run_note(
-                observed,
-                f"the fit {ended} with an exception{where}: {what}. The run holds this attempt's "
-                f"samples up to then ({self.owner} removed the observer when the trainer "
-                "reported the exception).",
-            )
+            add_run_note(observed, exception_note(self.owner, exception, where))
         return remove_observer(observed)
 
     def _note_fit_end(self, observed: nn.Module) -> None:
         """index.md at the fit's end: its evaluation and setup forwards, and the evaluations it
         repeated (the samples its TensorBoard logger left out are the sink's note at removal)."""
-        _note_evaluation(observed, self, self.eval_sampler is not None, self._after_the_fit())
+        recording = self.eval_sampler is not None
+        note_evaluation(observed, self.owner, self.evaluations, recording, self._after_the_fit())
         evaluations, self._evaluations = self._evaluations, None
         if evaluations is not None:
             said = repeated_evaluations(
@@ -518,25 +473,16 @@ class FitObservation:
         stale = observer_writing(written)
         if stale is None:
             return
-        said = (
-            f"the fit ended without the trainer's end-of-fit callback (an exception outside the "
-            f"training step is the likely cause); a later fit that resumed from a checkpoint "
-            f"continues this run, and its {self.owner} removed this fit's observer when it started"
-        )
+        said = left_attached_note(self.owner)
         add_run_note(stale, said)
-        _note_evaluation(stale, self, None, self._after_the_fit())
+        note_evaluation(stale, self.owner, self.evaluations, None, self._after_the_fit())
         warn(f"torchinstruments: {self.owner}: {written}: {said}")
         remove_observer(stale)
 
     def _finish_stale(self) -> None:
         """A new fit while the last one's observer is still attached: it ended without a word."""
         assert self.observed is not None
-        add_run_note(
-            self.observed,
-            f"the fit ended without the trainer's end-of-fit callback ({self.owner} removed the "
-            "observer when the next fit started); an exception outside the training step is the "
-            "likely cause",
-        )
+        add_run_note(self.observed, stale_note(self.owner))
         warn(
             f"torchinstruments: {self.owner}: the previous fit's observer was still attached "
             "(its fit ended without an end-of-fit callback); its run "
@@ -546,54 +492,3 @@ class FitObservation:
         remove_observer(self.observed)
         self.observed = None
         self.phases = None
-
-
-def _note_evaluation(
-    observed: nn.Module, fit: FitObservation, recording: bool | None, after_the_fit: str
-) -> None:
-    """index.md: how many evaluation and setup forwards there were, and what became of them
-    (`fit`: the callback's, for its name and its trainer's evaluations; `recording`: whether
-    record_eval recorded them; None: as the counts say, for another callback's fit;
-    `after_the_fit`: the sentence on the trainer's calls after the fit, said in every run: in
-    the evaluation note where there is one (record_eval's is said at the fit's start), else
-    alone, so a fit without evaluation still says what it did not record)."""
-    counts = observed_counts(observed)
-    if counts is None:
-        return
-    unobserved, setup = counts.unobserved_eval_forwards, counts.unobserved_setup_forwards
-    if recording is None:
-        recording = bool(counts.eval_forwards)
-    if recording:
-        seen = counts.eval_forwards or 0
-        add_run_note(
-            observed,
-            f"{plural(seen, 'evaluation forward')} {was_were(seen)} seen (record_eval).",
-        )
-    elif unobserved:
-        they, them = ("it takes", "it") if unobserved == 1 else ("they take", "them")
-        add_run_note(
-            observed,
-            f"{plural(unobserved, 'evaluation forward')} inside the fit ({fit.evaluations}: "
-            "forwards outside a training step, and those under no_grad inside a training step, "
-            f"which no backward follows, as generate()'s) {was_were(unobserved)} not observed: "
-            f"{they} no sample and forward_index does not count {them} "
-            f"({fit.owner}(record_eval=True) records "
-            f"evaluation forwards as their own series). {after_the_fit}",
-        )
-    else:  # no evaluation note carries it: the trainer's calls after the fit are said alone
-        add_run_note(observed, after_the_fit)
-    if setup:
-        add_run_note(observed, _setup_note(setup))
-
-
-def _setup_note(setup: int) -> str:
-    """index.md's note on the fit's `setup` setup forwards (at least one), passed through."""
-    one = setup == 1
-    return (
-        f"{plural(setup, 'setup forward')} at the fit's start, before its first loop "
-        "(Lightning's model summary and the logger's graph of example_input_array, an "
-        f"on_fit_start hook), {was_were(setup)} not observed, whatever record_eval says: "
-        f"{'it is neither a training nor an evaluation forward, takes' if one else 'they are neither training nor evaluation forwards, take'} "
-        "no sample, and neither forward_index nor the count of evaluation forwards "
-        f"counts {'it' if one else 'them'}."
-    )

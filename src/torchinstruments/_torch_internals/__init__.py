@@ -18,6 +18,7 @@ import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
@@ -32,6 +33,7 @@ from torch.fx import _symbolic_trace
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "RunningFrame",
     "UserModesSuspended",
     "WeakIdKeyDictionary",
     "ambient_state_on",
@@ -52,7 +54,6 @@ __all__ = [
     "is_tracing",
     "is_view",
     "layer_by_layer",
-    "on_stack",
     "outer_transform_hides_grad",
     "pickled_for_a_new_process",
     "queue_at_backward_end",
@@ -177,20 +178,55 @@ def innermost_frame(thread_id: int | None) -> FrameType | None:
     return None if thread_id is None else sys._current_frames().get(thread_id)
 
 
-def on_stack(frame: FrameType, thread_id: int) -> bool:
-    """Whether `frame` is still running: on the stack of the thread `thread_id`, now.
+class _FrameToken:
+    """Kept among a watched frame's locals alone: it lives as long as that frame object."""
+
+
+# The name a `RunningFrame` keeps its token under in the frame's locals (no code reads it).
+_TOKEN = "__torchinstruments_running_frame__"
+
+
+class RunningFrame:
+    """A running frame, watched without being kept alive: whether it still runs (`on_stack`),
+    and whether a frame is it (`is_frame`).
 
     Why: the Hugging Face Trainer tells its callbacks nothing when `train()` raises outside a
-    training step, so the callback tells its fit's end by its training loop's frame having left
-    the stack (integrations/huggingface.py); relies on CPython frames (`sys._getframe`,
-    `sys._current_frames`), which keep one frame object per running frame. Checked on 3.11.
+    training step, so the callback tells its fit's end by its `train()` frame having left the
+    stack (integrations/huggingface.py). Kept, that frame kept its locals and its callers'
+    (the Trainer and its optimizer, a batch, the caller's tensors) alive after the exception
+    was handled, until the model's next use. A frame takes no weak reference, so a token is
+    put among its locals (`frame.f_locals`, which CPython keeps with the frame object: a dict
+    on 3.11 and 3.12, the extra locals of its proxy from 3.13) and watched weakly: while it
+    lives, the frame object does, and its `id` names it alone. Relies on CPython frames
+    (`sys._getframe`, `sys._current_frames`: one frame object per running frame). Checked on
+    CPython 3.11.
     """
-    current = sys._getframe(1) if thread_id == threading.get_ident() else innermost_frame(thread_id)
-    while current is not None:
-        if current is frame:
-            return True
-        current = current.f_back
-    return False
+
+    def __init__(self, frame: FrameType, thread_id: int) -> None:
+        token = _FrameToken()
+        frame.f_locals[_TOKEN] = token
+        self._token = weakref.ref(token)
+        self._id = id(frame)
+        self.thread_id = thread_id
+
+    def is_frame(self, frame: FrameType) -> bool:
+        """Whether `frame` is the watched frame (never a later one at its address)."""
+        if id(frame) != self._id:
+            return False
+        token = self._token()
+        return token is not None and frame.f_locals.get(_TOKEN) is token
+
+    def on_stack(self) -> bool:
+        """Whether the watched frame still runs: on the stack of its thread, now."""
+        if self._token() is None:  # the frame object is gone: it ran out long ago
+            return False
+        here = self.thread_id == threading.get_ident()
+        current = sys._getframe(1) if here else innermost_frame(self.thread_id)
+        while current is not None:
+            if self.is_frame(current):
+                return True
+            current = current.f_back
+        return False
 
 
 def references_counted_exactly() -> bool:

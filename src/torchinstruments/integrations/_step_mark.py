@@ -7,6 +7,7 @@ every other forward of the fit (phases.py); the fit's other work is in `_fit.py`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -43,9 +44,6 @@ class TrainingStepMark:
         fit: MarkedPhases,
         on_exception: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self._owner = owner
-        self._had_own = "training_step" in vars(owner)
-        self._own = vars(owner).get("training_step")
         self.undone = False
         original = owner.training_step  # type: ignore[attr-defined]
 
@@ -63,21 +61,40 @@ class TrainingStepMark:
                 fit.leave_training()
 
         training_step.mark = self  # type: ignore[attr-defined]
-        self._wrapper = training_step
+        # What `undo` puts back, kept by the wrapper (so by the owner), never by the mark.
+        training_step.put_back = (  # type: ignore[attr-defined]
+            "training_step" in vars(owner),
+            vars(owner).get("training_step"),
+        )
+        # Weakly: a fit that ended unseen (an exception outside the step) leaves the mark with
+        # its callback until the next use of the model; held, it kept the trainer (its model,
+        # optimizer, dataloaders) alive until then. The owner holds the wrapper, the wrapper
+        # the owner's own method: a cycle of theirs alone.
+        self._owner = _weak(owner)
+        self._wrapper = weakref.ref(training_step)
         owner.training_step = training_step  # type: ignore[attr-defined]
 
     def undo(self) -> None:
         """Put back what the instance had (nothing, or its own attribute), unless replaced since;
-        marks undone before under this one go too."""
+        marks undone before under this one go too. Nothing to do once the owner is gone."""
         self.undone = True
-        if vars(self._owner).get("training_step") is not self._wrapper:
-            return  # wrapped since: the outer mark puts back what is under it
-        had_own, own = self._had_own, self._own
+        owner, wrapper = self._owner(), self._wrapper()
+        if owner is None or wrapper is None or vars(owner).get("training_step") is not wrapper:
+            return  # gone, or wrapped since: the outer mark puts back what is under it
+        had_own, own = wrapper.put_back  # type: ignore[attr-defined]
         inner = getattr(own, "mark", None)
         while had_own and isinstance(inner, TrainingStepMark) and inner.undone:
-            had_own, own = inner._had_own, inner._own
+            had_own, own = own.put_back  # type: ignore[union-attr]
             inner = getattr(own, "mark", None)
         if had_own:
-            self._owner.training_step = own  # type: ignore[attr-defined]
+            owner.training_step = own  # type: ignore[attr-defined]
         else:
-            del self._owner.training_step  # type: ignore[attr-defined]
+            del owner.training_step  # type: ignore[attr-defined]
+
+
+def _weak(owner: object) -> Callable[[], object | None]:
+    """A weak reference to `owner`, or a strong one where it takes none (`__slots__`)."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return lambda: owner

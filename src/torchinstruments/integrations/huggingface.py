@@ -13,8 +13,10 @@ Hooks, one line each:
   sample's loss scale is recorded (`loss_scale.py`). A second `on_train_begin` inside the same
   `train()` after its training loop raised (in a training step, or outside it while that
   `train()` still runs) is the Trainer's retry of the loop (`auto_find_batch_size`): it
-  continues that run as a new attempt (`_retry_note`). Only a step exception the Trainer
-  retries (`_retried`) keeps the `train()` frame until then: any other lets it go at once.
+  continues that run as a new attempt (`_retry_note`). The callback never keeps that
+  `train()` frame (nor the Trainer): it watches it (`_torch_internals.RunningFrame`), so a
+  failed `train()` leaves its locals and its callers' (optimizer, batches, tensors) to be
+  freed as soon as the exception is handled.
 - `on_step_end`: after the first optimizer step only, warn if no training forward called the
   model.
 - `on_train_end`: remove.
@@ -55,9 +57,9 @@ instance's `training_step` (an attribute of the Trainer object, never of the mod
 removal): its forwards are the training forwards, and an exception raised in a training step
 (forward, loss, backward) removes the observer, with a note in index.md, and propagates
 unchanged. An exception elsewhere (an evaluation's `compute_metrics`, another callback, the
-data collator, the optimizer step) ends `train()` without any event, so the callback keeps the
+data collator, the optimizer step) ends `train()` without any event, so the callback watches the
 frame of that Trainer's `train()` and, at the next use of the model, asks whether it still runs
-(`_torch_internals.on_stack`): at each forward outside a training step (one walk of the stack,
+(`_torch_internals.RunningFrame`): at each forward outside a training step (one walk of the stack,
 for evaluation forwards only), and at the start of the next fit with this callback or with
 another on the same model. Once it has left the stack, the run is finished as interrupted
 (index.md and a warning: the global step reached, why, and how it was seen) and the model's
@@ -101,7 +103,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.integrations import TensorBoardCallback
 
 from torchinstruments import notices
-from torchinstruments._torch_internals import on_stack
+from torchinstruments._torch_internals import RunningFrame
 from torchinstruments.api import has_observer
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
@@ -165,15 +167,16 @@ class HuggingFaceObserver(TrainerCallback):
             "from the checkpoint of its last step",
         )
         self._step_guard: TrainingStepMark | None = None
-        # The running fit's `train()` frame (`_running_trainer`), its thread, and its global
+        # The running fit's `train()` frame (`_running_trainer`), watched on its thread but
+        # never kept (its locals and its callers' would outlive an exception), and its global
         # step: where the fit ended, once that frame has left the stack.
-        self._loop: tuple[FrameType, int] | None = None
+        self._loop: RunningFrame | None = None
         self._step: Callable[[], int] = lambda: 0
         self._exit_handler = False  # registered (once, at the first fit that keeps its frame)
-        # A fit whose training loop raised: its train() frame, its run and the exception's
-        # name (None: outside the training step), which a retry of the loop inside that very
-        # train() continues.
-        self._failed: tuple[FrameType, Path, str | None] | None = None
+        # A fit whose training loop raised: its train() frame (watched), its run and the
+        # exception's name (None: outside the training step), which a retry of the loop inside
+        # that very train() continues.
+        self._failed: tuple[RunningFrame, Path, str | None] | None = None
         # Not the class name: a key that names a callback class is rebuilt from its saved
         # arguments by restore_callback_states_from_checkpoint, dropping the user's options.
         self._key = f"torchinstruments.{state_key(type(self).__qualname__, output_dir, module)}"
@@ -199,7 +202,9 @@ class HuggingFaceObserver(TrainerCallback):
         self._fit_ended("when its callback's next train() started")
         self._undo_guard()  # a guard left by a train() that ended without on_train_end
         failed, self._failed = self._failed, None
-        retry = failed if failed is not None and loop is failed[0] else None
+        retry = (
+            failed if failed is not None and loop is not None and failed[0].is_frame(loop) else None
+        )
         # train(resume_from_checkpoint=...) loaded the state before on_train_begin
         resuming = state.global_step > 0
         saved = _saved_run(state, self._key) if resuming else None
@@ -234,7 +239,8 @@ class HuggingFaceObserver(TrainerCallback):
                 ),
             )
             if self._fit.phases is not None and loop is not None:
-                self._loop, self._step = (loop, threading.get_ident()), lambda: state.global_step
+                self._loop = RunningFrame(loop, threading.get_ident())
+                self._step = lambda: state.global_step
                 self._fit.phases.fit_over = self._fit_ended
                 if not self._exit_handler:  # after inject's finalizer: runs before it at exit
                     self._exit_handler = True
@@ -292,14 +298,14 @@ class HuggingFaceObserver(TrainerCallback):
         stack: an exception outside the training step); if so, its run is finished now as
         interrupted, and index.md and a warning say where it stopped, why, and `when` seen."""
         loop = self._loop
-        if loop is None or on_stack(*loop):
+        if loop is None or loop.on_stack():
             return False
         self._loop = None
         self._undo_guard()
         observed = self._fit.observed
         if observed is None or not has_observer(observed):
             return True
-        error = _escaped(loop[0])
+        error = _escaped(loop)
         what = "" if error is None else f": {error_said(error)}"
         said = (
             f"the fit ended at global step {self._step()} without on_train_end: train() raised "
@@ -322,7 +328,7 @@ class HuggingFaceObserver(TrainerCallback):
         hear nothing, and retries (auto_find_batch_size). That fit's run is finished as ended
         there, and the retry continues it (`_failed`)."""
         kept = self._loop
-        if kept is None or loop is None or loop is not kept[0]:
+        if kept is None or loop is None or not kept.is_frame(loop):
             return
         self._loop = None
         self._undo_guard()
@@ -339,17 +345,16 @@ class HuggingFaceObserver(TrainerCallback):
             "samples up to then.",
         )
         self._fit.finish()
-        self._failed = (kept[0], run, None)
+        self._failed = (kept, run, None)
 
     def _on_step_exception(self, error: BaseException, step: int, retried: bool) -> None:
         """A training step raised `error` at global `step`: finish the run. The fit's `train()`
-        frame is kept only where the Trainer runs its loop again (`retried`), whose
-        `on_train_begin` takes it: kept otherwise, it would hold that frame's locals and its
-        callers' (batches, tensors) until the next train() or the process's end."""
+        frame is remembered (watched, not kept) where the Trainer runs its loop again
+        (`retried`), whose `on_train_begin` continues the run."""
         loop, run = self._loop, self._fit.run_directory
         self._loop = None
         if retried and loop is not None and run is not None:  # the Trainer runs its loop again
-            self._failed = (loop[0], run, type(error).__name__)
+            self._failed = (loop, run, type(error).__name__)
         self._undo_guard()
         self._fit.finish(error, step)
 
@@ -445,13 +450,13 @@ def _finish_at_exit(callback: weakref.ref[HuggingFaceObserver]) -> None:
         observer._fit_ended("at the process's exit")
 
 
-def _escaped(loop: FrameType) -> BaseException | None:
+def _escaped(loop: RunningFrame) -> BaseException | None:
     """The exception Python kept as the last uncaught one (`sys.last_value`: the one that ended
     the script, or IPython's cell), when it came out of the fit's `train()` frame `loop`; None
     where none did (a caught exception, `SystemExit`, or another's)."""
     error = getattr(sys, "last_value", None)
     trace = error.__traceback__ if isinstance(error, BaseException) else None
-    while trace is not None and trace.tb_frame is not loop:
+    while trace is not None and not loop.is_frame(trace.tb_frame):
         trace = trace.tb_next
     return error if trace is not None else None
 

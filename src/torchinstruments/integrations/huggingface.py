@@ -172,7 +172,7 @@ class HuggingFaceObserver(TrainerCallback):
         # step: where the fit ended, once that frame has left the stack.
         self._loop: RunningFrame | None = None
         self._step: Callable[[], int] = lambda: 0
-        self._exit_handler = False  # registered (once, at the first fit that keeps its frame)
+        self._exit_handler = False  # registered (once, at the first fit that watches its frame)
         # A fit whose training loop raised: its train() frame (watched), its run and the
         # exception's name (None: outside the training step), which a retry of the loop inside
         # that very train() continues.

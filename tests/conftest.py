@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -194,6 +195,13 @@ def page_prose(directory: Path) -> str:
     every status a run can have), whitespace collapsed: what the page says of this run."""
     text = (directory / "index.md").read_text("utf-8")
     return " ".join(re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL).split())
+
+
+def read_spans(text: str) -> list[str]:
+    """The texts `text` quotes as code spans (`rundir.shell.literal_span`), read back: each
+    span's content, a Python literal where it begins with a quote (one that is not printable)."""
+    spans = re.findall(r"(?<!`)(`+)(?!`) ?(.+?) ?(?<!`)\1(?!`)", text)
+    return [ast.literal_eval(s) if s[:1] in "'\"" else s for _, s in spans]
 
 
 def read_result(directory: Path) -> list[dict[str, Any]]:

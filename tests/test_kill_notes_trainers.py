@@ -140,7 +140,7 @@ def test_a_resumed_fit_killed_keeps_the_note_on_the_steps_its_pinned_logger_writ
     again = [step for step in earlier if step >= 4]
     assert again == [4, 5, 6]
     assert (
-        f"attempt 1: the trainer's TensorBoard logger writes to {tmp_path / 'tb' / 'version_0'}, "
+        f"attempt 1: the trainer's TensorBoard logger writes to `{tmp_path / 'tb' / 'version_0'}`, "
         f"where earlier attempts wrote records up to step {again[-1]}; this fit resumed at "
         f"global step {again[0]} and writes there again"
     ) in index

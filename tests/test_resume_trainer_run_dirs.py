@@ -21,6 +21,7 @@ from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
 from torchinstruments.rundir.state import read_state
 
 from _resumed_fits import FIRST, TOTAL, check_continued, lightning_fit
+from conftest import read_spans
 
 
 def versioned_fit(tmp_path: Path, max_steps: int, ckpt: Path | None, **options: object) -> Path:
@@ -53,8 +54,8 @@ def test_a_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path) -> 
         later = versioned_fit(tmp_path, TOTAL, tmp_path / "step3.ckpt")
     assert later == tmp_path / "logs" / "version_1" / "torchinstruments"
     index = (later / "index.md").read_text(encoding="utf-8")
-    assert f"whose run {run} could not be continued ({run} holds no run)" in index
-    assert str(tmp_path / "step3.ckpt") in index
+    assert f"whose run `{run}` could not be continued (`{run}` holds no run)" in index
+    assert f"`{tmp_path / 'step3.ckpt'}`" in index
 
 
 def test_a_lightning_checkpoint_that_names_no_run_says_the_run_starts_at_its_step(
@@ -62,25 +63,36 @@ def test_a_lightning_checkpoint_that_names_no_run_says_the_run_starts_at_its_ste
 ) -> None:
     """A checkpoint saved without the callback: the resumed fit's logger version holds no run
     to continue, so a new one starts there at the checkpoint's step, and a warning and index.md
-    say so (before, it read as a fresh fit whose first step happened to be 3)."""
+    say so (before, it read as a fresh fit whose first step happened to be 3), naming the
+    checkpoint as it is (a backtick, `|`, Markdown's characters, a line break)."""
     versioned_fit(tmp_path, FIRST, None)
     saved = torch.load(tmp_path / "step3.ckpt", weights_only=False)
     assert set(saved["callbacks"]) == {"LightningObserver"}
     del saved["callbacks"]["LightningObserver"]
-    torch.save(saved, tmp_path / "plain.ckpt")
-    with pytest.warns(RuntimeWarning, match="names no run"):
-        later = versioned_fit(tmp_path, TOTAL, tmp_path / "plain.ckpt")
+    plain = tmp_path / "pl`ain | *a_b_* [c](d)\n<e>.ckpt"
+    torch.save(saved, plain)
+    with pytest.warns(RuntimeWarning, match="names no run") as caught:
+        later = versioned_fit(tmp_path, TOTAL, plain)
     assert later == tmp_path / "logs" / "version_1" / "torchinstruments"
     history = pl.read_parquet(later / "history.parquet")
     assert sorted(history["step"].unique()) == list(range(FIRST, TOTAL))
-    index = " ".join((later / "index.md").read_text(encoding="utf-8").split())
+    [note] = [
+        line
+        for line in (later / "index.md").read_text(encoding="utf-8").splitlines()
+        if "which names no run" in line
+    ]
+    assert read_spans(note) == [str(plain), str(later)]  # each read back as itself
+    assert note.startswith("**Note:** this fit resumed from the checkpoint ")
     assert (
-        f"this fit resumed from the checkpoint {tmp_path / 'plain.ckpt'}, which names no run "
-        f"(written without LightningObserver, or by a torchinstruments release whose "
-        f"checkpoints did not keep it); LightningObserver started {later}, a new run, since "
-        f"trainer.log_dir holds no run to continue: its first samples are at the checkpoint's "
-        f"step (global step {FIRST})"
-    ) in index
+        ", which names no run (written without LightningObserver, or by a torchinstruments "
+        "release whose checkpoints did not keep it); LightningObserver started "
+    ) in note
+    assert (
+        ", a new run, since trainer.log_dir holds no run to continue: its first samples are at "
+        f"the checkpoint's step (global step {FIRST})"
+    ) in note
+    said = [str(w.message) for w in caught if "names no run" in str(w.message)]
+    assert [read_spans(s) for s in said] == [[str(plain), str(later)]]
 
 
 def test_an_explicit_output_dir_wins_over_the_checkpoints_run(tmp_path: Path) -> None:
@@ -167,7 +179,7 @@ def test_an_hf_checkpoint_that_names_no_run_says_which_run_was_continued(tmp_pat
     assert (
         f"this fit resumed from the checkpoint of global step {FIRST}, which names no run"
     ) in index
-    assert f"continued {later_run}, the last run under args.output_dir, which may not" in index
+    assert f"continued `{later_run}`, the last run under args.output_dir, which may not" in index
 
 
 def test_an_hf_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path) -> None:
@@ -180,6 +192,6 @@ def test_an_hf_checkpoints_run_that_is_gone_is_named_in_index_md(tmp_path: Path)
     assert resumed.directory == run  # a new run where the gone one was, said in index.md
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert (
-        f"this fit resumed from the checkpoint of global step {FIRST}, whose run {run} could "
-        f"not be continued ({run} holds no run)"
+        f"this fit resumed from the checkpoint of global step {FIRST}, whose run `{run}` could "
+        f"not be continued (`{run}` holds no run)"
     ) in index

@@ -476,7 +476,7 @@ class FitObservation:
         said = left_attached_note(self.owner)
         add_run_note(stale, said)
         note_evaluation(stale, self.owner, self.evaluations, None, self._after_the_fit())
-        warn(f"torchinstruments: {self.owner}: {written}: {said}")
+        warn(f"torchinstruments: {self.owner}: {literal_if_unclear(str(written))}: {said}")
         remove_observer(stale)
 
     def _finish_stale(self) -> None:

@@ -3,8 +3,10 @@
 Design decision: the notes a callback writes about a fit (what it did not record, which run a
 resumed fit continued and why, how it ended) are built here from plain values, and `_fit` (the
 fit's life: inject, follow, remove) only decides when each is said. A text from outside the
-library (an exception's message) is quoted here, once, as the rest of the library quotes it
-(`rundir.shell`).
+library (a checkpoint's path, a run directory, an exception's message) is quoted as the rest of
+the library quotes it (`rundir.shell`): a path as a code span of its literal (`path_span`), so one
+holding a backtick, a `|`, a `*` or a line break reads back as itself in index.md, and cannot
+split the note's line or render as markup.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 from torchinstruments.registry import add_run_note, observed_counts
 from torchinstruments.rundir.attempts import TWO_SCHEDULES
 from torchinstruments.rundir.ranges import plural, was_were
-from torchinstruments.rundir.shell import error_said
+from torchinstruments.rundir.shell import error_said, literal_span
 from torchinstruments.rundir.unsampled import NO_TRAINING_STEP, STEP_BYPASSED
 from torchinstruments.sampling import describe_sampler
 
@@ -29,12 +31,19 @@ __all__ = [
     "not_continued_note",
     "note_evaluation",
     "outside_a_fit_warning",
+    "path_span",
     "record_eval_note",
     "sampler_line",
     "setup_note",
     "stale_note",
     "unnamed_run_note",
 ]
+
+
+def path_span(path: str | Path) -> str:
+    """A path from outside (a checkpoint, a run directory) as a note names it: a code span of
+    its literal (`rundir.shell.literal_span`), which reads back as the path itself."""
+    return literal_span(str(path))
 
 
 def after_the_fit(calls: str) -> str:
@@ -70,11 +79,12 @@ def not_continued_note(
     owner: str, checkpoint: str | None, run: Path | None, why: str, continued: Path | None
 ) -> str:
     """index.md's note (and the warning) when the checkpoint's `run` could not be continued
-    (`why`), and `continued` was instead."""
+    (`why`), and `continued` was instead (`checkpoint`: the trainer's words for it, a path
+    already quoted by `path_span`)."""
     return (
         f"this fit resumed from the checkpoint {checkpoint or '(unnamed)'}, whose run "
-        f"{run} could not be continued ({why}); {owner} continued "
-        f"{continued} instead (the last run under the trainer's directory, or a "
+        f"{path_span(str(run))} could not be continued ({why}); {owner} continued "
+        f"{path_span(str(continued))} instead (the last run under the trainer's directory, or a "
         "new one there)"
     )
 
@@ -98,12 +108,12 @@ def unnamed_run_note(
     )
     if held:
         return said + (
-            f"continued {run}, the last run under {directory_name}, which may not "
+            f"continued {path_span(str(run))}, the last run under {directory_name}, which may not "
             "be the run that wrote the checkpoint"
         )
     at = "" if step is None else f" (global step {step})"
     return said + (
-        f"started {run}, a new run, since {directory_name} holds no run to "
+        f"started {path_span(str(run))}, a new run, since {directory_name} holds no run to "
         f"continue: its first samples are at the checkpoint's step{at}, and the steps trained "
         "before the checkpoint are in no attempt of it"
     )

@@ -28,6 +28,7 @@ from torchinstruments.records import MeasurementBlock, RunCounts, RunInfo, Sampl
 from torchinstruments.rundir.event_steps import folder_steps
 from torchinstruments.rundir.ranges import plural, ranges
 from torchinstruments.rundir.repeats import resumed_at, sample_steps
+from torchinstruments.rundir.shell import literal_span
 from torchinstruments.sinks.protocol import Sink
 from torchinstruments.sinks.tensorboard import TensorBoardSink
 
@@ -157,7 +158,7 @@ def logger_repeats(
         return None
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]} to {steps[-1]}"
     return (
-        f"{logger} writes to {folder}, where earlier attempts wrote records up to step "
+        f"{logger} writes to {literal_span(str(folder))}, where earlier attempts wrote records up to step "
         f"{steps[-1]}; {resumed_at(resume_step, retried)} and writes there again, so "
         "TensorBoard's default data server (a record at a step it has seen drops the ones at or "
         f"after it) shows this attempt's histograms from step {resume_step} on and no longer "

@@ -19,6 +19,7 @@ from pathlib import Path
 from torchinstruments.distributed import place_rank
 from torchinstruments.rundir.layout import RUN_MARKERS
 from torchinstruments.rundir.output_dir import check_rank_layout
+from torchinstruments.rundir.shell import literal_span
 
 __all__ = ["RUN_NAME", "fresh_run_directory", "last_run_directory", "why_not_continued"]
 
@@ -59,12 +60,13 @@ def fresh_run_directory(parent: Path, rank_policy: str) -> Path:
 
 def why_not_continued(run: Path, rank_policy: str) -> str | None:
     """Why this process cannot continue the run in `run` (None: it can): it holds no run (this
-    rank's), or this process cannot write there."""
+    rank's), or this process cannot write there; as index.md's notes say it (the directory a
+    code span of its literal)."""
     written = place_rank(run, rank_policy).directory
     if not any((written / marker).exists() for marker in RUN_MARKERS):
-        return f"{written} holds no run"
+        return f"{literal_span(str(written))} holds no run"
     if not os.access(written, os.W_OK | os.X_OK):
-        return f"this process cannot write {written}"
+        return f"this process cannot write {literal_span(str(written))}"
     return None
 
 

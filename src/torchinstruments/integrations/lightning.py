@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchinstruments.integrations._fit import LOGGER, FitObservation
+from torchinstruments.integrations._fit_notes import path_span
 from torchinstruments.integrations._skipped_backwards import SkippedBackwards
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
@@ -231,7 +232,7 @@ class LightningObserver(Callback):
             global_step=lambda: trainer.global_step,
             resuming=resuming,  # fit(ckpt_path=...): continue the run
             checkpoint_run=self._checkpoint_run if resuming else None,
-            checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
+            checkpoint=None if trainer.ckpt_path is None else path_span(trainer.ckpt_path),
             # trainer.global_step is restored from a checkpoint only after this hook
             resume_step=trainer.global_step if trainer.ckpt_path is None else self._checkpoint_step,
             grad_scaler=trainer_scaler(trainer.precision_plugin),  # precision="16-mixed"
@@ -432,7 +433,7 @@ def _dev_run_note(directory: Path) -> str:
     return (
         "this fit ran under Lightning's fast_dev_run, which suppresses the trainer's logging "
         f"and checkpointing, so LightningObserver writes its run to a temporary directory, "
-        f"{directory}, not under the trainer's log directory or the working directory, as a "
+        f"{path_span(directory)}, not under the trainer's log directory or the working directory, as a "
         "fresh run (a checkpoint's run is not continued, and the trainer's TensorBoard logger "
         "gets no histograms); pass LightningObserver(output_dir=...) to write it elsewhere"
     )

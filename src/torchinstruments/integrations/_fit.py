@@ -34,6 +34,7 @@ from torchinstruments.api import has_observer, remove_observer, start_run
 from torchinstruments.config import ObserverConfig, check_option_names
 from torchinstruments.distributed import place_rank
 from torchinstruments.global_option import check_same_on_every_rank
+from torchinstruments.integrations._eval_sets import EvaluationSets
 from torchinstruments.integrations._fit_notes import (
     after_the_fit,
     bypassed_note,
@@ -105,6 +106,8 @@ class FitObservation:
         evaluations: the trainer's evaluations inside a fit, as index.md names them.
         no_steps: why a fit of this trainer may end before its first training step, as
             index.md says it when one did.
+        dataset_metrics: how the trainer names the metrics of each of several evaluation
+            datasets, as index.md says it where a fit evaluated several (`_eval_sets`).
 
     Each fit's run is sampled by a fresh deep copy of the sampler (and of the evaluation
     sampler) as it was when the callback was built, so every fit starts its schedule afresh;
@@ -126,6 +129,7 @@ class FitObservation:
         directory_name: str = "the trainer's directory",
         evaluations: str = "sanity check, validation, evaluation the trainer runs during training",
         no_steps: str = "its step limit was reached already",
+        dataset_metrics: str = "the trainer logs each one's metrics under its own name",
     ) -> None:
         if "model" in options:
             raise TypeError(
@@ -142,6 +146,10 @@ class FitObservation:
         self.directory_name = directory_name
         self.evaluations = evaluations
         self.no_steps = no_steps
+        self.dataset_metrics = dataset_metrics
+        # Under record_eval: which evaluation dataset each evaluation sample is of (the
+        # callback says which runs), said in index.md where the fit evaluated several.
+        self.eval_sets: EvaluationSets | None = None
         self.module = module
         self.explicit_dir = output_dir is not None
         check_option_names(owner, options)
@@ -268,13 +276,17 @@ class FitObservation:
         repeats = resume and resume_step is not None and self.eval_sampler is not None
         self._evaluations = EvaluationSteps() if repeats else None
         self._retried = retry is not None
+        self.eval_sets = EvaluationSets() if self.eval_sampler is not None else None
         self.directory = start_run(
             target,
             config,
             directory=directory,
             resume=resume,
             continued_by=BY_CHECKPOINT if resuming else BY_RETRY if retry else None,
-            extra_sinks=(*(s for s in (sink, self._evaluations) if s is not None), *sinks),
+            extra_sinks=(
+                *(s for s in (sink, self._evaluations, self.eval_sets) if s is not None),
+                *sinks,
+            ),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
             sampler_line=self._sampler_line(),
             grad_scaler=grad_scaler,
@@ -453,6 +465,9 @@ class FitObservation:
         repeated (the samples its TensorBoard logger left out are the sink's note at removal)."""
         recording = self.eval_sampler is not None
         note_evaluation(observed, self.owner, self.evaluations, recording, self._after_the_fit())
+        sets, self.eval_sets = self.eval_sets, None
+        if sets is not None and (said := sets.note(self.dataset_metrics)) is not None:
+            add_run_note(observed, said)
         evaluations, self._evaluations = self._evaluations, None
         if evaluations is not None:
             said = repeated_evaluations(

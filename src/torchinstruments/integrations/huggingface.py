@@ -22,6 +22,10 @@ Hooks, one line each:
 - `on_train_end`: remove.
 - `on_evaluate`, `on_predict`: an `evaluate()` or `predict()` before any `train()` with this
   callback is not observed: a warning says so, once.
+- `on_prediction_step`, `on_evaluate`, `on_step_end`, `on_substep_end`: with `record_eval`,
+  which evaluation dataset each evaluation sample is of (a dict `eval_dataset`: the prefix of
+  the metrics of the evaluation that took it), listed in index.md where there were several
+  (`_eval_sets.py`).
 
 Training forwards are the samples: the callback marks the Trainer's `training_step` (see the
 wrap below; a forward in it under no_grad, as `generate()` runs, is evaluation's), and every
@@ -105,6 +109,7 @@ from transformers.integrations import TensorBoardCallback
 from torchinstruments import notices
 from torchinstruments._torch_internals import RunningFrame
 from torchinstruments.api import has_observer
+from torchinstruments.integrations._eval_sets import metrics_prefix
 from torchinstruments.integrations._fit import LOGGER, FitObservation
 from torchinstruments.integrations._state_key import state_key
 from torchinstruments.integrations._step_mark import TrainingStepMark
@@ -165,6 +170,9 @@ class HuggingFaceObserver(TrainerCallback):
             "eval_on_start",
             no_steps="max_steps or num_train_epochs was reached already: a train() resumed "
             "from the checkpoint of its last step",
+            dataset_metrics="a dict eval_dataset: the Trainer logs each dataset's metrics under "
+            "the prefix named here, as `eval_<name>_loss`, where the evaluation query below reads "
+            "`eval_loss`",
         )
         self._step_guard: TrainingStepMark | None = None
         # The running fit's `train()` frame (`_running_trainer`), watched on its thread but
@@ -263,11 +271,35 @@ class HuggingFaceObserver(TrainerCallback):
     ) -> None:
         """After the first step: warn if no training forward called the model."""
         self._fit.check_first_step()
+        if self._fit.eval_sets is not None:  # its no_grad forwards are of no eval dataset
+            self._fit.eval_sets.step_ended()
 
-    def on_evaluate(
+    def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Before any train(): warn once that `trainer.evaluate()` ran unobserved."""
+        """A micro-batch of gradient accumulation ended: its samples are of no eval dataset."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.step_ended()
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """An evaluation batch ended: its samples wait for their dataset (`on_evaluate`)."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.batch_ended()
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """A dataset's evaluation ended: its samples are its metrics' prefix's. Before any
+        train(): warn once that `trainer.evaluate()` ran unobserved."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.evaluated(metrics_prefix(metrics))
         self._fit.ran_outside_a_fit(
             "trainer.evaluate()", "trainer.train()", state.is_world_process_zero
         )

@@ -29,6 +29,9 @@ Hooks, one line each:
   of the fit runs between the micro-batches of an accumulated step (`_mid_step_note`).
 - `on_validation_start`, `on_test_start`, `on_predict_start`: a `trainer.validate()`, `test()`
   or `predict()` before any fit with this callback is not observed: a warning says so, once.
+- `on_validation_batch_start`, `on_validation_batch_end`: with `record_eval`, which validation
+  dataloader each evaluation sample is of, listed in index.md where there were several
+  (`_eval_sets.py`).
 - `on_fit_end`: unmark and remove; histograms are in the logger before Lightning finalizes it.
 - `on_exception`: unmark and remove, with a note in index.md that the fit raised and at which
   global step.
@@ -185,6 +188,8 @@ class LightningObserver(Callback):
             no_steps="max_steps or max_epochs was reached already: a second trainer.fit() of "
             "a trainer that had finished, or a fit resumed from a checkpoint saved at the end "
             "of training; or limit_train_batches=0, or an empty training dataloader",
+            dataset_metrics="several validation dataloaders: Lightning logs each one's metrics "
+            "as `<name>/dataloader_idx_<i>`, named here by its dataloader_idx",
         )
         self._step_mark: TrainingStepMark | None = None
         self._checkpoint_run: Path | None = None  # the run a restored checkpoint names
@@ -340,6 +345,31 @@ class LightningObserver(Callback):
         said = _mid_step_note(trainer.global_step)
         add_run_note(observed, said)
         warn(f"torchinstruments: LightningObserver: {said}")
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """With record_eval: the batch's evaluation samples are its dataloader's."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.running(f"dataloader_idx_{dataloader_idx}")
+
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """With record_eval: forwards after the batch are of no dataloader."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.running(None)
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Before any fit: warn once that `trainer.test()` runs unobserved."""

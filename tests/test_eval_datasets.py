@@ -13,7 +13,7 @@ import torch
 from test_huggingface_callback import tiny_bert
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
@@ -54,10 +54,21 @@ def examples(n: int, length: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+class PredictsAtFirstStep(TrainerCallback):
+    """Another callback that runs `trainer.predict()` inside the fit, after the first step."""
+
+    trainer: Trainer
+
+    def on_step_end(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 1:
+            self.trainer.predict(examples(2, 3))  # type: ignore[arg-type]
+
+
 def test_huggingface_record_eval_names_each_eval_datasets_samples(tmp_path: Path) -> None:
+    """A predict() inside the fit (another callback's) is none of the datasets' samples."""
     model = tiny_bert()
     calls: list[str] = []
-    names = {6: "train", 5: "eval_first", 4: "eval_second"}
+    names = {6: "train", 5: "eval_first", 4: "eval_second", 3: "predict"}
     model.register_forward_pre_hook(
         lambda m, a, kw: calls.append(names[kw["input_ids"].shape[1]]), with_kwargs=True
     )
@@ -68,11 +79,14 @@ def test_huggingface_record_eval_names_each_eval_datasets_samples(tmp_path: Path
     )  # fmt: skip
     callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), record_eval=True)
     evaluated = {"first": examples(2, 5), "second": examples(4, 4)}
-    Trainer(
+    predicts = PredictsAtFirstStep()
+    predicts.trainer = Trainer(
         model=model, args=args, train_dataset=examples(8, 6), eval_dataset=evaluated,  # type: ignore[arg-type]
-        callbacks=[callback],
-    ).train()  # fmt: skip
+        callbacks=[callback, predicts],
+    )  # fmt: skip
+    predicts.trainer.train()
     assert [calls.count("eval_first"), calls.count("eval_second")] == [2, 4]  # 1 + 2 batches, x2
+    assert calls.count("predict") == 1
     run = tmp_path / "out" / "torchinstruments"
     assert sorted(read_history(run)["sample_id"].unique()) == list(range(len(calls)))
     note = datasets_note(run)

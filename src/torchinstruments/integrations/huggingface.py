@@ -312,7 +312,10 @@ class HuggingFaceObserver(TrainerCallback):
         metrics: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Before any train(): warn once that `trainer.predict()` ran unobserved."""
+        """Before any train(): warn once that `trainer.predict()` ran unobserved. Inside one
+        (another callback's), its samples are of no evaluation dataset."""
+        if self._fit.eval_sets is not None:
+            self._fit.eval_sets.evaluated(None)
         self._fit.ran_outside_a_fit(
             "trainer.predict()", "trainer.train()", state.is_world_process_zero
         )

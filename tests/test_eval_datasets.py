@@ -5,6 +5,7 @@ which dataset each call was."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from transformers import Trainer, TrainerCallback, TrainerState, TrainingArgumen
 
 from torchinstruments import EveryNForwardsSampler
 from torchinstruments.integrations import HuggingFaceObserver, LightningObserver
+from torchinstruments.integrations._eval_sets import SETS, SHOWN, EvaluationSets
+from torchinstruments.records import SampleRecord
 
-from conftest import read_history, read_spans
+from conftest import one_mean, read_history, read_spans
 
 SAID = "the fit's evaluations ran 2 evaluation datasets ("
 
@@ -145,3 +148,26 @@ def test_lightning_record_eval_names_each_validation_dataloaders_samples(tmp_pat
         f"`dataloader_idx_0`: sample_id {sample_ids(model.calls, 'dataloader_idx_0')}; "
         f"`dataloader_idx_1`: sample_id {sample_ids(model.calls, 'dataloader_idx_1')}."
     ) in note
+
+
+def test_the_datasets_note_keeps_its_size_whatever_the_evaluations() -> None:
+    """Many datasets, each evaluated often: the note lists the first SETS datasets' first
+    SHOWN ranges and counts the rest (index.md has a size budget)."""
+    sets = EvaluationSets()
+    sample_id = 0
+    for _ in range(SHOWN + 5):  # one evaluation: a sample of each dataset
+        for loader in range(SETS + 2):
+            sets.running(f"dataloader_idx_{loader}")
+            record = dataclasses.replace(one_mean(sample_id), mode="eval")
+            sets.write_forward(SampleRecord("output", sample_id, sample_id, (record,)))
+            sample_id += 1
+    note = sets.note("their metrics")
+    assert note is not None
+    first = ", ".join(str(i * (SETS + 2)) for i in range(SHOWN))
+    assert f"`dataloader_idx_0`: sample_id {first}, ... (5 more samples); " in note
+    assert "`dataloader_idx_7`: sample_id 7, 17," in note
+    assert "dataloader_idx_8" not in note
+    assert note.endswith(
+        "; and 2 more datasets. A summary over all evaluation samples "
+        "(result.json's eval entries, a window mean) mixes the datasets"
+    )

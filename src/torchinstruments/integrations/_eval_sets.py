@@ -10,8 +10,8 @@ such a Trainer never logs. So the callback tells this sink which dataset runs (L
 validation batch, by its `dataloader_idx`; the Hugging Face Trainer only once a dataset's
 evaluation has ended, by the prefix of its metrics, so the samples of its batches wait until
 then), and index.md lists each dataset's evaluation sample ids when the fit ends: one range per
-evaluation, the first `SHOWN` of each dataset, then how many more. Its memory is one range per
-evaluation and dataset, and the samples of the batches of one Hugging Face evaluation.
+evaluation, the first `SHOWN` of each of the first `SETS` datasets, then how many more. Its
+memory is those ranges and a count per dataset, and the samples of one Hugging Face evaluation.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torchinstruments.rundir.shell import literal_span
 __all__ = ["EvaluationSets", "metrics_prefix"]
 
 SHOWN = 20  # ranges of sample ids listed per dataset; beyond them, counted
+SETS = 8  # datasets listed (index.md has a size budget); beyond them, counted
 
 
 class EvaluationSets:
@@ -66,8 +67,10 @@ class EvaluationSets:
             return None
         listed = "; ".join(
             f"{literal_span(name)}: sample_id {_ranges(spans, self._more.get(name, 0))}"
-            for name, spans in self._ranges.items()
+            for name, spans in list(self._ranges.items())[:SETS]
         )
+        if len(self._ranges) > SETS:
+            listed += f"; and {plural(len(self._ranges) - SETS, 'more dataset')}"
         return (
             f"the fit's evaluations ran {plural(len(self._ranges), 'evaluation dataset')} "
             f"({metrics}), whose evaluation samples share each evaluation's step and mode eval: "

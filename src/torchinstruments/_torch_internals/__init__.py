@@ -197,15 +197,17 @@ class RunningFrame:
     was handled, until the model's next use. A frame takes no weak reference, so a token is
     put among its locals (`frame.f_locals`, which CPython keeps with the frame object: a dict
     on 3.11 and 3.12, the extra locals of its proxy from 3.13) and watched weakly: while it
-    lives, the frame object does, and its `id` names it alone. Relies on CPython frames
-    (`sys._getframe`, `sys._current_frames`: one frame object per running frame). Checked on
-    CPython 3.11.
+    lives, the frame object does, and its `id` names it alone. Relies on CPython frames (one
+    frame object per running frame). Checked on CPython 3.11.
     """
 
     def __init__(self, frame: FrameType, thread_id: int) -> None:
         token = _FrameToken()
-        frame.f_locals[_TOKEN] = token
-        self._token = weakref.ref(token)
+        self._token: Callable[[], object] = weakref.ref(token)
+        try:
+            frame.f_locals[_TOKEN] = token
+        except Exception:  # an interpreter whose frames take no new local: the frame is kept
+            self._token = lambda: frame
         self._id = id(frame)
         self.thread_id = thread_id
 
@@ -214,7 +216,7 @@ class RunningFrame:
         if id(frame) != self._id:
             return False
         token = self._token()
-        return token is not None and frame.f_locals.get(_TOKEN) is token
+        return token is frame or (token is not None and frame.f_locals.get(_TOKEN) is token)
 
     def on_stack(self) -> bool:
         """Whether the watched frame still runs: on the stack of its thread, now."""

@@ -360,6 +360,38 @@ def test_only_the_trainers_main_process_attaches_with_rank0(tmp_path: Path) -> N
     assert not has_observer(model)
 
 
+def test_a_loop_without_a_trainer_says_no_count_of_evaluation_forwards_it_never_kept(
+    tmp_path: Path,
+) -> None:
+    """Another loop drives the callback (no Trainer on the stack): training and evaluation
+    forwards cannot be told apart, so every forward is on the sampler's schedule and record_eval
+    records none apart; index.md said it recorded evaluation forwards as their own series and,
+    at the end, that 0 were seen (a count nobody kept), against 2 eval-mode forwards."""
+    model = tiny_bert()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    state = TrainerState()
+    callback = HuggingFaceObserver(sampler=EveryNForwardsSampler(1), record_eval=True)
+    batch = {"input_ids": torch.randint(0, 32, (2, 6)), "labels": torch.tensor([0, 1])}
+    with pytest.warns(RuntimeWarning, match="the running Trainer was not found"):
+        callback.on_train_begin(args, state, TrainerControl(), model=model)
+    model(**batch).loss.backward()
+    with torch.no_grad():
+        model.eval()(**batch)
+        model(**batch)
+    callback.on_train_end(args, state, TrainerControl(), model=model)
+    run = tmp_path / "out" / "torchinstruments"
+    assert sorted(read_history(run)["forward_index"].unique()) == [0, 1, 2]  # one schedule
+    index = (run / "index.md").read_text(encoding="utf-8")
+    assert "evaluation forwards were not told apart from training forwards" in index
+    assert "evaluation forwards were seen" not in index
+    assert "recorded as their own series" not in index
+    assert "asked with the count of training forwards" not in index  # one sampler, one count
+    assert (
+        "**Note:** trainer.evaluate() and trainer.predict() calls after the fit run after the "
+        "observer was removed: not observed, not counted."
+    ) in index.splitlines()
+
+
 class RaiseAtStepEnd(TrainerCallback):
     """Another callback that raises after the first step: outside `training_step`."""
 

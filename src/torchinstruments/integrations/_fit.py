@@ -178,6 +178,7 @@ class FitObservation:
         self._earlier = EarlierSteps()
         self._resume_step = 0
         self._retried = False  # whether this fit is the trainer's retry of its loop (`start`)
+        self._recording = False  # whether this fit records evaluation forwards (`start`)
         self._checked_first_step = False
         self._fits_started = 0  # fits this callback was told of (attached or not)
         # The fit's training steps so far (None: they cannot be told apart), and its step.
@@ -221,6 +222,7 @@ class FitObservation:
         grad_scaler: Any = None,
         sinks: tuple[Sink, ...] = (),
         retry: Path | None = None,
+        steps_told: bool = True,
     ) -> Path | None:
         """Inject into the observed module; returns the run directory (None where not attached).
 
@@ -247,6 +249,9 @@ class FitObservation:
             retry: the trainer runs its training loop again inside the same call (after the
                 last loop's training step raised: auto_find_batch_size): continue that loop's
                 run, `retry` (or the output_dir given), as a new attempt.
+            steps_told: whether the callback can tell the trainer's training steps (False:
+                every forward is on the sampler's schedule, and `record_eval` records none
+                apart, so nothing of it is said: no count of evaluation forwards was kept).
         """
         if self.observed is not None and has_observer(self.observed):
             self._finish_stale()
@@ -273,10 +278,11 @@ class FitObservation:
         if (left := trainer_phases(target)) is not None:  # another callback's fit, ended unseen
             left.fit_ended("when a fit with another callback started")
         eval_sampler = fresh_sampler(self._pristine_eval, self.eval_sampler)
-        repeats = resume and resume_step is not None and self.eval_sampler is not None
+        recording = self._recording = self.eval_sampler is not None and steps_told
+        repeats = resume and resume_step is not None and recording
         self._evaluations = EvaluationSteps() if repeats else None
         self._retried = retry is not None
-        self.eval_sets = EvaluationSets() if self.eval_sampler is not None else None
+        self.eval_sets = EvaluationSets() if recording else None
         self.directory = start_run(
             target,
             config,
@@ -288,7 +294,7 @@ class FitObservation:
                 *sinks,
             ),
             sampler=fresh_sampler(self._pristine_sampler, config.sampler),
-            sampler_line=self._sampler_line(),
+            sampler_line=self._sampler_line() if recording else None,
             grad_scaler=grad_scaler,
         )
         self.observed = target if self.directory is not None else None
@@ -304,9 +310,11 @@ class FitObservation:
                 self._note_repeats(resume_step)
             follow_step(self.observed, global_step)
             self.phases = trainer_phases(self.observed)
-            if self.phases is not None:
+            if self.phases is not None and steps_told:
                 self.phases.follow_trainer(eval_sampler)
-            if self.eval_sampler is not None:
+            elif self.phases is not None:  # every forward trains
+                self.phases.follow_every_forward()
+            if recording:
                 add_run_note(
                     self.observed,
                     record_eval_note(
@@ -314,7 +322,8 @@ class FitObservation:
                     ),
                 )
         self._checked_first_step = False
-        self._training_steps, self._global_step = 0, global_step
+        self._training_steps = 0 if steps_told else None  # None: they cannot be told apart
+        self._global_step = global_step
         return self.directory
 
     def _note_not_continued(self, run: Path | None, checkpoint: str | None, why: str) -> None:
@@ -401,12 +410,6 @@ class FitObservation:
         if counts is not None and self.observed is not None and counts.unobserved_setup_forwards:
             add_run_note(self.observed, setup_note(counts.unobserved_setup_forwards))
 
-    def follow_every_forward(self) -> None:
-        """Training steps cannot be told apart: every forward trains (`Phases`)."""
-        self._training_steps = None
-        if self.phases is not None:
-            self.phases.follow_every_forward()
-
     def enter_training(self) -> None:
         """A training step starts: its forwards are training forwards."""
         if self._training_steps is not None:
@@ -463,8 +466,9 @@ class FitObservation:
     def _note_fit_end(self, observed: nn.Module) -> None:
         """index.md at the fit's end: its evaluation and setup forwards, and the evaluations it
         repeated (the samples its TensorBoard logger left out are the sink's note at removal)."""
-        recording = self.eval_sampler is not None
-        note_evaluation(observed, self.owner, self.evaluations, recording, self._after_the_fit())
+        note_evaluation(
+            observed, self.owner, self.evaluations, self._recording, self._after_the_fit()
+        )
         sets, self.eval_sets = self.eval_sets, None
         if sets is not None and (said := sets.note(self.dataset_metrics)) is not None:
             add_run_note(observed, said)

@@ -82,8 +82,9 @@ Why the frames, the only way: every event (`on_train_begin` included) receives `
 `control` and, from `CallbackHandler.call_event`, the model, processing class, optimizer,
 scheduler and dataloaders, never the Trainer (checked on transformers 5.24.0); the callback is
 built before the Trainer, so it cannot be handed one either. Where no frame holds a Trainer
-(another loop driving the callbacks), every forward is sampled as before, with a warning and a
-note in index.md.
+(another loop driving the callbacks), every forward is on the sampler's schedule, with a
+warning and a note in index.md; `record_eval` then records nothing apart, and index.md gives no
+count of evaluation forwards, which no one kept.
 
 Imports `transformers` when this module is imported.
 """
@@ -229,6 +230,7 @@ class HuggingFaceObserver(TrainerCallback):
             resume_step=state.global_step,
             grad_scaler=trainer_scaler(getattr(trainer, "accelerator", None)),  # fp16=True
             retry=None if retry is None else retry[1],
+            steps_told=trainer is not None,  # the step's mark needs the Trainer
         )
         if directory is not None and retry is not None:
             said = _retry_note(retry[2], state.train_batch_size)
@@ -253,8 +255,7 @@ class HuggingFaceObserver(TrainerCallback):
                 if not self._exit_handler:  # after inject's finalizer: runs before it at exit
                     self._exit_handler = True
                     atexit.register(_finish_at_exit, weakref.ref(self))
-        elif directory is not None:
-            self._fit.follow_every_forward()  # training steps cannot be told apart
+        elif directory is not None:  # training steps cannot be told apart: every forward trains
             notices.warn(
                 "torchinstruments: HuggingFaceObserver: the running Trainer was not found, so "
                 "training and evaluation forwards cannot be told apart: every forward is on the "

@@ -1,9 +1,9 @@
 """Scenarios that each need a process of their own, forked from one interpreter: a test file run
-as a script imports torch once, then forks a child per scenario, one after the other
-(`fork_each`); the child runs the rest of the script as its own and ends as that script would
-(killed at a known point, or through the interpreter's exit); or this process kills each child
-once it says it is ready (`kill_each_when_ready`). The test runs that script once per module
-fixture (`run_forked`) and reads each scenario's folder.
+as a script imports torch once, then forks a child per scenario, one after the other or, where
+each mostly waits, all at once (`fork_each`); the child runs the rest of the script as its own
+and ends as that script would (killed at a known point, or through the interpreter's exit); or
+this process kills each child once it says it is ready (`kill_each_when_ready`). The test runs
+that script once per module fixture (`run_forked`) and reads each scenario's folder.
 
 Why: a fresh interpreter importing torch takes seconds of CPU, most of such a child's time.
 """
@@ -11,6 +11,7 @@ Why: a fresh interpreter importing torch takes seconds of CPU, most of such a ch
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -18,28 +19,55 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 CODES = "codes.json"
 
 
-def fork_each(root: Path, names: Sequence[str]) -> str | None:
+def before_forking() -> None:
+    """What this process wrote so far goes out before a child can copy it, and every object it
+    made so far (torch's, at import: millions of them) is left out of collections from now on
+    (`gc.freeze`), in the children too: each of a child's full collections, and its exit's,
+    would otherwise walk them all and copy every page they lie on, seconds of a child's time
+    that no test looks at (the objects the child makes are collected as ever)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
+
+
+def ended() -> NoReturn:
+    """The forking process's end, once its children's statuses are written: at once, without
+    the interpreter's teardown (its collection of every object torch made at import takes
+    seconds) that no test looks at; never in a child, which ends as its script would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def fork_each(root: Path, names: Sequence[str], *, together: bool = False) -> str | None:
     """In a script: one forked child per name, in turn, its stderr in `root/<name>/stderr`.
     Returns the name in the child; in this process, once every child ended, writes their exit
-    statuses (`os.waitstatus_to_exitcode`) to `root/codes.json` and returns None."""
+    statuses (`os.waitstatus_to_exitcode`) to `root/codes.json` and ends (`ended`). `together`:
+    every child is forked before any is waited for, so that children whose time is mostly a
+    wait (a stall's bound running out) wait at the same time instead of one after the other."""
     codes: dict[str, int] = {}
+    running: dict[str, int] = {}
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        before_forking()
         pid = os.fork()
         if pid == 0:
             err = os.open(root / name / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(err, 2)
             os.close(err)
             return name
+        running[name] = pid
+        if not together:
+            codes[name] = os.waitstatus_to_exitcode(os.waitpid(running.pop(name), 0)[1])
+    for name, pid in running.items():
         codes[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     (root / CODES).write_text(json.dumps(codes), encoding="utf-8")
-    return None
+    ended()
 
 
 def run_forked(script: str, root: Path, names: Sequence[str]) -> dict[str, int]:
@@ -68,8 +96,7 @@ def killed_when_ready(ready: str, main: Callable[[], object], quiet: bool = Fals
     first). `quiet`: what `main` prints to `sys.stdout` (a trainer's logs) goes to stderr, so
     the pipe carries the ready line alone."""
     read, write = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    before_forking()
     pid = os.fork()
     if pid == 0:
         os.close(read)
@@ -89,7 +116,8 @@ def kill_each_when_ready(
     root: Path, ready: str, children: Mapping[str, Callable[[Path], object]], names: Sequence[str]
 ) -> None:
     """In a script: `children[name](root / name)` for each name, in turn, by `killed_when_ready`,
-    each with its stderr in `root/<name>/stderr`; their exit statuses to `root/codes.json`."""
+    each with its stderr in `root/<name>/stderr`; their exit statuses to `root/codes.json`, then
+    this process ends (`ended`)."""
     codes: dict[str, int] = {}
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
@@ -104,3 +132,4 @@ def kill_each_when_ready(
             os.dup2(saved, 2)
             os.close(saved)
     (root / CODES).write_text(json.dumps(codes), encoding="utf-8")
+    ended()

@@ -7,9 +7,12 @@ file system blocks. Removal runs the finish on a thread of its own and waits for
 most `removal_wait_s` (the merge longer by its rows); then it returns, with a warning naming the
 step and every file after it. Readers see the run as its state file last said: the process held
 the lock while the write hung, and once it has ended (and the file system answers again)
-`finalize` completes the run. Each run is a child process forked from one interpreter that
-imported torch (`_forked`), under a timeout: a removal that waits for the write without end fails
-the test instead of hanging it.
+`finalize` completes the run. The same process asking for that directory again meanwhile (a
+notebook cell run again) is refused naming the stuck write, never a model left observed or a
+removal still to call; once the write returns, resume=True continues the run. Each run is a
+child process forked from one interpreter that imported torch (`_forked`), all at once, so that
+their stalls' bounds run out together, under a timeout: a removal that waits for the write
+without end fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torchinstruments.rundir.layout import (
     part_temporary_path,
     temporary_path,
 )
+from torchinstruments.rundir.lock import live_writer
 from torchinstruments.rundir.state import Status, read_state
 
 from conftest import run_cli
@@ -102,13 +106,13 @@ CASES = {
     STATE_FILE: (STATE_FILE,),
 }
 
-SCENARIOS = [*CASES, "save", "fork"]
+SCENARIOS = [*CASES, "save", "fork", "refusals"]
 
 
 @pytest.fixture(scope="module")
 def stalled_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
-    """Each scenario's child, forked from one process (`_forked`), into `root/<scenario>/run`;
-    their exit statuses."""
+    """Each scenario's child, forked from one process (`_forked`) at once, into
+    `root/<scenario>/run`; their exit statuses."""
     root = tmp_path_factory.mktemp("stalled")
     return root, run_forked(__file__, root, SCENARIOS)
 
@@ -280,12 +284,76 @@ def test_a_child_forked_while_the_finish_hangs_does_not_keep_the_runs_lock(
         os.kill(child, signal.SIGKILL)
 
 
+def refusals_child(root: Path) -> None:
+    """The finish hangs at the state file; the same process then asks for the directory again
+    (a notebook cell run again), without and with resume=True; then the disk answers and
+    resume=True continues the run."""
+    run = root / "run"
+    warnings.simplefilter("ignore")
+    config = HistoryConfig(flush_seconds=1.0)
+    model = nn.Linear(4, 2)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    model(torch.randn(3, 4)).sum().backward()
+    fifo = temporary_path(run / STATE_FILE)
+    os.mkfifo(fifo)  # the finish's write of the state file blocks opening it
+    remove_observer(model)  # gives the finish up; its thread holds the lock
+    refusals: dict[str, list[str] | None] = {}
+    for resume in (False, True):
+        try:
+            inject_observer(nn.Linear(4, 2), output_dir=run, resume=resume, history_config=config)
+            refusals[str(resume)] = None
+        except Exception as error:
+            refusals[str(resume)] = [type(error).__name__, str(error)]
+    # The file system answers again: the FIFO gets a reader (the write's open returns) and a
+    # writer (the fsync's open of it for reading returns too; the fsync of a FIFO then fails, so
+    # the write ends, as a failed one, and its thread releases the lock).
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    deadline = time.monotonic() + 120
+    while live_writer(run) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.close(writer)
+    os.close(reader)
+    again = nn.Linear(4, 2)
+    inject_observer(again, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    again(torch.randn(3, 4)).sum().backward()
+    remove_observer(again)
+    (root / "refusals.json").write_text(json.dumps(refusals), "utf-8")
+
+
+def test_a_directory_held_by_a_given_up_finish_of_this_process_is_refused_naming_that_write(
+    stalled_runs: tuple[Path, dict[str, int]],
+) -> None:
+    """A directory whose lock a given-up write of this very process still holds is refused for
+    that reason: the stuck write is named, never a model left observed or a removal still to
+    call. Once the write returns, its thread releases the lock and resume=True continues."""
+    root, codes = stalled_runs
+    assert codes["refusals"] == 0, stderr_of(root, "refusals")
+    run = root / "refusals" / "run"
+    refusals = json.loads((root / "refusals" / "refusals.json").read_text("utf-8"))
+    kinds = {resume: refusal[0] for resume, refusal in refusals.items()}
+    assert kinds == {"False": "FileExistsError", "True": "RunLockedError"}
+    for _, message in refusals.values():
+        assert "remove_observer's finish of the run in this process" in message, message
+        assert f"after a write had not returned in {FLOOR_S:g} s" in message
+        assert f"its thread still waits on {STATE_FILE}:" in message
+        assert f"Not written: {STATE_FILE}." in message  # index.md is written before it
+        assert f"check the disk or file system under {run}" in message
+        assert "pass another output_dir" in message
+        assert "was not removed" not in message  # it was removed
+        assert "Wait for it to end (remove_observer)" not in message  # it was called
+    # once the write returned, the lock was released and the run continued in a second attempt
+    assert [attempt.attempt for attempt in read_state(run).attempts] == [0, 1]
+
+
 if __name__ == "__main__":
     directory_sink.MIN_REMOVAL_WAIT_S = FLOOR_S  # in every child forked below
-    scenario = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    scenario = fork_each(Path(sys.argv[1]), sys.argv[2:], together=True)
     if scenario == "save":
         save_child(Path(sys.argv[1]) / scenario)
     elif scenario == "fork":
         fork_child(Path(sys.argv[1]) / scenario)
+    elif scenario == "refusals":
+        refusals_child(Path(sys.argv[1]) / scenario)
     elif scenario is not None:
         stalled_child(Path(sys.argv[1]) / scenario, scenario)

@@ -6,62 +6,45 @@ stalled network file system blocks. Removal has the flush thread write the last 
 for it at most `removal_wait_s` (a flush interval, at least 10 s); then it gives the write up:
 a warning names the part, the rows still in memory are counted in the loss ledger with that
 reason (index.md lists them), and the run is finished from the parts on disk, readable by
-`torchinstruments show` and `finalize`. Run in a child process, under a timeout: a removal that
-waits for the write without end fails the test instead of hanging it.
+`torchinstruments show` and `finalize`. Each case runs in a child process forked from one
+interpreter that imported torch (`_forked`), all at once, so that their stalls' bounds run out
+together, under a timeout: a removal that waits for the write without end fails the test
+instead of hanging it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
+import torch
+from _forked import fork_each, run_forked, stderr_of
+from torch import nn
 
+import torchinstruments.sinks.directory as directory_sink
+from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.flush_timer import FlushTimer
-from torchinstruments.rundir.layout import list_parts
+from torchinstruments.rundir.layout import list_parts, part_path, part_temporary_path
 from torchinstruments.rundir.state import Status, read_state
 from torchinstruments.rundir.writer import HistoryWriter
 
-from conftest import child_report, one_mean, run_cli
+from conftest import one_mean, run_cli
 
 # The children's floor of removal_wait_s (sinks.directory.MIN_REMOVAL_WAIT_S, 10 s), shortened
-# by each child (its first lines) to keep the suite short: the stalls are real FIFOs either way.
+# in the process they fork from to keep the suite short: the stalls are real FIFOs either way.
 FLOOR_S = 3.0
 
 ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
-
-CHILD = r"""
-import json, os, sys, warnings
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-import torchinstruments.sinks.directory as directory_sink
-directory_sink.MIN_REMOVAL_WAIT_S = 3.0  # FLOOR_S: the test's floor, shortened; the stall is real
-from torchinstruments.rundir.layout import list_parts, part_path, part_temporary_path
-
-from pathlib import Path
-
-run, steps, config = Path(sys.argv[1]), int(sys.argv[2]), HistoryConfig(**json.loads(sys.argv[3]))
-torch.manual_seed(0)
-model = nn.Linear(4, 2)
-x = torch.randn(3, 4)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
-    model(x).sum().backward()  # the first forward's and backward's rows: written at once
-    stalled = part_path(run, len(list_parts(run)))
-    os.mkfifo(part_temporary_path(stalled, 0))  # the next part's write blocks opening it
-    for _ in range(steps):
-        model(x).sum().backward()
-    remove_observer(model)  # returns although the write never does
-print(json.dumps({"part": stalled.name, "warnings": [str(w.message) for w in caught]}))
-"""
 
 CASES = {
     # a few samples buffered when removal comes: its own last write is the one that hangs
@@ -71,13 +54,48 @@ CASES = {
 }
 
 
+def stalled_child(root: Path, case: str) -> None:
+    """The case's steps after the first, whose next part's write blocks; then a removal."""
+    steps, config = CASES[case]
+    run = root / "run"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inject_observer(
+            model,
+            output_dir=run,
+            sampler=EveryNForwardsSampler(1),
+            history_config=HistoryConfig(**config),
+        )
+        model(x).sum().backward()  # the first forward's and backward's rows: written at once
+        stalled = part_path(run, len(list_parts(run)))
+        os.mkfifo(part_temporary_path(stalled, 0))  # the next part's write blocks opening it
+        for _ in range(steps):
+            model(x).sum().backward()
+        remove_observer(model)  # returns although the write never does
+    report = {"part": stalled.name, "warnings": [str(w.message) for w in caught]}
+    (root / "report.json").write_text(json.dumps(report), "utf-8")
+
+
+@pytest.fixture(scope="module")
+def stalled_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Each case's child, forked from one process (`_forked`) at once, into `root/<case>/run`;
+    their exit statuses."""
+    root = tmp_path_factory.mktemp("stalled")
+    return root, run_forked(__file__, root, list(CASES))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
-    tmp_path: Path, case: str
+    stalled_runs: tuple[Path, dict[str, int]], case: str
 ) -> None:
+    root, codes = stalled_runs
+    assert codes[case] == 0, stderr_of(root, case)
     steps, config = CASES[case]
-    run = tmp_path / "run"
-    report = child_report(CHILD, run, steps, json.dumps(config))
+    run = root / case / "run"
+    report = json.loads((root / case / "report.json").read_text("utf-8"))
     wait = max(config["flush_seconds"], FLOOR_S)
     gave_up = f"the write of history part {report['part']} had not returned after {wait:g} s"
     said = "\n".join(report["warnings"])
@@ -191,3 +209,10 @@ def test_a_last_round_that_keeps_landing_parts_is_waited_for_however_long_it_run
         time.sleep(0.01)
     assert not stuck.finish(0.3, lambda: landed[0])  # given up: its parts stopped landing
     assert landed[0] == 3
+
+
+if __name__ == "__main__":
+    directory_sink.MIN_REMOVAL_WAIT_S = FLOOR_S  # in every child forked below
+    case = fork_each(Path(sys.argv[1]), sys.argv[2:], together=True)
+    if case is not None:
+        stalled_child(Path(sys.argv[1]) / case, case)

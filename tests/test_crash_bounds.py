@@ -7,7 +7,10 @@ short. At the default `buffer_rows=8192` the child never fills a chunk in its li
 disk was written because of the time bound, not the row bound.
 
 The child prints `step K T` after step K, where T is its wall clock: every row of sample K was
-measured (and appended) before T. The parent kills the child at wall time `killed_at`. The
+measured (and appended) before T. The parent kills the child at wall time `killed_at`. Each
+test's child is forked from one interpreter that imported torch (this file run as a script),
+all of them at once: their time is mostly steps' sleeps and the wait for steps a flush interval
+old, which they spend together; the parent kills each at its own point (`kill_when_old`). The
 guarantee under test: every sample printed before `killed_at - FLUSH_SECONDS` is complete in
 `history.parts/` and in the TensorBoard events (all three layers are focus layers). The run
 directory's name holds glob characters, a space and non-ASCII letters, so that the live writer,
@@ -28,6 +31,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from _forked import before_forking, ended
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     EventAccumulator,
@@ -131,40 +135,90 @@ def event_steps(directory: Path) -> dict[str, set[int]]:
     return {tag: {e.step for e in accumulator.Histograms(tag)} for tag in tags["histograms"]}
 
 
-def run_and_kill(
-    tmp_path: Path, mode: str, signum: int, returncode: int, old_steps: int = OLD_STEPS_BEFORE_KILL
-) -> tuple[Path, dict[int, float], float]:
-    """Start the child, wait until `old_steps` steps are older than one flush interval, send
-    `signum`, check the child's exit status; returns the run directory, the printed steps and
-    the kill time."""
-    directory = tmp_path / RUN_NAME
-    log = tmp_path / "child.log"
-    with log.open("w", encoding="utf-8") as out:
-        child = subprocess.Popen(
-            [sys.executable, __file__, str(directory), mode], stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                steps = printed_steps(log)
-                old = [s for s, t in steps.items() if t < time.time() - 2 * FLUSH_SECONDS]
-                if len(old) >= old_steps:
-                    break
-                if child.poll() is not None:
-                    pytest.fail(f"training child exited early:\n{log.read_text('utf-8')}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"fewer than {old_steps} steps after {WAIT_S} s")
-                time.sleep(0.05)
-            killed_at = time.time()
-            os.kill(child.pid, signum)
-            child.wait(timeout=60)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-    steps = printed_steps(log)
-    assert child.returncode == returncode, log.read_text("utf-8")
-    return directory, steps, killed_at
+# Each test's child: its mode, the signal that kills it, its exit status then, and how many of
+# its steps must be older than two flush intervals when it is killed.
+KILLS = {
+    "sigkill": ("plain", signal.SIGKILL, -signal.SIGKILL, OLD_STEPS_BEFORE_KILL),
+    "one-row-parts": ("one_row_parts", signal.SIGKILL, -signal.SIGKILL, 10),
+    "sigterm": ("plain", signal.SIGTERM, -signal.SIGTERM, OLD_STEPS_BEFORE_KILL),
+    "chained": ("chained", signal.SIGTERM, 143, OLD_STEPS_BEFORE_KILL),
+}
+KILLED = "killed.json"
+
+
+def old_enough(log: Path, old_steps: int) -> bool:
+    """Whether `old_steps` of the steps in `log` were printed two flush intervals ago."""
+    old = [s for s, t in printed_steps(log).items() if t < time.time() - 2 * FLUSH_SECONDS]
+    return len(old) >= old_steps
+
+
+def kill_when_old(root: Path, names: list[str]) -> str | None:
+    """In the script: every named child (`KILLS`) forked at once, its output in
+    `root/<name>/child.log`; each gets its signal once its steps are old enough (or after
+    `WAIT_S`: said as late), and SIGKILL a minute after a signal it outlived. Returns the name in
+    the child; in this process writes the exit statuses and kill times to `root/killed.json`
+    once every child ended, and ends (`_forked.ended`)."""
+    running: dict[str, int] = {}
+    for name in names:
+        (root / name).mkdir()
+        (root / name / "child.log").touch()  # read from here while the child starts
+        before_forking()
+        pid = os.fork()
+        if pid == 0:
+            log = os.open(root / name / "child.log", os.O_WRONLY)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
+            return name
+        running[name] = pid
+    start = time.monotonic()
+    codes: dict[str, int] = {}
+    killed_at: dict[str, float] = {}
+    signalled: dict[str, float] = {}
+    late: list[str] = []
+    while running:
+        for name, pid in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[name] = os.waitstatus_to_exitcode(status)
+                del running[name]
+            elif name not in signalled:
+                old = old_enough(root / name / "child.log", KILLS[name][3])
+                if old or time.monotonic() - start > WAIT_S:
+                    late += [] if old else [name]
+                    killed_at[name], signalled[name] = time.time(), time.monotonic()
+                    os.kill(pid, KILLS[name][1])
+            elif time.monotonic() - signalled[name] > 60:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    report = {"codes": codes, "killed_at": killed_at, "late": late}
+    (root / KILLED).write_text(json.dumps(report), encoding="utf-8")
+    ended()
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test's child killed at its point (this file as the script, `kill_when_old`)."""
+    root = tmp_path_factory.mktemp("killed")
+    done = subprocess.run(
+        [sys.executable, __file__, str(root), *KILLS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def killed_run(root: Path, name: str) -> tuple[Path, dict[int, float], float]:
+    """The child of `name` as its kill left it: its run directory, the steps it printed and the
+    kill time; it must have been killed in time and ended with the exit status of `KILLS`."""
+    report, log = json.loads((root / KILLED).read_text("utf-8")), root / name / "child.log"
+    assert name in report["killed_at"], f"training child exited early:\n{log.read_text('utf-8')}"
+    assert name not in report["late"], f"fewer than {KILLS[name][3]} steps after {WAIT_S} s"
+    assert report["codes"][name] == KILLS[name][2], log.read_text("utf-8")
+    return root / name / RUN_NAME, printed_steps(log), report["killed_at"][name]
 
 
 def assert_bound(
@@ -203,8 +257,8 @@ def finalize_cli(directory: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_path: Path) -> None:
-    directory, steps, killed_at = run_and_kill(tmp_path, "plain", signal.SIGKILL, -signal.SIGKILL)
+def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(killed: Path) -> None:
+    directory, steps, killed_at = killed_run(killed, "sigkill")
     assert not (directory / "history.parquet").exists()
     in_parts = assert_bound(directory, steps, killed_at)
     parts_rows = read_parts(directory).height
@@ -232,14 +286,12 @@ def test_sigkill_loses_at_most_one_flush_interval_and_finalize_completes(tmp_pat
 
 
 def test_sigkill_of_a_rank_writing_one_row_parts_loses_at_most_one_flush_interval(
-    tmp_path: Path,
+    killed: Path,
 ) -> None:
     """With `buffer_rows=1` its flush thread writes a part a row, far fewer rows a second than
     a sample a step records: once the oldest is due, every buffered row goes at once, so the
     time bound holds (before, the rows waited behind the one-row parts, seconds old)."""
-    directory, steps, killed_at = run_and_kill(
-        tmp_path, "one_row_parts", signal.SIGKILL, -signal.SIGKILL, old_steps=10
-    )
+    directory, steps, killed_at = killed_run(killed, "one-row-parts")
     rank = directory / "rank-001"
     assert_bound(rank, steps, killed_at, by_time=False)
     sizes = [pl.read_parquet(p, glob=False).height for p in part_files(rank)]
@@ -247,8 +299,8 @@ def test_sigkill_of_a_rank_writing_one_row_parts_loses_at_most_one_flush_interva
     assert sizes.count(1) > 0  # and the row bound's
 
 
-def test_sigterm_flushes_everything_then_ends_with_the_default_action(tmp_path: Path) -> None:
-    directory, steps, killed_at = run_and_kill(tmp_path, "plain", signal.SIGTERM, -signal.SIGTERM)
+def test_sigterm_flushes_everything_then_ends_with_the_default_action(killed: Path) -> None:
+    directory, steps, killed_at = killed_run(killed, "sigterm")
     in_parts = assert_bound(directory, steps, killed_at)
     # SIGTERM loses no more than SIGKILL, and in fact nothing that was measured before it:
     # every printed step is in the parts and in the events.
@@ -262,9 +314,9 @@ def test_sigterm_flushes_everything_then_ends_with_the_default_action(tmp_path: 
     assert set(steps) <= set(history["sample_id"].unique().to_list())
 
 
-def test_sigterm_chains_to_the_handler_installed_before(tmp_path: Path) -> None:
-    directory, steps, _ = run_and_kill(tmp_path, "chained", signal.SIGTERM, 143)
-    assert (tmp_path / "handler-ran").read_text("utf-8") == str(int(signal.SIGTERM))
+def test_sigterm_chains_to_the_handler_installed_before(killed: Path) -> None:
+    directory, steps, _ = killed_run(killed, "chained")
+    assert (killed / "chained" / "handler-ran").read_text("utf-8") == str(int(signal.SIGTERM))
     # the program's own handler ended it with SystemExit, so the run finished normally
     # (interpreter exit finalizes an unremoved observer): complete, with every printed step
     history = pl.read_parquet(directory / "history.parquet", glob=False)
@@ -406,4 +458,6 @@ def test_flush_seconds_must_be_a_positive_finite_number(bad: object) -> None:
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2])
+    name = kill_when_old(Path(sys.argv[1]), sys.argv[2:])
+    if name is not None:  # the child: it trains until killed, or ends as the script would
+        child_main(Path(sys.argv[1]) / name / RUN_NAME, KILLS[name][0])

@@ -1,6 +1,7 @@
 """The SIGTERM handler chain holds only live runs, whatever order and thread runs end in.
 
-Real processes and a real SIGTERM: the child (this file run as a script) injects and removes
+Real processes and a real SIGTERM: the child (forked from this file run as a script, which
+imported torch once: both tests' children at once, `terminate_when_reported`) injects and removes
 observers many times, in another order than injected (first in, first out) or from other threads
 (`remove_observer` on a worker thread, a dropped model collected by the garbage collector on a
 helper thread), then keeps one run live and waits. The process's one SIGTERM watcher
@@ -31,6 +32,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from _forked import before_forking, ended
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
@@ -144,32 +146,64 @@ def child_main(root: Path, mode: str) -> None:
         time.sleep(0.05)
 
 
-def run_child(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """Run the child, SIGTERM it once it reported; its result and facts."""
-    root = tmp_path / "runs"
-    root.mkdir()
-    child = subprocess.Popen(
-        [sys.executable, __file__, str(root), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while not (root / "facts.json").exists():
-            if child.poll() is not None or time.monotonic() > deadline:
-                out, err = child.communicate(timeout=30)
-                pytest.fail(f"the child never reported:\n{out}\n{err}")
+def terminate_when_reported(root: Path, modes: list[str]) -> str | None:
+    """In the script: a child per mode forked at once, into `root/<mode>` (its stderr in
+    `root/<mode>/stderr`), each sent SIGTERM once it reported; returns the mode in the child. In
+    this process, once every child ended, writes their exit statuses to `root/codes.json` (a
+    child that never reported is killed after `WAIT_S`) and ends (`_forked.ended`)."""
+    running: dict[str, int] = {}
+    for mode in modes:
+        (root / mode).mkdir()
+        before_forking()
+        pid = os.fork()
+        if pid == 0:
+            err = os.open(root / mode / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(err, 2)
+            os.close(err)
+            return mode
+        running[mode] = pid
+    deadline = time.monotonic() + WAIT_S
+    codes: dict[str, int] = {}
+    for mode, pid in running.items():
+        gone, status = 0, 0
+        while not (root / mode / "facts.json").exists() and time.monotonic() < deadline:
+            gone, status = os.waitpid(pid, os.WNOHANG)
+            if gone:
+                break  # it ended before it reported: its status says so
             time.sleep(0.05)
-        time.sleep(0.2)  # past writing the facts, into its wait
-        os.kill(child.pid, signal.SIGTERM)
-        out, err = child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-    result = subprocess.CompletedProcess(child.args, child.returncode, out, err)
-    return result, json.loads((root / "facts.json").read_text("utf-8"))
+        else:
+            time.sleep(0.2)  # past writing the facts, into its wait
+            os.kill(pid, signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL)
+        if not gone:
+            status = os.waitpid(pid, 0)[1]
+        codes[mode] = os.waitstatus_to_exitcode(status)
+    (root / "codes.json").write_text(json.dumps(codes), encoding="utf-8")
+    ended()
+
+
+@pytest.fixture(scope="module")
+def terminated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both modes' children, each sent SIGTERM once it reported (`terminate_when_reported`)."""
+    root = tmp_path_factory.mktemp("terminated")
+    done = subprocess.run(
+        [sys.executable, __file__, str(root), "fifo", "threads"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def run_child(root: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The child of `mode` as SIGTERM ended it: its exit status and stderr, and its facts."""
+    codes = json.loads((root / "codes.json").read_text("utf-8"))
+    err = (root / mode / "stderr").read_text("utf-8", errors="replace")
+    facts = root / mode / "facts.json"
+    assert facts.exists(), f"the child never reported:\n{err}"
+    result = subprocess.CompletedProcess([mode], codes[mode], "", err)
+    return result, json.loads(facts.read_text("utf-8"))
 
 
 def assert_live_run_flushed(directory: Path) -> None:
@@ -181,9 +215,9 @@ def assert_live_run_flushed(directory: Path) -> None:
 
 
 def test_runs_removed_first_in_first_out_leave_the_chain_and_sigterm_ends_the_process(
-    tmp_path: Path,
+    terminated: Path,
 ) -> None:
-    result, facts = run_child(tmp_path, "fifo")
+    result, facts = run_child(terminated, "fifo")
     assert "RecursionError" not in result.stderr, result.stderr
     assert result.returncode == -signal.SIGTERM, result.stderr
     assert facts["longest_chain"] <= 2  # the two live runs at most
@@ -193,13 +227,13 @@ def test_runs_removed_first_in_first_out_leave_the_chain_and_sigterm_ends_the_pr
     assert facts["ends_at_the_handler_before"]
     assert facts["sinks_alive"] == 0  # no ended run kept alive by a handler
     assert facts["chain_with_one_live_run"] == 1
-    assert_live_run_flushed(tmp_path / "runs" / "live")
+    assert_live_run_flushed(terminated / "fifo" / "live")
 
 
 def test_runs_ended_on_other_threads_leave_the_chain_and_sigterm_ends_the_process(
-    tmp_path: Path,
+    terminated: Path,
 ) -> None:
-    result, facts = run_child(tmp_path, "threads")
+    result, facts = run_child(terminated, "threads")
     assert "RecursionError" not in result.stderr, result.stderr
     assert result.returncode == -signal.SIGTERM, result.stderr
     # two live runs, plus at most one inert handler left current by a run ended off the main
@@ -211,8 +245,10 @@ def test_runs_ended_on_other_threads_leave_the_chain_and_sigterm_ends_the_proces
     assert facts["ends_at_the_handler_before"]
     assert facts["sinks_alive"] == 0
     assert facts["chain_with_one_live_run"] == 1
-    assert_live_run_flushed(tmp_path / "runs" / "live")
+    assert_live_run_flushed(terminated / "threads" / "live")
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), sys.argv[2])
+    mode = terminate_when_reported(Path(sys.argv[1]), sys.argv[2:])
+    if mode is not None:
+        child_main(Path(sys.argv[1]) / mode, mode)

@@ -3,7 +3,7 @@ exception uncaught, caught, or `sys.exit` in a callback): the run is finished at
 exit with the note that the fit ended there, naming the exception where Python kept it.
 
 Importing transformers' Trainer takes seconds, so one interpreter imports it and then forks one
-child per ending, one after the other: the child runs the rest of the script (the model, the
+child per ending, all at once: the child runs the rest of the script (the model, the
 fit, its end) as its own and ends as that script would, through the interpreter's exit."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from conftest import run_status
 
 SCRIPT = textwrap.dedent(
     """
+    import gc
     import json
     import os
     import sys
@@ -32,21 +33,27 @@ SCRIPT = textwrap.dedent(
     from torchinstruments.integrations import HuggingFaceObserver
 
     def forked_ending(root):
-        # Each ending in a child forked from here, in turn, its stderr in a file: the child
-        # returns its ending; this process writes each child's exit status and exits.
-        codes = {}
+        # Each ending in a child forked from here, all at once, its stderr in a file: the child
+        # returns its ending; this process writes each child's exit status and ends at once.
+        # The objects imported so far are frozen (`_forked.before_forking` says why).
+        pids = {}
         for ending in sys.argv[2:]:
             os.makedirs(os.path.join(root, ending))
+            sys.stdout.flush()
             sys.stderr.flush()
+            gc.freeze()
             pid = os.fork()
             if pid == 0:
                 err = os.open(os.path.join(root, ending, "stderr"), os.O_WRONLY | os.O_CREAT)
                 os.dup2(err, 2)
                 return ending
-            codes[ending] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            pids[ending] = pid
+        codes = {e: os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for e, p in pids.items()}
         with open(os.path.join(root, "codes.json"), "w") as out:
             json.dump(codes, out)
-        sys.exit(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # without the teardown (`_forked.ended`)
 
     ending = forked_ending(sys.argv[1])
     output_dir = os.path.join(sys.argv[1], ending, "out")

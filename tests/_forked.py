@@ -95,21 +95,35 @@ def killed_when_ready(ready: str, main: Callable[[], object], quiet: bool = Fals
     `conftest.kill_when_ready` kills a script; its exit status (-SIGKILL, or how it ended
     first). `quiet`: what `main` prints to `sys.stdout` (a trainer's logs) goes to stderr, so
     the pipe carries the ready line alone."""
-    read, write = os.pipe()
-    before_forking()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.dup2(write, 1)
+    return killed_together_when_ready(ready, {"": main}, quiet)[""]
+
+
+def killed_together_when_ready(
+    ready: str, mains: Mapping[str, Callable[[], object]], quiet: bool = False
+) -> dict[str, int]:
+    """`killed_when_ready` of every main at once: each forked before any is waited for, each
+    SIGKILLed once it says `ready`; their exit statuses by name."""
+    said: dict[str, tuple[int, int]] = {}
+    for name, main in mains.items():
+        read, write = os.pipe()
+        before_forking()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.dup2(write, 1)
+            os.close(write)
+            with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+                main()
+            os._exit(0)  # it returned instead of waiting for the kill: the test says so
         os.close(write)
-        with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
-            main()
-        os._exit(0)  # it returned instead of waiting for the kill: the test says so
-    os.close(write)
-    with os.fdopen(read) as said:
-        if said.readline().strip() == ready:
-            os.kill(pid, signal.SIGKILL)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        said[name] = (pid, read)
+    for pid, read in said.values():
+        with os.fdopen(read) as lines:
+            if lines.readline().strip() == ready:
+                os.kill(pid, signal.SIGKILL)
+    return {
+        name: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for name, (pid, _) in said.items()
+    }
 
 
 def kill_each_when_ready(

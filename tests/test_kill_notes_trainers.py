@@ -10,8 +10,8 @@ come from outside the library: TensorBoard's own event loader, the model's own c
 calls. The plain-loop cases are `test_kill_notes.py`.
 
 Importing Lightning takes seconds, so one process (this file run as a script) imports it and
-forks each killed fit from there, one after the other, killing each at its kill point; the
-tests read the four killed runs of that one module fixture.
+forks each killed fit from there, all at once, killing each at its kill point; the tests read
+the killed runs of that one module fixture.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import lightning
 import polars as pl
 import pytest
 import torch
-from _forked import killed_when_ready
+from _forked import ended, killed_together_when_ready
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from test_kill_notes import READY, finalized, tag_steps
@@ -228,13 +228,14 @@ def child_main(mode: str, tmp_path: Path) -> None:
 
 
 def killed_forks(root: Path, modes: list[str]) -> None:
-    """Each mode's killed fit (`child_main`) in a child forked from this process, one after the
-    other: SIGKILLed once it says READY on its stdout (a pipe to this process)."""
-    for mode in modes:
-        fit = functools.partial(child_main, mode, root / mode)
-        status = killed_when_ready(READY, fit, quiet=True)  # Lightning prints its logs
+    """Each mode's killed fit (`child_main`) in a child forked from this process, all at once:
+    SIGKILLed once it says READY on its stdout (a pipe to this process)."""
+    fits = {mode: functools.partial(child_main, mode, root / mode) for mode in modes}
+    statuses = killed_together_when_ready(READY, fits, quiet=True)  # Lightning prints its logs
+    for mode, status in statuses.items():
         assert status == -signal.SIGKILL, f"{mode}: the fit never reached its kill point"
 
 
 if __name__ == "__main__":
     killed_forks(Path(sys.argv[1]), sys.argv[2:])
+    ended()

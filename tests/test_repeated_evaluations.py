@@ -23,7 +23,7 @@ import lightning
 import polars as pl
 import pytest
 import torch
-from _forked import killed_when_ready
+from _forked import ended, killed_when_ready
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_huggingface_callback import examples, tiny_bert
 from test_trainer_phases import Recorded
@@ -337,3 +337,4 @@ def killed_attempts(root: Path) -> None:
 
 if __name__ == "__main__":
     killed_attempts(Path(sys.argv[1]))
+    ended()

@@ -1,9 +1,10 @@
 """A process forked from an observing one runs the model unobserved and leaves the run alone.
 
-Real processes, each bounded by a timeout: `os.fork` in a script (each script a process forked
-in turn from one interpreter that imported torch and never observed, `_forked`; the child ends
-through the normal interpreter exit, atexit handlers included), a 'fork' Hogwild pair training one shared
-model with torch.multiprocessing, and DataLoader workers started with 'fork'. Every forward is
+Real processes, each bounded by a timeout: `os.fork` in a script (each script a process forked,
+all at once, from one interpreter that imported torch and never observed, `_forked`; the child
+ends through the normal interpreter exit, atexit handlers included), a 'fork' Hogwild pair
+training one shared model with torch.multiprocessing, and DataLoader workers started with
+'fork'. Every forward is
 sampled and `buffer_rows` is tiny, so a child that still recorded would write (or hang writing)
 a part at its first sampled step. The parent's run must be complete afterwards, with exactly the
 parent's samples.
@@ -450,7 +451,7 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
-    """Each script's process, forked in turn from one interpreter that imported torch and never
+    """Each script's process, forked at once from one interpreter that imported torch and never
     observed (`_forked`), into `root/<script>/run` and `root/<script>/report.json`; their exit
     statuses."""
     root = tmp_path_factory.mktemp("scripts")
@@ -465,7 +466,7 @@ def ran(scripts: tuple[Path, dict[str, int]], name: str) -> Path:
 
 
 if __name__ == "__main__":
-    script = fork_each(Path(sys.argv[1]), sys.argv[2:])
+    script = fork_each(Path(sys.argv[1]), sys.argv[2:], together=True)
     if script is not None:  # one script's process: it ends through the interpreter's exit
         SCRIPTS[script](
             Path(sys.argv[1]) / script / "run", Path(sys.argv[1]) / script / "report.json"

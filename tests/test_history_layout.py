@@ -78,7 +78,7 @@ def synthetic_history(samples: int, tensors: int, *, varied: bool = False) -> pl
             "call_index": tensor % 3 if varied else np.zeros(n, np.int64),
             "signal": np.where(tensor < tensors // 2, "output", "output_gradient"),
             "tensor_path": np.where(tensor % 3 == 1, "[0]", "") if varied else [""] * n,
-            "shape": [[8, 16]] * n,
+            "shape": pl.Series([[8, 16]]).new_from_index(0, n),  # a list a row from Python: seconds
             "dtype": ["float32"] * n,
             "placement": placement,
             "mesh_coordinate": mesh,

@@ -48,9 +48,9 @@ ROWS_PER_SAMPLE = 18  # one Linear, default metrics, output and gradient
 
 CASES = {
     # a few samples buffered when removal comes: its own last write is the one that hangs
-    "at removal": (3, {"buffer_rows": 10_000, "flush_seconds": 5.0}),
+    "at removal": (3, HistoryConfig(buffer_rows=10_000, flush_seconds=5.0)),
     # the flush thread hangs from the first full chunk on; the steps drop rows at the cap
-    "since training": (40, {"buffer_rows": 36, "max_buffered_rows": 72, "flush_seconds": 0.5}),
+    "since training": (40, HistoryConfig(buffer_rows=36, max_buffered_rows=72, flush_seconds=0.5)),
 }
 
 
@@ -67,7 +67,7 @@ def stalled_child(root: Path, case: str) -> None:
             model,
             output_dir=run,
             sampler=EveryNForwardsSampler(1),
-            history_config=HistoryConfig(**config),
+            history_config=config,
         )
         model(x).sum().backward()  # the first forward's and backward's rows: written at once
         stalled = part_path(run, len(list_parts(run)))
@@ -96,7 +96,7 @@ def test_removal_gives_up_a_part_write_that_never_returns_and_says_which_rows(
     steps, config = CASES[case]
     run = root / case / "run"
     report = json.loads((root / case / "report.json").read_text("utf-8"))
-    wait = max(config["flush_seconds"], FLOOR_S)
+    wait = max(config.flush_seconds, FLOOR_S)
     gave_up = f"the write of history part {report['part']} had not returned after {wait:g} s"
     said = "\n".join(report["warnings"])
     assert gave_up in said, said

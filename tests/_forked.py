@@ -26,7 +26,7 @@ CODES = "codes.json"
 
 def before_forking() -> None:
     """What this process wrote so far goes out before a child can copy it, and every object it
-    made so far (torch's, at import: millions of them) is left out of collections from now on
+    made so far (torch's, at import: some 200,000) is left out of collections from now on
     (`gc.freeze`), in the children too: each of a child's full collections, and its exit's,
     would otherwise walk them all and copy every page they lie on, seconds of a child's time
     that no test looks at (the objects the child makes are collected as ever)."""

@@ -371,3 +371,46 @@ def test_a_detached_sink_with_unclear_text_is_named_on_one_line_without_raw_esca
     assert note.startswith(
         "**Note:** sink 'Unclear(\\x1b[2J\\nx)' raised 'ValueError: store \\x1b[31mdown\\nretry' in "
     )
+
+
+class NoteRaising(Recording):
+    """A sink of the caller's with a `note_so_far` method (so a note keeper to the library)
+    whose note cannot be read: it raises, or gives a number."""
+
+    def __init__(self, note: object) -> None:
+        super().__init__()
+        self.note = note
+
+    def note_so_far(self) -> object:
+        if isinstance(self.note, Exception):
+            raise self.note
+        return self.note
+
+
+@pytest.mark.parametrize(
+    ("note", "said"),
+    [
+        (RuntimeError("note store gone"), "raised RuntimeError: note store gone"),
+        (42, "returned 42 (int), not a str or None"),
+    ],
+)
+def test_a_sink_whose_note_cannot_be_read_is_warned_and_named_and_the_run_completes(
+    run_dir: Path, note: object, said: str
+) -> None:
+    """Its note was read unguarded: remove_observer raised (or the run directory's close failed
+    on a number), and the run was left "in progress"."""
+    sink = NoteRaising(note)
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[sink])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 3)).sum().backward()
+        remove_observer(model)
+    assert sink.calls == ["start", "forward", "backward", "close"]
+    assert json.loads((run_dir / ".state.json").read_text())["status"] == "complete"
+    messages = [str(w.message) for w in caught if "note_so_far()" in str(w.message)]
+    assert messages == [
+        f"torchinstruments: sink {sink!r} {said} in note_so_far(); its note is left out"
+    ]
+    index = (run_dir / "index.md").read_text()
+    assert f"sink {sink!r} {said} in note_so_far(); its note is left out" in index

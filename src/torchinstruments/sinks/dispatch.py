@@ -32,6 +32,9 @@ class SinkGroup:
         self._sinks: list[Sink] = list(sinks)
         # Notes said before the run directory joins the group (a sink that raised in `start`).
         self._pending_notes: list[str] = []
+        # What each sink whose note could not be read said instead, by id (warned once, noted
+        # at close: the flush thread reads notes too, and notes are added on the caller's).
+        self._unread_notes: dict[int, str] = {}
 
     def insert_started(self, sink: Sink) -> None:
         """Put an already started sink first (the directory, whose start must raise, not warn)."""
@@ -92,8 +95,30 @@ class SinkGroup:
         thread for the run state (`rundir.live_notes`): the TensorBoard sinks' notes on the
         samples they left out, and each `NoteKeeper`'s note."""
         sinks = list(self._sinks)
-        kept = (s.note_so_far() for s in sinks if isinstance(s, NoteKeeper))
+        kept = (self._note_of(s) for s in sinks if isinstance(s, NoteKeeper))
         return (*self.shared_step_notes(), *(note for note in kept if note))
+
+    def _note_of(self, sink: NoteKeeper) -> str | None:
+        """`sink.note_so_far()`, or None where it raised or gave no str (warned once per sink):
+        any sink of the caller's with such a method is a note keeper, and read unguarded, one
+        that raised made remove_observer raise, and a number failed the run directory's close,
+        each leaving the run "in progress"."""
+        try:
+            note = sink.note_so_far()
+        except Exception as error:
+            return self._unread(sink, f"raised {error_said(error)}")
+        if note is None or isinstance(note, str):
+            return note
+        return self._unread(
+            sink, f"returned {_one_line(repr_of(note))} ({type(note).__name__}), not a str or None"
+        )
+
+    def _unread(self, sink: NoteKeeper, said: str) -> None:
+        """Warn, once per sink, that its note could not be read; index.md says it at close."""
+        if id(sink) not in self._unread_notes:
+            note = f"sink {_one_line(repr_of(sink))} {said} in note_so_far(); its note is left out"
+            self._unread_notes[id(sink)] = note
+            warn(f"torchinstruments: {note}")
 
     def save_now(self) -> bool:
         """Have the run directory write its rows and the notes said so far now (a note first
@@ -106,11 +131,20 @@ class SinkGroup:
         TensorBoard sinks that left samples out (`TensorBoardSink.shared_step_note`) and those
         of its `NoteKeeper`s whose owner gave no final word (a run finished without its
         owner's end: what the run state said live is not dropped from the final one)."""
-        kept = (s.note_so_far() for s in list(self._sinks) if isinstance(s, NoteKeeper))
-        for note in (*self.shared_step_notes(), *(note for note in kept if note)):
+        kept = [self._note_of(s) for s in list(self._sinks) if isinstance(s, NoteKeeper)]
+        unread = list(self._unread_notes.values())
+        for note in (*self.shared_step_notes(), *(note for note in kept if note), *unread):
             self.add_note(note)
         self._call("close", counts)
         self._sinks.clear()
+
+
+def _one_line(text: str) -> str:
+    """A repr as a note quotes it: cut to `_REPR_CHARS`, as its literal where it holds a line
+    break or an escape (a note is one line of index.md, of a bounded length)."""
+    if len(text) > _REPR_CHARS:
+        text = text[: _REPR_CHARS - 3] + "..."
+    return literal_if_unclear(text)
 
 
 def detached_note(sink: Sink, method: str, argument: object, error: Exception) -> str:
@@ -119,10 +153,7 @@ def detached_note(sink: Sink, method: str, argument: object, error: Exception) -
     `argument` is what `method` was called with: a record names its sample and forward_index,
     the run's start comes before any sample.
     """
-    shown = repr_of(sink)
-    if len(shown) > _REPR_CHARS:
-        shown = shown[: _REPR_CHARS - 3] + "..."
-    shown = literal_if_unclear(shown)  # a line break or an escape in the repr: its literal
+    shown = _one_line(repr_of(sink))
     if isinstance(argument, SampleRecord):
         when = (
             f"on the {argument.signal} record of sample {argument.sample_id} (forward_index "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+from torchinstruments.rundir import shell
 
 from conftest import read_history
 
@@ -414,3 +416,37 @@ def test_a_sink_whose_note_cannot_be_read_is_warned_and_named_and_the_run_comple
     ]
     index = (run_dir / "index.md").read_text()
     assert f"sink {sink!r} {said} in note_so_far(); its note is left out" in index
+
+
+def test_a_sink_note_of_any_length_is_cut_to_fit_the_page_in_linear_time(run_dir: Path) -> None:
+    """A caller's sink whose note ran to 200,000 characters (letters, and an address at its end)
+    made index.md 253 KB, past its 64 KiB bound, and at 32,000 characters removal spent 41 s
+    looking for e-mail addresses in it (a regular expression tried from every position)."""
+    long = "x" * 199_990 + " a@b.co"
+    sink = NoteRaising(long)
+    model = nn.Sequential(nn.Linear(3, 3))
+    inject_observer(model, output_dir=run_dir, sampler=EveryNForwardsSampler(1), sinks=[sink])
+    model(torch.randn(2, 3)).sum().backward()
+    remove_observer(model)
+    assert json.loads((run_dir / ".state.json").read_text())["status"] == "complete"
+    index = (run_dir / "index.md").read_text()
+    assert len(index.encode("utf-8")) <= 64 * 1024
+    note = next(line for line in index.splitlines() if "x" * 100 in line)
+    assert note == f"**Note:** {'x' * 4000} ... (195,997 more characters cut)"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "mail a@b.co, or x.y+z@host-1.example.org.",
+        "a@b@c.d a.@b.c _a@b.c. @b.c a@.b.c a@b- a@b.c-@d.e",
+        "a@b.c.+q@y.z and ab@cd@ef.gh",
+        "x" * 5000 + "@" + "y.z" * 2000,
+    ],
+)
+def test_e_mail_addresses_in_notes_are_found_as_gfms_pattern_finds_them(text: str) -> None:
+    """The linear scan finds what the pattern it replaced found, leftmost first."""
+    pattern = re.compile(r"[A-Za-z0-9.+_-]*[A-Za-z0-9]@[A-Za-z0-9._-]*[A-Za-z0-9]")
+    found = [(m.start(), m.end()) for m in pattern.finditer(text)]
+    assert list(shell._emails(text)) == found
+    assert found  # each text holds one at least

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchinstruments.notices import repr_of, warn
+from torchinstruments.reasons import cut_message
 from torchinstruments.records import RunCounts, RunInfo, SampleRecord
 from torchinstruments.rundir.shell import error_said, literal_if_unclear
 from torchinstruments.sinks.directory import DirectorySink
@@ -23,6 +24,9 @@ __all__ = ["SinkGroup", "detached_note"]
 
 # A sink's repr in index.md is cut to this many characters (index.md has a size budget).
 _REPR_CHARS = 120
+# The characters of a caller's sink's note kept on the page (index.md stays within 64 KiB; the
+# library's own note keepers bound theirs far below this).
+_NOTE_KEPT = 4000
 
 
 class SinkGroup:
@@ -108,7 +112,7 @@ class SinkGroup:
         except Exception as error:
             return self._unread(sink, f"raised {error_said(error)}")
         if note is None or isinstance(note, str):
-            return note
+            return None if note is None else cut_message(note, _NOTE_KEPT)
         return self._unread(
             sink, f"returned {_one_line(repr_of(note))} ({type(note).__name__}), not a str or None"
         )

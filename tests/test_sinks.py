@@ -450,3 +450,24 @@ def test_e_mail_addresses_in_notes_are_found_as_gfms_pattern_finds_them(text: st
     found = [(m.start(), m.end()) for m in pattern.finditer(text)]
     assert list(shell._emails(text)) == found
     assert found  # each text holds one at least
+
+
+def test_a_sink_a_live_run_writes_to_is_refused_for_another_model_naming_it(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """Two observed models given one sink (a GAN's generator and discriminator): it took both
+    runs' records under the same layer names, started and closed twice, and nothing said so."""
+    sink = Recording()
+    first, second = nn.Sequential(nn.Linear(3, 3)), nn.Sequential(nn.Linear(3, 3))
+    inject_observer(first, output_dir=run_dir, sinks=[sink])
+    with pytest.raises(ValueError, match=r"^sinks\[1\] ") as refused:
+        inject_observer(second, output_dir=tmp_path / "other", sinks=[Recording(), sink])
+    assert str(refused.value).startswith(
+        f"sinks[1] ({sink!r}) is a sink of the live run in {run_dir.resolve()}: it would take "
+        "both runs' records under the same layer names"
+    )
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+    remove_observer(first)
+    inject_observer(second, output_dir=tmp_path / "other", sinks=[sink])  # its run ended
+    remove_observer(second)
+    assert sink.calls.count("start") == 2

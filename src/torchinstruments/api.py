@@ -45,7 +45,7 @@ from torchinstruments.loss_scale import describe_scaler, scaler_notes
 from torchinstruments.measurement.custom import ReducerSpec
 from torchinstruments.model_changes import ModelAtInject
 from torchinstruments.never_ran import cannot_run, never_ran_warning
-from torchinstruments.notices import warn
+from torchinstruments.notices import repr_of, warn
 from torchinstruments.observer import Observer
 from torchinstruments.reasons import utf8_text
 from torchinstruments.records import RunInfo
@@ -54,7 +54,7 @@ from torchinstruments.rundir.attempt_states import BY_RESUME
 from torchinstruments.rundir.continuation_notes import continuation_notes
 from torchinstruments.rundir.output_dir import check_rank_layout, resolve_output_dir
 from torchinstruments.rundir.ranges import plural, was_were
-from torchinstruments.rundir.shell import layer_span
+from torchinstruments.rundir.shell import layer_span, literal_if_unclear
 from torchinstruments.rundir.unsampled import no_sample_warning, passed_through
 from torchinstruments.sampling import describe_sampler
 from torchinstruments.selection import (
@@ -418,6 +418,7 @@ def start_run(
             "model already has an observer (directly or through a torch.compile wrapper); call "
             "remove_observer(model) before injecting again"
         )
+    _refuse_held_sinks(config.sinks)
     observer = _open_run(
         model,
         config,
@@ -434,6 +435,24 @@ def start_run(
     OBSERVERS[model] = observer
     observer.attached = lambda: list(OBSERVERS.values())
     return observer.directory
+
+
+def _refuse_held_sinks(sinks: Sequence[Sink]) -> None:
+    """Refuse a sink a live run already writes to (two observed models, a GAN's generator and
+    discriminator, given one sink): it started and closed twice and took both runs' records
+    under the same layer names, a TensorBoardSink two events a step for a layer both models
+    have, of which TensorBoard shows one; nothing said so."""
+    for index, sink in enumerate(sinks):
+        for observer in list(OBSERVERS.values()):
+            if not observer.closed and observer.sinks.holds(sink):
+                raise ValueError(
+                    f"sinks[{index}] ({literal_if_unclear(repr_of(sink))}) is a sink of the live "
+                    f"run in {literal_if_unclear(str(observer.directory))}: it would take both "
+                    "runs' records under the same layer names (a TensorBoardSink: two events "
+                    "a step for a layer both models have, of which TensorBoard shows one); give "
+                    "each observed model a sink of its own, or call remove_observer on the "
+                    "other model first"
+                )
 
 
 def _open_run(

@@ -40,6 +40,10 @@ class SinkGroup:
         # at close: the flush thread reads notes too, and notes are added on the caller's).
         self._unread_notes: dict[int, str] = {}
 
+    def holds(self, sink: object) -> bool:
+        """Whether `sink` is one of the group's (attached, not detached)."""
+        return any(held is sink for held in self._sinks)
+
     def insert_started(self, sink: Sink) -> None:
         """Put an already started sink first (the directory, whose start must raise, not warn)."""
         self._sinks.insert(0, sink)

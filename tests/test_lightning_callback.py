@@ -208,10 +208,10 @@ def test_a_step_that_bypasses_the_observed_module_is_warned_after_the_first_step
     assert callback.directory is not None
     index = " ".join((callback.directory / "index.md").read_text(encoding="utf-8").split())
     assert (
-        "LightningObserver: the first training step never called the observed Tiny, so no "
+        "LightningObserver: the first training step never called the observed `Tiny`, so no "
         "training forward is recorded"
     ) in index
-    assert "pass module='net' (the attribute your step calls; its submodules: 'net')" in index
+    assert "pass module='net' (the attribute your step calls; its submodules: `net`)" in index
     # The training steps ran, through the module's own part: never "the model was never called".
     assert "the model was never called" not in index
     assert (
@@ -256,7 +256,7 @@ def test_a_bypassed_training_step_is_warned_when_only_evaluation_forwards_call_t
     assert history["sample_id"].n_unique() == 2
     index = " ".join((run / "index.md").read_text(encoding="utf-8").split())
     assert (
-        "the first training step never called the observed ValidatedDirect, so no training "
+        "the first training step never called the observed `ValidatedDirect`, so no training "
         "forward is recorded"
     ) in index
 
@@ -528,3 +528,19 @@ def test_index_md_step_query_pairs_each_sample_with_the_loss_its_forward_logged_
     assert by_step["train_loss"].to_list() == pytest.approx(model.losses)
     # the validations' metrics are kept, on the step they were logged under
     assert by_step["val_loss"].is_null().to_list() == [True, False, True, False]
+
+
+def test_the_bypass_note_names_submodules_as_code_so_none_renders_as_emphasis() -> None:
+    """A child named `_net_` (or a class name) written outside code rendered as an emphasised
+    `net` in index.md: the module to pass was not the one named."""
+    from torchinstruments.integrations._fit_notes import bypassed_note
+
+    model = nn.Module()
+    model.add_module("_net_", nn.Linear(2, 2))
+    model.add_module("head", nn.Linear(2, 2))
+    note = bypassed_note(model)
+    assert "the observed `Module`, so no training forward" in note
+    assert note.endswith(
+        "(the attribute your step calls; its submodules: `_net_`, `head`) to "
+        "observe that module instead"
+    )

@@ -131,13 +131,14 @@ def outside_a_fit_warning(owner: str, call: str, fit: str) -> str:
 
 def bypassed_note(observed: nn.Module) -> str:
     """The warning's and index.md's words when the first training step never called the
-    observed module, naming its submodules to pass as `module=`."""
-    children = [repr(name) for name, _ in observed.named_children()]
+    observed module, naming its submodules to pass as `module=` (code spans: a name such as
+    `_net_` rendered as emphasis outside one)."""
+    children = [literal_span(name) for name, _ in observed.named_children()]
     shown = ", ".join(children[:8]) + (", ..." if len(children) > 8 else "")
     its = f"; its submodules: {shown}" if children else ""
     return (
         f"{STEP_BYPASSED} "
-        f"{type(observed).__name__}, so no training forward is recorded (a "
+        f"{literal_span(type(observed).__name__)}, so no training forward is recorded (a "
         "training step that calls a submodule directly, e.g. self.net(x), bypasses it); "
         f"pass module='net' (the attribute your step calls{its}) to observe that module "
         "instead"

@@ -453,14 +453,14 @@ def test_each_attempts_sampler_is_named_by_index_md_and_show(
     shown = " ".join(capsys.readouterr().out.split())  # `show` wraps long lines
     assert said in shown
     assert "attempt 2: EveryNForwardsSampler(n=5)" in shown
-    assert "attempts: 3, continued with resume=True (removed: attempt 0-2);" in shown
+    assert "attempts: 3, continued with resume=True (removed: attempts 0-2);" in shown
     state = json.loads((run / ".state.json").read_text(encoding="utf-8"))
     state["attempts"][2]["continued_by"] = BY_CHECKPOINT  # as a trainer callback's resumed fit
     (run / ".state.json").write_text(json.dumps(state), encoding="utf-8")
     assert cli_main(["show", str(run), "--metrics", "mean"]) == 0
     assert (  # each way with its attempts, then the ends: no two parentheses in a row
         "attempts: 3, continued with resume=True in attempt 1 and by a fit resumed from a "
-        "checkpoint in attempt 2 (removed: attempt 0-2);"
+        "checkpoint in attempt 2 (removed: attempts 0-2);"
     ) in " ".join(capsys.readouterr().out.split())
     assert cli_main(["show", str(run), "--metrics", "mean", "--format", "json"]) == 0
     facts = json.loads(capsys.readouterr().out)["run"]

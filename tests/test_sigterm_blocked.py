@@ -7,7 +7,8 @@ watcher (`rundir.term_watch`) writes the buffered rows from another thread and t
 process with SIGTERM's default action, or, where the program installed a Python handler of its
 own, leaves the process to it as without the library.
 
-Real processes, real signals: the children are this file run as a script. Each records a few
+Real processes, real signals: the children are forked from this file run once as a script
+(`_fork_server`), each when its test asks. Each records a few
 samples with `flush_seconds=600`, so only the first sample is on disk before the SIGTERM (it is
 written at once) and every later row reaches the disk only because of the SIGTERM. The main
 thread then blocks in a C call that ignores signals: a gloo all_reduce that another rank (alive,
@@ -21,16 +22,17 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
+from _fork_server import Forked, ForkServer, serve
 from torch import nn
 
 from torchinstruments import (
@@ -40,6 +42,8 @@ from torchinstruments import (
     inject_observer,
     remove_observer,
 )
+
+from conftest import cli_in_process
 
 SAMPLES = 3
 ROWS_PER_SAMPLE = 3 * len(DEFAULT_METRICS) * 2  # Linear, Tanh, Linear x 2 signals
@@ -140,16 +144,20 @@ def rank_main(root: Path, rank: int, port: int) -> None:
     dist.all_reduce(torch.ones(4))
 
 
-def _start(*args: str, stderr: Path) -> subprocess.Popen[bytes]:
-    with stderr.open("wb") as err:
-        return subprocess.Popen([sys.executable, __file__, *args], stderr=err)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch: it forks each test's children when
+    the test asks (`_fork_server`), each a fresh process with no run in it."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
 
 
-def _wait_for(path: Path, process: subprocess.Popen[bytes], stderr: Path) -> None:
+def _wait_for(path: Path, process: Forked) -> None:
     deadline = time.monotonic() + WAIT_S * 2
     while not path.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{path.name} never came:\n{stderr.read_text(errors='replace')}")
+            pytest.fail(f"{path.name} never came:\n{process.stderr()}")
         time.sleep(0.05)
 
 
@@ -158,34 +166,28 @@ def _main_thread_state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
-def _wait_until_blocked(pid: int) -> None:
-    """Until the main thread has slept through 20 looks in a row (it sits in the C call)."""
+def _wait_until_blocked(*pids: int) -> None:
+    """Until the main thread of each has slept through the same 20 looks in a row (each sits in
+    its C call)."""
     asleep, deadline = 0, time.monotonic() + WAIT_S
     while asleep < 20:
-        asleep = asleep + 1 if _main_thread_state(pid) == "S" else 0
+        asleep = asleep + 1 if all(_main_thread_state(pid) == "S" for pid in pids) else 0
         assert time.monotonic() < deadline, "the child's main thread never blocked"
         time.sleep(0.05)
 
 
-def _wait_exit(process: subprocess.Popen[bytes]) -> int:
+def _wait_exit(process: Forked) -> int:
     """The exit status; fails (and kills the child) if it does not end within WAIT_S."""
     try:
         return process.wait(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
+    except TimeoutError:
         process.kill()
-        process.wait(timeout=30)
         pytest.fail(f"the process still ran {WAIT_S} s after SIGTERM")
 
 
 def _finalized_samples(directory: Path) -> pl.DataFrame:
     """`torchinstruments finalize` on the directory, then its history's rows per sample."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torchinstruments", "finalize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = cli_in_process("finalize", directory)
     assert done.returncode == 0, done.stderr
     history = pl.read_parquet(directory / "history.parquet")
     return history.group_by("sample_id").len().sort("sample_id")
@@ -203,47 +205,40 @@ def _parts_samples(directory: Path) -> set[int]:
 
 
 def test_sigterm_ends_a_rank_waiting_in_an_all_reduce_and_finalize_reads_its_rows(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ranks = [
-        _start(str(tmp_path), "rank", str(r), str(port), stderr=tmp_path / f"rank-{r}.err")
-        for r in range(2)
-    ]
+    ranks = [server.start(tmp_path, f"rank-{r}", "rank", r, port) for r in range(2)]
     try:
-        _wait_for(tmp_path / "rank-1-raised", ranks[1], tmp_path / "rank-1.err")
-        _wait_for(tmp_path / "blocked", ranks[0], tmp_path / "rank-0.err")
+        _wait_for(tmp_path / "rank-1-raised", ranks[1])
+        _wait_for(tmp_path / "blocked", ranks[0])
         _wait_until_blocked(ranks[0].pid)
         assert ranks[0].poll() is None  # still waiting for rank 1
         os.kill(ranks[0].pid, signal.SIGTERM)
         status = _wait_exit(ranks[0])
     finally:
         for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-                rank.wait(timeout=30)
-    err = (tmp_path / "rank-0.err").read_text(errors="replace")
+            rank.kill()
+    err = ranks[0].stderr()
     assert status == -signal.SIGTERM, err
     assert BLOCKED in err  # the watcher took it: the main thread was in the collective
     _assert_every_sample(tmp_path / "stats")
 
 
 def test_sigterm_ends_a_process_blocked_in_a_c_call_with_its_default_action(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
-    child = _start(str(tmp_path), "future", stderr=tmp_path / "child.err")
+    child = server.start(tmp_path, "child", "future")
     try:
-        _wait_for(tmp_path / "blocked", child, tmp_path / "child.err")
+        _wait_for(tmp_path / "blocked", child)
         _wait_until_blocked(child.pid)
         os.kill(child.pid, signal.SIGTERM)
         status = _wait_exit(child)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-    err = (tmp_path / "child.err").read_text(errors="replace")
+        child.kill()
+    err = child.stderr()
     assert status == -signal.SIGTERM, err
     assert BLOCKED in err
     assert "default action" in err
@@ -251,15 +246,15 @@ def test_sigterm_ends_a_process_blocked_in_a_c_call_with_its_default_action(
 
 
 def test_a_program_handler_that_cannot_run_runs_when_the_main_thread_is_back(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     """As without the library, the program's own handler waits for the main thread (the process
     lives on meanwhile); the rows are on disk already, and the handler runs once the C call
     returns."""
-    child = _start(str(tmp_path), "handler", stderr=tmp_path / "child.err")
-    err_path = tmp_path / "child.err"
+    child = server.start(tmp_path, "child", "handler")
+    err_path = child.err_path
     try:
-        _wait_for(tmp_path / "blocked", child, err_path)
+        _wait_for(tmp_path / "blocked", child)
         _wait_until_blocked(child.pid)
         os.kill(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + WAIT_S
@@ -273,9 +268,7 @@ def test_a_program_handler_that_cannot_run_runs_when_the_main_thread_is_back(
         (tmp_path / "release").write_text("", encoding="utf-8")  # the C call returns
         status = _wait_exit(child)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
+        child.kill()
     assert status == 143, err_path.read_text(errors="replace")
     assert (tmp_path / "handler-ran").read_text("utf-8") == str(int(signal.SIGTERM))
     assert run_ended_complete(tmp_path / "stats")
@@ -288,44 +281,38 @@ def run_ended_complete(directory: Path) -> bool:
 
 
 def test_a_main_thread_running_python_takes_sigterm_through_the_handler_as_before(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
-    child = _start(str(tmp_path), "python", stderr=tmp_path / "child.err")
+    child = server.start(tmp_path, "child", "python")
     try:
-        _wait_for(tmp_path / "blocked", child, tmp_path / "child.err")
+        _wait_for(tmp_path / "blocked", child)
         os.kill(child.pid, signal.SIGTERM)
         status = _wait_exit(child)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
-    err = (tmp_path / "child.err").read_text(errors="replace")
+        child.kill()
+    err = child.stderr()
     assert status == -signal.SIGTERM, err
     assert BLOCKED not in err  # the handler path took it, not the watcher
     _assert_every_sample(tmp_path / "stats")
 
 
 def test_sigterm_to_a_forked_child_blocked_in_c_ends_it_and_leaves_the_parent_alone(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     """The child gets the handler the process had before the library's (SIG_DFL here) and no
     share in the parent's watcher: its SIGTERM ends it at once, and the parent, itself blocked
     in a system call meanwhile, neither sees the signal nor ends."""
-    parent = _start(str(tmp_path), "fork", stderr=tmp_path / "parent.err")
-    err_path = tmp_path / "parent.err"
+    parent = server.start(tmp_path, "parent", "fork")
     try:
-        _wait_for(tmp_path / "blocked", parent, err_path)
-        _wait_for(tmp_path / "forked", parent, err_path)
+        _wait_for(tmp_path / "blocked", parent)
+        _wait_for(tmp_path / "forked", parent)
         child = int((tmp_path / "forked").read_text("utf-8"))
-        _wait_until_blocked(child)
-        _wait_until_blocked(parent.pid)
+        _wait_until_blocked(child, parent.pid)
         os.kill(child, signal.SIGTERM)
         status = _wait_exit(parent)
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait(timeout=30)
-    err = err_path.read_text(errors="replace")
+        parent.kill()
+    err = parent.stderr()
     assert status == 0, err
     assert (tmp_path / "forked-status").read_text("utf-8") == str(-signal.SIGTERM)
     assert BLOCKED not in err
@@ -379,36 +366,39 @@ def wakeup_fd_set_before(root: Path) -> None:
     assert _wakeup_fd() == mine.fileno()
 
 
-def _run_script(tmp_path: Path, mode: str) -> None:
-    done = subprocess.run(
-        [sys.executable, __file__, str(tmp_path), mode],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S * 2,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+def _run_script(tmp_path: Path, server: ForkServer, mode: str) -> None:
+    child = server.start(tmp_path, "child", mode)
+    try:
+        assert child.wait(timeout=WAIT_S * 2) == 0, child.stderr()
+    finally:
+        child.kill()
 
 
 def test_the_watcher_holds_the_wakeup_fd_while_runs_live_and_unsets_it_at_the_last_removal(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
-    _run_script(tmp_path, "wakeup-ours")
+    _run_script(tmp_path, server, "wakeup-ours")
 
 
-def test_a_wakeup_fd_set_before_inject_is_left_in_place(tmp_path: Path) -> None:
+def test_a_wakeup_fd_set_before_inject_is_left_in_place(tmp_path: Path, server: ForkServer) -> None:
     """An event loop's wakeup fd is not taken (its SIGTERM then waits for the main thread)."""
-    _run_script(tmp_path, "wakeup-theirs")
+    _run_script(tmp_path, server, "wakeup-theirs")
+
+
+def scenario(root: Path, args: Sequence[str]) -> None:
+    """One child's scenario, by its mode (`args[0]`)."""
+    mode = args[0]
+    if mode == "fork":
+        fork_main(root)
+    elif mode == "wakeup-ours":
+        wakeup_fd_of_runs(root)
+    elif mode == "wakeup-theirs":
+        wakeup_fd_set_before(root)
+    elif mode == "rank":
+        rank_main(root, int(args[1]), int(args[2]))
+    else:
+        child_main(root, mode)
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "fork":
-        fork_main(Path(sys.argv[1]))
-    elif sys.argv[2] == "wakeup-ours":
-        wakeup_fd_of_runs(Path(sys.argv[1]))
-    elif sys.argv[2] == "wakeup-theirs":
-        wakeup_fd_set_before(Path(sys.argv[1]))
-    elif sys.argv[2] == "rank":
-        rank_main(Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]))
-    else:
-        child_main(Path(sys.argv[1]), sys.argv[2])
+    serve(scenario)

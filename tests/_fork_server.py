@@ -1,0 +1,154 @@
+"""Children forked on request from one interpreter that imported torch once: a test file run as
+a script serves (`serve`), and each test asks that server (`ForkServer.start`) for a child when
+the test is ready for it, then deals with the child as with a process of its own: its pid, its
+stderr in a file, a signal, its exit status once it ended. The child runs the script's scenario
+and ends as that script would (the interpreter's exit, or a signal).
+
+Why: a fresh interpreter importing torch takes seconds of CPU, most of such a child's time. The
+children of `_forked` all run as the script starts; these start when a test asks, so a test can
+signal its child at a known point while the tests before it ran.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+SERVE = "serve"  # the script's argument that makes it serve
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`path` holding `text`, whole when it appears (the test polls for it)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text, encoding="utf-8")
+    partial.rename(path)
+
+
+def _wait_and_report(child: int, directory: Path, name: str) -> None:
+    """In the process between server and child: the child's pid, then its exit status."""
+    _write_whole(directory / f"{name}.pid", str(child))
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    _write_whole(directory / f"{name}.status", str(status))
+    os._exit(0)
+
+
+def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
+    """In a script: per line on stdin (JSON `[directory, name, *args]`), a child that runs
+    `main(directory, args)` and then ends through the interpreter's exit (`SystemExit`), with
+    stdin closed and stderr in `directory/<name>.err`; a process between the two writes the
+    child's pid to `directory/<name>.pid` and, once it ended, its exit status
+    (`os.waitstatus_to_exitcode`) to `directory/<name>.status`. At stdin's end, once every child
+    ended, this process ends at once: its teardown would collect every object torch made at
+    import (seconds) and nobody looks at it."""
+    waiters: list[int] = []
+    while line := sys.stdin.readline():
+        directory_text, name, *args = json.loads(line)
+        directory = Path(directory_text)
+        directory.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        gc.freeze()  # the child's collections skip what torch made at import, as a parent's do
+        waiter = os.fork()
+        if waiter != 0:
+            waiters.append(waiter)
+            continue
+        child = os.fork()
+        if child != 0:
+            _wait_and_report(child, directory, name)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        err = os.open(directory / f"{name}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(err, 2)
+        os.close(err)
+        main(directory, args)
+        sys.exit(0)
+    for waiter in waiters:
+        os.waitpid(waiter, 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class Forked:
+    """A child of the server, as a test sees it."""
+
+    def __init__(self, directory: Path, name: str, pid: int) -> None:
+        self.directory, self.name, self.pid = directory, name, pid
+        self.err_path = directory / f"{name}.err"
+
+    def poll(self) -> int | None:
+        """Its exit status, None while it runs."""
+        status = self.directory / f"{self.name}.status"
+        return int(status.read_text(encoding="utf-8")) if status.exists() else None
+
+    def wait(self, timeout: float) -> int:
+        """Its exit status once it ended; `TimeoutError` where it still runs after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while (status := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} still runs after {timeout} s")
+            time.sleep(0.01)
+        return status
+
+    def kill(self) -> None:
+        """SIGKILL, where it still runs, and wait for its end."""
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.wait(60)
+
+    def stderr(self) -> str:
+        """What it wrote to its stderr so far."""
+        return self.err_path.read_text(encoding="utf-8", errors="replace")
+
+
+class ForkServer:
+    """`script serve` (a file whose `__main__` calls `serve` then), started once; `start` asks
+    it for a child."""
+
+    def __init__(self, script: str, log: Path) -> None:
+        self.log = log
+        with log.open("wb") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, script, SERVE],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                text=True,
+            )
+
+    @property
+    def _stdin(self) -> IO[str]:
+        assert self.process.stdin is not None
+        return self.process.stdin
+
+    def start(self, directory: Path, name: str, *args: object) -> Forked:
+        """A child running the script's scenario for `args` in `directory`, once it started."""
+        self._stdin.write(json.dumps([str(directory), name, *map(str, args)]) + "\n")
+        self._stdin.flush()
+        pid_path = directory / f"{name}.pid"
+        deadline = time.monotonic() + 120
+        while not pid_path.exists():
+            assert self.process.poll() is None, self.log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the server never forked the child"
+            time.sleep(0.01)
+        return Forked(directory, name, int(pid_path.read_text(encoding="utf-8")))
+
+    def close(self) -> None:
+        """Its end, once every child it forked ended; it must end with status 0."""
+        self._stdin.close()
+        try:
+            code = self.process.wait(timeout=120)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        assert code == 0, self.log.read_text(errors="replace")

@@ -25,8 +25,9 @@ from typing import IO
 SERVE = "serve"  # the script's argument that makes it serve
 
 
-def _write_whole(path: Path, text: str) -> None:
-    """`path` holding `text`, whole when it appears (the test polls for it)."""
+def write_whole(path: Path, text: str) -> None:
+    """`path` holding `text`, whole when it appears (the test polls for it): how a child says
+    it is ready (`Forked.wait_for`)."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_text(text, encoding="utf-8")
     partial.rename(path)
@@ -34,9 +35,9 @@ def _write_whole(path: Path, text: str) -> None:
 
 def _wait_and_report(child: int, directory: Path, name: str) -> None:
     """In the process between server and child: the child's pid, then its exit status."""
-    _write_whole(directory / f"{name}.pid", str(child))
+    write_whole(directory / f"{name}.pid", str(child))
     status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    _write_whole(directory / f"{name}.status", str(status))
+    write_whole(directory / f"{name}.status", str(status))
     os._exit(0)
 
 
@@ -98,6 +99,16 @@ class Forked:
                 raise TimeoutError(f"{self.name} still runs after {timeout} s")
             time.sleep(0.01)
         return status
+
+    def wait_for(self, path: Path, timeout: float) -> str:
+        """What `path` holds once it appeared (`write_whole`); fails where the child ended
+        first or it did not appear within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert self.poll() is None, f"{self.name} ended before {path.name}:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"no {path.name} within {timeout} s"
+            time.sleep(0.01)
+        return path.read_text(encoding="utf-8")
 
     def kill(self) -> None:
         """SIGKILL, where it still runs, and wait for its end."""

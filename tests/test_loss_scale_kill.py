@@ -1,6 +1,6 @@
 """Loss scales survive a SIGKILL: the live run saves them as its rows reach the disk.
 
-A real child process trains an MLP under float16 autocast with `torch.amp.GradScaler("cpu")`
+A real child process (forked from this file run once as a script, `_fork_server`) trains an MLP under float16 autocast with `torch.amp.GradScaler("cpu")`
 (a scale too large for float16: it overflows, halves and grows again during the run), prints
 each step's scale to a file, waits until every sample's gradient rows are in history parts and
 the run's state file was saved after them, and is killed with SIGKILL. `torchinstruments
@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 import torch
+from _fork_server import ForkServer, serve, write_whole
 from test_loss_scale import python_blocks, scaled_step
 
 from torchinstruments import remove_observer
@@ -31,7 +31,7 @@ from torchinstruments.history_config import HistoryConfig
 from torchinstruments.rundir.layout import list_parts
 from torchinstruments.rundir.page_loss_scale import SCALED_METRICS
 
-from conftest import kill_when_ready, mlp, observe, read_history
+from conftest import cli_in_process, mlp, observe, read_history
 
 STEPS = 10
 READY = "ready"
@@ -57,8 +57,9 @@ def saved_through(directory: Path) -> int:
 
 
 def child_main(directory: Path, reported: Path, attempt: int) -> None:
-    """The killed process: STEPS scaled steps, each sample's scale reported, then wait
-    (`attempt` 1: resume=True, after STEPS samples of a killed attempt 0)."""
+    """The killed process: STEPS scaled steps, each sample's scale reported, then says it is
+    ready (the file `reported.ready`) and waits (`attempt` 1: resume=True, after STEPS samples
+    of a killed attempt 0)."""
     torch.set_num_threads(1)
     torch.manual_seed(attempt)
     model = mlp(16, 2)
@@ -66,7 +67,7 @@ def child_main(directory: Path, reported: Path, attempt: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = HistoryConfig(1024, flush_seconds=1.0)
+        config = HistoryConfig(1024, flush_seconds=0.25)
         observe(model, directory, grad_scaler=scaler, history_config=config, resume=attempt > 0)
     x = torch.randn(32, 16)
     with reported.open("w", encoding="utf-8") as out:
@@ -81,18 +82,26 @@ def child_main(directory: Path, reported: Path, attempt: int) -> None:
             print("timeout", flush=True)
             return
         time.sleep(0.02)
-    print(READY, flush=True)
+    write_whole(reported.with_suffix(".ready"), READY)
     time.sleep(WAIT_S)
 
 
+def scenario(root: Path, args: Sequence[str]) -> None:
+    """A child of the server (`_fork_server`): `child_main` for `args`."""
+    child_main(Path(args[0]), Path(args[1]), int(args[2]))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch; it forks each killed attempt when a
+    test asks, so the second attempt's child costs no second import."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
+
+
 def finalize(directory: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "torchinstruments", "finalize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = cli_in_process("finalize", directory)
     assert done.returncode == 0, done.stderr
 
 
@@ -124,8 +133,15 @@ def assert_unscaled_by(directory: Path, scales: list[float | None]) -> None:
             assert row["unscaled"] == row["value"] / scale
 
 
-def kill_child(directory: Path, reported: Path, attempt: int = 0) -> list[float | None]:
-    kill_when_ready(__file__, READY, directory, reported, str(attempt))
+def kill_child(
+    server: ForkServer, directory: Path, reported: Path, attempt: int = 0
+) -> list[float | None]:
+    """SIGKILL to an attempt's child once it is ready; the scales it reported."""
+    child = server.start(reported.parent, f"attempt-{attempt}", directory, reported, attempt)
+    try:
+        assert child.wait_for(reported.with_suffix(".ready"), WAIT_S * 2) == READY
+    finally:
+        child.kill()
     scales: list[float | None] = [float(line) for line in reported.read_text("utf-8").split()]
     assert len(scales) == STEPS
     assert len(set(scales)) > 1  # the scale changed during the attempt
@@ -133,12 +149,14 @@ def kill_child(directory: Path, reported: Path, attempt: int = 0) -> list[float 
 
 
 @pytest.fixture(scope="module")
-def killed_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float | None]]:
+def killed_once(
+    tmp_path_factory: pytest.TempPathFactory, server: ForkServer
+) -> tuple[Path, list[float | None]]:
     """One first attempt killed with SIGKILL: a pristine copy of its run directory, and the
     scales its child reported. The tests differ only in what they do after the kill, and a
-    child (a fresh interpreter importing torch) is the slow part."""
+    child is the slow part."""
     root = tmp_path_factory.mktemp("killed")
-    scales = kill_child(root / "stats", root / "scales.txt")
+    scales = kill_child(server, root / "stats", root / "scales.txt")
     shutil.copytree(root / "stats", root / "pristine", symlinks=True)
     return root, scales
 
@@ -205,13 +223,13 @@ def test_a_run_resumed_after_a_kill_keeps_the_killed_attempts_scales(
 
 
 def test_a_resumed_attempt_killed_too_keeps_both_attempts_scales(
-    killed_run: tuple[Path, list[float | None]], tmp_path: Path
+    killed_run: tuple[Path, list[float | None]], tmp_path: Path, server: ForkServer
 ) -> None:
     directory, scales = killed_run
-    scales += kill_child(directory, tmp_path / "second.txt", attempt=1)
+    scales += kill_child(server, directory, tmp_path / "second.txt", attempt=1)
     finalize(directory)
     assert_unscaled_by(directory, scales)
 
 
 if __name__ == "__main__":
-    child_main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))
+    serve(scenario)

@@ -41,18 +41,38 @@ def _wait_and_report(child: int, directory: Path, name: str) -> None:
     os._exit(0)
 
 
+def _connect(directory: Path, name: str, pipes: bool) -> None:
+    """In the child: stdin the FIFO `<name>.in` (where `pipes`, else empty), stdout the FIFO
+    `<name>.out` (where `pipes`), stderr the file `<name>.err`; `sys.stdin` reads fd 0 afresh
+    (the server's reader may hold lines read ahead)."""
+    if pipes:
+        read = os.open(directory / f"{name}.in", os.O_RDONLY)  # the test opens `in` first too
+        write = os.open(directory / f"{name}.out", os.O_WRONLY)
+        os.dup2(write, 1)
+        os.close(write)
+    else:
+        read = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(read, 0)
+    os.close(read)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own)
+    err = os.open(directory / f"{name}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(err, 2)
+    os.close(err)
+
+
 def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
-    """In a script: per line on stdin (JSON `[directory, name, *args]`), a child that runs
+    """In a script: per line on stdin (JSON: directory, name, args, pipes), a child that runs
     `main(directory, args)` and then ends through the interpreter's exit (`SystemExit`), with
-    stdin closed and stderr in `directory/<name>.err`; a process between the two writes the
+    stdin and stdout the FIFOs `directory/<name>.in` and `.out` where `pipes` (stdin empty
+    otherwise) and stderr in `directory/<name>.err`; a process between the two writes the
     child's pid to `directory/<name>.pid` and, once it ended, its exit status
     (`os.waitstatus_to_exitcode`) to `directory/<name>.status`. At stdin's end, once every child
     ended, this process ends at once: its teardown would collect every object torch made at
     import (seconds) and nobody looks at it."""
     waiters: list[int] = []
     while line := sys.stdin.readline():
-        directory_text, name, *args = json.loads(line)
-        directory = Path(directory_text)
+        request = json.loads(line)
+        directory, name = Path(request["directory"]), request["name"]
         directory.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -64,13 +84,8 @@ def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
         child = os.fork()
         if child != 0:
             _wait_and_report(child, directory, name)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        err = os.open(directory / f"{name}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(err, 2)
-        os.close(err)
-        main(directory, args)
+        _connect(directory, name, request["pipes"])
+        main(directory, request["args"])
         sys.exit(0)
     for waiter in waiters:
         os.waitpid(waiter, 0)
@@ -82,9 +97,19 @@ def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
 class Forked:
     """A child of the server, as a test sees it."""
 
-    def __init__(self, directory: Path, name: str, pid: int) -> None:
+    def __init__(self, directory: Path, name: str, pid: int, pipes: bool) -> None:
         self.directory, self.name, self.pid = directory, name, pid
         self.err_path = directory / f"{name}.err"
+        self.stdin: IO[str] | None = None
+        self.stdout: IO[str] | None = None
+        if pipes:  # in the child's order: `in`, then `out`
+            self.stdin = (directory / f"{name}.in").open("w", encoding="utf-8")
+            self.stdout = (directory / f"{name}.out").open(encoding="utf-8")
+
+    def close_stdin(self) -> None:
+        """The end of its stdin (where it has a FIFO)."""
+        if self.stdin is not None and not self.stdin.closed:
+            self.stdin.close()
 
     def poll(self) -> int | None:
         """Its exit status, None while it runs."""
@@ -111,10 +136,22 @@ class Forked:
         return path.read_text(encoding="utf-8")
 
     def kill(self) -> None:
-        """SIGKILL, where it still runs, and wait for its end."""
+        """SIGKILL, where it still runs, and wait for its end; its FIFOs closed."""
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
             self.wait(60)
+        self.close_stdin()
+        if self.stdout is not None:
+            self.stdout.close()
+
+    def close(self, timeout: float) -> int:
+        """Its stdin closed, then its exit status once it ended (killed where it still runs
+        after `timeout`, and the `TimeoutError` raised)."""
+        self.close_stdin()
+        try:
+            return self.wait(timeout)
+        finally:
+            self.kill()
 
     def stderr(self) -> str:
         """What it wrote to its stderr so far."""
@@ -141,9 +178,16 @@ class ForkServer:
         assert self.process.stdin is not None
         return self.process.stdin
 
-    def start(self, directory: Path, name: str, *args: object) -> Forked:
-        """A child running the script's scenario for `args` in `directory`, once it started."""
-        self._stdin.write(json.dumps([str(directory), name, *map(str, args)]) + "\n")
+    def start(self, directory: Path, name: str, *args: object, pipes: bool = False) -> Forked:
+        """A child running the script's scenario for `args` in `directory`, once it started;
+        `pipes`: its stdin and stdout are pipes from and to this process (`Forked.stdin`,
+        `Forked.stdout`)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if pipes:
+            os.mkfifo(directory / f"{name}.in")
+            os.mkfifo(directory / f"{name}.out")
+        request = {"directory": str(directory), "name": name, "pipes": pipes}
+        self._stdin.write(json.dumps({**request, "args": [str(a) for a in args]}) + "\n")
         self._stdin.flush()
         pid_path = directory / f"{name}.pid"
         deadline = time.monotonic() + 120
@@ -151,7 +195,7 @@ class ForkServer:
             assert self.process.poll() is None, self.log.read_text(errors="replace")
             assert time.monotonic() < deadline, "the server never forked the child"
             time.sleep(0.01)
-        return Forked(directory, name, int(pid_path.read_text(encoding="utf-8")))
+        return Forked(directory, name, int(pid_path.read_text(encoding="utf-8")), pipes)
 
     def close(self) -> None:
         """Its end, once every child it forked ended; it must end with status 0."""

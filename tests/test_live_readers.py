@@ -3,8 +3,8 @@
 A part is written under a temporary name outside `history.parts/` and renamed into it, so a
 reader of the directory (`pl.read_parquet(run / "history.parts")`, which refuses a directory
 holding files of different extensions), of its `*.parquet` glob, or through index.md's own
-`history_of` only ever sees completed parts. The writer is a child process writing one part per
-sample as fast as it can; this process reads in a loop until the child has written its parts,
+`history_of` only ever sees completed parts. The writer is a child process (forked from this
+file run once as a script, `_fork_server`) writing one part per sample as fast as it can; this process reads in a loop until the child has written its parts,
 then on while `remove_observer` merges them: once history.parquet is in place the folder is taken
 away in one rename, so a reader of it gets every row or an error, never fewer rows, and
 `history_of` gets every row at any moment. Before the first part the folder is empty: reading it
@@ -13,16 +13,16 @@ fails (as documented), and `history_of` says no part was written yet.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 import torch
+from _fork_server import ForkServer, serve
 from torch import nn
 
 from torchinstruments import (
@@ -60,6 +60,15 @@ def child_main(directory: Path) -> None:
     remove_observer(model)
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch: it forks each test's child when the
+    test asks (`_fork_server`), so the two children cost one import."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
+
+
 def history_reader(run: Path) -> Callable[[Path], pl.LazyFrame]:
     """index.md's own `history_of`, from its setup block (run as printed, but not called)."""
     text = (run / "index.md").read_text(encoding="utf-8")
@@ -83,16 +92,11 @@ def child_first_sample(directory: Path) -> None:
 
 
 def test_before_the_first_part_readers_are_told_and_right_after_it_they_read(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     run = tmp_path / "stats"
     parts_dir = run / "history.parts"
-    child = subprocess.Popen(
-        [sys.executable, __file__, str(run), "first"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    child = server.start(tmp_path, "child", run, "first", pipes=True)
     assert child.stdin is not None
     assert child.stdout is not None
     try:
@@ -110,19 +114,18 @@ def test_before_the_first_part_readers_are_told_and_right_after_it_they_read(
         assert pl.read_parquet(parts_dir).height == ROWS_PER_PART
         assert history_of(run).collect().height == ROWS_PER_PART
     finally:
-        child.stdin.close()
-        child.wait(timeout=60)
-    assert child.returncode == 0
+        code = child.close(timeout=60)
+    assert code == 0, child.stderr()
     assert history_of(run).collect().height == ROWS_PER_PART  # now history.parquet
     assert not parts_dir.exists()
 
 
-def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Path) -> None:
+def test_reading_history_parts_while_parts_are_written_never_fails(
+    tmp_path: Path, server: ForkServer
+) -> None:
     run = tmp_path / "stats"
     parts_dir = run / "history.parts"
-    child = subprocess.Popen(
-        [sys.executable, __file__, str(run)], stdin=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    child = server.start(tmp_path, "child", run, pipes=True)
     failures: list[str] = []
     during_merge: list[int | None] = []
     merged: list[int] = []
@@ -131,7 +134,7 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
     try:
         deadline = time.monotonic() + WAIT_S
         while not (tmp_path / "written").exists():
-            assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
+            assert child.poll() is None, child.stderr()
             assert time.monotonic() < deadline, "the writer did not finish in time"
             if not list_parts(run):
                 time.sleep(0.005)
@@ -155,8 +158,7 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
                     parts_seen.add(frame.height // ROWS_PER_PART)
         # removal: the merge, then the parts taken away; read all the while
         history_of = history_reader(run)
-        if child.stdin is not None:
-            child.stdin.close()
+        child.close_stdin()
         while child.poll() is None:
             try:
                 during_merge.append(pl.read_parquet(parts_dir).height)
@@ -164,10 +166,8 @@ def test_reading_history_parts_while_parts_are_written_never_fails(tmp_path: Pat
                 during_merge.append(None)
             merged.append(history_of(run).collect().height)
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(timeout=60)
-    assert child.returncode == 0
+        code = child.close(timeout=60)
+    assert code == 0, child.stderr()
     assert failures == []
     every = PARTS * ROWS_PER_PART
     assert set(during_merge) <= {every, None}, sorted(set(during_merge), key=str)  # never fewer
@@ -248,8 +248,13 @@ def test_a_reader_overtaken_by_a_continued_runs_merge_reads_each_row_once(
     assert sorted(rows["sample_id"].unique()) == [0, 1, 2, 3, 4]
 
 
-if __name__ == "__main__":
-    if sys.argv[2:] == ["first"]:
-        child_first_sample(Path(sys.argv[1]))
+def scenario(root: Path, args: Sequence[str]) -> None:
+    """A child of the server (`_fork_server`): the writer, or the first sample's child."""
+    if args[1:] == ["first"]:
+        child_first_sample(Path(args[0]))
     else:
-        child_main(Path(sys.argv[1]))
+        child_main(Path(args[0]))
+
+
+if __name__ == "__main__":
+    serve(scenario)

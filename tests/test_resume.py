@@ -1,11 +1,12 @@
 """A restarted job continues its run on request: `inject_observer(..., resume=True)`.
 
-The job is this file run as a script: a plain training loop that saves a checkpoint (weights and
-step) after every step, gives the step to the history (`set_step`), and is killed with SIGKILL
-mid-training; it is then started again with the same output_dir, loads its checkpoint and goes
-on for a few steps before `remove_observer`. The earlier attempt's rows, read from its parts
-before the restart, must be in the final history unchanged (compared value by value), with
-sample_id and the step column continuing after them and result.json covering both attempts.
+The job is a child forked from this file run once as a script (`_fork_server`): a plain
+training loop that saves a checkpoint (weights and step) after every step, gives the step to the
+history (`set_step`), and is killed with SIGKILL mid-training; it is then started again with the
+same output_dir, loads its checkpoint and goes on for a few steps before `remove_observer`. The
+earlier attempt's rows, read from its parts before the restart, must be in the final history
+unchanged (compared value by value), with sample_id and the step column continuing after them
+and result.json covering both attempts.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 import torch
+from _fork_server import Forked, ForkServer, serve
 from polars.testing import assert_frame_equal
 from torch import nn
 
@@ -97,28 +98,42 @@ def event_steps_after(run: Path, forward_index: int) -> list[int]:
     return sorted(step for step in steps if step > forward_index)
 
 
-def run_child(directory: Path, checkpoint: Path, steps: int | None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, __file__, str(directory), str(checkpoint), str(steps)],
-        stderr=subprocess.PIPE,
-    )
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch: it forks each attempt when a test
+    asks (`_fork_server`), so the three attempts cost one import."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
 
 
-def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) -> None:
+def run_child(
+    server: ForkServer, name: str, directory: Path, checkpoint: Path, steps: int | None
+) -> Forked:
+    """An attempt (`child_main`) in a child of the server, its files `name.*` beside the run."""
+    return server.start(directory.parent, name, directory, checkpoint, steps)
+
+
+def scenario(root: Path, args: Sequence[str]) -> None:
+    """A child of the server: `child_main` for `args`."""
+    child_main(Path(args[0]), Path(args[1]), None if args[2] == "None" else int(args[2]))
+
+
+def test_a_killed_job_restarted_with_resume_continues_its_run(
+    tmp_path: Path, server: ForkServer
+) -> None:
     run, checkpoint = tmp_path / "stats", tmp_path / "ckpt.pt"
-    first = run_child(run, checkpoint, None)
+    first = run_child(server, "first", run, checkpoint, None)
     try:
         deadline = time.monotonic() + WAIT_S
         while len(list_parts(run)) < PARTS_BEFORE_KILL:
-            assert first.poll() is None, first.stderr.read().decode() if first.stderr else ""
+            assert first.poll() is None, first.stderr()
             assert time.monotonic() < deadline, "the first attempt wrote no parts"
             time.sleep(0.01)
         os.kill(first.pid, signal.SIGKILL)
     finally:
-        if first.poll() is None:
-            first.kill()
-        first.wait(timeout=60)
-    assert first.returncode == -signal.SIGKILL
+        first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL
     # What the killed attempt left on disk: the rows that must survive as they are.
     before = pl.read_parquet(list_parts(run), glob=False)
     assert before["attempt"].unique().to_list() == [0]
@@ -131,9 +146,12 @@ def test_a_killed_job_restarted_with_resume_continues_its_run(tmp_path: Path) ->
     mark = read_mark(run)
     assert mark is not None
 
-    second = run_child(run, checkpoint, SECOND_STEPS)
-    _, err = second.communicate(timeout=120)
-    assert second.returncode == 0, err.decode()
+    second = run_child(server, "second", run, checkpoint, SECOND_STEPS)
+    try:
+        code = second.wait(timeout=120)
+    finally:
+        second.kill()
+    assert code == 0, second.stderr()
 
     history = pl.read_parquet(run / "history.parquet")
     kept = history.filter(pl.col("attempt") == 0)
@@ -212,16 +230,16 @@ def test_without_resume_the_refusal_names_it_and_never_a_command_that_refuses_ag
 
 
 def test_a_live_run_is_refused_as_live_and_never_with_a_command_that_refuses_again(
-    tmp_path: Path,
+    tmp_path: Path, server: ForkServer
 ) -> None:
     """A second process (or a model re-run in a notebook) pointed at a run another process still
     writes is told so; `resume=True`, which a live run refuses too, is not what it is told."""
     run, checkpoint = tmp_path / "stats", tmp_path / "ckpt.pt"
-    writer = run_child(run, checkpoint, None)
+    writer = run_child(server, "writer", run, checkpoint, None)
     try:
         deadline = time.monotonic() + WAIT_S
         while not list_parts(run):
-            assert writer.poll() is None, writer.stderr.read().decode() if writer.stderr else ""
+            assert writer.poll() is None, writer.stderr()
             assert time.monotonic() < deadline, "the writer wrote no part"
             time.sleep(0.01)
         with pytest.raises(FileExistsError) as refused:
@@ -230,7 +248,6 @@ def test_a_live_run_is_refused_as_live_and_never_with_a_command_that_refuses_aga
             inject_observer(nn.Linear(2, 2), output_dir=run, resume=True)
     finally:
         writer.kill()
-        writer.wait(timeout=60)
     message = str(refused.value)
     assert f"live process (pid {writer.pid})" in message
     assert "new output_dir" in message
@@ -551,6 +568,4 @@ def test_a_run_from_before_attempt_samplers_gives_its_last_attempt_the_runs_samp
 
 
 if __name__ == "__main__":
-    child_main(
-        Path(sys.argv[1]), Path(sys.argv[2]), None if sys.argv[3] == "None" else int(sys.argv[3])
-    )
+    serve(scenario)

@@ -4,7 +4,8 @@ one a newer version wrote (with columns this one does not know). `finalize` and 
 (`resume=True`) must keep every row they can read, leave the rest in place and say so, and never
 lose a row of the attempt that continues the run.
 
-The job is killed for real (SIGKILL) with several parts on disk; the parts are then damaged or
+The job (a child forked from this file run once as a script, `_fork_server`, as is the restarted
+job) is killed for real (SIGKILL) with several parts on disk; the parts are then damaged or
 rewritten with plain Polars, and every expectation is read back from the files with Polars.
 """
 
@@ -13,20 +14,21 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
+from _fork_server import ForkServer, serve, write_whole
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.layout import list_parts
 
-from conftest import child_report, cli_in_process, kill_when_ready, wait_for_rows
+from conftest import cli_in_process, wait_for_rows
 
 SAMPLES = 6
 ROWS_PER_SAMPLE = 2 * 2 * 9  # two Linears, output and gradient, nine metrics
@@ -50,37 +52,50 @@ def observe(directory: str, *, resume: bool) -> nn.Module:
 
 
 def killed_attempt(directory: str) -> None:
-    """The first attempt: SAMPLES samples, all on disk, then wait to be killed."""
+    """The first attempt: SAMPLES samples, all on disk, then says so (the file `ready` beside
+    the run) and waits to be killed."""
     model = observe(directory, resume=False)
     for _ in range(SAMPLES):
         model(torch.randn(4, 3)).sum().backward()
     wait_for_rows(Path(directory), SAMPLES * ROWS_PER_SAMPLE)
-    print("ready", flush=True)
+    write_whole(Path(directory).parent / "ready", "ready")
     time.sleep(600)  # killed here
 
 
-RESTART = f"""
-import json, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import torch
-from torchinstruments import remove_observer
-from test_parts_left_behind import LATER_STEPS, observe
+def restart(directory: str) -> None:
+    """The restarted job: LATER_STEPS samples, then remove_observer; says `removed` beside the
+    run."""
+    model = observe(directory, resume=True)
+    for _ in range(LATER_STEPS):
+        model(torch.randn(4, 3)).sum().backward()
+    remove_observer(model)
+    write_whole(Path(directory).parent / "removed", "removed")
 
-model = observe(sys.argv[1], resume=True)
-for _ in range(LATER_STEPS):
-    model(torch.randn(4, 3)).sum().backward()
-remove_observer(model)
-print(json.dumps("removed"))
-"""
+
+def scenario(root: Path, args: Sequence[str]) -> None:
+    """A child of the server (`_fork_server`): the killed attempt, or the restarted job."""
+    (killed_attempt if args[0] == "killed" else restart)(args[1])
 
 
 @pytest.fixture(scope="module")
-def first_attempt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch: it forks the killed attempt and
+    the restarted job when asked, so both cost one import."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def first_attempt(tmp_path_factory: pytest.TempPathFactory, server: ForkServer) -> Path:
     """The first attempt, killed once for the file: `root/run` and a pristine copy beside it
-    (`killed_run` restores it for each test; the killed child, a fresh interpreter importing
-    torch, is the slow part)."""
+    (`killed_run` restores it for each test; the killed child is the slow part)."""
     root = tmp_path_factory.mktemp("first")
-    kill_when_ready(__file__, "ready", root / "run")
+    child = server.start(root, "killed", "killed", root / "run")
+    try:
+        assert child.wait_for(root / "ready", 120) == "ready"
+    finally:
+        child.kill()
     shutil.copytree(root / "run", root / "pristine", symlinks=True)
     return root
 
@@ -97,7 +112,7 @@ def killed_run(first_attempt: Path) -> Path:
 
 
 def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_continues(
-    killed_run: Path,
+    killed_run: Path, server: ForkServer
 ) -> None:
     directory = killed_run
     parts = list_parts(directory)
@@ -105,7 +120,13 @@ def test_a_restart_after_a_part_was_cut_keeps_every_row_of_the_attempt_that_cont
     readable = pl.concat([pl.read_parquet(p) for p in parts if p != cut])
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
 
-    assert child_report(RESTART, directory) == "removed"
+    restarted = server.start(directory.parent, "restart", "restart", directory)
+    try:
+        code = restarted.wait(300)
+    finally:
+        restarted.kill()
+    assert code == 0, restarted.stderr()
+    assert (directory.parent / "removed").read_text(encoding="utf-8") == "removed"
 
     history = pl.read_parquet(directory / "history.parquet")
     later = history.filter(pl.col("attempt") == 1)
@@ -205,4 +226,4 @@ def test_a_part_of_a_newer_version_is_left_in_place_naming_the_columns_it_adds(
 
 
 if __name__ == "__main__":
-    killed_attempt(sys.argv[1])
+    serve(scenario)

@@ -2,8 +2,8 @@
 after `torchinstruments finalize`, not only in a run that reached `remove_observer`.
 
 Each child is a real process killed with SIGKILL at a known point, after the rows of the
-samples it took are on disk (the children are forked in turn from one process that imported
-torch, `_forked`); the flush thread saves the state after the rows of a round, and
+samples it took are on disk (the children are forked at once from one process that imported
+torch, `_fork_server`); the flush thread saves the state after the rows of a round, and
 its rounds run one after another, so a note said before a round's rows is in the state once
 the next round's rows are on disk (the first sample's rows are a round the training thread
 waits for). The notes' facts come from outside the library: TensorBoard's own event loader,
@@ -15,23 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
 import polars as pl
 import pytest
 import torch
-from _forked import kill_each_when_ready, run_forked, stderr_of
+from _fork_server import ForkServer, serve
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
 from torchinstruments import DEFAULT_METRICS, EveryNForwardsSampler, inject_observer, set_step
 from torchinstruments.rundir.state import Status, read_state
 
-from conftest import cli_in_process, run_cli
+from conftest import cli_in_process
 
 READY = "ready"
 
@@ -41,8 +43,8 @@ def index_text(run: Path) -> str:
 
 
 def finalized(run: Path) -> str:
-    """`torchinstruments finalize RUN` as a user runs it; index.md's text, one line."""
-    done = run_cli("finalize", run)
+    """`torchinstruments finalize RUN` (its entry point); index.md's text, one line."""
+    done = cli_in_process("finalize", run)
     assert done.returncode == 0, done.stderr
     return index_text(run)
 
@@ -73,11 +75,25 @@ class FailsFirst:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Each mode's child killed at READY, into `root/<mode>`: one process imports torch and
-    forks them in turn (`_forked`), each a real process SIGKILLed at its known point."""
+    forks them all at once (`_fork_server`), each a real process SIGKILLed once it says READY
+    on its stdout."""
     root = tmp_path_factory.mktemp("killed")
-    codes = run_forked(__file__, root, ["sampler", "shared", "events", "compiled"])
-    for mode, code in codes.items():
-        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    server = ForkServer(__file__, root / "server.err")
+    children = {
+        mode: server.start(root / mode, "child", mode, pipes=True)
+        for mode in ("sampler", "shared", "events", "compiled")
+    }
+    try:
+        for child in children.values():
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == READY, child.stderr()
+            os.kill(child.pid, signal.SIGKILL)
+        for child in children.values():
+            assert child.wait(60) == -signal.SIGKILL, child.stderr()
+    finally:
+        for child in children.values():
+            child.kill()
+        server.close()
     return root
 
 
@@ -145,7 +161,7 @@ def test_a_run_killed_after_its_tensorboard_events_failed_still_says_so(killed: 
     problem of the run, kept in the state by the flush thread, so a killed run is incomplete
     and says why, not merely interrupted."""
     tmp_path = killed / "events"
-    done = run_cli("finalize", tmp_path / "run")
+    done = cli_in_process("finalize", tmp_path / "run")
     problem = (
         "TensorBoard events under tensorboard/ could not be created ('OSError: no event file\\n"
         "here'); histograms after that point are missing (the history is not affected)"
@@ -250,12 +266,20 @@ def sampler_child(tmp_path: Path) -> None:
     time.sleep(120)
 
 
-if __name__ == "__main__":
+CHILDREN = {
+    "events": events_child,
+    "shared": shared_step_child,
+    "sampler": sampler_child,
+    "compiled": compiled_child,
+}
+
+
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: the mode `args[0]` in `directory`, what it prints on stderr (its
+    stdout carries READY alone)."""
     with contextlib.redirect_stdout(sys.stderr):
-        children = {
-            "events": events_child,
-            "shared": shared_step_child,
-            "sampler": sampler_child,
-            "compiled": compiled_child,
-        }
-        kill_each_when_ready(Path(sys.argv[1]), READY, children, sys.argv[2:])
+        CHILDREN[args[0]](directory)
+
+
+if __name__ == "__main__":
+    serve(scenario)

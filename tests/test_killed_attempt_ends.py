@@ -6,8 +6,8 @@ called and the process died inside it. Once a later attempt continued the run, t
 file's attempt entry, index.md's state line, counts line and Attempts table, and `show` must
 all say so, and a plain kill of another attempt of the same run is still said as one. A sample
 the kill cut before anything of it reached the disk keeps its ids: the next attempt never uses
-them again. The children are this file run as a script: real processes, SIGKILLed at a known
-point.
+them again. The children are forked from this file run once as a script (`_fork_server`): real
+processes, SIGKILLed at a known point.
 """
 
 from __future__ import annotations
@@ -16,21 +16,20 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-from _forked import fork_each, run_forked, stderr_of
+from _fork_server import ForkServer, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
 from _events import event_steps
-from conftest import cli_in_process, page_prose, run_cli
+from conftest import cli_in_process, page_prose
 
 STEPS = 3
 REMOVING: list[bool] = []  # the child's: remove_observer was called
@@ -87,28 +86,58 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 4), nn.ReLU())
 
 
-def _killed(directory: Path, killed_at: str, resume: bool) -> None:
-    child = subprocess.run(
-        [sys.executable, __file__, str(directory), killed_at, "resume" if resume else "new"],
-        capture_output=True,
-        timeout=120,
-    )
-    ended = 0 if killed_at == "exit" else -signal.SIGKILL
-    assert child.returncode == ended, child.stderr.decode()
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: `child_main` of the run `args[0]`, killed at `args[1]`, a new
+    run or a resumed one (`args[2]`)."""
+    child_main(Path(args[0]), args[1], args[2] == "resume")
+
+
+def _ended(child_at: str) -> int:
+    """How a child killed at `child_at` ends: SIGKILL, or its script's end ("exit")."""
+    return 0 if child_at == "exit" else -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script that imported torch: it forks every attempt when asked
+    (`_fork_server`), so they cost one import."""
+    server = ForkServer(__file__, tmp_path_factory.mktemp("server") / "server.err")
+    yield server
+    server.close()
+
+
+def _killed(server: ForkServer, files: Path, directory: Path, killed_at: str, resume: bool) -> None:
+    """An attempt of `directory` in a child of the server (its own files in `files`), which
+    must end as `killed_at` says."""
+    mode = "resume" if resume else "new"
+    child = server.start(files, "attempt", directory, killed_at, mode)
+    try:
+        code = child.wait(120)
+    finally:
+        child.kill()
+    assert code == _ended(killed_at), child.stderr()
 
 
 FIRST_ATTEMPTS = ["before_removal", "last_flush", "exit", "in_forward"]
 
 
 @pytest.fixture(scope="module")
-def first_attempts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def first_attempts(tmp_path_factory: pytest.TempPathFactory, server: ForkServer) -> Path:
     """Each first attempt's child (`child_main` of a new run) into `root/<killed_at>/run`,
-    forked in turn from one process that imported torch (`_forked`), and a pristine copy of the
-    one killed before remove_observer beside them: three tests continue that same attempt."""
+    all forked at once from one process that imported torch (`_fork_server`), and a pristine
+    copy of the one killed before remove_observer beside them: three tests continue that same
+    attempt."""
     root = tmp_path_factory.mktemp("killed")
-    for killed_at, code in run_forked(__file__, root, FIRST_ATTEMPTS).items():
-        ended = 0 if killed_at == "exit" else -signal.SIGKILL
-        assert code == ended, stderr_of(root, killed_at)
+    children = {
+        at: server.start(root / at, "child", root / at / "run", at, "new") for at in FIRST_ATTEMPTS
+    }
+    try:
+        codes = {at: child.wait(120) for at, child in children.items()}
+    finally:
+        for child in children.values():
+            child.kill()
+    for at, code in codes.items():
+        assert code == _ended(at), children[at].stderr()
     shutil.copytree(root / "before_removal" / "run", root / "pristine", symlinks=True)
     return root
 
@@ -132,7 +161,7 @@ def _removed_attempt(directory: Path, steps: int) -> None:
 
 
 def _said(*args: str | Path) -> str:
-    done = run_cli(*args)
+    done = cli_in_process(*args)
     assert done.returncode == 0, done.stderr
     return " ".join(done.stdout.split())
 
@@ -167,13 +196,13 @@ def test_an_attempt_killed_in_its_last_flush_is_said_so_after_the_run_was_contin
 
 
 def test_a_plain_kill_and_a_kill_in_the_last_flush_of_one_run_are_each_said_as_they_were(
-    killed_run: Path,
+    killed_run: Path, server: ForkServer, tmp_path: Path
 ) -> None:
     """Attempt 0 is killed before remove_observer, attempt 1 in its last flush; `finalize`
     then completes the run. Each is named with its own end, and the note the finalize adds
     names attempt 1, not the run."""
     directory = killed_run
-    _killed(directory, "last_flush", resume=True)
+    _killed(server, tmp_path, directory, "last_flush", resume=True)
     finalized = _said("finalize", directory)
     assert "attempt 1: remove_observer did not finish the run" in finalized
 
@@ -229,10 +258,10 @@ def test_an_attempt_finished_at_its_exit_is_never_said_removed(first_attempts: P
 
 
 def test_a_run_whose_last_attempt_was_finished_at_its_exit_never_says_it_was_removed(
-    killed_run: Path,
+    killed_run: Path, server: ForkServer, tmp_path: Path
 ) -> None:
     directory = killed_run
-    _killed(directory, "exit", resume=True)
+    _killed(server, tmp_path, directory, "exit", resume=True)
 
     state = json.loads((directory / ".state.json").read_text("utf-8"))
     assert [a["ended"] for a in state["attempts"]] == ["killed", "finished without remove_observer"]
@@ -278,10 +307,7 @@ def test_finalize_run_again_keeps_the_counts_a_continued_runs_removal_wrote(
 
 
 if __name__ == "__main__":
-    if sys.argv[-1] in ("new", "resume"):  # one attempt (`_killed`)
-        child_main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "resume")
-    elif (killed_at := fork_each(Path(sys.argv[1]), sys.argv[2:])) is not None:
-        child_main(Path(sys.argv[1]) / killed_at / "run", killed_at, resume=False)
+    serve(scenario)
 
 
 def test_a_sample_killed_before_it_left_anything_keeps_its_ids_in_the_next_attempt(

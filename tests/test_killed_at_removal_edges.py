@@ -9,8 +9,8 @@ finished, so a kill between the two never leaves a state file saying "complete" 
 index.md saying "in progress". A run never removed, whose finish at the process's exit a
 SIGTERM cuts in that last flush, is said as that finish cut: ended without remove_observer,
 never killed during it. The child is this file run as a script: it kills itself with SIGKILL
-(SIGTERM at the exit) at the named point, a real kill at a known point (each point's child
-forked from one process that imported torch, `_forked`).
+(SIGTERM at the exit) at the named point, a real kill at a known point (every point's child
+forked at once from one process that imported torch, `_fork_server`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import atexit
 import json
 import os
 import signal
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
 import torch
-from _forked import fork_each, run_forked, stderr_of
+from _fork_server import ForkServer, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
 
-from conftest import page_prose, run_cli
+from conftest import cli_in_process, page_prose
 
 STEPS = 3
 REMOVING: list[bool] = []  # the child's: remove_observer was called (or the exit began)
@@ -88,12 +88,31 @@ AT_EXIT = "last_part_at_exit"
 KILL_POINTS = ["last_part", "index", "final_state", AT_EXIT]
 
 
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: `child_main` into `directory/run`, killed at `args[0]`."""
+    child_main(directory / "run", args[0])
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
-    """Each kill point's child, forked from one process (`_forked`), into `root/<point>/run`;
-    their exit statuses."""
+    """Each kill point's child, all forked at once from one process (`_fork_server`), into
+    `root/<point>/run`; their exit statuses."""
     root = tmp_path_factory.mktemp("killed")
-    return root, run_forked(__file__, root, KILL_POINTS)
+    server = ForkServer(__file__, root / "server.err")
+    try:
+        children = {point: server.start(root / point, "child", point) for point in KILL_POINTS}
+        try:
+            return root, {point: child.wait(120) for point, child in children.items()}
+        finally:
+            for child in children.values():
+                child.kill()
+    finally:
+        server.close()
+
+
+def stderr_of(root: Path, killed_at: str) -> str:
+    """What the child of `killed_at` wrote to its stderr."""
+    return (root / killed_at / "child.err").read_text(encoding="utf-8", errors="replace")
 
 
 def _killed(killed: tuple[Path, dict[str, int]], killed_at: str) -> tuple[Path, dict[str, object]]:
@@ -106,7 +125,7 @@ def _killed(killed: tuple[Path, dict[str, int]], killed_at: str) -> tuple[Path, 
 
 
 def _said(*args: str | Path) -> str:
-    done = run_cli(*args)
+    done = cli_in_process(*args)
     assert done.returncode == 0, done.stderr
     return " ".join(done.stdout.split())
 
@@ -212,6 +231,4 @@ def test_a_kill_as_removal_writes_index_md_never_leaves_it_behind_the_state(
 
 
 if __name__ == "__main__":
-    killed_at = fork_each(Path(sys.argv[1]), sys.argv[2:])
-    if killed_at is not None:
-        child_main(Path(sys.argv[1]) / killed_at / "run", killed_at)
+    serve(scenario)

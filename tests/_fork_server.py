@@ -207,3 +207,31 @@ class ForkServer:
                 self.process.kill()
                 self.process.wait()
         assert code == 0, self.log.read_text(errors="replace")
+
+
+def kill_all_when_ready(
+    script: str, root: Path, ready: str, names: Sequence[str]
+) -> dict[str, int]:
+    """Each name's child (the script's scenario for `[name]`, in `root/<name>`), all forked at
+    once by a server started for them, SIGKILLed once it says the line `ready` on its stdout;
+    their exit statuses by name (-SIGKILL, or how one ended first). Each child's stderr is
+    `child_stderr(root, name)`."""
+    server = ForkServer(script, root / "server.err")
+    try:
+        children = {name: server.start(root / name, "child", name, pipes=True) for name in names}
+        try:
+            for child in children.values():
+                assert child.stdout is not None
+                if child.stdout.readline().strip() == ready:
+                    os.kill(child.pid, signal.SIGKILL)
+            return {name: child.wait(120) for name, child in children.items()}
+        finally:
+            for child in children.values():
+                child.kill()
+    finally:
+        server.close()
+
+
+def child_stderr(root: Path, name: str) -> str:
+    """What the child `name` of `kill_all_when_ready` wrote to its stderr."""
+    return (root / name / "child.err").read_text(encoding="utf-8", errors="replace")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import cast
 import polars as pl
 import pytest
 import torch
-from _fork_server import ForkServer, serve
+from _fork_server import child_stderr, kill_all_when_ready, serve
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from torch import nn
 
@@ -78,22 +77,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     forks them all at once (`_fork_server`), each a real process SIGKILLed once it says READY
     on its stdout."""
     root = tmp_path_factory.mktemp("killed")
-    server = ForkServer(__file__, root / "server.err")
-    children = {
-        mode: server.start(root / mode, "child", mode, pipes=True)
-        for mode in ("sampler", "shared", "events", "compiled")
-    }
-    try:
-        for child in children.values():
-            assert child.stdout is not None
-            assert child.stdout.readline().strip() == READY, child.stderr()
-            os.kill(child.pid, signal.SIGKILL)
-        for child in children.values():
-            assert child.wait(60) == -signal.SIGKILL, child.stderr()
-    finally:
-        for child in children.values():
-            child.kill()
-        server.close()
+    codes = kill_all_when_ready(__file__, root, READY, ["sampler", "shared", "events", "compiled"])
+    for mode, code in codes.items():
+        assert code == -signal.SIGKILL, child_stderr(root, mode)
     return root
 
 

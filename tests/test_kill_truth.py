@@ -3,8 +3,8 @@ rows, and index.md's counts after `finalize` are true or marked unknown.
 
 The child injects with every default (one sample a minute, a 60 s flush interval), takes its
 first sample (forward and backward), runs unsampled steps, says so, and is killed with SIGKILL
-long before any flush interval (the children are forked in turn from one process that imported
-torch, `_forked`). The first sample's rows are written right after it, on the
+long before any flush interval (the children are forked at once from one process that imported
+torch, `_fork_server`). The first sample's rows are written right after it, on the
 training thread, so they are on disk when the child says it is done; the later rows of the run
 (none here: nothing else is sampled) would wait for the flush interval.
 """
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-from _forked import kill_each_when_ready, run_forked, stderr_of
+from _fork_server import child_stderr, kill_all_when_ready, serve
 from torch import nn
 
 from torchinstruments import DEFAULT_METRICS, inject_observer
@@ -28,7 +28,7 @@ from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.index_page import counts_sentence, render_index
 from torchinstruments.rundir.state import RunState, Status, read_state
 
-from conftest import run_cli
+from conftest import cli_in_process
 
 STEPS = 40
 LAYERS = 3  # Linear, Tanh, Linear
@@ -60,10 +60,11 @@ CHILDREN = {
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The children killed once they said "stepped", into `root/<mode>/stats`: one process
-    imports torch and forks them in turn (`_forked`), each a real process SIGKILLed there."""
+    imports torch and forks them all at once (`_fork_server`), each a real process SIGKILLed
+    there."""
     root = tmp_path_factory.mktemp("killed")
-    for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
-        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    for mode, code in kill_all_when_ready(__file__, root, "stepped", list(CHILDREN)).items():
+        assert code == -signal.SIGKILL, child_stderr(root, mode)
     return root
 
 
@@ -177,7 +178,7 @@ def test_samples_only_events_prove_leave_every_layer_count_unknown_never_0(tmp_p
     assert "| `1` | Tanh | unknown |" in layers
     assert "| 0 |" not in layers
     assert "at least 3 samples" in index
-    shown = run_cli("show", run)
+    shown = cli_in_process("show", run)
     assert shown.returncode == 1
     assert "no row reached the disk" in shown.stderr
     assert "no sample was taken" not in shown.stderr
@@ -190,7 +191,7 @@ def test_a_killed_run_whose_samples_ran_without_grad_knows_none_had_gradients(
     gradient could reach it: 0 samples with output gradients is known, never "unknown"."""
     run_dir = killed / "evaluation" / "stats"
     assert (
-        run_cli("finalize", run_dir)
+        cli_in_process("finalize", run_dir)
         .stdout.splitlines()[0]
         .endswith("at least 1 sample, 0 samples with output gradients (rebuilt from history)")
     )
@@ -200,11 +201,16 @@ def test_a_killed_run_whose_samples_ran_without_grad_knows_none_had_gradients(
     line = counts_sentence(state)
     assert line.endswith("at least 1 sample, 0 samples with output gradients")
     assert f"- {line}" in (run_dir / "index.md").read_text(encoding="utf-8")
-    assert "unknown samples with output gradients" not in run_cli("show", run_dir).stdout
+    assert "unknown samples with output gradients" not in cli_in_process("show", run_dir).stdout
+
+
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: the child `args[0]` in `directory`."""
+    CHILDREN[args[0]](directory)
 
 
 if __name__ == "__main__":
-    kill_each_when_ready(Path(sys.argv[1]), "stepped", CHILDREN, sys.argv[2:])
+    serve(scenario)
 
 
 def test_samples_tensorboard_holds_without_history_rows_are_named(
@@ -277,7 +283,7 @@ def test_a_kill_before_any_row_leaves_every_layer_count_unknown_never_0(killed: 
     assert "Never ran" not in layers
     result = json.loads((run / "result.json").read_text("utf-8"))
     assert [layer["sampled_forwards"] for layer in result] == [None] * len(result)
-    shown = run_cli("show", run)
+    shown = cli_in_process("show", run)
     assert shown.returncode == 1
     assert "no row reached the disk" in shown.stderr
     assert "unknown" in shown.stderr

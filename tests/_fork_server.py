@@ -102,9 +102,11 @@ class Forked:
         self.err_path = directory / f"{name}.err"
         self.stdin: IO[str] | None = None
         self.stdout: IO[str] | None = None
-        if pipes:  # in the child's order: `in`, then `out`
+        if pipes:  # in the child's order: `in`, then `out`; gone once both ends are open
             self.stdin = (directory / f"{name}.in").open("w", encoding="utf-8")
             self.stdout = (directory / f"{name}.out").open(encoding="utf-8")
+            (directory / f"{name}.in").unlink()
+            (directory / f"{name}.out").unlink()
 
     def close_stdin(self) -> None:
         """The end of its stdin (where it has a FIFO)."""

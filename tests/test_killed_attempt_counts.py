@@ -5,7 +5,7 @@ is killed: only the first sample's rows reach history (written right after it), 
 TensorBoard events of all five are on disk. `finalize` raises the run's counts to what the
 events prove (at least 9 root forwards, 5 samples); the attempt's row must say the same, not
 the 1 and 1 its rows alone give, so that the Attempts table adds up to the run's counts.
-The killed children are forked in turn from one process that imported torch (`_forked`).
+The killed children are forked at once from one process that imported torch (`_fork_server`).
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-from _forked import kill_each_when_ready, run_forked, stderr_of
+from _fork_server import child_stderr, kill_all_when_ready, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
@@ -73,8 +73,8 @@ CHILDREN = {
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both attempts killed once they said "stepped", into `root/<mode>/stats` ("resume" after
-    attempt 0, removed, here): one process imports torch and forks them in turn (`_forked`),
-    each a real process SIGKILLed there."""
+    attempt 0, removed, here): one process imports torch and forks them at once
+    (`_fork_server`), each a real process SIGKILLed there."""
     root = tmp_path_factory.mktemp("killed")
     net = model()  # attempt 0 of "resume": forward_index 0-2, samples at 0 and 2, removed
     inject_observer(
@@ -86,8 +86,8 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
         _steps(net, 3)
     remove_observer(net)
-    for mode, code in run_forked(__file__, root, list(CHILDREN)).items():
-        assert code == -signal.SIGKILL, stderr_of(root, mode)
+    for mode, code in kill_all_when_ready(__file__, root, "stepped", list(CHILDREN)).items():
+        assert code == -signal.SIGKILL, child_stderr(root, mode)
     shutil.copytree(root / "new", root / "idle")  # continued by an attempt without a sample
     shutil.copytree(root / "new", root / "killed")  # as killed: the other tests resume "new"
     return root
@@ -249,5 +249,10 @@ def test_a_killed_run_without_its_state_file_is_finalized_from_its_events_and_ro
     )
 
 
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: the child `args[0]` in `directory`."""
+    CHILDREN[args[0]](directory)
+
+
 if __name__ == "__main__":
-    kill_each_when_ready(Path(sys.argv[1]), "stepped", CHILDREN, sys.argv[2:])
+    serve(scenario)

@@ -212,26 +212,37 @@ class ForkServer:
 
 
 def kill_all_when_ready(
-    script: str, root: Path, ready: str, names: Sequence[str]
+    script: str, root: Path, ready: str, names: Sequence[str], *, in_turn: bool = False
 ) -> dict[str, int]:
     """Each name's child (the script's scenario for `[name]`, in `root/<name>`), all forked at
-    once by a server started for them, SIGKILLed once it says the line `ready` on its stdout;
-    their exit statuses by name (-SIGKILL, or how one ended first). Each child's stderr is
-    `child_stderr(root, name)`."""
+    once by a server started for them (`in_turn`: each once the one before ended, where one
+    goes on from what the one before left), SIGKILLed once it says the line `ready` on its
+    stdout; their exit statuses by name (-SIGKILL, or how one ended first). Each child's stderr
+    is `child_stderr(root, name)`."""
     server = ForkServer(script, root / "server.err")
+    children: dict[str, Forked] = {}
+    codes: dict[str, int] = {}
     try:
-        children = {name: server.start(root / name, "child", name, pipes=True) for name in names}
-        try:
-            for child in children.values():
-                assert child.stdout is not None
-                if child.stdout.readline().strip() == ready:
-                    os.kill(child.pid, signal.SIGKILL)
-            return {name: child.wait(120) for name, child in children.items()}
-        finally:
-            for child in children.values():
-                child.kill()
+        for name in names:
+            children[name] = server.start(root / name, "child", name, pipes=True)
+            if in_turn:
+                codes[name] = _killed_when_ready(children[name], ready)
+        for name, child in children.items():
+            if name not in codes:
+                codes[name] = _killed_when_ready(child, ready)
+        return codes
     finally:
+        for child in children.values():
+            child.kill()
         server.close()
+
+
+def _killed_when_ready(child: Forked, ready: str) -> int:
+    """SIGKILL once `child` says `ready` on its stdout; its exit status."""
+    assert child.stdout is not None
+    if child.stdout.readline().strip() == ready:
+        os.kill(child.pid, signal.SIGKILL)
+    return child.wait(120)
 
 
 def child_stderr(root: Path, name: str) -> str:

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import shutil
 import signal
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from _forked import kill_each_when_ready, run_forked, stderr_of
+from _fork_server import child_stderr, kill_all_when_ready, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
 from torchinstruments.rundir.finish import finalize
 from torchinstruments.rundir.state import read_state
 
-from conftest import run_cli
+from conftest import cli_in_process
 
 
 def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
@@ -42,7 +42,7 @@ def child_main(directory: Path, flush_seconds: float, resume: bool) -> None:
 
 
 # Attempt 0 (flush_seconds=20) killed, then attempt 1 (flush_seconds=30) killed, both into the
-# run `stats` beside their own folders (`_forked.kill_each_when_ready` gives each `root/<name>`).
+# run `stats` beside their own folders (`_fork_server.kill_all_when_ready` gives each `root/<name>`).
 ATTEMPTS = {
     "attempt-0": lambda directory: child_main(directory.parent / "stats", 20.0, False),
     "attempt-1": lambda directory: child_main(directory.parent / "stats", 30.0, True),
@@ -55,8 +55,9 @@ def killed_twice_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch), once for the file, with a pristine copy beside it: both tests finalize the same
     two killed attempts."""
     root = tmp_path_factory.mktemp("killed")
-    for attempt, code in run_forked(__file__, root, list(ATTEMPTS)).items():
-        assert code == -signal.SIGKILL, stderr_of(root, attempt)
+    codes = kill_all_when_ready(__file__, root, "stepped", list(ATTEMPTS), in_turn=True)
+    for attempt, code in codes.items():
+        assert code == -signal.SIGKILL, child_stderr(root, attempt)
     shutil.copytree(root / "stats", root / "pristine", symlinks=True)
     return root
 
@@ -83,7 +84,7 @@ def test_each_killed_attempt_quotes_its_own_flush_seconds(run: Path) -> None:
 def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(run: Path) -> None:
     """finalize's summary names both killed attempts, so what it says of their rows is theirs,
     not "it"."""
-    done = run_cli("finalize", run)
+    done = cli_in_process("finalize", run)
     assert done.returncode == 0, done.stderr
     line = next(s for s in done.stdout.splitlines() if s.startswith("state: interrupted"))
     assert "attempt(s) 0-1 ended without remove_observer" in line
@@ -92,5 +93,10 @@ def test_finalize_says_the_rows_of_several_killed_attempts_in_the_plural(run: Pa
     assert " it wrote " not in line
 
 
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: the attempt `args[0]`, its own folder `directory`."""
+    ATTEMPTS[args[0]](directory)
+
+
 if __name__ == "__main__":
-    kill_each_when_ready(Path(sys.argv[1]), "stepped", ATTEMPTS, sys.argv[2:])
+    serve(scenario)

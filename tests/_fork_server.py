@@ -245,6 +245,22 @@ def _killed_when_ready(child: Forked, ready: str) -> int:
     return child.wait(120)
 
 
+def run_all(script: str, root: Path, names: Sequence[str]) -> dict[str, int]:
+    """Each name's child (the script's scenario for `[name]`, in `root/<name>`), all forked at
+    once by a server started for them, each ending as the script would; their exit statuses by
+    name. Each child's stderr is `child_stderr(root, name)`."""
+    server = ForkServer(script, root / "server.err")
+    try:
+        children = {name: server.start(root / name, "child", name) for name in names}
+        try:
+            return {name: child.wait(120) for name, child in children.items()}
+        finally:
+            for child in children.values():
+                child.kill()
+    finally:
+        server.close()
+
+
 def child_stderr(root: Path, name: str) -> str:
-    """What the child `name` of `kill_all_when_ready` wrote to its stderr."""
+    """What the child `name` of `kill_all_when_ready` or `run_all` wrote to its stderr."""
     return (root / name / "child.err").read_text(encoding="utf-8", errors="replace")

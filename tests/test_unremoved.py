@@ -7,12 +7,13 @@ import dataclasses
 import gc
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
 import torch
-from _forked import fork_each, run_forked, stderr_of
+from _fork_server import child_stderr, run_all, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -71,11 +72,11 @@ ENDINGS = [
 @pytest.fixture(scope="module")
 def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
     """Every ending's script run once, each into `root/<ending>/stats`; their exit statuses.
-    This file is the script: one interpreter imports torch, then forks a child per ending, one
-    after the other (`_forked.fork_each`); the child runs `end_as` and ends as that script
-    would, through the interpreter's exit."""
+    This file is the script: one interpreter imports torch, then forks a child per ending, all
+    at once (`_fork_server.run_all`); the child runs `end_as` and ends as that script would,
+    through the interpreter's exit."""
     root = tmp_path_factory.mktemp("endings")
-    return root, run_forked(__file__, root, [ending for ending, _ in ENDINGS])
+    return root, run_all(__file__, root, [ending for ending, _ in ENDINGS])
 
 
 @pytest.mark.parametrize(("ending", "said"), ENDINGS)
@@ -84,7 +85,7 @@ def test_a_script_that_stopped_without_removal_says_how_it_ended(
 ) -> None:
     root, codes = ended
     run_dir = root / ending / "stats"
-    assert (codes[ending] == 0) == (ending == "caught"), stderr_of(root, ending)
+    assert (codes[ending] == 0) == (ending == "caught"), child_stderr(root, ending)
     assert run_status(run_dir) == "complete"  # every row recorded is in history.parquet
     stopped = {"caught": 5, "raise": 4}.get(ending, 3)
     history = pl.read_parquet(run_dir / "history.parquet")
@@ -161,7 +162,10 @@ def test_a_second_remove_observer_changes_nothing(run_dir: Path) -> None:
     assert json.loads((run_dir / ".state.json").read_text(encoding="utf-8"))["notes"] == []
 
 
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: `end_as` the ending `args[0]`, into `directory/stats`."""
+    end_as(args[0], directory / "stats")
+
+
 if __name__ == "__main__":
-    ending = fork_each(Path(sys.argv[1]), sys.argv[2:])
-    if ending is not None:
-        end_as(ending, Path(sys.argv[1]) / ending / "stats")
+    serve(scenario)

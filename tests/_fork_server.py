@@ -164,11 +164,13 @@ class ForkServer:
     """`script serve` (a file whose `__main__` calls `serve` then), started once; `start` asks
     it for a child."""
 
-    def __init__(self, script: str, log: Path) -> None:
+    def __init__(self, script: str, log: Path, prefix: Sequence[str] = ()) -> None:
+        """`prefix`: what the server's command starts with (`setpriv ...`: its children are
+        forked from a process that runs under it)."""
         self.log = log
         with log.open("wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, script, SERVE],
+                [*prefix, sys.executable, script, SERVE],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=err,

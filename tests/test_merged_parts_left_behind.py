@@ -6,23 +6,38 @@ but cannot delete the parts inside: a second copy of every row stays on disk. Th
 complete (no row is missing), so this is no problem of the run; but nothing may be silent:
 removal warns, and index.md and the state file say where the copy is and how large it is.
 Permissions are taken away for real, in a child process (under root without the capabilities
-that let it ignore them, as in test_read_only_directory.py). That removal is run once for the
-file (a child imports torch) and restored, as it left the run, for each test.
+that let it ignore them, as in test_read_only_directory.py): each child is forked from this
+file run once as a script under that prefix (`_fork_server`), so the removal and the continued
+attempt cost one import of torch. That removal is run once for the file and restored, as it
+left the run, for each test.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
+from _fork_server import ForkServer, serve
+from torch import nn
 
-from torchinstruments import DEFAULT_METRICS
+from torchinstruments import (
+    DEFAULT_METRICS,
+    EveryNForwardsSampler,
+    HistoryConfig,
+    inject_observer,
+    remove_observer,
+)
+from torchinstruments.rundir.layout import list_parts
 
 from _permissions import child_prefix, give_back, prefix_fixture  # noqa: F401 (a fixture)
 from conftest import run_cli
@@ -31,56 +46,75 @@ STEPS = 4
 ROWS_PER_SAMPLE = 2 * len(DEFAULT_METRICS)  # one Linear: output and gradient
 GONE = "history.parts.merged.torchinstruments-tmp"
 
-CHILD = r"""
-import json, os, sys, time, warnings
-from pathlib import Path
-import polars as pl
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
-from torchinstruments.rundir.layout import list_parts
 
-run, steps, rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = nn.Linear(4, 2)
-config = HistoryConfig(buffer_rows=rows // steps)
-inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
-for _ in range(steps):
-    model(torch.ones(3, 4)).sum().backward()
-deadline = time.monotonic() + 60
-while sum(pl.scan_parquet(p).select(pl.len()).collect().item() for p in list_parts(Path(run))) < rows:  # every row in a part before the folder is locked
-    assert time.monotonic() < deadline
-    time.sleep(0.01)
-os.chmod(os.path.join(run, "history.parts"), 0o555)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    remove_observer(model)
-print(json.dumps([str(w.message) for w in caught]))
-"""
+def removal_child(run: Path, steps: int, rows: int) -> None:
+    """`steps` sampled steps, every row in a part, history.parts/ made read-only, then
+    remove_observer; prints the warnings it gave (a JSON list)."""
+    model = nn.Linear(4, 2)
+    config = HistoryConfig(buffer_rows=rows // steps)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config)
+    for _ in range(steps):
+        model(torch.ones(3, 4)).sum().backward()
+    deadline = time.monotonic() + 60
+    while sum(pl.scan_parquet(p).select(pl.len()).collect().item() for p in list_parts(run)) < rows:
+        assert time.monotonic() < deadline  # every row in a part before the folder is locked
+        time.sleep(0.01)
+    os.chmod(run / "history.parts", 0o555)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remove_observer(model)
+    print(json.dumps([str(w.message) for w in caught]), flush=True)
 
 
-def _removed_unwritable(
-    prefix: list[str], run: Path, rows: int
-) -> subprocess.CompletedProcess[str]:
-    """The child's run, removed while its merged parts cannot be deleted (it succeeded)."""
-    done = subprocess.run(
-        [*prefix, sys.executable, "-c", CHILD, str(run), str(STEPS), str(rows)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done
+def resumed_child(run: Path, steps: int) -> None:
+    """The run continued for `steps` sampled steps, then removed."""
+    model = nn.Linear(4, 2)
+    inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
+    for _ in range(steps):
+        model(torch.ones(3, 4)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remove_observer(model)
+
+
+def scenario(directory: Path, args: Sequence[str]) -> None:
+    """A child of the server: the removal (`args`: run, steps, rows) or the continued attempt
+    (run, steps)."""
+    if args[0] == "removal":
+        removal_child(Path(args[1]), int(args[2]), int(args[3]))
+    else:
+        resumed_child(Path(args[1]), int(args[2]))
 
 
 @pytest.fixture(scope="module")
-def removed_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """This file run once as a script under `child_prefix()` (`_fork_server`): every child it
+    forks meets file permissions as the prefix left them."""
+    server = ForkServer(
+        __file__, tmp_path_factory.mktemp("server") / "server.err", prefix=child_prefix()
+    )
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def removed_once(
+    tmp_path_factory: pytest.TempPathFactory, server: ForkServer
+) -> Iterator[tuple[Path, str]]:
     """The child's run removed with its parts read-only, once for the file: `root/run`, a
     pristine copy beside it, and the child's stdout (the warnings removal gave)."""
     root = tmp_path_factory.mktemp("removed")
-    done = _removed_unwritable(child_prefix(), root / "run", STEPS * ROWS_PER_SAMPLE)
+    rows = STEPS * ROWS_PER_SAMPLE
+    child = server.start(root, "removal", "removal", root / "run", STEPS, rows, pipes=True)
+    try:
+        assert child.stdout is not None
+        stdout = child.stdout.read()
+        code = child.wait(300)
+    finally:
+        child.kill()
+    assert code == 0, child.stderr()
     shutil.copytree(root / "run", root / "pristine", symlinks=True)
-    yield root, done.stdout
+    yield root, stdout
     give_back(root)
 
 
@@ -192,38 +226,20 @@ def test_finalize_names_the_merged_parts_it_deletes_or_still_cannot_delete(
     assert "**Disk space:**" not in (run / "index.md").read_text("utf-8")
 
 
-RESUMED = r"""
-import sys, warnings
-import torch
-from torch import nn
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
-
-model = nn.Linear(4, 2)
-inject_observer(model, output_dir=sys.argv[1], sampler=EveryNForwardsSampler(1), resume=True)
-for _ in range(int(sys.argv[2])):
-    model(torch.ones(3, 4)).sum().backward()
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    remove_observer(model)
-"""
-
-
 def test_a_run_continued_beside_merged_parts_it_cannot_delete_merges_every_row(
-    prefix: list[str], removed: tuple[Path, str]
+    server: ForkServer, removed: tuple[Path, str], tmp_path: Path
 ) -> None:
     """The next attempt's merge finds the folder the last one could not delete where it would
     rename its own merged parts: history.parquet still gets every row and the run is complete,
     with both copies said, never a merge said to have failed."""
     rows = STEPS * ROWS_PER_SAMPLE
     run = removed[0]
-    later = subprocess.run(
-        [*prefix, sys.executable, "-c", RESUMED, str(run), "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert later.returncode == 0, later.stderr
+    later = server.start(tmp_path, "resumed", "resumed", run, 2)
+    try:
+        code = later.wait(300)
+    finally:
+        later.kill()
+    assert code == 0, later.stderr()
     history = pl.read_parquet(run / "history.parquet")
     assert history.group_by("attempt").len().sort("attempt").rows() == [
         (0, rows),
@@ -233,3 +249,7 @@ def test_a_run_continued_beside_merged_parts_it_cannot_delete_merges_every_row(
     assert (state["status"], state["problems"]) == ("complete", [])
     assert [f"{run / GONE} could not be deleted" in line for line in state["left_behind"]] == [True]
     assert not list((run / "history.parts").iterdir())
+
+
+if __name__ == "__main__":
+    serve(scenario)

@@ -11,7 +11,6 @@ signal its child at a known point while the tests before it ran.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -21,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
+
+from _forked import before_forking, ended
 
 SERVE = "serve"  # the script's argument that makes it serve
 
@@ -74,9 +75,7 @@ def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
         request = json.loads(line)
         directory, name = Path(request["directory"]), request["name"]
         directory.mkdir(parents=True, exist_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        gc.freeze()  # the child's collections skip what torch made at import, as a parent's do
+        before_forking()  # the child's collections skip what torch made at import
         waiter = os.fork()
         if waiter != 0:
             waiters.append(waiter)
@@ -89,9 +88,7 @@ def serve(main: Callable[[Path, Sequence[str]], object]) -> None:
         sys.exit(0)
     for waiter in waiters:
         os.waitpid(waiter, 0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ended()
 
 
 class Forked:

@@ -53,13 +53,8 @@ def fork_each(root: Path, names: Sequence[str], *, together: bool = False) -> st
     codes: dict[str, int] = {}
     running: dict[str, int] = {}
     for name in names:
-        (root / name).mkdir(parents=True, exist_ok=True)
-        before_forking()
-        pid = os.fork()
+        pid = fork_into(root / name)
         if pid == 0:
-            err = os.open(root / name / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(err, 2)
-            os.close(err)
             return name
         running[name] = pid
         if not together:
@@ -68,6 +63,19 @@ def fork_each(root: Path, names: Sequence[str], *, together: bool = False) -> st
         codes[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     (root / CODES).write_text(json.dumps(codes), encoding="utf-8")
     ended()
+
+
+def fork_into(folder: Path) -> int:
+    """A child forked with its stderr in `folder/stderr` (`folder` made first): 0 in the child,
+    its pid in this process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    before_forking()
+    pid = os.fork()
+    if pid == 0:
+        err = os.open(folder / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(err, 2)
+        os.close(err)
+    return pid
 
 
 def run_forked(script: str, root: Path, names: Sequence[str]) -> dict[str, int]:

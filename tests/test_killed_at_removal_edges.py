@@ -26,7 +26,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
-from _fork_server import ForkServer, serve
+from _fork_server import child_stderr, run_all, serve
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
@@ -98,28 +98,14 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, in
     """Each kill point's child, all forked at once from one process (`_fork_server`), into
     `root/<point>/run`; their exit statuses."""
     root = tmp_path_factory.mktemp("killed")
-    server = ForkServer(__file__, root / "server.err")
-    try:
-        children = {point: server.start(root / point, "child", point) for point in KILL_POINTS}
-        try:
-            return root, {point: child.wait(120) for point, child in children.items()}
-        finally:
-            for child in children.values():
-                child.kill()
-    finally:
-        server.close()
-
-
-def stderr_of(root: Path, killed_at: str) -> str:
-    """What the child of `killed_at` wrote to its stderr."""
-    return (root / killed_at / "child.err").read_text(encoding="utf-8", errors="replace")
+    return root, run_all(__file__, root, KILL_POINTS)
 
 
 def _killed(killed: tuple[Path, dict[str, int]], killed_at: str) -> tuple[Path, dict[str, object]]:
     """The run directory of `killed_at`'s child, killed there, and its state file."""
     root, codes = killed
     sent = signal.SIGTERM if killed_at == AT_EXIT else signal.SIGKILL
-    assert codes[killed_at] == -sent, stderr_of(root, killed_at)
+    assert codes[killed_at] == -sent, child_stderr(root, killed_at)
     directory = root / killed_at / "run"
     return directory, json.loads((directory / ".state.json").read_text("utf-8"))
 

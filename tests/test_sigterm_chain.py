@@ -32,7 +32,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from _forked import before_forking, ended
+from _forked import ended, fork_into
 from torch import nn
 
 from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
@@ -153,13 +153,8 @@ def terminate_when_reported(root: Path, modes: list[str]) -> str | None:
     child that never reported is killed after `WAIT_S`) and ends (`_forked.ended`)."""
     running: dict[str, int] = {}
     for mode in modes:
-        (root / mode).mkdir()
-        before_forking()
-        pid = os.fork()
+        pid = fork_into(root / mode)
         if pid == 0:
-            err = os.open(root / mode / "stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(err, 2)
-            os.close(err)
             return mode
         running[mode] = pid
     deadline = time.monotonic() + WAIT_S

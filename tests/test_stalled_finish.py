@@ -31,6 +31,7 @@ import polars as pl
 import pytest
 import torch
 from _forked import fork_each, run_forked, stderr_of
+from test_stalled_inject import released
 from torch import nn
 
 import torchinstruments.sinks.directory as directory_sink
@@ -50,7 +51,6 @@ from torchinstruments.rundir.layout import (
     part_temporary_path,
     temporary_path,
 )
-from torchinstruments.rundir.lock import live_writer
 from torchinstruments.rundir.state import Status, read_state
 
 from conftest import run_cli
@@ -304,16 +304,7 @@ def refusals_child(root: Path) -> None:
             refusals[str(resume)] = None
         except Exception as error:
             refusals[str(resume)] = [type(error).__name__, str(error)]
-    # The file system answers again: the FIFO gets a reader (the write's open returns) and a
-    # writer (the fsync's open of it for reading returns too; the fsync of a FIFO then fails, so
-    # the write ends, as a failed one, and its thread releases the lock).
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    deadline = time.monotonic() + 120
-    while live_writer(run) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.close(writer)
-    os.close(reader)
+    released(fifo, run)  # the file system answers again, and the finish's thread lets go
     again = nn.Linear(4, 2)
     inject_observer(again, output_dir=run, sampler=EveryNForwardsSampler(1), resume=True)
     again(torch.randn(3, 4)).sum().backward()

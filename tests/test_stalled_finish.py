@@ -31,6 +31,7 @@ import polars as pl
 import pytest
 import torch
 from _forked import fork_each, run_forked, stderr_of
+from _stall_runs import observed_linear
 from test_stalled_inject import released
 from torch import nn
 
@@ -76,15 +77,8 @@ def said_by(root: Path) -> str:
 def stalled_child(root: Path, stalled: str) -> None:
     """STEPS sampled steps, then a removal whose write of `stalled` blocks."""
     run = root / "run"
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
-        inject_observer(
-            model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config
-        )
+    config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
+    with observed_linear(run, config) as (model, x, caught):
         for _ in range(STEPS):
             model(x).sum().backward()
         os.mkfifo(temporary_path(run / stalled))  # its write at removal blocks

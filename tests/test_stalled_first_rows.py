@@ -16,17 +16,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 from _forked import fork_each, run_forked, stderr_of
-from torch import nn
+from _stall_runs import observed_linear
 
 import torchinstruments.sinks.directory as directory_sink
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer, remove_observer
+from torchinstruments import HistoryConfig, remove_observer
 from torchinstruments.rundir.layout import part_path, part_temporary_path
 from torchinstruments.rundir.state import Status, read_state
 
@@ -46,15 +44,8 @@ def said_by(root: Path) -> str:
 def stalled_child(root: Path) -> None:
     """STEPS sampled steps whose first part's write blocks, then a removal that gives it up."""
     run = root / "run"
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
-        inject_observer(
-            model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config
-        )
+    config = HistoryConfig(flush_seconds=1.0)  # waits removal_wait_s: FLOOR_S
+    with observed_linear(run, config) as (model, x, caught):
         os.mkfifo(part_temporary_path(part_path(run, 0), 0))  # the first part's write blocks
         for _ in range(STEPS):
             model(x).sum().backward()
@@ -66,12 +57,7 @@ def default_child(root: Path) -> None:
     """STEPS sampled steps at the default flush_seconds whose first part's write blocks; the
     file system answers again before removal."""
     run = root / "run"
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        inject_observer(model, output_dir=run, sampler=EveryNForwardsSampler(1))  # flush 60 s
+    with observed_linear(run) as (model, x, caught):  # flush_seconds 60
         fifo = part_temporary_path(part_path(run, 0), 0)
         os.mkfifo(fifo)  # the first part's write blocks
         for _ in range(STEPS):

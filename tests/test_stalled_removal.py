@@ -19,18 +19,16 @@ import os
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
-import torch
 from _forked import fork_each, run_forked, stderr_of
-from torch import nn
+from _stall_runs import observed_linear
 
 import torchinstruments.sinks.directory as directory_sink
-from torchinstruments import EveryNForwardsSampler, inject_observer, remove_observer
+from torchinstruments import remove_observer
 from torchinstruments.history_config import HistoryConfig
 from torchinstruments.rundir import writer as writer_module
 from torchinstruments.rundir.flush_timer import FlushTimer
@@ -58,17 +56,7 @@ def stalled_child(root: Path, case: str) -> None:
     """The case's steps after the first, whose next part's write blocks; then a removal."""
     steps, config = CASES[case]
     run = root / "run"
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        inject_observer(
-            model,
-            output_dir=run,
-            sampler=EveryNForwardsSampler(1),
-            history_config=config,
-        )
+    with observed_linear(run, config) as (model, x, caught):
         model(x).sum().backward()  # the first forward's and backward's rows: written at once
         stalled = part_path(run, len(list_parts(run)))
         os.mkfifo(part_temporary_path(stalled, 0))  # the next part's write blocks opening it

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchinstruments import EveryNForwardsSampler, HistoryConfig, inject_observer
+from torchinstruments import HistoryConfig
+
+from conftest import observe
 
 
 @contextlib.contextmanager
@@ -25,7 +27,5 @@ def observed_linear(
     x = torch.randn(3, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        inject_observer(
-            model, output_dir=run, sampler=EveryNForwardsSampler(1), history_config=config
-        )
+        observe(model, run, history_config=config)
         yield model, x, caught

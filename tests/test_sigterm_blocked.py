@@ -32,7 +32,7 @@ import polars as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _fork_server import Forked, ForkServer, serve
+from _fork_server import Forked, ForkServer, serve, write_whole
 from torch import nn
 
 from torchinstruments import (
@@ -72,9 +72,7 @@ def _observed_steps(directory: Path) -> nn.Module:
 
 def _ready(root: Path, name: str) -> None:
     """`root/name` holding this process's pid, whole when it appears (the parent polls for it)."""
-    partial = root / f".{name}.{os.getpid()}"
-    partial.write_text(str(os.getpid()), encoding="utf-8")
-    partial.rename(root / name)
+    write_whole(root / name, str(os.getpid()))
 
 
 def _block_on_a_future(root: Path) -> None:
